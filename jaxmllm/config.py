@@ -1,0 +1,301 @@
+"""Typed experiment configs: frozen dataclasses loaded from YAML with dotted overrides.
+
+Every field carries a docstring-style comment. Loading rejects unknown keys (naming the closest
+valid one), wrong types and failed checks, always naming the key and the file, so a bad config
+stops the run at start-up with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names the key and source."""
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh. Axis sizes multiply to the device count; -1 takes the remaining devices."""
+
+    data: int = -1  # pure data parallelism (replicated params); slowest axis, spans hosts
+    fsdp: int = 1  # data parallelism with params/optimizer state sharded over this axis
+    tensor: int = 1  # tensor parallelism (heads, MLP width, vocab); fastest axis
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """ViT over packed native-resolution patches (no fixed image size)."""
+
+    enabled: bool = True  # build the vision encoder and feed images
+    patch_size: int = 14  # patch side in pixels
+    channels: int = 3  # image channels (RGB)
+    width: int = 1024  # hidden size
+    depth: int = 24  # transformer layers
+    heads: int = 16  # attention heads
+    mlp_dim: int = 4096  # gated-MLP inner width
+    merge: int = 2  # projector merges merge x merge neighbouring patches into one LLM token
+    rope_theta: float = 10000.0  # 2D rotary base
+    freeze: bool = False  # no gradient and no optimizer state for the encoder
+
+    def __post_init__(self):
+        _check(self.width % self.heads == 0, "width must be divisible by heads", "width")
+        _check((self.width // self.heads) % 4 == 0, "head dim must be divisible by 4 (2D RoPE)",
+               "heads")
+
+
+@dataclass(frozen=True)
+class AudioConfig:
+    """Audio encoder: strided conv subsampling of packed log-mel frames, then a transformer."""
+
+    enabled: bool = True  # build the audio encoder and feed audio clips
+    n_mels: int = 80  # mel bins per frame
+    subsample: int = 4  # frames per encoder output row (two stride-2 convs = 4)
+    width: int = 768  # hidden size
+    depth: int = 12  # transformer layers
+    heads: int = 12  # attention heads
+    mlp_dim: int = 3072  # gated-MLP inner width
+    rope_theta: float = 10000.0  # rotary base
+    freeze: bool = False  # no gradient and no optimizer state for the encoder
+
+    def __post_init__(self):
+        _check(self.width % self.heads == 0, "width must be divisible by heads", "width")
+        _check(self.subsample == 4, "only subsample=4 (two stride-2 convs) is implemented",
+               "subsample")
+
+
+@dataclass(frozen=True)
+class LLMConfig:
+    """Llama-style decoder: RMSNorm, RoPE, grouped-query attention, gated MLP."""
+
+    vocab_size: int = 32000  # tokenizer vocabulary incl. special tokens
+    width: int = 2048  # hidden size
+    depth: int = 16  # decoder layers
+    heads: int = 16  # query heads
+    kv_heads: int = 4  # key/value heads (GQA); must divide heads
+    mlp_dim: int = 5632  # gated-MLP inner width
+    rope_theta: float = 10000.0  # rotary base
+    tie_embeddings: bool = False  # share input embedding and output projection
+    freeze: bool = False  # no gradient and no optimizer state for the decoder
+
+    def __post_init__(self):
+        _check(self.width % self.heads == 0, "width must be divisible by heads", "width")
+        _check(self.heads % self.kv_heads == 0, "kv_heads must divide heads", "kv_heads")
+        _check(self.vocab_size >= 264, "the byte tokenizer needs at least 264 ids", "vocab_size")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Encoders + projectors + LLM; each module replaceable and freezable."""
+
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    audio: AudioConfig = field(default_factory=AudioConfig)
+    llm: LLMConfig = field(default_factory=LLMConfig)
+    projector_freeze: bool = False  # freeze both projectors
+    compute_dtype: str = "float32"  # activations/matmuls: float32 or bfloat16 (params stay fp32)
+    param_dtype: str = "float32"  # master weights
+    remat: bool = False  # rematerialise each transformer block in the backward pass
+
+    def __post_init__(self):
+        for key in ("compute_dtype", "param_dtype"):
+            _check(getattr(self, key) in ("float32", "bfloat16"),
+                   "must be float32 or bfloat16", key)
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Per-step batch contract: per device and per microbatch, fixed-capacity buckets."""
+
+    microbatches: int = 1  # gradient-accumulation microbatches per step
+    llm_rows: int = 1  # packed LLM rows per device per microbatch
+    llm_row_len: int = 4096  # tokens per LLM row; a sample never crosses a row
+    vision_patches: int = 4096  # ViT patch capacity per device per microbatch (one packed row)
+    audio_frames: int = 3000  # log-mel frame capacity per device per microbatch (one packed row)
+    route_pair_capacity: int = 0  # encoder rows one device may send another; 0 = all local
+    planner: str = "first_fit"  # which planner fills the buckets
+
+    def __post_init__(self):
+        for key in ("microbatches", "llm_rows", "llm_row_len"):
+            _check(getattr(self, key) >= 1, "must be >= 1", key)
+        _check(self.vision_patches % 4 == 0, "must be a multiple of 4", "vision_patches")
+        _check(self.audio_frames % 4 == 0, "must be a multiple of 4", "audio_frames")
+        _check(self.planner in PLANNERS, f"must be one of {sorted(PLANNERS)}", "planner")
+
+
+PLANNERS = {"first_fit"}
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """Built-in learnable data: shapes with captions, tones with captions, text patterns."""
+
+    num_samples: int = 4096  # samples per epoch
+    image_fraction: float = 0.4  # share of samples with one or more images
+    multi_image_fraction: float = 0.1  # share with two images
+    audio_fraction: float = 0.25  # share with an audio clip
+    min_image_side: int = 4  # image side in patches (even numbers are used)
+    max_image_side: int = 16  # largest image side in patches
+    min_audio_frames: int = 16  # shortest clip in log-mel frames
+    max_audio_frames: int = 128  # longest clip in log-mel frames
+    max_text_words: int = 24  # longest text-only sample in words
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where samples come from and how they are shuffled."""
+
+    source: str = "synthetic"  # only the built-in source for now
+    seed: int = 0  # shuffling and generation seed
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+    def __post_init__(self):
+        _check(self.source == "synthetic", "only 'synthetic' is available", "source")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warm-up, cosine decay and global-norm clipping."""
+
+    lr: float = 3e-4  # peak learning rate
+    warmup_steps: int = 100  # linear warm-up from 0 to lr
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio at the last step
+    weight_decay: float = 0.1  # decoupled weight decay (not applied to norms/biases)
+    b1: float = 0.9  # Adam beta1
+    b2: float = 0.95  # Adam beta2
+    eps: float = 1e-8  # Adam epsilon
+    clip_norm: float = 1.0  # global gradient-norm clip; 0 disables
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Loop, logging and checkpointing."""
+
+    steps: int = 1000  # total optimizer steps
+    seed: int = 0  # parameter init seed
+    output_dir: str = "runs/default"  # checkpoints, metrics.jsonl, TensorBoard events
+    log_every: int = 10  # write metrics every N steps
+    checkpoint_every: int = 100  # save a checkpoint every N steps (and at the end)
+    keep_checkpoints: int = 3  # how many recent checkpoints to keep
+    async_checkpointing: bool = True  # write checkpoints in the background
+    progress_bar: bool = True  # tqdm bar on the terminal
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole experiment."""
+
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        vis = self.model.vision
+        _check(self.batch.vision_patches % (vis.merge**2) == 0,
+               f"must be a multiple of merge^2 = {vis.merge**2}", "batch.vision_patches")
+
+
+def _check(ok: bool, message: str, key: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Reads a YAML file (or the defaults) and applies `a.b=value` overrides.
+
+    Raises:
+      ConfigError: naming the key, the file and, for unknown keys, the closest valid name.
+    """
+    raw: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for item in overrides:
+        _apply_override(raw, item)
+    return from_dict(Config, raw, source=source)
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r}: expected key.path=value, e.g. optim.lr=3e-4")
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {item!r}: {part} is not a section")
+    node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+
+
+def from_dict(cls: type, raw: Any, *, source: str = "<dict>", prefix: str = "") -> Any:
+    """Builds dataclass `cls` from nested dicts, checking keys and types."""
+    where = prefix.rstrip(".") or "<top level>"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: {where} must be a mapping, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            valid = ", ".join(fields)
+            raise ConfigError(
+                f"{source}: unknown key '{prefix}{key}'{hint} (valid keys here: {valid})")
+        kwargs[key] = _coerce(hints[key], value, source=source, key=f"{prefix}{key}")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        message = str(e)
+        if message.startswith(f"{source}: "):  # already located by a nested section
+            raise
+        raise ConfigError(f"{source}: {prefix}{message}") from None
+
+
+def _coerce(tp: Any, value: Any, *, source: str, key: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, source=source, prefix=f"{key}.")
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        tp = next(a for a in args if a is not type(None))
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool and not isinstance(value, bool):
+        raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
+    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{source}: {key} must be an integer, got {value!r}")
+    if tp in (float, str) and not isinstance(value, tp):
+        raise ConfigError(f"{source}: {key} must be a {tp.__name__}, got {value!r}")
+    return value
+
+
+def to_dict(cfg: Any) -> dict:
+    """The config as plain nested dicts (for logging and checkpoint metadata)."""
+    return dataclasses.asdict(cfg)

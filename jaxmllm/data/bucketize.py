@@ -1,0 +1,153 @@
+"""Turns a StepPlan and its loaded samples into the fixed-shape batch contract.
+
+Every array has leading axes [M, D] (microbatch, data-parallel device bucket):
+
+  llm_tokens, llm_segment_ids, llm_positions, llm_targets   int32  [M, D, R, L]
+  llm_loss_mask                                              f32    [M, D, R, L]
+  llm_vision_src, llm_audio_src                              int32  [M, D, R, L]
+  vision_patches [M, D, P, patch*patch*C] f32, vision_segment_ids [M, D, P],
+  vision_positions [M, D, P, 2] (row, col)
+  audio_frames [M, D, F, n_mels] f32, audio_segment_ids [M, D, F], audio_positions [M, D, F]
+  vision_send, audio_send                                    int32  [M, D, D, C]  (routed only)
+
+Segment ids are 1, 2, ... per sample (per image / clip in the encoder rows) and 0 for padding.
+`llm_*_src[t] = -1` unless token t is a placeholder slot; then, with route_pair_capacity C = 0,
+it is the row of the *same device's* projector output that fills it, and with C > 0 the row of
+the device's received buffer (source device s, pair slot c -> s*C + c), which the exchange fills
+from `*_send[s, d, c]` = the source's projector output row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxmllm.config import Config
+from jaxmllm.data import tokenizer as tok
+from jaxmllm.data.planner import Capacities, ItemPlan, StepPlan
+from jaxmllm.data.samples import Sample
+
+
+def batch_shapes(cfg: Config, devices: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Global shape and dtype of every array in a step batch (the contract, for eval_shape)."""
+    b, m = cfg.batch, cfg.model
+    lead = (b.microbatches, devices)
+    llm = lead + (b.llm_rows, b.llm_row_len)
+    out = {k: (llm, np.int32) for k in ("llm_tokens", "llm_segment_ids", "llm_positions",
+                                        "llm_targets", "llm_vision_src", "llm_audio_src")}
+    out["llm_loss_mask"] = (llm, np.float32)
+    c = b.route_pair_capacity
+    if m.vision.enabled:
+        pd = m.vision.patch_size**2 * m.vision.channels
+        out["vision_patches"] = (lead + (b.vision_patches, pd), np.float32)
+        out["vision_segment_ids"] = (lead + (b.vision_patches,), np.int32)
+        out["vision_positions"] = (lead + (b.vision_patches, 2), np.int32)
+        if c:
+            out["vision_send"] = (lead + (devices, c), np.int32)
+    if m.audio.enabled:
+        out["audio_frames"] = (lead + (b.audio_frames, m.audio.n_mels), np.float32)
+        out["audio_segment_ids"] = (lead + (b.audio_frames,), np.int32)
+        out["audio_positions"] = (lead + (b.audio_frames,), np.int32)
+        if c:
+            out["audio_send"] = (lead + (devices, c), np.int32)
+    if not m.vision.enabled:
+        del out["llm_vision_src"]
+    if not m.audio.enabled:
+        del out["llm_audio_src"]
+    return out
+
+
+def empty_batch(cfg: Config, devices: int) -> dict[str, np.ndarray]:
+    """An all-padding batch (zeros; `*_src` = -1)."""
+    batch = {k: np.zeros(s, d) for k, (s, d) in batch_shapes(cfg, devices).items()}
+    for k in ("llm_vision_src", "llm_audio_src"):
+        if k in batch:
+            batch[k][:] = -1
+    batch["llm_tokens"][:] = tok.PAD
+    return batch
+
+
+def bucketize(plan: StepPlan, samples: dict[int, Sample], cfg: Config,
+              caps: Capacities) -> dict[str, np.ndarray]:
+    """Fills the fixed-shape arrays of one step from a plan and its loaded samples."""
+    batch = empty_batch(cfg, caps.devices)
+    seg_counter: dict[tuple[int, int, int], int] = {}
+    slots: list[list[np.ndarray]] = [[] for _ in range(len(plan.samples))]
+    for k, s in enumerate(plan.samples.tolist()):
+        sample = samples[s]
+        m, d, r, o = (int(plan.micro[k]), int(plan.device[k]), int(plan.row[k]),
+                      int(plan.offset[k]))
+        seg = seg_counter[(m, d, r)] = seg_counter.get((m, d, r), 0) + 1
+        _write_text(batch, (m, d, r), o, seg, sample)
+        slots[k] = [o + np.flatnonzero(sample.tokens == t) for t in (tok.IMAGE, tok.AUDIO)]
+    if "vision_patches" in batch:
+        _write_items(batch, "vision", plan, plan.vision, samples, slots, 0, caps.merge_area,
+                     caps.route_pair_capacity)
+    if "audio_frames" in batch:
+        _write_items(batch, "audio", plan, plan.audio, samples, slots, 1, caps.subsample,
+                     caps.route_pair_capacity)
+    return batch
+
+
+def _write_text(batch, where, offset: int, seg: int, sample: Sample) -> None:
+    n = len(sample.tokens)
+    sl = where + (slice(offset, offset + n),)
+    batch["llm_tokens"][sl] = sample.tokens
+    batch["llm_segment_ids"][sl] = seg
+    batch["llm_positions"][sl] = np.arange(n)
+    # Token t predicts token t+1 of the same sample; the last token predicts nothing.
+    targets = np.append(sample.tokens[1:], tok.PAD)
+    batch["llm_targets"][sl] = targets
+    batch["llm_loss_mask"][sl] = np.append(sample.loss[1:], False)
+
+
+def _write_items(batch, phase: str, plan: StepPlan, items: ItemPlan, samples, slots, which: int,
+                 per_row: int, pair_cap: int) -> None:
+    """Writes encoder inputs and the routing of their output rows to LLM placeholder slots."""
+    data_key = "vision_patches" if phase == "vision" else "audio_frames"
+    src_key = f"llm_{phase}_src"
+    seg_counter: dict[tuple[int, int], int] = {}
+    pair_fill: dict[tuple[int, int, int], int] = {}
+    used = [0] * len(plan.samples)  # placeholder slots consumed per owner sample
+    order = np.lexsort((items.item, items.owner))  # a sample's items in placeholder order
+    for k in order.tolist():
+        owner, j = int(items.owner[k]), int(items.item[k])
+        sample = samples[int(plan.samples[owner])]
+        m, enc_dev, off = int(plan.micro[owner]), int(items.device[k]), int(items.offset[k])
+        seg = seg_counter[(m, enc_dev)] = seg_counter.get((m, enc_dev), 0) + 1
+        if phase == "vision":
+            patches, pos = sample.images[j]
+            n = len(patches)
+            batch[data_key][m, enc_dev, off:off + n] = patches
+            batch["vision_positions"][m, enc_dev, off:off + n] = pos
+        else:
+            frames = sample.audio[j]
+            n = len(frames)
+            batch[data_key][m, enc_dev, off:off + n] = frames
+            batch["audio_positions"][m, enc_dev, off:off + n] = np.arange(n)
+        batch[f"{phase}_segment_ids"][m, enc_dev, off:off + n] = seg
+        rows = off // per_row + np.arange(n // per_row)  # projector output rows of this item
+        dest = slots[owner][which][used[owner]:used[owner] + len(rows)]
+        used[owner] += len(rows)
+        d, r = int(plan.device[owner]), int(plan.row[owner])
+        if pair_cap == 0:
+            if enc_dev != d:
+                raise ValueError(f"plan step {plan.step}: sample {sample.id} {phase} item {j} is "
+                                 "on another device but batch.route_pair_capacity is 0")
+            batch[src_key][m, d, r, dest] = rows
+            continue
+        c0 = pair_fill.get((m, enc_dev, d), 0)
+        if c0 + len(rows) > pair_cap:
+            raise ValueError(f"plan step {plan.step}: device {enc_dev} -> {d} needs more than "
+                             f"batch.route_pair_capacity={pair_cap} {phase} rows")
+        pair_fill[(m, enc_dev, d)] = c0 + len(rows)
+        batch[f"{phase}_send"][m, enc_dev, d, c0:c0 + len(rows)] = rows
+        batch[src_key][m, d, r, dest] = enc_dev * pair_cap + c0 + np.arange(len(rows))
+
+
+def fill_stats(batch: dict[str, np.ndarray]) -> dict[str, float]:
+    """Real (non-padding) share of each phase's capacity in this batch."""
+    out = {"llm": float((batch["llm_segment_ids"] > 0).mean())}
+    for phase in ("vision", "audio"):
+        if f"{phase}_segment_ids" in batch:
+            out[phase] = float((batch[f"{phase}_segment_ids"] > 0).mean())
+    return out
