@@ -261,8 +261,8 @@ def from_dict(cls: type, raw: Any, *, source: str = "<dict>", prefix: str = "") 
     kwargs = {}
     for key, value in raw.items():
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            close = closest_name(str(key), list(fields))
+            hint = f"; did you mean '{prefix}{close}'?" if close else ""
             valid = ", ".join(fields)
             raise ConfigError(
                 f"{source}: unknown key '{prefix}{key}'{hint} (valid keys here: {valid})")
@@ -274,6 +274,19 @@ def from_dict(cls: type, raw: Any, *, source: str = "<dict>", prefix: str = "") 
         if message.startswith(f"{source}: "):  # already located by a nested section
             raise
         raise ConfigError(f"{source}: {prefix}{message}") from None
+
+
+def closest_name(key: str, names: list[str]) -> str | None:
+    """The valid name a user most likely meant: a near spelling, an abbreviation, a substring."""
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    initials = "".join(part[:1] for part in key.split("_"))
+    for name in names:
+        if name == initials or (len(name) > 2 and (name in key or key in name)):
+            return name
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.4)
+    return close[0] if close else None
 
 
 def _coerce(tp: Any, value: Any, *, source: str, key: str) -> Any:

@@ -1,0 +1,68 @@
+"""Config loading: types, unknown keys with the closest name, overrides, the shipped configs."""
+
+from pathlib import Path
+
+import pytest
+
+from jaxmllm.config import Config, ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_shipped_configs_load_and_start_with_their_command(name):
+    path = ROOT / "configs" / name
+    assert isinstance(load_config(path), Config)
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# python -m jaxmllm.train --config configs/"), first
+
+
+def test_unknown_key_names_file_key_and_closest(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("optim:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert str(path) in msg and "optim.learning_rate" in msg and "optim.lr" in msg
+
+
+def test_unknown_section(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("modle: {}\n")
+    with pytest.raises(ConfigError, match="did you mean 'model'"):
+        load_config(path)
+
+
+def test_wrong_type_names_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("batch:\n  microbatches: two\n")
+    with pytest.raises(ConfigError, match=r"batch\.microbatches must be an integer"):
+        load_config(path)
+
+
+def test_check_failure_names_full_key():
+    with pytest.raises(ConfigError, match=r"model\.llm\.kv_heads"):
+        load_config(None, ["model.llm.heads=4", "model.llm.kv_heads=3"])
+
+
+def test_overrides_apply_and_coerce():
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", ["optim.lr=1", "train.steps=7",
+                                                       "model.vision.enabled=false"])
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.train.steps == 7 and not cfg.model.vision.enabled
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="expected key.path=value"):
+        load_config(None, ["optim.lr"])
+    with pytest.raises(ConfigError, match="did you mean 'train.steps'"):
+        load_config(None, ["train.step=3"])
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)

@@ -1,0 +1,156 @@
+"""Synthetic data, the first-fit planner and bucketize: the batch contract's invariants."""
+
+import numpy as np
+import pytest
+
+from jaxmllm.config import load_config
+from jaxmllm.data import tokenizer as tok
+from jaxmllm.data.bucketize import batch_shapes, bucketize
+from jaxmllm.data.pipeline import make_pipeline
+from jaxmllm.data.planner import Capacities, OversizeError, make_planner
+from jaxmllm.data.synthetic import SyntheticSource
+
+SMALL = ["data.synthetic.num_samples=300", "batch.microbatches=2"]
+
+
+def tiny(*extra):
+    return load_config("configs/tiny.yaml", [*SMALL, *extra])
+
+
+def test_synthetic_is_deterministic_and_index_matches_samples():
+    cfg = tiny()
+    a, b = SyntheticSource(cfg), SyntheticSource(cfg)
+    index = a.lengths()
+    kinds = set()
+    for i in range(len(a)):
+        s = a[i]
+        assert np.array_equal(s.tokens, b[i].tokens)
+        text = int((s.tokens != tok.IMAGE).sum() - (s.tokens == tok.AUDIO).sum())
+        assert text == index.text[i], i
+        assert [len(p) for p, _ in s.images] == index.record(i)["images"]
+        assert [len(f) for f in s.audio] == index.record(i)["audio"]
+        kinds.add((len(s.images), len(s.audio)))
+    assert {(0, 0), (1, 0), (2, 0), (0, 1)} <= kinds  # text-only, image, multi-image, audio
+
+
+def test_patches_are_in_merge_order():
+    cfg = tiny()
+    src = SyntheticSource(cfg)
+    s = next(src[i] for i in range(len(src)) if src[i].images)
+    patches, pos = s.images[0]
+    blocks = pos.reshape(-1, 4, 2)
+    # each run of 4 patches is one 2x2 block: same (row//2, col//2)
+    assert (blocks // 2 == blocks[:, :1] // 2).all()
+    assert patches.shape[1] == 4 * 4 * 3
+
+
+def plan_steps(cfg, devices, steps):
+    src = SyntheticSource(cfg)
+    planner = make_planner(cfg, src.lengths(), devices)
+    return src, planner, [planner.plan() for _ in range(steps)]
+
+
+def test_first_fit_never_exceeds_capacity_and_loses_nothing():
+    cfg = tiny()
+    src, planner, plans = plan_steps(cfg, 8, 12)
+    caps = Capacities.from_config(cfg, 8)
+    index = src.lengths()
+    llm = index.llm_tokens(4, 4)
+    seen = np.concatenate([p.samples for p in plans])
+    # The stream in order, nothing skipped: a prefix of the epoch permutations.
+    assert np.array_equal(seen, planner.stream.take(0, len(seen)))
+    for p in plans:
+        for m in range(caps.microbatches):
+            for d in range(caps.devices):
+                sel = (p.micro == m) & (p.device == d)
+                for r in range(caps.llm_rows):
+                    rs = sel & (p.row == r)
+                    ends = p.offset[rs] + llm[p.samples[rs]]
+                    assert ends.max(initial=0) <= caps.llm_row_len
+                    # segments do not overlap
+                    order = np.argsort(p.offset[rs])
+                    assert (p.offset[rs][order][1:] >= ends[order][:-1]).all()
+
+
+def test_bucketize_routes_every_placeholder_to_its_encoder_rows():
+    cfg = tiny()
+    src, planner, plans = plan_steps(cfg, 8, 2)
+    caps = Capacities.from_config(cfg, 8)
+    plan = plans[1]
+    samples = {int(s): src[int(s)] for s in plan.samples}
+    batch = bucketize(plan, samples, cfg, caps)
+    for k, (shape, dtype) in batch_shapes(cfg, 8).items():
+        assert batch[k].shape == shape and batch[k].dtype == dtype, k
+    # Every vision placeholder points at a distinct, filled encoder output row of its device.
+    img = batch["llm_tokens"] == tok.IMAGE
+    assert ((batch["llm_vision_src"] >= 0) == img).all()
+    aud = batch["llm_tokens"] == tok.AUDIO
+    assert ((batch["llm_audio_src"] >= 0) == aud).all()
+    for m in range(caps.microbatches):
+        for d in range(caps.devices):
+            src_rows = batch["llm_vision_src"][m, d][img[m, d]]
+            assert len(set(src_rows.tolist())) == len(src_rows)
+            seg = batch["vision_segment_ids"][m, d].reshape(-1, 4)[:, 0]
+            assert (seg[src_rows] > 0).all()
+            assert (seg > 0).sum() == len(src_rows)  # every filled row is consumed
+    # The token stream of each placed sample is written verbatim.
+    k = 3
+    s = samples[int(plan.samples[k])]
+    at = (plan.micro[k], plan.device[k], plan.row[k])
+    o = plan.offset[k]
+    assert np.array_equal(batch["llm_tokens"][at][o:o + len(s.tokens)], s.tokens)
+    assert batch["llm_loss_mask"][at][o:o + len(s.tokens)].sum() == s.loss[1:].sum()
+
+
+def test_routed_mode_bucketize_uses_send_tables():
+    cfg = tiny("batch.route_pair_capacity=96")
+    src, planner, plans = plan_steps(cfg, 4, 1)
+    plan = plans[0]
+    caps = Capacities.from_config(cfg, 4)
+    # Move every image to the next device to force cross-device routing.
+    plan.vision.device = (plan.device[plan.vision.owner] + 1) % 4
+    owner_dev = plan.device[plan.vision.owner]
+    for m in range(caps.microbatches):
+        for d in range(4):  # repack offsets per encoder device
+            sel = np.flatnonzero((plan.micro[plan.vision.owner] == m) & (plan.vision.device == d))
+            sizes = [len(src[int(plan.samples[plan.vision.owner[i]])]
+                         .images[plan.vision.item[i]][0]) for i in sel]
+            plan.vision.offset[sel] = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if len(sel) else []
+    samples = {int(s): src[int(s)] for s in plan.samples}
+    batch = bucketize(plan, samples, cfg, caps)
+    assert (owner_dev != plan.vision.device).all()
+    img = batch["llm_tokens"] == tok.IMAGE
+    srcs = batch["llm_vision_src"][img]
+    assert (srcs >= 0).all()
+    # Received index s*C + c must point at a send slot that names a real row of device s.
+    C = 96
+    for m in range(caps.microbatches):
+        for d in range(4):
+            for v in batch["llm_vision_src"][m, d][img[m, d]]:
+                s_dev, c = divmod(int(v), C)
+                assert s_dev == (d + 1) % 4
+                row = batch["vision_send"][m, s_dev, d, c]
+                assert batch["vision_segment_ids"][m, s_dev, row * 4] > 0
+
+
+def test_oversize_sample_is_a_clear_start_up_error():
+    with pytest.raises(OversizeError, match=r"raise batch\.vision_patches to at least"):
+        plan_steps(tiny("batch.vision_patches=64"), 8, 1)
+
+
+def test_pipeline_state_roundtrip_reproduces_steps():
+    cfg = tiny()
+    it = make_pipeline(cfg, 8)
+    for _ in range(3):
+        next(it)
+    state = it.get_state()
+    want = [next(it) for _ in range(2)]
+    it.close()
+    it2 = make_pipeline(cfg, 8)
+    it2.set_state(state)
+    got = [next(it2) for _ in range(2)]
+    it2.close()
+    for a, b in zip(want, got):
+        assert a["info"]["step"] == b["info"]["step"]
+        for k in a["batch"]:
+            assert np.array_equal(a["batch"][k], b["batch"][k]), k
