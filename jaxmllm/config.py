@@ -29,6 +29,7 @@ class MeshConfig:
     data: int = -1  # pure data parallelism (replicated params); slowest axis, spans hosts
     fsdp: int = 1  # data parallelism with params/optimizer state sharded over this axis
     tensor: int = 1  # tensor parallelism (heads, MLP width, vocab); fastest axis
+    cpu_devices: int = 0  # split a CPU-only host into this many devices (laptops, CI); 0 = as is
 
 
 @dataclass(frozen=True)
