@@ -15,8 +15,9 @@ import numpy as np
 from jaxmllm.config import Config
 
 
-def _block_flops(tokens: float, sq_sum: float, width: int, mlp: int, kv_width: int,
-                 causal: bool) -> float:
+def _block_flops(
+    tokens: float, sq_sum: float, width: int, mlp: int, kv_width: int, causal: bool
+) -> float:
     """Forward FLOPs of one pre-norm transformer layer over `tokens` real tokens.
 
     Linear part: q, o projections (2 d^2), k, v (2 d kv), gated MLP (3 d f), 2 FLOPs per MAC.
@@ -56,8 +57,9 @@ def step_flops(cfg: Config, batch: dict[str, np.ndarray]) -> float:
             seg = seg[..., :: sub.subsample]
         real_e, sq_e = _segment_stats(seg)
         mult = 3.0 if not sub.freeze else (2.0 if below_trainable else 1.0)
-        total += mult * sub.depth * _block_flops(real_e, sq_e, sub.width, sub.mlp_dim,
-                                                 sub.width, False)
+        total += (
+            mult * sub.depth * _block_flops(real_e, sq_e, sub.width, sub.mlp_dim, sub.width, False)
+        )
     return total
 
 

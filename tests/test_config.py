@@ -46,8 +46,10 @@ def test_check_failure_names_full_key():
 
 
 def test_overrides_apply_and_coerce():
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", ["optim.lr=1", "train.steps=7",
-                                                       "model.vision.enabled=false"])
+    cfg = load_config(
+        ROOT / "configs" / "tiny.yaml",
+        ["optim.lr=1", "train.steps=7", "model.vision.enabled=false"],
+    )
     assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
     assert cfg.train.steps == 7 and not cfg.model.vision.enabled
 

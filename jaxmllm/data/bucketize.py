@@ -32,8 +32,17 @@ def batch_shapes(cfg: Config, devices: int) -> dict[str, tuple[tuple[int, ...], 
     b, m = cfg.batch, cfg.model
     lead = (b.microbatches, devices)
     llm = lead + (b.llm_rows, b.llm_row_len)
-    out = {k: (llm, np.int32) for k in ("llm_tokens", "llm_segment_ids", "llm_positions",
-                                        "llm_targets", "llm_vision_src", "llm_audio_src")}
+    out = {
+        k: (llm, np.int32)
+        for k in (
+            "llm_tokens",
+            "llm_segment_ids",
+            "llm_positions",
+            "llm_targets",
+            "llm_vision_src",
+            "llm_audio_src",
+        )
+    }
     out["llm_loss_mask"] = (llm, np.float32)
     c = b.route_pair_capacity
     if m.vision.enabled:
@@ -66,25 +75,48 @@ def empty_batch(cfg: Config, devices: int) -> dict[str, np.ndarray]:
     return batch
 
 
-def bucketize(plan: StepPlan, samples: dict[int, Sample], cfg: Config,
-              caps: Capacities) -> dict[str, np.ndarray]:
+def bucketize(
+    plan: StepPlan, samples: dict[int, Sample], cfg: Config, caps: Capacities
+) -> dict[str, np.ndarray]:
     """Fills the fixed-shape arrays of one step from a plan and its loaded samples."""
     batch = empty_batch(cfg, caps.devices)
     seg_counter: dict[tuple[int, int, int], int] = {}
     slots: list[list[np.ndarray]] = [[] for _ in range(len(plan.samples))]
     for k, s in enumerate(plan.samples.tolist()):
         sample = samples[s]
-        m, d, r, o = (int(plan.micro[k]), int(plan.device[k]), int(plan.row[k]),
-                      int(plan.offset[k]))
+        m, d, r, o = (
+            int(plan.micro[k]),
+            int(plan.device[k]),
+            int(plan.row[k]),
+            int(plan.offset[k]),
+        )
         seg = seg_counter[(m, d, r)] = seg_counter.get((m, d, r), 0) + 1
         _write_text(batch, (m, d, r), o, seg, sample)
         slots[k] = [o + np.flatnonzero(sample.tokens == t) for t in (tok.IMAGE, tok.AUDIO)]
     if "vision_patches" in batch:
-        _write_items(batch, "vision", plan, plan.vision, samples, slots, 0, caps.merge_area,
-                     caps.route_pair_capacity)
+        _write_items(
+            batch,
+            "vision",
+            plan,
+            plan.vision,
+            samples,
+            slots,
+            0,
+            caps.merge_area,
+            caps.route_pair_capacity,
+        )
     if "audio_frames" in batch:
-        _write_items(batch, "audio", plan, plan.audio, samples, slots, 1, caps.subsample,
-                     caps.route_pair_capacity)
+        _write_items(
+            batch,
+            "audio",
+            plan,
+            plan.audio,
+            samples,
+            slots,
+            1,
+            caps.subsample,
+            caps.route_pair_capacity,
+        )
     return batch
 
 
@@ -100,8 +132,17 @@ def _write_text(batch, where, offset: int, seg: int, sample: Sample) -> None:
     batch["llm_loss_mask"][sl] = np.append(sample.loss[1:], False)
 
 
-def _write_items(batch, phase: str, plan: StepPlan, items: ItemPlan, samples, slots, which: int,
-                 per_row: int, pair_cap: int) -> None:
+def _write_items(
+    batch,
+    phase: str,
+    plan: StepPlan,
+    items: ItemPlan,
+    samples,
+    slots,
+    which: int,
+    per_row: int,
+    pair_cap: int,
+) -> None:
     """Writes encoder inputs and the routing of their output rows to LLM placeholder slots."""
     data_key = "vision_patches" if phase == "vision" else "audio_frames"
     src_key = f"llm_{phase}_src"
@@ -117,30 +158,34 @@ def _write_items(batch, phase: str, plan: StepPlan, items: ItemPlan, samples, sl
         if phase == "vision":
             patches, pos = sample.images[j]
             n = len(patches)
-            batch[data_key][m, enc_dev, off:off + n] = patches
-            batch["vision_positions"][m, enc_dev, off:off + n] = pos
+            batch[data_key][m, enc_dev, off : off + n] = patches
+            batch["vision_positions"][m, enc_dev, off : off + n] = pos
         else:
             frames = sample.audio[j]
             n = len(frames)
-            batch[data_key][m, enc_dev, off:off + n] = frames
-            batch["audio_positions"][m, enc_dev, off:off + n] = np.arange(n)
-        batch[f"{phase}_segment_ids"][m, enc_dev, off:off + n] = seg
+            batch[data_key][m, enc_dev, off : off + n] = frames
+            batch["audio_positions"][m, enc_dev, off : off + n] = np.arange(n)
+        batch[f"{phase}_segment_ids"][m, enc_dev, off : off + n] = seg
         rows = off // per_row + np.arange(n // per_row)  # projector output rows of this item
-        dest = slots[owner][which][used[owner]:used[owner] + len(rows)]
+        dest = slots[owner][which][used[owner] : used[owner] + len(rows)]
         used[owner] += len(rows)
         d, r = int(plan.device[owner]), int(plan.row[owner])
         if pair_cap == 0:
             if enc_dev != d:
-                raise ValueError(f"plan step {plan.step}: sample {sample.id} {phase} item {j} is "
-                                 "on another device but batch.route_pair_capacity is 0")
+                raise ValueError(
+                    f"plan step {plan.step}: sample {sample.id} {phase} item {j} is "
+                    "on another device but batch.route_pair_capacity is 0"
+                )
             batch[src_key][m, d, r, dest] = rows
             continue
         c0 = pair_fill.get((m, enc_dev, d), 0)
         if c0 + len(rows) > pair_cap:
-            raise ValueError(f"plan step {plan.step}: device {enc_dev} -> {d} needs more than "
-                             f"batch.route_pair_capacity={pair_cap} {phase} rows")
+            raise ValueError(
+                f"plan step {plan.step}: device {enc_dev} -> {d} needs more than "
+                f"batch.route_pair_capacity={pair_cap} {phase} rows"
+            )
         pair_fill[(m, enc_dev, d)] = c0 + len(rows)
-        batch[f"{phase}_send"][m, enc_dev, d, c0:c0 + len(rows)] = rows
+        batch[f"{phase}_send"][m, enc_dev, d, c0 : c0 + len(rows)] = rows
         batch[src_key][m, d, r, dest] = enc_dev * pair_cap + c0 + np.arange(len(rows))
 
 

@@ -41,8 +41,12 @@ class StepIterator(grain.DatasetIterator):
         plan = self.planner.plan()
         samples = {int(s): self.source[int(s)] for s in np.unique(plan.samples)}
         batch = bucketize(plan, samples, self.cfg, self.caps)
-        info = {"step": plan.step, "samples": plan.samples.copy(), "deferred": plan.deferred,
-                "fill": fill_stats(batch)}
+        info = {
+            "step": plan.step,
+            "samples": plan.samples.copy(),
+            "deferred": plan.deferred,
+            "fill": fill_stats(batch),
+        }
         return {"batch": batch, "info": info}
 
     def get_state(self) -> dict:

@@ -20,7 +20,9 @@ class Sample:
     id: int
     tokens: np.ndarray  # int32 [T]
     loss: np.ndarray  # bool [T]
-    images: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (patches_pd, pos_p2)
+    images: list[tuple[np.ndarray, np.ndarray]] = field(
+        default_factory=list
+    )  # (patches_pd, pos_p2)
     audio: list[np.ndarray] = field(default_factory=list)  # frames [f, n_mels]
 
 
@@ -56,9 +58,11 @@ class LengthsIndex:
 
     def record(self, i: int) -> dict:
         """Sample i in the lengths-file format."""
-        return {"text": int(self.text[i]),
-                "images": self.images[self.images_ptr[i]:self.images_ptr[i + 1]].tolist(),
-                "audio": self.audio[self.audio_ptr[i]:self.audio_ptr[i + 1]].tolist()}
+        return {
+            "text": int(self.text[i]),
+            "images": self.images[self.images_ptr[i] : self.images_ptr[i + 1]].tolist(),
+            "audio": self.audio[self.audio_ptr[i] : self.audio_ptr[i + 1]].tolist(),
+        }
 
     def write_jsonl(self, path: str | Path) -> None:
         """Writes the lengths file (one JSON object a line)."""
@@ -76,5 +80,8 @@ class LengthsIndex:
 
     def llm_tokens(self, merge_area: int, subsample: int) -> np.ndarray:
         """LLM sequence length of each sample: text + one token per encoder output row."""
-        return (self.text + self.per_sample_sum(self.images // merge_area, self.images_ptr)
-                + self.per_sample_sum(self.audio // subsample, self.audio_ptr))
+        return (
+            self.text
+            + self.per_sample_sum(self.images // merge_area, self.images_ptr)
+            + self.per_sample_sum(self.audio // subsample, self.audio_ptr)
+        )

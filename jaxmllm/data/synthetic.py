@@ -17,8 +17,14 @@ from jaxmllm.config import Config
 from jaxmllm.data import tokenizer as tok
 from jaxmllm.data.samples import LengthsIndex, Sample
 
-COLOURS = {"red": (1.0, -0.8, -0.8), "green": (-0.8, 1.0, -0.8), "blue": (-0.8, -0.8, 1.0),
-           "yellow": (1.0, 1.0, -0.8), "white": (1.0, 1.0, 1.0), "purple": (0.6, -0.8, 0.8)}
+COLOURS = {
+    "red": (1.0, -0.8, -0.8),
+    "green": (-0.8, 1.0, -0.8),
+    "blue": (-0.8, -0.8, 1.0),
+    "yellow": (1.0, 1.0, -0.8),
+    "white": (1.0, 1.0, 1.0),
+    "purple": (0.6, -0.8, 0.8),
+}
 SHAPES = ("circle", "square", "triangle", "cross")
 PITCHES = {"low": 0.2, "mid": 0.5, "high": 0.8}
 CONTOURS = {"steady": 0.0, "rising": 0.3, "falling": -0.3}
@@ -50,12 +56,19 @@ class SyntheticSource:
         if p["kind"] == "image":
             media = [self._render_image(rng, *img) for img in p["images"]]
             caption = " and ".join(f"a {c} {s}" for _, _, c, s in p["images"])
-            return self._media_sample(int(i), tok.IMAGE, [len(m[0]) // self.merge**2 for m in media],
-                                      IMAGE_PROMPT, caption, images=media)
+            return self._media_sample(
+                int(i),
+                tok.IMAGE,
+                [len(m[0]) // self.merge**2 for m in media],
+                IMAGE_PROMPT,
+                caption,
+                images=media,
+            )
         clip = self._render_audio(rng, *p["audio"])
         caption = f"a {p['audio'][2]} {p['audio'][1]} tone"
-        return self._media_sample(int(i), tok.AUDIO, [len(clip) // self.subsample], AUDIO_PROMPT, caption,
-                                  audio=[clip])
+        return self._media_sample(
+            int(i), tok.AUDIO, [len(clip) // self.subsample], AUDIO_PROMPT, caption, audio=[clip]
+        )
 
     def lengths(self) -> LengthsIndex:
         """Counts in model units for every sample, without rendering any media."""
@@ -65,12 +78,20 @@ class SyntheticSource:
                 records.append({"text": len(self._text_tokens(p))})
             elif p["kind"] == "image":
                 caption = " and ".join(f"a {c} {s}" for _, _, c, s in p["images"])
-                records.append({"text": 2 + len(IMAGE_PROMPT) + len(caption.encode()),
-                                "images": [h * w for h, w, _, _ in p["images"]]})
+                records.append(
+                    {
+                        "text": 2 + len(IMAGE_PROMPT) + len(caption.encode()),
+                        "images": [h * w for h, w, _, _ in p["images"]],
+                    }
+                )
             else:
                 caption = f"a {p['audio'][2]} {p['audio'][1]} tone"
-                records.append({"text": 2 + len(AUDIO_PROMPT) + len(caption.encode()),
-                                "audio": [p["audio"][0]]})
+                records.append(
+                    {
+                        "text": 2 + len(AUDIO_PROMPT) + len(caption.encode()),
+                        "audio": [p["audio"][0]],
+                    }
+                )
         return LengthsIndex.from_records(records)
 
     # ------------------------------------------------------------------ sample parameters
@@ -84,10 +105,14 @@ class SyntheticSource:
             return {"kind": "image", "images": [self._image_params(rng) for _ in range(n)]}
         if u < syn.image_fraction + syn.audio_fraction:
             frames = 4 * int(rng.integers(syn.min_audio_frames // 4, syn.max_audio_frames // 4 + 1))
-            return {"kind": "audio", "audio": (frames, str(rng.choice(list(PITCHES))),
-                                               str(rng.choice(list(CONTOURS))))}
+            return {
+                "kind": "audio",
+                "audio": (frames, str(rng.choice(list(PITCHES))), str(rng.choice(list(CONTOURS)))),
+            }
         # Long-tailed text lengths: most samples short, a few near the maximum.
-        words = int(min(syn.max_text_words, 3 + rng.geometric(1.0 / max(2, syn.max_text_words // 3))))
+        words = int(
+            min(syn.max_text_words, 3 + rng.geometric(1.0 / max(2, syn.max_text_words // 3)))
+        )
         return {"kind": "text", "start": int(rng.integers(0, 90)), "words": words}
 
     def _image_params(self, rng: np.random.Generator) -> tuple[int, int, str, str]:
@@ -127,10 +152,12 @@ class SyntheticSource:
         cy = rng.uniform(r, height - r)
         cx = rng.uniform(r, width - r)
         dy, dx = np.abs(y - cy), np.abs(x - cx)
-        mask = {"circle": dy**2 + dx**2 < r**2,
-                "square": (dy < r * 0.8) & (dx < r * 0.8),
-                "triangle": (y > cy - r) & (y < cy + r) & (dx < (y - (cy - r)) / 2),
-                "cross": ((dx < r / 3) & (dy < r)) | ((dy < r / 3) & (dx < r))}[shape]
+        mask = {
+            "circle": dy**2 + dx**2 < r**2,
+            "square": (dy < r * 0.8) & (dx < r * 0.8),
+            "triangle": (y > cy - r) & (y < cy + r) & (dx < (y - (cy - r)) / 2),
+            "cross": ((dx < r / 3) & (dy < r)) | ((dy < r / 3) & (dx < r)),
+        }[shape]
         img = rng.normal(-0.5, 0.15, (height, width, 3)).astype(np.float32)
         img[mask] = np.asarray(COLOURS[colour], np.float32)
         return patchify(np.clip(img, -1, 1), p, self.merge)

@@ -19,8 +19,15 @@ class ByteTokenizer:
 
     def decode(self, ids: np.ndarray) -> str:
         """Text of byte ids; specials are shown as <name>."""
-        names = {PAD: "<pad>", BOS: "<s>", EOS: "</s>", IMAGE: "<image>", AUDIO: "<audio>",
-                 USER: "<user>", ASSISTANT: "<assistant>"}
+        names = {
+            PAD: "<pad>",
+            BOS: "<s>",
+            EOS: "</s>",
+            IMAGE: "<image>",
+            AUDIO: "<audio>",
+            USER: "<user>",
+            ASSISTANT: "<assistant>",
+        }
         out, run = [], []
         for i in np.asarray(ids).tolist():
             if i < 256:

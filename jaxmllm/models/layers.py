@@ -1,0 +1,320 @@
+"""Transformer building blocks shared by the encoders and the decoder.
+
+Every parameter is an `nnx.Param` created in `param_dtype` with an `axes` metadata tuple of
+logical axis names, one per dimension; the sharding code maps those names to mesh axes. We do not
+use flax's `sharding` metadata because flax 0.12 shards such params eagerly at creation time.
+Activations run in `dtype` (the compute dtype): parameters are cast on use, so bf16 compute keeps
+fp32 master weights.
+
+Shape letters in names: b batch row, t/s query/key position, d width, h heads, k kv heads,
+g query heads per kv head, e head dim, f MLP width.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Axes = tuple[str | None, ...]
+
+NORM_EPS = 1e-6
+
+
+def normal_param(
+    rngs: nnx.Rngs, shape: Sequence[int], std: float, axes: Axes, param_dtype: jnp.dtype
+) -> nnx.Param:
+    """A normally initialised parameter tagged with its logical axes."""
+    assert len(axes) == len(shape), (shape, axes)
+    value = std * jax.random.normal(rngs.params(), tuple(shape), jnp.float32)
+    return nnx.Param(value.astype(param_dtype), axes=tuple(axes))
+
+
+class Dense(nnx.Module):
+    """`y = x . W (+ b)` contracting the trailing `in_shape` dims of x with the leading dims of W.
+
+    Multi-dimensional in/out shapes let attention keep heads as their own (shardable) axis.
+    `out_dtype` (default: `dtype`) set to float32 keeps the matmul's fp32 accumulator, for logits.
+    """
+
+    def __init__(
+        self,
+        in_shape: int | Sequence[int],
+        out_shape: int | Sequence[int],
+        axes: Axes,
+        *,
+        use_bias: bool = False,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype = jnp.float32,
+        out_dtype: jnp.dtype | None = None,
+        rngs: nnx.Rngs,
+    ):
+        in_shape = _as_shape(in_shape)
+        out_shape = _as_shape(out_shape)
+        # Fan-in scaling keeps activations at unit scale through the stack at init.
+        std = 1.0 / math.sqrt(math.prod(in_shape))
+        self.kernel = normal_param(rngs, in_shape + out_shape, std, axes, param_dtype)
+        bias_axes = tuple(axes[len(in_shape) :])
+        self.bias = (
+            nnx.Param(jnp.zeros(out_shape, param_dtype), axes=bias_axes) if use_bias else None
+        )
+        self.n_in = len(in_shape)
+        self.dtype = dtype
+        self.out_dtype = dtype if out_dtype is None else out_dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.kernel[...].astype(self.dtype)
+        contract = (tuple(range(x.ndim - self.n_in, x.ndim)), tuple(range(self.n_in)))
+        y = jnp.tensordot(
+            x.astype(self.dtype), kernel, axes=contract, preferred_element_type=self.out_dtype
+        )
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.out_dtype)
+        return y
+
+
+def _as_shape(shape: int | Sequence[int]) -> tuple[int, ...]:
+    return (shape,) if isinstance(shape, int) else tuple(shape)
+
+
+class Embed(nnx.Module):
+    """Token embedding table [vocab, width]; `attend` reuses it as a tied output projection."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        width: int,
+        *,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        # Unit-scale rows, like the encoders' projector outputs that replace some of them.
+        self.embedding = normal_param(
+            rngs, (vocab_size, width), 1.0, ("vocab", "embed"), param_dtype
+        )
+        self.dtype = dtype
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+
+    def attend(self, x_btd: jax.Array) -> jax.Array:
+        """Float32 logits `x . E^T / sqrt(width)`: unit-scale rows give unit-scale logits."""
+        table = self.embedding[...].astype(self.dtype)
+        logits = jnp.einsum(
+            "btd,vd->btv", x_btd.astype(self.dtype), table, preferred_element_type=jnp.float32
+        )
+        return logits / math.sqrt(table.shape[-1])
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm with a learned scale, computed in fp32."""
+
+    def __init__(
+        self, width: int, *, dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32
+    ):
+        self.scale = nnx.Param(jnp.ones((width,), param_dtype), axes=("embed",))
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + NORM_EPS)
+        return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+# ----------------------------------------------------------------------------- rotary
+
+
+def rope_1d(x_bthe: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (rotate-half layout) by integer positions.
+
+    Args:
+      x_bthe: queries or keys [..., T, heads, head_dim]; head_dim must be even.
+      positions_bt: positions [..., T].
+      theta: rotary base.
+
+    Returns:
+      x rotated, same shape and dtype.
+    """
+    half = x_bthe.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions_bt.astype(jnp.float32)[..., None, None] * freqs  # [..., T, 1, half]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_bthe.dtype)
+
+
+def rope_2d(x_bthe: jax.Array, positions_bt2: jax.Array, theta: float) -> jax.Array:
+    """2D rotary embedding: the first half of each head rotates by row, the second by column.
+
+    Args:
+      x_bthe: queries or keys [..., T, heads, head_dim]; head_dim must be divisible by 4.
+      positions_bt2: (row, col) positions [..., T, 2].
+      theta: rotary base.
+    """
+    rows, cols = jnp.split(x_bthe, 2, axis=-1)
+    rows = rope_1d(rows, positions_bt2[..., 0], theta)
+    cols = rope_1d(cols, positions_bt2[..., 1], theta)
+    return jnp.concatenate([rows, cols], axis=-1)
+
+
+ROPE = {"1d": rope_1d, "2d": rope_2d}
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def attention_mask(segment_ids_bt: jax.Array, *, causal: bool) -> jax.Array:
+    """Boolean mask [B, 1, T, T]: same non-padding segment (and key <= query when causal).
+
+    Every position may also attend to itself, so padding queries (segment 0) get a finite
+    softmax instead of NaN; their outputs are never used.
+    """
+    seg_q = segment_ids_bt[:, :, None]
+    seg_k = segment_ids_bt[:, None, :]
+    mask = (seg_q == seg_k) & (seg_k > 0)
+    length = segment_ids_bt.shape[-1]
+    if causal:
+        mask &= jnp.tril(jnp.ones((length, length), bool))
+    mask |= jnp.eye(length, dtype=bool)
+    return mask[:, None]
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with grouped-query KV heads, rotary positions and an explicit mask."""
+
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        kv_heads: int,
+        *,
+        rope: str = "1d",
+        rope_theta: float = 10000.0,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        assert heads % kv_heads == 0, (heads, kv_heads)
+        head_dim = width // heads
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.query = Dense(width, (heads, head_dim), ("embed", "heads", "head_dim"), **kw)
+        self.key = Dense(width, (kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), **kw)
+        self.value = Dense(width, (kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), **kw)
+        self.out = Dense((heads, head_dim), width, ("heads", "head_dim", "embed"), **kw)
+        self.kv_heads = kv_heads
+        self.rope = rope
+        self.rope_theta = rope_theta
+        self.dtype = dtype
+
+    def __call__(self, x_btd: jax.Array, mask_b1ts: jax.Array, positions: jax.Array) -> jax.Array:
+        """Attends within the mask.
+
+        Args:
+          x_btd: inputs [B, T, width].
+          mask_b1ts: boolean mask from `attention_mask`.
+          positions: [B, T] for 1D rotary, [B, T, 2] for 2D.
+
+        Returns:
+          [B, T, width] in the compute dtype.
+        """
+        rotate = ROPE[self.rope]
+        q_bthe = rotate(self.query(x_btd), positions, self.rope_theta)
+        k_bske = rotate(self.key(x_btd), positions, self.rope_theta)
+        v_bske = self.value(x_btd)
+        b, t, heads, head_dim = q_bthe.shape
+        q_btkge = q_bthe.reshape(b, t, self.kv_heads, heads // self.kv_heads, head_dim)
+        scores = jnp.einsum(
+            "btkge,bske->bkgts", q_btkge, k_bske, preferred_element_type=jnp.float32
+        ) / math.sqrt(head_dim)
+        scores = jnp.where(mask_b1ts[:, :, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        out_btkge = jnp.einsum("bkgts,bske->btkge", probs, v_bske)
+        return self.out(out_btkge.reshape(b, t, heads, head_dim))
+
+
+class GatedMLP(nnx.Module):
+    """`down(silu(x W_gate) * (x W_up))`."""
+
+    def __init__(
+        self,
+        width: int,
+        mlp_dim: int,
+        *,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate = Dense(width, mlp_dim, ("embed", "mlp"), **kw)
+        self.up = Dense(width, mlp_dim, ("embed", "mlp"), **kw)
+        self.down = Dense(mlp_dim, width, ("mlp", "embed"), **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        kv_heads: int,
+        mlp_dim: int,
+        *,
+        rope: str,
+        rope_theta: float,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.attn_norm = RMSNorm(width, **kw)
+        self.attn = Attention(
+            width, heads, kv_heads, rope=rope, rope_theta=rope_theta, rngs=rngs, **kw
+        )
+        self.mlp_norm = RMSNorm(width, **kw)
+        self.mlp = GatedMLP(width, mlp_dim, rngs=rngs, **kw)
+
+    def __call__(self, x_btd: jax.Array, mask_b1ts: jax.Array, positions: jax.Array) -> jax.Array:
+        x_btd = x_btd + self.attn(self.attn_norm(x_btd), mask_b1ts, positions)
+        return x_btd + self.mlp(self.mlp_norm(x_btd))
+
+
+class Transformer(nnx.Module):
+    """A stack of pre-norm blocks and a final norm; optionally rematerialised block by block."""
+
+    def __init__(
+        self,
+        depth: int,
+        width: int,
+        heads: int,
+        kv_heads: int,
+        mlp_dim: int,
+        *,
+        rope: str,
+        rope_theta: float,
+        remat: bool = False,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        kw = dict(rope=rope, rope_theta=rope_theta, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.blocks = nnx.List([Block(width, heads, kv_heads, mlp_dim, **kw) for _ in range(depth)])
+        self.final_norm = RMSNorm(width, dtype=dtype, param_dtype=param_dtype)
+        self.remat = remat
+
+    def __call__(self, x_btd: jax.Array, mask_b1ts: jax.Array, positions: jax.Array) -> jax.Array:
+        apply = lambda block, x, mask, pos: block(x, mask, pos)
+        if self.remat:
+            # Keep only block inputs for the backward pass; recompute the rest.
+            apply = nnx.remat(apply)
+        for block in self.blocks:
+            x_btd = apply(block, x_btd, mask_b1ts, positions)
+        return self.final_norm(x_btd)

@@ -1,0 +1,65 @@
+"""Llama-style decoder: RMSNorm, RoPE, grouped-query attention, gated MLP."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmllm.config import LLMConfig
+from jaxmllm.models.layers import Dense, Embed, Transformer, attention_mask
+
+
+class Decoder(nnx.Module):
+    """Token embedding, causal transformer over packed rows, and the output projection.
+
+    Embedding and decoding are separate calls so the caller can replace placeholder embeddings
+    with encoder outputs in between.
+    """
+
+    def __init__(
+        self,
+        cfg: LLMConfig,
+        *,
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        remat: bool,
+        rngs: nnx.Rngs,
+    ):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.embed = Embed(cfg.vocab_size, cfg.width, **kw)
+        self.transformer = Transformer(
+            depth=cfg.depth,
+            width=cfg.width,
+            heads=cfg.heads,
+            kv_heads=cfg.kv_heads,  # grouped-query attention
+            mlp_dim=cfg.mlp_dim,
+            rope="1d",
+            rope_theta=cfg.rope_theta,
+            remat=remat,
+            **kw,
+        )
+        self.lm_head = (
+            None
+            if cfg.tie_embeddings
+            else Dense(cfg.width, cfg.vocab_size, ("embed", "vocab"), out_dtype=jnp.float32, **kw)
+        )
+
+    def __call__(
+        self, x_btd: jax.Array, segment_ids_bt: jax.Array, positions_bt: jax.Array
+    ) -> jax.Array:
+        """Decodes embedded rows.
+
+        Args:
+          x_btd: input embeddings [B, T, width].
+          segment_ids_bt: which sample each token belongs to, 0 for padding [B, T].
+          positions_bt: position within the sample, for RoPE [B, T].
+
+        Returns:
+          Logits [B, T, vocab] in float32.
+        """
+        mask = attention_mask(segment_ids_bt, causal=True)
+        x_btd = self.transformer(x_btd, mask, positions_bt)
+        if self.lm_head is None:
+            return self.embed.attend(x_btd)
+        return self.lm_head(x_btd)

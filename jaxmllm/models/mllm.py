@@ -1,0 +1,170 @@
+"""The multimodal LM: encoders and projectors feeding placeholder slots of a decoder.
+
+Encoder output rows reach the LLM through per-token source indices (`llm_*_src`): -1 keeps the
+token's own embedding, i >= 0 replaces it with row i of the encoder's projector output. In local
+mode that is the same device's output; in routed mode each device first sends rows to the devices
+whose LLM rows need them (an all-to-all under SPMD), so encoder load can be balanced
+independently of where the text lands.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from jaxmllm.config import BatchConfig, ModelConfig
+from jaxmllm.models.audio import AudioEncoder
+from jaxmllm.models.layers import Axes
+from jaxmllm.models.llm import Decoder
+from jaxmllm.models.projectors import AudioProjector, VisionProjector
+from jaxmllm.models.vision import VisionEncoder
+from sharding import DATA_AXES
+
+
+class MultimodalLM(nnx.Module):
+    """Vision encoder + projector, audio encoder + projector, and a decoder LLM.
+
+    Top-level attributes are exactly `vision`, `vision_projector`, `audio`, `audio_projector`
+    and `llm` (disabled encoders are None and hold no parameters), so a parameter's first path
+    element says which part to freeze.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch_cfg: BatchConfig, *, rngs: nnx.Rngs):
+        kw = dict(
+            dtype=jnp.dtype(cfg.compute_dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs
+        )
+        vis, aud = cfg.vision, cfg.audio
+        self.vision = VisionEncoder(vis, remat=cfg.remat, **kw) if vis.enabled else None
+        self.vision_projector = (
+            VisionProjector(vis.width, cfg.llm.width, vis.merge, **kw) if vis.enabled else None
+        )
+        self.audio = AudioEncoder(aud, remat=cfg.remat, **kw) if aud.enabled else None
+        self.audio_projector = (
+            AudioProjector(aud.width, cfg.llm.width, **kw) if aud.enabled else None
+        )
+        self.llm = Decoder(cfg.llm, remat=cfg.remat, **kw)
+        self.route_capacity = batch_cfg.route_pair_capacity
+
+    def __call__(self, mb: dict[str, jax.Array]) -> jax.Array:
+        """Logits for one microbatch.
+
+        Args:
+          mb: the batch contract arrays (see the package docs); leading axis D = device buckets.
+
+        Returns:
+          Logits [D, R, L, vocab] in float32.
+        """
+        # The table is sharded on `embed`; pin the lookup to the batch layout so XLA does not
+        # carry the table's layout into the activations (a full rematerialisation otherwise).
+        x_drlw = shard_like_batch(self.llm.embed(mb["llm_tokens"]))
+        if self.vision is not None:
+            feats = self.vision(
+                mb["vision_patches"], mb["vision_segment_ids"], mb["vision_positions"]
+            )
+            rows = self._route(self.vision_projector(feats), mb.get("vision_send"))
+            x_drlw = fill_slots(x_drlw, rows, mb["llm_vision_src"])
+        if self.audio is not None:
+            feats = self.audio(mb["audio_frames"], mb["audio_segment_ids"], mb["audio_positions"])
+            rows = self._route(self.audio_projector(feats), mb.get("audio_send"))
+            x_drlw = fill_slots(x_drlw, rows, mb["llm_audio_src"])
+        d, r, length, width = x_drlw.shape
+        logits = self.llm(
+            x_drlw.reshape(d * r, length, width),
+            mb["llm_segment_ids"].reshape(d * r, length),
+            mb["llm_positions"].reshape(d * r, length),
+        )
+        return logits.reshape(d, r, length, -1)
+
+    def _route(self, rows_dnw: jax.Array, send_ddc: jax.Array | None) -> jax.Array:
+        if self.route_capacity == 0:
+            return rows_dnw
+        if send_ddc is None or send_ddc.shape[-1] != self.route_capacity:
+            raise ValueError(
+                f"routed mode (route_pair_capacity={self.route_capacity}) needs "
+                f"*_send arrays [D, D, {self.route_capacity}]"
+            )
+        return exchange_rows(rows_dnw, send_ddc)
+
+
+def exchange_rows(rows_dnw: jax.Array, send_ddc: jax.Array) -> jax.Array:
+    """Sends encoder rows between devices.
+
+    Args:
+      rows_dnw: each device's projector output [D, N, width].
+      send_ddc: `send[src, dst, c]` = which of src's rows goes to dst in slot c [D, D, C].
+
+    Returns:
+      Each device's received buffer [D, D * C, width]; row `src * C + c` came from `src`.
+    """
+    sent_sdcw = shard_like_batch(jax.vmap(lambda rows, idx: rows[idx])(rows_dnw, send_ddc))
+    # Sharded on src before and on dst after: XLA lowers the transpose to an all-to-all.
+    received_dscw = shard_like_batch(jnp.swapaxes(sent_sdcw, 0, 1))
+    d, _, c, width = received_dscw.shape
+    return received_dscw.reshape(d, d * c, width)
+
+
+def shard_like_batch(x: jax.Array) -> jax.Array:
+    """Splits dim 0 over the data-parallel mesh axes, when a mesh is set (`jax.set_mesh`).
+
+    Without this XLA keeps the exchanged rows sharded on their source dim and gathers them
+    everywhere instead of doing one all-to-all. With no mesh set it returns x unchanged.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = () if mesh.empty else tuple(a for a in DATA_AXES if a in mesh.axis_names)
+    if not axes:
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(axes))
+
+
+def fill_slots(x_drlw: jax.Array, rows_dnw: jax.Array, src_drl: jax.Array) -> jax.Array:
+    """Replaces token embeddings where `src >= 0` with row `src` of the same device's `rows`."""
+    gathered = jax.vmap(lambda rows, idx: rows[idx])(rows_dnw, jnp.maximum(src_drl, 0))
+    return jnp.where(src_drl[..., None] >= 0, gathered.astype(x_drlw.dtype), x_drlw)
+
+
+def token_losses(
+    logits: jax.Array, targets: jax.Array, loss_mask: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Summed masked cross entropy and the number of counted tokens.
+
+    Sums (not means) so microbatches and devices can be combined exactly before dividing.
+
+    Args:
+      logits: [..., vocab] (any float dtype; computed in float32).
+      targets: int target ids [...].
+      loss_mask: float weights [...], 0 for tokens that carry no loss.
+
+    Returns:
+      (sum of loss * mask, sum of mask), both float32 scalars.
+    """
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    mask = loss_mask.astype(jnp.float32)
+    return jnp.sum(loss * mask), jnp.sum(mask)
+
+
+def param_axes(state: nnx.State) -> dict:
+    """Logical axis names of every parameter, shaped like `nnx.to_pure_dict(state)`.
+
+    Leaves are tuples (possibly holding None), so map over the result with
+    `is_leaf=lambda x: isinstance(x, tuple)`.
+
+    Args:
+      state: the state from `nnx.split(model)` (concrete or abstract from `nnx.eval_shape`).
+    """
+    tree: dict = {}
+    for path, variable in nnx.to_flat_state(state):
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = _axes_of(variable)
+    return tree
+
+
+def _axes_of(variable: nnx.Variable) -> Axes:
+    axes = variable.get_metadata().get("axes")
+    if axes is None:  # non-parameter state (none today): never sharded
+        return (None,) * len(variable.get_value().shape)
+    return tuple(axes)

@@ -1,0 +1,60 @@
+"""ViT over packed native-resolution patches.
+
+Each device holds one packed row of patches from several images of any size. Images never attend
+to each other (segment mask) and positions are 2D rotary (row, column within the image), so no
+image size is baked into the parameters.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmllm.config import VisionConfig
+from jaxmllm.models.layers import Dense, Transformer, attention_mask
+
+
+class VisionEncoder(nnx.Module):
+    """Patch embedding + bidirectional transformer with 2D RoPE."""
+
+    def __init__(
+        self,
+        cfg: VisionConfig,
+        *,
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        remat: bool,
+        rngs: nnx.Rngs,
+    ):
+        patch_dim = cfg.patch_size * cfg.patch_size * cfg.channels
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.patch_embed = Dense(patch_dim, cfg.width, ("patch", "embed"), use_bias=True, **kw)
+        self.transformer = Transformer(
+            depth=cfg.depth,
+            width=cfg.width,
+            heads=cfg.heads,
+            kv_heads=cfg.heads,  # plain multi-head attention
+            mlp_dim=cfg.mlp_dim,
+            rope="2d",
+            rope_theta=cfg.rope_theta,
+            remat=remat,
+            **kw,
+        )
+
+    def __call__(
+        self, patches_bpc: jax.Array, segment_ids_bp: jax.Array, positions_bp2: jax.Array
+    ) -> jax.Array:
+        """Encodes packed patches.
+
+        Args:
+          patches_bpc: flattened patch pixels [B, P, patch_size**2 * channels].
+          segment_ids_bp: which image each patch belongs to, 0 for padding [B, P].
+          positions_bp2: (row, col) of each patch within its image [B, P, 2].
+
+        Returns:
+          Patch features [B, P, width] in the compute dtype.
+        """
+        x_bpd = self.patch_embed(patches_bpc)
+        mask = attention_mask(segment_ids_bp, causal=False)
+        return self.transformer(x_bpd, mask, positions_bp2)

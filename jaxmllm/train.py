@@ -1,0 +1,395 @@
+"""Train a multimodal LLM: `python -m jaxmllm.train --config configs/tiny.yaml [--set k=v ...]`.
+
+Reads top to bottom in stages: config -> mesh -> data -> shapes -> shardings -> init -> restore
+-> step -> loop. Rerunning the same command resumes from the latest checkpoint in
+`train.output_dir`; the data pipeline's planner state is part of every checkpoint, so the resumed
+run sees exactly the steps the uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import jax.numpy as jnp
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+import sharding
+from jaxmllm.config import Config, ConfigError, load_config, to_dict
+from jaxmllm.data.pipeline import make_pipeline
+from jaxmllm.data.planner import OversizeError
+from jaxmllm.metrics import MetricsWriter, step_flops
+from jaxmllm.models import MultimodalLM, param_axes, token_losses
+
+log = logging.getLogger("jaxmllm")
+
+# Top-level model attributes, and the config switch that freezes each.
+FREEZE_SWITCHES = {
+    "vision": lambda m: m.vision.freeze,
+    "vision_projector": lambda m: m.projector_freeze,
+    "audio": lambda m: m.audio.freeze,
+    "audio_projector": lambda m: m.projector_freeze,
+    "llm": lambda m: m.llm.freeze,
+}
+
+
+# ----------------------------------------------------------------------------- model state
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelParts:
+    """How to rebuild the model from pure-dict params: the graph and the state template."""
+
+    graphdef: Any
+    template: Any  # abstract nnx.State the pure dicts are poured into
+    frozen_keys: tuple[str, ...]  # top-level modules whose params are not trained
+
+    def merge(self, params: dict, frozen: dict) -> MultimodalLM:
+        state = jax.tree.map(lambda x: x, self.template)  # a fresh copy to fill
+        nnx.replace_by_pure_dict(state, {**params, **frozen})
+        return nnx.merge(self.graphdef, state)
+
+
+def build_model(cfg: Config, seed: int) -> tuple[dict, dict]:
+    """Initialises the model; returns (trainable params, frozen params) as pure dicts."""
+    model = MultimodalLM(cfg.model, cfg.batch, rngs=nnx.Rngs(seed))
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    frozen = {k for k, is_frozen in FREEZE_SWITCHES.items() if k in pure and is_frozen(cfg.model)}
+    return (
+        {k: v for k, v in pure.items() if k not in frozen},
+        {k: v for k, v in pure.items() if k in frozen},
+    )
+
+
+def model_parts(cfg: Config) -> tuple[ModelParts, dict]:
+    """Shape-only model build: graph, state template, and logical axes of every parameter."""
+    abstract = nnx.eval_shape(lambda: MultimodalLM(cfg.model, cfg.batch, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract, nnx.Param)
+    frozen = tuple(k for k, f in FREEZE_SWITCHES.items() if k in state and f(cfg.model))
+    return ModelParts(graphdef, state, frozen), param_axes(state)
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with linear warm-up then cosine decay, global-norm clipping, no decay on vectors."""
+    o = cfg.optim
+    warmup = min(o.warmup_steps, max(cfg.train.steps - 1, 0))
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=o.lr,
+        warmup_steps=warmup,
+        decay_steps=max(cfg.train.steps, warmup + 1),
+        end_value=o.lr * o.min_lr_ratio,
+    )
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # not norms/biases
+    chain = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
+    chain.append(
+        optax.adamw(
+            schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask
+        )
+    )
+    return optax.chain(*chain), schedule
+
+
+# ----------------------------------------------------------------------------- train step
+
+
+def make_train_step(
+    parts: ModelParts, optimizer: optax.GradientTransformation, schedule: optax.Schedule
+) -> Callable:
+    """One optimizer step over all microbatches of a step batch [M, D, ...].
+
+    loss = sum of token losses / global count of loss tokens in the whole step, so the loss and
+    the gradient do not depend on how the planner spread samples over devices or microbatches.
+    """
+
+    def loss_fn(params, frozen, mb, denom):
+        logits = parts.merge(params, frozen)(mb)
+        loss_sum, count = token_losses(logits, mb["llm_targets"], mb["llm_loss_mask"])
+        return loss_sum / denom, count
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def train_step(state, batch):
+        denom = jnp.maximum(batch["llm_loss_mask"].sum(), 1.0)
+
+        def microbatch(acc, mb):
+            (loss, _), grads = grad_fn(state["params"], state["frozen"], mb, denom)
+            return jax.tree.map(jnp.add, acc, (loss, grads)), None
+
+        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state["params"]))
+        (loss, grads), _ = jax.lax.scan(microbatch, zero, batch)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        new_state = {
+            **state,
+            "params": optax.apply_updates(state["params"], updates),
+            "opt_state": opt_state,
+            "step": state["step"] + 1,
+        }
+        metrics = {
+            "loss": loss,
+            "grad_norm": optax.tree.norm(grads),
+            "lr": schedule(state["step"]),
+            "loss_tokens": denom,
+        }
+        return new_state, metrics
+
+    return train_step
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def make_checkpoint_manager(cfg: Config) -> ocp.CheckpointManager:
+    t = cfg.train
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=t.keep_checkpoints,
+        save_interval_steps=t.checkpoint_every,
+        enable_async_checkpointing=t.async_checkpointing,
+        create=True,
+    )
+    return ocp.CheckpointManager(Path(t.output_dir).absolute() / "checkpoints", options=options)
+
+
+def save_args(state, data_iter) -> ocp.args.Composite:
+    return ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iter)
+    )
+
+
+def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter):
+    """Restores the latest checkpoint into the sharded abstract state; None if there is none."""
+    step = mngr.latest_step()
+    if step is None:
+        return None
+    restored = mngr.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state),
+            data=grain.checkpoint.CheckpointRestore(data_iter),
+        ),
+    )
+    return restored["state"]
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> dict:
+    """Trains per `cfg`; returns the last logged metrics. `on_step(step, metrics)` is a hook."""
+    _split_cpu(cfg.mesh.cpu_devices)
+    mesh = sharding.make_mesh(cfg.mesh)
+    # Under the mesh, the model pins the encoder-row exchange to the data axes (an all-to-all).
+    with jax.set_mesh(mesh):
+        return _train(cfg, mesh, on_step)
+
+
+def _train(cfg: Config, mesh, on_step) -> dict:
+    t = cfg.train
+    out = Path(t.output_dir)
+    is_main = jax.process_index() == 0
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+
+    # Mesh: data x fsdp x tensor over all devices; D = data-parallel buckets per step.
+    devices = sharding.data_parallel_size(mesh)
+    log.info(
+        "mesh %s over %d %s devices; %d data-parallel buckets",
+        dict(mesh.shape),
+        mesh.size,
+        jax.devices()[0].platform,
+        devices,
+    )
+
+    # Data: the planner fills fixed-shape buckets; planning and loading run ahead in a thread.
+    data_iter = make_pipeline(cfg, devices)
+
+    # Shapes: abstract model, logical axes, then physical shardings (checked for clashes).
+    parts, axes = model_parts(cfg)
+    optimizer, schedule = make_optimizer(cfg)
+    abstract = jax.eval_shape(lambda: _init_state(cfg, optimizer))
+    axes_params = {k: v for k, v in axes.items() if k not in parts.frozen_keys}
+    axes_frozen = {k: v for k, v in axes.items() if k in parts.frozen_keys}
+    sharding.validate(axes)
+    shardings = {
+        "params": sharding.param_shardings(axes_params, abstract["params"], mesh),
+        "frozen": sharding.param_shardings(axes_frozen, abstract["frozen"], mesh),
+        "step": sharding.replicated(mesh),
+    }
+    shardings["opt_state"] = sharding.opt_state_shardings(
+        optimizer, abstract["opt_state"], shardings["params"], mesh
+    )
+    if is_main:
+        print(sharding.describe(axes, {**abstract["params"], **abstract["frozen"]}, mesh))
+        if parts.frozen_keys:
+            print(f"frozen (no gradient, no optimizer state): {', '.join(parts.frozen_keys)}")
+
+    # Init: jitted straight into its shardings (no full copy on one device), or restore.
+    abstract_sharded = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+    mngr = make_checkpoint_manager(cfg)
+    state = restore_latest(mngr, abstract_sharded, data_iter)
+    if state is None:
+        state = jax.jit(lambda: _init_state(cfg, optimizer), out_shardings=shardings)()
+    start = int(state["step"])
+    if start:
+        print(f"resumed from checkpoint at step {start} in {mngr.directory}")
+
+    # Step: one compiled program; the state is donated so params are updated in place.
+    step_fn = jax.jit(
+        make_train_step(parts, optimizer, schedule),
+        donate_argnums=0,
+        out_shardings=(shardings, sharding.replicated(mesh)),
+    )
+
+    # Loop.
+    writer = MetricsWriter(out, enabled=is_main)
+    bar = _progress(cfg, start, is_main)
+    last: dict = {}
+    window_start, window_tokens, window_flops, window_steps = time.perf_counter(), 0.0, 0.0, 0
+    try:
+        for step in range(start, t.steps):
+            host = next(data_iter)
+            batch = sharding.make_global_batch(host["batch"], mesh)
+            state, metrics = step_fn(state, batch)
+            window_tokens += float((host["batch"]["llm_segment_ids"] > 0).sum())
+            window_flops += step_flops(cfg, host["batch"])
+            window_steps += 1
+            done = step + 1
+            if done % t.log_every == 0 or done in (1, t.steps):
+                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                elapsed = time.perf_counter() - window_start
+                metrics.update(
+                    _throughput(window_tokens, window_flops, window_steps, elapsed, mesh.size)
+                )
+                metrics.update({f"padding/{k}": 1.0 - v for k, v in host["info"]["fill"].items()})
+                metrics["samples"] = len(host["info"]["samples"])
+                writer.write(done, metrics)
+                bar.set_postfix(
+                    loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}"
+                )
+                last = metrics
+                window_start, window_tokens, window_flops, window_steps = (
+                    time.perf_counter(),
+                    0.0,
+                    0.0,
+                    0,
+                )
+            mngr.save(done, args=save_args(state, data_iter), force=done == t.steps)
+            bar.update(1)
+            if on_step is not None:
+                on_step(done, last)
+    except KeyboardInterrupt:
+        mngr.wait_until_finished()
+        latest = mngr.latest_step()
+        print(
+            f"\ninterrupted; the latest checkpoint is step {latest}. "
+            "Rerun the same command to resume from it.",
+            file=sys.stderr,
+        )
+        raise
+    finally:
+        bar.close()
+        mngr.wait_until_finished()
+        mngr.close()
+        writer.close()
+        data_iter.close()
+    return last
+
+
+def _split_cpu(count: int) -> None:
+    """Splits the host CPU into `count` devices, if JAX has not started its backends yet."""
+    if not count:
+        return
+    from jax._src import xla_bridge  # no public way to ask whether backends are up
+
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_num_cpu_devices", count)
+    elif jax.default_backend() == "cpu" and jax.device_count() != count:
+        log.warning(
+            "mesh.cpu_devices=%d ignored: JAX already started with %d CPU devices",
+            count,
+            jax.device_count(),
+        )
+
+
+def _init_state(cfg: Config, optimizer: optax.GradientTransformation) -> dict:
+    params, frozen = build_model(cfg, cfg.train.seed)
+    return {
+        "params": params,
+        "frozen": frozen,
+        "opt_state": optimizer.init(params),
+        "step": jnp.zeros((), jnp.int32),
+    }
+
+
+def _throughput(tokens: float, flops: float, steps: int, seconds: float, n_dev: int) -> dict:
+    seconds = max(seconds, 1e-9)
+    return {
+        "step_time_s": seconds / max(steps, 1),
+        "tokens_per_s": tokens / seconds,
+        "tflops_per_device": flops / seconds / n_dev / 1e12,
+    }
+
+
+def _progress(cfg: Config, start: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=cfg.train.steps,
+        initial=start,
+        desc="train",
+        unit="step",
+        disable=not (enabled and cfg.train.progress_bar),
+        dynamic_ncols=True,
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxmllm.train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", required=True, help="experiment YAML, e.g. configs/tiny.yaml")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set optim.lr=3e-4 (repeatable)",
+    )
+    return p.parse_args(argv)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+        main(cfg)
+    except (ConfigError, OversizeError, sharding.ShardingError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

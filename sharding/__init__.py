@@ -1,0 +1,52 @@
+"""The SPMD layer: mesh, logical-axis rules, parameter/optimizer/batch shardings.
+
+Usable on its own: nothing here imports jaxmllm. Typical start-up::
+
+    mesh = make_mesh(cfg.mesh)
+    validate(axes_tree)                      # fails fast on a bad rules table
+    p_shard = param_shardings(axes_tree, abstract_params, mesh)
+    print(describe(axes_tree, abstract_params, mesh))
+    o_shard = opt_state_shardings(optimizer, abstract_opt_state, p_shard, mesh)
+    batch = make_global_batch(host_batch, mesh)
+"""
+
+from .mesh import AXES, DATA_AXES, ShardingError, data_parallel_size, make_mesh, resolve_axis_sizes
+from .params import (
+    batch_sharding,
+    describe,
+    local_dp_indices,
+    make_global_batch,
+    opt_state_shardings,
+    param_shardings,
+    replicated,
+)
+from .rules import (
+    RULES,
+    check_no_duplicate_axes,
+    logical_to_spec,
+    mesh_axes_of,
+    resolve,
+    validate,
+)
+
+__all__ = [
+    "AXES",
+    "DATA_AXES",
+    "RULES",
+    "ShardingError",
+    "batch_sharding",
+    "check_no_duplicate_axes",
+    "data_parallel_size",
+    "describe",
+    "local_dp_indices",
+    "logical_to_spec",
+    "make_global_batch",
+    "make_mesh",
+    "mesh_axes_of",
+    "opt_state_shardings",
+    "param_shardings",
+    "replicated",
+    "resolve",
+    "resolve_axis_sizes",
+    "validate",
+]

@@ -1,0 +1,92 @@
+"""The device mesh: axes ("data", "fsdp", "tensor"), data slowest (spans hosts), tensor fastest.
+
+The mesh config is anything with ``data``, ``fsdp`` and ``tensor`` sizes, as attributes (e.g.
+``jaxmllm.config.MeshConfig``) or as mapping keys. One of them may be -1: the remaining devices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+AXES = ("data", "fsdp", "tensor")  # mesh axis names, slowest to fastest
+DATA_AXES = ("data", "fsdp")  # the axes a batch is split over
+DEFAULT_SIZES = {"data": -1, "fsdp": 1, "tensor": 1}  # a missing key; as in MeshConfig
+
+
+class ShardingError(ValueError):
+    """A mesh, rule table or array layout that cannot work; the message says what to change."""
+
+
+def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds the ("data", "fsdp", "tensor") mesh over all (or the given) devices.
+
+    Args:
+      mesh_cfg: Axis sizes as attributes or keys ``data``, ``fsdp``, ``tensor``; at most one -1.
+      devices: Devices to use, all of them; default ``jax.devices()``.
+
+    Returns:
+      A mesh with Auto axis types, so plain ``jit``, ``NamedSharding`` and
+      ``with_sharding_constraint`` work without explicit-sharding annotations.
+
+    Raises:
+      ShardingError: The sizes do not multiply to the device count, or two axes are -1.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = resolve_axis_sizes(mesh_cfg, len(devices))
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def resolve_axis_sizes(mesh_cfg: Any, n_devices: int) -> tuple[int, int, int]:
+    """Returns (data, fsdp, tensor) with a -1 replaced by the remaining devices.
+
+    Raises:
+      ShardingError: Naming the ``mesh.*`` keys and the device count when sizes do not fit.
+    """
+    sizes = _read_sizes(mesh_cfg)
+    free = [axis for axis, size in sizes.items() if size == -1]
+    if len(free) > 1:
+        keys = " and ".join(f"mesh.{axis}" for axis in free)
+        raise ShardingError(f"{keys} are both -1 ({_show(sizes)}); at most one axis may be -1")
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    if free:
+        if n_devices % fixed:
+            raise ShardingError(
+                f"{_show(sizes)}: the fixed axes ({fixed} devices) do not divide "
+                f"the {n_devices} devices available; change {_keys(sizes)}"
+            )
+        sizes[free[0]] = n_devices // fixed
+    if math.prod(sizes.values()) != n_devices:
+        raise ShardingError(
+            f"{_show(sizes)} = {math.prod(sizes.values())} devices, but "
+            f"{n_devices} devices are available; change {_keys(sizes)} "
+            "(or set one of them to -1)"
+        )
+    return sizes["data"], sizes["fsdp"], sizes["tensor"]
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    """Number of data-parallel positions: data * fsdp."""
+    return math.prod(mesh.shape[axis] for axis in DATA_AXES)
+
+
+def _read_sizes(mesh_cfg: Any) -> dict[str, int]:
+    """Reads the three sizes from a mapping or an object, checking each is >= 1 or -1."""
+    get = mesh_cfg.get if isinstance(mesh_cfg, Mapping) else lambda k, d: getattr(mesh_cfg, k, d)
+    sizes = {axis: get(axis, DEFAULT_SIZES[axis]) for axis in AXES}
+    for axis, size in sizes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+            raise ShardingError(f"mesh.{axis}={size!r}: must be a positive integer or -1")
+    return sizes
+
+
+def _show(sizes: dict[str, int]) -> str:
+    return " x ".join(f"mesh.{axis}={size}" for axis, size in sizes.items())
+
+
+def _keys(sizes: dict[str, int]) -> str:
+    return ", ".join(f"mesh.{axis}" for axis in sizes)

@@ -1,0 +1,322 @@
+"""Tests for sharding/: mesh, rules, parameter/optimizer/batch shardings on 8 CPU devices."""
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, PartitionSpec
+
+import sharding
+from sharding import RULES, ShardingError
+
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
+)
+
+F32 = jnp.float32
+
+
+def llm_axes():
+    """A small Llama-like axes tree with every kind of kernel the models use."""
+    layer = {
+        "attn": {
+            "q": ("embed", "heads", "head_dim"),
+            "k": ("embed", "kv_heads", "head_dim"),
+            "o": ("heads", "head_dim", "embed"),
+        },
+        "mlp": {"wi": ("embed", "mlp"), "wo": ("mlp", "embed")},
+        "norm": ("embed",),
+    }
+    return {
+        "llm": {"embed": ("vocab", "embed"), "layer_0": layer, "scale": None},
+        "vision": {"patch_in": ("patch", "embed"), "mel_in": ("mel", "embed")},
+    }
+
+
+def llm_params():
+    """Abstract params matching ``llm_axes`` (heads=4, kv_heads=2, embed=16, mlp=32)."""
+    sd = jax.ShapeDtypeStruct
+    layer = {
+        "attn": {"q": sd((16, 4, 8), F32), "k": sd((16, 2, 8), F32), "o": sd((4, 8, 16), F32)},
+        "mlp": {"wi": sd((16, 32), F32), "wo": sd((32, 16), jnp.bfloat16)},
+        "norm": sd((16,), F32),
+    }
+    return {
+        "llm": {"embed": sd((64, 16), F32), "layer_0": layer, "scale": sd((), F32)},
+        "vision": {"patch_in": sd((12, 16), F32), "mel_in": sd((6, 16), F32)},
+    }
+
+
+# --- mesh -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cfg, shape",
+    [
+        ({"data": -1, "fsdp": 2, "tensor": 1}, (4, 2, 1)),
+        ({"data": 2, "fsdp": 2, "tensor": 2}, (2, 2, 2)),
+        ({"data": 1, "fsdp": -1, "tensor": 2}, (1, 4, 2)),
+        ({}, (8, 1, 1)),  # MeshConfig defaults: data=-1
+    ],
+)
+def test_make_mesh_shapes(cfg, shape):
+    mesh = sharding.make_mesh(cfg)
+    assert mesh.axis_names == ("data", "fsdp", "tensor")
+    assert tuple(mesh.shape.values()) == shape
+    assert mesh.axis_types == (AxisType.Auto,) * 3
+    assert sharding.data_parallel_size(mesh) == shape[0] * shape[1]
+
+
+def test_make_mesh_accepts_config_object():
+    mesh = sharding.make_mesh(SimpleNamespace(data=4, fsdp=2, tensor=1))
+    assert dict(mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1}
+
+
+def test_make_mesh_on_given_devices():
+    mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:4])
+    assert mesh.shape["data"] == 4
+
+
+@pytest.mark.parametrize(
+    "cfg, words",
+    [
+        ({"data": -1, "fsdp": -1}, ["mesh.data", "mesh.fsdp", "at most one"]),
+        ({"data": 3, "fsdp": 2, "tensor": 1}, ["mesh.data=3", "mesh.fsdp=2", "8 devices"]),
+        ({"data": -1, "fsdp": 3}, ["mesh.fsdp=3", "8 devices"]),
+        ({"data": 8, "tensor": 0}, ["mesh.tensor=0"]),
+    ],
+)
+def test_make_mesh_errors_name_keys_and_device_count(cfg, words):
+    with pytest.raises(ShardingError) as err:
+        sharding.make_mesh(cfg)
+    assert isinstance(err.value, ValueError)
+    for word in words:
+        assert word in str(err.value)
+
+
+# --- rules ------------------------------------------------------------------------------------
+
+
+def test_logical_to_spec_default_rules():
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    spec = sharding.logical_to_spec(("embed", "heads", "head_dim"), (16, 4, 8), mesh)
+    assert spec == PartitionSpec("fsdp", "tensor", None)
+    spec = sharding.logical_to_spec(("batch", None), (8, 5), mesh)
+    assert spec == PartitionSpec(("data", "fsdp"), None)
+
+
+def test_indivisible_dim_is_replicated_with_a_note():
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 1, "tensor": 4})
+    spec, notes = sharding.resolve(("heads", "embed"), (6, 16), mesh)
+    assert spec == PartitionSpec(None, "fsdp")
+    assert notes == ("dim 0 (heads) replicated: 6 % 4 != 0 (tensor=4)",)
+
+
+def test_unknown_logical_name_lists_known_names():
+    mesh = sharding.make_mesh({})
+    with pytest.raises(ShardingError, match="unknown logical axis 'hidden'.*embed"):
+        sharding.logical_to_spec(("hidden",), (8,), mesh, path="llm/w")
+
+
+def test_axes_length_must_match_ndim():
+    mesh = sharding.make_mesh({})
+    with pytest.raises(ShardingError, match="llm/w: 1 logical axes"):
+        sharding.logical_to_spec(("embed",), (8, 8), mesh, path="llm/w")
+
+
+def test_duplicate_mesh_axis_in_spec_names_path_and_axis():
+    with pytest.raises(ShardingError, match="llm/w: mesh axis 'fsdp'.*dim 0 and dim 2"):
+        sharding.check_no_duplicate_axes("llm/w", PartitionSpec("fsdp", None, ("data", "fsdp")))
+    sharding.check_no_duplicate_axes("llm/w", PartitionSpec("fsdp", "tensor", None))
+
+
+def test_default_rules_pass_a_realistic_axes_tree():
+    sharding.validate(llm_axes(), RULES)
+
+
+def test_rules_mapping_two_dims_to_one_axis_fail_at_validate():
+    bad = {**RULES, "mlp": "fsdp"}
+    with pytest.raises(ShardingError) as err:
+        sharding.validate(llm_axes(), bad)
+    message = str(err.value)
+    assert "llm/layer_0/mlp/wi" in message and "'fsdp'" in message
+    assert "change the rule for 'mlp'" in message
+
+
+def test_duplicate_fails_even_when_the_dim_would_be_replicated():
+    # validate is shape-free: a bad table fails whatever the sizes happen to be.
+    bad = {**RULES, "mlp": "fsdp"}
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 8})
+    params = {"w": jax.ShapeDtypeStruct((16, 6), F32)}
+    with pytest.raises(ShardingError, match="w: mesh axis 'fsdp'"):
+        sharding.param_shardings({"w": ("embed", "mlp")}, params, mesh, bad)
+
+
+def test_same_logical_name_twice_asks_for_another_name():
+    with pytest.raises(ShardingError, match="both logical 'embed'.*another logical name"):
+        sharding.validate({"proj": ("embed", "embed")})
+
+
+@pytest.mark.parametrize("rule", ["model", ("fsdp", "fsdp"), ["fsdp"]])
+def test_malformed_rule_is_rejected(rule):
+    with pytest.raises(ShardingError, match="rule 'embed'"):
+        sharding.validate({"w": ("embed",)}, {**RULES, "embed": rule})
+
+
+# --- params -----------------------------------------------------------------------------------
+
+
+def test_param_shardings_place_arrays_with_expected_local_shapes():
+    mesh = sharding.make_mesh({"data": 4, "fsdp": 2, "tensor": 1})
+    shardings = sharding.param_shardings(llm_axes(), llm_params(), mesh)
+    assert shardings["llm"]["layer_0"]["mlp"]["wo"].spec == PartitionSpec("tensor", "fsdp")
+    params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), llm_params())
+    placed = jax.device_put(params, shardings)
+    local = lambda x: x.addressable_shards[0].data.shape
+    assert local(placed["llm"]["embed"]) == (64, 8)
+    assert local(placed["llm"]["layer_0"]["attn"]["q"]) == (8, 4, 8)
+    assert local(placed["llm"]["layer_0"]["mlp"]["wi"]) == (8, 32)
+    assert local(placed["llm"]["scale"]) == ()
+    assert local(placed["vision"]["mel_in"]) == (6, 8)
+
+
+def test_param_shardings_on_3d_mesh():
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    shardings = sharding.param_shardings(llm_axes(), llm_params(), mesh)
+    q = shardings["llm"]["layer_0"]["attn"]["q"]
+    assert q.spec == PartitionSpec("fsdp", "tensor", None)
+    assert q.shard_shape((16, 4, 8)) == (8, 2, 8)
+
+
+def test_param_shardings_reject_mismatched_trees():
+    mesh = sharding.make_mesh({})
+    params = {"a": jax.ShapeDtypeStruct((4,), F32), "b": jax.ShapeDtypeStruct((4,), F32)}
+    with pytest.raises(ShardingError, match=r"params without axes \['b'\]"):
+        sharding.param_shardings({"a": ("embed",)}, params, mesh)
+
+
+def adamw_chain():
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100)
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, mask=decay_mask))
+
+
+def test_opt_state_shardings_follow_params_and_jit_init():
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    p_shard = sharding.param_shardings(llm_axes(), llm_params(), mesh)
+    optimizer = adamw_chain()
+    abstract_state = jax.eval_shape(optimizer.init, llm_params())
+    o_shard = sharding.opt_state_shardings(optimizer, abstract_state, p_shard, mesh)
+    adam = o_shard[1][0]
+    assert adam.mu == p_shard and adam.nu == p_shard
+    assert adam.count.spec == PartitionSpec()
+    params = jax.device_put(
+        jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), llm_params()), p_shard
+    )
+    state = jax.jit(optimizer.init, out_shardings=o_shard)(params)
+    assert state[1][0].mu["llm"]["embed"].sharding == p_shard["llm"]["embed"]
+
+
+def test_opt_state_shardings_with_a_frozen_subtree():
+    mesh = sharding.make_mesh({"data": 4, "fsdp": 2})
+    p_shard = sharding.param_shardings(llm_axes(), llm_params(), mesh)
+    labels = {"llm": "train", "vision": "freeze"}
+    optimizer = optax.multi_transform(
+        {"train": adamw_chain(), "freeze": optax.set_to_zero()},
+        lambda params: {k: labels[k] for k in params},
+    )
+    abstract_state = jax.eval_shape(optimizer.init, llm_params())
+    o_shard = sharding.opt_state_shardings(optimizer, abstract_state, p_shard, mesh)
+    mu = o_shard.inner_states["train"].inner_state[1][0].mu
+    assert isinstance(mu["vision"], optax.MaskedNode)
+    assert mu["llm"] == p_shard["llm"]
+    params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), llm_params())
+    jax.jit(optimizer.init, out_shardings=o_shard)(params)
+
+
+def test_opt_state_shardings_for_gradient_accumulation_and_factored_state():
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    p_shard = sharding.param_shardings(llm_axes(), llm_params(), mesh)
+    optimizer = optax.MultiSteps(optax.adafactor(1e-3, min_dim_size_to_factor=8), 4)
+    abstract_state = jax.eval_shape(optimizer.init, llm_params())
+    o_shard = sharding.opt_state_shardings(optimizer, abstract_state, p_shard, mesh)
+    assert o_shard.acc_grads == p_shard
+    assert o_shard.mini_step.spec == PartitionSpec()
+    v_row = o_shard.inner_opt_state[0].v_row["llm"]["layer_0"]["mlp"]["wi"]
+    assert v_row.spec == PartitionSpec()  # factored (16,) row stats: the 2-D spec does not fit
+    params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), llm_params())
+    jax.jit(optimizer.init, out_shardings=o_shard)(params)
+
+
+def test_describe_lists_every_parameter_and_totals():
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
+    text = sharding.describe(llm_axes(), llm_params(), mesh)
+    for path in (
+        "llm/embed",
+        "llm/layer_0/attn/q",
+        "llm/layer_0/mlp/wo",
+        "llm/scale",
+        "vision/mel_in",
+    ):
+        assert path in text
+    assert "P(fsdp, tensor, None)" in text  # attn/q
+    assert "replicated: 2 % 4 != 0" in text  # kv_heads=2 on tensor=4
+    assert "10 arrays" in text and "per device" in text
+
+
+# --- batches ----------------------------------------------------------------------------------
+
+
+def test_batch_sharding_splits_the_device_axis():
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    assert sharding.batch_sharding(mesh, 3).spec == PartitionSpec(None, ("data", "fsdp"), None)
+    assert sharding.batch_sharding(mesh, 2, device_axis=0).spec == PartitionSpec(
+        ("data", "fsdp"), None
+    )
+    with pytest.raises(ShardingError):
+        sharding.batch_sharding(mesh, 1)
+
+
+def test_make_global_batch_round_trips():
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    host = {
+        "tokens": np.arange(2 * 8 * 5, dtype=np.int32).reshape(2, 8, 5),
+        "mask": np.ones((2, 4), bool),
+    }
+    batch = sharding.make_global_batch(host, mesh)
+    assert batch["tokens"].shape == (2, 8, 5) and batch["mask"].shape == (2, 4)
+    assert batch["tokens"].sharding == sharding.batch_sharding(mesh, 3)
+    np.testing.assert_array_equal(np.asarray(batch["tokens"]), host["tokens"])
+    shard = batch["tokens"].addressable_shards[0]
+    assert shard.data.shape == (2, 2, 5)  # 8 rows over 4 data-parallel positions
+
+
+def test_make_global_batch_rejects_rows_not_multiple_of_positions():
+    mesh = sharding.make_mesh({"data": 8})
+    with pytest.raises(ShardingError, match=r"batch\['x'\]"):
+        sharding.make_global_batch({"x": np.zeros((1, 3))}, mesh)
+
+
+def fake_mesh(process_of):
+    """A duck-typed 2x2x2 mesh whose devices belong to processes ``process_of(d, f, t)``."""
+    grid = np.empty((2, 2, 2), object)
+    for index in np.ndindex(grid.shape):
+        grid[index] = SimpleNamespace(process_index=process_of(*index))
+    return SimpleNamespace(
+        devices=grid,
+        axis_names=("data", "fsdp", "tensor"),
+        shape={"data": 2, "fsdp": 2, "tensor": 2},
+    )
+
+
+def test_local_dp_indices():
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    np.testing.assert_array_equal(sharding.local_dp_indices(mesh), [0, 1, 2, 3])
+    by_host = fake_mesh(lambda d, f, t: d)  # one host per data index
+    np.testing.assert_array_equal(sharding.local_dp_indices(by_host, 0), [0, 1])
+    np.testing.assert_array_equal(sharding.local_dp_indices(by_host, 1), [2, 3])
+    by_fsdp = fake_mesh(lambda d, f, t: f)  # hosts interleaved: positions data*2 + fsdp
+    np.testing.assert_array_equal(sharding.local_dp_indices(by_fsdp, 1), [1, 3])
