@@ -68,3 +68,20 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("a: [1,\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_small_config_is_a_realistic_single_gpu_model():
+    import jax
+
+    from jaxmllm.train import model_parts
+
+    cfg = load_config(ROOT / "configs" / "small.yaml")
+    parts, _ = model_parts(cfg)
+    count = sum(x.size for x in jax.tree.leaves(nnx_pure(parts.template)))
+    assert 300e6 <= count <= 1e9, count
+
+
+def nnx_pure(state):
+    from flax import nnx
+
+    return nnx.to_pure_dict(state)
