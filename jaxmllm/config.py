@@ -49,8 +49,11 @@ class VisionConfig:
 
     def __post_init__(self):
         _check(self.width % self.heads == 0, "width must be divisible by heads", "width")
-        _check((self.width // self.heads) % 4 == 0, "head dim must be divisible by 4 (2D RoPE)",
-               "heads")
+        _check(
+            (self.width // self.heads) % 4 == 0,
+            "head dim must be divisible by 4 (2D RoPE)",
+            "heads",
+        )
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,9 @@ class AudioConfig:
 
     def __post_init__(self):
         _check(self.width % self.heads == 0, "width must be divisible by heads", "width")
-        _check(self.subsample == 4, "only subsample=4 (two stride-2 convs) is implemented",
-               "subsample")
+        _check(
+            self.subsample == 4, "only subsample=4 (two stride-2 convs) is implemented", "subsample"
+        )
 
 
 @dataclass(frozen=True)
@@ -107,8 +111,9 @@ class ModelConfig:
 
     def __post_init__(self):
         for key in ("compute_dtype", "param_dtype"):
-            _check(getattr(self, key) in ("float32", "bfloat16"),
-                   "must be float32 or bfloat16", key)
+            _check(
+                getattr(self, key) in ("float32", "bfloat16"), "must be float32 or bfloat16", key
+            )
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,7 @@ class BatchConfig:
         _check(self.planner in PLANNERS, f"must be one of {sorted(PLANNERS)}", "planner")
 
 
-PLANNERS = {"first_fit"}
+PLANNERS = {"first_fit", "naive", "grain", "balanced", "orchestrated"}
 
 
 @dataclass(frozen=True)
@@ -202,8 +207,11 @@ class Config:
 
     def __post_init__(self):
         vis = self.model.vision
-        _check(self.batch.vision_patches % (vis.merge**2) == 0,
-               f"must be a multiple of merge^2 = {vis.merge**2}", "batch.vision_patches")
+        _check(
+            self.batch.vision_patches % (vis.merge**2) == 0,
+            f"must be a multiple of merge^2 = {vis.merge**2}",
+            "batch.vision_patches",
+        )
 
 
 def _check(ok: bool, message: str, key: str) -> None:
@@ -266,7 +274,8 @@ def from_dict(cls: type, raw: Any, *, source: str = "<dict>", prefix: str = "") 
             hint = f"; did you mean '{prefix}{close}'?" if close else ""
             valid = ", ".join(fields)
             raise ConfigError(
-                f"{source}: unknown key '{prefix}{key}'{hint} (valid keys here: {valid})")
+                f"{source}: unknown key '{prefix}{key}'{hint} (valid keys here: {valid})"
+            )
         kwargs[key] = _coerce(hints[key], value, source=source, key=f"{prefix}{key}")
     try:
         return cls(**kwargs)

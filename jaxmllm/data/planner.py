@@ -32,12 +32,17 @@ class Capacities:
     @classmethod
     def from_config(cls, cfg: Config, devices: int) -> Capacities:
         b, m = cfg.batch, cfg.model
-        return cls(microbatches=b.microbatches, devices=devices, llm_rows=b.llm_rows,
-                   llm_row_len=b.llm_row_len,
-                   vision_patches=b.vision_patches if m.vision.enabled else 0,
-                   audio_frames=b.audio_frames if m.audio.enabled else 0,
-                   merge_area=m.vision.merge**2, subsample=m.audio.subsample,
-                   route_pair_capacity=b.route_pair_capacity)
+        return cls(
+            microbatches=b.microbatches,
+            devices=devices,
+            llm_rows=b.llm_rows,
+            llm_row_len=b.llm_row_len,
+            vision_patches=b.vision_patches if m.vision.enabled else 0,
+            audio_frames=b.audio_frames if m.audio.enabled else 0,
+            merge_area=m.vision.merge**2,
+            subsample=m.audio.subsample,
+            route_pair_capacity=b.route_pair_capacity,
+        )
 
 
 @dataclass
@@ -84,18 +89,29 @@ def check_fits(index: LengthsIndex, caps: Capacities) -> None:
     llm = index.llm_tokens(caps.merge_area, caps.subsample)
     checks = [("batch.llm_row_len", llm, caps.llm_row_len)]
     if caps.vision_patches:
-        checks.append(("batch.vision_patches", index.per_sample_sum(index.images, index.images_ptr),
-                       caps.vision_patches))
+        checks.append(
+            (
+                "batch.vision_patches",
+                index.per_sample_sum(index.images, index.images_ptr),
+                caps.vision_patches,
+            )
+        )
     if caps.audio_frames:
-        checks.append(("batch.audio_frames", index.per_sample_sum(index.audio, index.audio_ptr),
-                       caps.audio_frames))
+        checks.append(
+            (
+                "batch.audio_frames",
+                index.per_sample_sum(index.audio, index.audio_ptr),
+                caps.audio_frames,
+            )
+        )
     for key, need, cap in checks:
         bad = np.flatnonzero(need > cap)
         if len(bad):
             raise OversizeError(
                 f"{len(bad)} sample(s) need more than {key}={cap} (sample {int(bad[0])} needs "
                 f"{int(need[bad[0]])}, the largest {int(need.max())}); raise {key} to at least "
-                f"{int(need.max())}")
+                f"{int(need.max())}"
+            )
     if not caps.vision_patches and len(index.images):
         raise OversizeError("the data has images but model.vision.enabled is false")
     if not caps.audio_frames and len(index.audio):
@@ -151,7 +167,9 @@ class FirstFitPlanner:
         caps = self.caps
         slots = caps.microbatches * caps.devices
         # Upper bound on what one step can take: every slot holds at most row_len*rows tokens.
-        window = self.stream.take(self.cursor, slots * caps.llm_rows * caps.llm_row_len // 2 + slots)
+        window = self.stream.take(
+            self.cursor, slots * caps.llm_rows * caps.llm_row_len // 2 + slots
+        )
         placed, vis, aud = [], [], []
         k = 0
         for slot in range(slots):
@@ -163,8 +181,11 @@ class FirstFitPlanner:
                 need_v = self._items(self.index.images, self.index.images_ptr, s)
                 need_a = self._items(self.index.audio, self.index.audio_ptr, s)
                 free = np.flatnonzero(rows + self.llm[s] <= caps.llm_row_len)
-                if (not len(free) or vis_fill + need_v.sum() > caps.vision_patches
-                        or aud_fill + need_a.sum() > caps.audio_frames):
+                if (
+                    not len(free)
+                    or vis_fill + need_v.sum() > caps.vision_patches
+                    or aud_fill + need_a.sum() > caps.audio_frames
+                ):
                     break
                 r = int(free[0])
                 owner = len(placed)
@@ -180,13 +201,20 @@ class FirstFitPlanner:
         self.cursor += k
         self.step += 1
         cols = np.array(placed, np.int64).reshape(-1, 5).T
-        return StepPlan(step=self.step - 1, samples=cols[0], micro=cols[1], device=cols[2],
-                        row=cols[3], offset=cols[4], vision=_items_plan(vis),
-                        audio=_items_plan(aud))
+        return StepPlan(
+            step=self.step - 1,
+            samples=cols[0],
+            micro=cols[1],
+            device=cols[2],
+            row=cols[3],
+            offset=cols[4],
+            vision=_items_plan(vis),
+            audio=_items_plan(aud),
+        )
 
     @staticmethod
     def _items(values: np.ndarray, ptr: np.ndarray, s: int) -> np.ndarray:
-        return values[ptr[s]:ptr[s + 1]]
+        return values[ptr[s] : ptr[s + 1]]
 
 
 def _items_plan(rows: list[tuple[int, int, int, int]]) -> ItemPlan:
@@ -201,4 +229,15 @@ def make_planner(cfg: Config, index: LengthsIndex, devices: int):
     caps = Capacities.from_config(cfg, devices)
     if cfg.batch.planner == "first_fit":
         return FirstFitPlanner(index, caps, cfg.data.seed)
+    if cfg.batch.planner in ("balanced", "orchestrated"):
+        from jaxmllm.data.balancer import BalancedPlanner, OrchestratedPlanner
+        from jaxmllm.data.cost import CostModel
+
+        cls = OrchestratedPlanner if cfg.batch.planner == "orchestrated" else BalancedPlanner
+        return cls(index, caps, cfg.data.seed, CostModel.from_model(cfg.model))
+    if cfg.batch.planner in ("naive", "grain"):
+        from jaxmllm.data.baselines import GrainPlanner, NaivePlanner
+
+        cls = GrainPlanner if cfg.batch.planner == "grain" else NaivePlanner
+        return cls(index, caps, cfg.data.seed)
     raise ValueError(f"batch.planner: unknown planner {cfg.batch.planner!r}")

@@ -1,0 +1,340 @@
+"""Balancer benchmark: every planner policy on the same workload, capacities and devices.
+
+    python -m jaxmllm.bench.balance --mix omni,ai2d,chartqa --devices 8,64,512,2560 \\
+        [--policies orchestrated,balanced,grain,naive] [--tokens 16384] [--micro 2] \\
+        [--json OUT.json] [--plot OUT.png]
+    python -m jaxmllm.bench.balance --lengths FILE.jsonl --devices 64
+
+Per policy, one table row (all figures over the steps run, steady state included):
+  fill       real units / capacity, per phase (llm / vision / audio); `*` marks the phases
+             whose capacity binds (data demand within 2% of the largest)
+  steps/LB   steps taken / lower bound, the bound = max over phases of the planned work /
+             (devices x microbatches x capacity)
+  quad       max/mean over devices of the attention (quadratic) cost of a microbatch: phases are
+             summed as sum_p max_d / sum_p mean_d (encoders and LLM are separated by the
+             all-to-all, so each phase waits for its slowest device); `bound` = the same with
+             each max_d replaced by max(mean, the largest single item): no plan of these samples
+             can do better
+  cv         coefficient of variation of microbatch cost (real linear + quadratic cost of all
+             the microbatch's items, all phases) and the ratio random / ours, where `random`
+             deals the same step's samples at random, equal counts per (microbatch, device)
+  age        most steps any sample waited; deferred = mean samples carried to the next step
+  routed     share of encoder output rows encoded on another device than their text
+  ms/step    host planning time per step (grain: per host, each host packs its own devices)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxmllm.config import ModelConfig
+from jaxmllm.data.balancer import BalancedPlanner, OrchestratedPlanner, check_plan
+from jaxmllm.data.baselines import GrainPlanner, NaivePlanner
+from jaxmllm.data.capacity import suggest_capacities
+from jaxmllm.data.cost import CostModel
+from jaxmllm.data.mixes import MIXES, load_lengths, load_mix
+from jaxmllm.data.planner import Capacities, StepPlan
+from jaxmllm.data.samples import LengthsIndex
+
+POLICIES = {
+    "orchestrated": OrchestratedPlanner,
+    "balanced": BalancedPlanner,
+    "grain": GrainPlanner,
+    "naive": NaivePlanner,
+}
+PHASES = ("llm", "vision", "audio")
+
+
+def make_caps(
+    index: LengthsIndex,
+    devices: int,
+    tokens: int,
+    micro: int,
+    policy: str,
+    merge_area: int = 4,
+    subsample: int = 4,
+) -> Capacities:
+    """Capacities matched to the data; route capacity = a device's whole encoder output."""
+    sug = suggest_capacities(index, tokens, merge_area, subsample)
+    route = max(sug.vision_patches // merge_area, sug.audio_frames // subsample)
+    return Capacities(
+        microbatches=micro,
+        devices=devices,
+        llm_rows=sug.llm_rows,
+        llm_row_len=sug.llm_row_len,
+        vision_patches=sug.vision_patches,
+        audio_frames=sug.audio_frames,
+        merge_area=merge_area,
+        subsample=subsample,
+        route_pair_capacity=route if policy == "orchestrated" else 0,
+    )
+
+
+class _Items:
+    """Per-sample and per-item sizes of an index, in each phase's attention units."""
+
+    def __init__(self, index: LengthsIndex, caps: Capacities):
+        self.index = index
+        self.llm = index.llm_tokens(caps.merge_area, caps.subsample)
+        self.work = np.stack(
+            [
+                self.llm,
+                index.per_sample_sum(index.images, index.images_ptr),
+                index.per_sample_sum(index.audio, index.audio_ptr),
+            ],
+            1,
+        )
+        self.caps = caps
+
+
+def phase_loads(plan: StepPlan, items: _Items, cost: CostModel, rng=None):
+    """Per phase [M, D] arrays: quadratic units, real cost, largest item quadratic per micro.
+
+    With `rng`, the plan's samples are dealt at random instead (equal counts per bucket)."""
+    caps, idx = items.caps, items.index
+    m_n, d_n = caps.microbatches, caps.devices
+    micro, dev = plan.micro, plan.device
+    if rng is not None:
+        slot = rng.permutation(len(plan.samples)) % (m_n * d_n)
+        micro, dev = slot % m_n, slot // m_n
+    out = {}
+    s = plan.samples
+    units = {"llm": (items.llm[s], micro, dev, 1)}
+    for p, values, ptr, per in (
+        ("vision", idx.images, idx.images_ptr, 1),
+        ("audio", idx.audio, idx.audio_ptr, caps.subsample),
+    ):
+        it = getattr(plan, p)
+        size = values[ptr[s[it.owner]] + it.item]
+        d = it.device if rng is None else dev[it.owner]
+        units[p] = (size, micro[it.owner], d, per)
+    for p, (size, m, d, per) in units.items():
+        c = cost.phase(p)
+        q = np.zeros((m_n, d_n))
+        real = np.zeros((m_n, d_n))
+        big = np.zeros(m_n)
+        if len(size):
+            qq = (size / per) ** 2 * per * per  # attention over encoder rows, in units^2
+            np.add.at(q, (m, d), qq)
+            np.add.at(real, (m, d), c.item_cost(size))
+            np.maximum.at(big, m, qq)
+        out[p] = (q * c.quadratic, real, big * c.quadratic)
+    return out
+
+
+def run_policy(
+    policy: str,
+    index: LengthsIndex,
+    devices: int,
+    tokens: int,
+    micro: int,
+    steps: int,
+    cost: CostModel,
+    seed: int = 0,
+) -> tuple[dict, list]:
+    caps = make_caps(index, devices, tokens, micro, policy)
+    items = _Items(index, caps)
+    planner = POLICIES[policy](index, caps, seed)
+    cap_vec = np.array(
+        [caps.llm_rows * caps.llm_row_len, caps.vision_patches, caps.audio_frames], np.float64
+    )
+    rng = np.random.default_rng([seed, devices])
+    work = np.zeros(3)
+    quad, bound, ours_cost, rand_cost = [], [], [], []
+    ages, deferred, routed, remote_rows, times = 0, [], 0.0, 0.0, []
+    first_plan = None
+    for _ in range(steps):
+        t = time.perf_counter()
+        plan = planner.plan()
+        times.append(time.perf_counter() - t)
+        check_plan(plan, index, caps)
+        first_plan = first_plan or plan
+        work += items.work[plan.samples].sum(0)
+        loads = phase_loads(plan, items, cost)
+        rand = phase_loads(plan, items, cost, rng)
+        num = sum(q.max(1) for q, _, _ in loads.values())
+        den = sum(q.mean(1) for q, _, _ in loads.values())
+        bnd = sum(np.maximum(q.mean(1), b) for q, _, b in loads.values())
+        ok = den > 0
+        quad += list(num[ok] / den[ok])
+        bound += list(bnd[ok] / den[ok])
+        ours_cost += list(sum(r.sum(1) for _, r, _ in loads.values()))
+        rand_cost += list(sum(r.sum(1) for _, r, _ in rand.values()))
+        ages = max(ages, int(planner.last_ages.max(initial=0)))
+        deferred.append(plan.deferred)
+        for p in ("vision", "audio"):
+            it = getattr(plan, p)
+            per = caps.merge_area if p == "vision" else caps.subsample
+            vals = index.images if p == "vision" else index.audio
+            ptr = index.images_ptr if p == "vision" else index.audio_ptr
+            rows = vals[ptr[plan.samples[it.owner]] + it.item] // per
+            routed += rows.sum()
+            remote_rows += rows[it.device != plan.device[it.owner]].sum()
+    capacity = steps * devices * micro * cap_vec
+    fill = np.divide(work, capacity, out=np.zeros(3), where=capacity > 0)
+    lower = max(work / np.where(cap_vec > 0, devices * micro * cap_vec, np.inf))
+    demand = np.where(cap_vec > 0, items.work.sum(0) / np.maximum(cap_vec, 1), 0)
+    per_step = np.mean(times[1:] if len(times) > 1 else times)
+    if policy == "grain":
+        per_step /= len(planner.host_devices)
+    cv = lambda x: float(np.std(x) / np.mean(x)) if np.mean(x) > 0 else 0.0
+    row = {
+        "policy": policy,
+        "devices": devices,
+        "steps": steps,
+        "fill": dict(zip(PHASES, fill.round(4).tolist(), strict=True)),
+        "binding": [
+            p for p, dm in zip(PHASES, demand, strict=True) if dm > 0 and dm >= 0.98 * demand.max()
+        ],
+        "steps_over_lb": float(steps / lower) if lower > 0 else float("inf"),
+        "quad_max_mean": float(np.mean(quad)),
+        "quad_max_mean_worst": float(np.max(quad)),
+        "quad_bound": float(np.mean(bound)),
+        "micro_cv": cv(ours_cost),
+        "random_cv": cv(rand_cost),
+        "max_age": ages,
+        "deferred": float(np.mean(deferred)),
+        "routed": float(remote_rows / routed) if routed else 0.0,
+        "ms_per_step": 1000 * float(per_step),
+        "caps": {
+            "llm_rows": caps.llm_rows,
+            "llm_row_len": caps.llm_row_len,
+            "vision_patches": caps.vision_patches,
+            "audio_frames": caps.audio_frames,
+            "route_pair_capacity": caps.route_pair_capacity,
+            "microbatches": micro,
+        },
+    }
+    return row, [first_plan, items]
+
+
+def steps_for(index: LengthsIndex, devices: int, tokens: int, micro: int, lo: int, hi: int) -> int:
+    """Enough steps for about one epoch, within [lo, hi]."""
+    per_step = devices * micro * tokens / max(index.llm_tokens(4, 4).mean(), 1)
+    return int(np.clip(np.ceil(len(index) / per_step), lo, hi))
+
+
+def format_row(r: dict) -> str:
+    fill = " ".join(f"{r['fill'][p]:.3f}{'*' if p in r['binding'] else ' '}" for p in PHASES)
+    ratio = r["random_cv"] / r["micro_cv"] if r["micro_cv"] > 0 else float("inf")
+    return (
+        f"{r['policy']:<13}{r['devices']:>5} {fill}  {r['steps_over_lb']:6.3f}  "
+        f"{r['quad_max_mean']:5.2f} ({r['quad_bound']:4.2f})  {r['micro_cv']:.4f} "
+        f"{ratio:6.1f}x  {r['max_age']:3d} {r['deferred']:8.0f}  {r['routed']:5.3f} "
+        f"{r['ms_per_step']:8.1f}"
+    )
+
+
+HEADER = (
+    f"{'policy':<13}{'D':>5} {'fill llm   vision audio':<24}  steps/LB  quad (bound)  "
+    f"cv     rand/ours age deferred routed  ms/step"
+)
+
+
+def plot_step(plan_items: list, out: Path, title: str) -> bool:
+    """Per-device LLM tokens and attention cost of one step: arrival order vs. the balancer."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'jaxmllm[bench]'): no plot written")
+        return False
+    (before, items_b), (after, items_a) = plan_items
+    fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for plan, items, label in (
+        (before, items_b, "naive (before)"),
+        (after, items_a, "orchestrated (after)"),
+    ):
+        d_n = items.caps.devices
+        tok = np.bincount(
+            plan.device[plan.micro == 0], items.llm[plan.samples[plan.micro == 0]], minlength=d_n
+        )
+        q = np.bincount(
+            plan.device[plan.micro == 0],
+            items.llm[plan.samples[plan.micro == 0]].astype(float) ** 2,
+            minlength=d_n,
+        )
+        axes[0].plot(tok, label=label, drawstyle="steps-mid")
+        axes[1].plot(q, label=label, drawstyle="steps-mid")
+    axes[0].axhline(items_a.caps.llm_rows * items_a.caps.llm_row_len, color="k", lw=0.5)
+    axes[0].set_ylabel("LLM tokens")
+    axes[1].set_ylabel("LLM attention (sum n^2)")
+    axes[1].set_xlabel("device (microbatch 0)")
+    axes[0].legend()
+    axes[0].set_title(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m jaxmllm.bench.balance",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--lengths", help="lengths file (JSONL, or an InternVL JSON table)")
+    src.add_argument("--mix", help=f"built-in mix(es), comma-separated: {', '.join(MIXES)}")
+    ap.add_argument("--devices", default="8,64", help="device counts, comma-separated")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--tokens", type=int, default=16384, help="LLM tokens per device and micro")
+    ap.add_argument("--micro", type=int, default=2, help="microbatches per step")
+    ap.add_argument("--min-steps", type=int, default=4)
+    ap.add_argument("--max-steps", type=int, default=40)
+    ap.add_argument(
+        "--grain-max-steps",
+        type=int,
+        default=None,
+        help="fewer steps for the (slow, pure Python) grain packer",
+    )
+    ap.add_argument("--json", help="write all rows here")
+    ap.add_argument("--plot", help="PNG of per-device load of one step (needs matplotlib)")
+    args = ap.parse_args(argv)
+    cost = CostModel.from_model(ModelConfig())
+    sources = (
+        [(Path(args.lengths).name, load_lengths(args.lengths))]
+        if args.lengths
+        else [(m, load_mix(m)) for m in args.mix.split(",")]
+    )
+    rows, plots = [], {}
+    for name, index in sources:
+        print(
+            f"\n== {name}: {len(index)} samples, {args.tokens} LLM tokens/device/micro, "
+            f"{args.micro} microbatches"
+        )
+        print(HEADER)
+        for d in (int(x) for x in args.devices.split(",")):
+            steps = steps_for(index, d, args.tokens, args.micro, args.min_steps, args.max_steps)
+            for pol in args.policies.split(","):
+                n = steps
+                if pol == "grain" and args.grain_max_steps:
+                    n = min(steps, args.grain_max_steps)
+                row, first = run_policy(pol, index, d, args.tokens, args.micro, n, cost)
+                row["mix"] = name
+                rows.append(row)
+                plots[(name, d, pol)] = first
+                print(format_row(row), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    if args.plot:
+        name, d = sources[0][0], int(args.devices.split(",")[0])
+        if (name, d, "naive") in plots and (name, d, "orchestrated") in plots:
+            plot_step(
+                [plots[(name, d, "naive")], plots[(name, d, "orchestrated")]],
+                Path(args.plot),
+                f"{name}, {d} devices, step 0",
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""What JAX users do today, behind the planner contract, so benchmarks run the same trainer.
+
+- `naive`: a fixed number of samples per device, each in its own slot padded to the largest
+  sample (MaxText's multimodal path pads images to a fixed count per example).
+- `grain`: grain's `BestFitPackIterDataset` packing all phases jointly, per host over its own
+  devices (one packing bin per (microbatch, device)), with no notion of cost or of other hosts;
+  media stay on their text's device.
+"""
+
+from __future__ import annotations
+
+import grain
+import numpy as np
+
+from jaxmllm.data.balancer import gather_items, offsets_in_bins
+from jaxmllm.data.planner import Capacities, ItemPlan, SampleStream, StepPlan, check_fits
+from jaxmllm.data.samples import LengthsIndex
+
+
+class NaivePlanner:
+    """`k` samples per device and microbatch, in arrival order, each padded to the largest."""
+
+    def __init__(self, index: LengthsIndex, caps: Capacities, seed: int):
+        check_fits(index, caps)
+        self.index, self.caps = index, caps
+        self.stream = SampleStream(len(index), seed)
+        self.llm = index.llm_tokens(caps.merge_area, caps.subsample)
+        self.slot_llm = max(int(self.llm.max()), 1)
+        self.per_row = caps.llm_row_len // self.slot_llm
+        k = caps.llm_rows * self.per_row
+        self.slot = {}
+        for p, values, ptr, cap in (
+            ("vision", index.images, index.images_ptr, caps.vision_patches),
+            ("audio", index.audio, index.audio_ptr, caps.audio_frames),
+        ):
+            most = int(index.per_sample_sum(values, ptr).max()) if len(values) else 0
+            self.slot[p] = most
+            if most:
+                k = min(k, cap // most)
+        self.k = max(k, 1)
+        self.cursor, self.step = 0, 0
+        self.last_ages = np.zeros(0, np.int64)
+
+    def get_state(self) -> dict:
+        return {"cursor": int(self.cursor), "step": int(self.step)}
+
+    def set_state(self, state: dict) -> None:
+        self.cursor, self.step = int(state["cursor"]), int(state["step"])
+
+    def plan(self) -> StepPlan:
+        caps, k = self.caps, self.k
+        n = caps.microbatches * caps.devices * k
+        s = self.stream.take(self.cursor, n)
+        slot = np.arange(n)
+        micro, dev, j = slot // (caps.devices * k), (slot // k) % caps.devices, slot % k
+        items = {}
+        for p, ptr, values in (
+            ("vision", self.index.images_ptr, self.index.images),
+            ("audio", self.index.audio_ptr, self.index.audio),
+        ):
+            owner, item, flat = gather_items(ptr, s)
+            size = values[flat]
+            within = np.cumsum(size) - size
+            first = np.searchsorted(owner, owner, "left")
+            within = within - within[first] if len(owner) else within
+            items[p] = ItemPlan(
+                owner=owner, item=item, device=dev[owner], offset=j[owner] * self.slot[p] + within
+            )
+        plan = StepPlan(
+            step=self.step,
+            samples=s,
+            micro=micro,
+            device=dev,
+            row=j // self.per_row,
+            offset=(j % self.per_row) * self.slot_llm,
+            vision=items["vision"],
+            audio=items["audio"],
+        )
+        self.cursor += n
+        self.step += 1
+        self.last_ages = np.zeros(n, np.int64)
+        return plan
+
+
+class GrainPlanner:
+    """grain's best-fit packer over all phases jointly, one packer per host of 8 devices."""
+
+    def __init__(self, index: LengthsIndex, caps: Capacities, seed: int, devices_per_host: int = 8):
+        check_fits(index, caps)
+        if caps.llm_rows != 1:
+            raise ValueError(
+                "batch.planner=grain packs one LLM row per device (grain packs a "
+                "feature as one sequence); set batch.llm_rows=1"
+            )
+        self.index, self.caps, self.seed = index, caps, seed
+        self.stream = SampleStream(len(index), seed)
+        self.llm = index.llm_tokens(caps.merge_area, caps.subsample)
+        self.vis = index.per_sample_sum(index.images, index.images_ptr)
+        self.aud = index.per_sample_sum(index.audio, index.audio_ptr)
+        per = min(devices_per_host, caps.devices)
+        self.host_devices = [
+            np.arange(h, min(h + per, caps.devices)) for h in range(0, caps.devices, per)
+        ]
+        self.length_struct = {"llm": caps.llm_row_len}
+        if caps.vision_patches:
+            self.length_struct["vision"] = caps.vision_patches
+        if caps.audio_frames:
+            self.length_struct["audio"] = caps.audio_frames
+        self.step = 0
+        self.frontier: list[int] = []  # per step: the largest stream position seen so far
+        self.last_ages = np.zeros(0, np.int64)
+        self._iters = [self._host_iter(h) for h in range(len(self.host_devices))]
+
+    def _host_iter(self, h: int):
+        hosts = len(self.host_devices)
+        n = len(self.index)
+
+        def element(i):
+            p = h + int(i) * hosts  # host h reads every hosts-th position of the global stream
+            s = int(self.stream.order(p // n)[p % n])
+            out = {"llm": np.zeros(self.llm[s], np.int8), "pos": p}
+            if "vision" in self.length_struct:
+                out["vision"] = np.zeros(self.vis[s], np.int8)
+            if "audio" in self.length_struct:
+                out["audio"] = np.zeros(self.aud[s], np.int8)
+            return out
+
+        ds = (
+            grain.MapDataset.range(0, 1 << 40)
+            .map(element)
+            .to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+        )
+        packed = grain.experimental.BestFitPackIterDataset(
+            ds,
+            length_struct=self.length_struct,
+            num_packing_bins=self.caps.microbatches * len(self.host_devices[h]),
+            seed=self.seed,
+            shuffle_bins=False,
+            meta_features=("pos",),
+        )
+        return iter(packed)
+
+    def get_state(self) -> dict:
+        return {
+            "step": self.step,
+            "frontier": list(self.frontier),
+            "hosts": [it.get_state() for it in self._iters],
+        }
+
+    def set_state(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.frontier = [int(x) for x in state["frontier"]]
+        for it, st in zip(self._iters, state["hosts"], strict=True):
+            it.set_state(st)
+
+    def plan(self) -> StepPlan:
+        caps, n = self.caps, len(self.index)
+        pos, micro, dev = [], [], []
+        for h, it in enumerate(self._iters):
+            devs = self.host_devices[h]
+            for b in range(caps.microbatches * len(devs)):
+                got = next(it)["pos"]
+                pos += got
+                micro += [b // len(devs)] * len(got)
+                dev += [int(devs[b % len(devs)])] * len(got)
+        pos, micro, dev = (np.array(x, np.int64) for x in (pos, micro, dev))
+        samples = np.empty(len(pos), np.int64)
+        for e in np.unique(pos // n):
+            sel = pos // n == e
+            samples[sel] = self.stream.order(int(e))[pos[sel] % n]
+        bins = micro * caps.devices + dev  # packed in arrival order within each bin
+        offset = offsets_in_bins(bins, self.llm[samples])
+        items = {}
+        for p, ptr, values in (
+            ("vision", self.index.images_ptr, self.index.images),
+            ("audio", self.index.audio_ptr, self.index.audio),
+        ):
+            owner, item, flat = gather_items(ptr, samples)
+            items[p] = ItemPlan(
+                owner=owner,
+                item=item,
+                device=dev[owner],
+                offset=offsets_in_bins(bins[owner], values[flat]),
+            )
+        # Age: steps since the stream frontier (largest position planned so far) first passed a
+        # sample's position. Only the last few steps are kept: grain holds samples briefly.
+        prev = self.frontier[-1] if self.frontier else -1
+        self.frontier = (self.frontier + [max(prev, int(pos.max()) if len(pos) else prev)])[-32:]
+        first = self.step + 1 - len(self.frontier)
+        arrival = first + np.searchsorted(np.array(self.frontier), pos, "left")
+        self.last_ages = self.step - arrival
+        plan = StepPlan(
+            step=self.step,
+            samples=samples,
+            micro=micro,
+            device=dev,
+            row=np.zeros(len(samples), np.int64),
+            offset=offset,
+            vision=items["vision"],
+            audio=items["audio"],
+        )
+        self.step += 1
+        return plan

@@ -1,0 +1,118 @@
+"""Capacity planning: per-device bucket sizes that match the data's modality ratios.
+
+Given a lengths index and a target number of LLM tokens per device and microbatch, suggest the
+LLM row shape and the vision / audio capacities so that every phase fills at the same rate
+(capacity_p / capacity_llm = total_p / total_llm over the data), each at least the largest
+sample's need, all on a small ladder of shapes (8 values per octave: {8..15} x 2^k, so a rounded
+capacity is within 6% of the ideal and a handful of configs share compiled shapes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from jaxmllm.data.samples import LengthsIndex
+
+
+def ladder_values(lo: int = 32, hi: int = 1 << 22, per_octave: int = 8) -> np.ndarray:
+    """The shape ladder: m * 2**k for m in [per_octave, 2*per_octave), between lo and hi."""
+    out = []
+    k = 0
+    while per_octave << k <= hi:
+        out += [m << k for m in range(per_octave, 2 * per_octave)]
+        k += 1
+    v = np.array(sorted(set(out)), np.int64)
+    return v[(v >= lo) & (v <= hi)]
+
+
+def ladder_up(x: float, per_octave: int = 8, multiple: int = 32) -> int:
+    """Smallest ladder value >= x (and a multiple of `multiple`)."""
+    v = _ladder(per_octave, multiple)
+    return int(v[np.searchsorted(v, x)])
+
+
+def ladder_nearest(x: float, per_octave: int = 8, multiple: int = 32) -> int:
+    """Ladder value nearest to x in ratio."""
+    v = _ladder(per_octave, multiple)
+    i = int(np.clip(np.searchsorted(v, x), 1, len(v) - 1))
+    lo, hi = v[i - 1], v[i]
+    return int(lo if x > 0 and math.log(x / lo) < math.log(hi / x) else hi)
+
+
+def _ladder(per_octave: int, multiple: int) -> np.ndarray:
+    v = ladder_values(per_octave=per_octave)
+    return v[v % multiple == 0]
+
+
+@dataclass(frozen=True)
+class CapacitySuggestion:
+    """Per device and microbatch bucket sizes (the batch.* keys of the same names)."""
+
+    llm_rows: int
+    llm_row_len: int
+    vision_patches: int  # 0 when the data has no images
+    audio_frames: int  # 0 when the data has no audio
+    demand: dict  # per phase: total work / capacity, relative to the LLM's (1.0 = matched)
+
+    def batch_overrides(self) -> dict:
+        """The batch config keys to set (e.g. for `capacity: auto`)."""
+        d = asdict(self)
+        del d["demand"]
+        return d
+
+
+def suggest_capacities(
+    index: LengthsIndex,
+    llm_tokens_per_device: int,
+    merge_area: int,
+    subsample: int,
+    *,
+    max_row_len: int | None = None,
+    per_octave: int = 8,
+) -> CapacitySuggestion:
+    """Suggests capacities for `llm_tokens_per_device` LLM tokens per device and microbatch.
+
+    Args:
+      index: the data's lengths index.
+      llm_tokens_per_device: target LLM tokens per device per microbatch.
+      merge_area: patches per LLM token (vision.merge**2).
+      subsample: audio frames per LLM token.
+      max_row_len: longest LLM row allowed (attention memory); None = one row per device.
+      per_octave: ladder resolution.
+    """
+    llm = index.llm_tokens(merge_area, subsample)
+    longest = int(llm.max()) if len(llm) else 1
+    target = max(llm_tokens_per_device, longest)
+    if max_row_len is None or target <= max_row_len:
+        rows, row_len = 1, max(ladder_nearest(target, per_octave), ladder_up(longest, per_octave))
+    else:
+        row_len = ladder_up(max(longest, max_row_len // 2), per_octave)
+        rows = max(1, round(target / row_len))
+    llm_cap = rows * row_len
+    total_llm = max(int(llm.sum()), 1)
+    caps, demand = {}, {"llm": 1.0}
+    for name, values, ptr, mult in (
+        ("vision", index.images, index.images_ptr, 4 * merge_area),
+        ("audio", index.audio, index.audio_ptr, 4 * subsample),
+    ):
+        per_sample = index.per_sample_sum(values, ptr)
+        if not per_sample.any():
+            caps[name] = 0
+            continue
+        ideal = llm_cap * per_sample.sum() / total_llm
+        mult = math.lcm(mult, 32)
+        caps[name] = max(
+            ladder_nearest(ideal, per_octave, mult),
+            ladder_up(int(per_sample.max()), per_octave, mult),
+        )
+        demand[name] = float(ideal / caps[name])
+    return CapacitySuggestion(
+        llm_rows=rows,
+        llm_row_len=row_len,
+        vision_patches=caps["vision"],
+        audio_frames=caps["audio"],
+        demand=demand,
+    )

@@ -1,0 +1,284 @@
+"""The balancer's contract on random workloads, plus the cost model and the capacity ladder."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxmllm.config import ModelConfig, load_config
+from jaxmllm.data.balancer import BalancedPlanner, OrchestratedPlanner, check_plan
+from jaxmllm.data.baselines import GrainPlanner, NaivePlanner
+from jaxmllm.data.capacity import ladder_values, suggest_capacities
+from jaxmllm.data.cost import CostModel, calibrate
+from jaxmllm.data.mixes import from_arrays, synthetic_omni
+from jaxmllm.data.planner import Capacities, OversizeError
+
+MERGE_AREA, SUBSAMPLE = 4, 4
+PLANNERS = {
+    "orchestrated": OrchestratedPlanner,
+    "balanced": BalancedPlanner,
+    "naive": NaivePlanner,
+    "grain": GrainPlanner,
+}
+SETTINGS = settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@st.composite
+def workloads(draw, policy: str):
+    n = draw(st.integers(1, 30))
+    text = draw(st.lists(st.integers(1, 60), min_size=n, max_size=n))  # >= BOS
+    images = [
+        np.array(draw(st.lists(st.integers(1, 16), max_size=3)), np.int64) * MERGE_AREA
+        for _ in range(n)
+    ]
+    audio = [
+        np.array(draw(st.lists(st.integers(1, 16), max_size=1)), np.int64) * SUBSAMPLE
+        for _ in range(n)
+    ]
+    index = from_arrays(np.array(text), images, audio)
+    llm = index.llm_tokens(MERGE_AREA, SUBSAMPLE)
+    vis = index.per_sample_sum(index.images, index.images_ptr)
+    aud = index.per_sample_sum(index.audio, index.audio_ptr)
+    slack = draw(st.integers(0, 64))
+    route = 0
+    if policy == "orchestrated":
+        route = draw(st.integers(16, 40))
+    rows = 1 if policy == "grain" else draw(st.integers(1, 2))
+    caps = Capacities(
+        microbatches=draw(st.integers(1, 2)),
+        devices=draw(st.integers(1, 4)),
+        llm_rows=rows,
+        llm_row_len=max(int(llm.max()), 1) + slack,
+        vision_patches=4 * ((int(vis.max()) + 4 * slack) // 4 + 1),
+        audio_frames=4 * ((int(aud.max()) + 4 * slack) // 4 + 1),
+        merge_area=MERGE_AREA,
+        subsample=SUBSAMPLE,
+        route_pair_capacity=route,
+    )
+    seed = draw(st.integers(0, 3))
+    return index, caps, seed
+
+
+def run(planner, steps: int):
+    plans = []
+    for _ in range(steps):
+        plans.append(planner.plan())
+    return plans
+
+
+def same_plan(a, b) -> bool:
+    fields = ("samples", "micro", "device", "row", "offset")
+    if any(not np.array_equal(getattr(a, f), getattr(b, f)) for f in fields):
+        return False
+    return all(
+        np.array_equal(getattr(getattr(a, p), f), getattr(getattr(b, p), f))
+        for p in ("vision", "audio")
+        for f in ("owner", "item", "device", "offset")
+    )
+
+
+@pytest.mark.parametrize("policy", list(PLANNERS))
+@SETTINGS
+@given(data=st.data())
+def test_plans_honour_capacities_and_routing(policy, data):
+    index, caps, seed = data.draw(workloads(policy))
+    planner = PLANNERS[policy](index, caps, seed)
+    for plan in run(planner, 6):
+        check_plan(plan, index, caps)  # capacities, no overlap, items placed once, routes
+
+
+@pytest.mark.parametrize("policy", ["orchestrated", "balanced"])
+@SETTINGS
+@given(data=st.data())
+def test_every_sample_once_and_bounded_age(policy, data):
+    index, caps, seed = data.draw(workloads(policy))
+    planner = PLANNERS[policy](index, caps, seed)
+    planned = Counter()
+    for plan in run(planner, 3 * len(index) + 4):
+        planned.update(plan.samples.tolist())
+        assert planner.last_ages.max(initial=0) <= planner.max_age
+    waiting = Counter(planner.deferred[:, 0].tolist())
+    pulled = Counter(planner.stream.take(0, planner.cursor).tolist())
+    assert planned + waiting == pulled  # nothing lost, nothing twice
+    assert planner.cursor >= 2 * len(index)  # it made progress over whole epochs
+
+
+@pytest.mark.parametrize("policy", list(PLANNERS))
+@SETTINGS
+@given(data=st.data(), k=st.integers(0, 4))
+def test_pure_function_and_resume(policy, data, k):
+    index, caps, seed = data.draw(workloads(policy))
+    a = PLANNERS[policy](index, caps, seed)
+    b = PLANNERS[policy](index, caps, seed)
+    plans_a = run(a, k)
+    assert all(same_plan(x, y) for x, y in zip(plans_a, run(b, k), strict=True))
+    state = json.loads(json.dumps(a.get_state()))  # JSON-able
+    after = run(a, 3)
+    c = PLANNERS[policy](index, caps, seed)
+    c.set_state(state)
+    assert all(same_plan(x, y) for x, y in zip(after, run(c, 3), strict=True))
+
+
+def test_orchestrated_needs_routing_and_balances_better():
+    index = synthetic_omni(3000, seed=1)
+    sug = suggest_capacities(index, 8192, MERGE_AREA, SUBSAMPLE)
+    kw = dict(
+        microbatches=2,
+        devices=8,
+        llm_rows=sug.llm_rows,
+        llm_row_len=sug.llm_row_len,
+        vision_patches=sug.vision_patches,
+        audio_frames=sug.audio_frames,
+        merge_area=MERGE_AREA,
+        subsample=SUBSAMPLE,
+    )
+    with pytest.raises(OversizeError, match="route_pair_capacity"):
+        OrchestratedPlanner(index, Capacities(route_pair_capacity=0, **kw), 0)
+    caps = Capacities(route_pair_capacity=sug.vision_patches // MERGE_AREA, **kw)
+    fills = {}
+    for name, cls, c in (
+        ("orchestrated", OrchestratedPlanner, caps),
+        ("naive", NaivePlanner, Capacities(route_pair_capacity=0, **kw)),
+    ):
+        planner = cls(index, c, 0)
+        work = 0
+        for plan in run(planner, 8):
+            check_plan(plan, index, c)
+            work += index.llm_tokens(MERGE_AREA, SUBSAMPLE)[plan.samples].sum()
+        fills[name] = work / (8 * 2 * 8 * sug.llm_rows * sug.llm_row_len)
+    assert fills["orchestrated"] > 0.85 > 0.5 > fills["naive"]
+
+
+def test_routing_tables_are_a_bijection():
+    """Through the real pipeline: every encoder output row fills exactly one placeholder."""
+    from jaxmllm.data.pipeline import make_pipeline
+
+    cfg = load_config(
+        None,
+        [
+            "model.vision.patch_size=4",
+            "model.vision.width=32",
+            "model.vision.heads=2",
+            "model.audio.n_mels=16",
+            "batch.llm_rows=2",
+            "batch.llm_row_len=160",
+            "batch.vision_patches=512",
+            "batch.audio_frames=128",
+            "batch.microbatches=2",
+            "batch.route_pair_capacity=128",
+            "batch.planner=orchestrated",
+            "data.synthetic.num_samples=256",
+        ],
+    )
+    it = make_pipeline(cfg, 4, prefetch=0)
+    routed = 0
+    for _ in range(3):
+        batch = next(it)["batch"]
+        for phase, per in (("vision", 4), ("audio", 4)):
+            seg = batch[f"{phase}_segment_ids"]  # [M, D, P]
+            send = batch[f"{phase}_send"]  # [M, D(src), D(dst), C]
+            src = batch[f"llm_{phase}_src"]  # [M, D, R, L]
+            m_n, d_n, c = send.shape[0], send.shape[1], send.shape[3]
+            for m in range(m_n):
+                real_rows = {
+                    (s, r)
+                    for s in range(d_n)
+                    for r in np.flatnonzero(seg[m, s, ::per] > 0).tolist()
+                }
+                used = []
+                for d in range(d_n):
+                    for v in src[m, d][src[m, d] >= 0].tolist():
+                        s, slot = divmod(v, c)
+                        used.append((s, int(send[m, s, d, slot])))
+                        routed += s != d
+                assert len(used) == len(set(used)) == len(real_rows)
+                assert set(used) == real_rows
+    assert routed > 0
+
+
+# ----------------------------------------------------------------------------- cost model
+
+
+def test_cost_multipliers_follow_what_is_frozen():
+    base = ModelConfig()
+    trainable = CostModel.from_model(base)
+    import dataclasses as dc
+
+    frozen_vis = CostModel.from_model(dc.replace(base, vision=dc.replace(base.vision, freeze=True)))
+    assert frozen_vis.vision.quadratic == pytest.approx(trainable.vision.quadratic / 3)
+    frozen_llm = CostModel.from_model(dc.replace(base, llm=dc.replace(base.llm, freeze=True)))
+    assert frozen_llm.llm.quadratic == pytest.approx(trainable.llm.quadratic * 2 / 3)
+    all_frozen = dc.replace(
+        base,
+        llm=dc.replace(base.llm, freeze=True),
+        vision=dc.replace(base.vision, freeze=True),
+        audio=dc.replace(base.audio, freeze=True),
+        projector_freeze=True,
+    )
+    assert CostModel.from_model(all_frozen).llm.quadratic == pytest.approx(
+        trainable.llm.quadratic / 3
+    )
+    c = trainable.llm
+    assert c.item_cost(np.array([10]))[0] == pytest.approx(10 * c.linear + 100 * c.quadratic)
+
+
+def test_calibration_recovers_coefficients():
+    prior = CostModel.from_model(ModelConfig())
+    truth = {"llm": (2e-13, 5e-13), "vision": (1e-13, 3e-13), "audio": (4e-13, 1e-13)}
+    rng = np.random.default_rng(0)
+    timings = []
+    for _ in range(12):
+        t = {
+            p: {"n": float(rng.integers(1000, 20000)), "n2": float(rng.integers(1, 9) * 1e7)}
+            for p in truth
+        }
+        t["time_s"] = 0.05 + sum(
+            a * prior.phase(p).linear * t[p]["n"] + b * prior.phase(p).quadratic * t[p]["n2"]
+            for p, (a, b) in truth.items()
+        )
+        timings.append(t)
+    fit = calibrate(prior, timings)
+    assert fit.overhead == pytest.approx(0.05, rel=1e-3)
+    for p, (a, b) in truth.items():
+        assert fit.phase(p).linear == pytest.approx(a * prior.phase(p).linear, rel=1e-3)
+        assert fit.phase(p).quadratic == pytest.approx(b * prior.phase(p).quadratic, rel=1e-3)
+    assert fit.step_time(timings[0]) == pytest.approx(timings[0]["time_s"], rel=1e-6)
+    few = calibrate(prior, timings[:2])  # too few lines: one common scale and the overhead
+    assert few.step_time(timings[0]) == pytest.approx(timings[0]["time_s"], rel=0.5)
+
+
+# ----------------------------------------------------------------------------- capacities
+
+
+def test_capacity_ladder_and_ratios():
+    ladder = set(ladder_values().tolist())
+    index = synthetic_omni(4000, seed=2)
+    sug = suggest_capacities(index, 16384, MERGE_AREA, SUBSAMPLE)
+    for v in (sug.llm_row_len, sug.vision_patches, sug.audio_frames):
+        assert v in ladder
+    llm = index.llm_tokens(MERGE_AREA, SUBSAMPLE)
+    vis = index.per_sample_sum(index.images, index.images_ptr)
+    assert sug.llm_rows * sug.llm_row_len >= llm.max()
+    assert sug.vision_patches >= vis.max() and sug.vision_patches % MERGE_AREA == 0
+    ideal = sug.llm_rows * sug.llm_row_len * vis.sum() / llm.sum()
+    assert abs(sug.vision_patches / ideal - 1) < 0.07  # 8 shapes an octave: within 6%
+    text_only = from_arrays(
+        np.array([100, 300]), [np.zeros(0, np.int64)] * 2, [np.zeros(0, np.int64)] * 2
+    )
+    sug = suggest_capacities(text_only, 1000, MERGE_AREA, SUBSAMPLE)
+    assert sug.vision_patches == sug.audio_frames == 0 and sug.llm_row_len >= 1000 * 0.94
+    assert set(sug.batch_overrides()) == {
+        "llm_rows",
+        "llm_row_len",
+        "vision_patches",
+        "audio_frames",
+    }
