@@ -266,7 +266,8 @@ def _train(cfg: Config, mesh, on_step) -> dict:
         for step in range(start, t.steps):
             host = next(data_iter)
             batch = sharding.make_global_batch(host["batch"], mesh)
-            state, metrics = step_fn(state, batch)
+            with jax.transfer_guard("disallow"):  # no hidden host<->device copies in the step
+                state, metrics = step_fn(state, batch)
             window_tokens += float((host["batch"]["llm_segment_ids"] > 0).sum())
             window_flops += step_flops(cfg, host["batch"])
             window_steps += 1

@@ -75,3 +75,23 @@ def test_interrupt_and_rerun_resumes_with_identical_losses(uninterrupted, tmp_pa
     for step in range(1, STEPS + 1):
         for key in ("loss", "grad_norm", "loss_tokens", "samples"):
             np.testing.assert_allclose(got[step][key], want[step][key], rtol=1e-5, err_msg=key)
+
+
+def test_frozen_modules_get_no_gradient_and_no_optimizer_state():
+    import jax
+
+    from jaxmllm.train import _init_state, make_optimizer, model_parts
+
+    cfg = load_config(
+        "configs/tiny.yaml", ["model.vision.freeze=true", "model.projector_freeze=true"]
+    )
+    parts, _ = model_parts(cfg)
+    assert parts.frozen_keys == ("vision", "vision_projector", "audio_projector")
+    optimizer, _ = make_optimizer(cfg)
+    state = jax.eval_shape(lambda: _init_state(cfg, optimizer))
+    assert set(state["params"]) == {"audio", "llm"}
+    assert set(state["frozen"]) == {"vision", "vision_projector", "audio_projector"}
+    # Adam's moments mirror the trainable params only.
+    opt_leaves = sum(x.size for x in jax.tree.leaves(state["opt_state"]))
+    trainable = sum(x.size for x in jax.tree.leaves(state["params"]))
+    assert opt_leaves < 2 * trainable + 16
