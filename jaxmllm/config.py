@@ -125,8 +125,10 @@ class BatchConfig:
     llm_row_len: int = 4096  # tokens per LLM row; a sample never crosses a row
     vision_patches: int = 4096  # ViT patch capacity per device per microbatch (one packed row)
     audio_frames: int = 3000  # log-mel frame capacity per device per microbatch (one packed row)
-    route_pair_capacity: int = 0  # encoder rows one device may send another; 0 = all local
-    planner: str = "first_fit"  # which planner fills the buckets
+    route_pair_capacity: int = -1  # encoder rows one device may send another; 0 = all local,
+    # -1 = auto (orchestrated: a whole device bucket's encoder output; other planners: 0)
+    planner: str = "orchestrated"  # orchestrated | balanced | grain | naive | first_fit
+    capacity: str = "fixed"  # fixed: the sizes above; auto: encoder buckets sized from the data
 
     def __post_init__(self):
         for key in ("microbatches", "llm_rows", "llm_row_len"):
@@ -134,6 +136,16 @@ class BatchConfig:
         _check(self.vision_patches % 4 == 0, "must be a multiple of 4", "vision_patches")
         _check(self.audio_frames % 4 == 0, "must be a multiple of 4", "audio_frames")
         _check(self.planner in PLANNERS, f"must be one of {sorted(PLANNERS)}", "planner")
+        _check(self.capacity in ("fixed", "auto"), "must be fixed or auto", "capacity")
+        _check(
+            self.route_pair_capacity >= -1, "must be >= 0, or -1 for auto", "route_pair_capacity"
+        )
+        _check(
+            self.planner != "orchestrated" or self.route_pair_capacity != 0,
+            "orchestrated routes encoder rows between devices: set route_pair_capacity "
+            "> 0, or -1 for auto",
+            "route_pair_capacity",
+        )
 
 
 PLANNERS = {"first_fit", "naive", "grain", "balanced", "orchestrated"}

@@ -27,7 +27,7 @@ from flax import nnx
 
 import sharding
 from jaxmllm.config import Config, ConfigError, load_config, to_dict
-from jaxmllm.data.pipeline import make_pipeline
+from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
 from jaxmllm.data.planner import OversizeError
 from jaxmllm.metrics import MetricsWriter, step_flops
 from jaxmllm.models import MultimodalLM, param_axes, token_losses
@@ -192,12 +192,15 @@ def main(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> 
     """Trains per `cfg`; returns the last logged metrics. `on_step(step, metrics)` is a hook."""
     _split_cpu(cfg.mesh.cpu_devices)
     mesh = sharding.make_mesh(cfg.mesh)
+    # The data decides `auto` sizes before anything is shaped by them.
+    source, index = make_source(cfg)
+    cfg = resolve_batch(cfg, index)
     # Under the mesh, the model pins the encoder-row exchange to the data axes (an all-to-all).
     with jax.set_mesh(mesh):
-        return _train(cfg, mesh, on_step)
+        return _train(cfg, mesh, source, index, on_step)
 
 
-def _train(cfg: Config, mesh, on_step) -> dict:
+def _train(cfg: Config, mesh, source, index, on_step) -> dict:
     t = cfg.train
     out = Path(t.output_dir)
     is_main = jax.process_index() == 0
@@ -216,7 +219,7 @@ def _train(cfg: Config, mesh, on_step) -> dict:
     )
 
     # Data: the planner fills fixed-shape buckets; planning and loading run ahead in a thread.
-    data_iter = make_pipeline(cfg, devices)
+    data_iter = make_pipeline(cfg, devices, source=source, index=index)
 
     # Shapes: abstract model, logical axes, then physical shardings (checked for clashes).
     parts, axes = model_parts(cfg)

@@ -11,10 +11,15 @@ from jaxmllm.data.planner import Capacities, OversizeError, make_planner
 from jaxmllm.data.synthetic import SyntheticSource
 
 SMALL = ["data.synthetic.num_samples=300", "batch.microbatches=2"]
+FIRST_FIT = ["batch.planner=first_fit", "batch.route_pair_capacity=0", "batch.capacity=fixed"]
 
 
 def tiny(*extra):
     return load_config("configs/tiny.yaml", [*SMALL, *extra])
+
+
+def first_fit(*extra):
+    return tiny(*FIRST_FIT, *extra)
 
 
 def test_synthetic_is_deterministic_and_index_matches_samples():
@@ -51,7 +56,7 @@ def plan_steps(cfg, devices, steps):
 
 
 def test_first_fit_never_exceeds_capacity_and_loses_nothing():
-    cfg = tiny()
+    cfg = first_fit()
     src, planner, plans = plan_steps(cfg, 8, 12)
     caps = Capacities.from_config(cfg, 8)
     index = src.lengths()
@@ -73,7 +78,7 @@ def test_first_fit_never_exceeds_capacity_and_loses_nothing():
 
 
 def test_bucketize_routes_every_placeholder_to_its_encoder_rows():
-    cfg = tiny()
+    cfg = first_fit()
     src, planner, plans = plan_steps(cfg, 8, 2)
     caps = Capacities.from_config(cfg, 8)
     plan = plans[1]
@@ -103,7 +108,7 @@ def test_bucketize_routes_every_placeholder_to_its_encoder_rows():
 
 
 def test_routed_mode_bucketize_uses_send_tables():
-    cfg = tiny("batch.route_pair_capacity=96")
+    cfg = first_fit("batch.route_pair_capacity=96")
     src, planner, plans = plan_steps(cfg, 4, 1)
     plan = plans[0]
     caps = Capacities.from_config(cfg, 4)
@@ -139,7 +144,7 @@ def test_routed_mode_bucketize_uses_send_tables():
 
 def test_oversize_sample_is_a_clear_start_up_error():
     with pytest.raises(OversizeError, match=r"raise batch\.vision_patches to at least"):
-        plan_steps(tiny("batch.vision_patches=64"), 8, 1)
+        plan_steps(first_fit("batch.vision_patches=64"), 8, 1)
 
 
 def test_pipeline_state_roundtrip_reproduces_steps():
@@ -158,3 +163,24 @@ def test_pipeline_state_roundtrip_reproduces_steps():
         assert a["info"]["step"] == b["info"]["step"]
         for k in a["batch"]:
             assert np.array_equal(a["batch"][k], b["batch"][k]), k
+
+
+def test_resolve_batch_sizes_encoder_buckets_and_route_capacity_from_the_data():
+    from jaxmllm.data.pipeline import make_source, resolve_batch
+
+    cfg = tiny("batch.capacity=auto", "batch.route_pair_capacity=-1")
+    _, index = make_source(cfg)
+    got = resolve_batch(cfg, index).batch
+    vision = index.per_sample_sum(index.images, index.images_ptr).max()
+    assert got.vision_patches >= vision and got.vision_patches % 4 == 0
+    assert got.audio_frames >= index.per_sample_sum(index.audio, index.audio_ptr).max()
+    assert got.route_pair_capacity == max(got.vision_patches, got.audio_frames) // 4
+    fixed = resolve_batch(tiny("batch.planner=first_fit", "batch.capacity=fixed"), index).batch
+    assert fixed.route_pair_capacity == 0 and fixed.vision_patches == cfg.batch.vision_patches
+
+
+def test_orchestrated_without_routing_is_a_config_error():
+    from jaxmllm.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"batch\.route_pair_capacity"):
+        tiny("batch.planner=orchestrated", "batch.route_pair_capacity=0")

@@ -9,6 +9,8 @@ grain's own orbax handler and a restored pipeline replays the exact same steps.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any
 
 import grain
@@ -16,9 +18,12 @@ import numpy as np
 
 from jaxmllm.config import Config
 from jaxmllm.data.bucketize import bucketize, fill_stats
+from jaxmllm.data.capacity import suggest_capacities
 from jaxmllm.data.planner import Capacities, make_planner
 from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.data.synthetic import SyntheticSource
+
+log = logging.getLogger("jaxmllm")
 
 
 def make_source(cfg: Config) -> tuple[grain.MapDataset, LengthsIndex]:
@@ -27,13 +32,48 @@ def make_source(cfg: Config) -> tuple[grain.MapDataset, LengthsIndex]:
     return grain.MapDataset.source(source), source.lengths()
 
 
+def resolve_batch(cfg: Config, index: LengthsIndex) -> Config:
+    """Resolves `batch.capacity: auto` and `batch.route_pair_capacity: -1` against the data.
+
+    auto keeps the LLM bucket (the token budget per device is the user's choice) and sizes the
+    encoder buckets to the data's modality ratios, on the capacity ladder, each at least the
+    largest item. The resolved values are what the model, the planner and checkpoints see.
+    """
+    b, m = cfg.batch, cfg.model
+    changes = {}
+    if b.capacity == "auto":
+        got = suggest_capacities(
+            index,
+            b.llm_rows * b.llm_row_len,
+            m.vision.merge**2,
+            m.audio.subsample,
+            max_row_len=b.llm_row_len,
+        )
+        for key in ("vision_patches", "audio_frames"):
+            value = getattr(got, key)
+            if value:  # 0: the data has none of it; keep the configured bucket
+                changes[key] = value
+    if b.route_pair_capacity == -1 and b.planner != "orchestrated":
+        changes["route_pair_capacity"] = 0  # only orchestrated moves items between devices
+    elif b.route_pair_capacity == -1:
+        vision = changes.get("vision_patches", b.vision_patches) // m.vision.merge**2
+        audio = changes.get("audio_frames", b.audio_frames) // m.audio.subsample
+        changes["route_pair_capacity"] = max(
+            vision if m.vision.enabled else 0, audio if m.audio.enabled else 0, 1
+        )
+    if changes:
+        log.info("batch resolved from the data: %s", changes)
+    return dataclasses.replace(cfg, batch=dataclasses.replace(b, **changes)) if changes else cfg
+
+
 class StepIterator(grain.DatasetIterator):
     """Yields one host batch per step: {"batch": arrays, "info": plan summary}."""
 
-    def __init__(self, cfg: Config, devices: int):
+    def __init__(self, cfg: Config, devices: int, source=None, index=None):
         super().__init__()
         self.cfg = cfg
-        self.source, self.index = make_source(cfg)
+        self.source, self.index = (source, index) if source is not None else make_source(cfg)
+        self.cfg = cfg = resolve_batch(cfg, self.index)  # idempotent: the trainer resolved it
         self.caps = Capacities.from_config(cfg, devices)
         self.planner = make_planner(cfg, self.index, devices)
 
@@ -59,17 +99,23 @@ class StepIterator(grain.DatasetIterator):
 class StepDataset(grain.IterDataset):
     """grain dataset wrapper so the step iterator composes with grain's prefetching."""
 
-    def __init__(self, cfg: Config, devices: int):
+    def __init__(self, cfg: Config, devices: int, source=None, index=None):
         super().__init__()
-        self.cfg, self.devices = cfg, devices
+        self.cfg, self.devices, self.source, self.index = cfg, devices, source, index
 
     def __iter__(self) -> StepIterator:
-        return StepIterator(self.cfg, self.devices)
+        return StepIterator(self.cfg, self.devices, self.source, self.index)
 
 
-def make_pipeline(cfg: Config, devices: int, prefetch: int = 2) -> grain.DatasetIterator:
-    """The trainer's data iterator; planning and loading run ahead in a background thread."""
-    ds = StepDataset(cfg, devices)
+def make_pipeline(
+    cfg: Config, devices: int, prefetch: int = 2, *, source=None, index=None
+) -> grain.DatasetIterator:
+    """The trainer's data iterator; planning and loading run ahead in a background thread.
+
+    `auto` sizes are resolved against the data (`resolve_batch`); pass `source`/`index` to reuse
+    a source the caller already opened.
+    """
+    ds = StepDataset(cfg, devices, source, index)
     if prefetch > 0:
         ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)
     return iter(ds)

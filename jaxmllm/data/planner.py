@@ -32,6 +32,11 @@ class Capacities:
     @classmethod
     def from_config(cls, cfg: Config, devices: int) -> Capacities:
         b, m = cfg.batch, cfg.model
+        if b.route_pair_capacity < 0:
+            raise ValueError(
+                "batch.route_pair_capacity=-1 (auto) must be resolved against the "
+                "data first: jaxmllm.data.pipeline.resolve_batch"
+            )
         return cls(
             microbatches=b.microbatches,
             devices=devices,
