@@ -13,19 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import Config
-
-
-def _block_flops(
-    tokens: float, sq_sum: float, width: int, mlp: int, kv_width: int, causal: bool
-) -> float:
-    """Forward FLOPs of one pre-norm transformer layer over `tokens` real tokens.
-
-    Linear part: q, o projections (2 d^2), k, v (2 d kv), gated MLP (3 d f), 2 FLOPs per MAC.
-    Attention part: QK^T and AV over each segment, sum of n^2 (halved when causal).
-    """
-    linear = 2.0 * tokens * (2 * width * width + 2 * width * kv_width + 3 * width * mlp)
-    attn = 4.0 * sq_sum * width * (0.5 if causal else 1.0)
-    return linear + attn
+from jaxmllm.data.cost import CostModel
 
 
 def _segment_stats(seg: np.ndarray) -> tuple[float, float]:
@@ -38,28 +26,19 @@ def _segment_stats(seg: np.ndarray) -> tuple[float, float]:
     return float(real.sum()), float((counts**2).sum())
 
 
-def step_flops(cfg: Config, batch: dict[str, np.ndarray]) -> float:
-    """Model FLOPs of one step's real tokens (training = 3x forward for trained modules)."""
-    m = cfg.model
+def step_flops(cfg: Config, batch: dict[str, np.ndarray], cost: CostModel | None = None) -> float:
+    """Model FLOPs of one step's real (non-padding) items, from the planner's cost model.
+
+    Per phase: linear * (real units) + quadratic * (sum of squared segment lengths), with the
+    training multipliers for trained and frozen modules (see jaxmllm/data/cost.py).
+    """
+    cost = cost or CostModel.from_model(cfg.model)
     total = 0.0
-    llm_mult = 1.0 if m.llm.freeze else 3.0
-    below_trainable = not m.llm.freeze or not m.projector_freeze
-    real, sq = _segment_stats(batch["llm_segment_ids"])
-    kv = m.llm.width // m.llm.heads * m.llm.kv_heads
-    total += llm_mult * m.llm.depth * _block_flops(real, sq, m.llm.width, m.llm.mlp_dim, kv, True)
-    total += llm_mult * 2.0 * real * m.llm.width * m.llm.vocab_size  # LM head
-    for name, sub in (("vision", m.vision), ("audio", m.audio)):
-        key = f"{name}_segment_ids"
-        if not sub.enabled or key not in batch:
-            continue
-        seg = batch[key]
-        if name == "audio":
-            seg = seg[..., :: sub.subsample]
-        real_e, sq_e = _segment_stats(seg)
-        mult = 3.0 if not sub.freeze else (2.0 if below_trainable else 1.0)
-        total += (
-            mult * sub.depth * _block_flops(real_e, sq_e, sub.width, sub.mlp_dim, sub.width, False)
-        )
+    for phase in ("llm", "vision", "audio"):
+        key = f"{phase}_segment_ids"
+        if key in batch:
+            real, sq = _segment_stats(batch[key])
+            total += cost.phase(phase).linear * real + cost.phase(phase).quadratic * sq
     return total
 
 

@@ -107,13 +107,13 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
 # ----------------------------------------------------------------------------- train step
 
 
-def make_train_step(
-    parts: ModelParts, optimizer: optax.GradientTransformation, schedule: optax.Schedule
-) -> Callable:
-    """One optimizer step over all microbatches of a step batch [M, D, ...].
+def make_loss_and_grads(parts: ModelParts) -> Callable:
+    """(params, frozen, batch [M, D, ...]) -> (loss, grads) over all microbatches of a step.
 
     loss = sum of token losses / global count of loss tokens in the whole step, so the loss and
     the gradient do not depend on how the planner spread samples over devices or microbatches.
+    Only `params` are differentiated: frozen modules get no gradient, and a frozen encoder with
+    nothing trainable below it runs forward only.
     """
 
     def loss_fn(params, frozen, mb, denom):
@@ -123,15 +123,28 @@ def make_train_step(
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def train_step(state, batch):
+    def loss_and_grads(params, frozen, batch):
         denom = jnp.maximum(batch["llm_loss_mask"].sum(), 1.0)
 
         def microbatch(acc, mb):
-            (loss, _), grads = grad_fn(state["params"], state["frozen"], mb, denom)
+            (loss, _), grads = grad_fn(params, frozen, mb, denom)
             return jax.tree.map(jnp.add, acc, (loss, grads)), None
 
-        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state["params"]))
+        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
         (loss, grads), _ = jax.lax.scan(microbatch, zero, batch)
+        return loss, grads
+
+    return loss_and_grads
+
+
+def make_train_step(
+    parts: ModelParts, optimizer: optax.GradientTransformation, schedule: optax.Schedule
+) -> Callable:
+    """One optimizer step over all microbatches of a step batch [M, D, ...]."""
+    loss_and_grads = make_loss_and_grads(parts)
+
+    def train_step(state, batch):
+        loss, grads = loss_and_grads(state["params"], state["frozen"], batch)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         new_state = {
             **state,
@@ -143,11 +156,72 @@ def make_train_step(
             "loss": loss,
             "grad_norm": optax.tree.norm(grads),
             "lr": schedule(state["step"]),
-            "loss_tokens": denom,
+            "loss_tokens": jnp.maximum(batch["llm_loss_mask"].sum(), 1.0),
         }
         return new_state, metrics
 
     return train_step
+
+
+# ----------------------------------------------------------------------------- program
+
+
+@dataclasses.dataclass
+class Program:
+    """What a config compiles to on a mesh: shapes, shardings, init and the train step."""
+
+    cfg: Config
+    mesh: Any
+    parts: ModelParts
+    axes: dict
+    optimizer: optax.GradientTransformation
+    abstract: dict  # eval_shape of the train state
+    shardings: dict  # NamedSharding per train-state leaf
+    step: Callable  # jitted (state, batch) -> (state, metrics); the state is donated
+
+    def abstract_sharded(self) -> dict:
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            self.abstract,
+            self.shardings,
+        )
+
+    def init(self) -> dict:
+        """A fresh train state, created by a jitted init straight into its shardings."""
+        init = lambda: _init_state(self.cfg, self.optimizer)
+        return jax.jit(init, out_shardings=self.shardings)()
+
+    def describe(self) -> str:
+        params = {**self.abstract["params"], **self.abstract["frozen"]}
+        return sharding.describe(self.axes, params, self.mesh)
+
+
+def build_program(cfg: Config, mesh) -> Program:
+    """Abstract model -> logical axes -> physical shardings -> jitted train step.
+
+    `cfg` must be resolved against the data (`resolve_batch`).
+    """
+    parts, axes = model_parts(cfg)
+    optimizer, schedule = make_optimizer(cfg)
+    abstract = jax.eval_shape(lambda: _init_state(cfg, optimizer))
+    sharding.validate(axes)
+    trained = {k: v for k, v in axes.items() if k not in parts.frozen_keys}
+    frozen = {k: v for k, v in axes.items() if k in parts.frozen_keys}
+    shardings = {
+        "params": sharding.param_shardings(trained, abstract["params"], mesh),
+        "frozen": sharding.param_shardings(frozen, abstract["frozen"], mesh),
+        "step": sharding.replicated(mesh),
+    }
+    shardings["opt_state"] = sharding.opt_state_shardings(
+        optimizer, abstract["opt_state"], shardings["params"], mesh
+    )
+    # One compiled program; the state is donated so params are updated in place.
+    step = jax.jit(
+        make_train_step(parts, optimizer, schedule),
+        donate_argnums=0,
+        out_shardings=(shardings, sharding.replicated(mesh)),
+    )
+    return Program(cfg, mesh, parts, axes, optimizer, abstract, shardings, step)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -221,44 +295,22 @@ def _train(cfg: Config, mesh, source, index, on_step) -> dict:
     # Data: the planner fills fixed-shape buckets; planning and loading run ahead in a thread.
     data_iter = make_pipeline(cfg, devices, source=source, index=index)
 
-    # Shapes: abstract model, logical axes, then physical shardings (checked for clashes).
-    parts, axes = model_parts(cfg)
-    optimizer, schedule = make_optimizer(cfg)
-    abstract = jax.eval_shape(lambda: _init_state(cfg, optimizer))
-    axes_params = {k: v for k, v in axes.items() if k not in parts.frozen_keys}
-    axes_frozen = {k: v for k, v in axes.items() if k in parts.frozen_keys}
-    sharding.validate(axes)
-    shardings = {
-        "params": sharding.param_shardings(axes_params, abstract["params"], mesh),
-        "frozen": sharding.param_shardings(axes_frozen, abstract["frozen"], mesh),
-        "step": sharding.replicated(mesh),
-    }
-    shardings["opt_state"] = sharding.opt_state_shardings(
-        optimizer, abstract["opt_state"], shardings["params"], mesh
-    )
+    # Shapes, shardings (checked for clashes), and the one compiled step.
+    prog = build_program(cfg, mesh)
     if is_main:
-        print(sharding.describe(axes, {**abstract["params"], **abstract["frozen"]}, mesh))
-        if parts.frozen_keys:
-            print(f"frozen (no gradient, no optimizer state): {', '.join(parts.frozen_keys)}")
+        print(prog.describe())
+        if prog.parts.frozen_keys:
+            print(f"frozen (no gradient, no optimizer state): {', '.join(prog.parts.frozen_keys)}")
 
     # Init: jitted straight into its shardings (no full copy on one device), or restore.
-    abstract_sharded = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-    )
     mngr = make_checkpoint_manager(cfg)
-    state = restore_latest(mngr, abstract_sharded, data_iter)
+    state = restore_latest(mngr, prog.abstract_sharded(), data_iter)
     if state is None:
-        state = jax.jit(lambda: _init_state(cfg, optimizer), out_shardings=shardings)()
+        state = prog.init()
     start = int(state["step"])
     if start:
         print(f"resumed from checkpoint at step {start} in {mngr.directory}")
-
-    # Step: one compiled program; the state is donated so params are updated in place.
-    step_fn = jax.jit(
-        make_train_step(parts, optimizer, schedule),
-        donate_argnums=0,
-        out_shardings=(shardings, sharding.replicated(mesh)),
-    )
+    step_fn = prog.step
 
     # Loop.
     writer = MetricsWriter(out, enabled=is_main)
@@ -282,6 +334,7 @@ def _train(cfg: Config, mesh, source, index, on_step) -> dict:
                     _throughput(window_tokens, window_flops, window_steps, elapsed, mesh.size)
                 )
                 metrics.update({f"padding/{k}": 1.0 - v for k, v in host["info"]["fill"].items()})
+                metrics.update(host["info"].get("rejects", {}))  # cumulative bad-input counts
                 metrics["samples"] = len(host["info"]["samples"])
                 writer.write(done, metrics)
                 bar.set_postfix(

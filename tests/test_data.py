@@ -131,12 +131,13 @@ def test_routed_mode_bucketize_uses_send_tables():
     img = batch["llm_tokens"] == tok.IMAGE
     srcs = batch["llm_vision_src"][img]
     assert (srcs >= 0).all()
-    # Received index s*C + c must point at a send slot that names a real row of device s.
-    C = 96
+    # Received index N + s*C + c must point at a send slot that names a real row of device s.
+    C, N = 96, cfg.batch.vision_patches // 4
     for m in range(caps.microbatches):
         for d in range(4):
             for v in batch["llm_vision_src"][m, d][img[m, d]]:
-                s_dev, c = divmod(int(v), C)
+                assert v >= N  # nothing is local: every image moved
+                s_dev, c = divmod(int(v) - N, C)
                 assert s_dev == (d + 1) % 4
                 row = batch["vision_send"][m, s_dev, d, c]
                 assert batch["vision_segment_ids"][m, s_dev, row * 4] > 0

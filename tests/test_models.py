@@ -31,7 +31,10 @@ CFG = ModelConfig(
     audio=AudioConfig(n_mels=N_MELS, width=32, depth=1, heads=2, mlp_dim=64),
     llm=LLMConfig(vocab_size=VOCAB, width=32, depth=2, heads=4, kv_heads=2, mlp_dim=64),
 )
-LOCAL = BatchConfig(llm_rows=2, llm_row_len=40, vision_patches=32, audio_frames=24)
+LOCAL = BatchConfig(
+    llm_rows=2, llm_row_len=40, vision_patches=32, audio_frames=24, route_pair_capacity=0,
+    planner="first_fit",
+)
 ALLOWED_AXES = {"embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "patch", "mel", None}
 
 
@@ -229,10 +232,13 @@ def test_routed_exchange_matches_local():
     routed["vision_segment_ids"][0, 16:32] = 2  # y's image is device 0's second image
     routed["vision_segment_ids"][1, 16:32] = 0
     send = np.zeros((2, 2, 6), np.int32)
-    send[0, 0, :4], send[0, 1, :4], send[1, 1, :4] = range(4), range(4, 8), range(4)
+    send[0, 1, :4] = range(4, 8)  # device 0's rows 4..7 (y's image) go to device 1, slots 0..3
     routed["vision_send"] = send
+    n_local = routed["vision_patches"].shape[1] // 4
     src = routed["llm_vision_src"][1]
-    src[src >= 4] += 2  # z's rows arrive from device 1, at slots 1 * C + c
+    is_y, is_z = (src >= 0) & (src < 4), src >= 4
+    src[is_y] += n_local  # y's rows are received: own rows first, then source 0's slots
+    src[is_z] -= 4  # z's image is now device 1's first image: the local path
 
     _, params, _, local_fn = model_fns(cfg, LOCAL)
     _, routed_params, _, routed_fn = model_fns(cfg, routed_cfg)

@@ -83,7 +83,8 @@ def test_frozen_modules_get_no_gradient_and_no_optimizer_state():
     from jaxmllm.train import _init_state, make_optimizer, model_parts
 
     cfg = load_config(
-        "configs/tiny.yaml", ["model.vision.freeze=true", "model.projector_freeze=true"]
+        "configs/tiny.yaml",
+        ["model.vision.freeze=true", "model.projector_freeze=true", "batch.route_pair_capacity=80"],
     )
     parts, _ = model_parts(cfg)
     assert parts.frozen_keys == ("vision", "vision_projector", "audio_projector")

@@ -11,10 +11,11 @@ Every array has leading axes [M, D] (microbatch, data-parallel device bucket):
   vision_send, audio_send                                    int32  [M, D, D, C]  (routed only)
 
 Segment ids are 1, 2, ... per sample (per image / clip in the encoder rows) and 0 for padding.
-`llm_*_src[t] = -1` unless token t is a placeholder slot; then, with route_pair_capacity C = 0,
-it is the row of the *same device's* projector output that fills it, and with C > 0 the row of
-the device's received buffer (source device s, pair slot c -> s*C + c), which the exchange fills
-from `*_send[s, d, c]` = the source's projector output row.
+`llm_*_src[t] = -1` unless token t is a placeholder slot; then it indexes the device's row
+buffer [own projector output rows (N) | received rows (D*C)]: an item encoded on the text's own
+device is read locally (index < N); with route_pair_capacity C > 0 an item encoded on device s is
+read at N + s*C + c, which the all-to-all fills from `*_send[s, d, c]` = the source's projector
+output row. C bounds only cross-device traffic; self pairs are never used.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ def bucketize(
     slots: list[list[np.ndarray]] = [[] for _ in range(len(plan.samples))]
     for k, s in enumerate(plan.samples.tolist()):
         sample = samples[s]
+        if sample is None:  # failed to load (data.on_error=skip): its slots stay padding
+            slots[k] = [np.zeros(0, np.int64), np.zeros(0, np.int64)]
+            continue
         m, d, r, o = (
             int(plan.micro[k]),
             int(plan.device[k]),
@@ -153,6 +157,8 @@ def _write_items(
     for k in order.tolist():
         owner, j = int(items.owner[k]), int(items.item[k])
         sample = samples[int(plan.samples[owner])]
+        if sample is None:  # failed to load: no encoder rows, no routing
+            continue
         m, enc_dev, off = int(plan.micro[owner]), int(items.device[k]), int(items.offset[k])
         seg = seg_counter[(m, enc_dev)] = seg_counter.get((m, enc_dev), 0) + 1
         if phase == "vision":
@@ -170,7 +176,7 @@ def _write_items(
         dest = slots[owner][which][used[owner] : used[owner] + len(rows)]
         used[owner] += len(rows)
         d, r = int(plan.device[owner]), int(plan.row[owner])
-        if pair_cap == 0:
+        if pair_cap == 0 or enc_dev == d:  # the local path: no exchange
             if enc_dev != d:
                 raise ValueError(
                     f"plan step {plan.step}: sample {sample.id} {phase} item {j} is "
@@ -186,7 +192,8 @@ def _write_items(
             )
         pair_fill[(m, enc_dev, d)] = c0 + len(rows)
         batch[f"{phase}_send"][m, enc_dev, d, c0 : c0 + len(rows)] = rows
-        batch[src_key][m, d, r, dest] = enc_dev * pair_cap + c0 + np.arange(len(rows))
+        local_rows = batch[data_key].shape[2] // per_row  # received rows follow the own ones
+        batch[src_key][m, d, r, dest] = local_rows + enc_dev * pair_cap + c0 + np.arange(len(rows))
 
 
 def fill_stats(batch: dict[str, np.ndarray]) -> dict[str, float]:

@@ -1,10 +1,11 @@
 """The multimodal LM: encoders and projectors feeding placeholder slots of a decoder.
 
 Encoder output rows reach the LLM through per-token source indices (`llm_*_src`): -1 keeps the
-token's own embedding, i >= 0 replaces it with row i of the encoder's projector output. In local
-mode that is the same device's output; in routed mode each device first sends rows to the devices
-whose LLM rows need them (an all-to-all under SPMD), so encoder load can be balanced
-independently of where the text lands.
+token's own embedding, i >= 0 replaces it with row i of the device's row buffer. In local mode the
+buffer is the device's own projector output [N rows]. In routed mode it is [own N rows | D*C
+received rows]: rows encoded on the text's device take the local path, the others arrive by one
+all-to-all at a fixed per-pair capacity C, so encoder load can be balanced independently of where
+the text lands.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ class MultimodalLM(nnx.Module):
             AudioProjector(aud.width, cfg.llm.width, **kw) if aud.enabled else None
         )
         self.llm = Decoder(cfg.llm, remat=cfg.remat, **kw)
+        if batch_cfg.route_pair_capacity < 0:
+            raise ValueError(
+                "batch.route_pair_capacity=-1 (auto) must be resolved against the data first "
+                "(jaxmllm.data.pipeline.resolve_batch)"
+            )
         self.route_capacity = batch_cfg.route_pair_capacity
 
     def __call__(self, mb: dict[str, jax.Array]) -> jax.Array:
@@ -79,6 +85,7 @@ class MultimodalLM(nnx.Module):
         return logits.reshape(d, r, length, -1)
 
     def _route(self, rows_dnw: jax.Array, send_ddc: jax.Array | None) -> jax.Array:
+        """The rows a device's placeholder slots read: its own, then (routed) received ones."""
         if self.route_capacity == 0:
             return rows_dnw
         if send_ddc is None or send_ddc.shape[-1] != self.route_capacity:
@@ -86,11 +93,12 @@ class MultimodalLM(nnx.Module):
                 f"routed mode (route_pair_capacity={self.route_capacity}) needs "
                 f"*_send arrays [D, D, {self.route_capacity}]"
             )
-        return exchange_rows(rows_dnw, send_ddc)
+        # Local rows take the local path (index < N); only the others cross devices.
+        return jnp.concatenate([rows_dnw, exchange_rows(rows_dnw, send_ddc)], axis=1)
 
 
 def exchange_rows(rows_dnw: jax.Array, send_ddc: jax.Array) -> jax.Array:
-    """Sends encoder rows between devices.
+    """Sends encoder rows between devices with one all-to-all at a fixed per-pair capacity.
 
     Args:
       rows_dnw: each device's projector output [D, N, width].
@@ -98,12 +106,36 @@ def exchange_rows(rows_dnw: jax.Array, send_ddc: jax.Array) -> jax.Array:
 
     Returns:
       Each device's received buffer [D, D * C, width]; row `src * C + c` came from `src`.
+      Under a mesh (`jax.set_mesh`) with one bucket per data-parallel shard, this is a
+      `shard_map` whose body gathers the send buffer and calls `lax.all_to_all` over the data
+      axes; its transpose (the backward pass) is the reverse all-to-all. Without a mesh, the
+      same exchange is written as a transpose (single device, reference tests).
     """
-    sent_sdcw = shard_like_batch(jax.vmap(lambda rows, idx: rows[idx])(rows_dnw, send_ddc))
-    # Sharded on src before and on dst after: XLA lowers the transpose to an all-to-all.
-    received_dscw = shard_like_batch(jnp.swapaxes(sent_sdcw, 0, 1))
-    d, _, c, width = received_dscw.shape
-    return received_dscw.reshape(d, d * c, width)
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = () if mesh.empty else tuple(a for a in DATA_AXES if a in mesh.axis_names)
+    shards = 1
+    for a in axes:
+        shards *= mesh.shape[a]
+    if not axes or shards == 1:
+        sent_sdcw = jax.vmap(lambda rows, idx: rows[idx])(rows_dnw, send_ddc)
+        d, _, c, width = sent_sdcw.shape
+        return jnp.swapaxes(sent_sdcw, 0, 1).reshape(d, d * c, width)
+    if rows_dnw.shape[0] != shards:
+        raise ValueError(
+            f"the exchange needs one bucket per data-parallel shard: got {rows_dnw.shape[0]} "
+            f"buckets for {shards} shards of mesh axes {axes}"
+        )
+    spec = PartitionSpec(axes)
+
+    def per_shard(rows_1nw, send_1dc):
+        sent_dcw = jnp.take(rows_1nw[0], send_1dc[0], axis=0)
+        # Chunk dst of the send buffer goes to shard dst; chunk src of the result came from src.
+        received_dcw = jax.lax.all_to_all(sent_dcw, axes, 0, 0, tiled=True)
+        return received_dcw.reshape(1, -1, received_dcw.shape[-1])
+
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec), out_specs=spec)(
+        rows_dnw, send_ddc
+    )
 
 
 def shard_like_batch(x: jax.Array) -> jax.Array:
