@@ -75,7 +75,7 @@ def test_small_config_is_a_realistic_single_gpu_model():
 
     from jaxmllm.train import model_parts
 
-    cfg = load_config(ROOT / "configs" / "small.yaml")
+    cfg = load_config(ROOT / "configs" / "small.yaml", ["batch.route_pair_capacity=64"])
     parts, _ = model_parts(cfg)
     count = sum(x.size for x in jax.tree.leaves(nnx_pure(parts.template)))
     assert 300e6 <= count <= 1e9, count

@@ -32,7 +32,11 @@ CFG = ModelConfig(
     llm=LLMConfig(vocab_size=VOCAB, width=32, depth=2, heads=4, kv_heads=2, mlp_dim=64),
 )
 LOCAL = BatchConfig(
-    llm_rows=2, llm_row_len=40, vision_patches=32, audio_frames=24, route_pair_capacity=0,
+    llm_rows=2,
+    llm_row_len=40,
+    vision_patches=32,
+    audio_frames=24,
+    route_pair_capacity=0,
     planner="first_fit",
 )
 ALLOWED_AXES = {"embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "patch", "mel", None}
@@ -379,7 +383,7 @@ def test_exchange_is_one_all_to_all_under_a_mesh():
     x = rng.normal(size=(4, 2, 5, 16)).astype(np.float32)
     put = lambda a: jax.device_put(a, jax.NamedSharding(mesh, jax.P(("data", "fsdp"))))
     with jax.set_mesh(mesh):
-        f = jax.jit(lambda x, rows, send, src: fill_slots(x, exchange_rows(rows, send), src))
+        f = jax.jit(lambda x, rows, send, src: fill_slots(x, exchange_rows([rows], [send])[0], src))
         args = [put(a) for a in (x, rows, send, src)]
         hlo = f.lower(*args).compile().as_text()
         out = f(*args)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import PartitionSpec
@@ -66,16 +67,20 @@ class MultimodalLM(nnx.Module):
         # The table is sharded on `embed`; pin the lookup to the batch layout so XLA does not
         # carry the table's layout into the activations (a full rematerialisation otherwise).
         x_drlw = shard_like_batch(self.llm.embed(mb["llm_tokens"]))
+        phases = []  # (projector output rows [D, N, W], send table, slot sources)
         if self.vision is not None:
             feats = self.vision(
                 mb["vision_patches"], mb["vision_segment_ids"], mb["vision_positions"]
             )
-            rows = self._route(self.vision_projector(feats), mb.get("vision_send"))
-            x_drlw = fill_slots(x_drlw, rows, mb["llm_vision_src"])
+            phases.append((self.vision_projector(feats), "vision"))
         if self.audio is not None:
             feats = self.audio(mb["audio_frames"], mb["audio_segment_ids"], mb["audio_positions"])
-            rows = self._route(self.audio_projector(feats), mb.get("audio_send"))
-            x_drlw = fill_slots(x_drlw, rows, mb["llm_audio_src"])
+            phases.append((self.audio_projector(feats), "audio"))
+        buffers = self._route(
+            [rows for rows, _ in phases], [mb.get(f"{p}_send") for _, p in phases]
+        )
+        for buffer, (_, phase) in zip(buffers, phases, strict=True):
+            x_drlw = fill_slots(x_drlw, buffer, mb[f"llm_{phase}_src"])
         d, r, length, width = x_drlw.shape
         logits = self.llm(
             x_drlw.reshape(d * r, length, width),
@@ -84,58 +89,70 @@ class MultimodalLM(nnx.Module):
         )
         return logits.reshape(d, r, length, -1)
 
-    def _route(self, rows_dnw: jax.Array, send_ddc: jax.Array | None) -> jax.Array:
-        """The rows a device's placeholder slots read: its own, then (routed) received ones."""
-        if self.route_capacity == 0:
-            return rows_dnw
-        if send_ddc is None or send_ddc.shape[-1] != self.route_capacity:
-            raise ValueError(
-                f"routed mode (route_pair_capacity={self.route_capacity}) needs "
-                f"*_send arrays [D, D, {self.route_capacity}]"
-            )
-        # Local rows take the local path (index < N); only the others cross devices.
-        return jnp.concatenate([rows_dnw, exchange_rows(rows_dnw, send_ddc)], axis=1)
+    def _route(self, rows: list[jax.Array], sends: list[jax.Array | None]) -> list[jax.Array]:
+        """The rows each phase's slots read: the device's own, then (routed) received ones."""
+        if self.route_capacity == 0 or not rows:
+            return rows
+        for send in sends:
+            if send is None or send.shape[-1] != self.route_capacity:
+                raise ValueError(
+                    f"routed mode (route_pair_capacity={self.route_capacity}) needs "
+                    f"*_send arrays [D, D, {self.route_capacity}]"
+                )
+        # Local rows take the local path (index < N); only the others cross devices, all
+        # phases in one all-to-all (a collective's latency is paid once).
+        received = exchange_rows(rows, sends)
+        return [jnp.concatenate([r, x], axis=1) for r, x in zip(rows, received, strict=True)]
 
 
-def exchange_rows(rows_dnw: jax.Array, send_ddc: jax.Array) -> jax.Array:
+def exchange_rows(rows: list[jax.Array], sends: list[jax.Array]) -> list[jax.Array]:
     """Sends encoder rows between devices with one all-to-all at a fixed per-pair capacity.
 
     Args:
-      rows_dnw: each device's projector output [D, N, width].
-      send_ddc: `send[src, dst, c]` = which of src's rows goes to dst in slot c [D, D, C].
+      rows: per phase, each device's projector output [D, N_p, width].
+      sends: per phase, `send[src, dst, c]` = which of src's rows goes to dst in slot c
+        [D, D, C_p].
 
     Returns:
-      Each device's received buffer [D, D * C, width]; row `src * C + c` came from `src`.
-      Under a mesh (`jax.set_mesh`) with one bucket per data-parallel shard, this is a
-      `shard_map` whose body gathers the send buffer and calls `lax.all_to_all` over the data
-      axes; its transpose (the backward pass) is the reverse all-to-all. Without a mesh, the
-      same exchange is written as a transpose (single device, reference tests).
+      Per phase, each device's received buffer [D, D * C_p, width]; row `src * C_p + c` came
+      from `src`. Under a mesh (`jax.set_mesh`) with one bucket per data-parallel shard, this is
+      a `shard_map` whose body gathers every phase's send buffer into one and calls
+      `lax.all_to_all` over the data axes once; its transpose (the backward pass) is the
+      reverse all-to-all. Without a mesh, the same exchange is written as a transpose (single
+      device, reference tests).
     """
+    caps = [s.shape[-1] for s in sends]
     mesh = jax.sharding.get_abstract_mesh()
     axes = () if mesh.empty else tuple(a for a in DATA_AXES if a in mesh.axis_names)
     shards = 1
     for a in axes:
         shards *= mesh.shape[a]
+
+    def gather(rows_nw, send_dc):  # one device: [D, sum C_p, W], phases side by side
+        pairs = zip(rows_nw, send_dc, strict=True)
+        return jnp.concatenate([jnp.take(r, s, axis=0) for r, s in pairs], axis=1)
+
+    def split(received_dcw):  # [D, sum C_p, W] -> per phase [D * C_p, W]
+        parts = jnp.split(received_dcw, np.cumsum(caps)[:-1].tolist(), axis=1)
+        return [p.reshape(-1, p.shape[-1]) for p in parts]
+
     if not axes or shards == 1:
-        sent_sdcw = jax.vmap(lambda rows, idx: rows[idx])(rows_dnw, send_ddc)
-        d, _, c, width = sent_sdcw.shape
-        return jnp.swapaxes(sent_sdcw, 0, 1).reshape(d, d * c, width)
-    if rows_dnw.shape[0] != shards:
+        sent_sdcw = jax.vmap(gather)(rows, sends)
+        return jax.vmap(split)(jnp.swapaxes(sent_sdcw, 0, 1))
+    if rows[0].shape[0] != shards:
         raise ValueError(
-            f"the exchange needs one bucket per data-parallel shard: got {rows_dnw.shape[0]} "
+            f"the exchange needs one bucket per data-parallel shard: got {rows[0].shape[0]} "
             f"buckets for {shards} shards of mesh axes {axes}"
         )
     spec = PartitionSpec(axes)
 
-    def per_shard(rows_1nw, send_1dc):
-        sent_dcw = jnp.take(rows_1nw[0], send_1dc[0], axis=0)
+    def per_shard(rows_1nw, sends_1dc):
+        sent_dcw = gather([r[0] for r in rows_1nw], [s[0] for s in sends_1dc])
         # Chunk dst of the send buffer goes to shard dst; chunk src of the result came from src.
         received_dcw = jax.lax.all_to_all(sent_dcw, axes, 0, 0, tiled=True)
-        return received_dcw.reshape(1, -1, received_dcw.shape[-1])
+        return [p[None] for p in split(received_dcw)]
 
-    return jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec), out_specs=spec)(
-        rows_dnw, send_ddc
-    )
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec), out_specs=spec)(rows, sends)
 
 
 def shard_like_batch(x: jax.Array) -> jax.Array:
