@@ -168,14 +168,51 @@ class SyntheticConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where samples come from and how they are shuffled."""
+    """Where samples come from, how they are preprocessed, and what happens to bad input."""
 
-    source: str = "synthetic"  # only the built-in source for now
+    source: str = "synthetic"  # synthetic (built in) | jsonl (a manifest) | arrayrecord
+    path: str = ""  # the JSONL manifest or .array_record file (jsonl / arrayrecord sources)
+    index_dir: str = ""  # lengths index from `python -m jaxmllm.data.index`; "" = <path>.index
+    tokenizer: str = "byte"  # byte, or the path of a HuggingFace tokenizer.json (no downloads)
+    image_min_pixels: int = 3136  # smaller images are upscaled to about this many pixels
+    image_max_pixels: int = 1003520  # larger images are downscaled to at most this many pixels
+    audio_sample_rate: int = 16000  # clips are resampled to this rate (Hz); 10 ms mel hop
+    audio_max_frames: int = 3000  # longest clip in log-mel frames; longer clips become chunks
+    on_error: str = "skip"  # bad or missing media, bad lines, placeholder mismatch: skip | fail
+    on_oversize: str = "shrink"  # a sample no bucket can hold: shrink | truncate | skip | fail
+    workers: int = 0  # preprocessing worker processes; 0 = in the training process
     seed: int = 0  # shuffling and generation seed
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
     def __post_init__(self):
-        _check(self.source == "synthetic", "only 'synthetic' is available", "source")
+        _check(self.source in DATA_SOURCES, f"must be one of {sorted(DATA_SOURCES)}", "source")
+        _check(
+            self.source == "synthetic" or bool(self.path),
+            f"source {self.source} needs data.path (the manifest or .array_record file)",
+            "path",
+        )
+        _check(self.on_error in ("skip", "fail"), "must be skip or fail", "on_error")
+        _check(
+            self.on_oversize in ("shrink", "truncate", "skip", "fail"),
+            "must be shrink, truncate, skip or fail",
+            "on_oversize",
+        )
+        _check(self.image_min_pixels >= 1, "must be >= 1", "image_min_pixels")
+        _check(
+            self.image_max_pixels >= self.image_min_pixels,
+            "must be >= image_min_pixels",
+            "image_max_pixels",
+        )
+        _check(self.audio_sample_rate >= 1000, "must be >= 1000 Hz", "audio_sample_rate")
+        _check(
+            self.audio_max_frames >= 4 and self.audio_max_frames % 4 == 0,
+            "must be a positive multiple of 4 (the audio encoder's subsampling)",
+            "audio_max_frames",
+        )
+        _check(self.workers >= 0, "must be >= 0", "workers")
+
+
+DATA_SOURCES = {"synthetic", "jsonl", "arrayrecord"}
 
 
 @dataclass(frozen=True)

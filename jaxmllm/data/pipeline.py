@@ -19,6 +19,7 @@ import numpy as np
 from jaxmllm.config import Config
 from jaxmllm.data.bucketize import bucketize, fill_stats
 from jaxmllm.data.capacity import suggest_capacities
+from jaxmllm.data.loader import Loader
 from jaxmllm.data.planner import Capacities, make_planner
 from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.data.synthetic import SyntheticSource
@@ -27,9 +28,18 @@ log = logging.getLogger("jaxmllm")
 
 
 def make_source(cfg: Config) -> tuple[grain.MapDataset, LengthsIndex]:
-    """The record source named by data.source and its lengths index."""
-    source = SyntheticSource(cfg)
-    return grain.MapDataset.source(source), source.lengths()
+    """The record source named by data.source and its lengths index.
+
+    A manifest or ArrayRecord source reads its index (`python -m jaxmllm.data.index`), checks it
+    against the config and applies data.on_oversize; row i of the index is `source[i]`.
+    """
+    if cfg.data.source == "synthetic":
+        source = SyntheticSource(cfg)
+        return grain.MapDataset.source(source), source.lengths()
+    from jaxmllm.data.index import open_source
+
+    manifest = open_source(cfg)
+    return grain.MapDataset.source(manifest), manifest.index
 
 
 def resolve_batch(cfg: Config, index: LengthsIndex) -> Config:
@@ -76,16 +86,21 @@ class StepIterator(grain.DatasetIterator):
         self.cfg = cfg = resolve_batch(cfg, self.index)  # idempotent: the trainer resolved it
         self.caps = Capacities.from_config(cfg, devices)
         self.planner = make_planner(cfg, self.index, devices)
+        self.loader: Loader | None = None
 
     def __next__(self) -> dict[str, Any]:
         plan = self.planner.plan()
-        samples = {int(s): self.source[int(s)] for s in np.unique(plan.samples)}
+        if self.loader is None:  # made on first use: worker processes start here
+            self.loader = Loader(self.cfg, self.source)
+        # A sample that fails to load is None under data.on_error=skip: its slots stay padding.
+        samples = self.loader.load(np.unique(plan.samples), plan.step)
         batch = bucketize(plan, samples, self.cfg, self.caps)
         info = {
             "step": plan.step,
             "samples": plan.samples.copy(),
             "deferred": plan.deferred,
             "fill": fill_stats(batch),
+            "rejects": self.loader.counts(),
         }
         return {"batch": batch, "info": info}
 

@@ -1,0 +1,145 @@
+"""Audio: header lengths, decoding to mono, resampling, log-mel frames, chunking (numpy only).
+
+Frames are 25 ms Hann windows every 10 ms at the target rate, so a clip of n samples at rate sr
+has `clip_frames(n, sr, ...)` frames: the index computes that from the header, preprocessing
+from the decoded clip, with the same function.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+
+from jaxmllm.data.rejects import RecordError
+
+Source = str | Path | bytes
+HOP_S, WIN_S = 0.010, 0.025
+
+
+def clip_frames(num_samples: int, sample_rate: int, target_rate: int, subsample: int) -> int:
+    """Log-mel frames of a clip after resampling, rounded down to a multiple of `subsample`."""
+    frames = resampled_length(num_samples, sample_rate, target_rate) // hop_length(target_rate)
+    return frames - frames % subsample
+
+
+def chunk_lengths(frames: int, max_frames: int) -> list[int]:
+    """Cuts `frames` into chunks of at most `max_frames` (the last one shorter)."""
+    full, rest = divmod(frames, max_frames)
+    return [max_frames] * full + ([rest] if rest else [])
+
+
+def resampled_length(num_samples: int, sample_rate: int, target_rate: int) -> int:
+    return num_samples * target_rate // sample_rate
+
+
+def hop_length(rate: int) -> int:
+    return round(rate * HOP_S)
+
+
+def read_info(src: Source, record_id: str = "?") -> tuple[int, int]:
+    """(samples per channel, sample rate) from the header, without decoding."""
+    try:
+        info = sf.info(_file(src))
+    except FileNotFoundError:
+        raise RecordError("missing_media", f"no such file: {src}", record_id) from None
+    except (sf.LibsndfileError, RuntimeError, OSError, ValueError) as e:
+        raise RecordError("undecodable_media", f"{_name(src)}: {e}", record_id) from None
+    if info.frames <= 0 or info.samplerate <= 0:
+        raise RecordError("undecodable_media", f"{_name(src)}: empty or unknown length", record_id)
+    return int(info.frames), int(info.samplerate)
+
+
+def decode_mono(src: Source, record_id: str = "?") -> tuple[np.ndarray, int]:
+    """Decodes to float32 mono (the mean of the channels) and returns (samples, rate)."""
+    if not isinstance(src, bytes) and not Path(src).exists():
+        raise RecordError("missing_media", f"no such file: {src}", record_id)
+    try:
+        x, rate = sf.read(_file(src), dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError, OSError, ValueError) as e:
+        raise RecordError("undecodable_media", f"{_name(src)}: {e}", record_id) from None
+    return x.mean(axis=1), int(rate)
+
+
+def resample(x: np.ndarray, rate: int, target: int) -> np.ndarray:
+    """Band-limited linear-interpolation resampling to `resampled_length` samples."""
+    if rate == target:
+        return x.astype(np.float32)
+    if target < rate:  # low-pass below the new Nyquist first (windowed sinc, 63 taps)
+        cutoff = 0.5 * target / rate
+        t = np.arange(-31, 32)
+        taps = 2 * cutoff * np.sinc(2 * cutoff * t) * np.hamming(len(t))
+        x = np.convolve(x, taps / taps.sum(), mode="same")
+    n = resampled_length(len(x), rate, target)
+    pos = np.arange(n) * (rate / target)
+    return np.interp(pos, np.arange(len(x)), x).astype(np.float32)
+
+
+def log_mel(x: np.ndarray, rate: int, n_mels: int) -> np.ndarray:
+    """Whisper-style log-mel frames [len(x) // hop, n_mels], scaled to roughly [-1, 1]."""
+    hop, win = hop_length(rate), round(rate * WIN_S)
+    n_fft = 1 << (win - 1).bit_length()
+    frames = len(x) // hop
+    padded = np.pad(x, (0, win))
+    idx = np.arange(frames)[:, None] * hop + np.arange(win)[None, :]
+    spec = np.abs(np.fft.rfft(padded[idx] * np.hanning(win), n=n_fft)) ** 2
+    mel = spec @ mel_filters(rate, n_fft, n_mels)
+    logmel = np.log10(np.maximum(mel, 1e-10))
+    logmel = np.maximum(logmel, logmel.max(initial=-10.0) - 8.0)
+    return ((logmel + 4.0) / 4.0).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=8)
+def mel_filters(rate: int, n_fft: int, n_mels: int) -> np.ndarray:
+    """Triangular HTK-mel filterbank [n_fft // 2 + 1, n_mels]."""
+    to_mel = lambda f: 2595.0 * np.log10(1.0 + f / 700.0)
+    to_hz = lambda m: 700.0 * (10.0 ** (m / 2595.0) - 1.0)
+    edges = to_hz(np.linspace(0.0, to_mel(rate / 2), n_mels + 2))
+    freqs = np.linspace(0.0, rate / 2, n_fft // 2 + 1)
+    lo, mid, hi = edges[:-2], edges[1:-1], edges[2:]
+    up = (freqs[:, None] - lo) / np.maximum(mid - lo, 1e-9)
+    down = (hi - freqs[:, None]) / np.maximum(hi - mid, 1e-9)
+    return np.maximum(0.0, np.minimum(up, down)).astype(np.float32)
+
+
+def load_audio(
+    src: Source,
+    target_rate: int,
+    n_mels: int,
+    subsample: int,
+    max_frames: int,
+    expect_samples: int | None = None,
+    record_id: str = "?",
+) -> list[np.ndarray]:
+    """Decode, mono, resample, log-mel, cut into chunks: frames [f, n_mels] per chunk.
+
+    `expect_samples` is the length the index read from the header; a decoder that returns a
+    slightly different length (a few samples, as some OGG streams do) is padded or trimmed to
+    it, a clearly different one is rejected as changed since the index was built.
+    """
+    x, rate = decode_mono(src, record_id)
+    if expect_samples is not None and len(x) != expect_samples:
+        if abs(len(x) - expect_samples) > max(rate // 100, expect_samples // 100):
+            raise RecordError(
+                "changed_since_index",
+                f"{_name(src)}: {len(x)} samples, the index measured {expect_samples}",
+                record_id,
+            )
+        x = np.pad(x, (0, max(0, expect_samples - len(x))))[:expect_samples]
+    frames = clip_frames(len(x), rate, target_rate, subsample)
+    if frames == 0:
+        raise RecordError("audio_too_short", f"{_name(src)}: {len(x) / rate:.3f} s", record_id)
+    mel = log_mel(resample(x, rate, target_rate), target_rate, n_mels)[:frames]
+    starts = np.cumsum([0] + chunk_lengths(frames, max_frames))
+    return [mel[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+
+def _file(src: Source):
+    return io.BytesIO(src) if isinstance(src, bytes) else src
+
+
+def _name(src: Source) -> str:
+    return f"<{len(src)} inline bytes>" if isinstance(src, bytes) else str(src)

@@ -1,0 +1,90 @@
+"""Loads a step's planned samples, in-process or in a pool of worker processes, applying
+data.on_error to records that fail at load time (a file changed or removed since the index).
+
+Planning stays in the iterator's process, so its state is exact; workers only map a sample
+index to a Sample, which is a pure function of the index. Under `skip` a failed sample is None:
+bucketize leaves its slots as padding, and the sample still counts as consumed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from jaxmllm.config import Config
+from jaxmllm.data.rejects import DataError, RecordError, RejectLog, fail_message
+from jaxmllm.data.samples import Sample
+
+_worker: dict = {}
+
+
+def _init_worker(source) -> None:
+    _worker["source"] = source
+
+
+def _load_one(i: int):
+    try:
+        return _worker["source"][i]
+    except RecordError as e:  # sent back as a tuple: exceptions with extra fields do not pickle
+        return ("error", e.reason, e.detail, e.record_id)
+
+
+class Loader:
+    """Loads samples by index; counts and logs load-time rejects to <output_dir>/rejects.jsonl."""
+
+    def __init__(self, cfg: Config, source):
+        self.cfg, self.source = cfg, source
+        self.raw = getattr(source, "_source", source)  # the object under grain's MapDataset
+        self.log = RejectLog(Path(cfg.train.output_dir) / "rejects.jsonl")
+        self.startup_written = False
+        self.pool = None
+        if cfg.data.workers > 0:
+            ctx = multiprocessing.get_context("spawn")  # JAX's threads make fork unsafe
+            self.pool = ctx.Pool(cfg.data.workers, _init_worker, (self.raw,))
+            weakref.finalize(self, self.pool.terminate)
+
+    def load(self, indices: np.ndarray, step: int) -> dict[int, Sample | None]:
+        """{index: Sample, or None for a sample skipped under data.on_error=skip}."""
+        if step == 0 and not self.startup_written:  # a fresh run logs start-up repairs once
+            for entry in getattr(self.raw, "startup_rejects", []):
+                self.log.add("_startup", {**entry, "stage": "startup"})
+            self.startup_written = True
+        idx = [int(i) for i in indices]
+        if self.pool is not None:
+            chunk = max(1, len(idx) // (4 * self.cfg.data.workers))
+            got = self.pool.map(_load_one, idx, chunksize=chunk)
+        else:
+            got = [self._load_here(i) for i in idx]
+        out = {}
+        for i, g in zip(idx, got, strict=True):
+            if isinstance(g, tuple):
+                err = RecordError(g[1], g[2], g[3])
+                if self.cfg.data.on_error == "fail":
+                    raise DataError(fail_message(err, "data.on_error", f"step {step}"))
+                self.log.add(f"load_{err.reason}", err.to_json(stage="load", step=step, index=i))
+                g = None
+            out[i] = g
+        return out
+
+    def _load_here(self, i: int):
+        try:
+            return self.source[i]
+        except RecordError as e:
+            return ("error", e.reason, e.detail, e.record_id)
+
+    def counts(self) -> dict[str, float]:
+        """Cumulative reject counts for the step metrics ({} for the synthetic source)."""
+        if not hasattr(self.raw, "index_rejects"):
+            return {}
+        out = {"rejects/index_total": float(sum(self.raw.index_rejects.values()))}
+        out.update({f"rejects/index_{k}": float(v) for k, v in self.raw.index_rejects.items()})
+        for entry in self.raw.startup_rejects:
+            key = f"rejects/oversize_{entry['action']}"
+            out[key] = out.get(key, 0.0) + 1.0
+        loads = {k: v for k, v in self.log.counts.items() if k.startswith("load_")}
+        out["rejects/load_total"] = float(sum(loads.values()))
+        out.update({f"rejects/{k}": float(v) for k, v in loads.items()})
+        return out

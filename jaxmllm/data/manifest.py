@@ -1,0 +1,116 @@
+"""Manifest sources: random access to raw records, and the grain source of preprocessed Samples.
+
+A JSONL manifest holds one record a line:
+
+    {"id": "cap-1", "text": "<image> a cat on a mat", "images": ["img/cat.jpg"]}
+    {"id": "chat-7", "messages": [{"role": "user", "content": "<audio> what is this?"},
+                                  {"role": "assistant", "content": "a dog barking"}],
+     "audio": ["data:audio/wav;base64,UklGR..."]}
+
+Media paths are relative to the manifest; `data:...;base64,` URIs or {"base64": ...} are inline.
+Record k is the k-th non-blank line; an ArrayRecord file made by `jaxmllm.data.arrayrecord` has
+the same records in the same order, with the media bytes embedded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from jaxmllm.data.preprocess import Limits, Preprocessor, Sizes, parse_record
+from jaxmllm.data.rejects import RecordError
+from jaxmllm.data.samples import LengthsIndex, Sample
+
+
+class JsonlRecords:
+    """Random access to the lines of a JSONL manifest (byte offsets found in one scan)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.base_dir = self.path.parent
+        offsets, lines = [], []
+        with open(self.path, "rb") as f:
+            pos = 0
+            for n, raw in enumerate(f, start=1):
+                if raw.strip():
+                    offsets.append(pos)
+                    lines.append(n)
+                pos += len(raw)
+        self.offsets = np.asarray(offsets, np.int64)
+        self.lines = np.asarray(lines, np.int64)
+        self._file = None
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def raw(self, k: int) -> tuple[object, int]:
+        """(parsed JSON or a malformed marker, 1-based line number) of record k."""
+        if self._file is None:
+            self._file = open(self.path, "rb")  # noqa: SIM115  (one handle per process)
+        self._file.seek(int(self.offsets[k]))
+        text = self._file.readline()
+        line = int(self.lines[k])
+        try:
+            return json.loads(text), line
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return {"__malformed__": f"not valid JSON: {e}"}, line
+
+    def __getstate__(self):
+        return {**self.__dict__, "_file": None}
+
+
+def open_records(path: str | Path):
+    """The raw records of a JSONL manifest or an .array_record file (by suffix)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no such data file: {path}")
+    if path.suffix == ".array_record":
+        from jaxmllm.data.arrayrecord import ArrayRecordRecords
+
+        return ArrayRecordRecords(path)
+    return JsonlRecords(path)
+
+
+def read_record(records, k: int):
+    """Parses record k (raises RecordError for a bad one)."""
+    obj, line = records.raw(k)
+    return parse_record(obj, records.base_dir, line)
+
+
+class ManifestSource:
+    """grain random-access source over the index's accepted records: `source[i]` -> Sample.
+
+    Row i of the lengths index is record `rows[i]["row"]` of the file; `limits[i]` holds the
+    oversize policy's repair of row i, if any.
+    """
+
+    def __init__(self, records, pre: Preprocessor, rows: list[dict], limits: dict[int, Limits]):
+        self.records, self.pre, self.rows, self.limits = records, pre, rows, limits
+        self.index = LengthsIndex.from_records(rows)
+        self.startup_rejects: list[dict] = []  # oversize repairs and skips made at start-up
+        self.index_rejects: dict[str, int] = {}  # rejects counted by the index, by reason
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> Sample:
+        row = self.rows[int(i)]
+        record = read_record(self.records, int(row["row"]))
+        if record.id != row["id"]:
+            raise RecordError(
+                "changed_since_index", f"record {row['row']} is now {record.id!r}", row["id"]
+            )
+        return self.pre.sample(int(i), record, sizes_of(row), self.limits.get(int(i), Limits()))
+
+    def record_id(self, i: int) -> str:
+        return self.rows[int(i)]["id"]
+
+
+def sizes_of(row: dict) -> Sizes:
+    """The media sizes an index row recorded."""
+    return Sizes(
+        images=[tuple(s) for s in row.get("image_sizes", [])],
+        audio=[tuple(s) for s in row.get("audio_samples", [])],
+    )

@@ -1,0 +1,442 @@
+"""Record -> Sample: parsing, tokenizing, the sequence layout, media decoding.
+
+One layout function serves both the index and training: `layout(record, sizes, limits)` turns a
+parsed record plus its media sizes (read from headers by the index, checked against the decoded
+media at load time) into the exact token sequence and encoder items. So the index's counts are the
+counts training sees, and the oversize policy can repair a sample (a smaller image budget, a
+trimmed clip, a cut sequence) from the index alone.
+
+Token ids: bytes (or a tokenizer.json's ids below 256) as is, 256..263 the reserved specials of
+`jaxmllm.data.tokenizer` (pad, BOS, EOS, image, audio, user, assistant), and a tokenizer.json's ids
+k >= 256 shifted to k + 8. So any tokenizer.json works without added special tokens, and
+model.llm.vocab_size must be at least the tokenizer's size + 8.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxmllm.config import Config, ConfigError
+from jaxmllm.data import tokenizer as tok
+from jaxmllm.data.audio import chunk_lengths, clip_frames, load_audio
+from jaxmllm.data.image import image_grid, load_image
+from jaxmllm.data.rejects import RecordError
+from jaxmllm.data.samples import Sample
+
+PLACEHOLDER = re.compile(r"(<image>|<audio>)")
+ROLES = ("system", "user", "assistant")
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+class HFTokenizer:
+    """A HuggingFace `tokenizers` tokenizer.json, ids shifted past the reserved specials."""
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer
+
+        self.path = str(path)
+        self._tk = Tokenizer.from_file(self.path)
+        largest = max(self._tk.get_vocab(with_added_tokens=True).values(), default=0)
+        self.vocab_size = max(tok.ByteTokenizer.vocab_size, largest + 1 + tok.NUM_SPECIAL)
+
+    def encode(self, text: str) -> np.ndarray:
+        ids = np.asarray(self._tk.encode(text, add_special_tokens=False).ids, np.int64)
+        return np.where(ids >= 256, ids + tok.NUM_SPECIAL, ids).astype(np.int32)
+
+    def decode(self, ids: np.ndarray) -> str:
+        ids = np.asarray(ids)
+        text = ids[(ids < 256) | (ids >= 256 + tok.NUM_SPECIAL)]
+        return self._tk.decode(np.where(text >= 256, text - tok.NUM_SPECIAL, text).tolist())
+
+    def __getstate__(self):  # workers reload the file instead of pickling the Rust object
+        return {"path": self.path}
+
+    def __setstate__(self, state):
+        self.__init__(state["path"])
+
+
+def make_tokenizer(spec: str):
+    """`byte` or the path of a tokenizer.json."""
+    if spec == "byte":
+        return tok.ByteTokenizer()
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(
+            f"data.tokenizer: no tokenizer.json at {spec!r}; give the path of a HuggingFace "
+            "tokenizer.json (nothing is downloaded), or 'byte'"
+        )
+    try:
+        return HFTokenizer(path)
+    except Exception as e:
+        raise ConfigError(f"data.tokenizer: {spec} is not a tokenizer.json: {e}") from None
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+@dataclass(frozen=True)
+class Params:
+    """Everything that decides a record's counts; the index records it, training checks it."""
+
+    tokenizer: str
+    tokenizer_sha256: str
+    patch_size: int
+    merge: int
+    image_min_pixels: int
+    image_max_pixels: int
+    audio_sample_rate: int
+    audio_max_frames: int
+    subsample: int
+    n_mels: int = field(compare=False)  # does not change counts
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Params:
+        d, v = cfg.data, cfg.model.vision
+        sha = "" if d.tokenizer == "byte" else _sha256(d.tokenizer)
+        unit = v.patch_size * v.merge
+        if d.image_max_pixels < unit * unit:
+            raise ConfigError(
+                f"data.image_max_pixels={d.image_max_pixels} is below one merge block "
+                f"({unit}x{unit} pixels); raise it to at least {unit * unit}"
+            )
+        return cls(
+            tokenizer=d.tokenizer,
+            tokenizer_sha256=sha,
+            patch_size=v.patch_size,
+            merge=v.merge,
+            image_min_pixels=d.image_min_pixels,
+            image_max_pixels=d.image_max_pixels,
+            audio_sample_rate=d.audio_sample_rate,
+            audio_max_frames=d.audio_max_frames,
+            subsample=cfg.model.audio.subsample,
+            n_mels=cfg.model.audio.n_mels,
+        )
+
+    def counted(self) -> dict:
+        """The fields that decide counts (what an index must agree on)."""
+        return {k: v for k, v in self.__dict__.items() if k != "n_mels"}
+
+
+def _sha256(path: str) -> str:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return ""  # make_tokenizer reports the missing file
+
+
+# ----------------------------------------------------------------------------- records
+
+
+@dataclass
+class Record:
+    """A parsed manifest record: turns of (role, text) and its media sources."""
+
+    id: str
+    turns: list[tuple[str, str]]  # role "text" for plain text records
+    images: list[Any]  # Path | bytes (inline / embedded)
+    audio: list[Any]
+
+
+def parse_record(obj: Any, base_dir: Path, line: int) -> Record:
+    """Checks one manifest object and resolves its media; raises RecordError."""
+    fallback = f"line:{line}"
+    if not isinstance(obj, dict):
+        raise RecordError("malformed_line", "not a JSON object", fallback)
+    if "__malformed__" in obj:  # a line the ArrayRecord converter could not parse
+        raise RecordError("malformed_line", obj["__malformed__"], fallback)
+    rid = obj.get("id")
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool) or rid == "":
+        raise RecordError("malformed_line", "missing or invalid 'id'", fallback)
+    rid = str(rid)
+    if ("text" in obj) == ("messages" in obj):
+        raise RecordError("malformed_line", "needs exactly one of 'text' or 'messages'", rid)
+    if "text" in obj:
+        if not isinstance(obj["text"], str):
+            raise RecordError("malformed_line", "'text' must be a string", rid)
+        turns = [("text", obj["text"])]
+    else:
+        turns = _parse_messages(obj["messages"], rid)
+    media = {}
+    for key in ("images", "audio"):
+        entries = obj.get(key, [])
+        if not isinstance(entries, list):
+            raise RecordError("malformed_line", f"'{key}' must be a list", rid)
+        media[key] = [_media_source(e, base_dir, rid) for e in entries]
+    record = Record(rid, turns, media["images"], media["audio"])
+    _check_placeholders(record)
+    return record
+
+
+def _parse_messages(messages: Any, rid: str) -> list[tuple[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise RecordError("malformed_line", "'messages' must be a non-empty list", rid)
+    turns = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise RecordError("malformed_line", f"each message needs a role in {ROLES}", rid)
+        content = m.get("content", "")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, {"type": "image"}]
+            content = "".join(_content_part(p, rid) for p in content)
+        if not isinstance(content, str):
+            raise RecordError("malformed_line", "message content must be a string or parts", rid)
+        turns.append((m["role"], content))
+    return turns
+
+
+def _content_part(part: Any, rid: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    if kind in ("image", "audio"):
+        return f"<{kind}>"
+    raise RecordError("malformed_line", f"unknown content part {part!r:.60}", rid)
+
+
+def _media_source(entry: Any, base_dir: Path, rid: str) -> Any:
+    try:
+        if isinstance(entry, str) and entry.startswith("data:"):
+            return base64.b64decode(entry.partition(",")[2], validate=True)
+        if isinstance(entry, str) and entry:
+            return base_dir / entry
+        if isinstance(entry, dict) and "base64" in entry:
+            return base64.b64decode(entry["base64"], validate=True)
+        if isinstance(entry, dict) and isinstance(entry.get("bytes"), bytes):
+            return entry["bytes"]
+        if isinstance(entry, dict) and "missing" in entry:
+            return Path(entry["missing"])
+    except (ValueError, TypeError) as e:
+        raise RecordError("undecodable_media", f"bad base64: {e}", rid) from None
+    raise RecordError("malformed_line", f"media entry {entry!r:.60} is not a path or base64", rid)
+
+
+def _check_placeholders(r: Record) -> None:
+    text = "".join(t for _, t in r.turns)
+    for key, media in (("image", r.images), ("audio", r.audio)):
+        n = text.count(f"<{key}>")
+        if n != len(media):
+            raise RecordError(
+                "placeholder_mismatch",
+                f"{n} <{key}> placeholder(s), {len(media)} {key} item(s)",
+                r.id,
+            )
+    words = PLACEHOLDER.sub("", text).strip()
+    if not words and not r.images and not r.audio:
+        raise RecordError("empty_sample", "no text and no media", r.id)
+    roles = [role for role, _ in r.turns]
+    if "text" not in roles and not any(
+        role == "assistant" and PLACEHOLDER.sub("", t).strip() for role, t in r.turns
+    ):
+        raise RecordError("empty_sample", "no assistant turn with text (nothing to learn)", r.id)
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-record repairs chosen by the oversize policy (None = the config's value / no limit)."""
+
+    max_pixels: int | None = None  # a smaller image budget (shrink)
+    max_tokens: int | None = None  # the sequence is cut here (truncate / shrink)
+    max_patches: int | None = None  # images past this many patches are cut with what follows
+    max_frames: int | None = None  # audio past this many frames is trimmed, what follows cut
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass
+class Sizes:
+    """Media sizes of a record: (height, width) per image, (samples, rate) per clip."""
+
+    images: list[tuple[int, int]]
+    audio: list[tuple[int, int]]
+
+
+@dataclass
+class Layout:
+    """The exact sequence of a sample: ops in order, and whether a limit cut it."""
+
+    ops: list[tuple]  # ("text", ids, loss) | ("image", j, gh, gw) | ("audio", j, chunk, frames)
+    cut: bool = False
+
+    def counts(self, merge_area: int) -> dict:
+        """The sample in the lengths-file format."""
+        text = sum(len(op[1]) for op in self.ops if op[0] == "text")
+        return {
+            "text": int(text),
+            "images": [op[2] * op[3] for op in self.ops if op[0] == "image"],
+            "audio": [op[3] for op in self.ops if op[0] == "audio"],
+        }
+
+    def loss_tokens(self) -> int:
+        return int(sum(op[2].sum() for op in self.ops if op[0] == "text"))
+
+
+class Preprocessor:
+    """Turns parsed records into layouts (from sizes alone) and Samples (decoding media)."""
+
+    def __init__(self, params: Params, tokenizer=None):
+        self.p = params
+        self.tokenizer = tokenizer or make_tokenizer(params.tokenizer)
+
+    def grid(self, h: int, w: int, limits: Limits = Limits()) -> tuple[int, int]:
+        p = self.p
+        budget = limits.max_pixels or p.image_max_pixels
+        return image_grid(h, w, p.patch_size, p.merge, min(p.image_min_pixels, budget), budget)
+
+    def clip_chunks(self, samples: int, rate: int) -> list[int]:
+        p = self.p
+        frames = clip_frames(samples, rate, p.audio_sample_rate, p.subsample)
+        return chunk_lengths(frames, p.audio_max_frames)
+
+    def layout(self, record: Record, sizes: Sizes, limits: Limits = Limits()) -> Layout:
+        """The token sequence and encoder items of `record`, cut where `limits` say."""
+        pieces = self._pieces(record)
+        merge_area = self.p.merge**2
+        budget = _Budget(limits)
+        ops: list[tuple] = []
+        for piece in pieces:
+            if piece[0] == "text":
+                keep = budget.take_tokens(len(piece[1]))
+                if keep:
+                    ops.append(("text", piece[1][:keep], piece[2][:keep]))
+                if keep < len(piece[1]):
+                    return Layout(ops, cut=True)
+            elif piece[0] == "image":
+                gh, gw = self.grid(*sizes.images[piece[1]], limits)
+                if not budget.take_image(gh * gw, merge_area):
+                    return Layout(ops, cut=True)
+                ops.append(("image", piece[1], gh, gw))
+            else:
+                for c, frames in enumerate(self.clip_chunks(*sizes.audio[piece[1]])):
+                    keep = budget.take_frames(frames, self.p.subsample)
+                    if keep:
+                        ops.append(("audio", piece[1], c, keep))
+                    if keep < frames:
+                        return Layout(ops, cut=True)
+        return Layout(ops)
+
+    def _pieces(self, record: Record) -> list[tuple]:
+        """Token runs (ids, loss) and media markers, in order, before any limit."""
+        enc = self.tokenizer.encode
+        out: list[tuple] = [_special(tok.BOS, False)]
+        n_img = n_aud = 0
+        for role, text in record.turns:
+            if role != "text":
+                out.append(_special(tok.ASSISTANT if role == "assistant" else tok.USER, False))
+            learn = role in ("text", "assistant")
+            for part in PLACEHOLDER.split(text):
+                if part == "<image>":
+                    out.append(("image", n_img))
+                    n_img += 1
+                elif part == "<audio>":
+                    out.append(("audio", n_aud))
+                    n_aud += 1
+                elif part:
+                    ids = enc(part)
+                    out.append(("text", ids, np.full(len(ids), learn)))
+            if learn:
+                out.append(_special(tok.EOS, True))
+        return out
+
+    def sample(self, index: int, record: Record, sizes: Sizes, limits: Limits) -> Sample:
+        """Decodes the media and builds the Sample; checks the media against `sizes`."""
+        lay = self.layout(record, sizes, limits)
+        p = self.p
+        tokens, loss, images, audio = [], [], [], []
+        clips: dict[int, list[np.ndarray]] = {}
+        for op in lay.ops:
+            if op[0] == "text":
+                tokens.append(op[1])
+                loss.append(op[2])
+                continue
+            if op[0] == "image":
+                budget = limits.max_pixels or p.image_max_pixels
+                patches, pos = load_image(
+                    record.images[op[1]],
+                    p.patch_size,
+                    p.merge,
+                    min(p.image_min_pixels, budget),
+                    budget,
+                    record.id,
+                )
+                if len(patches) != op[2] * op[3]:
+                    raise RecordError(
+                        "changed_since_index",
+                        f"image {op[1]} has {len(patches)} patches, the index says {op[2] * op[3]}",
+                        record.id,
+                    )
+                images.append((patches, pos))
+                rows, marker = len(patches) // p.merge**2, tok.IMAGE
+            else:
+                j, c, frames = op[1], op[2], op[3]
+                if j not in clips:
+                    clips[j] = load_audio(
+                        record.audio[j],
+                        p.audio_sample_rate,
+                        p.n_mels,
+                        p.subsample,
+                        p.audio_max_frames,
+                        expect_samples=sizes.audio[j][0],
+                        record_id=record.id,
+                    )
+                chunk = clips[j][c][:frames] if c < len(clips[j]) else clips[j][0][:0]
+                if len(chunk) != frames:
+                    raise RecordError(
+                        "changed_since_index", f"clip {j} is shorter than indexed", record.id
+                    )
+                audio.append(chunk)
+                rows, marker = frames // p.subsample, tok.AUDIO
+            tokens.append(np.full(rows, marker, np.int32))
+            loss.append(np.zeros(rows, bool))
+        return Sample(
+            id=index,
+            tokens=np.concatenate(tokens).astype(np.int32),
+            loss=np.concatenate(loss).astype(bool),
+            images=images,
+            audio=audio,
+        )
+
+
+def _special(token: int, learn: bool) -> tuple:
+    return ("text", np.array([token], np.int32), np.array([learn]))
+
+
+class _Budget:
+    """Running totals against Limits while a layout is built."""
+
+    def __init__(self, limits: Limits):
+        inf = math.inf
+        self.tokens_left = limits.max_tokens if limits.max_tokens is not None else inf
+        self.patches_left = limits.max_patches if limits.max_patches is not None else inf
+        self.frames_left = limits.max_frames if limits.max_frames is not None else inf
+
+    def take_tokens(self, n: int) -> int:
+        keep = int(min(n, self.tokens_left))
+        self.tokens_left -= keep
+        return keep
+
+    def take_image(self, patches: int, merge_area: int) -> bool:
+        rows = patches // merge_area
+        if patches > self.patches_left or rows > self.tokens_left:
+            return False
+        self.patches_left -= patches
+        self.tokens_left -= rows
+        return True
+
+    def take_frames(self, frames: int, subsample: int) -> int:
+        keep = int(min(frames, self.frames_left, self.tokens_left * subsample))
+        keep -= keep % subsample
+        self.frames_left -= keep
+        self.tokens_left -= keep // subsample
+        return keep

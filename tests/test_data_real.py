@@ -1,0 +1,309 @@
+"""Real data: manifest and ArrayRecord sources, decoding, the index, the bad-input policy."""
+
+import base64
+import io
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import soundfile as sf
+from hypothesis import given
+from hypothesis import strategies as st
+from PIL import Image
+
+from jaxmllm.bench.data import write_dataset
+from jaxmllm.config import ConfigError, load_config
+from jaxmllm.data import tokenizer as tok
+from jaxmllm.data.arrayrecord import convert
+from jaxmllm.data.audio import clip_frames
+from jaxmllm.data.image import image_grid
+from jaxmllm.data.index import build_index, open_source
+from jaxmllm.data.loader import Loader
+from jaxmllm.data.rejects import DataError, read_rejects
+
+SETTINGS = [
+    "data.source=jsonl",
+    "data.image_min_pixels=256",
+    "data.image_max_pixels=1024",
+    "data.audio_max_frames=32",
+]
+
+
+def config(path, *extra):
+    return load_config("configs/tiny.yaml", [*SETTINGS, f"data.path={path}", *extra])
+
+
+def save_image(path, arr, fmt, mode=None, **kw):
+    img = Image.fromarray(arr)
+    img = img.convert(mode) if mode else img
+    img.save(path, format=fmt, **kw)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A manifest over many formats and modes, plus one bad record of each kind."""
+    root = tmp_path_factory.mktemp("real")
+    rng = np.random.default_rng(0)
+    rgb = lambda h, w: rng.integers(0, 255, (h, w, 3)).astype(np.uint8)
+    m = root / "m"
+    m.mkdir()
+    save_image(m / "a.png", rgb(30, 40), "PNG")
+    save_image(m / "b.jpg", rgb(48, 64), "JPEG")
+    save_image(m / "c.webp", rgb(50, 50), "WEBP")
+    frames = [Image.fromarray(rgb(21, 33)).convert("P") for _ in range(2)]
+    frames[0].save(m / "d.gif", save_all=True, append_images=frames[1:])
+    save_image(m / "gray.png", rgb(20, 90), "PNG", "L")
+    save_image(m / "rgba.png", rgb(64, 16), "PNG", "RGBA")
+    save_image(m / "cmyk.jpg", rgb(40, 40), "JPEG", "CMYK")
+    Image.fromarray((rng.integers(0, 65535, (24, 24))).astype(np.uint16)).save(m / "deep.png")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored 80 wide x 16 high, displayed rotated: 16 wide x 80 high
+    Image.fromarray(rgb(16, 80)).save(m / "rot.jpg", exif=exif)
+    t = np.arange(int(44100 * 1.1)) / 44100
+    stereo = np.stack([np.sin(2 * np.pi * 440 * t), np.sin(2 * np.pi * 660 * t)], 1) * 0.3
+    sf.write(m / "stereo.flac", stereo, 44100)
+    sf.write(m / "mono.wav", rng.standard_normal(8000).astype(np.float32) * 0.1, 16000)
+    sf.write(m / "tone.ogg", stereo[:30000, 0], 22050)
+    sf.write(m / "short.wav", np.zeros(100, np.float32), 16000)
+    jpg = (m / "b.jpg").read_bytes()
+    (m / "trunc.jpg").write_bytes(jpg[: len(jpg) // 2])
+    (m / "zero.png").write_bytes(b"")
+    (m / "noise.png").write_bytes(rng.bytes(200))
+    buf = io.BytesIO()
+    save_image(buf, rgb(12, 12), "PNG")
+    inline = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    good = [
+        {"id": "png", "text": "<image> a png", "images": ["m/a.png"]},
+        {"id": "two", "text": "<image> and <image>", "images": ["m/b.jpg", "m/c.webp"]},
+        {"id": "gif", "text": "<image>gif", "images": ["m/d.gif"]},
+        {
+            "id": "modes",
+            "text": "<image><image><image><image>",
+            "images": ["m/gray.png", "m/rgba.png", "m/cmyk.jpg", "m/deep.png"],
+        },  # fmt: skip
+        {"id": "rot", "text": "<image>rotated", "images": ["m/rot.jpg"]},
+        {"id": "inline", "text": "<image>inline", "images": [inline]},
+        {"id": "stereo", "text": "<audio> two tones", "audio": ["m/stereo.flac"]},
+        {"id": "av", "text": "<audio><image>both", "audio": ["m/mono.wav"], "images": ["m/a.png"]},
+        {"id": "ogg", "text": "<audio>", "audio": ["m/tone.ogg"]},
+        {"id": "text", "text": "just some text"},
+        {
+            "id": "chat",
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "<image>what is it?"},
+                {"role": "assistant", "content": "noise"},
+                {"role": "user", "content": "sure?"},
+                {"role": "assistant", "content": [{"type": "text", "text": "yes"}]},
+            ],
+            "images": ["m/a.png"],
+        },  # fmt: skip
+    ]
+    bad = {
+        "trunc": ({"text": "<image>", "images": ["m/trunc.jpg"]}, "undecodable_media"),
+        "zero": ({"text": "<image>", "images": ["m/zero.png"]}, "undecodable_media"),
+        "noise": ({"text": "<image>", "images": ["m/noise.png"]}, "undecodable_media"),
+        "gone": ({"text": "<image>", "images": ["m/gone.png"]}, "missing_media"),
+        "mismatch": ({"text": "<image>", "images": ["m/a.png", "m/a.png"]}, "placeholder_mismatch"),
+        "empty": ({"text": "  "}, "empty_sample"),
+        "no_answer": ({"messages": [{"role": "user", "content": "hi"}]}, "empty_sample"),
+        "short": ({"text": "<audio>", "audio": ["m/short.wav"]}, "audio_too_short"),
+        "png": ({"text": "again"}, "duplicate_id"),
+    }
+    lines = [json.dumps(r) for r in good]
+    lines += [json.dumps({"id": k, **r}) for k, (r, _) in bad.items()]
+    lines += ['{"id": "broken", "text": ', '{"text": "no id"}', ""]
+    path = root / "manifest.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    expect = {k: why for k, (_, why) in bad.items()}
+    expect.update(
+        {f"line:{len(lines) - 2}": "malformed_line", f"line:{len(lines) - 1}": "malformed_line"}
+    )
+    cfg = config(path)
+    summary = build_index(cfg, path, progress=False)
+    return {"path": path, "cfg": cfg, "summary": summary, "good": good, "expect": expect}
+
+
+def counts_of(sample):
+    text = int(((sample.tokens != tok.IMAGE) & (sample.tokens != tok.AUDIO)).sum())
+    return {
+        "text": text,
+        "images": [len(p) for p, _ in sample.images],
+        "audio": [len(f) for f in sample.audio],
+    }
+
+
+def test_index_counts_equal_preprocessed_counts(data):
+    src = open_source(data["cfg"])
+    assert [r["id"] for r in src.rows] == [r["id"] for r in data["good"]]
+    for i in range(len(src)):
+        s = src[i]
+        assert counts_of(s) == src.index.record(i), src.rows[i]["id"]
+        for patches, pos in s.images:
+            assert patches.shape[1] == 4 * 4 * 3 and patches.dtype == np.float32
+            assert -1.0 <= patches.min() and patches.max() <= 1.0
+            assert (pos.reshape(-1, 4, 2) // 2 == pos.reshape(-1, 4, 2)[:, :1] // 2).all()
+            assert len(patches) * 16 <= 1024
+        for frames in s.audio:
+            assert frames.shape[1] == 16 and len(frames) % 4 == 0 and len(frames) <= 32
+        assert (s.tokens == tok.IMAGE).sum() == sum(len(p) for p, _ in s.images) // 4
+        assert (s.tokens == tok.AUDIO).sum() == sum(len(f) for f in s.audio) // 4
+
+
+def test_decoded_shapes_orientation_and_audio_chunks(data):
+    src = open_source(data["cfg"])
+    by_id = {src.rows[i]["id"]: i for i in range(len(src))}
+    rot = src[by_id["rot"]].images[0][1]
+    assert rot[:, 0].max() > rot[:, 1].max()  # taller than wide after the EXIF rotation
+    assert src.rows[by_id["rot"]]["image_sizes"] == [[80, 16]]
+    stereo = src[by_id["stereo"]].audio
+    frames = clip_frames(int(44100 * 1.1), 44100, 16000, 4)
+    assert frames == 108 and [len(c) for c in stereo] == [32, 32, 32, 12]
+    assert len(src[by_id["modes"]].images) == 4
+
+
+def test_every_bad_record_is_counted_with_its_reason(data):
+    rejects = read_rejects(data["path"].parent / "manifest.jsonl.index" / "rejects.jsonl")
+    assert {r["id"]: r["reason"] for r in rejects} == data["expect"]
+    assert data["summary"]["rejected"] == len(data["expect"])
+    assert data["summary"]["accepted"] == len(data["good"])
+    with pytest.raises(DataError, match=r"record '.+'.*data\.on_error.*rejected records"):
+        open_source(config(data["path"], "data.on_error=fail"))
+
+
+def test_chat_loss_only_on_assistant_turns(data):
+    src = open_source(data["cfg"])
+    s = src[[r["id"] for r in src.rows].index("chat")]
+    text = tok.ByteTokenizer().decode(s.tokens[s.loss])
+    assert text == "noise</s>yes</s>"
+    assert (s.tokens == tok.USER).sum() == 3 and (s.tokens == tok.ASSISTANT).sum() == 2
+
+
+def test_jsonl_and_arrayrecord_give_identical_samples(data, tmp_path):
+    ar = tmp_path / "data.array_record"
+    assert convert(data["path"], ar) == len(data["good"]) + len(data["expect"])
+    cfg = config(ar, "data.source=arrayrecord")
+    summary = build_index(cfg, ar, progress=False)
+    assert summary["rejects"] == data["summary"]["rejects"]
+    a, b = open_source(data["cfg"]), open_source(cfg)
+    assert a.rows == b.rows
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert np.array_equal(x.tokens, y.tokens) and np.array_equal(x.loss, y.loss)
+        for (p, q), (r, s) in zip(x.images, y.images, strict=True):
+            assert np.array_equal(p, r) and np.array_equal(q, s)
+        for f, g in zip(x.audio, y.audio, strict=True):
+            assert np.array_equal(f, g)
+
+
+def test_load_time_failure_skip_logs_and_fail_names_the_record(data, tmp_path):
+    root = tmp_path / "copy"
+    root.mkdir()
+    (root / "m").symlink_to(data["path"].parent / "m")
+    (root / "own").mkdir()
+    (root / "own" / "x.png").write_bytes((data["path"].parent / "m" / "a.png").read_bytes())
+    path = root / "manifest.jsonl"
+    path.write_text(
+        json.dumps({"id": "will-go", "text": "<image>", "images": ["own/x.png"]}) + "\n"
+    )
+    cfg = config(path, f"train.output_dir={tmp_path / 'run'}")
+    build_index(cfg, path, progress=False)
+    (root / "own" / "x.png").unlink()  # removed after indexing
+    loader = Loader(cfg, open_source(cfg))
+    assert loader.load(np.array([0]), step=3) == {0: None}
+    assert loader.counts()["rejects/load_missing_media"] == 1
+    (entry,) = read_rejects(tmp_path / "run" / "rejects.jsonl")
+    assert entry["id"] == "will-go" and entry["reason"] == "missing_media" and entry["step"] == 3
+    fail = replace(cfg, data=replace(cfg.data, on_error="fail"))
+    with pytest.raises(DataError, match=r"will-go.*data\.on_error"):
+        Loader(fail, open_source(fail)).load(np.array([0]), step=0)
+
+
+@pytest.mark.parametrize("policy", ["shrink", "truncate", "skip", "fail"])
+def test_oversize_policy(data, policy):
+    cfg = config(
+        data["path"], "batch.capacity=fixed", "batch.llm_row_len=48", f"data.on_oversize={policy}"
+    )
+    if policy == "fail":
+        with pytest.raises(DataError, match=r"record '\w+'.*data\.on_oversize"):
+            open_source(cfg)
+        return
+    src = open_source(cfg)
+    llm = src.index.llm_tokens(4, 4)
+    assert llm.max() <= 48
+    assert {e["action"] for e in src.startup_rejects} <= {policy, "skip"}
+    assert len(src) + sum(e["action"] == "skip" for e in src.startup_rejects) == len(data["good"])
+    for i in src.limits:  # repaired samples load with exactly the repaired counts
+        assert counts_of(src[i]) == src.index.record(i)
+    if policy == "shrink":
+        assert any("max_pixels" in e["limits"] for e in src.startup_rejects)
+
+
+def test_index_must_exist_and_match_the_config(data, tmp_path):
+    path = tmp_path / "new.jsonl"
+    path.write_text(json.dumps({"id": 1, "text": "hi"}) + "\n")
+    with pytest.raises(ConfigError, match="python -m jaxmllm.data.index"):
+        open_source(config(path))
+    with pytest.raises(ConfigError, match="image_max_pixels"):
+        open_source(config(data["path"], "data.image_max_pixels=4096"))
+
+
+def test_hf_tokenizer_json(data, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate("a png and gif rotated".split())}}
+    vocab.update({f"w{i}": 300 + i for i in range(20)})  # ids past 256 are shifted by 8
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.save(str(tmp_path / "tokenizer.json"))
+    tj = f"data.tokenizer={tmp_path / 'tokenizer.json'}"
+    with pytest.raises(ConfigError, match="vocab_size to at least 328"):
+        open_source(config(data["path"], tj, f"data.index_dir={tmp_path / 'ix'}"))
+    cfg = config(data["path"], tj, "model.llm.vocab_size=328", f"data.index_dir={tmp_path / 'i'}")
+    build_index(cfg, data["path"], tmp_path / "i", progress=False)
+    src = open_source(cfg)
+    s = src[0]  # "<image> a png"
+    assert s.tokens[s.loss].tolist() == [1, 2, tok.EOS]
+    assert src.pre.tokenizer.encode("w3").tolist() == [311]
+
+
+@given(st.integers(1, 4000), st.integers(1, 4000), st.integers(64, 5000))
+def test_image_grid_stays_in_budget(h, w, max_pixels):
+    gh, gw = image_grid(h, w, 4, 2, 64, max_pixels)
+    assert gh % 2 == 0 and gw % 2 == 0 and gh >= 2 and gw >= 2
+    assert gh * gw * 16 <= max(max_pixels, 64)
+
+
+def test_training_on_a_manifest_reports_rejects(tmp_path):
+    from jaxmllm.metrics import read_metrics
+    from jaxmllm.train import main
+
+    manifest = write_dataset(tmp_path / "ds", images=160, audio=80, broken=1)
+    out = tmp_path / "run"
+    cfg = load_config(
+        "configs/manifest_example.yaml",
+        [
+            f"data.path={manifest}",
+            f"train.output_dir={out}",
+            "train.steps=3",
+            "train.log_every=1",
+            "train.progress_bar=false",
+            "data.workers=2",
+        ],
+    )
+    build_index(cfg, manifest, workers=2, progress=False)
+    rows = [json.loads(x) for x in (manifest.parent / "manifest.jsonl.index/lengths.jsonl").open()]
+    for row in rows[:40]:  # removed after indexing: fail at load time, skipped and logged
+        rec = json.loads(manifest.read_text().splitlines()[row["line"] - 1])
+        for p in rec.get("images", []) + rec.get("audio", []):
+            (manifest.parent / p).unlink(missing_ok=True)
+    main(cfg)
+    metrics = read_metrics(out)
+    assert len(metrics) == 3 and all(np.isfinite(m["loss"]) for m in metrics)
+    assert metrics[-1]["rejects/index_total"] == 6
+    assert metrics[-1]["rejects/load_total"] >= 1
+    logged = [r for r in read_rejects(out / "rejects.jsonl") if r["stage"] == "load"]
+    seen = [r for r in logged if r["step"] < 3]  # the pipeline runs ahead of the trainer
+    assert len(seen) == metrics[-1]["rejects/load_total"]
+    assert all(r["reason"] == "missing_media" for r in logged)
