@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import sharding
+
 Axes = tuple[str | None, ...]
 
 NORM_EPS = 1e-6
@@ -99,7 +101,16 @@ class Embed(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+        table = self.embedding[...]
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty and "fsdp" in mesh.axis_names:
+            # FSDP: gather the table's `embed` shards for the lookup (its gradient then
+            # reduce-scatters back); a gather from an embed-sharded table makes XLA replicate
+            # the whole activation in the backward pass instead.
+            vocab = sharding.mesh_axes_of("vocab")  # the vocab dim keeps its rule's axes
+            vocab = tuple(a for a in vocab if a in mesh.axis_names) or None
+            table = jax.lax.with_sharding_constraint(table, jax.P(vocab, None))
+        return jnp.take(table, ids, axis=0).astype(self.dtype)
 
     def attend(self, x_btd: jax.Array) -> jax.Array:
         """Float32 logits `x . E^T / sqrt(width)`: unit-scale rows give unit-scale logits."""
