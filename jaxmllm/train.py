@@ -12,7 +12,9 @@ import argparse
 import dataclasses
 import json
 import logging
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -317,6 +319,7 @@ def _train(cfg: Config, mesh, source, index, on_step) -> dict:
     bar = _progress(cfg, start, is_main)
     last: dict = {}
     window_start, window_tokens, window_flops, window_steps = time.perf_counter(), 0.0, 0.0, 0
+    preempt = Preemption()
     try:
         for step in range(start, t.steps):
             host = next(data_iter)
@@ -347,10 +350,20 @@ def _train(cfg: Config, mesh, source, index, on_step) -> dict:
                     0.0,
                     0,
                 )
-            mngr.save(done, args=save_args(state, data_iter), force=done == t.steps)
+            stopping = preempt.requested is not None
+            mngr.save(done, args=save_args(state, data_iter), force=done == t.steps or stopping)
             bar.update(1)
             if on_step is not None:
                 on_step(done, last)
+            if stopping:
+                mngr.wait_until_finished()
+                bar.close()
+                print(
+                    f"stopped by {preempt.requested} after step {done}; checkpoint saved in "
+                    f"{mngr.directory}. Rerun the same command to resume at step {done + 1}.",
+                    file=sys.stderr,
+                )
+                break
     except KeyboardInterrupt:
         mngr.wait_until_finished()
         latest = mngr.latest_step()
@@ -361,12 +374,40 @@ def _train(cfg: Config, mesh, source, index, on_step) -> dict:
         )
         raise
     finally:
+        preempt.restore()
         bar.close()
         mngr.wait_until_finished()
         mngr.close()
         writer.close()
         data_iter.close()
     return last
+
+
+class Preemption:
+    """SIGTERM / SIGINT ask the loop to finish its step, checkpoint and exit cleanly.
+
+    A second signal while stopping raises KeyboardInterrupt at once (the latest complete
+    checkpoint stays usable). Outside the main thread signals cannot be caught: no-op.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested is not None:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+        print(f"\n{self.requested}: finishing this step, then checkpointing", file=sys.stderr)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
 
 def _split_cpu(count: int) -> None:

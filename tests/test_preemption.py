@@ -1,0 +1,71 @@
+"""Preemption: SIGTERM finishes the step, checkpoints, exits 0; the same command resumes."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from jaxmllm.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train_cmd(out, steps):
+    sets = [
+        f"train.output_dir={out}",
+        f"train.steps={steps}",
+        "train.log_every=1",
+        "train.checkpoint_every=1000",
+        "train.progress_bar=false",
+        "data.synthetic.num_samples=256",
+    ]
+    return [
+        sys.executable,
+        "-m",
+        "jaxmllm.train",
+        "--config",
+        "configs/tiny.yaml",
+        *[a for s in sets for a in ("--set", s)],
+    ]
+
+
+def checkpoint_steps(out):
+    return sorted(int(p.name) for p in (Path(out) / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def test_sigterm_checkpoints_exits_0_and_the_rerun_resumes(tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        train_cmd(tmp_path, 500),
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 240
+    while not any(r["step"] >= 3 for r in read_metrics(tmp_path)):
+        assert proc.poll() is None, proc.communicate()[0][-2000:]
+        assert time.monotonic() < deadline, "training never reached step 3"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-2000:]
+    last = read_metrics(tmp_path)[-1]["step"]
+    assert 3 <= last < 500
+    assert checkpoint_steps(tmp_path)[-1] == last  # the step it stopped at was saved
+    assert f"Rerun the same command to resume at step {last + 1}" in out
+
+    again = subprocess.run(
+        train_cmd(tmp_path, last + 1),
+        cwd=ROOT,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=240,
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resumed from checkpoint at step {last}" in again.stdout
+    assert read_metrics(tmp_path)[-1]["step"] == last + 1
