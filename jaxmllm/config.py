@@ -241,6 +241,7 @@ class TrainConfig:
     keep_checkpoints: int = 3  # how many recent checkpoints to keep
     async_checkpointing: bool = True  # write checkpoints in the background
     progress_bar: bool = True  # tqdm bar on the terminal
+    max_nonfinite_steps: int = 5  # stop after this many skipped (NaN/inf) steps in a row; 0 = never
 
 
 @dataclass(frozen=True)

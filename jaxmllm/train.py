@@ -147,16 +147,21 @@ def make_train_step(
 
     def train_step(state, batch):
         loss, grads = loss_and_grads(state["params"], state["frozen"], batch)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        # A non-finite loss or gradient skips the update: params and optimizer state stay.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_state = {
             **state,
-            "params": optax.apply_updates(state["params"], updates),
-            "opt_state": opt_state,
+            "params": keep(optax.apply_updates(state["params"], updates), state["params"]),
+            "opt_state": keep(opt_state, state["opt_state"]),
             "step": state["step"] + 1,
         }
         metrics = {
+            "nonfinite": 1.0 - finite.astype(jnp.float32),
             "loss": loss,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": grad_norm,
             "lr": schedule(state["step"]),
             "loss_tokens": jnp.maximum(batch["llm_loss_mask"].sum(), 1.0),
         }
@@ -320,12 +325,17 @@ def _train(cfg: Config, mesh, source, index, on_step) -> dict:
     last: dict = {}
     window_start, window_tokens, window_flops, window_steps = time.perf_counter(), 0.0, 0.0, 0
     preempt = Preemption()
+    guard = NonFiniteGuard(t.max_nonfinite_steps)
     try:
         for step in range(start, t.steps):
             host = next(data_iter)
             batch = sharding.make_global_batch(host["batch"], mesh)
             with jax.transfer_guard("disallow"):  # no hidden host<->device copies in the step
                 state, metrics = step_fn(state, batch)
+            if guard.check(step + 1, metrics["nonfinite"]):
+                mngr.save(guard.stopped_at, args=save_args(state, data_iter), force=True)
+                mngr.wait_until_finished()
+                raise NonFiniteError(guard.message(mngr.directory))
             window_tokens += float((host["batch"]["llm_segment_ids"] > 0).sum())
             window_flops += step_flops(cfg, host["batch"])
             window_steps += 1
@@ -337,6 +347,7 @@ def _train(cfg: Config, mesh, source, index, on_step) -> dict:
                     _throughput(window_tokens, window_flops, window_steps, elapsed, mesh.size)
                 )
                 metrics.update({f"padding/{k}": 1.0 - v for k, v in host["info"]["fill"].items()})
+                metrics["nonfinite_total"] = guard.total
                 metrics.update(host["info"].get("rejects", {}))  # cumulative bad-input counts
                 metrics["samples"] = len(host["info"]["samples"])
                 writer.write(done, metrics)
@@ -381,6 +392,48 @@ def _train(cfg: Config, mesh, source, index, on_step) -> dict:
         writer.close()
         data_iter.close()
     return last
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+class NonFiniteGuard:
+    """Counts skipped (non-finite) steps; says when `limit` came in a row.
+
+    It reads a step's flag only after the next step is dispatched, so the host never waits on
+    the device; the step it stops at holds the last good parameters (updates were skipped).
+    """
+
+    def __init__(self, limit: int):
+        self.limit, self.run, self.total = limit, 0, 0
+        self.stopped_at = 0
+        self._pending: tuple[int, jax.Array] | None = None
+
+    def check(self, step: int, flag: jax.Array) -> bool:
+        previous, self._pending = self._pending, (step, flag)
+        if previous is None:
+            return False
+        done, prev_flag = previous
+        bad = bool(jax.device_get(prev_flag))
+        self.run = self.run + 1 if bad else 0
+        self.total += bad
+        if bad:
+            log.warning(
+                "step %d: non-finite loss or gradient; update skipped (%d in a row)", done, self.run
+            )
+        if self.limit and self.run >= self.limit:
+            self.stopped_at = step  # the latest dispatched step also kept the good state
+            return True
+        return False
+
+    def message(self, directory) -> str:
+        return (
+            f"{self.run} steps in a row had a non-finite loss or gradient (train."
+            f"max_nonfinite_steps={self.limit}); stopped at step {self.stopped_at} with the "
+            f"last good parameters checkpointed in {directory}. Lower optim.lr, raise "
+            f"optim.warmup_steps or set model.compute_dtype: float32, then resume."
+        )
 
 
 class Preemption:
@@ -484,6 +537,9 @@ def cli(argv: list[str] | None = None) -> int:
     except (ConfigError, OversizeError, sharding.ShardingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         return 130
     return 0

@@ -96,3 +96,39 @@ def test_frozen_modules_get_no_gradient_and_no_optimizer_state():
     opt_leaves = sum(x.size for x in jax.tree.leaves(state["opt_state"]))
     trainable = sum(x.size for x in jax.tree.leaves(state["params"]))
     assert opt_leaves < 2 * trainable + 16
+
+
+def test_nonfinite_step_keeps_the_state_and_divergence_stops_with_a_checkpoint(tmp_path):
+    import jax
+
+    import sharding
+    from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
+    from jaxmllm.train import NonFiniteError, build_program
+
+    cfg = tiny(tmp_path / "unit")
+    cfg = resolve_batch(cfg, make_source(cfg)[1])
+    mesh = sharding.make_mesh(cfg.mesh)
+    with jax.set_mesh(mesh):
+        prog = build_program(cfg, mesh)
+        state = prog.init()
+        host = next(make_pipeline(cfg, 8, prefetch=0))["batch"]
+        host["vision_patches"][:] = np.nan
+        before = jax.device_get({k: state[k] for k in ("params", "opt_state")})
+        state, metrics = prog.step(state, sharding.make_global_batch(host, mesh))
+        after = jax.device_get({k: state[k] for k in ("params", "opt_state")})
+    assert float(metrics["nonfinite"]) == 1.0 and int(state["step"]) == 1
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    # A diverging run: skipped steps are counted, and K in a row stop it with a checkpoint.
+    diverge = replace(
+        tiny(tmp_path / "run"),
+        optim=replace(cfg.optim, lr=1e30, warmup_steps=0),
+        train=replace(tiny(tmp_path / "run").train, steps=40, max_nonfinite_steps=2),
+    )
+    with pytest.raises(NonFiniteError, match=r"max_nonfinite_steps=2.*Lower optim\.lr"):
+        main(diverge)
+    saved = sorted(
+        int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()
+    )
+    assert saved and saved[-1] < 40
