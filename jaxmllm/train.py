@@ -285,6 +285,7 @@ def _train(cfg: Config, mesh, source, index, on_step) -> dict:
     t = cfg.train
     out = Path(t.output_dir)
     is_main = jax.process_index() == 0
+    check_resumable(cfg, out)
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
@@ -392,6 +393,43 @@ def _train(cfg: Config, mesh, source, index, on_step) -> dict:
         writer.close()
         data_iter.close()
     return last
+
+
+# What a resumed run must share with the run that wrote its checkpoints: the parameters' shapes
+# and split, the bucket shapes and planner (their state is in the checkpoint), the sample stream.
+# The mesh, optimizer settings and step count may change between runs.
+RESUME_KEYS = ("model", "batch", "data.source", "data.path", "data.seed", "data.synthetic")
+
+
+def check_resumable(cfg: Config, out: Path) -> None:
+    """Refuses an output dir whose checkpoints come from an incompatible config."""
+    saved_path = out / "config.json"
+    ckpts = out / "checkpoints"
+    if not saved_path.exists() or not ckpts.exists() or not any(ckpts.iterdir()):
+        return
+    saved, now = _flatten(json.loads(saved_path.read_text())), _flatten(to_dict(cfg))
+    changed = [
+        k
+        for k in sorted(set(saved) | set(now))
+        if k.startswith(RESUME_KEYS) and saved.get(k) != now.get(k)
+    ]
+    if changed:
+        diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:6])
+        raise ConfigError(
+            f"train.output_dir={out} holds checkpoints of a run with a different config "
+            f"({diffs}{', ...' if len(changed) > 6 else ''}); it cannot be resumed with this "
+            f"one. Use a new train.output_dir, or the config in {saved_path}."
+        )
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 class NonFiniteError(RuntimeError):

@@ -132,3 +132,12 @@ def test_nonfinite_step_keeps_the_state_and_divergence_stops_with_a_checkpoint(t
         int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()
     )
     assert saved and saved[-1] < 40
+
+
+def test_output_dir_of_an_incompatible_run_is_refused_with_the_differences(uninterrupted):
+    from jaxmllm.config import ConfigError
+
+    cfg = tiny(uninterrupted)
+    wider = replace(cfg, model=replace(cfg.model, llm=replace(cfg.model.llm, width=64)))
+    with pytest.raises(ConfigError, match=r"model\.llm\.width: 128 -> 64.*new train\.output_dir"):
+        main(wider)
