@@ -307,3 +307,30 @@ def test_training_on_a_manifest_reports_rejects(tmp_path):
     seen = [r for r in logged if r["step"] < 3]  # the pipeline runs ahead of the trainer
     assert len(seen) == metrics[-1]["rejects/load_total"]
     assert all(r["reason"] == "missing_media" for r in logged)
+
+
+def test_load_time_reject_counts_carry_across_a_restore(data, tmp_path):
+    from jaxmllm.data.pipeline import make_pipeline
+
+    root = tmp_path / "copy"
+    (root / "own").mkdir(parents=True)
+    png = (data["path"].parent / "m" / "a.png").read_bytes()
+    lines = []
+    for k in range(6):
+        (root / "own" / f"x{k}.png").write_bytes(png)
+        lines.append(json.dumps({"id": f"r{k}", "text": "<image>a", "images": [f"own/x{k}.png"]}))
+    path = root / "manifest.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    cfg = config(path, f"train.output_dir={tmp_path / 'run'}")
+    build_index(cfg, path, progress=False)
+    (root / "own" / "x0.png").unlink()  # one record breaks after indexing
+
+    it = make_pipeline(cfg, 8, prefetch=0)
+    for _ in range(2):
+        next(it)
+    state = it.get_state()
+    want = [next(it)["info"]["rejects"] for _ in range(2)]
+    restored = make_pipeline(cfg, 8, prefetch=0)
+    restored.set_state(state)
+    got = [next(restored)["info"]["rejects"] for _ in range(2)]
+    assert got == want and want[-1]["rejects/load_total"] > 0

@@ -87,11 +87,13 @@ class StepIterator(grain.DatasetIterator):
         self.caps = Capacities.from_config(cfg, devices)
         self.planner = make_planner(cfg, self.index, devices)
         self.loader: Loader | None = None
+        self._restored_rejects: dict[str, int] = {}  # load-time reject counts of earlier runs
 
     def __next__(self) -> dict[str, Any]:
         plan = self.planner.plan()
         if self.loader is None:  # made on first use: worker processes start here
             self.loader = Loader(self.cfg, self.source)
+            self.loader.log.counts.update(self._restored_rejects)
         # A sample that fails to load is None under data.on_error=skip: its slots stay padding.
         samples = self.loader.load(np.unique(plan.samples), plan.step)
         batch = bucketize(plan, samples, self.cfg, self.caps)
@@ -105,10 +107,17 @@ class StepIterator(grain.DatasetIterator):
         return {"batch": batch, "info": info}
 
     def get_state(self) -> dict:
-        return {"planner": self.planner.get_state()}
+        counts = self.loader.log.counts if self.loader is not None else self._restored_rejects
+        rejects = {k: int(v) for k, v in counts.items() if k.startswith("load_")}
+        return {"planner": self.planner.get_state(), "load_rejects": rejects}
 
     def set_state(self, state: dict) -> None:
         self.planner.set_state(state["planner"])
+        # Cumulative load-time reject counts carry across restarts, like the planner's cursor.
+        self._restored_rejects = dict(state.get("load_rejects", {}))
+        if self.loader is not None:
+            self.loader.log.counts.clear()
+            self.loader.log.counts.update(self._restored_rejects)
 
 
 class StepDataset(grain.IterDataset):
