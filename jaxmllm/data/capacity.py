@@ -4,7 +4,10 @@ Given a lengths index and a target number of LLM tokens per device and microbatc
 LLM row shape and the vision / audio capacities so that every phase fills at the same rate
 (capacity_p / capacity_llm = total_p / total_llm over the data), each at least the largest
 sample's need, all on a small ladder of shapes (8 values per octave: {8..15} x 2^k, so a rounded
-capacity is within 6% of the ideal and a handful of configs share compiled shapes).
+capacity is within 6% of the ideal and a handful of configs share compiled shapes). Since every
+capacity is rounded, `match_llm=True` lets the LLM bucket move one ladder step from the target
+when that brings the phases' demands closer together (the phase whose demand runs ahead binds
+first; the others can fill only up to their demand relative to it).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ def suggest_capacities(
     *,
     max_row_len: int | None = None,
     per_octave: int = 8,
+    match_llm: bool = False,
 ) -> CapacitySuggestion:
     """Suggests capacities for `llm_tokens_per_device` LLM tokens per device and microbatch.
 
@@ -82,15 +86,45 @@ def suggest_capacities(
       subsample: audio frames per LLM token.
       max_row_len: longest LLM row allowed (attention memory); None = one row per device.
       per_octave: ladder resolution.
+      match_llm: let the LLM bucket move one ladder step (rows or row length) from the target
+        when that brings the phases' demands closer together; otherwise it stays the nearest
+        ladder shape to the target (`batch.capacity: auto` keeps the user's LLM bucket).
     """
     llm = index.llm_tokens(merge_area, subsample)
     longest = int(llm.max()) if len(llm) else 1
     target = max(llm_tokens_per_device, longest)
     if max_row_len is None or target <= max_row_len:
-        rows, row_len = 1, max(ladder_nearest(target, per_octave), ladder_up(longest, per_octave))
+        near = max(ladder_nearest(target, per_octave), ladder_up(longest, per_octave))
+        shapes = [(1, near)]
+        if match_llm:  # with rounded capacities, the phase whose demand runs ahead binds first
+            ladder = _ladder(per_octave, 32)
+            i = int(np.searchsorted(ladder, near))
+            shapes += [(1, int(v)) for v in ladder[max(i - 1, 0) : i + 2] if v >= longest]
     else:
         row_len = ladder_up(max(longest, max_row_len // 2), per_octave)
         rows = max(1, round(target / row_len))
+        shapes = [(rows, row_len)]
+        if match_llm:
+            shapes += [(r, row_len) for r in (rows - 1, rows + 1) if r >= 1]
+    best = None
+    for rows, row_len in shapes:
+        sug = _encoder_caps(index, llm, rows, row_len, merge_area, subsample, per_octave)
+        mismatch = math.log(max(sug.demand.values()) / min(sug.demand.values()))
+        score = (round(mismatch, 3), abs(math.log(rows * row_len / target)))
+        if best is None or score < best[0]:
+            best = (score, sug)
+    return best[1]
+
+
+def _encoder_caps(
+    index: LengthsIndex,
+    llm: np.ndarray,
+    rows: int,
+    row_len: int,
+    merge_area: int,
+    subsample: int,
+    per_octave: int,
+) -> CapacitySuggestion:
     llm_cap = rows * row_len
     total_llm = max(int(llm.sum()), 1)
     caps, demand = {}, {"llm": 1.0}
