@@ -48,6 +48,7 @@ class VisionConfig:
     freeze: bool = False  # no gradient and no optimizer state for the encoder
 
     def __post_init__(self):
+        _positive(self, "patch_size", "channels", "width", "depth", "heads", "mlp_dim", "merge")
         _check(self.width % self.heads == 0, "width must be divisible by heads", "width")
         _check(
             (self.width // self.heads) % 4 == 0,
@@ -71,7 +72,9 @@ class AudioConfig:
     freeze: bool = False  # no gradient and no optimizer state for the encoder
 
     def __post_init__(self):
+        _positive(self, "n_mels", "width", "depth", "heads", "mlp_dim")
         _check(self.width % self.heads == 0, "width must be divisible by heads", "width")
+        _check((self.width // self.heads) % 2 == 0, "head dim must be even (RoPE)", "heads")
         _check(
             self.subsample == 4, "only subsample=4 (two stride-2 convs) is implemented", "subsample"
         )
@@ -92,7 +95,9 @@ class LLMConfig:
     freeze: bool = False  # no gradient and no optimizer state for the decoder
 
     def __post_init__(self):
+        _positive(self, "vocab_size", "width", "depth", "heads", "kv_heads", "mlp_dim")
         _check(self.width % self.heads == 0, "width must be divisible by heads", "width")
+        _check((self.width // self.heads) % 2 == 0, "head dim must be even (RoPE)", "heads")
         _check(self.heads % self.kv_heads == 0, "kv_heads must divide heads", "kv_heads")
         _check(self.vocab_size >= 264, "the byte tokenizer needs at least 264 ids", "vocab_size")
 
@@ -243,6 +248,12 @@ class TrainConfig:
     progress_bar: bool = True  # tqdm bar on the terminal
     max_nonfinite_steps: int = 5  # stop after this many skipped (NaN/inf) steps in a row; 0 = never
 
+    def __post_init__(self):
+        _positive(self, "steps", "log_every", "checkpoint_every", "keep_checkpoints")
+        _check(
+            self.max_nonfinite_steps >= 0, "must be >= 0 (0 = never stop)", "max_nonfinite_steps"
+        )
+
 
 @dataclass(frozen=True)
 class Config:
@@ -262,6 +273,11 @@ class Config:
             f"must be a multiple of merge^2 = {vis.merge**2}",
             "batch.vision_patches",
         )
+
+
+def _positive(section, *keys: str) -> None:
+    for key in keys:
+        _check(getattr(section, key) >= 1, "must be >= 1", key)
 
 
 def _check(ok: bool, message: str, key: str) -> None:

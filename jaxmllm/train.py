@@ -162,7 +162,10 @@ def make_train_step(
             "nonfinite": 1.0 - finite.astype(jnp.float32),
             "loss": loss,
             "grad_norm": grad_norm,
-            "lr": schedule(state["step"]),
+            # The optimizer's own update count: it does not advance on skipped steps.
+            "lr": schedule(
+                optax.tree_utils.tree_get_all_with_path(state["opt_state"], "count")[0][1]
+            ),
             "loss_tokens": jnp.maximum(batch["llm_loss_mask"].sum(), 1.0),
         }
         return new_state, metrics
@@ -272,6 +275,13 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter):
 def main(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> dict:
     """Trains per `cfg`; returns the last logged metrics. `on_step(step, metrics)` is a hook."""
     _split_cpu(cfg.mesh.cpu_devices)
+    if jax.process_count() > 1:
+        # Every process would feed the whole global batch: each sample trained process_count
+        # times. Refuse until per-host loading lands rather than train wrong silently.
+        raise ConfigError(
+            f"{jax.process_count()} processes: multi-host training is not supported yet (each "
+            "process would load and feed the whole batch); run one process per machine"
+        )
     mesh = sharding.make_mesh(cfg.mesh)
     # The data decides `auto` sizes before anything is shaped by them.
     source, index = make_source(cfg)

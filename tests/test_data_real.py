@@ -334,3 +334,19 @@ def test_load_time_reject_counts_carry_across_a_restore(data, tmp_path):
     restored.set_state(state)
     got = [next(restored)["info"]["rejects"] for _ in range(2)]
     assert got == want and want[-1]["rejects/load_total"] > 0
+
+
+def test_a_record_that_no_longer_matches_its_index_row_is_refused(data, tmp_path):
+    path = tmp_path / "manifest.jsonl"
+    path.write_text(json.dumps({"id": "t1", "text": "hello there"}) + "\n")
+    cfg = config(path, f"train.output_dir={tmp_path / 'run'}")
+    build_index(cfg, path, progress=False)
+    # The manifest keeps its size (so the index looks fresh) but its tokens no longer match
+    # what was planned for: here, the index row is edited to say one token more.
+    lengths = path.parent / "manifest.jsonl.index" / "lengths.jsonl"
+    row = json.loads(lengths.read_text())
+    row["text"] += 1
+    lengths.write_text(json.dumps(row) + "\n")
+    loader = Loader(cfg, open_source(cfg))
+    assert loader.load(np.array([0]), step=0) == {0: None}
+    assert loader.counts()["rejects/load_changed_since_index"] == 1

@@ -318,11 +318,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", help="PNG of per-device load of one step (needs matplotlib)")
     args = ap.parse_args(argv)
     cost = CostModel.from_model(ModelConfig())
-    sources = (
-        [(Path(args.lengths).name, load_lengths(args.lengths))]
-        if args.lengths
-        else [(m, load_mix(m)) for m in args.mix.split(",")]
-    )
+    try:
+        sources = (
+            [(Path(args.lengths).name, load_lengths(args.lengths))]
+            if args.lengths
+            else [(m, load_mix(m)) for m in args.mix.split(",")]
+        )
+    except (OSError, ValueError) as e:  # a missing table or an unknown mix: say which
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     rows, plots = [], {}
     for name, index in sources:
         c = make_caps(index, 1, args.tokens, args.micro, "orchestrated")

@@ -629,7 +629,12 @@ class OrchestratedPlanner(BalancedPlanner):
             ("batch.audio_frames", index.audio, caps.audio_frames, caps.subsample),
         ):
             if len(values) and not cap:
-                raise OversizeError(f"the data has items for {key} but that phase is disabled")
+                phase = "vision" if "vision" in key else "audio"
+                share = "image_fraction" if phase == "vision" else "audio_fraction"
+                raise OversizeError(
+                    f"the data has {phase} items but model.{phase}.enabled is false: enable it, "
+                    f"or use data without {phase} (e.g. data.synthetic.{share}: 0)"
+                )
             checks.append((key, values, cap))
             if len(values) and values.max() // per > caps.route_pair_capacity:
                 raise OversizeError(

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxmllm.data import tokenizer as tok
 from jaxmllm.data.preprocess import Limits, Preprocessor, Sizes, parse_record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import LengthsIndex, Sample
@@ -102,7 +103,18 @@ class ManifestSource:
             raise RecordError(
                 "changed_since_index", f"record {row['row']} is now {record.id!r}", row["id"]
             )
-        return self.pre.sample(int(i), record, sizes_of(row), self.limits.get(int(i), Limits()))
+        sample = self.pre.sample(int(i), record, sizes_of(row), self.limits.get(int(i), Limits()))
+        # The plan reserved exactly the index's counts; a record edited since (same byte size,
+        # other tokens) would overflow its slot into a neighbour's, so refuse it instead.
+        got = {
+            "text": int(np.isin(sample.tokens, (tok.IMAGE, tok.AUDIO), invert=True).sum()),
+            "images": [len(p) for p, _ in sample.images],
+            "audio": [len(f) for f in sample.audio],
+        }
+        want = self.index.record(int(i))
+        if got != want:
+            raise RecordError("changed_since_index", f"now {got}, the index says {want}", row["id"])
+        return sample
 
     def record_id(self, i: int) -> str:
         return self.rows[int(i)]["id"]

@@ -84,6 +84,12 @@ def synthetic_omni(num_samples: int = 20000, seed: int = 0, merge: int = 2) -> L
 
 def load_internvl(path: str | Path) -> LengthsIndex:
     """Reads an InternVL length table (`vit_num` tiles, `token_num` LLM tokens incl. tiles)."""
+    if not Path(path).exists():
+        raise FileNotFoundError(
+            f"{path} not found: the real length tables live in the project's shared/ folder "
+            "(beside the repository); point JAXMLLM_SHARED at it, or use --mix omni or "
+            "--lengths FILE"
+        )
     recs = json.loads(Path(path).read_text())
     return _from_internvl(recs, str(path))
 

@@ -16,7 +16,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from jaxmllm.config import Config
+from jaxmllm.config import Config, ConfigError
 from jaxmllm.data.bucketize import bucketize, fill_stats
 from jaxmllm.data.capacity import suggest_capacities
 from jaxmllm.data.loader import Loader
@@ -50,6 +50,11 @@ def resolve_batch(cfg: Config, index: LengthsIndex) -> Config:
     largest item. The resolved values are what the model, the planner and checkpoints see.
     """
     b, m = cfg.batch, cfg.model
+    if len(index) == 0:
+        raise ConfigError(
+            "the data has no usable samples (every record was rejected or the source is empty); "
+            "see the index's rejects.jsonl, or raise data.synthetic.num_samples"
+        )
     changes = {}
     if b.capacity == "auto":
         got = suggest_capacities(
@@ -63,8 +68,9 @@ def resolve_batch(cfg: Config, index: LengthsIndex) -> Config:
             value = getattr(got, key)
             if value:  # 0: the data has none of it; keep the configured bucket
                 changes[key] = value
-    if b.route_pair_capacity == -1 and b.planner != "orchestrated":
-        changes["route_pair_capacity"] = 0  # only orchestrated moves items between devices
+    if b.route_pair_capacity != 0 and b.planner != "orchestrated":
+        # Only orchestrated moves items between devices; an exchange would only move zeros.
+        changes["route_pair_capacity"] = 0
     elif b.route_pair_capacity == -1:
         vision = changes.get("vision_patches", b.vision_patches) // m.vision.merge**2
         audio = changes.get("audio_frames", b.audio_frames) // m.audio.subsample
