@@ -132,6 +132,7 @@ class BatchConfig:
     audio_frames: int = 3000  # log-mel frame capacity per device per microbatch (one packed row)
     route_pair_capacity: int = -1  # encoder rows one device may send another; 0 = all local,
     # -1 = auto (orchestrated: a whole device bucket's encoder output; other planners: 0)
+    exchange: str = "dense"  # dense all_to_all (every backend) | ragged (ragged_all_to_all: GPU)
     planner: str = "orchestrated"  # orchestrated | balanced | grain | naive | first_fit
     capacity: str = "fixed"  # fixed: the sizes above; auto: encoder buckets sized from the data
 
@@ -142,6 +143,7 @@ class BatchConfig:
         _check(self.audio_frames % 4 == 0, "must be a multiple of 4", "audio_frames")
         _check(self.planner in PLANNERS, f"must be one of {sorted(PLANNERS)}", "planner")
         _check(self.capacity in ("fixed", "auto"), "must be fixed or auto", "capacity")
+        _check(self.exchange in ("dense", "ragged"), "must be dense or ragged", "exchange")
         _check(
             self.route_pair_capacity >= -1, "must be >= 0, or -1 for auto", "route_pair_capacity"
         )

@@ -283,6 +283,11 @@ def main(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> 
             "process would load and feed the whole batch); run one process per machine"
         )
     mesh = sharding.make_mesh(cfg.mesh)
+    if cfg.batch.exchange == "ragged" and jax.default_backend() == "cpu":
+        raise ConfigError(
+            "batch.exchange=ragged: XLA:CPU does not implement ragged_all_to_all; use "
+            "batch.exchange: dense on CPU (ragged is for GPU backends)"
+        )
     # The data decides `auto` sizes before anything is shaped by them.
     source, index = make_source(cfg)
     cfg = resolve_batch(cfg, index)

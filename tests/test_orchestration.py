@@ -179,3 +179,77 @@ def _split_params(cfg):
     from jaxmllm.train import build_model
 
     return build_model(cfg, 0)
+
+
+def simulate_ragged(operands, outputs, in_off, send, out_off, recv, slices_per_device):
+    """The documented semantics of lax.ragged_all_to_all, in numpy, over all devices at once."""
+    results = [o.copy() for o in outputs]
+    for src, operand in enumerate(operands):
+        for i in range(len(in_off[src])):
+            dst, n = i // slices_per_device, int(send[src][i])
+            assert recv[dst][src * slices_per_device + i % slices_per_device] == n
+            chunk = operand[in_off[src][i] : in_off[src][i] + n]
+            results[dst][out_off[src][i] : out_off[src][i] + n] = chunk
+    return results
+
+
+def test_ragged_exchange_arguments_reproduce_the_dense_exchange():
+    from jaxmllm.models.mllm import exchange_rows, ragged_args
+
+    rng = np.random.default_rng(0)
+    devices, caps, width = 4, [3, 2], 5
+    rows = [rng.normal(size=(devices, 7, width)).astype(np.float32) for _ in caps]
+    sends = [rng.integers(0, 7, (devices, devices, c)).astype(np.int32) for c in caps]
+    counts = [rng.integers(0, c + 1, (devices, devices)).astype(np.int32) for c in caps]
+    dense = [np.asarray(x) for x in exchange_rows(rows, sends)]  # [D, D*C_p, W] per phase
+
+    # What each device would send: the dense send buffer [D, sum C_p, W], flattened.
+    operands = [
+        np.concatenate([r[s][sd[s]] for r, sd in zip(rows, sends, strict=True)], axis=1).reshape(
+            -1, width
+        )
+        for s in range(devices)
+    ]
+    args = [
+        [np.asarray(a) for a in ragged_args(s, [c[s] for c in counts], caps)]
+        for s in range(devices)
+    ]
+    in_off, send, out_off = zip(*args, strict=True)
+    recv = [
+        np.concatenate([send[s][d * 2 : d * 2 + 2] for s in range(devices)]) for d in range(devices)
+    ]  # what the all-to-all of sizes delivers
+    got = simulate_ragged(
+        operands,
+        [np.zeros_like(o) for o in operands],
+        in_off,
+        send,
+        out_off,
+        recv,
+        slices_per_device=len(caps),
+    )
+    total, offsets = sum(caps), [0, caps[0]]
+    for d in range(devices):
+        for s in range(devices):
+            for p, c_p in enumerate(caps):
+                n = counts[p][s, d]
+                start = s * total + offsets[p]
+                want = dense[p][d].reshape(devices, c_p, width)[s, :n]
+                np.testing.assert_array_equal(got[d][start : start + n], want)
+
+
+def test_ragged_exchange_lowers_in_the_step_and_is_refused_on_cpu(tmp_path):
+    from jaxmllm.config import ConfigError
+    from jaxmllm.train import main
+
+    cfg, source, index = resolved("batch.exchange=ragged", "batch.microbatches=1")
+    mesh = sharding.make_mesh(cfg.mesh)
+    with jax.set_mesh(mesh):
+        prog = build_program(cfg, mesh)
+        state = jax.eval_shape(prog.init)
+        host = next(make_pipeline(cfg, 8, prefetch=0, source=source, index=index))["batch"]
+        text = prog.step.lower(state, sharding.make_global_batch(host, mesh)).as_text()
+    assert text.count("ragged_all_to_all") >= 2  # the exchange and its transpose (backward)
+    assert "vision_send_count" in host and host["vision_send_count"].sum() > 0
+    bad = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=str(tmp_path)))
+    with pytest.raises(ConfigError, match=r"batch\.exchange: dense on CPU"):
+        main(bad)

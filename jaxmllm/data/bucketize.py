@@ -9,6 +9,7 @@ Every array has leading axes [M, D] (microbatch, data-parallel device bucket):
   vision_positions [M, D, P, 2] (row, col)
   audio_frames [M, D, F, n_mels] f32, audio_segment_ids [M, D, F], audio_positions [M, D, F]
   vision_send, audio_send                                    int32  [M, D, D, C]  (routed only)
+  vision_send_count, audio_send_count                        int32  [M, D, D]     (routed only)
 
 Segment ids are 1, 2, ... per sample (per image / clip in the encoder rows) and 0 for padding.
 `llm_*_src[t] = -1` unless token t is a placeholder slot; then it indexes the device's row
@@ -53,12 +54,14 @@ def batch_shapes(cfg: Config, devices: int) -> dict[str, tuple[tuple[int, ...], 
         out["vision_positions"] = (lead + (b.vision_patches, 2), np.int32)
         if c:
             out["vision_send"] = (lead + (devices, c), np.int32)
+            out["vision_send_count"] = (lead + (devices,), np.int32)
     if m.audio.enabled:
         out["audio_frames"] = (lead + (b.audio_frames, m.audio.n_mels), np.float32)
         out["audio_segment_ids"] = (lead + (b.audio_frames,), np.int32)
         out["audio_positions"] = (lead + (b.audio_frames,), np.int32)
         if c:
             out["audio_send"] = (lead + (devices, c), np.int32)
+            out["audio_send_count"] = (lead + (devices,), np.int32)
     if not m.vision.enabled:
         del out["llm_vision_src"]
     if not m.audio.enabled:
@@ -191,6 +194,7 @@ def _write_items(
                 f"batch.route_pair_capacity={pair_cap} {phase} rows"
             )
         pair_fill[(m, enc_dev, d)] = c0 + len(rows)
+        batch[f"{phase}_send_count"][m, enc_dev, d] = c0 + len(rows)  # rows a ragged send moves
         batch[f"{phase}_send"][m, enc_dev, d, c0 : c0 + len(rows)] = rows
         local_rows = batch[data_key].shape[2] // per_row  # received rows follow the own ones
         batch[src_key][m, d, r, dest] = local_rows + enc_dev * pair_cap + c0 + np.arange(len(rows))

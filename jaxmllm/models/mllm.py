@@ -54,6 +54,7 @@ class MultimodalLM(nnx.Module):
                 "(jaxmllm.data.pipeline.resolve_batch)"
             )
         self.route_capacity = batch_cfg.route_pair_capacity
+        self.exchange = batch_cfg.exchange
 
     def __call__(self, mb: dict[str, jax.Array]) -> jax.Array:
         """Logits for one microbatch.
@@ -77,7 +78,9 @@ class MultimodalLM(nnx.Module):
             feats = self.audio(mb["audio_frames"], mb["audio_segment_ids"], mb["audio_positions"])
             phases.append((self.audio_projector(feats), "audio"))
         buffers = self._route(
-            [rows for rows, _ in phases], [mb.get(f"{p}_send") for _, p in phases]
+            [rows for rows, _ in phases],
+            [mb.get(f"{p}_send") for _, p in phases],
+            [mb.get(f"{p}_send_count") for _, p in phases],
         )
         for buffer, (_, phase) in zip(buffers, phases, strict=True):
             x_drlw = fill_slots(x_drlw, buffer, mb[f"llm_{phase}_src"])
@@ -89,7 +92,9 @@ class MultimodalLM(nnx.Module):
         )
         return logits.reshape(d, r, length, -1)
 
-    def _route(self, rows: list[jax.Array], sends: list[jax.Array | None]) -> list[jax.Array]:
+    def _route(
+        self, rows: list[jax.Array], sends: list[jax.Array | None], counts: list
+    ) -> list[jax.Array]:
         """The rows each phase's slots read: the device's own, then (routed) received ones."""
         if self.route_capacity == 0 or not rows:
             return rows
@@ -101,11 +106,13 @@ class MultimodalLM(nnx.Module):
                 )
         # Local rows take the local path (index < N); only the others cross devices, all
         # phases in one all-to-all (a collective's latency is paid once).
-        received = exchange_rows(rows, sends)
+        received = exchange_rows(rows, sends, counts if self.exchange == "ragged" else None)
         return [jnp.concatenate([r, x], axis=1) for r, x in zip(rows, received, strict=True)]
 
 
-def exchange_rows(rows: list[jax.Array], sends: list[jax.Array]) -> list[jax.Array]:
+def exchange_rows(
+    rows: list[jax.Array], sends: list[jax.Array], counts: list[jax.Array] | None = None
+) -> list[jax.Array]:
     """Sends encoder rows between devices with one all-to-all at a fixed per-pair capacity.
 
     Args:
@@ -120,6 +127,10 @@ def exchange_rows(rows: list[jax.Array], sends: list[jax.Array]) -> list[jax.Arr
       `lax.all_to_all` over the data axes once; its transpose (the backward pass) is the
       reverse all-to-all. Without a mesh, the same exchange is written as a transpose (single
       device, reference tests).
+
+    With `counts` (per phase, rows src sends dst [D, D]) and a mesh, the exchange is one
+    `lax.ragged_all_to_all` that moves only the filled slots (same buffers, same layout), for
+    backends that implement it (GPU; XLA:CPU does not).
     """
     caps = [s.shape[-1] for s in sends]
     mesh = jax.sharding.get_abstract_mesh()
@@ -146,13 +157,54 @@ def exchange_rows(rows: list[jax.Array], sends: list[jax.Array]) -> list[jax.Arr
         )
     spec = PartitionSpec(axes)
 
-    def per_shard(rows_1nw, sends_1dc):
+    def per_shard(rows_1nw, sends_1dc, counts_1d):
         sent_dcw = gather([r[0] for r in rows_1nw], [s[0] for s in sends_1dc])
-        # Chunk dst of the send buffer goes to shard dst; chunk src of the result came from src.
-        received_dcw = jax.lax.all_to_all(sent_dcw, axes, 0, 0, tiled=True)
+        if counts_1d is None:
+            # Chunk dst of the send buffer goes to shard dst; chunk src of the result came
+            # from src.
+            received_dcw = jax.lax.all_to_all(sent_dcw, axes, 0, 0, tiled=True)
+        else:
+            received_dcw = _ragged_exchange(sent_dcw, [c[0] for c in counts_1d], caps, axes)
         return [p[None] for p in split(received_dcw)]
 
-    return jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec), out_specs=spec)(rows, sends)
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=spec, out_specs=spec)(rows, sends, counts)
+
+
+def ragged_args(me, counts_pd, caps: list[int]):
+    """(input_offsets, send_sizes, output_offsets) of one device's ragged send.
+
+    One slice per (destination, phase), i = dst * P + p: the filled prefix of that phase's slots
+    in the destination's chunk of the dense send buffer [D, sum C_p], written where the dense
+    exchange would put it on the receiver (source-major: me * sum C_p + the phase's offset).
+    """
+    num_dev = counts_pd[0].shape[0]
+    total = sum(caps)
+    offsets = np.concatenate([[0], np.cumsum(caps)[:-1]]).astype(np.int32)
+    dst = jnp.repeat(jnp.arange(num_dev, dtype=jnp.int32), len(caps))
+    phase_off = jnp.tile(jnp.asarray(offsets), num_dev)
+    input_offsets = dst * total + phase_off
+    send_sizes = jnp.stack(counts_pd, axis=1).reshape(-1).astype(jnp.int32)
+    output_offsets = jnp.asarray(me, jnp.int32) * total + phase_off
+    return input_offsets, send_sizes, output_offsets
+
+
+def _ragged_exchange(sent_dcw, counts_pd, caps, axes):
+    num_dev, total, width = sent_dcw.shape
+    me = jax.lax.axis_index(axes)
+    input_offsets, send_sizes, output_offsets = ragged_args(me, counts_pd, caps)
+    # Receivers learn how much arrives from whom from the senders (a tiny all-to-all of sizes).
+    recv_sizes = jax.lax.all_to_all(send_sizes, axes, 0, 0, tiled=True)
+    operand = sent_dcw.reshape(num_dev * total, width)
+    out = jax.lax.ragged_all_to_all(
+        operand,
+        jnp.zeros_like(operand),
+        input_offsets,
+        send_sizes,
+        output_offsets,
+        recv_sizes,
+        axis_name=axes,
+    )
+    return out.reshape(num_dev, total, width)
 
 
 def shard_like_batch(x: jax.Array) -> jax.Array:
