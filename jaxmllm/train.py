@@ -29,6 +29,7 @@ from flax import nnx
 
 import sharding
 from jaxmllm.config import Config, ConfigError, load_config, to_dict
+from jaxmllm.data.cost import CostModel
 from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
 from jaxmllm.data.planner import OversizeError
 from jaxmllm.metrics import MetricsWriter, step_flops
@@ -340,6 +341,7 @@ def _train(cfg: Config, mesh, source, index, on_step) -> dict:
     bar = _progress(cfg, start, is_main)
     last: dict = {}
     window_start, window_tokens, window_flops, window_steps = time.perf_counter(), 0.0, 0.0, 0
+    cost = CostModel.from_model(cfg.model)  # analytic FLOPs of the real work, for metrics
     preempt = Preemption()
     guard = NonFiniteGuard(t.max_nonfinite_steps)
     try:
@@ -353,7 +355,7 @@ def _train(cfg: Config, mesh, source, index, on_step) -> dict:
                 mngr.wait_until_finished()
                 raise NonFiniteError(guard.message(mngr.directory))
             window_tokens += float((host["batch"]["llm_segment_ids"] > 0).sum())
-            window_flops += step_flops(cfg, host["batch"])
+            window_flops += step_flops(cfg, host["batch"], cost)
             window_steps += 1
             done = step + 1
             if done % t.log_every == 0 or done in (1, t.steps):
