@@ -239,14 +239,25 @@ def build_program(cfg: Config, mesh) -> Program:
 
 
 def make_checkpoint_manager(cfg: Config) -> ocp.CheckpointManager:
+    """Orbax manager for `<output_dir>/checkpoints`; saves are atomic (written aside, renamed).
+
+    A save interrupted by a kill leaves a `*.orbax-checkpoint-tmp*` directory: it is reported
+    and cleaned up, and the run resumes from the latest complete checkpoint.
+    """
     t = cfg.train
+    directory = Path(t.output_dir).absolute() / "checkpoints"
+    for tmp in sorted(directory.glob("*.orbax-checkpoint-tmp*")) if directory.exists() else []:
+        log.warning(
+            "discarding %s: a checkpoint save that was interrupted before it completed", tmp.name
+        )
     options = ocp.CheckpointManagerOptions(
         max_to_keep=t.keep_checkpoints,
         save_interval_steps=t.checkpoint_every,
         enable_async_checkpointing=t.async_checkpointing,
+        cleanup_tmp_directories=True,
         create=True,
     )
-    return ocp.CheckpointManager(Path(t.output_dir).absolute() / "checkpoints", options=options)
+    return ocp.CheckpointManager(directory, options=options)
 
 
 def save_args(state, data_iter) -> ocp.args.Composite:
@@ -256,18 +267,46 @@ def save_args(state, data_iter) -> ocp.args.Composite:
 
 
 def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter):
-    """Restores the latest checkpoint into the sharded abstract state; None if there is none."""
-    step = mngr.latest_step()
-    if step is None:
-        return None
-    restored = mngr.restore(
-        step,
-        args=ocp.args.Composite(
+    """Restores the newest checkpoint that reads back; None if there is none.
+
+    A newer checkpoint that cannot be restored (damaged after it was committed) is reported and
+    moved aside, never deleted or overwritten, once an older one restores; if none restores the
+    run stops and says why rather than start over.
+    """
+    steps = sorted(mngr.all_steps(), reverse=True)
+    failed = []
+    for step in steps:
+        args = ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state),
             data=grain.checkpoint.CheckpointRestore(data_iter),
-        ),
-    )
-    return restored["state"]
+        )
+        try:
+            restored = mngr.restore(step, args=args)
+        except Exception as e:  # orbax/tensorstore raise many types for a damaged checkpoint
+            log.warning(
+                "checkpoint %d cannot be restored (%s: %s)",
+                step,
+                type(e).__name__,
+                str(e).splitlines()[0][:200] if str(e) else "",
+            )
+            failed.append(step)
+            continue
+        for bad in failed:  # out of the way of the saves that will reuse these step numbers
+            path = Path(mngr.directory) / str(bad)
+            aside = path.with_name(f"{bad}.unreadable-{int(time.time())}")
+            path.rename(aside)
+            log.warning(
+                "moved unreadable checkpoint %d to %s; resuming from step %d", bad, aside.name, step
+            )
+        if failed:
+            mngr.reload()
+        return restored["state"]
+    if failed:
+        raise ConfigError(
+            f"no checkpoint in {mngr.directory} could be restored (steps {failed}; see the "
+            "warnings above). Fix or move them, or use a new train.output_dir"
+        )
+    return None
 
 
 # ----------------------------------------------------------------------------- main

@@ -141,3 +141,28 @@ def test_output_dir_of_an_incompatible_run_is_refused_with_the_differences(unint
     wider = replace(cfg, model=replace(cfg.model, llm=replace(cfg.model.llm, width=64)))
     with pytest.raises(ConfigError, match=r"model\.llm\.width: 128 -> 64.*new train\.output_dir"):
         main(wider)
+
+
+def test_torn_checkpoints_fall_back_to_the_previous_complete_one(uninterrupted, tmp_path, caplog):
+    import logging
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    ckpts = out / "checkpoints"
+    shutil.rmtree(ckpts / str(STEPS) / "state")  # the newest one damaged after it was committed
+    tmp = ckpts / f"{STEPS + 2}.orbax-checkpoint-tmp-1234"  # and a save cut short by a kill
+    tmp.mkdir()
+    (tmp / "partial").write_text("x")
+    with caplog.at_level(logging.WARNING, logger="jaxmllm"):
+        main(tiny(out))
+    assert f"discarding {tmp.name}" in caplog.text
+    assert f"checkpoint {STEPS} cannot be restored" in caplog.text
+    names = [p.name for p in ckpts.iterdir()]
+    assert any(n.startswith(f"{STEPS}.unreadable-") for n in names)  # moved aside, not deleted
+    assert not any("orbax-checkpoint-tmp" in n for n in names)
+    assert (ckpts / str(STEPS) / "state").exists()  # written again by the resumed run
+    got = {r["step"]: r for r in read_metrics(out)}  # later rows (the replay) win
+    want = {r["step"]: r for r in read_metrics(uninterrupted)}
+    for step in (STEPS - 1, STEPS):
+        np.testing.assert_allclose(got[step]["loss"], want[step]["loss"], rtol=1e-5)
