@@ -314,7 +314,7 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter):
 
 def main(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> dict:
     """Trains per `cfg`; returns the last logged metrics. `on_step(step, metrics)` is a hook."""
-    _split_cpu(cfg.mesh.cpu_devices)
+    split_cpu(cfg.mesh.cpu_devices)
     if jax.process_count() > 1:
         # Every process would feed the whole global batch: each sample trained process_count
         # times. Refuse until per-host loading lands rather than train wrong silently.
@@ -557,7 +557,7 @@ class Preemption:
         self._previous = {}
 
 
-def _split_cpu(count: int) -> None:
+def split_cpu(count: int) -> None:
     """Splits the host CPU into `count` devices, if JAX has not started its backends yet."""
     if not count:
         return

@@ -25,7 +25,7 @@ import numpy as np
 import sharding
 from jaxmllm.config import Config, load_config
 from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
-from jaxmllm.train import build_program
+from jaxmllm.train import build_program, split_cpu
 
 POLICIES = ("naive", "grain", "balanced", "orchestrated")
 
@@ -167,8 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
-    if cfg.mesh.cpu_devices:
-        jax.config.update("jax_num_cpu_devices", cfg.mesh.cpu_devices)
+    split_cpu(cfg.mesh.cpu_devices)
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     mesh = sharding.make_mesh(cfg.mesh)
     devices = sharding.data_parallel_size(mesh)
