@@ -116,10 +116,31 @@ def size_class(sizes: np.ndarray) -> np.ndarray:
     """Sizes within about SIZE_TOL of each other share a class (integer bounds, so that every
     host computes the same classes: no transcendental function whose last bit may differ)."""
     top = int(sizes.max(initial=1))
+    if top < _CLASS_LUT_MAX:
+        return _class_lut(top)[sizes]
+    return np.searchsorted(_class_bounds(top), sizes, "right")
+
+
+_CLASS_LUT_MAX = 1 << 20
+_class_cache: dict[str, np.ndarray] = {}
+
+
+def _class_bounds(top: int) -> np.ndarray:
+    """The class bounds 1, 2, ..., each SIZE_TOL (at least 1) above the last, past `top`."""
     bounds = [1]
     while bounds[-1] <= top:
         bounds.append(bounds[-1] + max(1, int(bounds[-1] * SIZE_TOL)))
-    return np.searchsorted(np.array(bounds, np.int64), sizes, "right")
+    return np.array(bounds, np.int64)
+
+
+def _class_lut(top: int) -> np.ndarray:
+    """size -> class for sizes 0..top (at least), built once and grown by doubling."""
+    lut = _class_cache.get("lut")
+    if lut is None or len(lut) <= top:
+        n = max(2 * top + 2, 1 << 12)
+        lut = np.searchsorted(_class_bounds(n), np.arange(n), "right")
+        _class_cache["lut"] = lut
+    return lut
 
 
 def pack_phase(
@@ -161,27 +182,37 @@ def pack_phase(
     small = max(BIG * qstar, (float(sizes.min()) * (1 + SIZE_TOL)) ** 2)
     big_end = n_first + int(np.searchsorted(-rest_sq, -small, "right"))
     pos, rnd, failed = 0, 0, []
+    neg_sorted = -sizes[order[:big_end]]  # (ascending within each of the two segments)
     while pos < big_end:
         urgent = pos < n_first
         end = n_first if urgent else big_end
+        start = pos
         pos, placed = _round(order, pos, end, sizes, sq, load, quad, cap, qstar, out, urgent, home)
-        if placed is None:
-            failed.append(order[pos - 1 : pos])
+        if placed is None:  # every item bigger than the most room left fails at once
+            room = int((cap - load).max())
+            pos = start + int(np.searchsorted(neg_sorted[start:end], -room, "left"))
+            failed.append(order[start:pos])
             continue
         group[placed] = rnd
         rnd += 1
     # Passes for the small ones.
     rest = order[big_end:]
+    s_rest, sq_rest = sizes[rest], sq[rest]
+    vol = np.cumsum(s_rest)
+    start = 0
     for p in range(PASSES, 0, -1):
-        if not len(rest):
+        if start >= len(rest):
             break
-        vol = np.cumsum(sizes[rest])
-        k = len(rest) if p == 1 else int(np.searchsorted(vol, vol[-1] / p)) + 1
-        chunk, rest = rest[:k], rest[k:]
-        ok = _cut(chunk, sizes, sq, load, quad, cap, qstar, out)
+        # each pass takes 1/p of the volume left (an integer bound: the same first vol >= it)
+        done = int(vol[start - 1]) if start else 0
+        bound = done - (done - int(vol[-1])) // p
+        k = len(rest) if p == 1 else start + int(np.searchsorted(vol[start:], bound)) + 1
+        chunk = rest[start:k]
+        ok = _cut(chunk, s_rest[start:k], sq_rest[start:k], load, quad, cap, qstar, out)
         group[chunk[ok]] = rnd
         failed.append(chunk[~ok])
         rnd += 1
+        start = k
     _fit_rest(np.concatenate(failed) if failed else order[:0], sizes, sq, load, quad, cap, out)
     group = np.where(group >= 0, size_class(sizes), -1)
     return out, group
@@ -242,8 +273,9 @@ def _prefer_home(bins: np.ndarray, s: np.ndarray, home: np.ndarray, nb: int) -> 
     cand = cand[np.abs(s[cand] - s[r[cand]]) <= HOME_TOL * s[cand]]
     if not len(cand):
         return bins
-    _, first = np.unique(home[cand], return_index=True)  # one item per home bin
-    cand = cand[first]
+    first_of = np.empty(nb, np.int64)  # one item per home bin: its first
+    first_of[home[cand[::-1]]] = cand[::-1]
+    cand = cand[first_of[home[cand]] == cand]
     out = np.full(k, -1, np.int64)
     out[cand] = home[cand]
     claimed = np.zeros(k, bool)
@@ -252,27 +284,30 @@ def _prefer_home(bins: np.ndarray, s: np.ndarray, home: np.ndarray, nb: int) -> 
     return out
 
 
-def _cut(chunk, sizes, sq, load, quad, cap, qstar, out) -> np.ndarray:
-    """Lays out `chunk` (largest first) as contiguous runs over the bins in order of the item
-    size they want, each run proportional to the bin's room; returns the mask of items placed
-    (an item past its bin's room is not)."""
+def _cut(chunk, s, s_sq, load, quad, cap, qstar, out) -> np.ndarray:
+    """Lays out `chunk` (largest first; sizes `s`, squares `s_sq`) as contiguous runs over the
+    bins in order of the item size they want, each run proportional to the bin's room; returns
+    the mask of items placed (an item past its bin's room is not)."""
+    nb = len(load)
     free = cap - load
     want = (qstar - quad) / np.maximum(free, 1)
     border = np.argsort(-want, kind="stable")
-    s = sizes[chunk]
     frac = min(1.0, float(s.sum()) / max(float(free.sum()), 1.0))
     ends = np.cumsum(free[border] * frac)
-    mid = np.cumsum(s) - 0.5 * s  # an item goes to the run its middle falls in
-    rank = np.minimum(np.searchsorted(ends, mid, "right"), len(border) - 1)
-    # rank is non-decreasing along the chunk: a bin's items are consecutive
-    first = run_start(rank)
     cum = np.cumsum(s)
-    within = cum - cum[first] + s[first]
-    b = border[rank]
-    ok = within <= free[b]
+    mid = cum - 0.5 * s  # an item goes to the first run whose end is past its middle
+    # (the last run takes what is left): the runs' first items, by a search per bin
+    starts = np.zeros(nb + 1, np.int64)
+    starts[1:nb] = np.searchsorted(mid, ends[:-1], "left")
+    starts[nb] = len(s)
+    count = np.diff(starts)
+    before = np.concatenate([[0], cum])[starts[:nb]]  # volume ahead of each run
+    within = cum - np.repeat(before, count)
+    b = np.repeat(border, count)
+    ok = within <= np.repeat(free[border], count)
     out[chunk[ok]] = b[ok]
-    np.add.at(load, b[ok], s[ok])
-    np.add.at(quad, b[ok], sq[chunk[ok]])
+    load += np.bincount(b[ok], s[ok], nb).astype(load.dtype)  # (exact: sums far below 2**53)
+    quad += np.bincount(b[ok], s_sq[ok], nb)
     return ok
 
 
