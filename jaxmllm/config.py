@@ -29,7 +29,7 @@ class MeshConfig:
     data: int = -1  # pure data parallelism (replicated params); slowest axis, spans hosts
     fsdp: int = 1  # data parallelism with params/optimizer state sharded over this axis
     tensor: int = 1  # tensor parallelism (heads, MLP width, vocab); fastest axis
-    cpu_devices: int = 0  # split a CPU-only host into this many devices (laptops, CI); 0 = as is
+    cpu_devices: int = 0  # split CPU-only hosts into this many devices, all processes; 0 = as is
 
 
 @dataclass(frozen=True)
@@ -249,11 +249,43 @@ class TrainConfig:
     async_checkpointing: bool = True  # write checkpoints in the background
     progress_bar: bool = True  # tqdm bar on the terminal
     max_nonfinite_steps: int = 5  # stop after this many skipped (NaN/inf) steps in a row; 0 = never
+    ledger: bool = False  # write the sample ids of every step to <output_dir>/ledger/ (audits)
 
     def __post_init__(self):
         _positive(self, "steps", "log_every", "checkpoint_every", "keep_checkpoints")
         _check(
             self.max_nonfinite_steps >= 0, "must be >= 0 (0 = never stop)", "max_nonfinite_steps"
+        )
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process runs (`jax.distributed`): one process per host, or per GPU.
+
+    Empty / -1 fields come from the environment: JAXMLLM_COORDINATOR, JAXMLLM_NUM_PROCESSES,
+    JAXMLLM_PROCESS_ID (set by `launch/`), else JAX's cluster auto-detection (SLURM, Open MPI)
+    when a cluster job with more than one task is detected. Nothing set: a single process.
+    """
+
+    coordinator: str = ""  # host:port of process 0's coordination service
+    num_processes: int = -1  # processes in the job
+    process_id: int = -1  # this process, 0 .. num_processes-1
+    init_timeout_s: int = 300  # wait this long for every process to join at start-up
+    heartbeat_timeout_s: int = 60  # a process silent this long is declared dead; the others stop
+    step_timeout_s: int = 600  # a step (or a collective) stuck this long stops the process
+
+    def __post_init__(self):
+        _positive(self, "init_timeout_s", "heartbeat_timeout_s", "step_timeout_s")
+        _check(
+            self.num_processes == -1 or self.num_processes >= 1,
+            "must be >= 1, or -1 (from the environment)",
+            "num_processes",
+        )
+        _check(self.process_id >= -1, "must be >= 0, or -1 (from the environment)", "process_id")
+        _check(
+            not self.coordinator or ":" in self.coordinator,
+            f"{self.coordinator!r} must be host:port",
+            "coordinator",
         )
 
 
@@ -267,6 +299,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self):
         vis = self.model.vision

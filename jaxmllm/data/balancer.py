@@ -336,6 +336,14 @@ def _fits(w: np.ndarray, left: np.ndarray) -> np.ndarray:
     return ok
 
 
+def _keep(cand: np.ndarray, w: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The candidates (and their work columns) where `mask` holds."""
+    if mask.all():
+        return cand, w
+    idx = np.flatnonzero(mask)
+    return cand[idx], np.take(w, idx, axis=1)
+
+
 class _Micro:
     """Bucket loads and placements of one microbatch while it is being filled."""
 
@@ -435,18 +443,22 @@ class BalancedPlanner:
         samples, since = pool[:, 0], pool[:, 1]
         urgent = step - since >= self.max_age - 1
         taken = np.zeros(len(pool), bool)
+        work = np.take(self.work_t, samples, axis=1)  # [phase, pool position]
+        left = work.sum(1)  # work of the pool not yet taken
         micros = []
         for m in range(caps.microbatches):
             mb = _Micro(caps)
             # Across microbatches first: each gets at most an equal share of what is left.
-            share = self.work[samples[~taken]].sum(0) / (caps.microbatches - m)
-            sel = self._select(samples, taken, share)
+            share = left / (caps.microbatches - m)
+            sel = self._select(work, taken, share)
             self._add(mb, sel, samples, urgent)
             taken[np.concatenate(mb.entries)] = True
             # Slack left: the next samples of the window that fit it, in the same order.
-            sel = self._select(samples, taken, self._free(mb), small=True)
+            sel = self._select(work, taken, self._free(mb), small=True)
             self._add(mb, sel, samples, urgent)
-            taken[np.concatenate(mb.entries)] = True
+            placed = np.concatenate(mb.entries)
+            taken[placed] = True
+            left = left - np.take(work, placed, axis=1).sum(1)
             micros.append(mb)
         self.deferred = pool[~taken]
         self.step += 1
@@ -485,7 +497,7 @@ class BalancedPlanner:
 
     def _select(
         self,
-        samples: np.ndarray,
+        work: np.ndarray,
         taken: np.ndarray,
         share: np.ndarray,
         rounds: int = 32,
@@ -493,20 +505,19 @@ class BalancedPlanner:
     ) -> np.ndarray:
         """Pool positions (priority order) that together fit one microbatch in every phase and
         take at most about `share` of each phase's work (with `small`: exactly `share`, and
-        only samples no bigger than SMALL of a bucket in any phase)."""
+        only samples no bigger than SMALL of a bucket in any phase). `work`: [phase, pool
+        position]."""
         full = self.caps.devices * self.cap_vec.astype(np.float64) * FILL
         left = np.minimum(full, np.where(share > 0, share * 1.02, full))
         if small:
             left = np.where(self.cap_vec > 0, share, 0.0)
-        chosen = np.zeros(len(samples), bool)
+        chosen = np.zeros(taken.shape, bool)
         cand = np.flatnonzero(~taken)
-        w = self.work_t[:, samples[cand]]  # [phase, candidate]
+        w = np.take(work, cand, axis=1)
         if small:
-            fit = _fits(w, SMALL * self.cap_vec)
-            cand, w = cand[fit], w[:, fit]
+            cand, w = _keep(cand, w, _fits(w, SMALL * self.cap_vec))
         for _ in range(rounds):
-            fit = _fits(w, left)
-            cand, w = cand[fit], w[:, fit]
+            cand, w = _keep(cand, w, _fits(w, left))
             if not len(cand):
                 break
             ok = _fits(np.cumsum(w, 1), left)
@@ -771,7 +782,9 @@ def localize(group: np.ndarray, dev: np.ndarray, home: np.ndarray, devices: int)
     idx = np.flatnonzero(group >= 0)
     if not len(idx):
         return out
-    g = group[idx] - group[idx].min()
+    g = group[idx]
+    g = g - g.min()
+    g = (np.cumsum(np.bincount(g) > 0) - 1)[g]  # the groups present, numbered in order
     d, h = dev[idx], home[idx]
     n_keys = (int(g.max()) + 1) * devices
     slots = np.bincount(g * devices + d, minlength=n_keys)  # per (group, device)
@@ -801,17 +814,19 @@ def keep_capacity(
     touches a bin they would overfill (sizes differ within a group by up to SIZE_TOL)."""
     nb = len(load)
     new = new.copy()
+    m = np.flatnonzero(new != old)
     for attempt in range(4):
-        m = np.flatnonzero(new != old)
         delta = np.bincount(new[m], size[m], nb) - np.bincount(old[m], size[m], nb)
         over = load + delta > cap
         if not over.any():
             break
         bad = m[np.isin(group[m], group[m][over[new[m]] | over[old[m]]])] if attempt < 3 else m
         new[bad] = old[bad]
-    m = np.flatnonzero(new != old)
+        m = np.flatnonzero(new != old)
+    else:
+        delta = np.bincount(new[m], size[m], nb) - np.bincount(old[m], size[m], nb)
     sq = size[m].astype(np.float64) ** 2
-    load += (np.bincount(new[m], size[m], nb) - np.bincount(old[m], size[m], nb)).astype(load.dtype)
+    load += delta.astype(load.dtype)  # (exact: integer sums far below 2**53)
     quad += np.bincount(new[m], sq, nb) - np.bincount(old[m], sq, nb)
     return new
 

@@ -132,11 +132,13 @@ class SampleStream:
 
     def take(self, start: int, count: int) -> np.ndarray:
         """Sample indices at stream positions start .. start+count-1."""
-        pos = np.arange(start, start + count)
         out = np.empty(count, np.int64)
-        for epoch in np.unique(pos // self.n):
-            sel = pos // self.n == epoch
-            out[sel] = self.order(int(epoch))[pos[sel] % self.n]
+        done = 0
+        while done < count:  # one contiguous slice of an epoch's order at a time
+            epoch, first = divmod(start + done, self.n)
+            k = min(count - done, self.n - first)
+            out[done : done + k] = self.order(epoch)[first : first + k]
+            done += k
         return out
 
     def order(self, epoch: int) -> np.ndarray:
