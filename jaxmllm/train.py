@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -23,15 +24,20 @@ from typing import Any
 import grain
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
 import sharding
+from jaxmllm import distributed
 from jaxmllm.config import Config, ConfigError, load_config, to_dict
 from jaxmllm.data.cost import CostModel
 from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
 from jaxmllm.data.planner import OversizeError
+from jaxmllm.data.rejects import REASONS
+from jaxmllm.distributed import split_cpu  # noqa: F401  (public here since issue 2)
+from jaxmllm.ledger import Ledger
 from jaxmllm.metrics import MetricsWriter, step_flops
 from jaxmllm.models import MultimodalLM, param_axes, token_losses
 
@@ -313,15 +319,12 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter):
 
 
 def main(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> dict:
-    """Trains per `cfg`; returns the last logged metrics. `on_step(step, metrics)` is a hook."""
-    split_cpu(cfg.mesh.cpu_devices)
-    if jax.process_count() > 1:
-        # Every process would feed the whole global batch: each sample trained process_count
-        # times. Refuse until per-host loading lands rather than train wrong silently.
-        raise ConfigError(
-            f"{jax.process_count()} processes: multi-host training is not supported yet (each "
-            "process would load and feed the whole batch); run one process per machine"
-        )
+    """Trains per `cfg`; returns the last logged metrics. `on_step(step, metrics)` is a hook.
+
+    In a multi-process job (see jaxmllm/distributed.py) every process calls this with the same
+    config; JAX is started here, before anything touches a device.
+    """
+    distributed.start(cfg)
     mesh = sharding.make_mesh(cfg.mesh)
     if cfg.batch.exchange == "ragged" and jax.default_backend() == "cpu":
         raise ConfigError(
@@ -343,7 +346,9 @@ def _train(cfg: Config, mesh, source, index, on_step) -> dict:
     check_resumable(cfg, out)
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        tmp = out / f"config.json.tmp{os.getpid()}"  # other processes may be reading it
+        tmp.write_text(json.dumps(to_dict(cfg), indent=2))
+        tmp.replace(out / "config.json")
 
     # Mesh: data x fsdp x tensor over all devices; D = data-parallel buckets per step.
     devices = sharding.data_parallel_size(mesh)
@@ -356,7 +361,29 @@ def _train(cfg: Config, mesh, source, index, on_step) -> dict:
     )
 
     # Data: the planner fills fixed-shape buckets; planning and loading run ahead in a thread.
-    data_iter = make_pipeline(cfg, devices, source=source, index=index)
+    # Each process plans the whole step and loads only its own devices' samples.
+    multi = jax.process_count() > 1
+    positions = host_positions(mesh) if multi else None
+    rank = jax.process_index()
+    data_iter = make_pipeline(
+        cfg,
+        devices,
+        source=source,
+        index=index,
+        positions=positions,
+        reject_log=out / ("rejects.jsonl" if rank == 0 else f"rejects.process{rank}.jsonl"),
+    )
+    if multi:
+        log.info(
+            "process %d of %d: data-parallel positions %d..%d of %d",
+            rank,
+            jax.process_count(),
+            positions[0],
+            positions[-1],
+            devices,
+        )
+    ledger = Ledger(out, rank) if t.ledger else None
+    watchdog = Watchdog(cfg.distributed.step_timeout_s) if multi else None
 
     # Shapes, shardings (checked for clashes), and the one compiled step.
     prog = build_program(cfg, mesh)
@@ -367,6 +394,7 @@ def _train(cfg: Config, mesh, source, index, on_step) -> dict:
 
     # Init: jitted straight into its shardings (no full copy on one device), or restore.
     mngr = make_checkpoint_manager(cfg)
+    check_process_count(mngr)
     state = restore_latest(mngr, prog.abstract_sharded(), data_iter)
     if state is None:
         state = prog.init()
@@ -393,6 +421,10 @@ def _train(cfg: Config, mesh, source, index, on_step) -> dict:
                 mngr.save(guard.stopped_at, args=save_args(state, data_iter), force=True)
                 mngr.wait_until_finished()
                 raise NonFiniteError(guard.message(mngr.directory))
+            if watchdog is not None:
+                watchdog.progress(step + 1)
+            if ledger is not None:
+                ledger.write(step + 1, host["info"]["parts"])
             window_tokens += float((host["batch"]["llm_segment_ids"] > 0).sum())
             window_flops += step_flops(cfg, host["batch"], cost)
             window_steps += 1
@@ -400,12 +432,14 @@ def _train(cfg: Config, mesh, source, index, on_step) -> dict:
             if done % t.log_every == 0 or done in (1, t.steps):
                 metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 elapsed = time.perf_counter() - window_start
-                metrics.update(
-                    _throughput(window_tokens, window_flops, window_steps, elapsed, mesh.size)
+                # This host's share of the step; summed over hosts when there are several.
+                tokens, flops, fill, rejects = _global_stats(
+                    window_tokens, window_flops, host["info"]["fill"], host["info"]["rejects"]
                 )
-                metrics.update({f"padding/{k}": 1.0 - v for k, v in host["info"]["fill"].items()})
+                metrics.update(_throughput(tokens, flops, window_steps, elapsed, mesh.size))
+                metrics.update({f"padding/{k}": 1.0 - v for k, v in fill.items()})
                 metrics["nonfinite_total"] = guard.total
-                metrics.update(host["info"].get("rejects", {}))  # cumulative bad-input counts
+                metrics.update(rejects)  # cumulative bad-input counts
                 metrics["samples"] = len(host["info"]["samples"])
                 writer.write(done, metrics)
                 bar.set_postfix(
@@ -442,6 +476,10 @@ def _train(cfg: Config, mesh, source, index, on_step) -> dict:
         )
         raise
     finally:
+        if watchdog is not None:
+            watchdog.stop()
+        if ledger is not None:
+            ledger.close()
         preempt.restore()
         bar.close()
         mngr.wait_until_finished()
@@ -463,7 +501,8 @@ def check_resumable(cfg: Config, out: Path) -> None:
     ckpts = out / "checkpoints"
     if not saved_path.exists() or not ckpts.exists() or not any(ckpts.iterdir()):
         return
-    saved, now = _flatten(json.loads(saved_path.read_text())), _flatten(to_dict(cfg))
+    saved = distributed.flatten(json.loads(saved_path.read_text()))
+    now = distributed.flatten(to_dict(cfg))
     changed = [
         k
         for k in sorted(set(saved) | set(now))
@@ -478,14 +517,88 @@ def check_resumable(cfg: Config, out: Path) -> None:
         )
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+def host_positions(mesh) -> Any:
+    """This process's data-parallel positions; they must be one contiguous run (the mesh
+    lays devices out process by process), which is what make_global_batch assembles."""
+    positions = sharding.local_dp_indices(mesh)
+    if len(positions) == 0 or (positions != positions[0] + range(len(positions))).any():
+        raise sharding.ShardingError(
+            f"process {jax.process_index()} holds data-parallel positions {positions.tolist()}, "
+            "not one contiguous run; use a mesh whose fsdp x tensor fits within a host"
+        )
+    return positions
+
+
+def check_process_count(mngr: ocp.CheckpointManager) -> None:
+    """A checkpoint's data state is one file per process: resume with the same process count."""
+    latest = mngr.latest_step()
+    if latest is None:
+        return
+    files = list((Path(mngr.directory) / str(latest) / "data").glob("process_*-of-*.json"))
+    counts = {int(f.stem.rsplit("-of-", 1)[1]) for f in files}
+    if counts and jax.process_count() not in counts:
+        raise ConfigError(
+            f"checkpoint {latest} in {mngr.directory} was written by {counts.pop()} processes "
+            f"but this run has {jax.process_count()}; relaunch with the same number of processes"
+        )
+
+
+def _global_stats(tokens: float, flops: float, fill: dict, rejects: dict):
+    """Sums this host's step statistics over all processes (a no-op with one process).
+
+    Every process calls this at the same (logged) steps: it is a collective.
+    """
+    if jax.process_count() == 1:
+        return tokens, flops, fill, rejects
+    from jax.experimental import multihost_utils
+
+    fills = sorted(fill)
+    loads = [f"rejects/load_{r}" for r in sorted(REASONS)]
+    mine = [tokens, flops] + [fill[k] for k in fills] + [rejects.get(k, 0.0) for k in loads]
+    every = np.asarray(multihost_utils.process_allgather(np.asarray(mine, np.float64)))
+    total = every.sum(0)
+    fill = {k: float(every[:, 2 + i].mean()) for i, k in enumerate(fills)}  # equal-size hosts
+    rejects = dict(rejects)
+    for i, k in enumerate(loads):
+        value = float(total[2 + len(fills) + i])
+        if value or k in rejects:
+            rejects[k] = value
+    if "rejects/load_total" in rejects:
+        rejects["rejects/load_total"] = sum(rejects.get(k, 0.0) for k in loads)
+    return float(total[0]), float(total[1]), fill, rejects
+
+
+class Watchdog:
+    """Stops a process whose step has not advanced in `timeout` seconds (a peer hung or died).
+
+    JAX's own heartbeat stops the job when a process dies; this catches a process that is
+    alive but stuck, and says so instead of waiting forever.
+    """
+
+    def __init__(self, timeout: int):
+        self.timeout, self.step, self.last = timeout, 0, time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jaxmllm-watchdog", daemon=True)
+        self._thread.start()
+
+    def progress(self, step: int) -> None:
+        self.step, self.last = step, time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(5.0, self.timeout / 4)):
+            if self.step and time.monotonic() - self.last > self.timeout:
+                print(
+                    f"error: process {jax.process_index()}: step {self.step + 1} has not "
+                    f"finished in distributed.step_timeout_s={self.timeout} s; another process "
+                    "is probably dead or stuck. Stopping; relaunch every process to resume "
+                    "from the latest checkpoint.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(4)
 
 
 class NonFiniteError(RuntimeError):
@@ -557,22 +670,6 @@ class Preemption:
         self._previous = {}
 
 
-def split_cpu(count: int) -> None:
-    """Splits the host CPU into `count` devices, if JAX has not started its backends yet."""
-    if not count:
-        return
-    from jax._src import xla_bridge  # no public way to ask whether backends are up
-
-    if not xla_bridge.backends_are_initialized():
-        jax.config.update("jax_num_cpu_devices", count)
-    elif jax.default_backend() == "cpu" and jax.device_count() != count:
-        log.warning(
-            "mesh.cpu_devices=%d ignored: JAX already started with %d CPU devices",
-            count,
-            jax.device_count(),
-        )
-
-
 def _init_state(cfg: Config, optimizer: optax.GradientTransformation) -> dict:
     params, frozen = build_model(cfg, cfg.train.seed)
     return {
@@ -614,10 +711,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="experiment YAML, e.g. configs/tiny.yaml")
     p.add_argument(
         "--set",
-        action="append",
+        action="extend",
+        nargs="+",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config value, e.g. --set optim.lr=3e-4 (repeatable)",
+        help="override config values, e.g. --set optim.lr=3e-4 train.steps=50 (repeatable)",
     )
     return p.parse_args(argv)
 

@@ -1,17 +1,28 @@
 """The device mesh: axes ("data", "fsdp", "tensor"), data slowest (spans hosts), tensor fastest.
 
+Across processes (hosts) the devices are laid out process by process, so the fast axes stay
+inside a host: with L devices per process and fsdp * tensor dividing L, every `tensor` group and
+every `fsdp` group is one host's devices (NVLink / shared memory), each host holds
+L / (fsdp * tensor) whole `data` rows, and only the data-parallel gradient reduction crosses the
+network. A layout where fsdp * tensor does not divide L still works but puts model-parallel
+traffic on the network; `make_mesh` warns about it.
+
 The mesh config is anything with ``data``, ``fsdp`` and ``tensor`` sizes, as attributes (e.g.
 ``jaxmllm.config.MeshConfig``) or as mapping keys. One of them may be -1: the remaining devices.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
+
+log = logging.getLogger("jaxmllm")
 
 AXES = ("data", "fsdp", "tensor")  # mesh axis names, slowest to fastest
 DATA_AXES = ("data", "fsdp")  # the axes a batch is split over
@@ -38,7 +49,21 @@ def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mes
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_axis_sizes(mesh_cfg, len(devices))
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+    types = (AxisType.Auto,) * len(AXES)
+    if len({d.process_index for d in devices}) == 1:
+        return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
+    # Several hosts: process by process, so tensor and fsdp groups stay inside a host.
+    devices.sort(key=lambda d: (d.process_index, d.id))
+    local = sum(d.process_index == devices[0].process_index for d in devices)
+    inner = shape[1] * shape[2]
+    if local % inner:
+        log.warning(
+            "mesh.fsdp x mesh.tensor = %d does not divide the %d devices of a process: "
+            "model-parallel groups span hosts (slow); keep fsdp x tensor within a host",
+            inner,
+            local,
+        )
+    return Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES, axis_types=types)
 
 
 def resolve_axis_sizes(mesh_cfg: Any, n_devices: int) -> tuple[int, int, int]:

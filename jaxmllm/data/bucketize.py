@@ -17,6 +17,12 @@ buffer [own projector output rows (N) | received rows (D*C)]: an item encoded on
 device is read locally (index < N); with route_pair_capacity C > 0 an item encoded on device s is
 read at N + s*C + c, which the all-to-all fills from `*_send[s, d, c]` = the source's projector
 output row. C bounds only cross-device traffic; self pairs are never used.
+
+On several hosts each process fills only its own positions (`positions`, ascending indices into
+D): the arrays' D axis holds those rows only (the `*_send` tables keep every destination), and
+`samples` needs only the samples with text or an encoder item on those positions. Routing
+offsets are counted the same way on every host, from the lengths index when a sample failed to
+load, so both ends of an exchange agree.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import numpy as np
 from jaxmllm.config import Config
 from jaxmllm.data import tokenizer as tok
 from jaxmllm.data.planner import Capacities, ItemPlan, StepPlan
-from jaxmllm.data.samples import Sample
+from jaxmllm.data.samples import LengthsIndex, Sample
 
 
 def batch_shapes(cfg: Config, devices: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -69,9 +75,12 @@ def batch_shapes(cfg: Config, devices: int) -> dict[str, tuple[tuple[int, ...], 
     return out
 
 
-def empty_batch(cfg: Config, devices: int) -> dict[str, np.ndarray]:
-    """An all-padding batch (zeros; `*_src` = -1)."""
-    batch = {k: np.zeros(s, d) for k, (s, d) in batch_shapes(cfg, devices).items()}
+def empty_batch(cfg: Config, devices: int, local: int | None = None) -> dict[str, np.ndarray]:
+    """An all-padding batch (zeros; `*_src` = -1); `local` rows of the D axis if given."""
+    shapes = batch_shapes(cfg, devices)
+    if local is not None:
+        shapes = {k: ((s[0], local) + s[2:], d) for k, (s, d) in shapes.items()}
+    batch = {k: np.zeros(s, d) for k, (s, d) in shapes.items()}
     for k in ("llm_vision_src", "llm_audio_src"):
         if k in batch:
             batch[k][:] = -1
@@ -80,51 +89,60 @@ def empty_batch(cfg: Config, devices: int) -> dict[str, np.ndarray]:
 
 
 def bucketize(
-    plan: StepPlan, samples: dict[int, Sample], cfg: Config, caps: Capacities
+    plan: StepPlan,
+    samples: dict[int, Sample | None],
+    cfg: Config,
+    caps: Capacities,
+    positions: np.ndarray | None = None,
+    index: LengthsIndex | None = None,
 ) -> dict[str, np.ndarray]:
-    """Fills the fixed-shape arrays of one step from a plan and its loaded samples."""
-    batch = empty_batch(cfg, caps.devices)
+    """Fills the fixed-shape arrays of one step from a plan and its loaded samples.
+
+    Args:
+      plan: The step's plan (global: every device).
+      samples: index -> Sample, or None for one that failed to load (its slots stay padding).
+        With `positions`, only samples with text or an item on those positions are needed.
+      cfg, caps: The resolved config and its capacities.
+      positions: This host's data-parallel positions; default all D.
+      index: The lengths index; sizes the routing of a sample that failed to load.
+    """
+    local = np.full(caps.devices, -1, np.int64)
+    pos = np.arange(caps.devices) if positions is None else np.asarray(positions, np.int64)
+    local[pos] = np.arange(len(pos))
+    batch = empty_batch(cfg, caps.devices, None if positions is None else len(pos))
     seg_counter: dict[tuple[int, int, int], int] = {}
-    slots: list[list[np.ndarray]] = [[] for _ in range(len(plan.samples))]
+    slots: list[list[np.ndarray] | None] = [None] * len(plan.samples)
     for k, s in enumerate(plan.samples.tolist()):
+        d = int(local[plan.device[k]])
+        if d < 0:  # text on another host
+            continue
         sample = samples[s]
         if sample is None:  # failed to load (data.on_error=skip): its slots stay padding
-            slots[k] = [np.zeros(0, np.int64), np.zeros(0, np.int64)]
             continue
-        m, d, r, o = (
-            int(plan.micro[k]),
-            int(plan.device[k]),
-            int(plan.row[k]),
-            int(plan.offset[k]),
-        )
+        m, r, o = int(plan.micro[k]), int(plan.row[k]), int(plan.offset[k])
         seg = seg_counter[(m, d, r)] = seg_counter.get((m, d, r), 0) + 1
         _write_text(batch, (m, d, r), o, seg, sample)
         slots[k] = [o + np.flatnonzero(sample.tokens == t) for t in (tok.IMAGE, tok.AUDIO)]
-    if "vision_patches" in batch:
-        _write_items(
-            batch,
-            "vision",
-            plan,
-            plan.vision,
-            samples,
-            slots,
-            0,
-            caps.merge_area,
-            caps.route_pair_capacity,
-        )
-    if "audio_frames" in batch:
-        _write_items(
-            batch,
-            "audio",
-            plan,
-            plan.audio,
-            samples,
-            slots,
-            1,
-            caps.subsample,
-            caps.route_pair_capacity,
-        )
+    for phase, key, items, which, per_row in (
+        ("vision", "vision_patches", plan.vision, 0, caps.merge_area),
+        ("audio", "audio_frames", plan.audio, 1, caps.subsample),
+    ):
+        if key in batch:
+            units = _index_units(index, plan, items, phase)
+            _write_items(
+                batch, phase, plan, items, samples, slots, which, per_row, caps, local, units
+            )
     return batch
+
+
+def _index_units(index, plan: StepPlan, items: ItemPlan, phase: str) -> np.ndarray | None:
+    """Patches / frames of every planned item according to the lengths index."""
+    if index is None:
+        return None
+    values, ptr = (
+        (index.images, index.images_ptr) if phase == "vision" else (index.audio, index.audio_ptr)
+    )
+    return values[ptr[plan.samples[items.owner]] + items.item]
 
 
 def _write_text(batch, where, offset: int, seg: int, sample: Sample) -> None:
@@ -148,44 +166,60 @@ def _write_items(
     slots,
     which: int,
     per_row: int,
-    pair_cap: int,
+    caps: Capacities,
+    local: np.ndarray,
+    units: np.ndarray | None,
 ) -> None:
-    """Writes encoder inputs and the routing of their output rows to LLM placeholder slots."""
+    """Writes encoder inputs and the routing of their output rows to LLM placeholder slots.
+
+    `local[g]` is global device g's row in this host's arrays, -1 when another host holds it.
+    """
     data_key = "vision_patches" if phase == "vision" else "audio_frames"
     src_key = f"llm_{phase}_src"
+    pair_cap = caps.route_pair_capacity
+    own_rows = batch[data_key].shape[2] // per_row  # received rows follow the own ones
     seg_counter: dict[tuple[int, int], int] = {}
     pair_fill: dict[tuple[int, int, int], int] = {}
     used = [0] * len(plan.samples)  # placeholder slots consumed per owner sample
     order = np.lexsort((items.item, items.owner))  # a sample's items in placeholder order
     for k in order.tolist():
         owner, j = int(items.owner[k]), int(items.item[k])
-        sample = samples[int(plan.samples[owner])]
-        if sample is None:  # failed to load: no encoder rows, no routing
-            continue
         m, enc_dev, off = int(plan.micro[owner]), int(items.device[k]), int(items.offset[k])
-        seg = seg_counter[(m, enc_dev)] = seg_counter.get((m, enc_dev), 0) + 1
-        if phase == "vision":
-            patches, pos = sample.images[j]
-            n = len(patches)
-            batch[data_key][m, enc_dev, off : off + n] = patches
-            batch["vision_positions"][m, enc_dev, off : off + n] = pos
-        else:
-            frames = sample.audio[j]
-            n = len(frames)
-            batch[data_key][m, enc_dev, off : off + n] = frames
-            batch["audio_positions"][m, enc_dev, off : off + n] = np.arange(n)
-        batch[f"{phase}_segment_ids"][m, enc_dev, off : off + n] = seg
-        rows = off // per_row + np.arange(n // per_row)  # projector output rows of this item
-        dest = slots[owner][which][used[owner] : used[owner] + len(rows)]
-        used[owner] += len(rows)
         d, r = int(plan.device[owner]), int(plan.row[owner])
+        enc_here, text_here = local[enc_dev] >= 0, local[d] >= 0
+        if not (enc_here or text_here):
+            continue  # both ends on other hosts
+        sample = samples[int(plan.samples[owner])]
+        if sample is not None:
+            n = len(sample.images[j][0]) if phase == "vision" else len(sample.audio[j])
+        elif units is not None:
+            n = int(units[k])  # keeps the pair offsets equal to what the other host counts
+        else:
+            continue  # failed to load, one host: no encoder rows, no routing
+        rows = off // per_row + np.arange(n // per_row)  # projector output rows of this item
+        if sample is not None and enc_here:
+            e = int(local[enc_dev])
+            seg = seg_counter[(m, e)] = seg_counter.get((m, e), 0) + 1
+            if phase == "vision":
+                patches, pos = sample.images[j]
+                batch[data_key][m, e, off : off + n] = patches
+                batch["vision_positions"][m, e, off : off + n] = pos
+            else:
+                batch[data_key][m, e, off : off + n] = sample.audio[j]
+                batch["audio_positions"][m, e, off : off + n] = np.arange(n)
+            batch[f"{phase}_segment_ids"][m, e, off : off + n] = seg
+        dest = None
+        if text_here and slots[owner] is not None:
+            dest = slots[owner][which][used[owner] : used[owner] + len(rows)]
+            used[owner] += len(rows)
         if pair_cap == 0 or enc_dev == d:  # the local path: no exchange
             if enc_dev != d:
                 raise ValueError(
-                    f"plan step {plan.step}: sample {sample.id} {phase} item {j} is "
-                    "on another device but batch.route_pair_capacity is 0"
+                    f"plan step {plan.step}: sample {int(plan.samples[owner])} {phase} item "
+                    f"{j} is on another device but batch.route_pair_capacity is 0"
                 )
-            batch[src_key][m, d, r, dest] = rows
+            if dest is not None:
+                batch[src_key][m, local[d], r, dest] = rows
             continue
         c0 = pair_fill.get((m, enc_dev, d), 0)
         if c0 + len(rows) > pair_cap:
@@ -194,10 +228,14 @@ def _write_items(
                 f"batch.route_pair_capacity={pair_cap} {phase} rows"
             )
         pair_fill[(m, enc_dev, d)] = c0 + len(rows)
-        batch[f"{phase}_send_count"][m, enc_dev, d] = c0 + len(rows)  # rows a ragged send moves
-        batch[f"{phase}_send"][m, enc_dev, d, c0 : c0 + len(rows)] = rows
-        local_rows = batch[data_key].shape[2] // per_row  # received rows follow the own ones
-        batch[src_key][m, d, r, dest] = local_rows + enc_dev * pair_cap + c0 + np.arange(len(rows))
+        if enc_here and sample is not None:
+            e = int(local[enc_dev])
+            batch[f"{phase}_send_count"][m, e, d] = c0 + len(rows)  # rows a ragged send moves
+            batch[f"{phase}_send"][m, e, d, c0 : c0 + len(rows)] = rows
+        if dest is not None:
+            batch[src_key][m, local[d], r, dest] = (
+                own_rows + enc_dev * pair_cap + c0 + np.arange(len(rows))
+            )
 
 
 def fill_stats(batch: dict[str, np.ndarray]) -> dict[str, float]:

@@ -35,10 +35,10 @@ def _load_one(i: int):
 class Loader:
     """Loads samples by index; counts and logs load-time rejects to <output_dir>/rejects.jsonl."""
 
-    def __init__(self, cfg: Config, source):
+    def __init__(self, cfg: Config, source, reject_log: str | Path | None = None):
         self.cfg, self.source = cfg, source
         self.raw = getattr(source, "_source", source)  # the object under grain's MapDataset
-        self.log = RejectLog(Path(cfg.train.output_dir) / "rejects.jsonl")
+        self.log = RejectLog(reject_log or Path(cfg.train.output_dir) / "rejects.jsonl")
         self.startup_written = False
         self.pool = None
         if cfg.data.workers > 0:

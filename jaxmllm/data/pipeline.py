@@ -5,6 +5,10 @@
 
 The iterator is a `grain.DatasetIterator`, so its state (the planner's) is checkpointed with
 grain's own orbax handler and a restored pipeline replays the exact same steps.
+
+On several hosts every process plans the same global step from the same index and seed, then
+loads and bucketizes only the samples with text or an encoder item on its own data-parallel
+positions (`positions`); grain saves each process's iterator state in its own file.
 """
 
 from __future__ import annotations
@@ -85,29 +89,35 @@ def resolve_batch(cfg: Config, index: LengthsIndex) -> Config:
 class StepIterator(grain.DatasetIterator):
     """Yields one host batch per step: {"batch": arrays, "info": plan summary}."""
 
-    def __init__(self, cfg: Config, devices: int, source=None, index=None):
+    def __init__(
+        self, cfg: Config, devices: int, source=None, index=None, positions=None, reject_log=None
+    ):
         super().__init__()
         self.cfg = cfg
         self.source, self.index = (source, index) if source is not None else make_source(cfg)
         self.cfg = cfg = resolve_batch(cfg, self.index)  # idempotent: the trainer resolved it
         self.caps = Capacities.from_config(cfg, devices)
         self.planner = make_planner(cfg, self.index, devices)
+        self.positions = None if positions is None else np.asarray(positions, np.int64)
+        self.reject_log = reject_log  # this process's rejects file; default <output_dir>/...
         self.loader: Loader | None = None
         self._restored_rejects: dict[str, int] = {}  # load-time reject counts of earlier runs
 
     def __next__(self) -> dict[str, Any]:
         plan = self.planner.plan()
         if self.loader is None:  # made on first use: worker processes start here
-            self.loader = Loader(self.cfg, self.source)
+            self.loader = Loader(self.cfg, self.source, self.reject_log)
             self.loader.log.counts.update(self._restored_rejects)
+        parts = local_parts(plan, self.positions, self.caps.devices)
         # A sample that fails to load is None under data.on_error=skip: its slots stay padding.
-        samples = self.loader.load(np.unique(plan.samples), plan.step)
-        batch = bucketize(plan, samples, self.cfg, self.caps)
+        samples = self.loader.load(parts["read"], plan.step)
+        batch = bucketize(plan, samples, self.cfg, self.caps, self.positions, self.index)
         info = {
             "step": plan.step,
-            "samples": plan.samples.copy(),
+            "samples": plan.samples.copy(),  # the whole step's, on every host
+            "parts": parts,  # what this host read, trains (text) and encodes
             "deferred": plan.deferred,
-            "fill": fill_stats(batch),
+            "fill": fill_stats(batch),  # this host's buckets
             "rejects": self.loader.counts(),
         }
         return {"batch": batch, "info": info}
@@ -126,26 +136,58 @@ class StepIterator(grain.DatasetIterator):
             self.loader.log.counts.update(self._restored_rejects)
 
 
+def local_parts(plan, positions: np.ndarray | None, devices: int) -> dict[str, np.ndarray]:
+    """What a host holding `positions` needs of a plan (all of it when positions is None).
+
+    text: samples whose text is on those positions; vision / audio: [k, 2] (sample, item) pairs
+    encoded there; read: the samples to load (text here, or an item encoded here).
+    """
+    mine = np.ones(devices, bool)
+    if positions is not None:
+        mine[:] = False
+        mine[positions] = True
+    text = plan.samples[mine[plan.device]]
+    out = {"text": text}
+    read = [text]
+    for phase, items in (("vision", plan.vision), ("audio", plan.audio)):
+        here = mine[items.device]
+        owners = plan.samples[items.owner[here]]
+        out[phase] = np.stack([owners, items.item[here]], axis=1).astype(np.int64)
+        read.append(owners)
+    out["read"] = np.unique(np.concatenate(read))
+    return out
+
+
 class StepDataset(grain.IterDataset):
     """grain dataset wrapper so the step iterator composes with grain's prefetching."""
 
-    def __init__(self, cfg: Config, devices: int, source=None, index=None):
+    def __init__(self, cfg: Config, devices: int, **kwargs):
         super().__init__()
-        self.cfg, self.devices, self.source, self.index = cfg, devices, source, index
+        self.cfg, self.devices, self.kwargs = cfg, devices, kwargs
 
     def __iter__(self) -> StepIterator:
-        return StepIterator(self.cfg, self.devices, self.source, self.index)
+        return StepIterator(self.cfg, self.devices, **self.kwargs)
 
 
 def make_pipeline(
-    cfg: Config, devices: int, prefetch: int = 2, *, source=None, index=None
+    cfg: Config,
+    devices: int,
+    prefetch: int = 2,
+    *,
+    source=None,
+    index=None,
+    positions=None,
+    reject_log=None,
 ) -> grain.DatasetIterator:
     """The trainer's data iterator; planning and loading run ahead in a background thread.
 
     `auto` sizes are resolved against the data (`resolve_batch`); pass `source`/`index` to reuse
-    a source the caller already opened.
+    a source the caller already opened, `positions` (this host's data-parallel positions) to
+    load and bucketize only those devices' rows.
     """
-    ds = StepDataset(cfg, devices, source, index)
+    ds = StepDataset(
+        cfg, devices, source=source, index=index, positions=positions, reject_log=reject_log
+    )
     if prefetch > 0:
         ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)
     return iter(ds)
