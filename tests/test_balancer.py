@@ -24,7 +24,7 @@ from jaxmllm.data.baselines import GrainPlanner, NaivePlanner
 from jaxmllm.data.capacity import ladder_values, suggest_capacities
 from jaxmllm.data.cost import CostModel, calibrate
 from jaxmllm.data.mixes import from_arrays, synthetic_omni
-from jaxmllm.data.planner import Capacities, OversizeError
+from jaxmllm.data.planner import Capacities, OversizeError, SampleStream
 
 MERGE_AREA, SUBSAMPLE = 4, 4
 PLANNERS = {
@@ -339,6 +339,32 @@ def test_localize_keeps_each_device_load_and_brings_items_home():
     assert load.max() <= cap
     assert np.array_equal(np.bincount(kept, size, devices), load)
     assert np.allclose(np.bincount(kept, size**2.0, devices), quad)
+
+
+def test_size_classes_and_stream_slices_match_their_definitions():
+    """The cached size-class table and the sliced epoch stream equal the plain definitions."""
+    sizes = np.random.default_rng(2).integers(1, 70000, 5000)
+    bounds = [1]
+    while bounds[-1] <= sizes.max():
+        bounds.append(bounds[-1] + max(1, int(bounds[-1] * 0.01)))
+    assert np.array_equal(size_class(sizes), np.searchsorted(bounds, sizes, "right"))
+    stream = SampleStream(7, seed=3)
+    for start, count in [(0, 0), (0, 5), (3, 20), (13, 1), (6, 8), (40, 15)]:
+        pos = np.arange(start, start + count)
+        want = [np.random.default_rng([3, p // 7]).permutation(7)[p % 7] for p in pos]
+        assert np.array_equal(stream.take(start, count), np.array(want, np.int64))
+
+
+def test_equal_tiles_fill_whole_buckets():
+    """Tiles of one size trade devices for locality without costing a tile of room: buckets
+    of 112 tiles take all 112 (keeping 0.3% of a bucket back for the exchanges cost one)."""
+    tiles, devices, n = 112, 8, 2000
+    index = from_arrays(np.full(n, 8), [np.array([1024])] * n, [np.zeros(0, np.int64)] * n)
+    caps = Capacities(1, devices, 1, 1 << 16, tiles * 1024, 0, 4, 4, tiles * 256)
+    plan = OrchestratedPlanner(index, caps, seed=0).plan()
+    check_plan(plan, index, caps)
+    per_device = np.bincount(plan.vision.device, minlength=devices)
+    assert per_device.max() == tiles and per_device.min() >= tiles - 1
 
 
 def test_capacity_suggestion_matches_modality_demands():

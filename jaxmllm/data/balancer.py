@@ -17,8 +17,9 @@ its devices are balanced):
    a packing round an item takes its home bin's slot when that slot was to get an item within
    `HOME_TOL` of its size; afterwards items of nearly the same size (within `SIZE_TOL`) trade
    devices so that as many as possible sit at home (`localize`; each device keeps its count of
-   items per size class, and the packer left `LOCAL_ROOM` of each bucket for the small shifts
-   in load, undone where they would still overfill one), then the per-(src, dst) route
+   items per size class; the small shifts in load are undone where they would overfill a
+   bucket: no room is kept back for them, which cost a whole item of fill on sets of
+   equal-size tiles), then the per-(src, dst) route
    capacity is enforced (a sample whose items would exceed it waits).
 
 `pack_phase` equalises both each bin's fill and its attention (sum of squared item sizes) cost.
@@ -61,7 +62,6 @@ SIZE_TOL = 0.01  # items within 1% in size (and of one round) may trade devices 
 FILL = 0.995  # a microbatch's first selection takes at most this share of each capacity
 SMALL = 0.02  # then samples no bigger than this share of a bucket fill what is left
 HOME_TOL = 0.1  # in a packing round, an item may swap to its home bin within 10% in size
-LOCAL_ROOM = 0.003  # share of an encoder bucket the packer leaves for those exchanges
 
 
 def gather_items(ptr: np.ndarray, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -387,12 +387,6 @@ class BalancedPlanner:
         self.ptr = {"vision": index.images_ptr, "audio": index.audio_ptr}
         self.per_row = {"vision": caps.merge_area, "audio": caps.subsample}
         self.cap = {"vision": caps.vision_patches, "audio": caps.audio_frames}
-        # Room the encoder packers keep back for the locality exchanges (never so much that
-        # the largest item no longer fits an empty bucket).
-        self._margin = {
-            p: max(0, min(int(LOCAL_ROOM * self.cap[p]), self.cap[p] - int(v.max(initial=0))))
-            for p, v in self.sizes.items()
-        }
         # A route capacity of a device's whole encoder output can never overflow.
         self._route_free = {
             p: caps.route_pair_capacity >= self.cap[p] // self.per_row[p] for p in ENC
@@ -709,13 +703,11 @@ class OrchestratedPlanner(BalancedPlanner):
             dev = np.full(len(owner), -1, np.int64)
             group = np.full(len(owner), -1, np.int64)
             sel = np.flatnonzero(ok[owner])
-            # (a little room kept back for the exchanges below, which move loads slightly)
-            margin = self._margin[p]
             dev[sel], group[sel] = pack_phase(
                 size[sel],
                 mb.enc[p],
                 mb.enc_q[p],
-                self.cap[p] - margin,
+                self.cap[p],
                 urgent[owner[sel]],
                 home_all[owner[sel]],
             )
