@@ -203,12 +203,17 @@ def _env_int(env: Mapping[str, str], name: str) -> int | None:
 
 
 def _detect_cluster(env: Mapping[str, str]) -> tuple[str, int, int] | None:
-    """(name, processes, this process) for a multi-task SLURM step or Open MPI job."""
-    if "SLURM_JOB_ID" in env and "SLURM_STEP_NODELIST" in env:
-        n = int(env.get("SLURM_NTASKS", env.get("SLURM_STEP_NUM_TASKS", "1")))
+    """(name, processes, this process) for a multi-task SLURM step or Open MPI job.
+
+    The same variables JAX's cluster detection reads (jax/_src/clusters): under srun every task
+    is a process and gets GPU number SLURM_LOCALID; under mpirun the same with Open MPI's ranks.
+    """
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+    if all(k in env for k in slurm):
+        n = int(env["SLURM_NTASKS"])
         if n > 1:
-            return "SLURM", n, int(env.get("SLURM_PROCID", "0"))
-    if "OMPI_MCA_orte_hnp_uri" in env or "OMPI_MCA_ess_base_jobid" in env:
+            return "SLURM", n, int(env["SLURM_PROCID"])
+    if "OMPI_MCA_orte_hnp_uri" in env:
         n = int(env.get("OMPI_COMM_WORLD_SIZE", "1"))
         if n > 1:
             return "Open MPI", n, int(env.get("OMPI_COMM_WORLD_RANK", "0"))

@@ -102,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         t = threading.Thread(target=_pump, args=(proc.stdout, f"[p{rank}] ", sys.stdout))
         t.start()
         pumps.append(t)
+    pids = ", ".join(f"p{rank} pid {proc.pid}" for rank, proc in procs.items())
     print(
-        f"launch: {len(procs)} of {total} processes on this machine, coordinator {coordinator}",
+        f"launch: {len(procs)} of {total} processes on this machine ({pids}), "
+        f"coordinator {coordinator}",
         file=sys.stderr,
         flush=True,
     )
