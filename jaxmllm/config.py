@@ -185,6 +185,10 @@ class DataConfig:
     image_max_pixels: int = 1003520  # larger images are downscaled to at most this many pixels
     audio_sample_rate: int = 16000  # clips are resampled to this rate (Hz); 10 ms mel hop
     audio_max_frames: int = 3000  # longest clip in log-mel frames; longer clips become chunks
+    # Decompression-bomb caps, checked on the file header before any pixel or sample is decoded
+    # (index and loader alike); a file over a cap is rejected (image_too_large, audio_too_long).
+    max_image_pixels: int = 1 << 26  # width x height of a stored image (64 Mpx = 8192 x 8192)
+    max_audio_seconds: float = 600.0  # length of a clip from its header (frames / rate)
     on_error: str = "skip"  # bad or missing media, bad lines, placeholder mismatch: skip | fail
     on_oversize: str = "shrink"  # a sample no bucket can hold: shrink | truncate | skip | fail
     workers: int = 0  # preprocessing worker processes; 0 = in the training process
@@ -216,6 +220,8 @@ class DataConfig:
             "must be a positive multiple of 4 (the audio encoder's subsampling)",
             "audio_max_frames",
         )
+        _check(self.max_image_pixels >= 1, "must be >= 1", "max_image_pixels")
+        _check(self.max_audio_seconds > 0, "must be > 0", "max_audio_seconds")
         _check(self.workers >= 0, "must be >= 0", "workers")
 
 

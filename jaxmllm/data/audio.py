@@ -14,10 +14,13 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from jaxmllm.data.rejects import RecordError
+from jaxmllm.data.rejects import RecordError, check_media_file
 
 Source = str | Path | bytes
 HOP_S, WIN_S = 0.010, 0.025
+MAX_SECONDS = 600.0  # the default of data.max_audio_seconds
+MAX_RATE = 768_000  # Hz; above any real recording: a header saying more is broken or hostile
+BLOCK = 1 << 16  # frames decoded at a time
 
 
 def clip_frames(num_samples: int, sample_rate: int, target_rate: int, subsample: int) -> int:
@@ -40,28 +43,64 @@ def hop_length(rate: int) -> int:
     return round(rate * HOP_S)
 
 
-def read_info(src: Source, record_id: str = "?") -> tuple[int, int]:
-    """(samples per channel, sample rate) from the header, without decoding."""
+def read_info(
+    src: Source, record_id: str = "?", max_seconds: float = MAX_SECONDS
+) -> tuple[int, int]:
+    """(samples per channel, sample rate) from the header, without decoding.
+
+    Refuses a clip longer than `max_seconds` and implausible headers before any sample is read.
+    """
+    check_media_file(src, record_id)
     try:
         info = sf.info(_file(src))
-    except FileNotFoundError:
-        raise RecordError("missing_media", f"no such file: {src}", record_id) from None
-    except (sf.LibsndfileError, RuntimeError, OSError, ValueError) as e:
-        raise RecordError("undecodable_media", f"{_name(src)}: {e}", record_id) from None
-    if info.frames <= 0 or info.samplerate <= 0:
-        raise RecordError("undecodable_media", f"{_name(src)}: empty or unknown length", record_id)
+    except Exception as e:  # noqa: BLE001  libsndfile's errors on hostile bytes; see decode_mono
+        raise RecordError("undecodable_media", _what(src, e), record_id) from None
+    _check_header(src, info.frames, info.samplerate, info.channels, max_seconds, record_id)
     return int(info.frames), int(info.samplerate)
 
 
-def decode_mono(src: Source, record_id: str = "?") -> tuple[np.ndarray, int]:
-    """Decodes to float32 mono (the mean of the channels) and returns (samples, rate)."""
-    if not isinstance(src, bytes) and not Path(src).exists():
-        raise RecordError("missing_media", f"no such file: {src}", record_id)
+def decode_mono(
+    src: Source, record_id: str = "?", max_seconds: float = MAX_SECONDS
+) -> tuple[np.ndarray, int]:
+    """Decodes to float32 mono (the mean of the channels) and returns (samples, rate).
+
+    The header is checked as `read_info` does, then at most its frame count is read, in blocks
+    mixed down as they come: memory stays at the mono clip whatever the channel count.
+    """
+    check_media_file(src, record_id)
     try:
-        x, rate = sf.read(_file(src), dtype="float32", always_2d=True)
-    except (sf.LibsndfileError, RuntimeError, OSError, ValueError) as e:
-        raise RecordError("undecodable_media", f"{_name(src)}: {e}", record_id) from None
-    return x.mean(axis=1), int(rate)
+        with sf.SoundFile(_file(src)) as f:
+            frames, rate = f.frames, f.samplerate
+            _check_header(src, frames, rate, f.channels, max_seconds, record_id)
+            x = np.empty(frames, np.float32)
+            n = 0
+            for block in f.blocks(BLOCK, dtype="float32", always_2d=True, frames=frames):
+                x[n : n + len(block)] = block.mean(axis=1)
+                n += len(block)
+    except RecordError:
+        raise
+    # libsndfile (through soundfile's cffi layer) raises LibsndfileError, RuntimeError,
+    # TypeError, ValueError, ... on hostile bytes; all mean this file cannot become samples.
+    except Exception as e:  # noqa: BLE001
+        raise RecordError("undecodable_media", _what(src, e), record_id) from None
+    if not np.isfinite(x[:n]).all():  # float WAV/AIFF can store NaN and inf: they poison the loss
+        raise RecordError("undecodable_media", f"{_name(src)}: non-finite samples", record_id)
+    return x[:n], int(rate)
+
+
+def _check_header(src, frames, rate, channels, max_seconds, record_id) -> None:
+    if frames <= 0 or rate <= 0 or channels <= 0:
+        raise RecordError("undecodable_media", f"{_name(src)}: empty or unknown length", record_id)
+    if rate > MAX_RATE:
+        raise RecordError(
+            "undecodable_media", f"{_name(src)}: implausible sample rate {rate} Hz", record_id
+        )
+    if frames > max_seconds * rate:
+        raise RecordError(
+            "audio_too_long",
+            f"{_name(src)}: {frames / rate:.1f} s > data.max_audio_seconds={max_seconds}",
+            record_id,
+        )
 
 
 def resample(x: np.ndarray, rate: int, target: int) -> np.ndarray:
@@ -113,6 +152,7 @@ def load_audio(
     max_frames: int,
     expect_samples: int | None = None,
     record_id: str = "?",
+    max_seconds: float = MAX_SECONDS,
 ) -> list[np.ndarray]:
     """Decode, mono, resample, log-mel, cut into chunks: frames [f, n_mels] per chunk.
 
@@ -120,7 +160,7 @@ def load_audio(
     slightly different length (a few samples, as some OGG streams do) is padded or trimmed to
     it, a clearly different one is rejected as changed since the index was built.
     """
-    x, rate = decode_mono(src, record_id)
+    x, rate = decode_mono(src, record_id, max_seconds)
     if expect_samples is not None and len(x) != expect_samples:
         if abs(len(x) - expect_samples) > max(rate // 100, expect_samples // 100):
             raise RecordError(
@@ -138,7 +178,23 @@ def load_audio(
 
 
 def _file(src: Source):
-    return io.BytesIO(src) if isinstance(src, bytes) else src
+    return _Bytes(src) if isinstance(src, bytes) else src
+
+
+class _Bytes(io.BytesIO):
+    """Inline audio for libsndfile: a seek before the start fails by staying put (libsndfile
+    checks the position it gets back) instead of raising, which soundfile's callback could only
+    print as an ignored exception on stderr."""
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        try:
+            return super().seek(offset, whence)
+        except ValueError:
+            return self.tell()
+
+
+def _what(src: Source, e: Exception) -> str:
+    return f"{_name(src)}: {type(e).__name__}: {e}"[:500]
 
 
 def _name(src: Source) -> str:

@@ -6,18 +6,27 @@ the decoded size, so the index's patch counts are exactly what training sees.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image
 
-from jaxmllm.data.rejects import RecordError
+from jaxmllm.data.rejects import RecordError, check_media_file
 from jaxmllm.data.synthetic import patchify
 
 ORIENTATION = 0x0112  # EXIF tag; values 5..8 swap width and height
 Source = str | Path | bytes
+MAX_PIXELS = 1 << 26  # the default of data.max_image_pixels
+# Raster formats PIL may open (others are refused as undecodable): the common dataset formats.
+# MPO is how PIL opens many camera JPEGs. Left out: EPS/PS (Ghostscript), ICO/ICNS/CUR (the
+# decoded size is not the header's), and the long tail of rare formats.
+Image.init()
+FORMATS = tuple(f for f in ("PNG", "JPEG", "MPO", "GIF", "WEBP", "BMP", "TIFF", "PPM", "TGA",
+                            "AVIF", "QOI") if f in Image.OPEN)  # fmt: skip
 
 
 def image_grid(
@@ -45,47 +54,73 @@ def image_grid(
     return hb // patch, wb // patch
 
 
-def open_image(src: Source, record_id: str = "?") -> Image.Image:
-    """Opens (without decoding) an image from a path or bytes."""
+def open_image(src: Source, record_id: str = "?", max_pixels: int = MAX_PIXELS) -> Image.Image:
+    """Opens an image from a path or bytes, reading its header only.
+
+    Refuses, before any pixel is decoded, an image of more than `max_pixels` (a decompression
+    bomb: a few KB of PNG can hold gigapixels of zeros), an empty one, and formats outside FORMATS
+    (PIL would also try EPS through Ghostscript, icons whose decoded size is not the header's...).
+    """
+    check_media_file(src, record_id)
     try:
-        return Image.open(io.BytesIO(src) if isinstance(src, bytes) else src)
-    except FileNotFoundError:
-        raise RecordError("missing_media", f"no such file: {src}", record_id) from None
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise RecordError("undecodable_media", f"{_name(src)}: {e}", record_id) from None
+        with _bomb_check_as_error():
+            img = Image.open(io.BytesIO(src) if isinstance(src, bytes) else src, formats=FORMATS)
+    except Image.DecompressionBombError as e:
+        detail = f"{_name(src)}: {e} (PIL's Image.MAX_IMAGE_PIXELS x 2 applies above ours)"
+        raise RecordError("image_too_large", detail, record_id) from None
+    except Exception as e:  # noqa: BLE001  PIL raises anything on hostile bytes; see decode_rgb
+        raise RecordError("undecodable_media", _what(src, e), record_id) from None
+    w, h = img.size
+    if w * h > max_pixels:
+        img.close()
+        raise RecordError(
+            "image_too_large",
+            f"{_name(src)}: {w}x{h} = {w * h} pixels > data.max_image_pixels={max_pixels}",
+            record_id,
+        )
+    if w <= 0 or h <= 0:
+        img.close()
+        raise RecordError("undecodable_media", f"{_name(src)}: empty image ({w}x{h})", record_id)
+    return img
 
 
-def read_size(src: Source, record_id: str = "?") -> tuple[int, int]:
+def read_size(src: Source, record_id: str = "?", max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
     """(height, width) as displayed (EXIF orientation applied), read from the header only.
 
     Also checks the end-of-image marker of JPEG and PNG files, which catches truncated files
     without decoding them.
     """
-    with open_image(src, record_id) as img:
+    with open_image(src, record_id, max_pixels) as img:
         w, h = img.size
-        try:
-            orientation = img.getexif().get(ORIENTATION, 1)
-        except Exception:  # a broken EXIF block does not stop decoding; treat as upright
-            orientation = 1
+        orientation = _orientation(img)
         fmt = img.format
     if not _tail_ok(src, fmt):
         raise RecordError("undecodable_media", f"{_name(src)}: truncated {fmt} file", record_id)
     return (w, h) if orientation in (5, 6, 7, 8) else (h, w)
 
 
-def decode_rgb(src: Source, record_id: str = "?") -> np.ndarray:
+def decode_rgb(src: Source, record_id: str = "?", max_pixels: int = MAX_PIXELS) -> np.ndarray:
     """Decodes the first frame to uint8 RGB [h, w, 3], EXIF orientation applied.
 
     Grayscale, palette, CMYK and 16-bit images are converted; transparency is composited on white.
+    The image must decode to the size its header announced (what the index counted).
     """
-    with open_image(src, record_id) as img:
+    with open_image(src, record_id, max_pixels) as img:
+        want = img.size
+        orientation = _orientation(img)
         try:
-            img.seek(0)
-            img.load()
-            img = ImageOps.exif_transpose(img)
-            return _to_rgb(img)
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-            raise RecordError("undecodable_media", f"{_name(src)}: {e}", record_id) from None
+            with _bomb_check_as_error():
+                img.seek(0)
+                img.load()
+                if img.size != want:
+                    raise ValueError(f"decoded {img.size[0]}x{img.size[1]}, header {want}")
+                rgb = _to_rgb(img)
+        # The decoders are C libraries behind PIL's Python plugins; on hostile bytes they raise
+        # OSError, ValueError, SyntaxError, struct.error, IndexError, TypeError, ... Any of them
+        # means the same thing here: this file cannot become pixels.
+        except Exception as e:  # noqa: BLE001
+            raise RecordError("undecodable_media", _what(src, e), record_id) from None
+    return _orient(rgb, orientation)
 
 
 def load_image(
@@ -95,12 +130,13 @@ def load_image(
     min_pixels: int,
     max_pixels: int,
     record_id: str = "?",
+    max_image_pixels: int = MAX_PIXELS,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Decode, resize to the budget, patchify.
+    """Decode (refusing images over `max_image_pixels`), resize to the budget, patchify.
 
     Returns (patches [n, patch*patch*3] in [-1, 1], positions [n, 2] as (row, col)).
     """
-    rgb = decode_rgb(src, record_id)
+    rgb = decode_rgb(src, record_id, max_image_pixels)
     gh, gw = image_grid(*rgb.shape[:2], patch, merge, min_pixels, max_pixels)
     size = (gw * patch, gh * patch)
     if size != (rgb.shape[1], rgb.shape[0]):
@@ -120,6 +156,45 @@ def _to_rgb(img: Image.Image) -> np.ndarray:
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         img = Image.alpha_composite(white, rgba)
     return np.asarray(img.convert("RGB"))
+
+
+def _orientation(img: Image.Image) -> int:
+    try:
+        return int(img.getexif().get(ORIENTATION, 1))
+    except Exception:  # noqa: BLE001  a broken EXIF block does not stop decoding: upright
+        return 1
+
+
+def _orient(rgb: np.ndarray, orientation: int) -> np.ndarray:
+    """Applies an EXIF orientation (1..8, as ImageOps.exif_transpose) to an [h, w, 3] array;
+    other values count as upright."""
+    op = _ORIENT.get(orientation)
+    return np.ascontiguousarray(op(rgb)) if op else rgb
+
+
+_T = lambda a: a.transpose(1, 0, 2)
+_ORIENT = {
+    2: np.fliplr,
+    3: lambda a: np.rot90(a, 2),
+    4: np.flipud,
+    5: _T,
+    6: lambda a: np.rot90(a, 3),
+    7: lambda a: np.rot90(_T(a), 2),
+    8: np.rot90,
+}
+
+
+@contextlib.contextmanager
+def _bomb_check_as_error():
+    """PIL warns (DecompressionBombWarning) between MAX_IMAGE_PIXELS and twice that, and raises
+    above; our own cap decides, so its warning is silenced here and its error becomes a reject."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        yield
+
+
+def _what(src: Source, e: Exception) -> str:
+    return f"{_name(src)}: {type(e).__name__}: {e}"[:500]
 
 
 def _tail_ok(src: Source, fmt: str | None) -> bool:

@@ -51,8 +51,8 @@ def measure(records, pre: Preprocessor, k: int, decode: bool = False) -> dict:
         obj, line = records.raw(k)
         record = read_record(records, k)
         sizes = Sizes(
-            images=[read_size(src, record.id) for src in record.images],
-            audio=[read_info(src, record.id) for src in record.audio],
+            images=[read_size(src, record.id, pre.p.max_image_pixels) for src in record.images],
+            audio=[read_info(src, record.id, pre.p.max_audio_seconds) for src in record.audio],
         )
         for j, (samples, rate) in enumerate(sizes.audio):
             if not pre.clip_chunks(samples, rate):

@@ -97,6 +97,11 @@ class Params:
     audio_max_frames: int
     subsample: int
     n_mels: int = field(compare=False)  # does not change counts
+    # The bomb caps decide whether a file is decoded at all, not its counts: the loader applies
+    # the training config's caps (a lowered cap rejects at load time, a raised one needs a rebuild
+    # of the index to admit the files it refused).
+    max_image_pixels: int = field(default=1 << 26, compare=False)
+    max_audio_seconds: float = field(default=600.0, compare=False)
 
     @classmethod
     def from_config(cls, cfg: Config) -> Params:
@@ -119,11 +124,17 @@ class Params:
             audio_max_frames=d.audio_max_frames,
             subsample=cfg.model.audio.subsample,
             n_mels=cfg.model.audio.n_mels,
+            max_image_pixels=d.max_image_pixels,
+            max_audio_seconds=d.max_audio_seconds,
         )
 
     def counted(self) -> dict:
         """The fields that decide counts (what an index must agree on)."""
-        return {k: v for k, v in self.__dict__.items() if k != "n_mels"}
+        return {k: v for k, v in self.__dict__.items() if _field_compares(k)}
+
+
+def _field_compares(name: str) -> bool:
+    return Params.__dataclass_fields__[name].compare
 
 
 def _sha256(path: str) -> str:
@@ -157,6 +168,10 @@ def parse_record(obj: Any, base_dir: Path, line: int) -> Record:
     if not isinstance(rid, (str, int)) or isinstance(rid, bool) or rid == "":
         raise RecordError("malformed_line", "missing or invalid 'id'", fallback)
     rid = str(rid)
+    if not _valid_unicode(rid):
+        raise RecordError(
+            "malformed_line", "'id' is not valid Unicode (a lone surrogate)", fallback
+        )
     if ("text" in obj) == ("messages" in obj):
         raise RecordError("malformed_line", "needs exactly one of 'text' or 'messages'", rid)
     if "text" in obj:
@@ -165,6 +180,8 @@ def parse_record(obj: Any, base_dir: Path, line: int) -> Record:
         turns = [("text", obj["text"])]
     else:
         turns = _parse_messages(obj["messages"], rid)
+    if not all(_valid_unicode(t) for _, t in turns):  # JSON's "\ud800" escapes decode to these
+        raise RecordError("malformed_line", "text is not valid Unicode (a lone surrogate)", rid)
     media = {}
     for key in ("images", "audio"):
         entries = obj.get(key, [])
@@ -205,7 +222,7 @@ def _media_source(entry: Any, base_dir: Path, rid: str) -> Any:
     try:
         if isinstance(entry, str) and entry.startswith("data:"):
             return base64.b64decode(entry.partition(",")[2], validate=True)
-        if isinstance(entry, str) and entry:
+        if isinstance(entry, str) and entry and _valid_unicode(entry):
             return base_dir / entry
         if isinstance(entry, dict) and "base64" in entry:
             return base64.b64decode(entry["base64"], validate=True)
@@ -216,6 +233,15 @@ def _media_source(entry: Any, base_dir: Path, rid: str) -> Any:
     except (ValueError, TypeError) as e:
         raise RecordError("undecodable_media", f"bad base64: {e}", rid) from None
     raise RecordError("malformed_line", f"media entry {entry!r:.60} is not a path or base64", rid)
+
+
+def _valid_unicode(text: str) -> bool:
+    """False for a string the tokenizer cannot encode (lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_placeholders(r: Record) -> None:
@@ -369,6 +395,7 @@ class Preprocessor:
                     min(p.image_min_pixels, budget),
                     budget,
                     record.id,
+                    max_image_pixels=p.max_image_pixels,
                 )
                 if len(patches) != op[2] * op[3]:
                     raise RecordError(
@@ -389,6 +416,7 @@ class Preprocessor:
                         p.audio_max_frames,
                         expect_samples=sizes.audio[j][0],
                         record_id=record.id,
+                        max_seconds=p.max_audio_seconds,
                     )
                 chunk = clips[j][c][:frames] if c < len(clips[j]) else clips[j][0][:0]
                 if len(chunk) != frames:

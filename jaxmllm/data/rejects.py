@@ -7,6 +7,8 @@ for the step metrics and appends one JSON line per reject to a `rejects.jsonl`.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections import Counter
 from pathlib import Path
 
@@ -20,6 +22,8 @@ REASONS = {
     "placeholder_mismatch": "<image>/<audio> placeholders differ in number from the media",
     "empty_sample": "nothing to train on: no text, no media, or no assistant turn",
     "audio_too_short": "a clip is shorter than one encoder step (subsample x 10 ms)",
+    "image_too_large": "the header's width x height exceeds data.max_image_pixels (not decoded)",
+    "audio_too_long": "the header's length exceeds data.max_audio_seconds (not decoded)",
     "changed_since_index": "the media differs from what the index measured; rebuild the index",
     "oversize": "larger than a bucket can hold (see data.on_oversize)",
 }
@@ -42,6 +46,21 @@ class DataError(ConfigError):
 
     A ConfigError, so the trainer's command line prints it as a one-line error, not a traceback.
     """
+
+
+def check_media_file(src: object, record_id: str = "?") -> None:
+    """Raises unless a media path names a regular file (inline bytes pass): a FIFO or a device
+    would block or never end, a folder cannot be decoded."""
+    if isinstance(src, bytes):
+        return
+    try:
+        mode = os.stat(src).st_mode
+    except (FileNotFoundError, NotADirectoryError, ValueError) as e:  # ValueError: a NUL byte
+        raise RecordError("missing_media", f"no such file: {src} ({e})", record_id) from None
+    except OSError as e:
+        raise RecordError("undecodable_media", f"{src}: {e}", record_id) from None
+    if not stat.S_ISREG(mode):
+        raise RecordError("undecodable_media", f"{src} is not a regular file", record_id)
 
 
 def fail_message(err: RecordError, option: str, where: str) -> str:
