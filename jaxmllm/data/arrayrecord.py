@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from jaxmllm.data.manifest import JsonlRecords
+from jaxmllm.data.rejects import RecordError, check_media_file
 
 MAGIC = b"JMLR1"
 
@@ -32,9 +33,10 @@ def encode_record(obj: object, base_dir: Path, line: int) -> bytes:
         if not isinstance(entry, str) or entry.startswith("data:"):
             return entry  # inline data and odd entries stay as they are
         path = base_dir / entry
-        try:
+        try:  # only regular files: reading a FIFO or a device would block or never end
+            check_media_file(path)
             data = path.read_bytes()
-        except OSError:
+        except (RecordError, OSError):  # the index reads the path again and names the reason
             return {"missing": str(path.absolute())}
         blobs.append(data)
         offset += len(data)
@@ -50,9 +52,17 @@ def encode_record(obj: object, base_dir: Path, line: int) -> bytes:
 
 
 def decode_record(data: bytes) -> tuple[object, int]:
-    """(manifest object with media as {"bytes": ...}, line) of one ArrayRecord record."""
+    """(manifest object with media as {"bytes": ...}, line) of one ArrayRecord record; a marker
+    the parser rejects as malformed_line when the bytes are not such a record (a corrupt file)."""
     if not data.startswith(MAGIC):
         return {"__malformed__": "not a jaxmllm ArrayRecord record"}, 0
+    try:
+        return _decode(data)
+    except (struct.error, ValueError, ArithmeticError, RecursionError, LookupError, TypeError) as e:
+        return {"__malformed__": f"corrupt ArrayRecord record: {type(e).__name__}: {e}"[:300]}, 0
+
+
+def _decode(data: bytes) -> tuple[object, int]:
     (n,) = struct.unpack_from("<I", data, len(MAGIC))
     start = len(MAGIC) + 4
     head = json.loads(data[start : start + n])

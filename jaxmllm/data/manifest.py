@@ -52,14 +52,20 @@ class JsonlRecords:
             self._file = open(self.path, "rb")  # noqa: SIM115  (one handle per process)
         self._file.seek(int(self.offsets[k]))
         text = self._file.readline()
-        line = int(self.lines[k])
-        try:
-            return json.loads(text), line
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return {"__malformed__": f"not valid JSON: {e}"}, line
+        return parse_line(text), int(self.lines[k])
 
     def __getstate__(self):
         return {**self.__dict__, "_file": None}
+
+
+def parse_line(text: bytes) -> object:
+    """The JSON value of one manifest line, or a malformed marker the parser rejects."""
+    try:
+        return json.loads(text)
+    # ValueError: JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits;
+    # RecursionError: arrays or objects nested about a thousand deep.
+    except (ValueError, RecursionError) as e:
+        return {"__malformed__": f"not valid JSON: {type(e).__name__}: {e}"[:300]}
 
 
 def open_records(path: str | Path):
