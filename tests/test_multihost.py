@@ -22,7 +22,7 @@ import pytest
 from jaxmllm import ledger
 from jaxmllm.config import ConfigError, DistributedConfig, load_config
 from jaxmllm.data.bucketize import bucketize
-from jaxmllm.data.pipeline import local_parts, resolve_batch
+from jaxmllm.data.pipeline import local_media, local_parts, resolve_batch
 from jaxmllm.data.planner import Capacities, make_planner
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.distributed import describe_mismatch, resolve_job
@@ -111,12 +111,12 @@ def planned():
     planner = make_planner(cfg, index, 8)
     plans = [planner.plan() for _ in range(3)]
     samples = {int(i): source[int(i)] for p in plans for i in np.unique(p.samples)}
-    return cfg, caps, index, plans, samples
+    return cfg, caps, index, plans, samples, source
 
 
 @pytest.mark.parametrize("hosts", [2, 4, 8])
 def test_each_host_fills_exactly_its_slice_of_the_batch(planned, hosts):
-    cfg, caps, index, plans, samples = planned
+    cfg, caps, index, plans, samples, source = planned
     crossing = 0
     for plan in plans:
         full = bucketize(plan, samples, cfg, caps, index=index)
@@ -129,7 +129,9 @@ def test_each_host_fills_exactly_its_slice_of_the_batch(planned, hosts):
         for h in range(hosts):
             positions = np.arange(h * per, (h + 1) * per)
             parts = local_parts(plan, positions, 8)
-            mine = {i: samples[i] for i in parts["read"].tolist()}  # nothing else is loaded
+            # Nothing else is loaded, and of it only the media encoded here.
+            media = local_media(parts)
+            mine = {i: source.load(i, *media[i]) for i in parts["read"].tolist()}
             local = bucketize(plan, mine, cfg, caps, positions, index)
             assert local.keys() == full.keys()
             for key, value in full.items():
@@ -144,7 +146,7 @@ def test_each_host_fills_exactly_its_slice_of_the_batch(planned, hosts):
 
 def test_a_sample_that_fails_on_one_host_keeps_the_routing_aligned(planned):
     """A load failure on the text's host only must not shift the other items' exchange slots."""
-    cfg, caps, index, plans, samples = planned
+    cfg, caps, index, plans, samples, _ = planned
     plan = plans[0]
     host_of = np.arange(8) // 4
     crossing = np.flatnonzero(

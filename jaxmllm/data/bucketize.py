@@ -190,10 +190,10 @@ def _write_items(
         if not (enc_here or text_here):
             continue  # both ends on other hosts
         sample = samples[int(plan.samples[owner])]
-        if sample is not None:
+        if units is not None:  # the index's count: what every host counts, loaded or not
+            n = int(units[k])
+        elif sample is not None:
             n = len(sample.images[j][0]) if phase == "vision" else len(sample.audio[j])
-        elif units is not None:
-            n = int(units[k])  # keeps the pair offsets equal to what the other host counts
         else:
             continue  # failed to load, one host: no encoder rows, no routing
         rows = off // per_row + np.arange(n // per_row)  # projector output rows of this item

@@ -25,9 +25,16 @@ def _init_worker(source) -> None:
     _worker["source"] = source
 
 
-def _load_one(i: int):
+def _load_one(job):
+    return _load(_worker["source"], *job)
+
+
+def _load(source, i: int, media):
+    """source[i], or only the listed media of it where the source can (`load`)."""
     try:
-        return _worker["source"][i]
+        if media is not None and hasattr(source, "load"):
+            return source.load(i, images=media[0], audio=media[1])
+        return source[i]
     except RecordError as e:  # sent back as a tuple: exceptions with extra fields do not pickle
         return ("error", e.reason, e.detail, e.record_id)
 
@@ -46,18 +53,25 @@ class Loader:
             self.pool = ctx.Pool(cfg.data.workers, _init_worker, (self.raw,))
             weakref.finalize(self, self.pool.terminate)
 
-    def load(self, indices: np.ndarray, step: int) -> dict[int, Sample | None]:
-        """{index: Sample, or None for a sample skipped under data.on_error=skip}."""
+    def load(
+        self, indices: np.ndarray, step: int, media: dict[int, tuple] | None = None
+    ) -> dict[int, Sample | None]:
+        """{index: Sample, or None for a sample skipped under data.on_error=skip}.
+
+        `media[i] = (images, audio)`: decode only those items of sample i (numbers within the
+        sample; the others are None in the Sample) — on several hosts, another host encodes them.
+        """
         if step == 0 and not self.startup_written:  # a fresh run logs start-up repairs once
             for entry in getattr(self.raw, "startup_rejects", []):
                 self.log.add("_startup", {**entry, "stage": "startup"})
             self.startup_written = True
         idx = [int(i) for i in indices]
+        jobs = [(i, None if media is None else media.get(i, ((), ()))) for i in idx]
         if self.pool is not None:
             chunk = max(1, len(idx) // (4 * self.cfg.data.workers))
-            got = self.pool.map(_load_one, idx, chunksize=chunk)
+            got = self.pool.map(_load_one, jobs, chunksize=chunk)
         else:
-            got = [self._load_here(i) for i in idx]
+            got = [_load(self.raw, *job) for job in jobs]
         out = {}
         for i, g in zip(idx, got, strict=True):
             if isinstance(g, tuple):
@@ -68,12 +82,6 @@ class Loader:
                 g = None
             out[i] = g
         return out
-
-    def _load_here(self, i: int):
-        try:
-            return self.source[i]
-        except RecordError as e:
-            return ("error", e.reason, e.detail, e.record_id)
 
     def counts(self) -> dict[str, float]:
         """Cumulative reject counts for the step metrics ({} for the synthetic source)."""

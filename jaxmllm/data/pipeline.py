@@ -110,7 +110,9 @@ class StepIterator(grain.DatasetIterator):
             self.loader.log.counts.update(self._restored_rejects)
         parts = local_parts(plan, self.positions, self.caps.devices)
         # A sample that fails to load is None under data.on_error=skip: its slots stay padding.
-        samples = self.loader.load(parts["read"], plan.step)
+        # On several hosts each decodes only the images and clips its own devices encode.
+        media = None if self.positions is None else local_media(parts)
+        samples = self.loader.load(parts["read"], plan.step, media)
         batch = bucketize(plan, samples, self.cfg, self.caps, self.positions, self.index)
         info = {
             "step": plan.step,
@@ -156,6 +158,15 @@ def local_parts(plan, positions: np.ndarray | None, devices: int) -> dict[str, n
         read.append(owners)
     out["read"] = np.unique(np.concatenate(read))
     return out
+
+
+def local_media(parts: dict[str, np.ndarray]) -> dict[int, tuple[tuple, tuple]]:
+    """sample -> (its images, its clips) encoded on this host, from `local_parts`."""
+    out: dict[int, tuple[list, list]] = {int(i): ([], []) for i in parts["read"]}
+    for which, phase in ((0, "vision"), (1, "audio")):
+        for i, j in parts[phase].tolist():
+            out[i][which].append(j)
+    return {i: (tuple(a), tuple(b)) for i, (a, b) in out.items()}
 
 
 class StepDataset(grain.IterDataset):

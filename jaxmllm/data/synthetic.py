@@ -70,6 +70,19 @@ class SyntheticSource:
             int(i), tok.AUDIO, [len(clip) // self.subsample], AUDIO_PROMPT, caption, audio=[clip]
         )
 
+    def load(self, i: int, images=None, audio=None) -> Sample:
+        """Sample i with only the listed images / clips (by number; None = all) kept.
+
+        The others are None: another host encodes them. Rendering is cheap, so this renders
+        everything and drops the rest; a decoding source (the manifest) skips the work.
+        """
+        sample = self[i]
+        if images is not None:
+            sample.images = [m if j in images else None for j, m in enumerate(sample.images)]
+        if audio is not None:
+            sample.audio = [m if j in audio else None for j, m in enumerate(sample.audio)]
+        return sample
+
     def lengths(self) -> LengthsIndex:
         """Counts in model units for every sample, without rendering any media."""
         records = []
