@@ -75,7 +75,8 @@ def decode_mono(
             x = np.empty(frames, np.float32)
             n = 0
             for block in f.blocks(BLOCK, dtype="float32", always_2d=True, frames=frames):
-                x[n : n + len(block)] = block.mean(axis=1)
+                with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf: rejected below
+                    x[n : n + len(block)] = block.mean(axis=1)
                 n += len(block)
     except RecordError:
         raise

@@ -1,0 +1,659 @@
+"""Fuzzing of the manifest and media decoders: every input must end in a policy outcome.
+
+    python -m jaxmllm.data.fuzz --seconds 300                 # all targets, time split evenly
+    python -m jaxmllm.data.fuzz --seconds 60 --targets image,jsonl --findings fuzz-findings/
+
+Each target feeds one kind of hostile input to the functions the index and the loader use:
+- `image`, `audio`: random bytes and mutated PNG/JPEG/GIF/WebP/BMP/TIFF/PPM and WAV/FLAC/OGG/AIFF
+  files (bit flips, truncation, splices, width/height/length header fields set to huge values,
+  decompression bombs) through the header read (the index) and, when it accepts, the full decode
+  (the loader);
+- `jsonl`: generated and mutated manifest lines (wrong types, missing keys, bad base64, placeholder
+  mismatches, deep or huge JSON, lone surrogates, non-UTF-8, media as paths, special files and
+  inline data) through the record parser, the index's `measure` and the loader's Sample;
+- `arrayrecord`: mutated ArrayRecord records through the same.
+
+An input's outcome is `ok`, `index:<reason>` or `load:<reason>` (a reject; reason one of REASONS),
+or a bug: `unhandled:<exception type>`, `hang` (over --hang-s seconds) or `invariant:<what>` (the
+loader's counts differ from the index's for the same bytes). The run prints inputs tried and the
+outcome counts per target, saves each bug's first input under --findings, and exits 1 on any bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import random
+import signal
+import struct
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+import zlib
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from jaxmllm.data.arrayrecord import decode_record, encode_record
+from jaxmllm.data.audio import read_info
+from jaxmllm.data.image import read_size
+from jaxmllm.data.index import measure
+from jaxmllm.data.manifest import ManifestSource, parse_line
+from jaxmllm.data.preprocess import Params, Preprocessor
+from jaxmllm.data.rejects import REASONS, RecordError
+
+TARGETS = ("image", "audio", "jsonl", "arrayrecord")
+IMAGE_SEEDS = (
+    "rgb.png",
+    "gray.png",
+    "pal.png",
+    "deep.png",
+    "rgb.jpg",
+    "prog.jpg",
+    "cmyk.jpg",
+    "anim.gif",
+    "lossy.webp",
+    "lossless.webp",
+    "rgb.bmp",
+    "rgb.tiff",
+    "rgb.ppm",
+)
+AUDIO_SEEDS = ("mono.wav", "stereo.wav", "tone.flac", "tone.ogg", "tone.aiff")
+SPECIAL_PATHS = ("dir", "fifo", "missing.png", "/dev/zero", "/dev/null", "rgb.png\x00x", "..")
+
+# ----------------------------------------------------------------------------- seeds
+
+
+def png_bomb(width: int, height: int) -> bytes:
+    """A valid 1-bit PNG of zeros: a few bytes per row compressed, width*height pixels decoded."""
+    z, row = zlib.compressobj(1), b"\x00" * (1 + (width + 7) // 8)
+    rows = [z.compress(row * min(1000, height - i)) for i in range(0, height, 1000)]
+    idat = b"".join(rows) + z.flush()
+    return _png(struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0), idat)
+
+
+def _png(ihdr: bytes, idat: bytes) -> bytes:
+    chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def make_seeds() -> dict[str, bytes]:
+    """Small valid media files of many formats and modes (deterministic), by file name."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    rgb = Image.fromarray(rng.integers(0, 255, (20, 28, 3)).astype(np.uint8))
+    deep = Image.fromarray(rng.integers(0, 65535, (12, 9)).astype(np.uint16))
+    pal = rgb.convert("P")
+    pal.info["transparency"] = 3
+    images = {
+        "rgb.png": (rgb, "PNG", {}),
+        "gray.png": (rgb.convert("L"), "PNG", {}),
+        "pal.png": (pal, "PNG", {"transparency": 3}),
+        "deep.png": (deep, "PNG", {}),
+        "rgb.jpg": (rgb, "JPEG", {"exif": _exif(6)}),
+        "prog.jpg": (rgb, "JPEG", {"progressive": True}),
+        "cmyk.jpg": (rgb.convert("CMYK"), "JPEG", {}),
+        "anim.gif": (pal, "GIF", {"save_all": True, "append_images": [pal.rotate(90)]}),
+        "lossy.webp": (rgb, "WEBP", {}),
+        "lossless.webp": (rgb.convert("RGBA"), "WEBP", {"lossless": True}),
+        "rgb.bmp": (rgb, "BMP", {}),
+        "rgb.tiff": (rgb, "TIFF", {"compression": "tiff_deflate"}),
+        "rgb.ppm": (rgb, "PPM", {}),
+    }
+    out = {}
+    for name, (img, fmt, kw) in images.items():
+        buf = io.BytesIO()
+        img.save(buf, format=fmt, **kw)
+        out[name] = buf.getvalue()
+    out.update(_audio_seeds(rng))
+    return out
+
+
+def _exif(orientation: int):
+    from PIL import Image
+
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return exif
+
+
+def _audio_seeds(rng: np.random.Generator) -> dict[str, bytes]:
+    import soundfile as sf
+
+    t = np.arange(3000) / 16000
+    tone = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    clips = {
+        "mono.wav": (tone, 16000, "WAV", "PCM_16"),
+        "stereo.wav": (np.stack([tone, tone[::-1]], 1), 22050, "WAV", "FLOAT"),
+        "tone.flac": (tone, 16000, "FLAC", "PCM_16"),
+        "tone.ogg": (tone, 16000, "OGG", "VORBIS"),
+        "tone.aiff": (tone, 8000, "AIFF", "PCM_24"),
+    }
+    out = {}
+    for name, (x, rate, fmt, subtype) in clips.items():
+        buf = io.BytesIO()
+        sf.write(buf, x, rate, format=fmt, subtype=subtype)
+        out[name] = buf.getvalue()
+    return out
+
+
+# ----------------------------------------------------------------------------- mutations
+
+INTERESTING = (
+    0,
+    1,
+    2,
+    0x7F,
+    0x80,
+    0xFF,
+    0x100,
+    0x7FFF,
+    0x8000,
+    0xFFFF,
+    0x10000,
+    0x7FFFFFFF,
+    0x80000000,
+    0xFFFFFFFF,
+)
+DIMS = (0, 1, 3, 255, 0x7FFF, 0xFFFF, 0x10000, 100_000, 1 << 24, 0x7FFFFFFF, 0xFFFFFFFF)
+
+
+def mutate(data: bytes, rng: random.Random, others: list[bytes] = (), max_ops: int = 4) -> bytes:
+    """`data` with 1..max_ops random edits (splices take a piece of one of `others`)."""
+    b = bytearray(data)
+    for _ in range(rng.randint(1, max_ops)):
+        op = rng.choice(_OPS)
+        b = op(b, rng, others) if op is _splice else op(b, rng)
+    return bytes(b)
+
+
+def _flip_bits(b: bytearray, rng) -> bytearray:
+    for _ in range(rng.randint(1, 8)):
+        if b:
+            i = rng.randrange(len(b))
+            b[i] ^= 1 << rng.randrange(8)
+    return b
+
+
+def _set_int(b: bytearray, rng) -> bytearray:
+    width = rng.choice((1, 2, 4))
+    if len(b) >= width:
+        i = rng.randrange(len(b) - width + 1)
+        v = rng.choice(INTERESTING) & ((1 << 8 * width) - 1)
+        b[i : i + width] = v.to_bytes(width, rng.choice(("little", "big")))
+    return b
+
+
+def _truncate(b: bytearray, rng) -> bytearray:
+    return b[: rng.randrange(len(b) + 1)]
+
+
+def _delete(b: bytearray, rng) -> bytearray:
+    i = rng.randrange(len(b) + 1)
+    return b[:i] + b[i + rng.randint(1, 64) :]
+
+
+def _duplicate(b: bytearray, rng) -> bytearray:
+    i = rng.randrange(len(b) + 1)
+    j, k = sorted(rng.randrange(len(b) + 1) for _ in range(2))
+    return b[:i] + b[j:k] * rng.randint(1, 4) + b[i:]
+
+
+def _insert(b: bytearray, rng) -> bytearray:
+    i = rng.randrange(len(b) + 1)
+    return b[:i] + bytearray(rng.getrandbits(8) for _ in range(rng.randint(1, 32))) + b[i:]
+
+
+def _splice(b: bytearray, rng, others) -> bytearray:
+    if not others:
+        return b
+    other = rng.choice(others)
+    i, j = rng.randrange(len(b) + 1), rng.randrange(len(other) + 1)
+    return b[:i] + other[j:]
+
+
+def _header_field(b: bytearray, rng) -> bytearray:
+    """Sets a width/height or length field of a known format to a boundary or huge value."""
+    w, h = rng.choice(DIMS), rng.choice(DIMS)
+    if b[:8] == b"\x89PNG\r\n\x1a\n" and len(b) >= 33:
+        b[16:24] = struct.pack(">II", w, h)
+        if rng.random() < 0.9:  # a valid CRC, so the decoder believes it
+            b[29:33] = struct.pack(">I", zlib.crc32(bytes(b[12:29])))
+    elif b[:3] == b"GIF" and len(b) >= 10:
+        b[6:10] = struct.pack("<HH", w & 0xFFFF, h & 0xFFFF)
+    elif b[:2] == b"\xff\xd8":
+        for marker in (b"\xff\xc0", b"\xff\xc2"):
+            i = bytes(b).find(marker)
+            if 0 < i < len(b) - 9:
+                b[i + 5 : i + 9] = struct.pack(">HH", h & 0xFFFF, w & 0xFFFF)
+    elif b[:2] == b"BM" and len(b) >= 26:
+        b[18:26] = struct.pack("<II", w, h)
+    elif b[:4] == b"RIFF" and b[8:12] == b"WAVE" and len(b) >= 44:
+        field = rng.choice(((22, "<H"), (24, "<I"), (34, "<H")))  # channels, rate, bits
+        b[field[0] : field[0] + struct.calcsize(field[1])] = struct.pack(
+            field[1], w & (0xFFFF if field[1] == "<H" else 0xFFFFFFFF)
+        )
+        i = bytes(b).find(b"data")
+        if i > 0 and rng.random() < 0.5:
+            b[i + 4 : i + 8] = struct.pack("<I", h)
+    elif b[:4] == b"fLaC" and len(b) >= 26:  # STREAMINFO: 20-bit rate .. 36-bit sample count
+        if rng.random() < 0.5:
+            b[18:20] = struct.pack(">H", w & 0xFFFF)
+        b[21] = (b[21] & 0xF0) | (h >> 32 & 0x0F) | rng.choice((0, 0x0F))
+        b[22:26] = struct.pack(">I", h & 0xFFFFFFFF)
+    elif b[:4] == b"FORM" and len(b) >= 30:  # AIFF COMM: channels, frames
+        i = bytes(b).find(b"COMM")
+        if 0 < i < len(b) - 16:
+            b[i + 8 : i + 14] = struct.pack(">HI", w & 0xFFFF, h)
+    return b
+
+
+_OPS = (
+    _flip_bits,
+    _flip_bits,
+    _set_int,
+    _truncate,
+    _delete,
+    _duplicate,
+    _insert,
+    _splice,
+    _header_field,
+    _header_field,
+)
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def gen_record(rng: random.Random, seeds: dict[str, bytes]) -> object:
+    """A manifest object, well-formed or broken in one of the ways real manifests are."""
+    n_img, n_aud = rng.choice((0, 0, 1, 1, 2, 3)), rng.choice((0, 0, 1, 2))
+    words = lambda: rng.choice(
+        ("a cat", "", " ", "x" * rng.randint(1, 300), "\u00e9\u4e2d", "\ud800")
+    )
+    text = " ".join(
+        ["<image>"] * (n_img + rng.choice((0, 0, 0, 1, -1)))
+        + ["<audio>"] * (n_aud + rng.choice((0, 0, 0, 1, -1)))
+        + [words()]
+    )
+    odd_ids = (7, "", None, True, 1.5, [1], "\ud800")
+    rec: dict = {"id": f"r{rng.randrange(100)}" if rng.random() < 0.8 else rng.choice(odd_ids)}
+    if rng.random() < 0.6:
+        rec["text"] = text if rng.random() < 0.95 else rng.choice((3, None, [text], {"t": text}))
+    else:
+        rec["messages"] = _messages(rng, text, words)
+    if rng.random() < 0.05:
+        rec["text" if "messages" in rec else "messages"] = "both"
+    for key, count, names in (("images", n_img, IMAGE_SEEDS), ("audio", n_aud, AUDIO_SEEDS)):
+        if count or rng.random() < 0.1:
+            entries = [_media(rng, names, seeds) for _ in range(count)]
+            rec[key] = entries if rng.random() < 0.95 else rng.choice(("x.png", 3, {"a": 1}))
+    if rng.random() < 0.05:
+        rec.pop(rng.choice(list(rec)))
+    return rec
+
+
+def _messages(rng, text: str, words) -> object:
+    roles = ("user", "assistant", "system", "bot", None, 3)
+    msgs = [{"role": "user", "content": text}, {"role": "assistant", "content": words()}]
+    for _ in range(rng.randint(0, 3)):
+        content = rng.choice(
+            (
+                words(),
+                None,
+                5,
+                [],
+                [{"type": "text", "text": words()}],
+                [{"type": "image"}],
+                [{"type": "video"}],
+                ["raw"],
+                {"x": 1},
+            )
+        )
+        msgs.insert(rng.randrange(len(msgs) + 1), {"role": rng.choice(roles), "content": content})
+    if rng.random() < 0.05:
+        return rng.choice(([], "hi", [1], {"role": "user"}))
+    return msgs
+
+
+def _media(rng, names: tuple[str, ...], seeds: dict[str, bytes]) -> object:
+    name = rng.choice(names)
+    roll = rng.random()
+    if roll < 0.35:
+        return name
+    if roll < 0.7:
+        data = seeds[name] if rng.random() < 0.5 else mutate(seeds[name], rng, list(seeds.values()))
+        b64 = base64.b64encode(data).decode()
+        if rng.random() < 0.5:
+            return {"base64": b64}
+        return f"data:application/octet-stream;base64,{b64}"
+    return rng.choice(
+        SPECIAL_PATHS
+        + (
+            "data:image/png;base64,***",
+            "data:,",
+            {"base64": "abc"},
+            {"base64": 12},
+            {"base64": "é"},
+            {"path": name},
+            42,
+            None,
+            "",
+            ["x"],
+            {"missing": "gone.png"},
+        )
+    )
+
+
+ODD_LINES = (
+    b'{"id": 1, "text": "x", "n": ' + b"9" * 5000 + b"}",  # over Python's int-digits limit
+    b'{"id": 1e999, "text": "NaN"}',
+    b"NaN",
+    b"\xef\xbb\xbf{}",
+    b'{"id": "a", "text": "\xff\xfe"}',
+    b'{"id":"a","text":"x"}' * 3,
+    b'"just a string"',
+    b"[]",
+    b"null",
+)
+
+
+def gen_line(rng: random.Random, seeds: dict[str, bytes]) -> bytes:
+    """One manifest line: a generated record, serialized and sometimes mutated, or odd JSON."""
+    roll = rng.random()
+    if roll < 0.08:
+        depth = rng.choice((10, 900, 5000, 100_000))
+        return b"[" * depth + b"]" * depth if rng.random() < 0.5 else b'{"a":' * depth + b"1"
+    if roll < 0.12:
+        return rng.choice(ODD_LINES + (bytes(rng.getrandbits(8) for _ in range(64)),))
+    line = json.dumps(gen_record(rng, seeds)).encode()
+    if rng.random() < 0.25:
+        line = mutate(line, rng)
+    return line
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+class Invariant(Exception):
+    """The loader saw other counts than the index for the same bytes (a bug, not a reject)."""
+
+
+@dataclass
+class Harness:
+    """The media folder records point to and the preprocessing they go through."""
+
+    root: Path
+    seeds: dict[str, bytes]
+    pre: Preprocessor
+
+
+def make_harness(
+    root: str | Path, max_image_pixels: int = 1 << 22, max_audio_seconds: float = 30.0
+) -> Harness:
+    """Writes the seeds and special paths (a folder, a FIFO) under `root`; tiny-config params.
+
+    The caps are lower than the defaults so that accepted inputs decode fast (same code paths).
+    """
+    root = Path(root)
+    seeds = make_seeds()
+    for name, data in seeds.items():
+        (root / name).write_bytes(data)
+    (root / "dir").mkdir(exist_ok=True)
+    if hasattr(os, "mkfifo") and not (root / "fifo").exists():
+        os.mkfifo(root / "fifo")
+    params = Params(
+        tokenizer="byte",
+        tokenizer_sha256="",
+        patch_size=4,
+        merge=2,
+        image_min_pixels=256,
+        image_max_pixels=1024,
+        audio_sample_rate=16000,
+        audio_max_frames=32,
+        subsample=4,
+        n_mels=16,
+        max_image_pixels=max_image_pixels,
+        max_audio_seconds=max_audio_seconds,
+    )
+    return Harness(root, seeds, Preprocessor(params))
+
+
+class _Records:
+    """In-memory records: raw bytes of JSONL lines or ArrayRecord records, parsed as the real
+    sources parse them."""
+
+    def __init__(self, items: list[bytes], base_dir: Path, arrayrecord: bool = False):
+        self.items, self.base_dir, self.arrayrecord = items, base_dir, arrayrecord
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def raw(self, k: int) -> tuple[object, int]:
+        if self.arrayrecord:
+            return decode_record(self.items[k])
+        return parse_line(self.items[k]), k + 1
+
+
+def record_outcome(h: Harness, records) -> str:
+    """Record 0 through the index's measure, then the loader (ManifestSource checks the counts)."""
+    row = measure(records, h.pre, 0)
+    if not row.pop("ok"):
+        return f"index:{row['reason']}"
+    try:
+        ManifestSource(records, h.pre, [row], {})[0]
+    except RecordError as e:
+        if e.reason == "changed_since_index":
+            raise Invariant(e.detail) from None
+        return f"load:{e.reason}"
+    return "ok"
+
+
+def image_outcome(h: Harness, data: bytes | Path) -> str:
+    """An image's header read as the index does, then its decode as the loader does."""
+    return record_outcome(h, _Records([_record_with(h, data, "images")], h.root))
+
+
+def audio_outcome(h: Harness, data: bytes | Path) -> str:
+    """A clip's header read as the index does, then its decode as the loader does."""
+    return record_outcome(h, _Records([_record_with(h, data, "audio")], h.root))
+
+
+def _record_with(h: Harness, data: bytes | Path, key: str) -> bytes:
+    entry = str(data) if isinstance(data, Path) else {"base64": base64.b64encode(data).decode()}
+    marker = "<image>" if key == "images" else "<audio>"
+    return json.dumps({"id": "fuzz", "text": f"{marker} caption", key: [entry]}).encode()
+
+
+def line_outcome(h: Harness, line: bytes) -> str:
+    return record_outcome(h, _Records([line], h.root))
+
+
+def arrayrecord_outcome(h: Harness, arg: tuple[bytes, int]) -> str:
+    """A manifest line through the converter (media embedded), the record's bytes mutated when
+    the mutation seed is not 0, then through the index and the loader."""
+    line, mutation = arg
+    data = encode_record(parse_line(line), h.root, 1)
+    if mutation:
+        data = mutate(data, random.Random(mutation))
+    return record_outcome(h, _Records([data], h.root, arrayrecord=True))
+
+
+def header_only(h: Harness, data: bytes, kind: str) -> str:
+    """Only the header read (what the index does without --decode)."""
+    try:
+        if kind == "image":
+            read_size(data, "fuzz", h.pre.p.max_image_pixels)
+        else:
+            read_info(data, "fuzz", h.pre.p.max_audio_seconds)
+    except RecordError as e:
+        return f"index:{e.reason}"
+    return "ok"
+
+
+# ----------------------------------------------------------------------------- running
+
+
+class Hang(Exception):
+    """An input took longer than the time limit."""
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """Raises Hang in the main thread after `seconds` (SIGALRM; a no-op elsewhere)."""
+    if seconds <= 0 or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise Hang(f"over {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def classify(fn, *args, hang_s: float = 10.0) -> tuple[str, str]:
+    """(outcome, traceback or "") of fn(*args): a policy outcome, or a bug's name."""
+    try:
+        with time_limit(hang_s):
+            out = fn(*args)
+    except Hang:
+        return "hang", traceback.format_exc()
+    except Invariant as e:
+        return "invariant:changed_since_index", str(e)
+    except Exception as e:
+        return f"unhandled:{type(e).__name__}", traceback.format_exc()
+    reason = out.partition(":")[2]
+    if out != "ok" and reason not in REASONS:
+        return f"unhandled:unknown_reason:{reason}", ""
+    return out, ""
+
+
+def is_bug(outcome: str) -> bool:
+    return outcome.startswith(("unhandled:", "hang", "invariant:"))
+
+
+def gen_input(target: str, h: Harness, rng: random.Random) -> tuple:
+    """(function, argument) of one random input for `target`."""
+    pool = list(h.seeds.values())
+    if target in ("image", "audio"):
+        names = IMAGE_SEEDS if target == "image" else AUDIO_SEEDS
+        fn = image_outcome if target == "image" else audio_outcome
+        roll = rng.random()
+        if roll < 0.05:
+            return fn, bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 256)))
+        if roll < 0.08 and target == "image":
+            return fn, _bomb(rng)
+        data = mutate(h.seeds[rng.choice(names)], rng, pool)
+        if roll < 0.2:
+            return (lambda hh, d, k=target: header_only(hh, d, k)), data
+        return fn, data
+    if target == "jsonl":
+        return line_outcome, gen_line(rng, h.seeds)
+    line = json.dumps(gen_record(rng, h.seeds)).encode()
+    return arrayrecord_outcome, (line, rng.choice((0, rng.getrandbits(32))))
+
+
+_BOMBS: dict[tuple, bytes] = {}
+
+
+def _bomb(rng: random.Random) -> bytes:
+    side = rng.choice(((3000, 3000), (9000, 9000), (1, 200_000_000), (100_000, 100_000)))
+    if side not in _BOMBS:
+        w, h = side
+        _BOMBS[side] = (
+            png_bomb(w, h)
+            if w * h <= 1e8
+            else _png(struct.pack(">IIBBBBB", w, h, 1, 0, 0, 0, 0), zlib.compress(b"\0" * 64))
+        )
+    return _BOMBS[side]
+
+
+def fuzz(
+    targets: list[str],
+    seconds: float,
+    seed: int = 0,
+    hang_s: float = 10.0,
+    findings: Path | None = None,
+    root: Path | None = None,
+) -> dict:
+    """Runs each target for seconds / len(targets); returns {target: {"inputs", "outcomes",
+    "bugs", "slowest_s"}}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        h = make_harness(root or tmp)
+        report = {}
+        for t in targets:
+            rng = random.Random(f"{seed}-{t}")
+            counts: Counter[str] = Counter()
+            slowest, end = 0.0, time.monotonic() + seconds / len(targets)
+            while time.monotonic() < end:
+                fn, arg = gen_input(t, h, rng)
+                start = time.monotonic()
+                outcome, tb = classify(fn, h, arg, hang_s=hang_s)
+                slowest = max(slowest, time.monotonic() - start)
+                if is_bug(outcome) and counts[outcome] == 0 and findings is not None:
+                    _save(findings, t, outcome, arg, tb)
+                counts[outcome] += 1
+            report[t] = {
+                "inputs": sum(counts.values()),
+                "outcomes": dict(counts.most_common()),
+                "bugs": sum(v for k, v in counts.items() if is_bug(k)),
+                "slowest_s": round(slowest, 3),
+            }
+    return report
+
+
+def _save(findings: Path, target: str, outcome: str, arg: bytes, tb: str) -> None:
+    findings.mkdir(parents=True, exist_ok=True)
+    stem = findings / f"{target}-{outcome.replace(':', '-')}"
+    stem.with_suffix(".bin").write_bytes(arg if isinstance(arg, bytes) else repr(arg).encode())
+    stem.with_suffix(".txt").write_text(tb)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxmllm.data.fuzz",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--seconds", type=float, default=60.0, help="total run time, split by target")
+    p.add_argument("--targets", default=",".join(TARGETS), help=f"comma list of {TARGETS}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hang-s", type=float, default=10.0, help="an input slower than this hangs")
+    p.add_argument("--findings", type=Path, help="folder for the inputs of bugs found")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = p.parse_args(argv)
+    targets = [t for t in args.targets.split(",") if t]
+    unknown = set(targets) - set(TARGETS)
+    if unknown:
+        p.error(f"unknown targets {sorted(unknown)}; choose from {TARGETS}")
+    warnings.simplefilter("ignore")  # decoders warn about the broken files they are fed
+    report = fuzz(targets, args.seconds, args.seed, args.hang_s, args.findings)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for t, r in report.items():
+            print(f"{t}: {r['inputs']} inputs, {r['bugs']} bugs, slowest {r['slowest_s']} s")
+            for outcome, n in r["outcomes"].items():
+                print(f"  {n:8d}  {outcome}")
+    bugs = sum(r["bugs"] for r in report.values())
+    print(f"total: {sum(r['inputs'] for r in report.values())} inputs, {bugs} unhandled/hangs")
+    return 1 if bugs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
