@@ -163,6 +163,35 @@ def test_decoded_shapes_orientation_and_audio_chunks(data):
     assert len(src[by_id["modes"]].images) == 4
 
 
+def test_loading_some_media_decodes_only_those(data, monkeypatch):
+    """On several hosts each decodes only the images / clips its devices encode."""
+    import jaxmllm.data.preprocess as pre
+
+    src = open_source(data["cfg"])
+    by_id = {src.rows[i]["id"]: i for i in range(len(src))}
+    decoded = []
+    for name in ("load_image", "load_audio"):
+        real = getattr(pre, name)
+        monkeypatch.setattr(
+            pre, name, lambda *a, _real=real, _n=name, **k: decoded.append(_n) or _real(*a, **k)
+        )
+    full = src[by_id["modes"]]
+    decoded.clear()
+    part = src.load(by_id["modes"], images=(2,), audio=())
+    assert decoded == ["load_image"]
+    np.testing.assert_array_equal(part.tokens, full.tokens)  # text laid out from the index
+    assert [m is None for m in part.images] == [True, True, False, True]
+    np.testing.assert_array_equal(part.images[2][0], full.images[2][0])
+    stereo = src[by_id["stereo"]]
+    decoded.clear()
+    part = src.load(by_id["stereo"], images=(), audio=(3,))
+    assert decoded == ["load_audio"] and [m is None for m in part.audio] == [True] * 3 + [False]
+    np.testing.assert_array_equal(part.audio[3], stereo.audio[3])
+    decoded.clear()
+    text_only = src.load(by_id["stereo"], images=(), audio=())
+    assert decoded == [] and np.array_equal(text_only.tokens, stereo.tokens)
+
+
 def test_every_bad_record_is_counted_with_its_reason(data):
     rejects = read_rejects(data["path"].parent / "manifest.jsonl.index" / "rejects.jsonl")
     assert {r["id"]: r["reason"] for r in rejects} == data["expect"]

@@ -103,27 +103,43 @@ class ManifestSource:
         return len(self.rows)
 
     def __getitem__(self, i: int) -> Sample:
+        return self.load(i)
+
+    def load(self, i: int, images=None, audio=None) -> Sample:
+        """Sample i, decoding only the listed images / clip chunks (None = all); the others are
+        None in the Sample (on several hosts, another host encodes them)."""
         row = self.rows[int(i)]
         record = read_record(self.records, int(row["row"]))
         if record.id != row["id"]:
             raise RecordError(
                 "changed_since_index", f"record {row['row']} is now {record.id!r}", row["id"]
             )
-        sample = self.pre.sample(int(i), record, sizes_of(row), self.limits.get(int(i), Limits()))
+        limits = self.limits.get(int(i), Limits())
+        sample = self.pre.sample(int(i), record, sizes_of(row), limits, images, audio)
         # The plan reserved exactly the index's counts; a record edited since (same byte size,
         # other tokens) would overflow its slot into a neighbour's, so refuse it instead.
+        want = self.index.record(int(i))
         got = {
             "text": int(np.isin(sample.tokens, (tok.IMAGE, tok.AUDIO), invert=True).sum()),
-            "images": [len(p) for p, _ in sample.images],
-            "audio": [len(f) for f in sample.audio],
+            "images": [
+                _indexed(want["images"], j) if m is None else len(m[0])
+                for j, m in enumerate(sample.images)
+            ],
+            "audio": [
+                _indexed(want["audio"], j) if m is None else len(m)
+                for j, m in enumerate(sample.audio)
+            ],
         }
-        want = self.index.record(int(i))
         if got != want:
             raise RecordError("changed_since_index", f"now {got}, the index says {want}", row["id"])
         return sample
 
     def record_id(self, i: int) -> str:
         return self.rows[int(i)]["id"]
+
+
+def _indexed(counts: list, j: int) -> int:
+    return counts[j] if j < len(counts) else -1  # -1: not in the index, a mismatch
 
 
 def sizes_of(row: dict) -> Sizes:

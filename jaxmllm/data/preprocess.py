@@ -375,8 +375,21 @@ class Preprocessor:
                 out.append(_special(tok.EOS, True))
         return out
 
-    def sample(self, index: int, record: Record, sizes: Sizes, limits: Limits) -> Sample:
-        """Decodes the media and builds the Sample; checks the media against `sizes`."""
+    def sample(
+        self,
+        index: int,
+        record: Record,
+        sizes: Sizes,
+        limits: Limits,
+        keep_images=None,
+        keep_audio=None,
+    ) -> Sample:
+        """Decodes the media and builds the Sample; checks the media against `sizes`.
+
+        `keep_images` / `keep_audio`: numbers of the images / clip chunks (the Sample's audio
+        items) to decode; the others are None, their tokens laid out from `sizes` (another host
+        encodes them). None = all.
+        """
         lay = self.layout(record, sizes, limits)
         p = self.p
         tokens, loss, images, audio = [], [], [], []
@@ -386,7 +399,13 @@ class Preprocessor:
                 tokens.append(op[1])
                 loss.append(op[2])
                 continue
-            if op[0] == "image":
+            if op[0] == "image" and keep_images is not None and len(images) not in keep_images:
+                images.append(None)
+                rows, marker = op[2] * op[3] // p.merge**2, tok.IMAGE
+            elif op[0] == "audio" and keep_audio is not None and len(audio) not in keep_audio:
+                audio.append(None)
+                rows, marker = op[3] // p.subsample, tok.AUDIO
+            elif op[0] == "image":
                 budget = limits.max_pixels or p.image_max_pixels
                 patches, pos = load_image(
                     record.images[op[1]],
