@@ -10,7 +10,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 
@@ -21,6 +20,7 @@ import pytest
 
 from jaxmllm import ledger
 from jaxmllm.metrics import read_metrics
+from runs import child_env, train_cmd
 
 STEPS = 14
 SAMPLES = 256  # about 4 steps an epoch: the run crosses 3 epoch boundaries
@@ -36,28 +36,10 @@ OVERRIDES = [
 ]
 
 
-def _cmd(out):
-    return [
-        sys.executable,
-        "-m",
-        "jaxmllm.train",
-        "--config",
-        "configs/tiny.yaml",
-        "--set",
-        *OVERRIDES,
-        f"train.output_dir={out}",
-    ]
-
-
-def _env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the config's mesh.cpu_devices splits the CPU itself
-    env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def _start(out, log):
-    return subprocess.Popen(_cmd(out), env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        train_cmd(out, *OVERRIDES), env=child_env(), stdout=log, stderr=subprocess.STDOUT
+    )
 
 
 def _latest_step(out) -> int:

@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -27,6 +26,7 @@ from jaxmllm.data.planner import Capacities, make_planner
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.distributed import describe_mismatch, resolve_job
 from jaxmllm.metrics import read_metrics
+from runs import child_env, train_cmd
 
 # ----------------------------------------------------------------------------- job start-up
 
@@ -184,19 +184,12 @@ OVERRIDES = [
 ]
 
 
-def _env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # conftest's 8 forced devices: each process sets its own
-    env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def _launch(processes, out, *extra, wait=True):
-    cmd = [sys.executable, "-m", "jaxmllm.launch", "--processes", str(processes)]
-    cmd += ["--config", "configs/tiny.yaml", "--set", *OVERRIDES, f"train.output_dir={out}"]
-    cmd += list(extra)
+    cmd = train_cmd(
+        out, *OVERRIDES, *extra, module="jaxmllm.launch", args=("--processes", str(processes))
+    )
     proc = subprocess.Popen(
-        cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     if not wait:
         return proc

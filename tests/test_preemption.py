@@ -1,34 +1,25 @@
 """Preemption: SIGTERM finishes the step, checkpoints, exits 0; the same command resumes."""
 
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from jaxmllm.metrics import read_metrics
+from runs import child_env, train_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def train_cmd(out, steps):
-    sets = [
-        f"train.output_dir={out}",
+def tiny_cmd(out, steps):
+    return train_cmd(
+        out,
         f"train.steps={steps}",
         "train.log_every=1",
         "train.checkpoint_every=1000",
         "train.progress_bar=false",
         "data.synthetic.num_samples=256",
-    ]
-    return [
-        sys.executable,
-        "-m",
-        "jaxmllm.train",
-        "--config",
-        "configs/tiny.yaml",
-        *[a for s in sets for a in ("--set", s)],
-    ]
+    )
 
 
 def checkpoint_steps(out):
@@ -36,9 +27,9 @@ def checkpoint_steps(out):
 
 
 def test_sigterm_checkpoints_exits_0_and_the_rerun_resumes(tmp_path):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = child_env()
     proc = subprocess.Popen(
-        train_cmd(tmp_path, 500),
+        tiny_cmd(tmp_path, 500),
         cwd=ROOT,
         env=env,
         text=True,
@@ -59,7 +50,7 @@ def test_sigterm_checkpoints_exits_0_and_the_rerun_resumes(tmp_path):
     assert f"Rerun the same command to resume at step {last + 1}" in out
 
     again = subprocess.run(
-        train_cmd(tmp_path, last + 1),
+        tiny_cmd(tmp_path, last + 1),
         cwd=ROOT,
         env=env,
         text=True,
