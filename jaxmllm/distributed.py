@@ -150,16 +150,22 @@ def check_agreement(cfg: Config) -> None:
     client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(mine))
     timeout_ms = cfg.distributed.init_timeout_s * 1000
     ref = json.loads(client.blocking_key_value_get(f"{prefix}/0", timeout_ms))
+    # Every process publishes its verdict and reads everyone's, so all of them stop together
+    # (one stopping alone would leave the others waiting on it until a timeout).
     problems = describe_mismatch(ref, mine)
-    if problems:
+    client.key_value_set(f"{prefix}/verdict/{jax.process_index()}", problems or "ok")
+    verdicts = {
+        p: client.blocking_key_value_get(f"{prefix}/verdict/{p}", timeout_ms)
+        for p in range(jax.process_count())
+    }
+    bad = {p: v for p, v in verdicts.items() if v != "ok"}
+    if bad:
+        detail = "; ".join(f"process {p}: {v}" for p, v in sorted(bad.items())[:4])
         raise ConfigError(
-            f"process {jax.process_index()} disagrees with process 0: {problems}. Start every "
-            "process with the same config file, the same --set overrides and the same devices"
+            f"{len(bad)} of {jax.process_count()} processes disagree with process 0 ({detail}). "
+            "Start every process with the same config file, the same --set overrides and the "
+            "same number of devices"
         )
-    # Wait for everyone's verdict so no process starts training beside one that stopped.
-    client.key_value_set(f"{prefix}/ok/{jax.process_index()}", "1")
-    for p in range(jax.process_count()):
-        client.blocking_key_value_get(f"{prefix}/ok/{p}", timeout_ms)
 
 
 def describe_mismatch(ref: dict, mine: dict) -> str:

@@ -273,3 +273,27 @@ def test_killing_one_process_stops_the_job_and_a_relaunch_resumes(one_process, t
     np.testing.assert_allclose(_losses(tmp_path), _losses(one_process), rtol=1e-5)
     got, ref = _check_ledger(tmp_path, 2), _check_ledger(one_process, 1)
     assert got["text"] == ref["text"] and got["vision"] == ref["vision"]
+
+
+@pytest.mark.slow
+def test_processes_with_different_configs_all_stop_with_the_difference(tmp_path):
+    """No launcher: the environment names the job; every process stops, naming the key."""
+    port = 12000 + os.getpid() % 20000
+    procs = []
+    for pid, lr in ((0, "0.003"), (1, "0.002")):
+        env = child_env()
+        env.update(
+            JAXMLLM_COORDINATOR=f"127.0.0.1:{port}",
+            JAXMLLM_NUM_PROCESSES="2",
+            JAXMLLM_PROCESS_ID=str(pid),
+        )
+        cmd = train_cmd(tmp_path, f"optim.lr={lr}")
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 2, out[-3000:]
+        assert "process 1: optim.lr: 0.003 -> 0.002" in out, out[-3000:]
