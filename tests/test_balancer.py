@@ -341,6 +341,34 @@ def test_pack_phase_rounds_place_about_one_item_per_bin(monkeypatch):
     assert len(rounds) <= len(sizes) / bins  # (96 before)
 
 
+def test_selection_trades_text_for_a_short_binding_phase(monkeypatch):
+    """Text-only chats ahead of audio clips in the stream fill the LLM bucket and leave audio
+    (binding) short: the swap brings the window's clips in and defers chats instead; every
+    capacity holds and nothing is lost."""
+    n = 400
+    chat = np.arange(n) < 200
+    text = np.where(chat, 256, 28)  # (a clip: 28 + 400 / 4 = 128 LLM tokens)
+    audio = [np.zeros(0, np.int64) if c else np.array([400]) for c in chat]
+    index = from_arrays(text, [np.zeros(0, np.int64)] * n, audio)
+    caps = Capacities(1, 4, 1, 1024, 0, 1024, 4, 4, 256)  # (audio binds)
+    order = np.concatenate([np.arange(18), np.arange(200, 400), np.arange(18, 200)])
+
+    def audio_of_first_plan():
+        planner = OrchestratedPlanner(index, caps, seed=0)
+        planner.stream.take = lambda start, count: order[start : start + count]
+        plan = planner.plan()
+        check_plan(plan, index, caps)
+        pool = len(plan.samples) + len(planner.deferred)
+        assert len(np.unique(np.concatenate([plan.samples, planner.deferred[:, 0]]))) == pool
+        return planner.work[plan.samples].sum(0)
+
+    got = audio_of_first_plan()
+    monkeypatch.setattr(OrchestratedPlanner, "_swap", lambda *a: None)
+    without = audio_of_first_plan()
+    assert (without[2], got[2]) == (400, 1600)  # (the window holds 4 clips behind 18 chats)
+    assert got[0] <= 4 * 1024 and got[0] >= 0.9 * without[0]
+
+
 def test_localize_keeps_each_device_load_and_brings_items_home():
     rng = np.random.default_rng(1)
     n, devices = 4000, 16

