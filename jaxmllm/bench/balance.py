@@ -31,6 +31,8 @@ Per policy, one table row (all figures over the steps run, steady state included
              devices summed), within each step, averaged over steps
   age        most steps any sample waited; deferred = mean samples carried to the next step
   routed     share of encoder output rows encoded on another device than their text
+  (first N)  when grain ran fewer steps (--grain-max-steps), a line with every policy's fill
+             over the same first N steps (JSON: fill_first_steps; fill_per_step per row)
   ms/step    host planning time per step on one core: median over the steps after the first of
              time.process_time() around plan() (JSON: also the min); grain: per host, each host
              packs its own devices
@@ -162,13 +164,17 @@ def run_policy(
     quad, bound, ours_cost, rand_cost, micro_cv = [], [], [], [], []
     ages, deferred, routed, remote_rows, times = 0, [], 0.0, 0.0, []
     first_plan = None
+    step_fill = []  # per step, real units / capacity per phase
     for _ in range(steps):
         t = time.process_time()
         plan = planner.plan()
         times.append(time.process_time() - t)
         check_plan(plan, index, caps)
         first_plan = first_plan or plan
-        work += items.work[plan.samples].sum(0)
+        step_work = items.work[plan.samples].sum(0)
+        work += step_work
+        step_cap = devices * micro * cap_vec
+        step_fill.append(np.divide(step_work, step_cap, out=np.zeros(3), where=step_cap > 0))
         loads = phase_loads(plan, items, cost)
         rand = phase_loads(plan, items, cost, rng)
         num = sum(q.max(1) for q, _, _ in loads.values())
@@ -204,6 +210,7 @@ def run_policy(
         "devices": devices,
         "steps": steps,
         "fill": dict(zip(PHASES, fill.round(4).tolist(), strict=True)),
+        "fill_per_step": np.round(step_fill, 5).tolist(),
         "binding": [
             p for p, dm in zip(PHASES, demand, strict=True) if dm > 0 and dm >= 0.98 * demand.max()
         ],
@@ -246,6 +253,27 @@ def format_row(r: dict) -> str:
         f"{ratio:6.1f}x  {r['max_age']:3d} {r['deferred']:8.0f}  {r['routed']:5.3f} "
         f"{r['ms_per_step']:8.1f}"
     )
+
+
+def fill_over(row: dict, steps: int) -> dict:
+    """A row's fill per phase over its first `steps` steps (each step has the same capacity)."""
+    mean = np.mean(row["fill_per_step"][:steps], 0)
+    return dict(zip(PHASES, mean.round(4).tolist(), strict=True))
+
+
+def print_like_for_like(rows: list[dict]) -> None:
+    """When a policy ran fewer steps (grain, --grain-max-steps), every other policy's fill over
+    the same first steps, so that fills compare like for like."""
+    n = min((r["steps"] for r in rows), default=0)
+    if not rows or all(r["steps"] == n for r in rows):
+        return
+    for r in rows:
+        r["fill_first_steps"] = {"steps": n, "fill": fill_over(r, n)}
+    cols = "  ".join(
+        f"{r['policy']} " + " ".join(f"{v:.4f}" for v in r["fill_first_steps"]["fill"].values())
+        for r in rows
+    )
+    print(f"  fill over the first {n} steps (llm vision audio): {cols}")
 
 
 HEADER = (
@@ -347,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 plots[(name, d, pol)] = first
                 print(format_row(row), flush=True)
+            print_like_for_like([r for r in rows if r["mix"] == name and r["devices"] == d])
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     if args.plot:
