@@ -5,6 +5,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from jaxmllm.metrics import read_metrics
 from runs import child_env, train_cmd
 
@@ -26,6 +28,7 @@ def checkpoint_steps(out):
     return sorted(int(p.name) for p in (Path(out) / "checkpoints").iterdir() if p.name.isdigit())
 
 
+@pytest.mark.slow  # two child runs, about a minute; CI runs it with the other slow tests
 def test_sigterm_checkpoints_exits_0_and_the_rerun_resumes(tmp_path):
     env = child_env()
     proc = subprocess.Popen(
