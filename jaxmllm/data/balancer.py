@@ -898,7 +898,8 @@ def localize(group: np.ndarray, dev: np.ndarray, home: np.ndarray, devices: int)
     group -1 keep their device. O(items + groups * devices), two radix sorts.
     """
     out = dev.copy()
-    idx = np.flatnonzero(group >= 0)
+    # (items at home stay: trading among the others brings as many home, with less to sort)
+    idx = np.flatnonzero((group >= 0) & (dev != home))
     if not len(idx):
         return out
     g = group[idx]
