@@ -354,7 +354,7 @@ def test_selection_trades_text_for_a_short_binding_phase(monkeypatch):
     order = np.concatenate([np.arange(18), np.arange(200, 400), np.arange(18, 200)])
 
     def audio_of_first_plan():
-        planner = OrchestratedPlanner(index, caps, seed=0)
+        planner = OrchestratedPlanner(index, caps, seed=0, lookahead=0.25)
         planner.stream.take = lambda start, count: order[start : start + count]
         plan = planner.plan()
         check_plan(plan, index, caps)
@@ -365,7 +365,7 @@ def test_selection_trades_text_for_a_short_binding_phase(monkeypatch):
     got = audio_of_first_plan()
     monkeypatch.setattr(OrchestratedPlanner, "_swap", lambda *a: None)
     without = audio_of_first_plan()
-    assert (without[2], got[2]) == (400, 1600)  # (the window holds 4 clips behind 18 chats)
+    assert (without[2], got[2]) == (400, 1600)  # (the window: 4 clips behind 18 chats)
     assert got[0] <= 4 * 1024 and got[0] >= 0.9 * without[0]
 
 

@@ -60,7 +60,7 @@ ENC = ("vision", "audio")
 BIG = 0.003  # items with size**2 above this share of a bin's attention budget go in rounds
 PASSES = 8  # passes that lay out the small items
 SIZE_TOL = 0.01  # items within 1% in size (and of one round) may trade devices for locality
-FILL = 0.995  # a microbatch's first selection takes at most this share of each capacity
+FILL = 0.997  # a microbatch's first selection takes at most this share of each capacity
 SMALL = 0.02  # then samples no bigger than this share of a bucket fill what is left
 HOME_TOL = 0.1  # in a packing round, an item may swap to its home bin within 10% in size
 BINDING = 0.98  # phases whose long-run demand is within 2% of the largest one's bind
@@ -447,7 +447,7 @@ class BalancedPlanner:
         cost: CostModel | None = None,
         *,
         max_age: int = 4,
-        lookahead: float = 0.25,
+        lookahead: float = 0.5,
     ):
         self._check(index, caps)
         self.index, self.caps, self.seed = index, caps, seed
