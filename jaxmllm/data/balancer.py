@@ -80,12 +80,30 @@ def offsets_in_bins(bins: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """First unit of each item when the items of a bin are laid out in their given order."""
     order = np.argsort(_compact(bins), kind="stable")
     s = sizes[order]
-    cum = np.cumsum(s) - s
-    b = bins[order]
-    first = run_start(b)
+    cum = np.cumsum(s)
+    cum -= s
+    cnt = np.bincount(bins) if len(bins) else np.zeros(0, np.int64)
+    first = np.cumsum(cnt)
+    first -= cnt  # (each bin's first position in the order; empty bins take none)
+    cum -= np.repeat(cum[np.minimum(first, max(len(cum) - 1, 0))], cnt)
     out = np.empty(len(bins), np.int64)
-    out[order] = cum - cum[first]
+    out[order] = cum
     return out
+
+
+def stable_sort(keys: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """(stable argsort, sorted keys) of non-negative integer keys below `top`: one sort of
+    the values key * n + position (numpy's SIMD sort, faster here than two radix passes)."""
+    n = len(keys)
+    if n == 0 or top * n >= 1 << 62:
+        order = np.argsort(keys, kind="stable")
+        return order, keys[order]
+    v = keys.astype(np.int64) * n
+    v += np.arange(n)
+    v.sort()
+    k = v // n
+    v -= k * n
+    return v, k
 
 
 def run_start(keys: np.ndarray) -> np.ndarray:
@@ -109,10 +127,13 @@ def _compact(keys: np.ndarray) -> np.ndarray:
 def desc_order(sizes: np.ndarray, first: np.ndarray | None = None) -> np.ndarray:
     """Positions by size, largest first, the `first` ones before all others (stable)."""
     top = int(sizes.max(initial=0))
-    order = np.argsort(_compact(top - sizes), kind="stable")
+    key = top - sizes
     if first is not None and first.any():
-        order = order[np.argsort(~first[order], kind="stable")]
-    return order
+        key = key + np.where(first, 0, top + 1)  # (the first ones ahead, as one sort)
+        top = 2 * top + 1
+    if top < 1 << 16:
+        return np.argsort(key.astype(np.uint16), kind="stable")  # (a radix sort)
+    return stable_sort(key, top + 1)[0]
 
 
 def size_class(sizes: np.ndarray) -> np.ndarray:
@@ -908,10 +929,9 @@ def localize(group: np.ndarray, dev: np.ndarray, home: np.ndarray, devices: int)
     g = (np.cumsum(np.bincount(g) > 0) - 1)[g]  # the groups present, numbered in order
     d, h = dev[idx], home[idx]
     n_keys = (int(g.max()) + 1) * devices
-    slots = np.bincount(g * devices + d, minlength=n_keys)  # per (group, device)
-    order = np.argsort(_compact(h), kind="stable")  # items by (group, home)
-    order = order[np.argsort(_compact(g[order]), kind="stable")]
-    ik = (g * devices + h)[order]
+    gd = g * devices
+    slots = np.bincount(gd + d, minlength=n_keys)  # per (group, device)
+    order, ik = stable_sort(gd + h, n_keys)  # items by (group, home)
     rank = np.arange(len(idx)) - run_start(ik)  # among the items of its (group, home)
     local = rank < slots[ik]
     out[idx[order[local]]] = h[order[local]]
