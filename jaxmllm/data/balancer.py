@@ -272,13 +272,16 @@ def _round(order, pos, end, sizes, sq, load, quad, cap, qstar, out, urgent, home
     nxt = int(sizes[order[pos]])
     free = cap - load
     closed = free < nxt  # every item left is <= nxt, so the others take any one of them
-    n_open = len(free) - int(np.count_nonzero(closed))
+    n_closed = int(np.count_nonzero(closed))
+    n_open = len(free) - n_closed
     if not n_open:
         return pos
     if not urgent and n_open * FEW_OPEN < len(free) and n_open < end - pos:
         return -1
-    key = (quad - qstar) / np.maximum(free, 1)  # minus the item size the bin wants
-    key[closed] = np.inf
+    key = quad - qstar
+    key /= np.maximum(free, 1)  # minus the item size the bin wants
+    if n_closed:
+        key[closed] = np.inf
     ranked = _smallest(key, n_open)  # open bins, wanting the biggest first
     if urgent:
         bins = ranked[: end - pos]
@@ -286,8 +289,18 @@ def _round(order, pos, end, sizes, sq, load, quad, cap, qstar, out, urgent, home
     else:
         count = _deal(key[ranked], free[ranked], nxt, qstar - quad[ranked[0]], ROUND_FILL)
         first_layer = len(count)
-        if count.max() == 1:
+        top = int(count.max())
+        if top == 1:
             bins = ranked[: min(first_layer, end - pos)]
+        elif top <= 8:  # (the same layers, one at a time: cheaper than a sort for a few)
+            limit = min(end - pos, max(ROUND_FILL * n_open, first_layer))
+            layers, got = [ranked[:first_layer]], first_layer
+            for lay in range(1, top):
+                if got >= limit:
+                    break
+                layers.append(ranked[np.flatnonzero(count > lay)])
+                got += len(layers[-1])
+            bins = np.concatenate(layers)[:limit]
         else:  # layers: one item to each bin by want, then a second to those that take two...
             rep = np.repeat(np.arange(first_layer), count)
             layer = np.arange(len(rep)) - np.repeat(np.cumsum(count) - count, count)
@@ -296,14 +309,15 @@ def _round(order, pos, end, sizes, sq, load, quad, cap, qstar, out, urgent, home
         first_layer = min(first_layer, len(bins))
     take = order[pos : pos + len(bins)]
     distinct = first_layer == len(bins)
+    s_take = sizes[take]
     if home is not None and len(bins) > 1:
-        bins = _prefer_home(bins, sizes[take], home[take], len(load))
+        bins = _prefer_home(bins, s_take, home[take], len(load))
     out[take] = bins
     if distinct:
-        load[bins] += sizes[take]
+        load[bins] += s_take
         quad[bins] += sq[take]
     else:
-        load += np.bincount(bins, sizes[take], len(load)).astype(load.dtype)  # (exact)
+        load += np.bincount(bins, s_take, len(load)).astype(load.dtype)  # (exact)
         quad += np.bincount(bins, sq[take], len(load))
     return pos + len(take)
 
@@ -363,17 +377,23 @@ def _prefer_home(bins: np.ndarray, s: np.ndarray, home: np.ndarray, nb: int) -> 
     rank_of[bins] = np.arange(k)
     r = rank_of[home]
     cand = np.flatnonzero(r >= 0)
-    cand = cand[np.abs(s[cand] - s[r[cand]]) <= HOME_TOL * s[cand]]
+    sc = s[cand]
+    rc = r[cand]
+    keep = np.abs(sc - s[rc]) <= HOME_TOL * sc
+    cand, rc = cand[keep], rc[keep]
     if not len(cand):
         return bins
+    hc = home[cand]
     first_of = np.empty(nb, np.int64)  # one item per home bin: its first
-    first_of[home[cand[::-1]]] = cand[::-1]
-    cand = cand[first_of[home[cand]] == cand]
-    out = np.full(k, -1, np.int64)
-    out[cand] = home[cand]
+    first_of[hc[::-1]] = cand[::-1]
+    one = first_of[hc] == cand
     claimed = np.zeros(k, bool)
-    claimed[r[cand]] = True
-    out[out < 0] = bins[~claimed]
+    claimed[rc[one]] = True
+    mine = np.zeros(k, bool)
+    mine[cand[one]] = True
+    out = np.empty(k, np.int64)
+    out[mine] = hc[one]
+    out[~mine] = bins[~claimed]
     return out
 
 
@@ -382,6 +402,8 @@ def _cut(chunk, s, s_sq, load, quad, cap, qstar, out) -> np.ndarray:
     bins in order of the item size they want, each run proportional to the bin's room; returns
     the mask of items placed (an item past its bin's room is not)."""
     nb = len(load)
+    if not len(s):
+        return np.zeros(0, bool)
     free = cap - load
     want = (qstar - quad) / np.maximum(free, 1)
     border = np.argsort(-want, kind="stable")
@@ -394,13 +416,20 @@ def _cut(chunk, s, s_sq, load, quad, cap, qstar, out) -> np.ndarray:
     starts[1:nb] = np.searchsorted(mid, ends[:-1], "left")
     starts[nb] = len(s)
     count = np.diff(starts)
-    before = np.concatenate([[0], cum])[starts[:nb]]  # volume ahead of each run
+    before = cum[np.maximum(starts[:nb] - 1, 0)]  # volume ahead of each run
+    before[starts[:nb] == 0] = 0
     within = cum - np.repeat(before, count)
     b = np.repeat(border, count)
-    ok = within <= np.repeat(free[border], count)
-    out[chunk[ok]] = b[ok]
-    load += np.bincount(b[ok], s[ok], nb).astype(load.dtype)  # (exact: sums far below 2**53)
-    quad += np.bincount(b[ok], s_sq[ok], nb)
+    ok = within <= free[b]
+    if ok.all():
+        out[chunk] = b
+        load += np.bincount(b, s, nb).astype(load.dtype)  # (exact: sums far below 2**53)
+        quad += np.bincount(b, s_sq, nb)
+        return ok
+    b = b[ok]
+    out[chunk[ok]] = b
+    load += np.bincount(b, s[ok], nb).astype(load.dtype)
+    quad += np.bincount(b, s_sq[ok], nb)
     return ok
 
 
