@@ -949,8 +949,7 @@ def localize(group: np.ndarray, dev: np.ndarray, home: np.ndarray, devices: int)
     group -1 keep their device. O(items + groups * devices), two radix sorts.
     """
     out = dev.copy()
-    # (items at home stay: trading among the others brings as many home, with less to sort)
-    idx = np.flatnonzero((group >= 0) & (dev != home))
+    idx = np.flatnonzero(group >= 0)
     if not len(idx):
         return out
     g = group[idx]
