@@ -36,7 +36,6 @@ from jaxmllm.data.cost import CostModel
 from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
 from jaxmllm.data.planner import OversizeError
 from jaxmllm.data.rejects import REASONS
-from jaxmllm.distributed import split_cpu  # noqa: F401  (public here since issue 2)
 from jaxmllm.ledger import Ledger
 from jaxmllm.metrics import MetricsWriter, step_flops
 from jaxmllm.models import MultimodalLM, param_axes, token_losses

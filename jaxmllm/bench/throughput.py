@@ -25,7 +25,8 @@ import numpy as np
 import sharding
 from jaxmllm.config import Config, load_config
 from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
-from jaxmllm.train import build_program, split_cpu
+from jaxmllm.distributed import split_cpu
+from jaxmllm.train import build_program
 
 POLICIES = ("naive", "grain", "balanced", "orchestrated")
 
