@@ -587,24 +587,29 @@ class BalancedPlanner:
         m = self.caps.microbatches * self.caps.devices
         budget = np.where(self.share > 0, m * self.cap_vec * self.share, np.inf)
         goal = (1 + self.lookahead) * budget
-        have = self.work[self.deferred[:, 0]].sum(0)
+        have = np.take(self.work_t, self.deferred[:, 0], axis=1).sum(1)
         per = np.where(self.cap_vec > 0, self.mean_work, 0)
         need = np.where(per > 0, np.where(np.isfinite(goal), goal, 0) - have, 0)
         n = int((need / np.maximum(per, 1e-9)).max()) + 16
         n = max(n * 5 // 4, 16)
+        # Each phase's running sum never falls (work >= 0): the first sample at which it reaches
+        # its bound (the integer above it) is a binary search away, and the window ends at the
+        # first sample where every phase with a share is in, or one phase is full.
+        all_in = [(p, goal[p] - have[p]) for p in range(len(goal)) if self.share[p] > 0]
+        one_full = [
+            (p, (1 + self.lookahead) * m * self.cap_vec[p] - have[p])
+            for p in range(len(goal))
+            if self.cap_vec[p] > 0
+        ]
         while True:
             fresh = self.stream.take(self.cursor, n)
-            cum = np.cumsum(self.work_t[:, fresh], 1)
-            all_in = np.ones(n, bool)
-            one_full = np.zeros(n, bool)
-            for p in range(len(cum)):
-                if self.share[p] > 0:
-                    all_in &= cum[p] >= goal[p] - have[p]
-                if self.cap_vec[p] > 0:
-                    one_full |= cum[p] >= (1 + self.lookahead) * m * self.cap_vec[p] - have[p]
-            hit = all_in | one_full
-            if hit.any() or n > m * self.cap_vec[0]:  # (only empty samples get here)
-                k = int(np.argmax(hit)) + 1 if hit.any() else n
+            cum = np.cumsum(np.take(self.work_t, fresh, axis=1), 1)
+            first = [int(np.searchsorted(cum[p], int(np.ceil(b)), "left")) for p, b in all_in]
+            k = max(first, default=0)
+            for p, b in one_full:
+                k = min(k, int(np.searchsorted(cum[p], int(np.ceil(b)), "left")))
+            if k < n or n > m * self.cap_vec[0]:  # (only empty samples get here)
+                k = k + 1 if k < n else n
                 break
             n *= 2
         fresh = np.stack([fresh[:k], np.full(k, self.step)], 1)

@@ -126,14 +126,18 @@ def check_fits(index: LengthsIndex, caps: Capacities) -> None:
 class SampleStream:
     """The epoch-shuffled order of samples; position p is sample order(p // N)[p % N]."""
 
+    KEEP = 8  # at most this many epoch orders kept (take() drops those before its start)
+
     def __init__(self, num_samples: int, seed: int):
         self.n, self.seed = num_samples, seed
-        self._epoch, self._order = -1, np.zeros(0, np.int64)
+        self._orders: dict[int, np.ndarray] = {}
 
     def take(self, start: int, count: int) -> np.ndarray:
         """Sample indices at stream positions start .. start+count-1."""
         out = np.empty(count, np.int64)
         done = 0
+        for epoch in [e for e in self._orders if e < start // max(self.n, 1)]:
+            del self._orders[epoch]  # (streams are read forward: those come back rarely)
         while done < count:  # one contiguous slice of an epoch's order at a time
             epoch, first = divmod(start + done, self.n)
             k = min(count - done, self.n - first)
@@ -142,10 +146,16 @@ class SampleStream:
         return out
 
     def order(self, epoch: int) -> np.ndarray:
-        if epoch != self._epoch:
-            self._epoch = epoch
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
-        return self._order
+        """The permutation of epoch `epoch`, drawn once and then kept: a planner reads a step's
+        window past where it cuts it, and the next step starts there (on a small dataset a
+        window spans several epochs, each drawn twice before)."""
+        order = self._orders.get(epoch)
+        if order is None:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+            self._orders[epoch] = order
+            while len(self._orders) > self.KEEP:
+                del self._orders[min(self._orders)]
+        return order
 
 
 class FirstFitPlanner:
