@@ -93,16 +93,19 @@ def offsets_in_bins(bins: np.ndarray, sizes: np.ndarray) -> np.ndarray:
 
 def stable_sort(keys: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
     """(stable argsort, sorted keys) of non-negative integer keys below `top`: one sort of
-    the values key * n + position (numpy's SIMD sort, faster here than two radix passes)."""
+    the values key * 2**b + position, 2**b >= n (numpy's SIMD sort, faster here than two
+    radix passes; shifts and masks split them faster than a division by n)."""
     n = len(keys)
-    if n == 0 or top * n >= 1 << 62:
+    b = max(n - 1, 1).bit_length()
+    if n == 0 or top >= 1 << (62 - b):
         order = np.argsort(keys, kind="stable")
         return order, keys[order]
-    v = keys.astype(np.int64) * n
-    v += np.arange(n)
+    v = keys.astype(np.int64)
+    v <<= b
+    v |= np.arange(n)
     v.sort()
-    k = v // n
-    v -= k * n
+    k = v >> b
+    v &= (1 << b) - 1
     return v, k
 
 
@@ -962,27 +965,46 @@ def localize(group: np.ndarray, dev: np.ndarray, home: np.ndarray, devices: int)
 
     Every device keeps as many items of each group as before (so about the same load and
     attention cost); within a group, as many items as the device has slots stay home. Items of
-    group -1 keep their device. O(items + groups * devices), two radix sorts.
+    group -1 keep their device. O(items + groups * devices), one sort.
     """
     out = dev.copy()
-    idx = np.flatnonzero(group >= 0)
-    if not len(idx):
+    if not len(group):
         return out
-    g = group[idx]
+    if group.min() >= 0:  # (the usual case: no gathers, no indirection at the end)
+        idx, g, d, h = None, group, dev, home
+    else:
+        idx = np.flatnonzero(group >= 0)
+        if not len(idx):
+            return out
+        g, d, h = group[idx], dev[idx], home[idx]
     g = g - g.min()
-    g = (np.cumsum(np.bincount(g) > 0) - 1)[g]  # the groups present, numbered in order
-    d, h = dev[idx], home[idx]
-    n_keys = (int(g.max()) + 1) * devices
-    gd = g * devices
-    slots = np.bincount(gd + d, minlength=n_keys)  # per (group, device)
-    order, ik = stable_sort(gd + h, n_keys)  # items by (group, home)
-    rank = np.arange(len(idx)) - run_start(ik)  # among the items of its (group, home)
-    local = rank < slots[ik]
-    out[idx[order[local]]] = h[order[local]]
-    # The others take the slots left, group by group (both lists run in group order).
-    free = slots - np.bincount(ik[local], minlength=n_keys)
-    keys = np.flatnonzero(free)
-    out[idx[order[~local]]] = np.repeat(keys, free[keys]) % devices
+    number = np.cumsum(np.bincount(g) > 0)
+    g = number[g]  # the groups present, numbered in order (from 1)
+    g -= 1
+    n_keys = int(number[-1]) * devices
+    g *= devices
+    slots = np.bincount(g + d, minlength=n_keys)  # per (group, device)
+    g += h
+    order, ik = stable_sort(g, n_keys)  # items by (group, home)
+    # An item stays home when its rank among the items of its (group, home) is below the
+    # slots there: its position in the order is below that key's first position + slots.
+    cnt = np.bincount(ik, minlength=n_keys)
+    free = slots - cnt
+    end = np.cumsum(cnt)
+    end += free
+    local = np.arange(len(g)) < end[ik]
+    stay, move = order[local], order[~local]
+    # The others take the slots left (those of a key past its items at home), group by group:
+    # both lists run in group order. (flatnonzero of a mask: much faster than of integers.)
+    np.maximum(free, 0, out=free)
+    keys = np.flatnonzero(free > 0)
+    to = np.repeat(keys % devices, free[keys])
+    if idx is None:
+        out[stay] = h[stay]
+        out[move] = to
+    else:
+        out[idx[stay]] = h[stay]
+        out[idx[move]] = to
     return out
 
 
@@ -1000,19 +1022,25 @@ def keep_capacity(
     nb = len(load)
     new = new.copy()
     m = np.flatnonzero(new != old)
+    nm, om, sm = new[m], old[m], size[m]  # (the moves, gathered once per attempt)
     for attempt in range(4):
-        delta = np.bincount(new[m], size[m], nb) - np.bincount(old[m], size[m], nb)
+        delta = np.bincount(nm, sm, nb) - np.bincount(om, sm, nb)
         over = load + delta > cap
         if not over.any():
             break
-        bad = m[np.isin(group[m], group[m][over[new[m]] | over[old[m]]])] if attempt < 3 else m
-        new[bad] = old[bad]
-        m = np.flatnonzero(new != old)
+        if attempt < 3:
+            gm = group[m]
+            undo = np.isin(gm, gm[over[nm] | over[om]])
+        else:
+            undo = np.ones(len(m), bool)
+        new[m[undo]] = om[undo]
+        m = m[~undo]  # (the moves left: still in order)
+        nm, om, sm = new[m], old[m], size[m]
     else:
-        delta = np.bincount(new[m], size[m], nb) - np.bincount(old[m], size[m], nb)
-    sq = size[m].astype(np.float64) ** 2
+        delta = np.bincount(nm, sm, nb) - np.bincount(om, sm, nb)
+    sq = sm.astype(np.float64) ** 2
     load += delta.astype(load.dtype)  # (exact: integer sums far below 2**53)
-    quad += np.bincount(new[m], sq, nb) - np.bincount(old[m], sq, nb)
+    quad += np.bincount(nm, sq, nb) - np.bincount(om, sq, nb)
     return new
 
 
