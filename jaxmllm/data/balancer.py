@@ -371,6 +371,22 @@ def _smallest(key: np.ndarray, k: int) -> np.ndarray:
     return cand[np.argsort(key[cand], kind="stable")][:k]
 
 
+def _smallest_tied(key: np.ndarray, k: int) -> np.ndarray:
+    """_smallest(key, k) for keys without NaN of which many may tie, as _swap's ratios (most
+    samples have none of the short phase: 0). When k of them tie at the smallest value, the
+    first k of those (in index order); else the ones below the k-th value sorted, then the
+    first of the ones tied at it, instead of sorting all the tied ones."""
+    if not len(key) or 2 * k >= len(key):
+        return np.argsort(key, kind="stable")[:k]
+    low = np.flatnonzero(key == key.min())
+    if len(low) >= k:
+        return low[:k]
+    kth = np.partition(key, k - 1)[k - 1]
+    below = np.flatnonzero(key < kth)
+    below = below[np.argsort(key[below], kind="stable")]
+    return np.concatenate([below, np.flatnonzero(key == kth)[: k - len(below)]])
+
+
 def _prefer_home(bins: np.ndarray, s: np.ndarray, home: np.ndarray, nb: int) -> np.ndarray:
     """Rematches one round (item i -> bins[i], both largest first) so that an item whose home
     bin takes an item of about its size in this round (within HOME_TOL) goes home instead; the
@@ -638,18 +654,43 @@ class BalancedPlanner:
             left = np.where(self.cap_vec > 0, share, 0.0)
         chosen = np.zeros(taken.shape, bool)
         cand = np.flatnonzero(~taken)
-        w = np.take(work, cand, axis=1)
-        if small:
-            cand, w = _keep(cand, w, _fits(w, SMALL * self.cap_vec))
+        bound = SMALL * self.cap_vec if small else None
+        # Each round takes the longest prefix of the candidates that fit (each on its own) whose
+        # running sum fits, and drops the next one that fits. Sizes are >= 0, so `left` never
+        # grows and a candidate that does not fit now never will: the rounds scan the
+        # candidates once, in chunks (doubling), instead of filtering and summing all those
+        # left each round (the same picks and the same `left`: integer sums).
+        pos, n = 0, len(cand)
         for _ in range(rounds):
-            cand, w = _keep(cand, w, _fits(w, left))
-            if not len(cand):
+            picks, total, step = [], np.zeros(len(work), work.dtype), 1024
+            while pos < n:
+                c = cand[pos : pos + step]
+                wc = np.take(work, c, axis=1)
+                fit = _fits(wc, left)
+                if bound is not None:
+                    fit &= _fits(wc, bound)
+                i = np.flatnonzero(fit)
+                if not len(i):
+                    pos, step = pos + len(c), 2 * step
+                    continue
+                cw = np.cumsum(np.take(wc, i, axis=1), 1)
+                cw += total[:, None]
+                ok = _fits(cw, left)
+                if ok.all():
+                    picks.append(c[i])
+                    total = cw[:, -1]
+                    pos, step = pos + len(c), 2 * step
+                    continue
+                k = int(np.argmin(ok))
+                picks.append(c[i[:k]])
+                if k:
+                    total = cw[:, k - 1]
+                pos += int(i[k]) + 1  # (the one that did not fit, at k, is out)
                 break
-            ok = _fits(np.cumsum(w, 1), left)
-            k = int(np.argmin(ok)) if not ok.all() else len(ok)
-            chosen[cand[:k]] = True
-            left = left - w[:, :k].sum(1)
-            cand, w = cand[k + 1 :], w[:, k + 1 :]  # (the one that did not fit, at k, is out)
+            if not picks:
+                break
+            chosen[np.concatenate(picks)] = True
+            left = left - total
         if urgent is not None:
             self._swap(work, taken, chosen, left, urgent)
         return np.flatnonzero(chosen)
@@ -688,11 +729,11 @@ class BalancedPlanner:
         others = np.where((np.arange(len(full)) != p) & (full > 0), 1.0 / np.maximum(full, 1), 0)
         k = min(len(add), int(4 * left[p] / max(float(work[p, add].mean()), 1.0)) + 16)
         wa = np.take(work, add, axis=1)
-        add = add[_smallest(-wa[p] / np.maximum(others @ wa, 1e-12), k)]
+        add = add[_smallest_tied(-wa[p] / np.maximum(others @ wa, 1e-12), k)]
         wa = np.cumsum(np.take(work, add, axis=1), 1)  # [phase, adds]
         k = min(len(rem), int(4 * wa[q, -1] / max(float(work[q, rem].mean()), 1.0)) + 16)
         wr = np.take(work, rem, axis=1)
-        rem = rem[_smallest(wr[p] / np.maximum(others @ wr, 1e-12), k)]
+        rem = rem[_smallest_tied(wr[p] / np.maximum(others @ wr, 1e-12), k)]
         wr = np.zeros((len(work), len(rem) + 1), work.dtype)
         np.cumsum(np.take(work, rem, axis=1), 1, out=wr[:, 1:])  # [phase, removals]
         # per count of adds, the fewest removals that make room in q
