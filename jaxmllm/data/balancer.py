@@ -69,11 +69,13 @@ SWAP_SHORT = 0.02  # a binding phase this far below its share trades samples (_s
 
 def gather_items(ptr: np.ndarray, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Items of `samples` in a ragged array: (owner position, item number, flat index)."""
-    cnt = ptr[samples + 1] - ptr[samples]
+    first = ptr[samples]
+    cnt = ptr[1:][samples] - first  # (no samples + 1 to build, ptr[samples] taken once)
     owner = np.repeat(np.arange(len(samples)), cnt)
-    start = np.cumsum(cnt) - cnt
-    j = np.arange(int(cnt.sum())) - start[owner]
-    return owner, j, ptr[samples][owner] + j
+    start = np.cumsum(cnt)
+    start -= cnt
+    j = np.arange(len(owner)) - start[owner]
+    return owner, j, first[owner] + j
 
 
 def offsets_in_bins(bins: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -130,10 +132,14 @@ def _compact(keys: np.ndarray) -> np.ndarray:
 def desc_order(sizes: np.ndarray, first: np.ndarray | None = None) -> np.ndarray:
     """Positions by size, largest first, the `first` ones before all others (stable)."""
     top = int(sizes.max(initial=0))
-    key = top - sizes
     if first is not None and first.any():
-        key = key + np.where(first, 0, top + 1)  # (the first ones ahead, as one sort)
+        key = top - sizes + np.where(first, 0, top + 1)  # (the first ones ahead, as one sort)
         top = 2 * top + 1
+    elif top < 1 << 16:  # (top - size straight in 16 bits: no 64-bit key to copy)
+        key = sizes.astype(np.uint16)
+        return np.argsort(np.subtract(top, key, out=key), kind="stable")  # (a radix sort)
+    else:
+        key = top - sizes
     if top < 1 << 16:
         return np.argsort(key.astype(np.uint16), kind="stable")  # (a radix sort)
     return stable_sort(key, top + 1)[0]
