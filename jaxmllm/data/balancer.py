@@ -70,11 +70,13 @@ LOOKAHEAD_BUCKETS = 128  # the look-ahead shrinks beyond this many buckets (see 
 
 def gather_items(ptr: np.ndarray, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Items of `samples` in a ragged array: (owner position, item number, flat index)."""
-    cnt = ptr[samples + 1] - ptr[samples]
+    first = ptr[samples]
+    cnt = ptr[1:][samples] - first  # (no samples + 1 to build, ptr[samples] taken once)
     owner = np.repeat(np.arange(len(samples)), cnt)
-    start = np.cumsum(cnt) - cnt
-    j = np.arange(int(cnt.sum())) - start[owner]
-    return owner, j, ptr[samples][owner] + j
+    start = np.cumsum(cnt)
+    start -= cnt
+    j = np.arange(len(owner)) - start[owner]
+    return owner, j, first[owner] + j
 
 
 def offsets_in_bins(bins: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -94,16 +96,19 @@ def offsets_in_bins(bins: np.ndarray, sizes: np.ndarray) -> np.ndarray:
 
 def stable_sort(keys: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
     """(stable argsort, sorted keys) of non-negative integer keys below `top`: one sort of
-    the values key * n + position (numpy's SIMD sort, faster here than two radix passes)."""
+    the values key * 2**b + position, 2**b >= n (numpy's SIMD sort, faster here than two
+    radix passes; shifts and masks split them faster than a division by n)."""
     n = len(keys)
-    if n == 0 or top * n >= 1 << 62:
+    b = max(n - 1, 1).bit_length()
+    if n == 0 or top >= 1 << (62 - b):
         order = np.argsort(keys, kind="stable")
         return order, keys[order]
-    v = keys.astype(np.int64) * n
-    v += np.arange(n)
+    v = keys.astype(np.int64)
+    v <<= b
+    v |= np.arange(n)
     v.sort()
-    k = v // n
-    v -= k * n
+    k = v >> b
+    v &= (1 << b) - 1
     return v, k
 
 
@@ -128,10 +133,14 @@ def _compact(keys: np.ndarray) -> np.ndarray:
 def desc_order(sizes: np.ndarray, first: np.ndarray | None = None) -> np.ndarray:
     """Positions by size, largest first, the `first` ones before all others (stable)."""
     top = int(sizes.max(initial=0))
-    key = top - sizes
     if first is not None and first.any():
-        key = key + np.where(first, 0, top + 1)  # (the first ones ahead, as one sort)
+        key = top - sizes + np.where(first, 0, top + 1)  # (the first ones ahead, as one sort)
         top = 2 * top + 1
+    elif top < 1 << 16:  # (top - size straight in 16 bits: no 64-bit key to copy)
+        key = sizes.astype(np.uint16)
+        return np.argsort(np.subtract(top, key, out=key), kind="stable")  # (a radix sort)
+    else:
+        key = top - sizes
     if top < 1 << 16:
         return np.argsort(key.astype(np.uint16), kind="stable")  # (a radix sort)
     return stable_sort(key, top + 1)[0]
@@ -369,6 +378,22 @@ def _smallest(key: np.ndarray, k: int) -> np.ndarray:
     return cand[np.argsort(key[cand], kind="stable")][:k]
 
 
+def _smallest_tied(key: np.ndarray, k: int) -> np.ndarray:
+    """_smallest(key, k) for keys without NaN of which many may tie, as _swap's ratios (most
+    samples have none of the short phase: 0). When k of them tie at the smallest value, the
+    first k of those (in index order); else the ones below the k-th value sorted, then the
+    first of the ones tied at it, instead of sorting all the tied ones."""
+    if not len(key) or 2 * k >= len(key):
+        return np.argsort(key, kind="stable")[:k]
+    low = np.flatnonzero(key == key.min())
+    if len(low) >= k:
+        return low[:k]
+    kth = np.partition(key, k - 1)[k - 1]
+    below = np.flatnonzero(key < kth)
+    below = below[np.argsort(key[below], kind="stable")]
+    return np.concatenate([below, np.flatnonzero(key == kth)[: k - len(below)]])
+
+
 def _prefer_home(bins: np.ndarray, s: np.ndarray, home: np.ndarray, nb: int) -> np.ndarray:
     """Rematches one round (item i -> bins[i], both largest first) so that an item whose home
     bin takes an item of about its size in this round (within HOME_TOL) goes home instead; the
@@ -596,24 +621,29 @@ class BalancedPlanner:
         m = self.caps.microbatches * self.caps.devices
         budget = np.where(self.share > 0, m * self.cap_vec * self.share, np.inf)
         goal = (1 + self.lookahead) * budget
-        have = self.work[self.deferred[:, 0]].sum(0)
+        have = np.take(self.work_t, self.deferred[:, 0], axis=1).sum(1)
         per = np.where(self.cap_vec > 0, self.mean_work, 0)
         need = np.where(per > 0, np.where(np.isfinite(goal), goal, 0) - have, 0)
         n = int((need / np.maximum(per, 1e-9)).max()) + 16
         n = max(n * 5 // 4, 16)
+        # Each phase's running sum never falls (work >= 0): the first sample at which it reaches
+        # its bound (the integer above it) is a binary search away, and the window ends at the
+        # first sample where every phase with a share is in, or one phase is full.
+        all_in = [(p, goal[p] - have[p]) for p in range(len(goal)) if self.share[p] > 0]
+        one_full = [
+            (p, (1 + self.lookahead) * m * self.cap_vec[p] - have[p])
+            for p in range(len(goal))
+            if self.cap_vec[p] > 0
+        ]
         while True:
             fresh = self.stream.take(self.cursor, n)
-            cum = np.cumsum(self.work_t[:, fresh], 1)
-            all_in = np.ones(n, bool)
-            one_full = np.zeros(n, bool)
-            for p in range(len(cum)):
-                if self.share[p] > 0:
-                    all_in &= cum[p] >= goal[p] - have[p]
-                if self.cap_vec[p] > 0:
-                    one_full |= cum[p] >= (1 + self.lookahead) * m * self.cap_vec[p] - have[p]
-            hit = all_in | one_full
-            if hit.any() or n > m * self.cap_vec[0]:  # (only empty samples get here)
-                k = int(np.argmax(hit)) + 1 if hit.any() else n
+            cum = np.cumsum(np.take(self.work_t, fresh, axis=1), 1)
+            first = [int(np.searchsorted(cum[p], int(np.ceil(b)), "left")) for p, b in all_in]
+            k = max(first, default=0)
+            for p, b in one_full:
+                k = min(k, int(np.searchsorted(cum[p], int(np.ceil(b)), "left")))
+            if k < n or n > m * self.cap_vec[0]:  # (only empty samples get here)
+                k = k + 1 if k < n else n
                 break
             n *= 2
         fresh = np.stack([fresh[:k], np.full(k, self.step)], 1)
@@ -639,18 +669,43 @@ class BalancedPlanner:
             left = np.where(self.cap_vec > 0, share, 0.0)
         chosen = np.zeros(taken.shape, bool)
         cand = np.flatnonzero(~taken)
-        w = np.take(work, cand, axis=1)
-        if small:
-            cand, w = _keep(cand, w, _fits(w, SMALL * self.cap_vec))
+        bound = SMALL * self.cap_vec if small else None
+        # Each round takes the longest prefix of the candidates that fit (each on its own) whose
+        # running sum fits, and drops the next one that fits. Sizes are >= 0, so `left` never
+        # grows and a candidate that does not fit now never will: the rounds scan the
+        # candidates once, in chunks (doubling), instead of filtering and summing all those
+        # left each round (the same picks and the same `left`: integer sums).
+        pos, n = 0, len(cand)
         for _ in range(rounds):
-            cand, w = _keep(cand, w, _fits(w, left))
-            if not len(cand):
+            picks, total, step = [], np.zeros(len(work), work.dtype), 1024
+            while pos < n:
+                c = cand[pos : pos + step]
+                wc = np.take(work, c, axis=1)
+                fit = _fits(wc, left)
+                if bound is not None:
+                    fit &= _fits(wc, bound)
+                i = np.flatnonzero(fit)
+                if not len(i):
+                    pos, step = pos + len(c), 2 * step
+                    continue
+                cw = np.cumsum(np.take(wc, i, axis=1), 1)
+                cw += total[:, None]
+                ok = _fits(cw, left)
+                if ok.all():
+                    picks.append(c[i])
+                    total = cw[:, -1]
+                    pos, step = pos + len(c), 2 * step
+                    continue
+                k = int(np.argmin(ok))
+                picks.append(c[i[:k]])
+                if k:
+                    total = cw[:, k - 1]
+                pos += int(i[k]) + 1  # (the one that did not fit, at k, is out)
                 break
-            ok = _fits(np.cumsum(w, 1), left)
-            k = int(np.argmin(ok)) if not ok.all() else len(ok)
-            chosen[cand[:k]] = True
-            left = left - w[:, :k].sum(1)
-            cand, w = cand[k + 1 :], w[:, k + 1 :]  # (the one that did not fit, at k, is out)
+            if not picks:
+                break
+            chosen[np.concatenate(picks)] = True
+            left = left - total
         if urgent is not None:
             self._swap(work, taken, chosen, left, urgent)
         return np.flatnonzero(chosen)
@@ -689,11 +744,11 @@ class BalancedPlanner:
         others = np.where((np.arange(len(full)) != p) & (full > 0), 1.0 / np.maximum(full, 1), 0)
         k = min(len(add), int(4 * left[p] / max(float(work[p, add].mean()), 1.0)) + 16)
         wa = np.take(work, add, axis=1)
-        add = add[_smallest(-wa[p] / np.maximum(others @ wa, 1e-12), k)]
+        add = add[_smallest_tied(-wa[p] / np.maximum(others @ wa, 1e-12), k)]
         wa = np.cumsum(np.take(work, add, axis=1), 1)  # [phase, adds]
         k = min(len(rem), int(4 * wa[q, -1] / max(float(work[q, rem].mean()), 1.0)) + 16)
         wr = np.take(work, rem, axis=1)
-        rem = rem[_smallest(wr[p] / np.maximum(others @ wr, 1e-12), k)]
+        rem = rem[_smallest_tied(wr[p] / np.maximum(others @ wr, 1e-12), k)]
         wr = np.zeros((len(work), len(rem) + 1), work.dtype)
         np.cumsum(np.take(work, rem, axis=1), 1, out=wr[:, 1:])  # [phase, removals]
         # per count of adds, the fewest removals that make room in q
@@ -796,34 +851,42 @@ class BalancedPlanner:
     def _emit(
         self, step: int, micros: list[_Micro], samples: np.ndarray, since: np.ndarray
     ) -> StepPlan:
+        # Each microbatch's arrays concatenated straight into the step's (int64 already: no
+        # astype copies), its offsets computed while they are in cache (one sort over all
+        # microbatches, keyed by microbatch and bin, gives the same offsets but is slower).
         r_n = self.caps.llm_rows
-        parts, item_parts = [], {p: [] for p in ENC}
-        base = 0
-        for m, mb in enumerate(micros):
-            e = np.concatenate(mb.entries)
-            rb = np.concatenate(mb.row_bin)
-            pos_of = np.full(len(samples), -1, np.int64)
-            pos_of[e] = base + np.arange(len(e))
-            off = offsets_in_bins(rb, self.llm[samples[e]])
-            parts.append((e, np.full(len(e), m), rb // r_n, rb % r_n, off))
-            for p in ENC:
-                if not mb.items[p]:
-                    continue
-                ent, j, size, dev = (np.concatenate(x) for x in zip(*mb.items[p], strict=True))
-                owner = pos_of[ent]  # (already by owner, then item: the order they were added)
-                item_parts[p].append((owner, j, dev, offsets_in_bins(dev, size)))
-            base += len(e)
-        e, micro, dev, row, off = (
-            np.concatenate(x).astype(np.int64) for x in zip(*parts, strict=True)
-        )
+        counts = [sum(len(x) for x in mb.entries) for mb in micros]
+        e, rb, off = (np.empty(sum(counts), np.int64) for _ in range(3))
+        a = 0
+        for mb, c in zip(micros, counts, strict=True):
+            np.concatenate(mb.entries, out=e[a : a + c])
+            np.concatenate(mb.row_bin, out=rb[a : a + c])
+            off[a : a + c] = offsets_in_bins(rb[a : a + c], self.llm[samples[e[a : a + c]]])
+            a += c
+        micro = np.repeat(np.arange(len(micros)), counts)
+        pos_of = np.empty(len(samples), np.int64)  # (entries are distinct pool positions)
+        pos_of[e] = np.arange(len(e))
+        dev, row = np.divmod(rb, r_n)
         self.last_ages = step - since[e]
         plans = {}
         for p in ENC:
-            if item_parts[p]:
-                a = [np.concatenate(x).astype(np.int64) for x in zip(*item_parts[p], strict=True)]
-                plans[p] = ItemPlan(owner=a[0], item=a[1], device=a[2], offset=a[3])
-            else:
+            if not any(mb.items[p] for mb in micros):
                 plans[p] = ItemPlan.empty()
+                continue
+            counts = [sum(len(q[0]) for q in mb.items[p]) for mb in micros]
+            it = ItemPlan(*(np.empty(sum(counts), np.int64) for _ in range(4)))
+            a = 0
+            for mb, c in zip(micros, counts, strict=True):
+                if not mb.items[p]:
+                    continue
+                ent, j, size, idev = zip(*mb.items[p], strict=True)
+                # (owners already by owner, then item: the order they were added)
+                np.take(pos_of, np.concatenate(ent), out=it.owner[a : a + c])
+                np.concatenate(j, out=it.item[a : a + c])
+                np.concatenate(idev, out=it.device[a : a + c])
+                it.offset[a : a + c] = offsets_in_bins(it.device[a : a + c], np.concatenate(size))
+                a += c
+            plans[p] = it
         return StepPlan(
             step=step,
             samples=samples[e],
@@ -955,27 +1018,46 @@ def localize(group: np.ndarray, dev: np.ndarray, home: np.ndarray, devices: int)
 
     Every device keeps as many items of each group as before (so about the same load and
     attention cost); within a group, as many items as the device has slots stay home. Items of
-    group -1 keep their device. O(items + groups * devices), two radix sorts.
+    group -1 keep their device. O(items + groups * devices), one sort.
     """
     out = dev.copy()
-    idx = np.flatnonzero(group >= 0)
-    if not len(idx):
+    if not len(group):
         return out
-    g = group[idx]
+    if group.min() >= 0:  # (the usual case: no gathers, no indirection at the end)
+        idx, g, d, h = None, group, dev, home
+    else:
+        idx = np.flatnonzero(group >= 0)
+        if not len(idx):
+            return out
+        g, d, h = group[idx], dev[idx], home[idx]
     g = g - g.min()
-    g = (np.cumsum(np.bincount(g) > 0) - 1)[g]  # the groups present, numbered in order
-    d, h = dev[idx], home[idx]
-    n_keys = (int(g.max()) + 1) * devices
-    gd = g * devices
-    slots = np.bincount(gd + d, minlength=n_keys)  # per (group, device)
-    order, ik = stable_sort(gd + h, n_keys)  # items by (group, home)
-    rank = np.arange(len(idx)) - run_start(ik)  # among the items of its (group, home)
-    local = rank < slots[ik]
-    out[idx[order[local]]] = h[order[local]]
-    # The others take the slots left, group by group (both lists run in group order).
-    free = slots - np.bincount(ik[local], minlength=n_keys)
-    keys = np.flatnonzero(free)
-    out[idx[order[~local]]] = np.repeat(keys, free[keys]) % devices
+    number = np.cumsum(np.bincount(g) > 0)
+    g = number[g]  # the groups present, numbered in order (from 1)
+    g -= 1
+    n_keys = int(number[-1]) * devices
+    g *= devices
+    slots = np.bincount(g + d, minlength=n_keys)  # per (group, device)
+    g += h
+    order, ik = stable_sort(g, n_keys)  # items by (group, home)
+    # An item stays home when its rank among the items of its (group, home) is below the
+    # slots there: its position in the order is below that key's first position + slots.
+    cnt = np.bincount(ik, minlength=n_keys)
+    free = slots - cnt
+    end = np.cumsum(cnt)
+    end += free
+    local = np.arange(len(g)) < end[ik]
+    stay, move = order[local], order[~local]
+    # The others take the slots left (those of a key past its items at home), group by group:
+    # both lists run in group order. (flatnonzero of a mask: much faster than of integers.)
+    np.maximum(free, 0, out=free)
+    keys = np.flatnonzero(free > 0)
+    to = np.repeat(keys % devices, free[keys])
+    if idx is None:
+        out[stay] = h[stay]
+        out[move] = to
+    else:
+        out[idx[stay]] = h[stay]
+        out[idx[move]] = to
     return out
 
 
@@ -993,19 +1075,25 @@ def keep_capacity(
     nb = len(load)
     new = new.copy()
     m = np.flatnonzero(new != old)
+    nm, om, sm = new[m], old[m], size[m]  # (the moves, gathered once per attempt)
     for attempt in range(4):
-        delta = np.bincount(new[m], size[m], nb) - np.bincount(old[m], size[m], nb)
+        delta = np.bincount(nm, sm, nb) - np.bincount(om, sm, nb)
         over = load + delta > cap
         if not over.any():
             break
-        bad = m[np.isin(group[m], group[m][over[new[m]] | over[old[m]]])] if attempt < 3 else m
-        new[bad] = old[bad]
-        m = np.flatnonzero(new != old)
+        if attempt < 3:
+            gm = group[m]
+            undo = np.isin(gm, gm[over[nm] | over[om]])
+        else:
+            undo = np.ones(len(m), bool)
+        new[m[undo]] = om[undo]
+        m = m[~undo]  # (the moves left: still in order)
+        nm, om, sm = new[m], old[m], size[m]
     else:
-        delta = np.bincount(new[m], size[m], nb) - np.bincount(old[m], size[m], nb)
-    sq = size[m].astype(np.float64) ** 2
+        delta = np.bincount(nm, sm, nb) - np.bincount(om, sm, nb)
+    sq = sm.astype(np.float64) ** 2
     load += delta.astype(load.dtype)  # (exact: integer sums far below 2**53)
-    quad += np.bincount(new[m], sq, nb) - np.bincount(old[m], sq, nb)
+    quad += np.bincount(nm, sq, nb) - np.bincount(om, sq, nb)
     return new
 
 
