@@ -81,7 +81,7 @@ def gather_items(ptr: np.ndarray, samples: np.ndarray) -> tuple[np.ndarray, np.n
 
 def offsets_in_bins(bins: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """First unit of each item when the items of a bin are laid out in their given order."""
-    order = np.argsort(_compact(bins), kind="stable")
+    order = argsort_stable(bins, int(bins.max(initial=0)) + 1)
     s = sizes[order]
     cum = np.cumsum(s)
     cum -= s
@@ -94,22 +94,39 @@ def offsets_in_bins(bins: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return out
 
 
-def stable_sort(keys: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
-    """(stable argsort, sorted keys) of non-negative integer keys below `top`: one sort of
-    the values key * 2**b + position, 2**b >= n (numpy's SIMD sort, faster here than two
-    radix passes; shifts and masks split them faster than a division by n)."""
+def argsort_stable(keys: np.ndarray, top: int) -> np.ndarray:
+    """Stable argsort of non-negative integer keys below `top` (see stable_sort)."""
+    return stable_sort(keys, top, want_keys=False)[0]
+
+
+def stable_sort(
+    keys: np.ndarray, top: int, want_keys: bool = True
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """(stable argsort, sorted keys) of non-negative integer keys below `top`.
+
+    One sort of the unique values key * 2**b + position (2**b >= n), in 32 bits where they
+    fit: numpy's SIMD sort of 32-bit integers is ~3x faster here than its radix sort of
+    16-bit keys (64k keys: 0.33 vs 0.98 ms) and than the same sort in 64 bits, whose
+    temporaries cost twice the fresh memory; shifts and masks split the values again."""
     n = len(keys)
     b = max(n - 1, 1).bit_length()
-    if n == 0 or top >= 1 << (62 - b):
+    if n < 2048 and top <= 1 << 16:  # (few keys: the radix sort costs least)
+        order = np.argsort(keys.astype(np.uint16), kind="stable")
+        return order, keys[order] if want_keys else None
+    if top <= 1 << (32 - b):
+        dtype = np.int32 if top <= 1 << (31 - b) else np.uint32
+    elif top < 1 << (62 - b):
+        dtype = np.int64
+    else:
         order = np.argsort(keys, kind="stable")
-        return order, keys[order]
-    v = keys.astype(np.int64)
+        return order, keys[order] if want_keys else None
+    v = keys.astype(dtype)
     v <<= b
-    v |= np.arange(n)
+    v |= np.arange(n, dtype=dtype)
     v.sort()
-    k = v >> b
+    k = (v >> b).astype(np.int64) if want_keys else None
     v &= (1 << b) - 1
-    return v, k
+    return v.astype(np.int64), k
 
 
 def run_start(keys: np.ndarray) -> np.ndarray:
@@ -133,17 +150,11 @@ def _compact(keys: np.ndarray) -> np.ndarray:
 def desc_order(sizes: np.ndarray, first: np.ndarray | None = None) -> np.ndarray:
     """Positions by size, largest first, the `first` ones before all others (stable)."""
     top = int(sizes.max(initial=0))
+    key = top - sizes
     if first is not None and first.any():
-        key = top - sizes + np.where(first, 0, top + 1)  # (the first ones ahead, as one sort)
+        key += np.where(first, 0, top + 1)  # (the first ones ahead, as one sort)
         top = 2 * top + 1
-    elif top < 1 << 16:  # (top - size straight in 16 bits: no 64-bit key to copy)
-        key = sizes.astype(np.uint16)
-        return np.argsort(np.subtract(top, key, out=key), kind="stable")  # (a radix sort)
-    else:
-        key = top - sizes
-    if top < 1 << 16:
-        return np.argsort(key.astype(np.uint16), kind="stable")  # (a radix sort)
-    return stable_sort(key, top + 1)[0]
+    return argsort_stable(key, top + 1)
 
 
 def size_class(sizes: np.ndarray) -> np.ndarray:
