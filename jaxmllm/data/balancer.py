@@ -12,7 +12,8 @@ its devices are balanced):
    samples to rows, images and clips to devices, anywhere: the routing tables bring encoder
    output rows to their text), `balanced` assigns whole samples to devices (no routing);
 3. fills what slack is left with the next samples of the window that fit (same packer,
-   starting from the loads);
+   starting from the loads; up to MANY_BUCKETS buckets: beyond, the slack is a sliver and the
+   look-ahead shrinks, see BalancedPlanner.__init__);
 4. `orchestrated` keeps encoder items on their text's device where that costs no balance: in
    a packing round an item takes its home bin's slot when that slot was to get an item within
    `HOME_TOL` of its size; afterwards items of nearly the same size (within `SIZE_TOL`) trade
@@ -23,6 +24,8 @@ its devices are balanced):
    capacity is enforced (a sample whose items would exceed it waits).
 
 `pack_phase` equalises both each bin's fill and its attention (sum of squared item sizes) cost.
+Small encoder items (video frames, small images, short clips) first go to their home bin, each
+bin taking up to its share of them (`_home_small`); the rest are laid out as below.
 It emulates the sequential greedy "each item, largest first, to the bin whose remaining
 attention budget per free unit (the item size it wants) is largest": in rounds, the bins that
 want the biggest items take the next ones, as many as bring their wants down to a common level
@@ -65,7 +68,8 @@ SMALL = 0.02  # then samples no bigger than this share of a bucket fill what is 
 HOME_TOL = 0.1  # in a packing round, an item may swap to its home bin within 10% in size
 BINDING = 0.98  # phases whose long-run demand is within 2% of the largest one's bind
 SWAP_SHORT = 0.02  # a binding phase this far below its share trades samples (_swap)
-LOOKAHEAD_BUCKETS = 128  # the look-ahead shrinks beyond this many buckets (see __init__)
+MANY_BUCKETS = 128  # beyond this many buckets the planner works coarser (see __init__)
+HEADROOM = 1 / 3  # a non-binding phase's microbatch takes <= its share + this of the rest
 
 
 def gather_items(ptr: np.ndarray, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -239,8 +243,18 @@ def pack_phase(
         elif pos < 0:  # few bins have room left: the last ones fill the gaps (_fit_rest)
             failed.append(order[start:end])
             pos = end
-    # Passes for the small ones.
+    # The small ones: first at home, up to each home bin's share of them, then the rest in
+    # passes.
     rest = order[big_end:]
+    at_home, room = None, cap
+    if home is not None and len(rest):
+        free = cap - load
+        share = free * min(1.0, float(sizes[rest].sum()) / max(float(free.sum()), 1.0))
+        target = np.minimum(cap, np.ceil(load + share).astype(np.int64))
+        at_home = _home_small(rest, sizes, sq, home, share, load, quad, out)
+        rest = rest[~at_home]
+        room = target  # (the passes fill each bin up to the same share of its room: the bins
+        # whose own items took less of it get more of the others)
     s_rest, sq_rest = sizes[rest], sq[rest]
     vol = np.cumsum(s_rest)
     start = 0
@@ -251,22 +265,51 @@ def pack_phase(
         bound = done - (done - int(vol[-1])) // p
         k = len(rest) if p == 1 else start + int(np.searchsorted(vol[start:], bound)) + 1
         chunk = rest[start:k]
-        ok = _cut(chunk, s_rest[start:k], sq_rest[start:k], load, quad, cap, qstar, out)
+        ok = _cut(chunk, s_rest[start:k], sq_rest[start:k], load, quad, room, qstar, out)
         failed.append(chunk[~ok])
         start = k
     group = np.where(out >= 0, size_class(sizes), -1)
+    if at_home is not None:
+        group[order[big_end:][at_home]] = -1  # (at home: nothing to gain from a trade)
     if failed:
         late = np.concatenate(failed)
-        _fit_rest(late, sizes, sq, load, quad, cap, out)
+        _fit_rest(late, sizes, sq, load, quad, cap, out, max(16, -(-len(late) // nb) + 4))
         group[late] = -1
     return out, group
 
 
+def _home_small(rest, sizes, sq, home, share, load, quad, out) -> np.ndarray:
+    """Places small items (`rest`, largest first) in their home bin, each bin taking at most
+    `share` of them (per bin: the same share of its room as the passes would give it);
+    returns the mask (over `rest`) of those placed.
+
+    For items this small the passes' order by want hardly moves the attention balance, and
+    most of them (video frames, small images, short clips) can sit at home: their encoder
+    rows then need no exchange, and localize need not trade them (a sort of every item)."""
+    h = home[rest]
+    s = sizes[rest]
+    o = argsort_stable(h, len(load))  # by home, largest first within it
+    hs, ss = h[o], s[o]
+    cum = np.cumsum(ss)
+    first = run_start(hs)
+    fits = cum - (cum[first] - ss[first]) <= share[hs]
+    at = np.empty(len(rest), bool)
+    at[o] = fits
+    idx, hb = rest[at], h[at]
+    out[idx] = hb
+    load += np.bincount(hb, sizes[idx], len(load)).astype(load.dtype)  # (exact)
+    quad += np.bincount(hb, sq[idx], len(load))
+    return at
+
+
 FEW_OPEN = 16  # rounds end when under 1/16 of the bins have room for the next item
-# Items per open bin a round aims at: 2 halves the rounds again, but on omni it costs 2% of
-# attention balance and a third more routed encoder rows, for little time (rounds are now
-# a third of the planning time).
+# Items per open bin an LLM round aims at: 2 would halve its rounds, but on omni it costs 2%
+# of attention balance.
 ROUND_FILL = 1
+# Encoder rounds (items with a home) aim at two items per open bin: their rounds cost more
+# (_prefer_home), and on omni at 512 devices this takes ~5 ms off a step with the same
+# attention balance; more encoder rows go away from home (routed 0.36 -> 0.47).
+ENC_ROUND_FILL = 2
 # Under this many open bins a round takes only the bins above what the top bin wants after its
 # item, one item each (the sequential greedy's next step): rounds cost little there, and the
 # coarser level rounds raised the microbatch cost CV by ~10% at 8 devices (chartqa).
@@ -308,13 +351,14 @@ def _round(order, pos, end, sizes, sq, load, quad, cap, qstar, out, urgent, home
         bins = ranked[: end - pos]
         first_layer = len(bins)
     else:
-        count = _deal(key[ranked], free[ranked], nxt, qstar - quad[ranked[0]], ROUND_FILL)
+        fill = ROUND_FILL if home is None else ENC_ROUND_FILL
+        count = _deal(key[ranked], free[ranked], nxt, qstar - quad[ranked[0]], fill)
         first_layer = len(count)
         top = int(count.max())
         if top == 1:
             bins = ranked[: min(first_layer, end - pos)]
         elif top <= 8:  # (the same layers, one at a time: cheaper than a sort for a few)
-            limit = min(end - pos, max(ROUND_FILL * n_open, first_layer))
+            limit = min(end - pos, max(fill * n_open, first_layer))
             layers, got = [ranked[:first_layer]], first_layer
             for lay in range(1, top):
                 if got >= limit:
@@ -326,7 +370,7 @@ def _round(order, pos, end, sizes, sq, load, quad, cap, qstar, out, urgent, home
             rep = np.repeat(np.arange(first_layer), count)
             layer = np.arange(len(rep)) - np.repeat(np.cumsum(count) - count, count)
             bins = ranked[rep[np.argsort(_compact(layer), kind="stable")]]
-            bins = bins[: min(end - pos, max(ROUND_FILL * n_open, first_layer))]
+            bins = bins[: min(end - pos, max(fill * n_open, first_layer))]
         first_layer = min(first_layer, len(bins))
     take = order[pos : pos + len(bins)]
     distinct = first_layer == len(bins)
@@ -540,14 +584,17 @@ class BalancedPlanner:
         self.index, self.caps, self.seed = index, caps, seed
         self.cost = cost
         self.max_age = max_age
-        # The window overfills the step by `lookahead` of its capacity up to LOOKAHEAD_BUCKETS
-        # buckets (microbatches x devices), by lookahead * sqrt(LOOKAHEAD_BUCKETS / buckets)
-        # beyond: what selection needs to even out the phases is the spread of the window's
-        # work per phase, which grows as the square root of the samples in a step, not in
-        # proportion. (omni at 512 devices: the same fill and balance with half the samples
-        # waiting, 24k -> 12k, and 4 ms less planning a step.)
+        # Beyond MANY_BUCKETS buckets (microbatches x devices) a step's totals are sums over
+        # so many samples that their spread is small: the window overfills the step by
+        # lookahead * sqrt(MANY_BUCKETS / buckets) of its capacity instead of `lookahead`
+        # (what selection needs to even out the phases grows as the square root of the
+        # samples in a step, not in proportion), and the slack pass after each microbatch is
+        # left out (it adds ~0.1% LLM fill at 512 devices, for ~5 ms of planning a step).
+        # omni at 512 devices: the same fill, balance and ages with half the samples waiting
+        # (24k -> 12k).
         buckets = caps.microbatches * caps.devices
-        self.lookahead = lookahead * min(1.0, (LOOKAHEAD_BUCKETS / max(buckets, 1)) ** 0.5)
+        self.lookahead = lookahead * min(1.0, (MANY_BUCKETS / max(buckets, 1)) ** 0.5)
+        self.slack_pass = buckets <= MANY_BUCKETS
         self.stream = SampleStream(len(index), seed)
         self.llm = index.llm_tokens(caps.merge_area, caps.subsample)
         self.sizes = {"vision": index.images, "audio": index.audio}
@@ -574,6 +621,13 @@ class BalancedPlanner:
         # Long-run share of its capacity each phase fills when the most demanding one is full.
         demand = np.where(self.cap_vec > 0, self.mean_work / np.maximum(self.cap_vec, 1), 0)
         self.share = demand / max(demand.max(), 1e-30)
+        # A phase that does not bind (its long-run demand under BINDING of the largest) gets
+        # at most its share of a microbatch plus HEADROOM of the rest: taking all the window
+        # offers would leave the next microbatch (or step) short of it, and its buckets' cost
+        # would swing with the window (omni at 8 devices, vision: microbatch cost CV 0.0139
+        # -> 0.0112 over 12 steps). A binding phase may fill its whole capacity.
+        nonbinding = (self.share > 0) & (self.share < BINDING)
+        self.micro_cap = np.where(nonbinding, self.share + HEADROOM * (1 - self.share), 1.0)
         self.cursor, self.step = 0, 0
         self.deferred = np.zeros((0, 2), np.int64)  # (sample, stream step it was pulled at)
         self.last_ages = np.zeros(0, np.int64)
@@ -615,8 +669,9 @@ class BalancedPlanner:
             self._add(mb, sel, samples, urgent)
             taken[np.concatenate(mb.entries)] = True
             # Slack left: the next samples of the window that fit it, in the same order.
-            sel = self._select(work, taken, self._free(mb), small=True)
-            self._add(mb, sel, samples, urgent)
+            if self.slack_pass:
+                sel = self._select(work, taken, self._free(mb), small=True)
+                self._add(mb, sel, samples, urgent)
             placed = np.concatenate(mb.entries)
             taken[placed] = True
             left = left - np.take(work, placed, axis=1).sum(1)
@@ -676,6 +731,7 @@ class BalancedPlanner:
         position]."""
         full = self.caps.devices * self.cap_vec.astype(np.float64) * FILL
         left = np.minimum(full, np.where(share > 0, share * 1.02, full))
+        left = np.minimum(left, full * self.micro_cap)  # (non-binding phases: see __init__)
         if small:
             left = np.where(self.cap_vec > 0, share, 0.0)
         chosen = np.zeros(taken.shape, bool)
