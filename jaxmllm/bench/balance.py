@@ -334,7 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--tokens", type=int, default=32768, help="LLM tokens per device and micro")
     ap.add_argument("--micro", type=int, default=2, help="microbatches per step")
-    ap.add_argument("--min-steps", type=int, default=4)
+    ap.add_argument(
+        "--min-steps",
+        type=int,
+        default=8,
+        help="at least this many steps (timing: the median of all but the first)",
+    )
     ap.add_argument("--max-steps", type=int, default=40)
     ap.add_argument(
         "--grain-max-steps",
