@@ -588,13 +588,14 @@ class BalancedPlanner:
         # so many samples that their spread is small: the window overfills the step by
         # lookahead * sqrt(MANY_BUCKETS / buckets) of its capacity instead of `lookahead`
         # (what selection needs to even out the phases grows as the square root of the
-        # samples in a step, not in proportion), and the slack pass after each microbatch is
-        # left out (it adds ~0.1% LLM fill at 512 devices, for ~5 ms of planning a step).
+        # samples in a step, not in proportion), and `orchestrated` leaves out the slack pass
+        # after each microbatch (it adds ~0.1% LLM fill at 512 devices, for ~5 ms of planning
+        # a step; `balanced`, packing whole samples per device, leaves 3% that it fills).
         # omni at 512 devices: the same fill, balance and ages with half the samples waiting
         # (24k -> 12k).
         buckets = caps.microbatches * caps.devices
         self.lookahead = lookahead * min(1.0, (MANY_BUCKETS / max(buckets, 1)) ** 0.5)
-        self.slack_pass = buckets <= MANY_BUCKETS
+        self.slack_pass = buckets <= MANY_BUCKETS or not self.routed
         self.stream = SampleStream(len(index), seed)
         self.llm = index.llm_tokens(caps.merge_area, caps.subsample)
         self.sizes = {"vision": index.images, "audio": index.audio}
