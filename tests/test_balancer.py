@@ -136,26 +136,32 @@ def test_pure_function_and_resume(policy, data, k):
     assert all(same_plan(x, y) for x, y in zip(after, run(c, 3), strict=True))
 
 
-def test_orchestrated_needs_routing_and_balances_better():
-    index = synthetic_omni(3000, seed=1)
-    sug = suggest_capacities(index, 8192, MERGE_AREA, SUBSAMPLE)
-    kw = dict(
+def suggested_caps(sug, devices: int, route: int) -> Capacities:
+    """Two microbatches of `devices` buckets of the suggested capacities."""
+    return Capacities(
         microbatches=2,
-        devices=8,
+        devices=devices,
         llm_rows=sug.llm_rows,
         llm_row_len=sug.llm_row_len,
         vision_patches=sug.vision_patches,
         audio_frames=sug.audio_frames,
         merge_area=MERGE_AREA,
         subsample=SUBSAMPLE,
+        route_pair_capacity=route,
     )
+
+
+def test_orchestrated_needs_routing_and_balances_better():
+    index = synthetic_omni(3000, seed=1)
+    sug = suggest_capacities(index, 8192, MERGE_AREA, SUBSAMPLE)
+    unrouted = suggested_caps(sug, 8, 0)
     with pytest.raises(OversizeError, match="route_pair_capacity"):
-        OrchestratedPlanner(index, Capacities(route_pair_capacity=0, **kw), 0)
-    caps = Capacities(route_pair_capacity=sug.vision_patches // MERGE_AREA, **kw)
+        OrchestratedPlanner(index, unrouted, 0)
+    caps = suggested_caps(sug, 8, sug.vision_patches // MERGE_AREA)
     fills = {}
     for name, cls, c in (
         ("orchestrated", OrchestratedPlanner, caps),
-        ("naive", NaivePlanner, Capacities(route_pair_capacity=0, **kw)),
+        ("naive", NaivePlanner, unrouted),
     ):
         planner = cls(index, c, 0)
         work = 0
@@ -178,17 +184,7 @@ def test_many_buckets_contract_and_coarser_window(route):
     sug = suggest_capacities(index, 4096, MERGE_AREA, SUBSAMPLE)
     route_rows = sug.vision_patches // MERGE_AREA
     tight = max(index.images.max() // MERGE_AREA, index.audio.max() // SUBSAMPLE)  # (largest)
-    caps = Capacities(
-        microbatches=2,
-        devices=80,
-        llm_rows=sug.llm_rows,
-        llm_row_len=sug.llm_row_len,
-        vision_patches=sug.vision_patches,
-        audio_frames=sug.audio_frames,
-        merge_area=MERGE_AREA,
-        subsample=SUBSAMPLE,
-        route_pair_capacity=route_rows if route == "whole" else tight,
-    )
+    caps = suggested_caps(sug, 80, route_rows if route == "whole" else tight)
     planner = OrchestratedPlanner(index, caps, seed=1)
     assert 2 * 80 > balancer.MANY_BUCKETS and not planner.slack_pass
     assert planner.lookahead == pytest.approx(0.5 * (balancer.MANY_BUCKETS / 160) ** 0.5)
@@ -209,17 +205,7 @@ def test_nonbinding_phase_takes_its_share_of_each_microbatch():
 
     index = synthetic_omni()  # (the bench's omni mix and capacities: vision does not bind)
     sug = suggest_capacities(index, 32768, MERGE_AREA, SUBSAMPLE, match_llm=True)
-    caps = Capacities(
-        2,
-        8,
-        sug.llm_rows,
-        sug.llm_row_len,
-        sug.vision_patches,
-        sug.audio_frames,
-        MERGE_AREA,
-        SUBSAMPLE,
-        sug.vision_patches // MERGE_AREA,
-    )
+    caps = suggested_caps(sug, 8, sug.vision_patches // MERGE_AREA)
     planner = OrchestratedPlanner(index, caps, seed=0)
     share = planner.share
     assert share[1] < BINDING and (planner.micro_cap[[0, 2]] == 1).all()
