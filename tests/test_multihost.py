@@ -149,11 +149,13 @@ def test_a_sample_that_fails_on_one_host_keeps_the_routing_aligned(planned):
     cfg, caps, index, plans, samples, _ = planned
     plan = plans[0]
     host_of = np.arange(8) // 4
-    crossing = np.flatnonzero(
-        host_of[plan.vision.device] != host_of[plan.device[plan.vision.owner]]
-    )
-    victim = int(plan.samples[plan.vision.owner[crossing[0]]])
-    text_host = int(host_of[plan.device[plan.vision.owner[crossing[0]]]])
+    away = host_of[plan.vision.device] != host_of[plan.device[plan.vision.owner]]
+    # a sample whose images are all encoded on the other host (none beside its text)
+    n_items = np.bincount(plan.vision.owner, minlength=len(plan.samples))
+    n_away = np.bincount(plan.vision.owner, away, minlength=len(plan.samples))
+    owner = int(np.flatnonzero((n_items > 0) & (n_away == n_items))[0])
+    victim = int(plan.samples[owner])
+    text_host = int(host_of[plan.device[owner]])
     full = bucketize(plan, samples, cfg, caps, index=index)
     for h in range(2):
         positions = np.arange(h * 4, (h + 1) * 4)

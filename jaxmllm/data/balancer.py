@@ -67,7 +67,7 @@ FILL = 0.997  # a microbatch's first selection takes at most this share of each 
 SMALL = 0.02  # then samples no bigger than this share of a bucket fill what is left
 HOME_TOL = 0.1  # in a packing round, an item may swap to its home bin within 10% in size
 BINDING = 0.98  # phases whose long-run demand is within 2% of the largest one's bind
-SWAP_SHORT = 0.02  # a binding phase this far below its share trades samples (_swap)
+SWAP_SHORT = 0.02  # a phase this far below what it may take trades samples (_swap)
 MANY_BUCKETS = 128  # beyond this many buckets the planner works coarser (see __init__)
 HEADROOM = 1 / 3  # a non-binding phase's microbatch takes <= its share + this of the rest
 
@@ -786,21 +786,24 @@ class BalancedPlanner:
         left: np.ndarray,
         urgent: np.ndarray,
     ) -> None:
-        """Trades chosen samples for others of the window when a binding phase is left short.
+        """Trades chosen samples for others of the window when a phase is left short.
 
         Taking samples in priority order can fill one phase (say the LLM, with text-only
-        chats) while another binding phase (audio) has room that no sample in order fits
-        without text. Then the window's samples richest in the short phase p (its share of a
-        bucket over the other phases' shares) come in, and the chosen non-urgent samples
-        poorest in it (youngest first) wait for a later step, as many as make room in the
-        fullest phase q: the number of trades that gains p most with every phase within what
-        is left of its share (`left`). Updates `chosen` in place. On omni at 8 devices audio
-        fill goes 0.972 -> 0.990 (with the 0.5 look-ahead; 0.986 -> 0.993 at 64); urgent
-        samples never wait.
+        chats) while another (audio) has room that no sample in order fits without text; a
+        phase that does not bind can likewise end well under its microbatch cap (see
+        __init__), and its buckets' cost then swings from step to step. Then the window's
+        samples richest in the short phase p (its share of a bucket over the other phases'
+        shares) come in, and the chosen non-urgent samples poorest in it (youngest first)
+        wait for a later step, as many as make room in the fullest phase q: the number of
+        trades that gains p most with every phase within what is left of its share
+        (`left`). Updates `chosen` in place. On omni at 8 devices audio fill goes 0.972 ->
+        0.990 (with the 0.5 look-ahead; 0.986 -> 0.993 at 64); counting the non-binding
+        vision too, the microbatch cost CV ratio random/ours over 25 steps goes 9.4x ->
+        19.3x. Urgent samples never wait.
         """
         full = self.caps.devices * self.cap_vec * FILL
         rel = left / np.maximum(full, 1)
-        p = int(np.argmax(np.where((self.share >= BINDING) & (full > 0), rel, -1.0)))
+        p = int(np.argmax(np.where(full > 0, rel, -1.0)))
         q = int(np.argmin(np.where(full > 0, rel, np.inf)))
         if rel[p] < SWAP_SHORT or p == q:
             return
