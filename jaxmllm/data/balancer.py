@@ -539,14 +539,6 @@ def _fits(w: np.ndarray, left: np.ndarray) -> np.ndarray:
     return ok
 
 
-def _keep(cand: np.ndarray, w: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The candidates (and their work columns) where `mask` holds."""
-    if mask.all():
-        return cand, w
-    idx = np.flatnonzero(mask)
-    return cand[idx], np.take(w, idx, axis=1)
-
-
 class _Micro:
     """Bucket loads and placements of one microbatch while it is being filled."""
 
