@@ -133,15 +133,18 @@ def stable_sort(
     return v.astype(np.int64), k
 
 
-def run_start(keys: np.ndarray) -> np.ndarray:
-    """For sorted `keys`, the position of the first element of each element's run."""
+def run_cumsum(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """For sorted `keys`, the running sum of `values` within each run of equal keys (each
+    element's own value included)."""
     n = len(keys)
     if n == 0:
-        return np.zeros(0, np.int64)
+        return np.zeros(0, values.dtype)
     new = np.empty(n, bool)
     new[0] = True
     np.not_equal(keys[1:], keys[:-1], out=new[1:])
-    return np.maximum.accumulate(np.where(new, np.arange(n), 0))
+    first = np.maximum.accumulate(np.where(new, np.arange(n), 0))
+    cum = np.cumsum(values)
+    return cum - (cum[first] - values[first])
 
 
 def _compact(keys: np.ndarray) -> np.ndarray:
@@ -290,9 +293,7 @@ def _home_small(rest, sizes, sq, home, share, load, quad, out) -> np.ndarray:
     s = sizes[rest]
     o = argsort_stable(h, len(load))  # by home, largest first within it
     hs, ss = h[o], s[o]
-    cum = np.cumsum(ss)
-    first = run_start(hs)
-    fits = cum - (cum[first] - ss[first]) <= share[hs]
+    fits = run_cumsum(hs, ss) <= share[hs]
     at = np.empty(len(rest), bool)
     at[o] = fits
     idx, hb = rest[at], h[at]
@@ -423,19 +424,10 @@ def _deal(neg_want, free, s, budget_top, fill):
 
 
 def _smallest(key: np.ndarray, k: int) -> np.ndarray:
-    """Positions of the k smallest keys in (stable) order: the first k of a stable argsort,
-    without sorting all of them when k is small (np.partition only finds the k-th value, which
-    is the same on every machine; the ties are then taken in index order)."""
-    if 2 * k >= len(key):
-        return np.argsort(key, kind="stable")[:k]
-    kth = np.partition(key, k - 1)[k - 1]
-    cand = np.flatnonzero(key <= kth)
-    return cand[np.argsort(key[cand], kind="stable")][:k]
-
-
-def _smallest_tied(key: np.ndarray, k: int) -> np.ndarray:
-    """_smallest(key, k) for keys without NaN of which many may tie, as _swap's ratios (most
-    samples have none of the short phase: 0). When k of them tie at the smallest value, the
+    """Positions of the k smallest keys (no NaN) in stable order: the first k of a stable
+    argsort, without sorting all of them when k is small (np.partition only finds the k-th
+    value, which is the same on every machine). Many keys may tie, as _swap's ratios (most
+    samples have none of the short phase: 0): when k of them tie at the smallest value, the
     first k of those (in index order); else the ones below the k-th value sorted, then the
     first of the ones tied at it, instead of sorting all the tied ones."""
     if not len(key) or 2 * k >= len(key):
@@ -808,11 +800,11 @@ class BalancedPlanner:
         others = np.where((np.arange(len(full)) != p) & (full > 0), 1.0 / np.maximum(full, 1), 0)
         k = min(len(add), int(4 * left[p] / max(float(work[p, add].mean()), 1.0)) + 16)
         wa = np.take(work, add, axis=1)
-        add = add[_smallest_tied(-wa[p] / np.maximum(others @ wa, 1e-12), k)]
+        add = add[_smallest(-wa[p] / np.maximum(others @ wa, 1e-12), k)]
         wa = np.cumsum(np.take(work, add, axis=1), 1)  # [phase, adds]
         k = min(len(rem), int(4 * wa[q, -1] / max(float(work[q, rem].mean()), 1.0)) + 16)
         wr = np.take(work, rem, axis=1)
-        rem = rem[_smallest_tied(wr[p] / np.maximum(others @ wr, 1e-12), k)]
+        rem = rem[_smallest(wr[p] / np.maximum(others @ wr, 1e-12), k)]
         wr = np.zeros((len(work), len(rem) + 1), work.dtype)
         np.cumsum(np.take(work, rem, axis=1), 1, out=wr[:, 1:])  # [phase, removals]
         # per count of adds, the fewest removals that make room in q
@@ -1070,10 +1062,7 @@ class OrchestratedPlanner(BalancedPlanner):
         rows = np.concatenate([mb.remote[p][1], size[remote] // self.per_row[p]])
         order = np.argsort(keys, kind="stable")
         k, r = keys[order], rows[order]
-        cum = np.cumsum(r)
-        first = run_start(k)
-        within = cum - (cum[first] - r[first])
-        over_sorted = within > self.caps.route_pair_capacity
+        over_sorted = run_cumsum(k, r) > self.caps.route_pair_capacity
         over_all = np.empty(len(keys), bool)
         over_all[order] = over_sorted
         out = np.zeros(len(size), bool)
