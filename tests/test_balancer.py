@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jaxmllm.bench.mixes import from_arrays, synthetic_omni
 from jaxmllm.config import ModelConfig, load_config
 from jaxmllm.data.balancer import (
     BalancedPlanner,
@@ -23,7 +24,6 @@ from jaxmllm.data.balancer import (
 from jaxmllm.data.baselines import GrainPlanner, NaivePlanner
 from jaxmllm.data.capacity import ladder_values, suggest_capacities
 from jaxmllm.data.cost import CostModel, calibrate
-from jaxmllm.data.mixes import from_arrays, synthetic_omni
 from jaxmllm.data.planner import Capacities, OversizeError, SampleStream
 
 MERGE_AREA, SUBSAMPLE = 4, 4

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+from runs import child_env, train_cmd
 
 from jaxmllm import ledger
 from jaxmllm.config import ConfigError, DistributedConfig, load_config
@@ -26,7 +27,6 @@ from jaxmllm.data.planner import Capacities, make_planner
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.distributed import describe_mismatch, resolve_job
 from jaxmllm.metrics import read_metrics
-from runs import child_env, train_cmd
 
 # ----------------------------------------------------------------------------- job start-up
 

@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 
 import pytest
+from runs import child_env, train_cmd
 
 from jaxmllm.metrics import read_metrics
-from runs import child_env, train_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 

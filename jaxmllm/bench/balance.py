@@ -48,12 +48,12 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxmllm.bench.mixes import MIXES, load_lengths, load_mix
 from jaxmllm.config import ModelConfig
 from jaxmllm.data.balancer import BalancedPlanner, OrchestratedPlanner, check_plan
 from jaxmllm.data.baselines import GrainPlanner, NaivePlanner
 from jaxmllm.data.capacity import suggest_capacities
 from jaxmllm.data.cost import CostModel
-from jaxmllm.data.mixes import MIXES, load_lengths, load_mix
 from jaxmllm.data.planner import Capacities, StepPlan
 from jaxmllm.data.samples import LengthsIndex
 

@@ -4,16 +4,17 @@
   single images, multi-image documents, video (many frames, some with an audio track) and audio
   clips, each with its own text length distribution.
 - `ai2d`, `chartqa`: real per-sample lengths of two vision-language sets as prepared for InternVL
-  (`../shared/data/lengths/*_internvl.json`, see ../shared/data/README.md).
+  (shipped beside this module in `lengths/`, see its README).
 
 Lengths files are read in the DESIGN.md JSONL format (`{"text": 312, "images": [1024]}` a line) or
-in the InternVL JSON format (`[{"vit_num": 3, "token_num": 811}, ...]`), detected by content.
+in the InternVL JSON format (`[{"vit_num": 3, "token_num": 811}, ...]`), detected by content;
+either may be gzipped (`.gz`).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +25,7 @@ INTERNVL_TILE_PATCHES = 1024  # 448 px tile / 14 px patches, squared
 INTERNVL_TILE_TOKENS = 256  # after pixel shuffle (merge 2 x 2)
 
 
-def shared_dir() -> Path:
-    """The shared data folder: $JAXMLLM_SHARED, else `shared/` beside the repository."""
-    env = os.environ.get("JAXMLLM_SHARED")
-    return Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared"
+LENGTHS_DIR = Path(__file__).resolve().parent / "lengths"
 
 
 def from_arrays(
@@ -84,14 +82,7 @@ def synthetic_omni(num_samples: int = 20000, seed: int = 0, merge: int = 2) -> L
 
 def load_internvl(path: str | Path) -> LengthsIndex:
     """Reads an InternVL length table (`vit_num` tiles, `token_num` LLM tokens incl. tiles)."""
-    if not Path(path).exists():
-        raise FileNotFoundError(
-            f"{path} not found: the real length tables live in the project's shared/ folder "
-            "(beside the repository); point JAXMLLM_SHARED at it, or use --mix omni or "
-            "--lengths FILE"
-        )
-    recs = json.loads(Path(path).read_text())
-    return _from_internvl(recs, str(path))
+    return _from_internvl(json.loads(_read_text(path)), str(path))
 
 
 def _from_internvl(recs: list, where: str) -> LengthsIndex:
@@ -111,7 +102,7 @@ def _from_internvl(recs: list, where: str) -> LengthsIndex:
 def load_lengths(path: str | Path) -> LengthsIndex:
     """Reads a lengths file: DESIGN.md JSONL, or an InternVL JSON table (detected)."""
     path = Path(path)
-    text = path.read_text()
+    text = _read_text(path)
     head = text.lstrip()[:1]
     if head == "[":
         return _from_internvl(json.loads(text), str(path))
@@ -131,10 +122,19 @@ def load_lengths(path: str | Path) -> LengthsIndex:
     return LengthsIndex.from_records(records)
 
 
+def _read_text(path: Path) -> str:
+    """A file's text, gunzipped when its name ends in .gz."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt") as f:
+            return f.read()
+    return path.read_text()
+
+
 MIXES = {
     "omni": lambda seed=0: synthetic_omni(seed=seed),
-    "ai2d": lambda seed=0: load_internvl(shared_dir() / "data/lengths/ai2d_internvl.json"),
-    "chartqa": lambda seed=0: load_internvl(shared_dir() / "data/lengths/chartqa_internvl.json"),
+    "ai2d": lambda seed=0: load_internvl(LENGTHS_DIR / "ai2d_internvl.json.gz"),
+    "chartqa": lambda seed=0: load_internvl(LENGTHS_DIR / "chartqa_internvl.json.gz"),
 }
 
 
