@@ -23,7 +23,7 @@ from jaxmllm.data.balancer import (
 )
 from jaxmllm.data.baselines import GrainPlanner, NaivePlanner
 from jaxmllm.data.capacity import ladder_values, suggest_capacities
-from jaxmllm.data.cost import CostModel, calibrate
+from jaxmllm.data.cost import CostModel
 from jaxmllm.data.planner import Capacities, OversizeError, SampleStream
 
 MERGE_AREA, SUBSAMPLE = 4, 4
@@ -296,31 +296,6 @@ def test_cost_multipliers_follow_what_is_frozen():
     )
     c = trainable.llm
     assert c.item_cost(np.array([10]))[0] == pytest.approx(10 * c.linear + 100 * c.quadratic)
-
-
-def test_calibration_recovers_coefficients():
-    prior = CostModel.from_model(ModelConfig())
-    truth = {"llm": (2e-13, 5e-13), "vision": (1e-13, 3e-13), "audio": (4e-13, 1e-13)}
-    rng = np.random.default_rng(0)
-    timings = []
-    for _ in range(12):
-        t = {
-            p: {"n": float(rng.integers(1000, 20000)), "n2": float(rng.integers(1, 9) * 1e7)}
-            for p in truth
-        }
-        t["time_s"] = 0.05 + sum(
-            a * prior.phase(p).linear * t[p]["n"] + b * prior.phase(p).quadratic * t[p]["n2"]
-            for p, (a, b) in truth.items()
-        )
-        timings.append(t)
-    fit = calibrate(prior, timings)
-    assert fit.overhead == pytest.approx(0.05, rel=1e-3)
-    for p, (a, b) in truth.items():
-        assert fit.phase(p).linear == pytest.approx(a * prior.phase(p).linear, rel=1e-3)
-        assert fit.phase(p).quadratic == pytest.approx(b * prior.phase(p).quadratic, rel=1e-3)
-    assert fit.step_time(timings[0]) == pytest.approx(timings[0]["time_s"], rel=1e-6)
-    few = calibrate(prior, timings[:2])  # too few lines: one common scale and the overhead
-    assert few.step_time(timings[0]) == pytest.approx(timings[0]["time_s"], rel=0.5)
 
 
 # ----------------------------------------------------------------------------- capacities

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxmllm.data.cost import CostModel
 from jaxmllm.data.planner import (
     Capacities,
     ItemPlan,
@@ -559,14 +558,12 @@ class BalancedPlanner:
         index: LengthsIndex,
         caps: Capacities,
         seed: int,
-        cost: CostModel | None = None,
         *,
         max_age: int = 4,
         lookahead: float = 0.5,
     ):
         self._check(index, caps)
         self.index, self.caps, self.seed = index, caps, seed
-        self.cost = cost
         self.max_age = max_age
         # Beyond MANY_BUCKETS buckets (microbatches x devices) a step's totals are sums over
         # so many samples that their spread is small: the window overfills the step by

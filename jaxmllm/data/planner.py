@@ -250,10 +250,9 @@ def make_planner(cfg: Config, index: LengthsIndex, devices: int):
         return FirstFitPlanner(index, caps, cfg.data.seed)
     if cfg.batch.planner in ("balanced", "orchestrated"):
         from jaxmllm.data.balancer import BalancedPlanner, OrchestratedPlanner
-        from jaxmllm.data.cost import CostModel
 
         cls = OrchestratedPlanner if cfg.batch.planner == "orchestrated" else BalancedPlanner
-        return cls(index, caps, cfg.data.seed, CostModel.from_model(cfg.model))
+        return cls(index, caps, cfg.data.seed)
     if cfg.batch.planner in ("naive", "grain"):
         from jaxmllm.data.baselines import GrainPlanner, NaivePlanner
 
