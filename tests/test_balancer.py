@@ -12,19 +12,19 @@ from hypothesis import strategies as st
 
 from jaxmllm.bench.mixes import from_arrays, synthetic_omni
 from jaxmllm.config import ModelConfig, load_config
-from jaxmllm.data.balancer import (
+from jaxmllm.data.cost import CostModel
+from jaxmllm.plan.balancer import (
     BalancedPlanner,
     OrchestratedPlanner,
-    check_plan,
     keep_capacity,
     localize,
     pack_phase,
     size_class,
 )
-from jaxmllm.data.baselines import GrainPlanner, NaivePlanner
-from jaxmllm.data.capacity import ladder_values, suggest_capacities
-from jaxmllm.data.cost import CostModel
-from jaxmllm.data.planner import Capacities, OversizeError, SampleStream
+from jaxmllm.plan.baselines import GrainPlanner, NaivePlanner
+from jaxmllm.plan.capacity import ladder_values, suggest_capacities
+from jaxmllm.plan.contract import Capacities, OversizeError, check_plan
+from jaxmllm.plan.stream import SampleStream
 
 MERGE_AREA, SUBSAMPLE = 4, 4
 PLANNERS = {
@@ -113,7 +113,7 @@ def test_every_sample_once_and_bounded_age(policy, data):
     planned = Counter()
     for plan in run(planner, 3 * len(index) + 4):
         planned.update(plan.samples.tolist())
-        assert planner.last_ages.max(initial=0) <= planner.max_age
+        assert planner.ages.max(initial=0) <= planner.max_age
     waiting = Counter(planner.deferred[:, 0].tolist())
     pulled = Counter(planner.stream.take(0, planner.cursor).tolist())
     assert planned + waiting == pulled  # nothing lost, nothing twice
@@ -178,7 +178,7 @@ def test_many_buckets_contract_and_coarser_window(route):
     plans still honour every capacity and route, every pulled sample is planned once or
     waits, and no sample waits longer than max_age (2 x 80 devices, omni-like data, with a
     route capacity of a whole device's output and with the largest item's rows)."""
-    from jaxmllm.data import balancer
+    from jaxmllm.plan import balancer
 
     index = synthetic_omni(6000, seed=3)
     sug = suggest_capacities(index, 4096, MERGE_AREA, SUBSAMPLE)
@@ -192,7 +192,7 @@ def test_many_buckets_contract_and_coarser_window(route):
     for plan in run(planner, 10):
         check_plan(plan, index, caps)
         planned.update(plan.samples.tolist())
-        assert planner.last_ages.max(initial=0) <= planner.max_age
+        assert planner.ages.max(initial=0) <= planner.max_age
     waiting = Counter(planner.deferred[:, 0].tolist())
     assert planned + waiting == Counter(planner.stream.take(0, planner.cursor).tolist())
 
@@ -201,7 +201,7 @@ def test_nonbinding_phase_takes_its_share_of_each_microbatch():
     """A phase that does not bind (omni's vision) takes at most its long-run share of a
     microbatch plus a third of the rest, so that the next microbatch is not left short of
     it; the binding phases may fill their capacity."""
-    from jaxmllm.data.balancer import BINDING, HEADROOM
+    from jaxmllm.plan.balancer import BINDING, HEADROOM
 
     index = synthetic_omni()  # (the bench's omni mix and capacities: vision does not bind)
     sug = suggest_capacities(index, 32768, MERGE_AREA, SUBSAMPLE, match_llm=True)
@@ -353,7 +353,7 @@ def test_pack_phase_rounds_place_about_one_item_per_bin(monkeypatch):
     step of the omni mix at 512 devices takes ~35 rounds for 47 items a bin (the rounds that
     gave one item only to the bins above the top bin's next want took 96), with every bin
     full and attention within 1%."""
-    from jaxmllm.data import balancer
+    from jaxmllm.plan import balancer
 
     llm = synthetic_omni(30000, seed=5).llm_tokens(4, 4)
     bins, cap = 512, 36864
@@ -465,7 +465,7 @@ def test_equal_tiles_fill_whole_buckets():
 
 def test_capacity_suggestion_matches_modality_demands():
     """The LLM length may move one ladder step if that brings the phases' demands closer."""
-    from jaxmllm.data.capacity import _encoder_caps
+    from jaxmllm.plan.capacity import _encoder_caps
 
     index = synthetic_omni(4000, seed=2)
     llm = index.llm_tokens(MERGE_AREA, SUBSAMPLE)

@@ -48,15 +48,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxmllm.data.planner import (
-    Capacities,
-    ItemPlan,
-    OversizeError,
-    SampleStream,
-    StepPlan,
-    check_fits,
-)
 from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.plan.contract import Capacities, ItemPlan, OversizeError, StepPlan, check_fits
+from jaxmllm.plan.ragged import (
+    argsort_stable,
+    compact_keys,
+    desc_order,
+    gather_items,
+    offsets_in_bins,
+    run_cumsum,
+    smallest,
+    stable_sort,
+)
+from jaxmllm.plan.stream import SampleStream
 
 ENC = ("vision", "audio")
 BIG = 0.003  # items with size**2 above this share of a bin's attention budget go in rounds
@@ -69,98 +73,6 @@ BINDING = 0.98  # phases whose long-run demand is within 2% of the largest one's
 SWAP_SHORT = 0.02  # a phase this far below what it may take trades samples (_swap)
 MANY_BUCKETS = 128  # beyond this many buckets the planner works coarser (see __init__)
 HEADROOM = 1 / 3  # a non-binding phase's microbatch takes <= its share + this of the rest
-
-
-def gather_items(ptr: np.ndarray, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Items of `samples` in a ragged array: (owner position, item number, flat index)."""
-    first = ptr[samples]
-    cnt = ptr[1:][samples] - first  # (no samples + 1 to build, ptr[samples] taken once)
-    owner = np.repeat(np.arange(len(samples)), cnt)
-    start = np.cumsum(cnt)
-    start -= cnt
-    j = np.arange(len(owner)) - start[owner]
-    return owner, j, first[owner] + j
-
-
-def offsets_in_bins(bins: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """First unit of each item when the items of a bin are laid out in their given order."""
-    order = argsort_stable(bins, int(bins.max(initial=0)) + 1)
-    s = sizes[order]
-    cum = np.cumsum(s)
-    cum -= s
-    cnt = np.bincount(bins) if len(bins) else np.zeros(0, np.int64)
-    first = np.cumsum(cnt)
-    first -= cnt  # (each bin's first position in the order; empty bins take none)
-    cum -= np.repeat(cum[np.minimum(first, max(len(cum) - 1, 0))], cnt)
-    out = np.empty(len(bins), np.int64)
-    out[order] = cum
-    return out
-
-
-def argsort_stable(keys: np.ndarray, top: int) -> np.ndarray:
-    """Stable argsort of non-negative integer keys below `top` (see stable_sort)."""
-    return stable_sort(keys, top, want_keys=False)[0]
-
-
-def stable_sort(
-    keys: np.ndarray, top: int, want_keys: bool = True
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """(stable argsort, sorted keys) of non-negative integer keys below `top`.
-
-    One sort of the unique values key * 2**b + position (2**b >= n), in 32 bits where they
-    fit: numpy's SIMD sort of 32-bit integers is ~3x faster here than its radix sort of
-    16-bit keys (64k keys: 0.33 vs 0.98 ms) and than the same sort in 64 bits, whose
-    temporaries cost twice the fresh memory; shifts and masks split the values again."""
-    n = len(keys)
-    b = max(n - 1, 1).bit_length()
-    if n < 2048 and top <= 1 << 16:  # (few keys: the radix sort costs least)
-        order = np.argsort(keys.astype(np.uint16), kind="stable")
-        return order, keys[order] if want_keys else None
-    if top <= 1 << (32 - b):
-        dtype = np.int32 if top <= 1 << (31 - b) else np.uint32
-    elif top < 1 << (62 - b):
-        dtype = np.int64
-    else:
-        order = np.argsort(keys, kind="stable")
-        return order, keys[order] if want_keys else None
-    v = keys.astype(dtype)
-    v <<= b
-    v |= np.arange(n, dtype=dtype)
-    v.sort()
-    k = (v >> b).astype(np.int64) if want_keys else None
-    v &= (1 << b) - 1
-    return v.astype(np.int64), k
-
-
-def run_cumsum(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """For sorted `keys`, the running sum of `values` within each run of equal keys (each
-    element's own value included)."""
-    n = len(keys)
-    if n == 0:
-        return np.zeros(0, values.dtype)
-    new = np.empty(n, bool)
-    new[0] = True
-    np.not_equal(keys[1:], keys[:-1], out=new[1:])
-    first = np.maximum.accumulate(np.where(new, np.arange(n), 0))
-    cum = np.cumsum(values)
-    return cum - (cum[first] - values[first])
-
-
-def _compact(keys: np.ndarray) -> np.ndarray:
-    """The same non-negative keys in a 16-bit type when they fit (numpy radix-sorts those)."""
-    if len(keys) and 0 <= keys.min() and keys.max() < 1 << 16:
-        return keys.astype(np.uint16)
-    return keys
-
-
-def desc_order(sizes: np.ndarray, first: np.ndarray | None = None) -> np.ndarray:
-    """Positions by size, largest first, the `first` ones before all others (stable)."""
-    top = int(sizes.max(initial=0))
-    key = top - sizes
-    if first is not None and first.any():
-        key += np.where(first, 0, top + 1)  # (the first ones ahead, as one sort)
-        top = 2 * top + 1
-    return argsort_stable(key, top + 1)
 
 
 def size_class(sizes: np.ndarray) -> np.ndarray:
@@ -346,7 +258,7 @@ def _round(order, pos, end, sizes, sq, load, quad, cap, qstar, out, urgent, home
     key /= np.maximum(free, 1)  # minus the item size the bin wants
     if n_closed:
         key[closed] = np.inf
-    ranked = _smallest(key, n_open)  # open bins, wanting the biggest first
+    ranked = smallest(key, n_open)  # open bins, wanting the biggest first
     if urgent:
         bins = ranked[: end - pos]
         first_layer = len(bins)
@@ -369,7 +281,7 @@ def _round(order, pos, end, sizes, sq, load, quad, cap, qstar, out, urgent, home
         else:  # layers: one item to each bin by want, then a second to those that take two...
             rep = np.repeat(np.arange(first_layer), count)
             layer = np.arange(len(rep)) - np.repeat(np.cumsum(count) - count, count)
-            bins = ranked[rep[np.argsort(_compact(layer), kind="stable")]]
+            bins = ranked[rep[np.argsort(compact_keys(layer), kind="stable")]]
             bins = bins[: min(end - pos, max(fill * n_open, first_layer))]
         first_layer = min(first_layer, len(bins))
     take = order[pos : pos + len(bins)]
@@ -420,24 +332,6 @@ def _deal(neg_want, free, s, budget_top, fill):
     c = x.astype(np.int64)
     np.minimum(c, free[:k] // s, out=c)
     return np.maximum(c, 1, out=c)  # (open bins have room for one; float edge cases)
-
-
-def _smallest(key: np.ndarray, k: int) -> np.ndarray:
-    """Positions of the k smallest keys (no NaN) in stable order: the first k of a stable
-    argsort, without sorting all of them when k is small (np.partition only finds the k-th
-    value, which is the same on every machine). Many keys may tie, as _swap's ratios (most
-    samples have none of the short phase: 0): when k of them tie at the smallest value, the
-    first k of those (in index order); else the ones below the k-th value sorted, then the
-    first of the ones tied at it, instead of sorting all the tied ones."""
-    if not len(key) or 2 * k >= len(key):
-        return np.argsort(key, kind="stable")[:k]
-    low = np.flatnonzero(key == key.min())
-    if len(low) >= k:
-        return low[:k]
-    kth = np.partition(key, k - 1)[k - 1]
-    below = np.flatnonzero(key < kth)
-    below = below[np.argsort(key[below], kind="stable")]
-    return np.concatenate([below, np.flatnonzero(key == kth)[: k - len(below)]])
 
 
 def _prefer_home(bins: np.ndarray, s: np.ndarray, home: np.ndarray, nb: int) -> np.ndarray:
@@ -612,7 +506,7 @@ class BalancedPlanner:
         self.micro_cap = np.where(nonbinding, self.share + HEADROOM * (1 - self.share), 1.0)
         self.cursor, self.step = 0, 0
         self.deferred = np.zeros((0, 2), np.int64)  # (sample, stream step it was pulled at)
-        self.last_ages = np.zeros(0, np.int64)
+        self.ages = np.zeros(0, np.int64)
 
     def _check(self, index: LengthsIndex, caps: Capacities) -> None:
         check_fits(index, caps)
@@ -797,11 +691,11 @@ class BalancedPlanner:
         others = np.where((np.arange(len(full)) != p) & (full > 0), 1.0 / np.maximum(full, 1), 0)
         k = min(len(add), int(4 * left[p] / max(float(work[p, add].mean()), 1.0)) + 16)
         wa = np.take(work, add, axis=1)
-        add = add[_smallest(-wa[p] / np.maximum(others @ wa, 1e-12), k)]
+        add = add[smallest(-wa[p] / np.maximum(others @ wa, 1e-12), k)]
         wa = np.cumsum(np.take(work, add, axis=1), 1)  # [phase, adds]
         k = min(len(rem), int(4 * wa[q, -1] / max(float(work[q, rem].mean()), 1.0)) + 16)
         wr = np.take(work, rem, axis=1)
-        rem = rem[_smallest(wr[p] / np.maximum(others @ wr, 1e-12), k)]
+        rem = rem[smallest(wr[p] / np.maximum(others @ wr, 1e-12), k)]
         wr = np.zeros((len(work), len(rem) + 1), work.dtype)
         np.cumsum(np.take(work, rem, axis=1), 1, out=wr[:, 1:])  # [phase, removals]
         # per count of adds, the fewest removals that make room in q
@@ -924,7 +818,7 @@ class BalancedPlanner:
         pos_of = np.empty(len(samples), np.int64)  # (entries are distinct pool positions)
         pos_of[e] = np.arange(len(e))
         dev, row = np.divmod(rb, r_n)
-        self.last_ages = step - since[e]
+        self.ages = step - since[e]
         plans = {}
         for p in ENC:
             if not any(mb.items[p] for mb in micros):
@@ -1149,66 +1043,3 @@ def keep_capacity(
     load += delta.astype(load.dtype)  # (exact: integer sums far below 2**53)
     quad += np.bincount(nm, sq, nb) - np.bincount(om, sq, nb)
     return new
-
-
-def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
-    """Raises ValueError unless the plan honours the contract (capacities, no overlap, every
-    item of every planned sample placed once, items local or within the route capacity)."""
-    d_n, r_n, row_len = caps.devices, caps.llm_rows, caps.llm_row_len
-    llm = index.llm_tokens(caps.merge_area, caps.subsample)[plan.samples]
-    if (
-        len(plan.samples)
-        and (
-            (plan.micro < 0)
-            | (plan.micro >= caps.microbatches)
-            | (plan.device < 0)
-            | (plan.device >= d_n)
-            | (plan.row < 0)
-            | (plan.row >= r_n)
-        ).any()
-    ):
-        raise ValueError(f"step {plan.step}: a sample outside the [M, D, R] buckets")
-    key = (plan.micro * d_n + plan.device) * r_n + plan.row
-    _check_segments(plan.step, "llm", key, plan.offset, llm, row_len)
-    for p, values, ptr, cap, per in (
-        ("vision", index.images, index.images_ptr, caps.vision_patches, caps.merge_area),
-        ("audio", index.audio, index.audio_ptr, caps.audio_frames, caps.subsample),
-    ):
-        it: ItemPlan = getattr(plan, p)
-        want = ptr[plan.samples + 1] - ptr[plan.samples]
-        got = np.bincount(it.owner, minlength=len(plan.samples)) if len(it.owner) else want * 0
-        uniq = len(np.unique(it.owner * (int(want.max(initial=0)) + 1) + it.item))
-        if (got != want).any() or uniq != len(it.owner) or (it.item >= want[it.owner]).any():
-            raise ValueError(f"step {plan.step}: {p} items of planned samples not placed once")
-        if not len(it.owner):
-            continue
-        size = values[ptr[plan.samples[it.owner]] + it.item]
-        micro = plan.micro[it.owner]
-        _check_segments(plan.step, p, micro * d_n + it.device, it.offset, size, cap)
-        if (it.offset % per).any():
-            raise ValueError(f"step {plan.step}: {p} item offsets must be multiples of {per}")
-        home = plan.device[it.owner]
-        remote = it.device != home
-        if caps.route_pair_capacity == 0:
-            if remote.any():
-                raise ValueError(f"step {plan.step}: {p} item away from its text, no routing")
-            continue
-        pair = (micro * d_n + it.device) * d_n + home
-        _, inv = np.unique(pair[remote], return_inverse=True)
-        if remote.any() and np.bincount(inv, size[remote] // per).max() > caps.route_pair_capacity:
-            raise ValueError(
-                f"step {plan.step}: {p} rows between two devices exceed "
-                f"route_pair_capacity={caps.route_pair_capacity}"
-            )
-
-
-def _check_segments(
-    step: int, what: str, key: np.ndarray, start: np.ndarray, size: np.ndarray, cap: int
-) -> None:
-    end = start + size
-    if len(key) and ((start < 0) | (end > cap)).any():
-        raise ValueError(f"step {step}: {what} capacity {cap} exceeded")
-    o = np.lexsort((start, key))
-    same = key[o][1:] == key[o][:-1]
-    if (start[o][1:][same] < end[o][:-1][same]).any():
-        raise ValueError(f"step {step}: {what} segments overlap")
