@@ -13,26 +13,17 @@ from hypothesis import strategies as st
 from jaxmllm.bench.mixes import from_arrays, synthetic_omni
 from jaxmllm.config import ModelConfig, load_config
 from jaxmllm.data.cost import CostModel
-from jaxmllm.plan.balancer import (
-    BalancedPlanner,
-    OrchestratedPlanner,
-    keep_capacity,
-    localize,
-    pack_phase,
-    size_class,
-)
-from jaxmllm.plan.baselines import GrainPlanner, NaivePlanner
+from jaxmllm.plan import pack
+from jaxmllm.plan.balancer import MANY_BUCKETS
 from jaxmllm.plan.capacity import ladder_values, suggest_capacities
 from jaxmllm.plan.contract import Capacities, OversizeError, check_plan
+from jaxmllm.plan.pack import pack_phase, size_class
+from jaxmllm.plan.registry import PLANNERS
+from jaxmllm.plan.route import keep_capacity, localize
+from jaxmllm.plan.select import BINDING, HEADROOM, Selector
 from jaxmllm.plan.stream import SampleStream
 
 MERGE_AREA, SUBSAMPLE = 4, 4
-PLANNERS = {
-    "orchestrated": OrchestratedPlanner,
-    "balanced": BalancedPlanner,
-    "naive": NaivePlanner,
-    "grain": GrainPlanner,
-}
 SETTINGS = settings(
     max_examples=25,
     deadline=None,
@@ -156,14 +147,11 @@ def test_orchestrated_needs_routing_and_balances_better():
     sug = suggest_capacities(index, 8192, MERGE_AREA, SUBSAMPLE)
     unrouted = suggested_caps(sug, 8, 0)
     with pytest.raises(OversizeError, match="route_pair_capacity"):
-        OrchestratedPlanner(index, unrouted, 0)
+        PLANNERS["orchestrated"](index, unrouted, 0)
     caps = suggested_caps(sug, 8, sug.vision_patches // MERGE_AREA)
     fills = {}
-    for name, cls, c in (
-        ("orchestrated", OrchestratedPlanner, caps),
-        ("naive", NaivePlanner, unrouted),
-    ):
-        planner = cls(index, c, 0)
+    for name, c in (("orchestrated", caps), ("naive", unrouted)):
+        planner = PLANNERS[name](index, c, 0)
         work = 0
         for plan in run(planner, 8):
             check_plan(plan, index, c)
@@ -178,16 +166,14 @@ def test_many_buckets_contract_and_coarser_window(route):
     plans still honour every capacity and route, every pulled sample is planned once or
     waits, and no sample waits longer than max_age (2 x 80 devices, omni-like data, with a
     route capacity of a whole device's output and with the largest item's rows)."""
-    from jaxmllm.plan import balancer
-
     index = synthetic_omni(6000, seed=3)
     sug = suggest_capacities(index, 4096, MERGE_AREA, SUBSAMPLE)
     route_rows = sug.vision_patches // MERGE_AREA
     tight = max(index.images.max() // MERGE_AREA, index.audio.max() // SUBSAMPLE)  # (largest)
     caps = suggested_caps(sug, 80, route_rows if route == "whole" else tight)
-    planner = OrchestratedPlanner(index, caps, seed=1)
-    assert 2 * 80 > balancer.MANY_BUCKETS and not planner.slack_pass
-    assert planner.lookahead == pytest.approx(0.5 * (balancer.MANY_BUCKETS / 160) ** 0.5)
+    planner = PLANNERS["orchestrated"](index, caps, 1)
+    assert 2 * 80 > MANY_BUCKETS and not planner.slack_pass
+    assert planner.lookahead == pytest.approx(0.5 * (MANY_BUCKETS / 160) ** 0.5)
     planned = Counter()
     for plan in run(planner, 10):
         check_plan(plan, index, caps)
@@ -201,15 +187,13 @@ def test_nonbinding_phase_takes_its_share_of_each_microbatch():
     """A phase that does not bind (omni's vision) takes at most its long-run share of a
     microbatch plus a third of the rest, so that the next microbatch is not left short of
     it; the binding phases may fill their capacity."""
-    from jaxmllm.plan.balancer import BINDING, HEADROOM
-
     index = synthetic_omni()  # (the bench's omni mix and capacities: vision does not bind)
     sug = suggest_capacities(index, 32768, MERGE_AREA, SUBSAMPLE, match_llm=True)
     caps = suggested_caps(sug, 8, sug.vision_patches // MERGE_AREA)
-    planner = OrchestratedPlanner(index, caps, seed=0)
-    share = planner.share
-    assert share[1] < BINDING and (planner.micro_cap[[0, 2]] == 1).all()
-    assert planner.micro_cap[1] == pytest.approx(share[1] + HEADROOM * (1 - share[1]))
+    planner = PLANNERS["orchestrated"](index, caps, 0)
+    share, micro_cap = planner.selector.share, planner.selector.micro_cap
+    assert share[1] < BINDING and (micro_cap[[0, 2]] == 1).all()
+    assert micro_cap[1] == pytest.approx(share[1] + HEADROOM * (1 - share[1]))
     vision = index.per_sample_sum(index.images, index.images_ptr)
     for plan in run(planner, 6):
         check_plan(plan, index, caps)
@@ -217,7 +201,7 @@ def test_nonbinding_phase_takes_its_share_of_each_microbatch():
             took = vision[plan.samples[plan.micro == m]].sum()
             # (the first selection keeps to the cap, the slack pass adds a sliver: here <= 0.2%;
             # without the cap the first microbatch takes up to 99.7% and the second 94%)
-            assert took <= (planner.micro_cap[1] + 0.005) * 8 * caps.vision_patches
+            assert took <= (micro_cap[1] + 0.005) * 8 * caps.vision_patches
 
 
 def test_routing_tables_are_a_bijection():
@@ -353,14 +337,12 @@ def test_pack_phase_rounds_place_about_one_item_per_bin(monkeypatch):
     step of the omni mix at 512 devices takes ~35 rounds for 47 items a bin (the rounds that
     gave one item only to the bins above the top bin's next want took 96), with every bin
     full and attention within 1%."""
-    from jaxmllm.plan import balancer
-
     llm = synthetic_omni(30000, seed=5).llm_tokens(4, 4)
     bins, cap = 512, 36864
     sizes = llm[: int(np.searchsorted(np.cumsum(llm), 0.995 * bins * cap))]
     rounds = []
-    real = balancer._round
-    monkeypatch.setattr(balancer, "_round", lambda *a: rounds.append(1) or real(*a))
+    real = pack.pack_round
+    monkeypatch.setattr(pack, "pack_round", lambda *a: rounds.append(1) or real(*a))
     load, quad = np.zeros(bins, np.int64), np.zeros(bins)
     out, _ = pack_phase(sizes, load, quad, cap)
     placed = out >= 0
@@ -383,16 +365,16 @@ def test_selection_trades_text_for_a_short_binding_phase(monkeypatch):
     order = np.concatenate([np.arange(18), np.arange(200, 400), np.arange(18, 200)])
 
     def audio_of_first_plan():
-        planner = OrchestratedPlanner(index, caps, seed=0, lookahead=0.25)
+        planner = PLANNERS["orchestrated"](index, caps, 0, lookahead=0.25)
         planner.stream.take = lambda start, count: order[start : start + count]
         plan = planner.plan()
         check_plan(plan, index, caps)
         pool = len(plan.samples) + len(planner.deferred)
         assert len(np.unique(np.concatenate([plan.samples, planner.deferred[:, 0]]))) == pool
-        return planner.work[plan.samples].sum(0)
+        return planner.phases.work[plan.samples].sum(0)
 
     got = audio_of_first_plan()
-    monkeypatch.setattr(OrchestratedPlanner, "_swap", lambda *a: None)
+    monkeypatch.setattr(Selector, "swap", lambda *a: None)
     without = audio_of_first_plan()
     assert (without[2], got[2]) == (400, 1600)  # (the window: 4 clips behind 18 chats)
     assert got[0] <= 4 * 1024 and got[0] >= 0.9 * without[0]
@@ -457,7 +439,7 @@ def test_equal_tiles_fill_whole_buckets():
     tiles, devices, n = 112, 8, 2000
     index = from_arrays(np.full(n, 8), [np.array([1024])] * n, [np.zeros(0, np.int64)] * n)
     caps = Capacities(1, devices, 1, 1 << 16, tiles * 1024, 0, 4, 4, tiles * 256)
-    plan = OrchestratedPlanner(index, caps, seed=0).plan()
+    plan = PLANNERS["orchestrated"](index, caps, 0).plan()
     check_plan(plan, index, caps)
     per_device = np.bincount(plan.vision.device, minlength=devices)
     assert per_device.max() == tiles and per_device.min() >= tiles - 1

@@ -6,18 +6,21 @@ The top of `jaxmllm.plan`: it imports the implementations, nothing here imports 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from jaxmllm.data.samples import LengthsIndex
-from jaxmllm.plan.balancer import BalancedPlanner, OrchestratedPlanner
+from jaxmllm.plan.assign import JointAssignment, RoutedAssignment
+from jaxmllm.plan.balancer import Balancer
 from jaxmllm.plan.baselines import FirstFitPlanner, GrainPlanner, NaivePlanner
 from jaxmllm.plan.contract import Capacities, Planner
 
 PlannerFactory = Callable[[LengthsIndex, Capacities, int], Planner]
 
-# name -> factory(index, caps, seed)
+# name -> factory(index, caps, seed); the balancer's take keyword arguments too (max_age,
+# lookahead)
 PLANNERS: dict[str, PlannerFactory] = {
-    "orchestrated": OrchestratedPlanner,
-    "balanced": BalancedPlanner,
+    "orchestrated": partial(Balancer, assignment=RoutedAssignment()),
+    "balanced": partial(Balancer, assignment=JointAssignment()),
     "grain": GrainPlanner,
     "naive": NaivePlanner,
     "first_fit": FirstFitPlanner,
