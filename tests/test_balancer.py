@@ -15,6 +15,7 @@ from jaxmllm.config import ModelConfig, load_config
 from jaxmllm.data.cost import CostModel
 from jaxmllm.plan import pack
 from jaxmllm.plan.balancer import MANY_BUCKETS
+from jaxmllm.plan.bins import Loads
 from jaxmllm.plan.capacity import ladder_values, suggest_capacities
 from jaxmllm.plan.contract import Capacities, OversizeError, check_plan
 from jaxmllm.plan.pack import pack_phase, size_class
@@ -322,7 +323,7 @@ def test_pack_phase_equalises_fill_and_attention():
     load, quad = np.zeros(bins, np.int64), np.zeros(bins)
     first = np.zeros(len(sizes), bool)
     first[:5] = True
-    out, group = pack_phase(sizes, load, quad, cap, first)
+    out, group = pack_phase(sizes, Loads(load, quad), cap, first)
     assert (out[:5] >= 0).all()  # urgent ones always placed
     placed = out >= 0
     assert np.array_equal(np.bincount(out[placed], sizes[placed], bins), load)
@@ -344,7 +345,7 @@ def test_pack_phase_rounds_place_about_one_item_per_bin(monkeypatch):
     real = pack.pack_round
     monkeypatch.setattr(pack, "pack_round", lambda *a: rounds.append(1) or real(*a))
     load, quad = np.zeros(bins, np.int64), np.zeros(bins)
-    out, _ = pack_phase(sizes, load, quad, cap)
+    out, _ = pack_phase(sizes, Loads(load, quad), cap)
     placed = out >= 0
     assert np.array_equal(np.bincount(out[placed], sizes[placed], bins), load)
     assert load.max() <= cap and load.sum() >= 0.99 * sizes.sum()
@@ -389,7 +390,7 @@ def test_small_encoder_items_sit_at_home_up_to_their_share():
     home = rng.integers(0, bins, len(sizes))
     cap = int(sizes.sum() / bins / 0.97)
     load, quad = np.zeros(bins, np.int64), np.zeros(bins)
-    out, group = pack_phase(sizes, load, quad, cap, home=home)
+    out, group = pack_phase(sizes, Loads(load, quad), cap, home=home)
     placed = out >= 0
     assert placed.all() and load.max() <= cap and load.min() >= 0.96 * cap
     frames = sizes == 256
@@ -413,7 +414,7 @@ def test_localize_keeps_each_device_load_and_brings_items_home():
     quad = np.bincount(dev, size**2.0, devices)
     cap = int(load.max())
     new = localize(size_class(size), dev, home, devices)
-    kept = keep_capacity(size_class(size), new, dev, size, load, quad, cap)
+    kept = keep_capacity(size_class(size), new, dev, size, Loads(load, quad), cap)
     assert load.max() <= cap
     assert np.array_equal(np.bincount(kept, size, devices), load)
     assert np.allclose(np.bincount(kept, size**2.0, devices), quad)

@@ -72,8 +72,8 @@ class JointAssignment:
         norm = np.where(cap > 0, w / np.maximum(cap, 1), 0).max(1)
         order = np.lexsort((-norm, ~urgent))
         out = np.full(len(s), -1, np.int64)
-        rows2 = mb.rows.reshape(d_n, r_n)
-        enc = np.stack([mb.enc["vision"], mb.enc["audio"]], 1)  # [D, 2] (copy, written back)
+        rows2 = mb.rows.units.reshape(d_n, r_n)
+        enc = np.stack([mb.enc["vision"].units, mb.enc["audio"].units], 1)  # [D, 2] (written back)
         for start in range(0, len(s), d_n):
             idx = order[start : start + d_n]
             dev_load = np.concatenate([rows2.sum(1, keepdims=True), enc], 1)
@@ -99,7 +99,7 @@ class JointAssignment:
             rows2[d, r[d]] += w[i, 0]
             enc[d] += w[i, 1:]
             out[i] = d * r_n + r[d]
-        mb.enc["vision"][:], mb.enc["audio"][:] = enc[:, 0], enc[:, 1]
+        mb.enc["vision"].units[:], mb.enc["audio"].units[:] = enc[:, 0], enc[:, 1]
         return out
 
     def items(self, ph, mb, rows, items, urgent, ok):
@@ -152,7 +152,7 @@ class RoutedAssignment:
 
     def samples(self, ph: Phases, mb: Micro, s: np.ndarray, urgent: np.ndarray) -> np.ndarray:
         """The LLM phase on its own: samples to rows (bins of llm_row_len)."""
-        rows, _ = pack_phase(ph.llm[s], mb.rows, mb.rows_q, ph.caps.llm_row_len, urgent)
+        rows, _ = pack_phase(ph.llm[s], mb.rows, ph.caps.llm_row_len, urgent)
         return rows
 
     def items(self, ph, mb, rows, items, urgent, ok):
@@ -165,12 +165,7 @@ class RoutedAssignment:
             group = np.full(len(owner), -1, np.int64)
             sel = np.flatnonzero(ok[owner])
             dev[sel], group[sel] = pack_phase(
-                size[sel],
-                mb.enc[p],
-                mb.enc_q[p],
-                ph.cap[p],
-                urgent[owner[sel]],
-                home_all[owner[sel]],
+                size[sel], mb.enc[p], ph.cap[p], urgent[owner[sel]], home_all[owner[sel]]
             )
             ok[owner[sel[dev[sel] < 0]]] = False
             devs[p], groups[p] = dev, group
@@ -181,9 +176,7 @@ class RoutedAssignment:
             home = home_all[owner[keep]]
             old = dev[keep]
             new = localize(groups[p][keep], old, home, ph.caps.devices)
-            dev[keep] = keep_capacity(
-                groups[p][keep], new, old, size[keep], mb.enc[p], mb.enc_q[p], ph.cap[p]
-            )
+            dev[keep] = keep_capacity(groups[p][keep], new, old, size[keep], mb.enc[p], ph.cap[p])
             over = mb.routes[p].overflow(size[keep], dev[keep], home)
             ok[owner[keep[over]]] = False
         for p in ENC:  # record the routed rows of what is finally kept

@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.plan.assign import Assignment
+from jaxmllm.plan.bins import quad_cost
 from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
 from jaxmllm.plan.ragged import gather_items, offsets_in_bins
 from jaxmllm.plan.select import Selector
@@ -145,14 +146,14 @@ class Balancer:
         ok, devs = self.assignment.items(ph, mb, rows, items, urgent[entries], ok)
         # Roll back the samples that did not get all their parts.
         bad = np.flatnonzero(~ok & (rows >= 0))
-        np.subtract.at(mb.rows, rows[bad], ph.llm[s[bad]])
-        np.subtract.at(mb.rows_q, rows[bad], ph.llm[s[bad]].astype(np.float64) ** 2)
+        np.subtract.at(mb.rows.units, rows[bad], ph.llm[s[bad]])
+        np.subtract.at(mb.rows.quad, rows[bad], quad_cost(ph.llm[s[bad]]))
         for p in ENC:
             owner, j, size = items[p]
             dev = devs[p]
             drop = ~ok[owner] & (dev >= 0)
-            np.subtract.at(mb.enc[p], dev[drop], size[drop])
-            np.subtract.at(mb.enc_q[p], dev[drop], size[drop].astype(np.float64) ** 2)
+            np.subtract.at(mb.enc[p].units, dev[drop], size[drop])
+            np.subtract.at(mb.enc[p].quad, dev[drop], quad_cost(size[drop]))
             keep = ok[owner]
             mb.items[p].append((entries[owner[keep]], j[keep], size[keep], dev[keep]))
         mb.entries.append(entries[ok])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxmllm.plan.bins import Loads, Packing, quad_cost
 from jaxmllm.plan.ragged import argsort_stable, desc_order, run_cumsum
 from jaxmllm.plan.rounds import pack_round
 
@@ -56,8 +57,7 @@ def _class_lut(top: int) -> np.ndarray:
 
 def pack_phase(
     sizes: np.ndarray,
-    load: np.ndarray,
-    quad: np.ndarray,
+    loads: Loads,
     cap: int,
     first: np.ndarray | None = None,
     home: np.ndarray | None = None,
@@ -66,7 +66,7 @@ def pack_phase(
 
     Args:
       sizes: item sizes.
-      load, quad: per bin, units and sum of squared item sizes already there (updated in place).
+      loads: per bin, units and quadratic cost already there (updated in place).
       cap: bin capacity.
       first: items to place before all others (urgent ones), wherever they fit.
       home: per item, the bin it would rather sit in (its text's device), or None: within a
@@ -77,13 +77,14 @@ def pack_phase(
       are within about SIZE_TOL in size, so they may trade bins at almost no cost; -1 for the
       few placed one by one at the end, and for those that did not fit).
     """
-    n, nb = len(sizes), len(load)
+    n, nb = len(sizes), len(loads.units)
     out = np.full(n, -1, np.int64)
     if n == 0:
         return out, out.copy()
-    sq = sizes.astype(np.float64) ** 2
-    placeable = min(1.0, float((cap - load).sum()) / max(float(sizes.sum()), 1.0))
-    qstar = (float(quad.sum()) + placeable * float(sq.sum())) / nb  # each bin's final share
+    sq = quad_cost(sizes)
+    placeable = min(1.0, float((cap - loads.units).sum()) / max(float(sizes.sum()), 1.0))
+    qstar = (float(loads.quad.sum()) + placeable * float(sq.sum())) / nb  # each bin's share
+    pk = Packing(sizes, sq, home, loads, cap, qstar, out)
     order = desc_order(sizes, first)
     n_first = int(first.sum()) if first is not None else 0
     # Rounds for the urgent and the big items, largest first.
@@ -97,9 +98,9 @@ def pack_phase(
         urgent = pos < n_first
         end = n_first if urgent else big_end
         start = pos
-        pos = pack_round(order, pos, end, sizes, sq, load, quad, cap, qstar, out, urgent, home)
+        pos = pack_round(pk, order, pos, end, urgent)
         if pos == start:  # none fits the next item: all bigger than the most room fail at once
-            room = int((cap - load).max())
+            room = int((cap - loads.units).max())
             pos = start + max(int(np.searchsorted(neg_sorted[start:end], -room, "left")), 1)
             failed.append(order[start:pos])
         elif pos < 0:  # few bins have room left: the last ones fill the gaps (_fit_rest)
@@ -110,14 +111,14 @@ def pack_phase(
     rest = order[big_end:]
     at_home, room = None, cap
     if home is not None and len(rest):
-        free = cap - load
+        free = cap - loads.units
         share = free * min(1.0, float(sizes[rest].sum()) / max(float(free.sum()), 1.0))
-        target = np.minimum(cap, np.ceil(load + share).astype(np.int64))
-        at_home = _home_small(rest, sizes, sq, home, share, load, quad, out)
+        target = np.minimum(cap, np.ceil(loads.units + share).astype(np.int64))
+        at_home = _home_small(pk, rest, share)
         rest = rest[~at_home]
         room = target  # (the passes fill each bin up to the same share of its room: the bins
         # whose own items took less of it get more of the others)
-    s_rest, sq_rest = sizes[rest], sq[rest]
+    s_rest = sizes[rest]
     vol = np.cumsum(s_rest)
     start = 0
     # (about a bin's share of items a pass at least: a few items need no 8 passes)
@@ -127,7 +128,7 @@ def pack_phase(
         bound = done - (done - int(vol[-1])) // p
         k = len(rest) if p == 1 else start + int(np.searchsorted(vol[start:], bound)) + 1
         chunk = rest[start:k]
-        ok = _cut(chunk, s_rest[start:k], sq_rest[start:k], load, quad, room, qstar, out)
+        ok = _cut(pk, chunk, s_rest[start:k], room)
         failed.append(chunk[~ok])
         start = k
     group = np.where(out >= 0, size_class(sizes), -1)
@@ -135,12 +136,12 @@ def pack_phase(
         group[order[big_end:][at_home]] = -1  # (at home: nothing to gain from a trade)
     if failed:
         late = np.concatenate(failed)
-        _fit_rest(late, sizes, sq, load, quad, cap, out, max(16, -(-len(late) // nb) + 4))
+        _fit_rest(pk, late, max(16, -(-len(late) // nb) + 4))
         group[late] = -1
     return out, group
 
 
-def _home_small(rest, sizes, sq, home, share, load, quad, out) -> np.ndarray:
+def _home_small(pk: Packing, rest: np.ndarray, share: np.ndarray) -> np.ndarray:
     """Places small items (`rest`, largest first) in their home bin, each bin taking at most
     `share` of them (per bin: the same share of its room as the passes would give it);
     returns the mask (over `rest`) of those placed.
@@ -148,29 +149,26 @@ def _home_small(rest, sizes, sq, home, share, load, quad, out) -> np.ndarray:
     For items this small the passes' order by want hardly moves the attention balance, and
     most of them (video frames, small images, short clips) can sit at home: their encoder
     rows then need no exchange, and localize need not trade them (a sort of every item)."""
-    h = home[rest]
-    s = sizes[rest]
-    o = argsort_stable(h, len(load))  # by home, largest first within it
+    h = pk.home[rest]
+    s = pk.sizes[rest]
+    o = argsort_stable(h, len(share))  # by home, largest first within it
     hs, ss = h[o], s[o]
     fits = run_cumsum(hs, ss) <= share[hs]
     at = np.empty(len(rest), bool)
     at[o] = fits
-    idx, hb = rest[at], h[at]
-    out[idx] = hb
-    load += np.bincount(hb, sizes[idx], len(load)).astype(load.dtype)  # (exact)
-    quad += np.bincount(hb, sq[idx], len(load))
+    pk.place(rest[at], h[at], distinct=False)
     return at
 
 
-def _cut(chunk, s, s_sq, load, quad, cap, qstar, out) -> np.ndarray:
-    """Lays out `chunk` (largest first; sizes `s`, squares `s_sq`) as contiguous runs over the
-    bins in order of the item size they want, each run proportional to the bin's room; returns
-    the mask of items placed (an item past its bin's room is not)."""
-    nb = len(load)
+def _cut(pk: Packing, chunk: np.ndarray, s: np.ndarray, room: int | np.ndarray) -> np.ndarray:
+    """Lays out `chunk` (largest first; sizes `s`) as contiguous runs over the bins in order of
+    the item size they want, each run proportional to the bin's room (up to `room` units, per
+    bin or for all); returns the mask of items placed (an item past its bin's room is not)."""
+    nb = len(pk.loads.units)
     if not len(s):
         return np.zeros(0, bool)
-    free = cap - load
-    want = (qstar - quad) / np.maximum(free, 1)
+    free = room - pk.loads.units
+    want = (pk.qstar - pk.loads.quad) / np.maximum(free, 1)
     border = np.argsort(-want, kind="stable")
     frac = min(1.0, float(s.sum()) / max(float(free.sum()), 1.0))
     ends = np.cumsum(free[border] * frac)
@@ -187,29 +185,23 @@ def _cut(chunk, s, s_sq, load, quad, cap, qstar, out) -> np.ndarray:
     b = np.repeat(border, count)
     ok = within <= free[b]
     if ok.all():
-        out[chunk] = b
-        load += np.bincount(b, s, nb).astype(load.dtype)  # (exact: sums far below 2**53)
-        quad += np.bincount(b, s_sq, nb)
-        return ok
-    b = b[ok]
-    out[chunk[ok]] = b
-    load += np.bincount(b, s[ok], nb).astype(load.dtype)
-    quad += np.bincount(b, s_sq[ok], nb)
+        pk.place(chunk, b, distinct=False, sizes=s)
+    else:
+        pk.place(chunk[ok], b[ok], distinct=False, sizes=s[ok])
     return ok
 
 
-def _fit_rest(idx, sizes, sq, load, quad, cap, out, rounds: int = 16) -> None:
+def _fit_rest(pk: Packing, idx: np.ndarray, rounds: int = 16) -> None:
     """What missed, largest first, a round at a time to the bins with the most room."""
+    sizes, load = pk.sizes, pk.loads.units
     idx = idx[desc_order(sizes[idx])]
     nb = len(load)
     for _ in range(rounds):
-        idx = idx[sizes[idx] <= cap - load.min()]
+        idx = idx[sizes[idx] <= pk.cap - load.min()]
         if not len(idx):
             return
         take = idx[:nb]
         bins = np.argsort(load, kind="stable")[: len(take)]
-        ok = load[bins] + sizes[take] <= cap
-        out[take[ok]] = bins[ok]
-        load[bins[ok]] += sizes[take[ok]]
-        quad[bins[ok]] += sq[take[ok]]
+        ok = load[bins] + sizes[take] <= pk.cap
+        pk.place(take[ok], bins[ok], distinct=True)
         idx = np.concatenate([take[~ok], idx[nb:]])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxmllm.plan.bins import Packing
 from jaxmllm.plan.ragged import compact_keys, smallest
 
 HOME_TOL = 0.1  # in a packing round, an item may swap to its home bin within 10% in size
@@ -29,8 +30,9 @@ ENC_ROUND_FILL = 2
 FAST_BINS = 64
 
 
-def pack_round(order, pos, end, sizes, sq, load, quad, cap, qstar, out, urgent, home):
-    """One packing round over order[pos:end] (largest first). Returns the new position: pos
+def pack_round(pk: Packing, order: np.ndarray, pos: int, end: int, urgent: bool) -> int:
+    """One round of `pk` over its items order[pos:end] (largest first; `urgent`: urgent items,
+    each to its own bin), placed in `pk`. Returns the new position: pos
     if the next item fits nowhere, -1 if under 1/FEW_OPEN of the bins have room for it (the
     rest then fill the gaps in _fit_rest instead of in rounds of one or two items).
 
@@ -46,8 +48,9 @@ def pack_round(order, pos, end, sizes, sq, load, quad, cap, qstar, out, urgent, 
     (before: only the bins that wanted at least what the top bin would want after its item
     took one, ~130 of 512 on ai2d, ~340 rounds a step). Urgent items go one per open bin, to
     the bins that want the biggest."""
+    sizes, quad, home = pk.sizes, pk.loads.quad, pk.home
     nxt = int(sizes[order[pos]])
-    free = cap - load
+    free = pk.cap - pk.loads.units
     closed = free < nxt  # every item left is <= nxt, so the others take any one of them
     n_closed = int(np.count_nonzero(closed))
     n_open = len(free) - n_closed
@@ -55,7 +58,7 @@ def pack_round(order, pos, end, sizes, sq, load, quad, cap, qstar, out, urgent, 
         return pos
     if not urgent and n_open * FEW_OPEN < len(free) and n_open < end - pos:
         return -1
-    key = quad - qstar
+    key = quad - pk.qstar
     key /= np.maximum(free, 1)  # minus the item size the bin wants
     if n_closed:
         key[closed] = np.inf
@@ -65,7 +68,7 @@ def pack_round(order, pos, end, sizes, sq, load, quad, cap, qstar, out, urgent, 
         first_layer = len(bins)
     else:
         fill = ROUND_FILL if home is None else ENC_ROUND_FILL
-        count = _deal(key[ranked], free[ranked], nxt, qstar - quad[ranked[0]], fill)
+        count = _deal(key[ranked], free[ranked], nxt, pk.qstar - quad[ranked[0]], fill)
         first_layer = len(count)
         top = int(count.max())
         if top == 1:
@@ -86,23 +89,16 @@ def pack_round(order, pos, end, sizes, sq, load, quad, cap, qstar, out, urgent, 
             bins = bins[: min(end - pos, max(fill * n_open, first_layer))]
         first_layer = min(first_layer, len(bins))
     take = order[pos : pos + len(bins)]
-    distinct = first_layer == len(bins)
     s_take = sizes[take]
     if home is not None and len(bins) > 1:
-        bins = _prefer_home(bins, s_take, home[take], len(load))
-    out[take] = bins
-    if distinct:
-        load[bins] += s_take
-        quad[bins] += sq[take]
-    else:
-        load += np.bincount(bins, s_take, len(load)).astype(load.dtype)  # (exact)
-        quad += np.bincount(bins, sq[take], len(load))
+        bins = _prefer_home(bins, s_take, home[take], len(free))
+    pk.place(take, bins, first_layer == len(bins), s_take)
     return pos + len(take)
 
 
 def _deal(neg_want, free, s, budget_top, fill):
     """Per bin above the round's level (a prefix of the open bins by want), the number of
-    items of size `s` it takes (see _round). `neg_want`, `free`: the open bins' minus wants
+    items of size `s` it takes (see pack_round). `neg_want`, `free`: the open bins' minus wants
     (ascending) and rooms; `s`: the next item's size (the largest left: counted with it, a
     bin never gets more than its room); `budget_top`: the attention budget left in the top
     bin; `fill`: items per open bin the round aims at."""

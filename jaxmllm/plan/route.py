@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxmllm.plan.bins import Loads, quad_cost
 from jaxmllm.plan.ragged import run_cumsum, stable_sort
 
 
@@ -104,12 +105,13 @@ def keep_capacity(
     new: np.ndarray,
     old: np.ndarray,
     size: np.ndarray,
-    load: np.ndarray,
-    quad: np.ndarray,
+    loads: Loads,
     cap: int,
 ) -> np.ndarray:
-    """Applies the exchanges `old` -> `new` to the bin loads, undoing those of every group that
-    touches a bin they would overfill (sizes differ within a group by up to SIZE_TOL)."""
+    """Applies the exchanges `old` -> `new` to the bins' `loads`, undoing those of every group
+    that touches a bin they would overfill (sizes differ within a group by up to SIZE_TOL);
+    returns each item's device."""
+    load = loads.units
     nb = len(load)
     new = new.copy()
     m = np.flatnonzero(new != old)
@@ -129,7 +131,7 @@ def keep_capacity(
         nm, om, sm = new[m], old[m], size[m]
     else:
         delta = np.bincount(nm, sm, nb) - np.bincount(om, sm, nb)
-    sq = sm.astype(np.float64) ** 2
+    sq = quad_cost(sm)
     load += delta.astype(load.dtype)  # (exact: integer sums far below 2**53)
-    quad += np.bincount(nm, sq, nb) - np.bincount(om, sq, nb)
+    loads.quad += np.bincount(nm, sq, nb) - np.bincount(om, sq, nb)
     return new

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.plan.bins import Loads
 from jaxmllm.plan.contract import Capacities
 from jaxmllm.plan.route import Routes
 
@@ -44,10 +45,8 @@ class Micro:
     """Bucket loads and placements of one microbatch while it is being filled."""
 
     def __init__(self, caps: Capacities):
-        self.rows = np.zeros(caps.devices * caps.llm_rows, np.int64)
-        self.enc = {p: np.zeros(caps.devices, np.int64) for p in ENC}
-        self.rows_q = np.zeros(caps.devices * caps.llm_rows)  # sum of squared sizes
-        self.enc_q = {p: np.zeros(caps.devices) for p in ENC}
+        self.rows = Loads.zeros(caps.devices * caps.llm_rows)  # per LLM row (device * rows + row)
+        self.enc = {p: Loads.zeros(caps.devices) for p in ENC}  # per device
         z = np.zeros(0, np.int64)
         self.entries: list[np.ndarray] = [z]  # pool positions placed, in order
         self.row_bin: list[np.ndarray] = [z]  # their LLM row bin (device * rows + row)
@@ -64,4 +63,7 @@ class Micro:
 
     def used(self) -> np.ndarray:
         """Units placed in each phase (llm, vision, audio), over all devices."""
-        return np.array([self.rows.sum(), self.enc["vision"].sum(), self.enc["audio"].sum()])
+        enc = self.enc
+        return np.array(
+            [self.rows.units.sum(), enc["vision"].units.sum(), enc["audio"].units.sum()]
+        )
