@@ -22,6 +22,8 @@ from jaxmllm.plan.pack import pack_phase
 from jaxmllm.plan.route import keep_capacity, localize
 from jaxmllm.plan.work import ENC, Micro, Phases
 
+LATE_FITS = 64  # most samples the joint packing's rounds missed that it tries one by one
+
 # per encoder phase: (owner position in the samples, item number, size) of the samples' items
 Items = dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
 
@@ -88,7 +90,7 @@ class JointAssignment:
             enc[devs] += w[idx, 1:]
             out[idx] = devs * r_n + r
         missed = order[out[order] < 0]
-        for i in missed[:64]:
+        for i in missed[:LATE_FITS]:
             fits_enc = (enc + w[i, 1:] <= cap[1:]).all(1)
             r = np.argmin(rows2, 1)
             fits = fits_enc & (rows2[np.arange(d_n), r] + w[i, 0] <= row_len)

@@ -39,7 +39,10 @@ from jaxmllm.plan.select import Selector
 from jaxmllm.plan.stream import SampleStream
 from jaxmllm.plan.work import ENC, Micro, Phases
 
+# Tuned constants of the step (what each was measured to do: plan/README.md).
 MANY_BUCKETS = 128  # beyond this many buckets the planner works coarser (see __init__)
+MAX_AGE = 4  # default: most steps a sample waits
+LOOKAHEAD = 0.5  # default: share of the step's capacity the window holds beyond it
 
 
 class Balancer:
@@ -53,8 +56,8 @@ class Balancer:
         seed: int,
         *,
         assignment: Assignment,
-        max_age: int = 4,
-        lookahead: float = 0.5,
+        max_age: int = MAX_AGE,
+        lookahead: float = LOOKAHEAD,
     ):
         assignment.check(index, caps)
         self.index, self.caps, self.seed = index, caps, seed
@@ -64,11 +67,9 @@ class Balancer:
         # so many samples that their spread is small: the window overfills the step by
         # lookahead * sqrt(MANY_BUCKETS / buckets) of its capacity instead of `lookahead`
         # (what selection needs to even out the phases grows as the square root of the
-        # samples in a step, not in proportion), and `orchestrated` leaves out the slack pass
-        # after each microbatch (it adds ~0.1% LLM fill at 512 devices, for ~5 ms of planning
-        # a step; `balanced`, packing whole samples per device, leaves 3% that it fills).
-        # omni at 512 devices: the same fill, balance and ages with half the samples waiting
-        # (24k -> 12k).
+        # samples in a step, not in proportion), and a routing strategy leaves out the slack
+        # pass after each microbatch (it adds a sliver of fill for a lot of planning time;
+        # `balanced`, packing whole samples per device, leaves more slack, which it fills).
         buckets = caps.microbatches * caps.devices
         self.lookahead = lookahead * min(1.0, (MANY_BUCKETS / max(buckets, 1)) ** 0.5)
         self.slack_pass = buckets <= MANY_BUCKETS or not assignment.routed

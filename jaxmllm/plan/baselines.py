@@ -200,7 +200,7 @@ class GrainPlanner:
 
     def _host_iter(self, h: int):
         # (imported here, not with the module: config imports the planner registry, and a
-        # config load should not pay for grain's import, ~2 s, unless this planner is built)
+        # config load should not pay for grain's import, seconds, unless this planner is built)
         import grain
 
         hosts = len(self.host_devices)

@@ -7,8 +7,8 @@ rounds (`jaxmllm.plan.rounds`), the bins that want the biggest items taking the 
 the items are small, the rest are laid out in a few passes as contiguous runs (largest first)
 over the bins in order of the size they want, each bin's run proportional to its room. Small
 encoder items (video frames, small images, short clips) first go to their home bin, each bin
-taking up to its share of them (`_home_small`). Quality: on the built-in mixes the attention
-max/mean over bins is within 1-2% (the sequential greedy's), in ~n/bins rounds.
+taking up to its share of them (`_home_small`). The attention balance is about the sequential
+greedy's, in about n/bins rounds (plan/README.md).
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from jaxmllm.plan.bins import Loads, Packing, quad_cost
 from jaxmllm.plan.ragged import argsort_stable, desc_order, run_cumsum
 from jaxmllm.plan.rounds import pack_round
 
-BIG = 0.003  # items with size**2 above this share of a bin's attention budget go in rounds
-PASSES = 8  # passes that lay out the small items
-SIZE_TOL = 0.01  # items within 1% in size (and of one round) may trade devices for locality
+# Tuned constants of the packer (what each was measured to do: plan/README.md).
+BIG = 0.003  # items whose size**2 is over this share of a bin's attention budget go in rounds
+PASSES = 8  # most passes that lay out the small items
+SIZE_TOL = 0.01  # items this close in size share an exchange group (may trade bins)
+LATE_ROUNDS = 16  # fewest rounds that place what the rounds and passes missed, by room
 
 
 def size_class(sizes: np.ndarray) -> np.ndarray:
@@ -136,7 +138,7 @@ def pack_phase(
         group[order[big_end:][at_home]] = -1  # (at home: nothing to gain from a trade)
     if failed:
         late = np.concatenate(failed)
-        _fit_rest(pk, late, max(16, -(-len(late) // nb) + 4))
+        _fit_rest(pk, late, max(LATE_ROUNDS, -(-len(late) // nb) + 4))
         group[late] = -1
     return out, group
 
@@ -191,7 +193,7 @@ def _cut(pk: Packing, chunk: np.ndarray, s: np.ndarray, room: int | np.ndarray) 
     return ok
 
 
-def _fit_rest(pk: Packing, idx: np.ndarray, rounds: int = 16) -> None:
+def _fit_rest(pk: Packing, idx: np.ndarray, rounds: int) -> None:
     """What missed, largest first, a round at a time to the bins with the most room."""
     sizes, load = pk.sizes, pk.loads.units
     idx = idx[desc_order(sizes[idx])]

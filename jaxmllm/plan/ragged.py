@@ -46,9 +46,9 @@ def stable_sort(
     """(stable argsort, sorted keys) of non-negative integer keys below `top`.
 
     One sort of the unique values key * 2**b + position (2**b >= n), in 32 bits where they
-    fit: numpy's SIMD sort of 32-bit integers is ~3x faster here than its radix sort of
-    16-bit keys (64k keys: 0.33 vs 0.98 ms) and than the same sort in 64 bits, whose
-    temporaries cost twice the fresh memory; shifts and masks split the values again."""
+    fit: numpy's SIMD sort of 32-bit integers is faster than its radix sort of 16-bit keys
+    and than the same sort in 64 bits, whose temporaries cost twice the fresh memory (see
+    plan/README.md); shifts and masks split the values again."""
     n = len(keys)
     b = max(n - 1, 1).bit_length()
     if n < 2048 and top <= 1 << 16:  # (few keys: the radix sort costs least)

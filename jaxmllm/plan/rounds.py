@@ -15,19 +15,12 @@ import numpy as np
 from jaxmllm.plan.bins import Packing
 from jaxmllm.plan.ragged import compact_keys, smallest
 
-HOME_TOL = 0.1  # in a packing round, an item may swap to its home bin within 10% in size
-FEW_OPEN = 16  # rounds end when under 1/16 of the bins have room for the next item
-# Items per open bin an LLM round aims at: 2 would halve its rounds, but on omni it costs 2%
-# of attention balance.
-ROUND_FILL = 1
-# Encoder rounds (items with a home) aim at two items per open bin: their rounds cost more
-# (_prefer_home), and on omni at 512 devices this takes ~5 ms off a step with the same
-# attention balance; more encoder rows go away from home (routed 0.36 -> 0.47).
-ENC_ROUND_FILL = 2
-# Under this many open bins a round takes only the bins above what the top bin wants after its
-# item, one item each (the sequential greedy's next step): rounds cost little there, and the
-# coarser level rounds raised the microbatch cost CV by ~10% at 8 devices (chartqa).
-FAST_BINS = 64
+# Tuned constants of the rounds (what each was measured to do: plan/README.md).
+HOME_TOL = 0.1  # an item takes its home bin's slot in a round if that slot's item is this close
+FEW_OPEN = 16  # rounds end when under 1/FEW_OPEN of the bins have room for the next item
+ROUND_FILL = 1  # items per open bin an LLM round aims at
+ENC_ROUND_FILL = 2  # items per open bin an encoder round (items with a home) aims at
+FAST_BINS = 64  # under this many open bins, a round is the sequential greedy's next step
 
 
 def pack_round(pk: Packing, order: np.ndarray, pos: int, end: int, urgent: bool) -> int:
@@ -44,10 +37,10 @@ def pack_round(pk: Packing, order: np.ndarray, pos: int, end: int, urgent: bool)
     round does the same at once for the level where the bins above it take about one item
     per open bin in all (`_deal`): each takes the number of items of the next item's size it
     needs, dealt largest first in layers (one to each bin by want, then a second to those
-    that take two, ...). So a round places about as many items as there are open bins
-    (before: only the bins that wanted at least what the top bin would want after its item
-    took one, ~130 of 512 on ai2d, ~340 rounds a step). Urgent items go one per open bin, to
-    the bins that want the biggest."""
+    that take two, ...). So a round places about as many items as there are open bins.
+    Under FAST_BINS open bins, a round gives one item each to the bins above what the top bin
+    wants after its item (the sequential greedy's next step). Urgent items go one per open
+    bin, to the bins that want the biggest."""
     sizes, quad, home = pk.sizes, pk.loads.quad, pk.home
     nxt = int(sizes[order[pos]])
     free = pk.cap - pk.loads.units

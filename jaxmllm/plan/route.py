@@ -15,6 +15,8 @@ import numpy as np
 from jaxmllm.plan.bins import Loads, quad_cost
 from jaxmllm.plan.ragged import run_cumsum, stable_sort
 
+UNDO_ROUNDS = 3  # rounds undoing the groups of overfilled bins before all exchanges are undone
+
 
 class Routes:
     """Encoder rows one microbatch sends between devices in one phase, per (src, dst) pair."""
@@ -116,12 +118,12 @@ def keep_capacity(
     new = new.copy()
     m = np.flatnonzero(new != old)
     nm, om, sm = new[m], old[m], size[m]  # (the moves, gathered once per attempt)
-    for attempt in range(4):
+    for attempt in range(UNDO_ROUNDS + 1):
         delta = np.bincount(nm, sm, nb) - np.bincount(om, sm, nb)
         over = load + delta > cap
         if not over.any():
             break
-        if attempt < 3:
+        if attempt < UNDO_ROUNDS:
             gm = group[m]
             undo = np.isin(gm, gm[over[nm] | over[om]])
         else:

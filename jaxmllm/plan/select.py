@@ -17,11 +17,14 @@ from jaxmllm.plan.ragged import smallest
 from jaxmllm.plan.stream import SampleStream
 from jaxmllm.plan.work import Phases
 
+# Tuned constants of the selection (what each was measured to do: plan/README.md).
 FILL = 0.997  # a microbatch's first selection takes at most this share of each capacity
-SMALL = 0.02  # then samples no bigger than this share of a bucket fill what is left
-BINDING = 0.98  # phases whose long-run demand is within 2% of the largest one's bind
-SWAP_SHORT = 0.02  # a phase this far below what it may take trades samples (swap)
+OVER_SHARE = 1.02  # ... and at most this times its equal share of what the window holds
+ROUNDS = 32  # most greedy rounds (longest prefix that fits, then the next that fit) a selection
+SMALL = 0.02  # the slack pass takes samples no bigger than this share of a bucket in any phase
+BINDING = 0.98  # phases whose long-run demand is within this of the largest one's bind
 HEADROOM = 1 / 3  # a non-binding phase's microbatch takes <= its share + this of the rest
+SWAP_SHORT = 0.02  # a phase this far (share of a microbatch) below what it may take swaps
 
 
 class Selector:
@@ -37,8 +40,7 @@ class Selector:
         # A phase that does not bind (its long-run demand under BINDING of the largest) gets
         # at most its share of a microbatch plus HEADROOM of the rest: taking all the window
         # offers would leave the next microbatch (or step) short of it, and its buckets' cost
-        # would swing with the window (omni at 8 devices, vision: microbatch cost CV 0.0139
-        # -> 0.0112 over 12 steps). A binding phase may fill its whole capacity.
+        # would swing with the window. A binding phase may fill its whole capacity.
         nonbinding = (self.share > 0) & (self.share < BINDING)
         self.micro_cap = np.where(nonbinding, self.share + HEADROOM * (1 - self.share), 1.0)
 
@@ -86,7 +88,7 @@ class Selector:
         work: np.ndarray,
         taken: np.ndarray,
         share: np.ndarray,
-        rounds: int = 32,
+        rounds: int = ROUNDS,
         small: bool = False,
         urgent: np.ndarray | None = None,
     ) -> np.ndarray:
@@ -95,7 +97,7 @@ class Selector:
         only samples no bigger than SMALL of a bucket in any phase). `work`: [phase, pool
         position]."""
         full = self.caps.devices * self.cap_vec.astype(np.float64) * FILL
-        left = np.minimum(full, np.where(share > 0, share * 1.02, full))
+        left = np.minimum(full, np.where(share > 0, share * OVER_SHARE, full))
         left = np.minimum(left, full * self.micro_cap)  # (non-binding phases: see __init__)
         if small:
             left = np.where(self.cap_vec > 0, share, 0.0)
@@ -160,11 +162,8 @@ class Selector:
         shares) come in, and the chosen non-urgent samples poorest in it (youngest first)
         wait for a later step, as many as make room in the fullest phase q: the number of
         trades that gains p most with every phase within what is left of its share
-        (`left`). Updates `chosen` in place. On omni at 8 devices audio fill goes 0.972 ->
-        0.990 (with the 0.5 look-ahead; 0.986 -> 0.993 at 64); counting the non-binding
-        vision too (trades that keep every other binding phase), the microbatch cost CV
-        ratio random/ours over 12 steps goes 13.0x -> 16.0x, over an epoch (29 steps)
-        9.4x -> 10.5x, audio fill 0.988 both. Urgent samples never wait.
+        (`left`); for a short phase that does not bind, no binding phase but the fullest one
+        gives anything up. Updates `chosen` in place. Urgent samples never wait.
         """
         full = self.caps.devices * self.cap_vec * FILL
         rel = left / np.maximum(full, 1)
@@ -194,7 +193,7 @@ class Selector:
         net = wa - wr[:, j]
         ok &= (net <= left[:, None]).all(0) & (net[p] > 0)
         if self.share[p] < BINDING:  # (for a phase that does not bind, no binding phase
-            # but the fullest one gives anything up: omni's audio clips stay in)
+            # but the fullest one gives anything up: a binding phase's items stay in)
             keep = (self.share >= BINDING) & (np.arange(len(full)) != q) & (full > 0)
             ok &= (net[keep] >= 0).all(0)
         if not ok.any():

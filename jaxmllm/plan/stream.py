@@ -8,9 +8,8 @@ import numpy as np
 class SampleStream:
     """The epoch-shuffled order of samples; position p is sample order(p // N)[p % N]."""
 
-    # Epoch orders kept: those of at most KEEP_ITEMS samples in all, or 2 epochs (take()
-    # drops those before its start; a large dataset's window spans one or two epochs).
-    KEEP_ITEMS = 1 << 22
+    KEEP_ITEMS = 1 << 22  # epoch orders kept: of at most this many samples in all, or 2 epochs
+    # (take() drops those before its start; a large dataset's window spans one or two epochs)
 
     def __init__(self, num_samples: int, seed: int):
         self.n, self.seed = num_samples, seed
@@ -31,8 +30,8 @@ class SampleStream:
 
     def order(self, epoch: int) -> np.ndarray:
         """The permutation of epoch `epoch`, drawn once and then kept: a planner reads a step's
-        window past where it cuts it, and the next step starts there (omni, 20k samples, at
-        512 devices: 17 permutations drawn in 6 steps, 25 when only the last one was kept)."""
+        window past where it cuts it, and the next step starts there, so the same epochs come
+        back within a few steps."""
         order = self._orders.get(epoch)
         if order is None:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
