@@ -66,7 +66,10 @@ class JointAssignment:
         check_fits(index, caps)
 
     def samples(self, ph: Phases, mb: Micro, s: np.ndarray, urgent: np.ndarray) -> np.ndarray:
-        """Vector bin packing: each sample to the device least full in its fullest phase."""
+        """Vector bin packing: in rounds of one sample per device, the biggest samples (urgent
+        first, then by their largest share of a bucket) to the devices least full in their
+        fullest phase, each in the device's emptiest row; then up to LATE_FITS of those that
+        missed, one by one, to the device where they fit tightest."""
         caps = ph.caps
         d_n, r_n, row_len = caps.devices, caps.llm_rows, caps.llm_row_len
         w = ph.work[s]
@@ -119,6 +122,8 @@ class RoutedAssignment:
     routed = True
 
     def check(self, index: LengthsIndex, caps: Capacities) -> None:
+        """Items, not whole samples, must fit (a sample's items may sit on several devices),
+        and the route capacity must carry the largest item's encoder rows."""
         if caps.route_pair_capacity <= 0:
             raise OversizeError(
                 "batch.planner=orchestrated routes encoder outputs between "

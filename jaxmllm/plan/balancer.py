@@ -46,8 +46,9 @@ LOOKAHEAD = 0.5  # default: share of the step's capacity the window holds beyond
 
 
 class Balancer:
-    """The balanced planners (`balanced`, `orchestrated`): one class, the assignment of a
-    microbatch's samples to its buckets a strategy (`jaxmllm.plan.assign`)."""
+    """The balanced planners (`balanced`, `orchestrated`): one step for both; how a
+    microbatch's samples are placed on its buckets is the `assignment` strategy
+    (`jaxmllm.plan.assign`), which also checks the data at start-up."""
 
     def __init__(
         self,

@@ -104,10 +104,10 @@ def desc_order(sizes: np.ndarray, first: np.ndarray | None = None) -> np.ndarray
 def smallest(key: np.ndarray, k: int) -> np.ndarray:
     """Positions of the k smallest keys (no NaN) in stable order: the first k of a stable
     argsort, without sorting all of them when k is small (np.partition only finds the k-th
-    value, which is the same on every machine). Many keys may tie, as _swap's ratios (most
-    samples have none of the short phase: 0): when k of them tie at the smallest value, the
-    first k of those (in index order); else the ones below the k-th value sorted, then the
-    first of the ones tied at it, instead of sorting all the tied ones."""
+    value, which is the same on every machine). Many keys may tie, as Selector.swap's ratios
+    (most samples have none of the short phase: 0): when k of them tie at the smallest value,
+    the first k of those (in index order); else the ones below the k-th value sorted, then
+    the first of the ones tied at it, instead of sorting all the tied ones."""
     if not len(key) or 2 * k >= len(key):
         return np.argsort(key, kind="stable")[:k]
     low = np.flatnonzero(key == key.min())
