@@ -18,7 +18,9 @@ its devices are balanced):
 
 A sample is planned only when all its parts are; what is not planned waits for a later step,
 oldest first, and a sample that has waited `max_age - 1` steps goes first into the emptiest
-buckets, so no sample waits more than `max_age` steps. Nothing is dropped: a sample that can
+buckets, so no sample waits more than `max_age` steps (as long as the urgent samples fit
+there: in tiny buckets one now and then waits a step more, see tests/test_plan.py
+test_age_bound_holds_after_every_plan). Nothing is dropped: a sample that can
 never fit fails the strategy's start-up check (the data issue's oversize policy).
 
 All of it is numpy over arrays (the only Python loops run over packing rounds, passes and
