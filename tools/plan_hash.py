@@ -1,8 +1,12 @@
 """Hashes of the plans every planner makes on the built-in mixes, to show a change is
 bit-identical (a refactor, a speed-up) or to see where it is not.
 
-    python tools/plan_hash.py [--mix omni,ai2d,chartqa] [--devices 8,64,512,2560] \
+    python -m tools.plan_hash [--mix omni,ai2d,chartqa] [--devices 8,64,512,2560] \
         [--policies orchestrated,balanced] [--steps 6] [--out hashes.json] [--against old.json]
+
+(`-m` from the repository root hashes this checkout's code; `python tools/plan_hash.py` puts
+tools/ first on sys.path, so jaxmllm comes from wherever the package is installed, e.g. an
+editable install of another worktree.)
 
 `--policies` takes any names of the planner registry (first_fit, naive, grain too). Per (mix,
 devices, policy): a SHA-256 over every array of the first --steps plans and the
