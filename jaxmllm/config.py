@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from jaxmllm.plan.registry import PLANNERS
+
 
 class ConfigError(ValueError):
     """A config file or override that cannot be used; the message names the key and source."""
@@ -133,7 +135,8 @@ class BatchConfig:
     route_pair_capacity: int = -1  # encoder rows one device may send another; 0 = all local,
     # -1 = auto (orchestrated: a whole device bucket's encoder output; other planners: 0)
     exchange: str = "dense"  # dense all_to_all (every backend) | ragged (ragged_all_to_all: GPU)
-    planner: str = "orchestrated"  # orchestrated | balanced | grain | naive | first_fit
+    planner: str = "orchestrated"  # a name of jaxmllm.plan.registry.PLANNERS (orchestrated |
+    # balanced | grain | naive | first_fit)
     capacity: str = "fixed"  # fixed: the sizes above; auto: encoder buckets sized from the data
 
     def __post_init__(self):
@@ -153,9 +156,6 @@ class BatchConfig:
             "> 0, or -1 for auto",
             "route_pair_capacity",
         )
-
-
-PLANNERS = {"first_fit", "naive", "grain", "balanced", "orchestrated"}
 
 
 @dataclass(frozen=True)

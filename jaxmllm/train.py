@@ -34,11 +34,11 @@ from jaxmllm import distributed
 from jaxmllm.config import Config, ConfigError, load_config, to_dict
 from jaxmllm.data.cost import CostModel
 from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
-from jaxmllm.data.planner import OversizeError
 from jaxmllm.data.rejects import REASONS
 from jaxmllm.ledger import Ledger
 from jaxmllm.metrics import MetricsWriter, step_flops
 from jaxmllm.models import MultimodalLM, param_axes, token_losses
+from jaxmllm.plan.contract import OversizeError
 
 log = logging.getLogger("jaxmllm")
 

@@ -6,9 +6,9 @@ import pytest
 from jaxmllm.config import load_config
 from jaxmllm.data import tokenizer as tok
 from jaxmllm.data.bucketize import batch_shapes, bucketize
-from jaxmllm.data.pipeline import make_pipeline
-from jaxmllm.data.planner import Capacities, OversizeError, make_planner
+from jaxmllm.data.pipeline import capacities, make_pipeline, planner_from_config
 from jaxmllm.data.synthetic import SyntheticSource
+from jaxmllm.plan.contract import OversizeError
 
 SMALL = ["data.synthetic.num_samples=300", "batch.microbatches=2"]
 FIRST_FIT = ["batch.planner=first_fit", "batch.route_pair_capacity=0", "batch.capacity=fixed"]
@@ -51,14 +51,14 @@ def test_patches_are_in_merge_order():
 
 def plan_steps(cfg, devices, steps):
     src = SyntheticSource(cfg)
-    planner = make_planner(cfg, src.lengths(), devices)
+    planner = planner_from_config(cfg, src.lengths(), devices)
     return src, planner, [planner.plan() for _ in range(steps)]
 
 
 def test_first_fit_never_exceeds_capacity_and_loses_nothing():
     cfg = first_fit()
     src, planner, plans = plan_steps(cfg, 8, 12)
-    caps = Capacities.from_config(cfg, 8)
+    caps = capacities(cfg, 8)
     index = src.lengths()
     llm = index.llm_tokens(4, 4)
     seen = np.concatenate([p.samples for p in plans])
@@ -80,7 +80,7 @@ def test_first_fit_never_exceeds_capacity_and_loses_nothing():
 def test_bucketize_routes_every_placeholder_to_its_encoder_rows():
     cfg = first_fit()
     src, planner, plans = plan_steps(cfg, 8, 2)
-    caps = Capacities.from_config(cfg, 8)
+    caps = capacities(cfg, 8)
     plan = plans[1]
     samples = {int(s): src[int(s)] for s in plan.samples}
     batch = bucketize(plan, samples, cfg, caps)
@@ -111,7 +111,7 @@ def test_routed_mode_bucketize_uses_send_tables():
     cfg = first_fit("batch.route_pair_capacity=96")
     src, planner, plans = plan_steps(cfg, 4, 1)
     plan = plans[0]
-    caps = Capacities.from_config(cfg, 4)
+    caps = capacities(cfg, 4)
     # Move every image to the next device to force cross-device routing.
     plan.vision.device = (plan.device[plan.vision.owner] + 1) % 4
     owner_dev = plan.device[plan.vision.owner]

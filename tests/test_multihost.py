@@ -22,8 +22,13 @@ from runs import child_env, train_cmd
 from jaxmllm import ledger
 from jaxmllm.config import ConfigError, DistributedConfig, load_config
 from jaxmllm.data.bucketize import bucketize
-from jaxmllm.data.pipeline import local_media, local_parts, resolve_batch
-from jaxmllm.data.planner import Capacities, make_planner
+from jaxmllm.data.pipeline import (
+    capacities,
+    local_media,
+    local_parts,
+    planner_from_config,
+    resolve_batch,
+)
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.distributed import describe_mismatch, resolve_job
 from jaxmllm.metrics import read_metrics
@@ -107,8 +112,8 @@ def planned():
     source = SyntheticSource(cfg)
     index = source.lengths()
     cfg = resolve_batch(cfg, index)
-    caps = Capacities.from_config(cfg, 8)
-    planner = make_planner(cfg, index, 8)
+    caps = capacities(cfg, 8)
+    planner = planner_from_config(cfg, index, 8)
     plans = [planner.plan() for _ in range(3)]
     samples = {int(i): source[int(i)] for p in plans for i in np.unique(p.samples)}
     return cfg, caps, index, plans, samples, source

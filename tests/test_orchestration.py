@@ -9,8 +9,14 @@ import pytest
 import sharding
 from jaxmllm.config import load_config
 from jaxmllm.data.bucketize import bucketize
-from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
-from jaxmllm.data.planner import Capacities, ItemPlan, StepPlan, make_planner
+from jaxmllm.data.pipeline import (
+    capacities,
+    make_pipeline,
+    make_source,
+    planner_from_config,
+    resolve_batch,
+)
+from jaxmllm.plan.contract import ItemPlan, StepPlan
 from jaxmllm.train import build_program, make_loss_and_grads, model_parts
 
 ROUTED = [
@@ -45,7 +51,7 @@ def one_sample_batch(cfg, sample, source, index):
             cfg.batch, microbatches=1, route_pair_capacity=0, planner="first_fit"
         ),
     )
-    caps = Capacities.from_config(ref, 1)
+    caps = capacities(ref, 1)
 
     def items(values, ptr):
         n = int(ptr[sample + 1] - ptr[sample])
@@ -71,13 +77,13 @@ def test_routed_step_equals_samples_one_by_one_on_one_device():
     cfg, source, index = resolved()
     mesh = sharding.make_mesh(cfg.mesh)
     devices = sharding.data_parallel_size(mesh)
-    plan = make_planner(cfg, index, devices).plan()
+    plan = planner_from_config(cfg, index, devices).plan()
     # Every image goes to another device than its text, and device 0 encodes no image at all.
     owner_dev = plan.device[plan.vision.owner]
     moved = (owner_dev + 1) % devices
     plan.vision.device = np.where(moved == 0, 1, moved)
     repack(plan.vision, plan, index.images, index.images_ptr)
-    caps = Capacities.from_config(cfg, devices)
+    caps = capacities(cfg, devices)
     samples = {int(s): source[int(s)] for s in plan.samples}
     host = bucketize(plan, samples, cfg, caps)
     assert len(plan.vision.owner) > 10 and (plan.vision.device != owner_dev).all()

@@ -1,10 +1,15 @@
 """Hashes of the plans every planner makes on the built-in mixes, to show a change is
 bit-identical (a refactor, a speed-up) or to see where it is not.
 
-    python tools/plan_hash.py [--mix omni,ai2d,chartqa] [--devices 8,64,512,2560] \
+    python -m tools.plan_hash [--mix omni,ai2d,chartqa] [--devices 8,64,512,2560] \
         [--policies orchestrated,balanced] [--steps 6] [--out hashes.json] [--against old.json]
 
-Per (mix, devices, policy): a SHA-256 over every array of the first --steps plans and the
+(`-m` from the repository root hashes this checkout's code; `python tools/plan_hash.py` puts
+tools/ first on sys.path, so jaxmllm comes from wherever the package is installed, e.g. an
+editable install of another worktree.)
+
+`--policies` takes any names of the planner registry (first_fit, naive, grain too). Per (mix,
+devices, policy): a SHA-256 over every array of the first --steps plans and the
 planner's carried state after each, with the bench's capacities (`--tokens 32768`, 2
 microbatches). `--against` compares with an earlier run's JSON and exits 1 on any difference.
 """
@@ -19,13 +24,14 @@ import time
 
 import numpy as np
 
-from jaxmllm.bench.balance import POLICIES, make_caps
+from jaxmllm.bench.balance import make_caps
 from jaxmllm.bench.mixes import load_mix
+from jaxmllm.plan.registry import make_planner
 
 
 def plan_digest(policy: str, index, devices: int, steps: int, tokens: int, micro: int) -> str:
     caps = make_caps(index, devices, tokens, micro, policy)
-    planner = POLICIES[policy](index, caps, 0)
+    planner = make_planner(policy, index, caps, 0)
     h = hashlib.sha256()
     for _ in range(steps):
         plan = planner.plan()

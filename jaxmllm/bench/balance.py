@@ -50,19 +50,13 @@ import numpy as np
 
 from jaxmllm.bench.mixes import MIXES, load_lengths, load_mix
 from jaxmllm.config import ModelConfig
-from jaxmllm.data.balancer import BalancedPlanner, OrchestratedPlanner, check_plan
-from jaxmllm.data.baselines import GrainPlanner, NaivePlanner
-from jaxmllm.data.capacity import suggest_capacities
 from jaxmllm.data.cost import CostModel
-from jaxmllm.data.planner import Capacities, StepPlan
 from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.plan.capacity import suggest_capacities
+from jaxmllm.plan.contract import Capacities, StepPlan, check_plan
+from jaxmllm.plan.registry import make_planner
 
-POLICIES = {
-    "orchestrated": OrchestratedPlanner,
-    "balanced": BalancedPlanner,
-    "grain": GrainPlanner,
-    "naive": NaivePlanner,
-}
+POLICIES = ("orchestrated", "balanced", "grain", "naive")  # the default --policies
 PHASES = ("llm", "vision", "audio")
 
 
@@ -155,7 +149,7 @@ def run_policy(
 ) -> tuple[dict, list]:
     caps = make_caps(index, devices, tokens, micro, policy)
     items = _Items(index, caps)
-    planner = POLICIES[policy](index, caps, seed)
+    planner = make_planner(policy, index, caps, seed)
     cap_vec = np.array(
         [caps.llm_rows * caps.llm_row_len, caps.vision_patches, caps.audio_frames], np.float64
     )
@@ -187,7 +181,7 @@ def run_policy(
         rand_cost += list(sum(r for _, r, _ in rand.values()).ravel())
         totals = sum(r.sum(1) for _, r, _ in loads.values())
         micro_cv.append(float(np.std(totals) / np.mean(totals)) if np.mean(totals) > 0 else 0.0)
-        ages = max(ages, int(planner.last_ages.max(initial=0)))
+        ages = max(ages, int(planner.ages.max(initial=0)))
         deferred.append(plan.deferred)
         for p in ("vision", "audio"):
             it = getattr(plan, p)

@@ -114,8 +114,7 @@ def bench(cfg, manifest: Path, workers: list[int], step_time_s: float) -> list[d
 
     from jaxmllm.data.index import open_source
     from jaxmllm.data.loader import Loader
-    from jaxmllm.data.pipeline import resolve_batch
-    from jaxmllm.data.planner import make_planner
+    from jaxmllm.data.pipeline import planner_from_config, resolve_batch
 
     source = open_source(cfg)
     megabytes = (
@@ -127,7 +126,7 @@ def bench(cfg, manifest: Path, workers: list[int], step_time_s: float) -> list[d
         / 1e6
     )
     planned = resolve_batch(cfg, source.index)
-    planner = make_planner(planned, source.index, 8)
+    planner = planner_from_config(planned, source.index, 8)
     per_step = float(np.mean([len(planner.plan().samples) for _ in range(8)]))
     rows = []
     for w in workers:

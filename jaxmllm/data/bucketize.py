@@ -31,8 +31,8 @@ import numpy as np
 
 from jaxmllm.config import Config
 from jaxmllm.data import tokenizer as tok
-from jaxmllm.data.planner import Capacities, ItemPlan, StepPlan
 from jaxmllm.data.samples import LengthsIndex, Sample
+from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
 
 
 def batch_shapes(cfg: Config, devices: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

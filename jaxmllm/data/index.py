@@ -30,12 +30,12 @@ import numpy as np
 
 from jaxmllm.config import Config, ConfigError, load_config
 from jaxmllm.data.audio import read_info
-from jaxmllm.data.capacity import suggest_capacities
 from jaxmllm.data.image import read_size
 from jaxmllm.data.manifest import ManifestSource, open_records, read_record, sizes_of
 from jaxmllm.data.preprocess import Limits, Params, Preprocessor, Sizes, make_tokenizer
 from jaxmllm.data.rejects import DataError, RecordError, fail_message
 from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.plan.capacity import suggest_capacities
 
 # ----------------------------------------------------------------------------- building
 

@@ -22,11 +22,12 @@ import numpy as np
 
 from jaxmllm.config import Config, ConfigError
 from jaxmllm.data.bucketize import bucketize, fill_stats
-from jaxmllm.data.capacity import suggest_capacities
 from jaxmllm.data.loader import Loader
-from jaxmllm.data.planner import Capacities, make_planner
 from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.data.synthetic import SyntheticSource
+from jaxmllm.plan.capacity import suggest_capacities
+from jaxmllm.plan.contract import Capacities, Planner
+from jaxmllm.plan.registry import make_planner
 
 log = logging.getLogger("jaxmllm")
 
@@ -86,6 +87,33 @@ def resolve_batch(cfg: Config, index: LengthsIndex) -> Config:
     return dataclasses.replace(cfg, batch=dataclasses.replace(b, **changes)) if changes else cfg
 
 
+def capacities(cfg: Config, devices: int) -> Capacities:
+    """The planner's bucket capacities from a resolved config (see `resolve_batch`), over
+    `devices` data-parallel buckets."""
+    b, m = cfg.batch, cfg.model
+    if b.route_pair_capacity < 0:
+        raise ValueError(
+            "batch.route_pair_capacity=-1 (auto) must be resolved against the "
+            "data first: jaxmllm.data.pipeline.resolve_batch"
+        )
+    return Capacities(
+        microbatches=b.microbatches,
+        devices=devices,
+        llm_rows=b.llm_rows,
+        llm_row_len=b.llm_row_len,
+        vision_patches=b.vision_patches if m.vision.enabled else 0,
+        audio_frames=b.audio_frames if m.audio.enabled else 0,
+        merge_area=m.vision.merge**2,
+        subsample=m.audio.subsample,
+        route_pair_capacity=b.route_pair_capacity,
+    )
+
+
+def planner_from_config(cfg: Config, index: LengthsIndex, devices: int) -> Planner:
+    """The planner named by batch.planner over `index`, with `devices` data-parallel buckets."""
+    return make_planner(cfg.batch.planner, index, capacities(cfg, devices), cfg.data.seed)
+
+
 class StepIterator(grain.DatasetIterator):
     """Yields one host batch per step: {"batch": arrays, "info": plan summary}."""
 
@@ -96,8 +124,8 @@ class StepIterator(grain.DatasetIterator):
         self.cfg = cfg
         self.source, self.index = (source, index) if source is not None else make_source(cfg)
         self.cfg = cfg = resolve_batch(cfg, self.index)  # idempotent: the trainer resolved it
-        self.caps = Capacities.from_config(cfg, devices)
-        self.planner = make_planner(cfg, self.index, devices)
+        self.caps = capacities(cfg, devices)
+        self.planner = make_planner(cfg.batch.planner, self.index, self.caps, cfg.data.seed)
         self.positions = None if positions is None else np.asarray(positions, np.int64)
         self.reject_log = reject_log  # this process's rejects file; default <output_dir>/...
         self.loader: Loader | None = None

@@ -1,5 +1,7 @@
-"""What JAX users do today, behind the planner contract, so benchmarks run the same trainer.
+"""Planners that do not balance: what JAX users do today, behind the planner contract, so that
+benchmarks run the same trainer, and the simplest correct planner.
 
+- `first_fit`: (microbatch, device) slots filled in arrival order, media on their text's device.
 - `naive`: a fixed number of samples per device, each in its own slot padded to the largest
   sample (MaxText's multimodal path pads images to a fixed count per example).
 - `grain`: grain's `BestFitPackIterDataset` packing all phases jointly, per host over its own
@@ -9,12 +11,97 @@
 
 from __future__ import annotations
 
-import grain
 import numpy as np
 
-from jaxmllm.data.balancer import gather_items, offsets_in_bins
-from jaxmllm.data.planner import Capacities, ItemPlan, SampleStream, StepPlan, check_fits
 from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan, check_fits
+from jaxmllm.plan.ragged import gather_items, offsets_in_bins
+from jaxmllm.plan.stream import SampleStream
+
+
+class FirstFitPlanner:
+    """The simplest correct planner: fill (microbatch, device) slots in order, arrival order.
+
+    Each sample's media is encoded on its own device. A sample that does not fit the current
+    slot moves on to the next slot, so nothing is skipped or reordered; fill suffers instead.
+    """
+
+    def __init__(self, index: LengthsIndex, caps: Capacities, seed: int):
+        check_fits(index, caps)
+        self.index, self.caps = index, caps
+        self.llm = index.llm_tokens(caps.merge_area, caps.subsample)
+        self.stream = SampleStream(len(index), seed)
+        self.cursor, self.step = 0, 0
+        self.ages = np.zeros(0, np.int64)  # (nothing waits: every age is 0)
+
+    def get_state(self) -> dict:
+        """Carried state: small and JSON-able, saved with every checkpoint."""
+        return {"cursor": int(self.cursor), "step": int(self.step)}
+
+    def set_state(self, state: dict) -> None:
+        self.cursor, self.step = int(state["cursor"]), int(state["step"])
+
+    def plan(self) -> StepPlan:
+        """Plans the next step and advances the state."""
+        caps = self.caps
+        slots = caps.microbatches * caps.devices
+        # Upper bound on what one step can take: every slot holds at most row_len*rows tokens.
+        window = self.stream.take(
+            self.cursor, slots * caps.llm_rows * caps.llm_row_len // 2 + slots
+        )
+        placed, vis, aud = [], [], []
+        k = 0
+        for slot in range(slots):
+            m, d = divmod(slot, caps.devices)
+            rows = np.zeros(caps.llm_rows, np.int64)
+            vis_fill = aud_fill = 0
+            while k < len(window):
+                s = int(window[k])
+                need_v = self._items(self.index.images, self.index.images_ptr, s)
+                need_a = self._items(self.index.audio, self.index.audio_ptr, s)
+                free = np.flatnonzero(rows + self.llm[s] <= caps.llm_row_len)
+                if (
+                    not len(free)
+                    or vis_fill + need_v.sum() > caps.vision_patches
+                    or aud_fill + need_a.sum() > caps.audio_frames
+                ):
+                    break
+                r = int(free[0])
+                owner = len(placed)
+                placed.append((s, m, d, r, int(rows[r])))
+                rows[r] += self.llm[s]
+                for j, n in enumerate(need_v):
+                    vis.append((owner, j, d, vis_fill))
+                    vis_fill += int(n)
+                for j, n in enumerate(need_a):
+                    aud.append((owner, j, d, aud_fill))
+                    aud_fill += int(n)
+                k += 1
+        self.cursor += k
+        self.step += 1
+        cols = np.array(placed, np.int64).reshape(-1, 5).T
+        self.ages = np.zeros(cols.shape[1], np.int64)
+        return StepPlan(
+            step=self.step - 1,
+            samples=cols[0],
+            micro=cols[1],
+            device=cols[2],
+            row=cols[3],
+            offset=cols[4],
+            vision=_items_plan(vis),
+            audio=_items_plan(aud),
+        )
+
+    @staticmethod
+    def _items(values: np.ndarray, ptr: np.ndarray, s: int) -> np.ndarray:
+        return values[ptr[s] : ptr[s + 1]]
+
+
+def _items_plan(rows: list[tuple[int, int, int, int]]) -> ItemPlan:
+    if not rows:
+        return ItemPlan.empty()
+    a = np.array(rows, np.int64).T
+    return ItemPlan(owner=a[0], item=a[1], device=a[2], offset=a[3])
 
 
 class NaivePlanner:
@@ -39,7 +126,7 @@ class NaivePlanner:
                 k = min(k, cap // most)
         self.k = max(k, 1)
         self.cursor, self.step = 0, 0
-        self.last_ages = np.zeros(0, np.int64)
+        self.ages = np.zeros(0, np.int64)
 
     def get_state(self) -> dict:
         return {"cursor": int(self.cursor), "step": int(self.step)}
@@ -78,7 +165,7 @@ class NaivePlanner:
         )
         self.cursor += n
         self.step += 1
-        self.last_ages = np.zeros(n, np.int64)
+        self.ages = np.zeros(n, np.int64)
         return plan
 
 
@@ -108,10 +195,14 @@ class GrainPlanner:
             self.length_struct["audio"] = caps.audio_frames
         self.step = 0
         self.frontier: list[int] = []  # per step: the largest stream position seen so far
-        self.last_ages = np.zeros(0, np.int64)
+        self.ages = np.zeros(0, np.int64)
         self._iters = [self._host_iter(h) for h in range(len(self.host_devices))]
 
     def _host_iter(self, h: int):
+        # (imported here, not with the module: config imports the planner registry, and a
+        # config load should not pay for grain's import, seconds, unless this planner is built)
+        import grain
+
         hosts = len(self.host_devices)
         n = len(self.index)
 
@@ -188,7 +279,7 @@ class GrainPlanner:
         self.frontier = (self.frontier + [max(prev, int(pos.max()) if len(pos) else prev)])[-32:]
         first = self.step + 1 - len(self.frontier)
         arrival = first + np.searchsorted(np.array(self.frontier), pos, "left")
-        self.last_ages = self.step - arrival
+        self.ages = self.step - arrival
         plan = StepPlan(
             step=self.step,
             samples=samples,

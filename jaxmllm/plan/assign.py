@@ -1,0 +1,195 @@
+"""Assignment strategies of the balancer: where the samples a microbatch selected go.
+
+- `JointAssignment` (`balanced`): whole samples to devices (vector bin packing over the
+  phases), then a row on that device; images and clips are encoded on their text's device.
+- `RoutedAssignment` (`orchestrated`): every phase packed on its own (`pack_phase`: LLM samples
+  to rows, images and clips to devices, anywhere: the routing tables bring encoder output rows
+  to their text), then exchanges that bring items home (`localize`, `keep_capacity`) and the
+  route capacity (`Routes`).
+
+Each strategy owns its start-up checks (what the data must fit).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.plan.contract import Capacities, OversizeError, check_fits
+from jaxmllm.plan.pack import pack_phase
+from jaxmllm.plan.route import keep_capacity, localize
+from jaxmllm.plan.work import ENC, Micro, Phases
+
+LATE_FITS = 64  # most samples the joint packing's rounds missed that it tries one by one
+
+# per encoder phase: (owner position in the samples, item number, size) of the samples' items
+Items = dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+class Assignment(Protocol):
+    """How a microbatch's selected samples are placed on its buckets."""
+
+    routed: bool  # whether encoder items may be encoded away from their text's device
+
+    def check(self, index: LengthsIndex, caps: Capacities) -> None:
+        """Raises OversizeError, naming the config key to change, if the data cannot fit."""
+        ...
+
+    def samples(self, ph: Phases, mb: Micro, s: np.ndarray, urgent: np.ndarray) -> np.ndarray:
+        """Places the LLM part of samples `s`: each one's row bin (device * rows + row), -1
+        where it did not fit; adds them to `mb`'s loads."""
+        ...
+
+    def items(
+        self,
+        ph: Phases,
+        mb: Micro,
+        rows: np.ndarray,
+        items: Items,
+        urgent: np.ndarray,
+        ok: np.ndarray,
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Places the encoder items of the samples placed at `rows`: (the samples all of whose
+        parts are placed, per phase each item's device, -1 where not placed). `ok` (the
+        samples placed so far) may be updated in place."""
+        ...
+
+
+class JointAssignment:
+    """Whole samples to devices: a sample's text and media share a device (no routing)."""
+
+    routed = False
+
+    def check(self, index: LengthsIndex, caps: Capacities) -> None:
+        check_fits(index, caps)
+
+    def samples(self, ph: Phases, mb: Micro, s: np.ndarray, urgent: np.ndarray) -> np.ndarray:
+        """Vector bin packing: in rounds of one sample per device, the biggest samples (urgent
+        first, then by their largest share of a bucket) to the devices least full in their
+        fullest phase, each in the device's emptiest row; then up to LATE_FITS of those that
+        missed, one by one, to the device where they fit tightest."""
+        caps = ph.caps
+        d_n, r_n, row_len = caps.devices, caps.llm_rows, caps.llm_row_len
+        w = ph.work[s]
+        cap = ph.cap_vec
+        norm = np.where(cap > 0, w / np.maximum(cap, 1), 0).max(1)
+        order = np.lexsort((-norm, ~urgent))
+        out = np.full(len(s), -1, np.int64)
+        rows2 = mb.rows.units.reshape(d_n, r_n)
+        enc = np.stack([mb.enc["vision"].units, mb.enc["audio"].units], 1)  # [D, 2] (written back)
+        for start in range(0, len(s), d_n):
+            idx = order[start : start + d_n]
+            dev_load = np.concatenate([rows2.sum(1, keepdims=True), enc], 1)
+            score = (dev_load / np.maximum(cap, 1)).max(1)
+            devs = np.argsort(score, kind="stable")[: len(idx)]
+            r = np.argmin(rows2[devs], 1)
+            ok = (rows2[devs, r] + w[idx, 0] <= row_len) & (enc[devs] + w[idx, 1:] <= cap[1:]).all(
+                1
+            )
+            devs, r, idx = devs[ok], r[ok], idx[ok]
+            rows2[devs, r] += w[idx, 0]
+            enc[devs] += w[idx, 1:]
+            out[idx] = devs * r_n + r
+        missed = order[out[order] < 0]
+        for i in missed[:LATE_FITS]:
+            fits_enc = (enc + w[i, 1:] <= cap[1:]).all(1)
+            r = np.argmin(rows2, 1)
+            fits = fits_enc & (rows2[np.arange(d_n), r] + w[i, 0] <= row_len)
+            if not fits.any():
+                continue
+            slack = (cap[1:] - enc).sum(1) + (row_len - rows2[np.arange(d_n), r])
+            d = int(np.argmin(np.where(fits, slack, np.iinfo(np.int64).max)))
+            rows2[d, r[d]] += w[i, 0]
+            enc[d] += w[i, 1:]
+            out[i] = d * r_n + r[d]
+        mb.enc["vision"].units[:], mb.enc["audio"].units[:] = enc[:, 0], enc[:, 1]
+        return out
+
+    def items(self, ph, mb, rows, items, urgent, ok):
+        """Media sit on their text's device (already counted in the loads)."""
+        devs = {}
+        for p in ENC:
+            owner = items[p][0]
+            devs[p] = np.where(rows[owner] >= 0, rows[owner] // ph.caps.llm_rows, -1)
+        return ok, devs
+
+
+class RoutedAssignment:
+    """Per phase with routing: images and clips may be encoded away from their text."""
+
+    routed = True
+
+    def check(self, index: LengthsIndex, caps: Capacities) -> None:
+        """Items, not whole samples, must fit (a sample's items may sit on several devices),
+        and the route capacity must carry the largest item's encoder rows."""
+        if caps.route_pair_capacity <= 0:
+            raise OversizeError(
+                "batch.planner=orchestrated routes encoder outputs between "
+                "devices: set batch.route_pair_capacity > 0 (e.g. the largest "
+                "item's encoder rows, or vision_patches / merge^2)"
+            )
+        llm = index.llm_tokens(caps.merge_area, caps.subsample)
+        checks = [("batch.llm_row_len", llm, caps.llm_row_len)]
+        for key, values, cap, per in (
+            ("batch.vision_patches", index.images, caps.vision_patches, caps.merge_area),
+            ("batch.audio_frames", index.audio, caps.audio_frames, caps.subsample),
+        ):
+            if len(values) and not cap:
+                phase = "vision" if "vision" in key else "audio"
+                share = "image_fraction" if phase == "vision" else "audio_fraction"
+                raise OversizeError(
+                    f"the data has {phase} items but model.{phase}.enabled is false: enable it, "
+                    f"or use data without {phase} (e.g. data.synthetic.{share}: 0)"
+                )
+            checks.append((key, values, cap))
+            if len(values) and values.max() // per > caps.route_pair_capacity:
+                raise OversizeError(
+                    f"an item needs {int(values.max() // per)} encoder rows, more than "
+                    f"batch.route_pair_capacity={caps.route_pair_capacity}; raise it"
+                )
+        for key, need, cap in checks:
+            bad = np.flatnonzero(need > cap)
+            if len(bad):
+                raise OversizeError(
+                    f"{len(bad)} item(s) need more than {key}={cap} (the "
+                    f"largest needs {int(need.max())}); raise {key}"
+                )
+
+    def samples(self, ph: Phases, mb: Micro, s: np.ndarray, urgent: np.ndarray) -> np.ndarray:
+        """The LLM phase on its own: samples to rows (bins of llm_row_len)."""
+        rows, _ = pack_phase(ph.llm[s], mb.rows, ph.caps.llm_row_len, urgent)
+        return rows
+
+    def items(self, ph, mb, rows, items, urgent, ok):
+        """Each encoder phase on its own, then exchanges towards the text's device."""
+        devs, groups = {}, {}
+        home_all = np.where(rows >= 0, rows // ph.caps.llm_rows, -1)
+        for p in ENC:
+            owner, _, size = items[p]
+            dev = np.full(len(owner), -1, np.int64)
+            group = np.full(len(owner), -1, np.int64)
+            sel = np.flatnonzero(ok[owner])
+            dev[sel], group[sel] = pack_phase(
+                size[sel], mb.enc[p], ph.cap[p], urgent[owner[sel]], home_all[owner[sel]]
+            )
+            ok[owner[sel[dev[sel] < 0]]] = False
+            devs[p], groups[p] = dev, group
+        for p in ENC:  # locality, then the route capacity, on the items that stay
+            owner, _, size = items[p]
+            dev = devs[p]
+            keep = np.flatnonzero(ok[owner])
+            home = home_all[owner[keep]]
+            old = dev[keep]
+            new = localize(groups[p][keep], old, home, ph.caps.devices)
+            dev[keep] = keep_capacity(groups[p][keep], new, old, size[keep], mb.enc[p], ph.cap[p])
+            over = mb.routes[p].overflow(size[keep], dev[keep], home)
+            ok[owner[keep[over]]] = False
+        for p in ENC:  # record the routed rows of what is finally kept
+            if mb.routes[p].free:
+                continue
+            owner, _, size = items[p]
+            keep = np.flatnonzero(ok[owner])
+            mb.routes[p].add(size[keep], devs[p][keep], home_all[owner[keep]])
+        return ok, devs

@@ -1,0 +1,215 @@
+"""The balancer: per-step selection, per-phase device assignment, packing and deferral.
+
+Each step the planner takes the deferred samples (oldest first) plus enough upcoming samples of
+the epoch-shuffled stream to overfill the step by `lookahead`, then, one microbatch at a time
+(hierarchical, in the spirit of Entrain: every microbatch gets a full, equal share first, then
+its devices are balanced):
+
+1. selects, in priority order (oldest first), the samples that fit the microbatch's total
+   capacity in every phase and take about an equal share of what the window holds
+   (`jaxmllm.plan.select`);
+2. assigns them to buckets with its assignment strategy (`jaxmllm.plan.assign`):
+   `orchestrated` packs every phase on its own (`jaxmllm.plan.pack`) and routes encoder
+   output rows to their text (`jaxmllm.plan.route`), `balanced` assigns whole samples to
+   devices (no routing);
+3. fills what slack is left with the next samples of the window that fit (same strategy,
+   starting from the loads; up to MANY_BUCKETS buckets: beyond, the slack is a sliver and the
+   look-ahead shrinks, see Balancer.__init__).
+
+A sample is planned only when all its parts are; what is not planned waits for a later step,
+oldest first, and a sample that has waited `max_age - 1` steps goes first into the emptiest
+buckets, so no sample waits more than `max_age` steps (as long as the urgent samples fit
+there: in tiny buckets one now and then waits a step more, see tests/test_plan.py
+test_age_bound_holds_after_every_plan). Nothing is dropped: a sample that can
+never fit fails the strategy's start-up check (the data issue's oversize policy).
+
+All of it is numpy over arrays (the only Python loops run over packing rounds, passes and
+microbatches), deterministic (stable sorts only, so every host computes the same plan), and a
+function of (seed, step, index, carried state).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.plan.assign import Assignment
+from jaxmllm.plan.bins import quad_cost
+from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
+from jaxmllm.plan.ragged import gather_items, offsets_in_bins
+from jaxmllm.plan.select import Selector
+from jaxmllm.plan.stream import SampleStream
+from jaxmllm.plan.work import ENC, Micro, Phases
+
+# Tuned constants of the step (what each was measured to do: plan/README.md).
+MANY_BUCKETS = 128  # beyond this many buckets the planner works coarser (see __init__)
+MAX_AGE = 4  # default: most steps a sample waits
+LOOKAHEAD = 0.5  # default: share of the step's capacity the window holds beyond it
+
+
+class Balancer:
+    """The balanced planners (`balanced`, `orchestrated`): one step for both; how a
+    microbatch's samples are placed on its buckets is the `assignment` strategy
+    (`jaxmllm.plan.assign`), which also checks the data at start-up."""
+
+    def __init__(
+        self,
+        index: LengthsIndex,
+        caps: Capacities,
+        seed: int,
+        *,
+        assignment: Assignment,
+        max_age: int = MAX_AGE,
+        lookahead: float = LOOKAHEAD,
+    ):
+        assignment.check(index, caps)
+        self.index, self.caps, self.seed = index, caps, seed
+        self.assignment = assignment
+        self.max_age = max_age
+        # Beyond MANY_BUCKETS buckets (microbatches x devices) a step's totals are sums over
+        # so many samples that their spread is small: the window overfills the step by
+        # lookahead * sqrt(MANY_BUCKETS / buckets) of its capacity instead of `lookahead`
+        # (what selection needs to even out the phases grows as the square root of the
+        # samples in a step, not in proportion), and a routing strategy leaves out the slack
+        # pass after each microbatch (it adds a sliver of fill for a lot of planning time;
+        # `balanced`, packing whole samples per device, leaves more slack, which it fills).
+        buckets = caps.microbatches * caps.devices
+        self.lookahead = lookahead * min(1.0, (MANY_BUCKETS / max(buckets, 1)) ** 0.5)
+        self.slack_pass = buckets <= MANY_BUCKETS or not assignment.routed
+        self.stream = SampleStream(len(index), seed)
+        self.phases = Phases(index, caps)
+        self.selector = Selector(self.phases, self.lookahead)
+        self.cursor, self.step = 0, 0
+        self.deferred = np.zeros((0, 2), np.int64)  # (sample, stream step it was pulled at)
+        self.ages = np.zeros(0, np.int64)
+
+    # ------------------------------------------------------------------ carried state
+
+    def get_state(self) -> dict:
+        """Carried state: cursor, step and the deferred queue (sample, step pulled), JSON-able."""
+        return {
+            "step": int(self.step),
+            "cursor": int(self.cursor),
+            "deferred": self.deferred.tolist(),
+        }
+
+    def set_state(self, state: dict) -> None:
+        self.step, self.cursor = int(state["step"]), int(state["cursor"])
+        self.deferred = np.array(state.get("deferred", []), np.int64).reshape(-1, 2)
+
+    # ------------------------------------------------------------------ one step
+
+    def plan(self) -> StepPlan:
+        """Plans the next step and advances the state."""
+        caps, step = self.caps, self.step
+        pool, fresh = self.selector.window(self.stream, self.cursor, self.deferred, step)
+        self.cursor += fresh
+        samples, since = pool[:, 0], pool[:, 1]
+        urgent = step - since >= self.max_age - 1
+        taken = np.zeros(len(pool), bool)
+        work = np.take(self.phases.work_t, samples, axis=1)  # [phase, pool position]
+        left = work.sum(1)  # work of the pool not yet taken
+        micros = []
+        for m in range(caps.microbatches):
+            mb = Micro(caps)
+            # Across microbatches first: each gets at most an equal share of what is left.
+            share = left / (caps.microbatches - m)
+            sel = self.selector.select(work, taken, share, urgent=urgent)
+            self._add(mb, sel, samples, urgent)
+            taken[np.concatenate(mb.entries)] = True
+            # Slack left: the next samples of the window that fit it, in the same order.
+            if self.slack_pass:
+                sel = self.selector.select(work, taken, self._free(mb), small=True)
+                self._add(mb, sel, samples, urgent)
+            placed = np.concatenate(mb.entries)
+            taken[placed] = True
+            left = left - np.take(work, placed, axis=1).sum(1)
+            micros.append(mb)
+        self.deferred = pool[~taken]
+        self.step += 1
+        return self._emit(step, micros, samples, since)
+
+    def _free(self, mb: Micro) -> np.ndarray:
+        """Units still free in each phase of the microbatch."""
+        return self.caps.devices * self.phases.cap_vec - mb.used()
+
+    # ------------------------------------------------------------------ placement
+
+    def _add(self, mb: Micro, entries: np.ndarray, samples: np.ndarray, urgent: np.ndarray) -> None:
+        """Places what it can of `entries` into the microbatch (all parts of a sample or none)."""
+        if not len(entries):
+            return
+        ph = self.phases
+        s = samples[entries]
+        rows = self.assignment.samples(ph, mb, s, urgent[entries])
+        items = {}
+        ok = rows >= 0
+        for p in ENC:
+            owner, j, flat = gather_items(ph.ptr[p], s)
+            items[p] = (owner, j, ph.sizes[p][flat])
+        ok, devs = self.assignment.items(ph, mb, rows, items, urgent[entries], ok)
+        # Roll back the samples that did not get all their parts.
+        bad = np.flatnonzero(~ok & (rows >= 0))
+        np.subtract.at(mb.rows.units, rows[bad], ph.llm[s[bad]])
+        np.subtract.at(mb.rows.quad, rows[bad], quad_cost(ph.llm[s[bad]]))
+        for p in ENC:
+            owner, j, size = items[p]
+            dev = devs[p]
+            drop = ~ok[owner] & (dev >= 0)
+            np.subtract.at(mb.enc[p].units, dev[drop], size[drop])
+            np.subtract.at(mb.enc[p].quad, dev[drop], quad_cost(size[drop]))
+            keep = ok[owner]
+            mb.items[p].append((entries[owner[keep]], j[keep], size[keep], dev[keep]))
+        mb.entries.append(entries[ok])
+        mb.row_bin.append(rows[ok])
+
+    def _emit(
+        self, step: int, micros: list[Micro], samples: np.ndarray, since: np.ndarray
+    ) -> StepPlan:
+        # Each microbatch's arrays concatenated straight into the step's (int64 already: no
+        # astype copies), its offsets computed while they are in cache (one sort over all
+        # microbatches, keyed by microbatch and bin, gives the same offsets but is slower).
+        r_n = self.caps.llm_rows
+        counts = [sum(len(x) for x in mb.entries) for mb in micros]
+        e, rb, off = (np.empty(sum(counts), np.int64) for _ in range(3))
+        a = 0
+        for mb, c in zip(micros, counts, strict=True):
+            np.concatenate(mb.entries, out=e[a : a + c])
+            np.concatenate(mb.row_bin, out=rb[a : a + c])
+            off[a : a + c] = offsets_in_bins(rb[a : a + c], self.phases.llm[samples[e[a : a + c]]])
+            a += c
+        micro = np.repeat(np.arange(len(micros)), counts)
+        pos_of = np.empty(len(samples), np.int64)  # (entries are distinct pool positions)
+        pos_of[e] = np.arange(len(e))
+        dev, row = np.divmod(rb, r_n)
+        self.ages = step - since[e]
+        plans = {}
+        for p in ENC:
+            if not any(mb.items[p] for mb in micros):
+                plans[p] = ItemPlan.empty()
+                continue
+            counts = [sum(len(q[0]) for q in mb.items[p]) for mb in micros]
+            it = ItemPlan(*(np.empty(sum(counts), np.int64) for _ in range(4)))
+            a = 0
+            for mb, c in zip(micros, counts, strict=True):
+                if not mb.items[p]:
+                    continue
+                ent, j, size, idev = zip(*mb.items[p], strict=True)
+                # (owners already by owner, then item: the order they were added)
+                np.take(pos_of, np.concatenate(ent), out=it.owner[a : a + c])
+                np.concatenate(j, out=it.item[a : a + c])
+                np.concatenate(idev, out=it.device[a : a + c])
+                it.offset[a : a + c] = offsets_in_bins(it.device[a : a + c], np.concatenate(size))
+                a += c
+            plans[p] = it
+        return StepPlan(
+            step=step,
+            samples=samples[e],
+            micro=micro,
+            device=dev,
+            row=row,
+            offset=off,
+            vision=plans["vision"],
+            audio=plans["audio"],
+            deferred=len(self.deferred),
+        )

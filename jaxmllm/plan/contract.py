@@ -1,0 +1,185 @@
+"""The planner contract: capacities in, a step plan out, and the checks both must pass.
+
+A planner is pure numpy and a function of (seed, step, lengths index, carried state): resuming is
+recomputation from the saved state. Every planner emits the same `StepPlan`, which `bucketize`
+turns into the fixed-shape batch contract; a better planner changes the plan, not the contract.
+This module is the bottom of `jaxmllm.plan`: it imports no planner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from jaxmllm.data.samples import LengthsIndex
+
+
+@dataclass(frozen=True)
+class Capacities:
+    """Per device and per microbatch bucket sizes, in model units."""
+
+    microbatches: int
+    devices: int
+    llm_rows: int
+    llm_row_len: int
+    vision_patches: int  # 0 when vision is disabled
+    audio_frames: int  # 0 when audio is disabled
+    merge_area: int  # patches per LLM token
+    subsample: int  # frames per LLM token
+    route_pair_capacity: int  # 0 = encoder outputs stay on the text's device
+
+
+@dataclass
+class ItemPlan:
+    """Placement of encoder items (images or clips) of the planned samples.
+
+    owner[k] indexes StepPlan.samples; item[k] is the image/clip number within that sample;
+    device[k] is the device that encodes it (may differ from the text's device when routing);
+    offset[k] is its first patch/frame in that device's packed encoder row.
+    """
+
+    owner: np.ndarray
+    item: np.ndarray
+    device: np.ndarray
+    offset: np.ndarray
+
+    @classmethod
+    def empty(cls) -> ItemPlan:
+        z = np.zeros(0, np.int64)
+        return cls(z, z.copy(), z.copy(), z.copy())
+
+
+@dataclass
+class StepPlan:
+    """One step's plan. Arrays over planned samples: which, and where their text goes."""
+
+    step: int
+    samples: np.ndarray  # int64 [S] sample indices into the source / lengths index
+    micro: np.ndarray  # [S] microbatch
+    device: np.ndarray  # [S] device holding the sample's text (the LLM phase)
+    row: np.ndarray  # [S] LLM row on that device
+    offset: np.ndarray  # [S] first token in that row
+    vision: ItemPlan = field(default_factory=ItemPlan.empty)
+    audio: ItemPlan = field(default_factory=ItemPlan.empty)
+    deferred: int = 0  # samples waiting for a later step after this plan
+
+
+class Planner(Protocol):
+    """What the pipeline, the bench and the tests use of a planner."""
+
+    ages: np.ndarray  # steps each sample of the last plan waited since it was pulled
+
+    def plan(self) -> StepPlan:
+        """Plans the next step and advances the carried state."""
+        ...
+
+    def get_state(self) -> dict:
+        """The carried state: small and JSON-able, saved with every checkpoint."""
+        ...
+
+    def set_state(self, state: dict) -> None:
+        """Restores `get_state()`'s state: the next plan is the one that followed it."""
+        ...
+
+
+class OversizeError(ValueError):
+    """A sample that cannot fit an empty bucket; names the sample and the capacity to raise."""
+
+
+def check_fits(index: LengthsIndex, caps: Capacities) -> None:
+    """Fails at start-up, naming the sample and the config key, if any sample can never fit."""
+    llm = index.llm_tokens(caps.merge_area, caps.subsample)
+    checks = [("batch.llm_row_len", llm, caps.llm_row_len)]
+    if caps.vision_patches:
+        checks.append(
+            (
+                "batch.vision_patches",
+                index.per_sample_sum(index.images, index.images_ptr),
+                caps.vision_patches,
+            )
+        )
+    if caps.audio_frames:
+        checks.append(
+            (
+                "batch.audio_frames",
+                index.per_sample_sum(index.audio, index.audio_ptr),
+                caps.audio_frames,
+            )
+        )
+    for key, need, cap in checks:
+        bad = np.flatnonzero(need > cap)
+        if len(bad):
+            raise OversizeError(
+                f"{len(bad)} sample(s) need more than {key}={cap} (sample {int(bad[0])} needs "
+                f"{int(need[bad[0]])}, the largest {int(need.max())}); raise {key} to at least "
+                f"{int(need.max())}"
+            )
+    if not caps.vision_patches and len(index.images):
+        raise OversizeError("the data has images but model.vision.enabled is false")
+    if not caps.audio_frames and len(index.audio):
+        raise OversizeError("the data has audio but model.audio.enabled is false")
+
+
+def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
+    """Raises ValueError unless the plan honours the contract (capacities, no overlap, every
+    item of every planned sample placed once, items local or within the route capacity)."""
+    d_n, r_n, row_len = caps.devices, caps.llm_rows, caps.llm_row_len
+    llm = index.llm_tokens(caps.merge_area, caps.subsample)[plan.samples]
+    if (
+        len(plan.samples)
+        and (
+            (plan.micro < 0)
+            | (plan.micro >= caps.microbatches)
+            | (plan.device < 0)
+            | (plan.device >= d_n)
+            | (plan.row < 0)
+            | (plan.row >= r_n)
+        ).any()
+    ):
+        raise ValueError(f"step {plan.step}: a sample outside the [M, D, R] buckets")
+    key = (plan.micro * d_n + plan.device) * r_n + plan.row
+    _check_segments(plan.step, "llm", key, plan.offset, llm, row_len)
+    for p, values, ptr, cap, per in (
+        ("vision", index.images, index.images_ptr, caps.vision_patches, caps.merge_area),
+        ("audio", index.audio, index.audio_ptr, caps.audio_frames, caps.subsample),
+    ):
+        it: ItemPlan = getattr(plan, p)
+        want = ptr[plan.samples + 1] - ptr[plan.samples]
+        got = np.bincount(it.owner, minlength=len(plan.samples)) if len(it.owner) else want * 0
+        uniq = len(np.unique(it.owner * (int(want.max(initial=0)) + 1) + it.item))
+        if (got != want).any() or uniq != len(it.owner) or (it.item >= want[it.owner]).any():
+            raise ValueError(f"step {plan.step}: {p} items of planned samples not placed once")
+        if not len(it.owner):
+            continue
+        size = values[ptr[plan.samples[it.owner]] + it.item]
+        micro = plan.micro[it.owner]
+        _check_segments(plan.step, p, micro * d_n + it.device, it.offset, size, cap)
+        if (it.offset % per).any():
+            raise ValueError(f"step {plan.step}: {p} item offsets must be multiples of {per}")
+        home = plan.device[it.owner]
+        remote = it.device != home
+        if caps.route_pair_capacity == 0:
+            if remote.any():
+                raise ValueError(f"step {plan.step}: {p} item away from its text, no routing")
+            continue
+        pair = (micro * d_n + it.device) * d_n + home
+        _, inv = np.unique(pair[remote], return_inverse=True)
+        if remote.any() and np.bincount(inv, size[remote] // per).max() > caps.route_pair_capacity:
+            raise ValueError(
+                f"step {plan.step}: {p} rows between two devices exceed "
+                f"route_pair_capacity={caps.route_pair_capacity}"
+            )
+
+
+def _check_segments(
+    step: int, what: str, key: np.ndarray, start: np.ndarray, size: np.ndarray, cap: int
+) -> None:
+    end = start + size
+    if len(key) and ((start < 0) | (end > cap)).any():
+        raise ValueError(f"step {step}: {what} capacity {cap} exceeded")
+    o = np.lexsort((start, key))
+    same = key[o][1:] == key[o][:-1]
+    if (start[o][1:][same] < end[o][:-1][same]).any():
+        raise ValueError(f"step {step}: {what} segments overlap")

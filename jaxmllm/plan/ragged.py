@@ -1,0 +1,119 @@
+"""Sort and ragged-array primitives of the planners: stable integer sorts, per-run sums,
+items of ragged per-sample arrays, offsets of items laid out in bins.
+
+Every sort is stable, so every host computes the same plan from the same inputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def gather_items(ptr: np.ndarray, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Items of `samples` in a ragged array: (owner position, item number, flat index)."""
+    first = ptr[samples]
+    cnt = ptr[1:][samples] - first  # (no samples + 1 to build, ptr[samples] taken once)
+    owner = np.repeat(np.arange(len(samples)), cnt)
+    start = np.cumsum(cnt)
+    start -= cnt
+    j = np.arange(len(owner)) - start[owner]
+    return owner, j, first[owner] + j
+
+
+def offsets_in_bins(bins: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """First unit of each item when the items of a bin are laid out in their given order."""
+    order = argsort_stable(bins, int(bins.max(initial=0)) + 1)
+    s = sizes[order]
+    cum = np.cumsum(s)
+    cum -= s
+    cnt = np.bincount(bins) if len(bins) else np.zeros(0, np.int64)
+    first = np.cumsum(cnt)
+    first -= cnt  # (each bin's first position in the order; empty bins take none)
+    cum -= np.repeat(cum[np.minimum(first, max(len(cum) - 1, 0))], cnt)
+    out = np.empty(len(bins), np.int64)
+    out[order] = cum
+    return out
+
+
+def argsort_stable(keys: np.ndarray, top: int) -> np.ndarray:
+    """Stable argsort of non-negative integer keys below `top` (see stable_sort)."""
+    return stable_sort(keys, top, want_keys=False)[0]
+
+
+def stable_sort(
+    keys: np.ndarray, top: int, want_keys: bool = True
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """(stable argsort, sorted keys) of non-negative integer keys below `top`.
+
+    One sort of the unique values key * 2**b + position (2**b >= n), in 32 bits where they
+    fit: numpy's SIMD sort of 32-bit integers is faster than its radix sort of 16-bit keys
+    and than the same sort in 64 bits, whose temporaries cost twice the fresh memory (see
+    plan/README.md); shifts and masks split the values again."""
+    n = len(keys)
+    b = max(n - 1, 1).bit_length()
+    if n < 2048 and top <= 1 << 16:  # (few keys: the radix sort costs least)
+        order = np.argsort(keys.astype(np.uint16), kind="stable")
+        return order, keys[order] if want_keys else None
+    if top <= 1 << (32 - b):
+        dtype = np.int32 if top <= 1 << (31 - b) else np.uint32
+    elif top < 1 << (62 - b):
+        dtype = np.int64
+    else:
+        order = np.argsort(keys, kind="stable")
+        return order, keys[order] if want_keys else None
+    v = keys.astype(dtype)
+    v <<= b
+    v |= np.arange(n, dtype=dtype)
+    v.sort()
+    k = (v >> b).astype(np.int64) if want_keys else None
+    v &= (1 << b) - 1
+    return v.astype(np.int64), k
+
+
+def run_cumsum(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """For sorted `keys`, the running sum of `values` within each run of equal keys (each
+    element's own value included)."""
+    n = len(keys)
+    if n == 0:
+        return np.zeros(0, values.dtype)
+    new = np.empty(n, bool)
+    new[0] = True
+    np.not_equal(keys[1:], keys[:-1], out=new[1:])
+    first = np.maximum.accumulate(np.where(new, np.arange(n), 0))
+    cum = np.cumsum(values)
+    return cum - (cum[first] - values[first])
+
+
+def compact_keys(keys: np.ndarray) -> np.ndarray:
+    """The same non-negative keys in a 16-bit type when they fit (numpy radix-sorts those)."""
+    if len(keys) and 0 <= keys.min() and keys.max() < 1 << 16:
+        return keys.astype(np.uint16)
+    return keys
+
+
+def desc_order(sizes: np.ndarray, first: np.ndarray | None = None) -> np.ndarray:
+    """Positions by size, largest first, the `first` ones before all others (stable)."""
+    top = int(sizes.max(initial=0))
+    key = top - sizes
+    if first is not None and first.any():
+        key += np.where(first, 0, top + 1)  # (the first ones ahead, as one sort)
+        top = 2 * top + 1
+    return argsort_stable(key, top + 1)
+
+
+def smallest(key: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the k smallest keys (no NaN) in stable order: the first k of a stable
+    argsort, without sorting all of them when k is small (np.partition only finds the k-th
+    value, which is the same on every machine). Many keys may tie, as Selector.swap's ratios
+    (most samples have none of the short phase: 0): when k of them tie at the smallest value,
+    the first k of those (in index order); else the ones below the k-th value sorted, then
+    the first of the ones tied at it, instead of sorting all the tied ones."""
+    if not len(key) or 2 * k >= len(key):
+        return np.argsort(key, kind="stable")[:k]
+    low = np.flatnonzero(key == key.min())
+    if len(low) >= k:
+        return low[:k]
+    kth = np.partition(key, k - 1)[k - 1]
+    below = np.flatnonzero(key < kth)
+    below = below[np.argsort(key[below], kind="stable")]
+    return np.concatenate([below, np.flatnonzero(key == kth)[: k - len(below)]])

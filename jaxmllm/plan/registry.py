@@ -1,0 +1,35 @@
+"""The planners by name (`batch.planner`): the one list config validates against.
+
+The top of `jaxmllm.plan`: it imports the implementations, nothing here imports it back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.plan.assign import JointAssignment, RoutedAssignment
+from jaxmllm.plan.balancer import Balancer
+from jaxmllm.plan.baselines import FirstFitPlanner, GrainPlanner, NaivePlanner
+from jaxmllm.plan.contract import Capacities, Planner
+
+PlannerFactory = Callable[[LengthsIndex, Capacities, int], Planner]
+
+# name -> factory(index, caps, seed); the balancer's take keyword arguments too (max_age,
+# lookahead)
+PLANNERS: dict[str, PlannerFactory] = {
+    "orchestrated": partial(Balancer, assignment=RoutedAssignment()),
+    "balanced": partial(Balancer, assignment=JointAssignment()),
+    "grain": GrainPlanner,
+    "naive": NaivePlanner,
+    "first_fit": FirstFitPlanner,
+}
+
+
+def make_planner(name: str, index: LengthsIndex, caps: Capacities, seed: int) -> Planner:
+    """The planner called `name` over `index`, with bucket capacities `caps`, drawing its sample
+    stream from `seed`."""
+    if name not in PLANNERS:
+        raise ValueError(f"unknown planner {name!r}: one of {', '.join(sorted(PLANNERS))}")
+    return PLANNERS[name](index, caps, seed)

@@ -1,0 +1,139 @@
+"""Routing: encoder items away from their text's device, within the route capacity.
+
+After a phase is packed, items of nearly the same size (one exchange group) trade devices so
+that as many as possible sit at home (`localize`: each device keeps its count of items per
+group); the small shifts in load are undone where they would overfill a bucket
+(`keep_capacity`: no room is kept back for them); then each (src, dst) device pair may carry at
+most `batch.route_pair_capacity` encoder rows per microbatch (`Routes`: a sample whose items
+would exceed it waits).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxmllm.plan.bins import Loads, quad_cost
+from jaxmllm.plan.ragged import run_cumsum, stable_sort
+
+UNDO_ROUNDS = 3  # rounds undoing the groups of overfilled bins before all exchanges are undone
+
+
+class Routes:
+    """Encoder rows one microbatch sends between devices in one phase, per (src, dst) pair."""
+
+    def __init__(self, devices: int, per_row: int, capacity: int, bucket: int):
+        self.devices, self.per_row, self.capacity = devices, per_row, capacity
+        # A route capacity of a device's whole encoder output (`bucket` units) never overflows.
+        self.free = capacity >= bucket // per_row
+        self.keys = np.zeros(0, np.int64)  # per routed item: src * devices + dst
+        self.rows = np.zeros(0, np.int64)  # its encoder rows
+
+    def overflow(self, size: np.ndarray, dev: np.ndarray, home: np.ndarray) -> np.ndarray:
+        """Mask of the items (encoded on `dev`, text on `home`) whose (src, dst) pair would
+        exceed the route capacity, counting the rows already routed first."""
+        if self.free:
+            return np.zeros(len(size), bool)
+        remote = dev != home
+        keys = np.concatenate([self.keys, dev[remote] * self.devices + home[remote]])
+        rows = np.concatenate([self.rows, size[remote] // self.per_row])
+        order = np.argsort(keys, kind="stable")
+        k, r = keys[order], rows[order]
+        over_sorted = run_cumsum(k, r) > self.capacity
+        over_all = np.empty(len(keys), bool)
+        over_all[order] = over_sorted
+        out = np.zeros(len(size), bool)
+        out[np.flatnonzero(remote)] = over_all[len(self.keys) :]
+        return out
+
+    def add(self, size: np.ndarray, dev: np.ndarray, home: np.ndarray) -> None:
+        """Counts the rows of the items kept (encoded on `dev`, text on `home`)."""
+        if self.free:
+            return
+        remote = dev != home
+        self.keys = np.concatenate([self.keys, dev[remote] * self.devices + home[remote]])
+        self.rows = np.concatenate([self.rows, size[remote] // self.per_row])
+
+
+def localize(group: np.ndarray, dev: np.ndarray, home: np.ndarray, devices: int) -> np.ndarray:
+    """Reassigns devices among the items of each exchange group so that most sit at `home`.
+
+    Every device keeps as many items of each group as before (so about the same load and
+    attention cost); within a group, as many items as the device has slots stay home. Items of
+    group -1 keep their device. O(items + groups * devices), one sort.
+    """
+    out = dev.copy()
+    if not len(group):
+        return out
+    if group.min() >= 0:  # (the usual case: no gathers, no indirection at the end)
+        idx, g, d, h = None, group, dev, home
+    else:
+        idx = np.flatnonzero(group >= 0)
+        if not len(idx):
+            return out
+        g, d, h = group[idx], dev[idx], home[idx]
+    g = g - g.min()
+    number = np.cumsum(np.bincount(g) > 0)
+    g = number[g]  # the groups present, numbered in order (from 1)
+    g -= 1
+    n_keys = int(number[-1]) * devices
+    g *= devices
+    slots = np.bincount(g + d, minlength=n_keys)  # per (group, device)
+    g += h
+    order, ik = stable_sort(g, n_keys)  # items by (group, home)
+    # An item stays home when its rank among the items of its (group, home) is below the
+    # slots there: its position in the order is below that key's first position + slots.
+    cnt = np.bincount(ik, minlength=n_keys)
+    free = slots - cnt
+    end = np.cumsum(cnt)
+    end += free
+    local = np.arange(len(g)) < end[ik]
+    stay, move = order[local], order[~local]
+    # The others take the slots left (those of a key past its items at home), group by group:
+    # both lists run in group order. (flatnonzero of a mask: much faster than of integers.)
+    np.maximum(free, 0, out=free)
+    keys = np.flatnonzero(free > 0)
+    to = np.repeat(keys % devices, free[keys])
+    if idx is None:
+        out[stay] = h[stay]
+        out[move] = to
+    else:
+        out[idx[stay]] = h[stay]
+        out[idx[move]] = to
+    return out
+
+
+def keep_capacity(
+    group: np.ndarray,
+    new: np.ndarray,
+    old: np.ndarray,
+    size: np.ndarray,
+    loads: Loads,
+    cap: int,
+) -> np.ndarray:
+    """Applies the exchanges `old` -> `new` to the bins' `loads`, undoing those of every group
+    that touches a bin they would overfill (sizes differ within a group by up to SIZE_TOL);
+    returns each item's device."""
+    load = loads.units
+    nb = len(load)
+    new = new.copy()
+    m = np.flatnonzero(new != old)
+    nm, om, sm = new[m], old[m], size[m]  # (the moves, gathered once per attempt)
+    for attempt in range(UNDO_ROUNDS + 1):
+        delta = np.bincount(nm, sm, nb) - np.bincount(om, sm, nb)
+        over = load + delta > cap
+        if not over.any():
+            break
+        if attempt < UNDO_ROUNDS:
+            gm = group[m]
+            undo = np.isin(gm, gm[over[nm] | over[om]])
+        else:
+            undo = np.ones(len(m), bool)
+        new[m[undo]] = om[undo]
+        m = m[~undo]  # (the moves left: still in order)
+        nm, om, sm = new[m], old[m], size[m]
+    else:
+        delta = np.bincount(nm, sm, nb) - np.bincount(om, sm, nb)
+    sq = quad_cost(sm)
+    load += delta.astype(load.dtype)  # (exact: integer sums far below 2**53)
+    loads.quad += np.bincount(nm, sq, nb) - np.bincount(om, sq, nb)
+    return new

@@ -1,0 +1,379 @@
+"""The planners through the registry: the contract on random workloads, resume, the registry
+and config, the balancer's behaviours (routing, window, selection), the balance bench."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxmllm.bench.mixes import from_arrays, synthetic_omni
+from jaxmllm.config import ModelConfig, load_config
+from jaxmllm.data.cost import CostModel
+from jaxmllm.plan.balancer import MANY_BUCKETS
+from jaxmllm.plan.capacity import suggest_capacities
+from jaxmllm.plan.contract import Capacities, OversizeError, check_plan
+from jaxmllm.plan.registry import PLANNERS
+from jaxmllm.plan.select import BINDING, HEADROOM, Selector
+from jaxmllm.plan.stream import SampleStream
+
+MERGE_AREA, SUBSAMPLE = 4, 4
+SETTINGS = settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@st.composite
+def workloads(draw, policy: str):
+    n = draw(st.integers(1, 30))
+    text = draw(st.lists(st.integers(1, 60), min_size=n, max_size=n))  # >= BOS
+    images = [
+        np.array(draw(st.lists(st.integers(1, 16), max_size=3)), np.int64) * MERGE_AREA
+        for _ in range(n)
+    ]
+    audio = [
+        np.array(draw(st.lists(st.integers(1, 16), max_size=1)), np.int64) * SUBSAMPLE
+        for _ in range(n)
+    ]
+    index = from_arrays(np.array(text), images, audio)
+    llm = index.llm_tokens(MERGE_AREA, SUBSAMPLE)
+    vis = index.per_sample_sum(index.images, index.images_ptr)
+    aud = index.per_sample_sum(index.audio, index.audio_ptr)
+    slack = draw(st.integers(0, 64))
+    route = 0
+    if policy == "orchestrated":
+        route = draw(st.integers(16, 40))
+    rows = 1 if policy == "grain" else draw(st.integers(1, 2))
+    caps = Capacities(
+        microbatches=draw(st.integers(1, 2)),
+        devices=draw(st.integers(1, 4)),
+        llm_rows=rows,
+        llm_row_len=max(int(llm.max()), 1) + slack,
+        vision_patches=4 * ((int(vis.max()) + 4 * slack) // 4 + 1),
+        audio_frames=4 * ((int(aud.max()) + 4 * slack) // 4 + 1),
+        merge_area=MERGE_AREA,
+        subsample=SUBSAMPLE,
+        route_pair_capacity=route,
+    )
+    seed = draw(st.integers(0, 3))
+    return index, caps, seed
+
+
+def one_by_one(planner, steps: int):
+    """Yields each plan as it is made (the planner's `ages` and state are that plan's)."""
+    for _ in range(steps):
+        yield planner.plan()
+
+
+def run(planner, steps: int):
+    plans = []
+    for _ in range(steps):
+        plans.append(planner.plan())
+    return plans
+
+
+def same_plan(a, b) -> bool:
+    fields = ("samples", "micro", "device", "row", "offset")
+    if any(not np.array_equal(getattr(a, f), getattr(b, f)) for f in fields):
+        return False
+    return all(
+        np.array_equal(getattr(getattr(a, p), f), getattr(getattr(b, p), f))
+        for p in ("vision", "audio")
+        for f in ("owner", "item", "device", "offset")
+    )
+
+
+@pytest.mark.parametrize("policy", list(PLANNERS))
+@SETTINGS
+@given(data=st.data())
+def test_plans_honour_capacities_and_routing(policy, data):
+    index, caps, seed = data.draw(workloads(policy))
+    planner = PLANNERS[policy](index, caps, seed)
+    for plan in one_by_one(planner, 6):
+        check_plan(plan, index, caps)  # capacities, no overlap, items placed once, routes
+        assert len(planner.ages) == len(plan.samples) and (planner.ages >= 0).all()
+
+
+@pytest.mark.parametrize("policy", ["orchestrated", "balanced"])
+@SETTINGS
+@given(data=st.data())
+def test_every_sample_once_and_bounded_age(policy, data):
+    index, caps, seed = data.draw(workloads(policy))
+    planner = PLANNERS[policy](index, caps, seed)
+    planned = Counter()
+    for plan in one_by_one(planner, 3 * len(index) + 4):
+        planned.update(plan.samples.tolist())
+    waiting = Counter(planner.deferred[:, 0].tolist())
+    pulled = Counter(planner.stream.take(0, planner.cursor).tolist())
+    assert planned + waiting == pulled  # nothing lost, nothing twice
+    assert planner.cursor >= 2 * len(index)  # it made progress over whole epochs
+    # The last plan's ages (what this test always checked): checked after every plan, tiny
+    # buckets overrun the bound now and then (test_age_bound_holds_after_every_plan).
+    assert planner.ages.max(initial=0) <= planner.max_age
+
+
+@pytest.mark.xfail(strict=True, reason="known: urgent samples can miss tiny buckets (follow-up)")
+def test_age_bound_holds_after_every_plan():
+    """No sample waits more than max_age steps, after every plan. It does not hold today: on
+    ~2% of the random tiny workloads above some plan has an age of max_age + 1 (urgent
+    samples that do not fit the emptiest buckets wait again; here 17 samples, so the window
+    holds a sample twice, and one needing 80 of a device's 92 patches). This pins one case;
+    when the planner keeps its bound, this test XPASSes and fails: drop the mark."""
+    index = from_arrays(
+        np.ones(17, np.int64),
+        [np.array(x, np.int64) for x in ([4, 4, 60], [4, 4, 12], [], [], [], [])]
+        + [np.array([24, 44, 12])]
+        + [np.zeros(0, np.int64)] * 10,
+        [np.zeros(0, np.int64)] * 17,
+    )
+    caps = Capacities(1, 2, 1, 23, 92, 12, MERGE_AREA, SUBSAMPLE, 16)
+    planner = PLANNERS["orchestrated"](index, caps, 0)
+    for plan in one_by_one(planner, 3 * len(index) + 4):
+        check_plan(plan, index, caps)
+        assert planner.ages.max(initial=0) <= planner.max_age
+
+
+@pytest.mark.parametrize("policy", list(PLANNERS))
+@SETTINGS
+@given(data=st.data(), k=st.integers(0, 4))
+def test_pure_function_and_resume(policy, data, k):
+    index, caps, seed = data.draw(workloads(policy))
+    a = PLANNERS[policy](index, caps, seed)
+    b = PLANNERS[policy](index, caps, seed)
+    plans_a = run(a, k)
+    assert all(same_plan(x, y) for x, y in zip(plans_a, run(b, k), strict=True))
+    state = json.loads(json.dumps(a.get_state()))  # JSON-able
+    after = run(a, 3)
+    c = PLANNERS[policy](index, caps, seed)
+    c.set_state(state)
+    assert all(same_plan(x, y) for x, y in zip(after, run(c, 3), strict=True))
+
+
+def test_stream_slices_match_their_definition():
+    """The sliced epoch stream equals the plain definition."""
+    stream = SampleStream(7, seed=3)
+    for start, count in [(0, 0), (0, 5), (3, 20), (13, 1), (6, 8), (40, 15)]:
+        pos = np.arange(start, start + count)
+        want = [np.random.default_rng([3, p // 7]).permutation(7)[p % 7] for p in pos]
+        assert np.array_equal(stream.take(start, count), np.array(want, np.int64))
+
+
+def suggested_caps(sug, devices: int, route: int) -> Capacities:
+    """Two microbatches of `devices` buckets of the suggested capacities."""
+    return Capacities(
+        microbatches=2,
+        devices=devices,
+        llm_rows=sug.llm_rows,
+        llm_row_len=sug.llm_row_len,
+        vision_patches=sug.vision_patches,
+        audio_frames=sug.audio_frames,
+        merge_area=MERGE_AREA,
+        subsample=SUBSAMPLE,
+        route_pair_capacity=route,
+    )
+
+
+def test_orchestrated_needs_routing_and_balances_better():
+    index = synthetic_omni(3000, seed=1)
+    sug = suggest_capacities(index, 8192, MERGE_AREA, SUBSAMPLE)
+    unrouted = suggested_caps(sug, 8, 0)
+    with pytest.raises(OversizeError, match="route_pair_capacity"):
+        PLANNERS["orchestrated"](index, unrouted, 0)
+    caps = suggested_caps(sug, 8, sug.vision_patches // MERGE_AREA)
+    fills = {}
+    for name, c in (("orchestrated", caps), ("naive", unrouted)):
+        planner = PLANNERS[name](index, c, 0)
+        work = 0
+        for plan in run(planner, 8):
+            check_plan(plan, index, c)
+            work += index.llm_tokens(MERGE_AREA, SUBSAMPLE)[plan.samples].sum()
+        fills[name] = work / (8 * 2 * 8 * sug.llm_rows * sug.llm_row_len)
+    assert fills["orchestrated"] > 0.85 > 0.5 > fills["naive"]
+
+
+@pytest.mark.parametrize("route", ["whole", "tight"])
+def test_many_buckets_contract_and_coarser_window(route):
+    """Beyond MANY_BUCKETS buckets the planner skips the slack pass and shrinks its window;
+    plans still honour every capacity and route, every pulled sample is planned once or
+    waits, and no sample waits longer than max_age (2 x 80 devices, omni-like data, with a
+    route capacity of a whole device's output and with the largest item's rows)."""
+    index = synthetic_omni(6000, seed=3)
+    sug = suggest_capacities(index, 4096, MERGE_AREA, SUBSAMPLE)
+    route_rows = sug.vision_patches // MERGE_AREA
+    tight = max(index.images.max() // MERGE_AREA, index.audio.max() // SUBSAMPLE)  # (largest)
+    caps = suggested_caps(sug, 80, route_rows if route == "whole" else tight)
+    planner = PLANNERS["orchestrated"](index, caps, 1)
+    assert 2 * 80 > MANY_BUCKETS and not planner.slack_pass
+    assert planner.lookahead == pytest.approx(0.5 * (MANY_BUCKETS / 160) ** 0.5)
+    planned = Counter()
+    for plan in one_by_one(planner, 10):
+        check_plan(plan, index, caps)
+        planned.update(plan.samples.tolist())
+        assert planner.ages.max(initial=0) <= planner.max_age
+    waiting = Counter(planner.deferred[:, 0].tolist())
+    assert planned + waiting == Counter(planner.stream.take(0, planner.cursor).tolist())
+
+
+def test_nonbinding_phase_takes_its_share_of_each_microbatch():
+    """A phase that does not bind (omni's vision) takes at most its long-run share of a
+    microbatch plus a third of the rest, so that the next microbatch is not left short of
+    it; the binding phases may fill their capacity."""
+    index = synthetic_omni()  # (the bench's omni mix and capacities: vision does not bind)
+    sug = suggest_capacities(index, 32768, MERGE_AREA, SUBSAMPLE, match_llm=True)
+    caps = suggested_caps(sug, 8, sug.vision_patches // MERGE_AREA)
+    planner = PLANNERS["orchestrated"](index, caps, 0)
+    share, micro_cap = planner.selector.share, planner.selector.micro_cap
+    assert share[1] < BINDING and (micro_cap[[0, 2]] == 1).all()
+    assert micro_cap[1] == pytest.approx(share[1] + HEADROOM * (1 - share[1]))
+    vision = index.per_sample_sum(index.images, index.images_ptr)
+    for plan in run(planner, 6):
+        check_plan(plan, index, caps)
+        for m in range(2):
+            took = vision[plan.samples[plan.micro == m]].sum()
+            # (the first selection keeps to the cap, the slack pass adds a sliver: here <= 0.2%;
+            # without the cap the first microbatch takes up to 99.7% and the second 94%)
+            assert took <= (micro_cap[1] + 0.005) * 8 * caps.vision_patches
+
+
+def test_selection_trades_text_for_a_short_binding_phase(monkeypatch):
+    """Text-only chats ahead of audio clips in the stream fill the LLM bucket and leave audio
+    (binding) short: the swap brings the window's clips in and defers chats instead; every
+    capacity holds and nothing is lost."""
+    n = 400
+    chat = np.arange(n) < 200
+    text = np.where(chat, 256, 28)  # (a clip: 28 + 400 / 4 = 128 LLM tokens)
+    audio = [np.zeros(0, np.int64) if c else np.array([400]) for c in chat]
+    index = from_arrays(text, [np.zeros(0, np.int64)] * n, audio)
+    caps = Capacities(1, 4, 1, 1024, 0, 1024, 4, 4, 256)  # (audio binds)
+    order = np.concatenate([np.arange(18), np.arange(200, 400), np.arange(18, 200)])
+
+    def audio_of_first_plan():
+        planner = PLANNERS["orchestrated"](index, caps, 0, lookahead=0.25)
+        planner.stream.take = lambda start, count: order[start : start + count]
+        plan = planner.plan()
+        check_plan(plan, index, caps)
+        pool = len(plan.samples) + len(planner.deferred)
+        assert len(np.unique(np.concatenate([plan.samples, planner.deferred[:, 0]]))) == pool
+        return planner.phases.work[plan.samples].sum(0)
+
+    got = audio_of_first_plan()
+    monkeypatch.setattr(Selector, "swap", lambda *a: None)
+    without = audio_of_first_plan()
+    assert (without[2], got[2]) == (400, 1600)  # (the window: 4 clips behind 18 chats)
+    assert got[0] <= 4 * 1024 and got[0] >= 0.9 * without[0]
+
+
+def test_equal_tiles_fill_whole_buckets():
+    """Tiles of one size trade devices for locality without costing a tile of room: buckets
+    of 112 tiles take all 112 (keeping 0.3% of a bucket back for the exchanges cost one)."""
+    tiles, devices, n = 112, 8, 2000
+    index = from_arrays(np.full(n, 8), [np.array([1024])] * n, [np.zeros(0, np.int64)] * n)
+    caps = Capacities(1, devices, 1, 1 << 16, tiles * 1024, 0, 4, 4, tiles * 256)
+    plan = PLANNERS["orchestrated"](index, caps, 0).plan()
+    check_plan(plan, index, caps)
+    per_device = np.bincount(plan.vision.device, minlength=devices)
+    assert per_device.max() == tiles and per_device.min() >= tiles - 1
+
+
+def test_routing_tables_are_a_bijection():
+    """Through the real pipeline: every encoder output row fills exactly one placeholder."""
+    from jaxmllm.data.pipeline import make_pipeline
+
+    cfg = load_config(
+        None,
+        [
+            "model.vision.patch_size=4",
+            "model.vision.width=32",
+            "model.vision.heads=2",
+            "model.audio.n_mels=16",
+            "batch.llm_rows=2",
+            "batch.llm_row_len=160",
+            "batch.vision_patches=512",
+            "batch.audio_frames=128",
+            "batch.microbatches=2",
+            "batch.route_pair_capacity=128",
+            "batch.planner=orchestrated",
+            "data.synthetic.num_samples=256",
+        ],
+    )
+    it = make_pipeline(cfg, 4, prefetch=0)
+    routed = 0
+    for _ in range(3):
+        batch = next(it)["batch"]
+        for phase, per in (("vision", 4), ("audio", 4)):
+            seg = batch[f"{phase}_segment_ids"]  # [M, D, P]
+            send = batch[f"{phase}_send"]  # [M, D(src), D(dst), C]
+            src = batch[f"llm_{phase}_src"]  # [M, D, R, L]
+            m_n, d_n, c = send.shape[0], send.shape[1], send.shape[3]
+            for m in range(m_n):
+                real_rows = {
+                    (s, r)
+                    for s in range(d_n)
+                    for r in np.flatnonzero(seg[m, s, ::per] > 0).tolist()
+                }
+                used = []
+                n_own = seg.shape[2] // per  # [own projector rows | received rows (D*C)]
+                for d in range(d_n):
+                    for v in src[m, d][src[m, d] >= 0].tolist():
+                        if v < n_own:
+                            used.append((d, v))
+                            continue
+                        s, slot = divmod(v - n_own, c)
+                        assert s != d  # a local item never goes through the exchange
+                        used.append((s, int(send[m, s, d, slot])))
+                        routed += 1
+                assert len(used) == len(set(used)) == len(real_rows)
+                assert set(used) == real_rows
+    assert routed > 0
+
+
+def test_balance_benchmark_runs():
+    """The bench on a small omni mix: orchestrated fills the buckets, keeps the slowest
+    device's attention cost within 3% of what any plan of those samples could (1.023 vs a
+    bound of 1.011 here), far under naive's (~3x), and beats random dealing."""
+    from jaxmllm.bench.balance import run_policy
+
+    index = synthetic_omni(2000, seed=3)
+    cost = CostModel.from_model(ModelConfig())
+    row, _ = run_policy("orchestrated", index, 8, 16384, 2, 3, cost)
+    naive, _ = run_policy("naive", index, 8, 16384, 2, 3, cost)
+    assert row["fill"]["llm"] > 0.95 and row["max_age"] <= 4
+    assert row["quad_max_mean"] <= 1.03 * row["quad_bound"]
+    assert naive["quad_max_mean"] > 1.5 * row["quad_max_mean"]
+    assert row["random_cv"] > 2 * row["micro_cv"] > 0
+
+
+def test_one_registry_names_the_planners():
+    """config validates batch.planner against the registry; unknown names say which exist."""
+    from jaxmllm.config import ConfigError
+    from jaxmllm.plan.registry import make_planner
+
+    for name in PLANNERS:
+        assert load_config(None, [f"batch.planner={name}"]).batch.planner == name
+    with pytest.raises(ConfigError, match="first_fit"):
+        load_config(None, ["batch.planner=best_fit"])
+    index = synthetic_omni(100, seed=0)
+    caps = suggested_caps(suggest_capacities(index, 8192, MERGE_AREA, SUBSAMPLE), 2, 0)
+    with pytest.raises(ValueError, match="unknown planner 'best_fit'.*first_fit"):
+        make_planner("best_fit", index, caps, 0)
+
+
+def test_planning_never_imports_config():
+    """config imports the registry, so nothing the planners import may import config (at any
+    depth: a function-level import counts); cost.py neither, so planners can take a CostModel."""
+    from test_layout import import_graph
+
+    graph = import_graph()
+    todo = [m for m in graph if m.startswith("jaxmllm.plan")] + ["jaxmllm.data.cost"]
+    seen = set(todo)
+    while todo:
+        for dep in graph[todo.pop()] - seen:
+            seen.add(dep)
+            todo.append(dep)
+    assert "jaxmllm.config" not in seen
