@@ -4,12 +4,8 @@ One layout function serves both the index and training: `layout(record, sizes, l
 parsed record plus its media sizes (read from headers by the index, checked against the decoded
 media at load time) into the exact token sequence and encoder items. So the index's counts are the
 counts training sees, and the oversize policy can repair a sample (a smaller image budget, a
-trimmed clip, a cut sequence) from the index alone.
-
-Token ids: bytes (or a tokenizer.json's ids below 256) as is, 256..263 the reserved specials of
-`jaxmllm.data.tokenizer` (pad, BOS, EOS, image, audio, user, assistant), and a tokenizer.json's ids
-k >= 256 shifted to k + 8. So any tokenizer.json works without added special tokens, and
-model.llm.vocab_size must be at least the tokenizer's size + 8.
+trimmed clip, a cut sequence) from the index alone. Token ids are those of
+`jaxmllm.data.tokenizer` (the reserved specials 256..263 mark turns and media).
 """
 
 from __future__ import annotations
@@ -30,55 +26,10 @@ from jaxmllm.data.audio import chunk_lengths, clip_frames, load_audio
 from jaxmllm.data.image import image_grid, load_image
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Sample
+from jaxmllm.data.tokenizer import make_tokenizer
 
 PLACEHOLDER = re.compile(r"(<image>|<audio>)")
 ROLES = ("system", "user", "assistant")
-
-# ----------------------------------------------------------------------------- tokenizers
-
-
-class HFTokenizer:
-    """A HuggingFace `tokenizers` tokenizer.json, ids shifted past the reserved specials."""
-
-    def __init__(self, path: str | Path):
-        from tokenizers import Tokenizer
-
-        self.path = str(path)
-        self._tk = Tokenizer.from_file(self.path)
-        largest = max(self._tk.get_vocab(with_added_tokens=True).values(), default=0)
-        self.vocab_size = max(tok.ByteTokenizer.vocab_size, largest + 1 + tok.NUM_SPECIAL)
-
-    def encode(self, text: str) -> np.ndarray:
-        ids = np.asarray(self._tk.encode(text, add_special_tokens=False).ids, np.int64)
-        return np.where(ids >= 256, ids + tok.NUM_SPECIAL, ids).astype(np.int32)
-
-    def decode(self, ids: np.ndarray) -> str:
-        ids = np.asarray(ids)
-        text = ids[(ids < 256) | (ids >= 256 + tok.NUM_SPECIAL)]
-        return self._tk.decode(np.where(text >= 256, text - tok.NUM_SPECIAL, text).tolist())
-
-    def __getstate__(self):  # workers reload the file instead of pickling the Rust object
-        return {"path": self.path}
-
-    def __setstate__(self, state):
-        self.__init__(state["path"])
-
-
-def make_tokenizer(spec: str):
-    """`byte` or the path of a tokenizer.json."""
-    if spec == "byte":
-        return tok.ByteTokenizer()
-    path = Path(spec)
-    if not path.is_file():
-        raise ConfigError(
-            f"data.tokenizer: no tokenizer.json at {spec!r}; give the path of a HuggingFace "
-            "tokenizer.json (nothing is downloaded), or 'byte'"
-        )
-    try:
-        return HFTokenizer(path)
-    except Exception as e:
-        raise ConfigError(f"data.tokenizer: {spec} is not a tokenizer.json: {e}") from None
-
 
 # ----------------------------------------------------------------------------- parameters
 
