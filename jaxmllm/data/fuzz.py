@@ -42,12 +42,12 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmllm.data.arrayrecord import decode_record, encode_record
 from jaxmllm.data.audio import read_info
 from jaxmllm.data.image import read_size
 from jaxmllm.data.index import measure
-from jaxmllm.data.manifest import ManifestSource, parse_line
+from jaxmllm.data.manifest import ManifestSource
 from jaxmllm.data.preprocess import Params, Preprocessor
+from jaxmllm.data.records import decode_record, encode_record, parse_line
 from jaxmllm.data.rejects import REASONS, RecordError
 
 TARGETS = ("image", "audio", "jsonl", "arrayrecord")

@@ -32,8 +32,9 @@ from jaxmllm.config import Config, ConfigError, load_config
 from jaxmllm.data.audio import read_info
 from jaxmllm.data.capacity import suggest_capacities
 from jaxmllm.data.image import read_size
-from jaxmllm.data.manifest import ManifestSource, open_records, read_record, sizes_of
+from jaxmllm.data.manifest import ManifestSource, sizes_of
 from jaxmllm.data.preprocess import Limits, Params, Preprocessor, Sizes
+from jaxmllm.data.records import open_records, read_record
 from jaxmllm.data.rejects import DataError, RecordError, fail_message
 from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.data.tokenizer import make_tokenizer
