@@ -28,9 +28,10 @@ from jaxmllm.config import ConfigError, load_config
 from jaxmllm.data import fuzz
 from jaxmllm.data.audio import read_info
 from jaxmllm.data.image import decode_rgb, read_size
-from jaxmllm.data.index import build_index, open_source
+from jaxmllm.data.index import build_index
 from jaxmllm.data.loader import Loader
 from jaxmllm.data.rejects import REASONS, DataError, RecordError, read_rejects
+from jaxmllm.data.source import open_source
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # PIL on the broken files fed
 

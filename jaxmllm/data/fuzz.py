@@ -45,10 +45,10 @@ import numpy as np
 from jaxmllm.data.audio import read_info
 from jaxmllm.data.image import read_size
 from jaxmllm.data.index import measure
-from jaxmllm.data.manifest import ManifestSource
 from jaxmllm.data.preprocess import Params, Preprocessor
 from jaxmllm.data.records import decode_record, encode_record, parse_line
 from jaxmllm.data.rejects import REASONS, RecordError
+from jaxmllm.data.source import ManifestSource
 
 TARGETS = ("image", "audio", "jsonl", "arrayrecord")
 IMAGE_SEEDS = (
