@@ -2,7 +2,7 @@
 
 A policy outcome is a Sample, a reject whose reason is one of REASONS, or (under data.on_error=fail)
 the DataError naming the record and the option; never another exception, a hang or a decoded
-decompression bomb. Longer runs: `python -m jaxmllm.data.fuzz --seconds 300`, or raise
+decompression bomb. Longer runs: `python tools/fuzz.py --seconds 300`, or raise
 JAXMLLM_FUZZ_EXAMPLES here.
 """
 
@@ -25,13 +25,13 @@ from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
 from jaxmllm.config import ConfigError, load_config
-from jaxmllm.data import fuzz
 from jaxmllm.data.audio import read_info
 from jaxmllm.data.image import decode_rgb, read_size
 from jaxmllm.data.index import build_index
 from jaxmllm.data.loader import Loader
 from jaxmllm.data.rejects import REASONS, DataError, RecordError, read_rejects
 from jaxmllm.data.source import open_source
+from tools import fuzz
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # PIL on the broken files fed
 

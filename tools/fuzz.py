@@ -1,7 +1,7 @@
 """Fuzzing of the manifest and media decoders: every input must end in a policy outcome.
 
-    python -m jaxmllm.data.fuzz --seconds 300                 # all targets, time split evenly
-    python -m jaxmllm.data.fuzz --seconds 60 --targets image,jsonl --findings fuzz-findings/
+    python tools/fuzz.py --seconds 300                 # all targets, time split evenly
+    python tools/fuzz.py --seconds 60 --targets image,jsonl --findings fuzz-findings/
 
 Each target feeds one kind of hostile input to the functions the index and the loader use:
 - `image`, `audio`: random bytes and mutated PNG/JPEG/GIF/WebP/BMP/TIFF/PPM and WAV/FLAC/OGG/AIFF
@@ -17,6 +17,9 @@ An input's outcome is `ok`, `index:<reason>` or `load:<reason>` (a reject; reaso
 or a bug: `unhandled:<exception type>`, `hang` (over --hang-s seconds) or `invariant:<what>` (the
 loader's counts differ from the index's for the same bytes). The run prints inputs tried and the
 outcome counts per target, saves each bug's first input under --findings, and exits 1 on any bug.
+
+A tool, not part of the package (tests/test_fuzz.py imports it as `tools.fuzz`); run as a script
+it tests the jaxmllm of the checkout it sits in.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's jaxmllm first
 
 from jaxmllm.data.audio import read_info
 from jaxmllm.data.image import read_size
@@ -626,7 +631,7 @@ def _save(findings: Path, target: str, outcome: str, arg: bytes, tb: str) -> Non
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m jaxmllm.data.fuzz",
+        prog="python tools/fuzz.py",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
