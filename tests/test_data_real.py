@@ -18,9 +18,10 @@ from jaxmllm.data import tokenizer as tok
 from jaxmllm.data.arrayrecord import convert
 from jaxmllm.data.audio import clip_frames
 from jaxmllm.data.image import image_grid
-from jaxmllm.data.index import build_index, open_source
+from jaxmllm.data.index import build_index
 from jaxmllm.data.loader import Loader
 from jaxmllm.data.rejects import DataError, read_rejects
+from jaxmllm.data.source import open_source
 
 SETTINGS = [
     "data.source=jsonl",

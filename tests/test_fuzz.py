@@ -2,20 +2,27 @@
 
 A policy outcome is a Sample, a reject whose reason is one of REASONS, or (under data.on_error=fail)
 the DataError naming the record and the option; never another exception, a hang or a decoded
-decompression bomb. Longer runs: `python -m jaxmllm.data.fuzz --seconds 300`, or raise
+decompression bomb. Longer runs: `python tools/fuzz.py --seconds 300`, or raise
 JAXMLLM_FUZZ_EXAMPLES here.
+
+Nothing here depends on the machine's speed. Work is bounded by sizes: `fuzz.cap_meter` checks
+every image and clip that reaches the layout or a decoder against the header caps (so no input can
+make the index or the loader do more than the caps allow); the bomb runs under a memory limit with
+every decoder forbidden; special files must never be opened. The one clock is a backstop far above
+any input's run time, against a call that would never return.
 """
 
+import builtins
 import io
 import json
 import os
+import stat
 import struct
 import subprocess
 import sys
-import time
 import warnings
 import zlib
-from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,18 +32,19 @@ from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
 from jaxmllm.config import ConfigError, load_config
-from jaxmllm.data import fuzz
-from jaxmllm.data.audio import read_info
+from jaxmllm.data.audio import decode_mono, read_info
 from jaxmllm.data.image import decode_rgb, read_size
-from jaxmllm.data.index import build_index, open_source
+from jaxmllm.data.index import build_index
 from jaxmllm.data.loader import Loader
 from jaxmllm.data.rejects import REASONS, DataError, RecordError, read_rejects
+from jaxmllm.data.source import open_source
+from tools import fuzz
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # PIL on the broken files fed
 
 FUZZ = settings(
     max_examples=int(os.environ.get("JAXMLLM_FUZZ_EXAMPLES", "300")),
-    deadline=timedelta(seconds=10),  # a backstop: classify() flags an input over 4 s as a hang
+    deadline=None,  # no clock: check() bounds the work by the caps, not by time
     derandomize=True,  # the same inputs on every run; the long run explores
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -48,8 +56,22 @@ def h(tmp_path_factory):
     return fuzz.make_harness(tmp_path_factory.mktemp("fuzz"))
 
 
+ROOT = Path(__file__).resolve().parents[1]
+# Not a speed limit: at the harness's caps (4 Mpx, 30 s) the slowest of 13,000 inputs took 0.3 s
+# on a 2-core box at load 10. Only a call that never returns (a blocking open, a decoder that
+# loops) should ever reach this.
+BACKSTOP_S = 60.0
+
+
 def check(fn, h, arg) -> str:
-    outcome, tb = fuzz.classify(fn, h, arg, hang_s=4.0)
+    """fn(h, arg)'s policy outcome; fails on an unhandled exception, index and loader counts that
+    differ, an image or clip past the header caps in the layout or a decoder (fuzz.cap_meter), or
+    a call still blocked after BACKSTOP_S."""
+    outcome, tb = fuzz.classify(fn, h, arg, hang_s=BACKSTOP_S)
+    assert outcome != "hang", (
+        f"no outcome after {BACKSTOP_S} s, a backstop far above any input's run time: "
+        f"a real infinite block on {arg!r:.300}\n{tb}"
+    )
     assert not fuzz.is_bug(outcome), f"{outcome} on {arg!r:.300}\n{tb}"
     return outcome
 
@@ -78,18 +100,65 @@ def test_mutated_audio(h, name, rng):
     check(fuzz.audio_outcome, h, fuzz.mutate(h.seeds[name], rng, list(h.seeds.values())))
 
 
-def test_seeds_decode_and_special_files_are_refused_quickly(h):
+@pytest.fixture
+def opened(monkeypatch):
+    """The paths opened from here on, by Python (PIL, file reads) or by libsndfile. Opening one
+    that is not a regular file fails here instead of blocking (a FIFO) or reading forever
+    (/dev/zero), so a regression fails the test cleanly."""
+    paths = []
+
+    def record(file):
+        if not isinstance(file, (str, bytes, os.PathLike)):  # file objects, descriptors
+            return
+        paths.append(Path(os.fsdecode(file)))
+        try:
+            regular = stat.S_ISREG(os.stat(file).st_mode)
+        except (OSError, ValueError):
+            return  # missing: the real open raises
+        if not regular:
+            raise OSError(f"test_fuzz refuses to open {paths[-1]}: not a regular file")
+
+    def recording(real):
+        def opener(file, *args, **kwargs):
+            record(file)
+            return real(file, *args, **kwargs)
+
+        return opener
+
+    def soundfile_init(f, file, *args, **kwargs):
+        f._file = None  # what SoundFile.__del__ needs, should record() raise
+        record(file)
+        real_soundfile_init(f, file, *args, **kwargs)
+
+    real_soundfile_init = sf.SoundFile.__init__
+    for module in (builtins, io):
+        monkeypatch.setattr(module, "open", recording(module.open))
+    monkeypatch.setattr(os, "open", recording(os.open))
+    monkeypatch.setattr(sf.SoundFile, "__init__", soundfile_init)
+    return paths
+
+
+def test_seeds_decode_and_special_files_are_refused_unopened(h, opened):
     for name in fuzz.IMAGE_SEEDS:
         assert check(fuzz.image_outcome, h, h.seeds[name]) == "ok", name
     for name in fuzz.AUDIO_SEEDS:
         assert check(fuzz.audio_outcome, h, h.seeds[name]) == "ok", name
     want = {"dir": "undecodable_media", "fifo": "undecodable_media", "missing.png": "missing_media",
             "/dev/zero": "undecodable_media", "rgb.png\x00x": "missing_media"}  # fmt: skip
+    arrayrecord = lambda hh, path: fuzz.arrayrecord_outcome(  # the converter reads paths too
+        hh, (fuzz._record_with(hh, path, "images"), 0)
+    )
     for path, reason in want.items():
-        for fn in (fuzz.image_outcome, fuzz.audio_outcome):
-            start = time.monotonic()
+        for fn in (fuzz.image_outcome, fuzz.audio_outcome, arrayrecord):
             assert check(fn, h, h.root / path) == f"index:{reason}", path
-            assert time.monotonic() - start < 1.0  # a FIFO used to block open() forever
+    # A FIFO used to block open() forever, /dev/zero to read forever: the checks refuse them by
+    # stat() before any open, so there is nothing to time. The recorder sees PIL's and
+    # libsndfile's opens:
+    assert check(fuzz.image_outcome, h, h.root / "rgb.png") == "ok"
+    assert check(fuzz.audio_outcome, h, h.root / "tone.flac") == "ok"
+    assert {h.root / "rgb.png", h.root / "tone.flac"} <= set(opened)
+    refused = {h.root / "dir", h.root / "fifo", Path("/dev/zero")}
+    assert not refused & set(opened), sorted(map(str, refused & set(opened)))
 
 
 def test_exif_orientations_match_pil(h):
@@ -112,34 +181,62 @@ def test_non_finite_audio_is_rejected(h):
 # ----------------------------------------------------------------------------- bombs
 
 BOMB_CHILD = """
-import resource, sys, time
+import resource, sys
 from jaxmllm.data.image import load_image, read_size
 from jaxmllm.data.rejects import RecordError
+from tools.fuzz import cap_meter
 bomb = open(sys.argv[1], "rb").read()
 soft, hard = resource.getrlimit(resource.RLIMIT_AS)
 vm = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
 resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), hard))  # 256 MB more, no more
-start = time.monotonic()
-for fn in (lambda: read_size(bomb), lambda: load_image(bomb, 4, 2, 256, 1024)):
-    try:
-        fn()
-        print("decoded")
-    except RecordError as e:
-        print(e.reason)
-print(time.monotonic() - start)
+with cap_meter(max_pixels=0, max_seconds=0) as used:  # any decode at all is recorded
+    for fn in (lambda: read_size(bomb), lambda: load_image(bomb, 4, 2, 256, 1024)):
+        try:
+            fn()
+            print("accepted")
+        except RecordError as e:
+            print(e.reason)
+print(used["pixels"], used["over"])
 """
 
 
 def test_png_bomb_is_refused_before_decoding(tmp_path):
+    """Refused from the header: no decoder is entered (the meter records any image load), and the
+    child could not hold the decoded image anyway (256 MB of address space left, 400 MB needed
+    for the 1-bit pixels alone)."""
     bomb = fuzz.png_bomb(20000, 20000)  # 400 Mpx (1.2 GB as RGB) in a few hundred KB
     assert len(bomb) < 1 << 20
     path = tmp_path / "bomb.png"
     path.write_bytes(bomb)
-    out = subprocess.run([sys.executable, "-c", BOMB_CHILD, str(path)], capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})  # fmt: skip
-    lines = out.stdout.split()
-    assert lines[:2] == ["image_too_large", "image_too_large"], out.stdout + out.stderr
-    assert float(lines[2]) < 1.0
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = [sys.executable, "-c", BOMB_CHILD, str(path)]
+    out = subprocess.run(child, capture_output=True, text=True, cwd=ROOT, env=env)
+    assert out.stdout.split() == ["image_too_large", "image_too_large", "0", "None"], (
+        out.stdout + out.stderr
+    )
+
+
+def test_the_cap_meter_catches_a_cap_bypassed(h):
+    """check()'s bound on work is not vacuous: layouts and decodes past the caps, asked for
+    directly with the header checks' own caps raised, are recorded as over."""
+    for layout in (lambda: h.pre.grid(3000, 3000), lambda: h.pre.clip_chunks(16000 * 31, 16000)):
+        with fuzz.cap_meter(max_pixels=1 << 22, max_seconds=30.0) as used:
+            with pytest.raises(fuzz.OverCap):
+                layout()
+        assert used["over"].split(":")[0] in ("image", "audio") and "layout" in used["over"]
+    with fuzz.cap_meter(max_pixels=1 << 22, max_seconds=30.0) as used:
+        with pytest.raises(RecordError, match="undecodable_media.*OverCap"):
+            decode_rgb(fuzz.png_bomb(3000, 3000), max_pixels=1 << 40)  # 9 Mpx > 4 Mpx
+    assert used["over"].startswith("image:") and used["pixels"] == 9_000_000
+    clip = io.BytesIO()
+    sf.write(clip, np.zeros(8000 * 31, np.float32), 8000, format="WAV")
+    with fuzz.cap_meter(max_pixels=1 << 22, max_seconds=30.0) as used:
+        with pytest.raises(RecordError, match="undecodable_media.*OverCap"):
+            decode_mono(clip.getvalue(), max_seconds=60.0)  # 31 s > 30 s
+    assert used["over"].startswith("audio:") and used["seconds"] <= 30.0
+    with fuzz.cap_meter(max_pixels=1 << 22, max_seconds=30.0) as used:
+        assert decode_rgb(fuzz.png_bomb(2000, 2000)).shape == (2000, 2000, 3)  # 4 Mpx: allowed
+    assert used["over"] is None and used["pixels"] == 4_000_000
 
 
 def test_caps_apply_in_the_index_and_the_loader(h, tmp_path):

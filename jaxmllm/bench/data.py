@@ -112,9 +112,9 @@ def bench(cfg, manifest: Path, workers: list[int], step_time_s: float) -> list[d
     """Loads every indexed sample once per worker count; returns one row per count."""
     import dataclasses
 
-    from jaxmllm.data.index import open_source
     from jaxmllm.data.loader import Loader
     from jaxmllm.data.pipeline import planner_from_config, resolve_batch
+    from jaxmllm.data.source import open_source
 
     source = open_source(cfg)
     megabytes = (

@@ -41,7 +41,7 @@ def make_source(cfg: Config) -> tuple[grain.MapDataset, LengthsIndex]:
     if cfg.data.source == "synthetic":
         source = SyntheticSource(cfg)
         return grain.MapDataset.source(source), source.lengths()
-    from jaxmllm.data.index import open_source
+    from jaxmllm.data.source import open_source
 
     manifest = open_source(cfg)
     return grain.MapDataset.source(manifest), manifest.index

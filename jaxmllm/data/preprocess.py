@@ -1,26 +1,19 @@
-"""Record -> Sample: parsing, tokenizing, the sequence layout, media decoding.
+"""Record -> Sample: tokenizing, the sequence layout, media decoding.
 
 One layout function serves both the index and training: `layout(record, sizes, limits)` turns a
 parsed record plus its media sizes (read from headers by the index, checked against the decoded
 media at load time) into the exact token sequence and encoder items. So the index's counts are the
 counts training sees, and the oversize policy can repair a sample (a smaller image budget, a
-trimmed clip, a cut sequence) from the index alone.
-
-Token ids: bytes (or a tokenizer.json's ids below 256) as is, 256..263 the reserved specials of
-`jaxmllm.data.tokenizer` (pad, BOS, EOS, image, audio, user, assistant), and a tokenizer.json's ids
-k >= 256 shifted to k + 8. So any tokenizer.json works without added special tokens, and
-model.llm.vocab_size must be at least the tokenizer's size + 8.
+trimmed clip, a cut sequence) from the index alone. Token ids are those of
+`jaxmllm.data.tokenizer` (the reserved specials 256..263 mark turns and media).
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -28,57 +21,10 @@ from jaxmllm.config import Config, ConfigError
 from jaxmllm.data import tokenizer as tok
 from jaxmllm.data.audio import chunk_lengths, clip_frames, load_audio
 from jaxmllm.data.image import image_grid, load_image
+from jaxmllm.data.records import PLACEHOLDER, Record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Sample
-
-PLACEHOLDER = re.compile(r"(<image>|<audio>)")
-ROLES = ("system", "user", "assistant")
-
-# ----------------------------------------------------------------------------- tokenizers
-
-
-class HFTokenizer:
-    """A HuggingFace `tokenizers` tokenizer.json, ids shifted past the reserved specials."""
-
-    def __init__(self, path: str | Path):
-        from tokenizers import Tokenizer
-
-        self.path = str(path)
-        self._tk = Tokenizer.from_file(self.path)
-        largest = max(self._tk.get_vocab(with_added_tokens=True).values(), default=0)
-        self.vocab_size = max(tok.ByteTokenizer.vocab_size, largest + 1 + tok.NUM_SPECIAL)
-
-    def encode(self, text: str) -> np.ndarray:
-        ids = np.asarray(self._tk.encode(text, add_special_tokens=False).ids, np.int64)
-        return np.where(ids >= 256, ids + tok.NUM_SPECIAL, ids).astype(np.int32)
-
-    def decode(self, ids: np.ndarray) -> str:
-        ids = np.asarray(ids)
-        text = ids[(ids < 256) | (ids >= 256 + tok.NUM_SPECIAL)]
-        return self._tk.decode(np.where(text >= 256, text - tok.NUM_SPECIAL, text).tolist())
-
-    def __getstate__(self):  # workers reload the file instead of pickling the Rust object
-        return {"path": self.path}
-
-    def __setstate__(self, state):
-        self.__init__(state["path"])
-
-
-def make_tokenizer(spec: str):
-    """`byte` or the path of a tokenizer.json."""
-    if spec == "byte":
-        return tok.ByteTokenizer()
-    path = Path(spec)
-    if not path.is_file():
-        raise ConfigError(
-            f"data.tokenizer: no tokenizer.json at {spec!r}; give the path of a HuggingFace "
-            "tokenizer.json (nothing is downloaded), or 'byte'"
-        )
-    try:
-        return HFTokenizer(path)
-    except Exception as e:
-        raise ConfigError(f"data.tokenizer: {spec} is not a tokenizer.json: {e}") from None
-
+from jaxmllm.data.tokenizer import make_tokenizer
 
 # ----------------------------------------------------------------------------- parameters
 
@@ -142,126 +88,6 @@ def _sha256(path: str) -> str:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
     except OSError:
         return ""  # make_tokenizer reports the missing file
-
-
-# ----------------------------------------------------------------------------- records
-
-
-@dataclass
-class Record:
-    """A parsed manifest record: turns of (role, text) and its media sources."""
-
-    id: str
-    turns: list[tuple[str, str]]  # role "text" for plain text records
-    images: list[Any]  # Path | bytes (inline / embedded)
-    audio: list[Any]
-
-
-def parse_record(obj: Any, base_dir: Path, line: int) -> Record:
-    """Checks one manifest object and resolves its media; raises RecordError."""
-    fallback = f"line:{line}"
-    if not isinstance(obj, dict):
-        raise RecordError("malformed_line", "not a JSON object", fallback)
-    if "__malformed__" in obj:  # a line the ArrayRecord converter could not parse
-        raise RecordError("malformed_line", obj["__malformed__"], fallback)
-    rid = obj.get("id")
-    if not isinstance(rid, (str, int)) or isinstance(rid, bool) or rid == "":
-        raise RecordError("malformed_line", "missing or invalid 'id'", fallback)
-    rid = str(rid)
-    if not _valid_unicode(rid):
-        raise RecordError(
-            "malformed_line", "'id' is not valid Unicode (a lone surrogate)", fallback
-        )
-    if ("text" in obj) == ("messages" in obj):
-        raise RecordError("malformed_line", "needs exactly one of 'text' or 'messages'", rid)
-    if "text" in obj:
-        if not isinstance(obj["text"], str):
-            raise RecordError("malformed_line", "'text' must be a string", rid)
-        turns = [("text", obj["text"])]
-    else:
-        turns = _parse_messages(obj["messages"], rid)
-    if not all(_valid_unicode(t) for _, t in turns):  # JSON's "\ud800" escapes decode to these
-        raise RecordError("malformed_line", "text is not valid Unicode (a lone surrogate)", rid)
-    media = {}
-    for key in ("images", "audio"):
-        entries = obj.get(key, [])
-        if not isinstance(entries, list):
-            raise RecordError("malformed_line", f"'{key}' must be a list", rid)
-        media[key] = [_media_source(e, base_dir, rid) for e in entries]
-    record = Record(rid, turns, media["images"], media["audio"])
-    _check_placeholders(record)
-    return record
-
-
-def _parse_messages(messages: Any, rid: str) -> list[tuple[str, str]]:
-    if not isinstance(messages, list) or not messages:
-        raise RecordError("malformed_line", "'messages' must be a non-empty list", rid)
-    turns = []
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise RecordError("malformed_line", f"each message needs a role in {ROLES}", rid)
-        content = m.get("content", "")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, {"type": "image"}]
-            content = "".join(_content_part(p, rid) for p in content)
-        if not isinstance(content, str):
-            raise RecordError("malformed_line", "message content must be a string or parts", rid)
-        turns.append((m["role"], content))
-    return turns
-
-
-def _content_part(part: Any, rid: str) -> str:
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind == "text" and isinstance(part.get("text"), str):
-        return part["text"]
-    if kind in ("image", "audio"):
-        return f"<{kind}>"
-    raise RecordError("malformed_line", f"unknown content part {part!r:.60}", rid)
-
-
-def _media_source(entry: Any, base_dir: Path, rid: str) -> Any:
-    try:
-        if isinstance(entry, str) and entry.startswith("data:"):
-            return base64.b64decode(entry.partition(",")[2], validate=True)
-        if isinstance(entry, str) and entry and _valid_unicode(entry):
-            return base_dir / entry
-        if isinstance(entry, dict) and "base64" in entry:
-            return base64.b64decode(entry["base64"], validate=True)
-        if isinstance(entry, dict) and isinstance(entry.get("bytes"), bytes):
-            return entry["bytes"]
-        if isinstance(entry, dict) and "missing" in entry:
-            return Path(entry["missing"])
-    except (ValueError, TypeError) as e:
-        raise RecordError("undecodable_media", f"bad base64: {e}", rid) from None
-    raise RecordError("malformed_line", f"media entry {entry!r:.60} is not a path or base64", rid)
-
-
-def _valid_unicode(text: str) -> bool:
-    """False for a string the tokenizer cannot encode (lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _check_placeholders(r: Record) -> None:
-    text = "".join(t for _, t in r.turns)
-    for key, media in (("image", r.images), ("audio", r.audio)):
-        n = text.count(f"<{key}>")
-        if n != len(media):
-            raise RecordError(
-                "placeholder_mismatch",
-                f"{n} <{key}> placeholder(s), {len(media)} {key} item(s)",
-                r.id,
-            )
-    words = PLACEHOLDER.sub("", text).strip()
-    if not words and not r.images and not r.audio:
-        raise RecordError("empty_sample", "no text and no media", r.id)
-    roles = [role for role, _ in r.turns]
-    if "text" not in roles and not any(
-        role == "assistant" and PLACEHOLDER.sub("", t).strip() for role, t in r.turns
-    ):
-        raise RecordError("empty_sample", "no assistant turn with text (nothing to learn)", r.id)
 
 
 # ----------------------------------------------------------------------------- layout

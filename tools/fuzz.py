@@ -1,7 +1,7 @@
 """Fuzzing of the manifest and media decoders: every input must end in a policy outcome.
 
-    python -m jaxmllm.data.fuzz --seconds 300                 # all targets, time split evenly
-    python -m jaxmllm.data.fuzz --seconds 60 --targets image,jsonl --findings fuzz-findings/
+    python tools/fuzz.py --seconds 300                 # all targets, time split evenly
+    python tools/fuzz.py --seconds 60 --targets image,jsonl --findings fuzz-findings/
 
 Each target feeds one kind of hostile input to the functions the index and the loader use:
 - `image`, `audio`: random bytes and mutated PNG/JPEG/GIF/WebP/BMP/TIFF/PPM and WAV/FLAC/OGG/AIFF
@@ -14,15 +14,21 @@ Each target feeds one kind of hostile input to the functions the index and the l
 - `arrayrecord`: mutated ArrayRecord records through the same.
 
 An input's outcome is `ok`, `index:<reason>` or `load:<reason>` (a reject; reason one of REASONS),
-or a bug: `unhandled:<exception type>`, `hang` (over --hang-s seconds) or `invariant:<what>` (the
-loader's counts differ from the index's for the same bytes). The run prints inputs tried and the
-outcome counts per target, saves each bug's first input under --findings, and exits 1 on any bug.
+or a bug: `unhandled:<exception type>`, `hang` (over --hang-s seconds), `invariant:<what>` (the
+loader's counts differ from the index's for the same bytes) or `overcap:image|audio` (the layout or
+a decoder got an image or clip larger than the header caps allow; sizes are checked, not time).
+The run prints inputs tried and the outcome counts per target, saves each bug's first input under
+--findings, and exits 1 on any bug.
+
+A tool, not part of the package (tests/test_fuzz.py imports it as `tools.fuzz`); run as a script
+it tests the jaxmllm of the checkout it sits in.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import io
 import json
 import os
@@ -34,6 +40,7 @@ import tempfile
 import time
 import traceback
 import warnings
+import weakref
 import zlib
 from collections import Counter
 from contextlib import contextmanager
@@ -42,13 +49,15 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmllm.data.arrayrecord import decode_record, encode_record
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's jaxmllm first
+
 from jaxmllm.data.audio import read_info
 from jaxmllm.data.image import read_size
 from jaxmllm.data.index import measure
-from jaxmllm.data.manifest import ManifestSource, parse_line
 from jaxmllm.data.preprocess import Params, Preprocessor
+from jaxmllm.data.records import decode_record, encode_record, parse_line
 from jaxmllm.data.rejects import REASONS, RecordError
+from jaxmllm.data.source import ManifestSource
 
 TARGETS = ("image", "audio", "jsonl", "arrayrecord")
 IMAGE_SEEDS = (
@@ -500,6 +509,97 @@ def header_only(h: Harness, data: bytes, kind: str) -> str:
     return "ok"
 
 
+# ----------------------------------------------------------------------------- resource caps
+
+
+class OverCap(Exception):
+    """Work past a header cap was started: the header check let a bomb through."""
+
+
+@contextmanager
+def cap_meter(max_pixels: int, max_seconds: float):
+    """Holds the work done on an input to the header caps, measured on sizes, not on a clock.
+
+    Within, the places whose work grows with an image's pixels or a clip's length check that size
+    before working: the layout (`Preprocessor.grid` and `.clip_chunks`, behind the index's counts
+    and the loader's sequence), PIL's decoders (any `load` of an image file class) and soundfile's
+    reads. An image over `max_pixels` pixels or a clip over `max_seconds` seconds there is refused
+    with OverCap and recorded (callers may catch the exception): the header checks must refuse such
+    input before, so a record is a bug. Yields {"pixels": the largest image decoded, "seconds":
+    the longest clip read, "over": None or what went over}.
+    """
+    import soundfile as sf
+
+    used: dict = {"pixels": 0, "seconds": 0.0, "over": None}
+    read_so_far: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # frames, by open file
+    real = {"grid": Preprocessor.grid, "clip_chunks": Preprocessor.clip_chunks}
+    real["read"] = sf.SoundFile.read
+
+    def over(what: str):
+        used["over"] = used["over"] or what
+        raise OverCap(what)
+
+    def check_image(w: int, h: int, where: str) -> None:
+        if w * h > max_pixels:
+            over(f"image: {where} of {w}x{h} = {w * h} pixels > max_image_pixels={max_pixels}")
+
+    def check_clip(frames: int, rate: int, where: str) -> None:
+        if rate > 0 and frames > max_seconds * rate:
+            over(f"audio: {where} of {frames / rate:.1f} s > max_audio_seconds={max_seconds}")
+
+    def grid(pre, h, w, *args, **kwargs):
+        check_image(w, h, "layout")
+        return real["grid"](pre, h, w, *args, **kwargs)
+
+    def clip_chunks(pre, samples, rate):
+        check_clip(samples, rate, "layout")
+        return real["clip_chunks"](pre, samples, rate)
+
+    def capped_load(load):
+        def wrapper(img, *args, **kwargs):
+            w, h = img.size
+            used["pixels"] = max(used["pixels"], w * h)
+            check_image(w, h, "decode")
+            return load(img, *args, **kwargs)
+
+        return wrapper
+
+    def read(f, *args, **kwargs):
+        check_clip(f.frames, f.samplerate, "decode")
+        x = real["read"](f, *args, **kwargs)
+        read_so_far[f] = done = read_so_far.get(f, 0) + len(x)
+        used["seconds"] = max(used["seconds"], done / f.samplerate)
+        check_clip(done, f.samplerate, "read")  # more samples than the header said
+        return x
+
+    patches = [(Preprocessor, "grid", grid), (Preprocessor, "clip_chunks", clip_chunks),
+               (sf.SoundFile, "read", read)]  # fmt: skip
+    patches += [(c, "load", capped_load(c.__dict__["load"])) for c in _image_classes()]
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+    for owner, name, fn in patches:
+        setattr(owner, name, fn)
+    try:
+        yield used
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+@functools.cache
+def _image_classes() -> tuple[type, ...]:
+    """PIL's image file classes that define their own `load` (decoding starts in one of them)."""
+    from PIL import Image, ImageFile
+
+    Image.init()
+    out, todo = [], [ImageFile.ImageFile]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if "load" in cls.__dict__:
+            out.append(cls)
+    return tuple(out)
+
+
 # ----------------------------------------------------------------------------- running
 
 
@@ -526,25 +626,34 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, old)
 
 
-def classify(fn, *args, hang_s: float = 10.0) -> tuple[str, str]:
-    """(outcome, traceback or "") of fn(*args): a policy outcome, or a bug's name."""
+def classify(fn, h: Harness, arg, hang_s: float = 10.0) -> tuple[str, str]:
+    """(outcome, traceback or detail) of fn(h, arg): a policy outcome, or a bug's name.
+
+    Bugs: `overcap:image|audio` (work past the harness's header caps, see cap_meter),
+    `hang` (no outcome after `hang_s` seconds; 0 = no limit), `invariant:...`, `unhandled:...`.
+    """
+    p = h.pre.p
     try:
-        with time_limit(hang_s):
-            out = fn(*args)
+        with cap_meter(p.max_image_pixels, p.max_audio_seconds) as used, time_limit(hang_s):
+            out = fn(h, arg)
     except Hang:
         return "hang", traceback.format_exc()
     except Invariant as e:
-        return "invariant:changed_since_index", str(e)
+        out, detail = "invariant:changed_since_index", str(e)
     except Exception as e:
-        return f"unhandled:{type(e).__name__}", traceback.format_exc()
+        out, detail = f"unhandled:{type(e).__name__}", traceback.format_exc()
+    else:
+        detail = ""
+    if used["over"]:  # first: the decoder's caller may have turned OverCap into a reject
+        return f"overcap:{used['over'].partition(':')[0]}", used["over"]
     reason = out.partition(":")[2]
-    if out != "ok" and reason not in REASONS:
+    if out != "ok" and not is_bug(out) and reason not in REASONS:
         return f"unhandled:unknown_reason:{reason}", ""
-    return out, ""
+    return out, detail
 
 
 def is_bug(outcome: str) -> bool:
-    return outcome.startswith(("unhandled:", "hang", "invariant:"))
+    return outcome.startswith(("unhandled:", "hang", "invariant:", "overcap:"))
 
 
 def gen_input(target: str, h: Harness, rng: random.Random) -> tuple:
@@ -626,7 +735,7 @@ def _save(findings: Path, target: str, outcome: str, arg: bytes, tb: str) -> Non
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m jaxmllm.data.fuzz",
+        prog="python tools/fuzz.py",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,0 +1,241 @@
+"""The training source of a JSONL manifest or ArrayRecord file: index checked, oversize applied.
+
+`open_source(cfg)` is what the trainer's pipeline calls: it loads the lengths index that
+`python -m jaxmllm.data.index` wrote (and stops, printing that command, when it is missing or was
+built with other preprocessing settings), applies data.on_oversize to the rows no bucket can hold,
+and returns a `ManifestSource` whose item i is the Sample of index row i.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from jaxmllm.config import Config, ConfigError
+from jaxmllm.data import tokenizer as tok
+from jaxmllm.data.preprocess import Limits, Params, Preprocessor, Sizes
+from jaxmllm.data.records import open_records, read_record
+from jaxmllm.data.rejects import DataError, RecordError, fail_message
+from jaxmllm.data.samples import LengthsIndex, Sample
+
+# ----------------------------------------------------------------------------- the source
+
+
+class ManifestSource:
+    """grain random-access source over the index's accepted records: `source[i]` -> Sample.
+
+    Row i of the lengths index is record `rows[i]["row"]` of the file; `limits[i]` holds the
+    oversize policy's repair of row i, if any.
+    """
+
+    def __init__(self, records, pre: Preprocessor, rows: list[dict], limits: dict[int, Limits]):
+        self.records, self.pre, self.rows, self.limits = records, pre, rows, limits
+        self.index = LengthsIndex.from_records(rows)
+        self.startup_rejects: list[dict] = []  # oversize repairs and skips made at start-up
+        self.index_rejects: dict[str, int] = {}  # rejects counted by the index, by reason
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> Sample:
+        return self.load(i)
+
+    def load(self, i: int, images=None, audio=None) -> Sample:
+        """Sample i, decoding only the listed images / clip chunks (None = all); the others are
+        None in the Sample (on several hosts, another host encodes them)."""
+        row = self.rows[int(i)]
+        record = read_record(self.records, int(row["row"]))
+        if record.id != row["id"]:
+            raise RecordError(
+                "changed_since_index", f"record {row['row']} is now {record.id!r}", row["id"]
+            )
+        limits = self.limits.get(int(i), Limits())
+        sample = self.pre.sample(int(i), record, sizes_of(row), limits, images, audio)
+        # The plan reserved exactly the index's counts; a record edited since (same byte size,
+        # other tokens) would overflow its slot into a neighbour's, so refuse it instead.
+        want = self.index.record(int(i))
+        got = {
+            "text": int(np.isin(sample.tokens, (tok.IMAGE, tok.AUDIO), invert=True).sum()),
+            "images": [
+                _indexed(want["images"], j) if m is None else len(m[0])
+                for j, m in enumerate(sample.images)
+            ],
+            "audio": [
+                _indexed(want["audio"], j) if m is None else len(m)
+                for j, m in enumerate(sample.audio)
+            ],
+        }
+        if got != want:
+            raise RecordError("changed_since_index", f"now {got}, the index says {want}", row["id"])
+        return sample
+
+    def record_id(self, i: int) -> str:
+        return self.rows[int(i)]["id"]
+
+
+def _indexed(counts: list, j: int) -> int:
+    return counts[j] if j < len(counts) else -1  # -1: not in the index, a mismatch
+
+
+def sizes_of(row: dict) -> Sizes:
+    """The media sizes an index row recorded."""
+    return Sizes(
+        images=[tuple(s) for s in row.get("image_sizes", [])],
+        audio=[tuple(s) for s in row.get("audio_samples", [])],
+    )
+
+
+# ----------------------------------------------------------------------------- loading the index
+
+
+def default_index_dir(path: str | Path) -> Path:
+    return Path(f"{path}.index")
+
+
+def index_command(cfg: Config, out: Path) -> str:
+    return (
+        f"python -m jaxmllm.data.index --manifest {cfg.data.path} --out {out} "
+        "--config <this config>"
+    )
+
+
+def load_index(cfg: Config) -> tuple[list[dict], dict]:
+    """The index rows and summary for data.path, checked against the config and the file."""
+    d = cfg.data
+    out = Path(d.index_dir) if d.index_dir else default_index_dir(d.path)
+    if not Path(d.path).exists():
+        raise ConfigError(f"data.path: no such file {d.path!r}")
+    if not (out / "summary.json").exists():
+        raise ConfigError(
+            f"no lengths index for {d.path} in {out}/ (data.index_dir). Build it once with:\n"
+            f"  {index_command(cfg, out)}"
+        )
+    summary = json.loads((out / "summary.json").read_text())
+    want = Params.from_config(cfg).counted()
+    diff = [f"{k}: index {summary['params'].get(k)!r}, config {v!r}" for k, v in want.items()
+            if summary["params"].get(k) != v]  # fmt: skip
+    if diff:
+        raise ConfigError(
+            f"the index in {out}/ was built with other preprocessing settings ({'; '.join(diff)})."
+            f" Rebuild it:\n  {index_command(cfg, out)}"
+        )
+    if summary.get("data_bytes") != Path(d.path).stat().st_size:
+        raise ConfigError(
+            f"{d.path} changed since its index in {out}/ was built. Rebuild it:\n"
+            f"  {index_command(cfg, out)}"
+        )
+    with open(out / "lengths.jsonl") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return rows, summary
+
+
+def open_source(cfg: Config) -> ManifestSource:
+    """The training source of data.path: index loaded and checked, oversize policy applied."""
+    tokenizer = tok.make_tokenizer(cfg.data.tokenizer)
+    if cfg.model.llm.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.llm.vocab_size={cfg.model.llm.vocab_size} is smaller than the tokenizer "
+            f"({cfg.data.tokenizer}: {tokenizer.vocab_size} ids incl. the 8 reserved specials); "
+            f"raise model.llm.vocab_size to at least {tokenizer.vocab_size}"
+        )
+    rows, summary = load_index(cfg)
+    if cfg.data.on_error == "fail" and summary.get("rejected"):
+        out = Path(cfg.data.index_dir) if cfg.data.index_dir else default_index_dir(cfg.data.path)
+        first = json.loads((out / "rejects.jsonl").read_text().splitlines()[0])
+        err = RecordError(first["reason"], first["detail"], first["id"])
+        raise DataError(
+            fail_message(err, "data.on_error", f"line {first['line']}")
+            + f" ({summary['rejected']} rejected records in all: {out}/rejects.jsonl)"
+        )
+    pre = Preprocessor(Params.from_config(cfg), tokenizer)
+    records = open_records(cfg.data.path)
+    kept, limits, startup = apply_oversize(cfg, rows, records, pre)
+    source = ManifestSource(records, pre, kept, limits)
+    source.startup_rejects = startup
+    source.index_rejects = dict(summary.get("rejects", {}))
+    return source
+
+
+# ----------------------------------------------------------------------------- oversize
+
+
+def bucket_limits(cfg: Config) -> Limits:
+    """What one sample may use: the LLM row always; encoder buckets when their size is fixed
+    (`batch.capacity: auto` sizes them from the data, so they always fit)."""
+    b, m = cfg.batch, cfg.model
+    fixed = b.capacity == "fixed"
+    return Limits(
+        max_tokens=b.llm_row_len,
+        max_patches=b.vision_patches if fixed and m.vision.enabled else None,
+        max_frames=b.audio_frames if fixed and m.audio.enabled else None,
+    )
+
+
+def apply_oversize(cfg: Config, rows: list[dict], records, pre: Preprocessor):
+    """Applies data.on_oversize to rows no bucket can hold.
+
+    Returns (kept rows, their repairs by new row number, reject entries). shrink lowers the
+    image pixel budget until the sample fits, then trims audio and cuts the sequence; truncate
+    only trims and cuts; skip drops the record; fail stops naming it.
+    """
+    caps, policy = bucket_limits(cfg), cfg.data.on_oversize
+    need = _needs(LengthsIndex.from_records(rows), pre)
+    over = np.zeros(len(rows), bool)
+    for key, values in need.items():
+        cap = getattr(caps, key)
+        if cap is not None:
+            over |= values > cap
+    kept, limits, rejects = [], {}, []
+    for i, row in enumerate(rows):
+        if not over[i]:
+            kept.append(row)
+            continue
+        what = ", ".join(
+            f"{need[k][i]} {k[4:]} > batch.{_KEYS[k]}={getattr(caps, k)}"
+            for k in need
+            if getattr(caps, k) is not None and need[k][i] > getattr(caps, k)
+        )
+        err = RecordError("oversize", what, row["id"])
+        if policy == "fail":
+            raise DataError(fail_message(err, "data.on_oversize", f"line {row['line']}"))
+        repaired = None if policy == "skip" else _repair(row, records, pre, caps, policy)
+        if repaired is None:
+            rejects.append(err.to_json(line=row["line"], action="skip"))
+            continue
+        lim, new_row = repaired
+        limits[len(kept)] = lim
+        kept.append(new_row)
+        rejects.append(err.to_json(line=row["line"], action=policy, limits=lim.to_json()))
+    return kept, limits, rejects
+
+
+_KEYS = {"max_tokens": "llm_row_len", "max_patches": "vision_patches", "max_frames": "audio_frames"}
+
+
+def _needs(index: LengthsIndex, pre: Preprocessor) -> dict[str, np.ndarray]:
+    return {
+        "max_tokens": index.llm_tokens(pre.p.merge**2, pre.p.subsample),
+        "max_patches": index.per_sample_sum(index.images, index.images_ptr),
+        "max_frames": index.per_sample_sum(index.audio, index.audio_ptr),
+    }
+
+
+def _repair(row: dict, records, pre: Preprocessor, caps: Limits, policy: str):
+    """(limits, repaired row) or None when nothing learnable is left."""
+    record = read_record(records, int(row["row"]))
+    sizes = sizes_of(row)
+    budget = pre.p.image_max_pixels if policy == "shrink" and sizes.images else None
+    unit = (pre.p.patch_size * pre.p.merge) ** 2
+    while True:
+        lim = dataclasses.replace(caps, max_pixels=budget)
+        layout = pre.layout(record, sizes, lim)
+        if budget is None or not layout.cut or budget <= unit:
+            break
+        budget = max(unit, int(budget * 0.8))  # shrink the images until nothing is cut
+    if layout.loss_tokens() == 0:
+        return None
+    counts = layout.counts(pre.p.merge**2)
+    return lim, {**row, **counts}
