@@ -11,7 +11,7 @@ from jaxmllm.config import load_config
 from jaxmllm.data.bucketize import bucketize
 from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
 from jaxmllm.data.planner import Capacities, ItemPlan, StepPlan, make_planner
-from jaxmllm.train import build_program, make_loss_and_grads, model_parts
+from jaxmllm.step import build_program, make_loss_and_grads, model_parts
 
 ROUTED = [
     "data.synthetic.num_samples=256",
@@ -176,7 +176,7 @@ def test_frozen_encoder_costs_match_the_cost_model(below):
 
 
 def _split_params(cfg):
-    from jaxmllm.train import build_model
+    from jaxmllm.step import build_model
 
     return build_model(cfg, 0)
 

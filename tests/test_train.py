@@ -80,7 +80,7 @@ def test_interrupt_and_rerun_resumes_with_identical_losses(uninterrupted, tmp_pa
 def test_frozen_modules_get_no_gradient_and_no_optimizer_state():
     import jax
 
-    from jaxmllm.train import _init_state, make_optimizer, model_parts
+    from jaxmllm.step import init_state, make_optimizer, model_parts
 
     cfg = load_config(
         "configs/tiny.yaml",
@@ -89,7 +89,7 @@ def test_frozen_modules_get_no_gradient_and_no_optimizer_state():
     parts, _ = model_parts(cfg)
     assert parts.frozen_keys == ("vision", "vision_projector", "audio_projector")
     optimizer, _ = make_optimizer(cfg)
-    state = jax.eval_shape(lambda: _init_state(cfg, optimizer))
+    state = jax.eval_shape(lambda: init_state(cfg, optimizer))
     assert set(state["params"]) == {"audio", "llm"}
     assert set(state["frozen"]) == {"vision", "vision_projector", "audio_projector"}
     # Adam's moments mirror the trainable params only.
@@ -103,7 +103,8 @@ def test_nonfinite_step_keeps_the_state_and_divergence_stops_with_a_checkpoint(t
 
     import sharding
     from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
-    from jaxmllm.train import NonFiniteError, build_program
+    from jaxmllm.guards import NonFiniteError
+    from jaxmllm.step import build_program
 
     cfg = tiny(tmp_path / "unit")
     cfg = resolve_batch(cfg, make_source(cfg)[1])
