@@ -1,10 +1,10 @@
 """Step metrics: what a step did (real tokens, analytic FLOPs), the window between logged steps,
 and where metrics are written.
 
-A `StepCounter` counts each step's real tokens and FLOPs; the trainer adds them into a
-`MetricsWindow` and, at a logged step, turns the window into throughput for the whole job.
-Metrics go to `<output_dir>/metrics.jsonl` (one JSON object per logged step), TensorBoard event
-files under `<output_dir>/tb/`, and a tqdm progress bar.
+The data pipeline counts each step's real tokens and FLOPs on its own thread (`StepCounter`);
+the trainer adds them into a `MetricsWindow` and, at a logged step, turns the window into
+throughput for the whole job. Metrics go to `<output_dir>/metrics.jsonl` (one JSON object per
+logged step), TensorBoard event files under `<output_dir>/tb/`, and a tqdm progress bar.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def step_flops(cfg: Config, batch: dict[str, np.ndarray], cost: CostModel | None
 class StepCounter:
     """Counts what a host batch holds for the metrics: real LLM tokens and analytic FLOPs.
 
-    The cost model is built once.
+    The pipeline calls it on its own thread, per step; the cost model is built once.
     """
 
     def __init__(self, cfg: Config):
@@ -65,7 +65,7 @@ class StepCounter:
 class MetricsWindow:
     """The steps since the last logged one: their real tokens, FLOPs and wall time.
 
-    `add` takes a step's counts (`tokens`, `flops`, from `StepCounter`); `close` at a logged step
+    `add` takes a step's `info` from the pipeline (`tokens`, `flops`); `close` at a logged step
     returns the window's throughput and padding, and the bad-input counts, for the whole job.
     """
 
@@ -76,9 +76,9 @@ class MetricsWindow:
     def _reset(self) -> None:
         self.start, self.tokens, self.flops, self.steps = time.perf_counter(), 0.0, 0.0, 0
 
-    def add(self, counts: dict) -> None:
-        self.tokens += counts["tokens"]
-        self.flops += counts["flops"]
+    def add(self, info: dict) -> None:
+        self.tokens += info["tokens"]
+        self.flops += info["flops"]
         self.steps += 1
 
     def close(self, info: dict) -> tuple[dict[str, float], dict[str, float]]:

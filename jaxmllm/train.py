@@ -36,7 +36,7 @@ from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
 from jaxmllm.data.planner import OversizeError
 from jaxmllm.guards import NonFiniteError, NonFiniteGuard, Preemption, Watchdog
 from jaxmllm.ledger import Ledger
-from jaxmllm.metrics import MetricsWindow, MetricsWriter, StepCounter
+from jaxmllm.metrics import MetricsWindow, MetricsWriter
 from jaxmllm.step import build_program
 
 log = logging.getLogger("jaxmllm")
@@ -81,8 +81,8 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
         sharding.data_parallel_size(mesh),
     )
 
-    # Data: the planner fills fixed-shape buckets; planning and loading run ahead in a thread.
-    # Each process plans the whole step and loads only its own devices' samples.
+    # Data: the planner fills fixed-shape buckets; planning, loading and the copy to the devices
+    # run ahead in a thread. Each process plans the whole step and loads only its own devices'.
     data_iter = open_data(cfg, mesh, source, index, out)
     closing.callback(data_iter.close)
 
@@ -104,7 +104,8 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
     if start:
         print(f"resumed from checkpoint at step {start} in {mngr.directory}")
 
-    # Loop: dispatch a step, then do the host's bookkeeping while the devices run it.
+    # Loop: dispatch a step on the batch the pipeline already put on the devices, then do the
+    # host's bookkeeping while the devices run it.
     writer = closing.enter_context(contextlib.closing(MetricsWriter(out, enabled=is_main)))
     bar = closing.enter_context(contextlib.closing(_progress(cfg, start, is_main)))
     preempt = Preemption()
@@ -116,12 +117,11 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
     if watchdog is not None:
         closing.callback(watchdog.stop)
     window, guard = MetricsWindow(mesh.size), NonFiniteGuard(t.max_nonfinite_steps)
-    count = StepCounter(cfg)  # real tokens and analytic FLOPs of a step, for the metrics
     last: dict = {}
     try:
         for step in range(start, t.steps):
-            host = next(data_iter)
-            batch, info = sharding.make_global_batch(host["batch"], mesh), host["info"]
+            element = next(data_iter)  # its batch is on the devices already
+            batch, info = element["batch"], element["info"]
             with jax.transfer_guard("disallow"):  # no hidden host<->device copies in the step
                 state, metrics = prog.step(state, batch)
             done = step + 1
@@ -133,7 +133,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
                 watchdog.progress(done)
             if ledger is not None:
                 ledger.write(done, info["parts"])
-            window.add(count(host["batch"]))
+            window.add(info)
             if done % t.log_every == 0 or done in (1, t.steps):
                 last = log_step(done, metrics, info, window, guard.total, writer, bar)
             stopping = preempt.requested is not None
@@ -163,7 +163,8 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
 
 
 def open_data(cfg: Config, mesh, source, index, out: Path) -> grain.DatasetIterator:
-    """This process's step iterator: it yields each step's rows for this process's devices."""
+    """This process's step iterator: it yields each step's global device arrays, assembled from
+    this process's rows in the pipeline's thread while the devices run the step before."""
     rank, positions = jax.process_index(), None
     if jax.process_count() > 1:
         positions = host_positions(mesh)
@@ -182,6 +183,7 @@ def open_data(cfg: Config, mesh, source, index, out: Path) -> grain.DatasetItera
         index=index,
         positions=positions,
         reject_log=out / ("rejects.jsonl" if rank == 0 else f"rejects.process{rank}.jsonl"),
+        to_device=lambda host_batch: sharding.make_global_batch(host_batch, mesh),
     )
 
 
