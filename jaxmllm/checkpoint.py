@@ -1,9 +1,15 @@
 """Checkpoints: what is saved, how a run resumes, and what it refuses to resume from.
 
 A checkpoint (`<output_dir>/checkpoints/<step>/`, written aside and renamed when complete) holds
-two orbax items: `state` (params, frozen params, optimizer state, step) and `data` (the
-pipeline's iterator state, one file per process). A checkpoint that no longer reads back is
-damaged: `restore_latest` moves it aside and resumes from the previous one.
+three orbax items: `state` (params, frozen params, optimizer state, step), `data` (the pipeline's
+iterator state, one file per process) and `meta`, a small JSON stamp of the checkpoint format:
+
+    {"format": 2, "layers": "scanned" | "per_layer"}
+
+A checkpoint without the stamp (written before it existed) or with another one has a parameter
+tree this build cannot read: the run stops at start-up and says so (`check_format`) rather than
+call it damaged or start over. A checkpoint that carries the right stamp but no longer reads back
+is damaged: `restore_latest` moves it aside and resumes from the previous one.
 """
 
 from __future__ import annotations
@@ -11,8 +17,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
+from typing import Any
 
 import grain
 import jax
@@ -22,6 +30,22 @@ from jaxmllm import distributed
 from jaxmllm.config import Config, ConfigError, to_dict
 
 log = logging.getLogger("jaxmllm")
+
+FORMAT = 2  # 2: the first stamped format (checkpoints before it carry no `meta` item)
+
+
+def format_stamp(abstract_params: Any) -> dict:
+    """The stamp this build writes: the format and how transformer layers are stored.
+
+    `per_layer`: one module per layer (`.../blocks/0/...`); `scanned`: one stacked module with a
+    leading layers axis (`.../blocks/...`). The two trees cannot be restored into each other.
+    """
+    paths = (
+        jax.tree_util.keystr(path, simple=True, separator="/")
+        for path, _ in jax.tree_util.tree_leaves_with_path(abstract_params)
+    )
+    per_layer = any(re.search(r"(^|/)blocks/\d+(/|$)", p) for p in paths)
+    return {"format": FORMAT, "layers": "per_layer" if per_layer else "scanned"}
 
 
 def make_checkpoint_manager(cfg: Config) -> ocp.CheckpointManager:
@@ -46,10 +70,37 @@ def make_checkpoint_manager(cfg: Config) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(directory, options=options)
 
 
-def save_args(state, data_iter) -> ocp.args.Composite:
+def save_args(state, data_iter, stamp: dict) -> ocp.args.Composite:
     return ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iter)
+        state=ocp.args.StandardSave(state),
+        data=grain.checkpoint.CheckpointSave(data_iter),
+        meta=ocp.args.JsonSave(stamp),
     )
+
+
+def check_format(mngr: ocp.CheckpointManager, stamp: dict) -> None:
+    """Refuses a directory holding any checkpoint without `stamp` (older or another format)."""
+    for step in sorted(mngr.all_steps(), reverse=True):
+        found = _read_stamp(mngr, step)
+        if found is None or found == stamp:
+            continue  # a stamp that does not read back: damage, for restore_latest
+        was = "no format stamp (written before checkpoints had one)" if found == {} else found
+        raise ConfigError(
+            f"checkpoint {step} in {mngr.directory} has {was}; this version writes {stamp} and "
+            "cannot restore it (the parameter tree changed). Use a new train.output_dir to train "
+            "from scratch, or the jaxmllm version that wrote it to resume."
+        )
+
+
+def _read_stamp(mngr: ocp.CheckpointManager, step: int) -> dict | None:
+    """A checkpoint's stamp; {} when it has none; None when it is there but does not read."""
+    if not (Path(mngr.directory) / str(step) / "meta").is_dir():
+        return {}
+    try:
+        restored = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(restored["meta"])
+    except Exception:  # damaged: restore_latest reports it and falls back
+        return None
 
 
 def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter):
@@ -57,7 +108,8 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter):
 
     A newer checkpoint that cannot be restored (damaged after it was committed) is reported and
     moved aside, never deleted or overwritten, once an older one restores; if none restores the
-    run stops and says why rather than start over.
+    run stops and says why rather than start over. Call `check_format` first: a checkpoint of
+    another format is refused there, never treated as damage here.
     """
     steps = sorted(mngr.all_steps(), reverse=True)
     failed = []
@@ -65,6 +117,7 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter):
         args = ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state),
             data=grain.checkpoint.CheckpointRestore(data_iter),
+            meta=ocp.args.JsonRestore(),
         )
         try:
             restored = mngr.restore(step, args=args)

@@ -24,8 +24,10 @@ import jax
 import sharding
 from jaxmllm import distributed
 from jaxmllm.checkpoint import (
+    check_format,
     check_process_count,
     check_resumable,
+    format_stamp,
     make_checkpoint_manager,
     restore_latest,
     save_args,
@@ -93,9 +95,12 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
         if prog.parts.frozen_keys:
             print(f"frozen (no gradient, no optimizer state): {', '.join(prog.parts.frozen_keys)}")
 
-    # Init: jitted straight into its shardings (no full copy on one device), or restore.
+    # Init: jitted straight into its shardings (no full copy on one device), or restore. A
+    # checkpoint of another format is refused before anything is restored.
     mngr = make_checkpoint_manager(cfg)
     closing.callback(mngr.close)  # waits for a save in flight
+    stamp = format_stamp({**prog.abstract["params"], **prog.abstract["frozen"]})
+    check_format(mngr, stamp)
     check_process_count(mngr)
     state = restore_latest(mngr, prog.abstract_sharded(), data_iter)
     if state is None:
@@ -126,7 +131,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
                 state, metrics = prog.step(state, batch)
             done = step + 1
             if guard.check(done, metrics["nonfinite"]):
-                mngr.save(guard.stopped_at, args=save_args(state, data_iter), force=True)
+                mngr.save(guard.stopped_at, args=save_args(state, data_iter, stamp), force=True)
                 mngr.wait_until_finished()
                 raise NonFiniteError(guard.message(mngr.directory))
             if watchdog is not None:
@@ -138,7 +143,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
                 last = log_step(done, metrics, info, window, guard.total, writer, bar)
             stopping = preempt.requested is not None
             force = done == t.steps or stopping
-            mngr.save(done, args=save_args(state, data_iter), force=force)
+            mngr.save(done, args=save_args(state, data_iter, stamp), force=force)
             bar.update(1)
             if on_step is not None:
                 on_step(done, last)

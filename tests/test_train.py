@@ -6,7 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from jaxmllm.config import load_config
+from jaxmllm.config import ConfigError, load_config
 from jaxmllm.metrics import read_metrics
 from jaxmllm.train import main
 
@@ -167,3 +167,49 @@ def test_torn_checkpoints_fall_back_to_the_previous_complete_one(uninterrupted, 
     want = {r["step"]: r for r in read_metrics(uninterrupted)}
     for step in (STEPS - 1, STEPS):
         np.testing.assert_allclose(got[step]["loss"], want[step]["loss"], rtol=1e-5)
+
+
+def test_format_stamp_tells_per_layer_from_scanned_layers():
+    from jaxmllm.checkpoint import FORMAT, format_stamp
+
+    per_layer = {"llm": {"transformer": {"blocks": {0: {"w": 1}, 1: {"w": 1}}}}}
+    scanned = {"llm": {"transformer": {"blocks": {"w": 1}}}}
+    assert format_stamp(per_layer) == {"format": FORMAT, "layers": "per_layer"}
+    assert format_stamp(scanned) == {"format": FORMAT, "layers": "scanned"}
+
+
+def test_checkpoints_of_another_format_are_refused_and_left_alone(
+    uninterrupted, tmp_path, monkeypatch, capsys
+):
+    import grain
+    import orbax.checkpoint as ocp
+
+    from jaxmllm import checkpoint, train
+
+    def unstamped(state, data_iter, stamp):  # what the trainer saved before the format stamp
+        return ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iter)
+        )
+
+    with monkeypatch.context() as m:
+        m.setattr(train, "save_args", unstamped)
+        cfg = tiny(tmp_path)
+        main(replace(cfg, train=replace(cfg.train, steps=2)))
+    ckpts = tmp_path / "checkpoints"
+    before = sorted(p.name for p in ckpts.iterdir())
+    assert "2" in before and not (ckpts / "2" / "meta").exists()
+    argv = ["--config", "configs/tiny.yaml", "--set", "data.synthetic.num_samples=256"]
+    code = train.cli([*argv, f"train.output_dir={tmp_path}", "train.progress_bar=false"])
+    err = capsys.readouterr().err
+    assert code == 2, err  # a config error: nothing trained, nothing moved, nothing deleted
+    assert f"checkpoint 2 in {ckpts.absolute()} has no format stamp" in err, err
+    assert "Use a new train.output_dir" in err
+    assert sorted(p.name for p in ckpts.iterdir()) == before
+
+    # A stamp of another format (e.g. a later version's) is refused the same way.
+    mngr = checkpoint.make_checkpoint_manager(tiny(uninterrupted))
+    stamp = mngr.restore(STEPS, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    checkpoint.check_format(mngr, stamp)  # its own: accepted
+    with pytest.raises(ConfigError, match=rf"checkpoint {STEPS} in .* has \{{'format': "):
+        checkpoint.check_format(mngr, {**stamp, "format": checkpoint.FORMAT + 1})
+    mngr.close()
