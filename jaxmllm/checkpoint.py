@@ -9,7 +9,9 @@ iterator state, one file per process) and `meta`, a small JSON stamp of the chec
 A checkpoint without the stamp (written before it existed) or with another one has a parameter
 tree this build cannot read: the run stops at start-up and says so (`check_format`) rather than
 call it damaged or start over. A checkpoint that carries the right stamp but no longer reads back
-is damaged: `restore_latest` moves it aside and resumes from the previous one.
+is damaged: `restore_latest` moves it aside and resumes from the previous one. Only the
+checkpoints a resume would use are judged: an older step half deleted by a kill during orbax's
+clean-up of old checkpoints is not mistaken for another format.
 """
 
 from __future__ import annotations
@@ -78,12 +80,10 @@ def save_args(state, data_iter, stamp: dict) -> ocp.args.Composite:
     )
 
 
-def check_format(mngr: ocp.CheckpointManager, stamp: dict) -> None:
-    """Refuses a directory holding any checkpoint without `stamp` (older or another format)."""
-    for step in sorted(mngr.all_steps(), reverse=True):
-        found = _read_stamp(mngr, step)
-        if found is None or found == stamp:
-            continue  # a stamp that does not read back: damage, for restore_latest
+def check_format(mngr: ocp.CheckpointManager, step: int, stamp: dict) -> None:
+    """Refuses checkpoint `step` if it has no stamp (an older format) or another one."""
+    found = _read_stamp(mngr, step)
+    if found is not None and found != stamp:  # None: a stamp that does not read back is damage
         was = "no format stamp (written before checkpoints had one)" if found == {} else found
         raise ConfigError(
             f"checkpoint {step} in {mngr.directory} has {was}; this version writes {stamp} and "
@@ -103,17 +103,18 @@ def _read_stamp(mngr: ocp.CheckpointManager, step: int) -> dict | None:
         return None
 
 
-def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter):
+def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter, stamp: dict):
     """Restores the newest checkpoint that reads back; None if there is none.
 
     A newer checkpoint that cannot be restored (damaged after it was committed) is reported and
     moved aside, never deleted or overwritten, once an older one restores; if none restores the
-    run stops and says why rather than start over. Call `check_format` first: a checkpoint of
-    another format is refused there, never treated as damage here.
+    run stops and says why rather than start over. A checkpoint of another format than `stamp`
+    stops the run before anything is restored or moved (`check_format`): it is not damage.
     """
     steps = sorted(mngr.all_steps(), reverse=True)
     failed = []
     for step in steps:
+        check_format(mngr, step, stamp)
         args = ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state),
             data=grain.checkpoint.CheckpointRestore(data_iter),

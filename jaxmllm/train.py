@@ -24,7 +24,6 @@ import jax
 import sharding
 from jaxmllm import distributed
 from jaxmllm.checkpoint import (
-    check_format,
     check_process_count,
     check_resumable,
     format_stamp,
@@ -96,13 +95,12 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
             print(f"frozen (no gradient, no optimizer state): {', '.join(prog.parts.frozen_keys)}")
 
     # Init: jitted straight into its shardings (no full copy on one device), or restore. A
-    # checkpoint of another format is refused before anything is restored.
+    # checkpoint of another format (stamp) is refused, never restored into the wrong tree.
     mngr = make_checkpoint_manager(cfg)
     closing.callback(mngr.close)  # waits for a save in flight
     stamp = format_stamp({**prog.abstract["params"], **prog.abstract["frozen"]})
-    check_format(mngr, stamp)
     check_process_count(mngr)
-    state = restore_latest(mngr, prog.abstract_sharded(), data_iter)
+    state = restore_latest(mngr, prog.abstract_sharded(), data_iter, stamp)
     if state is None:
         state = prog.init()
     start = int(state["step"])
@@ -148,13 +146,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
             if on_step is not None:
                 on_step(done, last)
             if stopping:
-                mngr.wait_until_finished()
-                bar.close()
-                print(
-                    f"stopped by {preempt.requested} after step {done}; checkpoint saved in "
-                    f"{mngr.directory}. Rerun the same command to resume at step {done + 1}.",
-                    file=sys.stderr,
-                )
+                _stopped(preempt.requested, done, mngr, bar)
                 break
     except KeyboardInterrupt:
         mngr.wait_until_finished()
@@ -165,6 +157,17 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
         )
         raise
     return last
+
+
+def _stopped(signal_name: str, done: int, mngr, bar) -> None:
+    """After a preemption signal: the checkpoint of step `done` is written; say how to resume."""
+    mngr.wait_until_finished()
+    bar.close()
+    print(
+        f"stopped by {signal_name} after step {done}; checkpoint saved in "
+        f"{mngr.directory}. Rerun the same command to resume at step {done + 1}.",
+        file=sys.stderr,
+    )
 
 
 def open_data(cfg: Config, mesh, source, index, out: Path) -> grain.DatasetIterator:

@@ -152,6 +152,8 @@ def test_torn_checkpoints_fall_back_to_the_previous_complete_one(uninterrupted, 
     shutil.copytree(uninterrupted, out)
     ckpts = out / "checkpoints"
     shutil.rmtree(ckpts / str(STEPS) / "state")  # the newest one damaged after it was committed
+    shutil.rmtree(ckpts / "2" / "meta")  # the oldest half deleted (a kill during orbax's clean-up
+    (ckpts / "2" / "_CHECKPOINT_METADATA").unlink()  # of old steps): not taken for an old format
     tmp = ckpts / f"{STEPS + 2}.orbax-checkpoint-tmp-1234"  # and a save cut short by a kill
     tmp.mkdir()
     (tmp / "partial").write_text("x")
@@ -209,7 +211,7 @@ def test_checkpoints_of_another_format_are_refused_and_left_alone(
     # A stamp of another format (e.g. a later version's) is refused the same way.
     mngr = checkpoint.make_checkpoint_manager(tiny(uninterrupted))
     stamp = mngr.restore(STEPS, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    checkpoint.check_format(mngr, stamp)  # its own: accepted
+    checkpoint.check_format(mngr, STEPS, stamp)  # its own: accepted
     with pytest.raises(ConfigError, match=rf"checkpoint {STEPS} in .* has \{{'format': "):
-        checkpoint.check_format(mngr, {**stamp, "format": checkpoint.FORMAT + 1})
+        checkpoint.check_format(mngr, STEPS, {**stamp, "format": checkpoint.FORMAT + 1})
     mngr.close()
