@@ -87,8 +87,9 @@ def check_format(mngr: ocp.CheckpointManager, step: int, stamp: dict) -> None:
         was = "no format stamp (written before checkpoints had one)" if found == {} else found
         raise ConfigError(
             f"checkpoint {step} in {mngr.directory} has {was}; this version writes {stamp} and "
-            "cannot restore it (the parameter tree changed). Use a new train.output_dir to train "
-            "from scratch, or the jaxmllm version that wrote it to resume."
+            "does not restore another format (its parameter tree may differ). Use a new "
+            "train.output_dir to train from scratch, or the jaxmllm version that wrote it to "
+            "resume."
         )
 
 
