@@ -1,19 +1,25 @@
-"""Step metrics: analytic FLOPs of the real (non-padding) work, and where metrics are written.
+"""Step metrics: what a step did (real tokens, analytic FLOPs), the window between logged steps,
+and where metrics are written.
 
-Metrics go to `<output_dir>/metrics.jsonl` (one JSON object per logged step), TensorBoard event
-files under `<output_dir>/tb/`, and a tqdm progress bar on the terminal.
+The data pipeline counts each step's real tokens and FLOPs on its own thread (`StepCounter`);
+the trainer adds them into a `MetricsWindow` and, at a logged step, turns the window into
+throughput for the whole job. Metrics go to `<output_dir>/metrics.jsonl` (one JSON object per
+logged step), TensorBoard event files under `<output_dir>/tb/`, and a tqdm progress bar.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from jaxmllm.config import Config
 from jaxmllm.data.cost import CostModel
+from jaxmllm.data.rejects import REASONS
 
 
 def _segment_stats(seg: np.ndarray) -> tuple[float, float]:
@@ -40,6 +46,88 @@ def step_flops(cfg: Config, batch: dict[str, np.ndarray], cost: CostModel | None
             real, sq = _segment_stats(batch[key])
             total += cost.phase(phase).linear * real + cost.phase(phase).quadratic * sq
     return total
+
+
+class StepCounter:
+    """Counts what a host batch holds for the metrics: real LLM tokens and analytic FLOPs.
+
+    The pipeline calls it on its own thread, per step; the cost model is built once.
+    """
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.cost = cfg, CostModel.from_model(cfg.model)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        tokens = float((batch["llm_segment_ids"] > 0).sum())
+        return {"tokens": tokens, "flops": step_flops(self.cfg, batch, self.cost)}
+
+
+class MetricsWindow:
+    """The steps since the last logged one: their real tokens, FLOPs and wall time.
+
+    `add` takes a step's `info` from the pipeline (`tokens`, `flops`); `close` at a logged step
+    returns the window's throughput and padding, and the bad-input counts, for the whole job.
+    """
+
+    def __init__(self, n_devices: int):
+        self.n_devices = n_devices
+        self._reset()
+
+    def _reset(self) -> None:
+        self.start, self.tokens, self.flops, self.steps = time.perf_counter(), 0.0, 0.0, 0
+
+    def add(self, info: dict) -> None:
+        self.tokens += info["tokens"]
+        self.flops += info["flops"]
+        self.steps += 1
+
+    def close(self, info: dict) -> tuple[dict[str, float], dict[str, float]]:
+        """(throughput and padding, cumulative reject counts) at a logged step; starts anew.
+
+        Every process calls this at the same steps: with several it is a collective.
+        """
+        elapsed = time.perf_counter() - self.start
+        tokens, flops, fill, rejects = _global_stats(
+            self.tokens, self.flops, info["fill"], info["rejects"]
+        )
+        stats = throughput(tokens, flops, self.steps, elapsed, self.n_devices)
+        stats.update({f"padding/{k}": 1.0 - v for k, v in fill.items()})
+        self._reset()
+        return stats, rejects
+
+
+def throughput(tokens: float, flops: float, steps: int, seconds: float, n_dev: int) -> dict:
+    seconds = max(seconds, 1e-9)
+    return {
+        "step_time_s": seconds / max(steps, 1),
+        "tokens_per_s": tokens / seconds,
+        "tflops_per_device": flops / seconds / n_dev / 1e12,
+    }
+
+
+def _global_stats(tokens: float, flops: float, fill: dict, rejects: dict):
+    """Sums this host's step statistics over all processes (a no-op with one process).
+
+    Every process calls this at the same (logged) steps: it is a collective.
+    """
+    if jax.process_count() == 1:
+        return tokens, flops, fill, rejects
+    from jax.experimental import multihost_utils
+
+    fills = sorted(fill)
+    loads = [f"rejects/load_{r}" for r in sorted(REASONS)]
+    mine = [tokens, flops] + [fill[k] for k in fills] + [rejects.get(k, 0.0) for k in loads]
+    every = np.asarray(multihost_utils.process_allgather(np.asarray(mine, np.float64)))
+    total = every.sum(0)
+    fill = {k: float(every[:, 2 + i].mean()) for i, k in enumerate(fills)}  # equal-size hosts
+    rejects = dict(rejects)
+    for i, k in enumerate(loads):
+        value = float(total[2 + len(fills) + i])
+        if value or k in rejects:
+            rejects[k] = value
+    if "rejects/load_total" in rejects:
+        rejects["rejects/load_total"] = sum(rejects.get(k, 0.0) for k in loads)
+    return float(total[0]), float(total[1]), fill, rejects
 
 
 class MetricsWriter:

@@ -1,19 +1,40 @@
 """Starting training runs in child processes, for the tests that signal, kill or launch them."""
 
+import json
 import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+HOOKS = ROOT / "tests" / "child_hooks"  # sitecustomize + killpoints, for kill=...
 
 
-def child_env() -> dict[str, str]:
+def child_env(kill: dict | None = None) -> dict[str, str]:
     """The environment for a child run: unbuffered output, the repo importable, and without
-    conftest's forced device count (the config's mesh.cpu_devices splits the CPU itself)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    conftest's forced device count (the config's mesh.cpu_devices splits the CPU itself).
+
+    `kill`: a kill point (see tests/child_hooks/killpoints.py) the child SIGKILLs itself at.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXMLLM_TEST_KILL")}
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    if kill is not None:
+        env["PYTHONPATH"] = str(HOOKS) + os.pathsep + env["PYTHONPATH"]
+        env["JAXMLLM_TEST_KILL"] = json.dumps(kill)
     return env
+
+
+def logged_step(out) -> int:
+    """The highest step in a running child's metrics.jsonl; a line still being written is
+    skipped (reading while the child appends is safe to poll)."""
+    path = Path(out) / "metrics.jsonl"
+    steps = [0]
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            steps.append(json.loads(line)["step"])
+        except (json.JSONDecodeError, KeyError):
+            continue
+    return max(steps)
 
 
 def train_cmd(out, *sets: str, module: str = "jaxmllm.train", args=()) -> list[str]:

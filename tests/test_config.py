@@ -73,7 +73,7 @@ def test_missing_file_and_bad_yaml(tmp_path):
 def test_small_config_is_a_realistic_single_gpu_model():
     import jax
 
-    from jaxmllm.train import model_parts
+    from jaxmllm.step import model_parts
 
     cfg = load_config(ROOT / "configs" / "small.yaml", ["batch.route_pair_capacity=64"])
     parts, _ = model_parts(cfg)

@@ -17,7 +17,7 @@ from jaxmllm.data.pipeline import (
     resolve_batch,
 )
 from jaxmllm.plan.contract import ItemPlan, StepPlan
-from jaxmllm.train import build_program, make_loss_and_grads, model_parts
+from jaxmllm.step import build_program, make_loss_and_grads, model_parts
 
 ROUTED = [
     "data.synthetic.num_samples=256",
@@ -182,7 +182,7 @@ def test_frozen_encoder_costs_match_the_cost_model(below):
 
 
 def _split_params(cfg):
-    from jaxmllm.train import build_model
+    from jaxmllm.step import build_model
 
     return build_model(cfg, 0)
 

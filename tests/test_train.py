@@ -6,7 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from jaxmllm.config import load_config
+from jaxmllm.config import ConfigError, load_config
 from jaxmllm.metrics import read_metrics
 from jaxmllm.train import main
 
@@ -80,7 +80,7 @@ def test_interrupt_and_rerun_resumes_with_identical_losses(uninterrupted, tmp_pa
 def test_frozen_modules_get_no_gradient_and_no_optimizer_state():
     import jax
 
-    from jaxmllm.train import _init_state, make_optimizer, model_parts
+    from jaxmllm.step import init_state, make_optimizer, model_parts
 
     cfg = load_config(
         "configs/tiny.yaml",
@@ -89,7 +89,7 @@ def test_frozen_modules_get_no_gradient_and_no_optimizer_state():
     parts, _ = model_parts(cfg)
     assert parts.frozen_keys == ("vision", "vision_projector", "audio_projector")
     optimizer, _ = make_optimizer(cfg)
-    state = jax.eval_shape(lambda: _init_state(cfg, optimizer))
+    state = jax.eval_shape(lambda: init_state(cfg, optimizer))
     assert set(state["params"]) == {"audio", "llm"}
     assert set(state["frozen"]) == {"vision", "vision_projector", "audio_projector"}
     # Adam's moments mirror the trainable params only.
@@ -103,7 +103,8 @@ def test_nonfinite_step_keeps_the_state_and_divergence_stops_with_a_checkpoint(t
 
     import sharding
     from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
-    from jaxmllm.train import NonFiniteError, build_program
+    from jaxmllm.guards import NonFiniteError
+    from jaxmllm.step import build_program
 
     cfg = tiny(tmp_path / "unit")
     cfg = resolve_batch(cfg, make_source(cfg)[1])
@@ -151,6 +152,8 @@ def test_torn_checkpoints_fall_back_to_the_previous_complete_one(uninterrupted, 
     shutil.copytree(uninterrupted, out)
     ckpts = out / "checkpoints"
     shutil.rmtree(ckpts / str(STEPS) / "state")  # the newest one damaged after it was committed
+    shutil.rmtree(ckpts / "2" / "meta")  # the oldest half deleted (a kill during orbax's clean-up
+    (ckpts / "2" / "_CHECKPOINT_METADATA").unlink()  # of old steps): not taken for an old format
     tmp = ckpts / f"{STEPS + 2}.orbax-checkpoint-tmp-1234"  # and a save cut short by a kill
     tmp.mkdir()
     (tmp / "partial").write_text("x")
@@ -166,3 +169,49 @@ def test_torn_checkpoints_fall_back_to_the_previous_complete_one(uninterrupted, 
     want = {r["step"]: r for r in read_metrics(uninterrupted)}
     for step in (STEPS - 1, STEPS):
         np.testing.assert_allclose(got[step]["loss"], want[step]["loss"], rtol=1e-5)
+
+
+def test_format_stamp_tells_per_layer_from_scanned_layers():
+    from jaxmllm.checkpoint import FORMAT, format_stamp
+
+    per_layer = {"llm": {"transformer": {"blocks": {0: {"w": 1}, 1: {"w": 1}}}}}
+    scanned = {"llm": {"transformer": {"blocks": {"w": 1}}}}
+    assert format_stamp(per_layer) == {"format": FORMAT, "layers": "per_layer"}
+    assert format_stamp(scanned) == {"format": FORMAT, "layers": "scanned"}
+
+
+def test_checkpoints_of_another_format_are_refused_and_left_alone(
+    uninterrupted, tmp_path, monkeypatch, capsys
+):
+    import grain
+    import orbax.checkpoint as ocp
+
+    from jaxmllm import checkpoint, train
+
+    def unstamped(state, data_iter, stamp):  # what the trainer saved before the format stamp
+        return ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iter)
+        )
+
+    with monkeypatch.context() as m:
+        m.setattr(train, "save_args", unstamped)
+        cfg = tiny(tmp_path)
+        main(replace(cfg, train=replace(cfg.train, steps=2)))
+    ckpts = tmp_path / "checkpoints"
+    before = sorted(p.name for p in ckpts.iterdir())
+    assert "2" in before and not (ckpts / "2" / "meta").exists()
+    argv = ["--config", "configs/tiny.yaml", "--set", "data.synthetic.num_samples=256"]
+    code = train.cli([*argv, f"train.output_dir={tmp_path}", "train.progress_bar=false"])
+    err = capsys.readouterr().err
+    assert code == 2, err  # a config error: nothing trained, nothing moved, nothing deleted
+    assert f"checkpoint 2 in {ckpts.absolute()} has no format stamp" in err, err
+    assert "Use a new train.output_dir" in err
+    assert sorted(p.name for p in ckpts.iterdir()) == before
+
+    # A stamp of another format (e.g. a later version's) is refused the same way.
+    mngr = checkpoint.make_checkpoint_manager(tiny(uninterrupted))
+    stamp = mngr.restore(STEPS, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    checkpoint.check_format(mngr, STEPS, stamp)  # its own: accepted
+    with pytest.raises(ConfigError, match=rf"checkpoint {STEPS} in .* has \{{'format': "):
+        checkpoint.check_format(mngr, STEPS, {**stamp, "format": checkpoint.FORMAT + 1})
+    mngr.close()

@@ -26,7 +26,7 @@ import sharding
 from jaxmllm.config import Config, load_config
 from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
 from jaxmllm.distributed import split_cpu
-from jaxmllm.train import build_program
+from jaxmllm.step import build_program
 
 POLICIES = ("naive", "grain", "balanced", "orchestrated")
 

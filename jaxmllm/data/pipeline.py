@@ -3,6 +3,10 @@
     source (grain.MapDataset, random access) ─┐
     lengths index -> planner (carried state) ─┴─> StepIterator -> ThreadPrefetch -> trainer
 
+Everything per step runs on the prefetch thread, ahead of the trainer: planning, loading,
+bucketizing, the step's counts for metrics (real tokens, analytic FLOPs) and, given `to_device`,
+putting the batch on the devices, so the trainer's thread only dispatches steps.
+
 The iterator is a `grain.DatasetIterator`, so its state (the planner's) is checkpointed with
 grain's own orbax handler and a restored pipeline replays the exact same steps.
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import grain
@@ -25,6 +30,7 @@ from jaxmllm.data.bucketize import bucketize, fill_stats
 from jaxmllm.data.loader import Loader
 from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.data.synthetic import SyntheticSource
+from jaxmllm.metrics import StepCounter
 from jaxmllm.plan.capacity import suggest_capacities
 from jaxmllm.plan.contract import Capacities, Planner
 from jaxmllm.plan.registry import make_planner
@@ -115,10 +121,22 @@ def planner_from_config(cfg: Config, index: LengthsIndex, devices: int) -> Plann
 
 
 class StepIterator(grain.DatasetIterator):
-    """Yields one host batch per step: {"batch": arrays, "info": plan summary}."""
+    """Yields one batch per step: {"batch": arrays, "info": plan summary and counts}.
+
+    The batch is this host's numpy arrays, or what `to_device` makes of them (global device
+    arrays). Putting it on the devices changes no iterator state: the state saved with a
+    checkpoint is still the one after the last step the trainer took.
+    """
 
     def __init__(
-        self, cfg: Config, devices: int, source=None, index=None, positions=None, reject_log=None
+        self,
+        cfg: Config,
+        devices: int,
+        source=None,
+        index=None,
+        positions=None,
+        reject_log=None,
+        to_device: Callable[[dict[str, np.ndarray]], dict[str, Any]] | None = None,
     ):
         super().__init__()
         self.cfg = cfg
@@ -130,6 +148,8 @@ class StepIterator(grain.DatasetIterator):
         self.reject_log = reject_log  # this process's rejects file; default <output_dir>/...
         self.loader: Loader | None = None
         self._restored_rejects: dict[str, int] = {}  # load-time reject counts of earlier runs
+        self.count = StepCounter(cfg)  # real tokens and analytic FLOPs of each step
+        self.to_device = to_device
 
     def __next__(self) -> dict[str, Any]:
         plan = self.planner.plan()
@@ -149,7 +169,10 @@ class StepIterator(grain.DatasetIterator):
             "deferred": plan.deferred,
             "fill": fill_stats(batch),  # this host's buckets
             "rejects": self.loader.counts(),
+            **self.count(batch),  # this host's real tokens and FLOPs, for the metrics
         }
+        if self.to_device is not None:  # the transfer overlaps the step the device is running
+            batch = self.to_device(batch)
         return {"batch": batch, "info": info}
 
     def get_state(self) -> dict:
@@ -217,15 +240,23 @@ def make_pipeline(
     index=None,
     positions=None,
     reject_log=None,
+    to_device: Callable[[dict[str, np.ndarray]], dict[str, Any]] | None = None,
 ) -> grain.DatasetIterator:
     """The trainer's data iterator; planning and loading run ahead in a background thread.
 
     `auto` sizes are resolved against the data (`resolve_batch`); pass `source`/`index` to reuse
     a source the caller already opened, `positions` (this host's data-parallel positions) to
-    load and bucketize only those devices' rows.
+    load and bucketize only those devices' rows, `to_device` (host arrays -> device arrays, e.g.
+    `sharding.make_global_batch`) to put each batch on the devices in that thread as well.
     """
     ds = StepDataset(
-        cfg, devices, source=source, index=index, positions=positions, reject_log=reject_log
+        cfg,
+        devices,
+        source=source,
+        index=index,
+        positions=positions,
+        reject_log=reject_log,
+        to_device=to_device,
     )
     if prefetch > 0:
         ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)

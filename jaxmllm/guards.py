@@ -1,0 +1,122 @@
+"""Guards around the training loop: a stuck peer, a diverging run, a preemption signal.
+
+- `Watchdog` stops a process whose step has not advanced in `distributed.step_timeout_s`.
+- `NonFiniteGuard` counts steps whose update was skipped for a NaN/inf loss or gradient and says
+  when `train.max_nonfinite_steps` came in a row (the trainer then checkpoints and stops).
+- `Preemption` turns SIGTERM / SIGINT into "finish this step, checkpoint, exit 0".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import jax
+
+log = logging.getLogger("jaxmllm")
+
+
+class Watchdog:
+    """Stops a process whose step has not advanced in `timeout` seconds (a peer hung or died).
+
+    JAX's own heartbeat stops the job when a process dies; this catches a process that is
+    alive but stuck, and says so instead of waiting forever.
+    """
+
+    def __init__(self, timeout: int):
+        self.timeout, self.step, self.last = timeout, 0, time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jaxmllm-watchdog", daemon=True)
+        self._thread.start()
+
+    def progress(self, step: int) -> None:
+        self.step, self.last = step, time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(5.0, self.timeout / 4)):
+            if self.step and time.monotonic() - self.last > self.timeout:
+                print(
+                    f"error: process {jax.process_index()}: step {self.step + 1} has not "
+                    f"finished in distributed.step_timeout_s={self.timeout} s; another process "
+                    "is probably dead or stuck. Stopping; relaunch every process to resume "
+                    "from the latest checkpoint.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(4)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+class NonFiniteGuard:
+    """Counts skipped (non-finite) steps; says when `limit` came in a row.
+
+    It reads a step's flag only after the next step is dispatched, so the host never waits on
+    the device; the step it stops at holds the last good parameters (updates were skipped).
+    """
+
+    def __init__(self, limit: int):
+        self.limit, self.run, self.total = limit, 0, 0
+        self.stopped_at = 0
+        self._pending: tuple[int, jax.Array] | None = None
+
+    def check(self, step: int, flag: jax.Array) -> bool:
+        previous, self._pending = self._pending, (step, flag)
+        if previous is None:
+            return False
+        done, prev_flag = previous
+        bad = bool(jax.device_get(prev_flag))
+        self.run = self.run + 1 if bad else 0
+        self.total += bad
+        if bad:
+            log.warning(
+                "step %d: non-finite loss or gradient; update skipped (%d in a row)", done, self.run
+            )
+        if self.limit and self.run >= self.limit:
+            self.stopped_at = step  # the latest dispatched step also kept the good state
+            return True
+        return False
+
+    def message(self, directory) -> str:
+        return (
+            f"{self.run} steps in a row had a non-finite loss or gradient (train."
+            f"max_nonfinite_steps={self.limit}); stopped at step {self.stopped_at} with the "
+            f"last good parameters checkpointed in {directory}. Lower optim.lr, raise "
+            f"optim.warmup_steps or set model.compute_dtype: float32, then resume."
+        )
+
+
+class Preemption:
+    """SIGTERM / SIGINT ask the loop to finish its step, checkpoint and exit cleanly.
+
+    A second signal while stopping raises KeyboardInterrupt at once (the latest complete
+    checkpoint stays usable). Outside the main thread signals cannot be caught: no-op.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested is not None:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+        print(f"\n{self.requested}: finishing this step, then checkpointing", file=sys.stderr)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}

@@ -1,0 +1,12 @@
+"""Imported at start-up by every Python process the tests start with `runs.child_env(kill=...)`,
+which puts this folder first on PYTHONPATH: installs the kill point named in JAXMLLM_TEST_KILL.
+
+Test machinery only, never imported by jaxmllm.
+"""
+
+import os
+
+if os.environ.get("JAXMLLM_TEST_KILL"):
+    import killpoints
+
+    killpoints.install_from_env()
