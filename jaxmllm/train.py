@@ -92,7 +92,7 @@ def model_parts(cfg: Config) -> tuple[ModelParts, dict]:
 
 
 def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warm-up then cosine decay, global-norm clipping, no decay on vectors."""
+    """AdamW with linear warm-up then cosine decay, global-norm clipping, decay on matrices."""
     o = cfg.optim
     warmup = min(o.warmup_steps, max(cfg.train.steps - 1, 0))
     schedule = optax.warmup_cosine_decay_schedule(
@@ -102,7 +102,6 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
         decay_steps=max(cfg.train.steps, warmup + 1),
         end_value=o.lr * o.min_lr_ratio,
     )
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # not norms/biases
     chain = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
     chain.append(
         optax.adamw(
@@ -110,6 +109,15 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
         )
     )
     return optax.chain(*chain), schedule
+
+
+def decay_mask(params: dict) -> dict:
+    """True for matrices (kernels, embeddings), False for norm scales and biases.
+
+    By name, not ndim: scanned layers give a norm scale a leading `layers` dim.
+    """
+    decayed = lambda path, _: sharding.rules.key_parts(path)[-1] in ("kernel", "embedding")
+    return jax.tree_util.tree_map_with_path(decayed, params)
 
 
 # ----------------------------------------------------------------------------- train step
