@@ -302,8 +302,8 @@ class Block(nnx.Module):
 REMAT_POLICIES = {
     # Only the block's input: the least memory; the backward pass reruns the whole block.
     "nothing": jax.checkpoint_policies.nothing_saveable,
-    # Also the weight matmuls' outputs (query/key/value/out, gate/up/down): the backward pass
-    # reruns only attention scores and elementwise ops, for [tokens, width]-sized buffers.
+    # Also the weight matmuls' outputs (query/key/value/out, gate/up/down), each [tokens, width]
+    # or [tokens, mlp_dim]: the backward pass reruns only attention and elementwise ops.
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
@@ -350,7 +350,8 @@ class Transformer(nnx.Module):
             return nnx.merge(graphdef, block_state)(x_btd, mask_b1ts, positions), None
 
         if self.remat:
-            # prevent_cse is only needed outside a scan/loop (XLA cannot CSE across the loop).
+            # Inside a scan XLA cannot merge the recomputation with the forward pass, so the
+            # guard against that (prevent_cse) would only block optimisations.
             layer = jax.checkpoint(
                 layer, policy=REMAT_POLICIES[self.remat_policy], prevent_cse=False
             )
