@@ -398,6 +398,20 @@ def test_scanned_stack_matches_its_blocks_applied_one_by_one(remat):
     assert all(np.abs(g).max() > 0 for g in grad_leaves(grads_s))
 
 
+def test_program_size_does_not_grow_with_depth(three_samples):
+    """The scan holds one block: 2 or 7 layers everywhere lower to the same program size."""
+    rng, samples = three_samples
+    mb = build_batch(rng, [[samples, []]])
+    sizes = []
+    for depth in (2, 7):
+        parts = {p: dataclasses.replace(getattr(CFG, p), depth=depth) for p in ("vision", "audio")}
+        llm = dataclasses.replace(CFG.llm, depth=depth)
+        cfg = dataclasses.replace(CFG, **parts, llm=llm, remat=True)
+        _, params, _, value_and_grad = model_fns(cfg, LOCAL)
+        sizes.append(len(value_and_grad.lower(params, mb).as_text()))
+    assert sizes[0] == sizes[1]
+
+
 def test_causal_and_segment_isolation(three_samples):
     rng, samples = three_samples
     _, params, forward, _ = model_fns(CFG, LOCAL)
