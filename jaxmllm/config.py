@@ -115,12 +115,25 @@ class ModelConfig:
     compute_dtype: str = "float32"  # activations/matmuls: float32 or bfloat16 (params stay fp32)
     param_dtype: str = "float32"  # master weights
     remat: bool = False  # rematerialise each transformer block in the backward pass
+    # With remat, what each block keeps for the backward pass: nothing (only its input: least
+    # memory, the forward runs twice) | dots (also its weight matmuls' outputs q, k, v, out,
+    # gate, up, down: up to 4 * width + 2 * mlp_dim more values per token and layer, and only
+    # attention and elementwise ops are recomputed)
+    remat_policy: str = "nothing"
 
     def __post_init__(self):
         for key in ("compute_dtype", "param_dtype"):
             _check(
                 getattr(self, key) in ("float32", "bfloat16"), "must be float32 or bfloat16", key
             )
+        _check(
+            self.remat_policy in REMAT_POLICIES,
+            f"must be one of {', '.join(REMAT_POLICIES)}",
+            "remat_policy",
+        )
+
+
+REMAT_POLICIES = ("nothing", "dots")  # jaxmllm.models.layers.REMAT_POLICIES implements each
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,6 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
         decay_steps=max(cfg.train.steps, warmup + 1),
         end_value=o.lr * o.min_lr_ratio,
     )
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # not norms/biases
     chain = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
     chain.append(
         optax.adamw(
@@ -90,6 +89,15 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
         )
     )
     return optax.chain(*chain), schedule
+
+
+def decay_mask(params: dict) -> dict:
+    """True for matrices (kernels, embeddings), False for norm scales and biases.
+
+    By name, not ndim: scanned layers give a norm scale a leading `layers` dim.
+    """
+    decayed = lambda path, _: sharding.rules.key_parts(path)[-1] in ("kernel", "embedding")
+    return jax.tree_util.tree_map_with_path(decayed, params)
 
 
 # ----------------------------------------------------------------------------- train step

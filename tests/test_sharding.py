@@ -20,32 +20,37 @@ F32 = jnp.float32
 
 
 def llm_axes():
-    """A small Llama-like axes tree with every kind of kernel the models use."""
-    layer = {
+    """A small Llama-like axes tree with every kind of kernel the models use; the blocks are
+    stacked (scanned) on a leading "layers" dim, like the models'."""
+    blocks = {
         "attn": {
-            "q": ("embed", "heads", "head_dim"),
-            "k": ("embed", "kv_heads", "head_dim"),
-            "o": ("heads", "head_dim", "embed"),
+            "q": ("layers", "embed", "heads", "head_dim"),
+            "k": ("layers", "embed", "kv_heads", "head_dim"),
+            "o": ("layers", "heads", "head_dim", "embed"),
         },
-        "mlp": {"wi": ("embed", "mlp"), "wo": ("mlp", "embed")},
-        "norm": ("embed",),
+        "mlp": {"wi": ("layers", "embed", "mlp"), "wo": ("layers", "mlp", "embed")},
+        "norm": ("layers", "embed"),
     }
     return {
-        "llm": {"embed": ("vocab", "embed"), "layer_0": layer, "scale": None},
+        "llm": {"embed": ("vocab", "embed"), "blocks": blocks, "scale": None},
         "vision": {"patch_in": ("patch", "embed"), "mel_in": ("mel", "embed")},
     }
 
 
 def llm_params():
-    """Abstract params matching ``llm_axes`` (heads=4, kv_heads=2, embed=16, mlp=32)."""
+    """Abstract params matching ``llm_axes`` (layers=3, heads=4, kv_heads=2, embed=16, mlp=32)."""
     sd = jax.ShapeDtypeStruct
-    layer = {
-        "attn": {"q": sd((16, 4, 8), F32), "k": sd((16, 2, 8), F32), "o": sd((4, 8, 16), F32)},
-        "mlp": {"wi": sd((16, 32), F32), "wo": sd((32, 16), jnp.bfloat16)},
-        "norm": sd((16,), F32),
+    blocks = {
+        "attn": {
+            "q": sd((3, 16, 4, 8), F32),
+            "k": sd((3, 16, 2, 8), F32),
+            "o": sd((3, 4, 8, 16), F32),
+        },
+        "mlp": {"wi": sd((3, 16, 32), F32), "wo": sd((3, 32, 16), jnp.bfloat16)},
+        "norm": sd((3, 16), F32),
     }
     return {
-        "llm": {"embed": sd((64, 16), F32), "layer_0": layer, "scale": sd((), F32)},
+        "llm": {"embed": sd((64, 16), F32), "blocks": blocks, "scale": sd((), F32)},
         "vision": {"patch_in": sd((12, 16), F32), "mel_in": sd((6, 16), F32)},
     }
 
@@ -142,7 +147,7 @@ def test_rules_mapping_two_dims_to_one_axis_fail_at_validate():
     with pytest.raises(ShardingError) as err:
         sharding.validate(llm_axes(), bad)
     message = str(err.value)
-    assert "llm/layer_0/mlp/wi" in message and "'fsdp'" in message
+    assert "llm/blocks/mlp/wi" in message and "'fsdp'" in message
     assert "change the rule for 'mlp'" in message
 
 
@@ -172,13 +177,13 @@ def test_malformed_rule_is_rejected(rule):
 def test_param_shardings_place_arrays_with_expected_local_shapes():
     mesh = sharding.make_mesh({"data": 4, "fsdp": 2, "tensor": 1})
     shardings = sharding.param_shardings(llm_axes(), llm_params(), mesh)
-    assert shardings["llm"]["layer_0"]["mlp"]["wo"].spec == PartitionSpec("tensor", "fsdp")
+    assert shardings["llm"]["blocks"]["mlp"]["wo"].spec == PartitionSpec(None, "tensor", "fsdp")
     params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), llm_params())
     placed = jax.device_put(params, shardings)
     local = lambda x: x.addressable_shards[0].data.shape
     assert local(placed["llm"]["embed"]) == (64, 8)
-    assert local(placed["llm"]["layer_0"]["attn"]["q"]) == (8, 4, 8)
-    assert local(placed["llm"]["layer_0"]["mlp"]["wi"]) == (8, 32)
+    assert local(placed["llm"]["blocks"]["attn"]["q"]) == (3, 8, 4, 8)  # every layer, 1/2 each
+    assert local(placed["llm"]["blocks"]["mlp"]["wi"]) == (3, 8, 32)
     assert local(placed["llm"]["scale"]) == ()
     assert local(placed["vision"]["mel_in"]) == (6, 8)
 
@@ -186,9 +191,9 @@ def test_param_shardings_place_arrays_with_expected_local_shapes():
 def test_param_shardings_on_3d_mesh():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     shardings = sharding.param_shardings(llm_axes(), llm_params(), mesh)
-    q = shardings["llm"]["layer_0"]["attn"]["q"]
-    assert q.spec == PartitionSpec("fsdp", "tensor", None)
-    assert q.shard_shape((16, 4, 8)) == (8, 2, 8)
+    q = shardings["llm"]["blocks"]["attn"]["q"]
+    assert q.spec == PartitionSpec(None, "fsdp", "tensor", None)
+    assert q.shard_shape((3, 16, 4, 8)) == (3, 8, 2, 8)
 
 
 def test_param_shardings_reject_mismatched_trees():
@@ -245,8 +250,8 @@ def test_opt_state_shardings_for_gradient_accumulation_and_factored_state():
     o_shard = sharding.opt_state_shardings(optimizer, abstract_state, p_shard, mesh)
     assert o_shard.acc_grads == p_shard
     assert o_shard.mini_step.spec == PartitionSpec()
-    v_row = o_shard.inner_opt_state[0].v_row["llm"]["layer_0"]["mlp"]["wi"]
-    assert v_row.spec == PartitionSpec()  # factored (16,) row stats: the 2-D spec does not fit
+    v_row = o_shard.inner_opt_state[0].v_row["llm"]["blocks"]["mlp"]["wi"]
+    assert v_row.spec == PartitionSpec()  # factored (3, 16) row stats: the 3-D spec does not fit
     params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), llm_params())
     jax.jit(optimizer.init, out_shardings=o_shard)(params)
 
@@ -256,13 +261,13 @@ def test_describe_lists_every_parameter_and_totals():
     text = sharding.describe(llm_axes(), llm_params(), mesh)
     for path in (
         "llm/embed",
-        "llm/layer_0/attn/q",
-        "llm/layer_0/mlp/wo",
+        "llm/blocks/attn/q",
+        "llm/blocks/mlp/wo",
         "llm/scale",
         "vision/mel_in",
     ):
         assert path in text
-    assert "P(fsdp, tensor, None)" in text  # attn/q
+    assert "P(None, fsdp, tensor, None)" in text  # attn/q
     assert "replicated: 2 % 4 != 0" in text  # kv_heads=2 on tensor=4
     assert "10 arrays" in text and "per device" in text
 

@@ -98,6 +98,21 @@ def test_frozen_modules_get_no_gradient_and_no_optimizer_state():
     assert opt_leaves < 2 * trainable + 16
 
 
+def test_weight_decay_applies_to_matrices_only():
+    """Stacked layers included: decay iff a param has 2+ dims besides `layers`."""
+    import jax
+
+    from jaxmllm.step import build_model, decay_mask, model_parts
+
+    cfg = load_config("configs/tiny.yaml", ["batch.route_pair_capacity=80"])
+    _, axes = model_parts(cfg)
+    params, _ = jax.eval_shape(lambda: build_model(cfg, 0))
+    names = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+    mask = jax.tree.leaves(decay_mask(params))
+    assert mask == [len([n for n in axes if n != "layers"]) >= 2 for axes in names]
+    assert True in mask and False in mask
+
+
 def test_nonfinite_step_keeps_the_state_and_divergence_stops_with_a_checkpoint(tmp_path):
     import jax
 

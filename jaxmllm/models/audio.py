@@ -25,6 +25,7 @@ class AudioEncoder(nnx.Module):
         dtype: jnp.dtype,
         param_dtype: jnp.dtype,
         remat: bool,
+        remat_policy: str = "nothing",
         rngs: nnx.Rngs,
     ):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -40,6 +41,7 @@ class AudioEncoder(nnx.Module):
             rope="1d",
             rope_theta=cfg.rope_theta,
             remat=remat,
+            remat_policy=remat_policy,
             **kw,
         )
 

@@ -24,6 +24,7 @@ class Decoder(nnx.Module):
         dtype: jnp.dtype,
         param_dtype: jnp.dtype,
         remat: bool,
+        remat_policy: str = "nothing",
         rngs: nnx.Rngs,
     ):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -37,6 +38,7 @@ class Decoder(nnx.Module):
             rope="1d",
             rope_theta=cfg.rope_theta,
             remat=remat,
+            remat_policy=remat_policy,
             **kw,
         )
         self.lm_head = (

@@ -38,16 +38,17 @@ class MultimodalLM(nnx.Module):
         kw = dict(
             dtype=jnp.dtype(cfg.compute_dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs
         )
+        remat = dict(remat=cfg.remat, remat_policy=cfg.remat_policy)
         vis, aud = cfg.vision, cfg.audio
-        self.vision = VisionEncoder(vis, remat=cfg.remat, **kw) if vis.enabled else None
+        self.vision = VisionEncoder(vis, **remat, **kw) if vis.enabled else None
         self.vision_projector = (
             VisionProjector(vis.width, cfg.llm.width, vis.merge, **kw) if vis.enabled else None
         )
-        self.audio = AudioEncoder(aud, remat=cfg.remat, **kw) if aud.enabled else None
+        self.audio = AudioEncoder(aud, **remat, **kw) if aud.enabled else None
         self.audio_projector = (
             AudioProjector(aud.width, cfg.llm.width, **kw) if aud.enabled else None
         )
-        self.llm = Decoder(cfg.llm, remat=cfg.remat, **kw)
+        self.llm = Decoder(cfg.llm, **remat, **kw)
         if batch_cfg.route_pair_capacity < 0:
             raise ValueError(
                 "batch.route_pair_capacity=-1 (auto) must be resolved against the data first "

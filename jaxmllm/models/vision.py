@@ -25,6 +25,7 @@ class VisionEncoder(nnx.Module):
         dtype: jnp.dtype,
         param_dtype: jnp.dtype,
         remat: bool,
+        remat_policy: str = "nothing",
         rngs: nnx.Rngs,
     ):
         patch_dim = cfg.patch_size * cfg.patch_size * cfg.channels
@@ -39,6 +40,7 @@ class VisionEncoder(nnx.Module):
             rope="2d",
             rope_theta=cfg.rope_theta,
             remat=remat,
+            remat_policy=remat_policy,
             **kw,
         )
 
