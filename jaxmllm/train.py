@@ -58,7 +58,7 @@ def main(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> 
         )
     # The data decides `auto` sizes before anything is shaped by them.
     source, index = make_source(cfg)
-    cfg = resolve_batch(cfg, index)
+    cfg = resolve_batch(cfg, index, sharding.data_parallel_size(mesh))
     # Under the mesh, the model pins the encoder-row exchange to the data axes (an all-to-all).
     with jax.set_mesh(mesh), contextlib.ExitStack() as closing:
         return _train(cfg, mesh, source, index, on_step, closing)

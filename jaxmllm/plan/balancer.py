@@ -34,7 +34,6 @@ import numpy as np
 
 from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.plan.assign import Assignment
-from jaxmllm.plan.bins import quad_cost
 from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
 from jaxmllm.plan.ragged import gather_items, offsets_in_bins
 from jaxmllm.plan.select import Selector
@@ -111,7 +110,7 @@ class Balancer:
         left = work.sum(1)  # work of the pool not yet taken
         micros = []
         for m in range(caps.microbatches):
-            mb = Micro(caps)
+            mb = Micro(caps, self.phases.cost)
             # Across microbatches first: each gets at most an equal share of what is left.
             share = left / (caps.microbatches - m)
             sel = self.selector.select(work, taken, share, urgent=urgent)
@@ -141,6 +140,7 @@ class Balancer:
             return
         ph = self.phases
         s = samples[entries]
+        ends = {"llm": mb.rows.units.copy(), **{p: mb.enc[p].units.copy() for p in ENC}}
         rows = self.assignment.samples(ph, mb, s, urgent[entries])
         items = {}
         ok = rows >= 0
@@ -148,16 +148,21 @@ class Balancer:
             owner, j, flat = gather_items(ph.ptr[p], s)
             items[p] = (owner, j, ph.sizes[p][flat])
         ok, devs = self.assignment.items(ph, mb, rows, items, urgent[entries], ok)
+        if mb.tiles is not None:  # block-sparse attention: each device within its tiles
+            placed = {"llm": (np.arange(len(s)), rows, ends["llm"], ph.llm[s])}
+            for p in ENC:
+                placed[p] = (items[p][0], devs[p], ends[p], items[p][2])
+            ok = mb.tiles.admit(placed, ok)
         # Roll back the samples that did not get all their parts.
         bad = np.flatnonzero(~ok & (rows >= 0))
         np.subtract.at(mb.rows.units, rows[bad], ph.llm[s[bad]])
-        np.subtract.at(mb.rows.quad, rows[bad], quad_cost(ph.llm[s[bad]]))
+        np.subtract.at(mb.rows.quad, rows[bad], mb.rows.cost(ph.llm[s[bad]]))
         for p in ENC:
             owner, j, size = items[p]
             dev = devs[p]
             drop = ~ok[owner] & (dev >= 0)
             np.subtract.at(mb.enc[p].units, dev[drop], size[drop])
-            np.subtract.at(mb.enc[p].quad, dev[drop], quad_cost(size[drop]))
+            np.subtract.at(mb.enc[p].quad, dev[drop], mb.enc[p].cost(size[drop]))
             keep = ok[owner]
             mb.items[p].append((entries[owner[keep]], j[keep], size[keep], dev[keep]))
         mb.entries.append(entries[ok])

@@ -27,6 +27,11 @@ PLANNERS: dict[str, PlannerFactory] = {
 }
 
 
+# The planners that balance attention tiles across devices and hold a tile capacity near the
+# mean need (`batch.*_tiles: -1` sizes theirs from the data; the others get a dry run's worst)
+TILE_BALANCING = frozenset({"orchestrated"})
+
+
 def make_planner(name: str, index: LengthsIndex, caps: Capacities, seed: int) -> Planner:
     """The planner called `name` over `index`, with bucket capacities `caps`, drawing its sample
     stream from `seed`."""

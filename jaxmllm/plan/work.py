@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmllm.data.samples import LengthsIndex
-from jaxmllm.plan.bins import Loads
+from jaxmllm.plan.bins import Cost, Loads, quad_cost, tile_cost
 from jaxmllm.plan.contract import Capacities
 from jaxmllm.plan.route import Routes
+from jaxmllm.plan.tilecap import TileBudget
 
 ENC = ("vision", "audio")
 
@@ -39,14 +40,26 @@ class Phases:
         self.cap_vec = np.array(
             [caps.llm_rows * caps.llm_row_len, caps.vision_patches, caps.audio_frames], np.int64
         )  # [phase]: units per device and microbatch
+        # What the packers equalise: attention tiles with block-sparse attention, size**2 else
+        self.cost: dict[str, Cost] = {p: quad_cost for p in ("llm", *ENC)}
+        if caps.block:
+            self.cost = {
+                "llm": tile_cost(caps.block, True),
+                "vision": tile_cost(caps.block, False),
+                "audio": tile_cost(caps.block, False, caps.subsample),
+            }
 
 
 class Micro:
     """Bucket loads and placements of one microbatch while it is being filled."""
 
-    def __init__(self, caps: Capacities):
-        self.rows = Loads.zeros(caps.devices * caps.llm_rows)  # per LLM row (device * rows + row)
-        self.enc = {p: Loads.zeros(caps.devices) for p in ENC}  # per device
+    def __init__(self, caps: Capacities, cost: dict[str, Cost] | None = None):
+        cost = cost or {p: quad_cost for p in ("llm", *ENC)}
+        # per LLM row (device * rows + row), per device for the encoders
+        self.rows = Loads.zeros(caps.devices * caps.llm_rows, cost["llm"])
+        self.enc = {p: Loads.zeros(caps.devices, cost[p]) for p in ENC}
+        # exact attention tiles per device and phase, within their capacity (block-sparse)
+        self.tiles = TileBudget(caps) if caps.block else None
         z = np.zeros(0, np.int64)
         self.entries: list[np.ndarray] = [z]  # pool positions placed, in order
         self.row_bin: list[np.ndarray] = [z]  # their LLM row bin (device * rows + row)
