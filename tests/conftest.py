@@ -6,3 +6,16 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def pytest_configure(config):
+    """One persistent compilation cache per test session: the trainer tests build the same
+    tiny-config program many times over (a fresh jit each run), and compiling it dominates them."""
+    import tempfile
+
+    import jax
+
+    cache = tempfile.mkdtemp(prefix="jaxmllm-test-xla-cache-")
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
