@@ -151,7 +151,7 @@ class BatchConfig:
     llm_rows: int = 1  # packed LLM rows per device per microbatch
     llm_row_len: int = 4096  # tokens per LLM row; a sample never crosses a row
     vision_patches: int = 4096  # ViT patch capacity per device per microbatch (one packed row)
-    audio_frames: int = 3000  # log-mel frame capacity per device per microbatch (one packed row)
+    audio_frames: int = 3072  # log-mel frame capacity per device per microbatch (one packed row)
     route_pair_capacity: int = -1  # encoder rows one device may send another; 0 = all local,
     # -1 = auto (orchestrated: a whole device bucket's encoder output; other planners: 0)
     exchange: str = "dense"  # dense all_to_all (every backend) | ragged (ragged_all_to_all: GPU)

@@ -27,10 +27,10 @@ from jaxmllm.config import (
     VisionConfig,
 )
 from jaxmllm.models import MultimodalLM, param_axes, token_losses, transformer
-from jaxmllm.models.attention import Attention, attention_mask, packing
+from jaxmllm.models.attention import Attention, packing
 from jaxmllm.models.layers import rope_1d
-from jaxmllm.models.transformer import Block, Transformer
 from jaxmllm.models.mllm import exchange_rows, fill_slots
+from jaxmllm.models.transformer import Block, Transformer
 from sharding.rules import axes_leaves, keyed_leaves
 
 BOS, IMAGE, AUDIO = 257, 259, 260

@@ -107,9 +107,7 @@ def measure(row_len: int, args) -> dict:
     sparse_args = (q, k, v, w, seg, jnp.asarray(tl, jnp.int32)[None])
     sparse_c = sparse.lower(*sparse_args).compile()
     dense = _grad_fn(
-        lambda q, k, v, s: dense_attention(
-            q, k, v, attention_mask(s, causal=True), jnp.float32
-        )
+        lambda q, k, v, s: dense_attention(q, k, v, attention_mask(s, causal=True), jnp.float32)
     )
     dense_args = (q, k, v, w, seg)
     dense_c = dense.lower(*dense_args).compile()
@@ -166,8 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (median)")
-    p.add_argument("--dense-max", type=int, default=8192,
-                   help="longest row dense attention is run at (longer: memory only)")
+    p.add_argument(
+        "--dense-max",
+        type=int,
+        default=8192,
+        help="longest row dense attention is run at (longer: memory only)",
+    )
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     rows = []
