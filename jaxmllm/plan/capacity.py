@@ -19,7 +19,8 @@ import numpy as np
 
 from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.plan.contract import Capacities, Planner, step_tiles
-from jaxmllm.plan.tiles import expected_tiles, own_tiles
+from jaxmllm.plan.select import BINDING
+from jaxmllm.plan.tiles import own_tiles, packed_density
 
 
 def ladder_values(lo: int = 32, hi: int = 1 << 22, per_octave: int = 8) -> np.ndarray:
@@ -164,26 +165,34 @@ def _encoder_caps(
 TILE_HEADROOM = 0.03  # a tile-aware planner's capacity: the data's mean need per device + this
 
 
-def tile_density(index: LengthsIndex, caps: Capacities) -> dict[str, float]:
-    """Per phase, the attention tiles (of caps.block) the data needs per unit on average: a
-    bucket of C units of documents drawn from the data needs about C times this."""
+def tile_density(
+    index: LengthsIndex, caps: Capacities, most: int = 20000, seed: int = 0
+) -> dict[str, float]:
+    """Per phase, the attention tiles (of caps.block) the data needs per unit: a bucket of C
+    units of documents drawn from the data needs about C times this. Measured, not assumed:
+    (up to `most` of) the phase's documents in random order are laid one after another into
+    rows of the bucket's length, as a packer lays them, and their tiles counted, so sizes
+    that are multiples of the block (images of whole tiles) and documents a row boundary moves
+    count as they will."""
     docs = {
-        "llm": (index.llm_tokens(caps.merge_area, caps.subsample), True),
-        "vision": (index.images, False),
-        "audio": (index.audio // caps.subsample, False),
+        "llm": (index.llm_tokens(caps.merge_area, caps.subsample), True, caps.llm_row_len),
+        "vision": (index.images, False, caps.vision_patches),
+        "audio": (index.audio // caps.subsample, False, caps.audio_frames // caps.subsample),
     }
     return {
-        phase: float(expected_tiles(n, caps.block, causal).sum() / max(int(n.sum()), 1))
-        for phase, (n, causal) in docs.items()
+        phase: packed_density(n, row_len, caps.block, causal, most, seed)
+        for phase, (n, causal, row_len) in docs.items()
     }
 
 
 def suggest_tiles(
     index: LengthsIndex, caps: Capacities, headroom: float = TILE_HEADROOM
 ) -> dict[str, int]:
-    """Tile capacities per device for a planner that holds them (orchestrated, balanced): the
-    mean need of a full bucket plus `headroom`, at least the largest document's own tiles, at
-    most every tile of the bucket's rows (0 for a phase without data)."""
+    """Tile capacities per device for a planner that holds them (orchestrated): the mean need
+    of a bucket filled to the phase's long-run share (1 for the phases that bind, less for the
+    others: their buckets are filled only as far as the data's mix has work for them) plus
+    `headroom`, at least the largest document's own tiles, at most every tile of the bucket's
+    rows (0 for a phase without data)."""
     units = {
         "llm": caps.llm_rows * caps.llm_row_len,
         "vision": caps.vision_patches,
@@ -195,6 +204,10 @@ def suggest_tiles(
         "vision": index.images,
         "audio": index.audio // caps.subsample,
     }
+    work = {p: float(largest[p].sum()) for p in units}
+    demand = {p: work[p] / units[p] if units[p] else 0.0 for p in units}
+    top = max(demand.values()) or 1.0
+    share = {p: 1.0 if demand[p] >= BINDING * top else demand[p] / top for p in units}
     out = {}
     for phase, rho in tile_density(index, caps).items():
         n, causal = largest[phase], phase == "llm"
@@ -204,7 +217,7 @@ def suggest_tiles(
         blocks = units[phase] // rows[phase] // caps.block
         every = rows[phase] * int(own_tiles(np.array([blocks]), causal)[0])
         alone = int(own_tiles(-(-n // caps.block), causal).max())
-        want = math.ceil(rho * units[phase] * (1 + headroom))
+        want = math.ceil(rho * units[phase] * share[phase] * (1 + headroom))
         out[phase] = int(min(max(want, alone), every))
     return out
 

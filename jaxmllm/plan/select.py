@@ -31,9 +31,11 @@ class Selector:
     """Window and selection of the balanced planners, from the phases' long-run demands."""
 
     def __init__(self, phases: Phases, lookahead: float):
-        self.caps, self.cap_vec, self.work_t = phases.caps, phases.cap_vec, phases.work_t
+        # (the phases' units, and their expected tiles where tiles have a capacity: Phases)
+        self.caps, self.cap_vec, self.work_t = phases.caps, phases.sel_cap, phases.sel_work_t
         self.lookahead = lookahead
-        self.mean_work = phases.work.mean(0) if len(phases.work) else np.ones(3)
+        width = len(self.cap_vec)
+        self.mean_work = phases.sel_work.mean(0) if len(phases.sel_work) else np.ones(width)
         # Long-run share of its capacity each phase fills when the most demanding one is full.
         demand = np.where(self.cap_vec > 0, self.mean_work / np.maximum(self.cap_vec, 1), 0)
         self.share = demand / max(demand.max(), 1e-30)

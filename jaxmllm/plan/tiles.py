@@ -74,6 +74,27 @@ def expected_tiles(sizes: np.ndarray, block: int, causal: bool) -> np.ndarray:
     return ((block - r) * near + r * far) / block - shared
 
 
+def packed_density(
+    sizes: np.ndarray, row_len: int, block: int, causal: bool, most: int = 20000, seed: int = 0
+) -> float:
+    """Tiles per unit of documents of `sizes` laid one after another into rows of `row_len`
+    units, as a packer lays them (up to `most` of them, in random order; a document that does
+    not fit what is left of a row starts the next). Unlike `expected_tiles` this sees sizes
+    that are multiples of the block staying aligned, and row boundaries (0.0 for no data)."""
+    n = np.asarray(sizes, np.int64)
+    n = n[n > 0]
+    if not len(n) or not row_len:
+        return 0.0
+    n = np.minimum(np.random.default_rng(seed).permutation(n)[:most], row_len)
+    rows, offsets, row, used = np.empty(len(n), np.int64), np.empty(len(n), np.int64), 0, 0
+    for i, size in enumerate(n.tolist()):
+        if used + size > row_len:
+            row, used = row + 1, 0
+        rows[i], offsets[i] = row, used
+        used += size
+    return float(bin_tiles(rows, offsets, n, row + 1, block, causal).sum() / n.sum())
+
+
 def tile_list(
     offsets: np.ndarray, sizes: np.ndarray, rows: np.ndarray, row_blocks: int, block: int,
     causal: bool,
