@@ -317,3 +317,12 @@ def test_cudnn_attention_is_refused_off_gpu_with_the_key_to_change(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"model\.attention=cudnn.*block_sparse"):
         main(cfg)
+
+
+def test_packed_density_counts_aligned_documents_as_aligned():
+    """Documents of whole blocks packed back to back stay aligned: each needs exactly its own
+    tiles (the uniform guess of `expected_tiles` would count a block more per side)."""
+    block, sizes = 8, np.full(50, 32)
+    got = tiles.packed_density(sizes, 128, block, causal=False)
+    assert got == pytest.approx(16 / 32)  # 4 x 4 tiles per 32-unit document
+    assert tiles.expected_tiles(sizes[:1], block, False)[0] > 16
