@@ -222,6 +222,23 @@ def suggest_tiles(
     return out
 
 
+def largest_doc_tiles(index: LengthsIndex, caps: Capacities) -> dict[str, int]:
+    """Per phase, the tiles the data's largest document needs wherever in a block it starts
+    (it may span one block more than its size in blocks): the least a tile capacity can be."""
+    docs = {
+        "llm": (index.llm_tokens(caps.merge_area, caps.subsample), True),
+        "vision": (index.images, False),
+        "audio": (index.audio // caps.subsample, False),
+    }
+    out = {}
+    for phase, (n, causal) in docs.items():
+        n = n[n > 0]
+        out[phase] = (
+            int(own_tiles(np.array([(n.max() - 1) // caps.block + 2]), causal)[0]) if len(n) else 0
+        )
+    return out
+
+
 def dry_run_tiles(planner: Planner, index: LengthsIndex, caps: Capacities, steps: int) -> dict:
     """The most tiles any bucket of `planner` needs per phase over its first `steps` plans:
     the smallest tile capacities a planner that ignores them never exceeds (`planner` is used

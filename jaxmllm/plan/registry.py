@@ -27,9 +27,10 @@ PLANNERS: dict[str, PlannerFactory] = {
 }
 
 
-# The planners that balance attention tiles across devices and hold a tile capacity near the
-# mean need (`batch.*_tiles: -1` sizes theirs from the data; the others get a dry run's worst)
-TILE_BALANCING = frozenset({"orchestrated"})
+# The planners that hold a tile capacity (block-sparse attention): they equalise tiles across
+# devices and turn away what would take a device over its capacity (the sample waits); the
+# others pack without looking at tiles, so their capacity must cover the worst their packs need.
+HOLDS_TILES = frozenset({"orchestrated", "balanced"})
 
 
 def make_planner(name: str, index: LengthsIndex, caps: Capacities, seed: int) -> Planner:
