@@ -34,10 +34,10 @@ Per policy, one table row (all figures over the steps run, steady state included
   (first N)  when grain ran fewer steps (--grain-max-steps), a line with every policy's fill
              over the same first N steps (JSON: fill_first_steps; fill_per_step per row)
   tiles      attention tiles of `--block` tokens (block-sparse attention, `jaxmllm.plan.tiles`),
-             all phases: `cap` = the tile capacity a device's bucket needs (the most its
-             buckets needed over the run, the smallest capacity they never exceed: what the
-             trainer's dry run gives each planner; orchestrated and balanced pack equalising
-             tiles, grain and naive without looking at them),
+             all phases: `cap` = the tile capacity a device's bucket needs (orchestrated:
+             the capacity near the mean need it is given and holds; any other: the most its
+             buckets needed over the run, the smallest capacity they never exceed, as the
+             trainer's dry run gives it),
              `mean` = the mean need per bucket, `cap/mean` what a device computes over what it
              needs on average, `max/mean` = max over devices / mean per microbatch.
              --block 0 leaves them out
@@ -49,6 +49,7 @@ Per policy, one table row (all figures over the steps run, steady state included
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -60,9 +61,9 @@ from jaxmllm.bench.mixes import MIXES, load_lengths, load_mix
 from jaxmllm.config import ModelConfig
 from jaxmllm.data.cost import CostModel
 from jaxmllm.data.samples import LengthsIndex
-from jaxmllm.plan.capacity import suggest_capacities
+from jaxmllm.plan.capacity import suggest_capacities, suggest_tiles
 from jaxmllm.plan.contract import Capacities, StepPlan, check_plan, step_tiles
-from jaxmllm.plan.registry import make_planner
+from jaxmllm.plan.registry import HOLDS_TILES, make_planner
 
 POLICIES = ("orchestrated", "balanced", "grain", "naive")  # the default --policies
 PHASES = ("llm", "vision", "audio")
@@ -79,8 +80,9 @@ def make_caps(
     block: int = 0,
 ) -> Capacities:
     """Capacities matched to the data; route capacity = a device's whole encoder output; with
-    `block`, rows in whole blocks and no tile bound (the bench measures what each policy's
-    buckets need)."""
+    `block`, rows in whole blocks and tile capacities as the trainer sizes them for a policy
+    that holds them (`HOLDS_TILES`: near the mean need); the others get no bound (the bench
+    measures what their buckets need, as the trainer's dry run does)."""
     sug = suggest_capacities(index, tokens, merge_area, subsample, match_llm=True, block=block or 1)
     route = max(sug.vision_patches // merge_area, sug.audio_frames // subsample)
     caps = Capacities(
@@ -95,6 +97,9 @@ def make_caps(
         route_pair_capacity=route if policy == "orchestrated" else 0,
         block=block,
     )
+    if block and policy in HOLDS_TILES:
+        tiles = suggest_tiles(index, caps)
+        caps = dataclasses.replace(caps, **{f"{p}_tiles": n for p, n in tiles.items()})
     return caps
 
 
@@ -253,7 +258,7 @@ def run_policy(
         },
     }
     if block:
-        caps_by_phase = tile_most
+        caps_by_phase = caps.tile_caps() if policy in HOLDS_TILES else tile_most
         row["tile_capacity"] = int(sum(caps_by_phase.values()))
         row["tile_capacity_by_phase"] = dict(caps_by_phase)
         row["tile_mean"] = float(np.mean(tile_need))

@@ -33,7 +33,12 @@ from jaxmllm.data.loader import Loader
 from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.metrics import StepCounter
-from jaxmllm.plan.capacity import dry_run_tiles, largest_doc_tiles, suggest_capacities
+from jaxmllm.plan.capacity import (
+    dry_run_tiles,
+    largest_doc_tiles,
+    suggest_capacities,
+    suggest_tiles,
+)
 from jaxmllm.plan.contract import Capacities, Planner
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
 
@@ -106,19 +111,16 @@ def resolve_batch(cfg: Config, index: LengthsIndex, devices: int | None = None) 
 
 DRY_RUN_STEPS = 2000  # at most this many steps planned to size a planner's tile capacities
 DRY_RUN_HEADROOM = 0.1  # added when the run is longer than the dry run
-HOLDING_DRY_RUN_STEPS = 100  # ... for a planner that holds its tile capacity (no headroom)
 
 
 def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict[str, int]:
     """The `batch.*_tiles: -1` (auto) of block-sparse attention, resolved (the rest resolved).
 
-    Every planner gets the most its own buckets need in a dry run of its plans, so the
-    comparison shows what each packing costs. A planner that holds its tile capacity
-    (`HOLDS_TILES`: it equalises tiles across devices and a sample that would take a device
-    over waits) plans `HOLDING_DRY_RUN_STEPS` at most; any other `DRY_RUN_STEPS`, then
-    `DRY_RUN_HEADROOM` more when the run is longer, so that its buckets always fit.
-    (`plan.capacity.suggest_tiles` gives a tighter capacity near the mean need, to set by hand:
-    the planner then holds it at some cost in fill.)
+    A planner that holds a tile capacity near the mean (`HOLDS_TILES`: orchestrated) gets the
+    data's mean need per device plus a small headroom (`suggest_tiles`); any other gets the
+    most its own buckets need in a dry run of its plans (`DRY_RUN_STEPS` at most, then
+    `DRY_RUN_HEADROOM` more when the run is longer), so that its buckets always fit and the
+    comparison shows what its packing costs. Never below what the largest document needs.
     """
     b = cfg.batch
     keys = [f"{p}_tiles" for p in ("llm", "vision", "audio") if getattr(b, f"{p}_tiles") == -1]
@@ -128,12 +130,14 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
     if devices is None:
         devices = sharding.data_parallel_size(sharding.make_mesh(cfg.mesh))
         caps = dataclasses.replace(caps, devices=devices)
-    holds = b.planner in HOLDS_TILES
-    steps = min(cfg.train.steps, HOLDING_DRY_RUN_STEPS if holds else DRY_RUN_STEPS)
-    planner = make_planner(b.planner, index, caps, cfg.data.seed)
-    need = dry_run_tiles(planner, index, caps, steps)
-    if steps < cfg.train.steps and not holds:
-        need = {p: math.ceil(n * (1 + DRY_RUN_HEADROOM)) for p, n in need.items()}
+    if b.planner in HOLDS_TILES:
+        need = suggest_tiles(index, caps)
+    else:
+        steps = min(cfg.train.steps, DRY_RUN_STEPS)
+        planner = make_planner(b.planner, index, caps, cfg.data.seed)
+        need = dry_run_tiles(planner, index, caps, steps)
+        if steps < cfg.train.steps:
+            need = {p: math.ceil(n * (1 + DRY_RUN_HEADROOM)) for p, n in need.items()}
     # Documents the dry run did not meet fit too, wherever in a block they start.
     least = largest_doc_tiles(index, caps)
     need = {p: max(n, least[p]) for p, n in need.items()}
