@@ -35,7 +35,8 @@ Per policy, one table row (all figures over the steps run, steady state included
              over the same first N steps (JSON: fill_first_steps; fill_per_step per row)
   tiles      attention tiles of `--block` tokens (block-sparse attention, `jaxmllm.plan.tiles`),
              all phases: `cap` = the tile capacity a device's bucket needs (orchestrated:
-             the capacity near the mean need it is given and holds; any other: the most its
+             the capacity it is given and holds, as the trainer sizes it: near the mean need,
+             or a dry run's most where that is less; any other: the most its
              buckets needed over the run, the smallest capacity they never exceed, as the
              trainer's dry run gives it),
              `mean` = the mean need per bucket, `cap/mean` what a device computes over what it
@@ -61,7 +62,12 @@ from jaxmllm.bench.mixes import MIXES, load_lengths, load_mix
 from jaxmllm.config import ModelConfig
 from jaxmllm.data.cost import CostModel
 from jaxmllm.data.samples import LengthsIndex
-from jaxmllm.plan.capacity import suggest_capacities, suggest_tiles
+from jaxmllm.plan.capacity import (
+    HELD_DRY_RUN_STEPS,
+    dry_run_tiles,
+    suggest_capacities,
+    suggest_tiles,
+)
 from jaxmllm.plan.contract import Capacities, StepPlan, check_plan, step_tiles
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
 
@@ -97,10 +103,15 @@ def make_caps(
         route_pair_capacity=route if policy == "orchestrated" else 0,
         block=block,
     )
-    if block and policy in HOLDS_TILES:
-        tiles = suggest_tiles(index, caps)
-        caps = dataclasses.replace(caps, **{f"{p}_tiles": n for p, n in tiles.items()})
     return caps
+
+
+def held_caps(index: LengthsIndex, caps: Capacities, policy: str, steps: int, seed: int):
+    """A tile-holding policy's capacities as the trainer sizes them (`resolve_tiles`): the mean
+    need plus headroom, or what a dry run of its plans without a bound needed if that is less."""
+    most = dry_run_tiles(make_planner(policy, index, caps, seed), index, caps, steps)
+    tiles = {p: min(n, most[p]) for p, n in suggest_tiles(index, caps).items()}
+    return dataclasses.replace(caps, **{f"{p}_tiles": n for p, n in tiles.items()})
 
 
 class _Items:
@@ -167,6 +178,8 @@ def run_policy(
     block: int = 0,
 ) -> tuple[dict, list]:
     caps = make_caps(index, devices, tokens, micro, policy, block=block)
+    if block and policy in HOLDS_TILES:
+        caps = held_caps(index, caps, policy, min(steps, HELD_DRY_RUN_STEPS), seed)
     items = _Items(index, caps)
     planner = make_planner(policy, index, caps, seed)
     cap_vec = np.array(

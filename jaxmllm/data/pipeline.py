@@ -34,6 +34,7 @@ from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.metrics import StepCounter
 from jaxmllm.plan.capacity import (
+    HELD_DRY_RUN_STEPS,
     dry_run_tiles,
     largest_doc_tiles,
     suggest_capacities,
@@ -117,7 +118,9 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
     """The `batch.*_tiles: -1` (auto) of block-sparse attention, resolved (the rest resolved).
 
     A planner that holds a tile capacity near the mean (`HOLDS_TILES`: orchestrated) gets the
-    data's mean need per device plus a small headroom (`suggest_tiles`); any other gets the
+    data's mean need per device plus a small headroom (`suggest_tiles`), or less where a dry
+    run of `HELD_DRY_RUN_STEPS` of its plans without a bound never needed as much (uniform
+    data, where its tiles are even without holding them); any other gets the
     most its own buckets need in a dry run of its plans (`DRY_RUN_STEPS` at most, then
     `DRY_RUN_HEADROOM` more when the run is longer), so that its buckets always fit and the
     comparison shows what its packing costs. Never below what the largest document needs.
@@ -131,7 +134,9 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
         devices = sharding.data_parallel_size(sharding.make_mesh(cfg.mesh))
         caps = dataclasses.replace(caps, devices=devices)
     if b.planner in HOLDS_TILES:
-        need = suggest_tiles(index, caps)
+        planner = make_planner(b.planner, index, caps, cfg.data.seed)
+        most = dry_run_tiles(planner, index, caps, min(cfg.train.steps, HELD_DRY_RUN_STEPS))
+        need = {p: min(n, most[p]) for p, n in suggest_tiles(index, caps).items()}
     else:
         steps = min(cfg.train.steps, DRY_RUN_STEPS)
         planner = make_planner(b.planner, index, caps, cfg.data.seed)

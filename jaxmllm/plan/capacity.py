@@ -162,6 +162,8 @@ def _encoder_caps(
 
 # ----------------------------------------------------------------------------- tiles
 
+HELD_DRY_RUN_STEPS = 50  # a holding planner's tile capacity: at most what this many of its
+# plans needed without a bound (uniform data: its tiles are even without holding them)
 TILE_HEADROOM = 0.03  # a tile-aware planner's capacity: the data's mean need per device + this
 
 
