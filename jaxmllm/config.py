@@ -120,8 +120,14 @@ class ModelConfig:
     # gate, up, down: up to 4 * width + 2 * mlp_dim more values per token and layer, and only
     # attention and elementwise ops are recomputed)
     remat_policy: str = "nothing"
+    # How attention reads packed rows: block_sparse computes only the (query block, key block)
+    # tiles the documents span, listed by the planner (batch.*_tiles, batch.attention_block) |
+    # dense: every pair of a row, masked (the reference; memory and time grow with row_len^2) |
+    # cudnn: cuDNN's fused attention over the packed documents (GPU only)
+    attention: str = "block_sparse"
 
     def __post_init__(self):
+        _check(self.attention in ATTENTIONS, f"must be one of {', '.join(ATTENTIONS)}", "attention")
         for key in ("compute_dtype", "param_dtype"):
             _check(
                 getattr(self, key) in ("float32", "bfloat16"), "must be float32 or bfloat16", key
@@ -133,7 +139,8 @@ class ModelConfig:
         )
 
 
-REMAT_POLICIES = ("nothing", "dots")  # jaxmllm.models.layers.REMAT_POLICIES implements each
+REMAT_POLICIES = ("nothing", "dots")  # jaxmllm.models.transformer.REMAT_POLICIES implements each
+ATTENTIONS = ("block_sparse", "dense", "cudnn")
 
 
 @dataclass(frozen=True)
@@ -144,13 +151,21 @@ class BatchConfig:
     llm_rows: int = 1  # packed LLM rows per device per microbatch
     llm_row_len: int = 4096  # tokens per LLM row; a sample never crosses a row
     vision_patches: int = 4096  # ViT patch capacity per device per microbatch (one packed row)
-    audio_frames: int = 3000  # log-mel frame capacity per device per microbatch (one packed row)
+    audio_frames: int = 3072  # log-mel frame capacity per device per microbatch (one packed row)
     route_pair_capacity: int = -1  # encoder rows one device may send another; 0 = all local,
     # -1 = auto (orchestrated: a whole device bucket's encoder output; other planners: 0)
     exchange: str = "dense"  # dense all_to_all (every backend) | ragged (ragged_all_to_all: GPU)
     planner: str = "orchestrated"  # a name of jaxmllm.plan.registry.PLANNERS (orchestrated |
     # balanced | grain | naive | first_fit)
     capacity: str = "fixed"  # fixed: the sizes above; auto: encoder buckets sized from the data
+    # Block-sparse attention: tokens (patches, audio encoder rows) per side of a tile, and the
+    # tiles a device computes per microbatch in each phase (its tile lists are padded to these).
+    # -1 = auto: sized from the data (orchestrated: the mean need plus a margin, which it never
+    # exceeds; other planners: the most any of their buckets needs over the run, a dry run).
+    attention_block: int = 128
+    llm_tiles: int = -1
+    vision_tiles: int = -1
+    audio_tiles: int = -1
 
     def __post_init__(self):
         for key in ("microbatches", "llm_rows", "llm_row_len"):
@@ -163,6 +178,10 @@ class BatchConfig:
         _check(
             self.route_pair_capacity >= -1, "must be >= 0, or -1 for auto", "route_pair_capacity"
         )
+        _check(self.attention_block >= 1, "must be >= 1", "attention_block")
+        for key in ("llm_tiles", "vision_tiles", "audio_tiles"):
+            _check(getattr(self, key) >= 1 or getattr(self, key) == -1, "must be >= 1, or -1 "
+                   "for auto (sized from the data)", key)  # fmt: skip
         _check(
             self.planner != "orchestrated" or self.route_pair_capacity != 0,
             "orchestrated routes encoder rows between devices: set route_pair_capacity "
@@ -321,11 +340,38 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self):
-        vis = self.model.vision
+        vis, b = self.model.vision, self.batch
         _check(
-            self.batch.vision_patches % (vis.merge**2) == 0,
+            b.vision_patches % (vis.merge**2) == 0,
             f"must be a multiple of merge^2 = {vis.merge**2}",
             "batch.vision_patches",
+        )
+        if self.model.attention == "block_sparse":
+            self._check_blocks()
+
+    def _check_blocks(self) -> None:
+        """Block-sparse attention cuts every packed row into blocks of batch.attention_block."""
+        b, m = self.batch, self.model
+        block, fix = b.attention_block, "(or set model.attention: dense)"
+        _check(
+            b.llm_row_len % block == 0,
+            f"must be a multiple of batch.attention_block={block} {fix}",
+            "batch.llm_row_len",
+        )
+        if b.capacity == "auto":  # the encoder buckets are sized from the data, in blocks
+            return
+        _check(
+            not m.vision.enabled or b.vision_patches % block == 0,
+            f"must be a multiple of batch.attention_block={block} {fix}",
+            "batch.vision_patches",
+        )
+        rows = b.audio_frames // m.audio.subsample
+        _check(
+            not m.audio.enabled or rows % block == 0,
+            f"must be a multiple of batch.attention_block x model.audio.subsample = "
+            f"{block * m.audio.subsample} (the audio encoder attends over frames / "
+            f"{m.audio.subsample}) {fix}",
+            "batch.audio_frames",
         )
 
 

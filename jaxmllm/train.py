@@ -56,9 +56,14 @@ def main(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> 
             "batch.exchange=ragged: XLA:CPU does not implement ragged_all_to_all; use "
             "batch.exchange: dense on CPU (ragged is for GPU backends)"
         )
+    if cfg.model.attention == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(
+            f"model.attention=cudnn: cuDNN's fused attention needs a GPU, this backend is "
+            f"{jax.default_backend()}; use model.attention: block_sparse (every backend)"
+        )
     # The data decides `auto` sizes before anything is shaped by them.
     source, index = make_source(cfg)
-    cfg = resolve_batch(cfg, index)
+    cfg = resolve_batch(cfg, index, sharding.data_parallel_size(mesh))
     # Under the mesh, the model pins the encoder-row exchange to the data axes (an all-to-all).
     with jax.set_mesh(mesh), contextlib.ExitStack() as closing:
         return _train(cfg, mesh, source, index, on_step, closing)

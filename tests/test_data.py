@@ -19,7 +19,18 @@ def tiny(*extra):
 
 
 def first_fit(*extra):
-    return tiny(*FIRST_FIT, *extra)
+    """The tiny config, first-fit planner; tile capacities (block-sparse attention): every tile
+    of the bucket, so that bucketize needs no dry run (resolve_batch) and never overflows."""
+    cfg = tiny(*FIRST_FIT, *extra)
+    b, m = cfg.batch, cfg.model
+    full = lambda n, rows, causal: rows * (n * (n + 1) // 2 if causal else n * n)
+    blk = b.attention_block
+    tiles = [
+        f"batch.llm_tiles={full(b.llm_row_len // blk, b.llm_rows, True)}",
+        f"batch.vision_tiles={full(b.vision_patches // blk, 1, False)}",
+        f"batch.audio_tiles={full(b.audio_frames // m.audio.subsample // blk, 1, False)}",
+    ]
+    return tiny(*FIRST_FIT, *extra, *tiles)
 
 
 def test_synthetic_is_deterministic_and_index_matches_samples():

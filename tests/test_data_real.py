@@ -253,7 +253,11 @@ def test_load_time_failure_skip_logs_and_fail_names_the_record(data, tmp_path):
 @pytest.mark.parametrize("policy", ["shrink", "truncate", "skip", "fail"])
 def test_oversize_policy(data, policy):
     cfg = config(
-        data["path"], "batch.capacity=fixed", "batch.llm_row_len=48", f"data.on_oversize={policy}"
+        data["path"],
+        "batch.capacity=fixed",
+        "batch.llm_row_len=48",
+        "batch.attention_block=16",
+        f"data.on_oversize={policy}",
     )
     if policy == "fail":
         with pytest.raises(DataError, match=r"record '\w+'.*data\.on_oversize"):

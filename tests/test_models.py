@@ -26,9 +26,11 @@ from jaxmllm.config import (
     ModelConfig,
     VisionConfig,
 )
-from jaxmllm.models import MultimodalLM, layers, param_axes, token_losses
-from jaxmllm.models.layers import Attention, Block, Transformer, attention_mask, rope_1d
+from jaxmllm.models import MultimodalLM, param_axes, token_losses, transformer
+from jaxmllm.models.attention import Attention, packing
+from jaxmllm.models.layers import rope_1d
 from jaxmllm.models.mllm import exchange_rows, fill_slots
+from jaxmllm.models.transformer import Block, Transformer
 from sharding.rules import axes_leaves, keyed_leaves
 
 BOS, IMAGE, AUDIO = 257, 259, 260
@@ -40,6 +42,7 @@ CFG = ModelConfig(
     vision=VisionConfig(patch_size=4, channels=3, width=32, depth=2, heads=2, mlp_dim=64),
     audio=AudioConfig(n_mels=N_MELS, width=32, depth=1, heads=2, mlp_dim=64),
     llm=LLMConfig(vocab_size=VOCAB, width=32, depth=2, heads=4, kv_heads=2, mlp_dim=64),
+    attention="dense",  # the reference; tests/test_attention.py holds block-sparse to it
 )
 LOCAL = BatchConfig(
     llm_rows=2,
@@ -303,7 +306,7 @@ def test_remat_matches_no_remat(three_samples, policy):
 
 
 def test_remat_policies_match_the_config_choices():
-    assert set(layers.REMAT_POLICIES) == set(REMAT_POLICIES)
+    assert set(transformer.REMAT_POLICIES) == set(REMAT_POLICIES)
 
 
 def test_param_axes_cover_every_param():
@@ -377,7 +380,7 @@ def test_scanned_stack_matches_its_blocks_applied_one_by_one(remat):
     graphdef, state = nnx.split(stack)
     block_def, _ = nnx.split(stack.blocks)
     x = jnp.asarray(np.random.default_rng(8).normal(size=(2, 6, 32)), jnp.float32)
-    mask = attention_mask(jnp.array([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1]]), causal=True)
+    mask = packing(jnp.array([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1]]), causal=True)
     pos = jnp.array([[0, 1, 2, 0, 1, 9], [0, 1, 2, 3, 4, 5]])
 
     def scanned(state):
@@ -459,7 +462,7 @@ def test_gqa_attention_matches_repeated_kv_reference():
     @jax.jit
     def outputs(x, pos):
         # RoPE makes attention depend on relative positions only: shift them all by 7.
-        mask = attention_mask(seg, causal=True)
+        mask = packing(seg, causal=True)
         return attn(x, mask, pos), attn(x, mask, pos + 7), reference_attention(attn, x, seg, pos)
 
     out, shifted, ref = outputs(x, pos)
@@ -470,7 +473,7 @@ def test_gqa_attention_matches_repeated_kv_reference():
 def test_2d_rope_attention_depends_on_relative_positions():
     attn = Attention(32, heads=2, kv_heads=2, rope="2d", rngs=nnx.Rngs(4))
     x = jnp.asarray(np.random.default_rng(5).normal(size=(1, 8, 32)), jnp.float32)
-    mask = attention_mask(jnp.ones((1, 8), jnp.int32), causal=False)
+    mask = packing(jnp.ones((1, 8), jnp.int32), causal=False)
     pos = jnp.asarray(merge_order_positions(2, 4))[None]
     apply = jax.jit(lambda pos: attn(x, mask, pos))
     out = apply(pos)

@@ -294,6 +294,7 @@ def test_routing_tables_are_a_bijection():
             "model.audio.n_mels=16",
             "batch.llm_rows=2",
             "batch.llm_row_len=160",
+            "batch.attention_block=32",
             "batch.vision_patches=512",
             "batch.audio_frames=128",
             "batch.microbatches=2",

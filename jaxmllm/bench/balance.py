@@ -33,6 +33,15 @@ Per policy, one table row (all figures over the steps run, steady state included
   routed     share of encoder output rows encoded on another device than their text
   (first N)  when grain ran fewer steps (--grain-max-steps), a line with every policy's fill
              over the same first N steps (JSON: fill_first_steps; fill_per_step per row)
+  tiles      attention tiles of `--block` tokens (block-sparse attention, `jaxmllm.plan.tiles`),
+             all phases: `cap` = the tile capacity a device's bucket needs (orchestrated:
+             the capacity it is given and holds, as the trainer sizes it: near the mean need,
+             or a dry run's most where that is less; any other: the most its
+             buckets needed over the run, the smallest capacity they never exceed, as the
+             trainer's dry run gives it),
+             `mean` = the mean need per bucket, `cap/mean` what a device computes over what it
+             needs on average, `max/mean` = max over devices / mean per microbatch.
+             --block 0 leaves them out
   ms/step    host planning time per step on one core: median over the steps after the first of
              time.process_time() around plan() (JSON: also the min); grain: per host, each host
              packs its own devices
@@ -41,6 +50,7 @@ Per policy, one table row (all figures over the steps run, steady state included
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -52,9 +62,14 @@ from jaxmllm.bench.mixes import MIXES, load_lengths, load_mix
 from jaxmllm.config import ModelConfig
 from jaxmllm.data.cost import CostModel
 from jaxmllm.data.samples import LengthsIndex
-from jaxmllm.plan.capacity import suggest_capacities
-from jaxmllm.plan.contract import Capacities, StepPlan, check_plan
-from jaxmllm.plan.registry import make_planner
+from jaxmllm.plan.capacity import (
+    HELD_DRY_RUN_STEPS,
+    dry_run_tiles,
+    suggest_capacities,
+    suggest_tiles,
+)
+from jaxmllm.plan.contract import Capacities, StepPlan, check_plan, step_tiles
+from jaxmllm.plan.registry import HOLDS_TILES, make_planner
 
 POLICIES = ("orchestrated", "balanced", "grain", "naive")  # the default --policies
 PHASES = ("llm", "vision", "audio")
@@ -68,11 +83,15 @@ def make_caps(
     policy: str,
     merge_area: int = 4,
     subsample: int = 4,
+    block: int = 0,
 ) -> Capacities:
-    """Capacities matched to the data; route capacity = a device's whole encoder output."""
-    sug = suggest_capacities(index, tokens, merge_area, subsample, match_llm=True)
+    """Capacities matched to the data; route capacity = a device's whole encoder output; with
+    `block`, rows in whole blocks and tile capacities as the trainer sizes them for a policy
+    that holds them (`HOLDS_TILES`: near the mean need); the others get no bound (the bench
+    measures what their buckets need, as the trainer's dry run does)."""
+    sug = suggest_capacities(index, tokens, merge_area, subsample, match_llm=True, block=block or 1)
     route = max(sug.vision_patches // merge_area, sug.audio_frames // subsample)
-    return Capacities(
+    caps = Capacities(
         microbatches=micro,
         devices=devices,
         llm_rows=sug.llm_rows,
@@ -82,7 +101,17 @@ def make_caps(
         merge_area=merge_area,
         subsample=subsample,
         route_pair_capacity=route if policy == "orchestrated" else 0,
+        block=block,
     )
+    return caps
+
+
+def held_caps(index: LengthsIndex, caps: Capacities, policy: str, steps: int, seed: int):
+    """A tile-holding policy's capacities as the trainer sizes them (`resolve_tiles`): the mean
+    need plus headroom, or what a dry run of its plans without a bound needed if that is less."""
+    most = dry_run_tiles(make_planner(policy, index, caps, seed), index, caps, steps)
+    tiles = {p: min(n, most[p]) for p, n in suggest_tiles(index, caps).items()}
+    return dataclasses.replace(caps, **{f"{p}_tiles": n for p, n in tiles.items()})
 
 
 class _Items:
@@ -146,8 +175,11 @@ def run_policy(
     steps: int,
     cost: CostModel,
     seed: int = 0,
+    block: int = 0,
 ) -> tuple[dict, list]:
-    caps = make_caps(index, devices, tokens, micro, policy)
+    caps = make_caps(index, devices, tokens, micro, policy, block=block)
+    if block and policy in HOLDS_TILES:
+        caps = held_caps(index, caps, policy, min(steps, HELD_DRY_RUN_STEPS), seed)
     items = _Items(index, caps)
     planner = make_planner(policy, index, caps, seed)
     cap_vec = np.array(
@@ -159,6 +191,7 @@ def run_policy(
     ages, deferred, routed, remote_rows, times = 0, [], 0.0, 0.0, []
     first_plan = None
     step_fill = []  # per step, real units / capacity per phase
+    tile_need, tile_spread, tile_most = [], [], dict.fromkeys(PHASES, 0)
     for _ in range(steps):
         t = time.process_time()
         plan = planner.plan()
@@ -182,6 +215,14 @@ def run_policy(
         totals = sum(r.sum(1) for _, r, _ in loads.values())
         micro_cv.append(float(np.std(totals) / np.mean(totals)) if np.mean(totals) > 0 else 0.0)
         ages = max(ages, int(planner.ages.max(initial=0)))
+        if block:
+            need = step_tiles(plan, index, caps)  # per phase [M, D]
+            for p, n in need.items():
+                tile_most[p] = max(tile_most[p], int(n.max(initial=0)))
+            total = sum(need.values())
+            tile_need += total.ravel().tolist()
+            mean = total.mean(1)
+            tile_spread += list(total.max(1)[mean > 0] / mean[mean > 0])
         deferred.append(plan.deferred)
         for p in ("vision", "audio"):
             it = getattr(plan, p)
@@ -229,6 +270,14 @@ def run_policy(
             "microbatches": micro,
         },
     }
+    if block:
+        caps_by_phase = caps.tile_caps() if policy in HOLDS_TILES else tile_most
+        row["tile_capacity"] = int(sum(caps_by_phase.values()))
+        row["tile_capacity_by_phase"] = dict(caps_by_phase)
+        row["tile_mean"] = float(np.mean(tile_need))
+        row["tile_max_mean"] = float(np.mean(tile_spread)) if tile_spread else 0.0
+        row["tile_cap_over_mean"] = row["tile_capacity"] / max(row["tile_mean"], 1e-9)
+        row["block"] = block
     return row, [first_plan, items]
 
 
@@ -246,6 +295,11 @@ def format_row(r: dict) -> str:
         f"{r['quad_max_mean']:5.2f} ({r['quad_bound']:4.2f})  {r['micro_cv']:.4f} "
         f"{ratio:6.1f}x  {r['max_age']:3d} {r['deferred']:8.0f}  {r['routed']:5.3f} "
         f"{r['ms_per_step']:8.1f}"
+    ) + (
+        f"  {r['tile_capacity']:7d} {r['tile_mean']:8.0f} {r['tile_cap_over_mean']:8.3f} "
+        f"{r['tile_max_mean']:8.3f}"
+        if "tile_capacity" in r
+        else ""
     )
 
 
@@ -274,6 +328,7 @@ HEADER = (
     f"{'policy':<13}{'D':>5} {'fill llm   vision audio':<24}  steps/LB  quad (bound)  "
     f"cv     rand/ours age deferred routed  ms/step"
 )
+TILE_HEADER = f"  {'tiles':>7} {'mean':>8} {'cap/mean':>8} {'max/mean':>8}"
 
 
 def plot_step(plan_items: list, out: Path, title: str, labels=("grain", "orchestrated")) -> bool:
@@ -328,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--tokens", type=int, default=32768, help="LLM tokens per device and micro")
     ap.add_argument("--micro", type=int, default=2, help="microbatches per step")
+    ap.add_argument("--block", type=int, default=128,
+                    help="attention block for the tile columns (0: leave them out)")  # fmt: skip
     ap.add_argument(
         "--min-steps",
         type=int,
@@ -356,20 +413,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows, plots = [], {}
     for name, index in sources:
-        c = make_caps(index, 1, args.tokens, args.micro, "orchestrated")
+        c = make_caps(index, 1, args.tokens, args.micro, "orchestrated", block=args.block)
         print(
             f"\n== {name}: {len(index)} samples, --tokens {args.tokens}: buckets of "
             f"{c.llm_rows}x{c.llm_row_len} LLM tokens, {c.vision_patches} patches, "
             f"{c.audio_frames} frames; {args.micro} microbatches"
         )
-        print(HEADER)
+        print(HEADER + (TILE_HEADER if args.block else ""))
         for d in (int(x) for x in args.devices.split(",")):
             steps = steps_for(index, d, args.tokens, args.micro, args.min_steps, args.max_steps)
             for pol in args.policies.split(","):
                 n = steps
                 if pol == "grain" and args.grain_max_steps:
                     n = min(steps, args.grain_max_steps)
-                row, first = run_policy(pol, index, d, args.tokens, args.micro, n, cost)
+                row, first = run_policy(
+                    pol, index, d, args.tokens, args.micro, n, cost, block=args.block
+                )
                 row["mix"] = name
                 rows.append(row)
                 plots[(name, d, pol)] = first

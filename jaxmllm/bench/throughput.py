@@ -9,7 +9,23 @@ step by step (so machine noise hits them alike). Reported per policy: real (non-
 tokens/s, step time, padding per phase, model FLOPs per real token (the analytic count of the
 real items' work that the trainer's TFLOP/s reports; XLA's own cost analysis counts a scanned
 block once whatever the depth, so it no longer says what a step computes), bytes the
-encoder-row exchange moves per step, and ratios to `naive` and `grain`.
+encoder-row exchange moves per step, and ratios to `grain`.
+
+A policy is a planner name, or `planner:attention` to override `model.attention`
+(`orchestrated:dense` beside `orchestrated` compares block-sparse attention with dense).
+With block-sparse attention each policy gets its own tile capacity (`resolve_batch`: the
+data's mean need for orchestrated, a dry run of its own packs for the others), reported as
+`tiles` (per device bucket, all phases), `tile fill` (mean need / capacity) and `tile
+max/mean` (over devices, per microbatch).
+
+The max-device measure: the forced CPU devices share the machine's cores, so wall time shows
+the total work of all devices, not the slowest device a cluster waits for. So each step, after
+the SPMD step, every device's bucket is also run alone on a one-device program of the same
+shapes, one device at a time, and the step is reported as the slowest of them
+(`tokens_per_s_max_device`, `step_time_max_device_s`, and `device_time_max_mean`: slowest /
+mean). Under fixed shapes every device computes its whole bucket, so these differ between
+policies through the capacities (tokens, patches, tiles) rather than between devices. The
+encoder-row exchange is not in it (see `xchg MB`). `--no-per-device` skips it.
 """
 
 from __future__ import annotations
@@ -24,7 +40,8 @@ import jax
 import numpy as np
 
 import sharding
-from jaxmllm.config import Config, load_config
+from jaxmllm.config import Config, MeshConfig, load_config
+from jaxmllm.data.bucketize import batch_shapes
 from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
 from jaxmllm.distributed import split_cpu
 from jaxmllm.step import build_program
@@ -32,13 +49,31 @@ from jaxmllm.step import build_program
 POLICIES = ("naive", "grain", "balanced", "orchestrated")
 
 
-def policy_config(cfg: Config, policy: str, index) -> Config:
-    """`cfg` with `policy` as planner, auto values resolved; capacities shared by all policies."""
+def policy_config(cfg: Config, policy: str, index, devices: int) -> Config:
+    """`cfg` with `policy` as planner (`name` or `name:attention`, e.g. `orchestrated:dense`),
+    auto values resolved; token and patch capacities shared by all policies, tile capacities
+    each policy's own (what its packs need: see `resolve_batch`)."""
+    planner, _, attention = policy.partition(":")
     # An explicit exchange size applies to the routing policy; the others never route.
-    routed = policy == "orchestrated" and cfg.batch.route_pair_capacity > 0
+    routed = planner == "orchestrated" and cfg.batch.route_pair_capacity > 0
     rpc = cfg.batch.route_pair_capacity if routed else -1
-    batch = dataclasses.replace(cfg.batch, planner=policy, route_pair_capacity=rpc)
-    return resolve_batch(dataclasses.replace(cfg, batch=batch), index)
+    batch = dataclasses.replace(cfg.batch, planner=planner, route_pair_capacity=rpc)
+    model = dataclasses.replace(cfg.model, attention=attention or cfg.model.attention)
+    return resolve_batch(dataclasses.replace(cfg, batch=batch, model=model), index, devices)
+
+
+def device_batch(host: dict[str, np.ndarray], d: int, shapes: dict) -> dict[str, np.ndarray]:
+    """Device `d`'s bucket of a host batch [M, D, ...], shaped for a one-device program: the
+    exchange tables keep what `d` sends itself (under fixed shapes the values change no cost;
+    the exchange's own cost is `exchange_bytes`)."""
+    out = {}
+    for key, (shape, dtype) in shapes.items():
+        a = host[key][:, d : d + 1]
+        if key.endswith(("_send", "_send_count")):
+            a = a[:, :, d : d + 1]
+        a = a[tuple(slice(0, n) for n in shape)]
+        out[key] = np.ascontiguousarray(a, dtype)
+    return out
 
 
 def exchange_bytes(cfg: Config, devices: int) -> int:
@@ -66,10 +101,13 @@ class Run:
     data: object
     step: object
     state: dict
+    alone: object = None  # (one-device step, its state, its batch shapes, its mesh)
     times: list = dataclasses.field(default_factory=list)
     tokens: list = dataclasses.field(default_factory=list)
     flops: list = dataclasses.field(default_factory=list)
     padding: list = dataclasses.field(default_factory=list)
+    device_times: list = dataclasses.field(default_factory=list)  # per step, per device
+    tiles: list = dataclasses.field(default_factory=list)  # per step, [M, D] tiles needed
 
     def run_step(self, mesh, measure: bool) -> None:
         host = next(self.data)
@@ -82,20 +120,51 @@ class Run:
             self.tokens.append(host["info"]["tokens"])
             self.flops.append(host["info"]["flops"])
             self.padding.append({k: 1.0 - v for k, v in host["info"]["fill"].items()})
+            lists = [a for k, a in host["batch"].items() if k.endswith("_tiles")]
+            if lists:
+                self.tiles.append(sum((a[..., 0] >= 0).sum(-1) for a in lists))
+        if self.alone is not None:
+            self.time_devices(host["batch"], measure)
+
+    def time_devices(self, host: dict[str, np.ndarray], measure: bool) -> None:
+        """Each device's bucket of this step alone, one device at a time, on one device."""
+        step, state, shapes, mesh1 = self.alone
+        times = []
+        with jax.set_mesh(mesh1):
+            for d in range(next(iter(host.values())).shape[1]):
+                batch = sharding.make_global_batch(device_batch(host, d, shapes), mesh1)
+                start = time.perf_counter()
+                state, metrics = step(state, batch)
+                jax.block_until_ready(metrics)
+                times.append(time.perf_counter() - start)
+        self.alone = (step, state, shapes, mesh1)
+        if measure:
+            self.device_times.append(times)
 
 
-def setup(cfg: Config, policies: list[str], mesh) -> list[Run]:
+def setup(cfg: Config, policies: list[str], mesh, per_device: bool = True) -> list[Run]:
     source, index = make_source(cfg)
     devices = sharding.data_parallel_size(mesh)
+    mesh1 = sharding.make_mesh(MeshConfig(data=1), devices=jax.devices()[:1])
     runs, init = [], None
     for policy in policies:
-        pcfg = policy_config(cfg, policy, index)
+        pcfg = policy_config(cfg, policy, index, devices)
         prog = build_program(pcfg, mesh)
         if init is None:
             init = jax.device_get(prog.init())  # every policy starts from the same state
         state = jax.device_put(init, prog.shardings)
         data = make_pipeline(pcfg, devices, source=source, index=index)
-        runs.append(Run(policy, pcfg, data, prog.step, state))
+        run = Run(policy, pcfg, data, prog.step, state)
+        if per_device:
+            with jax.set_mesh(mesh1):
+                one = build_program(pcfg, mesh1)
+                run.alone = (
+                    one.step,
+                    jax.device_put(init, one.shardings),
+                    batch_shapes(pcfg, 1),
+                    mesh1,
+                )
+        runs.append(run)
     return runs
 
 
@@ -107,6 +176,8 @@ def summarize(run: Run, devices: int) -> dict:
         "steps": len(run.times),
         "tokens_per_s": total_tokens / total_time,
         "step_time_s": float(np.mean(run.times)),
+        **per_device(run, total_tokens),
+        **tile_stats(run),
         "real_tokens_per_step": total_tokens / len(run.times),
         **{f"padding/{k}": float(np.mean([p[k] for p in run.padding])) for k in phases},
         "model_flops_per_real_token": float(np.sum(run.flops)) / total_tokens,
@@ -114,37 +185,60 @@ def summarize(run: Run, devices: int) -> dict:
     }
 
 
+def per_device(run: Run, total_tokens: float) -> dict:
+    """The SPMD step as its slowest device: per step, the most any device's bucket took alone."""
+    if not run.device_times:
+        return {}
+    t = np.asarray(run.device_times)  # [steps, devices]
+    slowest = t.max(1)
+    return {
+        "tokens_per_s_max_device": total_tokens / float(slowest.sum()),
+        "step_time_max_device_s": float(slowest.mean()),
+        "device_time_max_mean": float(np.mean(slowest / t.mean(1))),
+    }
+
+
+def tile_stats(run: Run) -> dict:
+    """Block-sparse attention: the tile capacity of a device's bucket (all phases), the mean
+    need over it (tile fill), and max / mean over devices per microbatch."""
+    if not run.tiles:
+        return {}
+    b = run.cfg.batch
+    caps = {"llm": b.llm_tiles, "vision": b.vision_tiles, "audio": b.audio_tiles}
+    phases = [p for p in caps if f"{p}_tiles" in batch_shapes(run.cfg, 1)]
+    cap = sum(caps[p] for p in phases)
+    need = np.asarray(run.tiles, np.float64)  # [steps, M, D]
+    mean = need.mean(-1)
+    return {
+        "tile_capacity": int(cap),
+        "tile_capacity_by_phase": {p: caps[p] for p in phases},
+        "tile_mean": float(need.mean()),
+        "tile_fill": float(need.mean() / cap),
+        "tile_max_mean": float(np.mean(need.max(-1)[mean > 0] / mean[mean > 0])),
+    }
+
+
 def table(rows: list[dict]) -> str:
-    base = {r["policy"]: r["tokens_per_s"] for r in rows}
-    cols = [
-        "policy",
-        "tok/s",
-        "step s",
-        "pad llm",
-        "pad vis",
-        "pad aud",
-        "FLOP/tok",
-        "xchg MB",
-        "vs naive",
-        "vs grain",
-    ]
+    cols = ["policy", "tok/s", "step s", "max-dev tok/s", "max-dev step s", "pad llm", "pad vis",
+            "pad aud", "tiles", "tile fill", "tile max/mean", "FLOP/tok", "xchg MB",
+            "vs grain", "vs grain (max-dev)"]  # fmt: skip
+    grain = next((r for r in rows if r["policy"] == "grain"), None)
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     for r in rows:
-        ratio = lambda b, r=r: f"{r['tokens_per_s'] / base[b]:.2f}x" if b in base else "-"
-        lines.append(
-            " | ".join(
-                [
-                    r["policy"],
-                    f"{r['tokens_per_s']:.0f}",
-                    f"{r['step_time_s']:.3f}",
-                    *(f"{r.get(f'padding/{p}', 0.0):.2f}" for p in ("llm", "vision", "audio")),
-                    f"{r['model_flops_per_real_token']:.3g}",
-                    f"{r['exchange_bytes_per_step'] / 1e6:.2f}",
-                    ratio("naive"),
-                    ratio("grain"),
-                ]
-            )
-        )
+
+        def vs(key, r=r):
+            ok = grain is not None and key in r and key in grain
+            return f"{r[key] / grain[key]:.2f}x" if ok else "-"
+
+        f = lambda key, fmt, r=r: format(r[key], fmt) if key in r else "-"
+        lines.append(" | ".join([
+            r["policy"], f("tokens_per_s", ".0f"), f("step_time_s", ".3f"),
+            f("tokens_per_s_max_device", ".0f"), f("step_time_max_device_s", ".3f"),
+            *(f"{r.get(f'padding/{p}', 0.0):.2f}" for p in ("llm", "vision", "audio")),
+            f("tile_capacity", "d"), f("tile_fill", ".3f"), f("tile_max_mean", ".3f"),
+            f("model_flops_per_real_token", ".3g"), f"{r['exchange_bytes_per_step'] / 1e6:.2f}",
+            vs("tokens_per_s"), vs("tokens_per_s_max_device"),
+        ]))  # fmt: skip
     return "\n".join(lines)
 
 
@@ -159,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30, help="measured steps per policy")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps per policy")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--no-per-device", action="store_true", help="skip the max-device measure")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
@@ -167,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh = sharding.make_mesh(cfg.mesh)
     devices = sharding.data_parallel_size(mesh)
     with jax.set_mesh(mesh):
-        runs = setup(cfg, policies, mesh)
+        runs = setup(cfg, policies, mesh, per_device=not args.no_per_device)
         for run in runs:
             for _ in range(args.warmup):
                 run.run_step(mesh, measure=False)

@@ -33,6 +33,7 @@ from jaxmllm.config import Config
 from jaxmllm.data import tokenizer as tok
 from jaxmllm.data.samples import LengthsIndex, Sample
 from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
+from jaxmllm.plan.tiles import TileOverflow, from_segments
 
 
 def batch_shapes(cfg: Config, devices: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -72,7 +73,27 @@ def batch_shapes(cfg: Config, devices: int) -> dict[str, tuple[tuple[int, ...], 
         del out["llm_vision_src"]
     if not m.audio.enabled:
         del out["llm_audio_src"]
+    if m.attention == "block_sparse":
+        for phase, cap in tile_capacities(cfg).items():
+            out[f"{phase}_tiles"] = (lead + (cap, 2), np.int32)
     return out
+
+
+def tile_capacities(cfg: Config) -> dict[str, int]:
+    """Per enabled phase, the attention tiles a device computes per microbatch (resolved)."""
+    b, m = cfg.batch, cfg.model
+    caps = {"llm": b.llm_tiles}
+    if m.vision.enabled:
+        caps["vision"] = b.vision_tiles
+    if m.audio.enabled:
+        caps["audio"] = b.audio_tiles
+    for phase, cap in caps.items():
+        if cap < 0:
+            raise ValueError(
+                f"batch.{phase}_tiles=-1 (auto) must be resolved against the data first "
+                "(jaxmllm.data.pipeline.resolve_batch)"
+            )
+    return caps
 
 
 def empty_batch(cfg: Config, devices: int, local: int | None = None) -> dict[str, np.ndarray]:
@@ -132,7 +153,31 @@ def bucketize(
             _write_items(
                 batch, phase, plan, items, samples, slots, which, per_row, caps, local, units
             )
+    if cfg.model.attention == "block_sparse":
+        _write_tiles(batch, cfg, plan.step, pos)
     return batch
+
+
+def _write_tiles(batch, cfg: Config, step: int, positions: np.ndarray) -> None:
+    """Each bucket's attention tile list, read off the segment ids just written (a document is
+    a run of one segment id; the planner kept every bucket's tiles within its capacity)."""
+    block, sub = cfg.batch.attention_block, cfg.model.audio.subsample
+    for phase, cap in tile_capacities(cfg).items():
+        seg = batch[f"{phase}_segment_ids"]
+        if phase == "audio":
+            seg = seg[..., ::sub]  # the encoder attends over rows of `sub` frames
+        m_n, d_n = seg.shape[:2]
+        rows = seg.reshape(m_n * d_n, -1, seg.shape[-1])
+        try:
+            tiles = from_segments(rows, block, phase == "llm", cap)
+        except TileOverflow as e:
+            m, d = divmod(e.bucket, d_n)
+            raise ValueError(
+                f"step {step}: microbatch {m} of device {int(positions[d])} needs {e.need} "
+                f"{phase} attention tiles, more than batch.{phase}_tiles={cap}; raise it "
+                "(or -1: sized from the data)"
+            ) from None
+        batch[f"{phase}_tiles"] = tiles.reshape(m_n, d_n, cap, 2)
 
 
 def _index_units(index, plan: StepPlan, items: ItemPlan, phase: str) -> np.ndarray | None:

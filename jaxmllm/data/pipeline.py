@@ -19,21 +19,29 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
 import grain
 import numpy as np
 
+import sharding
 from jaxmllm.config import Config, ConfigError
 from jaxmllm.data.bucketize import bucketize, fill_stats
 from jaxmllm.data.loader import Loader
 from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.metrics import StepCounter
-from jaxmllm.plan.capacity import suggest_capacities
+from jaxmllm.plan.capacity import (
+    HELD_DRY_RUN_STEPS,
+    dry_run_tiles,
+    largest_doc_tiles,
+    suggest_capacities,
+    suggest_tiles,
+)
 from jaxmllm.plan.contract import Capacities, Planner
-from jaxmllm.plan.registry import make_planner
+from jaxmllm.plan.registry import HOLDS_TILES, make_planner
 
 log = logging.getLogger("jaxmllm")
 
@@ -53,12 +61,15 @@ def make_source(cfg: Config) -> tuple[grain.MapDataset, LengthsIndex]:
     return grain.MapDataset.source(manifest), manifest.index
 
 
-def resolve_batch(cfg: Config, index: LengthsIndex) -> Config:
-    """Resolves `batch.capacity: auto` and `batch.route_pair_capacity: -1` against the data.
+def resolve_batch(cfg: Config, index: LengthsIndex, devices: int | None = None) -> Config:
+    """Resolves `batch.capacity: auto`, `batch.route_pair_capacity: -1` and `batch.*_tiles: -1`
+    against the data.
 
     auto keeps the LLM bucket (the token budget per device is the user's choice) and sizes the
     encoder buckets to the data's modality ratios, on the capacity ladder, each at least the
-    largest item. The resolved values are what the model, the planner and checkpoints see.
+    largest item (and whole blocks of block-sparse attention). Tile capacities: see
+    `resolve_tiles`. The resolved values are what the model, the planner and checkpoints see.
+    `devices`: the data-parallel buckets (default: from the config's mesh).
     """
     b, m = cfg.batch, cfg.model
     if len(index) == 0:
@@ -74,6 +85,7 @@ def resolve_batch(cfg: Config, index: LengthsIndex) -> Config:
             m.vision.merge**2,
             m.audio.subsample,
             max_row_len=b.llm_row_len,
+            block=b.attention_block if m.attention == "block_sparse" else 1,
         )
         for key in ("vision_patches", "audio_frames"):
             value = getattr(got, key)
@@ -89,14 +101,59 @@ def resolve_batch(cfg: Config, index: LengthsIndex) -> Config:
             vision if m.vision.enabled else 0, audio if m.audio.enabled else 0, 1
         )
     if changes:
-        log.info("batch resolved from the data: %s", changes)
-    return dataclasses.replace(cfg, batch=dataclasses.replace(b, **changes)) if changes else cfg
+        cfg = dataclasses.replace(cfg, batch=dataclasses.replace(b, **changes))
+    tiles = resolve_tiles(cfg, index, devices)
+    if tiles:
+        cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, **tiles))
+    if changes or tiles:
+        log.info("batch resolved from the data: %s", {**changes, **tiles})
+    return cfg
+
+
+DRY_RUN_STEPS = 2000  # at most this many steps planned to size a planner's tile capacities
+DRY_RUN_HEADROOM = 0.1  # added when the run is longer than the dry run
+
+
+def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict[str, int]:
+    """The `batch.*_tiles: -1` (auto) of block-sparse attention, resolved (the rest resolved).
+
+    A planner that holds a tile capacity near the mean (`HOLDS_TILES`: orchestrated) gets the
+    data's mean need per device plus a small headroom (`suggest_tiles`), or less where a dry
+    run of `HELD_DRY_RUN_STEPS` of its plans without a bound never needed as much (uniform
+    data, where its tiles are even without holding them); any other gets the
+    most its own buckets need in a dry run of its plans (`DRY_RUN_STEPS` at most, then
+    `DRY_RUN_HEADROOM` more when the run is longer), so that its buckets always fit and the
+    comparison shows what its packing costs. Never below what the largest document needs.
+    """
+    b = cfg.batch
+    keys = [f"{p}_tiles" for p in ("llm", "vision", "audio") if getattr(b, f"{p}_tiles") == -1]
+    if cfg.model.attention != "block_sparse" or not keys:
+        return {}
+    caps = capacities(cfg, devices or 1)  # (the -1s: no bound)
+    if devices is None:
+        devices = sharding.data_parallel_size(sharding.make_mesh(cfg.mesh))
+        caps = dataclasses.replace(caps, devices=devices)
+    if b.planner in HOLDS_TILES:
+        planner = make_planner(b.planner, index, caps, cfg.data.seed)
+        most = dry_run_tiles(planner, index, caps, min(cfg.train.steps, HELD_DRY_RUN_STEPS))
+        need = {p: min(n, most[p]) for p, n in suggest_tiles(index, caps).items()}
+    else:
+        steps = min(cfg.train.steps, DRY_RUN_STEPS)
+        planner = make_planner(b.planner, index, caps, cfg.data.seed)
+        need = dry_run_tiles(planner, index, caps, steps)
+        if steps < cfg.train.steps:
+            need = {p: math.ceil(n * (1 + DRY_RUN_HEADROOM)) for p, n in need.items()}
+    # Documents the dry run did not meet fit too, wherever in a block they start.
+    least = largest_doc_tiles(index, caps)
+    need = {p: max(n, least[p]) for p, n in need.items()}
+    return {key: max(need[key.removesuffix("_tiles")], 1) for key in keys}
 
 
 def capacities(cfg: Config, devices: int) -> Capacities:
     """The planner's bucket capacities from a resolved config (see `resolve_batch`), over
-    `devices` data-parallel buckets."""
+    `devices` data-parallel buckets. A tile capacity still -1 (auto) is no bound."""
     b, m = cfg.batch, cfg.model
+    sparse = m.attention == "block_sparse"
     if b.route_pair_capacity < 0:
         raise ValueError(
             "batch.route_pair_capacity=-1 (auto) must be resolved against the "
@@ -112,6 +169,10 @@ def capacities(cfg: Config, devices: int) -> Capacities:
         merge_area=m.vision.merge**2,
         subsample=m.audio.subsample,
         route_pair_capacity=b.route_pair_capacity,
+        block=b.attention_block if sparse else 0,
+        llm_tiles=max(b.llm_tiles, 0) if sparse else 0,
+        vision_tiles=max(b.vision_tiles, 0) if sparse and m.vision.enabled else 0,
+        audio_tiles=max(b.audio_tiles, 0) if sparse and m.audio.enabled else 0,
     )
 
 

@@ -12,7 +12,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmllm.config import AudioConfig
-from jaxmllm.models.layers import Dense, Transformer, attention_mask
+from jaxmllm.models.attention import packing
+from jaxmllm.models.layers import Dense
+from jaxmllm.models.transformer import Transformer
 
 
 class AudioEncoder(nnx.Module):
@@ -26,8 +28,11 @@ class AudioEncoder(nnx.Module):
         param_dtype: jnp.dtype,
         remat: bool,
         remat_policy: str = "nothing",
+        attention: str = "dense",
+        block: int = 0,
         rngs: nnx.Rngs,
     ):
+        self.attention, self.block = attention, block  # model.attention, batch.attention_block
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.conv1 = Dense(2 * cfg.n_mels, cfg.width, ("mel", "embed"), use_bias=True, **kw)
         # The input dim stays unsharded: naming it "embed" too would map two dims to one axis.
@@ -46,7 +51,11 @@ class AudioEncoder(nnx.Module):
         )
 
     def __call__(
-        self, frames_bfm: jax.Array, segment_ids_bf: jax.Array, positions_bf: jax.Array
+        self,
+        frames_bfm: jax.Array,
+        segment_ids_bf: jax.Array,
+        positions_bf: jax.Array,
+        tiles_bk2: jax.Array | None = None,
     ) -> jax.Array:
         """Encodes packed frames.
 
@@ -54,6 +63,7 @@ class AudioEncoder(nnx.Module):
           frames_bfm: log-mel frames [B, F, n_mels]; F a multiple of 4.
           segment_ids_bf: which clip each frame belongs to, 0 for padding [B, F].
           positions_bf: frame index within its clip [B, F].
+          tiles_bk2: block-sparse attention's tiles over the encoder rows [B, K, 2].
 
         Returns:
           Features [B, F // 4, width] in the compute dtype, one row per 4 frames.
@@ -61,8 +71,10 @@ class AudioEncoder(nnx.Module):
         x = jax.nn.gelu(self.conv1(_pair_rows(frames_bfm)))
         x_bnd = jax.nn.gelu(self.conv2(_pair_rows(x)))
         segment_ids_bn, positions_bn = subsample_ids(segment_ids_bf, positions_bf)
-        mask = attention_mask(segment_ids_bn, causal=False)
-        return self.transformer(x_bnd, mask, positions_bn)
+        pack = packing(
+            segment_ids_bn, causal=False, kind=self.attention, tiles_bk2=tiles_bk2, block=self.block
+        )
+        return self.transformer(x_bnd, pack, positions_bn)
 
 
 def _pair_rows(x_btc: jax.Array) -> jax.Array:

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmllm.config import LLMConfig
-from jaxmllm.models.layers import Dense, Embed, Transformer, attention_mask
+from jaxmllm.models.attention import packing
+from jaxmllm.models.layers import Dense, Embed
+from jaxmllm.models.transformer import Transformer
 
 
 class Decoder(nnx.Module):
@@ -25,8 +27,11 @@ class Decoder(nnx.Module):
         param_dtype: jnp.dtype,
         remat: bool,
         remat_policy: str = "nothing",
+        attention: str = "dense",
+        block: int = 0,
         rngs: nnx.Rngs,
     ):
+        self.attention, self.block = attention, block  # model.attention, batch.attention_block
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.embed = Embed(cfg.vocab_size, cfg.width, **kw)
         self.transformer = Transformer(
@@ -48,7 +53,11 @@ class Decoder(nnx.Module):
         )
 
     def __call__(
-        self, x_btd: jax.Array, segment_ids_bt: jax.Array, positions_bt: jax.Array
+        self,
+        x_btd: jax.Array,
+        segment_ids_bt: jax.Array,
+        positions_bt: jax.Array,
+        tiles_bk2: jax.Array | None = None,
     ) -> jax.Array:
         """Decodes embedded rows.
 
@@ -56,12 +65,16 @@ class Decoder(nnx.Module):
           x_btd: input embeddings [B, T, width].
           segment_ids_bt: which sample each token belongs to, 0 for padding [B, T].
           positions_bt: position within the sample, for RoPE [B, T].
+          tiles_bk2: block-sparse attention's tiles [B, K, 2] (a device's rows are then one
+            row B of all their tokens: tiles never pair blocks of two rows).
 
         Returns:
           Logits [B, T, vocab] in float32.
         """
-        mask = attention_mask(segment_ids_bt, causal=True)
-        x_btd = self.transformer(x_btd, mask, positions_bt)
+        pack = packing(
+            segment_ids_bt, causal=True, kind=self.attention, tiles_bk2=tiles_bk2, block=self.block
+        )
+        x_btd = self.transformer(x_btd, pack, positions_bt)
         if self.lm_head is None:
             return self.embed.attend(x_btd)
         return self.lm_head(x_btd)

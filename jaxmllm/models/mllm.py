@@ -38,7 +38,12 @@ class MultimodalLM(nnx.Module):
         kw = dict(
             dtype=jnp.dtype(cfg.compute_dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs
         )
-        remat = dict(remat=cfg.remat, remat_policy=cfg.remat_policy)
+        remat = dict(
+            remat=cfg.remat,
+            remat_policy=cfg.remat_policy,
+            attention=cfg.attention,
+            block=batch_cfg.attention_block,
+        )
         vis, aud = cfg.vision, cfg.audio
         self.vision = VisionEncoder(vis, **remat, **kw) if vis.enabled else None
         self.vision_projector = (
@@ -72,11 +77,19 @@ class MultimodalLM(nnx.Module):
         phases = []  # (projector output rows [D, N, W], send table, slot sources)
         if self.vision is not None:
             feats = self.vision(
-                mb["vision_patches"], mb["vision_segment_ids"], mb["vision_positions"]
+                mb["vision_patches"],
+                mb["vision_segment_ids"],
+                mb["vision_positions"],
+                mb.get("vision_tiles"),
             )
             phases.append((self.vision_projector(feats), "vision"))
         if self.audio is not None:
-            feats = self.audio(mb["audio_frames"], mb["audio_segment_ids"], mb["audio_positions"])
+            feats = self.audio(
+                mb["audio_frames"],
+                mb["audio_segment_ids"],
+                mb["audio_positions"],
+                mb.get("audio_tiles"),
+            )
             phases.append((self.audio_projector(feats), "audio"))
         buffers = self._route(
             [rows for rows, _ in phases],
@@ -86,10 +99,14 @@ class MultimodalLM(nnx.Module):
         for buffer, (_, phase) in zip(buffers, phases, strict=True):
             x_drlw = fill_slots(x_drlw, buffer, mb[f"llm_{phase}_src"])
         d, r, length, width = x_drlw.shape
+        # Block-sparse attention takes a device's rows as one row (its tiles say which blocks
+        # meet); the others attend within each row.
+        rows = d if self.llm.attention == "block_sparse" else d * r
         logits = self.llm(
-            x_drlw.reshape(d * r, length, width),
-            mb["llm_segment_ids"].reshape(d * r, length),
-            mb["llm_positions"].reshape(d * r, length),
+            x_drlw.reshape(rows, -1, width),
+            mb["llm_segment_ids"].reshape(rows, -1),
+            mb["llm_positions"].reshape(rows, -1),
+            mb.get("llm_tiles"),
         )
         return logits.reshape(d, r, length, -1)
 

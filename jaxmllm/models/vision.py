@@ -12,7 +12,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmllm.config import VisionConfig
-from jaxmllm.models.layers import Dense, Transformer, attention_mask
+from jaxmllm.models.attention import packing
+from jaxmllm.models.layers import Dense
+from jaxmllm.models.transformer import Transformer
 
 
 class VisionEncoder(nnx.Module):
@@ -26,8 +28,11 @@ class VisionEncoder(nnx.Module):
         param_dtype: jnp.dtype,
         remat: bool,
         remat_policy: str = "nothing",
+        attention: str = "dense",
+        block: int = 0,
         rngs: nnx.Rngs,
     ):
+        self.attention, self.block = attention, block  # model.attention, batch.attention_block
         patch_dim = cfg.patch_size * cfg.patch_size * cfg.channels
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.patch_embed = Dense(patch_dim, cfg.width, ("patch", "embed"), use_bias=True, **kw)
@@ -45,7 +50,11 @@ class VisionEncoder(nnx.Module):
         )
 
     def __call__(
-        self, patches_bpc: jax.Array, segment_ids_bp: jax.Array, positions_bp2: jax.Array
+        self,
+        patches_bpc: jax.Array,
+        segment_ids_bp: jax.Array,
+        positions_bp2: jax.Array,
+        tiles_bk2: jax.Array | None = None,
     ) -> jax.Array:
         """Encodes packed patches.
 
@@ -53,10 +62,13 @@ class VisionEncoder(nnx.Module):
           patches_bpc: flattened patch pixels [B, P, patch_size**2 * channels].
           segment_ids_bp: which image each patch belongs to, 0 for padding [B, P].
           positions_bp2: (row, col) of each patch within its image [B, P, 2].
+          tiles_bk2: block-sparse attention's tiles [B, K, 2].
 
         Returns:
           Patch features [B, P, width] in the compute dtype.
         """
         x_bpd = self.patch_embed(patches_bpc)
-        mask = attention_mask(segment_ids_bp, causal=False)
-        return self.transformer(x_bpd, mask, positions_bp2)
+        pack = packing(
+            segment_ids_bp, causal=False, kind=self.attention, tiles_bk2=tiles_bk2, block=self.block
+        )
+        return self.transformer(x_bpd, pack, positions_bp2)

@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from jaxmllm.data.samples import LengthsIndex
-from jaxmllm.plan.contract import Capacities, OversizeError, check_fits
+from jaxmllm.plan.contract import Capacities, OversizeError, check_fits, check_tiles_fit
 from jaxmllm.plan.pack import pack_phase
 from jaxmllm.plan.route import keep_capacity, localize
 from jaxmllm.plan.work import ENC, Micro, Phases
@@ -156,6 +156,7 @@ class RoutedAssignment:
                     f"{len(bad)} item(s) need more than {key}={cap} (the "
                     f"largest needs {int(need.max())}); raise {key}"
                 )
+        check_tiles_fit(index, caps)
 
     def samples(self, ph: Phases, mb: Micro, s: np.ndarray, urgent: np.ndarray) -> np.ndarray:
         """The LLM phase on its own: samples to rows (bins of llm_row_len)."""

@@ -34,7 +34,6 @@ import numpy as np
 
 from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.plan.assign import Assignment
-from jaxmllm.plan.bins import quad_cost
 from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
 from jaxmllm.plan.ragged import gather_items, offsets_in_bins
 from jaxmllm.plan.select import Selector
@@ -45,6 +44,7 @@ from jaxmllm.plan.work import ENC, Micro, Phases
 MANY_BUCKETS = 128  # beyond this many buckets the planner works coarser (see __init__)
 MAX_AGE = 4  # default: most steps a sample waits
 LOOKAHEAD = 0.5  # default: share of the step's capacity the window holds beyond it
+TILE_RETRIES = 2  # times a sample a device's tile capacity turned away tries other devices
 
 
 class Balancer:
@@ -107,11 +107,11 @@ class Balancer:
         samples, since = pool[:, 0], pool[:, 1]
         urgent = step - since >= self.max_age - 1
         taken = np.zeros(len(pool), bool)
-        work = np.take(self.phases.work_t, samples, axis=1)  # [phase, pool position]
+        work = np.take(self.phases.sel_work_t, samples, axis=1)  # [phase, pool position]
         left = work.sum(1)  # work of the pool not yet taken
         micros = []
         for m in range(caps.microbatches):
-            mb = Micro(caps)
+            mb = Micro(caps, self.phases.cost)
             # Across microbatches first: each gets at most an equal share of what is left.
             share = left / (caps.microbatches - m)
             sel = self.selector.select(work, taken, share, urgent=urgent)
@@ -131,16 +131,26 @@ class Balancer:
 
     def _free(self, mb: Micro) -> np.ndarray:
         """Units still free in each phase of the microbatch."""
-        return self.caps.devices * self.phases.cap_vec - mb.used()
+        return self.caps.devices * self.phases.sel_cap - mb.used_selected(self.phases)
 
     # ------------------------------------------------------------------ placement
 
-    def _add(self, mb: Micro, entries: np.ndarray, samples: np.ndarray, urgent: np.ndarray) -> None:
-        """Places what it can of `entries` into the microbatch (all parts of a sample or none)."""
+    def _add(
+        self,
+        mb: Micro,
+        entries: np.ndarray,
+        samples: np.ndarray,
+        urgent: np.ndarray,
+        retries: int = TILE_RETRIES,
+    ) -> None:
+        """Places what it can of `entries` into the microbatch (all parts of a sample or none).
+        Samples turned away only by a device's tile capacity try again (`retries` times): the
+        packers see the loads without them, so they go to devices with room."""
         if not len(entries):
             return
         ph = self.phases
         s = samples[entries]
+        ends = {"llm": mb.rows.units.copy(), **{p: mb.enc[p].units.copy() for p in ENC}}
         rows = self.assignment.samples(ph, mb, s, urgent[entries])
         items = {}
         ok = rows >= 0
@@ -148,20 +158,30 @@ class Balancer:
             owner, j, flat = gather_items(ph.ptr[p], s)
             items[p] = (owner, j, ph.sizes[p][flat])
         ok, devs = self.assignment.items(ph, mb, rows, items, urgent[entries], ok)
+        retry = np.zeros(0, np.int64)
+        if mb.tiles is not None:  # block-sparse attention: each device within its tiles
+            placed = {"llm": (np.arange(len(s)), rows, ends["llm"], ph.llm[s])}
+            for p in ENC:
+                placed[p] = (items[p][0], devs[p], ends[p], items[p][2])
+            fitted = ok.copy()
+            ok = mb.tiles.admit(placed, ok)
+            retry = entries[fitted & ~ok]
         # Roll back the samples that did not get all their parts.
         bad = np.flatnonzero(~ok & (rows >= 0))
         np.subtract.at(mb.rows.units, rows[bad], ph.llm[s[bad]])
-        np.subtract.at(mb.rows.quad, rows[bad], quad_cost(ph.llm[s[bad]]))
+        np.subtract.at(mb.rows.quad, rows[bad], mb.rows.cost(ph.llm[s[bad]]))
         for p in ENC:
             owner, j, size = items[p]
             dev = devs[p]
             drop = ~ok[owner] & (dev >= 0)
             np.subtract.at(mb.enc[p].units, dev[drop], size[drop])
-            np.subtract.at(mb.enc[p].quad, dev[drop], quad_cost(size[drop]))
+            np.subtract.at(mb.enc[p].quad, dev[drop], mb.enc[p].cost(size[drop]))
             keep = ok[owner]
             mb.items[p].append((entries[owner[keep]], j[keep], size[keep], dev[keep]))
         mb.entries.append(entries[ok])
         mb.row_bin.append(rows[ok])
+        if len(retry) and retries:
+            self._add(mb, retry, samples, urgent, retries - 1)
 
     def _emit(
         self, step: int, micros: list[Micro], samples: np.ndarray, since: np.ndarray

@@ -1,23 +1,35 @@
 """The bins of one phase: what each holds (units and quadratic cost), and a packing of items
 into them in progress.
 
-`quad_cost` is the one place that says what the packers equalise across bins besides the fill:
-each item's attention (quadratic) cost, size**2 in the phase's units.
+A bin's `cost` function is the one place that says what the packers equalise across bins
+besides the fill: each item's attention (quadratic) cost. With dense attention that is
+size**2 in the phase's units (`quad_cost`); with block-sparse attention it is the tiles the
+item adds on average (`tile_cost`), which the device computes instead.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxmllm.plan.tiles import expected_tiles
+
+Cost = Callable[[np.ndarray], np.ndarray]  # item sizes -> their quadratic cost (float64)
+
 
 def quad_cost(sizes: np.ndarray) -> np.ndarray:
-    """The quadratic (attention) cost of items of `sizes` units, as float64: size**2.
+    """The quadratic (attention) cost of items of `sizes` units under dense attention, as
+    float64: size**2 (`jaxmllm.data.cost.CostModel` has per-phase coefficients the planners
+    do not use yet)."""
+    return np.asarray(sizes).astype(np.float64) ** 2
 
-    The same in every phase for now (`jaxmllm.data.cost.CostModel` has the per-phase
-    coefficients the planners do not use yet)."""
-    return sizes.astype(np.float64) ** 2
+
+def tile_cost(block: int, causal: bool, per: int = 1) -> Cost:
+    """The cost of items under block-sparse attention: the tiles each adds on average
+    (`jaxmllm.plan.tiles.expected_tiles`) over its `sizes // per` attention units."""
+    return lambda sizes: expected_tiles(np.asarray(sizes, np.int64) // per, block, causal)
 
 
 @dataclass
@@ -26,10 +38,11 @@ class Loads:
 
     units: np.ndarray  # int64 [bin]
     quad: np.ndarray  # float64 [bin]
+    cost: Cost = field(default=quad_cost)  # an item's quadratic cost from its size
 
     @classmethod
-    def zeros(cls, bins: int) -> Loads:
-        return cls(np.zeros(bins, np.int64), np.zeros(bins))
+    def zeros(cls, bins: int, cost: Cost = quad_cost) -> Loads:
+        return cls(np.zeros(bins, np.int64), np.zeros(bins), cost)
 
     def add(self, bins: np.ndarray, sizes: np.ndarray, quad: np.ndarray) -> None:
         """Adds items of `sizes` (and `quad` cost) to `bins`, any bin any number of times."""
@@ -43,7 +56,7 @@ class Packing:
     """One phase's items being packed into bins of capacity `cap`."""
 
     sizes: np.ndarray  # [item] units
-    sq: np.ndarray  # [item] quadratic cost (quad_cost)
+    sq: np.ndarray  # [item] quadratic cost (loads.cost)
     home: np.ndarray | None  # [item] the bin each would rather sit in (its text's), or None
     loads: Loads  # the bins' (the caller's: updated in place)
     cap: int  # units per bin

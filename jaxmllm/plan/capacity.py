@@ -18,6 +18,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.plan.contract import Capacities, Planner, step_tiles
+from jaxmllm.plan.select import BINDING
+from jaxmllm.plan.tiles import own_tiles, packed_density
 
 
 def ladder_values(lo: int = 32, hi: int = 1 << 22, per_octave: int = 8) -> np.ndarray:
@@ -76,6 +79,7 @@ def suggest_capacities(
     max_row_len: int | None = None,
     per_octave: int = 8,
     match_llm: bool = False,
+    block: int = 1,
 ) -> CapacitySuggestion:
     """Suggests capacities for `llm_tokens_per_device` LLM tokens per device and microbatch.
 
@@ -89,26 +93,29 @@ def suggest_capacities(
       match_llm: let the LLM bucket move one ladder step (rows or row length) from the target
         when that brings the phases' demands closer together; otherwise it stays the nearest
         ladder shape to the target (`batch.capacity: auto` keeps the user's LLM bucket).
+      block: block-sparse attention's block: every row (LLM, patches, audio encoder rows) a
+        whole number of blocks.
     """
     llm = index.llm_tokens(merge_area, subsample)
     longest = int(llm.max()) if len(llm) else 1
     target = max(llm_tokens_per_device, longest)
+    mult = math.lcm(32, block)
     if max_row_len is None or target <= max_row_len:
-        near = max(ladder_nearest(target, per_octave), ladder_up(longest, per_octave))
+        near = max(ladder_nearest(target, per_octave, mult), ladder_up(longest, per_octave, mult))
         shapes = [(1, near)]
         if match_llm:  # with rounded capacities, the phase whose demand runs ahead binds first
-            ladder = _ladder(per_octave, 32)
+            ladder = _ladder(per_octave, mult)
             i = int(np.searchsorted(ladder, near))
             shapes += [(1, int(v)) for v in ladder[max(i - 1, 0) : i + 2] if v >= longest]
     else:
-        row_len = ladder_up(max(longest, max_row_len // 2), per_octave)
+        row_len = ladder_up(max(longest, max_row_len // 2), per_octave, mult)
         rows = max(1, round(target / row_len))
         shapes = [(rows, row_len)]
         if match_llm:
             shapes += [(r, row_len) for r in (rows - 1, rows + 1) if r >= 1]
     best = None
     for rows, row_len in shapes:
-        sug = _encoder_caps(index, llm, rows, row_len, merge_area, subsample, per_octave)
+        sug = _encoder_caps(index, llm, rows, row_len, merge_area, subsample, per_octave, block)
         mismatch = math.log(max(sug.demand.values()) / min(sug.demand.values()))
         score = (round(mismatch, 3), abs(math.log(rows * row_len / target)))
         if best is None or score < best[0]:
@@ -124,13 +131,14 @@ def _encoder_caps(
     merge_area: int,
     subsample: int,
     per_octave: int,
+    block: int = 1,
 ) -> CapacitySuggestion:
     llm_cap = rows * row_len
     total_llm = max(int(llm.sum()), 1)
     caps, demand = {}, {"llm": 1.0}
     for name, values, ptr, mult in (
-        ("vision", index.images, index.images_ptr, 4 * merge_area),
-        ("audio", index.audio, index.audio_ptr, 4 * subsample),
+        ("vision", index.images, index.images_ptr, math.lcm(4 * merge_area, block)),
+        ("audio", index.audio, index.audio_ptr, math.lcm(4 * subsample, block * subsample)),
     ):
         per_sample = index.per_sample_sum(values, ptr)
         if not per_sample.any():
@@ -150,3 +158,95 @@ def _encoder_caps(
         audio_frames=caps["audio"],
         demand=demand,
     )
+
+
+# ----------------------------------------------------------------------------- tiles
+
+HELD_DRY_RUN_STEPS = 50  # a holding planner's tile capacity: at most what this many of its
+# plans needed without a bound (uniform data: its tiles are even without holding them)
+TILE_HEADROOM = 0.03  # a tile-aware planner's capacity: the data's mean need per device + this
+
+
+def tile_density(
+    index: LengthsIndex, caps: Capacities, most: int = 20000, seed: int = 0
+) -> dict[str, float]:
+    """Per phase, the attention tiles (of caps.block) the data needs per unit: a bucket of C
+    units of documents drawn from the data needs about C times this. Measured, not assumed:
+    (up to `most` of) the phase's documents in random order are laid one after another into
+    rows of the bucket's length, as a packer lays them, and their tiles counted, so sizes
+    that are multiples of the block (images of whole tiles) and documents a row boundary moves
+    count as they will."""
+    docs = {
+        "llm": (index.llm_tokens(caps.merge_area, caps.subsample), True, caps.llm_row_len),
+        "vision": (index.images, False, caps.vision_patches),
+        "audio": (index.audio // caps.subsample, False, caps.audio_frames // caps.subsample),
+    }
+    return {
+        phase: packed_density(n, row_len, caps.block, causal, most, seed)
+        for phase, (n, causal, row_len) in docs.items()
+    }
+
+
+def suggest_tiles(
+    index: LengthsIndex, caps: Capacities, headroom: float = TILE_HEADROOM
+) -> dict[str, int]:
+    """Tile capacities per device for a planner that holds them (orchestrated): the mean need
+    of a bucket filled to the phase's long-run share (1 for the phases that bind, less for the
+    others: their buckets are filled only as far as the data's mix has work for them) plus
+    `headroom`, at least the largest document's own tiles, at most every tile of the bucket's
+    rows (0 for a phase without data)."""
+    units = {
+        "llm": caps.llm_rows * caps.llm_row_len,
+        "vision": caps.vision_patches,
+        "audio": caps.audio_frames // caps.subsample,
+    }
+    rows = {"llm": caps.llm_rows, "vision": 1, "audio": 1}
+    largest = {
+        "llm": index.llm_tokens(caps.merge_area, caps.subsample),
+        "vision": index.images,
+        "audio": index.audio // caps.subsample,
+    }
+    work = {p: float(largest[p].sum()) for p in units}
+    demand = {p: work[p] / units[p] if units[p] else 0.0 for p in units}
+    top = max(demand.values()) or 1.0
+    share = {p: 1.0 if demand[p] >= BINDING * top else demand[p] / top for p in units}
+    out = {}
+    for phase, rho in tile_density(index, caps).items():
+        n, causal = largest[phase], phase == "llm"
+        if not units[phase] or not len(n) or not n.any():
+            out[phase] = 0
+            continue
+        blocks = units[phase] // rows[phase] // caps.block
+        every = rows[phase] * int(own_tiles(np.array([blocks]), causal)[0])
+        alone = int(own_tiles(-(-n // caps.block), causal).max())
+        want = math.ceil(rho * units[phase] * share[phase] * (1 + headroom))
+        out[phase] = int(min(max(want, alone), every))
+    return out
+
+
+def largest_doc_tiles(index: LengthsIndex, caps: Capacities) -> dict[str, int]:
+    """Per phase, the tiles the data's largest document needs wherever in a block it starts
+    (it may span one block more than its size in blocks): the least a tile capacity can be."""
+    docs = {
+        "llm": (index.llm_tokens(caps.merge_area, caps.subsample), True),
+        "vision": (index.images, False),
+        "audio": (index.audio // caps.subsample, False),
+    }
+    out = {}
+    for phase, (n, causal) in docs.items():
+        n = n[n > 0]
+        out[phase] = (
+            int(own_tiles(np.array([(n.max() - 1) // caps.block + 2]), causal)[0]) if len(n) else 0
+        )
+    return out
+
+
+def dry_run_tiles(planner: Planner, index: LengthsIndex, caps: Capacities, steps: int) -> dict:
+    """The most tiles any bucket of `planner` needs per phase over its first `steps` plans:
+    the smallest tile capacities a planner that ignores them never exceeds (`planner` is used
+    up: its state advances)."""
+    most = {"llm": 0, "vision": 0, "audio": 0}
+    for _ in range(steps):
+        for phase, need in step_tiles(planner.plan(), index, caps).items():
+            most[phase] = max(most[phase], int(need.max(initial=0)))
+    return most

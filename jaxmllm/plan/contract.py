@@ -14,6 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.plan.tiles import bin_tiles, own_tiles
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,16 @@ class Capacities:
     merge_area: int  # patches per LLM token
     subsample: int  # frames per LLM token
     route_pair_capacity: int  # 0 = encoder outputs stay on the text's device
+    # Block-sparse attention (jaxmllm.plan.tiles): units per side of a tile (0 = dense
+    # attention: no tiles), and the tiles a device may compute in each phase (0 = no bound)
+    block: int = 0
+    llm_tiles: int = 0
+    vision_tiles: int = 0
+    audio_tiles: int = 0
+
+    def tile_caps(self) -> dict[str, int]:
+        """Per phase, the tiles a device may compute (0 = no bound)."""
+        return {"llm": self.llm_tiles, "vision": self.vision_tiles, "audio": self.audio_tiles}
 
 
 @dataclass
@@ -120,11 +131,38 @@ def check_fits(index: LengthsIndex, caps: Capacities) -> None:
         raise OversizeError("the data has images but model.vision.enabled is false")
     if not caps.audio_frames and len(index.audio):
         raise OversizeError("the data has audio but model.audio.enabled is false")
+    check_tiles_fit(index, caps)
+
+
+def check_tiles_fit(index: LengthsIndex, caps: Capacities) -> None:
+    """Fails at start-up, naming the config key, if a document alone (at the start of an empty
+    bucket) needs more attention tiles than its phase's tile capacity."""
+    if not caps.block:
+        return
+    b = caps.block
+    docs = {
+        "llm": (index.llm_tokens(caps.merge_area, caps.subsample), True),
+        "vision": (index.images, False),
+        "audio": (index.audio // caps.subsample, False),
+    }
+    for phase, cap in caps.tile_caps().items():
+        sizes, causal = docs[phase]
+        if not cap or not len(sizes):
+            continue
+        need = own_tiles(-(-sizes // b), causal)
+        if need.max() > cap:
+            raise OversizeError(
+                f"a {phase} document of {int(sizes[np.argmax(need)])} units needs "
+                f"{int(need.max())} attention tiles of {b}, more than batch.{phase}_tiles={cap};"
+                f" raise batch.{phase}_tiles to at least {int(need.max())} (or -1: sized from "
+                "the data)"
+            )
 
 
 def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
     """Raises ValueError unless the plan honours the contract (capacities, no overlap, every
-    item of every planned sample placed once, items local or within the route capacity)."""
+    item of every planned sample placed once, items local or within the route capacity,
+    attention tiles within their capacity)."""
     d_n, r_n, row_len = caps.devices, caps.llm_rows, caps.llm_row_len
     llm = index.llm_tokens(caps.merge_area, caps.subsample)[plan.samples]
     if (
@@ -171,6 +209,48 @@ def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
                 f"step {plan.step}: {p} rows between two devices exceed "
                 f"route_pair_capacity={caps.route_pair_capacity}"
             )
+    if caps.block:
+        for p, need in step_tiles(plan, index, caps).items():
+            cap = caps.tile_caps()[p]
+            if cap and need.max(initial=0) > cap:
+                raise ValueError(
+                    f"step {plan.step}: a device needs {int(need.max())} {p} attention tiles, "
+                    f"more than its tile capacity {cap}"
+                )
+
+
+PHASES = ("llm", "vision", "audio")
+
+
+def phase_docs(
+    plan: StepPlan, index: LengthsIndex, caps: Capacities, phase: str
+) -> tuple[np.ndarray, ...]:
+    """The documents attention sees in one phase of a plan, in its units (LLM tokens, patches,
+    audio encoder rows = frames / subsample): (microbatch, device, row, offset, size) each."""
+    if phase == "llm":
+        llm = index.llm_tokens(caps.merge_area, caps.subsample)[plan.samples]
+        return plan.micro, plan.device, plan.row, plan.offset, llm
+    it: ItemPlan = getattr(plan, phase)
+    values, ptr = (
+        (index.images, index.images_ptr) if phase == "vision" else (index.audio, index.audio_ptr)
+    )
+    size = values[ptr[plan.samples[it.owner]] + it.item]
+    per = 1 if phase == "vision" else caps.subsample
+    row = np.zeros(len(it.owner), np.int64)
+    return plan.micro[it.owner], it.device, row, it.offset // per, size // per
+
+
+def step_tiles(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> dict[str, np.ndarray]:
+    """Per phase, the attention tiles each bucket of the plan needs [microbatch, device]
+    (`jaxmllm.plan.tiles`; needs caps.block > 0)."""
+    m_n, d_n, out = caps.microbatches, caps.devices, {}
+    for phase in PHASES:
+        micro, dev, row, off, size = phase_docs(plan, index, caps, phase)
+        rows = caps.llm_rows if phase == "llm" else 1
+        bins = (micro * d_n + dev) * rows + row
+        tiles = bin_tiles(bins, off, size, m_n * d_n * rows, caps.block, phase == "llm")
+        out[phase] = tiles.reshape(m_n, d_n, rows).sum(2)
+    return out
 
 
 def _check_segments(

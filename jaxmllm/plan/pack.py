@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxmllm.plan.bins import Loads, Packing, quad_cost
+from jaxmllm.plan.bins import Loads, Packing
 from jaxmllm.plan.ragged import argsort_stable, desc_order, run_cumsum
 from jaxmllm.plan.rounds import pack_round
 
@@ -83,7 +83,7 @@ def pack_phase(
     out = np.full(n, -1, np.int64)
     if n == 0:
         return out, out.copy()
-    sq = quad_cost(sizes)
+    sq = loads.cost(sizes)
     placeable = min(1.0, float((cap - loads.units).sum()) / max(float(sizes.sum()), 1.0))
     qstar = (float(loads.quad.sum()) + placeable * float(sq.sum())) / nb  # each bin's share
     pk = Packing(sizes, sq, home, loads, cap, qstar, out)
@@ -92,7 +92,7 @@ def pack_phase(
     # Rounds for the urgent and the big items, largest first.
     rest_sq = sq[order[n_first:]]
     # (items within SIZE_TOL of the smallest one need no rounds: any even layout suits them)
-    small = max(BIG * qstar, (float(sizes.min()) * (1 + SIZE_TOL)) ** 2)
+    small = max(BIG * qstar, float(loads.cost(np.array([float(sizes.min()) * (1 + SIZE_TOL)]))[0]))
     big_end = n_first + int(np.searchsorted(-rest_sq, -small, "right"))
     pos, failed = 0, []
     neg_sorted = -sizes[order[:big_end]]  # (ascending within each of the two segments)

@@ -61,7 +61,8 @@ def pack_round(pk: Packing, order: np.ndarray, pos: int, end: int, urgent: bool)
         first_layer = len(bins)
     else:
         fill = ROUND_FILL if home is None else ENC_ROUND_FILL
-        count = _deal(key[ranked], free[ranked], nxt, pk.qstar - quad[ranked[0]], fill)
+        cost = float(pk.sq[order[pos]])
+        count = _deal(key[ranked], free[ranked], nxt, cost, pk.qstar - quad[ranked[0]], fill)
         first_layer = len(count)
         top = int(count.max())
         if top == 1:
@@ -89,25 +90,28 @@ def pack_round(pk: Packing, order: np.ndarray, pos: int, end: int, urgent: bool)
     return pos + len(take)
 
 
-def _deal(neg_want, free, s, budget_top, fill):
+def _deal(neg_want, free, s, c, budget_top, fill):
     """Per bin above the round's level (a prefix of the open bins by want), the number of
     items of size `s` it takes (see pack_round). `neg_want`, `free`: the open bins' minus wants
-    (ascending) and rooms; `s`: the next item's size (the largest left: counted with it, a
-    bin never gets more than its room); `budget_top`: the attention budget left in the top
-    bin; `fill`: items per open bin the round aims at."""
+    (ascending) and rooms; `s`, `c`: the next item's size and attention cost (the largest
+    left: counted with it, a bin never gets more than its room); `budget_top`: the attention
+    budget left in the top bin; `fill`: items per open bin the round aims at."""
     n = len(neg_want)
-    # A bin of want w and room f above the level L takes (w - L) f / (s (s - L)) items to
-    # come down to L. Over all open bins, fill * n items need L = (sum(w f) - T s^2) /
-    # (sum(f) - T s) (bins below it would count negative: the bins above it take more, and
-    # the round stops at T items); at most what the top bin wants after one item.
+    # Wants are attention cost per unit of room; the item's own is r = c / s (= s when the
+    # cost is size**2, dense attention; tiles per unit with block-sparse). A bin of want w
+    # and room f above the level L takes (w - L) f / (s (r - L)) items to come down to L.
+    # Over all open bins, fill * n items need L = (sum(w f) - T c) / (sum(f) - T s) (bins
+    # below it would count negative: the bins above it take more, and the round stops at T
+    # items); at most what the top bin wants after one item.
     t = fill * n
     f = free.astype(np.float64)
     sum_f = float(f.sum())
-    after = min((budget_top - float(s) * s) / max(float(f[0]) - s, 1.0), -float(neg_want[0]))
+    r = c / max(float(s), 1.0)
+    after = min((budget_top - c) / max(float(f[0]) - s, 1.0), -float(neg_want[0]))
     if n < FAST_BINS:  # (few bins: rounds are cheap, take the sequential greedy's own step)
         level = after
     elif sum_f > t * s:
-        level = min((-float(neg_want @ f) - t * s * s) / (sum_f - t * s), after)
+        level = min((-float(neg_want @ f) - t * c) / (sum_f - t * s), after)
     else:  # (they cannot take so many: every bin takes all it has room for)
         level = -np.inf
     k = max(int(np.searchsorted(neg_want, -level, "left")), 1)
@@ -115,9 +119,9 @@ def _deal(neg_want, free, s, budget_top, fill):
         return free[:k] // s
     if k == n and fill == 1:  # (every open bin is above the level and the round takes one each)
         return np.ones(n, np.int64)
-    lv = min(level, s - 1e-6)  # (bins that want s or more take all they have room for)
+    lv = min(level, r - 1e-6)  # (bins that want r or more take all they have room for)
     x = (neg_want[:k] + lv) * f[:k]
-    x *= -1.0 / (s * (s - lv))
+    x *= -1.0 / (s * (r - lv))
     x += 1 - 1e-9  # (ceil, and at least one: x > 0 above the level)
     c = x.astype(np.int64)
     np.minimum(c, free[:k] // s, out=c)

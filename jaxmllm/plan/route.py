@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxmllm.plan.bins import Loads, quad_cost
+from jaxmllm.plan.bins import Loads
 from jaxmllm.plan.ragged import run_cumsum, stable_sort
 
 UNDO_ROUNDS = 3  # rounds undoing the groups of overfilled bins before all exchanges are undone
@@ -133,7 +133,7 @@ def keep_capacity(
         nm, om, sm = new[m], old[m], size[m]
     else:
         delta = np.bincount(nm, sm, nb) - np.bincount(om, sm, nb)
-    sq = quad_cost(sm)
+    sq = loads.cost(sm)
     load += delta.astype(load.dtype)  # (exact: integer sums far below 2**53)
     loads.quad += np.bincount(nm, sq, nb) - np.bincount(om, sq, nb)
     return new

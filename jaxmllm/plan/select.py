@@ -31,11 +31,17 @@ class Selector:
     """Window and selection of the balanced planners, from the phases' long-run demands."""
 
     def __init__(self, phases: Phases, lookahead: float):
-        self.caps, self.cap_vec, self.work_t = phases.caps, phases.cap_vec, phases.work_t
+        # (the phases' units, and their expected tiles where tiles have a capacity: Phases)
+        self.caps, self.cap_vec, self.work_t = phases.caps, phases.sel_cap, phases.sel_work_t
         self.lookahead = lookahead
-        self.mean_work = phases.work.mean(0) if len(phases.work) else np.ones(3)
+        width = len(self.cap_vec)
+        self.mean_work = phases.sel_work.mean(0) if len(phases.sel_work) else np.ones(width)
         # Long-run share of its capacity each phase fills when the most demanding one is full.
         demand = np.where(self.cap_vec > 0, self.mean_work / np.maximum(self.cap_vec, 1), 0)
+        # Tile rows (after the phases' units) only bound what a microbatch takes: no share of
+        # the window, never a phase to fill by swaps.
+        self.units = np.arange(len(self.cap_vec)) < len(phases.cap_vec)
+        demand = np.where(self.units, demand, 0.0)
         self.share = demand / max(demand.max(), 1e-30)
         # A phase that does not bind (its long-run demand under BINDING of the largest) gets
         # at most its share of a microbatch plus HEADROOM of the rest: taking all the window
@@ -167,8 +173,9 @@ class Selector:
         """
         full = self.caps.devices * self.cap_vec * FILL
         rel = left / np.maximum(full, 1)
-        p = int(np.argmax(np.where(full > 0, rel, -1.0)))
-        q = int(np.argmin(np.where(full > 0, rel, np.inf)))
+        target = (full > 0) & self.units
+        p = int(np.argmax(np.where(target, rel, -1.0)))
+        q = int(np.argmin(np.where(target, rel, np.inf)))
         if rel[p] < SWAP_SHORT or p == q:
             return
         add = np.flatnonzero(~taken & ~chosen & (work[p] > 0))
@@ -176,7 +183,7 @@ class Selector:
         if not len(add) or not len(rem):
             return
         # Only the few best of each side matter: about 4x what the gap can take.
-        others = np.where((np.arange(len(full)) != p) & (full > 0), 1.0 / np.maximum(full, 1), 0)
+        others = np.where((np.arange(len(full)) != p) & target, 1.0 / np.maximum(full, 1), 0)
         k = min(len(add), int(4 * left[p] / max(float(work[p, add].mean()), 1.0)) + 16)
         wa = np.take(work, add, axis=1)
         add = add[smallest(-wa[p] / np.maximum(others @ wa, 1e-12), k)]

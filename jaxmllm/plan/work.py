@@ -10,11 +10,14 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmllm.data.samples import LengthsIndex
-from jaxmllm.plan.bins import Loads
+from jaxmllm.plan.bins import Cost, Loads, quad_cost, tile_cost
 from jaxmllm.plan.contract import Capacities
 from jaxmllm.plan.route import Routes
+from jaxmllm.plan.tilecap import TileBudget
+from jaxmllm.plan.tiles import expected_tiles, packed_density
 
 ENC = ("vision", "audio")
+TILE_SCALE = 16  # selection counts expected tiles in 1/16 tiles, integers like the units
 
 
 class Phases:
@@ -39,14 +42,63 @@ class Phases:
         self.cap_vec = np.array(
             [caps.llm_rows * caps.llm_row_len, caps.vision_patches, caps.audio_frames], np.int64
         )  # [phase]: units per device and microbatch
+        # What the packers equalise: attention tiles with block-sparse attention, size**2 else
+        self.cost: dict[str, Cost] = {p: quad_cost for p in ("llm", *ENC)}
+        if caps.block:
+            self.cost = {
+                "llm": tile_cost(caps.block, True),
+                "vision": tile_cost(caps.block, False),
+                "audio": tile_cost(caps.block, False, caps.subsample),
+            }
+        # What selection fits into a microbatch (`Selector`): each phase's units, and where
+        # the tiles have a capacity (block-sparse attention and a planner that holds it) each
+        # such phase's expected tiles too, so that a step takes a mix of samples whose tiles
+        # fit as well as their tokens, instead of one the tile capacity then turns away.
+        self.sel_work, self.sel_cap = self.work, self.cap_vec
+        tile_caps = caps.tile_caps()
+        if caps.block and any(tile_caps.values()):
+            self.tile_phases = [p for p in ("llm", *ENC) if tile_caps[p]]
+            cols, caps_t = [], []
+            for p in self.tile_phases:
+                cols.append(np.rint(TILE_SCALE * self._expected(index, p)).astype(np.int64))
+                caps_t.append(TILE_SCALE * tile_caps[p])
+            self.sel_work = np.concatenate([self.work, np.stack(cols, 1)], 1)
+            self.sel_cap = np.concatenate([self.cap_vec, np.array(caps_t, np.int64)])
+        else:
+            self.tile_phases = []
+        self.sel_work_t = np.ascontiguousarray(self.sel_work.T)
+
+    def _expected(self, index: LengthsIndex, phase: str) -> np.ndarray:
+        """Expected attention tiles of each sample in `phase`: `tiles.expected_tiles` (each
+        document from a uniformly random point of a block), scaled per phase so that the data's
+        total is what its documents packed back to back need (`tiles.packed_density`: sizes of
+        whole blocks stay aligned, which the uniform guess misses)."""
+        b, caps = self.caps.block, self.caps
+        if phase == "llm":
+            units, causal, row_len, t = self.llm, True, caps.llm_row_len, None
+        else:
+            per = 1 if phase == "vision" else caps.subsample
+            units, causal, row_len = self.sizes[phase] // per, False, self.cap[phase] // per
+        t = np.where(units > 0, expected_tiles(units, b, causal), 0.0)
+        scale = packed_density(units, row_len, b, causal) * units.sum() / max(t.sum(), 1e-9)
+        t = t * scale
+        if phase == "llm":
+            return t
+        ptr = self.ptr[phase]
+        owner = np.repeat(np.arange(len(ptr) - 1), np.diff(ptr))
+        return np.bincount(owner, weights=t, minlength=len(ptr) - 1)
 
 
 class Micro:
     """Bucket loads and placements of one microbatch while it is being filled."""
 
-    def __init__(self, caps: Capacities):
-        self.rows = Loads.zeros(caps.devices * caps.llm_rows)  # per LLM row (device * rows + row)
-        self.enc = {p: Loads.zeros(caps.devices) for p in ENC}  # per device
+    def __init__(self, caps: Capacities, cost: dict[str, Cost] | None = None):
+        cost = cost or {p: quad_cost for p in ("llm", *ENC)}
+        # per LLM row (device * rows + row), per device for the encoders
+        self.rows = Loads.zeros(caps.devices * caps.llm_rows, cost["llm"])
+        self.enc = {p: Loads.zeros(caps.devices, cost[p]) for p in ENC}
+        # exact attention tiles per device and phase, within their capacity (block-sparse)
+        self.tiles = TileBudget(caps) if caps.block else None
         z = np.zeros(0, np.int64)
         self.entries: list[np.ndarray] = [z]  # pool positions placed, in order
         self.row_bin: list[np.ndarray] = [z]  # their LLM row bin (device * rows + row)
@@ -60,6 +112,14 @@ class Micro:
                 caps.devices, caps.subsample, caps.route_pair_capacity, caps.audio_frames
             ),
         }
+
+    def used_selected(self, phases: Phases) -> np.ndarray:
+        """What `used` counts plus, for the phases selection counts tiles of, the exact tiles
+        placed (over all devices, in selection's 1/TILE_SCALE tiles)."""
+        if not phases.tile_phases:
+            return self.used()
+        tiles = [TILE_SCALE * self.tiles.used[p].sum() for p in phases.tile_phases]
+        return np.concatenate([self.used(), np.array(tiles, np.int64)])
 
     def used(self) -> np.ndarray:
         """Units placed in each phase (llm, vision, audio), over all devices."""

@@ -1,0 +1,193 @@
+"""Dense vs block-sparse attention on one packed row: time, memory and tiles.
+
+    python -m jaxmllm.bench.attention [--rows 2048,8192,32768] [--mix chartqa] [--block 128]
+        [--json OUT]
+
+A row of `row_len` tokens is packed with documents drawn from a length table (the LLM tokens of
+each sample: text plus merged image tokens, a sample longer than the row skipped), in the
+table's order, until the next one does not fit; the rest is padding. Attention over it (one
+row, grouped-query heads, fp32) runs forward and backward (the gradient of a weighted sum of
+the outputs with respect to q, k and v) with the dense masked reference and with block-sparse
+attention over the row's tile list (`jaxmllm.plan.tiles`). Reported per row length:
+
+- `dense_s`, `sparse_s`: median seconds of forward + backward after compiling;
+  above `--dense-max` tokens dense is compiled (for its memory) but not run, and its time is
+  extrapolated from the longest measured row as T^2 (`dense_measured: false`);
+- `dense_bytes`, `sparse_bytes`: peak memory of the compiled program from XLA's memory
+  analysis (arguments + outputs + temporaries);
+- `tiles`: tiles computed (the row's tile list); `doc_tiles`: the documents' own tiles, each
+  document alone from a block boundary (its causal triangle over ceil(n / block) blocks), the
+  least any schedule of these documents computes; `tiles / doc_tiles` is the packing overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmllm.bench.mixes import load_mix
+from jaxmllm.models import blocksparse
+from jaxmllm.models.attention import attention_mask, dense_attention
+from jaxmllm.plan import tiles as T
+
+
+def documents(mix: str, row_len: int, merge_area: int = 4, subsample: int = 4) -> np.ndarray:
+    """Lengths of the documents packed into one row of `row_len` tokens (see the module doc)."""
+    index = load_mix(mix)
+    lengths = index.llm_tokens(merge_area, subsample)
+    out, used = [], 0
+    for n in lengths:
+        if n < 1 or n > row_len:
+            continue
+        if used + n > row_len:
+            break
+        out.append(int(n))
+        used += int(n)
+    return np.array(out, np.int64)
+
+
+def segments(sizes: np.ndarray, row_len: int) -> np.ndarray:
+    seg = np.zeros(row_len, np.int32)
+    seg[: sizes.sum()] = np.repeat(np.arange(1, len(sizes) + 1), sizes)
+    return seg
+
+
+def _inputs(row_len: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (1, row_len, heads, head_dim), jnp.float32)
+    k = jax.random.normal(keys[1], (1, row_len, kv_heads, head_dim), jnp.float32)
+    v = jax.random.normal(keys[2], (1, row_len, kv_heads, head_dim), jnp.float32)
+    w = jax.random.normal(keys[3], (1, row_len, heads, head_dim), jnp.float32)
+    return q, k, v, w
+
+
+def _grad_fn(attend):
+    def loss(q, k, v, w, *rest):
+        return jnp.sum(attend(q, k, v, *rest) * w)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def _peak_bytes(compiled) -> int | None:
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
+
+
+def _time(compiled, args, repeat: int) -> float:
+    jax.block_until_ready(compiled(*args))  # warm
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(row_len: int, args) -> dict:
+    sizes = documents(args.mix, row_len)
+    seg_np = segments(sizes, row_len)
+    offsets = np.cumsum(sizes) - sizes
+    tl = T.tile_list(offsets, sizes, np.zeros(len(sizes), np.int64), row_len // args.block,
+                     args.block, True)  # fmt: skip
+    doc_tiles = int(T.own_tiles(-(-sizes // args.block), True).sum())
+    q, k, v, w = _inputs(row_len, args.heads, args.kv_heads, args.head_dim)
+    seg = jnp.asarray(seg_np)[None]
+
+    sparse = _grad_fn(
+        lambda q, k, v, s, t: blocksparse.attend(q, k, v, s, t, block=args.block, causal=True)
+    )
+    sparse_args = (q, k, v, w, seg, jnp.asarray(tl, jnp.int32)[None])
+    sparse_c = sparse.lower(*sparse_args).compile()
+    dense = _grad_fn(
+        lambda q, k, v, s: dense_attention(q, k, v, attention_mask(s, causal=True), jnp.float32)
+    )
+    dense_args = (q, k, v, w, seg)
+    dense_c = dense.lower(*dense_args).compile()
+    row = {
+        "row_len": row_len,
+        "docs": len(sizes),
+        "doc_mean": float(sizes.mean()),
+        "fill": float(sizes.sum() / row_len),
+        "tiles": len(tl),
+        "doc_tiles": doc_tiles,
+        "dense_tiles": (row_len // args.block) * (row_len // args.block + 1) // 2,
+        "sparse_s": _time(sparse_c, sparse_args, args.repeat),
+        "sparse_bytes": _peak_bytes(sparse_c),
+        "dense_bytes": _peak_bytes(dense_c),
+        "dense_measured": row_len <= args.dense_max,
+    }
+    row["dense_s"] = _time(dense_c, dense_args, args.repeat) if row["dense_measured"] else None
+    return row
+
+
+def extrapolate(rows: list[dict]) -> None:
+    """Dense time of unmeasured rows from the longest measured one, as T^2."""
+    measured = [r for r in rows if r["dense_measured"]]
+    if not measured:
+        return
+    ref = max(measured, key=lambda r: r["row_len"])
+    for r in rows:
+        if not r["dense_measured"]:
+            r["dense_s"] = ref["dense_s"] * (r["row_len"] / ref["row_len"]) ** 2
+
+
+def table(rows: list[dict]) -> str:
+    cols = ["row", "docs", "doc mean", "tiles", "doc tiles", "tiles/doc", "dense s", "sparse s",
+            "speed-up", "dense MiB", "sparse MiB"]  # fmt: skip
+    lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
+    mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"
+    for r in rows:
+        dense = f"{r['dense_s']:.3f}" + ("" if r["dense_measured"] else " (T^2 est.)")
+        lines.append(" | ".join([
+            str(r["row_len"]), str(r["docs"]), f"{r['doc_mean']:.0f}", str(r["tiles"]),
+            str(r["doc_tiles"]), f"{r['tiles'] / max(r['doc_tiles'], 1):.3f}", dense,
+            f"{r['sparse_s']:.3f}", f"{r['dense_s'] / r['sparse_s']:.1f}x",
+            mib(r["dense_bytes"]), mib(r["sparse_bytes"]),
+        ]))  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rows", default="2048,8192,32768", help="row lengths, comma-separated")
+    p.add_argument("--mix", default="chartqa", help="length table the documents come from")
+    p.add_argument("--block", type=int, default=128, help="tokens per attention block")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (median)")
+    p.add_argument(
+        "--dense-max",
+        type=int,
+        default=8192,
+        help="longest row dense attention is run at (longer: memory only)",
+    )
+    p.add_argument("--json", help="write the rows here")
+    args = p.parse_args(argv)
+    rows = []
+    for part in args.rows.split(","):
+        row_len = int(part)
+        if row_len % args.block:
+            p.error(f"--rows: {row_len} is not a multiple of --block {args.block}")
+        rows.append(measure(row_len, args))
+        print(f"row {row_len}: done", flush=True)
+    extrapolate(rows)
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, mix {args.mix}, block "
+          f"{args.block}, {args.heads} heads / {args.kv_heads} kv heads of {args.head_dim}, fp32, "
+          "forward + backward of one row")  # fmt: skip
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Attention over packed rows: where each query may look (`Packing`), and the attention module.
+
+A packed row holds several documents (samples, images, clips) one after another, padding after
+them; a query attends to keys of its own document (and, causal, not after itself). `Packing`
+says so in one of two forms, and `Attention` computes with whichever it gets:
+
+- dense: a boolean mask [B, 1, T, T] (`attention_mask`), every pair scored, the reference;
+- block-sparse: the segment ids [B, T] and a list of (query block, key block) tiles [B, K, 2]
+  that the planner made (`jaxmllm.plan.tiles`), so only those tiles are scored
+  (`jaxmllm.models.blocksparse`): cost and memory follow the documents, not T^2;
+- cudnn: cuDNN's fused attention (GPU), from the segment ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmllm.models import blocksparse, cudnn
+from jaxmllm.models.layers import ROPE, Dense
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Where the queries of a batch of packed rows may look (see the module docstring)."""
+
+    segment_ids: jax.Array  # [B, T] document of each token, 0 for padding
+    mask: jax.Array | None = None  # [B, 1, T, T] dense
+    tiles: jax.Array | None = None  # [B, K, 2] block-sparse, -1 for padding tiles
+    block: int = dataclasses.field(default=0, metadata=dict(static=True))
+    causal: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    kind: str = dataclasses.field(default="dense", metadata=dict(static=True))
+
+
+def packing(
+    segment_ids_bt: jax.Array,
+    *,
+    causal: bool,
+    kind: str = "dense",
+    tiles_bk2: jax.Array | None = None,
+    block: int = 0,
+) -> Packing:
+    """The `Packing` of rows with these segment ids for attention `kind` (`model.attention`)."""
+    if kind == "block_sparse":
+        if tiles_bk2 is None:
+            raise ValueError("block-sparse attention needs the tile list (batch *_tiles)")
+        return Packing(segment_ids_bt, tiles=tiles_bk2, block=block, causal=causal, kind=kind)
+    if kind == "cudnn":
+        return Packing(segment_ids_bt, causal=causal, kind=kind)
+    mask = attention_mask(segment_ids_bt, causal=causal)
+    return Packing(segment_ids_bt, mask=mask, causal=causal, kind="dense")
+
+
+def attention_mask(segment_ids_bt: jax.Array, *, causal: bool) -> jax.Array:
+    """Boolean mask [B, 1, T, T]: same non-padding segment (and key <= query when causal).
+
+    Every position may also attend to itself, so padding queries (segment 0) get a finite
+    softmax instead of NaN; their outputs are never used.
+    """
+    seg_q = segment_ids_bt[:, :, None]
+    seg_k = segment_ids_bt[:, None, :]
+    mask = (seg_q == seg_k) & (seg_k > 0)
+    length = segment_ids_bt.shape[-1]
+    if causal:
+        mask &= jnp.tril(jnp.ones((length, length), bool))
+    mask |= jnp.eye(length, dtype=bool)
+    return mask[:, None]
+
+
+def dense_attention(
+    q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, mask_b1ts: jax.Array, dtype
+) -> jax.Array:
+    """Every (query, key) pair of a row scored, masked, softmaxed: [B, T, heads, head_dim]."""
+    b, t, heads, head_dim = q_bthe.shape
+    kv_heads = k_bske.shape[2]
+    q_btkge = q_bthe.reshape(b, t, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum(
+        "btkge,bske->bkgts", q_btkge, k_bske, preferred_element_type=jnp.float32
+    ) / math.sqrt(head_dim)
+    scores = jnp.where(mask_b1ts[:, :, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    out_btkge = jnp.einsum("bkgts,bske->btkge", probs, v_bske)
+    return out_btkge.reshape(b, t, heads, head_dim)
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with grouped-query KV heads and rotary positions, over packed rows."""
+
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        kv_heads: int,
+        *,
+        rope: str = "1d",
+        rope_theta: float = 10000.0,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        assert heads % kv_heads == 0, (heads, kv_heads)
+        head_dim = width // heads
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.query = Dense(width, (heads, head_dim), ("embed", "heads", "head_dim"), **kw)
+        self.key = Dense(width, (kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), **kw)
+        self.value = Dense(width, (kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), **kw)
+        self.out = Dense((heads, head_dim), width, ("heads", "head_dim", "embed"), **kw)
+        self.kv_heads = kv_heads
+        self.rope = rope
+        self.rope_theta = rope_theta
+        self.dtype = dtype
+
+    def __call__(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> jax.Array:
+        """Attends within each document of the packed rows.
+
+        Args:
+          x_btd: inputs [B, T, width].
+          pack: where each query may look (`packing`).
+          positions: [B, T] for 1D rotary, [B, T, 2] for 2D.
+
+        Returns:
+          [B, T, width] in the compute dtype.
+        """
+        rotate = ROPE[self.rope]
+        q_bthe = rotate(self.query(x_btd), positions, self.rope_theta)
+        k_bske = rotate(self.key(x_btd), positions, self.rope_theta)
+        v_bske = self.value(x_btd)
+        if pack.kind == "block_sparse":
+            out_bthe = blocksparse.attend(
+                q_bthe, k_bske, v_bske, pack.segment_ids, pack.tiles,
+                block=pack.block, causal=pack.causal,
+            )  # fmt: skip
+        elif pack.kind == "cudnn":
+            out_bthe = cudnn.attend(q_bthe, k_bske, v_bske, pack.segment_ids, causal=pack.causal)
+        else:
+            out_bthe = dense_attention(q_bthe, k_bske, v_bske, pack.mask, self.dtype)
+        return self.out(out_bthe.astype(self.dtype))

@@ -1,0 +1,123 @@
+"""The transformer stack shared by the encoders and the decoder: pre-norm blocks, scanned.
+
+Each transformer is ONE `Block` whose parameters are stacked on a leading `layers` axis and
+applied with `jax.lax.scan`, so the compiled program holds one block whatever the depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmllm.models.attention import Attention, Packing
+from jaxmllm.models.layers import GatedMLP, RMSNorm
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        kv_heads: int,
+        mlp_dim: int,
+        *,
+        rope: str,
+        rope_theta: float,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.attn_norm = RMSNorm(width, **kw)
+        self.attn = Attention(
+            width, heads, kv_heads, rope=rope, rope_theta=rope_theta, rngs=rngs, **kw
+        )
+        self.mlp_norm = RMSNorm(width, **kw)
+        self.mlp = GatedMLP(width, mlp_dim, rngs=rngs, **kw)
+
+    def __call__(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> jax.Array:
+        x_btd = x_btd + self.attn(self.attn_norm(x_btd), pack, positions)
+        return x_btd + self.mlp(self.mlp_norm(x_btd))
+
+
+# What a rematerialised block keeps for the backward pass (`model.remat_policy`).
+REMAT_POLICIES = {
+    # Only the block's input: the least memory; the backward pass reruns the whole block.
+    "nothing": jax.checkpoint_policies.nothing_saveable,
+    # Also the weight matmuls' outputs (query/key/value/out, gate/up/down), each [tokens, width]
+    # or [tokens, mlp_dim]: the backward pass reruns only attention and elementwise ops.
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Transformer(nnx.Module):
+    """A stack of pre-norm blocks scanned over a leading `layers` axis, then a final norm.
+
+    `blocks` is ONE `Block` whose parameters are stacked [depth, ...] (logical axis "layers"
+    first); `jax.lax.scan` applies it layer by layer, so the compiled program holds one block
+    whatever the depth. With `remat` each block is rematerialised under `remat_policy`.
+    """
+
+    def __init__(
+        self,
+        depth: int,
+        width: int,
+        heads: int,
+        kv_heads: int,
+        mlp_dim: int,
+        *,
+        rope: str,
+        rope_theta: float,
+        remat: bool = False,
+        remat_policy: str = "nothing",
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        if remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"remat_policy {remat_policy!r} not in {sorted(REMAT_POLICIES)}")
+        kw = dict(rope=rope, rope_theta=rope_theta, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        # Layer by layer from the shared RNG stream, then stacked: every layer draws exactly
+        # what separate blocks drew (init runs once; only the train step must not grow).
+        layers = [Block(width, heads, kv_heads, mlp_dim, **kw) for _ in range(depth)]
+        self.blocks = stack_modules(layers, "layers")
+        self.final_norm = RMSNorm(width, dtype=dtype, param_dtype=param_dtype)
+        self.remat = remat
+        self.remat_policy = remat_policy
+
+    def __call__(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> jax.Array:
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def layer(x_btd, block_state):
+            return nnx.merge(graphdef, block_state)(x_btd, pack, positions), None
+
+        if self.remat:
+            # Inside a scan XLA cannot merge the recomputation with the forward pass, so the
+            # guard against that (prevent_cse) would only block optimisations.
+            layer = jax.checkpoint(
+                layer, policy=REMAT_POLICIES[self.remat_policy], prevent_cse=False
+            )
+        x_btd, _ = jax.lax.scan(layer, x_btd, stacked)
+        return self.final_norm(x_btd)
+
+
+def stack_modules(modules: Sequence[nnx.Module], axis_name: str) -> nnx.Module:
+    """One module like `modules[0]` whose variables stack all modules' on a new leading axis.
+
+    Each variable's `axes` metadata gains `axis_name` first, so the stacked axis has a rule.
+    """
+    graphdef, first = nnx.split(modules[0])
+    states = [first] + [nnx.split(m)[1] for m in modules[1:]]
+    is_var = lambda x: isinstance(x, nnx.Variable)
+
+    def stack(*variables: nnx.Variable) -> nnx.Variable:
+        value = jnp.stack([v.get_value() for v in variables])
+        axes = variables[0].get_metadata().get("axes", (None,) * (value.ndim - 1))
+        return variables[0].replace(value, axes=(axis_name, *axes))
+
+    return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=is_var))

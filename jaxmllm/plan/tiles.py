@@ -1,0 +1,163 @@
+"""Attention tiles of packed documents: how many a bucket needs (planning) and which (the kernel).
+
+A packed row of T tokens is cut into blocks of `block` tokens; a tile is a (query block, key
+block) pair. A document needs the tiles of the blocks it spans: its causal triangle (a decoder)
+or its whole square (an encoder: an image, a clip). Documents lie one after another in a row,
+so two neighbours share only the block where one ends and the next begins, and only its
+diagonal tile: a row's tiles are its documents' own tiles minus one per document that starts
+inside a block (not at a block boundary) right after another one. A device's tiles are the sum
+over its rows; with block-sparse attention that count, not the row length squared, is what the
+device computes, so it is a capacity of the bucket like tokens and patches.
+
+Tile lists are laid out per device over its rows flattened (block `r * blocks_per_row + b` of
+row r), sorted by query block then key block, padded with (-1, -1) to the capacity.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PAD = -1  # a padding tile: both blocks -1
+
+
+class TileOverflow(ValueError):
+    """A bucket needs more tiles than its capacity."""
+
+    def __init__(self, bucket: int, need: int, capacity: int):
+        super().__init__(f"{need} attention tiles, more than the capacity {capacity}")
+        self.bucket, self.need, self.capacity = bucket, need, capacity
+
+
+def blocks_spanned(offsets: np.ndarray, sizes: np.ndarray, block: int) -> np.ndarray:
+    """Blocks each document (at `offsets`, of `sizes` > 0 units) covers."""
+    return (offsets + sizes - 1) // block - offsets // block + 1
+
+
+def own_tiles(m: np.ndarray, causal: bool) -> np.ndarray:
+    """Tiles of a document spanning `m` blocks: its causal triangle or its square."""
+    return m * (m + 1) // 2 if causal else m * m
+
+
+def item_tiles(
+    offsets: np.ndarray, sizes: np.ndarray, block: int, causal: bool, prev_end: np.ndarray
+) -> np.ndarray:
+    """Tiles each document adds to its row at `offsets`: its own, minus the diagonal tile it
+    shares with the document before it when it starts in the block that one ends in
+    (`prev_end`: where the document before it ends, 0 for a row's first)."""
+    m = blocks_spanned(offsets, sizes, block)
+    shared = (prev_end > 0) & (offsets // block == (prev_end - 1) // block)
+    return own_tiles(m, causal) - shared
+
+
+def bin_tiles(
+    bins: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, nbins: int, block: int, causal: bool
+) -> np.ndarray:
+    """Tiles per bin (a row, or a device's encoder row) of documents placed at (bin, offset):
+    any order, empty documents ignored."""
+    keep = sizes > 0
+    bins, offsets, sizes = bins[keep], offsets[keep], sizes[keep]
+    order = np.lexsort((offsets, bins))
+    b, o, s = bins[order], offsets[order], sizes[order]
+    prev_end = np.zeros(len(b), np.int64)
+    prev_end[1:] = np.where(b[1:] == b[:-1], (o + s)[:-1], 0)
+    return np.bincount(b, item_tiles(o, s, block, causal, prev_end), nbins).astype(np.int64)
+
+
+def expected_tiles(sizes: np.ndarray, block: int, causal: bool) -> np.ndarray:
+    """Tiles an item of `sizes` units adds on average over where in a block it starts (uniform),
+    right after another one: what a planner equalises before it knows the offsets (float64)."""
+    n = np.maximum(np.asarray(sizes, np.int64), 1)
+    q, r = np.divmod(n - 1, block)  # it spans q + 1 blocks from a boundary, q + 2 from later
+    near = own_tiles(q + 1, causal).astype(np.float64)
+    far = own_tiles(q + 2, causal).astype(np.float64)
+    shared = (block - 1) / block
+    return ((block - r) * near + r * far) / block - shared
+
+
+def packed_density(
+    sizes: np.ndarray, row_len: int, block: int, causal: bool, most: int = 20000, seed: int = 0
+) -> float:
+    """Tiles per unit of documents of `sizes` laid one after another into rows of `row_len`
+    units, as a packer lays them (up to `most` of them, in random order; a document that does
+    not fit what is left of a row starts the next). Unlike `expected_tiles` this sees sizes
+    that are multiples of the block staying aligned, and row boundaries (0.0 for no data)."""
+    n = np.asarray(sizes, np.int64)
+    n = n[n > 0]
+    if not len(n) or not row_len:
+        return 0.0
+    n = np.minimum(np.random.default_rng(seed).permutation(n)[:most], row_len)
+    rows, offsets, row, used = np.empty(len(n), np.int64), np.empty(len(n), np.int64), 0, 0
+    for i, size in enumerate(n.tolist()):
+        if used + size > row_len:
+            row, used = row + 1, 0
+        rows[i], offsets[i] = row, used
+        used += size
+    return float(bin_tiles(rows, offsets, n, row + 1, block, causal).sum() / n.sum())
+
+
+def tile_list(
+    offsets: np.ndarray, sizes: np.ndarray, rows: np.ndarray, row_blocks: int, block: int,
+    causal: bool,
+) -> np.ndarray:  # fmt: skip
+    """The (query block, key block) tiles [K, 2] of one device's documents (row `rows`, at
+    `offsets` within it, of `sizes`), blocks numbered over the device's rows flattened, sorted
+    by query block then key block (documents come in order and each one's tiles in that order
+    already), each tile once."""
+    keep = sizes > 0
+    order = np.lexsort((offsets[keep], rows[keep]))
+    o = offsets[keep][order]
+    s = sizes[keep][order]
+    base = rows[keep][order] * row_blocks
+    a = base + o // block  # first and last block of each document
+    m = blocks_spanned(o, s, block)
+    doc = np.repeat(np.arange(len(a)), m)
+    q = a[doc] + _ranks(m)
+    n_k = (q - a[doc] + 1) if causal else m[doc]
+    t = np.repeat(np.arange(len(q)), n_k)
+    k = a[doc[t]] + _ranks(n_k)
+    q = q[t]
+    # Neighbours share one diagonal tile, and it comes twice in a row: keep the first.
+    dup = np.zeros(len(q), bool)
+    dup[1:] = (q[1:] == q[:-1]) & (k[1:] == k[:-1])
+    return np.stack([q[~dup], k[~dup]], 1)
+
+
+def _ranks(counts: np.ndarray) -> np.ndarray:
+    """0, 1, ..., c - 1 for each count c, concatenated."""
+    total = int(counts.sum())
+    return np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+def padded(tiles: np.ndarray, capacity: int) -> np.ndarray:
+    """`tiles` [K, 2] padded with PAD to [capacity, 2] (raises if they do not fit)."""
+    if len(tiles) > capacity:
+        raise ValueError(f"{len(tiles)} tiles exceed the tile capacity {capacity}")
+    out = np.full((capacity, 2), PAD, np.int32)
+    out[: len(tiles)] = tiles
+    return out
+
+
+def from_segments(segment_ids: np.ndarray, block: int, causal: bool, capacity: int) -> np.ndarray:
+    """Padded tile lists [buckets, capacity, 2] of buckets of packed rows [buckets, rows, T]
+    (a document is a run of one non-zero segment id; a bucket's rows are numbered one after
+    another, block `r * T / block + b`). Raises TileOverflow when a bucket needs more than
+    `capacity` tiles."""
+    n, rows, t = segment_ids.shape
+    seg = segment_ids.reshape(n * rows, t)
+    new = seg > 0
+    new[:, 1:] &= seg[:, 1:] != seg[:, :-1]
+    line, start = np.nonzero(new)  # (row of all buckets, first token) of each document
+    end = np.ones_like(seg, bool)
+    end[:, :-1] = seg[:, 1:] != seg[:, :-1]
+    end &= seg > 0
+    last = np.nonzero(end)[1]
+    tiles = tile_list(start, last - start + 1, line, t // block, block, causal)
+    bucket = tiles[:, 0] // (rows * (t // block))
+    count = np.bincount(bucket, minlength=n)
+    if (count > capacity).any():
+        worst = int(np.argmax(count))
+        raise TileOverflow(worst, int(count[worst]), capacity)
+    out = np.full((n, capacity, 2), PAD, np.int32)
+    rank = _ranks(count)
+    out[bucket, rank] = tiles - (bucket * rows * (t // block))[:, None]
+    return out
