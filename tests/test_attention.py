@@ -156,7 +156,9 @@ def _random_pack(rng):
     return rows
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(
+    "seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
+)
 def test_model_loss_and_every_gradient_equal_the_dense_reference(seed):
     rng = np.random.default_rng(seed)
     mb = build_batch(rng, _random_pack(rng), SPARSE_BATCH)

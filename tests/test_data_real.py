@@ -309,6 +309,7 @@ def test_image_grid_stays_in_budget(h, w, max_pixels):
     assert gh * gw * 16 <= max(max_pixels, 64)
 
 
+@pytest.mark.slow  # ~60 s: a whole training run on a manifest
 def test_training_on_a_manifest_reports_rejects(tmp_path):
     from jaxmllm.metrics import read_metrics
     from jaxmllm.train import main

@@ -120,6 +120,7 @@ def test_routed_step_equals_samples_one_by_one_on_one_device():
         )
 
 
+@pytest.mark.slow  # ~80 s: 50 train steps (the default suite keeps under 10 minutes)
 def test_step_exchanges_by_all_to_all_and_compiles_once_over_50_steps():
     cfg, source, index = resolved("train.steps=50", "batch.microbatches=1")
     mesh = sharding.make_mesh(cfg.mesh)
