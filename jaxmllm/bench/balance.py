@@ -64,9 +64,8 @@ from jaxmllm.data.cost import CostModel
 from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.plan.capacity import (
     HELD_DRY_RUN_STEPS,
-    dry_run_tiles,
+    held_tiles,
     suggest_capacities,
-    suggest_tiles,
 )
 from jaxmllm.plan.contract import Capacities, StepPlan, check_plan, step_tiles
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
@@ -109,8 +108,7 @@ def make_caps(
 def held_caps(index: LengthsIndex, caps: Capacities, policy: str, steps: int, seed: int):
     """A tile-holding policy's capacities as the trainer sizes them (`resolve_tiles`): the mean
     need plus headroom, or what a dry run of its plans without a bound needed if that is less."""
-    most = dry_run_tiles(make_planner(policy, index, caps, seed), index, caps, steps)
-    tiles = {p: min(n, most[p]) for p, n in suggest_tiles(index, caps).items()}
+    tiles = held_tiles(make_planner(policy, index, caps, seed), index, caps, steps)
     return dataclasses.replace(caps, **{f"{p}_tiles": n for p, n in tiles.items()})
 
 

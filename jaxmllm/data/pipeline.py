@@ -36,9 +36,9 @@ from jaxmllm.metrics import StepCounter
 from jaxmllm.plan.capacity import (
     HELD_DRY_RUN_STEPS,
     dry_run_tiles,
+    held_tiles,
     largest_doc_tiles,
     suggest_capacities,
-    suggest_tiles,
 )
 from jaxmllm.plan.contract import Capacities, Planner
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
@@ -135,8 +135,7 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
         caps = dataclasses.replace(caps, devices=devices)
     if b.planner in HOLDS_TILES:
         planner = make_planner(b.planner, index, caps, cfg.data.seed)
-        most = dry_run_tiles(planner, index, caps, min(cfg.train.steps, HELD_DRY_RUN_STEPS))
-        need = {p: min(n, most[p]) for p, n in suggest_tiles(index, caps).items()}
+        need = held_tiles(planner, index, caps, min(cfg.train.steps, HELD_DRY_RUN_STEPS))
     else:
         steps = min(cfg.train.steps, DRY_RUN_STEPS)
         planner = make_planner(b.planner, index, caps, cfg.data.seed)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from jaxmllm.data.samples import LengthsIndex
-from jaxmllm.plan.contract import Capacities, Planner, step_tiles
+from jaxmllm.plan.contract import Capacities, Planner, documents, step_tiles
 from jaxmllm.plan.select import BINDING
 from jaxmllm.plan.tiles import own_tiles, packed_density
 
@@ -176,14 +176,9 @@ def tile_density(
     rows of the bucket's length, as a packer lays them, and their tiles counted, so sizes
     that are multiples of the block (images of whole tiles) and documents a row boundary moves
     count as they will."""
-    docs = {
-        "llm": (index.llm_tokens(caps.merge_area, caps.subsample), True, caps.llm_row_len),
-        "vision": (index.images, False, caps.vision_patches),
-        "audio": (index.audio // caps.subsample, False, caps.audio_frames // caps.subsample),
-    }
     return {
         phase: packed_density(n, row_len, caps.block, causal, most, seed)
-        for phase, (n, causal, row_len) in docs.items()
+        for phase, (n, causal, row_len) in documents(index, caps).items()
     }
 
 
@@ -201,11 +196,7 @@ def suggest_tiles(
         "audio": caps.audio_frames // caps.subsample,
     }
     rows = {"llm": caps.llm_rows, "vision": 1, "audio": 1}
-    largest = {
-        "llm": index.llm_tokens(caps.merge_area, caps.subsample),
-        "vision": index.images,
-        "audio": index.audio // caps.subsample,
-    }
+    largest = {p: n for p, (n, _, _) in documents(index, caps).items()}
     work = {p: float(largest[p].sum()) for p in units}
     demand = {p: work[p] / units[p] if units[p] else 0.0 for p in units}
     top = max(demand.values()) or 1.0
@@ -227,18 +218,21 @@ def suggest_tiles(
 def largest_doc_tiles(index: LengthsIndex, caps: Capacities) -> dict[str, int]:
     """Per phase, the tiles the data's largest document needs wherever in a block it starts
     (it may span one block more than its size in blocks): the least a tile capacity can be."""
-    docs = {
-        "llm": (index.llm_tokens(caps.merge_area, caps.subsample), True),
-        "vision": (index.images, False),
-        "audio": (index.audio // caps.subsample, False),
-    }
     out = {}
-    for phase, (n, causal) in docs.items():
+    for phase, (n, causal, _) in documents(index, caps).items():
         n = n[n > 0]
         out[phase] = (
             int(own_tiles(np.array([(n.max() - 1) // caps.block + 2]), causal)[0]) if len(n) else 0
         )
     return out
+
+
+def held_tiles(planner: Planner, index: LengthsIndex, caps: Capacities, steps: int) -> dict:
+    """The tile capacities of a planner that holds them (`registry.HOLDS_TILES`): the mean need
+    plus headroom (`suggest_tiles`), or what `steps` of its plans without a bound needed where
+    that is less (`planner`, built on `caps` without tile bounds, is used up)."""
+    most = dry_run_tiles(planner, index, caps, steps)
+    return {p: min(n, most[p]) for p, n in suggest_tiles(index, caps).items()}
 
 
 def dry_run_tiles(planner: Planner, index: LengthsIndex, caps: Capacities, steps: int) -> dict:

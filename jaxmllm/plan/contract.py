@@ -134,19 +134,26 @@ def check_fits(index: LengthsIndex, caps: Capacities) -> None:
     check_tiles_fit(index, caps)
 
 
+def documents(index: LengthsIndex, caps: Capacities) -> dict[str, tuple[np.ndarray, bool, int]]:
+    """Per phase, what its attention sees: every document's size in the phase's units (LLM
+    tokens of a sample, patches of an image, encoder rows of a clip = frames / subsample),
+    whether it is causal, and the length of one packed row of the phase's bucket."""
+    return {
+        "llm": (index.llm_tokens(caps.merge_area, caps.subsample), True, caps.llm_row_len),
+        "vision": (index.images, False, caps.vision_patches),
+        "audio": (index.audio // caps.subsample, False, caps.audio_frames // caps.subsample),
+    }
+
+
 def check_tiles_fit(index: LengthsIndex, caps: Capacities) -> None:
     """Fails at start-up, naming the config key, if a document alone (at the start of an empty
     bucket) needs more attention tiles than its phase's tile capacity."""
     if not caps.block:
         return
     b = caps.block
-    docs = {
-        "llm": (index.llm_tokens(caps.merge_area, caps.subsample), True),
-        "vision": (index.images, False),
-        "audio": (index.audio // caps.subsample, False),
-    }
+    docs = documents(index, caps)
     for phase, cap in caps.tile_caps().items():
-        sizes, causal = docs[phase]
+        sizes, causal, _ = docs[phase]
         if not cap or not len(sizes):
             continue
         need = own_tiles(-(-sizes // b), causal)
