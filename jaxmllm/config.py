@@ -166,6 +166,13 @@ class BatchConfig:
     llm_tiles: int = -1
     vision_tiles: int = -1
     audio_tiles: int = -1
+    # cuDNN attention (model.attention: cudnn): the most documents one row of each phase holds,
+    # a static size of cuDNN's packed layout (its backward workspace grows with it, ~8 MiB per
+    # document at 2048 tokens, 8 heads of 64). -1 = auto: the row over the data's smallest
+    # document, which no row can exceed; a row with more is refused naming the key.
+    llm_documents: int = -1
+    vision_documents: int = -1
+    audio_documents: int = -1
 
     def __post_init__(self):
         for key in ("microbatches", "llm_rows", "llm_row_len"):
@@ -179,7 +186,8 @@ class BatchConfig:
             self.route_pair_capacity >= -1, "must be >= 0, or -1 for auto", "route_pair_capacity"
         )
         _check(self.attention_block >= 1, "must be >= 1", "attention_block")
-        for key in ("llm_tiles", "vision_tiles", "audio_tiles"):
+        for key in ("llm_tiles", "vision_tiles", "audio_tiles", "llm_documents",
+                    "vision_documents", "audio_documents"):  # fmt: skip
             _check(getattr(self, key) >= 1 or getattr(self, key) == -1, "must be >= 1, or -1 "
                    "for auto (sized from the data)", key)  # fmt: skip
         _check(

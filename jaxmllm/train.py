@@ -61,6 +61,18 @@ def main(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> 
             f"model.attention=cudnn: cuDNN's fused attention needs a GPU, this backend is "
             f"{jax.default_backend()}; use model.attention: block_sparse (every backend)"
         )
+    if cfg.model.attention == "cudnn":
+        cc = str(getattr(jax.devices()[0], "compute_capability", "none"))
+        try:
+            hopper = tuple(int(x) for x in cc.split(".")[:2]) >= (9, 0)
+        except ValueError:  # not an NVIDIA GPU (e.g. ROCm's gfx names)
+            hopper = False
+        if not hopper:
+            raise ConfigError(
+                f"model.attention=cudnn: cuDNN's packed-documents layout needs a Hopper GPU "
+                f"(compute capability 9.0) or newer, this one is {cc}; use model.attention: "
+                "block_sparse"
+            )
     # The data decides `auto` sizes before anything is shaped by them.
     source, index = make_source(cfg)
     cfg = resolve_batch(cfg, index, sharding.data_parallel_size(mesh))

@@ -310,6 +310,52 @@ def test_every_planned_tile_list_is_exactly_its_documents_tiles(planner):
         data.close()
 
 
+def test_cudnn_document_bounds_are_sized_from_the_data_and_held():
+    """cuDNN's packed layout has a static number of documents per row: resolved by a dry run of
+    the planner (exact for a run no longer than the dry run: the most a row of it holds), never
+    above what the data allows (the row over its smallest document), and a bound set too small
+    is refused naming the key."""
+    from jaxmllm.config import load_config
+    from jaxmllm.data.pipeline import capacities, make_pipeline, make_source, resolve_batch
+    from jaxmllm.plan.contract import documents
+
+    cfg = load_config(
+        "configs/tiny.yaml",
+        ["data.synthetic.num_samples=256", "model.attention=cudnn", "train.steps=4"],
+    )
+    source, index = make_source(cfg)
+    cfg = resolve_batch(cfg, index, devices=8)
+    most = {}
+    for phase, (sizes, _, row) in documents(index, capacities(cfg, 8)).items():
+        assert getattr(cfg.batch, f"{phase}_documents") <= row // int(sizes[sizes > 0].min())
+        most[phase] = 0
+    data = make_pipeline(cfg, 8, prefetch=0, source=source, index=index)
+    try:
+        for _ in range(4):
+            b = next(data)["batch"]
+            for phase in most:
+                seg = b[f"{phase}_segment_ids"]
+                if phase == "audio":
+                    seg = seg[..., :: cfg.model.audio.subsample]
+                prev = np.concatenate([np.zeros_like(seg[..., :1]), seg[..., :-1]], -1)
+                starts = ((seg > 0) & (seg != prev)).sum(-1)
+                most[phase] = max(most[phase], int(starts.max()))
+    finally:
+        data.close()
+    for phase, n in most.items():  # the dry run planned these very steps
+        assert 0 < n == getattr(cfg.batch, f"{phase}_documents"), phase
+    tight = dataclasses.replace(cfg.batch, llm_documents=most["llm"] - 1)
+    data = make_pipeline(dataclasses.replace(cfg, batch=tight), 8, prefetch=0, source=source,
+                         index=index)  # fmt: skip
+    try:
+        with pytest.raises(ValueError, match=rf"more than batch\.llm_documents={most['llm'] - 1}"):
+            for _ in range(4):
+                next(data)
+    finally:
+        data.close()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="tiny.yaml's 8 forced CPU devices")
 def test_cudnn_attention_is_refused_off_gpu_with_the_key_to_change(tmp_path):
     from jaxmllm.config import ConfigError, load_config
     from jaxmllm.train import main
@@ -328,3 +374,85 @@ def test_packed_density_counts_aligned_documents_as_aligned():
     got = tiles.packed_density(sizes, 128, block, causal=False)
     assert got == pytest.approx(16 / 32)  # 4 x 4 tiles per 32-unit document
     assert tiles.expected_tiles(sizes[:1], block, False)[0] > 16
+
+
+# ----------------------------------------------------------------------------- cuDNN (GPU only)
+
+ON_GPU = jax.default_backend() == "gpu"
+needs_gpu = pytest.mark.skipif(
+    not ON_GPU, reason="cuDNN runs on a GPU only (there: JAX_PLATFORMS=cuda pytest ...)"
+)
+
+
+def _rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+@needs_gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_kernel_equals_dense_reference_with_grouped_heads(causal):
+    """bf16 operands (what cuDNN takes) against the fp32 dense reference on the same values:
+    relative error of the output and of every gradient at bf16 level, padding outputs zero."""
+    from jaxmllm.models import cudnn
+
+    rng = np.random.default_rng(7 + causal)
+    b, t, heads, kv, e = 3, 256, 8, 2, 64
+    seg = _random_rows(rng, b, t, 90)
+    seg[0, :9] = [1, 1, 1, 2, 3, 3, 4, 5, 5]  # one-token documents between others
+    seg[0, 9:] = np.where(seg[0, 9:] > 0, seg[0, 9:] + 5, 0)
+    seg[2] = 0
+    seg[2, :5] = 1  # a five-token document, then padding
+    seg[1, :] = 3  # a document filling the whole row
+    q, k, v = (
+        jnp.asarray(rng.normal(size=(b, t, h, e)), jnp.bfloat16).astype(jnp.float32)
+        for h in (heads, kv, kv)
+    )
+    real = jnp.asarray(seg > 0)[..., None, None]
+    weights = jnp.asarray(rng.normal(size=(b, t, heads, e)), jnp.float32)
+    mask = attention_mask(jnp.asarray(seg), causal=causal)
+
+    def loss(fn, q, k, v):
+        return jnp.sum(jnp.where(real, fn(q, k, v) * weights, 0.0))
+
+    fused = lambda q, k, v: cudnn.attend(q, k, v, jnp.asarray(seg), causal=causal)
+    dense = lambda q, k, v: dense_attention(q, k, v, mask, jnp.float32)
+    out = jax.jit(fused)(q, k, v)
+    assert out.dtype == jnp.float32 and bool(jnp.isfinite(out).all())
+    assert not bool(jnp.where(real, 0.0, out).any()), "padding outputs must be zero"
+    assert _rel_err(jnp.where(real, out, 0), jnp.where(real, jax.jit(dense)(q, k, v), 0)) < 1e-2
+    got = jax.jit(jax.value_and_grad(lambda *a: loss(fused, *a), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.value_and_grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2)))(q, k, v)
+    assert abs(float(got[0] - want[0])) < 1e-2 * float(jnp.abs(weights).sum()) / heads
+    for name, g, w in zip("qkv", got[1], want[1], strict=True):
+        assert bool(jnp.isfinite(g).all()), name
+        assert _rel_err(g, w) < 2e-2, (name, _rel_err(g, w))
+
+
+@needs_gpu
+def test_cudnn_model_loss_and_every_gradient_match_the_dense_reference():
+    """The whole model (bf16 compute) with cuDNN attention in every phase against dense."""
+    rng = np.random.default_rng(0)
+    mb = build_batch(rng, _random_pack(rng), SPARSE_BATCH)
+    bf16 = dataclasses.replace(DENSE, compute_dtype="bfloat16")
+    _, params, _, dense_grad = model_fns(bf16, SPARSE_BATCH)
+    _, fused_params, _, fused_grad = model_fns(
+        dataclasses.replace(bf16, attention="cudnn"), SPARSE_BATCH
+    )
+    assert_trees_close(params, fused_params, rtol=0, atol=0)
+    (loss_d, count_d), grads_d = dense_grad(params, mb)
+    (loss_c, count_c), grads_c = fused_grad(params, mb)
+    assert count_d == count_c
+    assert abs(float(loss_c) - float(loss_d)) < 2e-2 * abs(float(loss_d))
+    from test_models import grad_leaves
+
+    # Relative to each leaf, with a floor: some leaves are exactly zero in the reference (keys
+    # of one-row audio documents: a softmax over one key), where bf16 leaves ~1e-9.
+    scale = max(float(np.linalg.norm(w)) for w in grad_leaves(grads_d))
+    bad = []
+    for i, (g, w) in enumerate(zip(grad_leaves(grads_c), grad_leaves(grads_d), strict=True)):
+        assert np.isfinite(g).all(), i
+        err = float(np.linalg.norm(g - w))
+        if err > 5e-2 * float(np.linalg.norm(w)) + 1e-4 * scale:
+            bad.append((i, w.shape, err, float(np.linalg.norm(w))))
+    assert not bad, bad

@@ -253,6 +253,7 @@ def test_ragged_exchange_arguments_reproduce_the_dense_exchange():
                 np.testing.assert_array_equal(got[d][start : start + n], want)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the refusal is XLA:CPU's")
 def test_ragged_exchange_lowers_in_the_step_and_is_refused_on_cpu(tmp_path):
     from jaxmllm.config import ConfigError
     from jaxmllm.train import main
@@ -269,3 +270,49 @@ def test_ragged_exchange_lowers_in_the_step_and_is_refused_on_cpu(tmp_path):
     bad = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=str(tmp_path)))
     with pytest.raises(ConfigError, match=r"batch\.exchange: dense on CPU"):
         main(bad)
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="XLA:CPU has no ragged_all_to_all (on a GPU: JAX_PLATFORMS=cuda pytest ...)",
+)
+def test_ragged_exchange_on_gpu_moves_the_filled_slots_and_transposes():
+    """On every GPU there is: the ragged exchange delivers each (source, phase)'s filled prefix
+    where the dense all-to-all puts it, and its transpose (the backward pass) brings the
+    gradient back to exactly those slots."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxmllm.models.mllm import _ragged_exchange
+
+    rng = np.random.default_rng(0)
+    devices, caps, width = jax.device_count(), [3, 2], 5
+    total, offsets = sum(caps), [0, caps[0]]
+    mesh = jax.make_mesh((devices,), ("data",))
+    sent = rng.normal(size=(devices, devices, total, width)).astype(np.float32)  # [src, dst]
+    counts = [rng.integers(0, c + 1, (devices, devices)).astype(np.int32) for c in caps]
+    counts[0][0, 0] = caps[0]  # a full phase chunk
+    weights = rng.normal(size=(devices, devices, total, width)).astype(np.float32)
+    on_devices = lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))
+
+    def exchange(sent_sdcw, *counts_sd):
+        body = lambda s, *c: _ragged_exchange(s[0], [x[0] for x in c], caps, ("data",))[None]
+        spec = PartitionSpec("data")
+        return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)(sent_sdcw, *counts_sd)
+
+    sent_d, counts_d = on_devices(sent), [on_devices(c) for c in counts]
+    got = np.asarray(jax.jit(exchange)(sent_d, *counts_d))  # [dst, src * total + slot, W]
+    w_d = on_devices(weights.reshape(got.shape))
+    loss = lambda s: jax.numpy.sum(exchange(s, *counts_d) * w_d)
+    grad = np.asarray(jax.jit(jax.grad(loss))(sent_d))
+    got = got.reshape(devices, devices, total, width)
+    w = weights.reshape(devices, devices, total, width)
+    for d in range(devices):
+        for s in range(devices):
+            filled = np.zeros(total, bool)
+            for p in range(len(caps)):
+                n = int(counts[p][s, d])
+                sl = slice(offsets[p], offsets[p] + n)
+                np.testing.assert_array_equal(got[d, s, sl], sent[s, d, sl])
+                filled[sl] = True
+            np.testing.assert_array_equal(grad[s, d][filled], w[d, s][filled])
+            assert not grad[s, d][~filled].any(), "unfilled slots get no gradient"

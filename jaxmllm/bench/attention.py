@@ -15,6 +15,9 @@ attention over the row's tile list (`jaxmllm.plan.tiles`). Reported per row leng
   extrapolated from the longest measured row as T^2 (`dense_measured: false`);
 - `dense_bytes`, `sparse_bytes`: peak memory of the compiled program from XLA's memory
   analysis (arguments + outputs + temporaries);
+- on a GPU also `cudnn_s`, `cudnn_bytes`: cuDNN's fused attention over the same documents
+  (`model.attention: cudnn`, bf16 operands), and `cudnn_err`: its output's relative error
+  (L2 over the real positions) against block-sparse at `--dtype`;
 - `tiles`: tiles computed (the row's tile list); `doc_tiles`: the documents' own tiles, each
   document alone from a block boundary (its causal triangle over ceil(n / block) blocks), the
   least any schedule of these documents computes; `tiles / doc_tiles` is the packing overhead.
@@ -32,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmllm.bench.mixes import load_mix
-from jaxmllm.models import blocksparse
+from jaxmllm.models import blocksparse, cudnn
 from jaxmllm.models.attention import attention_mask, dense_attention
 from jaxmllm.plan import tiles as T
 
@@ -58,12 +61,12 @@ def segments(sizes: np.ndarray, row_len: int) -> np.ndarray:
     return seg
 
 
-def _inputs(row_len: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):
+def _inputs(row_len: int, heads: int, kv_heads: int, head_dim: int, dtype, seed: int = 0):
     keys = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(keys[0], (1, row_len, heads, head_dim), jnp.float32)
-    k = jax.random.normal(keys[1], (1, row_len, kv_heads, head_dim), jnp.float32)
-    v = jax.random.normal(keys[2], (1, row_len, kv_heads, head_dim), jnp.float32)
-    w = jax.random.normal(keys[3], (1, row_len, heads, head_dim), jnp.float32)
+    q = jax.random.normal(keys[0], (1, row_len, heads, head_dim), dtype)
+    k = jax.random.normal(keys[1], (1, row_len, kv_heads, head_dim), dtype)
+    v = jax.random.normal(keys[2], (1, row_len, kv_heads, head_dim), dtype)
+    w = jax.random.normal(keys[3], (1, row_len, heads, head_dim), dtype)
     return q, k, v, w
 
 
@@ -72,6 +75,11 @@ def _grad_fn(attend):
         return jnp.sum(attend(q, k, v, *rest) * w)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def _rel_err(got, want, real) -> float:
+    got, want = (np.asarray(x, np.float64)[:, real] for x in (got, want))
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
 def _peak_bytes(compiled) -> int | None:
@@ -98,19 +106,26 @@ def measure(row_len: int, args) -> dict:
     tl = T.tile_list(offsets, sizes, np.zeros(len(sizes), np.int64), row_len // args.block,
                      args.block, True)  # fmt: skip
     doc_tiles = int(T.own_tiles(-(-sizes // args.block), True).sum())
-    q, k, v, w = _inputs(row_len, args.heads, args.kv_heads, args.head_dim)
+    dtype = jnp.dtype(args.dtype)
+    q, k, v, w = _inputs(row_len, args.heads, args.kv_heads, args.head_dim, dtype)
     seg = jnp.asarray(seg_np)[None]
 
-    sparse = _grad_fn(
-        lambda q, k, v, s, t: blocksparse.attend(q, k, v, s, t, block=args.block, causal=True)
+    sparse_fwd = lambda q, k, v, s, t: blocksparse.attend(
+        q, k, v, s, t, block=args.block, causal=True
     )
+    sparse = _grad_fn(sparse_fwd)
     sparse_args = (q, k, v, w, seg, jnp.asarray(tl, jnp.int32)[None])
     sparse_c = sparse.lower(*sparse_args).compile()
     dense = _grad_fn(
-        lambda q, k, v, s: dense_attention(q, k, v, attention_mask(s, causal=True), jnp.float32)
+        lambda q, k, v, s: dense_attention(q, k, v, attention_mask(s, causal=True), dtype)
     )
     dense_args = (q, k, v, w, seg)
-    dense_c = dense.lower(*dense_args).compile()
+    try:
+        dense_c = dense.lower(*dense_args).compile()
+    except jax.errors.JaxRuntimeError:  # a GPU's autotuner runs what it compiles: out of memory
+        if row_len <= args.dense_max:
+            raise
+        dense_c = None
     row = {
         "row_len": row_len,
         "docs": len(sizes),
@@ -121,10 +136,18 @@ def measure(row_len: int, args) -> dict:
         "dense_tiles": (row_len // args.block) * (row_len // args.block + 1) // 2,
         "sparse_s": _time(sparse_c, sparse_args, args.repeat),
         "sparse_bytes": _peak_bytes(sparse_c),
-        "dense_bytes": _peak_bytes(dense_c),
+        "dense_bytes": _peak_bytes(dense_c) if dense_c is not None else None,
         "dense_measured": row_len <= args.dense_max,
     }
     row["dense_s"] = _time(dense_c, dense_args, args.repeat) if row["dense_measured"] else None
+    if jax.default_backend() == "gpu":
+        fused_fwd = lambda q, k, v, s: cudnn.attend(q, k, v, s, causal=True, documents=len(sizes))
+        fused_c = _grad_fn(fused_fwd).lower(*dense_args).compile()
+        row["cudnn_s"] = _time(fused_c, dense_args, args.repeat)
+        row["cudnn_bytes"] = _peak_bytes(fused_c)
+        want = jax.jit(sparse_fwd)(q, k, v, seg, sparse_args[-1])
+        got = jax.jit(fused_fwd)(q, k, v, seg)
+        row["cudnn_err"] = _rel_err(got, want, seg_np > 0)
     return row
 
 
@@ -142,16 +165,20 @@ def extrapolate(rows: list[dict]) -> None:
 def table(rows: list[dict]) -> str:
     cols = ["row", "docs", "doc mean", "tiles", "doc tiles", "tiles/doc", "dense s", "sparse s",
             "speed-up", "dense MiB", "sparse MiB"]  # fmt: skip
+    fused = any("cudnn_s" in r for r in rows)
+    if fused:
+        cols += ["cudnn s", "cudnn MiB", "cudnn err"]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"
     for r in rows:
-        dense = f"{r['dense_s']:.3f}" + ("" if r["dense_measured"] else " (T^2 est.)")
+        dense = f"{r['dense_s']:.4g}" + ("" if r["dense_measured"] else " (T^2 est.)")
         lines.append(" | ".join([
             str(r["row_len"]), str(r["docs"]), f"{r['doc_mean']:.0f}", str(r["tiles"]),
             str(r["doc_tiles"]), f"{r['tiles'] / max(r['doc_tiles'], 1):.3f}", dense,
-            f"{r['sparse_s']:.3f}", f"{r['dense_s'] / r['sparse_s']:.1f}x",
+            f"{r['sparse_s']:.4g}", f"{r['dense_s'] / r['sparse_s']:.1f}x",
             mib(r["dense_bytes"]), mib(r["sparse_bytes"]),
-        ]))  # fmt: skip
+        ] + ([f"{r['cudnn_s']:.4f}", mib(r["cudnn_bytes"]), f"{r['cudnn_err']:.1e}"]
+             if fused else [])))  # fmt: skip
     return "\n".join(lines)
 
 
@@ -170,6 +197,12 @@ def main(argv: list[str] | None = None) -> None:
         default=8192,
         help="longest row dense attention is run at (longer: memory only)",
     )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="q, k, v and the computation (cuDNN's column is bf16 whatever this is)",
+    )
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     rows = []
@@ -180,8 +213,9 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(measure(row_len, args))
         print(f"row {row_len}: done", flush=True)
     extrapolate(rows)
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, mix {args.mix}, block "
-          f"{args.block}, {args.heads} heads / {args.kv_heads} kv heads of {args.head_dim}, fp32, "
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, mix {args.mix}, block "
+          f"{args.block}, {args.heads} heads / {args.kv_heads} kv heads of {args.head_dim}, "
+          f"{args.dtype}, "
           "forward + backward of one row")  # fmt: skip
     print(table(rows))
     if args.json:

@@ -181,6 +181,7 @@ def summarize(run: Run, devices: int) -> dict:
         "real_tokens_per_step": total_tokens / len(run.times),
         **{f"padding/{k}": float(np.mean([p[k] for p in run.padding])) for k in phases},
         "model_flops_per_real_token": float(np.sum(run.flops)) / total_tokens,
+        "tflops_per_device": float(np.sum(run.flops)) / total_time / devices / 1e12,
         "exchange_bytes_per_step": exchange_bytes(run.cfg, devices),
     }
 
@@ -218,10 +219,19 @@ def tile_stats(run: Run) -> dict:
     }
 
 
-def table(rows: list[dict]) -> str:
+# Dense bf16 matrix peak per device, TFLOP/s (the datasheets), by device kind: MFU's denominator.
+PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L4": 121.0, "TPU v5 lite": 197.0,
+               "TPU v5p": 459.0, "TPU v4": 275.0, "TPU v6": 918.0}  # fmt: skip
+
+
+def peak_tflops(device_kind: str) -> float | None:
+    return next((v for k, v in PEAK_TFLOPS.items() if k in device_kind), None)
+
+
+def table(rows: list[dict], peak: float | None = None) -> str:
     cols = ["policy", "tok/s", "step s", "max-dev tok/s", "max-dev step s", "pad llm", "pad vis",
-            "pad aud", "tiles", "tile fill", "tile max/mean", "FLOP/tok", "xchg MB",
-            "vs grain", "vs grain (max-dev)"]  # fmt: skip
+            "pad aud", "tiles", "tile fill", "tile max/mean", "FLOP/tok", "TFLOP/s/dev", "MFU",
+            "xchg MB", "vs grain", "vs grain (max-dev)"]  # fmt: skip
     grain = next((r for r in rows if r["policy"] == "grain"), None)
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     for r in rows:
@@ -236,7 +246,9 @@ def table(rows: list[dict]) -> str:
             f("tokens_per_s_max_device", ".0f"), f("step_time_max_device_s", ".3f"),
             *(f"{r.get(f'padding/{p}', 0.0):.2f}" for p in ("llm", "vision", "audio")),
             f("tile_capacity", "d"), f("tile_fill", ".3f"), f("tile_max_mean", ".3f"),
-            f("model_flops_per_real_token", ".3g"), f"{r['exchange_bytes_per_step'] / 1e6:.2f}",
+            f("model_flops_per_real_token", ".3g"), f("tflops_per_device", ".1f"),
+            f"{r['tflops_per_device'] / peak:.1%}" if peak else "-",
+            f"{r['exchange_bytes_per_step'] / 1e6:.2f}",
             vs("tokens_per_s"), vs("tokens_per_s_max_device"),
         ]))  # fmt: skip
     return "\n".join(lines)
@@ -274,14 +286,19 @@ def main(argv: list[str] | None = None) -> int:
         for run in runs:
             run.data.close()
     rows = [summarize(r, devices) for r in runs]
+    kind = jax.devices()[0].device_kind
+    peak = peak_tflops(kind)
     print(
-        f"{args.config}: {devices} devices ({jax.devices()[0].platform}), "
-        f"{args.steps} measured steps per policy after {args.warmup} warm-up"
+        f"{args.config}: {devices} devices ({kind}), {args.steps} measured steps per policy "
+        f"after {args.warmup} warm-up; MFU: model TFLOP/s of the real tokens over "
+        + (f"{peak} TFLOP/s (dense bf16 peak)" if peak else "- (no peak known for this device)")
     )
-    print(table(rows))
+    print(table(rows, peak))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": args.config, "devices": devices, "rows": rows}, f, indent=2)
+            out = {"config": args.config, "devices": devices, "device_kind": kind,
+                   "peak_tflops": peak, "rows": rows}  # fmt: skip
+            json.dump(out, f, indent=2)
     return 0
 
 

@@ -155,7 +155,36 @@ def bucketize(
             )
     if cfg.model.attention == "block_sparse":
         _write_tiles(batch, cfg, plan.step, pos)
+    elif cfg.model.attention == "cudnn":
+        _check_documents(batch, cfg, plan.step, pos)
     return batch
+
+
+def _check_documents(batch, cfg: Config, step: int, positions: np.ndarray) -> None:
+    """cuDNN attention: every row within its phase's `batch.*_documents` (a static size of
+    cuDNN's packed layout: a document past it would get no attention at all)."""
+    for phase in ("llm", "vision", "audio"):
+        key = f"{phase}_segment_ids"
+        if key not in batch:
+            continue
+        seg = batch[key]
+        if phase == "audio":
+            seg = seg[..., :: cfg.model.audio.subsample]  # the encoder's rows, as the planner's
+        starts = (seg > 0) & (
+            seg != np.concatenate([np.zeros_like(seg[..., :1]), seg[..., :-1]], -1)
+        )
+        count = starts.sum(-1)  # documents per row
+        most = getattr(cfg.batch, f"{phase}_documents")
+        if most < 1:
+            raise ValueError(f"batch.{phase}_documents=-1 (auto) must be resolved first "
+                             "(jaxmllm.data.pipeline.resolve_batch)")  # fmt: skip
+        if count.max(initial=0) > most:
+            m, d = np.unravel_index(int(np.argmax(count)), count.shape)[:2]
+            raise ValueError(
+                f"step {step}: a {phase} row of microbatch {m} on device {int(positions[d])} "
+                f"holds {int(count.max())} documents, more than batch.{phase}_documents={most} "
+                "(cuDNN attention's packed layout); raise it, or -1: sized from the data"
+            )
 
 
 def _write_tiles(batch, cfg: Config, step: int, positions: np.ndarray) -> None:

@@ -35,9 +35,11 @@ from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.metrics import StepCounter
 from jaxmllm.plan.capacity import (
     HELD_DRY_RUN_STEPS,
+    dry_run_documents,
     dry_run_tiles,
     held_tiles,
     largest_doc_tiles,
+    most_documents,
     suggest_capacities,
 )
 from jaxmllm.plan.contract import Capacities, Planner
@@ -102,7 +104,7 @@ def resolve_batch(cfg: Config, index: LengthsIndex, devices: int | None = None) 
         )
     if changes:
         cfg = dataclasses.replace(cfg, batch=dataclasses.replace(b, **changes))
-    tiles = resolve_tiles(cfg, index, devices)
+    tiles = {**resolve_tiles(cfg, index, devices), **resolve_documents(cfg, index, devices)}
     if tiles:
         cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, **tiles))
     if changes or tiles:
@@ -146,6 +148,33 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
     least = largest_doc_tiles(index, caps)
     need = {p: max(n, least[p]) for p, n in need.items()}
     return {key: max(need[key.removesuffix("_tiles")], 1) for key in keys}
+
+
+DOCUMENTS_HEADROOM = 0.25  # cuDNN's documents per row: over the dry run's most, when longer
+
+
+def resolve_documents(cfg: Config, index: LengthsIndex, devices: int | None) -> dict[str, int]:
+    """The `batch.*_documents: -1` (auto) of cuDNN attention: the most documents one row of the
+    planner's own plans holds in a dry run (`DRY_RUN_STEPS` at most, then `DOCUMENTS_HEADROOM`
+    more when the run is longer), never above what the data allows (the row over its smallest
+    document). cuDNN's backward workspace grows with this bound, and the data's worst case
+    (rows of the shortest samples only) is often many times what plans ever hold: at 16384
+    tokens a row, 0.4B parameters, it asked for 234 GiB on an H100. A later row past the
+    bound stops the run naming the key (`bucketize`); resume with it raised."""
+    b = cfg.batch
+    keys = [p for p in ("llm", "vision", "audio") if getattr(b, f"{p}_documents") == -1]
+    if cfg.model.attention != "cudnn" or not keys:
+        return {}
+    if devices is None:
+        devices = sharding.data_parallel_size(sharding.make_mesh(cfg.mesh))
+    caps = capacities(cfg, devices)
+    bound = most_documents(index, caps)
+    steps = min(cfg.train.steps, DRY_RUN_STEPS)
+    most = dry_run_documents(make_planner(b.planner, index, caps, cfg.data.seed), index, caps,
+                             steps)  # fmt: skip
+    if steps < cfg.train.steps:
+        most = {p: math.ceil(n * (1 + DOCUMENTS_HEADROOM)) for p, n in most.items()}
+    return {f"{p}_documents": max(1, min(bound[p], most[p])) for p in keys}
 
 
 def capacities(cfg: Config, devices: int) -> Capacities:

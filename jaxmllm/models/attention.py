@@ -35,6 +35,7 @@ class Packing:
     block: int = dataclasses.field(default=0, metadata=dict(static=True))
     causal: bool = dataclasses.field(default=False, metadata=dict(static=True))
     kind: str = dataclasses.field(default="dense", metadata=dict(static=True))
+    documents: int = dataclasses.field(default=0, metadata=dict(static=True))  # cudnn: per row
 
 
 def packing(
@@ -44,14 +45,17 @@ def packing(
     kind: str = "dense",
     tiles_bk2: jax.Array | None = None,
     block: int = 0,
+    documents: int = 0,
 ) -> Packing:
-    """The `Packing` of rows with these segment ids for attention `kind` (`model.attention`)."""
+    """The `Packing` of rows with these segment ids for attention `kind` (`model.attention`);
+    `documents`: cudnn's bound on documents per row (`batch.*_documents`, 0: the row length)."""
     if kind == "block_sparse":
         if tiles_bk2 is None:
             raise ValueError("block-sparse attention needs the tile list (batch *_tiles)")
         return Packing(segment_ids_bt, tiles=tiles_bk2, block=block, causal=causal, kind=kind)
     if kind == "cudnn":
-        return Packing(segment_ids_bt, causal=causal, kind=kind)
+        documents = documents if documents > 0 else segment_ids_bt.shape[-1]
+        return Packing(segment_ids_bt, causal=causal, kind=kind, documents=documents)
     mask = attention_mask(segment_ids_bt, causal=causal)
     return Packing(segment_ids_bt, mask=mask, causal=causal, kind="dense")
 
@@ -136,7 +140,10 @@ class Attention(nnx.Module):
                 block=pack.block, causal=pack.causal,
             )  # fmt: skip
         elif pack.kind == "cudnn":
-            out_bthe = cudnn.attend(q_bthe, k_bske, v_bske, pack.segment_ids, causal=pack.causal)
+            out_bthe = cudnn.attend(
+                q_bthe, k_bske, v_bske, pack.segment_ids, causal=pack.causal,
+                documents=pack.documents,
+            )  # fmt: skip
         else:
             out_bthe = dense_attention(q_bthe, k_bske, v_bske, pack.mask, self.dtype)
         return self.out(out_bthe.astype(self.dtype))

@@ -30,9 +30,11 @@ class AudioEncoder(nnx.Module):
         remat_policy: str = "nothing",
         attention: str = "dense",
         block: int = 0,
+        documents: int = 0,
         rngs: nnx.Rngs,
     ):
         self.attention, self.block = attention, block  # model.attention, batch.attention_block
+        self.documents = documents  # batch.*_documents (cudnn attention)
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.conv1 = Dense(2 * cfg.n_mels, cfg.width, ("mel", "embed"), use_bias=True, **kw)
         # The input dim stays unsharded: naming it "embed" too would map two dims to one axis.
@@ -72,7 +74,12 @@ class AudioEncoder(nnx.Module):
         x_bnd = jax.nn.gelu(self.conv2(_pair_rows(x)))
         segment_ids_bn, positions_bn = subsample_ids(segment_ids_bf, positions_bf)
         pack = packing(
-            segment_ids_bn, causal=False, kind=self.attention, tiles_bk2=tiles_bk2, block=self.block
+            segment_ids_bn,
+            causal=False,
+            kind=self.attention,
+            tiles_bk2=tiles_bk2,
+            block=self.block,
+            documents=self.documents,
         )
         return self.transformer(x_bnd, pack, positions_bn)
 

@@ -29,9 +29,11 @@ class Decoder(nnx.Module):
         remat_policy: str = "nothing",
         attention: str = "dense",
         block: int = 0,
+        documents: int = 0,
         rngs: nnx.Rngs,
     ):
         self.attention, self.block = attention, block  # model.attention, batch.attention_block
+        self.documents = documents  # batch.*_documents (cudnn attention)
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.embed = Embed(cfg.vocab_size, cfg.width, **kw)
         self.transformer = Transformer(
@@ -72,7 +74,12 @@ class Decoder(nnx.Module):
           Logits [B, T, vocab] in float32.
         """
         pack = packing(
-            segment_ids_bt, causal=True, kind=self.attention, tiles_bk2=tiles_bk2, block=self.block
+            segment_ids_bt,
+            causal=True,
+            kind=self.attention,
+            tiles_bk2=tiles_bk2,
+            block=self.block,
+            documents=self.documents,
         )
         x_btd = self.transformer(x_btd, pack, positions_bt)
         if self.lm_head is None:

@@ -45,15 +45,20 @@ class MultimodalLM(nnx.Module):
             block=batch_cfg.attention_block,
         )
         vis, aud = cfg.vision, cfg.audio
-        self.vision = VisionEncoder(vis, **remat, **kw) if vis.enabled else None
+        docs = lambda phase: max(getattr(batch_cfg, f"{phase}_documents"), 0)  # 0: unresolved
+        self.vision = (
+            VisionEncoder(vis, **remat, documents=docs("vision"), **kw) if vis.enabled else None
+        )
         self.vision_projector = (
             VisionProjector(vis.width, cfg.llm.width, vis.merge, **kw) if vis.enabled else None
         )
-        self.audio = AudioEncoder(aud, **remat, **kw) if aud.enabled else None
+        self.audio = (
+            AudioEncoder(aud, **remat, documents=docs("audio"), **kw) if aud.enabled else None
+        )
         self.audio_projector = (
             AudioProjector(aud.width, cfg.llm.width, **kw) if aud.enabled else None
         )
-        self.llm = Decoder(cfg.llm, **remat, **kw)
+        self.llm = Decoder(cfg.llm, **remat, documents=docs("llm"), **kw)
         if batch_cfg.route_pair_capacity < 0:
             raise ValueError(
                 "batch.route_pair_capacity=-1 (auto) must be resolved against the data first "

@@ -30,9 +30,11 @@ class VisionEncoder(nnx.Module):
         remat_policy: str = "nothing",
         attention: str = "dense",
         block: int = 0,
+        documents: int = 0,
         rngs: nnx.Rngs,
     ):
         self.attention, self.block = attention, block  # model.attention, batch.attention_block
+        self.documents = documents  # batch.*_documents (cudnn attention)
         patch_dim = cfg.patch_size * cfg.patch_size * cfg.channels
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.patch_embed = Dense(patch_dim, cfg.width, ("patch", "embed"), use_bias=True, **kw)
@@ -69,6 +71,11 @@ class VisionEncoder(nnx.Module):
         """
         x_bpd = self.patch_embed(patches_bpc)
         pack = packing(
-            segment_ids_bp, causal=False, kind=self.attention, tiles_bk2=tiles_bk2, block=self.block
+            segment_ids_bp,
+            causal=False,
+            kind=self.attention,
+            tiles_bk2=tiles_bk2,
+            block=self.block,
+            documents=self.documents,
         )
         return self.transformer(x_bpd, pack, positions_bp2)

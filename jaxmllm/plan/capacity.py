@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from jaxmllm.data.samples import LengthsIndex
-from jaxmllm.plan.contract import Capacities, Planner, documents, step_tiles
+from jaxmllm.plan.contract import Capacities, Planner, documents, step_documents, step_tiles
 from jaxmllm.plan.select import BINDING
 from jaxmllm.plan.tiles import own_tiles, packed_density
 
@@ -224,6 +224,28 @@ def largest_doc_tiles(index: LengthsIndex, caps: Capacities) -> dict[str, int]:
         out[phase] = (
             int(own_tiles(np.array([(n.max() - 1) // caps.block + 2]), causal)[0]) if len(n) else 0
         )
+    return out
+
+
+def dry_run_documents(
+    planner: Planner, index: LengthsIndex, caps: Capacities, steps: int
+) -> dict[str, int]:
+    """The most documents one row of `planner`'s plans holds per phase over `steps` plans
+    (`planner` is used up: its state advances)."""
+    most = {"llm": 0, "vision": 0, "audio": 0}
+    for _ in range(steps):
+        for phase, n in step_documents(planner.plan(), index, caps).items():
+            most[phase] = max(most[phase], n)
+    return most
+
+
+def most_documents(index: LengthsIndex, caps: Capacities) -> dict[str, int]:
+    """Per phase, the most documents one packed row can hold with this data: the row over the
+    smallest document (documents never share a position), at most the row, at least 1."""
+    out = {}
+    for phase, (n, _, row) in documents(index, caps).items():
+        n = n[n > 0]
+        out[phase] = max(1, min(row, row // int(n.min()))) if len(n) and row else 1
     return out
 
 

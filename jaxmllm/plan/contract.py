@@ -260,6 +260,18 @@ def step_tiles(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> dict[st
     return out
 
 
+def step_documents(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> dict[str, int]:
+    """Per phase, the most documents one packed row of the plan holds (cuDNN attention's
+    static bound, `batch.*_documents`)."""
+    out = {}
+    for phase in PHASES:
+        micro, dev, row, _, size = phase_docs(plan, index, caps, phase)
+        rows = caps.llm_rows if phase == "llm" else 1
+        bins = ((micro * caps.devices + dev) * rows + row)[size > 0]
+        out[phase] = int(np.bincount(bins).max(initial=0)) if len(bins) else 0
+    return out
+
+
 def _check_segments(
     step: int, what: str, key: np.ndarray, start: np.ndarray, size: np.ndarray, cap: int
 ) -> None:
