@@ -250,19 +250,37 @@ def most_documents(index: LengthsIndex, caps: Capacities) -> dict[str, int]:
 
 
 def held_tiles(planner: Planner, index: LengthsIndex, caps: Capacities, steps: int) -> dict:
-    """The tile capacities of a planner that holds them (`registry.HOLDS_TILES`): the mean need
-    plus headroom (`suggest_tiles`), or what `steps` of its plans without a bound needed where
-    that is less (`planner`, built on `caps` without tile bounds, is used up)."""
-    most = dry_run_tiles(planner, index, caps, steps)
-    return {p: min(n, most[p]) for p, n in suggest_tiles(index, caps).items()}
+    """The tile capacities of a planner that holds them (`registry.HOLDS_TILES`), per phase the
+    least of: the data's mean need of a bucket filled to the phase's share plus headroom
+    (`suggest_tiles`); the mean need of `steps` of its own plans without a bound plus the same
+    headroom (less where its plans fill less than that: few devices to choose among, samples
+    that wait); the most any of those plans needed (uniform data, tiles even unheld). Never
+    below the largest document's own tiles. (`planner`, built on `caps` without tile bounds,
+    is used up.)"""
+    most, mean = dry_run_tile_stats(planner, index, caps, steps)
+    least = largest_doc_tiles(index, caps)
+    return {
+        p: max(least[p], min(n, most[p], math.ceil(mean[p] * (1 + TILE_HEADROOM)))) if n else 0
+        for p, n in suggest_tiles(index, caps).items()
+    }
 
 
 def dry_run_tiles(planner: Planner, index: LengthsIndex, caps: Capacities, steps: int) -> dict:
     """The most tiles any bucket of `planner` needs per phase over its first `steps` plans:
     the smallest tile capacities a planner that ignores them never exceeds (`planner` is used
     up: its state advances)."""
+    return dry_run_tile_stats(planner, index, caps, steps)[0]
+
+
+def dry_run_tile_stats(
+    planner: Planner, index: LengthsIndex, caps: Capacities, steps: int
+) -> tuple[dict[str, int], dict[str, float]]:
+    """(most, mean) tiles a bucket of `planner`'s first `steps` plans needs, per phase (the
+    mean over every bucket of every step; `planner` is used up)."""
     most = {"llm": 0, "vision": 0, "audio": 0}
+    total = dict.fromkeys(most, 0.0)
     for _ in range(steps):
         for phase, need in step_tiles(planner.plan(), index, caps).items():
             most[phase] = max(most[phase], int(need.max(initial=0)))
-    return most
+            total[phase] += float(need.mean()) if need.size else 0.0
+    return most, {p: t / max(steps, 1) for p, t in total.items()}
