@@ -378,3 +378,46 @@ def test_planning_never_imports_config():
             seen.add(dep)
             todo.append(dep)
     assert "jaxmllm.config" not in seen
+
+
+def test_lengths_files_are_rounded_as_the_pipeline_rounds_and_bad_lines_named(tmp_path, capsys):
+    """Audio frame counts off the subsampling factor and image patches off the merge area are
+    rounded down (what the pipeline does to real media), items that vanish are dropped and
+    counted, the bench plans the result without raising; a malformed record names its line."""
+    from jaxmllm.bench.balance import main
+    from jaxmllm.bench.mixes import load_lengths
+
+    rng = np.random.default_rng(0)
+    lines = [{"text": 3, "audio": [3]}, {"images": [2]}]  # both vanish: audio 3 -> 0, image 2 -> 0
+    for _ in range(400):
+        lines.append({
+            "text": int(rng.integers(1, 400)),
+            "images": [int(x) for x in rng.integers(1, 3000, int(rng.integers(0, 3)))],
+            "audio": [int(x) for x in rng.integers(1, 2000, int(rng.integers(0, 2)))],
+        })  # fmt: skip
+    path = tmp_path / "odd.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    index = load_lengths(path)
+    assert len(index) == len(lines) - 1  # {"images": [2]} has no LLM token left
+    assert (index.audio % SUBSAMPLE == 0).all() and (index.audio > 0).all()
+    assert (index.images % MERGE_AREA == 0).all() and (index.images > 0).all()
+    assert index.text[0] == 3 and index.audio_ptr[1] == 0  # the 3-frame clip is gone
+    raw = [x for rec in lines for x in rec.get("audio", [])]
+    assert sorted(index.audio.tolist()) == sorted(x // 4 * 4 for x in raw if x >= 4)
+    out = tmp_path / "rows.json"
+    args = ["--lengths", str(path), "--devices", "8", "--policies", "orchestrated,grain"]
+    assert main(args + ["--tokens", "8192", "--max-steps", "6", "--json", str(out)]) == 0
+    assert [r["policy"] for r in json.loads(out.read_text())] == ["orchestrated", "grain"]
+
+    for bad, what in [
+        ('{"text": -1}', "text must be a count"),
+        ('{"text": 3, "audio": [850.5]}', "audio must be a list of frame counts"),
+        ('{"text": 3, "images": 1024}', "images must be a list of patch counts"),
+        ('{"txt": 3}', r"unknown field\(s\) \['txt'\]"),
+        ("[1, 2]", "expected an object"),
+    ]:
+        path.write_text('{"text": 5}\n' + bad + "\n")
+        with pytest.raises(ValueError, match=rf"odd.jsonl:2: {what}"):
+            load_lengths(path)
+        assert main(["--lengths", str(path), "--devices", "8"]) == 2
+        assert "odd.jsonl:2" in capsys.readouterr().err

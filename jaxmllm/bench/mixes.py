@@ -8,13 +8,19 @@
 
 Lengths files are read in the DESIGN.md JSONL format (`{"text": 312, "images": [1024]}` a line) or
 in the InternVL JSON format (`[{"vit_num": 3, "token_num": 811}, ...]`), detected by content;
-either may be gzipped (`.gz`).
+either may be gzipped (`.gz`). A record that is not of that form (a field of the wrong type, a
+negative count) is refused with its line named. Lengths are rounded as the data pipeline
+rounds real media: image patches down to a multiple of the merge area (the pipeline resizes
+images to whole merge windows) and audio frames down to a multiple of the subsampling factor
+(`jaxmllm.data.audio.clip_frames`); an item that rounds to nothing is dropped from its sample,
+and a sample left with no LLM tokens is dropped; both are counted (`LoadedLengths`).
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +32,7 @@ INTERNVL_TILE_TOKENS = 256  # after pixel shuffle (merge 2 x 2)
 
 
 LENGTHS_DIR = Path(__file__).resolve().parent / "lengths"
+log = logging.getLogger(__name__)
 
 
 def from_arrays(
@@ -99,8 +106,9 @@ def _from_internvl(recs: list, where: str) -> LengthsIndex:
     return from_arrays(text, imgs, [np.zeros(0, np.int64)] * len(tiles))
 
 
-def load_lengths(path: str | Path) -> LengthsIndex:
-    """Reads a lengths file: DESIGN.md JSONL, or an InternVL JSON table (detected)."""
+def load_lengths(path: str | Path, merge_area: int = 4, subsample: int = 4) -> LengthsIndex:
+    """Reads a lengths file: DESIGN.md JSONL, or an InternVL JSON table (detected); lengths
+    rounded to the phases' granularity (see the module docstring), what was dropped logged."""
     path = Path(path)
     text = _read_text(path)
     head = text.lstrip()[:1]
@@ -114,12 +122,73 @@ def load_lengths(path: str | Path) -> LengthsIndex:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{k}: not JSON: {e}") from None
-        if "vit_num" in rec:
+        if isinstance(rec, dict) and "vit_num" in rec:
             return _from_internvl(
                 [json.loads(x) for x in text.splitlines() if x.strip()], str(path)
             )
-        records.append(rec)
-    return LengthsIndex.from_records(records)
+        records.append(_checked(rec, f"{path}:{k}"))
+    if not records:
+        raise ValueError(f"{path}: no records (one JSON object a line)")
+    index, dropped = rounded(LengthsIndex.from_records(records), merge_area, subsample)
+    if not len(index):
+        raise ValueError(f"{path}: no sample has an LLM token after rounding: {dropped}")
+    if any(dropped.values()):
+        log.warning("%s: lengths rounded to the phases' granularity: %s", path, dropped)
+    return index
+
+
+def _checked(rec: object, where: str) -> dict:
+    """One lengths record, or a ValueError naming where it is and what to change."""
+    if not isinstance(rec, dict):
+        raise ValueError(f'{where}: expected an object like {{"text": 312, "images": [1024]}}')
+    unknown = set(rec) - {"text", "images", "audio"}
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}: text, images, audio")
+    text = rec.get("text", 0)
+    if not _count(text):
+        raise ValueError(f"{where}: text must be a count of tokens >= 0, got {text!r}")
+    for key in ("images", "audio"):
+        items = rec.get(key, [])
+        if not isinstance(items, list) or not all(_count(v) for v in items):
+            what = "patch counts" if key == "images" else "frame counts"
+            raise ValueError(f"{where}: {key} must be a list of {what} >= 0, got {items!r}")
+    return rec
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def rounded(
+    index: LengthsIndex, merge_area: int, subsample: int
+) -> tuple[LengthsIndex, dict[str, int]]:
+    """`index` with image patches rounded down to a multiple of `merge_area` and audio frames
+    to a multiple of `subsample`, items that round to 0 dropped from their samples and samples
+    left with no LLM tokens dropped; and the counts of what was dropped or changed."""
+    imgs = [
+        index.images[index.images_ptr[i] : index.images_ptr[i + 1]] // merge_area * merge_area
+        for i in range(len(index))
+    ]
+    auds = [
+        index.audio[index.audio_ptr[i] : index.audio_ptr[i + 1]] // subsample * subsample
+        for i in range(len(index))
+    ]
+    counts = {
+        "images_rounded": int((index.images % merge_area != 0).sum()),
+        "audio_rounded": int((index.audio % subsample != 0).sum()),
+        "images_dropped": int(sum((x == 0).sum() for x in imgs)),
+        "audio_dropped": int(sum((x == 0).sum() for x in auds)),
+    }
+    imgs = [x[x > 0] for x in imgs]
+    auds = [x[x > 0] for x in auds]
+    keep = [
+        i
+        for i in range(len(index))
+        if index.text[i] + (imgs[i] // merge_area).sum() + (auds[i] // subsample).sum() > 0
+    ]
+    counts["samples_dropped"] = len(index) - len(keep)
+    out = from_arrays(index.text[keep], [imgs[i] for i in keep], [auds[i] for i in keep])
+    return out, counts
 
 
 def _read_text(path: Path) -> str:
