@@ -421,3 +421,28 @@ def test_lengths_files_are_rounded_as_the_pipeline_rounds_and_bad_lines_named(tm
             load_lengths(path)
         assert main(["--lengths", str(path), "--devices", "8"]) == 2
         assert "odd.jsonl:2" in capsys.readouterr().err
+
+
+def test_random_workloads_are_a_family_and_the_bench_summarizes_them(tmp_path, capsys):
+    """random_mix: deterministic per seed, different across seeds, lengths on the phases'
+    granularity, every sample within the bench's rows; the bench runs the family and prints
+    the distribution of its figures."""
+    from jaxmllm.bench import family
+    from jaxmllm.bench.balance import main
+    from jaxmllm.bench.mixes import random_mix
+
+    a, b, c = random_mix(5, 3000), random_mix(5, 3000), random_mix(6, 3000)
+    assert (a.text == b.text).all() and (a.images == b.images).all() and (a.audio == b.audio).all()
+    assert len(a.images) != len(c.images) or (a.text != c.text).any()
+    for ix in (a, c):
+        assert (ix.audio % SUBSAMPLE == 0).all() and (ix.images % MERGE_AREA == 0).all()
+        assert ix.llm_tokens(MERGE_AREA, SUBSAMPLE).max() <= 32768 and ix.text.max() <= 16384
+    out = tmp_path / "rows.json"
+    args = ["--random", "2", "--seed", "3", "--devices", "8", "--policies", "orchestrated,grain"]
+    assert main(args + ["--max-steps", "4", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert sorted({r["mix"] for r in rows}) == ["random:3", "random:4"]
+    summaries = family.summarize(rows)
+    assert {(s["policy"], s["mixes"]) for s in summaries} == {("orchestrated", 2), ("grain", 2)}
+    printed = capsys.readouterr().out
+    assert "over 2 random workloads" in printed and family.table(summaries) in printed

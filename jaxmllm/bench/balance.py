@@ -58,7 +58,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmllm.bench.mixes import MIXES, load_lengths, load_mix
+from jaxmllm.bench import family
+from jaxmllm.bench.mixes import MIXES, load_lengths, load_mix, random_mix
 from jaxmllm.config import ModelConfig
 from jaxmllm.data.cost import CostModel
 from jaxmllm.data.samples import LengthsIndex
@@ -377,6 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--lengths", help="lengths file (JSONL, or an InternVL JSON table)")
     src.add_argument("--mix", help=f"built-in mix(es), comma-separated: {', '.join(MIXES)}")
+    src.add_argument("--random", type=int, metavar="N",
+                     help="N random workloads (mixes.random_mix, seeds --seed..+N-1), then the "
+                     "distribution of each figure over them (bench/family.py)")  # fmt: skip
+    ap.add_argument("--seed", type=int, default=0, help="first seed of --random")
     ap.add_argument("--devices", default="8,64", help="device counts, comma-separated")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--tokens", type=int, default=32768, help="LLM tokens per device and micro")
@@ -401,11 +406,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cost = CostModel.from_model(ModelConfig())
     try:
-        sources = (
-            [(Path(args.lengths).name, load_lengths(args.lengths))]
-            if args.lengths
-            else [(m, load_mix(m)) for m in args.mix.split(",")]
-        )
+        if args.lengths:
+            sources = [(Path(args.lengths).name, load_lengths(args.lengths))]
+        elif args.random:
+            seeds = range(args.seed, args.seed + args.random)
+            sources = [(f"random:{s}", random_mix(s)) for s in seeds]
+        else:
+            sources = [(m, load_mix(m)) for m in args.mix.split(",")]
     except (OSError, ValueError) as e:  # a missing table or an unknown mix: say which
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -432,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
                 plots[(name, d, pol)] = first
                 print(format_row(row), flush=True)
             print_like_for_like([r for r in rows if r["mix"] == name and r["devices"] == d])
+    if args.random:
+        print(f"\n== over {args.random} random workloads (seeds {args.seed}..)")
+        print(family.table(family.summarize(rows)))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     if args.plot:

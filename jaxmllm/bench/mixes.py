@@ -87,6 +87,59 @@ def synthetic_omni(num_samples: int = 20000, seed: int = 0, merge: int = 2) -> L
     return from_arrays(text, images, audio)
 
 
+RANDOM_KINDS = ("chat", "image", "multi_image", "video", "video_audio", "audio", "image_audio")
+
+
+def random_mix(
+    seed: int, num_samples: int = 20000, merge: int = 2, subsample: int = 4
+) -> LengthsIndex:
+    """A workload drawn at random, for holding the balancer to data it was not tuned on.
+
+    Per mix, drawn from `seed`: the share of each kind of sample (`RANDOM_KINDS`, a Dirichlet
+    draw, so some mixes are nearly one kind and some even), and per kind its text length
+    distribution (log-normal, median 16-2000 tokens, spread 0.2-1.2; chats up to 16k tokens,
+    the rest up to 4k). Media: native-resolution images of 2-100 patches a side (up to 10k
+    patches; the side distribution drawn per mix), multi-image samples of 2 up to 3-8 smaller
+    images, videos of 8 up to 16-64 frames of one size each (6-24 patches a side), audio clips
+    of 1 up to 5-30 s at 100 frames a second of any frame count (rounded down to `subsample`
+    as the pipeline rounds real clips: `rounded`), and tracks beside videos and images.
+    """
+    rng = np.random.default_rng([seed, 18])
+    k = len(RANDOM_KINDS)
+    kind = rng.choice(k, size=num_samples, p=rng.dirichlet(np.full(k, 0.5)))
+    median = np.exp(rng.uniform(np.log(16), np.log(2000), k))
+    spread = rng.uniform(0.2, 1.2, k)
+    longest = np.where(np.arange(k) == RANDOM_KINDS.index("chat"), 16384, 4096)
+    text = rng.lognormal(np.log(median[kind]), spread[kind])
+    text = np.clip(text, 1, longest[kind]).astype(np.int64)
+    img_side = np.exp(rng.uniform(np.log(6), np.log(60)))  # median side of single images
+    most_images, most_frames = int(rng.integers(3, 9)), int(rng.integers(16, 65))
+    most_seconds = rng.uniform(5, 30)
+
+    def sides(n, med, hi):  # native resolution: patches a side, whole merge windows
+        s = np.clip(rng.lognormal(np.log(med), 0.5, size=n), 2, hi)
+        return (np.ceil(s / merge) * merge).astype(np.int64)
+
+    def clip():  # frames of 1..most_seconds at 100 a second, any count
+        return np.array([int(100 * np.exp(rng.uniform(0, np.log(most_seconds))))], np.int64)
+
+    images: list[np.ndarray] = [np.zeros(0, np.int64)] * num_samples
+    audio: list[np.ndarray] = [np.zeros(0, np.int64)] * num_samples
+    for i, kd in enumerate(kind):
+        name = RANDOM_KINDS[kd]
+        if name in ("image", "image_audio"):
+            images[i] = sides(1, img_side, 100) * sides(1, img_side, 100)
+        elif name == "multi_image":
+            n = int(rng.integers(2, most_images + 1))
+            images[i] = sides(n, img_side / 2, 50) * sides(n, img_side / 2, 50)
+        elif name in ("video", "video_audio"):
+            side = int(sides(1, 12, 24)[0])
+            images[i] = np.full(int(rng.integers(8, most_frames + 1)), side * side, np.int64)
+        if name in ("audio", "video_audio", "image_audio"):
+            audio[i] = clip()
+    return rounded(from_arrays(text, images, audio), merge * merge, subsample)[0]
+
+
 def load_internvl(path: str | Path) -> LengthsIndex:
     """Reads an InternVL length table (`vit_num` tiles, `token_num` LLM tokens incl. tiles)."""
     return _from_internvl(json.loads(_read_text(path)), str(path))

@@ -1,0 +1,71 @@
+"""The balance bench over a family of workloads: the distribution of each figure per policy.
+
+`python -m jaxmllm.bench.balance --random N --seed S` runs N random workloads
+(`mixes.random_mix`, seeds S..S+N-1) and prints, per policy and device count, over the mixes:
+
+  bfill      the binding phases' lowest fill per mix: min / median
+  steps/LB   median / max
+  quad/bnd   quad max/mean over its bound (1.00: no plan of those samples does better): median / max
+  cv ratio   random / ours, over the mixes where random dealing's CV is above 0.05 (`n` of them):
+             min / median
+  age        the most steps any sample waited, over all mixes
+  cap/mean   tile capacity over mean need (block-sparse): median / max
+  ms/step    planning time: median / max
+"""
+
+from __future__ import annotations
+
+import statistics
+
+NOISY_CV = 0.05  # random dealing's CV above which the CV ratio is a target (issue 18)
+
+
+def _stats(values: list[float], low: bool) -> str:
+    if not values:
+        return "-"
+    edge = min(values) if low else max(values)
+    return (
+        f"{edge:.3f} / {statistics.median(values):.3f}"
+        if low
+        else (f"{statistics.median(values):.3f} / {edge:.3f}")
+    )
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One summary per (policy, devices) over the mixes of `rows` (balance bench rows)."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["policy"], r["devices"]), []).append(r)
+    out = []
+    for (policy, devices), rs in groups.items():
+        bfill = [min(r["fill"][p] for p in r["binding"]) for r in rs if r["binding"]]
+        noisy = [r for r in rs if r["random_cv"] > NOISY_CV and r["micro_cv"] > 0]
+        out.append({
+            "policy": policy,
+            "devices": devices,
+            "mixes": len(rs),
+            "binding_fill": bfill,
+            "steps_over_lb": [r["steps_over_lb"] for r in rs],
+            "quad_over_bound": [r["quad_max_mean"] / r["quad_bound"] for r in rs],
+            "cv_ratio": [r["random_cv"] / r["micro_cv"] for r in noisy],
+            "max_age": max(r["max_age"] for r in rs),
+            "tile_cap_over_mean": [r[t] for r in rs if (t := "tile_cap_over_mean") in r],
+            "ms_per_step": [r["ms_per_step"] for r in rs],
+        })  # fmt: skip
+    return out
+
+
+def table(summaries: list[dict]) -> str:
+    cols = ["policy", "D", "mixes", "bfill min/med", "steps/LB med/max", "quad/bnd med/max",
+            "cv ratio min/med (n)", "age", "cap/mean med/max", "ms/step med/max"]  # fmt: skip
+    lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
+    for s in summaries:
+        lines.append(" | ".join([
+            s["policy"], str(s["devices"]), str(s["mixes"]),
+            _stats(s["binding_fill"], low=True), _stats(s["steps_over_lb"], low=False),
+            _stats(s["quad_over_bound"], low=False),
+            _stats(s["cv_ratio"], low=True) + f" ({len(s['cv_ratio'])})", str(s["max_age"]),
+            _stats(s["tile_cap_over_mean"], low=False),
+            _stats(s["ms_per_step"], low=False).replace(".000", ""),
+        ]))  # fmt: skip
+    return "\n".join(lines)
