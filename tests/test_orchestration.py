@@ -142,7 +142,10 @@ def test_step_exchanges_by_all_to_all_and_compiles_once_over_50_steps():
     assert prog.step._cache_size() == 1
 
 
-@pytest.mark.parametrize("below", ["trainable_projector", "nothing_trainable"])
+@pytest.mark.parametrize(
+    "below",  # (the second case runs with the slow tests: the default suite stays under 10 min)
+    ["trainable_projector", pytest.param("nothing_trainable", marks=pytest.mark.slow)],
+)
 def test_frozen_encoder_costs_match_the_cost_model(below):
     """XLA's own FLOP count: a frozen encoder runs forward only (1x instead of 3x)."""
     extra = [
