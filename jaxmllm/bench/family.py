@@ -21,14 +21,11 @@ NOISY_CV = 0.05  # random dealing's CV above which the CV ratio is a target (iss
 
 
 def _stats(values: list[float], low: bool) -> str:
+    """`min / median` where low values are the bad ones, else `median / max`."""
     if not values:
         return "-"
-    edge = min(values) if low else max(values)
-    return (
-        f"{edge:.3f} / {statistics.median(values):.3f}"
-        if low
-        else (f"{statistics.median(values):.3f} / {edge:.3f}")
-    )
+    median = statistics.median(values)
+    return f"{min(values):.3f} / {median:.3f}" if low else f"{median:.3f} / {max(values):.3f}"
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -66,6 +63,6 @@ def table(summaries: list[dict]) -> str:
             _stats(s["quad_over_bound"], low=False),
             _stats(s["cv_ratio"], low=True) + f" ({len(s['cv_ratio'])})", str(s["max_age"]),
             _stats(s["tile_cap_over_mean"], low=False),
-            _stats(s["ms_per_step"], low=False).replace(".000", ""),
+            _stats(s["ms_per_step"], low=False),
         ]))  # fmt: skip
     return "\n".join(lines)

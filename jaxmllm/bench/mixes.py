@@ -13,7 +13,7 @@ negative count) is refused with its line named. Lengths are rounded as the data 
 rounds real media: image patches down to a multiple of the merge area (the pipeline resizes
 images to whole merge windows) and audio frames down to a multiple of the subsampling factor
 (`jaxmllm.data.audio.clip_frames`); an item that rounds to nothing is dropped from its sample,
-and a sample left with no LLM tokens is dropped; both are counted (`LoadedLengths`).
+and a sample left with no LLM tokens is dropped; both are counted and logged (`rounded`).
 """
 
 from __future__ import annotations
@@ -218,29 +218,36 @@ def rounded(
     """`index` with image patches rounded down to a multiple of `merge_area` and audio frames
     to a multiple of `subsample`, items that round to 0 dropped from their samples and samples
     left with no LLM tokens dropped; and the counts of what was dropped or changed."""
-    imgs = [
-        index.images[index.images_ptr[i] : index.images_ptr[i + 1]] // merge_area * merge_area
-        for i in range(len(index))
-    ]
-    auds = [
-        index.audio[index.audio_ptr[i] : index.audio_ptr[i + 1]] // subsample * subsample
-        for i in range(len(index))
-    ]
+    img = index.images // merge_area * merge_area
+    aud = index.audio // subsample * subsample
     counts = {
-        "images_rounded": int((index.images % merge_area != 0).sum()),
-        "audio_rounded": int((index.audio % subsample != 0).sum()),
-        "images_dropped": int(sum((x == 0).sum() for x in imgs)),
-        "audio_dropped": int(sum((x == 0).sum() for x in auds)),
+        "images_rounded": int((index.images != img).sum()),
+        "audio_rounded": int((index.audio != aud).sum()),
+        "images_dropped": int((img == 0).sum()),
+        "audio_dropped": int((aud == 0).sum()),
     }
-    imgs = [x[x > 0] for x in imgs]
-    auds = [x[x > 0] for x in auds]
-    keep = [
-        i
-        for i in range(len(index))
-        if index.text[i] + (imgs[i] // merge_area).sum() + (auds[i] // subsample).sum() > 0
-    ]
-    counts["samples_dropped"] = len(index) - len(keep)
-    out = from_arrays(index.text[keep], [imgs[i] for i in keep], [auds[i] for i in keep])
+    same_ptrs = dict(images_ptr=index.images_ptr, audio_ptr=index.audio_ptr)
+    keep = (
+        LengthsIndex(text=index.text, images=img, audio=aud, **same_ptrs).llm_tokens(
+            merge_area, subsample
+        )
+        > 0
+    )
+    counts["samples_dropped"] = int((~keep).sum())
+    new_id = np.cumsum(keep) - 1  # a kept sample's position in the result
+
+    def kept(values, ptr):  # the non-zero items of kept samples, and their new pointers
+        owner = np.repeat(np.arange(len(index)), np.diff(ptr))
+        mask = (values > 0) & keep[owner]
+        per = np.bincount(new_id[owner[mask]], minlength=int(keep.sum()))
+        return values[mask], np.concatenate([[0], np.cumsum(per)]).astype(np.int64)
+
+    (images, images_ptr), (audio, audio_ptr) = (
+        kept(img, index.images_ptr),
+        kept(aud, index.audio_ptr),
+    )
+    out = LengthsIndex(text=index.text[keep], images_ptr=images_ptr, images=images,
+                       audio_ptr=audio_ptr, audio=audio)  # fmt: skip
     return out, counts
 
 

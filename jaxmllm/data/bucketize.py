@@ -33,7 +33,7 @@ from jaxmllm.config import Config
 from jaxmllm.data import tokenizer as tok
 from jaxmllm.data.samples import LengthsIndex, Sample
 from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
-from jaxmllm.plan.tiles import TileOverflow, from_segments
+from jaxmllm.plan.tiles import TileOverflow, document_starts, from_segments
 
 
 def batch_shapes(cfg: Config, devices: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -170,10 +170,7 @@ def _check_documents(batch, cfg: Config, step: int, positions: np.ndarray) -> No
         seg = batch[key]
         if phase == "audio":
             seg = seg[..., :: cfg.model.audio.subsample]  # the encoder's rows, as the planner's
-        starts = (seg > 0) & (
-            seg != np.concatenate([np.zeros_like(seg[..., :1]), seg[..., :-1]], -1)
-        )
-        count = starts.sum(-1)  # documents per row
+        count = document_starts(seg).sum(-1)  # documents per row
         most = getattr(cfg.batch, f"{phase}_documents")
         if most < 1:
             raise ValueError(f"batch.{phase}_documents=-1 (auto) must be resolved first "

@@ -135,12 +135,11 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
     if devices is None:
         devices = sharding.data_parallel_size(sharding.make_mesh(cfg.mesh))
         caps = dataclasses.replace(caps, devices=devices)
+    planner = make_planner(b.planner, index, caps, cfg.data.seed)
     if b.planner in HOLDS_TILES:
-        planner = make_planner(b.planner, index, caps, cfg.data.seed)
         need = held_tiles(planner, index, caps, min(cfg.train.steps, HELD_DRY_RUN_STEPS))
     else:
         steps = min(cfg.train.steps, DRY_RUN_STEPS)
-        planner = make_planner(b.planner, index, caps, cfg.data.seed)
         need = dry_run_tiles(planner, index, caps, steps)
         if steps < cfg.train.steps:
             need = {p: math.ceil(n * (1 + DRY_RUN_HEADROOM)) for p, n in need.items()}

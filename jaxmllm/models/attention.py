@@ -54,7 +54,6 @@ def packing(
             raise ValueError("block-sparse attention needs the tile list (batch *_tiles)")
         return Packing(segment_ids_bt, tiles=tiles_bk2, block=block, causal=causal, kind=kind)
     if kind == "cudnn":
-        documents = documents if documents > 0 else segment_ids_bt.shape[-1]
         return Packing(segment_ids_bt, causal=causal, kind=kind, documents=documents)
     mask = attention_mask(segment_ids_bt, causal=causal)
     return Packing(segment_ids_bt, mask=mask, causal=causal, kind="dense")

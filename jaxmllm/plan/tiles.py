@@ -137,6 +137,14 @@ def padded(tiles: np.ndarray, capacity: int) -> np.ndarray:
     return out
 
 
+def document_starts(seg: np.ndarray) -> np.ndarray:
+    """Where each document of packed rows [..., T] starts (a document is a run of one non-zero
+    segment id): a boolean of the same shape."""
+    new = seg > 0
+    new[..., 1:] &= seg[..., 1:] != seg[..., :-1]
+    return new
+
+
 def from_segments(segment_ids: np.ndarray, block: int, causal: bool, capacity: int) -> np.ndarray:
     """Padded tile lists [buckets, capacity, 2] of buckets of packed rows [buckets, rows, T]
     (a document is a run of one non-zero segment id; a bucket's rows are numbered one after
@@ -144,9 +152,9 @@ def from_segments(segment_ids: np.ndarray, block: int, causal: bool, capacity: i
     `capacity` tiles."""
     n, rows, t = segment_ids.shape
     seg = segment_ids.reshape(n * rows, t)
-    new = seg > 0
-    new[:, 1:] &= seg[:, 1:] != seg[:, :-1]
-    line, start = np.nonzero(new)  # (row of all buckets, first token) of each document
+    line, start = np.nonzero(
+        document_starts(seg)
+    )  # (row of all buckets, first token) of each document
     end = np.ones_like(seg, bool)
     end[:, :-1] = seg[:, 1:] != seg[:, :-1]
     end &= seg > 0
