@@ -15,6 +15,9 @@ no plan can get `quad` near 1.
 Per policy, one table row (all figures over the steps run, steady state included):
   fill       real units / capacity, per phase (llm / vision / audio); `*` marks the phases
              whose capacity binds (data demand within 2% of the largest)
+  bound      (in each mix's header; JSON `fill_bound`) per phase, the highest fill any
+             packing of the data's items into that phase's bins (LLM rows, a device's patches
+             or frames) reaches over an epoch (`fill_bound`): coarse items hold it below 1
   steps/LB   steps taken / lower bound, the bound = max over phases of the planned work /
              (devices x microbatches x capacity)
   quad       max/mean over devices of the attention (quadratic) cost of a microbatch: phases are
@@ -42,6 +45,9 @@ Per policy, one table row (all figures over the steps run, steady state included
              `mean` = the mean need per bucket, `cap/mean` what a device computes over what it
              needs on average, `max/mean` = max over devices / mean per microbatch.
              --block 0 leaves them out
+  goodput    (with tiles) useful FLOPs over the FLOPs the buckets compute (the cost model's
+             per unit and per computed tile, `CostModel.tile_weights`): real units and the
+             tiles their documents need, over every bucket's capacity in units and tiles
   ms/step    host planning time per step on one core: median over the steps after the first of
              time.process_time() around plan() (JSON: also the min); grain: per host, each host
              packs its own devices
@@ -106,11 +112,62 @@ def make_caps(
     return caps
 
 
-def held_caps(index: LengthsIndex, caps: Capacities, policy: str, steps: int, seed: int):
+def held_caps(
+    index: LengthsIndex,
+    caps: Capacities,
+    policy: str,
+    steps: int,
+    seed: int,
+    cost: CostModel | None = None,
+):
     """A tile-holding policy's capacities as the trainer sizes them (`resolve_tiles`): the mean
-    need plus headroom, or what a dry run of its plans without a bound needed if that is less."""
-    tiles = held_tiles(make_planner(policy, index, caps, seed), index, caps, steps)
+    need plus headroom (with `cost`, the headroom that does the most useful work per computed
+    FLOP), or what a dry run of its plans without a bound needed if that is less."""
+    tiles = held_tiles(
+        make_planner(policy, index, caps, seed),
+        index,
+        caps,
+        steps,
+        make=lambda c: make_planner(policy, index, c, seed),
+        weights=cost.tile_weights(caps.block, caps.subsample) if cost else None,
+    )
     return dataclasses.replace(caps, **{f"{p}_tiles": n for p, n in tiles.items()})
+
+
+def bins_lower_bound(sizes: np.ndarray, cap: int) -> int:
+    """Martello and Toth's L2 lower bound on the bins of `cap` units that items of `sizes` need
+    (no packing of them uses fewer): for every threshold a <= cap/2, the items above cap - a
+    each need a bin of their own, those in (cap/2, cap - a] too, and the items in [a, cap/2]
+    fill what those leave free before opening more. O(n log n)."""
+    s = np.sort(np.asarray(sizes, np.int64))
+    s = s[s > 0]
+    if not len(s):
+        return 0
+    cs = np.concatenate([[0], np.cumsum(s)])
+    big = int(np.searchsorted(2 * s, cap, "right"))  # items from here are above cap / 2
+    alphas = np.unique(np.concatenate([[0], s[:big]]))
+    hi = np.searchsorted(s, cap - alphas, "right")  # items from here are above cap - a
+    n_own = len(s) - big  # above cap - a, and in (cap/2, cap - a]: one bin each
+    free = (hi - big) * cap - (cs[hi] - cs[big])  # what those in (cap/2, cap - a] leave free
+    small = cs[big] - cs[np.searchsorted(s, alphas, "left")]  # items in [a, cap/2]
+    extra = np.ceil(np.maximum(small - free, 0) / cap)
+    return int((n_own + extra).max())
+
+
+def fill_bound(index: LengthsIndex, caps: Capacities) -> dict[str, float]:
+    """Per phase, the highest fill any packing of the data's items into the phase's bins (LLM
+    rows, a device's patches, a device's frames) can reach over an epoch: total units over
+    (`bins_lower_bound` x bin). Coarse items (clips of most of a bucket) hold it below 1."""
+    llm = index.llm_tokens(caps.merge_area, caps.subsample)
+    out = {}
+    for p, sizes, cap in (
+        ("llm", llm, caps.llm_row_len),
+        ("vision", index.images, caps.vision_patches),
+        ("audio", index.audio, caps.audio_frames),
+    ):
+        bins = bins_lower_bound(sizes, cap) if cap > 0 else 0
+        out[p] = round(float(sizes.sum()) / (bins * cap), 4) if bins else 1.0
+    return out
 
 
 class _Items:
@@ -178,7 +235,7 @@ def run_policy(
 ) -> tuple[dict, list]:
     caps = make_caps(index, devices, tokens, micro, policy, block=block)
     if block and policy in HOLDS_TILES:
-        caps = held_caps(index, caps, policy, min(steps, HELD_DRY_RUN_STEPS), seed)
+        caps = held_caps(index, caps, policy, min(steps, HELD_DRY_RUN_STEPS), seed, cost)
     items = _Items(index, caps)
     planner = make_planner(policy, index, caps, seed)
     cap_vec = np.array(
@@ -191,6 +248,7 @@ def run_policy(
     first_plan = None
     step_fill = []  # per step, real units / capacity per phase
     tile_need, tile_spread, tile_most = [], [], dict.fromkeys(PHASES, 0)
+    tile_total = dict.fromkeys(PHASES, 0.0)
     for _ in range(steps):
         t = time.process_time()
         plan = planner.plan()
@@ -218,6 +276,7 @@ def run_policy(
             need = step_tiles(plan, index, caps)  # per phase [M, D]
             for p, n in need.items():
                 tile_most[p] = max(tile_most[p], int(n.max(initial=0)))
+                tile_total[p] += float(n.sum())
             total = sum(need.values())
             tile_need += total.ravel().tolist()
             mean = total.mean(1)
@@ -248,6 +307,7 @@ def run_policy(
         "binding": [
             p for p, dm in zip(PHASES, demand, strict=True) if dm > 0 and dm >= 0.98 * demand.max()
         ],
+        "fill_bound": fill_bound(index, caps),
         "steps_over_lb": float(steps / lower) if lower > 0 else float("inf"),
         "quad_max_mean": float(np.mean(quad)),
         "quad_max_mean_worst": float(np.max(quad)),
@@ -272,6 +332,13 @@ def run_policy(
     if block:
         caps_by_phase = caps.tile_caps() if policy in HOLDS_TILES else tile_most
         row["tile_capacity"] = int(sum(caps_by_phase.values()))
+        weights = cost.tile_weights(block, caps.subsample)
+        useful = sum(weights[p][0] * work[i] + weights[p][1] * tile_total[p] for i, p in
+                     enumerate(PHASES))  # fmt: skip
+        computed = capacity @ np.array([w[0] for w in weights.values()]) + steps * devices * (
+            micro * sum(weights[p][1] * caps_by_phase[p] for p in PHASES)
+        )
+        row["goodput"] = float(useful / computed) if computed > 0 else 0.0
         row["tile_capacity_by_phase"] = dict(caps_by_phase)
         row["tile_mean"] = float(np.mean(tile_need))
         row["tile_max_mean"] = float(np.mean(tile_spread)) if tile_spread else 0.0
@@ -296,7 +363,7 @@ def format_row(r: dict) -> str:
         f"{r['ms_per_step']:8.1f}"
     ) + (
         f"  {r['tile_capacity']:7d} {r['tile_mean']:8.0f} {r['tile_cap_over_mean']:8.3f} "
-        f"{r['tile_max_mean']:8.3f}"
+        f"{r['tile_max_mean']:8.3f} {r['goodput']:8.3f}"
         if "tile_capacity" in r
         else ""
     )
@@ -327,7 +394,7 @@ HEADER = (
     f"{'policy':<13}{'D':>5} {'fill llm   vision audio':<24}  steps/LB  quad (bound)  "
     f"cv     rand/ours age deferred routed  ms/step"
 )
-TILE_HEADER = f"  {'tiles':>7} {'mean':>8} {'cap/mean':>8} {'max/mean':>8}"
+TILE_HEADER = f"  {'tiles':>7} {'mean':>8} {'cap/mean':>8} {'max/mean':>8} {'goodput':>8}"
 
 
 def plot_step(plan_items: list, out: Path, title: str, labels=("grain", "orchestrated")) -> bool:
@@ -422,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\n== {name}: {len(index)} samples, --tokens {args.tokens}: buckets of "
             f"{c.llm_rows}x{c.llm_row_len} LLM tokens, {c.vision_patches} patches, "
-            f"{c.audio_frames} frames; {args.micro} microbatches"
+            f"{c.audio_frames} frames; {args.micro} microbatches; packing bound on fill "
+            + " ".join(f"{v:.3f}" for v in fill_bound(index, c).values())
         )
         print(HEADER + (TILE_HEADER if args.block else ""))
         for d in (int(x) for x in args.devices.split(",")):

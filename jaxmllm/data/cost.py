@@ -51,6 +51,18 @@ class CostModel:
     def phase(self, name: str) -> PhaseCost:
         return getattr(self, name)
 
+    def tile_weights(self, block: int, subsample: int) -> dict[str, tuple[float, float]]:
+        """Per phase (FLOPs per unit, FLOPs per computed attention tile of `block` rows):
+        what a bucket's capacity costs whether it holds real work or padding. A tile is
+        computed whole, so a causal phase's (whose quadratic term counts half the pairs) costs
+        twice its coefficient per pair; an audio row is `subsample` frames."""
+        side = {"llm": block, "vision": block, "audio": block * subsample}
+        half = {"llm": 2.0, "vision": 1.0, "audio": 1.0}
+        return {
+            p: (self.phase(p).linear, half[p] * self.phase(p).quadratic * side[p] ** 2)
+            for p in ("llm", "vision", "audio")
+        }
+
     @classmethod
     def from_model(cls, model: ModelConfig) -> CostModel:
         """Training FLOPs per item from the module sizes and what is frozen."""

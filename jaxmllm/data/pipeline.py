@@ -29,6 +29,7 @@ import numpy as np
 import sharding
 from jaxmllm.config import Config, ConfigError
 from jaxmllm.data.bucketize import bucketize, fill_stats
+from jaxmllm.data.cost import CostModel
 from jaxmllm.data.loader import Loader
 from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.data.synthetic import SyntheticSource
@@ -120,7 +121,8 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
     """The `batch.*_tiles: -1` (auto) of block-sparse attention, resolved (the rest resolved).
 
     A planner that holds a tile capacity near the mean (`HOLDS_TILES`: orchestrated) gets the
-    data's mean need per device plus a small headroom (`suggest_tiles`), or less where a dry
+    data's mean need per device plus the headroom (of a few) whose plans do the most useful
+    work per FLOP the buckets compute under the model's cost (`held_tiles`), or less where a dry
     run of `HELD_DRY_RUN_STEPS` of its plans without a bound never needed as much (uniform
     data, where its tiles are even without holding them); any other gets the
     most its own buckets need in a dry run of its plans (`DRY_RUN_STEPS` at most, then
@@ -137,7 +139,16 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
         caps = dataclasses.replace(caps, devices=devices)
     planner = make_planner(b.planner, index, caps, cfg.data.seed)
     if b.planner in HOLDS_TILES:
-        need = held_tiles(planner, index, caps, min(cfg.train.steps, HELD_DRY_RUN_STEPS))
+        # (the headroom that does the most useful work per computed FLOP of the cost model)
+        weights = CostModel.from_model(cfg.model).tile_weights(caps.block, caps.subsample)
+        need = held_tiles(
+            planner,
+            index,
+            caps,
+            min(cfg.train.steps, HELD_DRY_RUN_STEPS),
+            make=lambda c: make_planner(b.planner, index, c, cfg.data.seed),
+            weights=weights,
+        )
     else:
         steps = min(cfg.train.steps, DRY_RUN_STEPS)
         need = dry_run_tiles(planner, index, caps, steps)

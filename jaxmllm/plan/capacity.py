@@ -12,7 +12,9 @@ first; the others can fill only up to their demand relative to it).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -165,6 +167,11 @@ def _encoder_caps(
 HELD_DRY_RUN_STEPS = 50  # a holding planner's tile capacity: at most what this many of its
 # plans needed without a bound (uniform data: its tiles are even without holding them)
 TILE_HEADROOM = 0.03  # a tile-aware planner's capacity: the data's mean need per device + this
+# With a cost model, the headroom among these that does the most useful work per computed FLOP
+# in a short dry run of each (`held_tiles`): a tight capacity turns samples away (fill falls,
+# by 3-5% at 8 devices on random mixes at +3%), a loose one computes padding tiles.
+HELD_HEADROOMS = (0.03, 0.06, 0.10, 0.15)
+HELD_TRIAL_STEPS = 12  # plans each headroom is tried for
 
 
 def tile_density(
@@ -249,20 +256,81 @@ def most_documents(index: LengthsIndex, caps: Capacities) -> dict[str, int]:
     return out
 
 
-def held_tiles(planner: Planner, index: LengthsIndex, caps: Capacities, steps: int) -> dict:
+def held_tiles(
+    planner: Planner,
+    index: LengthsIndex,
+    caps: Capacities,
+    steps: int,
+    *,
+    make: Callable[[Capacities], Planner] | None = None,
+    weights: dict[str, tuple[float, float]] | None = None,
+) -> dict:
     """The tile capacities of a planner that holds them (`registry.HOLDS_TILES`), per phase the
     least of: the data's mean need of a bucket filled to the phase's share plus headroom
     (`suggest_tiles`); the mean need of `steps` of its own plans without a bound plus the same
     headroom (less where its plans fill less than that: few devices to choose among, samples
     that wait); the most any of those plans needed (uniform data, tiles even unheld). Never
     below the largest document's own tiles. (`planner`, built on `caps` without tile bounds,
-    is used up.)"""
+    is used up.)
+
+    The headroom is TILE_HEADROOM, or with `make` (a planner on given capacities) and
+    `weights` (per phase: FLOPs per unit, per computed tile, from the cost model) the one of
+    HELD_HEADROOMS whose plans do the most useful work per FLOP the buckets compute
+    (`goodput`) over HELD_TRIAL_STEPS plans each."""
     most, mean = dry_run_tile_stats(planner, index, caps, steps)
     least = largest_doc_tiles(index, caps)
-    return {
-        p: max(least[p], min(n, most[p], math.ceil(mean[p] * (1 + TILE_HEADROOM)))) if n else 0
-        for p, n in suggest_tiles(index, caps).items()
+
+    def at(headroom: float) -> dict[str, int]:
+        return {
+            p: max(least[p], min(n, most[p], math.ceil(mean[p] * (1 + headroom)))) if n else 0
+            for p, n in suggest_tiles(index, caps, headroom).items()
+        }
+
+    if make is None or weights is None:
+        return at(TILE_HEADROOM)
+    best, best_score = at(HELD_HEADROOMS[0]), -1.0
+    for headroom in HELD_HEADROOMS:
+        tiles = at(headroom)
+        if headroom > HELD_HEADROOMS[0] and tiles == best:
+            continue
+        held = dataclasses.replace(caps, **{f"{p}_tiles": n for p, n in tiles.items()})
+        score = goodput(make(held), index, held, HELD_TRIAL_STEPS, weights)
+        if score > best_score * (1 + 1e-9):
+            best, best_score = tiles, score
+    return best
+
+
+def goodput(
+    planner: Planner, index: LengthsIndex, caps: Capacities, steps: int, weights: dict
+) -> float:
+    """Useful FLOPs over computed FLOPs of `planner`'s first `steps` plans: the real units and
+    the tiles their documents need, over every bucket's capacity in units and tiles, each
+    weighted by `weights[phase]` = (per unit, per tile). (`planner` is used up.)"""
+    work = np.stack(
+        [
+            index.llm_tokens(caps.merge_area, caps.subsample),
+            index.per_sample_sum(index.images, index.images_ptr),
+            index.per_sample_sum(index.audio, index.audio_ptr),
+        ],
+        1,
+    )
+    cap_units = {
+        "llm": caps.llm_rows * caps.llm_row_len,
+        "vision": caps.vision_patches,
+        "audio": caps.audio_frames,
     }
+    cap_tiles = caps.tile_caps()
+    per_bucket = sum(w[0] * cap_units[p] + w[1] * cap_tiles[p] for p, w in weights.items())
+    column = {"llm": 0, "vision": 1, "audio": 2}
+    useful = 0.0
+    for _ in range(steps):
+        plan = planner.plan()
+        units = work[plan.samples].sum(0)
+        for phase, need in step_tiles(plan, index, caps).items():
+            unit_w, tile_w = weights.get(phase, (0.0, 0.0))
+            useful += unit_w * float(units[column[phase]]) + tile_w * float(need.sum())
+    computed = steps * caps.microbatches * caps.devices * per_bucket
+    return useful / computed if computed > 0 else 0.0
 
 
 def dry_run_tiles(planner: Planner, index: LengthsIndex, caps: Capacities, steps: int) -> dict:
