@@ -166,9 +166,10 @@ class Selector:
         __init__), and its buckets' cost then swings from step to step. Then the window's
         samples richest in the short phase p (its share of a bucket over the other phases'
         shares) come in, and the chosen non-urgent samples poorest in it (youngest first)
-        wait for a later step, as many as make room in the fullest phase q: the number of
-        trades that gains p most with every phase within what is left of its share
-        (`left`); for a short phase that does not bind, no binding phase but the fullest one
+        wait for a later step, as many as make room in the fullest phase q and in every
+        other phase the newcomers would overfill: the number of trades that fills the phases
+        most in all (the sum of each one's net change over its capacity; p must gain), with
+        every phase within what is left of its share (`left`); for a short phase that does not bind, no binding phase but the fullest one
         gives anything up. Updates `chosen` in place. Urgent samples never wait.
         """
         full = self.caps.devices * self.cap_vec * FILL
@@ -193,19 +194,26 @@ class Selector:
         rem = rem[smallest(wr[p] / np.maximum(others @ wr, 1e-12), k)]
         wr = np.zeros((len(work), len(rem) + 1), work.dtype)
         np.cumsum(np.take(work, rem, axis=1), 1, out=wr[:, 1:])  # [phase, removals]
-        # per count of adds, the fewest removals that make room in q
-        j = np.searchsorted(wr[q], wa[q] - left[q], "left")
+        # per count of adds, the fewest removals that make room in every phase the adds
+        # overfill (q first of all; an add may bring another phase's work too)
+        need = wa - left[:, None]
+        j = np.searchsorted(wr[q], need[q], "left")
+        for r in np.flatnonzero((need > 0).any(1) & (np.arange(len(full)) != q)):
+            j = np.maximum(j, np.searchsorted(wr[r], need[r], "left"))
         ok = j < wr.shape[1]
         j = np.minimum(j, wr.shape[1] - 1)
         net = wa - wr[:, j]
         ok &= (net <= left[:, None]).all(0) & (net[p] > 0)
+        # ... and the trade fills the phases more in all (each as a share of its capacity)
+        gain = (net / np.maximum(full, 1)[:, None])[target].sum(0)
+        ok &= gain > 0
         if self.share[p] < BINDING:  # (for a phase that does not bind, no binding phase
             # but the fullest one gives anything up: a binding phase's items stay in)
             keep = (self.share >= BINDING) & (np.arange(len(full)) != q) & (full > 0)
             ok &= (net[keep] >= 0).all(0)
         if not ok.any():
             return
-        i = int(np.argmax(np.where(ok, net[p], -1)))
+        i = int(np.argmax(np.where(ok, gain, -1)))
         chosen[add[: i + 1]] = True
         chosen[rem[: j[i]]] = False
 
