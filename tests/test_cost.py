@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxmllm.config import load_config, to_dict
-from jaxmllm.data.cost import PHASES, CostFileError, CostModel, main, read_timings
+from jaxmllm.data.cost import PHASES, CostFileError, CostModel, PhaseCost, main, read_timings
 from jaxmllm.timings import TimingsRecorder, step_work
 
 
@@ -145,3 +145,22 @@ def test_resumed_recorder_drops_the_steps_it_will_redo(tmp_path):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r.get("compile") for r in rows[2:]] == [True, False]
+
+
+def test_calibrated_model_predicts_in_the_metrics_and_a_bad_one_stops_the_run(tmp_path):
+    """train.cost_file: StepCounter adds the calibrated model's step time; a file that is not a
+    cost model is a ConfigError naming the key (the trainer checks it at start-up)."""
+    from jaxmllm.config import ConfigError
+    from jaxmllm.metrics import StepCounter, calibrated_cost
+
+    cfg = load_config("configs/tiny.yaml")
+    model = CostModel(*(PhaseCost(1e-3, 1e-6) for _ in PHASES), unit="seconds", overhead=0.5)
+    (tmp_path / "cost.json").write_text(json.dumps(model.to_dict()))
+    cfg = replace(cfg, train=replace(cfg.train, cost_file=str(tmp_path / "cost.json")))
+    seg = np.zeros((1, 2, 1, 8), np.int32)
+    seg[0, 0, 0, :4] = 1
+    info = StepCounter(cfg)({"llm_segment_ids": seg})
+    assert info["predicted_s"] == pytest.approx(0.5 + 4e-3 + 16e-6)
+    (tmp_path / "cost.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"train.cost_file: .*cost.json: not a cost model"):
+        calibrated_cost(cfg)
