@@ -296,6 +296,8 @@ class TrainConfig:
     progress_bar: bool = True  # tqdm bar on the terminal
     max_nonfinite_steps: int = 5  # stop after this many skipped (NaN/inf) steps in a row; 0 = never
     ledger: bool = False  # write the sample ids of every step to <output_dir>/ledger/ (audits)
+    record_timings: bool = True  # each step's time and work to timings.jsonl (calibration)
+    cost_file: str = ""  # calibrated cost model (data.cost --calibrate): predicted step time
 
     def __post_init__(self):
         _positive(self, "steps", "log_every", "checkpoint_every", "keep_checkpoints")

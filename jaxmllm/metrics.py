@@ -17,19 +17,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxmllm.config import Config
-from jaxmllm.data.cost import CostModel
+from jaxmllm.config import Config, ConfigError
+from jaxmllm.data.cost import PHASES, CostFileError, CostModel
 from jaxmllm.data.rejects import REASONS
-
-
-def _segment_stats(seg: np.ndarray) -> tuple[float, float]:
-    """(real tokens, sum of squared segment lengths) over rows of segment ids [..., n]."""
-    rows = seg.reshape(-1, seg.shape[-1]).astype(np.int64)
-    real = rows > 0
-    # One bin per (row, segment id): a segment's length is its bin count.
-    keys = (np.arange(len(rows))[:, None] * (rows.max() + 1) + rows)[real]
-    counts = np.bincount(keys).astype(np.float64)
-    return float(real.sum()), float((counts**2).sum())
+from jaxmllm.timings import segment_work, step_work
 
 
 def step_flops(cfg: Config, batch: dict[str, np.ndarray], cost: CostModel | None = None) -> float:
@@ -40,26 +31,50 @@ def step_flops(cfg: Config, batch: dict[str, np.ndarray], cost: CostModel | None
     """
     cost = cost or CostModel.from_model(cfg.model)
     total = 0.0
-    for phase in ("llm", "vision", "audio"):
+    for phase in PHASES:
         key = f"{phase}_segment_ids"
         if key in batch:
-            real, sq = _segment_stats(batch[key])
-            total += cost.phase(phase).linear * real + cost.phase(phase).quadratic * sq
-    return total
+            real, sq = segment_work(batch[key])
+            total += cost.phase(phase).work_cost(real.sum(), sq.sum())
+    return float(total)
+
+
+def calibrated_cost(cfg: Config) -> CostModel | None:
+    """The model of `train.cost_file` (None when unset).
+
+    Raises:
+      ConfigError: naming the key and what is wrong with the file.
+    """
+    if not cfg.train.cost_file:
+        return None
+    try:
+        return CostModel.from_file(cfg.train.cost_file)
+    except CostFileError as e:
+        raise ConfigError(f"train.cost_file: {e}") from None
 
 
 class StepCounter:
-    """Counts what a host batch holds for the metrics: real LLM tokens and analytic FLOPs.
+    """Counts what a host batch holds for the metrics: real LLM tokens, analytic FLOPs and, for
+    the timings and the predicted step time, the work of its slowest and its mean device.
 
-    The pipeline calls it on its own thread, per step; the cost model is built once.
+    The pipeline calls it on its own thread, per step; the cost models are built once. The
+    slowest device is the one the calibrated model (`train.cost_file`) finds slowest, else the
+    FLOP model.
     """
 
     def __init__(self, cfg: Config):
         self.cfg, self.cost = cfg, CostModel.from_model(cfg.model)
+        self.calibrated = calibrated_cost(cfg)
+        self.work = cfg.train.record_timings or self.calibrated is not None
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict:
         tokens = float((batch["llm_segment_ids"] > 0).sum())
-        return {"tokens": tokens, "flops": step_flops(self.cfg, batch, self.cost)}
+        out = {"tokens": tokens, "flops": step_flops(self.cfg, batch, self.cost)}
+        if self.work:
+            out["work"] = step_work(batch, self.calibrated or self.cost)
+        if self.calibrated is not None:
+            out["predicted_s"] = self.calibrated.step_cost(out["work"]["slowest"])
+        return out
 
 
 class MetricsWindow:
@@ -75,10 +90,12 @@ class MetricsWindow:
 
     def _reset(self) -> None:
         self.start, self.tokens, self.flops, self.steps = time.perf_counter(), 0.0, 0.0, 0
+        self.predicted = 0.0
 
     def add(self, info: dict) -> None:
         self.tokens += info["tokens"]
         self.flops += info["flops"]
+        self.predicted += info.get("predicted_s", 0.0)
         self.steps += 1
 
     def close(self, info: dict) -> tuple[dict[str, float], dict[str, float]]:
@@ -91,6 +108,8 @@ class MetricsWindow:
             self.tokens, self.flops, info["fill"], info["rejects"]
         )
         stats = throughput(tokens, flops, self.steps, elapsed, self.n_devices)
+        if self.predicted:  # process 0's devices only: what the calibrated model expects
+            stats["predicted_step_time_s"] = self.predicted / max(self.steps, 1)
         stats.update({f"padding/{k}": 1.0 - v for k, v in fill.items()})
         self._reset()
         return stats, rejects

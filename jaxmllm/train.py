@@ -36,9 +36,10 @@ from jaxmllm.config import Config, ConfigError, load_config
 from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
 from jaxmllm.guards import NonFiniteError, NonFiniteGuard, Preemption, Watchdog
 from jaxmllm.ledger import Ledger
-from jaxmllm.metrics import MetricsWindow, MetricsWriter
+from jaxmllm.metrics import MetricsWindow, MetricsWriter, calibrated_cost
 from jaxmllm.plan.contract import OversizeError
 from jaxmllm.step import build_program
+from jaxmllm.timings import TimingsRecorder
 
 log = logging.getLogger("jaxmllm")
 
@@ -73,6 +74,7 @@ def main(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> 
                 f"(compute capability 9.0) or newer, this one is {cc}; use model.attention: "
                 "block_sparse"
             )
+    calibrated_cost(cfg)  # a bad train.cost_file stops the run here, not in the data thread
     # The data decides `auto` sizes before anything is shaped by them.
     source, index = make_source(cfg)
     cfg = resolve_batch(cfg, index, sharding.data_parallel_size(mesh))
@@ -137,6 +139,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
     if watchdog is not None:
         closing.callback(watchdog.stop)
     window, guard = MetricsWindow(mesh.size), NonFiniteGuard(t.max_nonfinite_steps)
+    timings = open_timings(cfg, out, start, is_main, closing)
     last: dict = {}
     try:
         for step in range(start, t.steps):
@@ -145,6 +148,8 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
             with jax.transfer_guard("disallow"):  # no hidden host<->device copies in the step
                 state, metrics = prog.step(state, batch)
             done = step + 1
+            if timings is not None:  # times the step before, now done, as the guard waits on it
+                timings.dispatched(done, metrics["loss"], info["work"])
             if guard.check(done, metrics["nonfinite"]):
                 mngr.save(guard.stopped_at, args=save_args(state, data_iter, stamp), force=True)
                 mngr.wait_until_finished()
@@ -158,7 +163,9 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
                 last = log_step(done, metrics, info, window, guard.total, writer, bar)
             stopping = preempt.requested is not None
             force = done == t.steps or stopping
-            mngr.save(done, args=save_args(state, data_iter, stamp), force=force)
+            saved = mngr.save(done, args=save_args(state, data_iter, stamp), force=force)
+            if saved and timings is not None:
+                timings.saved()
             bar.update(1)
             if on_step is not None:
                 on_step(done, last)
@@ -185,6 +192,16 @@ def _stopped(signal_name: str, done: int, mngr, bar) -> None:
         f"{mngr.directory}. Rerun the same command to resume at step {done + 1}.",
         file=sys.stderr,
     )
+
+
+def open_timings(cfg: Config, out: Path, start: int, is_main: bool, closing):
+    """The recorder of each step's time and work (timings.jsonl), on process 0 when
+    train.record_timings; steps after `start` left by an earlier run are dropped."""
+    if not (cfg.train.record_timings and is_main):
+        return None
+    timings = TimingsRecorder(out, start)
+    closing.callback(timings.close)  # times the last step
+    return timings
 
 
 def open_data(cfg: Config, mesh, source, index, out: Path) -> grain.DatasetIterator:

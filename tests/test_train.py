@@ -60,6 +60,53 @@ def test_has_a_pulse(uninterrupted):
     assert list((uninterrupted / "tb").iterdir())  # TensorBoard events were written
 
 
+def _timing_steps(out) -> list[int]:
+    """The steps of a run's timings.jsonl, line by line (a step written twice shows twice)."""
+    return [json.loads(line)["step"] for line in (out / "timings.jsonl").read_text().splitlines()]
+
+
+def _bucket_work(batch: dict, phases) -> dict:
+    """Per (microbatch, device): units, squared segment lengths, tiles, counted one by one."""
+    m_n, d_n = batch["llm_segment_ids"].shape[:2]
+    out = {}
+    for m, d in np.ndindex(m_n, d_n):
+        work = {}
+        for p in phases:
+            rows = batch[f"{p}_segment_ids"][m, d].reshape(-1, batch[f"{p}_segment_ids"].shape[-1])
+            sizes = [int((row == i).sum()) for row in rows for i in set(row.tolist()) - {0}]
+            work[f"{p}_units"], work[f"{p}_sq"] = sum(sizes), sum(n * n for n in sizes)
+            work[f"{p}_tiles"] = int((batch[f"{p}_tiles"][m, d] != -1).all(-1).sum())
+        out[m, d] = work
+    return out
+
+
+def test_timings_hold_every_step_with_its_slowest_devices_work(uninterrupted):
+    """One row per step; compilation and saved steps marked; the work is, per microbatch, that
+    of the device the FLOP model finds costliest (counted here one segment at a time from the
+    same steps' batches), summed over microbatches, and the mean device's."""
+    from jaxmllm.data.cost import PHASES, CostModel
+    from jaxmllm.data.pipeline import make_pipeline
+
+    rows = [json.loads(line) for line in (uninterrupted / "timings.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert rows[0]["compile"] and not any(r["compile"] for r in rows[1:])
+    assert all(rows[s - 1]["checkpoint"] for s in (2, 4, 6))
+    assert all(r["time_s"] > 0 for r in rows)
+    cfg = tiny(uninterrupted)
+    cost = CostModel.from_model(cfg.model)
+    data = make_pipeline(cfg, 8, prefetch=0)
+    for row in rows:
+        work = _bucket_work(next(data)["batch"], PHASES)
+        m_n = row["microbatches"]
+        slow = [max(range(8), key=lambda d: cost.step_cost(work[m, d])) for m in range(m_n)]
+        for key in row["slowest"]:
+            assert row["slowest"][key] == sum(work[m, d][key] for m, d in enumerate(slow)), key
+            mean = sum(w[key] for w in work.values()) / 8
+            assert row["mean"][key] == pytest.approx(mean), key
+        assert set(row["slowest"]) == {f"{p}_{f}" for p in PHASES for f in ("units", "sq", "tiles")}
+    data.close()
+
+
 def test_interrupt_and_rerun_resumes_with_identical_losses(uninterrupted, tmp_path):
     def interrupt_at_3(step, _):
         if step == 3:
@@ -68,7 +115,11 @@ def test_interrupt_and_rerun_resumes_with_identical_losses(uninterrupted, tmp_pa
     with pytest.raises(KeyboardInterrupt):
         main(tiny(tmp_path), on_step=interrupt_at_3)
     assert read_metrics(tmp_path)[-1]["step"] == 3
+    assert _timing_steps(tmp_path) == [1, 2, 3]
     main(tiny(tmp_path))  # the same command again: resumes from the step-2 checkpoint
+    assert _timing_steps(tmp_path) == list(range(1, STEPS + 1))  # step 3's first row dropped
+    timings = [json.loads(line) for line in (tmp_path / "timings.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in timings if r["compile"]] == [1, 3]  # each process's first step
     want = {r["step"]: r for r in read_metrics(uninterrupted)}
     got = {r["step"]: r for r in read_metrics(tmp_path)}
     assert sorted(got) == list(range(1, STEPS + 1))

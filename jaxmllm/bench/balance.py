@@ -469,10 +469,15 @@ def main(argv: list[str] | None = None) -> int:
         help="fewer steps for the (slow, pure Python) grain packer",
     )
     ap.add_argument("--json", help="write all rows here")
+    ap.add_argument(
+        "--cost-file",
+        help="a calibrated cost model (python -m jaxmllm.data.cost --calibrate RUN_DIR) for the "
+        "cost columns; default the FLOP model of the default model config",
+    )
     ap.add_argument("--plot", help="PNG of per-device load of one step (needs matplotlib)")
     args = ap.parse_args(argv)
-    cost = CostModel.from_model(ModelConfig())
     try:
+        cost = CostModel.from_file(args.cost_file) if args.cost_file else None
         if args.lengths:
             sources = [(Path(args.lengths).name, load_lengths(args.lengths))]
         elif args.random:
@@ -480,9 +485,10 @@ def main(argv: list[str] | None = None) -> int:
             sources = [(f"random:{s}", random_mix(s)) for s in seeds]
         else:
             sources = [(m, load_mix(m)) for m in args.mix.split(",")]
-    except (OSError, ValueError) as e:  # a missing table or an unknown mix: say which
+    except (OSError, ValueError) as e:  # a missing table, an unknown mix, a bad cost file
         print(f"error: {e}", file=sys.stderr)
         return 2
+    cost = cost or CostModel.from_model(ModelConfig())
     rows, plots = [], {}
     for name, index in sources:
         c = make_caps(index, 1, args.tokens, args.micro, "orchestrated", block=args.block)
