@@ -170,7 +170,8 @@ class Selector:
         other phase the newcomers would overfill: the number of trades that fills the phases
         most in all (the sum of each one's net change over its capacity; p must gain), with
         every phase within what is left of its share (`left`); for a short phase that does
-        not bind, no binding phase but the fullest one gives anything up. Updates `chosen` in place. Urgent samples never wait.
+        not bind, no binding phase but the fullest one gives anything up. Updates `chosen` in
+        place. Urgent samples never wait.
         """
         full = self.caps.devices * self.cap_vec * FILL
         rel = left / np.maximum(full, 1)
