@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmllm.plan.bins import Packing
-from jaxmllm.plan.ragged import compact_keys, smallest
+from jaxmllm.plan.ragged import compact_keys, match_sub_first, smallest
 
 # Tuned constants of the rounds (what each was measured to do: plan/README.md).
 HOME_TOL = 0.1  # an item takes its home bin's slot in a round if that slot's item is this close
@@ -85,7 +85,7 @@ def pack_round(pk: Packing, order: np.ndarray, pos: int, end: int, urgent: bool)
     take = order[pos : pos + len(bins)]
     s_take = sizes[take]
     if home is not None and len(bins) > 1:
-        bins = _prefer_home(bins, s_take, home[take], len(free))
+        bins = _prefer_home(bins, s_take, home[take], len(free), pk.per_host)
     pk.place(take, bins, first_layer == len(bins), s_take)
     return pos + len(take)
 
@@ -128,10 +128,13 @@ def _deal(neg_want, free, s, c, budget_top, fill):
     return np.maximum(c, 1, out=c)  # (open bins have room for one; float edge cases)
 
 
-def _prefer_home(bins: np.ndarray, s: np.ndarray, home: np.ndarray, nb: int) -> np.ndarray:
+def _prefer_home(
+    bins: np.ndarray, s: np.ndarray, home: np.ndarray, nb: int, per_host: int = 0
+) -> np.ndarray:
     """Rematches one round (item i -> bins[i], both largest first) so that an item whose home
     bin takes an item of about its size in this round (within HOME_TOL) goes home instead; the
-    others keep the order of the rest."""
+    others keep the order of the rest, or with `per_host` bins a host, trade among those of
+    about the same size (`_prefer_host`)."""
     k = len(bins)
     rank_of = np.full(nb, -1, np.int64)
     rank_of[bins] = np.arange(k)
@@ -154,4 +157,27 @@ def _prefer_home(bins: np.ndarray, s: np.ndarray, home: np.ndarray, nb: int) -> 
     out = np.empty(k, np.int64)
     out[mine] = hc[one]
     out[~mine] = bins[~claimed]
+    if 0 < per_host < nb:
+        _prefer_host(out, s, home, ~claimed, ~mine, per_host)
     return out
+
+
+def _prefer_host(
+    out: np.ndarray, s: np.ndarray, home: np.ndarray, slot: np.ndarray, item: np.ndarray, per_host
+) -> None:
+    """Rematches the items of a round not sent home (mask `item`, in order) with their bins
+    (those of the round's positions `slot`, in the same order) so that each takes a bin on its
+    home's host where one is left among the positions whose item size is within a HOME_TOL
+    class of its own position's (`ragged.match_sub_first`); in place."""
+    pos, idx = np.flatnonzero(slot), np.flatnonzero(item)
+    if len(idx) < 2:
+        return
+    # (largest first: classes ascend along the positions, numbered from 0)
+    cls = np.floor(np.log(s[pos].astype(np.float64)) * (-1.0 / np.log1p(HOME_TOL)))
+    cls = (cls - cls[0]).astype(np.int64)
+    bins = out[idx]
+    hosts = int(max(bins.max(), home[idx].max())) // per_host + 1
+    a = cls * hosts + home[idx] // per_host
+    b = cls * hosts + bins // per_host
+    oa, ob = np.argsort(a, kind="stable"), np.argsort(b, kind="stable")
+    out[idx[oa]] = bins[ob[match_sub_first(a[oa], b[ob], hosts)]]
