@@ -74,9 +74,8 @@ def pack_phase(
       first: items to place before all others (urgent ones), wherever they fit.
       home: per item, the bin it would rather sit in (its text's device), or None: within a
         round, an item goes there if that bin was to take an item within HOME_TOL of its size.
-      per_host: bins a host (0: one host): within a round, an item that does not go home
-        takes, among the bins that were to take an item about its size, one on its home's
-        host where there is one.
+      per_host: bins a host (0: one host): within a round, the items that do not go home
+        take the round's bins on their home's host first.
 
     Returns:
       (bin per item, -1 where it did not fit; exchange group per item: items of one group
