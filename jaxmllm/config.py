@@ -153,7 +153,11 @@ class BatchConfig:
     vision_patches: int = 4096  # ViT patch capacity per device per microbatch (one packed row)
     audio_frames: int = 3072  # log-mel frame capacity per device per microbatch (one packed row)
     route_pair_capacity: int = -1  # encoder rows one device may send another; 0 = all local,
-    # -1 = auto (orchestrated: a whole device bucket's encoder output; other planners: 0)
+    # -1 = auto (orchestrated: the most rows a pair carried in a dry run of its own plans, at
+    # least the largest item's; other planners: 0)
+    # Data-parallel positions per host: orchestrated routes an item that cannot stay on its
+    # text's device to a device of the same host first. -1 = auto: one process's positions
+    devices_per_host: int = -1
     exchange: str = "dense"  # dense all_to_all (every backend) | ragged (ragged_all_to_all: GPU)
     planner: str = "orchestrated"  # a name of jaxmllm.plan.registry.PLANNERS (orchestrated |
     # balanced | grain | naive | first_fit)
@@ -184,6 +188,11 @@ class BatchConfig:
         _check(self.exchange in ("dense", "ragged"), "must be dense or ragged", "exchange")
         _check(
             self.route_pair_capacity >= -1, "must be >= 0, or -1 for auto", "route_pair_capacity"
+        )
+        _check(
+            self.devices_per_host >= 1 or self.devices_per_host == -1,
+            "must be >= 1, or -1 for auto (one process's data-parallel positions)",
+            "devices_per_host",
         )
         _check(self.attention_block >= 1, "must be >= 1", "attention_block")
         for key in ("llm_tiles", "vision_tiles", "audio_tiles", "llm_documents",
