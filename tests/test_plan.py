@@ -503,3 +503,28 @@ def test_route_capacity_from_the_planners_traffic_is_held():
     assert 0.5 * pair < most <= pair
     waiting = Counter(planner.deferred[:, 0].tolist())
     assert planned + waiting == Counter(planner.stream.take(0, planner.cursor).tolist())
+
+
+def test_a_route_capacity_its_plans_never_exceed_changes_no_plan():
+    """A route capacity over the most a pair carried in the same plans without a bound leaves
+    the plans as they were (block-sparse tiles, so some samples are turned away after routing:
+    their rows must not count against the pairs)."""
+    from jaxmllm.bench.balance import held_caps, make_caps
+    from jaxmllm.plan.contract import pair_rows
+
+    index = synthetic_omni()  # (the bench's omni at 8 devices: the tile capacity binds)
+    free = make_caps(index, 8, 32768, 2, "orchestrated", block=128)
+    free = held_caps(index, free, "orchestrated", 12, 0)
+    plans = run(PLANNERS["orchestrated"](index, free, 0), 12)
+    most = max(
+        pair_rows(plan, index, free, p).max(initial=0)
+        for plan in plans
+        for p in ("vision", "audio")
+    )
+    assert most < free.route_pair_capacity
+    # (30% over: a placement's overflow check still counts, within that placement, rows of
+    # samples the tile capacity then turns away; they used to count for the rest of the
+    # microbatch, which changed these plans even 60% over)
+    bound = dc.replace(free, route_pair_capacity=int(most * 1.3))
+    again = run(PLANNERS["orchestrated"](index, bound, 0), 12)
+    assert all(same_plan(a, b) for a, b in zip(plans, again, strict=True))

@@ -192,10 +192,4 @@ class RoutedAssignment:
             dev[keep] = keep_capacity(groups[p][keep], new, old, size[keep], mb.enc[p], ph.cap[p])
             over = mb.routes[p].overflow(size[keep], dev[keep], home)
             ok[owner[keep[over]]] = False
-        for p in ENC:  # record the routed rows of what is finally kept
-            if mb.routes[p].free:
-                continue
-            owner, _, size = items[p]
-            keep = np.flatnonzero(ok[owner])
-            mb.routes[p].add(size[keep], devs[p][keep], home_all[owner[keep]])
-        return ok, devs
+        return ok, devs  # (the balancer counts the routed rows of what it finally keeps)
