@@ -35,16 +35,11 @@ Per policy, one table row (all figures over the steps run, steady state included
   age        most steps any sample waited; deferred = mean samples carried to the next step
   routed     share of encoder output rows encoded on another device than their text
   inter      share of encoder output rows encoded on another host than their text's
-             (`--devices-per-host`, default 8: the planner routes within a host first; the
-             rest of `routed` stays within a host). JSON: routed_intra, routed_inter
-  pair       the per-pair route capacity in encoder rows (`batch.route_pair_capacity`), sized
-             as the trainer sizes -1 (`capacity.route_capacity`: the most rows a pair carried
-             in a dry run of the policy's plans, here of the next seed with the +10% of a run
-             longer than its dry run, at least the largest item's rows; `--pair-capacity
-             whole`: a device's whole encoder output, as before issue 18); `whole` = that
-             whole output. The dense exchange's buffer is devices x pair rows a device and
-             phase (JSON: exchange_rows, exchange_rows_whole; most_pair_rows = the most any
-             pair carried in the run)
+             (`--devices-per-host`, default 8; the planner routes within a host first)
+  pair       per-pair route capacity in rows, as the trainer sizes -1 (`route_caps`;
+             `--pair-capacity whole`: a device's whole encoder output, `whole`, as before
+             issue 18); the dense exchange's buffer is devices x pair rows a device and phase
+             (JSON: exchange_rows[_whole]; most_pair_rows: the most a pair carried)
   (first N)  when grain ran fewer steps (--grain-max-steps), a line with every policy's fill
              over the same first N steps (JSON: fill_first_steps; fill_per_step per row)
   tiles      attention tiles of `--block` tokens (block-sparse attention, `jaxmllm.plan.tiles`),
@@ -56,13 +51,9 @@ Per policy, one table row (all figures over the steps run, steady state included
              `mean` = the mean need per bucket, `cap/mean` what a device computes over what it
              needs on average, `max/mean` = max over devices / mean per microbatch.
              --block 0 leaves them out
-  sim: fl, ragged, dense   (--simulate) predicted step time in ms (`jaxmllm.bench.simulate`):
-             `fl` the compute alone (per microbatch and phase, the slowest device's FLOPs from
-             the cost model / --flops, summed), then compute plus the exchanges of a ragged
-             all-to-all (the real rows) and of the dense one (its whole padded buffer), each
-             device's bytes within the host / --intra-bw + across / --inter-bw, + --latency
-             per exchange; `x LB` = ragged x steps/LB, the time per lower-bound step of work
-             (policies that fill less take more steps). JSON: `simulated`
+  sim        (--simulate) predicted ms a step (`jaxmllm.bench.simulate`): `fl` compute alone,
+             `ragged` / `dense` with that exchange, `x LB` = ragged x steps/LB (the time per
+             lower-bound step of work: a policy that fills less takes more steps)
   ms/step    host planning time per step on one core: median over the steps after the first of
              time.process_time() around plan() (JSON: also the min); grain: per host, each host
              packs its own devices
@@ -79,7 +70,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmllm.bench import family, simulate
+from jaxmllm.bench import family, plot, simulate
 from jaxmllm.bench.mixes import MIXES, load_lengths, load_mix, random_mix
 from jaxmllm.config import ModelConfig
 from jaxmllm.data.cost import CostModel
@@ -275,8 +266,9 @@ def run_policy(
             remote_rows += rows[it.device != home].sum()
             inter_rows += rows[it.device // host != home // host].sum()
             most_pair = max(most_pair, int(pair_rows(plan, index, caps, p).max(initial=0)))
-        if machine is not None:
-            sim.append(simulated(plan, index, caps, loads, machine))
+        if machine:
+            cost_md = {p: loads[p][1] for p in ("vision", "audio", "llm")}
+            sim.append(simulate.plan_times(plan, index, caps, cost_md, machine))
     capacity = steps * devices * micro * cap_vec
     fill = np.divide(work, capacity, out=np.zeros(3), where=capacity > 0)
     lower = max(work / np.where(cap_vec > 0, devices * micro * cap_vec, np.inf))
@@ -336,15 +328,6 @@ def run_policy(
         row["tile_cap_over_mean"] = row["tile_capacity"] / max(row["tile_mean"], 1e-9)
         row["block"] = block
     return row, [first_plan, items]
-
-
-def simulated(plan: StepPlan, index, caps: Capacities, loads: dict, machine) -> dict:
-    """The plan's predicted step time (`simulate.step_times`, seconds) from its per-device
-    FLOPs per phase (`phase_loads`' real cost) and the rows it routes."""
-    cost_md = {p: loads[p][1] for p in ("vision", "audio", "llm")}
-    traffic = simulate.plan_traffic(plan, index, caps) if caps.route_pair_capacity else {}
-    dense = simulate.dense_traffic(caps, list(traffic)) if traffic else {}
-    return simulate.step_times(cost_md, traffic, dense, machine)
 
 
 def steps_for(index: LengthsIndex, devices: int, tokens: int, micro: int, lo: int, hi: int) -> int:
@@ -409,45 +392,6 @@ TILE_HEADER = f"  {'tiles':>7} {'mean':>8} {'cap/mean':>8} {'max/mean':>8}"
 SIM_HEADER = f"  {'sim: fl':>8} {'ragged':>8} {'dense':>8} {'x LB':>8}"
 
 
-def plot_step(plan_items: list, out: Path, title: str, labels=("grain", "orchestrated")) -> bool:
-    """Per-device LLM tokens and attention cost of one step: grain's packer vs. the balancer."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'jaxmllm[bench]'): no plot written")
-        return False
-    (before, items_b), (after, items_a) = plan_items
-    fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    for plan, items, label in (
-        (before, items_b, f"{labels[0]} (before)"),
-        (after, items_a, f"{labels[1]} (after)"),
-    ):
-        d_n = items.caps.devices
-        tok = np.bincount(
-            plan.device[plan.micro == 0], items.llm[plan.samples[plan.micro == 0]], minlength=d_n
-        )
-        q = np.bincount(
-            plan.device[plan.micro == 0],
-            items.llm[plan.samples[plan.micro == 0]].astype(float) ** 2,
-            minlength=d_n,
-        )
-        axes[0].plot(tok, label=label, drawstyle="steps-mid")
-        axes[1].plot(q, label=label, drawstyle="steps-mid")
-    axes[0].axhline(items_a.caps.llm_rows * items_a.caps.llm_row_len, color="k", lw=0.5)
-    axes[0].set_ylabel("LLM tokens")
-    axes[0].set_ylim(bottom=0)
-    axes[1].set_ylabel("LLM attention (sum n^2)")
-    axes[1].set_xlabel("device (microbatch 0)")
-    axes[0].legend()
-    axes[0].set_title(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m jaxmllm.bench.balance",
@@ -483,27 +427,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices-per-host", type=int, default=8,
                     help="data-parallel devices a host (routing: within a host first)")  # fmt: skip
     ap.add_argument("--pair-capacity", choices=("auto", "whole"), default="auto",
-                    help="per-pair route capacity: auto = the trainer's (a dry run of the "
-                    "plans); whole = a device's whole encoder output (before issue 18)",
-                    )  # fmt: skip
-    ap.add_argument("--simulate", action="store_true",
-                    help="predicted step time per policy (jaxmllm.bench.simulate)")  # fmt: skip
+                    help="route capacity: the trainer's auto, or a whole output")  # fmt: skip
+    ap.add_argument("--simulate", action="store_true", help="predicted step times (simulate)")
     ap.add_argument("--flops", type=float, default=400e12, help="--simulate: FLOP/s a device")
-    ap.add_argument("--intra-bw", type=float, default=450e9,
-                    help="--simulate: bytes/s a device within its host")  # fmt: skip
-    ap.add_argument("--inter-bw", type=float, default=50e9,
-                    help="--simulate: bytes/s a device across hosts")  # fmt: skip
+    ap.add_argument("--intra-bw", type=float, default=450e9, help="--simulate: B/s in a host")
+    ap.add_argument("--inter-bw", type=float, default=50e9, help="--simulate: B/s across hosts")
     ap.add_argument("--latency", type=float, default=10e-6, help="--simulate: s an exchange")
     ap.add_argument("--json", help="write all rows here")
     ap.add_argument("--plot", help="PNG of per-device load of one step (needs matplotlib)")
     args = ap.parse_args(argv)
     model = ModelConfig()
     cost = CostModel.from_model(model)
-    machine = None
-    if args.simulate:
-        machine = simulate.Machine(
-            args.flops, args.intra_bw, args.inter_bw, args.latency, 2 * model.llm.width
-        )
+    row_bytes = 2 * model.llm.width  # (an encoder output row: the LLM width in bf16)
+    sim = (args.flops, args.intra_bw, args.inter_bw, args.latency, row_bytes)
+    machine = simulate.Machine(*sim) if args.simulate else None
     try:
         if args.lengths:
             sources = [(Path(args.lengths).name, load_lengths(args.lengths))]
@@ -548,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         name, d = sources[0][0], int(args.devices.split(",")[0])
         base = "grain" if (name, d, "grain") in plots else "naive"
         if (name, d, base) in plots and (name, d, "orchestrated") in plots:
-            plot_step(
+            plot.plot_step(
                 [plots[(name, d, base)], plots[(name, d, "orchestrated")]],
                 Path(args.plot),
                 f"{name}, {d} devices, step 0",

@@ -112,3 +112,11 @@ def step_times(
         "step_ragged": compute + ragged,
         "step_dense": compute + padded,
     }
+
+
+def plan_times(plan: StepPlan, index, caps: Capacities, cost_md: dict, machine: Machine) -> dict:
+    """A plan's predicted step (`step_times`, seconds) from its FLOPs per phase and device
+    ([M, D] each) and the rows it routes (none when the route capacity is 0)."""
+    traffic = plan_traffic(plan, index, caps) if caps.route_pair_capacity else {}
+    dense = dense_traffic(caps, list(traffic)) if traffic else {}
+    return step_times(cost_md, traffic, dense, machine)
