@@ -153,7 +153,8 @@ class BatchConfig:
     vision_patches: int = 4096  # ViT patch capacity per device per microbatch (one packed row)
     audio_frames: int = 3072  # log-mel frame capacity per device per microbatch (one packed row)
     route_pair_capacity: int = -1  # encoder rows one device may send another; 0 = all local,
-    # -1 = auto (orchestrated: a whole device bucket's encoder output; other planners: 0)
+    # -1 = auto (orchestrated: the most a pair carried in a dry run of its plans; others: 0)
+    devices_per_host: int = -1  # routing stays within a host first; -1 = a process's devices
     exchange: str = "dense"  # dense all_to_all (every backend) | ragged (ragged_all_to_all: GPU)
     planner: str = "orchestrated"  # a name of jaxmllm.plan.registry.PLANNERS (orchestrated |
     # balanced | grain | naive | first_fit)
@@ -187,9 +188,9 @@ class BatchConfig:
         )
         _check(self.attention_block >= 1, "must be >= 1", "attention_block")
         for key in ("llm_tiles", "vision_tiles", "audio_tiles", "llm_documents",
-                    "vision_documents", "audio_documents"):  # fmt: skip
+                    "vision_documents", "audio_documents", "devices_per_host"):  # fmt: skip
             _check(getattr(self, key) >= 1 or getattr(self, key) == -1, "must be >= 1, or -1 "
-                   "for auto (sized from the data)", key)  # fmt: skip
+                   "for auto (resolved at start-up)", key)  # fmt: skip
         _check(
             self.planner != "orchestrated" or self.route_pair_capacity != 0,
             "orchestrated routes encoder rows between devices: set route_pair_capacity "

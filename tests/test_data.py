@@ -186,7 +186,12 @@ def test_resolve_batch_sizes_encoder_buckets_and_route_capacity_from_the_data():
     vision = index.per_sample_sum(index.images, index.images_ptr).max()
     assert got.vision_patches >= vision and got.vision_patches % 4 == 0
     assert got.audio_frames >= index.per_sample_sum(index.audio, index.audio_ptr).max()
-    assert got.route_pair_capacity == max(got.vision_patches, got.audio_frames) // 4
+    # the route capacity: the most a pair carried in a dry run of the planner's own plans, at
+    # least the largest item's rows, at most a device's whole encoder output (issue 18)
+    whole = max(got.vision_patches, got.audio_frames) // 4
+    largest = max(index.images.max(initial=0), index.audio.max(initial=0)) // 4
+    assert largest <= got.route_pair_capacity <= whole
+    assert got.devices_per_host >= 1  # (auto: one process's data-parallel positions)
     fixed = resolve_batch(tiny("batch.planner=first_fit", "batch.capacity=fixed"), index).batch
     assert fixed.route_pair_capacity == 0 and fixed.vision_patches == cfg.batch.vision_patches
 
@@ -196,3 +201,34 @@ def test_orchestrated_without_routing_is_a_config_error():
 
     with pytest.raises(ConfigError, match=r"batch\.route_pair_capacity"):
         tiny("batch.planner=orchestrated", "batch.route_pair_capacity=0")
+
+
+def test_route_capacity_from_the_dry_run_is_held_by_the_pipeline():
+    """`route_pair_capacity: -1` resolves below a device's whole output on omni-like data
+    (the dense exchange shrinks), the planner keeps every pair within it, and every placeholder
+    still reads its item's rows through the exchange (bucketize raises past the capacity)."""
+    from jaxmllm.data.pipeline import (
+        capacities,
+        make_pipeline,
+        make_source,
+        planner_from_config,
+        resolve_batch,
+    )
+    from jaxmllm.plan.contract import check_plan
+
+    cfg = tiny("batch.capacity=auto", "batch.route_pair_capacity=-1", "batch.microbatches=2",
+               "data.synthetic.num_samples=512", "train.steps=100")  # fmt: skip
+    source, index = make_source(cfg)
+    got = resolve_batch(cfg, index, 8)
+    whole = max(got.batch.vision_patches, got.batch.audio_frames) // 4
+    assert got.batch.route_pair_capacity < whole
+    planner, caps = planner_from_config(got, index, 8), capacities(got, 8)
+    for _ in range(60):  # (past the dry run's 50 plans: the bound is held, not just met)
+        check_plan(planner.plan(), index, caps)  # (raises past the route capacity)
+    it = make_pipeline(got, 8, prefetch=0, source=source, index=index)
+    for _ in range(3):
+        out = next(it)
+        batch = out["batch"]
+        for phase in ("vision", "audio"):
+            assert batch[f"{phase}_send"].shape[-1] == got.batch.route_pair_capacity
+            assert batch[f"{phase}_send_count"].max() <= got.batch.route_pair_capacity

@@ -184,6 +184,7 @@ OVERRIDES = [
     "train.progress_bar=false",
     "data.synthetic.num_samples=256",
     "distributed.heartbeat_timeout_s=15",
+    "batch.devices_per_host=2",  # (the same plans whatever the processes: auto is a process's)
 ]
 
 

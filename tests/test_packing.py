@@ -97,3 +97,32 @@ def test_size_classes_match_their_definition():
     while bounds[-1] <= sizes.max():
         bounds.append(bounds[-1] + max(1, int(bounds[-1] * 0.01)))
     assert np.array_equal(size_class(sizes), np.searchsorted(bounds, sizes, "right"))
+
+
+def test_localize_on_hosts_keeps_counts_and_moves_within_a_host_first():
+    """With hosts, the same items stay home and every (group, device) keeps its count (so the
+    same loads and attention); of the items that move, more stay on their home's host: per
+    (group, host) as many as that host has free slots."""
+    rng = np.random.default_rng(3)
+    n, devices, per_host = 6000, 32, 8
+    size = rng.choice([256, 512, 1024, 1030, 2048], n)
+    group = size_class(size)
+    group[rng.random(n) < 0.05] = -1  # (not in an exchange group: keeps its device)
+    dev, home = rng.integers(0, devices, n), rng.integers(0, devices, n)
+    flat = localize(group, dev, home, devices)
+    hosts = localize(group, dev, home, devices, per_host)
+    assert np.array_equal(localize(group, dev, home, devices, devices), flat)  # one host
+    assert np.array_equal(hosts[group < 0], dev[group < 0])
+    g = np.where(group >= 0, group, group.max() + 1)
+    counts = lambda d: np.bincount(g * devices + d)  # noqa: E731
+    assert np.array_equal(counts(hosts), counts(flat)) and np.array_equal(counts(flat), counts(dev))
+    assert np.array_equal(hosts == home, flat == home)
+    across = lambda d: ((d != home) & (d // per_host != home // per_host)).sum()  # noqa: E731
+    assert across(hosts) < 0.9 * across(flat)
+    # the fewest possible: per (group, host), the movers beyond the slots movers take there
+    moved = (hosts != home) & (group >= 0)
+    top = (g.max() + 1) * (devices // per_host)
+    out_of = np.bincount(g[moved] * 4 + home[moved] // per_host, minlength=top)
+    into = np.bincount(g[moved] * 4 + hosts[moved] // per_host, minlength=top)
+    crossing = moved & (hosts // per_host != home // per_host)
+    assert crossing.sum() == np.maximum(out_of - into, 0).sum()

@@ -4,6 +4,9 @@
         [--policies orchestrated,balanced,grain,naive] [--tokens 32768] [--micro 2] \\
         [--json OUT.json] [--plot OUT.png]
     python -m jaxmllm.bench.balance --lengths FILE.jsonl --devices 64
+    python -m jaxmllm.bench.balance --mix omni --devices 8,64,512,2560 --simulate \
+        [--devices-per-host 8] [--pair-capacity auto|whole] [--flops 4e14] \
+        [--intra-bw 4.5e11] [--inter-bw 5e10] [--latency 1e-5]
 
 Capacities come from `suggest_capacities(..., match_llm=True)` for `--tokens` LLM tokens per
 device and microbatch (the LLM length may move one ladder step to match the modality ratios; the
@@ -34,6 +37,12 @@ Per policy, one table row (all figures over the steps run, steady state included
              devices summed), within each step, averaged over steps
   age        most steps any sample waited; deferred = mean samples carried to the next step
   routed     share of encoder output rows encoded on another device than their text
+  inter      share of encoder output rows encoded on another host than their text's
+             (`--devices-per-host`, default 8; the planner routes within a host first)
+  pair       per-pair route capacity in rows, as the trainer sizes -1 (`route_caps`;
+             `--pair-capacity whole`: a device's whole encoder output, `whole`, as before
+             issue 18); the dense exchange's buffer is devices x pair rows a device and phase
+             (JSON: exchange_rows[_whole]; most_pair_rows: the most a pair carried)
   (first N)  when grain ran fewer steps (--grain-max-steps), a line with every policy's fill
              over the same first N steps (JSON: fill_first_steps; fill_per_step per row)
   tiles      attention tiles of `--block` tokens (block-sparse attention, `jaxmllm.plan.tiles`),
@@ -48,6 +57,9 @@ Per policy, one table row (all figures over the steps run, steady state included
   goodput    (with tiles) useful FLOPs over the FLOPs the buckets compute (the cost model's
              per unit and per computed tile, `CostModel.tile_weights`): real units and the
              tiles their documents need, over every bucket's capacity in units and tiles
+  sim        (--simulate) predicted ms a step (`jaxmllm.bench.simulate`): `fl` compute alone,
+             `ragged` / `dense` with that exchange, `x LB` = ragged x steps/LB (the time per
+             lower-bound step of work: a policy that fills less takes more steps)
   ms/step    host planning time per step on one core: median over the steps after the first of
              time.process_time() around plan() (JSON: also the min); grain: per host, each host
              packs its own devices
@@ -64,17 +76,19 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmllm.bench import family
+from jaxmllm.bench import family, plot, simulate
 from jaxmllm.bench.mixes import MIXES, load_lengths, load_mix, random_mix
 from jaxmllm.config import ModelConfig
 from jaxmllm.data.cost import CostModel
 from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.plan.capacity import (
     HELD_DRY_RUN_STEPS,
+    ROUTE_DRY_RUN_STEPS,
     held_tiles,
+    route_capacity,
     suggest_capacities,
 )
-from jaxmllm.plan.contract import Capacities, StepPlan, check_plan, step_tiles
+from jaxmllm.plan.contract import Capacities, StepPlan, check_plan, item_rows, pair_rows, step_tiles
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
 
 POLICIES = ("orchestrated", "balanced", "grain", "naive")  # the default --policies
@@ -90,11 +104,11 @@ def make_caps(
     merge_area: int = 4,
     subsample: int = 4,
     block: int = 0,
+    devices_per_host: int = 0,
 ) -> Capacities:
-    """Capacities matched to the data; route capacity = a device's whole encoder output; with
-    `block`, rows in whole blocks and tile capacities as the trainer sizes them for a policy
-    that holds them (`HOLDS_TILES`: near the mean need); the others get no bound (the bench
-    measures what their buckets need, as the trainer's dry run does)."""
+    """Capacities matched to the data; route capacity = a device's whole encoder output (it
+    never binds: `route_caps` sizes it as the trainer does); `devices_per_host` (0: one host)
+    for host-aware routing; with `block`, rows in whole blocks (tile capacities: `held_caps`)."""
     sug = suggest_capacities(index, tokens, merge_area, subsample, match_llm=True, block=block or 1)
     route = max(sug.vision_patches // merge_area, sug.audio_frames // subsample)
     caps = Capacities(
@@ -108,8 +122,21 @@ def make_caps(
         subsample=subsample,
         route_pair_capacity=route if policy == "orchestrated" else 0,
         block=block,
+        devices_per_host=devices_per_host,
     )
     return caps
+
+
+def route_caps(index: LengthsIndex, caps: Capacities, policy: str, steps: int, seed: int):
+    """A routing policy's per-pair route capacity as the trainer sizes it (`resolve_route`:
+    the most rows a pair carried in a dry run of its plans, at least the largest item's), from
+    the plans of the next seed, with the headroom of a run longer than its dry run: the
+    bench's run is then past its dry run, as a long run mostly is."""
+    if not caps.route_pair_capacity:
+        return caps
+    planner = make_planner(policy, index, caps, seed + 1)
+    pair = route_capacity(planner, index, caps, min(steps, ROUTE_DRY_RUN_STEPS), steps + 1)
+    return dataclasses.replace(caps, route_pair_capacity=pair)
 
 
 def held_caps(
@@ -232,8 +259,14 @@ def run_policy(
     cost: CostModel,
     seed: int = 0,
     block: int = 0,
+    per_host: int = 0,
+    pair: str = "auto",
+    machine: simulate.Machine | None = None,
 ) -> tuple[dict, list]:
-    caps = make_caps(index, devices, tokens, micro, policy, block=block)
+    caps = make_caps(index, devices, tokens, micro, policy, block=block, devices_per_host=per_host)
+    whole = caps.route_pair_capacity
+    if pair == "auto":
+        caps = route_caps(index, caps, policy, steps, seed)
     if block and policy in HOLDS_TILES:
         caps = held_caps(index, caps, policy, min(steps, HELD_DRY_RUN_STEPS), seed, cost)
     items = _Items(index, caps)
@@ -245,6 +278,8 @@ def run_policy(
     work = np.zeros(3)
     quad, bound, ours_cost, rand_cost, micro_cv = [], [], [], [], []
     ages, deferred, routed, remote_rows, times = 0, [], 0.0, 0.0, []
+    inter_rows, most_pair, sim = 0.0, 0, []
+    host = min(per_host or devices, devices)  # devices a host (0: one host)
     first_plan = None
     step_fill = []  # per step, real units / capacity per phase
     tile_need, tile_spread, tile_most = [], [], dict.fromkeys(PHASES, 0)
@@ -284,12 +319,15 @@ def run_policy(
         deferred.append(plan.deferred)
         for p in ("vision", "audio"):
             it = getattr(plan, p)
-            per = caps.merge_area if p == "vision" else caps.subsample
-            vals = index.images if p == "vision" else index.audio
-            ptr = index.images_ptr if p == "vision" else index.audio_ptr
-            rows = vals[ptr[plan.samples[it.owner]] + it.item] // per
+            rows = item_rows(plan, index, caps, p)
+            home = plan.device[it.owner]
             routed += rows.sum()
-            remote_rows += rows[it.device != plan.device[it.owner]].sum()
+            remote_rows += rows[it.device != home].sum()
+            inter_rows += rows[it.device // host != home // host].sum()
+            most_pair = max(most_pair, int(pair_rows(plan, index, caps, p).max(initial=0)))
+        if machine:
+            cost_md = {p: loads[p][1] for p in ("vision", "audio", "llm")}
+            sim.append(simulate.plan_times(plan, index, caps, cost_md, machine))
     capacity = steps * devices * micro * cap_vec
     fill = np.divide(work, capacity, out=np.zeros(3), where=capacity > 0)
     lower = max(work / np.where(cap_vec > 0, devices * micro * cap_vec, np.inf))
@@ -318,6 +356,13 @@ def run_policy(
         "max_age": ages,
         "deferred": float(np.mean(deferred)),
         "routed": float(remote_rows / routed) if routed else 0.0,
+        "routed_intra": float((remote_rows - inter_rows) / routed) if routed else 0.0,
+        "routed_inter": float(inter_rows / routed) if routed else 0.0,
+        "devices_per_host": host,
+        "most_pair_rows": most_pair,
+        # the dense exchange's buffer per device and phase: devices x route_pair_capacity rows
+        "exchange_rows": devices * caps.route_pair_capacity,
+        "exchange_rows_whole": devices * whole if caps.route_pair_capacity else 0,
         "ms_per_step": 1000 * float(np.median(steady)),
         "ms_per_step_min": 1000 * float(np.min(steady)),
         "caps": {
@@ -326,9 +371,14 @@ def run_policy(
             "vision_patches": caps.vision_patches,
             "audio_frames": caps.audio_frames,
             "route_pair_capacity": caps.route_pair_capacity,
+            "route_pair_whole": whole if caps.route_pair_capacity else 0,
             "microbatches": micro,
         },
     }
+    if sim:
+        row["simulated"] = {k: 1000 * float(np.mean([s[k] for s in sim])) for k in sim[0]}
+        # per lower-bound step of work: what compares policies that fill differently
+        row["simulated"]["work_ragged"] = row["simulated"]["step_ragged"] * row["steps_over_lb"]
     if block:
         caps_by_phase = caps.tile_caps() if policy in HOLDS_TILES else tile_most
         row["tile_capacity"] = int(sum(caps_by_phase.values()))
@@ -357,15 +407,26 @@ def format_row(r: dict) -> str:
     fill = " ".join(f"{r['fill'][p]:.3f}{'*' if p in r['binding'] else ' '}" for p in PHASES)
     ratio = r["random_cv"] / r["micro_cv"] if r["micro_cv"] > 0 else float("inf")
     return (
-        f"{r['policy']:<13}{r['devices']:>5} {fill}  {r['steps_over_lb']:6.3f}  "
-        f"{r['quad_max_mean']:5.2f} ({r['quad_bound']:4.2f})  {r['micro_cv']:.4f} "
-        f"{ratio:6.1f}x  {r['max_age']:3d} {r['deferred']:8.0f}  {r['routed']:5.3f} "
-        f"{r['ms_per_step']:8.1f}"
-    ) + (
-        f"  {r['tile_capacity']:7d} {r['tile_mean']:8.0f} {r['tile_cap_over_mean']:8.3f} "
-        f"{r['tile_max_mean']:8.3f} {r['goodput']:8.3f}"
-        if "tile_capacity" in r
-        else ""
+        (
+            f"{r['policy']:<13}{r['devices']:>5} {fill}  {r['steps_over_lb']:6.3f}  "
+            f"{r['quad_max_mean']:5.2f} ({r['quad_bound']:4.2f})  {r['micro_cv']:.4f} "
+            f"{ratio:6.1f}x  {r['max_age']:3d} {r['deferred']:8.0f}  {r['routed']:5.3f} "
+            f"{r['routed_inter']:5.3f} {r['caps']['route_pair_capacity']:6d} "
+            f"{r['caps']['route_pair_whole']:6d} {r['ms_per_step']:8.1f}"
+        )
+        + (
+            f"  {r['tile_capacity']:7d} {r['tile_mean']:8.0f} {r['tile_cap_over_mean']:8.3f} "
+            f"{r['tile_max_mean']:8.3f} {r['goodput']:8.3f}"
+            if "tile_capacity" in r
+            else ""
+        )
+        + (
+            "  {compute:8.1f} {step_ragged:8.1f} {step_dense:8.1f} {work_ragged:8.1f}".format(
+                **r["simulated"]
+            )
+            if "simulated" in r
+            else ""
+        )
     )
 
 
@@ -392,48 +453,10 @@ def print_like_for_like(rows: list[dict]) -> None:
 
 HEADER = (
     f"{'policy':<13}{'D':>5} {'fill llm   vision audio':<24}  steps/LB  quad (bound)  "
-    f"cv     rand/ours age deferred routed  ms/step"
+    f"cv     rand/ours age deferred routed inter   pair  whole  ms/step"
 )
 TILE_HEADER = f"  {'tiles':>7} {'mean':>8} {'cap/mean':>8} {'max/mean':>8} {'goodput':>8}"
-
-
-def plot_step(plan_items: list, out: Path, title: str, labels=("grain", "orchestrated")) -> bool:
-    """Per-device LLM tokens and attention cost of one step: grain's packer vs. the balancer."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'jaxmllm[bench]'): no plot written")
-        return False
-    (before, items_b), (after, items_a) = plan_items
-    fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    for plan, items, label in (
-        (before, items_b, f"{labels[0]} (before)"),
-        (after, items_a, f"{labels[1]} (after)"),
-    ):
-        d_n = items.caps.devices
-        tok = np.bincount(
-            plan.device[plan.micro == 0], items.llm[plan.samples[plan.micro == 0]], minlength=d_n
-        )
-        q = np.bincount(
-            plan.device[plan.micro == 0],
-            items.llm[plan.samples[plan.micro == 0]].astype(float) ** 2,
-            minlength=d_n,
-        )
-        axes[0].plot(tok, label=label, drawstyle="steps-mid")
-        axes[1].plot(q, label=label, drawstyle="steps-mid")
-    axes[0].axhline(items_a.caps.llm_rows * items_a.caps.llm_row_len, color="k", lw=0.5)
-    axes[0].set_ylabel("LLM tokens")
-    axes[0].set_ylim(bottom=0)
-    axes[1].set_ylabel("LLM attention (sum n^2)")
-    axes[1].set_xlabel("device (microbatch 0)")
-    axes[0].legend()
-    axes[0].set_title(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    return True
+SIM_HEADER = f"  {'sim: fl':>8} {'ragged':>8} {'dense':>8} {'x LB':>8}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -468,6 +491,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="fewer steps for the (slow, pure Python) grain packer",
     )
+    ap.add_argument("--devices-per-host", type=int, default=8,
+                    help="data-parallel devices a host (routing: within a host first)")  # fmt: skip
+    ap.add_argument("--pair-capacity", choices=("auto", "whole"), default="auto",
+                    help="route capacity: the trainer's auto, or a whole output")  # fmt: skip
+    ap.add_argument("--simulate", action="store_true", help="predicted step times (simulate)")
+    ap.add_argument("--flops", type=float, default=400e12, help="--simulate: FLOP/s a device")
+    ap.add_argument("--intra-bw", type=float, default=450e9, help="--simulate: B/s in a host")
+    ap.add_argument("--inter-bw", type=float, default=50e9, help="--simulate: B/s across hosts")
+    ap.add_argument("--latency", type=float, default=10e-6, help="--simulate: s an exchange")
     ap.add_argument("--json", help="write all rows here")
     ap.add_argument(
         "--cost-file",
@@ -476,6 +508,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--plot", help="PNG of per-device load of one step (needs matplotlib)")
     args = ap.parse_args(argv)
+    model = ModelConfig()
+    row_bytes = 2 * model.llm.width  # (an encoder output row: the LLM width in bf16)
+    sim = (args.flops, args.intra_bw, args.inter_bw, args.latency, row_bytes)
+    machine = simulate.Machine(*sim) if args.simulate else None
     try:
         cost = CostModel.from_file(args.cost_file) if args.cost_file else None
         if args.lengths:
@@ -488,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:  # a missing table, an unknown mix, a bad cost file
         print(f"error: {e}", file=sys.stderr)
         return 2
-    cost = cost or CostModel.from_model(ModelConfig())
+    cost = cost or CostModel.from_model(model)
     rows, plots = [], {}
     for name, index in sources:
         c = make_caps(index, 1, args.tokens, args.micro, "orchestrated", block=args.block)
@@ -498,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{c.audio_frames} frames; {args.micro} microbatches; packing bound on fill "
             + " ".join(f"{v:.3f}" for v in fill_bound(index, c).values())
         )
-        print(HEADER + (TILE_HEADER if args.block else ""))
+        print(HEADER + (TILE_HEADER if args.block else "") + (SIM_HEADER if machine else ""))
         for d in (int(x) for x in args.devices.split(",")):
             steps = steps_for(index, d, args.tokens, args.micro, args.min_steps, args.max_steps)
             for pol in args.policies.split(","):
@@ -506,8 +542,9 @@ def main(argv: list[str] | None = None) -> int:
                 if pol == "grain" and args.grain_max_steps:
                     n = min(steps, args.grain_max_steps)
                 row, first = run_policy(
-                    pol, index, d, args.tokens, args.micro, n, cost, block=args.block
-                )
+                    pol, index, d, args.tokens, args.micro, n, cost, block=args.block,
+                    per_host=args.devices_per_host, pair=args.pair_capacity, machine=machine,
+                )  # fmt: skip
                 row["mix"] = name
                 rows.append(row)
                 plots[(name, d, pol)] = first
@@ -522,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         name, d = sources[0][0], int(args.devices.split(",")[0])
         base = "grain" if (name, d, "grain") in plots else "naive"
         if (name, d, base) in plots and (name, d, "orchestrated") in plots:
-            plot_step(
+            plot.plot_step(
                 [plots[(name, d, base)], plots[(name, d, "orchestrated")]],
                 Path(args.plot),
                 f"{name}, {d} devices, step 0",

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grain
+import jax
 import numpy as np
 
 import sharding
@@ -36,11 +37,13 @@ from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.metrics import StepCounter
 from jaxmllm.plan.capacity import (
     HELD_DRY_RUN_STEPS,
+    ROUTE_DRY_RUN_STEPS,
     dry_run_documents,
     dry_run_tiles,
     held_tiles,
     largest_doc_tiles,
     most_documents,
+    route_capacity,
     suggest_capacities,
 )
 from jaxmllm.plan.contract import Capacities, Planner
@@ -65,8 +68,8 @@ def make_source(cfg: Config) -> tuple[grain.MapDataset, LengthsIndex]:
 
 
 def resolve_batch(cfg: Config, index: LengthsIndex, devices: int | None = None) -> Config:
-    """Resolves `batch.capacity: auto`, `batch.route_pair_capacity: -1` and `batch.*_tiles: -1`
-    against the data.
+    """Resolves `batch.capacity: auto`, `batch.route_pair_capacity: -1` (`resolve_route`),
+    `batch.devices_per_host: -1` and `batch.*_tiles: -1` against the data.
 
     auto keeps the LLM bucket (the token budget per device is the user's choice) and sizes the
     encoder buckets to the data's modality ratios, on the capacity ladder, each at least the
@@ -94,23 +97,55 @@ def resolve_batch(cfg: Config, index: LengthsIndex, devices: int | None = None) 
             value = getattr(got, key)
             if value:  # 0: the data has none of it; keep the configured bucket
                 changes[key] = value
+    auto_route = False
     if b.route_pair_capacity != 0 and b.planner != "orchestrated":
         # Only orchestrated moves items between devices; an exchange would only move zeros.
         changes["route_pair_capacity"] = 0
     elif b.route_pair_capacity == -1:
+        # A device's whole encoder output (never binds) for the dry run, then what it carried.
         vision = changes.get("vision_patches", b.vision_patches) // m.vision.merge**2
         audio = changes.get("audio_frames", b.audio_frames) // m.audio.subsample
         changes["route_pair_capacity"] = max(
             vision if m.vision.enabled else 0, audio if m.audio.enabled else 0, 1
         )
+        auto_route = True
+    if b.devices_per_host == -1:
+        changes["devices_per_host"] = resolve_devices_per_host(cfg, devices)
     if changes:
         cfg = dataclasses.replace(cfg, batch=dataclasses.replace(b, **changes))
+    if auto_route:
+        changes["route_pair_capacity"] = resolve_route(cfg, index, devices)
+        cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, **changes))
     tiles = {**resolve_tiles(cfg, index, devices), **resolve_documents(cfg, index, devices)}
     if tiles:
         cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, **tiles))
     if changes or tiles:
         log.info("batch resolved from the data: %s", {**changes, **tiles})
     return cfg
+
+
+def resolve_devices_per_host(cfg: Config, devices: int | None) -> int:
+    """`batch.devices_per_host: -1` (auto): the data-parallel positions one process holds (every
+    position when there is one process)."""
+    if jax.process_count() == 1:
+        return devices or sharding.data_parallel_size(sharding.make_mesh(cfg.mesh))
+    return len(sharding.local_dp_indices(sharding.make_mesh(cfg.mesh)))
+
+
+def resolve_route(cfg: Config, index: LengthsIndex, devices: int | None) -> int:
+    """`batch.route_pair_capacity: -1` (auto) of orchestrated, resolved (the rest resolved, the
+    route capacity a device's whole encoder output): the most encoder rows one (src, dst) pair
+    carried in a microbatch of a dry run of its own plans (`ROUTE_DRY_RUN_STEPS` at most, then
+    `ROUTE_HEADROOM` more when the run is longer), at least the largest item's rows
+    (`capacity.route_capacity`). The dense exchange's buffer is [devices, this] rows per
+    device, so it no longer grows with the device count as a whole output per pair did; the
+    planner holds the bound (a sample that would take a pair past it waits)."""
+    if devices is None:
+        devices = sharding.data_parallel_size(sharding.make_mesh(cfg.mesh))
+    caps = capacities(cfg, devices)
+    planner = make_planner(cfg.batch.planner, index, caps, cfg.data.seed)
+    steps = min(cfg.train.steps, ROUTE_DRY_RUN_STEPS)
+    return route_capacity(planner, index, caps, steps, cfg.train.steps)
 
 
 DRY_RUN_STEPS = 2000  # at most this many steps planned to size a planner's tile capacities
@@ -207,6 +242,7 @@ def capacities(cfg: Config, devices: int) -> Capacities:
         merge_area=m.vision.merge**2,
         subsample=m.audio.subsample,
         route_pair_capacity=b.route_pair_capacity,
+        devices_per_host=max(b.devices_per_host, 0),
         block=b.attention_block if sparse else 0,
         llm_tiles=max(b.llm_tiles, 0) if sparse else 0,
         vision_tiles=max(b.vision_tiles, 0) if sparse and m.vision.enabled else 0,

@@ -173,7 +173,12 @@ class RoutedAssignment:
             group = np.full(len(owner), -1, np.int64)
             sel = np.flatnonzero(ok[owner])
             dev[sel], group[sel] = pack_phase(
-                size[sel], mb.enc[p], ph.cap[p], urgent[owner[sel]], home_all[owner[sel]]
+                size[sel],
+                mb.enc[p],
+                ph.cap[p],
+                urgent[owner[sel]],
+                home_all[owner[sel]],
+                ph.caps.devices_per_host,
             )
             ok[owner[sel[dev[sel] < 0]]] = False
             devs[p], groups[p] = dev, group
@@ -183,14 +188,8 @@ class RoutedAssignment:
             keep = np.flatnonzero(ok[owner])
             home = home_all[owner[keep]]
             old = dev[keep]
-            new = localize(groups[p][keep], old, home, ph.caps.devices)
+            new = localize(groups[p][keep], old, home, ph.caps.devices, ph.caps.devices_per_host)
             dev[keep] = keep_capacity(groups[p][keep], new, old, size[keep], mb.enc[p], ph.cap[p])
             over = mb.routes[p].overflow(size[keep], dev[keep], home)
             ok[owner[keep[over]]] = False
-        for p in ENC:  # record the routed rows of what is finally kept
-            if mb.routes[p].free:
-                continue
-            owner, _, size = items[p]
-            keep = np.flatnonzero(ok[owner])
-            mb.routes[p].add(size[keep], devs[p][keep], home_all[owner[keep]])
-        return ok, devs
+        return ok, devs  # (the balancer counts the routed rows of what it finally keeps)

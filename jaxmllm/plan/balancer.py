@@ -178,6 +178,8 @@ class Balancer:
             np.subtract.at(mb.enc[p].quad, dev[drop], mb.enc[p].cost(size[drop]))
             keep = ok[owner]
             mb.items[p].append((entries[owner[keep]], j[keep], size[keep], dev[keep]))
+            # (the route capacity counts what is kept: not what a tile capacity turned away)
+            mb.routes[p].add(size[keep], dev[keep], rows[owner[keep]] // self.caps.llm_rows)
         mb.entries.append(entries[ok])
         mb.row_bin.append(rows[ok])
         if len(retry) and retries:

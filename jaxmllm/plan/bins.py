@@ -62,6 +62,7 @@ class Packing:
     cap: int  # units per bin
     qstar: float  # each bin's share of the quadratic cost once every item is placed
     out: np.ndarray  # [item] its bin, -1 until placed
+    per_host: int = 0  # bins a host (0: one host): an item not at home prefers its home's host
 
     def place(
         self, idx: np.ndarray, bins: np.ndarray, distinct: bool, sizes: np.ndarray | None = None

@@ -20,7 +20,14 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from jaxmllm.data.samples import LengthsIndex
-from jaxmllm.plan.contract import Capacities, Planner, documents, step_documents, step_tiles
+from jaxmllm.plan.contract import (
+    Capacities,
+    Planner,
+    documents,
+    pair_rows,
+    step_documents,
+    step_tiles,
+)
 from jaxmllm.plan.select import BINDING
 from jaxmllm.plan.tiles import own_tiles, packed_density
 
@@ -352,3 +359,48 @@ def dry_run_tile_stats(
             most[phase] = max(most[phase], int(need.max(initial=0)))
             total[phase] += float(need.mean()) if need.size else 0.0
     return most, {p: t / max(steps, 1) for p, t in total.items()}
+
+
+# ----------------------------------------------------------------------------- routes
+
+ROUTE_DRY_RUN_STEPS = 50  # plans of the dry run that sizes the per-pair route capacity
+ROUTE_HEADROOM = 0.1  # over the dry run's most when the run is longer than the dry run
+
+
+def whole_output_rows(caps: Capacities) -> int:
+    """A device's whole encoder output in rows (the largest of its phases): a route capacity
+    this large never binds (`route.Routes.free`)."""
+    return max(caps.vision_patches // caps.merge_area, caps.audio_frames // caps.subsample, 1)
+
+
+def largest_item_rows(index: LengthsIndex, caps: Capacities) -> int:
+    """The encoder output rows of the data's largest item: the least a route capacity can be
+    (every item must be able to leave its device)."""
+    vision = int(index.images.max(initial=0)) // caps.merge_area if caps.vision_patches else 0
+    audio = int(index.audio.max(initial=0)) // caps.subsample if caps.audio_frames else 0
+    return max(vision, audio, 1)
+
+
+def dry_run_route_rows(planner: Planner, index: LengthsIndex, caps: Capacities, steps: int) -> int:
+    """The most encoder rows one (src, dst) device pair carries in one microbatch and phase of
+    `planner`'s first `steps` plans (`planner` is used up: its state advances)."""
+    most = 0
+    for _ in range(steps):
+        plan = planner.plan()
+        for phase in ("vision", "audio"):
+            most = max(most, int(pair_rows(plan, index, caps, phase).max(initial=0)))
+    return most
+
+
+def route_capacity(
+    planner: Planner, index: LengthsIndex, caps: Capacities, steps: int, run_steps: int
+) -> int:
+    """The per-pair route capacity from the planner's own traffic: the most rows a pair carried
+    in a dry run of `steps` plans (`planner` built on `caps` with a route capacity that never
+    binds; used up), `ROUTE_HEADROOM` more when the run (`run_steps`) is longer, never below
+    the largest item's rows nor above a device's whole encoder output. The planner then holds
+    it: a sample whose items would take a pair past it waits (`route.Routes`)."""
+    most = dry_run_route_rows(planner, index, caps, steps)
+    if steps < run_steps:
+        most = math.ceil(most * (1 + ROUTE_HEADROOM))
+    return min(max(most, largest_item_rows(index, caps)), whole_output_rows(caps))

@@ -36,6 +36,9 @@ class Capacities:
     llm_tiles: int = 0
     vision_tiles: int = 0
     audio_tiles: int = 0
+    # Data-parallel positions per host (devices h * n ... (h + 1) * n - 1 on host h; 0 = all on
+    # one host): routing keeps an item that cannot stay home on its text's host where it can
+    devices_per_host: int = 0
 
     def tile_caps(self) -> dict[str, int]:
         """Per phase, the tiles a device may compute (0 = no bound)."""
@@ -203,15 +206,11 @@ def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
         _check_segments(plan.step, p, micro * d_n + it.device, it.offset, size, cap)
         if (it.offset % per).any():
             raise ValueError(f"step {plan.step}: {p} item offsets must be multiples of {per}")
-        home = plan.device[it.owner]
-        remote = it.device != home
         if caps.route_pair_capacity == 0:
-            if remote.any():
+            if (it.device != plan.device[it.owner]).any():
                 raise ValueError(f"step {plan.step}: {p} item away from its text, no routing")
             continue
-        pair = (micro * d_n + it.device) * d_n + home
-        _, inv = np.unique(pair[remote], return_inverse=True)
-        if remote.any() and np.bincount(inv, size[remote] // per).max() > caps.route_pair_capacity:
+        if pair_rows(plan, index, caps, p).max(initial=0) > caps.route_pair_capacity:
             raise ValueError(
                 f"step {plan.step}: {p} rows between two devices exceed "
                 f"route_pair_capacity={caps.route_pair_capacity}"
@@ -227,6 +226,32 @@ def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
 
 
 PHASES = ("llm", "vision", "audio")
+
+
+def item_rows(plan: StepPlan, index: LengthsIndex, caps: Capacities, phase: str) -> np.ndarray:
+    """Encoder output rows of each item of an encoder phase of a plan (patches / merge area,
+    frames / subsample)."""
+    it: ItemPlan = getattr(plan, phase)
+    values, ptr, per = (
+        (index.images, index.images_ptr, caps.merge_area)
+        if phase == "vision"
+        else (index.audio, index.audio_ptr, caps.subsample)
+    )
+    return values[ptr[plan.samples[it.owner]] + it.item] // per
+
+
+def pair_rows(plan: StepPlan, index: LengthsIndex, caps: Capacities, phase: str) -> np.ndarray:
+    """Encoder output rows each (microbatch, src, dst) device pair carries in an encoder phase
+    of a plan, over the pairs that carry any (what `batch.route_pair_capacity` bounds)."""
+    it: ItemPlan = getattr(plan, phase)
+    home = plan.device[it.owner]
+    remote = it.device != home
+    if not remote.any():
+        return np.zeros(0, np.int64)
+    d_n = caps.devices
+    pair = (plan.micro[it.owner] * d_n + it.device) * d_n + home
+    _, inv = np.unique(pair[remote], return_inverse=True)
+    return np.bincount(inv, item_rows(plan, index, caps, phase)[remote]).astype(np.int64)
 
 
 def phase_docs(

@@ -63,6 +63,7 @@ def pack_phase(
     cap: int,
     first: np.ndarray | None = None,
     home: np.ndarray | None = None,
+    per_host: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Assigns items to bins of capacity `cap`, equalising fill and attention cost.
 
@@ -73,6 +74,8 @@ def pack_phase(
       first: items to place before all others (urgent ones), wherever they fit.
       home: per item, the bin it would rather sit in (its text's device), or None: within a
         round, an item goes there if that bin was to take an item within HOME_TOL of its size.
+      per_host: bins a host (0: one host): within a round, the items that do not go home
+        take the round's bins on their home's host first.
 
     Returns:
       (bin per item, -1 where it did not fit; exchange group per item: items of one group
@@ -86,7 +89,7 @@ def pack_phase(
     sq = loads.cost(sizes)
     placeable = min(1.0, float((cap - loads.units).sum()) / max(float(sizes.sum()), 1.0))
     qstar = (float(loads.quad.sum()) + placeable * float(sq.sum())) / nb  # each bin's share
-    pk = Packing(sizes, sq, home, loads, cap, qstar, out)
+    pk = Packing(sizes, sq, home, loads, cap, qstar, out, per_host)
     order = desc_order(sizes, first)
     n_first = int(first.sum()) if first is not None else 0
     # Rounds for the urgent and the big items, largest first.

@@ -117,3 +117,26 @@ def smallest(key: np.ndarray, k: int) -> np.ndarray:
     below = np.flatnonzero(key < kth)
     below = below[np.argsort(key[below], kind="stable")]
     return np.concatenate([below, np.flatnonzero(key == kth)[: k - len(below)]])
+
+
+def match_sub_first(a_keys: np.ndarray, b_keys: np.ndarray, subs: int) -> np.ndarray:
+    """Matches two lists of (group, sub) keys (key = group * subs + sub, each list sorted by
+    key, as many of each group in both): per element of `a`, its partner's index in `b`.
+    Within each (group, sub) the first elements of both lists pair in order, as many as both
+    have; the rest pair in order within their group."""
+    top = int(max(a_keys.max(initial=0), b_keys.max(initial=0))) + 1
+    a_cnt, b_cnt = np.bincount(a_keys, minlength=top), np.bincount(b_keys, minlength=top)
+    both = np.minimum(a_cnt, b_cnt)
+    a_in = _rank_in_runs(a_keys, a_cnt) < both[a_keys]
+    b_in = _rank_in_runs(b_keys, b_cnt) < both[b_keys]
+    out = np.empty(len(a_keys), np.int64)
+    out[a_in] = np.flatnonzero(b_in)  # (the runs of a (group, sub): in order, equally long)
+    out[~a_in] = np.flatnonzero(~b_in)  # (the rest: as many per group, in group order)
+    return out
+
+
+def _rank_in_runs(keys: np.ndarray, cnt: np.ndarray) -> np.ndarray:
+    """Each element's position within its run of equal keys (`keys` sorted, `cnt` per key)."""
+    first = np.cumsum(cnt)
+    first -= cnt
+    return np.arange(len(keys)) - first[keys]

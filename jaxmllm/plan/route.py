@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmllm.plan.bins import Loads
-from jaxmllm.plan.ragged import run_cumsum, stable_sort
+from jaxmllm.plan.ragged import match_sub_first, run_cumsum, stable_sort
 
 UNDO_ROUNDS = 3  # rounds undoing the groups of overfilled bins before all exchanges are undone
 
@@ -54,12 +54,17 @@ class Routes:
         self.rows = np.concatenate([self.rows, size[remote] // self.per_row])
 
 
-def localize(group: np.ndarray, dev: np.ndarray, home: np.ndarray, devices: int) -> np.ndarray:
+def localize(
+    group: np.ndarray, dev: np.ndarray, home: np.ndarray, devices: int, per_host: int = 0
+) -> np.ndarray:
     """Reassigns devices among the items of each exchange group so that most sit at `home`.
 
     Every device keeps as many items of each group as before (so about the same load and
-    attention cost); within a group, as many items as the device has slots stay home. Items of
-    group -1 keep their device. O(items + groups * devices), one sort.
+    attention cost); within a group, as many items as the device has slots stay home. With
+    `per_host` devices a host (devices h * per_host ... on host h; 0 = one host), the items that
+    cannot stay home take the group's free slots on their own host first, and only then the
+    slots left on other hosts (OrchMLLM's node-aware dispatch: intra-host links are ~10x
+    faster). Items of group -1 keep their device. O(items + groups * devices), one sort.
     """
     out = dev.copy()
     if not len(group):
@@ -92,7 +97,11 @@ def localize(group: np.ndarray, dev: np.ndarray, home: np.ndarray, devices: int)
     # both lists run in group order. (flatnonzero of a mask: much faster than of integers.)
     np.maximum(free, 0, out=free)
     keys = np.flatnonzero(free > 0)
-    to = np.repeat(keys % devices, free[keys])
+    slot_keys = np.repeat(keys, free[keys])  # (group, device) of each free slot, in order
+    if 0 < per_host < devices:
+        to = _match_hosts(ik[~local], slot_keys, devices, per_host)
+    else:
+        to = slot_keys % devices
     if idx is None:
         out[stay] = h[stay]
         out[move] = to
@@ -100,6 +109,19 @@ def localize(group: np.ndarray, dev: np.ndarray, home: np.ndarray, devices: int)
         out[idx[stay]] = h[stay]
         out[idx[move]] = to
     return out
+
+
+def _match_hosts(
+    mover_keys: np.ndarray, slot_keys: np.ndarray, devices: int, per_host: int
+) -> np.ndarray:
+    """The device each mover (its (group, home) key, in key order) takes among the free slots
+    (their (group, device) keys, in key order; as many per group as movers): the slots of its
+    home's host first (`match_sub_first`), then those left in its group."""
+    hosts = -(-devices // per_host)
+    # (group, host) keys: devices of a host are contiguous, so both lists stay sorted by them
+    mh = mover_keys // devices * hosts + mover_keys % devices // per_host
+    sh = slot_keys // devices * hosts + slot_keys % devices // per_host
+    return slot_keys[match_sub_first(mh, sh, hosts)] % devices
 
 
 def keep_capacity(
