@@ -183,9 +183,7 @@ class BatchConfig:
         _check(self.planner in PLANNERS, f"must be one of {sorted(PLANNERS)}", "planner")
         _check(self.capacity in ("fixed", "auto"), "must be fixed or auto", "capacity")
         _check(self.exchange in ("dense", "ragged"), "must be dense or ragged", "exchange")
-        _check(
-            self.route_pair_capacity >= -1, "must be >= 0, or -1 for auto", "route_pair_capacity"
-        )
+        _check(self.route_pair_capacity >= -1, "must be >= 0, or -1", "route_pair_capacity")
         _check(self.attention_block >= 1, "must be >= 1", "attention_block")
         for key in ("llm_tiles", "vision_tiles", "audio_tiles", "llm_documents",
                     "vision_documents", "audio_documents", "devices_per_host"):  # fmt: skip

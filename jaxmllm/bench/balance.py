@@ -78,12 +78,21 @@ import numpy as np
 
 from jaxmllm.bench import family, plot, simulate
 from jaxmllm.bench.mixes import MIXES, load_lengths, load_mix, random_mix
+from jaxmllm.bench.table import (
+    HEADER,
+    PHASES,
+    SIM_HEADER,
+    TILE_HEADER,
+    format_row,
+    print_like_for_like,
+)
 from jaxmllm.config import ModelConfig
 from jaxmllm.data.cost import CostModel
 from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.plan.capacity import (
     HELD_DRY_RUN_STEPS,
     ROUTE_DRY_RUN_STEPS,
+    fill_bound,
     held_tiles,
     route_capacity,
     suggest_capacities,
@@ -92,7 +101,6 @@ from jaxmllm.plan.contract import Capacities, StepPlan, check_plan, item_rows, p
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
 
 POLICIES = ("orchestrated", "balanced", "grain", "naive")  # the default --policies
-PHASES = ("llm", "vision", "audio")
 
 
 def make_caps(
@@ -159,42 +167,6 @@ def held_caps(
         weights=cost.tile_weights(caps.block, caps.subsample) if cost else None,
     )
     return dataclasses.replace(caps, **{f"{p}_tiles": n for p, n in tiles.items()})
-
-
-def bins_lower_bound(sizes: np.ndarray, cap: int) -> int:
-    """Martello and Toth's L2 lower bound on the bins of `cap` units that items of `sizes` need
-    (no packing of them uses fewer): for every threshold a <= cap/2, the items above cap - a
-    each need a bin of their own, those in (cap/2, cap - a] too, and the items in [a, cap/2]
-    fill what those leave free before opening more. O(n log n)."""
-    s = np.sort(np.asarray(sizes, np.int64))
-    s = s[s > 0]
-    if not len(s):
-        return 0
-    cs = np.concatenate([[0], np.cumsum(s)])
-    big = int(np.searchsorted(2 * s, cap, "right"))  # items from here are above cap / 2
-    alphas = np.unique(np.concatenate([[0], s[:big]]))
-    hi = np.searchsorted(s, cap - alphas, "right")  # items from here are above cap - a
-    n_own = len(s) - big  # above cap - a, and in (cap/2, cap - a]: one bin each
-    free = (hi - big) * cap - (cs[hi] - cs[big])  # what those in (cap/2, cap - a] leave free
-    small = cs[big] - cs[np.searchsorted(s, alphas, "left")]  # items in [a, cap/2]
-    extra = np.ceil(np.maximum(small - free, 0) / cap)
-    return int((n_own + extra).max())
-
-
-def fill_bound(index: LengthsIndex, caps: Capacities) -> dict[str, float]:
-    """Per phase, the highest fill any packing of the data's items into the phase's bins (LLM
-    rows, a device's patches, a device's frames) can reach over an epoch: total units over
-    (`bins_lower_bound` x bin). Coarse items (clips of most of a bucket) hold it below 1."""
-    llm = index.llm_tokens(caps.merge_area, caps.subsample)
-    out = {}
-    for p, sizes, cap in (
-        ("llm", llm, caps.llm_row_len),
-        ("vision", index.images, caps.vision_patches),
-        ("audio", index.audio, caps.audio_frames),
-    ):
-        bins = bins_lower_bound(sizes, cap) if cap > 0 else 0
-        out[p] = round(float(sizes.sum()) / (bins * cap), 4) if bins else 1.0
-    return out
 
 
 class _Items:
@@ -401,62 +373,6 @@ def steps_for(index: LengthsIndex, devices: int, tokens: int, micro: int, lo: in
     """Enough steps for about one epoch, within [lo, hi]."""
     per_step = devices * micro * tokens / max(index.llm_tokens(4, 4).mean(), 1)
     return int(np.clip(np.ceil(len(index) / per_step), lo, hi))
-
-
-def format_row(r: dict) -> str:
-    fill = " ".join(f"{r['fill'][p]:.3f}{'*' if p in r['binding'] else ' '}" for p in PHASES)
-    ratio = r["random_cv"] / r["micro_cv"] if r["micro_cv"] > 0 else float("inf")
-    return (
-        (
-            f"{r['policy']:<13}{r['devices']:>5} {fill}  {r['steps_over_lb']:6.3f}  "
-            f"{r['quad_max_mean']:5.2f} ({r['quad_bound']:4.2f})  {r['micro_cv']:.4f} "
-            f"{ratio:6.1f}x  {r['max_age']:3d} {r['deferred']:8.0f}  {r['routed']:5.3f} "
-            f"{r['routed_inter']:5.3f} {r['caps']['route_pair_capacity']:6d} "
-            f"{r['caps']['route_pair_whole']:6d} {r['ms_per_step']:8.1f}"
-        )
-        + (
-            f"  {r['tile_capacity']:7d} {r['tile_mean']:8.0f} {r['tile_cap_over_mean']:8.3f} "
-            f"{r['tile_max_mean']:8.3f} {r['goodput']:8.3f}"
-            if "tile_capacity" in r
-            else ""
-        )
-        + (
-            "  {compute:8.1f} {step_ragged:8.1f} {step_dense:8.1f} {work_ragged:8.1f}".format(
-                **r["simulated"]
-            )
-            if "simulated" in r
-            else ""
-        )
-    )
-
-
-def fill_over(row: dict, steps: int) -> dict:
-    """A row's fill per phase over its first `steps` steps (each step has the same capacity)."""
-    mean = np.mean(row["fill_per_step"][:steps], 0)
-    return dict(zip(PHASES, mean.round(4).tolist(), strict=True))
-
-
-def print_like_for_like(rows: list[dict]) -> None:
-    """When a policy ran fewer steps (grain, --grain-max-steps), every other policy's fill over
-    the same first steps, so that fills compare like for like."""
-    n = min((r["steps"] for r in rows), default=0)
-    if not rows or all(r["steps"] == n for r in rows):
-        return
-    for r in rows:
-        r["fill_first_steps"] = {"steps": n, "fill": fill_over(r, n)}
-    cols = "  ".join(
-        f"{r['policy']} " + " ".join(f"{v:.4f}" for v in r["fill_first_steps"]["fill"].values())
-        for r in rows
-    )
-    print(f"  fill over the first {n} steps (llm vision audio): {cols}")
-
-
-HEADER = (
-    f"{'policy':<13}{'D':>5} {'fill llm   vision audio':<24}  steps/LB  quad (bound)  "
-    f"cv     rand/ours age deferred routed inter   pair  whole  ms/step"
-)
-TILE_HEADER = f"  {'tiles':>7} {'mean':>8} {'cap/mean':>8} {'max/mean':>8} {'goodput':>8}"
-SIM_HEADER = f"  {'sim: fl':>8} {'ragged':>8} {'dense':>8} {'x LB':>8}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -404,3 +404,42 @@ def route_capacity(
     if steps < run_steps:
         most = math.ceil(most * (1 + ROUTE_HEADROOM))
     return min(max(most, largest_item_rows(index, caps)), whole_output_rows(caps))
+
+
+# ----------------------------------------------------------------------------- fill
+
+
+def bins_lower_bound(sizes: np.ndarray, cap: int) -> int:
+    """Martello and Toth's L2 lower bound on the bins of `cap` units that items of `sizes` need
+    (no packing of them uses fewer): for every threshold a <= cap/2, the items above cap - a
+    each need a bin of their own, those in (cap/2, cap - a] too, and the items in [a, cap/2]
+    fill what those leave free before opening more. O(n log n)."""
+    s = np.sort(np.asarray(sizes, np.int64))
+    s = s[s > 0]
+    if not len(s):
+        return 0
+    cs = np.concatenate([[0], np.cumsum(s)])
+    big = int(np.searchsorted(2 * s, cap, "right"))  # items from here are above cap / 2
+    alphas = np.unique(np.concatenate([[0], s[:big]]))
+    hi = np.searchsorted(s, cap - alphas, "right")  # items from here are above cap - a
+    n_own = len(s) - big  # above cap - a, and in (cap/2, cap - a]: one bin each
+    free = (hi - big) * cap - (cs[hi] - cs[big])  # what those in (cap/2, cap - a] leave free
+    small = cs[big] - cs[np.searchsorted(s, alphas, "left")]  # items in [a, cap/2]
+    extra = np.ceil(np.maximum(small - free, 0) / cap)
+    return int((n_own + extra).max())
+
+
+def fill_bound(index: LengthsIndex, caps: Capacities) -> dict[str, float]:
+    """Per phase, the highest fill any packing of the data's items into the phase's bins (LLM
+    rows, a device's patches, a device's frames) can reach over an epoch: total units over
+    (`bins_lower_bound` x bin). Coarse items (clips of most of a bucket) hold it below 1."""
+    llm = index.llm_tokens(caps.merge_area, caps.subsample)
+    out = {}
+    for p, sizes, cap in (
+        ("llm", llm, caps.llm_row_len),
+        ("vision", index.images, caps.vision_patches),
+        ("audio", index.audio, caps.audio_frames),
+    ):
+        bins = bins_lower_bound(sizes, cap) if cap > 0 else 0
+        out[p] = round(float(sizes.sum()) / (bins * cap), 4) if bins else 1.0
+    return out

@@ -1,0 +1,64 @@
+"""The balance bench's per-policy table: one row per (mix, devices, policy), its headers, and
+the like-for-like fill line when a policy ran fewer steps (the columns: bench/balance.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+PHASES = ("llm", "vision", "audio")
+
+
+def format_row(r: dict) -> str:
+    fill = " ".join(f"{r['fill'][p]:.3f}{'*' if p in r['binding'] else ' '}" for p in PHASES)
+    ratio = r["random_cv"] / r["micro_cv"] if r["micro_cv"] > 0 else float("inf")
+    return (
+        (
+            f"{r['policy']:<13}{r['devices']:>5} {fill}  {r['steps_over_lb']:6.3f}  "
+            f"{r['quad_max_mean']:5.2f} ({r['quad_bound']:4.2f})  {r['micro_cv']:.4f} "
+            f"{ratio:6.1f}x  {r['max_age']:3d} {r['deferred']:8.0f}  {r['routed']:5.3f} "
+            f"{r['routed_inter']:5.3f} {r['caps']['route_pair_capacity']:6d} "
+            f"{r['caps']['route_pair_whole']:6d} {r['ms_per_step']:8.1f}"
+        )
+        + (
+            f"  {r['tile_capacity']:7d} {r['tile_mean']:8.0f} {r['tile_cap_over_mean']:8.3f} "
+            f"{r['tile_max_mean']:8.3f} {r['goodput']:8.3f}"
+            if "tile_capacity" in r
+            else ""
+        )
+        + (
+            "  {compute:8.1f} {step_ragged:8.1f} {step_dense:8.1f} {work_ragged:8.1f}".format(
+                **r["simulated"]
+            )
+            if "simulated" in r
+            else ""
+        )
+    )
+
+
+def fill_over(row: dict, steps: int) -> dict:
+    """A row's fill per phase over its first `steps` steps (each step has the same capacity)."""
+    mean = np.mean(row["fill_per_step"][:steps], 0)
+    return dict(zip(PHASES, mean.round(4).tolist(), strict=True))
+
+
+def print_like_for_like(rows: list[dict]) -> None:
+    """When a policy ran fewer steps (grain, --grain-max-steps), every other policy's fill over
+    the same first steps, so that fills compare like for like."""
+    n = min((r["steps"] for r in rows), default=0)
+    if not rows or all(r["steps"] == n for r in rows):
+        return
+    for r in rows:
+        r["fill_first_steps"] = {"steps": n, "fill": fill_over(r, n)}
+    cols = "  ".join(
+        f"{r['policy']} " + " ".join(f"{v:.4f}" for v in r["fill_first_steps"]["fill"].values())
+        for r in rows
+    )
+    print(f"  fill over the first {n} steps (llm vision audio): {cols}")
+
+
+HEADER = (
+    f"{'policy':<13}{'D':>5} {'fill llm   vision audio':<24}  steps/LB  quad (bound)  "
+    f"cv     rand/ours age deferred routed inter   pair  whole  ms/step"
+)
+TILE_HEADER = f"  {'tiles':>7} {'mean':>8} {'cap/mean':>8} {'max/mean':>8} {'goodput':>8}"
+SIM_HEADER = f"  {'sim: fl':>8} {'ragged':>8} {'dense':>8} {'x LB':>8}"
