@@ -16,6 +16,7 @@ clean-up of old checkpoints is not mistaken for another format.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -190,6 +191,31 @@ def check_resumable(cfg: Config, out: Path) -> None:
             f"({diffs}{', ...' if len(changed) > 6 else ''}); it cannot be resumed with this "
             f"one. Use a new train.output_dir, or the config in {saved_path}."
         )
+
+
+# Batch sizes `-1` resolves by dry runs of the planner whose length follows train.steps.
+AUTO_KEYS = ("route_pair_capacity", "devices_per_host", "llm_tiles", "vision_tiles",
+             "audio_tiles", "llm_documents", "vision_documents", "audio_documents")  # fmt: skip
+
+
+def keep_resolved(cfg: Config, out: Path) -> Config:
+    """A run resuming from `out`'s checkpoints keeps the `-1` (auto) batch sizes they were
+    planned with (from `out`/config.json): those come from dry runs as long as the run, and
+    the step count may change between runs (a longer run would resolve others and be
+    refused). A run starting afresh resolves them anew."""
+    saved_path, ckpts = out / "config.json", out / "checkpoints"
+    if not saved_path.exists() or not ckpts.exists() or not any(ckpts.iterdir()):
+        return cfg
+    saved = json.loads(saved_path.read_text()).get("batch", {})
+    keep = {
+        k: saved[k]
+        for k in AUTO_KEYS
+        if getattr(cfg.batch, k) == -1 and isinstance(saved.get(k), int) and saved[k] >= 0
+    }
+    if not keep:
+        return cfg
+    log.info("resuming: batch sizes resolved by the run that wrote the checkpoints: %s", keep)
+    return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, **keep))
 
 
 def write_config(cfg: Config, out: Path) -> None:

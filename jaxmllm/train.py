@@ -27,6 +27,7 @@ from jaxmllm.checkpoint import (
     check_process_count,
     check_resumable,
     format_stamp,
+    keep_resolved,
     make_checkpoint_manager,
     restore_latest,
     save_args,
@@ -77,6 +78,7 @@ def main(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> 
     calibrated_cost(cfg)  # a bad train.cost_file stops the run here, not in the data thread
     # The data decides `auto` sizes before anything is shaped by them.
     source, index = make_source(cfg)
+    cfg = keep_resolved(cfg, Path(cfg.train.output_dir))  # (a resumed run: as it was planned)
     cfg = resolve_batch(cfg, index, sharding.data_parallel_size(mesh))
     # Under the mesh, the model pins the encoder-row exchange to the data axes (an all-to-all).
     with jax.set_mesh(mesh), contextlib.ExitStack() as closing:

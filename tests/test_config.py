@@ -85,3 +85,27 @@ def nnx_pure(state):
     from flax import nnx
 
     return nnx.to_pure_dict(state)
+
+
+def test_a_resumed_run_keeps_the_auto_sizes_its_checkpoints_were_planned_with(tmp_path):
+    """`-1` batch sizes come from dry runs as long as the run: a resumed run with more steps
+    takes them from the run that wrote the checkpoints (else it would be refused); a fresh
+    output dir, or a key the user set, resolves as configured."""
+    from dataclasses import replace
+
+    from jaxmllm.checkpoint import check_resumable, keep_resolved, write_config
+
+    cfg = load_config("configs/tiny.yaml", [f"train.output_dir={tmp_path}"])
+    assert cfg.batch.route_pair_capacity == -1
+    planned = replace(cfg, batch=replace(cfg.batch, route_pair_capacity=37, devices_per_host=8))
+    write_config(planned, tmp_path)
+    assert keep_resolved(cfg, tmp_path) is cfg  # no checkpoints yet: resolve anew
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    longer = replace(cfg, train=replace(cfg.train, steps=cfg.train.steps * 10))
+    kept = keep_resolved(longer, tmp_path)
+    assert (kept.batch.route_pair_capacity, kept.batch.devices_per_host) == (37, 8)
+    check_resumable(kept, tmp_path)  # accepted
+    own = replace(longer, batch=replace(longer.batch, route_pair_capacity=48))
+    assert keep_resolved(own, tmp_path).batch.route_pair_capacity == 48  # the user's value
+    with pytest.raises(ConfigError, match="route_pair_capacity: 37 -> 48"):
+        check_resumable(keep_resolved(own, tmp_path), tmp_path)
