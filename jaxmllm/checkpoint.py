@@ -30,7 +30,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxmllm import distributed
-from jaxmllm.config import Config, ConfigError, to_dict
+from jaxmllm.config import AUTO_SIZES, Config, ConfigError, to_dict
 
 log = logging.getLogger("jaxmllm")
 
@@ -193,11 +193,6 @@ def check_resumable(cfg: Config, out: Path) -> None:
         )
 
 
-# Batch sizes `-1` resolves by dry runs of the planner whose length follows train.steps.
-AUTO_KEYS = ("route_pair_capacity", "devices_per_host", "llm_tiles", "vision_tiles",
-             "audio_tiles", "llm_documents", "vision_documents", "audio_documents")  # fmt: skip
-
-
 def keep_resolved(cfg: Config, out: Path) -> Config:
     """A run resuming from `out`'s checkpoints keeps the `-1` (auto) batch sizes they were
     planned with (from `out`/config.json): those come from dry runs as long as the run, and
@@ -209,7 +204,7 @@ def keep_resolved(cfg: Config, out: Path) -> Config:
     saved = json.loads(saved_path.read_text()).get("batch", {})
     keep = {
         k: saved[k]
-        for k in AUTO_KEYS
+        for k in AUTO_SIZES
         if getattr(cfg.batch, k) == -1 and isinstance(saved.get(k), int) and saved[k] >= 0
     }
     if not keep:

@@ -19,6 +19,9 @@ import yaml
 
 from jaxmllm.plan.registry import PLANNERS
 
+AUTO_SIZES = ("route_pair_capacity", "llm_tiles", "vision_tiles", "audio_tiles", "llm_documents",
+              "vision_documents", "audio_documents", "devices_per_host")  # fmt: skip
+
 
 class ConfigError(ValueError):
     """A config file or override that cannot be used; the message names the key and source."""
@@ -152,8 +155,7 @@ class BatchConfig:
     llm_row_len: int = 4096  # tokens per LLM row; a sample never crosses a row
     vision_patches: int = 4096  # ViT patch capacity per device per microbatch (one packed row)
     audio_frames: int = 3072  # log-mel frame capacity per device per microbatch (one packed row)
-    route_pair_capacity: int = -1  # encoder rows one device may send another; 0 = all local,
-    # -1 = auto (orchestrated: the most a pair carried in a dry run of its plans; others: 0)
+    route_pair_capacity: int = -1  # rows a device may send another (0: local; -1: dry run's most)
     devices_per_host: int = -1  # routing stays within a host first; -1 = a process's devices
     exchange: str = "dense"  # dense all_to_all (every backend) | ragged (ragged_all_to_all: GPU)
     planner: str = "orchestrated"  # a name of jaxmllm.plan.registry.PLANNERS (orchestrated |
@@ -185,8 +187,7 @@ class BatchConfig:
         _check(self.exchange in ("dense", "ragged"), "must be dense or ragged", "exchange")
         _check(self.route_pair_capacity >= -1, "must be >= 0, or -1", "route_pair_capacity")
         _check(self.attention_block >= 1, "must be >= 1", "attention_block")
-        for key in ("llm_tiles", "vision_tiles", "audio_tiles", "llm_documents",
-                    "vision_documents", "audio_documents", "devices_per_host"):  # fmt: skip
+        for key in AUTO_SIZES[1:]:  # (route_pair_capacity may also be 0)
             _check(getattr(self, key) >= 1 or getattr(self, key) == -1, "must be >= 1, or -1 "
                    "for auto (resolved at start-up)", key)  # fmt: skip
         _check(

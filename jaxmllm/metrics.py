@@ -20,7 +20,7 @@ import numpy as np
 from jaxmllm.config import Config, ConfigError
 from jaxmllm.data.cost import PHASES, CostFileError, CostModel
 from jaxmllm.data.rejects import REASONS
-from jaxmllm.timings import segment_work, step_work
+from jaxmllm.timings import bucket_work, step_work
 
 
 def step_flops(cfg: Config, batch: dict[str, np.ndarray], cost: CostModel | None = None) -> float:
@@ -29,14 +29,18 @@ def step_flops(cfg: Config, batch: dict[str, np.ndarray], cost: CostModel | None
     Per phase: linear * (real units) + quadratic * (sum of squared segment lengths), with the
     training multipliers for trained and frozen modules (see jaxmllm/data/cost.py).
     """
-    cost = cost or CostModel.from_model(cfg.model)
-    total = 0.0
-    for phase in PHASES:
-        key = f"{phase}_segment_ids"
-        if key in batch:
-            real, sq = segment_work(batch[key])
-            total += cost.phase(phase).work_cost(real.sum(), sq.sum())
-    return float(total)
+    return _flops(bucket_work(batch), cost or CostModel.from_model(cfg.model))
+
+
+def _flops(work: dict[str, np.ndarray], cost: CostModel) -> float:
+    """Model FLOPs of a batch's per-bucket work (`timings.bucket_work`), all buckets."""
+    return float(
+        sum(
+            cost.phase(p).work_cost(work[f"{p}_units"].sum(), work[f"{p}_sq"].sum())
+            for p in PHASES
+            if f"{p}_units" in work
+        )
+    )
 
 
 def calibrated_cost(cfg: Config) -> CostModel | None:
@@ -69,9 +73,10 @@ class StepCounter:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict:
         tokens = float((batch["llm_segment_ids"] > 0).sum())
-        out = {"tokens": tokens, "flops": step_flops(self.cfg, batch, self.cost)}
+        work = bucket_work(batch)  # (once: the FLOPs and the timings' work both read it)
+        out = {"tokens": tokens, "flops": _flops(work, self.cost)}
         if self.work:
-            out["work"] = step_work(batch, self.calibrated or self.cost)
+            out["work"] = step_work(batch, self.calibrated or self.cost, work)
         if self.calibrated is not None:
             out["predicted_s"] = self.calibrated.step_cost(out["work"]["slowest"])
         return out

@@ -55,13 +55,16 @@ def bucket_work(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return work
 
 
-def step_work(batch: dict[str, np.ndarray], cost: CostModel) -> dict:
+def step_work(
+    batch: dict[str, np.ndarray], cost: CostModel, work: dict[str, np.ndarray] | None = None
+) -> dict:
     """A step's work on its slowest device and on the mean device (sums over microbatches).
 
     Per microbatch the slowest device is the one `cost` finds costliest; `devices` is how many
-    this host's batch holds (on several processes, process 0 sees only its own).
+    this host's batch holds (on several processes, process 0 sees only its own). `work`: the
+    batch's `bucket_work`, when the caller has it.
     """
-    work = bucket_work(batch)
+    work = bucket_work(batch) if work is None else work
     per_bucket = sum(
         cost.phase(p).work_cost(work[f"{p}_units"], work[f"{p}_sq"])
         for p in PHASES

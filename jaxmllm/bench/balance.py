@@ -93,6 +93,7 @@ from jaxmllm.plan.capacity import (
     HELD_DRY_RUN_STEPS,
     ROUTE_DRY_RUN_STEPS,
     fill_bound,
+    flop_share,
     held_tiles,
     route_capacity,
     suggest_capacities,
@@ -174,15 +175,8 @@ class _Items:
 
     def __init__(self, index: LengthsIndex, caps: Capacities):
         self.index = index
-        self.llm = index.llm_tokens(caps.merge_area, caps.subsample)
-        self.work = np.stack(
-            [
-                self.llm,
-                index.per_sample_sum(index.images, index.images_ptr),
-                index.per_sample_sum(index.audio, index.audio_ptr),
-            ],
-            1,
-        )
+        self.work = index.work(caps.merge_area, caps.subsample)  # [sample, phase]
+        self.llm = self.work[:, 0]
         self.caps = caps
 
 
@@ -355,12 +349,8 @@ def run_policy(
         caps_by_phase = caps.tile_caps() if policy in HOLDS_TILES else tile_most
         row["tile_capacity"] = int(sum(caps_by_phase.values()))
         weights = cost.tile_weights(block, caps.subsample)
-        useful = sum(weights[p][0] * work[i] + weights[p][1] * tile_total[p] for i, p in
-                     enumerate(PHASES))  # fmt: skip
-        computed = capacity @ np.array([w[0] for w in weights.values()]) + steps * devices * (
-            micro * sum(weights[p][1] * caps_by_phase[p] for p in PHASES)
-        )
-        row["goodput"] = float(useful / computed) if computed > 0 else 0.0
+        buckets = steps * devices * micro
+        row["goodput"] = flop_share(work, tile_total, caps, caps_by_phase, buckets, weights)
         row["tile_capacity_by_phase"] = dict(caps_by_phase)
         row["tile_mean"] = float(np.mean(tile_need))
         row["tile_max_mean"] = float(np.mean(tile_spread)) if tile_spread else 0.0

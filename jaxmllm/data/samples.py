@@ -78,6 +78,17 @@ class LengthsIndex:
             np.add.at(sums, owner, values)
         return sums
 
+    def work(self, merge_area: int, subsample: int) -> np.ndarray:
+        """Each sample's work per phase [sample, (LLM tokens, vision patches, audio frames)]."""
+        return np.stack(
+            [
+                self.llm_tokens(merge_area, subsample),
+                self.per_sample_sum(self.images, self.images_ptr),
+                self.per_sample_sum(self.audio, self.audio_ptr),
+            ],
+            1,
+        )
+
     def llm_tokens(self, merge_area: int, subsample: int) -> np.ndarray:
         """LLM sequence length of each sample: text + one token per encoder output row."""
         return (

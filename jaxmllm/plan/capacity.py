@@ -197,13 +197,17 @@ def tile_density(
 
 
 def suggest_tiles(
-    index: LengthsIndex, caps: Capacities, headroom: float = TILE_HEADROOM
+    index: LengthsIndex,
+    caps: Capacities,
+    headroom: float = TILE_HEADROOM,
+    density: dict[str, float] | None = None,
 ) -> dict[str, int]:
     """Tile capacities per device for a planner that holds them (orchestrated): the mean need
     of a bucket filled to the phase's long-run share (1 for the phases that bind, less for the
     others: their buckets are filled only as far as the data's mix has work for them) plus
     `headroom`, at least the largest document's own tiles, at most every tile of the bucket's
-    rows (0 for a phase without data)."""
+    rows (0 for a phase without data). `density`: `tile_density(index, caps)`, when the
+    caller has it."""
     units = {
         "llm": caps.llm_rows * caps.llm_row_len,
         "vision": caps.vision_patches,
@@ -216,7 +220,7 @@ def suggest_tiles(
     top = max(demand.values()) or 1.0
     share = {p: 1.0 if demand[p] >= BINDING * top else demand[p] / top for p in units}
     out = {}
-    for phase, rho in tile_density(index, caps).items():
+    for phase, rho in (density or tile_density(index, caps)).items():
         n, causal = largest[phase], phase == "llm"
         if not units[phase] or not len(n) or not n.any():
             out[phase] = 0
@@ -286,11 +290,12 @@ def held_tiles(
     (`goodput`) over HELD_TRIAL_STEPS plans each."""
     most, mean = dry_run_tile_stats(planner, index, caps, steps)
     least = largest_doc_tiles(index, caps)
+    density = tile_density(index, caps)  # (once for every headroom tried)
 
     def at(headroom: float) -> dict[str, int]:
         return {
             p: max(least[p], min(n, most[p], math.ceil(mean[p] * (1 + headroom)))) if n else 0
-            for p, n in suggest_tiles(index, caps, headroom).items()
+            for p, n in suggest_tiles(index, caps, headroom, density).items()
         }
 
     if make is None or weights is None:
@@ -310,33 +315,36 @@ def held_tiles(
 def goodput(
     planner: Planner, index: LengthsIndex, caps: Capacities, steps: int, weights: dict
 ) -> float:
-    """Useful FLOPs over computed FLOPs of `planner`'s first `steps` plans: the real units and
-    the tiles their documents need, over every bucket's capacity in units and tiles, each
-    weighted by `weights[phase]` = (per unit, per tile). (`planner` is used up.)"""
-    work = np.stack(
-        [
-            index.llm_tokens(caps.merge_area, caps.subsample),
-            index.per_sample_sum(index.images, index.images_ptr),
-            index.per_sample_sum(index.audio, index.audio_ptr),
-        ],
-        1,
-    )
-    cap_units = {
-        "llm": caps.llm_rows * caps.llm_row_len,
-        "vision": caps.vision_patches,
-        "audio": caps.audio_frames,
-    }
-    cap_tiles = caps.tile_caps()
-    per_bucket = sum(w[0] * cap_units[p] + w[1] * cap_tiles[p] for p, w in weights.items())
-    column = {"llm": 0, "vision": 1, "audio": 2}
-    useful = 0.0
+    """Useful FLOPs over computed FLOPs of `planner`'s first `steps` plans (`flop_share` of
+    their units and needed tiles over `caps`' buckets). (`planner` is used up.)"""
+    work = index.work(caps.merge_area, caps.subsample)
+    units, tiles = np.zeros(3), dict.fromkeys(weights, 0.0)
     for _ in range(steps):
         plan = planner.plan()
-        units = work[plan.samples].sum(0)
+        units += work[plan.samples].sum(0)
         for phase, need in step_tiles(plan, index, caps).items():
-            unit_w, tile_w = weights.get(phase, (0.0, 0.0))
-            useful += unit_w * float(units[column[phase]]) + tile_w * float(need.sum())
-    computed = steps * caps.microbatches * caps.devices * per_bucket
+            tiles[phase] = tiles.get(phase, 0.0) + float(need.sum())
+    buckets = steps * caps.microbatches * caps.devices
+    return flop_share(units, tiles, caps, caps.tile_caps(), buckets, weights)
+
+
+def flop_share(
+    units: np.ndarray,
+    tiles: dict[str, float],
+    caps: Capacities,
+    cap_tiles: dict[str, int],
+    buckets: int,
+    weights: dict[str, tuple[float, float]],
+) -> float:
+    """Useful over computed FLOPs: the real `units` (per phase: LLM tokens, patches, frames)
+    and the `tiles` their documents need, over `buckets` buckets of `caps`' units and
+    `cap_tiles` tiles each, weighted by `weights[phase]` = (per unit, per tile)."""
+    cap_units = (caps.llm_rows * caps.llm_row_len, caps.vision_patches, caps.audio_frames)
+    useful = computed = 0.0
+    for i, phase in enumerate(("llm", "vision", "audio")):
+        unit_w, tile_w = weights.get(phase, (0.0, 0.0))
+        useful += unit_w * float(units[i]) + tile_w * tiles.get(phase, 0.0)
+        computed += buckets * (unit_w * cap_units[i] + tile_w * cap_tiles.get(phase, 0))
     return useful / computed if computed > 0 else 0.0
 
 

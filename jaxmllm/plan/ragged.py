@@ -119,7 +119,7 @@ def smallest(key: np.ndarray, k: int) -> np.ndarray:
     return np.concatenate([below, np.flatnonzero(key == kth)[: k - len(below)]])
 
 
-def match_sub_first(a_keys: np.ndarray, b_keys: np.ndarray, subs: int) -> np.ndarray:
+def match_sub_first(a_keys: np.ndarray, b_keys: np.ndarray) -> np.ndarray:
     """Matches two lists of (group, sub) keys (key = group * subs + sub, each list sorted by
     key, as many of each group in both): per element of `a`, its partner's index in `b`.
     Within each (group, sub) the first elements of both lists pair in order, as many as both

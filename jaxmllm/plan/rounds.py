@@ -179,4 +179,4 @@ def _prefer_host(
     a, b = home[idx] // per_host, bins // per_host
     hosts = int(max(a.max(), b.max())) + 1
     oa, ob = argsort_stable(a, hosts), argsort_stable(b, hosts)
-    out[idx[oa]] = bins[ob[match_sub_first(a[oa], b[ob], hosts)]]
+    out[idx[oa]] = bins[ob[match_sub_first(a[oa], b[ob])]]

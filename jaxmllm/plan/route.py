@@ -121,7 +121,7 @@ def _match_hosts(
     # (group, host) keys: devices of a host are contiguous, so both lists stay sorted by them
     mh = mover_keys // devices * hosts + mover_keys % devices // per_host
     sh = slot_keys // devices * hosts + slot_keys % devices // per_host
-    return slot_keys[match_sub_first(mh, sh, hosts)] % devices
+    return slot_keys[match_sub_first(mh, sh)] % devices
 
 
 def keep_capacity(

@@ -25,19 +25,12 @@ class Phases:
 
     def __init__(self, index: LengthsIndex, caps: Capacities):
         self.caps = caps
-        self.llm = index.llm_tokens(caps.merge_area, caps.subsample)  # LLM tokens per sample
+        self.work = index.work(caps.merge_area, caps.subsample)  # [sample, phase]
+        self.llm = np.ascontiguousarray(self.work[:, 0])  # LLM tokens per sample
         self.sizes = {"vision": index.images, "audio": index.audio}  # per item
         self.ptr = {"vision": index.images_ptr, "audio": index.audio_ptr}  # items of a sample
         self.per_row = {"vision": caps.merge_area, "audio": caps.subsample}  # units per row
         self.cap = {"vision": caps.vision_patches, "audio": caps.audio_frames}  # per device
-        self.work = np.stack(
-            [
-                self.llm,
-                index.per_sample_sum(index.images, index.images_ptr),
-                index.per_sample_sum(index.audio, index.audio_ptr),
-            ],
-            1,
-        )  # [sample, phase]
         self.work_t = np.ascontiguousarray(self.work.T)  # [phase, sample], for fast columns
         self.cap_vec = np.array(
             [caps.llm_rows * caps.llm_row_len, caps.vision_patches, caps.audio_frames], np.int64
