@@ -1,0 +1,56 @@
+"""Typed experiment configs: frozen dataclasses loaded from YAML with dotted overrides.
+
+Every field carries a docstring-style comment. Loading rejects unknown keys (naming the closest
+valid one), wrong types and failed checks, always naming the key and the file, so a bad config
+stops the run at start-up with a message that says what to change.
+
+Rooms, bottom to top: `checks` (ConfigError and the checks), `model` (encoders, decoder, how
+they compute), `sections` (mesh, batch, data, optimizer, loop, launch), `load` (the whole
+`Config`, YAML and overrides).
+"""
+
+from jaxmllm.config.checks import ConfigError
+from jaxmllm.config.load import Config, closest_name, from_dict, load_config, to_dict
+from jaxmllm.config.model import (
+    ATTENTIONS,
+    REMAT_POLICIES,
+    AudioConfig,
+    LLMConfig,
+    ModelConfig,
+    VisionConfig,
+)
+from jaxmllm.config.sections import (
+    AUTO_SIZES,
+    DATA_SOURCES,
+    BatchConfig,
+    DataConfig,
+    DistributedConfig,
+    MeshConfig,
+    OptimConfig,
+    SyntheticConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "ATTENTIONS",
+    "AUTO_SIZES",
+    "DATA_SOURCES",
+    "REMAT_POLICIES",
+    "AudioConfig",
+    "BatchConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DistributedConfig",
+    "LLMConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "SyntheticConfig",
+    "TrainConfig",
+    "VisionConfig",
+    "closest_name",
+    "from_dict",
+    "load_config",
+    "to_dict",
+]

@@ -1,0 +1,181 @@
+"""A whole experiment (`Config`), read from YAML with dotted overrides, checked on the way.
+
+Loading rejects unknown keys (naming the closest valid one), wrong types and failed checks,
+always naming the key and the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jaxmllm.config.checks import ConfigError, check
+from jaxmllm.config.model import ModelConfig
+from jaxmllm.config.sections import (
+    BatchConfig,
+    DataConfig,
+    DistributedConfig,
+    MeshConfig,
+    OptimConfig,
+    TrainConfig,
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole experiment."""
+
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def __post_init__(self):
+        vis, b = self.model.vision, self.batch
+        check(
+            b.vision_patches % (vis.merge**2) == 0,
+            f"must be a multiple of merge^2 = {vis.merge**2}",
+            "batch.vision_patches",
+        )
+        if self.model.attention == "block_sparse":
+            self._check_blocks()
+
+    def _check_blocks(self) -> None:
+        """Block-sparse attention cuts every packed row into blocks of batch.attention_block."""
+        b, m = self.batch, self.model
+        block, fix = b.attention_block, "(or set model.attention: dense)"
+        check(
+            b.llm_row_len % block == 0,
+            f"must be a multiple of batch.attention_block={block} {fix}",
+            "batch.llm_row_len",
+        )
+        if b.capacity == "auto":  # the encoder buckets are sized from the data, in blocks
+            return
+        check(
+            not m.vision.enabled or b.vision_patches % block == 0,
+            f"must be a multiple of batch.attention_block={block} {fix}",
+            "batch.vision_patches",
+        )
+        rows = b.audio_frames // m.audio.subsample
+        check(
+            not m.audio.enabled or rows % block == 0,
+            f"must be a multiple of batch.attention_block x model.audio.subsample = "
+            f"{block * m.audio.subsample} (the audio encoder attends over frames / "
+            f"{m.audio.subsample}) {fix}",
+            "batch.audio_frames",
+        )
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Reads a YAML file (or the defaults) and applies `a.b=value` overrides.
+
+    Raises:
+      ConfigError: naming the key, the file and, for unknown keys, the closest valid name.
+    """
+    raw: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for item in overrides:
+        _apply_override(raw, item)
+    return from_dict(Config, raw, source=source)
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r}: expected key.path=value, e.g. optim.lr=3e-4")
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {item!r}: {part} is not a section")
+    node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+
+
+def from_dict(cls: type, raw: Any, *, source: str = "<dict>", prefix: str = "") -> Any:
+    """Builds dataclass `cls` from nested dicts, checking keys and types."""
+    where = prefix.rstrip(".") or "<top level>"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: {where} must be a mapping, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            close = closest_name(str(key), list(fields))
+            hint = f"; did you mean '{prefix}{close}'?" if close else ""
+            valid = ", ".join(fields)
+            raise ConfigError(
+                f"{source}: unknown key '{prefix}{key}'{hint} (valid keys here: {valid})"
+            )
+        kwargs[key] = _coerce(hints[key], value, source=source, key=f"{prefix}{key}")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        message = str(e)
+        if message.startswith(f"{source}: "):  # already located by a nested section
+            raise
+        raise ConfigError(f"{source}: {prefix}{message}") from None
+
+
+def closest_name(key: str, names: list[str]) -> str | None:
+    """The valid name a user most likely meant: a near spelling, an abbreviation, a substring."""
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    initials = "".join(part[:1] for part in key.split("_"))
+    for name in names:
+        if name == initials or (len(name) > 2 and (name in key or key in name)):
+            return name
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.4)
+    return close[0] if close else None
+
+
+def _coerce(tp: Any, value: Any, *, source: str, key: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, source=source, prefix=f"{key}.")
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        tp = next(a for a in args if a is not type(None))
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool and not isinstance(value, bool):
+        raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
+    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{source}: {key} must be an integer, got {value!r}")
+    if tp in (float, str) and not isinstance(value, tp):
+        raise ConfigError(f"{source}: {key} must be a {tp.__name__}, got {value!r}")
+    return value
+
+
+def to_dict(cfg: Any) -> dict:
+    """The config as plain nested dicts (for logging and checkpoint metadata)."""
+    return dataclasses.asdict(cfg)

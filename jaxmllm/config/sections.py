@@ -1,0 +1,210 @@
+"""Run sections: the mesh, the batch contract, data, optimizer, loop, multi-process launch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxmllm.config.checks import check, positive
+from jaxmllm.plan.registry import PLANNERS
+
+AUTO_SIZES = ("route_pair_capacity", "llm_tiles", "vision_tiles", "audio_tiles", "llm_documents",
+              "vision_documents", "audio_documents", "devices_per_host")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh. Axis sizes multiply to the device count; -1 takes the remaining devices."""
+
+    data: int = -1  # pure data parallelism (replicated params); slowest axis, spans hosts
+    fsdp: int = 1  # data parallelism with params/optimizer state sharded over this axis
+    tensor: int = 1  # tensor parallelism (heads, MLP width, vocab); fastest axis
+    cpu_devices: int = 0  # split CPU-only hosts into this many devices, all processes; 0 = as is
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Per-step batch contract: per device and per microbatch, fixed-capacity buckets."""
+
+    microbatches: int = 1  # gradient-accumulation microbatches per step
+    llm_rows: int = 1  # packed LLM rows per device per microbatch
+    llm_row_len: int = 4096  # tokens per LLM row; a sample never crosses a row
+    vision_patches: int = 4096  # ViT patch capacity per device per microbatch (one packed row)
+    audio_frames: int = 3072  # log-mel frame capacity per device per microbatch (one packed row)
+    route_pair_capacity: int = -1  # rows a device may send another (0: local; -1: dry run's most)
+    devices_per_host: int = -1  # routing stays within a host first; -1 = a process's devices
+    exchange: str = "dense"  # dense all_to_all (every backend) | ragged (ragged_all_to_all: GPU)
+    planner: str = "orchestrated"  # a name of jaxmllm.plan.registry.PLANNERS (orchestrated |
+    # balanced | grain | naive | first_fit)
+    capacity: str = "fixed"  # fixed: the sizes above; auto: encoder buckets sized from the data
+    # Block-sparse attention: tokens (patches, audio encoder rows) per side of a tile, and the
+    # tiles a device computes per microbatch in each phase (its tile lists are padded to these).
+    # -1 = auto: sized from the data (orchestrated: the mean need plus a margin, which it never
+    # exceeds; other planners: the most any of their buckets needs over the run, a dry run).
+    attention_block: int = 128
+    llm_tiles: int = -1
+    vision_tiles: int = -1
+    audio_tiles: int = -1
+    # cuDNN attention (model.attention: cudnn): the most documents one row of each phase holds,
+    # a static size of cuDNN's packed layout (its backward workspace grows with it, ~8 MiB per
+    # document at 2048 tokens, 8 heads of 64). -1 = auto: the row over the data's smallest
+    # document, which no row can exceed; a row with more is refused naming the key.
+    llm_documents: int = -1
+    vision_documents: int = -1
+    audio_documents: int = -1
+
+    def __post_init__(self):
+        for key in ("microbatches", "llm_rows", "llm_row_len"):
+            check(getattr(self, key) >= 1, "must be >= 1", key)
+        check(self.vision_patches % 4 == 0, "must be a multiple of 4", "vision_patches")
+        check(self.audio_frames % 4 == 0, "must be a multiple of 4", "audio_frames")
+        check(self.planner in PLANNERS, f"must be one of {sorted(PLANNERS)}", "planner")
+        check(self.capacity in ("fixed", "auto"), "must be fixed or auto", "capacity")
+        check(self.exchange in ("dense", "ragged"), "must be dense or ragged", "exchange")
+        check(self.route_pair_capacity >= -1, "must be >= 0, or -1", "route_pair_capacity")
+        check(self.attention_block >= 1, "must be >= 1", "attention_block")
+        for key in AUTO_SIZES[1:]:  # (route_pair_capacity may also be 0)
+            check(getattr(self, key) >= 1 or getattr(self, key) == -1, "must be >= 1, or -1 "
+                   "for auto (resolved at start-up)", key)  # fmt: skip
+        check(
+            self.planner != "orchestrated" or self.route_pair_capacity != 0,
+            "orchestrated routes encoder rows between devices: set route_pair_capacity "
+            "> 0, or -1 for auto",
+            "route_pair_capacity",
+        )
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """Built-in learnable data: shapes with captions, tones with captions, text patterns."""
+
+    num_samples: int = 4096  # samples per epoch
+    image_fraction: float = 0.4  # share of samples with one or more images
+    multi_image_fraction: float = 0.1  # share with two images
+    audio_fraction: float = 0.25  # share with an audio clip
+    min_image_side: int = 4  # image side in patches (even numbers are used)
+    max_image_side: int = 16  # largest image side in patches
+    min_audio_frames: int = 16  # shortest clip in log-mel frames
+    max_audio_frames: int = 128  # longest clip in log-mel frames
+    max_text_words: int = 24  # longest text-only sample in words
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where samples come from, how they are preprocessed, and what happens to bad input."""
+
+    source: str = "synthetic"  # synthetic (built in) | jsonl (a manifest) | arrayrecord
+    path: str = ""  # the JSONL manifest or .array_record file (jsonl / arrayrecord sources)
+    index_dir: str = ""  # lengths index from `python -m jaxmllm.data.index`; "" = <path>.index
+    tokenizer: str = "byte"  # byte, or the path of a HuggingFace tokenizer.json (no downloads)
+    image_min_pixels: int = 3136  # smaller images are upscaled to about this many pixels
+    image_max_pixels: int = 1003520  # larger images are downscaled to at most this many pixels
+    audio_sample_rate: int = 16000  # clips are resampled to this rate (Hz); 10 ms mel hop
+    audio_max_frames: int = 3000  # longest clip in log-mel frames; longer clips become chunks
+    # Decompression-bomb caps, checked on the file header before any pixel or sample is decoded
+    # (index and loader alike); a file over a cap is rejected (image_too_large, audio_too_long).
+    max_image_pixels: int = 1 << 26  # width x height of a stored image (64 Mpx = 8192 x 8192)
+    max_audio_seconds: float = 600.0  # length of a clip from its header (frames / rate)
+    on_error: str = "skip"  # bad or missing media, bad lines, placeholder mismatch: skip | fail
+    on_oversize: str = "shrink"  # a sample no bucket can hold: shrink | truncate | skip | fail
+    workers: int = 0  # preprocessing worker processes; 0 = in the training process
+    seed: int = 0  # shuffling and generation seed
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+    def __post_init__(self):
+        check(self.source in DATA_SOURCES, f"must be one of {sorted(DATA_SOURCES)}", "source")
+        check(
+            self.source == "synthetic" or bool(self.path),
+            f"source {self.source} needs data.path (the manifest or .array_record file)",
+            "path",
+        )
+        check(self.on_error in ("skip", "fail"), "must be skip or fail", "on_error")
+        check(
+            self.on_oversize in ("shrink", "truncate", "skip", "fail"),
+            "must be shrink, truncate, skip or fail",
+            "on_oversize",
+        )
+        check(self.image_min_pixels >= 1, "must be >= 1", "image_min_pixels")
+        check(
+            self.image_max_pixels >= self.image_min_pixels,
+            "must be >= image_min_pixels",
+            "image_max_pixels",
+        )
+        check(self.audio_sample_rate >= 1000, "must be >= 1000 Hz", "audio_sample_rate")
+        check(
+            self.audio_max_frames >= 4 and self.audio_max_frames % 4 == 0,
+            "must be a positive multiple of 4 (the audio encoder's subsampling)",
+            "audio_max_frames",
+        )
+        check(self.max_image_pixels >= 1, "must be >= 1", "max_image_pixels")
+        check(self.max_audio_seconds > 0, "must be > 0", "max_audio_seconds")
+        check(self.workers >= 0, "must be >= 0", "workers")
+
+
+DATA_SOURCES = {"synthetic", "jsonl", "arrayrecord"}
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warm-up, cosine decay and global-norm clipping."""
+
+    lr: float = 3e-4  # peak learning rate
+    warmup_steps: int = 100  # linear warm-up from 0 to lr
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio at the last step
+    weight_decay: float = 0.1  # decoupled weight decay (not applied to norms/biases)
+    b1: float = 0.9  # Adam beta1
+    b2: float = 0.95  # Adam beta2
+    eps: float = 1e-8  # Adam epsilon
+    clip_norm: float = 1.0  # global gradient-norm clip; 0 disables
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Loop, logging and checkpointing."""
+
+    steps: int = 1000  # total optimizer steps
+    seed: int = 0  # parameter init seed
+    output_dir: str = "runs/default"  # checkpoints, metrics.jsonl, TensorBoard events
+    log_every: int = 10  # write metrics every N steps
+    checkpoint_every: int = 100  # save a checkpoint every N steps (and at the end)
+    keep_checkpoints: int = 3  # how many recent checkpoints to keep
+    async_checkpointing: bool = True  # write checkpoints in the background
+    progress_bar: bool = True  # tqdm bar on the terminal
+    max_nonfinite_steps: int = 5  # stop after this many skipped (NaN/inf) steps in a row; 0 = never
+    ledger: bool = False  # write the sample ids of every step to <output_dir>/ledger/ (audits)
+    record_timings: bool = True  # each step's time and work to timings.jsonl (calibration)
+    cost_file: str = ""  # calibrated cost model (data.cost --calibrate): predicted step time
+
+    def __post_init__(self):
+        positive(self, "steps", "log_every", "checkpoint_every", "keep_checkpoints")
+        check(self.max_nonfinite_steps >= 0, "must be >= 0 (0 = never stop)", "max_nonfinite_steps")
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process runs (`jax.distributed`): one process per host, or per GPU.
+
+    Empty / -1 fields come from the environment: JAXMLLM_COORDINATOR, JAXMLLM_NUM_PROCESSES,
+    JAXMLLM_PROCESS_ID (set by `launch/`), else JAX's cluster auto-detection (SLURM, Open MPI)
+    when a cluster job with more than one task is detected. Nothing set: a single process.
+    """
+
+    coordinator: str = ""  # host:port of process 0's coordination service
+    num_processes: int = -1  # processes in the job
+    process_id: int = -1  # this process, 0 .. num_processes-1
+    init_timeout_s: int = 300  # wait this long for every process to join at start-up
+    heartbeat_timeout_s: int = 60  # a process silent this long is declared dead; the others stop
+    step_timeout_s: int = 600  # a step (or a collective) stuck this long stops the process
+
+    def __post_init__(self):
+        positive(self, "init_timeout_s", "heartbeat_timeout_s", "step_timeout_s")
+        check(
+            self.num_processes == -1 or self.num_processes >= 1,
+            "must be >= 1, or -1 (from the environment)",
+            "num_processes",
+        )
+        check(self.process_id >= -1, "must be >= 0, or -1 (from the environment)", "process_id")
+        check(
+            not self.coordinator or ":" in self.coordinator,
+            f"{self.coordinator!r} must be host:port",
+            "coordinator",
+        )
