@@ -129,10 +129,7 @@ class Attention(nnx.Module):
         Returns:
           [B, T, width] in the compute dtype.
         """
-        rotate = ROPE[self.rope]
-        q_bthe = rotate(self.query(x_btd), positions, self.rope_theta)
-        k_bske = rotate(self.key(x_btd), positions, self.rope_theta)
-        v_bske = self.value(x_btd)
+        q_bthe, k_bske, v_bske = self.project(x_btd, positions)
         if pack.kind == "block_sparse":
             out_bthe = blocksparse.attend(
                 q_bthe, k_bske, v_bske, pack.segment_ids, pack.tiles,
@@ -146,3 +143,17 @@ class Attention(nnx.Module):
         else:
             out_bthe = dense_attention(q_bthe, k_bske, v_bske, pack.mask, self.dtype)
         return self.out(out_bthe.astype(self.dtype))
+
+    def project(self, x_btd: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
+        """Queries, keys and values of `x` at `positions`, rotated: what attention scores.
+
+        Training and KV-cache decoding both call this, so a cached key is exactly the key the
+        full-sequence pass computes.
+
+        Returns:
+          q [B, T, heads, head_dim], k and v [B, T, kv_heads, head_dim].
+        """
+        rotate = ROPE[self.rope]
+        q_bthe = rotate(self.query(x_btd), positions, self.rope_theta)
+        k_bske = rotate(self.key(x_btd), positions, self.rope_theta)
+        return q_bthe, k_bske, self.value(x_btd)
