@@ -31,6 +31,7 @@ RULES: dict[str, Rule] = {
     "vocab": "tensor",  # embedding rows and output logits
     "patch": None,  # flattened patch pixels into the ViT
     "mel": None,  # mel bins into the audio encoder
+    "positions": None,  # rows of an absolute position table (SigLIP, Whisper)
     "layers": None,  # stacked (scanned) layers
 }
 

@@ -47,6 +47,18 @@ class Config:
             f"must be a multiple of merge^2 = {vis.merge**2}",
             "batch.vision_patches",
         )
+        aud = self.model.audio
+        check(
+            not aud.enabled
+            or aud.positions != "sinusoidal"
+            or self.data.audio_max_frames <= aud.max_positions * aud.stride,
+            f"a clip of up to {self.data.audio_max_frames} frames needs "
+            f"{self.data.audio_max_frames // aud.stride} rows of the audio encoder's position "
+            f"table, which has model.audio.max_positions={aud.max_positions}; set "
+            f"data.audio_max_frames <= {aud.max_positions * aud.stride} (longer clips are cut "
+            "into chunks)",
+            "data.audio_max_frames",
+        )
         if self.model.attention == "block_sparse":
             self._check_blocks()
 
@@ -66,12 +78,11 @@ class Config:
             f"must be a multiple of batch.attention_block={block} {fix}",
             "batch.vision_patches",
         )
-        rows = b.audio_frames // m.audio.subsample
+        rows, stride = b.audio_frames // m.audio.stride, m.audio.stride
         check(
             not m.audio.enabled or rows % block == 0,
-            f"must be a multiple of batch.attention_block x model.audio.subsample = "
-            f"{block * m.audio.subsample} (the audio encoder attends over frames / "
-            f"{m.audio.subsample}) {fix}",
+            f"must be a multiple of batch.attention_block x the audio stem's stride = "
+            f"{block * stride} (the audio encoder attends over frames / {stride}) {fix}",
             "batch.audio_frames",
         )
 
@@ -167,6 +178,11 @@ def _coerce(tp: Any, value: Any, *, source: str, key: str) -> Any:
         tp = next(a for a in args if a is not type(None))
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp is bool and not isinstance(value, bool):
         raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
     if tp is int and (isinstance(value, bool) or not isinstance(value, int)):

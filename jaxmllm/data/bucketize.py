@@ -169,7 +169,7 @@ def _check_documents(batch, cfg: Config, step: int, positions: np.ndarray) -> No
             continue
         seg = batch[key]
         if phase == "audio":
-            seg = seg[..., :: cfg.model.audio.subsample]  # the encoder's rows, as the planner's
+            seg = seg[..., :: cfg.model.audio.stride]  # the encoder's rows, as the planner's
         count = document_starts(seg).sum(-1)  # documents per row
         most = getattr(cfg.batch, f"{phase}_documents")
         if most < 1:
@@ -187,7 +187,7 @@ def _check_documents(batch, cfg: Config, step: int, positions: np.ndarray) -> No
 def _write_tiles(batch, cfg: Config, step: int, positions: np.ndarray) -> None:
     """Each bucket's attention tile list, read off the segment ids just written (a document is
     a run of one segment id; the planner kept every bucket's tiles within its capacity)."""
-    block, sub = cfg.batch.attention_block, cfg.model.audio.subsample
+    block, sub = cfg.batch.attention_block, cfg.model.audio.stride
     for phase, cap in tile_capacities(cfg).items():
         seg = batch[f"{phase}_segment_ids"]
         if phase == "audio":

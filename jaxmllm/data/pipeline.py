@@ -175,7 +175,7 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
     planner = make_planner(b.planner, index, caps, cfg.data.seed)
     if b.planner in HOLDS_TILES:
         # (the headroom that does the most useful work per computed FLOP of the cost model)
-        weights = CostModel.from_model(cfg.model).tile_weights(caps.block, caps.subsample)
+        weights = CostModel.from_model(cfg.model).tile_weights(caps.block, caps.audio_per_row)
         need = held_tiles(
             planner,
             index,
@@ -241,6 +241,7 @@ def capacities(cfg: Config, devices: int) -> Capacities:
         audio_frames=b.audio_frames if m.audio.enabled else 0,
         merge_area=m.vision.merge**2,
         subsample=m.audio.subsample,
+        audio_stride=0 if m.audio.stride == m.audio.subsample else m.audio.stride,
         route_pair_capacity=b.route_pair_capacity,
         devices_per_host=max(b.devices_per_host, 0),
         block=b.attention_block if sparse else 0,

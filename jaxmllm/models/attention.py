@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -100,22 +101,33 @@ class Attention(nnx.Module):
         heads: int,
         kv_heads: int,
         *,
+        head_dim: int = 0,
+        bias: str = "",
         rope: str = "1d",
         rope_theta: float = 10000.0,
+        rope_scaling: Any = None,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
+        """`head_dim` 0 = width / heads; `bias`: which of the q, k, v, o projections have one;
+        `rope`: 1d | 2d | none (positions enter elsewhere); `rope_scaling` as `rope_frequencies`."""
         assert heads % kv_heads == 0, (heads, kv_heads)
-        head_dim = width // heads
+        head_dim = head_dim or width // heads
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.query = Dense(width, (heads, head_dim), ("embed", "heads", "head_dim"), **kw)
-        self.key = Dense(width, (kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), **kw)
-        self.value = Dense(width, (kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), **kw)
-        self.out = Dense((heads, head_dim), width, ("heads", "head_dim", "embed"), **kw)
+        qkv = ("embed", "kv_heads", "head_dim")
+        self.query = Dense(
+            width, (heads, head_dim), ("embed", "heads", "head_dim"), use_bias="q" in bias, **kw
+        )
+        self.key = Dense(width, (kv_heads, head_dim), qkv, use_bias="k" in bias, **kw)
+        self.value = Dense(width, (kv_heads, head_dim), qkv, use_bias="v" in bias, **kw)
+        self.out = Dense(
+            (heads, head_dim), width, ("heads", "head_dim", "embed"), use_bias="o" in bias, **kw
+        )
         self.kv_heads = kv_heads
         self.rope = rope
         self.rope_theta = rope_theta
+        self.rope_scaling = rope_scaling
         self.dtype = dtype
 
     def __call__(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> jax.Array:
@@ -153,7 +165,5 @@ class Attention(nnx.Module):
         Returns:
           q [B, T, heads, head_dim], k and v [B, T, kv_heads, head_dim].
         """
-        rotate = ROPE[self.rope]
-        q_bthe = rotate(self.query(x_btd), positions, self.rope_theta)
-        k_bske = rotate(self.key(x_btd), positions, self.rope_theta)
-        return q_bthe, k_bske, self.value(x_btd)
+        rotate = lambda x: ROPE[self.rope](x, positions, self.rope_theta, self.rope_scaling)
+        return rotate(self.query(x_btd)), rotate(self.key(x_btd)), self.value(x_btd)
