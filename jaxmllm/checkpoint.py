@@ -27,6 +27,7 @@ from typing import Any
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxmllm import distributed
@@ -219,3 +220,33 @@ def write_config(cfg: Config, out: Path) -> None:
     tmp = out / f"config.json.tmp{os.getpid()}"  # other processes may be reading it
     tmp.write_text(json.dumps(to_dict(cfg), indent=2))
     tmp.replace(out / "config.json")
+
+
+def restore_params(out: Path, abstract_params: dict, step: int | None = None) -> tuple[int, dict]:
+    """The trained and frozen parameters of a run's checkpoint, nothing else (no optimizer
+    state, no data state), as host numpy arrays: what export and generation read.
+
+    Args:
+      out: the run's train.output_dir.
+      abstract_params: {"params": ..., "frozen": ...} shape trees (jax.ShapeDtypeStruct).
+      step: the checkpoint step; None = the latest.
+
+    Returns:
+      (step, {"params": ..., "frozen": ...}).
+
+    Raises:
+      ConfigError: no checkpoint (at that step) in the run.
+    """
+    directory = Path(out).absolute() / "checkpoints"
+    steps = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit())
+    if not steps or (step is not None and step not in steps):
+        have = f"steps {steps}" if steps else "none"
+        raise ConfigError(f"no checkpoint {'' if step is None else step} in {directory} ({have})")
+    step = steps[-1] if step is None else step
+    restore = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), abstract_params)
+    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False)) as m:
+        args = ocp.args.PyTreeRestore(
+            item=abstract_params, restore_args=restore, partial_restore=True
+        )
+        restored = m.restore(step, args=ocp.args.Composite(state=args))
+    return step, dict(restored["state"])

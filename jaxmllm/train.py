@@ -36,6 +36,9 @@ from jaxmllm.checkpoint import (
 from jaxmllm.config import Config, ConfigError, load_config
 from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
 from jaxmllm.guards import NonFiniteError, NonFiniteGuard, Preemption, Watchdog
+from jaxmllm.hf.family import FamilyError
+from jaxmllm.hf.load import pretrained
+from jaxmllm.hf.safetensors import CheckpointError
 from jaxmllm.ledger import Ledger
 from jaxmllm.metrics import MetricsWindow, MetricsWriter, calibrated_cost
 from jaxmllm.plan.contract import OversizeError
@@ -122,8 +125,8 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
     stamp = format_stamp({**prog.abstract["params"], **prog.abstract["frozen"]})
     check_process_count(mngr)
     state = restore_latest(mngr, prog.abstract_sharded(), data_iter, stamp)
-    if state is None:
-        state = prog.init()
+    if state is None:  # a fresh run: random, or the pretrained weights model.init_from names
+        state = prog.init(pretrained(cfg, prog.abstract_params()))
     start = int(state["step"])
     if start:
         print(f"resumed from checkpoint at step {start} in {mngr.directory}")
@@ -294,7 +297,7 @@ def cli(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.set)
         main(cfg)
-    except (ConfigError, OversizeError, sharding.ShardingError) as e:
+    except (ConfigError, OversizeError, sharding.ShardingError, FamilyError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:

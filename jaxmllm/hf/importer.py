@@ -1,0 +1,73 @@
+"""`python -m jaxmllm.hf import`: a training config whose model matches HF checkpoints.
+
+The model section comes from each checkpoint's config.json (through its family), so the model
+jaxmllm builds has exactly the checkpoint's shapes and options; `model.init_from` names the
+directories the trainer then loads. The rest of the config is a fine-tuning starting point on
+the built-in data (swap in your own manifest), the checkpoint's own tokenizer included.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from jaxmllm.config import Config, from_dict
+from jaxmllm.hf.registry import family_for, read_hf_config
+
+TEMPLATE = """\
+# python -m jaxmllm.train --config {config}
+#
+# Written by: python -m jaxmllm.hf import {args}
+# The model section is the checkpoints' own (model.init_from names them); what is not in a
+# checkpoint (the projectors) starts fresh. Point data at your own manifest (README, "Your own
+# data") and size batch.* to your devices; `--set` overrides any key.
+"""
+
+
+def model_section(llm: str, vision: str = "", audio: str = "") -> dict:
+    """Our `model` keys for these checkpoint directories (vision / audio: "" = no encoder).
+
+    Raises:
+      FamilyError: a directory without config.json, or an architecture jaxmllm does not read.
+    """
+    model: dict = {"init_from": {}}
+    for role, directory in (("llm", llm), ("vision", vision), ("audio", audio)):
+        if not directory:
+            model[role] = {"enabled": False}
+            continue
+        hf = read_hf_config(directory)
+        family = family_for(role, hf, f"--{role} {directory}")
+        model[role] = family.section(hf)
+        model["init_from"][role] = str(Path(directory).resolve())
+        merger = getattr(family, "merger_out", lambda _: None)(hf)
+        if merger and merger != model["llm"]["width"]:
+            print(
+                f"note: the Qwen2-VL merger of {directory} was trained for a {merger}-wide LLM; "
+                f"this LLM is {model['llm']['width']} wide, so the projector starts fresh"
+            )
+    return model
+
+
+def write_config(out: str | Path, llm: str, vision: str = "", audio: str = "") -> Config:
+    """Writes the config YAML at `out` and returns it, checked as the trainer will load it."""
+    out = Path(out)
+    model = model_section(llm, vision, audio)
+    model["projector_freeze"] = False
+    raw = {
+        "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
+        "model": model,
+        "batch": {"microbatches": 1, "llm_rows": 1, "llm_row_len": 4096, "capacity": "auto"},
+        "data": {"tokenizer": str(Path(llm).resolve())},
+        "optim": {"lr": 1e-5, "warmup_steps": 50, "weight_decay": 0.0},
+        "train": {"steps": 1000, "output_dir": f"runs/{out.stem}"},
+    }
+    if model["audio"].get("positions") == "sinusoidal":  # Whisper: clips up to its table
+        raw["data"]["audio_max_frames"] = model["audio"]["max_positions"] * 2
+    cfg = from_dict(Config, raw, source=str(out))  # the checks the trainer will run
+    dirs = (("llm", llm), ("vision", vision), ("audio", audio))
+    args = " ".join(f"--{role} {d}" for role, d in dirs if d)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = TEMPLATE.format(config=out, args=f"{args} --out {out}")
+    out.write_text(text + yaml.safe_dump(raw, sort_keys=False, default_flow_style=False, width=100))
+    return cfg
