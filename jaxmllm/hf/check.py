@@ -127,7 +127,7 @@ def _vision(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int):
     m = v.merge
     if v.positions == "learned":  # SigLIP: one non-square image off the table's grid
         g = v.position_grid
-        grids = [(max(m, (g + 1) // m * m), max(m, (g // 2) // m * m or m))]
+        grids = [((g + m) // m * m, max(m, (g - m) // m * m))]  # taller, narrower
     else:
         grids = [(2 * m, 3 * m), (m, 2 * m), (3 * m, m)]
     images = _images(cfg, rng, grids)
