@@ -135,3 +135,32 @@ def _asdict(cfg):
     import dataclasses
 
     return dataclasses.asdict(cfg)
+
+
+def test_whisper_log_mel_is_the_feature_extractors(tmp_path):
+    """data.mel: whisper gives what WhisperFeatureExtractor gives a clip of its 30 s window."""
+    from transformers import WhisperFeatureExtractor
+
+    from jaxmllm.data.audio import whisper_log_mel
+
+    rng = np.random.default_rng(0)
+    t = np.arange(16000 * 7) / 16000
+    x = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * rng.normal(size=t.size)).astype(np.float32)
+    theirs = WhisperFeatureExtractor(feature_size=80)(x, sampling_rate=16000, return_tensors="np")
+    theirs = theirs.input_features[0].T[:700]
+    np.testing.assert_allclose(whisper_log_mel(x, 16000, 80), theirs, atol=2e-5)
+
+
+def test_import_takes_the_processors_settings(tmp_path):
+    llm = hf_models.qwen2(tmp_path / "llm", tied=True)
+    vision = hf_models.qwen2_vl_vision(tmp_path / "vision")
+    audio = hf_models.whisper(tmp_path / "audio")
+    clip = {"image_mean": [0.48145466, 0.4578275, 0.40821073], "min_pixels": 3136,
+            "image_std": [0.26862954, 0.26130258, 0.27577711], "max_pixels": 12845056}  # fmt: skip
+    (tmp_path / "vision" / "preprocessor_config.json").write_text(json.dumps(clip))
+    (tmp_path / "audio" / "preprocessor_config.json").write_text('{"sampling_rate": 16000}')
+    cfg = write_config(tmp_path / "run.yaml", llm, vision, audio)
+    d = cfg.data
+    assert d.image_mean == tuple(clip["image_mean"]) and d.image_std == tuple(clip["image_std"])
+    assert (d.image_min_pixels, d.image_max_pixels, d.mel) == (3136, 12845056, "whisper")
+    assert d.audio_max_frames == 2 * 32  # Whisper's table of 32 rows, 2 frames a row

@@ -176,6 +176,16 @@ def _coerce(tp: Any, value: Any, *, source: str, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         tp = next(a for a in args if a is not type(None))
+    if origin is tuple:  # fixed-length, e.g. tuple[float, float, float]
+        args = typing.get_args(tp)
+        if not isinstance(value, list | tuple) or len(value) != len(args):
+            raise ConfigError(
+                f"{source}: {key} must be a list of {len(args)} values, got {value!r}"
+            )
+        return tuple(
+            _coerce(a, v, source=source, key=f"{key}[{i}]")
+            for i, (a, v) in enumerate(zip(args, value, strict=True))
+        )
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string

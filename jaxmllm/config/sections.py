@@ -98,6 +98,13 @@ class DataConfig:
     tokenizer: str = "byte"  # byte, or the path of a HuggingFace tokenizer.json (no downloads)
     image_min_pixels: int = 3136  # smaller images are upscaled to about this many pixels
     image_max_pixels: int = 1003520  # larger images are downscaled to at most this many pixels
+    # Pixels become (x / 255 - mean) / std per channel (RGB): 0.5 / 0.5 maps them to [-1, 1]
+    # (SigLIP's); a pretrained encoder wants its processor's (`hf import` copies them)
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    # Log-mel features: jaxmllm (HTK mel, its own framing) | whisper (exactly Whisper's
+    # feature extractor: Slaney mel, centred 400-sample frames; what a Whisper encoder saw)
+    mel: str = "jaxmllm"
     audio_sample_rate: int = 16000  # clips are resampled to this rate (Hz); 10 ms mel hop
     audio_max_frames: int = 3000  # longest clip in log-mel frames; longer clips become chunks
     # Decompression-bomb caps, checked on the file header before any pixel or sample is decoded
@@ -124,6 +131,8 @@ class DataConfig:
             "on_oversize",
         )
         check(self.image_min_pixels >= 1, "must be >= 1", "image_min_pixels")
+        check(min(self.image_std) > 0, "every channel's std must be > 0", "image_std")
+        check(self.mel in ("jaxmllm", "whisper"), "must be jaxmllm or whisper", "mel")
         check(
             self.image_max_pixels >= self.image_min_pixels,
             "must be >= image_min_pixels",

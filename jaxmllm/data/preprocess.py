@@ -43,6 +43,10 @@ class Params:
     audio_max_frames: int
     subsample: int
     n_mels: int = field(compare=False)  # does not change counts
+    # Nor do the values of pixels and frames (how they are normalised, which mel scale).
+    image_mean: tuple[float, ...] = field(default=(0.5, 0.5, 0.5), compare=False)
+    image_std: tuple[float, ...] = field(default=(0.5, 0.5, 0.5), compare=False)
+    mel: str = field(default="jaxmllm", compare=False)
     # The bomb caps decide whether a file is decoded at all, not its counts: the loader applies
     # the training config's caps (a lowered cap rejects at load time, a raised one needs a rebuild
     # of the index to admit the files it refused).
@@ -70,6 +74,9 @@ class Params:
             audio_max_frames=d.audio_max_frames,
             subsample=cfg.model.audio.subsample,
             n_mels=cfg.model.audio.n_mels,
+            image_mean=d.image_mean,
+            image_std=d.image_std,
+            mel=d.mel,
             max_image_pixels=d.max_image_pixels,
             max_audio_seconds=d.max_audio_seconds,
         )
@@ -241,6 +248,8 @@ class Preprocessor:
                     budget,
                     record.id,
                     max_image_pixels=p.max_image_pixels,
+                    mean=p.image_mean,
+                    std=p.image_std,
                 )
                 if len(patches) != op[2] * op[3]:
                     raise RecordError(
@@ -262,6 +271,7 @@ class Preprocessor:
                         expect_samples=sizes.audio[j][0],
                         record_id=record.id,
                         max_seconds=p.max_audio_seconds,
+                        mel=p.mel,
                     )
                 chunk = clips[j][c][:frames] if c < len(clips[j]) else clips[j][0][:0]
                 if len(chunk) != frames:

@@ -8,11 +8,13 @@ the built-in data (swap in your own manifest), the checkpoint's own tokenizer in
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import yaml
 
 from jaxmllm.config import Config, from_dict
+from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.registry import family_for, read_hf_config
 
 TEMPLATE = """\
@@ -49,6 +51,37 @@ def model_section(llm: str, vision: str = "", audio: str = "") -> dict:
     return model
 
 
+def data_section(llm: str, vision: str = "", audio: str = "") -> dict:
+    """Our `data` keys from the checkpoints' processors: the tokenizer (the LLM's directory),
+    pixel normalisation and budgets (preprocessor_config.json), Whisper's log-mel."""
+    data: dict = {"tokenizer": str(Path(llm).resolve())}
+    proc = _processor(vision)
+    if "image_mean" in proc and "image_std" in proc:
+        data["image_mean"] = [float(x) for x in proc["image_mean"]]
+        data["image_std"] = [float(x) for x in proc["image_std"]]
+    size = proc.get("size") if isinstance(proc.get("size"), dict) else {}
+    low = proc.get("min_pixels", size.get("shortest_edge"))
+    high = proc.get("max_pixels", size.get("longest_edge"))
+    if low and high:  # Qwen2-VL's pixel budget (SigLIP's fixed size: jaxmllm keeps native)
+        data["image_min_pixels"], data["image_max_pixels"] = int(low), int(high)
+    if audio:
+        data["mel"] = "whisper"
+        rate = _processor(audio).get("sampling_rate")
+        if rate:
+            data["audio_sample_rate"] = int(rate)
+    return data
+
+
+def _processor(directory: str) -> dict:
+    path = Path(directory) / "preprocessor_config.json" if directory else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise FamilyError(f"{path}: not valid JSON ({e})") from None
+
+
 def write_config(out: str | Path, llm: str, vision: str = "", audio: str = "") -> Config:
     """Writes the config YAML at `out` and returns it, checked as the trainer will load it."""
     out = Path(out)
@@ -58,7 +91,7 @@ def write_config(out: str | Path, llm: str, vision: str = "", audio: str = "") -
         "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
         "model": model,
         "batch": {"microbatches": 1, "llm_rows": 1, "llm_row_len": 4096, "capacity": "auto"},
-        "data": {"tokenizer": str(Path(llm).resolve())},
+        "data": data_section(llm, vision, audio),
         "optim": {"lr": 1e-5, "warmup_steps": 50, "weight_decay": 0.0},
         "train": {"steps": 1000, "output_dir": f"runs/{out.stem}"},
     }
