@@ -224,11 +224,13 @@ def write_config(cfg: Config, out: Path) -> None:
 
 def restore_params(out: Path, abstract_params: dict, step: int | None = None) -> tuple[int, dict]:
     """The trained and frozen parameters of a run's checkpoint, nothing else (no optimizer
-    state, no data state), as host numpy arrays: what export and generation read.
+    state, no data state): what export, generation and `model.init_from.run` read.
 
     Args:
       out: the run's train.output_dir.
-      abstract_params: {"params": ..., "frozen": ...} shape trees (jax.ShapeDtypeStruct).
+      abstract_params: {"params": ..., "frozen": ...} shape trees (jax.ShapeDtypeStruct), any
+        subset of the checkpoint's; leaves with a `.sharding` are restored as jax Arrays in it,
+        the others as host numpy arrays.
       step: the checkpoint step; None = the latest.
 
     Returns:
@@ -243,10 +245,21 @@ def restore_params(out: Path, abstract_params: dict, step: int | None = None) ->
         have = f"steps {steps}" if steps else "none"
         raise ConfigError(f"no checkpoint {'' if step is None else step} in {directory} ({have})")
     step = steps[-1] if step is None else step
-    restore = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), abstract_params)
+    item = {k: v for k, v in abstract_params.items() if v}  # (orbax refuses empty subtrees)
+    restore = jax.tree.map(_restore_args, item)
     with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False)) as m:
-        args = ocp.args.PyTreeRestore(
-            item=abstract_params, restore_args=restore, partial_restore=True
-        )
-        restored = m.restore(step, args=ocp.args.Composite(state=args))
-    return step, dict(restored["state"])
+        args = ocp.args.PyTreeRestore(item=item, restore_args=restore, partial_restore=True)
+        restored = dict(m.restore(step, args=ocp.args.Composite(state=args))["state"])
+    # A partial restore hands back the template for what the checkpoint lacks: refuse it.
+    for path, leaf in jax.tree_util.tree_leaves_with_path(restored):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            name = jax.tree_util.keystr(path, simple=True, separator="/")
+            raise ConfigError(f"checkpoint {step} in {directory} has no parameter {name}")
+    return step, {k: restored.get(k, {}) for k in abstract_params}
+
+
+def _restore_args(leaf) -> ocp.RestoreArgs:
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None:
+        return ocp.RestoreArgs(restore_type=np.ndarray)
+    return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=leaf.shape, dtype=leaf.dtype)

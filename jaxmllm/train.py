@@ -37,8 +37,8 @@ from jaxmllm.config import Config, ConfigError, load_config
 from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
 from jaxmllm.guards import NonFiniteError, NonFiniteGuard, Preemption, Watchdog
 from jaxmllm.hf.family import FamilyError
-from jaxmllm.hf.load import pretrained
 from jaxmllm.hf.safetensors import CheckpointError
+from jaxmllm.init_from import initial_params
 from jaxmllm.ledger import Ledger
 from jaxmllm.metrics import MetricsWindow, MetricsWriter, calibrated_cost
 from jaxmllm.plan.contract import OversizeError
@@ -126,7 +126,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
     check_process_count(mngr)
     state = restore_latest(mngr, prog.abstract_sharded(), data_iter, stamp)
     if state is None:  # a fresh run: random, or the pretrained weights model.init_from names
-        state = prog.init(pretrained(cfg, prog.abstract_params()))
+        state = prog.init(initial_params(cfg, prog))
     start = int(state["step"])
     if start:
         print(f"resumed from checkpoint at step {start} in {mngr.directory}")

@@ -209,6 +209,9 @@ class InitFrom:
     llm: str = ""  # a Llama / Qwen2 causal LM directory (config.json + safetensors)
     vision: str = ""  # a SigLIP or Qwen2-VL (vision tower) directory
     audio: str = ""  # a Whisper directory (its encoder)
+    # An earlier run's train.output_dir: its latest checkpoint's parameters (not its optimizer
+    # state or data position) for every module both models have, over the directories above
+    run: str = ""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     imp.add_argument("--vision", default="", help="a SigLIP or Qwen2-VL directory")
     imp.add_argument("--audio", default="", help="a Whisper directory")
     imp.add_argument("--out", required=True, help="the config YAML to write")
+    imp.add_argument("--base", default="", help="a recipe whose other keys to keep "
+                     "(configs/recipes/stage1.yaml, stage2.yaml)")  # fmt: skip
     exp = sub.add_parser("export", help="write a run's parameters as HF directories")
     exp.add_argument("run_dir", help="a training run's train.output_dir")
     exp.add_argument("--out", required=True, help="directory to write llm/, vision/, audio/ into")
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "import":
             from jaxmllm.hf.importer import write_config
 
-            write_config(args.out, args.llm, args.vision, args.audio)
+            write_config(args.out, args.llm, args.vision, args.audio, args.base)
             print(f"wrote {args.out}; train with: python -m jaxmllm.train --config {args.out}")
         elif args.command == "export":
             from jaxmllm.hf.export import export_run

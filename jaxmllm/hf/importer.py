@@ -82,25 +82,47 @@ def _processor(directory: str) -> dict:
         raise FamilyError(f"{path}: not valid JSON ({e})") from None
 
 
-def write_config(out: str | Path, llm: str, vision: str = "", audio: str = "") -> Config:
-    """Writes the config YAML at `out` and returns it, checked as the trainer will load it."""
+DEFAULTS = {  # the sections of a config without --base: a fine-tuning starting point
+    "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
+    "batch": {"microbatches": 1, "llm_rows": 1, "llm_row_len": 4096, "capacity": "auto"},
+    "optim": {"lr": 1e-5, "warmup_steps": 50, "weight_decay": 0.0},
+}
+
+
+def write_config(
+    out: str | Path, llm: str, vision: str = "", audio: str = "", base: str | Path = ""
+) -> Config:
+    """Writes the config YAML at `out` and returns it, checked as the trainer will load it.
+
+    `base`: a config YAML (a recipe: configs/recipes/) whose keys are kept where the import
+    does not set them: the import sets the modules' architecture, `model.init_from` and the
+    processors' data keys; the base keeps freezing, batch, optimizer, data source and the rest.
+    """
     out = Path(out)
-    model = model_section(llm, vision, audio)
-    model["projector_freeze"] = False
-    raw = {
-        "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
-        "model": model,
-        "batch": {"microbatches": 1, "llm_rows": 1, "llm_row_len": 4096, "capacity": "auto"},
-        "data": data_section(llm, vision, audio),
-        "optim": {"lr": 1e-5, "warmup_steps": 50, "weight_decay": 0.0},
-        "train": {"steps": 1000, "output_dir": f"runs/{out.stem}"},
-    }
+    raw = _read_base(base) if base else {**DEFAULTS, "train": {"output_dir": f"runs/{out.stem}"}}
+    model = raw.setdefault("model", {})
+    for key, value in model_section(llm, vision, audio).items():
+        model[key] = {**model.get(key, {}), **value}
+    raw["data"] = {**raw.get("data", {}), **data_section(llm, vision, audio)}
     if model["audio"].get("positions") == "sinusoidal":  # Whisper: clips up to its table
         raw["data"]["audio_max_frames"] = model["audio"]["max_positions"] * 2
     cfg = from_dict(Config, raw, source=str(out))  # the checks the trainer will run
     dirs = (("llm", llm), ("vision", vision), ("audio", audio))
     args = " ".join(f"--{role} {d}" for role, d in dirs if d)
+    args += f" --base {base}" if base else ""
     out.parent.mkdir(parents=True, exist_ok=True)
     text = TEMPLATE.format(config=out, args=f"{args} --out {out}")
     out.write_text(text + yaml.safe_dump(raw, sort_keys=False, default_flow_style=False, width=100))
     return cfg
+
+
+def _read_base(base: str | Path) -> dict:
+    try:
+        raw = yaml.safe_load(Path(base).read_text()) or {}
+    except OSError as e:
+        raise FamilyError(f"--base {base}: cannot read it ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise FamilyError(f"--base {base}: not valid YAML ({e})") from None
+    if not isinstance(raw, dict):
+        raise FamilyError(f"--base {base}: the top level must be a mapping of sections")
+    return raw

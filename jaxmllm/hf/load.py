@@ -30,13 +30,15 @@ log = logging.getLogger("jaxmllm")
 VOCAB_AXIS = {"llm/embed/embedding": 0, "llm/lm_head/kernel": 1}  # may grow past the checkpoint
 
 
-def pretrained(cfg: Any, abstract: dict) -> dict:
+def pretrained(cfg: Any, abstract: dict, skip: set[str] = frozenset()) -> dict:
     """The parameters `cfg.model.init_from` names, in the shardings of `abstract`.
 
     Args:
       cfg: the whole config.
       abstract: nested dict of jax.ShapeDtypeStruct (with `.sharding`) of every parameter,
         trained and frozen, keyed as `nnx.to_pure_dict` keys them.
+      skip: top-level modules given otherwise (an earlier run's): a checkpoint that would only
+        fill those is not read.
 
     Returns:
       A nested dict of jax.Arrays holding the loaded parameters only ({} with no init_from).
@@ -48,9 +50,16 @@ def pretrained(cfg: Any, abstract: dict) -> dict:
     loaded: dict[str, jax.Array] = {}
     for role in ROLES:
         directory = getattr(cfg.model.init_from, role)
-        if directory:
+        if directory and not _modules(cfg, role, directory) <= set(skip):
             loaded.update(load_role(cfg, role, directory, flat))
     return _nest(loaded)
+
+
+def _modules(cfg: Any, role: str, directory: str) -> set[str]:
+    """The top-level modules a checkpoint fills."""
+    hf = read_hf_config(directory)
+    links = family_for(role, hf, directory).links(cfg, hf)
+    return {p.split("/")[0] for link in links for p in link.ours}
 
 
 def load_role(cfg: Any, role: str, directory: str, flat: dict) -> dict[str, jax.Array]:
