@@ -179,6 +179,9 @@ class LLMConfig(BlockOptions):
     # Tokens per slice of the output projection and cross entropy: a step never holds more than
     # [rows, logits_chunk, vocab] fp32 logits (a 152k vocabulary at 1024: 0.6 GB a row)
     logits_chunk: int = 1024
+    # Embedding lookups and the loss's logits split by vocabulary rows over fsdp x tensor
+    # (models/vocab.py): no device holds the whole table; false: XLA gathers it per device
+    vocab_parallel: bool = True
     freeze: bool = False  # no gradient and no optimizer state for the decoder
 
     @property

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 import sharding
+from jaxmllm.models.vocab import lookup, vocab_axes
 
 Axes = tuple[str | None, ...]
 
@@ -92,18 +93,23 @@ class Embed(nnx.Module):
         vocab_size: int,
         width: int,
         *,
+        vocab_parallel: bool = False,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
         # Unit-scale rows, like the encoders' projector outputs that replace some of them.
-        self.embedding = normal_param(
-            rngs, (vocab_size, width), 1.0, ("vocab", "embed"), param_dtype
-        )
+        # Vocab-parallel: stored split by rows as it is used (a reshard would gather it).
+        axes = ("vocab_split", None) if vocab_parallel else ("vocab", "embed")
+        self.embedding = normal_param(rngs, (vocab_size, width), 1.0, axes, param_dtype)
         self.dtype = dtype
+        self.vocab_parallel = vocab_parallel
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         table = self.embedding[...]
+        axes = vocab_axes(table.shape[0], ids.shape[0]) if self.vocab_parallel else ()
+        if axes:  # rows split by vocabulary: no device ever holds the whole table
+            return lookup(table, ids, axes, self.dtype)
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and "fsdp" in mesh.axis_names:
             # FSDP: gather the table's `embed` shards for the lookup (its gradient then
