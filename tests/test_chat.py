@@ -56,15 +56,16 @@ TOOLS = [
 ]
 
 
-def build_dir(path: Path, family: str, template: str | None, **config) -> Path:
+def build_dir(path: Path, family: str, template: str | None, extra=(), **config) -> Path:
     """A tokenizer directory as HF writes one: tokenizer.json (a byte-level BPE trained on a
-    few sentences, with the family's pre-tokenizer) and tokenizer_config.json."""
+    few sentences, with the family's pre-tokenizer, `extra` special tokens added) and
+    tokenizer_config.json."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, processors, trainers
     from tokenizers import normalizers as norm
     from tokenizers import pre_tokenizers as pre
 
     qwen = family != "llama"
-    specials = QWEN_SPECIALS if qwen else LLAMA_SPECIALS
+    specials = (QWEN_SPECIALS if qwen else LLAMA_SPECIALS) + list(extra)
     tk = Tokenizer(models.BPE())
     tk.normalizer = norm.NFC()
     split = pre.Split(Regex(QWEN_RE if qwen else LLAMA_RE), behavior="isolated", invert=False)
@@ -162,6 +163,22 @@ def test_chat_ids_and_loss_match_hf(dirs, family, system):
     assert tk.decode(ids[loss]).count(tk.decode([tk.specials.eos])) == 2
 
 
+def test_qwen3_earlier_turns_are_learned_as_the_whole_conversation_renders_them(tmp_path):
+    # Qwen3 writes an empty <think></think> block into the turns after the last user message
+    # only: the conversation through turn 1 is not a prefix of the whole, the text before it is.
+    d = build_dir(tmp_path / "q3", "qwen", "Qwen/Qwen3-0.6B", ["<think>", "</think>"])
+    tk = make_tokenizer(str(d))
+    ids, loss = flat(tk.pieces(chat_record(CHAT)), tk.specials)
+    assert ids.tolist() == hf_ids(d, CHAT)
+    eos, want = tk.specials.eos, np.zeros(len(ids), bool)
+    for i in (2, 4):
+        start = len(hf_ids(d, CHAT[:i], add_generation_prompt=True))
+        end = start + ids[start:].tolist().index(eos) + 1
+        want[start:end] = True
+    np.testing.assert_array_equal(loss, want)
+    assert tk.decode(ids[loss]).startswith("I'm fine, thank you.<|im_end|><think>\n\n</think>")
+
+
 @pytest.mark.parametrize("family", ["qwen", "llama"])
 def test_generation_prompt_and_tools_match_hf(dirs, family):
     tk = make_tokenizer(str(dirs[family]))
@@ -224,6 +241,30 @@ def test_media_without_own_tokens_get_new_rows_and_text_records(dirs):
     assert loss[(ids != image) & (ids != audio)].all()  # pretraining text: all of it learned
 
 
+def test_own_audio_placeholder_configured_image_token_and_legacy_specials(tmp_path):
+    audio = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>", "<|IMG|>"]
+    d = build_dir(tmp_path / "omni", "qwen", "Qwen/Qwen2.5-7B-Instruct", audio,
+                  image_token="<|IMG|>")  # fmt: skip
+    tk = make_tokenizer(str(d))
+    assert tk.added_tokens == {}  # both placeholders are the checkpoint's own
+    record = parse_record(
+        {"id": "a", "text": "<audio>hi<image>", "audio": ["x"], "images": ["y"]}, Path("."), 1
+    )
+    ids, _ = flat(tk.pieces(record), tk.specials)
+    wrapped = [tk._tk.token_to_id(t) for t in audio[1:2] + audio[:1] + audio[2:3]]
+    assert ids.tolist()[:3] == wrapped and tk.decode(ids[3:-2]) == "hi"
+    assert ids[-2] == tk.specials.image == tk._tk.token_to_id("<|IMG|>")  # no wrap known
+    assert tk.template.variables == hf(d).special_tokens_map  # image_token included
+    # An older checkpoint: no added_tokens_decoder, named tokens in special_tokens_map.json.
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    del config["added_tokens_decoder"], config["eos_token"]
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    (d / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
+    legacy = make_tokenizer(str(d))
+    assert legacy.template.variables == hf(d).special_tokens_map
+    assert legacy.specials.eos == tk._tk.token_to_id("<|im_end|>")
+
+
 def test_stop_ids_pad_and_pickling(dirs, tmp_path):
     d = build_dir(tmp_path / "g", "llama", "meta-llama/Llama-3.1-8B-Instruct")
     tk0 = make_tokenizer(str(d))
@@ -277,7 +318,7 @@ def test_bad_records_are_rejected_with_the_file_and_record(dirs, tmp_path):
         "{% if loop.last %}<|im_end|>{% endif %}\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    with pytest.raises(RecordError, match="template_inconsistent.*assistant turn 2"):
+    with pytest.raises(RecordError, match=r"template_inconsistent.*before message 2 \(assistant"):
         make_tokenizer(str(odd)).pieces(chat_record(CHAT))
     injected = [{"role": "user", "content": "look: <|image_pad|>"}, CHAT[2]]
     with pytest.raises(RecordError, match="placeholder_mismatch.*1 <.image_pad.> .* 0 image"):

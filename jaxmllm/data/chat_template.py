@@ -11,9 +11,9 @@ text, and tokenizing that text without added specials gives HF's `apply_chat_tem
 
 `assistant_spans` finds what each assistant turn adds to the text: the conversation up to the
 turn with `add_generation_prompt=True`, then through the turn; what lies between is the turn's
-text and its end-of-turn token, which training learns. A template that renders a turn
-differently depending on what follows it (Qwen3 drops the reasoning of earlier turns) has no
-such spans and is refused for that record.
+text and its end-of-turn token, which training learns. A template whose text before a turn is
+not how the whole conversation starts (not prefix-consistent) has no such span, and the record
+is refused.
 """
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
 class TemplateError(ValueError):
-    """A template that does not compile or render, or whose turns are not prefix-consistent."""
+    """A template that does not compile or render."""
+
+
+class TemplateInconsistent(TemplateError):
+    """A template whose assistant turns cannot be found in the whole conversation's text."""
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -153,26 +157,37 @@ class ChatTemplate:
     ) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character span of each assistant turn in it.
 
-        A span runs from where the generation prompt before the turn ends to the end of the
-        last stop string (`stops`: end-of-turn tokens) the turn adds; what a template writes
-        after it (ChatML's newline) is not the model's to predict. Raises TemplateError when
-        the text before a turn is not what the whole conversation starts with.
+        A span starts where the generation prompt before the turn ends and runs to the end of
+        the last stop string (`stops`: end-of-turn tokens) the turn adds; what a template writes
+        after it (ChatML's newline) is not the model's to predict. Where the whole conversation
+        renders the turn differently (Qwen3 drops the reasoning of turns before the last user
+        message), the span is what the conversation has there, up to its first stop string.
+        Raises TemplateError when the text before a turn is not what the whole conversation
+        starts with: that turn's tokens cannot be found.
         """
         text = self.render(messages)
-        spans = []
+        spans: list[tuple[int, int]] = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             head = self.render(messages[:i], add_generation_prompt=True)
-            turn = self.render(messages[: i + 1])
-            end = _last_stop_end(turn, len(head), stops)
-            if not turn.startswith(head) or not text.startswith(turn[:end]):
-                raise TemplateError(
-                    f"{self.origin}: assistant turn {i} renders differently in the whole "
-                    "conversation than after its generation prompt (the template is not "
-                    "prefix-consistent), so its tokens cannot be found"
+            start = len(head)
+            if not text.startswith(head) or start < (spans[-1][1] if spans else 0):
+                raise TemplateInconsistent(
+                    f"{self.origin}: the conversation before message {i} (assistant) renders "
+                    "differently once later messages follow (the template is not "
+                    "prefix-consistent), so that turn's tokens cannot be found"
                 )
-            spans.append((len(head), end))
+            turn = self.render(messages[: i + 1])
+            end = _last_stop_end(turn, start, stops) if turn.startswith(head) else None
+            if end is None or not text.startswith(turn[:end]):
+                end = _first_stop_end(text, start, stops)
+            if end is None:
+                raise TemplateInconsistent(
+                    f"{self.origin}: message {i} (assistant) renders differently once later "
+                    f"messages follow, and no end-of-turn token ({', '.join(stops)}) ends it"
+                )
+            spans.append((start, end))
         return text, spans
 
 
@@ -180,3 +195,9 @@ def _last_stop_end(turn: str, start: int, stops: Sequence[str]) -> int:
     """End of the last stop string in turn[start:], or len(turn) when there is none."""
     ends = [turn.rfind(s, start) + len(s) for s in stops if s and turn.rfind(s, start) >= 0]
     return max(ends, default=len(turn))
+
+
+def _first_stop_end(text: str, start: int, stops: Sequence[str]) -> int | None:
+    """End of the first stop string in text[start:], or None."""
+    found = [(text.find(s, start), s) for s in stops if s and text.find(s, start) >= 0]
+    return min(found)[0] + len(min(found)[1]) if found else None

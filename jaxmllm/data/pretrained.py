@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import ConfigError
-from jaxmllm.data.chat_template import ChatTemplate, TemplateError
+from jaxmllm.data.chat_template import ChatTemplate, TemplateError, TemplateInconsistent
 from jaxmllm.data.records import PLACEHOLDER, Record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.specials import Specials
@@ -154,7 +154,10 @@ class PretrainedTokenizer:
         more = [more] if isinstance(more, int) else [i for i in more if isinstance(i, int)]
         stop = tuple(dict.fromkeys([eos, *more]))
         image, audio = (self._tk.token_to_id(self._media[k][0]) for k in ("image", "audio"))
-        return Specials(pad=pad, bos=bos, eos=eos, stop=stop, image=image, audio=audio)
+        try:
+            return Specials(pad=pad, bos=bos, eos=eos, stop=stop, image=image, audio=audio)
+        except ValueError as e:
+            raise ConfigError(f"data.tokenizer: {root}: {e}") from None
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of `text` (no BOS/EOS; special tokens in it are matched, as HF does)."""
@@ -229,8 +232,8 @@ class PretrainedTokenizer:
             else:
                 text, spans = self.template.assistant_spans(messages, self._stops)
         except TemplateError as e:
-            reason = "template_inconsistent" if "prefix-consistent" in str(e) else "template_error"
-            raise RecordError(reason, str(e), record.id) from None
+            reason = "template_inconsistent" if isinstance(e, TemplateInconsistent) else None
+            raise RecordError(reason or "template_error", str(e), record.id) from None
         enc = self._tk.encode(text, add_special_tokens=False)
         offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2)
         start, end = offsets[:, 0], np.maximum(offsets[:, 1], offsets[:, 0] + 1)

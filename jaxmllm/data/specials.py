@@ -36,7 +36,10 @@ class Specials:
     def __post_init__(self):
         # bucketize finds encoder slots by these values: no other role may share them.
         others = {self.pad, self.eos, *self.stop} | ({self.bos} if self.bos is not None else set())
-        assert self.image != self.audio and not {self.image, self.audio} & others, self
+        if self.image == self.audio or {self.image, self.audio} & others:
+            raise ValueError(
+                f"the image and audio ids must differ from each other and the rest: {self}"
+            )
 
 
 RESERVED = Specials(pad=PAD, bos=BOS, eos=EOS, stop=(EOS,), image=IMAGE, audio=AUDIO)
