@@ -202,7 +202,7 @@ def test_template_date_is_what_strftime_now_renders(tmp_path):
 def test_image_rows_go_where_the_template_puts_the_image_pad(dirs, tmp_path):
     d = dirs["qwen-vl"]
     tk = make_tokenizer(str(d))
-    pad, start, end = (tk._tk.token_to_id(t) for t in QWEN_SPECIALS[6:7] + QWEN_SPECIALS[3:5])
+    pad, start, end = (tk.token_id(t) for t in QWEN_SPECIALS[6:7] + QWEN_SPECIALS[3:5])
     assert (tk.specials.image, tk.added_tokens) == (pad, {"<|jaxmllm_audio|>": tk.base_size})
     parts = [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}]
     messages = [{"role": "user", "content": parts}, CHAT[2]]
@@ -251,9 +251,9 @@ def test_own_audio_placeholder_configured_image_token_and_legacy_specials(tmp_pa
         {"id": "a", "text": "<audio>hi<image>", "audio": ["x"], "images": ["y"]}, Path("."), 1
     )
     ids, _ = flat(tk.pieces(record), tk.specials)
-    wrapped = [tk._tk.token_to_id(t) for t in audio[1:2] + audio[:1] + audio[2:3]]
+    wrapped = [tk.token_id(t) for t in audio[1:2] + audio[:1] + audio[2:3]]
     assert ids.tolist()[:3] == wrapped and tk.decode(ids[3:-2]) == "hi"
-    assert ids[-2] == tk.specials.image == tk._tk.token_to_id("<|IMG|>")  # no wrap known
+    assert ids[-2] == tk.specials.image == tk.token_id("<|IMG|>")  # no wrap known
     assert tk.template.variables == hf(d).special_tokens_map  # image_token included
     # An older checkpoint: no added_tokens_decoder, named tokens in special_tokens_map.json.
     config = json.loads((d / "tokenizer_config.json").read_text())
@@ -262,19 +262,19 @@ def test_own_audio_placeholder_configured_image_token_and_legacy_specials(tmp_pa
     (d / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
     legacy = make_tokenizer(str(d))
     assert legacy.template.variables == hf(d).special_tokens_map
-    assert legacy.specials.eos == tk._tk.token_to_id("<|im_end|>")
+    assert legacy.specials.eos == tk.token_id("<|im_end|>")
 
 
 def test_stop_ids_pad_and_pickling(dirs, tmp_path):
     d = build_dir(tmp_path / "g", "llama", "meta-llama/Llama-3.1-8B-Instruct")
     tk0 = make_tokenizer(str(d))
-    end_of_text, eom = (tk0._tk.token_to_id(t) for t in ("<|end_of_text|>", "<|eom_id|>"))
+    end_of_text, eom = (tk0.token_id(t) for t in ("<|end_of_text|>", "<|eom_id|>"))
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [end_of_text, eom]}))
     tk = make_tokenizer(str(d))
     assert tk.specials.stop == (tk.specials.eos, end_of_text, eom)
     assert tk.specials.pad == tk.specials.eos  # Llama 3 has no pad_token: eos pads
     qwen = make_tokenizer(str(dirs["qwen"]))
-    assert qwen.specials.pad == qwen._tk.token_to_id("<|endoftext|>") and qwen.specials.bos is None
+    assert qwen.specials.pad == qwen.token_id("<|endoftext|>") and qwen.specials.bos is None
     again = pickle.loads(pickle.dumps(qwen))  # worker processes reload the directory
     record = chat_record(CHAT)
     assert [p[1].tolist() for p in again.pieces(record)] == [

@@ -92,7 +92,7 @@ class PretrainedTokenizer:
     """
 
     def __init__(self, directory: str | Path, template_date: str = DEFAULT_DATE):
-        from tokenizers import AddedToken, Tokenizer
+        from tokenizers import Tokenizer
 
         self.path, self.template_date = str(directory), template_date
         root = Path(directory)
@@ -111,16 +111,8 @@ class PretrainedTokenizer:
         self.base_size = max(self._tk.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         named = _named_tokens(config, root)
         self.added_tokens: dict[str, int] = {}
-        media = {}
-        for kind, known in (("image", IMAGE_TOKENS), ("audio", AUDIO_TOKENS)):
-            token, before, after = self._placeholder(named.get(f"{kind}_token"), known)
-            if token is None:
-                token = NEW_TOKENS[kind]
-                self._tk.add_special_tokens([AddedToken(token, special=True, normalized=False)])
-                self.added_tokens[token] = self._tk.token_to_id(token)
-            media[kind] = (token, before + token + after)
+        self._media = {kind: self._media_placeholder(kind, named) for kind in ("image", "audio")}
         self.vocab_size = max([self.base_size - 1, *self.added_tokens.values()]) + 1
-        self._media = media
         self.specials = self._specials(named, root)
         self.template = _load_template(root, config, named, template_date)
         self._stops = [self._tk.id_to_token(i) for i in self.specials.stop]
@@ -135,8 +127,24 @@ class PretrainedTokenizer:
             )
         return i
 
-    def _placeholder(self, configured: str | None, known) -> tuple[str | None, str, str]:
-        have = lambda t: t and self._tk.token_to_id(t) is not None
+    def token_id(self, token: str) -> int | None:
+        """The id of a token of the vocabulary (`<|im_start|>`), or None."""
+        return self._tk.token_to_id(token)
+
+    def _media_placeholder(self, kind: str, named: dict[str, str]) -> tuple[str, str]:
+        """(the placeholder token, the text a media item becomes: it in its wrap)."""
+        from tokenizers import AddedToken
+
+        known = IMAGE_TOKENS if kind == "image" else AUDIO_TOKENS
+        token, before, after = self._own_placeholder(named.get(f"{kind}_token"), known)
+        if token is None:  # a new token after the vocabulary: the model needs its row
+            token = NEW_TOKENS[kind]
+            self._tk.add_special_tokens([AddedToken(token, special=True, normalized=False)])
+            self.added_tokens[token] = self._tk.token_to_id(token)
+        return token, before + token + after
+
+    def _own_placeholder(self, configured: str | None, known) -> tuple[str | None, str, str]:
+        have = lambda t: bool(t) and self._tk.token_to_id(t) is not None
         for token, before, after in known:
             if (configured is None or token == configured) and have(token):
                 wrap = have(before) and have(after)
