@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 
 import hf_models
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxmllm.config import Config, from_dict
 from jaxmllm.hf.check import check_dir
@@ -55,10 +57,10 @@ def test_import_then_export_is_bit_identical(name, tmp_path):
     )
     cfg = config_for(role, source)
     towers = load_towers(cfg, role)
-    from flax import nnx
-
     flat = keyed_leaves(nnx.to_pure_dict(nnx.state(towers)))
-    export_role(cfg, role, flat, tmp_path / "out", 4 << 30)
+    export_role(cfg, role, flat, tmp_path / "out", 16 << 10)  # shards of 16 KiB: an index
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "out").glob("model-*-of-*.safetensors"))) > 1
     before, after = Checkpoint(source), Checkpoint(tmp_path / "out")
     assert set(after.names()) == set(before.names())  # Whisper: its decoder comes back too
     for n in after.names():
@@ -67,6 +69,8 @@ def test_import_then_export_is_bit_identical(name, tmp_path):
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), n
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"], config
+    again = load_towers(config_for(role, str(tmp_path / "out")), role)  # from the shards
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(again), nnx.state(towers))
 
 
 def test_a_tensor_with_no_place_is_refused_naming_it(tmp_path):
