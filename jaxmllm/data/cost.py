@@ -45,15 +45,13 @@ import argparse
 import json
 import math
 import sys
-import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:  # (config imports the planner registry: cost must not import config)
-    from jaxmllm.config import ModelConfig
+from jaxmllm.config import ConfigError, ModelConfig, from_dict
 
 PHASES = ("llm", "vision", "audio")
 FEATURES = ("units", "sq", "tiles")  # real units, sum of squared segment lengths, attention tiles
@@ -364,16 +362,15 @@ def calibrate(run_dir: Path, out: Path, holdout: float, chosen: str, ridge: floa
     return result
 
 
-def _model_config(path: Path) -> Any:
-    """The run's model section as attributes (what `from_model` reads): config.json is the
-    trainer's whole resolved config; reading it as plain data keeps this module config-free."""
+def _model_config(path: Path) -> ModelConfig:
+    """The run's model section (config.json is the trainer's whole resolved config; a run
+    written before a key existed reads as its default)."""
     try:
         raw = json.loads(path.read_text())
-        model = json.dumps(raw["model"])
-        return json.loads(model, object_hook=lambda d: types.SimpleNamespace(**d))
+        return from_dict(ModelConfig, raw["model"], source=str(path), prefix="model.")
     except OSError as e:
         raise CostFileError(f"cannot read the run's config {path}: {e.strerror}") from None
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, KeyError, TypeError, ConfigError) as e:
         raise CostFileError(f"{path}: not a run config with a model section ({e})") from None
 
 
