@@ -259,6 +259,7 @@ class Preprocessor:
             loss=np.concatenate(loss).astype(bool),
             images=images,
             audio=audio,
+            grids=[(op[2], op[3]) for op in lay.ops if op[0] == "image"],
         )
 
 

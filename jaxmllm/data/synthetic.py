@@ -64,6 +64,7 @@ class SyntheticSource:
                 IMAGE_PROMPT,
                 caption,
                 images=media,
+                grids=[(gh, gw) for gh, gw, _, _ in p["images"]],
             )
         clip = self._render_audio(rng, *p["audio"])
         caption = f"a {p['audio'][2]} {p['audio'][1]} tone"
@@ -149,7 +150,9 @@ class SyntheticSource:
         loss[0] = False  # BOS is never predicted
         return Sample(id=i, tokens=tokens, loss=loss)
 
-    def _media_sample(self, i, media_token, rows, prompt, caption, images=(), audio=()) -> Sample:
+    def _media_sample(
+        self, i, media_token, rows, prompt, caption, images=(), audio=(), grids=()
+    ) -> Sample:
         head = [np.array([self.specials.bos], np.int32)]
         head += [np.full(r, media_token, np.int32) for r in rows]
         head.append(self.tokenizer.encode(prompt))
@@ -158,7 +161,14 @@ class SyntheticSource:
         prefix = np.concatenate(head).astype(np.int32)
         tokens = np.concatenate([prefix, answer])
         loss = np.concatenate([np.zeros(len(prefix), bool), np.ones(len(answer), bool)])
-        return Sample(id=i, tokens=tokens, loss=loss, images=list(images), audio=list(audio))
+        return Sample(
+            id=i,
+            tokens=tokens,
+            loss=loss,
+            images=list(images),
+            audio=list(audio),
+            grids=list(grids),
+        )
 
     def _render_image(self, rng, gh: int, gw: int, colour: str, shape: str):
         """An image of gh x gw patches, patchified in 2x2-merge order with (row, col) positions."""

@@ -14,7 +14,6 @@ from pathlib import Path
 import yaml
 
 from jaxmllm.config import Config, from_dict
-from jaxmllm.data.pretrained import is_tokenizer_dir
 from jaxmllm.data.tokenizer import make_tokenizer
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.registry import family_for, read_hf_config
@@ -95,7 +94,8 @@ def vocab_size(checkpoint: int, tokenizer: str) -> int:
     """The checkpoint's vocabulary, grown when the tokenizer adds tokens past it (placeholders
     for images or audio that the checkpoint had no token for: their rows start at the mean row)
     to a multiple of 128, which the vocabulary's shards divide."""
-    if not is_tokenizer_dir(tokenizer):
+    root = Path(tokenizer)
+    if not ((root / "tokenizer.json").is_file() and (root / "tokenizer_config.json").is_file()):
         print(f"note: {tokenizer} has no tokenizer.json and tokenizer_config.json; set "
               "data.tokenizer to the checkpoint's tokenizer directory before training")  # fmt: skip
         return checkpoint

@@ -248,12 +248,31 @@ def rope_2d(
     return jnp.concatenate([rows, cols], axis=-1)
 
 
+def rope_multi(
+    x_bthe: jax.Array,
+    positions_bt3: jax.Array,
+    theta: float,
+    scaling: Any = None,
+    sections: tuple[int, ...] = (),
+) -> jax.Array:
+    """Multimodal rotary (Qwen2-VL's M-RoPE): rotate-half rotary whose frequencies, in order,
+    fall into `sections` turned by the (time, row, column) positions [..., T, 3]; with three
+    equal positions it is `rope_1d`."""
+    freqs = jnp.asarray(rope_frequencies(x_bthe.shape[-1], theta, scaling), jnp.float32)
+    axis = np.repeat(np.arange(len(sections)), sections)  # which position turns frequency k
+    angles = positions_bt3.astype(jnp.float32)[..., axis][..., None, :] * freqs  # [..., T, 1, half]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_bthe.dtype)
+
+
 def no_rope(x_bthe: jax.Array, positions: jax.Array, theta: float, scaling: Any = None):
     """Positions enter elsewhere (learned or sinusoidal tables at the tower's input)."""
     return x_bthe
 
 
-ROPE = {"1d": rope_1d, "2d": rope_2d, "none": no_rope}
+ROPE = {"1d": rope_1d, "2d": rope_2d, "none": no_rope, "mrope": rope_multi}
 
 
 # ----------------------------------------------------------------------------- MLPs

@@ -47,9 +47,10 @@ class Decoder(nnx.Module):
         spec = BlockSpec.of(
             cfg,
             kv_heads=cfg.kv_heads,  # grouped-query attention
-            rope="1d",
+            rope="mrope" if any(cfg.mrope_section) else "1d",
             head_dim=cfg.head_dim,
             rope_scaling=cfg.rope_scaling,
+            rope_sections=tuple(cfg.mrope_section),
         )
         self.transformer = Transformer(
             cfg.depth, spec, remat=remat, remat_policy=remat_policy, **kw
@@ -92,7 +93,8 @@ class Decoder(nnx.Module):
         Args:
           x_btd: input embeddings [B, T, width].
           segment_ids_bt: which sample each token belongs to, 0 for padding [B, T].
-          positions_bt: position within the sample, for RoPE [B, T].
+          positions_bt: position within the sample, for RoPE [B, T] ([B, T, 3]: time, row,
+            column for M-RoPE, `model.llm.mrope_section`).
           tiles_bk2: block-sparse attention's tiles [B, K, 2] (a device's rows are then one
             row B of all their tokens: tiles never pair blocks of two rows).
 
