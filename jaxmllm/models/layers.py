@@ -149,21 +149,12 @@ class RMSNorm(nnx.Module):
         return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
-class LayerNorm(nnx.Module):
+class LayerNorm(RMSNorm):
     """Layer norm (centred, scaled, shifted) with a learned scale and bias, computed in fp32."""
 
-    def __init__(
-        self,
-        width: int,
-        *,
-        eps: float = NORM_EPS,
-        dtype: jnp.dtype = jnp.float32,
-        param_dtype: jnp.dtype = jnp.float32,
-    ):
-        self.scale = nnx.Param(jnp.ones((width,), param_dtype), axes=("embed",))
-        self.bias = nnx.Param(jnp.zeros((width,), param_dtype), axes=("embed",))
-        self.eps = eps
-        self.dtype = dtype
+    def __init__(self, width: int, **kw):
+        super().__init__(width, **kw)
+        self.bias = nnx.Param(jnp.zeros_like(self.scale[...]), axes=("embed",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
