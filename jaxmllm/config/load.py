@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import difflib
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -206,5 +207,6 @@ def _coerce(tp: Any, value: Any, *, source: str, key: str) -> Any:
 
 
 def to_dict(cfg: Any) -> dict:
-    """The config as plain nested dicts (for logging and checkpoint metadata)."""
-    return dataclasses.asdict(cfg)
+    """The config as plain nested dicts, as JSON reads it back (tuples as lists): what
+    checkpoint metadata holds, so a saved config compares equal to the one that wrote it."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
