@@ -19,8 +19,8 @@ import numpy as np
 
 from jaxmllm.config import Config, ConfigError
 from jaxmllm.data import tokenizer as tok
-from jaxmllm.data.audio import chunk_lengths, clip_frames, load_audio
-from jaxmllm.data.image import image_grid, load_image
+from jaxmllm.data.audio import chunk_lengths, clip_frames, load_audio, read_info
+from jaxmllm.data.image import image_grid, load_image, read_size
 from jaxmllm.data.records import PLACEHOLDER, Record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Sample
@@ -152,6 +152,15 @@ class Preprocessor:
         p = self.p
         budget = limits.max_pixels or p.image_max_pixels
         return image_grid(h, w, p.patch_size, p.merge, min(p.image_min_pixels, budget), budget)
+
+    def sizes(self, record: Record) -> Sizes:
+        """The media sizes of a record, read from the files' headers (nothing is decoded);
+        raises RecordError for a file over the bomb caps or one that does not open."""
+        p = self.p
+        return Sizes(
+            images=[read_size(src, record.id, p.max_image_pixels) for src in record.images],
+            audio=[read_info(src, record.id, p.max_audio_seconds) for src in record.audio],
+        )
 
     def clip_chunks(self, samples: int, rate: int) -> list[int]:
         p = self.p
