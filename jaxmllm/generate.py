@@ -60,11 +60,11 @@ class Generator:
 
         def prefill(params, frozen, mb, key, temperature, top_p):
             logits, cache = decode.prefill(parts.merge(params, frozen), mb, shapes.total_len)
-            return decode.pick(logits, key, temperature, top_p), logits, cache
+            return _whole(decode.pick(logits, key, temperature, top_p)), _whole(logits), cache
 
         def step(params, frozen, cache, tokens, index, key, temperature, top_p):
             logits, cache = decode.step(parts.merge(params, frozen), tokens, index, cache)
-            return decode.pick(logits, key, temperature, top_p), logits, cache
+            return _whole(decode.pick(logits, key, temperature, top_p)), _whole(logits), cache
 
         self.prefill = jax.jit(prefill)
         self.step = jax.jit(step, donate_argnums=2)  # the cache is updated in place
@@ -122,6 +122,13 @@ class Generator:
                 params, frozen, cache, token, jnp.asarray(index + i), step_key, *sampling
             )
         return answers
+
+
+def _whole(x: jax.Array) -> jax.Array:
+    """`x` replicated under a mesh (the host reads it; on several processes a sharded array
+    is not whole on any), as it is without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return x if mesh.empty else jax.lax.with_sharding_constraint(x, jax.P())
 
 
 # ----------------------------------------------------------------------------- a run

@@ -61,6 +61,12 @@ class Config:
         )
         if self.model.attention == "block_sparse":
             self._check_blocks()
+        check(
+            self.data.eval.source != "synthetic" or self.data.source == "synthetic",
+            "a synthetic eval set needs synthetic training data (data.source: synthetic); "
+            "evaluate other data with a held-out file (jsonl, arrayrecord)",
+            "data.eval.source",
+        )
 
     def _check_blocks(self) -> None:
         """Block-sparse attention cuts every packed row into blocks of batch.attention_block."""
