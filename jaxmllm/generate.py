@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxmllm.checkpoint import restore_params
@@ -58,13 +57,20 @@ class Generator:
         self.cfg, self.shapes = cfg, shapes
         parts, _ = model_parts(prompt_config(cfg, shapes))  # (dense attention, local rows)
 
-        def prefill(params, frozen, mb, key, temperature, top_p):
-            logits, cache = decode.prefill(parts.merge(params, frozen), mb, shapes.total_len)
-            return _whole(decode.pick(logits, key, temperature, top_p)), _whole(logits), cache
+        # Sampling's settings come as host scalars (seed, the step's number, temperature,
+        # top_p): traced, so they never recompile, and the same on every process of a job.
+        def pick(logits, sampling):
+            seed, i, temperature, top_p = sampling
+            key = jax.random.fold_in(jax.random.key(seed), i)
+            return _whole(decode.pick(logits, key, temperature, top_p)), _whole(logits)
 
-        def step(params, frozen, cache, tokens, index, key, temperature, top_p):
+        def prefill(params, frozen, mb, sampling):
+            logits, cache = decode.prefill(parts.merge(params, frozen), mb, shapes.total_len)
+            return *pick(logits, sampling), cache
+
+        def step(params, frozen, cache, tokens, index, sampling):
             logits, cache = decode.step(parts.merge(params, frozen), tokens, index, cache)
-            return _whole(decode.pick(logits, key, temperature, top_p)), _whole(logits), cache
+            return *pick(logits, sampling), cache
 
         self.prefill = jax.jit(prefill)
         self.step = jax.jit(step, donate_argnums=2)  # the cache is updated in place
@@ -102,9 +108,9 @@ class Generator:
         mb = prompt_batch(prompts, self.shapes, self.cfg)
         index = np.ones(self.shapes.rows, np.int32)  # (spare rows hold one token)
         index[: len(prompts)] = lengths
-        sampling = (jnp.float32(temperature), jnp.float32(top_p))
-        key = jax.random.key(seed)
-        token, logits, cache = self.prefill(params, frozen, mb, key, *sampling)
+        sampling = lambda i: (np.int32(seed), np.int32(i), np.float32(temperature),
+                              np.float32(top_p))  # fmt: skip
+        token, logits, cache = self.prefill(params, frozen, mb, sampling(0))
         answers = [Answer([], False, [] if keep_logits else None) for _ in prompts]
         for i in range(max_new_tokens):
             picked, scores = np.asarray(token), (np.asarray(logits) if keep_logits else None)
@@ -117,9 +123,8 @@ class Generator:
                     answer.logits.append(scores[b])
             if i + 1 == max_new_tokens or all(a.stopped for a in answers):
                 break
-            step_key = jax.random.fold_in(key, i + 1)
             token, logits, cache = self.step(
-                params, frozen, cache, token, jnp.asarray(index + i), step_key, *sampling
+                params, frozen, cache, token, index + i, sampling(i + 1)
             )
         return answers
 

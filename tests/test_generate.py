@@ -8,6 +8,7 @@ cache is held to the training forward pass (`MultimodalLM.__call__`) with media 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -95,13 +96,12 @@ def test_kv_cache_decoding_equals_recomputing_the_sequence(params, prompts, gen)
 
 def test_batching_changes_no_answer(params, prompts, gen):
     """Prompts of different lengths, with and without media, decoded together (right-padded,
-    a spare row) give each the ids (and logits) it gets alone."""
+    a spare row) give each the ids and logits it gets alone (in the first row, the others
+    empty: the same program)."""
     new = 8
     batched = gen.generate(*params, prompts, max_new_tokens=new, keep_logits=True)
-    alone = Generator(CFG, PromptShapes.fit(prompts[:1], CFG, new))
     for p, b in zip(prompts, batched, strict=True):
-        assert PromptShapes.fit([p], CFG, new) == alone.shapes  # (the same program for each)
-        [a] = alone.generate(*params, [p], max_new_tokens=new, keep_logits=True)
+        [a] = gen.generate(*params, [p], max_new_tokens=new, keep_logits=True)
         assert a.ids == b.ids
         np.testing.assert_allclose(np.stack(a.logits), np.stack(b.logits), rtol=1e-5, atol=1e-5)
 
@@ -123,6 +123,41 @@ def test_one_compiled_program_for_prefill_and_one_for_the_step(params, prompts, 
     gen.generate(*params, prompts[1:], max_new_tokens=7, temperature=0.7, top_p=0.9, seed=1)
     assert gen.prefill._cache_size() == 1
     assert gen.step._cache_size() == 1
+
+
+def test_the_command_line_answers_from_a_runs_checkpoint(params, gen, tmp_path, capsys):
+    """`python -m jaxmllm.generate --run`: the run's config and checkpoint (params only),
+    prompts rendered by its template, one JSON object a prompt, the generator's own answers;
+    a prompt given as its ids is the same prompt; a bad run or step is a one-line error."""
+    import orbax.checkpoint as ocp
+
+    from jaxmllm import generate
+    from jaxmllm.checkpoint import make_checkpoint_manager, write_config
+
+    cfg = dataclasses.replace(CFG, train=dataclasses.replace(CFG.train, output_dir=str(tmp_path)))
+    write_config(cfg, tmp_path)  # a run as the trainer leaves it: config.json, checkpoints/3
+    state = {"params": params[0], "frozen": params[1], "step": np.int32(3)}
+    with make_checkpoint_manager(cfg) as mngr:
+        mngr.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=True)
+    texts = ["12 13 14", "7", "hello", "what is this? "]  # (gen's shapes: its programs)
+    run = ["--run", str(tmp_path), "--max-new-tokens", "10", "--json"]
+    assert generate.main([*run, *[a for t in texts for a in ("--prompt", t)]]) == 0
+    got = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    rendered = [[tok.BOS, *t.encode()] for t in texts]  # the plain template: BOS text
+    as_samples = [Sample(-1, np.asarray(r, np.int32), np.zeros(len(r), bool)) for r in rendered]
+    want = gen.generate(*params, as_samples, max_new_tokens=10, stop_ids=frozenset({tok.EOS}))
+    assert [g["ids"] for g in got] == [w.ids for w in want]
+    byte = tok.ByteTokenizer()
+    assert [g["text"] for g in got] == [
+        byte.decode([i for i in w.ids if i != tok.EOS]) for w in want
+    ]
+    ids = [a for r in rendered for a in ("--prompt-ids", ",".join(map(str, r)))]
+    assert generate.main([*run, "--step", "3", *ids]) == 0
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == got
+    assert generate.main(["--run", str(tmp_path / "nowhere"), "--prompt", "1"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert generate.main([*run, "--step", "5", "--prompt", "1"]) == 2
+    assert "no checkpoint 5" in capsys.readouterr().err
 
 
 def test_sampling_is_seeded_and_top_p_narrows_to_the_likeliest():

@@ -63,8 +63,8 @@ class Config:
             self._check_blocks()
         check(
             self.data.eval.source != "synthetic" or self.data.source == "synthetic",
-            "a synthetic eval set needs synthetic training data (data.source: synthetic); "
-            "evaluate other data with a held-out file (jsonl, arrayrecord)",
+            "synthetic (a held-out share of the built-in data) needs data.source: synthetic; "
+            "set data.eval.source: none, or jsonl / arrayrecord with a held-out data.eval.path",
             "data.eval.source",
         )
 

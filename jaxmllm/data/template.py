@@ -87,9 +87,11 @@ class RecordTemplate:
     def prompt_ids(self, ids: Sequence[int], images: Sequence[Any], audio: Sequence[Any]) -> Sample:
         """See `Template.prompt_ids`."""
         tokens = np.asarray(list(ids), np.int32)
-        media = self._sample({"id": "prompt", "text": "<image>" * len(images) + "<audio>" *
-                              len(audio), "images": [str(p) for p in images],
-                              "audio": [str(p) for p in audio]})  # fmt: skip
+        media = Sample(-1, tokens[:0], tokens[:0].astype(bool))
+        if images or audio:  # (decoded as a record of the media alone)
+            media = self._sample({"id": "prompt", "text": "<image>" * len(images) + "<audio>" *
+                                  len(audio), "images": [str(p) for p in images],
+                                  "audio": [str(p) for p in audio]})  # fmt: skip
         merge_area, subsample = self.pre.p.merge**2, self.pre.p.subsample
         for name, marker, rows in (
             ("image", tok.IMAGE, sum(len(m[0]) // merge_area for m in media.images)),
