@@ -16,7 +16,6 @@ import logging
 import numpy as np
 
 from jaxmllm.config import Config
-from jaxmllm.data import tokenizer as tok
 from jaxmllm.data.prompts import PromptShapes, split_answer
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.synthetic import SCORED, score_answer
@@ -39,7 +38,7 @@ class Questions:
             if len(self.prompts) == count:
                 break
             try:
-                split = split_answer(source[i])
+                split = split_answer(source[i], self.template.specials)
             except RecordError:  # (the eval set's loader counts and logs it)
                 continue
             if split is not None:
@@ -49,7 +48,7 @@ class Questions:
             log.warning("data.eval: no sample has a prompt to answer; no questions asked")
         max_new = cfg.data.eval.max_new_tokens
         shapes = PromptShapes.fit(self.prompts, cfg, max_new) if self.prompts else None
-        self.generator = Generator(cfg, shapes) if self.prompts else None
+        self.generator = Generator(cfg, shapes, self.template.specials) if self.prompts else None
 
     def ask(self, params: dict, frozen: dict) -> list[dict]:
         """Each question's prompt, answer, true answer and scores."""
@@ -60,7 +59,7 @@ class Questions:
             frozen,
             self.prompts,
             max_new_tokens=self.cfg.data.eval.max_new_tokens,
-            stop_ids=self.template.stop_ids,
+            stop_ids=frozenset(self.template.specials.stop),
         )
         results = []
         for prompt, truth, answer in zip(self.prompts, self.truths, answers, strict=True):
@@ -73,7 +72,9 @@ class Questions:
 
     def show(self, ids: np.ndarray) -> str:
         """A prompt's text without its BOS and placeholder runs (`_media` names those)."""
-        kept = np.asarray(ids)[~np.isin(ids, (tok.BOS, tok.IMAGE, tok.AUDIO))]
+        sp = self.template.specials
+        hidden = [i for i in (sp.bos, sp.image, sp.audio) if i is not None]
+        kept = np.asarray(ids)[~np.isin(ids, hidden)]
         return self.template.decode(kept)
 
     @staticmethod

@@ -64,7 +64,7 @@ class HeldOut:
         self.source = SyntheticSource(
             dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, synthetic=more))
         )
-        self.start = n
+        self.start, self.specials = n, self.source.specials
         every = self.source.lengths()
         self.index = LengthsIndex.from_records([every.record(i) for i in range(n, len(every))])
 
@@ -124,7 +124,7 @@ def plan_set(cfg: Config, source, index: LengthsIndex, devices: int, positions, 
         parts = local_parts(plan, positions, caps.devices)
         media = None if positions is None else local_media(parts)
         samples = loader.load(parts["read"], plan.step, media)
-        batch = bucketize(plan, samples, cfg, caps, positions, index)
+        batch = bucketize(plan, samples, cfg, caps, positions, index, source.specials)
         batch["eval_mix"] = _token_mixes(plan, index, caps, batch, positions, mixes, seen)
         batches.append(batch)
     return batches

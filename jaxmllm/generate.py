@@ -36,6 +36,7 @@ from jaxmllm.config import Config, ConfigError, from_dict
 from jaxmllm.data.prompts import PromptShapes, prompt_batch, prompt_config
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Sample
+from jaxmllm.data.specials import RESERVED, Specials
 from jaxmllm.data.template import TEMPLATES, Template, make_template
 from jaxmllm.models import decode
 from jaxmllm.step import build_model, model_parts
@@ -53,8 +54,9 @@ class Answer:
 class Generator:
     """The compiled prefill and decode-step programs of a model config at fixed shapes."""
 
-    def __init__(self, cfg: Config, shapes: PromptShapes):
-        self.cfg, self.shapes = cfg, shapes
+    def __init__(self, cfg: Config, shapes: PromptShapes, specials: Specials = RESERVED):
+        """`specials`: the tokenizer's ids (padding, the image and audio placeholders)."""
+        self.cfg, self.shapes, self.specials = cfg, shapes, specials
         parts, _ = model_parts(prompt_config(cfg, shapes))  # (dense attention, local rows)
 
         # Sampling's settings come as host scalars (seed, the step's number, temperature,
@@ -68,8 +70,9 @@ class Generator:
             logits, cache = decode.prefill(parts.merge(params, frozen), mb, shapes.total_len)
             return *pick(logits, sampling), cache
 
-        def step(params, frozen, cache, tokens, index, sampling):
-            logits, cache = decode.step(parts.merge(params, frozen), tokens, index, cache)
+        def step(params, frozen, cache, tokens, index, positions, sampling):
+            model = parts.merge(params, frozen)
+            logits, cache = decode.step(model, tokens, index, cache, positions)
             return *pick(logits, sampling), cache
 
         self.prefill = jax.jit(prefill)
@@ -105,9 +108,13 @@ class Generator:
                 f"a prompt of {lengths.max()} tokens and {max_new_tokens} new ones do not fit "
                 f"{self.shapes.total_len}"
             )
-        mb = prompt_batch(prompts, self.shapes, self.cfg)
+        mb = prompt_batch(prompts, self.shapes, self.cfg, self.specials)
         index = np.ones(self.shapes.rows, np.int32)  # (spare rows hold one token)
         index[: len(prompts)] = lengths
+        # A new token's rotary position: one past the row's last (with M-RoPE, past the
+        # largest of its three), then counting on with the index.
+        last = mb["llm_positions"][:, 0].reshape(self.shapes.rows, self.shapes.prompt_len, -1)
+        delta = np.array([last[b, :n].max() + 1 - n for b, n in enumerate(index)], np.int32)
         sampling = lambda i: (np.int32(seed), np.int32(i), np.float32(temperature),
                               np.float32(top_p))  # fmt: skip
         token, logits, cache = self.prefill(params, frozen, mb, sampling(0))
@@ -123,8 +130,9 @@ class Generator:
                     answer.logits.append(scores[b])
             if i + 1 == max_new_tokens or all(a.stopped for a in answers):
                 break
+            at = index + i
             token, logits, cache = self.step(
-                params, frozen, cache, token, index + i, sampling(i + 1)
+                params, frozen, cache, token, at, at + delta, sampling(i + 1)
             )
         return answers
 
@@ -161,13 +169,13 @@ def answer_prompts(
     cfg: Config, params: dict, template: Template, prompts: list[Sample], args
 ) -> list[dict]:
     """The CLI's answers: {"ids", "text"} per prompt, all prompts in one batch."""
-    gen = Generator(cfg, PromptShapes.fit(prompts, cfg, args.max_new_tokens))
+    gen = Generator(cfg, PromptShapes.fit(prompts, cfg, args.max_new_tokens), template.specials)
     answers = gen.generate(
         params["params"],
         params["frozen"],
         prompts,
         max_new_tokens=args.max_new_tokens,
-        stop_ids=template.stop_ids,
+        stop_ids=frozenset(template.specials.stop),
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,

@@ -21,6 +21,8 @@ def child_env(kill: dict | None = None) -> dict[str, str]:
     `kill`: a kill point (see tests/child_hooks/killpoints.py) the child SIGKILLs itself at.
     """
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXMLLM_TEST_KILL")}
+    if "--xla_backend_optimization_level=0" in os.environ.get("XLA_FLAGS", ""):
+        env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # (as conftest: compiling is most)
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     if kill is not None:

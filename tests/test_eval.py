@@ -131,7 +131,7 @@ def test_templates_render_prompts_as_training_renders_records(image_file):
     assert p.tokens.tolist() == [tok.BOS] + [tok.IMAGE] * rows + text
     p = plain.prompt("look: <image> what is this? ", [image_file], [])
     assert p.tokens.tolist()[:7] == [tok.BOS] + list(b"look: ")
-    assert chat.decode([104, 105, tok.EOS]) == "hi" and chat.stop_ids == {tok.EOS}
+    assert chat.decode([104, 105, tok.EOS]) == "hi" and chat.specials.stop == (tok.EOS,)
     ids = [tok.BOS] + [tok.IMAGE] * rows + text
     assert plain.prompt_ids(ids, [image_file], []).tokens.tolist() == ids
     with pytest.raises(RecordError, match=f"need {rows}"):

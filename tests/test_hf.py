@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 
 import hf_models
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxmllm.config import Config, from_dict
 from jaxmllm.hf.check import check_dir
@@ -55,10 +58,10 @@ def test_import_then_export_is_bit_identical(name, tmp_path):
     )
     cfg = config_for(role, source)
     towers = load_towers(cfg, role)
-    from flax import nnx
-
     flat = keyed_leaves(nnx.to_pure_dict(nnx.state(towers)))
-    export_role(cfg, role, flat, tmp_path / "out", 4 << 30)
+    export_role(cfg, role, flat, tmp_path / "out", 16 << 10)  # shards of 16 KiB: an index
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "out").glob("model-*-of-*.safetensors"))) > 1
     before, after = Checkpoint(source), Checkpoint(tmp_path / "out")
     assert set(after.names()) == set(before.names())  # Whisper: its decoder comes back too
     for n in after.names():
@@ -67,6 +70,8 @@ def test_import_then_export_is_bit_identical(name, tmp_path):
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), n
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"], config
+    again = load_towers(config_for(role, str(tmp_path / "out")), role)  # from the shards
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(again), nnx.state(towers))
 
 
 def test_a_tensor_with_no_place_is_refused_naming_it(tmp_path):
@@ -164,3 +169,57 @@ def test_import_takes_the_processors_settings(tmp_path):
     assert d.image_mean == tuple(clip["image_mean"]) and d.image_std == tuple(clip["image_std"])
     assert (d.image_min_pixels, d.image_max_pixels, d.mel) == (3136, 12845056, "whisper")
     assert d.audio_max_frames == 2 * 32  # Whisper's table of 32 rows, 2 frames a row
+
+
+def test_qwen2_vl_with_an_image_matches_transformers(tmp_path):
+    """A whole Qwen2-VL: its vision tower and merger encode the image, the rows fill the image
+    pads, M-RoPE places them on the image's grid (data.bucketize.mrope_positions); the logits
+    of every token equal transformers' given the same pixels."""
+    import torch
+
+    from jaxmllm.data.bucketize import mrope_positions
+    from jaxmllm.data.synthetic import patchify
+    from jaxmllm.hf.check import hf_module
+
+    source = hf_models.qwen2_vl(tmp_path / "qwen2_vl")
+    llm = load_towers(config_for("llm", source), "llm").llm
+    cfg = config_for("vision", source, llm_width=64)
+    tower = load_towers(cfg, "vision")
+    rng = np.random.default_rng(0)
+    gh, gw, p = 6, 4, 4
+    image = rng.normal(size=(gh * p, gw * p, 3)).astype(np.float32)
+    patches, positions = patchify(image, p, 2)
+    text = lambda n: rng.integers(0, 290, n)
+    ids = np.concatenate([text(5), [292], [290] * (gh * gw // 4), [293], text(7)]).astype(np.int32)
+    pos = mrope_positions(ids, 290, [(gh, gw)], 2)
+
+    feats = tower.vision(jnp.asarray(patches)[None], jnp.ones((1, len(patches)), jnp.int32),
+                         jnp.asarray(positions)[None])  # fmt: skip
+    rows = tower.vision_projector(feats)[0]
+    x = llm.embed(jnp.asarray(ids)[None])
+    x = x.at[0, np.flatnonzero(ids == 290)].set(rows)
+    ours = llm(x, jnp.ones((1, len(ids)), jnp.int32), jnp.asarray(pos)[None])[0]
+
+    ref = hf_module(source, json.loads((tmp_path / "qwen2_vl" / "config.json").read_text()), "llm")
+    frames = patches.reshape(-1, p, p, 3).transpose(0, 3, 1, 2)[:, :, None]
+    pixels = torch.from_numpy(np.repeat(frames, 2, axis=2).reshape(len(frames), -1))
+    kinds = torch.from_numpy((ids == 290)[None].astype(np.int32))  # what the processor returns
+    with torch.no_grad():
+        out = ref(input_ids=torch.from_numpy(ids[None].astype(np.int64)), pixel_values=pixels,
+                  image_grid_thw=torch.tensor([[1, gh, gw]]), mm_token_type_ids=kinds)  # fmt: skip
+    theirs = out.logits[0].numpy()
+    assert np.abs(theirs).max() > 0.5
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4)
+
+
+def test_mrope_positions_are_qwen2_vls():
+    """Text counts on in all three; an image's tokens sit on its merged grid from the text's
+    next position; the text after resumes at that position + the grid's longer side."""
+    from jaxmllm.data.bucketize import mrope_positions
+
+    ids = np.array([1, 2, 9, 9, 9, 9, 9, 9, 3, 9, 4])  # a 4x6 grid (2x3 merged), a 2x2 one
+    want = [[0, 0, 0], [1, 1, 1], [2, 2, 2], [2, 2, 3], [2, 2, 4], [2, 3, 2], [2, 3, 3],
+            [2, 3, 4], [5, 5, 5], [6, 6, 6], [7, 7, 7]]  # fmt: skip
+    np.testing.assert_array_equal(mrope_positions(ids, 9, [(4, 6), (2, 2)], 2), want)
+    with pytest.raises(ValueError, match="2 image token runs but 1 image grids"):
+        mrope_positions(ids, 9, [(4, 6)], 2)

@@ -60,8 +60,10 @@ ALLOWED_AXES = {
     "kv_heads",
     "head_dim",
     "vocab",
+    "vocab_split",
     "patch",
     "mel",
+    "positions",
     None,
 }
 

@@ -7,6 +7,7 @@ always naming the key and the file.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import types
 import typing
@@ -203,6 +204,8 @@ def _coerce(tp: Any, value: Any, *, source: str, key: str) -> Any:
         raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
     if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(f"{source}: {key} must be an integer, got {value!r}")
+    if tp is str and isinstance(value, datetime.date):  # YAML reads 2024-07-26 as a date
+        return value.isoformat()
     if tp in (float, str) and not isinstance(value, tp):
         raise ConfigError(f"{source}: {key} must be a {tp.__name__}, got {value!r}")
     return value

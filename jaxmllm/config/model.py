@@ -172,6 +172,10 @@ class LLMConfig(BlockOptions):
     head_dim: int = 0  # width of each attention head; 0 = width / heads
     rope_theta: float = 10000.0  # rotary base
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # Multimodal rotary (Qwen2-VL's M-RoPE): the head's rotary frequencies in three sections
+    # turned by (time, row, column) positions: an image's tokens take their place in its grid,
+    # text the same position in all three. (0, 0, 0): 1D rotary; else they sum to head_dim / 2
+    mrope_section: tuple[int, int, int] = (0, 0, 0)
     tie_embeddings: bool = False  # share input embedding and output projection
     # Tied output: logits = x . E^T / sqrt(width), unit-scale logits from jaxmllm's unit-scale
     # embedding rows; false for HF checkpoints (x . E^T)
@@ -179,6 +183,9 @@ class LLMConfig(BlockOptions):
     # Tokens per slice of the output projection and cross entropy: a step never holds more than
     # [rows, logits_chunk, vocab] fp32 logits (a 152k vocabulary at 1024: 0.6 GB a row)
     logits_chunk: int = 1024
+    # Embedding lookups and the loss's logits split by vocabulary rows over fsdp x tensor
+    # (models/vocab.py): no device holds the whole table; false: XLA gathers it per device
+    vocab_parallel: bool = True
     freeze: bool = False  # no gradient and no optimizer state for the decoder
 
     @property
@@ -197,6 +204,12 @@ class LLMConfig(BlockOptions):
             "width",
         )
         check(self.head_width % 2 == 0, "head dim must be even (RoPE)", "heads")
+        check(
+            not any(self.mrope_section) or sum(self.mrope_section) == self.head_width // 2,
+            f"{list(self.mrope_section)} must sum to head_dim / 2 = {self.head_width // 2} "
+            "(or be [0, 0, 0]: 1D rotary)",
+            "mrope_section",
+        )
         check(self.heads % self.kv_heads == 0, "kv_heads must divide heads", "kv_heads")
         check(self.vocab_size >= 264, "the byte tokenizer needs at least 264 ids", "vocab_size")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from jaxmllm.config.checks import check, positive
 from jaxmllm.plan.registry import PLANNERS
@@ -125,7 +126,14 @@ class DataConfig:
     source: str = "synthetic"  # synthetic (built in) | jsonl (a manifest) | arrayrecord
     path: str = ""  # the JSONL manifest or .array_record file (jsonl / arrayrecord sources)
     index_dir: str = ""  # lengths index from `python -m jaxmllm.data.index`; "" = <path>.index
-    tokenizer: str = "byte"  # byte, or the path of a HuggingFace tokenizer.json (no downloads)
+    # byte (UTF-8 bytes + jaxmllm's 8 specials); the path of a tokenizer.json file (training from
+    # scratch: its ids >= 256 shifted by 8 past jaxmllm's specials); or the path of a HuggingFace
+    # checkpoint's tokenizer directory (tokenizer.json + tokenizer_config.json: the checkpoint's
+    # own ids, special tokens and chat template, for fine-tuning it). Nothing is downloaded.
+    tokenizer: str = "byte"
+    # The date a tokenizer directory's chat template writes where it asks for today's
+    # (strftime_now, e.g. Llama 3.2's "Today Date:"), fixed so token counts do not change daily.
+    template_date: str = "2024-07-26"
     image_min_pixels: int = 3136  # smaller images are upscaled to about this many pixels
     image_max_pixels: int = 1003520  # larger images are downscaled to at most this many pixels
     # Pixels become (x / 255 - mean) / std per channel (RGB): 0.5 / 0.5 maps them to [-1, 1]
@@ -178,6 +186,7 @@ class DataConfig:
         check(self.max_image_pixels >= 1, "must be >= 1", "max_image_pixels")
         check(self.max_audio_seconds > 0, "must be > 0", "max_audio_seconds")
         check(self.workers >= 0, "must be >= 0", "workers")
+        check(_is_date(self.template_date), "must be a date, YYYY-MM-DD", "template_date")
 
 
 DATA_SOURCES = {"synthetic", "jsonl", "arrayrecord"}
@@ -252,3 +261,11 @@ class DistributedConfig:
             f"{self.coordinator!r} must be host:port",
             "coordinator",
         )
+
+
+def _is_date(text: str) -> bool:
+    try:
+        datetime.strptime(text, "%Y-%m-%d")
+    except (TypeError, ValueError):
+        return False
+    return True

@@ -158,24 +158,26 @@ class CostModel:
         m_llm = _multiplier(lm.freeze, below_llm)
         m_vis, m_aud = _multiplier(v.freeze, False), _multiplier(a.freeze, False)
         m_proj = _multiplier(model.projector_freeze, enc_trainable)
-        q = lm.head_width * lm.heads  # query (and output) width
-        kv = lm.head_width * lm.kv_heads
-        llm_lin = lm.depth * _layer_linear(lm.width, kv, lm.mlp_dim, q, lm.mlp)
+        head = getattr(lm, "head_dim", 0) or lm.width // lm.heads  # (runs before head_dim)
+        q, kv = head * lm.heads, head * lm.kv_heads  # query (and output) width, key/value width
+        mlp = lambda section: getattr(section, "mlp", "gated_silu")
+        llm_lin = lm.depth * _layer_linear(lm.width, kv, lm.mlp_dim, q, mlp(lm))
         llm_lin += 2 * lm.width * lm.vocab_size
         llm_quad = lm.depth * 2.0 * q  # causal: half of 4*d
         area = v.merge**2
-        hid_v = v.projector_dim or lm.width
+        hid_v = getattr(v, "projector_dim", 0) or lm.width
         proj_v = 2 * (area * v.width * hid_v + hid_v * lm.width) / area  # per patch
-        vis_lin = v.depth * _layer_linear(v.width, v.width, v.mlp_dim, mlp=v.mlp)
+        vis_lin = v.depth * _layer_linear(v.width, v.width, v.mlp_dim, mlp=mlp(v))
         vis_quad = v.depth * 4.0 * v.width
-        s, r = a.subsample, a.stride  # frames per LLM token, per encoder row
-        hid_a = a.projector_dim or lm.width
+        stem = getattr(a, "stem", "pairs")
+        s, r = a.subsample, 2 if stem == "whisper" else 4  # frames per LLM token, per encoder row
+        hid_a = getattr(a, "projector_dim", 0) or lm.width
         proj_a = 2 * (s // r * a.width * hid_a + hid_a * lm.width) / s  # per frame
-        if a.stem == "whisper":  # 3-tap convs, stride 1 then 2: per frame
+        if stem == "whisper":  # 3-tap convs, stride 1 then 2: per frame
             conv = 2 * 3 * a.width * (a.n_mels + a.width / 2)
         else:  # (two 3-tap stride-2 convs, as first modelled: within a few % of the two pairs)
             conv = 2 * 9 * a.width * (a.n_mels + a.width) / s
-        aud_lin = a.depth * _layer_linear(a.width, a.width, a.mlp_dim, mlp=a.mlp) / r + conv
+        aud_lin = a.depth * _layer_linear(a.width, a.width, a.mlp_dim, mlp=mlp(a)) / r + conv
         aud_quad = a.depth * 4.0 * a.width / (r * r)
         return cls(
             llm=PhaseCost(m_llm * llm_lin, m_llm * llm_quad),

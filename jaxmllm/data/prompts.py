@@ -19,10 +19,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError
-from jaxmllm.data import tokenizer as tok
 from jaxmllm.data.bucketize import bucketize
 from jaxmllm.data.pipeline import capacities
 from jaxmllm.data.samples import Sample
+from jaxmllm.data.specials import RESERVED, Specials
 from jaxmllm.plan.contract import ItemPlan, StepPlan
 
 ROUND = 16  # lengths are rounded up to multiples of this, so nearby prompts share programs
@@ -92,15 +92,19 @@ def prompt_config(cfg: Config, shapes: PromptShapes) -> Config:
     return dataclasses.replace(cfg, batch=batch, model=model)
 
 
-def prompt_batch(prompts: Sequence[Sample], shapes: PromptShapes, cfg: Config) -> dict:
+def prompt_batch(
+    prompts: Sequence[Sample], shapes: PromptShapes, cfg: Config, specials: Specials = RESERVED
+) -> dict:
     """The prompts as a microbatch [B, 1, P, ...] of the batch contract, one bucket each;
-    buckets past the prompts hold a lone BOS (decoded and ignored).
+    buckets past the prompts hold one padding token (decoded and ignored). `specials`: the
+    tokenizer's (its padding, and the placeholder ids whose slots encoder rows fill).
 
     Raises:
       ValueError: a prompt longer than the shapes' prompt length, or media over its buckets.
     """
     pcfg = prompt_config(cfg, shapes)
-    prompts = list(prompts) + [_filler()] * (shapes.rows - len(prompts))
+    filler = Sample(id=-1, tokens=np.array([specials.pad], np.int32), loss=np.zeros(1, bool))
+    prompts = list(prompts) + [filler] * (shapes.rows - len(prompts))
     if len(prompts) > shapes.rows or max(len(p.tokens) for p in prompts) > shapes.prompt_len:
         raise ValueError(f"prompts do not fit {shapes}")
     if (max(_patches(p) for p in prompts) > shapes.vision_patches
@@ -124,7 +128,7 @@ def prompt_batch(prompts: Sequence[Sample], shapes: PromptShapes, cfg: Config) -
         vision=_packed([[len(m[0]) for m in p.images] for p in prompts]),
         audio=_packed([[len(m) for m in p.audio] for p in prompts]),
     )
-    batch = bucketize(plan, dict(enumerate(prompts)), pcfg, capacities(pcfg, n))
+    batch = bucketize(plan, dict(enumerate(prompts)), pcfg, capacities(pcfg, n), specials=specials)
     return {k: v[0] for k, v in batch.items()}  # the one microbatch
 
 
@@ -139,11 +143,7 @@ def _packed(sizes: list[list[int]]) -> ItemPlan:
     return ItemPlan(as_int(owner), as_int(item), as_int(owner), as_int(offset))
 
 
-def _filler() -> Sample:
-    return Sample(id=-1, tokens=np.array([tok.BOS], np.int32), loss=np.zeros(1, bool))
-
-
-def split_answer(sample: Sample) -> tuple[Sample, np.ndarray] | None:
+def split_answer(sample: Sample, specials: Specials = RESERVED) -> tuple[Sample, np.ndarray] | None:
     """A data set's sample as (its prompt: the tokens before its first loss token, with all its
     media; the answer's ids), or None when it has no prompt (text learned from its first token
     on, a sample whose media come after its answer starts)."""
@@ -151,7 +151,7 @@ def split_answer(sample: Sample) -> tuple[Sample, np.ndarray] | None:
     if not len(learned) or learned[0] < 2:  # (BOS alone is no prompt)
         return None
     cut = int(learned[0])
-    rows = np.isin(sample.tokens[cut:], (tok.IMAGE, tok.AUDIO))
+    rows = np.isin(sample.tokens[cut:], (specials.image, specials.audio))
     if rows.any():
         return None
     prompt = dataclasses.replace(sample, tokens=sample.tokens[:cut], loss=sample.loss[:cut])

@@ -26,6 +26,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     imp.add_argument("--llm", required=True, help="a Llama or Qwen2 causal LM directory")
     imp.add_argument("--vision", default="", help="a SigLIP or Qwen2-VL directory")
     imp.add_argument("--audio", default="", help="a Whisper directory")
+    imp.add_argument("--tokenizer", default="", help="the tokenizer directory (default: --llm)")
     imp.add_argument("--out", required=True, help="the config YAML to write")
     imp.add_argument("--base", default="", help="a recipe whose other keys to keep "
                      "(configs/recipes/stage1.yaml, stage2.yaml)")  # fmt: skip
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "import":
             from jaxmllm.hf.importer import write_config
 
-            write_config(args.out, args.llm, args.vision, args.audio, args.base)
+            write_config(args.out, args.llm, args.vision, args.audio, args.base, args.tokenizer)
             print(f"wrote {args.out}; train with: python -m jaxmllm.train --config {args.out}")
         elif args.command == "export":
             from jaxmllm.hf.export import export_run

@@ -23,14 +23,15 @@ from jaxmllm.hf.family import Family, FamilyError
 from jaxmllm.hf.registry import FAMILIES, family_for, read_hf_config
 from jaxmllm.hf.towers import Towers, config_for, load_towers
 
-HF_MODULES = {  # model_type -> (transformers class, attribute path to the module compared)
-    "llama": ("LlamaForCausalLM", ""),
-    "qwen2": ("Qwen2ForCausalLM", ""),
-    "siglip_vision_model": ("SiglipVisionModel", ""),
-    "siglip": ("SiglipModel", "vision_model"),
-    "qwen2_vl_vision": ("Qwen2VisionTransformerPretrainedModel", ""),
-    "qwen2_vl": ("Qwen2VLForConditionalGeneration", "model.visual"),
-    "whisper": ("WhisperModel", "encoder"),
+HF_MODULES = {  # (model_type, role) -> (transformers class, path to the module compared)
+    ("llama", "llm"): ("LlamaForCausalLM", ""),
+    ("qwen2", "llm"): ("Qwen2ForCausalLM", ""),
+    ("qwen2_vl", "llm"): ("Qwen2VLForConditionalGeneration", ""),
+    ("siglip_vision_model", "vision"): ("SiglipVisionModel", ""),
+    ("siglip", "vision"): ("SiglipModel", "vision_model"),
+    ("qwen2_vl_vision", "vision"): ("Qwen2VisionTransformerPretrainedModel", ""),
+    ("qwen2_vl", "vision"): ("Qwen2VLForConditionalGeneration", "model.visual"),
+    ("whisper", "audio"): ("WhisperModel", "encoder"),
 }
 
 
@@ -53,7 +54,7 @@ def check_dir(directory: str, role: str = "", tokens: int = 64, seed: int = 0) -
     family = family_for(role, hf, directory)
     cfg = config_for(role, directory)
     towers = load_towers(cfg, role)
-    reference = hf_module(directory, hf)
+    reference = hf_module(directory, hf, role)
     rng = np.random.default_rng(seed)
     run = {"llm": _llm, "vision": _vision, "audio": _audio}[role]
     what, ours, theirs = run(towers, reference, cfg, family, rng, tokens)
@@ -66,7 +67,7 @@ def check_dir(directory: str, role: str = "", tokens: int = 64, seed: int = 0) -
     }
 
 
-def hf_module(directory: str, hf: dict):
+def hf_module(directory: str, hf: dict, role: str):
     """The transformers module to compare with, fp32, in eval mode."""
     try:
         import torch
@@ -74,7 +75,7 @@ def hf_module(directory: str, hf: dict):
     except ImportError:
         raise FamilyError("hf check needs torch and transformers: pip install -e '.[dev]' "
                           "(torch==2.13.0 is the CPU build)") from None  # fmt: skip
-    name, attr = HF_MODULES[hf["model_type"]]
+    name, attr = HF_MODULES[hf["model_type"], role]
     cls = getattr(transformers, name, None)
     if cls is None:  # (the Qwen2-VL vision tower is not exported at the top level)
         from transformers.models.qwen2_vl import modeling_qwen2_vl
@@ -102,14 +103,15 @@ def _llm(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int):
     ids = rng.integers(0, cfg.model.llm.vocab_size, (1, tokens))
     with torch.no_grad():
         theirs = _numpy(ref(input_ids=_torch(ids)).logits)
-    ours = _decode(towers, jnp.asarray(ids))
+    positions = np.arange(tokens)[None]
+    if any(cfg.model.llm.mrope_section):  # text alone: time, row and column all count on
+        positions = np.repeat(positions[..., None], 3, axis=-1)
+    ours = _decode(towers, jnp.asarray(ids), jnp.asarray(positions))
     return f"logits of {tokens} tokens", np.asarray(ours), theirs
 
 
 # One compiled program each (op by op, a tower compiles dozens of small ones).
-_decode = nnx.jit(
-    lambda t, ids: t.llm(t.llm.embed(ids), jnp.ones_like(ids), jnp.arange(ids.shape[1])[None])
-)
+_decode = nnx.jit(lambda t, ids, pos: t.llm(t.llm.embed(ids), jnp.ones_like(ids), pos))
 _encode_images = nnx.jit(lambda t, patches, seg, pos: t.vision(patches, seg, pos))
 _project = nnx.jit(lambda t, feats: t.vision_projector(feats))
 _encode_audio = nnx.jit(lambda t, frames, seg, pos: t.audio(frames, seg, pos))

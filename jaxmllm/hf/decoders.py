@@ -1,8 +1,10 @@
-"""Decoder families: Llama (3.x, with its rope scaling) and Qwen2 / Qwen2.5 (q/k/v biases).
+"""Decoder families: Llama (3.x, with its rope scaling), Qwen2 / Qwen2.5 (q/k/v biases), and
+the LLM of a whole Qwen2-VL checkpoint (Qwen2 with M-RoPE).
 
-Both are jaxmllm's own decoder (RMSNorm, rotate-half RoPE, GQA, SiLU-gated MLP) with options:
+All are jaxmllm's own decoder (RMSNorm, rotate-half RoPE, GQA, SiLU-gated MLP) with options:
 `norm_eps`, `head_dim`, `attn_bias` (Qwen2: qkv; Llama: qkvo with attention_bias), `mlp_bias`,
-`rope_scaling`, and tied embeddings without jaxmllm's 1/sqrt(width) logit scale.
+`rope_scaling`, `mrope_section` (Qwen2-VL), and tied embeddings without jaxmllm's
+1/sqrt(width) logit scale.
 """
 
 from __future__ import annotations
@@ -11,7 +13,12 @@ from typing import Any
 
 from jaxmllm.hf.family import Family, FamilyError, Link, dense, read, refuse_unless, reshaped, same
 
-ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
+ROPE_TYPES = {"default": "none", "mrope": "none", "linear": "linear", "llama3": "llama3"}
+CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+}
 
 
 def rope_section(hf: dict, where: str) -> tuple[float, dict]:
@@ -66,16 +73,22 @@ class Decoders(Family):
     def __init__(self, model_type: str):
         self.name = self.model_type = model_type
         self.model_types = (model_type,)
-        self.hf_class = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]
+        self.hf_class = CLASSES[model_type]
 
     def section(self, hf: dict) -> dict:
         where = f"{self.name} config.json"
+        if self.model_type == "qwen2_vl":  # the text half (top level in the hub's older files)
+            tied = hf.get("tie_word_embeddings")
+            hf = {
+                **hf.get("text_config", hf),
+                **({} if tied is None else {"tie_word_embeddings": tied}),
+            }
         act = read(hf, "hidden_act", where, "silu")
         refuse_unless(act == "silu", where, f"hidden_act {act!r}: the decoder's MLP is SiLU-gated")
         refuse_unless(
             int(hf.get("pretraining_tp", 1)) == 1, where, "pretraining_tp != 1 is not supported"
         )
-        if self.model_type == "qwen2":
+        if self.model_type != "llama":
             kinds = set(hf.get("layer_types") or ["full_attention"])
             refuse_unless(
                 not hf.get("use_sliding_window") and kinds == {"full_attention"},
@@ -88,10 +101,12 @@ class Decoders(Family):
         )
         head_dim = int(hf.get("head_dim") or width // heads)
         theta, scaling = rope_section(hf, where)
-        if self.model_type == "qwen2":
+        if self.model_type != "llama":
             bias = "qkv"
         else:
             bias = "qkvo" if hf.get("attention_bias") else ""
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        mrope = [int(x) for x in rope.get("mrope_section", [0, 0, 0])]
         return {
             "vocab_size": int(read(hf, "vocab_size", where)),
             "width": width,
@@ -109,15 +124,19 @@ class Decoders(Family):
             "mlp": "gated_silu",
             "attn_bias": bias,
             "mlp_bias": bool(hf.get("mlp_bias", False)),
+            "mrope_section": mrope,
         }
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
         llm = cfg.model.llm
-        if self.model_type == "qwen2" and llm.attn_bias != "qkv":
+        if self.model_type != "llama" and llm.attn_bias != "qkv":
             raise FamilyError(f"model.llm.attn_bias={llm.attn_bias!r}: Qwen2 has q/k/v biases")
         if self.model_type == "llama" and llm.attn_bias not in ("", "qkvo"):
             raise FamilyError(f"model.llm.attn_bias={llm.attn_bias!r}: Llama has none or all")
-        out = {k: v for k, v in (source or {}).items() if k not in ("rope_theta", "rope_scaling")}
+        source = source or {}
+        whole = source.get("text_config") is not None  # (Qwen2-VL: the text half nested)
+        base = source["text_config"] if whole else source
+        out = {k: v for k, v in base.items() if k not in ("rope_theta", "rope_scaling")}
         out.update(
             architectures=[self.hf_class],
             model_type=self.model_type,
@@ -135,6 +154,12 @@ class Decoders(Family):
         )
         if self.model_type == "llama":
             out.update(attention_bias=llm.attn_bias == "qkvo", mlp_bias=llm.mlp_bias)
+        if any(llm.mrope_section):
+            out["rope_parameters"]["mrope_section"] = list(llm.mrope_section)
+        if whole:
+            del out["architectures"]
+            out["model_type"] = source["text_config"].get("model_type", "qwen2_vl_text")
+            return {**source, "text_config": out, "tie_word_embeddings": llm.tie_embeddings}
         return out
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
@@ -177,5 +202,6 @@ class Decoders(Family):
         return links
 
     def skipped(self, name: str) -> bool:
-        # Rotary caches some older exports stored; they are recomputed from the config.
-        return name.endswith("rotary_emb.inv_freq")
+        # Rotary caches some older exports stored (recomputed from the config); a Qwen2-VL
+        # checkpoint's vision tower (its own family, --vision).
+        return name.endswith("rotary_emb.inv_freq") or name.startswith(("visual.", "model.visual."))

@@ -36,7 +36,9 @@ TOKENIZER_FILES = (
 )  # fmt: skip
 # Copied from the imported checkpoint's directory when present.
 FILES = ("generation_config.json", "preprocessor_config.json", *TOKENIZER_FILES)
-WHOLE = {"whisper"}  # families exported as the whole imported model, our module replaced
+# Families exported as the whole imported model, our module replaced: Whisper's decoder, a
+# Qwen2-VL's vision tower (replaced too when the run's vision is that tower)
+WHOLE = {("audio", "whisper"), ("llm", "qwen2_vl")}
 
 
 def export_run(run_dir: str, out: str, step: int | None = None, max_shard: int = 4 << 30):
@@ -78,19 +80,12 @@ def export_role(cfg: Config, role: str, flat: dict, directory: Path, max_shard: 
     family = family_for(role, source, source_dir) if source else family_of(cfg, role)
     ck = Checkpoint(source_dir) if has_source else None
     prefix = family.prefix(ck.names()) if ck else ""
-    whole = family.name in WHOLE
+    whole = (role, family.name) in WHOLE
     if whole and ck is None:
-        prefix = "model.encoder."
+        prefix = "model.encoder." if role == "audio" else ""
         log.warning("%s: no imported checkpoint to take the rest of the model from: the export "
-                    "holds the encoder only", role)  # fmt: skip
-    tensors: dict[str, np.ndarray] = {}
-    for link in family.links(cfg, source):
-        ours = [np.asarray(flat[p]) for p in link.ours]
-        for layer in range(link.layers) if link.layers else [None]:
-            args = ours if layer is None else [o[layer] for o in ours]
-            names = link.hf_names(layer)
-            for name, value in zip(names, link.to_hf(*args), strict=True):
-                tensors[name] = value
+                    "holds this module only", role)  # fmt: skip
+    tensors = hf_tensors(family, cfg, source, flat)
     stored = lambda name: DTYPES[ck.dtype(name)] if ck and name in ck else np.dtype(np.float32)
     out = {(prefix + n if whole else n): v.astype(stored(prefix + n)) for n, v in tensors.items()}
     for name in ck.names() if ck else []:  # what the family left alone, unchanged
@@ -99,6 +94,12 @@ def export_role(cfg: Config, role: str, flat: dict, directory: Path, max_shard: 
             whole or (name.startswith(prefix) and family.skipped(name[len(prefix) :]))
         ):
             out[name if whole else name[len(prefix) :]] = np.asarray(ck.get(name))
+    if whole and role == "llm" and cfg.model.vision.enabled and ck is not None:
+        tower = family_for("vision", source, source_dir)  # the run's own Qwen2-VL tower
+        if cfg.model.init_from.vision == source_dir:
+            at = tower.prefix(ck.names())
+            for n, v in hf_tensors(tower, cfg, source, flat).items():
+                out[at + n] = v.astype(stored(at + n))
     write_checkpoint(directory, sorted(out.items()), max_shard)
     hf_config = family.to_hf_config(cfg, source)
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
@@ -107,6 +108,17 @@ def export_role(cfg: Config, role: str, flat: dict, directory: Path, max_shard: 
             shutil.copy2(Path(source_dir) / name, directory / name)
     if role == "llm":
         _copy_tokenizer(cfg, directory)
+
+
+def hf_tensors(family: Family, cfg: Config, source: dict | None, flat: dict) -> dict:
+    """A module's HF tensors (the family's names, no checkpoint prefix) from our parameters."""
+    tensors: dict[str, np.ndarray] = {}
+    for link in family.links(cfg, source):
+        ours = [np.asarray(flat[p]) for p in link.ours]
+        for layer in range(link.layers) if link.layers else [None]:
+            args = ours if layer is None else [o[layer] for o in ours]
+            tensors.update(zip(link.hf_names(layer), link.to_hf(*args), strict=True))
+    return tensors
 
 
 def family_of(cfg: Config, role: str) -> Family:

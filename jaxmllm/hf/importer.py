@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from jaxmllm.config import Config, from_dict
+from jaxmllm.data.tokenizer import make_tokenizer
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.registry import family_for, read_hf_config
 
@@ -51,10 +52,10 @@ def model_section(llm: str, vision: str = "", audio: str = "") -> dict:
     return model
 
 
-def data_section(llm: str, vision: str = "", audio: str = "") -> dict:
-    """Our `data` keys from the checkpoints' processors: the tokenizer (the LLM's directory),
-    pixel normalisation and budgets (preprocessor_config.json), Whisper's log-mel."""
-    data: dict = {"tokenizer": str(Path(llm).resolve())}
+def data_section(llm: str, vision: str = "", audio: str = "", tokenizer: str = "") -> dict:
+    """Our `data` keys from the checkpoints' processors: the tokenizer (a directory: the LLM's
+    by default), pixel normalisation and budgets (preprocessor_config.json), Whisper's mel."""
+    data: dict = {"tokenizer": str(Path(tokenizer or llm).resolve())}
     proc = _processor(vision)
     if "image_mean" in proc and "image_std" in proc:
         data["image_mean"] = [float(x) for x in proc["image_mean"]]
@@ -89,21 +90,41 @@ DEFAULTS = {  # the sections of a config without --base: a fine-tuning starting 
 }
 
 
+def vocab_size(checkpoint: int, tokenizer: str) -> int:
+    """The checkpoint's vocabulary, grown when the tokenizer adds tokens past it (placeholders
+    for images or audio that the checkpoint had no token for: their rows start at the mean row)
+    to a multiple of 128, which the vocabulary's shards divide."""
+    root = Path(tokenizer)
+    if not ((root / "tokenizer.json").is_file() and (root / "tokenizer_config.json").is_file()):
+        print(f"note: {tokenizer} has no tokenizer.json and tokenizer_config.json; set "
+              "data.tokenizer to the checkpoint's tokenizer directory before training")  # fmt: skip
+        return checkpoint
+    need = make_tokenizer(tokenizer).vocab_size
+    return checkpoint if need <= checkpoint else -(-need // 128) * 128
+
+
 def write_config(
-    out: str | Path, llm: str, vision: str = "", audio: str = "", base: str | Path = ""
+    out: str | Path,
+    llm: str,
+    vision: str = "",
+    audio: str = "",
+    base: str | Path = "",
+    tokenizer: str = "",
 ) -> Config:
     """Writes the config YAML at `out` and returns it, checked as the trainer will load it.
 
     `base`: a config YAML (a recipe: configs/recipes/) whose keys are kept where the import
     does not set them: the import sets the modules' architecture, `model.init_from` and the
     processors' data keys; the base keeps freezing, batch, optimizer, data source and the rest.
+    `tokenizer`: the tokenizer directory when it is not the LLM's.
     """
     out = Path(out)
     raw = _read_base(base) if base else {**DEFAULTS, "train": {"output_dir": f"runs/{out.stem}"}}
     model = raw.setdefault("model", {})
     for key, value in model_section(llm, vision, audio).items():
         model[key] = {**model.get(key, {}), **value}
-    raw["data"] = {**raw.get("data", {}), **data_section(llm, vision, audio)}
+    raw["data"] = {**raw.get("data", {}), **data_section(llm, vision, audio, tokenizer)}
+    model["llm"]["vocab_size"] = vocab_size(model["llm"]["vocab_size"], raw["data"]["tokenizer"])
     if model["audio"].get("positions") == "sinusoidal":  # Whisper: clips up to its table
         raw["data"]["audio_max_frames"] = model["audio"]["max_positions"] * 2
     cfg = from_dict(Config, raw, source=str(out))  # the checks the trainer will run

@@ -14,6 +14,7 @@ from jaxmllm.hf.vision import Qwen2VLVision, Siglip
 FAMILIES: tuple[Family, ...] = (
     Decoders("llama"),
     Decoders("qwen2"),
+    Decoders("qwen2_vl"),
     Siglip(),
     Qwen2VLVision(),
     WhisperEncoder(),

@@ -13,8 +13,10 @@ import numpy as np
 from flax import nnx
 
 from jaxmllm.config import Config, InitFrom, from_dict
+from jaxmllm.hf.importer import data_section, model_section, vocab_size
 from jaxmllm.hf.load import pretrained
 from jaxmllm.hf.registry import ROLES, family_for, read_hf_config
+from jaxmllm.models import MultimodalLM
 from jaxmllm.models.audio import AudioEncoder
 from jaxmllm.models.llm import Decoder
 from jaxmllm.models.projectors import vision_projector
@@ -68,3 +70,34 @@ def load_towers(cfg: Config, role: str) -> Towers:
     zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
     nnx.replace_by_pure_dict(state, overlay(zeros, loaded))
     return nnx.merge(graphdef, state)
+
+
+def load_model(
+    llm: str, vision: str = "", audio: str = "", seed: int = 0
+) -> tuple[Config, MultimodalLM]:
+    """A whole MultimodalLM from HF directories, on one device, fp32, dense attention (what
+    generation from `--hf` runs): the config `hf import` would write, the checkpoints' weights,
+    and a module no checkpoint has (a projector) from the random init of `seed`. A whole
+    Qwen2-VL is `llm` and `vision` both."""
+    model = model_section(llm, vision, audio)
+    data = data_section(llm, vision, audio)
+    model["llm"]["vocab_size"] = vocab_size(model["llm"]["vocab_size"], data["tokenizer"])
+    model["attention"] = "dense"
+    batch = {"planner": "first_fit", "route_pair_capacity": 0, "attention_block": 1}
+    if model["audio"].get("positions") == "sinusoidal":
+        data["audio_max_frames"] = model["audio"]["max_positions"] * 2
+    cfg = from_dict(Config, {"model": model, "batch": batch, "data": data}, source=llm)
+    abstract = nnx.eval_shape(lambda: MultimodalLM(cfg.model, cfg.batch, rngs=nnx.Rngs(seed)))
+    graphdef, state = nnx.split(abstract)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nnx.to_pure_dict(state)
+    )
+
+    def init(given):  # (under jit the random init of what `given` replaces is never computed)
+        fresh = nnx.state(MultimodalLM(cfg.model, cfg.batch, rngs=nnx.Rngs(seed)))
+        return overlay(nnx.to_pure_dict(fresh), given)
+
+    pure = jax.jit(init, donate_argnums=0)(pretrained(cfg, shapes))
+    nnx.replace_by_pure_dict(state, pure)
+    return cfg, nnx.merge(graphdef, state)

@@ -106,12 +106,14 @@ class Attention(nnx.Module):
         rope: str = "1d",
         rope_theta: float = 10000.0,
         rope_scaling: Any = None,
+        rope_sections: tuple[int, ...] = (),
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
         """`head_dim` 0 = width / heads; `bias`: which of the q, k, v, o projections have one;
-        `rope`: 1d | 2d | none (positions enter elsewhere); `rope_scaling` as `rope_frequencies`."""
+        `rope`: 1d | 2d | mrope (`rope_sections`) | none (positions enter elsewhere);
+        `rope_scaling` as `rope_frequencies`."""
         assert heads % kv_heads == 0, (heads, kv_heads)
         head_dim = head_dim or width // heads
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -128,6 +130,7 @@ class Attention(nnx.Module):
         self.rope = rope
         self.rope_theta = rope_theta
         self.rope_scaling = rope_scaling
+        self.rope_sections = tuple(rope_sections)
         self.dtype = dtype
 
     def __call__(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> jax.Array:
@@ -165,5 +168,8 @@ class Attention(nnx.Module):
         Returns:
           q [B, T, heads, head_dim], k and v [B, T, kv_heads, head_dim].
         """
-        rotate = lambda x: ROPE[self.rope](x, positions, self.rope_theta, self.rope_scaling)
+        extra = {"sections": self.rope_sections} if self.rope == "mrope" else {}
+        rotate = lambda x: ROPE[self.rope](
+            x, positions, self.rope_theta, self.rope_scaling, **extra
+        )
         return rotate(self.query(x_btd)), rotate(self.key(x_btd)), self.value(x_btd)

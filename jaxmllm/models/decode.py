@@ -9,10 +9,11 @@ row, writes its keys and values at the row's next index and attends over the cac
 step are each one compiled program whatever the prompts, as long as (B, P, S) and the encoder
 buckets stay.
 
-Row b's tokens sit at cache indices 0, 1, ... (right padding), so a token's cache index is its
-position: a query attends to the keys at indices up to its own. Padding queries of a short
-prompt write garbage keys past the prompt; the row's generated tokens overwrite them before any
-query can reach them.
+Row b's tokens sit at cache indices 0, 1, ... (right padding): a query attends to the keys at
+indices up to its own. Rotary positions are the batch's own (`llm_positions`: the index, or
+M-RoPE's (time, row, column)), and a generated token's is given with it (`step`). Padding
+queries of a short prompt write garbage keys past the prompt; the row's generated tokens
+overwrite them before any query can reach them.
 
 The block's own sub-modules do the work (`attn_norm`, `attn.project`, `attn.out`, `mlp_norm`,
 `mlp`), so a cached key is exactly the key training computes; attention over the cache is the
@@ -77,19 +78,29 @@ def prefill(model: MultimodalLM, mb: dict[str, jax.Array], length: int) -> tuple
 
 
 def step(
-    model: MultimodalLM, tokens_b: jax.Array, index_b: jax.Array, cache: Cache
+    model: MultimodalLM,
+    tokens_b: jax.Array,
+    index_b: jax.Array,
+    cache: Cache,
+    positions_b: jax.Array | None = None,
 ) -> tuple[jax.Array, Cache]:
-    """One new token per row at cache index (= position) `index_b`: its logits, the cache.
+    """One new token per row at cache index `index_b`: its logits, the cache.
 
     Args:
       tokens_b: the token each row appends [B].
       index_b: where it goes in each row [B] (the row's tokens so far).
+      positions_b: its rotary position [B]; default its index. With M-RoPE (Qwen2-VL) text
+        after an image counts on from the image's position plus its grid's longer side, so a
+        row's positions run ahead of (or behind) its indices by a fixed delta; a generated
+        token takes the same position in time, row and column.
 
     Returns:
       (logits [B, vocab] float32 for the token after it, the cache with its keys and values).
     """
     x_b1w = model.llm.embed(tokens_b[:, None])
-    positions_b1 = index_b[:, None]
+    positions_b1 = (index_b if positions_b is None else positions_b)[:, None]
+    if model.llm.transformer.blocks.attn.rope == "mrope":
+        positions_b1 = jnp.repeat(positions_b1[..., None], 3, axis=-1)  # [B, 1, 3]
     h_b1w, cache = _decode(model, x_b1w, positions_b1, index_b, cache)
     return model.llm.logits(h_b1w)[:, 0], cache
 
@@ -98,7 +109,8 @@ def _decode(
     model: MultimodalLM, x_btw: jax.Array, positions_bt: jax.Array, start_b: jax.Array, cache: Cache
 ) -> tuple[jax.Array, Cache]:
     """The decoder's scanned block over T new tokens per row written at cache indices
-    start_b, start_b + 1, ...; returns the final hidden states [B, T, width] and the cache."""
+    start_b, start_b + 1, ... (rotary positions [B, T], or [B, T, 3] with M-RoPE); returns
+    the final hidden states [B, T, width] and the cache."""
     transformer = model.llm.transformer
     graphdef, stacked = nnx.split(transformer.blocks)
     t, s = x_btw.shape[1], cache.length

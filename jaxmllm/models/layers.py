@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 import sharding
+from jaxmllm.models.vocab import lookup, vocab_axes
 
 Axes = tuple[str | None, ...]
 
@@ -92,18 +93,23 @@ class Embed(nnx.Module):
         vocab_size: int,
         width: int,
         *,
+        vocab_parallel: bool = False,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
         # Unit-scale rows, like the encoders' projector outputs that replace some of them.
-        self.embedding = normal_param(
-            rngs, (vocab_size, width), 1.0, ("vocab", "embed"), param_dtype
-        )
+        # Vocab-parallel: stored split by rows as it is used (a reshard would gather it).
+        axes = ("vocab_split", None) if vocab_parallel else ("vocab", "embed")
+        self.embedding = normal_param(rngs, (vocab_size, width), 1.0, axes, param_dtype)
         self.dtype = dtype
+        self.vocab_parallel = vocab_parallel
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         table = self.embedding[...]
+        axes = vocab_axes(table.shape[0], ids.shape[0]) if self.vocab_parallel else ()
+        if axes:  # rows split by vocabulary: no device ever holds the whole table
+            return lookup(table, ids, axes, self.dtype)
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and "fsdp" in mesh.axis_names:
             # FSDP: gather the table's `embed` shards for the lookup (its gradient then
@@ -143,21 +149,12 @@ class RMSNorm(nnx.Module):
         return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
-class LayerNorm(nnx.Module):
+class LayerNorm(RMSNorm):
     """Layer norm (centred, scaled, shifted) with a learned scale and bias, computed in fp32."""
 
-    def __init__(
-        self,
-        width: int,
-        *,
-        eps: float = NORM_EPS,
-        dtype: jnp.dtype = jnp.float32,
-        param_dtype: jnp.dtype = jnp.float32,
-    ):
-        self.scale = nnx.Param(jnp.ones((width,), param_dtype), axes=("embed",))
-        self.bias = nnx.Param(jnp.zeros((width,), param_dtype), axes=("embed",))
-        self.eps = eps
-        self.dtype = dtype
+    def __init__(self, width: int, **kw):
+        super().__init__(width, **kw)
+        self.bias = nnx.Param(jnp.zeros_like(self.scale[...]), axes=("embed",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
@@ -242,12 +239,31 @@ def rope_2d(
     return jnp.concatenate([rows, cols], axis=-1)
 
 
+def rope_multi(
+    x_bthe: jax.Array,
+    positions_bt3: jax.Array,
+    theta: float,
+    scaling: Any = None,
+    sections: tuple[int, ...] = (),
+) -> jax.Array:
+    """Multimodal rotary (Qwen2-VL's M-RoPE): rotate-half rotary whose frequencies, in order,
+    fall into `sections` turned by the (time, row, column) positions [..., T, 3]; with three
+    equal positions it is `rope_1d`."""
+    freqs = jnp.asarray(rope_frequencies(x_bthe.shape[-1], theta, scaling), jnp.float32)
+    axis = np.repeat(np.arange(len(sections)), sections)  # which position turns frequency k
+    angles = positions_bt3.astype(jnp.float32)[..., axis][..., None, :] * freqs  # [..., T, 1, half]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_bthe.dtype)
+
+
 def no_rope(x_bthe: jax.Array, positions: jax.Array, theta: float, scaling: Any = None):
     """Positions enter elsewhere (learned or sinusoidal tables at the tower's input)."""
     return x_bthe
 
 
-ROPE = {"1d": rope_1d, "2d": rope_2d, "none": no_rope}
+ROPE = {"1d": rope_1d, "2d": rope_2d, "none": no_rope, "mrope": rope_multi}
 
 
 # ----------------------------------------------------------------------------- MLPs

@@ -16,6 +16,7 @@ from jaxmllm.config import LLMConfig
 from jaxmllm.models.attention import packing
 from jaxmllm.models.layers import Dense, Embed
 from jaxmllm.models.transformer import BlockSpec, Transformer
+from jaxmllm.models.vocab import losses, vocab_axes
 
 
 class Decoder(nnx.Module):
@@ -42,13 +43,14 @@ class Decoder(nnx.Module):
         self.attention, self.block = attention, block  # model.attention, batch.attention_block
         self.documents = documents  # batch.*_documents (cudnn attention)
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.embed = Embed(cfg.vocab_size, cfg.width, **kw)
+        self.embed = Embed(cfg.vocab_size, cfg.width, vocab_parallel=cfg.vocab_parallel, **kw)
         spec = BlockSpec.of(
             cfg,
             kv_heads=cfg.kv_heads,  # grouped-query attention
-            rope="1d",
+            rope="mrope" if any(cfg.mrope_section) else "1d",
             head_dim=cfg.head_dim,
             rope_scaling=cfg.rope_scaling,
+            rope_sections=tuple(cfg.mrope_section),
         )
         self.transformer = Transformer(
             cfg.depth, spec, remat=remat, remat_policy=remat_policy, **kw
@@ -56,11 +58,18 @@ class Decoder(nnx.Module):
         self.lm_head = (
             None
             if cfg.tie_embeddings
-            else Dense(cfg.width, cfg.vocab_size, ("embed", "vocab"), out_dtype=jnp.float32, **kw)
+            else Dense(
+                cfg.width,
+                cfg.vocab_size,
+                (None, "vocab_split") if cfg.vocab_parallel else ("embed", "vocab"),
+                out_dtype=jnp.float32,
+                **kw,
+            )
         )
         # Unit-scale rows give unit-scale logits over sqrt(width) (jaxmllm's init).
         self.tied_divisor = math.sqrt(cfg.width) if cfg.tied_logits_scaled else 1.0
         self.logits_chunk = cfg.logits_chunk
+        self.vocab_parallel = cfg.vocab_parallel
 
     def __call__(
         self,
@@ -84,7 +93,8 @@ class Decoder(nnx.Module):
         Args:
           x_btd: input embeddings [B, T, width].
           segment_ids_bt: which sample each token belongs to, 0 for padding [B, T].
-          positions_bt: position within the sample, for RoPE [B, T].
+          positions_bt: position within the sample, for RoPE [B, T] ([B, T, 3]: time, row,
+            column for M-RoPE, `model.llm.mrope_section`).
           tiles_bk2: block-sparse attention's tiles [B, K, 2] (a device's rows are then one
             row B of all their tokens: tiles never pair blocks of two rows).
 
@@ -100,6 +110,13 @@ class Decoder(nnx.Module):
             documents=self.documents,
         )
         return self.transformer(x_btd, pack, positions_bt)
+
+    def head(self) -> tuple[jax.Array, bool, float]:
+        """The output projection (weight, rows_first, divisor): the tied table [vocab, width]
+        or the head kernel [width, vocab]; logits = h . weight / divisor."""
+        if self.lm_head is None:
+            return self.embed.embedding[...], True, self.tied_divisor
+        return self.lm_head.kernel[...], False, 1.0
 
     def logits(self, h_btd: jax.Array) -> jax.Array:
         """Float32 logits of final hidden states: the output projection, or the tied table."""
@@ -145,5 +162,11 @@ def chunked_token_losses(
         return total + jnp.sum(loss * mask_dc.astype(jnp.float32)), None
 
     xs = (slices(h_dnw), slices(targets_dn), slices(loss_mask_dn))
+    count = jnp.sum(loss_mask_dn.astype(jnp.float32))
+    weight, rows_first, divisor = decoder.head()
+    size = weight.shape[0] if rows_first else weight.shape[1]
+    axes = vocab_axes(size, d) if decoder.vocab_parallel else ()
+    if axes:  # the projection split by vocabulary rows (jaxmllm.models.vocab)
+        return losses(weight, rows_first, divisor, xs, axes), count
     total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), xs)
-    return total, jnp.sum(loss_mask_dn.astype(jnp.float32))
+    return total, count

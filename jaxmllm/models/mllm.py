@@ -96,7 +96,7 @@ class MultimodalLM(nnx.Module):
         h = self.llm.hidden(
             x_drlw.reshape(rows, -1, width),
             mb["llm_segment_ids"].reshape(rows, -1),
-            mb["llm_positions"].reshape(rows, -1),
+            mb["llm_positions"].reshape(rows, -1, *mb["llm_positions"].shape[3:]),
             mb.get("llm_tiles"),
         )
         return h.reshape(d, r, length, width)

@@ -35,6 +35,7 @@ class BlockSpec:
     rope: str = "1d"  # layers.ROPE: 1d | 2d | none
     rope_theta: float = 10000.0
     rope_scaling: Any = None  # config.model.RopeScaling, or None
+    rope_sections: tuple[int, ...] = ()  # mrope: frequencies turned by time, row, column
 
     @classmethod
     def of(cls, cfg: Any, *, kv_heads: int | None = None, rope: str, **extra) -> BlockSpec:
@@ -80,6 +81,7 @@ class Block(nnx.Module):
             rope=spec.rope,
             rope_theta=spec.rope_theta,
             rope_scaling=spec.rope_scaling,
+            rope_sections=spec.rope_sections,
             rngs=rngs,
             **kw,
         )
