@@ -63,6 +63,12 @@ class Config:
         )
         if self.model.attention == "block_sparse":
             self._check_blocks()
+        check(
+            self.data.eval.source != "synthetic" or self.data.source == "synthetic",
+            "synthetic (a held-out share of the built-in data) needs data.source: synthetic; "
+            "set data.eval.source: none, or jsonl / arrayrecord with a held-out data.eval.path",
+            "data.eval.source",
+        )
 
     def _check_blocks(self) -> None:
         """Block-sparse attention cuts every packed row into blocks of batch.attention_block."""

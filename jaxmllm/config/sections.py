@@ -90,6 +90,36 @@ class SyntheticConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """A fixed held-out set, evaluated every train.eval_every steps and at the last step: loss
+    and token accuracy per modality mix, and greedy answers to its first questions."""
+
+    # none | synthetic (the built-in source's samples num_samples, num_samples + 1, ...: made
+    # like the training samples, never in the training index) | jsonl | arrayrecord (a file
+    # with its own lengths index, as data.path)
+    source: str = "none"
+    path: str = ""  # the eval manifest or .array_record file (jsonl / arrayrecord)
+    index_dir: str = ""  # its lengths index; "" = <path>.index
+    samples: int = 256  # the eval set: the source's first this many samples (0: all)
+    questions: int = 8  # eval samples with a prompt answered greedily and logged; 0 = none
+    max_new_tokens: int = 48  # the longest answer generated
+
+    def __post_init__(self):
+        check(self.source in ("none", *DATA_SOURCES), f"must be none or one of "
+              f"{sorted(DATA_SOURCES)}", "source")  # fmt: skip
+        check(
+            self.source in ("none", "synthetic") or bool(self.path),
+            f"source {self.source} needs data.eval.path (the manifest or .array_record file)",
+            "path",
+        )
+        check(self.samples >= 0, "must be >= 0 (0: the whole source)", "samples")
+        check(self.questions >= 0, "must be >= 0", "questions")
+        check(self.max_new_tokens >= 1, "must be >= 1", "max_new_tokens")
+        check(self.source != "synthetic" or self.samples > 0, "a synthetic eval set needs its "
+              "size (> 0)", "samples")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Where samples come from, how they are preprocessed, and what happens to bad input."""
 
@@ -124,6 +154,7 @@ class DataConfig:
     workers: int = 0  # preprocessing worker processes; 0 = in the training process
     seed: int = 0  # shuffling and generation seed
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (none by default)
 
     def __post_init__(self):
         check(self.source in DATA_SOURCES, f"must be one of {sorted(DATA_SOURCES)}", "source")
@@ -191,9 +222,13 @@ class TrainConfig:
     ledger: bool = False  # write the sample ids of every step to <output_dir>/ledger/ (audits)
     record_timings: bool = True  # each step's time and work to timings.jsonl (calibration)
     cost_file: str = ""  # calibrated cost model (data.cost --calibrate): predicted step time
+    # Evaluate on data.eval every N steps and at the last step (0: at the last step only);
+    # nothing without data.eval.source
+    eval_every: int = 0
 
     def __post_init__(self):
         positive(self, "steps", "log_every", "checkpoint_every", "keep_checkpoints")
+        check(self.eval_every >= 0, "must be >= 0 (0: at the last step only)", "eval_every")
         check(self.max_nonfinite_steps >= 0, "must be >= 0 (0 = never stop)", "max_nonfinite_steps")
 
 

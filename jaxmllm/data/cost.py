@@ -249,8 +249,9 @@ def _number(v: Any) -> bool:
 
 
 def _excluded(row: dict) -> bool:
-    """A step whose time holds more than its work: compilation, or a checkpoint save."""
-    return bool(row.get("compile")) or bool(row.get("checkpoint"))
+    """A step whose time holds more than its work: compilation, a checkpoint save, or an
+    evaluation after it."""
+    return any(bool(row.get(k)) for k in ("compile", "checkpoint", "eval"))
 
 
 # ----------------------------------------------------------------------------- fitting

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError
-from jaxmllm.data.audio import chunk_lengths, clip_frames, load_audio
-from jaxmllm.data.image import image_grid, load_image
+from jaxmllm.data.audio import chunk_lengths, clip_frames, load_audio, read_info
+from jaxmllm.data.image import image_grid, load_image, read_size
 from jaxmllm.data.records import Record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Sample
@@ -147,14 +147,26 @@ class Preprocessor:
         budget = limits.max_pixels or p.image_max_pixels
         return image_grid(h, w, p.patch_size, p.merge, min(p.image_min_pixels, budget), budget)
 
+    def sizes(self, record: Record) -> Sizes:
+        """The media sizes of a record, read from the files' headers (nothing is decoded);
+        raises RecordError for a file over the bomb caps or one that does not open."""
+        p = self.p
+        return Sizes(
+            images=[read_size(src, record.id, p.max_image_pixels) for src in record.images],
+            audio=[read_info(src, record.id, p.max_audio_seconds) for src in record.audio],
+        )
+
     def clip_chunks(self, samples: int, rate: int) -> list[int]:
         p = self.p
         frames = clip_frames(samples, rate, p.audio_sample_rate, p.subsample)
         return chunk_lengths(frames, p.audio_max_frames)
 
-    def layout(self, record: Record, sizes: Sizes, limits: Limits = Limits()) -> Layout:
-        """The token sequence and encoder items of `record`, cut where `limits` say."""
-        pieces = self.tokenizer.pieces(record)
+    def layout(
+        self, record: Record, sizes: Sizes, limits: Limits = Limits(), generation: bool = False
+    ) -> Layout:
+        """The token sequence and encoder items of `record`, cut where `limits` say;
+        `generation`: the prompt that generation continues (the tokenizer's `pieces`)."""
+        pieces = self.tokenizer.pieces(record, generation)
         merge_area = self.p.merge**2
         budget = _Budget(limits)
         ops: list[tuple] = []
@@ -187,14 +199,15 @@ class Preprocessor:
         limits: Limits,
         keep_images=None,
         keep_audio=None,
+        generation: bool = False,
     ) -> Sample:
         """Decodes the media and builds the Sample; checks the media against `sizes`.
 
         `keep_images` / `keep_audio`: numbers of the images / clip chunks (the Sample's audio
         items) to decode; the others are None, their tokens laid out from `sizes` (another host
-        encodes them). None = all.
+        encodes them). None = all. `generation`: the record as a prompt to generate from.
         """
-        lay = self.layout(record, sizes, limits)
+        lay = self.layout(record, sizes, limits, generation)
         p, special = self.p, self.tokenizer.specials
         tokens, loss, images, audio = [], [], [], []
         clips: dict[int, list[np.ndarray]] = {}

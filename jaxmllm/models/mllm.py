@@ -88,6 +88,22 @@ class MultimodalLM(nnx.Module):
 
     def hidden(self, mb: dict[str, jax.Array]) -> jax.Array:
         """The decoder's final hidden states [D, R, L, width] for one microbatch."""
+        x_drlw = self.inputs(mb)
+        d, r, length, width = x_drlw.shape
+        # Block-sparse attention takes a device's rows as one row (its tiles say which blocks
+        # meet); the others attend within each row.
+        rows = d if self.llm.attention == "block_sparse" else d * r
+        h = self.llm.hidden(
+            x_drlw.reshape(rows, -1, width),
+            mb["llm_segment_ids"].reshape(rows, -1),
+            mb["llm_positions"].reshape(rows, -1, *mb["llm_positions"].shape[3:]),
+            mb.get("llm_tiles"),
+        )
+        return h.reshape(d, r, length, width)
+
+    def inputs(self, mb: dict[str, jax.Array]) -> jax.Array:
+        """The decoder's input embeddings [D, R, L, width]: token embeddings, the placeholder
+        slots filled with the projected encoder rows (what KV-cache decoding prefills too)."""
         # The table is sharded on `embed`; pin the lookup to the batch layout so XLA does not
         # carry the table's layout into the activations (a full rematerialisation otherwise).
         x_drlw = shard_like_batch(self.llm.embed(mb["llm_tokens"]))
@@ -115,17 +131,7 @@ class MultimodalLM(nnx.Module):
         )
         for buffer, (_, phase) in zip(buffers, phases, strict=True):
             x_drlw = fill_slots(x_drlw, buffer, mb[f"llm_{phase}_src"])
-        d, r, length, width = x_drlw.shape
-        # Block-sparse attention takes a device's rows as one row (its tiles say which blocks
-        # meet); the others attend within each row.
-        rows = d if self.llm.attention == "block_sparse" else d * r
-        h = self.llm.hidden(
-            x_drlw.reshape(rows, -1, width),
-            mb["llm_segment_ids"].reshape(rows, -1),
-            mb["llm_positions"].reshape(rows, -1, *mb["llm_positions"].shape[3:]),
-            mb.get("llm_tiles"),
-        )
-        return h.reshape(d, r, length, width)
+        return x_drlw
 
     def _route(
         self, rows: list[jax.Array], sends: list[jax.Array | None], counts: list
