@@ -49,6 +49,25 @@ class Config:
         )
         if self.model.attention == "block_sparse":
             self._check_blocks()
+        if self.mesh.context > 1:
+            self._check_context()
+
+    def _check_context(self) -> None:
+        """Context parallelism deals a row's query blocks of block-sparse attention to the
+        ranks, and plans its LLM rows per group: the one planner that does is orchestrated."""
+        check(
+            self.model.attention == "block_sparse",
+            f"must be block_sparse with mesh.context={self.mesh.context} (the context ranks "
+            "attend over the tiles of the query blocks dealt to them), or set mesh.context: 1",
+            "model.attention",
+        )
+        check(
+            self.batch.planner == "orchestrated",
+            f"must be orchestrated with mesh.context={self.mesh.context} (it plans LLM rows per "
+            "context group and routes encoder rows to the rank holding each placeholder), or "
+            "set mesh.context: 1",
+            "batch.planner",
+        )
 
     def _check_blocks(self) -> None:
         """Block-sparse attention cuts every packed row into blocks of batch.attention_block."""

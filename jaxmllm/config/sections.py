@@ -17,8 +17,19 @@ class MeshConfig:
 
     data: int = -1  # pure data parallelism (replicated params); slowest axis, spans hosts
     fsdp: int = 1  # data parallelism with params/optimizer state sharded over this axis
+    # Context parallelism: an LLM row is split over this many devices (a context group, inside
+    # a host), batch.llm_row_len tokens each, keys and values gathered over the group; the
+    # encoders see its devices as more data-parallel ones. 1 = off.
+    context: int = 1
     tensor: int = 1  # tensor parallelism (heads, MLP width, vocab); fastest axis
     cpu_devices: int = 0  # split CPU-only hosts into this many devices, all processes; 0 = as is
+
+    def __post_init__(self):
+        check(
+            isinstance(self.context, int) and self.context >= 1,
+            "must be >= 1 (the devices one LLM row is split over; 1 = no context parallelism)",
+            "context",
+        )
 
 
 @dataclass(frozen=True)
