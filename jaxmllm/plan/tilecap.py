@@ -22,14 +22,16 @@ PHASES = ("llm", "vision", "audio")
 
 
 class TileBudget:
-    """Exact tiles per device and phase of one microbatch (`used`), and their capacities."""
+    """Exact tiles per bucket and phase of one microbatch (`used`), and their capacities (an
+    LLM bucket is a device, or a context group: `contract.bucket_tile_caps`)."""
 
-    def __init__(self, caps: Capacities):
+    def __init__(self, caps: Capacities, tile_caps: dict[str, int] | None = None):
         self.block = caps.block
-        self.caps = caps.tile_caps()
+        self.caps = caps.tile_caps() if tile_caps is None else tile_caps
         self.subsample = caps.subsample
         self.llm_rows = caps.llm_rows
         self.used = {p: np.zeros(caps.devices, np.int64) for p in PHASES}
+        self.used["llm"] = np.zeros(caps.llm_buckets, np.int64)
 
     def admit(
         self,
