@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec
 
 from jaxmllm.config import BatchConfig, ModelConfig
 from jaxmllm.models.audio import AudioEncoder
+from jaxmllm.models.context import gather_rows
 from jaxmllm.models.layers import Axes
 from jaxmllm.models.llm import Decoder
 from jaxmllm.models.projectors import AudioProjector, VisionProjector
@@ -101,6 +102,7 @@ class MultimodalLM(nnx.Module):
             [mb.get(f"{p}_send") for _, p in phases],
             [mb.get(f"{p}_send_count") for _, p in phases],
         )
+        buffers = [gather_rows(b) for b in buffers]  # (a context group's slots read its rows)
         for buffer, (_, phase) in zip(buffers, phases, strict=True):
             x_drlw = fill_slots(x_drlw, buffer, mb[f"llm_{phase}_src"])
         d, r, length, width = x_drlw.shape
