@@ -146,7 +146,7 @@ def _blocked(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, block):
     q_b = q_the.reshape(t // block, block, kv, heads // kv, e)
     k_b = k_ske.reshape(-1, block, kv, e)
     v_b = v_ske.reshape(-1, block, kv, e)
-    blocks = lambda x: x.reshape(-1, block)
+    blocks = lambda x: jnp.asarray(x).reshape(-1, block)
     return q_b, k_b, v_b, blocks(seg_q), blocks(seg_k), blocks(pos_q), blocks(pos_k)
 
 
