@@ -190,7 +190,7 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
         if steps < cfg.train.steps:
             need = {p: math.ceil(n * (1 + DRY_RUN_HEADROOM)) for p, n in need.items()}
     # Documents the dry run did not meet fit too, wherever in a block they start.
-    least = device_tile_caps(index, caps, largest_doc_tiles(index, caps))
+    least = device_tile_caps(caps, largest_doc_tiles(index, caps))
     need = {p: max(n, least[p]) for p, n in need.items()}
     return {key: max(need[key.removesuffix("_tiles")], 1) for key in keys}
 

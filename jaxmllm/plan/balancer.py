@@ -111,7 +111,7 @@ class Balancer:
         left = work.sum(1)  # work of the pool not yet taken
         micros = []
         for m in range(caps.microbatches):
-            mb = Micro(caps, self.phases.cost, self.phases.tile_caps)
+            mb = Micro(caps, self.phases.cost)
             # Across microbatches first: each gets at most an equal share of what is left.
             share = left / (caps.microbatches - m)
             sel = self.selector.select(work, taken, share, urgent=urgent)

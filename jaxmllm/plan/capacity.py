@@ -321,7 +321,7 @@ def held_tiles(
             p: max(least[p], min(n, most[p], math.ceil(mean[p] * (1 + headroom)))) if n else 0
             for p, n in suggest_tiles(index, caps, headroom, density).items()
         }
-        return device_tile_caps(index, caps, bucket)
+        return device_tile_caps(caps, bucket)
 
     if make is None or weights is None:
         return at(TILE_HEADROOM)

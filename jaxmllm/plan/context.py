@@ -10,10 +10,11 @@ tiles:
 
 - `deal` (ours): blocks by tiles, largest first, in rounds of C blocks, the largest of a round
   to the least-loaded rank (every rank one block a round: equal counts), then swaps of a block
-  of the most loaded rank for a lighter one of another rank while that lowers the most. After
-  the rounds no rank is more than the largest round's spread above another, so no rank holds
-  more than the group's mean plus the most tiles one block has (`contract.llm_deal_slack`); a
-  swap never raises the most.
+  of the most loaded rank for a lighter one of another rank while that lowers the most. A
+  round never widens the ranks' spread past its own (its blocks' largest minus smallest): the
+  rank it gives the most was the least loaded. A group's blocks step down by at most one tile
+  (`contract.llm_deal_slack`), so no rank ends more than C tiles above another, nor above the
+  group's mean plus C; a swap never raises the most.
 - `uniform`: each row cut into C contiguous chunks (the plain sequence split);
 - `zigzag`: each row cut into 2C chunks, rank c taking chunks c and 2C - 1 - c (MaxText's
   load-balanced reorder of one causal sequence; it ignores packed documents).

@@ -178,7 +178,7 @@ def check_tiles_fit(index: LengthsIndex, caps: Capacities) -> None:
         return
     b = caps.block
     docs = documents(index, caps)
-    for phase, cap in bucket_tile_caps(index, caps).items():
+    for phase, cap in bucket_tile_caps(caps).items():
         sizes, causal, _ = docs[phase]
         if not caps.tile_caps()[phase] or not len(sizes):
             continue
@@ -186,7 +186,7 @@ def check_tiles_fit(index: LengthsIndex, caps: Capacities) -> None:
         if need.max() > cap:
             least = int(need.max())
             if phase == "llm" and caps.context > 1:  # (a rank's share, and the dealing's slack)
-                least = -(-least // caps.context) + llm_deal_slack(index, caps)
+                least = -(-least // caps.context) + llm_deal_slack(caps)
             raise OversizeError(
                 f"a {phase} document of {int(sizes[np.argmax(need)])} units needs "
                 f"{int(need.max())} attention tiles of {b}, more than batch.{phase}_tiles="
@@ -195,37 +195,36 @@ def check_tiles_fit(index: LengthsIndex, caps: Capacities) -> None:
             )
 
 
-def llm_deal_slack(index: LengthsIndex, caps: Capacities) -> int:
-    """With context groups, the most tiles one LLM query block can need: the blocks the longest
-    document spans (one more than its size in blocks where it starts inside a block), at most
-    a group row's blocks. Dealing a group's query blocks to its ranks keeps every rank within
-    the group's mean plus this (`jaxmllm.plan.context.deal`). 0 without context groups."""
-    if caps.context == 1 or not caps.block:
-        return 0
-    llm = index.llm_tokens(caps.merge_area, caps.subsample)
-    longest = int(llm.max(initial=1))
-    return min(caps.llm_bin_len // caps.block, (longest - 1) // caps.block + 2)
+def llm_deal_slack(caps: Capacities) -> int:
+    """With context groups, how far above the group's mean tiles dealing its query blocks may
+    leave a rank: `context` (0 without groups). A block's tiles are the blocks of its document
+    up to it (a block two documents share adds no tile), so a group's blocks hold every count
+    from 2 to its longest document's blocks: sorted, they step by at most 1 (2 at the bottom,
+    from 2 to 0), a round of `context` of them spans at most `context`, and dealing a round's
+    largest to the least-loaded rank never widens the ranks' spread past a round's
+    (`jaxmllm.plan.context.deal`): no rank ends more than `context` above another."""
+    return caps.context if caps.context > 1 and caps.block else 0
 
 
-def device_tile_caps(index: LengthsIndex, caps: Capacities, bucket: dict[str, int]) -> dict:
+def device_tile_caps(caps: Capacities, bucket: dict[str, int]) -> dict:
     """The inverse of `bucket_tile_caps`: per phase the `*_tiles` capacities whose buckets
     hold `bucket` tiles (with context groups, an LLM group's share per device plus the slack
     of dealing; the same values without)."""
     out = dict(bucket)
     if caps.context > 1 and out.get("llm"):
-        out["llm"] = -(-out["llm"] // caps.context) + llm_deal_slack(index, caps)
+        out["llm"] = -(-out["llm"] // caps.context) + llm_deal_slack(caps)
     return out
 
 
-def bucket_tile_caps(index: LengthsIndex, caps: Capacities) -> dict[str, int]:
+def bucket_tile_caps(caps: Capacities) -> dict[str, int]:
     """Per phase, the tiles one bucket may need (0 = no bound): `caps.tile_caps()`, but with
     context groups the LLM bucket is a group, whose ranks each compute `llm_tiles`: the group
     holds context x (llm_tiles - `llm_deal_slack`), so that its blocks dealt to the ranks
-    keep every rank within llm_tiles (at least 1 where llm_tiles bounds: a capacity below the
-    slack holds nothing, and `check_tiles_fit` says so)."""
+    keep every rank within llm_tiles (at least 1 where llm_tiles bounds: a capacity within
+    the slack holds nothing, and `check_tiles_fit` says so)."""
     out = caps.tile_caps()
     if caps.context > 1 and out["llm"]:
-        out["llm"] = max(caps.context * (out["llm"] - llm_deal_slack(index, caps)), 1)
+        out["llm"] = max(caps.context * (out["llm"] - llm_deal_slack(caps)), 1)
     return out
 
 
@@ -277,7 +276,7 @@ def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
                 f"route_pair_capacity={caps.route_pair_capacity}"
             )
     if caps.block:
-        caps_by_phase = bucket_tile_caps(index, caps)
+        caps_by_phase = bucket_tile_caps(caps)
         for p, need in step_tiles(plan, index, caps).items():
             cap = caps_by_phase[p] if caps.tile_caps()[p] else 0
             if cap and need.max(initial=0) > cap:

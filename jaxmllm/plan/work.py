@@ -49,14 +49,14 @@ class Phases:
         # fit as well as their tokens, instead of one the tile capacity then turns away.
         self.sel_work, self.sel_cap = self.work, self.cap_vec
         # per bucket (an LLM bucket may be a context group of caps.context devices)
-        self.tile_caps = bucket_tile_caps(index, caps) if caps.block else caps.tile_caps()
+        bucket_caps = bucket_tile_caps(caps)
         tile_caps = caps.tile_caps()
         if caps.block and any(tile_caps.values()):
             self.tile_phases = [p for p in ("llm", *ENC) if tile_caps[p]]
             cols, caps_t = [], []
             for p in self.tile_phases:
                 cols.append(np.rint(TILE_SCALE * self._expected(index, p)).astype(np.int64))
-                per_device = self.tile_caps[p] / (caps.context if p == "llm" else 1)
+                per_device = bucket_caps[p] / (caps.context if p == "llm" else 1)
                 caps_t.append(round(TILE_SCALE * per_device))
             self.sel_work = np.concatenate([self.work, np.stack(cols, 1)], 1)
             self.sel_cap = np.concatenate([self.cap_vec, np.array(caps_t, np.int64)])
@@ -88,20 +88,14 @@ class Phases:
 class Micro:
     """Bucket loads and placements of one microbatch while it is being filled."""
 
-    def __init__(
-        self,
-        caps: Capacities,
-        cost: dict[str, Cost] | None = None,
-        tile_caps: dict[str, int] | None = None,
-    ):
+    def __init__(self, caps: Capacities, cost: dict[str, Cost] | None = None):
         cost = cost or {p: quad_cost for p in ("llm", *ENC)}
         # per LLM row (bucket * rows + row; a bucket is a device or a context group), per device
         # for the encoders
         self.rows = Loads.zeros(caps.llm_buckets * caps.llm_rows, cost["llm"])
         self.enc = {p: Loads.zeros(caps.devices, cost[p]) for p in ENC}
-        # exact attention tiles per bucket and phase, within their capacity (block-sparse;
-        # `tile_caps`: per bucket, `Phases.tile_caps`)
-        self.tiles = TileBudget(caps, tile_caps) if caps.block else None
+        # exact attention tiles per bucket and phase, within their capacity (block-sparse)
+        self.tiles = TileBudget(caps) if caps.block else None
         z = np.zeros(0, np.int64)
         self.entries: list[np.ndarray] = [z]  # pool positions placed, in order
         self.row_bin: list[np.ndarray] = [z]  # their LLM row bin (device * rows + row)
