@@ -375,21 +375,23 @@ def test_every_slot_reads_its_items_rows_through_the_exchange_and_the_gather():
 # ----------------------------------------------------------------------------- the planner
 
 
-def test_planned_groups_hold_every_capacity_and_plan_every_sample_once():
-    """orchestrated with context groups (16 devices, groups of 4) on the omni mix, capacities
-    sized as the trainer sizes them: every plan passes the contract (a group's rows, tiles and
-    route pairs), every rank's dealt tiles stay within batch.llm_tiles, and every sample pulled
-    is planned once or still waits."""
+@pytest.mark.parametrize("mix", ["omni", "chartqa"])
+def test_planned_groups_hold_every_capacity_and_plan_every_sample_once(mix):
+    """orchestrated with context groups (16 devices, groups of 4) on the omni mix (every
+    phase) and chartqa (the LLM binds), capacities sized as the trainer sizes them: every plan
+    passes the contract (a group's rows, tiles and route pairs), every rank's dealt tiles stay
+    within batch.llm_tiles, the LLM rows are as full as a device's would be, and every sample
+    pulled is planned once or still waits."""
     from collections import Counter
 
-    from jaxmllm.bench.mixes import synthetic_omni
+    from jaxmllm.bench.mixes import load_mix
     from jaxmllm.config import ModelConfig
     from jaxmllm.data.cost import CostModel
     from jaxmllm.plan.capacity import encoder_capacities, held_tiles, route_capacity
     from jaxmllm.plan.contract import Capacities, check_plan
     from jaxmllm.plan.registry import make_planner
 
-    index = synthetic_omni(3000, seed=3)
+    index = load_mix(mix)
     enc = encoder_capacities(index, 2048, 4, 4, block=128)
     caps = Capacities(
         microbatches=2, devices=16, llm_rows=1, llm_row_len=2048,
@@ -403,10 +405,11 @@ def test_planned_groups_hold_every_capacity_and_plan_every_sample_once():
     tiles = held_tiles(make(caps), index, caps, 10, make=make, weights=weights)
     caps = dataclasses.replace(caps, **{f"{p}_tiles": n for p, n in tiles.items()})
     planner = make(caps)
-    planned, spread = Counter(), []
+    planned, spread, tokens = Counter(), [], 0
     for _ in range(20):
         plan = planner.plan()
         check_plan(plan, index, caps)
+        tokens += index.llm_tokens(4, 4)[plan.samples].sum()
         for w in split.group_weights(plan, index, caps).values():
             loads = split.rank_loads(w, split.deal(w, 4), 4)
             assert loads.max() <= caps.llm_tiles
@@ -415,3 +418,4 @@ def test_planned_groups_hold_every_capacity_and_plan_every_sample_once():
     waiting = Counter(planner.deferred[:, 0].tolist())
     assert planned + waiting == Counter(planner.stream.take(0, planner.cursor).tolist())
     assert np.mean(spread) < 1.02
+    assert tokens / (20 * 2 * 16 * 2048) > 0.85  # (a group held to the tiles of C devices)

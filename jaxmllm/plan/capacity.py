@@ -236,7 +236,9 @@ def suggest_tiles(
     rows = {"llm": caps.llm_rows, "vision": 1, "audio": 1}
     largest = {p: n for p, (n, _, _) in documents(index, caps).items()}
     work = {p: float(largest[p].sum()) for p in units}
-    demand = {p: work[p] / units[p] if units[p] else 0.0 for p in units}
+    # (per device: a group's LLM bucket is context devices' units)
+    devices = {"llm": caps.context, "vision": 1, "audio": 1}
+    demand = {p: work[p] * devices[p] / units[p] if units[p] else 0.0 for p in units}
     top = max(demand.values()) or 1.0
     share = {p: 1.0 if demand[p] >= BINDING * top else demand[p] / top for p in units}
     out = {}
