@@ -5,7 +5,8 @@ token's own embedding, i >= 0 replaces it with row i of the device's row buffer.
 buffer is the device's own projector output [N rows]. In routed mode it is [own N rows | D*C
 received rows]: rows encoded on the text's device take the local path, the others arrive by one
 all-to-all at a fixed per-pair capacity C, so encoder load can be balanced independently of where
-the text lands.
+the text lands. With context groups (`mesh.context` > 1) each device's buffer is gathered over its
+group (`models.context.gather_rows`): a slot indexes the group's buffers, device after device.
 """
 
 from __future__ import annotations
