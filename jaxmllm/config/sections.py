@@ -97,6 +97,12 @@ class SyntheticConfig:
     min_audio_frames: int = 16  # shortest clip in log-mel frames
     max_audio_frames: int = 128  # longest clip in log-mel frames
     max_text_words: int = 24  # longest text-only sample in words
+    text_tokens: int = 0  # > 0: every text-only sample a counting run of exactly this many
+    # tokens instead (long documents, e.g. for mesh.context); 0 = up to max_text_words words
+
+    def __post_init__(self):
+        check(self.text_tokens == 0 or self.text_tokens >= 3, "must be 0, or >= 3 (BOS and EOS "
+              "around the text)", "text_tokens")  # fmt: skip
 
 
 @dataclass(frozen=True)
