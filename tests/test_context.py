@@ -419,3 +419,28 @@ def test_planned_groups_hold_every_capacity_and_plan_every_sample_once(mix):
     assert planned + waiting == Counter(planner.stream.take(0, planner.cursor).tolist())
     assert np.mean(spread) < 1.02
     assert tokens / (20 * 2 * 16 * 2048) > 0.85  # (a group held to the tiles of C devices)
+
+
+def test_a_document_as_long_as_the_only_group_is_planned_every_step():
+    """One group (data=1): a sample filling its whole row is the whole microbatch, which
+    selection otherwise fills only to FILL (room for packing slack); one such sample a step,
+    each once, none dropped."""
+    from jaxmllm.bench.mixes import from_arrays
+    from jaxmllm.plan.contract import Capacities, check_plan
+    from jaxmllm.plan.registry import make_planner
+
+    none = [np.zeros(0, np.int64)] * 6
+    index = from_arrays(np.array([8192, 8192, 8000, 8192, 8192, 5000]), none, none)
+    caps = Capacities(
+        microbatches=1, devices=8, llm_rows=1, llm_row_len=1024, vision_patches=0,
+        audio_frames=0, merge_area=4, subsample=4, route_pair_capacity=1, block=128,
+        llm_tiles=(64 * 65 // 2) // 8 + 8, context=8,
+    )  # fmt: skip
+    planner = make_planner("orchestrated", index, caps, 0)
+    planned = []
+    for _ in range(6):
+        plan = planner.plan()
+        check_plan(plan, index, caps)
+        assert len(plan.samples) >= 1
+        planned += plan.samples.tolist()
+    assert sorted(planned) == list(range(6))

@@ -18,6 +18,8 @@ fp32) on one CPU device: the whole row unsplit (W), then each rank's share alone
 split, the gathered keys and values given (the all-gather is not timed). Reported: the slowest
 rank over W / C (1.0 = a perfect split of the work), and its tiles over the mean. Every rank
 computes its tile capacity (the split's most), padding included, as under XLA's fixed shapes.
+Times are this process's CPU seconds (the median of `--repeat` runs), steadier than wall time
+on a shared machine.
 """
 
 from __future__ import annotations
@@ -169,12 +171,14 @@ def _layer_grad(width: int, heads: int, kv: int, mlp: int, block: int):
 
 
 def _timed(fn, args, repeat: int) -> float:
+    """Median CPU seconds of this process over `repeat` runs (after one to warm up): on a
+    shared box the wall time counts other processes' load, the CPU time far less."""
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     return statistics.median(times)
 
 
