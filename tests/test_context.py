@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_orchestration import assert_equals_alone
 
 import sharding
 from jaxmllm.config import load_config
@@ -228,22 +229,10 @@ def assert_same_math(cfg, host: dict, samples: dict) -> None:
     """Loss and every gradient of the split step on the mesh against each sample alone."""
     mesh, state, step, ref, reference = programs(cfg)
     with jax.set_mesh(mesh):
-        loss, grads = step(state["params"], state["frozen"], sharding.make_global_batch(host, mesh))
-    params, frozen = jax.device_get((state["params"], state["frozen"]))
-    total = host["llm_loss_mask"].sum()
-    want_loss, want_grads = 0.0, jax.tree.map(np.zeros_like, params)
-    for sample in samples.values():
-        batch = alone(ref, sample)
-        weight = batch["llm_loss_mask"].sum() / total
-        l_s, g_s = jax.device_get(reference(params, frozen, batch))
-        want_loss += weight * l_s
-        want_grads = jax.tree.map(lambda a, g, w=weight: a + w * g, want_grads, g_s)
-    np.testing.assert_allclose(loss, want_loss, rtol=2e-5)
-    flat_got = jax.tree_util.tree_leaves_with_path(jax.device_get(grads))
-    for (path, got), want in zip(flat_got, jax.tree.leaves(want_grads), strict=True):
-        np.testing.assert_allclose(
-            got, want, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path)
-        )
+        got = step(state["params"], state["frozen"], sharding.make_global_batch(host, mesh))
+    state = jax.device_get((state["params"], state["frozen"]))
+    batches = (alone(ref, sample) for sample in samples.values())
+    assert_equals_alone(got, reference, state, batches, host)
 
 
 def packed_step(cfg, source, index, data: int, context: int):

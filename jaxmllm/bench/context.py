@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmllm.bench.attention import documents
+from jaxmllm.bench.attention import documents, median_time
 from jaxmllm.models.context import attend_gathered
 from jaxmllm.plan import context as split
 from jaxmllm.plan.capacity import encoder_capacities, held_tiles, route_capacity
@@ -170,18 +169,6 @@ def _layer_grad(width: int, heads: int, kv: int, mlp: int, block: int):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
 
 
-def _timed(fn, args, repeat: int) -> float:
-    """Median CPU seconds of this process over `repeat` runs (after one to warm up): on a
-    shared box the wall time counts other processes' load, the CPU time far less."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeat):
-        t0 = time.process_time()
-        jax.block_until_ready(fn(*args))
-        times.append(time.process_time() - t0)
-    return statistics.median(times)
-
-
 def rank_times(sizes: np.ndarray, ranks: int, args) -> dict:
     """W (the whole row on one device) and, per split, each rank's time alone."""
     b, width = args.block, args.width
@@ -208,7 +195,8 @@ def rank_times(sizes: np.ndarray, ranks: int, args) -> dict:
     def run(tokens, k, v, seg_k, pos_k, tiles):
         w = jnp.ones((len(tokens), width), jnp.float32)
         a = (params, x[tokens], k, v, seg[tokens], seg_k, pos[tokens], pos_k, tiles, w)
-        return _timed(grad, a, args.repeat)
+        # (CPU seconds of this process: on a shared box wall time counts the others' load)
+        return median_time(grad, a, args.repeat, clock=time.process_time)
 
     whole = run(np.arange(row_len), k_all, v_all, seg, pos, jnp.asarray(group, jnp.int32))
     out = {"whole_s": whole, "tiles": int(len(group)), "splits": {}}
