@@ -113,10 +113,12 @@ def attend_gathered(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2, b
 
 
 def _chunks(tiles_k2: jax.Array, heads: int, block: int) -> jax.Array:
-    """The tile list padded to whole chunks [n, chunk, 2] of at most CHUNK_SCORES scores."""
+    """The tile list padded to whole chunks [n, chunk, 2] of at most CHUNK_SCORES scores, as
+    few as that allows and as even (the padding, computed like any tile, under one a chunk)."""
     n_tiles = tiles_k2.shape[0]
-    chunk = max(1, min(n_tiles, CHUNK_SCORES // (heads * block * block)))
-    n = -(-n_tiles // chunk)
+    most = max(1, CHUNK_SCORES // (heads * block * block))
+    n = -(-n_tiles // most)
+    chunk = -(-n_tiles // n)
     padded = jnp.pad(tiles_k2, ((0, n * chunk - n_tiles), (0, 0)), constant_values=-1)
     return padded.reshape(n, chunk, 2)
 
