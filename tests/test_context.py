@@ -288,7 +288,7 @@ def long_step(cfg, data: int, context: int):
     return host, samples
 
 
-@pytest.mark.slow  # ~40 s a mesh on a quiet 2-core box (compiling the step and the reference)
+@pytest.mark.slow  # each mesh compiles its split step and the reference (~1.5-4.5 min here)
 @pytest.mark.parametrize(
     "mesh", ["data=2 context=4", "data=1 context=8", "data=1 fsdp=2 context=2 tensor=2"]
 )
