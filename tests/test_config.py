@@ -45,6 +45,22 @@ def test_check_failure_names_full_key():
         load_config(None, ["model.llm.heads=4", "model.llm.kv_heads=3"])
 
 
+@pytest.mark.parametrize(
+    "setting, key",
+    [
+        ("model.attention=dense", r"model\.attention: must be block_sparse with mesh\.context=2"),
+        ("batch.planner=grain", r"batch\.planner: must be orchestrated with mesh\.context=2"),
+        # M-RoPE's positions are not in token order: the split's causal mask by position fails
+        ("model.llm.mrope_section=[16,24,24]", r"model\.llm\.mrope_section: .*mesh\.context=2"),
+    ],
+)
+def test_context_parallelism_refuses_what_it_cannot_split(setting, key):
+    split = ["mesh.context=2", "model.attention=block_sparse", "batch.planner=orchestrated"]
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, [*split, setting])
+    load_config(None, split)  # (alone, the split loads)
+
+
 def test_overrides_apply_and_coerce():
     cfg = load_config(
         ROOT / "configs" / "tiny.yaml",
@@ -109,3 +125,12 @@ def test_a_resumed_run_keeps_the_auto_sizes_its_checkpoints_were_planned_with(tm
     assert keep_resolved(own, tmp_path).batch.route_pair_capacity == 48  # the user's value
     with pytest.raises(ConfigError, match="route_pair_capacity: 37 -> 48"):
         check_resumable(keep_resolved(own, tmp_path), tmp_path)
+
+
+def test_fixed_length_tuples_and_dotless_floats_are_read():
+    cfg = load_config(None, ["data.image_mean=[0.48, 0.46, 0.41]", "optim.lr=1e-3"])
+    assert cfg.data.image_mean == (0.48, 0.46, 0.41) and cfg.optim.lr == 1e-3
+    with pytest.raises(ConfigError, match=r"data\.image_std must be a list of 3 values"):
+        load_config(None, ["data.image_std=[0.5, 0.5]"])
+    with pytest.raises(ConfigError, match=r"image_std: every channel's std must be > 0"):
+        load_config(None, ["data.image_std=[0.5, 0, 0.5]"])

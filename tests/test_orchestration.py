@@ -25,6 +25,7 @@ ROUTED = [
     "batch.vision_patches=640",
     "batch.audio_frames=256",
     "batch.route_pair_capacity=160",
+    "data.eval.source=none",  # (tiny.yaml's held-out evaluation: not what these test)
 ]
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxmllm.data import tokenizer as tok
 from jaxmllm.plan.context import block_weights, deal, rank_tiles
 from jaxmllm.plan.contract import Capacities
 from jaxmllm.plan.tiles import segment_tiles
@@ -25,13 +24,13 @@ from jaxmllm.plan.tiles import segment_tiles
 TEXT = ("llm_tokens", "llm_segment_ids", "llm_positions", "llm_targets", "llm_loss_mask")
 
 
-def group_text(batch: dict[str, np.ndarray], caps: Capacities) -> dict[str, np.ndarray]:
+def group_text(batch: dict[str, np.ndarray], caps: Capacities, pad: int) -> dict[str, np.ndarray]:
     """Empty group rows [M, groups, R, C x L] for the text arrays of a host batch whose device
-    axis holds whole groups (padding: PAD tokens, zeros)."""
+    axis holds whole groups (padding: `pad` tokens, the tokenizer's; zeros)."""
     m_n, d_n, r_n, _ = batch["llm_tokens"].shape
     shape = (m_n, d_n // caps.context, r_n, caps.llm_bin_len)
     out = {k: np.zeros(shape, batch[k].dtype) for k in TEXT}
-    out["llm_tokens"][:] = tok.PAD
+    out["llm_tokens"][:] = pad
     return out
 
 

@@ -22,8 +22,8 @@ from jaxmllm.config import BatchConfig, ModelConfig
 from jaxmllm.models.audio import AudioEncoder
 from jaxmllm.models.context import gather_rows
 from jaxmllm.models.layers import Axes
-from jaxmllm.models.llm import Decoder
-from jaxmllm.models.projectors import AudioProjector, VisionProjector
+from jaxmllm.models.llm import Decoder, chunked_token_losses
+from jaxmllm.models.projectors import audio_projector, vision_projector
 from jaxmllm.models.vision import VisionEncoder
 from sharding import DATA_AXES
 
@@ -51,15 +51,11 @@ class MultimodalLM(nnx.Module):
         self.vision = (
             VisionEncoder(vis, **remat, documents=docs("vision"), **kw) if vis.enabled else None
         )
-        self.vision_projector = (
-            VisionProjector(vis.width, cfg.llm.width, vis.merge, **kw) if vis.enabled else None
-        )
+        self.vision_projector = vision_projector(cfg, **kw) if vis.enabled else None
         self.audio = (
             AudioEncoder(aud, **remat, documents=docs("audio"), **kw) if aud.enabled else None
         )
-        self.audio_projector = (
-            AudioProjector(aud.width, cfg.llm.width, **kw) if aud.enabled else None
-        )
+        self.audio_projector = audio_projector(cfg, **kw) if aud.enabled else None
         self.llm = Decoder(cfg.llm, **remat, documents=docs("llm"), **kw)
         if batch_cfg.route_pair_capacity < 0:
             raise ValueError(
@@ -78,6 +74,38 @@ class MultimodalLM(nnx.Module):
         Returns:
           Logits [D, R, L, vocab] in float32.
         """
+        return self.llm.logits(self.hidden(mb))
+
+    def losses(self, mb: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """(summed masked cross entropy, loss-token count) of one microbatch; the logits are
+        projected a slice of tokens at a time (`model.llm.logits_chunk`)."""
+        h_drlw = self.hidden(mb)
+        d, width = h_drlw.shape[0], h_drlw.shape[-1]
+        return chunked_token_losses(
+            self.llm,
+            h_drlw.reshape(d, -1, width),
+            mb["llm_targets"].reshape(d, -1),
+            mb["llm_loss_mask"].reshape(d, -1),
+        )
+
+    def hidden(self, mb: dict[str, jax.Array]) -> jax.Array:
+        """The decoder's final hidden states [D, R, L, width] for one microbatch."""
+        x_drlw = self.inputs(mb)
+        d, r, length, width = x_drlw.shape
+        # Block-sparse attention takes a device's rows as one row (its tiles say which blocks
+        # meet); the others attend within each row.
+        rows = d if self.llm.attention == "block_sparse" else d * r
+        h = self.llm.hidden(
+            x_drlw.reshape(rows, -1, width),
+            mb["llm_segment_ids"].reshape(rows, -1),
+            mb["llm_positions"].reshape(rows, -1, *mb["llm_positions"].shape[3:]),
+            mb.get("llm_tiles"),
+        )
+        return h.reshape(d, r, length, width)
+
+    def inputs(self, mb: dict[str, jax.Array]) -> jax.Array:
+        """The decoder's input embeddings [D, R, L, width]: token embeddings, the placeholder
+        slots filled with the projected encoder rows (what KV-cache decoding prefills too)."""
         # The table is sharded on `embed`; pin the lookup to the batch layout so XLA does not
         # carry the table's layout into the activations (a full rematerialisation otherwise).
         x_drlw = shard_like_batch(self.llm.embed(mb["llm_tokens"]))
@@ -106,17 +134,7 @@ class MultimodalLM(nnx.Module):
         buffers = [gather_rows(b) for b in buffers]  # (a context group's slots read its rows)
         for buffer, (_, phase) in zip(buffers, phases, strict=True):
             x_drlw = fill_slots(x_drlw, buffer, mb[f"llm_{phase}_src"])
-        d, r, length, width = x_drlw.shape
-        # Block-sparse attention takes a device's rows as one row (its tiles say which blocks
-        # meet); the others attend within each row.
-        rows = d if self.llm.attention == "block_sparse" else d * r
-        logits = self.llm(
-            x_drlw.reshape(rows, -1, width),
-            mb["llm_segment_ids"].reshape(rows, -1),
-            mb["llm_positions"].reshape(rows, -1),
-            mb.get("llm_tiles"),
-        )
-        return logits.reshape(d, r, length, -1)
+        return x_drlw
 
     def _route(
         self, rows: list[jax.Array], sends: list[jax.Array | None], counts: list
