@@ -3,6 +3,7 @@
     python -m jaxmllm.generate --run runs/tiny --image cat.png --prompt "what is this? "
     python -m jaxmllm.generate --run runs/tiny --prompt "12 13 14" --prompt "3 4" --json
     python -m jaxmllm.generate --run runs/tiny --step 100 --prompt-ids 257,49,50 --json
+    python -m jaxmllm.generate --hf Qwen2-VL-2B-Instruct --image cat.png --prompt "What is this?"
 
 A `Generator` holds two compiled programs for fixed shapes (`jaxmllm.data.prompts.PromptShapes`):
 prefill (the prompts with their images and clips, encoded as in training) and a decode step (one
@@ -16,6 +17,12 @@ The run's own config (`<run>/config.json`) rebuilds the model, its checkpoint's 
 restored (latest, or `--step`; no optimizer state), and the prompt is rendered by the run's
 tokenizer and template (`jaxmllm.data.template`): `plain` for the built-in data, `chat` for
 `messages` data; `--template` picks one.
+
+`--hf DIR` generates from a HuggingFace checkpoint directory instead (any family `hf import`
+reads; `--hf-vision` / `--hf-audio` add encoder checkpoints, a whole Qwen2-VL is its own):
+the model `hf import` would configure, its weights on one device in fp32, and the directory's
+tokenizer (`--tokenizer` for another), whose chat template renders a `--prompt` (`auto`) and
+whose end-of-turn and end-of-sequence ids stop the answer.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from jaxmllm.data.samples import Sample
 from jaxmllm.data.specials import RESERVED, Specials
 from jaxmllm.data.template import TEMPLATES, Template, make_template
 from jaxmllm.models import decode
-from jaxmllm.step import build_model, model_parts
+from jaxmllm.step import build_model, model_parts, split_frozen
 
 
 @dataclasses.dataclass
@@ -165,6 +172,36 @@ def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Config, dict
     return cfg, jax.device_put(restored), step
 
 
+def load_hf(args) -> tuple[Config, dict]:
+    """The model of `--hf` (with `--hf-vision`, `--hf-audio`, `--tokenizer`): its config and
+    parameters, as `load_run` gives a run's. A directory that is also a vision tower (a whole
+    Qwen2-VL) brings its tower unless `--hf-vision` names another.
+
+    Raises:
+      ConfigError: a directory that is no checkpoint jaxmllm reads, or has no tokenizer.
+    """
+    from jaxmllm.hf.registry import family_for, read_hf_config
+    from jaxmllm.hf.towers import load_model
+
+    try:
+        vision = args.hf_vision
+        if not vision:
+            try:
+                family_for("vision", read_hf_config(args.hf))
+                vision = args.hf
+            except ValueError:  # (no vision tower in it)
+                pass
+        tokenizer = Path(args.tokenizer or args.hf)
+        if not (tokenizer / "tokenizer.json").is_file():
+            raise ConfigError(f"--hf: {tokenizer} has no tokenizer.json: name the checkpoint's "
+                              "tokenizer directory with --tokenizer DIR")  # fmt: skip
+        cfg, model = load_model(args.hf, vision, args.hf_audio, tokenizer=str(tokenizer))
+    except ValueError as e:  # (FamilyError, CheckpointError: they name the file)
+        raise ConfigError(f"--hf: {e}") from None
+    params, frozen = split_frozen(cfg, model)
+    return cfg, {"params": params, "frozen": frozen}
+
+
 def answer_prompts(
     cfg: Config, params: dict, template: Template, prompts: list[Sample], args
 ) -> list[dict]:
@@ -216,8 +253,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--run", required=True, help="a training run's train.output_dir")
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--run", help="a training run's train.output_dir")
+    model.add_argument("--hf", metavar="DIR", help="a HuggingFace checkpoint directory (its LLM)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--hf-vision", default="", metavar="DIR", help="with --hf: a vision tower")
+    p.add_argument("--hf-audio", default="", metavar="DIR", help="with --hf: an audio encoder")
+    p.add_argument("--tokenizer", default="", metavar="DIR",
+                   help="with --hf: its tokenizer directory (default: the --hf one)")  # fmt: skip
     p.add_argument("--image", action="extend", nargs="+", default=[], metavar="PATH",
                    help="image file(s), in order of the <image> placeholders")  # fmt: skip
     p.add_argument("--audio", action="extend", nargs="+", default=[], metavar="PATH",
@@ -238,6 +281,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "plain (the text to continue); auto: as the run's data")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object per prompt: ids, text")
     args = p.parse_args(argv)
+    if args.run and (args.hf_vision or args.hf_audio or args.tokenizer):
+        p.error("--hf-vision, --hf-audio and --tokenizer go with --hf (a run has its own)")
+    if args.hf and args.step is not None:
+        p.error("--step goes with --run")
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
         p.error("--max-new-tokens must be >= 1, --temperature >= 0, --top-p in (0, 1]")
     return args
@@ -247,8 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     args = parse_args(argv)
     try:
-        cfg, params, step = load_run(args.run, args.step)
-        template = make_template(cfg, args.template)
+        if args.hf:
+            cfg, params = load_hf(args)
+        else:
+            cfg, params, _ = load_run(args.run, args.step)
+        template = make_template(cfg, args.template, pretrained=bool(args.hf))
         answers = answer_prompts(cfg, params, template, request_prompts(template, args), args)
     except (ConfigError, RecordError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -51,7 +51,11 @@ class ModelParts:
 
 def build_model(cfg: Config, seed: int) -> tuple[dict, dict]:
     """Initialises the model; returns (trainable params, frozen params) as pure dicts."""
-    model = MultimodalLM(cfg.model, cfg.batch, rngs=nnx.Rngs(seed))
+    return split_frozen(cfg, MultimodalLM(cfg.model, cfg.batch, rngs=nnx.Rngs(seed)))
+
+
+def split_frozen(cfg: Config, model: MultimodalLM) -> tuple[dict, dict]:
+    """A model's parameters as (trainable, frozen) pure dicts, by the config's freeze keys."""
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     frozen = {k for k, is_frozen in FREEZE_SWITCHES.items() if k in pure and is_frozen(cfg.model)}
     return (

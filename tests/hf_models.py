@@ -36,7 +36,9 @@ def save(model, directory: Path) -> str:
     return str(directory)
 
 
-def llama(directory: Path, *, tied: bool, scaling: bool = True, seed: int = 0) -> str:
+def llama(
+    directory: Path, *, tied: bool, scaling: bool = True, seed: int = 0, vocab: int = 300
+) -> str:
     import transformers as T
 
     rope = (
@@ -46,18 +48,18 @@ def llama(directory: Path, *, tied: bool, scaling: bool = True, seed: int = 0) -
         else {"rope_type": "default", "rope_theta": 5000.0}
     )  # fmt: skip
     cfg = T.LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_parameters=rope,
         tie_word_embeddings=tied, max_position_embeddings=256,
     )  # fmt: skip
     return save(randomize(T.LlamaForCausalLM(cfg), seed), directory)
 
 
-def qwen2(directory: Path, *, tied: bool, seed: int = 0) -> str:
+def qwen2(directory: Path, *, tied: bool, seed: int = 0, vocab: int = 300) -> str:
     import transformers as T
 
     cfg = T.Qwen2Config(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=tied,
     )  # fmt: skip
@@ -100,20 +102,24 @@ def whisper(directory: Path, seed: int = 0) -> str:
     return save(randomize(T.WhisperForConditionalGeneration(cfg), seed), directory)
 
 
-def qwen2_vl(directory: Path, seed: int = 0, tied: bool = False) -> str:
-    """A whole Qwen2-VL (its Qwen2 LLM with M-RoPE, its vision tower and merger)."""
+def qwen2_vl(
+    directory: Path, seed: int = 0, tied: bool = False, vocab: int = 300, ids=(290, 291, 292, 293)
+) -> str:
+    """A whole Qwen2-VL (its Qwen2 LLM with M-RoPE, its vision tower and merger); `ids`: its
+    image, video, vision start and vision end token ids."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     cfg = Qwen2VLConfig(
         text_config=dict(
-            vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
             bos_token_id=None, eos_token_id=None,
         ),
         vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, patch_size=4,
                            spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=290, video_token_id=291, vision_start_token_id=292, vision_end_token_id=293,
+        image_token_id=ids[0], video_token_id=ids[1], vision_start_token_id=ids[2],
+        vision_end_token_id=ids[3],
         tie_word_embeddings=tied,
     )  # fmt: skip
     return save(randomize(Qwen2VLForConditionalGeneration(cfg), seed), directory)

@@ -129,18 +129,22 @@ class RecordTemplate:
         return self.pre.tokenizer.decode(np.asarray(kept, np.int64))
 
 
-def make_template(cfg: Config, kind: str = "auto") -> Template:
+def make_template(cfg: Config, kind: str = "auto", pretrained: bool = False) -> Template:
     """The template of a run's config: `chat` or `plain` (see the module docstring); `auto`:
     plain for the built-in synthetic data, else the form of the training data's first record
-    (`messages`: chat; `text`: plain)."""
+    (`messages`: chat; `text`: plain). `pretrained`: a checkpoint's own config (generation
+    from `--hf`), whose data is none of ours: `data.tokenizer` renders, `auto` is chat when it
+    has a chat template."""
     if kind not in TEMPLATES:
         raise ConfigError(f"template {kind!r}: must be one of {', '.join(TEMPLATES)}")
-    synthetic = cfg.data.source == "synthetic"
-    if kind == "auto":
-        kind = "plain" if synthetic else _data_form(cfg)
     # The built-in data is bytes whatever data.tokenizer says (SyntheticSource's tokenizer).
-    tokenizer = ByteTokenizer() if synthetic else None
-    return RecordTemplate(Preprocessor(Params.from_config(cfg), tokenizer), chat=kind == "chat")
+    synthetic = cfg.data.source == "synthetic" and not pretrained
+    pre = Preprocessor(Params.from_config(cfg), ByteTokenizer() if synthetic else None)
+    if kind == "auto" and pretrained:
+        kind = "chat" if getattr(pre.tokenizer, "template", None) is not None else "plain"
+    elif kind == "auto":
+        kind = "plain" if synthetic else _data_form(cfg)
+    return RecordTemplate(pre, chat=kind == "chat")
 
 
 def _data_form(cfg: Config) -> str:

@@ -5,6 +5,7 @@ compares with transformers, and what the parity tests run. Names are MultimodalL
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import jax
@@ -22,6 +23,8 @@ from jaxmllm.models.llm import Decoder
 from jaxmllm.models.projectors import vision_projector
 from jaxmllm.models.vision import VisionEncoder
 from jaxmllm.step import overlay
+
+log = logging.getLogger(__name__)
 
 
 class Towers(nnx.Module):
@@ -73,14 +76,14 @@ def load_towers(cfg: Config, role: str) -> Towers:
 
 
 def load_model(
-    llm: str, vision: str = "", audio: str = "", seed: int = 0
+    llm: str, vision: str = "", audio: str = "", seed: int = 0, tokenizer: str = ""
 ) -> tuple[Config, MultimodalLM]:
     """A whole MultimodalLM from HF directories, on one device, fp32, dense attention (what
     generation from `--hf` runs): the config `hf import` would write, the checkpoints' weights,
     and a module no checkpoint has (a projector) from the random init of `seed`. A whole
-    Qwen2-VL is `llm` and `vision` both."""
+    Qwen2-VL is `llm` and `vision` both. `tokenizer`: its directory (default: `llm`)."""
     model = model_section(llm, vision, audio)
-    data = data_section(llm, vision, audio)
+    data = data_section(llm, vision, audio, tokenizer)
     model["llm"]["vocab_size"] = vocab_size(model["llm"]["vocab_size"], data["tokenizer"])
     model["attention"] = "dense"
     batch = {"planner": "first_fit", "route_pair_capacity": 0, "attention_block": 1}
@@ -98,6 +101,10 @@ def load_model(
         fresh = nnx.state(MultimodalLM(cfg.model, cfg.batch, rngs=nnx.Rngs(seed)))
         return overlay(nnx.to_pure_dict(fresh), given)
 
-    pure = jax.jit(init, donate_argnums=0)(pretrained(cfg, shapes))
+    given = pretrained(cfg, shapes)
+    fresh = sorted(k for k in shapes if k not in given)
+    if fresh:  # (a projector between a separate tower and the LLM: untrained until stage 1)
+        log.warning("no checkpoint has %s: randomly initialised (seed %d)", ", ".join(fresh), seed)
+    pure = jax.jit(init, donate_argnums=0)(given)
     nnx.replace_by_pure_dict(state, pure)
     return cfg, nnx.merge(graphdef, state)
