@@ -173,17 +173,25 @@ RESUME_KEYS = ("model", "batch", "data.source", "data.path", "data.seed", "data.
 
 
 def check_resumable(cfg: Config, out: Path) -> None:
-    """Refuses an output dir whose checkpoints come from an incompatible config."""
+    """Refuses an output dir whose checkpoints come from an incompatible config.
+
+    A run may resume with another `mesh.context`: the parameters do not depend on it, and the
+    planner's state (its cursor in the sample stream and the samples it deferred) plans the
+    new groups' buckets as well, so every sample is still trained once per epoch; the steps
+    after the resume are planned for the new groups (not the batches the old ones would have
+    had), and the batch sizes resolved from the data (`resolved_keys`) are resolved anew.
+    """
     saved_path = out / "config.json"
     ckpts = out / "checkpoints"
     if not saved_path.exists() or not ckpts.exists() or not any(ckpts.iterdir()):
         return
     saved = distributed.flatten(json.loads(saved_path.read_text()))
     now = distributed.flatten(to_dict(cfg))
+    free = set(resolved_keys(cfg)) if _context_changed(cfg, saved) else set()
     changed = [
         k
         for k in sorted(set(saved) | set(now))
-        if k.startswith(RESUME_KEYS) and saved.get(k) != now.get(k)
+        if k.startswith(RESUME_KEYS) and saved.get(k) != now.get(k) and k not in free
     ]
     if changed:
         diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:6])
@@ -202,7 +210,16 @@ def keep_resolved(cfg: Config, out: Path) -> Config:
     saved_path, ckpts = out / "config.json", out / "checkpoints"
     if not saved_path.exists() or not ckpts.exists() or not any(ckpts.iterdir()):
         return cfg
-    saved = json.loads(saved_path.read_text()).get("batch", {})
+    run = json.loads(saved_path.read_text())
+    if _context_changed(cfg, distributed.flatten(run)):
+        log.info(
+            "resuming with mesh.context=%d (the checkpoints were trained with %s): the batch "
+            "sizes resolved from the data are resolved anew for the new context groups",
+            cfg.mesh.context,
+            run.get("mesh", {}).get("context", 1),
+        )
+        return cfg
+    saved = run.get("batch", {})
     keep = {
         k: saved[k]
         for k in AUTO_SIZES
@@ -212,6 +229,21 @@ def keep_resolved(cfg: Config, out: Path) -> Config:
         return cfg
     log.info("resuming: batch sizes resolved by the run that wrote the checkpoints: %s", keep)
     return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, **keep))
+
+
+def resolved_keys(cfg: Config) -> list[str]:
+    """The `batch.*` keys a run resolves from the data (`-1` sizes, `capacity: auto`'s encoder
+    buckets): what depends on the context groups besides the planner's plans."""
+    keys = [f"batch.{k}" for k in AUTO_SIZES]
+    if cfg.batch.capacity == "auto":
+        keys += ["batch.vision_patches", "batch.audio_frames"]
+    return keys
+
+
+def _context_changed(cfg: Config, saved_flat: dict) -> bool:
+    """Whether the run that wrote `saved_flat` (a flattened config.json) had another
+    mesh.context (1 before the key existed)."""
+    return saved_flat.get("mesh.context", 1) != cfg.mesh.context
 
 
 def write_config(cfg: Config, out: Path) -> None:

@@ -29,7 +29,8 @@ def step_flops(cfg: Config, batch: dict[str, np.ndarray], cost: CostModel | None
     Per phase: linear * (real units) + quadratic * (sum of squared segment lengths), with the
     training multipliers for trained and frozen modules (see jaxmllm/data/cost.py).
     """
-    return _flops(bucket_work(batch), cost or CostModel.from_model(cfg.model))
+    work = bucket_work(batch, cfg.mesh.context)
+    return _flops(work, cost or CostModel.from_model(cfg.model))
 
 
 def _flops(work: dict[str, np.ndarray], cost: CostModel) -> float:
@@ -73,7 +74,8 @@ class StepCounter:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict:
         tokens = float((batch["llm_segment_ids"] > 0).sum())
-        work = bucket_work(batch)  # (once: the FLOPs and the timings' work both read it)
+        # (once: the FLOPs and the timings' work both read it)
+        work = bucket_work(batch, self.cfg.mesh.context)
         out = {"tokens": tokens, "flops": _flops(work, self.cost)}
         if self.work:
             out["work"] = step_work(batch, self.calibrated or self.cost, work)

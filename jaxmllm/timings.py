@@ -40,15 +40,23 @@ def segment_work(seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return real.sum((1, 2)).reshape(lead).astype(np.float64), sq.reshape(lead)
 
 
-def bucket_work(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def bucket_work(batch: dict[str, np.ndarray], context: int = 1) -> dict[str, np.ndarray]:
     """`{phase}_units`, `{phase}_sq` and, where the batch has tile lists, `{phase}_tiles`: each
-    an [M, D] array over the batch's buckets (microbatch, device)."""
+    an [M, D] array over the batch's buckets (microbatch, device).
+
+    With context groups (`context` > 1: consecutive devices split rows whose documents they
+    share, segment ids counting over a group) a document's squared length is its group's: each
+    device of a group gets an equal share of the group's (its tiles are its own)."""
     work = {}
     for phase in PHASES:
         seg = batch.get(f"{phase}_segment_ids")
         if seg is None:
             continue
         work[f"{phase}_units"], work[f"{phase}_sq"] = segment_work(seg)
+        if phase == "llm" and context > 1:
+            m_n, d_n = seg.shape[:2]
+            _, group_sq = segment_work(seg.reshape(m_n, d_n // context, 1, -1))
+            work["llm_sq"] = np.repeat(group_sq / context, context, axis=1)
         tiles = batch.get(f"{phase}_tiles")
         if tiles is not None:  # (query block, key block) pairs, (-1, -1) for padding
             work[f"{phase}_tiles"] = (tiles[..., 0] >= 0).sum(-1).astype(np.float64)

@@ -256,6 +256,12 @@ def host_positions(mesh) -> Any:
             f"process {jax.process_index()} holds data-parallel positions {positions.tolist()}, "
             "not one contiguous run; use a mesh whose fsdp x tensor fits within a host"
         )
+    context = sharding.context_size(mesh)
+    if positions[0] % context or len(positions) % context:  # (a group's rows: one host's)
+        raise sharding.ShardingError(
+            f"process {jax.process_index()} holds part of a context group of {context} "
+            "devices; mesh.context must divide the devices of a process"
+        )
     return positions
 
 

@@ -10,7 +10,16 @@ Usable on its own: nothing here imports jaxmllm. Typical start-up::
     batch = make_global_batch(host_batch, mesh)
 """
 
-from .mesh import AXES, DATA_AXES, ShardingError, data_parallel_size, make_mesh, resolve_axis_sizes
+from .mesh import (
+    AXES,
+    CONTEXT_AXIS,
+    DATA_AXES,
+    ShardingError,
+    context_size,
+    data_parallel_size,
+    make_mesh,
+    resolve_axis_sizes,
+)
 from .params import (
     batch_sharding,
     describe,
@@ -31,11 +40,13 @@ from .rules import (
 
 __all__ = [
     "AXES",
+    "CONTEXT_AXIS",
     "DATA_AXES",
     "RULES",
     "ShardingError",
     "batch_sharding",
     "check_no_duplicate_axes",
+    "context_size",
     "data_parallel_size",
     "describe",
     "local_dp_indices",

@@ -1,14 +1,21 @@
-"""The device mesh: axes ("data", "fsdp", "tensor"), data slowest (spans hosts), tensor fastest.
+"""The device mesh: axes ("data", "fsdp", "context", "tensor"), data slowest (spans hosts),
+tensor fastest.
+
+`context` splits one LLM row over a group of devices (each holds an equal share of its tokens
+and gathers the keys and values of the group, every layer): for batches it is one more
+data-parallel axis (every step array's device axis is split over data x fsdp x context), for
+parameters it is like data (replicated; gradients reduce over it).
 
 Across processes (hosts) the devices are laid out process by process, so the fast axes stay
-inside a host: with L devices per process and fsdp * tensor dividing L, every `tensor` group and
-every `fsdp` group is one host's devices (NVLink / shared memory), each host holds
-L / (fsdp * tensor) whole `data` rows, and only the data-parallel gradient reduction crosses the
-network. A layout where fsdp * tensor does not divide L still works but puts model-parallel
-traffic on the network; `make_mesh` warns about it.
+inside a host: with L devices per process and fsdp * context * tensor dividing L, every
+`tensor`, `context` and `fsdp` group is one host's devices (NVLink / shared memory), each host
+holds L / (fsdp * context * tensor) whole `data` rows, and only the data-parallel gradient
+reduction crosses the network. A layout where they do not divide L still works but puts
+model-parallel (and the context groups' key/value) traffic on the network; `make_mesh` warns.
 
-The mesh config is anything with ``data``, ``fsdp`` and ``tensor`` sizes, as attributes (e.g.
-``jaxmllm.config.MeshConfig``) or as mapping keys. One of them may be -1: the remaining devices.
+The mesh config is anything with ``data``, ``fsdp``, ``context`` and ``tensor`` sizes, as
+attributes (e.g. ``jaxmllm.config.MeshConfig``) or as mapping keys (a missing ``context`` is 1).
+One of them may be -1: the remaining devices.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ from jax.sharding import AxisType, Mesh
 
 log = logging.getLogger("jaxmllm")
 
-AXES = ("data", "fsdp", "tensor")  # mesh axis names, slowest to fastest
-DATA_AXES = ("data", "fsdp")  # the axes a batch is split over
-DEFAULT_SIZES = {"data": -1, "fsdp": 1, "tensor": 1}  # a missing key; as in MeshConfig
+AXES = ("data", "fsdp", "context", "tensor")  # mesh axis names, slowest to fastest
+DATA_AXES = ("data", "fsdp", "context")  # the axes a batch is split over
+CONTEXT_AXIS = "context"  # the axis an LLM row is split over (a context group)
+DEFAULT_SIZES = {"data": -1, "fsdp": 1, "context": 1, "tensor": 1}  # a missing key, as MeshConfig
 
 
 class ShardingError(ValueError):
@@ -34,10 +42,11 @@ class ShardingError(ValueError):
 
 
 def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds the ("data", "fsdp", "tensor") mesh over all (or the given) devices.
+    """Builds the ("data", "fsdp", "context", "tensor") mesh over all (or the given) devices.
 
     Args:
-      mesh_cfg: Axis sizes as attributes or keys ``data``, ``fsdp``, ``tensor``; at most one -1.
+      mesh_cfg: Axis sizes as attributes or keys ``data``, ``fsdp``, ``context``, ``tensor``;
+        at most one -1.
       devices: Devices to use, all of them; default ``jax.devices()``.
 
     Returns:
@@ -52,22 +61,22 @@ def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mes
     types = (AxisType.Auto,) * len(AXES)
     if len({d.process_index for d in devices}) == 1:
         return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
-    # Several hosts: process by process, so tensor and fsdp groups stay inside a host.
+    # Several hosts: process by process, so tensor, context and fsdp groups stay inside a host.
     devices.sort(key=lambda d: (d.process_index, d.id))
     local = sum(d.process_index == devices[0].process_index for d in devices)
-    inner = shape[1] * shape[2]
+    inner = math.prod(shape[1:])
     if local % inner:
         log.warning(
-            "mesh.fsdp x mesh.tensor = %d does not divide the %d devices of a process: "
-            "model-parallel groups span hosts (slow); keep fsdp x tensor within a host",
+            "mesh.fsdp x mesh.context x mesh.tensor = %d does not divide the %d devices of a "
+            "process: model-parallel groups span hosts (slow); keep them within a host",
             inner,
             local,
         )
     return Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES, axis_types=types)
 
 
-def resolve_axis_sizes(mesh_cfg: Any, n_devices: int) -> tuple[int, int, int]:
-    """Returns (data, fsdp, tensor) with a -1 replaced by the remaining devices.
+def resolve_axis_sizes(mesh_cfg: Any, n_devices: int) -> tuple[int, int, int, int]:
+    """Returns (data, fsdp, context, tensor) with a -1 replaced by the remaining devices.
 
     Raises:
       ShardingError: Naming the ``mesh.*`` keys and the device count when sizes do not fit.
@@ -91,16 +100,21 @@ def resolve_axis_sizes(mesh_cfg: Any, n_devices: int) -> tuple[int, int, int]:
             f"{n_devices} devices are available; change {_keys(sizes)} "
             "(or set one of them to -1)"
         )
-    return sizes["data"], sizes["fsdp"], sizes["tensor"]
+    return tuple(sizes[axis] for axis in AXES)
 
 
 def data_parallel_size(mesh: Mesh) -> int:
-    """Number of data-parallel positions: data * fsdp."""
-    return math.prod(mesh.shape[axis] for axis in DATA_AXES)
+    """Number of data-parallel positions (a step array's device buckets): data * fsdp * context."""
+    return math.prod(mesh.shape[axis] for axis in DATA_AXES if axis in mesh.shape)
+
+
+def context_size(mesh: Mesh) -> int:
+    """Devices a context group splits one LLM row over (1: no context parallelism)."""
+    return mesh.shape[CONTEXT_AXIS] if CONTEXT_AXIS in mesh.shape else 1
 
 
 def _read_sizes(mesh_cfg: Any) -> dict[str, int]:
-    """Reads the three sizes from a mapping or an object, checking each is >= 1 or -1."""
+    """Reads the four sizes from a mapping or an object, checking each is >= 1 or -1."""
     get = mesh_cfg.get if isinstance(mesh_cfg, Mapping) else lambda k, d: getattr(mesh_cfg, k, d)
     sizes = {axis: get(axis, DEFAULT_SIZES[axis]) for axis in AXES}
     for axis, size in sizes.items():

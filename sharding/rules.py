@@ -22,7 +22,7 @@ Rules = Mapping[str, Rule]
 Axes = tuple[str | None, ...]  # one logical name (or None) per array dim
 
 RULES: dict[str, Rule] = {
-    "batch": ("data", "fsdp"),  # data-parallel buckets
+    "batch": ("data", "fsdp", "context"),  # data-parallel buckets (a context rank is one)
     "embed": "fsdp",  # model width: FSDP shards weights and optimizer state along it
     "mlp": "tensor",  # gated-MLP inner width (column split in, row split out)
     "heads": "tensor",  # query heads

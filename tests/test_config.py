@@ -45,6 +45,22 @@ def test_check_failure_names_full_key():
         load_config(None, ["model.llm.heads=4", "model.llm.kv_heads=3"])
 
 
+@pytest.mark.parametrize(
+    "setting, key",
+    [
+        ("model.attention=dense", r"model\.attention: must be block_sparse with mesh\.context=2"),
+        ("batch.planner=grain", r"batch\.planner: must be orchestrated with mesh\.context=2"),
+        # M-RoPE's positions are not in token order: the split's causal mask by position fails
+        ("model.llm.mrope_section=[16,24,24]", r"model\.llm\.mrope_section: .*mesh\.context=2"),
+    ],
+)
+def test_context_parallelism_refuses_what_it_cannot_split(setting, key):
+    split = ["mesh.context=2", "model.attention=block_sparse", "batch.planner=orchestrated"]
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, [*split, setting])
+    load_config(None, split)  # (alone, the split loads)
+
+
 def test_overrides_apply_and_coerce():
     cfg = load_config(
         ROOT / "configs" / "tiny.yaml",

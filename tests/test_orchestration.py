@@ -106,19 +106,26 @@ def test_routed_step_equals_samples_one_by_one_on_one_device():
     # Reference: each sample alone, unpacked, on one device; combine by loss-token counts.
     ref_cfg, _ = one_sample_batch(cfg, int(plan.samples[0]), source, index)
     reference = jax.jit(make_loss_and_grads(model_parts(ref_cfg)[0]))
+    alone = (one_sample_batch(cfg, s, source, index)[1] for s in plan.samples.tolist())
+    assert_equals_alone((loss, grads), reference, (params, frozen), alone, host)
+
+
+def assert_equals_alone(got, reference, state, batches, host) -> None:
+    """A step's (loss, grads) against its samples alone: `reference(params, frozen, batch)`
+    over each of `batches`, combined by their loss tokens over the step's (`host`)."""
+    params, frozen = state
     total = host["llm_loss_mask"].sum()
     want_loss, want_grads = 0.0, jax.tree.map(np.zeros_like, params)
-    for s in plan.samples.tolist():
-        _, batch = one_sample_batch(cfg, s, source, index)
+    for batch in batches:
         weight = batch["llm_loss_mask"].sum() / total
         l_s, g_s = jax.device_get(reference(params, frozen, batch))
         want_loss += weight * l_s
         want_grads = jax.tree.map(lambda a, g, w=weight: a + w * g, want_grads, g_s)
-    np.testing.assert_allclose(loss, want_loss, rtol=2e-5)
-    flat_got = jax.tree_util.tree_leaves_with_path(jax.device_get(grads))
-    for (path, got), want in zip(flat_got, jax.tree.leaves(want_grads), strict=True):
+    np.testing.assert_allclose(got[0], want_loss, rtol=2e-5)
+    flat_got = jax.tree_util.tree_leaves_with_path(jax.device_get(got[1]))
+    for (path, grad), want in zip(flat_got, jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(
-            got, want, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path)
+            grad, want, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path)
         )
 
 

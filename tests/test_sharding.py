@@ -61,23 +61,27 @@ def llm_params():
 @pytest.mark.parametrize(
     "cfg, shape",
     [
-        ({"data": -1, "fsdp": 2, "tensor": 1}, (4, 2, 1)),
-        ({"data": 2, "fsdp": 2, "tensor": 2}, (2, 2, 2)),
-        ({"data": 1, "fsdp": -1, "tensor": 2}, (1, 4, 2)),
-        ({}, (8, 1, 1)),  # MeshConfig defaults: data=-1
+        ({"data": -1, "fsdp": 2, "tensor": 1}, (4, 2, 1, 1)),
+        ({"data": 2, "fsdp": 2, "tensor": 2}, (2, 2, 1, 2)),
+        ({"data": 1, "fsdp": -1, "tensor": 2}, (1, 4, 1, 2)),
+        ({"data": 2, "context": 4}, (2, 1, 4, 1)),
+        ({"data": 1, "context": -1}, (1, 1, 8, 1)),
+        ({}, (8, 1, 1, 1)),  # MeshConfig defaults: data=-1
     ],
 )
 def test_make_mesh_shapes(cfg, shape):
     mesh = sharding.make_mesh(cfg)
-    assert mesh.axis_names == ("data", "fsdp", "tensor")
+    assert mesh.axis_names == ("data", "fsdp", "context", "tensor")
     assert tuple(mesh.shape.values()) == shape
-    assert mesh.axis_types == (AxisType.Auto,) * 3
-    assert sharding.data_parallel_size(mesh) == shape[0] * shape[1]
+    assert mesh.axis_types == (AxisType.Auto,) * 4
+    # a batch's device buckets: every device but the tensor groups' copies
+    assert sharding.data_parallel_size(mesh) == shape[0] * shape[1] * shape[2]
+    assert sharding.context_size(mesh) == shape[2]
 
 
 def test_make_mesh_accepts_config_object():
     mesh = sharding.make_mesh(SimpleNamespace(data=4, fsdp=2, tensor=1))
-    assert dict(mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 4, "fsdp": 2, "context": 1, "tensor": 1}
 
 
 def test_make_mesh_on_given_devices():
@@ -110,7 +114,7 @@ def test_logical_to_spec_default_rules():
     spec = sharding.logical_to_spec(("embed", "heads", "head_dim"), (16, 4, 8), mesh)
     assert spec == PartitionSpec("fsdp", "tensor", None)
     spec = sharding.logical_to_spec(("batch", None), (8, 5), mesh)
-    assert spec == PartitionSpec(("data", "fsdp"), None)
+    assert spec == PartitionSpec(("data", "fsdp", "context"), None)
 
 
 def test_indivisible_dim_is_replicated_with_a_note():
@@ -277,10 +281,9 @@ def test_describe_lists_every_parameter_and_totals():
 
 def test_batch_sharding_splits_the_device_axis():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    assert sharding.batch_sharding(mesh, 3).spec == PartitionSpec(None, ("data", "fsdp"), None)
-    assert sharding.batch_sharding(mesh, 2, device_axis=0).spec == PartitionSpec(
-        ("data", "fsdp"), None
-    )
+    axes = ("data", "fsdp", "context")
+    assert sharding.batch_sharding(mesh, 3).spec == PartitionSpec(None, axes, None)
+    assert sharding.batch_sharding(mesh, 2, device_axis=0).spec == PartitionSpec(axes, None)
     with pytest.raises(ShardingError):
         sharding.batch_sharding(mesh, 1)
 

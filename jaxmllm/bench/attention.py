@@ -89,13 +89,14 @@ def _peak_bytes(compiled) -> int | None:
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
 
 
-def _time(compiled, args, repeat: int) -> float:
+def median_time(compiled, args, repeat: int, clock=time.perf_counter) -> float:
+    """Median of `repeat` runs after one to warm up, by `clock` (wall time by default)."""
     jax.block_until_ready(compiled(*args))  # warm
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = clock()
         jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -134,16 +135,18 @@ def measure(row_len: int, args) -> dict:
         "tiles": len(tl),
         "doc_tiles": doc_tiles,
         "dense_tiles": (row_len // args.block) * (row_len // args.block + 1) // 2,
-        "sparse_s": _time(sparse_c, sparse_args, args.repeat),
+        "sparse_s": median_time(sparse_c, sparse_args, args.repeat),
         "sparse_bytes": _peak_bytes(sparse_c),
         "dense_bytes": _peak_bytes(dense_c) if dense_c is not None else None,
         "dense_measured": row_len <= args.dense_max,
     }
-    row["dense_s"] = _time(dense_c, dense_args, args.repeat) if row["dense_measured"] else None
+    row["dense_s"] = (
+        median_time(dense_c, dense_args, args.repeat) if row["dense_measured"] else None
+    )
     if jax.default_backend() == "gpu":
         fused_fwd = lambda q, k, v, s: cudnn.attend(q, k, v, s, causal=True, documents=len(sizes))
         fused_c = _grad_fn(fused_fwd).lower(*dense_args).compile()
-        row["cudnn_s"] = _time(fused_c, dense_args, args.repeat)
+        row["cudnn_s"] = median_time(fused_c, dense_args, args.repeat)
         row["cudnn_bytes"] = _peak_bytes(fused_c)
         want = jax.jit(sparse_fwd)(q, k, v, seg, sparse_args[-1])
         got = jax.jit(fused_fwd)(q, k, v, seg)

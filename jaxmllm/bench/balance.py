@@ -7,6 +7,8 @@
     python -m jaxmllm.bench.balance --mix omni --devices 8,64,512,2560 --simulate \
         [--devices-per-host 8] [--pair-capacity auto|whole] [--flops 4e14] \
         [--intra-bw 4.5e11] [--inter-bw 5e10] [--latency 1e-5]
+    python -m jaxmllm.bench.balance --context 2,4,8 [--mix ai2d,chartqa] [--tokens 8192] \
+        [--groups 8] [--max-steps 8]   # context groups: per-rank tiles (jaxmllm.bench.context)
 
 Capacities come from `suggest_capacities(..., match_llm=True)` for `--tokens` LLM tokens per
 device and microbatch (the LLM length may move one ladder step to match the modality ratios; the
@@ -371,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    src = ap.add_mutually_exclusive_group(required=True)
+    src = ap.add_mutually_exclusive_group()
     src.add_argument("--lengths", help="lengths file (JSONL, or an InternVL JSON table)")
     src.add_argument("--mix", help=f"built-in mix(es), comma-separated: {', '.join(MIXES)}")
     src.add_argument("--random", type=int, metavar="N",
@@ -413,7 +415,15 @@ def main(argv: list[str] | None = None) -> int:
         "cost columns; default the FLOP model of the default model config",
     )
     ap.add_argument("--plot", help="PNG of per-device load of one step (needs matplotlib)")
+    ap.add_argument("--context", help="context sizes (jaxmllm.bench.context's split tiles)")
+    ap.add_argument("--groups", type=int, default=8, help="--context: context groups")
     args = ap.parse_args(argv)
+    if args.context:
+        from jaxmllm.bench import context
+
+        return context.from_balance(args)
+    if not (args.lengths or args.mix or args.random):
+        ap.error("one of the arguments --lengths --mix --random (or --context) is required")
     model = ModelConfig()
     row_bytes = 2 * model.llm.width  # (an encoder output row: the LLM width in bf16)
     sim = (args.flops, args.intra_bw, args.inter_bw, args.latency, row_bytes)

@@ -8,7 +8,8 @@ the train step is built from abstract shapes only (no data read, no parameter ma
 the config's mesh, then lowered and compiled. Reported per depth: seconds to lower and to
 compile, this process's CPU time for both (steadier than wall time on a busy machine), the size
 of the lowered program (StableHLO characters: it should not grow with depth now that layers are
-scanned), parameter count, and XLA's temporary buffer size (where the backend reports it).
+scanned), parameter count, and XLA's temporary buffer size and a device's peak (arguments +
+outputs + temporaries, less the donated state the outputs reuse; where the backend reports it).
 Nothing is cached between depths: each one is a new program, and the persistent compilation
 cache is switched off.
 """
@@ -71,15 +72,27 @@ def measure(cfg: Config, mesh) -> dict:
         "stablehlo_chars": len(lowered.as_text()),
         "params": sum(math.prod(p.shape) for p in jax.tree.leaves(params)),
         "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
+        "peak_bytes": _peak(memory),
     }
+
+
+def _peak(memory) -> int | None:
+    """A device's memory while the step runs (arguments + outputs + temporaries, less what the
+    outputs reuse of the donated arguments), where the backend reports it."""
+    if memory is None:
+        return None
+    parts = ("argument", "output", "temp")
+    total = sum(getattr(memory, f"{p}_size_in_bytes", 0) for p in parts)
+    return int(total - getattr(memory, "alias_size_in_bytes", 0))
 
 
 def table(rows: list[dict]) -> str:
     cols = ["depth", "lower s", "compile s", "total s", "CPU s", "StableHLO chars", "params"]
-    cols.append("temp MiB")
+    cols += ["temp MiB", "peak MiB"]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
+    mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"
     for r in rows:
-        temp = "-" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2**20:.0f}"
+        temp = mib(r["temp_bytes"])
         cells = [
             str(r["depth"]),
             f"{r['lower_s']:.1f}",
@@ -89,6 +102,7 @@ def table(rows: list[dict]) -> str:
             f"{r['stablehlo_chars']:,}",
             f"{r['params'] / 1e6:.1f}M",
             temp,
+            mib(r["peak_bytes"]),
         ]
         lines.append(" | ".join(cells))
     return "\n".join(lines)

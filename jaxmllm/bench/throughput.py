@@ -25,7 +25,9 @@ shapes, one device at a time, and the step is reported as the slowest of them
 (`tokens_per_s_max_device`, `step_time_max_device_s`, and `device_time_max_mean`: slowest /
 mean). Under fixed shapes every device computes its whole bucket, so these differ between
 policies through the capacities (tokens, patches, tiles) rather than between devices. The
-encoder-row exchange is not in it (see `xchg MB`). `--no-per-device` skips it.
+encoder-row exchange is not in it (see `xchg MB`). `--no-per-device` skips it, and so does
+`mesh.context` > 1 (a device's part of a split row needs its group's keys: `jaxmllm.bench.context`
+times the ranks' attention alone instead).
 """
 
 from __future__ import annotations
@@ -274,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     mesh = sharding.make_mesh(cfg.mesh)
     devices = sharding.data_parallel_size(mesh)
     with jax.set_mesh(mesh):
-        runs = setup(cfg, policies, mesh, per_device=not args.no_per_device)
+        alone = not args.no_per_device and cfg.mesh.context == 1  # (see the module doc)
+        runs = setup(cfg, policies, mesh, per_device=alone)
         for run in runs:
             for _ in range(args.warmup):
                 run.run_step(mesh, measure=False)

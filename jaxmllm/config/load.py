@@ -69,6 +69,35 @@ class Config:
             "set data.eval.source: none, or jsonl / arrayrecord with a held-out data.eval.path",
             "data.eval.source",
         )
+        if self.mesh.context > 1:
+            self._check_context()
+
+    def _check_context(self) -> None:
+        """Context parallelism deals a row's query blocks of block-sparse attention to the
+        ranks, and plans its LLM rows per group: the one planner that does is orchestrated."""
+        check(
+            self.model.attention == "block_sparse",
+            f"must be block_sparse with mesh.context={self.mesh.context} (the context ranks "
+            "attend over the tiles of the query blocks dealt to them), or set mesh.context: 1",
+            "model.attention",
+        )
+        check(
+            self.batch.planner == "orchestrated",
+            f"must be orchestrated with mesh.context={self.mesh.context} (it plans LLM rows per "
+            "context group and routes encoder rows to the rank holding each placeholder), or "
+            "set mesh.context: 1",
+            "batch.planner",
+        )
+        # The split masks a gathered key as causal by its true position (key <= query): M-RoPE's
+        # positions are not in token order (an image's tokens share a time, its text resumes
+        # past the grid), so that mask would be wrong.
+        check(
+            not any(self.model.llm.mrope_section),
+            f"{list(self.model.llm.mrope_section)} (M-RoPE) is not supported with "
+            f"mesh.context={self.mesh.context}: context parallelism masks keys by 1D token "
+            "positions; set model.llm.mrope_section: [0, 0, 0] or mesh.context: 1",
+            "model.llm.mrope_section",
+        )
 
     def _check_blocks(self) -> None:
         """Block-sparse attention cuts every packed row into blocks of batch.attention_block."""

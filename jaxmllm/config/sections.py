@@ -18,8 +18,19 @@ class MeshConfig:
 
     data: int = -1  # pure data parallelism (replicated params); slowest axis, spans hosts
     fsdp: int = 1  # data parallelism with params/optimizer state sharded over this axis
+    # Context parallelism: an LLM row is split over this many devices (a context group, inside
+    # a host), batch.llm_row_len tokens each, keys and values gathered over the group; the
+    # encoders see its devices as more data-parallel ones. 1 = off.
+    context: int = 1
     tensor: int = 1  # tensor parallelism (heads, MLP width, vocab); fastest axis
     cpu_devices: int = 0  # split CPU-only hosts into this many devices, all processes; 0 = as is
+
+    def __post_init__(self):
+        check(
+            isinstance(self.context, int) and self.context >= 1,
+            "must be >= 1 (the devices one LLM row is split over; 1 = no context parallelism)",
+            "context",
+        )
 
 
 @dataclass(frozen=True)
@@ -87,6 +98,12 @@ class SyntheticConfig:
     min_audio_frames: int = 16  # shortest clip in log-mel frames
     max_audio_frames: int = 128  # longest clip in log-mel frames
     max_text_words: int = 24  # longest text-only sample in words
+    text_tokens: int = 0  # > 0: every text-only sample a counting run of exactly this many
+    # tokens instead (long documents, e.g. for mesh.context); 0 = up to max_text_words words
+
+    def __post_init__(self):
+        check(self.text_tokens == 0 or self.text_tokens >= 3, "must be 0, or >= 3 (BOS and EOS "
+              "around the text)", "text_tokens")  # fmt: skip
 
 
 @dataclass(frozen=True)

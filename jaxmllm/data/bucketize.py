@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmllm.config import Config
+from jaxmllm.data.contextsplit import Split, group_text, local_groups
 from jaxmllm.data.samples import LengthsIndex, Sample
 from jaxmllm.data.specials import RESERVED, Specials
 from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
@@ -140,20 +141,31 @@ def bucketize(
     pos = np.arange(caps.devices) if positions is None else np.asarray(positions, np.int64)
     local[pos] = np.arange(len(pos))
     batch = empty_batch(cfg, caps.devices, None if positions is None else len(pos), specials.pad)
-    seg_counter: dict[tuple[int, int, int], int] = {}
+    # Text goes to its LLM bucket's rows: a device's, or a context group's (then dealt).
+    grouped = caps.context > 1
+    text = group_text(batch, caps, specials.pad) if grouped else batch
+    home = local_groups(local, caps.context) if grouped else local  # bucket -> this host's
+    seg_counter: dict[tuple[int, ...], int] = {}
     slots: list[list[np.ndarray] | None] = [None] * len(plan.samples)
+    row_len = caps.llm_bin_len
     for k, s in enumerate(plan.samples.tolist()):
-        d = int(local[plan.device[k]])
+        d = int(home[plan.device[k]])
         if d < 0:  # text on another host
             continue
         sample = samples[s]
         if sample is None:  # failed to load (data.on_error=skip): its slots stay padding
             continue
         m, r, o = int(plan.micro[k]), int(plan.row[k]), int(plan.offset[k])
-        seg = seg_counter[(m, d, r)] = seg_counter.get((m, d, r), 0) + 1
-        _write_text(batch, (m, d, r), o, seg, sample, specials, cfg.model.vision.merge)
+        key = (m, d) if grouped else (m, d, r)  # (a group's segments: one count, all rows)
+        seg = seg_counter[key] = seg_counter.get(key, 0) + 1
+        _write_text(text, (m, d, r), o, seg, sample, specials, cfg.model.vision.merge)
+        # placeholder slots: index into the bucket's rows flattened
         media = (specials.image, specials.audio)
-        slots[k] = [o + np.flatnonzero(sample.tokens == t) for t in media]
+        slots[k] = [r * row_len + o + np.flatnonzero(sample.tokens == t) for t in media]
+    split = None
+    if grouped:
+        groups = np.flatnonzero(home >= 0)
+        split = Split.deal(text, batch, caps, cfg.batch.llm_tiles, plan.step, groups)
     for phase, key, items, which, per_row in (
         ("vision", "vision_patches", plan.vision, 0, caps.merge_area),
         ("audio", "audio_frames", plan.audio, 1, caps.subsample),
@@ -161,10 +173,11 @@ def bucketize(
         if key in batch:
             units = _index_units(index, plan, items, phase)
             _write_items(
-                batch, phase, plan, items, samples, slots, which, per_row, caps, local, units
-            )
+                batch, phase, plan, items, samples, slots, which, per_row, caps,
+                (local, home, split), units,
+            )  # fmt: skip
     if cfg.model.attention == "block_sparse":
-        _write_tiles(batch, cfg, plan.step, pos)
+        _write_tiles(batch, cfg, plan.step, pos, skip=("llm",) if grouped else ())
     elif cfg.model.attention == "cudnn":
         _check_documents(batch, cfg, plan.step, pos)
     return batch
@@ -194,11 +207,14 @@ def _check_documents(batch, cfg: Config, step: int, positions: np.ndarray) -> No
             )
 
 
-def _write_tiles(batch, cfg: Config, step: int, positions: np.ndarray) -> None:
+def _write_tiles(batch, cfg: Config, step: int, positions: np.ndarray, skip=()) -> None:
     """Each bucket's attention tile list, read off the segment ids just written (a document is
-    a run of one segment id; the planner kept every bucket's tiles within its capacity)."""
+    a run of one segment id; the planner kept every bucket's tiles within its capacity);
+    phases in `skip` have theirs already (a context split)."""
     block, sub = cfg.batch.attention_block, cfg.model.audio.stride
     for phase, cap in tile_capacities(cfg).items():
+        if phase in skip:
+            continue
         seg = batch[f"{phase}_segment_ids"]
         if phase == "audio":
             seg = seg[..., ::sub]  # the encoder attends over rows of `sub` frames
@@ -254,17 +270,27 @@ def _write_items(
     which: int,
     per_row: int,
     caps: Capacities,
-    local: np.ndarray,
+    hosts: tuple,
     units: np.ndarray | None,
 ) -> None:
     """Writes encoder inputs and the routing of their output rows to LLM placeholder slots.
 
-    `local[g]` is global device g's row in this host's arrays, -1 when another host holds it.
+    `hosts` = (local, home, split): `local[g]` is global device g's row in this host's arrays,
+    `home[b]` LLM bucket b's (a device or a context group), -1 when another host holds it;
+    `split` where a context split moved each token of a group's rows (None: no groups).
+
+    A row reaches its slot from the device that holds it after the exchange: the encoding
+    device when it is in the text's bucket (local), else the bucket's device at the encoding
+    device's position in its own group (`recv`: the text's device without groups), at
+    N + src * C + c of its received rows. With groups the slots read the group's rows
+    gathered, each device's N + D * C after the other ("base").
     """
+    local, home, split = hosts
     data_key = "vision_patches" if phase == "vision" else "audio_frames"
     src_key = f"llm_{phase}_src"
-    pair_cap = caps.route_pair_capacity
+    pair_cap, ctx = caps.route_pair_capacity, caps.context
     own_rows = batch[data_key].shape[2] // per_row  # received rows follow the own ones
+    gathered = own_rows + caps.devices * pair_cap if ctx > 1 else 0  # a device's buffer
     seg_counter: dict[tuple[int, int], int] = {}
     pair_fill: dict[tuple[int, int, int], int] = {}
     used = [0] * len(plan.samples)  # placeholder slots consumed per owner sample
@@ -273,7 +299,7 @@ def _write_items(
         owner, j = int(items.owner[k]), int(items.item[k])
         m, enc_dev, off = int(plan.micro[owner]), int(items.device[k]), int(items.offset[k])
         d, r = int(plan.device[owner]), int(plan.row[owner])
-        enc_here, text_here = local[enc_dev] >= 0, local[d] >= 0
+        enc_here, text_here = local[enc_dev] >= 0, home[d] >= 0
         if not (enc_here or text_here):
             continue  # both ends on other hosts
         sample = samples[int(plan.samples[owner])]
@@ -299,30 +325,42 @@ def _write_items(
         if text_here and slots[owner] is not None:
             dest = slots[owner][which][used[owner] : used[owner] + len(rows)]
             used[owner] += len(rows)
-        if pair_cap == 0 or enc_dev == d:  # the local path: no exchange
-            if enc_dev != d:
+        recv = d * ctx + enc_dev % ctx  # (= d without groups)
+        base = (enc_dev % ctx) * gathered  # (0 without groups)
+        if pair_cap == 0 or enc_dev // ctx == d:  # the local path: no exchange
+            if enc_dev // ctx != d:
                 raise ValueError(
                     f"plan step {plan.step}: sample {int(plan.samples[owner])} {phase} item "
                     f"{j} is on another device but batch.route_pair_capacity is 0"
                 )
             if dest is not None:
-                batch[src_key][m, local[d], r, dest] = rows
+                _fill(batch[src_key][m], (home, split, m, d, r), dest, base + rows)
             continue
-        c0 = pair_fill.get((m, enc_dev, d), 0)
+        c0 = pair_fill.get((m, enc_dev, recv), 0)
         if c0 + len(rows) > pair_cap:
             raise ValueError(
-                f"plan step {plan.step}: device {enc_dev} -> {d} needs more than "
+                f"plan step {plan.step}: device {enc_dev} -> {recv} needs more than "
                 f"batch.route_pair_capacity={pair_cap} {phase} rows"
             )
-        pair_fill[(m, enc_dev, d)] = c0 + len(rows)
+        pair_fill[(m, enc_dev, recv)] = c0 + len(rows)
         if enc_here and sample is not None:
             e = int(local[enc_dev])
-            batch[f"{phase}_send_count"][m, e, d] = c0 + len(rows)  # rows a ragged send moves
-            batch[f"{phase}_send"][m, e, d, c0 : c0 + len(rows)] = rows
+            batch[f"{phase}_send_count"][m, e, recv] = c0 + len(rows)  # rows a ragged send moves
+            batch[f"{phase}_send"][m, e, recv, c0 : c0 + len(rows)] = rows
         if dest is not None:
-            batch[src_key][m, local[d], r, dest] = (
-                own_rows + enc_dev * pair_cap + c0 + np.arange(len(rows))
-            )
+            got = base + own_rows + enc_dev * pair_cap + c0 + np.arange(len(rows))
+            _fill(batch[src_key][m], (home, split, m, d, r), dest, got)
+
+
+def _fill(src_drl: np.ndarray, where: tuple, dest: np.ndarray, values: np.ndarray) -> None:
+    """Writes `values` into one microbatch's slot sources [D, R, L] at the bucket's slots
+    `dest` (index into its rows flattened); `where` = (home, split, m, bucket, row)."""
+    home, split, m, d, _ = where
+    if split is None:
+        src_drl[home[d]].reshape(-1)[dest] = values
+        return
+    device, flat = split.where(m, int(home[d]), dest)
+    src_drl.reshape(len(src_drl), -1)[device, flat] = values
 
 
 def fill_stats(batch: dict[str, np.ndarray]) -> dict[str, float]:

@@ -41,13 +41,14 @@ from jaxmllm.plan.capacity import (
     ROUTE_DRY_RUN_STEPS,
     dry_run_documents,
     dry_run_tiles,
+    encoder_capacities,
     held_tiles,
     largest_doc_tiles,
     most_documents,
     route_capacity,
     suggest_capacities,
 )
-from jaxmllm.plan.contract import Capacities, Planner
+from jaxmllm.plan.contract import Capacities, Planner, device_tile_caps
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
 
 log = logging.getLogger("jaxmllm")
@@ -86,14 +87,13 @@ def resolve_batch(cfg: Config, index: LengthsIndex, devices: int | None = None) 
         )
     changes = {}
     if b.capacity == "auto":
-        got = suggest_capacities(
-            index,
-            b.llm_rows * b.llm_row_len,
-            m.vision.merge**2,
-            m.audio.subsample,
-            max_row_len=b.llm_row_len,
-            block=b.attention_block if m.attention == "block_sparse" else 1,
-        )
+        block = b.attention_block if m.attention == "block_sparse" else 1
+        area, sub = m.vision.merge**2, m.audio.subsample
+        if cfg.mesh.context > 1:  # (a device's tokens: its share of its group's longer rows)
+            got = encoder_capacities(index, b.llm_rows * b.llm_row_len, area, sub, block=block)
+        else:
+            got = suggest_capacities(index, b.llm_rows * b.llm_row_len, area, sub,
+                                     max_row_len=b.llm_row_len, block=block)  # fmt: skip
         for key in ("vision_patches", "audio_frames"):
             value = getattr(got, key)
             if value:  # 0: the data has none of it; keep the configured bucket
@@ -191,7 +191,7 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
         if steps < cfg.train.steps:
             need = {p: math.ceil(n * (1 + DRY_RUN_HEADROOM)) for p, n in need.items()}
     # Documents the dry run did not meet fit too, wherever in a block they start.
-    least = largest_doc_tiles(index, caps)
+    least = device_tile_caps(caps, largest_doc_tiles(index, caps))
     need = {p: max(n, least[p]) for p, n in need.items()}
     return {key: max(need[key.removesuffix("_tiles")], 1) for key in keys}
 
@@ -245,6 +245,7 @@ def capacities(cfg: Config, devices: int) -> Capacities:
         audio_stride=0 if m.audio.stride == m.audio.subsample else m.audio.stride,
         route_pair_capacity=b.route_pair_capacity,
         devices_per_host=max(b.devices_per_host, 0),
+        context=cfg.mesh.context,
         block=b.attention_block if sparse else 0,
         llm_tiles=max(b.llm_tiles, 0) if sparse else 0,
         vision_tiles=max(b.vision_tiles, 0) if sparse and m.vision.enabled else 0,
@@ -295,7 +296,7 @@ class StepIterator(grain.DatasetIterator):
         if self.loader is None:  # made on first use: worker processes start here
             self.loader = Loader(self.cfg, self.source, self.reject_log)
             self.loader.log.counts.update(self._restored_rejects)
-        parts = local_parts(plan, self.positions, self.caps.devices)
+        parts = local_parts(plan, self.positions, self.caps.devices, self.caps.context)
         # A sample that fails to load is None under data.on_error=skip: its slots stay padding.
         # On several hosts each decodes only the images and clips its own devices encode.
         media = None if self.positions is None else local_media(parts)
@@ -330,17 +331,20 @@ class StepIterator(grain.DatasetIterator):
             self.loader.log.counts.update(self._restored_rejects)
 
 
-def local_parts(plan, positions: np.ndarray | None, devices: int) -> dict[str, np.ndarray]:
+def local_parts(
+    plan, positions: np.ndarray | None, devices: int, context: int = 1
+) -> dict[str, np.ndarray]:
     """What a host holding `positions` needs of a plan (all of it when positions is None).
 
-    text: samples whose text is on those positions; vision / audio: [k, 2] (sample, item) pairs
-    encoded there; read: the samples to load (text here, or an item encoded here).
+    text: samples whose text is on those positions (on their context groups, `context` > 1);
+    vision / audio: [k, 2] (sample, item) pairs encoded there; read: the samples to load (text
+    here, or an item encoded here).
     """
     mine = np.ones(devices, bool)
     if positions is not None:
         mine[:] = False
         mine[positions] = True
-    text = plan.samples[mine[plan.device]]
+    text = plan.samples[mine.reshape(-1, context).all(1)[plan.device]]
     out = {"text": text}
     read = [text]
     for phase, items in (("vision", plan.vision), ("audio", plan.audio)):

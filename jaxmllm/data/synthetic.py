@@ -140,9 +140,12 @@ class SyntheticSource:
     # ------------------------------------------------------------------ rendering
 
     def _text_tokens(self, p: dict) -> np.ndarray:
-        text = " ".join(str(p["start"] + k) for k in range(p["words"]))
+        n = self.syn.text_tokens  # (0: the sample's own words; > 0: exactly n tokens)
+        words = n // 2 + 1 if n else p["words"]  # (a word and its space: 2 bytes at least)
+        text = self.tokenizer.encode(" ".join(str(p["start"] + k) for k in range(words)))
+        text = text[: n - 2] if n else text
         sp = self.specials
-        return np.concatenate([[sp.bos], self.tokenizer.encode(text), [sp.eos]]).astype(np.int32)
+        return np.concatenate([[sp.bos], text, [sp.eos]]).astype(np.int32)
 
     def _text_sample(self, i: int, p: dict) -> Sample:
         tokens = self._text_tokens(p)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmllm.models import blocksparse, cudnn
+from jaxmllm.models import context as ctx
 from jaxmllm.models.layers import ROPE, Dense
 
 
@@ -37,6 +38,8 @@ class Packing:
     causal: bool = dataclasses.field(default=False, metadata=dict(static=True))
     kind: str = dataclasses.field(default="dense", metadata=dict(static=True))
     documents: int = dataclasses.field(default=0, metadata=dict(static=True))  # cudnn: per row
+    # block-sparse rows split over the mesh's context groups (`jaxmllm.models.context`)
+    context: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 def packing(
@@ -47,13 +50,17 @@ def packing(
     tiles_bk2: jax.Array | None = None,
     block: int = 0,
     documents: int = 0,
+    context: bool = False,
 ) -> Packing:
     """The `Packing` of rows with these segment ids for attention `kind` (`model.attention`);
-    `documents`: cudnn's bound on documents per row (`batch.*_documents`, 0: the row length)."""
+    `documents`: cudnn's bound on documents per row (`batch.*_documents`, 0: the row length);
+    `context`: block-sparse rows split over the mesh's context groups, when it has them."""
     if kind == "block_sparse":
         if tiles_bk2 is None:
             raise ValueError("block-sparse attention needs the tile list (batch *_tiles)")
-        return Packing(segment_ids_bt, tiles=tiles_bk2, block=block, causal=causal, kind=kind)
+        context = context and ctx.context_size() > 1
+        return Packing(segment_ids_bt, tiles=tiles_bk2, block=block, causal=causal, kind=kind,
+                       context=context)  # fmt: skip
     if kind == "cudnn":
         return Packing(segment_ids_bt, causal=causal, kind=kind, documents=documents)
     mask = attention_mask(segment_ids_bt, causal=causal)
@@ -145,7 +152,12 @@ class Attention(nnx.Module):
           [B, T, width] in the compute dtype.
         """
         q_bthe, k_bske, v_bske = self.project(x_btd, positions)
-        if pack.kind == "block_sparse":
+        if pack.context:  # (block-sparse, the row split over a context group)
+            out_bthe = ctx.attend(
+                q_bthe, k_bske, v_bske, pack.segment_ids, positions, pack.tiles,
+                block=pack.block, causal=pack.causal,
+            )  # fmt: skip
+        elif pack.kind == "block_sparse":
             out_bthe = blocksparse.attend(
                 q_bthe, k_bske, v_bske, pack.segment_ids, pack.tiles,
                 block=pack.block, causal=pack.causal,

@@ -108,6 +108,7 @@ class Decoder(nnx.Module):
             tiles_bk2=tiles_bk2,
             block=self.block,
             documents=self.documents,
+            context=True,  # split over the mesh's context groups, if it has them
         )
         return self.transformer(x_btd, pack, positions_bt)
 

@@ -5,7 +5,8 @@ token's own embedding, i >= 0 replaces it with row i of the device's row buffer.
 buffer is the device's own projector output [N rows]. In routed mode it is [own N rows | D*C
 received rows]: rows encoded on the text's device take the local path, the others arrive by one
 all-to-all at a fixed per-pair capacity C, so encoder load can be balanced independently of where
-the text lands.
+the text lands. With context groups (`mesh.context` > 1) each device's buffer is gathered over its
+group (`models.context.gather_rows`): a slot indexes the group's buffers, device after device.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from jax.sharding import PartitionSpec
 
 from jaxmllm.config import BatchConfig, ModelConfig
 from jaxmllm.models.audio import AudioEncoder
+from jaxmllm.models.context import gather_rows
 from jaxmllm.models.layers import Axes
 from jaxmllm.models.llm import Decoder, chunked_token_losses
 from jaxmllm.models.projectors import audio_projector, vision_projector
@@ -129,6 +131,7 @@ class MultimodalLM(nnx.Module):
             [mb.get(f"{p}_send") for _, p in phases],
             [mb.get(f"{p}_send_count") for _, p in phases],
         )
+        buffers = [gather_rows(b) for b in buffers]  # (a context group's slots read its rows)
         for buffer, (_, phase) in zip(buffers, phases, strict=True):
             x_drlw = fill_slots(x_drlw, buffer, mb[f"llm_{phase}_src"])
         return x_drlw

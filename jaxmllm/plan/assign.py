@@ -17,7 +17,13 @@ from typing import Protocol
 import numpy as np
 
 from jaxmllm.data.samples import LengthsIndex
-from jaxmllm.plan.contract import Capacities, OversizeError, check_fits, check_tiles_fit
+from jaxmllm.plan.contract import (
+    Capacities,
+    OversizeError,
+    check_fits,
+    check_tiles_fit,
+    llm_row_key,
+)
 from jaxmllm.plan.pack import pack_phase
 from jaxmllm.plan.route import keep_capacity, localize
 from jaxmllm.plan.work import ENC, Micro, Phases
@@ -63,6 +69,11 @@ class JointAssignment:
     routed = False
 
     def check(self, index: LengthsIndex, caps: Capacities) -> None:
+        if caps.context > 1:
+            raise ValueError(
+                "balanced places whole samples on a device: it plans no context groups "
+                "(mesh.context > 1 takes batch.planner: orchestrated)"
+            )
         check_fits(index, caps)
 
     def samples(self, ph: Phases, mb: Micro, s: np.ndarray, urgent: np.ndarray) -> np.ndarray:
@@ -131,7 +142,7 @@ class RoutedAssignment:
                 "item's encoder rows, or vision_patches / merge^2)"
             )
         llm = index.llm_tokens(caps.merge_area, caps.subsample)
-        checks = [("batch.llm_row_len", llm, caps.llm_row_len)]
+        checks = [(llm_row_key(caps), llm, caps.llm_bin_len)]
         for key, values, cap, per in (
             ("batch.vision_patches", index.images, caps.vision_patches, caps.merge_area),
             ("batch.audio_frames", index.audio, caps.audio_frames, caps.subsample),
@@ -159,14 +170,15 @@ class RoutedAssignment:
         check_tiles_fit(index, caps)
 
     def samples(self, ph: Phases, mb: Micro, s: np.ndarray, urgent: np.ndarray) -> np.ndarray:
-        """The LLM phase on its own: samples to rows (bins of llm_row_len)."""
-        rows, _ = pack_phase(ph.llm[s], mb.rows, ph.caps.llm_row_len, urgent)
+        """The LLM phase on its own: samples to rows (bins of llm_row_len, or of a context
+        group's rows)."""
+        rows, _ = pack_phase(ph.llm[s], mb.rows, ph.caps.llm_bin_len, urgent)
         return rows
 
     def items(self, ph, mb, rows, items, urgent, ok):
         """Each encoder phase on its own, then exchanges towards the text's device."""
         devs, groups = {}, {}
-        home_all = np.where(rows >= 0, rows // ph.caps.llm_rows, -1)
+        home_all = text_home(rows, ph.caps)
         for p in ENC:
             owner, _, size = items[p]
             dev = np.full(len(owner), -1, np.int64)
@@ -178,7 +190,7 @@ class RoutedAssignment:
                 ph.cap[p],
                 urgent[owner[sel]],
                 home_all[owner[sel]],
-                ph.caps.devices_per_host,
+                near(ph.caps),
             )
             ok[owner[sel[dev[sel] < 0]]] = False
             devs[p], groups[p] = dev, group
@@ -188,8 +200,25 @@ class RoutedAssignment:
             keep = np.flatnonzero(ok[owner])
             home = home_all[owner[keep]]
             old = dev[keep]
-            new = localize(groups[p][keep], old, home, ph.caps.devices, ph.caps.devices_per_host)
+            new = localize(groups[p][keep], old, home, ph.caps.devices, near(ph.caps))
             dev[keep] = keep_capacity(groups[p][keep], new, old, size[keep], mb.enc[p], ph.cap[p])
             over = mb.routes[p].overflow(size[keep], dev[keep], home)
             ok[owner[keep[over]]] = False
         return ok, devs  # (the balancer counts the routed rows of what it finally keeps)
+
+
+def text_home(rows: np.ndarray, caps: Capacities) -> np.ndarray:
+    """Per sample placed at LLM row bin `rows` (-1: not placed), the device its items would
+    rather be encoded on: its text's; with context groups a device of its text's group, spread
+    over them by position (its placeholder tokens may be dealt to any of them)."""
+    bucket = rows // caps.llm_rows
+    if caps.context > 1:
+        bucket = bucket * caps.context + np.arange(len(rows)) % caps.context
+    return np.where(rows >= 0, bucket, -1)
+
+
+def near(caps: Capacities) -> int:
+    """The devices an item not at home prefers next (routing's `per_host`): its home's host,
+    or with context groups its home's group (an item there needs no exchange at all; the
+    groups lie within a host)."""
+    return caps.context if caps.context > 1 else caps.devices_per_host

@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmllm.data.samples import LengthsIndex
-from jaxmllm.plan.assign import Assignment
+from jaxmllm.plan.assign import Assignment, text_home
 from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
 from jaxmllm.plan.ragged import gather_items, offsets_in_bins
 from jaxmllm.plan.select import Selector
@@ -179,7 +179,7 @@ class Balancer:
             keep = ok[owner]
             mb.items[p].append((entries[owner[keep]], j[keep], size[keep], dev[keep]))
             # (the route capacity counts what is kept: not what a tile capacity turned away)
-            mb.routes[p].add(size[keep], dev[keep], rows[owner[keep]] // self.caps.llm_rows)
+            mb.routes[p].add(size[keep], dev[keep], text_home(rows, self.caps)[owner[keep]])
         mb.entries.append(entries[ok])
         mb.row_bin.append(rows[ok])
         if len(retry) and retries:

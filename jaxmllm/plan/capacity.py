@@ -23,6 +23,7 @@ from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.plan.contract import (
     Capacities,
     Planner,
+    device_tile_caps,
     documents,
     pair_rows,
     step_documents,
@@ -132,6 +133,24 @@ def suggest_capacities(
     return best[1]
 
 
+def encoder_capacities(
+    index: LengthsIndex,
+    llm_tokens_per_device: int,
+    merge_area: int,
+    subsample: int,
+    *,
+    per_octave: int = 8,
+    block: int = 1,
+) -> CapacitySuggestion:
+    """Encoder buckets matched to exactly `llm_tokens_per_device` LLM tokens a device (as one
+    row): where the LLM rows are not a device's (a context group's rows are longer than any
+    device's tokens, and its longest document no measure of a device's share)."""
+    llm = index.llm_tokens(merge_area, subsample)
+    return _encoder_caps(
+        index, llm, 1, llm_tokens_per_device, merge_area, subsample, per_octave, block
+    )
+
+
 def _encoder_caps(
     index: LengthsIndex,
     llm: np.ndarray,
@@ -202,21 +221,24 @@ def suggest_tiles(
     headroom: float = TILE_HEADROOM,
     density: dict[str, float] | None = None,
 ) -> dict[str, int]:
-    """Tile capacities per device for a planner that holds them (orchestrated): the mean need
+    """Tile capacities per bucket for a planner that holds them (orchestrated): the mean need
     of a bucket filled to the phase's long-run share (1 for the phases that bind, less for the
     others: their buckets are filled only as far as the data's mix has work for them) plus
     `headroom`, at least the largest document's own tiles, at most every tile of the bucket's
-    rows (0 for a phase without data). `density`: `tile_density(index, caps)`, when the
-    caller has it."""
+    rows (0 for a phase without data). An LLM bucket is a device or a context group
+    (`contract.device_tile_caps` gives a device's). `density`: `tile_density(index, caps)`,
+    when the caller has it."""
     units = {
-        "llm": caps.llm_rows * caps.llm_row_len,
+        "llm": caps.llm_rows * caps.llm_bin_len,
         "vision": caps.vision_patches,
         "audio": caps.audio_frames // caps.audio_per_row,
     }
     rows = {"llm": caps.llm_rows, "vision": 1, "audio": 1}
     largest = {p: n for p, (n, _, _) in documents(index, caps).items()}
     work = {p: float(largest[p].sum()) for p in units}
-    demand = {p: work[p] / units[p] if units[p] else 0.0 for p in units}
+    # (per device: a group's LLM bucket is context devices' units)
+    devices = {"llm": caps.context, "vision": 1, "audio": 1}
+    demand = {p: work[p] * devices[p] / units[p] if units[p] else 0.0 for p in units}
     top = max(demand.values()) or 1.0
     share = {p: 1.0 if demand[p] >= BINDING * top else demand[p] / top for p in units}
     out = {}
@@ -235,7 +257,8 @@ def suggest_tiles(
 
 def largest_doc_tiles(index: LengthsIndex, caps: Capacities) -> dict[str, int]:
     """Per phase, the tiles the data's largest document needs wherever in a block it starts
-    (it may span one block more than its size in blocks): the least a tile capacity can be."""
+    (it may span one block more than its size in blocks): the least a bucket's tile capacity
+    can be."""
     out = {}
     for phase, (n, causal, _) in documents(index, caps).items():
         n = n[n > 0]
@@ -287,16 +310,20 @@ def held_tiles(
     The headroom is TILE_HEADROOM, or with `make` (a planner on given capacities) and
     `weights` (per phase: FLOPs per unit, per computed tile, from the cost model) the one of
     HELD_HEADROOMS whose plans do the most useful work per FLOP the buckets compute
-    (`goodput`) over HELD_TRIAL_STEPS plans each."""
+    (`goodput`) over HELD_TRIAL_STEPS plans each.
+
+    Returns the `*_tiles` capacities (a device's, where an LLM bucket is a context group:
+    `contract.device_tile_caps`)."""
     most, mean = dry_run_tile_stats(planner, index, caps, steps)
     least = largest_doc_tiles(index, caps)
     density = tile_density(index, caps)  # (once for every headroom tried)
 
     def at(headroom: float) -> dict[str, int]:
-        return {
+        bucket = {
             p: max(least[p], min(n, most[p], math.ceil(mean[p] * (1 + headroom)))) if n else 0
             for p, n in suggest_tiles(index, caps, headroom, density).items()
         }
+        return device_tile_caps(caps, bucket)
 
     if make is None or weights is None:
         return at(TILE_HEADROOM)

@@ -39,6 +39,11 @@ class Capacities:
     # Data-parallel positions per host (devices h * n ... (h + 1) * n - 1 on host h; 0 = all on
     # one host): routing keeps an item that cannot stay home on its text's host where it can
     devices_per_host: int = 0
+    # Context parallelism (`jaxmllm.plan.context`): devices c * n ... (c + 1) * n - 1 form group
+    # c, whose LLM bucket is llm_rows rows of context * llm_row_len tokens (a sample's text is
+    # placed on a group; its query blocks are dealt to the group's devices, llm_row_len tokens
+    # each); the encoders keep one bucket per device. 1 = every device its own LLM bucket.
+    context: int = 1
     # Frames per audio encoder row (what its attention sees); 0 = subsample (the pairs stem;
     # Whisper's stem is 2: its projector then merges subsample / 2 rows per LLM token)
     audio_stride: int = 0
@@ -51,6 +56,17 @@ class Capacities:
     def tile_caps(self) -> dict[str, int]:
         """Per phase, the tiles a device may compute (0 = no bound)."""
         return {"llm": self.llm_tiles, "vision": self.vision_tiles, "audio": self.audio_tiles}
+
+    @property
+    def llm_buckets(self) -> int:
+        """LLM buckets: one per device, or one per context group."""
+        return self.devices // self.context
+
+    @property
+    def llm_bin_len(self) -> int:
+        """Tokens of one LLM row of a bucket (a context group's rows are `context` devices'
+        rows long)."""
+        return self.context * self.llm_row_len
 
 
 @dataclass
@@ -80,7 +96,7 @@ class StepPlan:
     step: int
     samples: np.ndarray  # int64 [S] sample indices into the source / lengths index
     micro: np.ndarray  # [S] microbatch
-    device: np.ndarray  # [S] device holding the sample's text (the LLM phase)
+    device: np.ndarray  # [S] LLM bucket holding the sample's text: a device, or a context group
     row: np.ndarray  # [S] LLM row on that device
     offset: np.ndarray  # [S] first token in that row
     vision: ItemPlan = field(default_factory=ItemPlan.empty)
@@ -113,7 +129,7 @@ class OversizeError(ValueError):
 def check_fits(index: LengthsIndex, caps: Capacities) -> None:
     """Fails at start-up, naming the sample and the config key, if any sample can never fit."""
     llm = index.llm_tokens(caps.merge_area, caps.subsample)
-    checks = [("batch.llm_row_len", llm, caps.llm_row_len)]
+    checks = [(llm_row_key(caps), llm, caps.llm_bin_len)]
     if caps.vision_patches:
         checks.append(
             (
@@ -145,12 +161,19 @@ def check_fits(index: LengthsIndex, caps: Capacities) -> None:
     check_tiles_fit(index, caps)
 
 
+def llm_row_key(caps: Capacities) -> str:
+    """The config key(s) that set an LLM bucket's row length, for messages."""
+    if caps.context == 1:
+        return "batch.llm_row_len"
+    return f"batch.llm_row_len x mesh.context (a group's row, context {caps.context})"
+
+
 def documents(index: LengthsIndex, caps: Capacities) -> dict[str, tuple[np.ndarray, bool, int]]:
     """Per phase, what its attention sees: every document's size in the phase's units (LLM
     tokens of a sample, patches of an image, encoder rows of a clip = frames / audio stride),
     whether it is causal, and the length of one packed row of the phase's bucket."""
     return {
-        "llm": (index.llm_tokens(caps.merge_area, caps.subsample), True, caps.llm_row_len),
+        "llm": (index.llm_tokens(caps.merge_area, caps.subsample), True, caps.llm_bin_len),
         "vision": (index.images, False, caps.vision_patches),
         "audio": (
             index.audio // caps.audio_per_row,
@@ -167,25 +190,62 @@ def check_tiles_fit(index: LengthsIndex, caps: Capacities) -> None:
         return
     b = caps.block
     docs = documents(index, caps)
-    for phase, cap in caps.tile_caps().items():
+    for phase, cap in bucket_tile_caps(caps).items():
         sizes, causal, _ = docs[phase]
-        if not cap or not len(sizes):
+        if not caps.tile_caps()[phase] or not len(sizes):
             continue
         need = own_tiles(-(-sizes // b), causal)
         if need.max() > cap:
+            least = int(need.max())
+            if phase == "llm" and caps.context > 1:  # (a rank's share, and the dealing's slack)
+                least = -(-least // caps.context) + llm_deal_slack(caps)
             raise OversizeError(
                 f"a {phase} document of {int(sizes[np.argmax(need)])} units needs "
-                f"{int(need.max())} attention tiles of {b}, more than batch.{phase}_tiles={cap};"
-                f" raise batch.{phase}_tiles to at least {int(need.max())} (or -1: sized from "
-                "the data)"
+                f"{int(need.max())} attention tiles of {b}, more than batch.{phase}_tiles="
+                f"{caps.tile_caps()[phase]} allows; raise batch.{phase}_tiles to at least "
+                f"{least} (or -1: sized from the data)"
             )
+
+
+def llm_deal_slack(caps: Capacities) -> int:
+    """With context groups, how far above the group's mean tiles dealing its query blocks may
+    leave a rank: `context` (0 without groups). A block's tiles are the blocks of its document
+    up to it (a block two documents share adds no tile), so a group's blocks hold every count
+    from 2 to its longest document's blocks: sorted, they step by at most 1 (2 at the bottom,
+    from 2 to 0), a round of `context` of them spans at most `context`, and dealing a round's
+    largest to the least-loaded rank never widens the ranks' spread past a round's
+    (`jaxmllm.plan.context.deal`): no rank ends more than `context` above another."""
+    return caps.context if caps.context > 1 and caps.block else 0
+
+
+def device_tile_caps(caps: Capacities, bucket: dict[str, int]) -> dict:
+    """The inverse of `bucket_tile_caps`: per phase the `*_tiles` capacities whose buckets
+    hold `bucket` tiles (with context groups, an LLM group's share per device plus the slack
+    of dealing; the same values without)."""
+    out = dict(bucket)
+    if caps.context > 1 and out.get("llm"):
+        out["llm"] = -(-out["llm"] // caps.context) + llm_deal_slack(caps)
+    return out
+
+
+def bucket_tile_caps(caps: Capacities) -> dict[str, int]:
+    """Per phase, the tiles one bucket may need (0 = no bound): `caps.tile_caps()`, but with
+    context groups the LLM bucket is a group, whose ranks each compute `llm_tiles`: the group
+    holds context x (llm_tiles - `llm_deal_slack`), so that its blocks dealt to the ranks
+    keep every rank within llm_tiles (at least 1 where llm_tiles bounds: a capacity within
+    the slack holds nothing, and `check_tiles_fit` says so)."""
+    out = caps.tile_caps()
+    if caps.context > 1 and out["llm"]:
+        out["llm"] = max(caps.context * (out["llm"] - llm_deal_slack(caps)), 1)
+    return out
 
 
 def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
     """Raises ValueError unless the plan honours the contract (capacities, no overlap, every
     item of every planned sample placed once, items local or within the route capacity,
     attention tiles within their capacity)."""
-    d_n, r_n, row_len = caps.devices, caps.llm_rows, caps.llm_row_len
+    d_n, r_n, row_len = caps.devices, caps.llm_rows, caps.llm_bin_len
+    g_n = caps.llm_buckets
     llm = index.llm_tokens(caps.merge_area, caps.subsample)[plan.samples]
     if (
         len(plan.samples)
@@ -193,13 +253,13 @@ def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
             (plan.micro < 0)
             | (plan.micro >= caps.microbatches)
             | (plan.device < 0)
-            | (plan.device >= d_n)
+            | (plan.device >= g_n)
             | (plan.row < 0)
             | (plan.row >= r_n)
         ).any()
     ):
         raise ValueError(f"step {plan.step}: a sample outside the [M, D, R] buckets")
-    key = (plan.micro * d_n + plan.device) * r_n + plan.row
+    key = (plan.micro * g_n + plan.device) * r_n + plan.row
     _check_segments(plan.step, "llm", key, plan.offset, llm, row_len)
     for p, values, ptr, cap, per in (
         ("vision", index.images, index.images_ptr, caps.vision_patches, caps.merge_area),
@@ -219,7 +279,7 @@ def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
         if (it.offset % per).any():
             raise ValueError(f"step {plan.step}: {p} item offsets must be multiples of {per}")
         if caps.route_pair_capacity == 0:
-            if (it.device != plan.device[it.owner]).any():
+            if (it.device // caps.context != plan.device[it.owner]).any():
                 raise ValueError(f"step {plan.step}: {p} item away from its text, no routing")
             continue
         if pair_rows(plan, index, caps, p).max(initial=0) > caps.route_pair_capacity:
@@ -228,8 +288,9 @@ def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
                 f"route_pair_capacity={caps.route_pair_capacity}"
             )
     if caps.block:
+        caps_by_phase = bucket_tile_caps(caps)
         for p, need in step_tiles(plan, index, caps).items():
-            cap = caps.tile_caps()[p]
+            cap = caps_by_phase[p] if caps.tile_caps()[p] else 0
             if cap and need.max(initial=0) > cap:
                 raise ValueError(
                     f"step {plan.step}: a device needs {int(need.max())} {p} attention tiles, "
@@ -254,14 +315,17 @@ def item_rows(plan: StepPlan, index: LengthsIndex, caps: Capacities, phase: str)
 
 def pair_rows(plan: StepPlan, index: LengthsIndex, caps: Capacities, phase: str) -> np.ndarray:
     """Encoder output rows each (microbatch, src, dst) device pair carries in an encoder phase
-    of a plan, over the pairs that carry any (what `batch.route_pair_capacity` bounds)."""
+    of a plan, over the pairs that carry any (what `batch.route_pair_capacity` bounds).
+
+    With context groups dst is the text's group (`plan.device`), and an item encoded in it
+    needs no exchange: its group gathers its devices' rows (`route.Routes`)."""
     it: ItemPlan = getattr(plan, phase)
     home = plan.device[it.owner]
-    remote = it.device != home
+    remote = it.device // caps.context != home
     if not remote.any():
         return np.zeros(0, np.int64)
     d_n = caps.devices
-    pair = (plan.micro[it.owner] * d_n + it.device) * d_n + home
+    pair = (plan.micro[it.owner] * d_n + it.device) * caps.llm_buckets + home
     _, inv = np.unique(pair[remote], return_inverse=True)
     return np.bincount(inv, item_rows(plan, index, caps, phase)[remote]).astype(np.int64)
 
@@ -285,12 +349,14 @@ def phase_docs(
 
 
 def step_tiles(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> dict[str, np.ndarray]:
-    """Per phase, the attention tiles each bucket of the plan needs [microbatch, device]
-    (`jaxmllm.plan.tiles`; needs caps.block > 0)."""
-    m_n, d_n, out = caps.microbatches, caps.devices, {}
+    """Per phase, the attention tiles each bucket of the plan needs [microbatch, bucket]
+    (`jaxmllm.plan.tiles`; needs caps.block > 0); an LLM bucket is a context group when
+    caps.context > 1."""
+    m_n, out = caps.microbatches, {}
     for phase in PHASES:
         micro, dev, row, off, size = phase_docs(plan, index, caps, phase)
         rows = caps.llm_rows if phase == "llm" else 1
+        d_n = caps.llm_buckets if phase == "llm" else caps.devices
         bins = (micro * d_n + dev) * rows + row
         tiles = bin_tiles(bins, off, size, m_n * d_n * rows, caps.block, phase == "llm")
         out[phase] = tiles.reshape(m_n, d_n, rows).sum(2)
@@ -304,7 +370,8 @@ def step_documents(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> dic
     for phase in PHASES:
         micro, dev, row, _, size = phase_docs(plan, index, caps, phase)
         rows = caps.llm_rows if phase == "llm" else 1
-        bins = ((micro * caps.devices + dev) * rows + row)[size > 0]
+        d_n = caps.llm_buckets if phase == "llm" else caps.devices
+        bins = ((micro * d_n + dev) * rows + row)[size > 0]
         out[phase] = int(np.bincount(bins).max(initial=0)) if len(bins) else 0
     return out
 

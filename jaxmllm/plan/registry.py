@@ -35,9 +35,16 @@ PLANNERS: dict[str, PlannerFactory] = {
 HOLDS_TILES = frozenset({"orchestrated"})
 
 
+# The planners that plan LLM rows per context group (`Capacities.context` > 1).
+PLANS_CONTEXT = frozenset({"orchestrated"})
+
+
 def make_planner(name: str, index: LengthsIndex, caps: Capacities, seed: int) -> Planner:
     """The planner called `name` over `index`, with bucket capacities `caps`, drawing its sample
     stream from `seed`."""
     if name not in PLANNERS:
         raise ValueError(f"unknown planner {name!r}: one of {', '.join(sorted(PLANNERS))}")
+    if caps.context > 1 and name not in PLANS_CONTEXT:
+        raise ValueError(f"planner {name!r} plans no context groups (context {caps.context}): "
+                         f"use one of {', '.join(sorted(PLANS_CONTEXT))}")  # fmt: skip
     return PLANNERS[name](index, caps, seed)

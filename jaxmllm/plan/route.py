@@ -19,22 +19,37 @@ UNDO_ROUNDS = 3  # rounds undoing the groups of overfilled bins before all excha
 
 
 class Routes:
-    """Encoder rows one microbatch sends between devices in one phase, per (src, dst) pair."""
+    """Encoder rows one microbatch sends between devices in one phase, per (src, dst) pair.
 
-    def __init__(self, devices: int, per_row: int, capacity: int, bucket: int):
+    With context groups (`context` > 1) an item encoded in its text's group needs no exchange
+    (the group gathers its devices' rows), and one encoded elsewhere goes to the device of its
+    text's group at the position of its own in its group (`src % context`): the pair is
+    (src, the text's group, `home // context`)."""
+
+    def __init__(self, devices: int, per_row: int, capacity: int, bucket: int, context: int = 1):
         self.devices, self.per_row, self.capacity = devices, per_row, capacity
+        self.context = context
         # A route capacity of a device's whole encoder output (`bucket` units) never overflows.
         self.free = capacity >= bucket // per_row
         self.keys = np.zeros(0, np.int64)  # per routed item: src * devices + dst
         self.rows = np.zeros(0, np.int64)  # its encoder rows
+
+    def _routed(self, dev: np.ndarray, home: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(mask of the items that count, their (src, dst) keys)."""
+        if self.context == 1:
+            remote = dev != home
+            return remote, dev[remote] * self.devices + home[remote]
+        group = home // self.context
+        remote = dev // self.context != group
+        return remote, dev[remote] * (self.devices // self.context) + group[remote]
 
     def overflow(self, size: np.ndarray, dev: np.ndarray, home: np.ndarray) -> np.ndarray:
         """Mask of the items (encoded on `dev`, text on `home`) whose (src, dst) pair would
         exceed the route capacity, counting the rows already routed first."""
         if self.free:
             return np.zeros(len(size), bool)
-        remote = dev != home
-        keys = np.concatenate([self.keys, dev[remote] * self.devices + home[remote]])
+        remote, new_keys = self._routed(dev, home)
+        keys = np.concatenate([self.keys, new_keys])
         rows = np.concatenate([self.rows, size[remote] // self.per_row])
         order = np.argsort(keys, kind="stable")
         k, r = keys[order], rows[order]
@@ -49,8 +64,8 @@ class Routes:
         """Counts the rows of the items kept (encoded on `dev`, text on `home`)."""
         if self.free:
             return
-        remote = dev != home
-        self.keys = np.concatenate([self.keys, dev[remote] * self.devices + home[remote]])
+        remote, new_keys = self._routed(dev, home)
+        self.keys = np.concatenate([self.keys, new_keys])
         self.rows = np.concatenate([self.rows, size[remote] // self.per_row])
 
 

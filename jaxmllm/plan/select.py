@@ -146,6 +146,14 @@ class Selector:
                 break
             chosen[np.concatenate(picks)] = True
             left = left - total
+        if not small and not chosen.any():
+            # FILL leaves room for packing slack that one sample alone does not need: a
+            # document as long as a microbatch's only row (one context group) still goes (its
+            # units in; its exact tiles, from the row's start, the tile budget checks).
+            whole = np.where(self.units, self.caps.devices * self.cap_vec, np.inf)
+            fit = np.flatnonzero(_fits(np.take(work, cand, axis=1), whole))
+            chosen[cand[fit[:1]]] = True
+            return np.flatnonzero(chosen)
         if urgent is not None:
             self.swap(work, taken, chosen, left, urgent)
         return np.flatnonzero(chosen)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxmllm.plan.contract import Capacities
+from jaxmllm.plan.contract import Capacities, bucket_tile_caps
 from jaxmllm.plan.ragged import run_cumsum, stable_sort
 from jaxmllm.plan.tiles import item_tiles
 
@@ -22,14 +22,16 @@ PHASES = ("llm", "vision", "audio")
 
 
 class TileBudget:
-    """Exact tiles per device and phase of one microbatch (`used`), and their capacities."""
+    """Exact tiles per bucket and phase of one microbatch (`used`), and their capacities (an
+    LLM bucket is a device, or a context group: `contract.bucket_tile_caps`)."""
 
     def __init__(self, caps: Capacities):
         self.block = caps.block
-        self.caps = caps.tile_caps()
+        self.caps = bucket_tile_caps(caps)
         self.audio_per_row = caps.audio_per_row  # frames per audio encoder row
         self.llm_rows = caps.llm_rows
         self.used = {p: np.zeros(caps.devices, np.int64) for p in PHASES}
+        self.used["llm"] = np.zeros(caps.llm_buckets, np.int64)
 
     def admit(
         self,

@@ -145,11 +145,11 @@ def document_starts(seg: np.ndarray) -> np.ndarray:
     return new
 
 
-def from_segments(segment_ids: np.ndarray, block: int, causal: bool, capacity: int) -> np.ndarray:
-    """Padded tile lists [buckets, capacity, 2] of buckets of packed rows [buckets, rows, T]
-    (a document is a run of one non-zero segment id; a bucket's rows are numbered one after
-    another, block `r * T / block + b`). Raises TileOverflow when a bucket needs more than
-    `capacity` tiles."""
+def segment_tiles(segment_ids: np.ndarray, block: int, causal: bool):
+    """The tiles of buckets of packed rows [buckets, rows, T] (a document is a run of one
+    non-zero segment id; a bucket's rows are numbered one after another, block
+    `r * T / block + b`): (tiles [K, 2] numbered within their bucket, their bucket [K]), by
+    bucket, then query block, then key block."""
     n, rows, t = segment_ids.shape
     seg = segment_ids.reshape(n * rows, t)
     line, start = np.nonzero(
@@ -161,11 +161,19 @@ def from_segments(segment_ids: np.ndarray, block: int, causal: bool, capacity: i
     last = np.nonzero(end)[1]
     tiles = tile_list(start, last - start + 1, line, t // block, block, causal)
     bucket = tiles[:, 0] // (rows * (t // block))
+    return tiles - (bucket * rows * (t // block))[:, None], bucket
+
+
+def from_segments(segment_ids: np.ndarray, block: int, causal: bool, capacity: int) -> np.ndarray:
+    """Padded tile lists [buckets, capacity, 2] of buckets of packed rows [buckets, rows, T]
+    (`segment_tiles`). Raises TileOverflow when a bucket needs more than `capacity` tiles."""
+    n = segment_ids.shape[0]
+    tiles, bucket = segment_tiles(segment_ids, block, causal)
     count = np.bincount(bucket, minlength=n)
     if (count > capacity).any():
         worst = int(np.argmax(count))
         raise TileOverflow(worst, int(count[worst]), capacity)
     out = np.full((n, capacity, 2), PAD, np.int32)
     rank = _ranks(count)
-    out[bucket, rank] = tiles - (bucket * rows * (t // block))[:, None]
+    out[bucket, rank] = tiles
     return out

@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.plan.bins import Cost, Loads, quad_cost, tile_cost
-from jaxmllm.plan.contract import Capacities
+from jaxmllm.plan.contract import Capacities, bucket_tile_caps
 from jaxmllm.plan.route import Routes
 from jaxmllm.plan.tilecap import TileBudget
 from jaxmllm.plan.tiles import expected_tiles, packed_density
@@ -48,13 +48,16 @@ class Phases:
         # such phase's expected tiles too, so that a step takes a mix of samples whose tiles
         # fit as well as their tokens, instead of one the tile capacity then turns away.
         self.sel_work, self.sel_cap = self.work, self.cap_vec
+        # per bucket (an LLM bucket may be a context group of caps.context devices)
+        bucket_caps = bucket_tile_caps(caps)
         tile_caps = caps.tile_caps()
         if caps.block and any(tile_caps.values()):
             self.tile_phases = [p for p in ("llm", *ENC) if tile_caps[p]]
             cols, caps_t = [], []
             for p in self.tile_phases:
                 cols.append(np.rint(TILE_SCALE * self._expected(index, p)).astype(np.int64))
-                caps_t.append(TILE_SCALE * tile_caps[p])
+                per_device = bucket_caps[p] / (caps.context if p == "llm" else 1)
+                caps_t.append(round(TILE_SCALE * per_device))
             self.sel_work = np.concatenate([self.work, np.stack(cols, 1)], 1)
             self.sel_cap = np.concatenate([self.cap_vec, np.array(caps_t, np.int64)])
         else:
@@ -68,7 +71,7 @@ class Phases:
         whole blocks stay aligned, which the uniform guess misses)."""
         b, caps = self.caps.block, self.caps
         if phase == "llm":
-            units, causal, row_len, t = self.llm, True, caps.llm_row_len, None
+            units, causal, row_len, t = self.llm, True, caps.llm_bin_len, None
         else:
             per = 1 if phase == "vision" else caps.audio_per_row
             units, causal, row_len = self.sizes[phase] // per, False, self.cap[phase] // per
@@ -87,10 +90,11 @@ class Micro:
 
     def __init__(self, caps: Capacities, cost: dict[str, Cost] | None = None):
         cost = cost or {p: quad_cost for p in ("llm", *ENC)}
-        # per LLM row (device * rows + row), per device for the encoders
-        self.rows = Loads.zeros(caps.devices * caps.llm_rows, cost["llm"])
+        # per LLM row (bucket * rows + row; a bucket is a device or a context group), per device
+        # for the encoders
+        self.rows = Loads.zeros(caps.llm_buckets * caps.llm_rows, cost["llm"])
         self.enc = {p: Loads.zeros(caps.devices, cost[p]) for p in ENC}
-        # exact attention tiles per device and phase, within their capacity (block-sparse)
+        # exact attention tiles per bucket and phase, within their capacity (block-sparse)
         self.tiles = TileBudget(caps) if caps.block else None
         z = np.zeros(0, np.int64)
         self.entries: list[np.ndarray] = [z]  # pool positions placed, in order
@@ -99,12 +103,14 @@ class Micro:
         self.items: dict[str, list[tuple[np.ndarray, ...]]] = {p: [] for p in ENC}
         self.routes = {
             "vision": Routes(
-                caps.devices, caps.merge_area, caps.route_pair_capacity, caps.vision_patches
+                caps.devices, caps.merge_area, caps.route_pair_capacity, caps.vision_patches,
+                caps.context,
             ),
             "audio": Routes(
-                caps.devices, caps.subsample, caps.route_pair_capacity, caps.audio_frames
+                caps.devices, caps.subsample, caps.route_pair_capacity, caps.audio_frames,
+                caps.context,
             ),
-        }
+        }  # fmt: skip
 
     def used_selected(self, phases: Phases) -> np.ndarray:
         """What `used` counts plus, for the phases selection counts tiles of, the exact tiles

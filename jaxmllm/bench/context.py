@@ -1,0 +1,276 @@
+"""Context parallelism's benchmarks: how evenly a split spreads a group's attention tiles over
+its ranks, and what a rank's share of a step costs.
+
+    python -m jaxmllm.bench.balance --context 2,4,8 [--mix ai2d,chartqa] [--json OUT]
+    python -m jaxmllm.bench.context [--tokens 16384] [--context 4] [--json OUT]
+
+`balance --context` (`balance_rows`, `balance_table`): per context size C, per-rank tiles
+max/mean (the slowest rank's tiles over the group's mean: what a step waits for) under three
+splits of each group's rows (`jaxmllm.plan.context`): `uniform` (each row in C contiguous
+chunks), `zigzag` (MaxText: each row in 2C chunks, rank c taking c and 2C-1-c) and `ours`
+(tiles dealt, equal blocks). Workloads: the rows `orchestrated` packs for groups of C devices
+from the length tables (`--tokens` a device, capacities as the trainer sizes them), and long
+single documents alone in a group's row (a half, 90% and all of it).
+
+`python -m jaxmllm.bench.context` (`main`): the per-device measure of one decoder layer
+(projections, attention over the gathered group's keys and values, MLP; forward and backward,
+fp32) on one CPU device: the whole row unsplit (W), then each rank's share alone under each
+split, the gathered keys and values given (the all-gather is not timed). Reported: the slowest
+rank over W / C (1.0 = a perfect split of the work), and its tiles over the mean. Every rank
+computes its tile capacity (the split's most), padding included, as under XLA's fixed shapes.
+Times are this process's CPU seconds (the median of `--repeat` runs), steadier than wall time
+on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmllm.bench.attention import documents, median_time
+from jaxmllm.models.context import attend_gathered
+from jaxmllm.plan import context as split
+from jaxmllm.plan.capacity import encoder_capacities, held_tiles, route_capacity
+from jaxmllm.plan.contract import Capacities
+from jaxmllm.plan.registry import make_planner
+from jaxmllm.plan.tiles import tile_list
+
+LONG_SHARES = (0.5, 0.9, 1.0)  # long single documents: these shares of a group's row
+
+
+# ----------------------------------------------------------------------------- tile balance
+
+
+def spreads(weights: dict, rows: int, ranks: int) -> dict[str, list[float]]:
+    """Per split, each group's per-rank tiles max/mean (groups with tiles)."""
+    out = {name: [] for name in split.SPLITS}
+    for w in weights.values():
+        if not w.sum():
+            continue
+        for name in split.SPLITS:
+            loads = split.rank_loads(w, split.split(name, w, rows, ranks), ranks)
+            out[name].append(float(loads.max() / loads.mean()))
+    return out
+
+
+def packed_rows(index, ranks: int, tokens: int, groups: int, steps: int, seed: int = 0):
+    """The block weights of every group of `steps` plans of orchestrated for `groups` groups of
+    `ranks` devices (`tokens` LLM tokens a device, capacities as the trainer sizes them)."""
+    enc = encoder_capacities(index, tokens, 4, 4, block=128)
+    caps = Capacities(
+        microbatches=1, devices=groups * ranks, llm_rows=1, llm_row_len=tokens,
+        vision_patches=enc.vision_patches, audio_frames=enc.audio_frames, merge_area=4,
+        subsample=4, route_pair_capacity=max(enc.vision_patches, enc.audio_frames) // 4,
+        block=128, context=ranks,
+    )  # fmt: skip
+    make = lambda c: make_planner("orchestrated", index, c, seed)
+    # (sized as the trainer sizes them: `pipeline.resolve_route`, `resolve_tiles`)
+    route = route_capacity(make(caps), index, caps, steps, steps)
+    caps = dataclasses.replace(caps, route_pair_capacity=route)
+    tiles = held_tiles(make(caps), index, caps, steps)
+    caps = dataclasses.replace(caps, **{f"{p}_tiles": n for p, n in tiles.items()})
+    planner = make(caps)
+    weights = {}
+    for step in range(steps):
+        for key, w in split.group_weights(planner.plan(), index, caps).items():
+            weights[(step, *key)] = w
+    return weights, caps
+
+
+def long_document(ranks: int, row_len: int, share: float, block: int = 128) -> dict:
+    """The block weights of one document of `share` of a group's row (`ranks` x `row_len`)."""
+    blocks = ranks * row_len // block
+    n = int(share * ranks * row_len)
+    t = tile_list(np.array([0]), np.array([n]), np.array([0]), blocks, block, True)
+    return {0: split.block_weights(t, blocks)}
+
+
+def balance_rows(mixes: dict, contexts: list[int], tokens: int, groups: int, steps: int) -> list:
+    """The rows of `bench.balance --context`: per workload and context size, per split the mean
+    and worst per-rank tiles max/mean over the groups."""
+    rows = []
+    for ranks in contexts:
+        for name, index in mixes.items():
+            t0 = time.process_time()
+            weights, caps = packed_rows(index, ranks, tokens, groups, steps)
+            rows.append(_row(f"{name} packed", ranks, weights, caps.llm_rows, time.process_time()
+                             - t0, tokens=tokens, groups=groups, steps=steps))  # fmt: skip
+        for share in LONG_SHARES:
+            weights = long_document(ranks, tokens, share)
+            label = f"long {share:.0%} of {ranks * tokens // 1024}k"
+            rows.append(_row(label, ranks, weights, 1, 0.0, tokens=tokens))
+    return rows
+
+
+def _row(workload: str, ranks: int, weights: dict, rows: int, seconds: float, **extra) -> dict:
+    got = spreads(weights, rows, ranks)
+    out = {"workload": workload, "context": ranks, "groups": len(got["ours"]), **extra}
+    for name, values in got.items():
+        out[name] = {"mean": float(np.mean(values)), "worst": float(np.max(values))}
+    out["seconds"] = seconds
+    return out
+
+
+def balance_table(rows: list[dict]) -> str:
+    cols = ["workload", "C", "groups"] + [f"{n} max/mean (worst)" for n in split.SPLITS]
+    lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
+    for r in rows:
+        cells = [r["workload"], str(r["context"]), str(r["groups"])]
+        cells += [f"{r[n]['mean']:.3f} ({r[n]['worst']:.3f})" for n in split.SPLITS]
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def from_balance(args) -> int:
+    """`bench.balance --context`: --mix (default ai2d,chartqa) or --lengths, --tokens a rank
+    (8192 unless given), --groups, --max-steps (at most 8), --json."""
+    from jaxmllm.bench.mixes import load_lengths, load_mix
+
+    if args.lengths:
+        mixes = {Path(args.lengths).name: load_lengths(args.lengths)}
+    else:
+        mixes = {n: load_mix(n) for n in (args.mix or "ai2d,chartqa").split(",")}
+    tokens = args.tokens if args.tokens != 32768 else 8192  # (the balance bench's default)
+    contexts = [int(c) for c in args.context.split(",")]
+    rows = balance_rows(mixes, contexts, tokens, args.groups, min(args.max_steps, 8))
+    print(f"per-rank attention tiles max/mean (block 128, {tokens} tokens a rank; the mean over "
+          "groups, the worst in brackets)")  # fmt: skip
+    print(balance_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+# ----------------------------------------------------------------------------- rank times
+
+
+def _layer_grad(width: int, heads: int, kv: int, mlp: int, block: int):
+    """fwd + bwd of one decoder layer over a rank's tokens, the group's keys and values given."""
+    e = width // heads
+
+    def loss(params, x, k_all, v_all, seg, seg_all, pos, pos_all, tiles, weights):
+        wq, wk, wv, wo, w1, w2 = params
+        t = x.shape[0]
+        q = (x @ wq).reshape(t, heads, e)
+        own = (x @ wk).sum() + (x @ wv).sum()  # (the rank's own keys and values: its share)
+        a = attend_gathered(q, k_all, v_all, seg, seg_all, pos, pos_all, tiles, block, True)
+        h = x + a.reshape(t, width) @ wo
+        out = h + jax.nn.silu(h @ w1) @ w2
+        return jnp.sum(out * weights) + 1e-6 * own
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+
+def rank_times(sizes: np.ndarray, ranks: int, args) -> dict:
+    """W (the whole row on one device) and, per split, each rank's time alone."""
+    b, width = args.block, args.width
+    row_len = ranks * args.tokens
+    blocks = row_len // b
+    offsets = np.cumsum(sizes) - sizes
+    group = tile_list(offsets, sizes, np.zeros(len(sizes), np.int64), blocks, b, True)
+    weights = split.block_weights(group, blocks)
+    seg = np.zeros(row_len, np.int32)
+    seg[: sizes.sum()] = np.repeat(np.arange(1, len(sizes) + 1), sizes)
+    pos = np.concatenate([np.arange(n) for n in sizes] + [np.zeros(row_len - sizes.sum())])
+    pos = pos.astype(np.int32)
+    rng = np.random.default_rng(0)
+    kv_w = args.kv_heads * (width // args.heads)
+    shapes = [(width, width), (width, kv_w), (width, kv_w), (width, width),
+              (width, args.mlp), (args.mlp, width)]  # fmt: skip
+    params = [jnp.asarray(rng.normal(0, 0.02, s), jnp.float32) for s in shapes]
+    x = jnp.asarray(rng.normal(size=(row_len, width)), jnp.float32)
+    kv = lambda: jnp.asarray(rng.normal(size=(row_len, args.kv_heads, width // args.heads)),
+                             jnp.float32)  # fmt: skip
+    k_all, v_all = kv(), kv()
+    grad = _layer_grad(width, args.heads, args.kv_heads, args.mlp, b)
+
+    def run(tokens, k, v, seg_k, pos_k, tiles):
+        w = jnp.ones((len(tokens), width), jnp.float32)
+        a = (params, x[tokens], k, v, seg[tokens], seg_k, pos[tokens], pos_k, tiles, w)
+        # (CPU seconds of this process: on a shared box wall time counts the others' load)
+        return median_time(grad, a, args.repeat, clock=time.process_time)
+
+    whole = run(np.arange(row_len), k_all, v_all, seg, pos, jnp.asarray(group, jnp.int32))
+    out = {"whole_s": whole, "tiles": int(len(group)), "splits": {}}
+    for name in split.SPLITS:
+        owner = split.split(name, weights, 1, ranks)
+        cap = int(split.rank_loads(weights, owner, ranks).max())
+        lists = split.rank_tiles(group, owner, ranks, cap)
+        lay = split.layout(owner, ranks)
+        order = (lay[..., None] * b + np.arange(b)).reshape(ranks, -1)  # rank -> tokens
+        every = order.ravel()
+        times = [
+            run(order[r], k_all[every], v_all[every], seg[every], pos[every], lists[r])
+            for r in range(ranks)
+        ]
+        loads = split.rank_loads(weights, owner, ranks)
+        out["splits"][name] = {
+            "rank_s": times,
+            "slowest_over_share": max(times) / (whole / ranks),
+            "tiles_max_mean": float(loads.max() / loads.mean()),
+        }
+    return out
+
+
+def time_table(results: list[dict]) -> str:
+    cols = ["workload", "C", "tiles", "whole s", "W/C s"]
+    cols += [f"{n} slowest s (/ W/C, tiles max/mean)" for n in split.SPLITS]
+    lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
+    for r in results:
+        cells = [r["workload"], str(r["context"]), str(r["tiles"]), f"{r['whole_s']:.3f}",
+                 f"{r['whole_s'] / r['context']:.3f}"]  # fmt: skip
+        for n in split.SPLITS:
+            s = r["splits"][n]
+            cells.append(f"{max(s['rank_s']):.3f} ({s['slowest_over_share']:.2f}x, "
+                         f"{s['tiles_max_mean']:.3f})")  # fmt: skip
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxmllm.bench.context",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--tokens", type=int, default=4096, help="LLM tokens a rank (a device)")
+    p.add_argument("--context", default="4", help="context sizes, comma-separated")
+    p.add_argument("--mix", default="chartqa", help="length table of the packed row")
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=1)
+    p.add_argument("--mlp", type=int, default=512)
+    p.add_argument("--repeat", type=int, default=3, help="timed runs a measurement (median)")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    results = []
+    for ranks in (int(c) for c in args.context.split(",")):
+        row_len = ranks * args.tokens
+        for workload, sizes in (
+            ("long 100%", np.array([row_len])),
+            (f"{args.mix} packed", documents(args.mix, row_len)),
+        ):
+            r = rank_times(sizes, ranks, args)
+            results.append({"workload": workload, "context": ranks, **r})
+            print(f"{workload}, context {ranks}: done", file=sys.stderr, flush=True)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}: one decoder layer, "
+          f"forward + backward, fp32, width {args.width}, {args.heads} heads / {args.kv_heads} "
+          f"kv heads, block {args.block}, {args.tokens} tokens a rank")  # fmt: skip
+    print(time_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Bucketize's context split: each context group's LLM rows dealt to its devices.
+
+With `mesh.context` = C > 1 the planner places text on context groups (`Capacities.context`):
+bucketize writes a group's samples into group rows [M, groups, R, C x L] (`group_text`), then
+`Split.deal` deals each group's query blocks to its C devices (`jaxmllm.plan.context.deal`:
+equal blocks, tiles balanced, from the tiles its documents need), moves the tokens with their
+positions, segment ids, targets and loss mask into each device's [R, L] rows (its blocks in
+ascending order), writes each device's tile list (its query blocks against the gathered
+group's key blocks), and says where a token of a group row now lies (`Split.where`), which the
+routing tables need. The loss is a sum over tokens, so nothing is put back in order.
+
+Segment ids count 1, 2, ... over a group's rows (not per row): a device holds blocks of several
+of them, and the segments name documents across them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxmllm.plan.context import block_weights, deal, rank_tiles
+from jaxmllm.plan.contract import Capacities
+from jaxmllm.plan.tiles import segment_tiles
+
+TEXT = ("llm_tokens", "llm_segment_ids", "llm_positions", "llm_targets", "llm_loss_mask")
+
+
+def group_text(batch: dict[str, np.ndarray], caps: Capacities, pad: int) -> dict[str, np.ndarray]:
+    """Empty group rows [M, groups, R, C x L] for the text arrays of a host batch whose device
+    axis holds whole groups (padding: `pad` tokens, the tokenizer's; zeros)."""
+    m_n, d_n, r_n, _ = batch["llm_tokens"].shape
+    shape = (m_n, d_n // caps.context, r_n, caps.llm_bin_len)
+    out = {k: np.zeros(shape, batch[k].dtype) for k in TEXT}
+    out["llm_tokens"][:] = pad
+    return out
+
+
+def local_groups(local: np.ndarray, context: int) -> np.ndarray:
+    """Per group, its index among this host's groups (-1: another host's), from `local` (per
+    device, its index in this host's batch, -1 elsewhere).
+
+    Raises:
+      ValueError: a host holds part of a group (keep mesh.context within a host).
+    """
+    per_group = local.reshape(-1, context)
+    whole = (per_group >= 0).all(1)
+    if ((per_group >= 0).any(1) != whole).any() or (
+        whole.any() and (per_group[whole] != per_group[whole][:, :1] + np.arange(context)).any()
+    ):
+        raise ValueError(
+            f"a host holds part of a context group of {context} devices: mesh.context must "
+            "divide a host's devices (the mesh keeps its groups within a host)"
+        )
+    return np.where(whole, per_group[:, 0] // context, -1)
+
+
+class Split:
+    """Where each group's blocks went: `owner` [M, groups, blocks] (rank), `slot` (its block in
+    the rank's rows)."""
+
+    def __init__(self, owner: np.ndarray, caps: Capacities):
+        self.owner, self.caps = owner, caps
+        blocks = owner.shape[-1]
+        # per group, its blocks rank by rank, each rank's ascending (`plan.context.layout`)
+        self.order = np.argsort(owner, axis=-1, kind="stable")
+        self.slot = np.empty_like(owner)
+        per = np.tile(np.arange(blocks // caps.context), caps.context)
+        np.put_along_axis(self.slot, self.order, np.broadcast_to(per, owner.shape), axis=-1)
+
+    @classmethod
+    def deal(
+        cls, text: dict, batch: dict, caps: Capacities, tile_cap: int, step: int, groups: np.ndarray
+    ) -> Split:
+        """Deals every group of `text` (`group_text`, filled) to its devices: their rows and
+        tile lists into `batch`. `groups`: global index of each of the host's groups."""
+        seg = text["llm_segment_ids"]
+        m_n, g_n, r_n, bin_len = seg.shape
+        c_n, block = caps.context, caps.block
+        blocks = r_n * bin_len // block
+        tiles, bucket = segment_tiles(seg.reshape(m_n * g_n, r_n, bin_len), block, True)
+        starts = np.searchsorted(bucket, np.arange(m_n * g_n + 1))
+        owner = np.empty((m_n * g_n, blocks), np.int64)
+        lists = batch["llm_tiles"].reshape(m_n * g_n, c_n, tile_cap, 2)
+        for i in range(m_n * g_n):
+            t = tiles[starts[i] : starts[i + 1]]
+            owner[i] = deal(block_weights(t, blocks), c_n)
+            try:
+                lists[i] = rank_tiles(t, owner[i], c_n, tile_cap)
+            except ValueError as e:
+                m, g = divmod(i, g_n)
+                raise ValueError(
+                    f"step {step}: microbatch {m}, context group {int(groups[g])}: device "
+                    f"{int(groups[g]) * c_n + e.rank} needs {e.need} llm attention tiles, more "
+                    f"than batch.llm_tiles={tile_cap}; raise it (or -1: sized from the data)"
+                ) from None
+        split = cls(owner.reshape(m_n, g_n, blocks), caps)
+        order = split.order.reshape(m_n * g_n, blocks)
+        for key in TEXT:
+            x = text[key].reshape(m_n * g_n, blocks, block)
+            moved = np.take_along_axis(x, order[:, :, None], axis=1)
+            batch[key][:] = moved.reshape(batch[key].shape)
+        return split
+
+    def where(self, m: int, g: int, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens at `flat` (index into group `g`'s rows flattened; g among this host's
+        groups) of microbatch `m`: (this host's device, index into its rows flattened)."""
+        block, inner = np.divmod(flat, self.caps.block)
+        device = g * self.caps.context + self.owner[m, g, block]
+        return device, self.slot[m, g, block] * self.caps.block + inner

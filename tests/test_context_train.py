@@ -1,0 +1,107 @@
+"""Training with context groups (issue 14): one compiled step, exact resume, and a checkpoint
+resumed with another mesh.context (the parameters do not depend on it; the planner's state
+plans the new groups, so every sample is still trained once per epoch)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import replace
+
+import jax
+import numpy as np
+import pytest
+
+from jaxmllm import ledger
+from jaxmllm.config import load_config
+from jaxmllm.data.pipeline import capacities, make_source
+from jaxmllm.plan.contract import OversizeError, check_fits
+from jaxmllm.train import main
+
+SAMPLES, STEPS = 256, 6
+
+
+def context_run(out, data: int, context: int, steps: int = STEPS):
+    """tiny.yaml on a data x context mesh (64 LLM tokens a device), a checkpoint every 2 steps,
+    the sample ledger on."""
+    cfg = load_config(
+        "configs/tiny.yaml",
+        [f"data.synthetic.num_samples={SAMPLES}", f"mesh.data={data}", "mesh.fsdp=1",
+         f"mesh.context={context}", "batch.llm_row_len=64"],
+    )  # fmt: skip
+    train = dict(steps=steps, output_dir=str(out), log_every=1, checkpoint_every=2)
+    return replace(cfg, train=replace(cfg.train, progress_bar=False, ledger=True, **train))
+
+
+def _losses(out) -> dict[int, list[float]]:
+    """step -> every loss metrics.jsonl holds for it, in order (a redone step twice)."""
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    got: dict[int, list[float]] = {}
+    for row in rows:
+        got.setdefault(row["step"], []).append(row["loss"])
+    return got
+
+
+def _compiles(caplog) -> int:
+    return sum("Compiling jit(train_step)" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow  # ~3 training runs of a few steps (each compiles its step once)
+def test_context_groups_train_with_one_program_resume_exactly_and_change_size(
+    tmp_path, caplog, capsys
+):
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING):
+            # data=2 x context=4, stopped after step 3 (checkpoints at 2), then rerun: step 3
+            # is redone from the step-2 checkpoint with the same samples and the same loss.
+            def interrupt_at_3(step, _):
+                if step == 3:
+                    raise KeyboardInterrupt
+
+            with pytest.raises(KeyboardInterrupt):
+                main(context_run(tmp_path, 2, 4), on_step=interrupt_at_3)
+            assert _compiles(caplog) == 1
+            caplog.clear()
+            main(context_run(tmp_path, 2, 4))
+            assert _compiles(caplog) == 1  # one program for all its steps, whatever they hold
+            caplog.clear()
+            # The same checkpoints, now data=1 x context=8, for 4 more steps.
+            main(context_run(tmp_path, 1, 8, steps=STEPS + 4))
+            assert _compiles(caplog) == 1
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    printed = capsys.readouterr().out
+    assert "resumed from checkpoint at step 2 in" in printed
+    assert f"resumed from checkpoint at step {STEPS} in" in printed
+    losses = _losses(tmp_path)
+    assert losses[3][0] == losses[3][1]  # the redone step: bit for bit
+    assert sorted(losses) == list(range(1, STEPS + 5))
+    assert np.mean([v[-1] for k, v in losses.items() if k > STEPS]) < losses[1][0]
+    assert ledger.check_replays(tmp_path) == []
+    audit = ledger.audit(tmp_path, range(1, STEPS + 5))
+    assert audit["missing_steps"] == []
+    counts = Counter(audit["text"])
+    assert set(counts.values()) == {1} and len(counts) > 100  # within the epoch: once each
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["mesh"]["context"] == 8
+
+
+def test_a_context_size_too_small_for_the_data_is_refused_naming_the_keys():
+    """A group's row must hold the data's longest sample (94 tokens): groups of 4 devices of 32
+    tokens do, groups of 2 and single devices do not, and the message names the keys."""
+    cfg = load_config(
+        "configs/tiny.yaml",
+        [f"data.synthetic.num_samples={SAMPLES}", "mesh.data=2", "mesh.fsdp=1",
+         "mesh.context=4", "batch.llm_row_len=32", "batch.route_pair_capacity=80"],
+    )  # fmt: skip
+    _, index = make_source(cfg)
+    check_fits(index, capacities(cfg, 8))  # 4 x 32 tokens hold every sample
+    alone = replace(cfg, mesh=replace(cfg.mesh, data=8, context=1))
+    with pytest.raises(OversizeError, match=r"more than batch\.llm_row_len=32"):
+        check_fits(index, capacities(alone, 8))
+    half = replace(cfg, mesh=replace(cfg.mesh, data=4, context=2))
+    assert 64 < index.llm_tokens(4, 4).max() <= 128
+    with pytest.raises(OversizeError, match=r"batch\.llm_row_len x mesh\.context"):
+        check_fits(index, capacities(half, 8))
