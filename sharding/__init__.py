@@ -10,7 +10,15 @@ Usable on its own: nothing here imports jaxmllm. Typical start-up::
     batch = make_global_batch(host_batch, mesh)
 """
 
-from .mesh import AXES, DATA_AXES, ShardingError, data_parallel_size, make_mesh, resolve_axis_sizes
+from .mesh import (
+    AXES,
+    DATA_AXES,
+    STAGE_AXIS,
+    ShardingError,
+    data_parallel_size,
+    make_mesh,
+    resolve_axis_sizes,
+)
 from .params import (
     batch_sharding,
     describe,
@@ -33,6 +41,7 @@ __all__ = [
     "AXES",
     "DATA_AXES",
     "RULES",
+    "STAGE_AXIS",
     "ShardingError",
     "batch_sharding",
     "check_no_duplicate_axes",

@@ -1,14 +1,18 @@
-"""The device mesh: axes ("data", "fsdp", "tensor"), data slowest (spans hosts), tensor fastest.
+"""The device mesh: axes ("data", "stage", "fsdp", "tensor"), data slowest (spans hosts), tensor
+fastest; "stage" (pipeline stages, size 1 unless pipelining) sits between data and fsdp.
 
 Across processes (hosts) the devices are laid out process by process, so the fast axes stay
 inside a host: with L devices per process and fsdp * tensor dividing L, every `tensor` group and
 every `fsdp` group is one host's devices (NVLink / shared memory), each host holds
 L / (fsdp * tensor) whole `data` rows, and only the data-parallel gradient reduction crosses the
 network. A layout where fsdp * tensor does not divide L still works but puts model-parallel
-traffic on the network; `make_mesh` warns about it.
+traffic on the network; `make_mesh` warns about it. Pipeline stages may span hosts: what
+crosses a stage boundary is one microbatch's activations per tick (point to point), far less than
+the gradient reduction.
 
-The mesh config is anything with ``data``, ``fsdp`` and ``tensor`` sizes, as attributes (e.g.
-``jaxmllm.config.MeshConfig``) or as mapping keys. One of them may be -1: the remaining devices.
+The mesh config is anything with ``data``, ``stage``, ``fsdp`` and ``tensor`` sizes, as attributes
+(e.g. ``jaxmllm.config.MeshConfig``) or as mapping keys (a missing key: its default). One of them
+may be -1: the remaining devices.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ from jax.sharding import AxisType, Mesh
 
 log = logging.getLogger("jaxmllm")
 
-AXES = ("data", "fsdp", "tensor")  # mesh axis names, slowest to fastest
+AXES = ("data", "stage", "fsdp", "tensor")  # mesh axis names, slowest to fastest
 DATA_AXES = ("data", "fsdp")  # the axes a batch is split over
-DEFAULT_SIZES = {"data": -1, "fsdp": 1, "tensor": 1}  # a missing key; as in MeshConfig
+STAGE_AXIS = "stage"  # pipeline stages: a batch is replicated over it, stacked layers split
+DEFAULT_SIZES = {"data": -1, "stage": 1, "fsdp": 1, "tensor": 1}  # a missing key; MeshConfig's
 
 
 class ShardingError(ValueError):
@@ -34,10 +39,11 @@ class ShardingError(ValueError):
 
 
 def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds the ("data", "fsdp", "tensor") mesh over all (or the given) devices.
+    """Builds the ("data", "stage", "fsdp", "tensor") mesh over all (or the given) devices.
 
     Args:
-      mesh_cfg: Axis sizes as attributes or keys ``data``, ``fsdp``, ``tensor``; at most one -1.
+      mesh_cfg: Axis sizes as attributes or keys ``data``, ``stage``, ``fsdp``, ``tensor``; at
+        most one -1.
       devices: Devices to use, all of them; default ``jax.devices()``.
 
     Returns:
@@ -55,7 +61,7 @@ def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mes
     # Several hosts: process by process, so tensor and fsdp groups stay inside a host.
     devices.sort(key=lambda d: (d.process_index, d.id))
     local = sum(d.process_index == devices[0].process_index for d in devices)
-    inner = shape[1] * shape[2]
+    inner = shape[2] * shape[3]
     if local % inner:
         log.warning(
             "mesh.fsdp x mesh.tensor = %d does not divide the %d devices of a process: "
@@ -66,8 +72,8 @@ def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mes
     return Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES, axis_types=types)
 
 
-def resolve_axis_sizes(mesh_cfg: Any, n_devices: int) -> tuple[int, int, int]:
-    """Returns (data, fsdp, tensor) with a -1 replaced by the remaining devices.
+def resolve_axis_sizes(mesh_cfg: Any, n_devices: int) -> tuple[int, int, int, int]:
+    """Returns (data, stage, fsdp, tensor) with a -1 replaced by the remaining devices.
 
     Raises:
       ShardingError: Naming the ``mesh.*`` keys and the device count when sizes do not fit.
@@ -91,7 +97,7 @@ def resolve_axis_sizes(mesh_cfg: Any, n_devices: int) -> tuple[int, int, int]:
             f"{n_devices} devices are available; change {_keys(sizes)} "
             "(or set one of them to -1)"
         )
-    return sizes["data"], sizes["fsdp"], sizes["tensor"]
+    return sizes["data"], sizes["stage"], sizes["fsdp"], sizes["tensor"]
 
 
 def data_parallel_size(mesh: Mesh) -> int:
@@ -100,7 +106,7 @@ def data_parallel_size(mesh: Mesh) -> int:
 
 
 def _read_sizes(mesh_cfg: Any) -> dict[str, int]:
-    """Reads the three sizes from a mapping or an object, checking each is >= 1 or -1."""
+    """Reads the four sizes from a mapping or an object, checking each is >= 1 or -1."""
     get = mesh_cfg.get if isinstance(mesh_cfg, Mapping) else lambda k, d: getattr(mesh_cfg, k, d)
     sizes = {axis: get(axis, DEFAULT_SIZES[axis]) for axis in AXES}
     for axis, size in sizes.items():

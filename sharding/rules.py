@@ -32,6 +32,7 @@ RULES: dict[str, Rule] = {
     "patch": None,  # flattened patch pixels into the ViT
     "mel": None,  # mel bins into the audio encoder
     "layers": None,  # stacked (scanned) layers
+    "stage": "stage",  # pipelined layers [stage, layers per stage, ...]: a stage's slab each
 }
 
 

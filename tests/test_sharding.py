@@ -61,23 +61,25 @@ def llm_params():
 @pytest.mark.parametrize(
     "cfg, shape",
     [
-        ({"data": -1, "fsdp": 2, "tensor": 1}, (4, 2, 1)),
-        ({"data": 2, "fsdp": 2, "tensor": 2}, (2, 2, 2)),
-        ({"data": 1, "fsdp": -1, "tensor": 2}, (1, 4, 2)),
-        ({}, (8, 1, 1)),  # MeshConfig defaults: data=-1
+        ({"data": -1, "fsdp": 2, "tensor": 1}, (4, 1, 2, 1)),
+        ({"data": 2, "fsdp": 2, "tensor": 2}, (2, 1, 2, 2)),
+        ({"data": 1, "fsdp": -1, "tensor": 2}, (1, 1, 4, 2)),
+        ({"data": 2, "stage": 4}, (2, 4, 1, 1)),
+        ({"stage": 2, "fsdp": 2}, (2, 2, 2, 1)),
+        ({}, (8, 1, 1, 1)),  # MeshConfig defaults: data=-1
     ],
 )
 def test_make_mesh_shapes(cfg, shape):
     mesh = sharding.make_mesh(cfg)
-    assert mesh.axis_names == ("data", "fsdp", "tensor")
+    assert mesh.axis_names == ("data", "stage", "fsdp", "tensor")
     assert tuple(mesh.shape.values()) == shape
-    assert mesh.axis_types == (AxisType.Auto,) * 3
-    assert sharding.data_parallel_size(mesh) == shape[0] * shape[1]
+    assert mesh.axis_types == (AxisType.Auto,) * 4
+    assert sharding.data_parallel_size(mesh) == shape[0] * shape[2]  # not the stages
 
 
 def test_make_mesh_accepts_config_object():
     mesh = sharding.make_mesh(SimpleNamespace(data=4, fsdp=2, tensor=1))
-    assert dict(mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 4, "stage": 1, "fsdp": 2, "tensor": 1}
 
 
 def test_make_mesh_on_given_devices():

@@ -24,6 +24,7 @@ from jaxmllm.config.sections import (
     DistributedConfig,
     MeshConfig,
     OptimConfig,
+    PipelineConfig,
     TrainConfig,
 )
 
@@ -39,6 +40,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self):
         vis, b = self.model.vision, self.batch
@@ -49,6 +51,34 @@ class Config:
         )
         if self.model.attention == "block_sparse":
             self._check_blocks()
+        if self.mesh.stage > 1:
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """Layer counts given per stage add up to the module's depth; placements name encoders
+        that exist."""
+        p, m = self.pipeline, self.model
+        for name, depth in (("llm", m.llm.depth), ("vision", m.vision.depth),
+                            ("audio", m.audio.depth)):  # fmt: skip
+            layers = getattr(p, f"{name}_layers")
+            check(
+                not layers or sum(layers) == depth,
+                f"{list(layers)} adds up to {sum(layers)} layers, but model.{name}.depth is "
+                f"{depth}",
+                f"pipeline.{name}_layers",
+            )
+        for name in ("vision", "audio"):
+            enabled = getattr(m, name).enabled
+            check(
+                enabled or (getattr(p, name) != "stages" and not getattr(p, f"{name}_layers")),
+                f"model.{name}.enabled is false: there is no {name} encoder to place",
+                f"pipeline.{name}",
+            )
+            check(
+                not getattr(p, f"{name}_layers") or getattr(p, name) == "stages",
+                f"layers per {name} stage need pipeline.{name}: stages",
+                f"pipeline.{name}_layers",
+            )
 
     def _check_blocks(self) -> None:
         """Block-sparse attention cuts every packed row into blocks of batch.attention_block."""

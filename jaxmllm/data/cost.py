@@ -155,20 +155,20 @@ class CostModel:
         v, a, lm = model.vision, model.audio, model.llm
         enc_trainable = (v.enabled and not v.freeze) or (a.enabled and not a.freeze)
         below_llm = enc_trainable or not model.projector_freeze
-        m_llm = _multiplier(lm.freeze, below_llm)
-        m_vis, m_aud = _multiplier(v.freeze, False), _multiplier(a.freeze, False)
-        m_proj = _multiplier(model.projector_freeze, enc_trainable)
+        m_llm = multiplier(lm.freeze, below_llm)
+        m_vis, m_aud = multiplier(v.freeze, False), multiplier(a.freeze, False)
+        m_proj = multiplier(model.projector_freeze, enc_trainable)
         kv = lm.width // lm.heads * lm.kv_heads
-        llm_lin = lm.depth * _layer_linear(lm.width, kv, lm.mlp_dim) + 2 * lm.width * lm.vocab_size
+        llm_lin = lm.depth * layer_linear(lm.width, kv, lm.mlp_dim) + 2 * lm.width * lm.vocab_size
         llm_quad = lm.depth * 2.0 * lm.width  # causal: half of 4*d
         area = v.merge**2
         proj_v = 2 * (area * v.width * lm.width + lm.width * lm.width) / area  # per patch
-        vis_lin = v.depth * _layer_linear(v.width, v.width, v.mlp_dim)
+        vis_lin = v.depth * layer_linear(v.width, v.width, v.mlp_dim)
         vis_quad = v.depth * 4.0 * v.width
         s = a.subsample
         proj_a = 2 * (a.width * lm.width + lm.width * lm.width) / s  # per frame
         conv = 2 * 9 * a.width * (a.n_mels + a.width) / s  # two 3-tap stride-2 convs, per frame
-        aud_lin = a.depth * _layer_linear(a.width, a.width, a.mlp_dim) / s + conv
+        aud_lin = a.depth * layer_linear(a.width, a.width, a.mlp_dim) / s + conv
         aud_quad = a.depth * 4.0 * a.width / (s * s)
         return cls(
             llm=PhaseCost(m_llm * llm_lin, m_llm * llm_quad),
@@ -177,13 +177,17 @@ class CostModel:
         )
 
 
-def _multiplier(frozen: bool, trainable_below: bool) -> int:
+def multiplier(frozen: bool, trainable_below: bool) -> int:
+    """Training cost over forward cost: 3 trainable, 2 frozen that still passes gradients to
+    something trainable below it, 1 frozen with nothing trainable below (forward only)."""
     if not frozen:
         return 3
     return 2 if trainable_below else 1
 
 
-def _layer_linear(d: int, d_kv: int, f: int) -> float:
+def layer_linear(d: int, d_kv: int, f: int) -> float:
+    """Forward FLOPs per token of one transformer layer's matrices (width d, key/value width
+    d_kv, gated MLP width f): the query/out and key/value projections and the three MLP ones."""
     return 2.0 * (2 * d * d + 2 * d * d_kv + 3 * d * f)
 
 

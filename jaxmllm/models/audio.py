@@ -70,6 +70,11 @@ class AudioEncoder(nnx.Module):
         Returns:
           Features [B, F // 4, width] in the compute dtype, one row per 4 frames.
         """
+        return self.transformer(*self.prepare(frames_bfm, segment_ids_bf, positions_bf, tiles_bk2))
+
+    def prepare(self, frames_bfm, segment_ids_bf, positions_bf, tiles_bk2=None):
+        """What the transformer takes (the arguments as in `__call__`): the subsampled rows,
+        their packing and positions (a pipeline runs the stack's layers stage by stage)."""
         x = jax.nn.gelu(self.conv1(_pair_rows(frames_bfm)))
         x_bnd = jax.nn.gelu(self.conv2(_pair_rows(x)))
         segment_ids_bn, positions_bn = subsample_ids(segment_ids_bf, positions_bf)
@@ -81,7 +86,7 @@ class AudioEncoder(nnx.Module):
             block=self.block,
             documents=self.documents,
         )
-        return self.transformer(x_bnd, pack, positions_bn)
+        return x_bnd, pack, positions_bn
 
 
 def _pair_rows(x_btc: jax.Array) -> jax.Array:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmllm.config import LLMConfig
-from jaxmllm.models.attention import packing
+from jaxmllm.models.attention import Packing, packing
 from jaxmllm.models.layers import Dense, Embed
 from jaxmllm.models.transformer import Transformer
 
@@ -73,7 +73,12 @@ class Decoder(nnx.Module):
         Returns:
           Logits [B, T, vocab] in float32.
         """
-        pack = packing(
+        x_btd = self.transformer(x_btd, self.packing(segment_ids_bt, tiles_bk2), positions_bt)
+        return self.head(x_btd)
+
+    def packing(self, segment_ids_bt: jax.Array, tiles_bk2: jax.Array | None = None) -> Packing:
+        """Causal attention within each packed document (arguments as in `__call__`)."""
+        return packing(
             segment_ids_bt,
             causal=True,
             kind=self.attention,
@@ -81,7 +86,9 @@ class Decoder(nnx.Module):
             block=self.block,
             documents=self.documents,
         )
-        x_btd = self.transformer(x_btd, pack, positions_bt)
+
+    def head(self, x_btd: jax.Array) -> jax.Array:
+        """Float32 logits of the final hidden states (after the transformer's final norm)."""
         if self.lm_head is None:
             return self.embed.attend(x_btd)
         return self.lm_head(x_btd)

@@ -76,44 +76,51 @@ class MultimodalLM(nnx.Module):
         Returns:
           Logits [D, R, L, vocab] in float32.
         """
+        rows = {phase: self.encode(mb, phase) for phase in self.phases}
+        x_bsw, segment_ids_bs, positions_bs = self.decoder_inputs(mb, rows)
+        logits = self.llm(x_bsw, segment_ids_bs, positions_bs, mb.get("llm_tiles"))
+        return logits.reshape(*mb["llm_tokens"].shape, -1)
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """The encoder phases this model has, in the order their rows are exchanged."""
+        return tuple(p for p in ("vision", "audio") if getattr(self, p) is not None)
+
+    def encode(self, mb: dict[str, jax.Array], phase: str) -> jax.Array:
+        """One phase's projector output rows [D, N, llm width]: its encoder, then projector."""
+        encoder, projector = getattr(self, phase), getattr(self, f"{phase}_projector")
+        inputs = mb["vision_patches"] if phase == "vision" else mb["audio_frames"]
+        feats = encoder(
+            inputs, mb[f"{phase}_segment_ids"], mb[f"{phase}_positions"], mb.get(f"{phase}_tiles")
+        )
+        return projector(feats)
+
+    def decoder_inputs(
+        self, mb: dict[str, jax.Array], rows: dict[str, jax.Array]
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The decoder's input rows: token embeddings with the placeholder slots filled from the
+        phases' projector `rows` (routed to the text's device), and their segment ids and
+        positions, as the decoder takes them ([rows, T, W], [rows, T], [rows, T])."""
         # The table is sharded on `embed`; pin the lookup to the batch layout so XLA does not
         # carry the table's layout into the activations (a full rematerialisation otherwise).
         x_drlw = shard_like_batch(self.llm.embed(mb["llm_tokens"]))
-        phases = []  # (projector output rows [D, N, W], send table, slot sources)
-        if self.vision is not None:
-            feats = self.vision(
-                mb["vision_patches"],
-                mb["vision_segment_ids"],
-                mb["vision_positions"],
-                mb.get("vision_tiles"),
-            )
-            phases.append((self.vision_projector(feats), "vision"))
-        if self.audio is not None:
-            feats = self.audio(
-                mb["audio_frames"],
-                mb["audio_segment_ids"],
-                mb["audio_positions"],
-                mb.get("audio_tiles"),
-            )
-            phases.append((self.audio_projector(feats), "audio"))
+        names = list(rows)
         buffers = self._route(
-            [rows for rows, _ in phases],
-            [mb.get(f"{p}_send") for _, p in phases],
-            [mb.get(f"{p}_send_count") for _, p in phases],
+            [rows[p] for p in names],
+            [mb.get(f"{p}_send") for p in names],
+            [mb.get(f"{p}_send_count") for p in names],
         )
-        for buffer, (_, phase) in zip(buffers, phases, strict=True):
+        for buffer, phase in zip(buffers, names, strict=True):
             x_drlw = fill_slots(x_drlw, buffer, mb[f"llm_{phase}_src"])
         d, r, length, width = x_drlw.shape
         # Block-sparse attention takes a device's rows as one row (its tiles say which blocks
         # meet); the others attend within each row.
-        rows = d if self.llm.attention == "block_sparse" else d * r
-        logits = self.llm(
-            x_drlw.reshape(rows, -1, width),
-            mb["llm_segment_ids"].reshape(rows, -1),
-            mb["llm_positions"].reshape(rows, -1),
-            mb.get("llm_tiles"),
+        n = d if self.llm.attention == "block_sparse" else d * r
+        return (
+            x_drlw.reshape(n, -1, width),
+            mb["llm_segment_ids"].reshape(n, -1),
+            mb["llm_positions"].reshape(n, -1),
         )
-        return logits.reshape(d, r, length, -1)
 
     def _route(
         self, rows: list[jax.Array], sends: list[jax.Array | None], counts: list
