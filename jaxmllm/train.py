@@ -38,8 +38,8 @@ from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
 from jaxmllm.guards import NonFiniteError, NonFiniteGuard, Preemption, Watchdog
 from jaxmllm.ledger import Ledger
 from jaxmllm.metrics import MetricsWindow, MetricsWriter, calibrated_cost
+from jaxmllm.pipeline.program import build_program
 from jaxmllm.plan.contract import OversizeError
-from jaxmllm.step import build_program
 from jaxmllm.timings import TimingsRecorder
 
 log = logging.getLogger("jaxmllm")
@@ -116,14 +116,15 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
             print(f"frozen (no gradient, no optimizer state): {', '.join(prog.parts.frozen_keys)}")
 
     # Init: jitted straight into its shardings (no full copy on one device), or restore. A
-    # checkpoint of another format (stamp) is refused, never restored into the wrong tree.
+    # checkpoint of another format (stamp) is refused, never restored into the wrong tree; it
+    # holds the state in a form the mesh does not change (pipelined stacks as [depth, ...]).
     mngr = make_checkpoint_manager(cfg)
     closing.callback(mngr.close)  # waits for a save in flight
-    stamp = format_stamp({**prog.abstract["params"], **prog.abstract["frozen"]})
+    saved_form = prog.checkpoint_abstract()
+    stamp = format_stamp({**saved_form["params"], **saved_form["frozen"]})
     check_process_count(mngr)
-    state = restore_latest(mngr, prog.abstract_sharded(), data_iter, stamp)
-    if state is None:
-        state = prog.init()
+    state = restore_latest(mngr, saved_form, data_iter, stamp)
+    state = prog.init() if state is None else prog.from_checkpoint(state)
     start = int(state["step"])
     if start:
         print(f"resumed from checkpoint at step {start} in {mngr.directory}")
@@ -153,7 +154,8 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
             if timings is not None:  # times the step before, now done, as the guard waits on it
                 timings.dispatched(done, metrics["loss"], info["work"])
             if guard.check(done, metrics["nonfinite"]):
-                mngr.save(guard.stopped_at, args=save_args(state, data_iter, stamp), force=True)
+                args = save_args(prog.to_checkpoint(state), data_iter, stamp)
+                mngr.save(guard.stopped_at, args=args, force=True)
                 mngr.wait_until_finished()
                 raise NonFiniteError(guard.message(mngr.directory))
             if watchdog is not None:
@@ -165,7 +167,9 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
                 last = log_step(done, metrics, info, window, guard.total, writer, bar)
             stopping = preempt.requested is not None
             force = done == t.steps or stopping
-            saved = mngr.save(done, args=save_args(state, data_iter, stamp), force=force)
+            saving = force or mngr.should_save(done)  # (converted only when it is saved)
+            args = save_args(prog.to_checkpoint(state), data_iter, stamp) if saving else None
+            saved = saving and mngr.save(done, args=args, force=force)
             if saved and timings is not None:
                 timings.saved()
             bar.update(1)

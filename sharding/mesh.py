@@ -61,7 +61,7 @@ def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mes
     # Several hosts: process by process, so tensor and fsdp groups stay inside a host.
     devices.sort(key=lambda d: (d.process_index, d.id))
     local = sum(d.process_index == devices[0].process_index for d in devices)
-    inner = shape[2] * shape[3]
+    inner = shape[2] * shape[3]  # fsdp x tensor
     if local % inner:
         log.warning(
             "mesh.fsdp x mesh.tensor = %d does not divide the %d devices of a process: "
@@ -97,7 +97,7 @@ def resolve_axis_sizes(mesh_cfg: Any, n_devices: int) -> tuple[int, int, int, in
             f"{n_devices} devices are available; change {_keys(sizes)} "
             "(or set one of them to -1)"
         )
-    return sizes["data"], sizes["stage"], sizes["fsdp"], sizes["tensor"]
+    return tuple(sizes[axis] for axis in AXES)
 
 
 def data_parallel_size(mesh: Mesh) -> int:

@@ -23,7 +23,7 @@ from jaxmllm.models.layers import Axes
 from jaxmllm.models.llm import Decoder
 from jaxmllm.models.projectors import AudioProjector, VisionProjector
 from jaxmllm.models.vision import VisionEncoder
-from sharding import DATA_AXES
+from sharding import DATA_AXES, STAGE_AXIS
 
 
 class MultimodalLM(nnx.Module):
@@ -112,15 +112,15 @@ class MultimodalLM(nnx.Module):
         )
         for buffer, phase in zip(buffers, names, strict=True):
             x_drlw = fill_slots(x_drlw, buffer, mb[f"llm_{phase}_src"])
-        d, r, length, width = x_drlw.shape
-        # Block-sparse attention takes a device's rows as one row (its tiles say which blocks
-        # meet); the others attend within each row.
+        segment_ids_bs, positions_bs = self.decoder_rows(mb)
+        return x_drlw.reshape(*segment_ids_bs.shape, -1), segment_ids_bs, positions_bs
+
+    def decoder_rows(self, mb: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """The decoder's rows' segment ids and positions: block-sparse attention takes a device's
+        rows as one row (its tiles say which blocks meet); the others attend within each row."""
+        d, r, _ = mb["llm_segment_ids"].shape
         n = d if self.llm.attention == "block_sparse" else d * r
-        return (
-            x_drlw.reshape(n, -1, width),
-            mb["llm_segment_ids"].reshape(n, -1),
-            mb["llm_positions"].reshape(n, -1),
-        )
+        return mb["llm_segment_ids"].reshape(n, -1), mb["llm_positions"].reshape(n, -1)
 
     def _route(
         self, rows: list[jax.Array], sends: list[jax.Array | None], counts: list
@@ -177,9 +177,11 @@ def exchange_rows(
         parts = jnp.split(received_dcw, np.cumsum(caps)[:-1].tolist(), axis=1)
         return [p.reshape(-1, p.shape[-1]) for p in parts]
 
-    if not axes or shards == 1:
+    if not axes or shards == 1 or STAGE_AXIS in mesh.manual_axes:
+        # Inside a pipeline's shard_map over the stages a nested one over the data axes does not
+        # lower (stage-varying operands): the transpose, resharded by XLA (an all-to-all).
         sent_sdcw = jax.vmap(gather)(rows, sends)
-        return jax.vmap(split)(jnp.swapaxes(sent_sdcw, 0, 1))
+        return jax.vmap(split)(shard_like_batch(jnp.swapaxes(sent_sdcw, 0, 1)))
     if rows[0].shape[0] != shards:
         raise ValueError(
             f"the exchange needs one bucket per data-parallel shard: got {rows[0].shape[0]} "

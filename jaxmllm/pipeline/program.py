@@ -1,0 +1,130 @@
+"""What a config with `mesh.stage` > 1 compiles to: the partition plan, the pipelined train
+state (`[stage, slots, ...]` stacks, the stage dim split over the `stage` axis), the jitted step
+and the conversion of the state to and from its checkpoint form (`[depth, ...]`, as without a
+pipeline, so a checkpoint resumes under any stage count).
+
+    prog = build_program(cfg, mesh)   # step.build_program when mesh.stage == 1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+import sharding
+from jaxmllm import step as unpipelined
+from jaxmllm.config import Config, ConfigError
+from jaxmllm.pipeline.costs import model_costs
+from jaxmllm.pipeline.layout import Layout
+from jaxmllm.pipeline.loop import pipeline_loss
+from jaxmllm.pipeline.partition import PartitionError, Plan, partition
+from sharding import STAGE_AXIS
+
+SCHEDULES_RUN = ("gpipe",)  # the schedules the device side implements
+
+
+def plan_of(cfg: Config, stages: int) -> Plan:
+    """The partitioner's plan for this config (`pipeline.*` fixes what it must keep).
+
+    Raises:
+      ConfigError: No plan fits, or a schedule the device side does not run.
+    """
+    p = cfg.pipeline
+    if p.schedule not in ("auto", *SCHEDULES_RUN):
+        raise ConfigError(
+            f"pipeline.schedule={p.schedule}: the device side runs {', '.join(SCHEDULES_RUN)}; "
+            "use one of them or auto"
+        )
+    schedule = SCHEDULES_RUN[0] if p.schedule == "auto" and len(SCHEDULES_RUN) == 1 else p.schedule
+    layers = {"llm": p.llm_layers, "vision": p.vision_layers, "audio": p.audio_layers}
+    try:
+        return partition(
+            model_costs(cfg.model, cfg.batch),
+            stages,
+            schedule=schedule,
+            placement={"vision": p.vision, "audio": p.audio},
+            layers=layers,
+        )
+    except PartitionError as e:
+        raise ConfigError(str(e)) from None
+
+
+@dataclasses.dataclass
+class PipelineProgram(unpipelined.Program):
+    """A `Program` whose state holds pipelined stacks; checkpoints hold the `[depth, ...]` form."""
+
+    plan: Plan = None
+    layout: Layout = None
+    checkpoint_shardings: dict = None
+    depth_abstract: dict = None
+
+    def __post_init__(self):  # the conversions, compiled once each
+        self._to_depth = jax.jit(self.layout.to_depth, out_shardings=self.checkpoint_shardings)
+        self._to_stages = jax.jit(
+            self.layout.to_stages, out_shardings=self.shardings, donate_argnums=0
+        )
+
+    def init(self) -> dict:
+        init = lambda: self.layout.to_stages(unpipelined.init_state(self.cfg, self.optimizer))
+        return jax.jit(init, out_shardings=self.shardings)()
+
+    def describe(self) -> str:
+        return super().describe() + "\n" + self.plan.describe()
+
+    def checkpoint_abstract(self) -> dict:
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            self.depth_abstract,
+            self.checkpoint_shardings,
+        )
+
+    def to_checkpoint(self, state: dict) -> dict:
+        return self._to_depth(state)
+
+    def from_checkpoint(self, state: dict) -> dict:
+        return self._to_stages(state)
+
+
+def build_program(cfg: Config, mesh) -> unpipelined.Program:
+    """`step.build_program`, pipelined over the mesh's `stage` axis when it has more than one."""
+    stages = mesh.shape.get(STAGE_AXIS, 1)
+    if stages == 1:
+        return unpipelined.build_program(cfg, mesh)
+    plan = plan_of(cfg, stages)
+    layout = Layout.of(plan)
+    parts, axes = unpipelined.model_parts(cfg)
+    optimizer, schedule = unpipelined.make_optimizer(cfg)
+    depth = jax.eval_shape(lambda: unpipelined.init_state(cfg, optimizer))
+    abstract = jax.eval_shape(layout.to_stages, depth)
+    stage_axes = layout.axes(axes)
+    shardings = _shardings(stage_axes, abstract, parts, optimizer, mesh, sharding.RULES)
+    # Checkpoints: the [depth, ...] stacks, their layers split over the stages where they divide.
+    saved = _shardings(axes, depth, parts, optimizer, mesh, {**sharding.RULES, "layers": "stage"})
+    loss = pipeline_loss(parts, layout)
+    step = jax.jit(
+        unpipelined.make_train_step(parts, optimizer, schedule, jax.value_and_grad(loss)),
+        donate_argnums=0,
+        out_shardings=(shardings, sharding.replicated(mesh)),
+    )
+    return PipelineProgram(
+        cfg, mesh, parts, stage_axes, optimizer, abstract, shardings, step,
+        plan=plan, layout=layout, checkpoint_shardings=saved, depth_abstract=depth,
+    )  # fmt: skip
+
+
+def _shardings(axes, abstract, parts, optimizer, mesh, rules) -> dict[str, Any]:
+    """NamedShardings of a train state (params, frozen, optimizer state, step) under `rules`."""
+    sharding.validate(axes, rules)
+    trained = {k: v for k, v in axes.items() if k not in parts.frozen_keys}
+    frozen = {k: v for k, v in axes.items() if k in parts.frozen_keys}
+    out = {
+        "params": sharding.param_shardings(trained, abstract["params"], mesh, rules),
+        "frozen": sharding.param_shardings(frozen, abstract["frozen"], mesh, rules),
+        "step": sharding.replicated(mesh),
+    }
+    out["opt_state"] = sharding.opt_state_shardings(
+        optimizer, abstract["opt_state"], out["params"], mesh
+    )
+    return out
