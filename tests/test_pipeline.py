@@ -1,5 +1,7 @@
 """Pipeline parallelism on the 8-device CPU mesh: the same loss and gradients as without it."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,9 @@ import pytest
 
 import sharding
 from jaxmllm.config import load_config
+from jaxmllm.data.bucketize import bucketize
 from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
+from jaxmllm.pipeline.choose import Variants
 from jaxmllm.pipeline.layout import Layout
 from jaxmllm.pipeline.loop import pipeline_loss
 from jaxmllm.pipeline.partition import Plan, Stage
@@ -28,7 +32,8 @@ TEXT_ONLY = ["model.vision.enabled=false", "model.audio.enabled=false",
 
 def pipelined_and_reference(*overrides):
     """(loss, grads) of one step's batch through the pipelined program, and through the
-    unpipelined step on a mesh of the same data-parallel buckets; grads as [depth, ...]."""
+    unpipelined step on a mesh of the same data-parallel buckets; grads as [depth, ...]. Also
+    the pipelined (loss, grads) of other host batches: run(host)."""
     cfg = load_config("configs/tiny.yaml", [*FIXED, *overrides])
     source, index = make_source(cfg)
     mesh = sharding.make_mesh(cfg.mesh)
@@ -39,10 +44,15 @@ def pipelined_and_reference(*overrides):
         prog = build_program(cfg, mesh)
         state = prog.init()
         grads_fn = jax.jit(jax.value_and_grad(pipeline_loss(prog.parts, prog.layout)))
-        loss, grads = grads_fn(
-            state["params"], state["frozen"], sharding.make_global_batch(host, mesh)
-        )
-        grads = jax.device_get(prog.layout.to_depth(grads))
+
+    def run(host):
+        with jax.set_mesh(mesh):
+            batch = sharding.make_global_batch(host, mesh)
+            loss, grads = grads_fn(state["params"], state["frozen"], batch)
+            return float(loss), jax.device_get(prog.layout.to_depth(grads))
+
+    got = run(host)
+    with jax.set_mesh(mesh):
         params = jax.device_get(prog.to_checkpoint(state))
     flat = sharding.make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp},
                               devices=jax.devices()[:devices])  # fmt: skip
@@ -50,7 +60,7 @@ def pipelined_and_reference(*overrides):
         reference = jax.jit(make_loss_and_grads(prog.parts))
         batch = sharding.make_global_batch(host, flat)
         want = jax.device_get(reference(params["params"], params["frozen"], batch))
-    return prog, state, (float(loss), grads), want
+    return prog, state, got, want, (cfg, host, run)
 
 
 def assert_same_math(got, want):
@@ -66,7 +76,7 @@ def assert_same_math(got, want):
 @pytest.mark.slow  # two compiles (pipelined and not), ~70 s on a busy 2-core box
 def test_text_only_pipeline_of_uneven_stages_matches_the_unpipelined_step():
     """2 stages x 4 data-parallel buckets, LLM layers split 1 + 2."""
-    prog, _, got, want = pipelined_and_reference(
+    prog, _, got, want, _ = pipelined_and_reference(
         *TEXT_ONLY, "mesh.stage=2", "mesh.data=4", "mesh.fsdp=1", "pipeline.llm_layers=[1,2]"
     )
     assert prog.plan.layers("llm") == (1, 2)
@@ -101,8 +111,16 @@ def test_text_only_pipeline_of_uneven_stages_matches_the_unpipelined_step():
     ids=["stage2-data4-frozen-vision", "stage4-data2-encoder-stages"],
 )
 def test_multimodal_pipeline_matches_the_unpipelined_step(overrides):
-    prog, state, got, want = pipelined_and_reference(*overrides)
+    prog, state, got, want, (cfg, host, run) = pipelined_and_reference(*overrides)
     assert_same_math(got, want)
+    # A step variant: the vision bucket cut to the whole blocks its images fill drops only
+    # padding (the same loss and gradients, from a program of other shapes).
+    fractions = dataclasses.replace(cfg.pipeline, encoder_fractions=(0.0, 1.0))
+    variants = Variants(dataclasses.replace(cfg, pipeline=fractions), prog.plan)
+    extent = int(np.flatnonzero((host["vision_segment_ids"] > 0).any((0, 1))).max()) + 1
+    cut = -(-extent // variants.step["vision"]) * variants.step["vision"]
+    assert cut < cfg.batch.vision_patches
+    assert_same_math(run(variants._cut_batch(host, "vision", cut)), want)
     frozen = prog.parts.frozen_keys
     assert frozen and not set(frozen) & set(state["params"])  # no gradient, no optimizer state
     mirrored = {k for p in jax.tree_util.tree_leaves_with_path(state["opt_state"])
@@ -162,3 +180,38 @@ def test_padding_slots_of_a_stage_are_skipped():
     two, first_two = run(stacked)
     np.testing.assert_allclose(two, first_two, rtol=1e-6)
     assert not np.allclose(two, x)
+
+
+# --- step variants ------------------------------------------------------------------------
+
+
+def test_variants_cut_only_padding_and_prefer_the_cheapest_that_holds_the_step():
+    fractions = "pipeline.encoder_fractions=[0, 0.5, 1]"
+    stage2 = ["mesh.stage=2", "mesh.data=4", "mesh.fsdp=1"]
+    rare_audio = "data.synthetic.audio_fraction=0.1"  # (some steps have none)
+    cfg = load_config("configs/tiny.yaml", [*FIXED, *stage2, fractions, rare_audio])
+    source, index = make_source(cfg)
+    cfg = resolve_batch(cfg, index, 4)
+    data = make_pipeline(cfg, 4, prefetch=0, source=source, index=index)
+    variants = data.variants
+    assert variants.time[(1.0, 1.0)] > variants.time[(0.5, 1.0)] > variants.time[(0.0, 1.0)]
+    seen = set()
+    for _ in range(12):
+        plan = data.planner.plan()
+        samples = {int(i): source[int(i)] for i in plan.samples}
+        whole = bucketize(plan, samples, cfg, data.caps, index=index)
+        cut, name = variants.pick(plan, index, whole)
+        seen.add(name)
+        for phase, key in (("vision", "vision_patches"), ("audio", "audio_frames")):
+            n = cut[key].shape[2] if key in cut else 0
+            assert not (whole[f"{phase}_segment_ids"][:, :, n:] > 0).any()  # only padding cut
+            if n:
+                np.testing.assert_array_equal(cut[key], whole[key][:, :, :n])
+                rows = whole[key].shape[2] // variants.unit[phase]
+                src = whole[f"llm_{phase}_src"]
+                moved = np.where(src >= rows, src - rows + n // variants.unit[phase], src)
+                np.testing.assert_array_equal(cut[f"llm_{phase}_src"], moved)
+            else:
+                assert f"llm_{phase}_src" not in cut and (whole[f"llm_{phase}_src"] < 0).all()
+    assert len(seen) > 1  # the mix varies from step to step
+    data.close()

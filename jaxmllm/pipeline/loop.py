@@ -179,7 +179,7 @@ class _Ticks:
         """Every value a tick can carry, computed from scratch (for their shapes only)."""
         out = {}
         for p in self.piped:
-            x = getattr(self.model, p).prepare(*_encoder_args(mb, p))[0]
+            x = getattr(self.model, p).prepare(*encoder_args(mb, p))[0]
             out[f"{p}_x"], out[f"{p}_rows"] = x, self._project(p, x)
         rows = {p: out[f"{p}_rows"] if p in self.piped else self.dp_rows[p][0] for p in self.phases}
         out["llm_x"] = self.model.decoder_inputs(mb, rows)[0]
@@ -216,7 +216,7 @@ class _Ticks:
     def _encoder(self, p: str) -> Callable:
         def branch(carry, mb, ic):
             encoder = getattr(self.model, p)
-            args = _encoder_args(mb, p)
+            args = encoder_args(mb, p)
             _, pack, positions = encoder.prepare(*args)  # (its embedding unused here: removed)
             x = self._entry(p, lambda _: encoder.prepare(*args)[0], carry)
             x = encoder.transformer.layers(x, pack, positions, count=self.count[p])
@@ -244,6 +244,8 @@ class _Ticks:
         return {k: new.get(k, v) for k, v in carry.items()}
 
 
-def _encoder_args(mb, p: str) -> tuple:
+def encoder_args(mb, p: str) -> tuple:
+    """An encoder's inputs from a microbatch: (patches or frames, segment ids, positions,
+    tiles or None), as its `prepare` takes them."""
     inputs = mb["vision_patches"] if p == "vision" else mb["audio_frames"]
     return inputs, mb[f"{p}_segment_ids"], mb[f"{p}_positions"], mb.get(f"{p}_tiles")

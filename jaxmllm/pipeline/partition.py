@@ -230,6 +230,32 @@ def _evaluate(kind, microbatches, stage_list, dp, passes) -> Plan:
     )
 
 
+def reprice(plan: Plan, costs: ModelCosts) -> Plan:
+    """The same stages, placements and schedule under other costs (a step variant's buckets); a
+    segment the costs lack (its encoder skipped) leaves its stages idle."""
+    head_in_pipeline = plan.schedule == "1f1b"
+    present = {seg.name for seg in costs.segments}
+    stage_list = []
+    for stage in plan.stages:
+        work = Work()
+        if stage.segment in present:
+            seg = costs.segment(stage.segment)
+            last = stage.first + stage.layers == seg.layers
+            work = seg.layer.times(stage.layers) + (seg.enter if stage.first == 0 else Work())
+            if last and (seg.name != "llm" or head_in_pipeline):
+                work = work + seg.leave
+        stage_list.append(dataclasses.replace(stage, work=work))
+    share = math.ceil(costs.microbatches / len(stage_list))
+    passes = Work()
+    for name in plan.data_parallel:
+        if name in present:
+            passes = passes + costs.segment(name).whole().times(share)
+    if not head_in_pipeline:
+        passes = passes + costs.segment("llm").leave.times(share)
+    return _evaluate(plan.schedule, costs.microbatches, tuple(stage_list), plan.data_parallel,
+                     passes)  # fmt: skip
+
+
 def segment_stages(seg: Segment, split: Sequence[int], *, leave: bool) -> list[Stage]:
     """The stages of `seg` split as given: the first also embeds, the last also leaves (its
     projector; the LLM's head when `leave`)."""

@@ -15,40 +15,12 @@ import jax
 
 import sharding
 from jaxmllm import step as unpipelined
-from jaxmllm.config import Config, ConfigError
-from jaxmllm.pipeline.costs import model_costs
+from jaxmllm.config import Config
+from jaxmllm.pipeline.choose import plan_of
 from jaxmllm.pipeline.layout import Layout
 from jaxmllm.pipeline.loop import pipeline_loss
-from jaxmllm.pipeline.partition import PartitionError, Plan, partition
+from jaxmllm.pipeline.partition import Plan
 from sharding import STAGE_AXIS
-
-SCHEDULES_RUN = ("gpipe",)  # the schedules the device side implements
-
-
-def plan_of(cfg: Config, stages: int) -> Plan:
-    """The partitioner's plan for this config (`pipeline.*` fixes what it must keep).
-
-    Raises:
-      ConfigError: No plan fits, or a schedule the device side does not run.
-    """
-    p = cfg.pipeline
-    if p.schedule not in ("auto", *SCHEDULES_RUN):
-        raise ConfigError(
-            f"pipeline.schedule={p.schedule}: the device side runs {', '.join(SCHEDULES_RUN)}; "
-            "use one of them or auto"
-        )
-    schedule = SCHEDULES_RUN[0] if p.schedule == "auto" and len(SCHEDULES_RUN) == 1 else p.schedule
-    layers = {"llm": p.llm_layers, "vision": p.vision_layers, "audio": p.audio_layers}
-    try:
-        return partition(
-            model_costs(cfg.model, cfg.batch),
-            stages,
-            schedule=schedule,
-            placement={"vision": p.vision, "audio": p.audio},
-            layers=layers,
-        )
-    except PartitionError as e:
-        raise ConfigError(str(e)) from None
 
 
 @dataclasses.dataclass
@@ -62,9 +34,7 @@ class PipelineProgram(unpipelined.Program):
 
     def __post_init__(self):  # the conversions, compiled once each
         self._to_depth = jax.jit(self.layout.to_depth, out_shardings=self.checkpoint_shardings)
-        self._to_stages = jax.jit(
-            self.layout.to_stages, out_shardings=self.shardings, donate_argnums=0
-        )
+        self._to_stages = jax.jit(self.layout.to_stages, out_shardings=self.shardings)
 
     def init(self) -> dict:
         init = lambda: self.layout.to_stages(unpipelined.init_state(self.cfg, self.optimizer))
