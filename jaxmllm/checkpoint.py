@@ -27,6 +27,7 @@ from typing import Any
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxmllm import distributed
@@ -219,3 +220,46 @@ def write_config(cfg: Config, out: Path) -> None:
     tmp = out / f"config.json.tmp{os.getpid()}"  # other processes may be reading it
     tmp.write_text(json.dumps(to_dict(cfg), indent=2))
     tmp.replace(out / "config.json")
+
+
+def restore_params(out: Path, abstract_params: dict, step: int | None = None) -> tuple[int, dict]:
+    """The trained and frozen parameters of a run's checkpoint, nothing else (no optimizer
+    state, no data state): what export, generation and `model.init_from.run` read.
+
+    Args:
+      out: the run's train.output_dir.
+      abstract_params: {"params": ..., "frozen": ...} shape trees (jax.ShapeDtypeStruct), any
+        subset of the checkpoint's; leaves with a `.sharding` are restored as jax Arrays in it,
+        the others as host numpy arrays.
+      step: the checkpoint step; None = the latest.
+
+    Returns:
+      (step, {"params": ..., "frozen": ...}).
+
+    Raises:
+      ConfigError: no checkpoint (at that step) in the run.
+    """
+    directory = Path(out).absolute() / "checkpoints"
+    steps = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit())
+    if not steps or (step is not None and step not in steps):
+        have = f"steps {steps}" if steps else "none"
+        raise ConfigError(f"no checkpoint {'' if step is None else step} in {directory} ({have})")
+    step = steps[-1] if step is None else step
+    item = {k: v for k, v in abstract_params.items() if v}  # (orbax refuses empty subtrees)
+    restore = jax.tree.map(_restore_args, item)
+    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False)) as m:
+        args = ocp.args.PyTreeRestore(item=item, restore_args=restore, partial_restore=True)
+        restored = dict(m.restore(step, args=ocp.args.Composite(state=args))["state"])
+    # A partial restore hands back the template for what the checkpoint lacks: refuse it.
+    for path, leaf in jax.tree_util.tree_leaves_with_path(restored):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            name = jax.tree_util.keystr(path, simple=True, separator="/")
+            raise ConfigError(f"checkpoint {step} in {directory} has no parameter {name}")
+    return step, {k: restored.get(k, {}) for k in abstract_params}
+
+
+def _restore_args(leaf) -> ocp.RestoreArgs:
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None:
+        return ocp.RestoreArgs(restore_type=np.ndarray)
+    return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=leaf.shape, dtype=leaf.dtype)

@@ -147,6 +147,7 @@ def check_agreement(cfg: Config) -> None:
         "local_devices": jax.local_device_count(),
         "platform": jax.devices()[0].platform,
     }
+    mine = json.loads(json.dumps(mine))  # (as process 0's comes back: a tuple is a list)
     client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(mine))
     timeout_ms = cfg.distributed.init_timeout_s * 1000
     ref = json.loads(client.blocking_key_value_get(f"{prefix}/0", timeout_ms))

@@ -97,6 +97,10 @@ class MetricsWindow:
         self.start, self.tokens, self.flops, self.steps = time.perf_counter(), 0.0, 0.0, 0
         self.predicted = 0.0
 
+    def exclude(self, seconds: float) -> None:
+        """Takes time the loop spent on other work (an evaluation) out of the window."""
+        self.start += seconds
+
     def add(self, info: dict) -> None:
         self.tokens += info["tokens"]
         self.flops += info["flops"]
@@ -198,7 +202,8 @@ def _plain(v):
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:
-    """All rows of a run's metrics.jsonl (later rows win for a step written twice)."""
+    """All rows of a run's metrics.jsonl, one per step: the rows of a step are merged (its
+    training row and its evaluation's), later values winning (a resumed run rewrites steps)."""
     path = Path(output_dir) / "metrics.jsonl"
     if not path.exists():
         return []
@@ -206,5 +211,5 @@ def read_metrics(output_dir: str | Path) -> list[dict]:
     for line in path.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
-            rows[row["step"]] = row
+            rows.setdefault(row["step"], {}).update(row)
     return [rows[k] for k in sorted(rows)]

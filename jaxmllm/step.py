@@ -20,7 +20,7 @@ from flax import nnx
 
 import sharding
 from jaxmllm.config import Config
-from jaxmllm.models import MultimodalLM, param_axes, token_losses
+from jaxmllm.models import MultimodalLM, param_axes
 
 # Top-level model attributes, and the config switch that freezes each.
 FREEZE_SWITCHES = {
@@ -51,7 +51,11 @@ class ModelParts:
 
 def build_model(cfg: Config, seed: int) -> tuple[dict, dict]:
     """Initialises the model; returns (trainable params, frozen params) as pure dicts."""
-    model = MultimodalLM(cfg.model, cfg.batch, rngs=nnx.Rngs(seed))
+    return split_frozen(cfg, MultimodalLM(cfg.model, cfg.batch, rngs=nnx.Rngs(seed)))
+
+
+def split_frozen(cfg: Config, model: MultimodalLM) -> tuple[dict, dict]:
+    """A model's parameters as (trainable, frozen) pure dicts, by the config's freeze keys."""
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     frozen = {k for k, is_frozen in FREEZE_SWITCHES.items() if k in pure and is_frozen(cfg.model)}
     return (
@@ -66,6 +70,15 @@ def model_parts(cfg: Config) -> tuple[ModelParts, dict]:
     graphdef, state = nnx.split(abstract, nnx.Param)
     frozen = tuple(k for k, f in FREEZE_SWITCHES.items() if k in state and f(cfg.model))
     return ModelParts(graphdef, state, frozen), param_axes(state)
+
+
+def overlay(tree: dict, given: dict) -> dict:
+    """`tree` with the leaves `given` has (same nesting) replaced by them."""
+    out = dict(tree)
+    for key, value in given.items():
+        if key in out:
+            out[key] = overlay(out[key], value) if isinstance(value, dict) else value
+    return out
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -113,8 +126,7 @@ def make_loss_and_grads(parts: ModelParts) -> Callable:
     """
 
     def loss_fn(params, frozen, mb, denom):
-        logits = parts.merge(params, frozen)(mb)
-        loss_sum, count = token_losses(logits, mb["llm_targets"], mb["llm_loss_mask"])
+        loss_sum, count = parts.merge(params, frozen).losses(mb)
         return loss_sum / denom, count
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -174,9 +186,15 @@ def make_train_step(
 # ----------------------------------------------------------------------------- program
 
 
-def init_state(cfg: Config, optimizer: optax.GradientTransformation) -> dict:
-    """A fresh train state: trainable and frozen params, optimizer state, step 0."""
+def init_state(cfg: Config, optimizer: optax.GradientTransformation, given: dict | None = None):
+    """A fresh train state: trainable and frozen params, optimizer state, step 0.
+
+    `given`: parameters that replace the random ones (pretrained weights: a nested dict keyed
+    like the params, holding any subset of them). Under jit the random init of what they
+    replace is dead code, so it is never computed.
+    """
     params, frozen = build_model(cfg, cfg.train.seed)
+    params, frozen = overlay(params, given or {}), overlay(frozen, given or {})
     return {
         "params": params,
         "frozen": frozen,
@@ -205,10 +223,16 @@ class Program:
             self.shardings,
         )
 
-    def init(self) -> dict:
-        """A fresh train state, created by a jitted init straight into its shardings."""
-        init = lambda: init_state(self.cfg, self.optimizer)
-        return jax.jit(init, out_shardings=self.shardings)()
+    def init(self, given: dict | None = None) -> dict:
+        """A fresh train state, created by a jitted init straight into its shardings; `given`
+        parameters (pretrained, already in their shardings) replace the random ones."""
+        init = lambda given: init_state(self.cfg, self.optimizer, given)
+        return jax.jit(init, out_shardings=self.shardings, donate_argnums=0)(given or {})
+
+    def abstract_params(self) -> dict:
+        """Every parameter, trained and frozen, as a ShapeDtypeStruct with its sharding."""
+        sharded = self.abstract_sharded()
+        return {**sharded["params"], **sharded["frozen"]}
 
     def describe(self) -> str:
         params = {**self.abstract["params"], **self.abstract["frozen"]}

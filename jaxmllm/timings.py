@@ -85,8 +85,8 @@ class TimingsRecorder:
 
     A resumed run redoes the steps after its checkpoint: their rows from the run before are
     dropped when the recorder opens, so every step has one row. The first step of a process
-    (compilation) and a step that was saved (the save's wait and copy) are marked `compile` /
-    `checkpoint`: their time holds more than their work.
+    (compilation), a step that was saved (the save's wait and copy) and one that was evaluated
+    are marked `compile` / `checkpoint` / `eval`: their time holds more than their work.
     """
 
     def __init__(self, output_dir: str | Path, start: int):
@@ -109,6 +109,12 @@ class TimingsRecorder:
         to the host before the next step is dispatched, which the step's time then holds."""
         if self._pending is not None:
             self._pending[0]["checkpoint"] = True
+
+    def evaluated(self) -> None:
+        """The latest dispatched step was evaluated before the next was dispatched (its time
+        holds the evaluation's): marked `eval`."""
+        if self._pending is not None:
+            self._pending[0]["eval"] = True
 
     def _finish(self) -> None:
         if self._pending is None:

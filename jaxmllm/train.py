@@ -35,7 +35,11 @@ from jaxmllm.checkpoint import (
 )
 from jaxmllm.config import Config, ConfigError, load_config
 from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
+from jaxmllm.evaluate import open_evaluator
 from jaxmllm.guards import NonFiniteError, NonFiniteGuard, Preemption, Watchdog
+from jaxmllm.hf.family import FamilyError
+from jaxmllm.hf.safetensors import CheckpointError
+from jaxmllm.init_from import initial_params
 from jaxmllm.ledger import Ledger
 from jaxmllm.metrics import MetricsWindow, MetricsWriter, calibrated_cost
 from jaxmllm.pipeline.program import build_program
@@ -115,6 +119,9 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
         if prog.parts.frozen_keys:
             print(f"frozen (no gradient, no optimizer state): {', '.join(prog.parts.frozen_keys)}")
 
+    # Evaluation (data.eval): a fixed held-out set planned at the step's shapes, and questions.
+    evaluator = open_evaluator(cfg, mesh, prog, out, positions_of(mesh))
+
     # Init: jitted straight into its shardings (no full copy on one device), or restore. A
     # checkpoint of another format (stamp) is refused, never restored into the wrong tree; it
     # holds the state in a form the mesh does not change (pipelined stacks as [depth, ...]).
@@ -124,7 +131,10 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
     stamp = format_stamp({**saved_form["params"], **saved_form["frozen"]})
     check_process_count(mngr)
     state = restore_latest(mngr, saved_form, data_iter, stamp)
-    state = prog.init() if state is None else prog.from_checkpoint(state)
+    if state is None:  # a fresh run: random, or the pretrained weights model.init_from names
+        state = prog.init(initial_params(cfg, prog))
+    else:
+        state = prog.from_checkpoint(state)
     start = int(state["step"])
     if start:
         print(f"resumed from checkpoint at step {start} in {mngr.directory}")
@@ -165,6 +175,11 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
             window.add(info)
             if done % t.log_every == 0 or done in (1, t.steps):
                 last = log_step(done, metrics, info, window, guard.total, writer, bar)
+            if evaluator is not None and evaluator.due(done):  # (reads the params, no more)
+                writer.write(done, evaluator(prog.to_checkpoint(state), done))  # [depth, ...]
+                window.exclude(evaluator.seconds)  # (throughput is the training's)
+                if timings is not None:
+                    timings.evaluated()
             stopping = preempt.requested is not None
             force = done == t.steps or stopping
             saving = force or mngr.should_save(done)  # (converted only when it is saved)
@@ -213,9 +228,8 @@ def open_timings(cfg: Config, out: Path, start: int, is_main: bool, closing):
 def open_data(cfg: Config, mesh, source, index, out: Path) -> grain.DatasetIterator:
     """This process's step iterator: it yields each step's global device arrays, assembled from
     this process's rows in the pipeline's thread while the devices run the step before."""
-    rank, positions = jax.process_index(), None
-    if jax.process_count() > 1:
-        positions = host_positions(mesh)
+    rank, positions = jax.process_index(), positions_of(mesh)
+    if positions is not None:
         log.info(
             "process %d of %d: data-parallel positions %d..%d of %d",
             rank,
@@ -233,6 +247,11 @@ def open_data(cfg: Config, mesh, source, index, out: Path) -> grain.DatasetItera
         reject_log=out / ("rejects.jsonl" if rank == 0 else f"rejects.process{rank}.jsonl"),
         to_device=lambda host_batch: sharding.make_global_batch(host_batch, mesh),
     )
+
+
+def positions_of(mesh) -> Any:
+    """This process's data-parallel positions in a multi-process job; None with one process."""
+    return host_positions(mesh) if jax.process_count() > 1 else None
 
 
 def host_positions(mesh) -> Any:
@@ -294,11 +313,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def cli(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("jaxmllm").setLevel(logging.INFO)  # (grain's import set up the root logger)
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.set)
         main(cfg)
-    except (ConfigError, OversizeError, sharding.ShardingError) as e:
+    except (ConfigError, OversizeError, sharding.ShardingError, FamilyError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:

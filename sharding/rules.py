@@ -29,8 +29,12 @@ RULES: dict[str, Rule] = {
     "kv_heads": "tensor",  # key/value heads (GQA)
     "head_dim": None,  # per-head width, small and used whole by attention
     "vocab": "tensor",  # embedding rows and output logits
+    # The embedding table's and output projection's vocabulary when they are split by rows
+    # over every model-parallel device (vocab-parallel lookups and loss): fsdp x tensor
+    "vocab_split": ("fsdp", "tensor"),
     "patch": None,  # flattened patch pixels into the ViT
     "mel": None,  # mel bins into the audio encoder
+    "positions": None,  # rows of an absolute position table (SigLIP, Whisper)
     "layers": None,  # stacked (scanned) layers
     "stage": "stage",  # pipelined layers [stage, layers per stage, ...]: a stage's slab each
 }

@@ -9,6 +9,11 @@ ROOT = Path(__file__).resolve().parent.parent
 HOOKS = ROOT / "tests" / "child_hooks"  # sitecustomize + killpoints, for kill=...
 
 
+# tiny.yaml evaluates a held-out set during and at the end of its run (data.eval): runs that test
+# other things leave it out
+NO_EVAL = ("data.eval.source=none",)
+
+
 def child_env(kill: dict | None = None) -> dict[str, str]:
     """The environment for a child run: unbuffered output, the repo importable, and without
     conftest's forced device count (the config's mesh.cpu_devices splits the CPU itself).
@@ -16,6 +21,8 @@ def child_env(kill: dict | None = None) -> dict[str, str]:
     `kill`: a kill point (see tests/child_hooks/killpoints.py) the child SIGKILLs itself at.
     """
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXMLLM_TEST_KILL")}
+    if "--xla_backend_optimization_level=0" in os.environ.get("XLA_FLAGS", ""):
+        env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # (as conftest: compiling is most)
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     if kill is not None:
@@ -47,6 +54,7 @@ def train_cmd(out, *sets: str, module: str = "jaxmllm.train", args=()) -> list[s
         "--config",
         "configs/tiny.yaml",
         "--set",
+        *NO_EVAL,
         *sets,
         f"train.output_dir={out}",
     ]

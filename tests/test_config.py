@@ -109,3 +109,12 @@ def test_a_resumed_run_keeps_the_auto_sizes_its_checkpoints_were_planned_with(tm
     assert keep_resolved(own, tmp_path).batch.route_pair_capacity == 48  # the user's value
     with pytest.raises(ConfigError, match="route_pair_capacity: 37 -> 48"):
         check_resumable(keep_resolved(own, tmp_path), tmp_path)
+
+
+def test_fixed_length_tuples_and_dotless_floats_are_read():
+    cfg = load_config(None, ["data.image_mean=[0.48, 0.46, 0.41]", "optim.lr=1e-3"])
+    assert cfg.data.image_mean == (0.48, 0.46, 0.41) and cfg.optim.lr == 1e-3
+    with pytest.raises(ConfigError, match=r"data\.image_std must be a list of 3 values"):
+        load_config(None, ["data.image_std=[0.5, 0.5]"])
+    with pytest.raises(ConfigError, match=r"image_std: every channel's std must be > 0"):
+        load_config(None, ["data.image_std=[0.5, 0, 0.5]"])

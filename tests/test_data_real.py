@@ -25,6 +25,7 @@ from jaxmllm.data.source import open_source
 
 SETTINGS = [
     "data.source=jsonl",
+    "data.eval.source=none",  # (tiny.yaml's is a held-out share of its synthetic data)
     "data.image_min_pixels=256",
     "data.image_max_pixels=1024",
     "data.audio_max_frames=32",
@@ -385,3 +386,21 @@ def test_a_record_that_no_longer_matches_its_index_row_is_refused(data, tmp_path
     loader = Loader(cfg, open_source(cfg))
     assert loader.load(np.array([0]), step=0) == {0: None}
     assert loader.counts()["rejects/load_changed_since_index"] == 1
+
+
+def test_pixels_are_normalised_with_the_configured_mean_and_std(tmp_path):
+    """data.image_mean / image_std (a pretrained encoder's processor): (x / 255 - mean) / std
+    per channel; the default 0.5 / 0.5 is [-1, 1]."""
+    from PIL import Image
+
+    from jaxmllm.data.image import load_image
+
+    rgb = np.zeros((28, 28, 3), np.uint8)
+    rgb[..., 0], rgb[..., 1], rgb[..., 2] = 255, 51, 0
+    Image.fromarray(rgb).save(tmp_path / "a.png")
+    default, _ = load_image(str(tmp_path / "a.png"), 14, 2, 1, 10**6)
+    np.testing.assert_allclose(default[0, :3], [1.0, 51 / 127.5 - 1, -1.0], rtol=1e-6)
+    mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+    clip, _ = load_image(str(tmp_path / "a.png"), 14, 2, 1, 10**6, mean=mean, std=std)
+    want = (np.array([255, 51, 0]) / 255 - np.array(mean)) / np.array(std)
+    np.testing.assert_allclose(clip.reshape(-1, 3), np.tile(want, (len(clip) * 196, 1)), rtol=1e-5)

@@ -331,7 +331,8 @@ def test_fuzzed_manifest_under_skip_and_fail(h, tmp_path):
     path.write_bytes(b"\n".join(fuzz.gen_line(rng, h.seeds) for _ in range(60)) + b"\n")
     over = [f"data.path={path}", f"data.index_dir={tmp_path / 'ix'}", "data.source=jsonl",
             "data.image_min_pixels=256", "data.image_max_pixels=1024", "data.audio_max_frames=32",
-            f"train.output_dir={tmp_path / 'run'}", "data.max_image_pixels=4194304"]  # fmt: skip
+            f"train.output_dir={tmp_path / 'run'}", "data.max_image_pixels=4194304",
+            "data.eval.source=none"]  # fmt: skip
     cfg = load_config("configs/tiny.yaml", over)
     summary = build_index(cfg, path, tmp_path / "ix", progress=False)
     rejects = read_rejects(tmp_path / "ix" / "rejects.jsonl")

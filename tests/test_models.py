@@ -30,7 +30,7 @@ from jaxmllm.models import MultimodalLM, param_axes, token_losses, transformer
 from jaxmllm.models.attention import Attention, packing
 from jaxmllm.models.layers import rope_1d
 from jaxmllm.models.mllm import exchange_rows, fill_slots
-from jaxmllm.models.transformer import Block, Transformer
+from jaxmllm.models.transformer import Block, BlockSpec, Transformer
 from sharding.rules import axes_leaves, keyed_leaves
 
 BOS, IMAGE, AUDIO = 257, 259, 260
@@ -60,8 +60,10 @@ ALLOWED_AXES = {
     "kv_heads",
     "head_dim",
     "vocab",
+    "vocab_split",
     "patch",
     "mel",
+    "positions",
     None,
 }
 
@@ -337,10 +339,10 @@ def test_param_axes_cover_every_param():
 def test_stacked_init_draws_what_separate_blocks_drew():
     """Layer i of the stack holds what the i-th of `depth` separate blocks drew (the unscanned
     model's init), and the RNG stream ends where theirs did, so later modules match too."""
-    kw = dict(rope="1d", rope_theta=1e4)
+    spec = BlockSpec(32, 4, 2, 64, rope="1d", rope_theta=1e4)
     stack_rngs, block_rngs = nnx.Rngs(7), nnx.Rngs(7)
-    stack = Transformer(3, 32, 4, 2, 64, rngs=stack_rngs, **kw)
-    blocks = [Block(32, 4, 2, 64, rngs=block_rngs, **kw) for _ in range(3)]
+    stack = Transformer(3, spec, rngs=stack_rngs)
+    blocks = [Block(spec, rngs=block_rngs) for _ in range(3)]
     stacked = nnx.to_pure_dict(nnx.state(stack.blocks))
     for i, block in enumerate(blocks):
         layer = jax.tree.map(lambda x, i=i: x[i], stacked)
@@ -375,8 +377,8 @@ def test_init_and_loss_match_the_unscanned_model():
 
 @pytest.mark.parametrize("remat", [False, True])
 def test_scanned_stack_matches_its_blocks_applied_one_by_one(remat):
-    kw = dict(rope="1d", rope_theta=1e4, remat=remat, rngs=nnx.Rngs(5))
-    stack = Transformer(3, 32, 4, 2, 64, **kw)
+    spec = BlockSpec(32, 4, 2, 64, rope="1d", rope_theta=1e4)
+    stack = Transformer(3, spec, remat=remat, rngs=nnx.Rngs(5))
     graphdef, state = nnx.split(stack)
     block_def, _ = nnx.split(stack.blocks)
     x = jnp.asarray(np.random.default_rng(8).normal(size=(2, 6, 32)), jnp.float32)

@@ -188,6 +188,12 @@ OVERRIDES = [
 ]
 
 
+# A held-out evaluation at steps 3 and 6 (a small set, two short answers): its metrics are the
+# job's whatever the processes, like the loss (the one-process run and the two-process one)
+EVAL = ["data.eval.source=synthetic", "data.eval.samples=24", "data.eval.questions=2",
+        "data.eval.max_new_tokens=4", "train.eval_every=3"]  # fmt: skip
+
+
 def _launch(processes, out, *extra, kill=None):
     cmd = train_cmd(
         out, *OVERRIDES, *extra, module="jaxmllm.launch", args=("--processes", str(processes))
@@ -214,7 +220,7 @@ def _losses(out):
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
-    code, text = _launch(1, out)
+    code, text = _launch(1, out, *EVAL)
     assert code == 0, text[-3000:]
     return out
 
@@ -230,7 +236,7 @@ def _check_ledger(out, processes):
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [2, 4])
 def test_processes_train_like_one(one_process, tmp_path, processes):
-    code, text = _launch(processes, tmp_path)
+    code, text = _launch(processes, tmp_path, *(EVAL if processes == 2 else ()))
     assert code == 0, text[-3000:]
     np.testing.assert_allclose(_losses(tmp_path), _losses(one_process), rtol=1e-5)
     got, ref = _check_ledger(tmp_path, processes), _check_ledger(one_process, 1)
@@ -244,6 +250,10 @@ def test_processes_train_like_one(one_process, tmp_path, processes):
     for a, b in zip(rows, ref_rows, strict=True):
         assert a["samples"] == b["samples"]
         assert a["padding/llm"] == pytest.approx(b["padding/llm"], abs=1e-6)
+        for key in [k for k in b if k.startswith("eval/") and processes == 2]:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+    if processes == 2:
+        assert [r["step"] for r in rows if "eval/loss" in r] == [3, 6]
     data = tmp_path / "checkpoints" / str(STEPS) / "data"
     assert sorted(p.name for p in data.glob("process_*")) == [
         f"process_{i}-of-{processes}.json" for i in range(processes)

@@ -25,6 +25,7 @@ ROUTED = [
     "batch.vision_patches=640",
     "batch.audio_frames=256",
     "batch.route_pair_capacity=160",
+    "data.eval.source=none",  # (tiny.yaml's held-out evaluation: not what these test)
 ]
 
 
@@ -73,6 +74,7 @@ def one_sample_batch(cfg, sample, source, index):
     return ref, bucketize(plan, {sample: source[sample]}, ref, caps)
 
 
+@pytest.mark.slow  # (~130 s: each of the step's samples alone; CI runs it with -m slow)
 def test_routed_step_equals_samples_one_by_one_on_one_device():
     cfg, source, index = resolved()
     # The images are moved below, past what the planner balanced: room for every vision tile.

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from jaxmllm.config import load_config
+from jaxmllm.config import ConfigError, load_config
 from jaxmllm.pipeline.costs import ModelCosts, Segment, Work, model_costs
 from jaxmllm.pipeline.partition import (
     PartitionError,
@@ -218,3 +218,20 @@ def test_describe_prints_layers_time_and_bubble_per_stage():
         len([line for line in text.splitlines() if line.strip().startswith(("0", "1", "2", "3"))])
         >= 4
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["mesh.fsdp=2", "model.llm.vocab_parallel=true"],
+         r"model\.llm\.vocab_parallel: .*mesh\.stage=2.*vocab_parallel: false"),
+        (["model.llm.mrope_section=[4, 6, 6]"], r"model\.llm\.mrope_section: .*mesh\.stage=2"),
+        (["model.init_from.run=runs/earlier"], r"model\.init_from: run: .*mesh\.stage=2"),
+    ],
+)  # fmt: skip
+def test_what_the_pipeline_does_not_run_is_refused_naming_both_keys(overrides, message):
+    stage2 = ["mesh.stage=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1"]
+    load_config("configs/tiny.yaml", stage2)  # (the defaults run)
+    with pytest.raises(ConfigError, match=message):
+        load_config("configs/tiny.yaml", [*stage2, *overrides])
+    load_config("configs/tiny.yaml", ["mesh.stage=1", *overrides[-1:]])  # fine without stages

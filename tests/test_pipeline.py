@@ -171,9 +171,9 @@ def test_padding_slots_of_a_stage_are_skipped():
     from flax import nnx
 
     from jaxmllm.models.attention import packing
-    from jaxmllm.models.transformer import Transformer
+    from jaxmllm.models.transformer import BlockSpec, Transformer
 
-    t = Transformer(3, 16, 2, 2, 32, rope="1d", rope_theta=1e4, rngs=nnx.Rngs(0))
+    t = Transformer(3, BlockSpec(16, 2, 2, 32, rope="1d"), rngs=nnx.Rngs(0))
     graphdef, stacked = nnx.split(t)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 8, 16)), jnp.float32)
     pack, pos = packing(jnp.ones((1, 8), jnp.int32), causal=True), jnp.arange(8)[None]

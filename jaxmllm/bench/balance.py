@@ -165,7 +165,7 @@ def held_caps(
         caps,
         steps,
         make=lambda c: make_planner(policy, index, c, seed),
-        weights=cost.tile_weights(caps.block, caps.subsample) if cost else None,
+        weights=cost.tile_weights(caps.block, caps.audio_per_row) if cost else None,
     )
     return dataclasses.replace(caps, **{f"{p}_tiles": n for p, n in tiles.items()})
 
@@ -348,7 +348,7 @@ def run_policy(
     if block:
         caps_by_phase = caps.tile_caps() if policy in HOLDS_TILES else tile_most
         row["tile_capacity"] = int(sum(caps_by_phase.values()))
-        weights = cost.tile_weights(block, caps.subsample)
+        weights = cost.tile_weights(block, caps.audio_per_row)
         buckets = steps * devices * micro
         row["goodput"] = flop_share(work, tile_total, caps, caps_by_phase, buckets, weights)
         row["tile_capacity_by_phase"] = dict(caps_by_phase)

@@ -7,7 +7,9 @@ always naming the key and the file.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -49,14 +51,32 @@ class Config:
             f"must be a multiple of merge^2 = {vis.merge**2}",
             "batch.vision_patches",
         )
+        aud = self.model.audio
+        check(
+            not aud.enabled
+            or aud.positions != "sinusoidal"
+            or self.data.audio_max_frames <= aud.max_positions * aud.stride,
+            f"a clip of up to {self.data.audio_max_frames} frames needs "
+            f"{self.data.audio_max_frames // aud.stride} rows of the audio encoder's position "
+            f"table, which has model.audio.max_positions={aud.max_positions}; set "
+            f"data.audio_max_frames <= {aud.max_positions * aud.stride} (longer clips are cut "
+            "into chunks)",
+            "data.audio_max_frames",
+        )
         if self.model.attention == "block_sparse":
             self._check_blocks()
+        check(
+            self.data.eval.source != "synthetic" or self.data.source == "synthetic",
+            "synthetic (a held-out share of the built-in data) needs data.source: synthetic; "
+            "set data.eval.source: none, or jsonl / arrayrecord with a held-out data.eval.path",
+            "data.eval.source",
+        )
         if self.mesh.stage > 1:
             self._check_pipeline()
 
     def _check_pipeline(self) -> None:
         """Layer counts given per stage add up to the module's depth; placements name encoders
-        that exist."""
+        that exist; what the pipeline does not run is refused, naming both keys."""
         p, m = self.pipeline, self.model
         for name, depth in (("llm", m.llm.depth), ("vision", m.vision.depth),
                             ("audio", m.audio.depth)):  # fmt: skip
@@ -79,6 +99,28 @@ class Config:
                 f"layers per {name} stage need pipeline.{name}: stages",
                 f"pipeline.{name}_layers",
             )
+        # Not (yet) run inside the pipeline's shard_map over the stages.
+        stage = f"with mesh.stage={self.mesh.stage} (pipeline stages)"
+        split = self.mesh.fsdp != 1 or self.mesh.tensor != 1  # (vocab_parallel splits over them)
+        check(
+            not (m.llm.vocab_parallel and split),
+            f"is not supported {stage} over fsdp or tensor: set model.llm.vocab_parallel: false, "
+            "or mesh.fsdp: 1 and mesh.tensor: 1",
+            "model.llm.vocab_parallel",
+        )
+        check(
+            not any(m.llm.mrope_section),
+            f"(M-RoPE) is not supported {stage}: set mesh.stage: 1",
+            "model.llm.mrope_section",
+        )
+        given = [k for k in ("llm", "vision", "audio", "run") if getattr(m.init_from, k)]
+        check(
+            not given,
+            f"{', '.join(given)}: pretrained starts are not supported {stage}: start with "
+            "mesh.stage: 1 and resume its checkpoint under the stages (checkpoints do not "
+            "depend on the stage count)",
+            "model.init_from",
+        )
 
     def _check_blocks(self) -> None:
         """Block-sparse attention cuts every packed row into blocks of batch.attention_block."""
@@ -96,12 +138,11 @@ class Config:
             f"must be a multiple of batch.attention_block={block} {fix}",
             "batch.vision_patches",
         )
-        rows = b.audio_frames // m.audio.subsample
+        rows, stride = b.audio_frames // m.audio.stride, m.audio.stride
         check(
             not m.audio.enabled or rows % block == 0,
-            f"must be a multiple of batch.attention_block x model.audio.subsample = "
-            f"{block * m.audio.subsample} (the audio encoder attends over frames / "
-            f"{m.audio.subsample}) {fix}",
+            f"must be a multiple of batch.attention_block x the audio stem's stride = "
+            f"{block * stride} (the audio encoder attends over frames / {stride}) {fix}",
             "batch.audio_frames",
         )
 
@@ -195,17 +236,42 @@ def _coerce(tp: Any, value: Any, *, source: str, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         tp = next(a for a in args if a is not type(None))
+    if origin is tuple and typing.get_args(tp)[-1:] == (Ellipsis,):  # any length: tuple[int, ...]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{source}: {key} must be a list, got {value!r}")
+        item = typing.get_args(tp)[0]
+        return tuple(
+            _coerce(item, v, source=source, key=f"{key}[{i}]") for i, v in enumerate(value)
+        )
+    if origin is tuple:  # fixed-length, e.g. tuple[float, float, float]
+        args = typing.get_args(tp)
+        if not isinstance(value, list | tuple) or len(value) != len(args):
+            raise ConfigError(
+                f"{source}: {key} must be a list of {len(args)} values, got {value!r}"
+            )
+        return tuple(
+            _coerce(a, v, source=source, key=f"{key}[{i}]")
+            for i, (a, v) in enumerate(zip(args, value, strict=True))
+        )
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp is bool and not isinstance(value, bool):
         raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
     if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(f"{source}: {key} must be an integer, got {value!r}")
+    if tp is str and isinstance(value, datetime.date):  # YAML reads 2024-07-26 as a date
+        return value.isoformat()
     if tp in (float, str) and not isinstance(value, tp):
         raise ConfigError(f"{source}: {key} must be a {tp.__name__}, got {value!r}")
     return value
 
 
 def to_dict(cfg: Any) -> dict:
-    """The config as plain nested dicts (for logging and checkpoint metadata)."""
-    return dataclasses.asdict(cfg)
+    """The config as plain nested dicts, as JSON reads it back (tuples as lists): what
+    checkpoint metadata holds, so a saved config compares equal to the one that wrote it."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))

@@ -6,9 +6,41 @@ from dataclasses import dataclass, field
 
 from jaxmllm.config.checks import check, positive
 
+NORMS = ("rms", "layer")  # jaxmllm.models.layers.NORMS implements each
+MLPS = ("gated_silu", "gelu_tanh", "gelu", "quick_gelu")  # jaxmllm.models.layers.MLPS
+ACTIVATIONS = ("gelu_tanh", "gelu")  # projector activations (jaxmllm.models.layers.ACTIVATIONS)
+
 
 @dataclass(frozen=True)
-class VisionConfig:
+class BlockOptions:
+    """What each transformer block of a tower is made of; the defaults are jaxmllm's own blocks.
+
+    HuggingFace families set them (`python -m jaxmllm.hf import` writes them from config.json):
+    Llama / Qwen2 decoders rms + gated_silu (Qwen2: attn_bias qkv), SigLIP layer + gelu_tanh +
+    biases, the Qwen2-VL vision tower layer + quick_gelu + biases, Whisper layer + gelu + qvo.
+    """
+
+    norm: str = "rms"  # rms (RMSNorm) | layer (LayerNorm with a bias), before attention and MLP
+    norm_eps: float = 1e-6  # the norms' epsilon (Llama 1e-5, Qwen2 1e-6, Whisper 1e-5)
+    # MLP: gated_silu = down(silu(gate x) * up x) | gelu_tanh, gelu (exact), quick_gelu
+    # (x * sigmoid(1.702 x)) = fc2(act(fc1 x))
+    mlp: str = "gated_silu"
+    attn_bias: str = ""  # attention projections with a bias: any of q, k, v, o, e.g. "qkv"
+    mlp_bias: bool = False  # biases on the MLP's projections
+
+    def __post_init__(self):
+        check(self.norm in NORMS, f"must be one of {', '.join(NORMS)}", "norm")
+        check(self.mlp in MLPS, f"must be one of {', '.join(MLPS)}", "mlp")
+        check(self.norm_eps > 0, "must be > 0", "norm_eps")
+        check(
+            set(self.attn_bias) <= set("qkvo") and len(set(self.attn_bias)) == len(self.attn_bias),
+            f"{self.attn_bias!r}: must be letters of 'qkvo' (each at most once), e.g. 'qkv'",
+            "attn_bias",
+        )
+
+
+@dataclass(frozen=True)
+class VisionConfig(BlockOptions):
     """ViT over packed native-resolution patches (no fixed image size)."""
 
     enabled: bool = True  # build the vision encoder and feed images
@@ -20,43 +52,115 @@ class VisionConfig:
     mlp_dim: int = 4096  # gated-MLP inner width
     merge: int = 2  # projector merges merge x merge neighbouring patches into one LLM token
     rope_theta: float = 10000.0  # 2D rotary base
+    # Where patches learn their place: rope (2D rotary by row and column in every attention) |
+    # learned (SigLIP: a table of position_grid x position_grid rows added to the patch
+    # embeddings, resized bicubically to each image's grid)
+    positions: str = "rope"
+    position_grid: int = 0  # side of the learned table (positions: learned); SigLIP-384/14: 27
+    patch_bias: bool = True  # a bias on the patch embedding (Qwen2-VL's has none)
+    # Frames per patch of a video-capable patch embedding (Qwen2-VL: 2). An image repeats its
+    # frame, so the kernel's temporal slices are summed; they are kept for the checkpoint.
+    temporal_patch: int = 1
+    projector_dim: int = 0  # the projector's hidden width; 0 = the LLM's width
+    projector_act: str = "gelu_tanh"  # the projector's activation: gelu_tanh | gelu (exact)
     freeze: bool = False  # no gradient and no optimizer state for the encoder
 
     def __post_init__(self):
+        super().__post_init__()
         positive(self, "patch_size", "channels", "width", "depth", "heads", "mlp_dim", "merge")
+        positive(self, "temporal_patch")
         check(self.width % self.heads == 0, "width must be divisible by heads", "width")
+        check(self.positions in ("rope", "learned"), "must be rope or learned", "positions")
         check(
-            (self.width // self.heads) % 4 == 0,
+            self.positions != "rope" or (self.width // self.heads) % 4 == 0,
             "head dim must be divisible by 4 (2D RoPE)",
             "heads",
         )
+        check(
+            self.positions != "learned" or self.position_grid >= 1,
+            "positions: learned needs the table's side (e.g. 27 for SigLIP at 384 px / 14)",
+            "position_grid",
+        )
+        check(self.projector_dim >= 0, "must be >= 0 (0: the LLM's width)", "projector_dim")
+        check(self.projector_act in ACTIVATIONS, f"must be one of {ACTIVATIONS}", "projector_act")
 
 
 @dataclass(frozen=True)
-class AudioConfig:
+class AudioConfig(BlockOptions):
     """Audio encoder: strided conv subsampling of packed log-mel frames, then a transformer."""
 
     enabled: bool = True  # build the audio encoder and feed audio clips
     n_mels: int = 80  # mel bins per frame
-    subsample: int = 4  # frames per encoder output row (two stride-2 convs = 4)
+    subsample: int = 4  # frames per LLM token (the encoder's stride x the projector's merge)
+    # The convolutions before the transformer: pairs (two kernel-2 stride-2 convolutions: one
+    # encoder row per 4 frames) | whisper (kernel 3, strides 1 and 2, within each clip: one row
+    # per 2 frames; the projector then merges 2 rows into an LLM token)
+    stem: str = "pairs"
     width: int = 768  # hidden size
     depth: int = 12  # transformer layers
     heads: int = 12  # attention heads
     mlp_dim: int = 3072  # gated-MLP inner width
     rope_theta: float = 10000.0  # rotary base
+    # rope (1D rotary in every attention) | sinusoidal (Whisper: a fixed table of max_positions
+    # rows added after the convolutions; it is never trained)
+    positions: str = "rope"
+    max_positions: int = 1500  # rows of the sinusoidal table: the longest clip in encoder rows
+    projector_dim: int = 0  # the projector's hidden width; 0 = the LLM's width
+    projector_act: str = "gelu_tanh"  # the projector's activation: gelu_tanh | gelu (exact)
     freeze: bool = False  # no gradient and no optimizer state for the encoder
 
+    @property
+    def stride(self) -> int:
+        """Frames per encoder row."""
+        return 2 if self.stem == "whisper" else 4
+
     def __post_init__(self):
-        positive(self, "n_mels", "width", "depth", "heads", "mlp_dim")
+        super().__post_init__()
+        positive(self, "n_mels", "width", "depth", "heads", "mlp_dim", "max_positions")
         check(self.width % self.heads == 0, "width must be divisible by heads", "width")
-        check((self.width // self.heads) % 2 == 0, "head dim must be even (RoPE)", "heads")
+        check(self.stem in ("pairs", "whisper"), "must be pairs or whisper", "stem")
+        check(self.positions in ("rope", "sinusoidal"), "must be rope or sinusoidal", "positions")
         check(
-            self.subsample == 4, "only subsample=4 (two stride-2 convs) is implemented", "subsample"
+            self.positions != "rope" or (self.width // self.heads) % 2 == 0,
+            "head dim must be even (RoPE)",
+            "heads",
         )
+        check(
+            self.subsample == 4,
+            "only subsample=4 is implemented (pairs: two stride-2 convs; whisper: stride 2, "
+            "then the projector merges 2 rows)",
+            "subsample",
+        )
+        check(self.projector_dim >= 0, "must be >= 0 (0: the LLM's width)", "projector_dim")
+        check(self.projector_act in ACTIVATIONS, f"must be one of {ACTIVATIONS}", "projector_act")
 
 
 @dataclass(frozen=True)
-class LLMConfig:
+class RopeScaling:
+    """Rotary frequency scaling for contexts longer than pretraining (HF's rope_scaling)."""
+
+    type: str = "none"  # none | linear (frequencies / factor) | llama3 (Llama 3.1+'s bands)
+    factor: float = 1.0  # linear, llama3: how much longer the context is
+    low_freq_factor: float = 1.0  # llama3: wavelengths over original / this are divided by factor
+    high_freq_factor: float = 4.0  # llama3: wavelengths under original / this are kept
+    original_max_positions: int = 8192  # llama3: the pretraining context
+
+    def __post_init__(self):
+        check(self.type in ROPE_SCALINGS, f"must be one of {', '.join(ROPE_SCALINGS)}", "type")
+        check(self.factor > 0, "must be > 0", "factor")
+        check(
+            self.type != "llama3" or self.high_freq_factor > self.low_freq_factor > 0,
+            "llama3 needs high_freq_factor > low_freq_factor > 0",
+            "high_freq_factor",
+        )
+        positive(self, "original_max_positions")
+
+
+ROPE_SCALINGS = ("none", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class LLMConfig(BlockOptions):
     """Llama-style decoder: RMSNorm, RoPE, grouped-query attention, gated MLP."""
 
     vocab_size: int = 32000  # tokenizer vocabulary incl. special tokens
@@ -65,16 +169,62 @@ class LLMConfig:
     heads: int = 16  # query heads
     kv_heads: int = 4  # key/value heads (GQA); must divide heads
     mlp_dim: int = 5632  # gated-MLP inner width
+    head_dim: int = 0  # width of each attention head; 0 = width / heads
     rope_theta: float = 10000.0  # rotary base
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # Multimodal rotary (Qwen2-VL's M-RoPE): the head's rotary frequencies in three sections
+    # turned by (time, row, column) positions: an image's tokens take their place in its grid,
+    # text the same position in all three. (0, 0, 0): 1D rotary; else they sum to head_dim / 2
+    mrope_section: tuple[int, int, int] = (0, 0, 0)
     tie_embeddings: bool = False  # share input embedding and output projection
+    # Tied output: logits = x . E^T / sqrt(width), unit-scale logits from jaxmllm's unit-scale
+    # embedding rows; false for HF checkpoints (x . E^T)
+    tied_logits_scaled: bool = True
+    # Tokens per slice of the output projection and cross entropy: a step never holds more than
+    # [rows, logits_chunk, vocab] fp32 logits (a 152k vocabulary at 1024: 0.6 GB a row)
+    logits_chunk: int = 1024
+    # Embedding lookups and the loss's logits split by vocabulary rows over fsdp x tensor
+    # (models/vocab.py): no device holds the whole table; false: XLA gathers it per device
+    vocab_parallel: bool = True
     freeze: bool = False  # no gradient and no optimizer state for the decoder
 
+    @property
+    def head_width(self) -> int:
+        """Each attention head's width."""
+        return self.head_dim or self.width // self.heads
+
     def __post_init__(self):
+        super().__post_init__()
         positive(self, "vocab_size", "width", "depth", "heads", "kv_heads", "mlp_dim")
-        check(self.width % self.heads == 0, "width must be divisible by heads", "width")
-        check((self.width // self.heads) % 2 == 0, "head dim must be even (RoPE)", "heads")
+        positive(self, "logits_chunk")
+        check(self.head_dim >= 0, "must be >= 0 (0: width / heads)", "head_dim")
+        check(
+            self.head_dim > 0 or self.width % self.heads == 0,
+            "width must be divisible by heads (or set head_dim)",
+            "width",
+        )
+        check(self.head_width % 2 == 0, "head dim must be even (RoPE)", "heads")
+        check(
+            not any(self.mrope_section) or sum(self.mrope_section) == self.head_width // 2,
+            f"{list(self.mrope_section)} must sum to head_dim / 2 = {self.head_width // 2} "
+            "(or be [0, 0, 0]: 1D rotary)",
+            "mrope_section",
+        )
         check(self.heads % self.kv_heads == 0, "kv_heads must divide heads", "kv_heads")
         check(self.vocab_size >= 264, "the byte tokenizer needs at least 264 ids", "vocab_size")
+
+
+@dataclass(frozen=True)
+class InitFrom:
+    """Pretrained HuggingFace checkpoint directories the modules start from (a fresh run only:
+    a resumed run restores its own checkpoint). `python -m jaxmllm.hf import` writes these."""
+
+    llm: str = ""  # a Llama / Qwen2 causal LM directory (config.json + safetensors)
+    vision: str = ""  # a SigLIP or Qwen2-VL (vision tower) directory
+    audio: str = ""  # a Whisper directory (its encoder)
+    # An earlier run's train.output_dir: its latest checkpoint's parameters (not its optimizer
+    # state or data position) for every module both models have, over the directories above
+    run: str = ""
 
 
 @dataclass(frozen=True)
@@ -84,6 +234,7 @@ class ModelConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)
     audio: AudioConfig = field(default_factory=AudioConfig)
     llm: LLMConfig = field(default_factory=LLMConfig)
+    init_from: InitFrom = field(default_factory=InitFrom)  # else every module starts random
     projector_freeze: bool = False  # freeze both projectors
     compute_dtype: str = "float32"  # activations/matmuls: float32 or bfloat16 (params stay fp32)
     param_dtype: str = "float32"  # master weights

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from jaxmllm.config.checks import check, positive
 from jaxmllm.plan.registry import PLANNERS
@@ -144,15 +145,59 @@ class SyntheticConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """A fixed held-out set, evaluated every train.eval_every steps and at the last step: loss
+    and token accuracy per modality mix, and greedy answers to its first questions."""
+
+    # none | synthetic (the built-in source's samples num_samples, num_samples + 1, ...: made
+    # like the training samples, never in the training index) | jsonl | arrayrecord (a file
+    # with its own lengths index, as data.path)
+    source: str = "none"
+    path: str = ""  # the eval manifest or .array_record file (jsonl / arrayrecord)
+    index_dir: str = ""  # its lengths index; "" = <path>.index
+    samples: int = 256  # the eval set: the source's first this many samples (0: all)
+    questions: int = 8  # eval samples with a prompt answered greedily and logged; 0 = none
+    max_new_tokens: int = 48  # the longest answer generated
+
+    def __post_init__(self):
+        check(self.source in ("none", *DATA_SOURCES), f"must be none or one of "
+              f"{sorted(DATA_SOURCES)}", "source")  # fmt: skip
+        check(
+            self.source in ("none", "synthetic") or bool(self.path),
+            f"source {self.source} needs data.eval.path (the manifest or .array_record file)",
+            "path",
+        )
+        check(self.samples >= 0, "must be >= 0 (0: the whole source)", "samples")
+        check(self.questions >= 0, "must be >= 0", "questions")
+        check(self.max_new_tokens >= 1, "must be >= 1", "max_new_tokens")
+        check(self.source != "synthetic" or self.samples > 0, "a synthetic eval set needs its "
+              "size (> 0)", "samples")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Where samples come from, how they are preprocessed, and what happens to bad input."""
 
     source: str = "synthetic"  # synthetic (built in) | jsonl (a manifest) | arrayrecord
     path: str = ""  # the JSONL manifest or .array_record file (jsonl / arrayrecord sources)
     index_dir: str = ""  # lengths index from `python -m jaxmllm.data.index`; "" = <path>.index
-    tokenizer: str = "byte"  # byte, or the path of a HuggingFace tokenizer.json (no downloads)
+    # byte (UTF-8 bytes + jaxmllm's 8 specials); the path of a tokenizer.json file (training from
+    # scratch: its ids >= 256 shifted by 8 past jaxmllm's specials); or the path of a HuggingFace
+    # checkpoint's tokenizer directory (tokenizer.json + tokenizer_config.json: the checkpoint's
+    # own ids, special tokens and chat template, for fine-tuning it). Nothing is downloaded.
+    tokenizer: str = "byte"
+    # The date a tokenizer directory's chat template writes where it asks for today's
+    # (strftime_now, e.g. Llama 3.2's "Today Date:"), fixed so token counts do not change daily.
+    template_date: str = "2024-07-26"
     image_min_pixels: int = 3136  # smaller images are upscaled to about this many pixels
     image_max_pixels: int = 1003520  # larger images are downscaled to at most this many pixels
+    # Pixels become (x / 255 - mean) / std per channel (RGB): 0.5 / 0.5 maps them to [-1, 1]
+    # (SigLIP's); a pretrained encoder wants its processor's (`hf import` copies them)
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    # Log-mel features: jaxmllm (HTK mel, its own framing) | whisper (exactly Whisper's
+    # feature extractor: Slaney mel, centred 400-sample frames; what a Whisper encoder saw)
+    mel: str = "jaxmllm"
     audio_sample_rate: int = 16000  # clips are resampled to this rate (Hz); 10 ms mel hop
     audio_max_frames: int = 3000  # longest clip in log-mel frames; longer clips become chunks
     # Decompression-bomb caps, checked on the file header before any pixel or sample is decoded
@@ -164,6 +209,7 @@ class DataConfig:
     workers: int = 0  # preprocessing worker processes; 0 = in the training process
     seed: int = 0  # shuffling and generation seed
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (none by default)
 
     def __post_init__(self):
         check(self.source in DATA_SOURCES, f"must be one of {sorted(DATA_SOURCES)}", "source")
@@ -179,6 +225,8 @@ class DataConfig:
             "on_oversize",
         )
         check(self.image_min_pixels >= 1, "must be >= 1", "image_min_pixels")
+        check(min(self.image_std) > 0, "every channel's std must be > 0", "image_std")
+        check(self.mel in ("jaxmllm", "whisper"), "must be jaxmllm or whisper", "mel")
         check(
             self.image_max_pixels >= self.image_min_pixels,
             "must be >= image_min_pixels",
@@ -193,6 +241,7 @@ class DataConfig:
         check(self.max_image_pixels >= 1, "must be >= 1", "max_image_pixels")
         check(self.max_audio_seconds > 0, "must be > 0", "max_audio_seconds")
         check(self.workers >= 0, "must be >= 0", "workers")
+        check(_is_date(self.template_date), "must be a date, YYYY-MM-DD", "template_date")
 
 
 DATA_SOURCES = {"synthetic", "jsonl", "arrayrecord"}
@@ -228,9 +277,13 @@ class TrainConfig:
     ledger: bool = False  # write the sample ids of every step to <output_dir>/ledger/ (audits)
     record_timings: bool = True  # each step's time and work to timings.jsonl (calibration)
     cost_file: str = ""  # calibrated cost model (data.cost --calibrate): predicted step time
+    # Evaluate on data.eval every N steps and at the last step (0: at the last step only);
+    # nothing without data.eval.source
+    eval_every: int = 0
 
     def __post_init__(self):
         positive(self, "steps", "log_every", "checkpoint_every", "keep_checkpoints")
+        check(self.eval_every >= 0, "must be >= 0 (0: at the last step only)", "eval_every")
         check(self.max_nonfinite_steps >= 0, "must be >= 0 (0 = never stop)", "max_nonfinite_steps")
 
 
@@ -263,3 +316,11 @@ class DistributedConfig:
             f"{self.coordinator!r} must be host:port",
             "coordinator",
         )
+
+
+def _is_date(text: str) -> bool:
+    try:
+        datetime.strptime(text, "%Y-%m-%d")
+    except (TypeError, ValueError):
+        return False
+    return True

@@ -132,6 +132,42 @@ def log_mel(x: np.ndarray, rate: int, n_mels: int) -> np.ndarray:
     return ((logmel + 4.0) / 4.0).astype(np.float32)
 
 
+def whisper_log_mel(x: np.ndarray, rate: int, n_mels: int) -> np.ndarray:
+    """Whisper's log-mel frames [len(x) // hop, n_mels], as its feature extractor computes them
+    for a clip at the start of its 30 s window: 400-sample periodic-Hann frames every 160
+    samples (at 16 kHz), centred (reflected before the clip, the window's zeros after it),
+    power spectrum, Slaney mel, log10, floored 8 below the clip's top, (x + 4) / 4."""
+    hop, n_fft = hop_length(rate), round(rate * WIN_S)
+    half = n_fft // 2
+    head = np.pad(x, (half, 0), mode="reflect") if len(x) > half else np.pad(x, (half, 0))
+    padded = np.pad(head, (0, half))
+    frames = len(x) // hop
+    idx = np.arange(frames)[:, None] * hop + np.arange(n_fft)[None, :]
+    window = np.hanning(n_fft + 1)[:-1]  # periodic
+    spec = np.abs(np.fft.rfft(padded[idx] * window, n=n_fft)) ** 2
+    logmel = np.log10(np.maximum(spec @ slaney_filters(rate, n_fft, n_mels), 1e-10))
+    logmel = np.maximum(logmel, logmel.max(initial=-10.0) - 8.0)
+    return ((logmel + 4.0) / 4.0).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=8)
+def slaney_filters(rate: int, n_fft: int, n_mels: int) -> np.ndarray:
+    """Slaney-scale, Slaney-normalised triangular mel filterbank [n_fft // 2 + 1, n_mels] up
+    to 8 kHz (librosa's default; Whisper's)."""
+    f_sp, min_log_hz = 200.0 / 3, 1000.0
+    min_log_mel, step = min_log_hz / f_sp, np.log(6.4) / 27.0
+    to_mel = lambda f: np.where(f >= min_log_hz, min_log_mel + np.log(np.maximum(f, 1e-9) /
+                                min_log_hz) / step, f / f_sp)  # fmt: skip
+    to_hz = lambda m: np.where(m >= min_log_mel, min_log_hz * np.exp(step * (m - min_log_mel)),
+                               f_sp * m)  # fmt: skip
+    edges = to_hz(np.linspace(to_mel(0.0), to_mel(min(8000.0, rate / 2)), n_mels + 2))
+    freqs = np.linspace(0, rate // 2, n_fft // 2 + 1)
+    lo, mid, hi = edges[:-2], edges[1:-1], edges[2:]
+    up = (freqs[:, None] - lo) / (mid - lo)
+    down = (hi - freqs[:, None]) / (hi - mid)
+    return np.maximum(0.0, np.minimum(up, down)) * (2.0 / (hi - lo))
+
+
 @functools.lru_cache(maxsize=8)
 def mel_filters(rate: int, n_fft: int, n_mels: int) -> np.ndarray:
     """Triangular HTK-mel filterbank [n_fft // 2 + 1, n_mels]."""
@@ -154,8 +190,10 @@ def load_audio(
     expect_samples: int | None = None,
     record_id: str = "?",
     max_seconds: float = MAX_SECONDS,
+    mel: str = "jaxmllm",
 ) -> list[np.ndarray]:
-    """Decode, mono, resample, log-mel, cut into chunks: frames [f, n_mels] per chunk.
+    """Decode, mono, resample, log-mel (`mel`: jaxmllm | whisper, see `LOG_MELS`), cut into
+    chunks: frames [f, n_mels] per chunk.
 
     `expect_samples` is the length the index read from the header; a decoder that returns a
     slightly different length (a few samples, as some OGG streams do) is padded or trimmed to
@@ -173,9 +211,9 @@ def load_audio(
     frames = clip_frames(len(x), rate, target_rate, subsample)
     if frames == 0:
         raise RecordError("audio_too_short", f"{_name(src)}: {len(x) / rate:.3f} s", record_id)
-    mel = log_mel(resample(x, rate, target_rate), target_rate, n_mels)[:frames]
+    feats = LOG_MELS[mel](resample(x, rate, target_rate), target_rate, n_mels)[:frames]
     starts = np.cumsum([0] + chunk_lengths(frames, max_frames))
-    return [mel[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    return [feats[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
 
 
 def _file(src: Source):
@@ -200,3 +238,6 @@ def _what(src: Source, e: Exception) -> str:
 
 def _name(src: Source) -> str:
     return f"<{len(src)} inline bytes>" if isinstance(src, bytes) else str(src)
+
+
+LOG_MELS = {"jaxmllm": log_mel, "whisper": whisper_log_mel}  # data.mel

@@ -3,6 +3,7 @@
 Every array has leading axes [M, D] (microbatch, data-parallel device bucket):
 
   llm_tokens, llm_segment_ids, llm_positions, llm_targets   int32  [M, D, R, L]
+                                (llm_positions [M, D, R, L, 3] with M-RoPE: time, row, column)
   llm_loss_mask                                              f32    [M, D, R, L]
   llm_vision_src, llm_audio_src                              int32  [M, D, R, L]
   vision_patches [M, D, P, patch*patch*C] f32, vision_segment_ids [M, D, P],
@@ -30,8 +31,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmllm.config import Config
-from jaxmllm.data import tokenizer as tok
 from jaxmllm.data.samples import LengthsIndex, Sample
+from jaxmllm.data.specials import RESERVED, Specials
 from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
 from jaxmllm.plan.tiles import TileOverflow, document_starts, from_segments
 
@@ -53,6 +54,8 @@ def batch_shapes(cfg: Config, devices: int) -> dict[str, tuple[tuple[int, ...], 
         )
     }
     out["llm_loss_mask"] = (llm, np.float32)
+    if any(m.llm.mrope_section):  # M-RoPE: (time, row, column) per token
+        out["llm_positions"] = (llm + (3,), np.int32)
     c = b.route_pair_capacity
     if m.vision.enabled:
         pd = m.vision.patch_size**2 * m.vision.channels
@@ -96,8 +99,11 @@ def tile_capacities(cfg: Config) -> dict[str, int]:
     return caps
 
 
-def empty_batch(cfg: Config, devices: int, local: int | None = None) -> dict[str, np.ndarray]:
-    """An all-padding batch (zeros; `*_src` = -1); `local` rows of the D axis if given."""
+def empty_batch(
+    cfg: Config, devices: int, local: int | None = None, pad: int = RESERVED.pad
+) -> dict[str, np.ndarray]:
+    """An all-padding batch (zeros; `*_src` = -1; tokens `pad`); `local` rows of the D axis if
+    given."""
     shapes = batch_shapes(cfg, devices)
     if local is not None:
         shapes = {k: ((s[0], local) + s[2:], d) for k, (s, d) in shapes.items()}
@@ -105,7 +111,7 @@ def empty_batch(cfg: Config, devices: int, local: int | None = None) -> dict[str
     for k in ("llm_vision_src", "llm_audio_src"):
         if k in batch:
             batch[k][:] = -1
-    batch["llm_tokens"][:] = tok.PAD
+    batch["llm_tokens"][:] = pad
     return batch
 
 
@@ -116,6 +122,7 @@ def bucketize(
     caps: Capacities,
     positions: np.ndarray | None = None,
     index: LengthsIndex | None = None,
+    specials: Specials = RESERVED,
 ) -> dict[str, np.ndarray]:
     """Fills the fixed-shape arrays of one step from a plan and its loaded samples.
 
@@ -126,11 +133,13 @@ def bucketize(
       cfg, caps: The resolved config and its capacities.
       positions: This host's data-parallel positions; default all D.
       index: The lengths index; sizes the routing of a sample that failed to load.
+      specials: The tokenizer's ids (the source's `specials`): padding is `pad`, encoder slots
+        are the tokens equal to `image` / `audio`.
     """
     local = np.full(caps.devices, -1, np.int64)
     pos = np.arange(caps.devices) if positions is None else np.asarray(positions, np.int64)
     local[pos] = np.arange(len(pos))
-    batch = empty_batch(cfg, caps.devices, None if positions is None else len(pos))
+    batch = empty_batch(cfg, caps.devices, None if positions is None else len(pos), specials.pad)
     seg_counter: dict[tuple[int, int, int], int] = {}
     slots: list[list[np.ndarray] | None] = [None] * len(plan.samples)
     for k, s in enumerate(plan.samples.tolist()):
@@ -142,8 +151,9 @@ def bucketize(
             continue
         m, r, o = int(plan.micro[k]), int(plan.row[k]), int(plan.offset[k])
         seg = seg_counter[(m, d, r)] = seg_counter.get((m, d, r), 0) + 1
-        _write_text(batch, (m, d, r), o, seg, sample)
-        slots[k] = [o + np.flatnonzero(sample.tokens == t) for t in (tok.IMAGE, tok.AUDIO)]
+        _write_text(batch, (m, d, r), o, seg, sample, specials, cfg.model.vision.merge)
+        media = (specials.image, specials.audio)
+        slots[k] = [o + np.flatnonzero(sample.tokens == t) for t in media]
     for phase, key, items, which, per_row in (
         ("vision", "vision_patches", plan.vision, 0, caps.merge_area),
         ("audio", "audio_frames", plan.audio, 1, caps.subsample),
@@ -169,7 +179,7 @@ def _check_documents(batch, cfg: Config, step: int, positions: np.ndarray) -> No
             continue
         seg = batch[key]
         if phase == "audio":
-            seg = seg[..., :: cfg.model.audio.subsample]  # the encoder's rows, as the planner's
+            seg = seg[..., :: cfg.model.audio.stride]  # the encoder's rows, as the planner's
         count = document_starts(seg).sum(-1)  # documents per row
         most = getattr(cfg.batch, f"{phase}_documents")
         if most < 1:
@@ -187,7 +197,7 @@ def _check_documents(batch, cfg: Config, step: int, positions: np.ndarray) -> No
 def _write_tiles(batch, cfg: Config, step: int, positions: np.ndarray) -> None:
     """Each bucket's attention tile list, read off the segment ids just written (a document is
     a run of one segment id; the planner kept every bucket's tiles within its capacity)."""
-    block, sub = cfg.batch.attention_block, cfg.model.audio.subsample
+    block, sub = cfg.batch.attention_block, cfg.model.audio.stride
     for phase, cap in tile_capacities(cfg).items():
         seg = batch[f"{phase}_segment_ids"]
         if phase == "audio":
@@ -216,14 +226,20 @@ def _index_units(index, plan: StepPlan, items: ItemPlan, phase: str) -> np.ndarr
     return values[ptr[plan.samples[items.owner]] + items.item]
 
 
-def _write_text(batch, where, offset: int, seg: int, sample: Sample) -> None:
+def _write_text(batch, where, offset: int, seg: int, sample: Sample, specials, merge) -> None:
     n = len(sample.tokens)
     sl = where + (slice(offset, offset + n),)
     batch["llm_tokens"][sl] = sample.tokens
     batch["llm_segment_ids"][sl] = seg
-    batch["llm_positions"][sl] = np.arange(n)
+    if batch["llm_positions"].ndim == 5:  # M-RoPE: (time, row, column)
+        batch["llm_positions"][sl] = mrope_positions(
+            sample.tokens, specials.image, sample.grids, merge
+        )
+    else:
+        batch["llm_positions"][sl] = np.arange(n)
+    pad = specials.pad
     # Token t predicts token t+1 of the same sample; the last token predicts nothing.
-    targets = np.append(sample.tokens[1:], tok.PAD)
+    targets = np.append(sample.tokens[1:], pad)
     batch["llm_targets"][sl] = targets
     batch["llm_loss_mask"][sl] = np.append(sample.loss[1:], False)
 
@@ -315,4 +331,30 @@ def fill_stats(batch: dict[str, np.ndarray]) -> dict[str, float]:
     for phase in ("vision", "audio"):
         if f"{phase}_segment_ids" in batch:
             out[phase] = float((batch[f"{phase}_segment_ids"] > 0).mean())
+    return out
+
+
+def mrope_positions(
+    tokens: np.ndarray, image: int, grids: list[tuple[int, int]], merge: int
+) -> np.ndarray:
+    """M-RoPE positions [T, 3] (time, row, column) of a sample, as Qwen2-VL's `get_rope_index`
+    makes them: text counts on in all three; the k-th run of `image` tokens is the k-th image,
+    its merged grid of (rows / merge) x (cols / merge) tokens in row-major order at (start,
+    start + row, start + column), and the text after it resumes at start + the grid's longer
+    side."""
+    out = np.zeros((len(tokens), 3), np.int32)
+    is_image = tokens == image
+    starts = np.flatnonzero(is_image & ~np.r_[False, is_image[:-1]])
+    if len(starts) != len(grids):
+        raise ValueError(f"{len(starts)} image token runs but {len(grids)} image grids")
+    at, pos = 0, 0
+    for start, (rows, cols) in zip(starts, grids, strict=True):
+        out[at:start] = (pos + np.arange(start - at))[:, None]
+        pos += start - at
+        h, w = rows // merge, cols // merge
+        r, c = np.divmod(np.arange(h * w), w)
+        out[start : start + h * w] = np.stack([np.zeros_like(r), r, c], -1) + pos
+        pos += max(h, w)
+        at = start + h * w
+    out[at:] = (pos + np.arange(len(tokens) - at))[:, None]
     return out

@@ -96,12 +96,12 @@ class CostModel:
     def phase(self, name: str) -> PhaseCost:
         return getattr(self, name)
 
-    def tile_weights(self, block: int, subsample: int) -> dict[str, tuple[float, float]]:
+    def tile_weights(self, block: int, audio_per_row: int) -> dict[str, tuple[float, float]]:
         """Per phase (FLOPs per unit, FLOPs per computed attention tile of `block` rows):
         what a bucket's capacity costs whether it holds real work or padding. A tile is
         computed whole, so a causal phase's (whose quadratic term counts half the pairs) costs
-        twice its coefficient per pair; an audio row is `subsample` frames."""
-        side = {"llm": block, "vision": block, "audio": block * subsample}
+        twice its coefficient per pair; an audio encoder row is `audio_per_row` frames."""
+        side = {"llm": block, "vision": block, "audio": block * audio_per_row}
         half = {"llm": 2.0, "vision": 1.0, "audio": 1.0}
         return {
             p: (self.phase(p).linear, half[p] * self.phase(p).quadratic * side[p] ** 2)
@@ -158,18 +158,27 @@ class CostModel:
         m_llm = multiplier(lm.freeze, below_llm)
         m_vis, m_aud = multiplier(v.freeze, False), multiplier(a.freeze, False)
         m_proj = multiplier(model.projector_freeze, enc_trainable)
-        kv = lm.width // lm.heads * lm.kv_heads
-        llm_lin = lm.depth * layer_linear(lm.width, kv, lm.mlp_dim) + 2 * lm.width * lm.vocab_size
-        llm_quad = lm.depth * 2.0 * lm.width  # causal: half of 4*d
+        head = getattr(lm, "head_dim", 0) or lm.width // lm.heads  # (runs before head_dim)
+        q, kv = head * lm.heads, head * lm.kv_heads  # query (and output) width, key/value width
+        mlp = lambda section: getattr(section, "mlp", "gated_silu")
+        llm_lin = lm.depth * layer_linear(lm.width, kv, lm.mlp_dim, q, mlp(lm))
+        llm_lin += 2 * lm.width * lm.vocab_size
+        llm_quad = lm.depth * 2.0 * q  # causal: half of 4*d
         area = v.merge**2
-        proj_v = 2 * (area * v.width * lm.width + lm.width * lm.width) / area  # per patch
-        vis_lin = v.depth * layer_linear(v.width, v.width, v.mlp_dim)
+        hid_v = getattr(v, "projector_dim", 0) or lm.width
+        proj_v = 2 * (area * v.width * hid_v + hid_v * lm.width) / area  # per patch
+        vis_lin = v.depth * layer_linear(v.width, v.width, v.mlp_dim, mlp=mlp(v))
         vis_quad = v.depth * 4.0 * v.width
-        s = a.subsample
-        proj_a = 2 * (a.width * lm.width + lm.width * lm.width) / s  # per frame
-        conv = 2 * 9 * a.width * (a.n_mels + a.width) / s  # two 3-tap stride-2 convs, per frame
-        aud_lin = a.depth * layer_linear(a.width, a.width, a.mlp_dim) / s + conv
-        aud_quad = a.depth * 4.0 * a.width / (s * s)
+        stem = getattr(a, "stem", "pairs")
+        s, r = a.subsample, 2 if stem == "whisper" else 4  # frames per LLM token, per encoder row
+        hid_a = getattr(a, "projector_dim", 0) or lm.width
+        proj_a = 2 * (s // r * a.width * hid_a + hid_a * lm.width) / s  # per frame
+        if stem == "whisper":  # 3-tap convs, stride 1 then 2: per frame
+            conv = 2 * 3 * a.width * (a.n_mels + a.width / 2)
+        else:  # (two 3-tap stride-2 convs, as first modelled: within a few % of the two pairs)
+            conv = 2 * 9 * a.width * (a.n_mels + a.width) / s
+        aud_lin = a.depth * layer_linear(a.width, a.width, a.mlp_dim, mlp=mlp(a)) / r + conv
+        aud_quad = a.depth * 4.0 * a.width / (r * r)
         return cls(
             llm=PhaseCost(m_llm * llm_lin, m_llm * llm_quad),
             vision=PhaseCost(m_vis * vis_lin + m_proj * proj_v, m_vis * vis_quad),
@@ -185,10 +194,11 @@ def multiplier(frozen: bool, trainable_below: bool) -> int:
     return 2 if trainable_below else 1
 
 
-def layer_linear(d: int, d_kv: int, f: int) -> float:
-    """Forward FLOPs per token of one transformer layer's matrices (width d, key/value width
-    d_kv, gated MLP width f): the query/out and key/value projections and the three MLP ones."""
-    return 2.0 * (2 * d * d + 2 * d * d_kv + 3 * d * f)
+def layer_linear(d: int, d_kv: int, f: int, d_q: int = 0, mlp: str = "gated_silu") -> float:
+    """Forward FLOPs per token of a layer's projections: q and o (d x d_q), k and v (d x d_kv),
+    the MLP (3 matrices gated, 2 otherwise)."""
+    d_q = d_q or d
+    return 2.0 * (2 * d * d_q + 2 * d * d_kv + (3 if mlp == "gated_silu" else 2) * d * f)
 
 
 # ----------------------------------------------------------------------------- timings
@@ -241,8 +251,9 @@ def _number(v: Any) -> bool:
 
 
 def _excluded(row: dict) -> bool:
-    """A step whose time holds more than its work: compilation, or a checkpoint save."""
-    return bool(row.get("compile")) or bool(row.get("checkpoint"))
+    """A step whose time holds more than its work: compilation, a checkpoint save, or an
+    evaluation after it."""
+    return any(bool(row.get(k)) for k in ("compile", "checkpoint", "eval"))
 
 
 # ----------------------------------------------------------------------------- fitting

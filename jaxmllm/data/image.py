@@ -131,17 +131,24 @@ def load_image(
     max_pixels: int,
     record_id: str = "?",
     max_image_pixels: int = MAX_PIXELS,
+    mean: tuple[float, ...] = (0.5, 0.5, 0.5),
+    std: tuple[float, ...] = (0.5, 0.5, 0.5),
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Decode (refusing images over `max_image_pixels`), resize to the budget, patchify.
+    """Decode (refusing images over `max_image_pixels`), resize to the budget, normalise each
+    channel to (x / 255 - mean) / std, patchify.
 
-    Returns (patches [n, patch*patch*3] in [-1, 1], positions [n, 2] as (row, col)).
+    Returns (patches [n, patch*patch*3], positions [n, 2] as (row, col)).
     """
     rgb = decode_rgb(src, record_id, max_image_pixels)
     gh, gw = image_grid(*rgb.shape[:2], patch, merge, min_pixels, max_pixels)
     size = (gw * patch, gh * patch)
     if size != (rgb.shape[1], rgb.shape[0]):
         rgb = np.asarray(Image.fromarray(rgb).resize(size, Image.Resampling.BICUBIC))
-    x = rgb.astype(np.float32) / 127.5 - 1.0
+    if tuple(mean) == tuple(std) == (0.5, 0.5, 0.5):
+        x = rgb.astype(np.float32) / 127.5 - 1.0  # (bit for bit what it always was)
+    else:
+        m, s = np.asarray(mean, np.float32), np.asarray(std, np.float32)
+        x = (rgb.astype(np.float32) / 255.0 - m) / s
     return patchify(x, patch, merge)
 
 

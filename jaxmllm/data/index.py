@@ -29,9 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError, load_config
-from jaxmllm.data.audio import read_info
-from jaxmllm.data.image import read_size
-from jaxmllm.data.preprocess import Limits, Params, Preprocessor, Sizes
+from jaxmllm.data.preprocess import Limits, Params, Preprocessor
 from jaxmllm.data.records import open_records, read_record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import LengthsIndex
@@ -47,10 +45,7 @@ def measure(records, pre: Preprocessor, k: int, decode: bool = False) -> dict:
     try:
         obj, line = records.raw(k)
         record = read_record(records, k)
-        sizes = Sizes(
-            images=[read_size(src, record.id, pre.p.max_image_pixels) for src in record.images],
-            audio=[read_info(src, record.id, pre.p.max_audio_seconds) for src in record.audio],
-        )
+        sizes = pre.sizes(record)
         for j, (samples, rate) in enumerate(sizes.audio):
             if not pre.clip_chunks(samples, rate):
                 raise RecordError("audio_too_short", f"clip {j}: {samples / rate:.3f} s", record.id)

@@ -33,6 +33,7 @@ from jaxmllm.data.bucketize import bucketize, fill_stats
 from jaxmllm.data.cost import CostModel
 from jaxmllm.data.loader import Loader
 from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.data.specials import RESERVED
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.metrics import StepCounter
 from jaxmllm.pipeline.choose import Variants
@@ -176,7 +177,7 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
     planner = make_planner(b.planner, index, caps, cfg.data.seed)
     if b.planner in HOLDS_TILES:
         # (the headroom that does the most useful work per computed FLOP of the cost model)
-        weights = CostModel.from_model(cfg.model).tile_weights(caps.block, caps.subsample)
+        weights = CostModel.from_model(cfg.model).tile_weights(caps.block, caps.audio_per_row)
         need = held_tiles(
             planner,
             index,
@@ -242,6 +243,7 @@ def capacities(cfg: Config, devices: int) -> Capacities:
         audio_frames=b.audio_frames if m.audio.enabled else 0,
         merge_area=m.vision.merge**2,
         subsample=m.audio.subsample,
+        audio_stride=0 if m.audio.stride == m.audio.subsample else m.audio.stride,
         route_pair_capacity=b.route_pair_capacity,
         devices_per_host=max(b.devices_per_host, 0),
         block=b.attention_block if sparse else 0,
@@ -277,6 +279,8 @@ class StepIterator(grain.DatasetIterator):
         super().__init__()
         self.cfg = cfg
         self.source, self.index = (source, index) if source is not None else make_source(cfg)
+        # The tokenizer's pad and media ids (a source under grain's MapDataset is its _source).
+        self.specials = getattr(getattr(self.source, "_source", self.source), "specials", RESERVED)
         self.cfg = cfg = resolve_batch(cfg, self.index)  # idempotent: the trainer resolved it
         self.caps = capacities(cfg, devices)
         self.planner = make_planner(cfg.batch.planner, self.index, self.caps, cfg.data.seed)
@@ -298,7 +302,9 @@ class StepIterator(grain.DatasetIterator):
         # On several hosts each decodes only the images and clips its own devices encode.
         media = None if self.positions is None else local_media(parts)
         samples = self.loader.load(parts["read"], plan.step, media)
-        batch = bucketize(plan, samples, self.cfg, self.caps, self.positions, self.index)
+        batch = bucketize(
+            plan, samples, self.cfg, self.caps, self.positions, self.index, self.specials
+        )
         variant = "whole"
         if self.variants is not None:  # a compiled program per variant used
             batch, variant = self.variants.pick(plan, self.index, batch)

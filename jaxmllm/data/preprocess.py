@@ -4,27 +4,25 @@ One layout function serves both the index and training: `layout(record, sizes, l
 parsed record plus its media sizes (read from headers by the index, checked against the decoded
 media at load time) into the exact token sequence and encoder items. So the index's counts are the
 counts training sees, and the oversize policy can repair a sample (a smaller image budget, a
-trimmed clip, a cut sequence) from the index alone. Token ids are those of
-`jaxmllm.data.tokenizer` (the reserved specials 256..263 mark turns and media).
+trimmed clip, a cut sequence) from the index alone. The tokenizer (`jaxmllm.data.tokenizer`)
+says how a record becomes token runs and media markers (`pieces`) and which id fills an image's
+or clip's rows (`specials`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError
-from jaxmllm.data import tokenizer as tok
-from jaxmllm.data.audio import chunk_lengths, clip_frames, load_audio
-from jaxmllm.data.image import image_grid, load_image
-from jaxmllm.data.records import PLACEHOLDER, Record
+from jaxmllm.data.audio import chunk_lengths, clip_frames, load_audio, read_info
+from jaxmllm.data.image import image_grid, load_image, read_size
+from jaxmllm.data.records import Record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Sample
-from jaxmllm.data.tokenizer import make_tokenizer
+from jaxmllm.data.tokenizer import DEFAULT_DATE, make_tokenizer, tokenizer_sha256
 
 # ----------------------------------------------------------------------------- parameters
 
@@ -43,16 +41,22 @@ class Params:
     audio_max_frames: int
     subsample: int
     n_mels: int = field(compare=False)  # does not change counts
+    # Nor do the values of pixels and frames (how they are normalised, which mel scale).
+    image_mean: tuple[float, ...] = field(default=(0.5, 0.5, 0.5), compare=False)
+    image_std: tuple[float, ...] = field(default=(0.5, 0.5, 0.5), compare=False)
+    mel: str = field(default="jaxmllm", compare=False)
     # The bomb caps decide whether a file is decoded at all, not its counts: the loader applies
     # the training config's caps (a lowered cap rejects at load time, a raised one needs a rebuild
     # of the index to admit the files it refused).
     max_image_pixels: int = field(default=1 << 26, compare=False)
     max_audio_seconds: float = field(default=600.0, compare=False)
+    # A tokenizer directory's template date is part of tokenizer_sha256 (it decides counts).
+    template_date: str = field(default=DEFAULT_DATE, compare=False)
 
     @classmethod
     def from_config(cls, cfg: Config) -> Params:
         d, v = cfg.data, cfg.model.vision
-        sha = "" if d.tokenizer == "byte" else _sha256(d.tokenizer)
+        sha = tokenizer_sha256(d.tokenizer, d.template_date)
         unit = v.patch_size * v.merge
         if d.image_max_pixels < unit * unit:
             raise ConfigError(
@@ -70,8 +74,12 @@ class Params:
             audio_max_frames=d.audio_max_frames,
             subsample=cfg.model.audio.subsample,
             n_mels=cfg.model.audio.n_mels,
+            image_mean=d.image_mean,
+            image_std=d.image_std,
+            mel=d.mel,
             max_image_pixels=d.max_image_pixels,
             max_audio_seconds=d.max_audio_seconds,
+            template_date=d.template_date,
         )
 
     def counted(self) -> dict:
@@ -81,13 +89,6 @@ class Params:
 
 def _field_compares(name: str) -> bool:
     return Params.__dataclass_fields__[name].compare
-
-
-def _sha256(path: str) -> str:
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError:
-        return ""  # make_tokenizer reports the missing file
 
 
 # ----------------------------------------------------------------------------- layout
@@ -139,21 +140,33 @@ class Preprocessor:
 
     def __init__(self, params: Params, tokenizer=None):
         self.p = params
-        self.tokenizer = tokenizer or make_tokenizer(params.tokenizer)
+        self.tokenizer = tokenizer or make_tokenizer(params.tokenizer, params.template_date)
 
     def grid(self, h: int, w: int, limits: Limits = Limits()) -> tuple[int, int]:
         p = self.p
         budget = limits.max_pixels or p.image_max_pixels
         return image_grid(h, w, p.patch_size, p.merge, min(p.image_min_pixels, budget), budget)
 
+    def sizes(self, record: Record) -> Sizes:
+        """The media sizes of a record, read from the files' headers (nothing is decoded);
+        raises RecordError for a file over the bomb caps or one that does not open."""
+        p = self.p
+        return Sizes(
+            images=[read_size(src, record.id, p.max_image_pixels) for src in record.images],
+            audio=[read_info(src, record.id, p.max_audio_seconds) for src in record.audio],
+        )
+
     def clip_chunks(self, samples: int, rate: int) -> list[int]:
         p = self.p
         frames = clip_frames(samples, rate, p.audio_sample_rate, p.subsample)
         return chunk_lengths(frames, p.audio_max_frames)
 
-    def layout(self, record: Record, sizes: Sizes, limits: Limits = Limits()) -> Layout:
-        """The token sequence and encoder items of `record`, cut where `limits` say."""
-        pieces = self._pieces(record)
+    def layout(
+        self, record: Record, sizes: Sizes, limits: Limits = Limits(), generation: bool = False
+    ) -> Layout:
+        """The token sequence and encoder items of `record`, cut where `limits` say;
+        `generation`: the prompt that generation continues (the tokenizer's `pieces`)."""
+        pieces = self.tokenizer.pieces(record, generation)
         merge_area = self.p.merge**2
         budget = _Budget(limits)
         ops: list[tuple] = []
@@ -178,29 +191,6 @@ class Preprocessor:
                         return Layout(ops, cut=True)
         return Layout(ops)
 
-    def _pieces(self, record: Record) -> list[tuple]:
-        """Token runs (ids, loss) and media markers, in order, before any limit."""
-        enc = self.tokenizer.encode
-        out: list[tuple] = [_special(tok.BOS, False)]
-        n_img = n_aud = 0
-        for role, text in record.turns:
-            if role != "text":
-                out.append(_special(tok.ASSISTANT if role == "assistant" else tok.USER, False))
-            learn = role in ("text", "assistant")
-            for part in PLACEHOLDER.split(text):
-                if part == "<image>":
-                    out.append(("image", n_img))
-                    n_img += 1
-                elif part == "<audio>":
-                    out.append(("audio", n_aud))
-                    n_aud += 1
-                elif part:
-                    ids = enc(part)
-                    out.append(("text", ids, np.full(len(ids), learn)))
-            if learn:
-                out.append(_special(tok.EOS, True))
-        return out
-
     def sample(
         self,
         index: int,
@@ -209,15 +199,16 @@ class Preprocessor:
         limits: Limits,
         keep_images=None,
         keep_audio=None,
+        generation: bool = False,
     ) -> Sample:
         """Decodes the media and builds the Sample; checks the media against `sizes`.
 
         `keep_images` / `keep_audio`: numbers of the images / clip chunks (the Sample's audio
         items) to decode; the others are None, their tokens laid out from `sizes` (another host
-        encodes them). None = all.
+        encodes them). None = all. `generation`: the record as a prompt to generate from.
         """
-        lay = self.layout(record, sizes, limits)
-        p = self.p
+        lay = self.layout(record, sizes, limits, generation)
+        p, special = self.p, self.tokenizer.specials
         tokens, loss, images, audio = [], [], [], []
         clips: dict[int, list[np.ndarray]] = {}
         for op in lay.ops:
@@ -227,10 +218,10 @@ class Preprocessor:
                 continue
             if op[0] == "image" and keep_images is not None and len(images) not in keep_images:
                 images.append(None)
-                rows, marker = op[2] * op[3] // p.merge**2, tok.IMAGE
+                rows, marker = op[2] * op[3] // p.merge**2, special.image
             elif op[0] == "audio" and keep_audio is not None and len(audio) not in keep_audio:
                 audio.append(None)
-                rows, marker = op[3] // p.subsample, tok.AUDIO
+                rows, marker = op[3] // p.subsample, special.audio
             elif op[0] == "image":
                 budget = limits.max_pixels or p.image_max_pixels
                 patches, pos = load_image(
@@ -241,6 +232,8 @@ class Preprocessor:
                     budget,
                     record.id,
                     max_image_pixels=p.max_image_pixels,
+                    mean=p.image_mean,
+                    std=p.image_std,
                 )
                 if len(patches) != op[2] * op[3]:
                     raise RecordError(
@@ -249,7 +242,7 @@ class Preprocessor:
                         record.id,
                     )
                 images.append((patches, pos))
-                rows, marker = len(patches) // p.merge**2, tok.IMAGE
+                rows, marker = len(patches) // p.merge**2, special.image
             else:
                 j, c, frames = op[1], op[2], op[3]
                 if j not in clips:
@@ -262,6 +255,7 @@ class Preprocessor:
                         expect_samples=sizes.audio[j][0],
                         record_id=record.id,
                         max_seconds=p.max_audio_seconds,
+                        mel=p.mel,
                     )
                 chunk = clips[j][c][:frames] if c < len(clips[j]) else clips[j][0][:0]
                 if len(chunk) != frames:
@@ -269,7 +263,7 @@ class Preprocessor:
                         "changed_since_index", f"clip {j} is shorter than indexed", record.id
                     )
                 audio.append(chunk)
-                rows, marker = frames // p.subsample, tok.AUDIO
+                rows, marker = frames // p.subsample, special.audio
             tokens.append(np.full(rows, marker, np.int32))
             loss.append(np.zeros(rows, bool))
         return Sample(
@@ -278,11 +272,8 @@ class Preprocessor:
             loss=np.concatenate(loss).astype(bool),
             images=images,
             audio=audio,
+            grids=[(op[2], op[3]) for op in lay.ops if op[0] == "image"],
         )
-
-
-def _special(token: int, learn: bool) -> tuple:
-    return ("text", np.array([token], np.int32), np.array([learn]))
 
 
 class _Budget:

@@ -26,6 +26,8 @@ REASONS = {
     "audio_too_long": "the header's length exceeds data.max_audio_seconds (not decoded)",
     "changed_since_index": "the media differs from what the index measured; rebuild the index",
     "oversize": "larger than a bucket can hold (see data.on_oversize)",
+    "template_error": "the tokenizer directory's chat template fails on the record (or has none)",
+    "template_inconsistent": "the chat template's text before an assistant turn changes later",
 }
 
 

@@ -24,6 +24,9 @@ class Sample:
         default_factory=list
     )  # (patches_pd, pos_p2)
     audio: list[np.ndarray] = field(default_factory=list)  # frames [f, n_mels]
+    # Each image's patch grid (rows, cols), known from the layout even where another host
+    # decodes its pixels: M-RoPE places the image's tokens on it
+    grids: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

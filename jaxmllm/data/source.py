@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError
-from jaxmllm.data import tokenizer as tok
 from jaxmllm.data.preprocess import Limits, Params, Preprocessor, Sizes
 from jaxmllm.data.records import open_records, read_record
 from jaxmllm.data.rejects import DataError, RecordError, fail_message
 from jaxmllm.data.samples import LengthsIndex, Sample
+from jaxmllm.data.tokenizer import PretrainedTokenizer, make_tokenizer
 
 # ----------------------------------------------------------------------------- the source
 
@@ -33,6 +33,8 @@ class ManifestSource:
 
     def __init__(self, records, pre: Preprocessor, rows: list[dict], limits: dict[int, Limits]):
         self.records, self.pre, self.rows, self.limits = records, pre, rows, limits
+        self.specials = pre.tokenizer.specials  # what bucketize pads with and finds slots by
+        self.media_ids = (self.specials.image, self.specials.audio)
         self.index = LengthsIndex.from_records(rows)
         self.startup_rejects: list[dict] = []  # oversize repairs and skips made at start-up
         self.index_rejects: dict[str, int] = {}  # rejects counted by the index, by reason
@@ -58,7 +60,7 @@ class ManifestSource:
         # other tokens) would overflow its slot into a neighbour's, so refuse it instead.
         want = self.index.record(int(i))
         got = {
-            "text": int(np.isin(sample.tokens, (tok.IMAGE, tok.AUDIO), invert=True).sum()),
+            "text": int(np.isin(sample.tokens, self.media_ids, invert=True).sum()),
             "images": [
                 _indexed(want["images"], j) if m is None else len(m[0])
                 for j, m in enumerate(sample.images)
@@ -134,11 +136,16 @@ def load_index(cfg: Config) -> tuple[list[dict], dict]:
 
 def open_source(cfg: Config) -> ManifestSource:
     """The training source of data.path: index loaded and checked, oversize policy applied."""
-    tokenizer = tok.make_tokenizer(cfg.data.tokenizer)
+    tokenizer = make_tokenizer(cfg.data.tokenizer, cfg.data.template_date)
     if cfg.model.llm.vocab_size < tokenizer.vocab_size:
+        what = (
+            f"incl. {len(tokenizer.added_tokens)} added placeholder token(s)"
+            if isinstance(tokenizer, PretrainedTokenizer)
+            else "incl. the 8 reserved specials"
+        )
         raise ConfigError(
             f"model.llm.vocab_size={cfg.model.llm.vocab_size} is smaller than the tokenizer "
-            f"({cfg.data.tokenizer}: {tokenizer.vocab_size} ids incl. the 8 reserved specials); "
+            f"({cfg.data.tokenizer}: {tokenizer.vocab_size} ids {what}); "
             f"raise model.llm.vocab_size to at least {tokenizer.vocab_size}"
         )
     rows, summary = load_index(cfg)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmllm.config import Config
-from jaxmllm.data import tokenizer as tok
 from jaxmllm.data.samples import LengthsIndex, Sample
+from jaxmllm.data.tokenizer import ByteTokenizer
 
 COLOURS = {
     "red": (1.0, -0.8, -0.8),
@@ -42,7 +42,8 @@ class SyntheticSource:
         self.n_mels = cfg.model.audio.n_mels
         self.merge = cfg.model.vision.merge
         self.subsample = cfg.model.audio.subsample
-        self.tokenizer = tok.ByteTokenizer()
+        self.tokenizer = ByteTokenizer()
+        self.specials = self.tokenizer.specials  # what bucketize pads with and finds slots by
         self._params = [self._sample_params(i) for i in range(self.syn.num_samples)]
 
     def __len__(self) -> int:
@@ -58,16 +59,18 @@ class SyntheticSource:
             caption = " and ".join(f"a {c} {s}" for _, _, c, s in p["images"])
             return self._media_sample(
                 int(i),
-                tok.IMAGE,
+                self.specials.image,
                 [len(m[0]) // self.merge**2 for m in media],
                 IMAGE_PROMPT,
                 caption,
                 images=media,
+                grids=[(gh, gw) for gh, gw, _, _ in p["images"]],
             )
         clip = self._render_audio(rng, *p["audio"])
         caption = f"a {p['audio'][2]} {p['audio'][1]} tone"
+        marker = self.specials.audio
         return self._media_sample(
-            int(i), tok.AUDIO, [len(clip) // self.subsample], AUDIO_PROMPT, caption, audio=[clip]
+            int(i), marker, [len(clip) // self.subsample], AUDIO_PROMPT, caption, audio=[clip]
         )
 
     def load(self, i: int, images=None, audio=None) -> Sample:
@@ -138,7 +141,8 @@ class SyntheticSource:
 
     def _text_tokens(self, p: dict) -> np.ndarray:
         text = " ".join(str(p["start"] + k) for k in range(p["words"]))
-        return np.concatenate([[tok.BOS], self.tokenizer.encode(text), [tok.EOS]]).astype(np.int32)
+        sp = self.specials
+        return np.concatenate([[sp.bos], self.tokenizer.encode(text), [sp.eos]]).astype(np.int32)
 
     def _text_sample(self, i: int, p: dict) -> Sample:
         tokens = self._text_tokens(p)
@@ -146,15 +150,25 @@ class SyntheticSource:
         loss[0] = False  # BOS is never predicted
         return Sample(id=i, tokens=tokens, loss=loss)
 
-    def _media_sample(self, i, media_token, rows, prompt, caption, images=(), audio=()) -> Sample:
-        head = [np.array([tok.BOS], np.int32)]
+    def _media_sample(
+        self, i, media_token, rows, prompt, caption, images=(), audio=(), grids=()
+    ) -> Sample:
+        head = [np.array([self.specials.bos], np.int32)]
         head += [np.full(r, media_token, np.int32) for r in rows]
         head.append(self.tokenizer.encode(prompt))
-        answer = np.concatenate([self.tokenizer.encode(caption), [tok.EOS]]).astype(np.int32)
+        eos = self.specials.eos
+        answer = np.concatenate([self.tokenizer.encode(caption), [eos]]).astype(np.int32)
         prefix = np.concatenate(head).astype(np.int32)
         tokens = np.concatenate([prefix, answer])
         loss = np.concatenate([np.zeros(len(prefix), bool), np.ones(len(answer), bool)])
-        return Sample(id=i, tokens=tokens, loss=loss, images=list(images), audio=list(audio))
+        return Sample(
+            id=i,
+            tokens=tokens,
+            loss=loss,
+            images=list(images),
+            audio=list(audio),
+            grids=list(grids),
+        )
 
     def _render_image(self, rng, gh: int, gw: int, colour: str, shape: str):
         """An image of gh x gw patches, patchified in 2x2-merge order with (row, col) positions."""
@@ -203,3 +217,40 @@ def patchify(img_hwc: np.ndarray, patch: int, merge: int = 2) -> tuple[np.ndarra
         return a.reshape(gh * gw, k)
 
     return merge_order(x).astype(np.float32), merge_order(grid).astype(np.int32)
+
+
+# ----------------------------------------------------------------------------- scoring answers
+
+# What `score_answer` checks of each kind of answer, and a uniform guess's chance of it
+SCORED = {
+    "shapes": {"count": 1 / 2, "colour": 1 / len(COLOURS), "shape": 1 / len(SHAPES)},
+    "tone": {"pitch": 1 / len(PITCHES), "contour": 1 / len(CONTOURS)},
+}
+
+
+def score_answer(answer: str, truth: str) -> dict[str, float]:
+    """How much of a generated caption is right, by what it names.
+
+    Shapes ("a red circle and a blue square"): `count` (as many shapes named as shown),
+    `colour` and `shape` (the share of the shown shapes, in order, named right); a tone ("a
+    rising high tone"): `pitch`, `contour`; both: `exact` (the whole answer).
+    """
+    scores = {"exact": float(answer.strip() == truth.strip())}
+    want, got = _named(truth), _named(answer)
+    got += [("", "", "")] * len(want)  # (an answer naming fewer things misses the rest)
+    if truth.strip().endswith(" tone"):  # (contour, pitch, "tone")
+        scores["contour"] = float(got[0][0] == want[0][0])
+        scores["pitch"] = float(got[0][1] == want[0][1])
+    elif want:  # shapes: (colour, shape) each
+        scores["count"] = float(len(got) - len(want) == len(want))
+        pairs = list(zip(want, got, strict=False))
+        scores["colour"] = sum(w[0] == g[0] for w, g in pairs) / len(want)
+        scores["shape"] = sum(w[1] == g[1] for w, g in pairs) / len(want)
+    return scores
+
+
+def _named(caption: str) -> list[tuple[str, str, str]]:
+    """The first three words after each "a " of a caption's " and "-joined parts ("" where a
+    part has fewer)."""
+    parts = [p.strip().removeprefix("a ").split() for p in caption.strip().split(" and ")]
+    return [tuple((p + ["", "", ""])[:3]) for p in parts if p]

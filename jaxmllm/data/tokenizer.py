@@ -1,32 +1,62 @@
-"""Tokenizers and the special tokens the batch contract needs.
+"""Tokenizers: the three kinds `data.tokenizer` names, and the sequences they make of a record.
 
-Token ids: bytes (or a tokenizer.json's ids below 256) as is, 256..263 the reserved specials (pad,
-BOS, EOS, image, audio, user, assistant), and a tokenizer.json's ids k >= 256 shifted to k + 8.
-So any tokenizer.json works without added special tokens, and model.llm.vocab_size must be at
-least the tokenizer's size + 8.
+- `byte`: UTF-8 bytes are ids 0..255, jaxmllm's reserved specials 256..263 follow (pad, BOS,
+  EOS, image, audio, user, assistant); needs no files.
+- the path of a `tokenizer.json` file (training from scratch): its ids below 256 as they are,
+  256..263 the reserved specials, its ids k >= 256 shifted to k + 8, so any tokenizer.json works
+  without added tokens; model.llm.vocab_size must be at least its size + 8.
+- the path of a HuggingFace tokenizer directory (fine-tuning a checkpoint): the checkpoint's own
+  ids, special tokens and chat template (`jaxmllm.data.pretrained`).
+
+The first two lay a record out in jaxmllm's own format: BOS, then per turn a USER / ASSISTANT
+marker and its text, EOS after each learned turn. Every tokenizer has `specials` (the ids the
+batch contract needs), `vocab_size`, `encode` / `decode` and `pieces(record)`: the record's token
+runs ("text", ids, loss) and media markers ("image", j) / ("audio", j) in order, which
+`Preprocessor.layout` turns into the sample's exact sequence.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
 
 from jaxmllm.config import ConfigError
+from jaxmllm.data.pretrained import (
+    DEFAULT_DATE,
+    PretrainedTokenizer,
+    directory_sha256,
+    is_tokenizer_dir,
+)
+from jaxmllm.data.records import PLACEHOLDER, Record
+from jaxmllm.data.specials import (  # noqa: F401  (re-exported: the reserved ids by name)
+    ASSISTANT,
+    AUDIO,
+    BOS,
+    EOS,
+    IMAGE,
+    NUM_SPECIAL,
+    PAD,
+    RESERVED,
+    USER,
+    Specials,
+)
 
-PAD, BOS, EOS, IMAGE, AUDIO, USER, ASSISTANT = 256, 257, 258, 259, 260, 261, 262
-NUM_SPECIAL = 8  # ids 256..263 are reserved; byte vocab needs vocab_size >= 264
 
-
-def make_tokenizer(spec: str):
-    """`byte` or the path of a tokenizer.json."""
+def make_tokenizer(spec: str, template_date: str = DEFAULT_DATE):
+    """`byte`, the path of a tokenizer.json, or the path of a HuggingFace tokenizer directory
+    (`template_date`: the date its chat template's strftime_now renders)."""
     if spec == "byte":
         return ByteTokenizer()
+    if is_tokenizer_dir(spec):
+        return PretrainedTokenizer(spec, template_date)
     path = Path(spec)
     if not path.is_file():
         raise ConfigError(
-            f"data.tokenizer: no tokenizer.json at {spec!r}; give the path of a HuggingFace "
-            "tokenizer.json (nothing is downloaded), or 'byte'"
+            f"data.tokenizer: nothing at {spec!r}; give 'byte', the path of a tokenizer.json "
+            "(from scratch) or of a HuggingFace tokenizer directory (a checkpoint's own ids and "
+            "chat template); nothing is downloaded"
         )
     try:
         return HFTokenizer(path)
@@ -34,7 +64,58 @@ def make_tokenizer(spec: str):
         raise ConfigError(f"data.tokenizer: {spec} is not a tokenizer.json: {e}") from None
 
 
-class ByteTokenizer:
+def tokenizer_sha256(spec: str, template_date: str = DEFAULT_DATE) -> str:
+    """What identifies a tokenizer's ids (the lengths index records it): "" for byte, the
+    file's hash, or a directory's files' and its template date's ("" when missing:
+    make_tokenizer reports it)."""
+    if spec == "byte":
+        return ""
+    if is_tokenizer_dir(spec):
+        return directory_sha256(spec, template_date)
+    try:
+        return hashlib.sha256(Path(spec).read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
+class _MarkerFormat:
+    """jaxmllm's own sequence format over the reserved specials (byte and bare tokenizers,
+    which give `encode`)."""
+
+    specials: Specials = RESERVED
+    added_tokens: dict[str, int] = {}  # nothing appended: the reserved ids are in vocab_size
+
+    def pieces(self, record: Record, generation: bool = False) -> list[tuple]:
+        """Token runs (ids, loss) and media markers of `record`, in order, before any limit;
+        `generation`: a prompt ending in the ASSISTANT marker, nothing learned."""
+        out: list[tuple] = [_special(BOS, False)]
+        n_img = n_aud = 0
+        for role, text in record.turns:
+            if role != "text":
+                out.append(_special(ASSISTANT if role == "assistant" else USER, False))
+            learn = role in ("text", "assistant") and not generation
+            for part in PLACEHOLDER.split(text):
+                if part == "<image>":
+                    out.append(("image", n_img))
+                    n_img += 1
+                elif part == "<audio>":
+                    out.append(("audio", n_aud))
+                    n_aud += 1
+                elif part:
+                    ids = self.encode(part)
+                    out.append(("text", ids, np.full(len(ids), learn)))
+            if learn:
+                out.append(_special(EOS, True))
+        if generation and record.turns[0][0] != "text":
+            out.append(_special(ASSISTANT, False))
+        return out
+
+
+def _special(token: int, learn: bool) -> tuple:
+    return ("text", np.array([token], np.int32), np.array([learn]))
+
+
+class ByteTokenizer(_MarkerFormat):
     """UTF-8 bytes are ids 0..255; specials follow. Needs no files, so tiny runs need nothing."""
 
     vocab_size = 256 + NUM_SPECIAL
@@ -66,7 +147,7 @@ class ByteTokenizer:
         return "".join(out)
 
 
-class HFTokenizer:
+class HFTokenizer(_MarkerFormat):
     """A HuggingFace `tokenizers` tokenizer.json, ids shifted past the reserved specials."""
 
     def __init__(self, path: str | Path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -100,22 +101,36 @@ class Attention(nnx.Module):
         heads: int,
         kv_heads: int,
         *,
+        head_dim: int = 0,
+        bias: str = "",
         rope: str = "1d",
         rope_theta: float = 10000.0,
+        rope_scaling: Any = None,
+        rope_sections: tuple[int, ...] = (),
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
+        """`head_dim` 0 = width / heads; `bias`: which of the q, k, v, o projections have one;
+        `rope`: 1d | 2d | mrope (`rope_sections`) | none (positions enter elsewhere);
+        `rope_scaling` as `rope_frequencies`."""
         assert heads % kv_heads == 0, (heads, kv_heads)
-        head_dim = width // heads
+        head_dim = head_dim or width // heads
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.query = Dense(width, (heads, head_dim), ("embed", "heads", "head_dim"), **kw)
-        self.key = Dense(width, (kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), **kw)
-        self.value = Dense(width, (kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), **kw)
-        self.out = Dense((heads, head_dim), width, ("heads", "head_dim", "embed"), **kw)
+        qkv = ("embed", "kv_heads", "head_dim")
+        self.query = Dense(
+            width, (heads, head_dim), ("embed", "heads", "head_dim"), use_bias="q" in bias, **kw
+        )
+        self.key = Dense(width, (kv_heads, head_dim), qkv, use_bias="k" in bias, **kw)
+        self.value = Dense(width, (kv_heads, head_dim), qkv, use_bias="v" in bias, **kw)
+        self.out = Dense(
+            (heads, head_dim), width, ("heads", "head_dim", "embed"), use_bias="o" in bias, **kw
+        )
         self.kv_heads = kv_heads
         self.rope = rope
         self.rope_theta = rope_theta
+        self.rope_scaling = rope_scaling
+        self.rope_sections = tuple(rope_sections)
         self.dtype = dtype
 
     def __call__(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> jax.Array:
@@ -129,10 +144,7 @@ class Attention(nnx.Module):
         Returns:
           [B, T, width] in the compute dtype.
         """
-        rotate = ROPE[self.rope]
-        q_bthe = rotate(self.query(x_btd), positions, self.rope_theta)
-        k_bske = rotate(self.key(x_btd), positions, self.rope_theta)
-        v_bske = self.value(x_btd)
+        q_bthe, k_bske, v_bske = self.project(x_btd, positions)
         if pack.kind == "block_sparse":
             out_bthe = blocksparse.attend(
                 q_bthe, k_bske, v_bske, pack.segment_ids, pack.tiles,
@@ -146,3 +158,18 @@ class Attention(nnx.Module):
         else:
             out_bthe = dense_attention(q_bthe, k_bske, v_bske, pack.mask, self.dtype)
         return self.out(out_bthe.astype(self.dtype))
+
+    def project(self, x_btd: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
+        """Queries, keys and values of `x` at `positions`, rotated: what attention scores.
+
+        Training and KV-cache decoding both call this, so a cached key is exactly the key the
+        full-sequence pass computes.
+
+        Returns:
+          q [B, T, heads, head_dim], k and v [B, T, kv_heads, head_dim].
+        """
+        extra = {"sections": self.rope_sections} if self.rope == "mrope" else {}
+        rotate = lambda x: ROPE[self.rope](
+            x, positions, self.rope_theta, self.rope_scaling, **extra
+        )
+        return rotate(self.query(x_btd)), rotate(self.key(x_btd)), self.value(x_btd)

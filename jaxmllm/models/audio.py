@@ -1,8 +1,14 @@
 """Audio encoder over packed log-mel frames.
 
-Subsampling x4 is two kernel-2, stride-2 convolutions. With kernel == stride a convolution is a
-reshape (pair up neighbouring frames) followed by a Dense, and because every clip starts at a
-multiple of 4 frames and is a multiple of 4 frames long, no output row mixes two clips.
+Two stems turn frames into encoder rows, each within its clip (a packed row holds several):
+
+- pairs (jaxmllm's own): two kernel-2, stride-2 convolutions, one row per 4 frames. With kernel
+  == stride a convolution is a reshape (pair up neighbouring frames) followed by a Dense, and
+  because every clip starts at a multiple of 4 frames and is a multiple of 4 frames long, no
+  output row mixes two clips.
+- whisper: kernel-3 convolutions with stride 1 then 2 (one row per 2 frames), GELU, and a fixed
+  sinusoidal position table, as Whisper's encoder. Each tap that would read across a clip's
+  edge reads zero, as Whisper's zero padding does at the edges of its 30 s window.
 """
 
 from __future__ import annotations
@@ -13,12 +19,13 @@ from flax import nnx
 
 from jaxmllm.config import AudioConfig
 from jaxmllm.models.attention import packing
-from jaxmllm.models.layers import Dense
-from jaxmllm.models.transformer import Transformer
+from jaxmllm.models.layers import ACTIVATIONS, Dense
+from jaxmllm.models.positions import sinusoids
+from jaxmllm.models.transformer import BlockSpec, Transformer
 
 
 class AudioEncoder(nnx.Module):
-    """Conv subsampling (x4) + bidirectional transformer with 1D RoPE."""
+    """Conv subsampling (pairs: x4, whisper: x2) + bidirectional transformer."""
 
     def __init__(
         self,
@@ -35,18 +42,24 @@ class AudioEncoder(nnx.Module):
     ):
         self.attention, self.block = attention, block  # model.attention, batch.attention_block
         self.documents = documents  # batch.*_documents (cudnn attention)
+        self.stem, self.stride = cfg.stem, cfg.stride
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.conv1 = Dense(2 * cfg.n_mels, cfg.width, ("mel", "embed"), use_bias=True, **kw)
+        taps = 3 if cfg.stem == "whisper" else 2
+        self.conv1 = Dense(taps * cfg.n_mels, cfg.width, ("mel", "embed"), use_bias=True, **kw)
         # The input dim stays unsharded: naming it "embed" too would map two dims to one axis.
-        self.conv2 = Dense(2 * cfg.width, cfg.width, (None, "embed"), use_bias=True, **kw)
+        self.conv2 = Dense(taps * cfg.width, cfg.width, (None, "embed"), use_bias=True, **kw)
+        self.positions = (
+            nnx.Param(
+                jnp.asarray(sinusoids(cfg.max_positions, cfg.width), param_dtype),
+                axes=("positions", "embed"),
+            )
+            if cfg.positions == "sinusoidal"
+            else None
+        )
+        rope = "1d" if cfg.positions == "rope" else "none"
         self.transformer = Transformer(
-            depth=cfg.depth,
-            width=cfg.width,
-            heads=cfg.heads,
-            kv_heads=cfg.heads,  # plain multi-head attention
-            mlp_dim=cfg.mlp_dim,
-            rope="1d",
-            rope_theta=cfg.rope_theta,
+            cfg.depth,
+            BlockSpec.of(cfg, rope=rope),  # plain multi-head attention
             remat=remat,
             remat_policy=remat_policy,
             **kw,
@@ -68,16 +81,25 @@ class AudioEncoder(nnx.Module):
           tiles_bk2: block-sparse attention's tiles over the encoder rows [B, K, 2].
 
         Returns:
-          Features [B, F // 4, width] in the compute dtype, one row per 4 frames.
+          Features [B, F // stride, width] in the compute dtype, one row per `stride` frames.
         """
         return self.transformer(*self.prepare(frames_bfm, segment_ids_bf, positions_bf, tiles_bk2))
 
     def prepare(self, frames_bfm, segment_ids_bf, positions_bf, tiles_bk2=None):
         """What the transformer takes (the arguments as in `__call__`): the subsampled rows,
         their packing and positions (a pipeline runs the stack's layers stage by stage)."""
-        x = jax.nn.gelu(self.conv1(_pair_rows(frames_bfm)))
-        x_bnd = jax.nn.gelu(self.conv2(_pair_rows(x)))
-        segment_ids_bn, positions_bn = subsample_ids(segment_ids_bf, positions_bf)
+        if self.stem == "whisper":
+            x_bnd = self._whisper_stem(frames_bfm, segment_ids_bf)
+        else:
+            x = jax.nn.gelu(self.conv1(_pair_rows(frames_bfm)))
+            x_bnd = jax.nn.gelu(self.conv2(_pair_rows(x)))
+        segment_ids_bn, positions_bn = subsample_ids(segment_ids_bf, positions_bf, self.stride)
+        if self.positions is not None:  # fixed: Whisper never trains its table
+            table = jax.lax.stop_gradient(self.positions[...])
+            rows = jnp.clip(positions_bn, 0, table.shape[0] - 1)
+            x_bnd = (x_bnd.astype(jnp.float32) + table[rows].astype(jnp.float32)).astype(
+                x_bnd.dtype
+            )
         pack = packing(
             segment_ids_bn,
             causal=False,
@@ -88,6 +110,12 @@ class AudioEncoder(nnx.Module):
         )
         return x_bnd, pack, positions_bn
 
+    def _whisper_stem(self, frames_bfm: jax.Array, segment_ids_bf: jax.Array) -> jax.Array:
+        gelu = ACTIVATIONS["gelu"]
+        x = gelu(self.conv1(_clip_windows(frames_bfm, segment_ids_bf)))
+        windows = _clip_windows(x, segment_ids_bf)[:, ::2]  # stride 2: taps 2j-1, 2j, 2j+1
+        return gelu(self.conv2(windows))
+
 
 def _pair_rows(x_btc: jax.Array) -> jax.Array:
     """[B, T, C] -> [B, T/2, 2C]: a kernel-2 stride-2 convolution's input windows."""
@@ -95,8 +123,22 @@ def _pair_rows(x_btc: jax.Array) -> jax.Array:
     return x_btc.reshape(b, t // 2, 2 * c)
 
 
+def _clip_windows(x_btc: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
+    """[B, T, C] -> [B, T, 3C]: each step's (previous, own, next) inputs, zero across a clip's
+    edge: a kernel-3, padding-1 convolution's windows, clip by clip."""
+    zero_row = jnp.zeros_like(x_btc[:, :1])
+    zero_seg = jnp.zeros_like(segment_ids_bt[:, :1]) - 1
+    prev = jnp.concatenate([zero_row, x_btc[:, :-1]], axis=1)
+    nxt = jnp.concatenate([x_btc[:, 1:], zero_row], axis=1)
+    prev_seg = jnp.concatenate([zero_seg, segment_ids_bt[:, :-1]], axis=1)
+    next_seg = jnp.concatenate([segment_ids_bt[:, 1:], zero_seg], axis=1)
+    prev = jnp.where((prev_seg == segment_ids_bt)[..., None], prev, 0)
+    nxt = jnp.where((next_seg == segment_ids_bt)[..., None], nxt, 0)
+    return jnp.concatenate([prev, x_btc, nxt], axis=-1)
+
+
 def subsample_ids(
-    segment_ids_bf: jax.Array, positions_bf: jax.Array
+    segment_ids_bf: jax.Array, positions_bf: jax.Array, stride: int = 4
 ) -> tuple[jax.Array, jax.Array]:
-    """Segment ids and positions of the x4-subsampled rows (each row's first frame)."""
-    return segment_ids_bf[:, ::4], positions_bf[:, ::4] // 4
+    """Segment ids and positions of the subsampled rows (each row's first frame)."""
+    return segment_ids_bf[:, ::stride], positions_bf[:, ::stride] // stride

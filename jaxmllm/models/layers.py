@@ -1,4 +1,4 @@
-"""Building blocks of the transformers: dense layers, embedding, RMSNorm, rotary, gated MLP.
+"""Building blocks of the transformers: dense layers, embedding, norms, rotary, MLPs.
 
 Every parameter is an `nnx.Param` created in `param_dtype` with an `axes` metadata tuple of
 logical axis names, one per dimension; the sharding code maps those names to mesh axes. We do not
@@ -13,13 +13,16 @@ g query heads per kv head, e head dim, f MLP width.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import sharding
+from jaxmllm.models.vocab import lookup, vocab_axes
 
 Axes = tuple[str | None, ...]
 
@@ -90,18 +93,23 @@ class Embed(nnx.Module):
         vocab_size: int,
         width: int,
         *,
+        vocab_parallel: bool = False,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
         # Unit-scale rows, like the encoders' projector outputs that replace some of them.
-        self.embedding = normal_param(
-            rngs, (vocab_size, width), 1.0, ("vocab", "embed"), param_dtype
-        )
+        # Vocab-parallel: stored split by rows as it is used (a reshard would gather it).
+        axes = ("vocab_split", None) if vocab_parallel else ("vocab", "embed")
+        self.embedding = normal_param(rngs, (vocab_size, width), 1.0, axes, param_dtype)
         self.dtype = dtype
+        self.vocab_parallel = vocab_parallel
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         table = self.embedding[...]
+        axes = vocab_axes(table.shape[0], ids.shape[0]) if self.vocab_parallel else ()
+        if axes:  # rows split by vocabulary: no device ever holds the whole table
+            return lookup(table, ids, axes, self.dtype)
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and "fsdp" in mesh.axis_names:
             # FSDP: gather the table's `embed` shards for the lookup (its gradient then
@@ -113,45 +121,100 @@ class Embed(nnx.Module):
         return jnp.take(table, ids, axis=0).astype(self.dtype)
 
     def attend(self, x_btd: jax.Array) -> jax.Array:
-        """Float32 logits `x . E^T / sqrt(width)`: unit-scale rows give unit-scale logits."""
+        """Float32 logits `x . E^T` (the tied output projection)."""
         table = self.embedding[...].astype(self.dtype)
-        logits = jnp.einsum(
-            "btd,vd->btv", x_btd.astype(self.dtype), table, preferred_element_type=jnp.float32
+        return jnp.einsum(
+            "...d,vd->...v", x_btd.astype(self.dtype), table, preferred_element_type=jnp.float32
         )
-        return logits / math.sqrt(table.shape[-1])
 
 
 class RMSNorm(nnx.Module):
     """Root-mean-square norm with a learned scale, computed in fp32."""
 
     def __init__(
-        self, width: int, *, dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32
+        self,
+        width: int,
+        *,
+        eps: float = NORM_EPS,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype = jnp.float32,
     ):
         self.scale = nnx.Param(jnp.ones((width,), param_dtype), axes=("embed",))
+        self.eps = eps
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + NORM_EPS)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+class LayerNorm(RMSNorm):
+    """Layer norm (centred, scaled, shifted) with a learned scale and bias, computed in fp32."""
+
+    def __init__(self, width: int, **kw):
+        super().__init__(width, **kw)
+        self.bias = nnx.Param(jnp.zeros_like(self.scale[...]), axes=("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        scale, bias = self.scale[...].astype(jnp.float32), self.bias[...].astype(jnp.float32)
+        return (x32 * scale + bias).astype(self.dtype)
+
+
+NORMS = {"rms": RMSNorm, "layer": LayerNorm}  # config.model.NORMS names these
 
 
 # ----------------------------------------------------------------------------- rotary
 
 
-def rope_1d(x_bthe: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding (rotate-half layout) by integer positions.
+def rope_frequencies(dim: int, theta: float, scaling: Any = None) -> np.ndarray:
+    """Angular frequencies of a rotary embedding over `dim` features (`dim // 2` of them).
+
+    `theta ** (-2i / dim)`, optionally scaled as HF's `rope_scaling` does (`scaling`: a
+    `jaxmllm.config.model.RopeScaling`): linear divides every frequency by the factor; llama3
+    divides the low frequencies (wavelengths past original / low_freq_factor) by it, keeps the
+    high ones (wavelengths under original / high_freq_factor) and blends in between. Computed
+    in float64 on the host: the frequencies are constants of the program.
+    """
+    freqs = theta ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    kind = getattr(scaling, "type", "none")
+    if kind == "linear":
+        return freqs / scaling.factor
+    if kind == "llama3":
+        s = scaling
+        wavelen = 2 * math.pi / freqs
+        low = np.where(
+            wavelen > s.original_max_positions / s.low_freq_factor, freqs / s.factor, freqs
+        )
+        smooth = (s.original_max_positions / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor
+        )
+        blended = (1 - smooth) * low / s.factor + smooth * low
+        medium = (wavelen >= s.original_max_positions / s.high_freq_factor) & (
+            wavelen <= s.original_max_positions / s.low_freq_factor
+        )
+        return np.where(medium, blended, low)
+    return freqs
+
+
+def rope_1d(
+    x_bthe: jax.Array, positions_bt: jax.Array, theta: float, scaling: Any = None
+) -> jax.Array:
+    """Rotary position embedding (rotate-half layout, as HF's Llama) by integer positions.
 
     Args:
       x_bthe: queries or keys [..., T, heads, head_dim]; head_dim must be even.
       positions_bt: positions [..., T].
       theta: rotary base.
+      scaling: frequency scaling (`rope_frequencies`), None for none.
 
     Returns:
       x rotated, same shape and dtype.
     """
-    half = x_bthe.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    freqs = jnp.asarray(rope_frequencies(x_bthe.shape[-1], theta, scaling), jnp.float32)
     angles = positions_bt.astype(jnp.float32)[..., None, None] * freqs  # [..., T, 1, half]
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
@@ -159,39 +222,108 @@ def rope_1d(x_bthe: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Arr
     return out.astype(x_bthe.dtype)
 
 
-def rope_2d(x_bthe: jax.Array, positions_bt2: jax.Array, theta: float) -> jax.Array:
+def rope_2d(
+    x_bthe: jax.Array, positions_bt2: jax.Array, theta: float, scaling: Any = None
+) -> jax.Array:
     """2D rotary embedding: the first half of each head rotates by row, the second by column.
 
     Args:
       x_bthe: queries or keys [..., T, heads, head_dim]; head_dim must be divisible by 4.
       positions_bt2: (row, col) positions [..., T, 2].
       theta: rotary base.
+      scaling: frequency scaling of each half (`rope_frequencies`).
     """
     rows, cols = jnp.split(x_bthe, 2, axis=-1)
-    rows = rope_1d(rows, positions_bt2[..., 0], theta)
-    cols = rope_1d(cols, positions_bt2[..., 1], theta)
+    rows = rope_1d(rows, positions_bt2[..., 0], theta, scaling)
+    cols = rope_1d(cols, positions_bt2[..., 1], theta, scaling)
     return jnp.concatenate([rows, cols], axis=-1)
 
 
-ROPE = {"1d": rope_1d, "2d": rope_2d}
+def rope_multi(
+    x_bthe: jax.Array,
+    positions_bt3: jax.Array,
+    theta: float,
+    scaling: Any = None,
+    sections: tuple[int, ...] = (),
+) -> jax.Array:
+    """Multimodal rotary (Qwen2-VL's M-RoPE): rotate-half rotary whose frequencies, in order,
+    fall into `sections` turned by the (time, row, column) positions [..., T, 3]; with three
+    equal positions it is `rope_1d`."""
+    freqs = jnp.asarray(rope_frequencies(x_bthe.shape[-1], theta, scaling), jnp.float32)
+    axis = np.repeat(np.arange(len(sections)), sections)  # which position turns frequency k
+    angles = positions_bt3.astype(jnp.float32)[..., axis][..., None, :] * freqs  # [..., T, 1, half]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_bthe.dtype)
+
+
+def no_rope(x_bthe: jax.Array, positions: jax.Array, theta: float, scaling: Any = None):
+    """Positions enter elsewhere (learned or sinusoidal tables at the tower's input)."""
+    return x_bthe
+
+
+ROPE = {"1d": rope_1d, "2d": rope_2d, "none": no_rope, "mrope": rope_multi}
+
+
+# ----------------------------------------------------------------------------- MLPs
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # HF gelu_pytorch_tanh / gelu_new
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # the exact erf form
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),  # CLIP's, Qwen2-VL's vision MLP
+    "silu": jax.nn.silu,
+}
 
 
 class GatedMLP(nnx.Module):
-    """`down(silu(x W_gate) * (x W_up))`."""
+    """`down(silu(x W_gate) * (x W_up))` (Llama, Qwen2)."""
 
     def __init__(
         self,
         width: int,
         mlp_dim: int,
         *,
+        use_bias: bool = False,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.gate = Dense(width, mlp_dim, ("embed", "mlp"), **kw)
         self.up = Dense(width, mlp_dim, ("embed", "mlp"), **kw)
         self.down = Dense(mlp_dim, width, ("mlp", "embed"), **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class MLP(nnx.Module):
+    """`fc2(act(x W_fc1))` (SigLIP, Whisper, the Qwen2-VL vision tower, the projectors)."""
+
+    def __init__(
+        self,
+        width: int,
+        mlp_dim: int,
+        *,
+        activation: str,
+        out_width: int | None = None,
+        use_bias: bool = True,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.fc1 = Dense(width, mlp_dim, ("embed", "mlp"), **kw)
+        self.fc2 = Dense(mlp_dim, out_width or width, ("mlp", "embed"), **kw)
+        self.activation = activation
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.fc2(ACTIVATIONS[self.activation](self.fc1(x)))
+
+
+def make_mlp(kind: str, width: int, mlp_dim: int, *, use_bias: bool, **kw) -> nnx.Module:
+    """The block MLP `kind` names (`config.model.MLPS`)."""
+    if kind == "gated_silu":
+        return GatedMLP(width, mlp_dim, use_bias=use_bias, **kw)
+    return MLP(width, mlp_dim, activation=kind, use_bias=use_bias, **kw)

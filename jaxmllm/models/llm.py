@@ -1,6 +1,12 @@
-"""Llama-style decoder: RMSNorm, RoPE, grouped-query attention, gated MLP."""
+"""Llama-style decoder: RMSNorm, RoPE, grouped-query attention, gated MLP; and its loss.
+
+The same module holds the HF decoder families it imports (Llama 3.x with its rope scaling,
+Qwen2 / Qwen2.5 with q/k/v biases): their differences are `LLMConfig` options.
+"""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -9,14 +15,16 @@ from flax import nnx
 from jaxmllm.config import LLMConfig
 from jaxmllm.models.attention import Packing, packing
 from jaxmllm.models.layers import Dense, Embed
-from jaxmllm.models.transformer import Transformer
+from jaxmllm.models.transformer import BlockSpec, Transformer
+from jaxmllm.models.vocab import losses, vocab_axes
 
 
 class Decoder(nnx.Module):
     """Token embedding, causal transformer over packed rows, and the output projection.
 
     Embedding and decoding are separate calls so the caller can replace placeholder embeddings
-    with encoder outputs in between.
+    with encoder outputs in between; `hidden` and `logits` are separate so the loss can project
+    a slice of tokens at a time (`chunked_token_losses`).
     """
 
     def __init__(
@@ -35,24 +43,33 @@ class Decoder(nnx.Module):
         self.attention, self.block = attention, block  # model.attention, batch.attention_block
         self.documents = documents  # batch.*_documents (cudnn attention)
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.embed = Embed(cfg.vocab_size, cfg.width, **kw)
-        self.transformer = Transformer(
-            depth=cfg.depth,
-            width=cfg.width,
-            heads=cfg.heads,
+        self.embed = Embed(cfg.vocab_size, cfg.width, vocab_parallel=cfg.vocab_parallel, **kw)
+        spec = BlockSpec.of(
+            cfg,
             kv_heads=cfg.kv_heads,  # grouped-query attention
-            mlp_dim=cfg.mlp_dim,
-            rope="1d",
-            rope_theta=cfg.rope_theta,
-            remat=remat,
-            remat_policy=remat_policy,
-            **kw,
+            rope="mrope" if any(cfg.mrope_section) else "1d",
+            head_dim=cfg.head_dim,
+            rope_scaling=cfg.rope_scaling,
+            rope_sections=tuple(cfg.mrope_section),
+        )
+        self.transformer = Transformer(
+            cfg.depth, spec, remat=remat, remat_policy=remat_policy, **kw
         )
         self.lm_head = (
             None
             if cfg.tie_embeddings
-            else Dense(cfg.width, cfg.vocab_size, ("embed", "vocab"), out_dtype=jnp.float32, **kw)
+            else Dense(
+                cfg.width,
+                cfg.vocab_size,
+                (None, "vocab_split") if cfg.vocab_parallel else ("embed", "vocab"),
+                out_dtype=jnp.float32,
+                **kw,
+            )
         )
+        # Unit-scale rows give unit-scale logits over sqrt(width) (jaxmllm's init).
+        self.tied_divisor = math.sqrt(cfg.width) if cfg.tied_logits_scaled else 1.0
+        self.logits_chunk = cfg.logits_chunk
+        self.vocab_parallel = cfg.vocab_parallel
 
     def __call__(
         self,
@@ -61,20 +78,30 @@ class Decoder(nnx.Module):
         positions_bt: jax.Array,
         tiles_bk2: jax.Array | None = None,
     ) -> jax.Array:
-        """Decodes embedded rows.
+        """Logits [B, T, vocab] in float32 of embedded rows (see `hidden`)."""
+        return self.logits(self.hidden(x_btd, segment_ids_bt, positions_bt, tiles_bk2))
+
+    def hidden(
+        self,
+        x_btd: jax.Array,
+        segment_ids_bt: jax.Array,
+        positions_bt: jax.Array,
+        tiles_bk2: jax.Array | None = None,
+    ) -> jax.Array:
+        """Decodes embedded rows up to the final norm.
 
         Args:
           x_btd: input embeddings [B, T, width].
           segment_ids_bt: which sample each token belongs to, 0 for padding [B, T].
-          positions_bt: position within the sample, for RoPE [B, T].
+          positions_bt: position within the sample, for RoPE [B, T] ([B, T, 3]: time, row,
+            column for M-RoPE, `model.llm.mrope_section`).
           tiles_bk2: block-sparse attention's tiles [B, K, 2] (a device's rows are then one
             row B of all their tokens: tiles never pair blocks of two rows).
 
         Returns:
-          Logits [B, T, vocab] in float32.
+          Final hidden states [B, T, width] in the compute dtype.
         """
-        x_btd = self.transformer(x_btd, self.packing(segment_ids_bt, tiles_bk2), positions_bt)
-        return self.head(x_btd)
+        return self.transformer(x_btd, self.packing(segment_ids_bt, tiles_bk2), positions_bt)
 
     def packing(self, segment_ids_bt: jax.Array, tiles_bk2: jax.Array | None = None) -> Packing:
         """Causal attention within each packed document (arguments as in `__call__`)."""
@@ -87,8 +114,62 @@ class Decoder(nnx.Module):
             documents=self.documents,
         )
 
-    def head(self, x_btd: jax.Array) -> jax.Array:
-        """Float32 logits of the final hidden states (after the transformer's final norm)."""
+    def head(self) -> tuple[jax.Array, bool, float]:
+        """The output projection (weight, rows_first, divisor): the tied table [vocab, width]
+        or the head kernel [width, vocab]; logits = h . weight / divisor."""
         if self.lm_head is None:
-            return self.embed.attend(x_btd)
-        return self.lm_head(x_btd)
+            return self.embed.embedding[...], True, self.tied_divisor
+        return self.lm_head.kernel[...], False, 1.0
+
+    def logits(self, h_btd: jax.Array) -> jax.Array:
+        """Float32 logits of final hidden states: the output projection, or the tied table."""
+        if self.lm_head is None:
+            return self.embed.attend(h_btd) / self.tied_divisor
+        return self.lm_head(h_btd)
+
+
+def chunked_token_losses(
+    decoder: Decoder, h_dnw: jax.Array, targets_dn: jax.Array, loss_mask_dn: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Summed masked cross entropy over tokens, projecting `decoder.logits_chunk` at a time.
+
+    A 152k vocabulary makes [tokens, vocab] fp32 logits the largest array of a step; here a
+    scan projects one slice of every device's tokens at a time and rematerialises it in the
+    backward pass, so a step holds [D, chunk, vocab] logits at most. Equal to the unchunked
+    `token_losses` of the full logits up to float summation order.
+
+    Args:
+      decoder: the decoder whose output projection gives the logits.
+      h_dnw: final hidden states [D, N, width] (D leads, so the data sharding stays).
+      targets_dn: target ids [D, N].
+      loss_mask_dn: float weights [D, N], 0 where a token carries no loss.
+
+    Returns:
+      (sum of loss * mask, sum of mask), float32 scalars.
+    """
+    d, n, width = h_dnw.shape
+    chunk = min(decoder.logits_chunk, n)
+    pad = -n % chunk
+    if pad:
+        h_dnw = jnp.pad(h_dnw, ((0, 0), (0, pad), (0, 0)))
+        targets_dn = jnp.pad(targets_dn, ((0, 0), (0, pad)))
+        loss_mask_dn = jnp.pad(loss_mask_dn, ((0, 0), (0, pad)))
+    slices = lambda x: jnp.moveaxis(x.reshape(d, -1, chunk, *x.shape[2:]), 1, 0)
+
+    @jax.checkpoint
+    def one(total, xs):
+        h_dcw, targets_dc, mask_dc = xs
+        logits = decoder.logits(h_dcw).astype(jnp.float32)  # [D, chunk, vocab]
+        target = jnp.take_along_axis(logits, targets_dc[..., None], axis=-1)[..., 0]
+        loss = jax.nn.logsumexp(logits, axis=-1) - target
+        return total + jnp.sum(loss * mask_dc.astype(jnp.float32)), None
+
+    xs = (slices(h_dnw), slices(targets_dn), slices(loss_mask_dn))
+    count = jnp.sum(loss_mask_dn.astype(jnp.float32))
+    weight, rows_first, divisor = decoder.head()
+    size = weight.shape[0] if rows_first else weight.shape[1]
+    axes = vocab_axes(size, d) if decoder.vocab_parallel else ()
+    if axes:  # the projection split by vocabulary rows (jaxmllm.models.vocab)
+        return losses(weight, rows_first, divisor, xs, axes), count
+    total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), xs)
+    return total, count

@@ -20,8 +20,8 @@ from jax.sharding import PartitionSpec
 from jaxmllm.config import BatchConfig, ModelConfig
 from jaxmllm.models.audio import AudioEncoder
 from jaxmllm.models.layers import Axes
-from jaxmllm.models.llm import Decoder
-from jaxmllm.models.projectors import AudioProjector, VisionProjector
+from jaxmllm.models.llm import Decoder, chunked_token_losses
+from jaxmllm.models.projectors import audio_projector, vision_projector
 from jaxmllm.models.vision import VisionEncoder
 from sharding import DATA_AXES, STAGE_AXIS
 
@@ -49,15 +49,11 @@ class MultimodalLM(nnx.Module):
         self.vision = (
             VisionEncoder(vis, **remat, documents=docs("vision"), **kw) if vis.enabled else None
         )
-        self.vision_projector = (
-            VisionProjector(vis.width, cfg.llm.width, vis.merge, **kw) if vis.enabled else None
-        )
+        self.vision_projector = vision_projector(cfg, **kw) if vis.enabled else None
         self.audio = (
             AudioEncoder(aud, **remat, documents=docs("audio"), **kw) if aud.enabled else None
         )
-        self.audio_projector = (
-            AudioProjector(aud.width, cfg.llm.width, **kw) if aud.enabled else None
-        )
+        self.audio_projector = audio_projector(cfg, **kw) if aud.enabled else None
         self.llm = Decoder(cfg.llm, **remat, documents=docs("llm"), **kw)
         if batch_cfg.route_pair_capacity < 0:
             raise ValueError(
@@ -76,10 +72,7 @@ class MultimodalLM(nnx.Module):
         Returns:
           Logits [D, R, L, vocab] in float32.
         """
-        rows = {phase: self.encode(mb, phase) for phase in self.phases}
-        x_bsw, segment_ids_bs, positions_bs = self.decoder_inputs(mb, rows)
-        logits = self.llm(x_bsw, segment_ids_bs, positions_bs, mb.get("llm_tiles"))
-        return logits.reshape(*mb["llm_tokens"].shape, -1)
+        return self.llm.logits(self.hidden(mb))
 
     @property
     def phases(self) -> tuple[str, ...]:
@@ -95,12 +88,50 @@ class MultimodalLM(nnx.Module):
         )
         return projector(feats)
 
+    def losses(self, mb: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """(summed masked cross entropy, loss-token count) of one microbatch; the logits are
+        projected a slice of tokens at a time (`model.llm.logits_chunk`)."""
+        h_drlw = self.hidden(mb)
+        d, width = h_drlw.shape[0], h_drlw.shape[-1]
+        return chunked_token_losses(
+            self.llm,
+            h_drlw.reshape(d, -1, width),
+            mb["llm_targets"].reshape(d, -1),
+            mb["llm_loss_mask"].reshape(d, -1),
+        )
+
+    def hidden(self, mb: dict[str, jax.Array]) -> jax.Array:
+        """The decoder's final hidden states [D, R, L, width] for one microbatch."""
+        x_bsw, segment_ids_bs, positions_bs = self.decoder_inputs(mb)
+        h = self.llm.hidden(x_bsw, segment_ids_bs, positions_bs, mb.get("llm_tiles"))
+        return h.reshape(*mb["llm_tokens"].shape, -1)
+
     def decoder_inputs(
-        self, mb: dict[str, jax.Array], rows: dict[str, jax.Array]
+        self, mb: dict[str, jax.Array], rows: dict[str, jax.Array] | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The decoder's input rows: token embeddings with the placeholder slots filled from the
-        phases' projector `rows` (routed to the text's device), and their segment ids and
-        positions, as the decoder takes them ([rows, T, W], [rows, T], [rows, T])."""
+        """`inputs` as the decoder takes them, with their segment ids and positions
+        ([rows, T, W], [rows, T], [rows, T] or [rows, T, 3]; see `decoder_rows`)."""
+        segment_ids_bs, positions_bs = self.decoder_rows(mb)
+        x_drlw = self.inputs(mb, rows)
+        return x_drlw.reshape(*segment_ids_bs.shape, -1), segment_ids_bs, positions_bs
+
+    def decoder_rows(self, mb: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """The decoder's rows' segment ids and positions: block-sparse attention takes a device's
+        rows as one row (its tiles say which blocks meet); the others attend within each row."""
+        d, r, _ = mb["llm_segment_ids"].shape
+        n = d if self.llm.attention == "block_sparse" else d * r
+        positions = mb["llm_positions"]
+        return mb["llm_segment_ids"].reshape(n, -1), positions.reshape(n, -1, *positions.shape[3:])
+
+    def inputs(
+        self, mb: dict[str, jax.Array], rows: dict[str, jax.Array] | None = None
+    ) -> jax.Array:
+        """The decoder's input embeddings [D, R, L, width]: token embeddings, the placeholder
+        slots filled with the projected encoder rows (what KV-cache decoding prefills too);
+        `rows`: each phase's projector rows when computed already (a pipeline's encoder
+        stages), else encoded here."""
+        if rows is None:
+            rows = {phase: self.encode(mb, phase) for phase in self.phases}
         # The table is sharded on `embed`; pin the lookup to the batch layout so XLA does not
         # carry the table's layout into the activations (a full rematerialisation otherwise).
         x_drlw = shard_like_batch(self.llm.embed(mb["llm_tokens"]))
@@ -112,15 +143,7 @@ class MultimodalLM(nnx.Module):
         )
         for buffer, phase in zip(buffers, names, strict=True):
             x_drlw = fill_slots(x_drlw, buffer, mb[f"llm_{phase}_src"])
-        segment_ids_bs, positions_bs = self.decoder_rows(mb)
-        return x_drlw.reshape(*segment_ids_bs.shape, -1), segment_ids_bs, positions_bs
-
-    def decoder_rows(self, mb: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        """The decoder's rows' segment ids and positions: block-sparse attention takes a device's
-        rows as one row (its tiles say which blocks meet); the others attend within each row."""
-        d, r, _ = mb["llm_segment_ids"].shape
-        n = d if self.llm.attention == "block_sparse" else d * r
-        return mb["llm_segment_ids"].reshape(n, -1), mb["llm_positions"].reshape(n, -1)
+        return x_drlw
 
     def _route(
         self, rows: list[jax.Array], sends: list[jax.Array | None], counts: list

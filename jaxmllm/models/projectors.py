@@ -1,4 +1,10 @@
-"""Projectors from encoder features to LLM embeddings (the encoders end in a norm already)."""
+"""Projectors from encoder features to LLM embeddings (the encoders end in a norm already).
+
+Both are `fc2(act(fc1 x))` over `merge` neighbouring encoder rows concatenated: the vision
+projector merges merge x merge patches (Qwen2-VL's patch merger is exactly this, with a hidden
+width of 4x the encoder's and exact GELU), the audio projector merges the rows of one LLM token
+(1 for the pairs stem, 2 for Whisper's stride-2 stem: Qwen2-Audio-like).
+"""
 
 from __future__ import annotations
 
@@ -6,56 +12,59 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmllm.models.layers import Dense
+from jaxmllm.config import ModelConfig
+from jaxmllm.models.layers import MLP
 
 
-class MLPProjector(nnx.Module):
-    """`Dense -> GELU -> Dense` from `in_width` to the LLM width."""
+class Projector(MLP):
+    """Merges each run of `group` rows into one LLM token, then `fc2(act(fc1 x))`.
+
+    Rows arrive in merge order (each run of `group` rows belongs to one token: merge blocks of
+    patches, pairs of audio rows), so the merge is a reshape.
+    """
 
     def __init__(
         self,
         in_width: int,
         out_width: int,
+        group: int,
         *,
+        hidden: int = 0,
+        activation: str = "gelu_tanh",
         dtype: jnp.dtype,
         param_dtype: jnp.dtype,
         rngs: nnx.Rngs,
     ):
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.fc1 = Dense(in_width, out_width, ("embed", "mlp"), use_bias=True, **kw)
-        self.fc2 = Dense(out_width, out_width, ("mlp", "embed"), use_bias=True, **kw)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.fc2(jax.nn.gelu(self.fc1(x)))
-
-
-class VisionProjector(MLPProjector):
-    """Merges each merge x merge block of patches into one LLM token, then an MLP."""
-
-    def __init__(
-        self,
-        vision_width: int,
-        llm_width: int,
-        merge: int,
-        *,
-        dtype: jnp.dtype,
-        param_dtype: jnp.dtype,
-        rngs: nnx.Rngs,
-    ):
+        """`hidden`: fc1's width (0: `out_width`)."""
         super().__init__(
-            merge * merge * vision_width, llm_width, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            group * in_width,
+            hidden or out_width,
+            activation=activation,
+            out_width=out_width,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
         )
-        self.group = merge * merge
+        self.group = group
 
-    def __call__(self, x_bpd: jax.Array) -> jax.Array:
-        """[B, P, vision_width] -> [B, P / merge**2, llm_width].
-
-        Patches arrive in merge order (each run of merge**2 patches is one block), so the merge
-        is a reshape.
-        """
-        b, p, d = x_bpd.shape
-        return super().__call__(x_bpd.reshape(b, p // self.group, self.group * d))
+    def __call__(self, x_bnd: jax.Array) -> jax.Array:
+        """[B, N, in_width] -> [B, N / group, out_width]."""
+        b, n, d = x_bnd.shape
+        return super().__call__(x_bnd.reshape(b, n // self.group, self.group * d))
 
 
-class AudioProjector(MLPProjector):
-    """MLP from audio encoder rows (already subsampled x4) to LLM embeddings."""
+def vision_projector(cfg: ModelConfig, **kw) -> Projector:
+    """The projector from `cfg.vision`'s patch features to `cfg.llm`'s embeddings."""
+    v = cfg.vision
+    return Projector(
+        v.width, cfg.llm.width, v.merge**2, hidden=v.projector_dim, activation=v.projector_act, **kw
+    )
+
+
+def audio_projector(cfg: ModelConfig, **kw) -> Projector:
+    """The projector from `cfg.audio`'s encoder rows (subsample / stride per token)."""
+    a = cfg.audio
+    group = a.subsample // a.stride  # encoder rows per LLM token
+    return Projector(
+        a.width, cfg.llm.width, group, hidden=a.projector_dim, activation=a.projector_act, **kw
+    )

@@ -6,14 +6,57 @@ applied with `jax.lax.scan`, so the compiled program holds one block whatever th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxmllm.models.attention import Attention, Packing
-from jaxmllm.models.layers import GatedMLP, RMSNorm
+from jaxmllm.models.layers import NORMS, make_mlp
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSpec:
+    """What one transformer block is made of; a tower's config says (`BlockSpec.of`)."""
+
+    width: int
+    heads: int
+    kv_heads: int
+    mlp_dim: int
+    head_dim: int = 0  # 0: width / heads
+    norm: str = "rms"  # layers.NORMS
+    norm_eps: float = 1e-6
+    mlp: str = "gated_silu"  # layers.make_mlp
+    attn_bias: str = ""  # projections with a bias, of "qkvo"
+    mlp_bias: bool = False
+    rope: str = "1d"  # layers.ROPE: 1d | 2d | none
+    rope_theta: float = 10000.0
+    rope_scaling: Any = None  # config.model.RopeScaling, or None
+    rope_sections: tuple[int, ...] = ()  # mrope: frequencies turned by time, row, column
+
+    @classmethod
+    def of(cls, cfg: Any, *, kv_heads: int | None = None, rope: str, **extra) -> BlockSpec:
+        """The spec of a tower config (`config.model.BlockOptions` + width, heads, ...)."""
+        return cls(
+            width=cfg.width,
+            heads=cfg.heads,
+            kv_heads=kv_heads or cfg.heads,
+            mlp_dim=cfg.mlp_dim,
+            norm=cfg.norm,
+            norm_eps=cfg.norm_eps,
+            mlp=cfg.mlp,
+            attn_bias=cfg.attn_bias,
+            mlp_bias=cfg.mlp_bias,
+            rope=rope,
+            rope_theta=cfg.rope_theta,
+            **extra,
+        )
+
+    def norm_layer(self, *, dtype: jnp.dtype, param_dtype: jnp.dtype) -> nnx.Module:
+        return NORMS[self.norm](self.width, eps=self.norm_eps, dtype=dtype, param_dtype=param_dtype)
 
 
 class Block(nnx.Module):
@@ -21,24 +64,31 @@ class Block(nnx.Module):
 
     def __init__(
         self,
-        width: int,
-        heads: int,
-        kv_heads: int,
-        mlp_dim: int,
+        spec: BlockSpec,
         *,
-        rope: str,
-        rope_theta: float,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
-        self.attn_norm = RMSNorm(width, **kw)
+        self.attn_norm = spec.norm_layer(**kw)
         self.attn = Attention(
-            width, heads, kv_heads, rope=rope, rope_theta=rope_theta, rngs=rngs, **kw
+            spec.width,
+            spec.heads,
+            spec.kv_heads,
+            head_dim=spec.head_dim,
+            bias=spec.attn_bias,
+            rope=spec.rope,
+            rope_theta=spec.rope_theta,
+            rope_scaling=spec.rope_scaling,
+            rope_sections=spec.rope_sections,
+            rngs=rngs,
+            **kw,
         )
-        self.mlp_norm = RMSNorm(width, **kw)
-        self.mlp = GatedMLP(width, mlp_dim, rngs=rngs, **kw)
+        self.mlp_norm = spec.norm_layer(**kw)
+        self.mlp = make_mlp(
+            spec.mlp, spec.width, spec.mlp_dim, use_bias=spec.mlp_bias, rngs=rngs, **kw
+        )
 
     def __call__(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> jax.Array:
         x_btd = x_btd + self.attn(self.attn_norm(x_btd), pack, positions)
@@ -66,13 +116,8 @@ class Transformer(nnx.Module):
     def __init__(
         self,
         depth: int,
-        width: int,
-        heads: int,
-        kv_heads: int,
-        mlp_dim: int,
+        spec: BlockSpec,
         *,
-        rope: str,
-        rope_theta: float,
         remat: bool = False,
         remat_policy: str = "nothing",
         dtype: jnp.dtype = jnp.float32,
@@ -81,12 +126,12 @@ class Transformer(nnx.Module):
     ):
         if remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy {remat_policy!r} not in {sorted(REMAT_POLICIES)}")
-        kw = dict(rope=rope, rope_theta=rope_theta, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
         # Layer by layer from the shared RNG stream, then stacked: every layer draws exactly
         # what separate blocks drew (init runs once; only the train step must not grow).
-        layers = [Block(width, heads, kv_heads, mlp_dim, **kw) for _ in range(depth)]
+        layers = [Block(spec, rngs=rngs, **kw) for _ in range(depth)]
         self.blocks = stack_modules(layers, "layers")
-        self.final_norm = RMSNorm(width, dtype=dtype, param_dtype=param_dtype)
+        self.final_norm = spec.norm_layer(**kw)
         self.remat = remat
         self.remat_policy = remat_policy
 

@@ -1,8 +1,9 @@
 """ViT over packed native-resolution patches.
 
 Each device holds one packed row of patches from several images of any size. Images never attend
-to each other (segment mask) and positions are 2D rotary (row, column within the image), so no
-image size is baked into the parameters.
+to each other (segment mask). Positions are 2D rotary (row, column within the image; also the
+Qwen2-VL vision tower's scheme), so no image size is baked into the parameters, or a learned
+SigLIP table resized to each image's grid (`jaxmllm.models.positions`).
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from flax import nnx
 
 from jaxmllm.config import VisionConfig
 from jaxmllm.models.attention import packing
-from jaxmllm.models.layers import Dense
-from jaxmllm.models.transformer import Transformer
+from jaxmllm.models.layers import Dense, normal_param
+from jaxmllm.models.positions import resized_table
+from jaxmllm.models.transformer import BlockSpec, Transformer
 
 
 class VisionEncoder(nnx.Module):
-    """Patch embedding + bidirectional transformer with 2D RoPE."""
+    """Patch embedding (+ learned positions) + bidirectional transformer (2D RoPE or none)."""
 
     def __init__(
         self,
@@ -37,15 +39,26 @@ class VisionEncoder(nnx.Module):
         self.documents = documents  # batch.*_documents (cudnn attention)
         patch_dim = cfg.patch_size * cfg.patch_size * cfg.channels
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.patch_embed = Dense(patch_dim, cfg.width, ("patch", "embed"), use_bias=True, **kw)
+        # A temporal patch embedding reads t frames of a patch; an image repeats its frame.
+        self.temporal_patch = cfg.temporal_patch
+        self.patch_embed = Dense(
+            cfg.temporal_patch * patch_dim,
+            cfg.width,
+            ("patch", "embed"),
+            use_bias=cfg.patch_bias,
+            **kw,
+        )
+        self.position_embedding = (
+            normal_param(
+                rngs, (cfg.position_grid**2, cfg.width), 0.02, ("positions", "embed"), param_dtype
+            )
+            if cfg.positions == "learned"
+            else None
+        )
+        rope = "2d" if cfg.positions == "rope" else "none"
         self.transformer = Transformer(
-            depth=cfg.depth,
-            width=cfg.width,
-            heads=cfg.heads,
-            kv_heads=cfg.heads,  # plain multi-head attention
-            mlp_dim=cfg.mlp_dim,
-            rope="2d",
-            rope_theta=cfg.rope_theta,
+            cfg.depth,
+            BlockSpec.of(cfg, rope=rope),  # plain multi-head attention
             remat=remat,
             remat_policy=remat_policy,
             **kw,
@@ -76,6 +89,13 @@ class VisionEncoder(nnx.Module):
     def prepare(self, patches_bpc, segment_ids_bp, positions_bp2, tiles_bk2=None):
         """What the transformer takes (the arguments as in `__call__`): the embedded patches,
         their packing and positions (a pipeline runs the stack's layers stage by stage)."""
+        if self.temporal_patch > 1:
+            patches_bpc = jnp.concatenate([patches_bpc] * self.temporal_patch, axis=-1)
+        x_bpd = self.patch_embed(patches_bpc)
+        if self.position_embedding is not None:
+            table = self.position_embedding[...]
+            pos_bpd = resized_table(table, segment_ids_bp, positions_bp2)
+            x_bpd = (x_bpd.astype(jnp.float32) + pos_bpd).astype(x_bpd.dtype)
         pack = packing(
             segment_ids_bp,
             causal=False,
@@ -84,4 +104,4 @@ class VisionEncoder(nnx.Module):
             block=self.block,
             documents=self.documents,
         )
-        return self.patch_embed(patches_bpc), pack, positions_bp2
+        return x_bpd, pack, positions_bp2

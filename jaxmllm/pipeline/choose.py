@@ -64,8 +64,9 @@ class Variants:
         self.fractions = cfg.pipeline.encoder_fractions
         block = b.attention_block if m.attention == "block_sparse" else 1
         # A cut bucket keeps whole merge groups / subsampled rows and whole attention blocks.
+        self.stride = m.audio.stride  # frames per audio encoder row (its tiles' unit)
         self.step = {"vision": int(np.lcm(self.unit["vision"], block)),
-                     "audio": self.unit["audio"] * block}  # fmt: skip
+                     "audio": int(np.lcm(self.unit["audio"], self.stride * block))}  # fmt: skip
         self.time = {}
         for combo in itertools.product(self.fractions, repeat=len(self.encoders)):
             pairs = zip(self.encoders, combo, strict=True)
@@ -135,7 +136,7 @@ class Variants:
         out[f"llm_{phase}_src"] = np.where(src >= rows, src - rows + cut_rows, src)
         if f"{phase}_tiles" in batch:
             tiles = batch[f"{phase}_tiles"]
-            blocks_of = cut if phase == "vision" else cut_rows  # (audio tiles: encoder rows)
+            blocks_of = cut if phase == "vision" else cut // self.stride  # (encoder rows)
             keep = variant_tiles(tiles.shape[2], blocks_of, self.cfg.batch.attention_block)
             if (tiles[:, :, keep:] >= 0).any():
                 raise ValueError(f"{phase} tiles past a cut bucket's {keep}")

@@ -112,13 +112,14 @@ def _attention(model: Any, rows: int, length: int, tiles: int, block: int, causa
 def _llm(model: Any, batch: Any, back: float) -> Segment:
     lm = model.llm
     tokens = batch.llm_rows * batch.llm_row_len
-    kv = lm.width // lm.heads * lm.kv_heads
+    head = lm.head_dim or lm.width // lm.heads
+    q, kv = head * lm.heads, head * lm.kv_heads  # query (and output) width, key/value width
     sparse = model.attention == "block_sparse"  # (a device's rows attend as one row)
     rows, length = (1, tokens) if sparse else (batch.llm_rows, batch.llm_row_len)
     pairs = _attention(model, rows, length, batch.llm_tiles, batch.attention_block, True)
-    layer = layer_linear(lm.width, kv, lm.mlp_dim) * tokens + 4.0 * pairs * lm.width
-    head = 2.0 * lm.width * lm.vocab_size * tokens
-    return Segment("llm", lm.depth, _work(layer, back), Work(), _work(head, back))
+    layer = layer_linear(lm.width, kv, lm.mlp_dim, q, lm.mlp) * tokens + 4.0 * pairs * q
+    logits = 2.0 * lm.width * lm.vocab_size * tokens
+    return Segment("llm", lm.depth, _work(layer, back), Work(), _work(logits, back))
 
 
 def _vision(model: Any, batch: Any, fraction: float, back, proj_below: bool) -> Segment:
@@ -126,10 +127,11 @@ def _vision(model: Any, batch: Any, fraction: float, back, proj_below: bool) -> 
     patches = _scaled(batch.vision_patches, fraction)
     tiles = variant_tiles(batch.vision_tiles, patches, batch.attention_block)
     pairs = _attention(model, 1, patches, tiles, batch.attention_block, False)
-    layer = layer_linear(v.width, v.width, v.mlp_dim) * patches + 4.0 * pairs * v.width
+    layer = layer_linear(v.width, v.width, v.mlp_dim, mlp=v.mlp) * patches
+    layer += 4.0 * pairs * v.width
     embed = 2.0 * v.patch_size**2 * v.channels * v.width * patches
-    area = v.merge**2
-    project = 2.0 * (area * v.width * lm.width + lm.width * lm.width) * patches / area
+    area, hidden = v.merge**2, v.projector_dim or lm.width
+    project = 2.0 * (area * v.width * hidden + hidden * lm.width) * patches / area
     own = back(v.freeze, False)
     proj = back(model.projector_freeze, proj_below)
     return Segment("vision", v.depth, _work(layer, own), _work(embed, own), _work(project, proj))
@@ -138,14 +140,16 @@ def _vision(model: Any, batch: Any, fraction: float, back, proj_below: bool) -> 
 def _audio(model: Any, batch: Any, fraction: float, back, proj_below: bool) -> Segment:
     a, lm = model.audio, model.llm
     frames = _scaled(batch.audio_frames, fraction)
-    rows = frames // a.subsample
+    rows = frames // a.stride  # encoder rows (the stem's stride)
     tiles = variant_tiles(batch.audio_tiles, rows, batch.attention_block)
     pairs = _attention(model, 1, rows, tiles, batch.attention_block, False)
-    layer = layer_linear(a.width, a.width, a.mlp_dim) * rows + 4.0 * pairs * a.width
-    # Two kernel-2 stride-2 convolutions: 2 * n_mels -> width over frames / 2, then
-    # 2 * width -> width over frames / 4.
-    convs = 2.0 * 2 * a.n_mels * a.width * frames / 2 + 2.0 * 2 * a.width * a.width * rows
-    project = 2.0 * (a.width * lm.width + lm.width * lm.width) * rows
+    layer = layer_linear(a.width, a.width, a.mlp_dim, mlp=a.mlp) * rows + 4.0 * pairs * a.width
+    if a.stem == "whisper":  # kernel-3 convolutions, stride 1 then 2
+        convs = 2.0 * 3 * a.width * (a.n_mels + a.width / 2) * frames
+    else:  # two kernel-2 stride-2: 2 * n_mels -> width over frames / 2, 2 * width -> width
+        convs = 2.0 * 2 * a.n_mels * a.width * frames / 2 + 2.0 * 2 * a.width * a.width * rows
+    hidden, merged = a.projector_dim or lm.width, a.subsample // a.stride  # rows per LLM token
+    project = 2.0 * (merged * a.width * hidden + hidden * lm.width) * frames / a.subsample
     own = back(a.freeze, False)
     proj = back(model.projector_freeze, proj_below)
     return Segment("audio", a.depth, _work(layer, own), _work(convs, own), _work(project, proj))

@@ -36,9 +36,18 @@ class PipelineProgram(unpipelined.Program):
         self._to_depth = jax.jit(self.layout.to_depth, out_shardings=self.checkpoint_shardings)
         self._to_stages = jax.jit(self.layout.to_stages, out_shardings=self.shardings)
 
-    def init(self) -> dict:
-        init = lambda: self.layout.to_stages(unpipelined.init_state(self.cfg, self.optimizer))
-        return jax.jit(init, out_shardings=self.shardings)()
+    def init(self, given: dict | None = None) -> dict:
+        """A fresh pipelined train state; `given` parameters ([depth, ...] form, as
+        `abstract_params` describes them) replace the random ones."""
+        init = lambda given: self.layout.to_stages(
+            unpipelined.init_state(self.cfg, self.optimizer, given)
+        )
+        return jax.jit(init, out_shardings=self.shardings)(given or {})
+
+    def abstract_params(self) -> dict:
+        """Every parameter in its [depth, ...] (checkpoint) form, with that form's sharding."""
+        saved = self.checkpoint_abstract()
+        return {**saved["params"], **saved["frozen"]}
 
     def describe(self) -> str:
         return super().describe() + "\n" + self.plan.describe()

@@ -211,7 +211,7 @@ def suggest_tiles(
     units = {
         "llm": caps.llm_rows * caps.llm_row_len,
         "vision": caps.vision_patches,
-        "audio": caps.audio_frames // caps.subsample,
+        "audio": caps.audio_frames // caps.audio_per_row,
     }
     rows = {"llm": caps.llm_rows, "vision": 1, "audio": 1}
     largest = {p: n for p, (n, _, _) in documents(index, caps).items()}

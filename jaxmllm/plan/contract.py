@@ -39,6 +39,14 @@ class Capacities:
     # Data-parallel positions per host (devices h * n ... (h + 1) * n - 1 on host h; 0 = all on
     # one host): routing keeps an item that cannot stay home on its text's host where it can
     devices_per_host: int = 0
+    # Frames per audio encoder row (what its attention sees); 0 = subsample (the pairs stem;
+    # Whisper's stem is 2: its projector then merges subsample / 2 rows per LLM token)
+    audio_stride: int = 0
+
+    @property
+    def audio_per_row(self) -> int:
+        """Frames per audio encoder row."""
+        return self.audio_stride or self.subsample
 
     def tile_caps(self) -> dict[str, int]:
         """Per phase, the tiles a device may compute (0 = no bound)."""
@@ -139,12 +147,16 @@ def check_fits(index: LengthsIndex, caps: Capacities) -> None:
 
 def documents(index: LengthsIndex, caps: Capacities) -> dict[str, tuple[np.ndarray, bool, int]]:
     """Per phase, what its attention sees: every document's size in the phase's units (LLM
-    tokens of a sample, patches of an image, encoder rows of a clip = frames / subsample),
+    tokens of a sample, patches of an image, encoder rows of a clip = frames / audio stride),
     whether it is causal, and the length of one packed row of the phase's bucket."""
     return {
         "llm": (index.llm_tokens(caps.merge_area, caps.subsample), True, caps.llm_row_len),
         "vision": (index.images, False, caps.vision_patches),
-        "audio": (index.audio // caps.subsample, False, caps.audio_frames // caps.subsample),
+        "audio": (
+            index.audio // caps.audio_per_row,
+            False,
+            caps.audio_frames // caps.audio_per_row,
+        ),
     }
 
 
@@ -258,7 +270,7 @@ def phase_docs(
     plan: StepPlan, index: LengthsIndex, caps: Capacities, phase: str
 ) -> tuple[np.ndarray, ...]:
     """The documents attention sees in one phase of a plan, in its units (LLM tokens, patches,
-    audio encoder rows = frames / subsample): (microbatch, device, row, offset, size) each."""
+    audio encoder rows = frames / audio stride): (microbatch, device, row, offset, size) each."""
     if phase == "llm":
         llm = index.llm_tokens(caps.merge_area, caps.subsample)[plan.samples]
         return plan.micro, plan.device, plan.row, plan.offset, llm
@@ -267,7 +279,7 @@ def phase_docs(
         (index.images, index.images_ptr) if phase == "vision" else (index.audio, index.audio_ptr)
     )
     size = values[ptr[plan.samples[it.owner]] + it.item]
-    per = 1 if phase == "vision" else caps.subsample
+    per = 1 if phase == "vision" else caps.audio_per_row
     row = np.zeros(len(it.owner), np.int64)
     return plan.micro[it.owner], it.device, row, it.offset // per, size // per
 

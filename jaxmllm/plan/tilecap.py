@@ -27,7 +27,7 @@ class TileBudget:
     def __init__(self, caps: Capacities):
         self.block = caps.block
         self.caps = caps.tile_caps()
-        self.subsample = caps.subsample
+        self.audio_per_row = caps.audio_per_row  # frames per audio encoder row
         self.llm_rows = caps.llm_rows
         self.used = {p: np.zeros(caps.devices, np.int64) for p in PHASES}
 
@@ -67,7 +67,7 @@ class TileBudget:
         self, phase: str, bins: np.ndarray, start: np.ndarray, size: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """(exact tiles, device) of documents laid out in order after `start[bin]`."""
-        per = self.subsample if phase == "audio" else 1
+        per = self.audio_per_row if phase == "audio" else 1
         order, key = stable_sort(bins, len(start))
         s = size[order]
         end = run_cumsum(key, s) + start[key]

@@ -41,7 +41,7 @@ class Phases:
             self.cost = {
                 "llm": tile_cost(caps.block, True),
                 "vision": tile_cost(caps.block, False),
-                "audio": tile_cost(caps.block, False, caps.subsample),
+                "audio": tile_cost(caps.block, False, caps.audio_per_row),
             }
         # What selection fits into a microbatch (`Selector`): each phase's units, and where
         # the tiles have a capacity (block-sparse attention and a planner that holds it) each
@@ -70,7 +70,7 @@ class Phases:
         if phase == "llm":
             units, causal, row_len, t = self.llm, True, caps.llm_row_len, None
         else:
-            per = 1 if phase == "vision" else caps.subsample
+            per = 1 if phase == "vision" else caps.audio_per_row
             units, causal, row_len = self.sizes[phase] // per, False, self.cap[phase] // per
         t = np.where(units > 0, expected_tiles(units, b, causal), 0.0)
         scale = packed_density(units, row_len, b, causal) * units.sum() / max(t.sum(), 1e-9)

@@ -1,0 +1,315 @@
+"""Generate from a trained model: `python -m jaxmllm.generate --run RUN_DIR --prompt TEXT`.
+
+    python -m jaxmllm.generate --run runs/tiny --image cat.png --prompt "what is this? "
+    python -m jaxmllm.generate --run runs/tiny --prompt "12 13 14" --prompt "3 4" --json
+    python -m jaxmllm.generate --run runs/tiny --step 100 --prompt-ids 257,49,50 --json
+    python -m jaxmllm.generate --hf Qwen2-VL-2B-Instruct --image cat.png --prompt "What is this?"
+
+A `Generator` holds two compiled programs for fixed shapes (`jaxmllm.data.prompts.PromptShapes`):
+prefill (the prompts with their images and clips, encoded as in training) and a decode step (one
+token per row against the KV cache, `jaxmllm.models.decode`). Greedy at temperature 0 (the
+default), else temperature and nucleus (top-p) sampling from `--seed`. Prompts of different
+lengths are decoded together, right-padded; each row stops at the template's stop ids (kept as
+the last id of `ids`, left out of `text`) or after `--max-new-tokens`. With `--json` each
+prompt's answer is printed as one JSON object a line: {"ids": [...], "text": "..."}.
+
+The run's own config (`<run>/config.json`) rebuilds the model, its checkpoint's parameters are
+restored (latest, or `--step`; no optimizer state), and the prompt is rendered by the run's
+tokenizer and template (`jaxmllm.data.template`): `plain` for the built-in data, `chat` for
+`messages` data; `--template` picks one.
+
+`--hf DIR` generates from a HuggingFace checkpoint directory instead (any family `hf import`
+reads; `--hf-vision` / `--hf-audio` add encoder checkpoints, a whole Qwen2-VL is its own):
+the model `hf import` would configure, its weights on one device in fp32, and the directory's
+tokenizer (`--tokenizer` for another), whose chat template renders a `--prompt` (`auto`) and
+whose end-of-turn and end-of-sequence ids stop the answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxmllm.checkpoint import restore_params
+from jaxmllm.config import Config, ConfigError, from_dict
+from jaxmllm.data.prompts import PromptShapes, prompt_batch, prompt_config
+from jaxmllm.data.rejects import RecordError
+from jaxmllm.data.samples import Sample
+from jaxmllm.data.specials import RESERVED, Specials
+from jaxmllm.data.template import TEMPLATES, Template, make_template
+from jaxmllm.models import decode
+from jaxmllm.step import build_model, model_parts, split_frozen
+
+
+@dataclasses.dataclass
+class Answer:
+    """One prompt's generated tokens."""
+
+    ids: list[int]  # the new ids, the stop id that ended them included
+    stopped: bool  # ended at a stop id (else at max_new_tokens)
+    logits: list[np.ndarray] | None = None  # per new id, the logits it was picked from [vocab]
+
+
+class Generator:
+    """The compiled prefill and decode-step programs of a model config at fixed shapes."""
+
+    def __init__(self, cfg: Config, shapes: PromptShapes, specials: Specials = RESERVED):
+        """`specials`: the tokenizer's ids (padding, the image and audio placeholders)."""
+        self.cfg, self.shapes, self.specials = cfg, shapes, specials
+        parts, _ = model_parts(prompt_config(cfg, shapes))  # (dense attention, local rows)
+
+        # Sampling's settings come as host scalars (seed, the step's number, temperature,
+        # top_p): traced, so they never recompile, and the same on every process of a job.
+        def pick(logits, sampling):
+            seed, i, temperature, top_p = sampling
+            key = jax.random.fold_in(jax.random.key(seed), i)
+            return _whole(decode.pick(logits, key, temperature, top_p)), _whole(logits)
+
+        def prefill(params, frozen, mb, sampling):
+            logits, cache = decode.prefill(parts.merge(params, frozen), mb, shapes.total_len)
+            return *pick(logits, sampling), cache
+
+        def step(params, frozen, cache, tokens, index, positions, sampling):
+            model = parts.merge(params, frozen)
+            logits, cache = decode.step(model, tokens, index, cache, positions)
+            return *pick(logits, sampling), cache
+
+        self.prefill = jax.jit(prefill)
+        self.step = jax.jit(step, donate_argnums=2)  # the cache is updated in place
+
+    def generate(
+        self,
+        params: dict,
+        frozen: dict,
+        prompts: Sequence[Sample],
+        *,
+        max_new_tokens: int,
+        stop_ids: frozenset[int] = frozenset(),
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        keep_logits: bool = False,
+    ) -> list[Answer]:
+        """Answers to `prompts` (at most `shapes.rows`, each within `shapes.prompt_len`).
+
+        Args:
+          params, frozen: the model's parameters as pure dicts (a train state's, or
+            `load_run`'s); jax arrays in any sharding, or host arrays.
+          max_new_tokens: at most this many new ids per prompt (the shapes' total length must
+            hold each prompt and them).
+          stop_ids: a row ends at the first of these.
+          temperature, top_p, seed: sampling (temperature 0: greedy; see `decode.pick`).
+          keep_logits: also return the logits of every step (tests).
+        """
+        lengths = np.array([len(p.tokens) for p in prompts])
+        if (lengths + max_new_tokens > self.shapes.total_len).any():
+            raise ValueError(
+                f"a prompt of {lengths.max()} tokens and {max_new_tokens} new ones do not fit "
+                f"{self.shapes.total_len}"
+            )
+        mb = prompt_batch(prompts, self.shapes, self.cfg, self.specials)
+        index = np.ones(self.shapes.rows, np.int32)  # (spare rows hold one token)
+        index[: len(prompts)] = lengths
+        # A new token's rotary position: one past the row's last (with M-RoPE, past the
+        # largest of its three), then counting on with the index.
+        last = mb["llm_positions"][:, 0].reshape(self.shapes.rows, self.shapes.prompt_len, -1)
+        delta = np.array([last[b, :n].max() + 1 - n for b, n in enumerate(index)], np.int32)
+        sampling = lambda i: (np.int32(seed), np.int32(i), np.float32(temperature),
+                              np.float32(top_p))  # fmt: skip
+        token, logits, cache = self.prefill(params, frozen, mb, sampling(0))
+        answers = [Answer([], False, [] if keep_logits else None) for _ in prompts]
+        for i in range(max_new_tokens):
+            picked, scores = np.asarray(token), (np.asarray(logits) if keep_logits else None)
+            for b, answer in enumerate(answers):
+                if answer.stopped:
+                    continue
+                answer.ids.append(int(picked[b]))
+                answer.stopped = int(picked[b]) in stop_ids
+                if keep_logits:
+                    answer.logits.append(scores[b])
+            if i + 1 == max_new_tokens or all(a.stopped for a in answers):
+                break
+            at = index + i
+            token, logits, cache = self.step(
+                params, frozen, cache, token, at, at + delta, sampling(i + 1)
+            )
+        return answers
+
+
+def _whole(x: jax.Array) -> jax.Array:
+    """`x` replicated under a mesh (the host reads it; on several processes a sharded array
+    is not whole on any), as it is without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return x if mesh.empty else jax.lax.with_sharding_constraint(x, jax.P())
+
+
+# ----------------------------------------------------------------------------- a run
+
+
+def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Config, dict, int]:
+    """A training run's config and the parameters of its checkpoint `step` (None: the latest):
+    (config, {"params": ..., "frozen": ...} on the default device, step).
+
+    Raises:
+      ConfigError: no run (config.json) or no such checkpoint there.
+    """
+    path = Path(run_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except OSError:
+        raise ConfigError(f"--run {run_dir}: no config.json (is it a train.output_dir?)") from None
+    cfg = from_dict(Config, raw, source=str(path))
+    params, frozen = jax.eval_shape(lambda: build_model(cfg, 0))
+    step, restored = restore_params(Path(run_dir), {"params": params, "frozen": frozen}, step)
+    return cfg, jax.device_put(restored), step
+
+
+def load_hf(args) -> tuple[Config, dict]:
+    """The model of `--hf` (with `--hf-vision`, `--hf-audio`, `--tokenizer`): its config and
+    parameters, as `load_run` gives a run's. A directory that is also a vision tower (a whole
+    Qwen2-VL) brings its tower unless `--hf-vision` names another.
+
+    Raises:
+      ConfigError: a directory that is no checkpoint jaxmllm reads, or has no tokenizer.
+    """
+    from jaxmllm.hf.registry import family_for, read_hf_config
+    from jaxmllm.hf.towers import load_model
+
+    try:
+        vision = args.hf_vision
+        if not vision:
+            try:
+                family_for("vision", read_hf_config(args.hf))
+                vision = args.hf
+            except ValueError:  # (no vision tower in it)
+                pass
+        tokenizer = Path(args.tokenizer or args.hf)
+        if not (tokenizer / "tokenizer.json").is_file():
+            raise ConfigError(f"--hf: {tokenizer} has no tokenizer.json: name the checkpoint's "
+                              "tokenizer directory with --tokenizer DIR")  # fmt: skip
+        cfg, model = load_model(args.hf, vision, args.hf_audio, tokenizer=str(tokenizer))
+    except ValueError as e:  # (FamilyError, CheckpointError: they name the file)
+        raise ConfigError(f"--hf: {e}") from None
+    params, frozen = split_frozen(cfg, model)
+    return cfg, {"params": params, "frozen": frozen}
+
+
+def answer_prompts(
+    cfg: Config, params: dict, template: Template, prompts: list[Sample], args
+) -> list[dict]:
+    """The CLI's answers: {"ids", "text"} per prompt, all prompts in one batch."""
+    gen = Generator(cfg, PromptShapes.fit(prompts, cfg, args.max_new_tokens), template.specials)
+    answers = gen.generate(
+        params["params"],
+        params["frozen"],
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        stop_ids=frozenset(template.specials.stop),
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    return [{"ids": a.ids, "text": template.decode(a.ids)} for a in answers]
+
+
+def request_prompts(template: Template, args) -> list[Sample]:
+    """The prompts of the command line, with their images and clips (see `--help`)."""
+    texts = args.prompt or []
+    ids = [[int(x) for x in s.replace(" ", "").split(",") if x] for s in args.prompt_ids or []]
+    several = len(texts) + len(ids) > 1
+    if several and (args.image or args.audio):
+        if ids:
+            raise ConfigError("--image / --audio go with one --prompt-ids, or with --prompt "
+                              "texts that place them with <image> / <audio>")  # fmt: skip
+        if sum(t.count("<image>") for t in texts) != len(args.image) or sum(
+            t.count("<audio>") for t in texts
+        ) != len(args.audio):
+            raise ConfigError(
+                "with several prompts, place each --image and --audio with an <image> / <audio> "
+                "placeholder in the prompt it belongs to (they are handed out in order)"
+            )
+    images, audio = list(args.image), list(args.audio)
+    prompts = []
+    for text in texts:
+        n_img = text.count("<image>") if several else len(images)
+        n_aud = text.count("<audio>") if several else len(audio)
+        prompts.append(template.prompt(text, images[:n_img], audio[:n_aud]))
+        images, audio = images[n_img:], audio[n_aud:]
+    prompts += [template.prompt_ids(i, args.image, args.audio) for i in ids]
+    return prompts
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxmllm.generate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--run", help="a training run's train.output_dir")
+    model.add_argument("--hf", metavar="DIR", help="a HuggingFace checkpoint directory (its LLM)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--hf-vision", default="", metavar="DIR", help="with --hf: a vision tower")
+    p.add_argument("--hf-audio", default="", metavar="DIR", help="with --hf: an audio encoder")
+    p.add_argument("--tokenizer", default="", metavar="DIR",
+                   help="with --hf: its tokenizer directory (default: the --hf one)")  # fmt: skip
+    p.add_argument("--image", action="extend", nargs="+", default=[], metavar="PATH",
+                   help="image file(s), in order of the <image> placeholders")  # fmt: skip
+    p.add_argument("--audio", action="extend", nargs="+", default=[], metavar="PATH",
+                   help="audio file(s), in order of the <audio> placeholders")  # fmt: skip
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", action="append", metavar="TEXT",
+                      help="a prompt (repeat for a batch); without placeholders the media come "
+                      "first")  # fmt: skip
+    what.add_argument("--prompt-ids", action="append", metavar="IDS",
+                      help="a prompt as comma-separated token ids, used as is (repeat for a "
+                      "batch); image / audio placeholder ids: one per encoder row")  # fmt: skip
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--template", choices=TEMPLATES, default="auto",
+                   help="how a --prompt is rendered: chat (user turn, assistant marker), "
+                   "plain (the text to continue); auto: as the run's data")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt: ids, text")
+    args = p.parse_args(argv)
+    if args.run and (args.hf_vision or args.hf_audio or args.tokenizer):
+        p.error("--hf-vision, --hf-audio and --tokenizer go with --hf (a run has its own)")
+    if args.hf and args.step is not None:
+        p.error("--step goes with --run")
+    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        p.error("--max-new-tokens must be >= 1, --temperature >= 0, --top-p in (0, 1]")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    try:
+        if args.hf:
+            cfg, params = load_hf(args)
+        else:
+            cfg, params, _ = load_run(args.run, args.step)
+        template = make_template(cfg, args.template, pretrained=bool(args.hf))
+        answers = answer_prompts(cfg, params, template, request_prompts(template, args), args)
+    except (ConfigError, RecordError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for i, answer in enumerate(answers):
+        if args.json:
+            print(json.dumps(answer))
+        else:
+            print(answer["text"] if len(answers) == 1 else f"[{i}] {answer['text']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""`python -m jaxmllm.hf {import,export,check}`: HuggingFace checkpoints in and out.
+
+python -m jaxmllm.hf import --llm DIR [--vision DIR] [--audio DIR] --out CONFIG.yaml
+python -m jaxmllm.train --config CONFIG.yaml           # starts from those weights
+python -m jaxmllm.hf export RUN_DIR --out DIR [--step N]
+python -m jaxmllm.hf check DIR                          # our model vs transformers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from jaxmllm.config import ConfigError
+from jaxmllm.hf.family import FamilyError
+from jaxmllm.hf.safetensors import CheckpointError
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jaxmllm.hf", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = p.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="write a training config that starts from checkpoints")
+    imp.add_argument("--llm", required=True, help="a Llama or Qwen2 causal LM directory")
+    imp.add_argument("--vision", default="", help="a SigLIP or Qwen2-VL directory")
+    imp.add_argument("--audio", default="", help="a Whisper directory")
+    imp.add_argument("--tokenizer", default="", help="the tokenizer directory (default: --llm)")
+    imp.add_argument("--out", required=True, help="the config YAML to write")
+    imp.add_argument("--base", default="", help="a recipe whose other keys to keep "
+                     "(configs/recipes/stage1.yaml, stage2.yaml)")  # fmt: skip
+    exp = sub.add_parser("export", help="write a run's parameters as HF directories")
+    exp.add_argument("run_dir", help="a training run's train.output_dir")
+    exp.add_argument("--out", required=True, help="directory to write llm/, vision/, audio/ into")
+    exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    exp.add_argument("--max-shard-gb", type=float, default=4.0, help="safetensors shard size")
+    chk = sub.add_parser("check", help="compare our model with transformers on random inputs")
+    chk.add_argument("directory", help="a HF model directory")
+    chk.add_argument("--role", choices=("llm", "vision", "audio"), default="")
+    chk.add_argument("--tokens", type=int, default=64, help="decoder input length")
+    chk.add_argument("--tolerance", type=float, default=1e-3, help="exit 1 above this")
+    chk.add_argument("--json", action="store_true", help="print the figures as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("jaxmllm").setLevel(logging.INFO)  # (not orbax's and absl's chatter)
+    args = parse_args(argv)
+    try:
+        if args.command == "import":
+            from jaxmllm.hf.importer import write_config
+
+            write_config(args.out, args.llm, args.vision, args.audio, args.base, args.tokenizer)
+            print(f"wrote {args.out}; train with: python -m jaxmllm.train --config {args.out}")
+        elif args.command == "export":
+            from jaxmllm.hf.export import export_run
+
+            for role, path in export_run(args.run_dir, args.out, args.step,
+                                         int(args.max_shard_gb * (1 << 30))).items():  # fmt: skip
+                print(f"{role}: {path}")
+        else:
+            from jaxmllm.hf.check import check_dir, describe
+
+            result = check_dir(args.directory, args.role, args.tokens)
+            print(json.dumps(result) if args.json else describe(result))
+            return 0 if result["max_abs_diff"] <= args.tolerance else 1
+    except (FamilyError, CheckpointError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""`python -m jaxmllm.hf check DIR`: our model from a HF directory against transformers itself.
+
+Builds the module the checkpoint fills (`towers`), runs it and the transformers model on the
+same random inputs in fp32, and reports the largest difference: of the logits for a decoder,
+of the last hidden states for SigLIP and Whisper, of the patch merger's output for the Qwen2-VL
+vision tower. Images are non-square and at a resolution other than the checkpoint's (SigLIP's
+table is resized), several packed in one row (Qwen2-VL); clips are several, packed. Needs torch
+and transformers (`pip install -e '.[dev]'`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxmllm.config import Config
+from jaxmllm.data.synthetic import patchify
+from jaxmllm.hf.family import Family, FamilyError
+from jaxmllm.hf.registry import FAMILIES, family_for, read_hf_config
+from jaxmllm.hf.towers import Towers, config_for, load_towers
+
+HF_MODULES = {  # (model_type, role) -> (transformers class, path to the module compared)
+    ("llama", "llm"): ("LlamaForCausalLM", ""),
+    ("qwen2", "llm"): ("Qwen2ForCausalLM", ""),
+    ("qwen2_vl", "llm"): ("Qwen2VLForConditionalGeneration", ""),
+    ("siglip_vision_model", "vision"): ("SiglipVisionModel", ""),
+    ("siglip", "vision"): ("SiglipModel", "vision_model"),
+    ("qwen2_vl_vision", "vision"): ("Qwen2VisionTransformerPretrainedModel", ""),
+    ("qwen2_vl", "vision"): ("Qwen2VLForConditionalGeneration", "model.visual"),
+    ("whisper", "audio"): ("WhisperModel", "encoder"),
+}
+
+
+def role_of(hf: dict) -> str:
+    """The role a checkpoint plays, from its model_type."""
+    for family in FAMILIES:
+        if hf.get("model_type") in family.model_types:
+            return family.role
+    raise FamilyError(f"model_type {hf.get('model_type')!r} is not an architecture jaxmllm reads")
+
+
+def check_dir(directory: str, role: str = "", tokens: int = 64, seed: int = 0) -> dict:
+    """Compares our module with transformers' on random inputs; returns the figures.
+
+    Returns:
+      {"role", "family", "what", "max_abs_diff", "max_abs_ref"}.
+    """
+    hf = read_hf_config(directory)
+    role = role or role_of(hf)
+    family = family_for(role, hf, directory)
+    cfg = config_for(role, directory)
+    towers = load_towers(cfg, role)
+    reference = hf_module(directory, hf, role)
+    rng = np.random.default_rng(seed)
+    run = {"llm": _llm, "vision": _vision, "audio": _audio}[role]
+    what, ours, theirs = run(towers, reference, cfg, family, rng, tokens)
+    return {
+        "role": role,
+        "family": family.name,
+        "what": what,
+        "max_abs_diff": float(np.abs(ours - theirs).max()),
+        "max_abs_ref": float(np.abs(theirs).max()),
+    }
+
+
+def hf_module(directory: str, hf: dict, role: str):
+    """The transformers module to compare with, fp32, in eval mode."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        raise FamilyError("hf check needs torch and transformers: pip install -e '.[dev]' "
+                          "(torch==2.13.0 is the CPU build)") from None  # fmt: skip
+    name, attr = HF_MODULES[hf["model_type"], role]
+    cls = getattr(transformers, name, None)
+    if cls is None:  # (the Qwen2-VL vision tower is not exported at the top level)
+        from transformers.models.qwen2_vl import modeling_qwen2_vl
+
+        cls = getattr(modeling_qwen2_vl, name)
+    model = cls.from_pretrained(directory, dtype=torch.float32).eval()
+    for part in filter(None, attr.split(".")):
+        model = getattr(model, part)
+    return model
+
+
+def _torch(x: np.ndarray):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(x))
+
+
+def _numpy(t) -> np.ndarray:
+    return t.detach().float().numpy()
+
+
+def _llm(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int):
+    import torch
+
+    ids = rng.integers(0, cfg.model.llm.vocab_size, (1, tokens))
+    with torch.no_grad():
+        theirs = _numpy(ref(input_ids=_torch(ids)).logits)
+    positions = np.arange(tokens)[None]
+    if any(cfg.model.llm.mrope_section):  # text alone: time, row and column all count on
+        positions = np.repeat(positions[..., None], 3, axis=-1)
+    ours = _decode(towers, jnp.asarray(ids), jnp.asarray(positions))
+    return f"logits of {tokens} tokens", np.asarray(ours), theirs
+
+
+# One compiled program each (op by op, a tower compiles dozens of small ones).
+_decode = nnx.jit(lambda t, ids, pos: t.llm(t.llm.embed(ids), jnp.ones_like(ids), pos))
+_encode_images = nnx.jit(lambda t, patches, seg, pos: t.vision(patches, seg, pos))
+_project = nnx.jit(lambda t, feats: t.vision_projector(feats))
+_encode_audio = nnx.jit(lambda t, frames, seg, pos: t.audio(frames, seg, pos))
+
+
+def _images(cfg: Config, rng, grids: list[tuple[int, int]]) -> list[np.ndarray]:
+    p, c = cfg.model.vision.patch_size, cfg.model.vision.channels
+    return [rng.normal(size=(h * p, w * p, c)).astype(np.float32) for h, w in grids]
+
+
+def _vision(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int):
+    import torch
+
+    v = cfg.model.vision
+    m = v.merge
+    if v.positions == "learned":  # SigLIP: one non-square image off the table's grid
+        g = v.position_grid
+        grids = [((g + m) // m * m, max(m, (g - m) // m * m))]  # taller, narrower
+    else:
+        grids = [(2 * m, 3 * m), (m, 2 * m), (3 * m, m)]
+    images = _images(cfg, rng, grids)
+    packed = [patchify(img, v.patch_size, m) for img in images]
+    patches = np.concatenate([x for x, _ in packed])[None]
+    positions = np.concatenate([pos for _, pos in packed])[None]
+    segments = np.concatenate([np.full(len(x), i + 1) for i, (x, _) in enumerate(packed)])[None]
+    feats = _encode_images(towers, *map(jnp.asarray, (patches, segments, positions)))
+    with torch.no_grad():
+        if v.positions == "learned":
+            pixels = _torch(images[0].transpose(2, 0, 1)[None])
+            theirs = _numpy(
+                ref(pixel_values=pixels, interpolate_pos_encoding=True).last_hidden_state
+            )
+            h, w = grids[0]
+            raster = positions[0, :, 0] * w + positions[0, :, 1]  # ours are in merge order
+            return (f"hidden states of a {h}x{w}-patch image", np.asarray(feats)[0],
+                    theirs[0][raster])  # fmt: skip
+        t, p, c = v.temporal_patch, v.patch_size, v.channels
+        frames = patches[0].reshape(-1, p, p, c).transpose(0, 3, 1, 2)[:, :, None]
+        pixels = np.repeat(frames, t, axis=2).reshape(len(frames), -1)
+        grid_thw = torch.tensor([[1, h, w] for h, w in grids])
+        out = ref(hidden_states=_torch(pixels), grid_thw=grid_thw)
+        theirs = _numpy(out.pooler_output)
+    ours = np.asarray(_project(towers, feats))[0]
+    return f"merger output of {len(grids)} packed images", ours, theirs
+
+
+def _audio(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int):
+    import torch
+
+    a = cfg.model.audio
+    frames = a.max_positions * a.stride  # Whisper takes whole windows only
+    clips = rng.normal(size=(2, frames, a.n_mels)).astype(np.float32)
+    packed = clips.reshape(1, -1, a.n_mels)
+    segments = np.repeat([1, 2], frames)[None]
+    positions = np.tile(np.arange(frames), 2)[None]
+    ours = _encode_audio(towers, *map(jnp.asarray, (packed, segments, positions)))
+    with torch.no_grad():
+        theirs = _numpy(ref(_torch(clips.transpose(0, 2, 1))).last_hidden_state)
+    rows = math.prod(theirs.shape[:2])
+    return "hidden states of 2 packed clips", np.asarray(ours).reshape(rows, -1), \
+        theirs.reshape(rows, -1)  # fmt: skip
+
+
+def describe(result: dict[str, Any]) -> str:
+    return (
+        f"{result['family']} {result['role']}: {result['what']}: largest difference "
+        f"{result['max_abs_diff']:.3g} (values up to {result['max_abs_ref']:.3g})"
+    )

@@ -1,0 +1,161 @@
+"""The contract between a HuggingFace architecture and jaxmllm's parameters.
+
+A `Family` (one per architecture: Llama, Qwen2, SigLIP, the Qwen2-VL vision tower, the Whisper
+encoder) says three things:
+
+- which config section it fills and how: `section(hf_config) -> dict` of our config keys (and
+  `to_hf_config(cfg) -> dict` back), refusing what jaxmllm cannot run with the key named;
+- which tensors are whose: `links(cfg)`, each `Link` a few HF tensors <-> a few of our
+  parameters with the layout change both ways (a torch Linear is [out, in], ours [in, out...];
+  a per-layer HF tensor is one slice of our [depth, ...] stacked parameter);
+- which HF tensors it knowingly leaves alone (`skipped`: a SigLIP pooling head, a text tower,
+  Whisper's decoder), so that every other tensor must be consumed.
+
+Paths of our parameters are "/"-joined from the model's root ("llm/transformer/blocks/attn/
+query/kernel"), as `nnx.to_pure_dict` nests them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+Transform = Callable[..., tuple[np.ndarray, ...]]
+
+
+class FamilyError(ValueError):
+    """A HF checkpoint jaxmllm cannot use as it is; the message names the key or tensor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """HF tensors <-> our parameters; `{i}` in a HF name is the layer of a stacked parameter.
+
+    `to_ours(*hf_arrays) -> our arrays` and `to_hf(*our_arrays) -> hf arrays`, one layer at a
+    time when `layers` > 0 (our parameters then have a leading [layers] axis).
+    """
+
+    hf: tuple[str, ...]
+    ours: tuple[str, ...]
+    to_ours: Transform
+    to_hf: Transform
+    layers: int = 0
+
+    def hf_names(self, layer: int | None = None) -> tuple[str, ...]:
+        return tuple(n.format(i=layer) for n in self.hf) if self.layers else self.hf
+
+
+class Family:
+    """One HF architecture (see the module docstring); subclasses fill in the three parts."""
+
+    name: str = ""  # what the CLI and errors call it
+    model_types: tuple[str, ...] = ()  # config.json model_type values it reads
+    role: str = ""  # llm | vision | audio: the config section it fills
+    hf_class: str = ""  # the transformers class export writes and check compares against
+
+    def section(self, hf: dict) -> dict:
+        """Our config keys for this role from a HF config.json (dict)."""
+        raise NotImplementedError
+
+    def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        """A HF config.json for our config `cfg` (the whole `Config`); `source` is the imported
+        checkpoint's own config.json when it is at hand (its other keys are kept)."""
+        raise NotImplementedError
+
+    def links(self, cfg: Any) -> list[Link]:
+        """The tensor links for our config (the whole `Config`)."""
+        raise NotImplementedError
+
+    def prefix(self, names: Sequence[str]) -> str:
+        """The prefix this checkpoint puts before the names `links` uses ("" by default)."""
+        return ""
+
+    def skipped(self, name: str) -> bool:
+        """Whether a tensor this family does not use is knowingly left alone."""
+        return False
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def same(hf: str, ours: str, layers: int = 0) -> Link:
+    """A tensor stored alike on both sides (norm scales, biases of a flat width, tables)."""
+    ident = lambda x: (x,)
+    return Link((hf,), (ours,), ident, ident, layers)
+
+
+def dense(hf: str, ours: str, shape: Sequence[int], n_in: int = 1, layers: int = 0) -> Link:
+    """A torch Linear weight [out, in] <-> our kernel of `shape` ([in dims..., out dims...],
+    the first `n_in` dims being the input's, e.g. [width, heads, head_dim] for a query)."""
+    shape = tuple(shape)
+    n = math.prod(shape[:n_in])
+    return Link(
+        (hf,),
+        (ours,),
+        lambda w: (np.asarray(w).T.reshape(shape),),
+        lambda k: (np.asarray(k).reshape(n, -1).T,),
+        layers,
+    )
+
+
+def reshaped(hf: str, ours: str, shape: Sequence[int], layers: int = 0) -> Link:
+    """A flat HF tensor (a bias of heads x head_dim) <-> ours of `shape`."""
+    shape = tuple(shape)
+    return Link(
+        (hf,),
+        (ours,),
+        lambda b: (np.asarray(b).reshape(shape),),
+        lambda x: (np.asarray(x).reshape(-1),),
+        layers,
+    )
+
+
+def permuted(link: Link, perm: np.ndarray) -> Link:
+    """`link` with our last axis permuted by `perm` (ours[..., j] = theirs[..., perm[j]])."""
+    inverse = np.argsort(perm)
+    return dataclasses.replace(
+        link,
+        to_ours=lambda *a: tuple(x[..., perm] for x in link.to_ours(*a)),
+        to_hf=lambda *a: link.to_hf(*(x[..., inverse] for x in a)),
+    )
+
+
+def parts_of(hf: str, ours: Sequence[str], links: Sequence[Link], layers: int = 0) -> Link:
+    """One HF tensor whose leading axis concatenates equal parts, each one of ours (a fused
+    qkv), each part laid out by the matching single link."""
+
+    def to_ours(w):
+        parts = np.split(np.asarray(w), len(links))
+        return tuple(link.to_ours(p)[0] for link, p in zip(links, parts, strict=True))
+
+    def to_hf(*xs):
+        return (np.concatenate([link.to_hf(x)[0] for link, x in zip(links, xs, strict=True)]),)
+
+    return Link((hf,), tuple(ours), to_ours, to_hf, layers)
+
+
+# ----------------------------------------------------------------------------- config reading
+
+
+def read(hf: dict, key: str, where: str, default: Any = ...) -> Any:
+    """A key of a HF config, or a FamilyError naming it when it is missing."""
+    if key in hf:
+        return hf[key]
+    if default is ...:
+        raise FamilyError(f"{where}: config.json has no {key!r}")
+    return default
+
+
+def refuse_unless(ok: bool, where: str, message: str) -> None:
+    if not ok:
+        raise FamilyError(f"{where}: {message}")
+
+
+def matches(patterns: Sequence[str], name: str) -> bool:
+    """Whether a tensor name matches one of a few regular expressions."""
+    return any(re.fullmatch(p, name) for p in patterns)

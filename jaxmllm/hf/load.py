@@ -1,0 +1,225 @@
+"""Pretrained HF weights into jaxmllm's sharded parameters, tensor by tensor.
+
+For each `Link` of a family, the HF tensors are read from the memory-mapped checkpoint (one
+layer at a time for stacked parameters), laid out as ours, and copied into one host buffer per
+distinct shard of the parameter on this process's devices; the buffers are then put on their
+devices. So a host holds at most one parameter's local shards plus one HF tensor at a time, a
+device only its shard, and nothing is replicated on the host for a replicated parameter.
+
+Every parameter of the modules a checkpoint fills must be filled, and every tensor under the
+family's prefix consumed or knowingly skipped (`Family.skipped`): else the import is refused
+naming them. A vocabulary larger than the checkpoint's (special tokens the tokenizer added)
+starts its new rows at the mean of the checkpoint's rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxmllm.hf.family import FamilyError, Link
+from jaxmllm.hf.registry import ROLES, family_for, read_hf_config
+from jaxmllm.hf.safetensors import Checkpoint
+from sharding.rules import keyed_leaves
+
+log = logging.getLogger("jaxmllm")
+VOCAB_AXIS = {"llm/embed/embedding": 0, "llm/lm_head/kernel": 1}  # may grow past the checkpoint
+
+
+def pretrained(cfg: Any, abstract: dict, skip: set[str] = frozenset()) -> dict:
+    """The parameters `cfg.model.init_from` names, in the shardings of `abstract`.
+
+    Args:
+      cfg: the whole config.
+      abstract: nested dict of jax.ShapeDtypeStruct (with `.sharding`) of every parameter,
+        trained and frozen, keyed as `nnx.to_pure_dict` keys them.
+      skip: top-level modules given otherwise (an earlier run's): a checkpoint that would only
+        fill those is not read.
+
+    Returns:
+      A nested dict of jax.Arrays holding the loaded parameters only ({} with no init_from).
+
+    Raises:
+      FamilyError / CheckpointError: naming the config key, the tensor or the parameter.
+    """
+    flat = keyed_leaves(abstract)
+    loaded: dict[str, jax.Array] = {}
+    for role in ROLES:
+        directory = getattr(cfg.model.init_from, role)
+        if directory and not _modules(cfg, role, directory) <= set(skip):
+            loaded.update(load_role(cfg, role, directory, flat))
+    return _nest(loaded)
+
+
+def _modules(cfg: Any, role: str, directory: str) -> set[str]:
+    """The top-level modules a checkpoint fills."""
+    hf = read_hf_config(directory)
+    links = family_for(role, hf, directory).links(cfg, hf)
+    return {p.split("/")[0] for link in links for p in link.ours}
+
+
+def load_role(cfg: Any, role: str, directory: str, flat: dict) -> dict[str, jax.Array]:
+    """One checkpoint's parameters ("/"-joined path -> array) for `role`."""
+    key = f"model.init_from.{role}"
+    start = time.perf_counter()
+    hf = read_hf_config(directory)
+    family = family_for(role, hf, f"{key}={directory}")
+    ck = Checkpoint(directory)
+    prefix = family.prefix(ck.names())
+    out, consumed = {}, set()
+    for link in family.links(cfg, hf):
+        missing = [p for p in link.ours if p not in flat]
+        if missing:
+            raise FamilyError(
+                f"{key}: the model has no parameter {missing[0]} for {link.hf[0]} "
+                f"(is model.{role} set as the import wrote it?)"
+            )
+        for name in link.hf:
+            names = [name.format(i=i) for i in range(link.layers)] if link.layers else [name]
+            for n in names:
+                if prefix + n not in ck:
+                    raise FamilyError(f"{key}: {directory} has no tensor {prefix + n}")
+                consumed.add(prefix + n)
+        arrays = fill(link, ck, prefix, [flat[p] for p in link.ours], key)
+        out.update(zip(link.ours, arrays, strict=True))
+    _check_complete(key, family, ck, prefix, consumed, out, flat)
+    elapsed = time.perf_counter() - start
+    log.info(
+        "%s: %d tensors of %s (%s) into %d parameters in %.1f s",
+        key,
+        len(consumed),
+        directory,
+        family.name,
+        len(out),
+        elapsed,
+    )
+    return out
+
+
+def _check_complete(key, family, ck, prefix, consumed, out, flat) -> None:
+    modules = {p.split("/")[0] for p in out}
+    unfilled = [p for p in flat if p.split("/")[0] in modules and p not in out]
+    if unfilled:
+        raise FamilyError(
+            f"{key}: {len(unfilled)} parameters of {', '.join(sorted(modules))} have no tensor "
+            f"in the checkpoint, e.g. {unfilled[0]}"
+        )
+    mine = [n for n in ck.names() if n.startswith(prefix)]
+    left = [n for n in mine if n not in consumed and not family.skipped(n[len(prefix) :])]
+    if left:
+        raise FamilyError(
+            f"{key}: {len(left)} tensors of the checkpoint have no place in the model, e.g. "
+            f"{left[0]} (a variant of {family.name} jaxmllm does not read?)"
+        )
+    skipped = len(mine) - len([n for n in mine if n in consumed])
+    others = len(ck.names()) - len(mine)
+    if skipped or others:
+        log.info(
+            "%s: left alone %d tensors the model does not use (e.g. a pooling head) and %d of "
+            "other parts (a decoder, a text tower)",
+            key,
+            skipped,
+            others,
+        )
+
+
+def fill(link: Link, ck: Checkpoint, prefix: str, targets: list, key: str) -> list[jax.Array]:
+    """The link's parameters as sharded arrays (see the module docstring)."""
+    shards = [_shards(t) for t in targets]
+    buffers = [
+        {k: np.empty(_shape(k), t.dtype) for k in s.values()}
+        for t, s in zip(targets, shards, strict=True)
+    ]
+
+    def place(layer: int | None, outs: tuple[np.ndarray, ...]) -> None:
+        for t, path, out, buf in zip(targets, link.ours, outs, buffers, strict=True):
+            want = t.shape[1:] if layer is not None else t.shape
+            out = _fit(np.asarray(out), want, path, link, key)
+            for k, b in buf.items():
+                if layer is None:
+                    b[...] = out[_slices(k)]
+                elif k[0][0] <= layer < k[0][1]:
+                    b[layer - k[0][0]] = out[_slices(k[1:])]
+
+    def read(names: tuple[str, ...]) -> tuple[np.ndarray, ...]:
+        arrays = [ck.get(prefix + n) for n in names]
+        try:
+            return link.to_ours(*arrays)
+        except ValueError:  # a reshape that cannot be: the config and the tensor disagree
+            shapes = ", ".join(f"{n} {list(a.shape)}" for n, a in zip(names, arrays, strict=True))
+            want = ", ".join(
+                f"{p} {list(t.shape)}" for p, t in zip(link.ours, targets, strict=True)
+            )
+            raise FamilyError(
+                f"{key}: tensor {shapes} does not fit the model's {want} (does model.* match "
+                "the checkpoint's config.json?)"
+            ) from None
+
+    if link.layers:
+        for layer in range(link.layers):
+            place(layer, read(link.hf_names(layer)))
+    else:
+        place(None, read(link.hf))
+    arrays = []
+    for t, s, buf in zip(targets, shards, buffers, strict=True):
+        pieces = [jax.device_put(buf[k], d) for d, k in s.items()]
+        arrays.append(jax.make_array_from_single_device_arrays(t.shape, t.sharding, pieces))
+    return arrays
+
+
+def _fit(out: np.ndarray, want: tuple, path: str, link: Link, key: str) -> np.ndarray:
+    if out.shape == tuple(want):
+        return out
+    axis = VOCAB_AXIS.get(path)
+    same_else = axis is not None and all(
+        a == b for i, (a, b) in enumerate(zip(out.shape, want, strict=True)) if i != axis
+    )
+    if same_else and out.shape[axis] < want[axis]:
+        extra = want[axis] - out.shape[axis]
+        mean = out.astype(np.float32).mean(axis=axis, keepdims=True)
+        log.info(
+            "%s: %d new vocabulary rows (tokens the tokenizer added) start at the mean of the "
+            "checkpoint's rows",
+            key,
+            extra,
+        )
+        return np.concatenate([out, np.repeat(mean.astype(out.dtype), extra, axis=axis)], axis)
+    raise FamilyError(
+        f"{key}: tensor {link.hf[0]} gives {path} the shape {list(out.shape)}, the model has "
+        f"{list(want)} (does model.* match the checkpoint's config.json?)"
+    )
+
+
+def _shards(target) -> dict:
+    """Device -> its shard's (start, stop) per dim, for this process's devices."""
+    index = target.sharding.addressable_devices_indices_map(target.shape)
+    return {d: _bounds(idx, target.shape) for d, idx in index.items()}
+
+
+def _bounds(idx: tuple, shape: tuple) -> tuple[tuple[int, int], ...]:
+    return tuple(
+        (s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(idx, shape, strict=True)
+    )
+
+
+def _shape(bounds: tuple) -> tuple[int, ...]:
+    return tuple(b - a for a, b in bounds)
+
+
+def _slices(bounds: tuple) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in bounds)
+
+
+def _nest(flat: dict[str, Any]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split("/")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree

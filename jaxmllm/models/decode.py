@@ -1,0 +1,159 @@
+"""KV-cache decoding of a `MultimodalLM`: prefill a batch of prompts, then one token a step.
+
+A prompt batch is a microbatch of the batch contract (`jaxmllm.data.prompts`): B buckets of
+one right-padded row of P tokens each, with that prompt's images and clips. Prefill
+embeds it exactly as training does (`MultimodalLM.inputs`: token embeddings, encoders,
+projectors, placeholder slots) and runs the decoder's scanned block over it, writing every
+layer's keys and values into a cache of a fixed total length S; a step embeds one new token per
+row, writes its keys and values at the row's next index and attends over the cache. Prefill and
+step are each one compiled program whatever the prompts, as long as (B, P, S) and the encoder
+buckets stay.
+
+Row b's tokens sit at cache indices 0, 1, ... (right padding): a query attends to the keys at
+indices up to its own. Rotary positions are the batch's own (`llm_positions`: the index, or
+M-RoPE's (time, row, column)), and a generated token's is given with it (`step`). Padding
+queries of a short prompt write garbage keys past the prompt; the row's generated tokens
+overwrite them before any query can reach them.
+
+The block's own sub-modules do the work (`attn_norm`, `attn.project`, `attn.out`, `mlp_norm`,
+`mlp`), so a cached key is exactly the key training computes; attention over the cache is the
+training path's dense attention under a [B, 1, T, S] mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmllm.models.attention import dense_attention
+from jaxmllm.models.mllm import MultimodalLM
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Cache:
+    """Every decoder layer's keys and values, stacked like the layers' parameters."""
+
+    k: jax.Array  # [depth, B, S, kv_heads, head_dim] in the compute dtype
+    v: jax.Array
+
+    @property
+    def length(self) -> int:
+        """S: the most tokens (prompt and generated) a row can hold."""
+        return self.k.shape[2]
+
+
+def empty_cache(model: MultimodalLM, rows: int, length: int) -> Cache:
+    """A zero cache for `rows` prompts of at most `length` tokens in all."""
+    kernel = model.llm.transformer.blocks.attn.key.kernel  # [depth, width, kv_heads, head_dim]
+    depth, _, kv_heads, head_dim = kernel.shape
+    dtype = model.llm.transformer.blocks.attn.dtype
+    zeros = jnp.zeros((depth, rows, length, kv_heads, head_dim), dtype)
+    return Cache(zeros, zeros)
+
+
+def prefill(model: MultimodalLM, mb: dict[str, jax.Array], length: int) -> tuple[jax.Array, Cache]:
+    """Runs the prompts; returns each row's next-token logits and the filled cache.
+
+    Args:
+      model: the model (any attention kind: prefill computes dense attention itself; the
+        encoders use the model's own, so build it with dense attention for prompt batches).
+      mb: one prompt batch [B, 1, P, ...] (`jaxmllm.data.prompts.prompt_batch`).
+      length: S, the cache's length (prompt and generated tokens of a row), >= P.
+
+    Returns:
+      (logits [B, vocab] float32 at each row's last prompt token, cache).
+    """
+    x_bpw = model.inputs(mb)[:, 0]
+    rows = x_bpw.shape[0]
+    positions_bp = mb["llm_positions"][:, 0]
+    lengths_b = (mb["llm_segment_ids"][:, 0] > 0).sum(-1)
+    start_b = jnp.zeros((rows,), jnp.int32)
+    h_bpw, cache = _decode(model, x_bpw, positions_bp, start_b, empty_cache(model, rows, length))
+    last_bw = jnp.take_along_axis(h_bpw, jnp.maximum(lengths_b - 1, 0)[:, None, None], axis=1)
+    return model.llm.logits(last_bw)[:, 0], cache
+
+
+def step(
+    model: MultimodalLM,
+    tokens_b: jax.Array,
+    index_b: jax.Array,
+    cache: Cache,
+    positions_b: jax.Array | None = None,
+) -> tuple[jax.Array, Cache]:
+    """One new token per row at cache index `index_b`: its logits, the cache.
+
+    Args:
+      tokens_b: the token each row appends [B].
+      index_b: where it goes in each row [B] (the row's tokens so far).
+      positions_b: its rotary position [B]; default its index. With M-RoPE (Qwen2-VL) text
+        after an image counts on from the image's position plus its grid's longer side, so a
+        row's positions run ahead of (or behind) its indices by a fixed delta; a generated
+        token takes the same position in time, row and column.
+
+    Returns:
+      (logits [B, vocab] float32 for the token after it, the cache with its keys and values).
+    """
+    x_b1w = model.llm.embed(tokens_b[:, None])
+    positions_b1 = (index_b if positions_b is None else positions_b)[:, None]
+    if model.llm.transformer.blocks.attn.rope == "mrope":
+        positions_b1 = jnp.repeat(positions_b1[..., None], 3, axis=-1)  # [B, 1, 3]
+    h_b1w, cache = _decode(model, x_b1w, positions_b1, index_b, cache)
+    return model.llm.logits(h_b1w)[:, 0], cache
+
+
+def _decode(
+    model: MultimodalLM, x_btw: jax.Array, positions_bt: jax.Array, start_b: jax.Array, cache: Cache
+) -> tuple[jax.Array, Cache]:
+    """The decoder's scanned block over T new tokens per row written at cache indices
+    start_b, start_b + 1, ... (rotary positions [B, T], or [B, T, 3] with M-RoPE); returns
+    the final hidden states [B, T, width] and the cache."""
+    transformer = model.llm.transformer
+    graphdef, stacked = nnx.split(transformer.blocks)
+    t, s = x_btw.shape[1], cache.length
+    index_bt = start_b[:, None] + jnp.arange(t)
+    mask_b1ts = (jnp.arange(s)[None, None, :] <= index_bt[:, :, None])[:, None]
+
+    def layer(x_btw, xs):
+        block_state, k_bske, v_bske = xs
+        block = nnx.merge(graphdef, block_state)
+        q_bthe, k_bthe, v_bthe = block.attn.project(block.attn_norm(x_btw), positions_bt)
+        k_bske = _write(k_bske, k_bthe, start_b)
+        v_bske = _write(v_bske, v_bthe, start_b)
+        out_bthe = dense_attention(q_bthe, k_bske, v_bske, mask_b1ts, block.attn.dtype)
+        x_btw = x_btw + block.attn.out(out_bthe.astype(block.attn.dtype))
+        return x_btw + block.mlp(block.mlp_norm(x_btw)), (k_bske, v_bske)
+
+    x_btw, (k, v) = jax.lax.scan(layer, x_btw, (stacked, cache.k, cache.v))
+    return transformer.final_norm(x_btw), Cache(k, v)
+
+
+def _write(cache_bske: jax.Array, new_bthe: jax.Array, start_b: jax.Array) -> jax.Array:
+    """Each row's new entries written at its own start index."""
+    write = lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), i, axis=0)
+    return jax.vmap(write)(cache_bske, new_bthe, start_b)
+
+
+def pick(
+    logits_bv: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array
+) -> jax.Array:
+    """The next token of each row: the most likely at temperature 0, else a sample of the
+    softmax at that temperature restricted to the smallest set of tokens whose probability
+    reaches `top_p` (nucleus sampling; 1.0 keeps every token).
+
+    Temperature and top_p are traced, so changing them reuses the compiled program.
+    """
+    greedy_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    scaled_bv = logits_bv / jnp.maximum(temperature, 1e-6)
+    sorted_bv = jnp.sort(scaled_bv, axis=-1, descending=True)
+    probs_bv = jax.nn.softmax(sorted_bv, axis=-1)
+    # A token stays if the tokens more likely than it hold less than top_p (the first always).
+    before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv
+    kept = jnp.sum(before_bv < top_p, axis=-1, keepdims=True)
+    threshold_b1 = jnp.take_along_axis(sorted_bv, jnp.maximum(kept - 1, 0), axis=-1)
+    masked_bv = jnp.where(scaled_bv >= threshold_b1, scaled_bv, -jnp.inf)
+    sampled_b = jax.random.categorical(key, masked_bv, axis=-1).astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled_b, greedy_b)

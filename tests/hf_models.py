@@ -1,0 +1,125 @@
+"""Tiny random HuggingFace models built locally (no downloads) for the parity tests.
+
+HF's default init leaves norms at 1 and biases at 0, which would hide a wrong mapping of either:
+every parameter here is drawn at random (weights ~ N(0, 0.1^2)-ish, norm scales around 1).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def randomize(model, seed: int = 0):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if (
+                name.endswith("norm.weight")
+                or "layernorm" in name
+                or "layer_norm" in name
+                or ("norm" in name.split(".")[-2] and name.endswith("weight"))
+            ):
+                p.copy_(1.0 + 0.2 * noise)
+            elif p.ndim == 1:
+                p.copy_(0.2 * noise)
+            else:
+                fan_in = max(int(p[0].numel()), 1)
+                p.copy_(noise * (1.5 / fan_in**0.5))
+    return model.eval()
+
+
+def save(model, directory: Path) -> str:
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+def llama(
+    directory: Path, *, tied: bool, scaling: bool = True, seed: int = 0, vocab: int = 300
+) -> str:
+    import transformers as T
+
+    rope = (
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 32, "rope_theta": 5000.0}
+        if scaling
+        else {"rope_type": "default", "rope_theta": 5000.0}
+    )  # fmt: skip
+    cfg = T.LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_parameters=rope,
+        tie_word_embeddings=tied, max_position_embeddings=256,
+    )  # fmt: skip
+    return save(randomize(T.LlamaForCausalLM(cfg), seed), directory)
+
+
+def qwen2(directory: Path, *, tied: bool, seed: int = 0, vocab: int = 300) -> str:
+    import transformers as T
+
+    cfg = T.Qwen2Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=tied,
+    )  # fmt: skip
+    return save(randomize(T.Qwen2ForCausalLM(cfg), seed), directory)
+
+
+def siglip(directory: Path, seed: int = 0, head: bool = False) -> str:
+    import transformers as T
+
+    cfg = T.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=24, patch_size=4, vision_use_head=head,
+    )  # fmt: skip
+    return save(randomize(T.SiglipVisionModel(cfg), seed), directory)
+
+
+def qwen2_vl_vision(directory: Path, seed: int = 0, out: int = 64) -> str:
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+        Qwen2VisionTransformerPretrainedModel,
+    )
+
+    cfg = Qwen2VLVisionConfig(
+        depth=2, embed_dim=32, hidden_size=out, num_heads=4, patch_size=4, spatial_merge_size=2,
+        temporal_patch_size=2,
+    )  # fmt: skip
+    return save(randomize(Qwen2VisionTransformerPretrainedModel(cfg), seed), directory)
+
+
+def whisper(directory: Path, seed: int = 0) -> str:
+    import transformers as T
+
+    cfg = T.WhisperConfig(
+        d_model=32, encoder_layers=2, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
+        max_source_positions=32, vocab_size=100, max_target_positions=16, pad_token_id=1,
+        bos_token_id=2, eos_token_id=3, decoder_start_token_id=2, begin_suppress_tokens=None,
+        suppress_tokens=None,
+    )  # fmt: skip
+    return save(randomize(T.WhisperForConditionalGeneration(cfg), seed), directory)
+
+
+def qwen2_vl(
+    directory: Path, seed: int = 0, tied: bool = False, vocab: int = 300, ids=(290, 291, 292, 293)
+) -> str:
+    """A whole Qwen2-VL (its Qwen2 LLM with M-RoPE, its vision tower and merger); `ids`: its
+    image, video, vision start and vision end token ids."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    cfg = Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+            bos_token_id=None, eos_token_id=None,
+        ),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=ids[0], video_token_id=ids[1], vision_start_token_id=ids[2],
+        vision_end_token_id=ids[3],
+        tie_word_embeddings=tied,
+    )  # fmt: skip
+    return save(randomize(Qwen2VLForConditionalGeneration(cfg), seed), directory)

@@ -1,0 +1,171 @@
+"""Evaluation's host side: the held-out synthetic share, the eval set planned at the training
+step's shapes with every sample counted once, the metrics rows, the answers' scores and the
+prompt templates. (The trainer with evaluation on: tests/test_train.py.)"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from jaxmllm.config import ConfigError, load_config
+from jaxmllm.data import tokenizer as tok
+from jaxmllm.data.bucketize import batch_shapes
+from jaxmllm.data.pipeline import make_source, resolve_batch
+from jaxmllm.data.preprocess import Params, Preprocessor
+from jaxmllm.data.rejects import RecordError
+from jaxmllm.data.synthetic import SyntheticSource, score_answer
+from jaxmllm.data.template import RecordTemplate, make_template
+from jaxmllm.evaluate import MIXES, HeldOut, eval_metrics, plan_set, sample_mixes
+from jaxmllm.metrics import read_metrics
+
+HELD = 24
+
+
+def tiny(*extra):
+    sets = ["data.synthetic.num_samples=256", f"data.eval.samples={HELD}", "train.steps=20"]
+    return load_config("configs/tiny.yaml", [*sets, *extra])
+
+
+def test_the_held_out_share_is_the_synthetic_samples_after_the_training_range():
+    cfg = tiny()
+    held, train = HeldOut(cfg), SyntheticSource(cfg)
+    more = SyntheticSource(load_config("configs/tiny.yaml", ["data.synthetic.num_samples=280"]))
+    assert len(train) == 256 and len(held) == HELD  # the trainer draws indices < 256 only
+    for i in (0, 5, HELD - 1):
+        assert held[i].tokens.tolist() == more[256 + i].tokens.tolist()
+        assert held.index.record(i) == more.lengths().record(256 + i)
+    assert held.index.record(0) != train.lengths().record(0) or held[0].images != train[0].images
+
+
+@pytest.fixture(scope="module")
+def resolved():
+    """tiny's config with its batch resolved against its training data, as the trainer has."""
+    cfg = tiny()
+    return resolve_batch(cfg, make_source(cfg)[1], devices=8)
+
+
+def test_the_eval_set_is_planned_at_the_step_shapes_and_counts_each_sample_once(tmp_path, resolved):
+    """The run's planner and bucket shapes (so the eval step takes the train step's batch),
+    and each sample's loss tokens counted exactly once under its modality mix, however many
+    times the planner brought it."""
+    cfg = resolved
+    held = HeldOut(cfg)
+    batches = plan_set(cfg, held, held.index, 8, None, tmp_path / "rejects.jsonl")
+    shapes = batch_shapes(cfg, 8)
+    for batch in batches:
+        assert {k: (v.shape, v.dtype) for k, v in batch.items() if k != "eval_mix"} == {
+            k: (s, np.dtype(d)) for k, (s, d) in shapes.items()
+        }
+        assert batch["eval_mix"].shape == batch["llm_tokens"].shape
+    counted = np.zeros(len(MIXES))
+    for batch in batches:
+        mask = batch["llm_loss_mask"] > 0
+        np.add.at(counted, batch["eval_mix"][mask & (batch["eval_mix"] >= 0)], 1)
+    want = np.zeros(len(MIXES))
+    for i, mix in enumerate(sample_mixes(held.index)):
+        want[mix] += held[i].loss[1:].sum()  # (token t's target is token t + 1)
+    np.testing.assert_array_equal(counted, want)
+    assert set(np.flatnonzero(want)) == {0, 1, 2}  # text, image and audio samples all there
+
+
+def test_eval_rows_are_token_weighted_and_merge_into_their_steps_row(tmp_path):
+    sums = np.zeros((3, len(MIXES)))
+    sums[:, 0] = (6.0, 3.0, 4.0)  # text: 4 tokens, loss 6, 3 right
+    sums[:, 2] = (2.0, 0.0, 4.0)
+    row = eval_metrics(sums)
+    assert row["eval/loss"] == 1.0 and row["eval/accuracy"] == 3 / 8
+    assert row["eval/loss/text"] == 1.5 and row["eval/accuracy/audio"] == 0.0
+    assert "eval/loss/image" not in row
+    lines = [{"step": 4, "loss": 2.0}, {"step": 4, **row}]  # (what the trainer writes)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    [merged] = read_metrics(tmp_path)
+    assert merged["loss"] == 2.0 and merged["eval/loss"] == 1.0 and merged["step"] == 4
+
+
+def test_answers_are_scored_by_what_they_name():
+    assert score_answer("a red circle", "a red circle") == {
+        "exact": 1.0, "count": 1.0, "colour": 1.0, "shape": 1.0
+    }  # fmt: skip
+    two = score_answer("a red cross and a blue cross", "a red circle and a green cross")
+    assert two == {"exact": 0.0, "count": 1.0, "colour": 0.5, "shape": 0.5}
+    assert score_answer("a red circle", "a red circle and a green cross")["count"] == 0.0
+    tone = score_answer("a rising low tone", "a rising high tone")
+    assert tone == {"exact": 0.0, "contour": 1.0, "pitch": 0.0}
+    assert score_answer("1 2 3", "a steady mid tone")["pitch"] == 0.0
+
+
+def test_eval_config_is_checked_with_the_key_named():
+    with pytest.raises(ConfigError, match=r"data\.eval\.source"):
+        load_config("configs/tiny.yaml", ["data.source=jsonl", "data.path=x.jsonl"])
+    with pytest.raises(ConfigError, match=r"data\.eval\.path"):
+        load_config(None, ["data.eval.source=jsonl"])
+    with pytest.raises(ConfigError, match=r"train\.eval_every"):
+        load_config(None, ["train.eval_every=-1"])
+    with pytest.raises(ConfigError, match=r"did you mean 'data\.eval\.questions'"):
+        load_config(None, ["data.eval.question=3"])
+
+
+@pytest.fixture
+def image_file(tmp_path):
+    path = tmp_path / "red.png"
+    Image.fromarray(np.full((40, 56, 3), (200, 20, 20), np.uint8)).save(path)
+    return path
+
+
+def test_templates_render_prompts_as_training_renders_records(image_file):
+    """chat: a messages record's user turn, then the assistant marker; plain: a text record
+    without its closing EOS. Media through the training preprocessor (placeholders one per
+    encoder row); the built-in data's runs use plain."""
+    cfg = tiny()
+    pre = Preprocessor(Params.from_config(cfg))
+    chat, plain = RecordTemplate(pre, chat=True), RecordTemplate(pre, chat=False)
+    text = list(b"what is this? ")
+    p = chat.prompt("what is this? ", [image_file], [])
+    rows = len(p.images[0][0]) // cfg.model.vision.merge**2
+    assert p.tokens.tolist() == [tok.BOS, tok.USER] + [tok.IMAGE] * rows + text + [tok.ASSISTANT]
+    p = plain.prompt("what is this? ", [image_file], [])  # (the media first, when not placed)
+    assert p.tokens.tolist() == [tok.BOS] + [tok.IMAGE] * rows + text
+    p = plain.prompt("look: <image> what is this? ", [image_file], [])
+    assert p.tokens.tolist()[:7] == [tok.BOS] + list(b"look: ")
+    assert chat.decode([104, 105, tok.EOS]) == "hi" and chat.specials.stop == (tok.EOS,)
+    ids = [tok.BOS] + [tok.IMAGE] * rows + text
+    assert plain.prompt_ids(ids, [image_file], []).tokens.tolist() == ids
+    with pytest.raises(RecordError, match=f"need {rows}"):
+        plain.prompt_ids(ids[:-3] + [tok.IMAGE], [image_file], [])
+    with pytest.raises(RecordError, match="missing|no such|not found"):
+        plain.prompt("what is this? ", [image_file.with_name("gone.png")], [])
+    assert not make_template(cfg).chat
+    assert make_template(replace(cfg), "chat").chat
+
+
+def test_a_manifest_eval_set_brings_its_questions_and_counts_every_sample(tmp_path, resolved):
+    """data.eval from a JSONL file with its own index (built with the run's config): every
+    record counted once; its chats ask their user turn, its captions their image or clip."""
+    from jaxmllm.answers import Questions
+    from jaxmllm.bench.data import write_dataset
+    from jaxmllm.data.index import build_index
+    from jaxmllm.evaluate import eval_source
+
+    manifest = write_dataset(tmp_path, images=6, audio=3)
+    small = ["data.image_min_pixels=256", "data.image_max_pixels=1024", "data.audio_max_frames=32"]
+    cfg = tiny(
+        "data.eval.source=jsonl", f"data.eval.path={manifest}", "data.eval.samples=0", *small
+    )
+    cfg = replace(cfg, batch=resolved.batch)  # (the training data's: unchanged)
+    with pytest.raises(ConfigError, match=r"data\.eval: no lengths index"):
+        eval_source(cfg)
+    build_index(cfg, manifest, progress=False)
+    source, index = eval_source(cfg)
+    assert len(index) == 9
+    batches = plan_set(cfg, source, index, 8, None, tmp_path / "rejects.jsonl")
+    counted = sum(int(((b["eval_mix"] >= 0) & (b["llm_loss_mask"] > 0)).sum()) for b in batches)
+    assert counted == sum(int(source[i].loss[1:].sum()) for i in range(len(index)))
+    questions = Questions(replace(cfg), source, 4)
+    shown = [questions.show(p.tokens) for p in questions.prompts]
+    assert "<user>what colour is the box?<assistant>" in shown and "" in shown
+    assert all(t.startswith("a ") or t in ("red", "green", "blue", "yellow", "white", "purple")
+               for t in questions.truths), questions.truths  # fmt: skip

@@ -1,0 +1,133 @@
+"""Generation from HuggingFace checkpoints (`python -m jaxmllm.generate --hf DIR`), held to
+transformers' own greedy `generate` on tiny random models built here (tests/hf_models.py) with
+a tokenizer directory beside them (test_chat.build_dir): the same prompt ids, then the same new
+ids; for Qwen2-VL with an image in the prompt (M-RoPE's positions in prefill and decode).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import hf_models
+import numpy as np
+import pytest
+from test_chat import build_dir, hf, hf_ids
+
+from jaxmllm.data.prompts import PromptShapes
+from jaxmllm.data.samples import Sample
+from jaxmllm.data.synthetic import patchify
+from jaxmllm.data.template import make_template
+from jaxmllm.generate import Generator, load_hf, main, parse_args, request_prompts
+
+VOCAB = 512  # the tokenizer's ~420 ids fit: nothing grows, the two models have the same rows
+
+
+def hf_greedy(model, ids, new: int, stop, **inputs) -> list[int]:
+    """transformers' greedy continuation of `ids` (at most `new` ids, ending at a stop id)."""
+    import torch
+
+    prompt = torch.tensor([list(ids)], dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+            do_sample=False, eos_token_id=sorted(stop), pad_token_id=sorted(stop)[0], **inputs,
+        )  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
+def test_greedy_llama_matches_transformers_for_32_tokens(tmp_path):
+    """Llama (llama3 rope scaling, tied): a plain prompt is the tokenizer's ids (its BOS, then
+    the text), and the 32 greedy ids are transformers'."""
+    from transformers import LlamaForCausalLM
+
+    src = hf_models.llama(tmp_path / "llama", tied=True, vocab=VOCAB)
+    build_dir(Path(src), "llama", "meta-llama/Llama-3.1-8B-Instruct")
+    text = "The quick brown fox jumps over the lazy dog."
+    args = parse_args(["--hf", src, "--template", "plain", "--prompt", text,
+                       "--max-new-tokens", "32"])  # fmt: skip
+    cfg, params = load_hf(args)
+    template = make_template(cfg, args.template, pretrained=True)
+    (prompt,) = request_prompts(template, args)
+    assert prompt.tokens.tolist() == hf(Path(src))(text)["input_ids"]
+    stop = template.specials.stop
+    gen = Generator(cfg, PromptShapes.fit([prompt], cfg, 32), template.specials)
+    (ours,) = gen.generate(params["params"], params["frozen"], [prompt], max_new_tokens=32,
+                           stop_ids=frozenset(stop))  # fmt: skip
+    theirs = hf_greedy(LlamaForCausalLM.from_pretrained(src).eval(), prompt.tokens, 32, stop)
+    assert len(ours.ids) == 32 and ours.ids == theirs
+
+
+def test_greedy_qwen2_chat_from_the_command_line_matches_transformers(tmp_path, capsys):
+    """Qwen2 (untied): `--prompt` is rendered by the directory's chat template with its
+    generation prompt (apply_chat_template's ids) and --json prints transformers' greedy ids
+    and their text."""
+    from transformers import Qwen2ForCausalLM
+
+    src = hf_models.qwen2(tmp_path / "qwen2", tied=False, vocab=VOCAB)
+    build_dir(Path(src), "qwen", "Qwen/Qwen2.5-7B-Instruct")
+    question = "What is in this picture?"
+    want = hf_ids(Path(src), [{"role": "user", "content": question}], add_generation_prompt=True)
+    assert main(["--hf", src, "--prompt", question, "--max-new-tokens", "32", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    tk = hf(Path(src))
+    stop = {tk.convert_tokens_to_ids("<|im_end|>"), tk.convert_tokens_to_ids("<|endoftext|>")}
+    theirs = hf_greedy(Qwen2ForCausalLM.from_pretrained(src).eval(), want, 32, stop)
+    assert len(theirs) == 32 and answer["ids"] == theirs
+    assert answer["text"] == tk.decode(theirs, skip_special_tokens=False).replace("<|im_end|>", "")
+
+
+def test_qwen2_vl_with_an_image_generates_transformers_first_tokens(tmp_path):
+    """A whole Qwen2-VL from one directory (its tower found in it): an image between the
+    tokenizer's vision start and end; prefill places its tokens on the image's grid, decoding
+    counts on from one past the largest position (Qwen2-VL's rope delta)."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    d = tmp_path / "qwen2_vl"
+    build_dir(d, "qwen", "Qwen/Qwen2.5-VL-7B-Instruct")
+    tk = hf(d)
+    names = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+    ids = tuple(tk.convert_tokens_to_ids(t) for t in names)
+    hf_models.qwen2_vl(d, vocab=VOCAB, ids=ids)
+    build_dir(d, "qwen", "Qwen/Qwen2.5-VL-7B-Instruct")  # (save_pretrained wrote over it)
+    cfg, params = load_hf(parse_args(["--hf", str(d), "--prompt", "."]))
+    template = make_template(cfg, "auto", pretrained=True)
+    assert template.specials.image == ids[0]
+
+    rng = np.random.default_rng(0)
+    gh, gw, p = 6, 4, 4
+    image = rng.normal(size=(gh * p, gw * p, 3)).astype(np.float32)
+    patches, positions = patchify(image, p, 2)
+    text = tk("Describe the picture, please.")["input_ids"]
+    tokens = [*text[:3], ids[2], *[ids[0]] * (gh * gw // 4), ids[3], *text[3:]]
+    prompt = Sample(-1, np.asarray(tokens, np.int32), np.zeros(len(tokens), bool),
+                    [(patches, positions)], grids=[(gh, gw)])  # fmt: skip
+    new, stop = 8, template.specials.stop
+    gen = Generator(cfg, PromptShapes.fit([prompt], cfg, new), template.specials)
+    (ours,) = gen.generate(params["params"], params["frozen"], [prompt], max_new_tokens=new,
+                           stop_ids=frozenset(stop))  # fmt: skip
+
+    import torch
+
+    frames = patches.reshape(-1, p, p, 3).transpose(0, 3, 1, 2)[:, :, None]
+    pixels = torch.from_numpy(np.repeat(frames, 2, axis=2).reshape(len(frames), -1))
+    kinds = torch.from_numpy((np.asarray(tokens) == ids[0])[None].astype(np.int32))
+    model = Qwen2VLForConditionalGeneration.from_pretrained(str(d)).eval()
+    grid = torch.tensor([[1, gh, gw]])
+    theirs = hf_greedy(model, tokens, new, stop, pixel_values=pixels, image_grid_thw=grid,
+                       mm_token_type_ids=kinds)  # fmt: skip
+    assert len(ours.ids) == new and ours.ids == theirs
+
+
+def test_hf_generation_refuses_what_it_cannot_read(tmp_path, capsys):
+    """No tokenizer beside the weights, or a directory that is no checkpoint: a clear error."""
+    src = hf_models.llama(tmp_path / "llama", tied=True)
+    assert main(["--hf", src, "--prompt", "hi"]) == 2
+    assert "has no tokenizer.json: name the checkpoint's tokenizer directory" in (
+        capsys.readouterr().err
+    )
+    (tmp_path / "empty").mkdir()
+    assert main(["--hf", str(tmp_path / "empty"), "--prompt", "hi"]) == 2
+    assert "--hf" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--run", "x", "--tokenizer", "y", "--prompt", "hi"])
