@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxmllm.models.llm import chunked_token_losses
+from jaxmllm.models import token_losses
 from jaxmllm.pipeline.layout import Layout
 from sharding import STAGE_AXIS
 from sharding.rules import key_parts
@@ -97,12 +97,11 @@ def _body(parts, layout: Layout, params, frozen, batch):
 
 
 def _head_loss(model, mb, x_bsw):
-    """The summed token losses of a microbatch's last-stage hidden states, the logits projected
-    a slice of tokens at a time as without a pipeline (`chunked_token_losses`)."""
-    d = mb["llm_tokens"].shape[0]
-    h_dnw = model.llm.transformer.final_norm(x_bsw).reshape(d, -1, x_bsw.shape[-1])
-    targets, mask = mb["llm_targets"].reshape(d, -1), mb["llm_loss_mask"].reshape(d, -1)
-    return chunked_token_losses(model.llm, h_dnw, targets, mask)[0]
+    """The summed token losses of a microbatch's last-stage hidden states. Whole logits, not
+    `chunked_token_losses`: its scan's carry starts stage-invariant inside the shard_map."""
+    logits = model.llm.logits(model.llm.transformer.final_norm(x_bsw))
+    logits = logits.reshape(*mb["llm_tokens"].shape, -1)
+    return token_losses(logits, mb["llm_targets"], mb["llm_loss_mask"])[0]
 
 
 def _shares(s, stages: int, m: int, fn: Callable, batch) -> jax.Array:
