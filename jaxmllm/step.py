@@ -146,10 +146,14 @@ def make_loss_and_grads(parts: ModelParts) -> Callable:
 
 
 def make_train_step(
-    parts: ModelParts, optimizer: optax.GradientTransformation, schedule: optax.Schedule
+    parts: ModelParts,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    loss_and_grads: Callable | None = None,
 ) -> Callable:
-    """One optimizer step over all microbatches of a step batch [M, D, ...]."""
-    loss_and_grads = make_loss_and_grads(parts)
+    """One optimizer step over all microbatches of a step batch [M, D, ...]; `loss_and_grads`
+    (params, frozen, batch) -> (loss, grads) defaults to `make_loss_and_grads(parts)`."""
+    loss_and_grads = loss_and_grads or make_loss_and_grads(parts)
 
     def train_step(state, batch):
         loss, grads = loss_and_grads(state["params"], state["frozen"], batch)
@@ -233,6 +237,19 @@ class Program:
     def describe(self) -> str:
         params = {**self.abstract["params"], **self.abstract["frozen"]}
         return sharding.describe(self.axes, params, self.mesh)
+
+    # A checkpoint holds the train state in a form that does not depend on the mesh; a
+    # pipelined program (jaxmllm/pipeline/program.py) converts its own to and from it.
+
+    def checkpoint_abstract(self) -> dict:
+        """What a checkpoint restores into: shapes and shardings of the saved train state."""
+        return self.abstract_sharded()
+
+    def to_checkpoint(self, state: dict) -> dict:
+        return state
+
+    def from_checkpoint(self, state: dict) -> dict:
+        return state
 
 
 def build_program(cfg: Config, mesh) -> Program:

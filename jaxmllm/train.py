@@ -42,8 +42,8 @@ from jaxmllm.hf.safetensors import CheckpointError
 from jaxmllm.init_from import initial_params
 from jaxmllm.ledger import Ledger
 from jaxmllm.metrics import MetricsWindow, MetricsWriter, calibrated_cost
+from jaxmllm.pipeline.program import build_program
 from jaxmllm.plan.contract import OversizeError
-from jaxmllm.step import build_program
 from jaxmllm.timings import TimingsRecorder
 
 log = logging.getLogger("jaxmllm")
@@ -123,14 +123,18 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
     evaluator = open_evaluator(cfg, mesh, prog, out, positions_of(mesh))
 
     # Init: jitted straight into its shardings (no full copy on one device), or restore. A
-    # checkpoint of another format (stamp) is refused, never restored into the wrong tree.
+    # checkpoint of another format (stamp) is refused, never restored into the wrong tree; it
+    # holds the state in a form the mesh does not change (pipelined stacks as [depth, ...]).
     mngr = make_checkpoint_manager(cfg)
     closing.callback(mngr.close)  # waits for a save in flight
-    stamp = format_stamp({**prog.abstract["params"], **prog.abstract["frozen"]})
+    saved_form = prog.checkpoint_abstract()
+    stamp = format_stamp({**saved_form["params"], **saved_form["frozen"]})
     check_process_count(mngr)
-    state = restore_latest(mngr, prog.abstract_sharded(), data_iter, stamp)
+    state = restore_latest(mngr, saved_form, data_iter, stamp)
     if state is None:  # a fresh run: random, or the pretrained weights model.init_from names
         state = prog.init(initial_params(cfg, prog))
+    else:
+        state = prog.from_checkpoint(state)
     start = int(state["step"])
     if start:
         print(f"resumed from checkpoint at step {start} in {mngr.directory}")
@@ -160,7 +164,8 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
             if timings is not None:  # times the step before, now done, as the guard waits on it
                 timings.dispatched(done, metrics["loss"], info["work"])
             if guard.check(done, metrics["nonfinite"]):
-                mngr.save(guard.stopped_at, args=save_args(state, data_iter, stamp), force=True)
+                args = save_args(prog.to_checkpoint(state), data_iter, stamp)
+                mngr.save(guard.stopped_at, args=args, force=True)
                 mngr.wait_until_finished()
                 raise NonFiniteError(guard.message(mngr.directory))
             if watchdog is not None:
@@ -171,13 +176,15 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
             if done % t.log_every == 0 or done in (1, t.steps):
                 last = log_step(done, metrics, info, window, guard.total, writer, bar)
             if evaluator is not None and evaluator.due(done):  # (reads the params, no more)
-                writer.write(done, evaluator(state, done))
+                writer.write(done, evaluator(prog.to_checkpoint(state), done))  # [depth, ...]
                 window.exclude(evaluator.seconds)  # (throughput is the training's)
                 if timings is not None:
                     timings.evaluated()
             stopping = preempt.requested is not None
             force = done == t.steps or stopping
-            saved = mngr.save(done, args=save_args(state, data_iter, stamp), force=force)
+            saving = force or mngr.should_save(done)  # (converted only when it is saved)
+            args = save_args(prog.to_checkpoint(state), data_iter, stamp) if saving else None
+            saved = saving and mngr.save(done, args=args, force=force)
             if saved and timings is not None:
                 timings.saved()
             bar.update(1)

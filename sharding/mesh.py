@@ -1,5 +1,6 @@
-"""The device mesh: axes ("data", "fsdp", "context", "tensor"), data slowest (spans hosts),
-tensor fastest.
+"""The device mesh: axes ("data", "stage", "fsdp", "context", "tensor"), data slowest (spans
+hosts), tensor fastest; "stage" (pipeline stages, size 1 unless pipelining) sits between data
+and fsdp.
 
 `context` splits one LLM row over a group of devices (each holds an equal share of its tokens
 and gathers the keys and values of the group, every layer): for batches it is one more
@@ -12,9 +13,12 @@ inside a host: with L devices per process and fsdp * context * tensor dividing L
 holds L / (fsdp * context * tensor) whole `data` rows, and only the data-parallel gradient
 reduction crosses the network. A layout where they do not divide L still works but puts
 model-parallel (and the context groups' key/value) traffic on the network; `make_mesh` warns.
+Pipeline stages may span hosts: what crosses a stage boundary is one microbatch's activations
+per tick (point to point), far less than the gradient reduction.
 
-The mesh config is anything with ``data``, ``fsdp``, ``context`` and ``tensor`` sizes, as
-attributes (e.g. ``jaxmllm.config.MeshConfig``) or as mapping keys (a missing ``context`` is 1).
+The mesh config is anything with ``data``, ``stage``, ``fsdp``, ``context`` and ``tensor`` sizes,
+as attributes (e.g. ``jaxmllm.config.MeshConfig``) or as mapping keys (a missing key: its
+default).
 One of them may be -1: the remaining devices.
 """
 
@@ -31,10 +35,11 @@ from jax.sharding import AxisType, Mesh
 
 log = logging.getLogger("jaxmllm")
 
-AXES = ("data", "fsdp", "context", "tensor")  # mesh axis names, slowest to fastest
+AXES = ("data", "stage", "fsdp", "context", "tensor")  # mesh axis names, slowest to fastest
 DATA_AXES = ("data", "fsdp", "context")  # the axes a batch is split over
 CONTEXT_AXIS = "context"  # the axis an LLM row is split over (a context group)
-DEFAULT_SIZES = {"data": -1, "fsdp": 1, "context": 1, "tensor": 1}  # a missing key, as MeshConfig
+STAGE_AXIS = "stage"  # pipeline stages: a batch is replicated over it, stacked layers split
+DEFAULT_SIZES = {"data": -1, "stage": 1, "fsdp": 1, "context": 1, "tensor": 1}  # as MeshConfig
 
 
 class ShardingError(ValueError):
@@ -42,11 +47,12 @@ class ShardingError(ValueError):
 
 
 def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds the ("data", "fsdp", "context", "tensor") mesh over all (or the given) devices.
+    """Builds the ("data", "stage", "fsdp", "context", "tensor") mesh over all (or the given)
+    devices.
 
     Args:
-      mesh_cfg: Axis sizes as attributes or keys ``data``, ``fsdp``, ``context``, ``tensor``;
-        at most one -1.
+      mesh_cfg: Axis sizes as attributes or keys ``data``, ``stage``, ``fsdp``, ``context``,
+        ``tensor``; at most one -1.
       devices: Devices to use, all of them; default ``jax.devices()``.
 
     Returns:
@@ -64,7 +70,7 @@ def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mes
     # Several hosts: process by process, so tensor, context and fsdp groups stay inside a host.
     devices.sort(key=lambda d: (d.process_index, d.id))
     local = sum(d.process_index == devices[0].process_index for d in devices)
-    inner = math.prod(shape[1:])
+    inner = math.prod(shape[2:])  # fsdp x context x tensor
     if local % inner:
         log.warning(
             "mesh.fsdp x mesh.context x mesh.tensor = %d does not divide the %d devices of a "
@@ -75,8 +81,8 @@ def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mes
     return Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES, axis_types=types)
 
 
-def resolve_axis_sizes(mesh_cfg: Any, n_devices: int) -> tuple[int, int, int, int]:
-    """Returns (data, fsdp, context, tensor) with a -1 replaced by the remaining devices.
+def resolve_axis_sizes(mesh_cfg: Any, n_devices: int) -> tuple[int, ...]:
+    """Returns (data, stage, fsdp, context, tensor) with a -1 replaced by the remaining devices.
 
     Raises:
       ShardingError: Naming the ``mesh.*`` keys and the device count when sizes do not fit.
@@ -114,7 +120,7 @@ def context_size(mesh: Mesh) -> int:
 
 
 def _read_sizes(mesh_cfg: Any) -> dict[str, int]:
-    """Reads the four sizes from a mapping or an object, checking each is >= 1 or -1."""
+    """Reads the five sizes from a mapping or an object, checking each is >= 1 or -1."""
     get = mesh_cfg.get if isinstance(mesh_cfg, Mapping) else lambda k, d: getattr(mesh_cfg, k, d)
     sizes = {axis: get(axis, DEFAULT_SIZES[axis]) for axis in AXES}
     for axis, size in sizes.items():

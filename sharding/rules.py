@@ -36,6 +36,7 @@ RULES: dict[str, Rule] = {
     "mel": None,  # mel bins into the audio encoder
     "positions": None,  # rows of an absolute position table (SigLIP, Whisper)
     "layers": None,  # stacked (scanned) layers
+    "stage": "stage",  # pipelined layers [stage, layers per stage, ...]: a stage's slab each
 }
 
 

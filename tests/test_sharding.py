@@ -61,27 +61,29 @@ def llm_params():
 @pytest.mark.parametrize(
     "cfg, shape",
     [
-        ({"data": -1, "fsdp": 2, "tensor": 1}, (4, 2, 1, 1)),
-        ({"data": 2, "fsdp": 2, "tensor": 2}, (2, 2, 1, 2)),
-        ({"data": 1, "fsdp": -1, "tensor": 2}, (1, 4, 1, 2)),
-        ({"data": 2, "context": 4}, (2, 1, 4, 1)),
-        ({"data": 1, "context": -1}, (1, 1, 8, 1)),
-        ({}, (8, 1, 1, 1)),  # MeshConfig defaults: data=-1
+        ({"data": -1, "fsdp": 2, "tensor": 1}, (4, 1, 2, 1, 1)),
+        ({"data": 2, "fsdp": 2, "tensor": 2}, (2, 1, 2, 1, 2)),
+        ({"data": 1, "fsdp": -1, "tensor": 2}, (1, 1, 4, 1, 2)),
+        ({"data": 2, "context": 4}, (2, 1, 1, 4, 1)),
+        ({"data": 1, "context": -1}, (1, 1, 1, 8, 1)),
+        ({"data": 2, "stage": 4}, (2, 4, 1, 1, 1)),
+        ({"stage": 2, "fsdp": 2}, (2, 2, 2, 1, 1)),
+        ({}, (8, 1, 1, 1, 1)),  # MeshConfig defaults: data=-1
     ],
 )
 def test_make_mesh_shapes(cfg, shape):
     mesh = sharding.make_mesh(cfg)
-    assert mesh.axis_names == ("data", "fsdp", "context", "tensor")
+    assert mesh.axis_names == ("data", "stage", "fsdp", "context", "tensor")
     assert tuple(mesh.shape.values()) == shape
-    assert mesh.axis_types == (AxisType.Auto,) * 4
-    # a batch's device buckets: every device but the tensor groups' copies
-    assert sharding.data_parallel_size(mesh) == shape[0] * shape[1] * shape[2]
-    assert sharding.context_size(mesh) == shape[2]
+    assert mesh.axis_types == (AxisType.Auto,) * 5
+    # a batch's device buckets: every device but the tensor groups' copies and the stages
+    assert sharding.data_parallel_size(mesh) == shape[0] * shape[2] * shape[3]
+    assert sharding.context_size(mesh) == shape[3]
 
 
 def test_make_mesh_accepts_config_object():
     mesh = sharding.make_mesh(SimpleNamespace(data=4, fsdp=2, tensor=1))
-    assert dict(mesh.shape) == {"data": 4, "fsdp": 2, "context": 1, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 4, "stage": 1, "fsdp": 2, "context": 1, "tensor": 1}
 
 
 def test_make_mesh_on_given_devices():

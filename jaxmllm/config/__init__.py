@@ -5,7 +5,8 @@ valid one), wrong types and failed checks, always naming the key and the file, s
 stops the run at start-up with a message that says what to change.
 
 Rooms, bottom to top: `checks` (ConfigError and the checks), `model` (encoders, decoder, how
-they compute), `sections` (mesh, batch, data, optimizer, loop, launch), `load` (the whole
+they compute), `sections` (mesh, pipeline, batch, data, optimizer, loop,
+launch), `load` (the whole
 `Config`, YAML and overrides).
 """
 
@@ -29,6 +30,7 @@ from jaxmllm.config.sections import (
     EvalConfig,
     MeshConfig,
     OptimConfig,
+    PipelineConfig,
     SyntheticConfig,
     TrainConfig,
 )
@@ -50,6 +52,7 @@ __all__ = [
     "MeshConfig",
     "ModelConfig",
     "OptimConfig",
+    "PipelineConfig",
     "SyntheticConfig",
     "TrainConfig",
     "VisionConfig",

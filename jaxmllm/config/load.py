@@ -26,6 +26,7 @@ from jaxmllm.config.sections import (
     DistributedConfig,
     MeshConfig,
     OptimConfig,
+    PipelineConfig,
     TrainConfig,
 )
 
@@ -41,6 +42,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self):
         vis, b = self.model.vision, self.batch
@@ -71,6 +73,8 @@ class Config:
         )
         if self.mesh.context > 1:
             self._check_context()
+        if self.mesh.stage > 1:
+            self._check_pipeline()
 
     def _check_context(self) -> None:
         """Context parallelism deals a row's query blocks of block-sparse attention to the
@@ -97,6 +101,59 @@ class Config:
             f"mesh.context={self.mesh.context}: context parallelism masks keys by 1D token "
             "positions; set model.llm.mrope_section: [0, 0, 0] or mesh.context: 1",
             "model.llm.mrope_section",
+        )
+
+    def _check_pipeline(self) -> None:
+        """Layer counts given per stage add up to the module's depth; placements name encoders
+        that exist; what the pipeline does not run is refused, naming both keys."""
+        p, m = self.pipeline, self.model
+        for name, depth in (("llm", m.llm.depth), ("vision", m.vision.depth),
+                            ("audio", m.audio.depth)):  # fmt: skip
+            layers = getattr(p, f"{name}_layers")
+            check(
+                not layers or sum(layers) == depth,
+                f"{list(layers)} adds up to {sum(layers)} layers, but model.{name}.depth is "
+                f"{depth}",
+                f"pipeline.{name}_layers",
+            )
+        for name in ("vision", "audio"):
+            enabled = getattr(m, name).enabled
+            check(
+                enabled or (getattr(p, name) != "stages" and not getattr(p, f"{name}_layers")),
+                f"model.{name}.enabled is false: there is no {name} encoder to place",
+                f"pipeline.{name}",
+            )
+            check(
+                not getattr(p, f"{name}_layers") or getattr(p, name) == "stages",
+                f"layers per {name} stage need pipeline.{name}: stages",
+                f"pipeline.{name}_layers",
+            )
+        # Not (yet) run inside the pipeline's shard_map over the stages.
+        stage = f"with mesh.stage={self.mesh.stage} (pipeline stages)"
+        check(
+            self.mesh.context == 1,
+            f"context parallelism is not supported {stage}: set mesh.context: 1 or mesh.stage: 1",
+            "mesh.context",
+        )
+        split = self.mesh.fsdp != 1 or self.mesh.tensor != 1  # (vocab_parallel splits over them)
+        check(
+            not (m.llm.vocab_parallel and split),
+            f"is not supported {stage} over fsdp or tensor: set model.llm.vocab_parallel: false, "
+            "or mesh.fsdp: 1 and mesh.tensor: 1",
+            "model.llm.vocab_parallel",
+        )
+        check(
+            not any(m.llm.mrope_section),
+            f"(M-RoPE) is not supported {stage}: set mesh.stage: 1",
+            "model.llm.mrope_section",
+        )
+        given = [k for k in ("llm", "vision", "audio", "run") if getattr(m.init_from, k)]
+        check(
+            not given,
+            f"{', '.join(given)}: pretrained starts are not supported {stage}: start with "
+            "mesh.stage: 1 and resume its checkpoint under the stages (checkpoints do not "
+            "depend on the stage count)",
+            "model.init_from",
         )
 
     def _check_blocks(self) -> None:
@@ -213,6 +270,13 @@ def _coerce(tp: Any, value: Any, *, source: str, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         tp = next(a for a in args if a is not type(None))
+    if origin is tuple and typing.get_args(tp)[-1:] == (Ellipsis,):  # any length: tuple[int, ...]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{source}: {key} must be a list, got {value!r}")
+        item = typing.get_args(tp)[0]
+        return tuple(
+            _coerce(item, v, source=source, key=f"{key}[{i}]") for i, v in enumerate(value)
+        )
     if origin is tuple:  # fixed-length, e.g. tuple[float, float, float]
         args = typing.get_args(tp)
         if not isinstance(value, list | tuple) or len(value) != len(args):

@@ -17,6 +17,7 @@ class MeshConfig:
     """Device mesh. Axis sizes multiply to the device count; -1 takes the remaining devices."""
 
     data: int = -1  # pure data parallelism (replicated params); slowest axis, spans hosts
+    stage: int = 1  # pipeline stages: the stacked layers split into stages (see `pipeline`)
     fsdp: int = 1  # data parallelism with params/optimizer state sharded over this axis
     # Context parallelism: an LLM row is split over this many devices (a context group, inside
     # a host), batch.llm_row_len tokens each, keys and values gathered over the group; the
@@ -31,6 +32,58 @@ class MeshConfig:
             "must be >= 1 (the devices one LLM row is split over; 1 = no context parallelism)",
             "context",
         )
+        check(self.stage >= 1, "must be >= 1 (1: no pipeline); -1 is not allowed here", "stage")
+
+
+SCHEDULES = ("auto", "gpipe", "1f1b")
+PLACEMENTS = ("auto", "stages", "data")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline parallelism (`mesh.stage` > 1): how layers and encoders are split into stages.
+
+    Left on auto, a partitioner (jaxmllm/pipeline/partition.py) chooses from the cost model,
+    with the frozen modules' multipliers, and prints the plan at start-up.
+    """
+
+    schedule: str = "auto"  # gpipe | 1f1b | auto (the one with the least predicted step time)
+    # Where each encoder (with its projector) runs: stages (its own pipeline stages, in front of
+    # the LLM's) | data (data-parallel across the stage axis before the pipeline, each stage
+    # encoding a share of the microbatches) | auto (the partitioner's choice)
+    vision: str = "auto"
+    audio: str = "auto"
+    llm_layers: tuple[int, ...] = ()  # LLM layers per LLM stage, first to last; () = auto
+    vision_layers: tuple[int, ...] = ()  # vision layers per vision stage (vision: stages)
+    audio_layers: tuple[int, ...] = ()  # audio layers per audio stage (audio: stages)
+    # Per-step variants: each encoder bucket may also run at these fractions of its capacity
+    # (batch.vision_patches, audio_frames); 0 skips the encoder in a step without its modality.
+    # One compiled program per variant used; the data thread picks each step's by predicted
+    # time among those that hold the step.
+    encoder_fractions: tuple[float, ...] = (1.0,)
+
+    def __post_init__(self):
+        check(self.schedule in SCHEDULES, f"must be one of {', '.join(SCHEDULES)}", "schedule")
+        for key in ("vision", "audio"):
+            check(getattr(self, key) in PLACEMENTS, f"must be one of {', '.join(PLACEMENTS)}", key)
+        for key in ("llm_layers", "vision_layers", "audio_layers"):
+            value = getattr(self, key)
+            check(
+                isinstance(value, list | tuple)
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in value),
+                "must be a list of layer counts >= 1, one per stage (or [] for auto)",
+                key,
+            )
+            object.__setattr__(self, key, tuple(value))
+        fractions = self.encoder_fractions
+        check(
+            isinstance(fractions, list | tuple)
+            and 1.0 in fractions
+            and all(isinstance(f, int | float) and 0 <= f <= 1 for f in fractions),
+            "must be a list of fractions in [0, 1] that holds 1 (the full bucket)",
+            "encoder_fractions",
+        )
+        object.__setattr__(self, "encoder_fractions", tuple(sorted({float(f) for f in fractions})))
 
 
 @dataclass(frozen=True)

@@ -155,19 +155,19 @@ class CostModel:
         v, a, lm = model.vision, model.audio, model.llm
         enc_trainable = (v.enabled and not v.freeze) or (a.enabled and not a.freeze)
         below_llm = enc_trainable or not model.projector_freeze
-        m_llm = _multiplier(lm.freeze, below_llm)
-        m_vis, m_aud = _multiplier(v.freeze, False), _multiplier(a.freeze, False)
-        m_proj = _multiplier(model.projector_freeze, enc_trainable)
+        m_llm = multiplier(lm.freeze, below_llm)
+        m_vis, m_aud = multiplier(v.freeze, False), multiplier(a.freeze, False)
+        m_proj = multiplier(model.projector_freeze, enc_trainable)
         head = getattr(lm, "head_dim", 0) or lm.width // lm.heads  # (runs before head_dim)
         q, kv = head * lm.heads, head * lm.kv_heads  # query (and output) width, key/value width
         mlp = lambda section: getattr(section, "mlp", "gated_silu")
-        llm_lin = lm.depth * _layer_linear(lm.width, kv, lm.mlp_dim, q, mlp(lm))
+        llm_lin = lm.depth * layer_linear(lm.width, kv, lm.mlp_dim, q, mlp(lm))
         llm_lin += 2 * lm.width * lm.vocab_size
         llm_quad = lm.depth * 2.0 * q  # causal: half of 4*d
         area = v.merge**2
         hid_v = getattr(v, "projector_dim", 0) or lm.width
         proj_v = 2 * (area * v.width * hid_v + hid_v * lm.width) / area  # per patch
-        vis_lin = v.depth * _layer_linear(v.width, v.width, v.mlp_dim, mlp=mlp(v))
+        vis_lin = v.depth * layer_linear(v.width, v.width, v.mlp_dim, mlp=mlp(v))
         vis_quad = v.depth * 4.0 * v.width
         stem = getattr(a, "stem", "pairs")
         s, r = a.subsample, 2 if stem == "whisper" else 4  # frames per LLM token, per encoder row
@@ -177,7 +177,7 @@ class CostModel:
             conv = 2 * 3 * a.width * (a.n_mels + a.width / 2)
         else:  # (two 3-tap stride-2 convs, as first modelled: within a few % of the two pairs)
             conv = 2 * 9 * a.width * (a.n_mels + a.width) / s
-        aud_lin = a.depth * _layer_linear(a.width, a.width, a.mlp_dim, mlp=mlp(a)) / r + conv
+        aud_lin = a.depth * layer_linear(a.width, a.width, a.mlp_dim, mlp=mlp(a)) / r + conv
         aud_quad = a.depth * 4.0 * a.width / (r * r)
         return cls(
             llm=PhaseCost(m_llm * llm_lin, m_llm * llm_quad),
@@ -186,13 +186,15 @@ class CostModel:
         )
 
 
-def _multiplier(frozen: bool, trainable_below: bool) -> int:
+def multiplier(frozen: bool, trainable_below: bool) -> int:
+    """Training cost over forward cost: 3 trainable, 2 frozen that still passes gradients to
+    something trainable below it, 1 frozen with nothing trainable below (forward only)."""
     if not frozen:
         return 3
     return 2 if trainable_below else 1
 
 
-def _layer_linear(d: int, d_kv: int, f: int, d_q: int = 0, mlp: str = "gated_silu") -> float:
+def layer_linear(d: int, d_kv: int, f: int, d_q: int = 0, mlp: str = "gated_silu") -> float:
     """Forward FLOPs per token of a layer's projections: q and o (d x d_q), k and v (d x d_kv),
     the MLP (3 matrices gated, 2 otherwise)."""
     d_q = d_q or d

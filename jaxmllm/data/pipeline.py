@@ -36,6 +36,7 @@ from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.data.specials import RESERVED
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.metrics import StepCounter
+from jaxmllm.pipeline.choose import Variants
 from jaxmllm.plan.capacity import (
     HELD_DRY_RUN_STEPS,
     ROUTE_DRY_RUN_STEPS,
@@ -289,6 +290,7 @@ class StepIterator(grain.DatasetIterator):
         self.loader: Loader | None = None
         self._restored_rejects: dict[str, int] = {}  # load-time reject counts of earlier runs
         self.count = StepCounter(cfg)  # real tokens and analytic FLOPs of each step
+        self.variants = Variants.of(cfg)  # pipeline.encoder_fractions: each step's buckets
         self.to_device = to_device
 
     def __next__(self) -> dict[str, Any]:
@@ -304,8 +306,12 @@ class StepIterator(grain.DatasetIterator):
         batch = bucketize(
             plan, samples, self.cfg, self.caps, self.positions, self.index, self.specials
         )
+        variant = "whole"
+        if self.variants is not None:  # a compiled program per variant used
+            batch, variant = self.variants.pick(plan, self.index, batch)
         info = {
             "step": plan.step,
+            "variant": variant,
             "samples": plan.samples.copy(),  # the whole step's, on every host
             "parts": parts,  # what this host read, trains (text) and encodes
             "deferred": plan.deferred,

@@ -83,6 +83,11 @@ class AudioEncoder(nnx.Module):
         Returns:
           Features [B, F // stride, width] in the compute dtype, one row per `stride` frames.
         """
+        return self.transformer(*self.prepare(frames_bfm, segment_ids_bf, positions_bf, tiles_bk2))
+
+    def prepare(self, frames_bfm, segment_ids_bf, positions_bf, tiles_bk2=None):
+        """What the transformer takes (the arguments as in `__call__`): the subsampled rows,
+        their packing and positions (a pipeline runs the stack's layers stage by stage)."""
         if self.stem == "whisper":
             x_bnd = self._whisper_stem(frames_bfm, segment_ids_bf)
         else:
@@ -103,7 +108,7 @@ class AudioEncoder(nnx.Module):
             block=self.block,
             documents=self.documents,
         )
-        return self.transformer(x_bnd, pack, positions_bn)
+        return x_bnd, pack, positions_bn
 
     def _whisper_stem(self, frames_bfm: jax.Array, segment_ids_bf: jax.Array) -> jax.Array:
         gelu = ACTIVATIONS["gelu"]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmllm.config import LLMConfig
-from jaxmllm.models.attention import packing
+from jaxmllm.models.attention import Packing, packing
 from jaxmllm.models.layers import Dense, Embed
 from jaxmllm.models.transformer import BlockSpec, Transformer
 from jaxmllm.models.vocab import losses, vocab_axes
@@ -101,7 +101,11 @@ class Decoder(nnx.Module):
         Returns:
           Final hidden states [B, T, width] in the compute dtype.
         """
-        pack = packing(
+        return self.transformer(x_btd, self.packing(segment_ids_bt, tiles_bk2), positions_bt)
+
+    def packing(self, segment_ids_bt: jax.Array, tiles_bk2: jax.Array | None = None) -> Packing:
+        """Causal attention within each packed document (arguments as in `__call__`)."""
+        return packing(
             segment_ids_bt,
             causal=True,
             kind=self.attention,
@@ -110,7 +114,6 @@ class Decoder(nnx.Module):
             documents=self.documents,
             context=True,  # split over the mesh's context groups, if it has them
         )
-        return self.transformer(x_btd, pack, positions_bt)
 
     def head(self) -> tuple[jax.Array, bool, float]:
         """The output projection (weight, rows_first, divisor): the tied table [vocab, width]

@@ -25,7 +25,7 @@ from jaxmllm.models.layers import Axes
 from jaxmllm.models.llm import Decoder, chunked_token_losses
 from jaxmllm.models.projectors import audio_projector, vision_projector
 from jaxmllm.models.vision import VisionEncoder
-from sharding import DATA_AXES
+from sharding import DATA_AXES, STAGE_AXIS
 
 
 class MultimodalLM(nnx.Module):
@@ -76,6 +76,20 @@ class MultimodalLM(nnx.Module):
         """
         return self.llm.logits(self.hidden(mb))
 
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """The encoder phases this model has, in the order their rows are exchanged."""
+        return tuple(p for p in ("vision", "audio") if getattr(self, p) is not None)
+
+    def encode(self, mb: dict[str, jax.Array], phase: str) -> jax.Array:
+        """One phase's projector output rows [D, N, llm width]: its encoder, then projector."""
+        encoder, projector = getattr(self, phase), getattr(self, f"{phase}_projector")
+        inputs = mb["vision_patches"] if phase == "vision" else mb["audio_frames"]
+        feats = encoder(
+            inputs, mb[f"{phase}_segment_ids"], mb[f"{phase}_positions"], mb.get(f"{phase}_tiles")
+        )
+        return projector(feats)
+
     def losses(self, mb: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         """(summed masked cross entropy, loss-token count) of one microbatch; the logits are
         projected a slice of tokens at a time (`model.llm.logits_chunk`)."""
@@ -90,49 +104,47 @@ class MultimodalLM(nnx.Module):
 
     def hidden(self, mb: dict[str, jax.Array]) -> jax.Array:
         """The decoder's final hidden states [D, R, L, width] for one microbatch."""
-        x_drlw = self.inputs(mb)
-        d, r, length, width = x_drlw.shape
-        # Block-sparse attention takes a device's rows as one row (its tiles say which blocks
-        # meet); the others attend within each row.
-        rows = d if self.llm.attention == "block_sparse" else d * r
-        h = self.llm.hidden(
-            x_drlw.reshape(rows, -1, width),
-            mb["llm_segment_ids"].reshape(rows, -1),
-            mb["llm_positions"].reshape(rows, -1, *mb["llm_positions"].shape[3:]),
-            mb.get("llm_tiles"),
-        )
-        return h.reshape(d, r, length, width)
+        x_bsw, segment_ids_bs, positions_bs = self.decoder_inputs(mb)
+        h = self.llm.hidden(x_bsw, segment_ids_bs, positions_bs, mb.get("llm_tiles"))
+        return h.reshape(*mb["llm_tokens"].shape, -1)
 
-    def inputs(self, mb: dict[str, jax.Array]) -> jax.Array:
+    def decoder_inputs(
+        self, mb: dict[str, jax.Array], rows: dict[str, jax.Array] | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`inputs` as the decoder takes them, with their segment ids and positions
+        ([rows, T, W], [rows, T], [rows, T] or [rows, T, 3]; see `decoder_rows`)."""
+        segment_ids_bs, positions_bs = self.decoder_rows(mb)
+        x_drlw = self.inputs(mb, rows)
+        return x_drlw.reshape(*segment_ids_bs.shape, -1), segment_ids_bs, positions_bs
+
+    def decoder_rows(self, mb: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """The decoder's rows' segment ids and positions: block-sparse attention takes a device's
+        rows as one row (its tiles say which blocks meet); the others attend within each row."""
+        d, r, _ = mb["llm_segment_ids"].shape
+        n = d if self.llm.attention == "block_sparse" else d * r
+        positions = mb["llm_positions"]
+        return mb["llm_segment_ids"].reshape(n, -1), positions.reshape(n, -1, *positions.shape[3:])
+
+    def inputs(
+        self, mb: dict[str, jax.Array], rows: dict[str, jax.Array] | None = None
+    ) -> jax.Array:
         """The decoder's input embeddings [D, R, L, width]: token embeddings, the placeholder
-        slots filled with the projected encoder rows (what KV-cache decoding prefills too)."""
+        slots filled with the projected encoder rows (what KV-cache decoding prefills too);
+        `rows`: each phase's projector rows when computed already (a pipeline's encoder
+        stages), else encoded here."""
+        if rows is None:
+            rows = {phase: self.encode(mb, phase) for phase in self.phases}
         # The table is sharded on `embed`; pin the lookup to the batch layout so XLA does not
         # carry the table's layout into the activations (a full rematerialisation otherwise).
         x_drlw = shard_like_batch(self.llm.embed(mb["llm_tokens"]))
-        phases = []  # (projector output rows [D, N, W], send table, slot sources)
-        if self.vision is not None:
-            feats = self.vision(
-                mb["vision_patches"],
-                mb["vision_segment_ids"],
-                mb["vision_positions"],
-                mb.get("vision_tiles"),
-            )
-            phases.append((self.vision_projector(feats), "vision"))
-        if self.audio is not None:
-            feats = self.audio(
-                mb["audio_frames"],
-                mb["audio_segment_ids"],
-                mb["audio_positions"],
-                mb.get("audio_tiles"),
-            )
-            phases.append((self.audio_projector(feats), "audio"))
+        names = list(rows)
         buffers = self._route(
-            [rows for rows, _ in phases],
-            [mb.get(f"{p}_send") for _, p in phases],
-            [mb.get(f"{p}_send_count") for _, p in phases],
+            [rows[p] for p in names],
+            [mb.get(f"{p}_send") for p in names],
+            [mb.get(f"{p}_send_count") for p in names],
         )
         buffers = [gather_rows(b) for b in buffers]  # (a context group's slots read its rows)
-        for buffer, (_, phase) in zip(buffers, phases, strict=True):
+        for buffer, phase in zip(buffers, names, strict=True):
             x_drlw = fill_slots(x_drlw, buffer, mb[f"llm_{phase}_src"])
         return x_drlw
 
@@ -191,9 +203,11 @@ def exchange_rows(
         parts = jnp.split(received_dcw, np.cumsum(caps)[:-1].tolist(), axis=1)
         return [p.reshape(-1, p.shape[-1]) for p in parts]
 
-    if not axes or shards == 1:
+    if not axes or shards == 1 or STAGE_AXIS in mesh.manual_axes:
+        # Inside a pipeline's shard_map over the stages a nested one over the data axes does not
+        # lower (stage-varying operands): the transpose, resharded by XLA (an all-to-all).
         sent_sdcw = jax.vmap(gather)(rows, sends)
-        return jax.vmap(split)(jnp.swapaxes(sent_sdcw, 0, 1))
+        return jax.vmap(split)(shard_like_batch(jnp.swapaxes(sent_sdcw, 0, 1)))
     if rows[0].shape[0] != shards:
         raise ValueError(
             f"the exchange needs one bucket per data-parallel shard: got {rows[0].shape[0]} "

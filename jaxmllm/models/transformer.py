@@ -136,19 +136,35 @@ class Transformer(nnx.Module):
         self.remat_policy = remat_policy
 
     def __call__(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> jax.Array:
+        return self.final_norm(self.layers(x_btd, pack, positions))
+
+    def layers(
+        self, x_btd: jax.Array, pack: Packing, positions: jax.Array, count: jax.Array | None = None
+    ) -> jax.Array:
+        """The stacked blocks without the final norm; with `count`, only the first `count`
+        (a pipeline stage's slab of layers padded to the largest stage's)."""
         graphdef, stacked = nnx.split(self.blocks)
 
-        def layer(x_btd, block_state):
-            return nnx.merge(graphdef, block_state)(x_btd, pack, positions), None
+        def block(x_btd, block_state):
+            return nnx.merge(graphdef, block_state)(x_btd, pack, positions)
 
         if self.remat:
             # Inside a scan XLA cannot merge the recomputation with the forward pass, so the
             # guard against that (prevent_cse) would only block optimisations.
-            layer = jax.checkpoint(
-                layer, policy=REMAT_POLICIES[self.remat_policy], prevent_cse=False
+            block = jax.checkpoint(
+                block, policy=REMAT_POLICIES[self.remat_policy], prevent_cse=False
             )
-        x_btd, _ = jax.lax.scan(layer, x_btd, stacked)
-        return self.final_norm(x_btd)
+        if count is None:
+            x_btd, _ = jax.lax.scan(lambda x, st: (block(x, st), None), x_btd, stacked)
+            return x_btd
+
+        def masked(x_btd, step):  # a padding slot is skipped, not computed
+            j, block_state = step
+            return jax.lax.cond(j < count, block, lambda x, _: x, x_btd, block_state), None
+
+        depth = jax.tree.leaves(stacked)[0].shape[0]
+        x_btd, _ = jax.lax.scan(masked, x_btd, (jnp.arange(depth), stacked))
+        return x_btd
 
 
 def stack_modules(modules: Sequence[nnx.Module], axis_name: str) -> nnx.Module:

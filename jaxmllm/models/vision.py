@@ -82,6 +82,13 @@ class VisionEncoder(nnx.Module):
         Returns:
           Patch features [B, P, width] in the compute dtype.
         """
+        return self.transformer(
+            *self.prepare(patches_bpc, segment_ids_bp, positions_bp2, tiles_bk2)
+        )
+
+    def prepare(self, patches_bpc, segment_ids_bp, positions_bp2, tiles_bk2=None):
+        """What the transformer takes (the arguments as in `__call__`): the embedded patches,
+        their packing and positions (a pipeline runs the stack's layers stage by stage)."""
         if self.temporal_patch > 1:
             patches_bpc = jnp.concatenate([patches_bpc] * self.temporal_patch, axis=-1)
         x_bpd = self.patch_embed(patches_bpc)
@@ -97,4 +104,4 @@ class VisionEncoder(nnx.Module):
             block=self.block,
             documents=self.documents,
         )
-        return self.transformer(x_bpd, pack, positions_bp2)
+        return x_bpd, pack, positions_bp2
