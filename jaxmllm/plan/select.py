@@ -146,14 +146,26 @@ class Selector:
                 break
             chosen[np.concatenate(picks)] = True
             left = left - total
-        if not small and not chosen.any():
+        if not small:
             # FILL leaves room for packing slack that one sample alone does not need: a
             # document as long as a microbatch's only row (one context group) still goes (its
-            # units in; its exact tiles, from the row's start, the tile budget checks).
+            # units in; its exact tiles, from the row's start, the tile budget checks): when
+            # nothing else fits, or when it is urgent (the rounds skip what FILL cannot hold,
+            # so it would wait past the age bound while smaller samples fill the row).
+            alone = cand
+            if chosen.any():
+                alone = cand[~chosen[cand]] if urgent is not None else cand[:0]
+                if urgent is not None:
+                    alone = alone[urgent[alone]]
+                alone = alone[~_fits(np.take(work, alone, axis=1), full)]
             whole = np.where(self.units, self.caps.devices * self.cap_vec, np.inf)
-            fit = np.flatnonzero(_fits(np.take(work, cand, axis=1), whole))
-            chosen[cand[fit[:1]]] = True
-            return np.flatnonzero(chosen)
+            fit = np.flatnonzero(_fits(np.take(work, alone, axis=1), whole))
+            if len(fit):
+                chosen[:] = False
+                chosen[alone[fit[0]]] = True
+                return np.flatnonzero(chosen)
+            if not chosen.any():
+                return np.flatnonzero(chosen)
         if urgent is not None:
             self.swap(work, taken, chosen, left, urgent)
         return np.flatnonzero(chosen)
