@@ -76,7 +76,8 @@ def _frames(prompt: Sample) -> int:
 def prompt_config(cfg: Config, shapes: PromptShapes) -> Config:
     """`cfg` for prompt batches: one microbatch of `shapes.rows` buckets of one row each,
     encoder rows read locally, dense attention (no tile lists: prompts are short, and the
-    decoder's cache attention is dense anyway). The parameters are the same as `cfg`'s."""
+    decoder's cache attention is dense anyway), rows whole on a device. The parameters are the
+    same as `cfg`'s."""
     batch = dataclasses.replace(
         cfg.batch,
         microbatches=1,
@@ -89,7 +90,10 @@ def prompt_config(cfg: Config, shapes: PromptShapes) -> Config:
         planner="first_fit",  # (orchestrated refuses local routing; no planner runs here)
     )
     model = dataclasses.replace(cfg.model, attention="dense")
-    return dataclasses.replace(cfg, batch=batch, model=model)
+    # A prompt row is whole on its device and the model is whole in each program (evaluation
+    # reads the parameters in their [depth, ...] form): no context groups, no stages.
+    mesh = dataclasses.replace(cfg.mesh, context=1, stage=1)
+    return dataclasses.replace(cfg, batch=batch, model=model, mesh=mesh)
 
 
 def prompt_batch(
