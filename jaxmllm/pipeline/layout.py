@@ -74,30 +74,31 @@ class Layout:
     def to_stages(self, tree: Any) -> Any:
         """[depth, ...] -> [stage, slots, ...] for every leaf under a pipelined stack."""
 
-        def convert(keypath, leaf):
-            seg = self.segment_of(key_parts(keypath))
-            if seg is None:
-                return leaf
-            idx, used = self.gather_index(seg)
+        def convert(leaf, idx, used):
             taken = jnp.take(leaf, jnp.asarray(idx), axis=0)
             mask = jnp.asarray(used).reshape(used.shape + (1,) * (leaf.ndim - 1))
             return jnp.where(mask, taken, jnp.zeros((), leaf.dtype))
 
-        return jax.tree_util.tree_map_with_path(convert, tree)
+        return self._per_segment(tree, convert)
 
     def to_depth(self, tree: Any) -> Any:
         """[stage, slots, ...] -> [depth, ...]: the inverse of `to_stages` (padding dropped)."""
 
-        def convert(keypath, leaf):
-            seg = self.segment_of(key_parts(keypath))
-            if seg is None:
-                return leaf
-            idx, used = self.gather_index(seg)
+        def convert(leaf, idx, used):
             flat = np.flatnonzero(used.reshape(-1))[np.argsort(idx.reshape(-1)[used.reshape(-1)])]
             rows = leaf.reshape((-1,) + leaf.shape[2:])
             return jnp.take(rows, jnp.asarray(flat), axis=0)
 
-        return jax.tree_util.tree_map_with_path(convert, tree)
+        return self._per_segment(tree, convert)
+
+    def _per_segment(self, tree: Any, convert) -> Any:
+        """`convert(leaf, gather index, used)` on every leaf under a pipelined stack."""
+
+        def at(keypath, leaf):
+            seg = self.segment_of(key_parts(keypath))
+            return leaf if seg is None else convert(leaf, *self.gather_index(seg))
+
+        return jax.tree_util.tree_map_with_path(at, tree)
 
     def axes(self, axes_tree: Any) -> Any:
         """Logical axes of the [stage, slots, ...] form: 'stage' before a stack's 'layers'."""
