@@ -75,9 +75,11 @@ def assert_same_math(got, want):
 
 @pytest.mark.slow  # two compiles (pipelined and not), ~70 s on a busy 2-core box
 def test_text_only_pipeline_of_uneven_stages_matches_the_unpipelined_step():
-    """2 stages x 4 data-parallel buckets, LLM layers split 1 + 2."""
+    """2 stages x 4 data-parallel buckets, LLM layers split 1 + 2; the loss projects 48 tokens'
+    logits at a time (chunks that do not divide a row: the last one padded)."""
     prog, _, got, want, _ = pipelined_and_reference(
-        *TEXT_ONLY, "mesh.stage=2", "mesh.data=4", "mesh.fsdp=1", "pipeline.llm_layers=[1,2]"
+        *TEXT_ONLY, "mesh.stage=2", "mesh.data=4", "mesh.fsdp=1", "pipeline.llm_layers=[1,2]",
+        "model.llm.logits_chunk=48",
     )
     assert prog.plan.layers("llm") == (1, 2)
     assert_same_math(got, want)
@@ -98,7 +100,8 @@ def test_text_only_pipeline_of_uneven_stages_matches_the_unpipelined_step():
         # 4 stages x 2: each encoder its own stage (audio frozen, vision trainable), the LLM on 2.
         pytest.param(
             ["mesh.stage=4", "mesh.data=2", "mesh.fsdp=1", "model.audio.freeze=true",
-             "pipeline.vision=stages", "pipeline.audio=stages", "model.llm.depth=2"],
+             "pipeline.vision=stages", "pipeline.audio=stages", "model.llm.depth=2",
+             "model.llm.logits_chunk=64"],
             True, id="stage4-data2-encoder-stages",
         ),
         # 2 stages x 4, everything trainable: vision its own stage, audio data-parallel.

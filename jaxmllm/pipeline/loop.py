@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxmllm.models import token_losses
+from jaxmllm.models.llm import chunked_token_losses
 from jaxmllm.pipeline.layout import Layout
 from sharding import STAGE_AXIS
 from sharding.rules import key_parts
@@ -97,11 +97,16 @@ def _body(parts, layout: Layout, params, frozen, batch):
 
 
 def _head_loss(model, mb, x_bsw):
-    """The summed token losses of a microbatch's last-stage hidden states. Whole logits, not
-    `chunked_token_losses`: its scan's carry starts stage-invariant inside the shard_map."""
-    logits = model.llm.logits(model.llm.transformer.final_norm(x_bsw))
-    logits = logits.reshape(*mb["llm_tokens"].shape, -1)
-    return token_losses(logits, mb["llm_targets"], mb["llm_loss_mask"])[0]
+    """The summed token losses of a microbatch's last-stage hidden states, the logits projected
+    `model.llm.logits_chunk` tokens at a time as without a pipeline."""
+    d = mb["llm_tokens"].shape[0]
+    h = model.llm.transformer.final_norm(x_bsw)
+    return chunked_token_losses(
+        model.llm,
+        h.reshape(d, -1, h.shape[-1]),
+        mb["llm_targets"].reshape(d, -1),
+        mb["llm_loss_mask"].reshape(d, -1),
+    )[0]
 
 
 def _shares(s, stages: int, m: int, fn: Callable, batch) -> jax.Array:
