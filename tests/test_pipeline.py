@@ -78,7 +78,11 @@ def test_text_only_pipeline_of_uneven_stages_matches_the_unpipelined_step():
     """2 stages x 4 data-parallel buckets, LLM layers split 1 + 2; the loss projects 48 tokens'
     logits at a time (chunks that do not divide a row: the last one padded)."""
     prog, _, got, want, _ = pipelined_and_reference(
-        *TEXT_ONLY, "mesh.stage=2", "mesh.data=4", "mesh.fsdp=1", "pipeline.llm_layers=[1,2]",
+        *TEXT_ONLY,
+        "mesh.stage=2",
+        "mesh.data=4",
+        "mesh.fsdp=1",
+        "pipeline.llm_layers=[1,2]",
         "model.llm.logits_chunk=48",
     )
     assert prog.plan.layers("llm") == (1, 2)
