@@ -17,6 +17,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import sharding
 from jaxmllm.bench.throughput import device_batch
@@ -79,17 +80,29 @@ class StageTimer:
         }
 
     def times(self) -> tuple[list[float], list[float]]:
-        fwd, bwd, carried = [], [], {}
+        """Per stage, the median forward time and the median forward + backward time less the
+        forward's. The stages' programs are timed in turn, round after round, so a spell of
+        other work on a shared box lands on every stage alike instead of on whichever stage
+        was being timed then (GPipe's length takes each tick's slowest stage, so noise that
+        hits one stage's figure alone reads as bubble)."""
+        programs, carried = [], {}
         for stage in self.stages:
             fn, wrt, const = self._function(stage, carried.get(stage.segment))
-            out = jax.jit(fn)(wrt, const)
+            forward = jax.jit(fn)
+            out = forward(wrt, const)
             carried[stage.segment] = out if not self._is_last(stage) else None
-            t_f = self._time(jax.jit(fn), wrt, const)
-            has_grad = bool(jax.tree.leaves(wrt))
-            grad = jax.jit(lambda w, c, fn=fn: jax.grad(lambda w: _total(fn(w, c)))(w))
-            t_fb = self._time(grad, wrt, const) if has_grad else t_f
-            fwd.append(t_f)
-            bwd.append(max(t_fb - t_f, 0.0))
+            grad = None
+            if jax.tree.leaves(wrt):  # a stage with nothing to differentiate has no backward
+                grad = jax.jit(lambda w, c, fn=fn: jax.grad(lambda w: _total(fn(w, c)))(w))
+                jax.block_until_ready(grad(wrt, const))  # compile and warm up
+            programs.append((forward, grad, wrt, const))
+        runs = [([], []) for _ in programs]
+        for _ in range(self.repeats):
+            for (forward, grad, wrt, const), (f_runs, fb_runs) in zip(programs, runs, strict=True):
+                f_runs.append(_seconds(forward, wrt, const))
+                fb_runs.append(_seconds(grad, wrt, const) if grad else f_runs[-1])
+        fwd = [float(np.median(f)) for f, _ in runs]
+        bwd = [max(float(np.median(fb)) - t, 0.0) for (_, fb), t in zip(runs, fwd, strict=True)]
         return fwd, bwd
 
     def _is_last(self, stage: Stage) -> bool:
@@ -130,14 +143,11 @@ class StageTimer:
 
         return fn, wrt, const
 
-    def _time(self, fn, *args) -> float:
-        jax.block_until_ready(fn(*args))  # compile and warm up
-        runs = []
-        for _ in range(self.repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            runs.append(time.perf_counter() - start)
-        return min(runs)  # (on a shared box other work only ever adds time)
+
+def _seconds(fn, *args) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
 
 
 def _slice(tree, stacked: bool, first: int, layers: int):

@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedules", default=",".join(SCHEDULES_RUN), help="gpipe,1f1b: both")
     p.add_argument("--measure", default="configs/pipeline.yaml", help="'' skips the measure")
     p.add_argument("--measure-stages", default="2,4")
-    p.add_argument("--repeats", type=int, default=20, help="timed runs per stage program (min)")
+    p.add_argument("--repeats", type=int, default=100,
+                   help="rounds of timing every stage's programs in turn (median)")  # fmt: skip
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="overrides for the --measure config")  # fmt: skip
