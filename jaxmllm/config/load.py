@@ -147,14 +147,6 @@ class Config:
             f"(M-RoPE) is not supported {stage}: set mesh.stage: 1",
             "model.llm.mrope_section",
         )
-        given = [k for k in ("llm", "vision", "audio", "run") if getattr(m.init_from, k)]
-        check(
-            not given,
-            f"{', '.join(given)}: pretrained starts are not supported {stage}: start with "
-            "mesh.stage: 1 and resume its checkpoint under the stages (checkpoints do not "
-            "depend on the stage count)",
-            "model.init_from",
-        )
 
     def _check_blocks(self) -> None:
         """Block-sparse attention cuts every packed row into blocks of batch.attention_block."""
