@@ -221,5 +221,11 @@ def test_mrope_positions_are_qwen2_vls():
     want = [[0, 0, 0], [1, 1, 1], [2, 2, 2], [2, 2, 3], [2, 2, 4], [2, 3, 2], [2, 3, 3],
             [2, 3, 4], [5, 5, 5], [6, 6, 6], [7, 7, 7]]  # fmt: skip
     np.testing.assert_array_equal(mrope_positions(ids, 9, [(4, 6), (2, 2)], 2), want)
-    with pytest.raises(ValueError, match="2 image token runs but 1 image grids"):
+    with pytest.raises(ValueError, match="7 image tokens but .* 1 image grids merge to 6"):
         mrope_positions(ids, 9, [(4, 6)], 2)
+    # Two images with no text between (synthetic samples, tokenizers without vision start/end
+    # tokens): one run of image tokens, split by the grids in order.
+    ids = np.array([1, 9, 9, 9, 9, 9, 9, 9, 4])
+    want = [[0, 0, 0], [1, 1, 1], [1, 1, 2], [1, 1, 3], [1, 2, 1], [1, 2, 2], [1, 2, 3],
+            [4, 4, 4], [5, 5, 5]]  # fmt: skip
+    np.testing.assert_array_equal(mrope_positions(ids, 9, [(4, 6), (2, 2)], 2), want)

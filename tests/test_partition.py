@@ -225,7 +225,6 @@ def test_describe_prints_layers_time_and_bubble_per_stage():
     [
         (["mesh.fsdp=2", "model.llm.vocab_parallel=true"],
          r"model\.llm\.vocab_parallel: .*mesh\.stage=2.*vocab_parallel: false"),
-        (["model.llm.mrope_section=[4, 6, 6]"], r"model\.llm\.mrope_section: .*mesh\.stage=2"),
         (["mesh.data=1", "mesh.context=2", "model.attention=block_sparse",
           "batch.planner=orchestrated"], r"mesh\.context: .*mesh\.stage=2"),
     ],

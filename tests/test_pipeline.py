@@ -108,10 +108,11 @@ def test_text_only_pipeline_of_uneven_stages_matches_the_unpipelined_step():
              "model.llm.logits_chunk=64"],
             True, id="stage4-data2-encoder-stages",
         ),
-        # 2 stages x 4, everything trainable: vision its own stage, audio data-parallel.
+        # 2 stages x 4, everything trainable: vision its own stage, audio data-parallel;
+        # M-RoPE positions (time, row, column) ride with the microbatches to the LLM's stages.
         pytest.param(
             ["mesh.stage=2", "mesh.data=4", "mesh.fsdp=1", "pipeline.vision=stages",
-             "pipeline.audio=data"],
+             "pipeline.audio=data", "model.llm.mrope_section=[4,6,6]"],
             False, id="stage2-data4-trainable",
         ),
         # 4 stages x 2, both encoders frozen: vision's first stage has no backward at all

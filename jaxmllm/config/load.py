@@ -142,11 +142,6 @@ class Config:
             "or mesh.fsdp: 1 and mesh.tensor: 1",
             "model.llm.vocab_parallel",
         )
-        check(
-            not any(m.llm.mrope_section),
-            f"(M-RoPE) is not supported {stage}: set mesh.stage: 1",
-            "model.llm.mrope_section",
-        )
 
     def _check_blocks(self) -> None:
         """Block-sparse attention cuts every packed row into blocks of batch.attention_block."""

@@ -376,23 +376,31 @@ def mrope_positions(
     tokens: np.ndarray, image: int, grids: list[tuple[int, int]], merge: int
 ) -> np.ndarray:
     """M-RoPE positions [T, 3] (time, row, column) of a sample, as Qwen2-VL's `get_rope_index`
-    makes them: text counts on in all three; the k-th run of `image` tokens is the k-th image,
-    its merged grid of (rows / merge) x (cols / merge) tokens in row-major order at (start,
-    start + row, start + column), and the text after it resumes at start + the grid's longer
-    side."""
+    makes them: text counts on in all three; the k-th image is the next block of `image`
+    tokens its grid fills (images may follow each other with no text between), its merged grid
+    of (rows / merge) x (cols / merge) tokens in row-major order at (start, start + row,
+    start + column), and the text after it resumes at start + the grid's longer side."""
     out = np.zeros((len(tokens), 3), np.int32)
     is_image = tokens == image
-    starts = np.flatnonzero(is_image & ~np.r_[False, is_image[:-1]])
-    if len(starts) != len(grids):
-        raise ValueError(f"{len(starts)} image token runs but {len(grids)} image grids")
+    sizes = [(rows // merge) * (cols // merge) for rows, cols in grids]
+    if int(is_image.sum()) != sum(sizes):
+        raise ValueError(
+            f"{int(is_image.sum())} image tokens but the sample's {len(grids)} image grids "
+            f"merge to {sum(sizes)}"
+        )
     at, pos = 0, 0
-    for start, (rows, cols) in zip(starts, grids, strict=True):
+    for (rows, cols), size in zip(grids, sizes, strict=True):
+        # The image's tokens are the next `size` image tokens (images may follow each other
+        # with no text between: a run of image tokens is then several images, in order).
+        start = at + int(np.argmax(is_image[at:]))
+        if not is_image[start : start + size].all():
+            raise ValueError(f"image at token {start}: its {size} tokens are not contiguous")
         out[at:start] = (pos + np.arange(start - at))[:, None]
         pos += start - at
         h, w = rows // merge, cols // merge
-        r, c = np.divmod(np.arange(h * w), w)
-        out[start : start + h * w] = np.stack([np.zeros_like(r), r, c], -1) + pos
+        r, c = np.divmod(np.arange(size), w)
+        out[start : start + size] = np.stack([np.zeros_like(r), r, c], -1) + pos
         pos += max(h, w)
-        at = start + h * w
+        at = start + size
     out[at:] = (pos + np.arange(len(tokens) - at))[:, None]
     return out
