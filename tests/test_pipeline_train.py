@@ -1,6 +1,8 @@
 """The trainer with pipeline stages: exact resume, and a checkpoint resumed under another stage
 count (checkpoints hold the stacked layers as [depth, ...], whatever the stages)."""
 
+import subprocess
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -81,3 +83,23 @@ def test_one_compiled_program_per_step_variant_over_50_steps():
     assert np.isfinite(float(metrics["loss"]))
     assert len(set(used)) > 1  # the step's mix chose more than one variant
     assert prog.step._cache_size() == len(set(used))
+
+
+@pytest.mark.slow  # one compile of the pipelined tiny model in bfloat16, in its own process
+def test_bfloat16_pipelined_run_trains(tmp_path):
+    """bfloat16 activations through the stages: XLA's CPU compiler aborted the process on the
+    bfloat16 all-reduce / reduce-scatter of the pipeline's backward (the head's broadcast from
+    the last stage, the data-parallel encoders' gather); a subprocess, so an abort fails the
+    test instead of ending the session."""
+    out = tmp_path / "bf16"
+    sets = ["model.compute_dtype=bfloat16", "model.remat=true", "train.steps=2",
+            f"train.output_dir={out}", "train.log_every=1", "train.progress_bar=false",
+            "train.eval_every=0", "data.synthetic.num_samples=256"]  # fmt: skip
+    cmd = [sys.executable, "-m", "jaxmllm.train", "--config", "configs/pipeline.yaml"]
+    for s in sets:
+        cmd += ["--set", s]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [r for r in read_metrics(out) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(np.isfinite(r["loss"]) and 5.0 < r["loss"] < 7.0 for r in rows), rows

@@ -91,9 +91,24 @@ def _body(parts, layout: Layout, params, frozen, batch):
     _, hidden = jax.lax.scan(ticks, carry, jnp.arange(m + stages - 1))
     # Microbatch i left the last stage at tick i + S - 1; every rank takes a share of the head.
     final = jnp.where(s == stages - 1, hidden[stages - 1 :], jnp.zeros((), hidden.dtype))
-    final = vary(jax.lax.psum(final, STAGE_AXIS))
+    final = _to_every_stage(final)
     losses = _shares(s, stages, m, lambda mb, i: _head_loss(model, mb, final[i]), batch)
     return jax.lax.psum(losses.sum(), STAGE_AXIS) / denom
+
+
+def _to_every_stage(x: jax.Array) -> jax.Array:
+    """The sum over the stages (one sends, the others send zeros), varying again."""
+    return _wide(lambda x: vary(jax.lax.psum(x, STAGE_AXIS)), x)
+
+
+def _wide(collective: Callable, x: jax.Array) -> jax.Array:
+    """`collective(x)`, a bfloat16 x carried in float32 on CPU: XLA's CPU compiler aborts
+    promoting the bfloat16 all-reduce and reduce-scatter these collectives' backward passes
+    become ("Invalid binary instruction opcode copy"). Exact: the values gathered or summed
+    with zeros are bfloat16 values. As it is on GPU and TPU."""
+    if x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        return collective(x.astype(jnp.float32)).astype(x.dtype)
+    return collective(x)
 
 
 def _head_loss(model, mb, x_bsw):
@@ -132,7 +147,8 @@ def _encode_shares(model, batch, phases: list[str], s, stages: int) -> dict[str,
     rows = _shares(s, stages, m, lambda mb, _: {p: model.encode(mb, p) for p in phases}, batch)
     out = {}
     for p, r in rows.items():
-        gathered = jax.lax.all_gather(r, STAGE_AXIS)  # [S, J, ...]: microbatch s + S * j
+        # [S, J, ...]: microbatch s + S * j
+        gathered = _wide(lambda r: jax.lax.all_gather(r, STAGE_AXIS), r)
         flat = gathered.swapaxes(0, 1).reshape((-1,) + gathered.shape[2:])
         out[p] = flat[:m]
     return vary(out)
