@@ -223,8 +223,10 @@ def test_describe_prints_layers_time_and_bubble_per_stage():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["mesh.fsdp=2", "model.llm.vocab_parallel=true"],
-         r"model\.llm\.vocab_parallel: .*mesh\.stage=2.*vocab_parallel: false"),
+        (["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"],
+         r"mesh\.tensor: .*mesh\.fsdp=2 .*mesh\.stage=2.*mesh\.tensor: 1 or mesh\.fsdp: 1"),
+        (["mesh.data=1", "mesh.tensor=2", "model.llm.vocab_parallel=false"],
+         r"model\.llm\.vocab_parallel: false with mesh\.tensor=2 .*mesh\.stage=2"),
         (["mesh.data=1", "mesh.context=2", "model.attention=block_sparse",
           "batch.planner=orchestrated"], r"mesh\.context: .*mesh\.stage=2"),
     ],

@@ -73,6 +73,21 @@ def assert_same_math(got, want):
         np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow  # two compiles (pipelined and not), ~60 s on a busy 2-core box
+def test_text_only_pipeline_with_the_loss_split_over_tensor_matches_the_unpipelined_step():
+    """2 stages x 2 data-parallel buckets x tensor 2, the loss split by vocabulary over tensor
+    (model.llm.vocab_parallel) inside the stages' shard_map."""
+    _, _, got, want, _ = pipelined_and_reference(
+        *TEXT_ONLY,
+        "mesh.stage=2",
+        "mesh.data=2",
+        "mesh.fsdp=1",
+        "mesh.tensor=2",
+        "model.llm.vocab_parallel=true",
+    )
+    assert_same_math(got, want)
+
+
 @pytest.mark.slow  # two compiles (pipelined and not), ~70 s on a busy 2-core box
 def test_text_only_pipeline_of_uneven_stages_matches_the_unpipelined_step():
     """2 stages x 4 data-parallel buckets, LLM layers split 1 + 2; the loss projects 48 tokens'
@@ -114,6 +129,13 @@ def test_text_only_pipeline_of_uneven_stages_matches_the_unpipelined_step():
             ["mesh.stage=2", "mesh.data=4", "mesh.fsdp=1", "pipeline.vision=stages",
              "pipeline.audio=data", "model.llm.mrope_section=[4,6,6]"],
             False, id="stage2-data4-trainable",
+        ),
+        # 2 stages x 2 x fsdp 2: parameters split over fsdp within each stage, the loss split
+        # by vocabulary over fsdp (the embedding lookup takes the gathered table).
+        pytest.param(
+            ["mesh.stage=2", "mesh.data=2", "mesh.fsdp=2", "model.llm.vocab_parallel=true",
+             "model.vision.freeze=true"],
+            False, id="stage2-data2-fsdp2-vocab",
         ),
         # 4 stages x 2, both encoders frozen: vision's first stage has no backward at all
         # (nothing trainable below it; its projector, on its last stage, still trains).

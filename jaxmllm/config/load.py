@@ -135,11 +135,20 @@ class Config:
             f"context parallelism is not supported {stage}: set mesh.context: 1 or mesh.stage: 1",
             "mesh.context",
         )
-        split = self.mesh.fsdp != 1 or self.mesh.tensor != 1  # (vocab_parallel splits over them)
+        # XLA's SPMD partitioner, on the collectives it places inside the tick loop's per-stage
+        # branches, aborts (a replica-group check) or waits forever (a collective-permute that
+        # half the devices never reach) with fsdp and tensor both split; and with tensor split
+        # beside data-parallel buckets, when the loss's vocabulary split is left to it.
         check(
-            not (m.llm.vocab_parallel and split),
-            f"is not supported {stage} over fsdp or tensor: set model.llm.vocab_parallel: false, "
-            "or mesh.fsdp: 1 and mesh.tensor: 1",
+            self.mesh.fsdp == 1 or self.mesh.tensor == 1,
+            f"with mesh.fsdp={self.mesh.fsdp} is not supported {stage}: split the layers over "
+            "fsdp or over tensor, not both (set mesh.tensor: 1 or mesh.fsdp: 1)",
+            "mesh.tensor",
+        )
+        check(
+            self.mesh.tensor == 1 or m.llm.vocab_parallel,
+            f"false with mesh.tensor={self.mesh.tensor} is not supported {stage}: set "
+            "model.llm.vocab_parallel: true (the loss split by vocabulary) or mesh.tensor: 1",
             "model.llm.vocab_parallel",
         )
 

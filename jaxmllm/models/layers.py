@@ -108,6 +108,12 @@ class Embed(nnx.Module):
     def __call__(self, ids: jax.Array) -> jax.Array:
         table = self.embedding[...]
         axes = vocab_axes(table.shape[0], ids.shape[0]) if self.vocab_parallel else ()
+        if axes and sharding.STAGE_AXIS in jax.sharding.get_abstract_mesh().manual_axes:
+            # Inside the pipeline's shard_map over the stages the lookup takes the gathered
+            # table, as without vocab_parallel: the split lookup's backward, in the first
+            # stage's branch of the tick loop, is refused by XLA's partitioner (Shardy: an
+            # unknown value in the nested manual computation). The loss stays split.
+            axes = ()
         if axes:  # rows split by vocabulary: no device ever holds the whole table
             return lookup(table, ids, axes, self.dtype)
         mesh = jax.sharding.get_abstract_mesh()

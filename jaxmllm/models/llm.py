@@ -16,7 +16,7 @@ from jaxmllm.config import LLMConfig
 from jaxmllm.models.attention import Packing, packing
 from jaxmllm.models.layers import Dense, Embed
 from jaxmllm.models.transformer import BlockSpec, Transformer
-from jaxmllm.models.vocab import losses, vocab_axes
+from jaxmllm.models.vocab import losses, varying_zero, vocab_axes
 
 
 class Decoder(nnx.Module):
@@ -172,16 +172,5 @@ def chunked_token_losses(
     axes = vocab_axes(size, d) if decoder.vocab_parallel else ()
     if axes:  # the projection split by vocabulary rows (jaxmllm.models.vocab)
         return losses(weight, rows_first, divisor, xs, axes), count
-    total, _ = jax.lax.scan(one, _zero_like_inputs(h_dnw, weight), xs)
+    total, _ = jax.lax.scan(one, varying_zero(h_dnw, weight), xs)
     return total, count
-
-
-def _zero_like_inputs(*inputs: jax.Array) -> jax.Array:
-    """A float32 zero that varies over the manual mesh axes its inputs vary over: inside a
-    `shard_map` (the pipeline's stage axis) a scan's carry must start as varying as the sums
-    its body adds to it."""
-    zero = jnp.zeros((), jnp.float32)
-    axes = set()
-    for x in inputs:
-        axes |= set(jax.typeof(x).manual_axis_type.varying)
-    return jax.lax.pcast(zero, tuple(sorted(axes)), to="varying") if axes else zero

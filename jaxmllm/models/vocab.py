@@ -38,6 +38,17 @@ def vocab_axes(vocab: int, batch: int) -> tuple[str, ...]:
     return axes
 
 
+def varying_zero(*inputs: jax.Array, also: tuple[str, ...] = ()) -> jax.Array:
+    """A float32 zero that varies over the manual mesh axes its inputs vary over (and `also`):
+    a scan's carry must start as varying as the sums its body adds to it, inside this module's
+    shard_maps and inside the pipeline's over the stages."""
+    axes = set(also)
+    for x in inputs:
+        axes |= set(jax.typeof(x).manual_axis_type.varying)
+    zero = jnp.zeros((), jnp.float32)
+    return jax.lax.pcast(zero, tuple(sorted(axes)), to="varying") if axes else zero
+
+
 def _data_axes(mesh) -> tuple[str, ...]:
     return tuple(a for a in DATA_AXES if a in mesh.axis_names)
 
@@ -121,7 +132,7 @@ def losses(
             loss = jax.lax.dynamic_slice_in_dim(loss, mine * own, own, axis=0)
             return total + jnp.sum(loss * m_dc.astype(jnp.float32)), None
 
-        zero = jax.lax.pcast(jnp.zeros((), jnp.float32), data, to="varying")  # (as the sums)
+        zero = varying_zero(h_l, also=data)  # (as the sums: psummed over the vocab axes)
         total, _ = jax.lax.scan(one, zero, (h_l, t_l, m_l))
         return jax.lax.psum(total, data)
 
