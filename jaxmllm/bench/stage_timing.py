@@ -1,5 +1,5 @@
-"""Each pipeline stage's forward and backward, timed alone on one device (the per-device
-measure of `jaxmllm.bench.stages`), and the bubble of the schedule they give.
+"""Each pipeline stage's forward and backward, timed on one device, one stage's programs at a
+time (the per-device measure of `jaxmllm.bench.stages`), and the bubble of the schedule they give.
 
 A stage's work is what its switch branch runs in the pipeline (`jaxmllm.pipeline.loop`): its
 slice of its module's layers over one microbatch bucket, the first stage also embedding (an

@@ -16,9 +16,10 @@ microbatch count, the predicted step time and bottleneck tick of
 
 Measured bubble (`--measure`, on this machine's CPU): the plans of a small pipelined config
 (configs/pipeline.yaml by default) at each `--measure-stages`; each stage's forward and backward
-of one microbatch bucket are timed alone on one device (jaxmllm.bench.stage_timing: the forced
-CPU devices share the cores, so the SPMD step's wall time shows the total work, not the ticks),
-then replayed through the schedule table: measured bubble against the cost model's.
+of one microbatch bucket are timed on one device, the stages in turn for `--repeats` rounds,
+medians (jaxmllm.bench.stage_timing: the forced CPU devices share the cores, so the SPMD step's
+wall time shows the total work, not the ticks), then replayed through the schedule table:
+measured bubble against the cost model's.
 """
 
 from __future__ import annotations
