@@ -382,22 +382,23 @@ def mrope_positions(
     start + column), and the text after it resumes at start + the grid's longer side."""
     out = np.zeros((len(tokens), 3), np.int32)
     is_image = tokens == image
-    sizes = [(rows // merge) * (cols // merge) for rows, cols in grids]
-    if int(is_image.sum()) != sum(sizes):
+    merged = [(rows // merge, cols // merge) for rows, cols in grids]
+    total = sum(h * w for h, w in merged)
+    if int(is_image.sum()) != total:
         raise ValueError(
             f"{int(is_image.sum())} image tokens but the sample's {len(grids)} image grids "
-            f"merge to {sum(sizes)}"
+            f"merge to {total}"
         )
     at, pos = 0, 0
-    for (rows, cols), size in zip(grids, sizes, strict=True):
-        # The image's tokens are the next `size` image tokens (images may follow each other
+    for h, w in merged:
+        # The image's tokens are the next h * w image tokens (images may follow each other
         # with no text between: a run of image tokens is then several images, in order).
+        size = h * w
         start = at + int(np.argmax(is_image[at:]))
         if not is_image[start : start + size].all():
             raise ValueError(f"image at token {start}: its {size} tokens are not contiguous")
         out[at:start] = (pos + np.arange(start - at))[:, None]
         pos += start - at
-        h, w = rows // merge, cols // merge
         r, c = np.divmod(np.arange(size), w)
         out[start : start + size] = np.stack([np.zeros_like(r), r, c], -1) + pos
         pos += max(h, w)

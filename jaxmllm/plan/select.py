@@ -152,18 +152,18 @@ class Selector:
             # units in; its exact tiles, from the row's start, the tile budget checks): when
             # nothing else fits, or when it is urgent (the rounds skip what FILL cannot hold,
             # so it would wait past the age bound while smaller samples fill the row).
-            alone = cand
-            if chosen.any():
-                alone = cand[~chosen[cand]] if urgent is not None else cand[:0]
-                if urgent is not None:
-                    alone = alone[urgent[alone]]
+            if not chosen.any():
+                alone = cand
+            elif urgent is not None:
+                alone = cand[~chosen[cand] & urgent[cand]]
                 alone = alone[~_fits(np.take(work, alone, axis=1), full)]
-            whole = np.where(self.units, self.caps.devices * self.cap_vec, np.inf)
-            fit = np.flatnonzero(_fits(np.take(work, alone, axis=1), whole))
-            if len(fit):
-                chosen[:] = False
-                chosen[alone[fit[0]]] = True
-                return np.flatnonzero(chosen)
+            else:
+                alone = cand[:0]
+            if len(alone):
+                whole = np.where(self.units, self.caps.devices * self.cap_vec, np.inf)
+                fit = np.flatnonzero(_fits(np.take(work, alone, axis=1), whole))
+                if len(fit):
+                    return alone[fit[:1]]
             if not chosen.any():
                 return np.flatnonzero(chosen)
         if urgent is not None:
