@@ -13,10 +13,10 @@ from pathlib import Path
 
 from flax import nnx
 
-from jaxmllm.checkpoint import restore_params
 from jaxmllm.config import Config, ConfigError, from_dict
 from jaxmllm.hf.load import pretrained
-from jaxmllm.step import Program, model_parts
+from jaxmllm.loop.checkpoint import restore_params
+from jaxmllm.step.program import Program, model_parts
 from sharding.rules import keyed_leaves
 
 log = logging.getLogger("jaxmllm")

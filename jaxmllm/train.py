@@ -1,8 +1,8 @@
 """Train a multimodal LLM: `python -m jaxmllm.train --config configs/tiny.yaml [--set k=v ...]`.
 
 Reads top to bottom in stages: config -> mesh -> data -> shapes -> init or resume -> loop. The
-step is built in `jaxmllm/step.py`, checkpoints are `jaxmllm/checkpoint.py`, the loop's guards
-(stuck peer, divergence, preemption) `jaxmllm/guards.py`, its metrics `jaxmllm/metrics.py`.
+step is built in `jaxmllm/step/`, the data fed by `jaxmllm/feed/`, and the loop's parts
+(checkpoints, guards against a stuck peer, divergence and preemption, metrics) are `jaxmllm/loop/`.
 Rerunning the same command resumes from the latest checkpoint in `train.output_dir`; the data
 pipeline's planner state is part of every checkpoint, so the resumed run sees exactly the steps
 the uninterrupted one would have.
@@ -22,8 +22,15 @@ import grain
 import jax
 
 import sharding
-from jaxmllm import distributed
-from jaxmllm.checkpoint import (
+from jaxmllm.batch.counts import calibrated_cost
+from jaxmllm.config import Config, ConfigError, load_config
+from jaxmllm.data.source import make_source
+from jaxmllm.feed.iterator import make_pipeline
+from jaxmllm.hf.family import FamilyError
+from jaxmllm.hf.safetensors import CheckpointError
+from jaxmllm.init_from import initial_params
+from jaxmllm.loop import distributed
+from jaxmllm.loop.checkpoint import (
     check_process_count,
     check_resumable,
     format_stamp,
@@ -33,18 +40,14 @@ from jaxmllm.checkpoint import (
     save_args,
     write_config,
 )
-from jaxmllm.config import Config, ConfigError, load_config
-from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
-from jaxmllm.evaluate import open_evaluator
-from jaxmllm.guards import NonFiniteError, NonFiniteGuard, Preemption, Watchdog
-from jaxmllm.hf.family import FamilyError
-from jaxmllm.hf.safetensors import CheckpointError
-from jaxmllm.init_from import initial_params
-from jaxmllm.ledger import Ledger
-from jaxmllm.metrics import MetricsWindow, MetricsWriter, calibrated_cost
-from jaxmllm.pipeline.program import build_program
+from jaxmllm.loop.evaluate import open_evaluator
+from jaxmllm.loop.guards import NonFiniteError, NonFiniteGuard, Preemption, Watchdog
+from jaxmllm.loop.ledger import Ledger
+from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter
+from jaxmllm.loop.timings import TimingsRecorder
 from jaxmllm.plan.contract import OversizeError
-from jaxmllm.timings import TimingsRecorder
+from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.step.stages.program import build_program
 
 log = logging.getLogger("jaxmllm")
 
@@ -52,7 +55,7 @@ log = logging.getLogger("jaxmllm")
 def main(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> dict:
     """Trains per `cfg`; returns the last logged metrics. `on_step(step, metrics)` is a hook.
 
-    In a multi-process job (see jaxmllm/distributed.py) every process calls this with the same
+    In a multi-process job (see jaxmllm/loop/distributed.py) every process calls this with the same
     config; JAX is started here, before anything touches a device.
     """
     distributed.start(cfg)

@@ -276,9 +276,11 @@ def test_every_planned_tile_list_is_exactly_its_documents_tiles(planner):
     """Through the real pipeline (plan, load, bucketize) on the tiny config: each bucket's tile
     list, every phase, is the tile set of the documents its segment ids hold, within the
     capacity the config resolved (a dry run for grain, the data's mean need for orchestrated)."""
+    from jaxmllm.batch.bucketize import tile_capacities
     from jaxmllm.config import load_config
-    from jaxmllm.data.bucketize import tile_capacities
-    from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
+    from jaxmllm.data.source import make_source
+    from jaxmllm.feed.iterator import make_pipeline
+    from jaxmllm.plan.sizing import resolve_batch
 
     cfg = load_config(
         "configs/tiny.yaml",
@@ -316,8 +318,10 @@ def test_cudnn_document_bounds_are_sized_from_the_data_and_held():
     above what the data allows (the row over its smallest document), and a bound set too small
     is refused naming the key."""
     from jaxmllm.config import load_config
-    from jaxmllm.data.pipeline import capacities, make_pipeline, make_source, resolve_batch
+    from jaxmllm.data.source import make_source
+    from jaxmllm.feed.iterator import make_pipeline
     from jaxmllm.plan.contract import documents
+    from jaxmllm.plan.sizing import capacities, resolve_batch
 
     cfg = load_config(
         "configs/tiny.yaml",

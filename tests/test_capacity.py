@@ -9,8 +9,8 @@ import pytest
 
 from jaxmllm.bench.mixes import from_arrays, synthetic_omni
 from jaxmllm.config import ModelConfig
-from jaxmllm.data.cost import CostModel
 from jaxmllm.plan.capacity import ladder_values, suggest_capacities
+from jaxmllm.plan.cost import CostModel
 
 MERGE_AREA, SUBSAMPLE = 4, 4
 

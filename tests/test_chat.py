@@ -18,9 +18,9 @@ from PIL import Image
 
 from jaxmllm.config import ConfigError, load_config
 from jaxmllm.data.preprocess import Limits, Params, Preprocessor, Sizes
-from jaxmllm.data.records import parse_record
+from jaxmllm.data.records.record import parse_record
 from jaxmllm.data.rejects import RecordError
-from jaxmllm.data.tokenizer import HFTokenizer, PretrainedTokenizer, make_tokenizer
+from jaxmllm.data.text.tokenizer import HFTokenizer, PretrainedTokenizer, make_tokenizer
 
 TEMPLATES = json.loads((Path(__file__).parent / "chat_templates.json").read_text())
 QWEN_RE = (
@@ -340,7 +340,7 @@ def test_template_environment_is_transformers(dirs):
     tk = make_tokenizer(str(dirs["llama"]))
     variables = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
     assert tk.template.variables == variables
-    from jaxmllm.data.chat_template import ChatTemplate
+    from jaxmllm.data.text.chat_template import ChatTemplate
 
     ours = ChatTemplate(source, "t", variables).render(CHAT, tools=TOOLS)
     (theirs,), _ = render_jinja_template([CHAT], tools=TOOLS, chat_template=source, **variables)
@@ -353,7 +353,9 @@ def test_index_and_batches_with_a_tokenizer_directory(dirs, tmp_path):
     import wave
 
     from jaxmllm.data.index import build_index
-    from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
+    from jaxmllm.data.source import make_source
+    from jaxmllm.feed.iterator import make_pipeline
+    from jaxmllm.plan.sizing import resolve_batch
 
     Image.new("RGB", (48, 32), (10, 200, 30)).save(tmp_path / "a.png")
     with wave.open(str(tmp_path / "a.wav"), "wb") as w:

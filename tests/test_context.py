@@ -20,18 +20,19 @@ import pytest
 from test_orchestration import assert_equals_alone
 
 import sharding
+from jaxmllm.batch.bucketize import bucketize
 from jaxmllm.config import load_config
-from jaxmllm.data import tokenizer as tok
-from jaxmllm.data.bucketize import bucketize
-from jaxmllm.data.pipeline import capacities, make_source, planner_from_config, resolve_batch
+from jaxmllm.data.text import tokenizer as tok
+from jaxmllm.data.media.image import patchify
 from jaxmllm.data.samples import Sample
-from jaxmllm.data.synthetic import patchify
+from jaxmllm.data.source import make_source
 from jaxmllm.models import context as ctx
 from jaxmllm.models.attention import attention_mask, dense_attention
 from jaxmllm.plan import context as split
 from jaxmllm.plan import tiles
 from jaxmllm.plan.contract import ItemPlan, StepPlan
-from jaxmllm.step import build_program, make_loss_and_grads, model_parts
+from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
+from jaxmllm.step.program import build_program, make_loss_and_grads, model_parts
 
 # ----------------------------------------------------------------------------- the split
 
@@ -382,9 +383,9 @@ def test_planned_groups_hold_every_capacity_and_plan_every_sample_once(mix):
 
     from jaxmllm.bench.mixes import load_mix
     from jaxmllm.config import ModelConfig
-    from jaxmllm.data.cost import CostModel
     from jaxmllm.plan.capacity import encoder_capacities, held_tiles, route_capacity
     from jaxmllm.plan.contract import Capacities, check_plan
+    from jaxmllm.plan.cost import CostModel
     from jaxmllm.plan.registry import make_planner
 
     index = load_mix(mix)

@@ -13,10 +13,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmllm import ledger
 from jaxmllm.config import load_config
-from jaxmllm.data.pipeline import capacities, make_source
+from jaxmllm.data.source import make_source
+from jaxmllm.loop import ledger
 from jaxmllm.plan.contract import OversizeError, check_fits
+from jaxmllm.plan.sizing import capacities
 from jaxmllm.train import main
 
 SAMPLES, STEPS = 256, 6

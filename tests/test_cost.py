@@ -7,9 +7,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from jaxmllm.batch.counts import step_work
 from jaxmllm.config import load_config, to_dict
-from jaxmllm.data.cost import PHASES, CostFileError, CostModel, PhaseCost, main, read_timings
-from jaxmllm.timings import TimingsRecorder, step_work
+from jaxmllm.loop.timings import TimingsRecorder
+from jaxmllm.plan.cost import PHASES, CostFileError, CostModel, PhaseCost, main, read_timings
 
 
 def _run_dir(tmp_path, rows):
@@ -150,8 +151,8 @@ def test_resumed_recorder_drops_the_steps_it_will_redo(tmp_path):
 def test_calibrated_model_predicts_in_the_metrics_and_a_bad_one_stops_the_run(tmp_path):
     """train.cost_file: StepCounter adds the calibrated model's step time; a file that is not a
     cost model is a ConfigError naming the key (the trainer checks it at start-up)."""
+    from jaxmllm.batch.counts import StepCounter, calibrated_cost
     from jaxmllm.config import ConfigError
-    from jaxmllm.metrics import StepCounter, calibrated_cost
 
     cfg = load_config("configs/tiny.yaml")
     model = CostModel(*(PhaseCost(1e-3, 1e-6) for _ in PHASES), unit="seconds", overhead=0.5)

@@ -19,8 +19,8 @@ import orbax.checkpoint as ocp
 import pytest
 from runs import child_env, train_cmd
 
-from jaxmllm import ledger
-from jaxmllm.metrics import read_metrics
+from jaxmllm.loop import ledger
+from jaxmllm.loop.metrics import read_metrics
 
 STEPS = 14
 SAMPLES = 256  # about 4 steps an epoch: the run crosses 3 epoch boundaries

@@ -3,12 +3,13 @@
 import numpy as np
 import pytest
 
+from jaxmllm.batch.bucketize import batch_shapes, bucketize
 from jaxmllm.config import load_config
-from jaxmllm.data import tokenizer as tok
-from jaxmllm.data.bucketize import batch_shapes, bucketize
-from jaxmllm.data.pipeline import capacities, make_pipeline, planner_from_config
+from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.data.synthetic import SyntheticSource
+from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.plan.contract import OversizeError
+from jaxmllm.plan.sizing import capacities, planner_from_config
 
 SMALL = ["data.synthetic.num_samples=300", "batch.microbatches=2"]
 FIRST_FIT = ["batch.planner=first_fit", "batch.route_pair_capacity=0", "batch.capacity=fixed"]
@@ -178,7 +179,8 @@ def test_pipeline_state_roundtrip_reproduces_steps():
 
 
 def test_resolve_batch_sizes_encoder_buckets_and_route_capacity_from_the_data():
-    from jaxmllm.data.pipeline import make_source, resolve_batch
+    from jaxmllm.data.source import make_source
+    from jaxmllm.plan.sizing import resolve_batch
 
     cfg = tiny("batch.capacity=auto", "batch.route_pair_capacity=-1")
     _, index = make_source(cfg)
@@ -207,14 +209,10 @@ def test_route_capacity_from_the_dry_run_is_held_by_the_pipeline():
     """`route_pair_capacity: -1` resolves below a device's whole output on omni-like data
     (the dense exchange shrinks), the planner keeps every pair within it, and every placeholder
     still reads its item's rows through the exchange (bucketize raises past the capacity)."""
-    from jaxmllm.data.pipeline import (
-        capacities,
-        make_pipeline,
-        make_source,
-        planner_from_config,
-        resolve_batch,
-    )
+    from jaxmllm.data.source import make_source
+    from jaxmllm.feed.iterator import make_pipeline
     from jaxmllm.plan.contract import check_plan
+    from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
 
     cfg = tiny("batch.capacity=auto", "batch.route_pair_capacity=-1", "batch.microbatches=2",
                "data.synthetic.num_samples=512", "train.steps=100")  # fmt: skip

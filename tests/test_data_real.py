@@ -14,12 +14,12 @@ from PIL import Image
 
 from jaxmllm.bench.data import write_dataset
 from jaxmllm.config import ConfigError, load_config
-from jaxmllm.data import tokenizer as tok
+from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.data.arrayrecord import convert
-from jaxmllm.data.audio import clip_frames
-from jaxmllm.data.image import image_grid
 from jaxmllm.data.index import build_index
 from jaxmllm.data.loader import Loader
+from jaxmllm.data.media.audio import clip_frames
+from jaxmllm.data.media.image import image_grid
 from jaxmllm.data.rejects import DataError, read_rejects
 from jaxmllm.data.source import open_source
 
@@ -312,7 +312,7 @@ def test_image_grid_stays_in_budget(h, w, max_pixels):
 
 @pytest.mark.slow  # ~60 s: a whole training run on a manifest
 def test_training_on_a_manifest_reports_rejects(tmp_path):
-    from jaxmllm.metrics import read_metrics
+    from jaxmllm.loop.metrics import read_metrics
     from jaxmllm.train import main
 
     manifest = write_dataset(tmp_path / "ds", images=160, audio=80, broken=1)
@@ -346,7 +346,7 @@ def test_training_on_a_manifest_reports_rejects(tmp_path):
 
 
 def test_load_time_reject_counts_carry_across_a_restore(data, tmp_path):
-    from jaxmllm.data.pipeline import make_pipeline
+    from jaxmllm.feed.iterator import make_pipeline
 
     root = tmp_path / "copy"
     (root / "own").mkdir(parents=True)
@@ -393,7 +393,7 @@ def test_pixels_are_normalised_with_the_configured_mean_and_std(tmp_path):
     per channel; the default 0.5 / 0.5 is [-1, 1]."""
     from PIL import Image
 
-    from jaxmllm.data.image import load_image
+    from jaxmllm.data.media.image import load_image
 
     rgb = np.zeros((28, 28, 3), np.uint8)
     rgb[..., 0], rgb[..., 1], rgb[..., 2] = 255, 51, 0

@@ -11,16 +11,17 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from jaxmllm.batch.bucketize import batch_shapes
 from jaxmllm.config import ConfigError, load_config
-from jaxmllm.data import tokenizer as tok
-from jaxmllm.data.bucketize import batch_shapes
-from jaxmllm.data.pipeline import make_source, resolve_batch
+from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.data.preprocess import Params, Preprocessor
 from jaxmllm.data.rejects import RecordError
+from jaxmllm.data.source import make_source
 from jaxmllm.data.synthetic import SyntheticSource, score_answer
-from jaxmllm.data.template import RecordTemplate, make_template
-from jaxmllm.evaluate import MIXES, HeldOut, eval_metrics, plan_set, sample_mixes
-from jaxmllm.metrics import read_metrics
+from jaxmllm.data.text.template import RecordTemplate, make_template
+from jaxmllm.loop.evaluate import MIXES, HeldOut, eval_metrics, plan_set, sample_mixes
+from jaxmllm.loop.metrics import read_metrics
+from jaxmllm.plan.sizing import resolve_batch
 
 HELD = 24
 
@@ -145,10 +146,10 @@ def test_templates_render_prompts_as_training_renders_records(image_file):
 def test_a_manifest_eval_set_brings_its_questions_and_counts_every_sample(tmp_path, resolved):
     """data.eval from a JSONL file with its own index (built with the run's config): every
     record counted once; its chats ask their user turn, its captions their image or clip."""
-    from jaxmllm.answers import Questions
     from jaxmllm.bench.data import write_dataset
     from jaxmllm.data.index import build_index
-    from jaxmllm.evaluate import eval_source
+    from jaxmllm.loop.answers import Questions
+    from jaxmllm.loop.evaluate import eval_source
 
     manifest = write_dataset(tmp_path, images=6, audio=3)
     small = ["data.image_min_pixels=256", "data.image_max_pixels=1024", "data.audio_max_frames=32"]

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from jaxmllm.bench.balance import PHASES, make_caps
 from jaxmllm.bench.mixes import from_arrays, random_mix, rounded
 from jaxmllm.config import ModelConfig
-from jaxmllm.data.cost import CostModel
 from jaxmllm.plan.capacity import HELD_TRIAL_STEPS, goodput, held_tiles
 from jaxmllm.plan.contract import check_plan, step_tiles
+from jaxmllm.plan.cost import CostModel
 from jaxmllm.plan.registry import make_planner
 
 MERGE_AREA, SUBSAMPLE = 4, 4

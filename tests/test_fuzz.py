@@ -32,10 +32,10 @@ from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
 from jaxmllm.config import ConfigError, load_config
-from jaxmllm.data.audio import decode_mono, read_info
-from jaxmllm.data.image import decode_rgb, read_size
 from jaxmllm.data.index import build_index
 from jaxmllm.data.loader import Loader
+from jaxmllm.data.media.audio import decode_mono, read_info
+from jaxmllm.data.media.image import decode_rgb, read_size
 from jaxmllm.data.rejects import REASONS, DataError, RecordError, read_rejects
 from jaxmllm.data.source import open_source
 from tools import fuzz
@@ -182,7 +182,7 @@ def test_non_finite_audio_is_rejected(h):
 
 BOMB_CHILD = """
 import resource, sys
-from jaxmllm.data.image import load_image, read_size
+from jaxmllm.data.media.image import load_image, read_size
 from jaxmllm.data.rejects import RecordError
 from tools.fuzz import cap_meter
 bomb = open(sys.argv[1], "rb").read()

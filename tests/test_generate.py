@@ -15,14 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxmllm.batch.prompts import PromptShapes, prompt_batch, prompt_config, split_answer
 from jaxmllm.config import AudioConfig, BatchConfig, Config, LLMConfig, ModelConfig, VisionConfig
-from jaxmllm.data import tokenizer as tok
-from jaxmllm.data.prompts import PromptShapes, prompt_batch, prompt_config, split_answer
+from jaxmllm.data.text import tokenizer as tok
+from jaxmllm.data.media.image import patchify
 from jaxmllm.data.samples import Sample
-from jaxmllm.data.synthetic import patchify
-from jaxmllm.generate import Generator
 from jaxmllm.models import decode
-from jaxmllm.step import build_model, model_parts
+from jaxmllm.step.generate import Generator
+from jaxmllm.step.program import build_model, model_parts
 
 N_MELS = 8
 CFG = Config(
@@ -132,7 +132,7 @@ def test_the_command_line_answers_from_a_runs_checkpoint(params, gen, tmp_path, 
     import orbax.checkpoint as ocp
 
     from jaxmllm import generate
-    from jaxmllm.checkpoint import make_checkpoint_manager, write_config
+    from jaxmllm.loop.checkpoint import make_checkpoint_manager, write_config
 
     cfg = dataclasses.replace(CFG, train=dataclasses.replace(CFG.train, output_dir=str(tmp_path)))
     write_config(cfg, tmp_path)  # a run as the trainer leaves it: config.json, checkpoints/3

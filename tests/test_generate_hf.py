@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 from test_chat import build_dir, hf, hf_ids
 
-from jaxmllm.data.prompts import PromptShapes
+from jaxmllm.batch.prompts import PromptShapes
+from jaxmllm.data.media.image import patchify
 from jaxmllm.data.samples import Sample
-from jaxmllm.data.synthetic import patchify
-from jaxmllm.data.template import make_template
-from jaxmllm.generate import Generator, load_hf, main, parse_args, request_prompts
+from jaxmllm.data.text.template import make_template
+from jaxmllm.generate import load_hf, main, parse_args, request_prompts
+from jaxmllm.step.generate import Generator
 
 VOCAB = 512  # the tokenizer's ~420 ids fit: nothing grows, the two models have the same rows
 

@@ -146,7 +146,7 @@ def test_whisper_log_mel_is_the_feature_extractors(tmp_path):
     """data.mel: whisper gives what WhisperFeatureExtractor gives a clip of its 30 s window."""
     from transformers import WhisperFeatureExtractor
 
-    from jaxmllm.data.audio import whisper_log_mel
+    from jaxmllm.data.media.audio import whisper_log_mel
 
     rng = np.random.default_rng(0)
     t = np.arange(16000 * 7) / 16000
@@ -177,8 +177,8 @@ def test_qwen2_vl_with_an_image_matches_transformers(tmp_path):
     of every token equal transformers' given the same pixels."""
     import torch
 
-    from jaxmllm.data.bucketize import mrope_positions
-    from jaxmllm.data.synthetic import patchify
+    from jaxmllm.batch.bucketize import mrope_positions
+    from jaxmllm.data.media.image import patchify
     from jaxmllm.hf.check import hf_module
 
     source = hf_models.qwen2_vl(tmp_path / "qwen2_vl")
@@ -215,7 +215,7 @@ def test_qwen2_vl_with_an_image_matches_transformers(tmp_path):
 def test_mrope_positions_are_qwen2_vls():
     """Text counts on in all three; an image's tokens sit on its merged grid from the text's
     next position; the text after resumes at that position + the grid's longer side."""
-    from jaxmllm.data.bucketize import mrope_positions
+    from jaxmllm.batch.bucketize import mrope_positions
 
     ids = np.array([1, 2, 9, 9, 9, 9, 9, 9, 3, 9, 4])  # a 4x6 grid (2x3 merged), a 2x2 one
     want = [[0, 0, 0], [1, 1, 1], [2, 2, 2], [2, 2, 3], [2, 2, 4], [2, 3, 2], [2, 3, 3],

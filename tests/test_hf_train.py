@@ -13,15 +13,16 @@ import pytest
 from test_chat import build_dir
 
 from jaxmllm import train
-from jaxmllm.checkpoint import restore_params
 from jaxmllm.config import load_config
-from jaxmllm.data.pipeline import make_source, resolve_batch
+from jaxmllm.data.source import make_source
 from jaxmllm.hf.check import check_dir
 from jaxmllm.hf.export import export_run
 from jaxmllm.hf.importer import write_config
 from jaxmllm.hf.safetensors import Checkpoint
 from jaxmllm.init_from import initial_params
-from jaxmllm.step import build_program
+from jaxmllm.loop.checkpoint import restore_params
+from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.step.program import build_program
 from sharding.rules import keyed_leaves
 
 pytest.importorskip("transformers")
@@ -114,10 +115,10 @@ def test_pretrained_start_under_pipeline_stages(tmp_path):
     gradients are the unpipelined step's on the same 4 data-parallel buckets."""
     from test_pipeline import assert_same_math
 
-    from jaxmllm.data.pipeline import make_pipeline
-    from jaxmllm.pipeline.loop import pipeline_loss
-    from jaxmllm.pipeline.program import build_program as build_pipelined
-    from jaxmllm.step import make_loss_and_grads
+    from jaxmllm.feed.iterator import make_pipeline
+    from jaxmllm.step.program import make_loss_and_grads
+    from jaxmllm.step.stages.loop import pipeline_loss
+    from jaxmllm.step.stages.program import build_program as build_pipelined
 
     llm = hf_models.qwen2(tmp_path / "qwen2", tied=True)
     vision = hf_models.siglip(tmp_path / "siglip")

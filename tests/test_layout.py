@@ -1,7 +1,8 @@
-"""The tree's shape: no import cycles (counting imports inside functions), rooms of one concept.
+"""The tree's shape: packages in the order data flows, each importing only those before it; no
+import cycles between modules; rooms of one concept.
 
 The import graph is read from the source (every `import` / `from ... import` at any depth,
-except under `if TYPE_CHECKING:`), so a cycle hidden by a function-level import fails here too.
+except under `if TYPE_CHECKING:`), so an import hidden inside a function counts too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,24 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("jaxmllm", "sharding")
 MAX_LINES = 500
 MAX_TRAIN_LINES = 350
+
+# The layers, bottom to top, in the order data flows: a module may import its own layer's and
+# those before it, never a later one. A layer is a package (or a top-level module) of jaxmllm;
+# `sharding` stands on its own below them all.
+LAYERS = (
+    ("sharding",),
+    ("jaxmllm.config",),
+    ("jaxmllm.data",),  # records and their formats, media, text, the lengths index
+    ("jaxmllm.plan",),  # cost model, sizing, planners, pipeline stages' plan
+    ("jaxmllm.batch",),  # bucketize, routing tables, context split, counts, prompts
+    ("jaxmllm.feed",),  # the grain iterator: plan -> load -> bucketize -> device
+    ("jaxmllm.models",),
+    ("jaxmllm.step",),  # the train step, pipeline stages, generation's programs
+    ("jaxmllm.loop",),  # checkpoint, guards, ledger, metrics, timings, evaluate
+    ("jaxmllm.hf",),
+    ("jaxmllm.generate", "jaxmllm.init_from", "jaxmllm.train", "jaxmllm.launch", "jaxmllm"),
+    ("jaxmllm.bench",),
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -108,6 +127,35 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the layer `module` belongs to (its longest matching name)."""
+    best = None
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            if module == name or module.startswith(name + "."):
+                if best is None or len(name) > best[1]:
+                    best = (i, len(name))
+    assert best is not None, f"{module} is in no layer of LAYERS: add it where data flows"
+    return best[0]
+
+
+def backward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """'a -> b' for every import of a module from a later layer."""
+    return sorted(
+        f"{m} -> {d}" for m, deps in graph.items() for d in deps if layer_of(d) > layer_of(m)
+    )
+
+
+def test_the_layer_check_finds_a_backward_import():
+    graph = {"jaxmllm.data.x": {"jaxmllm.plan.y"}, "jaxmllm.plan.y": {"jaxmllm.config.z"}}
+    assert backward_imports(graph) == ["jaxmllm.data.x -> jaxmllm.plan.y"]
+
+
+def test_packages_import_only_earlier_layers():
+    found = backward_imports(import_graph())
+    assert not found, "imports from a later layer (see LAYERS): " + "; ".join(found)
 
 
 def test_no_import_cycles():

@@ -14,20 +14,15 @@ import numpy as np
 import pytest
 from runs import child_env, train_cmd
 
-from jaxmllm import ledger
+from jaxmllm.batch.bucketize import bucketize
 from jaxmllm.config import ConfigError, DistributedConfig, load_config
-from jaxmllm.data.bucketize import bucketize
-from jaxmllm.data.pipeline import (
-    capacities,
-    local_media,
-    local_parts,
-    planner_from_config,
-    resolve_batch,
-)
 from jaxmllm.data.synthetic import SyntheticSource
-from jaxmllm.distributed import describe_mismatch, resolve_job
+from jaxmllm.feed.iterator import local_media, local_parts
 from jaxmllm.launch import free_port
-from jaxmllm.metrics import read_metrics
+from jaxmllm.loop import ledger
+from jaxmllm.loop.distributed import describe_mismatch, resolve_job
+from jaxmllm.loop.metrics import read_metrics
+from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
 
 # ----------------------------------------------------------------------------- job start-up
 

@@ -7,17 +7,13 @@ import numpy as np
 import pytest
 
 import sharding
+from jaxmllm.batch.bucketize import bucketize
 from jaxmllm.config import load_config
-from jaxmllm.data.bucketize import bucketize
-from jaxmllm.data.pipeline import (
-    capacities,
-    make_pipeline,
-    make_source,
-    planner_from_config,
-    resolve_batch,
-)
+from jaxmllm.data.source import make_source
+from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.plan.contract import ItemPlan, StepPlan
-from jaxmllm.step import build_program, make_loss_and_grads, model_parts
+from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
+from jaxmllm.step.program import build_program, make_loss_and_grads, model_parts
 
 ROUTED = [
     "data.synthetic.num_samples=256",
@@ -204,7 +200,7 @@ def test_frozen_encoder_costs_match_the_cost_model(below):
 
 
 def _split_params(cfg):
-    from jaxmllm.step import build_model
+    from jaxmllm.step.program import build_model
 
     return build_model(cfg, 0)
 

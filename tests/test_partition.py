@@ -6,15 +6,15 @@ import math
 import pytest
 
 from jaxmllm.config import ConfigError, load_config
-from jaxmllm.pipeline.costs import ModelCosts, Segment, Work, model_costs
-from jaxmllm.pipeline.partition import (
+from jaxmllm.plan.stages.costs import ModelCosts, Segment, Work, model_costs
+from jaxmllm.plan.stages.partition import (
     PartitionError,
     balanced_split,
     partition,
     segment_stages,
     uniform,
 )
-from jaxmllm.pipeline.schedule import IDLE, SCHEDULES, gpipe, one_f_one_b
+from jaxmllm.plan.stages.schedule import IDLE, SCHEDULES, gpipe, one_f_one_b
 
 # --- schedule tables ------------------------------------------------------------------------
 

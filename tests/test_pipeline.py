@@ -8,15 +8,17 @@ import numpy as np
 import pytest
 
 import sharding
+from jaxmllm.batch.bucketize import bucketize
 from jaxmllm.config import load_config
-from jaxmllm.data.bucketize import bucketize
-from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
-from jaxmllm.pipeline.choose import Variants
-from jaxmllm.pipeline.layout import Layout
-from jaxmllm.pipeline.loop import pipeline_loss
-from jaxmllm.pipeline.partition import Plan, Stage
-from jaxmllm.pipeline.program import build_program
-from jaxmllm.step import make_loss_and_grads
+from jaxmllm.data.source import make_source
+from jaxmllm.feed.iterator import make_pipeline
+from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.plan.stages.choose import Variants
+from jaxmllm.plan.stages.partition import Plan, Stage
+from jaxmllm.step.program import make_loss_and_grads
+from jaxmllm.step.stages.layout import Layout
+from jaxmllm.step.stages.loop import pipeline_loss
+from jaxmllm.step.stages.program import build_program
 
 FIXED = [
     "data.synthetic.num_samples=256",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxmllm.config import load_config
-from jaxmllm.metrics import read_metrics
+from jaxmllm.loop.metrics import read_metrics
 from jaxmllm.train import main
 
 STEPS = 6
@@ -58,8 +58,10 @@ def test_one_compiled_program_per_step_variant_over_50_steps():
     import jax
 
     import sharding
-    from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
-    from jaxmllm.pipeline.program import build_program
+    from jaxmllm.data.source import make_source
+    from jaxmllm.feed.iterator import make_pipeline
+    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.step.stages.program import build_program
 
     varied = ["batch.capacity=fixed", "batch.vision_patches=640", "batch.audio_frames=256",
               "batch.route_pair_capacity=160", "data.synthetic.audio_fraction=0.1",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from runs import child_env, logged_step, train_cmd
 
-from jaxmllm.metrics import read_metrics
+from jaxmllm.loop.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ import pytest
 from runs import NO_EVAL
 
 from jaxmllm.config import ConfigError, load_config
-from jaxmllm.metrics import read_metrics
+from jaxmllm.loop.metrics import read_metrics
 from jaxmllm.train import main
 
 STEPS = 6
@@ -85,8 +85,8 @@ def test_timings_hold_every_step_with_its_slowest_devices_work(uninterrupted):
     """One row per step; compilation and saved steps marked; the work is, per microbatch, that
     of the device the FLOP model finds costliest (counted here one segment at a time from the
     same steps' batches), summed over microbatches, and the mean device's."""
-    from jaxmllm.data.cost import PHASES, CostModel
-    from jaxmllm.data.pipeline import make_pipeline
+    from jaxmllm.feed.iterator import make_pipeline
+    from jaxmllm.plan.cost import PHASES, CostModel
 
     rows = [json.loads(line) for line in (uninterrupted / "timings.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -132,7 +132,7 @@ def test_interrupt_and_rerun_resumes_with_identical_losses(uninterrupted, tmp_pa
 def test_frozen_modules_get_no_gradient_and_no_optimizer_state():
     import jax
 
-    from jaxmllm.step import init_state, make_optimizer, model_parts
+    from jaxmllm.step.program import init_state, make_optimizer, model_parts
 
     cfg = load_config(
         "configs/tiny.yaml",
@@ -154,7 +154,7 @@ def test_weight_decay_applies_to_matrices_only():
     """Stacked layers included: decay iff a param has 2+ dims besides `layers`."""
     import jax
 
-    from jaxmllm.step import build_model, decay_mask, model_parts
+    from jaxmllm.step.program import build_model, decay_mask, model_parts
 
     cfg = load_config("configs/tiny.yaml", ["batch.route_pair_capacity=80"])
     _, axes = model_parts(cfg)
@@ -169,9 +169,11 @@ def test_nonfinite_step_keeps_the_state_and_divergence_stops_with_a_checkpoint(t
     import jax
 
     import sharding
-    from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
-    from jaxmllm.guards import NonFiniteError
-    from jaxmllm.step import build_program
+    from jaxmllm.data.source import make_source
+    from jaxmllm.feed.iterator import make_pipeline
+    from jaxmllm.loop.guards import NonFiniteError
+    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.step.program import build_program
 
     cfg = tiny(tmp_path / "unit")
     cfg = resolve_batch(cfg, make_source(cfg)[1])
@@ -239,7 +241,7 @@ def test_torn_checkpoints_fall_back_to_the_previous_complete_one(uninterrupted, 
 
 
 def test_format_stamp_tells_per_layer_from_scanned_layers():
-    from jaxmllm.checkpoint import FORMAT, format_stamp
+    from jaxmllm.loop.checkpoint import FORMAT, format_stamp
 
     per_layer = {"llm": {"transformer": {"blocks": {0: {"w": 1}, 1: {"w": 1}}}}}
     scanned = {"llm": {"transformer": {"blocks": {"w": 1}}}}
@@ -253,7 +255,8 @@ def test_checkpoints_of_another_format_are_refused_and_left_alone(
     import grain
     import orbax.checkpoint as ocp
 
-    from jaxmllm import checkpoint, train
+    from jaxmllm import train
+    from jaxmllm.loop import checkpoint
 
     def unstamped(state, data_iter, stamp):  # what the trainer saved before the format stamp
         return ocp.args.Composite(

@@ -51,11 +51,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's jaxmllm first
 
-from jaxmllm.data.audio import read_info
-from jaxmllm.data.image import read_size
 from jaxmllm.data.index import measure
+from jaxmllm.data.media.audio import read_info
+from jaxmllm.data.media.image import read_size
 from jaxmllm.data.preprocess import Params, Preprocessor
-from jaxmllm.data.records import decode_record, encode_record, parse_line
+from jaxmllm.data.records.arrayrecord import decode_record, encode_record
+from jaxmllm.data.records.jsonl import parse_line
 from jaxmllm.data.rejects import REASONS, RecordError
 from jaxmllm.data.source import ManifestSource
 

@@ -89,8 +89,7 @@ from jaxmllm.bench.table import (
     print_like_for_like,
 )
 from jaxmllm.config import ModelConfig
-from jaxmllm.data.cost import CostModel
-from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.capacity import (
     HELD_DRY_RUN_STEPS,
     ROUTE_DRY_RUN_STEPS,
@@ -101,6 +100,7 @@ from jaxmllm.plan.capacity import (
     suggest_capacities,
 )
 from jaxmllm.plan.contract import Capacities, StepPlan, check_plan, item_rows, pair_rows, step_tiles
+from jaxmllm.plan.cost import CostModel
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
 
 POLICIES = ("orchestrated", "balanced", "grain", "naive")  # the default --policies
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write all rows here")
     ap.add_argument(
         "--cost-file",
-        help="a calibrated cost model (python -m jaxmllm.data.cost --calibrate RUN_DIR) for the "
+        help="a calibrated cost model (python -m jaxmllm.plan.cost --calibrate RUN_DIR) for the "
         "cost columns; default the FLOP model of the default model config",
     )
     ap.add_argument("--plot", help="PNG of per-device load of one step (needs matplotlib)")

@@ -24,11 +24,11 @@ import time
 import jax
 
 import sharding
+from jaxmllm.batch.bucketize import batch_shapes
 from jaxmllm.config import Config, ConfigError, load_config
-from jaxmllm.data.bucketize import batch_shapes
-from jaxmllm.data.pipeline import resolve_batch
-from jaxmllm.distributed import split_cpu
-from jaxmllm.step import build_program
+from jaxmllm.loop.distributed import split_cpu
+from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.step.program import build_program
 
 
 def with_depth(config: str, depth: int, overrides: list[str]) -> Config:

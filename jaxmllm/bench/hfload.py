@@ -68,7 +68,7 @@ def _hf_shapes(links, cfg) -> list[tuple[str, tuple[int, ...]]]:
     """Each HF tensor's shape, from our parameters' shapes through the links' to_hf."""
     from flax import nnx
 
-    from jaxmllm.step import model_parts
+    from jaxmllm.step.program import model_parts
     from sharding.rules import keyed_leaves
 
     parts, _ = model_parts(cfg)
@@ -98,7 +98,7 @@ def load(directory: str, devices: int, fsdp: int) -> dict:
 
     from jaxmllm.hf.importer import model_section
     from jaxmllm.hf.load import pretrained
-    from jaxmllm.step import build_program
+    from jaxmllm.step.program import build_program
     from sharding import make_mesh
 
     cfg = _config(directory, model_section(directory))

@@ -12,7 +12,7 @@ either may be gzipped (`.gz`). A record that is not of that form (a field of the
 negative count) is refused with its line named. Lengths are rounded as the data pipeline
 rounds real media: image patches down to a multiple of the merge area (the pipeline resizes
 images to whole merge windows) and audio frames down to a multiple of the subsampling factor
-(`jaxmllm.data.audio.clip_frames`); an item that rounds to nothing is dropped from its sample,
+(`jaxmllm.data.media.audio.clip_frames`); an item that rounds to nothing is dropped from its sample,
 and a sample left with no LLM tokens is dropped; both are counted and logged (`rounded`).
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.data.lengths import LengthsIndex
 
 INTERNVL_TILE_PATCHES = 1024  # 448 px tile / 14 px patches, squared
 INTERNVL_TILE_TOKENS = 256  # after pixel shuffle (merge 2 x 2)

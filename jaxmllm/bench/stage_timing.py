@@ -1,7 +1,7 @@
 """Each pipeline stage's forward and backward, timed on one device, one stage's programs at a
 time (the per-device measure of `jaxmllm.bench.stages`), and the bubble of the schedule they give.
 
-A stage's work is what its switch branch runs in the pipeline (`jaxmllm.pipeline.loop`): its
+A stage's work is what its switch branch runs in the pipeline (`jaxmllm.step.stages.loop`): its
 slice of its module's layers over one microbatch bucket, the first stage also embedding (an
 encoder's patches or frames; the LLM's tokens, its slots filled), an encoder's last stage also
 projecting. Forward: that function; backward: its gradient with respect to what GPipe
@@ -20,16 +20,18 @@ import jax.numpy as jnp
 import numpy as np
 
 import sharding
+from jaxmllm.batch.bucketize import batch_shapes
 from jaxmllm.bench.throughput import device_batch
 from jaxmllm.config import MeshConfig, load_config
-from jaxmllm.data.bucketize import batch_shapes
-from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
-from jaxmllm.distributed import split_cpu
-from jaxmllm.pipeline.choose import plan_of
-from jaxmllm.pipeline.loop import encoder_args
-from jaxmllm.pipeline.partition import Stage
-from jaxmllm.pipeline.schedule import SCHEDULES
-from jaxmllm.step import build_model, model_parts
+from jaxmllm.data.source import make_source
+from jaxmllm.feed.iterator import make_pipeline
+from jaxmllm.loop.distributed import split_cpu
+from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.plan.stages.choose import plan_of
+from jaxmllm.plan.stages.partition import Stage
+from jaxmllm.plan.stages.schedule import SCHEDULES
+from jaxmllm.step.program import build_model, model_parts
+from jaxmllm.step.stages.loop import encoder_args
 
 
 def measure_bubbles(config: str, sets: list[str], stage_counts: list[int], repeats: int):

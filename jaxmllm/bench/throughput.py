@@ -42,11 +42,13 @@ import jax
 import numpy as np
 
 import sharding
+from jaxmllm.batch.bucketize import batch_shapes
 from jaxmllm.config import Config, MeshConfig, load_config
-from jaxmllm.data.bucketize import batch_shapes
-from jaxmllm.data.pipeline import make_pipeline, make_source, resolve_batch
-from jaxmllm.distributed import split_cpu
-from jaxmllm.step import build_program
+from jaxmllm.data.source import make_source
+from jaxmllm.feed.iterator import make_pipeline
+from jaxmllm.loop.distributed import split_cpu
+from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.step.program import build_program
 
 POLICIES = ("naive", "grain", "balanced", "orchestrated")
 

@@ -4,7 +4,7 @@
 
 Each JSONL record becomes one ArrayRecord record with its media bytes embedded, in the same order,
 so the index, the rejects and the samples are the same for both. The record format and its reader
-are in `jaxmllm.data.records` (`encode_record`, `decode_record`, `ArrayRecordRecords`).
+are in `jaxmllm.data.records.arrayrecord` (`encode_record`, `decode_record`, `ArrayRecordRecords`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from jaxmllm.data.records import JsonlRecords, encode_record
+from jaxmllm.data.records.arrayrecord import encode_record
+from jaxmllm.data.records.jsonl import JsonlRecords
 
 
 def convert(manifest: str | Path, out: str | Path) -> int:

@@ -8,7 +8,7 @@ soundfile the duration), in parallel, and writes to `--out` (default `<manifest>
 - `lengths.jsonl`: one line per accepted record, in the DESIGN lengths format plus where the
   record is (`id`, `row`, `line`) and its media sizes (`image_sizes`, `audio_samples`), which let
   the oversize policy repair a sample at start-up without touching the media;
-- `summary.json`: counts, per-modality percentiles, suggested per-device capacities, the
+- `summary.json`: counts, per-modality percentiles, the
   preprocessing parameters the counts depend on (training checks them), rejects by reason;
 - `rejects.jsonl`: every rejected record with its id, line and reason.
 
@@ -29,12 +29,11 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError, load_config
+from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.preprocess import Limits, Params, Preprocessor
 from jaxmllm.data.records import open_records, read_record
 from jaxmllm.data.rejects import RecordError
-from jaxmllm.data.samples import LengthsIndex
 from jaxmllm.data.source import default_index_dir
-from jaxmllm.plan.capacity import suggest_capacities
 
 # ----------------------------------------------------------------------------- building
 
@@ -148,7 +147,8 @@ def _write(cfg, params, path: Path, out: Path, rows, rejects) -> dict:
 
 
 def summarize(cfg: Config, rows: list[dict], rejects: list[dict]) -> dict:
-    """Counts, percentiles per modality and suggested per-device capacities."""
+    """Counts and percentiles per modality (training sizes its buckets from the index itself:
+    `batch.capacity: auto`)."""
     index = LengthsIndex.from_records(rows)
     merge_area, sub = cfg.model.vision.merge**2, cfg.model.audio.subsample
     llm = index.llm_tokens(merge_area, sub)
@@ -160,19 +160,12 @@ def summarize(cfg: Config, rows: list[dict], rejects: list[dict]) -> dict:
         "frames_per_clip": index.audio,
         "clips_per_sample": np.diff(index.audio_ptr),
     }
-    b = cfg.batch
-    suggestion = (
-        suggest_capacities(index, b.llm_rows * b.llm_row_len, merge_area, sub, max_row_len=None)
-        if len(index)
-        else None
-    )
     return {
         "records": len(rows) + len(rejects),
         "accepted": len(rows),
         "rejected": len(rejects),
         "rejects": dict(Counter(r["reason"] for r in rejects)),
         "percentiles": {k: _percentiles(v) for k, v in stats.items()},
-        "suggested_capacities": suggestion.batch_overrides() if suggestion else {},
     }
 
 
@@ -218,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps({k: summary[k] for k in ("records", "accepted", "rejected", "rejects")}))
-    print(f"suggested capacities: {summary['suggested_capacities']}")
+    print("bucket sizes: batch.capacity: auto sizes the encoder buckets from it at start-up")
     print(f"wrote {out}/lengths.jsonl, summary.json, rejects.jsonl")
     return 0
 

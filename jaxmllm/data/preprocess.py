@@ -4,7 +4,7 @@ One layout function serves both the index and training: `layout(record, sizes, l
 parsed record plus its media sizes (read from headers by the index, checked against the decoded
 media at load time) into the exact token sequence and encoder items. So the index's counts are the
 counts training sees, and the oversize policy can repair a sample (a smaller image budget, a
-trimmed clip, a cut sequence) from the index alone. The tokenizer (`jaxmllm.data.tokenizer`)
+trimmed clip, a cut sequence) from the index alone. The tokenizer (`jaxmllm.data.text.tokenizer`)
 says how a record becomes token runs and media markers (`pieces`) and which id fills an image's
 or clip's rows (`specials`).
 """
@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError
-from jaxmllm.data.audio import chunk_lengths, clip_frames, load_audio, read_info
-from jaxmllm.data.image import image_grid, load_image, read_size
-from jaxmllm.data.records import Record
+from jaxmllm.data.media.audio import chunk_lengths, clip_frames, load_audio, read_info
+from jaxmllm.data.media.image import image_grid, load_image, read_size
+from jaxmllm.data.records.record import Record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Sample
-from jaxmllm.data.tokenizer import DEFAULT_DATE, make_tokenizer, tokenizer_sha256
+from jaxmllm.data.text.tokenizer import DEFAULT_DATE, make_tokenizer, tokenizer_sha256
 
 # ----------------------------------------------------------------------------- parameters
 

@@ -12,14 +12,17 @@ import dataclasses
 import json
 from pathlib import Path
 
+import grain
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError
+from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.preprocess import Limits, Params, Preprocessor, Sizes
 from jaxmllm.data.records import open_records, read_record
 from jaxmllm.data.rejects import DataError, RecordError, fail_message
-from jaxmllm.data.samples import LengthsIndex, Sample
-from jaxmllm.data.tokenizer import PretrainedTokenizer, make_tokenizer
+from jaxmllm.data.samples import Sample
+from jaxmllm.data.synthetic import SyntheticSource
+from jaxmllm.data.text.tokenizer import PretrainedTokenizer, make_tokenizer
 
 # ----------------------------------------------------------------------------- the source
 
@@ -246,3 +249,16 @@ def _repair(row: dict, records, pre: Preprocessor, caps: Limits, policy: str):
         return None
     counts = layout.counts(pre.p.merge**2)
     return lim, {**row, **counts}
+
+
+def make_source(cfg: Config) -> tuple[grain.MapDataset, LengthsIndex]:
+    """The record source named by data.source and its lengths index.
+
+    A manifest or ArrayRecord source reads its index (`python -m jaxmllm.data.index`), checks it
+    against the config and applies data.on_oversize; row i of the index is `source[i]`.
+    """
+    if cfg.data.source == "synthetic":
+        source = SyntheticSource(cfg)
+        return grain.MapDataset.source(source), source.lengths()
+    manifest = open_source(cfg)
+    return grain.MapDataset.source(manifest), manifest.index

@@ -14,8 +14,10 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmllm.config import Config
-from jaxmllm.data.samples import LengthsIndex, Sample
-from jaxmllm.data.tokenizer import ByteTokenizer
+from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.data.media.image import patchify
+from jaxmllm.data.samples import Sample
+from jaxmllm.data.text.tokenizer import ByteTokenizer
 
 COLOURS = {
     "red": (1.0, -0.8, -0.8),
@@ -200,26 +202,6 @@ class SyntheticSource:
         bins = np.arange(n, dtype=np.float32)[None, :]
         band = np.exp(-0.5 * ((bins - centre) / max(1.0, n / 16)) ** 2)
         return (4.0 * band - 2.0 + rng.normal(0, 0.3, (frames, n))).astype(np.float32)
-
-
-def patchify(img_hwc: np.ndarray, patch: int, merge: int = 2) -> tuple[np.ndarray, np.ndarray]:
-    """Cuts an image into patches ordered so each run of merge*merge patches is one merge block.
-
-    Returns (patches [gh*gw, patch*patch*C], positions [gh*gw, 2] as (row, col)).
-    """
-    h, w, c = img_hwc.shape
-    gh, gw = h // patch, w // patch
-    x = img_hwc[: gh * patch, : gw * patch].reshape(gh, patch, gw, patch, c)
-    x = x.transpose(0, 2, 1, 3, 4).reshape(gh, gw, patch * patch * c)
-    rows, cols = np.mgrid[0:gh, 0:gw]
-    grid = np.stack([rows, cols], -1)
-
-    def merge_order(a):  # [gh, gw, k] -> [gh*gw, k] in merge-block order
-        k = a.shape[-1]
-        a = a.reshape(gh // merge, merge, gw // merge, merge, k).transpose(0, 2, 1, 3, 4)
-        return a.reshape(gh * gw, k)
-
-    return merge_order(x).astype(np.float32), merge_order(grid).astype(np.int32)
 
 
 # ----------------------------------------------------------------------------- scoring answers

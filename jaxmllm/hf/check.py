@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxmllm.config import Config
-from jaxmllm.data.synthetic import patchify
+from jaxmllm.data.media.image import patchify
 from jaxmllm.hf.family import Family, FamilyError
 from jaxmllm.hf.registry import FAMILIES, family_for, read_hf_config
 from jaxmllm.hf.towers import Towers, config_for, load_towers

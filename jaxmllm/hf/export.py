@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from jaxmllm.checkpoint import restore_params
 from jaxmllm.config import Config, ConfigError, from_dict
 from jaxmllm.hf.family import Family
 from jaxmllm.hf.registry import FAMILIES, ROLES, family_for, read_hf_config
 from jaxmllm.hf.safetensors import DTYPES, Checkpoint, write_checkpoint
-from jaxmllm.step import model_parts
+from jaxmllm.loop.checkpoint import restore_params
+from jaxmllm.step.program import model_parts
 from sharding.rules import keyed_leaves
 
 log = logging.getLogger("jaxmllm")

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from jaxmllm.config import Config, from_dict
-from jaxmllm.data.tokenizer import make_tokenizer
+from jaxmllm.data.text.tokenizer import make_tokenizer
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.registry import family_for, read_hf_config
 

@@ -22,7 +22,7 @@ from jaxmllm.models.audio import AudioEncoder
 from jaxmllm.models.llm import Decoder
 from jaxmllm.models.projectors import vision_projector
 from jaxmllm.models.vision import VisionEncoder
-from jaxmllm.step import overlay
+from jaxmllm.step.program import overlay
 
 log = logging.getLogger(__name__)
 

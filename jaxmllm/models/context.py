@@ -1,7 +1,7 @@
 """Context-parallel attention: a device's query blocks against its context group's keys.
 
 With `mesh.context` = C > 1 an LLM row is split over a context group of C devices
-(`jaxmllm.plan.context` deals its query blocks, `jaxmllm.data.contextsplit` moves the tokens):
+(`jaxmllm.plan.context` deals its query blocks, `jaxmllm.batch.context` moves the tokens):
 each device holds its blocks' tokens with their true positions and segment ids, and a tile list
 of (its local query block, a key block of the group gathered: rank * blocks a rank + local
 block). Every layer the keys, values, segment ids and positions are all-gathered over the

@@ -1,6 +1,6 @@
 """KV-cache decoding of a `MultimodalLM`: prefill a batch of prompts, then one token a step.
 
-A prompt batch is a microbatch of the batch contract (`jaxmllm.data.prompts`): B buckets of
+A prompt batch is a microbatch of the batch contract (`jaxmllm.batch.prompts`): B buckets of
 one right-padded row of P tokens each, with that prompt's images and clips. Prefill
 embeds it exactly as training does (`MultimodalLM.inputs`: token embeddings, encoders,
 projectors, placeholder slots) and runs the decoder's scanned block over it, writing every
@@ -61,7 +61,7 @@ def prefill(model: MultimodalLM, mb: dict[str, jax.Array], length: int) -> tuple
     Args:
       model: the model (any attention kind: prefill computes dense attention itself; the
         encoders use the model's own, so build it with dense attention for prompt batches).
-      mb: one prompt batch [B, 1, P, ...] (`jaxmllm.data.prompts.prompt_batch`).
+      mb: one prompt batch [B, 1, P, ...] (`jaxmllm.batch.prompts.prompt_batch`).
       length: S, the cache's length (prompt and generated tokens of a row), >= P.
 
     Returns:

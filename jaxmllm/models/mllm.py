@@ -60,7 +60,7 @@ class MultimodalLM(nnx.Module):
         if batch_cfg.route_pair_capacity < 0:
             raise ValueError(
                 "batch.route_pair_capacity=-1 (auto) must be resolved against the data first "
-                "(jaxmllm.data.pipeline.resolve_batch)"
+                "(jaxmllm.plan.sizing.resolve_batch)"
             )
         self.route_capacity = batch_cfg.route_pair_capacity
         self.exchange = batch_cfg.exchange

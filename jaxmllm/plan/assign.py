@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.contract import (
     Capacities,
     OversizeError,

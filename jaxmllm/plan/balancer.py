@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.assign import Assignment, text_home
 from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
 from jaxmllm.plan.ragged import gather_items, offsets_in_bins

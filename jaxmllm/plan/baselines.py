@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan, check_fits
 from jaxmllm.plan.ragged import gather_items, offsets_in_bins
 from jaxmllm.plan.stream import SampleStream

@@ -21,7 +21,7 @@ Cost = Callable[[np.ndarray], np.ndarray]  # item sizes -> their quadratic cost 
 
 def quad_cost(sizes: np.ndarray) -> np.ndarray:
     """The quadratic (attention) cost of items of `sizes` units under dense attention, as
-    float64: size**2 (`jaxmllm.data.cost.CostModel` has per-phase coefficients the planners
+    float64: size**2 (`jaxmllm.plan.cost.CostModel` has per-phase coefficients the planners
     do not use yet)."""
     return np.asarray(sizes).astype(np.float64) ** 2
 

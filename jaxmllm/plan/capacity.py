@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.contract import (
     Capacities,
     Planner,

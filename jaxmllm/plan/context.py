@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.contract import Capacities, StepPlan, phase_docs
 from jaxmllm.plan.tiles import PAD, tile_list
 

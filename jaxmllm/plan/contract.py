@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.tiles import bin_tiles, own_tiles
 
 

@@ -1,4 +1,5 @@
-"""The planners by name (`batch.planner`): the one list config validates against.
+"""The planners by name (`batch.planner`; config validates it against `PLANNER_NAMES`, which a
+test holds equal to these).
 
 The top of `jaxmllm.plan`: it imports the implementations, nothing here imports it back.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.assign import JointAssignment, RoutedAssignment
 from jaxmllm.plan.balancer import Balancer
 from jaxmllm.plan.baselines import FirstFitPlanner, GrainPlanner, NaivePlanner

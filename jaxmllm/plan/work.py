@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxmllm.data.samples import LengthsIndex
+from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.bins import Cost, Loads, quad_cost, tile_cost
 from jaxmllm.plan.contract import Capacities, bucket_tile_caps
 from jaxmllm.plan.route import Routes

@@ -48,7 +48,7 @@ def die(where: str) -> None:
 
 
 def _patch_ledger(step: int, committed: int) -> None:
-    from jaxmllm.ledger import Ledger
+    from jaxmllm.loop.ledger import Ledger
 
     write = Ledger.write
 

@@ -1,0 +1,408 @@
+"""Turns a StepPlan and its loaded samples into the fixed-shape batch contract.
+
+Every array has leading axes [M, D] (microbatch, data-parallel device bucket):
+
+  llm_tokens, llm_segment_ids, llm_positions, llm_targets   int32  [M, D, R, L]
+                                (llm_positions [M, D, R, L, 3] with M-RoPE: time, row, column)
+  llm_loss_mask                                              f32    [M, D, R, L]
+  llm_vision_src, llm_audio_src                              int32  [M, D, R, L]
+  vision_patches [M, D, P, patch*patch*C] f32, vision_segment_ids [M, D, P],
+  vision_positions [M, D, P, 2] (row, col)
+  audio_frames [M, D, F, n_mels] f32, audio_segment_ids [M, D, F], audio_positions [M, D, F]
+  vision_send, audio_send                                    int32  [M, D, D, C]  (routed only)
+  vision_send_count, audio_send_count                        int32  [M, D, D]     (routed only)
+
+Segment ids are 1, 2, ... per sample (per image / clip in the encoder rows) and 0 for padding.
+`llm_*_src[t] = -1` unless token t is a placeholder slot; then it indexes the device's row
+buffer [own projector output rows (N) | received rows (D*C)]: an item encoded on the text's own
+device is read locally (index < N); with route_pair_capacity C > 0 an item encoded on device s is
+read at N + s*C + c, which the all-to-all fills from `*_send[s, d, c]` = the source's projector
+output row. C bounds only cross-device traffic; self pairs are never used.
+
+On several hosts each process fills only its own positions (`positions`, ascending indices into
+D): the arrays' D axis holds those rows only (the `*_send` tables keep every destination), and
+`samples` needs only the samples with text or an encoder item on those positions. Routing
+offsets are counted the same way on every host, from the lengths index when a sample failed to
+load, so both ends of an exchange agree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxmllm.batch.context import Split, group_text, local_groups
+from jaxmllm.config import Config
+from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.data.samples import Sample
+from jaxmllm.data.text.specials import RESERVED, Specials
+from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
+from jaxmllm.plan.tiles import TileOverflow, document_starts, from_segments
+
+
+def batch_shapes(cfg: Config, devices: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Global shape and dtype of every array in a step batch (the contract, for eval_shape)."""
+    b, m = cfg.batch, cfg.model
+    lead = (b.microbatches, devices)
+    llm = lead + (b.llm_rows, b.llm_row_len)
+    out = {
+        k: (llm, np.int32)
+        for k in (
+            "llm_tokens",
+            "llm_segment_ids",
+            "llm_positions",
+            "llm_targets",
+            "llm_vision_src",
+            "llm_audio_src",
+        )
+    }
+    out["llm_loss_mask"] = (llm, np.float32)
+    if any(m.llm.mrope_section):  # M-RoPE: (time, row, column) per token
+        out["llm_positions"] = (llm + (3,), np.int32)
+    c = b.route_pair_capacity
+    if m.vision.enabled:
+        pd = m.vision.patch_size**2 * m.vision.channels
+        out["vision_patches"] = (lead + (b.vision_patches, pd), np.float32)
+        out["vision_segment_ids"] = (lead + (b.vision_patches,), np.int32)
+        out["vision_positions"] = (lead + (b.vision_patches, 2), np.int32)
+        if c:
+            out["vision_send"] = (lead + (devices, c), np.int32)
+            out["vision_send_count"] = (lead + (devices,), np.int32)
+    if m.audio.enabled:
+        out["audio_frames"] = (lead + (b.audio_frames, m.audio.n_mels), np.float32)
+        out["audio_segment_ids"] = (lead + (b.audio_frames,), np.int32)
+        out["audio_positions"] = (lead + (b.audio_frames,), np.int32)
+        if c:
+            out["audio_send"] = (lead + (devices, c), np.int32)
+            out["audio_send_count"] = (lead + (devices,), np.int32)
+    if not m.vision.enabled:
+        del out["llm_vision_src"]
+    if not m.audio.enabled:
+        del out["llm_audio_src"]
+    if m.attention == "block_sparse":
+        for phase, cap in tile_capacities(cfg).items():
+            out[f"{phase}_tiles"] = (lead + (cap, 2), np.int32)
+    return out
+
+
+def tile_capacities(cfg: Config) -> dict[str, int]:
+    """Per enabled phase, the attention tiles a device computes per microbatch (resolved)."""
+    b, m = cfg.batch, cfg.model
+    caps = {"llm": b.llm_tiles}
+    if m.vision.enabled:
+        caps["vision"] = b.vision_tiles
+    if m.audio.enabled:
+        caps["audio"] = b.audio_tiles
+    for phase, cap in caps.items():
+        if cap < 0:
+            raise ValueError(
+                f"batch.{phase}_tiles=-1 (auto) must be resolved against the data first "
+                "(jaxmllm.plan.sizing.resolve_batch)"
+            )
+    return caps
+
+
+def empty_batch(
+    cfg: Config, devices: int, local: int | None = None, pad: int = RESERVED.pad
+) -> dict[str, np.ndarray]:
+    """An all-padding batch (zeros; `*_src` = -1; tokens `pad`); `local` rows of the D axis if
+    given."""
+    shapes = batch_shapes(cfg, devices)
+    if local is not None:
+        shapes = {k: ((s[0], local) + s[2:], d) for k, (s, d) in shapes.items()}
+    batch = {k: np.zeros(s, d) for k, (s, d) in shapes.items()}
+    for k in ("llm_vision_src", "llm_audio_src"):
+        if k in batch:
+            batch[k][:] = -1
+    batch["llm_tokens"][:] = pad
+    return batch
+
+
+def bucketize(
+    plan: StepPlan,
+    samples: dict[int, Sample | None],
+    cfg: Config,
+    caps: Capacities,
+    positions: np.ndarray | None = None,
+    index: LengthsIndex | None = None,
+    specials: Specials = RESERVED,
+) -> dict[str, np.ndarray]:
+    """Fills the fixed-shape arrays of one step from a plan and its loaded samples.
+
+    Args:
+      plan: The step's plan (global: every device).
+      samples: index -> Sample, or None for one that failed to load (its slots stay padding).
+        With `positions`, only samples with text or an item on those positions are needed.
+      cfg, caps: The resolved config and its capacities.
+      positions: This host's data-parallel positions; default all D.
+      index: The lengths index; sizes the routing of a sample that failed to load.
+      specials: The tokenizer's ids (the source's `specials`): padding is `pad`, encoder slots
+        are the tokens equal to `image` / `audio`.
+    """
+    local = np.full(caps.devices, -1, np.int64)
+    pos = np.arange(caps.devices) if positions is None else np.asarray(positions, np.int64)
+    local[pos] = np.arange(len(pos))
+    batch = empty_batch(cfg, caps.devices, None if positions is None else len(pos), specials.pad)
+    # Text goes to its LLM bucket's rows: a device's, or a context group's (then dealt).
+    grouped = caps.context > 1
+    text = group_text(batch, caps, specials.pad) if grouped else batch
+    home = local_groups(local, caps.context) if grouped else local  # bucket -> this host's
+    seg_counter: dict[tuple[int, ...], int] = {}
+    slots: list[list[np.ndarray] | None] = [None] * len(plan.samples)
+    row_len = caps.llm_bin_len
+    for k, s in enumerate(plan.samples.tolist()):
+        d = int(home[plan.device[k]])
+        if d < 0:  # text on another host
+            continue
+        sample = samples[s]
+        if sample is None:  # failed to load (data.on_error=skip): its slots stay padding
+            continue
+        m, r, o = int(plan.micro[k]), int(plan.row[k]), int(plan.offset[k])
+        key = (m, d) if grouped else (m, d, r)  # (a group's segments: one count, all rows)
+        seg = seg_counter[key] = seg_counter.get(key, 0) + 1
+        _write_text(text, (m, d, r), o, seg, sample, specials, cfg.model.vision.merge)
+        # placeholder slots: index into the bucket's rows flattened
+        media = (specials.image, specials.audio)
+        slots[k] = [r * row_len + o + np.flatnonzero(sample.tokens == t) for t in media]
+    split = None
+    if grouped:
+        groups = np.flatnonzero(home >= 0)
+        split = Split.deal(text, batch, caps, cfg.batch.llm_tiles, plan.step, groups)
+    for phase, key, items, which, per_row in (
+        ("vision", "vision_patches", plan.vision, 0, caps.merge_area),
+        ("audio", "audio_frames", plan.audio, 1, caps.subsample),
+    ):
+        if key in batch:
+            units = _index_units(index, plan, items, phase)
+            _write_items(
+                batch, phase, plan, items, samples, slots, which, per_row, caps,
+                (local, home, split), units,
+            )  # fmt: skip
+    if cfg.model.attention == "block_sparse":
+        _write_tiles(batch, cfg, plan.step, pos, skip=("llm",) if grouped else ())
+    elif cfg.model.attention == "cudnn":
+        _check_documents(batch, cfg, plan.step, pos)
+    return batch
+
+
+def _check_documents(batch, cfg: Config, step: int, positions: np.ndarray) -> None:
+    """cuDNN attention: every row within its phase's `batch.*_documents` (a static size of
+    cuDNN's packed layout: a document past it would get no attention at all)."""
+    for phase in ("llm", "vision", "audio"):
+        key = f"{phase}_segment_ids"
+        if key not in batch:
+            continue
+        seg = batch[key]
+        if phase == "audio":
+            seg = seg[..., :: cfg.model.audio.stride]  # the encoder's rows, as the planner's
+        count = document_starts(seg).sum(-1)  # documents per row
+        most = getattr(cfg.batch, f"{phase}_documents")
+        if most < 1:
+            raise ValueError(f"batch.{phase}_documents=-1 (auto) must be resolved first "
+                             "(jaxmllm.plan.sizing.resolve_batch)")  # fmt: skip
+        if count.max(initial=0) > most:
+            m, d = np.unravel_index(int(np.argmax(count)), count.shape)[:2]
+            raise ValueError(
+                f"step {step}: a {phase} row of microbatch {m} on device {int(positions[d])} "
+                f"holds {int(count.max())} documents, more than batch.{phase}_documents={most} "
+                "(cuDNN attention's packed layout); raise it, or -1: sized from the data"
+            )
+
+
+def _write_tiles(batch, cfg: Config, step: int, positions: np.ndarray, skip=()) -> None:
+    """Each bucket's attention tile list, read off the segment ids just written (a document is
+    a run of one segment id; the planner kept every bucket's tiles within its capacity);
+    phases in `skip` have theirs already (a context split)."""
+    block, sub = cfg.batch.attention_block, cfg.model.audio.stride
+    for phase, cap in tile_capacities(cfg).items():
+        if phase in skip:
+            continue
+        seg = batch[f"{phase}_segment_ids"]
+        if phase == "audio":
+            seg = seg[..., ::sub]  # the encoder attends over rows of `sub` frames
+        m_n, d_n = seg.shape[:2]
+        rows = seg.reshape(m_n * d_n, -1, seg.shape[-1])
+        try:
+            tiles = from_segments(rows, block, phase == "llm", cap)
+        except TileOverflow as e:
+            m, d = divmod(e.bucket, d_n)
+            raise ValueError(
+                f"step {step}: microbatch {m} of device {int(positions[d])} needs {e.need} "
+                f"{phase} attention tiles, more than batch.{phase}_tiles={cap}; raise it "
+                "(or -1: sized from the data)"
+            ) from None
+        batch[f"{phase}_tiles"] = tiles.reshape(m_n, d_n, cap, 2)
+
+
+def _index_units(index, plan: StepPlan, items: ItemPlan, phase: str) -> np.ndarray | None:
+    """Patches / frames of every planned item according to the lengths index."""
+    if index is None:
+        return None
+    values, ptr = (
+        (index.images, index.images_ptr) if phase == "vision" else (index.audio, index.audio_ptr)
+    )
+    return values[ptr[plan.samples[items.owner]] + items.item]
+
+
+def _write_text(batch, where, offset: int, seg: int, sample: Sample, specials, merge) -> None:
+    n = len(sample.tokens)
+    sl = where + (slice(offset, offset + n),)
+    batch["llm_tokens"][sl] = sample.tokens
+    batch["llm_segment_ids"][sl] = seg
+    if batch["llm_positions"].ndim == 5:  # M-RoPE: (time, row, column)
+        batch["llm_positions"][sl] = mrope_positions(
+            sample.tokens, specials.image, sample.grids, merge
+        )
+    else:
+        batch["llm_positions"][sl] = np.arange(n)
+    pad = specials.pad
+    # Token t predicts token t+1 of the same sample; the last token predicts nothing.
+    targets = np.append(sample.tokens[1:], pad)
+    batch["llm_targets"][sl] = targets
+    batch["llm_loss_mask"][sl] = np.append(sample.loss[1:], False)
+
+
+def _write_items(
+    batch,
+    phase: str,
+    plan: StepPlan,
+    items: ItemPlan,
+    samples,
+    slots,
+    which: int,
+    per_row: int,
+    caps: Capacities,
+    hosts: tuple,
+    units: np.ndarray | None,
+) -> None:
+    """Writes encoder inputs and the routing of their output rows to LLM placeholder slots.
+
+    `hosts` = (local, home, split): `local[g]` is global device g's row in this host's arrays,
+    `home[b]` LLM bucket b's (a device or a context group), -1 when another host holds it;
+    `split` where a context split moved each token of a group's rows (None: no groups).
+
+    A row reaches its slot from the device that holds it after the exchange: the encoding
+    device when it is in the text's bucket (local), else the bucket's device at the encoding
+    device's position in its own group (`recv`: the text's device without groups), at
+    N + src * C + c of its received rows. With groups the slots read the group's rows
+    gathered, each device's N + D * C after the other ("base").
+    """
+    local, home, split = hosts
+    data_key = "vision_patches" if phase == "vision" else "audio_frames"
+    src_key = f"llm_{phase}_src"
+    pair_cap, ctx = caps.route_pair_capacity, caps.context
+    own_rows = batch[data_key].shape[2] // per_row  # received rows follow the own ones
+    gathered = own_rows + caps.devices * pair_cap if ctx > 1 else 0  # a device's buffer
+    seg_counter: dict[tuple[int, int], int] = {}
+    pair_fill: dict[tuple[int, int, int], int] = {}
+    used = [0] * len(plan.samples)  # placeholder slots consumed per owner sample
+    order = np.lexsort((items.item, items.owner))  # a sample's items in placeholder order
+    for k in order.tolist():
+        owner, j = int(items.owner[k]), int(items.item[k])
+        m, enc_dev, off = int(plan.micro[owner]), int(items.device[k]), int(items.offset[k])
+        d, r = int(plan.device[owner]), int(plan.row[owner])
+        enc_here, text_here = local[enc_dev] >= 0, home[d] >= 0
+        if not (enc_here or text_here):
+            continue  # both ends on other hosts
+        sample = samples[int(plan.samples[owner])]
+        if units is not None:  # the index's count: what every host counts, loaded or not
+            n = int(units[k])
+        elif sample is not None:
+            n = len(sample.images[j][0]) if phase == "vision" else len(sample.audio[j])
+        else:
+            continue  # failed to load, one host: no encoder rows, no routing
+        rows = off // per_row + np.arange(n // per_row)  # projector output rows of this item
+        if sample is not None and enc_here:
+            e = int(local[enc_dev])
+            seg = seg_counter[(m, e)] = seg_counter.get((m, e), 0) + 1
+            if phase == "vision":
+                patches, pos = sample.images[j]
+                batch[data_key][m, e, off : off + n] = patches
+                batch["vision_positions"][m, e, off : off + n] = pos
+            else:
+                batch[data_key][m, e, off : off + n] = sample.audio[j]
+                batch["audio_positions"][m, e, off : off + n] = np.arange(n)
+            batch[f"{phase}_segment_ids"][m, e, off : off + n] = seg
+        dest = None
+        if text_here and slots[owner] is not None:
+            dest = slots[owner][which][used[owner] : used[owner] + len(rows)]
+            used[owner] += len(rows)
+        recv = d * ctx + enc_dev % ctx  # (= d without groups)
+        base = (enc_dev % ctx) * gathered  # (0 without groups)
+        if pair_cap == 0 or enc_dev // ctx == d:  # the local path: no exchange
+            if enc_dev // ctx != d:
+                raise ValueError(
+                    f"plan step {plan.step}: sample {int(plan.samples[owner])} {phase} item "
+                    f"{j} is on another device but batch.route_pair_capacity is 0"
+                )
+            if dest is not None:
+                _fill(batch[src_key][m], (home, split, m, d, r), dest, base + rows)
+            continue
+        c0 = pair_fill.get((m, enc_dev, recv), 0)
+        if c0 + len(rows) > pair_cap:
+            raise ValueError(
+                f"plan step {plan.step}: device {enc_dev} -> {recv} needs more than "
+                f"batch.route_pair_capacity={pair_cap} {phase} rows"
+            )
+        pair_fill[(m, enc_dev, recv)] = c0 + len(rows)
+        if enc_here and sample is not None:
+            e = int(local[enc_dev])
+            batch[f"{phase}_send_count"][m, e, recv] = c0 + len(rows)  # rows a ragged send moves
+            batch[f"{phase}_send"][m, e, recv, c0 : c0 + len(rows)] = rows
+        if dest is not None:
+            got = base + own_rows + enc_dev * pair_cap + c0 + np.arange(len(rows))
+            _fill(batch[src_key][m], (home, split, m, d, r), dest, got)
+
+
+def _fill(src_drl: np.ndarray, where: tuple, dest: np.ndarray, values: np.ndarray) -> None:
+    """Writes `values` into one microbatch's slot sources [D, R, L] at the bucket's slots
+    `dest` (index into its rows flattened); `where` = (home, split, m, bucket, row)."""
+    home, split, m, d, _ = where
+    if split is None:
+        src_drl[home[d]].reshape(-1)[dest] = values
+        return
+    device, flat = split.where(m, int(home[d]), dest)
+    src_drl.reshape(len(src_drl), -1)[device, flat] = values
+
+
+def fill_stats(batch: dict[str, np.ndarray]) -> dict[str, float]:
+    """Real (non-padding) share of each phase's capacity in this batch."""
+    out = {"llm": float((batch["llm_segment_ids"] > 0).mean())}
+    for phase in ("vision", "audio"):
+        if f"{phase}_segment_ids" in batch:
+            out[phase] = float((batch[f"{phase}_segment_ids"] > 0).mean())
+    return out
+
+
+def mrope_positions(
+    tokens: np.ndarray, image: int, grids: list[tuple[int, int]], merge: int
+) -> np.ndarray:
+    """M-RoPE positions [T, 3] (time, row, column) of a sample, as Qwen2-VL's `get_rope_index`
+    makes them: text counts on in all three; the k-th image is the next block of `image`
+    tokens its grid fills (images may follow each other with no text between), its merged grid
+    of (rows / merge) x (cols / merge) tokens in row-major order at (start, start + row,
+    start + column), and the text after it resumes at start + the grid's longer side."""
+    out = np.zeros((len(tokens), 3), np.int32)
+    is_image = tokens == image
+    merged = [(rows // merge, cols // merge) for rows, cols in grids]
+    total = sum(h * w for h, w in merged)
+    if int(is_image.sum()) != total:
+        raise ValueError(
+            f"{int(is_image.sum())} image tokens but the sample's {len(grids)} image grids "
+            f"merge to {total}"
+        )
+    at, pos = 0, 0
+    for h, w in merged:
+        # The image's tokens are the next h * w image tokens (images may follow each other
+        # with no text between: a run of image tokens is then several images, in order).
+        size = h * w
+        start = at + int(np.argmax(is_image[at:]))
+        if not is_image[start : start + size].all():
+            raise ValueError(f"image at token {start}: its {size} tokens are not contiguous")
+        out[at:start] = (pos + np.arange(start - at))[:, None]
+        pos += start - at
+        r, c = np.divmod(np.arange(size), w)
+        out[start : start + size] = np.stack([np.zeros_like(r), r, c], -1) + pos
+        pos += max(h, w)
+        at = start + size
+    out[at:] = (pos + np.arange(len(tokens) - at))[:, None]
+    return out

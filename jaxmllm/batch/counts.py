@@ -1,0 +1,140 @@
+"""What a batch holds, counted on the host for the metrics: real tokens, analytic FLOPs, and each
+bucket's work per phase (real units, squared segment lengths, attention tiles).
+
+The feed counts each step's batch on its own thread (`StepCounter`); the loop adds the counts
+into its metrics window and its timings (`jaxmllm.loop.metrics`, `jaxmllm.loop.timings`). A
+step's microbatches each end in collectives (the encoder-row all-to-all, fsdp's gathers), so
+every device waits for the slowest one of each microbatch: a step's work is, per microbatch,
+that of the device the cost model finds slowest, summed over microbatches (`step_work`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxmllm.config import Config, ConfigError
+from jaxmllm.plan.cost import PHASES, CostFileError, CostModel
+
+
+def segment_work(seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(real units, sum of squared segment lengths) per bucket of segment ids [M, D, ..., n].
+
+    A segment is a run of one id > 0 within a row (the last axis); padding (0) is no segment.
+    """
+    lead = seg.shape[:2]
+    rows = seg.reshape(lead[0] * lead[1], -1, seg.shape[-1]).astype(np.int64)
+    ids = int(rows.max(initial=0)) + 1
+    row_ids = np.arange(rows.shape[0] * rows.shape[1]).reshape(rows.shape[:2] + (1,))
+    real = rows > 0
+    counts = np.bincount((row_ids * ids + rows)[real], minlength=row_ids.size * ids)
+    sq = (counts.astype(np.float64) ** 2).reshape(rows.shape[0], -1).sum(1)
+    return real.sum((1, 2)).reshape(lead).astype(np.float64), sq.reshape(lead)
+
+
+def bucket_work(batch: dict[str, np.ndarray], context: int = 1) -> dict[str, np.ndarray]:
+    """`{phase}_units`, `{phase}_sq` and, where the batch has tile lists, `{phase}_tiles`: each
+    an [M, D] array over the batch's buckets (microbatch, device).
+
+    With context groups (`context` > 1: consecutive devices split rows whose documents they
+    share, segment ids counting over a group) a document's squared length is its group's: each
+    device of a group gets an equal share of the group's (its tiles are its own)."""
+    work = {}
+    for phase in PHASES:
+        seg = batch.get(f"{phase}_segment_ids")
+        if seg is None:
+            continue
+        work[f"{phase}_units"], work[f"{phase}_sq"] = segment_work(seg)
+        if phase == "llm" and context > 1:
+            m_n, d_n = seg.shape[:2]
+            _, group_sq = segment_work(seg.reshape(m_n, d_n // context, 1, -1))
+            work["llm_sq"] = np.repeat(group_sq / context, context, axis=1)
+        tiles = batch.get(f"{phase}_tiles")
+        if tiles is not None:  # (query block, key block) pairs, (-1, -1) for padding
+            work[f"{phase}_tiles"] = (tiles[..., 0] >= 0).sum(-1).astype(np.float64)
+    return work
+
+
+def step_work(
+    batch: dict[str, np.ndarray], cost: CostModel, work: dict[str, np.ndarray] | None = None
+) -> dict:
+    """A step's work on its slowest device and on the mean device (sums over microbatches).
+
+    Per microbatch the slowest device is the one `cost` finds costliest; `devices` is how many
+    this host's batch holds (on several processes, process 0 sees only its own). `work`: the
+    batch's `bucket_work`, when the caller has it.
+    """
+    work = bucket_work(batch) if work is None else work
+    per_bucket = sum(
+        cost.phase(p).work_cost(work[f"{p}_units"], work[f"{p}_sq"])
+        for p in PHASES
+        if f"{p}_units" in work
+    )
+    slowest = np.argmax(per_bucket, axis=1)  # [M]
+    micro = np.arange(len(slowest))
+    return {
+        "devices": int(per_bucket.shape[1]),
+        "microbatches": int(per_bucket.shape[0]),
+        "slowest": {k: float(v[micro, slowest].sum()) for k, v in work.items()},
+        "mean": {k: float(v.sum(0).mean()) for k, v in work.items()},
+    }
+
+
+def step_flops(cfg: Config, batch: dict[str, np.ndarray], cost: CostModel | None = None) -> float:
+    """Model FLOPs of one step's real (non-padding) items, from the planner's cost model.
+
+    Per phase: linear * (real units) + quadratic * (sum of squared segment lengths), with the
+    training multipliers for trained and frozen modules (see jaxmllm/plan/cost.py).
+    """
+    work = bucket_work(batch, cfg.mesh.context)
+    return _flops(work, cost or CostModel.from_model(cfg.model))
+
+
+def _flops(work: dict[str, np.ndarray], cost: CostModel) -> float:
+    """Model FLOPs of a batch's per-bucket work (`timings.bucket_work`), all buckets."""
+    return float(
+        sum(
+            cost.phase(p).work_cost(work[f"{p}_units"].sum(), work[f"{p}_sq"].sum())
+            for p in PHASES
+            if f"{p}_units" in work
+        )
+    )
+
+
+def calibrated_cost(cfg: Config) -> CostModel | None:
+    """The model of `train.cost_file` (None when unset).
+
+    Raises:
+      ConfigError: naming the key and what is wrong with the file.
+    """
+    if not cfg.train.cost_file:
+        return None
+    try:
+        return CostModel.from_file(cfg.train.cost_file)
+    except CostFileError as e:
+        raise ConfigError(f"train.cost_file: {e}") from None
+
+
+class StepCounter:
+    """Counts what a host batch holds for the metrics: real LLM tokens, analytic FLOPs and, for
+    the timings and the predicted step time, the work of its slowest and its mean device.
+
+    The pipeline calls it on its own thread, per step; the cost models are built once. The
+    slowest device is the one the calibrated model (`train.cost_file`) finds slowest, else the
+    FLOP model.
+    """
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.cost = cfg, CostModel.from_model(cfg.model)
+        self.calibrated = calibrated_cost(cfg)
+        self.work = cfg.train.record_timings or self.calibrated is not None
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict:
+        tokens = float((batch["llm_segment_ids"] > 0).sum())
+        # (once: the FLOPs and the timings' work both read it)
+        work = bucket_work(batch, self.cfg.mesh.context)
+        out = {"tokens": tokens, "flops": _flops(work, self.cost)}
+        if self.work:
+            out["work"] = step_work(batch, self.calibrated or self.cost, work)
+        if self.calibrated is not None:
+            out["predicted_s"] = self.calibrated.step_cost(out["work"]["slowest"])
+        return out

@@ -1,0 +1,162 @@
+"""Prompt batches: prompts laid out in the batch contract, so generation sees what training saw.
+
+A prompt is a `Sample` (tokens with one placeholder id per encoder output row, the images'
+patches, the clips' frames), made by the same preprocessing as training samples (a template,
+`jaxmllm.data.text.template`, or a data set's own sample cut before its answer, `split_answer`).
+`prompt_batch` lays B of them out as a microbatch of B device buckets with `bucketize` itself:
+prompt b in bucket b's one LLM row from token 0 (right padding), its images packed into that
+bucket's vision row and its clips into its audio row, their projector rows routed to the
+placeholder slots locally. Under a mesh the prompts then spread over the data-parallel devices
+like training buckets do. The shapes (`PromptShapes`) are fixed per generator, so its programs
+compile once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxmllm.batch.bucketize import bucketize
+from jaxmllm.config import Config, ConfigError
+from jaxmllm.data.samples import Sample
+from jaxmllm.data.text.specials import RESERVED, Specials
+from jaxmllm.plan.contract import ItemPlan, StepPlan
+from jaxmllm.plan.sizing import capacities
+
+ROUND = 16  # lengths are rounded up to multiples of this, so nearby prompts share programs
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptShapes:
+    """The fixed shapes of a generator's programs."""
+
+    rows: int  # B: prompts decoded together, one per bucket
+    prompt_len: int  # P: tokens per prompt row (right-padded)
+    total_len: int  # S: the KV cache's length, a row's prompt and generated tokens
+    vision_patches: int  # a bucket's vision row: the images of a prompt
+    audio_frames: int  # a bucket's audio row: the clips of a prompt
+
+    @classmethod
+    def fit(
+        cls, prompts: Sequence[Sample], cfg: Config, max_new_tokens: int, rows: int = 0
+    ) -> PromptShapes:
+        """The smallest shapes (rounded up) that hold `prompts` and `max_new_tokens` more
+        tokens per row; `rows` (default: as many as prompts) may leave rows spare."""
+        rows = rows or len(prompts)
+        if not 0 < len(prompts) <= rows:
+            raise ValueError(f"{len(prompts)} prompts for {rows} rows")
+        merge_area = cfg.model.vision.merge**2
+        longest = max(len(p.tokens) for p in prompts)
+        patches = max(_patches(p) for p in prompts)
+        frames = max(_frames(p) for p in prompts)
+        prompt_len = _round(longest, ROUND)
+        return cls(
+            rows=rows,
+            prompt_len=prompt_len,
+            total_len=_round(prompt_len + max_new_tokens, ROUND),
+            vision_patches=_round(max(patches, 1), ROUND * merge_area),
+            audio_frames=_round(max(frames, 1), ROUND * cfg.model.audio.subsample),
+        )
+
+
+def _round(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def _patches(prompt: Sample) -> int:
+    return sum(len(m[0]) for m in prompt.images)
+
+
+def _frames(prompt: Sample) -> int:
+    return sum(len(m) for m in prompt.audio)
+
+
+def prompt_config(cfg: Config, shapes: PromptShapes) -> Config:
+    """`cfg` for prompt batches: one microbatch of `shapes.rows` buckets of one row each,
+    encoder rows read locally, dense attention (no tile lists: prompts are short, and the
+    decoder's cache attention is dense anyway), rows whole on a device. The parameters are the
+    same as `cfg`'s."""
+    batch = dataclasses.replace(
+        cfg.batch,
+        microbatches=1,
+        llm_rows=1,
+        llm_row_len=shapes.prompt_len,
+        vision_patches=shapes.vision_patches,
+        audio_frames=shapes.audio_frames,
+        capacity="fixed",
+        route_pair_capacity=0,
+        planner="first_fit",  # (orchestrated refuses local routing; no planner runs here)
+    )
+    model = dataclasses.replace(cfg.model, attention="dense")
+    # A prompt row is whole on its device and the model is whole in each program (evaluation
+    # reads the parameters in their [depth, ...] form): no context groups, no stages.
+    mesh = dataclasses.replace(cfg.mesh, context=1, stage=1)
+    return dataclasses.replace(cfg, batch=batch, model=model, mesh=mesh)
+
+
+def prompt_batch(
+    prompts: Sequence[Sample], shapes: PromptShapes, cfg: Config, specials: Specials = RESERVED
+) -> dict:
+    """The prompts as a microbatch [B, 1, P, ...] of the batch contract, one bucket each;
+    buckets past the prompts hold one padding token (decoded and ignored). `specials`: the
+    tokenizer's (its padding, and the placeholder ids whose slots encoder rows fill).
+
+    Raises:
+      ValueError: a prompt longer than the shapes' prompt length, or media over its buckets.
+    """
+    pcfg = prompt_config(cfg, shapes)
+    filler = Sample(id=-1, tokens=np.array([specials.pad], np.int32), loss=np.zeros(1, bool))
+    prompts = list(prompts) + [filler] * (shapes.rows - len(prompts))
+    if len(prompts) > shapes.rows or max(len(p.tokens) for p in prompts) > shapes.prompt_len:
+        raise ValueError(f"prompts do not fit {shapes}")
+    if (max(_patches(p) for p in prompts) > shapes.vision_patches
+            or max(_frames(p) for p in prompts) > shapes.audio_frames):  # fmt: skip
+        raise ValueError(f"a prompt's images or clips do not fit {shapes}")
+    for p in prompts:
+        if (p.images and not cfg.model.vision.enabled) or (p.audio and not cfg.model.audio.enabled):
+            raise ConfigError(
+                "a prompt has images or audio but the model has no encoder for them "
+                "(model.vision.enabled / model.audio.enabled)"
+            )
+    n = len(prompts)
+    zeros = np.zeros(n, np.int64)
+    plan = StepPlan(
+        step=0,
+        samples=np.arange(n),
+        micro=zeros,
+        device=np.arange(n),
+        row=zeros,
+        offset=zeros,
+        vision=_packed([[len(m[0]) for m in p.images] for p in prompts]),
+        audio=_packed([[len(m) for m in p.audio] for p in prompts]),
+    )
+    batch = bucketize(plan, dict(enumerate(prompts)), pcfg, capacities(pcfg, n), specials=specials)
+    return {k: v[0] for k, v in batch.items()}  # the one microbatch
+
+
+def _packed(sizes: list[list[int]]) -> ItemPlan:
+    """Each prompt's items, in order, one after another in its own bucket."""
+    owner, item, offset = [], [], []
+    for b, items in enumerate(sizes):
+        owner += [b] * len(items)
+        item += list(range(len(items)))
+        offset += np.concatenate([[0], np.cumsum(items)[:-1]]).tolist() if items else []
+    as_int = lambda x: np.asarray(x, np.int64)
+    return ItemPlan(as_int(owner), as_int(item), as_int(owner), as_int(offset))
+
+
+def split_answer(sample: Sample, specials: Specials = RESERVED) -> tuple[Sample, np.ndarray] | None:
+    """A data set's sample as (its prompt: the tokens before its first loss token, with all its
+    media; the answer's ids), or None when it has no prompt (text learned from its first token
+    on, a sample whose media come after its answer starts)."""
+    learned = np.flatnonzero(sample.loss)
+    if not len(learned) or learned[0] < 2:  # (BOS alone is no prompt)
+        return None
+    cut = int(learned[0])
+    rows = np.isin(sample.tokens[cut:], (specials.image, specials.audio))
+    if rows.any():
+        return None
+    prompt = dataclasses.replace(sample, tokens=sample.tokens[:cut], loss=sample.loss[:cut])
+    return prompt, sample.tokens[cut:]

@@ -1,0 +1,1 @@
+"""Media decoding with bounded cost: images (`image`) and audio clips (`audio`)."""

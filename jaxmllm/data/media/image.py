@@ -1,0 +1,241 @@
+"""Images: header sizes, decoding to RGB, the pixel-budget resize rule, native-resolution patches.
+
+`image_grid` is the one resize rule: the index applies it to the header size and preprocessing to
+the decoded size, so the index's patch counts are exactly what training sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from jaxmllm.data.rejects import RecordError, check_media_file
+
+ORIENTATION = 0x0112  # EXIF tag; values 5..8 swap width and height
+Source = str | Path | bytes
+MAX_PIXELS = 1 << 26  # the default of data.max_image_pixels
+# Raster formats PIL may open (others are refused as undecodable): the common dataset formats.
+# MPO is how PIL opens many camera JPEGs. Left out: EPS/PS (Ghostscript), ICO/ICNS/CUR (the
+# decoded size is not the header's), and the long tail of rare formats.
+Image.init()
+FORMATS = tuple(f for f in ("PNG", "JPEG", "MPO", "GIF", "WEBP", "BMP", "TIFF", "PPM", "TGA",
+                            "AVIF", "QOI") if f in Image.OPEN)  # fmt: skip
+
+
+def image_grid(
+    h: int, w: int, patch: int, merge: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """Patch grid (rows, cols) of an h x w image resized into [min_pixels, max_pixels].
+
+    Keeps the aspect ratio and rounds each side to a multiple of patch*merge pixels (so merge
+    blocks tile the grid), never below one block and never above max_pixels.
+    """
+    unit = patch * merge
+    hb, wb = max(unit, round(h / unit) * unit), max(unit, round(w / unit) * unit)
+    if hb * wb > max_pixels:
+        beta = math.sqrt(h * w / max_pixels)
+        hb = max(unit, math.floor(h / beta / unit) * unit)
+        wb = max(unit, math.floor(w / beta / unit) * unit)
+    elif hb * wb < min_pixels:
+        beta = math.sqrt(min_pixels / (h * w))
+        hb, wb = math.ceil(h * beta / unit) * unit, math.ceil(w * beta / unit) * unit
+    while hb * wb > max_pixels and max(hb, wb) > unit:  # a side clamped at one block
+        if hb >= wb:
+            hb -= unit
+        else:
+            wb -= unit
+    return hb // patch, wb // patch
+
+
+def open_image(src: Source, record_id: str = "?", max_pixels: int = MAX_PIXELS) -> Image.Image:
+    """Opens an image from a path or bytes, reading its header only.
+
+    Refuses, before any pixel is decoded, an image of more than `max_pixels` (a decompression
+    bomb: a few KB of PNG can hold gigapixels of zeros), an empty one, and formats outside FORMATS
+    (PIL would also try EPS through Ghostscript, icons whose decoded size is not the header's...).
+    """
+    check_media_file(src, record_id)
+    try:
+        with _bomb_check_as_error():
+            img = Image.open(io.BytesIO(src) if isinstance(src, bytes) else src, formats=FORMATS)
+    except Image.DecompressionBombError as e:
+        detail = f"{_name(src)}: {e} (PIL's Image.MAX_IMAGE_PIXELS x 2 applies above ours)"
+        raise RecordError("image_too_large", detail, record_id) from None
+    except Exception as e:  # noqa: BLE001  PIL raises anything on hostile bytes; see decode_rgb
+        raise RecordError("undecodable_media", _what(src, e), record_id) from None
+    w, h = img.size
+    if w * h > max_pixels:
+        img.close()
+        raise RecordError(
+            "image_too_large",
+            f"{_name(src)}: {w}x{h} = {w * h} pixels > data.max_image_pixels={max_pixels}",
+            record_id,
+        )
+    if w <= 0 or h <= 0:
+        img.close()
+        raise RecordError("undecodable_media", f"{_name(src)}: empty image ({w}x{h})", record_id)
+    return img
+
+
+def read_size(src: Source, record_id: str = "?", max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
+    """(height, width) as displayed (EXIF orientation applied), read from the header only.
+
+    Also checks the end-of-image marker of JPEG and PNG files, which catches truncated files
+    without decoding them.
+    """
+    with open_image(src, record_id, max_pixels) as img:
+        w, h = img.size
+        orientation = _orientation(img)
+        fmt = img.format
+    if not _tail_ok(src, fmt):
+        raise RecordError("undecodable_media", f"{_name(src)}: truncated {fmt} file", record_id)
+    return (w, h) if orientation in (5, 6, 7, 8) else (h, w)
+
+
+def decode_rgb(src: Source, record_id: str = "?", max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """Decodes the first frame to uint8 RGB [h, w, 3], EXIF orientation applied.
+
+    Grayscale, palette, CMYK and 16-bit images are converted; transparency is composited on white.
+    The image must decode to the size its header announced (what the index counted).
+    """
+    with open_image(src, record_id, max_pixels) as img:
+        want = img.size
+        orientation = _orientation(img)
+        try:
+            with _bomb_check_as_error():
+                img.seek(0)
+                img.load()
+                if img.size != want:
+                    raise ValueError(f"decoded {img.size[0]}x{img.size[1]}, header {want}")
+                rgb = _to_rgb(img)
+        # The decoders are C libraries behind PIL's Python plugins; on hostile bytes they raise
+        # OSError, ValueError, SyntaxError, struct.error, IndexError, TypeError, ... Any of them
+        # means the same thing here: this file cannot become pixels.
+        except Exception as e:  # noqa: BLE001
+            raise RecordError("undecodable_media", _what(src, e), record_id) from None
+    return _orient(rgb, orientation)
+
+
+def load_image(
+    src: Source,
+    patch: int,
+    merge: int,
+    min_pixels: int,
+    max_pixels: int,
+    record_id: str = "?",
+    max_image_pixels: int = MAX_PIXELS,
+    mean: tuple[float, ...] = (0.5, 0.5, 0.5),
+    std: tuple[float, ...] = (0.5, 0.5, 0.5),
+) -> tuple[np.ndarray, np.ndarray]:
+    """Decode (refusing images over `max_image_pixels`), resize to the budget, normalise each
+    channel to (x / 255 - mean) / std, patchify.
+
+    Returns (patches [n, patch*patch*3], positions [n, 2] as (row, col)).
+    """
+    rgb = decode_rgb(src, record_id, max_image_pixels)
+    gh, gw = image_grid(*rgb.shape[:2], patch, merge, min_pixels, max_pixels)
+    size = (gw * patch, gh * patch)
+    if size != (rgb.shape[1], rgb.shape[0]):
+        rgb = np.asarray(Image.fromarray(rgb).resize(size, Image.Resampling.BICUBIC))
+    if tuple(mean) == tuple(std) == (0.5, 0.5, 0.5):
+        x = rgb.astype(np.float32) / 127.5 - 1.0  # (bit for bit what it always was)
+    else:
+        m, s = np.asarray(mean, np.float32), np.asarray(std, np.float32)
+        x = (rgb.astype(np.float32) / 255.0 - m) / s
+    return patchify(x, patch, merge)
+
+
+def _to_rgb(img: Image.Image) -> np.ndarray:
+    if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):  # 16-bit / float grayscale
+        a = np.asarray(img, np.float32)
+        scale = 65535.0 if img.mode != "F" else max(float(a.max()), 1.0)
+        g = np.clip(a / scale * 255.0, 0, 255).astype(np.uint8)
+        return np.repeat(g[..., None], 3, axis=-1)
+    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        img = Image.alpha_composite(white, rgba)
+    return np.asarray(img.convert("RGB"))
+
+
+def _orientation(img: Image.Image) -> int:
+    try:
+        return int(img.getexif().get(ORIENTATION, 1))
+    except Exception:  # noqa: BLE001  a broken EXIF block does not stop decoding: upright
+        return 1
+
+
+def _orient(rgb: np.ndarray, orientation: int) -> np.ndarray:
+    """Applies an EXIF orientation (1..8, as ImageOps.exif_transpose) to an [h, w, 3] array;
+    other values count as upright."""
+    op = _ORIENT.get(orientation)
+    return np.ascontiguousarray(op(rgb)) if op else rgb
+
+
+_T = lambda a: a.transpose(1, 0, 2)
+_ORIENT = {
+    2: np.fliplr,
+    3: lambda a: np.rot90(a, 2),
+    4: np.flipud,
+    5: _T,
+    6: lambda a: np.rot90(a, 3),
+    7: lambda a: np.rot90(_T(a), 2),
+    8: np.rot90,
+}
+
+
+@contextlib.contextmanager
+def _bomb_check_as_error():
+    """PIL warns (DecompressionBombWarning) between MAX_IMAGE_PIXELS and twice that, and raises
+    above; our own cap decides, so its warning is silenced here and its error becomes a reject."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        yield
+
+
+def _what(src: Source, e: Exception) -> str:
+    return f"{_name(src)}: {type(e).__name__}: {e}"[:500]
+
+
+def _tail_ok(src: Source, fmt: str | None) -> bool:
+    marker = {"JPEG": b"\xff\xd9", "PNG": b"IEND\xaeB`\x82"}.get(fmt or "")
+    if marker is None:
+        return True
+    if isinstance(src, bytes):
+        tail = src[-64:]
+    else:
+        with open(src, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 64))
+            tail = f.read()
+    return marker in tail
+
+
+def _name(src: Source) -> str:
+    return f"<{len(src)} inline bytes>" if isinstance(src, bytes) else str(src)
+
+
+def patchify(img_hwc: np.ndarray, patch: int, merge: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """Cuts an image into patches ordered so each run of merge*merge patches is one merge block.
+
+    Returns (patches [gh*gw, patch*patch*C], positions [gh*gw, 2] as (row, col)).
+    """
+    h, w, c = img_hwc.shape
+    gh, gw = h // patch, w // patch
+    x = img_hwc[: gh * patch, : gw * patch].reshape(gh, patch, gw, patch, c)
+    x = x.transpose(0, 2, 1, 3, 4).reshape(gh, gw, patch * patch * c)
+    rows, cols = np.mgrid[0:gh, 0:gw]
+    grid = np.stack([rows, cols], -1)
+
+    def merge_order(a):  # [gh, gw, k] -> [gh*gw, k] in merge-block order
+        k = a.shape[-1]
+        a = a.reshape(gh // merge, merge, gw // merge, merge, k).transpose(0, 2, 1, 3, 4)
+        return a.reshape(gh * gw, k)
+
+    return merge_order(x).astype(np.float32), merge_order(grid).astype(np.int32)

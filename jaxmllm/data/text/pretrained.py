@@ -1,0 +1,351 @@
+"""A HuggingFace checkpoint's tokenizer directory: its own ids, special tokens and chat template.
+
+`data.tokenizer: path/to/checkpoint` (a directory) reads what transformers' `AutoTokenizer`
+reads there: `tokenizer.json` (the tokenizer itself, ids unchanged), `tokenizer_config.json`
+(named special tokens, the chat template), `special_tokens_map.json` (older checkpoints' named
+tokens, used when the config has no `added_tokens_decoder`, as transformers does) and
+`chat_template.jinja` (which takes priority over the config's template); a processor's
+`chat_template.json` is used when the tokenizer has no template. Nothing is downloaded.
+
+Sequences are what the checkpoint saw in training:
+- chat records (`messages`) are rendered by the chat template
+  (`jaxmllm.data.text.chat_template`) and tokenized once without added specials, exactly HF's
+  `apply_chat_template` ids; loss on each assistant turn's tokens and its end-of-turn token,
+  nowhere else;
+- text records are HF's `tokenizer(text)` (the tokenizer.json's post-processor: Llama 3's
+  `<|begin_of_text|>`, nothing for Qwen) followed by `eos_token`, loss on all of it.
+
+Images and clips take the checkpoint's own placeholder token where it has one (`image_token` /
+`audio_token` in tokenizer_config.json, or Qwen2-VL's `<|image_pad|>`, Qwen2-Audio's `<|AUDIO|>`,
+...), wrapped as its template wraps it (`<|vision_start|><|image_pad|><|vision_end|>`); where it
+has none, a new special token is appended after the vocabulary (`added_tokens`: the model needs
+those embedding rows). Each placeholder is then laid out as one token per encoder output row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from jaxmllm.config import ConfigError
+from jaxmllm.data.records.record import PLACEHOLDER, Record
+from jaxmllm.data.rejects import RecordError
+from jaxmllm.data.text.chat_template import ChatTemplate, TemplateError, TemplateInconsistent
+from jaxmllm.data.text.specials import Specials
+
+FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# Checkpoints' own media placeholders: (token, opening, closing); the wrap is used when the
+# vocabulary has both of its tokens. Searched after tokenizer_config's image_token/audio_token.
+IMAGE_TOKENS = (
+    ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"),  # Qwen2-VL, Qwen2.5(-VL), Qwen3
+    ("<|IMAGE|>", "<|vision_bos|>", "<|vision_eos|>"),  # Qwen2.5-Omni
+    ("<|image|>", "", ""),  # Llama 3.2 Vision
+    ("<image>", "", ""),  # LLaVA
+)
+AUDIO_TOKENS = (
+    ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"),  # Qwen2-Audio, Qwen2.5-Omni
+    ("<|audio_pad|>", "<|audio_start|>", "<|audio_end|>"),  # Qwen3-Omni
+    ("<audio>", "", ""),
+)
+NEW_TOKENS = {"image": "<|jaxmllm_image|>", "audio": "<|jaxmllm_audio|>"}
+DEFAULT_DATE = "2024-07-26"  # what strftime_now renders (data.template_date's default)
+
+
+def is_tokenizer_dir(spec: str) -> bool:
+    return Path(spec).is_dir()
+
+
+def directory_sha256(directory: str, template_date: str) -> str:
+    """One hash over the files that decide the token ids and the template's date: a change to
+    any of them changes every count, so the lengths index records it."""
+    h = hashlib.sha256(f"template_date={template_date}".encode())
+    root = Path(directory)
+    extra = sorted((root / "additional_chat_templates").glob("*.jinja"))
+    for path in [root / name for name in FILES] + extra:
+        if path.is_file():
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+class PretrainedTokenizer:
+    """The tokenizer of a HuggingFace checkpoint directory (see the module docstring).
+
+    Attributes:
+      specials: pad (`pad_token`, else `eos_token`: padding is never a target nor attended to),
+        bos (`bos_token` or None), eos (`eos_token`), stop (eos and generation_config.json's
+        `eos_token_id`s: where generation stops), image / audio (the placeholder ids).
+      base_size: the checkpoint tokenizer's size (largest id + 1).
+      added_tokens: tokens appended after it ({content: id}); their embedding rows are new.
+      vocab_size: base_size + len(added_tokens), the least `model.llm.vocab_size`.
+      template: the ChatTemplate (None when the directory has none: text records only).
+    """
+
+    def __init__(self, directory: str | Path, template_date: str = DEFAULT_DATE):
+        from tokenizers import Tokenizer
+
+        self.path, self.template_date = str(directory), template_date
+        root = Path(directory)
+        if not (root / "tokenizer.json").is_file():
+            raise ConfigError(
+                f"data.tokenizer: {root} has no tokenizer.json; a HuggingFace tokenizer directory "
+                "needs tokenizer.json and tokenizer_config.json (nothing is downloaded)"
+            )
+        config = _read_json(root / "tokenizer_config.json", required=True)
+        try:
+            self._tk = Tokenizer.from_file(str(root / "tokenizer.json"))
+        except Exception as e:
+            raise ConfigError(
+                f"data.tokenizer: {root / 'tokenizer.json'} does not load: {e}"
+            ) from None
+        self.base_size = max(self._tk.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        named = _named_tokens(config, root)
+        self.added_tokens: dict[str, int] = {}
+        self._media = {kind: self._media_placeholder(kind, named) for kind in ("image", "audio")}
+        self.vocab_size = max([self.base_size - 1, *self.added_tokens.values()]) + 1
+        self.specials = self._specials(named, root)
+        self.template = _load_template(root, config, named, template_date)
+        self._stops = [self._tk.id_to_token(i) for i in self.specials.stop]
+
+    # ------------------------------------------------------------------ ids
+
+    def _id(self, token: str, what: str) -> int:
+        i = self._tk.token_to_id(token)
+        if i is None:
+            raise ConfigError(
+                f"data.tokenizer: {what} {token!r} is not in {self.path}/tokenizer.json"
+            )
+        return i
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a token of the vocabulary (`<|im_start|>`), or None."""
+        return self._tk.token_to_id(token)
+
+    def _media_placeholder(self, kind: str, named: dict[str, str]) -> tuple[str, str]:
+        """(the placeholder token, the text a media item becomes: it in its wrap)."""
+        from tokenizers import AddedToken
+
+        known = IMAGE_TOKENS if kind == "image" else AUDIO_TOKENS
+        token, before, after = self._own_placeholder(named.get(f"{kind}_token"), known)
+        if token is None:  # a new token after the vocabulary: the model needs its row
+            token = NEW_TOKENS[kind]
+            self._tk.add_special_tokens([AddedToken(token, special=True, normalized=False)])
+            self.added_tokens[token] = self._tk.token_to_id(token)
+        return token, before + token + after
+
+    def _own_placeholder(self, configured: str | None, known) -> tuple[str | None, str, str]:
+        have = lambda t: bool(t) and self._tk.token_to_id(t) is not None
+        for token, before, after in known:
+            if (configured is None or token == configured) and have(token):
+                wrap = have(before) and have(after)
+                return token, before if wrap else "", after if wrap else ""
+        return (configured, "", "") if have(configured) else (None, "", "")
+
+    def _specials(self, named: dict[str, str], root: Path) -> Specials:
+        if "eos_token" not in named:
+            raise ConfigError(f"data.tokenizer: {root}/tokenizer_config.json names no eos_token")
+        eos = self._id(named["eos_token"], "eos_token")
+        pad = self._id(named["pad_token"], "pad_token") if "pad_token" in named else eos
+        bos = self._id(named["bos_token"], "bos_token") if "bos_token" in named else None
+        generation = _read_json(root / "generation_config.json", required=False)
+        more = generation.get("eos_token_id", [])
+        more = [more] if isinstance(more, int) else [i for i in more if isinstance(i, int)]
+        stop = tuple(dict.fromkeys([eos, *more]))
+        image, audio = (self._tk.token_to_id(self._media[k][0]) for k in ("image", "audio"))
+        try:
+            return Specials(pad=pad, bos=bos, eos=eos, stop=stop, image=image, audio=audio)
+        except ValueError as e:
+            raise ConfigError(f"data.tokenizer: {root}: {e}") from None
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of `text` (no BOS/EOS; special tokens in it are matched, as HF does)."""
+        return np.asarray(self._tk.encode(text, add_special_tokens=False).ids, np.int32)
+
+    def decode(self, ids) -> str:
+        """Text of ids, special tokens included."""
+        return self._tk.decode(np.asarray(ids).tolist(), skip_special_tokens=False)
+
+    # ------------------------------------------------------------------ sequences
+
+    def messages(self, record: Record) -> list[dict]:
+        """A chat record's turns as HF messages: `<image>` / `<audio>` become content parts
+        ({"type": "image"}) where the template renders that placeholder itself (Qwen2-VL's),
+        else the wrapped placeholder text."""
+        own = {k for k, (token, _) in self._media.items() if self.template and token in
+               self.template.source}  # fmt: skip
+        out = []
+        for role, text in record.turns:
+            parts = [p for p in PLACEHOLDER.split(text) if p]
+            if not own & {p[1:-1] for p in parts}:
+                out.append({"role": role, "content": self._substitute(text)})
+                continue
+            content = []
+            for p in parts:
+                kind = p[1:-1] if p in ("<image>", "<audio>") else None
+                if kind in own:
+                    content.append({"type": kind})
+                else:
+                    content.append({"type": "text", "text": self._media[kind][1] if kind else p})
+            out.append({"role": role, "content": content})
+        return out
+
+    def pieces(self, record: Record, generation: bool = False) -> list[tuple]:
+        """Token runs ("text", ids, loss) and media markers ("image", j) / ("audio", j) of
+        `record`, in order; `generation`: a prompt ending in the assistant's generation
+        prompt, nothing learned. Raises RecordError for a template that fails on the record."""
+        if record.turns[0][0] == "text":
+            enc = self._tk.encode(self._substitute(record.turns[0][1]), add_special_tokens=True)
+            ids = list(enc.ids)
+            if not generation and (not ids or ids[-1] != self.specials.eos):
+                ids.append(self.specials.eos)
+            loss = np.full(len(ids), not generation)
+        else:
+            ids, loss = self._render(record, generation)
+        return self._split_media(np.asarray(ids, np.int32), loss, record)
+
+    def prompt(self, messages: list[dict], tools: list[dict] | None = None, **kwargs) -> np.ndarray:
+        """Ids of HF `messages` followed by the assistant's generation prompt (what generation
+        continues): `apply_chat_template(messages, add_generation_prompt=True)`. Media stay one
+        placeholder id each; `Preprocessor` lays them out as rows."""
+        if self.template is None:
+            raise ConfigError(f"data.tokenizer: {self.path} has no chat template")
+        text = self.template.render(messages, add_generation_prompt=True, tools=tools, **kwargs)
+        return self.encode(text)
+
+    def _substitute(self, text: str) -> str:
+        return PLACEHOLDER.sub(lambda m: self._media[m.group(0)[1:-1]][1], text)
+
+    def _render(self, record: Record, generation: bool) -> tuple[list[int], np.ndarray]:
+        if self.template is None:
+            raise RecordError(
+                "template_error",
+                f"{self.path} has no chat template (tokenizer_config.json chat_template or "
+                "chat_template.jinja): only text records can be tokenized",
+                record.id,
+            )
+        messages = self.messages(record)
+        try:
+            if generation:
+                text, spans = self.template.render(messages, add_generation_prompt=True), []
+            else:
+                text, spans = self.template.assistant_spans(messages, self._stops)
+        except TemplateError as e:
+            reason = "template_inconsistent" if isinstance(e, TemplateInconsistent) else None
+            raise RecordError(reason or "template_error", str(e), record.id) from None
+        enc = self._tk.encode(text, add_special_tokens=False)
+        offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2)
+        start, end = offsets[:, 0], np.maximum(offsets[:, 1], offsets[:, 0] + 1)
+        loss = np.zeros(len(enc.ids), bool)
+        for a, b in spans:  # a token is learned when it overlaps an assistant span
+            loss |= (start < b) & (end > a)
+        return list(enc.ids), loss
+
+    def _split_media(self, ids: np.ndarray, loss: np.ndarray, record: Record) -> list[tuple]:
+        s = self.specials
+        marks = np.flatnonzero((ids == s.image) | (ids == s.audio))
+        found = {"image": int((ids == s.image).sum()), "audio": int((ids == s.audio).sum())}
+        for kind, media in (("image", record.images), ("audio", record.audio)):
+            if found[kind] != len(media):
+                raise RecordError(
+                    "placeholder_mismatch",
+                    f"the sequence has {found[kind]} {self._media[kind][0]} placeholder(s) for "
+                    f"{len(media)} {kind} item(s) (the text holds that token itself?)",
+                    record.id,
+                )
+        out, at, count = [], 0, {"image": 0, "audio": 0}
+        for m in marks.tolist() + [len(ids)]:
+            if m > at:
+                out.append(("text", ids[at:m], loss[at:m]))
+            if m < len(ids):
+                kind = "image" if ids[m] == s.image else "audio"
+                out.append((kind, count[kind]))
+                count[kind] += 1
+            at = m + 1
+        return out
+
+    def __getstate__(self):  # workers reload the directory instead of pickling Rust objects
+        return {"path": self.path, "template_date": self.template_date}
+
+    def __setstate__(self, state):
+        self.__init__(state["path"], state["template_date"])
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _read_json(path: Path, required: bool) -> dict:
+    if not path.is_file():
+        if required:
+            raise ConfigError(
+                f"data.tokenizer: {path.parent} has no {path.name}; a HuggingFace tokenizer "
+                "directory needs tokenizer.json and tokenizer_config.json (for a bare "
+                "tokenizer.json trained from scratch, give the file's path instead)"
+            )
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.tokenizer: {path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"data.tokenizer: {path} is not a JSON object")
+    return value
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json stores it: a string or an AddedToken dict."""
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return value if isinstance(value, str) else None
+
+
+def _named_tokens(config: dict, root: Path) -> dict[str, str]:
+    """The named special tokens transformers exposes to templates: the standard ones and every
+    other `*_token` key (Qwen's `image_token`), with special_tokens_map.json's values where the
+    config has no added_tokens_decoder (older checkpoints), as transformers does."""
+    values = dict(config)
+    if isinstance(values.get("extra_special_tokens"), dict):
+        values.update(values["extra_special_tokens"])
+    if "added_tokens_decoder" not in config:
+        values.update(_read_json(root / "special_tokens_map.json", required=False))
+    names = [k for k in values if k in NAMED or k.endswith("_token")]
+    named = {k: _token_text(values[k]) for k in names}
+    return {k: v for k, v in named.items() if v is not None}
+
+
+def _load_template(root: Path, config: dict, named: dict, date: str) -> ChatTemplate | None:
+    """The default chat template: chat_template.jinja, else tokenizer_config.json's (a string,
+    or a list of named templates), else a processor's chat_template.json."""
+    origin, source = root / "chat_template.jinja", None
+    if origin.is_file():
+        source = origin.read_text(encoding="utf-8")
+    else:
+        origin, source = root / "tokenizer_config.json", config.get("chat_template")
+        if isinstance(source, list):  # [{"name": "default", "template": ...}, ...]
+            source = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = source.get("default")
+        if source is None:
+            origin = root / "chat_template.json"
+            source = _read_json(origin, required=False).get("chat_template")
+    if source is None:
+        return None
+    if not isinstance(source, str):
+        raise ConfigError(f"data.tokenizer: the chat template in {origin} is not a string")
+    try:
+        now = datetime.strptime(date, "%Y-%m-%d")
+    except ValueError:
+        raise ConfigError(f"data.template_date: {date!r} is not a date (YYYY-MM-DD)") from None
+    try:
+        return ChatTemplate(source, str(origin), named, now)
+    except TemplateError as e:
+        raise ConfigError(f"data.tokenizer: {e}") from None

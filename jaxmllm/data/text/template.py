@@ -1,0 +1,163 @@
+"""Prompt templates: the seam between generation and a model's tokenizer and chat format.
+
+A `Template` turns a request (text with `<image>` / `<audio>` placeholders, or token ids, and
+media files) into a prompt `Sample` laid out like training samples, says which ids end an answer
+and reads generated ids as text. Generation (`jaxmllm.generate`) and the eval answers see
+nothing else of the tokenizer.
+
+`RecordTemplate` renders a request as a record of the run's data, through the training
+preprocessor and the run's tokenizer (`data.tokenizer`), which lays out the prompt that
+generation continues (`pieces(record, generation=True)`): so the prompt has exactly the token
+layout, special ids and media preprocessing training saw, for every kind of tokenizer:
+
+- chat: a `messages` record's user turn and the assistant's turn opening: jaxmllm's own format
+  `BOS USER text ASSISTANT` (byte, tokenizer.json), or a checkpoint's chat template with its
+  generation prompt (a HuggingFace tokenizer directory: `apply_chat_template(...,
+  add_generation_prompt=True)`);
+- plain: a `text` record without its closing end-of-sequence id, `BOS text`: the model continues
+  the text (the built-in synthetic data lays out its questions so: `BOS <image> what is this? `
+  + the answer, EOS).
+
+An answer ends at the tokenizer's stop ids (`specials.stop`: EOS, and a checkpoint's
+end-of-turn ids).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from jaxmllm.config import Config, ConfigError
+from jaxmllm.data.preprocess import Limits, Params, Preprocessor
+from jaxmllm.data.records import open_records, read_record
+from jaxmllm.data.records.record import PLACEHOLDER, parse_record
+from jaxmllm.data.rejects import RecordError
+from jaxmllm.data.samples import Sample
+from jaxmllm.data.text.specials import Specials
+from jaxmllm.data.text.tokenizer import ByteTokenizer
+
+TEMPLATES = ("auto", "chat", "plain")
+
+
+class Template(Protocol):
+    """How requests become prompts and generated ids become text (see the module docstring)."""
+
+    specials: Specials  # the tokenizer's ids: `stop` ends an answer (kept in its ids)
+
+    def prompt(self, text: str, images: Sequence[Any], audio: Sequence[Any]) -> Sample:
+        """The prompt of a user message with media files (paths), ready to generate from.
+
+        Raises:
+          RecordError: a media file that is missing, undecodable or over the data caps, or
+            placeholders that do not match the media.
+        """
+        ...
+
+    def prompt_ids(self, ids: Sequence[int], images: Sequence[Any], audio: Sequence[Any]) -> Sample:
+        """A prompt of exactly these token ids; each image (clip) fills the next run of image
+        (audio) placeholder ids, which must be as long as its encoder output."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of generated ids (stop ids left out)."""
+        ...
+
+
+class RecordTemplate:
+    """A request rendered as a record of the run's data, by the run's tokenizer."""
+
+    def __init__(self, pre: Preprocessor, chat: bool):
+        self.pre, self.chat = pre, chat
+        self.specials: Specials = pre.tokenizer.specials
+
+    def prompt(self, text: str, images: Sequence[Any], audio: Sequence[Any]) -> Sample:
+        """See `Template.prompt`. Without any placeholder in `text`, the media come first, in
+        order (images, then clips), as in the built-in data and most image-text data sets."""
+        if not PLACEHOLDER.search(text):
+            text = "<image>" * len(images) + "<audio>" * len(audio) + text
+        obj = {"id": "prompt", "images": [str(p) for p in images], "audio": [str(p) for p in audio]}
+        if self.chat:  # (a record needs an answer to parse: a stand-in, left out below)
+            obj["messages"] = [{"role": "user", "content": text},
+                               {"role": "assistant", "content": "."}]  # fmt: skip
+        else:
+            obj["text"] = text
+        record = parse_record(obj, Path.cwd(), 0)
+        if self.chat:
+            record = dataclasses.replace(record, turns=record.turns[:-1])
+        return self._sample(record)
+
+    def prompt_ids(self, ids: Sequence[int], images: Sequence[Any], audio: Sequence[Any]) -> Sample:
+        """See `Template.prompt_ids`."""
+        tokens = np.asarray(list(ids), np.int32)
+        media = Sample(-1, tokens[:0], tokens[:0].astype(bool))
+        if images or audio:  # (decoded as a record of the media alone)
+            obj = {
+                "id": "prompt",
+                "text": "<image>" * len(images) + "<audio>" * len(audio),
+                "images": [str(p) for p in images],
+                "audio": [str(p) for p in audio],
+            }
+            media = self._sample(parse_record(obj, Path.cwd(), 0))
+        merge_area, subsample = self.pre.p.merge**2, self.pre.p.subsample
+        for name, marker, rows in (
+            ("image", self.specials.image, sum(len(m[0]) // merge_area for m in media.images)),
+            ("audio", self.specials.audio, sum(len(m) // subsample for m in media.audio)),
+        ):
+            have = int((tokens == marker).sum())
+            if have != rows:
+                raise RecordError(
+                    "placeholder_mismatch",
+                    f"the prompt ids hold {have} {name} placeholder ids ({marker}); the {name} "
+                    f"input(s) given need {rows} (one per encoder output row)",
+                    "prompt",
+                )
+        return Sample(-1, tokens, np.zeros(len(tokens), bool), media.images, media.audio,
+                      media.grids)  # fmt: skip
+
+    def _sample(self, record) -> Sample:
+        """The record as a prompt, media decoded (their sizes from the files' headers)."""
+        sizes = self.pre.sizes(record)
+        sample = self.pre.sample(0, record, sizes, Limits(), generation=True)
+        return dataclasses.replace(sample, id=-1)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """See `Template.decode`."""
+        kept = [int(i) for i in ids if int(i) not in self.specials.stop]
+        return self.pre.tokenizer.decode(np.asarray(kept, np.int64))
+
+
+def make_template(cfg: Config, kind: str = "auto", pretrained: bool = False) -> Template:
+    """The template of a run's config: `chat` or `plain` (see the module docstring); `auto`:
+    plain for the built-in synthetic data, else the form of the training data's first record
+    (`messages`: chat; `text`: plain). `pretrained`: a checkpoint's own config (generation
+    from `--hf`), whose data is none of ours: `data.tokenizer` renders, `auto` is chat when it
+    has a chat template."""
+    if kind not in TEMPLATES:
+        raise ConfigError(f"template {kind!r}: must be one of {', '.join(TEMPLATES)}")
+    # The built-in data is bytes whatever data.tokenizer says (SyntheticSource's tokenizer).
+    synthetic = cfg.data.source == "synthetic" and not pretrained
+    pre = Preprocessor(Params.from_config(cfg), ByteTokenizer() if synthetic else None)
+    if kind == "auto" and pretrained:
+        kind = "chat" if getattr(pre.tokenizer, "template", None) is not None else "plain"
+    elif kind == "auto":
+        kind = "plain" if synthetic else _data_form(cfg)
+    return RecordTemplate(pre, chat=kind == "chat")
+
+
+def _data_form(cfg: Config) -> str:
+    """chat when the training data's first readable record has `messages`, else plain."""
+    try:
+        records = open_records(cfg.data.path)
+        for k in range(min(len(records), 16)):
+            try:
+                record = read_record(records, k)
+            except RecordError:
+                continue
+            return "plain" if record.turns[0][0] == "text" else "chat"
+    except OSError:
+        pass
+    return "chat"

@@ -1,0 +1,174 @@
+"""Tokenizers: the three kinds `data.tokenizer` names, and the sequences they make of a record.
+
+- `byte`: UTF-8 bytes are ids 0..255, jaxmllm's reserved specials 256..263 follow (pad, BOS,
+  EOS, image, audio, user, assistant); needs no files.
+- the path of a `tokenizer.json` file (training from scratch): its ids below 256 as they are,
+  256..263 the reserved specials, its ids k >= 256 shifted to k + 8, so any tokenizer.json works
+  without added tokens; model.llm.vocab_size must be at least its size + 8.
+- the path of a HuggingFace tokenizer directory (fine-tuning a checkpoint): the checkpoint's own
+  ids, special tokens and chat template (`jaxmllm.data.text.pretrained`).
+
+The first two lay a record out in jaxmllm's own format: BOS, then per turn a USER / ASSISTANT
+marker and its text, EOS after each learned turn. Every tokenizer has `specials` (the ids the
+batch contract needs), `vocab_size`, `encode` / `decode` and `pieces(record)`: the record's token
+runs ("text", ids, loss) and media markers ("image", j) / ("audio", j) in order, which
+`Preprocessor.layout` turns into the sample's exact sequence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from jaxmllm.config import ConfigError
+from jaxmllm.data.records.record import PLACEHOLDER, Record
+from jaxmllm.data.text.pretrained import (
+    DEFAULT_DATE,
+    PretrainedTokenizer,
+    directory_sha256,
+    is_tokenizer_dir,
+)
+from jaxmllm.data.text.specials import (  # noqa: F401  (re-exported: the reserved ids by name)
+    ASSISTANT,
+    AUDIO,
+    BOS,
+    EOS,
+    IMAGE,
+    NUM_SPECIAL,
+    PAD,
+    RESERVED,
+    USER,
+    Specials,
+)
+
+
+def make_tokenizer(spec: str, template_date: str = DEFAULT_DATE):
+    """`byte`, the path of a tokenizer.json, or the path of a HuggingFace tokenizer directory
+    (`template_date`: the date its chat template's strftime_now renders)."""
+    if spec == "byte":
+        return ByteTokenizer()
+    if is_tokenizer_dir(spec):
+        return PretrainedTokenizer(spec, template_date)
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(
+            f"data.tokenizer: nothing at {spec!r}; give 'byte', the path of a tokenizer.json "
+            "(from scratch) or of a HuggingFace tokenizer directory (a checkpoint's own ids and "
+            "chat template); nothing is downloaded"
+        )
+    try:
+        return HFTokenizer(path)
+    except Exception as e:
+        raise ConfigError(f"data.tokenizer: {spec} is not a tokenizer.json: {e}") from None
+
+
+def tokenizer_sha256(spec: str, template_date: str = DEFAULT_DATE) -> str:
+    """What identifies a tokenizer's ids (the lengths index records it): "" for byte, the
+    file's hash, or a directory's files' and its template date's ("" when missing:
+    make_tokenizer reports it)."""
+    if spec == "byte":
+        return ""
+    if is_tokenizer_dir(spec):
+        return directory_sha256(spec, template_date)
+    try:
+        return hashlib.sha256(Path(spec).read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
+class _MarkerFormat:
+    """jaxmllm's own sequence format over the reserved specials (byte and bare tokenizers,
+    which give `encode`)."""
+
+    specials: Specials = RESERVED
+    added_tokens: dict[str, int] = {}  # nothing appended: the reserved ids are in vocab_size
+
+    def pieces(self, record: Record, generation: bool = False) -> list[tuple]:
+        """Token runs (ids, loss) and media markers of `record`, in order, before any limit;
+        `generation`: a prompt ending in the ASSISTANT marker, nothing learned."""
+        out: list[tuple] = [_special(BOS, False)]
+        n_img = n_aud = 0
+        for role, text in record.turns:
+            if role != "text":
+                out.append(_special(ASSISTANT if role == "assistant" else USER, False))
+            learn = role in ("text", "assistant") and not generation
+            for part in PLACEHOLDER.split(text):
+                if part == "<image>":
+                    out.append(("image", n_img))
+                    n_img += 1
+                elif part == "<audio>":
+                    out.append(("audio", n_aud))
+                    n_aud += 1
+                elif part:
+                    ids = self.encode(part)
+                    out.append(("text", ids, np.full(len(ids), learn)))
+            if learn:
+                out.append(_special(EOS, True))
+        if generation and record.turns[0][0] != "text":
+            out.append(_special(ASSISTANT, False))
+        return out
+
+
+def _special(token: int, learn: bool) -> tuple:
+    return ("text", np.array([token], np.int32), np.array([learn]))
+
+
+class ByteTokenizer(_MarkerFormat):
+    """UTF-8 bytes are ids 0..255; specials follow. Needs no files, so tiny runs need nothing."""
+
+    vocab_size = 256 + NUM_SPECIAL
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of `text` (no BOS/EOS)."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids: np.ndarray) -> str:
+        """Text of byte ids; specials are shown as <name>."""
+        names = {
+            PAD: "<pad>",
+            BOS: "<s>",
+            EOS: "</s>",
+            IMAGE: "<image>",
+            AUDIO: "<audio>",
+            USER: "<user>",
+            ASSISTANT: "<assistant>",
+        }
+        out, run = [], []
+        for i in np.asarray(ids).tolist():
+            if i < 256:
+                run.append(i)
+                continue
+            out.append(bytes(run).decode("utf-8", errors="replace"))
+            run = []
+            out.append(names.get(i, f"<{i}>"))
+        out.append(bytes(run).decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+class HFTokenizer(_MarkerFormat):
+    """A HuggingFace `tokenizers` tokenizer.json, ids shifted past the reserved specials."""
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer
+
+        self.path = str(path)
+        self._tk = Tokenizer.from_file(self.path)
+        largest = max(self._tk.get_vocab(with_added_tokens=True).values(), default=0)
+        self.vocab_size = max(ByteTokenizer.vocab_size, largest + 1 + NUM_SPECIAL)
+
+    def encode(self, text: str) -> np.ndarray:
+        ids = np.asarray(self._tk.encode(text, add_special_tokens=False).ids, np.int64)
+        return np.where(ids >= 256, ids + NUM_SPECIAL, ids).astype(np.int32)
+
+    def decode(self, ids: np.ndarray) -> str:
+        ids = np.asarray(ids)
+        text = ids[(ids < 256) | (ids >= 256 + NUM_SPECIAL)]
+        return self._tk.decode(np.where(text >= 256, text - NUM_SPECIAL, text).tolist())
+
+    def __getstate__(self):  # workers reload the file instead of pickling the Rust object
+        return {"path": self.path}
+
+    def __setstate__(self, state):
+        self.__init__(state["path"])

@@ -1,0 +1,297 @@
+"""Checkpoints: what is saved, how a run resumes, and what it refuses to resume from.
+
+A checkpoint (`<output_dir>/checkpoints/<step>/`, written aside and renamed when complete) holds
+three orbax items: `state` (params, frozen params, optimizer state, step), `data` (the pipeline's
+iterator state, one file per process) and `meta`, a small JSON stamp of the checkpoint format:
+
+    {"format": 2, "layers": "scanned" | "per_layer"}
+
+A checkpoint without the stamp (written before it existed) or with another one has a parameter
+tree this build cannot read: the run stops at start-up and says so (`check_format`) rather than
+call it damaged or start over. A checkpoint that carries the right stamp but no longer reads back
+is damaged: `restore_latest` moves it aside and resumes from the previous one. Only the
+checkpoints a resume would use are judged: an older step half deleted by a kill during orbax's
+clean-up of old checkpoints is not mistaken for another format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxmllm.config import AUTO_SIZES, Config, ConfigError, to_dict
+from jaxmllm.loop import distributed
+
+log = logging.getLogger("jaxmllm")
+
+FORMAT = 2  # 2: the first stamped format (checkpoints before it carry no `meta` item)
+
+
+def format_stamp(abstract_params: Any) -> dict:
+    """The stamp this build writes: the format and how transformer layers are stored.
+
+    `per_layer`: one module per layer (`.../blocks/0/...`); `scanned`: one stacked module with a
+    leading layers axis (`.../blocks/...`). The two trees cannot be restored into each other.
+    """
+    paths = (
+        jax.tree_util.keystr(path, simple=True, separator="/")
+        for path, _ in jax.tree_util.tree_leaves_with_path(abstract_params)
+    )
+    per_layer = any(re.search(r"(^|/)blocks/\d+(/|$)", p) for p in paths)
+    return {"format": FORMAT, "layers": "per_layer" if per_layer else "scanned"}
+
+
+def make_checkpoint_manager(cfg: Config) -> ocp.CheckpointManager:
+    """Orbax manager for `<output_dir>/checkpoints`; saves are atomic (written aside, renamed).
+
+    A save interrupted by a kill leaves a `*.orbax-checkpoint-tmp*` directory: it is reported
+    and cleaned up, and the run resumes from the latest complete checkpoint.
+    """
+    t = cfg.train
+    directory = Path(t.output_dir).absolute() / "checkpoints"
+    for tmp in sorted(directory.glob("*.orbax-checkpoint-tmp*")) if directory.exists() else []:
+        log.warning(
+            "discarding %s: a checkpoint save that was interrupted before it completed", tmp.name
+        )
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=t.keep_checkpoints,
+        save_interval_steps=t.checkpoint_every,
+        enable_async_checkpointing=t.async_checkpointing,
+        cleanup_tmp_directories=True,
+        create=True,
+    )
+    return ocp.CheckpointManager(directory, options=options)
+
+
+def save_args(state, data_iter, stamp: dict) -> ocp.args.Composite:
+    return ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data=grain.checkpoint.CheckpointSave(data_iter),
+        meta=ocp.args.JsonSave(stamp),
+    )
+
+
+def check_format(mngr: ocp.CheckpointManager, step: int, stamp: dict) -> None:
+    """Refuses checkpoint `step` if it has no stamp (an older format) or another one."""
+    found = _read_stamp(mngr, step)
+    if found is not None and found != stamp:  # None: a stamp that does not read back is damage
+        was = "no format stamp (written before checkpoints had one)" if found == {} else found
+        raise ConfigError(
+            f"checkpoint {step} in {mngr.directory} has {was}; this version writes {stamp} and "
+            "does not restore another format (its parameter tree may differ). Use a new "
+            "train.output_dir to train from scratch, or the jaxmllm version that wrote it to "
+            "resume."
+        )
+
+
+def _read_stamp(mngr: ocp.CheckpointManager, step: int) -> dict | None:
+    """A checkpoint's stamp; {} when it has none; None when it is there but does not read."""
+    if not (Path(mngr.directory) / str(step) / "meta").is_dir():
+        return {}
+    try:
+        restored = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(restored["meta"])
+    except Exception:  # damaged: restore_latest reports it and falls back
+        return None
+
+
+def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter, stamp: dict):
+    """Restores the newest checkpoint that reads back; None if there is none.
+
+    A newer checkpoint that cannot be restored (damaged after it was committed) is reported and
+    moved aside, never deleted or overwritten, once an older one restores; if none restores the
+    run stops and says why rather than start over. A checkpoint of another format than `stamp`
+    stops the run before anything is restored or moved (`check_format`): it is not damage.
+    """
+    steps = sorted(mngr.all_steps(), reverse=True)
+    failed = []
+    for step in steps:
+        check_format(mngr, step, stamp)
+        args = ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state),
+            data=grain.checkpoint.CheckpointRestore(data_iter),
+            meta=ocp.args.JsonRestore(),
+        )
+        try:
+            restored = mngr.restore(step, args=args)
+        except Exception as e:  # orbax/tensorstore raise many types for a damaged checkpoint
+            log.warning(
+                "checkpoint %d cannot be restored (%s: %s)",
+                step,
+                type(e).__name__,
+                str(e).splitlines()[0][:200] if str(e) else "",
+            )
+            failed.append(step)
+            continue
+        for bad in failed:  # out of the way of the saves that will reuse these step numbers
+            path = Path(mngr.directory) / str(bad)
+            aside = path.with_name(f"{bad}.unreadable-{int(time.time())}")
+            path.rename(aside)
+            log.warning(
+                "moved unreadable checkpoint %d to %s; resuming from step %d", bad, aside.name, step
+            )
+        if failed:
+            mngr.reload()
+        return restored["state"]
+    if failed:
+        raise ConfigError(
+            f"no checkpoint in {mngr.directory} could be restored (steps {failed}; see the "
+            "warnings above). Fix or move them, or use a new train.output_dir"
+        )
+    return None
+
+
+def check_process_count(mngr: ocp.CheckpointManager) -> None:
+    """A checkpoint's data state is one file per process: resume with the same process count."""
+    latest = mngr.latest_step()
+    if latest is None:
+        return
+    files = list((Path(mngr.directory) / str(latest) / "data").glob("process_*-of-*.json"))
+    counts = {int(f.stem.rsplit("-of-", 1)[1]) for f in files}
+    if counts and jax.process_count() not in counts:
+        raise ConfigError(
+            f"checkpoint {latest} in {mngr.directory} was written by {counts.pop()} processes "
+            f"but this run has {jax.process_count()}; relaunch with the same number of processes"
+        )
+
+
+# What a resumed run must share with the run that wrote its checkpoints: the parameters' shapes
+# and split, the bucket shapes and planner (their state is in the checkpoint), the sample stream.
+# The mesh, optimizer settings and step count may change between runs.
+RESUME_KEYS = ("model", "batch", "data.source", "data.path", "data.seed", "data.synthetic")
+
+
+def check_resumable(cfg: Config, out: Path) -> None:
+    """Refuses an output dir whose checkpoints come from an incompatible config.
+
+    A run may resume with another `mesh.context`: the parameters do not depend on it, and the
+    planner's state (its cursor in the sample stream and the samples it deferred) plans the
+    new groups' buckets as well, so every sample is still trained once per epoch; the steps
+    after the resume are planned for the new groups (not the batches the old ones would have
+    had), and the batch sizes resolved from the data (`resolved_keys`) are resolved anew.
+    """
+    saved_path = out / "config.json"
+    ckpts = out / "checkpoints"
+    if not saved_path.exists() or not ckpts.exists() or not any(ckpts.iterdir()):
+        return
+    saved = distributed.flatten(json.loads(saved_path.read_text()))
+    now = distributed.flatten(to_dict(cfg))
+    free = set(resolved_keys(cfg)) if _context_changed(cfg, saved) else set()
+    changed = [
+        k
+        for k in sorted(set(saved) | set(now))
+        if k.startswith(RESUME_KEYS) and saved.get(k) != now.get(k) and k not in free
+    ]
+    if changed:
+        diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:6])
+        raise ConfigError(
+            f"train.output_dir={out} holds checkpoints of a run with a different config "
+            f"({diffs}{', ...' if len(changed) > 6 else ''}); it cannot be resumed with this "
+            f"one. Use a new train.output_dir, or the config in {saved_path}."
+        )
+
+
+def keep_resolved(cfg: Config, out: Path) -> Config:
+    """A run resuming from `out`'s checkpoints keeps the `-1` (auto) batch sizes they were
+    planned with (from `out`/config.json): those come from dry runs as long as the run, and
+    the step count may change between runs (a longer run would resolve others and be
+    refused). A run starting afresh resolves them anew."""
+    saved_path, ckpts = out / "config.json", out / "checkpoints"
+    if not saved_path.exists() or not ckpts.exists() or not any(ckpts.iterdir()):
+        return cfg
+    run = json.loads(saved_path.read_text())
+    if _context_changed(cfg, distributed.flatten(run)):
+        log.info(
+            "resuming with mesh.context=%d (the checkpoints were trained with %s): the batch "
+            "sizes resolved from the data are resolved anew for the new context groups",
+            cfg.mesh.context,
+            run.get("mesh", {}).get("context", 1),
+        )
+        return cfg
+    saved = run.get("batch", {})
+    keep = {
+        k: saved[k]
+        for k in AUTO_SIZES
+        if getattr(cfg.batch, k) == -1 and isinstance(saved.get(k), int) and saved[k] >= 0
+    }
+    if not keep:
+        return cfg
+    log.info("resuming: batch sizes resolved by the run that wrote the checkpoints: %s", keep)
+    return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, **keep))
+
+
+def resolved_keys(cfg: Config) -> list[str]:
+    """The `batch.*` keys a run resolves from the data (`-1` sizes, `capacity: auto`'s encoder
+    buckets): what depends on the context groups besides the planner's plans."""
+    keys = [f"batch.{k}" for k in AUTO_SIZES]
+    if cfg.batch.capacity == "auto":
+        keys += ["batch.vision_patches", "batch.audio_frames"]
+    return keys
+
+
+def _context_changed(cfg: Config, saved_flat: dict) -> bool:
+    """Whether the run that wrote `saved_flat` (a flattened config.json) had another
+    mesh.context (1 before the key existed)."""
+    return saved_flat.get("mesh.context", 1) != cfg.mesh.context
+
+
+def write_config(cfg: Config, out: Path) -> None:
+    """`<output_dir>/config.json`, what `check_resumable` compares the next run against."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f"config.json.tmp{os.getpid()}"  # other processes may be reading it
+    tmp.write_text(json.dumps(to_dict(cfg), indent=2))
+    tmp.replace(out / "config.json")
+
+
+def restore_params(out: Path, abstract_params: dict, step: int | None = None) -> tuple[int, dict]:
+    """The trained and frozen parameters of a run's checkpoint, nothing else (no optimizer
+    state, no data state): what export, generation and `model.init_from.run` read.
+
+    Args:
+      out: the run's train.output_dir.
+      abstract_params: {"params": ..., "frozen": ...} shape trees (jax.ShapeDtypeStruct), any
+        subset of the checkpoint's; leaves with a `.sharding` are restored as jax Arrays in it,
+        the others as host numpy arrays.
+      step: the checkpoint step; None = the latest.
+
+    Returns:
+      (step, {"params": ..., "frozen": ...}).
+
+    Raises:
+      ConfigError: no checkpoint (at that step) in the run.
+    """
+    directory = Path(out).absolute() / "checkpoints"
+    steps = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit())
+    if not steps or (step is not None and step not in steps):
+        have = f"steps {steps}" if steps else "none"
+        raise ConfigError(f"no checkpoint {'' if step is None else step} in {directory} ({have})")
+    step = steps[-1] if step is None else step
+    item = {k: v for k, v in abstract_params.items() if v}  # (orbax refuses empty subtrees)
+    restore = jax.tree.map(_restore_args, item)
+    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False)) as m:
+        args = ocp.args.PyTreeRestore(item=item, restore_args=restore, partial_restore=True)
+        restored = dict(m.restore(step, args=ocp.args.Composite(state=args))["state"])
+    # A partial restore hands back the template for what the checkpoint lacks: refuse it.
+    for path, leaf in jax.tree_util.tree_leaves_with_path(restored):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            name = jax.tree_util.keystr(path, simple=True, separator="/")
+            raise ConfigError(f"checkpoint {step} in {directory} has no parameter {name}")
+    return step, {k: restored.get(k, {}) for k in abstract_params}
+
+
+def _restore_args(leaf) -> ocp.RestoreArgs:
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None:
+        return ocp.RestoreArgs(restore_type=np.ndarray)
+    return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=leaf.shape, dtype=leaf.dtype)

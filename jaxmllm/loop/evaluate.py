@@ -1,0 +1,283 @@
+"""Evaluation during training: a fixed held-out set, planned and shaped like training steps.
+
+`data.eval` names the set: a held-out share of the built-in synthetic source (its samples
+`num_samples`, `num_samples + 1`, ...: generated like the training samples, from indices the
+training index never holds), or a manifest / ArrayRecord file with its own lengths index. At
+start-up the set is planned once by the run's own planner at the run's own bucket shapes and
+bucketized into step batches, until every sample has been planned (a sample the planner brings
+again in a later step of the pass counts once); so the eval step takes the train step's batch
+shapes and compiles once, and every evaluation sees exactly the same batches.
+
+Every `train.eval_every` steps and at the last step the `Evaluator` runs the set forward with the
+current parameters and writes, into metrics.jsonl and TensorBoard:
+
+- `eval/loss`, `eval/accuracy`: mean token cross entropy and the share of loss tokens whose most
+  likely token is the target, over the whole set (token-weighted, as the training loss);
+- `eval/loss/<mix>`, `eval/accuracy/<mix>`: the same per modality mix of the samples (`text`,
+  `image`, `audio`, `image_audio`; only mixes the set has);
+- greedy answers to the set's first `data.eval.questions` prompts (`jaxmllm.loop.answers`): logged,
+  scored (`eval/answers/*`), and printed as a table at the end of the run.
+
+Evaluation reads the parameters and nothing else of the run: no data iterator, no RNG, no
+optimizer state, so the training losses are the same with and without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import sharding
+from jaxmllm.batch.bucketize import bucketize
+from jaxmllm.config import Config, ConfigError
+from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.data.loader import Loader
+from jaxmllm.data.synthetic import SyntheticSource
+from jaxmllm.feed.iterator import local_media, local_parts
+from jaxmllm.loop.answers import Questions
+from jaxmllm.plan.contract import OversizeError, StepPlan
+from jaxmllm.plan.registry import make_planner
+from jaxmllm.plan.sizing import capacities
+from jaxmllm.step.program import ModelParts, Program
+
+log = logging.getLogger("jaxmllm")
+
+MIXES = ("text", "image", "audio", "image_audio")  # by a sample's images (1) and clips (2)
+MAX_PASSES = 4  # a pass that needs more steps than this many times the set's share is stuck
+
+
+# ----------------------------------------------------------------------------- the set
+
+
+class HeldOut:
+    """The synthetic samples after the training range: `held[i]` = synthetic sample
+    `num_samples + i`, which no training step can draw."""
+
+    def __init__(self, cfg: Config):
+        syn, n = cfg.data.synthetic, cfg.data.synthetic.num_samples
+        more = dataclasses.replace(syn, num_samples=n + cfg.data.eval.samples)
+        self.source = SyntheticSource(
+            dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, synthetic=more))
+        )
+        self.start, self.specials = n, self.source.specials
+        every = self.source.lengths()
+        self.index = LengthsIndex.from_records([every.record(i) for i in range(n, len(every))])
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int):
+        return self.source[self.start + int(i)]
+
+    def load(self, i: int, images=None, audio=None):
+        return self.source.load(self.start + int(i), images, audio)
+
+
+def eval_source(cfg: Config):
+    """The eval set's source (`source[i]` -> Sample) and its lengths index."""
+    e = cfg.data.eval
+    if e.source == "synthetic":
+        held = HeldOut(cfg)
+        return held, held.index
+    from jaxmllm.data.source import ManifestSource, open_source
+
+    data = dataclasses.replace(cfg.data, source=e.source, path=e.path, index_dir=e.index_dir)
+    try:
+        full = open_source(dataclasses.replace(cfg, data=data))
+    except ConfigError as err:
+        raise ConfigError(f"data.eval: {err}") from None
+    n = len(full) if not e.samples else min(e.samples, len(full))
+    limits = {i: lim for i, lim in full.limits.items() if i < n}
+    source = ManifestSource(full.records, full.pre, full.rows[:n], limits)
+    return source, source.index
+
+
+def sample_mixes(index: LengthsIndex) -> np.ndarray:
+    """Each sample's modality mix, an index into MIXES."""
+    images = np.diff(index.images_ptr) > 0
+    audio = np.diff(index.audio_ptr) > 0
+    return images.astype(np.int32) + 2 * audio.astype(np.int32)
+
+
+def plan_set(cfg: Config, source, index: LengthsIndex, devices: int, positions, reject_log):
+    """The set's step batches (this host's rows, with `eval_mix`: each token's sample's mix,
+    -1 for tokens not counted), planned by the run's planner at its shapes."""
+    caps = capacities(cfg, devices)
+    try:
+        planner = make_planner(cfg.batch.planner, index, caps, cfg.data.seed)
+    except OversizeError as e:
+        raise ConfigError(f"data.eval: a sample does not fit the run's buckets: {e}") from None
+    # (in this process: the set is loaded once, at start-up)
+    loader = Loader(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=0)),
+                    source, reject_log)  # fmt: skip
+    mixes, seen, batches = sample_mixes(index), np.zeros(len(index), bool), []
+    steps_per_pass = max(1, -(-len(index) // max(1, caps.devices * caps.microbatches)))
+    while not seen.all():
+        if len(batches) > MAX_PASSES * steps_per_pass + 8:
+            raise ConfigError(f"data.eval: {int((~seen).sum())} samples were never planned")
+        plan = planner.plan()
+        parts = local_parts(plan, positions, caps.devices)
+        media = None if positions is None else local_media(parts)
+        samples = loader.load(parts["read"], plan.step, media)
+        batch = bucketize(plan, samples, cfg, caps, positions, index, source.specials)
+        batch["eval_mix"] = _token_mixes(plan, index, caps, batch, positions, mixes, seen)
+        batches.append(batch)
+    return batches
+
+
+def _token_mixes(plan: StepPlan, index, caps, batch, positions, mixes, seen) -> np.ndarray:
+    """[M, D_local, R, L]: the mix of each token's sample, -1 for padding and for a sample the
+    pass already brought (each sample counts once); marks the plan's samples `seen`."""
+    out = np.full(batch["llm_tokens"].shape, -1, np.int32)
+    local = np.full(caps.devices, -1, np.int64)
+    pos = np.arange(caps.devices) if positions is None else np.asarray(positions)
+    local[pos] = np.arange(len(pos))
+    lengths = index.llm_tokens(caps.merge_area, caps.subsample)
+    for k, s in enumerate(plan.samples.tolist()):  # (a small set may come twice in a step)
+        d, first = local[plan.device[k]], not seen[s]
+        seen[s] = True  # (every host walks the whole plan: they agree on which is first)
+        if d < 0 or not first:
+            continue
+        o = int(plan.offset[k])
+        out[plan.micro[k], d, plan.row[k], o : o + lengths[s]] = mixes[s]
+    return out
+
+
+# ----------------------------------------------------------------------------- the eval step
+
+
+def token_scores(decoder, h_dnw: jax.Array, targets_dn: jax.Array) -> tuple[jax.Array, ...]:
+    """Per token: cross entropy and whether the most likely token is the target, [D, N] each;
+    the logits are projected `decoder.logits_chunk` tokens at a time, as the training loss."""
+    d, n, width = h_dnw.shape
+    chunk = min(decoder.logits_chunk, n)
+    pad = -n % chunk
+    h_dnw = jnp.pad(h_dnw, ((0, 0), (0, pad), (0, 0)))
+    targets_dn = jnp.pad(targets_dn, ((0, 0), (0, pad)))
+
+    def one(xs):
+        h_dcw, targets_dc = xs
+        logits = decoder.logits(h_dcw).astype(jnp.float32)  # [D, chunk, vocab]
+        target = jnp.take_along_axis(logits, targets_dc[..., None], axis=-1)[..., 0]
+        loss = jax.nn.logsumexp(logits, axis=-1) - target
+        return loss, (jnp.argmax(logits, axis=-1) == targets_dc).astype(jnp.float32)
+
+    slices = lambda x: jnp.moveaxis(x.reshape(d, -1, chunk, *x.shape[2:]), 1, 0)
+    loss, correct = jax.lax.map(one, (slices(h_dnw), slices(targets_dn)))
+    unslice = lambda x: jnp.moveaxis(x, 0, 1).reshape(d, -1)[:, :n]
+    return unslice(loss), unslice(correct)
+
+
+def make_eval_step(parts: ModelParts, mesh=None):
+    """(params, frozen, step batch [M, D, ...] with `eval_mix`) -> [3, len(MIXES)]: per mix the
+    summed loss, correct tokens and loss tokens, over all microbatches."""
+
+    def eval_step(params, frozen, batch):
+        batch = dict(batch)
+        mix = batch.pop("eval_mix")
+
+        def microbatch(total, xs):
+            mb, mix_drl = xs
+            model = parts.merge(params, frozen)
+            h_drlw = model.hidden(mb)
+            d, width = h_drlw.shape[0], h_drlw.shape[-1]
+            targets = mb["llm_targets"].reshape(d, -1)
+            loss, correct = token_scores(model.llm, h_drlw.reshape(d, -1, width), targets)
+            weight = mb["llm_loss_mask"].reshape(d, -1).astype(jnp.float32)
+            share_dnk = jax.nn.one_hot(mix_drl.reshape(d, -1), len(MIXES)) * weight[..., None]
+            sums = jnp.stack([
+                jnp.einsum("dn,dnk->k", loss, share_dnk),
+                jnp.einsum("dn,dnk->k", correct, share_dnk),
+                share_dnk.sum((0, 1)),
+            ])  # fmt: skip
+            return total + sums, None
+
+        zero = jnp.zeros((3, len(MIXES)), jnp.float32)
+        total, _ = jax.lax.scan(microbatch, zero, (batch, mix))
+        return total
+
+    # (the sums come back whole on every process)
+    return jax.jit(eval_step, out_shardings=None if mesh is None else sharding.replicated(mesh))
+
+
+def eval_metrics(sums: np.ndarray) -> dict[str, float]:
+    """The metrics row of the summed [3, mixes] (loss, correct, tokens)."""
+    loss, correct, tokens = np.asarray(sums, np.float64)
+    row = {
+        "eval/loss": float(loss.sum() / max(tokens.sum(), 1.0)),
+        "eval/accuracy": float(correct.sum() / max(tokens.sum(), 1.0)),
+    }
+    for k, mix in enumerate(MIXES):
+        if tokens[k]:
+            row[f"eval/loss/{mix}"] = float(loss[k] / tokens[k])
+            row[f"eval/accuracy/{mix}"] = float(correct[k] / tokens[k])
+    return row
+
+
+# ----------------------------------------------------------------------------- the evaluator
+
+
+class Evaluator:
+    """The eval set on the run's mesh: its batches, the compiled eval step, the questions."""
+
+    def __init__(self, cfg: Config, mesh, prog: Program, out: Path, positions=None):
+        e = cfg.data.eval
+        self.cfg, self.mesh = cfg, mesh
+        self.every, self.last = cfg.train.eval_every, cfg.train.steps
+        source, index = eval_source(cfg)
+        rank = jax.process_index()
+        rejects = out / ("rejects.eval.jsonl" if rank == 0 else f"rejects.eval.process{rank}.jsonl")
+        devices = sharding.data_parallel_size(mesh)
+        self.batches = plan_set(cfg, source, index, devices, positions, rejects)
+        self.step = make_eval_step(prog.parts, mesh)
+        self.questions = Questions(cfg, source, e.questions) if e.questions else None
+        self.seconds = 0.0  # the last evaluation's time
+        log.info(
+            "eval set: %d samples of data.eval (%s) in %d steps; %d questions",
+            len(index),
+            e.source,
+            len(self.batches),
+            0 if self.questions is None else len(self.questions.prompts),
+        )
+
+    def due(self, step: int) -> bool:
+        """Whether step `step` (just done) is evaluated: every `eval_every`, and the last."""
+        return step == self.last or (self.every > 0 and step % self.every == 0)
+
+    def __call__(self, state: dict, step: int) -> dict[str, float]:
+        """Evaluates the state after step `step`: the metrics row (and the answers, logged;
+        at the last step printed with their accuracy). `seconds` is then the time it took,
+        from when the step was done."""
+        jax.block_until_ready(state["params"])
+        start = time.perf_counter()
+        total = np.zeros((3, len(MIXES)))
+        for host_batch in self.batches:
+            batch = sharding.make_global_batch(host_batch, self.mesh)
+            total += np.asarray(jax.device_get(self.step(state["params"], state["frozen"], batch)))
+        row = eval_metrics(total)
+        if self.questions is not None:
+            results = self.questions.ask(state["params"], state["frozen"])
+            row.update(self.questions.metrics(results))
+            if jax.process_index() == 0:
+                self.questions.log(results, step)
+                if step == self.last:
+                    print(self.questions.report(results, step))
+        self.seconds = time.perf_counter() - start
+        return row
+
+
+def open_evaluator(cfg: Config, mesh, prog: Program, out: Path, positions=None):
+    """The run's `Evaluator`, or None without data.eval.source. `positions`: this process's
+    data-parallel positions in a multi-process job."""
+    if cfg.data.eval.source == "none":
+        if cfg.train.eval_every:
+            log.warning("train.eval_every=%d but data.eval.source is none: no evaluation",
+                        cfg.train.eval_every)  # fmt: skip
+        return None
+    return Evaluator(cfg, mesh, prog, out, positions)

@@ -1,0 +1,226 @@
+"""Sizing: a config's `auto` and -1 batch sizes resolved against the data, and the planner's
+capacities from the resolved config.
+
+Every dry run that sizes a bucket is here (route capacity, tile and document capacities: each a
+run of the planner's own plans over the data), beside `capacities` (a resolved config -> the
+planner contract) and `planner_from_config`. The trainer resolves once, at start-up, before
+anything is shaped; checkpoints keep the resolved values, so a resumed run plans as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import jax
+
+import sharding
+from jaxmllm.config import Config, ConfigError
+from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.plan.capacity import (
+    HELD_DRY_RUN_STEPS,
+    ROUTE_DRY_RUN_STEPS,
+    dry_run_documents,
+    dry_run_tiles,
+    encoder_capacities,
+    held_tiles,
+    largest_doc_tiles,
+    most_documents,
+    route_capacity,
+    suggest_capacities,
+)
+from jaxmllm.plan.contract import Capacities, Planner, device_tile_caps
+from jaxmllm.plan.cost import CostModel
+from jaxmllm.plan.registry import HOLDS_TILES, make_planner
+
+log = logging.getLogger("jaxmllm")
+
+
+def resolve_batch(cfg: Config, index: LengthsIndex, devices: int | None = None) -> Config:
+    """Resolves `batch.capacity: auto`, `batch.route_pair_capacity: -1` (`resolve_route`),
+    `batch.devices_per_host: -1` and `batch.*_tiles: -1` against the data.
+
+    auto keeps the LLM bucket (the token budget per device is the user's choice) and sizes the
+    encoder buckets to the data's modality ratios, on the capacity ladder, each at least the
+    largest item (and whole blocks of block-sparse attention). Tile capacities: see
+    `resolve_tiles`. The resolved values are what the model, the planner and checkpoints see.
+    `devices`: the data-parallel buckets (default: from the config's mesh).
+    """
+    b, m = cfg.batch, cfg.model
+    if len(index) == 0:
+        raise ConfigError(
+            "the data has no usable samples (every record was rejected or the source is empty); "
+            "see the index's rejects.jsonl, or raise data.synthetic.num_samples"
+        )
+    changes = {}
+    if b.capacity == "auto":
+        block = b.attention_block if m.attention == "block_sparse" else 1
+        area, sub = m.vision.merge**2, m.audio.subsample
+        if cfg.mesh.context > 1:  # (a device's tokens: its share of its group's longer rows)
+            got = encoder_capacities(index, b.llm_rows * b.llm_row_len, area, sub, block=block)
+        else:
+            got = suggest_capacities(index, b.llm_rows * b.llm_row_len, area, sub,
+                                     max_row_len=b.llm_row_len, block=block)  # fmt: skip
+        for key in ("vision_patches", "audio_frames"):
+            value = getattr(got, key)
+            if value:  # 0: the data has none of it; keep the configured bucket
+                changes[key] = value
+    auto_route = False
+    if b.route_pair_capacity != 0 and b.planner != "orchestrated":
+        # Only orchestrated moves items between devices; an exchange would only move zeros.
+        changes["route_pair_capacity"] = 0
+    elif b.route_pair_capacity == -1:
+        # A device's whole encoder output (never binds) for the dry run, then what it carried.
+        vision = changes.get("vision_patches", b.vision_patches) // m.vision.merge**2
+        audio = changes.get("audio_frames", b.audio_frames) // m.audio.subsample
+        changes["route_pair_capacity"] = max(
+            vision if m.vision.enabled else 0, audio if m.audio.enabled else 0, 1
+        )
+        auto_route = True
+    if b.devices_per_host == -1:
+        changes["devices_per_host"] = resolve_devices_per_host(cfg, devices)
+    if changes:
+        cfg = dataclasses.replace(cfg, batch=dataclasses.replace(b, **changes))
+    if auto_route:
+        changes["route_pair_capacity"] = resolve_route(cfg, index, devices)
+        cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, **changes))
+    tiles = {**resolve_tiles(cfg, index, devices), **resolve_documents(cfg, index, devices)}
+    if tiles:
+        cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, **tiles))
+    if changes or tiles:
+        log.info("batch resolved from the data: %s", {**changes, **tiles})
+    return cfg
+
+
+def resolve_devices_per_host(cfg: Config, devices: int | None) -> int:
+    """`batch.devices_per_host: -1` (auto): the data-parallel positions one process holds (every
+    position when there is one process)."""
+    if jax.process_count() == 1:
+        return devices or sharding.data_parallel_size(sharding.make_mesh(cfg.mesh))
+    return len(sharding.local_dp_indices(sharding.make_mesh(cfg.mesh)))
+
+
+def resolve_route(cfg: Config, index: LengthsIndex, devices: int | None) -> int:
+    """`batch.route_pair_capacity: -1` (auto) of orchestrated, resolved (the rest resolved, the
+    route capacity a device's whole encoder output): the most encoder rows one (src, dst) pair
+    carried in a microbatch of a dry run of its own plans (`ROUTE_DRY_RUN_STEPS` at most, then
+    `ROUTE_HEADROOM` more when the run is longer), at least the largest item's rows
+    (`capacity.route_capacity`). The dense exchange's buffer is [devices, this] rows per
+    device, so it no longer grows with the device count as a whole output per pair did; the
+    planner holds the bound (a sample that would take a pair past it waits)."""
+    if devices is None:
+        devices = sharding.data_parallel_size(sharding.make_mesh(cfg.mesh))
+    caps = capacities(cfg, devices)
+    planner = make_planner(cfg.batch.planner, index, caps, cfg.data.seed)
+    steps = min(cfg.train.steps, ROUTE_DRY_RUN_STEPS)
+    return route_capacity(planner, index, caps, steps, cfg.train.steps)
+
+
+DRY_RUN_STEPS = 2000  # at most this many steps planned to size a planner's tile capacities
+DRY_RUN_HEADROOM = 0.1  # added when the run is longer than the dry run
+
+
+def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict[str, int]:
+    """The `batch.*_tiles: -1` (auto) of block-sparse attention, resolved (the rest resolved).
+
+    A planner that holds a tile capacity near the mean (`HOLDS_TILES`: orchestrated) gets the
+    data's mean need per device plus the headroom (of a few) whose plans do the most useful
+    work per FLOP the buckets compute under the model's cost (`held_tiles`), or less where a dry
+    run of `HELD_DRY_RUN_STEPS` of its plans without a bound never needed as much (uniform
+    data, where its tiles are even without holding them); any other gets the
+    most its own buckets need in a dry run of its plans (`DRY_RUN_STEPS` at most, then
+    `DRY_RUN_HEADROOM` more when the run is longer), so that its buckets always fit and the
+    comparison shows what its packing costs. Never below what the largest document needs.
+    """
+    b = cfg.batch
+    keys = [f"{p}_tiles" for p in ("llm", "vision", "audio") if getattr(b, f"{p}_tiles") == -1]
+    if cfg.model.attention != "block_sparse" or not keys:
+        return {}
+    caps = capacities(cfg, devices or 1)  # (the -1s: no bound)
+    if devices is None:
+        devices = sharding.data_parallel_size(sharding.make_mesh(cfg.mesh))
+        caps = dataclasses.replace(caps, devices=devices)
+    planner = make_planner(b.planner, index, caps, cfg.data.seed)
+    if b.planner in HOLDS_TILES:
+        # (the headroom that does the most useful work per computed FLOP of the cost model)
+        weights = CostModel.from_model(cfg.model).tile_weights(caps.block, caps.audio_per_row)
+        need = held_tiles(
+            planner,
+            index,
+            caps,
+            min(cfg.train.steps, HELD_DRY_RUN_STEPS),
+            make=lambda c: make_planner(b.planner, index, c, cfg.data.seed),
+            weights=weights,
+        )
+    else:
+        steps = min(cfg.train.steps, DRY_RUN_STEPS)
+        need = dry_run_tiles(planner, index, caps, steps)
+        if steps < cfg.train.steps:
+            need = {p: math.ceil(n * (1 + DRY_RUN_HEADROOM)) for p, n in need.items()}
+    # Documents the dry run did not meet fit too, wherever in a block they start.
+    least = device_tile_caps(caps, largest_doc_tiles(index, caps))
+    need = {p: max(n, least[p]) for p, n in need.items()}
+    return {key: max(need[key.removesuffix("_tiles")], 1) for key in keys}
+
+
+DOCUMENTS_HEADROOM = 0.25  # cuDNN's documents per row: over the dry run's most, when longer
+
+
+def resolve_documents(cfg: Config, index: LengthsIndex, devices: int | None) -> dict[str, int]:
+    """The `batch.*_documents: -1` (auto) of cuDNN attention: the most documents one row of the
+    planner's own plans holds in a dry run (`DRY_RUN_STEPS` at most, then `DOCUMENTS_HEADROOM`
+    more when the run is longer), never above what the data allows (the row over its smallest
+    document). cuDNN's backward workspace grows with this bound, and the data's worst case
+    (rows of the shortest samples only) is often many times what plans ever hold: at 16384
+    tokens a row, 0.4B parameters, it asked for 234 GiB on an H100. A later row past the
+    bound stops the run naming the key (`bucketize`); resume with it raised."""
+    b = cfg.batch
+    keys = [p for p in ("llm", "vision", "audio") if getattr(b, f"{p}_documents") == -1]
+    if cfg.model.attention != "cudnn" or not keys:
+        return {}
+    if devices is None:
+        devices = sharding.data_parallel_size(sharding.make_mesh(cfg.mesh))
+    caps = capacities(cfg, devices)
+    bound = most_documents(index, caps)
+    steps = min(cfg.train.steps, DRY_RUN_STEPS)
+    most = dry_run_documents(make_planner(b.planner, index, caps, cfg.data.seed), index, caps,
+                             steps)  # fmt: skip
+    if steps < cfg.train.steps:
+        most = {p: math.ceil(n * (1 + DOCUMENTS_HEADROOM)) for p, n in most.items()}
+    return {f"{p}_documents": max(1, min(bound[p], most[p])) for p in keys}
+
+
+def capacities(cfg: Config, devices: int) -> Capacities:
+    """The planner's bucket capacities from a resolved config (see `resolve_batch`), over
+    `devices` data-parallel buckets. A tile capacity still -1 (auto) is no bound."""
+    b, m = cfg.batch, cfg.model
+    sparse = m.attention == "block_sparse"
+    if b.route_pair_capacity < 0:
+        raise ValueError(
+            "batch.route_pair_capacity=-1 (auto) must be resolved against the "
+            "data first: jaxmllm.plan.sizing.resolve_batch"
+        )
+    return Capacities(
+        microbatches=b.microbatches,
+        devices=devices,
+        llm_rows=b.llm_rows,
+        llm_row_len=b.llm_row_len,
+        vision_patches=b.vision_patches if m.vision.enabled else 0,
+        audio_frames=b.audio_frames if m.audio.enabled else 0,
+        merge_area=m.vision.merge**2,
+        subsample=m.audio.subsample,
+        audio_stride=0 if m.audio.stride == m.audio.subsample else m.audio.stride,
+        route_pair_capacity=b.route_pair_capacity,
+        devices_per_host=max(b.devices_per_host, 0),
+        context=cfg.mesh.context,
+        block=b.attention_block if sparse else 0,
+        llm_tiles=max(b.llm_tiles, 0) if sparse else 0,
+        vision_tiles=max(b.vision_tiles, 0) if sparse and m.vision.enabled else 0,
+        audio_tiles=max(b.audio_tiles, 0) if sparse and m.audio.enabled else 0,
+    )
+
+
+def planner_from_config(cfg: Config, index: LengthsIndex, devices: int) -> Planner:
+    """The planner named by batch.planner over `index`, with `devices` data-parallel buckets."""
+    return make_planner(cfg.batch.planner, index, capacities(cfg, devices), cfg.data.seed)

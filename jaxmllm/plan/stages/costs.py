@@ -1,0 +1,165 @@
+"""What each piece of the model costs per microbatch on one device bucket, as the partitioner
+sees it: per transformer layer, and at the ends of each stack (embeddings, projectors, head).
+
+Pure Python over the config. Under fixed shapes a device computes its whole bucket, so a cost is
+a function of the capacities (`batch.*`), not of the samples: per layer the matrices' FLOPs of
+every token, patch or audio row the bucket holds (`data.cost.layer_linear`), plus attention:
+4 * pairs * width for the pairs computed (dense: every pair of each row; block-sparse: the
+tile capacity's tiles of block x block pairs; cuDNN: the causal half of each LLM row).
+
+Training multiplies a forward by `data.cost.multiplier`: 3 trainable, 2 frozen with something
+trainable below it (input gradients only), 1 frozen with nothing trainable below (no backward at
+all). Here that is the backward's share: 2, 1 or 0 times the forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from jaxmllm.plan.cost import layer_linear, multiplier
+
+ENCODERS = ("audio", "vision")  # chain order in front of the LLM when run as pipeline stages
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """Forward and backward cost of one piece of work (FLOPs, or seconds once measured)."""
+
+    fwd: float = 0.0
+    bwd: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.fwd + self.bwd
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.fwd + other.fwd, self.bwd + other.bwd)
+
+    def times(self, k: float) -> Work:
+        return Work(self.fwd * k, self.bwd * k)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A transformer stack as the pipeline sees it: identical layers and work at both ends."""
+
+    name: str  # audio | vision | llm
+    layers: int
+    layer: Work  # one layer over one microbatch's bucket
+    enter: Work  # before the first layer: patch embedding, convolutions, token embedding
+    leave: Work  # after the last: final norm + projector (encoders), final norm + head + loss
+
+    def whole(self) -> Work:
+        return self.enter + self.layer.times(self.layers) + self.leave
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCosts:
+    """The stacks of a model in chain order (enabled encoders, then the LLM) and the step's
+    microbatches."""
+
+    microbatches: int
+    segments: tuple[Segment, ...]
+
+    def segment(self, name: str) -> Segment:
+        return next(s for s in self.segments if s.name == name)
+
+    @property
+    def encoders(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.segments if s.name != "llm")
+
+
+def model_costs(model: Any, batch: Any, fractions: dict[str, float] | None = None) -> ModelCosts:
+    """Per-microbatch costs of a (resolved) model and batch config.
+
+    Args:
+      model: `ModelConfig` (or anything with its attributes).
+      batch: `BatchConfig`; a tile capacity still -1 (auto) counts as a whole row's pairs.
+      fractions: per encoder, the share of its bucket a step variant runs (default 1; 0: the
+        encoder is skipped: no work).
+    """
+    fractions = fractions or {}
+    v, a, lm = model.vision, model.audio, model.llm
+    enc_trainable = (v.enabled and not v.freeze) or (a.enabled and not a.freeze)
+    proj_below = enc_trainable  # what lies below a projector: its encoder
+    llm_below = enc_trainable or not model.projector_freeze
+    back = lambda frozen, below: multiplier(frozen, below) - 1  # backward / forward
+    segments = []
+    if a.enabled and fractions.get("audio", 1.0) > 0:
+        segments.append(_audio(model, batch, fractions.get("audio", 1.0), back, proj_below))
+    if v.enabled and fractions.get("vision", 1.0) > 0:
+        segments.append(_vision(model, batch, fractions.get("vision", 1.0), back, proj_below))
+    segments.append(_llm(model, batch, back(lm.freeze, llm_below)))
+    return ModelCosts(batch.microbatches, tuple(segments))
+
+
+def _work(fwd: float, back: float) -> Work:
+    return Work(fwd, fwd * back)
+
+
+def _attention(model: Any, rows: int, length: int, tiles: int, block: int, causal: bool) -> float:
+    """Query-key pairs one layer scores over a device's bucket (see the module docstring)."""
+    kind = model.attention
+    if kind == "block_sparse" and tiles >= 0:
+        return float(tiles * block * block)
+    if kind == "cudnn" and causal:
+        return rows * length * (length + 1) / 2
+    return float(rows * length * length)
+
+
+def _llm(model: Any, batch: Any, back: float) -> Segment:
+    lm = model.llm
+    tokens = batch.llm_rows * batch.llm_row_len
+    head = lm.head_dim or lm.width // lm.heads
+    q, kv = head * lm.heads, head * lm.kv_heads  # query (and output) width, key/value width
+    sparse = model.attention == "block_sparse"  # (a device's rows attend as one row)
+    rows, length = (1, tokens) if sparse else (batch.llm_rows, batch.llm_row_len)
+    pairs = _attention(model, rows, length, batch.llm_tiles, batch.attention_block, True)
+    layer = layer_linear(lm.width, kv, lm.mlp_dim, q, lm.mlp) * tokens + 4.0 * pairs * q
+    logits = 2.0 * lm.width * lm.vocab_size * tokens
+    return Segment("llm", lm.depth, _work(layer, back), Work(), _work(logits, back))
+
+
+def _vision(model: Any, batch: Any, fraction: float, back, proj_below: bool) -> Segment:
+    v, lm = model.vision, model.llm
+    patches = _scaled(batch.vision_patches, fraction)
+    tiles = variant_tiles(batch.vision_tiles, patches, batch.attention_block)
+    pairs = _attention(model, 1, patches, tiles, batch.attention_block, False)
+    layer = layer_linear(v.width, v.width, v.mlp_dim, mlp=v.mlp) * patches
+    layer += 4.0 * pairs * v.width
+    embed = 2.0 * v.patch_size**2 * v.channels * v.width * patches
+    area, hidden = v.merge**2, v.projector_dim or lm.width
+    project = 2.0 * (area * v.width * hidden + hidden * lm.width) * patches / area
+    own = back(v.freeze, False)
+    proj = back(model.projector_freeze, proj_below)
+    return Segment("vision", v.depth, _work(layer, own), _work(embed, own), _work(project, proj))
+
+
+def _audio(model: Any, batch: Any, fraction: float, back, proj_below: bool) -> Segment:
+    a, lm = model.audio, model.llm
+    frames = _scaled(batch.audio_frames, fraction)
+    rows = frames // a.stride  # encoder rows (the stem's stride)
+    tiles = variant_tiles(batch.audio_tiles, rows, batch.attention_block)
+    pairs = _attention(model, 1, rows, tiles, batch.attention_block, False)
+    layer = layer_linear(a.width, a.width, a.mlp_dim, mlp=a.mlp) * rows + 4.0 * pairs * a.width
+    if a.stem == "whisper":  # kernel-3 convolutions, stride 1 then 2
+        convs = 2.0 * 3 * a.width * (a.n_mels + a.width / 2) * frames
+    else:  # two kernel-2 stride-2: 2 * n_mels -> width over frames / 2, 2 * width -> width
+        convs = 2.0 * 2 * a.n_mels * a.width * frames / 2 + 2.0 * 2 * a.width * a.width * rows
+    hidden, merged = a.projector_dim or lm.width, a.subsample // a.stride  # rows per LLM token
+    project = 2.0 * (merged * a.width * hidden + hidden * lm.width) * frames / a.subsample
+    own = back(a.freeze, False)
+    proj = back(model.projector_freeze, proj_below)
+    return Segment("audio", a.depth, _work(layer, own), _work(convs, own), _work(project, proj))
+
+
+def _scaled(capacity: int, fraction: float) -> int:
+    return int(round(capacity * fraction))
+
+
+def variant_tiles(tiles: int, units: int, block: int) -> int:
+    """The tile capacity of an encoder bucket cut to `units` (patches, audio rows): no more
+    than its blocks can pair, nor than the whole bucket's capacity (-1: unresolved, as is)."""
+    return tiles if tiles < 0 else min(tiles, math.ceil(units / block) ** 2)

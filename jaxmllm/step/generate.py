@@ -1,0 +1,122 @@
+"""Generation's compiled programs: prefill (prompts with their images and clips, encoded as in
+training) and a decode step (one token per row against the KV cache, `jaxmllm.models.decode`),
+at fixed shapes (`jaxmllm.batch.prompts.PromptShapes`), and the host loop that samples from them
+(greedy at temperature 0, else temperature and nucleus sampling) until each row stops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jaxmllm.batch.prompts import PromptShapes, prompt_batch, prompt_config
+from jaxmllm.config import Config
+from jaxmllm.data.samples import Sample
+from jaxmllm.data.text.specials import RESERVED, Specials
+from jaxmllm.models import decode
+from jaxmllm.step.program import model_parts
+
+
+@dataclasses.dataclass
+class Answer:
+    """One prompt's generated tokens."""
+
+    ids: list[int]  # the new ids, the stop id that ended them included
+    stopped: bool  # ended at a stop id (else at max_new_tokens)
+    logits: list[np.ndarray] | None = None  # per new id, the logits it was picked from [vocab]
+
+
+class Generator:
+    """The compiled prefill and decode-step programs of a model config at fixed shapes."""
+
+    def __init__(self, cfg: Config, shapes: PromptShapes, specials: Specials = RESERVED):
+        """`specials`: the tokenizer's ids (padding, the image and audio placeholders)."""
+        self.cfg, self.shapes, self.specials = cfg, shapes, specials
+        parts, _ = model_parts(prompt_config(cfg, shapes))  # (dense attention, local rows)
+
+        # Sampling's settings come as host scalars (seed, the step's number, temperature,
+        # top_p): traced, so they never recompile, and the same on every process of a job.
+        def pick(logits, sampling):
+            seed, i, temperature, top_p = sampling
+            key = jax.random.fold_in(jax.random.key(seed), i)
+            return _whole(decode.pick(logits, key, temperature, top_p)), _whole(logits)
+
+        def prefill(params, frozen, mb, sampling):
+            logits, cache = decode.prefill(parts.merge(params, frozen), mb, shapes.total_len)
+            return *pick(logits, sampling), cache
+
+        def step(params, frozen, cache, tokens, index, positions, sampling):
+            model = parts.merge(params, frozen)
+            logits, cache = decode.step(model, tokens, index, cache, positions)
+            return *pick(logits, sampling), cache
+
+        self.prefill = jax.jit(prefill)
+        self.step = jax.jit(step, donate_argnums=2)  # the cache is updated in place
+
+    def generate(
+        self,
+        params: dict,
+        frozen: dict,
+        prompts: Sequence[Sample],
+        *,
+        max_new_tokens: int,
+        stop_ids: frozenset[int] = frozenset(),
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        keep_logits: bool = False,
+    ) -> list[Answer]:
+        """Answers to `prompts` (at most `shapes.rows`, each within `shapes.prompt_len`).
+
+        Args:
+          params, frozen: the model's parameters as pure dicts (a train state's, or
+            `load_run`'s); jax arrays in any sharding, or host arrays.
+          max_new_tokens: at most this many new ids per prompt (the shapes' total length must
+            hold each prompt and them).
+          stop_ids: a row ends at the first of these.
+          temperature, top_p, seed: sampling (temperature 0: greedy; see `decode.pick`).
+          keep_logits: also return the logits of every step (tests).
+        """
+        lengths = np.array([len(p.tokens) for p in prompts])
+        if (lengths + max_new_tokens > self.shapes.total_len).any():
+            raise ValueError(
+                f"a prompt of {lengths.max()} tokens and {max_new_tokens} new ones do not fit "
+                f"{self.shapes.total_len}"
+            )
+        mb = prompt_batch(prompts, self.shapes, self.cfg, self.specials)
+        index = np.ones(self.shapes.rows, np.int32)  # (spare rows hold one token)
+        index[: len(prompts)] = lengths
+        # A new token's rotary position: one past the row's last (with M-RoPE, past the
+        # largest of its three), then counting on with the index.
+        last = mb["llm_positions"][:, 0].reshape(self.shapes.rows, self.shapes.prompt_len, -1)
+        delta = np.array([last[b, :n].max() + 1 - n for b, n in enumerate(index)], np.int32)
+        sampling = lambda i: (np.int32(seed), np.int32(i), np.float32(temperature),
+                              np.float32(top_p))  # fmt: skip
+        token, logits, cache = self.prefill(params, frozen, mb, sampling(0))
+        answers = [Answer([], False, [] if keep_logits else None) for _ in prompts]
+        for i in range(max_new_tokens):
+            picked, scores = np.asarray(token), (np.asarray(logits) if keep_logits else None)
+            for b, answer in enumerate(answers):
+                if answer.stopped:
+                    continue
+                answer.ids.append(int(picked[b]))
+                answer.stopped = int(picked[b]) in stop_ids
+                if keep_logits:
+                    answer.logits.append(scores[b])
+            if i + 1 == max_new_tokens or all(a.stopped for a in answers):
+                break
+            at = index + i
+            token, logits, cache = self.step(
+                params, frozen, cache, token, at, at + delta, sampling(i + 1)
+            )
+        return answers
+
+
+def _whole(x: jax.Array) -> jax.Array:
+    """`x` replicated under a mesh (the host reads it; on several processes a sharded array
+    is not whole on any), as it is without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return x if mesh.empty else jax.lax.with_sharding_constraint(x, jax.P())

@@ -1,0 +1,109 @@
+"""What a config with `mesh.stage` > 1 compiles to: the partition plan, the pipelined train
+state (`[stage, slots, ...]` stacks, the stage dim split over the `stage` axis), the jitted step
+and the conversion of the state to and from its checkpoint form (`[depth, ...]`, as without a
+pipeline, so a checkpoint resumes under any stage count).
+
+    prog = build_program(cfg, mesh)   # step.build_program when mesh.stage == 1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+import sharding
+from jaxmllm.config import Config
+from jaxmllm.plan.stages.choose import plan_of
+from jaxmllm.plan.stages.partition import Plan
+from jaxmllm.step import program as unpipelined
+from jaxmllm.step.stages.layout import Layout
+from jaxmllm.step.stages.loop import pipeline_loss
+from sharding import STAGE_AXIS
+
+
+@dataclasses.dataclass
+class PipelineProgram(unpipelined.Program):
+    """A `Program` whose state holds pipelined stacks; checkpoints hold the `[depth, ...]` form."""
+
+    plan: Plan = None
+    layout: Layout = None
+    checkpoint_shardings: dict = None
+    depth_abstract: dict = None
+
+    def __post_init__(self):  # the conversions, compiled once each
+        self._to_depth = jax.jit(self.layout.to_depth, out_shardings=self.checkpoint_shardings)
+        self._to_stages = jax.jit(self.layout.to_stages, out_shardings=self.shardings)
+
+    def init(self, given: dict | None = None) -> dict:
+        """A fresh pipelined train state; `given` parameters ([depth, ...] form, as
+        `abstract_params` describes them) replace the random ones."""
+        init = lambda given: self.layout.to_stages(
+            unpipelined.init_state(self.cfg, self.optimizer, given)
+        )
+        return jax.jit(init, out_shardings=self.shardings)(given or {})
+
+    def abstract_params(self) -> dict:
+        """Every parameter in its [depth, ...] (checkpoint) form, with that form's sharding."""
+        saved = self.checkpoint_abstract()
+        return {**saved["params"], **saved["frozen"]}
+
+    def describe(self) -> str:
+        return super().describe() + "\n" + self.plan.describe()
+
+    def checkpoint_abstract(self) -> dict:
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            self.depth_abstract,
+            self.checkpoint_shardings,
+        )
+
+    def to_checkpoint(self, state: dict) -> dict:
+        return self._to_depth(state)
+
+    def from_checkpoint(self, state: dict) -> dict:
+        return self._to_stages(state)
+
+
+def build_program(cfg: Config, mesh) -> unpipelined.Program:
+    """`step.build_program`, pipelined over the mesh's `stage` axis when it has more than one."""
+    stages = mesh.shape.get(STAGE_AXIS, 1)
+    if stages == 1:
+        return unpipelined.build_program(cfg, mesh)
+    plan = plan_of(cfg, stages)
+    layout = Layout.of(plan)
+    parts, axes = unpipelined.model_parts(cfg)
+    optimizer, schedule = unpipelined.make_optimizer(cfg)
+    depth = jax.eval_shape(lambda: unpipelined.init_state(cfg, optimizer))
+    abstract = jax.eval_shape(layout.to_stages, depth)
+    stage_axes = layout.axes(axes)
+    shardings = _shardings(stage_axes, abstract, parts, optimizer, mesh, sharding.RULES)
+    # Checkpoints: the [depth, ...] stacks, their layers split over the stages where they divide.
+    saved = _shardings(axes, depth, parts, optimizer, mesh, {**sharding.RULES, "layers": "stage"})
+    loss = pipeline_loss(parts, layout)
+    step = jax.jit(
+        unpipelined.make_train_step(parts, optimizer, schedule, jax.value_and_grad(loss)),
+        donate_argnums=0,
+        out_shardings=(shardings, sharding.replicated(mesh)),
+    )
+    return PipelineProgram(
+        cfg, mesh, parts, stage_axes, optimizer, abstract, shardings, step,
+        plan=plan, layout=layout, checkpoint_shardings=saved, depth_abstract=depth,
+    )  # fmt: skip
+
+
+def _shardings(axes, abstract, parts, optimizer, mesh, rules) -> dict[str, Any]:
+    """NamedShardings of a train state (params, frozen, optimizer state, step) under `rules`."""
+    sharding.validate(axes, rules)
+    trained = {k: v for k, v in axes.items() if k not in parts.frozen_keys}
+    frozen = {k: v for k, v in axes.items() if k in parts.frozen_keys}
+    out = {
+        "params": sharding.param_shardings(trained, abstract["params"], mesh, rules),
+        "frozen": sharding.param_shardings(frozen, abstract["frozen"], mesh, rules),
+        "step": sharding.replicated(mesh),
+    }
+    out["opt_state"] = sharding.opt_state_shardings(
+        optimizer, abstract["opt_state"], out["params"], mesh
+    )
+    return out
