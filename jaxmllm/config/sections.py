@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -13,6 +14,12 @@ PLANNER_NAMES = ("orchestrated", "balanced", "grain", "naive", "first_fit")
 
 AUTO_SIZES = ("route_pair_capacity", "llm_tiles", "vision_tiles", "audio_tiles", "llm_documents",
               "vision_documents", "audio_documents", "devices_per_host")  # fmt: skip
+
+
+# XLA:CPU makes any number of virtual devices, each with its own threads and buffers: 100,000
+# crashed it after 90 s. A process may split its cores into at most this many devices each
+# (`jaxmllm.loop.distributed.split_cpu` checks it against the machine), 256 at least.
+MAX_CPU_DEVICES_PER_CORE = 32
 
 
 @dataclass(frozen=True)
@@ -27,7 +34,9 @@ class MeshConfig:
     # encoders see its devices as more data-parallel ones. 1 = off.
     context: int = 1
     tensor: int = 1  # tensor parallelism (heads, MLP width, vocab); fastest axis
-    cpu_devices: int = 0  # split CPU-only hosts into this many devices, all processes; 0 = as is
+    # Split CPU-only hosts into this many devices, all processes; 0 = as is. At most
+    # MAX_CPU_DEVICES_PER_CORE per CPU core of a process (more only add threads and memory)
+    cpu_devices: int = 0
 
     def __post_init__(self):
         check(
@@ -36,6 +45,8 @@ class MeshConfig:
             "context",
         )
         check(self.stage >= 1, "must be >= 1 (1: no pipeline); -1 is not allowed here", "stage")
+        check(self.cpu_devices >= 0, "must be >= 0 (0: the host's devices as they are)",
+              "cpu_devices")  # fmt: skip
 
 
 SCHEDULES = ("auto", "gpipe", "1f1b")
@@ -277,6 +288,21 @@ class OptimConfig:
     b2: float = 0.95  # Adam beta2
     eps: float = 1e-8  # Adam epsilon
     clip_norm: float = 1.0  # global gradient-norm clip; 0 disables
+
+    def __post_init__(self):
+        # A NaN or inf here is finite nowhere downstream: lr=nan writes NaN into every
+        # parameter while the loss and gradient stay finite.
+        for key in ("lr", "min_lr_ratio", "weight_decay", "b1", "b2", "eps", "clip_norm"):
+            value = getattr(self, key)
+            check(math.isfinite(value), f"{value!r} must be a finite number", key)
+        check(self.lr >= 0, "must be >= 0", "lr")
+        check(self.warmup_steps >= 0, "must be >= 0", "warmup_steps")
+        check(0 <= self.min_lr_ratio <= 1, "must be in [0, 1]", "min_lr_ratio")
+        check(self.weight_decay >= 0, "must be >= 0", "weight_decay")
+        for key in ("b1", "b2"):
+            check(0 <= getattr(self, key) < 1, "must be in [0, 1) (Adam's decay rate)", key)
+        check(0 < self.eps <= 1, "must be in (0, 1]", "eps")
+        check(self.clip_norm >= 0, "must be >= 0 (0 disables clipping)", "clip_norm")
 
 
 @dataclass(frozen=True)
