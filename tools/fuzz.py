@@ -57,6 +57,7 @@ from jaxmllm.data.media.image import read_size
 from jaxmllm.data.preprocess import Params, Preprocessor
 from jaxmllm.data.records.arrayrecord import decode_record, encode_record
 from jaxmllm.data.records.jsonl import parse_line
+from jaxmllm.data.records.record import MediaPaths
 from jaxmllm.data.rejects import REASONS, RecordError
 from jaxmllm.data.source import ManifestSource
 
@@ -444,6 +445,7 @@ class _Records:
 
     def __init__(self, items: list[bytes], base_dir: Path, arrayrecord: bool = False):
         self.items, self.base_dir, self.arrayrecord = items, base_dir, arrayrecord
+        self.media = MediaPaths(base_dir)  # media paths confined to the harness's folder
 
     def __len__(self) -> int:
         return len(self.items)
@@ -458,6 +460,8 @@ def record_outcome(h: Harness, records) -> str:
     """Record 0 through the index's measure, then the loader (ManifestSource checks the counts)."""
     row = measure(records, h.pre, 0)
     if not row.pop("ok"):
+        if row["reason"] == "record_failed":  # (measure caught an exception: a bug here)
+            raise RuntimeError(row["detail"])
         return f"index:{row['reason']}"
     try:
         ManifestSource(records, h.pre, [row], {})[0]
@@ -650,6 +654,8 @@ def classify(fn, h: Harness, arg, hang_s: float = 10.0) -> tuple[str, str]:
     reason = out.partition(":")[2]
     if out != "ok" and not is_bug(out) and reason not in REASONS:
         return f"unhandled:unknown_reason:{reason}", ""
+    if reason == "record_failed":  # an exception the index or the loader caught: still a bug
+        return "unhandled:record_failed", detail
     return out, detail
 
 

@@ -233,6 +233,19 @@ class DataConfig:
     # (index and loader alike); a file over a cap is rejected (image_too_large, audio_too_long).
     max_image_pixels: int = 1 << 26  # width x height of a stored image (64 Mpx = 8192 x 8192)
     max_audio_seconds: float = 600.0  # length of a clip from its header (frames / rate)
+    # Samples of a stored clip over all its channels (frames x channels), from its header: what
+    # decoding it costs whatever its rate (600 s of 48 kHz stereo: 57.6 M); over it: audio_too_long
+    max_audio_samples: int = 1 << 26
+    # Bytes of a media file (or inline media, or a manifest line), from its size before any
+    # byte is read; over it: media_too_large (a line: malformed_line)
+    max_media_bytes: int = 1 << 30
+    # The folder media paths are relative to (as LLaVA's --image_folder) and which they must
+    # resolve inside ("..", absolute paths and symlinks leading out are rejected as
+    # path_outside_root); "" = the folder of data.path (and of data.eval.path for its records)
+    media_root: str = ""
+    # true: media paths may lead anywhere (absolute paths kept on purpose); they are still read
+    # only as regular files, within the caps above
+    allow_outside_paths: bool = False
     on_error: str = "skip"  # bad or missing media, bad lines, placeholder mismatch: skip | fail
     on_oversize: str = "shrink"  # a sample no bucket can hold: shrink | truncate | skip | fail
     workers: int = 0  # preprocessing worker processes; 0 = in the training process
@@ -269,6 +282,8 @@ class DataConfig:
         )
         check(self.max_image_pixels >= 1, "must be >= 1", "max_image_pixels")
         check(self.max_audio_seconds > 0, "must be > 0", "max_audio_seconds")
+        check(self.max_audio_samples >= 1, "must be >= 1", "max_audio_samples")
+        check(self.max_media_bytes >= 1, "must be >= 1", "max_media_bytes")
         check(self.workers >= 0, "must be >= 0", "workers")
         check(_is_date(self.template_date), "must be a date, YYYY-MM-DD", "template_date")
 

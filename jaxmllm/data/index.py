@@ -32,18 +32,23 @@ from jaxmllm.config import Config, ConfigError, load_config
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.preprocess import Limits, Params, Preprocessor
 from jaxmllm.data.records import open_records, read_record
-from jaxmllm.data.rejects import RecordError
+from jaxmllm.data.rejects import RecordError, failed
 from jaxmllm.data.source import default_index_dir
 
 # ----------------------------------------------------------------------------- building
 
 
 def measure(records, pre: Preprocessor, k: int, decode: bool = False) -> dict:
-    """Record k's index row ({"ok": True, ...counts}) or its reject ({"ok": False, ...})."""
-    line = 0
+    """Record k's index row ({"ok": True, ...counts}) or its reject ({"ok": False, ...}).
+
+    Whatever one record does, the index goes on: an exception other than a RecordError
+    (MemoryError included) is the record's reject too (`record_failed`, naming it).
+    """
+    line, rid = 0, None
     try:
         obj, line = records.raw(k)
         record = read_record(records, k)
+        rid = record.id
         sizes = pre.sizes(record)
         for j, (samples, rate) in enumerate(sizes.audio):
             if not pre.clip_chunks(samples, rate):
@@ -53,6 +58,9 @@ def measure(records, pre: Preprocessor, k: int, decode: bool = False) -> dict:
         counts = pre.layout(record, sizes).counts(pre.p.merge**2)
     except RecordError as e:
         return {"ok": False, **e.to_json(line=line, row=k)}
+    except Exception as e:  # noqa: BLE001  one record never takes the index down
+        err = failed(e, rid or (f"line:{line}" if line else f"row:{k}"))
+        return {"ok": False, **err.to_json(line=line, row=k)}
     return {
         "ok": True,
         **counts,
@@ -88,7 +96,7 @@ def build_index(
     from tqdm import tqdm
 
     params = Params.from_config(cfg)
-    records = open_records(path)
+    records = open_records(path, cfg.data)
     out = Path(out) if out else default_index_dir(path)
     chunks = [list(range(a, min(a + 64, len(records)))) for a in range(0, len(records), 64)]
     bar = tqdm(total=len(records), desc="index", unit="rec", disable=not progress)

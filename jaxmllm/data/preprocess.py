@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError
-from jaxmllm.data.media.audio import chunk_lengths, clip_frames, load_audio, read_info
+from jaxmllm.data.media.audio import Caps, chunk_lengths, clip_frames, load_audio, read_info
 from jaxmllm.data.media.image import image_grid, load_image, read_size
 from jaxmllm.data.records.record import Record
 from jaxmllm.data.rejects import RecordError
@@ -50,6 +50,8 @@ class Params:
     # of the index to admit the files it refused).
     max_image_pixels: int = field(default=1 << 26, compare=False)
     max_audio_seconds: float = field(default=600.0, compare=False)
+    max_audio_samples: int = field(default=1 << 26, compare=False)
+    max_media_bytes: int = field(default=1 << 30, compare=False)
     # A tokenizer directory's template date is part of tokenizer_sha256 (it decides counts).
     template_date: str = field(default=DEFAULT_DATE, compare=False)
 
@@ -79,8 +81,14 @@ class Params:
             mel=d.mel,
             max_image_pixels=d.max_image_pixels,
             max_audio_seconds=d.max_audio_seconds,
+            max_audio_samples=d.max_audio_samples,
+            max_media_bytes=d.max_media_bytes,
             template_date=d.template_date,
         )
+
+    def audio_caps(self) -> Caps:
+        """What a clip may cost before it is decoded."""
+        return Caps(self.max_audio_seconds, self.max_audio_samples, self.max_media_bytes)
 
     def counted(self) -> dict:
         """The fields that decide counts (what an index must agree on)."""
@@ -152,8 +160,11 @@ class Preprocessor:
         raises RecordError for a file over the bomb caps or one that does not open."""
         p = self.p
         return Sizes(
-            images=[read_size(src, record.id, p.max_image_pixels) for src in record.images],
-            audio=[read_info(src, record.id, p.max_audio_seconds) for src in record.audio],
+            images=[
+                read_size(src, record.id, p.max_image_pixels, p.max_media_bytes)
+                for src in record.images
+            ],
+            audio=[read_info(src, record.id, caps=p.audio_caps()) for src in record.audio],
         )
 
     def clip_chunks(self, samples: int, rate: int) -> list[int]:
@@ -234,6 +245,7 @@ class Preprocessor:
                     max_image_pixels=p.max_image_pixels,
                     mean=p.image_mean,
                     std=p.image_std,
+                    max_bytes=p.max_media_bytes,
                 )
                 if len(patches) != op[2] * op[3]:
                     raise RecordError(
@@ -254,8 +266,8 @@ class Preprocessor:
                         p.audio_max_frames,
                         expect_samples=sizes.audio[j][0],
                         record_id=record.id,
-                        max_seconds=p.max_audio_seconds,
                         mel=p.mel,
+                        caps=p.audio_caps(),
                     )
                 chunk = clips[j][c][:frames] if c < len(clips[j]) else clips[j][0][:0]
                 if len(chunk) != frames:

@@ -34,13 +34,15 @@ import numpy as np
 from jaxmllm.config import Config, ConfigError
 from jaxmllm.data.preprocess import Limits, Params, Preprocessor
 from jaxmllm.data.records import open_records, read_record
-from jaxmllm.data.records.record import PLACEHOLDER, parse_record
+from jaxmllm.data.records.record import PLACEHOLDER, MediaPaths, parse_record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.specials import Specials
 from jaxmllm.data.text.tokenizer import ByteTokenizer
 
 TEMPLATES = ("auto", "chat", "plain")
+# A prompt's media are the user's own files (`generate --image / --audio`): read where they are.
+OWN_FILES = MediaPaths(Path("."), anywhere=True)
 
 
 class Template(Protocol):
@@ -85,7 +87,7 @@ class RecordTemplate:
                                {"role": "assistant", "content": "."}]  # fmt: skip
         else:
             obj["text"] = text
-        record = parse_record(obj, Path.cwd(), 0)
+        record = parse_record(obj, OWN_FILES, 0)
         if self.chat:
             record = dataclasses.replace(record, turns=record.turns[:-1])
         return self._sample(record)
@@ -101,7 +103,7 @@ class RecordTemplate:
                 "images": [str(p) for p in images],
                 "audio": [str(p) for p in audio],
             }
-            media = self._sample(parse_record(obj, Path.cwd(), 0))
+            media = self._sample(parse_record(obj, OWN_FILES, 0))
         merge_area, subsample = self.pre.p.merge**2, self.pre.p.subsample
         for name, marker, rows in (
             ("image", self.specials.image, sum(len(m[0]) // merge_area for m in media.images)),
@@ -151,7 +153,7 @@ def make_template(cfg: Config, kind: str = "auto", pretrained: bool = False) -> 
 def _data_form(cfg: Config) -> str:
     """chat when the training data's first readable record has `messages`, else plain."""
     try:
-        records = open_records(cfg.data.path)
+        records = open_records(cfg.data.path, cfg.data)
         for k in range(min(len(records), 16)):
             try:
                 record = read_record(records, k)
