@@ -78,7 +78,7 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.path}: not a safetensors file ({e})"[:500]) from None
         self._start = 8 + length
         self.header = validate_header(header, size - self._start, self.path)
-        self.metadata = header.get("__metadata__") or {}
+        self.metadata = header.get("__metadata__") or {}  # (validated: a dict or null)
 
     def names(self) -> list[str]:
         return list(self.header)
@@ -112,7 +112,8 @@ def validate_header(header: object, data_bytes: int, path: Path) -> dict[str, di
     docstring); raises CheckpointError naming the file and the tensor."""
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: the header is a {type(header).__name__}, not an object")
-    meta = header.get("__metadata__", {})
+    meta = header.get("__metadata__")
+    meta = {} if meta is None else meta  # (null: none, as the library reads it)
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise CheckpointError(f"{path}: __metadata__ must map names to strings")
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
@@ -133,11 +134,14 @@ def validate_header(header: object, data_bytes: int, path: Path) -> dict[str, di
     return tensors
 
 
+USIZE = (1 << 64) - 1  # the library's sizes and offsets are 64-bit; numpy's arrays 63-bit
+
+
 def _check_tensor(name: str, info: object, path: Path) -> None:
     where = f"{path}: tensor {name}"
-    is_int = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0
-    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-        raise CheckpointError(f"{where}: needs exactly dtype, shape and data_offsets")
+    is_int = lambda x: isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= USIZE
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        raise CheckpointError(f"{where}: needs a dtype, a shape and data_offsets")
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if not isinstance(dtype, str) or dtype not in BITS:
         raise CheckpointError(f"{where}: unknown dtype {dtype!r:.40}")
@@ -145,8 +149,16 @@ def _check_tensor(name: str, info: object, path: Path) -> None:
         raise CheckpointError(f"{where}: the shape {shape!r:.80} is not a list of sizes >= 0")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_int, offsets))):
         raise CheckpointError(f"{where}: data_offsets {offsets!r:.80} are not [begin, end]")
-    bits = math.prod(shape) * BITS[dtype]
-    if bits % 8 or offsets[1] - offsets[0] != bits // 8:
+    count = 1
+    for d in shape:  # (as the library multiplies: an overflow of 64 bits is refused)
+        count *= d
+        if count > USIZE:
+            raise CheckpointError(f"{where}: the shape {shape} overflows 64 bits")
+    nonzero = math.prod(d for d in shape if d) * BITS[dtype] // 8
+    if nonzero >= 1 << 63:  # a tensor of no elements whose other sizes numpy cannot hold
+        raise CheckpointError(f"{where}: numpy cannot hold an array of shape {shape}")
+    bits = count * BITS[dtype]
+    if bits > USIZE or bits % 8 or offsets[1] - offsets[0] != bits // 8:
         raise CheckpointError(
             f"{where}: shape {shape} of {dtype} is {bits / 8:g} bytes, its data_offsets "
             f"{offsets} hold {offsets[1] - offsets[0]}"

@@ -279,6 +279,8 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own names)
         name = getattr(__obj, "__name__", type(__obj).__name__)
         _check_args(args, kwargs, f"call of {name}")
+        for a in (*args, *kwargs.values()):  # (a macro calling itself with its argument doubled)
+            _check_size(a, f"an argument of {name}")
         text = getattr(__obj, "__self__", None)
         if isinstance(text, str) and name == "join" and len(args) == 1:
             args = (list(args[0]),)  # (a sandboxed range or a budgeted list: bounded)
