@@ -49,6 +49,8 @@ SECONDS = 2.0  # to compile a template, or render one conversation (real ones ta
 MAX_SOURCE = 1 << 20  # characters of template source
 BASE_BUDGET = 1 << 20  # characters a template may make (a string, a list, its output) ...
 PER_INPUT = 16  # ... plus this many per character of its input (messages, tools)
+_SIZED = (str, bytes, list, tuple)
+_SIZED_OR_DICT = (*_SIZED, dict)
 _WIDTH = re.compile(r"\d{7,}")  # a format width of a million or more ('%999999999s', {:>1e9})
 
 
@@ -131,7 +133,7 @@ def budget(*inputs: Any) -> int:
 
 def _check_size(value: Any, what: str) -> Any:
     limit = _BOUNDS.budget
-    if limit is not None and isinstance(value, str | bytes | list | tuple | dict):
+    if limit is not None and isinstance(value, _SIZED_OR_DICT):
         if len(value) > limit:
             raise jinja2.exceptions.SecurityError(
                 f"{what} makes {len(value)} items, over the template budget of {limit}"
@@ -167,20 +169,23 @@ def _bounded_filter(func: Callable) -> Callable:
     """A filter whose int arguments, and whose result where it can grow past its inputs (join,
     replace), are checked against the budget before it runs, and its result after."""
     signature = inspect.signature(func)
+    grows = func.__name__ in ("do_join", "do_replace", "do_format")
 
     @functools.wraps(func)  # (keeps jinja's pass_context / pass_environment marks)
     def filtered(*args, **kwargs):
         _check_args(args, kwargs, f"filter {func.__name__}")
-        bound = signature.bind(*args, **kwargs)
-        a = bound.arguments
-        if func.__name__ == "do_join":
-            a["value"] = list(a["value"])  # (a sandboxed range or a budgeted list: bounded)
-            _over(_join_size(a["value"], a.get("d", "")), "join")
-        elif func.__name__ == "do_replace":
-            _over(_replace_size(a["s"], a["old"], a["new"]), "replace")
-        elif func.__name__ == "do_format" and _WIDTH.search(str(a["value"])):
-            _over(1 << 62, "a format width")
-        return _check_size(func(*bound.args, **bound.kwargs), f"filter {func.__name__}")
+        if grows:
+            bound = signature.bind(*args, **kwargs)
+            a = bound.arguments
+            if func.__name__ == "do_join":
+                a["value"] = list(a["value"])  # (a sandboxed range or a budgeted list)
+                _over(_join_size(a["value"], a.get("d", "")), "join")
+            elif func.__name__ == "do_replace":
+                _over(_replace_size(a["s"], a["old"], a["new"]), "replace")
+            elif _WIDTH.search(str(a["value"])):
+                _over(1 << 62, "a format width")
+            args, kwargs = bound.args, bound.kwargs
+        return _check_size(func(*args, **kwargs), f"filter {func.__name__}")
 
     return filtered
 
@@ -252,18 +257,19 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
         limit = _BOUNDS.budget or BASE_BUDGET
-        sized = lambda x: isinstance(x, str | bytes | list | tuple)
-        if operator == "*":
-            seq, n = (left, right) if sized(left) else (right, left)
-            if sized(seq) and isinstance(n, int) and len(seq) * n > limit:
+        if operator == "+":
+            if isinstance(left, _SIZED) and isinstance(right, _SIZED):
+                if len(left) + len(right) > limit:
+                    raise jinja2.exceptions.SecurityError("a concatenation over the budget")
+                return left + right  # (the common case: strings joined, no more to check)
+        elif operator == "*":
+            seq, n = (left, right) if isinstance(left, _SIZED) else (right, left)
+            if isinstance(seq, _SIZED) and isinstance(n, int) and len(seq) * n > limit:
                 raise jinja2.exceptions.SecurityError(f"{len(seq)} x {n} is over the budget")
         elif operator == "**":
             if isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
                 if right * abs(left).bit_length() > 64 * limit:
                     raise jinja2.exceptions.SecurityError(f"{left} ** {right} is over the budget")
-        elif operator == "+" and sized(left) and sized(right):
-            if len(left) + len(right) > limit:
-                raise jinja2.exceptions.SecurityError("a concatenation over the budget")
         elif operator == "%" and isinstance(left, str):
             _check_args(right if isinstance(right, tuple) else (right,), {}, "a % format")
             if _WIDTH.search(left):
