@@ -152,7 +152,7 @@ def test_media_paths_outside_the_data_set_are_rejected_unread(tree, opened):  # 
     assert all(source[i].loss.any() for i in range(len(source)))
     records[0]["images"] = ["../outside/private.png"]
     write_manifest(manifest, records)
-    source.records = type(source.records)(manifest, source.records.media)  # (re-read lines)
+    source.records = type(source.records)(manifest, source.records.paths)  # (re-read lines)
     with pytest.raises(RecordError, match="path_outside_root"):
         source[0]
 

@@ -367,10 +367,10 @@ def test_a_restored_planner_state_that_does_not_fit_is_refused(tmp_path):
     cfg = resolve_batch(cfg, index, 8)  # (once: each pipeline below reuses it)
     pipeline = lambda: make_pipeline(cfg, 8, prefetch=0, source=source, index=index)
     it = pipeline()
-    steps = [next(it)["info"]["samples"] for _ in range(4)]
+    steps = [next(it)["info"].samples for _ in range(4)]
     resumed = pipeline()
     resumed.set_state(json.loads(json.dumps(it.get_state())))  # a good state resumes
-    np.testing.assert_array_equal(next(resumed)["info"]["samples"], next(it)["info"]["samples"])
+    np.testing.assert_array_equal(next(resumed)["info"].samples, next(it)["info"].samples)
     assert len(steps) == 4
     for problem, state in BAD_STATES.items():
         with pytest.raises(PlanStateError, match="planner state|data state") as e:

@@ -452,7 +452,7 @@ class _Records:
 
     def __init__(self, items: list[bytes], base_dir: Path, arrayrecord: bool = False):
         self.items, self.base_dir, self.arrayrecord = items, base_dir, arrayrecord
-        self.media = MediaPaths(base_dir)  # media paths confined to the harness's folder
+        self.paths = MediaPaths(base_dir)  # media paths confined to the harness's folder
 
     def __len__(self) -> int:
         return len(self.items)

@@ -35,7 +35,7 @@ def convert(manifest: str | Path, out: str | Path, data: DataConfig | None = Non
     try:
         for k in range(len(records)):
             obj, line = records.raw(k)
-            writer.write(encode_record(obj, records.media, line, data.max_media_bytes))
+            writer.write(encode_record(obj, records.paths, line, data.max_media_bytes))
     finally:
         writer.close()
     return len(records)

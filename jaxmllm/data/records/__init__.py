@@ -1,6 +1,6 @@
 """Records: the raw records of a data file and their parsing into a `Record`.
 
-One reader per file format, each giving `raw(k) -> (object, line)` and `media` (the folder the
+One reader per file format, each giving `raw(k) -> (object, line)` and `paths` (the folder the
 record's media paths are relative to and confined to: `MediaPaths`): `jsonl` (a JSONL
 manifest), `arrayrecord` (the same records with their media embedded). `record` parses an
 object into a `Record` (or raises RecordError), which is all the layers above see of the file
@@ -41,4 +41,4 @@ def open_records(path: str | Path, data: DataConfig | None = None):
 def read_record(records, k: int) -> Record:
     """Parses record k (raises RecordError for a bad one)."""
     obj, line = records.raw(k)
-    return parse_record(obj, records.media, line)
+    return parse_record(obj, records.paths, line)

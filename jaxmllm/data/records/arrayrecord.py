@@ -14,18 +14,21 @@ import json
 import struct
 from pathlib import Path
 
+from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.records.record import MediaPaths, valid_unicode
 from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError, check_media_file
+
+MEDIA_KEYS = tuple(p.items for p in ENCODERS)  # a record's lists of media entries
 
 MAGIC = b"JMLR1"
 
 
 def encode_record(
-    obj: object, media: MediaPaths | Path, line: int, max_bytes: int = MAX_MEDIA_BYTES
+    obj: object, paths: MediaPaths | Path, line: int, max_bytes: int = MAX_MEDIA_BYTES
 ) -> bytes:
     """One manifest object (media files read and embedded) as ArrayRecord bytes; a path is
-    read only inside `media` (a bare Path: that folder) and only up to `max_bytes`."""
-    media = media if isinstance(media, MediaPaths) else MediaPaths(Path(media))
+    read only inside `paths` (a bare Path: that folder) and only up to `max_bytes`."""
+    paths = paths if isinstance(paths, MediaPaths) else MediaPaths(Path(paths))
     blobs: list[bytes] = []
     offset = 0
 
@@ -36,7 +39,7 @@ def encode_record(
         if entry.startswith("data:"):
             return entry  # inline data is in the header already
         try:  # only regular files inside the folder, size checked before a byte is read
-            path = media.resolve(entry, where, "?")
+            path = paths.resolve(entry, where, "?")
             check_media_file(path, max_bytes=max_bytes)
             with open(path, "rb") as f:
                 data = f.read(max_bytes + 1)
@@ -54,7 +57,7 @@ def encode_record(
 
     if isinstance(obj, dict) and "__malformed__" not in obj:
         obj = dict(obj)
-        for key in ("images", "audio"):
+        for key in MEDIA_KEYS:
             if isinstance(obj.get(key), list):
                 obj[key] = [embed(e, f"{key}[{j}]") for j, e in enumerate(obj[key])]
     header = json.dumps({"record": obj, "line": line}).encode()
@@ -79,7 +82,7 @@ def _decode(data: bytes) -> tuple[object, int]:
     body = memoryview(data)[start + n :]
     obj = head["record"]
     if isinstance(obj, dict):
-        for key in ("images", "audio"):
+        for key in MEDIA_KEYS:
             if isinstance(obj.get(key), list):
                 obj[key] = [
                     {"bytes": bytes(body[e["blob"][0] : e["blob"][0] + e["blob"][1]])}
@@ -93,10 +96,10 @@ def _decode(data: bytes) -> tuple[object, int]:
 class ArrayRecordRecords:
     """Random access to the records of an .array_record file, through grain's data source."""
 
-    def __init__(self, path: str | Path, media: MediaPaths | None = None):
+    def __init__(self, path: str | Path, paths: MediaPaths | None = None):
         self.path = Path(path)
-        self.media = media or MediaPaths(self.path.parent)  # (paths only a forged file holds)
-        self.base_dir = self.media.base
+        self.paths = paths or MediaPaths(self.path.parent)  # (paths only a forged file holds)
+        self.base_dir = self.paths.base
         self._source = None
         self._len = len(self._open())
 

@@ -25,11 +25,11 @@ class JsonlRecords:
     """Random access to the lines of a JSONL manifest (byte offsets found in one scan)."""
 
     def __init__(
-        self, path: str | Path, media: MediaPaths | None = None, max_line: int = MAX_MEDIA_BYTES
+        self, path: str | Path, paths: MediaPaths | None = None, max_line: int = MAX_MEDIA_BYTES
     ):
         self.path = Path(path)
-        self.media = media or MediaPaths(self.path.parent)
-        self.base_dir = self.media.base
+        self.paths = paths or MediaPaths(self.path.parent)
+        self.base_dir = self.paths.base
         self.max_line = max_line
         offsets, lines, long = [], [], []
         with open(self.path, "rb") as f:

@@ -1,11 +1,11 @@
 """A parsed record: its turns of (role, text) and its media sources, checked.
 
 A record is `{"id", "text"}` (plain text) or `{"id", "messages": [{"role", "content"}]}` (a
-chat), with `images` / `audio` lists of paths (relative to the data file, or to data.media_root),
-`data:...;base64,` URIs or {"base64": ...}; the text places each item with an `<image>` /
-`<audio>` placeholder. A path must lead, once `..` and symlinks are resolved, inside that folder
-(`MediaPaths`): a manifest from a stranger cannot make training read, or the ArrayRecord
-converter embed, `/etc/shadow`.
+chat), with a list of items per encoder phase under its `items` key (`images`, `audio`: paths
+relative to the data file or to data.media_root, `data:...;base64,` URIs or {"base64": ...}); the
+text places each item with its phase's placeholder (`<image>`, `<audio>`). A path must lead, once
+`..` and symlinks are resolved, inside that folder (`MediaPaths`): a manifest from a stranger
+cannot make training read, or the ArrayRecord converter embed, `/etc/shadow`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.rejects import RecordError
 
-PLACEHOLDER = re.compile(r"(<image>|<audio>)")
+PHASE_OF_PLACEHOLDER = {p.placeholder: p.name for p in ENCODERS}  # "<image>" -> its phase
+PLACEHOLDER = re.compile("(" + "|".join(re.escape(t) for t in PHASE_OF_PLACEHOLDER) + ")")
+PART_PHASE = {p.item: p.name for p in ENCODERS}  # a content part's type ("image") -> its phase
 ROLES = ("system", "user", "assistant")
 
 
@@ -29,8 +32,7 @@ class Record:
 
     id: str
     turns: list[tuple[str, str]]  # role "text" for plain text records
-    images: list[Any]  # Path | bytes (inline / embedded)
-    audio: list[Any]
+    media: dict[str, list[Any]]  # per encoder phase, its items' sources: Path | bytes
 
 
 @dataclass(frozen=True)
@@ -66,11 +68,11 @@ class MediaPaths:
         return real
 
 
-def parse_record(obj: Any, media: MediaPaths | Path, line: int) -> Record:
+def parse_record(obj: Any, paths: MediaPaths | Path, line: int) -> Record:
     """Checks one manifest object and resolves its media paths (a bare Path: confined to that
     folder); raises RecordError."""
-    if not isinstance(media, MediaPaths):
-        media = MediaPaths(Path(media))
+    if not isinstance(paths, MediaPaths):
+        paths = MediaPaths(Path(paths))
     fallback = f"line:{line}"
     if not isinstance(obj, dict):
         raise RecordError("malformed_line", "not a JSON object", fallback)
@@ -94,13 +96,15 @@ def parse_record(obj: Any, media: MediaPaths | Path, line: int) -> Record:
         turns = _parse_messages(obj["messages"], rid)
     if not all(valid_unicode(t) for _, t in turns):  # JSON's "\ud800" escapes decode to these
         raise RecordError("malformed_line", "text is not valid Unicode (a lone surrogate)", rid)
-    sources = {}
-    for key in ("images", "audio"):
-        entries = obj.get(key, [])
+    media = {}
+    for p in ENCODERS:
+        entries = obj.get(p.items, [])
         if not isinstance(entries, list):
-            raise RecordError("malformed_line", f"'{key}' must be a list", rid)
-        sources[key] = [_media_source(e, media, f"{key}[{j}]", rid) for j, e in enumerate(entries)]
-    record = Record(rid, turns, sources["images"], sources["audio"])
+            raise RecordError("malformed_line", f"'{p.items}' must be a list", rid)
+        media[p.name] = [
+            _media_source(e, paths, f"{p.items}[{j}]", rid) for j, e in enumerate(entries)
+        ]
+    record = Record(rid, turns, media)
     _check_placeholders(record)
     return record
 
@@ -125,14 +129,14 @@ def _content_part(part: Any, rid: str) -> str:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):
         return part["text"]
-    if kind in ("image", "audio"):
+    if kind in PART_PHASE:
         return f"<{kind}>"
     raise RecordError("malformed_line", f"unknown content part {part!r:.60}", rid)
 
 
-def _media_source(entry: Any, media: MediaPaths, where: str, rid: str) -> Any:
+def _media_source(entry: Any, paths: MediaPaths, where: str, rid: str) -> Any:
     if isinstance(entry, str) and entry and not entry.startswith("data:") and valid_unicode(entry):
-        return media.resolve(entry, where, rid)
+        return paths.resolve(entry, where, rid)
     try:
         if isinstance(entry, str) and entry.startswith("data:"):
             return base64.b64decode(entry.partition(",")[2], validate=True)
@@ -163,16 +167,16 @@ def valid_unicode(text: str) -> bool:
 
 def _check_placeholders(r: Record) -> None:
     text = "".join(t for _, t in r.turns)
-    for key, media in (("image", r.images), ("audio", r.audio)):
-        n = text.count(f"<{key}>")
+    for p in ENCODERS:
+        n, media = text.count(p.placeholder), r.media[p.name]
         if n != len(media):
             raise RecordError(
                 "placeholder_mismatch",
-                f"{n} <{key}> placeholder(s), {len(media)} {key} item(s)",
+                f"{n} {p.placeholder} placeholder(s), {len(media)} {p.item} item(s)",
                 r.id,
             )
     words = PLACEHOLDER.sub("", text).strip()
-    if not words and not r.images and not r.audio:
+    if not words and not any(r.media.values()):
         raise RecordError("empty_sample", "no text and no media", r.id)
     roles = [role for role, _ in r.turns]
     if "text" not in roles and not any(
