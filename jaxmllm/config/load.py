@@ -213,7 +213,14 @@ def _apply_override(raw: dict, item: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {item!r}: {part} is not a section")
-    node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+    try:
+        node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError as e:  # e.g. a `!!python/object` tag safe_load refuses, or bad syntax
+        problem = str(e).splitlines()[0][:200]
+        raise ConfigError(
+            f"--set {key.strip()}: the value {value[:80]!r} is not valid YAML ({problem}); "
+            "quote it as a string or give a plain number, list or mapping"
+        ) from None
 
 
 def from_dict(cls: type, raw: Any, *, source: str = "<dict>", prefix: str = "") -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -23,6 +24,12 @@ AUTO_SIZES = (
 )
 
 
+# XLA:CPU makes any number of virtual devices, each with its own threads and buffers: 100,000
+# crashed it after 90 s. A process may split its cores into at most this many devices each
+# (`jaxmllm.loop.distributed.split_cpu` checks it against the machine), 256 at least.
+MAX_CPU_DEVICES_PER_CORE = 32
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     """Device mesh. Axis sizes multiply to the device count; -1 takes the remaining devices."""
@@ -35,7 +42,9 @@ class MeshConfig:
     # encoders see its devices as more data-parallel ones. 1 = off.
     context: int = 1
     tensor: int = 1  # tensor parallelism (heads, MLP width, vocab); fastest axis
-    cpu_devices: int = 0  # split CPU-only hosts into this many devices, all processes; 0 = as is
+    # Split CPU-only hosts into this many devices, all processes; 0 = as is. At most
+    # MAX_CPU_DEVICES_PER_CORE per CPU core of a process (more only add threads and memory)
+    cpu_devices: int = 0
 
     def __post_init__(self):
         check(
@@ -44,6 +53,8 @@ class MeshConfig:
             "context",
         )
         check(self.stage >= 1, "must be >= 1 (1: no pipeline); -1 is not allowed here", "stage")
+        check(self.cpu_devices >= 0, "must be >= 0 (0: the host's devices as they are)",
+              "cpu_devices")  # fmt: skip
 
 
 SCHEDULES = ("auto", "gpipe", "1f1b")
@@ -238,6 +249,19 @@ class DataConfig:
     # (index and loader alike); a file over a cap is rejected (image_too_large, audio_too_long).
     max_image_pixels: int = 1 << 26  # width x height of a stored image (64 Mpx = 8192 x 8192)
     max_audio_seconds: float = 600.0  # length of a clip from its header (frames / rate)
+    # Samples of a stored clip over all its channels (frames x channels), from its header: what
+    # decoding it costs whatever its rate (600 s of 48 kHz stereo: 57.6 M); over it: audio_too_long
+    max_audio_samples: int = 1 << 26
+    # Bytes of a media file (or inline media, or a manifest line), from its size before any
+    # byte is read; over it: media_too_large (a line: malformed_line)
+    max_media_bytes: int = 1 << 30
+    # The folder media paths are relative to (as LLaVA's --image_folder) and which they must
+    # resolve inside ("..", absolute paths and symlinks leading out are rejected as
+    # path_outside_root); "" = the folder of data.path (and of data.eval.path for its records)
+    media_root: str = ""
+    # true: media paths may lead anywhere (absolute paths kept on purpose); they are still read
+    # only as regular files, within the caps above
+    allow_outside_paths: bool = False
     on_error: str = "skip"  # bad or missing media, bad lines, placeholder mismatch: skip | fail
     on_oversize: str = "shrink"  # a sample no bucket can hold: shrink | truncate | skip | fail
     workers: int = 0  # preprocessing worker processes; 0 = in the training process
@@ -274,6 +298,8 @@ class DataConfig:
         )
         check(self.max_image_pixels >= 1, "must be >= 1", "max_image_pixels")
         check(self.max_audio_seconds > 0, "must be > 0", "max_audio_seconds")
+        check(self.max_audio_samples >= 1, "must be >= 1", "max_audio_samples")
+        check(self.max_media_bytes >= 1, "must be >= 1", "max_media_bytes")
         check(self.workers >= 0, "must be >= 0", "workers")
         check(_is_date(self.template_date), "must be a date, YYYY-MM-DD", "template_date")
 
@@ -293,6 +319,21 @@ class OptimConfig:
     b2: float = 0.95  # Adam beta2
     eps: float = 1e-8  # Adam epsilon
     clip_norm: float = 1.0  # global gradient-norm clip; 0 disables
+
+    def __post_init__(self):
+        # A NaN or inf here is finite nowhere downstream: lr=nan writes NaN into every
+        # parameter while the loss and gradient stay finite.
+        for key in ("lr", "min_lr_ratio", "weight_decay", "b1", "b2", "eps", "clip_norm"):
+            value = getattr(self, key)
+            check(math.isfinite(value), f"{value!r} must be a finite number", key)
+        check(self.lr >= 0, "must be >= 0", "lr")
+        check(self.warmup_steps >= 0, "must be >= 0", "warmup_steps")
+        check(0 <= self.min_lr_ratio <= 1, "must be in [0, 1]", "min_lr_ratio")
+        check(self.weight_decay >= 0, "must be >= 0", "weight_decay")
+        for key in ("b1", "b2"):
+            check(0 <= getattr(self, key) < 1, "must be in [0, 1) (Adam's decay rate)", key)
+        check(0 < self.eps <= 1, "must be in (0, 1]", "eps")
+        check(self.clip_norm >= 0, "must be >= 0 (0 disables clipping)", "clip_norm")
 
 
 @dataclass(frozen=True)

@@ -33,18 +33,23 @@ from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.preprocess import MEDIA, Limits, Params, Preprocessor
 from jaxmllm.data.records import open_records, read_record
-from jaxmllm.data.rejects import RecordError
+from jaxmllm.data.rejects import RecordError, failed
 from jaxmllm.data.source import default_index_dir
 
 # ----------------------------------------------------------------------------- building
 
 
 def measure(records, pre: Preprocessor, k: int, decode: bool = False) -> dict:
-    """Record k's index row ({"ok": True, ...counts}) or its reject ({"ok": False, ...})."""
-    line = 0
+    """Record k's index row ({"ok": True, ...counts}) or its reject ({"ok": False, ...}).
+
+    Whatever one record does, the index goes on: an exception other than a RecordError
+    (MemoryError included) is the record's reject too (`record_failed`, naming it).
+    """
+    line, rid = 0, None
     try:
         obj, line = records.raw(k)
         record = read_record(records, k)
+        rid = record.id
         sizes = pre.sizes(record)
         pre.check(record, sizes)
         if decode:  # full decode: catches files whose header is fine but whose data is not
@@ -52,6 +57,9 @@ def measure(records, pre: Preprocessor, k: int, decode: bool = False) -> dict:
         counts = pre.layout(record, sizes).counts()
     except RecordError as e:
         return {"ok": False, **e.to_json(line=line, row=k)}
+    except Exception as e:  # noqa: BLE001  one record never takes the index down
+        err = failed(e, rid or (f"line:{line}" if line else f"row:{k}"))
+        return {"ok": False, **err.to_json(line=line, row=k)}
     return {
         "ok": True,
         **counts,
@@ -86,7 +94,7 @@ def build_index(
     from tqdm import tqdm
 
     params = Params.from_config(cfg)
-    records = open_records(path)
+    records = open_records(path, cfg.data)
     out = Path(out) if out else default_index_dir(path)
     chunks = [list(range(a, min(a + 64, len(records)))) for a in range(0, len(records), 64)]
     bar = tqdm(total=len(records), desc="index", unit="rec", disable=not progress)

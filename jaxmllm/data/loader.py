@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import Config
-from jaxmllm.data.rejects import DataError, RecordError, RejectLog, fail_message
+from jaxmllm.data.rejects import DataError, RecordError, RejectLog, fail_message, failed
 from jaxmllm.data.samples import Sample
 
 _worker: dict = {}
@@ -37,6 +37,13 @@ def _load(source, i: int, keep):
         return source[i]
     except RecordError as e:  # sent back as a tuple: exceptions with extra fields do not pickle
         return ("error", e.reason, e.detail, e.record_id)
+    except Exception as e:  # noqa: BLE001  (MemoryError included) one record never stops a run
+        try:
+            rid = source.record_id(i) if hasattr(source, "record_id") else f"index:{i}"
+        except Exception:  # noqa: BLE001
+            rid = f"index:{i}"
+        err = failed(e, rid)
+        return ("error", err.reason, err.detail, err.record_id)
 
 
 class Loader:

@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxmllm.config import Config, ConfigError
 from jaxmllm.config.phases import BY_NAME, NAMES
-from jaxmllm.data.media.audio import chunk_lengths, clip_frames, load_audio, read_info
+from jaxmllm.data.media.audio import Caps, chunk_lengths, clip_frames, load_audio, read_info
 from jaxmllm.data.media.image import image_grid, load_image, read_size
 from jaxmllm.data.records.record import Record
 from jaxmllm.data.rejects import RecordError
@@ -57,6 +57,8 @@ class Params:
     # of the index to admit the files it refused).
     max_image_pixels: int = field(default=1 << 26, compare=False)
     max_audio_seconds: float = field(default=600.0, compare=False)
+    max_audio_samples: int = field(default=1 << 26, compare=False)
+    max_media_bytes: int = field(default=1 << 30, compare=False)
     # A tokenizer directory's template date is part of tokenizer_sha256 (it decides counts).
     template_date: str = field(default=DEFAULT_DATE, compare=False)
 
@@ -86,8 +88,14 @@ class Params:
             mel=d.mel,
             max_image_pixels=d.max_image_pixels,
             max_audio_seconds=d.max_audio_seconds,
+            max_audio_samples=d.max_audio_samples,
+            max_media_bytes=d.max_media_bytes,
             template_date=d.template_date,
         )
+
+    def audio_caps(self) -> Caps:
+        """What a clip may cost before it is decoded."""
+        return Caps(self.max_audio_seconds, self.max_audio_samples, self.max_media_bytes)
 
     def counted(self) -> dict:
         """The fields that decide counts (what an index must agree on)."""
@@ -299,7 +307,7 @@ class Images:
         return p.merge**2
 
     def read_size(self, pre: Preprocessor, src: Any, record_id: str) -> tuple[int, int]:
-        return read_size(src, record_id, pre.p.max_image_pixels)
+        return read_size(src, record_id, pre.p.max_image_pixels, pre.p.max_media_bytes)
 
     def check(self, pre: Preprocessor, j: int, size: tuple[int, int], record_id: str) -> None:
         pass  # (image_grid upscales the smallest image to the minimum pixels)
@@ -321,6 +329,7 @@ class Images:
             max_image_pixels=p.max_image_pixels,
             mean=p.image_mean,
             std=p.image_std,
+            max_bytes=p.max_media_bytes,
         )
         return [(patches, pos)]
 
@@ -336,7 +345,7 @@ class Clips:
         return p.subsample
 
     def read_size(self, pre: Preprocessor, src: Any, record_id: str) -> tuple[int, int]:
-        return read_info(src, record_id, pre.p.max_audio_seconds)
+        return read_info(src, record_id, caps=pre.p.audio_caps())
 
     def check(self, pre: Preprocessor, j: int, size: tuple[int, int], record_id: str) -> None:
         samples, rate = size
@@ -356,8 +365,8 @@ class Clips:
             p.audio_max_frames,
             expect_samples=size[0],
             record_id=record_id,
-            max_seconds=p.max_audio_seconds,
             mel=p.mel,
+            caps=p.audio_caps(),
         )
         return [(c, np.arange(len(c), dtype=np.int32)) for c in chunks]
 

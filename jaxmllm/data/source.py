@@ -152,7 +152,7 @@ def open_source(cfg: Config) -> ManifestSource:
             + f" ({summary['rejected']} rejected records in all: {out}/rejects.jsonl)"
         )
     pre = Preprocessor(Params.from_config(cfg), tokenizer)
-    records = open_records(cfg.data.path)
+    records = open_records(cfg.data.path, cfg.data)
     kept, limits, startup = apply_oversize(cfg, rows, records, pre)
     source = ManifestSource(records, pre, kept, limits)
     source.startup_rejects = startup

@@ -36,6 +36,7 @@ from jaxmllm.data.text.specials import RESERVED
 from jaxmllm.plan.registry import make_planner
 from jaxmllm.plan.sizing import capacities
 from jaxmllm.plan.stages.choose import Variants
+from jaxmllm.plan.state import PlanStateError, check_state
 
 log = logging.getLogger("jaxmllm")
 
@@ -110,7 +111,18 @@ class StepIterator(grain.DatasetIterator):
         return {"planner": self.planner.get_state(), "load_rejects": rejects}
 
     def set_state(self, state: dict) -> None:
-        self.planner.set_state(state["planner"])
+        """Restores a checkpoint's state; refuses (PlanStateError) one that does not fit the
+        index, rather than resume on other batches without a word."""
+        if not isinstance(state, dict):
+            raise PlanStateError(f"the checkpoint's data state is not an object: {state!r:.80}")
+        check_state(state.get("planner"), len(self.index))
+        try:
+            self.planner.set_state(state["planner"])
+        except (KeyError, TypeError, ValueError) as e:  # (a field this planner lacks)
+            raise PlanStateError(
+                f"the checkpoint's planner state is not one batch.planner="
+                f"{self.cfg.batch.planner} wrote ({type(e).__name__}: {e})"
+            ) from None
         # Cumulative load-time reject counts carry across restarts, like the planner's cursor.
         self._restored_rejects = dict(state.get("load_rejects", {}))
         if self.loader is not None:

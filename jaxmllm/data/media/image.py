@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from jaxmllm.data.rejects import RecordError, check_media_file
+from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError, check_media_file
 
 ORIENTATION = 0x0112  # EXIF tag; values 5..8 swap width and height
 Source = str | Path | bytes
@@ -53,14 +53,20 @@ def image_grid(
     return hb // patch, wb // patch
 
 
-def open_image(src: Source, record_id: str = "?", max_pixels: int = MAX_PIXELS) -> Image.Image:
+def open_image(
+    src: Source,
+    record_id: str = "?",
+    max_pixels: int = MAX_PIXELS,
+    max_bytes: int = MAX_MEDIA_BYTES,
+) -> Image.Image:
     """Opens an image from a path or bytes, reading its header only.
 
-    Refuses, before any pixel is decoded, an image of more than `max_pixels` (a decompression
-    bomb: a few KB of PNG can hold gigapixels of zeros), an empty one, and formats outside FORMATS
-    (PIL would also try EPS through Ghostscript, icons whose decoded size is not the header's...).
+    Refuses, before any pixel is decoded, a file of more than `max_bytes`, an image of more than
+    `max_pixels` (a decompression bomb: a few KB of PNG can hold gigapixels of zeros), an empty
+    one, and formats outside FORMATS (PIL would also try EPS through Ghostscript, icons whose
+    decoded size is not the header's...).
     """
-    check_media_file(src, record_id)
+    check_media_file(src, record_id, max_bytes)
     try:
         with _bomb_check_as_error():
             img = Image.open(io.BytesIO(src) if isinstance(src, bytes) else src, formats=FORMATS)
@@ -83,13 +89,18 @@ def open_image(src: Source, record_id: str = "?", max_pixels: int = MAX_PIXELS) 
     return img
 
 
-def read_size(src: Source, record_id: str = "?", max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
+def read_size(
+    src: Source,
+    record_id: str = "?",
+    max_pixels: int = MAX_PIXELS,
+    max_bytes: int = MAX_MEDIA_BYTES,
+) -> tuple[int, int]:
     """(height, width) as displayed (EXIF orientation applied), read from the header only.
 
     Also checks the end-of-image marker of JPEG and PNG files, which catches truncated files
     without decoding them.
     """
-    with open_image(src, record_id, max_pixels) as img:
+    with open_image(src, record_id, max_pixels, max_bytes) as img:
         w, h = img.size
         orientation = _orientation(img)
         fmt = img.format
@@ -98,13 +109,18 @@ def read_size(src: Source, record_id: str = "?", max_pixels: int = MAX_PIXELS) -
     return (w, h) if orientation in (5, 6, 7, 8) else (h, w)
 
 
-def decode_rgb(src: Source, record_id: str = "?", max_pixels: int = MAX_PIXELS) -> np.ndarray:
+def decode_rgb(
+    src: Source,
+    record_id: str = "?",
+    max_pixels: int = MAX_PIXELS,
+    max_bytes: int = MAX_MEDIA_BYTES,
+) -> np.ndarray:
     """Decodes the first frame to uint8 RGB [h, w, 3], EXIF orientation applied.
 
     Grayscale, palette, CMYK and 16-bit images are converted; transparency is composited on white.
     The image must decode to the size its header announced (what the index counted).
     """
-    with open_image(src, record_id, max_pixels) as img:
+    with open_image(src, record_id, max_pixels, max_bytes) as img:
         want = img.size
         orientation = _orientation(img)
         try:
@@ -132,13 +148,14 @@ def load_image(
     max_image_pixels: int = MAX_PIXELS,
     mean: tuple[float, ...] = (0.5, 0.5, 0.5),
     std: tuple[float, ...] = (0.5, 0.5, 0.5),
+    max_bytes: int = MAX_MEDIA_BYTES,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Decode (refusing images over `max_image_pixels`), resize to the budget, normalise each
-    channel to (x / 255 - mean) / std, patchify.
+    """Decode (refusing images over `max_image_pixels` or files over `max_bytes`), resize to
+    the budget, normalise each channel to (x / 255 - mean) / std, patchify.
 
     Returns (patches [n, patch*patch*3], positions [n, 2] as (row, col)).
     """
-    rgb = decode_rgb(src, record_id, max_image_pixels)
+    rgb = decode_rgb(src, record_id, max_image_pixels, max_bytes)
     gh, gw = image_grid(*rgb.shape[:2], patch, merge, min_pixels, max_pixels)
     size = (gw * patch, gh * patch)
     if size != (rgb.shape[1], rgb.shape[0]):

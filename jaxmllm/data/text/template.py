@@ -35,13 +35,15 @@ from jaxmllm.config import Config, ConfigError
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.preprocess import Limits, Params, Preprocessor
 from jaxmllm.data.records import open_records, read_record
-from jaxmllm.data.records.record import PLACEHOLDER, parse_record
+from jaxmllm.data.records.record import PLACEHOLDER, MediaPaths, parse_record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.specials import Specials
 from jaxmllm.data.text.tokenizer import ByteTokenizer
 
 TEMPLATES = ("auto", "chat", "plain")
+# A prompt's media are the user's own files (`generate --image / --audio`): read where they are.
+OWN_FILES = MediaPaths(Path("."), anywhere=True)
 
 
 class Template(Protocol):
@@ -88,7 +90,7 @@ class RecordTemplate:
                                {"role": "assistant", "content": "."}]  # fmt: skip
         else:
             obj["text"] = text
-        record = parse_record(obj, Path.cwd(), 0)
+        record = parse_record(obj, OWN_FILES, 0)
         if self.chat:
             record = dataclasses.replace(record, turns=record.turns[:-1])
         return self._sample(record)
@@ -99,7 +101,7 @@ class RecordTemplate:
         decoded = Sample(-1, tokens[:0], tokens[:0].astype(bool))
         if any(media.values()):  # (decoded as a record of the media alone)
             obj = {"id": "prompt", "text": _placeholders(media), **_media_entries(media)}
-            decoded = self._sample(parse_record(obj, Path.cwd(), 0))
+            decoded = self._sample(parse_record(obj, OWN_FILES, 0))
         for p in ENCODERS:
             marker, per = self.specials.media[p.name], self.pre.per_token[p.name]
             rows = sum(len(m[0]) // per for m in decoded.media[p.name])
@@ -156,7 +158,7 @@ def make_template(cfg: Config, kind: str = "auto", pretrained: bool = False) -> 
 def _data_form(cfg: Config) -> str:
     """chat when the training data's first readable record has `messages`, else plain."""
     try:
-        records = open_records(cfg.data.path)
+        records = open_records(cfg.data.path, cfg.data)
         for k in range(min(len(records), 16)):
             try:
                 record = read_record(records, k)
