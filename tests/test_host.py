@@ -1,0 +1,90 @@
+"""The host against the device: the feed's time per stage, bench.host, the trainer's host
+metrics and its warning when the devices wait on the data."""
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+from PIL import Image
+
+from jaxmllm.batch.counts import StepCounter
+from jaxmllm.bench import host as bench_host
+from jaxmllm.config import load_config
+from jaxmllm.feed.iterator import make_pipeline
+
+TINY = ["data.synthetic.num_samples=256", "data.eval.source=none"]
+
+
+def test_the_feed_times_each_stage_of_a_step():
+    cfg = load_config("configs/tiny.yaml", TINY)
+
+    def slow_copy(batch):
+        time.sleep(0.05)
+        return batch
+
+    element = next(make_pipeline(cfg, 8, prefetch=0, to_device=slow_copy))
+    host, info = element["info"]["host"], element["info"]
+    for stage in ("plan_s", "load_s", "bucketize_s", "count_s"):
+        assert 0 < getattr(host, stage) < 5, stage
+    assert host.transfer_s >= 0.05
+    assert host.samples == len(info["parts"]["read"])
+    assert host.bytes_to_device == sum(a.nbytes for a in element["batch"].values())
+    row = host.to_json()
+    assert row["serial_s"] == host.plan_s + host.bucketize_s + host.count_s + host.transfer_s
+    assert host.total_s == row["serial_s"] + host.load_s
+
+
+def test_analytic_device_time_is_the_costliest_bucket_per_microbatch():
+    cfg = load_config("configs/tiny.yaml", TINY)
+    batch = next(make_pipeline(cfg, 8, prefetch=0))["batch"]
+    flops = StepCounter(cfg)(batch)["flops"]  # every bucket's
+    seconds = bench_host.flops_seconds(cfg, batch, 100.0)
+    assert flops / 8 <= seconds * 100e12 <= flops  # at least the mean device, at most all
+    # one bucket per microbatch: the device time is its FLOPs
+    one = {k: v[:, :1] for k, v in batch.items()}
+    want = StepCounter(cfg)(one)["flops"]
+    assert np.isclose(bench_host.flops_seconds(cfg, one, 100.0) * 100e12, want)
+
+
+def test_the_media_manifest_holds_large_images_several_per_record_and_long_clips(tmp_path):
+    manifest = bench_host.write_media(tmp_path, records=16, seed=1)
+    records = [json.loads(line) for line in manifest.read_text().splitlines()]
+    assert len(records) == 16
+    images = [p for r in records for p in r.get("images", [])]
+    clips = [p for r in records for p in r.get("audio", [])]
+    assert images and clips and any(len(r.get("images", [])) > 1 for r in records)
+    for path in images:
+        with Image.open(tmp_path / path) as img:
+            assert 300 <= min(img.size) and max(img.size) <= 1500
+            assert img.format in ("JPEG", "PNG")
+    for path in clips:
+        info = sf.info(str(tmp_path / path))
+        assert 3.0 <= info.frames / info.samplerate <= 20.0
+    for r in records:  # one placeholder per image or clip
+        assert r["text"].count("<image>") == len(r.get("images", []))
+        assert r["text"].count("<audio>") == len(r.get("audio", []))
+
+
+def test_bench_host_writes_a_row_per_data_devices_and_workers(tmp_path):
+    out = tmp_path / "rows.json"
+    sets = [*TINY, "data.image_min_pixels=256", "data.image_max_pixels=2304"]
+    args = ["--config", "configs/tiny.yaml", "--data", "synthetic,media", "--devices", "4,16",
+            "--steps", "2", "--warmup", "0", "--media-dir", str(tmp_path / "media"),
+            "--media-records", "12", "--json", str(out)]  # fmt: skip
+    assert bench_host.main(args + [f"--set={s}" for s in sets]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["data"], r["devices"], r["workers"]) for r in rows] == [
+        ("synthetic", 4, 0), ("synthetic", 16, 0), ("media", 4, 0), ("media", 16, 0)
+    ]  # fmt: skip
+    for r in rows:
+        for key in ("plan_s", "load_s", "bucketize_s", "transfer_s", "serial_s",
+                    "load_s_per_sample", "device_s", "workers_needed", "wait_s"):  # fmt: skip
+            assert r[key] >= 0 and np.isfinite(r[key]), (r["data"], key)
+        assert r["device_s"] > 0 and r["workers_needed"] > 0 and r["samples"] > 0
+        assert r["host_over_device"] == r["host_s"] / r["device_s"]
+    by = {(r["data"], r["devices"]): r for r in rows}
+    # 16 devices: this host holds 8 of them (--devices-per-host), twice the buckets of 4
+    assert by["synthetic", 16]["bytes_to_device"] > 1.5 * by["synthetic", 4]["bytes_to_device"]
+    assert Path(tmp_path / "media" / "manifest.jsonl").exists()  # kept for the next run
