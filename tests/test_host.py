@@ -6,13 +6,16 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import soundfile as sf
 from PIL import Image
 
 from jaxmllm.batch.counts import StepCounter
 from jaxmllm.bench import host as bench_host
-from jaxmllm.config import load_config
+from jaxmllm.config import ConfigError, load_config
 from jaxmllm.feed.iterator import make_pipeline
+from jaxmllm.feed.times import HostTimes
+from jaxmllm.loop.metrics import MetricsWindow
 
 TINY = ["data.synthetic.num_samples=256", "data.eval.source=none"]
 
@@ -88,3 +91,53 @@ def test_bench_host_writes_a_row_per_data_devices_and_workers(tmp_path):
     # 16 devices: this host holds 8 of them (--devices-per-host), twice the buckets of 4
     assert by["synthetic", 16]["bytes_to_device"] > 1.5 * by["synthetic", 4]["bytes_to_device"]
     assert Path(tmp_path / "media" / "manifest.jsonl").exists()  # kept for the next run
+
+
+def _info(**host) -> dict:
+    times = HostTimes(**{f"{k}_s": v for k, v in host.items()})
+    return {"tokens": 100.0, "flops": 1e9, "host": times, "fill": {"llm": 1.0}, "rejects": {}}
+
+
+def test_the_metrics_hold_the_feeds_times_per_step_and_the_loops_wait():
+    window = MetricsWindow(8)
+    window.add(_info(plan=0.01, load=0.3, bucketize=0.1, count=0.02, transfer=0.05), 0.2)
+    window.add(_info(plan=0.03, load=0.5, bucketize=0.3, count=0.04, transfer=0.07), 0.4)
+    window.start -= 3.0  # the window took 3 s
+    stats, _ = window.close(_info())
+    want = {"plan": 0.02, "load": 0.4, "bucketize": 0.2, "count": 0.03, "transfer": 0.06,
+            "wait": 0.3}  # fmt: skip
+    for stage, seconds in want.items():
+        assert np.isclose(stats[f"host/{stage}_s"], seconds), stage
+    assert 0.19 < stats["host/wait_share"] <= 0.2  # 0.6 s of the window's 3 s
+
+
+def test_waiting_on_the_data_warns_once_naming_the_knob_that_helps(caplog):
+    cfg = load_config("configs/tiny.yaml", [*TINY, "data.workers=1"])
+    window = MetricsWindow(8, cfg.data)
+
+    def window_of(wait_s, **host):
+        window.add(_info(**host), wait_s)
+        window.start -= 1.0
+        with caplog.at_level("WARNING", logger="jaxmllm"):
+            caplog.clear()
+            window.close(_info())
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+    loading = {"plan": 0.01, "load": 0.8, "bucketize": 0.1, "transfer": 0.05}
+    assert window_of(0.5, **loading) == []  # the first window: start-up, never warned
+    assert window_of(0.05, **loading) == []  # 5% of the window: fine
+    [message] = window_of(0.5, **loading)
+    assert "waited on the data for 50%" in message
+    assert "raise data.workers (now 1)" in message and "data.prefetch (now 2)" in message
+    assert window_of(0.9, **loading) == []  # once
+
+    window = MetricsWindow(8, cfg.data)
+    window_of(0.5)
+    serial = {"plan": 0.3, "load": 0.1, "bucketize": 0.5, "transfer": 0.05}
+    [message] = window_of(0.5, **serial)
+    assert "serial" in message and "more workers will not help" in message
+
+
+def test_a_negative_prefetch_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"data\.prefetch: must be >= 0"):
+        load_config("configs/tiny.yaml", ["data.prefetch=-1"])
