@@ -110,13 +110,8 @@ def _waiting(stats: dict, data) -> str:
             "Most of it is serial (planning, bucketize, counting, the copy to the devices: one "
             "thread, whatever data.workers); more workers will not help it"
         )
-    return (
-        head
-        + advice
-        + (
-            f"; data.prefetch (now {prefetch}) evens out uneven steps, not a feed slower on average."
-        )
-    )
+    tail = f"; data.prefetch (now {prefetch}) evens out uneven steps, not a slower feed."
+    return head + advice + tail
 
 
 def throughput(tokens: float, flops: float, steps: int, seconds: float, n_dev: int) -> dict:
