@@ -1,7 +1,12 @@
 """The host against the device: the feed's time per stage, bench.host, the trainer's host
 metrics and its warning when the devices wait on the data."""
 
+import dataclasses
 import json
+import os
+import pickle
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +18,11 @@ from PIL import Image
 from jaxmllm.batch.counts import StepCounter
 from jaxmllm.bench import host as bench_host
 from jaxmllm.config import ConfigError, load_config
+from jaxmllm.data import shared
+from jaxmllm.data.loader import Loader
+from jaxmllm.data.rejects import DataError
+from jaxmllm.data.samples import Sample
+from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.feed.times import HostTimes
 from jaxmllm.loop.metrics import MetricsWindow
@@ -141,3 +151,164 @@ def test_waiting_on_the_data_warns_once_naming_the_knob_that_helps(caplog):
 def test_a_negative_prefetch_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"data\.prefetch: must be >= 0"):
         load_config("configs/tiny.yaml", ["data.prefetch=-1"])
+
+
+# ----------------------------------------------------------------------------- worker processes
+
+
+def _sample(big: int = 5000) -> Sample:
+    rng = np.random.default_rng(0)
+    patches = rng.standard_normal((big, 48)).astype(np.float32)
+    return Sample(
+        id=3,
+        tokens=np.arange(10, dtype=np.int32),
+        loss=np.ones(10, bool),
+        images=[(patches, np.zeros((big, 2), np.int32)), None],
+        audio=[rng.standard_normal((big // 7, 80)).astype(np.float32), None],
+        grids=[(50, 100)],
+    )
+
+
+def _same(a: Sample, b: Sample) -> bool:
+    arrays = lambda s: [s.tokens, s.loss, *s.images[0], s.audio[0]]  # noqa: E731
+    return (a.id, a.grids, a.images[1], a.audio[1]) == (
+        b.id,
+        b.grids,
+        b.images[1],
+        b.audio[1],
+    ) and all(
+        x.dtype == y.dtype and np.array_equal(x, y)
+        for x, y in zip(arrays(a), arrays(b), strict=True)
+    )
+
+
+def test_a_samples_large_arrays_travel_through_shared_memory_and_come_back_the_same():
+    before = set(shared.SHM.glob("jaxmllm-*"))
+    packed = shared.pack(_sample(), os.getpid())
+    assert isinstance(packed, shared.Packed)
+    assert isinstance(packed.sample.images[0][0], shared.Ref)  # the patches: in the file
+    assert isinstance(packed.sample.tokens, np.ndarray)  # small: pickled
+    assert len(pickle.dumps(packed)) < len(pickle.dumps(_sample())) / 10  # through the pipe
+    got = shared.unpack(pickle.loads(pickle.dumps(packed)))
+    assert _same(got, _sample())
+    assert set(shared.SHM.glob("jaxmllm-*")) == before  # its name deleted on arrival
+    got.images[0][0][0, 0] = 7.0  # writable, privately
+    assert got.images[0][0][0, 0] == 7.0
+
+
+def test_without_shared_memory_a_sample_travels_pickled(monkeypatch, tmp_path):
+    small = _sample(big=10)
+    assert shared.pack(small, os.getpid()) is small  # nothing large: as it is
+    monkeypatch.setattr(shared, "SHM", tmp_path / "missing")
+    assert _same(shared.pack(_sample(), os.getpid()), _sample())
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shared, "SHM", tmp_path)
+    monkeypatch.setattr(shared.os, "pwrite", full)
+    assert isinstance(shared.pack(_sample(), os.getpid()), Sample)
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_shared_files_of_a_dead_loader_are_removed(monkeypatch, tmp_path):
+    monkeypatch.setattr(shared, "SHM", tmp_path)
+    dead = _dead_pid()
+    (tmp_path / f"jaxmllm-{dead}-1-0").write_bytes(b"x")
+    (tmp_path / f"jaxmllm-{os.getpid()}-1-0").write_bytes(b"x")
+    shared.remove_stale()
+    assert [p.name for p in tmp_path.iterdir()] == [f"jaxmllm-{os.getpid()}-1-0"]
+    shared.remove_left(os.getpid())
+    assert list(tmp_path.iterdir()) == []
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_workers_load_the_same_samples_as_the_loaders_process(tmp_path):
+    cfg = load_config("configs/tiny.yaml", [*TINY, f"train.output_dir={tmp_path}"])
+    source = SyntheticSource(cfg)
+    indices = np.arange(0, 200, 7)
+    alone = Loader(cfg, source).load(indices, step=1)
+    loader = Loader(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=2)), source)
+    try:
+        got = loader.load(indices, step=1)
+    finally:
+        loader.close()
+    for i in indices.tolist():
+        a, b = alone[i], got[i]
+        assert (a.id, a.grids) == (b.id, b.grids)
+        for x, y in zip(_arrays(a), _arrays(b), strict=True):
+            assert x.dtype == y.dtype and np.array_equal(x, y)
+    assert not list(shared.SHM.glob(f"jaxmllm-{os.getpid()}-*"))
+
+
+def _arrays(s: Sample) -> list[np.ndarray]:
+    images = [a for img in s.images if img is not None for a in img]
+    return [s.tokens, s.loss, *images, *(a for a in s.audio if a is not None)]
+
+
+class _Dies(SyntheticSource):
+    """Sample 5 kills the worker process that loads it."""
+
+    def __getitem__(self, i):
+        if int(i) == 5:
+            os._exit(1)
+        return super().__getitem__(i)
+
+
+def test_a_worker_that_dies_stops_the_load_with_an_error_that_says_why(tmp_path):
+    cfg = load_config(
+        "configs/tiny.yaml", [*TINY, "data.workers=1", f"train.output_dir={tmp_path}"]
+    )
+    loader = Loader(cfg, _Dies(cfg))
+    try:
+        with pytest.raises(
+            DataError, match=r"data.workers=1: a worker process died while loading step 4"
+        ):
+            loader.load(np.arange(10), step=4)
+    finally:
+        loader.close()
+
+
+UNGUARDED = """
+from jaxmllm.config import load_config
+from jaxmllm.feed.iterator import make_pipeline
+cfg = load_config("configs/tiny.yaml", ["data.workers=1", "data.synthetic.num_samples=64",
+    "data.eval.source=none", "mesh.data=-1", "mesh.fsdp=1", "batch.devices_per_host=8",
+    "train.output_dir={out}"])
+next(make_pipeline(cfg, 8, prefetch=0))
+print("loaded")
+"""
+
+
+@pytest.mark.slow  # ~30 s: a child Python and its spawned worker import jaxmllm
+def test_a_script_without_a_main_guard_gets_an_error_not_a_hang(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED.format(out=tmp_path / "out"))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}  # (the repo)
+    env.pop("XLA_FLAGS", None)
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=root,
+    )
+    assert done.returncode != 0 and "loaded" not in done.stdout
+    assert 'if __name__ == "__main__":' in done.stderr and "data.workers=1" in done.stderr
+
+
+@pytest.mark.slow  # ~1 min: compiles the tiny model's step for one device
+def test_bench_host_times_the_step_on_a_device_when_asked(tmp_path):
+    out = tmp_path / "rows.json"
+    args = ["--config", "configs/tiny.yaml", "--data", "synthetic", "--steps", "1", "--warmup",
+            "0", "--measure-device", "--json", str(out)]  # fmt: skip
+    assert bench_host.main(args + [f"--set={s}" for s in TINY]) == 0
+    [row] = json.loads(out.read_text())
+    assert row["device_from"] == "measured" and 0 < row["device_s"] < 60
