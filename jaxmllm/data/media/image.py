@@ -168,11 +168,12 @@ def fit_to_grid(rgb: np.ndarray, height: int, width: int, unit: int) -> np.ndarr
     if abs(h - height) > unit // 2 or abs(w - width) > unit // 2:
         return np.asarray(Image.fromarray(rgb).resize((width, height), Image.Resampling.BICUBIC))
     top, left = (h - height) // 2, (w - width) // 2  # (negative: padded)
+    rgb = rgb[max(top, 0) : max(top, 0) + height, max(left, 0) : max(left, 0) + width]
     if height <= h and width <= w:
-        return rgb[top : top + height, left : left + width]
-    rows = np.clip(np.arange(height) + top, 0, h - 1)  # the edge rows repeated
-    cols = np.clip(np.arange(width) + left, 0, w - 1)
-    return rgb[np.ix_(rows, cols)]
+        return rgb
+    pad_h, pad_w = max(-top, 0), max(-left, 0)  # the edge rows and columns repeated
+    widths = ((pad_h, height - rgb.shape[0] - pad_h), (pad_w, width - rgb.shape[1] - pad_w), (0, 0))
+    return np.pad(rgb, widths, mode="edge")
 
 
 def _to_rgb(img: Image.Image) -> np.ndarray:
