@@ -16,33 +16,42 @@ import soundfile as sf
 from PIL import Image
 
 from jaxmllm.batch.counts import StepCounter
+from jaxmllm.batch.info import StepInfo
 from jaxmllm.bench import host as bench_host
 from jaxmllm.config import ConfigError, load_config
 from jaxmllm.data import shared
 from jaxmllm.data.loader import Loader
 from jaxmllm.data.rejects import DataError
 from jaxmllm.data.samples import Sample
+from jaxmllm.data.source import make_source
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.feed.times import HostTimes
 from jaxmllm.loop.metrics import MetricsWindow
+from jaxmllm.plan.sizing import resolve_batch
 
 TINY = ["data.synthetic.num_samples=256", "data.eval.source=none"]
 
 
+def _resolved(*sets):
+    cfg = load_config("configs/tiny.yaml", [*TINY, *sets])
+    return resolve_batch(cfg, make_source(cfg)[1], 8)
+
+
 def test_the_feed_times_each_stage_of_a_step():
-    cfg = load_config("configs/tiny.yaml", TINY)
+    cfg = _resolved()
 
     def slow_copy(batch):
         time.sleep(0.05)
         return batch
 
     element = next(make_pipeline(cfg, 8, prefetch=0, to_device=slow_copy))
-    host, info = element["info"]["host"], element["info"]
+    info = element["info"]
+    host = info.host
     for stage in ("plan_s", "load_s", "bucketize_s", "count_s"):
         assert 0 < getattr(host, stage) < 5, stage
     assert host.transfer_s >= 0.05
-    assert host.samples == len(info["parts"]["read"])
+    assert host.samples == len(info.parts["read"])
     assert host.bytes_to_device == sum(a.nbytes for a in element["batch"].values())
     row = host.to_json()
     assert row["serial_s"] == host.plan_s + host.bucketize_s + host.count_s + host.transfer_s
@@ -50,7 +59,7 @@ def test_the_feed_times_each_stage_of_a_step():
 
 
 def test_analytic_device_time_is_the_costliest_bucket_per_microbatch():
-    cfg = load_config("configs/tiny.yaml", TINY)
+    cfg = _resolved()
     batch = next(make_pipeline(cfg, 8, prefetch=0))["batch"]
     flops = StepCounter(cfg)(batch)["flops"]  # every bucket's
     seconds = bench_host.flops_seconds(cfg, batch, 100.0)
@@ -103,9 +112,11 @@ def test_bench_host_writes_a_row_per_data_devices_and_workers(tmp_path):
     assert Path(tmp_path / "media" / "manifest.jsonl").exists()  # kept for the next run
 
 
-def _info(**host) -> dict:
+def _info(**host) -> StepInfo:
     times = HostTimes(**{f"{k}_s": v for k, v in host.items()})
-    return {"tokens": 100.0, "flops": 1e9, "host": times, "fill": {"llm": 1.0}, "rejects": {}}
+    none = np.zeros(0, np.int64)
+    return StepInfo(step=1, samples=none, parts={}, deferred=0, fill={"llm": 1.0}, rejects={},
+                    tokens=100.0, flops=1e9, host=times)  # fmt: skip
 
 
 def test_the_metrics_hold_the_feeds_times_per_step_and_the_loops_wait():
@@ -159,41 +170,34 @@ def test_a_negative_prefetch_is_refused_naming_the_key():
 def _sample(big: int = 5000) -> Sample:
     rng = np.random.default_rng(0)
     patches = rng.standard_normal((big, 48)).astype(np.float32)
-    return Sample(
-        id=3,
-        tokens=np.arange(10, dtype=np.int32),
-        loss=np.ones(10, bool),
-        images=[(patches, np.zeros((big, 2), np.int32)), None],
-        audio=[rng.standard_normal((big // 7, 80)).astype(np.float32), None],
-        grids=[(50, 100)],
-    )
+    frames = rng.standard_normal((big // 7, 80)).astype(np.float32)
+    image = (patches, np.zeros((big, 2), np.int32))
+    clip = (frames, np.arange(big // 7, dtype=np.int32))
+    media = {"vision": [image, None], "audio": [clip, None]}
+    return Sample(3, np.arange(10, dtype=np.int32), np.ones(10, bool), media, grids=[(50, 100)])
 
 
 def _same(a: Sample, b: Sample) -> bool:
-    arrays = lambda s: [s.tokens, s.loss, *s.images[0], s.audio[0]]  # noqa: E731
-    return (a.id, a.grids, a.images[1], a.audio[1]) == (
-        b.id,
-        b.grids,
-        b.images[1],
-        b.audio[1],
-    ) and all(
-        x.dtype == y.dtype and np.array_equal(x, y)
-        for x, y in zip(arrays(a), arrays(b), strict=True)
-    )
+    missing = lambda s: [[m is None for m in items] for items in s.media.values()]  # noqa: E731
+    if (a.id, a.grids, missing(a)) != (b.id, b.grids, missing(b)):
+        return False
+    pairs = zip(_arrays(a), _arrays(b), strict=True)
+    return all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in pairs)
 
 
 def test_a_samples_large_arrays_travel_through_shared_memory_and_come_back_the_same():
     before = set(shared.SHM.glob("jaxmllm-*"))
     packed = shared.pack(_sample(), os.getpid())
     assert isinstance(packed, shared.Packed)
-    assert isinstance(packed.sample.images[0][0], shared.Ref)  # the patches: in the file
+    assert isinstance(packed.sample.media["vision"][0][0], shared.Ref)  # the patches: a file
     assert isinstance(packed.sample.tokens, np.ndarray)  # small: pickled
     assert len(pickle.dumps(packed)) < len(pickle.dumps(_sample())) / 10  # through the pipe
     got = shared.unpack(pickle.loads(pickle.dumps(packed)))
     assert _same(got, _sample())
     assert set(shared.SHM.glob("jaxmllm-*")) == before  # its name deleted on arrival
-    got.images[0][0][0, 0] = 7.0  # writable, privately
-    assert got.images[0][0][0, 0] == 7.0
+    patches = got.media["vision"][0][0]
+    patches[0, 0] = 7.0  # writable, privately
+    assert patches[0, 0] == 7.0
 
 
 def test_without_shared_memory_a_sample_travels_pickled(monkeypatch, tmp_path):
@@ -247,8 +251,8 @@ def test_workers_load_the_same_samples_as_the_loaders_process(tmp_path):
 
 
 def _arrays(s: Sample) -> list[np.ndarray]:
-    images = [a for img in s.images if img is not None for a in img]
-    return [s.tokens, s.loss, *images, *(a for a in s.audio if a is not None)]
+    items = [a for each in s.media.values() for item in each if item is not None for a in item]
+    return [s.tokens, s.loss, *items]
 
 
 class _Dies(SyntheticSource):

@@ -76,9 +76,14 @@ def test_every_samples_parameters_and_lengths_are_the_per_sample_generators(name
     for i in range(len(source)):
         assert source._table.params(i) == source._sample_params(i), i
     got, want = source.lengths(), _old_lengths(source)
-    for key in ("text", "images_ptr", "images", "audio_ptr", "audio"):
-        a, b = getattr(got, key), getattr(want, key)
-        assert a.dtype == b.dtype and np.array_equal(a, b), key
+    for a, b in zip(_index_arrays(got), _index_arrays(want), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def _index_arrays(index: LengthsIndex) -> list[np.ndarray]:
+    """text, then each phase's item pointers and sizes (vision's, then audio's)."""
+    items = [index.items[p] for p in ("vision", "audio")]
+    return [index.text, *(a for each in items for a in (each.ptr, each.sizes))]
 
 
 def test_the_default_mix_and_no_samples_at_all():
@@ -112,9 +117,10 @@ def test_the_tiny_configs_samples_are_bit_for_bit_what_they_were():
     digest = hashlib.sha256()
     for i in range(0, 256, 5):
         x = source[i]
-        for a in [x.tokens, x.loss, *[v for im in x.images for v in im], *x.audio]:
+        images = [a for image in x.media["vision"] for a in image]  # patches, positions
+        clips = [frames for frames, _ in x.media["audio"]]  # (their positions: 0, 1, ...)
+        for a in [x.tokens, x.loss, *images, *clips]:
             digest.update(np.ascontiguousarray(a).tobytes())
-    index = source.lengths()
-    for a in (index.text, index.images_ptr, index.images, index.audio_ptr, index.audio):
+    for a in _index_arrays(source.lengths()):
         digest.update(a.tobytes())
     assert digest.hexdigest() == TINY_DIGEST

@@ -154,12 +154,11 @@ class DeviceTimer:
         from jaxmllm.batch.bucketize import batch_shapes
         from jaxmllm.step.program import build_program
 
-        one = dataclasses.replace(cfg, mesh=MeshConfig(data=1))
-        self.mesh = sharding.make_mesh(one.mesh, devices=jax.devices()[:1])
+        self.mesh = sharding.make_mesh(MeshConfig(data=1), devices=jax.devices()[:1])
         with jax.set_mesh(self.mesh):
-            prog = build_program(one, self.mesh)
+            prog = build_program(cfg, self.mesh)
             self.state, self.step = prog.init(), prog.step
-        self.shapes = batch_shapes(one, 1)
+        self.shapes = batch_shapes(cfg, 1)
 
     def __call__(self, host: dict[str, np.ndarray]) -> float:
         from jaxmllm.bench.throughput import device_batch
@@ -214,7 +213,7 @@ def measure(setup: Setup, devices: int, workers: int) -> dict:
             start = time.perf_counter()
             element = next(feed)
             wait = time.perf_counter() - start
-            host = element["info"]["host"]
+            host = element["info"].host
             if timer is not None:  # the step itself, on a device
                 device_s = timer(jax.device_get(element["batch"]))
             else:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxmllm.config import Config
-from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.config.phases import AUDIO, VISION, Phase
+from jaxmllm.data.lengths import Items, LengthsIndex
 from jaxmllm.data.media.image import patchify
 from jaxmllm.data.pcg import Streams
 from jaxmllm.data.samples import Sample
@@ -67,37 +68,32 @@ class SyntheticSource:
             caption = " and ".join(f"a {c} {s}" for _, _, c, s in p["images"])
             return self._media_sample(
                 int(i),
-                self.specials.image,
+                VISION,
                 [len(m[0]) // self.merge**2 for m in media],
                 IMAGE_PROMPT,
                 caption,
-                images=media,
+                media,
                 grids=[(gh, gw) for gh, gw, _, _ in p["images"]],
             )
         clip = self._render_audio(rng, *p["audio"])
         caption = f"a {p['audio'][2]} {p['audio'][1]} tone"
-        marker = self.specials.audio
-        return self._media_sample(
-            int(i), marker, [len(clip) // self.subsample], AUDIO_PROMPT, caption, audio=[clip]
-        )
+        item = (clip, np.arange(len(clip), dtype=np.int32))
+        rows = [len(clip) // self.subsample]
+        return self._media_sample(int(i), AUDIO, rows, AUDIO_PROMPT, caption, [item])
 
-    def load(self, i: int, images=None, audio=None) -> Sample:
-        """Sample i with only the listed images / clips (by number; None = all) kept.
+    def load(self, i: int, keep: dict[str, tuple[int, ...]] | None = None) -> Sample:
+        """Sample i with only the items `keep[phase]` lists (by number; None = all) kept.
 
         The others are None: another host encodes them. Rendering is cheap, so this renders
         everything and drops the rest; a decoding source (the manifest) skips the work.
         """
         sample = self[i]
-        if images is not None:
-            sample.images = [m if j in images else None for j, m in enumerate(sample.images)]
-        if audio is not None:
-            sample.audio = [m if j in audio else None for j, m in enumerate(sample.audio)]
-        return sample
+        return sample if keep is None else sample.keep_only(keep)
 
     def lengths(self) -> LengthsIndex:
         """Counts in model units for every sample, without rendering any media."""
         t = self._table
-        image, audio, text = t.kind == IMAGE, t.kind == AUDIO, t.kind == TEXT
+        image, audio, text = t.kind == IMAGE_KIND, t.kind == AUDIO_KIND, t.kind == TEXT_KIND
         tokens = np.zeros(len(t.kind), np.int64)
         tokens[text] = self._text_lengths(t.text[text, 0], t.text[text, 1])
         # "a red circle", " and " between two
@@ -109,13 +105,12 @@ class SyntheticSource:
         tokens[audio] = (2 + len(AUDIO_PROMPT) + caption + len(" tone"))[audio]
         n_images = np.where(image, t.n_images, 0)
         patches = (t.images[:, :, 0] * t.images[:, :, 1]).astype(np.int64)
-        return LengthsIndex(
-            text=tokens,
-            images_ptr=np.concatenate([[0], np.cumsum(n_images)]).astype(np.int64),
-            images=patches[np.arange(2)[None, :] < n_images[:, None]],
-            audio_ptr=np.concatenate([[0], np.cumsum(audio)]).astype(np.int64),
-            audio=t.audio[audio, 0].astype(np.int64),
-        )
+        ptr = lambda counts: np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # noqa: E731
+        items = {
+            VISION.name: Items(ptr(n_images), patches[np.arange(2)[None, :] < n_images[:, None]]),
+            AUDIO.name: Items(ptr(audio), t.audio[audio, 0].astype(np.int64)),
+        }
+        return LengthsIndex(text=tokens, items=items)
 
     def _text_lengths(self, start: np.ndarray, words: np.ndarray) -> np.ndarray:
         """len(_text_tokens) of text samples: BOS, the counting run's bytes, EOS."""
@@ -152,7 +147,7 @@ class SyntheticSource:
         exact = np.ones(len(ids), bool)
         image = u < syn.image_fraction
         audio = ~image & (u < syn.image_fraction + syn.audio_fraction)
-        table.kind[image], table.kind[audio] = IMAGE, AUDIO
+        table.kind[image], table.kind[audio] = IMAGE_KIND, AUDIO_KIND
         table.n_images[:] = np.where(u < syn.multi_image_fraction, 2, 1)
         lanes = streams.take(image)
         lo, hi = max(1, syn.min_image_side // m), max(1, syn.max_image_side // m)
@@ -221,25 +216,16 @@ class SyntheticSource:
         loss[0] = False  # BOS is never predicted
         return Sample(id=i, tokens=tokens, loss=loss)
 
-    def _media_sample(
-        self, i, media_token, rows, prompt, caption, images=(), audio=(), grids=()
-    ) -> Sample:
+    def _media_sample(self, i, phase: Phase, rows, prompt, caption, items, grids=()) -> Sample:
         head = [np.array([self.specials.bos], np.int32)]
-        head += [np.full(r, media_token, np.int32) for r in rows]
+        head += [np.full(r, self.specials.media[phase.name], np.int32) for r in rows]
         head.append(self.tokenizer.encode(prompt))
         eos = self.specials.eos
         answer = np.concatenate([self.tokenizer.encode(caption), [eos]]).astype(np.int32)
         prefix = np.concatenate(head).astype(np.int32)
         tokens = np.concatenate([prefix, answer])
         loss = np.concatenate([np.zeros(len(prefix), bool), np.ones(len(answer), bool)])
-        return Sample(
-            id=i,
-            tokens=tokens,
-            loss=loss,
-            images=list(images),
-            audio=list(audio),
-            grids=list(grids),
-        )
+        return Sample(id=i, tokens=tokens, loss=loss, media={phase.name: items}, grids=list(grids))
 
     def _render_image(self, rng, gh: int, gw: int, colour: str, shape: str):
         """An image of gh x gw patches, patchified in 2x2-merge order with (row, col) positions."""
@@ -271,7 +257,7 @@ class SyntheticSource:
         return (4.0 * band - 2.0 + rng.normal(0, 0.3, (frames, n))).astype(np.float32)
 
 
-TEXT, IMAGE, AUDIO = 0, 1, 2  # kinds of sample
+TEXT_KIND, IMAGE_KIND, AUDIO_KIND = 0, 1, 2  # kinds of sample (_Table.kind)
 BLOCK = 1 << 16  # samples drawn together (their arrays stay in the cache)
 # The bytes of each name, by its number (the order the draws number them)
 NAME_BYTES = {key: np.array([len(name.encode()) for name in names]) for key, names in
@@ -304,11 +290,11 @@ class _Table:
 
     def params(self, i: int) -> dict:
         """Sample i's parameters as `_sample_params` returns them."""
-        if self.kind[i] == IMAGE:
+        if self.kind[i] == IMAGE_KIND:
             images = [(int(h), int(w), tuple(COLOURS)[c], SHAPES[s])
                       for h, w, c, s in self.images[i, : self.n_images[i]]]  # fmt: skip
             return {"kind": "image", "images": images}
-        if self.kind[i] == AUDIO:
+        if self.kind[i] == AUDIO_KIND:
             frames, pitch, contour = self.audio[i]
             return {"kind": "audio", "audio": (int(frames), tuple(PITCHES)[pitch],
                                                tuple(CONTOURS)[contour])}  # fmt: skip
@@ -317,15 +303,15 @@ class _Table:
     def set(self, i: int, p: dict) -> None:
         """Sample i's parameters from `_sample_params`'s dict."""
         if p["kind"] == "image":
-            self.kind[i], self.n_images[i] = IMAGE, len(p["images"])
+            self.kind[i], self.n_images[i] = IMAGE_KIND, len(p["images"])
             for k, (h, w, c, s) in enumerate(p["images"]):
                 self.images[i, k] = (h, w, tuple(COLOURS).index(c), SHAPES.index(s))
         elif p["kind"] == "audio":
             frames, pitch, contour = p["audio"]
-            self.kind[i] = AUDIO
+            self.kind[i] = AUDIO_KIND
             self.audio[i] = (frames, tuple(PITCHES).index(pitch), tuple(CONTOURS).index(contour))
         else:
-            self.kind[i], self.text[i] = TEXT, (p["start"], p["words"])
+            self.kind[i], self.text[i] = TEXT_KIND, (p["start"], p["words"])
 
 
 def _digits_below(n: np.ndarray) -> np.ndarray:

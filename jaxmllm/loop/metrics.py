@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxmllm.batch.info import StepInfo
 from jaxmllm.data.rejects import REASONS
 from jaxmllm.feed.times import STAGES
 
@@ -49,17 +50,17 @@ class MetricsWindow:
         """Takes time the loop spent on other work (an evaluation) out of the window."""
         self.start += seconds
 
-    def add(self, info: dict, wait_s: float = 0.0) -> None:
-        self.tokens += info["tokens"]
-        self.flops += info["flops"]
-        self.predicted += info.get("predicted_s", 0.0)
+    def add(self, info: StepInfo, wait_s: float = 0.0) -> None:
+        self.tokens += info.tokens
+        self.flops += info.flops
+        self.predicted += info.predicted_s
         self.steps += 1
         self.host["wait"] += wait_s
-        if "host" in info:  # the feed's HostTimes
+        if info.host is not None:  # the feed's HostTimes
             for stage in STAGES:
-                self.host[stage] += getattr(info["host"], f"{stage}_s")
+                self.host[stage] += getattr(info.host, f"{stage}_s")
 
-    def close(self, info: dict) -> tuple[dict[str, float], dict[str, float]]:
+    def close(self, info: StepInfo) -> tuple[dict[str, float], dict[str, float]]:
         """(throughput, padding and host times, cumulative reject counts) at a logged step;
         starts anew.
 
@@ -67,7 +68,7 @@ class MetricsWindow:
         """
         elapsed = time.perf_counter() - self.start
         tokens, flops, fill, rejects = _global_stats(
-            self.tokens, self.flops, info["fill"], info["rejects"]
+            self.tokens, self.flops, info.fill, info.rejects
         )
         stats = throughput(tokens, flops, self.steps, elapsed, self.n_devices)
         if self.predicted:  # process 0's devices only: what the calibrated model expects
