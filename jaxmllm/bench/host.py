@@ -11,12 +11,13 @@ that runs each step for `device_s` waits on the feed (its thread runs ahead, two
 prefetched, as in the trainer).
 
 `device_s` is the step's device time: measured where a device runs it (a backend other than CPU,
-or `--measure-device`: each local device's bucket alone on a one-device program, the slowest
-per step), else the analytic FLOPs of the slowest bucket per microbatch at `--device-tflops`
-(400: an H100 at ~40% of its dense bf16 peak). `workers_needed`: the worker processes one host
-needs for its loading to keep pace with the devices, from the per-sample cost (a worker's
-seconds per sample: the in-process wall time per sample, times the worker count when there are
-workers, as if they ran in parallel) x samples per step / device_s.
+or `--measure-device`: each local device's bucket of the warm-up steps alone on a one-device
+program, the slowest per step, their median), else the analytic FLOPs of the slowest bucket per
+microbatch at `--device-tflops` (400: an H100 at ~40% of its dense bf16 peak).
+`workers_needed`: the worker processes one host needs for its loading to keep pace with the
+devices, from the per-sample cost (a worker's seconds per sample: the wall time per sample,
+times the worker count when there are workers, as if they ran in parallel) x samples per step
+/ device_s.
 
 The data (`--data`): `synthetic` (the built-in source), `media` (a JSONL manifest of real media
 files the bench writes and indexes: 300-1500 px JPEG / PNG images, some records with two or
@@ -159,6 +160,7 @@ class DeviceTimer:
             prog = build_program(cfg, self.mesh)
             self.state, self.step = prog.init(), prog.step
         self.shapes = batch_shapes(cfg, 1)
+        self.compiled = False
 
     def __call__(self, host: dict[str, np.ndarray]) -> float:
         from jaxmllm.bench.throughput import device_batch
@@ -167,6 +169,10 @@ class DeviceTimer:
         with jax.set_mesh(self.mesh):
             for d in range(next(iter(host.values())).shape[1]):
                 batch = sharding.make_global_batch(device_batch(host, d, self.shapes), self.mesh)
+                if not self.compiled:  # (the first call compiles: not the step's time)
+                    self.state, metrics = self.step(self.state, batch)
+                    jax.block_until_ready(metrics)
+                    self.compiled = True
                 start = time.perf_counter()
                 self.state, metrics = self.step(self.state, batch)
                 jax.block_until_ready(metrics)
@@ -200,7 +206,10 @@ def measure(setup: Setup, devices: int, workers: int) -> dict:
     positions = np.arange(local) if local < devices else None
     mesh = local_mesh(local)
     timer = DeviceTimer(cfg) if setup.measure else None
-    device_s: float | None = None
+    # Measured, the device runs the warm-up steps' batches (every device's bucket in turn, so
+    # longer than a step); the measured steps then take their median, as the analytic ones do.
+    timed = max(setup.warmup, 1) if timer is not None else 0
+    device_s, measured = 0.0, []
 
     def to_device(host: dict[str, np.ndarray]) -> dict:
         return jax.block_until_ready(sharding.make_global_batch(host, mesh))
@@ -214,10 +223,12 @@ def measure(setup: Setup, devices: int, workers: int) -> dict:
             element = next(feed)
             wait = time.perf_counter() - start
             host = element["info"].host
-            if timer is not None:  # the step itself, on a device
-                device_s = timer(jax.device_get(element["batch"]))
+            if step < timed:
+                measured.append(timer(jax.device_get(element["batch"])))
+                device_s = statistics.median(measured)
             else:
-                device_s = flops_seconds(cfg, jax.device_get(element["batch"]), setup.tflops)
+                if timer is None:
+                    device_s = flops_seconds(cfg, jax.device_get(element["batch"]), setup.tflops)
                 time.sleep(device_s)  # the devices run the step meanwhile
             if step >= setup.warmup:
                 rows.append({**host.to_json(), "wait_s": wait, "device_s": device_s})
