@@ -280,10 +280,12 @@ def test_a_worker_that_dies_stops_the_load_with_an_error_that_says_why(tmp_path)
 
 UNGUARDED = """
 from jaxmllm.config import load_config
+from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
+from jaxmllm.plan.sizing import resolve_batch
 cfg = load_config("configs/tiny.yaml", ["data.workers=1", "data.synthetic.num_samples=64",
-    "data.eval.source=none", "mesh.data=-1", "mesh.fsdp=1", "batch.devices_per_host=8",
-    "train.output_dir={out}"])
+    "data.eval.source=none", "train.output_dir={out}"])
+cfg = resolve_batch(cfg, make_source(cfg)[1], 8)
 next(make_pipeline(cfg, 8, prefetch=0))
 print("loaded")
 """
