@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import logging
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -156,12 +157,13 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
     watchdog = Watchdog(cfg.distributed.step_timeout_s) if jax.process_count() > 1 else None
     if watchdog is not None:
         closing.callback(watchdog.stop)
-    window, guard = MetricsWindow(mesh.size), NonFiniteGuard(t.max_nonfinite_steps)
+    window, guard = MetricsWindow(mesh.size, cfg.data), NonFiniteGuard(t.max_nonfinite_steps)
     timings = open_timings(cfg, out, start, is_main, closing)
     last: dict = {}
     try:
         for step in range(start, t.steps):
-            element = next(data_iter)  # its batch is on the devices already
+            waited, element = time.perf_counter(), next(data_iter)  # batch on the devices
+            waited = time.perf_counter() - waited  # (the devices idle while the feed is behind)
             batch, info = element["batch"], element["info"]
             with jax.transfer_guard("disallow"):  # no hidden host<->device copies in the step
                 state, metrics = prog.step(state, batch)
@@ -178,7 +180,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
                 watchdog.progress(done)
             if ledger is not None:
                 ledger.write(done, info.parts)
-            window.add(info)
+            window.add(info, waited)
             if done % t.log_every == 0 or done in (1, t.steps):
                 last = log_step(done, metrics, info, window, guard.total, writer, bar)
             if evaluator is not None and evaluator.due(done):  # (reads the params, no more)
@@ -247,6 +249,7 @@ def open_data(cfg: Config, mesh, source, index, out: Path) -> grain.DatasetItera
     return make_pipeline(
         cfg,
         sharding.data_parallel_size(mesh),
+        cfg.data.prefetch,
         source=source,
         index=index,
         positions=positions,
@@ -334,12 +337,9 @@ def cli(argv: list[str] | None = None) -> int:
     except (ConfigError, OversizeError, sharding.ShardingError, FamilyError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteError as e:
+    except (NonFiniteError, checkpoint.SaveError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 3
-    except checkpoint.SaveError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 5
+        return 3 if isinstance(e, NonFiniteError) else 5
     except KeyboardInterrupt:
         return 130
     return 0

@@ -265,6 +265,9 @@ class DataConfig:
     on_error: str = "skip"  # bad or missing media, bad lines, placeholder mismatch: skip | fail
     on_oversize: str = "shrink"  # a sample no bucket can hold: shrink | truncate | skip | fail
     workers: int = 0  # preprocessing worker processes; 0 = in the training process
+    # Steps the feed's thread prepares ahead of the trainer (planned, loaded, on the devices:
+    # each holds a batch's device memory); evens out uneven steps. 0 = none (no thread).
+    prefetch: int = 2
     seed: int = 0  # shuffling and generation seed
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (none by default)
@@ -301,6 +304,7 @@ class DataConfig:
         check(self.max_audio_samples >= 1, "must be >= 1", "max_audio_samples")
         check(self.max_media_bytes >= 1, "must be >= 1", "max_media_bytes")
         check(self.workers >= 0, "must be >= 0", "workers")
+        check(self.prefetch >= 0, "must be >= 0 (0: no thread)", "prefetch")
         check(_is_date(self.template_date), "must be a date, YYYY-MM-DD", "template_date")
 
 

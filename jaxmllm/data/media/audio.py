@@ -244,13 +244,35 @@ def log_mel(x: np.ndarray, rate: int, n_mels: int) -> np.ndarray:
     hop, win = hop_length(rate), round(rate * WIN_S)
     n_fft = 1 << (win - 1).bit_length()
     frames = len(x) // hop
-    padded = np.pad(x, (0, win))
-    idx = np.arange(frames)[:, None] * hop + np.arange(win)[None, :]
-    spec = np.abs(np.fft.rfft(padded[idx] * np.hanning(win), n=n_fft)) ** 2
-    mel = spec @ mel_filters(rate, n_fft, n_mels)
-    logmel = np.log10(np.maximum(mel, 1e-10))
-    logmel = np.maximum(logmel, logmel.max(initial=-10.0) - 8.0)
-    return ((logmel + 4.0) / 4.0).astype(np.float32)
+    windows = _frames(np.pad(x, (0, win)), win, hop, frames)
+    power = _power(np.fft.rfft(windows * _window(win, False), n=n_fft))
+    return _scaled_log(power @ mel_filters(rate, n_fft, n_mels))
+
+
+def _frames(padded: np.ndarray, win: int, hop: int, frames: int) -> np.ndarray:
+    """[frames, win]: the window starting every `hop` samples, a view (nothing copied)."""
+    return np.lib.stride_tricks.sliding_window_view(padded, win)[::hop][:frames]
+
+
+@functools.lru_cache(maxsize=8)
+def _window(n: int, periodic: bool) -> np.ndarray:
+    """A Hann window of n samples (periodic: the first n of n + 1)."""
+    return np.hanning(n + 1)[:-1] if periodic else np.hanning(n)
+
+
+def _power(spec: np.ndarray) -> np.ndarray:
+    """|spec| ** 2, in place of |spec|."""
+    power = np.abs(spec)
+    return np.square(power, out=power)
+
+
+def _scaled_log(mel: np.ndarray) -> np.ndarray:
+    """log10, floored 8 below the clip's top, (x + 4) / 4, float32; in place of `mel`."""
+    logmel = np.log10(np.maximum(mel, 1e-10, out=mel), out=mel)
+    np.maximum(logmel, logmel.max(initial=-10.0) - 8.0, out=logmel)
+    logmel += 4.0
+    logmel /= 4.0
+    return logmel.astype(np.float32)
 
 
 def whisper_log_mel(x: np.ndarray, rate: int, n_mels: int) -> np.ndarray:
@@ -263,12 +285,9 @@ def whisper_log_mel(x: np.ndarray, rate: int, n_mels: int) -> np.ndarray:
     head = np.pad(x, (half, 0), mode="reflect") if len(x) > half else np.pad(x, (half, 0))
     padded = np.pad(head, (0, half))
     frames = len(x) // hop
-    idx = np.arange(frames)[:, None] * hop + np.arange(n_fft)[None, :]
-    window = np.hanning(n_fft + 1)[:-1]  # periodic
-    spec = np.abs(np.fft.rfft(padded[idx] * window, n=n_fft)) ** 2
-    logmel = np.log10(np.maximum(spec @ slaney_filters(rate, n_fft, n_mels), 1e-10))
-    logmel = np.maximum(logmel, logmel.max(initial=-10.0) - 8.0)
-    return ((logmel + 4.0) / 4.0).astype(np.float32)
+    windows = _frames(padded, n_fft, hop, frames)
+    power = _power(np.fft.rfft(windows * _window(n_fft, True), n=n_fft))
+    return _scaled_log(power @ slaney_filters(rate, n_fft, n_mels))
 
 
 @functools.lru_cache(maxsize=8)
