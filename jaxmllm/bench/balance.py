@@ -176,6 +176,25 @@ def held_caps(
     return dataclasses.replace(caps, tiles=tiles)
 
 
+def sized_caps(
+    index: LengthsIndex,
+    caps: Capacities,
+    policy: str,
+    steps: int,
+    cost: CostModel | None,
+    seed: int = 0,
+    pair: str = "auto",
+) -> Capacities:
+    """`make_caps`' capacities as a policy runs the bench for `steps` plans: the route
+    capacity as the trainer sizes it (`route_caps`; `pair` "whole" keeps a device's whole
+    encoder output) and, with tiles, a tile-holding policy's tile capacities (`held_caps`)."""
+    if pair == "auto":
+        caps = route_caps(index, caps, policy, steps, seed)
+    if caps.block and policy in HOLDS_TILES:
+        caps = held_caps(index, caps, policy, min(steps, HELD_DRY_RUN_STEPS), seed, cost)
+    return caps
+
+
 class _Items:
     """Per-sample and per-item sizes of an index, in each phase's attention units."""
 
@@ -234,10 +253,7 @@ def run_policy(
 ) -> tuple[dict, list]:
     caps = make_caps(index, devices, tokens, micro, policy, block=block, devices_per_host=per_host)
     whole = caps.route_pair_capacity
-    if pair == "auto":
-        caps = route_caps(index, caps, policy, steps, seed)
-    if block and policy in HOLDS_TILES:
-        caps = held_caps(index, caps, policy, min(steps, HELD_DRY_RUN_STEPS), seed, cost)
+    caps = sized_caps(index, caps, policy, steps, cost, seed, pair)
     items = _Items(index, caps)
     planner = make_planner(policy, index, caps, seed)
     cap_vec = np.array(
