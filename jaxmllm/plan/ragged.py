@@ -70,18 +70,25 @@ def stable_sort(
     return v.astype(np.int64), k
 
 
-def run_cumsum(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+def run_cumsum(keys: np.ndarray, values: np.ndarray, first: np.ndarray | None = None) -> np.ndarray:
     """For sorted `keys`, the running sum of `values` within each run of equal keys (each
-    element's own value included)."""
-    n = len(keys)
-    if n == 0:
+    element's own value included). `first`: `run_firsts(keys)`, if at hand (the same keys
+    summed again)."""
+    if len(keys) == 0:
         return np.zeros(0, values.dtype)
-    new = np.empty(n, bool)
-    new[0] = True
-    np.not_equal(keys[1:], keys[:-1], out=new[1:])
-    first = np.maximum.accumulate(np.where(new, np.arange(n), 0))
+    if first is None:
+        first = run_firsts(keys)
     cum = np.cumsum(values)
     return cum - (cum[first] - values[first])
+
+
+def run_firsts(keys: np.ndarray) -> np.ndarray:
+    """For sorted `keys`, each element's first position in its run of equal keys."""
+    n = len(keys)
+    new = np.empty(n, bool)
+    new[:1] = True
+    np.not_equal(keys[1:], keys[:-1], out=new[1:])
+    return np.maximum.accumulate(np.where(new, np.arange(n), 0))
 
 
 def compact_keys(keys: np.ndarray) -> np.ndarray:

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxmllm.config.phases import LLM, PHASES
 from jaxmllm.plan.contract import Capacities, bucket_tile_caps
-from jaxmllm.plan.ragged import run_cumsum, stable_sort
+from jaxmllm.plan.ragged import run_cumsum, run_firsts, stable_sort
 from jaxmllm.plan.tiles import item_tiles
 
 
@@ -47,34 +47,69 @@ class TileBudget:
             documents so far end, size in the phase's units).
           ok: per sample, whether all its parts were placed (updated in place).
         """
+        # (each phase's documents sorted by bin and by device once: a sample turned away only
+        # takes its documents' units and tiles out of the running sums)
+        docs = {p: _Docs(self, p, *args) for p, args in placed.items()}
         while True:
-            tiles, over = {}, np.zeros(len(ok), bool)
-            for phase, (owner, bins, start, size) in placed.items():
-                keep = ok[owner] & (bins >= 0)
-                t, bucket = self._tiles(phase, bins[keep], start, size[keep])
-                tiles[phase] = (bucket, t)
-                cap = self.caps[phase]
-                if cap and len(t):
-                    order, key = stable_sort(bucket, len(self.used[phase]))
-                    total = run_cumsum(key, t[order]) + self.used[phase][key]
-                    over[owner[keep][order[total > cap]]] = True
+            over = np.zeros(len(ok), bool)
+            for d in docs.values():
+                d.count(ok, over)
             if not over.any():
                 break
             ok &= ~over
-        for phase, (bucket, t) in tiles.items():
-            self.used[phase] += np.bincount(bucket, t, len(self.used[phase])).astype(np.int64)
+        for p, d in docs.items():
+            self.used[p] += np.bincount(d.device, d.tiles, len(self.used[p])).astype(np.int64)
         return ok
 
-    def _tiles(
-        self, phase: str, bins: np.ndarray, start: np.ndarray, size: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(exact tiles, device) of documents laid out in order after `start[bin]`."""
-        per = self.per_row[phase]
-        order, key = stable_sort(bins, len(start))
-        s = size[order]
-        end = run_cumsum(key, s) + start[key]
-        offset = end - s
-        t = np.empty(len(bins), np.int64)
-        t[order] = item_tiles(offset // per, s // per, self.block, phase == LLM, offset // per)
-        device = bins // self.llm_rows if phase == LLM else bins
-        return t, device
+
+class _Docs:
+    """One phase's new documents, by bin (in the order placed within a bin) and by device,
+    while `TileBudget.admit` turns samples away."""
+
+    def __init__(
+        self,
+        budget: TileBudget,
+        phase: str,
+        owner: np.ndarray,
+        bins: np.ndarray,
+        start: np.ndarray,
+        size: np.ndarray,
+    ):
+        self.budget, self.phase = budget, phase
+        self.per, self.causal = budget.per_row[phase], phase == LLM
+        self.cap, self.used = budget.caps[phase], budget.used[phase]
+        placed = np.flatnonzero(bins >= 0)
+        order, self.key = stable_sort(bins[placed], len(start))
+        self.owner, self.size = owner[placed[order]], size[placed[order]]
+        self.start = start[self.key]  # where the bin's documents so far end
+        self.first = run_firsts(self.key)
+        # by device, in the order placed (an LLM device's rows are several bins)
+        self.by_device, self.device, self.dev_first = None, self.key, self.first
+        if self.causal and budget.llm_rows > 1:
+            by_device, self.device = stable_sort(bins[placed] // budget.llm_rows, len(self.used))
+            rank = np.empty(len(order), np.int64)
+            rank[order] = np.arange(len(order))
+            self.by_device = rank[by_device]
+            self.dev_first = run_firsts(self.device)
+        self.tiles = np.zeros(len(placed), np.int64)
+
+    def count(self, ok: np.ndarray, over: np.ndarray) -> None:
+        """The exact tiles of the documents of the samples `ok` (`tiles`, by device), each
+        laid out after the bin's earlier ones; marks in `over` the samples of those that take
+        their device past its capacity."""
+        keep = ok[self.owner]
+        size = np.where(keep, self.size, 0)
+        offset = run_cumsum(self.key, size, self.first)
+        offset += self.start
+        offset -= size
+        offset //= self.per
+        t = item_tiles(offset, self.size // self.per, self.budget.block, self.causal, offset)
+        t *= keep
+        owner = self.owner
+        if self.by_device is not None:
+            t, keep, owner = t[self.by_device], keep[self.by_device], owner[self.by_device]
+        self.tiles = t
+        if self.cap and len(t):
+            total = run_cumsum(self.device, t, self.dev_first)
+            total += self.used[self.device]
+            over[owner[keep & (total > self.cap)]] = True
