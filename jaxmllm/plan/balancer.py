@@ -157,7 +157,7 @@ class Balancer:
         ok = rows >= 0
         for p in ENC:
             owner, j, flat = gather_items(ph.ptr[p], s)
-            items[p] = (owner, j, ph.sizes[p][flat])
+            items[p] = (owner, j, ph.sizes[p][flat], ph.item_cost[p][flat])
         ok, devs = self.assignment.items(ph, mb, rows, items, urgent[entries], ok)
         retry = np.zeros(0, np.int64)
         if mb.tiles is not None:  # block-sparse attention: each device within its tiles
@@ -170,13 +170,13 @@ class Balancer:
         # Roll back the samples that did not get all their parts.
         bad = np.flatnonzero(~ok & (rows >= 0))
         np.subtract.at(mb.rows.units, rows[bad], ph.llm[s[bad]])
-        np.subtract.at(mb.rows.quad, rows[bad], mb.rows.cost(ph.llm[s[bad]]))
+        np.subtract.at(mb.rows.quad, rows[bad], ph.llm_cost[s[bad]])
         for p in ENC:
-            owner, j, size = items[p]
+            owner, j, size, cost = items[p]
             dev = devs[p]
             drop = ~ok[owner] & (dev >= 0)
             np.subtract.at(mb.enc[p].units, dev[drop], size[drop])
-            np.subtract.at(mb.enc[p].quad, dev[drop], mb.enc[p].cost(size[drop]))
+            np.subtract.at(mb.enc[p].quad, dev[drop], cost[drop])
             keep = ok[owner]
             mb.items[p].append((entries[owner[keep]], j[keep], size[keep], dev[keep]))
             # (the route capacity counts what is kept: not what a tile capacity turned away)

@@ -31,8 +31,9 @@ class Routes:
         self.context = context
         # A route capacity of a device's whole encoder output (`bucket` units) never overflows.
         self.free = capacity >= bucket // per_row
-        self.keys = np.zeros(0, np.int64)  # per routed item: src * devices + dst
-        self.rows = np.zeros(0, np.int64)  # its encoder rows
+        self.top = devices * devices  # (src, dst) keys below this
+        self.pairs = np.zeros(0, np.int64)  # the (src, dst) keys that carry rows, ascending
+        self.rows = np.zeros(0, np.int64)  # the encoder rows each carries
 
     def _routed(self, dev: np.ndarray, home: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(mask of the items that count, their (src, dst) keys)."""
@@ -43,30 +44,40 @@ class Routes:
         remote = dev // self.context != group
         return remote, dev[remote] * (self.devices // self.context) + group[remote]
 
+    def _carried(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows already on the pairs `keys`, their positions in `pairs`: where each would go
+        if not there yet)."""
+        at = np.searchsorted(self.pairs, keys)
+        hit = at < len(self.pairs)
+        hit[hit] = self.pairs[at[hit]] == keys[hit]
+        rows = np.zeros(len(keys), np.int64)
+        rows[hit] = self.rows[at[hit]]
+        return rows, at, hit
+
     def overflow(self, size: np.ndarray, dev: np.ndarray, home: np.ndarray) -> np.ndarray:
         """Mask of the items (encoded on `dev`, text on `home`) whose (src, dst) pair would
         exceed the route capacity, counting the rows already routed first."""
-        if self.free:
-            return np.zeros(len(size), bool)
-        remote, new_keys = self._routed(dev, home)
-        keys = np.concatenate([self.keys, new_keys])
-        rows = np.concatenate([self.rows, size[remote] // self.per_row])
-        order = np.argsort(keys, kind="stable")
-        k, r = keys[order], rows[order]
-        over_sorted = run_cumsum(k, r) > self.capacity
-        over_all = np.empty(len(keys), bool)
-        over_all[order] = over_sorted
         out = np.zeros(len(size), bool)
-        out[np.flatnonzero(remote)] = over_all[len(self.keys) :]
+        if self.free:
+            return out
+        remote, keys = self._routed(dev, home)
+        order, k = stable_sort(keys, self.top)  # (the new items: each pair's in order)
+        total = run_cumsum(k, (size[remote] // self.per_row)[order])
+        total += self._carried(k)[0]
+        out[np.flatnonzero(remote)[order[total > self.capacity]]] = True
         return out
 
     def add(self, size: np.ndarray, dev: np.ndarray, home: np.ndarray) -> None:
         """Counts the rows of the items kept (encoded on `dev`, text on `home`)."""
         if self.free:
             return
-        remote, new_keys = self._routed(dev, home)
-        self.keys = np.concatenate([self.keys, new_keys])
-        self.rows = np.concatenate([self.rows, size[remote] // self.per_row])
+        remote, keys = self._routed(dev, home)
+        new, inv = np.unique(keys, return_inverse=True)
+        rows = np.bincount(inv, size[remote] // self.per_row, len(new)).astype(np.int64)
+        _, at, hit = self._carried(new)
+        self.rows[at[hit]] += rows[hit]  # (exact: integer sums far below 2**53)
+        self.pairs = np.insert(self.pairs, at[~hit], new[~hit])
+        self.rows = np.insert(self.rows, at[~hit], rows[~hit])
 
 
 def localize(
@@ -146,10 +157,11 @@ def keep_capacity(
     size: np.ndarray,
     loads: Loads,
     cap: int,
+    costs: np.ndarray | None = None,
 ) -> np.ndarray:
     """Applies the exchanges `old` -> `new` to the bins' `loads`, undoing those of every group
     that touches a bin they would overfill (sizes differ within a group by up to SIZE_TOL);
-    returns each item's device."""
+    returns each item's device. `costs`: the items' quadratic costs, if at hand."""
     load = loads.units
     nb = len(load)
     new = new.copy()
@@ -170,7 +182,7 @@ def keep_capacity(
         nm, om, sm = new[m], old[m], size[m]
     else:
         delta = np.bincount(nm, sm, nb) - np.bincount(om, sm, nb)
-    sq = loads.cost(sm)
+    sq = loads.cost(sm) if costs is None else costs[m]
     load += delta.astype(load.dtype)  # (exact: integer sums far below 2**53)
     loads.quad += np.bincount(nm, sq, nb) - np.bincount(om, sq, nb)
     return new
