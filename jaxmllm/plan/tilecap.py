@@ -37,7 +37,7 @@ class TileBudget:
         self,
         placed: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
         ok: np.ndarray,
-    ) -> np.ndarray:
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Turns away (ok = False) the samples whose documents would take a device over its
         tile capacity; counts the tiles of the documents kept.
 
@@ -46,6 +46,10 @@ class TileBudget:
             position in `ok`, bin: LLM row bin or encoder device, offset where the bin's
             documents so far end, size in the phase's units).
           ok: per sample, whether all its parts were placed (updated in place).
+
+        Returns:
+          (`ok`, per phase each document's offset in its bin: where it starts once the
+          documents kept are laid out after the bin's earlier ones; the plan's offsets).
         """
         # (each phase's documents sorted by bin and by device once: a sample turned away only
         # takes its documents' units and tiles out of the running sums)
@@ -57,9 +61,12 @@ class TileBudget:
             if not over.any():
                 break
             ok &= ~over
+        offsets = {}
         for p, d in docs.items():
             self.used[p] += np.bincount(d.device, d.tiles, len(self.used[p])).astype(np.int64)
-        return ok
+            offsets[p] = np.full(len(placed[p][1]), -1, np.int64)
+            offsets[p][d.at] = d.offset
+        return ok, offsets
 
 
 class _Docs:
@@ -80,7 +87,8 @@ class _Docs:
         self.cap, self.used = budget.caps[phase], budget.used[phase]
         placed = np.flatnonzero(bins >= 0)
         order, self.key = stable_sort(bins[placed], len(start))
-        self.owner, self.size = owner[placed[order]], size[placed[order]]
+        self.at = placed[order]  # (positions in the order placed)
+        self.owner, self.size = owner[self.at], size[self.at]
         self.start = start[self.key]  # where the bin's documents so far end
         self.first = run_firsts(self.key)
         # by device, in the order placed (an LLM device's rows are several bins)
@@ -92,6 +100,7 @@ class _Docs:
             self.by_device = rank[by_device]
             self.dev_first = run_firsts(self.device)
         self.tiles = np.zeros(len(placed), np.int64)
+        self.offset = self.start  # (the documents' offsets in their bins, as last counted)
 
     def count(self, ok: np.ndarray, over: np.ndarray) -> None:
         """The exact tiles of the documents of the samples `ok` (`tiles`, by device), each
@@ -102,8 +111,9 @@ class _Docs:
         offset = run_cumsum(self.key, size, self.first)
         offset += self.start
         offset -= size
-        offset //= self.per
-        t = item_tiles(offset, self.size // self.per, self.budget.block, self.causal, offset)
+        self.offset = offset
+        first = offset // self.per  # (in the phase's attention units)
+        t = item_tiles(first, self.size // self.per, self.budget.block, self.causal, first)
         t *= keep
         owner = self.owner
         if self.by_device is not None:

@@ -100,7 +100,8 @@ class Micro:
         z = np.zeros(0, np.int64)
         self.entries: list[np.ndarray] = [z]  # pool positions placed, in order
         self.row_bin: list[np.ndarray] = [z]  # their LLM row bin (device * rows + row)
-        # per phase: (owner entry, item number, size, device) of placed items
+        self.row_offset: list[np.ndarray] = [z]  # where each starts in its row
+        # per phase: (owner entry, item number, device, offset in its bucket) of placed items
         self.items: dict[str, list[tuple[np.ndarray, ...]]] = {p: [] for p in ENC}
         self.routes = {
             p: Routes(caps.devices, caps.per_token[p], caps.route_pair_capacity, caps.units[p],
