@@ -4,6 +4,7 @@ keep_capacity): fill and attention balance on long-tailed items."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from jaxmllm.bench.mixes import synthetic_omni
 from jaxmllm.plan import pack
@@ -126,3 +127,20 @@ def test_localize_on_hosts_keeps_counts_and_moves_within_a_host_first():
     into = np.bincount(g[moved] * 4 + hosts[moved] // per_host, minlength=top)
     crossing = moved & (hosts // per_host != home // per_host)
     assert crossing.sum() == np.maximum(out_of - into, 0).sum()
+
+
+@pytest.mark.parametrize("radix", [False, True])
+def test_stable_sorts_match_numpys_either_way(monkeypatch, radix):
+    """`ragged.stable_sort` (a radix sort of 16-bit digits, or one sort of packed values,
+    whichever is faster on the machine) is numpy's stable argsort, for any size and range of
+    keys: a stable order is unique, so every host plans the same whichever it takes."""
+    from jaxmllm.plan import ragged
+
+    monkeypatch.setattr(ragged, "radix_sorts_faster", lambda: radix)
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 7, 2047, 2048, 40000):
+        for top in (1, 3, 1 << 9, 1 << 16, (1 << 16) + 1, 1 << 24, 1 << 32, 1 << 40):
+            keys = rng.integers(0, top, n)
+            want = np.argsort(keys, kind="stable")
+            order, sorted_keys = ragged.stable_sort(keys, top)
+            assert np.array_equal(order, want) and np.array_equal(sorted_keys, keys[want])
