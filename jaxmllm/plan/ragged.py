@@ -102,25 +102,26 @@ def radix_sorts_faster() -> bool:
     )
 
 
-def run_cumsum(keys: np.ndarray, values: np.ndarray, first: np.ndarray | None = None) -> np.ndarray:
-    """For sorted `keys`, the running sum of `values` within each run of equal keys (each
-    element's own value included). `first`: `run_firsts(keys)`, if at hand (the same keys
-    summed again)."""
-    if len(keys) == 0:
-        return np.zeros(0, values.dtype)
-    if first is None:
-        first = run_firsts(keys)
+def run_cumsum(
+    keys: np.ndarray, values: np.ndarray, runs: tuple[np.ndarray, np.ndarray] | None = None
+) -> np.ndarray:
+    """For sorted `keys`, the running sum of integer `values` within each run of equal keys
+    (each element's own value included). `runs`: `run_lengths(keys)`, if at hand (the same
+    keys summed again)."""
+    starts, lengths = run_lengths(keys) if runs is None else runs
     cum = np.cumsum(values)
-    return cum - (cum[first] - values[first])
+    before = np.zeros(len(lengths), cum.dtype)  # (the sum before each run)
+    before[1:] = cum[starts - 1]
+    cum -= np.repeat(before, lengths)
+    return cum
 
 
-def run_firsts(keys: np.ndarray) -> np.ndarray:
-    """For sorted `keys`, each element's first position in its run of equal keys."""
-    n = len(keys)
-    new = np.empty(n, bool)
-    new[:1] = True
-    np.not_equal(keys[1:], keys[:-1], out=new[1:])
-    return np.maximum.accumulate(np.where(new, np.arange(n), 0))
+def run_lengths(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For sorted `keys`, (where each run of equal keys but the first starts, each run's
+    length)."""
+    starts = np.flatnonzero(keys[1:] != keys[:-1])
+    starts += 1
+    return starts, np.diff(starts, prepend=0, append=len(keys))
 
 
 def compact_keys(keys: np.ndarray) -> np.ndarray:

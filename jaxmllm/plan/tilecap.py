@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxmllm.config.phases import LLM, PHASES
 from jaxmllm.plan.contract import Capacities, bucket_tile_caps
-from jaxmllm.plan.ragged import run_cumsum, run_firsts, stable_sort
+from jaxmllm.plan.ragged import run_cumsum, run_lengths, stable_sort
 from jaxmllm.plan.tiles import item_tiles
 
 
@@ -90,15 +90,15 @@ class _Docs:
         self.at = placed[order]  # (positions in the order placed)
         self.owner, self.size = owner[self.at], size[self.at]
         self.start = start[self.key]  # where the bin's documents so far end
-        self.first = run_firsts(self.key)
+        self.runs = run_lengths(self.key)
         # by device, in the order placed (an LLM device's rows are several bins)
-        self.by_device, self.device, self.dev_first = None, self.key, self.first
+        self.by_device, self.device, self.dev_runs = None, self.key, self.runs
         if self.causal and budget.llm_rows > 1:
             by_device, self.device = stable_sort(bins[placed] // budget.llm_rows, len(self.used))
             rank = np.empty(len(order), np.int64)
             rank[order] = np.arange(len(order))
             self.by_device = rank[by_device]
-            self.dev_first = run_firsts(self.device)
+            self.dev_runs = run_lengths(self.device)
         self.tiles = np.zeros(len(placed), np.int64)
         self.offset = self.start  # (the documents' offsets in their bins, as last counted)
 
@@ -108,7 +108,7 @@ class _Docs:
         their device past its capacity."""
         keep = ok[self.owner]
         size = np.where(keep, self.size, 0)
-        offset = run_cumsum(self.key, size, self.first)
+        offset = run_cumsum(self.key, size, self.runs)
         offset += self.start
         offset -= size
         self.offset = offset
@@ -120,6 +120,6 @@ class _Docs:
             t, keep, owner = t[self.by_device], keep[self.by_device], owner[self.by_device]
         self.tiles = t
         if self.cap and len(t):
-            total = run_cumsum(self.device, t, self.dev_first)
+            total = run_cumsum(self.device, t, self.dev_runs)
             total += self.used[self.device]
             over[owner[keep & (total > self.cap)]] = True
