@@ -124,6 +124,12 @@ def run_lengths(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return starts, np.diff(starts, prepend=0, append=len(keys))
 
 
+def run_positions(first: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The positions first[r] .. first[r] + lengths[r] - 1 of each run r, concatenated."""
+    ends = np.cumsum(lengths)
+    return np.repeat(first - ends + lengths, lengths) + np.arange(int(ends[-1]) if len(ends) else 0)
+
+
 def compact_keys(keys: np.ndarray) -> np.ndarray:
     """The same non-negative keys in a 16-bit type when they fit (numpy radix-sorts those)."""
     if len(keys) and 0 <= keys.min() and keys.max() < 1 << 16:

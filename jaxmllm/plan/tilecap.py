@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxmllm.config.phases import LLM, PHASES
 from jaxmllm.plan.contract import Capacities, bucket_tile_caps
-from jaxmllm.plan.ragged import run_cumsum, run_lengths, stable_sort
+from jaxmllm.plan.ragged import run_cumsum, run_lengths, run_positions, stable_sort
 from jaxmllm.plan.tiles import item_tiles
 
 
@@ -51,27 +51,30 @@ class TileBudget:
           (`ok`, per phase each document's offset in its bin: where it starts once the
           documents kept are laid out after the bin's earlier ones; the plan's offsets).
         """
-        # (each phase's documents sorted by bin and by device once: a sample turned away only
-        # takes its documents' units and tiles out of the running sums)
+        # (each phase's documents sorted by bin once; a sample turned away only changes the
+        # bins it had documents in: the passes after the first count those again)
         docs = {p: _Docs(self, p, *args) for p, args in placed.items()}
+        gone = None  # (the samples turned away since the last pass; None: all count)
         while True:
             over = np.zeros(len(ok), bool)
             for d in docs.values():
-                d.count(ok, over)
+                d.count(ok, over, gone)
             if not over.any():
                 break
             ok &= ~over
+            gone = over
         offsets = {}
         for p, d in docs.items():
-            self.used[p] += np.bincount(d.device, d.tiles, len(self.used[p])).astype(np.int64)
+            used = np.bincount(d.key // d.rows, d.tiles, len(self.used[p]))
+            self.used[p] += used.astype(np.int64)
             offsets[p] = np.full(len(placed[p][1]), -1, np.int64)
             offsets[p][d.at] = d.offset
         return ok, offsets
 
 
 class _Docs:
-    """One phase's new documents, by bin (in the order placed within a bin) and by device,
-    while `TileBudget.admit` turns samples away."""
+    """One phase's new documents, by bin (in the order placed within a bin), while
+    `TileBudget.admit` turns samples away."""
 
     def __init__(
         self,
@@ -82,44 +85,81 @@ class _Docs:
         start: np.ndarray,
         size: np.ndarray,
     ):
-        self.budget, self.phase = budget, phase
-        self.per, self.causal = budget.per_row[phase], phase == LLM
+        self.block, self.per, self.causal = budget.block, budget.per_row[phase], phase == LLM
         self.cap, self.used = budget.caps[phase], budget.used[phase]
+        self.rows = budget.llm_rows if self.causal else 1  # bins a device
         placed = np.flatnonzero(bins >= 0)
         order, self.key = stable_sort(bins[placed], len(start))
         self.at = placed[order]  # (positions in the order placed)
         self.owner, self.size = owner[self.at], size[self.at]
+        self.units = self.size // self.per  # (in the phase's attention units)
         self.start = start[self.key]  # where the bin's documents so far end
-        self.runs = run_lengths(self.key)
+        self.bins = _Runs(self.key)
         # by device, in the order placed (an LLM device's rows are several bins)
-        self.by_device, self.device, self.dev_runs = None, self.key, self.runs
-        if self.causal and budget.llm_rows > 1:
-            by_device, self.device = stable_sort(bins[placed] // budget.llm_rows, len(self.used))
+        self.by_device = self.devices = None
+        if self.rows > 1:
+            by_device, device = stable_sort(bins[placed] // self.rows, len(self.used))
             rank = np.empty(len(order), np.int64)
             rank[order] = np.arange(len(order))
-            self.by_device = rank[by_device]
-            self.dev_runs = run_lengths(self.device)
+            self.by_device, self.devices = rank[by_device], _Runs(device)
         self.tiles = np.zeros(len(placed), np.int64)
-        self.offset = self.start  # (the documents' offsets in their bins, as last counted)
+        self.offset = self.start.copy()  # (the documents' offsets in their bins, as last counted)
 
-    def count(self, ok: np.ndarray, over: np.ndarray) -> None:
-        """The exact tiles of the documents of the samples `ok` (`tiles`, by device), each
-        laid out after the bin's earlier ones; marks in `over` the samples of those that take
-        their device past its capacity."""
-        keep = ok[self.owner]
-        size = np.where(keep, self.size, 0)
-        offset = run_cumsum(self.key, size, self.runs)
-        offset += self.start
+    def count(self, ok: np.ndarray, over: np.ndarray, gone: np.ndarray | None) -> None:
+        """The exact tiles of the documents of the samples `ok` (`tiles`), each laid out after
+        the bin's earlier ones, in the bins where samples `gone` had documents (all: None);
+        marks in `over` the samples of those that take their device past its capacity."""
+        if gone is None:
+            idx, runs = slice(None), self.bins.all()
+        else:
+            hit = gone[self.owner]
+            if not hit.any():  # (nothing moved here: no document was over either)
+                return
+            idx, runs = self.bins.positions(self.bins.of[hit])
+        keep = ok[self.owner[idx]]
+        size = np.where(keep, self.size[idx], 0)
+        key = self.key[idx]
+        offset = run_cumsum(key, size, runs)
+        offset += self.start[idx]
         offset -= size
-        self.offset = offset
-        first = offset // self.per  # (in the phase's attention units)
-        t = item_tiles(first, self.size // self.per, self.budget.block, self.causal, first)
+        self.offset[idx] = offset
+        first = offset // self.per
+        t = item_tiles(first, self.units[idx], self.block, self.causal, first)
         t *= keep
-        owner = self.owner
-        if self.by_device is not None:
-            t, keep, owner = t[self.by_device], keep[self.by_device], owner[self.by_device]
-        self.tiles = t
-        if self.cap and len(t):
-            total = run_cumsum(self.device, t, self.dev_runs)
-            total += self.used[self.device]
-            over[owner[keep & (total > self.cap)]] = True
+        self.tiles[idx] = t
+        if not self.cap or not len(t):
+            return
+        if self.devices is not None:  # (the devices of those bins, their documents in order)
+            at, runs = self.devices.positions(self.devices.runs_of(np.unique(key // self.rows)))
+            idx = self.by_device[at]
+            key, t, keep = self.devices.key[at], self.tiles[idx], ok[self.owner[idx]]
+        total = run_cumsum(key, t, runs)
+        total += self.used[key]
+        over[self.owner[idx][keep & (total > self.cap)]] = True
+
+
+class _Runs:
+    """The runs of equal keys of sorted `key`: where each starts, its length, each element's
+    run."""
+
+    def __init__(self, key: np.ndarray):
+        self.key = key
+        starts, self.length = run_lengths(key)
+        self.first = np.concatenate([[0], starts]) if len(key) else starts
+        self.of = np.repeat(np.arange(len(self.length)), self.length)
+
+    def all(self) -> tuple[np.ndarray, np.ndarray]:
+        """`run_lengths` of every run."""
+        return self.first[1:], self.length
+
+    def positions(self, runs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the positions of the elements of `runs` (any order, repeats), their
+        `run_lengths`)."""
+        runs = np.unique(runs)
+        length = self.length[runs]
+        at = run_positions(self.first[runs], length)
+        return at, (np.cumsum(length)[:-1], length)
+
+    def runs_of(self, keys: np.ndarray) -> np.ndarray:
+        """The runs of `keys` (each present)."""
+        return np.searchsorted(self.key[self.first], keys)
