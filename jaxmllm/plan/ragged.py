@@ -103,15 +103,20 @@ def radix_sorts_faster() -> bool:
 
 
 def run_cumsum(
-    keys: np.ndarray, values: np.ndarray, runs: tuple[np.ndarray, np.ndarray] | None = None
+    keys: np.ndarray | None,
+    values: np.ndarray,
+    runs: tuple[np.ndarray, np.ndarray] | None = None,
+    base: np.ndarray | None = None,
 ) -> np.ndarray:
     """For sorted `keys`, the running sum of integer `values` within each run of equal keys
-    (each element's own value included). `runs`: `run_lengths(keys)`, if at hand (the same
-    keys summed again)."""
+    (each element's own value included), from `base` (per run; 0 if None). `runs`:
+    `run_lengths(keys)`, if at hand (then `keys` is not needed)."""
     starts, lengths = run_lengths(keys) if runs is None else runs
     cum = np.cumsum(values)
-    before = np.zeros(len(lengths), cum.dtype)  # (the sum before each run)
+    before = np.zeros(len(lengths), cum.dtype)  # (the sum before each run, less its base)
     before[1:] = cum[starts - 1]
+    if base is not None:
+        before -= base
     cum -= np.repeat(before, lengths)
     return cum
 
@@ -121,7 +126,7 @@ def run_lengths(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     length)."""
     starts = np.flatnonzero(keys[1:] != keys[:-1])
     starts += 1
-    return starts, np.diff(starts, prepend=0, append=len(keys))
+    return starts, np.diff(starts, prepend=0, append=len(keys)) if len(keys) else starts
 
 
 def run_positions(first: np.ndarray, lengths: np.ndarray) -> np.ndarray:

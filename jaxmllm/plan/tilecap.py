@@ -17,7 +17,7 @@ import numpy as np
 from jaxmllm.config.phases import LLM, PHASES
 from jaxmllm.plan.contract import Capacities, bucket_tile_caps
 from jaxmllm.plan.ragged import run_cumsum, run_lengths, run_positions, stable_sort
-from jaxmllm.plan.tiles import item_tiles
+from jaxmllm.plan.tiles import packed_tiles
 
 
 class TileBudget:
@@ -65,8 +65,7 @@ class TileBudget:
             gone = over
         offsets = {}
         for p, d in docs.items():
-            used = np.bincount(d.key // d.rows, d.tiles, len(self.used[p]))
-            self.used[p] += used.astype(np.int64)
+            self.used[p] += d.used(len(self.used[p]))
             offsets[p] = np.full(len(placed[p][1]), -1, np.int64)
             offsets[p][d.at] = d.offset
         return ok, offsets
@@ -86,80 +85,87 @@ class _Docs:
         size: np.ndarray,
     ):
         self.block, self.per, self.causal = budget.block, budget.per_row[phase], phase == LLM
-        self.cap, self.used = budget.caps[phase], budget.used[phase]
+        self.cap, self.start = budget.caps[phase], start  # (where each bin's documents end)
         self.rows = budget.llm_rows if self.causal else 1  # bins a device
+        self.device_used = budget.used[phase]
         placed = np.flatnonzero(bins >= 0)
-        order, self.key = stable_sort(bins[placed], len(start))
+        order, key = stable_sort(bins[placed], len(start))
         self.at = placed[order]  # (positions in the order placed)
         self.owner, self.size = owner[self.at], size[self.at]
-        self.units = self.size // self.per  # (in the phase's attention units)
-        self.start = start[self.key]  # where the bin's documents so far end
-        self.bins = _Runs(self.key)
+        self.units = self.size // self.per if self.per > 1 else self.size  # (attention units)
+        self.bins = _Runs(key)
         # by device, in the order placed (an LLM device's rows are several bins)
         self.by_device = self.devices = None
         if self.rows > 1:
-            by_device, device = stable_sort(bins[placed] // self.rows, len(self.used))
+            by_device, device = stable_sort(bins[placed] // self.rows, len(self.device_used))
             rank = np.empty(len(order), np.int64)
             rank[order] = np.arange(len(order))
             self.by_device, self.devices = rank[by_device], _Runs(device)
         self.tiles = np.zeros(len(placed), np.int64)
-        self.offset = self.start.copy()  # (the documents' offsets in their bins, as last counted)
+        self.offset = np.zeros(len(placed), np.int64)  # (offsets in their bins, as last counted)
 
     def count(self, ok: np.ndarray, over: np.ndarray, gone: np.ndarray | None) -> None:
         """The exact tiles of the documents of the samples `ok` (`tiles`), each laid out after
         the bin's earlier ones, in the bins where samples `gone` had documents (all: None);
         marks in `over` the samples of those that take their device past its capacity."""
         if gone is None:
-            idx, runs = slice(None), self.bins.all()
+            idx, runs, r = slice(None), self.bins.all(), slice(None)
         else:
-            hit = gone[self.owner]
-            if not hit.any():  # (nothing moved here: no document was over either)
+            hit = np.flatnonzero(gone[self.owner])
+            if not len(hit):  # (nothing moved here: no document was over either)
                 return
-            idx, runs = self.bins.positions(self.bins.of[hit])
+            r = np.unique(self.bins.of(hit))
+            idx, runs = self.bins.positions(r)
         keep = ok[self.owner[idx]]
         size = np.where(keep, self.size[idx], 0)
-        key = self.key[idx]
-        offset = run_cumsum(key, size, runs)
-        offset += self.start[idx]
+        offset = run_cumsum(None, size, runs, base=self.start[self.bins.key[r]])
         offset -= size
         self.offset[idx] = offset
-        first = offset // self.per
-        t = item_tiles(first, self.units[idx], self.block, self.causal, first)
+        first = offset // self.per if self.per > 1 else offset
+        t = packed_tiles(first, self.units[idx], self.block, self.causal)
         t *= keep
         self.tiles[idx] = t
         if not self.cap or not len(t):
             return
+        devices = self.bins.key[r]
         if self.devices is not None:  # (the devices of those bins, their documents in order)
-            at, runs = self.devices.positions(self.devices.runs_of(np.unique(key // self.rows)))
-            idx = self.by_device[at]
-            key, t, keep = self.devices.key[at], self.tiles[idx], ok[self.owner[idx]]
-        total = run_cumsum(key, t, runs)
-        total += self.used[key]
+            dr = self.devices.runs_of(np.unique(devices // self.rows))
+            at, runs = self.devices.positions(dr)
+            idx, devices = self.by_device[at], self.devices.key[dr]
+            t, keep = self.tiles[idx], ok[self.owner[idx]]
+        total = run_cumsum(None, t, runs, base=self.device_used[devices])
         over[self.owner[idx][keep & (total > self.cap)]] = True
+
+    def used(self, buckets: int) -> np.ndarray:
+        """The tiles counted, per device (`buckets` of them)."""
+        if not len(self.tiles):
+            return np.zeros(buckets, np.int64)
+        per_bin = np.add.reduceat(self.tiles, self.bins.first)
+        return np.bincount(self.bins.key // self.rows, per_bin, buckets).astype(np.int64)
 
 
 class _Runs:
-    """The runs of equal keys of sorted `key`: where each starts, its length, each element's
-    run."""
+    """The runs of equal keys of a sorted array: where each starts, its length and key."""
 
-    def __init__(self, key: np.ndarray):
-        self.key = key
-        starts, self.length = run_lengths(key)
-        self.first = np.concatenate([[0], starts]) if len(key) else starts
-        self.of = np.repeat(np.arange(len(self.length)), self.length)
+    def __init__(self, keys: np.ndarray):
+        starts, self.length = run_lengths(keys)
+        self.first = np.concatenate([[0], starts]) if len(keys) else starts
+        self.key = keys[self.first]
 
     def all(self) -> tuple[np.ndarray, np.ndarray]:
         """`run_lengths` of every run."""
         return self.first[1:], self.length
 
+    def of(self, positions: np.ndarray) -> np.ndarray:
+        """The run of each of `positions`."""
+        return np.searchsorted(self.first, positions, "right") - 1
+
     def positions(self, runs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(the positions of the elements of `runs` (any order, repeats), their
+        """(the positions of the elements of `runs` (ascending, distinct), their
         `run_lengths`)."""
-        runs = np.unique(runs)
         length = self.length[runs]
-        at = run_positions(self.first[runs], length)
-        return at, (np.cumsum(length)[:-1], length)
+        return run_positions(self.first[runs], length), (np.cumsum(length)[:-1], length)
 
     def runs_of(self, keys: np.ndarray) -> np.ndarray:
         """The runs of `keys` (each present)."""
-        return np.searchsorted(self.key[self.first], keys)
+        return np.searchsorted(self.key, keys)
