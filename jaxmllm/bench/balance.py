@@ -155,13 +155,9 @@ def route_caps(index: LengthsIndex, caps: Capacities, policy: str, steps: int, s
 
 
 def held_caps(
-    index: LengthsIndex,
-    caps: Capacities,
-    policy: str,
-    steps: int,
-    seed: int,
+    index: LengthsIndex, caps: Capacities, policy: str, steps: int, seed: int,
     cost: CostModel | None = None,
-):
+):  # fmt: skip
     """A tile-holding policy's capacities as the trainer sizes them (`resolve_tiles`): the mean
     need plus headroom (with `cost`, the headroom that does the most useful work per computed
     FLOP), or what a dry run of its plans without a bound needed if that is less."""
@@ -174,6 +170,20 @@ def held_caps(
         weights=cost.tile_weights(caps.block, caps.per_row) if cost else None,
     )
     return dataclasses.replace(caps, tiles=tiles)
+
+
+def sized_caps(
+    index: LengthsIndex, caps: Capacities, policy: str, steps: int, cost: CostModel | None,
+    seed: int = 0, pair: str = "auto",
+) -> Capacities:  # fmt: skip
+    """`make_caps`' capacities as a policy runs the bench for `steps` plans: the route
+    capacity as the trainer sizes it (`route_caps`; `pair` "whole" keeps a device's whole
+    encoder output) and, with tiles, a tile-holding policy's tile capacities (`held_caps`)."""
+    if pair == "auto":
+        caps = route_caps(index, caps, policy, steps, seed)
+    if caps.block and policy in HOLDS_TILES:
+        caps = held_caps(index, caps, policy, min(steps, HELD_DRY_RUN_STEPS), seed, cost)
+    return caps
 
 
 class _Items:
@@ -234,10 +244,7 @@ def run_policy(
 ) -> tuple[dict, list]:
     caps = make_caps(index, devices, tokens, micro, policy, block=block, devices_per_host=per_host)
     whole = caps.route_pair_capacity
-    if pair == "auto":
-        caps = route_caps(index, caps, policy, steps, seed)
-    if block and policy in HOLDS_TILES:
-        caps = held_caps(index, caps, policy, min(steps, HELD_DRY_RUN_STEPS), seed, cost)
+    caps = sized_caps(index, caps, policy, steps, cost, seed, pair)
     items = _Items(index, caps)
     planner = make_planner(policy, index, caps, seed)
     cap_vec = np.array(
