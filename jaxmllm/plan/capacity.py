@@ -398,7 +398,7 @@ ROUTE_HEADROOM = 0.1  # over the dry run's most when the run is longer than the 
 def whole_output_rows(caps: Capacities) -> int:
     """A device's whole encoder output in rows (the largest of its phases): a route capacity
     this large never binds (`route.Routes.free`)."""
-    return max(*(caps.units[p] // caps.per_token[p] for p in NAMES), 1)
+    return max([*(caps.units[p] // caps.per_token[p] for p in NAMES), 1])
 
 
 def largest_item_rows(index: LengthsIndex, caps: Capacities) -> int:
@@ -408,7 +408,7 @@ def largest_item_rows(index: LengthsIndex, caps: Capacities) -> int:
         int(index.items[p].sizes.max(initial=0)) // caps.per_token[p] if caps.units[p] else 0
         for p in NAMES
     ]
-    return max(*rows, 1)
+    return max([*rows, 1])
 
 
 def dry_run_route_rows(planner: Planner, index: LengthsIndex, caps: Capacities, steps: int) -> int:

@@ -76,7 +76,7 @@ def resolve_batch(cfg: Config, index: LengthsIndex, devices: int | None = None) 
         # A device's whole encoder output (never binds) for the dry run, then what it carried.
         rows = [changes.get(p.capacity, p.bucket(b)) // per_token[p.name]
                 for p in phases.enabled(m)]  # fmt: skip
-        changes["route_pair_capacity"] = max(*rows, 1)
+        changes["route_pair_capacity"] = max([*rows, 1])
         auto_route = True
     if b.devices_per_host == -1:
         changes["devices_per_host"] = resolve_devices_per_host(cfg, devices)
