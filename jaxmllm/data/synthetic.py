@@ -1,12 +1,14 @@
 """Built-in learnable data, generated deterministically from (seed, index); no download needed.
 
-Three kinds of sample with a realistic spread of modality mixes and lengths:
+Four kinds of sample with a realistic spread of modality mixes and lengths:
 - image(s) of a coloured shape at a random native resolution, captioned "a red circle";
 - a synthetic log-mel spectrogram of a tone (steady, rising or falling; low, mid or high pitch),
   captioned "a rising high tone";
+- with `video_fraction`, a short video of a coloured shape crossing its frames, asked "which way
+  does it move?" and answered "a red circle moving left": only its frames in order say which way;
 - text-only counting runs ("17 18 19 20 ...").
-A caption can only be predicted by looking at the image or listening to the clip, so a falling loss
-on those tokens means the encoders, projectors and routing really work.
+A caption can only be predicted by looking at the image or video or listening to the clip, so a
+falling loss on those tokens means the encoders, projectors and routing really work.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmllm.config import Config
-from jaxmllm.config.phases import AUDIO, VISION, Phase
+from jaxmllm.config.phases import AUDIO, VIDEO, VISION, Phase
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.media.image import patchify
 from jaxmllm.data.samples import Sample
@@ -31,8 +33,10 @@ COLOURS = {
 SHAPES = ("circle", "square", "triangle", "cross")
 PITCHES = {"low": 0.2, "mid": 0.5, "high": 0.8}
 CONTOURS = {"steady": 0.0, "rising": 0.3, "falling": -0.3}
+DIRECTIONS = ("left", "right")
 IMAGE_PROMPT = "what is this? "
 AUDIO_PROMPT = "what do you hear? "
+VIDEO_PROMPT = "which way does it move? "
 
 
 class SyntheticSource:
@@ -44,6 +48,7 @@ class SyntheticSource:
         self.patch = cfg.model.vision.patch_size
         self.n_mels = cfg.model.audio.n_mels
         self.merge = cfg.model.vision.merge
+        self.temporal = cfg.model.vision.temporal_patch  # frames a video's temporal patch
         self.subsample = cfg.model.audio.subsample
         self.tokenizer = ByteTokenizer()
         self.specials = self.tokenizer.specials  # what bucketize pads with and finds slots by
@@ -67,8 +72,15 @@ class SyntheticSource:
                 IMAGE_PROMPT,
                 caption,
                 media,
-                grids=[(gh, gw) for gh, gw, _, _ in p["images"]],
+                grids=[(1, gh, gw) for gh, gw, _, _ in p["images"]],
             )
+        if p["kind"] == "video":
+            items = self._render_video(rng, *p["video"])
+            grid = (len(items), self.syn.video_side, self.syn.video_side)
+            rows = [len(v) // self.merge**2 for v, _ in items]
+            caption = self._video_caption(p["video"])
+            return self._media_sample(int(i), VISION, rows, VIDEO_PROMPT, caption, items,
+                                      grids=[grid], marker=VIDEO.name)  # fmt: skip
         clip = self._render_audio(rng, *p["audio"])
         caption = f"a {p['audio'][2]} {p['audio'][1]} tone"
         item = (clip, np.arange(len(clip), dtype=np.int32))
@@ -98,6 +110,14 @@ class SyntheticSource:
                         VISION.items: [h * w for h, w, _, _ in p["images"]],
                     }
                 )
+            elif p["kind"] == "video":  # (a vision item per temporal patch)
+                caption = self._video_caption(p["video"])
+                records.append(
+                    {
+                        "text": 2 + len(VIDEO_PROMPT) + len(caption.encode()),
+                        VISION.items: [self.syn.video_side**2] * (p["video"][0] // self.temporal),
+                    }
+                )
             else:
                 caption = f"a {p['audio'][2]} {p['audio'][1]} tone"
                 records.append(
@@ -123,6 +143,12 @@ class SyntheticSource:
                 "kind": "audio",
                 "audio": (frames, str(rng.choice(list(PITCHES))), str(rng.choice(list(CONTOURS)))),
             }
+        if u < syn.image_fraction + syn.audio_fraction + syn.video_fraction:
+            t = self.temporal  # (whole temporal patches)
+            frames = t * int(rng.integers(-(-syn.min_video_frames // t), syn.max_video_frames // t
+                                          + 1))  # fmt: skip
+            colour, shape = str(rng.choice(list(COLOURS))), str(rng.choice(SHAPES))
+            return {"kind": "video", "video": (frames, colour, shape, str(rng.choice(DIRECTIONS)))}
         # Long-tailed text lengths: most samples short, a few near the maximum.
         words = int(
             min(syn.max_text_words, 3 + rng.geometric(1.0 / max(2, syn.max_text_words // 3)))
@@ -151,9 +177,13 @@ class SyntheticSource:
         loss[0] = False  # BOS is never predicted
         return Sample(id=i, tokens=tokens, loss=loss)
 
-    def _media_sample(self, i, phase: Phase, rows, prompt, caption, items, grids=()) -> Sample:
+    def _media_sample(
+        self, i, phase: Phase, rows, prompt, caption, items, grids=(), marker: str = ""
+    ) -> Sample:
+        """BOS, the items' placeholder rows (of kind `marker`, else the phase's own), the
+        prompt; then the caption and EOS, learned."""
         head = [np.array([self.specials.bos], np.int32)]
-        head += [np.full(r, self.specials.media[phase.name], np.int32) for r in rows]
+        head += [np.full(r, self.specials.media[marker or phase.name], np.int32) for r in rows]
         head.append(self.tokenizer.encode(prompt))
         eos = self.specials.eos
         answer = np.concatenate([self.tokenizer.encode(caption), [eos]]).astype(np.int32)
@@ -166,20 +196,41 @@ class SyntheticSource:
         """An image of gh x gw patches, patchified in 2x2-merge order with (row, col) positions."""
         p = self.patch
         height, width = gh * p, gw * p
-        y, x = np.mgrid[0:height, 0:width].astype(np.float32)
         r = rng.uniform(0.25, 0.4) * min(height, width)
         cy = rng.uniform(r, height - r)
         cx = rng.uniform(r, width - r)
-        dy, dx = np.abs(y - cy), np.abs(x - cx)
-        mask = {
-            "circle": dy**2 + dx**2 < r**2,
-            "square": (dy < r * 0.8) & (dx < r * 0.8),
-            "triangle": (y > cy - r) & (y < cy + r) & (dx < (y - (cy - r)) / 2),
-            "cross": ((dx < r / 3) & (dy < r)) | ((dy < r / 3) & (dx < r)),
-        }[shape]
+        mask = _shape_mask(height, width, cy, cx, r, shape)
         img = rng.normal(-0.5, 0.15, (height, width, 3)).astype(np.float32)
         img[mask] = np.asarray(COLOURS[colour], np.float32)
         return patchify(np.clip(img, -1, 1), p, self.merge)
+
+    @staticmethod
+    def _video_caption(video: tuple) -> str:
+        _, colour, shape, direction = video
+        return f"a {colour} {shape} moving {direction}"
+
+    def _render_video(self, rng, frames: int, colour: str, shape: str, direction: str) -> list:
+        """A shape crossing `frames` frames of video_side x video_side patches left or right,
+        as vision items: per temporal patch (its frames' patches side by side, frame-major;
+        (row, col) positions)."""
+        p, side = self.patch, self.syn.video_side * self.patch
+        r = rng.uniform(0.2, 0.3) * side
+        cy = rng.uniform(r, side - r)
+        start, end = r, side - r
+        if direction == "left":
+            start, end = end, start
+        noise = rng.normal(-0.5, 0.15, (side, side, 3)).astype(np.float32)
+        per_frame = []
+        for k in range(frames):
+            cx = start + (end - start) * k / max(frames - 1, 1)
+            img = noise.copy()
+            img[_shape_mask(side, side, cy, cx, r, shape)] = np.asarray(COLOURS[colour], np.float32)
+            per_frame.append(patchify(np.clip(img, -1, 1), p, self.merge))
+        t = self.temporal
+        return [
+            (np.concatenate([v for v, _ in per_frame[a : a + t]], axis=-1), per_frame[a][1])
+            for a in range(0, frames - frames % t, t)
+        ]
 
     def _render_audio(self, rng, frames: int, pitch: str, contour: str) -> np.ndarray:
         """Log-mel frames of a tone whose pitch follows the contour, with noise."""
@@ -191,12 +242,29 @@ class SyntheticSource:
         return (4.0 * band - 2.0 + rng.normal(0, 0.3, (frames, n))).astype(np.float32)
 
 
+def _shape_mask(height: int, width: int, cy: float, cx: float, r: float, shape: str) -> np.ndarray:
+    """The pixels of a shape of radius r centred at (cy, cx) in a height x width image."""
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    dy, dx = np.abs(y - cy), np.abs(x - cx)
+    return {
+        "circle": dy**2 + dx**2 < r**2,
+        "square": (dy < r * 0.8) & (dx < r * 0.8),
+        "triangle": (y > cy - r) & (y < cy + r) & (dx < (y - (cy - r)) / 2),
+        "cross": ((dx < r / 3) & (dy < r)) | ((dy < r / 3) & (dx < r)),
+    }[shape]
+
+
 # ----------------------------------------------------------------------------- scoring answers
 
 # What `score_answer` checks of each kind of answer, and a uniform guess's chance of it
 SCORED = {
     "shapes": {"count": 1 / 2, "colour": 1 / len(COLOURS), "shape": 1 / len(SHAPES)},
     "tone": {"pitch": 1 / len(PITCHES), "contour": 1 / len(CONTOURS)},
+    "motion": {
+        "direction": 1 / len(DIRECTIONS),
+        "colour": 1 / len(COLOURS),
+        "shape": 1 / len(SHAPES),
+    },  # fmt: skip
 }
 
 
@@ -205,12 +273,17 @@ def score_answer(answer: str, truth: str) -> dict[str, float]:
 
     Shapes ("a red circle and a blue square"): `count` (as many shapes named as shown),
     `colour` and `shape` (the share of the shown shapes, in order, named right); a tone ("a
-    rising high tone"): `pitch`, `contour`; both: `exact` (the whole answer).
+    rising high tone"): `pitch`, `contour`; a moving shape ("a red circle moving left"):
+    `direction`, `colour`, `shape`; all: `exact` (the whole answer).
     """
     scores = {"exact": float(answer.strip() == truth.strip())}
     want, got = _named(truth), _named(answer)
     got += [("", "", "")] * len(want)  # (an answer naming fewer things misses the rest)
-    if truth.strip().endswith(" tone"):  # (contour, pitch, "tone")
+    if truth.strip().split()[-1] in DIRECTIONS:  # (colour, shape, "moving") + the direction
+        scores["direction"] = float(answer.strip().split()[-1:] == truth.strip().split()[-1:])
+        scores["colour"] = float(got[0][0] == want[0][0])
+        scores["shape"] = float(got[0][1] == want[0][1])
+    elif truth.strip().endswith(" tone"):  # (contour, pitch, "tone")
         scores["contour"] = float(got[0][0] == want[0][0])
         scores["pitch"] = float(got[0][1] == want[0][1])
     elif want:  # shapes: (colour, shape) each
