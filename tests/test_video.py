@@ -325,7 +325,7 @@ def test_videos_need_the_vision_encoder_to_take_them(tmp_path):
     build_index(cfg, manifest, progress=False)
     with pytest.raises(ConfigError, match="1 video.*model.vision.video: true"):
         open_source(_config(manifest, "model.vision.video=false"))
-    with pytest.raises(ConfigError, match="data.synthetic.video_fraction.*model.vision.video"):
+    with pytest.raises(ConfigError, match="data.synthetic.video_fraction: needs model.vision.vid"):
         load_config("configs/tiny.yaml", ["model.vision.video=false",
                                           "data.synthetic.video_fraction=0.1"])  # fmt: skip
 
@@ -419,3 +419,65 @@ def test_qwen2_vl_with_a_video_matches_transformers(processor, tmp_path):
     theirs = out.logits[0].numpy()
     assert np.abs(theirs).max() > 0.5
     np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4)
+
+
+@pytest.mark.slow  # (~2 min: a routed step, then each of its samples alone)
+def test_routed_step_with_videos_equals_samples_one_by_one(tmp_path):
+    """Videos from files, decoded by PyAV, in a planned step whose every vision item (an image,
+    a video's temporal patch) is encoded on another device than its text, a video's temporal
+    patches spread over several: loss and gradients equal each sample computed alone on one
+    device, unpacked."""
+    import dataclasses
+
+    import jax
+    from PIL import Image
+    from test_orchestration import assert_equals_alone, one_sample_batch, repack
+
+    import sharding
+    from jaxmllm.batch.bucketize import bucketize
+    from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
+    from jaxmllm.step.program import build_program, make_loss_and_grads, model_parts
+
+    for k, (n, h, w, way) in enumerate([(20, 32, 48, "left"), (31, 40, 40, "right"),
+                                        (12, 48, 32, "left")]):  # fmt: skip
+        write_video(tmp_path / f"v{k}.mp4", moving_frames(n, h, w, way), fps=10)
+    Image.new("RGB", (24, 16), (200, 30, 30)).save(tmp_path / "cat.png")
+    ask = "which way does it move? "
+    manifest = _manifest(tmp_path, [
+        {"id": "a", "text": f"<video>{ask}left", "videos": ["v0.mp4"]},
+        {"id": "b", "text": f"<video>{ask}right", "videos": ["v1.mp4"]},
+        {"id": "c", "text": "<image>a red square<video>and it moves left",
+         "images": ["cat.png"], "videos": ["v2.mp4"]},
+        {"id": "d", "text": "<image>what is this? a red square", "images": ["cat.png"]},
+        {"id": "e", "text": "1 2 3 4 5 6 7 8 9"},
+    ])  # fmt: skip
+    cfg = _config(manifest, "batch.route_pair_capacity=160", "batch.capacity=fixed",
+                  "batch.vision_patches=640", "batch.audio_frames=128")  # fmt: skip
+    build_index(cfg, manifest, progress=False)
+    source = open_source(cfg)
+    cfg = resolve_batch(cfg, source.index)
+    blocks = cfg.batch.vision_patches // cfg.batch.attention_block  # (room for the moves)
+    cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, vision_tiles=blocks**2))
+    mesh = sharding.make_mesh(cfg.mesh)
+    devices = sharding.data_parallel_size(mesh)
+    plan = planner_from_config(cfg, source.index, devices).plan()
+    assert len(plan.samples) == len(source)
+    vision, index = plan.items["vision"], source.index.items["vision"]
+    home = plan.device[vision.owner]
+    vision.device = (home + 1 + vision.item) % devices  # (a video's patches over devices)
+    repack(vision, plan, index.sizes, index.ptr)
+    host = bucketize(plan, {int(s): source[int(s)] for s in plan.samples}, cfg,
+                     capacities(cfg, devices), specials=source.specials)  # fmt: skip
+    videos = [int(s) for s in plan.samples if source.rows[int(s)]["video_sizes"]]
+    assert len(videos) == 3 and (vision.device != home).all()
+    with jax.set_mesh(mesh):
+        prog = build_program(cfg, mesh)
+        state = prog.init()
+        got = jax.jit(make_loss_and_grads(prog.parts))(
+            state["params"], state["frozen"], sharding.make_global_batch(host, mesh)
+        )
+    params, frozen = jax.device_get((state["params"], state["frozen"]))
+    ref_cfg, _ = one_sample_batch(cfg, int(plan.samples[0]), source, source.index)
+    reference = jax.jit(make_loss_and_grads(model_parts(ref_cfg)[0]))
+    alone = (one_sample_batch(cfg, s, source, source.index)[1] for s in plan.samples.tolist())
+    assert_equals_alone(got, reference, (params, frozen), alone, host)

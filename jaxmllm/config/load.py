@@ -86,8 +86,8 @@ class Config:
         whole merge blocks."""
         v, syn = self.model.vision, self.data.synthetic
         check(
-            v.enabled and v.video,
-            "needs model.vision.video: true (and model.vision.enabled), or set it to 0",
+            v.video or not v.enabled,  # (without a vision encoder: refused as images are)
+            "needs model.vision.video: true, or set it to 0",
             "data.synthetic.video_fraction",
         )
         check(
