@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from video_files import frame_number, grey_frames, moving_frames, write_video
+from video_files import frame_number, grey_frames, moving_frames, write_empty, write_video
 
 from jaxmllm.batch.bucketize import mrope_positions
 from jaxmllm.config import ConfigError, load_config
@@ -279,9 +279,10 @@ def test_video_placeholders_are_a_checkpoints_own_or_its_image_token(tmp_path):
 
 
 def test_bad_videos_are_rejected_and_counted_naming_the_record(tmp_path):
-    """Truncated, garbage, no video stream, too short, over the caps: each a counted reject
-    with its reason at indexing (nothing decoded); a file broken after indexing is a counted
-    load-time reject and its slots stay padding."""
+    """Truncated, garbage, no video stream, no frame at all, too short, over the caps (length,
+    frame size, frames x pixels): each a counted reject naming its record, with its reason, at
+    indexing (nothing decoded); a file broken after indexing is a counted load-time reject and
+    its slots stay padding."""
     good = write_video(tmp_path / "good.mp4", moving_frames(20, 32, 48), fps=10)
     data = good.read_bytes()
     (tmp_path / "cut.mp4").write_bytes(data[: len(data) // 2])  # (its index at the end: gone)
@@ -293,21 +294,32 @@ def test_bad_videos_are_rejected_and_counted_naming_the_record(tmp_path):
     soundfile.write(tmp_path / "tone.wav", np.zeros(8000, np.float32), 16000)
     write_video(tmp_path / "blip.mp4", moving_frames(1, 32, 48), fps=10)  # (one frame)
     write_video(tmp_path / "long.mkv", grey_frames(50, 32, 48), fps=1)
-    records = [{"id": f"r-{name}", "text": "<video>x", "videos": [f"{name}"]} for name in
-               ("good.mp4", "cut.mp4", "cut2.mp4", "junk.mp4", "tone.wav", "blip.mp4",
-                "long.mkv", "missing.mp4")]  # fmt: skip
+    write_empty(tmp_path / "empty.mp4")  # (a stream, no frame)
+    write_empty(tmp_path / "empty.webm")
+    write_video(tmp_path / "wide.mp4", grey_frames(4, 64, 128), fps=10)  # (8192 pixels a frame)
+    write_video(tmp_path / "many.mp4", moving_frames(100, 32, 48), fps=10)  # (153600 decoded)
+    names = ("good.mp4", "cut.mp4", "cut2.mp4", "junk.mp4", "tone.wav", "blip.mp4", "long.mkv",
+             "missing.mp4", "empty.mp4", "empty.webm", "wide.mp4", "many.mp4")  # fmt: skip
+    records = [{"id": f"r-{name}", "text": "<video>x", "videos": [name]} for name in names]
     records.append({"id": "r-count", "text": "<video><video>x", "videos": ["good.mp4"]})
     manifest = _manifest(tmp_path, records)
-    cfg = _config(manifest, "data.max_video_seconds=30")
+    caps = ["data.max_video_seconds=30", "data.max_image_pixels=4096",
+            "data.max_video_decoded_pixels=100000"]  # fmt: skip
+    cfg = _config(manifest, *caps)
     summary = build_index(cfg, manifest, progress=False)
     assert summary["accepted"] == 1
-    assert summary["rejects"] == {"undecodable_media": 4, "video_too_short": 1,
-                                  "video_too_large": 1, "missing_media": 1,
+    assert summary["rejects"] == {"undecodable_media": 6, "video_too_short": 1,
+                                  "video_too_large": 3, "missing_media": 1,
                                   "placeholder_mismatch": 1}  # fmt: skip
     rejects = [json.loads(x) for x in (Path(f"{manifest}.index") / "rejects.jsonl").open()]
-    why = {r["id"]: r["detail"] for r in rejects}
-    assert "truncated" in why["r-cut2.mp4"] and "no video stream" in why["r-tone.wav"]
-    assert "data.max_video_seconds=30" in why["r-long.mkv"]
+    why = {r["id"]: (r["reason"], r["detail"]) for r in rejects}
+    assert set(why) == {f"r-{name}" for name in names[1:]} | {"r-count"}
+    assert "truncated" in why["r-cut2.mp4"][1] and "no video stream" in why["r-tone.wav"][1]
+    assert why["r-empty.mp4"][0] == why["r-empty.webm"][0] == "undecodable_media"
+    assert "data.max_video_seconds=30" in why["r-long.mkv"][1]
+    assert "128x64" in why["r-wide.mp4"][1] and "data.max_image_pixels=4096" in why["r-wide.mp4"][1]
+    assert "100 frames" in why["r-many.mp4"][1]
+    assert "data.max_video_decoded_pixels=100000" in why["r-many.mp4"][1]
     # Broken after indexing: a load-time reject, counted, logged with its id; no crash.
     (tmp_path / "good.mp4").write_bytes(data[:200])
     source = open_source(cfg)

@@ -51,6 +51,20 @@ def write_video(
     return path
 
 
+def write_empty(path: Path, height: int = 32, width: int = 48, fps: int = 10) -> Path:
+    """A container with a video stream and no frame (its header written, nothing muxed)."""
+    import av
+
+    path = Path(path)
+    container = av.open(str(path), "w")
+    stream = container.add_stream(CODECS[path.suffix], rate=fps)
+    stream.height, stream.width = height, width
+    stream.pix_fmt = "yuv420p"
+    container.start_encoding()
+    container.close()
+    return path
+
+
 def moving_frames(n: int, height: int, width: int, direction: str = "right") -> np.ndarray:
     """A white square crossing n frames of noise-free dark grey left or right."""
     frames = np.full((n, height, width, 3), 40, np.uint8)
