@@ -1,7 +1,8 @@
 """Videos on small generated files (PyAV encodes them in tmp_path): the sampling and resize rule
 and the temporal patches against transformers' Qwen2-VL video processor, M-RoPE against its
 `get_rope_index`, logits with a video against Qwen2VLForConditionalGeneration, the JSONL path,
-bad videos rejected and counted.
+bad videos rejected and counted, a routed step equal to its samples alone, a run with videos
+resuming exactly.
 
 transformers' video processor imports torchvision at the top (for its resize), which the CPU
 torch build here cannot load; `processor` loads the module with a stand-in for torchvision's
@@ -433,7 +434,7 @@ def test_qwen2_vl_with_a_video_matches_transformers(processor, tmp_path):
     np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4)
 
 
-@pytest.mark.slow  # (~2 min: a routed step, then each of its samples alone)
+@pytest.mark.slow  # (~65 s of CPU, 2 min on a shared box: a routed step, its samples alone)
 def test_routed_step_with_videos_equals_samples_one_by_one(tmp_path):
     """Videos from files, decoded by PyAV, in a planned step whose every vision item (an image,
     a video's temporal patch) is encoded on another device than its text, a video's temporal
@@ -473,7 +474,6 @@ def test_routed_step_with_videos_equals_samples_one_by_one(tmp_path):
     mesh = sharding.make_mesh(cfg.mesh)
     devices = sharding.data_parallel_size(mesh)
     plan = planner_from_config(cfg, source.index, devices).plan()
-    assert len(plan.samples) == len(source)
     vision, index = plan.items["vision"], source.index.items["vision"]
     home = plan.device[vision.owner]
     vision.device = (home + 1 + vision.item) % devices  # (a video's patches over devices)
@@ -481,7 +481,7 @@ def test_routed_step_with_videos_equals_samples_one_by_one(tmp_path):
     host = bucketize(plan, {int(s): source[int(s)] for s in plan.samples}, cfg,
                      capacities(cfg, devices), specials=source.specials)  # fmt: skip
     videos = [int(s) for s in plan.samples if source.rows[int(s)]["video_sizes"]]
-    assert len(videos) == 3 and (vision.device != home).all()
+    assert set(videos) == {0, 1, 2} and (vision.device != home).all()  # (some twice: epochs)
     with jax.set_mesh(mesh):
         prog = build_program(cfg, mesh)
         state = prog.init()
