@@ -11,7 +11,7 @@ import pytest
 from jaxmllm.config import SyntheticConfig, load_config
 from jaxmllm.data import pcg
 from jaxmllm.data.lengths import LengthsIndex
-from jaxmllm.data.synthetic import AUDIO_PROMPT, IMAGE_PROMPT, SyntheticSource
+from jaxmllm.data.synthetic import AUDIO_PROMPT, IMAGE_PROMPT, VIDEO_PROMPT, SyntheticSource
 
 KEYS = [([0], [0]), ([7], [1]), ([2**40 + 5], [0]), ([], [3, 9])]  # (a seed of two words)
 
@@ -48,6 +48,10 @@ def _old_lengths(source: SyntheticSource) -> LengthsIndex:
             caption = " and ".join(f"a {c} {s}" for _, _, c, s in p["images"])
             text = 2 + len(IMAGE_PROMPT) + len(caption.encode())
             records.append({"text": text, "images": [h * w for h, w, _, _ in p["images"]]})
+        elif p["kind"] == "video":  # (a vision item per temporal patch)
+            text = 2 + len(VIDEO_PROMPT) + len(source._video_caption(p["video"]).encode())
+            patches = [source.syn.video_side**2] * (p["video"][0] // source.temporal)
+            records.append({"text": text, "images": patches})
         else:
             caption = f"a {p['audio'][2]} {p['audio'][1]} tone"
             text = 2 + len(AUDIO_PROMPT) + len(caption.encode())
@@ -58,6 +62,7 @@ def _old_lengths(source: SyntheticSource) -> LengthsIndex:
 CONFIGS = {
     "tiny": ("configs/tiny.yaml", []),
     "small": ("configs/small.yaml", []),
+    "no videos": ("configs/tiny.yaml", ["data.synthetic.video_fraction=0"]),
     "few words (geometric by search)": ("configs/tiny.yaml", ["data.synthetic.max_text_words=8"]),
     "fixed text tokens": ("configs/tiny.yaml", ["data.synthetic.text_tokens=40"]),
     "one image side, a long seed": (
@@ -106,14 +111,22 @@ def test_streams_that_differ_from_numpys_are_caught_and_drawn_numpys_way(monkeyp
 
 
 # The tiny config's samples 0, 5, 10, ... 255 (tokens, loss masks, patches, positions, frames)
-# and its lengths index, before the parameters were drawn together and the images rendered
-# with broadcast coordinates: they must never change by accident (the tiny run's answers and
-# losses depend on them).
-TINY_DIGEST = "b0489aca0f82acc71c78f2582417bed2197fc84929f623df91057ac8f7f522e2"
+# and its lengths index, as each sample's own Generator made them before the parameters were
+# drawn together and the images rendered with broadcast coordinates (with videos: the digest
+# the per-sample code gave; without: the one before videos): they must never change by accident
+# (the tiny run's answers and losses depend on them).
+TINY_DIGESTS = {
+    "": "e2b41c97e79c33726dd6491fac72a7fa761577c09e554c3b9dae905987763f12",
+    "data.synthetic.video_fraction=0": (
+        "b0489aca0f82acc71c78f2582417bed2197fc84929f623df91057ac8f7f522e2"
+    ),
+}
 
 
-def test_the_tiny_configs_samples_are_bit_for_bit_what_they_were():
-    source = SyntheticSource(load_config("configs/tiny.yaml", ["data.synthetic.num_samples=256"]))
+@pytest.mark.parametrize("setting", list(TINY_DIGESTS))
+def test_the_tiny_configs_samples_are_bit_for_bit_what_they_were(setting):
+    sets = ["data.synthetic.num_samples=256", *([setting] if setting else [])]
+    source = SyntheticSource(load_config("configs/tiny.yaml", sets))
     digest = hashlib.sha256()
     for i in range(0, 256, 5):
         x = source[i]
@@ -123,4 +136,4 @@ def test_the_tiny_configs_samples_are_bit_for_bit_what_they_were():
             digest.update(np.ascontiguousarray(a).tobytes())
     for a in _index_arrays(source.lengths()):
         digest.update(a.tobytes())
-    assert digest.hexdigest() == TINY_DIGEST
+    assert digest.hexdigest() == TINY_DIGESTS[setting]

@@ -79,7 +79,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.bench import family, plot, simulate
-from jaxmllm.bench.mixes import MIXES, load_lengths, load_mix, random_mix
+from jaxmllm.bench.mixes import MIXES, load_lengths, load_mix, random_mix, video_mix
 from jaxmllm.bench.table import (
     HEADER,
     PHASES,
@@ -387,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="N random workloads (mixes.random_mix, seeds --seed..+N-1), then the "
                      "distribution of each figure over them (bench/family.py)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="first seed of --random")
+    ap.add_argument("--family", choices=("random", "video"), default="random",
+                    help="--random's workloads: mixes.random_mix (every kind of sample), or "
+                    "mixes.video_mix (video-heavy, long videos)")  # fmt: skip
     ap.add_argument("--devices", default="8,64", help="device counts, comma-separated")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--tokens", type=int, default=32768, help="LLM tokens per device and micro")
@@ -441,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
             sources = [(Path(args.lengths).name, load_lengths(args.lengths))]
         elif args.random:
             seeds = range(args.seed, args.seed + args.random)
-            sources = [(f"random:{s}", random_mix(s)) for s in seeds]
+            draw = video_mix if args.family == "video" else random_mix
+            sources = [(f"{args.family}:{s}", draw(s)) for s in seeds]
         else:
             sources = [(m, load_mix(m)) for m in args.mix.split(",")]
     except (OSError, ValueError) as e:  # a missing table, an unknown mix, a bad cost file
@@ -475,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(format_row(row), flush=True)
             print_like_for_like([r for r in rows if r["mix"] == name and r["devices"] == d])
     if args.random:
-        print(f"\n== over {args.random} random workloads (seeds {args.seed}..)")
+        print(f"\n== over {args.random} {args.family} workloads (seeds {args.seed}..)")
         print(family.table(family.summarize(rows)))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

@@ -176,6 +176,12 @@ class SyntheticConfig:
     image_fraction: float = 0.4  # share of samples with one or more images
     multi_image_fraction: float = 0.1  # share with two images
     audio_fraction: float = 0.25  # share with an audio clip
+    # share with a video (model.vision.video): a coloured shape moving left or right across
+    # its frames, asked "which way does it move?"
+    video_fraction: float = 0.0
+    min_video_frames: int = 4  # frames of a video (whole temporal patches are used)
+    max_video_frames: int = 8
+    video_side: int = 8  # a frame's side in patches (a multiple of model.vision.merge)
     min_image_side: int = 4  # image side in patches (even numbers are used)
     max_image_side: int = 16  # largest image side in patches
     min_audio_frames: int = 16  # shortest clip in log-mel frames
@@ -187,6 +193,11 @@ class SyntheticConfig:
     def __post_init__(self):
         check(self.text_tokens == 0 or self.text_tokens >= 3, "must be 0, or >= 3 (BOS and EOS "
               "around the text)", "text_tokens")  # fmt: skip
+        check(self.image_fraction + self.audio_fraction + self.video_fraction <= 1, "image, "
+              "audio and video fractions must add up to at most 1", "video_fraction")  # fmt: skip
+        check(1 <= self.min_video_frames <= self.max_video_frames, "must be >= 1 and <= "
+              "max_video_frames", "min_video_frames")  # fmt: skip
+        check(self.video_side >= 1, "must be >= 1", "video_side")
 
 
 @dataclass(frozen=True)
@@ -262,6 +273,26 @@ class DataConfig:
     # true: media paths may lead anywhere (absolute paths kept on purpose); they are still read
     # only as regular files, within the caps above
     allow_outside_paths: bool = False
+    # Videos (records' `videos`, model.vision.video): frames sampled at video_fps a second, at
+    # least video_min_frames, at most video_max_frames and the video's own, rounded down to
+    # whole temporal patches (model.vision.temporal_patch); each frame resized within
+    # min(video_frame_max_pixels, video_max_pixels x temporal_patch / frames) pixels (a video's
+    # budget split over its frames, as Qwen2-VL's video processor does; at least 1.05 x
+    # video_frame_min_pixels) on the patch x merge grid. A video is then about
+    # video_max_pixels / (patch x merge)^2 LLM tokens, however long (Qwen2-VL's processor:
+    # 100352 / 602112 / 90316800 pixels, 2 fps, 4 to 768 frames)
+    video_fps: float = 2.0
+    video_min_frames: int = 4
+    video_max_frames: int = 768
+    video_frame_min_pixels: int = 3136
+    video_frame_max_pixels: int = 602112
+    video_max_pixels: int = 3211264  # 4096 LLM tokens of 28 x 28 pixels
+    # Video caps, checked on the container's header before any frame is decoded (index and
+    # loader alike): its length, and its frames x width x height (the most decoding can
+    # produce: 2^38 is 75 minutes of 1080p at 30 fps); a stored frame is also held to
+    # max_image_pixels. Over a cap: rejected (video_too_large).
+    max_video_seconds: float = 3600.0
+    max_video_decoded_pixels: int = 1 << 38
     on_error: str = "skip"  # bad or missing media, bad lines, placeholder mismatch: skip | fail
     on_oversize: str = "shrink"  # a sample no bucket can hold: shrink | truncate | skip | fail
     workers: int = 0  # preprocessing worker processes; 0 = in the training process
@@ -303,6 +334,19 @@ class DataConfig:
         check(self.max_audio_seconds > 0, "must be > 0", "max_audio_seconds")
         check(self.max_audio_samples >= 1, "must be >= 1", "max_audio_samples")
         check(self.max_media_bytes >= 1, "must be >= 1", "max_media_bytes")
+        check(self.video_fps > 0, "must be > 0 (frames sampled a second)", "video_fps")
+        check(self.video_min_frames >= 1, "must be >= 1", "video_min_frames")
+        check(self.video_max_frames >= self.video_min_frames, "must be >= video_min_frames",
+              "video_max_frames")  # fmt: skip
+        check(self.video_frame_min_pixels >= 1, "must be >= 1", "video_frame_min_pixels")
+        check(
+            self.video_frame_max_pixels >= self.video_frame_min_pixels,
+            "must be >= video_frame_min_pixels",
+            "video_frame_max_pixels",
+        )
+        check(self.video_max_pixels >= 1, "must be >= 1", "video_max_pixels")
+        check(self.max_video_seconds > 0, "must be > 0", "max_video_seconds")
+        check(self.max_video_decoded_pixels >= 1, "must be >= 1", "max_video_decoded_pixels")
         check(self.workers >= 0, "must be >= 0", "workers")
         check(self.prefetch >= 0, "must be >= 0 (0: no thread)", "prefetch")
         check(_is_date(self.template_date), "must be a date, YYYY-MM-DD", "template_date")

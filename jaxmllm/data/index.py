@@ -5,9 +5,11 @@
 reads every record once (media sizes from file headers: PIL reads the size without decoding,
 soundfile the duration), in parallel, and writes to `--out` (default `<manifest>.index/`):
 
-- `lengths.jsonl`: one line per accepted record, in the DESIGN lengths format plus where the
-  record is (`id`, `row`, `line`) and its media sizes (`image_sizes`, `audio_samples`), which let
-  the oversize policy repair a sample at start-up without touching the media;
+- `lengths.jsonl`: one line per accepted record, in the DESIGN lengths format (a video's temporal
+  patches are vision items among its `images`, in placeholder order) plus where the record is
+  (`id`, `row`, `line`) and its media sizes (`image_sizes`, `audio_samples`, `video_sizes`:
+  frames, frame rate, height, width from the container's header), which let the oversize policy
+  repair a sample at start-up without touching the media;
 - `summary.json`: counts, per-modality percentiles, the
   preprocessing parameters the counts depend on (training checks them), rejects by reason;
 - `rejects.jsonl`: every rejected record with its id, line and reason.
@@ -66,7 +68,7 @@ def measure(records, pre: Preprocessor, k: int, decode: bool = False) -> dict:
         "id": record.id,
         "row": k,
         "line": line,
-        **{media.size_key: [list(s) for s in sizes.media[p]] for p, media in MEDIA.items()},
+        **{media.size_key: [list(s) for s in sizes.media[k]] for k, media in MEDIA.items()},
     }
 
 
@@ -161,6 +163,10 @@ def summarize(cfg: Config, rows: list[dict], rejects: list[dict]) -> dict:
     for p in ENCODERS:
         stats[f"{p.unit}_per_{p.item}"] = index.items[p.name].sizes
         stats[f"{p.items}_per_sample"] = index.items[p.name].count()
+    videos = [r.get(MEDIA["video"].size_key, []) for r in rows]
+    if any(videos):  # (their temporal patches are among the vision items above)
+        stats["videos_per_sample"] = np.array([len(v) for v in videos], np.int64)
+        stats["frames_per_video"] = np.array([f for v in videos for f, *_ in v], np.int64)
     return {
         "records": len(rows) + len(rejects),
         "accepted": len(rows),

@@ -14,11 +14,11 @@ import json
 import struct
 from pathlib import Path
 
-from jaxmllm.config.phases import ENCODERS
+from jaxmllm.config.phases import KINDS
 from jaxmllm.data.records.record import MediaPaths, valid_unicode
 from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError, check_media_file
 
-MEDIA_KEYS = tuple(p.items for p in ENCODERS)  # a record's lists of media entries
+MEDIA_KEYS = tuple(k.items for k in KINDS)  # a record's lists of media entries
 
 MAGIC = b"JMLR1"
 

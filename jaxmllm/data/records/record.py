@@ -1,11 +1,12 @@
 """A parsed record: its turns of (role, text) and its media sources, checked.
 
 A record is `{"id", "text"}` (plain text) or `{"id", "messages": [{"role", "content"}]}` (a
-chat), with a list of items per encoder phase under its `items` key (`images`, `audio`: paths
-relative to the data file or to data.media_root, `data:...;base64,` URIs or {"base64": ...}); the
-text places each item with its phase's placeholder (`<image>`, `<audio>`). A path must lead, once
-`..` and symlinks are resolved, inside that folder (`MediaPaths`): a manifest from a stranger
-cannot make training read, or the ArrayRecord converter embed, `/etc/shadow`.
+chat), with a list of items per kind of media under its `items` key (`images`, `audio`,
+`videos`: paths relative to the data file or to data.media_root, `data:...;base64,` URIs or
+{"base64": ...}); the text places each item with its kind's placeholder (`<image>`, `<audio>`,
+`<video>`; `jaxmllm.config.phases.KINDS`). A path must lead, once `..` and symlinks are
+resolved, inside that folder (`MediaPaths`): a manifest from a stranger cannot make training
+read, or the ArrayRecord converter embed, `/etc/shadow`.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jaxmllm.config.phases import ENCODERS
+from jaxmllm.config.phases import KINDS
 from jaxmllm.data.rejects import RecordError
 
-PHASE_OF_PLACEHOLDER = {p.placeholder: p.name for p in ENCODERS}  # "<image>" -> its phase
-PLACEHOLDER = re.compile("(" + "|".join(re.escape(t) for t in PHASE_OF_PLACEHOLDER) + ")")
-PART_PHASE = {p.item: p.name for p in ENCODERS}  # a content part's type ("image") -> its phase
+KIND_OF_PLACEHOLDER = {k.placeholder: k.name for k in KINDS}  # "<video>" -> its kind
+PLACEHOLDER = re.compile("(" + "|".join(re.escape(t) for t in KIND_OF_PLACEHOLDER) + ")")
+PART_KIND = {k.item: k.name for k in KINDS}  # a content part's type ("video") -> its kind
 ROLES = ("system", "user", "assistant")
 
 
@@ -32,7 +33,7 @@ class Record:
 
     id: str
     turns: list[tuple[str, str]]  # role "text" for plain text records
-    media: dict[str, list[Any]]  # per encoder phase, its items' sources: Path | bytes
+    media: dict[str, list[Any]]  # per kind of media (KINDS), its items' sources: Path | bytes
 
 
 @dataclass(frozen=True)
@@ -97,12 +98,12 @@ def parse_record(obj: Any, paths: MediaPaths | Path, line: int) -> Record:
     if not all(valid_unicode(t) for _, t in turns):  # JSON's "\ud800" escapes decode to these
         raise RecordError("malformed_line", "text is not valid Unicode (a lone surrogate)", rid)
     media = {}
-    for p in ENCODERS:
-        entries = obj.get(p.items, [])
+    for k in KINDS:
+        entries = obj.get(k.items, [])
         if not isinstance(entries, list):
-            raise RecordError("malformed_line", f"'{p.items}' must be a list", rid)
-        media[p.name] = [
-            _media_source(e, paths, f"{p.items}[{j}]", rid) for j, e in enumerate(entries)
+            raise RecordError("malformed_line", f"'{k.items}' must be a list", rid)
+        media[k.name] = [
+            _media_source(e, paths, f"{k.items}[{j}]", rid) for j, e in enumerate(entries)
         ]
     record = Record(rid, turns, media)
     _check_placeholders(record)
@@ -129,7 +130,7 @@ def _content_part(part: Any, rid: str) -> str:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):
         return part["text"]
-    if kind in PART_PHASE:
+    if kind in PART_KIND:
         return f"<{kind}>"
     raise RecordError("malformed_line", f"unknown content part {part!r:.60}", rid)
 
@@ -167,12 +168,12 @@ def valid_unicode(text: str) -> bool:
 
 def _check_placeholders(r: Record) -> None:
     text = "".join(t for _, t in r.turns)
-    for p in ENCODERS:
-        n, media = text.count(p.placeholder), r.media[p.name]
+    for k in KINDS:
+        n, media = text.count(k.placeholder), r.media[k.name]
         if n != len(media):
             raise RecordError(
                 "placeholder_mismatch",
-                f"{n} {p.placeholder} placeholder(s), {len(media)} {p.item} item(s)",
+                f"{n} {k.placeholder} placeholder(s), {len(media)} {k.item} item(s)",
                 r.id,
             )
     words = PLACEHOLDER.sub("", text).strip()

@@ -1,8 +1,8 @@
 """Prompt templates: the seam between generation and a model's tokenizer and chat format.
 
-A `Template` turns a request (text with `<image>` / `<audio>` placeholders, or token ids, and
-media files) into a prompt `Sample` laid out like training samples, says which ids end an answer
-and reads generated ids as text. Generation (`jaxmllm.generate`) and the eval answers see
+A `Template` turns a request (text with `<image>` / `<video>` / `<audio>` placeholders, or token
+ids, and media files) into a prompt `Sample` laid out like training samples, says which ids end
+an answer and reads generated ids as text. Generation (`jaxmllm.generate`) and the eval answers see
 nothing else of the tokenizer.
 
 `RecordTemplate` renders a request as a record of the run's data, through the training
@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError
-from jaxmllm.config.phases import ENCODERS
+from jaxmllm.config.phases import ENCODERS, KINDS
 from jaxmllm.data.preprocess import Limits, Params, Preprocessor
 from jaxmllm.data.records import open_records, read_record
 from jaxmllm.data.records.record import PLACEHOLDER, MediaPaths, parse_record
@@ -52,7 +52,7 @@ class Template(Protocol):
     specials: Specials  # the tokenizer's ids: `stop` ends an answer (kept in its ids)
 
     def prompt(self, text: str, media: Mapping[str, Sequence[Any]]) -> Sample:
-        """The prompt of a user message with media files (paths, per encoder phase), ready to
+        """The prompt of a user message with media files (paths, per kind of media), ready to
         generate from.
 
         Raises:
@@ -62,8 +62,9 @@ class Template(Protocol):
         ...
 
     def prompt_ids(self, ids: Sequence[int], media: Mapping[str, Sequence[Any]]) -> Sample:
-        """A prompt of exactly these token ids; each item (an image, a clip) fills the next run
-        of its phase's placeholder ids, which must be as long as its encoder output."""
+        """A prompt of exactly these token ids; each item (an image, a video, a clip) fills the
+        next run of its phase's placeholder ids, which must be as long as its encoder output
+        (items of a phase in the table's order: images, then videos)."""
         ...
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -80,8 +81,8 @@ class RecordTemplate:
 
     def prompt(self, text: str, media: Mapping[str, Sequence[Any]]) -> Sample:
         """See `Template.prompt`. Without any placeholder in `text`, the media come first, in
-        the table's order (images, then clips), as in the built-in data and most image-text
-        data sets."""
+        the table's order (images, clips, then videos), as in the built-in data and most
+        image-text data sets."""
         if not PLACEHOLDER.search(text):
             text = _placeholders(media) + text
         obj = {"id": "prompt", **_media_entries(media)}
@@ -103,14 +104,15 @@ class RecordTemplate:
             obj = {"id": "prompt", "text": _placeholders(media), **_media_entries(media)}
             decoded = self._sample(parse_record(obj, OWN_FILES, 0))
         for p in ENCODERS:
-            marker, per = self.specials.media[p.name], self.pre.per_token[p.name]
+            marker, per = self.specials.phase_ids(p.name), self.pre.per_token[p.name]
             rows = sum(len(m[0]) // per for m in decoded.media[p.name])
-            have = int((tokens == marker).sum())
+            have = int(np.isin(tokens, marker).sum())
             if have != rows:
+                what = "/".join(k.item for k in KINDS if k.phase == p.name)
                 raise RecordError(
                     "placeholder_mismatch",
-                    f"the prompt ids hold {have} {p.item} placeholder ids ({marker}); the "
-                    f"{p.item} input(s) given need {rows} (one per encoder output row)",
+                    f"the prompt ids hold {have} {what} placeholder ids ({marker}); the "
+                    f"{what} input(s) given need {rows} (one per encoder output row)",
                     "prompt",
                 )
         return Sample(-1, tokens, np.zeros(len(tokens), bool), decoded.media, decoded.grids)
@@ -128,13 +130,13 @@ class RecordTemplate:
 
 
 def _placeholders(media: Mapping[str, Sequence[Any]]) -> str:
-    """A placeholder for each item, the table's phases in order."""
-    return "".join(p.placeholder * len(media.get(p.name, ())) for p in ENCODERS)
+    """A placeholder for each item, the table's kinds in order."""
+    return "".join(k.placeholder * len(media.get(k.name, ())) for k in KINDS)
 
 
 def _media_entries(media: Mapping[str, Sequence[Any]]) -> dict[str, list[str]]:
-    """A record's media lists (`images`, `audio`) of the given files."""
-    return {p.items: [str(f) for f in media.get(p.name, ())] for p in ENCODERS}
+    """A record's media lists (`images`, `audio`, `videos`) of the given files."""
+    return {k.items: [str(f) for f in media.get(k.name, ())] for k in KINDS}
 
 
 def make_template(cfg: Config, kind: str = "auto", pretrained: bool = False) -> Template:
