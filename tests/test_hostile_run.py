@@ -219,7 +219,8 @@ def tiny_text(out, *sets, steps: int = 6, **train):
         "data.synthetic.num_samples=64", *NO_EVAL, "model.vision.enabled=false",
         "model.audio.enabled=false", "model.llm.depth=1", "batch.microbatches=1",
         "data.synthetic.image_fraction=0", "data.synthetic.audio_fraction=0",
-        "data.synthetic.multi_image_fraction=0", *sets])  # fmt: skip
+        "data.synthetic.multi_image_fraction=0", "data.synthetic.video_fraction=0",
+        *sets])  # fmt: skip
     return replace(cfg, train=replace(cfg.train, steps=steps, output_dir=str(out), log_every=1,
                                       checkpoint_every=2, progress_bar=False, **train))  # fmt: skip
 
