@@ -223,6 +223,8 @@ def from_dict(cls: type, raw: Any, *, source: str = "<dict>", prefix: str = "") 
     where = prefix.rstrip(".") or "<top level>"
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: {where} must be a mapping, got {type(raw).__name__}")
+    if hasattr(cls, "upgrade"):  # keys of an older format, read as they are meant now
+        raw = cls.upgrade(raw, source)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}

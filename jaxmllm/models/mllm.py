@@ -40,23 +40,21 @@ class MultimodalLM(nnx.Module):
         kw = dict(
             dtype=jnp.dtype(cfg.compute_dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs
         )
-        remat = dict(
-            remat=cfg.remat,
-            remat_policy=cfg.remat_policy,
-            attention=cfg.attention,
-            block=batch_cfg.attention_block,
-        )
+        if cfg.attention == "auto":
+            raise ValueError(
+                "model.attention=auto must be resolved for the devices first "
+                "(jaxmllm.plan.sizing.resolve_attention)"
+            )
+        shared = dict(attention=cfg.attention, block=batch_cfg.attention_block)
         vis, aud = cfg.vision, cfg.audio
-        docs = lambda phase: max(getattr(batch_cfg, f"{phase}_documents"), 0)  # 0: unresolved
-        self.vision = (
-            VisionEncoder(vis, **remat, documents=docs("vision"), **kw) if vis.enabled else None
-        )
+        # Each tower's own: documents (cudnn's bound; 0: unresolved) and remat policy.
+        own = lambda p: dict(documents=max(getattr(batch_cfg, f"{p}_documents"), 0),
+                             remat=cfg.remat_of(p))  # fmt: skip
+        self.vision = VisionEncoder(vis, **shared, **own("vision"), **kw) if vis.enabled else None
         self.vision_projector = vision_projector(cfg, **kw) if vis.enabled else None
-        self.audio = (
-            AudioEncoder(aud, **remat, documents=docs("audio"), **kw) if aud.enabled else None
-        )
+        self.audio = AudioEncoder(aud, **shared, **own("audio"), **kw) if aud.enabled else None
         self.audio_projector = audio_projector(cfg, **kw) if aud.enabled else None
-        self.llm = Decoder(cfg.llm, **remat, documents=docs("llm"), **kw)
+        self.llm = Decoder(cfg.llm, **shared, **own("llm"), **kw)
         if batch_cfg.route_pair_capacity < 0:
             raise ValueError(
                 "batch.route_pair_capacity=-1 (auto) must be resolved against the data first "
