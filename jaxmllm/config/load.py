@@ -63,7 +63,7 @@ class Config:
             "into chunks)",
             "data.audio_max_frames",
         )
-        if self.model.attention == "block_sparse":
+        if self.model.attention in ("block_sparse", "auto"):  # (auto may resolve to it)
             self._check_blocks()
         check(
             self.data.eval.source != "synthetic" or self.data.source == "synthetic",
@@ -80,7 +80,7 @@ class Config:
         """Context parallelism deals a row's query blocks of block-sparse attention to the
         ranks, and plans its LLM rows per group: the one planner that does is orchestrated."""
         check(
-            self.model.attention == "block_sparse",
+            self.model.attention in ("block_sparse", "auto"),  # (auto: block_sparse then)
             f"must be block_sparse with mesh.context={self.mesh.context} (the context ranks "
             "attend over the tiles of the query blocks dealt to them), or set mesh.context: 1",
             "model.attention",
