@@ -14,6 +14,7 @@ import logging
 import math
 
 import jax
+import numpy as np
 
 import sharding
 from jaxmllm.config import Config, ConfigError
@@ -33,6 +34,7 @@ from jaxmllm.plan.capacity import (
 from jaxmllm.plan.contract import Capacities, Planner, device_tile_caps
 from jaxmllm.plan.cost import CostModel
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
+from jaxmllm.plan.tiles import bin_tiles
 
 log = logging.getLogger("jaxmllm")
 
@@ -247,6 +249,55 @@ def resolve_documents(cfg: Config, index: LengthsIndex, devices: int | None) -> 
     if steps < cfg.train.steps:
         most = {p: math.ceil(n * (1 + DOCUMENTS_HEADROOM)) for p, n in most.items()}
     return {f"{p}_documents": max(1, min(bound[p], most[p])) for p in keys}
+
+
+def resolve_bounds(cfg: Config, devices: int) -> Config:
+    """Every `-1` batch size at its bound without data, for compile-only measurements (the
+    memory bench, the recipes' compile test): what any data the config admits may need.
+
+    A route capacity of a device's whole encoder output; per phase, the tiles of a bucket full
+    of the longest documents the config admits laid end to end (the longest term dominates
+    the tiles: for a given fill, fewer, longer documents need more): a row of text per LLM row,
+    images of `data.image_max_pixels` and clips of `data.audio_max_frames` in the encoders';
+    cuDNN's documents at the row over the shortest. `batch.capacity: auto` is refused: it
+    sizes the encoder buckets from the data."""
+    if cfg.batch.capacity == "auto":
+        raise ConfigError(
+            "batch.capacity=auto sizes the encoder buckets from the data, which a compile-only "
+            "measurement does not read: set batch.capacity: fixed (--set batch.capacity=fixed)"
+        )
+    b, m, d = cfg.batch, cfg.model, cfg.data
+    changes = {}
+    if b.route_pair_capacity != 0 and b.planner != "orchestrated":
+        changes["route_pair_capacity"] = 0  # (as resolve_batch: only orchestrated routes)
+    elif b.route_pair_capacity == -1:
+        vision = b.vision_patches // m.vision.merge**2 if m.vision.enabled else 0
+        changes["route_pair_capacity"] = max(vision, b.audio_frames // m.audio.subsample
+                                             if m.audio.enabled else 0, 1)  # fmt: skip
+    if b.devices_per_host == -1:
+        changes["devices_per_host"] = devices
+    cfg = dataclasses.replace(cfg, batch=dataclasses.replace(b, **changes))
+    caps = capacities(cfg, devices)
+    patch, area = m.vision.patch_size, m.vision.merge**2
+    longest = {  # (units of the longest document, bucket units per row, rows, causal)
+        "llm": (caps.llm_bin_len, caps.llm_bin_len, b.llm_rows, True),
+        "vision": (d.image_max_pixels // patch**2 // area * area, caps.vision_patches, 1, False),
+        "audio": (d.audio_max_frames // caps.audio_per_row, caps.audio_frames // caps.audio_per_row,
+                  1, False),
+    }  # fmt: skip
+    tiles, docs = {}, {}
+    for phase, (size, row, rows, causal) in longest.items():
+        size = max(min(size, row), 1)
+        offsets = np.arange(0, row, size)
+        sizes = np.minimum(size, row - offsets)
+        block = b.attention_block
+        tiles[phase] = rows * int(bin_tiles(np.zeros_like(offsets), offsets, sizes, 1, block,
+                                            causal)[0])  # fmt: skip
+        docs[phase] = max(row, 1)  # (cuDNN: the most documents a row can hold)
+    tiles = device_tile_caps(caps, tiles)
+    bounds = {f"{p}_tiles": max(tiles[p], 1) for p in longest if getattr(b, f"{p}_tiles") == -1}
+    bounds |= {f"{p}_documents": docs[p] for p in longest if getattr(b, f"{p}_documents") == -1}
+    return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, **bounds))
 
 
 def capacities(cfg: Config, devices: int) -> Capacities:
