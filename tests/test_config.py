@@ -89,9 +89,11 @@ def test_missing_file_and_bad_yaml(tmp_path):
 def test_small_config_is_a_realistic_single_gpu_model():
     import jax
 
+    from jaxmllm.plan.sizing import resolve_attention
     from jaxmllm.step.program import model_parts
 
     cfg = load_config(ROOT / "configs" / "small.yaml", ["batch.route_pair_capacity=64"])
+    cfg = resolve_attention(cfg)  # (attention: auto, for this machine's devices)
     parts, _ = model_parts(cfg)
     count = sum(x.size for x in jax.tree.leaves(nnx_pure(parts.template)))
     assert 300e6 <= count <= 1e9, count
