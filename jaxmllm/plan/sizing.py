@@ -256,10 +256,11 @@ def resolve_bounds(cfg: Config, devices: int) -> Config:
     memory bench, the recipes' compile test): what any data the config admits may need.
 
     A route capacity of a device's whole encoder output; per phase, the tiles of a bucket full
-    of the longest documents the config admits laid end to end (the longest term dominates
-    the tiles: for a given fill, fewer, longer documents need more): a row of text per LLM row,
-    images of `data.image_max_pixels` and clips of `data.audio_max_frames` in the encoders';
-    cuDNN's documents at the row over the shortest. `batch.capacity: auto` is refused: it
+    of the longest documents the config admits laid end to end (for a given fill, fewer,
+    longer documents need more tiles): a row of text per LLM row, images of
+    `data.image_max_pixels` and clips of `data.audio_max_frames` in the encoders'; cuDNN's
+    documents per row at one a unit (its workspace then is the worst there is: set
+    `batch.*_documents` to measure a bound of your own). `batch.capacity: auto` is refused: it
     sizes the encoder buckets from the data."""
     if cfg.batch.capacity == "auto":
         raise ConfigError(
@@ -293,7 +294,7 @@ def resolve_bounds(cfg: Config, devices: int) -> Config:
         block = b.attention_block
         tiles[phase] = rows * int(bin_tiles(np.zeros_like(offsets), offsets, sizes, 1, block,
                                             causal)[0])  # fmt: skip
-        docs[phase] = max(row, 1)  # (cuDNN: the most documents a row can hold)
+        docs[phase] = max(row, 1)  # (cuDNN: a document a unit)
     tiles = device_tile_caps(caps, tiles)
     bounds = {f"{p}_tiles": max(tiles[p], 1) for p in longest if getattr(b, f"{p}_tiles") == -1}
     bounds |= {f"{p}_documents": docs[p] for p in longest if getattr(b, f"{p}_documents") == -1}
