@@ -42,7 +42,7 @@ import jax
 
 import sharding
 from jaxmllm.bench.compile import measure
-from jaxmllm.config import AUTO_SIZES, REMAT_POLICIES, Config, load_config
+from jaxmllm.config import REMAT_POLICIES, Config, load_config
 from jaxmllm.config.remat import QKV
 from jaxmllm.loop.distributed import split_cpu
 from jaxmllm.plan.cost import multiplier
@@ -58,14 +58,19 @@ def with_policy(cfg: Config, policy: str) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=policy, **towers))
 
 
+# The sizes that grow with a device's buckets: at their bounds again for every row count.
+GROW = ("route_pair_capacity", "llm_tiles", "vision_tiles", "audio_tiles")
+
+
 def with_rows(cfg: Config, rows: int, devices: int) -> Config:
     """`cfg` at `rows` LLM rows per device and microbatch, the encoder buckets in proportion
-    (rounded up to what they must be multiples of), and the sizes data would resolve (route
-    capacity, tiles, documents) at their bounds for these buckets (`resolve_bounds`)."""
+    (rounded up to what they must be multiples of), the sizes that grow with them (route
+    capacity, tiles) at their bounds for these buckets, and every other `-1` size too
+    (`resolve_bounds`; cuDNN's documents per row stay as set)."""
     b, m = cfg.batch, cfg.model
     block = b.attention_block if m.attention == "block_sparse" else 1
     grow = lambda n, unit: -(-n * rows // b.llm_rows // unit) * unit
-    sized = {k: -1 for k in AUTO_SIZES if getattr(b, k) > 0}
+    sized = {k: -1 for k in GROW if getattr(b, k) > 0}
     return resolve_bounds(dataclasses.replace(cfg, batch=dataclasses.replace(
         b, **sized, llm_rows=rows,
         vision_patches=grow(b.vision_patches, math.lcm(m.vision.merge**2, block, 4)),
