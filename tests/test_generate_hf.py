@@ -93,7 +93,7 @@ def test_qwen2_vl_with_an_image_generates_transformers_first_tokens(tmp_path):
     build_dir(d, "qwen", "Qwen/Qwen2.5-VL-7B-Instruct")  # (save_pretrained wrote over it)
     cfg, params = load_hf(parse_args(["--hf", str(d), "--prompt", "."]))
     template = make_template(cfg, "auto", pretrained=True)
-    assert template.specials.image == ids[0]
+    assert template.specials.media["vision"] == ids[0]
 
     rng = np.random.default_rng(0)
     gh, gw, p = 6, 4, 4
@@ -102,7 +102,7 @@ def test_qwen2_vl_with_an_image_generates_transformers_first_tokens(tmp_path):
     text = tk("Describe the picture, please.")["input_ids"]
     tokens = [*text[:3], ids[2], *[ids[0]] * (gh * gw // 4), ids[3], *text[3:]]
     prompt = Sample(-1, np.asarray(tokens, np.int32), np.zeros(len(tokens), bool),
-                    [(patches, positions)], grids=[(gh, gw)])  # fmt: skip
+                    {"vision": [(patches, positions)]}, grids=[(gh, gw)])  # fmt: skip
     new, stop = 8, template.specials.stop
     gen = Generator(cfg, PromptShapes.fit([prompt], cfg, new), template.specials)
     (ours,) = gen.generate(params["params"], params["frozen"], [prompt], max_new_tokens=new,

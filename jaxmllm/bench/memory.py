@@ -43,23 +43,23 @@ import jax
 import sharding
 from jaxmllm.bench.compile import measure
 from jaxmllm.config import REMAT_POLICIES, Config, load_config
+from jaxmllm.config.phases import ENCODERS, LLM, PHASES, enabled, phase
 from jaxmllm.config.remat import QKV
 from jaxmllm.loop.distributed import split_cpu
 from jaxmllm.plan.cost import multiplier
 from jaxmllm.plan.sizing import resolve_attention, resolve_bounds
 
 GIB = 2**30
-TOWERS = ("vision", "audio", "llm")
 
 
 def with_policy(cfg: Config, policy: str) -> Config:
     """`cfg` with every tower under `policy` (its own settings cleared)."""
-    towers = {t: dataclasses.replace(getattr(cfg.model, t), remat="") for t in TOWERS}
+    towers = {t: dataclasses.replace(getattr(cfg.model, t), remat="") for t in PHASES}
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=policy, **towers))
 
 
 # The sizes that grow with a device's buckets: at their bounds again for every row count.
-GROW = ("route_pair_capacity", "llm_tiles", "vision_tiles", "audio_tiles")
+GROW = ("route_pair_capacity", "llm_tiles", *(p.tiles for p in ENCODERS))
 
 
 def with_rows(cfg: Config, rows: int, devices: int) -> Config:
@@ -71,11 +71,11 @@ def with_rows(cfg: Config, rows: int, devices: int) -> Config:
     block = b.attention_block if m.attention == "block_sparse" else 1
     grow = lambda n, unit: -(-n * rows // b.llm_rows // unit) * unit
     sized = {k: -1 for k in GROW if getattr(b, k) > 0}
-    return resolve_bounds(dataclasses.replace(cfg, batch=dataclasses.replace(
-        b, **sized, llm_rows=rows,
-        vision_patches=grow(b.vision_patches, math.lcm(m.vision.merge**2, block, 4)),
-        audio_frames=grow(b.audio_frames, math.lcm(m.audio.subsample, block * m.audio.stride, 4)),
-    )), devices)  # fmt: skip
+    for p in ENCODERS:  # (whole LLM tokens, whole attention blocks of rows; BatchConfig's 4)
+        unit = math.lcm(p.per_token(m), block * p.per_row(m), 4)
+        sized[p.capacity] = grow(p.bucket(b), unit)
+    batch = dataclasses.replace(b, **sized, llm_rows=rows)
+    return resolve_bounds(dataclasses.replace(cfg, batch=batch), devices)
 
 
 # ----------------------------------------------------------------------------- FLOPs
@@ -87,18 +87,17 @@ def layer_flops(cfg: Config, tower: str) -> dict[str, float]:
     output projection), mlp_in (gate and up, or fc1), mlp_out."""
     b, m = cfg.batch, cfg.model
     t = getattr(m, tower)
-    if tower == "llm":
+    if tower == LLM:
         n, q, kv = b.llm_rows * b.llm_row_len, t.head_width * t.heads, t.head_width * t.kv_heads
         dense_pairs = b.llm_rows * b.llm_row_len**2
-    elif tower == "vision":
-        n, q, kv, dense_pairs = b.vision_patches, t.width, t.width, b.vision_patches**2
-    else:
-        n = b.audio_frames // t.stride
-        q, kv, dense_pairs = t.width, t.width, n * n
+    else:  # (an encoder: one packed row of its bucket's rows, plain multi-head attention)
+        p = phase(tower)
+        n, q, kv = p.bucket(b) // p.per_row(m), t.width, t.width
+        dense_pairs = n * n
     if m.attention == "block_sparse":
         pairs = getattr(b, f"{tower}_tiles") * b.attention_block**2
     else:  # (cuDNN skips what its documents do not span: at most this)
-        pairs = dense_pairs // (2 if tower == "llm" and m.attention == "cudnn" else 1)
+        pairs = dense_pairs // (2 if tower == LLM and m.attention == "cudnn" else 1)
     gated = 2 if t.mlp == "gated_silu" else 1
     return {
         "qkv": 2.0 * n * t.width * (q + 2 * kv),
@@ -127,10 +126,10 @@ def backward_runs(cfg: Config) -> dict[str, int]:
     """Per enabled tower, its training multiplier (`plan.cost.multiplier`): 1 when it runs
     forward only (frozen, nothing trainable below), so nothing is recomputed."""
     m = cfg.model
-    enabled = [t for t in TOWERS if t == "llm" or getattr(m, t).enabled]
-    enc_trainable = any(not getattr(m, t).freeze for t in enabled if t != "llm")
-    below = {t: False for t in enabled} | {"llm": enc_trainable or not m.projector_freeze}
-    return {t: multiplier(getattr(m, t).freeze, below[t]) for t in enabled}
+    on = [p.name for p in enabled(m)]
+    enc_trainable = any(not getattr(m, t).freeze for t in on)
+    out = {t: multiplier(getattr(m, t).freeze, False) for t in on}
+    return out | {LLM: multiplier(m.llm.freeze, enc_trainable or not m.projector_freeze)}
 
 
 def recompute_flops(cfg: Config) -> float:
@@ -152,7 +151,7 @@ def train_flops(cfg: Config) -> float:
         mult * getattr(cfg.model, t).depth * sum(layer_flops(cfg, t).values())
         for t, mult in backward_runs(cfg).items()
     )
-    total += backward_runs(cfg)["llm"] * 2.0 * b.llm_rows * b.llm_row_len * lm.width * lm.vocab_size
+    total += backward_runs(cfg)[LLM] * 2.0 * b.llm_rows * b.llm_row_len * lm.width * lm.vocab_size
     return total * b.microbatches
 
 
@@ -161,10 +160,10 @@ def train_flops(cfg: Config) -> float:
 
 def label(cfg: Config) -> str:
     """The policies a config runs: one name, or per tower when they differ."""
-    own = {t: cfg.model.remat_of(t) for t in TOWERS if t == "llm" or getattr(cfg.model, t).enabled}
-    return (
-        own["llm"] if len(set(own.values())) == 1 else " ".join(f"{t}:{p}" for t, p in own.items())
-    )
+    own = {t: cfg.model.remat_of(t) for t in (*(p.name for p in enabled(cfg.model)), LLM)}
+    if len(set(own.values())) == 1:
+        return own[LLM]
+    return " ".join(f"{t}:{p}" for t, p in own.items())
 
 
 def fit(cfg: Config, mesh, devices: int, device_bytes: int) -> dict:

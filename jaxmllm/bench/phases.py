@@ -1,9 +1,9 @@
 """Where a device's step time goes: each phase of the train step compiled as its own program
 and timed on the buckets of real steps (`python -m jaxmllm.bench.throughput --phases`).
 
-- `vision`, `audio`: the encoder and its projector over one device's bucket, forward and
-  backward as the step runs them (a frozen encoder gets no weight gradient; one with nothing
-  trainable below it runs forward only);
+- each encoder phase (`vision`, `audio`): the encoder and its projector over one device's
+  bucket, forward and backward as the step runs them (a frozen encoder gets no weight
+  gradient; one with nothing trainable below it runs forward only);
 - `llm`: the decoder from its input embeddings (token embeddings, the placeholder slots filled
   with constant encoder rows) through the loss, forward and backward (to the rows too);
 - `exchange`: the encoder rows' all-to-all and its transpose (the backward's), all phases, on
@@ -29,11 +29,12 @@ import numpy as np
 import optax
 
 import sharding
-from jaxmllm.config import Config
+from jaxmllm.config import Config, phases
+from jaxmllm.config.phases import LLM, enabled
 from jaxmllm.models.llm import chunked_token_losses
 from jaxmllm.models.mllm import exchange_rows
 
-PHASES = ("vision", "audio", "llm", "exchange", "optimizer")
+PHASES = (*phases.NAMES, LLM, "exchange", "optimizer")
 
 
 class PhaseTimer:
@@ -45,9 +46,9 @@ class PhaseTimer:
         self.params, self.frozen = state1["params"], state1["frozen"]
         self.opt_state = state1["opt_state"]
         parts = prog1.parts
-        self.encoders = [p for p in ("vision", "audio") if getattr(cfg.model, p).enabled]
+        self.encoders = [p.name for p in enabled(cfg.model)]
         self.programs = {p: jax.jit(encoder_program(parts, p)) for p in self.encoders}
-        self.programs["llm"] = jax.jit(llm_program(parts, self.encoders))
+        self.programs[LLM] = jax.jit(llm_program(parts, self.encoders))
         self.optimizer = jax.jit(update_program(prog1.optimizer))
         self.width = cfg.model.llm.width
         self.dtype = jnp.dtype(cfg.model.compute_dtype)
@@ -56,7 +57,7 @@ class PhaseTimer:
     def time(self, host: dict[str, np.ndarray], device_batch: Callable) -> dict[str, float]:
         """Seconds per phase of this step: the slowest device's, each phase on its own
         (`device_batch(host, d)`: device d's bucket, shaped for the one-device programs)."""
-        worst = dict.fromkeys(self.encoders + ["llm"], 0.0)
+        worst = dict.fromkeys([*self.encoders, LLM], 0.0)
         devices = next(iter(host.values())).shape[1]
         with jax.set_mesh(self.mesh1):
             for d in range(devices):
@@ -72,7 +73,7 @@ class PhaseTimer:
         program, total = self.programs[phase], 0.0
         for m in range(next(iter(batch.values())).shape[0]):
             mb = {k: v[m] for k, v in batch.items()}
-            if phase == "llm":
+            if phase == LLM:
                 total += timed(program, self.params, self.frozen, mb, self._rows(mb))
             else:
                 total += timed(program, self.params, self.frozen, mb)
@@ -80,11 +81,9 @@ class PhaseTimer:
 
     def _rows(self, mb: dict) -> dict[str, jax.Array]:
         """Constant encoder rows of the shapes the projectors give (what the LLM reads)."""
-        m = self.cfg.model
-        n = {"vision": mb.get("vision_patches"), "audio": mb.get("audio_frames")}
-        per = {"vision": m.vision.merge**2, "audio": m.audio.subsample}
-        return {p: jnp.zeros((1, n[p].shape[1] // per[p], self.width), self.dtype)
-                for p in self.encoders}  # fmt: skip
+        rows = lambda p: mb[p.capacity].shape[1] // p.per_token(self.cfg.model)
+        return {p.name: jnp.zeros((1, rows(p), self.width), self.dtype)
+                for p in enabled(self.cfg.model)}  # fmt: skip
 
     def _exchange(self, host: dict[str, np.ndarray]) -> float:
         """The step's all-to-alls (every microbatch) forward and transposed, on the mesh."""
@@ -101,12 +100,11 @@ class PhaseTimer:
                 total += timed(EXCHANGE, rows, send)
         return total
 
-    def _global_rows(self, host: dict, phase: str) -> jax.Array:
+    def _global_rows(self, host: dict, name: str) -> jax.Array:
         """Every device's encoder rows [D, N, width], sharded like the step's."""
-        m = self.cfg.model
-        per = m.vision.merge**2 if phase == "vision" else m.audio.subsample
-        key = "vision_patches" if phase == "vision" else "audio_frames"
-        d, n = host[key].shape[1], host[key].shape[2] // per
+        p = phases.phase(name)
+        key = p.capacity
+        d, n = host[key].shape[1], host[key].shape[2] // p.per_token(self.cfg.model)
         spec = jax.sharding.PartitionSpec(sharding.DATA_AXES)
         return jax.device_put(jnp.ones((d, n, self.width), self.dtype),
                               jax.sharding.NamedSharding(self.mesh, spec))  # fmt: skip
@@ -158,7 +156,7 @@ def llm_program(parts, phases: list[str]) -> Callable:
         return total
 
     def program(params, frozen, mb, rows):
-        llm = {k: v for k, v in params.items() if k == "llm"}  # (frozen: the rows' gradient)
+        llm = {k: v for k, v in params.items() if k == LLM}  # (frozen: the rows' gradient)
         grad = jax.value_and_grad(lambda llm, rows: loss(llm, params, frozen, mb, rows), (0, 1))
         return grad(llm, rows)
 

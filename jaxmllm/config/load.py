@@ -18,8 +18,10 @@ from typing import Any
 
 import yaml
 
+from jaxmllm.config import phases
 from jaxmllm.config.checks import ConfigError, check
 from jaxmllm.config.model import ModelConfig
+from jaxmllm.config.phases import ENCODERS, NAMES
 from jaxmllm.config.sections import (
     BatchConfig,
     DataConfig,
@@ -45,12 +47,13 @@ class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self):
-        vis, b = self.model.vision, self.batch
-        check(
-            b.vision_patches % (vis.merge**2) == 0,
-            f"must be a multiple of merge^2 = {vis.merge**2}",
-            "batch.vision_patches",
-        )
+        for p in ENCODERS:  # (whole LLM tokens: the projector merges this many units into one)
+            per = p.per_token(self.model)
+            check(
+                p.bucket(self.batch) % per == 0,
+                f"must be a multiple of {per}, the {p.unit} of one LLM token (model.{p.name})",
+                f"batch.{p.capacity}",
+            )
         aud = self.model.audio
         check(
             not aud.enabled
@@ -107,24 +110,23 @@ class Config:
         """Layer counts given per stage add up to the module's depth; placements name encoders
         that exist; what the pipeline does not run is refused, naming both keys."""
         p, m = self.pipeline, self.model
-        for name, depth in (("llm", m.llm.depth), ("vision", m.vision.depth),
-                            ("audio", m.audio.depth)):  # fmt: skip
-            layers = getattr(p, f"{name}_layers")
+        for name in ("llm", *NAMES):
+            layers, depth = p.layers(name), getattr(m, name).depth
             check(
                 not layers or sum(layers) == depth,
                 f"{list(layers)} adds up to {sum(layers)} layers, but model.{name}.depth is "
                 f"{depth}",
                 f"pipeline.{name}_layers",
             )
-        for name in ("vision", "audio"):
-            enabled = getattr(m, name).enabled
+        for phase in ENCODERS:
+            name = phase.name
             check(
-                enabled or (getattr(p, name) != "stages" and not getattr(p, f"{name}_layers")),
+                phase.enabled(m) or (p.placement(name) != "stages" and not p.layers(name)),
                 f"model.{name}.enabled is false: there is no {name} encoder to place",
                 f"pipeline.{name}",
             )
             check(
-                not getattr(p, f"{name}_layers") or getattr(p, name) == "stages",
+                not p.layers(name) or p.placement(name) == "stages",
                 f"layers per {name} stage need pipeline.{name}: stages",
                 f"pipeline.{name}_layers",
             )
@@ -163,18 +165,14 @@ class Config:
         )
         if b.capacity == "auto":  # the encoder buckets are sized from the data, in blocks
             return
-        check(
-            not m.vision.enabled or b.vision_patches % block == 0,
-            f"must be a multiple of batch.attention_block={block} {fix}",
-            "batch.vision_patches",
-        )
-        rows, stride = b.audio_frames // m.audio.stride, m.audio.stride
-        check(
-            not m.audio.enabled or rows % block == 0,
-            f"must be a multiple of batch.attention_block x the audio stem's stride = "
-            f"{block * stride} (the audio encoder attends over frames / {stride}) {fix}",
-            "batch.audio_frames",
-        )
+        for p in phases.enabled(m):
+            per = p.per_row(m)  # (units per encoder row: attention tiles are blocks of rows)
+            rows = f" x {per} {p.unit} per {p.name} encoder row = {block * per}" if per > 1 else ""
+            check(
+                p.bucket(b) % (block * per) == 0,
+                f"must be a multiple of batch.attention_block={block}{rows} {fix}",
+                f"batch.{p.capacity}",
+            )
 
 
 # ----------------------------------------------------------------------------- loading

@@ -73,6 +73,21 @@ class VisionConfig(BlockOptions):
     projector_act: str = "gelu_tanh"  # the projector's activation: gelu_tanh | gelu (exact)
     freeze: bool = False  # no gradient and no optimizer state for the encoder
 
+    # What the phase table (jaxmllm.config.phases) reads of an encoder: its units (patches),
+    # how many make an LLM token and an encoder row, and one unit's input and position.
+    @property
+    def units_per_token(self) -> int:
+        """Patches per LLM token: the projector merges merge x merge neighbours."""
+        return self.merge**2
+
+    units_per_row = 1  # attention sees every patch
+    position_dims = 2  # a patch's (row, column)
+
+    @property
+    def input_width(self) -> int:
+        """Values per patch: patch x patch pixels of `channels`."""
+        return self.patch_size**2 * self.channels
+
     def __post_init__(self):
         super().__post_init__()
         positive(self, "patch_size", "channels", "width", "depth", "heads", "mlp_dim", "merge")
@@ -121,6 +136,24 @@ class AudioConfig(BlockOptions):
     def stride(self) -> int:
         """Frames per encoder row."""
         return 2 if self.stem == "whisper" else 4
+
+    # What the phase table (jaxmllm.config.phases) reads of an encoder (see VisionConfig).
+    @property
+    def units_per_token(self) -> int:
+        """Frames per LLM token."""
+        return self.subsample
+
+    @property
+    def units_per_row(self) -> int:
+        """Frames per encoder row: attention sees rows of `stride` frames."""
+        return self.stride
+
+    position_dims = 0  # a frame's index in its clip
+
+    @property
+    def input_width(self) -> int:
+        """Values per frame: its mel bins."""
+        return self.n_mels
 
     def __post_init__(self):
         super().__post_init__()

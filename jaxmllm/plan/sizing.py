@@ -17,8 +17,10 @@ import jax
 import numpy as np
 
 import sharding
-from jaxmllm.config import Config, ConfigError
+from jaxmllm.config import Config, ConfigError, phases
+from jaxmllm.config.phases import ENCODERS, LLM
 from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.data.preprocess import MEDIA
 from jaxmllm.plan.capacity import (
     HELD_DRY_RUN_STEPS,
     ROUTE_DRY_RUN_STEPS,
@@ -114,29 +116,28 @@ def resolve_batch(cfg: Config, index: LengthsIndex, devices: int | None = None) 
             "see the index's rejects.jsonl, or raise data.synthetic.num_samples"
         )
     changes = {}
+    per_token = {p.name: p.per_token(m) for p in ENCODERS}
     if b.capacity == "auto":
         block = b.attention_block if m.attention == "block_sparse" else 1
-        area, sub = m.vision.merge**2, m.audio.subsample
+        per_row = {p.name: p.per_row(m) for p in ENCODERS}
+        tokens = b.llm_rows * b.llm_row_len
         if cfg.mesh.context > 1:  # (a device's tokens: its share of its group's longer rows)
-            got = encoder_capacities(index, b.llm_rows * b.llm_row_len, area, sub, block=block)
+            got = encoder_capacities(index, tokens, per_token, per_row=per_row, block=block)
         else:
-            got = suggest_capacities(index, b.llm_rows * b.llm_row_len, area, sub,
+            got = suggest_capacities(index, tokens, per_token, per_row=per_row,
                                      max_row_len=b.llm_row_len, block=block)  # fmt: skip
-        for key in ("vision_patches", "audio_frames"):
-            value = getattr(got, key)
-            if value:  # 0: the data has none of it; keep the configured bucket
-                changes[key] = value
+        for p in ENCODERS:
+            if got.units[p.name]:  # 0: the data has none of it; keep the configured bucket
+                changes[p.capacity] = got.units[p.name]
     auto_route = False
     if b.route_pair_capacity != 0 and b.planner != "orchestrated":
         # Only orchestrated moves items between devices; an exchange would only move zeros.
         changes["route_pair_capacity"] = 0
     elif b.route_pair_capacity == -1:
         # A device's whole encoder output (never binds) for the dry run, then what it carried.
-        vision = changes.get("vision_patches", b.vision_patches) // m.vision.merge**2
-        audio = changes.get("audio_frames", b.audio_frames) // m.audio.subsample
-        changes["route_pair_capacity"] = max(
-            vision if m.vision.enabled else 0, audio if m.audio.enabled else 0, 1
-        )
+        rows = [changes.get(p.capacity, p.bucket(b)) // per_token[p.name]
+                for p in phases.enabled(m)]  # fmt: skip
+        changes["route_pair_capacity"] = max(*rows, 1)
         auto_route = True
     if b.devices_per_host == -1:
         changes["devices_per_host"] = resolve_devices_per_host(cfg, devices)
@@ -194,7 +195,7 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
     comparison shows what its packing costs. Never below what the largest document needs.
     """
     b = cfg.batch
-    keys = [f"{p}_tiles" for p in ("llm", "vision", "audio") if getattr(b, f"{p}_tiles") == -1]
+    keys = {p: key for p, key in tile_keys().items() if getattr(b, key) == -1}
     if cfg.model.attention != "block_sparse" or not keys:
         return {}
     caps = capacities(cfg, devices or 1)  # (the -1s: no bound)
@@ -204,7 +205,7 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
     planner = make_planner(b.planner, index, caps, cfg.data.seed)
     if b.planner in HOLDS_TILES:
         # (the headroom that does the most useful work per computed FLOP of the cost model)
-        weights = CostModel.from_model(cfg.model).tile_weights(caps.block, caps.audio_per_row)
+        weights = CostModel.from_model(cfg.model).tile_weights(caps.block, caps.per_row)
         need = held_tiles(
             planner,
             index,
@@ -221,7 +222,7 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
     # Documents the dry run did not meet fit too, wherever in a block they start.
     least = device_tile_caps(caps, largest_doc_tiles(index, caps))
     need = {p: max(n, least[p]) for p, n in need.items()}
-    return {key: max(need[key.removesuffix("_tiles")], 1) for key in keys}
+    return {key: max(need[p], 1) for p, key in keys.items()}
 
 
 DOCUMENTS_HEADROOM = 0.25  # cuDNN's documents per row: over the dry run's most, when longer
@@ -236,7 +237,7 @@ def resolve_documents(cfg: Config, index: LengthsIndex, devices: int | None) -> 
     tokens a row, 0.4B parameters, it asked for 234 GiB on an H100. A later row past the
     bound stops the run naming the key (`bucketize`); resume with it raised."""
     b = cfg.batch
-    keys = [p for p in ("llm", "vision", "audio") if getattr(b, f"{p}_documents") == -1]
+    keys = {p: key for p, key in document_keys().items() if getattr(b, key) == -1}
     if cfg.model.attention != "cudnn" or not keys:
         return {}
     if devices is None:
@@ -248,7 +249,17 @@ def resolve_documents(cfg: Config, index: LengthsIndex, devices: int | None) -> 
                              steps)  # fmt: skip
     if steps < cfg.train.steps:
         most = {p: math.ceil(n * (1 + DOCUMENTS_HEADROOM)) for p, n in most.items()}
-    return {f"{p}_documents": max(1, min(bound[p], most[p])) for p in keys}
+    return {key: max(1, min(bound[p], most[p])) for p, key in keys.items()}
+
+
+def tile_keys() -> dict[str, str]:
+    """Per phase, the batch key of its tile capacity (block-sparse attention)."""
+    return {LLM: "llm_tiles", **{p.name: p.tiles for p in ENCODERS}}
+
+
+def document_keys() -> dict[str, str]:
+    """Per phase, the batch key of its most documents a row (cuDNN attention)."""
+    return {LLM: "llm_documents", **{p.name: p.documents for p in ENCODERS}}
 
 
 def resolve_bounds(cfg: Config, devices: int) -> Config:
@@ -257,8 +268,9 @@ def resolve_bounds(cfg: Config, devices: int) -> Config:
 
     A route capacity of a device's whole encoder output; per phase, the tiles of a bucket full
     of the longest documents the config admits laid end to end (for a given fill, fewer,
-    longer documents need more tiles): a row of text per LLM row, images of
-    `data.image_max_pixels` and clips of `data.audio_max_frames` in the encoders'; cuDNN's
+    longer documents need more tiles): a row of text per LLM row, each encoder's largest item
+    (`preprocess.MEDIA[phase].largest`: an image at `data.image_max_pixels`, a chunk of
+    `data.audio_max_frames`) in the encoders'; cuDNN's
     documents per row at one a unit (its workspace then is the worst there is: set
     `batch.*_documents` to measure a bound of your own). `batch.capacity: auto` is refused: it
     sizes the encoder buckets from the data."""
@@ -267,37 +279,34 @@ def resolve_bounds(cfg: Config, devices: int) -> Config:
             "batch.capacity=auto sizes the encoder buckets from the data, which a compile-only "
             "measurement does not read: set batch.capacity: fixed (--set batch.capacity=fixed)"
         )
-    b, m, d = cfg.batch, cfg.model, cfg.data
+    b, m = cfg.batch, cfg.model
+    on = phases.enabled(m)
     changes = {}
     if b.route_pair_capacity != 0 and b.planner != "orchestrated":
         changes["route_pair_capacity"] = 0  # (as resolve_batch: only orchestrated routes)
-    elif b.route_pair_capacity == -1:
-        vision = b.vision_patches // m.vision.merge**2 if m.vision.enabled else 0
-        changes["route_pair_capacity"] = max(vision, b.audio_frames // m.audio.subsample
-                                             if m.audio.enabled else 0, 1)  # fmt: skip
+    elif b.route_pair_capacity == -1:  # a device's whole output
+        changes["route_pair_capacity"] = max([p.bucket(b) // p.per_token(m) for p in on] + [1])
     if b.devices_per_host == -1:
         changes["devices_per_host"] = devices
     cfg = dataclasses.replace(cfg, batch=dataclasses.replace(b, **changes))
     caps = capacities(cfg, devices)
-    patch, area = m.vision.patch_size, m.vision.merge**2
-    longest = {  # (units of the longest document, bucket units per row, rows, causal)
-        "llm": (caps.llm_bin_len, caps.llm_bin_len, b.llm_rows, True),
-        "vision": (d.image_max_pixels // patch**2 // area * area, caps.vision_patches, 1, False),
-        "audio": (d.audio_max_frames // caps.audio_per_row, caps.audio_frames // caps.audio_per_row,
-                  1, False),
-    }  # fmt: skip
+    # Per phase: (rows of its longest document, rows of a bucket's row, bucket rows, causal)
+    longest = {LLM: (caps.llm_bin_len, caps.llm_bin_len, b.llm_rows, True)}
+    for p in on:
+        per_row = p.per_row(m)
+        longest[p.name] = (MEDIA[p.name].largest(cfg) // per_row, p.bucket(b) // per_row, 1, False)
     tiles, docs = {}, {}
     for phase, (size, row, rows, causal) in longest.items():
         size = max(min(size, row), 1)
         offsets = np.arange(0, row, size)
         sizes = np.minimum(size, row - offsets)
-        block = b.attention_block
-        tiles[phase] = rows * int(bin_tiles(np.zeros_like(offsets), offsets, sizes, 1, block,
-                                            causal)[0])  # fmt: skip
-        docs[phase] = max(row, 1)  # (cuDNN: a document a unit)
+        bucket = bin_tiles(np.zeros_like(offsets), offsets, sizes, 1, b.attention_block, causal)
+        tiles[phase], docs[phase] = rows * int(bucket[0]), max(row, 1)  # (cuDNN: one a unit)
     tiles = device_tile_caps(caps, tiles)
-    bounds = {f"{p}_tiles": max(tiles[p], 1) for p in longest if getattr(b, f"{p}_tiles") == -1}
-    bounds |= {f"{p}_documents": docs[p] for p in longest if getattr(b, f"{p}_documents") == -1}
+    bounds = {key: max(tiles[p], 1) for p, key in tile_keys().items()
+              if p in tiles and getattr(b, key) == -1}  # fmt: skip
+    bounds |= {key: docs[p] for p, key in document_keys().items()
+               if p in docs and getattr(b, key) == -1}  # fmt: skip
     return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, **bounds))
 
 
@@ -311,23 +320,22 @@ def capacities(cfg: Config, devices: int) -> Capacities:
             "batch.route_pair_capacity=-1 (auto) must be resolved against the "
             "data first: jaxmllm.plan.sizing.resolve_batch"
         )
+    on = {p.name: p.enabled(m) for p in ENCODERS}
+    tiles = {p: max(getattr(b, key), 0) if sparse and on.get(p, True) else 0
+             for p, key in tile_keys().items()}  # fmt: skip
     return Capacities(
         microbatches=b.microbatches,
         devices=devices,
         llm_rows=b.llm_rows,
         llm_row_len=b.llm_row_len,
-        vision_patches=b.vision_patches if m.vision.enabled else 0,
-        audio_frames=b.audio_frames if m.audio.enabled else 0,
-        merge_area=m.vision.merge**2,
-        subsample=m.audio.subsample,
-        audio_stride=0 if m.audio.stride == m.audio.subsample else m.audio.stride,
+        units={p.name: p.bucket(b) if on[p.name] else 0 for p in ENCODERS},
+        per_token={p.name: p.per_token(m) for p in ENCODERS},
+        per_row={p.name: p.per_row(m) for p in ENCODERS},
         route_pair_capacity=b.route_pair_capacity,
         devices_per_host=max(b.devices_per_host, 0),
         context=cfg.mesh.context,
         block=b.attention_block if sparse else 0,
-        llm_tiles=max(b.llm_tiles, 0) if sparse else 0,
-        vision_tiles=max(b.vision_tiles, 0) if sparse and m.vision.enabled else 0,
-        audio_tiles=max(b.audio_tiles, 0) if sparse and m.audio.enabled else 0,
+        tiles=tiles,
     )
 
 
