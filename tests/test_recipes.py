@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxmllm.config import load_config
+from jaxmllm.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "configs" / "gpu").glob("*.yaml"))
@@ -43,3 +43,19 @@ def test_a_recipe_step_compiles_on_its_mesh_and_fits_80_gb(path):
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0 and " fits 80 GiB" in done.stdout, done.stdout + done.stderr[-3000:]
     print(done.stdout)
+
+
+def test_the_bounds_without_data_hold_what_the_data_resolves_to():
+    """What the compile-only measurements size buckets with (`resolve_bounds`) is at least
+    what a run resolves from its data: tiles, route capacity (so what fits there fits a run)."""
+    from jaxmllm.data.source import make_source
+    from jaxmllm.plan.sizing import resolve_batch, resolve_bounds, tile_keys
+
+    sets = ["batch.capacity=fixed", "data.synthetic.num_samples=256", "train.steps=4"]
+    cfg = load_config("configs/tiny.yaml", sets)
+    _, index = make_source(cfg)
+    bound, data = resolve_bounds(cfg, 8).batch, resolve_batch(cfg, index, 8).batch
+    for key in ["route_pair_capacity", *tile_keys().values()]:
+        assert getattr(bound, key) >= getattr(data, key) > 0, key
+    with pytest.raises(ConfigError, match=r"batch\.capacity: fixed"):
+        resolve_bounds(load_config("configs/tiny.yaml"), 8)  # (auto: from the data)

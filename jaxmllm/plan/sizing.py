@@ -36,7 +36,7 @@ from jaxmllm.plan.capacity import (
 from jaxmllm.plan.contract import Capacities, Planner, device_tile_caps
 from jaxmllm.plan.cost import CostModel
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
-from jaxmllm.plan.tiles import bin_tiles
+from jaxmllm.plan.tiles import bin_tiles, own_tiles
 
 log = logging.getLogger("jaxmllm")
 
@@ -301,7 +301,11 @@ def resolve_bounds(cfg: Config, devices: int) -> Config:
         offsets = np.arange(0, row, size)
         sizes = np.minimum(size, row - offsets)
         bucket = bin_tiles(np.zeros_like(offsets), offsets, sizes, 1, b.attention_block, causal)
-        tiles[phase], docs[phase] = rows * int(bucket[0]), max(row, 1)  # (cuDNN: one a unit)
+        # ... and never below what resolve_tiles holds for the longest document (starting
+        # anywhere in a block: one block more than its size in blocks)
+        least = own_tiles(np.array([(size - 1) // b.attention_block + 2]), causal)[0]
+        tiles[phase] = max(rows * int(bucket[0]), int(least))
+        docs[phase] = max(row, 1)  # (cuDNN: a document a unit)
     tiles = device_tile_caps(caps, tiles)
     bounds = {key: max(tiles[p], 1) for p, key in tile_keys().items()
               if p in tiles and getattr(b, key) == -1}  # fmt: skip
