@@ -48,7 +48,7 @@ from jaxmllm.loop.ledger import Ledger
 from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter
 from jaxmllm.loop.timings import TimingsRecorder
 from jaxmllm.plan.contract import OversizeError
-from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.plan.sizing import check_attention, resolve_attention, resolve_batch
 from jaxmllm.step.stages.program import build_program
 
 log = logging.getLogger("jaxmllm")
@@ -68,23 +68,8 @@ def main(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> 
             "batch.exchange=ragged: XLA:CPU does not implement ragged_all_to_all; use "
             "batch.exchange: dense on CPU (ragged is for GPU backends)"
         )
-    if cfg.model.attention == "cudnn" and jax.default_backend() != "gpu":
-        raise ConfigError(
-            f"model.attention=cudnn: cuDNN's fused attention needs a GPU, this backend is "
-            f"{jax.default_backend()}; use model.attention: block_sparse (every backend)"
-        )
-    if cfg.model.attention == "cudnn":
-        cc = str(getattr(jax.devices()[0], "compute_capability", "none"))
-        try:
-            hopper = tuple(int(x) for x in cc.split(".")[:2]) >= (9, 0)
-        except ValueError:  # not an NVIDIA GPU (e.g. ROCm's gfx names)
-            hopper = False
-        if not hopper:
-            raise ConfigError(
-                f"model.attention=cudnn: cuDNN's packed-documents layout needs a Hopper GPU "
-                f"(compute capability 9.0) or newer, this one is {cc}; use model.attention: "
-                "block_sparse"
-            )
+    cfg = resolve_attention(cfg)  # auto: the kernel for these devices (logged)
+    check_attention(cfg)  # a kernel these devices cannot run stops the run here
     calibrated_cost(cfg)  # a bad train.cost_file stops the run here, not in the data thread
     # The data decides `auto` sizes before anything is shaped by them.
     source, index = make_source(cfg)

@@ -371,6 +371,42 @@ def test_cudnn_attention_is_refused_off_gpu_with_the_key_to_change(tmp_path):
         main(cfg)
 
 
+def test_auto_attention_picks_cudnn_on_hopper_and_block_sparse_elsewhere(caplog):
+    """Resolved once for the devices (logged), the same sizes as the kernel named outright; a
+    kernel the devices cannot run is refused naming the key, and a model never sees auto."""
+    import logging
+    from types import SimpleNamespace as Device
+
+    from jaxmllm.config import ConfigError, load_config
+    from jaxmllm.config.spec import BatchSpec
+    from jaxmllm.data.source import make_source
+    from jaxmllm.plan.sizing import check_attention, resolve_attention, resolve_batch
+
+    h100 = Device(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H100 80GB HBM3")
+    a100 = Device(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100-SXM4-80GB")
+    cfg = load_config("configs/tiny.yaml", ["model.attention=auto"])
+    kind = lambda cfg, devices: resolve_attention(cfg, devices).model.attention
+    assert kind(cfg, [h100]) == "cudnn"
+    assert kind(cfg, [a100]) == kind(cfg, [Device(platform="cpu")]) == "block_sparse"
+    split = load_config("configs/long_context.yaml", ["model.attention=auto"])
+    assert kind(split, [h100]) == "block_sparse"  # context parallelism deals block-sparse tiles
+    with caplog.at_level(logging.INFO, logger="jaxmllm"):
+        resolved = resolve_attention(cfg)  # this machine's devices
+    assert "model.attention: auto -> " in caplog.text
+    if jax.default_backend() == "cpu":  # sized as block-sparse: the auto sizes resolve after it
+        assert resolved.model.attention == "block_sparse"
+        sets = ["data.synthetic.num_samples=256", "train.steps=4"]
+        auto = load_config("configs/tiny.yaml", [*sets, "model.attention=auto"])
+        named = load_config("configs/tiny.yaml", [*sets, "model.attention=block_sparse"])
+        source, index = make_source(named)
+        assert resolve_batch(auto, index, 8) == resolve_batch(named, index, 8)
+    with pytest.raises(ConfigError, match=r"model\.attention=cudnn.*9\.0.*this one is 8\.0"):
+        check_attention(resolve_attention(cfg, [h100]), [a100])
+    check_attention(resolve_attention(cfg, [h100]), [h100])
+    with pytest.raises(ConfigError, match=r"model\.attention=auto is not resolved"):
+        BatchSpec.of(cfg)  # (what every model is built with)
+
+
 def test_packed_density_counts_aligned_documents_as_aligned():
     """Documents of whole blocks packed back to back stay aligned: each needs exactly its own
     tiles (the uniform guess of `expected_tiles` would count a block more per side)."""

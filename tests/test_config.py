@@ -89,9 +89,11 @@ def test_missing_file_and_bad_yaml(tmp_path):
 def test_small_config_is_a_realistic_single_gpu_model():
     import jax
 
+    from jaxmllm.plan.sizing import resolve_attention
     from jaxmllm.step.program import model_parts
 
     cfg = load_config(ROOT / "configs" / "small.yaml", ["batch.route_pair_capacity=64"])
+    cfg = resolve_attention(cfg)  # (attention: auto, for this machine's devices)
     parts, _ = model_parts(cfg)
     count = sum(x.size for x in jax.tree.leaves(nnx_pure(parts.template)))
     assert 300e6 <= count <= 1e9, count
@@ -134,3 +136,60 @@ def test_fixed_length_tuples_and_dotless_floats_are_read():
         load_config(None, ["data.image_std=[0.5, 0.5]"])
     with pytest.raises(ConfigError, match=r"image_std: every channel's std must be > 0"):
         load_config(None, ["data.image_std=[0.5, 0, 0.5]"])
+
+
+@pytest.mark.parametrize(
+    "sets, policy",
+    [
+        (["model.remat=true"], "full"),
+        (["model.remat=true", "model.remat_policy=nothing"], "full"),
+        (["model.remat=true", "model.remat_policy=dots"], "save_dots"),
+        (["model.remat=false", "model.remat_policy=dots"], "none"),
+        (["model.remat=save_dots_except_mlp"], "save_dots_except_mlp"),
+    ],
+)
+def test_remat_as_configs_wrote_it_before_the_names_reads_as_its_policy(sets, policy):
+    cfg = load_config(None, sets)
+    assert cfg.model.remat == policy
+    assert cfg.model.remat_of("llm") == cfg.model.remat_of("vision") == policy
+
+
+def test_a_tower_takes_its_own_remat_policy_and_bad_ones_say_what_to_write():
+    cfg = load_config(None, ["model.remat=save_dots", "model.vision.remat=full"])
+    assert [cfg.model.remat_of(t) for t in ("vision", "audio", "llm")] == [
+        "full",
+        "save_dots",
+        "save_dots",
+    ]
+    with pytest.raises(
+        ConfigError, match=r"model\.vision\.remat: true .* model\.vision\.remat: full"
+    ):
+        load_config(None, ["model.vision.remat=true"])
+    with pytest.raises(ConfigError, match=r"model\.remat: must be one of none, full, save_dots"):
+        load_config(None, ["model.remat=dots"])
+    with pytest.raises(ConfigError, match=r"model\.remat_policy is gone.*model\.remat: save_dots"):
+        load_config(None, ["model.remat=full", "model.remat_policy=dots"])
+
+
+def test_a_run_written_before_the_remat_names_resumes_under_any_policy(tmp_path):
+    """Its config.json (remat: true, remat_policy: nothing) reads back as `full`, and the
+    policy may change on resume: it changes no state."""
+    import json
+
+    from jaxmllm.config import from_dict, to_dict
+    from jaxmllm.loop.checkpoint import check_resumable
+
+    cfg = load_config("configs/tiny.yaml", [f"train.output_dir={tmp_path}"])
+    old = to_dict(cfg)
+    old["model"]["remat"], old["model"]["remat_policy"] = True, "nothing"
+    for tower in ("vision", "audio", "llm"):
+        del old["model"][tower]["remat"]
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    assert from_dict(Config, old).model.remat == "full"
+    resumed = lambda *sets: load_config(
+        "configs/tiny.yaml", [f"train.output_dir={tmp_path}", *sets]
+    )
+    check_resumable(resumed("model.llm.remat=save_qkv"), tmp_path)
+    with pytest.raises(ConfigError, match="model.llm.width"):  # (what does change state)
+        check_resumable(resumed("model.llm.width=64"), tmp_path)

@@ -29,7 +29,7 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 CPU = [  # the recipes sized for 8 CPU devices and built-in data
     "mesh.cpu_devices=8", "mesh.data=4", "mesh.fsdp=2", "model.compute_dtype=float32",
-    "model.remat=false", "batch.llm_row_len=256", "batch.microbatches=2",
+    "model.remat=none", "batch.llm_row_len=256", "batch.microbatches=2",
     "batch.attention_block=32", "data.source=synthetic", "data.path=",
     "data.synthetic.num_samples=256", "data.synthetic.max_image_side=8",
     "data.synthetic.max_audio_frames=64", "train.steps=3", "train.checkpoint_every=3",

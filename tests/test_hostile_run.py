@@ -25,10 +25,10 @@ import jax
 import numpy as np
 import optax
 import pytest
+from runs import NO_EVAL, child_env, logged_step, train_cmd
 
 from jaxmllm.config import load_config
 from jaxmllm.hf.safetensors import Checkpoint, CheckpointError, SafetensorsFile, write_checkpoint
-from runs import NO_EVAL, child_env, logged_step, train_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKSTOP_S = 60.0  # a hang guard: no input here takes more than a few seconds

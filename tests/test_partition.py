@@ -6,6 +6,7 @@ import math
 import pytest
 
 from jaxmllm.config import ConfigError, load_config
+from jaxmllm.plan.sizing import resolve_attention
 from jaxmllm.plan.stages.costs import ModelCosts, Segment, Work, model_costs
 from jaxmllm.plan.stages.partition import (
     PartitionError,
@@ -65,7 +66,7 @@ def test_1f1b_charges_a_stage_its_own_forward_plus_backward():
 
 
 def small(*extra):
-    return load_config("configs/small.yaml", list(extra))
+    return resolve_attention(load_config("configs/small.yaml", list(extra)))  # (auto: this CPU's)
 
 
 def test_backward_multipliers_follow_what_is_frozen_and_what_lies_below():

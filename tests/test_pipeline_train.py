@@ -94,7 +94,7 @@ def test_bfloat16_pipelined_run_trains(tmp_path):
     the last stage, the data-parallel encoders' gather); a subprocess, so an abort fails the
     test instead of ending the session."""
     out = tmp_path / "bf16"
-    sets = ["model.compute_dtype=bfloat16", "model.remat=true", "train.steps=2",
+    sets = ["model.compute_dtype=bfloat16", "model.remat=full", "train.steps=2",
             f"train.output_dir={out}", "train.log_every=1", "train.progress_bar=false",
             "train.eval_every=0", "data.synthetic.num_samples=256"]  # fmt: skip
     cmd = [sys.executable, "-m", "jaxmllm.train", "--config", "configs/pipeline.yaml"]

@@ -5,11 +5,11 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from runs import NO_EVAL
 
 from jaxmllm.config import ConfigError, load_config
 from jaxmllm.loop.metrics import read_metrics
 from jaxmllm.train import main
-from runs import NO_EVAL
 
 STEPS = 6
 

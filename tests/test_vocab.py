@@ -22,7 +22,7 @@ VOCAB, T = 272, 48
 
 def decoder_loss(cfg: LLMConfig):
     """(pure params, jitted value_and_grad(params, ids, targets, mask)) of a decoder."""
-    kw = dict(dtype=jnp.float32, param_dtype=jnp.float32, remat=False, attention="dense")
+    kw = dict(dtype=jnp.float32, param_dtype=jnp.float32, remat="none", attention="dense")
     graphdef, state = nnx.split(Decoder(cfg, **kw, rngs=nnx.Rngs(0)))
 
     def loss(pure, ids, targets, mask):

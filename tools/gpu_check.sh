@@ -2,7 +2,7 @@
 # The checks that need a GPU, in one go (a lent GPU comes by the minute): run from the repository
 # root on a CUDA machine whose Python has jax with its CUDA plugin.
 #
-#   tools/gpu_check.sh OUT_DIR [env] [tests] [attention] [small] [long]
+#   tools/gpu_check.sh OUT_DIR [env] [tests] [attention] [small] [long] [recipe]
 #
 #   env        jax's environment (versions, devices, cuDNN)
 #   tests      the GPU-only tests (cuDNN attention against the dense reference, the ragged
@@ -11,6 +11,9 @@
 #   small      python -m jaxmllm.bench.throughput on configs/small.yaml: grain and orchestrated
 #              with block-sparse, dense and cuDNN attention (tokens/s; MFU = TFLOP/s / peak)
 #   long       the same on configs/long.yaml (8192-token rows)
+#   recipe     configs/gpu/qwen2vl_2b.yaml's per-GPU shapes on this one GPU (no FSDP; built-in
+#              data with images of up to 64 x 64 patches): MFU with cuDNN and block-sparse
+#              attention under three remat policies, and each phase's device time
 #
 # Each part writes OUT_DIR/<part>.log (and the benches their JSON) and is bounded by a timeout
 # (PART_TIMEOUT seconds, default 240), so one slow part leaves the others their time.
@@ -54,7 +57,9 @@ jax.print_environment_info(); print('flax', flax.__version__, 'optax', optax.__v
     small)
         # grain packs one row a device: one 4096-token row instead of small.yaml's two of 2048.
         # cuDNN in its own run, so that a failure there leaves the other rows.
-        for x in main:grain,orchestrated,orchestrated:dense cudnn:orchestrated:cudnn; do
+        # (small.yaml's attention is auto: each policy names its kernel)
+        for x in main:grain:block_sparse,orchestrated:block_sparse,orchestrated:dense \
+                cudnn:orchestrated:cudnn; do
             run "small_${x%%:*}" "$py" -m jaxmllm.bench.throughput --config configs/small.yaml \
                 --policies "${x#*:}" --steps 10 --warmup 2 --no-per-device \
                 --json "$out/small_${x%%:*}.json" \
@@ -69,8 +74,18 @@ jax.print_environment_info(); print('flax', flax.__version__, 'optax', optax.__v
                 --set mesh.data=1 --set model.compute_dtype=bfloat16
         done
         ;;
+    recipe)
+        run recipe "$py" -m jaxmllm.bench.throughput --config configs/gpu/qwen2vl_2b.yaml \
+            --policies orchestrated:cudnn,orchestrated:block_sparse \
+            --remat save_dots,save_dots_except_mlp,full --phases --steps 5 --warmup 2 \
+            --json "$out/recipe.json" --set mesh.fsdp=1 --set batch.microbatches=2 \
+            --set data.source=synthetic --set data.tokenizer=byte --set data.workers=8 \
+            --set data.synthetic.min_image_side=16 --set data.synthetic.max_image_side=64 \
+            --set data.synthetic.max_text_words=1000 --set batch.devices_per_host=-1 \
+            --set data.synthetic.audio_fraction=0 --set train.steps=20
+        ;;
     *)
-        echo "unknown part: $part (env, tests, attention, small, long)" >&2
+        echo "unknown part: $part (env, tests, attention, small, long, recipe)" >&2
         exit 2
         ;;
     esac

@@ -25,23 +25,18 @@ import jax
 
 import sharding
 from jaxmllm.batch.bucketize import batch_shapes
-from jaxmllm.config import Config, ConfigError, load_config
+from jaxmllm.config import Config, load_config
 from jaxmllm.loop.distributed import split_cpu
-from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.plan.sizing import resolve_attention, resolve_bounds
 from jaxmllm.step.program import build_program
 
 
 def with_depth(config: str, depth: int, overrides: list[str]) -> Config:
-    """The config with every transformer `depth` layers deep, batch sizes resolved without data."""
+    """The config with every transformer `depth` layers deep, batch sizes at their bounds."""
     depths = [f"model.{part}.depth={depth}" for part in ("vision", "audio", "llm")]
-    cfg = load_config(config, [*overrides, *depths])
-    if cfg.batch.capacity != "fixed":
-        raise ConfigError(
-            "batch.capacity=auto sizes the buckets from the data and this bench reads none: "
-            "add --set batch.capacity=fixed"
-        )
-    # With fixed buckets, resolve_batch only needs the data to be non-empty.
-    return resolve_batch(cfg, index=[None])
+    cfg = resolve_attention(load_config(config, [*overrides, *depths]))
+    # No data: the sizes it would resolve at their bounds (tiles of the longest documents).
+    return resolve_bounds(cfg, sharding.data_parallel_size(sharding.make_mesh(cfg.mesh)))
 
 
 def measure(cfg: Config, mesh) -> dict:

@@ -30,6 +30,7 @@ import json
 import sys
 
 from jaxmllm.config import Config, load_config
+from jaxmllm.plan.sizing import resolve_attention
 from jaxmllm.plan.stages.choose import SCHEDULES_RUN
 from jaxmllm.plan.stages.costs import model_costs
 from jaxmllm.plan.stages.partition import Plan, partition, reprice, uniform
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     ints = lambda text: [int(x) for x in text.split(",") if x]
     schedules = [s for s in args.schedules.split(",") if s]
-    cfg = load_config(args.config)
+    cfg = resolve_attention(load_config(args.config))  # (auto: this machine's kernel)
     rows = []
     for as_stages in (False, True):
         part = []

@@ -11,6 +11,11 @@ real items' work that the trainer's TFLOP/s reports; XLA's own cost analysis cou
 block once whatever the depth, so it no longer says what a step computes), bytes the
 encoder-row exchange moves per step, and ratios to `grain`.
 
+`--remat none,full,...` runs each policy under each remat policy (rows `policy/remat`, beside
+the share of the step's FLOPs it recomputes, analytic); `--phases` also times each phase's own
+program on every device's buckets (vision, audio, LLM, the exchange, the optimizer:
+`jaxmllm.bench.phases`), so a slow phase shows.
+
 A policy is a planner name, or `planner:attention` to override `model.attention`
 (`orchestrated:dense` beside `orchestrated` compares block-sparse attention with dense).
 With block-sparse attention each policy gets its own tile capacity (`resolve_batch`: the
@@ -39,11 +44,15 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import sharding
 from jaxmllm.batch.bucketize import batch_shapes
+from jaxmllm.bench.memory import recompute_flops, train_flops, with_policy
+from jaxmllm.bench.phases import PHASES, PhaseTimer
 from jaxmllm.config import Config, MeshConfig, load_config
+from jaxmllm.config.phases import PHASES as TOWERS
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.loop.distributed import split_cpu
@@ -54,9 +63,12 @@ POLICIES = ("naive", "grain", "balanced", "orchestrated")
 
 
 def policy_config(cfg: Config, policy: str, index, devices: int) -> Config:
-    """`cfg` with `policy` as planner (`name` or `name:attention`, e.g. `orchestrated:dense`),
+    """`cfg` with `policy` as planner (`name` or `name:attention`, e.g. `orchestrated:dense`,
+    and `/remat` after it for every tower's remat policy, e.g. `orchestrated/save_dots`),
     auto values resolved; token and patch capacities shared by all policies, tile capacities
     each policy's own (what its packs need: see `resolve_batch`)."""
+    policy, _, remat = policy.partition("/")
+    cfg = with_policy(cfg, remat) if remat else cfg
     planner, _, attention = policy.partition(":")
     # An explicit exchange size applies to the routing policy; the others never route.
     routed = planner == "orchestrated" and cfg.batch.route_pair_capacity > 0
@@ -106,6 +118,8 @@ class Run:
     step: object
     state: dict
     alone: object = None  # (one-device step, its state, its batch shapes, its mesh)
+    phases: PhaseTimer | None = None  # each phase's own program (--phases)
+    phase_times: list = dataclasses.field(default_factory=list)  # per step, seconds per phase
     times: list = dataclasses.field(default_factory=list)
     tokens: list = dataclasses.field(default_factory=list)
     flops: list = dataclasses.field(default_factory=list)
@@ -129,6 +143,11 @@ class Run:
                 self.tiles.append(sum((a[..., 0] >= 0).sum(-1) for a in lists))
         if self.alone is not None:
             self.time_devices(host["batch"], measure)
+        if self.phases is not None:
+            shapes = self.alone[2]
+            times = self.phases.time(host["batch"], lambda h, d: device_batch(h, d, shapes))
+            if measure:
+                self.phase_times.append(times)
 
     def time_devices(self, host: dict[str, np.ndarray], measure: bool) -> None:
         """Each device's bucket of this step alone, one device at a time, on one device."""
@@ -146,7 +165,9 @@ class Run:
             self.device_times.append(times)
 
 
-def setup(cfg: Config, policies: list[str], mesh, per_device: bool = True) -> list[Run]:
+def setup(
+    cfg: Config, policies: list[str], mesh, per_device: bool = True, phases: bool = False
+) -> list[Run]:
     source, index = make_source(cfg)
     devices = sharding.data_parallel_size(mesh)
     mesh1 = sharding.make_mesh(MeshConfig(data=1), devices=jax.devices()[:1])
@@ -162,12 +183,11 @@ def setup(cfg: Config, policies: list[str], mesh, per_device: bool = True) -> li
         if per_device:
             with jax.set_mesh(mesh1):
                 one = build_program(pcfg, mesh1)
-                run.alone = (
-                    one.step,
-                    jax.device_put(init, one.shardings),
-                    batch_shapes(pcfg, 1),
-                    mesh1,
-                )
+                state1 = jax.device_put(init, one.shardings)
+                run.alone = (one.step, state1, batch_shapes(pcfg, 1), mesh1)
+                if phases:  # (the state is copied: the one-device step donates its own)
+                    copy = jax.tree.map(jnp.copy, state1)
+                    run.phases = PhaseTimer(pcfg, one, copy, mesh, mesh1)
         runs.append(run)
     return runs
 
@@ -187,7 +207,18 @@ def summarize(run: Run, devices: int) -> dict:
         "model_flops_per_real_token": float(np.sum(run.flops)) / total_tokens,
         "tflops_per_device": float(np.sum(run.flops)) / total_time / devices / 1e12,
         "exchange_bytes_per_step": exchange_bytes(run.cfg, devices),
+        "remat": {t: run.cfg.model.remat_of(t) for t in TOWERS},
+        "recompute_share": recompute_flops(run.cfg) / train_flops(run.cfg),
+        **phase_stats(run),
     }
+
+
+def phase_stats(run: Run) -> dict:
+    """Per phase, the mean over steps of its slowest device's seconds (`bench.phases`)."""
+    if not run.phase_times:
+        return {}
+    return {f"phase/{p}_s": float(np.mean([t.get(p, 0.0) for t in run.phase_times]))
+            for p in PHASES}  # fmt: skip
 
 
 def per_device(run: Run, total_tokens: float) -> dict:
@@ -258,6 +289,27 @@ def table(rows: list[dict], peak: float | None = None) -> str:
     return "\n".join(lines)
 
 
+def phase_table(rows: list[dict]) -> str:
+    """Step time per remat policy beside its analytic recompute, and where it goes per phase
+    (`rest`: the max-device step less its phases' programs; the exchange, which the
+    max-device measure leaves out, is timed on the whole mesh)."""
+    phased = any("phase/llm_s" in r for r in rows)
+    cols = ["policy", "recompute %", "max-dev step s"]
+    cols += [f"{p} s" for p in PHASES] + ["rest s"] if phased else []
+    lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
+    for r in rows:
+        step = r.get("step_time_max_device_s")
+        cells = [r["policy"], f"{100 * r['recompute_share']:.1f}",
+                 "-" if step is None else f"{step:.3f}"]  # fmt: skip
+        if phased:
+            times = {p: r[f"phase/{p}_s"] for p in PHASES}
+            cells += [f"{t:.3f}" for t in times.values()]
+            alone = sum(times.values()) - times["exchange"]  # (what the max-device step holds)
+            cells.append("-" if step is None else f"{step - alone:.3f}")
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m jaxmllm.bench.throughput",
@@ -270,16 +322,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps per policy")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--no-per-device", action="store_true", help="skip the max-device measure")
+    p.add_argument(
+        "--remat",
+        default="",
+        help="remat policies (every tower's) to run each "
+        "policy under, comma-separated: rows policy/remat (default: the config's)",
+    )
+    p.add_argument("--phases", action="store_true", help="time each phase's own program too "
+                   "(jaxmllm.bench.phases), on the max-device measure's devices")  # fmt: skip
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
     split_cpu(cfg.mesh.cpu_devices)
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    remats = [x.strip() for x in args.remat.split(",") if x.strip()]
+    policies = [f"{p}/{r}" for p in policies for r in remats] if remats else policies
     mesh = sharding.make_mesh(cfg.mesh)
     devices = sharding.data_parallel_size(mesh)
     with jax.set_mesh(mesh):
         alone = not args.no_per_device and cfg.mesh.context == 1  # (see the module doc)
-        runs = setup(cfg, policies, mesh, per_device=alone)
+        runs = setup(cfg, policies, mesh, per_device=alone, phases=alone and args.phases)
         for run in runs:
             for _ in range(args.warmup):
                 run.run_step(mesh, measure=False)
@@ -299,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         + (f"{peak} TFLOP/s (dense bf16 peak)" if peak else "- (no peak known for this device)")
     )
     print(table(rows, peak))
+    if remats or args.phases:
+        print(phase_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             out = {"config": args.config, "devices": devices, "device_kind": kind,

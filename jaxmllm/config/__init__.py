@@ -4,23 +4,22 @@ Every field carries a docstring-style comment. Loading rejects unknown keys (nam
 valid one), wrong types and failed checks, always naming the key and the file, so a bad config
 stops the run at start-up with a message that says what to change.
 
-Rooms, bottom to top: `checks` (ConfigError and the checks), `model` (encoders, decoder, how
-they compute), `sections` (mesh, pipeline, batch, data, optimizer, loop,
-launch), `load` (the whole
-`Config`, YAML and overrides).
+Rooms, bottom to top: `checks` (ConfigError and the checks), `remat` (the rematerialisation
+policies by name), `model` (encoders, decoder, how they compute), `sections` (mesh, pipeline,
+batch, data, optimizer, loop, launch), `load` (the whole `Config`, YAML and overrides).
 """
 
 from jaxmllm.config.checks import ConfigError
 from jaxmllm.config.load import Config, closest_name, from_dict, load_config, to_dict
 from jaxmllm.config.model import (
     ATTENTIONS,
-    REMAT_POLICIES,
     AudioConfig,
     InitFrom,
     LLMConfig,
     ModelConfig,
     VisionConfig,
 )
+from jaxmllm.config.remat import REMAT_POLICIES, RematPolicy
 from jaxmllm.config.sections import (
     AUTO_SIZES,
     DATA_SOURCES,
@@ -53,6 +52,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "PipelineConfig",
+    "RematPolicy",
     "SyntheticConfig",
     "TrainConfig",
     "VisionConfig",

@@ -68,7 +68,7 @@ class Config:
         )
         if self.data.source == "synthetic" and self.data.synthetic.video_fraction:
             self._check_synthetic_video()
-        if self.model.attention == "block_sparse":
+        if self.model.attention in ("block_sparse", "auto"):  # (auto may resolve to it)
             self._check_blocks()
         check(
             self.data.eval.source != "synthetic" or self.data.source == "synthetic",
@@ -105,7 +105,7 @@ class Config:
         """Context parallelism deals a row's query blocks of block-sparse attention to the
         ranks, and plans its LLM rows per group: the one planner that does is orchestrated."""
         check(
-            self.model.attention == "block_sparse",
+            self.model.attention in ("block_sparse", "auto"),  # (auto: block_sparse then)
             f"must be block_sparse with mesh.context={self.mesh.context} (the context ranks "
             "attend over the tiles of the query blocks dealt to them), or set mesh.context: 1",
             "model.attention",
@@ -250,6 +250,8 @@ def from_dict(cls: type, raw: Any, *, source: str = "<dict>", prefix: str = "") 
     where = prefix.rstrip(".") or "<top level>"
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: {where} must be a mapping, got {type(raw).__name__}")
+    if hasattr(cls, "upgrade"):  # keys of an older format, read as they are meant now
+        raw = cls.upgrade(raw, source)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}

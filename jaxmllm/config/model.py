@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jaxmllm.config.checks import check, positive
+from jaxmllm.config.remat import REMAT_POLICIES, upgrade_legacy
 
 NORMS = ("rms", "layer")  # jaxmllm.models.layers.NORMS implements each
 MLPS = ("gated_silu", "gelu_tanh", "gelu", "quick_gelu")  # jaxmllm.models.layers.MLPS
@@ -27,9 +28,16 @@ class BlockOptions:
     mlp: str = "gated_silu"
     attn_bias: str = ""  # attention projections with a bias: any of q, k, v, o, e.g. "qkv"
     mlp_bias: bool = False  # biases on the MLP's projections
+    # This tower's remat policy (one of config.remat.REMAT_POLICIES); "" = model.remat's
+    remat: str = ""
 
     def __post_init__(self):
         check(self.norm in NORMS, f"must be one of {', '.join(NORMS)}", "norm")
+        check(
+            self.remat in ("", *REMAT_POLICIES),
+            f"must be one of {', '.join(REMAT_POLICIES)} (or empty: model.remat's)",
+            "remat",
+        )
         check(self.mlp in MLPS, f"must be one of {', '.join(MLPS)}", "mlp")
         check(self.norm_eps > 0, "must be > 0", "norm_eps")
         check(
@@ -278,28 +286,35 @@ class ModelConfig:
     projector_freeze: bool = False  # freeze both projectors
     compute_dtype: str = "float32"  # activations/matmuls: float32 or bfloat16 (params stay fp32)
     param_dtype: str = "float32"  # master weights
-    remat: bool = False  # rematerialise each transformer block in the backward pass
-    # With remat, what each block keeps for the backward pass: nothing (only its input: least
-    # memory, the forward runs twice) | dots (also its weight matmuls' outputs q, k, v, out,
-    # gate, up, down: up to 4 * width + 2 * mlp_dim more values per token and layer, and only
-    # attention and elementwise ops are recomputed)
-    remat_policy: str = "nothing"
+    # What each transformer block keeps for the backward pass, every tower's unless it sets
+    # its own (model.vision.remat, ...): none (everything: the most memory) | full (only its
+    # input: the least; the forward runs again) | save_dots (its weight matmuls' outputs: only
+    # the attention is recomputed) | save_dots_except_mlp (the MLP recomputed too) | save_qkv
+    # | offload_dots (save_dots' in host memory); see jaxmllm/config/remat.py. The old
+    # remat: true / false (+ remat_policy: nothing | dots) reads as full / none (save_dots)
+    remat: str = "none"
     # How attention reads packed rows: block_sparse computes only the (query block, key block)
     # tiles the documents span, listed by the planner (batch.*_tiles, batch.attention_block) |
     # dense: every pair of a row, masked (the reference; memory and time grow with row_len^2) |
-    # cudnn: cuDNN's fused attention over the packed documents (GPU only)
+    # cudnn: cuDNN's fused attention over the packed documents (GPU only) | auto: cudnn on
+    # Hopper or newer NVIDIA GPUs, block_sparse elsewhere, resolved at start-up
+    # (jaxmllm.plan.sizing.resolve_attention) and printed; models never see auto
     attention: str = "block_sparse"
 
     def __post_init__(self):
         check(self.attention in ATTENTIONS, f"must be one of {', '.join(ATTENTIONS)}", "attention")
         for key in ("compute_dtype", "param_dtype"):
             check(getattr(self, key) in ("float32", "bfloat16"), "must be float32 or bfloat16", key)
-        check(
-            self.remat_policy in REMAT_POLICIES,
-            f"must be one of {', '.join(REMAT_POLICIES)}",
-            "remat_policy",
-        )
+        check(self.remat in REMAT_POLICIES, f"must be one of {', '.join(REMAT_POLICIES)}", "remat")
+
+    def remat_of(self, tower: str) -> str:
+        """The remat policy of `tower` (vision, audio, llm): its own, else model.remat."""
+        return getattr(self, tower).remat or self.remat
+
+    @staticmethod
+    def upgrade(raw: dict, source: str) -> dict:
+        """The raw section with keys of an older format read as they are meant now."""
+        return upgrade_legacy(raw, source)
 
 
-REMAT_POLICIES = ("nothing", "dots")  # jaxmllm.models.transformer.REMAT_POLICIES implements each
-ATTENTIONS = ("block_sparse", "dense", "cudnn")
+ATTENTIONS = ("block_sparse", "dense", "cudnn", "auto")

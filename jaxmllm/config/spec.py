@@ -62,6 +62,11 @@ class BatchSpec:
     @classmethod
     def from_sections(cls, m: Any, b: Any) -> BatchSpec:
         """The spec of a resolved ModelConfig and BatchConfig (see `of`)."""
+        if m.attention == "auto":  # (what the kernel is decides tiles or documents)
+            raise ConfigError(
+                "model.attention=auto is not resolved: resolve it for the devices first "
+                "(jaxmllm.plan.sizing.resolve_attention; the trainer does)"
+            )
         on = enabled(m)
         tiles = {LLM: "llm_tiles", **{p.name: p.tiles for p in on}}
         docs = {LLM: "llm_documents", **{p.name: p.documents for p in on}}

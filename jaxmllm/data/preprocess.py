@@ -360,6 +360,13 @@ class Images:
     def per_token(self, p: Params) -> int:
         return p.merge**2
 
+    def largest(self, cfg: Config) -> int:
+        """The most patches a vision item can have: `data.image_max_pixels` (with
+        model.vision.video, or a video frame's `data.video_frame_max_pixels`) in merge blocks."""
+        v, d = cfg.model.vision, cfg.data
+        unit = v.patch_size * v.merge
+        return max(d.image_max_pixels, d.video_frame_max_pixels * v.video) // unit**2 * v.merge**2
+
     def read_size(self, pre: Preprocessor, src: Any, record_id: str) -> tuple[int, int]:
         return read_size(src, record_id, pre.p.max_image_pixels, pre.p.max_media_bytes)
 
@@ -374,18 +381,10 @@ class Images:
              parts=None) -> list[Item]:  # fmt: skip
         p = pre.p
         budget = limits.max_pixels or p.image_max_pixels
-        patches, pos = load_image(
-            src,
-            p.patch_size,
-            p.merge,
-            min(p.image_min_pixels, budget),
-            budget,
-            record_id,
-            max_image_pixels=p.max_image_pixels,
-            mean=p.image_mean,
-            std=p.image_std,
-            max_bytes=p.max_media_bytes,
-        )
+        patches, pos = load_image(src, p.patch_size, p.merge, min(p.image_min_pixels, budget),
+                                  budget, record_id, max_image_pixels=p.max_image_pixels,
+                                  mean=p.image_mean, std=p.image_std,
+                                  max_bytes=p.max_media_bytes)  # fmt: skip
         return [(patches, pos)]
 
 
@@ -399,6 +398,10 @@ class Clips:
 
     def per_token(self, p: Params) -> int:
         return p.subsample
+
+    def largest(self, cfg: Config) -> int:
+        """The most frames a part (a chunk of a clip) can have."""
+        return cfg.data.audio_max_frames
 
     def read_size(self, pre: Preprocessor, src: Any, record_id: str) -> tuple[int, int]:
         return read_info(src, record_id, caps=pre.p.audio_caps())
@@ -414,17 +417,9 @@ class Clips:
     def load(self, pre: Preprocessor, src, size, limits: Limits, record_id: str,
              parts=None) -> list[Item]:  # fmt: skip
         p = pre.p
-        chunks = load_audio(
-            src,
-            p.audio_sample_rate,
-            p.n_mels,
-            p.subsample,
-            p.audio_max_frames,
-            expect_samples=size[0],
-            record_id=record_id,
-            mel=p.mel,
-            caps=p.audio_caps(),
-        )
+        chunks = load_audio(src, p.audio_sample_rate, p.n_mels, p.subsample, p.audio_max_frames,
+                            expect_samples=size[0], record_id=record_id, mel=p.mel,
+                            caps=p.audio_caps())  # fmt: skip
         return [(c, np.arange(len(c), dtype=np.int32)) for c in chunks]
 
 

@@ -33,7 +33,7 @@ class Towers(nnx.Module):
 
     def __init__(self, cfg: Config, role: str, *, rngs: nnx.Rngs):
         kw = dict(dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs)
-        enc = dict(remat=False, attention="dense", **kw)
+        enc = dict(remat="none", attention="dense", **kw)
         m = cfg.model
         if role == "llm":
             self.llm = Decoder(m.llm, **enc)

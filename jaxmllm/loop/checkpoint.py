@@ -263,6 +263,9 @@ def check_process_count(mngr: ocp.CheckpointManager) -> None:
 # and split, the bucket shapes and planner (their state is in the checkpoint), the sample stream.
 # The mesh, optimizer settings and step count may change between runs.
 RESUME_KEYS = ("model", "batch", "data.source", "data.path", "data.seed", "data.synthetic")
+# ... but not how the step recomputes activations (model.remat, model.<tower>.remat, and the
+# remat_policy of configs written before the policies had names): it changes no state.
+free_to_change = lambda key: key == "model.remat_policy" or key.rsplit(".", 1)[-1] == "remat"
 
 
 def check_resumable(cfg: Config, out: Path) -> None:
@@ -284,8 +287,9 @@ def check_resumable(cfg: Config, out: Path) -> None:
     changed = [
         k
         for k in sorted(set(saved) | set(now))
-        if k.startswith(RESUME_KEYS) and saved.get(k) != now.get(k) and k not in free
-    ]
+        if k.startswith(RESUME_KEYS) and saved.get(k) != now.get(k)
+        and k not in free and not free_to_change(k)
+    ]  # fmt: skip
     if changed:
         diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:6])
         raise ConfigError(

@@ -20,7 +20,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from jaxmllm.config.remat import QKV
 from jaxmllm.models import blocksparse, cudnn
 from jaxmllm.models import context as ctx
 from jaxmllm.models.layers import ROPE, Dense
@@ -151,7 +153,8 @@ class Attention(nnx.Module):
         Returns:
           [B, T, width] in the compute dtype.
         """
-        q_bthe, k_bske, v_bske = self.project(x_btd, positions)
+        # Named for the remat policies (config/remat.py): what a block may keep for backward.
+        q_bthe, k_bske, v_bske = map(checkpoint_name, self.project(x_btd, positions), QKV)
         if pack.context:  # (block-sparse, the row split over a context group)
             out_bthe = ctx.attend(
                 q_bthe, k_bske, v_bske, pack.segment_ids, positions, pack.tiles,
@@ -169,7 +172,7 @@ class Attention(nnx.Module):
             )  # fmt: skip
         else:
             out_bthe = dense_attention(q_bthe, k_bske, v_bske, pack.mask, self.dtype)
-        return self.out(out_bthe.astype(self.dtype))
+        return checkpoint_name(self.out(out_bthe.astype(self.dtype)), "attention_out")
 
     def project(self, x_btd: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
         """Queries, keys and values of `x` at `positions`, rotated: what attention scores.

@@ -33,8 +33,7 @@ class AudioEncoder(nnx.Module):
         *,
         dtype: jnp.dtype,
         param_dtype: jnp.dtype,
-        remat: bool,
-        remat_policy: str = "nothing",
+        remat: str = "none",
         attention: str = "dense",
         block: int = 0,
         documents: int = 0,
@@ -61,7 +60,6 @@ class AudioEncoder(nnx.Module):
             cfg.depth,
             BlockSpec.of(cfg, rope=rope),  # plain multi-head attention
             remat=remat,
-            remat_policy=remat_policy,
             **kw,
         )
 

@@ -6,6 +6,9 @@ use flax's `sharding` metadata because flax 0.12 shards such params eagerly at c
 Activations run in `dtype` (the compute dtype): parameters are cast on use, so bf16 compute keeps
 fp32 master weights.
 
+The activations a rematerialised block may keep are tagged with `checkpoint_name` (`mlp_in`
+here, the attention's in attention.py): `jaxmllm/config/remat.py` names what each policy keeps.
+
 Shape letters in names: b batch row, t/s query/key position, d width, h heads, k kv heads,
 g query heads per kv head, e head dim, f MLP width.
 """
@@ -20,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 import sharding
 from jaxmllm.models.vocab import lookup, vocab_axes
@@ -301,7 +305,8 @@ class GatedMLP(nnx.Module):
         self.down = Dense(mlp_dim, width, ("mlp", "embed"), **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        gate, up = checkpoint_name(self.gate(x), "mlp_in"), checkpoint_name(self.up(x), "mlp_in")
+        return self.down(jax.nn.silu(gate) * up)
 
 
 class MLP(nnx.Module):
@@ -325,7 +330,7 @@ class MLP(nnx.Module):
         self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.fc2(ACTIVATIONS[self.activation](self.fc1(x)))
+        return self.fc2(ACTIVATIONS[self.activation](checkpoint_name(self.fc1(x), "mlp_in")))
 
 
 def make_mlp(kind: str, width: int, mlp_dim: int, *, use_bias: bool, **kw) -> nnx.Module:

@@ -33,8 +33,7 @@ class Decoder(nnx.Module):
         *,
         dtype: jnp.dtype,
         param_dtype: jnp.dtype,
-        remat: bool,
-        remat_policy: str = "nothing",
+        remat: str = "none",
         attention: str = "dense",
         block: int = 0,
         documents: int = 0,
@@ -52,9 +51,7 @@ class Decoder(nnx.Module):
             rope_scaling=cfg.rope_scaling,
             rope_sections=tuple(cfg.mrope_section),
         )
-        self.transformer = Transformer(
-            cfg.depth, spec, remat=remat, remat_policy=remat_policy, **kw
-        )
+        self.transformer = Transformer(cfg.depth, spec, remat=remat, **kw)
         self.lm_head = (
             None
             if cfg.tie_embeddings

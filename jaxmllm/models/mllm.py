@@ -43,20 +43,16 @@ class MultimodalLM(nnx.Module):
         kw = dict(
             dtype=jnp.dtype(cfg.compute_dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs
         )
-        remat = dict(
-            remat=cfg.remat,
-            remat_policy=cfg.remat_policy,
-            attention=cfg.attention,
-            block=spec.attention_block,
-        )
-        docs = lambda name: spec.documents.get(name, 0)  # (cuDNN's bound; 0 for the others)
+        shared = dict(attention=cfg.attention, block=spec.attention_block)
+        # Each tower's own: cuDNN's documents bound (0 for the other kernels), remat policy.
+        own = lambda name: dict(documents=spec.documents.get(name, 0), remat=cfg.remat_of(name))
         for p in ENCODERS:  # (in the table's order: the parameters' random init follows it)
             encoder, projector = ENCODER_MODULES[p.name]
-            on, docs_p = p.enabled(cfg), docs(p.name)
-            setattr(self, p.name, encoder(p.encoder(cfg), **remat, documents=docs_p, **kw) if on
+            on = p.enabled(cfg)
+            setattr(self, p.name, encoder(p.encoder(cfg), **shared, **own(p.name), **kw) if on
                     else None)  # fmt: skip
             setattr(self, f"{p.name}_projector", projector(cfg, **kw) if on else None)
-        self.llm = Decoder(cfg.llm, **remat, documents=docs(LLM), **kw)
+        self.llm = Decoder(cfg.llm, **shared, **own(LLM), **kw)
         self.route_capacity = spec.route_pair_capacity
         self.exchange = spec.exchange
 

@@ -7,13 +7,14 @@ applied with `jax.lax.scan`, so the compiled program holds one block whatever th
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmllm.config.remat import REMAT_POLICIES
 from jaxmllm.models.attention import Attention, Packing
 from jaxmllm.models.layers import NORMS, make_mlp
 
@@ -95,14 +96,20 @@ class Block(nnx.Module):
         return x_btd + self.mlp(self.mlp_norm(x_btd))
 
 
-# What a rematerialised block keeps for the backward pass (`model.remat_policy`).
-REMAT_POLICIES = {
-    # Only the block's input: the least memory; the backward pass reruns the whole block.
-    "nothing": jax.checkpoint_policies.nothing_saveable,
-    # Also the weight matmuls' outputs (query/key/value/out, gate/up/down), each [tokens, width]
-    # or [tokens, mlp_dim]: the backward pass reruns only attention and elementwise ops.
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+def remat_policy(name: str) -> Callable | None:
+    """The `jax.checkpoint` policy of a remat policy's name (`config.remat.REMAT_POLICIES`:
+    the activations it keeps, by the names the blocks tag them with); None: no remat."""
+    policy = REMAT_POLICIES[name]
+    if not policy.remat:
+        return None
+    if policy.offload:
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=(),
+            names_which_can_be_offloaded=policy.names,
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+    return jax.checkpoint_policies.save_only_these_names(*policy.names)
 
 
 class Transformer(nnx.Module):
@@ -110,7 +117,8 @@ class Transformer(nnx.Module):
 
     `blocks` is ONE `Block` whose parameters are stacked [depth, ...] (logical axis "layers"
     first); `jax.lax.scan` applies it layer by layer, so the compiled program holds one block
-    whatever the depth. With `remat` each block is rematerialised under `remat_policy`.
+    whatever the depth. Each block is rematerialised under the `remat` policy (a name of
+    `config.remat.REMAT_POLICIES`; none: not at all).
     """
 
     def __init__(
@@ -118,14 +126,13 @@ class Transformer(nnx.Module):
         depth: int,
         spec: BlockSpec,
         *,
-        remat: bool = False,
-        remat_policy: str = "nothing",
+        remat: str = "none",
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        if remat_policy not in REMAT_POLICIES:
-            raise ValueError(f"remat_policy {remat_policy!r} not in {sorted(REMAT_POLICIES)}")
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat {remat!r} is not one of {', '.join(REMAT_POLICIES)}")
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         # Layer by layer from the shared RNG stream, then stacked: every layer draws exactly
         # what separate blocks drew (init runs once; only the train step must not grow).
@@ -133,7 +140,6 @@ class Transformer(nnx.Module):
         self.blocks = stack_modules(layers, "layers")
         self.final_norm = spec.norm_layer(**kw)
         self.remat = remat
-        self.remat_policy = remat_policy
 
     def __call__(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> jax.Array:
         return self.final_norm(self.layers(x_btd, pack, positions))
@@ -148,12 +154,11 @@ class Transformer(nnx.Module):
         def block(x_btd, block_state):
             return nnx.merge(graphdef, block_state)(x_btd, pack, positions)
 
-        if self.remat:
+        policy = remat_policy(self.remat)
+        if policy is not None:
             # Inside a scan XLA cannot merge the recomputation with the forward pass, so the
             # guard against that (prevent_cse) would only block optimisations.
-            block = jax.checkpoint(
-                block, policy=REMAT_POLICIES[self.remat_policy], prevent_cse=False
-            )
+            block = jax.checkpoint(block, policy=policy, prevent_cse=False)
         if count is None:
             x_btd, _ = jax.lax.scan(lambda x, st: (block(x, st), None), x_btd, stacked)
             return x_btd

@@ -28,8 +28,7 @@ class VisionEncoder(nnx.Module):
         *,
         dtype: jnp.dtype,
         param_dtype: jnp.dtype,
-        remat: bool,
-        remat_policy: str = "nothing",
+        remat: str = "none",
         attention: str = "dense",
         block: int = 0,
         documents: int = 0,
@@ -60,7 +59,6 @@ class VisionEncoder(nnx.Module):
             cfg.depth,
             BlockSpec.of(cfg, rope=rope),  # plain multi-head attention
             remat=remat,
-            remat_policy=remat_policy,
             **kw,
         )
 

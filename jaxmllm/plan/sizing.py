@@ -1,5 +1,5 @@
-"""Sizing: a config's `auto` and -1 batch sizes resolved against the data, and the planner's
-capacities from the resolved config.
+"""Sizing: a config's `auto` and -1 batch sizes resolved against the data (and `model.attention:
+auto` against the devices), and the planner's capacities from the resolved config.
 
 Every dry run that sizes a bucket is here (route capacity, tile and document capacities: each a
 run of the planner's own plans over the data), beside `capacities` (a resolved config -> the
@@ -14,11 +14,13 @@ import logging
 import math
 
 import jax
+import numpy as np
 
 import sharding
 from jaxmllm.config import Config, ConfigError, phases
 from jaxmllm.config.phases import ENCODERS, LLM
 from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.data.preprocess import MEDIA
 from jaxmllm.plan.capacity import (
     HELD_DRY_RUN_STEPS,
     ROUTE_DRY_RUN_STEPS,
@@ -34,8 +36,66 @@ from jaxmllm.plan.capacity import (
 from jaxmllm.plan.contract import Capacities, Planner, device_tile_caps
 from jaxmllm.plan.cost import CostModel
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
+from jaxmllm.plan.tiles import bin_tiles, own_tiles
 
 log = logging.getLogger("jaxmllm")
+
+
+def resolve_attention(cfg: Config, devices: list | None = None) -> Config:
+    """`model.attention: auto` resolved for the devices the run trains on (`auto_attention`),
+    logged; any other setting as it is. The trainer resolves it once at start-up, before the
+    batch sizes that depend on the kernel (tiles, documents); config.json and checkpoints keep
+    the resolved kernel, and models refuse `auto`."""
+    if cfg.model.attention != "auto":
+        return cfg
+    kind, why = auto_attention(cfg, jax.devices() if devices is None else devices)
+    log.info("model.attention: auto -> %s (%s)", kind, why)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=kind))
+
+
+def auto_attention(cfg: Config, devices: list) -> tuple[str, str]:
+    """(kernel, why) for `model.attention: auto`: cuDNN's packed attention on NVIDIA GPUs of
+    compute capability 9.0 (Hopper) or newer, which it needs; block-sparse elsewhere, and
+    wherever context parallelism splits rows (it deals block-sparse tiles to the ranks)."""
+    if cfg.mesh.context > 1:
+        return "block_sparse", f"mesh.context={cfg.mesh.context} splits block-sparse tiles"
+    first = devices[0]
+    if first.platform != "gpu":
+        return "block_sparse", f"{first.platform} devices"
+    cc = hopper_or_newer(first)
+    if cc is not True:
+        return "block_sparse", f"{first.device_kind}, compute capability {cc}: cuDNN needs 9.0"
+    return "cudnn", f"{first.device_kind}, compute capability {first.compute_capability}"
+
+
+def hopper_or_newer(device) -> bool | str:
+    """True for an NVIDIA GPU of compute capability 9.0 or newer, else the capability it has
+    (a name for a GPU that reports none in that form, e.g. ROCm's gfx names)."""
+    cc = str(getattr(device, "compute_capability", "none"))
+    try:
+        return tuple(int(x) for x in cc.split(".")[:2]) >= (9, 0) or cc
+    except ValueError:
+        return cc
+
+
+def check_attention(cfg: Config, devices: list | None = None) -> None:
+    """Refuses a resolved `model.attention` the devices cannot run, naming the key and what to
+    set instead: cudnn off NVIDIA GPUs of compute capability 9.0 or newer."""
+    if cfg.model.attention != "cudnn":
+        return
+    first = (jax.devices() if devices is None else devices)[0]
+    if first.platform != "gpu":
+        raise ConfigError(
+            f"model.attention=cudnn: cuDNN's fused attention needs a GPU, this backend is "
+            f"{first.platform}; use model.attention: block_sparse (every backend) or auto"
+        )
+    cc = hopper_or_newer(first)
+    if cc is not True:
+        raise ConfigError(
+            f"model.attention=cudnn: cuDNN's packed-documents layout needs a Hopper GPU "
+            f"(compute capability 9.0) or newer, this one is {cc}; use model.attention: "
+            "block_sparse or auto"
+        )
 
 
 def resolve_batch(cfg: Config, index: LengthsIndex, devices: int | None = None) -> Config:
@@ -48,6 +108,7 @@ def resolve_batch(cfg: Config, index: LengthsIndex, devices: int | None = None) 
     `resolve_tiles`. The resolved values are what the model, the planner and checkpoints see.
     `devices`: the data-parallel buckets (default: from the config's mesh).
     """
+    cfg = resolve_attention(cfg)  # (the trainer resolved it already; entry points that did not)
     b, m = cfg.batch, cfg.model
     if len(index) == 0:
         raise ConfigError(
@@ -199,6 +260,58 @@ def tile_keys() -> dict[str, str]:
 def document_keys() -> dict[str, str]:
     """Per phase, the batch key of its most documents a row (cuDNN attention)."""
     return {LLM: "llm_documents", **{p.name: p.documents for p in ENCODERS}}
+
+
+def resolve_bounds(cfg: Config, devices: int) -> Config:
+    """Every `-1` batch size at its bound without data, for compile-only measurements (the
+    memory bench, the recipes' compile test): what any data the config admits may need.
+
+    A route capacity of a device's whole encoder output; per phase, the tiles of a bucket full
+    of the longest documents the config admits laid end to end (for a given fill, fewer,
+    longer documents need more tiles): a row of text per LLM row, each encoder's largest item
+    (`preprocess.MEDIA[phase].largest`: an image at `data.image_max_pixels`, a chunk of
+    `data.audio_max_frames`) in the encoders'; cuDNN's
+    documents per row at one a unit (its workspace then is the worst there is: set
+    `batch.*_documents` to measure a bound of your own). `batch.capacity: auto` is refused: it
+    sizes the encoder buckets from the data."""
+    if cfg.batch.capacity == "auto":
+        raise ConfigError(
+            "batch.capacity=auto sizes the encoder buckets from the data, which a compile-only "
+            "measurement does not read: set batch.capacity: fixed (--set batch.capacity=fixed)"
+        )
+    b, m = cfg.batch, cfg.model
+    on = phases.enabled(m)
+    changes = {}
+    if b.route_pair_capacity != 0 and b.planner != "orchestrated":
+        changes["route_pair_capacity"] = 0  # (as resolve_batch: only orchestrated routes)
+    elif b.route_pair_capacity == -1:  # a device's whole output
+        changes["route_pair_capacity"] = max([p.bucket(b) // p.per_token(m) for p in on] + [1])
+    if b.devices_per_host == -1:
+        changes["devices_per_host"] = devices
+    cfg = dataclasses.replace(cfg, batch=dataclasses.replace(b, **changes))
+    caps = capacities(cfg, devices)
+    # Per phase: (rows of its longest document, rows of a bucket's row, bucket rows, causal)
+    longest = {LLM: (caps.llm_bin_len, caps.llm_bin_len, b.llm_rows, True)}
+    for p in on:
+        per_row = p.per_row(m)
+        longest[p.name] = (MEDIA[p.name].largest(cfg) // per_row, p.bucket(b) // per_row, 1, False)
+    tiles, docs = {}, {}
+    for phase, (size, row, rows, causal) in longest.items():
+        size = max(min(size, row), 1)
+        offsets = np.arange(0, row, size)
+        sizes = np.minimum(size, row - offsets)
+        bucket = bin_tiles(np.zeros_like(offsets), offsets, sizes, 1, b.attention_block, causal)
+        # ... and never below what resolve_tiles holds for the longest document (starting
+        # anywhere in a block: one block more than its size in blocks)
+        least = own_tiles(np.array([(size - 1) // b.attention_block + 2]), causal)[0]
+        tiles[phase] = max(rows * int(bucket[0]), int(least))
+        docs[phase] = max(row, 1)  # (cuDNN: a document a unit)
+    tiles = device_tile_caps(caps, tiles)
+    bounds = {key: max(tiles[p], 1) for p, key in tile_keys().items()
+              if p in tiles and getattr(b, key) == -1}  # fmt: skip
+    bounds |= {key: docs[p] for p, key in document_keys().items()
+               if p in docs and getattr(b, key) == -1}  # fmt: skip
+    return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, **bounds))
 
 
 def capacities(cfg: Config, devices: int) -> Capacities:

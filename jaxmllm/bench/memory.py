@@ -1,0 +1,330 @@
+"""Device memory of the train step per remat policy, compile-only: what fits a GPU, on any host.
+
+    python -m jaxmllm.bench.memory --config configs/small.yaml [--policies none,full,...]
+        [--device-gib 80] [--devices N] [--check] [--json OUT] [--set key=value ...]
+
+For each policy (`model.remat`, every tower; and the config's own mix when its towers set
+their own), the train step is built from abstract shapes (no data read, no parameter
+allocated) on the config's mesh over `--devices` devices (forced host devices on a CPU), then
+lowered and compiled, and reported per device:
+
+- `temp_bytes`: XLA's temporaries (activations kept for the backward pass, gradients, the
+  optimizer's workspace), and `peak_bytes`: arguments + outputs + temporaries, less what the
+  outputs reuse of the donated train state;
+- `recompute_flops`: the FLOPs the policy recomputes in a step (analytic: `recompute_flops`,
+  from the blocks' shapes, the buckets' capacities and what the policy keeps,
+  `jaxmllm/config/remat.py`), and `recompute_share` of the step's training FLOPs;
+- `max_microbatch`: the most LLM rows per device and microbatch (`batch.llm_rows`, the encoder
+  buckets grown in proportion) whose peak fits `--device-gib`, by compiling: at the config's
+  rows and twice them, then where the line through the nearest compiled counts meets the
+  budget, until the count that fits sits one below one that does not (a few compiles; 0 when
+  not even the config's rows fit; `peaks` has every count compiled).
+
+`--check` compiles the config as it is (its own policies and rows) once and exits 1 unless it
+fits: what tests/test_recipes.py runs on every GPU recipe.
+
+Sizes the data would resolve (`-1`) take their bound without data (`resolve_bounds`: tiles of
+the longest documents the config admits, a whole output per exchange pair), so what fits here
+fits any data. On a CPU the figures are XLA:CPU's, an estimate of a GPU's: its fusions differ,
+`auto` attention resolves to block_sparse (a GPU's cuDNN keeps no tiles of scores), and host
+memory is device memory (an offload policy saves nothing here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+
+import jax
+
+import sharding
+from jaxmllm.bench.compile import measure
+from jaxmllm.config import REMAT_POLICIES, Config, load_config
+from jaxmllm.config.phases import ENCODERS, LLM, PHASES, enabled, phase
+from jaxmllm.config.remat import QKV
+from jaxmllm.loop.distributed import split_cpu
+from jaxmllm.plan.cost import multiplier
+from jaxmllm.plan.sizing import resolve_attention, resolve_bounds
+
+GIB = 2**30
+
+
+def with_policy(cfg: Config, policy: str) -> Config:
+    """`cfg` with every tower under `policy` (its own settings cleared)."""
+    towers = {t: dataclasses.replace(getattr(cfg.model, t), remat="") for t in PHASES}
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=policy, **towers))
+
+
+# The sizes that grow with a device's buckets: at their bounds again for every row count.
+GROW = ("route_pair_capacity", "llm_tiles", *(p.tiles for p in ENCODERS))
+
+
+def with_rows(cfg: Config, rows: int, devices: int) -> Config:
+    """`cfg` at `rows` LLM rows per device and microbatch, the encoder buckets in proportion
+    (rounded up to what they must be multiples of), the sizes that grow with them (route
+    capacity, tiles) at their bounds for these buckets, and every other `-1` size too
+    (`resolve_bounds`; cuDNN's documents per row stay as set)."""
+    b, m = cfg.batch, cfg.model
+    block = b.attention_block if m.attention == "block_sparse" else 1
+    grow = lambda n, unit: -(-n * rows // b.llm_rows // unit) * unit
+    sized = {k: -1 for k in GROW if getattr(b, k) > 0}
+    for p in ENCODERS:  # (whole LLM tokens, whole attention blocks of rows; BatchConfig's 4)
+        unit = math.lcm(p.per_token(m), block * p.per_row(m), 4)
+        sized[p.capacity] = grow(p.bucket(b), unit)
+    batch = dataclasses.replace(b, **sized, llm_rows=rows)
+    return resolve_bounds(dataclasses.replace(cfg, batch=batch), devices)
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def layer_flops(cfg: Config, tower: str) -> dict[str, float]:
+    """Forward FLOPs of one layer of `tower` over a device's bucket (one microbatch), by part:
+    qkv, attention (the scores and the weighted sum: the pairs the kernel computes), out (the
+    output projection), mlp_in (gate and up, or fc1), mlp_out."""
+    b, m = cfg.batch, cfg.model
+    t = getattr(m, tower)
+    if tower == LLM:
+        n, q, kv = b.llm_rows * b.llm_row_len, t.head_width * t.heads, t.head_width * t.kv_heads
+        dense_pairs = b.llm_rows * b.llm_row_len**2
+    else:  # (an encoder: one packed row of its bucket's rows, plain multi-head attention)
+        p = phase(tower)
+        n, q, kv = p.bucket(b) // p.per_row(m), t.width, t.width
+        dense_pairs = n * n
+    if m.attention == "block_sparse":
+        pairs = getattr(b, f"{tower}_tiles") * b.attention_block**2
+    else:  # (cuDNN skips what its documents do not span: at most this)
+        pairs = dense_pairs // (2 if tower == LLM and m.attention == "cudnn" else 1)
+    gated = 2 if t.mlp == "gated_silu" else 1
+    return {
+        "qkv": 2.0 * n * t.width * (q + 2 * kv),
+        "attention": 4.0 * pairs * q,
+        "out": 2.0 * n * q * t.width,
+        "mlp_in": 2.0 * n * t.width * t.mlp_dim * gated,
+        "mlp_out": 2.0 * n * t.mlp_dim * t.width,
+    }
+
+
+def recomputed(parts: dict[str, float], policy: str) -> float:
+    """FLOPs of one layer's forward that `policy` runs again in the backward pass: the
+    attention always (no policy keeps its probabilities), and each projection the backward
+    reads whose output the policy does not keep (the last projection's output it never
+    reads)."""
+    keep = REMAT_POLICIES[policy]
+    if not keep.remat:
+        return 0.0
+    again = parts["attention"]
+    again += parts["qkv"] if not set(QKV) <= set(keep.names) else 0.0
+    again += parts["out"] if "attention_out" not in keep.names else 0.0
+    return again + (parts["mlp_in"] if "mlp_in" not in keep.names else 0.0)
+
+
+def backward_runs(cfg: Config) -> dict[str, int]:
+    """Per enabled tower, its training multiplier (`plan.cost.multiplier`): 1 when it runs
+    forward only (frozen, nothing trainable below), so nothing is recomputed."""
+    m = cfg.model
+    on = [p.name for p in enabled(m)]
+    enc_trainable = any(not getattr(m, t).freeze for t in on)
+    out = {t: multiplier(getattr(m, t).freeze, False) for t in on}
+    return out | {LLM: multiplier(m.llm.freeze, enc_trainable or not m.projector_freeze)}
+
+
+def recompute_flops(cfg: Config) -> float:
+    """FLOPs a device recomputes in a step under the config's remat policies (per tower)."""
+    total = 0.0
+    for tower, mult in backward_runs(cfg).items():
+        if mult > 1:
+            per_layer = recomputed(layer_flops(cfg, tower), cfg.model.remat_of(tower))
+            total += getattr(cfg.model, tower).depth * per_layer
+    return total * cfg.batch.microbatches
+
+
+def train_flops(cfg: Config) -> float:
+    """A device's training FLOPs in a step without recomputation: its buckets' transformer
+    layers (times 3 trained, 2 passing gradients, 1 forward only) and the LLM's output
+    projection (analytic, capacities: padding is computed like the rest)."""
+    b, lm = cfg.batch, cfg.model.llm
+    total = sum(
+        mult * getattr(cfg.model, t).depth * sum(layer_flops(cfg, t).values())
+        for t, mult in backward_runs(cfg).items()
+    )
+    total += backward_runs(cfg)[LLM] * 2.0 * b.llm_rows * b.llm_row_len * lm.width * lm.vocab_size
+    return total * b.microbatches
+
+
+# ----------------------------------------------------------------------------- the bench
+
+
+def label(cfg: Config) -> str:
+    """The policies a config runs: one name, or per tower when they differ."""
+    own = {t: cfg.model.remat_of(t) for t in (*(p.name for p in enabled(cfg.model)), LLM)}
+    if len(set(own.values())) == 1:
+        return own[LLM]
+    return " ".join(f"{t}:{p}" for t, p in own.items())
+
+
+def fit(cfg: Config, mesh, devices: int, device_bytes: int) -> dict:
+    """One policy's row: compiled sizes at the config's rows, and the most rows that fit."""
+    rows = cfg.batch.llm_rows
+    base = measure(with_rows(cfg, rows, devices), mesh)
+    peaks = {rows: base["peak_bytes"]}
+    seconds = base["total_s"]
+    if base["peak_bytes"] <= device_bytes:
+        more = measure(with_rows(cfg, 2 * rows, devices), mesh)
+        peaks[2 * rows], seconds = more["peak_bytes"], seconds + more["total_s"]
+    for _ in range(MAX_SEARCH):
+        guess = next_guess(peaks, device_bytes)
+        if guess is None:
+            break
+        got = measure(with_rows(cfg, guess, devices), mesh)
+        peaks[guess], seconds = got["peak_bytes"], seconds + got["total_s"]
+    best = largest_fit(peaks, device_bytes)
+    (low, p0), (high, p1) = sorted(peaks.items())[0], sorted(peaks.items())[-1]
+    slope = (p1 - p0) / (high - low) if high > low else None
+    return {
+        "policy": label(cfg),
+        "temp_bytes": base["temp_bytes"],
+        "peak_bytes": base["peak_bytes"],
+        "bytes_per_row": None if slope is None else int(slope),  # (between the rows compiled)
+        "recompute_flops": recompute_flops(cfg),
+        "recompute_share": recompute_flops(cfg) / train_flops(cfg),
+        "max_microbatch": best,
+        "pinned": next_guess(peaks, device_bytes) is None,  # (else: fits, more may too)
+        "max_tokens": best * cfg.batch.llm_row_len,
+        "peaks": {str(k): v for k, v in sorted(peaks.items())},  # rows compiled: peak bytes
+        "compile_s": seconds,
+    }
+
+
+MAX_SEARCH = 8  # compiles past the first two to pin the largest fit down
+
+
+def largest_fit(peaks: dict[int, int], budget: int) -> int:
+    """The most rows known to fit: below every row count known not to (0: none fits)."""
+    over = min((r for r, p in peaks.items() if p > budget), default=None)
+    fits = [r for r, p in peaks.items() if p <= budget and (over is None or r < over)]
+    return max(fits, default=0)
+
+
+def next_guess(peaks: dict[int, int], budget: int) -> int | None:
+    """The row count to compile next, None once the largest fit is pinned down (one row below
+    a count that does not fit). With no count over the budget yet: the line through the two
+    largest counts, extended to the budget. Then, between the most rows known to fit and the
+    fewest known not to: where the line between them meets the budget, kept a quarter of the
+    way in from either end (so the bracket shrinks by a quarter at least; a peak linear in
+    the rows is pinned by the first guess and the one after it)."""
+    lo = largest_fit(peaks, budget)
+    hi = min((r for r, p in peaks.items() if p > budget), default=None)
+    if hi is None:
+        (r0, p0), (r1, p1) = sorted(peaks.items())[-2:]
+        slope = (p1 - p0) / (r1 - r0)
+        return max(r1 + int((budget - p1) // slope), r1 + 1) if slope > 0 else 2 * r1
+    width = hi - lo
+    if width <= 1:
+        return None
+    p_lo = peaks.get(lo, 0)
+    guess = lo + int((budget - p_lo) * width // (peaks[hi] - p_lo))
+    margin = max(width // 4, 1)
+    return min(max(guess, lo + margin), hi - margin)
+
+
+def run(cfg: Config, policies: list[str], device_gib: float) -> list[dict]:
+    """Rows per policy (and the config's own mix where its towers differ) on all devices."""
+    cfg = resolve_attention(cfg)
+    mesh = sharding.make_mesh(cfg.mesh)
+    devices = sharding.data_parallel_size(mesh)
+    configs = [with_policy(cfg, p) for p in policies]
+    if label(cfg) not in policies:
+        configs.append(cfg)
+    rows = []
+    for c in configs:
+        rows.append(fit(c, mesh, devices, int(device_gib * GIB)))
+        print(f"{rows[-1]['policy']}: compiled in {rows[-1]['compile_s']:.0f} s", flush=True)
+    return rows
+
+
+def check(cfg: Config, device_gib: float) -> dict:
+    """The config as it is (its own policies and rows), compiled once: does it fit?"""
+    cfg = resolve_attention(cfg)
+    mesh = sharding.make_mesh(cfg.mesh)
+    got = measure(with_rows(cfg, cfg.batch.llm_rows, sharding.data_parallel_size(mesh)), mesh)
+    return {"policy": label(cfg), "fits": got["peak_bytes"] <= device_gib * GIB, **got}
+
+
+def table(rows: list[dict], rows_per_mb: int, row_len: int) -> str:
+    cols = ["policy", "temp GiB", "peak GiB", "GiB/row", "recompute TFLOP", "recompute %"]
+    cols += [f"max rows (x{row_len})", "vs now"]
+    lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
+    gib = lambda b: "-" if b is None else f"{b / GIB:.2f}"
+    for r in rows:
+        best = r["max_microbatch"]
+        lines.append(" | ".join([
+            r["policy"], gib(r["temp_bytes"]), gib(r["peak_bytes"]), gib(r["bytes_per_row"]),
+            f"{r['recompute_flops'] / 1e12:.2f}", f"{100 * r['recompute_share']:.1f}",
+            f"{best}{'' if r['pinned'] else '+'}",
+            f"{best / rows_per_mb:.2f}x",
+        ]))  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxmllm.bench.memory",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", required=True)
+    p.add_argument("--policies", default=",".join(REMAT_POLICIES), help="comma-separated")
+    p.add_argument("--device-gib", type=float, default=80.0, help="a device's memory")
+    p.add_argument("--devices", type=int, default=0, help="forced CPU devices (default: the "
+                   "config's mesh.cpu_devices, else the product of its mesh sizes)")  # fmt: skip
+    p.add_argument("--check", action="store_true", help="compile the config as it is once; "
+                   "exit 1 unless it fits --device-gib")  # fmt: skip
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.set)
+    # Nothing runs: no code optimisation (XLA:CPU's LLVM passes, half the compile time; the
+    # buffers are those of an optimised build), set before the backend starts.
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    )
+    split_cpu(args.devices or cfg.mesh.cpu_devices or mesh_devices(cfg))
+    jax.config.update("jax_enable_compilation_cache", False)
+    mesh = sharding.make_mesh(cfg.mesh)
+    if args.check:
+        got = check(cfg, args.device_gib)
+        print(
+            f"{args.config} ({got['policy']}) on {mesh.size} devices, mesh {dict(mesh.shape)}: "
+            f"peak {got['peak_bytes'] / GIB:.2f} GiB (temporaries {got['temp_bytes'] / GIB:.2f})"
+            f" {'fits' if got['fits'] else 'does NOT fit'} {args.device_gib:g} GiB; compiled "
+            f"in {got['total_s']:.0f} s"
+        )
+        return 0 if got["fits"] else 1
+    policies = [s for s in args.policies.split(",") if s]
+    rows = run(cfg, policies, args.device_gib)
+    print(
+        f"{args.config}: train step per device on {mesh.size} {jax.devices()[0].platform} "
+        f"device(s), mesh {dict(mesh.shape)}, {cfg.batch.microbatches} microbatches of "
+        f"{cfg.batch.llm_rows} x {cfg.batch.llm_row_len} tokens; fits {args.device_gib:g} GiB"
+    )
+    print(table(rows, cfg.batch.llm_rows, cfg.batch.llm_row_len))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": args.config, "overrides": args.set, "device_gib": args.device_gib,
+                       "devices": mesh.size, "backend": jax.devices()[0].platform,
+                       "jax": jax.__version__, "rows": rows}, f, indent=2)  # fmt: skip
+    return 0
+
+
+def mesh_devices(cfg: Config) -> int:
+    """The devices a mesh with no -1 names (a -1 takes what there is: 1 then)."""
+    sizes = [cfg.mesh.data, cfg.mesh.stage, cfg.mesh.fsdp, cfg.mesh.context, cfg.mesh.tensor]
+    return math.prod(s for s in sizes if s > 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

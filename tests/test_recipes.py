@@ -1,0 +1,106 @@
+"""The GPU recipes (configs/gpu/): they load, start with the command that runs them, resolve on
+their device count, and their train step compiled on a fake mesh of their size (abstract
+shapes, nothing allocated) fits a GPU of 80 GB (`python -m jaxmllm.bench.memory --check`, in a
+process with as many forced CPU devices): within 72 GiB, the 90% of its 79.6 GiB that JAX
+takes with the recipes' XLA_PYTHON_CLIENT_MEM_FRACTION=0.9.
+
+A compile takes ~3 min on a CPU, so the slow test compiles two: the 7B on one node (the most
+memory per GPU) and the 2B on two nodes (the other model, and the data x fsdp mesh of 16). The
+others are held to them by the fast tests: a multinode recipe has its node's per-GPU shapes."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxmllm.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "configs" / "gpu").glob("*.yaml"))
+COMPILED = [
+    ROOT / "configs" / "gpu" / f"{name}.yaml" for name in ["qwen2vl_7b", "qwen2vl_2b_multinode"]
+]
+GIB = 72  # what JAX may take of an 80 GB GPU (79.6 GiB) with XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
+
+
+def devices_of(path: Path) -> int:
+    """The GPUs a recipe runs on: 8 per node, NNODES of them in its launch command."""
+    nodes = re.search(r"NNODES=(\d+)", path.read_text().splitlines()[0])
+    return 8 * (int(nodes.group(1)) if nodes else 1)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_a_recipe_loads_and_starts_with_the_command_that_runs_it(path):
+    cfg = load_config(path)
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# ") and f"--config configs/gpu/{path.name}" in first, first
+    assert cfg.model.attention == "auto" and cfg.model.compute_dtype == "bfloat16"
+    assert cfg.mesh.fsdp * cfg.mesh.tensor == 8  # (within a node)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_a_recipe_resolves_on_its_devices(path):
+    """Its mesh takes all its GPUs, `auto` attention resolves (block-sparse on this CPU), and
+    the batch sizes resolve to their bounds without data (what bench.memory compiles)."""
+    from jaxmllm.plan.sizing import resolve_attention, resolve_bounds
+    from sharding.mesh import resolve_axis_sizes
+
+    cfg, devices = load_config(path), devices_of(path)
+    sizes = resolve_axis_sizes(cfg.mesh, devices)
+    assert math.prod(sizes) == devices and sizes[2] == 8, sizes  # fsdp over a node's GPUs
+    resolved = resolve_bounds(resolve_attention(cfg), devices)  # (data x fsdp: all)
+    assert resolved.model.attention == "block_sparse"
+    assert resolved.batch.route_pair_capacity > 0
+
+
+def test_a_multinode_recipe_has_its_nodes_shapes_per_gpu():
+    """What fits one node's GPUs fits each node's: the same model, remat and shapes per GPU,
+    and the same rows a step (fewer microbatches over more GPUs)."""
+    pairs = [
+        (p, p.with_name(p.name.replace("_multinode", "")))
+        for p in RECIPES
+        if "_multinode" in p.stem
+    ]
+    assert pairs
+    for many_path, one_path in pairs:
+        many, one = load_config(many_path), load_config(one_path)
+        assert many.model == one.model and many.mesh.fsdp == one.mesh.fsdp
+        for key in ["llm_rows", "llm_row_len", "vision_patches"]:
+            assert getattr(many.batch, key) == getattr(one.batch, key), key
+        step = many.batch.microbatches * devices_of(many_path)
+        assert step == one.batch.microbatches * devices_of(one_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", COMPILED, ids=lambda p: p.stem)
+def test_a_recipe_step_compiles_on_its_mesh_and_fits_80_gb(path):  # (72 GiB of it)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    command = [sys.executable, "-m", "jaxmllm.bench.memory", "--config", str(path), "--check",
+               "--devices", str(devices_of(path)), "--device-gib", str(GIB)]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0 and f" fits {GIB} GiB" in done.stdout, (
+        done.stdout + done.stderr[-3000:]
+    )
+    print(done.stdout)
+
+
+def test_the_bounds_without_data_hold_what_the_data_resolves_to():
+    """What the compile-only measurements size buckets with (`resolve_bounds`) is at least
+    what a run resolves from its data: tiles, route capacity (so what fits there fits a run)."""
+    from jaxmllm.data.source import make_source
+    from jaxmllm.plan.sizing import resolve_batch, resolve_bounds, tile_keys
+
+    sets = ["batch.capacity=fixed", "data.synthetic.num_samples=256", "train.steps=4"]
+    cfg = load_config("configs/tiny.yaml", sets)
+    _, index = make_source(cfg)
+    bound, data = resolve_bounds(cfg, 8).batch, resolve_batch(cfg, index, 8).batch
+    for key in ["route_pair_capacity", *tile_keys().values()]:
+        assert getattr(bound, key) >= getattr(data, key) > 0, key
+    with pytest.raises(ConfigError, match=r"batch\.capacity: fixed"):
+        resolve_bounds(load_config("configs/tiny.yaml"), 8)  # (auto: from the data)
