@@ -36,6 +36,7 @@ from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.specials import RESERVED, Specials
 from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
+from jaxmllm.plan.sizing import documents_phases
 from jaxmllm.plan.tiles import TileOverflow, document_starts, from_segments
 
 
@@ -179,15 +180,18 @@ def bucketize(
             )  # fmt: skip
     if cfg.model.attention == "block_sparse":
         _write_tiles(batch, cfg, plan.step, pos, skip=("llm",) if grouped else ())
-    elif cfg.model.attention == "cudnn":
-        _check_documents(batch, cfg, plan.step, pos)
+    _check_documents(batch, cfg, plan.step, pos)
     return batch
 
 
 def _check_documents(batch, cfg: Config, step: int, positions: np.ndarray) -> None:
     """cuDNN attention: every row within its phase's `batch.*_documents` (a static size of
-    cuDNN's packed layout: a document past it would get no attention at all)."""
-    for phase in ("llm", "vision", "audio"):
+    cuDNN's packed layout: a document past it would get no attention at all); likewise a
+    vision tower's class-token rows, when bounded (unbounded: one for every merge block)."""
+    phases = documents_phases(cfg)
+    if cfg.model.attention != "cudnn":
+        phases = tuple(p for p in phases if getattr(cfg.batch, f"{p}_documents") > 0)
+    for phase in phases:
         key = f"{phase}_segment_ids"
         if key not in batch:
             continue
@@ -204,7 +208,8 @@ def _check_documents(batch, cfg: Config, step: int, positions: np.ndarray) -> No
             raise ValueError(
                 f"step {step}: a {phase} row of microbatch {m} on device {int(positions[d])} "
                 f"holds {int(count.max())} documents, more than batch.{phase}_documents={most} "
-                "(cuDNN attention's packed layout); raise it, or -1: sized from the data"
+                "(cuDNN attention's packed layout, or the vision tower's class-token rows); raise "
+                "it, or -1: sized from the data"
             )
 
 

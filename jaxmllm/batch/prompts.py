@@ -88,6 +88,7 @@ def prompt_config(cfg: Config, shapes: PromptShapes) -> Config:
         capacity="fixed",
         route_pair_capacity=0,
         planner="first_fit",  # (orchestrated refuses local routing; no planner runs here)
+        vision_documents=-1,  # (class-token rows: a prompt's images, whatever the run's bound)
     )
     model = dataclasses.replace(cfg.model, attention="dense")
     # A prompt row is whole on its device and the model is whole in each program (evaluation

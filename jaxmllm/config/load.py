@@ -71,10 +71,30 @@ class Config:
             "set data.eval.source: none, or jsonl / arrayrecord with a held-out data.eval.path",
             "data.eval.source",
         )
+        self._check_trains()
         if self.mesh.context > 1:
             self._check_context()
         if self.mesh.stage > 1:
             self._check_pipeline()
+
+    def _check_trains(self) -> None:
+        """Something trains: a run whose every parameter is frozen only spends its steps (the
+        stage-1 recipe on an LLM alone: no encoder, so no projector either)."""
+        m = self.model
+        encoders = [p for p in ("vision", "audio") if getattr(m, p).enabled]
+        trains = not m.llm.freeze or any(not getattr(m, p).freeze for p in encoders)
+        keys = ["model.llm.freeze", *(f"model.{p}.freeze" for p in encoders)]
+        if encoders:
+            trains, keys = trains or not m.projector_freeze, [*keys, "model.projector_freeze"]
+        why = "" if encoders else (
+            " (model.vision and model.audio are disabled, so there is no projector to train)"
+        )  # fmt: skip
+        check(
+            trains,
+            f"nothing trains: {', '.join(k + '=true' for k in keys)}{why}; set one of them to "
+            "false",
+            keys[0],
+        )
 
     def _check_context(self) -> None:
         """Context parallelism deals a row's query blocks of block-sparse attention to the
@@ -127,6 +147,12 @@ class Config:
                 not getattr(p, f"{name}_layers") or getattr(p, name) == "stages",
                 f"layers per {name} stage need pipeline.{name}: stages",
                 f"pipeline.{name}_layers",
+            )
+            check(
+                getattr(p, name) != "stages" or getattr(m, name).stages_ok,
+                f"the {name} tower's options (model.{name}: class_token, window, final_norm: "
+                f"false, pool) run only as a whole tower: set pipeline.{name}: data (or auto)",
+                f"pipeline.{name}",
             )
         # Not (yet) run inside the pipeline's shard_map over the stages.
         stage = f"with mesh.stage={self.mesh.stage} (pipeline stages)"

@@ -168,7 +168,8 @@ DOCUMENTS_HEADROOM = 0.25  # cuDNN's documents per row: over the dry run's most,
 
 
 def resolve_documents(cfg: Config, index: LengthsIndex, devices: int | None) -> dict[str, int]:
-    """The `batch.*_documents: -1` (auto) of cuDNN attention: the most documents one row of the
+    """The `batch.*_documents: -1` (auto) of cuDNN attention (and of a vision tower's class
+    tokens, `documents_phases`): the most documents one row of the
     planner's own plans holds in a dry run (`DRY_RUN_STEPS` at most, then `DOCUMENTS_HEADROOM`
     more when the run is longer), never above what the data allows (the row over its smallest
     document). cuDNN's backward workspace grows with this bound, and the data's worst case
@@ -176,8 +177,8 @@ def resolve_documents(cfg: Config, index: LengthsIndex, devices: int | None) -> 
     tokens a row, 0.4B parameters, it asked for 234 GiB on an H100. A later row past the
     bound stops the run naming the key (`bucketize`); resume with it raised."""
     b = cfg.batch
-    keys = [p for p in ("llm", "vision", "audio") if getattr(b, f"{p}_documents") == -1]
-    if cfg.model.attention != "cudnn" or not keys:
+    keys = [p for p in documents_phases(cfg) if getattr(b, f"{p}_documents") == -1]
+    if not keys:
         return {}
     if devices is None:
         devices = sharding.data_parallel_size(sharding.make_mesh(cfg.mesh))
@@ -189,6 +190,15 @@ def resolve_documents(cfg: Config, index: LengthsIndex, devices: int | None) -> 
     if steps < cfg.train.steps:
         most = {p: math.ceil(n * (1 + DOCUMENTS_HEADROOM)) for p, n in most.items()}
     return {f"{p}_documents": max(1, min(bound[p], most[p])) for p in keys}
+
+
+def documents_phases(cfg: Config) -> tuple[str, ...]:
+    """The phases whose rows are bounded by `batch.*_documents`: every phase with cuDNN's
+    packed layout; a vision tower with class tokens (a row for each image) otherwise."""
+    if cfg.model.attention == "cudnn":
+        return ("llm", "vision", "audio")
+    v = cfg.model.vision
+    return ("vision",) if v.enabled and v.class_token else ()
 
 
 def capacities(cfg: Config, devices: int) -> Capacities:

@@ -45,7 +45,10 @@ def plan_of(cfg: Config, stages: int) -> Plan:
             model_costs(cfg.model, cfg.batch),
             stages,
             schedule=schedule,
-            placement={"vision": p.vision, "audio": p.audio},
+            placement={  # (a tower only whole runs data-parallel before the pipeline)
+                k: getattr(p, k) if getattr(cfg.model, k).stages_ok else "data"
+                for k in ("vision", "audio")
+            },
             layers=layers,
         )
     except PartitionError as e:
