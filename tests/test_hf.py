@@ -32,28 +32,35 @@ BUILD = {
     "qwen2-untied": lambda d: hf_models.qwen2(d, tied=False),
     "qwen2-tied": lambda d: hf_models.qwen2(d, tied=True),
     "siglip": hf_models.siglip,
+    "clip": hf_models.clip,
     "qwen2-vl-vision": hf_models.qwen2_vl_vision,
+    "qwen2-5-vl-vision": hf_models.qwen2_5_vl_vision,
     "whisper": hf_models.whisper,
+    "qwen2-audio-encoder": hf_models.qwen2_audio_encoder,
 }
 
 
 @pytest.mark.parametrize("name", sorted(BUILD))
 def test_our_model_matches_transformers(name, tmp_path):
     """Logits (decoders: 64 tokens, 2-4 query heads per kv head, Qwen2's biases, tied and
-    untied, Llama 3's rope scaling) or hidden states (SigLIP at a non-square resolution off its
-    table's grid; the Qwen2-VL tower with 3 images packed; Whisper with 2 clips packed) within
-    1e-4 of transformers in fp32."""
+    untied, Llama 3's rope scaling) or hidden states (SigLIP and CLIP, with its class token, at
+    a non-square resolution off the table's grid; the Qwen2-VL and Qwen2.5-VL towers with 4
+    images packed, Qwen2.5-VL's windows cutting some; Whisper and Qwen2-Audio's encoder, its
+    rows pooled, with 2 clips packed) within 1e-4 of transformers in fp32."""
     result = check_dir(BUILD[name](tmp_path / name), tokens=64)
     assert result["max_abs_ref"] > 0.5  # a real signal, not zeros
     assert result["max_abs_diff"] < 1e-4, result
 
 
-@pytest.mark.parametrize("name", ["qwen2-tied", "siglip", "qwen2-vl-vision", "whisper"])
+@pytest.mark.parametrize(
+    "name", ["qwen2-tied", "siglip", "clip", "qwen2-5-vl-vision", "whisper", "qwen2-audio-encoder"]
+)
 def test_import_then_export_is_bit_identical(name, tmp_path):
     """Every HF tensor is consumed, every parameter filled (else the load raises), and writing
-    the loaded parameters back gives the checkpoint's tensors bit for bit."""
+    the loaded parameters back gives the checkpoint's tensors bit for bit (CLIP's unused
+    post_layernorm too)."""
     source = BUILD[name](tmp_path / "source")
-    role = {"qwen2-tied": "llm", "siglip": "vision"}.get(
+    role = {"qwen2-tied": "llm", "siglip": "vision", "clip": "vision"}.get(
         name, "vision" if "vl" in name else "audio"
     )
     cfg = config_for(role, source)

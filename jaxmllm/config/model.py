@@ -80,6 +80,12 @@ class VisionConfig(BlockOptions):
     window: int = 0
     full_blocks: tuple[int, ...] = ()  # with window: the blocks (0-based) over the whole image
 
+    @property
+    def stages_ok(self) -> bool:
+        """Whether its blocks run as pipeline stages (`pipeline.vision: stages`): not with class
+        tokens, windows or no final norm, which only the whole tower's call lays out."""
+        return not (self.class_token or self.window or not self.final_norm)
+
     def __post_init__(self):
         super().__post_init__()
         positive(self, "patch_size", "channels", "width", "depth", "heads", "mlp_dim", "merge")
@@ -160,6 +166,11 @@ class AudioConfig(BlockOptions):
     def stride(self) -> int:
         """Frames per encoder row."""
         return 2 if self.stem == "whisper" else 4
+
+    @property
+    def stages_ok(self) -> bool:
+        """Whether its blocks run as pipeline stages: not with pooling after them."""
+        return self.pool == 1
 
     @property
     def rows_per_token(self) -> int:

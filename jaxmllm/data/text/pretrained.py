@@ -16,10 +16,11 @@ Sequences are what the checkpoint saw in training:
   `<|begin_of_text|>`, nothing for Qwen) followed by `eos_token`, loss on all of it.
 
 Images and clips take the checkpoint's own placeholder token where it has one (`image_token` /
-`audio_token` in tokenizer_config.json, or Qwen2-VL's `<|image_pad|>`, Qwen2-Audio's `<|AUDIO|>`,
-...), wrapped as its template wraps it (`<|vision_start|><|image_pad|><|vision_end|>`); where it
-has none, a new special token is appended after the vocabulary (`added_tokens`: the model needs
-those embedding rows). Each placeholder is then laid out as one token per encoder output row.
+`audio_token` in tokenizer_config.json, else in its processor's processor_config.json, or
+Qwen2-VL's `<|image_pad|>`, Qwen2-Audio's `<|AUDIO|>`, ...), wrapped as its template wraps it
+(`<|vision_start|><|image_pad|><|vision_end|>`); where it has none, a new special token is
+appended after the vocabulary (`added_tokens`: the model needs those embedding rows). Each
+placeholder is then laid out as one token per encoder output row.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ FILES = (
     "chat_template.jinja",
     "chat_template.json",
     "generation_config.json",
+    "processor_config.json",
 )
 NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Checkpoints' own media placeholders: (token, opening, closing); the wrap is used when the
@@ -112,7 +114,8 @@ class PretrainedTokenizer:
         self.base_size = max(self._tk.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         named = _named_tokens(config, root)
         self.added_tokens: dict[str, int] = {}
-        self._media = {kind: self._media_placeholder(kind, named) for kind in ("image", "audio")}
+        media = {**_processor_tokens(root), **named}  # (the tokenizer's own first)
+        self._media = {kind: self._media_placeholder(kind, media) for kind in ("image", "audio")}
         self.vocab_size = max([self.base_size - 1, *self.added_tokens.values()]) + 1
         self.specials = self._specials(named, root)
         self.template = _load_template(root, config, named, template_date)
@@ -321,6 +324,14 @@ def _named_tokens(config: dict, root: Path) -> dict[str, str]:
     names = [k for k in values if k in NAMED or k.endswith("_token")]
     named = {k: _token_text(values[k]) for k in names}
     return {k: v for k, v in named.items() if v is not None}
+
+
+def _processor_tokens(root: Path) -> dict[str, str]:
+    """The placeholders a whole checkpoint's processor names (processor_config.json's
+    image_token, audio_token: LlavaProcessor's, Qwen2AudioProcessor's)."""
+    processor = _read_json(root / "processor_config.json", required=False)
+    keys = ("image_token", "audio_token")
+    return {k: processor[k] for k in keys if isinstance(processor.get(k), str)}
 
 
 def _load_template(root: Path, config: dict, named: dict, date: str) -> ChatTemplate | None:
