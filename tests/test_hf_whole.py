@@ -18,7 +18,7 @@ from test_chat import build_dir
 from jaxmllm.config import ConfigError, VisionConfig, load_config
 from jaxmllm.data.media.image import patchify
 from jaxmllm.hf.__main__ import main
-from jaxmllm.hf.check_whole import check_all
+from jaxmllm.hf.check import describe
 from jaxmllm.hf.export import Piece, export_run, plan_export, write_piece
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.importer import write_config
@@ -44,13 +44,16 @@ CLASSES = {"qwen2-audio": "Qwen2AudioForConditionalGeneration"}  # (else image-t
 
 
 @pytest.mark.parametrize("name", sorted(WHOLES))
-def test_whole_model_with_media_matches_transformers(name, tmp_path):
-    """One line per part and last the whole model: the LLM on text, the encoder and projector
-    on an image (LLaVA's CLIP with its class token, read a block before the end; Qwen2.5-VL's
-    windows) or a clip (Qwen2-Audio's pooled rows), and every token's logits with it in the
-    prompt, within 1e-4 of transformers in fp32."""
-    results = check_all(WHOLES[name](tmp_path / name))
+def test_whole_model_with_media_matches_transformers(name, tmp_path, capsys):
+    """`hf check DIR`: one line per part and last the whole model: the LLM on text, the encoder
+    and projector on an image (LLaVA's CLIP with its class token, read a block before the end;
+    Qwen2.5-VL's windows) or a clip (Qwen2-Audio's pooled rows), and every token's logits with
+    it in the prompt, within 1e-4 of transformers in fp32."""
+    assert main(["check", WHOLES[name](tmp_path / name), "--json"]) == 0
+    results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["role"] for r in results][::2] == ["llm", "model"] and len(results) == 3
+    line = describe(results[-1])
+    assert " model: logits of " in line and ": largest difference " in line, line
     assert "with a" in results[-1]["what"] and "in the prompt" in results[-1]["what"]
     for result in results:
         assert result["max_abs_ref"] > 0.5, result  # a real signal, not zeros

@@ -17,7 +17,8 @@ class BlockOptions:
 
     HuggingFace families set them (`python -m jaxmllm.hf import` writes them from config.json):
     Llama / Qwen2 decoders rms + gated_silu (Qwen2: attn_bias qkv), SigLIP layer + gelu_tanh +
-    biases, the Qwen2-VL vision tower layer + quick_gelu + biases, Whisper layer + gelu + qvo.
+    biases, CLIP layer + quick_gelu + biases, the Qwen2-VL vision tower layer + quick_gelu +
+    biases, Qwen2.5-VL's rms + gated_silu + biases, Whisper layer + gelu + qvo.
     """
 
     norm: str = "rms"  # rms (RMSNorm) | layer (LayerNorm with a bias), before attention and MLP
@@ -294,9 +295,11 @@ class InitFrom:
     """Pretrained HuggingFace checkpoint directories the modules start from (a fresh run only:
     a resumed run restores its own checkpoint). `python -m jaxmllm.hf import` writes these."""
 
+    # A whole checkpoint (LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen2-Audio) is each part's directory:
+    # `hf import --model` writes it as every part it holds, projectors included
     llm: str = ""  # a Llama / Qwen2 causal LM directory (config.json + safetensors)
-    vision: str = ""  # a SigLIP or Qwen2-VL (vision tower) directory
-    audio: str = ""  # a Whisper directory (its encoder)
+    vision: str = ""  # a SigLIP, CLIP or Qwen2(.5)-VL (vision tower) directory
+    audio: str = ""  # a Whisper or Qwen2-Audio (its encoder) directory
     # An earlier run's train.output_dir: its latest checkpoint's parameters (not its optimizer
     # state or data position) for every module both models have, over the directories above
     run: str = ""

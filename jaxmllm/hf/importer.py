@@ -11,6 +11,7 @@ and processor settings included.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import yaml
@@ -50,7 +51,8 @@ def model_section(llm: str, vision: str = "", audio: str = "") -> dict:
         if merger and merger != model["llm"]["width"]:
             print(
                 f"note: the Qwen2-VL merger of {directory} was trained for a {merger}-wide LLM; "
-                f"this LLM is {model['llm']['width']} wide, so the projector starts fresh"
+                f"this LLM is {model['llm']['width']} wide, so the projector starts fresh",
+                file=sys.stderr,
             )
     return model
 
@@ -173,7 +175,8 @@ def vocab_size(checkpoint: int, tokenizer: str) -> int:
     root = Path(tokenizer)
     if not ((root / "tokenizer.json").is_file() and (root / "tokenizer_config.json").is_file()):
         print(f"note: {tokenizer} has no tokenizer.json and tokenizer_config.json; set "
-              "data.tokenizer to the checkpoint's tokenizer directory before training")  # fmt: skip
+              "data.tokenizer to the checkpoint's tokenizer directory before training",
+              file=sys.stderr)  # fmt: skip
         return checkpoint
     need = make_tokenizer(tokenizer).vocab_size
     return checkpoint if need <= checkpoint else -(-need // 128) * 128
