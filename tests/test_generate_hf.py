@@ -78,48 +78,6 @@ def test_greedy_qwen2_chat_from_the_command_line_matches_transformers(tmp_path, 
     assert answer["text"] == tk.decode(theirs, skip_special_tokens=False).replace("<|im_end|>", "")
 
 
-def test_qwen2_vl_with_an_image_generates_transformers_first_tokens(tmp_path):
-    """A whole Qwen2-VL from one directory (its tower found in it): an image between the
-    tokenizer's vision start and end; prefill places its tokens on the image's grid, decoding
-    counts on from one past the largest position (Qwen2-VL's rope delta)."""
-    from transformers import Qwen2VLForConditionalGeneration
-
-    d = tmp_path / "qwen2_vl"
-    build_dir(d, "qwen", "Qwen/Qwen2.5-VL-7B-Instruct")
-    tk = hf(d)
-    names = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
-    ids = tuple(tk.convert_tokens_to_ids(t) for t in names)
-    hf_models.qwen2_vl(d, vocab=VOCAB, ids=ids)
-    build_dir(d, "qwen", "Qwen/Qwen2.5-VL-7B-Instruct")  # (save_pretrained wrote over it)
-    cfg, params = load_hf(parse_args(["--hf", str(d), "--prompt", "."]))
-    template = make_template(cfg, "auto", pretrained=True)
-    assert template.specials.image == ids[0]
-
-    rng = np.random.default_rng(0)
-    gh, gw, p = 6, 4, 4
-    image = rng.normal(size=(gh * p, gw * p, 3)).astype(np.float32)
-    patches, positions = patchify(image, p, 2)
-    text = tk("Describe the picture, please.")["input_ids"]
-    tokens = [*text[:3], ids[2], *[ids[0]] * (gh * gw // 4), ids[3], *text[3:]]
-    prompt = Sample(-1, np.asarray(tokens, np.int32), np.zeros(len(tokens), bool),
-                    [(patches, positions)], grids=[(gh, gw)])  # fmt: skip
-    new, stop = 8, template.specials.stop
-    gen = Generator(cfg, PromptShapes.fit([prompt], cfg, new), template.specials)
-    (ours,) = gen.generate(params["params"], params["frozen"], [prompt], max_new_tokens=new,
-                           stop_ids=frozenset(stop))  # fmt: skip
-
-    import torch
-
-    frames = patches.reshape(-1, p, p, 3).transpose(0, 3, 1, 2)[:, :, None]
-    pixels = torch.from_numpy(np.repeat(frames, 2, axis=2).reshape(len(frames), -1))
-    kinds = torch.from_numpy((np.asarray(tokens) == ids[0])[None].astype(np.int32))
-    model = Qwen2VLForConditionalGeneration.from_pretrained(str(d)).eval()
-    grid = torch.tensor([[1, gh, gw]])
-    theirs = hf_greedy(model, tokens, new, stop, pixel_values=pixels, image_grid_thw=grid,
-                       mm_token_type_ids=kinds)  # fmt: skip
-    assert len(ours.ids) == new and ours.ids == theirs
-
-
 def test_hf_generation_refuses_what_it_cannot_read(tmp_path, capsys):
     """No tokenizer beside the weights, or a directory that is no checkpoint: a clear error."""
     src = hf_models.llama(tmp_path / "llama", tied=True)
@@ -138,6 +96,8 @@ def _ours(d: Path, prompt: Sample, new: int) -> tuple[list[int], frozenset]:
     """Our greedy ids for `prompt` from the whole checkpoint `d` (`--hf d`), and its stops."""
     cfg, params = load_hf(parse_args(["--hf", str(d), "--prompt", "."]))
     template = make_template(cfg, "auto", pretrained=True)
+    specials = template.specials  # (the directory's placeholder is the prompt's)
+    assert (specials.image if prompt.images else specials.audio) in prompt.tokens
     stop = frozenset(template.specials.stop)
     gen = Generator(cfg, PromptShapes.fit([prompt], cfg, new), template.specials)
     (ours,) = gen.generate(params["params"], params["frozen"], [prompt], max_new_tokens=new,
@@ -180,21 +140,24 @@ def test_llava_with_an_image_generates_transformers_tokens(tmp_path, tower):
     assert len(ours) == 16 and ours == theirs
 
 
-def test_qwen2_5_vl_with_an_image_generates_transformers_tokens(tmp_path):
-    """A whole Qwen2.5-VL: its windowed tower (windows of 4 x 4 patches, two full blocks) on
-    an image of several windows, M-RoPE in prefill and decoding; the 8 greedy ids are
+@pytest.mark.parametrize(("family", "gh", "gw"), [("qwen2_vl", 6, 4), ("qwen2_5_vl", 10, 6)])
+def test_qwen_vl_with_an_image_generates_transformers_first_tokens(tmp_path, family, gh, gw):
+    """A whole Qwen2-VL or Qwen2.5-VL from one directory (its tower found in it; Qwen2.5-VL's
+    windows of 4 x 4 patches, six over the image, two blocks full): an image between the
+    tokenizer's vision start and end; prefill places its tokens on the image's grid, decoding
+    counts on from one past the largest position (Qwen2-VL's rope delta): the first 8 ids are
     transformers'."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    import transformers
 
-    d = tmp_path / "qwen2_5_vl"
+    d = tmp_path / family
     tk = hf(build_dir(d, "qwen", "Qwen/Qwen2.5-VL-7B-Instruct"))
     names = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
     ids = tuple(tk.convert_tokens_to_ids(t) for t in names)
-    hf_models.qwen2_5_vl(d, vocab=VOCAB, ids=ids)
-    build_dir(d, "qwen", "Qwen/Qwen2.5-VL-7B-Instruct")
+    getattr(hf_models, family)(d, vocab=VOCAB, ids=ids)
+    build_dir(d, "qwen", "Qwen/Qwen2.5-VL-7B-Instruct")  # (save_pretrained wrote over it)
 
     rng = np.random.default_rng(0)
-    gh, gw, p = 10, 6, 4
+    p = 4
     image = rng.normal(size=(gh * p, gw * p, 3)).astype(np.float32)
     patches, positions = patchify(image, p, 2)
     words = tk("Describe the picture, please.")["input_ids"]
@@ -208,7 +171,7 @@ def test_qwen2_5_vl_with_an_image_generates_transformers_tokens(tmp_path):
     frames = patches.reshape(-1, p, p, 3).transpose(0, 3, 1, 2)[:, :, None]
     pixels = torch.from_numpy(np.repeat(frames, 2, axis=2).reshape(len(frames), -1))
     kinds = torch.from_numpy((np.asarray(tokens) == ids[0])[None].astype(np.int32))
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(d)).eval()
+    model = transformers.AutoModelForImageTextToText.from_pretrained(str(d)).eval()
     grid = torch.tensor([[1, gh, gw]])
     theirs = hf_greedy(model, tokens, 8, stop, pixel_values=pixels, image_grid_thw=grid,
                        mm_token_type_ids=kinds)  # fmt: skip

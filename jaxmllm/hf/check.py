@@ -72,9 +72,15 @@ def check_dir(directory: str, role: str = "", tokens: int = 64, seed: int = 0) -
     rng = np.random.default_rng(seed)
     run = {"llm": _llm, "vision": _vision, "audio": _audio}[role]
     what, ours, theirs = run(towers, reference, cfg, family, rng, tokens)
+    return figures(role, family.name, what, ours, theirs)
+
+
+def figures(role: str, family: str, what: str, ours, theirs) -> dict:
+    """The figures of a comparison: the largest difference and the largest reference value."""
+    ours, theirs = np.asarray(ours, np.float32), np.asarray(theirs, np.float32)
     return {
         "role": role,
-        "family": family.name,
+        "family": family,
         "what": what,
         "max_abs_diff": float(np.abs(ours - theirs).max()),
         "max_abs_ref": float(np.abs(theirs).max()),

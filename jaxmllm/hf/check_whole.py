@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxmllm.batch.bucketize import mrope_positions
 from jaxmllm.data.media.image import patchify
-from jaxmllm.hf.check import _numpy, _torch, check_dir, hf_module
+from jaxmllm.hf.check import _numpy, _torch, check_dir, figures, hf_module
 from jaxmllm.hf.registry import read_hf_config
 from jaxmllm.hf.towers import load_model
 from jaxmllm.hf.whole import Whole
@@ -77,7 +77,7 @@ def check_whole(directory: str, tokens: int = 64, seed: int = 0) -> list[dict]:
     ids = text(tokens)
     theirs = _run(ref, ids)[0]
     ours = _logits(model.llm, _embed(model.llm, jnp.asarray(ids)[None]), _positions(ids, mrope))
-    out.append(_result(whole, "llm", f"logits of {tokens} text tokens", ours[0], theirs))
+    out.append(figures("llm", whole.name, f"logits of {tokens} text tokens", ours[0], theirs))
 
     media = "vision" if "vision" in whole.parts else "audio"
     prompt = (_image_prompt if media == "vision" else _clip_prompt)(cfg, model, whole, hf, rng)
@@ -91,11 +91,11 @@ def check_whole(directory: str, tokens: int = 64, seed: int = 0) -> list[dict]:
     else:
         positions = np.arange(len(ids))[None]
     theirs, captured = _run(ref, ids, HOOKS[whole.name], n, **inputs)
-    out.append(_result(whole, media, f"projected rows of {what}", rows[0], captured))
+    out.append(figures(media, whole.name, f"projected rows of {what}", rows[0], captured))
     x = _embed(model.llm, jnp.asarray(ids)[None])
     x = x.at[0, np.flatnonzero(ids == token)].set(rows[0].astype(x.dtype))
     ours = _logits(model.llm, x, jnp.asarray(positions))
-    return out + [_result(whole, "model", f"logits of {len(ids)} tokens with {what} in the "
+    return out + [figures("model", whole.name, f"logits of {len(ids)} tokens with {what} in the "
                           "prompt", ours[0], theirs)]  # fmt: skip
 
 
@@ -177,14 +177,3 @@ def _run(ref, ids: np.ndarray, hook=None, n: int = 0, **inputs):
     if hook is None:
         return theirs, None
     return theirs, _numpy(hook[1](captured["out"], n))
-
-
-def _result(whole: Whole, role: str, what: str, ours, theirs) -> dict:
-    ours, theirs = np.asarray(ours, np.float32), np.asarray(theirs, np.float32)
-    return {
-        "role": role,
-        "family": whole.name,
-        "what": what,
-        "max_abs_diff": float(np.abs(ours - theirs).max()),
-        "max_abs_ref": float(np.abs(theirs).max()),
-    }
