@@ -21,7 +21,7 @@ from jaxmllm.hf.__main__ import main
 from jaxmllm.hf.check import describe
 from jaxmllm.hf.export import Piece, export_run, plan_export, write_piece
 from jaxmllm.hf.family import FamilyError
-from jaxmllm.hf.importer import write_config
+from jaxmllm.hf.importer import model_section, write_config
 from jaxmllm.hf.registry import read_hf_config
 from jaxmllm.hf.safetensors import Checkpoint
 from jaxmllm.hf.towers import load_model
@@ -125,6 +125,42 @@ def test_import_model_writes_the_whole_config(tmp_path):
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(FamilyError, match="image_token_index is 5 but the tokenizer"):
         write_config(tmp_path / "again.yaml", model=str(d))
+
+
+def test_import_reads_a_llava_1_5_config_its_defaults_included(tmp_path):
+    """llava-1.5-7b-hf's config.json names little of its text_config beyond model_type: the
+    rest is LlamaConfig's defaults, filled as transformers fills them (4096 wide, 32 layers);
+    its CLIP-L/336 tower is read at block 23 of 24 with its class token."""
+    text = {
+        "architectures": ["LlamaForCausalLM"],
+        "max_position_embeddings": 4096,
+        "model_type": "llama",
+        "rms_norm_eps": 1e-05,
+        "vocab_size": 32064,
+    }
+    vision = {
+        "hidden_size": 1024,
+        "image_size": 336,
+        "intermediate_size": 4096,
+        "model_type": "clip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 24,
+        "patch_size": 14,
+        "projection_dim": 768,
+    }
+    config = {"architectures": ["LlavaForConditionalGeneration"], "image_token_index": 32000,
+              "model_type": "llava", "projector_hidden_act": "gelu", "text_config": text,
+              "vision_config": vision, "vision_feature_layer": -2,
+              "vision_feature_select_strategy": "default"}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = model_section(str(tmp_path), str(tmp_path))
+    llm, v = model["llm"], model["vision"]
+    assert (llm["width"], llm["depth"], llm["heads"], llm["kv_heads"], llm["mlp_dim"]) == (
+        4096, 32, 32, 32, 11008
+    )  # fmt: skip
+    assert (llm["norm_eps"], llm["vocab_size"], llm["attn_bias"]) == (1e-5, 32064, "")
+    tower = (v["depth"], v["position_grid"], v["class_token"], v["final_norm"])
+    assert tower == (23, 24, True, False)
 
 
 def test_import_refuses_what_it_cannot_read(tmp_path, capsys):

@@ -32,12 +32,13 @@ class Whole:
     token_keys: dict[str, tuple[str, ...]] = {}
 
     def sub(self, role: str, hf: dict) -> dict:
-        """A part's own config (the whole's top-level tie_word_embeddings goes to the LLM's)."""
+        """A part's own config (the whole's top-level tie_word_embeddings goes to the LLM's),
+        with its architecture's defaults where it leaves keys out (`with_defaults`)."""
         key = self.parts[role][0]
         sub = dict(hf.get(key) or {})
         if role == "llm" and "tie_word_embeddings" in hf:
             sub["tie_word_embeddings"] = hf["tie_word_embeddings"]
-        return sub
+        return with_defaults(sub)
 
     def inner(self, role: str, hf: dict) -> Family:
         """The family that reads a part's own config and tensors."""
@@ -97,6 +98,23 @@ class Whole:
             if hf.get(key) is not None:
                 return int(hf[key])
         return None
+
+
+def with_defaults(config: dict) -> dict:
+    """A part's config with every key its transformers config class fills by default (as
+    transformers reads it): LLaVA-1.5's text_config names little beyond its model_type, the
+    rest are LlamaConfig's defaults. Without transformers installed, the config as it is (a
+    key it lacks is then refused naming it)."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        return config
+    rest = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        full = AutoConfig.for_model(config.get("model_type"), **rest).to_dict()
+    except (ValueError, KeyError, TypeError):  # (a model_type transformers does not know)
+        return config
+    return {**full, **config}
 
 
 class Part(Family):
