@@ -105,7 +105,7 @@ def _ours(d: Path, prompt: Sample, new: int) -> tuple[list[int], frozenset]:
     return ours.ids, stop
 
 
-@pytest.mark.parametrize("tower", ["clip", "siglip"])
+@pytest.mark.parametrize("tower", ["clip", pytest.param("siglip", marks=pytest.mark.slow)])
 def test_llava_with_an_image_generates_transformers_tokens(tmp_path, tower):
     """A whole LLaVA from one directory: CLIP read at its second-to-last block with the class
     token dropped (Llama), or SigLIP at its last block (Qwen2); the image is one `<image>` id

@@ -163,6 +163,18 @@ def test_import_reads_a_llava_1_5_config_its_defaults_included(tmp_path):
     assert tower == (23, 24, True, False)
 
 
+def test_the_processors_placeholder_is_the_images(tmp_path):
+    """A LLaVA on a Qwen tokenizer: the tokenizer has Qwen's <|image_pad|> too, but the
+    processor (processor_config.json's image_token) names <image>, which the images become."""
+    from jaxmllm.data.text.tokenizer import make_tokenizer
+
+    d = build_dir(tmp_path / "tok", "qwen", "Qwen/Qwen2.5-7B-Instruct", extra=["<image>"])
+    pad = make_tokenizer(str(d)).specials.image
+    (d / "processor_config.json").write_text(json.dumps({"image_token": "<image>"}))
+    image = make_tokenizer(str(d)).specials.image
+    assert make_tokenizer(str(d)).decode([image]) == "<image>" and image != pad
+
+
 def test_import_refuses_what_it_cannot_read(tmp_path, capsys):
     d = Path(hf_models.llava(tmp_path / "llava"))
     config = json.loads((d / "config.json").read_text())

@@ -14,6 +14,9 @@ export read it as they read a checkpoint of one part: its links carry the whole'
 
 from __future__ import annotations
 
+import copy
+import functools
+import json
 from typing import Any
 
 from jaxmllm.hf.family import Family, Link, prefixed
@@ -105,6 +108,12 @@ def with_defaults(config: dict) -> dict:
     transformers reads it): LLaVA-1.5's text_config names little beyond its model_type, the
     rest are LlamaConfig's defaults. Without transformers installed, the config as it is (a
     key it lacks is then refused naming it)."""
+    return copy.deepcopy(_with_defaults(json.dumps(config, sort_keys=True)))
+
+
+@functools.lru_cache(maxsize=64)
+def _with_defaults(text: str) -> dict:  # (asked once per tensor name a load leaves alone)
+    config = json.loads(text)
     try:
         from transformers import AutoConfig
     except ImportError:
