@@ -286,6 +286,32 @@ def test_export_from_scratch_refuses_naming_the_option_and_leaves_nothing(tmp_pa
     assert "is not empty" in capsys.readouterr().err
 
 
+def test_an_export_that_fails_midway_leaves_nothing(tmp_path, monkeypatch):
+    """Export writes aside and renames when complete: a failure after one of its checkpoints
+    was written leaves neither --out nor the partial directory."""
+    from jaxmllm.hf import export
+
+    run = _fake_run(tmp_path, [])
+    monkeypatch.setattr(
+        export,
+        "plan_export",
+        lambda cfg: [Piece("llm", ("llm",), ""), Piece("vision", ("vision",), "")],
+    )
+    monkeypatch.setattr(export, "_restore", lambda cfg, run, step: (0, {}))
+
+    def write(cfg, piece, flat, directory, max_shard):
+        if piece.where == "vision":
+            raise OSError("disk full")
+        directory.mkdir(parents=True)
+        (directory / "config.json").write_text("{}")
+        return set()
+
+    monkeypatch.setattr(export, "write_piece", write)
+    with pytest.raises(OSError, match="disk full"):
+        export_run(str(run), str(tmp_path / "export"))
+    assert not (tmp_path / "export").exists() and not list(tmp_path.glob(".export*"))
+
+
 def test_a_config_that_trains_nothing_is_refused_naming_the_freeze_keys(tmp_path):
     """Stage 1 on an LLM alone (no encoder, so no projector) freezes everything: refused at
     load, naming the keys; with an encoder its projector trains."""

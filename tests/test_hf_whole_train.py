@@ -150,6 +150,7 @@ def test_a_run_from_scratch_exports_as_the_family_it_matches(tmp_path):
                                                        "data.eval.source=none"])  # fmt: skip
     train.main(cfg)
     exported = export_run(str(out), str(tmp_path / "export"))["model"]
+    assert not list(tmp_path.glob(".export*"))  # (written aside, renamed whole)
     config = json.loads((exported / "config.json").read_text())
     assert config["architectures"] == ["Qwen2VLForConditionalGeneration"]
     # (AutoProcessor would build Qwen2-VL's video processor too, which needs torchvision)
