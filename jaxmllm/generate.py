@@ -39,6 +39,7 @@ import jax
 
 from jaxmllm.batch.prompts import PromptShapes
 from jaxmllm.config import Config, ConfigError, from_dict
+from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.template import TEMPLATES, Template, make_template
@@ -113,29 +114,30 @@ def answer_prompts(
 
 
 def request_prompts(template: Template, args) -> list[Sample]:
-    """The prompts of the command line, with their images and clips (see `--help`)."""
+    """The prompts of the command line, with their media files (see `--help`)."""
     texts = args.prompt or []
     ids = [[int(x) for x in s.replace(" ", "").split(",") if x] for s in args.prompt_ids or []]
+    media = {p.name: list(getattr(args, p.item)) for p in ENCODERS}  # (--image, --audio, ...)
     several = len(texts) + len(ids) > 1
-    if several and (args.image or args.audio):
+    if several and any(media.values()):
+        flags = " / ".join(f"--{p.item}" for p in ENCODERS)
+        marks = " / ".join(p.placeholder for p in ENCODERS)
         if ids:
-            raise ConfigError("--image / --audio go with one --prompt-ids, or with --prompt "
-                              "texts that place them with <image> / <audio>")  # fmt: skip
-        if sum(t.count("<image>") for t in texts) != len(args.image) or sum(
-            t.count("<audio>") for t in texts
-        ) != len(args.audio):
+            raise ConfigError(f"{flags} go with one --prompt-ids, or with --prompt texts that "
+                              f"place them with {marks}")  # fmt: skip
+        if any(sum(t.count(p.placeholder) for t in texts) != len(media[p.name]) for p in ENCODERS):
             raise ConfigError(
-                "with several prompts, place each --image and --audio with an <image> / <audio> "
-                "placeholder in the prompt it belongs to (they are handed out in order)"
+                f"with several prompts, place each of {flags} with a {marks} placeholder in the "
+                "prompt it belongs to (they are handed out in order)"
             )
-    images, audio = list(args.image), list(args.audio)
     prompts = []
     for text in texts:
-        n_img = text.count("<image>") if several else len(images)
-        n_aud = text.count("<audio>") if several else len(audio)
-        prompts.append(template.prompt(text, images[:n_img], audio[:n_aud]))
-        images, audio = images[n_img:], audio[n_aud:]
-    prompts += [template.prompt_ids(i, args.image, args.audio) for i in ids]
+        take = {p.name: text.count(p.placeholder) if several else len(media[p.name])
+                for p in ENCODERS}  # fmt: skip
+        prompts.append(template.prompt(text, {k: files[: take[k]] for k, files in media.items()}))
+        media = {k: files[take[k] :] for k, files in media.items()}
+    every = {p.name: list(getattr(args, p.item)) for p in ENCODERS}
+    prompts += [template.prompt_ids(i, every) for i in ids]
     return prompts
 
 
@@ -153,10 +155,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-audio", default="", metavar="DIR", help="with --hf: an audio encoder")
     p.add_argument("--tokenizer", default="", metavar="DIR",
                    help="with --hf: its tokenizer directory (default: the --hf one)")  # fmt: skip
-    p.add_argument("--image", action="extend", nargs="+", default=[], metavar="PATH",
-                   help="image file(s), in order of the <image> placeholders")  # fmt: skip
-    p.add_argument("--audio", action="extend", nargs="+", default=[], metavar="PATH",
-                   help="audio file(s), in order of the <audio> placeholders")  # fmt: skip
+    for phase in ENCODERS:  # --image, --audio: each encoder phase's files
+        p.add_argument(f"--{phase.item}", action="extend", nargs="+", default=[], metavar="PATH",
+                       help=f"{phase.item} file(s), in order of the {phase.placeholder} "
+                       "placeholders")  # fmt: skip
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", action="append", metavar="TEXT",
                       help="a prompt (repeat for a batch); without placeholders the media come "

@@ -23,6 +23,7 @@ import jax
 
 import sharding
 from jaxmllm.batch.counts import calibrated_cost
+from jaxmllm.batch.info import StepInfo
 from jaxmllm.config import Config, ConfigError, load_config
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
@@ -165,7 +166,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
                 state, metrics = prog.step(state, batch)
             done = step + 1
             if timings is not None:  # times the step before, now done, as the guard waits on it
-                timings.dispatched(done, metrics["loss"], info["work"])
+                timings.dispatched(done, metrics["loss"], info.work)
             if guard.check(done, metrics["nonfinite"]):
                 args = save_args(prog.to_checkpoint(state), data_iter, stamp)
                 mngr.save(guard.stopped_at, args=args, force=True)
@@ -174,7 +175,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
             if watchdog is not None:
                 watchdog.progress(done)
             if ledger is not None:
-                ledger.write(done, info["parts"])
+                ledger.write(done, info.parts)
             window.add(info)
             if done % t.log_every == 0 or done in (1, t.steps):
                 last = log_step(done, metrics, info, window, guard.total, writer, bar)
@@ -275,7 +276,7 @@ def host_positions(mesh) -> Any:
     return positions
 
 
-def log_step(done: int, metrics: dict, info: dict, window, nonfinite_total: int, writer, bar):
+def log_step(done: int, metrics: dict, info: StepInfo, window, nonfinite_total, writer, bar):
     """A logged step's row: the step's own metrics (this waits for the step to finish), the
     window's throughput and padding and the job's cumulative counts; written and shown."""
     row = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -283,7 +284,7 @@ def log_step(done: int, metrics: dict, info: dict, window, nonfinite_total: int,
     row.update(stats)
     row["nonfinite_total"] = nonfinite_total
     row.update(rejects)  # cumulative bad-input counts
-    row["samples"] = len(info["samples"])
+    row["samples"] = len(info.samples)
     writer.write(done, row)
     bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
     return row

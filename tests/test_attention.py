@@ -226,23 +226,23 @@ def _omni_caps(devices: int, block: int, scale: float):
     from jaxmllm.plan.contract import Capacities
 
     index = synthetic_omni(3000, seed=3)
-    sug = suggest_capacities(index, 8192, 4, 4, match_llm=True, block=block)
+    per_token, per_row = {"vision": 4, "audio": 4}, {"vision": 1, "audio": 4}
+    sug = suggest_capacities(index, 8192, per_token, per_row=per_row, match_llm=True, block=block)
     caps = Capacities(
         microbatches=2, devices=devices, llm_rows=sug.llm_rows, llm_row_len=sug.llm_row_len,
-        vision_patches=sug.vision_patches, audio_frames=sug.audio_frames, merge_area=4,
-        subsample=4, route_pair_capacity=sug.vision_patches // 4, block=block,
+        units=sug.units, per_token=per_token, per_row=per_row,
+        route_pair_capacity=sug.units["vision"] // 4, block=block,
     )  # fmt: skip
     suggested = suggest_tiles(index, caps)
     alone = {  # a tile capacity is never below the largest document's own tiles
-        "llm": index.llm_tokens(4, 4), "vision": index.images, "audio": index.audio // 4,
+        "llm": index.llm_tokens(per_token), "vision": index.items["vision"].sizes,
+        "audio": index.items["audio"].sizes // 4,
     }  # fmt: skip
     tight = {
-        f"{p}_tiles": max(
-            int(n * scale), int(tiles.own_tiles(-(-alone[p] // block), p == "llm").max())
-        )
+        p: max(int(n * scale), int(tiles.own_tiles(-(-alone[p] // block), p == "llm").max()))
         for p, n in suggested.items()
     }
-    return index, dataclasses.replace(caps, **tight)
+    return index, dataclasses.replace(caps, tiles=tight)
 
 
 @pytest.mark.parametrize(("devices", "scale"), [(8, 1.0), (8, 0.7), (32, 1.0)])
@@ -276,8 +276,8 @@ def test_every_planned_tile_list_is_exactly_its_documents_tiles(planner):
     """Through the real pipeline (plan, load, bucketize) on the tiny config: each bucket's tile
     list, every phase, is the tile set of the documents its segment ids hold, within the
     capacity the config resolved (a dry run for grain, the data's mean need for orchestrated)."""
-    from jaxmllm.batch.bucketize import tile_capacities
     from jaxmllm.config import load_config
+    from jaxmllm.config.spec import BatchSpec
     from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
     from jaxmllm.plan.sizing import resolve_batch
@@ -287,7 +287,7 @@ def test_every_planned_tile_list_is_exactly_its_documents_tiles(planner):
         ["data.synthetic.num_samples=256", f"batch.planner={planner}", "train.steps=4"],
     )
     cfg = resolve_batch(cfg, make_source(cfg)[1], devices=8)
-    caps = tile_capacities(cfg)
+    caps = BatchSpec.of(cfg).tile_caps()
     block = cfg.batch.attention_block
     sub = cfg.model.audio.subsample
     data = make_pipeline(cfg, 8, prefetch=0)

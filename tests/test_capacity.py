@@ -13,25 +13,27 @@ from jaxmllm.plan.capacity import ladder_values, suggest_capacities
 from jaxmllm.plan.cost import CostModel
 
 MERGE_AREA, SUBSAMPLE = 4, 4
+PER_TOKEN = {"vision": MERGE_AREA, "audio": SUBSAMPLE}  # (units per LLM token)
+PER_ROW = {"vision": 1, "audio": SUBSAMPLE}  # (units per encoder row: the pairs stem)
 
 
 def test_capacity_ladder_and_ratios():
     ladder = set(ladder_values().tolist())
     index = synthetic_omni(4000, seed=2)
-    sug = suggest_capacities(index, 16384, MERGE_AREA, SUBSAMPLE)
-    for v in (sug.llm_row_len, sug.vision_patches, sug.audio_frames):
+    sug = suggest_capacities(index, 16384, PER_TOKEN, per_row=PER_ROW)
+    for v in (sug.llm_row_len, sug.units["vision"], sug.units["audio"]):
         assert v in ladder
-    llm = index.llm_tokens(MERGE_AREA, SUBSAMPLE)
-    vis = index.per_sample_sum(index.images, index.images_ptr)
+    llm = index.llm_tokens(PER_TOKEN)
+    vis = index.items["vision"].per_sample()
     assert sug.llm_rows * sug.llm_row_len >= llm.max()
-    assert sug.vision_patches >= vis.max() and sug.vision_patches % MERGE_AREA == 0
+    assert sug.units["vision"] >= vis.max() and sug.units["vision"] % MERGE_AREA == 0
     ideal = sug.llm_rows * sug.llm_row_len * vis.sum() / llm.sum()
-    assert abs(sug.vision_patches / ideal - 1) < 0.07  # 8 shapes an octave: within 6%
+    assert abs(sug.units["vision"] / ideal - 1) < 0.07  # 8 shapes an octave: within 6%
     text_only = from_arrays(
         np.array([100, 300]), [np.zeros(0, np.int64)] * 2, [np.zeros(0, np.int64)] * 2
     )
-    sug = suggest_capacities(text_only, 1000, MERGE_AREA, SUBSAMPLE)
-    assert sug.vision_patches == sug.audio_frames == 0 and sug.llm_row_len >= 1000 * 0.94
+    sug = suggest_capacities(text_only, 1000, PER_TOKEN, per_row=PER_ROW)
+    assert sug.units["vision"] == sug.units["audio"] == 0 and sug.llm_row_len >= 1000 * 0.94
     assert set(sug.batch_overrides()) == {
         "llm_rows",
         "llm_row_len",
@@ -45,10 +47,12 @@ def test_capacity_suggestion_matches_modality_demands():
     from jaxmllm.plan.capacity import _encoder_caps
 
     index = synthetic_omni(4000, seed=2)
-    llm = index.llm_tokens(MERGE_AREA, SUBSAMPLE)
-    sug = suggest_capacities(index, 32768, MERGE_AREA, SUBSAMPLE, match_llm=True)
-    plain = _encoder_caps(index, llm, 1, 32768, MERGE_AREA, SUBSAMPLE, 8)
-    assert suggest_capacities(index, 32768, MERGE_AREA, SUBSAMPLE) == plain  # default: as asked
+    llm = index.llm_tokens(PER_TOKEN)
+    sug = suggest_capacities(index, 32768, PER_TOKEN, per_row=PER_ROW, match_llm=True)
+    plain = _encoder_caps(index, llm, 1, 32768, PER_TOKEN, PER_ROW, 8)
+    assert (
+        suggest_capacities(index, 32768, PER_TOKEN, per_row=PER_ROW) == plain
+    )  # default: as asked
 
     def spread(x):
         return max(x.demand.values()) / min(x.demand.values())
@@ -61,9 +65,13 @@ def test_cost_multipliers_follow_what_is_frozen():
     base = ModelConfig()
     trainable = CostModel.from_model(base)
     frozen_vis = CostModel.from_model(dc.replace(base, vision=dc.replace(base.vision, freeze=True)))
-    assert frozen_vis.vision.quadratic == pytest.approx(trainable.vision.quadratic / 3)
+    assert frozen_vis.phase("vision").quadratic == pytest.approx(
+        trainable.phase("vision").quadratic / 3
+    )
     frozen_llm = CostModel.from_model(dc.replace(base, llm=dc.replace(base.llm, freeze=True)))
-    assert frozen_llm.llm.quadratic == pytest.approx(trainable.llm.quadratic * 2 / 3)
+    assert frozen_llm.phase("llm").quadratic == pytest.approx(
+        trainable.phase("llm").quadratic * 2 / 3
+    )
     all_frozen = dc.replace(
         base,
         llm=dc.replace(base.llm, freeze=True),
@@ -71,8 +79,8 @@ def test_cost_multipliers_follow_what_is_frozen():
         audio=dc.replace(base.audio, freeze=True),
         projector_freeze=True,
     )
-    assert CostModel.from_model(all_frozen).llm.quadratic == pytest.approx(
-        trainable.llm.quadratic / 3
+    assert CostModel.from_model(all_frozen).phase("llm").quadratic == pytest.approx(
+        trainable.phase("llm").quadratic / 3
     )
-    c = trainable.llm
+    c = trainable.phase("llm")
     assert c.item_cost(np.array([10]))[0] == pytest.approx(10 * c.linear + 100 * c.quadratic)

@@ -137,7 +137,7 @@ def flat(pieces, specials) -> tuple[np.ndarray, np.ndarray]:
             ids += p[1].tolist()
             loss += p[2].tolist()
         else:
-            ids.append(specials.image if p[0] == "image" else specials.audio)
+            ids.append(specials.media[p[0]])  # (a media marker: its phase, its item)
             loss.append(False)
     return np.asarray(ids), np.asarray(loss)
 
@@ -203,7 +203,10 @@ def test_image_rows_go_where_the_template_puts_the_image_pad(dirs, tmp_path):
     d = dirs["qwen-vl"]
     tk = make_tokenizer(str(d))
     pad, start, end = (tk.token_id(t) for t in QWEN_SPECIALS[6:7] + QWEN_SPECIALS[3:5])
-    assert (tk.specials.image, tk.added_tokens) == (pad, {"<|jaxmllm_audio|>": tk.base_size})
+    assert (tk.specials.media["vision"], tk.added_tokens) == (
+        pad,
+        {"<|jaxmllm_audio|>": tk.base_size},
+    )
     parts = [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}]
     messages = [{"role": "user", "content": parts}, CHAT[2]]
     record = chat_record(messages, images=["cat.png"])  # parsed as "<image>What is ..."
@@ -213,19 +216,19 @@ def test_image_rows_go_where_the_template_puts_the_image_pad(dirs, tmp_path):
     cfg = load_config("configs/tiny.yaml", [f"data.tokenizer={d}"])
     pre = Preprocessor(Params.from_config(cfg), tk)
     record = parse_record({"id": "r", "messages": messages, "images": ["cat.png"]}, tmp_path, 1)
-    sample = pre.sample(0, record, Sizes(images=[(24, 40)], audio=[]), Limits())
-    rows = len(sample.images[0][0]) // cfg.model.vision.merge**2
+    sample = pre.sample(0, record, Sizes({"vision": [(24, 40)]}), Limits())
+    rows = len(sample.media["vision"][0][0]) // cfg.model.vision.merge**2
     at = np.flatnonzero(sample.tokens == pad)
     assert len(at) == rows > 1 and np.all(np.diff(at) == 1)
     assert sample.tokens[at[0] - 1] == start and sample.tokens[at[-1] + 1] == end
     assert not sample.loss[at].any() and sample.loss.sum() == loss.sum()
-    counts = pre.layout(record, Sizes(images=[(24, 40)], audio=[])).counts(4)
+    counts = pre.layout(record, Sizes({"vision": [(24, 40)]})).counts()
     assert counts["text"] == len(sample.tokens) - rows  # the index counts what training sees
 
 
 def test_media_without_own_tokens_get_new_rows_and_text_records(dirs):
     tk = make_tokenizer(str(dirs["llama"]))
-    image, audio = tk.specials.image, tk.specials.audio
+    image, audio = tk.specials.media["vision"], tk.specials.media["audio"]
     assert tk.added_tokens == {"<|jaxmllm_image|>": image, "<|jaxmllm_audio|>": audio}
     assert tk.vocab_size == tk.base_size + 2 == audio + 1
     record = parse_record(
@@ -253,7 +256,7 @@ def test_own_audio_placeholder_configured_image_token_and_legacy_specials(tmp_pa
     ids, _ = flat(tk.pieces(record), tk.specials)
     wrapped = [tk.token_id(t) for t in audio[1:2] + audio[:1] + audio[2:3]]
     assert ids.tolist()[:3] == wrapped and tk.decode(ids[3:-2]) == "hi"
-    assert ids[-2] == tk.specials.image == tk.token_id("<|IMG|>")  # no wrap known
+    assert ids[-2] == tk.specials.media["vision"] == tk.token_id("<|IMG|>")  # no wrap known
     assert tk.template.variables == hf(d).special_tokens_map  # image_token included
     # An older checkpoint: no added_tokens_decoder, named tokens in special_tokens_map.json.
     config = json.loads((d / "tokenizer_config.json").read_text())
@@ -387,9 +390,11 @@ def test_index_and_batches_with_a_tokenizer_directory(dirs, tmp_path):
     tokens, seg = step["llm_tokens"], step["llm_segment_ids"]
     assert (tokens[seg == 0] == tk.specials.pad).all()
     vision, audio = step["llm_vision_src"] >= 0, step["llm_audio_src"] >= 0
-    assert vision.any() and (tokens[vision] == tk.specials.image).all()
-    assert audio.any() and (tokens[audio] == tk.specials.audio).all()
-    assert ((tokens == tk.specials.image) == vision).all()  # every placeholder slot filled
+    assert vision.any() and (tokens[vision] == tk.specials.media["vision"]).all()
+    assert audio.any() and (tokens[audio] == tk.specials.media["audio"]).all()
+    assert (
+        (tokens == tk.specials.media["vision"]) == vision
+    ).all()  # every placeholder slot filled
     with pytest.raises(ConfigError, match=f"vocab_size to at least {tk.vocab_size}"):
         make_source(replace_vocab(cfg, tk.vocab_size - 1))
 

@@ -22,10 +22,10 @@ from test_orchestration import assert_equals_alone
 import sharding
 from jaxmllm.batch.bucketize import bucketize
 from jaxmllm.config import load_config
-from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.data.media.image import patchify
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.source import make_source
+from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.models import context as ctx
 from jaxmllm.models.attention import attention_mask, dense_attention
 from jaxmllm.plan import context as split
@@ -33,6 +33,8 @@ from jaxmllm.plan import tiles
 from jaxmllm.plan.contract import ItemPlan, StepPlan
 from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
 from jaxmllm.step.program import build_program, make_loss_and_grads, model_parts
+
+IMAGE, AUDIO = tok.RESERVED.media["vision"], tok.RESERVED.media["audio"]  # the placeholders
 
 # ----------------------------------------------------------------------------- the split
 
@@ -203,9 +205,7 @@ def alone(ref, sample: Sample) -> dict:
                         np.cumsum(sizes) - np.asarray(sizes, np.int64))  # fmt: skip
 
     plan = StepPlan(
-        0, z, z, z, z, z,
-        vision=items([len(p) for p, _ in sample.images]),
-        audio=items([len(a) for a in sample.audio]),
+        0, z, z, z, z, z, items={k: items([len(m[0]) for m in v]) for k, v in sample.media.items()}
     )  # fmt: skip
     return bucketize(plan, {0: sample}, ref, capacities(ref, 1))
 
@@ -245,8 +245,8 @@ def packed_step(cfg, source, index, data: int, context: int):
     host = bucketize(plan, samples, cfg, capacities(cfg, devices))
     # Rows really split: documents of a group on several ranks, images routed within groups
     # (the long step routes from outside them), encoders busy on most ranks.
-    group = plan.device[plan.vision.owner]
-    assert (plan.vision.device // context == group).any()
+    group = plan.device[plan.items["vision"].owner]
+    assert (plan.items["vision"].device // context == group).any()
     seg = host["llm_segment_ids"].reshape(-1, data, context, host["llm_segment_ids"][0, 0].size)
     shared = [set(seg[0, 0, r][seg[0, 0, r] > 0]) & set(seg[0, 0, 0]) for r in range(context)]
     assert any(shared[1:])
@@ -262,11 +262,11 @@ def long_sample(rng, n: int, image_side: int, frames: int, sid: int) -> Sample:
     text = rng.integers(0, 256, n - image_side**2 // 4 - frames // 4 - 1).astype(np.int32)
     cut = len(text) // 3
     tokens = np.concatenate([
-        [tok.BOS], text[:cut], np.full(image_side**2 // 4, tok.IMAGE), text[cut : 2 * cut],
-        np.full(frames // 4, tok.AUDIO), text[2 * cut :],
+        [tok.BOS], text[:cut], np.full(image_side**2 // 4, IMAGE), text[cut : 2 * cut],
+        np.full(frames // 4, AUDIO), text[2 * cut :],
     ]).astype(np.int32)  # fmt: skip
     loss = (tokens < 256) & (np.arange(len(tokens)) > 0)
-    return Sample(sid, tokens, loss, images=[image], audio=[clip])
+    return Sample(sid, tokens, loss, {"vision": [image], "audio": [(clip, np.arange(frames))]})
 
 
 def long_step(cfg, data: int, context: int):
@@ -344,12 +344,16 @@ def test_every_slot_reads_its_items_rows_through_the_exchange_and_the_gather():
         seg = host["llm_segment_ids"].reshape(2, data, -1)  # a group's tokens, rank by rank
         position = host["llm_positions"].reshape(2, data, -1)
         for phase, items, per, slot_token in (
-            ("vision", plan.vision, cfg.model.vision.merge**2, tok.IMAGE),
-            ("audio", plan.audio, cfg.model.audio.subsample, tok.AUDIO),
+            (
+                "vision",
+                plan.items["vision"],
+                cfg.model.vision.merge**2,
+                IMAGE,
+            ),
+            ("audio", plan.items["audio"], cfg.model.audio.subsample, AUDIO),
         ):
             reads = _read_slots(host, phase, cfg, context).reshape(2, data, -1)
-            sizes = (index.images, index.images_ptr) if phase == "vision" else (
-                index.audio, index.audio_ptr)  # fmt: skip
+            sizes = (index.items[phase].sizes, index.items[phase].ptr)
             n = host[f"{phase}_segment_ids"].shape[-1] // per
             for k, s in enumerate(plan.samples.tolist()):
                 m, g = int(plan.micro[k]), int(plan.device[k])
@@ -389,27 +393,28 @@ def test_planned_groups_hold_every_capacity_and_plan_every_sample_once(mix):
     from jaxmllm.plan.registry import make_planner
 
     index = load_mix(mix)
-    enc = encoder_capacities(index, 2048, 4, 4, block=128)
+    per_token, per_row = {"vision": 4, "audio": 4}, {"vision": 1, "audio": 4}
+    enc = encoder_capacities(index, 2048, per_token, per_row=per_row, block=128)
     caps = Capacities(
-        microbatches=2, devices=16, llm_rows=1, llm_row_len=2048,
-        vision_patches=enc.vision_patches, audio_frames=enc.audio_frames, merge_area=4,
-        subsample=4, route_pair_capacity=enc.vision_patches // 4, block=128, context=4,
+        microbatches=2, devices=16, llm_rows=1, llm_row_len=2048, units=enc.units,
+        per_token=per_token, per_row=per_row, route_pair_capacity=enc.units["vision"] // 4,
+        block=128, context=4,
     )  # fmt: skip
     make = lambda c: make_planner("orchestrated", index, c, 0)
     route = route_capacity(make(caps), index, caps, 10, 30)
     caps = dataclasses.replace(caps, route_pair_capacity=route)
-    weights = CostModel.from_model(ModelConfig()).tile_weights(128, 4)
+    weights = CostModel.from_model(ModelConfig()).tile_weights(128, per_row)
     tiles = held_tiles(make(caps), index, caps, 10, make=make, weights=weights)
-    caps = dataclasses.replace(caps, **{f"{p}_tiles": n for p, n in tiles.items()})
+    caps = dataclasses.replace(caps, tiles=tiles)
     planner = make(caps)
     planned, spread, tokens = Counter(), [], 0
     for _ in range(20):
         plan = planner.plan()
         check_plan(plan, index, caps)
-        tokens += index.llm_tokens(4, 4)[plan.samples].sum()
+        tokens += index.llm_tokens({"vision": 4, "audio": 4})[plan.samples].sum()
         for w in split.group_weights(plan, index, caps).values():
             loads = split.rank_loads(w, split.deal(w, 4), 4)
-            assert loads.max() <= caps.llm_tiles
+            assert loads.max() <= caps.tiles["llm"]
             spread.append(loads.max() / max(loads.mean(), 1))
         planned.update(plan.samples.tolist())
     waiting = Counter(planner.deferred[:, 0].tolist())
@@ -429,9 +434,9 @@ def test_a_document_as_long_as_the_only_group_is_planned_every_step():
     none = [np.zeros(0, np.int64)] * 6
     index = from_arrays(np.array([8192, 8192, 8000, 8192, 8192, 5000]), none, none)
     caps = Capacities(
-        microbatches=1, devices=8, llm_rows=1, llm_row_len=1024, vision_patches=0,
-        audio_frames=0, merge_area=4, subsample=4, route_pair_capacity=1, block=128,
-        llm_tiles=(64 * 65 // 2) // 8 + 8, context=8,
+        microbatches=1, devices=8, llm_rows=1, llm_row_len=1024, units={"vision": 0, "audio": 0},
+        per_token={"vision": 4, "audio": 4}, per_row={"vision": 1, "audio": 4},
+        route_pair_capacity=1, block=128, tiles={"llm": (64 * 65 // 2) // 8 + 8}, context=8,
     )  # fmt: skip
     planner = make_planner("orchestrated", index, caps, 0)
     planned = []

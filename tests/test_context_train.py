@@ -104,6 +104,6 @@ def test_a_context_size_too_small_for_the_data_is_refused_naming_the_keys():
     with pytest.raises(OversizeError, match=r"more than batch\.llm_row_len=32"):
         check_fits(index, capacities(alone, 8))
     half = replace(cfg, mesh=replace(cfg.mesh, data=4, context=2))
-    assert 64 < index.llm_tokens(4, 4).max() <= 128
+    assert 64 < index.llm_tokens({"vision": 4, "audio": 4}).max() <= 128
     with pytest.raises(OversizeError, match=r"batch\.llm_row_len x mesh\.context"):
         check_fits(index, capacities(half, 8))

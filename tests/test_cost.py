@@ -67,8 +67,8 @@ def test_free_fit_departs_from_the_flop_ratios_where_the_data_insist(tmp_path):
     """Audio's real quadratic/linear ratio 4x the FLOP model's: the free fit predicts the held-
     out steps better than the scaled one, which cannot change a phase's ratio."""
     flops = _run_dir(tmp_path, [])[1]
-    a = flops.audio
-    flops4 = replace(flops, audio=replace(a, quadratic=4 * a.quadratic))
+    a = flops.phase("audio")
+    flops4 = replace(flops, terms={**flops.terms, "audio": replace(a, quadratic=4 * a.quadratic)})
     rows = _synthetic_rows(flops4, 0.05, {"llm": 2e-11, "vision": 5e-11, "audio": 1e-9})
     _run_dir(tmp_path, rows)
     errors = {}
@@ -155,7 +155,7 @@ def test_calibrated_model_predicts_in_the_metrics_and_a_bad_one_stops_the_run(tm
     from jaxmllm.config import ConfigError
 
     cfg = load_config("configs/tiny.yaml")
-    model = CostModel(*(PhaseCost(1e-3, 1e-6) for _ in PHASES), unit="seconds", overhead=0.5)
+    model = CostModel(dict.fromkeys(PHASES, PhaseCost(1e-3, 1e-6)), unit="seconds", overhead=0.5)
     (tmp_path / "cost.json").write_text(json.dumps(model.to_dict()))
     cfg = replace(cfg, train=replace(cfg.train, cost_file=str(tmp_path / "cost.json")))
     seg = np.zeros((1, 2, 1, 8), np.int32)

@@ -5,11 +5,13 @@ import pytest
 
 from jaxmllm.batch.bucketize import batch_shapes, bucketize
 from jaxmllm.config import load_config
-from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.data.synthetic import SyntheticSource
+from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.plan.contract import OversizeError
 from jaxmllm.plan.sizing import capacities, planner_from_config
+
+IMAGE, AUDIO = tok.RESERVED.media["vision"], tok.RESERVED.media["audio"]  # the placeholders
 
 SMALL = ["data.synthetic.num_samples=300", "batch.microbatches=2"]
 FIRST_FIT = ["batch.planner=first_fit", "batch.route_pair_capacity=0", "batch.capacity=fixed"]
@@ -42,19 +44,19 @@ def test_synthetic_is_deterministic_and_index_matches_samples():
     for i in range(len(a)):
         s = a[i]
         assert np.array_equal(s.tokens, b[i].tokens)
-        text = int((s.tokens != tok.IMAGE).sum() - (s.tokens == tok.AUDIO).sum())
+        text = int((s.tokens != IMAGE).sum() - (s.tokens == AUDIO).sum())
         assert text == index.text[i], i
-        assert [len(p) for p, _ in s.images] == index.record(i)["images"]
-        assert [len(f) for f in s.audio] == index.record(i)["audio"]
-        kinds.add((len(s.images), len(s.audio)))
+        assert [len(p) for p, _ in s.media["vision"]] == index.record(i)["images"]
+        assert [len(f) for f, _ in s.media["audio"]] == index.record(i)["audio"]
+        kinds.add((len(s.media["vision"]), len(s.media["audio"])))
     assert {(0, 0), (1, 0), (2, 0), (0, 1)} <= kinds  # text-only, image, multi-image, audio
 
 
 def test_patches_are_in_merge_order():
     cfg = tiny()
     src = SyntheticSource(cfg)
-    s = next(src[i] for i in range(len(src)) if src[i].images)
-    patches, pos = s.images[0]
+    s = next(src[i] for i in range(len(src)) if src[i].media["vision"])
+    patches, pos = s.media["vision"][0]
     blocks = pos.reshape(-1, 4, 2)
     # each run of 4 patches is one 2x2 block: same (row//2, col//2)
     assert (blocks // 2 == blocks[:, :1] // 2).all()
@@ -72,7 +74,7 @@ def test_first_fit_never_exceeds_capacity_and_loses_nothing():
     src, planner, plans = plan_steps(cfg, 8, 12)
     caps = capacities(cfg, 8)
     index = src.lengths()
-    llm = index.llm_tokens(4, 4)
+    llm = index.llm_tokens({"vision": 4, "audio": 4})
     seen = np.concatenate([p.samples for p in plans])
     # The stream in order, nothing skipped: a prefix of the epoch permutations.
     assert np.array_equal(seen, planner.stream.take(0, len(seen)))
@@ -99,9 +101,9 @@ def test_bucketize_routes_every_placeholder_to_its_encoder_rows():
     for k, (shape, dtype) in batch_shapes(cfg, 8).items():
         assert batch[k].shape == shape and batch[k].dtype == dtype, k
     # Every vision placeholder points at a distinct, filled encoder output row of its device.
-    img = batch["llm_tokens"] == tok.IMAGE
+    img = batch["llm_tokens"] == IMAGE
     assert ((batch["llm_vision_src"] >= 0) == img).all()
-    aud = batch["llm_tokens"] == tok.AUDIO
+    aud = batch["llm_tokens"] == AUDIO
     assert ((batch["llm_audio_src"] >= 0) == aud).all()
     for m in range(caps.microbatches):
         for d in range(caps.devices):
@@ -125,22 +127,28 @@ def test_routed_mode_bucketize_uses_send_tables():
     plan = plans[0]
     caps = capacities(cfg, 4)
     # Move every image to the next device to force cross-device routing.
-    plan.vision.device = (plan.device[plan.vision.owner] + 1) % 4
-    owner_dev = plan.device[plan.vision.owner]
+    plan.items["vision"].device = (plan.device[plan.items["vision"].owner] + 1) % 4
+    owner_dev = plan.device[plan.items["vision"].owner]
     for m in range(caps.microbatches):
         for d in range(4):  # repack offsets per encoder device
-            sel = np.flatnonzero((plan.micro[plan.vision.owner] == m) & (plan.vision.device == d))
+            sel = np.flatnonzero(
+                (plan.micro[plan.items["vision"].owner] == m) & (plan.items["vision"].device == d)
+            )
             sizes = [
-                len(src[int(plan.samples[plan.vision.owner[i]])].images[plan.vision.item[i]][0])
+                len(
+                    src[int(plan.samples[plan.items["vision"].owner[i]])].media["vision"][
+                        plan.items["vision"].item[i]
+                    ][0]
+                )
                 for i in sel
             ]
-            plan.vision.offset[sel] = (
+            plan.items["vision"].offset[sel] = (
                 np.concatenate([[0], np.cumsum(sizes)[:-1]]) if len(sel) else []
             )
     samples = {int(s): src[int(s)] for s in plan.samples}
     batch = bucketize(plan, samples, cfg, caps)
-    assert (owner_dev != plan.vision.device).all()
-    img = batch["llm_tokens"] == tok.IMAGE
+    assert (owner_dev != plan.items["vision"].device).all()
+    img = batch["llm_tokens"] == IMAGE
     srcs = batch["llm_vision_src"][img]
     assert (srcs >= 0).all()
     # Received index N + s*C + c must point at a send slot that names a real row of device s.
@@ -161,7 +169,11 @@ def test_oversize_sample_is_a_clear_start_up_error():
 
 
 def test_pipeline_state_roundtrip_reproduces_steps():
+    from jaxmllm.data.source import make_source
+    from jaxmllm.plan.sizing import resolve_batch
+
     cfg = tiny()
+    cfg = resolve_batch(cfg, make_source(cfg)[1], 8)  # (the trainer resolves once)
     it = make_pipeline(cfg, 8)
     for _ in range(3):
         next(it)
@@ -173,7 +185,7 @@ def test_pipeline_state_roundtrip_reproduces_steps():
     got = [next(it2) for _ in range(2)]
     it2.close()
     for a, b in zip(want, got, strict=False):
-        assert a["info"]["step"] == b["info"]["step"]
+        assert a["info"].step == b["info"].step
         for k in a["batch"]:
             assert np.array_equal(a["batch"][k], b["batch"][k]), k
 
@@ -185,13 +197,16 @@ def test_resolve_batch_sizes_encoder_buckets_and_route_capacity_from_the_data():
     cfg = tiny("batch.capacity=auto", "batch.route_pair_capacity=-1")
     _, index = make_source(cfg)
     got = resolve_batch(cfg, index).batch
-    vision = index.per_sample_sum(index.images, index.images_ptr).max()
+    vision = index.items["vision"].per_sample().max()
     assert got.vision_patches >= vision and got.vision_patches % 4 == 0
-    assert got.audio_frames >= index.per_sample_sum(index.audio, index.audio_ptr).max()
+    assert got.audio_frames >= index.items["audio"].per_sample().max()
     # the route capacity: the most a pair carried in a dry run of the planner's own plans, at
     # least the largest item's rows, at most a device's whole encoder output (issue 18)
     whole = max(got.vision_patches, got.audio_frames) // 4
-    largest = max(index.images.max(initial=0), index.audio.max(initial=0)) // 4
+    largest = (
+        max(index.items["vision"].sizes.max(initial=0), index.items["audio"].sizes.max(initial=0))
+        // 4
+    )
     assert largest <= got.route_pair_capacity <= whole
     assert got.devices_per_host >= 1  # (auto: one process's data-parallel positions)
     fixed = resolve_batch(tiny("batch.planner=first_fit", "batch.capacity=fixed"), index).batch

@@ -14,7 +14,6 @@ from PIL import Image
 
 from jaxmllm.bench.data import write_dataset
 from jaxmllm.config import ConfigError, load_config
-from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.data.arrayrecord import convert
 from jaxmllm.data.index import build_index
 from jaxmllm.data.loader import Loader
@@ -22,6 +21,10 @@ from jaxmllm.data.media.audio import clip_frames
 from jaxmllm.data.media.image import image_grid
 from jaxmllm.data.rejects import DataError, read_rejects
 from jaxmllm.data.source import open_source
+from jaxmllm.data.text import tokenizer as tok
+from jaxmllm.plan.sizing import resolve_batch
+
+IMAGE, AUDIO = tok.RESERVED.media["vision"], tok.RESERVED.media["audio"]  # the placeholders
 
 SETTINGS = [
     "data.source=jsonl",
@@ -128,11 +131,11 @@ def data(tmp_path_factory):
 
 
 def counts_of(sample):
-    text = int(((sample.tokens != tok.IMAGE) & (sample.tokens != tok.AUDIO)).sum())
+    text = int(((sample.tokens != IMAGE) & (sample.tokens != AUDIO)).sum())
     return {
         "text": text,
-        "images": [len(p) for p, _ in sample.images],
-        "audio": [len(f) for f in sample.audio],
+        "images": [len(p) for p, _ in sample.media["vision"]],
+        "audio": [len(f) for f, _ in sample.media["audio"]],
     }
 
 
@@ -142,27 +145,27 @@ def test_index_counts_equal_preprocessed_counts(data):
     for i in range(len(src)):
         s = src[i]
         assert counts_of(s) == src.index.record(i), src.rows[i]["id"]
-        for patches, pos in s.images:
+        for patches, pos in s.media["vision"]:
             assert patches.shape[1] == 4 * 4 * 3 and patches.dtype == np.float32
             assert -1.0 <= patches.min() and patches.max() <= 1.0
             assert (pos.reshape(-1, 4, 2) // 2 == pos.reshape(-1, 4, 2)[:, :1] // 2).all()
             assert len(patches) * 16 <= 1024
-        for frames in s.audio:
+        for frames, _ in s.media["audio"]:
             assert frames.shape[1] == 16 and len(frames) % 4 == 0 and len(frames) <= 32
-        assert (s.tokens == tok.IMAGE).sum() == sum(len(p) for p, _ in s.images) // 4
-        assert (s.tokens == tok.AUDIO).sum() == sum(len(f) for f in s.audio) // 4
+        assert (s.tokens == IMAGE).sum() == sum(len(p) for p, _ in s.media["vision"]) // 4
+        assert (s.tokens == AUDIO).sum() == sum(len(f) for f, _ in s.media["audio"]) // 4
 
 
 def test_decoded_shapes_orientation_and_audio_chunks(data):
     src = open_source(data["cfg"])
     by_id = {src.rows[i]["id"]: i for i in range(len(src))}
-    rot = src[by_id["rot"]].images[0][1]
+    rot = src[by_id["rot"]].media["vision"][0][1]
     assert rot[:, 0].max() > rot[:, 1].max()  # taller than wide after the EXIF rotation
     assert src.rows[by_id["rot"]]["image_sizes"] == [[80, 16]]
-    stereo = src[by_id["stereo"]].audio
+    stereo = src[by_id["stereo"]].media["audio"]
     frames = clip_frames(int(44100 * 1.1), 44100, 16000, 4)
-    assert frames == 108 and [len(c) for c in stereo] == [32, 32, 32, 12]
-    assert len(src[by_id["modes"]].images) == 4
+    assert frames == 108 and [len(c) for c, _ in stereo] == [32, 32, 32, 12]
+    assert len(src[by_id["modes"]].media["vision"]) == 4
 
 
 def test_loading_some_media_decodes_only_those(data, monkeypatch):
@@ -179,19 +182,21 @@ def test_loading_some_media_decodes_only_those(data, monkeypatch):
         )
     full = src[by_id["modes"]]
     decoded.clear()
-    part = src.load(by_id["modes"], images=(2,), audio=())
+    part = src.load(by_id["modes"], {"vision": (2,), "audio": ()})
     assert decoded == ["load_image"]
     np.testing.assert_array_equal(part.tokens, full.tokens)  # text laid out from the index
-    assert [m is None for m in part.images] == [True, True, False, True]
-    np.testing.assert_array_equal(part.images[2][0], full.images[2][0])
-    stereo = src[by_id["stereo"]]
+    assert [m is None for m in part.media["vision"]] == [True, True, False, True]
+    np.testing.assert_array_equal(part.media["vision"][2][0], full.media["vision"][2][0])
+    stereo = src[by_id["stereo"]].media["audio"]
     decoded.clear()
-    part = src.load(by_id["stereo"], images=(), audio=(3,))
-    assert decoded == ["load_audio"] and [m is None for m in part.audio] == [True] * 3 + [False]
-    np.testing.assert_array_equal(part.audio[3], stereo.audio[3])
+    part = src.load(by_id["stereo"], {"vision": (), "audio": (3,)})
+    assert decoded == ["load_audio"] and [m is None for m in part.media["audio"]] == [True] * 3 + [
+        False
+    ]
+    np.testing.assert_array_equal(part.media["audio"][3][0], stereo[3][0])
     decoded.clear()
-    text_only = src.load(by_id["stereo"], images=(), audio=())
-    assert decoded == [] and np.array_equal(text_only.tokens, stereo.tokens)
+    text_only = src.load(by_id["stereo"], {"vision": (), "audio": ()})
+    assert decoded == [] and np.array_equal(text_only.tokens, src[by_id["stereo"]].tokens)
 
 
 def test_every_bad_record_is_counted_with_its_reason(data):
@@ -222,9 +227,9 @@ def test_jsonl_and_arrayrecord_give_identical_samples(data, tmp_path):
     for i in range(len(a)):
         x, y = a[i], b[i]
         assert np.array_equal(x.tokens, y.tokens) and np.array_equal(x.loss, y.loss)
-        for (p, q), (r, s) in zip(x.images, y.images, strict=True):
+        for (p, q), (r, s) in zip(x.media["vision"], y.media["vision"], strict=True):
             assert np.array_equal(p, r) and np.array_equal(q, s)
-        for f, g in zip(x.audio, y.audio, strict=True):
+        for (f, _), (g, _) in zip(x.media["audio"], y.media["audio"], strict=True):
             assert np.array_equal(f, g)
 
 
@@ -265,7 +270,7 @@ def test_oversize_policy(data, policy):
             open_source(cfg)
         return
     src = open_source(cfg)
-    llm = src.index.llm_tokens(4, 4)
+    llm = src.index.llm_tokens({"vision": 4, "audio": 4})
     assert llm.max() <= 48
     assert {e["action"] for e in src.startup_rejects} <= {policy, "skip"}
     assert len(src) + sum(e["action"] == "skip" for e in src.startup_rejects) == len(data["good"])
@@ -361,14 +366,15 @@ def test_load_time_reject_counts_carry_across_a_restore(data, tmp_path):
     build_index(cfg, path, progress=False)
     (root / "own" / "x0.png").unlink()  # one record breaks after indexing
 
+    cfg = resolve_batch(cfg, open_source(cfg).index, 8)
     it = make_pipeline(cfg, 8, prefetch=0)
     for _ in range(2):
         next(it)
     state = it.get_state()
-    want = [next(it)["info"]["rejects"] for _ in range(2)]
+    want = [next(it)["info"].rejects for _ in range(2)]
     restored = make_pipeline(cfg, 8, prefetch=0)
     restored.set_state(state)
-    got = [next(restored)["info"]["rejects"] for _ in range(2)]
+    got = [next(restored)["info"].rejects for _ in range(2)]
     assert got == want and want[-1]["rejects/load_total"] > 0
 
 

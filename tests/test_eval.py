@@ -13,15 +13,17 @@ from PIL import Image
 
 from jaxmllm.batch.bucketize import batch_shapes
 from jaxmllm.config import ConfigError, load_config
-from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.data.preprocess import Params, Preprocessor
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.source import make_source
 from jaxmllm.data.synthetic import SyntheticSource, score_answer
+from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.data.text.template import RecordTemplate, make_template
 from jaxmllm.loop.evaluate import MIXES, HeldOut, eval_metrics, plan_set, sample_mixes
 from jaxmllm.loop.metrics import read_metrics
 from jaxmllm.plan.sizing import resolve_batch
+
+IMAGE, AUDIO = tok.RESERVED.media["vision"], tok.RESERVED.media["audio"]  # the placeholders
 
 HELD = 24
 
@@ -39,7 +41,10 @@ def test_the_held_out_share_is_the_synthetic_samples_after_the_training_range():
     for i in (0, 5, HELD - 1):
         assert held[i].tokens.tolist() == more[256 + i].tokens.tolist()
         assert held.index.record(i) == more.lengths().record(256 + i)
-    assert held.index.record(0) != train.lengths().record(0) or held[0].images != train[0].images
+    assert (
+        held.index.record(0) != train.lengths().record(0)
+        or held[0].media["vision"] != train[0].media["vision"]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -125,20 +130,22 @@ def test_templates_render_prompts_as_training_renders_records(image_file):
     pre = Preprocessor(Params.from_config(cfg))
     chat, plain = RecordTemplate(pre, chat=True), RecordTemplate(pre, chat=False)
     text = list(b"what is this? ")
-    p = chat.prompt("what is this? ", [image_file], [])
-    rows = len(p.images[0][0]) // cfg.model.vision.merge**2
-    assert p.tokens.tolist() == [tok.BOS, tok.USER] + [tok.IMAGE] * rows + text + [tok.ASSISTANT]
-    p = plain.prompt("what is this? ", [image_file], [])  # (the media first, when not placed)
-    assert p.tokens.tolist() == [tok.BOS] + [tok.IMAGE] * rows + text
-    p = plain.prompt("look: <image> what is this? ", [image_file], [])
+    p = chat.prompt("what is this? ", {"vision": [image_file]})
+    rows = len(p.media["vision"][0][0]) // cfg.model.vision.merge**2
+    assert p.tokens.tolist() == [tok.BOS, tok.USER] + [IMAGE] * rows + text + [tok.ASSISTANT]
+    p = plain.prompt(
+        "what is this? ", {"vision": [image_file]}
+    )  # (the media first, when not placed)
+    assert p.tokens.tolist() == [tok.BOS] + [IMAGE] * rows + text
+    p = plain.prompt("look: <image> what is this? ", {"vision": [image_file]})
     assert p.tokens.tolist()[:7] == [tok.BOS] + list(b"look: ")
     assert chat.decode([104, 105, tok.EOS]) == "hi" and chat.specials.stop == (tok.EOS,)
-    ids = [tok.BOS] + [tok.IMAGE] * rows + text
-    assert plain.prompt_ids(ids, [image_file], []).tokens.tolist() == ids
+    ids = [tok.BOS] + [IMAGE] * rows + text
+    assert plain.prompt_ids(ids, {"vision": [image_file]}).tokens.tolist() == ids
     with pytest.raises(RecordError, match=f"need {rows}"):
-        plain.prompt_ids(ids[:-3] + [tok.IMAGE], [image_file], [])
+        plain.prompt_ids(ids[:-3] + [IMAGE], {"vision": [image_file]})
     with pytest.raises(RecordError, match="missing|no such|not found"):
-        plain.prompt("what is this? ", [image_file.with_name("gone.png")], [])
+        plain.prompt("what is this? ", {"vision": [image_file.with_name("gone.png")]})
     assert not make_template(cfg).chat
     assert make_template(replace(cfg), "chat").chat
 

@@ -5,6 +5,7 @@ chosen by the cost model."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -21,6 +22,8 @@ from jaxmllm.plan.cost import CostModel
 from jaxmllm.plan.registry import make_planner
 
 MERGE_AREA, SUBSAMPLE = 4, 4
+PER_TOKEN = {"vision": MERGE_AREA, "audio": SUBSAMPLE}  # (units per LLM token)
+PER_ROW = {"vision": 1, "audio": SUBSAMPLE}  # (units per encoder row: the pairs stem)
 FLOPS = CostModel.from_model(ModelConfig())
 SETTINGS = settings(
     max_examples=8,
@@ -39,8 +42,10 @@ def raw_workloads(draw):
     images = [rng.integers(1, 900, rng.integers(0, 4)) for _ in range(n)]
     audio = [rng.integers(1, 700, rng.integers(0, 2)) for _ in range(n)]
     index, counts = rounded(from_arrays(text, images, audio), MERGE_AREA, SUBSAMPLE)
-    assert (index.images % MERGE_AREA == 0).all() and (index.audio % SUBSAMPLE == 0).all()
-    assert (index.llm_tokens(MERGE_AREA, SUBSAMPLE) > 0).all()
+    assert (index.items["vision"].sizes % MERGE_AREA == 0).all() and (
+        index.items["audio"].sizes % SUBSAMPLE == 0
+    ).all()
+    assert (index.llm_tokens(PER_TOKEN) > 0).all()
     return index
 
 
@@ -86,7 +91,7 @@ def test_random_family_plans_hold_the_contract(seed, devices, block, per_host):
     if block:
         make = lambda c: make_planner("orchestrated", index, c, 0)  # noqa: E731
         tiles = held_tiles(make(caps), index, caps, 10)
-        caps = caps.__class__(**{**caps.__dict__, **{f"{p}_tiles": n for p, n in tiles.items()}})
+        caps = dataclasses.replace(caps, tiles=tiles)
     epoch_checks(index, caps, "orchestrated", seed=seed)
 
 

@@ -17,12 +17,14 @@ import pytest
 
 from jaxmllm.batch.prompts import PromptShapes, prompt_batch, prompt_config, split_answer
 from jaxmllm.config import AudioConfig, BatchConfig, Config, LLMConfig, ModelConfig, VisionConfig
-from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.data.media.image import patchify
 from jaxmllm.data.samples import Sample
+from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.models import decode
 from jaxmllm.step.generate import Generator
 from jaxmllm.step.program import build_model, model_parts
+
+IMAGE, AUDIO = tok.RESERVED.media["vision"], tok.RESERVED.media["audio"]  # the placeholders
 
 N_MELS = 8
 CFG = Config(
@@ -39,12 +41,13 @@ CFG = Config(
 def prompt(rng: np.random.Generator, n_text: int, images=(), clips=()) -> Sample:
     """BOS, each image's and clip's placeholder run, then random bytes."""
     media = [patchify(rng.uniform(-1, 1, (4 * h, 4 * w, 3)), 4) for h, w in images]
-    audio = [rng.normal(size=(f, N_MELS)).astype(np.float32) for f in clips]
+    audio = [(rng.normal(size=(f, N_MELS)).astype(np.float32), np.arange(f)) for f in clips]
     tokens = [tok.BOS]
-    tokens += [tok.IMAGE] * sum(len(p) // 4 for p, _ in media)
-    tokens += [tok.AUDIO] * sum(f // 4 for f in clips)
+    tokens += [IMAGE] * sum(len(p) // 4 for p, _ in media)
+    tokens += [AUDIO] * sum(f // 4 for f in clips)
     tokens += rng.integers(0, 256, n_text).tolist()
-    return Sample(-1, np.asarray(tokens, np.int32), np.zeros(len(tokens), bool), media, audio)
+    return Sample(-1, np.asarray(tokens, np.int32), np.zeros(len(tokens), bool),
+                  {"vision": media, "audio": audio})  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +186,10 @@ def test_sampling_is_seeded_and_top_p_narrows_to_the_likeliest():
 
 
 def test_split_answer_cuts_a_sample_before_its_first_loss_token():
-    tokens = np.array([tok.BOS, tok.IMAGE, tok.IMAGE, 65, 66, 67, tok.EOS], np.int32)
+    tokens = np.array(
+        [tok.BOS, IMAGE, IMAGE, 65, 66, 67, tok.EOS],
+        np.int32,
+    )
     loss = np.array([0, 0, 0, 0, 1, 1, 1], bool)
     prompt_part, answer = split_answer(Sample(0, tokens, loss))
     assert prompt_part.tokens.tolist() == tokens[:4].tolist()

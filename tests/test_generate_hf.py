@@ -97,7 +97,8 @@ def _ours(d: Path, prompt: Sample, new: int) -> tuple[list[int], frozenset]:
     cfg, params = load_hf(parse_args(["--hf", str(d), "--prompt", "."]))
     template = make_template(cfg, "auto", pretrained=True)
     specials = template.specials  # (the directory's placeholder is the prompt's)
-    assert (specials.image if prompt.images else specials.audio) in prompt.tokens
+    phase = next(p for p, items in prompt.media.items() if items)
+    assert specials.media[phase] in prompt.tokens
     stop = frozenset(template.specials.stop)
     gen = Generator(cfg, PromptShapes.fit([prompt], cfg, new), template.specials)
     (ours,) = gen.generate(params["params"], params["frozen"], [prompt], max_new_tokens=new,
@@ -129,7 +130,7 @@ def test_llava_with_an_image_generates_transformers_tokens(tmp_path, tower):
     words = tk("Describe the picture, please.", add_special_tokens=False)["input_ids"]
     tokens = [*words[:3], *[image_id] * g * g, *words[3:]]
     prompt = Sample(-1, np.asarray(tokens, np.int32), np.zeros(len(tokens), bool),
-                    [(patches, positions)], grids=[(g, g)])  # fmt: skip
+                    {"vision": [(patches, positions)]}, grids=[(g, g)])  # fmt: skip
     ours, stop = _ours(d, prompt, 16)
 
     import torch
@@ -163,7 +164,7 @@ def test_qwen_vl_with_an_image_generates_transformers_first_tokens(tmp_path, fam
     words = tk("Describe the picture, please.")["input_ids"]
     tokens = [*words[:3], ids[2], *[ids[0]] * (gh * gw // 4), ids[3], *words[3:]]
     prompt = Sample(-1, np.asarray(tokens, np.int32), np.zeros(len(tokens), bool),
-                    [(patches, positions)], grids=[(gh, gw)])  # fmt: skip
+                    {"vision": [(patches, positions)]}, grids=[(gh, gw)])  # fmt: skip
     ours, stop = _ours(d, prompt, 8)
 
     import torch
@@ -195,7 +196,8 @@ def test_qwen2_audio_with_a_clip_generates_transformers_tokens(tmp_path):
     clip = np.random.default_rng(0).normal(size=(frames, mels)).astype(np.float32)
     words = tk("What do you hear?")["input_ids"]
     tokens = [*words[:2], bos, *[audio] * (frames // 4), eos, *words[2:]]
-    prompt = Sample(-1, np.asarray(tokens, np.int32), np.zeros(len(tokens), bool), audio=[clip])
+    media = {"audio": [(clip, np.arange(frames))]}
+    prompt = Sample(-1, np.asarray(tokens, np.int32), np.zeros(len(tokens), bool), media)
     ours, stop = _ours(d, prompt, 16)
 
     import torch

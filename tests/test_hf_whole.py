@@ -169,9 +169,9 @@ def test_the_processors_placeholder_is_the_images(tmp_path):
     from jaxmllm.data.text.tokenizer import make_tokenizer
 
     d = build_dir(tmp_path / "tok", "qwen", "Qwen/Qwen2.5-7B-Instruct", extra=["<image>"])
-    pad = make_tokenizer(str(d)).specials.image
+    pad = make_tokenizer(str(d)).specials.media["vision"]
     (d / "processor_config.json").write_text(json.dumps({"image_token": "<image>"}))
-    image = make_tokenizer(str(d)).specials.image
+    image = make_tokenizer(str(d)).specials.media["vision"]
     assert make_tokenizer(str(d)).decode([image]) == "<image>" and image != pad
 
 

@@ -26,6 +26,7 @@ from jaxmllm.config import (
     ModelConfig,
     VisionConfig,
 )
+from jaxmllm.config.spec import BatchSpec
 from jaxmllm.models import MultimodalLM, param_axes, token_losses, transformer
 from jaxmllm.models.attention import Attention, packing
 from jaxmllm.models.layers import rope_1d
@@ -195,7 +196,8 @@ def drop_audio(mb: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 @functools.cache
 def model_fns(cfg: ModelConfig, bcfg: BatchConfig):
     """(graphdef, params, jitted forward, jitted value_and_grad) for a config, seed 0."""
-    graphdef, params = nnx.split(MultimodalLM(cfg, bcfg, rngs=nnx.Rngs(0)))
+    spec = BatchSpec.from_sections(cfg, bcfg)
+    graphdef, params = nnx.split(MultimodalLM(cfg, spec, rngs=nnx.Rngs(0)))
 
     def loss(params, mb):
         logits = nnx.merge(graphdef, params)(mb)

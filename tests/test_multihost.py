@@ -119,7 +119,10 @@ def test_each_host_fills_exactly_its_slice_of_the_batch(planned, hosts):
         per = 8 // hosts
         host_of = np.arange(8) // per
         crossing += int(
-            (host_of[plan.vision.device] != host_of[plan.device[plan.vision.owner]]).sum()
+            (
+                host_of[plan.items["vision"].device]
+                != host_of[plan.device[plan.items["vision"].owner]]
+            ).sum()
         )
         texts, items = [], []
         for h in range(hosts):
@@ -127,7 +130,7 @@ def test_each_host_fills_exactly_its_slice_of_the_batch(planned, hosts):
             parts = local_parts(plan, positions, 8)
             # Nothing else is loaded, and of it only the media encoded here.
             media = local_media(parts)
-            mine = {i: source.load(i, *media[i]) for i in parts["read"].tolist()}
+            mine = {i: source.load(i, media[i]) for i in parts["read"].tolist()}
             local = bucketize(plan, mine, cfg, caps, positions, index)
             assert local.keys() == full.keys()
             for key, value in full.items():
@@ -136,7 +139,7 @@ def test_each_host_fills_exactly_its_slice_of_the_batch(planned, hosts):
             items += [tuple(x) for x in parts["vision"]]
         # Every sample's text on exactly one host; every image encoded on exactly one host.
         np.testing.assert_array_equal(np.sort(np.concatenate(texts)), np.sort(plan.samples))
-        assert len(items) == len(set(items)) == len(plan.vision.owner)
+        assert len(items) == len(set(items)) == len(plan.items["vision"].owner)
     assert crossing > 0  # the plans do route images between hosts: the test has teeth
 
 
@@ -145,10 +148,10 @@ def test_a_sample_that_fails_on_one_host_keeps_the_routing_aligned(planned):
     cfg, caps, index, plans, samples, _ = planned
     plan = plans[0]
     host_of = np.arange(8) // 4
-    away = host_of[plan.vision.device] != host_of[plan.device[plan.vision.owner]]
+    away = host_of[plan.items["vision"].device] != host_of[plan.device[plan.items["vision"].owner]]
     # a sample whose images are all encoded on the other host (none beside its text)
-    n_items = np.bincount(plan.vision.owner, minlength=len(plan.samples))
-    n_away = np.bincount(plan.vision.owner, away, minlength=len(plan.samples))
+    n_items = np.bincount(plan.items["vision"].owner, minlength=len(plan.samples))
+    n_away = np.bincount(plan.items["vision"].owner, away, minlength=len(plan.samples))
     owner = int(np.flatnonzero((n_items > 0) & (n_away == n_items))[0])
     victim = int(plan.samples[owner])
     text_host = int(host_of[plan.device[owner]])

@@ -64,8 +64,7 @@ def one_sample_batch(cfg, sample, source, index):
         device=z,
         row=z,
         offset=z,
-        vision=items(index.images, index.images_ptr),
-        audio=items(index.audio, index.audio_ptr),
+        items={k: items(v.sizes, v.ptr) for k, v in index.items.items()},
     )
     return ref, bucketize(plan, {sample: source[sample]}, ref, caps)
 
@@ -80,14 +79,14 @@ def test_routed_step_equals_samples_one_by_one_on_one_device():
     devices = sharding.data_parallel_size(mesh)
     plan = planner_from_config(cfg, index, devices).plan()
     # Every image goes to another device than its text, and device 0 encodes no image at all.
-    owner_dev = plan.device[plan.vision.owner]
+    owner_dev = plan.device[plan.items["vision"].owner]
     moved = (owner_dev + 1) % devices
-    plan.vision.device = np.where(moved == 0, 1, moved)
-    repack(plan.vision, plan, index.images, index.images_ptr)
+    plan.items["vision"].device = np.where(moved == 0, 1, moved)
+    repack(plan.items["vision"], plan, index.items["vision"].sizes, index.items["vision"].ptr)
     caps = capacities(cfg, devices)
     samples = {int(s): source[int(s)] for s in plan.samples}
     host = bucketize(plan, samples, cfg, caps)
-    assert len(plan.vision.owner) > 10 and (plan.vision.device != owner_dev).all()
+    assert len(plan.items["vision"].owner) > 10 and (plan.items["vision"].device != owner_dev).all()
     assert not (host["vision_segment_ids"][:, 0] > 0).any()  # device 0 encodes nothing
 
     with jax.set_mesh(mesh):
@@ -139,7 +138,7 @@ def test_step_exchanges_by_all_to_all_and_compiles_once_over_50_steps():
         samples = set()
         for _ in range(50):
             host = next(data)
-            samples.add(len(host["info"]["samples"]))
+            samples.add(len(host["info"].samples))
             state, metrics = prog.step(state, sharding.make_global_batch(host["batch"], mesh))
         data.close()
     assert np.isfinite(float(metrics["loss"]))

@@ -36,7 +36,7 @@ def test_pack_phase_rounds_place_about_one_item_per_bin(monkeypatch):
     step of the omni mix at 512 devices takes ~35 rounds for 47 items a bin (the rounds that
     gave one item only to the bins above the top bin's next want took 96), with every bin
     full and attention within 1%."""
-    llm = synthetic_omni(30000, seed=5).llm_tokens(4, 4)
+    llm = synthetic_omni(30000, seed=5).llm_tokens({"vision": 4, "audio": 4})
     bins, cap = 512, 36864
     sizes = llm[: int(np.searchsorted(np.cumsum(llm), 0.995 * bins * cap))]
     rounds = []

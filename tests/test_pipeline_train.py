@@ -79,7 +79,7 @@ def test_one_compiled_program_per_step_variant_over_50_steps():
         data = make_pipeline(cfg, devices, source=source, index=index, to_device=to_device)
         for _ in range(50):
             element = next(data)
-            used.append(element["info"]["variant"])
+            used.append(element["info"].variant)
             state, metrics = prog.step(state, element["batch"])
         data.close()
     assert np.isfinite(float(metrics["loss"]))

@@ -23,6 +23,8 @@ from jaxmllm.plan.select import BINDING, HEADROOM, Selector
 from jaxmllm.plan.stream import SampleStream
 
 MERGE_AREA, SUBSAMPLE = 4, 4
+PER_TOKEN = {"vision": MERGE_AREA, "audio": SUBSAMPLE}  # (units per LLM token)
+PER_ROW = {"vision": 1, "audio": SUBSAMPLE}  # (units per encoder row: the pairs stem)
 SETTINGS = settings(
     max_examples=25,
     deadline=None,
@@ -43,9 +45,9 @@ def workloads(draw, policy: str):
         for _ in range(n)
     ]
     index = from_arrays(np.array(text), images, audio)
-    llm = index.llm_tokens(MERGE_AREA, SUBSAMPLE)
-    vis = index.per_sample_sum(index.images, index.images_ptr)
-    aud = index.per_sample_sum(index.audio, index.audio_ptr)
+    llm = index.llm_tokens(PER_TOKEN)
+    vis = index.items["vision"].per_sample()
+    aud = index.items["audio"].per_sample()
     slack = draw(st.integers(0, 64))
     route = 0
     if policy == "orchestrated":
@@ -56,10 +58,12 @@ def workloads(draw, policy: str):
         devices=draw(st.integers(1, 4)),
         llm_rows=rows,
         llm_row_len=max(int(llm.max()), 1) + slack,
-        vision_patches=4 * ((int(vis.max()) + 4 * slack) // 4 + 1),
-        audio_frames=4 * ((int(aud.max()) + 4 * slack) // 4 + 1),
-        merge_area=MERGE_AREA,
-        subsample=SUBSAMPLE,
+        units={
+            "vision": 4 * ((int(vis.max()) + 4 * slack) // 4 + 1),
+            "audio": 4 * ((int(aud.max()) + 4 * slack) // 4 + 1),
+        },
+        per_token=PER_TOKEN,
+        per_row=PER_ROW,
         route_pair_capacity=route,
         devices_per_host=draw(st.integers(0, 2)),  # (routing within a host first)
     )
@@ -85,7 +89,7 @@ def same_plan(a, b) -> bool:
     if any(not np.array_equal(getattr(a, f), getattr(b, f)) for f in fields):
         return False
     return all(
-        np.array_equal(getattr(getattr(a, p), f), getattr(getattr(b, p), f))
+        np.array_equal(getattr(a.items[p], f), getattr(b.items[p], f))
         for p in ("vision", "audio")
         for f in ("owner", "item", "device", "offset")
     )
@@ -135,7 +139,7 @@ def test_age_bound_holds_after_every_plan():
         + [np.zeros(0, np.int64)] * 10,
         [np.zeros(0, np.int64)] * 17,
     )
-    caps = Capacities(1, 2, 1, 23, 92, 12, MERGE_AREA, SUBSAMPLE, 16)
+    caps = Capacities(1, 2, 1, 23, {"vision": 92, "audio": 12}, PER_TOKEN, PER_ROW, 16)
     planner = PLANNERS["orchestrated"](index, caps, 0)
     for plan in one_by_one(planner, 3 * len(index) + 4):
         check_plan(plan, index, caps)
@@ -174,28 +178,27 @@ def suggested_caps(sug, devices: int, route: int) -> Capacities:
         devices=devices,
         llm_rows=sug.llm_rows,
         llm_row_len=sug.llm_row_len,
-        vision_patches=sug.vision_patches,
-        audio_frames=sug.audio_frames,
-        merge_area=MERGE_AREA,
-        subsample=SUBSAMPLE,
+        units=sug.units,
+        per_token=PER_TOKEN,
+        per_row=PER_ROW,
         route_pair_capacity=route,
     )
 
 
 def test_orchestrated_needs_routing_and_balances_better():
     index = synthetic_omni(3000, seed=1)
-    sug = suggest_capacities(index, 8192, MERGE_AREA, SUBSAMPLE)
+    sug = suggest_capacities(index, 8192, PER_TOKEN, per_row=PER_ROW)
     unrouted = suggested_caps(sug, 8, 0)
     with pytest.raises(OversizeError, match="route_pair_capacity"):
         PLANNERS["orchestrated"](index, unrouted, 0)
-    caps = suggested_caps(sug, 8, sug.vision_patches // MERGE_AREA)
+    caps = suggested_caps(sug, 8, sug.units["vision"] // MERGE_AREA)
     fills = {}
     for name, c in (("orchestrated", caps), ("naive", unrouted)):
         planner = PLANNERS[name](index, c, 0)
         work = 0
         for plan in run(planner, 8):
             check_plan(plan, index, c)
-            work += index.llm_tokens(MERGE_AREA, SUBSAMPLE)[plan.samples].sum()
+            work += index.llm_tokens(PER_TOKEN)[plan.samples].sum()
         fills[name] = work / (8 * 2 * 8 * sug.llm_rows * sug.llm_row_len)
     assert fills["orchestrated"] > 0.85 > 0.5 > fills["naive"]
 
@@ -207,9 +210,12 @@ def test_many_buckets_contract_and_coarser_window(route):
     waits, and no sample waits longer than max_age (2 x 80 devices, omni-like data, with a
     route capacity of a whole device's output and with the largest item's rows)."""
     index = synthetic_omni(6000, seed=3)
-    sug = suggest_capacities(index, 4096, MERGE_AREA, SUBSAMPLE)
-    route_rows = sug.vision_patches // MERGE_AREA
-    tight = max(index.images.max() // MERGE_AREA, index.audio.max() // SUBSAMPLE)  # (largest)
+    sug = suggest_capacities(index, 4096, PER_TOKEN, per_row=PER_ROW)
+    route_rows = sug.units["vision"] // MERGE_AREA
+    tight = max(
+        index.items["vision"].sizes.max() // MERGE_AREA,
+        index.items["audio"].sizes.max() // SUBSAMPLE,
+    )  # (largest)
     caps = suggested_caps(sug, 80, route_rows if route == "whole" else tight)
     planner = PLANNERS["orchestrated"](index, caps, 1)
     assert 2 * 80 > MANY_BUCKETS and not planner.slack_pass
@@ -228,20 +234,20 @@ def test_nonbinding_phase_takes_its_share_of_each_microbatch():
     microbatch plus a third of the rest, so that the next microbatch is not left short of
     it; the binding phases may fill their capacity."""
     index = synthetic_omni()  # (the bench's omni mix and capacities: vision does not bind)
-    sug = suggest_capacities(index, 32768, MERGE_AREA, SUBSAMPLE, match_llm=True)
-    caps = suggested_caps(sug, 8, sug.vision_patches // MERGE_AREA)
+    sug = suggest_capacities(index, 32768, PER_TOKEN, per_row=PER_ROW, match_llm=True)
+    caps = suggested_caps(sug, 8, sug.units["vision"] // MERGE_AREA)
     planner = PLANNERS["orchestrated"](index, caps, 0)
     share, micro_cap = planner.selector.share, planner.selector.micro_cap
     assert share[1] < BINDING and (micro_cap[[0, 2]] == 1).all()
     assert micro_cap[1] == pytest.approx(share[1] + HEADROOM * (1 - share[1]))
-    vision = index.per_sample_sum(index.images, index.images_ptr)
+    vision = index.items["vision"].per_sample()
     for plan in run(planner, 6):
         check_plan(plan, index, caps)
         for m in range(2):
             took = vision[plan.samples[plan.micro == m]].sum()
             # (the first selection keeps to the cap, the slack pass adds a sliver: here <= 0.2%;
             # without the cap the first microbatch takes up to 99.7% and the second 94%)
-            assert took <= (micro_cap[1] + 0.005) * 8 * caps.vision_patches
+            assert took <= (micro_cap[1] + 0.005) * 8 * caps.units["vision"]
 
 
 def test_selection_trades_text_for_a_short_binding_phase(monkeypatch):
@@ -253,7 +259,7 @@ def test_selection_trades_text_for_a_short_binding_phase(monkeypatch):
     text = np.where(chat, 256, 28)  # (a clip: 28 + 400 / 4 = 128 LLM tokens)
     audio = [np.zeros(0, np.int64) if c else np.array([400]) for c in chat]
     index = from_arrays(text, [np.zeros(0, np.int64)] * n, audio)
-    caps = Capacities(1, 4, 1, 1024, 0, 1024, 4, 4, 256)  # (audio binds)
+    caps = Capacities(1, 4, 1, 1024, {"vision": 0, "audio": 1024}, PER_TOKEN, PER_ROW, 256)
     order = np.concatenate([np.arange(18), np.arange(200, 400), np.arange(18, 200)])
 
     def audio_of_first_plan():
@@ -277,16 +283,19 @@ def test_equal_tiles_fill_whole_buckets():
     of 112 tiles take all 112 (keeping 0.3% of a bucket back for the exchanges cost one)."""
     tiles, devices, n = 112, 8, 2000
     index = from_arrays(np.full(n, 8), [np.array([1024])] * n, [np.zeros(0, np.int64)] * n)
-    caps = Capacities(1, devices, 1, 1 << 16, tiles * 1024, 0, 4, 4, tiles * 256)
+    units = {"vision": tiles * 1024, "audio": 0}
+    caps = Capacities(1, devices, 1, 1 << 16, units, PER_TOKEN, PER_ROW, tiles * 256)
     plan = PLANNERS["orchestrated"](index, caps, 0).plan()
     check_plan(plan, index, caps)
-    per_device = np.bincount(plan.vision.device, minlength=devices)
+    per_device = np.bincount(plan.items["vision"].device, minlength=devices)
     assert per_device.max() == tiles and per_device.min() >= tiles - 1
 
 
 def test_routing_tables_are_a_bijection():
     """Through the real pipeline: every encoder output row fills exactly one placeholder."""
+    from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
+    from jaxmllm.plan.sizing import resolve_batch
 
     cfg = load_config(
         None,
@@ -307,6 +316,7 @@ def test_routing_tables_are_a_bijection():
             "data.synthetic.num_samples=256",
         ],
     )
+    cfg = resolve_batch(cfg, make_source(cfg)[1], 4)
     it = make_pipeline(cfg, 4, prefetch=0)
     routed = 0
     for _ in range(3):
@@ -364,7 +374,7 @@ def test_one_registry_names_the_planners():
     with pytest.raises(ConfigError, match="first_fit"):
         load_config(None, ["batch.planner=best_fit"])
     index = synthetic_omni(100, seed=0)
-    caps = suggested_caps(suggest_capacities(index, 8192, MERGE_AREA, SUBSAMPLE), 2, 0)
+    caps = suggested_caps(suggest_capacities(index, 8192, PER_TOKEN, per_row=PER_ROW), 2, 0)
     with pytest.raises(ValueError, match="unknown planner 'best_fit'.*first_fit"):
         make_planner("best_fit", index, caps, 0)
 
@@ -396,11 +406,15 @@ def test_lengths_files_are_rounded_as_the_pipeline_rounds_and_bad_lines_named(tm
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     index = load_lengths(path)
     assert len(index) == len(lines) - 1  # {"images": [2]} has no LLM token left
-    assert (index.audio % SUBSAMPLE == 0).all() and (index.audio > 0).all()
-    assert (index.images % MERGE_AREA == 0).all() and (index.images > 0).all()
-    assert index.text[0] == 3 and index.audio_ptr[1] == 0  # the 3-frame clip is gone
+    assert (index.items["audio"].sizes % SUBSAMPLE == 0).all() and (
+        index.items["audio"].sizes > 0
+    ).all()
+    assert (index.items["vision"].sizes % MERGE_AREA == 0).all() and (
+        index.items["vision"].sizes > 0
+    ).all()
+    assert index.text[0] == 3 and index.items["audio"].ptr[1] == 0  # the 3-frame clip is gone
     raw = [x for rec in lines for x in rec.get("audio", [])]
-    assert sorted(index.audio.tolist()) == sorted(x // 4 * 4 for x in raw if x >= 4)
+    assert sorted(index.items["audio"].sizes.tolist()) == sorted(x // 4 * 4 for x in raw if x >= 4)
     out = tmp_path / "rows.json"
     args = ["--lengths", str(path), "--devices", "8", "--policies", "orchestrated,grain"]
     assert main(args + ["--tokens", "8192", "--max-steps", "6", "--json", str(out)]) == 0
@@ -429,11 +443,15 @@ def test_random_workloads_are_a_family_and_the_bench_summarizes_them(tmp_path, c
     from jaxmllm.bench.mixes import random_mix
 
     a, b, c = random_mix(5, 3000), random_mix(5, 3000), random_mix(6, 3000)
-    assert (a.text == b.text).all() and (a.images == b.images).all() and (a.audio == b.audio).all()
-    assert len(a.images) != len(c.images) or (a.text != c.text).any()
+    assert (a.text == b.text).all() and all(
+        (a.items[k].sizes == b.items[k].sizes).all() for k in a.items
+    )
+    assert len(a.items["vision"]) != len(c.items["vision"]) or (a.text != c.text).any()
     for ix in (a, c):
-        assert (ix.audio % SUBSAMPLE == 0).all() and (ix.images % MERGE_AREA == 0).all()
-        assert ix.llm_tokens(MERGE_AREA, SUBSAMPLE).max() <= 32768 and ix.text.max() <= 16384
+        assert (ix.items["audio"].sizes % SUBSAMPLE == 0).all() and (
+            ix.items["vision"].sizes % MERGE_AREA == 0
+        ).all()
+        assert ix.llm_tokens(PER_TOKEN).max() <= 32768 and ix.text.max() <= 16384
     out = tmp_path / "rows.json"
     args = ["--random", "2", "--seed", "3", "--devices", "8", "--policies", "orchestrated,grain"]
     assert main(args + ["--max-steps", "4", "--json", str(out)]) == 0
@@ -452,8 +470,8 @@ def test_host_aware_routing_keeps_encoder_rows_on_their_host():
     from jaxmllm.plan.contract import item_rows
 
     index = synthetic_omni(20000, seed=2)
-    sug = suggest_capacities(index, 32768, MERGE_AREA, SUBSAMPLE)
-    base = suggested_caps(sug, 64, sug.vision_patches // MERGE_AREA)
+    sug = suggest_capacities(index, 32768, PER_TOKEN, per_row=PER_ROW)
+    base = suggested_caps(sug, 64, sug.units["vision"] // MERGE_AREA)
     share, fill = {}, {}
     for per_host in (0, 8):
         caps = dc.replace(base, devices_per_host=per_host)
@@ -461,9 +479,9 @@ def test_host_aware_routing_keeps_encoder_rows_on_their_host():
         llm = 0
         for plan in run(PLANNERS["orchestrated"](index, caps, 0), 3):
             check_plan(plan, index, caps)
-            llm += index.llm_tokens(MERGE_AREA, SUBSAMPLE)[plan.samples].sum()
+            llm += index.llm_tokens(PER_TOKEN)[plan.samples].sum()
             for p in ("vision", "audio"):
-                it, r = getattr(plan, p), item_rows(plan, index, caps, p)
+                it, r = plan.items[p], item_rows(plan, index, caps, p)
                 home = plan.device[it.owner]
                 across = it.device // 8 != home // 8
                 rows += [r.sum(), r[(it.device != home) & ~across].sum(), r[across].sum()]
@@ -480,7 +498,7 @@ def test_route_capacity_from_the_planners_traffic_is_held():
     from jaxmllm.plan.contract import pair_rows
 
     index = synthetic_omni(6000, seed=4)
-    sug = suggest_capacities(index, 4096, MERGE_AREA, SUBSAMPLE)
+    sug = suggest_capacities(index, 4096, PER_TOKEN, per_row=PER_ROW)
     free = dc.replace(suggested_caps(sug, 16, 1), devices_per_host=4)
     free = dc.replace(free, route_pair_capacity=whole_output_rows(free))
     pair = route_capacity(PLANNERS["orchestrated"](index, free, 1), index, free, 2, 3)

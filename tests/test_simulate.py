@@ -13,9 +13,9 @@ MACHINE = simulate.Machine(flops=100.0, intra_bw=10.0, inter_bw=1.0, latency=0.5
 
 def caps(devices: int = 4, per_host: int = 2, pair: int = 3) -> Capacities:
     return Capacities(
-        microbatches=1, devices=devices, llm_rows=1, llm_row_len=64, vision_patches=64,
-        audio_frames=0, merge_area=4, subsample=4, route_pair_capacity=pair,
-        devices_per_host=per_host,
+        microbatches=1, devices=devices, llm_rows=1, llm_row_len=64,
+        units={"vision": 64, "audio": 0}, per_token={"vision": 4, "audio": 4},
+        per_row={"vision": 1, "audio": 4}, route_pair_capacity=pair, devices_per_host=per_host,
     )  # fmt: skip
 
 
@@ -54,7 +54,7 @@ def test_plan_traffic_splits_rows_within_and_across_hosts():
     z = np.zeros(3, np.int64)
     plan = StepPlan(
         step=0, samples=np.arange(3), micro=z, device=np.array([0, 0, 3]), row=z, offset=z,
-        vision=ItemPlan(np.arange(3), z, np.array([1, 2, 3]), z),
+        items={"vision": ItemPlan(np.arange(3), z, np.array([1, 2, 3]), z)},
     )  # fmt: skip
     t = simulate.plan_traffic(plan, index, caps())["vision"][:, 0, :]
     # sample 0: 1 -> 0 within host 0 (2 rows); sample 1: 2 -> 0 across (1 row); 2: at home

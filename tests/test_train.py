@@ -85,8 +85,10 @@ def test_timings_hold_every_step_with_its_slowest_devices_work(uninterrupted):
     """One row per step; compilation and saved steps marked; the work is, per microbatch, that
     of the device the FLOP model finds costliest (counted here one segment at a time from the
     same steps' batches), summed over microbatches, and the mean device's."""
+    from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
     from jaxmllm.plan.cost import PHASES, CostModel
+    from jaxmllm.plan.sizing import resolve_batch
 
     rows = [json.loads(line) for line in (uninterrupted / "timings.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -94,6 +96,7 @@ def test_timings_hold_every_step_with_its_slowest_devices_work(uninterrupted):
     assert all(rows[s - 1]["checkpoint"] for s in (2, 4, 6))
     assert all(r["time_s"] > 0 for r in rows)
     cfg = tiny(uninterrupted)
+    cfg = resolve_batch(cfg, make_source(cfg)[1], 8)  # (as the run resolved it)
     cost = CostModel.from_model(cfg.model)
     data = make_pipeline(cfg, 8, prefetch=0)
     for row in rows:

@@ -36,7 +36,7 @@ def plan_digest(policy: str, index, devices: int, steps: int, tokens: int, micro
     for _ in range(steps):
         plan = planner.plan()
         arrays = [plan.samples, plan.micro, plan.device, plan.row, plan.offset]
-        for it in (plan.vision, plan.audio):
+        for it in plan.items.values():
             arrays += [it.owner, it.item, it.device, it.offset]
         for a in arrays:
             a = np.ascontiguousarray(a, np.int64)

@@ -5,14 +5,20 @@ Every array has leading axes [M, D] (microbatch, data-parallel device bucket):
   llm_tokens, llm_segment_ids, llm_positions, llm_targets   int32  [M, D, R, L]
                                 (llm_positions [M, D, R, L, 3] with M-RoPE: time, row, column)
   llm_loss_mask                                              f32    [M, D, R, L]
-  llm_vision_src, llm_audio_src                              int32  [M, D, R, L]
-  vision_patches [M, D, P, patch*patch*C] f32, vision_segment_ids [M, D, P],
-  vision_positions [M, D, P, 2] (row, col)
-  audio_frames [M, D, F, n_mels] f32, audio_segment_ids [M, D, F], audio_positions [M, D, F]
-  vision_send, audio_send                                    int32  [M, D, D, C]  (routed only)
-  vision_send_count, audio_send_count                        int32  [M, D, D]     (routed only)
 
-Segment ids are 1, 2, ... per sample (per image / clip in the encoder rows) and 0 for padding.
+and per encoder phase of the table (`jaxmllm.config.phases`) the model has, for vision:
+
+  llm_vision_src                                             int32  [M, D, R, L]
+  vision_patches [M, D, P, patch*patch*C] f32 (its inputs, named batch.<capacity>),
+  vision_segment_ids [M, D, P], vision_positions [M, D, P, 2] (row, col)
+  vision_send                                                int32  [M, D, D, C]  (routed only)
+  vision_send_count                                          int32  [M, D, D]     (routed only)
+
+(audio: audio_frames [M, D, F, n_mels], positions [M, D, F]: an encoder's `input_width` and
+`position_dims` shape its arrays). With block-sparse attention each phase has `<phase>_tiles`
+[M, D, tiles, 2] too.
+
+Segment ids are 1, 2, ... per sample (per item in the encoder rows) and 0 for padding.
 `llm_*_src[t] = -1` unless token t is a placeholder slot; then it indexes the device's row
 buffer [own projector output rows (N) | received rows (D*C)]: an item encoded on the text's own
 device is read locally (index < N); with route_pair_capacity C > 0 an item encoded on device s is
@@ -31,75 +37,41 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmllm.batch.context import Split, group_text, local_groups
-from jaxmllm.config import Config
+from jaxmllm.config import Config, phases
+from jaxmllm.config.phases import ENCODERS, LLM, PHASES, VISION, Phase
+from jaxmllm.config.spec import BatchSpec
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.specials import RESERVED, Specials
-from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
-from jaxmllm.plan.sizing import documents_phases
+from jaxmllm.plan.contract import Capacities, StepPlan
 from jaxmllm.plan.tiles import TileOverflow, document_starts, from_segments
 
 
 def batch_shapes(cfg: Config, devices: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Global shape and dtype of every array in a step batch (the contract, for eval_shape)."""
-    b, m = cfg.batch, cfg.model
-    lead = (b.microbatches, devices)
-    llm = lead + (b.llm_rows, b.llm_row_len)
-    out = {
-        k: (llm, np.int32)
-        for k in (
-            "llm_tokens",
-            "llm_segment_ids",
-            "llm_positions",
-            "llm_targets",
-            "llm_vision_src",
-            "llm_audio_src",
-        )
-    }
+    """Global shape and dtype of every array in a step batch (the contract, for eval_shape);
+    `cfg` resolved (`BatchSpec.of` says what is not)."""
+    spec, m = BatchSpec.of(cfg), cfg.model
+    lead = (spec.microbatches, devices)
+    llm = lead + (spec.llm_rows, spec.llm_row_len)
+    keys = ("llm_tokens", "llm_segment_ids", "llm_positions", "llm_targets")
+    out = {k: (llm, np.int32) for k in keys}
     out["llm_loss_mask"] = (llm, np.float32)
     if any(m.llm.mrope_section):  # M-RoPE: (time, row, column) per token
         out["llm_positions"] = (llm + (3,), np.int32)
-    c = b.route_pair_capacity
-    if m.vision.enabled:
-        pd = m.vision.patch_size**2 * m.vision.channels
-        out["vision_patches"] = (lead + (b.vision_patches, pd), np.float32)
-        out["vision_segment_ids"] = (lead + (b.vision_patches,), np.int32)
-        out["vision_positions"] = (lead + (b.vision_patches, 2), np.int32)
+    c = spec.route_pair_capacity
+    for p in phases.enabled(m):
+        enc, units = p.encoder(m), spec.units[p.name]
+        out[p.src] = (llm, np.int32)
+        out[p.capacity] = (lead + (units, enc.input_width), np.float32)
+        out[f"{p.name}_segment_ids"] = (lead + (units,), np.int32)
+        at = (enc.position_dims,) if enc.position_dims else ()
+        out[f"{p.name}_positions"] = (lead + (units, *at), np.int32)
         if c:
-            out["vision_send"] = (lead + (devices, c), np.int32)
-            out["vision_send_count"] = (lead + (devices,), np.int32)
-    if m.audio.enabled:
-        out["audio_frames"] = (lead + (b.audio_frames, m.audio.n_mels), np.float32)
-        out["audio_segment_ids"] = (lead + (b.audio_frames,), np.int32)
-        out["audio_positions"] = (lead + (b.audio_frames,), np.int32)
-        if c:
-            out["audio_send"] = (lead + (devices, c), np.int32)
-            out["audio_send_count"] = (lead + (devices,), np.int32)
-    if not m.vision.enabled:
-        del out["llm_vision_src"]
-    if not m.audio.enabled:
-        del out["llm_audio_src"]
-    if m.attention == "block_sparse":
-        for phase, cap in tile_capacities(cfg).items():
-            out[f"{phase}_tiles"] = (lead + (cap, 2), np.int32)
+            out[f"{p.name}_send"] = (lead + (devices, c), np.int32)
+            out[f"{p.name}_send_count"] = (lead + (devices,), np.int32)
+    for phase, cap in spec.tile_caps().items():  # (block-sparse attention)
+        out[f"{phase}_tiles"] = (lead + (cap, 2), np.int32)
     return out
-
-
-def tile_capacities(cfg: Config) -> dict[str, int]:
-    """Per enabled phase, the attention tiles a device computes per microbatch (resolved)."""
-    b, m = cfg.batch, cfg.model
-    caps = {"llm": b.llm_tiles}
-    if m.vision.enabled:
-        caps["vision"] = b.vision_tiles
-    if m.audio.enabled:
-        caps["audio"] = b.audio_tiles
-    for phase, cap in caps.items():
-        if cap < 0:
-            raise ValueError(
-                f"batch.{phase}_tiles=-1 (auto) must be resolved against the data first "
-                "(jaxmllm.plan.sizing.resolve_batch)"
-            )
-    return caps
 
 
 def empty_batch(
@@ -111,9 +83,9 @@ def empty_batch(
     if local is not None:
         shapes = {k: ((s[0], local) + s[2:], d) for k, (s, d) in shapes.items()}
     batch = {k: np.zeros(s, d) for k, (s, d) in shapes.items()}
-    for k in ("llm_vision_src", "llm_audio_src"):
-        if k in batch:
-            batch[k][:] = -1
+    for p in ENCODERS:
+        if p.src in batch:
+            batch[p.src][:] = -1
     batch["llm_tokens"][:] = pad
     return batch
 
@@ -136,9 +108,11 @@ def bucketize(
       cfg, caps: The resolved config and its capacities.
       positions: This host's data-parallel positions; default all D.
       index: The lengths index; sizes the routing of a sample that failed to load.
-      specials: The tokenizer's ids (the source's `specials`): padding is `pad`, encoder slots
-        are the tokens equal to `image` / `audio`.
+      specials: The tokenizer's ids (the source's `specials`): padding is `pad`, an encoder
+        phase's slots are the tokens equal to its `media` id.
     """
+    spec = BatchSpec.of(cfg)
+    tile_caps = spec.tile_caps()  # (block-sparse attention: every bucket's tile list; else {})
     local = np.full(caps.devices, -1, np.int64)
     pos = np.arange(caps.devices) if positions is None else np.asarray(positions, np.int64)
     local[pos] = np.arange(len(pos))
@@ -161,48 +135,33 @@ def bucketize(
         key = (m, d) if grouped else (m, d, r)  # (a group's segments: one count, all rows)
         seg = seg_counter[key] = seg_counter.get(key, 0) + 1
         _write_text(text, (m, d, r), o, seg, sample, specials, cfg.model.vision.merge)
-        # placeholder slots: index into the bucket's rows flattened
-        media = (specials.image, specials.audio)
-        slots[k] = [r * row_len + o + np.flatnonzero(sample.tokens == t) for t in media]
+        # placeholder slots per phase: index into the bucket's rows flattened
+        slots[k] = {p: r * row_len + o + np.flatnonzero(sample.tokens == t)
+                    for p, t in specials.media.items()}  # fmt: skip
     split = None
     if grouped:
         groups = np.flatnonzero(home >= 0)
-        split = Split.deal(text, batch, caps, cfg.batch.llm_tiles, plan.step, groups)
-    for phase, key, items, which, per_row in (
-        ("vision", "vision_patches", plan.vision, 0, caps.merge_area),
-        ("audio", "audio_frames", plan.audio, 1, caps.subsample),
-    ):
-        if key in batch:
-            units = _index_units(index, plan, items, phase)
-            _write_items(
-                batch, phase, plan, items, samples, slots, which, per_row, caps,
-                (local, home, split), units,
-            )  # fmt: skip
-    if cfg.model.attention == "block_sparse":
-        _write_tiles(batch, cfg, plan.step, pos, skip=("llm",) if grouped else ())
-    _check_documents(batch, cfg, plan.step, pos)
+        split = Split.deal(text, batch, caps, tile_caps[LLM], plan.step, groups)
+    for p in ENCODERS:
+        if p.capacity in batch:
+            items = plan.items[p.name]
+            units = None if index is None else index.items[p.name].size(
+                plan.samples[items.owner], items.item)  # fmt: skip
+            _write_items(batch, p, plan, samples, slots, caps, (local, home, split), units)
+    if tile_caps:  # block-sparse attention
+        _write_tiles(batch, cfg, spec, plan.step, pos, skip=(LLM,) if grouped else ())
+    if spec.documents:  # cuDNN attention, a tower's class tokens
+        _check_documents(batch, cfg, spec, plan.step, pos)
     return batch
 
 
-def _check_documents(batch, cfg: Config, step: int, positions: np.ndarray) -> None:
+def _check_documents(batch, cfg: Config, spec: BatchSpec, step: int, positions) -> None:
     """cuDNN attention: every row within its phase's `batch.*_documents` (a static size of
     cuDNN's packed layout: a document past it would get no attention at all); likewise a
-    vision tower's class-token rows, when bounded (unbounded: one for every merge block)."""
-    phases = documents_phases(cfg)
-    if cfg.model.attention != "cudnn":
-        phases = tuple(p for p in phases if getattr(cfg.batch, f"{p}_documents") > 0)
-    for phase in phases:
-        key = f"{phase}_segment_ids"
-        if key not in batch:
-            continue
-        seg = batch[key]
-        if phase == "audio":
-            seg = seg[..., :: cfg.model.audio.stride]  # the encoder's rows, as the planner's
+    tower's class-token rows (one per image: an image past them would have none)."""
+    for phase, most in spec.documents.items():
+        seg = _attention_rows(batch, cfg, phase)  # (the encoder's rows, as the planner's)
         count = document_starts(seg).sum(-1)  # documents per row
-        most = getattr(cfg.batch, f"{phase}_documents")
-        if most < 1:
-            raise ValueError(f"batch.{phase}_documents=-1 (auto) must be resolved first "
-                             "(jaxmllm.plan.sizing.resolve_batch)")  # fmt: skip
         if count.max(initial=0) > most:
             m, d = np.unravel_index(int(np.argmax(count)), count.shape)[:2]
             raise ValueError(
@@ -213,21 +172,19 @@ def _check_documents(batch, cfg: Config, step: int, positions: np.ndarray) -> No
             )
 
 
-def _write_tiles(batch, cfg: Config, step: int, positions: np.ndarray, skip=()) -> None:
+def _write_tiles(batch, cfg: Config, spec: BatchSpec, step: int, positions, skip=()) -> None:
     """Each bucket's attention tile list, read off the segment ids just written (a document is
     a run of one segment id; the planner kept every bucket's tiles within its capacity);
     phases in `skip` have theirs already (a context split)."""
-    block, sub = cfg.batch.attention_block, cfg.model.audio.stride
-    for phase, cap in tile_capacities(cfg).items():
+    block = spec.attention_block
+    for phase, cap in spec.tile_caps().items():
         if phase in skip:
             continue
-        seg = batch[f"{phase}_segment_ids"]
-        if phase == "audio":
-            seg = seg[..., ::sub]  # the encoder attends over rows of `sub` frames
+        seg = _attention_rows(batch, cfg, phase)  # (an encoder attends over its rows)
         m_n, d_n = seg.shape[:2]
         rows = seg.reshape(m_n * d_n, -1, seg.shape[-1])
         try:
-            tiles = from_segments(rows, block, phase == "llm", cap)
+            tiles = from_segments(rows, block, phase == LLM, cap)
         except TileOverflow as e:
             m, d = divmod(e.bucket, d_n)
             raise ValueError(
@@ -238,14 +195,13 @@ def _write_tiles(batch, cfg: Config, step: int, positions: np.ndarray, skip=()) 
         batch[f"{phase}_tiles"] = tiles.reshape(m_n, d_n, cap, 2)
 
 
-def _index_units(index, plan: StepPlan, items: ItemPlan, phase: str) -> np.ndarray | None:
-    """Patches / frames of every planned item according to the lengths index."""
-    if index is None:
-        return None
-    values, ptr = (
-        (index.images, index.images_ptr) if phase == "vision" else (index.audio, index.audio_ptr)
-    )
-    return values[ptr[plan.samples[items.owner]] + items.item]
+def _attention_rows(batch, cfg: Config, phase: str) -> np.ndarray:
+    """A phase's segment ids as its attention sees them: an encoder's rows are its units per
+    row apart (a clip's `stride` frames); the LLM's tokens, patches, as they are."""
+    seg = batch[f"{phase}_segment_ids"]
+    if phase == LLM:
+        return seg
+    return seg[..., :: phases.phase(phase).per_row(cfg.model)]
 
 
 def _write_text(batch, where, offset: int, seg: int, sample: Sample, specials, merge) -> None:
@@ -255,7 +211,7 @@ def _write_text(batch, where, offset: int, seg: int, sample: Sample, specials, m
     batch["llm_segment_ids"][sl] = seg
     if batch["llm_positions"].ndim == 5:  # M-RoPE: (time, row, column)
         batch["llm_positions"][sl] = mrope_positions(
-            sample.tokens, specials.image, sample.grids, merge
+            sample.tokens, specials.media[VISION.name], sample.grids, merge
         )
     else:
         batch["llm_positions"][sl] = np.arange(n)
@@ -268,13 +224,10 @@ def _write_text(batch, where, offset: int, seg: int, sample: Sample, specials, m
 
 def _write_items(
     batch,
-    phase: str,
+    p: Phase,
     plan: StepPlan,
-    items: ItemPlan,
     samples,
     slots,
-    which: int,
-    per_row: int,
     caps: Capacities,
     hosts: tuple,
     units: np.ndarray | None,
@@ -292,8 +245,8 @@ def _write_items(
     gathered, each device's N + D * C after the other ("base").
     """
     local, home, split = hosts
-    data_key = "vision_patches" if phase == "vision" else "audio_frames"
-    src_key = f"llm_{phase}_src"
+    phase, items, per_row = p.name, plan.items[p.name], caps.per_token[p.name]
+    data_key, src_key = p.capacity, p.src
     pair_cap, ctx = caps.route_pair_capacity, caps.context
     own_rows = batch[data_key].shape[2] // per_row  # received rows follow the own ones
     gathered = own_rows + caps.devices * pair_cap if ctx > 1 else 0  # a device's buffer
@@ -312,31 +265,27 @@ def _write_items(
         if units is not None:  # the index's count: what every host counts, loaded or not
             n = int(units[k])
         elif sample is not None:
-            n = len(sample.images[j][0]) if phase == "vision" else len(sample.audio[j])
+            n = len(sample.media[phase][j][0])
         else:
             continue  # failed to load, one host: no encoder rows, no routing
         rows = off // per_row + np.arange(n // per_row)  # projector output rows of this item
         if sample is not None and enc_here:
             e = int(local[enc_dev])
             seg = seg_counter[(m, e)] = seg_counter.get((m, e), 0) + 1
-            if phase == "vision":
-                patches, pos = sample.images[j]
-                batch[data_key][m, e, off : off + n] = patches
-                batch["vision_positions"][m, e, off : off + n] = pos
-            else:
-                batch[data_key][m, e, off : off + n] = sample.audio[j]
-                batch["audio_positions"][m, e, off : off + n] = np.arange(n)
+            values, pos = sample.media[phase][j]
+            batch[data_key][m, e, off : off + n] = values
+            batch[f"{phase}_positions"][m, e, off : off + n] = pos
             batch[f"{phase}_segment_ids"][m, e, off : off + n] = seg
         dest = None
         if text_here and slots[owner] is not None:
-            dest = slots[owner][which][used[owner] : used[owner] + len(rows)]
+            dest = slots[owner][phase][used[owner] : used[owner] + len(rows)]
             used[owner] += len(rows)
         recv = d * ctx + enc_dev % ctx  # (= d without groups)
         base = (enc_dev % ctx) * gathered  # (0 without groups)
         if pair_cap == 0 or enc_dev // ctx == d:  # the local path: no exchange
             if enc_dev // ctx != d:
                 raise ValueError(
-                    f"plan step {plan.step}: sample {int(plan.samples[owner])} {phase} item "
+                    f"plan step {plan.step}: sample {int(plan.samples[owner])} {p.item} "
                     f"{j} is on another device but batch.route_pair_capacity is 0"
                 )
             if dest is not None:
@@ -371,11 +320,11 @@ def _fill(src_drl: np.ndarray, where: tuple, dest: np.ndarray, values: np.ndarra
 
 def fill_stats(batch: dict[str, np.ndarray]) -> dict[str, float]:
     """Real (non-padding) share of each phase's capacity in this batch."""
-    out = {"llm": float((batch["llm_segment_ids"] > 0).mean())}
-    for phase in ("vision", "audio"):
-        if f"{phase}_segment_ids" in batch:
-            out[phase] = float((batch[f"{phase}_segment_ids"] > 0).mean())
-    return out
+    return {
+        phase: float((batch[f"{phase}_segment_ids"] > 0).mean())
+        for phase in PHASES
+        if f"{phase}_segment_ids" in batch
+    }
 
 
 def mrope_positions(

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError
-from jaxmllm.plan.cost import PHASES, CostFileError, CostModel
+from jaxmllm.config.phases import LLM, PHASES
+from jaxmllm.plan.cost import CostFileError, CostModel
 
 
 def segment_work(seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -44,7 +45,7 @@ def bucket_work(batch: dict[str, np.ndarray], context: int = 1) -> dict[str, np.
         if seg is None:
             continue
         work[f"{phase}_units"], work[f"{phase}_sq"] = segment_work(seg)
-        if phase == "llm" and context > 1:
+        if phase == LLM and context > 1:
             m_n, d_n = seg.shape[:2]
             _, group_sq = segment_work(seg.reshape(m_n, d_n // context, 1, -1))
             work["llm_sq"] = np.repeat(group_sq / context, context, axis=1)

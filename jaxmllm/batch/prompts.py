@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxmllm.batch.bucketize import bucketize
 from jaxmllm.config import Config, ConfigError
+from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.specials import RESERVED, Specials
 from jaxmllm.plan.contract import ItemPlan, StepPlan
@@ -35,8 +36,7 @@ class PromptShapes:
     rows: int  # B: prompts decoded together, one per bucket
     prompt_len: int  # P: tokens per prompt row (right-padded)
     total_len: int  # S: the KV cache's length, a row's prompt and generated tokens
-    vision_patches: int  # a bucket's vision row: the images of a prompt
-    audio_frames: int  # a bucket's audio row: the clips of a prompt
+    units: dict[str, int]  # per encoder phase, a bucket's row: the items of a prompt
 
     @classmethod
     def fit(
@@ -47,17 +47,17 @@ class PromptShapes:
         rows = rows or len(prompts)
         if not 0 < len(prompts) <= rows:
             raise ValueError(f"{len(prompts)} prompts for {rows} rows")
-        merge_area = cfg.model.vision.merge**2
         longest = max(len(p.tokens) for p in prompts)
-        patches = max(_patches(p) for p in prompts)
-        frames = max(_frames(p) for p in prompts)
+        units = {}
+        for phase in ENCODERS:
+            most = max(_units(p, phase.name) for p in prompts)
+            units[phase.name] = _round(max(most, 1), ROUND * phase.per_token(cfg.model))
         prompt_len = _round(longest, ROUND)
         return cls(
             rows=rows,
             prompt_len=prompt_len,
             total_len=_round(prompt_len + max_new_tokens, ROUND),
-            vision_patches=_round(max(patches, 1), ROUND * merge_area),
-            audio_frames=_round(max(frames, 1), ROUND * cfg.model.audio.subsample),
+            units=units,
         )
 
 
@@ -65,12 +65,8 @@ def _round(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
-def _patches(prompt: Sample) -> int:
-    return sum(len(m[0]) for m in prompt.images)
-
-
-def _frames(prompt: Sample) -> int:
-    return sum(len(m) for m in prompt.audio)
+def _units(prompt: Sample, phase: str) -> int:
+    return sum(len(m[0]) for m in prompt.media[phase])
 
 
 def prompt_config(cfg: Config, shapes: PromptShapes) -> Config:
@@ -83,12 +79,12 @@ def prompt_config(cfg: Config, shapes: PromptShapes) -> Config:
         microbatches=1,
         llm_rows=1,
         llm_row_len=shapes.prompt_len,
-        vision_patches=shapes.vision_patches,
-        audio_frames=shapes.audio_frames,
+        **{p.capacity: shapes.units[p.name] for p in ENCODERS},
         capacity="fixed",
         route_pair_capacity=0,
         planner="first_fit",  # (orchestrated refuses local routing; no planner runs here)
-        vision_documents=-1,  # (class-token rows: a prompt's images, whatever the run's bound)
+        # (class-token rows: as many as a prompt's images can need, whatever the run's bound)
+        **{p.documents: -1 for p in ENCODERS},
     )
     model = dataclasses.replace(cfg.model, attention="dense")
     # A prompt row is whole on its device and the model is whole in each program (evaluation
@@ -112,14 +108,13 @@ def prompt_batch(
     prompts = list(prompts) + [filler] * (shapes.rows - len(prompts))
     if len(prompts) > shapes.rows or max(len(p.tokens) for p in prompts) > shapes.prompt_len:
         raise ValueError(f"prompts do not fit {shapes}")
-    if (max(_patches(p) for p in prompts) > shapes.vision_patches
-            or max(_frames(p) for p in prompts) > shapes.audio_frames):  # fmt: skip
-        raise ValueError(f"a prompt's images or clips do not fit {shapes}")
-    for p in prompts:
-        if (p.images and not cfg.model.vision.enabled) or (p.audio and not cfg.model.audio.enabled):
+    for phase in ENCODERS:
+        if max(_units(p, phase.name) for p in prompts) > shapes.units[phase.name]:
+            raise ValueError(f"a prompt's {phase.items} do not fit {shapes}")
+        if any(p.media[phase.name] for p in prompts) and not phase.enabled(cfg.model):
             raise ConfigError(
-                "a prompt has images or audio but the model has no encoder for them "
-                "(model.vision.enabled / model.audio.enabled)"
+                f"a prompt has {phase.items} but the model has no encoder for them "
+                f"(model.{phase.name}.enabled)"
             )
     n = len(prompts)
     zeros = np.zeros(n, np.int64)
@@ -130,8 +125,10 @@ def prompt_batch(
         device=np.arange(n),
         row=zeros,
         offset=zeros,
-        vision=_packed([[len(m[0]) for m in p.images] for p in prompts]),
-        audio=_packed([[len(m) for m in p.audio] for p in prompts]),
+        items={
+            e.name: _packed([[len(m[0]) for m in p.media[e.name]] for p in prompts])
+            for e in ENCODERS
+        },  # fmt: skip
     )
     batch = bucketize(plan, dict(enumerate(prompts)), pcfg, capacities(pcfg, n), specials=specials)
     return {k: v[0] for k, v in batch.items()}  # the one microbatch
@@ -156,7 +153,7 @@ def split_answer(sample: Sample, specials: Specials = RESERVED) -> tuple[Sample,
     if not len(learned) or learned[0] < 2:  # (BOS alone is no prompt)
         return None
     cut = int(learned[0])
-    rows = np.isin(sample.tokens[cut:], (specials.image, specials.audio))
+    rows = np.isin(sample.tokens[cut:], list(specials.media.values()))
     if rows.any():
         return None
     prompt = dataclasses.replace(sample, tokens=sample.tokens[:cut], loss=sample.loss[:cut])

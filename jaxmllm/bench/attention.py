@@ -43,7 +43,7 @@ from jaxmllm.plan import tiles as T
 def documents(mix: str, row_len: int, merge_area: int = 4, subsample: int = 4) -> np.ndarray:
     """Lengths of the documents packed into one row of `row_len` tokens (see the module doc)."""
     index = load_mix(mix)
-    lengths = index.llm_tokens(merge_area, subsample)
+    lengths = index.llm_tokens({"vision": merge_area, "audio": subsample})
     out, used = [], 0
     for n in lengths:
         if n < 1 or n > row_len:

@@ -89,6 +89,7 @@ from jaxmllm.bench.table import (
     print_like_for_like,
 )
 from jaxmllm.config import ModelConfig
+from jaxmllm.config.phases import BY_NAME, NAMES
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.capacity import (
     HELD_DRY_RUN_STEPS,
@@ -120,17 +121,20 @@ def make_caps(
     """Capacities matched to the data; route capacity = a device's whole encoder output (it
     never binds: `route_caps` sizes it as the trainer does); `devices_per_host` (0: one host)
     for host-aware routing; with `block`, rows in whole blocks (tile capacities: `held_caps`)."""
-    sug = suggest_capacities(index, tokens, merge_area, subsample, match_llm=True, block=block or 1)
-    route = max(sug.vision_patches // merge_area, sug.audio_frames // subsample)
+    per_token = {"vision": merge_area, "audio": subsample}
+    per_row = {"vision": 1, "audio": subsample}  # (the pairs stem: a row per LLM token)
+    sug = suggest_capacities(
+        index, tokens, per_token, per_row=per_row, match_llm=True, block=block or 1
+    )
+    route = max(sug.units[p] // per_token[p] for p in per_token)
     caps = Capacities(
         microbatches=micro,
         devices=devices,
         llm_rows=sug.llm_rows,
         llm_row_len=sug.llm_row_len,
-        vision_patches=sug.vision_patches,
-        audio_frames=sug.audio_frames,
-        merge_area=merge_area,
-        subsample=subsample,
+        units=sug.units,
+        per_token=per_token,
+        per_row=per_row,
         route_pair_capacity=route if policy == "orchestrated" else 0,
         block=block,
         devices_per_host=devices_per_host,
@@ -167,9 +171,9 @@ def held_caps(
         caps,
         steps,
         make=lambda c: make_planner(policy, index, c, seed),
-        weights=cost.tile_weights(caps.block, caps.audio_per_row) if cost else None,
+        weights=cost.tile_weights(caps.block, caps.per_row) if cost else None,
     )
-    return dataclasses.replace(caps, **{f"{p}_tiles": n for p, n in tiles.items()})
+    return dataclasses.replace(caps, tiles=tiles)
 
 
 class _Items:
@@ -177,7 +181,7 @@ class _Items:
 
     def __init__(self, index: LengthsIndex, caps: Capacities):
         self.index = index
-        self.work = index.work(caps.merge_area, caps.subsample)  # [sample, phase]
+        self.work = index.work(caps.per_token)  # [sample, phase]
         self.llm = self.work[:, 0]
         self.caps = caps
 
@@ -195,12 +199,9 @@ def phase_loads(plan: StepPlan, items: _Items, cost: CostModel, rng=None):
     out = {}
     s = plan.samples
     units = {"llm": (items.llm[s], micro, dev, 1)}
-    for p, values, ptr, per in (
-        ("vision", idx.images, idx.images_ptr, 1),
-        ("audio", idx.audio, idx.audio_ptr, caps.subsample),
-    ):
-        it = getattr(plan, p)
-        size = values[ptr[s[it.owner]] + it.item]
+    for p in NAMES:
+        it, per = plan.items[p], caps.row_units(p)
+        size = idx.items[p].size(s[it.owner], it.item)
         d = it.device if rng is None else dev[it.owner]
         units[p] = (size, micro[it.owner], d, per)
     for p, (size, m, d, per) in units.items():
@@ -240,10 +241,10 @@ def run_policy(
     items = _Items(index, caps)
     planner = make_planner(policy, index, caps, seed)
     cap_vec = np.array(
-        [caps.llm_rows * caps.llm_row_len, caps.vision_patches, caps.audio_frames], np.float64
+        [caps.llm_rows * caps.llm_row_len, *(caps.units[p] for p in NAMES)], np.float64
     )
     rng = np.random.default_rng([seed, devices])
-    work = np.zeros(3)
+    work = np.zeros(1 + len(NAMES))
     quad, bound, ours_cost, rand_cost, micro_cv = [], [], [], [], []
     ages, deferred, routed, remote_rows, times = 0, [], 0.0, 0.0, []
     inter_rows, most_pair, sim = 0.0, 0, []
@@ -285,8 +286,8 @@ def run_policy(
             mean = total.mean(1)
             tile_spread += list(total.max(1)[mean > 0] / mean[mean > 0])
         deferred.append(plan.deferred)
-        for p in ("vision", "audio"):
-            it = getattr(plan, p)
+        for p in NAMES:
+            it = plan.items[p]
             rows = item_rows(plan, index, caps, p)
             home = plan.device[it.owner]
             routed += rows.sum()
@@ -336,8 +337,7 @@ def run_policy(
         "caps": {
             "llm_rows": caps.llm_rows,
             "llm_row_len": caps.llm_row_len,
-            "vision_patches": caps.vision_patches,
-            "audio_frames": caps.audio_frames,
+            **{BY_NAME[p].capacity: caps.units[p] for p in NAMES},
             "route_pair_capacity": caps.route_pair_capacity,
             "route_pair_whole": whole if caps.route_pair_capacity else 0,
             "microbatches": micro,
@@ -350,7 +350,7 @@ def run_policy(
     if block:
         caps_by_phase = caps.tile_caps() if policy in HOLDS_TILES else tile_most
         row["tile_capacity"] = int(sum(caps_by_phase.values()))
-        weights = cost.tile_weights(block, caps.audio_per_row)
+        weights = cost.tile_weights(block, caps.per_row)
         buckets = steps * devices * micro
         row["goodput"] = flop_share(work, tile_total, caps, caps_by_phase, buckets, weights)
         row["tile_capacity_by_phase"] = dict(caps_by_phase)
@@ -363,7 +363,7 @@ def run_policy(
 
 def steps_for(index: LengthsIndex, devices: int, tokens: int, micro: int, lo: int, hi: int) -> int:
     """Enough steps for about one epoch, within [lo, hi]."""
-    per_step = devices * micro * tokens / max(index.llm_tokens(4, 4).mean(), 1)
+    per_step = devices * micro * tokens / max(index.llm_tokens(dict.fromkeys(NAMES, 4)).mean(), 1)
     return int(np.clip(np.ceil(len(index) / per_step), lo, hi))
 
 
@@ -446,8 +446,9 @@ def main(argv: list[str] | None = None) -> int:
         c = make_caps(index, 1, args.tokens, args.micro, "orchestrated", block=args.block)
         print(
             f"\n== {name}: {len(index)} samples, --tokens {args.tokens}: buckets of "
-            f"{c.llm_rows}x{c.llm_row_len} LLM tokens, {c.vision_patches} patches, "
-            f"{c.audio_frames} frames; {args.micro} microbatches; packing bound on fill "
+            f"{c.llm_rows}x{c.llm_row_len} LLM tokens, "
+            + ", ".join(f"{c.units[p]} {BY_NAME[p].unit}" for p in NAMES)
+            + f"; {args.micro} microbatches; packing bound on fill "
             + " ".join(f"{v:.3f}" for v in fill_bound(index, c).values())
         )
         print(HEADER + (TILE_HEADER if args.block else "") + (SIM_HEADER if machine else ""))

@@ -64,11 +64,11 @@ def spreads(weights: dict, rows: int, ranks: int) -> dict[str, list[float]]:
 def packed_rows(index, ranks: int, tokens: int, groups: int, steps: int, seed: int = 0):
     """The block weights of every group of `steps` plans of orchestrated for `groups` groups of
     `ranks` devices (`tokens` LLM tokens a device, capacities as the trainer sizes them)."""
-    enc = encoder_capacities(index, tokens, 4, 4, block=128)
+    per_token, per_row = {"vision": 4, "audio": 4}, {"vision": 1, "audio": 4}
+    enc = encoder_capacities(index, tokens, per_token, per_row=per_row, block=128)
     caps = Capacities(
-        microbatches=1, devices=groups * ranks, llm_rows=1, llm_row_len=tokens,
-        vision_patches=enc.vision_patches, audio_frames=enc.audio_frames, merge_area=4,
-        subsample=4, route_pair_capacity=max(enc.vision_patches, enc.audio_frames) // 4,
+        microbatches=1, devices=groups * ranks, llm_rows=1, llm_row_len=tokens, units=enc.units,
+        per_token=per_token, per_row=per_row, route_pair_capacity=max(enc.units.values()) // 4,
         block=128, context=ranks,
     )  # fmt: skip
     make = lambda c: make_planner("orchestrated", index, c, seed)
@@ -76,7 +76,7 @@ def packed_rows(index, ranks: int, tokens: int, groups: int, steps: int, seed: i
     route = route_capacity(make(caps), index, caps, steps, steps)
     caps = dataclasses.replace(caps, route_pair_capacity=route)
     tiles = held_tiles(make(caps), index, caps, steps)
-    caps = dataclasses.replace(caps, **{f"{p}_tiles": n for p, n in tiles.items()})
+    caps = dataclasses.replace(caps, tiles=tiles)
     planner = make(caps)
     weights = {}
     for step in range(steps):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.data.lengths import Items, LengthsIndex
 
 INTERNVL_TILE_PATCHES = 1024  # 448 px tile / 14 px patches, squared
 INTERNVL_TILE_TOKENS = 256  # after pixel shuffle (merge 2 x 2)
@@ -43,12 +43,10 @@ def from_arrays(
     def ragged(items):
         ptr = np.cumsum([0] + [len(x) for x in items]).astype(np.int64)
         flat = np.concatenate([np.asarray(x, np.int64) for x in items]) if items else []
-        return ptr, np.asarray(flat, np.int64)
+        return Items(ptr, np.asarray(flat, np.int64))
 
-    iptr, ivals = ragged(images)
-    aptr, avals = ragged(audio)
     return LengthsIndex(
-        text=np.asarray(text, np.int64), images_ptr=iptr, images=ivals, audio_ptr=aptr, audio=avals
+        text=np.asarray(text, np.int64), items={"vision": ragged(images), "audio": ragged(audio)}
     )
 
 
@@ -218,21 +216,20 @@ def rounded(
     """`index` with image patches rounded down to a multiple of `merge_area` and audio frames
     to a multiple of `subsample`, items that round to 0 dropped from their samples and samples
     left with no LLM tokens dropped; and the counts of what was dropped or changed."""
-    img = index.images // merge_area * merge_area
-    aud = index.audio // subsample * subsample
+    vis, aud_items = index.items["vision"], index.items["audio"]
+    img = vis.sizes // merge_area * merge_area
+    aud = aud_items.sizes // subsample * subsample
     counts = {
-        "images_rounded": int((index.images != img).sum()),
-        "audio_rounded": int((index.audio != aud).sum()),
+        "images_rounded": int((vis.sizes != img).sum()),
+        "audio_rounded": int((aud_items.sizes != aud).sum()),
         "images_dropped": int((img == 0).sum()),
         "audio_dropped": int((aud == 0).sum()),
     }
-    same_ptrs = dict(images_ptr=index.images_ptr, audio_ptr=index.audio_ptr)
-    keep = (
-        LengthsIndex(text=index.text, images=img, audio=aud, **same_ptrs).llm_tokens(
-            merge_area, subsample
-        )
-        > 0
+    per_token = {"vision": merge_area, "audio": subsample}
+    same = LengthsIndex(
+        text=index.text, items={"vision": Items(vis.ptr, img), "audio": Items(aud_items.ptr, aud)}
     )
+    keep = same.llm_tokens(per_token) > 0
     counts["samples_dropped"] = int((~keep).sum())
     new_id = np.cumsum(keep) - 1  # a kept sample's position in the result
 
@@ -242,12 +239,11 @@ def rounded(
         per = np.bincount(new_id[owner[mask]], minlength=int(keep.sum()))
         return values[mask], np.concatenate([[0], np.cumsum(per)]).astype(np.int64)
 
-    (images, images_ptr), (audio, audio_ptr) = (
-        kept(img, index.images_ptr),
-        kept(aud, index.audio_ptr),
+    (images, images_ptr), (audio, audio_ptr) = kept(img, vis.ptr), kept(aud, aud_items.ptr)
+    out = LengthsIndex(
+        text=index.text[keep],
+        items={"vision": Items(images_ptr, images), "audio": Items(audio_ptr, audio)},
     )
-    out = LengthsIndex(text=index.text[keep], images_ptr=images_ptr, images=images,
-                       audio_ptr=audio_ptr, audio=audio)  # fmt: skip
     return out, counts
 
 

@@ -78,7 +78,7 @@ def plan_traffic(plan: StepPlan, index, caps: Capacities) -> dict[str, np.ndarra
     per_host = caps.devices_per_host or d_n
     out = {}
     for p in ENC:
-        it = getattr(plan, p)
+        it = plan.items[p]
         if not len(it.owner):
             continue
         rows = item_rows(plan, index, caps, p).astype(np.float64)

@@ -121,9 +121,9 @@ class Run:
         jax.block_until_ready(metrics)
         if measure:
             self.times.append(time.perf_counter() - start)
-            self.tokens.append(host["info"]["tokens"])
-            self.flops.append(host["info"]["flops"])
-            self.padding.append({k: 1.0 - v for k, v in host["info"]["fill"].items()})
+            self.tokens.append(host["info"].tokens)
+            self.flops.append(host["info"].flops)
+            self.padding.append({k: 1.0 - v for k, v in host["info"].fill.items()})
             lists = [a for k, a in host["batch"].items() if k.endswith("_tiles")]
             if lists:
                 self.tiles.append(sum((a[..., 0] >= 0).sum(-1) for a in lists))

@@ -18,8 +18,10 @@ from typing import Any
 
 import yaml
 
+from jaxmllm.config import phases
 from jaxmllm.config.checks import ConfigError, check
 from jaxmllm.config.model import ModelConfig
+from jaxmllm.config.phases import ENCODERS, NAMES
 from jaxmllm.config.sections import (
     BatchConfig,
     DataConfig,
@@ -45,12 +47,13 @@ class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self):
-        vis, b = self.model.vision, self.batch
-        check(
-            b.vision_patches % (vis.merge**2) == 0,
-            f"must be a multiple of merge^2 = {vis.merge**2}",
-            "batch.vision_patches",
-        )
+        for p in ENCODERS:  # (whole LLM tokens: the projector merges this many units into one)
+            per = p.per_token(self.model)
+            check(
+                p.bucket(self.batch) % per == 0,
+                f"must be a multiple of {per}, the {p.unit} of one LLM token (model.{p.name})",
+                f"batch.{p.capacity}",
+            )
         aud = self.model.audio
         check(
             not aud.enabled
@@ -81,14 +84,13 @@ class Config:
         """Something trains: a run whose every parameter is frozen only spends its steps (the
         stage-1 recipe on an LLM alone: no encoder, so no projector either)."""
         m = self.model
-        encoders = [p for p in ("vision", "audio") if getattr(m, p).enabled]
-        trains = not m.llm.freeze or any(not getattr(m, p).freeze for p in encoders)
-        keys = ["model.llm.freeze", *(f"model.{p}.freeze" for p in encoders)]
+        encoders = [p for p in ENCODERS if p.enabled(m)]
+        trains = not m.llm.freeze or any(not p.encoder(m).freeze for p in encoders)
+        keys = ["model.llm.freeze", *(f"model.{p.name}.freeze" for p in encoders)]
         if encoders:
             trains, keys = trains or not m.projector_freeze, [*keys, "model.projector_freeze"]
-        why = "" if encoders else (
-            " (model.vision and model.audio are disabled, so there is no projector to train)"
-        )  # fmt: skip
+        off = " and ".join(f"model.{p.name}" for p in ENCODERS)
+        why = "" if encoders else f" ({off}: disabled, so there is no projector to train)"
         check(
             trains,
             f"nothing trains: {', '.join(k + '=true' for k in keys)}{why}; set one of them to "
@@ -127,29 +129,28 @@ class Config:
         """Layer counts given per stage add up to the module's depth; placements name encoders
         that exist; what the pipeline does not run is refused, naming both keys."""
         p, m = self.pipeline, self.model
-        for name, depth in (("llm", m.llm.depth), ("vision", m.vision.depth),
-                            ("audio", m.audio.depth)):  # fmt: skip
-            layers = getattr(p, f"{name}_layers")
+        for name in ("llm", *NAMES):
+            layers, depth = p.layers(name), getattr(m, name).depth
             check(
                 not layers or sum(layers) == depth,
                 f"{list(layers)} adds up to {sum(layers)} layers, but model.{name}.depth is "
                 f"{depth}",
                 f"pipeline.{name}_layers",
             )
-        for name in ("vision", "audio"):
-            enabled = getattr(m, name).enabled
+        for phase in ENCODERS:
+            name = phase.name
             check(
-                enabled or (getattr(p, name) != "stages" and not getattr(p, f"{name}_layers")),
+                phase.enabled(m) or (p.placement(name) != "stages" and not p.layers(name)),
                 f"model.{name}.enabled is false: there is no {name} encoder to place",
                 f"pipeline.{name}",
             )
             check(
-                not getattr(p, f"{name}_layers") or getattr(p, name) == "stages",
+                not p.layers(name) or p.placement(name) == "stages",
                 f"layers per {name} stage need pipeline.{name}: stages",
                 f"pipeline.{name}_layers",
             )
             check(
-                getattr(p, name) != "stages" or getattr(m, name).stages_ok,
+                p.placement(name) != "stages" or phase.encoder(m).stages_ok,
                 f"the {name} tower's options (model.{name}: class_token, window, final_norm: "
                 f"false, pool) run only as a whole tower: set pipeline.{name}: data (or auto)",
                 f"pipeline.{name}",
@@ -189,18 +190,14 @@ class Config:
         )
         if b.capacity == "auto":  # the encoder buckets are sized from the data, in blocks
             return
-        check(
-            not m.vision.enabled or b.vision_patches % block == 0,
-            f"must be a multiple of batch.attention_block={block} {fix}",
-            "batch.vision_patches",
-        )
-        rows, stride = b.audio_frames // m.audio.stride, m.audio.stride
-        check(
-            not m.audio.enabled or rows % block == 0,
-            f"must be a multiple of batch.attention_block x the audio stem's stride = "
-            f"{block * stride} (the audio encoder attends over frames / {stride}) {fix}",
-            "batch.audio_frames",
-        )
+        for p in phases.enabled(m):
+            per = p.per_row(m)  # (units per encoder row: attention tiles are blocks of rows)
+            rows = f" x {per} {p.unit} per {p.name} encoder row = {block * per}" if per > 1 else ""
+            check(
+                p.bucket(b) % (block * per) == 0,
+                f"must be a multiple of batch.attention_block={block}{rows} {fix}",
+                f"batch.{p.capacity}",
+            )
 
 
 # ----------------------------------------------------------------------------- loading

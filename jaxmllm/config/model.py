@@ -87,6 +87,21 @@ class VisionConfig(BlockOptions):
         tokens, windows or no final norm, which only the whole tower's call lays out."""
         return not (self.class_token or self.window or not self.final_norm)
 
+    # What the phase table (jaxmllm.config.phases) reads of an encoder: its units (patches),
+    # how many make an LLM token and an encoder row, and one unit's input and position.
+    @property
+    def units_per_token(self) -> int:
+        """Patches per LLM token: the projector merges merge x merge neighbours."""
+        return self.merge**2
+
+    units_per_row = 1  # attention sees every patch
+    position_dims = 2  # a patch's (row, column)
+
+    @property
+    def input_width(self) -> int:
+        """Values per patch: patch x patch pixels of `channels`."""
+        return self.patch_size**2 * self.channels
+
     def __post_init__(self):
         super().__post_init__()
         positive(self, "patch_size", "channels", "width", "depth", "heads", "mlp_dim", "merge")
@@ -177,6 +192,24 @@ class AudioConfig(BlockOptions):
     def rows_per_token(self) -> int:
         """Encoder output rows (after pooling) the projector merges into one LLM token."""
         return self.subsample // (self.stride * self.pool)
+
+    # What the phase table (jaxmllm.config.phases) reads of an encoder (see VisionConfig).
+    @property
+    def units_per_token(self) -> int:
+        """Frames per LLM token."""
+        return self.subsample
+
+    @property
+    def units_per_row(self) -> int:
+        """Frames per encoder row: attention sees rows of `stride` frames."""
+        return self.stride
+
+    position_dims = 0  # a frame's index in its clip
+
+    @property
+    def input_width(self) -> int:
+        """Values per frame: its mel bins."""
+        return self.n_mels
 
     def __post_init__(self):
         super().__post_init__()

@@ -6,13 +6,21 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from jaxmllm.config.checks import check, positive
+from jaxmllm.config.phases import ENCODERS, NAMES
 
 # The planners `batch.planner` may name; `jaxmllm.plan.registry.PLANNERS` implements each (a test
 # holds the two lists equal: config sits below the planners and names them only).
 PLANNER_NAMES = ("orchestrated", "balanced", "grain", "naive", "first_fit")
 
-AUTO_SIZES = ("route_pair_capacity", "llm_tiles", "vision_tiles", "audio_tiles", "llm_documents",
-              "vision_documents", "audio_documents", "devices_per_host")  # fmt: skip
+# The batch sizes -1 leaves to the data (resolved at start-up, kept with the checkpoints)
+AUTO_SIZES = (
+    "route_pair_capacity",
+    "llm_tiles",
+    *(p.tiles for p in ENCODERS),
+    "llm_documents",
+    *(p.documents for p in ENCODERS),
+    "devices_per_host",
+)
 
 
 @dataclass(frozen=True)
@@ -67,9 +75,9 @@ class PipelineConfig:
 
     def __post_init__(self):
         check(self.schedule in SCHEDULES, f"must be one of {', '.join(SCHEDULES)}", "schedule")
-        for key in ("vision", "audio"):
+        for key in NAMES:
             check(getattr(self, key) in PLACEMENTS, f"must be one of {', '.join(PLACEMENTS)}", key)
-        for key in ("llm_layers", "vision_layers", "audio_layers"):
+        for key in ("llm_layers", *(f"{name}_layers" for name in NAMES)):
             value = getattr(self, key)
             check(
                 isinstance(value, list | tuple)
@@ -87,6 +95,14 @@ class PipelineConfig:
             "encoder_fractions",
         )
         object.__setattr__(self, "encoder_fractions", tuple(sorted({float(f) for f in fractions})))
+
+    def placement(self, phase: str) -> str:
+        """Where an encoder phase runs: pipeline.<phase> (stages | data | auto)."""
+        return getattr(self, phase)
+
+    def layers(self, phase: str) -> tuple[int, ...]:
+        """Layers per stage of a stack: pipeline.<phase>_layers (the LLM's or an encoder's)."""
+        return getattr(self, f"{phase}_layers")
 
 
 @dataclass(frozen=True)
@@ -123,8 +139,8 @@ class BatchConfig:
     def __post_init__(self):
         for key in ("microbatches", "llm_rows", "llm_row_len"):
             check(getattr(self, key) >= 1, "must be >= 1", key)
-        check(self.vision_patches % 4 == 0, "must be a multiple of 4", "vision_patches")
-        check(self.audio_frames % 4 == 0, "must be a multiple of 4", "audio_frames")
+        for p in ENCODERS:
+            check(p.bucket(self) % 4 == 0, "must be a multiple of 4", p.capacity)
         check(self.planner in PLANNER_NAMES, f"must be one of {sorted(PLANNER_NAMES)}", "planner")
         check(self.capacity in ("fixed", "auto"), "must be fixed or auto", "capacity")
         check(self.exchange in ("dense", "ragged"), "must be dense or ragged", "exchange")

@@ -29,8 +29,9 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError, load_config
+from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.lengths import LengthsIndex
-from jaxmllm.data.preprocess import Limits, Params, Preprocessor
+from jaxmllm.data.preprocess import MEDIA, Limits, Params, Preprocessor
 from jaxmllm.data.records import open_records, read_record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.source import default_index_dir
@@ -45,12 +46,10 @@ def measure(records, pre: Preprocessor, k: int, decode: bool = False) -> dict:
         obj, line = records.raw(k)
         record = read_record(records, k)
         sizes = pre.sizes(record)
-        for j, (samples, rate) in enumerate(sizes.audio):
-            if not pre.clip_chunks(samples, rate):
-                raise RecordError("audio_too_short", f"clip {j}: {samples / rate:.3f} s", record.id)
+        pre.check(record, sizes)
         if decode:  # full decode: catches files whose header is fine but whose data is not
             pre.sample(k, record, sizes, Limits())
-        counts = pre.layout(record, sizes).counts(pre.p.merge**2)
+        counts = pre.layout(record, sizes).counts()
     except RecordError as e:
         return {"ok": False, **e.to_json(line=line, row=k)}
     return {
@@ -59,8 +58,7 @@ def measure(records, pre: Preprocessor, k: int, decode: bool = False) -> dict:
         "id": record.id,
         "row": k,
         "line": line,
-        "image_sizes": [list(s) for s in sizes.images],
-        "audio_samples": [list(s) for s in sizes.audio],
+        **{media.size_key: [list(s) for s in sizes.media[p]] for p, media in MEDIA.items()},
     }
 
 
@@ -150,16 +148,11 @@ def summarize(cfg: Config, rows: list[dict], rejects: list[dict]) -> dict:
     """Counts and percentiles per modality (training sizes its buckets from the index itself:
     `batch.capacity: auto`)."""
     index = LengthsIndex.from_records(rows)
-    merge_area, sub = cfg.model.vision.merge**2, cfg.model.audio.subsample
-    llm = index.llm_tokens(merge_area, sub)
-    stats = {
-        "text_tokens": index.text,
-        "llm_tokens": llm,
-        "patches_per_image": index.images,
-        "images_per_sample": np.diff(index.images_ptr),
-        "frames_per_clip": index.audio,
-        "clips_per_sample": np.diff(index.audio_ptr),
-    }
+    llm = index.llm_tokens({p.name: p.per_token(cfg.model) for p in ENCODERS})
+    stats = {"text_tokens": index.text, "llm_tokens": llm}
+    for p in ENCODERS:
+        stats[f"{p.unit}_per_{p.item}"] = index.items[p.name].sizes
+        stats[f"{p.items}_per_sample"] = index.items[p.name].count()
     return {
         "records": len(rows) + len(rejects),
         "accepted": len(rows),

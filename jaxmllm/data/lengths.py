@@ -1,28 +1,74 @@
-"""The lengths index: per-sample counts in model units (text tokens, patches per image, frames
-per clip), what the planner plans from without touching the media."""
+"""The lengths index: per-sample counts in model units (text tokens, and per encoder phase the
+units of each item: patches per image, frames per clip), what the planner plans from without
+touching the media."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from jaxmllm.config.phases import ENCODERS, LLM
+
+
+@dataclass(frozen=True)
+class Items:
+    """One encoder phase's items of every sample, as a ragged array: sample i's items are
+    `sizes[ptr[i]:ptr[i + 1]]`, each in the phase's units."""
+
+    ptr: np.ndarray  # int64 [samples + 1]
+    sizes: np.ndarray  # int64 [items]
+
+    @classmethod
+    def from_lists(cls, lists: list[list[int]]) -> Items:
+        return cls(
+            ptr=np.cumsum([0] + [len(x) for x in lists]).astype(np.int64),
+            sizes=np.array([v for x in lists for v in x], np.int64),
+        )
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def of(self, i: int) -> np.ndarray:
+        """Sample i's item sizes."""
+        return self.sizes[self.ptr[i] : self.ptr[i + 1]]
+
+    def count(self) -> np.ndarray:
+        """Items per sample."""
+        return np.diff(self.ptr)
+
+    def size(self, samples: np.ndarray, item: np.ndarray) -> np.ndarray:
+        """The size of item `item` of each sample in `samples`."""
+        return self.sizes[self.ptr[samples] + item]
+
+    def per_sample(self, values: np.ndarray | None = None) -> np.ndarray:
+        """Sum within each sample of `values` (one per item; default: the sizes)."""
+        values = self.sizes if values is None else values
+        sums = np.zeros(len(self.ptr) - 1, np.int64)
+        if len(values):
+            owner = np.repeat(np.arange(len(sums)), np.diff(self.ptr))
+            np.add.at(sums, owner, values)
+        return sums
 
 
 @dataclass
 class LengthsIndex:
     """Per-sample counts in model units, as ragged numpy arrays (vectorised planning needs them).
 
-    text[i] = text tokens of sample i (placeholders excluded); images[images_ptr[i]:images_ptr[i+1]]
-    = patches per image; audio[audio_ptr[i]:audio_ptr[i+1]] = log-mel frames per clip.
+    text[i] = text tokens of sample i (placeholders excluded); items[phase] = the units of each
+    item of every sample in that encoder phase (patches per image, log-mel frames per clip),
+    for every phase of the table (empty where the data has none).
     """
 
     text: np.ndarray
-    images_ptr: np.ndarray
-    images: np.ndarray
-    audio_ptr: np.ndarray
-    audio: np.ndarray
+    items: dict[str, Items]
+
+    def __post_init__(self):
+        empty = Items.from_lists([[] for _ in range(len(self.text))])
+        self.items = {p.name: self.items.get(p.name, empty) for p in ENCODERS}
 
     def __len__(self) -> int:
         return len(self.text)
@@ -30,23 +76,19 @@ class LengthsIndex:
     @classmethod
     def from_records(cls, records: list[dict]) -> LengthsIndex:
         """Builds the index from dicts like {"text": 312, "images": [1024], "audio": [850]}."""
-        imgs = [list(r.get("images", [])) for r in records]
-        auds = [list(r.get("audio", [])) for r in records]
         return cls(
             text=np.array([r.get("text", 0) for r in records], np.int64),
-            images_ptr=np.cumsum([0] + [len(x) for x in imgs]).astype(np.int64),
-            images=np.array([v for x in imgs for v in x], np.int64),
-            audio_ptr=np.cumsum([0] + [len(x) for x in auds]).astype(np.int64),
-            audio=np.array([v for x in auds for v in x], np.int64),
+            items={
+                p.name: Items.from_lists([list(r.get(p.items, [])) for r in records])
+                for p in ENCODERS
+            },  # fmt: skip
         )
 
     def record(self, i: int) -> dict:
         """Sample i in the lengths-file format."""
-        return {
-            "text": int(self.text[i]),
-            "images": self.images[self.images_ptr[i] : self.images_ptr[i + 1]].tolist(),
-            "audio": self.audio[self.audio_ptr[i] : self.audio_ptr[i + 1]].tolist(),
-        }
+        out = {"text": int(self.text[i])}
+        out.update({p.items: self.items[p.name].of(i).tolist() for p in ENCODERS})
+        return out
 
     def write_jsonl(self, path: str | Path) -> None:
         """Writes the lengths file (one JSON object a line)."""
@@ -54,29 +96,23 @@ class LengthsIndex:
             for i in range(len(self)):
                 f.write(json.dumps(self.record(i)) + "\n")
 
-    def per_sample_sum(self, values: np.ndarray, ptr: np.ndarray) -> np.ndarray:
-        """Sum of a ragged per-item array within each sample."""
-        sums = np.zeros(len(self), np.int64)
-        if len(values):
-            owner = np.repeat(np.arange(len(self)), np.diff(ptr))
-            np.add.at(sums, owner, values)
-        return sums
+    def units(self) -> dict[str, np.ndarray]:
+        """Each encoder phase's units per sample."""
+        return {name: items.per_sample() for name, items in self.items.items()}
 
-    def work(self, merge_area: int, subsample: int) -> np.ndarray:
-        """Each sample's work per phase [sample, (LLM tokens, vision patches, audio frames)]."""
-        return np.stack(
-            [
-                self.llm_tokens(merge_area, subsample),
-                self.per_sample_sum(self.images, self.images_ptr),
-                self.per_sample_sum(self.audio, self.audio_ptr),
-            ],
-            1,
-        )
+    def work(self, per_token: Mapping[str, int]) -> np.ndarray:
+        """Each sample's work per phase [sample, (LLM tokens, then each encoder phase's units,
+        in the table's order)]."""
+        return np.stack([self.llm_tokens(per_token), *self.units().values()], 1)
 
-    def llm_tokens(self, merge_area: int, subsample: int) -> np.ndarray:
-        """LLM sequence length of each sample: text + one token per encoder output row."""
-        return (
-            self.text
-            + self.per_sample_sum(self.images // merge_area, self.images_ptr)
-            + self.per_sample_sum(self.audio // subsample, self.audio_ptr)
-        )
+    def llm_tokens(self, per_token: Mapping[str, int]) -> np.ndarray:
+        """LLM sequence length of each sample: text + one token per encoder output row
+        (`per_token[phase]` units each)."""
+        out = self.text.copy()
+        for name, items in self.items.items():
+            out = out + items.per_sample(items.sizes // per_token[name])
+        return out
+
+    def phases_of(self) -> tuple[str, ...]:
+        """The phases the data has: the LLM's, and each encoder phase with any item."""
+        return (LLM, *(name for name, items in self.items.items() if len(items)))

@@ -29,11 +29,11 @@ def _load_one(job):
     return _load(_worker["source"], *job)
 
 
-def _load(source, i: int, media):
-    """source[i], or only the listed media of it where the source can (`load`)."""
+def _load(source, i: int, keep):
+    """source[i], or only the listed items of it where the source can (`load`)."""
     try:
-        if media is not None and hasattr(source, "load"):
-            return source.load(i, images=media[0], audio=media[1])
+        if keep is not None and hasattr(source, "load"):
+            return source.load(i, keep)
         return source[i]
     except RecordError as e:  # sent back as a tuple: exceptions with extra fields do not pickle
         return ("error", e.reason, e.detail, e.record_id)
@@ -54,19 +54,20 @@ class Loader:
             weakref.finalize(self, self.pool.terminate)
 
     def load(
-        self, indices: np.ndarray, step: int, media: dict[int, tuple] | None = None
+        self, indices: np.ndarray, step: int, media: dict[int, dict] | None = None
     ) -> dict[int, Sample | None]:
         """{index: Sample, or None for a sample skipped under data.on_error=skip}.
 
-        `media[i] = (images, audio)`: decode only those items of sample i (numbers within the
-        sample; the others are None in the Sample) — on several hosts, another host encodes them.
+        `media[i] = {phase: item numbers}`: decode only those items of sample i (numbers within
+        the sample; the others are None in the Sample) — on several hosts, another host encodes
+        them.
         """
         if step == 0 and not self.startup_written:  # a fresh run logs start-up repairs once
             for entry in getattr(self.raw, "startup_rejects", []):
                 self.log.add("_startup", {**entry, "stage": "startup"})
             self.startup_written = True
         idx = [int(i) for i in indices]
-        jobs = [(i, None if media is None else media.get(i, ((), ()))) for i in idx]
+        jobs = [(i, None if media is None else media.get(i, {})) for i in idx]
         if self.pool is not None:
             chunk = max(1, len(idx) // (4 * self.cfg.data.workers))
             got = self.pool.map(_load_one, jobs, chunksize=chunk)

@@ -6,22 +6,38 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxmllm.config.phases import NAMES
+
+# One encoder item's inputs: (values [n units, input width], positions [n] or [n, 2]) — an
+# image's patches and their (row, column), a clip's log-mel frames and their indices. None in a
+# sample where another host encodes the item (its units are in the lengths index).
+Item = tuple[np.ndarray, np.ndarray]
+
 
 @dataclass
 class Sample:
     """One preprocessed sample, ready to be bucketized.
 
-    `tokens` holds the whole LLM sequence with one IMAGE (AUDIO) id per encoder output row of
-    each image (clip), in order. `loss[t]` says whether token t is a prediction target.
+    `tokens` holds the whole LLM sequence with one placeholder id per encoder output row of each
+    item, in order (`Specials.media[phase]`). `loss[t]` says whether token t is a prediction
+    target. `media[phase]` lists the phase's items in the order their placeholders come
+    (`jaxmllm.config.phases`: every phase of the table, empty where the sample has none).
     """
 
     id: int
     tokens: np.ndarray  # int32 [T]
     loss: np.ndarray  # bool [T]
-    images: list[tuple[np.ndarray, np.ndarray]] = field(
-        default_factory=list
-    )  # (patches_pd, pos_p2)
-    audio: list[np.ndarray] = field(default_factory=list)  # frames [f, n_mels]
+    media: dict[str, list[Item | None]] = field(default_factory=dict)
     # Each image's patch grid (rows, cols), known from the layout even where another host
     # decodes its pixels: M-RoPE places the image's tokens on it
     grids: list[tuple[int, int]] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.media = {p: list(self.media.get(p, [])) for p in NAMES}
+
+    def keep_only(self, keep: dict[str, tuple[int, ...]]) -> Sample:
+        """This sample with only the items `keep[phase]` lists (by number) kept, in place; the
+        others (all of a phase `keep` lacks) None: another host encodes them."""
+        for p, items in self.media.items():
+            self.media[p] = [m if j in keep.get(p, ()) else None for j, m in enumerate(items)]
+        return self

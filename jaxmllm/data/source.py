@@ -15,9 +15,10 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from jaxmllm.config import Config, ConfigError
+from jaxmllm.config import Config, ConfigError, phases
+from jaxmllm.config.phases import BY_NAME, ENCODERS
 from jaxmllm.data.lengths import LengthsIndex
-from jaxmllm.data.preprocess import Limits, Params, Preprocessor, Sizes
+from jaxmllm.data.preprocess import MEDIA, Images, Limits, Params, Preprocessor, Sizes
 from jaxmllm.data.records import open_records, read_record
 from jaxmllm.data.rejects import DataError, RecordError, fail_message
 from jaxmllm.data.samples import Sample
@@ -37,7 +38,7 @@ class ManifestSource:
     def __init__(self, records, pre: Preprocessor, rows: list[dict], limits: dict[int, Limits]):
         self.records, self.pre, self.rows, self.limits = records, pre, rows, limits
         self.specials = pre.tokenizer.specials  # what bucketize pads with and finds slots by
-        self.media_ids = (self.specials.image, self.specials.audio)
+        self.media_ids = list(self.specials.media.values())
         self.index = LengthsIndex.from_records(rows)
         self.startup_rejects: list[dict] = []  # oversize repairs and skips made at start-up
         self.index_rejects: dict[str, int] = {}  # rejects counted by the index, by reason
@@ -48,8 +49,8 @@ class ManifestSource:
     def __getitem__(self, i: int) -> Sample:
         return self.load(i)
 
-    def load(self, i: int, images=None, audio=None) -> Sample:
-        """Sample i, decoding only the listed images / clip chunks (None = all); the others are
+    def load(self, i: int, keep: dict[str, tuple[int, ...]] | None = None) -> Sample:
+        """Sample i, decoding only the items `keep[phase]` lists (None = all); the others are
         None in the Sample (on several hosts, another host encodes them)."""
         row = self.rows[int(i)]
         record = read_record(self.records, int(row["row"]))
@@ -58,21 +59,14 @@ class ManifestSource:
                 "changed_since_index", f"record {row['row']} is now {record.id!r}", row["id"]
             )
         limits = self.limits.get(int(i), Limits())
-        sample = self.pre.sample(int(i), record, sizes_of(row), limits, images, audio)
+        sample = self.pre.sample(int(i), record, sizes_of(row), limits, keep)
         # The plan reserved exactly the index's counts; a record edited since (same byte size,
         # other tokens) would overflow its slot into a neighbour's, so refuse it instead.
         want = self.index.record(int(i))
-        got = {
-            "text": int(np.isin(sample.tokens, self.media_ids, invert=True).sum()),
-            "images": [
-                _indexed(want["images"], j) if m is None else len(m[0])
-                for j, m in enumerate(sample.images)
-            ],
-            "audio": [
-                _indexed(want["audio"], j) if m is None else len(m)
-                for j, m in enumerate(sample.audio)
-            ],
-        }
+        got = {"text": int(np.isin(sample.tokens, self.media_ids, invert=True).sum())}
+        for p in ENCODERS:
+            got[p.items] = [_indexed(want[p.items], j) if m is None else len(m[0])
+                            for j, m in enumerate(sample.media[p.name])]  # fmt: skip
         if got != want:
             raise RecordError("changed_since_index", f"now {got}, the index says {want}", row["id"])
         return sample
@@ -87,10 +81,7 @@ def _indexed(counts: list, j: int) -> int:
 
 def sizes_of(row: dict) -> Sizes:
     """The media sizes an index row recorded."""
-    return Sizes(
-        images=[tuple(s) for s in row.get("image_sizes", [])],
-        audio=[tuple(s) for s in row.get("audio_samples", [])],
-    )
+    return Sizes({p: [tuple(s) for s in row.get(media.size_key, [])] for p, media in MEDIA.items()})
 
 
 # ----------------------------------------------------------------------------- loading the index
@@ -177,11 +168,8 @@ def bucket_limits(cfg: Config) -> Limits:
     (`batch.capacity: auto` sizes them from the data, so they always fit)."""
     b, m = cfg.batch, cfg.model
     fixed = b.capacity == "fixed"
-    return Limits(
-        max_tokens=b.llm_row_len,
-        max_patches=b.vision_patches if fixed and m.vision.enabled else None,
-        max_frames=b.audio_frames if fixed and m.audio.enabled else None,
-    )
+    units = {p.name: p.bucket(b) for p in phases.enabled(m)} if fixed else {}
+    return Limits(max_tokens=b.llm_row_len, max_units=units)
 
 
 def apply_oversize(cfg: Config, rows: list[dict], records, pre: Preprocessor):
@@ -192,21 +180,19 @@ def apply_oversize(cfg: Config, rows: list[dict], records, pre: Preprocessor):
     only trims and cuts; skip drops the record; fail stops naming it.
     """
     caps, policy = bucket_limits(cfg), cfg.data.on_oversize
-    need = _needs(LengthsIndex.from_records(rows), pre)
+    need = _needs(LengthsIndex.from_records(rows), pre, caps)  # {what: (cap, key, per sample)}
     over = np.zeros(len(rows), bool)
-    for key, values in need.items():
-        cap = getattr(caps, key)
-        if cap is not None:
-            over |= values > cap
+    for cap, _, values in need.values():
+        over |= values > cap
     kept, limits, rejects = [], {}, []
     for i, row in enumerate(rows):
         if not over[i]:
             kept.append(row)
             continue
         what = ", ".join(
-            f"{need[k][i]} {k[4:]} > batch.{_KEYS[k]}={getattr(caps, k)}"
-            for k in need
-            if getattr(caps, k) is not None and need[k][i] > getattr(caps, k)
+            f"{values[i]} {unit} > batch.{key}={cap}"
+            for unit, (cap, key, values) in need.items()
+            if values[i] > cap
         )
         err = RecordError("oversize", what, row["id"])
         if policy == "fail":
@@ -222,22 +208,23 @@ def apply_oversize(cfg: Config, rows: list[dict], records, pre: Preprocessor):
     return kept, limits, rejects
 
 
-_KEYS = {"max_tokens": "llm_row_len", "max_patches": "vision_patches", "max_frames": "audio_frames"}
-
-
-def _needs(index: LengthsIndex, pre: Preprocessor) -> dict[str, np.ndarray]:
-    return {
-        "max_tokens": index.llm_tokens(pre.p.merge**2, pre.p.subsample),
-        "max_patches": index.per_sample_sum(index.images, index.images_ptr),
-        "max_frames": index.per_sample_sum(index.audio, index.audio_ptr),
-    }
+def _needs(index: LengthsIndex, pre: Preprocessor, caps: Limits) -> dict[str, tuple]:
+    """What each sample needs of each bounded bucket: {its unit: (the bound, its batch key,
+    the need per sample)}."""
+    out = {"tokens": (caps.max_tokens, "llm_row_len", index.llm_tokens(pre.per_token))}
+    units = index.units()
+    for name, cap in caps.max_units.items():
+        p = BY_NAME[name]
+        out[p.unit] = (cap, p.capacity, units[name])
+    return out
 
 
 def _repair(row: dict, records, pre: Preprocessor, caps: Limits, policy: str):
     """(limits, repaired row) or None when nothing learnable is left."""
     record = read_record(records, int(row["row"]))
     sizes = sizes_of(row)
-    budget = pre.p.image_max_pixels if policy == "shrink" and sizes.images else None
+    images = any(sizes.media[p] for p, media in MEDIA.items() if isinstance(media, Images))
+    budget = pre.p.image_max_pixels if policy == "shrink" and images else None
     unit = (pre.p.patch_size * pre.p.merge) ** 2
     while True:
         lim = dataclasses.replace(caps, max_pixels=budget)
@@ -247,8 +234,7 @@ def _repair(row: dict, records, pre: Preprocessor, caps: Limits, policy: str):
         budget = max(unit, int(budget * 0.8))  # shrink the images until nothing is cut
     if layout.loss_tokens() == 0:
         return None
-    counts = layout.counts(pre.p.merge**2)
-    return lim, {**row, **counts}
+    return lim, {**row, **layout.counts()}
 
 
 def make_source(cfg: Config) -> tuple[grain.MapDataset, LengthsIndex]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmllm.config import Config
+from jaxmllm.config.phases import AUDIO, VISION, Phase
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.media.image import patchify
 from jaxmllm.data.samples import Sample
@@ -61,32 +62,27 @@ class SyntheticSource:
             caption = " and ".join(f"a {c} {s}" for _, _, c, s in p["images"])
             return self._media_sample(
                 int(i),
-                self.specials.image,
+                VISION,
                 [len(m[0]) // self.merge**2 for m in media],
                 IMAGE_PROMPT,
                 caption,
-                images=media,
+                media,
                 grids=[(gh, gw) for gh, gw, _, _ in p["images"]],
             )
         clip = self._render_audio(rng, *p["audio"])
         caption = f"a {p['audio'][2]} {p['audio'][1]} tone"
-        marker = self.specials.audio
-        return self._media_sample(
-            int(i), marker, [len(clip) // self.subsample], AUDIO_PROMPT, caption, audio=[clip]
-        )
+        item = (clip, np.arange(len(clip), dtype=np.int32))
+        rows = [len(clip) // self.subsample]
+        return self._media_sample(int(i), AUDIO, rows, AUDIO_PROMPT, caption, [item])
 
-    def load(self, i: int, images=None, audio=None) -> Sample:
-        """Sample i with only the listed images / clips (by number; None = all) kept.
+    def load(self, i: int, keep: dict[str, tuple[int, ...]] | None = None) -> Sample:
+        """Sample i with only the items `keep[phase]` lists (by number; None = all) kept.
 
         The others are None: another host encodes them. Rendering is cheap, so this renders
         everything and drops the rest; a decoding source (the manifest) skips the work.
         """
         sample = self[i]
-        if images is not None:
-            sample.images = [m if j in images else None for j, m in enumerate(sample.images)]
-        if audio is not None:
-            sample.audio = [m if j in audio else None for j, m in enumerate(sample.audio)]
-        return sample
+        return sample if keep is None else sample.keep_only(keep)
 
     def lengths(self) -> LengthsIndex:
         """Counts in model units for every sample, without rendering any media."""
@@ -99,7 +95,7 @@ class SyntheticSource:
                 records.append(
                     {
                         "text": 2 + len(IMAGE_PROMPT) + len(caption.encode()),
-                        "images": [h * w for h, w, _, _ in p["images"]],
+                        VISION.items: [h * w for h, w, _, _ in p["images"]],
                     }
                 )
             else:
@@ -107,7 +103,7 @@ class SyntheticSource:
                 records.append(
                     {
                         "text": 2 + len(AUDIO_PROMPT) + len(caption.encode()),
-                        "audio": [p["audio"][0]],
+                        AUDIO.items: [p["audio"][0]],
                     }
                 )
         return LengthsIndex.from_records(records)
@@ -155,25 +151,16 @@ class SyntheticSource:
         loss[0] = False  # BOS is never predicted
         return Sample(id=i, tokens=tokens, loss=loss)
 
-    def _media_sample(
-        self, i, media_token, rows, prompt, caption, images=(), audio=(), grids=()
-    ) -> Sample:
+    def _media_sample(self, i, phase: Phase, rows, prompt, caption, items, grids=()) -> Sample:
         head = [np.array([self.specials.bos], np.int32)]
-        head += [np.full(r, media_token, np.int32) for r in rows]
+        head += [np.full(r, self.specials.media[phase.name], np.int32) for r in rows]
         head.append(self.tokenizer.encode(prompt))
         eos = self.specials.eos
         answer = np.concatenate([self.tokenizer.encode(caption), [eos]]).astype(np.int32)
         prefix = np.concatenate(head).astype(np.int32)
         tokens = np.concatenate([prefix, answer])
         loss = np.concatenate([np.zeros(len(prefix), bool), np.ones(len(answer), bool)])
-        return Sample(
-            id=i,
-            tokens=tokens,
-            loss=loss,
-            images=list(images),
-            audio=list(audio),
-            grids=list(grids),
-        )
+        return Sample(id=i, tokens=tokens, loss=loss, media={phase.name: items}, grids=list(grids))
 
     def _render_image(self, rng, gh: int, gw: int, colour: str, shape: str):
         """An image of gh x gw patches, patchified in 2x2-merge order with (row, col) positions."""

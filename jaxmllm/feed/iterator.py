@@ -26,19 +26,22 @@ import numpy as np
 
 from jaxmllm.batch.bucketize import bucketize, fill_stats
 from jaxmllm.batch.counts import StepCounter
+from jaxmllm.batch.info import StepInfo
 from jaxmllm.config import Config
+from jaxmllm.config.phases import NAMES
+from jaxmllm.config.spec import BatchSpec
 from jaxmllm.data.loader import Loader
 from jaxmllm.data.source import make_source
 from jaxmllm.data.text.specials import RESERVED
 from jaxmllm.plan.registry import make_planner
-from jaxmllm.plan.sizing import capacities, resolve_batch
+from jaxmllm.plan.sizing import capacities
 from jaxmllm.plan.stages.choose import Variants
 
 log = logging.getLogger("jaxmllm")
 
 
 class StepIterator(grain.DatasetIterator):
-    """Yields one batch per step: {"batch": arrays, "info": plan summary and counts}.
+    """Yields one batch per step: {"batch": arrays, "info": its `StepInfo`}.
 
     The batch is this host's numpy arrays, or what `to_device` makes of them (global device
     arrays). Putting it on the devices changes no iterator state: the state saved with a
@@ -60,7 +63,7 @@ class StepIterator(grain.DatasetIterator):
         self.source, self.index = (source, index) if source is not None else make_source(cfg)
         # The tokenizer's pad and media ids (a source under grain's MapDataset is its _source).
         self.specials = getattr(getattr(self.source, "_source", self.source), "specials", RESERVED)
-        self.cfg = cfg = resolve_batch(cfg, self.index)  # idempotent: the trainer resolved it
+        self.spec = BatchSpec.of(cfg)  # (the batch resolved: `plan.sizing.resolve_batch`)
         self.caps = capacities(cfg, devices)
         self.planner = make_planner(cfg.batch.planner, self.index, self.caps, cfg.data.seed)
         self.positions = None if positions is None else np.asarray(positions, np.int64)
@@ -87,16 +90,16 @@ class StepIterator(grain.DatasetIterator):
         variant = "whole"
         if self.variants is not None:  # a compiled program per variant used
             batch, variant = self.variants.pick(plan, self.index, batch)
-        info = {
-            "step": plan.step,
-            "variant": variant,
-            "samples": plan.samples.copy(),  # the whole step's, on every host
-            "parts": parts,  # what this host read, trains (text) and encodes
-            "deferred": plan.deferred,
-            "fill": fill_stats(batch),  # this host's buckets
-            "rejects": self.loader.counts(),
+        info = StepInfo(
+            step=plan.step,
+            samples=plan.samples.copy(),  # the whole step's, on every host
+            parts=parts,  # what this host read, trains (text) and encodes
+            deferred=plan.deferred,
+            fill=fill_stats(batch),  # this host's buckets
+            rejects=self.loader.counts(),
+            variant=variant,
             **self.count(batch),  # this host's real tokens and FLOPs, for the metrics
-        }
+        )
         if self.to_device is not None:  # the transfer overlaps the step the device is running
             batch = self.to_device(batch)
         return {"batch": batch, "info": info}
@@ -121,8 +124,8 @@ def local_parts(
     """What a host holding `positions` needs of a plan (all of it when positions is None).
 
     text: samples whose text is on those positions (on their context groups, `context` > 1);
-    vision / audio: [k, 2] (sample, item) pairs encoded there; read: the samples to load (text
-    here, or an item encoded here).
+    per encoder phase (by name): [k, 2] (sample, item) pairs encoded there; read: the samples
+    to load (text here, or an item encoded here).
     """
     mine = np.ones(devices, bool)
     if positions is not None:
@@ -131,7 +134,7 @@ def local_parts(
     text = plan.samples[mine.reshape(-1, context).all(1)[plan.device]]
     out = {"text": text}
     read = [text]
-    for phase, items in (("vision", plan.vision), ("audio", plan.audio)):
+    for phase, items in plan.items.items():
         here = mine[items.device]
         owners = plan.samples[items.owner[here]]
         out[phase] = np.stack([owners, items.item[here]], axis=1).astype(np.int64)
@@ -140,13 +143,13 @@ def local_parts(
     return out
 
 
-def local_media(parts: dict[str, np.ndarray]) -> dict[int, tuple[tuple, tuple]]:
-    """sample -> (its images, its clips) encoded on this host, from `local_parts`."""
-    out: dict[int, tuple[list, list]] = {int(i): ([], []) for i in parts["read"]}
-    for which, phase in ((0, "vision"), (1, "audio")):
+def local_media(parts: dict[str, np.ndarray]) -> dict[int, dict[str, tuple[int, ...]]]:
+    """sample -> {phase: its items encoded on this host}, from `local_parts`."""
+    out: dict[int, dict[str, list]] = {int(i): {p: [] for p in NAMES} for i in parts["read"]}
+    for phase in NAMES:
         for i, j in parts[phase].tolist():
-            out[i][which].append(j)
-    return {i: (tuple(a), tuple(b)) for i, (a, b) in out.items()}
+            out[i][phase].append(j)
+    return {i: {p: tuple(js) for p, js in by.items()} for i, by in out.items()}
 
 
 class StepDataset(grain.IterDataset):
@@ -173,7 +176,8 @@ def make_pipeline(
 ) -> grain.DatasetIterator:
     """The trainer's data iterator; planning and loading run ahead in a background thread.
 
-    `auto` sizes are resolved against the data (`resolve_batch`); pass `source`/`index` to reuse
+    `cfg` must be resolved against the data (`jaxmllm.plan.sizing.resolve_batch`: the trainer
+    does it once, at start-up); pass `source`/`index` to reuse
     a source the caller already opened, `positions` (this host's data-parallel positions) to
     load and bucketize only those devices' rows, `to_device` (host arrays -> device arrays, e.g.
     `sharding.make_global_batch`) to put each batch on the devices in that thread as well.

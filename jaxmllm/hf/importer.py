@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from jaxmllm.config import Config, from_dict
+from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.text.tokenizer import make_tokenizer
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.registry import ROLES, family_for, read_hf_config
@@ -129,15 +130,15 @@ def check_placeholders(directory: str, tokenizer: str) -> None:
     if whole is None or not (Path(tokenizer) / "tokenizer.json").is_file():
         return
     specials = make_tokenizer(tokenizer).specials
-    for role, kind in (("vision", "image"), ("audio", "audio")):
-        want = whole.token_id(role, hf)
-        have = getattr(specials, kind)
-        if role in whole.parts and want is not None and want != have:
+    for p in ENCODERS:
+        want = whole.token_id(p.name, hf)
+        have = specials.media[p.name]
+        if p.name in whole.parts and want is not None and want != have:
             raise FamilyError(
-                f"{directory}: config.json's {whole.token_keys[role][0]} is {want} but the "
-                f"tokenizer in {tokenizer} makes each {kind} token id {have}; the tokenizer "
-                "must be the checkpoint's own (its tokenizer_config.json's "
-                f"{kind}_token names the placeholder)"
+                f"{directory}: config.json's {whole.token_keys[p.name][0]} is {want} but the "
+                f"tokenizer in {tokenizer} makes each {p.item} token id {have}; the tokenizer "
+                f"must be the checkpoint's own (its tokenizer_config.json's {p.item}_token, or "
+                "its processor_config.json's, names the placeholder)"
             )
 
 

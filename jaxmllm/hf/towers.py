@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from jaxmllm.config import Config, InitFrom, from_dict
+from jaxmllm.config.spec import BatchSpec
 from jaxmllm.hf.importer import check_placeholders, data_section, model_section, vocab_size
 from jaxmllm.hf.load import pretrained
 from jaxmllm.hf.registry import ROLES, family_for, read_hf_config
@@ -97,7 +98,8 @@ def load_model(
     if model["audio"].get("positions") == "sinusoidal":
         data["audio_max_frames"] = model["audio"]["max_positions"] * 2
     cfg = from_dict(Config, {"model": model, "batch": batch, "data": data}, source=llm)
-    abstract = nnx.eval_shape(lambda: MultimodalLM(cfg.model, cfg.batch, rngs=nnx.Rngs(seed)))
+    spec = BatchSpec.of(cfg)
+    abstract = nnx.eval_shape(lambda: MultimodalLM(cfg.model, spec, rngs=nnx.Rngs(seed)))
     graphdef, state = nnx.split(abstract)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shapes = jax.tree.map(
@@ -105,7 +107,7 @@ def load_model(
     )
 
     def init(given):  # (under jit the random init of what `given` replaces is never computed)
-        fresh = nnx.state(MultimodalLM(cfg.model, cfg.batch, rngs=nnx.Rngs(seed)))
+        fresh = nnx.state(MultimodalLM(cfg.model, spec, rngs=nnx.Rngs(seed)))
         return overlay(nnx.to_pure_dict(fresh), given)
 
     given = pretrained(cfg, shapes)

@@ -68,10 +68,10 @@ def tokenizer_ids(cfg: Any) -> Any:
     return make_tokenizer(cfg.data.tokenizer, cfg.data.template_date)
 
 
-def placeholder(cfg: Any, kind: str) -> str:
-    """The text of the run's tokenizer's image or audio placeholder token."""
+def placeholder(cfg: Any, phase: str) -> str:
+    """The text of the run's tokenizer's placeholder token of an encoder phase."""
     tk = tokenizer_ids(cfg)
-    return tk.decode([getattr(tk.specials, kind)])
+    return tk.decode([tk.specials.media[phase]])
 
 
 def pixels(cfg: Any, processor: str) -> dict:
@@ -168,7 +168,7 @@ class Llava(Whole):
                 "vision_config": nested(tower.to_hf_config(cfg, None)),
                 "vision_feature_layer": -1,
                 "vision_feature_select_strategy": "default" if v.class_token else "full",
-                "image_token_index": tokenizer_ids(cfg).specials.image,
+                "image_token_index": tokenizer_ids(cfg).specials.media["vision"],
                 "image_seq_length": v.position_grid**2,
                 "projector_hidden_act": act,
                 "multimodal_projector_bias": True,
@@ -224,7 +224,7 @@ class Llava(Whole):
             "patch_size": v.patch_size,
             "vision_feature_select_strategy": "default" if v.class_token else "full",
             "num_additional_image_tokens": int(v.class_token),
-            "image_token": placeholder(cfg, "image"),
+            "image_token": placeholder(cfg, "vision"),
         }
         return {"preprocessor_config.json": image, "processor_config.json": processor}
 
@@ -251,7 +251,7 @@ class QwenVL(Whole):
         llm = cfg.model.llm
         if source is None:
             tk = tokenizer_ids(cfg)
-            ids = {"image_token_id": tk.specials.image}
+            ids = {"image_token_id": tk.specials.media["vision"]}
             for key, token in (("video_token_id", "<|video_pad|>"),
                                ("vision_start_token_id", "<|vision_start|>"),
                                ("vision_end_token_id", "<|vision_end|>")):  # fmt: skip
@@ -346,7 +346,7 @@ class Qwen2Audio(Whole):
                 "model_type": "qwen2_audio",
                 "text_config": nested(DECODERS["qwen2"].to_hf_config(cfg, None)),
                 "audio_config": nested(self.encoder.to_hf_config(cfg, None)),
-                "audio_token_index": tokenizer_ids(cfg).specials.audio,
+                "audio_token_index": tokenizer_ids(cfg).specials.media["audio"],
                 "tie_word_embeddings": llm.tie_embeddings,
             }
         out = dict(source)

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxmllm.batch.prompts import PromptShapes, split_answer
 from jaxmllm.config import Config
+from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.synthetic import SCORED, score_answer
 from jaxmllm.data.text.template import make_template
@@ -73,7 +74,7 @@ class Questions:
     def show(self, ids: np.ndarray) -> str:
         """A prompt's text without its BOS and placeholder runs (`_media` names those)."""
         sp = self.template.specials
-        hidden = [i for i in (sp.bos, sp.image, sp.audio) if i is not None]
+        hidden = [i for i in (sp.bos, *sp.media.values()) if i is not None]
         kept = np.asarray(ids)[~np.isin(ids, hidden)]
         return self.template.decode(kept)
 
@@ -116,7 +117,5 @@ class Questions:
 
 def _media(prompt) -> str:
     """What a prompt shows the model besides text: "2 images", "image, audio", "text"."""
-    named = [
-        (n, what) for n, what in ((len(prompt.images), "image"), (len(prompt.audio), "audio")) if n
-    ]
+    named = [(len(prompt.media[p.name]), p.item) for p in ENCODERS if prompt.media[p.name]]
     return ", ".join(what if n == 1 else f"{n} {what}s" for n, what in named) or "text"

@@ -31,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxmllm.config import AUTO_SIZES, Config, ConfigError, to_dict
+from jaxmllm.config.phases import ENCODERS
 from jaxmllm.loop import distributed
 
 log = logging.getLogger("jaxmllm")
@@ -236,7 +237,7 @@ def resolved_keys(cfg: Config) -> list[str]:
     buckets): what depends on the context groups besides the planner's plans."""
     keys = [f"batch.{k}" for k in AUTO_SIZES]
     if cfg.batch.capacity == "auto":
-        keys += ["batch.vision_patches", "batch.audio_frames"]
+        keys += [f"batch.{p.capacity}" for p in ENCODERS]
     return keys
 
 

@@ -36,6 +36,7 @@ import numpy as np
 import sharding
 from jaxmllm.batch.bucketize import bucketize
 from jaxmllm.config import Config, ConfigError
+from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.loader import Loader
 from jaxmllm.data.synthetic import SyntheticSource
@@ -48,7 +49,12 @@ from jaxmllm.step.program import ModelParts, Program
 
 log = logging.getLogger("jaxmllm")
 
-MIXES = ("text", "image", "audio", "image_audio")  # by a sample's images (1) and clips (2)
+# A sample's modality mix: bit i set when it has items of encoder phase i ("text": none; else
+# the items joined: image, audio, image_audio, ...)
+MIXES = tuple(
+    "_".join(p.item for i, p in enumerate(ENCODERS) if mask >> i & 1) or "text"
+    for mask in range(1 << len(ENCODERS))
+)
 MAX_PASSES = 4  # a pass that needs more steps than this many times the set's share is stuck
 
 
@@ -75,8 +81,8 @@ class HeldOut:
     def __getitem__(self, i: int):
         return self.source[self.start + int(i)]
 
-    def load(self, i: int, images=None, audio=None):
-        return self.source.load(self.start + int(i), images, audio)
+    def load(self, i: int, keep=None):
+        return self.source.load(self.start + int(i), keep)
 
 
 def eval_source(cfg: Config):
@@ -100,9 +106,10 @@ def eval_source(cfg: Config):
 
 def sample_mixes(index: LengthsIndex) -> np.ndarray:
     """Each sample's modality mix, an index into MIXES."""
-    images = np.diff(index.images_ptr) > 0
-    audio = np.diff(index.audio_ptr) > 0
-    return images.astype(np.int32) + 2 * audio.astype(np.int32)
+    mix = np.zeros(len(index), np.int32)
+    for i, p in enumerate(ENCODERS):
+        mix += (index.items[p.name].count() > 0).astype(np.int32) << i
+    return mix
 
 
 def plan_set(cfg: Config, source, index: LengthsIndex, devices: int, positions, reject_log):
@@ -138,7 +145,7 @@ def _token_mixes(plan: StepPlan, index, caps, batch, positions, mixes, seen) -> 
     local = np.full(caps.devices, -1, np.int64)
     pos = np.arange(caps.devices) if positions is None else np.asarray(positions)
     local[pos] = np.arange(len(pos))
-    lengths = index.llm_tokens(caps.merge_area, caps.subsample)
+    lengths = index.llm_tokens(caps.per_token)
     for k, s in enumerate(plan.samples.tolist()):  # (a small set may come twice in a step)
         d, first = local[plan.device[k]], not seen[s]
         seen[s] = True  # (every host walks the whole plan: they agree on which is first)

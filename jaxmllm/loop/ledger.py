@@ -2,8 +2,8 @@
 
 Each process appends one JSON line per step to `<output_dir>/ledger/process_<i>.jsonl`:
 
-  {"step": 7, "text": [ids whose text this process trained], "vision": [[id, image], ...],
-   "audio": [[id, clip], ...], "read": [ids this process loaded]}
+  {"step": 7, "text": [ids whose text this process trained], "read": [ids this process loaded],
+   and per encoder phase the (id, item) pairs it encoded: "vision": [[id, image], ...], ...}
 
 A run resumed from a checkpoint redoes the steps after it and appends them again; `read_ledger`
 keeps the last line of each step (and `check_replays` verifies a redone step trained the same
@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxmllm.config.phases import NAMES
+
 
 class Ledger:
     """Appends this process's per-step record; lines are flushed as they are written."""
@@ -30,7 +32,7 @@ class Ledger:
 
     def write(self, step: int, parts: dict[str, np.ndarray]) -> None:
         row = {"step": int(step)}
-        for key in ("text", "vision", "audio", "read"):
+        for key in ("text", *NAMES, "read"):
             row[key] = np.asarray(parts.get(key, []), np.int64).tolist()
         self._f.write(json.dumps(row) + "\n")
 
@@ -76,11 +78,12 @@ def check_replays(output_dir: str | Path) -> list[str]:
 def audit(output_dir: str | Path, steps: range) -> dict:
     """Counts over `steps`: how often each sample's text, image and clip was trained.
 
-    Returns {"text": Counter, "vision": Counter, "audio": Counter, "read": Counter,
-    "missing_steps": [...]}; exactly-once means every count is 1 for the epoch's samples.
+    Returns {"text": Counter, and per encoder phase (vision, audio) a Counter of (id, item),
+    "read": Counter, "missing_steps": [...]}; exactly-once means every count is 1 for the
+    epoch's samples.
     """
     ledger = read_ledger(output_dir)
-    out = {k: Counter() for k in ("text", "vision", "audio", "read")}
+    out = {k: Counter() for k in ("text", *NAMES, "read")}
     missing = []
     for step in steps:
         if step not in ledger:
@@ -89,7 +92,7 @@ def audit(output_dir: str | Path, steps: range) -> dict:
         for row in ledger[step].values():
             out["text"].update(row["text"])
             out["read"].update(row["read"])
-            for phase in ("vision", "audio"):
-                out[phase].update(tuple(x) for x in row[phase])
+            for phase in NAMES:
+                out[phase].update(tuple(x) for x in row.get(phase, []))
     out["missing_steps"] = missing
     return out

@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxmllm.batch.info import StepInfo
 from jaxmllm.data.rejects import REASONS
 
 
@@ -39,20 +40,20 @@ class MetricsWindow:
         """Takes time the loop spent on other work (an evaluation) out of the window."""
         self.start += seconds
 
-    def add(self, info: dict) -> None:
-        self.tokens += info["tokens"]
-        self.flops += info["flops"]
-        self.predicted += info.get("predicted_s", 0.0)
+    def add(self, info: StepInfo) -> None:
+        self.tokens += info.tokens
+        self.flops += info.flops
+        self.predicted += info.predicted_s
         self.steps += 1
 
-    def close(self, info: dict) -> tuple[dict[str, float], dict[str, float]]:
+    def close(self, info: StepInfo) -> tuple[dict[str, float], dict[str, float]]:
         """(throughput and padding, cumulative reject counts) at a logged step; starts anew.
 
         Every process calls this at the same steps: with several it is a collective.
         """
         elapsed = time.perf_counter() - self.start
         tokens, flops, fill, rejects = _global_stats(
-            self.tokens, self.flops, info["fill"], info["rejects"]
+            self.tokens, self.flops, info.fill, info.rejects
         )
         stats = throughput(tokens, flops, self.steps, elapsed, self.n_devices)
         if self.predicted:  # process 0's devices only: what the calibrated model expects

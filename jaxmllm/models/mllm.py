@@ -18,25 +18,28 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxmllm.config import BatchConfig, ModelConfig
-from jaxmllm.models.audio import AudioEncoder
+from jaxmllm.config import ModelConfig
+from jaxmllm.config.phases import ENCODERS, LLM, phase
+from jaxmllm.config.spec import BatchSpec
 from jaxmllm.models.context import gather_rows
+from jaxmllm.models.encoders import ENCODER_MODULES
 from jaxmllm.models.layers import Axes
 from jaxmllm.models.llm import Decoder, chunked_token_losses
-from jaxmllm.models.projectors import audio_projector, vision_projector
-from jaxmllm.models.vision import VisionEncoder
 from sharding import DATA_AXES, STAGE_AXIS
 
 
 class MultimodalLM(nnx.Module):
-    """Vision encoder + projector, audio encoder + projector, and a decoder LLM.
+    """An encoder and projector per encoder phase of the table, and a decoder LLM.
 
-    Top-level attributes are exactly `vision`, `vision_projector`, `audio`, `audio_projector`
-    and `llm` (disabled encoders are None and hold no parameters), so a parameter's first path
-    element says which part to freeze.
+    Top-level attributes are exactly, per encoder phase, `<phase>` and `<phase>_projector`
+    (`vision`, `vision_projector`, `audio`, `audio_projector`; None for a disabled encoder,
+    holding no parameters), and `llm`, so a parameter's first path element says which part to
+    freeze.
     """
 
-    def __init__(self, cfg: ModelConfig, batch_cfg: BatchConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, spec: BatchSpec, *, rngs: nnx.Rngs):
+        """`spec`: the resolved batch (`BatchSpec.of(config)`): attention blocks, documents,
+        the route capacity and the exchange the model is built for."""
         kw = dict(
             dtype=jnp.dtype(cfg.compute_dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs
         )
@@ -44,26 +47,18 @@ class MultimodalLM(nnx.Module):
             remat=cfg.remat,
             remat_policy=cfg.remat_policy,
             attention=cfg.attention,
-            block=batch_cfg.attention_block,
+            block=spec.attention_block,
         )
-        vis, aud = cfg.vision, cfg.audio
-        docs = lambda phase: max(getattr(batch_cfg, f"{phase}_documents"), 0)  # 0: unresolved
-        self.vision = (
-            VisionEncoder(vis, **remat, documents=docs("vision"), **kw) if vis.enabled else None
-        )
-        self.vision_projector = vision_projector(cfg, **kw) if vis.enabled else None
-        self.audio = (
-            AudioEncoder(aud, **remat, documents=docs("audio"), **kw) if aud.enabled else None
-        )
-        self.audio_projector = audio_projector(cfg, **kw) if aud.enabled else None
-        self.llm = Decoder(cfg.llm, **remat, documents=docs("llm"), **kw)
-        if batch_cfg.route_pair_capacity < 0:
-            raise ValueError(
-                "batch.route_pair_capacity=-1 (auto) must be resolved against the data first "
-                "(jaxmllm.plan.sizing.resolve_batch)"
-            )
-        self.route_capacity = batch_cfg.route_pair_capacity
-        self.exchange = batch_cfg.exchange
+        docs = lambda name: spec.documents.get(name, 0)  # (cuDNN's bound; 0 for the others)
+        for p in ENCODERS:  # (in the table's order: the parameters' random init follows it)
+            encoder, projector = ENCODER_MODULES[p.name]
+            on, docs_p = p.enabled(cfg), docs(p.name)
+            setattr(self, p.name, encoder(p.encoder(cfg), **remat, documents=docs_p, **kw) if on
+                    else None)  # fmt: skip
+            setattr(self, f"{p.name}_projector", projector(cfg, **kw) if on else None)
+        self.llm = Decoder(cfg.llm, **remat, documents=docs(LLM), **kw)
+        self.route_capacity = spec.route_pair_capacity
+        self.exchange = spec.exchange
 
     def __call__(self, mb: dict[str, jax.Array]) -> jax.Array:
         """Logits for one microbatch.
@@ -79,16 +74,12 @@ class MultimodalLM(nnx.Module):
     @property
     def phases(self) -> tuple[str, ...]:
         """The encoder phases this model has, in the order their rows are exchanged."""
-        return tuple(p for p in ("vision", "audio") if getattr(self, p) is not None)
+        return tuple(p.name for p in ENCODERS if getattr(self, p.name) is not None)
 
-    def encode(self, mb: dict[str, jax.Array], phase: str) -> jax.Array:
+    def encode(self, mb: dict[str, jax.Array], name: str) -> jax.Array:
         """One phase's projector output rows [D, N, llm width]: its encoder, then projector."""
-        encoder, projector = getattr(self, phase), getattr(self, f"{phase}_projector")
-        inputs = mb["vision_patches"] if phase == "vision" else mb["audio_frames"]
-        feats = encoder(
-            inputs, mb[f"{phase}_segment_ids"], mb[f"{phase}_positions"], mb.get(f"{phase}_tiles")
-        )
-        return projector(feats)
+        encoder, projector = getattr(self, name), getattr(self, f"{name}_projector")
+        return projector(encoder(*encoder_args(mb, name)))
 
     def losses(self, mb: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         """(summed masked cross entropy, loss-token count) of one microbatch; the logits are
@@ -133,7 +124,7 @@ class MultimodalLM(nnx.Module):
         `rows`: each phase's projector rows when computed already (a pipeline's encoder
         stages), else encoded here."""
         if rows is None:
-            rows = {phase: self.encode(mb, phase) for phase in self.phases}
+            rows = {name: self.encode(mb, name) for name in self.phases}
         # The table is sharded on `embed`; pin the lookup to the batch layout so XLA does not
         # carry the table's layout into the activations (a full rematerialisation otherwise).
         x_drlw = shard_like_batch(self.llm.embed(mb["llm_tokens"]))
@@ -144,8 +135,8 @@ class MultimodalLM(nnx.Module):
             [mb.get(f"{p}_send_count") for p in names],
         )
         buffers = [gather_rows(b) for b in buffers]  # (a context group's slots read its rows)
-        for buffer, phase in zip(buffers, names, strict=True):
-            x_drlw = fill_slots(x_drlw, buffer, mb[f"llm_{phase}_src"])
+        for buffer, name in zip(buffers, names, strict=True):
+            x_drlw = fill_slots(x_drlw, buffer, mb[phase(name).src])
         return x_drlw
 
     def _route(
@@ -164,6 +155,13 @@ class MultimodalLM(nnx.Module):
         # phases in one all-to-all (a collective's latency is paid once).
         received = exchange_rows(rows, sends, counts if self.exchange == "ragged" else None)
         return [jnp.concatenate([r, x], axis=1) for r, x in zip(rows, received, strict=True)]
+
+
+def encoder_args(mb: dict[str, jax.Array], name: str) -> tuple:
+    """An encoder phase's inputs from a microbatch: (its inputs: patches, frames; segment ids;
+    positions; tiles or None), as its encoder (and its `prepare`) takes them."""
+    p = phase(name)
+    return mb[p.capacity], mb[f"{name}_segment_ids"], mb[f"{name}_positions"], mb.get(p.tiles)
 
 
 def exchange_rows(

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
+from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.contract import (
     Capacities,
@@ -89,7 +90,7 @@ class JointAssignment:
         order = np.lexsort((-norm, ~urgent))
         out = np.full(len(s), -1, np.int64)
         rows2 = mb.rows.units.reshape(d_n, r_n)
-        enc = np.stack([mb.enc["vision"].units, mb.enc["audio"].units], 1)  # [D, 2] (written back)
+        enc = np.stack([mb.enc[p].units for p in ENC], 1)  # [D, encoder phases] (written back)
         for start in range(0, len(s), d_n):
             idx = order[start : start + d_n]
             dev_load = np.concatenate([rows2.sum(1, keepdims=True), enc], 1)
@@ -115,7 +116,8 @@ class JointAssignment:
             rows2[d, r[d]] += w[i, 0]
             enc[d] += w[i, 1:]
             out[i] = d * r_n + r[d]
-        mb.enc["vision"].units[:], mb.enc["audio"].units[:] = enc[:, 0], enc[:, 1]
+        for j, p in enumerate(ENC):
+            mb.enc[p].units[:] = enc[:, j]
         return out
 
     def items(self, ph, mb, rows, items, urgent, ok):
@@ -139,22 +141,18 @@ class RoutedAssignment:
             raise OversizeError(
                 "batch.planner=orchestrated routes encoder outputs between "
                 "devices: set batch.route_pair_capacity > 0 (e.g. the largest "
-                "item's encoder rows, or vision_patches / merge^2)"
+                "item's encoder rows)"
             )
-        llm = index.llm_tokens(caps.merge_area, caps.subsample)
+        llm = index.llm_tokens(caps.per_token)
         checks = [(llm_row_key(caps), llm, caps.llm_bin_len)]
-        for key, values, cap, per in (
-            ("batch.vision_patches", index.images, caps.vision_patches, caps.merge_area),
-            ("batch.audio_frames", index.audio, caps.audio_frames, caps.subsample),
-        ):
+        for p in ENCODERS:
+            values, cap, per = index.items[p.name].sizes, caps.units[p.name], caps.per_token[p.name]
             if len(values) and not cap:
-                phase = "vision" if "vision" in key else "audio"
-                share = "image_fraction" if phase == "vision" else "audio_fraction"
                 raise OversizeError(
-                    f"the data has {phase} items but model.{phase}.enabled is false: enable it, "
-                    f"or use data without {phase} (e.g. data.synthetic.{share}: 0)"
+                    f"the data has {p.items} but model.{p.name}.enabled is false: enable it, "
+                    f"or use data without {p.items}"
                 )
-            checks.append((key, values, cap))
+            checks.append((f"batch.{p.capacity}", values, cap))
             if len(values) and values.max() // per > caps.route_pair_capacity:
                 raise OversizeError(
                     f"an item needs {int(values.max() // per)} encoder rows, more than "

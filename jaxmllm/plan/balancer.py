@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxmllm.config.phases import LLM
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.assign import Assignment, text_home
 from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
@@ -150,7 +151,7 @@ class Balancer:
             return
         ph = self.phases
         s = samples[entries]
-        ends = {"llm": mb.rows.units.copy(), **{p: mb.enc[p].units.copy() for p in ENC}}
+        ends = {LLM: mb.rows.units.copy(), **{p: mb.enc[p].units.copy() for p in ENC}}
         rows = self.assignment.samples(ph, mb, s, urgent[entries])
         items = {}
         ok = rows >= 0
@@ -160,7 +161,7 @@ class Balancer:
         ok, devs = self.assignment.items(ph, mb, rows, items, urgent[entries], ok)
         retry = np.zeros(0, np.int64)
         if mb.tiles is not None:  # block-sparse attention: each device within its tiles
-            placed = {"llm": (np.arange(len(s)), rows, ends["llm"], ph.llm[s])}
+            placed = {LLM: (np.arange(len(s)), rows, ends[LLM], ph.llm[s])}
             for p in ENC:
                 placed[p] = (items[p][0], devs[p], ends[p], items[p][2])
             fitted = ok.copy()
@@ -231,7 +232,6 @@ class Balancer:
             device=dev,
             row=row,
             offset=off,
-            vision=plans["vision"],
-            audio=plans["audio"],
+            items=plans,
             deferred=len(self.deferred),
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxmllm.config.phases import LLM, NAMES
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan, check_fits
 from jaxmllm.plan.ragged import gather_items, offsets_in_bins
@@ -29,7 +30,7 @@ class FirstFitPlanner:
     def __init__(self, index: LengthsIndex, caps: Capacities, seed: int):
         check_fits(index, caps)
         self.index, self.caps = index, caps
-        self.llm = index.llm_tokens(caps.merge_area, caps.subsample)
+        self.llm = index.llm_tokens(caps.per_token)
         self.stream = SampleStream(len(index), seed)
         self.cursor, self.step = 0, 0
         self.ages = np.zeros(0, np.int64)  # (nothing waits: every age is 0)
@@ -49,33 +50,26 @@ class FirstFitPlanner:
         window = self.stream.take(
             self.cursor, slots * caps.llm_rows * caps.llm_row_len // 2 + slots
         )
-        placed, vis, aud = [], [], []
+        placed, items = [], {p: [] for p in NAMES}
         k = 0
         for slot in range(slots):
             m, d = divmod(slot, caps.devices)
             rows = np.zeros(caps.llm_rows, np.int64)
-            vis_fill = aud_fill = 0
+            fill = dict.fromkeys(NAMES, 0)
             while k < len(window):
                 s = int(window[k])
-                need_v = self._items(self.index.images, self.index.images_ptr, s)
-                need_a = self._items(self.index.audio, self.index.audio_ptr, s)
+                need = {p: self.index.items[p].of(s) for p in NAMES}
                 free = np.flatnonzero(rows + self.llm[s] <= caps.llm_row_len)
-                if (
-                    not len(free)
-                    or vis_fill + need_v.sum() > caps.vision_patches
-                    or aud_fill + need_a.sum() > caps.audio_frames
-                ):
+                if not len(free) or any(fill[p] + need[p].sum() > caps.units[p] for p in NAMES):
                     break
                 r = int(free[0])
                 owner = len(placed)
                 placed.append((s, m, d, r, int(rows[r])))
                 rows[r] += self.llm[s]
-                for j, n in enumerate(need_v):
-                    vis.append((owner, j, d, vis_fill))
-                    vis_fill += int(n)
-                for j, n in enumerate(need_a):
-                    aud.append((owner, j, d, aud_fill))
-                    aud_fill += int(n)
+                for p in NAMES:
+                    for j, n in enumerate(need[p]):
+                        items[p].append((owner, j, d, fill[p]))
+                        fill[p] += int(n)
                 k += 1
         self.cursor += k
         self.step += 1
@@ -88,13 +82,8 @@ class FirstFitPlanner:
             device=cols[2],
             row=cols[3],
             offset=cols[4],
-            vision=_items_plan(vis),
-            audio=_items_plan(aud),
+            items={p: _items_plan(items[p]) for p in NAMES},
         )
-
-    @staticmethod
-    def _items(values: np.ndarray, ptr: np.ndarray, s: int) -> np.ndarray:
-        return values[ptr[s] : ptr[s + 1]]
 
 
 def _items_plan(rows: list[tuple[int, int, int, int]]) -> ItemPlan:
@@ -111,19 +100,17 @@ class NaivePlanner:
         check_fits(index, caps)
         self.index, self.caps = index, caps
         self.stream = SampleStream(len(index), seed)
-        self.llm = index.llm_tokens(caps.merge_area, caps.subsample)
+        self.llm = index.llm_tokens(caps.per_token)
         self.slot_llm = max(int(self.llm.max()), 1)
         self.per_row = caps.llm_row_len // self.slot_llm
         k = caps.llm_rows * self.per_row
         self.slot = {}
-        for p, values, ptr, cap in (
-            ("vision", index.images, index.images_ptr, caps.vision_patches),
-            ("audio", index.audio, index.audio_ptr, caps.audio_frames),
-        ):
-            most = int(index.per_sample_sum(values, ptr).max()) if len(values) else 0
+        for p in NAMES:
+            items = index.items[p]
+            most = int(items.per_sample().max()) if len(items) else 0
             self.slot[p] = most
             if most:
-                k = min(k, cap // most)
+                k = min(k, caps.units[p] // most)
         self.k = max(k, 1)
         self.cursor, self.step = 0, 0
         self.ages = np.zeros(0, np.int64)
@@ -141,12 +128,9 @@ class NaivePlanner:
         slot = np.arange(n)
         micro, dev, j = slot // (caps.devices * k), (slot // k) % caps.devices, slot % k
         items = {}
-        for p, ptr, values in (
-            ("vision", self.index.images_ptr, self.index.images),
-            ("audio", self.index.audio_ptr, self.index.audio),
-        ):
-            owner, item, flat = gather_items(ptr, s)
-            size = values[flat]
+        for p in NAMES:
+            owner, item, flat = gather_items(self.index.items[p].ptr, s)
+            size = self.index.items[p].sizes[flat]
             within = np.cumsum(size) - size
             first = np.searchsorted(owner, owner, "left")
             within = within - within[first] if len(owner) else within
@@ -160,8 +144,7 @@ class NaivePlanner:
             device=dev,
             row=j // self.per_row,
             offset=(j % self.per_row) * self.slot_llm,
-            vision=items["vision"],
-            audio=items["audio"],
+            items=items,
         )
         self.cursor += n
         self.step += 1
@@ -181,18 +164,14 @@ class GrainPlanner:
             )
         self.index, self.caps, self.seed = index, caps, seed
         self.stream = SampleStream(len(index), seed)
-        self.llm = index.llm_tokens(caps.merge_area, caps.subsample)
-        self.vis = index.per_sample_sum(index.images, index.images_ptr)
-        self.aud = index.per_sample_sum(index.audio, index.audio_ptr)
+        self.llm = index.llm_tokens(caps.per_token)
+        self.units = index.units()  # per encoder phase, per sample
         per = min(devices_per_host, caps.devices)
         self.host_devices = [
             np.arange(h, min(h + per, caps.devices)) for h in range(0, caps.devices, per)
         ]
-        self.length_struct = {"llm": caps.llm_row_len}
-        if caps.vision_patches:
-            self.length_struct["vision"] = caps.vision_patches
-        if caps.audio_frames:
-            self.length_struct["audio"] = caps.audio_frames
+        self.length_struct = {LLM: caps.llm_row_len}
+        self.length_struct.update({p: caps.units[p] for p in NAMES if caps.units[p]})
         self.step = 0
         self.frontier: list[int] = []  # per step: the largest stream position seen so far
         self.ages = np.zeros(0, np.int64)
@@ -209,11 +188,10 @@ class GrainPlanner:
         def element(i):
             p = h + int(i) * hosts  # host h reads every hosts-th position of the global stream
             s = int(self.stream.order(p // n)[p % n])
-            out = {"llm": np.zeros(self.llm[s], np.int8), "pos": p}
-            if "vision" in self.length_struct:
-                out["vision"] = np.zeros(self.vis[s], np.int8)
-            if "audio" in self.length_struct:
-                out["audio"] = np.zeros(self.aud[s], np.int8)
+            out = {LLM: np.zeros(self.llm[s], np.int8), "pos": p}
+            for phase in self.length_struct:
+                if phase != LLM:
+                    out[phase] = np.zeros(self.units[phase][s], np.int8)
             return out
 
         ds = (
@@ -262,16 +240,13 @@ class GrainPlanner:
         bins = micro * caps.devices + dev  # packed in arrival order within each bin
         offset = offsets_in_bins(bins, self.llm[samples])
         items = {}
-        for p, ptr, values in (
-            ("vision", self.index.images_ptr, self.index.images),
-            ("audio", self.index.audio_ptr, self.index.audio),
-        ):
-            owner, item, flat = gather_items(ptr, samples)
+        for p in NAMES:
+            owner, item, flat = gather_items(self.index.items[p].ptr, samples)
             items[p] = ItemPlan(
                 owner=owner,
                 item=item,
                 device=dev[owner],
-                offset=offsets_in_bins(bins[owner], values[flat]),
+                offset=offsets_in_bins(bins[owner], self.index.items[p].sizes[flat]),
             )
         # Age: steps since the stream frontier (largest position planned so far) first passed a
         # sample's position. Only the last few steps are kept: grain holds samples briefly.
@@ -287,8 +262,7 @@ class GrainPlanner:
             device=dev,
             row=np.zeros(len(samples), np.int64),
             offset=offset,
-            vision=items["vision"],
-            audio=items["audio"],
+            items=items,
         )
         self.step += 1
         return plan

@@ -1,7 +1,7 @@
 """Capacity planning: per-device bucket sizes that match the data's modality ratios.
 
 Given a lengths index and a target number of LLM tokens per device and microbatch, suggest the
-LLM row shape and the vision / audio capacities so that every phase fills at the same rate
+LLM row shape and each encoder phase's capacity so that every phase fills at the same rate
 (capacity_p / capacity_llm = total_p / total_llm over the data), each at least the largest
 sample's need, all on a small ladder of shapes (8 values per octave: {8..15} x 2^k, so a rounded
 capacity is within 6% of the ideal and a handful of configs share compiled shapes). Since every
@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
+from jaxmllm.config.phases import BY_NAME, LLM, NAMES, PHASES
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.contract import (
     Capacities,
@@ -69,23 +70,22 @@ class CapacitySuggestion:
 
     llm_rows: int
     llm_row_len: int
-    vision_patches: int  # 0 when the data has no images
-    audio_frames: int  # 0 when the data has no audio
+    units: dict[str, int]  # per encoder phase, its bucket (0 when the data has none of it)
     demand: dict  # per phase: total work / capacity, relative to the LLM's (1.0 = matched)
 
     def batch_overrides(self) -> dict:
         """The batch config keys to set (e.g. for `capacity: auto`)."""
-        d = asdict(self)
-        del d["demand"]
-        return d
+        out = {"llm_rows": self.llm_rows, "llm_row_len": self.llm_row_len}
+        out.update({BY_NAME[p].capacity: n for p, n in self.units.items()})
+        return out
 
 
 def suggest_capacities(
     index: LengthsIndex,
     llm_tokens_per_device: int,
-    merge_area: int,
-    subsample: int,
+    per_token: Mapping[str, int],
     *,
+    per_row: Mapping[str, int] | None = None,
     max_row_len: int | None = None,
     per_octave: int = 8,
     match_llm: bool = False,
@@ -96,8 +96,9 @@ def suggest_capacities(
     Args:
       index: the data's lengths index.
       llm_tokens_per_device: target LLM tokens per device per microbatch.
-      merge_area: patches per LLM token (vision.merge**2).
-      subsample: audio frames per LLM token.
+      per_token: per encoder phase, its units per LLM token (vision: merge**2).
+      per_row: per encoder phase, its units per encoder row (audio: the stem's stride; 1 where
+        missing), so that a bucket holds whole blocks of rows.
       max_row_len: longest LLM row allowed (attention memory); None = one row per device.
       per_octave: ladder resolution.
       match_llm: let the LLM bucket move one ladder step (rows or row length) from the target
@@ -106,7 +107,7 @@ def suggest_capacities(
       block: block-sparse attention's block: every row (LLM, patches, audio encoder rows) a
         whole number of blocks.
     """
-    llm = index.llm_tokens(merge_area, subsample)
+    llm = index.llm_tokens(per_token)
     longest = int(llm.max()) if len(llm) else 1
     target = max(llm_tokens_per_device, longest)
     mult = math.lcm(32, block)
@@ -125,7 +126,7 @@ def suggest_capacities(
             shapes += [(r, row_len) for r in (rows - 1, rows + 1) if r >= 1]
     best = None
     for rows, row_len in shapes:
-        sug = _encoder_caps(index, llm, rows, row_len, merge_area, subsample, per_octave, block)
+        sug = _encoder_caps(index, llm, rows, row_len, per_token, per_row, per_octave, block)
         mismatch = math.log(max(sug.demand.values()) / min(sug.demand.values()))
         score = (round(mismatch, 3), abs(math.log(rows * row_len / target)))
         if best is None or score < best[0]:
@@ -136,18 +137,18 @@ def suggest_capacities(
 def encoder_capacities(
     index: LengthsIndex,
     llm_tokens_per_device: int,
-    merge_area: int,
-    subsample: int,
+    per_token: Mapping[str, int],
     *,
+    per_row: Mapping[str, int] | None = None,
     per_octave: int = 8,
     block: int = 1,
 ) -> CapacitySuggestion:
     """Encoder buckets matched to exactly `llm_tokens_per_device` LLM tokens a device (as one
     row): where the LLM rows are not a device's (a context group's rows are longer than any
     device's tokens, and its longest document no measure of a device's share)."""
-    llm = index.llm_tokens(merge_area, subsample)
+    llm = index.llm_tokens(per_token)
     return _encoder_caps(
-        index, llm, 1, llm_tokens_per_device, merge_area, subsample, per_octave, block
+        index, llm, 1, llm_tokens_per_device, per_token, per_row, per_octave, block
     )
 
 
@@ -156,36 +157,28 @@ def _encoder_caps(
     llm: np.ndarray,
     rows: int,
     row_len: int,
-    merge_area: int,
-    subsample: int,
+    per_token: Mapping[str, int],
+    per_row: Mapping[str, int] | None,
     per_octave: int,
     block: int = 1,
 ) -> CapacitySuggestion:
     llm_cap = rows * row_len
     total_llm = max(int(llm.sum()), 1)
-    caps, demand = {}, {"llm": 1.0}
-    for name, values, ptr, mult in (
-        ("vision", index.images, index.images_ptr, math.lcm(4 * merge_area, block)),
-        ("audio", index.audio, index.audio_ptr, math.lcm(4 * subsample, block * subsample)),
-    ):
-        per_sample = index.per_sample_sum(values, ptr)
+    caps, demand = {}, {LLM: 1.0}
+    for name, per_sample in index.units().items():
         if not per_sample.any():
             caps[name] = 0
             continue
+        # (a bucket: whole LLM tokens, a multiple of 4, whole blocks of encoder rows)
+        rows_of = (per_row or {}).get(name, 1)
+        mult = math.lcm(4 * per_token[name], block * rows_of, 32)
         ideal = llm_cap * per_sample.sum() / total_llm
-        mult = math.lcm(mult, 32)
         caps[name] = max(
             ladder_nearest(ideal, per_octave, mult),
             ladder_up(int(per_sample.max()), per_octave, mult),
         )
         demand[name] = float(ideal / caps[name])
-    return CapacitySuggestion(
-        llm_rows=rows,
-        llm_row_len=row_len,
-        vision_patches=caps["vision"],
-        audio_frames=caps["audio"],
-        demand=demand,
-    )
+    return CapacitySuggestion(llm_rows=rows, llm_row_len=row_len, units=caps, demand=demand)
 
 
 # ----------------------------------------------------------------------------- tiles
@@ -228,22 +221,19 @@ def suggest_tiles(
     rows (0 for a phase without data). An LLM bucket is a device or a context group
     (`contract.device_tile_caps` gives a device's). `density`: `tile_density(index, caps)`,
     when the caller has it."""
-    units = {
-        "llm": caps.llm_rows * caps.llm_bin_len,
-        "vision": caps.vision_patches,
-        "audio": caps.audio_frames // caps.audio_per_row,
-    }
-    rows = {"llm": caps.llm_rows, "vision": 1, "audio": 1}
+    units = {LLM: caps.llm_rows * caps.llm_bin_len}
+    units.update({p: caps.units[p] // caps.row_units(p) for p in NAMES})
+    rows = {p: caps.llm_rows if p == LLM else 1 for p in PHASES}
     largest = {p: n for p, (n, _, _) in documents(index, caps).items()}
     work = {p: float(largest[p].sum()) for p in units}
     # (per device: a group's LLM bucket is context devices' units)
-    devices = {"llm": caps.context, "vision": 1, "audio": 1}
+    devices = {p: caps.context if p == LLM else 1 for p in PHASES}
     demand = {p: work[p] * devices[p] / units[p] if units[p] else 0.0 for p in units}
     top = max(demand.values()) or 1.0
     share = {p: 1.0 if demand[p] >= BINDING * top else demand[p] / top for p in units}
     out = {}
     for phase, rho in (density or tile_density(index, caps)).items():
-        n, causal = largest[phase], phase == "llm"
+        n, causal = largest[phase], phase == LLM
         if not units[phase] or not len(n) or not n.any():
             out[phase] = 0
             continue
@@ -273,7 +263,7 @@ def dry_run_documents(
 ) -> dict[str, int]:
     """The most documents one row of `planner`'s plans holds per phase over `steps` plans
     (`planner` is used up: its state advances)."""
-    most = {"llm": 0, "vision": 0, "audio": 0}
+    most = dict.fromkeys(PHASES, 0)
     for _ in range(steps):
         for phase, n in step_documents(planner.plan(), index, caps).items():
             most[phase] = max(most[phase], n)
@@ -332,7 +322,7 @@ def held_tiles(
         tiles = at(headroom)
         if headroom > HELD_HEADROOMS[0] and tiles == best:
             continue
-        held = dataclasses.replace(caps, **{f"{p}_tiles": n for p, n in tiles.items()})
+        held = dataclasses.replace(caps, tiles=tiles)
         score = goodput(make(held), index, held, HELD_TRIAL_STEPS, weights)
         if score > best_score * (1 + 1e-9):
             best, best_score = tiles, score
@@ -344,8 +334,8 @@ def goodput(
 ) -> float:
     """Useful FLOPs over computed FLOPs of `planner`'s first `steps` plans (`flop_share` of
     their units and needed tiles over `caps`' buckets). (`planner` is used up.)"""
-    work = index.work(caps.merge_area, caps.subsample)
-    units, tiles = np.zeros(3), dict.fromkeys(weights, 0.0)
+    work = index.work(caps.per_token)
+    units, tiles = np.zeros(len(PHASES)), dict.fromkeys(weights, 0.0)
     for _ in range(steps):
         plan = planner.plan()
         units += work[plan.samples].sum(0)
@@ -366,9 +356,9 @@ def flop_share(
     """Useful over computed FLOPs: the real `units` (per phase: LLM tokens, patches, frames)
     and the `tiles` their documents need, over `buckets` buckets of `caps`' units and
     `cap_tiles` tiles each, weighted by `weights[phase]` = (per unit, per tile)."""
-    cap_units = (caps.llm_rows * caps.llm_row_len, caps.vision_patches, caps.audio_frames)
+    cap_units = (caps.llm_rows * caps.llm_row_len, *(caps.units[p] for p in NAMES))
     useful = computed = 0.0
-    for i, phase in enumerate(("llm", "vision", "audio")):
+    for i, phase in enumerate(PHASES):
         unit_w, tile_w = weights.get(phase, (0.0, 0.0))
         useful += unit_w * float(units[i]) + tile_w * tiles.get(phase, 0.0)
         computed += buckets * (unit_w * cap_units[i] + tile_w * cap_tiles.get(phase, 0))
@@ -387,7 +377,7 @@ def dry_run_tile_stats(
 ) -> tuple[dict[str, int], dict[str, float]]:
     """(most, mean) tiles a bucket of `planner`'s first `steps` plans needs, per phase (the
     mean over every bucket of every step; `planner` is used up)."""
-    most = {"llm": 0, "vision": 0, "audio": 0}
+    most = dict.fromkeys(PHASES, 0)
     total = dict.fromkeys(most, 0.0)
     for _ in range(steps):
         for phase, need in step_tiles(planner.plan(), index, caps).items():
@@ -405,15 +395,17 @@ ROUTE_HEADROOM = 0.1  # over the dry run's most when the run is longer than the 
 def whole_output_rows(caps: Capacities) -> int:
     """A device's whole encoder output in rows (the largest of its phases): a route capacity
     this large never binds (`route.Routes.free`)."""
-    return max(caps.vision_patches // caps.merge_area, caps.audio_frames // caps.subsample, 1)
+    return max(*(caps.units[p] // caps.per_token[p] for p in NAMES), 1)
 
 
 def largest_item_rows(index: LengthsIndex, caps: Capacities) -> int:
     """The encoder output rows of the data's largest item: the least a route capacity can be
     (every item must be able to leave its device)."""
-    vision = int(index.images.max(initial=0)) // caps.merge_area if caps.vision_patches else 0
-    audio = int(index.audio.max(initial=0)) // caps.subsample if caps.audio_frames else 0
-    return max(vision, audio, 1)
+    rows = [
+        int(index.items[p].sizes.max(initial=0)) // caps.per_token[p] if caps.units[p] else 0
+        for p in NAMES
+    ]
+    return max(*rows, 1)
 
 
 def dry_run_route_rows(planner: Planner, index: LengthsIndex, caps: Capacities, steps: int) -> int:
@@ -422,7 +414,7 @@ def dry_run_route_rows(planner: Planner, index: LengthsIndex, caps: Capacities, 
     most = 0
     for _ in range(steps):
         plan = planner.plan()
-        for phase in ("vision", "audio"):
+        for phase in NAMES:
             most = max(most, int(pair_rows(plan, index, caps, phase).max(initial=0)))
     return most
 
@@ -468,13 +460,10 @@ def fill_bound(index: LengthsIndex, caps: Capacities) -> dict[str, float]:
     """Per phase, the highest fill any packing of the data's items into the phase's bins (LLM
     rows, a device's patches, a device's frames) can reach over an epoch: total units over
     (`bins_lower_bound` x bin). Coarse items (clips of most of a bucket) hold it below 1."""
-    llm = index.llm_tokens(caps.merge_area, caps.subsample)
+    phases = [(LLM, index.llm_tokens(caps.per_token), caps.llm_row_len)]
+    phases += [(p, index.items[p].sizes, caps.units[p]) for p in NAMES]
     out = {}
-    for p, sizes, cap in (
-        ("llm", llm, caps.llm_row_len),
-        ("vision", index.images, caps.vision_patches),
-        ("audio", index.audio, caps.audio_frames),
-    ):
+    for p, sizes, cap in phases:
         bins = bins_lower_bound(sizes, cap) if cap > 0 else 0
         out[p] = round(float(sizes.sum()) / (bins * cap), 4) if bins else 1.0
     return out

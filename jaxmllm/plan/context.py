@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxmllm.config.phases import LLM
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.contract import Capacities, StepPlan, phase_docs
 from jaxmllm.plan.tiles import PAD, tile_list
@@ -165,7 +166,7 @@ def rank_tiles(tiles_k2: np.ndarray, owner: np.ndarray, ranks: int, capacity: in
 def group_weights(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> dict:
     """Per (microbatch, group) of a plan, the tiles of each query block of the group's rows
     (blocks numbered row by row), from the lengths index: what the bench deals."""
-    micro, group, row, off, size = phase_docs(plan, index, caps, "llm")
+    micro, group, row, off, size = phase_docs(plan, index, caps, LLM)
     row_blocks = caps.llm_bin_len // caps.block
     out = {}
     for m in range(caps.microbatches):

@@ -8,34 +8,40 @@ This module is the bottom of `jaxmllm.plan`: it imports no planner.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
+from jaxmllm.config.phases import ENCODERS, LLM, NAMES, PHASES
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.tiles import bin_tiles, own_tiles
 
 
 @dataclass(frozen=True)
 class Capacities:
-    """Per device and per microbatch bucket sizes, in model units."""
+    """Per device and per microbatch bucket sizes, in model units.
+
+    Per encoder phase (`jaxmllm.config.phases`, keyed by name, every phase of the table):
+    `units` its bucket (0 when the model has no such encoder), `per_token` its units per LLM
+    token (patches per merged token, frames per token), `per_row` its units per encoder row
+    (what its attention sees: a patch; `stride` frames of a clip).
+    """
 
     microbatches: int
     devices: int
     llm_rows: int
     llm_row_len: int
-    vision_patches: int  # 0 when vision is disabled
-    audio_frames: int  # 0 when audio is disabled
-    merge_area: int  # patches per LLM token
-    subsample: int  # frames per LLM token
+    units: Mapping[str, int]
+    per_token: Mapping[str, int]
+    per_row: Mapping[str, int]
     route_pair_capacity: int  # 0 = encoder outputs stay on the text's device
     # Block-sparse attention (jaxmllm.plan.tiles): units per side of a tile (0 = dense
-    # attention: no tiles), and the tiles a device may compute in each phase (0 = no bound)
+    # attention: no tiles), and per phase (the LLM's and each encoder's) the tiles a device may
+    # compute (0 or missing = no bound)
     block: int = 0
-    llm_tiles: int = 0
-    vision_tiles: int = 0
-    audio_tiles: int = 0
+    tiles: Mapping[str, int] = field(default_factory=dict)
     # Data-parallel positions per host (devices h * n ... (h + 1) * n - 1 on host h; 0 = all on
     # one host): routing keeps an item that cannot stay home on its text's host where it can
     devices_per_host: int = 0
@@ -44,18 +50,20 @@ class Capacities:
     # placed on a group; its query blocks are dealt to the group's devices, llm_row_len tokens
     # each); the encoders keep one bucket per device. 1 = every device its own LLM bucket.
     context: int = 1
-    # Frames per audio encoder row (what its attention sees); 0 = subsample (the pairs stem;
-    # Whisper's stem is 2: its projector then merges subsample / 2 rows per LLM token)
-    audio_stride: int = 0
 
-    @property
-    def audio_per_row(self) -> int:
-        """Frames per audio encoder row."""
-        return self.audio_stride or self.subsample
+    def __post_init__(self):
+        for key in ("units", "per_token", "per_row"):
+            missing = [p for p in NAMES if p not in getattr(self, key)]
+            if missing:
+                raise ValueError(f"Capacities.{key} lacks encoder phase(s) {missing}")
+
+    def row_units(self, phase: str) -> int:
+        """Units per encoder row of an encoder phase."""
+        return self.per_row[phase]
 
     def tile_caps(self) -> dict[str, int]:
         """Per phase, the tiles a device may compute (0 = no bound)."""
-        return {"llm": self.llm_tiles, "vision": self.vision_tiles, "audio": self.audio_tiles}
+        return {p: self.tiles.get(p, 0) for p in PHASES}
 
     @property
     def llm_buckets(self) -> int:
@@ -67,6 +75,11 @@ class Capacities:
         """Tokens of one LLM row of a bucket (a context group's rows are `context` devices'
         rows long)."""
         return self.context * self.llm_row_len
+
+    @property
+    def llm_capacity(self) -> int:
+        """LLM tokens a device (a group) holds per microbatch."""
+        return self.llm_rows * self.llm_row_len
 
 
 @dataclass
@@ -99,9 +112,12 @@ class StepPlan:
     device: np.ndarray  # [S] LLM bucket holding the sample's text: a device, or a context group
     row: np.ndarray  # [S] LLM row on that device
     offset: np.ndarray  # [S] first token in that row
-    vision: ItemPlan = field(default_factory=ItemPlan.empty)
-    audio: ItemPlan = field(default_factory=ItemPlan.empty)
+    # Per encoder phase (every phase of the table, by name): where its items are encoded
+    items: dict[str, ItemPlan] = field(default_factory=dict)
     deferred: int = 0  # samples waiting for a later step after this plan
+
+    def __post_init__(self):
+        self.items = {p: self.items.get(p, ItemPlan.empty()) for p in NAMES}
 
 
 class Planner(Protocol):
@@ -128,24 +144,11 @@ class OversizeError(ValueError):
 
 def check_fits(index: LengthsIndex, caps: Capacities) -> None:
     """Fails at start-up, naming the sample and the config key, if any sample can never fit."""
-    llm = index.llm_tokens(caps.merge_area, caps.subsample)
-    checks = [(llm_row_key(caps), llm, caps.llm_bin_len)]
-    if caps.vision_patches:
-        checks.append(
-            (
-                "batch.vision_patches",
-                index.per_sample_sum(index.images, index.images_ptr),
-                caps.vision_patches,
-            )
-        )
-    if caps.audio_frames:
-        checks.append(
-            (
-                "batch.audio_frames",
-                index.per_sample_sum(index.audio, index.audio_ptr),
-                caps.audio_frames,
-            )
-        )
+    checks = [(llm_row_key(caps), index.llm_tokens(caps.per_token), caps.llm_bin_len)]
+    units = index.units()
+    for p in ENCODERS:
+        if caps.units[p.name]:
+            checks.append((f"batch.{p.capacity}", units[p.name], caps.units[p.name]))
     for key, need, cap in checks:
         bad = np.flatnonzero(need > cap)
         if len(bad):
@@ -154,10 +157,9 @@ def check_fits(index: LengthsIndex, caps: Capacities) -> None:
                 f"{int(need[bad[0]])}, the largest {int(need.max())}); raise {key} to at least "
                 f"{int(need.max())}"
             )
-    if not caps.vision_patches and len(index.images):
-        raise OversizeError("the data has images but model.vision.enabled is false")
-    if not caps.audio_frames and len(index.audio):
-        raise OversizeError("the data has audio but model.audio.enabled is false")
+    for p in ENCODERS:
+        if not caps.units[p.name] and len(index.items[p.name]):
+            raise OversizeError(f"the data has {p.items} but model.{p.name}.enabled is false")
     check_tiles_fit(index, caps)
 
 
@@ -170,17 +172,13 @@ def llm_row_key(caps: Capacities) -> str:
 
 def documents(index: LengthsIndex, caps: Capacities) -> dict[str, tuple[np.ndarray, bool, int]]:
     """Per phase, what its attention sees: every document's size in the phase's units (LLM
-    tokens of a sample, patches of an image, encoder rows of a clip = frames / audio stride),
-    whether it is causal, and the length of one packed row of the phase's bucket."""
-    return {
-        "llm": (index.llm_tokens(caps.merge_area, caps.subsample), True, caps.llm_bin_len),
-        "vision": (index.images, False, caps.vision_patches),
-        "audio": (
-            index.audio // caps.audio_per_row,
-            False,
-            caps.audio_frames // caps.audio_per_row,
-        ),
-    }
+    tokens of a sample; an encoder item's rows = its units / the phase's units per row), whether
+    it is causal, and the length of one packed row of the phase's bucket."""
+    out = {LLM: (index.llm_tokens(caps.per_token), True, caps.llm_bin_len)}
+    for p in NAMES:
+        per = caps.row_units(p)
+        out[p] = (index.items[p].sizes // per, False, caps.units[p] // per)
+    return out
 
 
 def check_tiles_fit(index: LengthsIndex, caps: Capacities) -> None:
@@ -197,7 +195,7 @@ def check_tiles_fit(index: LengthsIndex, caps: Capacities) -> None:
         need = own_tiles(-(-sizes // b), causal)
         if need.max() > cap:
             least = int(need.max())
-            if phase == "llm" and caps.context > 1:  # (a rank's share, and the dealing's slack)
+            if phase == LLM and caps.context > 1:  # (a rank's share, and the dealing's slack)
                 least = -(-least // caps.context) + llm_deal_slack(caps)
             raise OversizeError(
                 f"a {phase} document of {int(sizes[np.argmax(need)])} units needs "
@@ -223,8 +221,8 @@ def device_tile_caps(caps: Capacities, bucket: dict[str, int]) -> dict:
     hold `bucket` tiles (with context groups, an LLM group's share per device plus the slack
     of dealing; the same values without)."""
     out = dict(bucket)
-    if caps.context > 1 and out.get("llm"):
-        out["llm"] = -(-out["llm"] // caps.context) + llm_deal_slack(caps)
+    if caps.context > 1 and out.get(LLM):
+        out[LLM] = -(-out[LLM] // caps.context) + llm_deal_slack(caps)
     return out
 
 
@@ -235,8 +233,8 @@ def bucket_tile_caps(caps: Capacities) -> dict[str, int]:
     keep every rank within llm_tiles (at least 1 where llm_tiles bounds: a capacity within
     the slack holds nothing, and `check_tiles_fit` says so)."""
     out = caps.tile_caps()
-    if caps.context > 1 and out["llm"]:
-        out["llm"] = max(caps.context * (out["llm"] - llm_deal_slack(caps)), 1)
+    if caps.context > 1 and out[LLM]:
+        out[LLM] = max(caps.context * (out[LLM] - llm_deal_slack(caps)), 1)
     return out
 
 
@@ -246,7 +244,7 @@ def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
     attention tiles within their capacity)."""
     d_n, r_n, row_len = caps.devices, caps.llm_rows, caps.llm_bin_len
     g_n = caps.llm_buckets
-    llm = index.llm_tokens(caps.merge_area, caps.subsample)[plan.samples]
+    llm = index.llm_tokens(caps.per_token)[plan.samples]
     if (
         len(plan.samples)
         and (
@@ -260,22 +258,19 @@ def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
     ):
         raise ValueError(f"step {plan.step}: a sample outside the [M, D, R] buckets")
     key = (plan.micro * g_n + plan.device) * r_n + plan.row
-    _check_segments(plan.step, "llm", key, plan.offset, llm, row_len)
-    for p, values, ptr, cap, per in (
-        ("vision", index.images, index.images_ptr, caps.vision_patches, caps.merge_area),
-        ("audio", index.audio, index.audio_ptr, caps.audio_frames, caps.subsample),
-    ):
-        it: ItemPlan = getattr(plan, p)
-        want = ptr[plan.samples + 1] - ptr[plan.samples]
+    _check_segments(plan.step, LLM, key, plan.offset, llm, row_len)
+    for p in NAMES:
+        it, items, per = plan.items[p], index.items[p], caps.per_token[p]
+        want = items.count()[plan.samples]
         got = np.bincount(it.owner, minlength=len(plan.samples)) if len(it.owner) else want * 0
         uniq = len(np.unique(it.owner * (int(want.max(initial=0)) + 1) + it.item))
         if (got != want).any() or uniq != len(it.owner) or (it.item >= want[it.owner]).any():
             raise ValueError(f"step {plan.step}: {p} items of planned samples not placed once")
         if not len(it.owner):
             continue
-        size = values[ptr[plan.samples[it.owner]] + it.item]
+        size = items.size(plan.samples[it.owner], it.item)
         micro = plan.micro[it.owner]
-        _check_segments(plan.step, p, micro * d_n + it.device, it.offset, size, cap)
+        _check_segments(plan.step, p, micro * d_n + it.device, it.offset, size, caps.units[p])
         if (it.offset % per).any():
             raise ValueError(f"step {plan.step}: {p} item offsets must be multiples of {per}")
         if caps.route_pair_capacity == 0:
@@ -298,19 +293,11 @@ def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
                 )
 
 
-PHASES = ("llm", "vision", "audio")
-
-
 def item_rows(plan: StepPlan, index: LengthsIndex, caps: Capacities, phase: str) -> np.ndarray:
-    """Encoder output rows of each item of an encoder phase of a plan (patches / merge area,
-    frames / subsample)."""
-    it: ItemPlan = getattr(plan, phase)
-    values, ptr, per = (
-        (index.images, index.images_ptr, caps.merge_area)
-        if phase == "vision"
-        else (index.audio, index.audio_ptr, caps.subsample)
-    )
-    return values[ptr[plan.samples[it.owner]] + it.item] // per
+    """Encoder output rows of each item of an encoder phase of a plan (its units / units per
+    LLM token)."""
+    it = plan.items[phase]
+    return index.items[phase].size(plan.samples[it.owner], it.item) // caps.per_token[phase]
 
 
 def pair_rows(plan: StepPlan, index: LengthsIndex, caps: Capacities, phase: str) -> np.ndarray:
@@ -319,7 +306,7 @@ def pair_rows(plan: StepPlan, index: LengthsIndex, caps: Capacities, phase: str)
 
     With context groups dst is the text's group (`plan.device`), and an item encoded in it
     needs no exchange: its group gathers its devices' rows (`route.Routes`)."""
-    it: ItemPlan = getattr(plan, phase)
+    it = plan.items[phase]
     home = plan.device[it.owner]
     remote = it.device // caps.context != home
     if not remote.any():
@@ -335,15 +322,12 @@ def phase_docs(
 ) -> tuple[np.ndarray, ...]:
     """The documents attention sees in one phase of a plan, in its units (LLM tokens, patches,
     audio encoder rows = frames / audio stride): (microbatch, device, row, offset, size) each."""
-    if phase == "llm":
-        llm = index.llm_tokens(caps.merge_area, caps.subsample)[plan.samples]
+    if phase == LLM:
+        llm = index.llm_tokens(caps.per_token)[plan.samples]
         return plan.micro, plan.device, plan.row, plan.offset, llm
-    it: ItemPlan = getattr(plan, phase)
-    values, ptr = (
-        (index.images, index.images_ptr) if phase == "vision" else (index.audio, index.audio_ptr)
-    )
-    size = values[ptr[plan.samples[it.owner]] + it.item]
-    per = 1 if phase == "vision" else caps.audio_per_row
+    it = plan.items[phase]
+    size = index.items[phase].size(plan.samples[it.owner], it.item)
+    per = caps.row_units(phase)
     row = np.zeros(len(it.owner), np.int64)
     return plan.micro[it.owner], it.device, row, it.offset // per, size // per
 
@@ -355,10 +339,10 @@ def step_tiles(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> dict[st
     m_n, out = caps.microbatches, {}
     for phase in PHASES:
         micro, dev, row, off, size = phase_docs(plan, index, caps, phase)
-        rows = caps.llm_rows if phase == "llm" else 1
-        d_n = caps.llm_buckets if phase == "llm" else caps.devices
+        rows = caps.llm_rows if phase == LLM else 1
+        d_n = caps.llm_buckets if phase == LLM else caps.devices
         bins = (micro * d_n + dev) * rows + row
-        tiles = bin_tiles(bins, off, size, m_n * d_n * rows, caps.block, phase == "llm")
+        tiles = bin_tiles(bins, off, size, m_n * d_n * rows, caps.block, phase == LLM)
         out[phase] = tiles.reshape(m_n, d_n, rows).sum(2)
     return out
 
@@ -369,8 +353,8 @@ def step_documents(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> dic
     out = {}
     for phase in PHASES:
         micro, dev, row, _, size = phase_docs(plan, index, caps, phase)
-        rows = caps.llm_rows if phase == "llm" else 1
-        d_n = caps.llm_buckets if phase == "llm" else caps.devices
+        rows = caps.llm_rows if phase == LLM else 1
+        d_n = caps.llm_buckets if phase == LLM else caps.devices
         bins = ((micro * d_n + dev) * rows + row)[size > 0]
         out[phase] = int(np.bincount(bins).max(initial=0)) if len(bins) else 0
     return out

@@ -46,16 +46,17 @@ import json
 import math
 import sys
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-if TYPE_CHECKING:  # (config imports the planner registry: cost must not import config)
-    from jaxmllm.config import ModelConfig
+from jaxmllm.config.phases import ENCODERS, LLM, PHASES
 
-PHASES = ("llm", "vision", "audio")
+if TYPE_CHECKING:
+    from jaxmllm.config import ModelConfig
 FEATURES = ("units", "sq", "tiles")  # real units, sum of squared segment lengths, attention tiles
 FITS = ("scaled", "free", "flops", "constant")
 RIDGE = 0.01  # pull of a fit toward the simpler one, per step, in units of the mean step time
@@ -87,26 +88,27 @@ class PhaseCost:
 class CostModel:
     """Coefficients per phase, in FLOPs from the model config or seconds from a calibration."""
 
-    llm: PhaseCost
-    vision: PhaseCost
-    audio: PhaseCost
+    terms: Mapping[str, PhaseCost]  # per phase of the table (PHASES): an item's cost
     unit: str = "flops"  # flops (from_model) | seconds (from_file: calibrated on a run)
     overhead: float = 0.0  # per step, in `unit`: what a step costs besides its items
 
     def phase(self, name: str) -> PhaseCost:
-        return getattr(self, name)
+        return self.terms[name]
 
-    def tile_weights(self, block: int, audio_per_row: int) -> dict[str, tuple[float, float]]:
+    def tile_weights(
+        self, block: int, per_row: Mapping[str, int]
+    ) -> dict[str, tuple[float, float]]:
         """Per phase (FLOPs per unit, FLOPs per computed attention tile of `block` rows):
         what a bucket's capacity costs whether it holds real work or padding. A tile is
-        computed whole, so a causal phase's (whose quadratic term counts half the pairs) costs
-        twice its coefficient per pair; an audio encoder row is `audio_per_row` frames."""
-        side = {"llm": block, "vision": block, "audio": block * audio_per_row}
-        half = {"llm": 2.0, "vision": 1.0, "audio": 1.0}
-        return {
-            p: (self.phase(p).linear, half[p] * self.phase(p).quadratic * side[p] ** 2)
-            for p in PHASES
-        }
+        computed whole, so a causal phase's (the LLM's, whose quadratic term counts half the
+        pairs) costs twice its coefficient per pair; an encoder row is `per_row[phase]` units
+        (1 where missing)."""
+        out = {}
+        for p in PHASES:
+            side = block * (1 if p == LLM else per_row.get(p, 1))
+            half = 2.0 if p == LLM else 1.0
+            out[p] = (self.phase(p).linear, half * self.phase(p).quadratic * side**2)
+        return out
 
     def step_cost(self, work: dict[str, float]) -> float:
         """Overhead plus each phase's cost of `work` (`{phase}_units`, `{phase}_sq` keys)."""
@@ -138,12 +140,12 @@ class CostModel:
             phases = {
                 p: PhaseCost(float(t["linear"]), float(t["quadratic"])) for p, t in terms.items()
             }
-            model = cls(**phases, unit=str(raw["unit"]), overhead=float(raw["overhead"]))
+            model = cls(phases, unit=str(raw["unit"]), overhead=float(raw["overhead"]))
         except (KeyError, TypeError, ValueError) as e:
             raise CostFileError(
                 f"{path}: not a cost model ({type(e).__name__}: {e}); expected "
                 '{"unit": ..., "overhead": ..., "phases": {"llm": {"linear": ..., '
-                '"quadratic": ...}, "vision": ..., "audio": ...}}'
+                f'"quadratic": ...}}, one such per phase of {", ".join(PHASES)}}}'
             ) from None
         if model.unit not in ("flops", "seconds"):
             raise CostFileError(f"{path}: unit must be flops or seconds, got {model.unit!r}")
@@ -152,38 +154,57 @@ class CostModel:
     @classmethod
     def from_model(cls, model: ModelConfig) -> CostModel:
         """Training FLOPs per item from the module sizes and what is frozen."""
-        v, a, lm = model.vision, model.audio, model.llm
-        enc_trainable = (v.enabled and not v.freeze) or (a.enabled and not a.freeze)
+        lm, on = model.llm, [p for p in ENCODERS if p.enabled(model)]
+        enc_trainable = any(not p.encoder(model).freeze for p in on)
         below_llm = enc_trainable or not model.projector_freeze
         m_llm = multiplier(lm.freeze, below_llm)
-        m_vis, m_aud = multiplier(v.freeze, False), multiplier(a.freeze, False)
         m_proj = multiplier(model.projector_freeze, enc_trainable)
         head = getattr(lm, "head_dim", 0) or lm.width // lm.heads  # (runs before head_dim)
         q, kv = head * lm.heads, head * lm.kv_heads  # query (and output) width, key/value width
-        mlp = lambda section: getattr(section, "mlp", "gated_silu")
-        llm_lin = lm.depth * layer_linear(lm.width, kv, lm.mlp_dim, q, mlp(lm))
+        llm_lin = lm.depth * layer_linear(lm.width, kv, lm.mlp_dim, q, _mlp(lm))
         llm_lin += 2 * lm.width * lm.vocab_size
         llm_quad = lm.depth * 2.0 * q  # causal: half of 4*d
-        area = v.merge**2
-        hid_v = getattr(v, "projector_dim", 0) or lm.width
-        proj_v = 2 * (area * v.width * hid_v + hid_v * lm.width) / area  # per patch
-        vis_lin = v.depth * layer_linear(v.width, v.width, v.mlp_dim, mlp=mlp(v))
-        vis_quad = v.depth * 4.0 * v.width
-        stem = getattr(a, "stem", "pairs")
-        s, r = a.subsample, 2 if stem == "whisper" else 4  # frames per LLM token, per encoder row
-        hid_a = getattr(a, "projector_dim", 0) or lm.width
-        proj_a = 2 * (s // r * a.width * hid_a + hid_a * lm.width) / s  # per frame
-        if stem == "whisper":  # 3-tap convs, stride 1 then 2: per frame
-            conv = 2 * 3 * a.width * (a.n_mels + a.width / 2)
-        else:  # (two 3-tap stride-2 convs, as first modelled: within a few % of the two pairs)
-            conv = 2 * 9 * a.width * (a.n_mels + a.width) / s
-        aud_lin = a.depth * layer_linear(a.width, a.width, a.mlp_dim, mlp=mlp(a)) / r + conv
-        aud_quad = a.depth * 4.0 * a.width / (r * r)
-        return cls(
-            llm=PhaseCost(m_llm * llm_lin, m_llm * llm_quad),
-            vision=PhaseCost(m_vis * vis_lin + m_proj * proj_v, m_vis * vis_quad),
-            audio=PhaseCost(m_aud * aud_lin + m_proj * proj_a, m_aud * aud_quad),
-        )
+        terms = {LLM: PhaseCost(m_llm * llm_lin, m_llm * llm_quad)}
+        for p in ENCODERS:
+            enc = p.encoder(model)
+            lin, quad, proj = ENCODER_FLOPS[p.name](enc, lm.width)
+            m_enc = multiplier(enc.freeze, False)
+            terms[p.name] = PhaseCost(m_enc * lin + m_proj * proj, m_enc * quad)
+        return cls(terms)
+
+
+def _mlp(section) -> str:
+    return getattr(section, "mlp", "gated_silu")
+
+
+def _vision_flops(v, llm_width: int) -> tuple[float, float, float]:
+    """Per patch: (encoder linear, encoder quadratic, projector) forward FLOPs of a ViT over
+    patches and its merge-area MLP projector."""
+    area = v.merge**2
+    hid = getattr(v, "projector_dim", 0) or llm_width
+    proj = 2 * (area * v.width * hid + hid * llm_width) / area
+    lin = v.depth * layer_linear(v.width, v.width, v.mlp_dim, mlp=_mlp(v))
+    return lin, v.depth * 4.0 * v.width, proj
+
+
+def _audio_flops(a, llm_width: int) -> tuple[float, float, float]:
+    """Per log-mel frame: (encoder linear, encoder quadratic, projector) forward FLOPs of the
+    audio encoder (its stem's convolutions, then a transformer on rows of `r` frames) and its
+    projector (`subsample / r` rows per LLM token)."""
+    stem = getattr(a, "stem", "pairs")
+    s, r = a.subsample, 2 if stem == "whisper" else 4  # frames per LLM token, per encoder row
+    hid = getattr(a, "projector_dim", 0) or llm_width
+    proj = 2 * (s // r * a.width * hid + hid * llm_width) / s
+    if stem == "whisper":  # 3-tap convs, stride 1 then 2: per frame
+        conv = 2 * 3 * a.width * (a.n_mels + a.width / 2)
+    else:  # (two 3-tap stride-2 convs, as first modelled: within a few % of the two pairs)
+        conv = 2 * 9 * a.width * (a.n_mels + a.width) / s
+    lin = a.depth * layer_linear(a.width, a.width, a.mlp_dim, mlp=_mlp(a)) / r + conv
+    return lin, a.depth * 4.0 * a.width / (r * r), proj
+
+
+# Per encoder phase of the table: its forward FLOPs per unit from its config section
+ENCODER_FLOPS = {"vision": _vision_flops, "audio": _audio_flops}
 
 
 def multiplier(frozen: bool, trainable_below: bool) -> int:
@@ -289,7 +310,7 @@ def _scaled(cost: PhaseCost, scale: float) -> PhaseCost:
 def _seconds_model(overhead: float, phases: dict[str, PhaseCost]) -> CostModel:
     zero = PhaseCost(0.0, 0.0)
     terms = {p: phases.get(p, zero) for p in PHASES}
-    return CostModel(**terms, unit="seconds", overhead=overhead)
+    return CostModel(terms, unit="seconds", overhead=overhead)
 
 
 def _nnls(x: np.ndarray, y: np.ndarray, prior: np.ndarray | None = None, ridge: float = 0.0):

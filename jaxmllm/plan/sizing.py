@@ -16,7 +16,9 @@ import math
 import jax
 
 import sharding
-from jaxmllm.config import Config, ConfigError
+from jaxmllm.config import Config, ConfigError, phases
+from jaxmllm.config.phases import ENCODERS, LLM
+from jaxmllm.config.spec import documents_bounded
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.capacity import (
     HELD_DRY_RUN_STEPS,
@@ -54,29 +56,28 @@ def resolve_batch(cfg: Config, index: LengthsIndex, devices: int | None = None) 
             "see the index's rejects.jsonl, or raise data.synthetic.num_samples"
         )
     changes = {}
+    per_token = {p.name: p.per_token(m) for p in ENCODERS}
     if b.capacity == "auto":
         block = b.attention_block if m.attention == "block_sparse" else 1
-        area, sub = m.vision.merge**2, m.audio.subsample
+        per_row = {p.name: p.per_row(m) for p in ENCODERS}
+        tokens = b.llm_rows * b.llm_row_len
         if cfg.mesh.context > 1:  # (a device's tokens: its share of its group's longer rows)
-            got = encoder_capacities(index, b.llm_rows * b.llm_row_len, area, sub, block=block)
+            got = encoder_capacities(index, tokens, per_token, per_row=per_row, block=block)
         else:
-            got = suggest_capacities(index, b.llm_rows * b.llm_row_len, area, sub,
+            got = suggest_capacities(index, tokens, per_token, per_row=per_row,
                                      max_row_len=b.llm_row_len, block=block)  # fmt: skip
-        for key in ("vision_patches", "audio_frames"):
-            value = getattr(got, key)
-            if value:  # 0: the data has none of it; keep the configured bucket
-                changes[key] = value
+        for p in ENCODERS:
+            if got.units[p.name]:  # 0: the data has none of it; keep the configured bucket
+                changes[p.capacity] = got.units[p.name]
     auto_route = False
     if b.route_pair_capacity != 0 and b.planner != "orchestrated":
         # Only orchestrated moves items between devices; an exchange would only move zeros.
         changes["route_pair_capacity"] = 0
     elif b.route_pair_capacity == -1:
         # A device's whole encoder output (never binds) for the dry run, then what it carried.
-        vision = changes.get("vision_patches", b.vision_patches) // m.vision.merge**2
-        audio = changes.get("audio_frames", b.audio_frames) // m.audio.subsample
-        changes["route_pair_capacity"] = max(
-            vision if m.vision.enabled else 0, audio if m.audio.enabled else 0, 1
-        )
+        rows = [changes.get(p.capacity, p.bucket(b)) // per_token[p.name]
+                for p in phases.enabled(m)]  # fmt: skip
+        changes["route_pair_capacity"] = max(*rows, 1)
         auto_route = True
     if b.devices_per_host == -1:
         changes["devices_per_host"] = resolve_devices_per_host(cfg, devices)
@@ -134,7 +135,7 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
     comparison shows what its packing costs. Never below what the largest document needs.
     """
     b = cfg.batch
-    keys = [f"{p}_tiles" for p in ("llm", "vision", "audio") if getattr(b, f"{p}_tiles") == -1]
+    keys = {p: key for p, key in tile_keys().items() if getattr(b, key) == -1}
     if cfg.model.attention != "block_sparse" or not keys:
         return {}
     caps = capacities(cfg, devices or 1)  # (the -1s: no bound)
@@ -144,7 +145,7 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
     planner = make_planner(b.planner, index, caps, cfg.data.seed)
     if b.planner in HOLDS_TILES:
         # (the headroom that does the most useful work per computed FLOP of the cost model)
-        weights = CostModel.from_model(cfg.model).tile_weights(caps.block, caps.audio_per_row)
+        weights = CostModel.from_model(cfg.model).tile_weights(caps.block, caps.per_row)
         need = held_tiles(
             planner,
             index,
@@ -161,7 +162,7 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
     # Documents the dry run did not meet fit too, wherever in a block they start.
     least = device_tile_caps(caps, largest_doc_tiles(index, caps))
     need = {p: max(n, least[p]) for p, n in need.items()}
-    return {key: max(need[key.removesuffix("_tiles")], 1) for key in keys}
+    return {key: max(need[p], 1) for p, key in keys.items()}
 
 
 DOCUMENTS_HEADROOM = 0.25  # cuDNN's documents per row: over the dry run's most, when longer
@@ -177,7 +178,8 @@ def resolve_documents(cfg: Config, index: LengthsIndex, devices: int | None) -> 
     tokens a row, 0.4B parameters, it asked for 234 GiB on an H100. A later row past the
     bound stops the run naming the key (`bucketize`); resume with it raised."""
     b = cfg.batch
-    keys = [p for p in documents_phases(cfg) if getattr(b, f"{p}_documents") == -1]
+    keys = {p: key for p, key in document_keys().items()
+            if getattr(b, key) == -1 and p in documents_bounded(cfg.model)}  # fmt: skip
     if not keys:
         return {}
     if devices is None:
@@ -189,16 +191,17 @@ def resolve_documents(cfg: Config, index: LengthsIndex, devices: int | None) -> 
                              steps)  # fmt: skip
     if steps < cfg.train.steps:
         most = {p: math.ceil(n * (1 + DOCUMENTS_HEADROOM)) for p, n in most.items()}
-    return {f"{p}_documents": max(1, min(bound[p], most[p])) for p in keys}
+    return {key: max(1, min(bound[p], most[p])) for p, key in keys.items()}
 
 
-def documents_phases(cfg: Config) -> tuple[str, ...]:
-    """The phases whose rows are bounded by `batch.*_documents`: every phase with cuDNN's
-    packed layout; a vision tower with class tokens (a row for each image) otherwise."""
-    if cfg.model.attention == "cudnn":
-        return ("llm", "vision", "audio")
-    v = cfg.model.vision
-    return ("vision",) if v.enabled and v.class_token else ()
+def tile_keys() -> dict[str, str]:
+    """Per phase, the batch key of its tile capacity (block-sparse attention)."""
+    return {LLM: "llm_tiles", **{p.name: p.tiles for p in ENCODERS}}
+
+
+def document_keys() -> dict[str, str]:
+    """Per phase, the batch key of its most documents a row (cuDNN attention)."""
+    return {LLM: "llm_documents", **{p.name: p.documents for p in ENCODERS}}
 
 
 def capacities(cfg: Config, devices: int) -> Capacities:
@@ -211,23 +214,22 @@ def capacities(cfg: Config, devices: int) -> Capacities:
             "batch.route_pair_capacity=-1 (auto) must be resolved against the "
             "data first: jaxmllm.plan.sizing.resolve_batch"
         )
+    on = {p.name: p.enabled(m) for p in ENCODERS}
+    tiles = {p: max(getattr(b, key), 0) if sparse and on.get(p, True) else 0
+             for p, key in tile_keys().items()}  # fmt: skip
     return Capacities(
         microbatches=b.microbatches,
         devices=devices,
         llm_rows=b.llm_rows,
         llm_row_len=b.llm_row_len,
-        vision_patches=b.vision_patches if m.vision.enabled else 0,
-        audio_frames=b.audio_frames if m.audio.enabled else 0,
-        merge_area=m.vision.merge**2,
-        subsample=m.audio.subsample,
-        audio_stride=0 if m.audio.stride == m.audio.subsample else m.audio.stride,
+        units={p.name: p.bucket(b) if on[p.name] else 0 for p in ENCODERS},
+        per_token={p.name: p.per_token(m) for p in ENCODERS},
+        per_row={p.name: p.per_row(m) for p in ENCODERS},
         route_pair_capacity=b.route_pair_capacity,
         devices_per_host=max(b.devices_per_host, 0),
         context=cfg.mesh.context,
         block=b.attention_block if sparse else 0,
-        llm_tiles=max(b.llm_tiles, 0) if sparse else 0,
-        vision_tiles=max(b.vision_tiles, 0) if sparse and m.vision.enabled else 0,
-        audio_tiles=max(b.audio_tiles, 0) if sparse and m.audio.enabled else 0,
+        tiles=tiles,
     )
 
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxmllm.config.phases import LLM, PHASES
 from jaxmllm.plan.contract import Capacities, bucket_tile_caps
 from jaxmllm.plan.ragged import run_cumsum, stable_sort
 from jaxmllm.plan.tiles import item_tiles
-
-PHASES = ("llm", "vision", "audio")
 
 
 class TileBudget:
@@ -28,10 +27,11 @@ class TileBudget:
     def __init__(self, caps: Capacities):
         self.block = caps.block
         self.caps = bucket_tile_caps(caps)
-        self.audio_per_row = caps.audio_per_row  # frames per audio encoder row
+        self.per_row = {p: caps.row_units(p) for p in PHASES[1:]}  # units per encoder row
+        self.per_row[LLM] = 1
         self.llm_rows = caps.llm_rows
         self.used = {p: np.zeros(caps.devices, np.int64) for p in PHASES}
-        self.used["llm"] = np.zeros(caps.llm_buckets, np.int64)
+        self.used[LLM] = np.zeros(caps.llm_buckets, np.int64)
 
     def admit(
         self,
@@ -69,12 +69,12 @@ class TileBudget:
         self, phase: str, bins: np.ndarray, start: np.ndarray, size: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """(exact tiles, device) of documents laid out in order after `start[bin]`."""
-        per = self.audio_per_row if phase == "audio" else 1
+        per = self.per_row[phase]
         order, key = stable_sort(bins, len(start))
         s = size[order]
         end = run_cumsum(key, s) + start[key]
         offset = end - s
         t = np.empty(len(bins), np.int64)
-        t[order] = item_tiles(offset // per, s // per, self.block, phase == "llm", offset // per)
-        device = bins // self.llm_rows if phase == "llm" else bins
+        t[order] = item_tiles(offset // per, s // per, self.block, phase == LLM, offset // per)
+        device = bins // self.llm_rows if phase == LLM else bins
         return t, device

@@ -20,16 +20,17 @@ from flax import nnx
 
 import sharding
 from jaxmllm.config import Config
+from jaxmllm.config.phases import ENCODERS
+from jaxmllm.config.spec import BatchSpec
 from jaxmllm.models import MultimodalLM, param_axes
 
-# Top-level model attributes, and the config switch that freezes each.
-FREEZE_SWITCHES = {
-    "vision": lambda m: m.vision.freeze,
-    "vision_projector": lambda m: m.projector_freeze,
-    "audio": lambda m: m.audio.freeze,
-    "audio_projector": lambda m: m.projector_freeze,
-    "llm": lambda m: m.llm.freeze,
-}
+# Top-level model attributes, and the config switch that freezes each: per encoder phase its
+# encoder (model.<phase>.freeze) and projector (model.projector_freeze), then the LLM.
+FREEZE_SWITCHES = {}
+for _p in ENCODERS:
+    FREEZE_SWITCHES[_p.name] = lambda m, p=_p: p.encoder(m).freeze
+    FREEZE_SWITCHES[f"{_p.name}_projector"] = lambda m: m.projector_freeze
+FREEZE_SWITCHES["llm"] = lambda m: m.llm.freeze
 
 
 # ----------------------------------------------------------------------------- model state
@@ -51,7 +52,7 @@ class ModelParts:
 
 def build_model(cfg: Config, seed: int) -> tuple[dict, dict]:
     """Initialises the model; returns (trainable params, frozen params) as pure dicts."""
-    return split_frozen(cfg, MultimodalLM(cfg.model, cfg.batch, rngs=nnx.Rngs(seed)))
+    return split_frozen(cfg, MultimodalLM(cfg.model, BatchSpec.of(cfg), rngs=nnx.Rngs(seed)))
 
 
 def split_frozen(cfg: Config, model: MultimodalLM) -> tuple[dict, dict]:
@@ -66,7 +67,8 @@ def split_frozen(cfg: Config, model: MultimodalLM) -> tuple[dict, dict]:
 
 def model_parts(cfg: Config) -> tuple[ModelParts, dict]:
     """Shape-only model build: graph, state template, and logical axes of every parameter."""
-    abstract = nnx.eval_shape(lambda: MultimodalLM(cfg.model, cfg.batch, rngs=nnx.Rngs(0)))
+    spec = BatchSpec.of(cfg)
+    abstract = nnx.eval_shape(lambda: MultimodalLM(cfg.model, spec, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract, nnx.Param)
     frozen = tuple(k for k, f in FREEZE_SWITCHES.items() if k in state and f(cfg.model))
     return ModelParts(graphdef, state, frozen), param_axes(state)

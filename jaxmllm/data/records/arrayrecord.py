@@ -12,7 +12,10 @@ import json
 import struct
 from pathlib import Path
 
+from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.rejects import RecordError, check_media_file
+
+MEDIA_KEYS = tuple(p.items for p in ENCODERS)  # a record's lists of media entries
 
 MAGIC = b"JMLR1"
 
@@ -38,7 +41,7 @@ def encode_record(obj: object, base_dir: Path, line: int) -> bytes:
 
     if isinstance(obj, dict) and "__malformed__" not in obj:
         obj = dict(obj)
-        for key in ("images", "audio"):
+        for key in MEDIA_KEYS:
             if isinstance(obj.get(key), list):
                 obj[key] = [embed(e) for e in obj[key]]
     header = json.dumps({"record": obj, "line": line}).encode()
@@ -63,7 +66,7 @@ def _decode(data: bytes) -> tuple[object, int]:
     body = memoryview(data)[start + n :]
     obj = head["record"]
     if isinstance(obj, dict):
-        for key in ("images", "audio"):
+        for key in MEDIA_KEYS:
             if isinstance(obj.get(key), list):
                 obj[key] = [
                     {"bytes": bytes(body[e["blob"][0] : e["blob"][0] + e["blob"][1]])}

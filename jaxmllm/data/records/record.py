@@ -1,8 +1,9 @@
 """A parsed record: its turns of (role, text) and its media sources, checked.
 
 A record is `{"id", "text"}` (plain text) or `{"id", "messages": [{"role", "content"}]}` (a
-chat), with `images` / `audio` lists of paths (relative to the data file), `data:...;base64,`
-URIs or {"base64": ...}; the text places each item with an `<image>` / `<audio>` placeholder.
+chat), with a list of items per encoder phase under its `items` key (`images`, `audio`: paths
+relative to the data file, `data:...;base64,` URIs or {"base64": ...}); the text places each
+item with its phase's placeholder (`<image>`, `<audio>`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.rejects import RecordError
 
-PLACEHOLDER = re.compile(r"(<image>|<audio>)")
+PHASE_OF_PLACEHOLDER = {p.placeholder: p.name for p in ENCODERS}  # "<image>" -> its phase
+PLACEHOLDER = re.compile("(" + "|".join(re.escape(t) for t in PHASE_OF_PLACEHOLDER) + ")")
+PART_PHASE = {p.item: p.name for p in ENCODERS}  # a content part's type ("image") -> its phase
 ROLES = ("system", "user", "assistant")
 
 
@@ -25,8 +29,7 @@ class Record:
 
     id: str
     turns: list[tuple[str, str]]  # role "text" for plain text records
-    images: list[Any]  # Path | bytes (inline / embedded)
-    audio: list[Any]
+    media: dict[str, list[Any]]  # per encoder phase, its items' sources: Path | bytes
 
 
 def parse_record(obj: Any, base_dir: Path, line: int) -> Record:
@@ -55,12 +58,12 @@ def parse_record(obj: Any, base_dir: Path, line: int) -> Record:
     if not all(_valid_unicode(t) for _, t in turns):  # JSON's "\ud800" escapes decode to these
         raise RecordError("malformed_line", "text is not valid Unicode (a lone surrogate)", rid)
     media = {}
-    for key in ("images", "audio"):
-        entries = obj.get(key, [])
+    for p in ENCODERS:
+        entries = obj.get(p.items, [])
         if not isinstance(entries, list):
-            raise RecordError("malformed_line", f"'{key}' must be a list", rid)
-        media[key] = [_media_source(e, base_dir, rid) for e in entries]
-    record = Record(rid, turns, media["images"], media["audio"])
+            raise RecordError("malformed_line", f"'{p.items}' must be a list", rid)
+        media[p.name] = [_media_source(e, base_dir, rid) for e in entries]
+    record = Record(rid, turns, media)
     _check_placeholders(record)
     return record
 
@@ -85,7 +88,7 @@ def _content_part(part: Any, rid: str) -> str:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):
         return part["text"]
-    if kind in ("image", "audio"):
+    if kind in PART_PHASE:
         return f"<{kind}>"
     raise RecordError("malformed_line", f"unknown content part {part!r:.60}", rid)
 
@@ -118,16 +121,16 @@ def _valid_unicode(text: str) -> bool:
 
 def _check_placeholders(r: Record) -> None:
     text = "".join(t for _, t in r.turns)
-    for key, media in (("image", r.images), ("audio", r.audio)):
-        n = text.count(f"<{key}>")
+    for p in ENCODERS:
+        n, media = text.count(p.placeholder), r.media[p.name]
         if n != len(media):
             raise RecordError(
                 "placeholder_mismatch",
-                f"{n} <{key}> placeholder(s), {len(media)} {key} item(s)",
+                f"{n} {p.placeholder} placeholder(s), {len(media)} {p.item} item(s)",
                 r.id,
             )
     words = PLACEHOLDER.sub("", text).strip()
-    if not words and not r.images and not r.audio:
+    if not words and not any(r.media.values()):
         raise RecordError("empty_sample", "no text and no media", r.id)
     roles = [role for role, _ in r.turns]
     if "text" not in roles and not any(

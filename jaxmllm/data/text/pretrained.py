@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import ConfigError
-from jaxmllm.data.records.record import PLACEHOLDER, Record
+from jaxmllm.config.phases import BY_NAME, ENCODERS, Phase
+from jaxmllm.data.records.record import PHASE_OF_PLACEHOLDER, PLACEHOLDER, Record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.text.chat_template import ChatTemplate, TemplateError, TemplateInconsistent
 from jaxmllm.data.text.specials import Specials
@@ -48,20 +49,22 @@ FILES = (
     "processor_config.json",
 )
 NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-# Checkpoints' own media placeholders: (token, opening, closing); the wrap is used when the
-# vocabulary has both of its tokens. Searched after tokenizer_config's image_token/audio_token.
-IMAGE_TOKENS = (
-    ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"),  # Qwen2-VL, Qwen2.5(-VL), Qwen3
-    ("<|IMAGE|>", "<|vision_bos|>", "<|vision_eos|>"),  # Qwen2.5-Omni
-    ("<|image|>", "", ""),  # Llama 3.2 Vision
-    ("<image>", "", ""),  # LLaVA
-)
-AUDIO_TOKENS = (
-    ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"),  # Qwen2-Audio, Qwen2.5-Omni
-    ("<|audio_pad|>", "<|audio_start|>", "<|audio_end|>"),  # Qwen3-Omni
-    ("<audio>", "", ""),
-)
-NEW_TOKENS = {"image": "<|jaxmllm_image|>", "audio": "<|jaxmllm_audio|>"}
+# Checkpoints' own media placeholders per encoder phase: (token, opening, closing); the wrap is
+# used when the vocabulary has both of its tokens. Searched after tokenizer_config's
+# `<item>_token` (image_token, audio_token).
+KNOWN_TOKENS = {
+    "vision": (
+        ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"),  # Qwen2-VL, Qwen2.5(-VL), Qwen3
+        ("<|IMAGE|>", "<|vision_bos|>", "<|vision_eos|>"),  # Qwen2.5-Omni
+        ("<|image|>", "", ""),  # Llama 3.2 Vision
+        ("<image>", "", ""),  # LLaVA
+    ),
+    "audio": (
+        ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"),  # Qwen2-Audio, Qwen2.5-Omni
+        ("<|audio_pad|>", "<|audio_start|>", "<|audio_end|>"),  # Qwen3-Omni
+        ("<audio>", "", ""),
+    ),
+}
 DEFAULT_DATE = "2024-07-26"  # what strftime_now renders (data.template_date's default)
 
 
@@ -114,8 +117,10 @@ class PretrainedTokenizer:
         self.base_size = max(self._tk.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         named = _named_tokens(config, root)
         self.added_tokens: dict[str, int] = {}
-        media = {**_processor_tokens(root), **named}  # (the tokenizer's own first)
-        self._media = {kind: self._media_placeholder(kind, media) for kind in ("image", "audio")}
+        # per encoder phase: (its placeholder token, the text an item becomes); the tokenizer's
+        # own `<item>_token` first, then the processor's (processor_config.json)
+        media = {**_processor_tokens(root), **named}
+        self._media = {p.name: self._media_placeholder(p, media) for p in ENCODERS}
         self.vocab_size = max([self.base_size - 1, *self.added_tokens.values()]) + 1
         self.specials = self._specials(named, root)
         self.template = _load_template(root, config, named, template_date)
@@ -135,14 +140,14 @@ class PretrainedTokenizer:
         """The id of a token of the vocabulary (`<|im_start|>`), or None."""
         return self._tk.token_to_id(token)
 
-    def _media_placeholder(self, kind: str, named: dict[str, str]) -> tuple[str, str]:
+    def _media_placeholder(self, phase: Phase, named: dict[str, str]) -> tuple[str, str]:
         """(the placeholder token, the text a media item becomes: it in its wrap)."""
         from tokenizers import AddedToken
 
-        known = IMAGE_TOKENS if kind == "image" else AUDIO_TOKENS
-        token, before, after = self._own_placeholder(named.get(f"{kind}_token"), known)
+        known = KNOWN_TOKENS.get(phase.name, ())
+        token, before, after = self._own_placeholder(named.get(f"{phase.item}_token"), known)
         if token is None:  # a new token after the vocabulary: the model needs its row
-            token = NEW_TOKENS[kind]
+            token = f"<|jaxmllm_{phase.item}|>"
             self._tk.add_special_tokens([AddedToken(token, special=True, normalized=False)])
             self.added_tokens[token] = self._tk.token_to_id(token)
         return token, before + token + after
@@ -165,9 +170,9 @@ class PretrainedTokenizer:
         more = generation.get("eos_token_id", [])
         more = [more] if isinstance(more, int) else [i for i in more if isinstance(i, int)]
         stop = tuple(dict.fromkeys([eos, *more]))
-        image, audio = (self._tk.token_to_id(self._media[k][0]) for k in ("image", "audio"))
+        media = {p: self._tk.token_to_id(token) for p, (token, _) in self._media.items()}
         try:
-            return Specials(pad=pad, bos=bos, eos=eos, stop=stop, image=image, audio=audio)
+            return Specials(pad=pad, bos=bos, eos=eos, stop=stop, media=media)
         except ValueError as e:
             raise ConfigError(f"data.tokenizer: {root}: {e}") from None
 
@@ -185,26 +190,27 @@ class PretrainedTokenizer:
         """A chat record's turns as HF messages: `<image>` / `<audio>` become content parts
         ({"type": "image"}) where the template renders that placeholder itself (Qwen2-VL's),
         else the wrapped placeholder text."""
-        own = {k for k, (token, _) in self._media.items() if self.template and token in
+        own = {p for p, (token, _) in self._media.items() if self.template and token in
                self.template.source}  # fmt: skip
         out = []
         for role, text in record.turns:
             parts = [p for p in PLACEHOLDER.split(text) if p]
-            if not own & {p[1:-1] for p in parts}:
+            if not own & {PHASE_OF_PLACEHOLDER.get(p) for p in parts}:
                 out.append({"role": role, "content": self._substitute(text)})
                 continue
             content = []
             for p in parts:
-                kind = p[1:-1] if p in ("<image>", "<audio>") else None
-                if kind in own:
-                    content.append({"type": kind})
+                phase = PHASE_OF_PLACEHOLDER.get(p)
+                if phase in own:
+                    content.append({"type": BY_NAME[phase].item})
                 else:
-                    content.append({"type": "text", "text": self._media[kind][1] if kind else p})
+                    text = self._media[phase][1] if phase else p
+                    content.append({"type": "text", "text": text})
             out.append({"role": role, "content": content})
         return out
 
     def pieces(self, record: Record, generation: bool = False) -> list[tuple]:
-        """Token runs ("text", ids, loss) and media markers ("image", j) / ("audio", j) of
+        """Token runs ("text", ids, loss) and media markers (encoder phase, item number) of
         `record`, in order; `generation`: a prompt ending in the assistant's generation
         prompt, nothing learned. Raises RecordError for a template that fails on the record."""
         if record.turns[0][0] == "text":
@@ -227,7 +233,7 @@ class PretrainedTokenizer:
         return self.encode(text)
 
     def _substitute(self, text: str) -> str:
-        return PLACEHOLDER.sub(lambda m: self._media[m.group(0)[1:-1]][1], text)
+        return PLACEHOLDER.sub(lambda m: self._media[PHASE_OF_PLACEHOLDER[m.group(0)]][1], text)
 
     def _render(self, record: Record, generation: bool) -> tuple[list[int], np.ndarray]:
         if self.template is None:
@@ -256,24 +262,24 @@ class PretrainedTokenizer:
 
     def _split_media(self, ids: np.ndarray, loss: np.ndarray, record: Record) -> list[tuple]:
         s = self.specials
-        marks = np.flatnonzero((ids == s.image) | (ids == s.audio))
-        found = {"image": int((ids == s.image).sum()), "audio": int((ids == s.audio).sum())}
-        for kind, media in (("image", record.images), ("audio", record.audio)):
-            if found[kind] != len(media):
+        marks = np.flatnonzero(np.isin(ids, list(s.media.values())))
+        for p in ENCODERS:
+            found, items = int((ids == s.media[p.name]).sum()), len(record.media[p.name])
+            if found != items:
                 raise RecordError(
                     "placeholder_mismatch",
-                    f"the sequence has {found[kind]} {self._media[kind][0]} placeholder(s) for "
-                    f"{len(media)} {kind} item(s) (the text holds that token itself?)",
+                    f"the sequence has {found} {self._media[p.name][0]} placeholder(s) for "
+                    f"{items} {p.item} item(s) (the text holds that token itself?)",
                     record.id,
                 )
-        out, at, count = [], 0, {"image": 0, "audio": 0}
+        out, at, count = [], 0, dict.fromkeys(s.media, 0)
         for m in marks.tolist() + [len(ids)]:
             if m > at:
                 out.append(("text", ids[at:m], loss[at:m]))
             if m < len(ids):
-                kind = "image" if ids[m] == s.image else "audio"
-                out.append((kind, count[kind]))
-                count[kind] += 1
+                phase = s.phase_of(int(ids[m]))
+                out.append((phase, count[phase]))
+                count[phase] += 1
             at = m + 1
         return out
 
@@ -330,7 +336,7 @@ def _processor_tokens(root: Path) -> dict[str, str]:
     """The placeholders a whole checkpoint's processor names (processor_config.json's
     image_token, audio_token: LlavaProcessor's, Qwen2AudioProcessor's)."""
     processor = _read_json(root / "processor_config.json", required=False)
-    keys = ("image_token", "audio_token")
+    keys = [f"{p.item}_token" for p in ENCODERS]
     return {k: processor[k] for k in keys if isinstance(processor.get(k), str)}
 
 

@@ -25,13 +25,14 @@ end-of-turn ids).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError
+from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.preprocess import Limits, Params, Preprocessor
 from jaxmllm.data.records import open_records, read_record
 from jaxmllm.data.records.record import PLACEHOLDER, parse_record
@@ -48,8 +49,9 @@ class Template(Protocol):
 
     specials: Specials  # the tokenizer's ids: `stop` ends an answer (kept in its ids)
 
-    def prompt(self, text: str, images: Sequence[Any], audio: Sequence[Any]) -> Sample:
-        """The prompt of a user message with media files (paths), ready to generate from.
+    def prompt(self, text: str, media: Mapping[str, Sequence[Any]]) -> Sample:
+        """The prompt of a user message with media files (paths, per encoder phase), ready to
+        generate from.
 
         Raises:
           RecordError: a media file that is missing, undecodable or over the data caps, or
@@ -57,9 +59,9 @@ class Template(Protocol):
         """
         ...
 
-    def prompt_ids(self, ids: Sequence[int], images: Sequence[Any], audio: Sequence[Any]) -> Sample:
-        """A prompt of exactly these token ids; each image (clip) fills the next run of image
-        (audio) placeholder ids, which must be as long as its encoder output."""
+    def prompt_ids(self, ids: Sequence[int], media: Mapping[str, Sequence[Any]]) -> Sample:
+        """A prompt of exactly these token ids; each item (an image, a clip) fills the next run
+        of its phase's placeholder ids, which must be as long as its encoder output."""
         ...
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -74,12 +76,13 @@ class RecordTemplate:
         self.pre, self.chat = pre, chat
         self.specials: Specials = pre.tokenizer.specials
 
-    def prompt(self, text: str, images: Sequence[Any], audio: Sequence[Any]) -> Sample:
+    def prompt(self, text: str, media: Mapping[str, Sequence[Any]]) -> Sample:
         """See `Template.prompt`. Without any placeholder in `text`, the media come first, in
-        order (images, then clips), as in the built-in data and most image-text data sets."""
+        the table's order (images, then clips), as in the built-in data and most image-text
+        data sets."""
         if not PLACEHOLDER.search(text):
-            text = "<image>" * len(images) + "<audio>" * len(audio) + text
-        obj = {"id": "prompt", "images": [str(p) for p in images], "audio": [str(p) for p in audio]}
+            text = _placeholders(media) + text
+        obj = {"id": "prompt", **_media_entries(media)}
         if self.chat:  # (a record needs an answer to parse: a stand-in, left out below)
             obj["messages"] = [{"role": "user", "content": text},
                                {"role": "assistant", "content": "."}]  # fmt: skip
@@ -90,33 +93,25 @@ class RecordTemplate:
             record = dataclasses.replace(record, turns=record.turns[:-1])
         return self._sample(record)
 
-    def prompt_ids(self, ids: Sequence[int], images: Sequence[Any], audio: Sequence[Any]) -> Sample:
+    def prompt_ids(self, ids: Sequence[int], media: Mapping[str, Sequence[Any]]) -> Sample:
         """See `Template.prompt_ids`."""
         tokens = np.asarray(list(ids), np.int32)
-        media = Sample(-1, tokens[:0], tokens[:0].astype(bool))
-        if images or audio:  # (decoded as a record of the media alone)
-            obj = {
-                "id": "prompt",
-                "text": "<image>" * len(images) + "<audio>" * len(audio),
-                "images": [str(p) for p in images],
-                "audio": [str(p) for p in audio],
-            }
-            media = self._sample(parse_record(obj, Path.cwd(), 0))
-        merge_area, subsample = self.pre.p.merge**2, self.pre.p.subsample
-        for name, marker, rows in (
-            ("image", self.specials.image, sum(len(m[0]) // merge_area for m in media.images)),
-            ("audio", self.specials.audio, sum(len(m) // subsample for m in media.audio)),
-        ):
+        decoded = Sample(-1, tokens[:0], tokens[:0].astype(bool))
+        if any(media.values()):  # (decoded as a record of the media alone)
+            obj = {"id": "prompt", "text": _placeholders(media), **_media_entries(media)}
+            decoded = self._sample(parse_record(obj, Path.cwd(), 0))
+        for p in ENCODERS:
+            marker, per = self.specials.media[p.name], self.pre.per_token[p.name]
+            rows = sum(len(m[0]) // per for m in decoded.media[p.name])
             have = int((tokens == marker).sum())
             if have != rows:
                 raise RecordError(
                     "placeholder_mismatch",
-                    f"the prompt ids hold {have} {name} placeholder ids ({marker}); the {name} "
-                    f"input(s) given need {rows} (one per encoder output row)",
+                    f"the prompt ids hold {have} {p.item} placeholder ids ({marker}); the "
+                    f"{p.item} input(s) given need {rows} (one per encoder output row)",
                     "prompt",
                 )
-        return Sample(-1, tokens, np.zeros(len(tokens), bool), media.images, media.audio,
-                      media.grids)  # fmt: skip
+        return Sample(-1, tokens, np.zeros(len(tokens), bool), decoded.media, decoded.grids)
 
     def _sample(self, record) -> Sample:
         """The record as a prompt, media decoded (their sizes from the files' headers)."""
@@ -128,6 +123,16 @@ class RecordTemplate:
         """See `Template.decode`."""
         kept = [int(i) for i in ids if int(i) not in self.specials.stop]
         return self.pre.tokenizer.decode(np.asarray(kept, np.int64))
+
+
+def _placeholders(media: Mapping[str, Sequence[Any]]) -> str:
+    """A placeholder for each item, the table's phases in order."""
+    return "".join(p.placeholder * len(media.get(p.name, ())) for p in ENCODERS)
+
+
+def _media_entries(media: Mapping[str, Sequence[Any]]) -> dict[str, list[str]]:
+    """A record's media lists (`images`, `audio`) of the given files."""
+    return {p.items: [str(f) for f in media.get(p.name, ())] for p in ENCODERS}
 
 
 def make_template(cfg: Config, kind: str = "auto", pretrained: bool = False) -> Template:

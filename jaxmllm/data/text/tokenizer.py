@@ -11,7 +11,7 @@
 The first two lay a record out in jaxmllm's own format: BOS, then per turn a USER / ASSISTANT
 marker and its text, EOS after each learned turn. Every tokenizer has `specials` (the ids the
 batch contract needs), `vocab_size`, `encode` / `decode` and `pieces(record)`: the record's token
-runs ("text", ids, loss) and media markers ("image", j) / ("audio", j) in order, which
+runs ("text", ids, loss) and media markers (encoder phase, item number) in order, which
 `Preprocessor.layout` turns into the sample's exact sequence.
 """
 
@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import ConfigError
-from jaxmllm.data.records.record import PLACEHOLDER, Record
+from jaxmllm.config.phases import ENCODERS
+from jaxmllm.data.records.record import PHASE_OF_PLACEHOLDER, PLACEHOLDER, Record
 from jaxmllm.data.text.pretrained import (
     DEFAULT_DATE,
     PretrainedTokenizer,
@@ -32,10 +33,8 @@ from jaxmllm.data.text.pretrained import (
 )
 from jaxmllm.data.text.specials import (  # noqa: F401  (re-exported: the reserved ids by name)
     ASSISTANT,
-    AUDIO,
     BOS,
     EOS,
-    IMAGE,
     NUM_SPECIAL,
     PAD,
     RESERVED,
@@ -89,18 +88,16 @@ class _MarkerFormat:
         """Token runs (ids, loss) and media markers of `record`, in order, before any limit;
         `generation`: a prompt ending in the ASSISTANT marker, nothing learned."""
         out: list[tuple] = [_special(BOS, False)]
-        n_img = n_aud = 0
+        count = dict.fromkeys(PHASE_OF_PLACEHOLDER.values(), 0)
         for role, text in record.turns:
             if role != "text":
                 out.append(_special(ASSISTANT if role == "assistant" else USER, False))
             learn = role in ("text", "assistant") and not generation
             for part in PLACEHOLDER.split(text):
-                if part == "<image>":
-                    out.append(("image", n_img))
-                    n_img += 1
-                elif part == "<audio>":
-                    out.append(("audio", n_aud))
-                    n_aud += 1
+                if part in PHASE_OF_PLACEHOLDER:  # (phase, its item number)
+                    phase = PHASE_OF_PLACEHOLDER[part]
+                    out.append((phase, count[phase]))
+                    count[phase] += 1
                 elif part:
                     ids = self.encode(part)
                     out.append(("text", ids, np.full(len(ids), learn)))
@@ -126,15 +123,8 @@ class ByteTokenizer(_MarkerFormat):
 
     def decode(self, ids: np.ndarray) -> str:
         """Text of byte ids; specials are shown as <name>."""
-        names = {
-            PAD: "<pad>",
-            BOS: "<s>",
-            EOS: "</s>",
-            IMAGE: "<image>",
-            AUDIO: "<audio>",
-            USER: "<user>",
-            ASSISTANT: "<assistant>",
-        }
+        names = {PAD: "<pad>", BOS: "<s>", EOS: "</s>", USER: "<user>", ASSISTANT: "<assistant>"}
+        names.update({p.reserved_id: p.placeholder for p in ENCODERS})
         out, run = [], []
         for i in np.asarray(ids).tolist():
             if i < 256:

@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from jaxmllm.config import Config, ConfigError
+from jaxmllm.config import Config, ConfigError, phases
+from jaxmllm.config.phases import ENCODERS, LLM
 from jaxmllm.plan.stages.costs import model_costs, variant_tiles
 from jaxmllm.plan.stages.partition import PartitionError, Plan, partition, reprice
 
 SCHEDULES_RUN = ("gpipe",)  # the schedules the device side implements
-INPUTS = {"vision": "vision_patches", "audio": "audio_frames"}  # an encoder bucket's data
 
 
 def plan_of(cfg: Config, stages: int) -> Plan:
@@ -39,15 +39,15 @@ def plan_of(cfg: Config, stages: int) -> Plan:
             "use one of them or auto"
         )
     schedule = SCHEDULES_RUN[0] if p.schedule == "auto" and len(SCHEDULES_RUN) == 1 else p.schedule
-    layers = {"llm": p.llm_layers, "vision": p.vision_layers, "audio": p.audio_layers}
+    layers = {LLM: p.llm_layers, **{e.name: p.layers(e.name) for e in ENCODERS}}
     try:
         return partition(
             model_costs(cfg.model, cfg.batch),
             stages,
             schedule=schedule,
             placement={  # (a tower only whole runs data-parallel before the pipeline)
-                k: getattr(p, k) if getattr(cfg.model, k).stages_ok else "data"
-                for k in ("vision", "audio")
+                e.name: p.placement(e.name) if e.encoder(cfg.model).stages_ok else "data"
+                for e in ENCODERS
             },
             layers=layers,
         )
@@ -61,15 +61,15 @@ class Variants:
     def __init__(self, cfg: Config, plan: Plan):
         self.cfg = cfg
         m, b = cfg.model, cfg.batch
-        self.encoders = [p for p in ("vision", "audio") if getattr(m, p).enabled]
-        self.capacity = {"vision": b.vision_patches, "audio": b.audio_frames}
-        self.unit = {"vision": m.vision.merge**2, "audio": m.audio.subsample}  # per output row
+        on = phases.enabled(m)
+        self.encoders = [p.name for p in on]
+        self.capacity = {p.name: p.bucket(b) for p in on}
+        self.unit = {p.name: p.per_token(m) for p in on}  # per output row
         self.fractions = cfg.pipeline.encoder_fractions
         block = b.attention_block if m.attention == "block_sparse" else 1
         # A cut bucket keeps whole merge groups / subsampled rows and whole attention blocks.
-        self.stride = m.audio.stride  # frames per audio encoder row (its tiles' unit)
-        self.step = {"vision": int(np.lcm(self.unit["vision"], block)),
-                     "audio": int(np.lcm(self.unit["audio"], self.stride * block))}  # fmt: skip
+        self.per_row = {p.name: p.per_row(m) for p in on}  # units per encoder row (its tiles')
+        self.step = {p: int(np.lcm(self.unit[p], self.per_row[p] * block)) for p in self.encoders}
         self.time = {}
         for combo in itertools.product(self.fractions, repeat=len(self.encoders)):
             pairs = zip(self.encoders, combo, strict=True)
@@ -111,37 +111,32 @@ class Variants:
     def _extent(self, plan, index, phase: str) -> int:
         """The most patches / frames any encoder bucket of the step holds (items are packed
         from the start of their bucket)."""
-        items = getattr(plan, phase)
+        items = plan.items[phase]
         if not len(items.owner):
             return 0
-        values, ptr = (
-            (index.images, index.images_ptr)
-            if phase == "vision"
-            else (index.audio, index.audio_ptr)
-        )
-        sizes = values[ptr[plan.samples[items.owner]] + items.item]
+        sizes = index.items[phase].size(plan.samples[items.owner], items.item)
         return int((items.offset + sizes).max())
 
     def _cut_batch(self, batch: dict, phase: str, cut: int) -> dict:
         """The batch with `phase`'s bucket cut to `cut` units (0: without that phase)."""
-        out = dict(batch)
+        out, p = dict(batch), phases.phase(phase)
         keys = [k for k in batch if k.startswith(f"{phase}_")]
         if cut == 0:
-            if (batch[f"llm_{phase}_src"] >= 0).any():
-                raise ValueError(f"a step with {phase} items cut to an empty {phase} bucket")
-            for k in [*keys, f"llm_{phase}_src"]:
+            if (batch[p.src] >= 0).any():
+                raise ValueError(f"a step with {p.items} cut to an empty {phase} bucket")
+            for k in [*keys, p.src]:
                 del out[k]
             return out
-        for k in (INPUTS[phase], f"{phase}_segment_ids", f"{phase}_positions"):
+        for k in (p.capacity, f"{phase}_segment_ids", f"{phase}_positions"):
             out[k] = batch[k][:, :, :cut]
         rows, cut_rows = self.capacity[phase] // self.unit[phase], cut // self.unit[phase]
-        src = batch[f"llm_{phase}_src"]  # [own rows | received]: received ones move down
-        out[f"llm_{phase}_src"] = np.where(src >= rows, src - rows + cut_rows, src)
-        if f"{phase}_tiles" in batch:
-            tiles = batch[f"{phase}_tiles"]
-            blocks_of = cut if phase == "vision" else cut // self.stride  # (encoder rows)
+        src = batch[p.src]  # [own rows | received]: received ones move down
+        out[p.src] = np.where(src >= rows, src - rows + cut_rows, src)
+        if p.tiles in batch:
+            tiles = batch[p.tiles]
+            blocks_of = cut // self.per_row[phase]  # (encoder rows)
             keep = variant_tiles(tiles.shape[2], blocks_of, self.cfg.batch.attention_block)
             if (tiles[:, :, keep:] >= 0).any():
                 raise ValueError(f"{phase} tiles past a cut bucket's {keep}")
-            out[f"{phase}_tiles"] = tiles[:, :, :keep]
+            out[p.tiles] = tiles[:, :, :keep]
         return out

@@ -18,9 +18,12 @@ import dataclasses
 import math
 from typing import Any
 
+from jaxmllm.config.phases import BY_NAME, LLM, NAMES
 from jaxmllm.plan.cost import layer_linear, multiplier
 
-ENCODERS = ("audio", "vision")  # chain order in front of the LLM when run as pipeline stages
+# The encoders' chain order in front of the LLM when run as pipeline stages: the table's, last
+# first (the last encoder phase starts the chain)
+ENCODERS = tuple(reversed(NAMES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +48,7 @@ class Work:
 class Segment:
     """A transformer stack as the pipeline sees it: identical layers and work at both ends."""
 
-    name: str  # audio | vision | llm
+    name: str  # an encoder phase's name, or llm
     layers: int
     layer: Work  # one layer over one microbatch's bucket
     enter: Work  # before the first layer: patch embedding, convolutions, token embedding
@@ -68,7 +71,7 @@ class ModelCosts:
 
     @property
     def encoders(self) -> tuple[str, ...]:
-        return tuple(s.name for s in self.segments if s.name != "llm")
+        return tuple(s.name for s in self.segments if s.name != LLM)
 
 
 def model_costs(model: Any, batch: Any, fractions: dict[str, float] | None = None) -> ModelCosts:
@@ -81,16 +84,16 @@ def model_costs(model: Any, batch: Any, fractions: dict[str, float] | None = Non
         encoder is skipped: no work).
     """
     fractions = fractions or {}
-    v, a, lm = model.vision, model.audio, model.llm
-    enc_trainable = (v.enabled and not v.freeze) or (a.enabled and not a.freeze)
+    lm, on = model.llm, [BY_NAME[name] for name in ENCODERS if BY_NAME[name].enabled(model)]
+    enc_trainable = any(not p.encoder(model).freeze for p in on)
     proj_below = enc_trainable  # what lies below a projector: its encoder
     llm_below = enc_trainable or not model.projector_freeze
     back = lambda frozen, below: multiplier(frozen, below) - 1  # backward / forward
     segments = []
-    if a.enabled and fractions.get("audio", 1.0) > 0:
-        segments.append(_audio(model, batch, fractions.get("audio", 1.0), back, proj_below))
-    if v.enabled and fractions.get("vision", 1.0) > 0:
-        segments.append(_vision(model, batch, fractions.get("vision", 1.0), back, proj_below))
+    for p in on:
+        if fractions.get(p.name, 1.0) > 0:
+            cost = SEGMENTS[p.name]
+            segments.append(cost(model, batch, fractions.get(p.name, 1.0), back, proj_below))
     segments.append(_llm(model, batch, back(lm.freeze, llm_below)))
     return ModelCosts(batch.microbatches, tuple(segments))
 
@@ -119,7 +122,7 @@ def _llm(model: Any, batch: Any, back: float) -> Segment:
     pairs = _attention(model, rows, length, batch.llm_tiles, batch.attention_block, True)
     layer = layer_linear(lm.width, kv, lm.mlp_dim, q, lm.mlp) * tokens + 4.0 * pairs * q
     logits = 2.0 * lm.width * lm.vocab_size * tokens
-    return Segment("llm", lm.depth, _work(layer, back), Work(), _work(logits, back))
+    return Segment(LLM, lm.depth, _work(layer, back), Work(), _work(logits, back))
 
 
 def _vision(model: Any, batch: Any, fraction: float, back, proj_below: bool) -> Segment:
@@ -153,6 +156,10 @@ def _audio(model: Any, batch: Any, fraction: float, back, proj_below: bool) -> S
     own = back(a.freeze, False)
     proj = back(model.projector_freeze, proj_below)
     return Segment("audio", a.depth, _work(layer, own), _work(convs, own), _work(project, proj))
+
+
+# Per encoder phase of the table: its stack's costs from its config section
+SEGMENTS = {"vision": _vision, "audio": _audio}
 
 
 def _scaled(capacity: int, fraction: float) -> int:

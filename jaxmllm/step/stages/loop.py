@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxmllm.models.llm import chunked_token_losses
+from jaxmllm.models.mllm import encoder_args
 from jaxmllm.step.stages.layout import Layout
 from sharding import STAGE_AXIS
 from sharding.rules import key_parts
@@ -265,10 +266,3 @@ class _Ticks:
 
     def _update(self, carry, new: dict) -> dict:
         return {k: new.get(k, v) for k, v in carry.items()}
-
-
-def encoder_args(mb, p: str) -> tuple:
-    """An encoder's inputs from a microbatch: (patches or frames, segment ids, positions,
-    tiles or None), as its `prepare` takes them."""
-    inputs = mb["vision_patches"] if p == "vision" else mb["audio_frames"]
-    return inputs, mb[f"{p}_segment_ids"], mb[f"{p}_positions"], mb.get(f"{p}_tiles")

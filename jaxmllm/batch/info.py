@@ -1,0 +1,33 @@
+"""What a step carries beside its arrays, from the feed's thread to the loop (`StepInfo`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class StepInfo:
+    """One step's plan summary and counts, as the feed made them on this host.
+
+    The loop reads it for the metrics window (`tokens`, `flops`, `predicted_s`, `fill`,
+    `rejects`), the ledger (`parts`), the timings (`work`) and the logged row (`samples`).
+    """
+
+    step: int
+    samples: np.ndarray  # the whole step's samples (every host plans all of them)
+    # what this host read ("read"), trains ("text") and encodes (per encoder phase: [k, 2]
+    # (sample, item) pairs): `jaxmllm.feed.iterator.local_parts`
+    parts: dict[str, np.ndarray]
+    deferred: int  # samples waiting for a later step after this one
+    fill: dict[str, float]  # per phase: the real share of this host's buckets
+    rejects: dict[str, float]  # cumulative bad-input counts, by reason (metrics keys)
+    tokens: float  # this host's real LLM tokens
+    flops: float  # their analytic model FLOPs
+    variant: str = "whole"  # the pipelined program's step variant (pipeline.encoder_fractions)
+    # the slowest and the mean device's work per phase (`counts.step_work`: timings and the
+    # calibrated cost model), when recorded; the calibrated model's predicted step time
+    work: dict | None = None
+    predicted_s: float = 0.0
+    extra: dict = field(default_factory=dict)  # anything a caller adds (benches)

@@ -1,0 +1,103 @@
+"""The resolved batch: every size the step's arrays are shaped by, with no `auto` or -1 left.
+
+`batch.capacity: auto` and the -1 sizes of `BatchConfig` are resolved against the data once, at
+start-up (`jaxmllm.plan.sizing.resolve_batch`, dry runs of the planner included); the resolved
+config is kept with the checkpoints. What shapes arrays (the model, bucketize, the feed) takes a
+`BatchSpec` of it, which holds the resolved values only and refuses a config that still has a
+sentinel, naming the key, so no shape is ever made from one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from jaxmllm.config.checks import ConfigError
+from jaxmllm.config.phases import LLM, enabled
+
+RESOLVE = "resolve it against the data first (jaxmllm.plan.sizing.resolve_batch; the trainer does)"
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """Per device and microbatch, the sizes of a step's buckets, all resolved."""
+
+    microbatches: int
+    llm_rows: int
+    llm_row_len: int
+    units: Mapping[str, int]  # per encoder phase the model has: its bucket (batch.<capacity>)
+    route_pair_capacity: int  # encoder rows one device may send another (0: local)
+    exchange: str  # dense | ragged
+    attention_block: int  # block-sparse attention's tile side (every encoder takes it)
+    # Per phase (the LLM's and each encoder's the model has): tiles a bucket computes
+    # (block-sparse attention only, else empty: read them with `tile_caps`), most documents a
+    # row holds (cuDNN; a tower's class tokens, one row each, when resolved: `bounded`)
+    tiles: Mapping[str, int]
+    documents: Mapping[str, int]
+    # The tile keys still -1 (auto): a model can be built without them (its parameters do not
+    # depend on them), a batch cannot (`tile_caps` refuses)
+    unresolved_tiles: tuple[str, ...] = ()
+
+    def tile_caps(self) -> Mapping[str, int]:
+        """Per phase, the tiles a bucket computes (block-sparse attention; else empty).
+
+        Raises:
+          ConfigError: a tile capacity still -1 (auto), naming its key.
+        """
+        if self.unresolved_tiles:
+            keys = ", ".join(f"batch.{k}" for k in self.unresolved_tiles)
+            raise ConfigError(f"{keys}=-1 (auto) is not resolved: {RESOLVE}")
+        return self.tiles
+
+    @classmethod
+    def of(cls, cfg: Any) -> BatchSpec:
+        """The spec of a resolved `Config`.
+
+        Raises:
+          ConfigError: a size still -1 (auto), naming its key.
+        """
+        return cls.from_sections(cfg.model, cfg.batch)
+
+    @classmethod
+    def from_sections(cls, m: Any, b: Any) -> BatchSpec:
+        """The spec of a resolved ModelConfig and BatchConfig (see `of`)."""
+        on = enabled(m)
+        tiles = {LLM: "llm_tiles", **{p.name: p.tiles for p in on}}
+        docs = {LLM: "llm_documents", **{p.name: p.documents for p in on}}
+        bounded = documents_bounded(m)
+        need = {"route_pair_capacity": b.route_pair_capacity}
+        sparse = m.attention == "block_sparse"
+        unresolved = tuple(k for k in tiles.values() if sparse and getattr(b, k) < 0)
+        if m.attention == "cudnn":
+            need.update({key: getattr(b, key) for key in docs.values()})
+        for key, value in need.items():
+            if value < 0:
+                raise ConfigError(f"batch.{key}={value} (auto) is not resolved: {RESOLVE}")
+        return cls(
+            microbatches=b.microbatches,
+            llm_rows=b.llm_rows,
+            llm_row_len=b.llm_row_len,
+            units={p.name: p.bucket(b) for p in on},
+            route_pair_capacity=b.route_pair_capacity,
+            exchange=b.exchange,
+            attention_block=b.attention_block,
+            tiles={p: getattr(b, key) for p, key in tiles.items()}
+            if sparse and not unresolved
+            else {},
+            documents={
+                p: getattr(b, key)
+                for p, key in docs.items()
+                if p in bounded and (m.attention == "cudnn" or getattr(b, key) > 0)
+            },
+            unresolved_tiles=unresolved,
+        )
+
+
+def documents_bounded(m: Any) -> tuple[str, ...]:
+    """The phases whose rows `batch.*_documents` bounds for a ModelConfig: every phase with
+    cuDNN's packed layout (required); otherwise the encoders with class tokens (a row for each
+    image after the row's units; unbounded, the encoder takes one for every token's worth)."""
+    if m.attention == "cudnn":
+        return (LLM, *(p.name for p in enabled(m)))
+    return tuple(p.name for p in enabled(m) if getattr(p.encoder(m), "class_token", False))
