@@ -60,6 +60,22 @@ def test_whole_model_with_media_matches_transformers(name, tmp_path, capsys):
         assert result["max_abs_diff"] < 1e-4, result
 
 
+def test_check_role_prints_one_part_of_a_whole_checkpoint(tmp_path, capsys):
+    """`hf check DIR --role R` on a whole checkpoint prints R's line alone; a role the
+    checkpoint has no part for, or `--role model` on a checkpoint of one part, is refused naming
+    what to pass (exit 2) before anything is compared."""
+    whole = hf_models.qwen2_audio(tmp_path / "whole")
+    assert main(["check", whole, "--role", "audio", "--json"]) == 0
+    results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["role"] for r in results] == ["audio"] and results[0]["max_abs_diff"] < 1e-4
+    assert main(["check", whole, "--role", "vision"]) == 2
+    err = capsys.readouterr().err
+    assert "no vision part" in err and "llm, audio, model" in err, err
+    part = hf_models.llama(tmp_path / "llm", tied=False)
+    assert main(["check", part, "--role", "model"]) == 2
+    assert "holds one part" in capsys.readouterr().err
+
+
 def _load(source: str):
     whole = whole_for(read_hf_config(source))
     roles = tuple(r for r in ("llm", "vision", "audio") if r in whole.parts)

@@ -50,7 +50,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     exp.add_argument("--max-shard-gb", type=float, default=4.0, help="safetensors shard size")
     chk = sub.add_parser("check", help="compare our model with transformers on random inputs")
     chk.add_argument("directory", help="a HF model directory")
-    chk.add_argument("--role", choices=("llm", "vision", "audio"), default="")
+    chk.add_argument(
+        "--role",
+        choices=("llm", "vision", "audio", "model"),
+        default="",
+        help="one part's figures (model: a whole checkpoint's, with its media)",
+    )
     chk.add_argument("--tokens", type=int, default=64, help="decoder input length")
     chk.add_argument("--tolerance", type=float, default=1e-3, help="exit 1 above this")
     chk.add_argument("--json", action="store_true", help="print the figures as JSON")

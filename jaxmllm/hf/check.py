@@ -22,7 +22,7 @@ from jaxmllm.data.media.image import patchify
 from jaxmllm.hf.family import Family, FamilyError
 from jaxmllm.hf.registry import family_for, read_hf_config, roles_of
 from jaxmllm.hf.towers import Towers, config_for, load_towers
-from jaxmllm.hf.wholes import WHOLES, QwenVL
+from jaxmllm.hf.wholes import WHOLES
 
 HF_MODULES = {  # (model_type, role) -> (transformers class, path to the module compared)
     ("llama", "llm"): ("LlamaForCausalLM", ""),
@@ -36,10 +36,8 @@ HF_MODULES = {  # (model_type, role) -> (transformers class, path to the module 
     ("whisper", "audio"): ("WhisperModel", "encoder"),
     ("qwen2_audio_encoder", "audio"): ("Qwen2AudioEncoder", ""),
 }
-for _whole in WHOLES:  # a whole checkpoint's LLM on text alone; a Qwen VL tower alone
+for _whole in WHOLES:  # a whole checkpoint: its class (`check_whole` reads its parts)
     HF_MODULES[_whole.model_types[0], "llm"] = (_whole.hf_class, "")
-    if isinstance(_whole, QwenVL):
-        HF_MODULES[_whole.model_types[0], "vision"] = (_whole.hf_class, "model.visual")
 MODULES = {  # where transformers keeps the classes it does not export at the top level
     "Qwen2VisionTransformerPretrainedModel": "qwen2_vl",
     "Qwen2_5_VisionTransformerPretrainedModel": "qwen2_5_vl",

@@ -24,6 +24,7 @@ from flax import nnx
 from jaxmllm.batch.bucketize import mrope_positions
 from jaxmllm.data.media.image import patchify
 from jaxmllm.hf.check import _numpy, _torch, check_dir, figures, hf_module
+from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.registry import read_hf_config
 from jaxmllm.hf.towers import load_model
 from jaxmllm.hf.whole import Whole
@@ -50,11 +51,20 @@ _clip = nnx.jit(lambda m, x, seg, pos: m.audio_projector(m.audio(x, seg, pos)))
 
 
 def check_all(directory: str, role: str = "", tokens: int = 64, seed: int = 0) -> list[dict]:
-    """`check_dir`'s figures for a checkpoint of one part (or one `role` of a whole one); for
-    a whole checkpoint, `check_whole`'s."""
-    if not role and whole_for(read_hf_config(directory)) is not None:
-        return check_whole(directory, tokens, seed)
-    return [check_dir(directory, role, tokens, seed)]
+    """`check_dir`'s figures for a checkpoint of one part; for a whole checkpoint,
+    `check_whole`'s (only `role`'s line when one is named: llm, vision, audio or model)."""
+    whole = whole_for(read_hf_config(directory))
+    if whole is None:
+        if role == "model":
+            raise FamilyError(f"{directory} holds one part, not a whole model: leave out --role "
+                              "model (or name the part: llm, vision, audio)")  # fmt: skip
+        return [check_dir(directory, role, tokens, seed)]
+    roles = [*whole.parts, "model"]
+    if role and role not in roles:
+        raise FamilyError(f"{directory} is a whole {whole.name} checkpoint with no {role} part: "
+                          f"--role is one of {', '.join(roles)}")  # fmt: skip
+    results = check_whole(directory, tokens, seed)
+    return [r for r in results if r["role"] == role] if role else results
 
 
 def check_whole(directory: str, tokens: int = 64, seed: int = 0) -> list[dict]:
