@@ -21,7 +21,8 @@ tokenizer and template (`jaxmllm.data.text.template`): `plain` for the built-in 
 `messages` data; `--template` picks one.
 
 `--hf DIR` generates from a HuggingFace checkpoint directory instead (any family `hf import`
-reads; `--hf-vision` / `--hf-audio` add encoder checkpoints, a whole Qwen2-VL is its own):
+reads; `--hf-vision` / `--hf-audio` add encoder checkpoints, a whole LLaVA, Qwen2-VL,
+Qwen2.5-VL or Qwen2-Audio brings its own):
 the model `hf import` would configure, its weights on one device in fp32, and the directory's
 tokenizer (`--tokenizer` for another), whose chat template renders a `--prompt` (`auto`) and
 whose end-of-turn and end-of-sequence ids stop the answer.
@@ -71,28 +72,25 @@ def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Config, dict
 
 def load_hf(args) -> tuple[Config, dict]:
     """The model of `--hf` (with `--hf-vision`, `--hf-audio`, `--tokenizer`): its config and
-    parameters, as `load_run` gives a run's. A directory that is also a vision tower (a whole
-    Qwen2-VL) brings its tower unless `--hf-vision` names another.
+    parameters, as `load_run` gives a run's. A whole checkpoint (LLaVA, Qwen2-VL, Qwen2.5-VL,
+    Qwen2-Audio) brings its encoder and projector unless `--hf-vision` / `--hf-audio` name
+    another.
 
     Raises:
       ConfigError: a directory that is no checkpoint jaxmllm reads, or has no tokenizer.
     """
-    from jaxmllm.hf.registry import family_for, read_hf_config
+    from jaxmllm.hf.registry import read_hf_config, roles_of
     from jaxmllm.hf.towers import load_model
 
     try:
-        vision = args.hf_vision
-        if not vision:
-            try:
-                family_for("vision", read_hf_config(args.hf))
-                vision = args.hf
-            except ValueError:  # (no vision tower in it)
-                pass
+        own = roles_of(read_hf_config(args.hf))  # (a whole checkpoint's parts)
+        vision = args.hf_vision or (args.hf if "vision" in own else "")
+        audio = args.hf_audio or (args.hf if "audio" in own else "")
         tokenizer = Path(args.tokenizer or args.hf)
         if not (tokenizer / "tokenizer.json").is_file():
             raise ConfigError(f"--hf: {tokenizer} has no tokenizer.json: name the checkpoint's "
                               "tokenizer directory with --tokenizer DIR")  # fmt: skip
-        cfg, model = load_model(args.hf, vision, args.hf_audio, tokenizer=str(tokenizer))
+        cfg, model = load_model(args.hf, vision, audio, tokenizer=str(tokenizer))
     except ValueError as e:  # (FamilyError, CheckpointError: they name the file)
         raise ConfigError(f"--hf: {e}") from None
     params, frozen = split_frozen(cfg, model)

@@ -123,3 +123,110 @@ def qwen2_vl(
         tie_word_embeddings=tied,
     )  # fmt: skip
     return save(randomize(Qwen2VLForConditionalGeneration(cfg), seed), directory)
+
+
+def clip(directory: Path, seed: int = 0) -> str:
+    import transformers as T
+
+    cfg = T.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=24, patch_size=4,
+    )  # fmt: skip
+    return save(randomize(T.CLIPVisionModel(cfg), seed), directory)
+
+
+QWEN25_VISION = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=4,
+                     spatial_merge_size=2, temporal_patch_size=2, window_size=16,
+                     fullatt_block_indexes=[1, 3])  # fmt: skip
+
+
+def qwen2_5_vl_vision(directory: Path, seed: int = 0, out: int = 64) -> str:
+    """Windows of 16 pixels: 4 x 4 patches (2 x 2 merged tokens); blocks 1 and 3 full."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+        Qwen2_5_VisionTransformerPretrainedModel,
+    )
+
+    cfg = Qwen2_5_VLVisionConfig(out_hidden_size=out, **QWEN25_VISION)
+    return save(randomize(Qwen2_5_VisionTransformerPretrainedModel(cfg), seed), directory)
+
+
+AUDIO = dict(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
+             num_mel_bins=16, max_source_positions=32)  # fmt: skip
+
+
+def qwen2_audio_encoder(directory: Path, seed: int = 0) -> str:
+    from transformers.models.qwen2_audio.configuration_qwen2_audio import (
+        Qwen2AudioEncoderConfig,
+    )
+    from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
+
+    return save(randomize(Qwen2AudioEncoder(Qwen2AudioEncoderConfig(**AUDIO)), seed), directory)
+
+
+def _text(kind: str, vocab: int, mrope: bool = False) -> dict:
+    rope = {"rope_type": "default", "rope_theta": 1e6 if kind == "qwen2" else 5000.0}
+    if mrope:
+        rope["mrope_section"] = [2, 3, 3]
+    return dict(
+        model_type=kind, vocab_size=vocab, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+        rope_parameters=rope, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+
+
+def llava(
+    directory: Path,
+    tower: str = "clip",
+    text: str = "llama",
+    seed: int = 0,
+    vocab: int = 300,
+    image: int = 299,
+    tied: bool = False,
+) -> str:
+    """A whole LLaVA: a CLIP tower read at its second-to-last block with the class token
+    dropped (LLaVA-1.5's), or a SigLIP tower read at its last block, all patches; its projector;
+    a Llama or Qwen2 LLM. `image`: the image token id."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=4, image_size=24, patch_size=4)  # fmt: skip
+    if tower == "clip":
+        vision["model_type"], layer, strategy = "clip_vision_model", -2, "default"
+    else:
+        vision["model_type"], layer, strategy = "siglip_vision_model", -1, "full"
+    text_cfg = _text(text, vocab)
+    cfg = LlavaConfig(
+        vision_config=vision, text_config=text_cfg, image_token_id=image,
+        vision_feature_layer=layer, vision_feature_select_strategy=strategy,
+        image_seq_length=36, tie_word_embeddings=tied,
+    )  # fmt: skip
+    return save(randomize(LlavaForConditionalGeneration(cfg), seed), directory)
+
+
+def qwen2_5_vl(
+    directory: Path, seed: int = 0, tied: bool = False, vocab: int = 300, ids=(290, 291, 292, 293)
+) -> str:
+    """A whole Qwen2.5-VL (windowed tower as `qwen2_5_vl_vision`); `ids` as `qwen2_vl`'s."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = _text("qwen2", vocab, mrope=True)
+    text.pop("model_type")
+    cfg = Qwen2_5_VLConfig(
+        text_config=text, vision_config=dict(out_hidden_size=64, **QWEN25_VISION),
+        image_token_id=ids[0], video_token_id=ids[1], vision_start_token_id=ids[2],
+        vision_end_token_id=ids[3], tie_word_embeddings=tied,
+    )  # fmt: skip
+    return save(randomize(Qwen2_5_VLForConditionalGeneration(cfg), seed), directory)
+
+
+def qwen2_audio(directory: Path, seed: int = 0, vocab: int = 300, audio: int = 299) -> str:
+    """A whole Qwen2-Audio: its encoder (32-row table: clips up to 64 frames), the Linear
+    projector, a Qwen2 LLM; `audio`: the audio token id."""
+    from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
+
+    cfg = Qwen2AudioConfig(
+        audio_config=dict(model_type="qwen2_audio_encoder", **AUDIO),
+        text_config=_text("qwen2", vocab), audio_token_id=audio,
+    )  # fmt: skip
+    return save(randomize(Qwen2AudioForConditionalGeneration(cfg), seed), directory)

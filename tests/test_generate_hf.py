@@ -78,48 +78,6 @@ def test_greedy_qwen2_chat_from_the_command_line_matches_transformers(tmp_path, 
     assert answer["text"] == tk.decode(theirs, skip_special_tokens=False).replace("<|im_end|>", "")
 
 
-def test_qwen2_vl_with_an_image_generates_transformers_first_tokens(tmp_path):
-    """A whole Qwen2-VL from one directory (its tower found in it): an image between the
-    tokenizer's vision start and end; prefill places its tokens on the image's grid, decoding
-    counts on from one past the largest position (Qwen2-VL's rope delta)."""
-    from transformers import Qwen2VLForConditionalGeneration
-
-    d = tmp_path / "qwen2_vl"
-    build_dir(d, "qwen", "Qwen/Qwen2.5-VL-7B-Instruct")
-    tk = hf(d)
-    names = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
-    ids = tuple(tk.convert_tokens_to_ids(t) for t in names)
-    hf_models.qwen2_vl(d, vocab=VOCAB, ids=ids)
-    build_dir(d, "qwen", "Qwen/Qwen2.5-VL-7B-Instruct")  # (save_pretrained wrote over it)
-    cfg, params = load_hf(parse_args(["--hf", str(d), "--prompt", "."]))
-    template = make_template(cfg, "auto", pretrained=True)
-    assert template.specials.media["vision"] == ids[0]
-
-    rng = np.random.default_rng(0)
-    gh, gw, p = 6, 4, 4
-    image = rng.normal(size=(gh * p, gw * p, 3)).astype(np.float32)
-    patches, positions = patchify(image, p, 2)
-    text = tk("Describe the picture, please.")["input_ids"]
-    tokens = [*text[:3], ids[2], *[ids[0]] * (gh * gw // 4), ids[3], *text[3:]]
-    prompt = Sample(-1, np.asarray(tokens, np.int32), np.zeros(len(tokens), bool),
-                    {"vision": [(patches, positions)]}, grids=[(gh, gw)])  # fmt: skip
-    new, stop = 8, template.specials.stop
-    gen = Generator(cfg, PromptShapes.fit([prompt], cfg, new), template.specials)
-    (ours,) = gen.generate(params["params"], params["frozen"], [prompt], max_new_tokens=new,
-                           stop_ids=frozenset(stop))  # fmt: skip
-
-    import torch
-
-    frames = patches.reshape(-1, p, p, 3).transpose(0, 3, 1, 2)[:, :, None]
-    pixels = torch.from_numpy(np.repeat(frames, 2, axis=2).reshape(len(frames), -1))
-    kinds = torch.from_numpy((np.asarray(tokens) == ids[0])[None].astype(np.int32))
-    model = Qwen2VLForConditionalGeneration.from_pretrained(str(d)).eval()
-    grid = torch.tensor([[1, gh, gw]])
-    theirs = hf_greedy(model, tokens, new, stop, pixel_values=pixels, image_grid_thw=grid,
-                       mm_token_type_ids=kinds)  # fmt: skip
-    assert len(ours.ids) == new and ours.ids == theirs
-
-
 def test_hf_generation_refuses_what_it_cannot_read(tmp_path, capsys):
     """No tokenizer beside the weights, or a directory that is no checkpoint: a clear error."""
     src = hf_models.llama(tmp_path / "llama", tied=True)
@@ -132,3 +90,122 @@ def test_hf_generation_refuses_what_it_cannot_read(tmp_path, capsys):
     assert "--hf" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args(["--run", "x", "--tokenizer", "y", "--prompt", "hi"])
+
+
+def _ours(d: Path, prompt: Sample, new: int) -> tuple[list[int], frozenset]:
+    """Our greedy ids for `prompt` from the whole checkpoint `d` (`--hf d`), and its stops."""
+    cfg, params = load_hf(parse_args(["--hf", str(d), "--prompt", "."]))
+    template = make_template(cfg, "auto", pretrained=True)
+    specials = template.specials  # (the directory's placeholder is the prompt's)
+    phase = next(p for p, items in prompt.media.items() if items)
+    assert specials.media[phase] in prompt.tokens
+    stop = frozenset(template.specials.stop)
+    gen = Generator(cfg, PromptShapes.fit([prompt], cfg, new), template.specials)
+    (ours,) = gen.generate(params["params"], params["frozen"], [prompt], max_new_tokens=new,
+                           stop_ids=stop)  # fmt: skip
+    return ours.ids, stop
+
+
+@pytest.mark.parametrize("tower", ["clip", pytest.param("siglip", marks=pytest.mark.slow)])
+def test_llava_with_an_image_generates_transformers_tokens(tmp_path, tower):
+    """A whole LLaVA from one directory: CLIP read at its second-to-last block with the class
+    token dropped (Llama), or SigLIP at its last block (Qwen2); the image is one `<image>` id
+    a patch; the 16 greedy ids are transformers'."""
+    from transformers import LlavaForConditionalGeneration
+
+    d, family = tmp_path / "llava", ("llama" if tower == "clip" else "qwen")
+    template = "meta-llama/Llama-3.1-8B-Instruct" if tower == "clip" else "Qwen/Qwen2.5-7B-Instruct"
+    tk = hf(build_dir(d, family, template, extra=["<image>"]))
+    image_id = tk.convert_tokens_to_ids("<image>")
+    text = "llama" if tower == "clip" else "qwen2"
+    hf_models.llava(d, tower=tower, text=text, vocab=VOCAB, image=image_id)
+    build_dir(d, family, template, extra=["<image>"])  # (save_pretrained wrote over it)
+    # LlavaProcessor's file names the placeholder (a Qwen tokenizer has its <|image_pad|> too)
+    (d / "processor_config.json").write_text(json.dumps({"image_token": "<image>"}))
+
+    rng = np.random.default_rng(0)
+    g, p = 6, 4  # the tower's own size (transformers reads LLaVA's images at it)
+    image = rng.normal(size=(g * p, g * p, 3)).astype(np.float32)
+    patches, positions = patchify(image, p, 1)
+    words = tk("Describe the picture, please.", add_special_tokens=False)["input_ids"]
+    tokens = [*words[:3], *[image_id] * g * g, *words[3:]]
+    prompt = Sample(-1, np.asarray(tokens, np.int32), np.zeros(len(tokens), bool),
+                    {"vision": [(patches, positions)]}, grids=[(g, g)])  # fmt: skip
+    ours, stop = _ours(d, prompt, 16)
+
+    import torch
+
+    model = LlavaForConditionalGeneration.from_pretrained(str(d)).eval()
+    pixels = torch.from_numpy(image.transpose(2, 0, 1)[None].copy())
+    theirs = hf_greedy(model, tokens, 16, stop, pixel_values=pixels)
+    assert len(ours) == 16 and ours == theirs
+
+
+@pytest.mark.parametrize(("family", "gh", "gw"), [("qwen2_vl", 6, 4), ("qwen2_5_vl", 10, 6)])
+def test_qwen_vl_with_an_image_generates_transformers_first_tokens(tmp_path, family, gh, gw):
+    """A whole Qwen2-VL or Qwen2.5-VL from one directory (its tower found in it; Qwen2.5-VL's
+    windows of 4 x 4 patches, six over the image, two blocks full): an image between the
+    tokenizer's vision start and end; prefill places its tokens on the image's grid, decoding
+    counts on from one past the largest position (Qwen2-VL's rope delta): the first 8 ids are
+    transformers'."""
+    import transformers
+
+    d = tmp_path / family
+    tk = hf(build_dir(d, "qwen", "Qwen/Qwen2.5-VL-7B-Instruct"))
+    names = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+    ids = tuple(tk.convert_tokens_to_ids(t) for t in names)
+    getattr(hf_models, family)(d, vocab=VOCAB, ids=ids)
+    build_dir(d, "qwen", "Qwen/Qwen2.5-VL-7B-Instruct")  # (save_pretrained wrote over it)
+
+    rng = np.random.default_rng(0)
+    p = 4
+    image = rng.normal(size=(gh * p, gw * p, 3)).astype(np.float32)
+    patches, positions = patchify(image, p, 2)
+    words = tk("Describe the picture, please.")["input_ids"]
+    tokens = [*words[:3], ids[2], *[ids[0]] * (gh * gw // 4), ids[3], *words[3:]]
+    prompt = Sample(-1, np.asarray(tokens, np.int32), np.zeros(len(tokens), bool),
+                    {"vision": [(patches, positions)]}, grids=[(gh, gw)])  # fmt: skip
+    ours, stop = _ours(d, prompt, 8)
+
+    import torch
+
+    frames = patches.reshape(-1, p, p, 3).transpose(0, 3, 1, 2)[:, :, None]
+    pixels = torch.from_numpy(np.repeat(frames, 2, axis=2).reshape(len(frames), -1))
+    kinds = torch.from_numpy((np.asarray(tokens) == ids[0])[None].astype(np.int32))
+    model = transformers.AutoModelForImageTextToText.from_pretrained(str(d)).eval()
+    grid = torch.tensor([[1, gh, gw]])
+    theirs = hf_greedy(model, tokens, 8, stop, pixel_values=pixels, image_grid_thw=grid,
+                       mm_token_type_ids=kinds)  # fmt: skip
+    assert len(ours) == 8 and ours == theirs
+
+
+def test_qwen2_audio_with_a_clip_generates_transformers_tokens(tmp_path):
+    """A whole Qwen2-Audio: a 48-frame clip (12 `<|AUDIO|>` ids between its bos and eos),
+    its encoder pooling pairs of rows, the Linear projector; the 16 greedy ids are
+    transformers' given the clip's frames padded with zeros to Whisper's window."""
+    from transformers import Qwen2AudioForConditionalGeneration
+
+    d = tmp_path / "qwen2_audio"
+    extra = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
+    tk = hf(build_dir(d, "qwen", "Qwen/Qwen2.5-7B-Instruct", extra=extra))
+    audio, bos, eos = (tk.convert_tokens_to_ids(t) for t in extra)
+    hf_models.qwen2_audio(d, vocab=VOCAB, audio=audio)
+    build_dir(d, "qwen", "Qwen/Qwen2.5-7B-Instruct", extra=extra)
+
+    frames, mels, window = 48, 16, 64
+    clip = np.random.default_rng(0).normal(size=(frames, mels)).astype(np.float32)
+    words = tk("What do you hear?")["input_ids"]
+    tokens = [*words[:2], bos, *[audio] * (frames // 4), eos, *words[2:]]
+    media = {"audio": [(clip, np.arange(frames))]}
+    prompt = Sample(-1, np.asarray(tokens, np.int32), np.zeros(len(tokens), bool), media)
+    ours, stop = _ours(d, prompt, 16)
+
+    import torch
+
+    features = np.zeros((1, mels, window), np.float32)
+    features[0, :, :frames] = clip.T
+    mask = torch.from_numpy((np.arange(window) < frames)[None].astype(np.int64))
+    model = Qwen2AudioForConditionalGeneration.from_pretrained(str(d)).eval()
+    theirs = hf_greedy(model, tokens, 16, stop, input_features=torch.from_numpy(features),
+                       feature_attention_mask=mask)  # fmt: skip
+    assert len(ours) == 16 and ours == theirs

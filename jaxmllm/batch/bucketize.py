@@ -156,14 +156,15 @@ def bucketize(
             _write_items(batch, p, plan, samples, slots, caps, (local, home, split), units)
     if tile_caps:  # block-sparse attention
         _write_tiles(batch, cfg, spec, plan.step, pos, skip=(LLM,) if grouped else ())
-    if spec.documents:  # cuDNN attention
+    if spec.documents:  # cuDNN attention, a tower's class tokens
         _check_documents(batch, cfg, spec, plan.step, pos)
     return batch
 
 
 def _check_documents(batch, cfg: Config, spec: BatchSpec, step: int, positions) -> None:
     """cuDNN attention: every row within its phase's `batch.*_documents` (a static size of
-    cuDNN's packed layout: a document past it would get no attention at all)."""
+    cuDNN's packed layout: a document past it would get no attention at all); likewise a
+    tower's class-token rows (one per image: an image past them would have none)."""
     for phase, most in spec.documents.items():
         seg = _attention_rows(batch, cfg, phase)  # (the encoder's rows, as the planner's)
         count = document_starts(seg).sum(-1)  # documents per row
@@ -172,7 +173,8 @@ def _check_documents(batch, cfg: Config, spec: BatchSpec, step: int, positions) 
             raise ValueError(
                 f"step {step}: a {phase} row of microbatch {m} on device {int(positions[d])} "
                 f"holds {int(count.max())} documents, more than batch.{phase}_documents={most} "
-                "(cuDNN attention's packed layout); raise it, or -1: sized from the data"
+                "(cuDNN attention's packed layout, or the vision tower's class-token rows); raise "
+                "it, or -1: sized from the data"
             )
 
 

@@ -83,6 +83,8 @@ def prompt_config(cfg: Config, shapes: PromptShapes) -> Config:
         capacity="fixed",
         route_pair_capacity=0,
         planner="first_fit",  # (orchestrated refuses local routing; no planner runs here)
+        # (class-token rows: as many as a prompt's images can need, whatever the run's bound)
+        **{p.documents: -1 for p in ENCODERS},
     )
     model = dataclasses.replace(cfg.model, attention="dense")
     # A prompt row is whole on its device and the model is whole in each program (evaluation

@@ -76,6 +76,7 @@ class Config:
             "set data.eval.source: none, or jsonl / arrayrecord with a held-out data.eval.path",
             "data.eval.source",
         )
+        self._check_trains()
         if self.mesh.context > 1:
             self._check_context()
         if self.mesh.stage > 1:
@@ -99,6 +100,24 @@ class Config:
             syn.min_video_frames >= v.temporal_patch,
             f"must be at least model.vision.temporal_patch={v.temporal_patch} (one temporal patch)",
             "data.synthetic.min_video_frames",
+        )
+
+    def _check_trains(self) -> None:
+        """Something trains: a run whose every parameter is frozen only spends its steps (the
+        stage-1 recipe on an LLM alone: no encoder, so no projector either)."""
+        m = self.model
+        encoders = [p for p in ENCODERS if p.enabled(m)]
+        trains = not m.llm.freeze or any(not p.encoder(m).freeze for p in encoders)
+        keys = ["model.llm.freeze", *(f"model.{p.name}.freeze" for p in encoders)]
+        if encoders:
+            trains, keys = trains or not m.projector_freeze, [*keys, "model.projector_freeze"]
+        off = " and ".join(f"model.{p.name}" for p in ENCODERS)
+        why = "" if encoders else f" ({off}: disabled, so there is no projector to train)"
+        check(
+            trains,
+            f"nothing trains: {', '.join(k + '=true' for k in keys)}{why}; set one of them to "
+            "false",
+            keys[0],
         )
 
     def _check_context(self) -> None:
@@ -151,6 +170,12 @@ class Config:
                 not p.layers(name) or p.placement(name) == "stages",
                 f"layers per {name} stage need pipeline.{name}: stages",
                 f"pipeline.{name}_layers",
+            )
+            check(
+                p.placement(name) != "stages" or phase.encoder(m).stages_ok,
+                f"the {name} tower's options (model.{name}: class_token, window, final_norm: "
+                f"false, pool) run only as a whole tower: set pipeline.{name}: data (or auto)",
+                f"pipeline.{name}",
             )
         # Not (yet) run inside the pipeline's shard_map over the stages.
         stage = f"with mesh.stage={self.mesh.stage} (pipeline stages)"

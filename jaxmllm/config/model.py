@@ -18,7 +18,8 @@ class BlockOptions:
 
     HuggingFace families set them (`python -m jaxmllm.hf import` writes them from config.json):
     Llama / Qwen2 decoders rms + gated_silu (Qwen2: attn_bias qkv), SigLIP layer + gelu_tanh +
-    biases, the Qwen2-VL vision tower layer + quick_gelu + biases, Whisper layer + gelu + qvo.
+    biases, CLIP layer + quick_gelu + biases, the Qwen2-VL vision tower layer + quick_gelu +
+    biases, Qwen2.5-VL's rms + gated_silu + biases, Whisper layer + gelu + qvo.
     """
 
     norm: str = "rms"  # rms (RMSNorm) | layer (LayerNorm with a bias), before attention and MLP
@@ -77,6 +78,27 @@ class VisionConfig(BlockOptions):
     projector_dim: int = 0  # the projector's hidden width; 0 = the LLM's width
     projector_act: str = "gelu_tanh"  # the projector's activation: gelu_tanh | gelu (exact)
     freeze: bool = False  # no gradient and no optimizer state for the encoder
+    # How the tower starts and ends. LLaVA reads a hidden layer of its tower, before any final
+    # norm (`hf import` keeps the blocks up to it as `depth`; the others are copied back at
+    # export); CLIP normalises the embedded patches first (its pre_layrnorm)
+    final_norm: bool = True  # a norm after the last block
+    pre_norm: bool = False  # a norm on the embedded patches (and class tokens) before the blocks
+    # A learned class token per image (CLIP): an extra row of the image's document in every
+    # block, after the row's patches (batch.vision_documents of them, resolved from the data),
+    # dropped at the end as LLaVA's "default" feature selection drops it; positions: learned
+    class_token: bool = False
+    # Window attention (Qwen2.5-VL): blocks attend within windows of window x window patches of
+    # their image (a window is a document: the patches are put in window order for the blocks
+    # and back after), except the blocks in full_blocks, which attend over the whole image.
+    # 0: every block over the whole image. A multiple of merge
+    window: int = 0
+    full_blocks: tuple[int, ...] = ()  # with window: the blocks (0-based) over the whole image
+
+    @property
+    def stages_ok(self) -> bool:
+        """Whether its blocks run as pipeline stages (`pipeline.vision: stages`): not with class
+        tokens, windows or no final norm, which only the whole tower's call lays out."""
+        return not (self.class_token or self.window or not self.final_norm)
 
     # What the phase table (jaxmllm.config.phases) reads of an encoder: its units (patches),
     # how many make an LLM token and an encoder row, and one unit's input and position.
@@ -113,6 +135,32 @@ class VisionConfig(BlockOptions):
         )
         check(self.projector_dim >= 0, "must be >= 0 (0: the LLM's width)", "projector_dim")
         check(self.projector_act in ACTIVATIONS, f"must be one of {ACTIVATIONS}", "projector_act")
+        check(
+            not self.class_token or self.positions == "learned",
+            "a class token takes its place from the learned table (positions: learned)",
+            "class_token",
+        )
+        check(
+            self.window >= 0 and self.window % self.merge == 0,
+            f"must be 0 (none) or a multiple of merge={self.merge} (windows hold whole merge "
+            "blocks)",
+            "window",
+        )
+        full = tuple(self.full_blocks)
+        object.__setattr__(self, "full_blocks", full)
+        check(
+            all(isinstance(i, int) and 0 <= i < self.depth for i in full)
+            and len(set(full)) == len(full),
+            f"{list(full)}: must be distinct block indices in [0, depth={self.depth})",
+            "full_blocks",
+        )
+        check(not full or self.window > 0, "needs window > 0 (the other blocks' windows)",
+              "full_blocks")  # fmt: skip
+        check(not (self.class_token and self.window), "class tokens and windows together are "
+              "not supported (no tower has both)", "window")  # fmt: skip
+
+
+PROJECTORS = ("mlp", "linear")  # jaxmllm.models.projectors implements each
 
 
 @dataclass(frozen=True)
@@ -137,12 +185,28 @@ class AudioConfig(BlockOptions):
     max_positions: int = 1500  # rows of the sinusoidal table: the longest clip in encoder rows
     projector_dim: int = 0  # the projector's hidden width; 0 = the LLM's width
     projector_act: str = "gelu_tanh"  # the projector's activation: gelu_tanh | gelu (exact)
+    # The projector: mlp (fc2(act(fc1 x)) over the rows of one LLM token) | linear (one Linear
+    # from one pooled row: Qwen2-Audio's)
+    projector: str = "mlp"
+    # Encoder rows averaged in runs of this many after the blocks, before the final norm
+    # (Qwen2-Audio's pooling: 2); stride x pool divides subsample
+    pool: int = 1
     freeze: bool = False  # no gradient and no optimizer state for the encoder
 
     @property
     def stride(self) -> int:
         """Frames per encoder row."""
         return 2 if self.stem == "whisper" else 4
+
+    @property
+    def stages_ok(self) -> bool:
+        """Whether its blocks run as pipeline stages: not with pooling after them."""
+        return self.pool == 1
+
+    @property
+    def rows_per_token(self) -> int:
+        """Encoder output rows (after pooling) the projector merges into one LLM token."""
+        return self.subsample // (self.stride * self.pool)
 
     # What the phase table (jaxmllm.config.phases) reads of an encoder (see VisionConfig).
     @property
@@ -181,6 +245,18 @@ class AudioConfig(BlockOptions):
         )
         check(self.projector_dim >= 0, "must be >= 0 (0: the LLM's width)", "projector_dim")
         check(self.projector_act in ACTIVATIONS, f"must be one of {ACTIVATIONS}", "projector_act")
+        check(self.projector in PROJECTORS, f"must be one of {', '.join(PROJECTORS)}", "projector")
+        check(
+            self.pool >= 1 and self.subsample % (self.stride * self.pool) == 0,
+            f"must be >= 1 with stride x pool dividing subsample={self.subsample} (the {self.stem} "
+            f"stem's stride is {self.stride})",
+            "pool",
+        )
+        check(
+            self.projector != "linear" or self.rows_per_token == 1,
+            "linear projects one pooled row per LLM token: needs stride x pool = subsample",
+            "projector",
+        )
 
 
 @dataclass(frozen=True)
@@ -267,9 +343,11 @@ class InitFrom:
     """Pretrained HuggingFace checkpoint directories the modules start from (a fresh run only:
     a resumed run restores its own checkpoint). `python -m jaxmllm.hf import` writes these."""
 
+    # A whole checkpoint (LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen2-Audio) is each part's directory:
+    # `hf import --model` writes it as every part it holds, projectors included
     llm: str = ""  # a Llama / Qwen2 causal LM directory (config.json + safetensors)
-    vision: str = ""  # a SigLIP or Qwen2-VL (vision tower) directory
-    audio: str = ""  # a Whisper directory (its encoder)
+    vision: str = ""  # a SigLIP, CLIP or Qwen2(.5)-VL (vision tower) directory
+    audio: str = ""  # a Whisper or Qwen2-Audio (its encoder) directory
     # An earlier run's train.output_dir: its latest checkpoint's parameters (not its optimizer
     # state or data position) for every module both models have, over the directories above
     run: str = ""
@@ -303,6 +381,14 @@ class ModelConfig:
 
     def __post_init__(self):
         check(self.attention in ATTENTIONS, f"must be one of {', '.join(ATTENTIONS)}", "attention")
+        v = self.vision
+        check(
+            self.attention != "cudnn" or not (v.enabled and (v.class_token or v.window)),
+            "cudnn's packed layout holds each document as one run of a row: a vision tower with "
+            "class tokens or windows (model.vision.class_token, window) needs block_sparse or "
+            "dense",
+            "attention",
+        )
         for key in ("compute_dtype", "param_dtype"):
             check(getattr(self, key) in ("float32", "bfloat16"), "must be float32 or bfloat16", key)
         check(self.remat in REMAT_POLICIES, f"must be one of {', '.join(REMAT_POLICIES)}", "remat")

@@ -32,7 +32,7 @@ class BatchSpec:
     attention_block: int  # block-sparse attention's tile side (every encoder takes it)
     # Per phase (the LLM's and each encoder's the model has): tiles a bucket computes
     # (block-sparse attention only, else empty: read them with `tile_caps`), most documents a
-    # row holds (cuDNN only)
+    # row holds (cuDNN; a tower's class tokens, one row each, when resolved: `bounded`)
     tiles: Mapping[str, int]
     documents: Mapping[str, int]
     # The tile keys still -1 (auto): a model can be built without them (its parameters do not
@@ -70,6 +70,7 @@ class BatchSpec:
         on = enabled(m)
         tiles = {LLM: "llm_tiles", **{p.name: p.tiles for p in on}}
         docs = {LLM: "llm_documents", **{p.name: p.documents for p in on}}
+        bounded = documents_bounded(m)
         need = {"route_pair_capacity": b.route_pair_capacity}
         sparse = m.attention == "block_sparse"
         unresolved = tuple(k for k in tiles.values() if sparse and getattr(b, k) < 0)
@@ -89,8 +90,19 @@ class BatchSpec:
             tiles={p: getattr(b, key) for p, key in tiles.items()}
             if sparse and not unresolved
             else {},
-            documents={p: getattr(b, key) for p, key in docs.items()}
-            if m.attention == "cudnn"
-            else {},
+            documents={
+                p: getattr(b, key)
+                for p, key in docs.items()
+                if p in bounded and (m.attention == "cudnn" or getattr(b, key) > 0)
+            },
             unresolved_tiles=unresolved,
         )
+
+
+def documents_bounded(m: Any) -> tuple[str, ...]:
+    """The phases whose rows `batch.*_documents` bounds for a ModelConfig: every phase with
+    cuDNN's packed layout (required); otherwise the encoders with class tokens (a row for each
+    image after the row's units; unbounded, the encoder takes one for every token's worth)."""
+    if m.attention == "cudnn":
+        return (LLM, *(p.name for p in enabled(m)))
+    return tuple(p.name for p in enabled(m) if getattr(p.encoder(m), "class_token", False))

@@ -1,5 +1,6 @@
 """`python -m jaxmllm.hf {import,export,check}`: HuggingFace checkpoints in and out.
 
+python -m jaxmllm.hf import --model DIR --out CONFIG.yaml      # a whole LLaVA, Qwen2-VL, ...
 python -m jaxmllm.hf import --llm DIR [--vision DIR] [--audio DIR] --out CONFIG.yaml
 python -m jaxmllm.train --config CONFIG.yaml           # starts from those weights
 python -m jaxmllm.hf export RUN_DIR --out DIR [--step N]
@@ -23,8 +24,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sub = p.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="write a training config that starts from checkpoints")
-    imp.add_argument("--llm", required=True, help="a Llama or Qwen2 causal LM directory")
-    imp.add_argument("--vision", default="", help="a SigLIP or Qwen2-VL directory")
+    which = imp.add_mutually_exclusive_group(required=True)
+    which.add_argument(
+        "--model",
+        default="",
+        help="a whole multimodal checkpoint: LLaVA, "
+        "Qwen2-VL, Qwen2.5-VL or Qwen2-Audio (its LLM, encoders, projectors)",
+    )
+    which.add_argument("--llm", default="", help="a Llama or Qwen2 causal LM directory")
+    imp.add_argument("--vision", default="", help="a SigLIP, CLIP or Qwen2(.5)-VL directory")
     imp.add_argument("--audio", default="", help="a Whisper directory")
     imp.add_argument("--tokenizer", default="", help="the tokenizer directory (default: --llm)")
     imp.add_argument("--out", required=True, help="the config YAML to write")
@@ -32,12 +40,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      "(configs/recipes/stage1.yaml, stage2.yaml)")  # fmt: skip
     exp = sub.add_parser("export", help="write a run's parameters as HF directories")
     exp.add_argument("run_dir", help="a training run's train.output_dir")
-    exp.add_argument("--out", required=True, help="directory to write llm/, vision/, audio/ into")
+    exp.add_argument(
+        "--out",
+        required=True,
+        help="the directory to write (new or empty): the "
+        "whole checkpoint, or llm/, vision/, audio/ for a run built from parts",
+    )
     exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     exp.add_argument("--max-shard-gb", type=float, default=4.0, help="safetensors shard size")
     chk = sub.add_parser("check", help="compare our model with transformers on random inputs")
     chk.add_argument("directory", help="a HF model directory")
-    chk.add_argument("--role", choices=("llm", "vision", "audio"), default="")
+    chk.add_argument(
+        "--role",
+        choices=("llm", "vision", "audio", "model"),
+        default="",
+        help="one part's figures (model: a whole checkpoint's, with its media)",
+    )
     chk.add_argument("--tokens", type=int, default=64, help="decoder input length")
     chk.add_argument("--tolerance", type=float, default=1e-3, help="exit 1 above this")
     chk.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -52,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "import":
             from jaxmllm.hf.importer import write_config
 
-            write_config(args.out, args.llm, args.vision, args.audio, args.base, args.tokenizer)
+            if args.model and (args.vision or args.audio):
+                raise FamilyError("--model brings its own encoders: leave out --vision / --audio")
+            write_config(args.out, args.llm, args.vision, args.audio, args.base, args.tokenizer,
+                         model=args.model)  # fmt: skip
             print(f"wrote {args.out}; train with: python -m jaxmllm.train --config {args.out}")
         elif args.command == "export":
             from jaxmllm.hf.export import export_run
@@ -61,11 +82,13 @@ def main(argv: list[str] | None = None) -> int:
                                          int(args.max_shard_gb * (1 << 30))).items():  # fmt: skip
                 print(f"{role}: {path}")
         else:
-            from jaxmllm.hf.check import check_dir, describe
+            from jaxmllm.hf.check import describe
+            from jaxmllm.hf.check_whole import check_all
 
-            result = check_dir(args.directory, args.role, args.tokens)
-            print(json.dumps(result) if args.json else describe(result))
-            return 0 if result["max_abs_diff"] <= args.tolerance else 1
+            results = check_all(args.directory, args.role, args.tokens)
+            for result in results:
+                print(json.dumps(result) if args.json else describe(result))
+            return 0 if max(r["max_abs_diff"] for r in results) <= args.tolerance else 1
     except (FamilyError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

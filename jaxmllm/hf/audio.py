@@ -1,9 +1,12 @@
-"""Audio family: the Whisper encoder (of a `WhisperModel` / `WhisperForConditionalGeneration`).
+"""Audio families: the Whisper encoder (of a `WhisperModel` / `WhisperForConditionalGeneration`)
+and Qwen2-Audio's (`Qwen2AudioEncoder`, `audio_tower.` of a Qwen2-Audio).
 
 Whisper's encoder is jaxmllm's audio encoder with `stem: whisper` (kernel-3 convolutions with
 strides 1 and 2, exact GELU), `positions: sinusoidal` (its fixed `embed_positions` table, never
 trained), LayerNorm blocks with exact-GELU MLPs, and biases on q, v and the output projection
 (its key projection has none). The decoder is left alone; export writes it back unchanged.
+Qwen2-Audio's encoder is Whisper's with its rows averaged in pairs after the blocks and before
+the final LayerNorm (`pool: 2`): one row per 4 frames, each an LLM token.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ class WhisperEncoder(Family):
     model_types = ("whisper",)
     role = "audio"
     hf_class = "WhisperForConditionalGeneration"
+    exports_whole = True  # (its decoder, unchanged)
 
     def section(self, hf: dict) -> dict:
-        where = "whisper config.json"
+        hf = hf.get("audio_config", hf)  # a whole Qwen2-Audio: its encoder
+        where = f"{self.name} config.json"
         act = read(hf, "activation_function", where, "gelu")
         refuse_unless(act == "gelu", where, f"activation_function {act!r}: expected gelu")
         return {
@@ -52,6 +57,22 @@ class WhisperEncoder(Family):
             "mlp": "gelu",
             "attn_bias": "qvo",
             "mlp_bias": True,
+            "pool": self.pool,
+        }
+
+    pool = 1  # rows averaged after the blocks
+
+    def wants(self, cfg: Any) -> dict[str, Any]:
+        """Our options this architecture has a counterpart for (an encoder from scratch)."""
+        return {
+            "model.audio.stem": ("whisper",),
+            "model.audio.positions": ("sinusoidal",),
+            "model.audio.norm": ("layer",),
+            "model.audio.norm_eps": (1e-5,),
+            "model.audio.mlp": ("gelu",),
+            "model.audio.attn_bias": ("qvo",),
+            "model.audio.mlp_bias": (True,),
+            "model.audio.pool": (self.pool,),
         }
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
@@ -95,3 +116,16 @@ class WhisperEncoder(Family):
 
     def prefix(self, names: list[str]) -> str:
         return _prefix(names, "conv1.weight")
+
+
+class Qwen2AudioEncoder(WhisperEncoder):
+    name = "qwen2_audio"
+    model_types = ("qwen2_audio_encoder",)
+    hf_class = "Qwen2AudioEncoder"
+    exports_whole = False
+    pool = 2
+
+    def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        out = super().to_hf_config(cfg, (source or {}).get("audio_config", source))
+        out.update(architectures=[self.hf_class], model_type="qwen2_audio_encoder")
+        return out

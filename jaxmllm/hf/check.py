@@ -20,27 +20,39 @@ from flax import nnx
 from jaxmllm.config import Config
 from jaxmllm.data.media.image import patchify
 from jaxmllm.hf.family import Family, FamilyError
-from jaxmllm.hf.registry import FAMILIES, family_for, read_hf_config
+from jaxmllm.hf.registry import family_for, read_hf_config, roles_of
 from jaxmllm.hf.towers import Towers, config_for, load_towers
+from jaxmllm.hf.wholes import WHOLES
 
 HF_MODULES = {  # (model_type, role) -> (transformers class, path to the module compared)
     ("llama", "llm"): ("LlamaForCausalLM", ""),
     ("qwen2", "llm"): ("Qwen2ForCausalLM", ""),
-    ("qwen2_vl", "llm"): ("Qwen2VLForConditionalGeneration", ""),
     ("siglip_vision_model", "vision"): ("SiglipVisionModel", ""),
     ("siglip", "vision"): ("SiglipModel", "vision_model"),
+    ("clip_vision_model", "vision"): ("CLIPVisionModel", ""),
+    ("clip", "vision"): ("CLIPModel", "vision_model"),
     ("qwen2_vl_vision", "vision"): ("Qwen2VisionTransformerPretrainedModel", ""),
-    ("qwen2_vl", "vision"): ("Qwen2VLForConditionalGeneration", "model.visual"),
+    ("qwen2_5_vl_vision", "vision"): ("Qwen2_5_VisionTransformerPretrainedModel", ""),
     ("whisper", "audio"): ("WhisperModel", "encoder"),
+    ("qwen2_audio_encoder", "audio"): ("Qwen2AudioEncoder", ""),
+}
+for _whole in WHOLES:  # a whole checkpoint: its class (`check_whole` reads its parts)
+    HF_MODULES[_whole.model_types[0], "llm"] = (_whole.hf_class, "")
+MODULES = {  # where transformers keeps the classes it does not export at the top level
+    "Qwen2VisionTransformerPretrainedModel": "qwen2_vl",
+    "Qwen2_5_VisionTransformerPretrainedModel": "qwen2_5_vl",
+    "Qwen2AudioEncoder": "qwen2_audio",
 }
 
 
 def role_of(hf: dict) -> str:
     """The role a checkpoint plays, from its model_type."""
-    for family in FAMILIES:
-        if hf.get("model_type") in family.model_types:
-            return family.role
-    raise FamilyError(f"model_type {hf.get('model_type')!r} is not an architecture jaxmllm reads")
+    roles = roles_of(hf)
+    if not roles:
+        raise FamilyError(
+            f"model_type {hf.get('model_type')!r} is not an architecture jaxmllm reads"
+        )
+    return roles[0]
 
 
 def check_dir(directory: str, role: str = "", tokens: int = 64, seed: int = 0) -> dict:
@@ -58,9 +70,15 @@ def check_dir(directory: str, role: str = "", tokens: int = 64, seed: int = 0) -
     rng = np.random.default_rng(seed)
     run = {"llm": _llm, "vision": _vision, "audio": _audio}[role]
     what, ours, theirs = run(towers, reference, cfg, family, rng, tokens)
+    return figures(role, family.name, what, ours, theirs)
+
+
+def figures(role: str, family: str, what: str, ours, theirs) -> dict:
+    """The figures of a comparison: the largest difference and the largest reference value."""
+    ours, theirs = np.asarray(ours, np.float32), np.asarray(theirs, np.float32)
     return {
         "role": role,
-        "family": family.name,
+        "family": family,
         "what": what,
         "max_abs_diff": float(np.abs(ours - theirs).max()),
         "max_abs_ref": float(np.abs(theirs).max()),
@@ -77,10 +95,12 @@ def hf_module(directory: str, hf: dict, role: str):
                           "(torch==2.13.0 is the CPU build)") from None  # fmt: skip
     name, attr = HF_MODULES[hf["model_type"], role]
     cls = getattr(transformers, name, None)
-    if cls is None:  # (the Qwen2-VL vision tower is not exported at the top level)
-        from transformers.models.qwen2_vl import modeling_qwen2_vl
+    if cls is None:  # (a vision tower or audio encoder not exported at the top level)
+        import importlib
 
-        cls = getattr(modeling_qwen2_vl, name)
+        module = MODULES[name]
+        cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"),
+                      name)  # fmt: skip
     model = cls.from_pretrained(directory, dtype=torch.float32).eval()
     for part in filter(None, attr.split(".")):
         model = getattr(model, part)
@@ -127,11 +147,12 @@ def _vision(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int):
 
     v = cfg.model.vision
     m = v.merge
-    if v.positions == "learned":  # SigLIP: one non-square image off the table's grid
+    if v.positions == "learned":  # SigLIP, CLIP: one non-square image off the table's grid
         g = v.position_grid
         grids = [((g + m) // m * m, max(m, (g - m) // m * m))]  # taller, narrower
-    else:
-        grids = [(2 * m, 3 * m), (m, 2 * m), (3 * m, m)]
+    else:  # (windows: an image of several, some cut by its edge)
+        w = max(v.window, m)
+        grids = [(2 * m, 3 * m), (m, 2 * m), (3 * m, m), (2 * w + m, w + m)]
     images = _images(cfg, rng, grids)
     packed = [patchify(img, v.patch_size, m) for img in images]
     patches = np.concatenate([x for x, _ in packed])[None]
@@ -143,11 +164,11 @@ def _vision(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int):
             pixels = _torch(images[0].transpose(2, 0, 1)[None])
             theirs = _numpy(
                 ref(pixel_values=pixels, interpolate_pos_encoding=True).last_hidden_state
-            )
+            )[0, int(v.class_token) :]  # (CLIP: its class token first)
             h, w = grids[0]
             raster = positions[0, :, 0] * w + positions[0, :, 1]  # ours are in merge order
             return (f"hidden states of a {h}x{w}-patch image", np.asarray(feats)[0],
-                    theirs[0][raster])  # fmt: skip
+                    theirs[raster])  # fmt: skip
         t, p, c = v.temporal_patch, v.patch_size, v.channels
         frames = patches[0].reshape(-1, p, p, c).transpose(0, 3, 1, 2)[:, :, None]
         pixels = np.repeat(frames, t, axis=2).reshape(len(frames), -1)

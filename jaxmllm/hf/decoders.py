@@ -1,5 +1,6 @@
-"""Decoder families: Llama (3.x, with its rope scaling), Qwen2 / Qwen2.5 (q/k/v biases), and
-the LLM of a whole Qwen2-VL checkpoint (Qwen2 with M-RoPE).
+"""Decoder families: Llama (3.x, with its rope scaling) and Qwen2 / Qwen2.5 (q/k/v biases); the
+LLM of a whole checkpoint is one of them on its `text_config` (`jaxmllm.hf.wholes`: Qwen2-VL's
+is Qwen2 with M-RoPE).
 
 All are jaxmllm's own decoder (RMSNorm, rotate-half RoPE, GQA, SiLU-gated MLP) with options:
 `norm_eps`, `head_dim`, `attn_bias` (Qwen2: qkv; Llama: qkvo with attention_bias), `mlp_bias`,
@@ -14,11 +15,7 @@ from typing import Any
 from jaxmllm.hf.family import Family, FamilyError, Link, dense, read, refuse_unless, reshaped, same
 
 ROPE_TYPES = {"default": "none", "mrope": "none", "linear": "linear", "llama3": "llama3"}
-CLASSES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen2_vl": "Qwen2VLForConditionalGeneration",
-}
+CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def rope_section(hf: dict, where: str) -> tuple[float, dict]:
@@ -77,12 +74,6 @@ class Decoders(Family):
 
     def section(self, hf: dict) -> dict:
         where = f"{self.name} config.json"
-        if self.model_type == "qwen2_vl":  # the text half (top level in the hub's older files)
-            tied = hf.get("tie_word_embeddings")
-            hf = {
-                **hf.get("text_config", hf),
-                **({} if tied is None else {"tie_word_embeddings": tied}),
-            }
         act = read(hf, "hidden_act", where, "silu")
         refuse_unless(act == "silu", where, f"hidden_act {act!r}: the decoder's MLP is SiLU-gated")
         refuse_unless(
@@ -133,10 +124,7 @@ class Decoders(Family):
             raise FamilyError(f"model.llm.attn_bias={llm.attn_bias!r}: Qwen2 has q/k/v biases")
         if self.model_type == "llama" and llm.attn_bias not in ("", "qkvo"):
             raise FamilyError(f"model.llm.attn_bias={llm.attn_bias!r}: Llama has none or all")
-        source = source or {}
-        whole = source.get("text_config") is not None  # (Qwen2-VL: the text half nested)
-        base = source["text_config"] if whole else source
-        out = {k: v for k, v in base.items() if k not in ("rope_theta", "rope_scaling")}
+        out = {k: v for k, v in (source or {}).items() if k not in ("rope_theta", "rope_scaling")}
         out.update(
             architectures=[self.hf_class],
             model_type=self.model_type,
@@ -156,11 +144,22 @@ class Decoders(Family):
             out.update(attention_bias=llm.attn_bias == "qkvo", mlp_bias=llm.mlp_bias)
         if any(llm.mrope_section):
             out["rope_parameters"]["mrope_section"] = list(llm.mrope_section)
-        if whole:
-            del out["architectures"]
-            out["model_type"] = source["text_config"].get("model_type", "qwen2_vl_text")
-            return {**source, "text_config": out, "tie_word_embeddings": llm.tie_embeddings}
         return out
+
+    def wants(self, cfg: Any) -> dict[str, Any]:
+        """Our options this architecture has a counterpart for (a decoder from scratch)."""
+        llm = cfg.model.llm
+        return {
+            "model.llm.norm": ("rms",),
+            "model.llm.mlp": ("gated_silu",),
+            "model.llm.attn_bias": ("", "qkvo") if self.model_type == "llama" else ("qkv",),
+            "model.llm.mlp_bias": (False, True) if self.model_type == "llama" else (False,),
+            "model.llm.tied_logits_scaled": (
+                lambda scaled: not (scaled and llm.tie_embeddings),
+                "tied logits x . E^T, unscaled",
+            ),
+            "model.llm.mrope_section": ((lambda m: not any(m)), "1D rotary positions"),
+        }
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
         llm = cfg.model.llm
@@ -202,6 +201,5 @@ class Decoders(Family):
         return links
 
     def skipped(self, name: str) -> bool:
-        # Rotary caches some older exports stored (recomputed from the config); a Qwen2-VL
-        # checkpoint's vision tower (its own family, --vision).
-        return name.endswith("rotary_emb.inv_freq") or name.startswith(("visual.", "model.visual."))
+        # Rotary caches some older exports stored (recomputed from the config).
+        return name.endswith("rotary_emb.inv_freq")

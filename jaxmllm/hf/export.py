@@ -1,19 +1,31 @@
-"""`python -m jaxmllm.hf export RUN_DIR --out DIR`: a run's parameters as HF directories.
+"""`python -m jaxmllm.hf export RUN_DIR --out DIR`: a run's parameters as HF checkpoints.
 
-For each module a family covers (the LLM, the vision tower, the audio encoder) it writes
-`DIR/<role>/` with config.json and safetensors shards (and their index) that transformers
-loads: the tensors come from our parameters through the family's links, in the dtype the
-imported checkpoint stored them in (float32 for a module trained from scratch). What the family
-knowingly left alone at import (a SigLIP pooling head; Whisper's whole decoder, which makes the
-export a complete Whisper model) is copied from the imported checkpoint unchanged, as are its
-tokenizer, chat template, generation and preprocessor files. Importing the export gives back
-the same parameters bit for bit.
+What is written follows where the run's modules came from (`model.init_from`):
+
+- every module from one whole checkpoint (`hf import --model`): `DIR` is that checkpoint again
+  (LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen2-Audio), the run's LLM, encoders and projectors in it,
+  with the imported directory's processor, tokenizer, chat template and generation files;
+- modules from parts: `DIR/llm/`, `DIR/vision/`, `DIR/audio/`, each the family it was imported
+  from (a part of a whole checkpoint is written back into that whole, under `DIR/<name>/`), and
+  `DIR/projectors.safetensors` with the projectors no exported checkpoint holds (our names);
+- a run from scratch: the whole family its architecture matches (an LLM alone: Llama or Qwen2),
+  with processor files made from the data section when its tokenizer is a HF directory; or a
+  refusal naming, per family, the option it has no counterpart for.
+
+Tensors come from our parameters through the families' links, in the dtype the imported
+checkpoint stored them in (float32 from scratch); what the families knowingly left alone at
+import (a SigLIP pooling head, Whisper's decoder, the tower blocks after LLaVA's feature layer)
+is copied from the imported checkpoint unchanged, so importing the export gives back the same
+parameters bit for bit. Everything is written into a temporary directory beside `DIR` and
+renamed to `DIR` when complete: a failed export leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -21,9 +33,11 @@ import numpy as np
 from flax import nnx
 
 from jaxmllm.config import Config, ConfigError, from_dict
-from jaxmllm.hf.family import Family
+from jaxmllm.hf.family import Family, FamilyError, mismatches
 from jaxmllm.hf.registry import FAMILIES, ROLES, family_for, read_hf_config
-from jaxmllm.hf.safetensors import DTYPES, Checkpoint, write_checkpoint
+from jaxmllm.hf.safetensors import DTYPES, Checkpoint, write_checkpoint, write_file
+from jaxmllm.hf.whole import Part, Whole
+from jaxmllm.hf.wholes import WHOLES, decoder_of, whole_for
 from jaxmllm.loop.checkpoint import restore_params
 from jaxmllm.step.program import model_parts
 from sharding.rules import keyed_leaves
@@ -35,24 +49,68 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )  # fmt: skip
 # Copied from the imported checkpoint's directory when present.
-FILES = ("generation_config.json", "preprocessor_config.json", *TOKENIZER_FILES)
-# Families exported as the whole imported model, our module replaced: Whisper's decoder, a
-# Qwen2-VL's vision tower (replaced too when the run's vision is that tower)
-WHOLE = {("audio", "whisper"), ("llm", "qwen2_vl")}
+FILES = ("generation_config.json", "preprocessor_config.json", "processor_config.json",
+         *TOKENIZER_FILES)  # fmt: skip
+PROJECTORS = ("vision_projector", "audio_projector")
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One checkpoint directory of an export."""
+
+    where: str  # under --out ("": --out itself)
+    roles: tuple[str, ...]  # the run's modules it holds (their projectors with them)
+    source: str  # the imported directory ("": from scratch)
+    whole: Whole | None = None  # a whole checkpoint's family, or
+    family: Family | None = None  # a checkpoint of one part's
 
 
 def export_run(run_dir: str, out: str, step: int | None = None, max_shard: int = 4 << 30):
-    """Writes `out/<role>/` for each module of the run; returns {role: directory}.
+    """Writes the run's checkpoint `step` (None: the latest) under `out` (see the module
+    docstring); returns {what: directory} (what: "model", a role, a whole's name, or
+    "projectors").
 
     Raises:
-      ConfigError: no run config or checkpoint there.
+      ConfigError: no run config or checkpoint there, or `out` a file or a non-empty directory.
+      FamilyError: a module trained from scratch that no HF family has a counterpart for.
     """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: name a directory to write (new or empty)")
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} is not empty: name a new directory (export never "
+                          "writes into an existing one)")  # fmt: skip
     run = Path(run_dir)
     try:
         raw = json.loads((run / "config.json").read_text())
     except OSError:
         raise ConfigError(f"{run}: no config.json (is it a run's train.output_dir?)") from None
     cfg = from_dict(Config, raw, source=str(run / "config.json"))
+    pieces = plan_export(cfg)  # (refusals before anything is read or written)
+    step, flat = _restore(cfg, run, step)
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        written, held = {}, set()
+        for piece in pieces:
+            held |= write_piece(cfg, piece, flat, partial / piece.where, max_shard)
+            written[piece.where or "model"] = out / piece.where
+        rest = {k: v for k, v in flat.items() if k.split("/")[0] in set(PROJECTORS) - held}
+        if rest:  # projectors no exported checkpoint has a place for
+            partial.mkdir(parents=True, exist_ok=True)
+            write_file(partial / "projectors.safetensors", sorted(rest.items()))
+            written["projectors"] = out / "projectors.safetensors"
+        if out.is_dir():
+            out.rmdir()
+        partial.rename(out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    log.info("exported step %d of %s to %s", step, run, out)
+    return written
+
+
+def _restore(cfg: Config, run: Path, step: int | None) -> tuple[int, dict]:
     parts, _ = model_parts(cfg)
     pure = nnx.to_pure_dict(parts.template)
     abstract = {
@@ -60,54 +118,126 @@ def export_run(run_dir: str, out: str, step: int | None = None, max_shard: int =
         "frozen": {k: v for k, v in pure.items() if k in parts.frozen_keys},
     }
     step, restored = restore_params(run, abstract, step)
-    flat = keyed_leaves({**restored["params"], **restored["frozen"]})
-    written = {}
-    for role in ROLES:
-        if role != "llm" and not getattr(cfg.model, role).enabled:
-            continue
-        directory = Path(out) / role
-        export_role(cfg, role, flat, directory, max_shard)
-        written[role] = directory
-    log.info("exported step %d of %s to %s", step, run, out)
-    return written
+    return step, keyed_leaves({**restored["params"], **restored["frozen"]})
 
 
-def export_role(cfg: Config, role: str, flat: dict, directory: Path, max_shard: int) -> None:
-    """One module's HF directory (see the module docstring)."""
-    source_dir = getattr(cfg.model.init_from, role)
-    has_source = bool(source_dir) and (Path(source_dir) / "config.json").is_file()
-    source = read_hf_config(source_dir) if has_source else None
-    family = family_for(role, source, source_dir) if source else family_of(cfg, role)
-    ck = Checkpoint(source_dir) if has_source else None
-    prefix = family.prefix(ck.names()) if ck else ""
-    whole = (role, family.name) in WHOLE
-    if whole and ck is None:
-        prefix = "model.encoder." if role == "audio" else ""
-        log.warning("%s: no imported checkpoint to take the rest of the model from: the export "
-                    "holds this module only", role)  # fmt: skip
-    tensors = hf_tensors(family, cfg, source, flat)
-    stored = lambda name: DTYPES[ck.dtype(name)] if ck and name in ck else np.dtype(np.float32)
-    out = {(prefix + n if whole else n): v.astype(stored(prefix + n)) for n, v in tensors.items()}
-    for name in ck.names() if ck else []:  # what the family left alone, unchanged
-        mine = name.startswith(prefix) and name[len(prefix) :] in tensors
-        if not mine and (
-            whole or (name.startswith(prefix) and family.skipped(name[len(prefix) :]))
-        ):
-            out[name if whole else name[len(prefix) :]] = np.asarray(ck.get(name))
-    if whole and role == "llm" and cfg.model.vision.enabled and ck is not None:
-        tower = family_for("vision", source, source_dir)  # the run's own Qwen2-VL tower
-        if cfg.model.init_from.vision == source_dir:
-            at = tower.prefix(ck.names())
-            for n, v in hf_tensors(tower, cfg, source, flat).items():
-                out[at + n] = v.astype(stored(at + n))
-    write_checkpoint(directory, sorted(out.items()), max_shard)
-    hf_config = family.to_hf_config(cfg, source)
-    (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    for name in FILES if has_source else ():
-        if (Path(source_dir) / name).is_file():
-            shutil.copy2(Path(source_dir) / name, directory / name)
+def plan_export(cfg: Config) -> list[Piece]:
+    """The checkpoints an export of `cfg`'s run writes (see the module docstring).
+
+    Raises:
+      FamilyError: a module from scratch that no HF family has a counterpart for.
+    """
+    roles = tuple(r for r in ROLES if r == "llm" or getattr(cfg.model, r).enabled)
+    dirs = {r: getattr(cfg.model.init_from, r) for r in roles}
+    if not any(dirs.values()):
+        return [scratch(cfg, roles)]
+    wholes = {d: whole_for(read_hf_config(d)) for d in set(dirs.values()) if d}
+    if len(set(dirs.values())) == 1 and wholes.get(dirs["llm"]) is not None:
+        return [Piece("", roles, dirs["llm"], whole=wholes[dirs["llm"]])]
+    pieces, done = [], set()
+    for role in roles:
+        d = dirs[role]
+        if wholes.get(d) is not None and d not in done:  # its parts of the run, written back
+            done.add(d)
+            mine = tuple(r for r in roles if dirs[r] == d)
+            pieces.append(Piece(wholes[d].name, mine, d, whole=wholes[d]))
+        elif d and wholes.get(d) is None:
+            pieces.append(Piece(role, (role,), d, family=family_for(role, read_hf_config(d), d)))
+        elif not d:
+            pieces.append(Piece(role, (role,), "", family=standalone(cfg, role)))
+    return pieces
+
+
+def scratch(cfg: Config, roles: tuple[str, ...]) -> Piece:
+    """The whole family a run from scratch matches (an LLM alone: its decoder family)."""
+    if roles == ("llm",):
+        return Piece("", roles, "", family=standalone(cfg, "llm"))
+    candidates = [w for w in WHOLES if set(w.parts) == set(roles)]
+    if not candidates:
+        raise FamilyError(
+            f"no HuggingFace architecture jaxmllm writes holds {' and '.join(roles)} together "
+            "(model.vision.enabled and model.audio.enabled are both true): it cannot be exported "
+            "from scratch"
+        )
+    found = {w.name: w.mismatches(cfg) for w in candidates}
+    for w in candidates:
+        if not found[w.name]:
+            return Piece("", roles, "", whole=w)
+    raise FamilyError(_refusal(found))
+
+
+def standalone(cfg: Config, role: str) -> Family:
+    """The family of one part that a module from scratch matches."""
+    families = [f for f in FAMILIES if f.role == role]
     if role == "llm":
+        families = [decoder_of(cfg)]
+    found = {f.name: mismatches(cfg, f.wants(cfg), f.name) for f in families}
+    for f in families:
+        if not found[f.name]:
+            return f
+    raise FamilyError(_refusal(found))
+
+
+def _refusal(found: dict[str, list[str]], most: int = 3) -> str:
+    per = "; ".join(
+        f"as {name}: {', '.join(m[:most])}{', ...' if len(m) > most else ''}"
+        for name, m in found.items()
+    )
+    return f"the run's model has no HuggingFace counterpart, option by option ({per})"
+
+
+def write_piece(cfg: Config, piece: Piece, flat: dict, directory: Path, max_shard: int) -> set:
+    """One checkpoint directory; returns the top-level modules it holds."""
+    source = read_hf_config(piece.source) if piece.source else None
+    ck = Checkpoint(piece.source) if piece.source else None
+    names = ck.names() if ck else ()
+    if piece.whole is not None:
+        hf = source or piece.whole.to_hf_config(cfg, None, piece.roles)
+        families = [Part(piece.whole, r, hf, names) for r in piece.roles]
+        prefix, keep_all = "", True
+    else:
+        hf, families = source, [piece.family]
+        prefix = piece.family.prefix(names) if ck else ""
+        keep_all = piece.family.exports_whole
+        if keep_all and ck is None:
+            prefix = "model.encoder."
+            log.warning("%s: no imported checkpoint to take the rest of the model from: the "
+                        "export holds this module only", piece.roles[0])  # fmt: skip
+    tensors: dict[str, np.ndarray] = {}
+    for family in families:
+        tensors.update(hf_tensors(family, cfg, hf if piece.whole else source, flat))
+    stored = lambda n: DTYPES[ck.dtype(n)] if ck and n in ck else np.dtype(np.float32)
+    out = {(prefix + n if keep_all else n): v for n, v in tensors.items()}
+    out = {n: v.astype(stored(prefix + n if not keep_all else n)) for n, v in out.items()}
+    for name in names:  # what the families left alone, unchanged
+        rest = name[len(prefix) :] if name.startswith(prefix) else None
+        if keep_all and name not in out:
+            out[name] = np.asarray(ck.get(name))
+        elif not keep_all and rest is not None and rest not in out and families[0].skipped(rest):
+            out[rest] = np.asarray(ck.get(name))
+    if piece.whole is not None and ck is None:
+        out.update(piece.whole.fillers(cfg))
+    write_checkpoint(directory, sorted(out.items()), max_shard)
+    config = piece.whole.to_hf_config(cfg, source, piece.roles) if piece.whole else (
+        piece.family.to_hf_config(cfg, source)
+    )  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _processor_files(cfg, piece, directory)
+    return {p.split("/")[0] for f in families for link in f.links(cfg, hf) for p in link.ours}
+
+
+def _processor_files(cfg: Config, piece: Piece, directory: Path) -> None:
+    """The imported directory's processor, tokenizer and generation files; from scratch, the
+    processor's made from the data section. The run's tokenizer goes with its LLM."""
+    for name in FILES if piece.source else ():
+        if (Path(piece.source) / name).is_file():
+            shutil.copy2(Path(piece.source) / name, directory / name)
+    if "llm" in piece.roles:
         _copy_tokenizer(cfg, directory)
+    tokenizer = Path(cfg.data.tokenizer)
+    if piece.whole is not None and not piece.source and tokenizer.is_dir():
+        for name, content in piece.whole.processor_files(cfg).items():
+            (directory / name).write_text(json.dumps(content, indent=2) + "\n")
 
 
 def hf_tensors(family: Family, cfg: Config, source: dict | None, flat: dict) -> dict:
@@ -121,16 +251,17 @@ def hf_tensors(family: Family, cfg: Config, source: dict | None, flat: dict) -> 
     return tensors
 
 
-def family_of(cfg: Config, role: str) -> Family:
-    """A module's family from our config alone (a module trained from scratch, or whose
-    imported directory is gone): what its options say it is."""
-    m = cfg.model
-    name = {
-        "llm": "qwen2" if m.llm.attn_bias == "qkv" else "llama",
-        "vision": "siglip" if m.vision.positions == "learned" else "qwen2_vl",
-        "audio": "whisper",
-    }[role]
-    return next(f for f in FAMILIES if f.role == role and f.name == name)
+def export_role(cfg: Config, role: str, flat: dict, directory: Path, max_shard: int) -> None:
+    """One module's checkpoint directory, as a run built from parts exports it."""
+    source = getattr(cfg.model.init_from, role)
+    whole = whole_for(read_hf_config(source)) if source else None
+    if whole is not None:
+        piece = Piece("", (role,), source, whole=whole)
+    elif source:
+        piece = Piece("", (role,), source, family=family_for(role, read_hf_config(source), source))
+    else:
+        piece = Piece("", (role,), "", family=standalone(cfg, role))
+    write_piece(cfg, piece, flat, directory, max_shard)
 
 
 def _copy_tokenizer(cfg: Config, directory: Path) -> None:

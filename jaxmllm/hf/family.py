@@ -57,6 +57,8 @@ class Family:
     model_types: tuple[str, ...] = ()  # config.json model_type values it reads
     role: str = ""  # llm | vision | audio: the config section it fills
     hf_class: str = ""  # the transformers class export writes and check compares against
+    # Export writes back the whole imported model with this part replaced (Whisper: its decoder)
+    exports_whole: bool = False
 
     def section(self, hf: dict) -> dict:
         """Our config keys for this role from a HF config.json (dict)."""
@@ -69,6 +71,11 @@ class Family:
 
     def links(self, cfg: Any) -> list[Link]:
         """The tensor links for our config (the whole `Config`)."""
+        raise NotImplementedError
+
+    def wants(self, cfg: Any) -> dict[str, Any]:
+        """Our options this architecture has a counterpart for, as `mismatches` takes them
+        (what a module trained from scratch must have to be exported as this family)."""
         raise NotImplementedError
 
     def prefix(self, names: Sequence[str]) -> str:
@@ -139,6 +146,22 @@ def parts_of(hf: str, ours: Sequence[str], links: Sequence[Link], layers: int = 
     return Link((hf,), tuple(ours), to_ours, to_hf, layers)
 
 
+def prefixed(link: Link, prefix: str) -> Link:
+    """`link` with its HF names under `prefix` (a part of a whole checkpoint)."""
+    return dataclasses.replace(link, hf=tuple(prefix + n for n in link.hf))
+
+
+def split_rows(hf: str, ours: Sequence[str], rows: int) -> Link:
+    """One HF table whose first `rows` rows are one of ours and the rest another (CLIP's
+    position table: the class token's row, then the patches')."""
+    return Link(
+        (hf,),
+        tuple(ours),
+        lambda t: (np.asarray(t)[:rows].reshape(-1), np.asarray(t)[rows:]),
+        lambda a, b: (np.concatenate([np.asarray(a).reshape(rows, -1), np.asarray(b)]),),
+    )
+
+
 # ----------------------------------------------------------------------------- config reading
 
 
@@ -159,3 +182,23 @@ def refuse_unless(ok: bool, where: str, message: str) -> None:
 def matches(patterns: Sequence[str], name: str) -> bool:
     """Whether a tensor name matches one of a few regular expressions."""
     return any(re.fullmatch(p, name) for p in patterns)
+
+
+def mismatches(cfg: Any, wants: dict[str, Any], family: str) -> list[str]:
+    """The options of `cfg` a HF family has no counterpart for, each naming its key.
+
+    `wants`: config key ("model.vision.mlp") -> the values the family has (a tuple), or
+    (predicate, what it has) for a rule.
+    """
+    out = []
+    for key, want in wants.items():
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if isinstance(want, tuple) and want and callable(want[0]):
+            ok, has = want[0](value), want[1]
+        else:
+            ok, has = value in want, " or ".join(repr(w) for w in want)
+        if not ok:
+            out.append(f"{key}={value!r} ({family} has {has})")
+    return out

@@ -2,21 +2,26 @@
 
 The model section comes from each checkpoint's config.json (through its family), so the model
 jaxmllm builds has exactly the checkpoint's shapes and options; `model.init_from` names the
-directories the trainer then loads. The rest of the config is a fine-tuning starting point on
-the built-in data (swap in your own manifest), the checkpoint's own tokenizer included.
+directories the trainer then loads (a whole checkpoint, `--model DIR`, is every part's
+directory: its LLM, its encoders and its projectors). The rest of the config is a fine-tuning
+starting point on the built-in data (swap in your own manifest), the checkpoint's own tokenizer
+and processor settings included.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import yaml
 
 from jaxmllm.config import Config, from_dict
+from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.text.tokenizer import make_tokenizer
 from jaxmllm.hf.family import FamilyError
-from jaxmllm.hf.registry import family_for, read_hf_config, section_of
+from jaxmllm.hf.registry import ROLES, family_for, read_hf_config, section_of
+from jaxmllm.hf.wholes import Llava, whole_for
 
 TEMPLATE = """\
 # python -m jaxmllm.train --config {config}
@@ -43,18 +48,38 @@ def model_section(llm: str, vision: str = "", audio: str = "") -> dict:
         family = family_for(role, hf, f"--{role} {directory}")
         model[role] = section_of(role, hf, f"--{role} {directory}")
         model["init_from"][role] = str(Path(directory).resolve())
-        merger = getattr(family, "merger_out", lambda _: None)(hf)
+        merger = getattr(getattr(family, "inner", family), "merger_out", lambda _: None)(hf)
         if merger and merger != model["llm"]["width"]:
             print(
                 f"note: the Qwen2-VL merger of {directory} was trained for a {merger}-wide LLM; "
-                f"this LLM is {model['llm']['width']} wide, so the projector starts fresh"
+                f"this LLM is {model['llm']['width']} wide, so the projector starts fresh",
+                file=sys.stderr,
             )
     return model
 
 
+def model_dirs(model: str) -> tuple[str, str, str]:
+    """(llm, vision, audio) directories of a whole checkpoint: itself for each part it holds.
+
+    Raises:
+      FamilyError: a directory that is not a whole multimodal checkpoint.
+    """
+    hf = read_hf_config(model)
+    whole = whole_for(hf)
+    if whole is None:
+        kind = hf.get("model_type")
+        raise FamilyError(
+            f"--model {model}: model_type {kind!r} is a checkpoint of one part, not a whole "
+            "multimodal model (llava, qwen2_vl, qwen2_5_vl, qwen2_audio): pass it as --llm, "
+            "--vision or --audio"
+        )
+    return tuple(model if role in whole.parts else "" for role in ROLES)  # type: ignore
+
+
 def data_section(llm: str, vision: str = "", audio: str = "", tokenizer: str = "") -> dict:
     """Our `data` keys from the checkpoints' processors: the tokenizer (a directory: the LLM's
-    by default), pixel normalisation and budgets (preprocessor_config.json), Whisper's mel."""
+    by default; its chat template and placeholder tokens come with it), pixel normalisation and
+    budgets (preprocessor_config.json), Whisper's mel and sample rate."""
     data: dict = {"tokenizer": str(Path(tokenizer or llm).resolve())}
     proc = _processor(vision)
     if "image_mean" in proc and "image_std" in proc:
@@ -65,6 +90,13 @@ def data_section(llm: str, vision: str = "", audio: str = "", tokenizer: str = "
     high = proc.get("max_pixels", size.get("longest_edge"))
     if low and high:  # Qwen2-VL's pixel budget (SigLIP's fixed size: jaxmllm keeps native)
         data["image_min_pixels"], data["image_max_pixels"] = int(low), int(high)
+    if vision and isinstance(whole_for(read_hf_config(vision)), Llava):
+        # LLaVA saw square crops of one size: as many pixels, at each image's aspect ratio
+        crop = proc.get("crop_size") if isinstance(proc.get("crop_size"), dict) else size
+        if crop.get("height") and crop.get("width"):
+            data["image_min_pixels"] = data["image_max_pixels"] = crop["height"] * crop["width"]
+    if vision:
+        _check_sizes(vision, proc)
     if audio:
         data["mel"] = "whisper"
         rate = _processor(audio).get("sampling_rate")
@@ -73,14 +105,61 @@ def data_section(llm: str, vision: str = "", audio: str = "", tokenizer: str = "
     return data
 
 
+def _check_sizes(vision: str, proc: dict) -> None:
+    """The processor's patch and merge sizes are the model's (else its images would be cut
+    into patches the tower was not trained on)."""
+    hf = read_hf_config(vision)
+    tower = hf.get("vision_config", hf)
+    for theirs, ours in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size")):
+        if theirs in proc and ours in tower and proc[theirs] != tower[ours]:
+            raise FamilyError(
+                f"{vision}: preprocessor_config.json's {theirs} is {proc[theirs]} but "
+                f"config.json's {ours} is {tower[ours]}: they must agree"
+            )
+
+
+def check_placeholders(directory: str, tokenizer: str) -> None:
+    """A whole checkpoint's placeholder ids (config.json) are its tokenizer's: else its
+    images and clips would fill slots of other tokens.
+
+    Raises:
+      FamilyError: naming both when they differ.
+    """
+    hf = read_hf_config(directory)
+    whole = whole_for(hf)
+    if whole is None or not (Path(tokenizer) / "tokenizer.json").is_file():
+        return
+    specials = make_tokenizer(tokenizer).specials
+    for p in ENCODERS:
+        want = whole.token_id(p.name, hf)
+        have = specials.media[p.name]
+        if p.name in whole.parts and want is not None and want != have:
+            raise FamilyError(
+                f"{directory}: config.json's {whole.token_keys[p.name][0]} is {want} but the "
+                f"tokenizer in {tokenizer} makes each {p.item} token id {have}; the tokenizer "
+                f"must be the checkpoint's own (its tokenizer_config.json's {p.item}_token, or "
+                "its processor_config.json's, names the placeholder)"
+            )
+
+
 def _processor(directory: str) -> dict:
-    path = Path(directory) / "preprocessor_config.json" if directory else None
-    if path is None or not path.is_file():
+    """A checkpoint's image processor or feature extractor settings: preprocessor_config.json,
+    or (transformers 5 writes one file) processor_config.json's `image_processor` /
+    `feature_extractor`."""
+    if not directory:
         return {}
-    try:
-        return json.loads(path.read_text())
-    except ValueError as e:
-        raise FamilyError(f"{path}: not valid JSON ({e})") from None
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        path = Path(directory) / name
+        if not path.is_file():
+            continue
+        try:
+            found = json.loads(path.read_text())
+        except ValueError as e:
+            raise FamilyError(f"{path}: not valid JSON ({e})") from None
+        if name == "preprocessor_config.json":
+            return found
+        return found.get("image_processor") or found.get("feature_extractor") or {}
+    return {}
 
 
 DEFAULTS = {  # the sections of a config without --base: a fine-tuning starting point
@@ -97,7 +176,8 @@ def vocab_size(checkpoint: int, tokenizer: str) -> int:
     root = Path(tokenizer)
     if not ((root / "tokenizer.json").is_file() and (root / "tokenizer_config.json").is_file()):
         print(f"note: {tokenizer} has no tokenizer.json and tokenizer_config.json; set "
-              "data.tokenizer to the checkpoint's tokenizer directory before training")  # fmt: skip
+              "data.tokenizer to the checkpoint's tokenizer directory before training",
+              file=sys.stderr)  # fmt: skip
         return checkpoint
     need = make_tokenizer(tokenizer).vocab_size
     return checkpoint if need <= checkpoint else -(-need // 128) * 128
@@ -105,31 +185,38 @@ def vocab_size(checkpoint: int, tokenizer: str) -> int:
 
 def write_config(
     out: str | Path,
-    llm: str,
+    llm: str = "",
     vision: str = "",
     audio: str = "",
     base: str | Path = "",
     tokenizer: str = "",
+    model: str = "",
 ) -> Config:
     """Writes the config YAML at `out` and returns it, checked as the trainer will load it.
 
-    `base`: a config YAML (a recipe: configs/recipes/) whose keys are kept where the import
-    does not set them: the import sets the modules' architecture, `model.init_from` and the
-    processors' data keys; the base keeps freezing, batch, optimizer, data source and the rest.
-    `tokenizer`: the tokenizer directory when it is not the LLM's.
+    `model`: a whole multimodal checkpoint (every part it holds; instead of `llm`, `vision`,
+    `audio`). `base`: a config YAML (a recipe: configs/recipes/) whose keys are kept where the
+    import does not set them: the import sets the modules' architecture, `model.init_from` and
+    the processors' data keys; the base keeps freezing, batch, optimizer, data source and the
+    rest. `tokenizer`: the tokenizer directory when it is not the LLM's.
     """
     out = Path(out)
+    if model:
+        llm, vision, audio = model_dirs(model)
+    if not llm:
+        raise FamilyError("name the checkpoint: --model DIR (a whole model) or --llm DIR")
     raw = _read_base(base) if base else {**DEFAULTS, "train": {"output_dir": f"runs/{out.stem}"}}
     model = raw.setdefault("model", {})
     for key, value in model_section(llm, vision, audio).items():
         model[key] = {**model.get(key, {}), **value}
     raw["data"] = {**raw.get("data", {}), **data_section(llm, vision, audio, tokenizer)}
+    check_placeholders(llm, raw["data"]["tokenizer"])
     model["llm"]["vocab_size"] = vocab_size(model["llm"]["vocab_size"], raw["data"]["tokenizer"])
     if model["audio"].get("positions") == "sinusoidal":  # Whisper: clips up to its table
         raw["data"]["audio_max_frames"] = model["audio"]["max_positions"] * 2
     cfg = from_dict(Config, raw, source=str(out))  # the checks the trainer will run
     dirs = (("llm", llm), ("vision", vision), ("audio", audio))
-    args = " ".join(f"--{role} {d}" for role, d in dirs if d)
+    args = f"--model {model}" if model else " ".join(f"--{role} {d}" for role, d in dirs if d)
     args += f" --base {base}" if base else ""
     out.parent.mkdir(parents=True, exist_ok=True)
     text = TEMPLATE.format(config=out, args=f"{args} --out {out}")

@@ -68,8 +68,8 @@ def load_role(cfg: Any, role: str, directory: str, flat: dict) -> dict[str, jax.
     key = f"model.init_from.{role}"
     start = time.perf_counter()
     hf = read_hf_config(directory)
-    family = family_for(role, hf, f"{key}={directory}")
     ck = Checkpoint(directory)
+    family = family_for(role, hf, f"{key}={directory}", ck.names())
     prefix = family.prefix(ck.names())
     out, consumed = {}, set()
     links = family.links(cfg, hf)

@@ -253,13 +253,13 @@ def write_checkpoint(
         size += n
         total += n
     if len(shards) == 1:
-        _write_file(directory / SINGLE, shards[0])
+        write_file(directory / SINGLE, shards[0])
         (directory / INDEX).unlink(missing_ok=True)
         return [directory / SINGLE]
     files, weight_map = [], {}
     for k, shard in enumerate(shards, start=1):
         name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        _write_file(directory / name, shard)
+        write_file(directory / name, shard)
         files.append(directory / name)
         weight_map.update(dict.fromkeys((n for n, _ in shard), name))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -268,7 +268,7 @@ def write_checkpoint(
     return files
 
 
-def _write_file(path: Path, tensors: list[tuple[str, np.ndarray]]) -> None:
+def write_file(path: Path, tensors: list[tuple[str, np.ndarray]]) -> None:
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, array in tensors:
         if array.dtype not in NAMES:

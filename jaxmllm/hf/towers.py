@@ -15,9 +15,10 @@ from flax import nnx
 
 from jaxmllm.config import Config, InitFrom, from_dict
 from jaxmllm.config.spec import BatchSpec
-from jaxmllm.hf.importer import data_section, model_section, vocab_size
+from jaxmllm.hf.importer import check_placeholders, data_section, model_section, vocab_size
 from jaxmllm.hf.load import pretrained
 from jaxmllm.hf.registry import ROLES, read_hf_config, section_of
+from jaxmllm.hf.wholes import whole_for
 from jaxmllm.models import MultimodalLM
 from jaxmllm.models.audio import AudioEncoder
 from jaxmllm.models.llm import Decoder
@@ -50,8 +51,13 @@ def config_for(role: str, directory: str, llm_width: int = 0) -> Config:
     section = section_of(role, hf, directory)
     model: dict[str, Any] = {"init_from": {role: directory}}
     model[role] = section
-    if role != "llm":  # the decoder only sizes the projector: the merger's width if it has one
-        merger = hf.get("vision_config", hf).get("hidden_size") if role == "vision" else None
+    whole = whole_for(hf)
+    if role != "llm" and whole is not None:  # the decoder sizes the projector: the whole's
+        model["llm"] = whole.section("llm", hf)
+    elif role != "llm":  # the decoder only sizes the projector: the merger's width if it has one
+        tower = hf.get("vision_config", hf)
+        merger = tower.get("out_hidden_size", tower.get("hidden_size"))
+        merger = merger if role == "vision" else None
         width = llm_width or (merger if section.get("projector_act") == "gelu" else 64)
         model["llm"] = {"width": width, "depth": 1, "heads": 2, "kv_heads": 2, "mlp_dim": 32}
     for other in ("vision", "audio"):
@@ -82,9 +88,10 @@ def load_model(
     """A whole MultimodalLM from HF directories, on one device, fp32, dense attention (what
     generation from `--hf` runs): the config `hf import` would write, the checkpoints' weights,
     and a module no checkpoint has (a projector) from the random init of `seed`. A whole
-    Qwen2-VL is `llm` and `vision` both. `tokenizer`: its directory (default: `llm`)."""
+    checkpoint is `llm` and each encoder it holds. `tokenizer`: its directory (default: `llm`)."""
     model = model_section(llm, vision, audio)
     data = data_section(llm, vision, audio, tokenizer)
+    check_placeholders(llm, data["tokenizer"])
     model["llm"]["vocab_size"] = vocab_size(model["llm"]["vocab_size"], data["tokenizer"])
     model["attention"] = "dense"
     batch = {"planner": "first_fit", "route_pair_capacity": 0, "attention_block": 1}

@@ -41,7 +41,7 @@ class AudioEncoder(nnx.Module):
     ):
         self.attention, self.block = attention, block  # model.attention, batch.attention_block
         self.documents = documents  # batch.*_documents (cudnn attention)
-        self.stem, self.stride = cfg.stem, cfg.stride
+        self.stem, self.stride, self.pool = cfg.stem, cfg.stride, cfg.pool
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         taps = 3 if cfg.stem == "whisper" else 2
         self.conv1 = Dense(taps * cfg.n_mels, cfg.width, ("mel", "embed"), use_bias=True, **kw)
@@ -79,9 +79,18 @@ class AudioEncoder(nnx.Module):
           tiles_bk2: block-sparse attention's tiles over the encoder rows [B, K, 2].
 
         Returns:
-          Features [B, F // stride, width] in the compute dtype, one row per `stride` frames.
+          Features [B, F // (stride * pool), width] in the compute dtype, one row per `stride`
+          frames, averaged in runs of `pool` rows (within a clip: each starts at a multiple of
+          4 frames) before the final norm.
         """
-        return self.transformer(*self.prepare(frames_bfm, segment_ids_bf, positions_bf, tiles_bk2))
+        x_bnd = self.transformer.layers(
+            *self.prepare(frames_bfm, segment_ids_bf, positions_bf, tiles_bk2)
+        )
+        if self.pool > 1:  # Qwen2-Audio's average pooling
+            b, n, d = x_bnd.shape
+            pooled = x_bnd.astype(jnp.float32).reshape(b, n // self.pool, self.pool, d).mean(2)
+            x_bnd = pooled.astype(x_bnd.dtype)
+        return self.transformer.norm(x_bnd)
 
     def prepare(self, frames_bfm, segment_ids_bf, positions_bf, tiles_bk2=None):
         """What the transformer takes (the arguments as in `__call__`): the subsampled rows,

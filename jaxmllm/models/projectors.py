@@ -3,7 +3,8 @@
 Both are `fc2(act(fc1 x))` over `merge` neighbouring encoder rows concatenated: the vision
 projector merges merge x merge patches (Qwen2-VL's patch merger is exactly this, with a hidden
 width of 4x the encoder's and exact GELU), the audio projector merges the rows of one LLM token
-(1 for the pairs stem, 2 for Whisper's stride-2 stem: Qwen2-Audio-like).
+(1 for the pairs stem, 2 for Whisper's stride-2 stem). Qwen2-Audio's is one Linear from
+each of its pooled rows (`LinearProjector`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmllm.config import ModelConfig
-from jaxmllm.models.layers import MLP
+from jaxmllm.models.layers import MLP, Dense
 
 
 class Projector(MLP):
@@ -53,6 +54,17 @@ class Projector(MLP):
         return super().__call__(x_bnd.reshape(b, n // self.group, self.group * d))
 
 
+class LinearProjector(nnx.Module):
+    """One Linear with a bias from each encoder row to an LLM token (Qwen2-Audio's)."""
+
+    def __init__(self, in_width: int, out_width: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        kw = dict(use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.fc = Dense(in_width, out_width, (None, "embed"), **kw)
+
+    def __call__(self, x_bnd: jax.Array) -> jax.Array:
+        return self.fc(x_bnd)
+
+
 def vision_projector(cfg: ModelConfig, **kw) -> Projector:
     """The projector from `cfg.vision`'s patch features to `cfg.llm`'s embeddings."""
     v = cfg.vision
@@ -61,10 +73,12 @@ def vision_projector(cfg: ModelConfig, **kw) -> Projector:
     )
 
 
-def audio_projector(cfg: ModelConfig, **kw) -> Projector:
-    """The projector from `cfg.audio`'s encoder rows (subsample / stride per token)."""
+def audio_projector(cfg: ModelConfig, **kw) -> Projector | LinearProjector:
+    """The projector from `cfg.audio`'s encoder rows (subsample / (stride x pool) per token)."""
     a = cfg.audio
-    group = a.subsample // a.stride  # encoder rows per LLM token
+    if a.projector == "linear":
+        return LinearProjector(a.width, cfg.llm.width, **kw)
+    group = a.rows_per_token  # encoder rows per LLM token
     return Projector(
         a.width, cfg.llm.width, group, hidden=a.projector_dim, activation=a.projector_act, **kw
     )

@@ -119,6 +119,9 @@ class Transformer(nnx.Module):
     first); `jax.lax.scan` applies it layer by layer, so the compiled program holds one block
     whatever the depth. Each block is rematerialised under the `remat` policy (a name of
     `config.remat.REMAT_POLICIES`; none: not at all).
+    `final_norm` False: no norm after the blocks (a tower read before its last norm).
+    `full_layers`: with a `local` packing given to `layers`, the layers that attend by `pack`
+    (the others by `local`: windows within the documents); one block is compiled per packing.
     """
 
     def __init__(
@@ -127,6 +130,8 @@ class Transformer(nnx.Module):
         spec: BlockSpec,
         *,
         remat: str = "none",
+        final_norm: bool = True,
+        full_layers: tuple[int, ...] = (),
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
@@ -138,20 +143,33 @@ class Transformer(nnx.Module):
         # what separate blocks drew (init runs once; only the train step must not grow).
         layers = [Block(spec, rngs=rngs, **kw) for _ in range(depth)]
         self.blocks = stack_modules(layers, "layers")
-        self.final_norm = spec.norm_layer(**kw)
+        self.final_norm = spec.norm_layer(**kw) if final_norm else None
         self.remat = remat
+        self.full_layers = tuple(full_layers)
 
-    def __call__(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> jax.Array:
-        return self.final_norm(self.layers(x_btd, pack, positions))
+    def __call__(
+        self, x_btd: jax.Array, pack: Packing, positions: jax.Array, local: Packing | None = None
+    ) -> jax.Array:
+        return self.norm(self.layers(x_btd, pack, positions, local=local))
+
+    def norm(self, x_btd: jax.Array) -> jax.Array:
+        """The final norm (none: x as it is)."""
+        return x_btd if self.final_norm is None else self.final_norm(x_btd)
 
     def layers(
-        self, x_btd: jax.Array, pack: Packing, positions: jax.Array, count: jax.Array | None = None
+        self,
+        x_btd: jax.Array,
+        pack: Packing,
+        positions: jax.Array,
+        count: jax.Array | None = None,
+        local: Packing | None = None,
     ) -> jax.Array:
         """The stacked blocks without the final norm; with `count`, only the first `count`
-        (a pipeline stage's slab of layers padded to the largest stage's)."""
+        (a pipeline stage's slab of layers padded to the largest stage's); with `local`, the
+        layers outside `full_layers` attend by it."""
         graphdef, stacked = nnx.split(self.blocks)
 
-        def block(x_btd, block_state):
+        def block(x_btd, block_state, pack=pack):
             return nnx.merge(graphdef, block_state)(x_btd, pack, positions)
 
         policy = remat_policy(self.remat)
@@ -159,6 +177,19 @@ class Transformer(nnx.Module):
             # Inside a scan XLA cannot merge the recomputation with the forward pass, so the
             # guard against that (prevent_cse) would only block optimisations.
             block = jax.checkpoint(block, policy=policy, prevent_cse=False)
+        if local is not None:
+            assert count is None, "windowed layers do not run in pipeline stages"
+            depth = jax.tree.leaves(stacked)[0].shape[0]
+            full = jnp.asarray([i in self.full_layers for i in range(depth)])
+
+            def either(x_btd, step):  # the layer's own packing: whole documents or windows
+                block_state, is_full = step
+                whole = lambda x: block(x, block_state, pack)
+                return jax.lax.cond(is_full, whole, lambda x: block(x, block_state, local),
+                                    x_btd), None  # fmt: skip
+
+            x_btd, _ = jax.lax.scan(either, x_btd, (stacked, full))
+            return x_btd
         if count is None:
             x_btd, _ = jax.lax.scan(lambda x, st: (block(x, st), None), x_btd, stacked)
             return x_btd

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmllm.config import VisionConfig
+from jaxmllm.models import vision_rows as vr
 from jaxmllm.models.attention import packing
-from jaxmllm.models.layers import Dense, normal_param
+from jaxmllm.models.layers import NORMS, Dense, normal_param
 from jaxmllm.models.positions import resized_table
 from jaxmllm.models.transformer import BlockSpec, Transformer
 
@@ -54,11 +55,24 @@ class VisionEncoder(nnx.Module):
             if cfg.positions == "learned"
             else None
         )
+        # CLIP: a learned class token and its own row of the position table; a norm first.
+        token = lambda: normal_param(rngs, (cfg.width,), 0.02, ("embed",), param_dtype)
+        self.class_embedding = token() if cfg.class_token else None
+        self.class_position = token() if cfg.class_token else None
+        norm = NORMS[cfg.norm]
+        self.pre_norm = (
+            norm(cfg.width, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype)
+            if cfg.pre_norm
+            else None
+        )
+        self.merge, self.window = cfg.merge, cfg.window
         rope = "2d" if cfg.positions == "rope" else "none"
         self.transformer = Transformer(
             cfg.depth,
             BlockSpec.of(cfg, rope=rope),  # plain multi-head attention
             remat=remat,
+            final_norm=cfg.final_norm,
+            full_layers=cfg.full_blocks,
             **kw,
         )
 
@@ -81,13 +95,18 @@ class VisionEncoder(nnx.Module):
         Returns:
           Patch features [B, P, width] in the compute dtype.
         """
-        return self.transformer(
-            *self.prepare(patches_bpc, segment_ids_bp, positions_bp2, tiles_bk2)
-        )
+        rows = self.rows(patches_bpc, segment_ids_bp, positions_bp2, tiles_bk2)
+        return rows.finish(self.transformer(rows.x, rows.pack, rows.positions, rows.local))
 
     def prepare(self, patches_bpc, segment_ids_bp, positions_bp2, tiles_bk2=None):
         """What the transformer takes (the arguments as in `__call__`): the embedded patches,
-        their packing and positions (a pipeline runs the stack's layers stage by stage)."""
+        their packing and positions (a pipeline runs the stack's layers stage by stage; a tower
+        with class tokens or windows does not run there)."""
+        rows = self.rows(patches_bpc, segment_ids_bp, positions_bp2, tiles_bk2)
+        return rows.x, rows.pack, rows.positions
+
+    def rows(self, patches_bpc, segment_ids_bp, positions_bp2, tiles_bk2=None) -> vr.Rows:
+        """The embedded row as the blocks take it (`vision_rows`: class rows, window order)."""
         frames = self.patch_embed.kernel.shape[0] // patches_bpc.shape[-1]
         if frames > 1:  # (one frame a patch: images only; an image repeats its frame)
             patches_bpc = jnp.concatenate([patches_bpc] * frames, axis=-1)
@@ -96,12 +115,28 @@ class VisionEncoder(nnx.Module):
             table = self.position_embedding[...]
             pos_bpd = resized_table(table, segment_ids_bp, positions_bp2)
             x_bpd = (x_bpd.astype(jnp.float32) + pos_bpd).astype(x_bpd.dtype)
-        pack = packing(
-            segment_ids_bp,
-            causal=False,
-            kind=self.attention,
-            tiles_bk2=tiles_bk2,
-            block=self.block,
-            documents=self.documents,
-        )
-        return x_bpd, pack, positions_bp2
+        seg, pos, tiles = segment_ids_bp, positions_bp2, tiles_bk2
+        b, n = seg.shape
+        sparse = self.attention == "block_sparse"
+        if self.class_embedding is not None:
+            slots = vr.class_slots(n, self.documents, self.merge, self.block if sparse else 0)
+            token = self.class_embedding[...] + self.class_position[...]
+            x_bpd = jnp.concatenate(
+                [x_bpd, jnp.broadcast_to(token.astype(x_bpd.dtype), (b, slots, token.shape[0]))], 1
+            )
+            seg = jnp.concatenate([seg, vr.row_documents(seg, slots)], axis=1)
+            pos = jnp.concatenate([pos, jnp.zeros((b, slots, 2), pos.dtype)], axis=1)
+            if sparse:
+                tiles = vr.class_tiles(tiles, n // self.block, slots // self.block)
+        if self.pre_norm is not None:
+            x_bpd = self.pre_norm(x_bpd)
+        kw = dict(causal=False, kind=self.attention, block=self.block, documents=self.documents)
+        order = local = None
+        if self.window:
+            order, windows = vr.window_order(seg, pos, self.window)
+            take = lambda a: jnp.take_along_axis(a, order.reshape(b, n, *(1,) * (a.ndim - 2)), 1)
+            x_bpd, pos, seg = take(x_bpd), take(pos), take(seg)
+            band = vr.band_tiles(b, n, self.block, self.window**2) if sparse else None
+            local = packing(windows, tiles_bk2=band, **kw)
+        pack = packing(seg, tiles_bk2=tiles, **kw)
+        return vr.Rows(x_bpd, pack, pos, local, order, n)

@@ -19,6 +19,7 @@ import numpy as np
 import sharding
 from jaxmllm.config import Config, ConfigError, phases
 from jaxmllm.config.phases import ENCODERS, LLM
+from jaxmllm.config.spec import documents_bounded
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.preprocess import MEDIA
 from jaxmllm.plan.capacity import (
@@ -229,7 +230,8 @@ DOCUMENTS_HEADROOM = 0.25  # cuDNN's documents per row: over the dry run's most,
 
 
 def resolve_documents(cfg: Config, index: LengthsIndex, devices: int | None) -> dict[str, int]:
-    """The `batch.*_documents: -1` (auto) of cuDNN attention: the most documents one row of the
+    """The `batch.*_documents: -1` (auto) of cuDNN attention (and of a vision tower's class
+    tokens, `documents_phases`): the most documents one row of the
     planner's own plans holds in a dry run (`DRY_RUN_STEPS` at most, then `DOCUMENTS_HEADROOM`
     more when the run is longer), never above what the data allows (the row over its smallest
     document). cuDNN's backward workspace grows with this bound, and the data's worst case
@@ -237,8 +239,9 @@ def resolve_documents(cfg: Config, index: LengthsIndex, devices: int | None) -> 
     tokens a row, 0.4B parameters, it asked for 234 GiB on an H100. A later row past the
     bound stops the run naming the key (`bucketize`); resume with it raised."""
     b = cfg.batch
-    keys = {p: key for p, key in document_keys().items() if getattr(b, key) == -1}
-    if cfg.model.attention != "cudnn" or not keys:
+    keys = {p: key for p, key in document_keys().items()
+            if getattr(b, key) == -1 and p in documents_bounded(cfg.model)}  # fmt: skip
+    if not keys:
         return {}
     if devices is None:
         devices = sharding.data_parallel_size(sharding.make_mesh(cfg.mesh))

@@ -16,13 +16,13 @@ Sequences are what the checkpoint saw in training:
   `<|begin_of_text|>`, nothing for Qwen) followed by `eos_token`, loss on all of it.
 
 Images, videos and clips take the checkpoint's own placeholder token where it has one
-(`image_token` / `video_token` / `audio_token` in tokenizer_config.json, or Qwen2-VL's
-`<|image_pad|>` and `<|video_pad|>`, Qwen2-Audio's `<|AUDIO|>`, ...), wrapped as its template
-wraps it (`<|vision_start|><|image_pad|><|vision_end|>`); where it has none, a new special token
-is appended after the vocabulary (`added_tokens`: the model needs those embedding rows), but for
-videos, which then take the image placeholder (as LLaVA-style checkpoints place video frames):
-the vision phase's rows fill either. Each placeholder is then laid out as one token per encoder
-output row.
+(`image_token` / `video_token` / `audio_token` in tokenizer_config.json, else in its processor's
+processor_config.json, or Qwen2-VL's `<|image_pad|>` and `<|video_pad|>`, Qwen2-Audio's
+`<|AUDIO|>`, ...), wrapped as its template wraps it (`<|vision_start|><|image_pad|><|vision_end|>`);
+where it has none, a new special token is appended after the vocabulary (`added_tokens`: the model
+needs those embedding rows), but for videos, which then take the image placeholder (as LLaVA-style
+checkpoints place video frames): the vision phase's rows fill either. Each placeholder is then laid
+out as one token per encoder output row.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ FILES = (
     "chat_template.jinja",
     "chat_template.json",
     "generation_config.json",
+    "processor_config.json",
 )
 NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Checkpoints' own media placeholders per kind of media: (token, opening, closing); the wrap is
@@ -123,10 +124,12 @@ class PretrainedTokenizer:
         self.base_size = max(self._tk.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         named = _named_tokens(config, root)
         self.added_tokens: dict[str, int] = {}
-        # per kind: (its placeholder token, the text an item becomes, its content part type)
+        # per kind: (its placeholder token, the text an item becomes, its content part type);
+        # the tokenizer's own `<item>_token` first, then the processor's (processor_config.json)
+        media = {**_processor_tokens(root), **named}
         self._media: dict[str, tuple[str, str, str]] = {}
         for kind in KINDS:  # (a phase's own kind first: a video may fall back to the image's)
-            self._media[kind.name] = self._media_placeholder(kind, named)
+            self._media[kind.name] = self._media_placeholder(kind, media)
         self.vocab_size = max([self.base_size - 1, *self.added_tokens.values()]) + 1
         self.specials = self._specials(named, root)
         self.template = _load_template(root, config, named, template_date)
@@ -348,6 +351,14 @@ def _named_tokens(config: dict, root: Path) -> dict[str, str]:
     names = [k for k in values if k in NAMED or k.endswith("_token")]
     named = {k: _token_text(values[k]) for k in names}
     return {k: v for k, v in named.items() if v is not None}
+
+
+def _processor_tokens(root: Path) -> dict[str, str]:
+    """The placeholders a whole checkpoint's processor names (processor_config.json's
+    image_token, video_token, audio_token: LlavaProcessor's, Qwen2AudioProcessor's)."""
+    processor = _read_json(root / "processor_config.json", required=False)
+    keys = [f"{k.item}_token" for k in KINDS]
+    return {k: processor[k] for k in keys if isinstance(processor.get(k), str)}
 
 
 def _load_template(root: Path, config: dict, named: dict, date: str) -> ChatTemplate | None:

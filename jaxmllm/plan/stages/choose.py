@@ -45,7 +45,10 @@ def plan_of(cfg: Config, stages: int) -> Plan:
             model_costs(cfg.model, cfg.batch),
             stages,
             schedule=schedule,
-            placement={e.name: p.placement(e.name) for e in ENCODERS},
+            placement={  # (a tower only whole runs data-parallel before the pipeline)
+                e.name: p.placement(e.name) if e.encoder(cfg.model).stages_ok else "data"
+                for e in ENCODERS
+            },
             layers=layers,
         )
     except PartitionError as e:

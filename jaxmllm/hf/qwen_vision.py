@@ -1,0 +1,282 @@
+"""Vision families of the Qwen VL towers: Qwen2-VL's and Qwen2.5-VL's.
+
+Both are jaxmllm's vision encoder with 2D rotary positions, a temporal patch embedding without
+bias, a fused qkv with biases and a patch merger that is exactly jaxmllm's vision projector (the
+merger's norm is the tower's final norm, its MLP the projector's: exact GELU, hidden width the
+merged patches' `width x merge^2`). The tower's rotary pairs feature i with i + head_dim/2
+(rows in the first quarter, columns in the second); jaxmllm's 2D rotary gives rows the first
+half and columns the second: the same rotation once q's and k's head features are permuted,
+which the links do.
+
+- Qwen2-VL (`Qwen2VisionTransformerPretrainedModel`, or `visual.` of a Qwen2-VL): LayerNorm
+  blocks with a quick-GELU MLP.
+- Qwen2.5-VL (`Qwen2_5_VisionTransformerPretrainedModel`, or `visual.` of a Qwen2.5-VL):
+  RMSNorm blocks with a SiLU-gated MLP with biases, and window attention: the blocks attend
+  within windows of `window_size` pixels (`model.vision.window`, in patches) except those in
+  `fullatt_block_indexes` (`full_blocks`), which attend over the whole image
+  (`jaxmllm.models.vision_rows`: a window is a document).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jaxmllm.hf.family import (
+    Family,
+    Link,
+    dense,
+    parts_of,
+    permuted,
+    read,
+    refuse_unless,
+    reshaped,
+    same,
+)
+from jaxmllm.hf.vision import _prefix, layer_norm, linear
+
+
+def rope_permutation(head_dim: int) -> np.ndarray:
+    """Our 2D rotary head layout from Qwen2-VL's: ours[j] = theirs[perm[j]] (see the module
+    docstring): rows take their features 0..q and 2q..3q, columns q..2q and 3q..4q."""
+    q = head_dim // 4
+    return np.concatenate([np.arange(0, q), np.arange(2 * q, 3 * q), np.arange(q, 2 * q),
+                           np.arange(3 * q, 4 * q)])  # fmt: skip
+
+
+class QwenTower(Family):
+    """What the Qwen2-VL and Qwen2.5-VL towers share (see the module docstring)."""
+
+    role = "vision"
+    act = ""  # config.json's hidden_act
+
+    def section(self, hf: dict) -> dict:
+        hf = hf.get("vision_config", hf)  # a whole Qwen VL: its vision tower
+        where = f"{self.name} vision config.json"
+        act = read(hf, "hidden_act", where, self.act)
+        refuse_unless(act == self.act, where, f"hidden_act {act!r}: expected {self.act}")
+        merge = int(hf.get("spatial_merge_size", 2))
+        width = self.width(hf, where)
+        rope = hf.get("rope_parameters") or {}
+        return {
+            "patch_size": int(read(hf, "patch_size", where)),
+            "channels": int(hf.get("in_channels", hf.get("in_chans", 3))),
+            "width": width,
+            "depth": int(read(hf, "depth", where)),
+            "heads": int(read(hf, "num_heads", where)),
+            "merge": merge,
+            "rope_theta": float(rope.get("rope_theta", 10000.0)),
+            "norm_eps": 1e-6,
+            "attn_bias": "qkvo",
+            "mlp_bias": True,
+            "positions": "rope",
+            "patch_bias": False,
+            "temporal_patch": int(hf.get("temporal_patch_size", 2)),
+            "projector_dim": width * merge * merge,
+            "projector_act": "gelu",
+            **self.blocks(hf, where, width, merge),
+        }
+
+    def width(self, hf: dict, where: str) -> int:
+        raise NotImplementedError
+
+    def blocks(self, hf: dict, where: str, width: int, merge: int) -> dict:
+        """The keys that differ between the towers (norm, MLP, windows)."""
+        raise NotImplementedError
+
+    def wants(self, cfg: Any) -> dict[str, Any]:
+        v = cfg.model.vision
+        return {
+            "model.vision.positions": ("rope",),
+            "model.vision.norm_eps": (1e-6,),
+            "model.vision.attn_bias": ("qkvo",),
+            "model.vision.mlp_bias": (True,),
+            "model.vision.patch_bias": (False,),
+            "model.vision.class_token": (False,),
+            "model.vision.pre_norm": (False,),
+            "model.vision.final_norm": (True,),
+            "model.vision.projector_act": ("gelu",),
+            "model.vision.projector_dim": (
+                lambda d: d == v.width * v.merge**2,
+                f"the merged patches' width, {v.width * v.merge**2}",
+            ),
+        }
+
+    def merger_out(self, hf: dict | None) -> int | None:
+        """The merger's output width (the LLM width it was trained for)."""
+        if hf is None:
+            return None
+        hf = hf.get("vision_config", hf)
+        return int(hf.get(self.out_key, 0)) or None
+
+    out_key = "hidden_size"  # config.json's key of the merger's output width
+
+    def loads_merger(self, cfg: Any, hf: dict | None) -> bool:
+        """The merger MLP is the projector only for an LLM of its output width (else the
+        projector starts fresh and the merger's MLP is left alone)."""
+        out = self.merger_out(hf)
+        return out is None or out == cfg.model.llm.width
+
+    def common_config(self, cfg: Any, source: dict | None) -> dict:
+        v = cfg.model.vision
+        out = dict((source or {}).get("vision_config", source or {}))
+        out.update(
+            architectures=[self.hf_class],
+            model_type=f"{self.name}_vision",
+            depth=v.depth,
+            hidden_act=self.act,
+            num_heads=v.heads,
+            in_channels=v.channels,
+            patch_size=v.patch_size,
+            spatial_merge_size=v.merge,
+            temporal_patch_size=v.temporal_patch,
+            rope_parameters={"rope_theta": v.rope_theta, "rope_type": "axial"},
+        )
+        return out
+
+    def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
+        v = cfg.model.vision
+        w, h, n, p, c, t = v.width, v.heads, v.depth, v.patch_size, v.channels, v.temporal_patch
+        e = w // h
+        perm = rope_permutation(e)
+        conv = Link(
+            ("patch_embed.proj.weight",),
+            ("vision/patch_embed/kernel",),
+            lambda x: (np.asarray(x).transpose(2, 3, 4, 1, 0).reshape(t * p * p * c, w),),
+            lambda k: (np.asarray(k).reshape(t, p, p, c, w).transpose(4, 3, 0, 1, 2),),
+        )
+        layer, ours = "blocks.{i}.", "vision/transformer/blocks/"
+        names = [ours + f"attn/{x}" for x in ("query", "key", "value")]
+        kernels = [dense("", "", (w, h, e), 1) for _ in range(3)]
+        biases = [reshaped("", "", (h, e)) for _ in range(3)]
+        kernels[:2] = [permuted(k, perm) for k in kernels[:2]]
+        biases[:2] = [permuted(b, perm) for b in biases[:2]]
+        links = [
+            conv,
+            parts_of(layer + "attn.qkv.weight", [x + "/kernel" for x in names], kernels, n),
+            parts_of(layer + "attn.qkv.bias", [x + "/bias" for x in names], biases, n),
+            *linear(layer + "attn.proj", ours + "attn/out", (h, e, w), 2, n),
+            *self.block_links(cfg, layer, ours),
+        ]
+        if self.loads_merger(cfg, hf):
+            hidden, out = v.projector_dim or cfg.model.llm.width, cfg.model.llm.width
+            links += linear("merger.mlp.0", "vision_projector/fc1", (w * v.merge**2, hidden))
+            links += linear("merger.mlp.2", "vision_projector/fc2", (hidden, out))
+        return links
+
+    def block_links(self, cfg: Any, layer: str, ours: str) -> list[Link]:
+        raise NotImplementedError
+
+    def prefix(self, names: list[str]) -> str:
+        return _prefix(names, "patch_embed.proj.weight")
+
+    def skipped(self, name: str) -> bool:
+        # The merger's MLP when it was trained for another LLM width (`loads_merger`).
+        return name.startswith("merger.mlp.")
+
+
+class Qwen2VLVision(QwenTower):
+    name = "qwen2_vl"
+    model_types = ("qwen2_vl_vision",)
+    hf_class = "Qwen2VisionTransformerPretrainedModel"
+    act = "quick_gelu"
+
+    def width(self, hf: dict, where: str) -> int:
+        return int(read(hf, "embed_dim", where))
+
+    def blocks(self, hf: dict, where: str, width: int, merge: int) -> dict:
+        mlp = int(width * float(hf.get("mlp_ratio", 4)))
+        return {"mlp_dim": mlp, "norm": "layer", "mlp": "quick_gelu"}
+
+    def wants(self, cfg: Any) -> dict[str, Any]:
+        return {
+            **super().wants(cfg),
+            "model.vision.norm": ("layer",),
+            "model.vision.mlp": ("quick_gelu",),
+            "model.vision.window": (0,),
+        }
+
+    def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        v = cfg.model.vision
+        out = self.common_config(cfg, source)
+        out.update(
+            embed_dim=v.width,
+            hidden_size=cfg.model.llm.width,
+            mlp_ratio=v.mlp_dim // v.width if v.mlp_dim % v.width == 0 else v.mlp_dim / v.width,
+        )
+        return out
+
+    def block_links(self, cfg: Any, layer: str, ours: str) -> list[Link]:
+        v = cfg.model.vision
+        w, f, n = v.width, v.mlp_dim, v.depth
+        return [
+            *layer_norm(layer + "norm1", ours + "attn_norm", n),
+            *layer_norm(layer + "norm2", ours + "mlp_norm", n),
+            *linear(layer + "mlp.fc1", ours + "mlp/fc1", (w, f), 1, n),
+            *linear(layer + "mlp.fc2", ours + "mlp/fc2", (f, w), 1, n),
+            *layer_norm("merger.ln_q", "vision/transformer/final_norm"),
+        ]
+
+
+class Qwen25VLVision(QwenTower):
+    name = "qwen2_5_vl"
+    model_types = ("qwen2_5_vl_vision",)
+    hf_class = "Qwen2_5_VisionTransformerPretrainedModel"
+    act = "silu"
+    out_key = "out_hidden_size"
+
+    def width(self, hf: dict, where: str) -> int:
+        return int(read(hf, "hidden_size", where))
+
+    def blocks(self, hf: dict, where: str, width: int, merge: int) -> dict:
+        patch = int(read(hf, "patch_size", where))
+        units = int(read(hf, "window_size", where)) // merge // patch  # merged tokens a side
+        refuse_unless(units >= 1, where, f"window_size {hf['window_size']} is under one merge "
+                      f"block ({merge} x {patch} pixels)")  # fmt: skip
+        full = [int(i) for i in hf.get("fullatt_block_indexes") or []]
+        return {
+            "mlp_dim": int(read(hf, "intermediate_size", where)),
+            "norm": "rms",
+            "mlp": "gated_silu",
+            "window": units * merge,
+            "full_blocks": full,
+        }
+
+    def wants(self, cfg: Any) -> dict[str, Any]:
+        v = cfg.model.vision
+        return {
+            **super().wants(cfg),
+            "model.vision.norm": ("rms",),
+            "model.vision.mlp": ("gated_silu",),
+            "model.vision.window": (lambda x: x > 0, "windows of window_size pixels"),
+            "model.vision.full_blocks": (
+                lambda b: all(i < v.depth for i in b),
+                "full-attention blocks among its blocks",
+            ),
+        }
+
+    def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        v = cfg.model.vision
+        out = self.common_config(cfg, source)
+        out.update(
+            hidden_size=v.width,
+            intermediate_size=v.mlp_dim,
+            out_hidden_size=cfg.model.llm.width,
+            window_size=v.window * v.patch_size,
+            fullatt_block_indexes=list(v.full_blocks),
+        )
+        return out
+
+    def block_links(self, cfg: Any, layer: str, ours: str) -> list[Link]:
+        v = cfg.model.vision
+        w, f, n = v.width, v.mlp_dim, v.depth
+        links = [
+            same(layer + "norm1.weight", ours + "attn_norm/scale", n),
+            same(layer + "norm2.weight", ours + "mlp_norm/scale", n),
+            same("merger.ln_q.weight", "vision/transformer/final_norm/scale"),
+        ]
+        for proj, name, shape in (("gate_proj", "gate", (w, f)), ("up_proj", "up", (w, f)),
+                                  ("down_proj", "down", (f, w))):  # fmt: skip
+            links += linear(layer + f"mlp.{proj}", ours + f"mlp/{name}", shape, 1, n)
+        return links

@@ -1,0 +1,173 @@
+"""Whole checkpoints end to end: `hf import --model` -> train a few steps -> `hf export` ->
+transformers loads the export and its logits (with media in the prompt) are ours after
+training. Tiny random models with a tokenizer directory beside them (test_chat.build_dir), the
+built-in data; and a run from scratch exported as the family its architecture matches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import hf_models
+import jax
+import numpy as np
+import pytest
+from test_chat import build_dir
+from test_hf_train import CPU
+
+from jaxmllm import train
+from jaxmllm.config import Config, from_dict, load_config
+from jaxmllm.hf.check_whole import check_all
+from jaxmllm.hf.export import export_run
+from jaxmllm.hf.importer import write_config
+from jaxmllm.hf.safetensors import Checkpoint
+from jaxmllm.hf.towers import load_model
+from jaxmllm.loop.checkpoint import restore_params
+from jaxmllm.step.program import model_parts
+from sharding.rules import keyed_leaves
+
+pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 512  # the tokenizer's ~420 ids fit: no rows are added
+QWEN_VL = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+AUDIO = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
+
+
+def whole_dir(name: str, d: Path) -> str:
+    """A whole checkpoint with its tokenizer (and, for LLaVA, its processor's image token)."""
+    family = "llama" if name == "llava" else "qwen"
+    template = {"llava": "meta-llama/Llama-3.1-8B-Instruct", "qwen2_audio":
+                "Qwen/Qwen2.5-7B-Instruct"}.get(name, "Qwen/Qwen2.5-VL-7B-Instruct")  # fmt: skip
+    extra = {"llava": ["<image>"], "qwen2_audio": AUDIO}.get(name, [])
+    tk = json.loads((build_dir(d, family, template, extra) / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in tk["added_tokens"]}
+    if name == "llava":
+        hf_models.llava(d, vocab=VOCAB, image=ids["<image>"])
+    elif name == "qwen2_audio":
+        hf_models.qwen2_audio(d, vocab=VOCAB, audio=ids["<|AUDIO|>"])
+    else:
+        build = hf_models.qwen2_vl if name == "qwen2_vl" else hf_models.qwen2_5_vl
+        build(d, vocab=VOCAB, ids=tuple(ids[t] for t in QWEN_VL))
+    build_dir(d, family, template, extra)  # (save_pretrained wrote over it)
+    if name == "llava":
+        (d / "processor_config.json").write_text(json.dumps({"image_token": "<image>"}))
+    return str(d)
+
+
+def run_params(out: Path) -> dict:
+    """The parameters of the run's latest checkpoint ("/"-joined path -> array)."""
+    cfg = from_dict(Config, json.loads((out / "config.json").read_text()))  # (resolved)
+    parts, _ = model_parts(cfg)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          nnx_pure(parts.template))  # fmt: skip
+    split = {"params": {k: v for k, v in shapes.items() if k not in parts.frozen_keys},
+             "frozen": {k: v for k, v in shapes.items() if k in parts.frozen_keys}}  # fmt: skip
+    _, restored = restore_params(out, split, None)
+    return keyed_leaves({**restored["params"], **restored["frozen"]})
+
+
+def nnx_pure(template):
+    from flax import nnx
+
+    return nnx.to_pure_dict(template)
+
+
+def exported_params(directory: Path, cfg) -> dict:
+    """Our model's parameters loaded from an exported whole checkpoint."""
+    from flax import nnx
+
+    roles = {r for r in ("vision", "audio") if getattr(cfg.model, r).enabled}
+    vision, audio = (str(directory) if r in roles else "" for r in ("vision", "audio"))
+    _, model = load_model(str(directory), vision, audio)
+    return keyed_leaves(nnx.to_pure_dict(nnx.state(model)))
+
+
+@pytest.mark.slow
+# (Qwen2-VL's export after training: the run from scratch below; its import and export share
+# Qwen2.5-VL's code, and both are held bit for bit and against transformers in test_hf_whole)
+@pytest.mark.parametrize("name", ["llava", "qwen2_5_vl", "qwen2_audio"])
+def test_import_train_export_matches_transformers(name, tmp_path):
+    """Import a whole checkpoint (LLaVA on the stage-1 recipe: only its projector trains;
+    the others train every module), train 2 steps, export: the export is the run's parameters
+    (the trained ones moved from the import's, the frozen ones bit for bit the import's), and
+    transformers' logits with an image or a clip in the prompt are ours within 1e-4."""
+    source = whole_dir(name, tmp_path / name)
+    base = ROOT / "configs" / "recipes" / "stage1.yaml" if name == "llava" else ""
+    write_config(tmp_path / "run.yaml", model=source, base=base)
+    out = tmp_path / "run"
+    media = {"qwen2_audio": ["model.vision.enabled=false", "data.synthetic.image_fraction=0"]}
+    no_audio = ["model.audio.enabled=false", "data.synthetic.audio_fraction=0"]
+    cfg = load_config(tmp_path / "run.yaml", [*CPU, f"train.output_dir={out}", "optim.lr=1e-2",
+                                              "train.steps=2", "train.checkpoint_every=2",
+                                              *media.get(name, no_audio)])  # fmt: skip
+    train.main(cfg)
+    exported = export_run(str(out), str(tmp_path / "export"))
+    assert set(exported) == {"model"}
+    results = check_all(str(exported["model"]))
+    assert results[-1]["role"] == "model" and "in the prompt" in results[-1]["what"]
+    for result in results:
+        assert result["max_abs_diff"] < 1e-4, result
+
+    trained, back = run_params(out), exported_params(exported["model"], cfg)
+    imported = exported_params(Path(source), cfg)
+    for key, value in trained.items():
+        np.testing.assert_array_equal(back[key], value, err_msg=key)
+    moved = {k.split("/")[0] for k in trained if not np.array_equal(trained[k], imported[k])}
+    if name == "llava":  # stage 1: the projector alone; the export's LLM and tower unchanged
+        assert moved == {"vision_projector"}, moved
+        before, after = Checkpoint(source), Checkpoint(exported["model"])
+        for n in before.names():
+            same = np.array_equal(before.get(n), after.get(n))
+            assert same != n.startswith("multi_modal_projector."), n
+    else:
+        assert {"llm", "vision" if name != "qwen2_audio" else "audio"} <= moved, moved
+
+
+@pytest.mark.slow
+def test_a_run_from_scratch_exports_as_the_family_it_matches(tmp_path):
+    """A tiny model built with Qwen2-VL's options (its Qwen2 LLM with M-RoPE; a LayerNorm,
+    quick-GELU tower; the merger's projector) and a Qwen tokenizer directory trains 2 steps
+    from scratch and exports as Qwen2-VL: transformers, its image processor and tokenizer load
+    the directory,
+    its logits with an image in the prompt are ours, and importing it gives the run's
+    parameters back."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tok = build_dir(tmp_path / "tok", "qwen", "Qwen/Qwen2.5-VL-7B-Instruct")
+    options = [
+        f"data.tokenizer={tok}", "model.llm.vocab_size=512", "model.llm.attn_bias=qkv",
+        "model.llm.tie_embeddings=false", "model.llm.mrope_section=[2,3,3]",
+        "model.llm.width=64", "model.llm.heads=4", "model.llm.kv_heads=2",
+        "model.vision.norm=layer", "model.vision.mlp=quick_gelu", "model.vision.attn_bias=qkvo",
+        "model.vision.mlp_bias=true", "model.vision.patch_bias=false",
+        "model.vision.projector_act=gelu", "model.vision.projector_dim=256",
+        "model.vision.width=64", "model.vision.heads=4", "model.vision.temporal_patch=2",
+        "model.audio.enabled=false", "data.synthetic.audio_fraction=0", "mesh.context=1",
+    ]  # fmt: skip
+    out = tmp_path / "run"
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [*CPU, *options, f"train.output_dir={out}",
+                                                       "train.steps=2", "train.checkpoint_every=2",
+                                                       "data.eval.source=none"])  # fmt: skip
+    train.main(cfg)
+    exported = export_run(str(out), str(tmp_path / "export"))["model"]
+    assert not list(tmp_path.glob(".export*"))  # (written aside, renamed whole)
+    config = json.loads((exported / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2VLForConditionalGeneration"]
+    # (AutoProcessor would build Qwen2-VL's video processor too, which needs torchvision)
+    image = AutoImageProcessor.from_pretrained(str(exported))
+    assert type(image).__name__.startswith("Qwen2VLImageProcessor")
+    v = cfg.model.vision
+    assert (image.merge_size, image.patch_size, image.temporal_patch_size) == (
+        v.merge,
+        v.patch_size,
+        v.temporal_patch,
+    )
+    assert (
+        AutoTokenizer.from_pretrained(str(exported)).convert_tokens_to_ids("<|image_pad|>")
+        == (config["image_token_id"])
+    )
+    for result in check_all(str(exported)):
+        assert result["max_abs_diff"] < 1e-4, result
+    trained, back = run_params(out), exported_params(exported, cfg)
+    for key, value in trained.items():
+        np.testing.assert_array_equal(back[key], value, err_msg=key)
