@@ -12,7 +12,8 @@ class StepInfo:
     """One step's plan summary and counts, as the feed made them on this host.
 
     The loop reads it for the metrics window (`tokens`, `flops`, `predicted_s`, `fill`,
-    `rejects`), the ledger (`parts`), the timings (`work`) and the logged row (`samples`).
+    `rejects`), the ledger (`parts`), the timings (`work`) and the logged row (`samples`,
+    `sources`).
     """
 
     step: int
@@ -30,4 +31,5 @@ class StepInfo:
     # calibrated cost model), when recorded; the calibrated model's predicted step time
     work: dict | None = None
     predicted_s: float = 0.0
+    sources: dict[str, int] = field(default_factory=dict)  # a mixture's samples per source
     extra: dict = field(default_factory=dict)  # anything a caller adds (benches)

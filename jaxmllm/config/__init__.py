@@ -11,7 +11,15 @@ launch), `load` (the whole
 """
 
 from jaxmllm.config.checks import ConfigError
-from jaxmllm.config.load import Config, closest_name, from_dict, load_config, to_dict
+from jaxmllm.config.load import (
+    Config,
+    closest_name,
+    config_origin,
+    from_dict,
+    keep_origin,
+    load_config,
+    to_dict,
+)
 from jaxmllm.config.model import (
     ATTENTIONS,
     REMAT_POLICIES,
@@ -31,6 +39,7 @@ from jaxmllm.config.sections import (
     MeshConfig,
     OptimConfig,
     PipelineConfig,
+    SourceConfig,
     SyntheticConfig,
     TrainConfig,
 )
@@ -56,8 +65,11 @@ __all__ = [
     "SyntheticConfig",
     "TrainConfig",
     "VisionConfig",
+    "SourceConfig",
     "closest_name",
+    "config_origin",
     "from_dict",
+    "keep_origin",
     "load_config",
     "to_dict",
 ]

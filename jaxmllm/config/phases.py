@@ -16,7 +16,9 @@ What an entry names, for the vision phase:
 - items `images`: a record's, a sample's and a lengths-file row's list of items;
 - unit `patches`: what its bucket counts (the lengths index's units);
 - capacity `vision_patches`: `batch.vision_patches`, its bucket per device and microbatch, and
-  the batch array of its inputs.
+  the batch array of its inputs;
+- files `jpg`, `png`, ...: the file name extensions of its items where a data set names its media
+  by file type (a WebDataset shard's members `000123.jpg`).
 
 The units an encoder counts and how they become rows come from its config section
 (`units_per_token`, `units_per_row`, `input_width`, `position_dims`).
@@ -40,6 +42,7 @@ class Phase:
     unit: str  # what its bucket counts
     capacity: str  # batch.<capacity>: its bucket per device and microbatch; its inputs' array
     reserved_id: int  # its placeholder id among jaxmllm's reserved ids (byte tokenizer)
+    files: tuple[str, ...] = ()  # its items' file name extensions (lower case, no dot)
 
     @property
     def placeholder(self) -> str:
@@ -82,8 +85,14 @@ class Phase:
         return int(getattr(batch, self.capacity))
 
 
-VISION = Phase("vision", "image", "images", "patches", "vision_patches", reserved_id=259)
-AUDIO = Phase("audio", "audio", "audio", "frames", "audio_frames", reserved_id=260)
+VISION = Phase(
+    "vision", "image", "images", "patches", "vision_patches", reserved_id=259,
+    files=("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff", "ppm", "tga", "avif", "qoi"),
+)  # fmt: skip
+AUDIO = Phase(
+    "audio", "audio", "audio", "frames", "audio_frames", reserved_id=260,
+    files=("wav", "flac", "ogg", "oga", "mp3"),
+)  # fmt: skip
 
 ENCODERS: tuple[Phase, ...] = (VISION, AUDIO)  # (the order of every per-phase layout)
 BY_NAME = {p.name: p for p in ENCODERS}
@@ -101,3 +110,10 @@ def phase(name: str) -> Phase:
 def enabled(model: Any) -> tuple[Phase, ...]:
     """The encoder phases a ModelConfig has, in order."""
     return tuple(p for p in ENCODERS if p.enabled(model))
+
+
+def in_batch(model: Any, batch: Any) -> tuple[Phase, ...]:
+    """The encoder phases a step runs: those the model has whose bucket (batch.<capacity>) is
+    not zero. A phase the data has no items of gets a zero bucket (`plan.sizing.resolve_batch`):
+    its encoder is left out of the step, its parameters kept (and not trained)."""
+    return tuple(p for p in enabled(model) if p.bucket(batch) > 0)

@@ -178,17 +178,42 @@ class SyntheticConfig:
               "around the text)", "text_tokens")  # fmt: skip
 
 
+# data.format's values (`jaxmllm.data.records.formats` reads each; a test holds the two equal)
+FORMATS = ("auto", "jsonl", "llava", "sharegpt", "messages", "parquet", "webdataset", "arrayrecord")
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """One data set of a mixture (`data.sources`)."""
+
+    path: str = ""  # a data file, a directory of shards or a glob, as data.path
+    format: str = "auto"  # as data.format
+    # Its share of the samples drawn (the weights are normalised over the sources); 0 = in
+    # proportion to its records (all sources 0: each record once per round, as one data set)
+    weight: float = 0.0
+    media_root: str = ""  # as data.media_root
+    index_dir: str = ""  # its lengths index, as data.index_dir
+    name: str = ""  # its name in the metrics (samples/<name>); "" = the file's (folder's) stem
+
+    def __post_init__(self):
+        check(bool(self.path), "every source needs a path", "path")
+        check(self.format in FORMATS, f"must be one of {', '.join(FORMATS)}", "format")
+        check(self.weight >= 0, "must be >= 0 (0: in proportion to its records)", "weight")
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     """A fixed held-out set, evaluated every train.eval_every steps and at the last step: loss
     and token accuracy per modality mix, and greedy answers to its first questions."""
 
     # none | synthetic (the built-in source's samples num_samples, num_samples + 1, ...: made
-    # like the training samples, never in the training index) | jsonl | arrayrecord (a file
-    # with its own lengths index, as data.path)
+    # like the training samples, never in the training index) | files (data.eval.path in
+    # data.eval.format, with its own lengths index, as data.path) | jsonl | arrayrecord (files
+    # in that format)
     source: str = "none"
-    path: str = ""  # the eval manifest or .array_record file (jsonl / arrayrecord)
-    index_dir: str = ""  # its lengths index; "" = <path>.index
+    path: str = ""  # the eval data: a file, a directory of shards or a glob (as data.path)
+    format: str = "auto"  # its format, as data.format
+    index_dir: str = ""  # its lengths index; "" = <path>.index/<key>, as data.index_dir
     samples: int = 256  # the eval set: the source's first this many samples (0: all)
     questions: int = 8  # eval samples with a prompt answered greedily and logged; 0 = none
     max_new_tokens: int = 48  # the longest answer generated
@@ -198,9 +223,10 @@ class EvalConfig:
               f"{sorted(DATA_SOURCES)}", "source")  # fmt: skip
         check(
             self.source in ("none", "synthetic") or bool(self.path),
-            f"source {self.source} needs data.eval.path (the manifest or .array_record file)",
+            f"source {self.source} needs data.eval.path (a data file, a directory or a glob)",
             "path",
         )
+        check(self.format in FORMATS, f"must be one of {', '.join(FORMATS)}", "format")
         check(self.samples >= 0, "must be >= 0 (0: the whole source)", "samples")
         check(self.questions >= 0, "must be >= 0", "questions")
         check(self.max_new_tokens >= 1, "must be >= 1", "max_new_tokens")
@@ -212,9 +238,31 @@ class EvalConfig:
 class DataConfig:
     """Where samples come from, how they are preprocessed, and what happens to bad input."""
 
-    source: str = "synthetic"  # synthetic (built in) | jsonl (a manifest) | arrayrecord
-    path: str = ""  # the JSONL manifest or .array_record file (jsonl / arrayrecord sources)
-    index_dir: str = ""  # lengths index from `python -m jaxmllm.data.index`; "" = <path>.index
+    # auto: files when data.path or data.sources is set, else synthetic | synthetic (built in)
+    # | files (data.path or data.sources, read in data.format) | jsonl | arrayrecord (files in
+    # that format: the names before data.format)
+    source: str = "auto"
+    # The data: a file, a directory of shards (its files of one format) or a glob
+    # (data/train-*.parquet); or data.sources for a mixture
+    path: str = ""
+    # How the records are stored: auto (from the file: it says what it found and why) | jsonl
+    # (jaxmllm's records, a JSON object a line) | llava, sharegpt (`conversations` of
+    # `from`/`value` turns and an `image`; a JSON list or JSON lines) | messages (OpenAI-style
+    # `messages`, media in content parts or lists) | parquet (as HF datasets writes it) |
+    # webdataset (.tar shards: 000123.jpg + 000123.json or .txt) | arrayrecord
+    format: str = "auto"
+    # The folder media paths in the records are relative to (LLaVA's --image_folder); "" = the
+    # data file's folder (a directory of shards: that directory)
+    media_root: str = ""
+    # A mixture: several data sets, each {path, format, weight, media_root, index_dir, name},
+    # drawn by weight into one stream the planner balances as one (instead of data.path)
+    sources: tuple[SourceConfig, ...] = ()
+    # `python -m jaxmllm.data.index` fails (and training refuses the index) when it accepts
+    # less than this share of the records: a wrong data.format rejects them all
+    min_accept: float = 0.5
+    # lengths index from `python -m jaxmllm.data.index`; "" = <path>.index/<key>, the key naming
+    # what decides its counts (tokenizer, preprocessing), so configs that differ keep their own
+    index_dir: str = ""
     # byte (UTF-8 bytes + jaxmllm's 8 specials); the path of a tokenizer.json file (training from
     # scratch: its ids >= 256 shifted by 8 past jaxmllm's specials); or the path of a HuggingFace
     # checkpoint's tokenizer directory (tokenizer.json + tokenizer_config.json: the checkpoint's
@@ -246,12 +294,30 @@ class DataConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (none by default)
 
     def __post_init__(self):
-        check(self.source in DATA_SOURCES, f"must be one of {sorted(DATA_SOURCES)}", "source")
+        check(self.source in ("auto", *DATA_SOURCES), f"must be auto or one of "
+              f"{sorted(DATA_SOURCES)}", "source")  # fmt: skip
+        check(self.format in FORMATS, f"must be one of {', '.join(FORMATS)}", "format")
+        check(not (self.path and self.sources), "give data.path (one data set) or data.sources "
+              "(a mixture), not both", "sources")  # fmt: skip
+        if self.source == "auto":  # (resolved once, here)
+            given = bool(self.path or self.sources)
+            object.__setattr__(self, "source", "files" if given else "synthetic")
         check(
-            self.source == "synthetic" or bool(self.path),
-            f"source {self.source} needs data.path (the manifest or .array_record file)",
+            self.source == "synthetic" or bool(self.path or self.sources),
+            f"source {self.source} needs data.path (a data file, a directory of shards or a "
+            "glob) or data.sources",
             "path",
         )
+        check(
+            self.source not in ("jsonl", "arrayrecord") or self.format in ("auto", self.source),
+            f"{self.format} contradicts data.source: {self.source}; set data.source: files",
+            "format",
+        )
+        check(0.0 <= self.min_accept <= 1.0, "must be in [0, 1]", "min_accept")
+        object.__setattr__(self, "sources", tuple(self.sources))
+        given = [s.weight > 0 for s in self.sources]
+        check(all(given) or not any(given), "give every source a weight > 0, or none (all 0: "
+              "each in proportion to its records)", "sources")  # fmt: skip
         check(self.on_error in ("skip", "fail"), "must be skip or fail", "on_error")
         check(
             self.on_oversize in ("shrink", "truncate", "skip", "fail"),
@@ -278,7 +344,12 @@ class DataConfig:
         check(_is_date(self.template_date), "must be a date, YYYY-MM-DD", "template_date")
 
 
-DATA_SOURCES = {"synthetic", "jsonl", "arrayrecord"}
+DATA_SOURCES = {"synthetic", "files", "jsonl", "arrayrecord"}
+
+
+def files_format(data: DataConfig | EvalConfig) -> str:
+    """The data.format a files source reads: data.format, or what data.source names."""
+    return data.source if data.source in ("jsonl", "arrayrecord") else data.format
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxmllm.config import Config, ConfigError
+from jaxmllm.config import Config, ConfigError, phases
 from jaxmllm.config.phases import BY_NAME, NAMES
 from jaxmllm.data.media.audio import chunk_lengths, clip_frames, load_audio, read_info
 from jaxmllm.data.media.image import image_grid, load_image, read_size
@@ -48,6 +48,9 @@ class Params:
     audio_max_frames: int
     subsample: int
     n_mels: int = field(compare=False)  # does not change counts
+    # The encoder phases the model has, comma-separated: a record with items of another phase
+    # is refused at index time (`no_encoder`), naming model.<phase>
+    encoders: str = ",".join(NAMES)
     # Nor do the values of pixels and frames (how they are normalised, which mel scale).
     image_mean: tuple[float, ...] = field(default=(0.5, 0.5, 0.5), compare=False)
     image_std: tuple[float, ...] = field(default=(0.5, 0.5, 0.5), compare=False)
@@ -81,6 +84,7 @@ class Params:
             audio_max_frames=d.audio_max_frames,
             subsample=cfg.model.audio.subsample,
             n_mels=cfg.model.audio.n_mels,
+            encoders=",".join(p.name for p in phases.enabled(cfg.model)),
             image_mean=d.image_mean,
             image_std=d.image_std,
             mel=d.mel,
@@ -185,6 +189,17 @@ class Preprocessor:
         raises RecordError for a file over the bomb caps or one that does not open."""
         return Sizes({p: [media.read_size(self, src, record.id) for src in record.media[p]]
                       for p, media in MEDIA.items()})  # fmt: skip
+
+    def check_phases(self, record: Record) -> None:
+        """Raises RecordError for a record with items of a phase the model has no encoder for."""
+        for p in NAMES:
+            if record.media[p] and p not in self.p.encoders.split(","):
+                raise RecordError(
+                    "no_encoder",
+                    f"{len(record.media[p])} {BY_NAME[p].item} item(s), but the model has no {p} "
+                    f"encoder (model.{p}.enabled: false): enable it, or leave such records out",
+                    record.id,
+                )
 
     def check(self, record: Record, sizes: Sizes) -> None:
         """Raises RecordError for an item its phase cannot use at all (a clip too short for

@@ -90,6 +90,7 @@ class StepIterator(grain.DatasetIterator):
         variant = "whole"
         if self.variants is not None:  # a compiled program per variant used
             batch, variant = self.variants.pick(plan, self.index, batch)
+        mix = self.index.mixture  # (data.sources: the step's samples per source)
         info = StepInfo(
             step=plan.step,
             samples=plan.samples.copy(),  # the whole step's, on every host
@@ -98,6 +99,7 @@ class StepIterator(grain.DatasetIterator):
             fill=fill_stats(batch),  # this host's buckets
             rejects=self.loader.counts(),
             variant=variant,
+            sources={} if mix is None else mix.counts(plan.samples),
             **self.count(batch),  # this host's real tokens and FLOPs, for the metrics
         )
         if self.to_device is not None:  # the transfer overlaps the step the device is running

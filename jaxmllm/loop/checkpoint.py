@@ -170,7 +170,15 @@ def check_process_count(mngr: ocp.CheckpointManager) -> None:
 # What a resumed run must share with the run that wrote its checkpoints: the parameters' shapes
 # and split, the bucket shapes and planner (their state is in the checkpoint), the sample stream.
 # The mesh, optimizer settings and step count may change between runs.
-RESUME_KEYS = ("model", "batch", "data.source", "data.path", "data.seed", "data.synthetic")
+RESUME_KEYS = (
+    "model",
+    "batch",
+    "data.source",
+    "data.path",
+    "data.sources",  # (a mixture's sources, weights and order make its stream)
+    "data.seed",
+    "data.synthetic",
+)
 
 
 def check_resumable(cfg: Config, out: Path) -> None:
@@ -192,7 +200,7 @@ def check_resumable(cfg: Config, out: Path) -> None:
     changed = [
         k
         for k in sorted(set(saved) | set(now))
-        if k.startswith(RESUME_KEYS) and saved.get(k) != now.get(k) and k not in free
+        if k.startswith(RESUME_KEYS) and _saved(saved, k, now) != now.get(k) and k not in free
     ]
     if changed:
         diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:6])
@@ -201,6 +209,14 @@ def check_resumable(cfg: Config, out: Path) -> None:
             f"({diffs}{', ...' if len(changed) > 6 else ''}); it cannot be resumed with this "
             f"one. Use a new train.output_dir, or the config in {saved_path}."
         )
+
+
+def _saved(saved: dict, key: str, now: dict):
+    """A saved config's value; a key it lacks (written before the key existed) is taken as the
+    current value where that is empty (the key's default: nothing changed)."""
+    if key not in saved and not now.get(key):
+        return now.get(key)
+    return saved.get(key)
 
 
 def keep_resolved(cfg: Config, out: Path) -> Config:

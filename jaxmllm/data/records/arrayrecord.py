@@ -27,17 +27,21 @@ def encode_record(obj: object, base_dir: Path, line: int) -> bytes:
 
     def embed(entry):
         nonlocal offset
-        if not isinstance(entry, str) or entry.startswith("data:"):
+        if isinstance(entry, dict) and isinstance(entry.get("bytes"), bytes):
+            data = entry["bytes"]  # (a Parquet or WebDataset record's media)
+        elif not isinstance(entry, str) or entry.startswith("data:"):
             return entry  # inline data and odd entries stay as they are
-        path = base_dir / entry
-        try:  # only regular files: reading a FIFO or a device would block or never end
-            check_media_file(path)
-            data = path.read_bytes()
-        except (RecordError, OSError):  # the index reads the path again and names the reason
-            return {"missing": str(path.absolute())}
+        else:
+            path = base_dir / entry
+            try:  # only regular files: reading a FIFO or a device would block or never end
+                check_media_file(path)
+                data = path.read_bytes()
+            except (RecordError, OSError):  # the index reads the path again and names the reason
+                return {"missing": str(path.absolute())}
         blobs.append(data)
         offset += len(data)
-        return {"blob": [offset - len(data), len(data)], "name": entry}
+        name = entry if isinstance(entry, str) else entry.get("path")
+        return {"blob": [offset - len(data), len(data)], "name": name}
 
     if isinstance(obj, dict) and "__malformed__" not in obj:
         obj = dict(obj)
@@ -80,11 +84,13 @@ def _decode(data: bytes) -> tuple[object, int]:
 class ArrayRecordRecords:
     """Random access to the records of an .array_record file, through grain's data source."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, scan: dict | None = None):
         self.path = Path(path)
-        self.base_dir = self.path.parent
         self._source = None
         self._len = len(self._open())
+
+    def scan(self) -> dict:
+        return {}  # (the file's own index: nothing to keep)
 
     def _open(self):
         if self._source is None:
@@ -98,6 +104,12 @@ class ArrayRecordRecords:
 
     def raw(self, k: int) -> tuple[object, int]:
         return decode_record(self._open()[int(k)])
+
+    def where(self, k: int) -> str:
+        return f"{self.path.name} record {int(k)}"
+
+    def fallback_id(self, k: int) -> str:
+        return f"{self.path.name}:{int(k)}"
 
     def __getstate__(self):
         return {**self.__dict__, "_source": None}

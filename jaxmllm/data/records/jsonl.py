@@ -2,8 +2,8 @@
 
     {"id": "cap-1", "text": "<image> a cat on a mat", "images": ["img/cat.jpg"]}
 
-Media paths are relative to the manifest. Record k is the k-th non-blank line; a line that is
-not JSON is kept as a marker, so the parser rejects it as `malformed_line`.
+Media paths are relative to the manifest (or data.media_root). Record k is the k-th non-blank
+line; a line that is not JSON is kept as a marker, so the parser rejects it as `malformed_line`.
 """
 
 from __future__ import annotations
@@ -17,20 +17,15 @@ import numpy as np
 class JsonlRecords:
     """Random access to the lines of a JSONL manifest (byte offsets found in one scan)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, scan: dict[str, np.ndarray] | None = None):
         self.path = Path(path)
-        self.base_dir = self.path.parent
-        offsets, lines = [], []
-        with open(self.path, "rb") as f:
-            pos = 0
-            for n, raw in enumerate(f, start=1):
-                if raw.strip():
-                    offsets.append(pos)
-                    lines.append(n)
-                pos += len(raw)
-        self.offsets = np.asarray(offsets, np.int64)
-        self.lines = np.asarray(lines, np.int64)
+        scan = scan if scan is not None else scan_lines(self.path)
+        self.offsets, self.lines = scan["offsets"], scan["lines"]
         self._file = None
+
+    def scan(self) -> dict[str, np.ndarray]:
+        """What opening found (saved with the index, so training does not scan it again)."""
+        return {"offsets": self.offsets, "lines": self.lines}
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -43,8 +38,27 @@ class JsonlRecords:
         text = self._file.readline()
         return parse_line(text), int(self.lines[k])
 
+    def where(self, k: int) -> str:
+        return f"{self.path.name} line {int(self.lines[k])}"
+
+    def fallback_id(self, k: int) -> str:
+        return f"{self.path.name}:{int(self.lines[k])}"
+
     def __getstate__(self):
         return {**self.__dict__, "_file": None}
+
+
+def scan_lines(path: Path) -> dict[str, np.ndarray]:
+    """Byte offsets and 1-based line numbers of the non-blank lines of `path`."""
+    offsets, lines = [], []
+    with open(path, "rb") as f:
+        pos = 0
+        for n, raw in enumerate(f, start=1):
+            if raw.strip():
+                offsets.append(pos)
+                lines.append(n)
+            pos += len(raw)
+    return {"offsets": np.asarray(offsets, np.int64), "lines": np.asarray(lines, np.int64)}
 
 
 def parse_line(text: bytes) -> object:
