@@ -350,3 +350,56 @@ def test_items_the_model_cannot_encode_are_refused_naming_the_encoder(data):
     assert summary["rejects"] == {"no_encoder": 3}
     rejects = read_rejects(Path(summary["index"]) / "rejects.jsonl")
     assert all("model.audio.enabled" in r["detail"] for r in rejects)
+
+
+def test_a_mixture_stream_draws_by_weight_deterministically():
+    from jaxmllm.data.lengths import Mixture
+    from jaxmllm.plan.stream import MixtureStream
+
+    mix = Mixture.of(["a", "b", "c"], [100, 10, 1000], [2.0, 1.0, 1.0])
+    assert mix.draws == (555, 278, 277) and sum(mix.draws) == 1110
+    got = MixtureStream(mix, 0).take(0, 3 * 1110)
+    assert np.array_equal(got, MixtureStream(mix, 0).take(0, 3 * 1110))
+    assert not np.array_equal(got, MixtureStream(mix, 1).take(0, 3 * 1110))
+    for r in range(3):  # every round draws each source its share exactly
+        assert mix.counts(got[r * 1110 : (r + 1) * 1110]) == {"a": 555, "b": 278, "c": 277}
+    small = np.bincount(got[(got >= 100) & (got < 110)] - 100, minlength=10)
+    assert small.max() - small.min() <= 1  # a source goes through its epochs in turn
+    assert np.array_equal(MixtureStream(mix, 0).take(1234, 500), got[1234:1734])
+    with pytest.raises(ValueError, match="'b' is drawn 0 times"):
+        Mixture.of(["a", "b"], [1000, 10], [1.0, 1e-6])
+    assert Mixture.of(["a", "b"], [30, 10], [0, 0]).draws == (30, 10)  # all 0: by size
+
+
+def test_a_mixture_plans_one_index_and_its_state_restores_exactly(data, tmp_path):
+    """Three formats as data.sources: one lengths index, samples from every source in a step's
+    plan, per-source counts in the step's info, and a restored pipeline's next steps equal."""
+    from jaxmllm.feed.iterator import make_pipeline
+    from jaxmllm.plan.sizing import resolve_batch
+
+    p = data["paths"]
+    sources = (
+        f"data.sources=[{{path: {p['llava']}, weight: 2}}, {{path: {p['parquet']}, weight: 1}}, "
+        f"{{path: {p['webdataset']}, weight: 1, name: tars}}]"
+    )
+    cfg = load_config("configs/tiny.yaml", [*SETTINGS, sources, f"train.output_dir={tmp_path}"])
+    for path in (p["llava"], p["parquet"], p["webdataset"]):
+        build_index(cfg, path, progress=False)
+    src = open_source(cfg)
+    assert len(src) == 36 and src.index.mixture.names == ("llava", "parquet", "tars")
+    assert src.index.mixture.draws == (18, 9, 9)
+    assert_same(src[12], src[0], "the same record from two sources")
+    assert src.record_id(30) == "r6"
+    cfg = resolve_batch(cfg, src.index, 8)
+    it = make_pipeline(cfg, 8, prefetch=0)
+    infos = [next(it)["info"] for _ in range(2)]
+    assert all(sum(i.sources.values()) == len(i.samples) for i in infos)
+    state = it.get_state()
+    want = [next(it) for _ in range(2)]
+    again = make_pipeline(cfg, 8, prefetch=0)
+    again.set_state(state)
+    for a, b in zip(want, [next(again) for _ in range(2)], strict=True):
+        assert np.array_equal(a["info"].samples, b["info"].samples)
+        assert a["info"].sources == b["info"].sources
+        for key in a["batch"]:
+            assert np.array_equal(a["batch"][key], b["batch"][key]), key

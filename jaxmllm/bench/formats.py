@@ -220,8 +220,11 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 # ----------------------------------------------------------------------------- the benchmark
 
 
-def bench(cfg, paths: dict[str, Path], workers: list[int], index_workers: list[int]) -> list[dict]:
-    """Per format: index rate with each process count, load rate with each worker count."""
+def bench(
+    cfg, paths: dict[str, Path], workers: list[int], index_workers: list[int], samples: int = 0
+) -> list[dict]:
+    """Per format: index rate with each process count, load rate with each worker count (over
+    `samples` samples at random, 0: all)."""
     import dataclasses
 
     from jaxmllm.data.datasets import data_sets
@@ -246,10 +249,11 @@ def bench(cfg, paths: dict[str, Path], workers: list[int], index_workers: list[i
             loader = Loader(wcfg, source)
             loader.load(np.arange(min(8, len(source))), step=1)  # (starts the workers)
             order = np.random.default_rng(0).permutation(len(source))  # as the planner reads
+            order = order[: samples or len(order)]
             t0 = time.perf_counter()
             for chunk in np.array_split(order, max(1, len(order) // 256)):
                 loader.load(chunk, step=1)
-            row[f"load_{w}w"] = round(len(source) / (time.perf_counter() - t0), 1)
+            row[f"load_{w}w"] = round(len(order) / (time.perf_counter() - t0), 1)
             if loader.pool is not None:
                 loader.pool.terminate()
         rows.append(row)
@@ -274,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", default="0,1,2", help="data.workers counts for the load rate")
     p.add_argument("--index-processes", default="1,2")
     p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument(
+        "--load-samples",
+        type=int,
+        default=0,
+        help="samples loaded at random per format and worker count (0: every one)",
+    )
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
     workers = [int(w) for w in args.workers.split(",")]
@@ -283,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = write_formats(tmp, records)
         paths = {f: paths[f] for f in args.formats.split(",")}
         cfg = load_config(args.config, ["data.source=files", "data.path=x", "data.workers=0"])
-        rows = bench(cfg, paths, workers, procs)
+        rows = bench(cfg, paths, workers, procs, args.load_samples)
     cols = [
         "format",
         "accepted",
