@@ -29,6 +29,7 @@ the index back with `jaxmllm.data.source.open_source`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -107,7 +108,7 @@ def build_index(
     config's only one; into `out`, else its index folder. Returns the summary."""
     ds = data_set(cfg, path)
     if out is not None:
-        ds = DataSet(ds.path, ds.format, ds.media_root, str(out), ds.name, ds.weight)
+        ds = dataclasses.replace(ds, index_dir=str(out))
     return index_data_set(cfg, ds, workers=workers, decode=decode, progress=progress)
 
 
@@ -117,7 +118,10 @@ def data_set(cfg: Config, path: str | Path | None) -> DataSet:
     sets = data_sets(cfg)
     if path is None:
         if len(sets) != 1:
-            raise ConfigError("several data.sources: index them all with build_indexes")
+            raise ConfigError(
+                "several data.sources: name the one to index (`python -m "
+                "jaxmllm.data.index --config ...` indexes them all)"
+            )
         return sets[0]
     for ds in [*sets, eval_set(cfg)]:
         if ds is not None and str(ds.path) == str(path):
@@ -293,8 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.manifest:
             sets = [data_set(cfg, args.manifest)]
             if args.out:
-                ds = sets[0]
-                sets = [DataSet(ds.path, ds.format, ds.media_root, args.out, ds.name, ds.weight)]
+                sets = [dataclasses.replace(sets[0], index_dir=args.out)]
         elif cfg.data.source == "synthetic":
             raise ConfigError("the config reads the built-in synthetic data (data.source): give "
                               "data.path or data.sources, or --manifest")  # fmt: skip

@@ -14,21 +14,22 @@ file, a directory of shards or a glob) as one `Records`.
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from jaxmllm.data.records.arrayrecord import ArrayRecordRecords
 from jaxmllm.data.records.formats import FORMATS, data_files, detect, json_container
-from jaxmllm.data.records.jsonarray import JsonArrayRecords
-from jaxmllm.data.records.jsonl import JsonlRecords
+from jaxmllm.data.records.jsonl import JsonRecords
 from jaxmllm.data.records.parquet import ParquetRecords
 from jaxmllm.data.records.record import Record, parse_record
 from jaxmllm.data.records.schemas import to_native
 from jaxmllm.data.records.webdataset import TarRecords
 
 READERS = {
-    "jsonl": JsonlRecords,
+    "jsonl": JsonRecords,
+    "jsonarray": partial(JsonRecords, array=True),
     "parquet": ParquetRecords,
     "tar": TarRecords,
     "arrayrecord": ArrayRecordRecords,
@@ -101,8 +102,7 @@ def open_records(
             if scan is None
             else {k.partition("/")[2]: v for k, v in scan.items() if k.partition("/")[0] == str(i)}
         )
-        cls = JsonArrayRecords if kind == "jsonarray" else READERS[kind]
-        readers.append(cls(f, saved or None))
+        readers.append(READERS[kind](f, saved or None))
     if media_root:
         base = Path(media_root)
     else:

@@ -1,5 +1,5 @@
-"""JSON files that hold one list of records (LLaVA's and ShareGPT's `llava_v1_5_mix665k.json`),
-read at random by the byte offsets of the list's elements, found in one pass.
+"""JSON files that hold one list of records (LLaVA's and ShareGPT's `llava_v1_5_mix665k.json`):
+the byte ranges of the list's elements, found in one pass (`jsonl.JsonRecords` reads them).
 
     [
       {"id": "000123", "image": "coco/000123.jpg", "conversations": [...]},
@@ -20,43 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import ConfigError
-from jaxmllm.data.records.jsonl import parse_line
 
 WHITESPACE = " \t\n\r"
-
-
-class JsonArrayRecords:
-    """Random access to the elements of a JSON file holding one list."""
-
-    def __init__(self, path: str | Path, scan: dict[str, np.ndarray] | None = None):
-        self.path = Path(path)
-        scan = scan if scan is not None else scan_array(self.path)
-        self.starts, self.ends, self.lines = scan["starts"], scan["ends"], scan["lines"]
-        self._file = None
-
-    def scan(self) -> dict[str, np.ndarray]:
-        """What opening found (saved with the index, so training does not parse it again)."""
-        return {"starts": self.starts, "ends": self.ends, "lines": self.lines}
-
-    def __len__(self) -> int:
-        return len(self.starts)
-
-    def raw(self, k: int) -> tuple[object, int]:
-        """(parsed element, the line it starts on) of record k."""
-        if self._file is None:
-            self._file = open(self.path, "rb")  # noqa: SIM115  (one handle per process)
-        self._file.seek(int(self.starts[k]))
-        data = self._file.read(int(self.ends[k] - self.starts[k]))
-        return parse_line(data), int(self.lines[k])
-
-    def where(self, k: int) -> str:
-        return f"{self.path.name} line {int(self.lines[k])}"
-
-    def fallback_id(self, k: int) -> str:
-        return f"{self.path.name}:{int(self.lines[k])}"
-
-    def __getstate__(self):
-        return {**self.__dict__, "_file": None}
 
 
 def scan_array(path: Path) -> dict[str, np.ndarray]:
