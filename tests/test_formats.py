@@ -403,3 +403,18 @@ def test_a_mixture_plans_one_index_and_its_state_restores_exactly(data, tmp_path
         assert a["info"].sources == b["info"].sources
         for key in a["batch"]:
             assert np.array_equal(a["batch"][key], b["batch"][key]), key
+
+
+def test_a_json_list_with_a_bom_and_unicode_and_one_that_breaks_off(tmp_path):
+    recs = [{"id": "é1", "text": "ünïcode"}, {"id": "2", "text": "plain"}]
+    path = tmp_path / "a.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(recs, ensure_ascii=False, indent=2).encode())
+    records = open_records(path)
+    assert records.format == "messages" and records.where(1) == "a.json line 6"
+    assert [read_record(records, k).turns for k in range(2)] == [
+        [("text", "ünïcode")],
+        [("text", "plain")],
+    ]
+    path.write_text(json.dumps(recs)[:-12])
+    with pytest.raises(ConfigError, match=r"a.json: not valid JSON at line 1 column \d+"):
+        open_records(path, "messages")
