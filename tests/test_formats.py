@@ -418,3 +418,37 @@ def test_a_json_list_with_a_bom_and_unicode_and_one_that_breaks_off(tmp_path):
     path.write_text(json.dumps(recs)[:-12])
     with pytest.raises(ConfigError, match=r"a.json: not valid JSON at line 1 column \d+"):
         open_records(path, "messages")
+
+
+@pytest.mark.parametrize("recipe", ["stage1", "stage2"])
+def test_the_llava_recipes_read_llavas_folders_as_downloaded(recipe, tmp_path, monkeypatch):
+    """configs/recipes/ name LLaVA's files and image folders as they are downloaded: a JSON list
+    beside an image folder (stage 1: LLaVA-Pretrain's numbered subfolders; stage 2: the mix's
+    coco/ and gqa/ images and text-only conversations), detected as llava, all accepted."""
+    from jaxmllm.bench.data import write_image
+
+    recipe_path = Path(f"configs/recipes/{recipe}.yaml").resolve()
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(recipe_path, SETTINGS)
+    data_file, media_root = Path(cfg.data.path), Path(cfg.data.media_root)
+    rng = np.random.default_rng(0)
+    rows = []
+    folders = {
+        "stage1": ["00453", "00453", "00517"],
+        "stage2": ["coco/train2017", "gqa/images", ""],
+    }
+    for k, folder in enumerate(folders[recipe]):
+        turns = [{"from": "human", "value": "What is this?"}, {"from": "gpt", "value": "a box"}]
+        row = {"id": f"{k:09d}", "conversations": turns}
+        if folder:  # stage 2's mix also has conversations without an image
+            row["image"] = f"{folder}/{k:09d}.jpg"
+            (media_root / folder).mkdir(parents=True, exist_ok=True)
+            write_image(media_root / row["image"], rng, "red", "JPEG")
+            turns[0]["value"] = "<image>\n" + turns[0]["value"]
+        rows.append(row)
+    data_file.parent.mkdir(parents=True, exist_ok=True)
+    data_file.write_text(json.dumps(rows, indent=2))
+    summary = build_index(cfg, progress=False)
+    assert summary["format"] == "llava" and summary["accepted"] == 3, summary
+    images = sum(len(s.media["vision"]) for s in samples_of(cfg)[0])
+    assert images == len([f for f in folders[recipe] if f])
