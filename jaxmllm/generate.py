@@ -1,6 +1,7 @@
 """Generate from a trained model: `python -m jaxmllm.generate --run RUN_DIR --prompt TEXT`.
 
     python -m jaxmllm.generate --run runs/tiny --image cat.png --prompt "what is this? "
+    python -m jaxmllm.generate --run runs/tiny --video clip.mp4 --prompt "which way does it move? "
     python -m jaxmllm.generate --run runs/tiny --prompt "12 13 14" --prompt "3 4" --json
     python -m jaxmllm.generate --run runs/tiny --step 100 --prompt-ids 257,49,50 --json
     python -m jaxmllm.generate --hf Qwen2-VL-2B-Instruct --image cat.png --prompt "What is this?"
@@ -29,6 +30,7 @@ whose end-of-turn and end-of-sequence ids stop the answer.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -38,7 +40,7 @@ import jax
 
 from jaxmllm.batch.prompts import PromptShapes
 from jaxmllm.config import Config, ConfigError, from_dict
-from jaxmllm.config.phases import ENCODERS
+from jaxmllm.config.phases import KINDS
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.template import TEMPLATES, Template, make_template
@@ -97,6 +99,13 @@ def load_hf(args) -> tuple[Config, dict]:
     return cfg, {"params": params, "frozen": frozen}
 
 
+def taking_videos(cfg: Config) -> Config:
+    """`cfg` with its vision encoder taking videos (`model.vision.video`: a patch carries
+    temporal_patch frames; the parameters are the same)."""
+    vision = dataclasses.replace(cfg.model.vision, video=True)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vision=vision))
+
+
 def answer_prompts(
     cfg: Config, params: dict, template: Template, prompts: list[Sample], args
 ) -> list[dict]:
@@ -119,26 +128,26 @@ def request_prompts(template: Template, args) -> list[Sample]:
     """The prompts of the command line, with their media files (see `--help`)."""
     texts = args.prompt or []
     ids = [[int(x) for x in s.replace(" ", "").split(",") if x] for s in args.prompt_ids or []]
-    media = {p.name: list(getattr(args, p.item)) for p in ENCODERS}  # (--image, --audio, ...)
+    media = {k.name: list(getattr(args, k.item)) for k in KINDS}  # (--image, --audio, --video)
     several = len(texts) + len(ids) > 1
     if several and any(media.values()):
-        flags = " / ".join(f"--{p.item}" for p in ENCODERS)
-        marks = " / ".join(p.placeholder for p in ENCODERS)
+        flags = " / ".join(f"--{k.item}" for k in KINDS)
+        marks = " / ".join(k.placeholder for k in KINDS)
         if ids:
             raise ConfigError(f"{flags} go with one --prompt-ids, or with --prompt texts that "
                               f"place them with {marks}")  # fmt: skip
-        if any(sum(t.count(p.placeholder) for t in texts) != len(media[p.name]) for p in ENCODERS):
+        if any(sum(t.count(k.placeholder) for t in texts) != len(media[k.name]) for k in KINDS):
             raise ConfigError(
                 f"with several prompts, place each of {flags} with a {marks} placeholder in the "
                 "prompt it belongs to (they are handed out in order)"
             )
     prompts = []
     for text in texts:
-        take = {p.name: text.count(p.placeholder) if several else len(media[p.name])
-                for p in ENCODERS}  # fmt: skip
+        take = {k.name: text.count(k.placeholder) if several else len(media[k.name])
+                for k in KINDS}  # fmt: skip
         prompts.append(template.prompt(text, {k: files[: take[k]] for k, files in media.items()}))
         media = {k: files[take[k] :] for k, files in media.items()}
-    every = {p.name: list(getattr(args, p.item)) for p in ENCODERS}
+    every = {k.name: list(getattr(args, k.item)) for k in KINDS}
     prompts += [template.prompt_ids(i, every) for i in ids]
     return prompts
 
@@ -157,9 +166,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-audio", default="", metavar="DIR", help="with --hf: an audio encoder")
     p.add_argument("--tokenizer", default="", metavar="DIR",
                    help="with --hf: its tokenizer directory (default: the --hf one)")  # fmt: skip
-    for phase in ENCODERS:  # --image, --audio: each encoder phase's files
-        p.add_argument(f"--{phase.item}", action="extend", nargs="+", default=[], metavar="PATH",
-                       help=f"{phase.item} file(s), in order of the {phase.placeholder} "
+    for kind in KINDS:  # --image, --audio, --video: each kind of media's files
+        p.add_argument(f"--{kind.item}", action="extend", nargs="+", default=[], metavar="PATH",
+                       help=f"{kind.item} file(s), in order of the {kind.placeholder} "
                        "placeholders")  # fmt: skip
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", action="append", metavar="TEXT",
@@ -194,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg, params = load_hf(args)
         else:
             cfg, params, _ = load_run(args.run, args.step)
+        if args.video:
+            cfg = taking_videos(cfg)
         template = make_template(cfg, args.template, pretrained=bool(args.hf))
         answers = answer_prompts(cfg, params, template, request_prompts(template, args), args)
     except (ConfigError, RecordError, ValueError) as e:

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import logging
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.safetensors import CheckpointError
 from jaxmllm.init_from import initial_params
-from jaxmllm.loop import distributed
+from jaxmllm.loop import checkpoint, distributed, guards
 from jaxmllm.loop.checkpoint import (
     check_process_count,
     check_resumable,
@@ -60,6 +61,7 @@ def main(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> 
     config; JAX is started here, before anything touches a device.
     """
     distributed.start(cfg)
+    checkpoint.check_output_dir(Path(cfg.train.output_dir))  # (read-only, a file: stop here)
     mesh = sharding.make_mesh(cfg.mesh)
     if cfg.batch.exchange == "ragged" and jax.default_backend() == "cpu":
         raise ConfigError(
@@ -130,7 +132,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
     # checkpoint of another format (stamp) is refused, never restored into the wrong tree; it
     # holds the state in a form the mesh does not change (pipelined stacks as [depth, ...]).
     mngr = make_checkpoint_manager(cfg)
-    closing.callback(mngr.close)  # waits for a save in flight
+    closing.callback(checkpoint.wait_for_saves, mngr, True)  # waits for a save in flight
     saved_form = prog.checkpoint_abstract()
     stamp = format_stamp({**saved_form["params"], **saved_form["frozen"]})
     check_process_count(mngr)
@@ -155,28 +157,30 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
     watchdog = Watchdog(cfg.distributed.step_timeout_s) if jax.process_count() > 1 else None
     if watchdog is not None:
         closing.callback(watchdog.stop)
-    window, guard = MetricsWindow(mesh.size), NonFiniteGuard(t.max_nonfinite_steps)
+    window, guard = MetricsWindow(mesh.size, cfg.data), NonFiniteGuard(t.max_nonfinite_steps)
     timings = open_timings(cfg, out, start, is_main, closing)
     last: dict = {}
     try:
         for step in range(start, t.steps):
-            element = next(data_iter)  # its batch is on the devices already
+            waited, element = time.perf_counter(), next(data_iter)  # batch on the devices
+            waited = time.perf_counter() - waited  # (the devices idle while the feed is behind)
             batch, info = element["batch"], element["info"]
             with jax.transfer_guard("disallow"):  # no hidden host<->device copies in the step
                 state, metrics = prog.step(state, batch)
             done = step + 1
             if timings is not None:  # times the step before, now done, as the guard waits on it
                 timings.dispatched(done, metrics["loss"], info.work)
+            checkpoint.check_saves(mngr)  # a save that failed in the background stops the run
             if guard.check(done, metrics["nonfinite"]):
                 args = save_args(prog.to_checkpoint(state), data_iter, stamp)
-                mngr.save(guard.stopped_at, args=args, force=True)
-                mngr.wait_until_finished()
+                checkpoint.save(mngr, guard.stopped_at, args, force=True)
+                checkpoint.wait_for_saves(mngr)
                 raise NonFiniteError(guard.message(mngr.directory))
             if watchdog is not None:
                 watchdog.progress(done)
             if ledger is not None:
                 ledger.write(done, info.parts)
-            window.add(info)
+            window.add(info, waited)
             if done % t.log_every == 0 or done in (1, t.steps):
                 last = log_step(done, metrics, info, window, guard.total, writer, bar)
             if evaluator is not None and evaluator.due(done):  # (reads the params, no more)
@@ -188,7 +192,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
             force = done == t.steps or stopping
             saving = force or mngr.should_save(done)  # (converted only when it is saved)
             args = save_args(prog.to_checkpoint(state), data_iter, stamp) if saving else None
-            saved = saving and mngr.save(done, args=args, force=force)
+            saved = saving and checkpoint.save(mngr, done, args, force)
             if saved and timings is not None:
                 timings.saved()
             bar.update(1)
@@ -198,7 +202,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
                 _stopped(preempt.requested, done, mngr, bar)
                 break
     except KeyboardInterrupt:
-        mngr.wait_until_finished()
+        checkpoint.wait_for_saves(mngr)
         print(
             f"\ninterrupted; the latest checkpoint is step {mngr.latest_step()}. "
             "Rerun the same command to resume from it.",
@@ -210,7 +214,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
 
 def _stopped(signal_name: str, done: int, mngr, bar) -> None:
     """After a preemption signal: the checkpoint of step `done` is written; say how to resume."""
-    mngr.wait_until_finished()
+    checkpoint.wait_for_saves(mngr)
     bar.close()
     print(
         f"stopped by {signal_name} after step {done}; checkpoint saved in "
@@ -245,6 +249,7 @@ def open_data(cfg: Config, mesh, source, index, out: Path) -> grain.DatasetItera
     return make_pipeline(
         cfg,
         sharding.data_parallel_size(mesh),
+        cfg.data.prefetch,
         source=source,
         index=index,
         positions=positions,
@@ -323,6 +328,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def cli(argv: list[str] | None = None) -> int:
+    guards.outlive_closed_pipes()  # (a `| tee` that Ctrl-C ended never costs the checkpoint)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("jaxmllm").setLevel(logging.INFO)  # (grain's import set up the root logger)
     args = parse_args(argv)
@@ -332,9 +338,9 @@ def cli(argv: list[str] | None = None) -> int:
     except (ConfigError, OversizeError, sharding.ShardingError, FamilyError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteError as e:
+    except (NonFiniteError, checkpoint.SaveError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 3
+        return 3 if isinstance(e, NonFiniteError) else 5
     except KeyboardInterrupt:
         return 130
     return 0

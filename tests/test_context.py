@@ -280,7 +280,8 @@ def long_step(cfg, data: int, context: int):
     far = (np.arange(data) + 1) % data * context + 1  # a device of the next group
     vision = ItemPlan(np.arange(data), z, far, z)
     audio = ItemPlan(np.arange(data), z, np.arange(data) * context + context - 1, z)
-    plan = StepPlan(0, np.arange(data), z, np.arange(data), z, z, vision, audio)
+    items = {"vision": vision, "audio": audio}
+    plan = StepPlan(0, np.arange(data), z, np.arange(data), z, z, items)
     host = bucketize(plan, samples, cfg, capacities(cfg, data * context))
     positions = host["llm_positions"][0].reshape(data, -1)
     real = host["llm_segment_ids"][0].reshape(data, -1) > 0

@@ -12,6 +12,7 @@ from jaxmllm.plan.contract import OversizeError
 from jaxmllm.plan.sizing import capacities, planner_from_config
 
 IMAGE, AUDIO = tok.RESERVED.media["vision"], tok.RESERVED.media["audio"]  # the placeholders
+VISION = [IMAGE, tok.RESERVED.media["video"]]  # (the vision phase's: images', videos')
 
 SMALL = ["data.synthetic.num_samples=300", "batch.microbatches=2"]
 FIRST_FIT = ["batch.planner=first_fit", "batch.route_pair_capacity=0", "batch.capacity=fixed"]
@@ -44,7 +45,7 @@ def test_synthetic_is_deterministic_and_index_matches_samples():
     for i in range(len(a)):
         s = a[i]
         assert np.array_equal(s.tokens, b[i].tokens)
-        text = int((s.tokens != IMAGE).sum() - (s.tokens == AUDIO).sum())
+        text = int(np.isin(s.tokens, list(tok.RESERVED.media.values()), invert=True).sum())
         assert text == index.text[i], i
         assert [len(p) for p, _ in s.media["vision"]] == index.record(i)["images"]
         assert [len(f) for f, _ in s.media["audio"]] == index.record(i)["audio"]
@@ -100,8 +101,9 @@ def test_bucketize_routes_every_placeholder_to_its_encoder_rows():
     batch = bucketize(plan, samples, cfg, caps)
     for k, (shape, dtype) in batch_shapes(cfg, 8).items():
         assert batch[k].shape == shape and batch[k].dtype == dtype, k
-    # Every vision placeholder points at a distinct, filled encoder output row of its device.
-    img = batch["llm_tokens"] == IMAGE
+    # Every vision placeholder (an image's, a video's) points at a distinct, filled encoder
+    # output row of its device.
+    img = np.isin(batch["llm_tokens"], VISION)
     assert ((batch["llm_vision_src"] >= 0) == img).all()
     aud = batch["llm_tokens"] == AUDIO
     assert ((batch["llm_audio_src"] >= 0) == aud).all()

@@ -106,12 +106,12 @@ def test_held_tile_headroom_follows_the_cost_model():
     make = lambda c: make_planner("orchestrated", index, c, 0)  # noqa: E731
 
     def with_tiles(tiles):
-        return caps.__class__(**{**caps.__dict__, **{f"{p}_tiles": n for p, n in tiles.items()}})
+        return dataclasses.replace(caps, tiles=dict(tiles))
 
     plain = with_tiles(held_tiles(make(caps), index, caps, 12))
     chosen = {}
     for name, w in (("units", (1.0, 0.0)), ("tiles", (0.0, 1.0)), ("flops", None)):
-        weights = {p: w for p in PHASES} if w else FLOPS.tile_weights(128, SUBSAMPLE)
+        weights = {p: w for p in PHASES} if w else FLOPS.tile_weights(128, caps.per_row)
         held = with_tiles(held_tiles(make(caps), index, caps, 12, make=make, weights=weights))
         chosen[name] = held
         assert goodput(make(held), index, held, HELD_TRIAL_STEPS, weights) >= goodput(

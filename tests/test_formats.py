@@ -452,3 +452,85 @@ def test_the_llava_recipes_read_llavas_folders_as_downloaded(recipe, tmp_path, m
     assert summary["format"] == "llava" and summary["accepted"] == 3, summary
     images = sum(len(s.media["vision"]) for s in samples_of(cfg)[0])
     assert images == len([f for f in folders[recipe] if f])
+
+
+def _reasons(records) -> dict[str, str]:
+    """Each record's outcome: its kinds of media with their counts, or its reject reason."""
+    out = {}
+    for k in range(len(records)):
+        try:
+            r = read_record(records, k)
+        except RecordError as e:
+            out[e.record_id] = e.reason
+            continue
+        out[r.id] = ",".join(f"{kind}:{len(v)}" for kind, v in r.media.items() if v)
+    return out
+
+
+def test_every_reader_confines_media_caps_sizes_and_carries_videos(tmp_path):
+    """Issue 30 and 31 in every format: media paths lead only inside data.media_root (else the
+    data file's folder), a .tar member or a JSON record over data.max_media_bytes is never
+    read, and videos come as `videos` / `video` keys, `{"type": "video"}` parts, LLaVA-Video's
+    `<image>`-marked `video` and `.mp4` members."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jaxmllm.config import DataConfig
+
+    root = tmp_path / "root"
+    (root / "img").mkdir(parents=True)
+    (root / "img" / "a.png").write_bytes(b"png")
+    (root / "v.mp4").write_bytes(b"mp4")
+    (tmp_path / "secret.png").write_bytes(b"secret")
+    chat = lambda text: [{"from": "human", "value": text}, {"from": "gpt", "value": "ok"}]
+    llava = [
+        {"id": "in", "image": "img/a.png", "conversations": chat("<image>\nwhat?")},
+        {"id": "out", "image": "../secret.png", "conversations": chat("<image>\nwhat?")},
+        {"id": "abs", "image": str(tmp_path / "secret.png"), "conversations": chat("x")},
+        {"id": "vid", "video": "v.mp4", "conversations": chat("<image>\nwhat happens?")},
+    ]
+    (tmp_path / "llava.json").write_text(json.dumps(llava))
+    data = DataConfig(media_root=str(root))
+    got = _reasons(open_records(tmp_path / "llava.json", "llava", data.media_root, data=data))
+    assert got == {"in": "vision:1", "out": "path_outside_root", "abs": "path_outside_root",
+                   "vid": "video:1"}  # fmt: skip
+    anywhere = DataConfig(media_root=str(root), allow_outside_paths=True)
+    opened = open_records(tmp_path / "llava.json", "llava", str(root), data=anywhere)
+    assert _reasons(opened)["out"] == "vision:1"
+
+    parts = [{"type": "video", "video": "v.mp4"}, {"type": "text", "text": "?"}]
+    messages = [
+        {"id": "m1", "messages": [{"role": "user", "content": parts},
+                                  {"role": "assistant", "content": "a"}]},
+        {"id": "m2", "messages": [{"role": "user", "content": "<video>?"},
+                                  {"role": "assistant", "content": "a"}], "videos": ["../v.mp4"]},
+        {"id": "m3", "messages": [{"role": "user", "content": "x" * 300},
+                                  {"role": "assistant", "content": "a"}]},
+    ]  # fmt: skip
+    path = root / "m.jsonl"
+    path.write_text("".join(json.dumps(m) + "\n" for m in messages))
+    got = _reasons(open_records(path, "messages", data=DataConfig(max_media_bytes=256)))
+    assert got == {"m1": "video:1", "m2": "path_outside_root", "line:3": "malformed_line"}
+
+    image = lambda p: [{"bytes": None, "path": p}]  # (HF datasets' Image(): a path only)
+    rows = [{"id": "p1", "text": "<image> a", "images": image("img/a.png")},
+            {"id": "p2", "text": "<image> b", "images": image("../secret.png")}]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), root / "p.parquet")
+    got = _reasons(open_records(root / "p.parquet", "parquet"))
+    assert got == {"p1": "vision:1", "p2": "path_outside_root"}
+
+    shard = root / "s.tar"
+    out = json.dumps({"text": "<image> c", "images": ["../secret.png"]}).encode()
+    with tarfile.open(shard, "w") as tar:
+        for name, blob in [("k1.mp4", b"m" * 10), ("k1.txt", b"<video> a clip"),
+                           ("k2.jpg", b"j" * 300), ("k2.txt", b"too large"),
+                           ("k3.json", out)]:  # fmt: skip
+            info = tarfile.TarInfo(name)
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+    records = open_records(shard, "webdataset", data=DataConfig(max_media_bytes=256))
+    assert _reasons(records) == {
+        "k1": "video:1",
+        "k2": "media_too_large",
+        "k3": "path_outside_root",
+    }

@@ -1,4 +1,6 @@
-"""Fuzzing of the manifest and media decoders (bounded): every input ends in a policy outcome.
+"""Fuzzing of the manifest and media decoders and of the safetensors reader (bounded): every input
+ends in a policy outcome; a checkpoint file is refused or read exactly as the safetensors library
+refuses or reads it.
 
 A policy outcome is a Sample, a reject whose reason is one of REASONS, or (under data.on_error=fail)
 the DataError naming the record and the option; never another exception, a hang or a decoded
@@ -144,7 +146,7 @@ def test_seeds_decode_and_special_files_are_refused_unopened(h, opened):
     for name in fuzz.AUDIO_SEEDS:
         assert check(fuzz.audio_outcome, h, h.seeds[name]) == "ok", name
     want = {"dir": "undecodable_media", "fifo": "undecodable_media", "missing.png": "missing_media",
-            "/dev/zero": "undecodable_media", "rgb.png\x00x": "missing_media"}  # fmt: skip
+            "/dev/zero": "path_outside_root", "rgb.png\x00x": "missing_media"}  # fmt: skip
     arrayrecord = lambda hh, path: fuzz.arrayrecord_outcome(  # the converter reads paths too
         hh, (fuzz._record_with(hh, path, "images"), 0)
     )
@@ -349,3 +351,18 @@ def test_fuzzed_manifest_under_skip_and_fail(h, tmp_path):
     if skipped:
         with pytest.raises(DataError, match=r"record '.*'.*data\.on_error"):
             Loader(fail, open_source(cfg)).load(np.arange(summary["accepted"]), step=0)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+@FUZZ
+@given(st.randoms(use_true_random=False))
+def test_safetensors_files_are_read_as_the_library_reads_them(h, rng):
+    check(fuzz.safetensors_outcome, h, fuzz.gen_safetensors(rng))
+
+
+@FUZZ
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_as_a_safetensors_file(h, data):
+    assert check(fuzz.safetensors_outcome, h, data) in ("refused", "ok")

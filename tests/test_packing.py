@@ -4,6 +4,7 @@ keep_capacity): fill and attention balance on long-tailed items."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from jaxmllm.bench.mixes import synthetic_omni
 from jaxmllm.plan import pack
@@ -126,3 +127,44 @@ def test_localize_on_hosts_keeps_counts_and_moves_within_a_host_first():
     into = np.bincount(g[moved] * 4 + hosts[moved] // per_host, minlength=top)
     crossing = moved & (hosts // per_host != home // per_host)
     assert crossing.sum() == np.maximum(out_of - into, 0).sum()
+
+
+@pytest.mark.parametrize("radix", [False, True])
+def test_stable_sorts_match_numpys_either_way(monkeypatch, radix):
+    """`ragged.stable_sort` (a radix sort of 16-bit digits, or one sort of packed values,
+    whichever is faster on the machine) is numpy's stable argsort, for any size and range of
+    keys: a stable order is unique, so every host plans the same whichever it takes."""
+    from jaxmllm.plan import ragged
+
+    monkeypatch.setattr(ragged, "radix_sorts_faster", lambda: radix)
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 7, 2047, 2048, 40000):
+        for top in (1, 3, 1 << 9, 1 << 16, (1 << 16) + 1, 1 << 24, 1 << 32, 1 << 40):
+            keys = rng.integers(0, top, n)
+            want = np.argsort(keys, kind="stable")
+            order, sorted_keys = ragged.stable_sort(keys, top)
+            assert np.array_equal(order, want) and np.array_equal(sorted_keys, keys[want])
+
+
+def test_run_sums_and_packed_tiles_match_their_plain_forms():
+    """`ragged.run_cumsum` from a base per run, and `tiles.packed_tiles` (documents each right
+    after the one before), equal a loop over the runs and `item_tiles`, empty input too."""
+    from jaxmllm.plan import ragged, tiles
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 9, 500):
+        keys = np.sort(rng.integers(0, 7, n))
+        values = rng.integers(0, 50, n)
+        runs = ragged.run_lengths(keys)
+        first = np.concatenate([[0], runs[0]]) if n else runs[0]
+        base = rng.integers(0, 1000, len(first))
+        want = np.zeros(n, np.int64)
+        for r, (at, length) in enumerate(zip(first, runs[1], strict=True)):
+            want[at : at + length] = base[r] + np.cumsum(values[at : at + length])
+        assert np.array_equal(ragged.run_cumsum(None, values, runs, base=base), want)
+        assert np.array_equal(ragged.run_cumsum(keys, values), want - np.repeat(base, runs[1]))
+        offsets, sizes = rng.integers(0, 300, n), rng.integers(1, 300, n)
+        for block in (1, 16, 128):
+            for causal in (True, False):
+                want = tiles.item_tiles(offsets, sizes, block, causal, offsets)
+                assert np.array_equal(tiles.packed_tiles(offsets, sizes, block, causal), want)

@@ -29,7 +29,8 @@ FIXED = [
     "model.llm.depth=3",
 ]
 TEXT_ONLY = ["model.vision.enabled=false", "model.audio.enabled=false",
-             "data.synthetic.image_fraction=0", "data.synthetic.audio_fraction=0"]  # fmt: skip
+             "data.synthetic.image_fraction=0", "data.synthetic.audio_fraction=0",
+             "data.synthetic.video_fraction=0"]  # fmt: skip
 
 
 def pipelined_and_reference(*overrides):

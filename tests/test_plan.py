@@ -517,6 +517,37 @@ def test_route_capacity_from_the_planners_traffic_is_held():
     assert planned + waiting == Counter(planner.stream.take(0, planner.cursor).tolist())
 
 
+@pytest.mark.parametrize("context", [1, 2])
+@pytest.mark.parametrize("dense_pairs", [0, 1 << 24])
+def test_routes_hold_the_route_capacity_as_items_one_by_one(monkeypatch, dense_pairs, context):
+    """`route.Routes` (a table of rows per pair up to DENSE_PAIRS pairs, sorted pairs beyond)
+    flags the items a pair cannot carry as counting them one by one would, rows already
+    routed by earlier placements first."""
+    from jaxmllm.plan import route
+
+    monkeypatch.setattr(route, "DENSE_PAIRS", dense_pairs)
+    devices, per_row, capacity = 6, 2, 20
+    routes = route.Routes(devices, per_row, capacity, bucket=1000, context=context)
+    carried = Counter()
+    rng = np.random.default_rng(0)
+    for _ in range(5):  # placements of one microbatch
+        n = int(rng.integers(0, 30))
+        size = rng.integers(1, 16, n)
+        dev, home = rng.integers(0, devices, (2, n))
+        # (src, dst): with context groups the text's group; an item in its text's group stays
+        pair = [(d, h // context) for d, h in zip(dev.tolist(), home.tolist(), strict=True)]
+        remote = (dev != home) if context == 1 else (dev // context != home // context)
+        want, running = np.zeros(n, bool), Counter(carried)
+        for i in np.flatnonzero(remote):
+            running[pair[i]] += int(size[i]) // per_row
+            want[i] = running[pair[i]] > capacity
+        assert np.array_equal(routes.overflow(size, dev, home), want)
+        keep = ~want & (rng.random(n) < 0.8)  # (some turned away for other reasons)
+        routes.add(size[keep], dev[keep], home[keep])
+        for i in np.flatnonzero(keep & remote):
+            carried[pair[i]] += int(size[i]) // per_row
+
+
 def test_a_route_capacity_its_plans_never_exceed_changes_no_plan():
     """A route capacity over the most a pair carried in the same plans without a bound leaves
     the plans as they were (block-sparse tiles, so some samples are turned away after routing:

@@ -50,8 +50,11 @@ def test_has_a_pulse(uninterrupted):
         "padding/llm",
         "padding/vision",
         "padding/audio",
+        *(f"host/{k}_s" for k in ("wait", "plan", "load", "bucketize", "count", "transfer")),
+        "host/wait_share",
     ):
         assert all(np.isfinite(r[key]) for r in rows), key
+    assert all(r["host/load_s"] > 0 and r["host/bucketize_s"] > 0 for r in rows)
     assert rows[0]["loss"] > 3.0  # starts near uniform over the vocabulary
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert json.loads((uninterrupted / "config.json").read_text())["train"]["steps"] == STEPS

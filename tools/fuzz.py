@@ -11,12 +11,18 @@ Each target feeds one kind of hostile input to the functions the index and the l
 - `jsonl`: generated and mutated manifest lines (wrong types, missing keys, bad base64, placeholder
   mismatches, deep or huge JSON, lone surrogates, non-UTF-8, media as paths, special files and
   inline data) through the record parser, the index's `measure` and the loader's Sample;
-- `arrayrecord`: mutated ArrayRecord records through the same.
+- `arrayrecord`: mutated ArrayRecord records through the same;
+- `safetensors`: small checkpoint files of every dtype jaxmllm reads, their header (JSON fields:
+  dtypes, shapes, offsets, the length prefix) or bytes mutated, through `SafetensorsFile` with
+  the safetensors library as the oracle: each file must be refused by both (a CheckpointError
+  here) or read by both to the same bytes.
 
 An input's outcome is `ok`, `index:<reason>` or `load:<reason>` (a reject; reason one of REASONS),
-or a bug: `unhandled:<exception type>`, `hang` (over --hang-s seconds), `invariant:<what>` (the
-loader's counts differ from the index's for the same bytes) or `overcap:image|audio` (the layout or
-a decoder got an image or clip larger than the header caps allow; sizes are checked, not time).
+`refused` (a checkpoint both readers refuse), or a bug: `unhandled:<exception type>`, `hang`
+(over --hang-s seconds), `invariant:<what>` (the loader's counts differ from the index's for the
+same bytes), `oracle:<what>` (the safetensors library disagrees) or `overcap:image|audio` (the
+layout or a decoder got an image or clip larger than the header caps allow; sizes are checked,
+not time).
 The run prints inputs tried and the outcome counts per target, saves each bug's first input under
 --findings, and exits 1 on any bug.
 
@@ -57,10 +63,12 @@ from jaxmllm.data.media.image import read_size
 from jaxmllm.data.preprocess import Params, Preprocessor
 from jaxmllm.data.records.arrayrecord import decode_record, encode_record
 from jaxmllm.data.records.jsonl import parse_line
+from jaxmllm.data.records.record import MediaPaths
 from jaxmllm.data.rejects import REASONS, RecordError
 from jaxmllm.data.source import ManifestSource
+from tools.fuzz_checkpoints import OracleMismatch, gen_safetensors, safetensors_outcome
 
-TARGETS = ("image", "audio", "jsonl", "arrayrecord")
+TARGETS = ("image", "audio", "jsonl", "arrayrecord", "safetensors")
 IMAGE_SEEDS = (
     "rgb.png",
     "gray.png",
@@ -444,6 +452,7 @@ class _Records:
 
     def __init__(self, items: list[bytes], base_dir: Path, arrayrecord: bool = False):
         self.items, self.base_dir, self.arrayrecord = items, base_dir, arrayrecord
+        self.paths = MediaPaths(base_dir)  # media paths confined to the harness's folder
 
     def __len__(self) -> int:
         return len(self.items)
@@ -458,6 +467,8 @@ def record_outcome(h: Harness, records) -> str:
     """Record 0 through the index's measure, then the loader (ManifestSource checks the counts)."""
     row = measure(records, h.pre, 0)
     if not row.pop("ok"):
+        if row["reason"] == "record_failed":  # (measure caught an exception: a bug here)
+            raise RuntimeError(row["detail"])
         return f"index:{row['reason']}"
     try:
         ManifestSource(records, h.pre, [row], {})[0]
@@ -641,20 +652,26 @@ def classify(fn, h: Harness, arg, hang_s: float = 10.0) -> tuple[str, str]:
         return "hang", traceback.format_exc()
     except Invariant as e:
         out, detail = "invariant:changed_since_index", str(e)
+    except OracleMismatch as e:
+        out, detail = f"oracle:{e.args[0]}", str(e)
     except Exception as e:
         out, detail = f"unhandled:{type(e).__name__}", traceback.format_exc()
     else:
         detail = ""
     if used["over"]:  # first: the decoder's caller may have turned OverCap into a reject
         return f"overcap:{used['over'].partition(':')[0]}", used["over"]
-    reason = out.partition(":")[2]
-    if out != "ok" and not is_bug(out) and reason not in REASONS:
+    kind, _, reason = out.partition(":")
+    if kind in ("index", "load") and reason not in REASONS:
         return f"unhandled:unknown_reason:{reason}", ""
+    if out not in ("ok", "refused") and kind not in ("index", "load") and not is_bug(out):
+        return f"unhandled:unknown_outcome:{out}", ""
+    if reason == "record_failed":  # an exception the index or the loader caught: still a bug
+        return "unhandled:record_failed", detail
     return out, detail
 
 
 def is_bug(outcome: str) -> bool:
-    return outcome.startswith(("unhandled:", "hang", "invariant:", "overcap:"))
+    return outcome.startswith(("unhandled:", "hang", "invariant:", "overcap:", "oracle:"))
 
 
 def gen_input(target: str, h: Harness, rng: random.Random) -> tuple:
@@ -674,6 +691,8 @@ def gen_input(target: str, h: Harness, rng: random.Random) -> tuple:
         return fn, data
     if target == "jsonl":
         return line_outcome, gen_line(rng, h.seeds)
+    if target == "safetensors":
+        return safetensors_outcome, gen_safetensors(rng)
     line = json.dumps(gen_record(rng, h.seeds)).encode()
     return arrayrecord_outcome, (line, rng.choice((0, rng.getrandbits(32))))
 

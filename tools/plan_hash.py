@@ -3,6 +3,8 @@ bit-identical (a refactor, a speed-up) or to see where it is not.
 
     python -m tools.plan_hash [--mix omni,ai2d,chartqa] [--devices 8,64,512,2560] \
         [--policies orchestrated,balanced] [--steps 6] [--out hashes.json] [--against old.json]
+    python -m tools.plan_hash --bench [--block 128] [--devices-per-host 8] [--random 5] \
+        [--caps-from old.json] ...   # the balance bench's capacities, random mixes too
 
 (`-m` from the repository root hashes this checkout's code; `python tools/plan_hash.py` puts
 tools/ first on sys.path, so jaxmllm comes from wherever the package is installed, e.g. an
@@ -12,11 +14,19 @@ editable install of another worktree.)
 devices, policy): a SHA-256 over every array of the first --steps plans and the
 planner's carried state after each, with the bench's capacities (`--tokens 32768`, 2
 microbatches). `--against` compares with an earlier run's JSON and exits 1 on any difference.
+
+`--bench` sizes the capacities as `python -m jaxmllm.bench.balance` runs a policy (`--block`
+tiles, `--devices-per-host`: the route capacity and a tile-holding policy's tile capacities
+from dry runs of its plans, `balance.sized_caps`) and hashes them with the plans; the JSON
+keeps them (`caps/<key>`), and `--caps-from` an earlier run's JSON takes them from there
+instead of the dry runs (quicker; the dry runs are plans too). `--random N` adds the mixes
+`random:0` .. `random:N-1` (`jaxmllm.bench.mixes.random_mix`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import sys
@@ -24,13 +34,30 @@ import time
 
 import numpy as np
 
-from jaxmllm.bench.balance import make_caps
-from jaxmllm.bench.mixes import load_mix
+from jaxmllm.bench.balance import make_caps, sized_caps, steps_for
+from jaxmllm.bench.mixes import load_mix, random_mix
+from jaxmllm.config import ModelConfig
+from jaxmllm.plan.contract import Capacities
+from jaxmllm.plan.cost import CostModel
 from jaxmllm.plan.registry import make_planner
 
 
 def plan_digest(policy: str, index, devices: int, steps: int, tokens: int, micro: int) -> str:
     caps = make_caps(index, devices, tokens, micro, policy)
+    return caps_digest(policy, index, caps, steps)
+
+
+def bench_caps(policy: str, index, devices: int, args) -> Capacities:
+    """The capacities the balance bench runs `policy` with (its dry runs as long as its run)."""
+    caps = make_caps(
+        index, devices, args.tokens, args.micro, policy, block=args.block,
+        devices_per_host=args.devices_per_host,
+    )  # fmt: skip
+    steps = steps_for(index, devices, args.tokens, args.micro, 8, 40)
+    return sized_caps(index, caps, policy, steps, CostModel.from_model(ModelConfig()))
+
+
+def caps_digest(policy: str, index, caps: Capacities, steps: int) -> str:
     planner = make_planner(policy, index, caps, 0)
     h = hashlib.sha256()
     for _ in range(steps):
@@ -55,18 +82,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--micro", type=int, default=2)
+    ap.add_argument("--bench", action="store_true", help="the balance bench's capacities")
+    ap.add_argument("--block", type=int, default=128, help="--bench: attention block (0: dense)")
+    ap.add_argument("--devices-per-host", type=int, default=8, help="--bench: routing's hosts")
+    ap.add_argument("--random", type=int, default=0, help="add mixes random:0 .. random:N-1")
+    ap.add_argument("--caps-from", help="--bench: capacities from an earlier run's JSON")
     ap.add_argument("--out")
     ap.add_argument("--against")
     args = ap.parse_args(argv)
+    known = {}
+    if args.caps_from:
+        with open(args.caps_from) as f:
+            known = json.load(f)
+    mixes = [m for m in args.mix.split(",") if m] + [f"random:{s}" for s in range(args.random)]
     out = {}
-    for mix in args.mix.split(","):
-        index = load_mix(mix)
+    for mix in mixes:
+        index = random_mix(int(mix[7:])) if mix.startswith("random:") else load_mix(mix)
         for d in (int(x) for x in args.devices.split(",")):
             for pol in args.policies.split(","):
                 t = time.perf_counter()
                 key = f"{mix}/{d}/{pol}"
-                out[key] = plan_digest(pol, index, d, args.steps, args.tokens, args.micro)
-                print(f"{key:<28} {out[key][:16]}  {time.perf_counter() - t:6.1f} s", flush=True)
+                if args.bench:
+                    key += f"/bench{args.block}/{args.devices_per_host}"
+                    if f"caps/{key}" in known:
+                        caps = _caps(json.loads(known[f"caps/{key}"]))
+                    else:
+                        caps = bench_caps(pol, index, d, args)
+                    out[f"caps/{key}"] = json.dumps(dataclasses.asdict(caps), sort_keys=True)
+                    out[key] = caps_digest(pol, index, caps, args.steps)
+                else:
+                    out[key] = plan_digest(pol, index, d, args.steps, args.tokens, args.micro)
+                print(f"{key:<40} {out[key][:16]}  {time.perf_counter() - t:6.1f} s", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
@@ -78,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(same)} identical, {len(diff)} different: {', '.join(diff) or '-'}")
         return 1 if diff else 0
     return 0
+
+
+def _caps(fields: dict) -> Capacities:
+    return Capacities(**fields)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,14 @@ and per encoder phase of the table (`jaxmllm.config.phases`) the model has, for 
   vision_send_count                                          int32  [M, D, D]     (routed only)
 
 (audio: audio_frames [M, D, F, n_mels], positions [M, D, F]: an encoder's `input_width` and
-`position_dims` shape its arrays). With block-sparse attention each phase has `<phase>_tiles`
-[M, D, tiles, 2] too.
+`position_dims` shape its arrays; an item narrower than its bucket's inputs repeats to fill
+them: an image's one frame in a vision bucket of `temporal_patch`-frame patches, which videos'
+temporal patches fill as they are). With block-sparse attention each phase has
+`<phase>_tiles` [M, D, tiles, 2] too.
 
 Segment ids are 1, 2, ... per sample (per item in the encoder rows) and 0 for padding.
-`llm_*_src[t] = -1` unless token t is a placeholder slot; then it indexes the device's row
+`llm_*_src[t] = -1` unless token t is a placeholder slot (of any kind of its phase: an image's
+or a video's for the vision phase); then it indexes the device's row
 buffer [own projector output rows (N) | received rows (D*C)]: an item encoded on the text's own
 device is read locally (index < N); with route_pair_capacity C > 0 an item encoded on device s is
 read at N + s*C + c, which the all-to-all fills from `*_send[s, d, c]` = the source's projector
@@ -123,6 +126,7 @@ def bucketize(
     home = local_groups(local, caps.context) if grouped else local  # bucket -> this host's
     seg_counter: dict[tuple[int, ...], int] = {}
     slots: list[list[np.ndarray] | None] = [None] * len(plan.samples)
+    ids = {p.name: specials.phase_ids(p.name) for p in ENCODERS}  # (each phase's slots)
     row_len = caps.llm_bin_len
     for k, s in enumerate(plan.samples.tolist()):
         d = int(home[plan.device[k]])
@@ -135,9 +139,11 @@ def bucketize(
         key = (m, d) if grouped else (m, d, r)  # (a group's segments: one count, all rows)
         seg = seg_counter[key] = seg_counter.get(key, 0) + 1
         _write_text(text, (m, d, r), o, seg, sample, specials, cfg.model.vision.merge)
-        # placeholder slots per phase: index into the bucket's rows flattened
-        slots[k] = {p: r * row_len + o + np.flatnonzero(sample.tokens == t)
-                    for p, t in specials.media.items()}  # fmt: skip
+        # placeholder slots per phase (its kinds'): index into the bucket's rows flattened
+        slots[k] = {
+            p.name: r * row_len + o + np.flatnonzero(np.isin(sample.tokens, ids[p.name]))
+            for p in ENCODERS
+        }
     split = None
     if grouped:
         groups = np.flatnonzero(home >= 0)
@@ -209,7 +215,7 @@ def _write_text(batch, where, offset: int, seg: int, sample: Sample, specials, m
     batch["llm_segment_ids"][sl] = seg
     if batch["llm_positions"].ndim == 5:  # M-RoPE: (time, row, column)
         batch["llm_positions"][sl] = mrope_positions(
-            sample.tokens, specials.media[VISION.name], sample.grids, merge
+            sample.tokens, specials.phase_ids(VISION.name), sample.grids, merge
         )
     else:
         batch["llm_positions"][sl] = np.arange(n)
@@ -271,6 +277,9 @@ def _write_items(
             e = int(local[enc_dev])
             seg = seg_counter[(m, e)] = seg_counter.get((m, e), 0) + 1
             values, pos = sample.media[phase][j]
+            width = batch[data_key].shape[-1]
+            if values.shape[-1] != width:  # (an image's frame, in a bucket of temporal patches)
+                values = np.tile(values, (1, width // values.shape[-1]))
             batch[data_key][m, e, off : off + n] = values
             batch[f"{phase}_positions"][m, e, off : off + n] = pos
             batch[f"{phase}_segment_ids"][m, e, off : off + n] = seg
@@ -326,34 +335,38 @@ def fill_stats(batch: dict[str, np.ndarray]) -> dict[str, float]:
 
 
 def mrope_positions(
-    tokens: np.ndarray, image: int, grids: list[tuple[int, int]], merge: int
+    tokens: np.ndarray, vision: int | list[int], grids: list[tuple[int, ...]], merge: int
 ) -> np.ndarray:
     """M-RoPE positions [T, 3] (time, row, column) of a sample, as Qwen2-VL's `get_rope_index`
-    makes them: text counts on in all three; the k-th image is the next block of `image`
-    tokens its grid fills (images may follow each other with no text between), its merged grid
-    of (rows / merge) x (cols / merge) tokens in row-major order at (start, start + row,
-    start + column), and the text after it resumes at start + the grid's longer side."""
+    makes them: text counts on in all three; the k-th image or video is the next block of
+    vision placeholder tokens (`vision`: the ids of images' and videos' slots) its grid fills
+    (items may follow each other with no text between), its grid of t temporal patches of
+    (rows / merge) x (cols / merge) tokens, time-major, then row-major, at (start + time,
+    start + row, start + column), and the text after it resumes at start + the merged grid's
+    longer side (the time does not count: transformers 5's rule). `grids`: (t, rows, cols)
+    in patches each, or (rows, cols) for an image."""
     out = np.zeros((len(tokens), 3), np.int32)
-    is_image = tokens == image
-    merged = [(rows // merge, cols // merge) for rows, cols in grids]
-    total = sum(h * w for h, w in merged)
-    if int(is_image.sum()) != total:
+    is_vision = np.isin(tokens, vision)
+    merged = [(g[0] if len(g) == 3 else 1, g[-2] // merge, g[-1] // merge) for g in grids]
+    total = sum(t * h * w for t, h, w in merged)
+    if int(is_vision.sum()) != total:
         raise ValueError(
-            f"{int(is_image.sum())} image tokens but the sample's {len(grids)} image grids "
-            f"merge to {total}"
+            f"{int(is_vision.sum())} image tokens but the sample's {len(grids)} image grids "
+            f"merge to {total} (videos count as images here)"
         )
     at, pos = 0, 0
-    for h, w in merged:
-        # The image's tokens are the next h * w image tokens (images may follow each other
-        # with no text between: a run of image tokens is then several images, in order).
-        size = h * w
-        start = at + int(np.argmax(is_image[at:]))
-        if not is_image[start : start + size].all():
-            raise ValueError(f"image at token {start}: its {size} tokens are not contiguous")
+    for t, h, w in merged:
+        # The item's tokens are the next t * h * w vision tokens (a run of them may be several
+        # items, in order).
+        size = t * h * w
+        start = at + int(np.argmax(is_vision[at:]))
+        if not is_vision[start : start + size].all():
+            raise ValueError(f"image/video at token {start}: its {size} tokens are not contiguous")
         out[at:start] = (pos + np.arange(start - at))[:, None]
         pos += start - at
-        r, c = np.divmod(np.arange(size), w)
-        out[start : start + size] = np.stack([np.zeros_like(r), r, c], -1) + pos
+        time, rest = np.divmod(np.arange(size), h * w)
+        r, c = np.divmod(rest, w)
+        out[start : start + size] = np.stack([time, r, c], -1) + pos
         pos += max(h, w)
         at = start + size
     out[at:] = (pos + np.arange(len(tokens) - at))[:, None]

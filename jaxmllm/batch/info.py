@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # (the feed, a later layer, makes it)
+    from jaxmllm.feed.times import HostTimes
 
 
 @dataclass
@@ -12,7 +16,7 @@ class StepInfo:
     """One step's plan summary and counts, as the feed made them on this host.
 
     The loop reads it for the metrics window (`tokens`, `flops`, `predicted_s`, `fill`,
-    `rejects`), the ledger (`parts`), the timings (`work`) and the logged row (`samples`,
+    `rejects`, `host`), the ledger (`parts`), the timings (`work`) and the logged row (`samples`,
     `sources`).
     """
 
@@ -32,4 +36,5 @@ class StepInfo:
     work: dict | None = None
     predicted_s: float = 0.0
     sources: dict[str, int] = field(default_factory=dict)  # a mixture's samples per source
+    host: HostTimes | None = None  # the feed's time per stage on this step (metrics host/*)
     extra: dict = field(default_factory=dict)  # anything a caller adds (benches)

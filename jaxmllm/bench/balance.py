@@ -79,7 +79,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.bench import family, plot, simulate
-from jaxmllm.bench.mixes import MIXES, load_lengths, load_mix, random_mix
+from jaxmllm.bench.mixes import MIXES, load_lengths, load_mix, random_mix, video_mix
 from jaxmllm.bench.table import (
     HEADER,
     PHASES,
@@ -155,13 +155,9 @@ def route_caps(index: LengthsIndex, caps: Capacities, policy: str, steps: int, s
 
 
 def held_caps(
-    index: LengthsIndex,
-    caps: Capacities,
-    policy: str,
-    steps: int,
-    seed: int,
+    index: LengthsIndex, caps: Capacities, policy: str, steps: int, seed: int,
     cost: CostModel | None = None,
-):
+):  # fmt: skip
     """A tile-holding policy's capacities as the trainer sizes them (`resolve_tiles`): the mean
     need plus headroom (with `cost`, the headroom that does the most useful work per computed
     FLOP), or what a dry run of its plans without a bound needed if that is less."""
@@ -174,6 +170,20 @@ def held_caps(
         weights=cost.tile_weights(caps.block, caps.per_row) if cost else None,
     )
     return dataclasses.replace(caps, tiles=tiles)
+
+
+def sized_caps(
+    index: LengthsIndex, caps: Capacities, policy: str, steps: int, cost: CostModel | None,
+    seed: int = 0, pair: str = "auto",
+) -> Capacities:  # fmt: skip
+    """`make_caps`' capacities as a policy runs the bench for `steps` plans: the route
+    capacity as the trainer sizes it (`route_caps`; `pair` "whole" keeps a device's whole
+    encoder output) and, with tiles, a tile-holding policy's tile capacities (`held_caps`)."""
+    if pair == "auto":
+        caps = route_caps(index, caps, policy, steps, seed)
+    if caps.block and policy in HOLDS_TILES:
+        caps = held_caps(index, caps, policy, min(steps, HELD_DRY_RUN_STEPS), seed, cost)
+    return caps
 
 
 class _Items:
@@ -234,10 +244,7 @@ def run_policy(
 ) -> tuple[dict, list]:
     caps = make_caps(index, devices, tokens, micro, policy, block=block, devices_per_host=per_host)
     whole = caps.route_pair_capacity
-    if pair == "auto":
-        caps = route_caps(index, caps, policy, steps, seed)
-    if block and policy in HOLDS_TILES:
-        caps = held_caps(index, caps, policy, min(steps, HELD_DRY_RUN_STEPS), seed, cost)
+    caps = sized_caps(index, caps, policy, steps, cost, seed, pair)
     items = _Items(index, caps)
     planner = make_planner(policy, index, caps, seed)
     cap_vec = np.array(
@@ -380,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="N random workloads (mixes.random_mix, seeds --seed..+N-1), then the "
                      "distribution of each figure over them (bench/family.py)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="first seed of --random")
+    ap.add_argument("--family", choices=("random", "video"), default="random",
+                    help="--random's workloads: mixes.random_mix (every kind of sample), or "
+                    "mixes.video_mix (video-heavy, long videos)")  # fmt: skip
     ap.add_argument("--devices", default="8,64", help="device counts, comma-separated")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--tokens", type=int, default=32768, help="LLM tokens per device and micro")
@@ -434,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
             sources = [(Path(args.lengths).name, load_lengths(args.lengths))]
         elif args.random:
             seeds = range(args.seed, args.seed + args.random)
-            sources = [(f"random:{s}", random_mix(s)) for s in seeds]
+            draw = video_mix if args.family == "video" else random_mix
+            sources = [(f"{args.family}:{s}", draw(s)) for s in seeds]
         else:
             sources = [(m, load_mix(m)) for m in args.mix.split(",")]
     except (OSError, ValueError) as e:  # a missing table, an unknown mix, a bad cost file
@@ -468,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(format_row(row), flush=True)
             print_like_for_like([r for r in rows if r["mix"] == name and r["devices"] == d])
     if args.random:
-        print(f"\n== over {args.random} random workloads (seeds {args.seed}..)")
+        print(f"\n== over {args.random} {args.family} workloads (seeds {args.seed}..)")
         print(family.table(family.summarize(rows)))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

@@ -136,8 +136,7 @@ def bench(cfg, manifest: Path, workers: list[int], step_time_s: float) -> list[d
         t0 = time.perf_counter()
         loader.load(np.arange(len(source)), step=1)
         dt = time.perf_counter() - t0
-        if loader.pool is not None:
-            loader.pool.terminate()
+        loader.close()
         rate = len(source) / dt
         rows.append(
             {

@@ -5,6 +5,10 @@
   clips, each with its own text length distribution.
 - `ai2d`, `chartqa`: real per-sample lengths of two vision-language sets as prepared for InternVL
   (shipped beside this module in `lengths/`, see its README).
+- `video`: video-heavy, half of it videos of 64-256 sampled frames (`long_video`), each a
+  vision item per temporal patch sized by the data pipeline's own video rule; `video_mix(seed)`
+  draws a family of such workloads for held-out checks (`bench.balance --random N --family
+  video`).
 
 Lengths files are read in the DESIGN.md JSONL format (`{"text": 312, "images": [1024]}` a line) or
 in the InternVL JSON format (`[{"vit_num": 3, "token_num": 811}, ...]`), detected by content;
@@ -26,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.data.lengths import Items, LengthsIndex
+from jaxmllm.data.media.video import VideoInfo, VideoRule, video_parts
 
 INTERNVL_TILE_PATCHES = 1024  # 448 px tile / 14 px patches, squared
 INTERNVL_TILE_TOKENS = 256  # after pixel shuffle (merge 2 x 2)
@@ -136,6 +141,75 @@ def random_mix(
         if name in ("audio", "video_audio", "image_audio"):
             audio[i] = clip()
     return rounded(from_arrays(text, images, audio), merge * merge, subsample)[0]
+
+
+# Source videos: (height, width) and frame rates, as a crawl of the web holds them
+RESOLUTIONS = ((480, 854), (720, 1280), (1080, 1920), (1920, 1080), (480, 640), (360, 640))
+RATES = (24.0, 25.0, 30.0, 60.0)
+
+
+def video_items(
+    rng: np.random.Generator, seconds: float, budget_tokens: int, fps: float = 2.0, merge: int = 2
+) -> np.ndarray:
+    """A video's vision items (patches per temporal patch), from a source of `seconds` at a
+    random resolution and rate, by the pipeline's video rule (`jaxmllm.data.media.video`:
+    Qwen2-VL's, patch 14, temporal patch 2) with a budget of about `budget_tokens` LLM tokens."""
+    height, width = RESOLUTIONS[int(rng.integers(len(RESOLUTIONS)))]
+    rate = RATES[int(rng.integers(len(RATES)))]
+    unit = 14 * merge
+    rule = VideoRule(fps=fps, min_frames=4, max_frames=768, frame_min_pixels=unit * unit,
+                     frame_max_pixels=768 * unit * unit, max_pixels=budget_tokens * unit * unit,
+                     temporal_patch=2, patch=14, merge=merge)  # fmt: skip
+    count, (gh, gw) = video_parts(VideoInfo(max(1, int(seconds * rate)), rate, height, width), rule)
+    return np.full(count, gh * gw, np.int64)
+
+
+def long_video(num_samples: int = 20000, seed: int = 0, budget_tokens: int = 8192) -> LengthsIndex:
+    """Video-heavy: 50% videos of 32-128 s sampled at 2 fps (64-256 frames), 15% short clips of
+    4-16 s, 15% native-resolution images of 16..64 patches a side, 20% text chats; every video
+    about `budget_tokens` LLM tokens however long (its budget split over its frames), its
+    frames from 360p to 1080p sources."""
+    rng = np.random.default_rng([seed, 31])
+    kind = rng.choice(4, size=num_samples, p=[0.20, 0.15, 0.15, 0.50])
+    text = np.clip(rng.lognormal(4.6, 0.8, num_samples), 8, 800).astype(np.int64)
+    chats = kind == 0
+    text[chats] = np.clip(rng.lognormal(6.3, 0.9, chats.sum()), 24, 6000).astype(np.int64)
+    images: list[np.ndarray] = [np.zeros(0, np.int64)] * num_samples
+    for i in np.flatnonzero(kind == 1):
+        images[i] = np.array([4 * int(rng.integers(8, 33)) * int(rng.integers(8, 33))])
+    for i in np.flatnonzero(kind >= 2):
+        seconds = rng.uniform(4, 16) if kind[i] == 2 else rng.uniform(32, 128)
+        images[i] = video_items(rng, seconds, budget_tokens)
+    return from_arrays(text, images, [np.zeros(0, np.int64)] * num_samples)
+
+
+VIDEO_KINDS = ("chat", "image", "short_video", "long_video", "video_image")
+
+
+def video_mix(seed: int, num_samples: int = 20000) -> LengthsIndex:
+    """A video-heavy workload drawn at random (the held-out family of `long_video`): per seed
+    the kinds' shares (`VIDEO_KINDS`, a Dirichlet draw, long videos at least a third), the
+    videos' token budget (1k-16k), the longest video (60-300 s) and the sampling rate (1-2
+    fps), text lengths log-normal per kind."""
+    rng = np.random.default_rng([seed, 32])
+    share = rng.dirichlet(np.full(len(VIDEO_KINDS), 0.7))
+    share = 0.67 * share + 0.33 * (np.arange(len(VIDEO_KINDS)) == 3)
+    kind = rng.choice(len(VIDEO_KINDS), size=num_samples, p=share)
+    budget = int(np.exp(rng.uniform(np.log(1024), np.log(16384))))
+    longest, fps = rng.uniform(60, 300), float(rng.choice([1.0, 2.0]))
+    median = np.exp(rng.uniform(np.log(16), np.log(1000), len(VIDEO_KINDS)))
+    text = np.clip(rng.lognormal(np.log(median[kind]), 0.8), 1, 8000).astype(np.int64)
+    images: list[np.ndarray] = [np.zeros(0, np.int64)] * num_samples
+    for i, k in enumerate(kind.tolist()):
+        name = VIDEO_KINDS[k]
+        still = lambda: np.array([4 * int(rng.integers(4, 41)) * int(rng.integers(4, 41))])
+        if name == "image":
+            images[i] = still()
+        elif name != "chat":
+            seconds = rng.uniform(2, 20) if name == "short_video" else rng.uniform(20, longest)
+            clip = video_items(rng, seconds, budget, fps)
+            images[i] = np.concatenate([still(), clip]) if name == "video_image" else clip
+    return from_arrays(text, images, [np.zeros(0, np.int64)] * num_samples)
 
 
 def load_internvl(path: str | Path) -> LengthsIndex:
@@ -258,6 +332,7 @@ def _read_text(path: Path) -> str:
 
 MIXES = {
     "omni": lambda seed=0: synthetic_omni(seed=seed),
+    "video": lambda seed=0: long_video(seed=seed),
     "ai2d": lambda seed=0: load_internvl(LENGTHS_DIR / "ai2d_internvl.json.gz"),
     "chartqa": lambda seed=0: load_internvl(LENGTHS_DIR / "chartqa_internvl.json.gz"),
 }

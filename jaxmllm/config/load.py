@@ -66,6 +66,8 @@ class Config:
             "into chunks)",
             "data.audio_max_frames",
         )
+        if self.data.source == "synthetic" and self.data.synthetic.video_fraction:
+            self._check_synthetic_video()
         if self.model.attention == "block_sparse":
             self._check_blocks()
         check(
@@ -78,6 +80,26 @@ class Config:
             self._check_context()
         if self.mesh.stage > 1:
             self._check_pipeline()
+
+    def _check_synthetic_video(self) -> None:
+        """The built-in videos are encoded by the vision encoder, in whole temporal patches of
+        whole merge blocks."""
+        v, syn = self.model.vision, self.data.synthetic
+        check(
+            v.video or not v.enabled,  # (without a vision encoder: refused as images are)
+            "needs model.vision.video: true, or set it to 0",
+            "data.synthetic.video_fraction",
+        )
+        check(
+            syn.video_side % v.merge == 0,
+            f"must be a multiple of model.vision.merge={v.merge}",
+            "data.synthetic.video_side",
+        )
+        check(
+            syn.min_video_frames >= v.temporal_patch,
+            f"must be at least model.vision.temporal_patch={v.temporal_patch} (one temporal patch)",
+            "data.synthetic.min_video_frames",
+        )
 
     def _check_context(self) -> None:
         """Context parallelism deals a row's query blocks of block-sparse attention to the
@@ -229,7 +251,14 @@ def _apply_override(raw: dict, item: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {item!r}: {part} is not a section")
-    node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+    try:
+        node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError as e:  # e.g. a `!!python/object` tag safe_load refuses, or bad syntax
+        problem = str(e).splitlines()[0][:200]
+        raise ConfigError(
+            f"--set {key.strip()}: the value {value[:80]!r} is not valid YAML ({problem}); "
+            "quote it as a string or give a plain number, list or mapping"
+        ) from None
 
 
 def from_dict(cls: type, raw: Any, *, source: str = "<dict>", prefix: str = "") -> Any:

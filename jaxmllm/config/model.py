@@ -58,9 +58,14 @@ class VisionConfig(BlockOptions):
     positions: str = "rope"
     position_grid: int = 0  # side of the learned table (positions: learned); SigLIP-384/14: 27
     patch_bias: bool = True  # a bias on the patch embedding (Qwen2-VL's has none)
-    # Frames per patch of a video-capable patch embedding (Qwen2-VL: 2). An image repeats its
-    # frame, so the kernel's temporal slices are summed; they are kept for the checkpoint.
+    # Frames per patch of a video-capable patch embedding (Qwen2-VL: 2): a video's temporal
+    # patch is this many frames of a patch side by side; an image repeats its one frame
     temporal_patch: int = 1
+    # Take videos too (records' `videos`, `<video>`): each vision item's patch is then
+    # temporal_patch frames wide in the batch (an image's frame repeated on the host, as
+    # Qwen2-VL's processor does); false: images only, a patch one frame wide, and data with
+    # videos is refused at start-up naming this key. The parameters do not depend on it.
+    video: bool = False
     projector_dim: int = 0  # the projector's hidden width; 0 = the LLM's width
     projector_act: str = "gelu_tanh"  # the projector's activation: gelu_tanh | gelu (exact)
     freeze: bool = False  # no gradient and no optimizer state for the encoder
@@ -77,8 +82,10 @@ class VisionConfig(BlockOptions):
 
     @property
     def input_width(self) -> int:
-        """Values per patch: patch x patch pixels of `channels`."""
-        return self.patch_size**2 * self.channels
+        """Values per patch: patch x patch pixels of `channels`, of temporal_patch frames where
+        the encoder takes videos."""
+        frames = self.temporal_patch if self.video else 1
+        return frames * self.patch_size**2 * self.channels
 
     def __post_init__(self):
         super().__post_init__()

@@ -1,11 +1,20 @@
-"""Run sections: the mesh, the batch contract, data, optimizer, loop, multi-process launch."""
+"""Run sections: the mesh, the batch contract, optimizer, loop, launch (data: `config.data`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from datetime import datetime
+import math
+from dataclasses import dataclass
 
 from jaxmllm.config.checks import check, positive
+from jaxmllm.config.data import (  # noqa: F401  (the data section, named here too)
+    DATA_SOURCES,
+    FORMATS,
+    DataConfig,
+    EvalConfig,
+    SourceConfig,
+    SyntheticConfig,
+    files_format,
+)
 from jaxmllm.config.phases import ENCODERS, NAMES
 
 # The planners `batch.planner` may name; `jaxmllm.plan.registry.PLANNERS` implements each (a test
@@ -23,6 +32,12 @@ AUTO_SIZES = (
 )
 
 
+# XLA:CPU makes any number of virtual devices, each with its own threads and buffers: 100,000
+# crashed it after 90 s. A process may split its cores into at most this many devices each
+# (`jaxmllm.loop.distributed.split_cpu` checks it against the machine), 256 at least.
+MAX_CPU_DEVICES_PER_CORE = 32
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     """Device mesh. Axis sizes multiply to the device count; -1 takes the remaining devices."""
@@ -35,7 +50,9 @@ class MeshConfig:
     # encoders see its devices as more data-parallel ones. 1 = off.
     context: int = 1
     tensor: int = 1  # tensor parallelism (heads, MLP width, vocab); fastest axis
-    cpu_devices: int = 0  # split CPU-only hosts into this many devices, all processes; 0 = as is
+    # Split CPU-only hosts into this many devices, all processes; 0 = as is. At most
+    # MAX_CPU_DEVICES_PER_CORE per CPU core of a process (more only add threads and memory)
+    cpu_devices: int = 0
 
     def __post_init__(self):
         check(
@@ -44,6 +61,8 @@ class MeshConfig:
             "context",
         )
         check(self.stage >= 1, "must be >= 1 (1: no pipeline); -1 is not allowed here", "stage")
+        check(self.cpu_devices >= 0, "must be >= 0 (0: the host's devices as they are)",
+              "cpu_devices")  # fmt: skip
 
 
 SCHEDULES = ("auto", "gpipe", "1f1b")
@@ -158,201 +177,6 @@ class BatchConfig:
 
 
 @dataclass(frozen=True)
-class SyntheticConfig:
-    """Built-in learnable data: shapes with captions, tones with captions, text patterns."""
-
-    num_samples: int = 4096  # samples per epoch
-    image_fraction: float = 0.4  # share of samples with one or more images
-    multi_image_fraction: float = 0.1  # share with two images
-    audio_fraction: float = 0.25  # share with an audio clip
-    min_image_side: int = 4  # image side in patches (even numbers are used)
-    max_image_side: int = 16  # largest image side in patches
-    min_audio_frames: int = 16  # shortest clip in log-mel frames
-    max_audio_frames: int = 128  # longest clip in log-mel frames
-    max_text_words: int = 24  # longest text-only sample in words
-    text_tokens: int = 0  # > 0: every text-only sample a counting run of exactly this many
-    # tokens instead (long documents, e.g. for mesh.context); 0 = up to max_text_words words
-
-    def __post_init__(self):
-        check(self.text_tokens == 0 or self.text_tokens >= 3, "must be 0, or >= 3 (BOS and EOS "
-              "around the text)", "text_tokens")  # fmt: skip
-
-
-# data.format's values (`jaxmllm.data.records.formats` reads each; a test holds the two equal)
-FORMATS = ("auto", "jsonl", "llava", "sharegpt", "messages", "parquet", "webdataset", "arrayrecord")
-
-
-@dataclass(frozen=True)
-class SourceConfig:
-    """One data set of a mixture (`data.sources`)."""
-
-    path: str = ""  # a data file, a directory of shards or a glob, as data.path
-    format: str = "auto"  # as data.format
-    # Its share of the samples drawn (the weights are normalised over the sources); 0 = in
-    # proportion to its records (all sources 0: each record once per round, as one data set)
-    weight: float = 0.0
-    media_root: str = ""  # as data.media_root
-    index_dir: str = ""  # its lengths index, as data.index_dir
-    name: str = ""  # its name in the metrics (samples/<name>); "" = the file's (folder's) stem
-
-    def __post_init__(self):
-        check(bool(self.path), "every source needs a path", "path")
-        check(self.format in FORMATS, f"must be one of {', '.join(FORMATS)}", "format")
-        check(self.weight >= 0, "must be >= 0 (0: in proportion to its records)", "weight")
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """A fixed held-out set, evaluated every train.eval_every steps and at the last step: loss
-    and token accuracy per modality mix, and greedy answers to its first questions."""
-
-    # none | synthetic (the built-in source's samples num_samples, num_samples + 1, ...: made
-    # like the training samples, never in the training index) | files (data.eval.path in
-    # data.eval.format, with its own lengths index, as data.path) | jsonl | arrayrecord (files
-    # in that format)
-    source: str = "none"
-    path: str = ""  # the eval data: a file, a directory of shards or a glob (as data.path)
-    format: str = "auto"  # its format, as data.format
-    index_dir: str = ""  # its lengths index; "" = <path>.index/<key>, as data.index_dir
-    samples: int = 256  # the eval set: the source's first this many samples (0: all)
-    questions: int = 8  # eval samples with a prompt answered greedily and logged; 0 = none
-    max_new_tokens: int = 48  # the longest answer generated
-
-    def __post_init__(self):
-        check(self.source in ("none", *DATA_SOURCES), f"must be none or one of "
-              f"{sorted(DATA_SOURCES)}", "source")  # fmt: skip
-        check(
-            self.source in ("none", "synthetic") or bool(self.path),
-            f"source {self.source} needs data.eval.path (a data file, a directory or a glob)",
-            "path",
-        )
-        check(self.format in FORMATS, f"must be one of {', '.join(FORMATS)}", "format")
-        check(self.samples >= 0, "must be >= 0 (0: the whole source)", "samples")
-        check(self.questions >= 0, "must be >= 0", "questions")
-        check(self.max_new_tokens >= 1, "must be >= 1", "max_new_tokens")
-        check(self.source != "synthetic" or self.samples > 0, "a synthetic eval set needs its "
-              "size (> 0)", "samples")  # fmt: skip
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Where samples come from, how they are preprocessed, and what happens to bad input."""
-
-    # auto: files when data.path or data.sources is set, else synthetic | synthetic (built in)
-    # | files (data.path or data.sources, read in data.format) | jsonl | arrayrecord (files in
-    # that format: the names before data.format)
-    source: str = "auto"
-    # The data: a file, a directory of shards (its files of one format) or a glob
-    # (data/train-*.parquet); or data.sources for a mixture
-    path: str = ""
-    # How the records are stored: auto (from the file: it says what it found and why) | jsonl
-    # (jaxmllm's records, a JSON object a line) | llava, sharegpt (`conversations` of
-    # `from`/`value` turns and an `image`; a JSON list or JSON lines) | messages (OpenAI-style
-    # `messages`, media in content parts or lists) | parquet (as HF datasets writes it) |
-    # webdataset (.tar shards: 000123.jpg + 000123.json or .txt) | arrayrecord
-    format: str = "auto"
-    # The folder media paths in the records are relative to (LLaVA's --image_folder); "" = the
-    # data file's folder (a directory of shards: that directory)
-    media_root: str = ""
-    # A mixture: several data sets, each {path, format, weight, media_root, index_dir, name},
-    # drawn by weight into one stream the planner balances as one (instead of data.path)
-    sources: tuple[SourceConfig, ...] = ()
-    # `python -m jaxmllm.data.index` fails (and training refuses the index) when it accepts
-    # less than this share of the records: a wrong data.format rejects them all
-    min_accept: float = 0.5
-    # lengths index from `python -m jaxmllm.data.index`; "" = <path>.index/<key>, the key naming
-    # what decides its counts (tokenizer, preprocessing), so configs that differ keep their own
-    index_dir: str = ""
-    # byte (UTF-8 bytes + jaxmllm's 8 specials); the path of a tokenizer.json file (training from
-    # scratch: its ids >= 256 shifted by 8 past jaxmllm's specials); or the path of a HuggingFace
-    # checkpoint's tokenizer directory (tokenizer.json + tokenizer_config.json: the checkpoint's
-    # own ids, special tokens and chat template, for fine-tuning it). Nothing is downloaded.
-    tokenizer: str = "byte"
-    # The date a tokenizer directory's chat template writes where it asks for today's
-    # (strftime_now, e.g. Llama 3.2's "Today Date:"), fixed so token counts do not change daily.
-    template_date: str = "2024-07-26"
-    image_min_pixels: int = 3136  # smaller images are upscaled to about this many pixels
-    image_max_pixels: int = 1003520  # larger images are downscaled to at most this many pixels
-    # Pixels become (x / 255 - mean) / std per channel (RGB): 0.5 / 0.5 maps them to [-1, 1]
-    # (SigLIP's); a pretrained encoder wants its processor's (`hf import` copies them)
-    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    # Log-mel features: jaxmllm (HTK mel, its own framing) | whisper (exactly Whisper's
-    # feature extractor: Slaney mel, centred 400-sample frames; what a Whisper encoder saw)
-    mel: str = "jaxmllm"
-    audio_sample_rate: int = 16000  # clips are resampled to this rate (Hz); 10 ms mel hop
-    audio_max_frames: int = 3000  # longest clip in log-mel frames; longer clips become chunks
-    # Decompression-bomb caps, checked on the file header before any pixel or sample is decoded
-    # (index and loader alike); a file over a cap is rejected (image_too_large, audio_too_long).
-    max_image_pixels: int = 1 << 26  # width x height of a stored image (64 Mpx = 8192 x 8192)
-    max_audio_seconds: float = 600.0  # length of a clip from its header (frames / rate)
-    on_error: str = "skip"  # bad or missing media, bad lines, placeholder mismatch: skip | fail
-    on_oversize: str = "shrink"  # a sample no bucket can hold: shrink | truncate | skip | fail
-    workers: int = 0  # preprocessing worker processes; 0 = in the training process
-    seed: int = 0  # shuffling and generation seed
-    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (none by default)
-
-    def __post_init__(self):
-        check(self.source in ("auto", *DATA_SOURCES), f"must be auto or one of "
-              f"{sorted(DATA_SOURCES)}", "source")  # fmt: skip
-        check(self.format in FORMATS, f"must be one of {', '.join(FORMATS)}", "format")
-        check(not (self.path and self.sources), "give data.path (one data set) or data.sources "
-              "(a mixture), not both", "sources")  # fmt: skip
-        if self.source == "auto":  # (resolved once, here)
-            given = bool(self.path or self.sources)
-            object.__setattr__(self, "source", "files" if given else "synthetic")
-        check(
-            self.source == "synthetic" or bool(self.path or self.sources),
-            f"source {self.source} needs data.path (a data file, a directory of shards or a "
-            "glob) or data.sources",
-            "path",
-        )
-        check(
-            self.source not in ("jsonl", "arrayrecord") or self.format in ("auto", self.source),
-            f"{self.format} contradicts data.source: {self.source}; set data.source: files",
-            "format",
-        )
-        check(0.0 <= self.min_accept <= 1.0, "must be in [0, 1]", "min_accept")
-        object.__setattr__(self, "sources", tuple(self.sources))
-        given = [s.weight > 0 for s in self.sources]
-        check(all(given) or not any(given), "give every source a weight > 0, or none (all 0: "
-              "each in proportion to its records)", "sources")  # fmt: skip
-        check(self.on_error in ("skip", "fail"), "must be skip or fail", "on_error")
-        check(
-            self.on_oversize in ("shrink", "truncate", "skip", "fail"),
-            "must be shrink, truncate, skip or fail",
-            "on_oversize",
-        )
-        check(self.image_min_pixels >= 1, "must be >= 1", "image_min_pixels")
-        check(min(self.image_std) > 0, "every channel's std must be > 0", "image_std")
-        check(self.mel in ("jaxmllm", "whisper"), "must be jaxmllm or whisper", "mel")
-        check(
-            self.image_max_pixels >= self.image_min_pixels,
-            "must be >= image_min_pixels",
-            "image_max_pixels",
-        )
-        check(self.audio_sample_rate >= 1000, "must be >= 1000 Hz", "audio_sample_rate")
-        check(
-            self.audio_max_frames >= 4 and self.audio_max_frames % 4 == 0,
-            "must be a positive multiple of 4 (the audio encoder's subsampling)",
-            "audio_max_frames",
-        )
-        check(self.max_image_pixels >= 1, "must be >= 1", "max_image_pixels")
-        check(self.max_audio_seconds > 0, "must be > 0", "max_audio_seconds")
-        check(self.workers >= 0, "must be >= 0", "workers")
-        check(_is_date(self.template_date), "must be a date, YYYY-MM-DD", "template_date")
-
-
-DATA_SOURCES = {"synthetic", "files", "jsonl", "arrayrecord"}
-
-
-def files_format(data: DataConfig | EvalConfig) -> str:
-    """The data.format a files source reads: data.format, or what data.source names."""
-    return data.source if data.source in ("jsonl", "arrayrecord") else data.format
-
-
-@dataclass(frozen=True)
 class OptimConfig:
     """AdamW with linear warm-up, cosine decay and global-norm clipping."""
 
@@ -364,6 +188,21 @@ class OptimConfig:
     b2: float = 0.95  # Adam beta2
     eps: float = 1e-8  # Adam epsilon
     clip_norm: float = 1.0  # global gradient-norm clip; 0 disables
+
+    def __post_init__(self):
+        # A NaN or inf here is finite nowhere downstream: lr=nan writes NaN into every
+        # parameter while the loss and gradient stay finite.
+        for key in ("lr", "min_lr_ratio", "weight_decay", "b1", "b2", "eps", "clip_norm"):
+            value = getattr(self, key)
+            check(math.isfinite(value), f"{value!r} must be a finite number", key)
+        check(self.lr >= 0, "must be >= 0", "lr")
+        check(self.warmup_steps >= 0, "must be >= 0", "warmup_steps")
+        check(0 <= self.min_lr_ratio <= 1, "must be in [0, 1]", "min_lr_ratio")
+        check(self.weight_decay >= 0, "must be >= 0", "weight_decay")
+        for key in ("b1", "b2"):
+            check(0 <= getattr(self, key) < 1, "must be in [0, 1) (Adam's decay rate)", key)
+        check(0 < self.eps <= 1, "must be in (0, 1]", "eps")
+        check(self.clip_norm >= 0, "must be >= 0 (0 disables clipping)", "clip_norm")
 
 
 @dataclass(frozen=True)
@@ -421,11 +260,3 @@ class DistributedConfig:
             f"{self.coordinator!r} must be host:port",
             "coordinator",
         )
-
-
-def _is_date(text: str) -> bool:
-    try:
-        datetime.strptime(text, "%Y-%m-%d")
-    except (TypeError, ValueError):
-        return False
-    return True

@@ -15,18 +15,32 @@ import argparse
 import sys
 from pathlib import Path
 
+from jaxmllm.config import ConfigError, DataConfig, load_config
 from jaxmllm.data.records import open_records
 from jaxmllm.data.records.arrayrecord import encode_record
 from jaxmllm.data.records.schemas import to_native
 from jaxmllm.data.rejects import RecordError
 
 
-def convert(manifest: str | Path, out: str | Path, fmt: str = "auto", media_root: str = "") -> int:
+def convert(
+    manifest: str | Path,
+    out: str | Path,
+    fmt: str = "auto",
+    media_root: str = "",
+    data: DataConfig | None = None,
+) -> int:
     """Writes every record of the data set at `manifest` to the ArrayRecord file `out`;
-    returns the count."""
+    returns the count.
+
+    `data` (default settings without it): media paths are read only inside `media_root`
+    (else data.media_root, else the data file's folder) unless data.allow_outside_paths, and
+    only files of at most data.max_media_bytes; what is not embedded is recorded with the
+    reason (see `encode_record`), never its contents.
+    """
     from array_record.python.array_record_module import ArrayRecordWriter
 
-    records = open_records(manifest, fmt, media_root)
+    data = data or DataConfig()
+    records = open_records(manifest, fmt, media_root or data.media_root, data=data)
     writer = ArrayRecordWriter(str(out), "group_size:1")
     try:
         for k in range(len(records)):
@@ -35,7 +49,7 @@ def convert(manifest: str | Path, out: str | Path, fmt: str = "auto", media_root
                 obj = to_native(obj, records.schema, records.fallback_id(k))
             except RecordError as e:  # (the index rejects the record, naming why)
                 obj = {"__malformed__": f"{e.reason}: {e.detail}"}
-            writer.write(encode_record(obj, records.base_dir, line))
+            writer.write(encode_record(obj, records.paths, line, data.max_media_bytes))
     finally:
         writer.close()
     return len(records)
@@ -45,13 +59,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxmllm.data.arrayrecord", description=__doc__)
     p.add_argument("--manifest", required=True, help="the data: a file, a directory or a glob")
     p.add_argument("--format", default="auto", help="its data.format (default: detected)")
-    p.add_argument("--media-root", default="", help="as data.media_root (default: its folder)")
+    p.add_argument("--media-root", default="", help="as data.media_root (default: the config's, "
+                   "else the data file's folder)")  # fmt: skip
     p.add_argument("--out", required=True, help="the .array_record file to write")
+    p.add_argument("--config", help="a config whose data.media_root, data.allow_outside_paths "
+                   "and data.max_media_bytes apply (default: their defaults)")  # fmt: skip
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override them, e.g. --set data.media_root=images/")  # fmt: skip
     args = p.parse_args(argv)
     if not args.out.endswith(".array_record"):
         print("error: --out must end in .array_record", file=sys.stderr)
         return 2
-    n = convert(args.manifest, args.out, args.format, args.media_root)
+    try:
+        data = load_config(args.config, args.set).data
+        n = convert(args.manifest, args.out, args.format, args.media_root, data)
+    except (ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {n} records to {args.out}")
     print(
         f"next: set data.path: {args.out} in your config, then python -m jaxmllm.data.index "

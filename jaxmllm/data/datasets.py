@@ -55,7 +55,7 @@ def eval_set(cfg: Config) -> DataSet | None:
     e = cfg.data.eval
     if e.source in ("none", "synthetic"):
         return None
-    return DataSet(e.path, files_format(e), "", e.index_dir, stem(e.path), 0.0)
+    return DataSet(e.path, files_format(e), cfg.data.media_root, e.index_dir, stem(e.path), 0.0)
 
 
 def stem(path: str) -> str:

@@ -9,9 +9,11 @@ from file headers (PIL reads the size without decoding, soundfile the duration),
 and writes to each data set's index folder (data.index_dir, default `<path>.index/<key>`, the key
 naming the tokenizer and the preprocessing settings, so configs that differ keep their own):
 
-- `lengths.jsonl`: one line per accepted record, in the DESIGN lengths format plus where the
-  record is (`id`, `row`, `line`) and its media sizes (`image_sizes`, `audio_samples`), which let
-  the oversize policy repair a sample at start-up without touching the media;
+- `lengths.jsonl`: one line per accepted record, in the DESIGN lengths format (a video's temporal
+  patches are vision items among its `images`, in placeholder order) plus where the record is
+  (`id`, `row`, `line`) and its media sizes (`image_sizes`, `audio_samples`, `video_sizes`:
+  frames, frame rate, height, width from the container's header), which let the oversize policy
+  repair a sample at start-up without touching the media;
 - `summary.json`: counts, per-modality percentiles, the format and the files read, the
   preprocessing parameters the counts depend on (training checks them), rejects by reason with
   an example of each;
@@ -40,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError, load_config
-from jaxmllm.config.phases import ENCODERS
+from jaxmllm.config.phases import ENCODERS, KINDS
 from jaxmllm.config.sections import files_format
 from jaxmllm.data.datasets import (
     DataSet,
@@ -54,18 +56,23 @@ from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.preprocess import MEDIA, Limits, Params, Preprocessor
 from jaxmllm.data.records import open_records, read_record
 from jaxmllm.data.records.formats import FORMATS, detect
-from jaxmllm.data.rejects import RecordError
+from jaxmllm.data.rejects import RecordError, failed
 
 # ----------------------------------------------------------------------------- building
 
 
 def measure(records, pre: Preprocessor, k: int, decode: bool = False) -> dict:
-    """Record k's index row ({"ok": True, ...counts}) or its reject ({"ok": False, ...})."""
-    line = 0
+    """Record k's index row ({"ok": True, ...counts}) or its reject ({"ok": False, ...}).
+
+    Whatever one record does, the index goes on: an exception other than a RecordError
+    (MemoryError included) is the record's reject too (`record_failed`, naming it).
+    """
+    line, rid = 0, None
     try:
         obj, line = records.raw(k)
         record = read_record(records, k)
-        pre.check_phases(record)
+        rid = record.id
+        check_encoders(record, pre.p)
         sizes = pre.sizes(record)
         pre.check(record, sizes)
         if decode:  # full decode: catches files whose header is fine but whose data is not
@@ -74,14 +81,32 @@ def measure(records, pre: Preprocessor, k: int, decode: bool = False) -> dict:
     except RecordError as e:
         where = records.where(k) if hasattr(records, "where") else f"record {k}"
         return {"ok": False, **e.to_json(line=line, row=k, where=where)}
+    except Exception as e:  # noqa: BLE001  one record never takes the index down
+        err = failed(e, rid or (f"line:{line}" if line else f"row:{k}"))
+        where = records.where(k) if hasattr(records, "where") else f"record {k}"
+        return {"ok": False, **err.to_json(line=line, row=k, where=where)}
     return {
         "ok": True,
         **counts,
         "id": record.id,
         "row": k,
         "line": line,
-        **{media.size_key: [list(s) for s in sizes.media[p]] for p, media in MEDIA.items()},
+        **{media.size_key: [list(s) for s in sizes.media[k]] for k, media in MEDIA.items()},
     }
+
+
+def check_encoders(record, p: Params) -> None:
+    """Raises RecordError for a record with items of a kind whose phase the model has no
+    encoder for (videos: vision)."""
+    for kind in KINDS:
+        if record.media[kind.name] and kind.phase not in p.encoders.split(","):
+            raise RecordError(
+                "no_encoder",
+                f"{len(record.media[kind.name])} {kind.item} item(s), but the model has no "
+                f"{kind.phase} encoder (model.{kind.phase}.enabled: false): enable it, or "
+                "leave such records out",
+                record.id,
+            )
 
 
 _worker: dict = {}
@@ -137,7 +162,7 @@ def index_data_set(
     from tqdm import tqdm
 
     params = Params.from_config(cfg)
-    records = open_records(ds.path, ds.format, ds.media_root)
+    records = open_records(ds.path, ds.format, ds.media_root, data=cfg.data)
     out = index_dir(ds, params.counted())
     chunks = [list(range(a, min(a + 64, len(records)))) for a in range(0, len(records), 64)]
     bar = tqdm(total=len(records), desc=f"index {ds.name}", unit="rec", disable=not progress)
@@ -227,6 +252,10 @@ def summarize(cfg: Config, rows: list[dict], rejects: list[dict]) -> dict:
     examples: dict[str, dict] = {}
     for r in rejects:
         examples.setdefault(r["reason"], {k: r.get(k) for k in ("id", "detail", "where")})
+    videos = [r.get(MEDIA["video"].size_key, []) for r in rows]
+    if any(videos):  # (their temporal patches are among the vision items above)
+        stats["videos_per_sample"] = np.array([len(v) for v in videos], np.int64)
+        stats["frames_per_video"] = np.array([f for v in videos for f, *_ in v], np.int64)
     return {
         "records": len(rows) + len(rejects),
         "accepted": len(rows),

@@ -4,29 +4,38 @@ data.on_error to records that fail at load time (a file changed or removed since
 Planning stays in the iterator's process, so its state is exact; workers only map a sample
 index to a Sample, which is a pure function of the index. Under `skip` a failed sample is None:
 bucketize leaves its slots as padding, and the sample still counts as consumed.
+
+Workers are started by spawn (JAX's threads make fork unsafe) and send their samples' arrays
+back through shared memory (`jaxmllm.data.shared`), not pickled. A worker that dies (killed,
+out of memory, or a script without an `if __name__ == "__main__":` guard, whose top level every
+spawned worker runs again) stops the load with an error that says so, never a hang.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import weakref
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
 
 from jaxmllm.config import Config
-from jaxmllm.data.rejects import DataError, RecordError, RejectLog, fail_message
+from jaxmllm.data import shared
+from jaxmllm.data.rejects import DataError, RecordError, RejectLog, fail_message, failed
 from jaxmllm.data.samples import Sample
 
 _worker: dict = {}
 
 
-def _init_worker(source) -> None:
-    _worker["source"] = source
+def _init_worker(source, owner: int) -> None:
+    _worker["source"], _worker["owner"] = source, owner
 
 
 def _load_one(job):
-    return _load(_worker["source"], *job)
+    return shared.pack(_load(_worker["source"], *job), _worker["owner"])
 
 
 def _load(source, i: int, keep):
@@ -37,6 +46,13 @@ def _load(source, i: int, keep):
         return source[i]
     except RecordError as e:  # sent back as a tuple: exceptions with extra fields do not pickle
         return ("error", e.reason, e.detail, e.record_id)
+    except Exception as e:  # noqa: BLE001  (MemoryError included) one record never stops a run
+        try:
+            rid = source.record_id(i) if hasattr(source, "record_id") else f"index:{i}"
+        except Exception:  # noqa: BLE001
+            rid = f"index:{i}"
+        err = failed(e, rid)
+        return ("error", err.reason, err.detail, err.record_id)
 
 
 class Loader:
@@ -49,9 +65,14 @@ class Loader:
         self.startup_written = False
         self.pool = None
         if cfg.data.workers > 0:
-            ctx = multiprocessing.get_context("spawn")  # JAX's threads make fork unsafe
-            self.pool = ctx.Pool(cfg.data.workers, _init_worker, (self.raw,))
-            weakref.finalize(self, self.pool.terminate)
+            shared.remove_stale()  # (of loaders killed before they could)
+            self.pool = ProcessPoolExecutor(
+                cfg.data.workers,
+                multiprocessing.get_context("spawn"),  # JAX's threads make fork unsafe
+                initializer=_init_worker,
+                initargs=(self.raw, os.getpid()),
+            )
+            weakref.finalize(self, _stop, self.pool, os.getpid())
 
     def load(
         self, indices: np.ndarray, step: int, media: dict[int, dict] | None = None
@@ -70,7 +91,10 @@ class Loader:
         jobs = [(i, None if media is None else media.get(i, {})) for i in idx]
         if self.pool is not None:
             chunk = max(1, len(idx) // (4 * self.cfg.data.workers))
-            got = self.pool.map(_load_one, jobs, chunksize=chunk)
+            try:
+                got = [shared.unpack(g) for g in self.pool.map(_load_one, jobs, chunksize=chunk)]
+            except BrokenProcessPool:
+                raise DataError(_died(self.cfg.data.workers, step)) from None
         else:
             got = [_load(self.raw, *job) for job in jobs]
         out = {}
@@ -83,6 +107,11 @@ class Loader:
                 g = None
             out[i] = g
         return out
+
+    def close(self) -> None:
+        """Stops the worker processes (also done when the loader is garbage-collected)."""
+        if self.pool is not None:
+            _stop(self.pool, os.getpid())
 
     def counts(self) -> dict[str, float]:
         """Cumulative reject counts for the step metrics ({} for the synthetic source)."""
@@ -97,3 +126,25 @@ class Loader:
         out["rejects/load_total"] = float(sum(loads.values()))
         out.update({f"rejects/{k}": float(v) for k, v in loads.items()})
         return out
+
+
+def _stop(pool: ProcessPoolExecutor, owner: int) -> None:
+    """Stops the workers now, not after their current samples (the executor's own list of
+    them: `terminate_workers` is Python 3.14's), and deletes the shared files they left."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(timeout=5)
+    shared.remove_left(owner)
+
+
+def _died(workers: int, step: int) -> str:
+    return (
+        f"data.workers={workers}: a worker process died while loading step {step} (its error, "
+        "if any, is above). A script that runs the data pipeline with workers must keep its "
+        'top-level code under `if __name__ == "__main__":` (workers start by spawn, which '
+        "runs the main script again in each); a worker killed for memory needs fewer workers "
+        "or more memory. data.workers: 0 loads in this process."
+    )

@@ -8,9 +8,10 @@ trimmed clip, a cut sequence) from the index alone. The tokenizer (`jaxmllm.data
 says how a record becomes token runs and media markers (`pieces`) and which id fills an item's
 rows (`specials`).
 
-Each encoder phase of the table has its media here (`MEDIA`, by phase name): how its files'
-sizes are read from their headers, what parts an item becomes (an image one, a long clip several
-chunks) and how they are decoded. A new modality adds its entry.
+Each kind of media of the table (`jaxmllm.config.phases.KINDS`) has its media here (`MEDIA`, by
+kind): how its files' sizes are read from their headers, what parts an item becomes in its
+phase's bucket (an image one, a video one per temporal patch, a long clip several chunks) and
+how they are decoded. A new modality adds its entry.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError, phases
-from jaxmllm.config.phases import BY_NAME, NAMES
-from jaxmllm.data.media.audio import chunk_lengths, clip_frames, load_audio, read_info
+from jaxmllm.config.phases import BY_NAME, ENCODERS, KIND, KINDS, NAMES
+from jaxmllm.data.media.audio import Caps, chunk_lengths, clip_frames, load_audio, read_info
 from jaxmllm.data.media.image import image_grid, load_image, read_size
+from jaxmllm.data.media.video import VideoInfo, VideoRule, load_video, read_video_info, video_parts
 from jaxmllm.data.records.record import Record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Item, Sample
@@ -49,8 +51,15 @@ class Params:
     subsample: int
     n_mels: int = field(compare=False)  # does not change counts
     # The encoder phases the model has, comma-separated: a record with items of another phase
-    # is refused at index time (`no_encoder`), naming model.<phase>
-    encoders: str = ",".join(NAMES)
+    encoders: str = ",".join(NAMES)  # is refused at index time (`no_encoder`)
+    # Videos' sampling and resize rule (jaxmllm.data.media.video)
+    temporal_patch: int = 1
+    video_fps: float = 2.0
+    video_min_frames: int = 4
+    video_max_frames: int = 768
+    video_frame_min_pixels: int = 3136
+    video_frame_max_pixels: int = 602112
+    video_max_pixels: int = 3211264
     # Nor do the values of pixels and frames (how they are normalised, which mel scale).
     image_mean: tuple[float, ...] = field(default=(0.5, 0.5, 0.5), compare=False)
     image_std: tuple[float, ...] = field(default=(0.5, 0.5, 0.5), compare=False)
@@ -60,6 +69,10 @@ class Params:
     # of the index to admit the files it refused).
     max_image_pixels: int = field(default=1 << 26, compare=False)
     max_audio_seconds: float = field(default=600.0, compare=False)
+    max_audio_samples: int = field(default=1 << 26, compare=False)
+    max_media_bytes: int = field(default=1 << 30, compare=False)
+    max_video_seconds: float = field(default=3600.0, compare=False)
+    max_video_decoded_pixels: int = field(default=1 << 38, compare=False)
     # A tokenizer directory's template date is part of tokenizer_sha256 (it decides counts).
     template_date: str = field(default=DEFAULT_DATE, compare=False)
 
@@ -85,21 +98,33 @@ class Params:
             subsample=cfg.model.audio.subsample,
             n_mels=cfg.model.audio.n_mels,
             encoders=",".join(p.name for p in phases.enabled(cfg.model)),
+            temporal_patch=v.temporal_patch,
+            video_fps=d.video_fps,
+            video_min_frames=d.video_min_frames,
+            video_max_frames=d.video_max_frames,
+            video_frame_min_pixels=d.video_frame_min_pixels,
+            video_frame_max_pixels=d.video_frame_max_pixels,
+            video_max_pixels=d.video_max_pixels,
             image_mean=d.image_mean,
             image_std=d.image_std,
             mel=d.mel,
             max_image_pixels=d.max_image_pixels,
             max_audio_seconds=d.max_audio_seconds,
+            max_audio_samples=d.max_audio_samples,
+            max_media_bytes=d.max_media_bytes,
+            max_video_seconds=d.max_video_seconds,
+            max_video_decoded_pixels=d.max_video_decoded_pixels,
             template_date=d.template_date,
         )
 
+    def audio_caps(self) -> Caps:
+        """What a clip may cost before it is decoded."""
+        return Caps(self.max_audio_seconds, self.max_audio_samples, self.max_media_bytes)
+
     def counted(self) -> dict:
         """The fields that decide counts (what an index must agree on)."""
-        return {k: v for k, v in self.__dict__.items() if _field_compares(k)}
-
-
-def _field_compares(name: str) -> bool:
-    return Params.__dataclass_fields__[name].compare
+        fields = Params.__dataclass_fields__
+        return {k: v for k, v in self.__dict__.items() if fields[k].compare}
 
 
 # ----------------------------------------------------------------------------- layout
@@ -110,6 +135,7 @@ class Limits:
     """Per-record repairs chosen by the oversize policy (None = the config's value / no limit)."""
 
     max_pixels: int | None = None  # a smaller image budget (shrink)
+    video_pixels: int | None = None  # a smaller video budget (shrink: data.video_max_pixels')
     max_tokens: int | None = None  # the sequence is cut here (truncate / shrink)
     # per encoder phase: its units past this are cut (an image whole, a clip trimmed) with what
     # follows; a phase not listed has no limit
@@ -117,6 +143,7 @@ class Limits:
 
     def to_json(self) -> dict:
         out = {k: v for k, v in (("max_pixels", self.max_pixels),
+                                 ("video_pixels", self.video_pixels),
                                  ("max_tokens", self.max_tokens)) if v is not None}  # fmt: skip
         out.update({f"max_{BY_NAME[p].unit}": n for p, n in self.max_units.items()})
         return out
@@ -124,13 +151,13 @@ class Limits:
 
 @dataclass
 class Sizes:
-    """Media sizes of a record, per encoder phase (every phase of the table): (height, width)
-    per image, (samples, rate) per clip."""
+    """Media sizes of a record, per kind of media (every kind of the table): (height, width)
+    per image, (samples, rate) per clip, (frames, rate, height, width) per video."""
 
-    media: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    media: dict[str, list[tuple]] = field(default_factory=dict)
 
     def __post_init__(self):
-        self.media = {p: list(self.media.get(p, [])) for p in NAMES}
+        self.media = {k.name: list(self.media.get(k.name, [])) for k in KINDS}
 
 
 class Text(NamedTuple):
@@ -144,10 +171,11 @@ class Part(NamedTuple):
     """An encoder item in a layout: one part of one of the record's media items."""
 
     phase: str  # its encoder phase
-    source: int  # the record's item number in that phase
-    part: int  # which part of it (a long clip's chunk; 0 for an image)
+    kind: str  # its kind of media
+    source: int  # the record's item number of that kind
+    part: int  # which part of it (a long clip's chunk, a video's temporal patch; 0 for an image)
     units: int  # patches / frames it takes in the phase's bucket
-    grid: tuple[int, int] | None = None  # an image's patch grid (rows, cols)
+    grid: tuple[int, int] | None = None  # an image's or video frame's patch grid (rows, cols)
 
 
 @dataclass
@@ -177,35 +205,29 @@ class Preprocessor:
     def __init__(self, params: Params, tokenizer=None):
         self.p = params
         self.tokenizer = tokenizer or make_tokenizer(params.tokenizer, params.template_date)
-        self.per_token = {name: media.per_token(params) for name, media in MEDIA.items()}
+        # (per encoder phase, from its own kind's media: every kind of a phase has the same)
+        self.per_token = {p.name: MEDIA[p.name].per_token(params) for p in ENCODERS}
 
     def grid(self, h: int, w: int, limits: Limits = Limits()) -> tuple[int, int]:
         p = self.p
         budget = limits.max_pixels or p.image_max_pixels
         return image_grid(h, w, p.patch_size, p.merge, min(p.image_min_pixels, budget), budget)
 
+    def video_rule(self, limits: Limits = Limits()) -> VideoRule:
+        """Videos' sampling and resize rule, within `limits`' video budget."""
+        return VideoRule.of(self.p, limits.video_pixels)
+
     def sizes(self, record: Record) -> Sizes:
         """The media sizes of a record, read from the files' headers (nothing is decoded);
         raises RecordError for a file over the bomb caps or one that does not open."""
-        return Sizes({p: [media.read_size(self, src, record.id) for src in record.media[p]]
-                      for p, media in MEDIA.items()})  # fmt: skip
-
-    def check_phases(self, record: Record) -> None:
-        """Raises RecordError for a record with items of a phase the model has no encoder for."""
-        for p in NAMES:
-            if record.media[p] and p not in self.p.encoders.split(","):
-                raise RecordError(
-                    "no_encoder",
-                    f"{len(record.media[p])} {BY_NAME[p].item} item(s), but the model has no {p} "
-                    f"encoder (model.{p}.enabled: false): enable it, or leave such records out",
-                    record.id,
-                )
+        return Sizes({k: [media.read_size(self, src, record.id) for src in record.media[k]]
+                      for k, media in MEDIA.items()})  # fmt: skip
 
     def check(self, record: Record, sizes: Sizes) -> None:
         """Raises RecordError for an item its phase cannot use at all (a clip too short for
-        one frame of features)."""
-        for p, media in MEDIA.items():
-            for j, size in enumerate(sizes.media[p]):
+        one frame of features, a video for one temporal patch)."""
+        for k, media in MEDIA.items():
+            for j, size in enumerate(sizes.media[k]):
                 media.check(self, j, size, record.id)
 
     def clip_chunks(self, samples: int, rate: int) -> list[int]:
@@ -229,12 +251,13 @@ class Preprocessor:
                 if keep < len(piece[1]):
                     return Layout(ops, cut=True)
                 continue
-            phase, j = piece
-            media, per = MEDIA[phase], self.per_token[phase]
-            for c, (units, grid) in enumerate(media.parts(self, sizes.media[phase][j], limits)):
+            kind, j = piece
+            media, phase = MEDIA[kind], KIND[kind].phase
+            per = self.per_token[phase]
+            for c, (units, grid) in enumerate(media.parts(self, sizes.media[kind][j], limits)):
                 keep = budget.take(phase, units, per, whole=media.whole)
                 if keep:
-                    ops.append(Part(phase, j, c, keep, grid))
+                    ops.append(Part(phase, kind, j, c, keep, grid))
                 if keep < units:
                     return Layout(ops, cut=True)
         return Layout(ops)
@@ -250,51 +273,74 @@ class Preprocessor:
     ) -> Sample:
         """Decodes the media and builds the Sample; checks the media against `sizes`.
 
-        `keep[phase]`: numbers of the phase's Sample items (images; clip chunks) to decode; the
-        others are None, their tokens laid out from `sizes` (another host encodes them). None =
-        all. `generation`: the record as a prompt to generate from.
+        `keep[phase]`: numbers of the phase's Sample items (images, videos' temporal patches;
+        clip chunks) to decode; the others are None, their tokens laid out from `sizes`
+        (another host encodes them). None = all. `generation`: the record as a prompt to
+        generate from.
         """
         lay = self.layout(record, sizes, limits, generation)
+        count = dict.fromkeys(NAMES, 0)
+        wanted: dict[tuple[str, int], list[int]] = {}  # (kind, source) -> its parts to decode
+        for op in lay.parts():
+            if keep is None or count[op.phase] in keep.get(op.phase, ()):
+                wanted.setdefault((op.kind, op.source), []).append(op.part)
+            count[op.phase] += 1
+        decoded = {
+            (kind, j): MEDIA[kind].load(self, record.media[kind][j], sizes.media[kind][j],
+                                        limits, record.id, parts)
+            for (kind, j), parts in wanted.items()
+        }  # fmt: skip
         tokens, loss = [], []
         media: dict[str, list[Item | None]] = {p: [] for p in NAMES}
-        decoded: dict[tuple[str, int], list[Item]] = {}  # (phase, source) -> its parts
         for op in lay.ops:
             if isinstance(op, Text):
                 tokens.append(op.ids)
                 loss.append(op.loss)
                 continue
-            items = media[op.phase]
-            if keep is not None and len(items) not in keep.get(op.phase, ()):
-                items.append(None)
-            else:
-                if (op.phase, op.source) not in decoded:
-                    src, size = record.media[op.phase][op.source], sizes.media[op.phase][op.source]
-                    decoded[op.phase, op.source] = MEDIA[op.phase].load(
-                        self, src, size, limits, record.id
-                    )
-                items.append(_part(decoded[op.phase, op.source], op, record.id))
+            parts = wanted.get((op.kind, op.source), ())
+            got = _part(decoded[op.kind, op.source], op, record.id) if op.part in parts else None
+            media[op.phase].append(got)
             rows = op.units // self.per_token[op.phase]
-            tokens.append(np.full(rows, self.tokenizer.specials.media[op.phase], np.int32))
+            tokens.append(np.full(rows, self.tokenizer.specials.media[op.kind], np.int32))
             loss.append(np.zeros(rows, bool))
         return Sample(
             id=index,
             tokens=np.concatenate(tokens).astype(np.int32),
             loss=np.concatenate(loss).astype(bool),
             media=media,
-            grids=[op.grid for op in lay.parts() if op.grid is not None],
+            grids=grids(lay),
         )
 
 
-def _part(parts: list[Item], op: Part, record_id: str) -> Item:
-    """Part `op.part` of a decoded item, as the layout took it: whole where its phase takes
-    items whole (the index's units exactly), else cut to the layout's units."""
-    values, pos = parts[op.part] if op.part < len(parts) else (np.zeros(0), np.zeros(0, np.int32))
-    whole = MEDIA[op.phase].whole
+def grids(lay: Layout) -> list[tuple[int, int, int]]:
+    """The (temporal patches, rows, cols) grid of each image or video of a layout, in order
+    (M-RoPE places their tokens on it): an image is one temporal patch, a video as many as the
+    layout kept of it."""
+    out: list[tuple[int, int, int]] = []
+    last = None
+    for op in lay.parts():
+        if op.grid is None:
+            continue
+        if (op.kind, op.source) == last:
+            out[-1] = (out[-1][0] + 1, *op.grid)
+        else:
+            out.append((1, *op.grid))
+        last = (op.kind, op.source)
+    return out
+
+
+def _part(parts: list[Item | None], op: Part, record_id: str) -> Item:
+    """Part `op.part` of a decoded item, as the layout took it: whole where its kind takes
+    parts whole (the index's units exactly), else cut to the layout's units."""
+    got = parts[op.part] if op.part < len(parts) else None
+    values, pos = got if got is not None else (np.zeros(0), np.zeros(0, np.int32))
+    whole = MEDIA[op.kind].whole
     if (len(values) != op.units) if whole else (len(values) < op.units):
-        phase = BY_NAME[op.phase]
+        kind, phase = KIND[op.kind], BY_NAME[op.phase]
         raise RecordError(
             "changed_since_index",
-            f"{phase.item} {op.source} has {len(values)} {phase.unit}, the index says {op.units}",
+            f"{kind.item} {op.source} (part {op.part}) has {len(values)} {phase.unit}, the index "
+            f"says {op.units}",
             record_id,
         )
     return values[: op.units], pos[: op.units]
@@ -304,17 +350,18 @@ def _part(parts: list[Item], op: Part, record_id: str) -> Item:
 
 
 class Images:
-    """The vision phase's items: images, patchified at a native resolution within the pixel
+    """The vision phase's own items: images, patchified at a native resolution within the pixel
     budget, one part each, taken whole."""
 
     size_key = "image_sizes"  # an index row's (height, width) of each image
     whole = True  # an image is never cut: it fits whole or the sample is cut before it
+    pixels = True  # data.on_oversize: shrink lowers its pixel budget
 
     def per_token(self, p: Params) -> int:
         return p.merge**2
 
     def read_size(self, pre: Preprocessor, src: Any, record_id: str) -> tuple[int, int]:
-        return read_size(src, record_id, pre.p.max_image_pixels)
+        return read_size(src, record_id, pre.p.max_image_pixels, pre.p.max_media_bytes)
 
     def check(self, pre: Preprocessor, j: int, size: tuple[int, int], record_id: str) -> None:
         pass  # (image_grid upscales the smallest image to the minimum pixels)
@@ -323,7 +370,8 @@ class Images:
         gh, gw = pre.grid(*size, limits)
         return [(gh * gw, (gh, gw))]
 
-    def load(self, pre: Preprocessor, src, size, limits: Limits, record_id: str) -> list[Item]:
+    def load(self, pre: Preprocessor, src, size, limits: Limits, record_id: str,
+             parts=None) -> list[Item]:  # fmt: skip
         p = pre.p
         budget = limits.max_pixels or p.image_max_pixels
         patches, pos = load_image(
@@ -336,6 +384,7 @@ class Images:
             max_image_pixels=p.max_image_pixels,
             mean=p.image_mean,
             std=p.image_std,
+            max_bytes=p.max_media_bytes,
         )
         return [(patches, pos)]
 
@@ -346,12 +395,13 @@ class Clips:
 
     size_key = "audio_samples"  # an index row's (samples, sample rate) of each clip
     whole = False
+    pixels = False
 
     def per_token(self, p: Params) -> int:
         return p.subsample
 
     def read_size(self, pre: Preprocessor, src: Any, record_id: str) -> tuple[int, int]:
-        return read_info(src, record_id, pre.p.max_audio_seconds)
+        return read_info(src, record_id, caps=pre.p.audio_caps())
 
     def check(self, pre: Preprocessor, j: int, size: tuple[int, int], record_id: str) -> None:
         samples, rate = size
@@ -361,7 +411,8 @@ class Clips:
     def parts(self, pre: Preprocessor, size, limits: Limits) -> list[tuple[int, tuple | None]]:
         return [(frames, None) for frames in pre.clip_chunks(*size)]
 
-    def load(self, pre: Preprocessor, src, size, limits: Limits, record_id: str) -> list[Item]:
+    def load(self, pre: Preprocessor, src, size, limits: Limits, record_id: str,
+             parts=None) -> list[Item]:  # fmt: skip
         p = pre.p
         chunks = load_audio(
             src,
@@ -371,14 +422,54 @@ class Clips:
             p.audio_max_frames,
             expect_samples=size[0],
             record_id=record_id,
-            max_seconds=p.max_audio_seconds,
             mel=p.mel,
+            caps=p.audio_caps(),
         )
         return [(c, np.arange(len(c), dtype=np.int32)) for c in chunks]
 
 
-# Per encoder phase of the table (jaxmllm.config.phases), its media (a test holds the two equal)
-MEDIA = {"vision": Images(), "audio": Clips()}
+class Videos:
+    """Videos, in the vision phase: frames sampled and resized by the video rule
+    (`jaxmllm.data.media.video`), one part per temporal patch, each taken whole (a cut keeps
+    the video's first temporal patches)."""
+
+    size_key = "video_sizes"  # an index row's (frames, frame rate, height, width) of each video
+    whole = True
+    pixels = True
+
+    def per_token(self, p: Params) -> int:
+        return p.merge**2
+
+    def read_size(self, pre: Preprocessor, src: Any, record_id: str) -> tuple:
+        p = pre.p
+        return read_video_info(src, record_id, p.max_video_seconds, p.max_image_pixels,
+                               p.max_video_decoded_pixels).as_size()  # fmt: skip
+
+    def check(self, pre: Preprocessor, j: int, size: tuple, record_id: str) -> None:
+        info = VideoInfo.of(size)
+        if not video_parts(info, pre.video_rule())[0]:
+            raise RecordError(
+                "video_too_short",
+                f"video {j}: {info.frames} frames at {info.rate:g} fps give fewer sampled frames "
+                f"than one temporal patch ({pre.p.temporal_patch})",
+                record_id,
+            )
+
+    def parts(self, pre: Preprocessor, size, limits: Limits) -> list[tuple[int, tuple | None]]:
+        count, (gh, gw) = video_parts(VideoInfo.of(size), pre.video_rule(limits))
+        return [(gh * gw, (gh, gw))] * count
+
+    def load(self, pre: Preprocessor, src, size, limits: Limits, record_id: str,
+             parts=None) -> list[Item | None]:  # fmt: skip
+        p, caps = pre.p, (pre.p.max_image_pixels, pre.p.max_video_decoded_pixels)
+        info, rule = VideoInfo.of(size), pre.video_rule(limits)
+        return load_video(src, info, rule, record_id, p.image_mean, p.image_std, parts, *caps,
+                          max_seconds=p.max_video_seconds)  # fmt: skip
+
+
+# Per kind of media of the table (jaxmllm.config.phases.KINDS), its media (a test holds the two
+# equal)
+MEDIA = {"vision": Images(), "audio": Clips(), "video": Videos()}
 
 
 class _Budget:

@@ -18,17 +18,23 @@ REASONS = {
     "malformed_line": "the line is not a JSON object with an id and text or messages",
     "duplicate_id": "another record already has this id",
     "missing_media": "a media file does not exist",
+    "path_outside_root": "a media path leads out of data.media_root (data.allow_outside_paths)",
+    "media_too_large": "a media file is larger than data.max_media_bytes (not read)",
     "undecodable_media": "a media file (or inline data) cannot be decoded",
-    "placeholder_mismatch": "<image>/<audio> placeholders differ in number from the media",
+    "placeholder_mismatch": "<image>/<video>/<audio> placeholders differ in number from the media",
     "empty_sample": "nothing to train on: no text, no media, or no assistant turn",
     "audio_too_short": "a clip is shorter than one encoder step (subsample x 10 ms)",
     "image_too_large": "the header's width x height exceeds data.max_image_pixels (not decoded)",
     "audio_too_long": "the header's length exceeds data.max_audio_seconds (not decoded)",
+    "video_too_short": "a video gives fewer sampled frames than one temporal patch",
+    "video_too_large": "the header's length, frame size or frames x pixels exceed the data.max_* "
+    "caps (not decoded)",
     "changed_since_index": "the media differs from what the index measured; rebuild the index",
     "oversize": "larger than a bucket can hold (see data.on_oversize)",
     "template_error": "the tokenizer directory's chat template fails on the record (or has none)",
     "template_inconsistent": "the chat template's text before an assistant turn changes later",
     "no_encoder": "the record has items of a phase the model has no encoder for (model.<phase>)",
+    "record_failed": "reading the record raised an unexpected error (named in the detail)",
 }
 
 
@@ -44,6 +50,13 @@ class RecordError(ValueError):
         return {"id": self.record_id, "reason": self.reason, "detail": self.detail, **extra}
 
 
+def failed(e: BaseException, record_id: str) -> RecordError:
+    """An unexpected exception while reading one record, as that record's reject: the index
+    and the loader go on (or stop under data.on_error=fail) naming the record and the error."""
+    detail = f"{type(e).__name__}: {e}".strip()[:300]
+    return RecordError("record_failed", f"{detail} (a bug or an exhausted resource)", record_id)
+
+
 class DataError(ConfigError):
     """Stops the run on bad input under a `fail` policy; the message names record and option.
 
@@ -51,19 +64,30 @@ class DataError(ConfigError):
     """
 
 
-def check_media_file(src: object, record_id: str = "?") -> None:
-    """Raises unless a media path names a regular file (inline bytes pass): a FIFO or a device
-    would block or never end, a folder cannot be decoded."""
+MAX_MEDIA_BYTES = 1 << 30  # the default of data.max_media_bytes
+
+
+def check_media_file(src: object, record_id: str = "?", max_bytes: int = MAX_MEDIA_BYTES) -> None:
+    """Raises unless a media path names a regular file of at most `max_bytes` (inline bytes:
+    their length), before any byte is read: a FIFO or a device would block or never end, a
+    folder cannot be decoded, a 20 GB (sparse) file would be read whole by the converter."""
     if isinstance(src, bytes):
-        return
-    try:
-        mode = os.stat(src).st_mode
-    except (FileNotFoundError, NotADirectoryError, ValueError) as e:  # ValueError: a NUL byte
-        raise RecordError("missing_media", f"no such file: {src} ({e})", record_id) from None
-    except OSError as e:
-        raise RecordError("undecodable_media", f"{src}: {e}", record_id) from None
-    if not stat.S_ISREG(mode):
-        raise RecordError("undecodable_media", f"{src} is not a regular file", record_id)
+        size = len(src)
+    else:
+        try:
+            st = os.stat(src)
+        except (FileNotFoundError, NotADirectoryError, ValueError) as e:  # ValueError: a NUL
+            raise RecordError("missing_media", f"no such file: {src} ({e})", record_id) from None
+        except OSError as e:
+            raise RecordError("undecodable_media", f"{src}: {e}", record_id) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise RecordError("undecodable_media", f"{src} is not a regular file", record_id)
+        size = st.st_size
+    if size > max_bytes:
+        name = f"<{size} inline bytes>" if isinstance(src, bytes) else str(src)
+        raise RecordError(
+            "media_too_large", f"{name}: {size} bytes > data.max_media_bytes={max_bytes}", record_id
+        )
 
 
 def fail_message(err: RecordError, option: str, where: str) -> str:

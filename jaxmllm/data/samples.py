@@ -9,8 +9,9 @@ import numpy as np
 from jaxmllm.config.phases import NAMES
 
 # One encoder item's inputs: (values [n units, input width], positions [n] or [n, 2]) — an
-# image's patches and their (row, column), a clip's log-mel frames and their indices. None in a
-# sample where another host encodes the item (its units are in the lengths index).
+# image's patches and their (row, column), a video's temporal patch (its frames side by side
+# per patch), a clip's log-mel frames and their indices. None in a sample where another host
+# encodes the item (its units are in the lengths index).
 Item = tuple[np.ndarray, np.ndarray]
 
 
@@ -19,18 +20,20 @@ class Sample:
     """One preprocessed sample, ready to be bucketized.
 
     `tokens` holds the whole LLM sequence with one placeholder id per encoder output row of each
-    item, in order (`Specials.media[phase]`). `loss[t]` says whether token t is a prediction
+    item, in order (`Specials.media[kind]`). `loss[t]` says whether token t is a prediction
     target. `media[phase]` lists the phase's items in the order their placeholders come
-    (`jaxmllm.config.phases`: every phase of the table, empty where the sample has none).
+    (`jaxmllm.config.phases`: every phase of the table, empty where the sample has none; the
+    vision phase's hold images and videos' temporal patches).
     """
 
     id: int
     tokens: np.ndarray  # int32 [T]
     loss: np.ndarray  # bool [T]
     media: dict[str, list[Item | None]] = field(default_factory=dict)
-    # Each image's patch grid (rows, cols), known from the layout even where another host
-    # decodes its pixels: M-RoPE places the image's tokens on it
-    grids: list[tuple[int, int]] = field(default_factory=list)
+    # Each image's or video's grid (temporal patches, rows, cols) in patches, in order, known
+    # from the layout even where another host decodes its pixels: M-RoPE places its tokens on
+    # it (an image: one temporal patch)
+    grids: list[tuple[int, int, int]] = field(default_factory=list)
 
     def __post_init__(self):
         self.media = {p: list(self.media.get(p, [])) for p in NAMES}

@@ -22,7 +22,7 @@ from jaxmllm.config.phases import BY_NAME, ENCODERS
 from jaxmllm.data.datasets import DataSet, acceptance_problem, data_sets, index_command, index_dir
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.mixture import MixtureSource
-from jaxmllm.data.preprocess import MEDIA, Images, Limits, Params, Preprocessor, Sizes
+from jaxmllm.data.preprocess import MEDIA, Limits, Params, Preprocessor, Sizes
 from jaxmllm.data.records import open_records, read_record
 from jaxmllm.data.records.formats import data_files
 from jaxmllm.data.rejects import DataError, RecordError, fail_message
@@ -157,6 +157,7 @@ def open_source(cfg: Config) -> ManifestSource | MixtureSource:
 def open_data_set(cfg: Config, ds: DataSet, tokenizer) -> ManifestSource:
     """One data set's source: its index loaded and checked, oversize policy applied."""
     rows, summary, out = load_index(cfg, ds)
+    check_videos(cfg, sum(len(r.get(MEDIA["video"].size_key, [])) for r in rows), ds.path)
     if cfg.data.on_error == "fail" and summary.get("rejected"):
         first = json.loads((out / "rejects.jsonl").read_text().splitlines()[0])
         err = RecordError(first["reason"], first["detail"], first["id"])
@@ -167,13 +168,24 @@ def open_data_set(cfg: Config, ds: DataSet, tokenizer) -> ManifestSource:
     pre = Preprocessor(Params.from_config(cfg), tokenizer)
     with np.load(out / "scan.npz", allow_pickle=False) as saved:
         scan = dict(saved)
-    records = open_records(ds.path, summary["format"], ds.media_root, scan)
+    records = open_records(ds.path, summary["format"], ds.media_root, scan, data=cfg.data)
     log.info("%s: %s (%s)", ds.path, records.format, summary.get("detected") or "data.format")
     kept, limits, startup = apply_oversize(cfg, rows, records, pre)
     source = ManifestSource(records, pre, kept, limits)
     source.startup_rejects = startup
     source.index_rejects = dict(summary.get("rejects", {}))
     return source
+
+
+def check_videos(cfg: Config, videos: int, where: str = "") -> None:
+    """Stops the run when the data (the data set at `where`) has videos and the vision encoder
+    does not take them."""
+    if videos and not (cfg.model.vision.enabled and cfg.model.vision.video):
+        raise ConfigError(
+            f"the data ({where or cfg.data.path or cfg.data.source}) has {videos} video(s), but "
+            "model.vision.video is false: set model.vision.video: true (and "
+            "model.vision.enabled), or use data without videos"
+        )
 
 
 # ----------------------------------------------------------------------------- oversize
@@ -192,8 +204,8 @@ def apply_oversize(cfg: Config, rows: list[dict], records, pre: Preprocessor):
     """Applies data.on_oversize to rows no bucket can hold.
 
     Returns (kept rows, their repairs by new row number, reject entries). shrink lowers the
-    image pixel budget until the sample fits, then trims audio and cuts the sequence; truncate
-    only trims and cuts; skip drops the record; fail stops naming it.
+    image and video pixel budgets until the sample fits, then trims audio, cuts videos and the
+    sequence; truncate only trims and cuts; skip drops the record; fail stops naming it.
     """
     caps, policy = bucket_limits(cfg), cfg.data.on_oversize
     need = _needs(LengthsIndex.from_records(rows), pre, caps)  # {what: (cap, key, per sample)}
@@ -239,15 +251,18 @@ def _repair(row: dict, records, pre: Preprocessor, caps: Limits, policy: str):
     """(limits, repaired row) or None when nothing learnable is left."""
     record = read_record(records, int(row["row"]))
     sizes = sizes_of(row)
-    images = any(sizes.media[p] for p, media in MEDIA.items() if isinstance(media, Images))
-    budget = pre.p.image_max_pixels if policy == "shrink" and images else None
-    unit = (pre.p.patch_size * pre.p.merge) ** 2
+    pixels = any(sizes.media[k] for k, media in MEDIA.items() if media.pixels)
+    p = pre.p
+    budget = p.image_max_pixels if policy == "shrink" and pixels else None
+    unit = (p.patch_size * p.merge) ** 2
     while True:
-        lim = dataclasses.replace(caps, max_pixels=budget)
+        # (a video's budget shrinks with the images': at the same share of its own)
+        video = None if budget is None else p.video_max_pixels * budget // p.image_max_pixels
+        lim = dataclasses.replace(caps, max_pixels=budget, video_pixels=video or None)
         layout = pre.layout(record, sizes, lim)
         if budget is None or not layout.cut or budget <= unit:
             break
-        budget = max(unit, int(budget * 0.8))  # shrink the images until nothing is cut
+        budget = max(unit, int(budget * 0.8))  # shrink the images and videos until nothing is cut
     if layout.loss_tokens() == 0:
         return None
     return lim, {**row, **layout.counts()}

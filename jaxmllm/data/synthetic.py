@@ -1,22 +1,29 @@
 """Built-in learnable data, generated deterministically from (seed, index); no download needed.
 
-Three kinds of sample with a realistic spread of modality mixes and lengths:
+Four kinds of sample with a realistic spread of modality mixes and lengths:
 - image(s) of a coloured shape at a random native resolution, captioned "a red circle";
 - a synthetic log-mel spectrogram of a tone (steady, rising or falling; low, mid or high pitch),
   captioned "a rising high tone";
+- with `video_fraction`, a short video of a coloured shape crossing its frames, asked "which way
+  does it move?" and answered "a red circle moving left": only its frames in order say which way;
 - text-only counting runs ("17 18 19 20 ...").
-A caption can only be predicted by looking at the image or listening to the clip, so a falling loss
-on those tokens means the encoders, projectors and routing really work.
+A caption can only be predicted by looking at the image or video or listening to the clip, so a
+falling loss on those tokens means the encoders, projectors and routing really work.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+from dataclasses import dataclass
+
 import numpy as np
 
 from jaxmllm.config import Config
-from jaxmllm.config.phases import AUDIO, VISION, Phase
-from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.config.phases import AUDIO, VIDEO, VISION, Phase
+from jaxmllm.data.lengths import Items, LengthsIndex
 from jaxmllm.data.media.image import patchify
+from jaxmllm.data.pcg import Streams
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.tokenizer import ByteTokenizer
 
@@ -31,8 +38,11 @@ COLOURS = {
 SHAPES = ("circle", "square", "triangle", "cross")
 PITCHES = {"low": 0.2, "mid": 0.5, "high": 0.8}
 CONTOURS = {"steady": 0.0, "rising": 0.3, "falling": -0.3}
+DIRECTIONS = ("left", "right")
 IMAGE_PROMPT = "what is this? "
+log = logging.getLogger("jaxmllm")
 AUDIO_PROMPT = "what do you hear? "
+VIDEO_PROMPT = "which way does it move? "
 
 
 class SyntheticSource:
@@ -44,16 +54,17 @@ class SyntheticSource:
         self.patch = cfg.model.vision.patch_size
         self.n_mels = cfg.model.audio.n_mels
         self.merge = cfg.model.vision.merge
+        self.temporal = cfg.model.vision.temporal_patch  # frames a video's temporal patch
         self.subsample = cfg.model.audio.subsample
         self.tokenizer = ByteTokenizer()
         self.specials = self.tokenizer.specials  # what bucketize pads with and finds slots by
-        self._params = [self._sample_params(i) for i in range(self.syn.num_samples)]
+        self._table = self._param_table()  # every sample's parameters, as arrays
 
     def __len__(self) -> int:
         return self.syn.num_samples
 
     def __getitem__(self, i: int) -> Sample:
-        p = self._params[int(i)]
+        p = self._table.params(int(i))
         rng = np.random.default_rng([self.cfg.data.seed, int(i), 1])
         if p["kind"] == "text":
             return self._text_sample(int(i), p)
@@ -67,8 +78,15 @@ class SyntheticSource:
                 IMAGE_PROMPT,
                 caption,
                 media,
-                grids=[(gh, gw) for gh, gw, _, _ in p["images"]],
+                grids=[(1, gh, gw) for gh, gw, _, _ in p["images"]],
             )
+        if p["kind"] == "video":
+            items = self._render_video(rng, *p["video"])
+            grid = (len(items), self.syn.video_side, self.syn.video_side)
+            rows = [len(v) // self.merge**2 for v, _ in items]
+            caption = self._video_caption(p["video"])
+            return self._media_sample(int(i), VISION, rows, VIDEO_PROMPT, caption, items,
+                                      grids=[grid], marker=VIDEO.name)  # fmt: skip
         clip = self._render_audio(rng, *p["audio"])
         caption = f"a {p['audio'][2]} {p['audio'][1]} tone"
         item = (clip, np.arange(len(clip), dtype=np.int32))
@@ -86,31 +104,114 @@ class SyntheticSource:
 
     def lengths(self) -> LengthsIndex:
         """Counts in model units for every sample, without rendering any media."""
-        records = []
-        for p in self._params:
-            if p["kind"] == "text":
-                records.append({"text": len(self._text_tokens(p))})
-            elif p["kind"] == "image":
-                caption = " and ".join(f"a {c} {s}" for _, _, c, s in p["images"])
-                records.append(
-                    {
-                        "text": 2 + len(IMAGE_PROMPT) + len(caption.encode()),
-                        VISION.items: [h * w for h, w, _, _ in p["images"]],
-                    }
-                )
-            else:
-                caption = f"a {p['audio'][2]} {p['audio'][1]} tone"
-                records.append(
-                    {
-                        "text": 2 + len(AUDIO_PROMPT) + len(caption.encode()),
-                        AUDIO.items: [p["audio"][0]],
-                    }
-                )
-        return LengthsIndex.from_records(records)
+        t = self._table
+        image, audio, text = t.kind == IMAGE_KIND, t.kind == AUDIO_KIND, t.kind == TEXT_KIND
+        video = t.kind == VIDEO_KIND
+        tokens = np.zeros(len(t.kind), np.int64)
+        tokens[text] = self._text_lengths(t.text[text, 0], t.text[text, 1])
+        # "a red circle", " and " between two
+        names = [NAME_BYTES["colour"][t.images[:, k, 2]] + NAME_BYTES["shape"][t.images[:, k, 3]]
+                 for k in range(2)]  # fmt: skip
+        caption = 3 + names[0] + np.where(t.n_images == 2, 5 + 3 + names[1], 0)
+        tokens[image] = (2 + len(IMAGE_PROMPT) + caption)[image]
+        caption = 3 + NAME_BYTES["contour"][t.audio[:, 2]] + NAME_BYTES["pitch"][t.audio[:, 1]]
+        tokens[audio] = (2 + len(AUDIO_PROMPT) + caption + len(" tone"))[audio]
+        # "a red circle moving left"
+        caption = (3 + NAME_BYTES["colour"][t.video[:, 1]] + NAME_BYTES["shape"][t.video[:, 2]]
+                   + len(" moving ") + NAME_BYTES["direction"][t.video[:, 3]])  # fmt: skip
+        tokens[video] = (2 + len(VIDEO_PROMPT) + caption)[video]
+        # Vision items in sample order: a sample's images, or its video's temporal patches
+        patches = (t.images[:, :, 0] * t.images[:, :, 1]).astype(np.int64)
+        n_images = np.where(image, t.n_images, 0)
+        n_video = np.where(video, t.video[:, 0] // self.temporal, 0).astype(np.int64)
+        sizes = np.zeros((len(t.kind), 2), np.int64)  # (a sample's first two items' sizes)
+        sizes[:] = patches
+        slots = np.arange(2)[None, :] < n_images[:, None]
+        from_images = np.repeat(np.flatnonzero(n_images), n_images[n_images > 0])
+        from_video = np.repeat(np.flatnonzero(n_video), n_video[n_video > 0])
+        order = np.argsort(np.concatenate([from_images, from_video]), kind="stable")
+        vision = np.concatenate([sizes[slots], np.full(len(from_video), self.syn.video_side**2)])
+        ptr = lambda counts: np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # noqa: E731
+        items = {
+            VISION.name: Items(ptr(n_images + n_video), vision[order].astype(np.int64)),
+            AUDIO.name: Items(ptr(audio), t.audio[audio, 0].astype(np.int64)),
+        }
+        return LengthsIndex(text=tokens, items=items)
+
+    def _text_lengths(self, start: np.ndarray, words: np.ndarray) -> np.ndarray:
+        """len(_text_tokens) of text samples: BOS, the counting run's bytes, EOS."""
+        n = self.syn.text_tokens
+        words = np.full_like(words, n // 2 + 1) if n else words.astype(np.int64)
+        start = start.astype(np.int64)
+        run = _digits_below(start + words) - _digits_below(start) + words - 1  # digits, spaces
+        return 2 + (np.minimum(run, n - 2) if n else run)
 
     # ------------------------------------------------------------------ sample parameters
 
+    def _param_table(self) -> _Table:
+        """Every sample's parameters (`_sample_params`), drawn for all samples at once: the
+        same numbers, from the same per-sample streams (`jaxmllm.data.pcg`)."""
+        ids = np.arange(self.syn.num_samples)
+        blocks = [self._draw_params(ids[k : k + BLOCK]) for k in range(0, len(ids), BLOCK)]
+        table = _Table.concat([t for t, _ in blocks], len(ids))
+        exact = np.concatenate([e for _, e in blocks] or [np.ones(0, bool)])
+        probe = np.unique(np.linspace(0, max(len(ids) - 1, 0), 16).astype(np.int64))[: len(ids)]
+        if any(table.params(int(i)) != self._sample_params(int(i)) for i in probe):
+            log.warning("numpy's streams differ from jaxmllm.data.pcg's: synthetic parameters "
+                        "drawn one sample at a time (slower start-up, same samples)")  # fmt: skip
+            exact[:] = False
+        for i in np.flatnonzero(~exact).tolist():  # a rare branch of numpy's: drawn its way
+            table.set(i, self._sample_params(i))
+        return table
+
+    def _draw_params(self, ids: np.ndarray) -> tuple[_Table, np.ndarray]:
+        """`_sample_params` for all `ids` at once: (the table, where it is exact)."""
+        syn, m = self.syn, self.merge
+        streams = Streams([self.cfg.data.seed], ids, [0])
+        u = streams.random()
+        table = _Table.empty(len(ids))
+        exact = np.ones(len(ids), bool)
+        image = u < syn.image_fraction
+        audio = ~image & (u < syn.image_fraction + syn.audio_fraction)
+        table.kind[image], table.kind[audio] = IMAGE_KIND, AUDIO_KIND
+        table.n_images[:] = np.where(u < syn.multi_image_fraction, 2, 1)
+        lanes = streams.take(image)
+        lo, hi = max(1, syn.min_image_side // m), max(1, syn.max_image_side // m)
+        for k in range(2):  # (a one-image sample never draws the second's)
+            draws = [lanes.integers(lo, hi + 1), lanes.integers(lo, hi + 1),
+                     lanes.integers(0, len(COLOURS)), lanes.integers(0, len(SHAPES))]  # fmt: skip
+            for c, (value, ok) in enumerate(draws):
+                table.images[image, k, c] = value * (m if c < 2 else 1)
+                exact[image] &= ok | (k >= table.n_images[image])
+        lanes = streams.take(audio)
+        frames = lanes.integers(syn.min_audio_frames // 4, syn.max_audio_frames // 4 + 1)
+        draws = [frames, lanes.integers(0, len(PITCHES)), lanes.integers(0, len(CONTOURS))]
+        for c, (value, ok) in enumerate(draws):
+            table.audio[audio, c] = value * (4 if c == 0 else 1)
+            exact[audio] &= ok
+        video = ~image & ~audio & (u < syn.image_fraction + syn.audio_fraction + syn.video_fraction)
+        table.kind[video] = VIDEO_KIND
+        lanes = streams.take(video)
+        t = self.temporal  # (whole temporal patches)
+        draws = [lanes.integers(-(-syn.min_video_frames // t), syn.max_video_frames // t + 1),
+                 lanes.integers(0, len(COLOURS)), lanes.integers(0, len(SHAPES)),
+                 lanes.integers(0, len(DIRECTIONS))]  # fmt: skip
+        for c, (value, ok) in enumerate(draws):
+            table.video[video, c] = value * (t if c == 0 else 1)
+            exact[video] &= ok
+        text = ~image & ~audio & ~video
+        lanes = streams.take(text)
+        most = syn.max_text_words
+        steps, ok_steps = lanes.geometric(1.0 / max(2, most // 3))
+        start, ok_start = lanes.integers(0, 90)
+        table.text[text, 0] = start
+        table.text[text, 1] = np.minimum(most, 3 + np.minimum(steps, most))
+        exact[text] &= ok_steps & ok_start
+        return table, exact
+
     def _sample_params(self, i: int) -> dict:
+        """Sample i's parameters from its own Generator (`_draw_params` draws the same for many
+        samples at once)."""
         rng = np.random.default_rng([self.cfg.data.seed, i, 0])
         u = rng.random()
         syn = self.syn
@@ -123,6 +224,12 @@ class SyntheticSource:
                 "kind": "audio",
                 "audio": (frames, str(rng.choice(list(PITCHES))), str(rng.choice(list(CONTOURS)))),
             }
+        if u < syn.image_fraction + syn.audio_fraction + syn.video_fraction:
+            t = self.temporal  # (whole temporal patches)
+            frames = t * int(rng.integers(-(-syn.min_video_frames // t), syn.max_video_frames // t
+                                          + 1))  # fmt: skip
+            colour, shape = str(rng.choice(list(COLOURS))), str(rng.choice(SHAPES))
+            return {"kind": "video", "video": (frames, colour, shape, str(rng.choice(DIRECTIONS)))}
         # Long-tailed text lengths: most samples short, a few near the maximum.
         words = int(
             min(syn.max_text_words, 3 + rng.geometric(1.0 / max(2, syn.max_text_words // 3)))
@@ -151,9 +258,13 @@ class SyntheticSource:
         loss[0] = False  # BOS is never predicted
         return Sample(id=i, tokens=tokens, loss=loss)
 
-    def _media_sample(self, i, phase: Phase, rows, prompt, caption, items, grids=()) -> Sample:
+    def _media_sample(
+        self, i, phase: Phase, rows, prompt, caption, items, grids=(), marker: str = ""
+    ) -> Sample:
+        """BOS, the items' placeholder rows (of kind `marker`, else the phase's own), the
+        prompt; then the caption and EOS, learned."""
         head = [np.array([self.specials.bos], np.int32)]
-        head += [np.full(r, self.specials.media[phase.name], np.int32) for r in rows]
+        head += [np.full(r, self.specials.media[marker or phase.name], np.int32) for r in rows]
         head.append(self.tokenizer.encode(prompt))
         eos = self.specials.eos
         answer = np.concatenate([self.tokenizer.encode(caption), [eos]]).astype(np.int32)
@@ -166,20 +277,41 @@ class SyntheticSource:
         """An image of gh x gw patches, patchified in 2x2-merge order with (row, col) positions."""
         p = self.patch
         height, width = gh * p, gw * p
-        y, x = np.mgrid[0:height, 0:width].astype(np.float32)
         r = rng.uniform(0.25, 0.4) * min(height, width)
         cy = rng.uniform(r, height - r)
         cx = rng.uniform(r, width - r)
-        dy, dx = np.abs(y - cy), np.abs(x - cx)
-        mask = {
-            "circle": dy**2 + dx**2 < r**2,
-            "square": (dy < r * 0.8) & (dx < r * 0.8),
-            "triangle": (y > cy - r) & (y < cy + r) & (dx < (y - (cy - r)) / 2),
-            "cross": ((dx < r / 3) & (dy < r)) | ((dy < r / 3) & (dx < r)),
-        }[shape]
+        mask = _shape_mask(height, width, cy, cx, r, shape)
         img = rng.normal(-0.5, 0.15, (height, width, 3)).astype(np.float32)
-        img[mask] = np.asarray(COLOURS[colour], np.float32)
-        return patchify(np.clip(img, -1, 1), p, self.merge)
+        np.copyto(img, np.asarray(COLOURS[colour], np.float32), where=mask[..., None])
+        return patchify(np.clip(img, -1, 1, out=img), p, self.merge)
+
+    @staticmethod
+    def _video_caption(video: tuple) -> str:
+        _, colour, shape, direction = video
+        return f"a {colour} {shape} moving {direction}"
+
+    def _render_video(self, rng, frames: int, colour: str, shape: str, direction: str) -> list:
+        """A shape crossing `frames` frames of video_side x video_side patches left or right,
+        as vision items: per temporal patch (its frames' patches side by side, frame-major;
+        (row, col) positions)."""
+        p, side = self.patch, self.syn.video_side * self.patch
+        r = rng.uniform(0.2, 0.3) * side
+        cy = rng.uniform(r, side - r)
+        start, end = r, side - r
+        if direction == "left":
+            start, end = end, start
+        noise = rng.normal(-0.5, 0.15, (side, side, 3)).astype(np.float32)
+        per_frame = []
+        for k in range(frames):
+            cx = start + (end - start) * k / max(frames - 1, 1)
+            img = noise.copy()
+            img[_shape_mask(side, side, cy, cx, r, shape)] = np.asarray(COLOURS[colour], np.float32)
+            per_frame.append(patchify(np.clip(img, -1, 1), p, self.merge))
+        t = self.temporal
+        return [
+            (np.concatenate([v for v, _ in per_frame[a : a + t]], axis=-1), per_frame[a][1])
+            for a in range(0, frames - frames % t, t)
+        ]
 
     def _render_audio(self, rng, frames: int, pitch: str, contour: str) -> np.ndarray:
         """Log-mel frames of a tone whose pitch follows the contour, with noise."""
@@ -191,12 +323,107 @@ class SyntheticSource:
         return (4.0 * band - 2.0 + rng.normal(0, 0.3, (frames, n))).astype(np.float32)
 
 
+TEXT_KIND, IMAGE_KIND, AUDIO_KIND, VIDEO_KIND = 0, 1, 2, 3  # kinds of sample (_Table.kind)
+BLOCK = 1 << 16  # samples drawn together (their arrays stay in the cache)
+# The bytes of each name, by its number (the order the draws number them)
+NAME_BYTES = {key: np.array([len(name.encode()) for name in names]) for key, names in
+              (("colour", COLOURS), ("shape", SHAPES), ("pitch", PITCHES),
+               ("contour", CONTOURS), ("direction", DIRECTIONS))}  # fmt: skip
+
+
+@dataclass
+class _Table:
+    """Every sample's parameters as arrays: kind; up to two images (rows, cols in patches,
+    colour, shape: name numbers); a clip (frames, pitch, contour); a text (start, words); a
+    video (frames, colour, shape, direction)."""
+
+    kind: np.ndarray  # int8 [N]
+    n_images: np.ndarray  # int8 [N]
+    images: np.ndarray  # int32 [N, 2, 4]
+    audio: np.ndarray  # int32 [N, 3]
+    text: np.ndarray  # int32 [N, 2]
+    video: np.ndarray  # int32 [N, 4]
+
+    @classmethod
+    def empty(cls, n: int) -> _Table:
+        zeros = lambda *shape, d=np.int32: np.zeros((n, *shape), d)  # noqa: E731
+        return cls(zeros(d=np.int8), zeros(d=np.int8), zeros(2, 4), zeros(3), zeros(2), zeros(4))
+
+    @classmethod
+    def concat(cls, tables: list[_Table], n: int) -> _Table:
+        if not tables:
+            return cls.empty(n)
+        fields = [f.name for f in dataclasses.fields(cls)]
+        return cls(*(np.concatenate([getattr(t, f) for t in tables]) for f in fields))
+
+    def params(self, i: int) -> dict:
+        """Sample i's parameters as `_sample_params` returns them."""
+        if self.kind[i] == IMAGE_KIND:
+            images = [(int(h), int(w), tuple(COLOURS)[c], SHAPES[s])
+                      for h, w, c, s in self.images[i, : self.n_images[i]]]  # fmt: skip
+            return {"kind": "image", "images": images}
+        if self.kind[i] == AUDIO_KIND:
+            frames, pitch, contour = self.audio[i]
+            return {"kind": "audio", "audio": (int(frames), tuple(PITCHES)[pitch],
+                                               tuple(CONTOURS)[contour])}  # fmt: skip
+        if self.kind[i] == VIDEO_KIND:
+            frames, colour, shape, direction = self.video[i]
+            return {"kind": "video", "video": (int(frames), tuple(COLOURS)[colour], SHAPES[shape],
+                                               DIRECTIONS[direction])}  # fmt: skip
+        return {"kind": "text", "start": int(self.text[i, 0]), "words": int(self.text[i, 1])}
+
+    def set(self, i: int, p: dict) -> None:
+        """Sample i's parameters from `_sample_params`'s dict."""
+        if p["kind"] == "image":
+            self.kind[i], self.n_images[i] = IMAGE_KIND, len(p["images"])
+            for k, (h, w, c, s) in enumerate(p["images"]):
+                self.images[i, k] = (h, w, tuple(COLOURS).index(c), SHAPES.index(s))
+        elif p["kind"] == "audio":
+            frames, pitch, contour = p["audio"]
+            self.kind[i] = AUDIO_KIND
+            self.audio[i] = (frames, tuple(PITCHES).index(pitch), tuple(CONTOURS).index(contour))
+        elif p["kind"] == "video":
+            frames, colour, shape, direction = p["video"]
+            self.kind[i] = VIDEO_KIND
+            self.video[i] = (frames, tuple(COLOURS).index(colour), SHAPES.index(shape),
+                             DIRECTIONS.index(direction))  # fmt: skip
+        else:
+            self.kind[i], self.text[i] = TEXT_KIND, (p["start"], p["words"])
+
+
+def _digits_below(n: np.ndarray) -> np.ndarray:
+    """Decimal digits of 0, 1, ..., n - 1 together: n, plus one for every number >= 10, ..."""
+    total, power = n.copy(), 10
+    while power <= int(n.max(initial=0)):
+        total += np.maximum(n - power, 0)
+        power *= 10
+    return total
+
+
+def _shape_mask(height: int, width: int, cy: float, cx: float, r: float, shape: str) -> np.ndarray:
+    """The pixels of a shape of radius r centred at (cy, cx) in a height x width image."""
+    y = np.arange(height, dtype=np.float32)[:, None]  # (broadcast: pixel rows, columns)
+    x = np.arange(width, dtype=np.float32)[None, :]
+    dy, dx = np.abs(y - cy), np.abs(x - cx)
+    return {  # (only the shape drawn is computed)
+        "circle": lambda: dy**2 + dx**2 < r**2,
+        "square": lambda: (dy < r * 0.8) & (dx < r * 0.8),
+        "triangle": lambda: (y > cy - r) & (y < cy + r) & (dx < (y - (cy - r)) / 2),
+        "cross": lambda: ((dx < r / 3) & (dy < r)) | ((dy < r / 3) & (dx < r)),
+    }[shape]()
+
+
 # ----------------------------------------------------------------------------- scoring answers
 
 # What `score_answer` checks of each kind of answer, and a uniform guess's chance of it
 SCORED = {
     "shapes": {"count": 1 / 2, "colour": 1 / len(COLOURS), "shape": 1 / len(SHAPES)},
     "tone": {"pitch": 1 / len(PITCHES), "contour": 1 / len(CONTOURS)},
+    "motion": {
+        "direction": 1 / len(DIRECTIONS),
+        "colour": 1 / len(COLOURS),
+        "shape": 1 / len(SHAPES),
+    },  # fmt: skip
 }
 
 
@@ -205,12 +432,17 @@ def score_answer(answer: str, truth: str) -> dict[str, float]:
 
     Shapes ("a red circle and a blue square"): `count` (as many shapes named as shown),
     `colour` and `shape` (the share of the shown shapes, in order, named right); a tone ("a
-    rising high tone"): `pitch`, `contour`; both: `exact` (the whole answer).
+    rising high tone"): `pitch`, `contour`; a moving shape ("a red circle moving left"):
+    `direction`, `colour`, `shape`; all: `exact` (the whole answer).
     """
     scores = {"exact": float(answer.strip() == truth.strip())}
     want, got = _named(truth), _named(answer)
     got += [("", "", "")] * len(want)  # (an answer naming fewer things misses the rest)
-    if truth.strip().endswith(" tone"):  # (contour, pitch, "tone")
+    if truth.strip().split()[-1] in DIRECTIONS:  # (colour, shape, "moving") + the direction
+        scores["direction"] = float(answer.strip().split()[-1:] == truth.strip().split()[-1:])
+        scores["colour"] = float(got[0][0] == want[0][0])
+        scores["shape"] = float(got[0][1] == want[0][1])
+    elif truth.strip().endswith(" tone"):  # (contour, pitch, "tone")
         scores["contour"] = float(got[0][0] == want[0][0])
         scores["pitch"] = float(got[0][1] == want[0][1])
     elif want:  # shapes: (colour, shape) each

@@ -33,9 +33,11 @@ from jaxmllm.config.spec import BatchSpec
 from jaxmllm.data.loader import Loader
 from jaxmllm.data.source import make_source
 from jaxmllm.data.text.specials import RESERVED
+from jaxmllm.feed.times import HostTimes, Stopwatch
 from jaxmllm.plan.registry import make_planner
 from jaxmllm.plan.sizing import capacities
 from jaxmllm.plan.stages.choose import Variants
+from jaxmllm.plan.state import PlanStateError, check_state
 
 log = logging.getLogger("jaxmllm")
 
@@ -75,15 +77,18 @@ class StepIterator(grain.DatasetIterator):
         self.to_device = to_device
 
     def __next__(self) -> dict[str, Any]:
-        plan = self.planner.plan()
         if self.loader is None:  # made on first use: worker processes start here
             self.loader = Loader(self.cfg, self.source, self.reject_log)
             self.loader.log.counts.update(self._restored_rejects)
+        clock = Stopwatch()  # each stage's time, for the metrics (host/*) and bench.host
+        plan = self.planner.plan()
+        times = HostTimes(plan_s=clock.lap())
         parts = local_parts(plan, self.positions, self.caps.devices, self.caps.context)
         # A sample that fails to load is None under data.on_error=skip: its slots stay padding.
         # On several hosts each decodes only the images and clips its own devices encode.
         media = None if self.positions is None else local_media(parts)
         samples = self.loader.load(parts["read"], plan.step, media)
+        times.load_s, times.samples = clock.lap(), len(samples)
         batch = bucketize(
             plan, samples, self.cfg, self.caps, self.positions, self.index, self.specials
         )
@@ -91,19 +96,26 @@ class StepIterator(grain.DatasetIterator):
         if self.variants is not None:  # a compiled program per variant used
             batch, variant = self.variants.pick(plan, self.index, batch)
         mix = self.index.mixture  # (data.sources: the step's samples per source)
+        fill = fill_stats(batch)  # this host's buckets
+        times.bucketize_s = clock.lap()
+        counts = self.count(batch)  # this host's real tokens and FLOPs, for the metrics
+        times.count_s = clock.lap()
+        times.bytes_to_device = sum(a.nbytes for a in batch.values())
         info = StepInfo(
             step=plan.step,
             samples=plan.samples.copy(),  # the whole step's, on every host
             parts=parts,  # what this host read, trains (text) and encodes
             deferred=plan.deferred,
-            fill=fill_stats(batch),  # this host's buckets
+            fill=fill,
             rejects=self.loader.counts(),
             variant=variant,
             sources={} if mix is None else mix.counts(plan.samples),
-            **self.count(batch),  # this host's real tokens and FLOPs, for the metrics
+            host=times,  # this step's time in each stage of the feed
+            **counts,
         )
         if self.to_device is not None:  # the transfer overlaps the step the device is running
             batch = self.to_device(batch)
+            times.transfer_s = clock.lap()
         return {"batch": batch, "info": info}
 
     def get_state(self) -> dict:
@@ -112,7 +124,18 @@ class StepIterator(grain.DatasetIterator):
         return {"planner": self.planner.get_state(), "load_rejects": rejects}
 
     def set_state(self, state: dict) -> None:
-        self.planner.set_state(state["planner"])
+        """Restores a checkpoint's state; refuses (PlanStateError) one that does not fit the
+        index, rather than resume on other batches without a word."""
+        if not isinstance(state, dict):
+            raise PlanStateError(f"the checkpoint's data state is not an object: {state!r:.80}")
+        check_state(state.get("planner"), len(self.index))
+        try:
+            self.planner.set_state(state["planner"])
+        except (KeyError, TypeError, ValueError) as e:  # (a field this planner lacks)
+            raise PlanStateError(
+                f"the checkpoint's planner state is not one batch.planner="
+                f"{self.cfg.batch.planner} wrote ({type(e).__name__}: {e})"
+            ) from None
         # Cumulative load-time reject counts carry across restarts, like the planner's cursor.
         self._restored_rejects = dict(state.get("load_rejects", {}))
         if self.loader is not None:

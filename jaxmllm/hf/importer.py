@@ -16,7 +16,7 @@ import yaml
 from jaxmllm.config import Config, from_dict
 from jaxmllm.data.text.tokenizer import make_tokenizer
 from jaxmllm.hf.family import FamilyError
-from jaxmllm.hf.registry import family_for, read_hf_config
+from jaxmllm.hf.registry import family_for, read_hf_config, section_of
 
 TEMPLATE = """\
 # python -m jaxmllm.train --config {config}
@@ -41,7 +41,7 @@ def model_section(llm: str, vision: str = "", audio: str = "") -> dict:
             continue
         hf = read_hf_config(directory)
         family = family_for(role, hf, f"--{role} {directory}")
-        model[role] = family.section(hf)
+        model[role] = section_of(role, hf, f"--{role} {directory}")
         model["init_from"][role] = str(Path(directory).resolve())
         merger = getattr(family, "merger_out", lambda _: None)(hf)
         if merger and merger != model["llm"]["width"]:

@@ -15,6 +15,7 @@ starts its new rows at the mean of the checkpoint's rows.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -23,7 +24,7 @@ import numpy as np
 
 from jaxmllm.hf.family import FamilyError, Link
 from jaxmllm.hf.registry import ROLES, family_for, read_hf_config
-from jaxmllm.hf.safetensors import Checkpoint
+from jaxmllm.hf.safetensors import Checkpoint, CheckpointError
 from sharding.rules import keyed_leaves
 
 log = logging.getLogger("jaxmllm")
@@ -71,7 +72,8 @@ def load_role(cfg: Any, role: str, directory: str, flat: dict) -> dict[str, jax.
     ck = Checkpoint(directory)
     prefix = family.prefix(ck.names())
     out, consumed = {}, set()
-    for link in family.links(cfg, hf):
+    links = family.links(cfg, hf)
+    for link in links:  # every tensor there and of the parameters' size, before any allocation
         missing = [p for p in link.ours if p not in flat]
         if missing:
             raise FamilyError(
@@ -84,6 +86,8 @@ def load_role(cfg: Any, role: str, directory: str, flat: dict) -> dict[str, jax.
                 if prefix + n not in ck:
                     raise FamilyError(f"{key}: {directory} has no tensor {prefix + n}")
                 consumed.add(prefix + n)
+        check_sizes(link, ck, prefix, [flat[p] for p in link.ours], key)
+    for link in links:
         arrays = fill(link, ck, prefix, [flat[p] for p in link.ours], key)
         out.update(zip(link.ours, arrays, strict=True))
     _check_complete(key, family, ck, prefix, consumed, out, flat)
@@ -125,6 +129,28 @@ def _check_complete(key, family, ck, prefix, consumed, out, flat) -> None:
             skipped,
             others,
         )
+
+
+def check_sizes(link: Link, ck: Checkpoint, prefix: str, targets: list, key: str) -> None:
+    """Refuses, from the files' headers alone, a link whose tensors do not hold as many
+    elements as the parameters they fill (a config.json whose sizes are not its tensors'),
+    naming the file, the tensor and the parameter; a vocabulary may only grow."""
+    each = [math.prod(t.shape[1:] if link.layers else t.shape) for t in targets]
+    grows = any(p in VOCAB_AXIS for p in link.ours)
+    for layer in range(link.layers) if link.layers else [None]:
+        names = link.hf_names(layer)
+        have = sum(math.prod(ck.shape(prefix + n)) for n in names)
+        if have != sum(each) and not (grows and have <= sum(each)):
+            shapes = ", ".join(f"{n} {list(ck.shape(prefix + n))}" for n in names)
+            want = ", ".join(
+                f"{p} {list(t.shape[1:] if link.layers else t.shape)}"
+                for p, t in zip(link.ours, targets, strict=True)
+            )
+            raise CheckpointError(
+                f"{key}: tensor {shapes} in {ck.file(prefix + names[0])} does not hold the "
+                f"model's {want}: the sizes in config.json are not the tensors' (a damaged or "
+                "mismatched checkpoint)"
+            )
 
 
 def fill(link: Link, ck: Checkpoint, prefix: str, targets: list, key: str) -> list[jax.Array]:

@@ -22,21 +22,72 @@ FAMILIES: tuple[Family, ...] = (
 ROLES = ("llm", "vision", "audio")
 
 
+# The sizes a config.json gives (at the top, or in a text_config / vision_config), each a whole
+# number from 1 to its bound: far above any real model, far below what would allocate or loop
+# until the machine gives out (vocab_size 1e12, num_hidden_layers 1e9; heads 0 divides by zero).
+MAX_VOCAB, MAX_WIDTH, MAX_LAYERS, MAX_HEADS = 1 << 24, 1 << 18, 1024, 4096
+SIZES = {
+    **dict.fromkeys(("vocab_size",), MAX_VOCAB),
+    **dict.fromkeys(("hidden_size", "intermediate_size", "head_dim", "d_model", "embed_dim",
+                     "encoder_ffn_dim"), MAX_WIDTH),
+    **dict.fromkeys(("num_hidden_layers", "depth", "encoder_layers"), MAX_LAYERS),
+    **dict.fromkeys(("num_attention_heads", "num_key_value_heads", "num_heads",
+                     "encoder_attention_heads"), MAX_HEADS),
+    **dict.fromkeys(("patch_size", "num_mel_bins"), 1 << 12),
+    **dict.fromkeys(("image_size", "max_source_positions"), 1 << 20),
+    **dict.fromkeys(("spatial_merge_size", "in_channels", "num_channels",
+                     "temporal_patch_size"), 64),
+}  # fmt: skip
+SECTIONS = ("text_config", "vision_config", "audio_config")
+
+
 def read_hf_config(directory: str | Path) -> dict:
-    """A checkpoint directory's config.json.
+    """A checkpoint directory's config.json, its sizes checked (`SIZES`).
 
     Raises:
-      FamilyError: naming the directory when there is no readable config.json.
+      FamilyError: naming the directory when there is no readable config.json, or the file
+        and the key of a size that is not a whole number within its bounds.
     """
     path = Path(directory) / "config.json"
     try:
-        return json.loads(path.read_text())
+        hf = json.loads(path.read_text())
     except OSError:
         raise FamilyError(
             f"{directory}: no config.json (not a HuggingFace model directory)"
         ) from None
-    except ValueError as e:
-        raise FamilyError(f"{path}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:
+        raise FamilyError(f"{path}: not valid JSON ({e})"[:500]) from None
+    if not isinstance(hf, dict):
+        raise FamilyError(f"{path}: not a JSON object")
+    for prefix, part in [("", hf)] + [(f"{k}.", hf[k]) for k in SECTIONS if k in hf]:
+        if not isinstance(part, dict):
+            raise FamilyError(f"{path}: {prefix[:-1]} must be an object")
+        for key, most in SIZES.items():
+            value = part.get(key)
+            if value is not None and not (
+                isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= most
+            ):
+                raise FamilyError(
+                    f"{path}: {prefix}{key} = {value!r:.40} must be a whole number from 1 to "
+                    f"{most} (this checkpoint's config.json is damaged or not a model's)"
+                )
+    return hf
+
+
+def section_of(role: str, hf: dict, where: str) -> dict:
+    """Our config keys for `role` from a checked config.json (`read_hf_config`): the family's
+    `section`, with any value it cannot read (a string for a number) a FamilyError."""
+    family = family_for(role, hf, where)
+    try:
+        return family.section(hf)
+    except FamilyError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError) as e:
+        raise FamilyError(
+            f"{where}: config.json has a value {family.name} cannot read ({type(e).__name__}: {e})"[
+                :500
+            ]
+        ) from None
 
 
 def family_for(role: str, hf: dict, where: str = "") -> Family:

@@ -17,7 +17,7 @@ from jaxmllm.config import Config, InitFrom, from_dict
 from jaxmllm.config.spec import BatchSpec
 from jaxmllm.hf.importer import data_section, model_section, vocab_size
 from jaxmllm.hf.load import pretrained
-from jaxmllm.hf.registry import ROLES, family_for, read_hf_config
+from jaxmllm.hf.registry import ROLES, read_hf_config, section_of
 from jaxmllm.models import MultimodalLM
 from jaxmllm.models.audio import AudioEncoder
 from jaxmllm.models.llm import Decoder
@@ -47,7 +47,7 @@ class Towers(nnx.Module):
 def config_for(role: str, directory: str, llm_width: int = 0) -> Config:
     """A config whose `role` module is the checkpoint's (the others small placeholders)."""
     hf = read_hf_config(directory)
-    section = family_for(role, hf, directory).section(hf)
+    section = section_of(role, hf, directory)
     model: dict[str, Any] = {"init_from": {role: directory}}
     model[role] = section
     if role != "llm":  # the decoder only sizes the projector: the merger's width if it has one

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxmllm.batch.prompts import PromptShapes, split_answer
 from jaxmllm.config import Config
-from jaxmllm.config.phases import ENCODERS
+from jaxmllm.config.phases import ENCODERS, VISION
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.synthetic import SCORED, score_answer
 from jaxmllm.data.text.template import make_template
@@ -116,6 +116,10 @@ class Questions:
 
 
 def _media(prompt) -> str:
-    """What a prompt shows the model besides text: "2 images", "image, audio", "text"."""
-    named = [(len(prompt.media[p.name]), p.item) for p in ENCODERS if prompt.media[p.name]]
+    """What a prompt shows the model besides text: "2 images", "image, audio", "video",
+    "text" (its vision items by their grids: a video's several temporal patches are one)."""
+    frames = [g[0] if len(g) == 3 else 1 for g in prompt.grids]
+    named = [(sum(t == 1 for t in frames), "image"), (sum(t > 1 for t in frames), "video")]
+    named += [(len(prompt.media[p.name]), p.item) for p in ENCODERS if p.name != VISION.name]
+    named = [(n, what) for n, what in named if n]
     return ", ".join(what if n == 1 else f"{n} {what}s" for n, what in named) or "text"

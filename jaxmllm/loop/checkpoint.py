@@ -16,11 +16,13 @@ clean-up of old checkpoints is not mistaken for another format.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import re
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ import orbax.checkpoint as ocp
 from jaxmllm.config import AUTO_SIZES, Config, ConfigError, to_dict
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.loop import distributed
+from jaxmllm.plan.state import PlanStateError
 
 log = logging.getLogger("jaxmllm")
 
@@ -73,6 +76,93 @@ def make_checkpoint_manager(cfg: Config) -> ocp.CheckpointManager:
         create=True,
     )
     return ocp.CheckpointManager(directory, options=options)
+
+
+class SaveError(RuntimeError):
+    """A checkpoint save that failed (a full disk, a lost mount): the run stops, naming the
+    directory, the cause and the checkpoint it keeps."""
+
+
+_in_flight: dict[int, int] = {}  # id(manager) -> the step of its last save, until checked
+
+
+def save(mngr: ocp.CheckpointManager, step: int, args, force: bool = False) -> bool:
+    """`mngr.save`; its failure, or that of a save before it, is a SaveError."""
+    check_saves(mngr)
+    if id(mngr) in _in_flight:  # (orbax would wait for it first: its failure is named as its)
+        wait_for_saves(mngr)
+    with _save_errors(mngr, step):
+        saved = mngr.save(step, args=args, force=force)
+    if saved:
+        _in_flight[id(mngr)] = step
+    return saved
+
+
+def check_saves(mngr: ocp.CheckpointManager) -> None:
+    """Raises SaveError if a save running in the background has failed: called every step,
+    so a full disk stops the run at the next step rather than `checkpoint_every` later."""
+    step = _in_flight.get(id(mngr))
+    if step is None:
+        return
+    with _save_errors(mngr, step):
+        mngr.check_for_errors()  # (the writes' errors)
+        if not mngr.is_saving_in_progress():  # the finalizing thread's, which the wait raises
+            _in_flight.pop(id(mngr), None)
+            mngr.wait_until_finished()  # (at once: the save is over)
+
+
+def wait_for_saves(mngr: ocp.CheckpointManager, close: bool = False) -> None:
+    """Waits for the saves in flight (and closes the manager); their failure is a SaveError,
+    once: a manager whose failure was reported closes quietly."""
+    wait = mngr.close if close else mngr.wait_until_finished
+    if id(mngr) in _failed:
+        with contextlib.suppress(Exception):
+            wait()
+        return
+    with _save_errors(mngr, _in_flight.pop(id(mngr), None)):
+        wait()
+
+
+_failed: set[int] = set()  # id(manager) of those whose failed save was reported
+
+
+@contextlib.contextmanager
+def _save_errors(mngr: ocp.CheckpointManager, step: int | None = None):
+    try:
+        yield
+    except Exception as e:  # orbax, tensorstore and the OS raise many types for a failed write
+        _failed.add(id(mngr))
+        kept = complete_steps(Path(mngr.directory))
+        cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        cause = cause if len(cause) <= 300 else f"{cause[:140]} ... {cause[-140:]}"  # (the OS
+        # error ends tensorstore's long messages)
+        raise SaveError(
+            f"saving {'a checkpoint' if step is None else f'checkpoint {step}'} in "
+            f"{mngr.directory} failed ({cause}); training stopped. The latest complete "
+            f"checkpoint is {f'step {kept[-1]}' if kept else 'none'}, kept as it was: fix the "
+            "cause (free disk space?) and rerun the same command to resume from it"
+        ) from e
+
+
+def complete_steps(directory: Path) -> list[int]:
+    """The steps of the checkpoints saved in `directory` and committed (renamed from aside)."""
+    names = (p.name for p in directory.iterdir()) if directory.is_dir() else ()
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def check_output_dir(out: Path) -> None:
+    """Stops the run at start-up, naming train.output_dir, where nothing can be written (a
+    read-only folder, a file, no space) rather than fail at the first save."""
+    probe = out / f".jaxmllm-write-test-{socket.gethostname()}-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"train.output_dir={out}: cannot write there ({e.strerror or e}); set "
+            "train.output_dir to a folder this user can write"
+        ) from None
 
 
 def save_args(state, data_iter, stamp: dict) -> ocp.args.Composite:
@@ -126,6 +216,8 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter, stamp
         )
         try:
             restored = mngr.restore(step, args=args)
+        except PlanStateError:  # a state that does not fit the index: not damage, stop
+            raise
         except Exception as e:  # orbax/tensorstore raise many types for a damaged checkpoint
             log.warning(
                 "checkpoint %d cannot be restored (%s: %s)",

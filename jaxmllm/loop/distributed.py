@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import jax
 
 from jaxmllm.config import Config, ConfigError, DistributedConfig, to_dict
+from jaxmllm.config.sections import MAX_CPU_DEVICES_PER_CORE
 
 log = logging.getLogger("jaxmllm")
 
@@ -184,9 +185,21 @@ def describe_mismatch(ref: dict, mine: dict) -> str:
 
 
 def split_cpu(count: int) -> None:
-    """Splits this host's CPU into `count` devices, if JAX has not started its backends yet."""
+    """Splits this host's CPU into `count` devices, if JAX has not started its backends yet.
+
+    Raises:
+      ConfigError: more devices than the machine's cores can carry (`max_cpu_devices`).
+    """
     if not count:
         return
+    most = max_cpu_devices()
+    if count > most:
+        raise ConfigError(
+            f"mesh.cpu_devices asks for {count} devices in this process, but this machine has "
+            f"{os.cpu_count()} CPU cores: at most {most} (MAX_CPU_DEVICES_PER_CORE="
+            f"{MAX_CPU_DEVICES_PER_CORE} per core, 256 at least; each device adds threads and "
+            "memory, and XLA crashes in the tens of thousands). Lower mesh.cpu_devices"
+        )
     from jax._src import xla_bridge  # no public way to ask whether backends are up
 
     if not xla_bridge.backends_are_initialized():
@@ -197,6 +210,11 @@ def split_cpu(count: int) -> None:
             count,
             jax.local_device_count(),
         )
+
+
+def max_cpu_devices() -> int:
+    """The most devices `mesh.cpu_devices` may split one process's CPU into here."""
+    return max(256, MAX_CPU_DEVICES_PER_CORE * (os.cpu_count() or 1))
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int | None:

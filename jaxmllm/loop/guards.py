@@ -1,9 +1,12 @@
 """Guards around the training loop: a stuck peer, a diverging run, a preemption signal.
 
 - `Watchdog` stops a process whose step has not advanced in `distributed.step_timeout_s`.
-- `NonFiniteGuard` counts steps whose update was skipped for a NaN/inf loss or gradient and says
-  when `train.max_nonfinite_steps` came in a row (the trainer then checkpoints and stops).
+- `NonFiniteGuard` counts steps whose update was skipped for a NaN/inf loss, gradient or updated
+  parameter and says when `train.max_nonfinite_steps` came in a row (the trainer then
+  checkpoints the last good state and stops).
 - `Preemption` turns SIGTERM / SIGINT into "finish this step, checkpoint, exit 0".
+- `outlive_closed_pipes` keeps a dead stdout / stderr (a `| tee` or `| head` that exited, as
+  Ctrl-C ends `tee` with the trainer) from costing the checkpoint a signal asked for.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class Watchdog:
 
 
 class NonFiniteError(RuntimeError):
-    """Too many consecutive steps with a non-finite loss or gradient."""
+    """Too many consecutive steps with a non-finite loss, gradient or update."""
 
 
 class NonFiniteGuard:
@@ -79,7 +82,9 @@ class NonFiniteGuard:
         self.total += bad
         if bad:
             log.warning(
-                "step %d: non-finite loss or gradient; update skipped (%d in a row)", done, self.run
+                "step %d: non-finite loss, gradient or update; update skipped (%d in a row)",
+                done,
+                self.run,
             )
         if self.limit and self.run >= self.limit:
             self.stopped_at = step  # the latest dispatched step also kept the good state
@@ -88,7 +93,7 @@ class NonFiniteGuard:
 
     def message(self, directory) -> str:
         return (
-            f"{self.run} steps in a row had a non-finite loss or gradient (train."
+            f"{self.run} steps in a row had a non-finite loss, gradient or update (train."
             f"max_nonfinite_steps={self.limit}); stopped at step {self.stopped_at} with the "
             f"last good parameters checkpointed in {directory}. Lower optim.lr, raise "
             f"optim.warmup_steps or set model.compute_dtype: float32, then resume."
@@ -120,3 +125,45 @@ class Preemption:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+
+
+class _Outliving:
+    """A text stream that outlives its reader: once a write or flush fails (a closed pipe:
+    EPIPE; a lost terminal: EIO), the file descriptor is pointed at /dev/null and every later
+    write succeeds there, so the run goes on to its checkpoint."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except (OSError, ValueError):
+            self._drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except (OSError, ValueError):
+            self._drop()
+
+    def _drop(self) -> None:
+        try:  # C-level writers (XLA's logs) and the interpreter's last flush land there too
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+        except (OSError, ValueError):
+            pass
+        self._stream = open(os.devnull, "w")  # noqa: SIM115  (lives as long as the process)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def outlive_closed_pipes() -> None:
+    """Wraps sys.stdout and sys.stderr (`_Outliving`) for the rest of the process."""
+    if not isinstance(sys.stdout, _Outliving):
+        sys.stdout = _Outliving(sys.stdout)
+    if not isinstance(sys.stderr, _Outliving):
+        sys.stderr = _Outliving(sys.stderr)

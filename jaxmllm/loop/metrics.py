@@ -10,6 +10,7 @@ logged step), TensorBoard event files under `<output_dir>/tb/`, and a tqdm progr
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -19,35 +20,49 @@ import numpy as np
 
 from jaxmllm.batch.info import StepInfo
 from jaxmllm.data.rejects import REASONS
+from jaxmllm.feed.times import STAGES
+
+log = logging.getLogger("jaxmllm")
 
 
 class MetricsWindow:
-    """The steps since the last logged one: their real tokens, FLOPs and wall time.
+    """The steps since the last logged one: their real tokens, FLOPs and wall time, and the
+    feed's time per stage with the loop's wait on it.
 
-    `add` takes a step's `info` from the pipeline (`tokens`, `flops`); `close` at a logged step
-    returns the window's throughput and padding, and the bad-input counts, for the whole job.
+    `add` takes a step's `info` from the pipeline (`tokens`, `flops`, `host`) and the seconds
+    the loop waited for it; `close` at a logged step returns the window's throughput, padding
+    and host times (`host/*`, this process's), and the bad-input counts, for the whole job.
+    When the loop waited on the data for more than `WAIT_WARNING` of a window (the first, with
+    its start-up, aside), it warns once, naming what would help (`data`: the DataConfig).
     """
 
-    def __init__(self, n_devices: int):
-        self.n_devices = n_devices
+    def __init__(self, n_devices: int, data=None):
+        self.n_devices, self.data = n_devices, data
+        self.windows, self.warned = 0, False
         self._reset()
 
     def _reset(self) -> None:
         self.start, self.tokens, self.flops, self.steps = time.perf_counter(), 0.0, 0.0, 0
         self.predicted = 0.0
+        self.host = dict.fromkeys(("wait", *STAGES), 0.0)
 
     def exclude(self, seconds: float) -> None:
         """Takes time the loop spent on other work (an evaluation) out of the window."""
         self.start += seconds
 
-    def add(self, info: StepInfo) -> None:
+    def add(self, info: StepInfo, wait_s: float = 0.0) -> None:
         self.tokens += info.tokens
         self.flops += info.flops
         self.predicted += info.predicted_s
         self.steps += 1
+        self.host["wait"] += wait_s
+        if info.host is not None:  # the feed's HostTimes
+            for stage in STAGES:
+                self.host[stage] += getattr(info.host, f"{stage}_s")
 
     def close(self, info: StepInfo) -> tuple[dict[str, float], dict[str, float]]:
-        """(throughput and padding, cumulative reject counts) at a logged step; starts anew.
+        """(throughput, padding and host times, cumulative reject counts) at a logged step;
+        starts anew.
 
         Every process calls this at the same steps: with several it is a collective.
         """
@@ -59,8 +74,45 @@ class MetricsWindow:
         if self.predicted:  # process 0's devices only: what the calibrated model expects
             stats["predicted_step_time_s"] = self.predicted / max(self.steps, 1)
         stats.update({f"padding/{k}": 1.0 - v for k, v in fill.items()})
+        host = {f"host/{k}_s": v / max(self.steps, 1) for k, v in self.host.items()}
+        stats.update(host)
+        stats["host/wait_share"] = self.host["wait"] / max(elapsed, 1e-9)
+        if self.windows and not self.warned and stats["host/wait_share"] > WAIT_WARNING:
+            log.warning(_waiting(stats, self.data))
+            self.warned = True
+        self.windows += 1
         self._reset()
         return stats, rejects
+
+
+WAIT_WARNING = 0.1  # the share of a window's time waiting on the data that warns
+
+
+def _waiting(stats: dict, data) -> str:
+    """Why the devices waited on the data, and the knob that helps: workers when loading is
+    most of the feed's time, else the serial part (one thread, whatever the workers)."""
+    per_step = {k: stats[f"host/{k}_s"] for k in STAGES}
+    feed = sum(per_step.values())
+    spent = ", ".join(f"{k} {v:.3f} s" for k, v in per_step.items())
+    workers = getattr(data, "workers", 0)
+    prefetch = getattr(data, "prefetch", 2)
+    head = (
+        f"the devices waited on the data for {stats['host/wait_share']:.0%} of the last "
+        f"window ({stats['host/wait_s']:.3f} s a step against a {stats['step_time_s']:.3f} s "
+        f"step); the feed's thread took {feed:.3f} s a step ({spent}). "
+    )
+    if per_step["load"] >= feed / 2:
+        advice = (
+            f"Loading is most of it: raise data.workers (now {workers}) to load samples in "
+            "parallel processes"
+        )
+    else:
+        advice = (
+            "Most of it is serial (planning, bucketize, counting, the copy to the devices: one "
+            "thread, whatever data.workers); more workers will not help it"
+        )
+    tail = f"; data.prefetch (now {prefetch}) evens out uneven steps, not a slower feed."
+    return head + advice + tail
 
 
 def throughput(tokens: float, flops: float, steps: int, seconds: float, n_dev: int) -> dict:

@@ -74,7 +74,8 @@ class VisionEncoder(nnx.Module):
         """Encodes packed patches.
 
         Args:
-          patches_bpc: flattened patch pixels [B, P, patch_size**2 * channels].
+          patches_bpc: flattened patch pixels [B, P, patch_size**2 * channels], of
+            temporal_patch frames side by side (frame-major) where the model takes videos.
           segment_ids_bp: which image each patch belongs to, 0 for padding [B, P].
           positions_bp2: (row, col) of each patch within its image [B, P, 2].
           tiles_bk2: block-sparse attention's tiles [B, K, 2].
@@ -89,8 +90,9 @@ class VisionEncoder(nnx.Module):
     def prepare(self, patches_bpc, segment_ids_bp, positions_bp2, tiles_bk2=None):
         """What the transformer takes (the arguments as in `__call__`): the embedded patches,
         their packing and positions (a pipeline runs the stack's layers stage by stage)."""
-        if self.temporal_patch > 1:
-            patches_bpc = jnp.concatenate([patches_bpc] * self.temporal_patch, axis=-1)
+        frames = self.patch_embed.kernel.shape[0] // patches_bpc.shape[-1]
+        if frames > 1:  # (one frame a patch: images only; an image repeats its frame)
+            patches_bpc = jnp.concatenate([patches_bpc] * frames, axis=-1)
         x_bpd = self.patch_embed(patches_bpc)
         if self.position_embedding is not None:
             table = self.position_embedding[...]

@@ -31,8 +31,9 @@ from jaxmllm.plan.work import ENC, Micro, Phases
 
 LATE_FITS = 64  # most samples the joint packing's rounds missed that it tries one by one
 
-# per encoder phase: (owner position in the samples, item number, size) of the samples' items
-Items = dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+# per encoder phase: (owner position in the samples, item number, size, quadratic cost) of the
+# samples' items
+Items = dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
 
 
 class Assignment(Protocol):
@@ -170,7 +171,7 @@ class RoutedAssignment:
     def samples(self, ph: Phases, mb: Micro, s: np.ndarray, urgent: np.ndarray) -> np.ndarray:
         """The LLM phase on its own: samples to rows (bins of llm_row_len, or of a context
         group's rows)."""
-        rows, _ = pack_phase(ph.llm[s], mb.rows, ph.caps.llm_bin_len, urgent)
+        rows, _ = pack_phase(ph.llm[s], mb.rows, ph.caps.llm_bin_len, urgent, costs=ph.llm_cost[s])
         return rows
 
     def items(self, ph, mb, rows, items, urgent, ok):
@@ -178,7 +179,7 @@ class RoutedAssignment:
         devs, groups = {}, {}
         home_all = text_home(rows, ph.caps)
         for p in ENC:
-            owner, _, size = items[p]
+            owner, _, size, cost = items[p]
             dev = np.full(len(owner), -1, np.int64)
             group = np.full(len(owner), -1, np.int64)
             sel = np.flatnonzero(ok[owner])
@@ -189,17 +190,19 @@ class RoutedAssignment:
                 urgent[owner[sel]],
                 home_all[owner[sel]],
                 near(ph.caps),
+                cost[sel],
             )
             ok[owner[sel[dev[sel] < 0]]] = False
             devs[p], groups[p] = dev, group
         for p in ENC:  # locality, then the route capacity, on the items that stay
-            owner, _, size = items[p]
+            owner, _, size, cost = items[p]
             dev = devs[p]
             keep = np.flatnonzero(ok[owner])
             home = home_all[owner[keep]]
             old = dev[keep]
-            new = localize(groups[p][keep], old, home, ph.caps.devices, near(ph.caps))
-            dev[keep] = keep_capacity(groups[p][keep], new, old, size[keep], mb.enc[p], ph.cap[p])
+            group = groups[p][keep]
+            new = localize(group, old, home, ph.caps.devices, near(ph.caps))
+            dev[keep] = keep_capacity(group, new, old, size[keep], mb.enc[p], ph.cap[p], cost[keep])
             over = mb.routes[p].overflow(size[keep], dev[keep], home)
             ok[owner[keep[over]]] = False
         return ok, devs  # (the balancer counts the routed rows of what it finally keeps)

@@ -157,32 +157,34 @@ class Balancer:
         ok = rows >= 0
         for p in ENC:
             owner, j, flat = gather_items(ph.ptr[p], s)
-            items[p] = (owner, j, ph.sizes[p][flat])
+            items[p] = (owner, j, ph.sizes[p][flat], ph.item_cost[p][flat])
         ok, devs = self.assignment.items(ph, mb, rows, items, urgent[entries], ok)
-        retry = np.zeros(0, np.int64)
+        retry, offsets = np.zeros(0, np.int64), {}
         if mb.tiles is not None:  # block-sparse attention: each device within its tiles
             placed = {LLM: (np.arange(len(s)), rows, ends[LLM], ph.llm[s])}
             for p in ENC:
                 placed[p] = (items[p][0], devs[p], ends[p], items[p][2])
             fitted = ok.copy()
-            ok = mb.tiles.admit(placed, ok)
+            ok, offsets = mb.tiles.admit(placed, ok)  # (with the documents' offsets)
             retry = entries[fitted & ~ok]
         # Roll back the samples that did not get all their parts.
         bad = np.flatnonzero(~ok & (rows >= 0))
         np.subtract.at(mb.rows.units, rows[bad], ph.llm[s[bad]])
-        np.subtract.at(mb.rows.quad, rows[bad], mb.rows.cost(ph.llm[s[bad]]))
+        np.subtract.at(mb.rows.quad, rows[bad], ph.llm_cost[s[bad]])
         for p in ENC:
-            owner, j, size = items[p]
+            owner, j, size, cost = items[p]
             dev = devs[p]
             drop = ~ok[owner] & (dev >= 0)
             np.subtract.at(mb.enc[p].units, dev[drop], size[drop])
-            np.subtract.at(mb.enc[p].quad, dev[drop], mb.enc[p].cost(size[drop]))
+            np.subtract.at(mb.enc[p].quad, dev[drop], cost[drop])
             keep = ok[owner]
-            mb.items[p].append((entries[owner[keep]], j[keep], size[keep], dev[keep]))
+            off = _offsets(dev, size, ends[p], keep, offsets.get(p))
+            mb.items[p].append((entries[owner[keep]], j[keep], dev[keep], off))
             # (the route capacity counts what is kept: not what a tile capacity turned away)
             mb.routes[p].add(size[keep], dev[keep], text_home(rows, self.caps)[owner[keep]])
         mb.entries.append(entries[ok])
         mb.row_bin.append(rows[ok])
+        mb.row_offset.append(_offsets(rows, ph.llm[s], ends[LLM], ok, offsets.get(LLM)))
         if len(retry) and retries:
             self._add(mb, retry, samples, urgent, retries - 1)
 
@@ -190,8 +192,7 @@ class Balancer:
         self, step: int, micros: list[Micro], samples: np.ndarray, since: np.ndarray
     ) -> StepPlan:
         # Each microbatch's arrays concatenated straight into the step's (int64 already: no
-        # astype copies), its offsets computed while they are in cache (one sort over all
-        # microbatches, keyed by microbatch and bin, gives the same offsets but is slower).
+        # astype copies; the offsets were laid out as each placement was kept).
         r_n = self.caps.llm_rows
         counts = [sum(len(x) for x in mb.entries) for mb in micros]
         e, rb, off = (np.empty(sum(counts), np.int64) for _ in range(3))
@@ -199,7 +200,7 @@ class Balancer:
         for mb, c in zip(micros, counts, strict=True):
             np.concatenate(mb.entries, out=e[a : a + c])
             np.concatenate(mb.row_bin, out=rb[a : a + c])
-            off[a : a + c] = offsets_in_bins(rb[a : a + c], self.phases.llm[samples[e[a : a + c]]])
+            np.concatenate(mb.row_offset, out=off[a : a + c])
             a += c
         micro = np.repeat(np.arange(len(micros)), counts)
         pos_of = np.empty(len(samples), np.int64)  # (entries are distinct pool positions)
@@ -217,12 +218,12 @@ class Balancer:
             for mb, c in zip(micros, counts, strict=True):
                 if not mb.items[p]:
                     continue
-                ent, j, size, idev = zip(*mb.items[p], strict=True)
+                ent, j, idev, ioff = zip(*mb.items[p], strict=True)
                 # (owners already by owner, then item: the order they were added)
                 np.take(pos_of, np.concatenate(ent), out=it.owner[a : a + c])
                 np.concatenate(j, out=it.item[a : a + c])
                 np.concatenate(idev, out=it.device[a : a + c])
-                it.offset[a : a + c] = offsets_in_bins(it.device[a : a + c], np.concatenate(size))
+                np.concatenate(ioff, out=it.offset[a : a + c])
                 a += c
             plans[p] = it
         return StepPlan(
@@ -235,3 +236,19 @@ class Balancer:
             items=plans,
             deferred=len(self.deferred),
         )
+
+
+def _offsets(
+    bins: np.ndarray,
+    sizes: np.ndarray,
+    start: np.ndarray,
+    keep: np.ndarray,
+    laid_out: np.ndarray | None,
+) -> np.ndarray:
+    """The offsets in their bins of the documents `keep` of one placement, laid out in order
+    after where each bin's earlier documents end (`start`): `laid_out`'s where the tile budget
+    laid them out already."""
+    if laid_out is not None:
+        return laid_out[keep]
+    b = bins[keep]
+    return offsets_in_bins(b, sizes[keep]) + start[b]

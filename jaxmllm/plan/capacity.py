@@ -47,20 +47,23 @@ def ladder_values(lo: int = 32, hi: int = 1 << 22, per_octave: int = 8) -> np.nd
 
 def ladder_up(x: float, per_octave: int = 8, multiple: int = 32) -> int:
     """Smallest ladder value >= x (and a multiple of `multiple`)."""
-    v = _ladder(per_octave, multiple)
+    v = _ladder(per_octave, multiple, x)
     return int(v[np.searchsorted(v, x)])
 
 
 def ladder_nearest(x: float, per_octave: int = 8, multiple: int = 32) -> int:
     """Ladder value nearest to x in ratio."""
-    v = _ladder(per_octave, multiple)
+    v = _ladder(per_octave, multiple, x)
     i = int(np.clip(np.searchsorted(v, x), 1, len(v) - 1))
     lo, hi = v[i - 1], v[i]
     return int(lo if x > 0 and math.log(x / lo) < math.log(hi / x) else hi)
 
 
-def _ladder(per_octave: int, multiple: int) -> np.ndarray:
-    v = ladder_values(per_octave=per_octave)
+def _ladder(per_octave: int, multiple: int, x: float = 0) -> np.ndarray:
+    """The ladder's multiples of `multiple`, up to 2^22 or on past x (a row of 8M tokens, the
+    patches of a sample with a thousand images: the shape is large, not a crash)."""
+    top = 22 if x <= 1 << 22 else math.ceil(math.log2(x)) + 1
+    v = ladder_values(hi=1 << top, per_octave=per_octave)
     return v[v % multiple == 0]
 
 
@@ -395,7 +398,7 @@ ROUTE_HEADROOM = 0.1  # over the dry run's most when the run is longer than the 
 def whole_output_rows(caps: Capacities) -> int:
     """A device's whole encoder output in rows (the largest of its phases): a route capacity
     this large never binds (`route.Routes.free`)."""
-    return max(*(caps.units[p] // caps.per_token[p] for p in NAMES), 1)
+    return max([*(caps.units[p] // caps.per_token[p] for p in NAMES), 1])
 
 
 def largest_item_rows(index: LengthsIndex, caps: Capacities) -> int:
@@ -405,7 +408,7 @@ def largest_item_rows(index: LengthsIndex, caps: Capacities) -> int:
         int(index.items[p].sizes.max(initial=0)) // caps.per_token[p] if caps.units[p] else 0
         for p in NAMES
     ]
-    return max(*rows, 1)
+    return max([*rows, 1])
 
 
 def dry_run_route_rows(planner: Planner, index: LengthsIndex, caps: Capacities, steps: int) -> int:

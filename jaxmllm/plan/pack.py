@@ -64,6 +64,7 @@ def pack_phase(
     first: np.ndarray | None = None,
     home: np.ndarray | None = None,
     per_host: int = 0,
+    costs: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Assigns items to bins of capacity `cap`, equalising fill and attention cost.
 
@@ -76,6 +77,7 @@ def pack_phase(
         round, an item goes there if that bin was to take an item within HOME_TOL of its size.
       per_host: bins a host (0: one host): within a round, the items that do not go home
         take the round's bins on their home's host first.
+      costs: the items' quadratic costs (`loads.cost(sizes)`), if at hand.
 
     Returns:
       (bin per item, -1 where it did not fit; exchange group per item: items of one group
@@ -86,7 +88,7 @@ def pack_phase(
     out = np.full(n, -1, np.int64)
     if n == 0:
         return out, out.copy()
-    sq = loads.cost(sizes)
+    sq = loads.cost(sizes) if costs is None else costs
     placeable = min(1.0, float((cap - loads.units).sum()) / max(float(sizes.sum()), 1.0))
     qstar = (float(loads.quad.sum()) + placeable * float(sq.sum())) / nb  # each bin's share
     pk = Packing(sizes, sq, home, loads, cap, qstar, out, per_host)

@@ -6,6 +6,9 @@ Every sort is stable, so every host computes the same plan from the same inputs.
 
 from __future__ import annotations
 
+import functools
+import time
+
 import numpy as np
 
 
@@ -45,15 +48,22 @@ def stable_sort(
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """(stable argsort, sorted keys) of non-negative integer keys below `top`.
 
-    One sort of the unique values key * 2**b + position (2**b >= n), in 32 bits where they
-    fit: numpy's SIMD sort of 32-bit integers is faster than its radix sort of 16-bit keys
-    and than the same sort in 64 bits, whose temporaries cost twice the fresh memory (see
-    plan/README.md); shifts and masks split the values again."""
+    A stable order is unique, so any way of finding it gives every host the same plan; this
+    takes the cheaper of two on the machine it runs on (`radix_sorts_faster`): numpy's radix
+    sort of 16-bit keys (one pass per 16 bits of `top`, least significant first), or one
+    sort of the unique values key * 2**b + position (2**b >= n), in 32 bits where they fit
+    (numpy's SIMD sort, faster than the same sort in 64 bits, whose temporaries cost twice
+    the fresh memory), split again by shifts and masks. See plan/README.md."""
     n = len(keys)
-    b = max(n - 1, 1).bit_length()
-    if n < 2048 and top <= 1 << 16:  # (few keys: the radix sort costs least)
+    if top <= 1 << 16 and (n < 2048 or radix_sorts_faster()):  # (few keys: radix costs least)
         order = np.argsort(keys.astype(np.uint16), kind="stable")
         return order, keys[order] if want_keys else None
+    if top <= 1 << 32 and radix_sorts_faster():
+        order = np.argsort((keys & 0xFFFF).astype(np.uint16), kind="stable")
+        k = keys[order]
+        order = order[np.argsort((k >> 16).astype(np.uint16), kind="stable")]
+        return order, keys[order] if want_keys else None
+    b = max(n - 1, 1).bit_length()
     if top <= 1 << (32 - b):
         dtype = np.int32 if top <= 1 << (31 - b) else np.uint32
     elif top < 1 << (62 - b):
@@ -70,18 +80,59 @@ def stable_sort(
     return v.astype(np.int64), k
 
 
-def run_cumsum(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """For sorted `keys`, the running sum of `values` within each run of equal keys (each
-    element's own value included)."""
-    n = len(keys)
-    if n == 0:
-        return np.zeros(0, values.dtype)
-    new = np.empty(n, bool)
-    new[0] = True
-    np.not_equal(keys[1:], keys[:-1], out=new[1:])
-    first = np.maximum.accumulate(np.where(new, np.arange(n), 0))
+@functools.cache
+def radix_sorts_faster() -> bool:
+    """Whether numpy's radix sort of 16-bit keys beats its sort of packed 32-bit values on
+    this machine (timed once, on 32k keys): the SIMD sort is ~3x faster on most x86 CPUs
+    with AVX-512, and 2-3x slower than the radix sort on AMD Zen 4, whose AVX-512 compress
+    store is microcoded (numpy/x86-simd-sort#6)."""
+    keys = np.random.default_rng(0).integers(0, 1 << 9, 1 << 15)
+
+    def best(sort) -> float:
+        times = []
+        for _ in range(5):
+            t = time.process_time()
+            sort()
+            times.append(time.process_time() - t)
+        return min(times)
+
+    packed = (keys << 15 | np.arange(len(keys))).astype(np.int32)
+    return best(lambda: np.argsort(keys.astype(np.uint16), kind="stable")) < best(
+        lambda: np.sort(packed)
+    )
+
+
+def run_cumsum(
+    keys: np.ndarray | None,
+    values: np.ndarray,
+    runs: tuple[np.ndarray, np.ndarray] | None = None,
+    base: np.ndarray | None = None,
+) -> np.ndarray:
+    """For sorted `keys`, the running sum of integer `values` within each run of equal keys
+    (each element's own value included), from `base` (per run; 0 if None). `runs`:
+    `run_lengths(keys)`, if at hand (then `keys` is not needed)."""
+    starts, lengths = run_lengths(keys) if runs is None else runs
     cum = np.cumsum(values)
-    return cum - (cum[first] - values[first])
+    before = np.zeros(len(lengths), cum.dtype)  # (the sum before each run, less its base)
+    before[1:] = cum[starts - 1]
+    if base is not None:
+        before -= base
+    cum -= np.repeat(before, lengths)
+    return cum
+
+
+def run_lengths(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For sorted `keys`, (where each run of equal keys but the first starts, each run's
+    length)."""
+    starts = np.flatnonzero(keys[1:] != keys[:-1])
+    starts += 1
+    return starts, np.diff(starts, prepend=0, append=len(keys)) if len(keys) else starts
+
+
+def run_positions(first: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The positions first[r] .. first[r] + lengths[r] - 1 of each run r, concatenated."""
+    ends = np.cumsum(lengths)
+    return np.repeat(first - ends + lengths, lengths) + np.arange(int(ends[-1]) if len(ends) else 0)
 
 
 def compact_keys(keys: np.ndarray) -> np.ndarray:

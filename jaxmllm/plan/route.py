@@ -16,6 +16,7 @@ from jaxmllm.plan.bins import Loads
 from jaxmllm.plan.ragged import match_sub_first, run_cumsum, stable_sort
 
 UNDO_ROUNDS = 3  # rounds undoing the groups of overfilled bins before all exchanges are undone
+DENSE_PAIRS = 1 << 24  # up to this many (src, dst) pairs (4096 devices) Routes keeps a table
 
 
 class Routes:
@@ -24,15 +25,24 @@ class Routes:
     With context groups (`context` > 1) an item encoded in its text's group needs no exchange
     (the group gathers its devices' rows), and one encoded elsewhere goes to the device of its
     text's group at the position of its own in its group (`src % context`): the pair is
-    (src, the text's group, `home // context`)."""
+    (src, the text's group, `home // context`).
+
+    The rows per pair sit in a table indexed by pair (up to DENSE_PAIRS pairs: a scatter-add
+    instead of a sort of every routed item), or beyond it as the sorted keys of the pairs that
+    carry rows and their totals."""
 
     def __init__(self, devices: int, per_row: int, capacity: int, bucket: int, context: int = 1):
         self.devices, self.per_row, self.capacity = devices, per_row, capacity
         self.context = context
         # A route capacity of a device's whole encoder output (`bucket` units) never overflows.
         self.free = capacity >= bucket // per_row
-        self.keys = np.zeros(0, np.int64)  # per routed item: src * devices + dst
-        self.rows = np.zeros(0, np.int64)  # its encoder rows
+        self.top = devices * devices  # (src, dst) keys below this
+        self.dense = self.top <= DENSE_PAIRS
+        # (a pair's rows never pass a microbatch's: int32 where those fit)
+        self.dtype = np.int32 if devices * (bucket // per_row) < 1 << 31 else np.int64
+        self.table = None  # rows per pair key (dense; allocated at first use)
+        self.pairs = np.zeros(0, np.int64)  # the keys of the pairs that carry rows, ascending
+        self.rows = np.zeros(0, np.int64)  # the rows each carries
 
     def _routed(self, dev: np.ndarray, home: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(mask of the items that count, their (src, dst) keys)."""
@@ -43,30 +53,62 @@ class Routes:
         remote = dev // self.context != group
         return remote, dev[remote] * (self.devices // self.context) + group[remote]
 
+    def _table(self) -> np.ndarray:
+        if self.table is None:
+            self.table = np.zeros(self.top, self.dtype)
+        return self.table
+
+    def _find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(positions of `keys` in `pairs`: where each would go if not there, found mask)."""
+        at = np.searchsorted(self.pairs, keys)
+        found = at < len(self.pairs)
+        found[found] = self.pairs[at[found]] == keys[found]
+        return at, found
+
+    def _carried(self, keys: np.ndarray) -> np.ndarray:
+        """Rows already on the pairs `keys`."""
+        if self.dense:
+            return self._table()[keys]
+        at, found = self._find(keys)
+        rows = np.zeros(len(keys), np.int64)
+        rows[found] = self.rows[at[found]]
+        return rows
+
     def overflow(self, size: np.ndarray, dev: np.ndarray, home: np.ndarray) -> np.ndarray:
         """Mask of the items (encoded on `dev`, text on `home`) whose (src, dst) pair would
         exceed the route capacity, counting the rows already routed first."""
-        if self.free:
-            return np.zeros(len(size), bool)
-        remote, new_keys = self._routed(dev, home)
-        keys = np.concatenate([self.keys, new_keys])
-        rows = np.concatenate([self.rows, size[remote] // self.per_row])
-        order = np.argsort(keys, kind="stable")
-        k, r = keys[order], rows[order]
-        over_sorted = run_cumsum(k, r) > self.capacity
-        over_all = np.empty(len(keys), bool)
-        over_all[order] = over_sorted
         out = np.zeros(len(size), bool)
-        out[np.flatnonzero(remote)] = over_all[len(self.keys) :]
+        if self.free:
+            return out
+        remote, keys = self._routed(dev, home)
+        idx, rows = np.flatnonzero(remote), size[remote] // self.per_row
+        if self.dense:  # (only the pairs the new items take past the capacity need their sums)
+            table, add = self._table(), rows.astype(self.dtype)  # (ufunc.at: same dtypes, fast)
+            np.add.at(table, keys, add)
+            hot = table[keys] > self.capacity
+            np.subtract.at(table, keys, add)
+            idx, keys, rows = idx[hot], keys[hot], rows[hot]
+        order, k = stable_sort(keys, self.top)  # (each pair's new items in order)
+        total = run_cumsum(k, rows[order])
+        total += self._carried(k)
+        out[idx[order[total > self.capacity]]] = True
         return out
 
     def add(self, size: np.ndarray, dev: np.ndarray, home: np.ndarray) -> None:
         """Counts the rows of the items kept (encoded on `dev`, text on `home`)."""
         if self.free:
             return
-        remote, new_keys = self._routed(dev, home)
-        self.keys = np.concatenate([self.keys, new_keys])
-        self.rows = np.concatenate([self.rows, size[remote] // self.per_row])
+        remote, keys = self._routed(dev, home)
+        rows = size[remote] // self.per_row
+        if self.dense:
+            np.add.at(self._table(), keys, rows.astype(self.dtype))
+            return
+        new, inv = np.unique(keys, return_inverse=True)
+        rows = np.bincount(inv, rows, len(new)).astype(np.int64)
+        at, found = self._find(new)
+        self.rows[at[found]] += rows[found]  # (exact: integer sums far below 2**53)
+        self.pairs = np.insert(self.pairs, at[~found], new[~found])
+        self.rows = np.insert(self.rows, at[~found], rows[~found])
 
 
 def localize(
@@ -146,10 +188,11 @@ def keep_capacity(
     size: np.ndarray,
     loads: Loads,
     cap: int,
+    costs: np.ndarray | None = None,
 ) -> np.ndarray:
     """Applies the exchanges `old` -> `new` to the bins' `loads`, undoing those of every group
     that touches a bin they would overfill (sizes differ within a group by up to SIZE_TOL);
-    returns each item's device."""
+    returns each item's device. `costs`: the items' quadratic costs, if at hand."""
     load = loads.units
     nb = len(load)
     new = new.copy()
@@ -170,7 +213,7 @@ def keep_capacity(
         nm, om, sm = new[m], old[m], size[m]
     else:
         delta = np.bincount(nm, sm, nb) - np.bincount(om, sm, nb)
-    sq = loads.cost(sm)
+    sq = loads.cost(sm) if costs is None else costs[m]
     load += delta.astype(load.dtype)  # (exact: integer sums far below 2**53)
     loads.quad += np.bincount(nm, sq, nb) - np.bincount(om, sq, nb)
     return new

@@ -49,6 +49,20 @@ def item_tiles(
     return own_tiles(m, causal) - shared
 
 
+def packed_tiles(offsets: np.ndarray, sizes: np.ndarray, block: int, causal: bool) -> np.ndarray:
+    """`item_tiles` of documents each right after the one before it in its row (the one that
+    ends at its offset; offset 0: a row's first), in fewer passes: a document shares a tile
+    with the one before it when it starts inside a block."""
+    first = offsets // block
+    m = (offsets + sizes - 1) // block
+    m -= first
+    m += 1
+    t = own_tiles(m, causal)
+    first *= block
+    t -= first != offsets
+    return t
+
+
 def bin_tiles(
     bins: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, nbins: int, block: int, causal: bool
 ) -> np.ndarray:

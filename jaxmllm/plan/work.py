@@ -41,6 +41,9 @@ class Phases:
         if caps.block:
             self.cost = {LLM: tile_cost(caps.block, True)}
             self.cost.update({p: tile_cost(caps.block, False, caps.row_units(p)) for p in ENC})
+        # ... of each sample's text and each item, once (the packers' and loads' `sq`)
+        self.llm_cost = self.cost[LLM](self.llm)
+        self.item_cost = {p: self.cost[p](self.sizes[p]) for p in ENC}
         # What selection fits into a microbatch (`Selector`): each phase's units, and where
         # the tiles have a capacity (block-sparse attention and a planner that holds it) each
         # such phase's expected tiles too, so that a step takes a mix of samples whose tiles
@@ -97,7 +100,8 @@ class Micro:
         z = np.zeros(0, np.int64)
         self.entries: list[np.ndarray] = [z]  # pool positions placed, in order
         self.row_bin: list[np.ndarray] = [z]  # their LLM row bin (device * rows + row)
-        # per phase: (owner entry, item number, size, device) of placed items
+        self.row_offset: list[np.ndarray] = [z]  # where each starts in its row
+        # per phase: (owner entry, item number, device, offset in its bucket) of placed items
         self.items: dict[str, list[tuple[np.ndarray, ...]]] = {p: [] for p in ENC}
         self.routes = {
             p: Routes(caps.devices, caps.per_token[p], caps.route_pair_capacity, caps.units[p],

@@ -166,12 +166,15 @@ def make_train_step(
         loss, grads = loss_and_grads(state["params"], state["frozen"], batch)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        # A non-finite loss or gradient skips the update: params and optimizer state stay.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        params = optax.apply_updates(state["params"], updates)
+        # A non-finite loss, gradient or updated parameter skips the update: params and
+        # optimizer state stay. (An update can be non-finite with a finite gradient: an
+        # overflowing step size, an optimizer state gone bad; no checkpoint may hold it.)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(params)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_state = {
             **state,
-            "params": keep(optax.apply_updates(state["params"], updates), state["params"]),
+            "params": keep(params, state["params"]),
             "opt_state": keep(opt_state, state["opt_state"]),
             "step": state["step"] + 1,
         }
@@ -188,6 +191,12 @@ def make_train_step(
         return new_state, metrics
 
     return train_step
+
+
+def all_finite(tree) -> jax.Array:
+    """Whether every element of every array of `tree` is finite (a scalar bool)."""
+    leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]
+    return jnp.stack(leaves).all() if leaves else jnp.asarray(True)
 
 
 # ----------------------------------------------------------------------------- program

@@ -3,24 +3,36 @@
 Frames are 25 ms Hann windows every 10 ms at the target rate, so a clip of n samples at rate sr
 has `clip_frames(n, sr, ...)` frames: the index computes that from the header, preprocessing
 from the decoded clip, with the same function.
+
+Decoding cost is bounded before a sample is decoded, from the header: its length
+(data.max_audio_seconds), its samples over all channels whatever the rate
+(data.max_audio_samples: a 590 s FLAC at 655 kHz is 386 M samples) and its file size
+(data.max_media_bytes). Decoding then holds one block of samples at the source rate at a time:
+each is mixed to mono and resampled as it comes (`Resampler`), so memory follows the clip at
+the target rate, not the file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import io
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import soundfile as sf
 
-from jaxmllm.data.rejects import RecordError, check_media_file
+from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError, check_media_file
 
 Source = str | Path | bytes
 HOP_S, WIN_S = 0.010, 0.025
 MAX_SECONDS = 600.0  # the default of data.max_audio_seconds
+MAX_SAMPLES = 1 << 26  # the default of data.max_audio_samples (frames x channels)
 MAX_RATE = 768_000  # Hz; above any real recording: a header saying more is broken or hostile
-BLOCK = 1 << 16  # frames decoded at a time
+BLOCK_SAMPLES = 1 << 18  # samples (frames x channels) decoded at a time
+TAPS = 31  # the low-pass filter's half width (63 taps)
 
 
 def clip_frames(num_samples: int, sample_rate: int, target_rate: int, subsample: int) -> int:
@@ -43,79 +55,188 @@ def hop_length(rate: int) -> int:
     return round(rate * HOP_S)
 
 
+@dataclasses.dataclass(frozen=True)
+class Caps:
+    """What a clip may cost before it is decoded (data.max_audio_seconds, max_audio_samples,
+    max_media_bytes)."""
+
+    seconds: float = MAX_SECONDS
+    samples: int = MAX_SAMPLES
+    bytes: int = MAX_MEDIA_BYTES
+
+
 def read_info(
-    src: Source, record_id: str = "?", max_seconds: float = MAX_SECONDS
+    src: Source, record_id: str = "?", max_seconds: float = MAX_SECONDS, caps: Caps | None = None
 ) -> tuple[int, int]:
     """(samples per channel, sample rate) from the header, without decoding.
 
-    Refuses a clip longer than `max_seconds` and implausible headers before any sample is read.
+    Refuses a clip over the caps (`caps`, else the defaults with `max_seconds`) and implausible
+    headers before any sample is read.
     """
-    check_media_file(src, record_id)
+    caps = caps or Caps(seconds=max_seconds)
+    check_media_file(src, record_id, caps.bytes)
     try:
         info = sf.info(_file(src))
-    except Exception as e:  # noqa: BLE001  libsndfile's errors on hostile bytes; see decode_mono
+    except Exception as e:  # noqa: BLE001  libsndfile's errors on hostile bytes; see _blocks
         raise RecordError("undecodable_media", _what(src, e), record_id) from None
-    _check_header(src, info.frames, info.samplerate, info.channels, max_seconds, record_id)
+    _check_header(src, info.frames, info.samplerate, info.channels, caps, record_id)
     return int(info.frames), int(info.samplerate)
 
 
-def decode_mono(
-    src: Source, record_id: str = "?", max_seconds: float = MAX_SECONDS
-) -> tuple[np.ndarray, int]:
-    """Decodes to float32 mono (the mean of the channels) and returns (samples, rate).
-
-    The header is checked as `read_info` does, then at most its frame count is read, in blocks
-    mixed down as they come: memory stays at the mono clip whatever the channel count.
-    """
-    check_media_file(src, record_id)
+@contextlib.contextmanager
+def open_mono(src: Source, record_id: str, caps: Caps):
+    """(frames, rate, blocks) of a clip whose header passed the caps: `blocks` yields float32
+    mono (the mean of the channels) a block at a time, at most `frames` in all, so memory holds
+    one block whatever the length and channel count; any decoder error, or a NaN / inf
+    sample, is a RecordError (undecodable_media)."""
+    check_media_file(src, record_id, caps.bytes)
     try:
-        with sf.SoundFile(_file(src)) as f:
-            frames, rate = f.frames, f.samplerate
-            _check_header(src, frames, rate, f.channels, max_seconds, record_id)
-            x = np.empty(frames, np.float32)
-            n = 0
-            for block in f.blocks(BLOCK, dtype="float32", always_2d=True, frames=frames):
-                with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf: rejected below
-                    x[n : n + len(block)] = block.mean(axis=1)
-                n += len(block)
+        f = sf.SoundFile(_file(src))
+    except Exception as e:  # noqa: BLE001  see _blocks
+        raise RecordError("undecodable_media", _what(src, e), record_id) from None
+    with f:
+        frames, rate = f.frames, f.samplerate
+        _check_header(src, frames, rate, f.channels, caps, record_id)
+        yield int(frames), int(rate), _blocks(f, src, record_id)
+
+
+def _blocks(f: sf.SoundFile, src: Source, record_id: str) -> Iterator[np.ndarray]:
+    block = max(1, BLOCK_SAMPLES // f.channels)
+    try:
+        for x in f.blocks(block, dtype="float32", always_2d=True, frames=f.frames):
+            with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf: rejected below
+                mono = x.mean(axis=1, dtype=np.float32)
+            if not np.isfinite(mono).all():  # float WAV/AIFF can store NaN and inf
+                raise RecordError("undecodable_media", f"{_name(src)}: non-finite samples",
+                                  record_id)  # fmt: skip
+            yield mono
     except RecordError:
         raise
     # libsndfile (through soundfile's cffi layer) raises LibsndfileError, RuntimeError,
     # TypeError, ValueError, ... on hostile bytes; all mean this file cannot become samples.
     except Exception as e:  # noqa: BLE001
         raise RecordError("undecodable_media", _what(src, e), record_id) from None
-    if not np.isfinite(x[:n]).all():  # float WAV/AIFF can store NaN and inf: they poison the loss
-        raise RecordError("undecodable_media", f"{_name(src)}: non-finite samples", record_id)
-    return x[:n], int(rate)
 
 
-def _check_header(src, frames, rate, channels, max_seconds, record_id) -> None:
+def decode_mono(
+    src: Source, record_id: str = "?", max_seconds: float = MAX_SECONDS, caps: Caps | None = None
+) -> tuple[np.ndarray, int]:
+    """Decodes to float32 mono (the mean of the channels) and returns (samples, rate), the
+    header checked as `read_info` does."""
+    with open_mono(src, record_id, caps or Caps(seconds=max_seconds)) as (_, rate, blocks):
+        x = np.concatenate([np.zeros(0, np.float32), *blocks])
+    return x, rate
+
+
+def _check_header(src, frames, rate, channels, caps: Caps, record_id) -> None:
     if frames <= 0 or rate <= 0 or channels <= 0:
         raise RecordError("undecodable_media", f"{_name(src)}: empty or unknown length", record_id)
     if rate > MAX_RATE:
         raise RecordError(
             "undecodable_media", f"{_name(src)}: implausible sample rate {rate} Hz", record_id
         )
-    if frames > max_seconds * rate:
+    if frames > caps.seconds * rate:
         raise RecordError(
             "audio_too_long",
-            f"{_name(src)}: {frames / rate:.1f} s > data.max_audio_seconds={max_seconds}",
+            f"{_name(src)}: {frames / rate:.1f} s > data.max_audio_seconds={caps.seconds}",
+            record_id,
+        )
+    if frames * channels > caps.samples:
+        raise RecordError(
+            "audio_too_long",
+            f"{_name(src)}: {frames} samples x {channels} channels at {rate} Hz > "
+            f"data.max_audio_samples={caps.samples} (not decoded)",
             record_id,
         )
 
 
 def resample(x: np.ndarray, rate: int, target: int) -> np.ndarray:
     """Band-limited linear-interpolation resampling to `resampled_length` samples."""
-    if rate == target:
-        return x.astype(np.float32)
-    if target < rate:  # low-pass below the new Nyquist first (windowed sinc, 63 taps)
-        cutoff = 0.5 * target / rate
-        t = np.arange(-31, 32)
-        taps = 2 * cutoff * np.sinc(2 * cutoff * t) * np.hamming(len(t))
-        x = np.convolve(x, taps / taps.sum(), mode="same")
-    n = resampled_length(len(x), rate, target)
-    pos = np.arange(n) * (rate / target)
-    return np.interp(pos, np.arange(len(x)), x).astype(np.float32)
+    r = Resampler(rate, target)
+    r.feed(np.asarray(x, np.float32))
+    return r.finish(len(x))
+
+
+class Resampler:
+    """`resample` a block at a time: feed the clip's samples in order, then `finish(n)` with
+    its length (zeros pad a clip that came out short); holds only what the next outputs need.
+
+    Low-pass below the new Nyquist first when downsampling (a windowed sinc of 63 taps, zeros
+    beyond the clip), then linear interpolation at output j's position j * rate / target; each
+    output is computed from the same samples with the same arithmetic whatever the blocks, so
+    the result is the whole clip's `np.convolve(mode="same")` and `np.interp`, to the bit.
+    """
+
+    def __init__(self, rate: int, target: int):
+        self.rate, self.target, self.ratio = rate, target, rate / target
+        self.taps = None
+        if target < rate:
+            cutoff = 0.5 * target / rate
+            t = np.arange(-TAPS, TAPS + 1)
+            taps = 2 * cutoff * np.sinc(2 * cutoff * t) * np.hamming(len(t))
+            self.taps = taps / taps.sum()
+        self.raw = np.zeros(TAPS if self.taps is not None else 0, np.float32)  # zeros before 0
+        self.raw0 = -len(self.raw)  # the clip's index of raw[0]
+        self.filtered = np.zeros(0, np.float64)
+        self.f0 = 0  # the clip's index of filtered[0]
+        self.out: list[np.ndarray] = []
+        self.done = 0  # outputs made
+
+    def feed(self, x: np.ndarray) -> None:
+        if self.rate == self.target:
+            self.out.append(x.astype(np.float32))
+            return
+        self.raw = np.concatenate([self.raw, x])
+        self._filter(self.raw0 + len(self.raw) - (TAPS if self.taps is not None else 0))
+        self._interp(final=False)
+
+    def finish(self, n: int) -> np.ndarray:
+        """The resampled clip of `n` samples: `resampled_length(n, rate, target)` outputs."""
+        if self.rate == self.target:
+            x = np.concatenate([np.zeros(0, np.float32), *self.out])
+            return np.pad(x[:n], (0, max(0, n - len(x))))
+        have = self.raw0 + len(self.raw)
+        if have > n:  # (fed past n: trimmed, as the whole clip is cut to n)
+            raise ValueError(f"fed {have} samples, finishing at {n}")
+        pad = n - have + (TAPS if self.taps is not None else 0)
+        self.raw = np.concatenate([self.raw, np.zeros(pad, np.float32)])
+        self.n = n
+        self._filter(n)
+        self._interp(final=True)
+        return np.concatenate([np.zeros(0, np.float32), *self.out])
+
+    def _filter(self, upto: int) -> None:
+        """Filtered samples up to (not incl.) clip index `upto`, from the raw ones held."""
+        start = self.f0 + len(self.filtered)
+        if upto <= start:
+            return
+        if self.taps is None:  # upsampling: interpolated as they are
+            part = self.raw[start - self.raw0 : upto - self.raw0].astype(np.float64)
+        else:  # y[i] = sum x[i-31 .. i+31] * taps (np.convolve's "same", zeros beyond the clip)
+            window = self.raw[start - TAPS - self.raw0 : upto + TAPS - self.raw0]
+            part = np.convolve(window, self.taps, mode="valid")
+        self.filtered = np.concatenate([self.filtered, part])
+        keep = upto - TAPS - self.raw0 if self.taps is not None else upto - self.raw0
+        self.raw, self.raw0 = self.raw[keep:], self.raw0 + keep
+
+    def _interp(self, final: bool) -> None:
+        last = self.f0 + len(self.filtered) - 1  # the newest filtered sample
+        if final:
+            n_out = resampled_length(self.n, self.rate, self.target)
+        else:  # outputs whose two neighbours are both here (position < last), and that the
+            # clip has whatever its final length (at least the samples fed so far)
+            fed = resampled_length(self.raw0 + len(self.raw), self.rate, self.target)
+            n_out = min(fed, int(np.ceil(last / self.ratio))) if last > 0 else 0
+            while n_out > self.done and (n_out - 1) * self.ratio >= last:
+                n_out -= 1
+        if n_out <= self.done:
+            return
+        pos = np.arange(self.done, n_out) * self.ratio
+        xp = np.arange(self.f0, self.f0 + len(self.filtered))
+        self.out.append(np.interp(pos, xp, self.filtered).astype(np.float32))
+        self.done = n_out
+        keep = max(0, int(np.floor(n_out * self.ratio)) - self.f0)  # the next output's left one
+        self.filtered, self.f0 = self.filtered[keep:], self.f0 + keep
 
 
 def log_mel(x: np.ndarray, rate: int, n_mels: int) -> np.ndarray:
@@ -123,13 +244,35 @@ def log_mel(x: np.ndarray, rate: int, n_mels: int) -> np.ndarray:
     hop, win = hop_length(rate), round(rate * WIN_S)
     n_fft = 1 << (win - 1).bit_length()
     frames = len(x) // hop
-    padded = np.pad(x, (0, win))
-    idx = np.arange(frames)[:, None] * hop + np.arange(win)[None, :]
-    spec = np.abs(np.fft.rfft(padded[idx] * np.hanning(win), n=n_fft)) ** 2
-    mel = spec @ mel_filters(rate, n_fft, n_mels)
-    logmel = np.log10(np.maximum(mel, 1e-10))
-    logmel = np.maximum(logmel, logmel.max(initial=-10.0) - 8.0)
-    return ((logmel + 4.0) / 4.0).astype(np.float32)
+    windows = _frames(np.pad(x, (0, win)), win, hop, frames)
+    power = _power(np.fft.rfft(windows * _window(win, False), n=n_fft))
+    return _scaled_log(power @ mel_filters(rate, n_fft, n_mels))
+
+
+def _frames(padded: np.ndarray, win: int, hop: int, frames: int) -> np.ndarray:
+    """[frames, win]: the window starting every `hop` samples, a view (nothing copied)."""
+    return np.lib.stride_tricks.sliding_window_view(padded, win)[::hop][:frames]
+
+
+@functools.lru_cache(maxsize=8)
+def _window(n: int, periodic: bool) -> np.ndarray:
+    """A Hann window of n samples (periodic: the first n of n + 1)."""
+    return np.hanning(n + 1)[:-1] if periodic else np.hanning(n)
+
+
+def _power(spec: np.ndarray) -> np.ndarray:
+    """|spec| ** 2, in place of |spec|."""
+    power = np.abs(spec)
+    return np.square(power, out=power)
+
+
+def _scaled_log(mel: np.ndarray) -> np.ndarray:
+    """log10, floored 8 below the clip's top, (x + 4) / 4, float32; in place of `mel`."""
+    logmel = np.log10(np.maximum(mel, 1e-10, out=mel), out=mel)
+    np.maximum(logmel, logmel.max(initial=-10.0) - 8.0, out=logmel)
+    logmel += 4.0
+    logmel /= 4.0
+    return logmel.astype(np.float32)
 
 
 def whisper_log_mel(x: np.ndarray, rate: int, n_mels: int) -> np.ndarray:
@@ -142,12 +285,9 @@ def whisper_log_mel(x: np.ndarray, rate: int, n_mels: int) -> np.ndarray:
     head = np.pad(x, (half, 0), mode="reflect") if len(x) > half else np.pad(x, (half, 0))
     padded = np.pad(head, (0, half))
     frames = len(x) // hop
-    idx = np.arange(frames)[:, None] * hop + np.arange(n_fft)[None, :]
-    window = np.hanning(n_fft + 1)[:-1]  # periodic
-    spec = np.abs(np.fft.rfft(padded[idx] * window, n=n_fft)) ** 2
-    logmel = np.log10(np.maximum(spec @ slaney_filters(rate, n_fft, n_mels), 1e-10))
-    logmel = np.maximum(logmel, logmel.max(initial=-10.0) - 8.0)
-    return ((logmel + 4.0) / 4.0).astype(np.float32)
+    windows = _frames(padded, n_fft, hop, frames)
+    power = _power(np.fft.rfft(windows * _window(n_fft, True), n=n_fft))
+    return _scaled_log(power @ slaney_filters(rate, n_fft, n_mels))
 
 
 @functools.lru_cache(maxsize=8)
@@ -191,27 +331,37 @@ def load_audio(
     record_id: str = "?",
     max_seconds: float = MAX_SECONDS,
     mel: str = "jaxmllm",
+    caps: Caps | None = None,
 ) -> list[np.ndarray]:
-    """Decode, mono, resample, log-mel (`mel`: jaxmllm | whisper, see `LOG_MELS`), cut into
-    chunks: frames [f, n_mels] per chunk.
+    """Decode, mono, resample (block by block), log-mel (`mel`: jaxmllm | whisper, see
+    `LOG_MELS`), cut into chunks: frames [f, n_mels] per chunk.
 
     `expect_samples` is the length the index read from the header; a decoder that returns a
     slightly different length (a few samples, as some OGG streams do) is padded or trimmed to
     it, a clearly different one is rejected as changed since the index was built.
     """
-    x, rate = decode_mono(src, record_id, max_seconds)
-    if expect_samples is not None and len(x) != expect_samples:
-        if abs(len(x) - expect_samples) > max(rate // 100, expect_samples // 100):
-            raise RecordError(
-                "changed_since_index",
-                f"{_name(src)}: {len(x)} samples, the index measured {expect_samples}",
-                record_id,
-            )
-        x = np.pad(x, (0, max(0, expect_samples - len(x))))[:expect_samples]
-    frames = clip_frames(len(x), rate, target_rate, subsample)
-    if frames == 0:
-        raise RecordError("audio_too_short", f"{_name(src)}: {len(x) / rate:.3f} s", record_id)
-    feats = LOG_MELS[mel](resample(x, rate, target_rate), target_rate, n_mels)[:frames]
+    caps = caps or Caps(seconds=max_seconds)
+    with open_mono(src, record_id, caps) as (frames, rate, blocks):
+        want = frames if expect_samples is None else expect_samples
+        resampler, got = Resampler(rate, target_rate), 0
+        for x in blocks:
+            resampler.feed(x[: max(0, want - got)])  # (past `want`: trimmed)
+            got += len(x)
+    if expect_samples is None:
+        want = min(got, frames)
+    elif got != expect_samples and abs(got - expect_samples) > max(
+        rate // 100, expect_samples // 100
+    ):
+        raise RecordError(
+            "changed_since_index",
+            f"{_name(src)}: {got} samples, the index measured {expect_samples}",
+            record_id,
+        )
+    n_frames = clip_frames(want, rate, target_rate, subsample)
+    if n_frames == 0:
+        raise RecordError("audio_too_short", f"{_name(src)}: {want / rate:.3f} s", record_id)
+    feats = LOG_MELS[mel](resampler.finish(want), target_rate, n_mels)[:n_frames]
+    frames = n_frames
     starts = np.cumsum([0] + chunk_lengths(frames, max_frames))
     return [feats[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
 

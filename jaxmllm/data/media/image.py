@@ -9,13 +9,14 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import struct
 import warnings
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from jaxmllm.data.rejects import RecordError, check_media_file
+from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError, check_media_file
 
 ORIENTATION = 0x0112  # EXIF tag; values 5..8 swap width and height
 Source = str | Path | bytes
@@ -53,14 +54,20 @@ def image_grid(
     return hb // patch, wb // patch
 
 
-def open_image(src: Source, record_id: str = "?", max_pixels: int = MAX_PIXELS) -> Image.Image:
+def open_image(
+    src: Source,
+    record_id: str = "?",
+    max_pixels: int = MAX_PIXELS,
+    max_bytes: int = MAX_MEDIA_BYTES,
+) -> Image.Image:
     """Opens an image from a path or bytes, reading its header only.
 
-    Refuses, before any pixel is decoded, an image of more than `max_pixels` (a decompression
-    bomb: a few KB of PNG can hold gigapixels of zeros), an empty one, and formats outside FORMATS
-    (PIL would also try EPS through Ghostscript, icons whose decoded size is not the header's...).
+    Refuses, before any pixel is decoded, a file of more than `max_bytes`, an image of more than
+    `max_pixels` (a decompression bomb: a few KB of PNG can hold gigapixels of zeros), an empty
+    one, and formats outside FORMATS (PIL would also try EPS through Ghostscript, icons whose
+    decoded size is not the header's...).
     """
-    check_media_file(src, record_id)
+    check_media_file(src, record_id, max_bytes)
     try:
         with _bomb_check_as_error():
             img = Image.open(io.BytesIO(src) if isinstance(src, bytes) else src, formats=FORMATS)
@@ -83,13 +90,18 @@ def open_image(src: Source, record_id: str = "?", max_pixels: int = MAX_PIXELS) 
     return img
 
 
-def read_size(src: Source, record_id: str = "?", max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
+def read_size(
+    src: Source,
+    record_id: str = "?",
+    max_pixels: int = MAX_PIXELS,
+    max_bytes: int = MAX_MEDIA_BYTES,
+) -> tuple[int, int]:
     """(height, width) as displayed (EXIF orientation applied), read from the header only.
 
     Also checks the end-of-image marker of JPEG and PNG files, which catches truncated files
     without decoding them.
     """
-    with open_image(src, record_id, max_pixels) as img:
+    with open_image(src, record_id, max_pixels, max_bytes) as img:
         w, h = img.size
         orientation = _orientation(img)
         fmt = img.format
@@ -98,13 +110,18 @@ def read_size(src: Source, record_id: str = "?", max_pixels: int = MAX_PIXELS) -
     return (w, h) if orientation in (5, 6, 7, 8) else (h, w)
 
 
-def decode_rgb(src: Source, record_id: str = "?", max_pixels: int = MAX_PIXELS) -> np.ndarray:
+def decode_rgb(
+    src: Source,
+    record_id: str = "?",
+    max_pixels: int = MAX_PIXELS,
+    max_bytes: int = MAX_MEDIA_BYTES,
+) -> np.ndarray:
     """Decodes the first frame to uint8 RGB [h, w, 3], EXIF orientation applied.
 
     Grayscale, palette, CMYK and 16-bit images are converted; transparency is composited on white.
     The image must decode to the size its header announced (what the index counted).
     """
-    with open_image(src, record_id, max_pixels) as img:
+    with open_image(src, record_id, max_pixels, max_bytes) as img:
         want = img.size
         orientation = _orientation(img)
         try:
@@ -132,23 +149,48 @@ def load_image(
     max_image_pixels: int = MAX_PIXELS,
     mean: tuple[float, ...] = (0.5, 0.5, 0.5),
     std: tuple[float, ...] = (0.5, 0.5, 0.5),
+    max_bytes: int = MAX_MEDIA_BYTES,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Decode (refusing images over `max_image_pixels`), resize to the budget, normalise each
-    channel to (x / 255 - mean) / std, patchify.
+    """Decode (refusing images over `max_image_pixels` or files over `max_bytes`), resize to
+    the budget, normalise each channel to (x / 255 - mean) / std, patchify.
 
     Returns (patches [n, patch*patch*3], positions [n, 2] as (row, col)).
     """
-    rgb = decode_rgb(src, record_id, max_image_pixels)
+    rgb = decode_rgb(src, record_id, max_image_pixels, max_bytes)
     gh, gw = image_grid(*rgb.shape[:2], patch, merge, min_pixels, max_pixels)
-    size = (gw * patch, gh * patch)
-    if size != (rgb.shape[1], rgb.shape[0]):
-        rgb = np.asarray(Image.fromarray(rgb).resize(size, Image.Resampling.BICUBIC))
+    rgb = fit_to_grid(rgb, gh * patch, gw * patch, patch * merge)
+    # Cut into patches as uint8 (a quarter of float32's bytes to move), then normalised in
+    # place: the same float32 arithmetic per value as normalising the image first, same bits.
+    x = patch_rows(rgb, patch, merge).astype(np.float32)
     if tuple(mean) == tuple(std) == (0.5, 0.5, 0.5):
-        x = rgb.astype(np.float32) / 127.5 - 1.0  # (bit for bit what it always was)
-    else:
-        m, s = np.asarray(mean, np.float32), np.asarray(std, np.float32)
-        x = (rgb.astype(np.float32) / 255.0 - m) / s
-    return patchify(x, patch, merge)
+        x /= 127.5  # (bit for bit what it always was)
+        x -= 1.0
+    else:  # (each row of a patch is pixels of 3 channels: the channels' values tiled)
+        x /= 255.0
+        x -= np.tile(np.asarray(mean, np.float32), patch * patch)
+        x /= np.tile(np.asarray(std, np.float32), patch * patch)
+    return x, patch_positions(gh, gw, merge)
+
+
+def fit_to_grid(rgb: np.ndarray, height: int, width: int, unit: int) -> np.ndarray:
+    """`rgb` at `height` x `width` pixels (its patch grid, from `image_grid`).
+
+    An image that only needs rounding to the grid (each side within half a merge block, `unit`
+    / 2 pixels, of its target) is centre-cropped or edge-padded to it: resampling it would
+    blur every pixel to move the border by a few. Others are resized (bicubic).
+    """
+    h, w = rgb.shape[:2]
+    if (h, w) == (height, width):
+        return rgb
+    if abs(h - height) > unit // 2 or abs(w - width) > unit // 2:
+        return np.asarray(Image.fromarray(rgb).resize((width, height), Image.Resampling.BICUBIC))
+    top, left = (h - height) // 2, (w - width) // 2  # (negative: padded)
+    rgb = rgb[max(top, 0) : max(top, 0) + height, max(left, 0) : max(left, 0) + width]
+    if height <= h and width <= w:
+        return rgb
+    pad_h, pad_w = max(-top, 0), max(-left, 0)  # the edge rows and columns repeated
+    widths = ((pad_h, height - rgb.shape[0] - pad_h), (pad_w, width - rgb.shape[1] - pad_w), (0, 0))
+    return np.pad(rgb, widths, mode="edge")
 
 
 def _to_rgb(img: Image.Image) -> np.ndarray:
@@ -161,14 +203,46 @@ def _to_rgb(img: Image.Image) -> np.ndarray:
         rgba = img.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         img = Image.alpha_composite(white, rgba)
-    return np.asarray(img.convert("RGB"))
+    return np.asarray(img if img.mode == "RGB" else img.convert("RGB"))
 
 
 def _orientation(img: Image.Image) -> int:
     try:
+        if img.format == "PNG" and "exif" not in img.info and _png_tail_read(img):
+            return int(Image.Image.getexif(img).get(ORIENTATION, 1))  # (all but the pixels)
         return int(img.getexif().get(ORIENTATION, 1))
     except Exception:  # noqa: BLE001  a broken EXIF block does not stop decoding: upright
         return 1
+
+
+def _png_tail_read(img: Image.Image) -> bool:
+    """Reads the eXIf chunk a PNG may hold after its pixel data into `img.info` as PIL would
+    once decoded, walking the chunks (PIL's getexif decodes the whole image to reach it).
+
+    False (nothing read) when text chunks follow the pixel data: they may hold EXIF or XMP
+    orientation too, which PIL's getexif reads after decoding.
+    """
+    fp, at = img.fp, img.fp.tell()
+    exif, after_pixels = None, False
+    try:
+        fp.seek(8)  # the signature
+        while len(head := fp.read(8)) == 8:
+            length, kind = struct.unpack(">I4s", head)
+            if kind == b"IEND":
+                break
+            if kind == b"eXIf":
+                exif = fp.read(length)
+                fp.seek(4, io.SEEK_CUR)
+                continue
+            if after_pixels and kind in (b"tEXt", b"zTXt", b"iTXt"):
+                return False
+            after_pixels = after_pixels or kind == b"IDAT"
+            fp.seek(length + 4, io.SEEK_CUR)  # data and CRC
+    finally:
+        fp.seek(at)
+    if exif is not None:
+        img.info["exif"] = b"Exif\x00\x00" + exif
+    return True
 
 
 def _orient(rgb: np.ndarray, orientation: int) -> np.ndarray:
@@ -224,18 +298,26 @@ def _name(src: Source) -> str:
 def patchify(img_hwc: np.ndarray, patch: int, merge: int = 2) -> tuple[np.ndarray, np.ndarray]:
     """Cuts an image into patches ordered so each run of merge*merge patches is one merge block.
 
-    Returns (patches [gh*gw, patch*patch*C], positions [gh*gw, 2] as (row, col)).
+    Returns (patches [gh*gw, patch*patch*C] float32, positions [gh*gw, 2] as (row, col)).
     """
+    h, w, _ = img_hwc.shape
+    patches = patch_rows(img_hwc, patch, merge)
+    return patches.astype(np.float32, copy=False), patch_positions(h // patch, w // patch, merge)
+
+
+def patch_rows(img_hwc: np.ndarray, patch: int, merge: int) -> np.ndarray:
+    """[gh*gw, patch*patch*C] of the image's dtype, in merge-block order (one copy)."""
     h, w, c = img_hwc.shape
     gh, gw = h // patch, w // patch
-    x = img_hwc[: gh * patch, : gw * patch].reshape(gh, patch, gw, patch, c)
-    x = x.transpose(0, 2, 1, 3, 4).reshape(gh, gw, patch * patch * c)
+    # (block row, row in block, pixel row, block col, col in block, pixel col, channel)
+    x = img_hwc[: gh * patch, : gw * patch].reshape(
+        gh // merge, merge, patch, gw // merge, merge, patch, c
+    )
+    return x.transpose(0, 3, 1, 4, 2, 5, 6).reshape(gh * gw, patch * patch * c)
+
+
+def patch_positions(gh: int, gw: int, merge: int) -> np.ndarray:
+    """(row, col) of each patch of a gh x gw grid, int32 [gh*gw, 2], in merge-block order."""
     rows, cols = np.mgrid[0:gh, 0:gw]
-    grid = np.stack([rows, cols], -1)
-
-    def merge_order(a):  # [gh, gw, k] -> [gh*gw, k] in merge-block order
-        k = a.shape[-1]
-        a = a.reshape(gh // merge, merge, gw // merge, merge, k).transpose(0, 2, 1, 3, 4)
-        return a.reshape(gh * gw, k)
-
-    return merge_order(x).astype(np.float32), merge_order(grid).astype(np.int32)
+    grid = np.stack([rows, cols], -1).astype(np.int32)
+    return patch_rows(grid, 1, merge)

@@ -8,7 +8,9 @@ the record has none) and `scan()` (what opening the file found: offsets, saved w
 `auto`; `schemas` makes another tool's record (LLaVA's conversations, OpenAI messages, a Parquet
 row, a WebDataset sample) into jaxmllm's, which `record` parses into a `Record` (or raises
 RecordError): all the layers above see of the file format. `open_records` opens a data set (a
-file, a directory of shards or a glob) as one `Records`.
+file, a directory of shards or a glob) as one `Records`, whose `paths` (`MediaPaths`) say where
+its records' media paths lead: data.media_root, else the data file's folder, and only inside it
+unless data.allow_outside_paths.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxmllm.config import DataConfig
 from jaxmllm.data.records.arrayrecord import ArrayRecordRecords
 from jaxmllm.data.records.formats import FORMATS, data_files, detect, json_container
 from jaxmllm.data.records.jsonl import JsonRecords
 from jaxmllm.data.records.parquet import ParquetRecords
-from jaxmllm.data.records.record import Record, parse_record
+from jaxmllm.data.records.record import MediaPaths, Record, parse_record
 from jaxmllm.data.records.schemas import to_native
 from jaxmllm.data.records.webdataset import TarRecords
 
@@ -34,16 +37,21 @@ READERS = {
     "tar": TarRecords,
     "arrayrecord": ArrayRecordRecords,
 }
+CAPPED = ("jsonl", "jsonarray", "tar")  # readers that take data.max_media_bytes (`max_bytes`)
 
 
 class Records:
     """The records of a data set's files, one after another: record k of the set is record
     k - start[f] of file f."""
 
-    def __init__(self, readers: list, fmt: str, base_dir: Path, why: str = ""):
-        self.readers, self.format, self.base_dir, self.why = readers, fmt, base_dir, why
+    def __init__(self, readers: list, fmt: str, paths: MediaPaths, why: str = ""):
+        self.readers, self.format, self.paths, self.why = readers, fmt, paths, why
         self.schema = FORMATS[fmt].schema
         self.starts = np.cumsum([0, *(len(r) for r in readers)]).astype(np.int64)
+
+    @property
+    def base_dir(self) -> Path:
+        return self.paths.base
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -80,13 +88,32 @@ class Records:
         return dict(out)
 
 
+def media_paths(
+    path: str | Path, files: list[Path], media_root: str | Path = "", data: DataConfig | None = None
+) -> MediaPaths:
+    """Where the media paths of the data set at `path` (its `files`) lead: `media_root`, else
+    the data file's folder (a directory's self); confined there unless data.allow_outside_paths."""
+    if media_root:
+        base = Path(media_root)
+    else:
+        base = Path(path) if Path(path).is_dir() else files[0].parent
+    return MediaPaths(base, anywhere=(data or DataConfig()).allow_outside_paths)
+
+
 def open_records(
-    path: str | Path, fmt: str = "auto", media_root: str | Path = "", scan: dict | None = None
+    path: str | Path,
+    fmt: str = "auto",
+    media_root: str | Path = "",
+    scan: dict | None = None,
+    data: DataConfig | None = None,
 ) -> Records:
     """The records of the data set at `path` (a file, a directory of shards or a glob) in
     data.format `fmt` (`auto`: detected; `why` says how); media paths relative to `media_root`
     ("" = the data file's folder, a directory's self). `scan`: the saved `Records.scan()` of
-    these files (the index's), so they are not scanned again."""
+    these files (the index's), so they are not scanned again. `data` (the run's data section:
+    default settings without it) says whether media paths may lead out of that folder and how
+    large a record or a .tar member may be (data.max_media_bytes)."""
+    data = data or DataConfig()
     files = data_files(path)
     why = ""
     if fmt == "auto":
@@ -102,12 +129,9 @@ def open_records(
             if scan is None
             else {k.partition("/")[2]: v for k, v in scan.items() if k.partition("/")[0] == str(i)}
         )
-        readers.append(READERS[kind](f, saved or None))
-    if media_root:
-        base = Path(media_root)
-    else:
-        base = Path(path) if Path(path).is_dir() else files[0].parent
-    return Records(readers, fmt, base, why)
+        caps = {"max_bytes": data.max_media_bytes} if kind in CAPPED else {}
+        readers.append(READERS[kind](f, saved or None, **caps))
+    return Records(readers, fmt, media_paths(path, files, media_root, data), why)
 
 
 def read_record(records, k: int) -> Record:
@@ -116,4 +140,4 @@ def read_record(records, k: int) -> Record:
     schema = getattr(records, "schema", "jaxmllm")
     if schema != "jaxmllm":
         obj = to_native(obj, schema, records.fallback_id(k))
-    return parse_record(obj, records.base_dir, line)
+    return parse_record(obj, records.paths, line)

@@ -3,7 +3,9 @@
 `python -m jaxmllm.data.arrayrecord` writes one from a manifest, in the same order. Each record
 is `MAGIC | u32 header length | JSON header | media blobs`: the header is the manifest object
 with each media entry replaced by {"blob": [offset, length], "name": ...}; a file it could not
-read is kept as {"missing": path}, so the index rejects it for the same reason as the JSONL path.
+embed is kept as {"missing": "images[0]", "reason": why} (a path outside the media folder, a
+file missing, over data.max_media_bytes or not a regular file; not its name, which may be a path
+outside), which the index rejects for that reason, as it would the JSONL record, opening nothing.
 """
 
 from __future__ import annotations
@@ -12,32 +14,48 @@ import json
 import struct
 from pathlib import Path
 
-from jaxmllm.config.phases import ENCODERS
-from jaxmllm.data.rejects import RecordError, check_media_file
+from jaxmllm.config.phases import KINDS
+from jaxmllm.data.records.record import MediaPaths, valid_unicode
+from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError, check_media_file
 
-MEDIA_KEYS = tuple(p.items for p in ENCODERS)  # a record's lists of media entries
+MEDIA_KEYS = tuple(k.items for k in KINDS)  # a record's lists of media entries
 
 MAGIC = b"JMLR1"
 
 
-def encode_record(obj: object, base_dir: Path, line: int) -> bytes:
-    """One manifest object (media files read and embedded) as ArrayRecord bytes."""
+def encode_record(
+    obj: object, paths: MediaPaths | Path, line: int, max_bytes: int = MAX_MEDIA_BYTES
+) -> bytes:
+    """One manifest object (media files read and embedded) as ArrayRecord bytes; a path is
+    read only inside `paths` (a bare Path: that folder) and only up to `max_bytes`."""
+    paths = paths if isinstance(paths, MediaPaths) else MediaPaths(Path(paths))
     blobs: list[bytes] = []
     offset = 0
 
-    def embed(entry):
+    def embed(entry, where):
         nonlocal offset
         if isinstance(entry, dict) and isinstance(entry.get("bytes"), bytes):
-            data = entry["bytes"]  # (a Parquet or WebDataset record's media)
-        elif not isinstance(entry, str) or entry.startswith("data:"):
-            return entry  # inline data and odd entries stay as they are
+            data = entry["bytes"]  # (a Parquet or WebDataset record's media, read already)
+            if len(data) > max_bytes:
+                return {"missing": where, "reason": "media_too_large"}
+        elif not isinstance(entry, str) or not entry or not valid_unicode(entry):
+            return entry  # odd entries stay as they are (the parser judges them)
+        elif entry.startswith("data:"):
+            return entry  # inline data is in the header already
         else:
-            path = base_dir / entry
-            try:  # only regular files: reading a FIFO or a device would block or never end
-                check_media_file(path)
-                data = path.read_bytes()
-            except (RecordError, OSError):  # the index reads the path again and names the reason
-                return {"missing": str(path.absolute())}
+            try:  # only regular files inside the folder, size checked before a byte is read
+                path = paths.resolve(entry, where, "?")
+                check_media_file(path, max_bytes=max_bytes)
+                with open(path, "rb") as f:
+                    data = f.read(max_bytes + 1)
+                if len(data) > max_bytes:  # (grown since the check)
+                    raise RecordError("media_too_large", "", "?")
+            # Kept: where the entry was and why it is not here (the index rejects the record
+            # for that reason, opening nothing); not its name, which may be a path outside.
+            except RecordError as e:
+                return {"missing": where, "reason": e.reason}
+            except (OSError, ValueError):  # unreadable (permissions, I/O error, a NUL byte)
+                return {"missing": where, "reason": "missing_media"}
         blobs.append(data)
         offset += len(data)
         name = entry if isinstance(entry, str) else entry.get("path")
@@ -47,7 +65,7 @@ def encode_record(obj: object, base_dir: Path, line: int) -> bytes:
         obj = dict(obj)
         for key in MEDIA_KEYS:
             if isinstance(obj.get(key), list):
-                obj[key] = [embed(e) for e in obj[key]]
+                obj[key] = [embed(e, f"{key}[{j}]") for j, e in enumerate(obj[key])]
     header = json.dumps({"record": obj, "line": line}).encode()
     return MAGIC + struct.pack("<I", len(header)) + header + b"".join(blobs)
 

@@ -1,25 +1,29 @@
 """A parsed record: its turns of (role, text) and its media sources, checked.
 
 A record is `{"id", "text"}` (plain text) or `{"id", "messages": [{"role", "content"}]}` (a
-chat), with a list of items per encoder phase under its `items` key (`images`, `audio`: paths
-relative to the data file, `data:...;base64,` URIs or {"base64": ...}); the text places each
-item with its phase's placeholder (`<image>`, `<audio>`).
+chat), with a list of items per kind of media under its `items` key (`images`, `audio`,
+`videos`: paths relative to the data file or to data.media_root, `data:...;base64,` URIs or
+{"base64": ...}); the text places each item with its kind's placeholder (`<image>`, `<audio>`,
+`<video>`; `jaxmllm.config.phases.KINDS`). A path must lead, once `..` and symlinks are
+resolved, inside that folder (`MediaPaths`): a manifest from a stranger cannot make training
+read, or the ArrayRecord converter embed, `/etc/shadow`.
 """
 
 from __future__ import annotations
 
 import base64
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jaxmllm.config.phases import ENCODERS
+from jaxmllm.config.phases import KINDS
 from jaxmllm.data.rejects import RecordError
 
-PHASE_OF_PLACEHOLDER = {p.placeholder: p.name for p in ENCODERS}  # "<image>" -> its phase
-PLACEHOLDER = re.compile("(" + "|".join(re.escape(t) for t in PHASE_OF_PLACEHOLDER) + ")")
-PART_PHASE = {p.item: p.name for p in ENCODERS}  # a content part's type ("image") -> its phase
+KIND_OF_PLACEHOLDER = {k.placeholder: k.name for k in KINDS}  # "<video>" -> its kind
+PLACEHOLDER = re.compile("(" + "|".join(re.escape(t) for t in KIND_OF_PLACEHOLDER) + ")")
+PART_KIND = {k.item: k.name for k in KINDS}  # a content part's type ("video") -> its kind
 ROLES = ("system", "user", "assistant")
 
 
@@ -29,11 +33,47 @@ class Record:
 
     id: str
     turns: list[tuple[str, str]]  # role "text" for plain text records
-    media: dict[str, list[Any]]  # per encoder phase, its items' sources: Path | bytes
+    media: dict[str, list[Any]]  # per kind of media (KINDS), its items' sources: Path | bytes
 
 
-def parse_record(obj: Any, base_dir: Path, line: int) -> Record:
-    """Checks one manifest object and resolves its media; raises RecordError."""
+@dataclass(frozen=True)
+class MediaPaths:
+    """Where a record's media paths lead: relative to `base`, and (unless `anywhere`) only to
+    files inside it once `..` and symlinks are resolved."""
+
+    base: Path
+    anywhere: bool = False  # data.allow_outside_paths (generation's own --image / --audio)
+    root: Path = field(init=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(os.path.realpath(self.base)))
+
+    def resolve(self, entry: str, where: str, rid: str) -> Path:
+        """The path of a media entry; raises RecordError("path_outside_root") for one that
+        leads out of `base`, naming the entry's place in the record, never where it leads."""
+        path = self.base / entry
+        if self.anywhere:
+            return path
+        try:
+            real = Path(os.path.realpath(path))
+        except ValueError:  # a NUL byte: no file can have that name
+            return path  # (check_media_file rejects it as missing, opening nothing)
+        if not real.is_relative_to(self.root):
+            raise RecordError(
+                "path_outside_root",
+                f"{where} leads outside the media folder {self.base} (by '..', an absolute path "
+                "or a symlink); move the file under it, set data.media_root to a folder that "
+                "holds it, or set data.allow_outside_paths: true to read paths anywhere",
+                rid,
+            )
+        return real
+
+
+def parse_record(obj: Any, paths: MediaPaths | Path, line: int) -> Record:
+    """Checks one manifest object and resolves its media paths (a bare Path: confined to that
+    folder); raises RecordError."""
+    if not isinstance(paths, MediaPaths):
+        paths = MediaPaths(Path(paths))
     fallback = f"line:{line}"
     if not isinstance(obj, dict):
         raise RecordError("malformed_line", "not a JSON object", fallback)
@@ -43,7 +83,7 @@ def parse_record(obj: Any, base_dir: Path, line: int) -> Record:
     if not isinstance(rid, (str, int)) or isinstance(rid, bool) or rid == "":
         raise RecordError("malformed_line", "missing or invalid 'id'", fallback)
     rid = str(rid)
-    if not _valid_unicode(rid):
+    if not valid_unicode(rid):
         raise RecordError(
             "malformed_line", "'id' is not valid Unicode (a lone surrogate)", fallback
         )
@@ -55,14 +95,16 @@ def parse_record(obj: Any, base_dir: Path, line: int) -> Record:
         turns = [("text", obj["text"])]
     else:
         turns = _parse_messages(obj["messages"], rid)
-    if not all(_valid_unicode(t) for _, t in turns):  # JSON's "\ud800" escapes decode to these
+    if not all(valid_unicode(t) for _, t in turns):  # JSON's "\ud800" escapes decode to these
         raise RecordError("malformed_line", "text is not valid Unicode (a lone surrogate)", rid)
     media = {}
-    for p in ENCODERS:
-        entries = obj.get(p.items, [])
+    for k in KINDS:
+        entries = obj.get(k.items, [])
         if not isinstance(entries, list):
-            raise RecordError("malformed_line", f"'{p.items}' must be a list", rid)
-        media[p.name] = [_media_source(e, base_dir, rid) for e in entries]
+            raise RecordError("malformed_line", f"'{k.items}' must be a list", rid)
+        media[k.name] = [
+            _media_source(e, paths, f"{k.items}[{j}]", rid) for j, e in enumerate(entries)
+        ]
     record = Record(rid, turns, media)
     _check_placeholders(record)
     return record
@@ -88,29 +130,39 @@ def _content_part(part: Any, rid: str) -> str:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):
         return part["text"]
-    if kind in PART_PHASE:
+    if kind in PART_KIND:
         return f"<{kind}>"
     raise RecordError("malformed_line", f"unknown content part {part!r:.60}", rid)
 
 
-def _media_source(entry: Any, base_dir: Path, rid: str) -> Any:
+def _media_source(entry: Any, paths: MediaPaths, where: str, rid: str) -> Any:
+    if isinstance(entry, str) and entry and not entry.startswith("data:") and valid_unicode(entry):
+        return paths.resolve(entry, where, rid)
     try:
         if isinstance(entry, str) and entry.startswith("data:"):
             return base64.b64decode(entry.partition(",")[2], validate=True)
-        if isinstance(entry, str) and entry and _valid_unicode(entry):
-            return base_dir / entry
         if isinstance(entry, dict) and "base64" in entry:
             return base64.b64decode(entry["base64"], validate=True)
         if isinstance(entry, dict) and isinstance(entry.get("bytes"), bytes):
             return entry["bytes"]
-        if isinstance(entry, dict) and "missing" in entry:
-            return Path(entry["missing"])
     except (ValueError, TypeError) as e:
         raise RecordError("undecodable_media", f"bad base64: {e}", rid) from None
+    if isinstance(entry, dict) and "missing" in entry:
+        # What the ArrayRecord converter could not embed (or a reader did not read: a .tar
+        # member over the size cap): rejected for the reason found, never taken as a path (a
+        # manifest could name any file so).
+        reason = entry.get("reason")
+        reason = reason if reason in ("missing_media", "undecodable_media", "media_too_large",
+                                      "path_outside_root") else "missing_media"  # fmt: skip
+        detail = entry.get("detail")
+        detail = (
+            detail if isinstance(detail, str) else "the ArrayRecord converter could not embed it"
+        )
+        raise RecordError(reason, f"{where}: {detail}", rid)
     raise RecordError("malformed_line", f"media entry {entry!r:.60} is not a path or base64", rid)
 
 
-def _valid_unicode(text: str) -> bool:
+def valid_unicode(text: str) -> bool:
     """False for a string the tokenizer cannot encode (lone surrogates)."""
     try:
         text.encode("utf-8")
@@ -121,12 +173,12 @@ def _valid_unicode(text: str) -> bool:
 
 def _check_placeholders(r: Record) -> None:
     text = "".join(t for _, t in r.turns)
-    for p in ENCODERS:
-        n, media = text.count(p.placeholder), r.media[p.name]
+    for k in KINDS:
+        n, media = text.count(k.placeholder), r.media[k.name]
         if n != len(media):
             raise RecordError(
                 "placeholder_mismatch",
-                f"{n} {p.placeholder} placeholder(s), {len(media)} {p.item} item(s)",
+                f"{n} {k.placeholder} placeholder(s), {len(media)} {k.item} item(s)",
                 r.id,
             )
     words = PLACEHOLDER.sub("", text).strip()

@@ -4,13 +4,13 @@ Schemas, by the fields a record has:
 - `jaxmllm`: `{"id", "text" | "messages", "images", "audio"}` (`record.py`), read as it is;
 - `conversations` (LLaVA, ShareGPT, LLaMA-Factory's sharegpt): `{"id", "image": "x.jpg" or a
   list, "conversations": [{"from": "human" | "gpt" | "system", "value": "<image>\\n..."}],
-  "system"}`;
+  "system"}` (LLaVA-Video's `{"video": "x.mp4"}` records mark it `<image>`: read as `<video>`);
 - `messages` (OpenAI-style, Qwen's and LLaMA-Factory's data, HF datasets' chat columns):
   `{"messages": [{"role", "content": "text" or [{"type": "text", "text"}, {"type": "image",
   "image": "x.jpg"}, {"type": "image_url", "image_url": {"url": ...}}]}], "images": [...]}`, or
   `{"text", "image"}` (captions).
 
-For every phase of the table (`jaxmllm.config.phases`), a record's items are under its `items`
+For every kind of media (`jaxmllm.config.phases.KINDS`), a record's items are under its `items`
 key, its `item` key or `item` + "s" (`images`, `image`; `audio`, `audios`; `videos`, `video`),
 one entry or a list; an entry is a path (relative to data.media_root; `file://` stripped), a
 `data:` URI, or a `{"bytes", "path"}` struct (HF datasets' Image and Audio). A content part of
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxmllm.config.phases import ENCODERS
+from jaxmllm.config.phases import KINDS
 from jaxmllm.data.rejects import RecordError
 
 SCHEMAS = ("jaxmllm", "conversations", "messages", "any")
@@ -37,9 +37,9 @@ SPEAKERS = {
     "model": "assistant",
     "system": "system",
 }
-PART_PHASE = {}  # a content part's type -> its phase: image, image_url, input_image, ...
-for _p in ENCODERS:
-    PART_PHASE.update({_p.item: _p, f"{_p.item}_url": _p, f"input_{_p.item}": _p})
+PART_KIND = {}  # a content part's type -> its kind: image, image_url, input_image, video, ...
+for _k in KINDS:
+    PART_KIND.update({_k.item: _k, f"{_k.item}_url": _k, f"input_{_k.item}": _k})
 
 
 def to_native(obj: Any, schema: str, fallback_id: str) -> Any:
@@ -90,7 +90,13 @@ def from_conversations(obj: dict, rid: str) -> dict:
                 rid,
             )
         messages.append({"role": SPEAKERS[who], "content": value})
-    return {"id": rid, "messages": messages, **media_lists(obj, rid)}
+    lists = media_lists(obj, rid)
+    if lists["videos"] and not lists["images"]:  # LLaVA-Video marks its videos with <image>
+        text = "".join(m["content"] for m in messages)
+        if "<video>" not in text and text.count("<image>") == len(lists["videos"]):
+            for m in messages:
+                m["content"] = m["content"].replace("<image>", "<video>")
+    return {"id": rid, "messages": messages, **lists}
 
 
 def _speaker(role: Any) -> str | None:
@@ -109,7 +115,7 @@ def from_messages(obj: dict, rid: str) -> dict:
             "needs a non-empty 'messages' list of {'role', 'content'} (or a 'text')",
             rid,
         )
-    in_parts: dict[str, list] = {p.items: [] for p in ENCODERS}
+    in_parts: dict[str, list] = {p.items: [] for p in KINDS}
     out = []
     for m in messages:
         role = _speaker(m.get("role")) if isinstance(m, dict) else None
@@ -130,7 +136,7 @@ def from_messages(obj: dict, rid: str) -> dict:
                 "malformed_line", "a message's content must be a string or a list of parts", rid
             )
         out.append({"role": role, "content": content})
-    for p in ENCODERS:
+    for p in KINDS:
         if in_parts[p.items] and lists[p.items]:
             raise RecordError(
                 "malformed_line",
@@ -148,20 +154,20 @@ def _part(part: Any, in_parts: dict[str, list], rid: str) -> str:
     if kind == "text":
         text = part.get("text")
         return text if isinstance(text, str) else ""
-    phase = PART_PHASE.get(kind) if isinstance(kind, str) else None
-    if phase is None:
+    k = PART_KIND.get(kind) if isinstance(kind, str) else None
+    if k is None:
         raise RecordError("malformed_line", f"unknown content part {part!r:.60}", rid)
     found = [part.get(k) for k in (kind, "url", "path", "bytes")]
     source = next((s for s in found if s is not None), None)
     if source is not None:
-        in_parts[phase.items].append(_entry(source, rid))
-    return phase.placeholder
+        in_parts[k.items].append(_entry(source, rid))
+    return k.placeholder
 
 
 def media_lists(obj: dict, rid: str) -> dict[str, list]:
-    """Each phase's items of a record, from whichever of its keys it uses."""
+    """Each kind's items of a record, from whichever of its keys it uses."""
     out = {}
-    for p in ENCODERS:
+    for p in KINDS:
         keys = [k for k in dict.fromkeys((p.items, p.item, f"{p.item}s")) if obj.get(k) is not None]
         if len(keys) > 1:
             raise RecordError(
@@ -177,8 +183,8 @@ def media_lists(obj: dict, rid: str) -> dict[str, list]:
 
 def _entry(entry: Any, rid: str) -> Any:
     """A media entry as jaxmllm's record takes it (a path, a data: URI, {"bytes": ...})."""
-    if isinstance(entry, dict) and "base64" in entry:  # (jaxmllm's own inline form)
-        return entry
+    if isinstance(entry, dict) and ("base64" in entry or "missing" in entry):
+        return entry  # (jaxmllm's own inline form; a member a reader left unread, and why)
     if isinstance(entry, dict) and not isinstance(entry.get("bytes"), bytes):
         url = entry.get("url", entry.get("path"))
         if "data" in entry and isinstance(entry["data"], str):  # OpenAI's input_audio
@@ -208,7 +214,7 @@ def media_first(record: dict) -> dict:
     texts = [record["text"]] if "text" in record else [m["content"] for m in record["messages"]]
     lead = "".join(
         p.placeholder * len(record[p.items])
-        for p in ENCODERS
+        for p in KINDS
         if record[p.items] and not any(p.placeholder in t for t in texts)
     )
     if not lead:

@@ -8,9 +8,11 @@ As webdataset splits a member's name, the key is the path up to the first dot of
 and the rest its extension; consecutive members of one key are one sample. A `json` member is
 the record (any of the schemas `jaxmllm.data.records.schemas` reads; its `id`, else the key),
 a `txt` one a caption (a text record, media first, where the json has no text); members whose
-last extension is one of a phase's `files` (`jaxmllm.config.phases`: jpg, png, ... for images,
-wav, flac, ... for clips) are that phase's items, in the order they are stored, in place of any
-the json names. Other members are left out and counted (`ignored`), so the index can say so.
+last extension is one of a kind's `files` (`jaxmllm.config.phases.KINDS`: jpg, png, ... for
+images, wav, flac, ... for clips, mp4, webm, ... for videos) are that kind's items, in the
+order they are stored, in place of any the json names. Other members are left out and counted
+(`ignored`), so the index can say so. A member over data.max_media_bytes is never read: the
+sample is rejected (`media_too_large`; a json or caption that large: `malformed_line`).
 
 Opening reads the tar headers only (member offsets and sizes: Python's `tarfile`), which the
 index saves; record k is then a `seek` and a read per member, nothing extracted. Compressed
@@ -27,10 +29,11 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import ConfigError
-from jaxmllm.config.phases import ENCODERS
+from jaxmllm.config.phases import KINDS
+from jaxmllm.data.rejects import MAX_MEDIA_BYTES
 
 RECORD, CAPTION = ("json",), ("txt", "text", "caption")
-PHASE_OF_FILE = {ext: p for p in ENCODERS for ext in p.files}  # "jpg" -> the vision phase
+KIND_OF_FILE = {ext: k for k in KINDS for ext in k.files}  # "jpg" -> images, "mp4" -> videos
 
 
 def split_key(name: str) -> tuple[str, str]:
@@ -42,21 +45,27 @@ def split_key(name: str) -> tuple[str, str]:
 
 
 def role(ext: str) -> str | None:
-    """What a member with this extension is: `record`, `caption`, a phase's name, or None."""
+    """What a member with this extension is: `record`, `caption`, a kind's name, or None."""
     last = ext.rpartition(".")[2]
     if last in RECORD:
         return "record"
     if last in CAPTION:
         return "caption"
-    phase = PHASE_OF_FILE.get(last)
-    return phase.name if phase else None
+    kind = KIND_OF_FILE.get(last)
+    return kind.name if kind else None
 
 
 class TarRecords:
     """Random access to the samples of one WebDataset shard (member offsets from its headers)."""
 
-    def __init__(self, path: str | Path, scan: dict[str, np.ndarray] | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        scan: dict[str, np.ndarray] | None = None,
+        max_bytes: int = MAX_MEDIA_BYTES,
+    ):
         self.path = Path(path)
+        self.max_bytes = max_bytes  # data.max_media_bytes: a larger member is not read
         scan = scan if scan is not None else scan_tar(self.path)
         self.ptr, self.offset, self.size = scan["ptr"], scan["offset"], scan["size"]
         self.keys, self.exts = scan["keys"], scan["exts"]
@@ -88,12 +97,20 @@ class TarRecords:
         key = str(self.keys[k])
         record: dict = {}
         caption = None
-        media: dict[str, list] = {p.name: [] for p in ENCODERS}
+        media: dict[str, list] = {kind.name: [] for kind in KINDS}
         for m in range(int(self.ptr[k]), int(self.ptr[k + 1])):
-            self._file.seek(int(self.offset[m]))
-            data = self._file.read(int(self.size[m]))
             ext = str(self.exts[m])
             what = role(ext)
+            if int(self.size[m]) > self.max_bytes:  # (its size from the header: nothing read)
+                too_large = f"{key}.{ext}: {int(self.size[m])} bytes > data.max_media_bytes"
+                if what in ("record", "caption"):
+                    return {"__malformed__": f"{too_large}={self.max_bytes}"}, int(k)
+                media[what].append(
+                    {"missing": f"{key}.{ext}", "reason": "media_too_large", "detail": too_large}
+                )
+                continue
+            self._file.seek(int(self.offset[m]))
+            data = self._file.read(int(self.size[m]))
             if what == "record":
                 record = _json(data, f"{key}.{ext}")
             elif what == "caption":
@@ -103,11 +120,11 @@ class TarRecords:
         if "__malformed__" in record:
             return record, int(k)
         record.setdefault("id", key.rpartition("/")[2])
-        for p in ENCODERS:
-            if media[p.name]:  # the members, in place of what the json names
-                for alias in {p.item, p.items, f"{p.item}s"}:
+        for kind in KINDS:
+            if media[kind.name]:  # the members, in place of what the json names
+                for alias in {kind.item, kind.items, f"{kind.item}s"}:
                     record.pop(alias, None)
-                record[p.items] = media[p.name]
+                record[kind.items] = media[kind.name]
         if not any(f in record for f in ("text", "messages", "conversations")):
             text = caption if caption is not None else record.get("caption")
             if isinstance(text, str):

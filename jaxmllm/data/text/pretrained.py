@@ -15,11 +15,14 @@ Sequences are what the checkpoint saw in training:
 - text records are HF's `tokenizer(text)` (the tokenizer.json's post-processor: Llama 3's
   `<|begin_of_text|>`, nothing for Qwen) followed by `eos_token`, loss on all of it.
 
-Images and clips take the checkpoint's own placeholder token where it has one (`image_token` /
-`audio_token` in tokenizer_config.json, or Qwen2-VL's `<|image_pad|>`, Qwen2-Audio's `<|AUDIO|>`,
-...), wrapped as its template wraps it (`<|vision_start|><|image_pad|><|vision_end|>`); where it
-has none, a new special token is appended after the vocabulary (`added_tokens`: the model needs
-those embedding rows). Each placeholder is then laid out as one token per encoder output row.
+Images, videos and clips take the checkpoint's own placeholder token where it has one
+(`image_token` / `video_token` / `audio_token` in tokenizer_config.json, or Qwen2-VL's
+`<|image_pad|>` and `<|video_pad|>`, Qwen2-Audio's `<|AUDIO|>`, ...), wrapped as its template
+wraps it (`<|vision_start|><|image_pad|><|vision_end|>`); where it has none, a new special token
+is appended after the vocabulary (`added_tokens`: the model needs those embedding rows), but for
+videos, which then take the image placeholder (as LLaVA-style checkpoints place video frames):
+the vision phase's rows fill either. Each placeholder is then laid out as one token per encoder
+output row.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import ConfigError
-from jaxmllm.config.phases import BY_NAME, ENCODERS, Phase
-from jaxmllm.data.records.record import PHASE_OF_PLACEHOLDER, PLACEHOLDER, Record
+from jaxmllm.config.phases import KIND, KINDS, Kind
+from jaxmllm.data.records.record import KIND_OF_PLACEHOLDER, PLACEHOLDER, Record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.text.chat_template import ChatTemplate, TemplateError, TemplateInconsistent
 from jaxmllm.data.text.specials import Specials
@@ -47,9 +50,9 @@ FILES = (
     "generation_config.json",
 )
 NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-# Checkpoints' own media placeholders per encoder phase: (token, opening, closing); the wrap is
+# Checkpoints' own media placeholders per kind of media: (token, opening, closing); the wrap is
 # used when the vocabulary has both of its tokens. Searched after tokenizer_config's
-# `<item>_token` (image_token, audio_token).
+# `<item>_token` (image_token, video_token, audio_token).
 KNOWN_TOKENS = {
     "vision": (
         ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"),  # Qwen2-VL, Qwen2.5(-VL), Qwen3
@@ -61,6 +64,11 @@ KNOWN_TOKENS = {
         ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"),  # Qwen2-Audio, Qwen2.5-Omni
         ("<|audio_pad|>", "<|audio_start|>", "<|audio_end|>"),  # Qwen3-Omni
         ("<audio>", "", ""),
+    ),
+    "video": (
+        ("<|video_pad|>", "<|vision_start|>", "<|vision_end|>"),  # Qwen2-VL, Qwen2.5(-VL), Qwen3
+        ("<|VIDEO|>", "<|vision_bos|>", "<|vision_eos|>"),  # Qwen2.5-Omni
+        ("<video>", "", ""),
     ),
 }
 DEFAULT_DATE = "2024-07-26"  # what strftime_now renders (data.template_date's default)
@@ -88,7 +96,7 @@ class PretrainedTokenizer:
     Attributes:
       specials: pad (`pad_token`, else `eos_token`: padding is never a target nor attended to),
         bos (`bos_token` or None), eos (`eos_token`), stop (eos and generation_config.json's
-        `eos_token_id`s: where generation stops), image / audio (the placeholder ids).
+        `eos_token_id`s: where generation stops), media (the placeholder ids per kind).
       base_size: the checkpoint tokenizer's size (largest id + 1).
       added_tokens: tokens appended after it ({content: id}); their embedding rows are new.
       vocab_size: base_size + len(added_tokens), the least `model.llm.vocab_size`.
@@ -115,8 +123,10 @@ class PretrainedTokenizer:
         self.base_size = max(self._tk.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         named = _named_tokens(config, root)
         self.added_tokens: dict[str, int] = {}
-        # per encoder phase: (its placeholder token, the text an item becomes)
-        self._media = {p.name: self._media_placeholder(p, named) for p in ENCODERS}
+        # per kind: (its placeholder token, the text an item becomes, its content part type)
+        self._media: dict[str, tuple[str, str, str]] = {}
+        for kind in KINDS:  # (a phase's own kind first: a video may fall back to the image's)
+            self._media[kind.name] = self._media_placeholder(kind, named)
         self.vocab_size = max([self.base_size - 1, *self.added_tokens.values()]) + 1
         self.specials = self._specials(named, root)
         self.template = _load_template(root, config, named, template_date)
@@ -136,17 +146,20 @@ class PretrainedTokenizer:
         """The id of a token of the vocabulary (`<|im_start|>`), or None."""
         return self._tk.token_to_id(token)
 
-    def _media_placeholder(self, phase: Phase, named: dict[str, str]) -> tuple[str, str]:
-        """(the placeholder token, the text a media item becomes: it in its wrap)."""
+    def _media_placeholder(self, kind: Kind, named: dict[str, str]) -> tuple[str, str, str]:
+        """(the placeholder token, the text a media item becomes: it in its wrap, the content
+        part type a template renders it from)."""
         from tokenizers import AddedToken
 
-        known = KNOWN_TOKENS.get(phase.name, ())
-        token, before, after = self._own_placeholder(named.get(f"{phase.item}_token"), known)
+        known = KNOWN_TOKENS.get(kind.name, ())
+        token, before, after = self._own_placeholder(named.get(f"{kind.item}_token"), known)
+        if token is None and kind.name != kind.phase:  # (a video: its phase's own kind's)
+            return self._media[kind.phase]
         if token is None:  # a new token after the vocabulary: the model needs its row
-            token = f"<|jaxmllm_{phase.item}|>"
+            token = f"<|jaxmllm_{kind.item}|>"
             self._tk.add_special_tokens([AddedToken(token, special=True, normalized=False)])
             self.added_tokens[token] = self._tk.token_to_id(token)
-        return token, before + token + after
+        return token, before + token + after, kind.item
 
     def _own_placeholder(self, configured: str | None, known) -> tuple[str | None, str, str]:
         have = lambda t: bool(t) and self._tk.token_to_id(t) is not None
@@ -166,7 +179,7 @@ class PretrainedTokenizer:
         more = generation.get("eos_token_id", [])
         more = [more] if isinstance(more, int) else [i for i in more if isinstance(i, int)]
         stop = tuple(dict.fromkeys([eos, *more]))
-        media = {p: self._tk.token_to_id(token) for p, (token, _) in self._media.items()}
+        media = {k: self._tk.token_to_id(token) for k, (token, _, _) in self._media.items()}
         try:
             return Specials(pad=pad, bos=bos, eos=eos, stop=stop, media=media)
         except ValueError as e:
@@ -183,30 +196,30 @@ class PretrainedTokenizer:
     # ------------------------------------------------------------------ sequences
 
     def messages(self, record: Record) -> list[dict]:
-        """A chat record's turns as HF messages: `<image>` / `<audio>` become content parts
-        ({"type": "image"}) where the template renders that placeholder itself (Qwen2-VL's),
-        else the wrapped placeholder text."""
-        own = {p for p, (token, _) in self._media.items() if self.template and token in
+        """A chat record's turns as HF messages: `<image>` / `<video>` / `<audio>` become
+        content parts ({"type": "image"}) where the template renders that placeholder itself
+        (Qwen2-VL's), else the wrapped placeholder text."""
+        own = {k for k, (token, _, _) in self._media.items() if self.template and token in
                self.template.source}  # fmt: skip
         out = []
         for role, text in record.turns:
             parts = [p for p in PLACEHOLDER.split(text) if p]
-            if not own & {PHASE_OF_PLACEHOLDER.get(p) for p in parts}:
+            if not own & {KIND_OF_PLACEHOLDER.get(p) for p in parts}:
                 out.append({"role": role, "content": self._substitute(text)})
                 continue
             content = []
             for p in parts:
-                phase = PHASE_OF_PLACEHOLDER.get(p)
-                if phase in own:
-                    content.append({"type": BY_NAME[phase].item})
+                kind = KIND_OF_PLACEHOLDER.get(p)
+                if kind in own:
+                    content.append({"type": self._media[kind][2]})
                 else:
-                    text = self._media[phase][1] if phase else p
+                    text = self._media[kind][1] if kind else p
                     content.append({"type": "text", "text": text})
             out.append({"role": role, "content": content})
         return out
 
     def pieces(self, record: Record, generation: bool = False) -> list[tuple]:
-        """Token runs ("text", ids, loss) and media markers (encoder phase, item number) of
+        """Token runs ("text", ids, loss) and media markers (kind of media, item number) of
         `record`, in order; `generation`: a prompt ending in the assistant's generation
         prompt, nothing learned. Raises RecordError for a template that fails on the record."""
         if record.turns[0][0] == "text":
@@ -229,7 +242,7 @@ class PretrainedTokenizer:
         return self.encode(text)
 
     def _substitute(self, text: str) -> str:
-        return PLACEHOLDER.sub(lambda m: self._media[PHASE_OF_PLACEHOLDER[m.group(0)]][1], text)
+        return PLACEHOLDER.sub(lambda m: self._media[KIND_OF_PLACEHOLDER[m.group(0)]][1], text)
 
     def _render(self, record: Record, generation: bool) -> tuple[list[int], np.ndarray]:
         if self.template is None:
@@ -257,25 +270,34 @@ class PretrainedTokenizer:
         return list(enc.ids), loss
 
     def _split_media(self, ids: np.ndarray, loss: np.ndarray, record: Record) -> list[tuple]:
+        """The rendered ids cut at their placeholders: the k-th is the record's k-th item
+        (kinds may share a token: a video placed by the image token)."""
         s = self.specials
-        marks = np.flatnonzero(np.isin(ids, list(s.media.values())))
-        for p in ENCODERS:
-            found, items = int((ids == s.media[p.name]).sum()), len(record.media[p.name])
-            if found != items:
-                raise RecordError(
-                    "placeholder_mismatch",
-                    f"the sequence has {found} {self._media[p.name][0]} placeholder(s) for "
-                    f"{items} {p.item} item(s) (the text holds that token itself?)",
-                    record.id,
-                )
+        marks = np.flatnonzero(np.isin(ids, list(s.media.values()))).tolist()
+        kinds = [KIND_OF_PLACEHOLDER[m] for _, t in record.turns for m in PLACEHOLDER.findall(t)]
+        placed = [int(ids[m]) for m in marks]
+        if placed != [s.media[k] for k in kinds]:
+            wrong = []
+            for token in dict.fromkeys(s.media.values()):
+                want = sum(s.media[k] == token for k in kinds)
+                found = int((ids == token).sum())
+                if found != want:
+                    items = "/".join(KIND[k].item for k, i in s.media.items() if i == token)
+                    name = self._tk.id_to_token(token)
+                    wrong.append(f"{found} {name} placeholder(s) for {want} {items} item(s)")
+            raise RecordError(
+                "placeholder_mismatch",
+                f"the sequence has {'; '.join(wrong) or 'its placeholders out of the order'} "
+                "of the record's items (the text holds a placeholder token itself?)",
+                record.id,
+            )
         out, at, count = [], 0, dict.fromkeys(s.media, 0)
-        for m in marks.tolist() + [len(ids)]:
+        for m, kind in zip(marks + [len(ids)], kinds + [None], strict=True):
             if m > at:
                 out.append(("text", ids[at:m], loss[at:m]))
-            if m < len(ids):
-                phase = s.phase_of(int(ids[m]))
-                out.append((phase, count[phase]))
-                count[phase] += 1
+            if kind is not None:
+                out.append((kind, count[kind]))
+                count[kind] += 1
             at = m + 1
         return out
 

@@ -1,10 +1,10 @@
 """The token ids the data layer needs from a tokenizer, and jaxmllm's own reserved specials.
 
 Every tokenizer carries a `Specials`: the id that fills padding, BOS, the end-of-sequence and
-end-of-turn ids (generation stops at any of `stop`), and per encoder phase the id whose slots its
-encoder rows fill (one per image / clip row). The byte tokenizer and a bare tokenizer.json use
-jaxmllm's reserved ids 256..263 below (each phase's `reserved_id`); a HuggingFace tokenizer
-directory uses the checkpoint's own (`jaxmllm.data.text.pretrained`).
+end-of-turn ids (generation stops at any of `stop`), and per kind of media the id whose slots
+its encoder rows fill (one per image / video / clip row). The byte tokenizer and a bare
+tokenizer.json use jaxmllm's reserved ids 256..263 below (each kind's `reserved_id`); a
+HuggingFace tokenizer directory uses the checkpoint's own (`jaxmllm.data.text.pretrained`).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from jaxmllm.config.phases import ENCODERS, NAMES
+from jaxmllm.config.phases import KIND, KINDS
 
-# jaxmllm's reserved specials (byte tokenizer, bare tokenizer.json): ids 256..263; the encoder
-# phases' placeholders are theirs (`Phase.reserved_id`: 259, 260, and 263 free for one more).
+# jaxmllm's reserved specials (byte tokenizer, bare tokenizer.json): ids 256..263; the kinds of
+# media's placeholders are theirs (`Kind.reserved_id`: image 259, audio 260, video 263).
 PAD, BOS, EOS, USER, ASSISTANT = 256, 257, 258, 261, 262
 NUM_SPECIAL = 8  # ids 256..263 are reserved; byte vocab needs vocab_size >= 264
 
@@ -26,8 +26,10 @@ class Specials:
 
     `pad` fills the unused slots of a bucket (never a target, never attended to); `bos` starts a
     sequence (None: the tokenizer has none); `eos` ends one; `stop` are the ids that end a turn
-    or a sequence (eos first), where generation stops; `media[phase]` fills the slots of an
-    item's encoder rows in that phase (every phase of the table), so it never occurs in text.
+    or a sequence (eos first), where generation stops; `media[kind]` fills the slots of an
+    item's encoder rows (every kind of the table), so it never occurs in text. Kinds of one
+    phase may share an id (a checkpoint with no video token of its own places videos with its
+    image token); kinds of different phases may not.
     """
 
     pad: int
@@ -37,25 +39,32 @@ class Specials:
     media: Mapping[str, int]
 
     def __post_init__(self):
-        missing = [p for p in NAMES if p not in self.media]
+        missing = [k.name for k in KINDS if k.name not in self.media]
         if missing:
-            raise ValueError(f"no placeholder id for the encoder phase(s) {missing}")
-        # bucketize finds encoder slots by these values: no other role may share them.
+            raise ValueError(f"no placeholder id for the kind(s) of media {missing}")
+        # bucketize finds a phase's slots by these values: no other role may share them.
         others = {self.pad, self.eos, *self.stop} | ({self.bos} if self.bos is not None else set())
-        ids = [self.media[p] for p in NAMES]
-        if len(set(ids)) != len(ids) or set(ids) & others:
+        by_phase: dict[int, set[str]] = {}
+        for k in KINDS:
+            by_phase.setdefault(self.media[k.name], set()).add(k.phase)
+        if any(len(p) > 1 for p in by_phase.values()) or set(by_phase) & others:
             raise ValueError(
-                f"the media placeholder ids must differ from each other and the rest: {self}"
+                "the media placeholder ids must differ from the rest, and between kinds of "
+                f"different encoder phases: {self}"
             )
 
     def phase_of(self, token: int) -> str | None:
         """The encoder phase whose placeholder `token` is (None: not a placeholder)."""
-        for p, i in self.media.items():
+        for k, i in self.media.items():
             if i == token:
-                return p
+                return KIND[k].phase
         return None
+
+    def phase_ids(self, phase: str) -> list[int]:
+        """The placeholder ids whose slots an encoder phase's rows fill (its kinds')."""
+        return sorted({i for k, i in self.media.items() if KIND[k].phase == phase})
 
 
 RESERVED = Specials(
-    pad=PAD, bos=BOS, eos=EOS, stop=(EOS,), media={p.name: p.reserved_id for p in ENCODERS}
+    pad=PAD, bos=BOS, eos=EOS, stop=(EOS,), media={k.name: k.reserved_id for k in KINDS}
 )

@@ -1,8 +1,8 @@
 """Prompt templates: the seam between generation and a model's tokenizer and chat format.
 
-A `Template` turns a request (text with `<image>` / `<audio>` placeholders, or token ids, and
-media files) into a prompt `Sample` laid out like training samples, says which ids end an answer
-and reads generated ids as text. Generation (`jaxmllm.generate`) and the eval answers see
+A `Template` turns a request (text with `<image>` / `<video>` / `<audio>` placeholders, or token
+ids, and media files) into a prompt `Sample` laid out like training samples, says which ids end
+an answer and reads generated ids as text. Generation (`jaxmllm.generate`) and the eval answers see
 nothing else of the tokenizer.
 
 `RecordTemplate` renders a request as a record of the run's data, through the training
@@ -32,17 +32,19 @@ from typing import Any, Protocol
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError
-from jaxmllm.config.phases import ENCODERS
+from jaxmllm.config.phases import ENCODERS, KINDS
 from jaxmllm.data.datasets import data_sets
 from jaxmllm.data.preprocess import Limits, Params, Preprocessor
 from jaxmllm.data.records import open_records, read_record
-from jaxmllm.data.records.record import PLACEHOLDER, parse_record
+from jaxmllm.data.records.record import PLACEHOLDER, MediaPaths, parse_record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.specials import Specials
 from jaxmllm.data.text.tokenizer import ByteTokenizer
 
 TEMPLATES = ("auto", "chat", "plain")
+# A prompt's media are the user's own files (`generate --image / --audio`): read where they are.
+OWN_FILES = MediaPaths(Path("."), anywhere=True)
 
 
 class Template(Protocol):
@@ -51,7 +53,7 @@ class Template(Protocol):
     specials: Specials  # the tokenizer's ids: `stop` ends an answer (kept in its ids)
 
     def prompt(self, text: str, media: Mapping[str, Sequence[Any]]) -> Sample:
-        """The prompt of a user message with media files (paths, per encoder phase), ready to
+        """The prompt of a user message with media files (paths, per kind of media), ready to
         generate from.
 
         Raises:
@@ -61,8 +63,9 @@ class Template(Protocol):
         ...
 
     def prompt_ids(self, ids: Sequence[int], media: Mapping[str, Sequence[Any]]) -> Sample:
-        """A prompt of exactly these token ids; each item (an image, a clip) fills the next run
-        of its phase's placeholder ids, which must be as long as its encoder output."""
+        """A prompt of exactly these token ids; each item (an image, a video, a clip) fills the
+        next run of its phase's placeholder ids, which must be as long as its encoder output
+        (items of a phase in the table's order: images, then videos)."""
         ...
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -79,8 +82,8 @@ class RecordTemplate:
 
     def prompt(self, text: str, media: Mapping[str, Sequence[Any]]) -> Sample:
         """See `Template.prompt`. Without any placeholder in `text`, the media come first, in
-        the table's order (images, then clips), as in the built-in data and most image-text
-        data sets."""
+        the table's order (images, clips, then videos), as in the built-in data and most
+        image-text data sets."""
         if not PLACEHOLDER.search(text):
             text = _placeholders(media) + text
         obj = {"id": "prompt", **_media_entries(media)}
@@ -89,7 +92,7 @@ class RecordTemplate:
                                {"role": "assistant", "content": "."}]  # fmt: skip
         else:
             obj["text"] = text
-        record = parse_record(obj, Path.cwd(), 0)
+        record = parse_record(obj, OWN_FILES, 0)
         if self.chat:
             record = dataclasses.replace(record, turns=record.turns[:-1])
         return self._sample(record)
@@ -100,16 +103,17 @@ class RecordTemplate:
         decoded = Sample(-1, tokens[:0], tokens[:0].astype(bool))
         if any(media.values()):  # (decoded as a record of the media alone)
             obj = {"id": "prompt", "text": _placeholders(media), **_media_entries(media)}
-            decoded = self._sample(parse_record(obj, Path.cwd(), 0))
+            decoded = self._sample(parse_record(obj, OWN_FILES, 0))
         for p in ENCODERS:
-            marker, per = self.specials.media[p.name], self.pre.per_token[p.name]
+            marker, per = self.specials.phase_ids(p.name), self.pre.per_token[p.name]
             rows = sum(len(m[0]) // per for m in decoded.media[p.name])
-            have = int((tokens == marker).sum())
+            have = int(np.isin(tokens, marker).sum())
             if have != rows:
+                what = "/".join(k.item for k in KINDS if k.phase == p.name)
                 raise RecordError(
                     "placeholder_mismatch",
-                    f"the prompt ids hold {have} {p.item} placeholder ids ({marker}); the "
-                    f"{p.item} input(s) given need {rows} (one per encoder output row)",
+                    f"the prompt ids hold {have} {what} placeholder ids ({marker}); the "
+                    f"{what} input(s) given need {rows} (one per encoder output row)",
                     "prompt",
                 )
         return Sample(-1, tokens, np.zeros(len(tokens), bool), decoded.media, decoded.grids)
@@ -127,13 +131,13 @@ class RecordTemplate:
 
 
 def _placeholders(media: Mapping[str, Sequence[Any]]) -> str:
-    """A placeholder for each item, the table's phases in order."""
-    return "".join(p.placeholder * len(media.get(p.name, ())) for p in ENCODERS)
+    """A placeholder for each item, the table's kinds in order."""
+    return "".join(k.placeholder * len(media.get(k.name, ())) for k in KINDS)
 
 
 def _media_entries(media: Mapping[str, Sequence[Any]]) -> dict[str, list[str]]:
-    """A record's media lists (`images`, `audio`) of the given files."""
-    return {p.items: [str(f) for f in media.get(p.name, ())] for p in ENCODERS}
+    """A record's media lists (`images`, `audio`, `videos`) of the given files."""
+    return {k.items: [str(f) for f in media.get(k.name, ())] for k in KINDS}
 
 
 def make_template(cfg: Config, kind: str = "auto", pretrained: bool = False) -> Template:
@@ -158,7 +162,7 @@ def _data_form(cfg: Config) -> str:
     """chat when the training data's first readable record has `messages`, else plain."""
     try:
         ds = data_sets(cfg)[0]
-        records = open_records(ds.path, ds.format, ds.media_root)
+        records = open_records(ds.path, ds.format, ds.media_root, data=cfg.data)
         for k in range(min(len(records), 16)):
             try:
                 record = read_record(records, k)

@@ -1,7 +1,7 @@
 """Tokenizers: the three kinds `data.tokenizer` names, and the sequences they make of a record.
 
 - `byte`: UTF-8 bytes are ids 0..255, jaxmllm's reserved specials 256..263 follow (pad, BOS,
-  EOS, image, audio, user, assistant); needs no files.
+  EOS, image, audio, user, assistant, video); needs no files.
 - the path of a `tokenizer.json` file (training from scratch): its ids below 256 as they are,
   256..263 the reserved specials, its ids k >= 256 shifted to k + 8, so any tokenizer.json works
   without added tokens; model.llm.vocab_size must be at least its size + 8.
@@ -11,7 +11,7 @@
 The first two lay a record out in jaxmllm's own format: BOS, then per turn a USER / ASSISTANT
 marker and its text, EOS after each learned turn. Every tokenizer has `specials` (the ids the
 batch contract needs), `vocab_size`, `encode` / `decode` and `pieces(record)`: the record's token
-runs ("text", ids, loss) and media markers (encoder phase, item number) in order, which
+runs ("text", ids, loss) and media markers (kind of media, item number) in order, which
 `Preprocessor.layout` turns into the sample's exact sequence.
 """
 
@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import ConfigError
-from jaxmllm.config.phases import ENCODERS
-from jaxmllm.data.records.record import PHASE_OF_PLACEHOLDER, PLACEHOLDER, Record
+from jaxmllm.config.phases import KINDS
+from jaxmllm.data.records.record import KIND_OF_PLACEHOLDER, PLACEHOLDER, Record
 from jaxmllm.data.text.pretrained import (
     DEFAULT_DATE,
     PretrainedTokenizer,
@@ -88,16 +88,16 @@ class _MarkerFormat:
         """Token runs (ids, loss) and media markers of `record`, in order, before any limit;
         `generation`: a prompt ending in the ASSISTANT marker, nothing learned."""
         out: list[tuple] = [_special(BOS, False)]
-        count = dict.fromkeys(PHASE_OF_PLACEHOLDER.values(), 0)
+        count = dict.fromkeys(KIND_OF_PLACEHOLDER.values(), 0)
         for role, text in record.turns:
             if role != "text":
                 out.append(_special(ASSISTANT if role == "assistant" else USER, False))
             learn = role in ("text", "assistant") and not generation
             for part in PLACEHOLDER.split(text):
-                if part in PHASE_OF_PLACEHOLDER:  # (phase, its item number)
-                    phase = PHASE_OF_PLACEHOLDER[part]
-                    out.append((phase, count[phase]))
-                    count[phase] += 1
+                if part in KIND_OF_PLACEHOLDER:  # (kind, its item number)
+                    kind = KIND_OF_PLACEHOLDER[part]
+                    out.append((kind, count[kind]))
+                    count[kind] += 1
                 elif part:
                     ids = self.encode(part)
                     out.append(("text", ids, np.full(len(ids), learn)))
@@ -124,7 +124,7 @@ class ByteTokenizer(_MarkerFormat):
     def decode(self, ids: np.ndarray) -> str:
         """Text of byte ids; specials are shown as <name>."""
         names = {PAD: "<pad>", BOS: "<s>", EOS: "</s>", USER: "<user>", ASSISTANT: "<assistant>"}
-        names.update({p.reserved_id: p.placeholder for p in ENCODERS})
+        names.update({k.reserved_id: k.placeholder for k in KINDS})
         out, run = [], []
         for i in np.asarray(ids).tolist():
             if i < 256:

@@ -1,0 +1,320 @@
+"""The host against the device: the feed's time per stage, bench.host, the trainer's host
+metrics and its warning when the devices wait on the data."""
+
+import dataclasses
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+from PIL import Image
+
+from jaxmllm.batch.counts import StepCounter
+from jaxmllm.batch.info import StepInfo
+from jaxmllm.bench import host as bench_host
+from jaxmllm.config import ConfigError, load_config
+from jaxmllm.data import shared
+from jaxmllm.data.loader import Loader
+from jaxmllm.data.rejects import DataError
+from jaxmllm.data.samples import Sample
+from jaxmllm.data.source import make_source
+from jaxmllm.data.synthetic import SyntheticSource
+from jaxmllm.feed.iterator import make_pipeline
+from jaxmllm.feed.times import HostTimes
+from jaxmllm.loop.metrics import MetricsWindow
+from jaxmllm.plan.sizing import resolve_batch
+
+TINY = ["data.synthetic.num_samples=256", "data.eval.source=none"]
+
+
+def _resolved(*sets):
+    cfg = load_config("configs/tiny.yaml", [*TINY, *sets])
+    return resolve_batch(cfg, make_source(cfg)[1], 8)
+
+
+def test_the_feed_times_each_stage_of_a_step():
+    cfg = _resolved()
+
+    def slow_copy(batch):
+        time.sleep(0.05)
+        return batch
+
+    element = next(make_pipeline(cfg, 8, prefetch=0, to_device=slow_copy))
+    info = element["info"]
+    host = info.host
+    for stage in ("plan_s", "load_s", "bucketize_s", "count_s"):
+        assert 0 < getattr(host, stage) < 5, stage
+    assert host.transfer_s >= 0.05
+    assert host.samples == len(info.parts["read"])
+    assert host.bytes_to_device == sum(a.nbytes for a in element["batch"].values())
+    row = host.to_json()
+    assert row["serial_s"] == host.plan_s + host.bucketize_s + host.count_s + host.transfer_s
+    assert host.total_s == row["serial_s"] + host.load_s
+
+
+def test_analytic_device_time_is_the_costliest_bucket_per_microbatch():
+    cfg = _resolved()
+    batch = next(make_pipeline(cfg, 8, prefetch=0))["batch"]
+    flops = StepCounter(cfg)(batch)["flops"]  # every bucket's
+    seconds = bench_host.flops_seconds(cfg, batch, 100.0)
+    assert flops / 8 <= seconds * 100e12 <= flops  # at least the mean device, at most all
+    # one bucket per microbatch: the device time is its FLOPs
+    one = {k: v[:, :1] for k, v in batch.items()}
+    want = StepCounter(cfg)(one)["flops"]
+    assert np.isclose(bench_host.flops_seconds(cfg, one, 100.0) * 100e12, want)
+
+
+def test_the_media_manifest_holds_large_images_several_per_record_and_long_clips(tmp_path):
+    manifest = bench_host.write_media(tmp_path, records=16, seed=1)
+    records = [json.loads(line) for line in manifest.read_text().splitlines()]
+    assert len(records) == 16
+    images = [p for r in records for p in r.get("images", [])]
+    clips = [p for r in records for p in r.get("audio", [])]
+    assert images and clips and any(len(r.get("images", [])) > 1 for r in records)
+    for path in images:
+        with Image.open(tmp_path / path) as img:
+            assert 300 <= min(img.size) and max(img.size) <= 1500
+            assert img.format in ("JPEG", "PNG")
+    for path in clips:
+        info = sf.info(str(tmp_path / path))
+        assert 3.0 <= info.frames / info.samplerate <= 20.0
+    for r in records:  # one placeholder per image or clip
+        assert r["text"].count("<image>") == len(r.get("images", []))
+        assert r["text"].count("<audio>") == len(r.get("audio", []))
+
+
+def test_bench_host_writes_a_row_per_data_devices_and_workers(tmp_path):
+    out = tmp_path / "rows.json"
+    sets = [*TINY, "data.image_min_pixels=256", "data.image_max_pixels=2304"]
+    args = ["--config", "configs/tiny.yaml", "--data", "synthetic,media", "--devices", "4,16",
+            "--steps", "2", "--warmup", "0", "--media-dir", str(tmp_path / "media"),
+            "--media-records", "12", "--json", str(out)]  # fmt: skip
+    assert bench_host.main(args + [f"--set={s}" for s in sets]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["data"], r["devices"], r["workers"]) for r in rows] == [
+        ("synthetic", 4, 0), ("synthetic", 16, 0), ("media", 4, 0), ("media", 16, 0)
+    ]  # fmt: skip
+    for r in rows:
+        for key in ("plan_s", "load_s", "bucketize_s", "transfer_s", "serial_s",
+                    "load_s_per_sample", "device_s", "workers_needed", "wait_s"):  # fmt: skip
+            assert r[key] >= 0 and np.isfinite(r[key]), (r["data"], key)
+        assert r["device_s"] > 0 and r["workers_needed"] > 0 and r["samples"] > 0
+        assert r["host_over_device"] == r["host_s"] / r["device_s"]
+    by = {(r["data"], r["devices"]): r for r in rows}
+    # 16 devices: this host holds 8 of them (--devices-per-host), twice the buckets of 4
+    assert by["synthetic", 16]["bytes_to_device"] > 1.5 * by["synthetic", 4]["bytes_to_device"]
+    assert Path(tmp_path / "media" / "manifest.jsonl").exists()  # kept for the next run
+
+
+def _info(**host) -> StepInfo:
+    times = HostTimes(**{f"{k}_s": v for k, v in host.items()})
+    none = np.zeros(0, np.int64)
+    return StepInfo(step=1, samples=none, parts={}, deferred=0, fill={"llm": 1.0}, rejects={},
+                    tokens=100.0, flops=1e9, host=times)  # fmt: skip
+
+
+def test_the_metrics_hold_the_feeds_times_per_step_and_the_loops_wait():
+    window = MetricsWindow(8)
+    window.add(_info(plan=0.01, load=0.3, bucketize=0.1, count=0.02, transfer=0.05), 0.2)
+    window.add(_info(plan=0.03, load=0.5, bucketize=0.3, count=0.04, transfer=0.07), 0.4)
+    window.start -= 3.0  # the window took 3 s
+    stats, _ = window.close(_info())
+    want = {"plan": 0.02, "load": 0.4, "bucketize": 0.2, "count": 0.03, "transfer": 0.06,
+            "wait": 0.3}  # fmt: skip
+    for stage, seconds in want.items():
+        assert np.isclose(stats[f"host/{stage}_s"], seconds), stage
+    assert 0.19 < stats["host/wait_share"] <= 0.2  # 0.6 s of the window's 3 s
+
+
+def test_waiting_on_the_data_warns_once_naming_the_knob_that_helps(caplog):
+    cfg = load_config("configs/tiny.yaml", [*TINY, "data.workers=1"])
+    window = MetricsWindow(8, cfg.data)
+
+    def window_of(wait_s, **host):
+        window.add(_info(**host), wait_s)
+        window.start -= 1.0
+        with caplog.at_level("WARNING", logger="jaxmllm"):
+            caplog.clear()
+            window.close(_info())
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+    loading = {"plan": 0.01, "load": 0.8, "bucketize": 0.1, "transfer": 0.05}
+    assert window_of(0.5, **loading) == []  # the first window: start-up, never warned
+    assert window_of(0.05, **loading) == []  # 5% of the window: fine
+    [message] = window_of(0.5, **loading)
+    assert "waited on the data for 50%" in message
+    assert "raise data.workers (now 1)" in message and "data.prefetch (now 2)" in message
+    assert window_of(0.9, **loading) == []  # once
+
+    window = MetricsWindow(8, cfg.data)
+    window_of(0.5)
+    serial = {"plan": 0.3, "load": 0.1, "bucketize": 0.5, "transfer": 0.05}
+    [message] = window_of(0.5, **serial)
+    assert "serial" in message and "more workers will not help" in message
+
+
+def test_a_negative_prefetch_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"data\.prefetch: must be >= 0"):
+        load_config("configs/tiny.yaml", ["data.prefetch=-1"])
+
+
+# ----------------------------------------------------------------------------- worker processes
+
+
+def _sample(big: int = 5000) -> Sample:
+    rng = np.random.default_rng(0)
+    patches = rng.standard_normal((big, 48)).astype(np.float32)
+    frames = rng.standard_normal((big // 7, 80)).astype(np.float32)
+    image = (patches, np.zeros((big, 2), np.int32))
+    clip = (frames, np.arange(big // 7, dtype=np.int32))
+    media = {"vision": [image, None], "audio": [clip, None]}
+    return Sample(3, np.arange(10, dtype=np.int32), np.ones(10, bool), media, grids=[(50, 100)])
+
+
+def _same(a: Sample, b: Sample) -> bool:
+    missing = lambda s: [[m is None for m in items] for items in s.media.values()]  # noqa: E731
+    if (a.id, a.grids, missing(a)) != (b.id, b.grids, missing(b)):
+        return False
+    pairs = zip(_arrays(a), _arrays(b), strict=True)
+    return all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in pairs)
+
+
+def test_a_samples_large_arrays_travel_through_shared_memory_and_come_back_the_same():
+    before = set(shared.SHM.glob("jaxmllm-*"))
+    packed = shared.pack(_sample(), os.getpid())
+    assert isinstance(packed, shared.Packed)
+    assert isinstance(packed.sample.media["vision"][0][0], shared.Ref)  # the patches: a file
+    assert isinstance(packed.sample.tokens, np.ndarray)  # small: pickled
+    assert len(pickle.dumps(packed)) < len(pickle.dumps(_sample())) / 10  # through the pipe
+    got = shared.unpack(pickle.loads(pickle.dumps(packed)))
+    assert _same(got, _sample())
+    assert set(shared.SHM.glob("jaxmllm-*")) == before  # its name deleted on arrival
+    patches = got.media["vision"][0][0]
+    patches[0, 0] = 7.0  # writable, privately
+    assert patches[0, 0] == 7.0
+
+
+def test_without_shared_memory_a_sample_travels_pickled(monkeypatch, tmp_path):
+    small = _sample(big=10)
+    assert shared.pack(small, os.getpid()) is small  # nothing large: as it is
+    monkeypatch.setattr(shared, "SHM", tmp_path / "missing")
+    assert _same(shared.pack(_sample(), os.getpid()), _sample())
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shared, "SHM", tmp_path)
+    monkeypatch.setattr(shared.os, "pwrite", full)
+    assert isinstance(shared.pack(_sample(), os.getpid()), Sample)
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_shared_files_of_a_dead_loader_are_removed(monkeypatch, tmp_path):
+    monkeypatch.setattr(shared, "SHM", tmp_path)
+    dead = _dead_pid()
+    (tmp_path / f"jaxmllm-{dead}-1-0").write_bytes(b"x")
+    (tmp_path / f"jaxmllm-{os.getpid()}-1-0").write_bytes(b"x")
+    shared.remove_stale()
+    assert [p.name for p in tmp_path.iterdir()] == [f"jaxmllm-{os.getpid()}-1-0"]
+    shared.remove_left(os.getpid())
+    assert list(tmp_path.iterdir()) == []
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_workers_load_the_same_samples_as_the_loaders_process(tmp_path):
+    cfg = load_config("configs/tiny.yaml", [*TINY, f"train.output_dir={tmp_path}"])
+    source = SyntheticSource(cfg)
+    indices = np.arange(0, 200, 7)
+    alone = Loader(cfg, source).load(indices, step=1)
+    loader = Loader(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=2)), source)
+    try:
+        got = loader.load(indices, step=1)
+    finally:
+        loader.close()
+    for i in indices.tolist():
+        a, b = alone[i], got[i]
+        assert (a.id, a.grids) == (b.id, b.grids)
+        for x, y in zip(_arrays(a), _arrays(b), strict=True):
+            assert x.dtype == y.dtype and np.array_equal(x, y)
+    assert not list(shared.SHM.glob(f"jaxmllm-{os.getpid()}-*"))
+
+
+def _arrays(s: Sample) -> list[np.ndarray]:
+    items = [a for each in s.media.values() for item in each if item is not None for a in item]
+    return [s.tokens, s.loss, *items]
+
+
+class _Dies(SyntheticSource):
+    """Sample 5 kills the worker process that loads it."""
+
+    def __getitem__(self, i):
+        if int(i) == 5:
+            os._exit(1)
+        return super().__getitem__(i)
+
+
+def test_a_worker_that_dies_stops_the_load_with_an_error_that_says_why(tmp_path):
+    cfg = load_config(
+        "configs/tiny.yaml", [*TINY, "data.workers=1", f"train.output_dir={tmp_path}"]
+    )
+    loader = Loader(cfg, _Dies(cfg))
+    try:
+        with pytest.raises(
+            DataError, match=r"data.workers=1: a worker process died while loading step 4"
+        ):
+            loader.load(np.arange(10), step=4)
+    finally:
+        loader.close()
+
+
+UNGUARDED = """
+from jaxmllm.config import load_config
+from jaxmllm.data.source import make_source
+from jaxmllm.feed.iterator import make_pipeline
+from jaxmllm.plan.sizing import resolve_batch
+cfg = load_config("configs/tiny.yaml", ["data.workers=1", "data.synthetic.num_samples=64",
+    "data.eval.source=none", "train.output_dir={out}"])
+cfg = resolve_batch(cfg, make_source(cfg)[1], 8)
+next(make_pipeline(cfg, 8, prefetch=0))
+print("loaded")
+"""
+
+
+@pytest.mark.slow  # ~30 s: a child Python and its spawned worker import jaxmllm
+def test_a_script_without_a_main_guard_gets_an_error_not_a_hang(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED.format(out=tmp_path / "out"))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}  # (the repo)
+    env.pop("XLA_FLAGS", None)
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=root,
+    )
+    assert done.returncode != 0 and "loaded" not in done.stdout
+    assert 'if __name__ == "__main__":' in done.stderr and "data.workers=1" in done.stderr
+
+
+@pytest.mark.slow  # ~1 min: compiles the tiny model's step for one device
+def test_bench_host_times_the_step_on_a_device_when_asked(tmp_path):
+    out = tmp_path / "rows.json"
+    args = ["--config", "configs/tiny.yaml", "--data", "synthetic", "--steps", "1", "--warmup",
+            "0", "--measure-device", "--json", str(out)]  # fmt: skip
+    assert bench_host.main(args + [f"--set={s}" for s in TINY]) == 0
+    [row] = json.loads(out.read_text())
+    assert row["device_from"] == "measured" and 0 < row["device_s"] < 60
