@@ -275,6 +275,7 @@ def log_step(done: int, metrics: dict, info: StepInfo, window, nonfinite_total, 
     row["nonfinite_total"] = nonfinite_total
     row.update(rejects)  # cumulative bad-input counts
     row["samples"] = len(info.samples)
+    row.update({f"samples/{name}": n for name, n in info.sources.items()})  # (a mixture's)
     writer.write(done, row)
     bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
     return row

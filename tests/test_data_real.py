@@ -4,6 +4,7 @@ import base64
 import io
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -200,7 +201,7 @@ def test_loading_some_media_decodes_only_those(data, monkeypatch):
 
 
 def test_every_bad_record_is_counted_with_its_reason(data):
-    rejects = read_rejects(data["path"].parent / "manifest.jsonl.index" / "rejects.jsonl")
+    rejects = read_rejects(Path(data["summary"]["index"]) / "rejects.jsonl")
     assert {r["id"]: r["reason"] for r in rejects} == data["expect"]
     assert data["summary"]["rejected"] == len(data["expect"])
     assert data["summary"]["accepted"] == len(data["good"])
@@ -333,8 +334,8 @@ def test_training_on_a_manifest_reports_rejects(tmp_path):
             "data.workers=2",
         ],
     )
-    build_index(cfg, manifest, workers=2, progress=False)
-    rows = [json.loads(x) for x in (manifest.parent / "manifest.jsonl.index/lengths.jsonl").open()]
+    index = Path(build_index(cfg, manifest, workers=2, progress=False)["index"])
+    rows = [json.loads(x) for x in (index / "lengths.jsonl").open()]
     for row in rows[:40]:  # removed after indexing: fail at load time, skipped and logged
         rec = json.loads(manifest.read_text().splitlines()[row["line"] - 1])
         for p in rec.get("images", []) + rec.get("audio", []):
@@ -382,10 +383,10 @@ def test_a_record_that_no_longer_matches_its_index_row_is_refused(data, tmp_path
     path = tmp_path / "manifest.jsonl"
     path.write_text(json.dumps({"id": "t1", "text": "hello there"}) + "\n")
     cfg = config(path, f"train.output_dir={tmp_path / 'run'}")
-    build_index(cfg, path, progress=False)
+    index = Path(build_index(cfg, path, progress=False)["index"])
     # The manifest keeps its size (so the index looks fresh) but its tokens no longer match
     # what was planned for: here, the index row is edited to say one token more.
-    lengths = path.parent / "manifest.jsonl.index" / "lengths.jsonl"
+    lengths = index / "lengths.jsonl"
     row = json.loads(lengths.read_text())
     row["text"] += 1
     lengths.write_text(json.dumps(row) + "\n")

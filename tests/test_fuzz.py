@@ -334,7 +334,7 @@ def test_fuzzed_manifest_under_skip_and_fail(h, tmp_path):
     over = [f"data.path={path}", f"data.index_dir={tmp_path / 'ix'}", "data.source=jsonl",
             "data.image_min_pixels=256", "data.image_max_pixels=1024", "data.audio_max_frames=32",
             f"train.output_dir={tmp_path / 'run'}", "data.max_image_pixels=4194304",
-            "data.eval.source=none"]  # fmt: skip
+            "data.eval.source=none", "data.min_accept=0"]  # fmt: skip
     cfg = load_config("configs/tiny.yaml", over)
     summary = build_index(cfg, path, tmp_path / "ix", progress=False)
     rejects = read_rejects(tmp_path / "ix" / "rejects.jsonl")

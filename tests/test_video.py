@@ -305,7 +305,8 @@ def test_bad_videos_are_rejected_and_counted_naming_the_record(tmp_path):
     records.append({"id": "r-count", "text": "<video><video>x", "videos": ["good.mp4"]})
     manifest = _manifest(tmp_path, records)
     caps = ["data.max_video_seconds=30", "data.max_image_pixels=4096",
-            "data.max_video_decoded_pixels=100000"]  # fmt: skip
+            "data.max_video_decoded_pixels=100000", f"data.index_dir={manifest}.index",
+            "data.min_accept=0"]  # (mostly bad on purpose)  # fmt: skip
     cfg = _config(manifest, *caps)
     summary = build_index(cfg, manifest, progress=False)
     assert summary["accepted"] == 1

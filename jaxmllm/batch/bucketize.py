@@ -62,7 +62,7 @@ def batch_shapes(cfg: Config, devices: int) -> dict[str, tuple[tuple[int, ...], 
     if any(m.llm.mrope_section):  # M-RoPE: (time, row, column) per token
         out["llm_positions"] = (llm + (3,), np.int32)
     c = spec.route_pair_capacity
-    for p in phases.enabled(m):
+    for p in phases.in_batch(m, cfg.batch):  # (a zero bucket: no arrays, the step skips it)
         enc, units = p.encoder(m), spec.units[p.name]
         out[p.src] = (llm, np.int32)
         out[p.capacity] = (lead + (units, enc.input_width), np.float32)

@@ -16,7 +16,8 @@ class StepInfo:
     """One step's plan summary and counts, as the feed made them on this host.
 
     The loop reads it for the metrics window (`tokens`, `flops`, `predicted_s`, `fill`,
-    `rejects`, `host`), the ledger (`parts`), the timings (`work`) and the logged row (`samples`).
+    `rejects`, `host`), the ledger (`parts`), the timings (`work`) and the logged row (`samples`,
+    `sources`).
     """
 
     step: int
@@ -34,5 +35,6 @@ class StepInfo:
     # calibrated cost model), when recorded; the calibrated model's predicted step time
     work: dict | None = None
     predicted_s: float = 0.0
+    sources: dict[str, int] = field(default_factory=dict)  # a mixture's samples per source
     host: HostTimes | None = None  # the feed's time per stage on this step (metrics host/*)
     extra: dict = field(default_factory=dict)  # anything a caller adds (benches)

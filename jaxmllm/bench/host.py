@@ -115,7 +115,9 @@ def _words(rng: np.random.Generator, most: int) -> str:
 
 def data_config(cfg: Config, data: str, folder: Path, records: int = 240) -> Config:
     """`cfg` reading `data`: the built-in source, a written media manifest (indexed), or as is."""
+    from jaxmllm.data.datasets import data_sets, index_dir
     from jaxmllm.data.index import build_index
+    from jaxmllm.data.preprocess import Params
 
     if data == "config":
         return cfg
@@ -126,8 +128,9 @@ def data_config(cfg: Config, data: str, folder: Path, records: int = 240) -> Con
         write_media(folder, records)
     d = dataclasses.replace(cfg.data, source="jsonl", path=str(manifest), index_dir="")
     cfg = dataclasses.replace(cfg, data=d)
-    if not (folder / "manifest.jsonl.index").exists():
-        build_index(cfg, manifest, progress=False)
+    out = index_dir(data_sets(cfg)[0], Params.from_config(cfg).counted())
+    if not (out / "lengths.jsonl").exists():
+        build_index(cfg, manifest, progress=False)  # (its folder keyed by the settings)
     return cfg
 
 

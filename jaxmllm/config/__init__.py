@@ -10,7 +10,15 @@ batch, data, optimizer, loop, launch), `load` (the whole `Config`, YAML and over
 """
 
 from jaxmllm.config.checks import ConfigError
-from jaxmllm.config.load import Config, closest_name, from_dict, load_config, to_dict
+from jaxmllm.config.load import (
+    Config,
+    closest_name,
+    config_origin,
+    from_dict,
+    keep_origin,
+    load_config,
+    to_dict,
+)
 from jaxmllm.config.model import (
     ATTENTIONS,
     AudioConfig,
@@ -30,6 +38,7 @@ from jaxmllm.config.sections import (
     MeshConfig,
     OptimConfig,
     PipelineConfig,
+    SourceConfig,
     SyntheticConfig,
     TrainConfig,
 )
@@ -56,8 +65,11 @@ __all__ = [
     "SyntheticConfig",
     "TrainConfig",
     "VisionConfig",
+    "SourceConfig",
     "closest_name",
+    "config_origin",
     "from_dict",
+    "keep_origin",
     "load_config",
     "to_dict",
 ]

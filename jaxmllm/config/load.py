@@ -247,7 +247,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
     for item in overrides:
         _apply_override(raw, item)
-    return from_dict(Config, raw, source=source)
+    cfg = from_dict(Config, raw, source=source)
+    if path is not None:  # (not a field: a command that rebuilds what it needs names it)
+        cfg.__dict__["_origin"] = (str(path), [str(o) for o in overrides])
+    return cfg
+
+
+def config_origin(cfg: Config) -> tuple[str, list[str]] | None:
+    """(the file, the `--set` overrides) `load_config` read `cfg` from; None for a config
+    built otherwise (or copied with changes since)."""
+    return cfg.__dict__.get("_origin")
+
+
+def keep_origin(changed: Config, cfg: Config) -> Config:
+    """`changed` (a copy of `cfg` with changes) with `cfg`'s origin: what `config_origin` says."""
+    if config_origin(cfg) is not None:
+        changed.__dict__["_origin"] = config_origin(cfg)
+    return changed
 
 
 def _apply_override(raw: dict, item: str) -> None:

@@ -16,7 +16,9 @@ What an entry names, for the vision phase:
 - items `images`: a record's, a sample's and a lengths-file row's list of items;
 - unit `patches`: what its bucket counts (the lengths index's units);
 - capacity `vision_patches`: `batch.vision_patches`, its bucket per device and microbatch, and
-  the batch array of its inputs.
+  the batch array of its inputs;
+- files `jpg`, `png`, ...: the file name extensions of its items where a data set names its media
+  by file type (a WebDataset shard's members `000123.jpg`).
 
 The units an encoder counts and how they become rows come from its config section
 (`units_per_token`, `units_per_row`, `input_width`, `position_dims`).
@@ -50,6 +52,7 @@ class Phase:
     unit: str  # what its bucket counts
     capacity: str  # batch.<capacity>: its bucket per device and microbatch; its inputs' array
     reserved_id: int  # its placeholder id among jaxmllm's reserved ids (byte tokenizer)
+    files: tuple[str, ...] = ()  # its items' file name extensions (lower case, no dot)
 
     @property
     def placeholder(self) -> str:
@@ -92,8 +95,14 @@ class Phase:
         return int(getattr(batch, self.capacity))
 
 
-VISION = Phase("vision", "image", "images", "patches", "vision_patches", reserved_id=259)
-AUDIO = Phase("audio", "audio", "audio", "frames", "audio_frames", reserved_id=260)
+VISION = Phase(
+    "vision", "image", "images", "patches", "vision_patches", reserved_id=259,
+    files=("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff", "ppm", "tga", "avif", "qoi"),
+)  # fmt: skip
+AUDIO = Phase(
+    "audio", "audio", "audio", "frames", "audio_frames", reserved_id=260,
+    files=("wav", "flac", "ogg", "oga", "mp3"),
+)  # fmt: skip
 
 ENCODERS: tuple[Phase, ...] = (VISION, AUDIO)  # (the order of every per-phase layout)
 BY_NAME = {p.name: p for p in ENCODERS}
@@ -110,6 +119,7 @@ class Kind:
     items: str  # the key of a record's list of items (a lengths row's is its phase's `items`)
     phase: str  # the encoder phase that encodes it
     reserved_id: int  # its placeholder id among jaxmllm's reserved ids (byte tokenizer)
+    files: tuple[str, ...] = ()  # its items' file name extensions (a WebDataset shard's members)
 
     @property
     def placeholder(self) -> str:
@@ -119,10 +129,17 @@ class Kind:
     @classmethod
     def own(cls, p: Phase) -> Kind:
         """The kind a phase takes as its own (named as the phase: `vision` is images)."""
-        return cls(p.name, p.item, p.items, p.name, p.reserved_id)
+        return cls(p.name, p.item, p.items, p.name, p.reserved_id, p.files)
 
 
-VIDEO = Kind("video", "video", "videos", "vision", reserved_id=263)
+VIDEO = Kind(
+    "video",
+    "video",
+    "videos",
+    "vision",
+    reserved_id=263,
+    files=("mp4", "webm", "mkv", "mov", "avi"),
+)
 KINDS: tuple[Kind, ...] = (*(Kind.own(p) for p in ENCODERS), VIDEO)  # (the order of flags)
 KIND = {k.name: k for k in KINDS}
 
@@ -142,3 +159,10 @@ def phase(name: str) -> Phase:
 def enabled(model: Any) -> tuple[Phase, ...]:
     """The encoder phases a ModelConfig has, in order."""
     return tuple(p for p in ENCODERS if p.enabled(model))
+
+
+def in_batch(model: Any, batch: Any) -> tuple[Phase, ...]:
+    """The encoder phases a step runs: those the model has whose bucket (batch.<capacity>) is
+    not zero. A phase the data has no items of gets a zero bucket (`plan.sizing.resolve_batch`):
+    its encoder is left out of the step, its parameters kept (and not trained)."""
+    return tuple(p for p in enabled(model) if p.bucket(batch) > 0)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxmllm.config.checks import ConfigError
-from jaxmllm.config.phases import LLM, enabled
+from jaxmllm.config.phases import LLM, enabled, in_batch
 
 RESOLVE = "resolve it against the data first (jaxmllm.plan.sizing.resolve_batch; the trainer does)"
 
@@ -26,7 +26,7 @@ class BatchSpec:
     microbatches: int
     llm_rows: int
     llm_row_len: int
-    units: Mapping[str, int]  # per encoder phase the model has: its bucket (batch.<capacity>)
+    units: Mapping[str, int]  # per encoder phase a step runs (`phases.in_batch`): its bucket
     route_pair_capacity: int  # encoder rows one device may send another (0: local)
     exchange: str  # dense | ragged
     attention_block: int  # block-sparse attention's tile side (every encoder takes it)
@@ -67,7 +67,7 @@ class BatchSpec:
                 "model.attention=auto is not resolved: resolve it for the devices first "
                 "(jaxmllm.plan.sizing.resolve_attention; the trainer does)"
             )
-        on = enabled(m)
+        on = in_batch(m, b)  # (a zero bucket: the step leaves that encoder out)
         tiles = {LLM: "llm_tiles", **{p.name: p.tiles for p in on}}
         docs = {LLM: "llm_documents", **{p.name: p.documents for p in on}}
         bounded = documents_bounded(m)

@@ -1,10 +1,12 @@
-"""The converter from a JSONL manifest to ArrayRecord (grain's native format), for large datasets.
+"""The converter from any data set to ArrayRecord (grain's native format), for large datasets.
 
     python -m jaxmllm.data.arrayrecord --manifest data/train.jsonl --out data/train.array_record
 
-Each JSONL record becomes one ArrayRecord record with its media bytes embedded, in the same order,
-so the index, the rejects and the samples are the same for both. The record format and its reader
-are in `jaxmllm.data.records.arrayrecord` (`encode_record`, `decode_record`, `ArrayRecordRecords`).
+Each record (of any data.format: `--format`, default auto; `--media-root` as data.media_root)
+becomes one ArrayRecord record in jaxmllm's schema with its media bytes embedded, in the same
+order, so the index, the rejects and the samples are the same for both. The record format and
+its reader are in `jaxmllm.data.records.arrayrecord` (`encode_record`, `decode_record`,
+`ArrayRecordRecords`).
 """
 
 from __future__ import annotations
@@ -14,27 +16,39 @@ import sys
 from pathlib import Path
 
 from jaxmllm.config import ConfigError, DataConfig, load_config
-from jaxmllm.data.records import media_paths
+from jaxmllm.data.records import open_records
 from jaxmllm.data.records.arrayrecord import encode_record
-from jaxmllm.data.records.jsonl import JsonlRecords
+from jaxmllm.data.records.schemas import to_native
+from jaxmllm.data.rejects import RecordError
 
 
-def convert(manifest: str | Path, out: str | Path, data: DataConfig | None = None) -> int:
-    """Writes every record of `manifest` to the ArrayRecord file `out`; returns the count.
+def convert(
+    manifest: str | Path,
+    out: str | Path,
+    fmt: str = "auto",
+    media_root: str = "",
+    data: DataConfig | None = None,
+) -> int:
+    """Writes every record of the data set at `manifest` to the ArrayRecord file `out`;
+    returns the count.
 
-    `data` (default settings without it): media paths are read only inside data.media_root
-    (else the manifest's folder) unless data.allow_outside_paths, and only files of at most
-    data.max_media_bytes; what is not embedded is recorded with the reason (see
-    `encode_record`), never its contents.
+    `data` (default settings without it): media paths are read only inside `media_root`
+    (else data.media_root, else the data file's folder) unless data.allow_outside_paths, and
+    only files of at most data.max_media_bytes; what is not embedded is recorded with the
+    reason (see `encode_record`), never its contents.
     """
     from array_record.python.array_record_module import ArrayRecordWriter
 
     data = data or DataConfig()
-    records = JsonlRecords(manifest, media_paths(manifest, data), data.max_media_bytes)
+    records = open_records(manifest, fmt, media_root or data.media_root, data=data)
     writer = ArrayRecordWriter(str(out), "group_size:1")
     try:
         for k in range(len(records)):
             obj, line = records.raw(k)
+            try:
+                obj = to_native(obj, records.schema, records.fallback_id(k))
+            except RecordError as e:  # (the index rejects the record, naming why)
+                obj = {"__malformed__": f"{e.reason}: {e.detail}"}
             writer.write(encode_record(obj, records.paths, line, data.max_media_bytes))
     finally:
         writer.close()
@@ -43,7 +57,10 @@ def convert(manifest: str | Path, out: str | Path, data: DataConfig | None = Non
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxmllm.data.arrayrecord", description=__doc__)
-    p.add_argument("--manifest", required=True, help="the JSONL manifest")
+    p.add_argument("--manifest", required=True, help="the data: a file, a directory or a glob")
+    p.add_argument("--format", default="auto", help="its data.format (default: detected)")
+    p.add_argument("--media-root", default="", help="as data.media_root (default: the config's, "
+                   "else the data file's folder)")  # fmt: skip
     p.add_argument("--out", required=True, help="the .array_record file to write")
     p.add_argument("--config", help="a config whose data.media_root, data.allow_outside_paths "
                    "and data.max_media_bytes apply (default: their defaults)")  # fmt: skip
@@ -55,12 +72,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         data = load_config(args.config, args.set).data
-        n = convert(args.manifest, args.out, data)
+        n = convert(args.manifest, args.out, args.format, args.media_root, data)
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {n} records to {args.out}")
-    print(f"next: python -m jaxmllm.data.index --manifest {args.out} --config <your config>")
+    print(
+        f"next: set data.path: {args.out} in your config, then python -m jaxmllm.data.index "
+        "--config <your config>"
+    )
     return 0
 
 

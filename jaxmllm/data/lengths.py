@@ -54,6 +54,50 @@ class Items:
         return sums
 
 
+@dataclass(frozen=True)
+class Mixture:
+    """Several data sets in one index, one after another (source s holds samples `starts[s]`
+    .. `starts[s + 1] - 1`), each drawn `draws[s]` times in every round of `len(index)` samples
+    (`jaxmllm.plan.stream.MixtureStream`): its weight's share, to the nearest sample."""
+
+    names: tuple[str, ...]
+    starts: tuple[int, ...]  # [sources + 1]
+    draws: tuple[int, ...]  # [sources], summing to the index's length
+
+    @classmethod
+    def of(cls, names: list[str], sizes: list[int], weights: list[float]) -> Mixture:
+        """Sources of `sizes` samples drawn by `weights` (all 0: in proportion to their sizes),
+        apportioned to whole samples a round by largest remainder.
+
+        Raises:
+          ValueError: a source with no samples, or one whose weight draws none in a round.
+        """
+        total = sum(sizes)
+        w = np.asarray(sizes if not any(weights) else weights, np.float64)
+        quota = w / w.sum() * total
+        draws = np.floor(quota).astype(np.int64)
+        order = np.argsort(-(quota - draws), kind="stable")
+        draws[order[: total - int(draws.sum())]] += 1
+        for name, size, n in zip(names, sizes, draws.tolist(), strict=True):
+            if not size or not n:
+                why = "has no usable samples" if not size else "is drawn 0 times a round"
+                raise ValueError(f"source {name!r} {why} (of {total} samples a round)")
+        starts = np.cumsum([0, *sizes]).tolist()
+        return cls(tuple(names), tuple(int(x) for x in starts), tuple(draws.tolist()))
+
+    def source_of(self, samples: np.ndarray) -> np.ndarray:
+        """Which source each sample is from."""
+        return np.searchsorted(np.asarray(self.starts), samples, "right") - 1
+
+    def counts(self, samples: np.ndarray) -> dict[str, int]:
+        """Samples per source."""
+        n = np.bincount(self.source_of(np.asarray(samples, np.int64)), minlength=len(self.names))
+        return dict(zip(self.names, n.tolist(), strict=True))
+
+    def to_json(self) -> dict:
+        return {"names": list(self.names), "starts": list(self.starts), "draws": list(self.draws)}
+
+
 @dataclass
 class LengthsIndex:
     """Per-sample counts in model units, as ragged numpy arrays (vectorised planning needs them).
@@ -65,6 +109,7 @@ class LengthsIndex:
 
     text: np.ndarray
     items: dict[str, Items]
+    mixture: Mixture | None = None  # several data sets drawn by weight (data.sources)
 
     def __post_init__(self):
         empty = Items.from_lists([[] for _ in range(len(self.text))])
@@ -83,6 +128,20 @@ class LengthsIndex:
                 for p in ENCODERS
             },  # fmt: skip
         )
+
+    @classmethod
+    def concat(cls, parts: list[LengthsIndex], mixture: Mixture | None = None) -> LengthsIndex:
+        """The samples of `parts`, one after another."""
+        items = {}
+        for p in ENCODERS:
+            sizes = [part.items[p.name].sizes for part in parts]
+            counts = [part.items[p.name].count() for part in parts]
+            items[p.name] = Items(
+                ptr=np.cumsum([0, *np.concatenate(counts)]).astype(np.int64),
+                sizes=np.concatenate(sizes).astype(np.int64),
+            )
+        text = np.concatenate([part.text for part in parts]).astype(np.int64)
+        return cls(text=text, items=items, mixture=mixture)
 
     def record(self, i: int) -> dict:
         """Sample i in the lengths-file format."""

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxmllm.config import Config, ConfigError
+from jaxmllm.config import Config, ConfigError, phases
 from jaxmllm.config.phases import BY_NAME, ENCODERS, KIND, KINDS, NAMES
 from jaxmllm.data.media.audio import Caps, chunk_lengths, clip_frames, load_audio, read_info
 from jaxmllm.data.media.image import image_grid, load_image, read_size
@@ -50,6 +50,8 @@ class Params:
     audio_max_frames: int
     subsample: int
     n_mels: int = field(compare=False)  # does not change counts
+    # The encoder phases the model has, comma-separated: a record with items of another phase
+    encoders: str = ",".join(NAMES)  # is refused at index time (`no_encoder`)
     # Videos' sampling and resize rule (jaxmllm.data.media.video)
     temporal_patch: int = 1
     video_fps: float = 2.0
@@ -95,6 +97,7 @@ class Params:
             audio_max_frames=d.audio_max_frames,
             subsample=cfg.model.audio.subsample,
             n_mels=cfg.model.audio.n_mels,
+            encoders=",".join(p.name for p in phases.enabled(cfg.model)),
             temporal_patch=v.temporal_patch,
             video_fps=d.video_fps,
             video_min_frames=d.video_min_frames,
@@ -120,11 +123,8 @@ class Params:
 
     def counted(self) -> dict:
         """The fields that decide counts (what an index must agree on)."""
-        return {k: v for k, v in self.__dict__.items() if _field_compares(k)}
-
-
-def _field_compares(name: str) -> bool:
-    return Params.__dataclass_fields__[name].compare
+        fields = Params.__dataclass_fields__
+        return {k: v for k, v in self.__dict__.items() if fields[k].compare}
 
 
 # ----------------------------------------------------------------------------- layout

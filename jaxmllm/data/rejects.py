@@ -33,6 +33,7 @@ REASONS = {
     "oversize": "larger than a bucket can hold (see data.on_oversize)",
     "template_error": "the tokenizer directory's chat template fails on the record (or has none)",
     "template_inconsistent": "the chat template's text before an assistant turn changes later",
+    "no_encoder": "the record has items of a phase the model has no encoder for (model.<phase>)",
     "record_failed": "reading the record raised an unexpected error (named in the detail)",
 }
 

@@ -1,15 +1,17 @@
-"""The training source of a JSONL manifest or ArrayRecord file: index checked, oversize applied.
+"""The training source of a data set in any format: index checked, oversize applied.
 
 `open_source(cfg)` is what the trainer's pipeline calls: it loads the lengths index that
-`python -m jaxmllm.data.index` wrote (and stops, printing that command, when it is missing or was
-built with other preprocessing settings), applies data.on_oversize to the rows no bucket can hold,
-and returns a `ManifestSource` whose item i is the Sample of index row i.
+`python -m jaxmllm.data.index` wrote (and stops, printing that command, when it is missing, was
+built with other preprocessing settings or for other files, or accepted too few records),
+applies data.on_oversize to the rows no bucket can hold, and returns a `ManifestSource` whose
+item i is the Sample of index row i; for data.sources, a `MixtureSource` of one per source.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import grain
@@ -17,13 +19,18 @@ import numpy as np
 
 from jaxmllm.config import Config, ConfigError, phases
 from jaxmllm.config.phases import BY_NAME, ENCODERS
+from jaxmllm.data.datasets import DataSet, acceptance_problem, data_sets, index_command, index_dir
 from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.data.mixture import MixtureSource
 from jaxmllm.data.preprocess import MEDIA, Limits, Params, Preprocessor, Sizes
 from jaxmllm.data.records import open_records, read_record
+from jaxmllm.data.records.formats import data_files
 from jaxmllm.data.rejects import DataError, RecordError, fail_message
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.data.text.tokenizer import PretrainedTokenizer, make_tokenizer
+
+log = logging.getLogger("jaxmllm")
 
 # ----------------------------------------------------------------------------- the source
 
@@ -87,28 +94,18 @@ def sizes_of(row: dict) -> Sizes:
 # ----------------------------------------------------------------------------- loading the index
 
 
-def default_index_dir(path: str | Path) -> Path:
-    return Path(f"{path}.index")
-
-
-def index_command(cfg: Config, out: Path) -> str:
-    return (
-        f"python -m jaxmllm.data.index --manifest {cfg.data.path} --out {out} "
-        "--config <this config>"
-    )
-
-
-def load_index(cfg: Config) -> tuple[list[dict], dict]:
-    """The index rows and summary for data.path, checked against the config and the file."""
-    d = cfg.data
-    out = Path(d.index_dir) if d.index_dir else default_index_dir(d.path)
-    if not Path(d.path).exists():
-        raise ConfigError(f"data.path: no such file {d.path!r}")
+def load_index(cfg: Config, ds: DataSet) -> tuple[list[dict], dict, Path]:
+    """The index rows, summary and folder of data set `ds`, checked against the config and the
+    files: it must exist, match the preprocessing settings and the files, and have accepted
+    enough of the records (data.min_accept)."""
+    out = index_dir(ds, Params.from_config(cfg).counted())
+    try:
+        files = data_files(ds.path)
+    except FileNotFoundError as e:
+        raise ConfigError(f"data.path: {e}") from None
+    rebuild = f"Build it once with:\n  {index_command(cfg)}"
     if not (out / "summary.json").exists():
-        raise ConfigError(
-            f"no lengths index for {d.path} in {out}/ (data.index_dir). Build it once with:\n"
-            f"  {index_command(cfg, out)}"
-        )
+        raise ConfigError(f"no lengths index for {ds.path} in {out}/ (data.index_dir). {rebuild}")
     summary = json.loads((out / "summary.json").read_text())
     want = Params.from_config(cfg).counted()
     diff = [f"{k}: index {summary['params'].get(k)!r}, config {v!r}" for k, v in want.items()
@@ -116,20 +113,28 @@ def load_index(cfg: Config) -> tuple[list[dict], dict]:
     if diff:
         raise ConfigError(
             f"the index in {out}/ was built with other preprocessing settings ({'; '.join(diff)})."
-            f" Rebuild it:\n  {index_command(cfg, out)}"
+            f" Rebuild it:\n  {index_command(cfg)}"
         )
-    if summary.get("data_bytes") != Path(d.path).stat().st_size:
+    now = [[str(f.absolute()), f.stat().st_size] for f in files]
+    if summary.get("files") != now:
         raise ConfigError(
-            f"{d.path} changed since its index in {out}/ was built. Rebuild it:\n"
-            f"  {index_command(cfg, out)}"
+            f"{ds.path} changed since its index in {out}/ was built. Rebuild it:\n"
+            f"  {index_command(cfg)}"
+        )
+    problem = acceptance_problem(summary, cfg.data.min_accept)
+    if problem:
+        raise ConfigError(
+            f"the index of {ds.path} in {out}/ {problem}; see {out}/rejects.jsonl, fix the "
+            f"data (or data.format), then rebuild it:\n  {index_command(cfg)}"
         )
     with open(out / "lengths.jsonl") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return rows, summary
+    return rows, summary, out
 
 
-def open_source(cfg: Config) -> ManifestSource:
-    """The training source of data.path: index loaded and checked, oversize policy applied."""
+def open_source(cfg: Config) -> ManifestSource | MixtureSource:
+    """The training source of the config's data (data.path, or a mixture of data.sources):
+    indexes loaded and checked, oversize policy applied."""
     tokenizer = make_tokenizer(cfg.data.tokenizer, cfg.data.template_date)
     if cfg.model.llm.vocab_size < tokenizer.vocab_size:
         what = (
@@ -142,18 +147,29 @@ def open_source(cfg: Config) -> ManifestSource:
             f"({cfg.data.tokenizer}: {tokenizer.vocab_size} ids {what}); "
             f"raise model.llm.vocab_size to at least {tokenizer.vocab_size}"
         )
-    rows, summary = load_index(cfg)
-    check_videos(cfg, sum(len(r.get(MEDIA["video"].size_key, [])) for r in rows))
+    sets = data_sets(cfg)
+    parts = [open_data_set(cfg, ds, tokenizer) for ds in sets]
+    if not cfg.data.sources:
+        return parts[0]
+    return MixtureSource(parts, sets)
+
+
+def open_data_set(cfg: Config, ds: DataSet, tokenizer) -> ManifestSource:
+    """One data set's source: its index loaded and checked, oversize policy applied."""
+    rows, summary, out = load_index(cfg, ds)
+    check_videos(cfg, sum(len(r.get(MEDIA["video"].size_key, [])) for r in rows), ds.path)
     if cfg.data.on_error == "fail" and summary.get("rejected"):
-        out = Path(cfg.data.index_dir) if cfg.data.index_dir else default_index_dir(cfg.data.path)
         first = json.loads((out / "rejects.jsonl").read_text().splitlines()[0])
         err = RecordError(first["reason"], first["detail"], first["id"])
         raise DataError(
-            fail_message(err, "data.on_error", f"line {first['line']}")
+            fail_message(err, "data.on_error", first.get("where") or f"line {first['line']}")
             + f" ({summary['rejected']} rejected records in all: {out}/rejects.jsonl)"
         )
     pre = Preprocessor(Params.from_config(cfg), tokenizer)
-    records = open_records(cfg.data.path, cfg.data)
+    with np.load(out / "scan.npz", allow_pickle=False) as saved:
+        scan = dict(saved)
+    records = open_records(ds.path, summary["format"], ds.media_root, scan, data=cfg.data)
+    log.info("%s: %s (%s)", ds.path, records.format, summary.get("detected") or "data.format")
     kept, limits, startup = apply_oversize(cfg, rows, records, pre)
     source = ManifestSource(records, pre, kept, limits)
     source.startup_rejects = startup
@@ -161,11 +177,12 @@ def open_source(cfg: Config) -> ManifestSource:
     return source
 
 
-def check_videos(cfg: Config, videos: int) -> None:
-    """Stops the run when the data has videos and the vision encoder does not take them."""
+def check_videos(cfg: Config, videos: int, where: str = "") -> None:
+    """Stops the run when the data (the data set at `where`) has videos and the vision encoder
+    does not take them."""
     if videos and not (cfg.model.vision.enabled and cfg.model.vision.video):
         raise ConfigError(
-            f"the data ({cfg.data.path or cfg.data.source}) has {videos} video(s), but "
+            f"the data ({where or cfg.data.path or cfg.data.source}) has {videos} video(s), but "
             "model.vision.video is false: set model.vision.video: true (and "
             "model.vision.enabled), or use data without videos"
         )

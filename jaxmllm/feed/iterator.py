@@ -95,6 +95,7 @@ class StepIterator(grain.DatasetIterator):
         variant = "whole"
         if self.variants is not None:  # a compiled program per variant used
             batch, variant = self.variants.pick(plan, self.index, batch)
+        mix = self.index.mixture  # (data.sources: the step's samples per source)
         fill = fill_stats(batch)  # this host's buckets
         times.bucketize_s = clock.lap()
         counts = self.count(batch)  # this host's real tokens and FLOPs, for the metrics
@@ -108,6 +109,7 @@ class StepIterator(grain.DatasetIterator):
             fill=fill,
             rejects=self.loader.counts(),
             variant=variant,
+            sources={} if mix is None else mix.counts(plan.samples),
             host=times,  # this step's time in each stage of the feed
             **counts,
         )

@@ -262,7 +262,15 @@ def check_process_count(mngr: ocp.CheckpointManager) -> None:
 # What a resumed run must share with the run that wrote its checkpoints: the parameters' shapes
 # and split, the bucket shapes and planner (their state is in the checkpoint), the sample stream.
 # The mesh, optimizer settings and step count may change between runs.
-RESUME_KEYS = ("model", "batch", "data.source", "data.path", "data.seed", "data.synthetic")
+RESUME_KEYS = (
+    "model",
+    "batch",
+    "data.source",
+    "data.path",
+    "data.sources",  # (a mixture's sources, weights and order make its stream)
+    "data.seed",
+    "data.synthetic",
+)
 # ... but not how the step recomputes activations (model.remat, model.<tower>.remat, and the
 # remat_policy of configs written before the policies had names): it changes no state.
 free_to_change = lambda key: key == "model.remat_policy" or key.rsplit(".", 1)[-1] == "remat"
@@ -287,7 +295,7 @@ def check_resumable(cfg: Config, out: Path) -> None:
     changed = [
         k
         for k in sorted(set(saved) | set(now))
-        if k.startswith(RESUME_KEYS) and saved.get(k) != now.get(k)
+        if k.startswith(RESUME_KEYS) and _saved(saved, k, now) != now.get(k)
         and k not in free and not free_to_change(k)
     ]  # fmt: skip
     if changed:
@@ -297,6 +305,14 @@ def check_resumable(cfg: Config, out: Path) -> None:
             f"({diffs}{', ...' if len(changed) > 6 else ''}); it cannot be resumed with this "
             f"one. Use a new train.output_dir, or the config in {saved_path}."
         )
+
+
+def _saved(saved: dict, key: str, now: dict):
+    """A saved config's value; a key it lacks (written before the key existed) is taken as the
+    current value where that is empty (the key's default: nothing changed)."""
+    if key not in saved and not now.get(key):
+        return now.get(key)
+    return saved.get(key)
 
 
 def keep_resolved(cfg: Config, out: Path) -> Config:

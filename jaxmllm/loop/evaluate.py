@@ -35,7 +35,7 @@ import numpy as np
 
 import sharding
 from jaxmllm.batch.bucketize import bucketize
-from jaxmllm.config import Config, ConfigError
+from jaxmllm.config import Config, ConfigError, keep_origin
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.loader import Loader
@@ -93,9 +93,10 @@ def eval_source(cfg: Config):
         return held, held.index
     from jaxmllm.data.source import ManifestSource, open_source
 
-    data = dataclasses.replace(cfg.data, source=e.source, path=e.path, index_dir=e.index_dir)
+    data = dataclasses.replace(cfg.data, source=e.source, path=e.path, format=e.format,
+                               index_dir=e.index_dir, media_root="", sources=())  # fmt: skip
     try:
-        full = open_source(dataclasses.replace(cfg, data=data))
+        full = open_source(keep_origin(dataclasses.replace(cfg, data=data), cfg))
     except ConfigError as err:
         raise ConfigError(f"data.eval: {err}") from None
     n = len(full) if not e.samples else min(e.samples, len(full))

@@ -119,8 +119,9 @@ class MultimodalLM(nnx.Module):
         slots filled with the projected encoder rows (what KV-cache decoding prefills too);
         `rows`: each phase's projector rows when computed already (a pipeline's encoder
         stages), else encoded here."""
-        if rows is None:
-            rows = {name: self.encode(mb, name) for name in self.phases}
+        if rows is None:  # (a phase whose bucket is zero has no arrays: it is left out)
+            rows = {name: self.encode(mb, name) for name in self.phases
+                    if phase(name).capacity in mb}  # fmt: skip
         # The table is sharded on `embed`; pin the lookup to the batch layout so XLA does not
         # carry the table's layout into the activations (a full rematerialisation otherwise).
         x_drlw = shard_like_batch(self.llm.embed(mb["llm_tokens"]))

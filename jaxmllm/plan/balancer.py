@@ -38,7 +38,7 @@ from jaxmllm.plan.assign import Assignment, text_home
 from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
 from jaxmllm.plan.ragged import gather_items, offsets_in_bins
 from jaxmllm.plan.select import Selector
-from jaxmllm.plan.stream import SampleStream
+from jaxmllm.plan.stream import stream_of
 from jaxmllm.plan.work import ENC, Micro, Phases
 
 # Tuned constants of the step (what each was measured to do: plan/README.md).
@@ -77,7 +77,7 @@ class Balancer:
         buckets = caps.microbatches * caps.devices
         self.lookahead = lookahead * min(1.0, (MANY_BUCKETS / max(buckets, 1)) ** 0.5)
         self.slack_pass = buckets <= MANY_BUCKETS or not assignment.routed
-        self.stream = SampleStream(len(index), seed)
+        self.stream = stream_of(index, seed)
         self.phases = Phases(index, caps)
         self.selector = Selector(self.phases, self.lookahead)
         self.cursor, self.step = 0, 0

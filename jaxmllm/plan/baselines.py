@@ -17,7 +17,7 @@ from jaxmllm.config.phases import LLM, NAMES
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan, check_fits
 from jaxmllm.plan.ragged import gather_items, offsets_in_bins
-from jaxmllm.plan.stream import SampleStream
+from jaxmllm.plan.stream import stream_of
 
 
 class FirstFitPlanner:
@@ -31,7 +31,7 @@ class FirstFitPlanner:
         check_fits(index, caps)
         self.index, self.caps = index, caps
         self.llm = index.llm_tokens(caps.per_token)
-        self.stream = SampleStream(len(index), seed)
+        self.stream = stream_of(index, seed)
         self.cursor, self.step = 0, 0
         self.ages = np.zeros(0, np.int64)  # (nothing waits: every age is 0)
 
@@ -99,7 +99,7 @@ class NaivePlanner:
     def __init__(self, index: LengthsIndex, caps: Capacities, seed: int):
         check_fits(index, caps)
         self.index, self.caps = index, caps
-        self.stream = SampleStream(len(index), seed)
+        self.stream = stream_of(index, seed)
         self.llm = index.llm_tokens(caps.per_token)
         self.slot_llm = max(int(self.llm.max()), 1)
         self.per_row = caps.llm_row_len // self.slot_llm
@@ -163,7 +163,7 @@ class GrainPlanner:
                 "feature as one sequence); set batch.llm_rows=1"
             )
         self.index, self.caps, self.seed = index, caps, seed
-        self.stream = SampleStream(len(index), seed)
+        self.stream = stream_of(index, seed)
         self.llm = index.llm_tokens(caps.per_token)
         self.units = index.units()  # per encoder phase, per sample
         per = min(devices_per_host, caps.devices)

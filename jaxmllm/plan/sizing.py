@@ -128,8 +128,18 @@ def resolve_batch(cfg: Config, index: LengthsIndex, devices: int | None = None) 
             got = suggest_capacities(index, tokens, per_token, per_row=per_row,
                                      max_row_len=b.llm_row_len, block=block)  # fmt: skip
         for p in ENCODERS:
-            if got.units[p.name]:  # 0: the data has none of it; keep the configured bucket
+            if got.units[p.name]:  # 0: the data has none of it (below)
                 changes[p.capacity] = got.units[p.name]
+    for p in phases.enabled(m):  # the data has none of its items: the step leaves it out
+        if not len(index.items[p.name]) and p.bucket(b):
+            changes[p.capacity] = 0
+            log.info(
+                "the data has no %s items: batch.%s = 0, the %s encoder and its projector are "
+                "left out of the step (and not trained)",
+                p.item,
+                p.capacity,
+                p.name,
+            )
     auto_route = False
     if b.route_pair_capacity != 0 and b.planner != "orchestrated":
         # Only orchestrated moves items between devices; an exchange would only move zeros.
@@ -327,7 +337,7 @@ def capacities(cfg: Config, devices: int) -> Capacities:
             "batch.route_pair_capacity=-1 (auto) must be resolved against the "
             "data first: jaxmllm.plan.sizing.resolve_batch"
         )
-    on = {p.name: p.enabled(m) for p in ENCODERS}
+    on = {p.name: p in phases.in_batch(m, b) for p in ENCODERS}
     tiles = {p: max(getattr(b, key), 0) if sparse and on.get(p, True) else 0
              for p, key in tile_keys().items()}  # fmt: skip
     return Capacities(

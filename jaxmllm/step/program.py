@@ -25,12 +25,17 @@ from jaxmllm.config.spec import BatchSpec
 from jaxmllm.models import MultimodalLM, param_axes
 
 # Top-level model attributes, and the config switch that freezes each: per encoder phase its
-# encoder (model.<phase>.freeze) and projector (model.projector_freeze), then the LLM.
+# encoder (model.<phase>.freeze) and projector (model.projector_freeze), then the LLM. An encoder
+# phase with a zero bucket (the data has none of its items) is left out of the step, so its
+# encoder and projector are frozen too: no gradient reaches them, and weight decay would
+# otherwise shrink them for nothing.
 FREEZE_SWITCHES = {}
 for _p in ENCODERS:
-    FREEZE_SWITCHES[_p.name] = lambda m, p=_p: p.encoder(m).freeze
-    FREEZE_SWITCHES[f"{_p.name}_projector"] = lambda m: m.projector_freeze
-FREEZE_SWITCHES["llm"] = lambda m: m.llm.freeze
+    FREEZE_SWITCHES[_p.name] = lambda c, p=_p: p.encoder(c.model).freeze or not p.bucket(c.batch)
+    FREEZE_SWITCHES[f"{_p.name}_projector"] = lambda c, p=_p: (
+        c.model.projector_freeze or not p.bucket(c.batch)
+    )
+FREEZE_SWITCHES["llm"] = lambda c: c.model.llm.freeze
 
 
 # ----------------------------------------------------------------------------- model state
@@ -58,7 +63,7 @@ def build_model(cfg: Config, seed: int) -> tuple[dict, dict]:
 def split_frozen(cfg: Config, model: MultimodalLM) -> tuple[dict, dict]:
     """A model's parameters as (trainable, frozen) pure dicts, by the config's freeze keys."""
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    frozen = {k for k, is_frozen in FREEZE_SWITCHES.items() if k in pure and is_frozen(cfg.model)}
+    frozen = {k for k, is_frozen in FREEZE_SWITCHES.items() if k in pure and is_frozen(cfg)}
     return (
         {k: v for k, v in pure.items() if k not in frozen},
         {k: v for k, v in pure.items() if k in frozen},
@@ -70,7 +75,7 @@ def model_parts(cfg: Config) -> tuple[ModelParts, dict]:
     spec = BatchSpec.of(cfg)
     abstract = nnx.eval_shape(lambda: MultimodalLM(cfg.model, spec, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract, nnx.Param)
-    frozen = tuple(k for k, f in FREEZE_SWITCHES.items() if k in state and f(cfg.model))
+    frozen = tuple(k for k, f in FREEZE_SWITCHES.items() if k in state and f(cfg))
     return ModelParts(graphdef, state, frozen), param_axes(state)
 
 

@@ -34,26 +34,32 @@ def encode_record(
 
     def embed(entry, where):
         nonlocal offset
-        if not isinstance(entry, str) or not entry or not valid_unicode(entry):
+        if isinstance(entry, dict) and isinstance(entry.get("bytes"), bytes):
+            data = entry["bytes"]  # (a Parquet or WebDataset record's media, read already)
+            if len(data) > max_bytes:
+                return {"missing": where, "reason": "media_too_large"}
+        elif not isinstance(entry, str) or not entry or not valid_unicode(entry):
             return entry  # odd entries stay as they are (the parser judges them)
-        if entry.startswith("data:"):
+        elif entry.startswith("data:"):
             return entry  # inline data is in the header already
-        try:  # only regular files inside the folder, size checked before a byte is read
-            path = paths.resolve(entry, where, "?")
-            check_media_file(path, max_bytes=max_bytes)
-            with open(path, "rb") as f:
-                data = f.read(max_bytes + 1)
-            if len(data) > max_bytes:  # (grown since the check)
-                raise RecordError("media_too_large", "", "?")
-        # Kept: where the entry was and why it is not here (the index rejects the record for
-        # that reason, opening nothing); not its name, which may be a path outside the folder.
-        except RecordError as e:
-            return {"missing": where, "reason": e.reason}
-        except (OSError, ValueError):  # unreadable (permissions, I/O error, a NUL byte)
-            return {"missing": where, "reason": "missing_media"}
+        else:
+            try:  # only regular files inside the folder, size checked before a byte is read
+                path = paths.resolve(entry, where, "?")
+                check_media_file(path, max_bytes=max_bytes)
+                with open(path, "rb") as f:
+                    data = f.read(max_bytes + 1)
+                if len(data) > max_bytes:  # (grown since the check)
+                    raise RecordError("media_too_large", "", "?")
+            # Kept: where the entry was and why it is not here (the index rejects the record
+            # for that reason, opening nothing); not its name, which may be a path outside.
+            except RecordError as e:
+                return {"missing": where, "reason": e.reason}
+            except (OSError, ValueError):  # unreadable (permissions, I/O error, a NUL byte)
+                return {"missing": where, "reason": "missing_media"}
         blobs.append(data)
         offset += len(data)
-        return {"blob": [offset - len(data), len(data)], "name": entry}
+        name = entry if isinstance(entry, str) else entry.get("path")
+        return {"blob": [offset - len(data), len(data)], "name": name}
 
     if isinstance(obj, dict) and "__malformed__" not in obj:
         obj = dict(obj)
@@ -96,12 +102,13 @@ def _decode(data: bytes) -> tuple[object, int]:
 class ArrayRecordRecords:
     """Random access to the records of an .array_record file, through grain's data source."""
 
-    def __init__(self, path: str | Path, paths: MediaPaths | None = None):
+    def __init__(self, path: str | Path, scan: dict | None = None):
         self.path = Path(path)
-        self.paths = paths or MediaPaths(self.path.parent)  # (paths only a forged file holds)
-        self.base_dir = self.paths.base
         self._source = None
         self._len = len(self._open())
+
+    def scan(self) -> dict:
+        return {}  # (the file's own index: nothing to keep)
 
     def _open(self):
         if self._source is None:
@@ -115,6 +122,12 @@ class ArrayRecordRecords:
 
     def raw(self, k: int) -> tuple[object, int]:
         return decode_record(self._open()[int(k)])
+
+    def where(self, k: int) -> str:
+        return f"{self.path.name} record {int(k)}"
+
+    def fallback_id(self, k: int) -> str:
+        return f"{self.path.name}:{int(k)}"
 
     def __getstate__(self):
         return {**self.__dict__, "_source": None}

@@ -148,12 +148,17 @@ def _media_source(entry: Any, paths: MediaPaths, where: str, rid: str) -> Any:
     except (ValueError, TypeError) as e:
         raise RecordError("undecodable_media", f"bad base64: {e}", rid) from None
     if isinstance(entry, dict) and "missing" in entry:
-        # What the ArrayRecord converter could not embed: rejected for the reason it found,
-        # never taken as a path (a manifest could name any file so).
+        # What the ArrayRecord converter could not embed (or a reader did not read: a .tar
+        # member over the size cap): rejected for the reason found, never taken as a path (a
+        # manifest could name any file so).
         reason = entry.get("reason")
         reason = reason if reason in ("missing_media", "undecodable_media", "media_too_large",
                                       "path_outside_root") else "missing_media"  # fmt: skip
-        raise RecordError(reason, f"{where}: the ArrayRecord converter could not embed it", rid)
+        detail = entry.get("detail")
+        detail = (
+            detail if isinstance(detail, str) else "the ArrayRecord converter could not embed it"
+        )
+        raise RecordError(reason, f"{where}: {detail}", rid)
     raise RecordError("malformed_line", f"media entry {entry!r:.60} is not a path or base64", rid)
 
 

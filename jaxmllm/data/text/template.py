@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxmllm.config import Config, ConfigError
 from jaxmllm.config.phases import ENCODERS, KINDS
+from jaxmllm.data.datasets import data_sets
 from jaxmllm.data.preprocess import Limits, Params, Preprocessor
 from jaxmllm.data.records import open_records, read_record
 from jaxmllm.data.records.record import PLACEHOLDER, MediaPaths, parse_record
@@ -160,13 +161,14 @@ def make_template(cfg: Config, kind: str = "auto", pretrained: bool = False) -> 
 def _data_form(cfg: Config) -> str:
     """chat when the training data's first readable record has `messages`, else plain."""
     try:
-        records = open_records(cfg.data.path, cfg.data)
+        ds = data_sets(cfg)[0]
+        records = open_records(ds.path, ds.format, ds.media_root, data=cfg.data)
         for k in range(min(len(records), 16)):
             try:
                 record = read_record(records, k)
             except RecordError:
                 continue
             return "plain" if record.turns[0][0] == "text" else "chat"
-    except OSError:
+    except (OSError, ConfigError):  # (a file gone, or one of no format it knows)
         pass
     return "chat"

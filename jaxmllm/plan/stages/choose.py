@@ -61,7 +61,7 @@ class Variants:
     def __init__(self, cfg: Config, plan: Plan):
         self.cfg = cfg
         m, b = cfg.model, cfg.batch
-        on = phases.enabled(m)
+        on = phases.in_batch(m, b)
         self.encoders = [p.name for p in on]
         self.capacity = {p.name: p.bucket(b) for p in on}
         self.unit = {p.name: p.per_token(m) for p in on}  # per output row

@@ -1,0 +1,76 @@
+"""A mixture of data sets (`data.sources`) as one source and one lengths index.
+
+Each source is a data set with its own index (`jaxmllm.data.source.open_data_set`); the mixture
+puts their samples one after another (sample i of the mixture is sample i - start of its
+source) into one `LengthsIndex`, whose `Mixture` says where each source starts and how many of
+its samples every round of the stream draws (`jaxmllm.plan.stream.MixtureStream`): the planner
+sees one index, so it balances across sources, and the stream's position, its cursor, is the
+mixture's, saved with every checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxmllm.config import ConfigError
+from jaxmllm.data.lengths import LengthsIndex, Mixture
+from jaxmllm.data.samples import Sample
+
+
+class MixtureSource:
+    """grain random-access source over several data sets' sources: `source[i]` -> Sample.
+
+    `parts` are the sources (`ManifestSource`s), `sets` their `DataSet`s (name, weight).
+    """
+
+    def __init__(self, parts: Sequence, sets: Sequence):
+        names = [ds.name for ds in sets]
+        twice = [n for n, c in Counter(names).items() if c > 1]
+        if twice:
+            raise ConfigError(
+                f"data.sources: several sources are named {twice[0]!r} (a name is the file's "
+                "stem unless given): give each a distinct `name`"
+            )
+        sizes = [len(p) for p in parts]
+        try:
+            mixture = Mixture.of(names, sizes, [ds.weight for ds in sets])
+        except ValueError as e:
+            raise ConfigError(
+                f"data.sources: {e}; give it data, or a larger weight (weights: "
+                f"{[ds.weight for ds in sets]}, all 0 = in proportion to the records)"
+            ) from None
+        self.parts, self.mixture = list(parts), mixture
+        self.starts = np.asarray(mixture.starts, np.int64)
+        self.index = LengthsIndex.concat([p.index for p in parts], mixture)
+        self.specials = parts[0].specials  # (one tokenizer for all)
+        self.media_ids = list(self.specials.media.values())
+        self.startup_rejects = [{**e, "source": name} for p, name in zip(parts, names, strict=True)
+                                for e in p.startup_rejects]  # fmt: skip
+        counts: Counter[str] = Counter()
+        for p in parts:
+            counts.update(p.index_rejects)
+        self.index_rejects = dict(counts)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def _at(self, i: int) -> tuple[int, int]:
+        s = int(np.searchsorted(self.starts, int(i), "right")) - 1
+        return s, int(i) - int(self.starts[s])
+
+    def __getitem__(self, i: int) -> Sample:
+        return self.load(i)
+
+    def load(self, i: int, keep: dict[str, tuple[int, ...]] | None = None) -> Sample:
+        """Sample i (its source's sample, numbered as the mixture's)."""
+        s, j = self._at(i)
+        sample = self.parts[s].load(j, keep)
+        sample.id = int(i)
+        return sample
+
+    def record_id(self, i: int) -> str:
+        s, j = self._at(i)
+        return self.parts[s].record_id(j)

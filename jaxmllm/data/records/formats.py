@@ -1,0 +1,175 @@
+"""data.format: the file formats a data set may come in, and `auto`'s detection.
+
+A format is a container (how records are stored: JSON lines, one JSON list, Parquet, .tar
+shards, ArrayRecord) and a schema (what a record's fields are: `jaxmllm.data.records.schemas`).
+`data.path` names a file, a directory of shards or a glob (`data_files`); `detect` reads the
+files' names and, for JSON, the first record, and says which format it found and why.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from jaxmllm.config import ConfigError
+from jaxmllm.config.sections import FORMATS as FORMAT_NAMES
+from jaxmllm.data.records.record import parse_record
+from jaxmllm.data.rejects import RecordError
+
+
+@dataclass(frozen=True)
+class Format:
+    """One value of data.format."""
+
+    name: str
+    container: str  # json (a list or JSON lines, by the file) | jsonl | parquet | tar | arrayrecord
+    schema: str  # the records' fields (`schemas.SCHEMAS`)
+    what: str  # what it reads, for messages
+
+
+FORMATS = {
+    f.name: f
+    for f in (
+        Format("jsonl", "jsonl", "jaxmllm", "jaxmllm's records, one JSON object a line"),
+        Format(
+            "llava",
+            "json",
+            "conversations",
+            "LLaVA records ('conversations' of 'from'/'value' turns)",
+        ),
+        Format(
+            "sharegpt",
+            "json",
+            "conversations",
+            "ShareGPT records ('conversations' of 'from'/'value' turns)",
+        ),
+        Format("messages", "json", "messages", "OpenAI-style 'messages' records"),
+        Format("parquet", "parquet", "any", "Parquet files"),
+        Format("webdataset", "tar", "any", "WebDataset .tar shards"),
+        Format("arrayrecord", "arrayrecord", "jaxmllm", "ArrayRecord files"),
+    )
+}
+assert set(FORMATS) == set(FORMAT_NAMES) - {"auto"}, "config.sections.FORMATS != these"
+BY_SUFFIX = {".parquet": "parquet", ".tar": "webdataset", ".array_record": "arrayrecord"}
+JSON_SUFFIXES = (".json", ".jsonl")
+DATA_SUFFIXES = (*BY_SUFFIX, *JSON_SUFFIXES)
+PEEK = 1 << 22  # bytes read to find a JSON list's first record (more when it is longer)
+
+
+def data_files(path: str | Path) -> list[Path]:
+    """The files `path` names: itself, the data files in a directory (at its top, else below
+    it, leaving out index folders), or a glob's matches; in sorted order."""
+    text = str(path)
+    if any(c in text for c in "*?["):
+        files = sorted(Path(f) for f in glob.glob(text, recursive=True) if Path(f).is_file())
+        if not files:
+            raise FileNotFoundError(f"no data file matches {text}")
+        return files
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix in DATA_SUFFIXES)
+        if not files:
+            files = sorted(
+                f
+                for f in path.rglob("*")
+                if f.is_file()
+                and f.suffix in DATA_SUFFIXES
+                and not _hidden_or_index(f.relative_to(path))
+            )
+        if not files:
+            raise FileNotFoundError(f"{path} holds no data files ({', '.join(DATA_SUFFIXES)})")
+        return files
+    if not path.exists():
+        raise FileNotFoundError(f"no such data file: {path}")
+    return [path]
+
+
+def _hidden_or_index(rel: Path) -> bool:
+    return any(part.startswith(".") or part.endswith(".index") for part in rel.parts)
+
+
+def detect(files: list[Path]) -> tuple[str, str]:
+    """(the data.format of `files`, why): by their suffix, and a JSON file by its first record."""
+    kinds = {BY_SUFFIX.get(f.suffix, "json") for f in files}
+    if len(kinds) > 1:
+        suffixes = sorted({f.suffix or "(none)" for f in files})
+        raise ConfigError(
+            f"{files[0].parent} holds files of several formats "
+            f"({', '.join(suffixes)}): point data.path at one kind, e.g. a glob "
+            f"{files[0].parent}/*{files[0].suffix}"
+        )
+    kind = kinds.pop()
+    many = f"{len(files)} files" if len(files) > 1 else files[0].name
+    if kind != "json":
+        return kind, f"{many} ending in {files[0].suffix}"
+    container = json_container(files[0])
+    obj = first_record(files[0], container)
+    shape = "a JSON list" if container == "array" else "JSON lines"
+    if not isinstance(obj, dict):
+        raise ConfigError(
+            f"cannot tell the format of {files[0]}: its first record is not a JSON "
+            "object; set data.format"
+        )
+    if "conversations" in obj:
+        return "llava", f"{many}: {shape} whose first record has 'conversations' (LLaVA/ShareGPT)"
+    if "messages" in obj or "text" in obj:
+        if container == "lines" and _native(obj, files[0].parent):
+            return "jsonl", f"{many}: JSON lines of jaxmllm records ('id', 'text' or 'messages')"
+        return "messages", f"{many}: {shape} whose first record has 'messages' or 'text'"
+    keys = ", ".join(list(obj)[:8])
+    raise ConfigError(
+        f"cannot tell the format of {files[0]}: its first record has keys {keys}; "
+        f"set data.format to one of {', '.join(FORMATS)}"
+    )
+
+
+def _native(obj: dict, base: Path) -> bool:
+    """Whether jaxmllm's own parser reads the record's fields (its media aside): no content
+    part names its own file (jaxmllm's parts are bare placeholders)."""
+    messages = obj.get("messages") if isinstance(obj.get("messages"), list) else []
+    for m in messages:
+        parts = m.get("content") if isinstance(m, dict) else None
+        for part in parts if isinstance(parts, list) else []:
+            if isinstance(part, dict) and any(
+                v is not None for k, v in part.items() if k not in ("type", "text")
+            ):
+                return False
+    try:
+        parse_record(obj, base, 1)
+    except RecordError as e:
+        return e.reason != "malformed_line"
+    return True
+
+
+def json_container(path: Path) -> str:
+    """`array` (the file is one JSON list) or `lines` (JSON lines), by its first character."""
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return "array" if head.startswith(b"[") else "lines"
+
+
+def first_record(path: Path, container: str) -> object:
+    """The first record of a JSON file (None when it has none, or it does not parse)."""
+    with open(path, "rb") as f:
+        if container == "lines":
+            for line in f:
+                if line.strip():
+                    try:
+                        return json.loads(line)
+                    except (ValueError, RecursionError):
+                        return None
+            return None
+        data = f.read(PEEK)
+        text = data.decode("utf-8-sig", errors="replace").lstrip()[1:].lstrip()
+        try:
+            return json.JSONDecoder().raw_decode(text)[0]
+        except (ValueError, RecursionError):
+            if len(data) < PEEK:
+                return None
+    text = path.read_text(encoding="utf-8-sig", errors="replace").lstrip()[1:].lstrip()
+    try:
+        return json.JSONDecoder().raw_decode(text)[0]
+    except (ValueError, RecursionError):
+        return None

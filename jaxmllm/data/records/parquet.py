@@ -1,0 +1,82 @@
+"""Parquet files as HuggingFace `datasets` writes them, read at random a row group at a time.
+
+    {"id": "7", "image": {"bytes": b"\\x89PNG...", "path": "7.png"}, "conversations": [...]}
+    {"images": [{"bytes": ..., "path": ...}], "messages": [{"role": "user", "content": ...}]}
+
+A row is a dict of its columns (pyarrow's `to_pylist`): an `Image()` or `Audio()` column is a
+`{"bytes", "path"}` struct (bytes embedded, or only a path, relative to data.media_root), a
+list of them for a `Sequence(Image())`; a messages column is a list of `{"role", "content"}`
+structs, where content parts carry every part's keys, None where a part has none
+(`jaxmllm.data.records.schemas` reads such rows). Parquet cannot read one row alone: record k
+reads its row group (columns of up to ~100 rows where `datasets` wrote images) and keeps the
+last few groups read, so the index, which reads rows in order, decodes each group once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from jaxmllm.config import ConfigError
+
+KEEP_GROUPS = 2  # row groups kept per process (a group of images is tens of MB)
+
+
+class ParquetRecords:
+    """Random access to the rows of a Parquet file, a row group at a time."""
+
+    def __init__(self, path: str | Path, scan: dict[str, np.ndarray] | None = None):
+        self.path = Path(path)
+        if scan is None:
+            meta = self._open().metadata
+            rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+            scan = {"starts": np.cumsum([0, *rows]).astype(np.int64)}
+        self.starts = scan["starts"]  # [groups + 1]: the first row of each row group
+        self._groups: OrderedDict[int, object] = OrderedDict()
+
+    def scan(self) -> dict[str, np.ndarray]:
+        return {"starts": self.starts}
+
+    def _open(self):
+        if getattr(self, "_file", None) is None:
+            import pyarrow.parquet as pq
+
+            try:
+                self._file = pq.ParquetFile(self.path, memory_map=True)
+            except Exception as e:  # noqa: BLE001  pyarrow raises several kinds on a bad file
+                raise ConfigError(f"{self.path}: not a readable Parquet file ({e})") from None
+        return self._file
+
+    def columns(self) -> list[str]:
+        """The file's column names."""
+        return list(self._open().schema_arrow.names)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def raw(self, k: int) -> tuple[object, int]:
+        """(row k as a dict of its columns, k)."""
+        g = int(np.searchsorted(self.starts, k, "right")) - 1
+        table = self._group(g)
+        return table.slice(int(k - self.starts[g]), 1).to_pylist()[0], int(k)
+
+    def _group(self, g: int):
+        if g in self._groups:
+            self._groups.move_to_end(g)
+            return self._groups[g]
+        table = self._open().read_row_group(g, use_threads=False)
+        self._groups[g] = table
+        while len(self._groups) > KEEP_GROUPS:
+            self._groups.popitem(last=False)
+        return table
+
+    def where(self, k: int) -> str:
+        return f"{self.path.name} row {int(k)}"
+
+    def fallback_id(self, k: int) -> str:
+        return f"{self.path.name}:{int(k)}"
+
+    def __getstate__(self):
+        return {**self.__dict__, "_file": None, "_groups": OrderedDict()}
