@@ -349,9 +349,9 @@ def test_every_slot_reads_its_items_rows_through_the_exchange_and_the_gather():
                 "vision",
                 plan.items["vision"],
                 cfg.model.vision.merge**2,
-                IMAGE,
+                tok.RESERVED.phase_ids("vision"),  # (an image's or a video's slots)
             ),
-            ("audio", plan.items["audio"], cfg.model.audio.subsample, AUDIO),
+            ("audio", plan.items["audio"], cfg.model.audio.subsample, [AUDIO]),
         ):
             reads = _read_slots(host, phase, cfg, context).reshape(2, data, -1)
             sizes = (index.items[phase].sizes, index.items[phase].ptr)
@@ -360,8 +360,8 @@ def test_every_slot_reads_its_items_rows_through_the_exchange_and_the_gather():
                 m, g = int(plan.micro[k]), int(plan.device[k])
                 sid = 1 + int(((plan.micro[:k] == m) & (plan.device[:k] == g)).sum())
                 mine = np.flatnonzero(
-                    (seg[m, g] == sid) & (host["llm_tokens"].reshape(2, data, -1)[m, g]
-                                          == slot_token))  # fmt: skip
+                    (seg[m, g] == sid) & np.isin(host["llm_tokens"].reshape(2, data, -1)[m, g],
+                                                 slot_token))  # fmt: skip
                 got = reads[m, g][mine[np.argsort(position[m, g][mine])]]
                 want = []
                 for j in np.flatnonzero(items.owner == k)[np.argsort(items.item[items.owner == k])]:

@@ -124,26 +124,7 @@ def bucketize(
     grouped = caps.context > 1
     text = group_text(batch, caps, specials.pad) if grouped else batch
     home = local_groups(local, caps.context) if grouped else local  # bucket -> this host's
-    seg_counter: dict[tuple[int, ...], int] = {}
-    slots: list[list[np.ndarray] | None] = [None] * len(plan.samples)
-    ids = {p.name: specials.phase_ids(p.name) for p in ENCODERS}  # (each phase's slots)
-    row_len = caps.llm_bin_len
-    for k, s in enumerate(plan.samples.tolist()):
-        d = int(home[plan.device[k]])
-        if d < 0:  # text on another host
-            continue
-        sample = samples[s]
-        if sample is None:  # failed to load (data.on_error=skip): its slots stay padding
-            continue
-        m, r, o = int(plan.micro[k]), int(plan.row[k]), int(plan.offset[k])
-        key = (m, d) if grouped else (m, d, r)  # (a group's segments: one count, all rows)
-        seg = seg_counter[key] = seg_counter.get(key, 0) + 1
-        _write_text(text, (m, d, r), o, seg, sample, specials, cfg.model.vision.merge)
-        # placeholder slots per phase (its kinds'): index into the bucket's rows flattened
-        slots[k] = {
-            p.name: r * row_len + o + np.flatnonzero(np.isin(sample.tokens, ids[p.name]))
-            for p in ENCODERS
-        }
+    slots = _write_texts(text, plan, samples, home, grouped, caps.llm_bin_len, specials, cfg)
     split = None
     if grouped:
         groups = np.flatnonzero(home >= 0)
@@ -210,22 +191,61 @@ def _attention_rows(batch, cfg: Config, phase: str) -> np.ndarray:
     return seg[..., :: phases.phase(phase).per_row(cfg.model)]
 
 
-def _write_text(batch, where, offset: int, seg: int, sample: Sample, specials, merge) -> None:
-    n = len(sample.tokens)
-    sl = where + (slice(offset, offset + n),)
-    batch["llm_tokens"][sl] = sample.tokens
-    batch["llm_segment_ids"][sl] = seg
-    if batch["llm_positions"].ndim == 5:  # M-RoPE: (time, row, column)
-        batch["llm_positions"][sl] = mrope_positions(
-            sample.tokens, specials.phase_ids(VISION.name), sample.grids, merge
-        )
+def _write_texts(text, plan: StepPlan, samples, home, grouped: bool, row_len: int, specials, cfg):
+    """Writes every loaded sample whose bucket is here into its rows at once (the samples'
+    tokens concatenated, scattered at their flat positions), and returns per encoder phase its
+    placeholder slots: (slots, begin, end) = every sample's slot indexes into its bucket's
+    rows flattened, concatenated in plan order, and per planned sample where its own begin and
+    end (-1: not written here)."""
+    m_n, b_n, r_n, l_n = text["llm_tokens"].shape
+    bucket = home[plan.device]
+    here = [k for k, (s, b) in enumerate(zip(plan.samples.tolist(), bucket.tolist(), strict=True))
+            if b >= 0 and samples[s] is not None]  # fmt: skip
+    ks = np.asarray(here, np.int64)
+    loaded = [samples[s] for s in plan.samples[ks].tolist()]
+    n = np.array([len(x.tokens) for x in loaded], np.int64)
+    if not len(ks) or not n.sum():
+        none = np.full(len(plan.samples), -1)
+        return {p.name: (np.zeros(0, np.int64), none, none) for p in ENCODERS}
+    tokens = np.concatenate([x.tokens for x in loaded])
+    starts = np.cumsum(n) - n
+    within = np.arange(len(tokens)) - np.repeat(starts, n)  # a token's index in its sample
+    m, b, r, o = plan.micro[ks], bucket[ks], plan.row[ks], plan.offset[ks]
+    # Segment ids 1, 2, ... per row (a context group's: one count over all its rows), in
+    # plan order.
+    key = m * b_n + b if grouped else (m * b_n + b) * r_n + r
+    order = np.argsort(key, kind="stable")
+    rank = np.empty(len(ks), np.int64)
+    rank[order] = np.arange(len(ks)) - np.searchsorted(key[order], key[order])
+    flat = np.repeat(((m * b_n + b) * r_n + r) * l_n + o, n) + within
+    text["llm_tokens"].reshape(-1)[flat] = tokens
+    text["llm_segment_ids"].reshape(-1)[flat] = np.repeat(rank + 1, n)
+    if text["llm_positions"].ndim == 5:  # M-RoPE: (time, row, column)
+        vision, merge = specials.phase_ids(VISION.name), cfg.model.vision.merge
+        mrope = [mrope_positions(x.tokens, vision, x.grids, merge) for x in loaded]
+        text["llm_positions"].reshape(-1, 3)[flat] = np.concatenate(mrope)
     else:
-        batch["llm_positions"][sl] = np.arange(n)
-    pad = specials.pad
+        text["llm_positions"].reshape(-1)[flat] = within
     # Token t predicts token t+1 of the same sample; the last token predicts nothing.
-    targets = np.append(sample.tokens[1:], pad)
-    batch["llm_targets"][sl] = targets
-    batch["llm_loss_mask"][sl] = np.append(sample.loss[1:], False)
+    last = (np.cumsum(n) - 1)[n > 0]
+    targets = np.append(tokens[1:], specials.pad)
+    targets[last] = specials.pad
+    text["llm_targets"].reshape(-1)[flat] = targets
+    loss = np.append(np.concatenate([x.loss for x in loaded])[1:], False)
+    loss[last] = False
+    text["llm_loss_mask"].reshape(-1)[flat] = loss
+    # placeholder slots per phase (its kinds'): index into the bucket's rows flattened
+    first = np.full(len(plan.samples), -1)
+    slots = {}
+    for p in ENCODERS:
+        at = np.flatnonzero(np.isin(tokens, specials.phase_ids(p.name)))
+        owner = np.searchsorted(starts, at, "right") - 1  # (into ks)
+        counts = np.bincount(owner, minlength=len(ks))
+        begin, end = first.copy(), first.copy()
+        end[ks] = np.cumsum(counts)
+        begin[ks] = end[ks] - counts
+        slots[p.name] = ((r * row_len + o)[owner] + within[at], begin, end)
+    return slots
 
 
 def _write_items(
@@ -286,8 +306,10 @@ def _write_items(
             batch[f"{phase}_positions"][m, e, off : off + n] = pos
             batch[f"{phase}_segment_ids"][m, e, off : off + n] = seg
         dest = None
-        if text_here and slots[owner] is not None:
-            dest = slots[owner][phase][used[owner] : used[owner] + len(rows)]
+        at, begin, end = slots[phase]
+        if text_here and begin[owner] >= 0:
+            first = begin[owner] + used[owner]
+            dest = at[first : min(first + len(rows), end[owner])]
             used[owner] += len(rows)
         recv = d * ctx + enc_dev % ctx  # (= d without groups)
         base = (enc_dev % ctx) * gathered  # (0 without groups)
