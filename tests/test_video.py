@@ -162,6 +162,21 @@ def test_decoding_takes_the_sampled_frames_at_the_resized_size(tmp_path, suffix)
     assert part[0] is None and np.array_equal(part[1][0], values)
 
 
+def test_a_video_over_the_byte_cap_is_never_opened(tmp_path):
+    """data.max_media_bytes holds for videos as for every media file: over it, the header read
+    and the decoding alike refuse it (media_too_large) before FFmpeg sees a byte."""
+    path = write_video(tmp_path / "v.mp4", grey_frames(8, 32, 32), fps=4)
+    size = path.stat().st_size
+    info = read_video_info(path, "r1", max_bytes=size)  # (at the cap: read)
+    for read in (
+        lambda: read_video_info(path, "r1", max_bytes=size - 1),
+        lambda: load_video(path, info, rule(patch=4, merge=2), "r1", max_bytes=size - 1),
+    ):
+        with pytest.raises(RecordError) as e:
+            read()
+        assert e.value.reason == "media_too_large" and e.value.record_id == "r1"
+
+
 def test_temporal_patches_are_the_processors_patchify(processor, tmp_path):
     """Our temporal patches, permuted to transformers' layout (channel, frame, row, column per
     patch), are its video processor's patches of the same frames, in the same order."""

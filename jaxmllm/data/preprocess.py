@@ -438,7 +438,7 @@ class Videos:
     def read_size(self, pre: Preprocessor, src: Any, record_id: str) -> tuple:
         p = pre.p
         return read_video_info(src, record_id, p.max_video_seconds, p.max_image_pixels,
-                               p.max_video_decoded_pixels).as_size()  # fmt: skip
+                               p.max_video_decoded_pixels, p.max_media_bytes).as_size()  # fmt: skip
 
     def check(self, pre: Preprocessor, j: int, size: tuple, record_id: str) -> None:
         info = VideoInfo.of(size)
@@ -459,7 +459,7 @@ class Videos:
         p, caps = pre.p, (pre.p.max_image_pixels, pre.p.max_video_decoded_pixels)
         info, rule = VideoInfo.of(size), pre.video_rule(limits)
         return load_video(src, info, rule, record_id, p.image_mean, p.image_std, parts, *caps,
-                          max_seconds=p.max_video_seconds)  # fmt: skip
+                          max_seconds=p.max_video_seconds, max_bytes=p.max_media_bytes)  # fmt: skip
 
 
 # Per kind of media of the table (jaxmllm.config.phases.KINDS), its media (a test holds the two

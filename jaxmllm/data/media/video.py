@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.data.media.image import MAX_PIXELS, image_grid, patchify
-from jaxmllm.data.rejects import RecordError, check_media_file
+from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError, check_media_file
 
 Source = str | Path | bytes
 MAX_SECONDS = 3600.0  # the default of data.max_video_seconds
@@ -143,11 +143,12 @@ def read_video_info(
     max_seconds: float = MAX_SECONDS,
     max_pixels: int = MAX_PIXELS,
     max_decoded: int = MAX_DECODED_PIXELS,
+    max_bytes: int = MAX_MEDIA_BYTES,
 ) -> VideoInfo:
     """The video's frames, rate and size from its container's header, without decoding a frame;
     refuses one over the caps (`video_too_large`) and a truncated one (its last packets missing:
     only the tail of the packet index is read)."""
-    with _open(src, record_id) as (container, stream):
+    with _open(src, record_id, max_bytes) as (container, stream):
         info = _header(container, stream, src, record_id)
         _check_caps(info, src, record_id, max_seconds, max_pixels, max_decoded)
         _check_tail(container, stream, info, src, record_id)
@@ -224,6 +225,7 @@ def load_video(
     max_pixels: int = MAX_PIXELS,
     max_decoded: int = MAX_DECODED_PIXELS,
     max_seconds: float = MAX_SECONDS,
+    max_bytes: int = MAX_MEDIA_BYTES,
 ) -> list[tuple[np.ndarray, np.ndarray] | None]:
     """The video's temporal patches as vision items, from the header `info` the index read
     (checked again: the caps are the training config's): per temporal patch (patches [gh*gw,
@@ -236,7 +238,8 @@ def load_video(
     want = range(count) if parts is None else sorted(set(parts) & set(range(count)))
     index = frame_indices(info.frames, count * t)
     frames = decode_frames(src, info, [int(index[k * t + f]) for k in want for f in range(t)],
-                           (gw * rule.patch, gh * rule.patch), record_id)  # fmt: skip
+                           (gw * rule.patch, gh * rule.patch), record_id,
+                           max_bytes=max_bytes)  # fmt: skip
     out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * count
     positions = patchify(np.zeros((gh * rule.patch, gw * rule.patch, 1), np.uint8), rule.patch,
                          rule.merge)[1]  # fmt: skip
@@ -273,6 +276,7 @@ def decode_frames(
     size: tuple[int, int],
     record_id: str,
     counts: dict | None = None,
+    max_bytes: int = MAX_MEDIA_BYTES,
 ) -> list[np.ndarray]:
     """Frames `indices` (ascending, of the header's count) as uint8 RGB [height, width, 3] at
     `size` = (width, height): each the first frame shown at or after its index's time (the
@@ -280,7 +284,7 @@ def decode_frames(
     `counts`, when given, gets the frames decoded and the seeks made (`decoded`, `seeks`)."""
     if not indices:
         return []
-    with _open(src, record_id) as (container, stream):
+    with _open(src, record_id, max_bytes) as (container, stream):
         try:
             decoder = _Decoder(container, stream, info, size)
             frames = decoder.frames(list(indices))
@@ -366,13 +370,13 @@ class _open:
     """`with _open(src, record_id) as (container, stream)`: the first video stream, opened for
     reading with one decoder thread; a file that does not open is `undecodable_media`."""
 
-    def __init__(self, src: Source, record_id: str):
-        self.src, self.record_id = src, record_id
+    def __init__(self, src: Source, record_id: str, max_bytes: int = MAX_MEDIA_BYTES):
+        self.src, self.record_id, self.max_bytes = src, record_id, max_bytes
 
     def __enter__(self):
         import av  # (PyAV: FFmpeg's libraries as a wheel; imported only where videos are read)
 
-        check_media_file(self.src, self.record_id)
+        check_media_file(self.src, self.record_id, self.max_bytes)  # (data.max_media_bytes)
         data = io.BytesIO(self.src) if isinstance(self.src, bytes) else str(self.src)
         try:
             self.container = av.open(data, mode="r", metadata_errors="ignore")
