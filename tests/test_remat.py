@@ -11,7 +11,14 @@ import pytest
 
 import sharding
 from jaxmllm.batch.bucketize import batch_shapes
-from jaxmllm.bench.memory import largest_fit, layer_flops, next_guess, recompute_flops, with_policy
+from jaxmllm.bench.memory import (
+    flops_columns,
+    largest_fit,
+    layer_flops,
+    next_guess,
+    recompute_flops,
+    with_policy,
+)
 from jaxmllm.config import MeshConfig, load_config
 from jaxmllm.plan.sizing import resolve_bounds
 from jaxmllm.step.program import make_loss_and_grads, model_parts
@@ -65,6 +72,16 @@ def test_the_analytic_recompute_is_what_xla_recomputes(programs):
     attention = layer_flops(cfg, "llm")["attention"]
     assert count["save_dots"] == attention
     assert flops["save_dots"] - flops["none"] == pytest.approx(attention, rel=0.25)
+
+
+def test_the_benchs_recompute_counts_the_sizes_it_compiles():
+    """A config with its tiles auto (-1, as configs/small.yaml): the row's count is of the
+    bounds the bench compiles, not of -1 tiles (it read a negative attention recompute)."""
+    cfg = load_config("configs/tiny.yaml", [*SMALL, "batch.llm_tiles=-1"])
+    for policy in ("save_dots", "full"):
+        got = flops_columns(with_policy(cfg, policy), 1)
+        want = recompute_flops(resolve_bounds(with_policy(cfg, policy), 1))
+        assert got["recompute_flops"] == want > 0 and 0 < got["recompute_share"] < 1
 
 
 def test_each_policy_keeps_less_than_the_one_before(programs):

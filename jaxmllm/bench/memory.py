@@ -166,6 +166,14 @@ def label(cfg: Config) -> str:
     return " ".join(f"{t}:{p}" for t, p in own.items())
 
 
+def flops_columns(cfg: Config, devices: int) -> dict:
+    """A policy's analytic columns, of the sizes its row compiles at the config's rows (tiles
+    and route capacity at their bounds: a -1 in `cfg` would count as -1 tiles)."""
+    sized = with_rows(cfg, cfg.batch.llm_rows, devices)
+    again = recompute_flops(sized)
+    return {"recompute_flops": again, "recompute_share": again / train_flops(sized)}
+
+
 def fit(cfg: Config, mesh, devices: int, device_bytes: int) -> dict:
     """One policy's row: compiled sizes at the config's rows, and the most rows that fit."""
     rows = cfg.batch.llm_rows
@@ -189,8 +197,7 @@ def fit(cfg: Config, mesh, devices: int, device_bytes: int) -> dict:
         "temp_bytes": base["temp_bytes"],
         "peak_bytes": base["peak_bytes"],
         "bytes_per_row": None if slope is None else int(slope),  # (between the rows compiled)
-        "recompute_flops": recompute_flops(cfg),
-        "recompute_share": recompute_flops(cfg) / train_flops(cfg),
+        **flops_columns(cfg, devices),
         "max_microbatch": best,
         "pinned": next_guess(peaks, device_bytes) is None,  # (else: fits, more may too)
         "max_tokens": best * cfg.batch.llm_row_len,
