@@ -7,6 +7,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -56,6 +57,41 @@ def test_the_feed_times_each_stage_of_a_step():
     row = host.to_json()
     assert row["serial_s"] == host.plan_s + host.bucketize_s + host.count_s + host.transfer_s
     assert host.total_s == row["serial_s"] + host.load_s
+
+
+def test_the_copy_runs_on_a_thread_of_its_own_and_the_state_is_the_trainers(monkeypatch):
+    """Prefetched, the copy to the devices runs after the feed's thread on another, one batch
+    ahead: the same batches in the same order as without prefetching, each copy timed, and the
+    state (what a checkpoint keeps) the one after the last batch the trainer took."""
+    import jaxmllm.feed.iterator as feed_module
+
+    cfg = _resolved()
+    copies, feeds = [], []
+    bucketize = feed_module.bucketize
+
+    def recorded(*args, **kwargs):
+        feeds.append(threading.get_ident())
+        return bucketize(*args, **kwargs)
+
+    monkeypatch.setattr(feed_module, "bucketize", recorded)
+
+    def copy(batch):
+        copies.append(threading.get_ident())
+        time.sleep(0.02)
+        return {k: v + 0 for k, v in batch.items()}
+
+    feed = make_pipeline(cfg, 8, prefetch=2, to_device=copy)
+    plain = make_pipeline(cfg, 8, prefetch=0)
+    try:
+        for _ in range(3):
+            a, b = next(feed), next(plain)
+            assert a["info"].step == b["info"].step and a["info"].host.transfer_s >= 0.02
+            for key, value in b["batch"].items():
+                np.testing.assert_array_equal(a["batch"][key], value, err_msg=key)
+            assert feed.get_state() == plain.get_state()
+    finally:
+        feed.close()
+    assert len(set(copies)) == 1 and not set(copies) & {threading.get_ident(), *feeds}
 
 
 def test_analytic_device_time_is_the_costliest_bucket_per_microbatch():

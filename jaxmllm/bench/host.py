@@ -6,9 +6,10 @@
 
 Per step, the feed's time by stage on the host (`jaxmllm.feed.times.HostTimes`): planning,
 loading this host's samples, bucketize, counting, the copy to the devices; `serial_s` is
-everything but the loading (the part worker processes do not share), `wait_s` what a consumer
-that runs each step for `device_s` waits on the feed (its thread runs ahead, two steps
-prefetched, as in the trainer).
+everything but the loading (the part worker processes do not share), `overlapped_s` the same
+with the copy on its own thread (as the feed runs it: the longer of the feed thread's share
+and the copy), `wait_s` what a consumer that runs each step for `device_s` waits on the feed
+(its threads run ahead, two steps prefetched and one copied, as in the trainer).
 
 `device_s` is the step's device time: measured where a device runs it (a backend other than CPU,
 or `--measure-device`: each local device's bucket of the warm-up steps alone on a one-device
@@ -252,6 +253,7 @@ def summarize(rows: list[dict], devices: int, workers: int, device_from: str) ->
         "samples": med["samples"],
         **{k: med[k] for k in ("plan_s", "load_s", "bucketize_s", "count_s", "transfer_s")},
         "serial_s": med["serial_s"],
+        "overlapped_s": med["overlapped_s"],
         "host_s": med["serial_s"] + med["load_s"],
         "wait_s": med["wait_s"],
         "load_s_per_sample": per_sample,
@@ -259,6 +261,7 @@ def summarize(rows: list[dict], devices: int, workers: int, device_from: str) ->
         "device_from": device_from,
         "host_over_device": (med["serial_s"] + med["load_s"]) / device_s,
         "serial_over_device": med["serial_s"] / device_s,
+        "overlapped_over_device": med["overlapped_s"] / device_s,
         "workers_needed": worker_s * med["samples"] / device_s,
         "bytes_to_device": int(med["bytes_to_device"]),
     }
@@ -272,16 +275,17 @@ def local_mesh(local: int):
 
 def table(rows: list[dict]) -> str:
     cols = ("data", "dev", "wk", "smp", "plan", "load", "bucket", "count", "xfer", "serial",
-            "host", "wait", "device", "host/dev", "serial/dev", "ms/smp", "wk need",
-            "MB/step")  # fmt: skip
+            "overlap", "host", "wait", "device", "host/dev", "serial/dev", "overlap/dev",
+            "ms/smp", "wk need", "MB/step")  # fmt: skip
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     for r in rows:
         s = lambda k, r=r: f"{r[k]:.3f}"
         lines.append(" | ".join([
             r["data"], str(r["devices"]), str(r["workers"]), f"{r['samples']:.0f}",
             s("plan_s"), s("load_s"), s("bucketize_s"), s("count_s"), s("transfer_s"),
-            s("serial_s"), s("host_s"), s("wait_s"), s("device_s"),
+            s("serial_s"), s("overlapped_s"), s("host_s"), s("wait_s"), s("device_s"),
             f"{r['host_over_device']:.1f}x", f"{r['serial_over_device']:.2f}x",
+            f"{r['overlapped_over_device']:.2f}x",
             f"{r['load_s_per_sample'] * 1e3:.1f}", f"{r['workers_needed']:.1f}",
             f"{r['bytes_to_device'] / 1e6:.0f}",
         ]))  # fmt: skip

@@ -4,8 +4,9 @@
     lengths index -> planner (carried state) ─┴─> StepIterator -> ThreadPrefetch -> trainer
 
 Everything per step runs on the prefetch thread, ahead of the trainer: planning, loading,
-bucketizing, the step's counts for metrics (real tokens, analytic FLOPs) and, given `to_device`,
-putting the batch on the devices, so the trainer's thread only dispatches steps.
+bucketizing, the step's counts for metrics (real tokens, analytic FLOPs); given `to_device`,
+a second thread puts each batch on the devices while the first works on the next step, so the
+trainer's thread only dispatches steps.
 
 The iterator is a `grain.DatasetIterator`, so its state (the planner's) is checkpointed with
 grain's own orbax handler and a restored pipeline replays the exact same steps.
@@ -205,7 +206,9 @@ def make_pipeline(
     does it once, at start-up); pass `source`/`index` to reuse
     a source the caller already opened, `positions` (this host's data-parallel positions) to
     load and bucketize only those devices' rows, `to_device` (host arrays -> device arrays, e.g.
-    `sharding.make_global_batch`) to put each batch on the devices in that thread as well.
+    `sharding.make_global_batch`) to put each batch on the devices ahead of the trainer too: in
+    a second thread after the feed's (one batch ahead), so the copy overlaps the next step's
+    work.
     """
     ds = StepDataset(
         cfg,
@@ -214,8 +217,28 @@ def make_pipeline(
         index=index,
         positions=positions,
         reject_log=reject_log,
-        to_device=to_device,
+        to_device=None if prefetch > 0 else to_device,  # (prefetched: its own thread, below)
     )
     if prefetch > 0:
         ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)
+        if to_device is not None:  # the copy on a thread of its own: overlaps the next step's
+            ds = ds.map(Transfer(to_device))  # planning, loading and bucketize
+            ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=1)
     return iter(ds)
+
+
+class Transfer:
+    """Puts a step's batch on the devices (`to_device`), timing it into the step's host times.
+
+    With prefetching it runs on its own thread after the feed's, so the copy (which releases
+    the GIL) overlaps the next step's work; the state checkpointed is still the one after the
+    last step the trainer took (each prefetch stage keeps its parent's state per element)."""
+
+    def __init__(self, to_device: Callable[[dict[str, np.ndarray]], dict[str, Any]]):
+        self.to_device = to_device
+
+    def __call__(self, element: dict[str, Any]) -> dict[str, Any]:
+        clock = Stopwatch()
+        batch = self.to_device(element["batch"])
+        element["info"].host.transfer_s = clock.lap()
+        return {**element, "batch": batch}

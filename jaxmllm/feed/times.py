@@ -3,8 +3,8 @@
 
 A step's host work is planning (every host plans the global step), loading its samples (decode,
 resize, patchify, log-mel: the per-sample part that `data.workers` processes share), and the
-serial rest on the feed's one thread: bucketize, counting what the batch holds for the metrics,
-and the copy to the devices.
+serial rest: bucketize and counting what the batch holds for the metrics on the feed's thread,
+and the copy to the devices on a thread of its own, which overlaps the next step's work.
 """
 
 from __future__ import annotations
@@ -35,11 +35,17 @@ class HostTimes:
         return self.plan_s + self.bucketize_s + self.count_s + self.transfer_s
 
     @property
+    def overlapped_s(self) -> float:
+        """The serial part with the copy on its own thread (the feed's prefetching): the longer
+        of the feed thread's share (planning, bucketize, counting) and the copy."""
+        return max(self.plan_s + self.bucketize_s + self.count_s, self.transfer_s)
+
+    @property
     def total_s(self) -> float:
         return self.serial_s + self.load_s
 
     def to_json(self) -> dict:
-        return {**asdict(self), "serial_s": self.serial_s}
+        return {**asdict(self), "serial_s": self.serial_s, "overlapped_s": self.overlapped_s}
 
 
 class Stopwatch:
