@@ -147,8 +147,7 @@ def test_index_counts_equal_preprocessed_counts(data):
         s = src[i]
         assert counts_of(s) == src.index.record(i), src.rows[i]["id"]
         for patches, pos in s.media["vision"]:
-            assert patches.shape[1] == 4 * 4 * 3 and patches.dtype == np.float32
-            assert -1.0 <= patches.min() and patches.max() <= 1.0
+            assert patches.shape[1] == 4 * 4 * 3 and patches.dtype == np.uint8  # pixels
             assert (pos.reshape(-1, 4, 2) // 2 == pos.reshape(-1, 4, 2)[:, :1] // 2).all()
             assert len(patches) * 16 <= 1024
         for frames, _ in s.media["audio"]:
@@ -397,17 +396,25 @@ def test_a_record_that_no_longer_matches_its_index_row_is_refused(data, tmp_path
 
 def test_pixels_are_normalised_with_the_configured_mean_and_std(tmp_path):
     """data.image_mean / image_std (a pretrained encoder's processor): (x / 255 - mean) / std
-    per channel; the default 0.5 / 0.5 is [-1, 1]."""
+    per channel; the default 0.5 / 0.5 is [-1, 1]. Pixels load as uint8; the spec's inputs
+    say how the encoder normalises them."""
     from PIL import Image
 
+    from jaxmllm.config.phases import VISION
+    from jaxmllm.config.spec import inputs_of
     from jaxmllm.data.media.image import load_image
 
     rgb = np.zeros((28, 28, 3), np.uint8)
     rgb[..., 0], rgb[..., 1], rgb[..., 2] = 255, 51, 0
     Image.fromarray(rgb).save(tmp_path / "a.png")
-    default, _ = load_image(str(tmp_path / "a.png"), 14, 2, 1, 10**6)
-    np.testing.assert_allclose(default[0, :3], [1.0, 51 / 127.5 - 1, -1.0], rtol=1e-6)
+    pixels, _ = load_image(str(tmp_path / "a.png"), 14, 2, 1, 10**6)
+    assert pixels.dtype == np.uint8 and (pixels.reshape(-1, 3) == [255, 51, 0]).all()
     mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
-    clip, _ = load_image(str(tmp_path / "a.png"), 14, 2, 1, 10**6, mean=mean, std=std)
-    want = (np.array([255, 51, 0]) / 255 - np.array(mean)) / np.array(std)
-    np.testing.assert_allclose(clip.reshape(-1, 3), np.tile(want, (len(clip) * 196, 1)), rtol=1e-5)
+    for sets, want in [
+        ([], [1.0, 51 / 127.5 - 1, -1.0]),
+        ([f"data.image_mean={list(mean)}", f"data.image_std={list(std)}"],
+         (np.array([255, 51, 0]) / 255 - np.array(mean)) / np.array(std)),
+    ]:  # fmt: skip
+        inputs = inputs_of(VISION, load_config("configs/tiny.yaml", sets).data)
+        got = inputs.normalise(pixels).reshape(-1, 3)
+        np.testing.assert_allclose(got, np.tile(want, (len(got), 1)), rtol=1e-5)

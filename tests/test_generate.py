@@ -40,7 +40,8 @@ CFG = Config(
 
 def prompt(rng: np.random.Generator, n_text: int, images=(), clips=()) -> Sample:
     """BOS, each image's and clip's placeholder run, then random bytes."""
-    media = [patchify(rng.uniform(-1, 1, (4 * h, 4 * w, 3)), 4) for h, w in images]
+    media = [patchify(rng.integers(0, 256, (4 * h, 4 * w, 3), dtype=np.uint8), 4)
+             for h, w in images]  # fmt: skip
     audio = [(rng.normal(size=(f, N_MELS)).astype(np.float32), np.arange(f)) for f in clips]
     tokens = [tok.BOS]
     tokens += [IMAGE] * sum(len(p) // 4 for p, _ in media)

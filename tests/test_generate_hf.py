@@ -15,6 +15,7 @@ import pytest
 from test_chat import build_dir, hf, hf_ids
 
 from jaxmllm.batch.prompts import PromptShapes
+from jaxmllm.config.spec import Inputs
 from jaxmllm.data.media.image import patchify
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.template import make_template
@@ -125,8 +126,9 @@ def test_llava_with_an_image_generates_transformers_tokens(tmp_path, tower):
 
     rng = np.random.default_rng(0)
     g, p = 6, 4  # the tower's own size (transformers reads LLaVA's images at it)
-    image = rng.normal(size=(g * p, g * p, 3)).astype(np.float32)
-    patches, positions = patchify(image, p, 1)
+    pixels = rng.integers(0, 256, (g * p, g * p, 3), dtype=np.uint8)
+    patches, positions = patchify(pixels, p, 1)  # (uint8: our encoder normalises them)
+    image = Inputs.pixels().normalise(pixels)  # (what transformers takes: the config's default)
     words = tk("Describe the picture, please.", add_special_tokens=False)["input_ids"]
     tokens = [*words[:3], *[image_id] * g * g, *words[3:]]
     prompt = Sample(-1, np.asarray(tokens, np.int32), np.zeros(len(tokens), bool),
@@ -159,8 +161,8 @@ def test_qwen_vl_with_an_image_generates_transformers_first_tokens(tmp_path, fam
 
     rng = np.random.default_rng(0)
     p = 4
-    image = rng.normal(size=(gh * p, gw * p, 3)).astype(np.float32)
-    patches, positions = patchify(image, p, 2)
+    pixels = rng.integers(0, 256, (gh * p, gw * p, 3), dtype=np.uint8)
+    patches, positions = patchify(pixels, p, 2)  # (uint8: our encoder normalises them)
     words = tk("Describe the picture, please.")["input_ids"]
     tokens = [*words[:3], ids[2], *[ids[0]] * (gh * gw // 4), ids[3], *words[3:]]
     prompt = Sample(-1, np.asarray(tokens, np.int32), np.zeros(len(tokens), bool),
@@ -169,8 +171,8 @@ def test_qwen_vl_with_an_image_generates_transformers_first_tokens(tmp_path, fam
 
     import torch
 
-    frames = patches.reshape(-1, p, p, 3).transpose(0, 3, 1, 2)[:, :, None]
-    pixels = torch.from_numpy(np.repeat(frames, 2, axis=2).reshape(len(frames), -1))
+    frames = Inputs.pixels().normalise(patches).reshape(-1, p, p, 3).transpose(0, 3, 1, 2)
+    pixels = torch.from_numpy(np.repeat(frames[:, :, None], 2, axis=2).reshape(len(frames), -1))
     kinds = torch.from_numpy((np.asarray(tokens) == ids[0])[None].astype(np.int32))
     model = transformers.AutoModelForImageTextToText.from_pretrained(str(d)).eval()
     grid = torch.tensor([[1, gh, gw]])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile, ImageOps
 
+from jaxmllm.config.spec import Inputs
 from jaxmllm.data.media import audio as au
 from jaxmllm.data.media import image as im
 
@@ -84,10 +85,11 @@ def test_loaded_patches_are_bit_for_bit_the_plain_pipelines(h, w, mean, std):
     rgb = np.random.default_rng(h).integers(0, 256, (h, w, 3), dtype=np.uint8)
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, "PNG")
-    got = im.load_image(buf.getvalue(), 14, 2, 3136, 56 * 56 * 16, mean=mean, std=std)
+    got = im.load_image(buf.getvalue(), 14, 2, 3136, 56 * 56 * 16)
     want = _reference(rgb, 14, 2, 3136, 56 * 56 * 16, mean, std)
-    assert got[0].dtype == np.float32 and got[1].dtype == np.int32
-    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    assert got[0].dtype == np.uint8 and got[1].dtype == np.int32  # (normalised on the device)
+    assert np.array_equal(Inputs.pixels(mean, std).normalise(got[0]), want[0])
+    assert np.array_equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("h,w", [(60, 90), (51, 85), (62, 47)])  # crop, pad, one of each
@@ -104,7 +106,7 @@ def test_an_image_near_its_grid_is_cropped_or_padded_not_resampled(h, w):
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, "PNG")
     patches, _ = im.load_image(buf.getvalue(), 14, 2, 3136, 10**6)
-    assert np.array_equal(patches, im.patchify(fitted.astype(np.float32) / 127.5 - 1.0, 14, 2)[0])
+    assert np.array_equal(patches, im.patchify(fitted, 14, 2)[0])
 
 
 def test_far_from_its_grid_an_image_is_resized():

@@ -188,7 +188,7 @@ def test_nonfinite_step_keeps_the_state_and_divergence_stops_with_a_checkpoint(t
         prog = build_program(cfg, mesh)
         state = prog.init()
         host = next(make_pipeline(cfg, 8, prefetch=0))["batch"]
-        host["vision_patches"][:] = np.nan
+        host["llm_loss_mask"][:] = np.nan
         before = jax.device_get({k: state[k] for k in ("params", "opt_state")})
         state, metrics = prog.step(state, sharding.make_global_batch(host, mesh))
         after = jax.device_get({k: state[k] for k in ("params", "opt_state")})

@@ -24,6 +24,7 @@ from video_files import frame_number, grey_frames, moving_frames, write_empty, w
 
 from jaxmllm.batch.bucketize import mrope_positions
 from jaxmllm.config import ConfigError, load_config
+from jaxmllm.config.spec import Inputs
 from jaxmllm.data.index import build_index
 from jaxmllm.data.loader import Loader
 from jaxmllm.data.media.video import (
@@ -46,7 +47,7 @@ pytest.importorskip("av")
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-MEAN = STD = (0.5, 0.5, 0.5)
+PIXELS = Inputs.pixels()  # (0.5, 0.5, 0.5): what the Qwen2-VL processor here normalises with
 VIDEO = ["model.vision.video=true", "model.vision.temporal_patch=2", "data.eval.source=none"]
 
 
@@ -151,14 +152,15 @@ def test_decoding_takes_the_sampled_frames_at_the_resized_size(tmp_path, suffix)
     frames = decode_frames(path, info, want.tolist(), (gw * 4, gh * 4), "v")
     assert [frame_number(f) for f in frames] == want.tolist()
     assert frames[0].shape == (gh * 4, gw * 4, 3)
-    items = load_video(path, info, r, "v", MEAN, STD)
+    items = load_video(path, info, r, "v")
     assert len(items) == n // 2 == video_parts(info, r)[0]
     values, pos = items[1]  # frames 7 and 11, side by side
     assert values.shape == (gh * gw, 2 * 4 * 4 * 3) and pos.shape == (gh * gw, 2)
-    grey = (values.reshape(-1, 2, 48).mean(0).mean(-1) + 1) * 127.5
+    assert values.dtype == np.uint8  # (pixels: the encoder normalises them on the device)
+    grey = values.reshape(-1, 2, 48).mean(0).mean(-1)
     assert [frame_number(np.full(3, g)) for g in grey] == [7, 11]
     # Only some temporal patches (another host encodes the others): the same values.
-    part = load_video(path, info, r, "v", MEAN, STD, parts=[1, 4])
+    part = load_video(path, info, r, "v", parts=[1, 4])
     assert part[0] is None and np.array_equal(part[1][0], values)
 
 
@@ -190,7 +192,7 @@ def test_temporal_patches_are_the_processors_patchify(processor, tmp_path):
     normal = (np.stack(frames).astype(np.float32) / 255 - 0.5) / 0.5
     video = torch.from_numpy(normal.transpose(0, 3, 1, 2)[None])  # [1, frames, C, H, W]
     theirs, t, h, w = cls.patchify(proc, video, patch_size=4, merge_size=2, temporal_patch_size=2)
-    ours = np.concatenate([v for v, _ in load_video(path, info, r, "m", MEAN, STD)])
+    ours = PIXELS.normalise(np.concatenate([v for v, _ in load_video(path, info, r, "m")]))
     assert (t, h, w) == (n // 2, gh, gw) and len(ours) == t * h * w
     as_theirs = ours.reshape(-1, 2, 4, 4, 3).transpose(0, 4, 1, 2, 3).reshape(len(ours), -1)
     np.testing.assert_allclose(as_theirs, theirs[0].numpy(), atol=1e-6)
@@ -405,7 +407,7 @@ def test_qwen2_vl_with_a_video_matches_transformers(processor, tmp_path):
     r = rule(patch=4, merge=2, fps=4.0, frame_min_pixels=64, max_pixels=32 * 48 * 6)
     t, (gh, gw) = video_parts(info, r)
     assert t == 6 and (gh, gw) == (8, 12)
-    video = load_video(path, info, r, "m", MEAN, STD)
+    video = [(PIXELS.normalise(v), p) for v, p in load_video(path, info, r, "m")]
     rng = np.random.default_rng(0)
     image = rng.normal(size=(16, 8, 3)).astype(np.float32)
     img_patches, img_pos = patchify(image, 4, 2)

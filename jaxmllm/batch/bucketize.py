@@ -9,16 +9,17 @@ Every array has leading axes [M, D] (microbatch, data-parallel device bucket):
 and per encoder phase of the table (`jaxmllm.config.phases`) the model has, for vision:
 
   llm_vision_src                                             int32  [M, D, R, L]
-  vision_patches [M, D, P, patch*patch*C] f32 (its inputs, named batch.<capacity>),
+  vision_patches [M, D, P, patch*patch*C] uint8 pixels (its inputs, named batch.<capacity>;
+                 the encoder normalises them: `config.spec.Inputs`),
   vision_segment_ids [M, D, P], vision_positions [M, D, P, 2] (row, col)
   vision_send                                                int32  [M, D, D, C]  (routed only)
   vision_send_count                                          int32  [M, D, D]     (routed only)
 
-(audio: audio_frames [M, D, F, n_mels], positions [M, D, F]: an encoder's `input_width` and
-`position_dims` shape its arrays; an item narrower than its bucket's inputs repeats to fill
-them: an image's one frame in a vision bucket of `temporal_patch`-frame patches, which videos'
-temporal patches fill as they are). With block-sparse attention each phase has
-`<phase>_tiles` [M, D, tiles, 2] too.
+(audio: audio_frames [M, D, F, n_mels] f32 (bf16 under bf16 compute), positions [M, D, F]:
+an encoder's `input_width` and `position_dims` shape its arrays; an item narrower than its
+bucket's inputs repeats to fill them: an image's one frame in a vision bucket of
+`temporal_patch`-frame patches, which videos' temporal patches fill as they are). With
+block-sparse attention each phase has `<phase>_tiles` [M, D, tiles, 2] too.
 
 Segment ids are 1, 2, ... per sample (per item in the encoder rows) and 0 for padding.
 `llm_*_src[t] = -1` unless token t is a placeholder slot (of any kind of its phase: an image's
@@ -37,6 +38,7 @@ load, so both ends of an exchange agree.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from jaxmllm.batch.context import Split, group_text, local_groups
@@ -65,7 +67,7 @@ def batch_shapes(cfg: Config, devices: int) -> dict[str, tuple[tuple[int, ...], 
     for p in phases.in_batch(m, cfg.batch):  # (a zero bucket: no arrays, the step skips it)
         enc, units = p.encoder(m), spec.units[p.name]
         out[p.src] = (llm, np.int32)
-        out[p.capacity] = (lead + (units, enc.input_width), np.float32)
+        out[p.capacity] = (lead + (units, enc.input_width), spec.input_dtype(p.name))
         out[f"{p.name}_segment_ids"] = (lead + (units,), np.int32)
         at = (enc.position_dims,) if enc.position_dims else ()
         out[f"{p.name}_positions"] = (lead + (units, *at), np.int32)
@@ -140,6 +142,17 @@ def bucketize(
     if spec.documents:  # cuDNN attention, a tower's class tokens
         _check_documents(batch, cfg, spec, plan.step, pos)
     return batch
+
+
+def _castable(have: np.dtype, bucket: np.dtype) -> bool:
+    """Whether an item's inputs go into a bucket of `bucket`'s dtype: the same dtype, or
+    features into features (float32 frames into bf16: the cast the model's first layer does);
+    never floats into pixels or pixels into features."""
+    floating = lambda dt: dt.kind == "f" or dt == BF16
+    return have == bucket or (floating(have) and floating(bucket))
+
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def _check_documents(batch, cfg: Config, spec: BatchSpec, step: int, positions) -> None:
@@ -300,6 +313,11 @@ def _write_items(
             seg = seg_counter[(m, e)] = seg_counter.get((m, e), 0) + 1
             values, pos = sample.media[phase][j]
             width = batch[data_key].shape[-1]
+            if not _castable(values.dtype, batch[data_key].dtype):  # (floats into pixels)
+                raise TypeError(
+                    f"sample {int(plan.samples[owner])} {p.item} {j}: {values.dtype} inputs for "
+                    f"{data_key}, which holds {batch[data_key].dtype} (config.spec.Inputs)"
+                )
             if values.shape[-1] != width:  # (an image's frame, in a bucket of temporal patches)
                 values = np.tile(values, (1, width // values.shape[-1]))
             batch[data_key][m, e, off : off + n] = values

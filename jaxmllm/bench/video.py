@@ -78,7 +78,7 @@ def decode_rate(path: Path, params, repeat: int) -> dict:
     cpu, wall = [], []
     for _ in range(repeat):
         t0, w0 = time.process_time(), time.perf_counter()
-        video.load_video(path, info, rule, "bench", params.image_mean, params.image_std)
+        video.load_video(path, info, rule, "bench")
         cpu.append(time.process_time() - t0)
         wall.append(time.perf_counter() - w0)
     dt = statistics.median(cpu)

@@ -18,7 +18,8 @@ What an entry names, for the vision phase:
 - capacity `vision_patches`: `batch.vision_patches`, its bucket per device and microbatch, and
   the batch array of its inputs;
 - files `jpg`, `png`, ...: the file name extensions of its items where a data set names its media
-  by file type (a WebDataset shard's members `000123.jpg`).
+  by file type (a WebDataset shard's members `000123.jpg`);
+- pixels: its inputs are uint8 pixel values, normalised on the device (`config.spec.Inputs`).
 
 The units an encoder counts and how they become rows come from its config section
 (`units_per_token`, `units_per_row`, `input_width`, `position_dims`).
@@ -53,6 +54,10 @@ class Phase:
     capacity: str  # batch.<capacity>: its bucket per device and microbatch; its inputs' array
     reserved_id: int  # its placeholder id among jaxmllm's reserved ids (byte tokenizer)
     files: tuple[str, ...] = ()  # its items' file name extensions (lower case, no dot)
+    # Its inputs are 8-bit pixel values, channels last (RGB): they travel to the devices as
+    # uint8 and its encoder normalises them there (`config.spec.Inputs`): a quarter of
+    # float32's bytes. Otherwise they are features (float32, or bf16: `Inputs`).
+    pixels: bool = False
 
     @property
     def placeholder(self) -> str:
@@ -98,6 +103,7 @@ class Phase:
 VISION = Phase(
     "vision", "image", "images", "patches", "vision_patches", reserved_id=259,
     files=("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff", "ppm", "tga", "avif", "qoi"),
+    pixels=True,
 )  # fmt: skip
 AUDIO = Phase(
     "audio", "audio", "audio", "frames", "audio_frames", reserved_id=260,

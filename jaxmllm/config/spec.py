@@ -10,13 +10,59 @@ sentinel, naming the key, so no shape is ever made from one.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import ml_dtypes
+import numpy as np
 
 from jaxmllm.config.checks import ConfigError
 from jaxmllm.config.phases import LLM, enabled, in_batch
 
 RESOLVE = "resolve it against the data first (jaxmllm.plan.sizing.resolve_batch; the trainer does)"
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """How an encoder phase's inputs travel to the devices and what its encoder makes of them.
+
+    `uint8`: pixel values, channels last (`Phase.pixels`; `len(mean)` channels); the encoder
+    maps each through `table()`, (x / 255 - mean) / std per channel in float32 by the
+    arithmetic the host used when it normalised pixels itself (bit for bit), and padding
+    (segment 0) to 0. Otherwise the inputs are their values, of `dtype`: features (log-mel
+    frames) travel in the model's compute dtype where it is bfloat16, half float32's bytes and
+    the same values, since the encoder's first layer casts its inputs to it anyway (the host's
+    cast and XLA's both round to nearest even).
+    """
+
+    dtype: str = "float32"  # uint8 (pixels) | float32 | bfloat16 (features, bf16 compute)
+    mean: tuple[float, ...] = ()  # data.image_mean (pixels)
+    std: tuple[float, ...] = ()  # data.image_std
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return np.dtype(ml_dtypes.bfloat16 if self.dtype == "bfloat16" else self.dtype)
+
+    @classmethod
+    def pixels(cls, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)) -> Inputs:
+        return cls("uint8", tuple(float(v) for v in mean), tuple(float(v) for v in std))
+
+    def table(self) -> np.ndarray:
+        """Each channel's normalised value of each uint8 pixel value, float32 [C, 256]."""
+        x = np.broadcast_to(np.arange(256, dtype=np.float32), (len(self.mean), 256)).copy()
+        if self.mean == self.std == (0.5,) * len(self.mean):
+            x /= 127.5  # (what the host computed when it normalised: the same bits)
+            x -= 1.0
+        else:
+            x /= 255.0
+            x -= np.asarray(self.mean, np.float32)[:, None]
+            x /= np.asarray(self.std, np.float32)[:, None]
+        return x
+
+    def normalise(self, pixels: np.ndarray) -> np.ndarray:
+        """Host-side, what the encoder computes of uint8 pixels [..., K * C] (no padding)."""
+        channels = np.arange(pixels.shape[-1]) % len(self.mean)
+        return self.table()[channels, pixels]
 
 
 @dataclass(frozen=True)
@@ -38,6 +84,12 @@ class BatchSpec:
     # The tile keys still -1 (auto): a model can be built without them (its parameters do not
     # depend on them), a batch cannot (`tile_caps` refuses)
     unresolved_tiles: tuple[str, ...] = ()
+    # Per phase a step runs: how its inputs travel (uint8 pixels, normalised on the device)
+    inputs: Mapping[str, Inputs] = field(default_factory=dict)
+
+    def input_dtype(self, phase: str) -> np.dtype:
+        """The dtype of a phase's inputs array in the batch."""
+        return np.dtype(self.inputs.get(phase, Inputs()).numpy_dtype)
 
     def tile_caps(self) -> Mapping[str, int]:
         """Per phase, the tiles a bucket computes (block-sparse attention; else empty).
@@ -57,11 +109,12 @@ class BatchSpec:
         Raises:
           ConfigError: a size still -1 (auto), naming its key.
         """
-        return cls.from_sections(cfg.model, cfg.batch)
+        return cls.from_sections(cfg.model, cfg.batch, cfg.data)
 
     @classmethod
-    def from_sections(cls, m: Any, b: Any) -> BatchSpec:
-        """The spec of a resolved ModelConfig and BatchConfig (see `of`)."""
+    def from_sections(cls, m: Any, b: Any, data: Any = None) -> BatchSpec:
+        """The spec of a resolved ModelConfig and BatchConfig (see `of`); `data` (a DataConfig)
+        gives pixels' normalisation (default: data.image_mean's and image_std's defaults)."""
         if m.attention == "auto":  # (what the kernel is decides tiles or documents)
             raise ConfigError(
                 "model.attention=auto is not resolved: resolve it for the devices first "
@@ -96,7 +149,16 @@ class BatchSpec:
                 if p in bounded and (m.attention == "cudnn" or getattr(b, key) > 0)
             },
             unresolved_tiles=unresolved,
+            inputs={p.name: inputs_of(p, data, m.compute_dtype) for p in on},
         )
+
+
+def inputs_of(p: Any, data: Any = None, compute_dtype: str = "float32") -> Inputs:
+    """How phase `p`'s inputs travel: pixels as uint8 (normalised by `data`'s image_mean and
+    image_std on the device), features as bfloat16 under bf16 compute, else float32."""
+    if not p.pixels:
+        return Inputs("bfloat16" if compute_dtype == "bfloat16" else "float32")
+    return Inputs.pixels() if data is None else Inputs.pixels(data.image_mean, data.image_std)
 
 
 def documents_bounded(m: Any) -> tuple[str, ...]:

@@ -60,9 +60,8 @@ class Params:
     video_frame_min_pixels: int = 3136
     video_frame_max_pixels: int = 602112
     video_max_pixels: int = 3211264
-    # Nor do the values of pixels and frames (how they are normalised, which mel scale).
-    image_mean: tuple[float, ...] = field(default=(0.5, 0.5, 0.5), compare=False)
-    image_std: tuple[float, ...] = field(default=(0.5, 0.5, 0.5), compare=False)
+    # Nor do the values of frames (which mel scale). (Pixels load as uint8: the encoder
+    # normalises them on the device, by data.image_mean and image_std: `config.spec.Inputs`.)
     mel: str = field(default="jaxmllm", compare=False)
     # The bomb caps decide whether a file is decoded at all, not its counts: the loader applies
     # the training config's caps (a lowered cap rejects at load time, a raised one needs a rebuild
@@ -105,8 +104,6 @@ class Params:
             video_frame_min_pixels=d.video_frame_min_pixels,
             video_frame_max_pixels=d.video_frame_max_pixels,
             video_max_pixels=d.video_max_pixels,
-            image_mean=d.image_mean,
-            image_std=d.image_std,
             mel=d.mel,
             max_image_pixels=d.max_image_pixels,
             max_audio_seconds=d.max_audio_seconds,
@@ -383,7 +380,6 @@ class Images:
         budget = limits.max_pixels or p.image_max_pixels
         patches, pos = load_image(src, p.patch_size, p.merge, min(p.image_min_pixels, budget),
                                   budget, record_id, max_image_pixels=p.max_image_pixels,
-                                  mean=p.image_mean, std=p.image_std,
                                   max_bytes=p.max_media_bytes)  # fmt: skip
         return [(patches, pos)]
 
@@ -458,7 +454,7 @@ class Videos:
              parts=None) -> list[Item | None]:  # fmt: skip
         p, caps = pre.p, (pre.p.max_image_pixels, pre.p.max_video_decoded_pixels)
         info, rule = VideoInfo.of(size), pre.video_rule(limits)
-        return load_video(src, info, rule, record_id, p.image_mean, p.image_std, parts, *caps,
+        return load_video(src, info, rule, record_id, parts, *caps,
                           max_seconds=p.max_video_seconds, max_bytes=p.max_media_bytes)  # fmt: skip
 
 

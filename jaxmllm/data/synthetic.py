@@ -281,9 +281,9 @@ class SyntheticSource:
         cy = rng.uniform(r, height - r)
         cx = rng.uniform(r, width - r)
         mask = _shape_mask(height, width, cy, cx, r, shape)
-        img = rng.normal(-0.5, 0.15, (height, width, 3)).astype(np.float32)
-        np.copyto(img, np.asarray(COLOURS[colour], np.float32), where=mask[..., None])
-        return patchify(np.clip(img, -1, 1, out=img), p, self.merge)
+        img = _pixels(rng.normal(-0.5, 0.15, (height, width, 3)))
+        np.copyto(img, _pixels(COLOURS[colour]), where=mask[..., None])
+        return patchify(img, p, self.merge)
 
     @staticmethod
     def _video_caption(video: tuple) -> str:
@@ -300,13 +300,13 @@ class SyntheticSource:
         start, end = r, side - r
         if direction == "left":
             start, end = end, start
-        noise = rng.normal(-0.5, 0.15, (side, side, 3)).astype(np.float32)
+        noise = _pixels(rng.normal(-0.5, 0.15, (side, side, 3)))
         per_frame = []
         for k in range(frames):
             cx = start + (end - start) * k / max(frames - 1, 1)
             img = noise.copy()
-            img[_shape_mask(side, side, cy, cx, r, shape)] = np.asarray(COLOURS[colour], np.float32)
-            per_frame.append(patchify(np.clip(img, -1, 1), p, self.merge))
+            img[_shape_mask(side, side, cy, cx, r, shape)] = _pixels(COLOURS[colour])
+            per_frame.append(patchify(img, p, self.merge))
         t = self.temporal
         return [
             (np.concatenate([v for v, _ in per_frame[a : a + t]], axis=-1), per_frame[a][1])
@@ -398,6 +398,13 @@ def _digits_below(n: np.ndarray) -> np.ndarray:
         total += np.maximum(n - power, 0)
         power *= 10
     return total
+
+
+def _pixels(values) -> np.ndarray:
+    """uint8 pixel values of values in [-1, 1] (clipped): the nearest whose default
+    normalisation, x / 127.5 - 1, gives them back."""
+    x = np.clip(np.asarray(values, np.float32), -1.0, 1.0)
+    return np.rint((x + 1.0) * 127.5).astype(np.uint8)
 
 
 def _shape_mask(height: int, width: int, cy: float, cx: float, r: float, shape: str) -> np.ndarray:

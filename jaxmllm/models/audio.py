@@ -18,7 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmllm.config import AudioConfig
+from jaxmllm.config.spec import Inputs
 from jaxmllm.models.attention import packing
+from jaxmllm.models.inputs import decode
 from jaxmllm.models.layers import ACTIVATIONS, Dense
 from jaxmllm.models.positions import sinusoids
 from jaxmllm.models.transformer import BlockSpec, Transformer
@@ -37,10 +39,12 @@ class AudioEncoder(nnx.Module):
         attention: str = "dense",
         block: int = 0,
         documents: int = 0,
+        inputs: Inputs | None = None,
         rngs: nnx.Rngs,
     ):
         self.attention, self.block = attention, block  # model.attention, batch.attention_block
         self.documents = documents  # batch.*_documents (cudnn attention)
+        self.inputs = inputs  # how its frames travel (`config.spec.Inputs`)
         self.stem, self.stride, self.pool = cfg.stem, cfg.stride, cfg.pool
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         taps = 3 if cfg.stem == "whisper" else 2
@@ -95,6 +99,7 @@ class AudioEncoder(nnx.Module):
     def prepare(self, frames_bfm, segment_ids_bf, positions_bf, tiles_bk2=None):
         """What the transformer takes (the arguments as in `__call__`): the subsampled rows,
         their packing and positions (a pipeline runs the stack's layers stage by stage)."""
+        frames_bfm = decode(frames_bfm, segment_ids_bf, self.inputs)
         if self.stem == "whisper":
             x_bnd = self._whisper_stem(frames_bfm, segment_ids_bf)
         else:

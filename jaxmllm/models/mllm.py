@@ -46,11 +46,12 @@ class MultimodalLM(nnx.Module):
         shared = dict(attention=cfg.attention, block=spec.attention_block)
         # Each tower's own: cuDNN's documents bound (0 for the other kernels), remat policy.
         own = lambda name: dict(documents=spec.documents.get(name, 0), remat=cfg.remat_of(name))
+        inputs = lambda name: dict(inputs=spec.inputs.get(name))  # (uint8 pixels: normalised)
         for p in ENCODERS:  # (in the table's order: the parameters' random init follows it)
             encoder, projector = ENCODER_MODULES[p.name]
             on = p.enabled(cfg)
-            setattr(self, p.name, encoder(p.encoder(cfg), **shared, **own(p.name), **kw) if on
-                    else None)  # fmt: skip
+            setattr(self, p.name, encoder(p.encoder(cfg), **shared, **own(p.name),
+                                          **inputs(p.name), **kw) if on else None)  # fmt: skip
             setattr(self, f"{p.name}_projector", projector(cfg, **kw) if on else None)
         self.llm = Decoder(cfg.llm, **shared, **own(LLM), **kw)
         self.route_capacity = spec.route_pair_capacity

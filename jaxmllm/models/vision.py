@@ -13,8 +13,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmllm.config import VisionConfig
+from jaxmllm.config.spec import Inputs
 from jaxmllm.models import vision_rows as vr
 from jaxmllm.models.attention import packing
+from jaxmllm.models.inputs import decode
 from jaxmllm.models.layers import NORMS, Dense, normal_param
 from jaxmllm.models.positions import resized_table
 from jaxmllm.models.transformer import BlockSpec, Transformer
@@ -33,10 +35,12 @@ class VisionEncoder(nnx.Module):
         attention: str = "dense",
         block: int = 0,
         documents: int = 0,
+        inputs: Inputs | None = None,
         rngs: nnx.Rngs,
     ):
         self.attention, self.block = attention, block  # model.attention, batch.attention_block
         self.documents = documents  # batch.*_documents (cudnn attention)
+        self.inputs = inputs  # how its patches travel: uint8 pixels are normalised here
         patch_dim = cfg.patch_size * cfg.patch_size * cfg.channels
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         # A temporal patch embedding reads t frames of a patch; an image repeats its frame.
@@ -87,7 +91,8 @@ class VisionEncoder(nnx.Module):
 
         Args:
           patches_bpc: flattened patch pixels [B, P, patch_size**2 * channels], of
-            temporal_patch frames side by side (frame-major) where the model takes videos.
+            temporal_patch frames side by side (frame-major) where the model takes videos:
+            uint8 (normalised here by `inputs`: what the batch holds) or normalised values.
           segment_ids_bp: which image each patch belongs to, 0 for padding [B, P].
           positions_bp2: (row, col) of each patch within its image [B, P, 2].
           tiles_bk2: block-sparse attention's tiles [B, K, 2].
@@ -107,6 +112,7 @@ class VisionEncoder(nnx.Module):
 
     def rows(self, patches_bpc, segment_ids_bp, positions_bp2, tiles_bk2=None) -> vr.Rows:
         """The embedded row as the blocks take it (`vision_rows`: class rows, window order)."""
+        patches_bpc = decode(patches_bpc, segment_ids_bp, self.inputs)
         frames = self.patch_embed.kernel.shape[0] // patches_bpc.shape[-1]
         if frames > 1:  # (one frame a patch: images only; an image repeats its frame)
             patches_bpc = jnp.concatenate([patches_bpc] * frames, axis=-1)

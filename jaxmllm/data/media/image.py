@@ -147,29 +147,19 @@ def load_image(
     max_pixels: int,
     record_id: str = "?",
     max_image_pixels: int = MAX_PIXELS,
-    mean: tuple[float, ...] = (0.5, 0.5, 0.5),
-    std: tuple[float, ...] = (0.5, 0.5, 0.5),
     max_bytes: int = MAX_MEDIA_BYTES,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Decode (refusing images over `max_image_pixels` or files over `max_bytes`), resize to
-    the budget, normalise each channel to (x / 255 - mean) / std, patchify.
+    the budget, patchify.
 
-    Returns (patches [n, patch*patch*3], positions [n, 2] as (row, col)).
+    Returns (patches [n, patch*patch*3] uint8 RGB pixels, positions [n, 2] as (row, col)):
+    the encoder normalises them on the device (`jaxmllm.config.spec.Inputs`: (x / 255 -
+    data.image_mean) / data.image_std per channel; `Inputs.normalise` on the host).
     """
     rgb = decode_rgb(src, record_id, max_image_pixels, max_bytes)
     gh, gw = image_grid(*rgb.shape[:2], patch, merge, min_pixels, max_pixels)
     rgb = fit_to_grid(rgb, gh * patch, gw * patch, patch * merge)
-    # Cut into patches as uint8 (a quarter of float32's bytes to move), then normalised in
-    # place: the same float32 arithmetic per value as normalising the image first, same bits.
-    x = patch_rows(rgb, patch, merge).astype(np.float32)
-    if tuple(mean) == tuple(std) == (0.5, 0.5, 0.5):
-        x /= 127.5  # (bit for bit what it always was)
-        x -= 1.0
-    else:  # (each row of a patch is pixels of 3 channels: the channels' values tiled)
-        x /= 255.0
-        x -= np.tile(np.asarray(mean, np.float32), patch * patch)
-        x /= np.tile(np.asarray(std, np.float32), patch * patch)
-    return x, patch_positions(gh, gw, merge)
+    return patch_rows(rgb, patch, merge), patch_positions(gh, gw, merge)
 
 
 def fit_to_grid(rgb: np.ndarray, height: int, width: int, unit: int) -> np.ndarray:
@@ -298,11 +288,11 @@ def _name(src: Source) -> str:
 def patchify(img_hwc: np.ndarray, patch: int, merge: int = 2) -> tuple[np.ndarray, np.ndarray]:
     """Cuts an image into patches ordered so each run of merge*merge patches is one merge block.
 
-    Returns (patches [gh*gw, patch*patch*C] float32, positions [gh*gw, 2] as (row, col)).
+    Returns (patches [gh*gw, patch*patch*C] of the image's dtype (uint8 pixels: what a vision
+    bucket takes), positions [gh*gw, 2] as (row, col)).
     """
     h, w, _ = img_hwc.shape
-    patches = patch_rows(img_hwc, patch, merge)
-    return patches.astype(np.float32, copy=False), patch_positions(h // patch, w // patch, merge)
+    return patch_rows(img_hwc, patch, merge), patch_positions(h // patch, w // patch, merge)
 
 
 def patch_rows(img_hwc: np.ndarray, patch: int, merge: int) -> np.ndarray:

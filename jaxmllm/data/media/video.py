@@ -219,8 +219,6 @@ def load_video(
     info: VideoInfo,
     rule: VideoRule,
     record_id: str = "?",
-    mean: tuple[float, ...] = (0.5, 0.5, 0.5),
-    std: tuple[float, ...] = (0.5, 0.5, 0.5),
     parts: Sequence[int] | None = None,
     max_pixels: int = MAX_PIXELS,
     max_decoded: int = MAX_DECODED_PIXELS,
@@ -229,9 +227,9 @@ def load_video(
 ) -> list[tuple[np.ndarray, np.ndarray] | None]:
     """The video's temporal patches as vision items, from the header `info` the index read
     (checked again: the caps are the training config's): per temporal patch (patches [gh*gw,
-    temporal_patch * patch*patch*3], positions [gh*gw, 2] as (row, col)), pixels normalised
-    to (x / 255 - mean) / std. `parts`: only these temporal patches are decoded (the others
-    None: another host encodes them); None = all."""
+    temporal_patch * patch*patch*3] uint8 pixels, normalised on the device as an image's,
+    positions [gh*gw, 2] as (row, col)). `parts`: only these temporal patches are decoded
+    (the others None: another host encodes them); None = all."""
     _check_caps(info, src, record_id, max_seconds, max_pixels, max_decoded)
     count, (gh, gw) = video_parts(info, rule)
     t = rule.temporal_patch
@@ -245,28 +243,18 @@ def load_video(
                          rule.merge)[1]  # fmt: skip
     for j, k in enumerate(want):
         group = np.stack(frames[j * t : (j + 1) * t])
-        out[k] = (temporal_patch(group, rule.patch, rule.merge, mean, std), positions)
+        out[k] = (temporal_patch(group, rule.patch, rule.merge), positions)
     return out
 
 
-def temporal_patch(
-    frames: np.ndarray, patch: int, merge: int, mean: Sequence[float], std: Sequence[float]
-) -> np.ndarray:
-    """One temporal patch's values [gh*gw, t*patch*patch*C] float32 from its t uint8 frames
-    [t, H, W, C]: per patch its frames side by side (frame-major), each frame's patch as an
-    image's (rows, columns, channels), in the merge-block order of `image.patchify`, each
-    channel normalised to (x / 255 - mean) / std. (Cut and ordered as uint8, then scaled in
-    place: a quarter of the memory traffic of normalising first.)"""
+def temporal_patch(frames: np.ndarray, patch: int, merge: int) -> np.ndarray:
+    """One temporal patch's pixels [gh*gw, t*patch*patch*C] uint8 from its t frames [t, H, W,
+    C]: per patch its frames side by side (frame-major), each frame's patch as an image's
+    (rows, columns, channels), in the merge-block order of `image.patchify`."""
     t, h, w, c = frames.shape
     gh, gw = h // patch, w // patch
     x = frames.reshape(t, gh // merge, merge, patch, gw // merge, merge, patch, c)
-    x = x.transpose(1, 4, 2, 5, 0, 3, 6, 7).reshape(gh * gw, t * patch * patch * c)
-    scale = 1.0 / (255.0 * np.asarray(std, np.float32))
-    shift = -np.asarray(mean, np.float32) / np.asarray(std, np.float32)
-    values = x.astype(np.float32)
-    values *= np.tile(scale, t * patch * patch)
-    values += np.tile(shift, t * patch * patch)
-    return values
+    return x.transpose(1, 4, 2, 5, 0, 3, 6, 7).reshape(gh * gw, t * patch * patch * c)
 
 
 def decode_frames(
