@@ -257,7 +257,9 @@ def packed_step(cfg, source, index, data: int, context: int):
 
 def long_sample(rng, n: int, image_side: int, frames: int, sid: int) -> Sample:
     """Text of about n tokens with an image (merge 2) and a clip (subsample 4) in it."""
-    image = patchify(rng.integers(0, 256, (image_side * 4, image_side * 4, 3), dtype=np.uint8), 4, 2)
+    image = patchify(
+        rng.integers(0, 256, (image_side * 4, image_side * 4, 3), dtype=np.uint8), 4, 2
+    )
     clip = rng.normal(size=(frames, 16)).astype(np.float32)
     text = rng.integers(0, 256, n - image_side**2 // 4 - frames // 4 - 1).astype(np.int32)
     cut = len(text) // 3
