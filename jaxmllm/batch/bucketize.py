@@ -144,15 +144,15 @@ def bucketize(
     return batch
 
 
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
 def _castable(have: np.dtype, bucket: np.dtype) -> bool:
     """Whether an item's inputs go into a bucket of `bucket`'s dtype: the same dtype, or
     features into features (float32 frames into bf16: the cast the model's first layer does);
     never floats into pixels or pixels into features."""
-    floating = lambda dt: dt.kind == "f" or dt == BF16
-    return have == bucket or (floating(have) and floating(bucket))
-
-
-BF16 = np.dtype(ml_dtypes.bfloat16)
+    features = lambda dt: dt.kind == "f" or dt == BF16  # (numpy reads bfloat16 as kind "V")
+    return have == bucket or (features(have) and features(bucket))
 
 
 def _check_documents(batch, cfg: Config, spec: BatchSpec, step: int, positions) -> None:
