@@ -25,6 +25,7 @@ import numpy as np
 from jaxmllm.hf.family import FamilyError, Link
 from jaxmllm.hf.registry import ROLES, family_for, read_hf_config
 from jaxmllm.hf.safetensors import Checkpoint, CheckpointError
+from jaxmllm.models.lora import is_adapter
 from sharding.rules import keyed_leaves
 
 log = logging.getLogger("jaxmllm")
@@ -106,7 +107,11 @@ def load_role(cfg: Any, role: str, directory: str, flat: dict) -> dict[str, jax.
 
 def _check_complete(key, family, ck, prefix, consumed, out, flat) -> None:
     modules = {p.split("/")[0] for p in out}
-    unfilled = [p for p in flat if p.split("/")[0] in modules and p not in out]
+    unfilled = [
+        p
+        for p in flat
+        if p.split("/")[0] in modules and p not in out and not is_adapter(p.split("/"))
+    ]  # (LoRA adapters start fresh, or from model.init_from.adapter)
     if unfilled:
         raise FamilyError(
             f"{key}: {len(unfilled)} parameters of {', '.join(sorted(modules))} have no tensor "
