@@ -57,8 +57,10 @@ class Module:
         return fmt(self.runtime), fmt(self.name)
 
     def pattern(self) -> str:
-        """A regular expression of its runtime names, every layer."""
-        return re.escape(self.runtime).replace(r"\{i\}", r"\d+")
+        """A regular expression of its runtime names, at each of our layers (a LLaVA tower's
+        blocks after its feature layer have none)."""
+        layers = "(?:" + "|".join(map(str, range(self.link.layers))) + ")"
+        return re.escape(self.runtime).replace(r"\{i\}", layers)
 
 
 def modules(families: Iterable[tuple[Family, str]], cfg: Any, hf: dict | None, adapted: set):
