@@ -17,6 +17,7 @@ import sharding
 from jaxmllm.config import ConfigError, load_config
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
+from jaxmllm.hf.load import nest
 from jaxmllm.models.lora import LEAVES
 from jaxmllm.plan.cost import CostModel
 from jaxmllm.plan.sizing import resolve_batch
@@ -163,7 +164,7 @@ def test_adapters_under_fsdp_tensor_and_remat_give_the_unsplit_math():
         rng.normal(0, 0.05, x.shape).astype(x.dtype) if p.endswith("lora_b") else x
     )
     params = {p: trained(p, x) for p, x in keyed_leaves(state["params"]).items()}
-    state = {**state, "params": _nest(params)}
+    state = {**state, "params": nest(params)}
 
     def run(cfg, mesh):
         from jaxmllm.models import lora
@@ -213,17 +214,6 @@ def test_dropout_masks_differ_by_salt_and_repeat_under_the_same_key():
     assert len({np.asarray(m).tobytes() for m in first}) == 4  # (every scope, every matrix)
     assert set(np.unique(np.asarray(first[0]))) == {0.0, 2.0}  # (inverted: kept ones / 0.5)
     del draw
-
-
-def _nest(flat: dict) -> dict:
-    tree: dict = {}
-    for path, value in flat.items():
-        *parents, leaf = path.split("/")
-        node = tree
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
 
 
 def test_a_tower_under_adapters_is_priced_as_passing_gradients():

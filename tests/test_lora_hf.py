@@ -158,11 +158,16 @@ def test_a_lora_run_exports_an_adapter_peft_loads_with_the_runs_logits(name, tmp
     from test_hf_train import CPU
     from test_hf_whole_train import whole_dir
 
+    import sharding
     from jaxmllm import train
     from jaxmllm.config import Config, ConfigError, from_dict, load_config
+    from jaxmllm.data.source import make_source
     from jaxmllm.hf.export import export_run
     from jaxmllm.hf.start import run_parameters
     from jaxmllm.hf.towers import load_model
+    from jaxmllm.init_from import initial_params
+    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.step.stages.program import build_program
     from sharding.rules import keyed_leaves
 
     source = whole_dir(name, tmp_path / name)
@@ -209,6 +214,17 @@ def test_a_lora_run_exports_an_adapter_peft_loads_with_the_runs_logits(name, tmp
     assert set(mine) == set(trained)
     for path, value in trained.items():
         np.testing.assert_array_equal(mine[path], value, err_msg=path)
+
+    again = write_config(tmp_path / "again.yaml", model=source, adapter=str(adapter))
+    assert again.model.vision.lora.targets == ("k", "o", "q") and again.model.llm.lora.rank == 4
+    no_audio = ["model.audio.enabled=false", "data.synthetic.audio_fraction=0"]
+    again = load_config(tmp_path / "again.yaml", [*CPU, *no_audio])
+    again = resolve_batch(again, make_source(again)[1], 8)
+    mesh = sharding.make_mesh(again.mesh)
+    with jax.set_mesh(mesh):
+        given = keyed_leaves(jax.device_get(initial_params(again, build_program(again, mesh))))
+    for path, value in trained.items():  # (the trainer's start: model.init_from.adapter)
+        np.testing.assert_array_equal(given[path], value, err_msg=path)
 
     merged = export_run(str(out), str(tmp_path / "merged"), merged=True)["model"]
     np.testing.assert_allclose(logits(str(merged)), logits(source, str(adapter)), atol=1e-4)

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxmllm.hf.adapter import PREFIX, Adapter, Module, check_targets, modules, ours_from
 from jaxmllm.hf.family import Family, FamilyError, Link
+from jaxmllm.hf.load import nest
 from jaxmllm.hf.registry import ROLES, family_for, read_hf_config
 from jaxmllm.hf.safetensors import Checkpoint
 from jaxmllm.hf.whole import Part
@@ -190,7 +191,7 @@ def adapter_params(cfg: Any, abstract: dict) -> dict:
     what = f"{len(found.adapters)} adapted modules, {len(found.saved)} saved whole"
     log.info("model.init_from.adapter=%s: %s", adapter.directory, what)
     placed = {p: jax.device_put(v.astype(flat[p].dtype), flat[p].sharding) for p, v in out.items()}
-    return _nest(placed)
+    return nest(placed)
 
 
 def _kernel_adapters(mod: Module, layers: list, flat: dict, adapter: Adapter, cfg) -> dict:
@@ -230,17 +231,6 @@ def _n_in(mod: Module, of_adapted) -> list[int]:
 
 def _leaf(kernel: str, leaf: str) -> str:
     return kernel.rsplit("/", 1)[0] + "/" + leaf
-
-
-def _nest(flat: dict) -> dict:
-    tree: dict = {}
-    for path, value in flat.items():
-        *parents, leaf = path.split("/")
-        node = tree
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
 
 
 # ----------------------------------------------------------------------------- hf import

@@ -54,7 +54,7 @@ def pretrained(cfg: Any, abstract: dict, skip: set[str] = frozenset()) -> dict:
         directory = getattr(cfg.model.init_from, role)
         if directory and not _modules(cfg, role, directory) <= set(skip):
             loaded.update(load_role(cfg, role, directory, flat))
-    return _nest(loaded)
+    return nest(loaded)
 
 
 def _modules(cfg: Any, role: str, directory: str) -> set[str]:
@@ -245,7 +245,8 @@ def _slices(bounds: tuple) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in bounds)
 
 
-def _nest(flat: dict[str, Any]) -> dict:
+def nest(flat: dict[str, Any]) -> dict:
+    """A nested dict of "/"-joined paths' values (what `keyed_leaves` flattens)."""
     tree: dict = {}
     for path, value in flat.items():
         *parents, leaf = path.split("/")

@@ -23,7 +23,14 @@ from jaxmllm.hf.load import pretrained
 from jaxmllm.loop.base import base_identity, check_base
 from jaxmllm.loop.checkpoint import restore_params, run_stamp
 from jaxmllm.models.lora import is_adapter
-from jaxmllm.step.program import base_dtypes, build_model, join, model_parts, overlay
+from jaxmllm.step.program import (
+    base_dtypes,
+    build_model,
+    join,
+    model_parts,
+    overlay,
+    split_tree,
+)
 from sharding.rules import keyed_leaves
 
 log = logging.getLogger("jaxmllm")
@@ -78,22 +85,10 @@ def run_params(run_dir: str, abstract: dict) -> dict:
             )
     wanted = {k: abstract[k] for k in shared}
     params, frozen = theirs.split(wanted)
-    params, frozen = (_without_adapters(t) for t in (params, frozen))
+    params, frozen = (split_tree(t, lambda p: not is_adapter(p))[0] for t in (params, frozen))
     step, restored = restore_params(Path(run_dir), {"params": params, "frozen": frozen}, None)
     log.info("%s: step %d's %s", key, step, ", ".join(shared))
     return join(restored["params"], restored["frozen"])
-
-
-def _without_adapters(tree: dict) -> dict:
-    """`tree` less the adapters (this model's; the run's other modules had none)."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            value = _without_adapters(value)
-            out.update({key: value} if value else {})
-        elif not is_adapter((key,)):
-            out[key] = value
-    return out
 
 
 def run_parameters(cfg: Config, run: Path, step: int | None = None) -> tuple[int, dict, dict]:
