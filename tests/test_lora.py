@@ -152,9 +152,10 @@ def test_adapters_are_sharded_like_the_matrices_they_adapt():
 def test_adapters_under_fsdp_tensor_and_remat_give_the_unsplit_math():
     """Trained adapters (B non-zero), dropout on: the loss and gradients on data 2 x fsdp 2 x
     tensor 2 with full remat equal those on 4 data-parallel devices without remat (the same
-    dropout masks: they fold the step, microbatch and layer, not the mesh)."""
-    drop = ["model.llm.lora.dropout=0.2", "model.vision.lora.dropout=0.1"]
+    dropout masks: they fold the step, microbatch and layer, not the mesh). (Stages: the
+    pipeline test below.)"""
     split = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "model.remat=full"]
+    drop = ["model.llm.lora.dropout=0.2", "model.vision.lora.dropout=0.1"]
     cfg, mesh, host = setup(*NO_AUDIO, *LORA, *drop, *split)
     with jax.set_mesh(mesh):
         prog = build_program(cfg, mesh)
@@ -325,6 +326,13 @@ def test_checkpoints_hold_the_adapters_not_the_base_and_refuse_another_base(tmp_
 
     assert generate.main(["--run", str(tmp_path), "--max-new-tokens", "4", "--prompt", "1 2"]) == 0
 
+    from jaxmllm.init_from import initial_params
+
+    later = load_config("configs/tiny.yaml", [*sets, f"model.init_from.run={tmp_path}"])
+    later = resolve_batch(later, make_source(later)[1], 8)
+    with pytest.raises(ConfigError, match=r"that run trained LoRA adapters on llm.*--merged"):
+        initial_params(later, build_program(later, sharding.make_mesh(later.mesh)))
+
     with pytest.raises(
         ConfigError,
         match=r"trained on the base \(drawn from train.seed=0; "
@@ -359,3 +367,11 @@ def test_adapters_in_pipeline_stages_give_the_unpipelined_math():
     assert all(v.shape[0] == 2 for p, v in staged.items() if "blocks" in p)  # [stage, ...]
     llm = [s for s in prog.plan.stages if s.segment == "llm"]
     assert llm and all(0 < s.work.bwd < 2 * s.work.fwd for s in llm)
+    with jax.set_mesh(prog.mesh):  # (a checkpoint: [depth, ...], no base; back to stages)
+        saved, base = prog.to_saved(state), prog.base_of(state)
+        assert set(saved) == {"params", "opt_state", "step"}
+        back = jax.device_get(prog.from_saved(saved, base))
+    for (path, a), b in zip(
+        keyed_leaves(back).items(), jax.tree.leaves(jax.device_get(state)), strict=True
+    ):
+        np.testing.assert_array_equal(a, b, err_msg=path)

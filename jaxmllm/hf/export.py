@@ -12,6 +12,10 @@ What is written follows where the run's modules came from (`model.init_from`):
   with processor files made from the data section when its tokenizer is a HF directory; or a
   refusal naming, per family, the option it has no counterpart for.
 
+A run with LoRA adapters writes, in each of these places, a PEFT adapter for the checkpoint
+it started from instead (`jaxmllm.hf.peft_export`), or with `merged` the checkpoints with the
+adapters merged into their matrices.
+
 Tensors come from our parameters through the families' links, in the dtype the imported
 checkpoint stored them in (float32 from scratch); what the families knowingly left alone at
 import (a SigLIP pooling head, Whisper's decoder, the tower blocks after LLaVA's feature layer)
