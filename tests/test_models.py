@@ -518,7 +518,12 @@ def test_exchange_is_one_all_to_all_under_a_mesh():
     rng = np.random.default_rng(6)
     rows = rng.normal(size=(4, 8, 16)).astype(np.float32)
     send = rng.integers(0, 8, (4, 4, 3)).astype(np.int32)
-    src = rng.integers(-1, 12, (4, 2, 5)).astype(np.int32)
+    # Each received row fills at most one slot (an item's rows fill its placeholders one each).
+    src = np.full((4, 2 * 5), -1, np.int32)
+    for d in range(4):
+        slots = rng.choice(2 * 5, 6, replace=False)
+        src[d, slots] = rng.choice(12, 6, replace=False)
+    src = src.reshape(4, 2, 5)
     x = rng.normal(size=(4, 2, 5, 16)).astype(np.float32)
     put = lambda a: jax.device_put(a, jax.NamedSharding(mesh, jax.P(("data", "fsdp"))))
     with jax.set_mesh(mesh):
