@@ -30,9 +30,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxmllm.config.remat import ATTENTION
+
 CHUNK_SCORES = 1 << 22  # scores (f32) a chunk of tiles holds at once: 16 MiB
 NEG = float(jnp.finfo(jnp.float32).min)
-ATTENTION = "attention"  # the remat name of the kernel's output and log-sum-exp
 
 
 def attend(
