@@ -26,10 +26,9 @@ import sharding
 from jaxmllm.batch.counts import calibrated_cost
 from jaxmllm.batch.info import StepInfo
 from jaxmllm.config import Config, ConfigError, load_config
+from jaxmllm.config.command import run
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
-from jaxmllm.hf.family import FamilyError
-from jaxmllm.hf.safetensors import CheckpointError
 from jaxmllm.init_from import initial_params
 from jaxmllm.loop import checkpoint, distributed, guards
 from jaxmllm.loop.checkpoint import (
@@ -47,7 +46,6 @@ from jaxmllm.loop.guards import NonFiniteError, NonFiniteGuard, Preemption, Watc
 from jaxmllm.loop.ledger import Ledger
 from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter
 from jaxmllm.loop.timings import TimingsRecorder
-from jaxmllm.plan.contract import OversizeError
 from jaxmllm.plan.sizing import check_attention, resolve_attention, resolve_batch
 from jaxmllm.step.stages.program import build_program
 
@@ -313,22 +311,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def cli(argv: list[str] | None = None) -> int:
+    """The command line; its exit code (2: a config, data or checkpoint to fix, said in one
+    line; 3: diverged; 5: a checkpoint save failed; `jaxmllm.config.command`)."""
+    return run(_command, argv)
+
+
+def _command(argv: list[str] | None) -> None:
     guards.outlive_closed_pipes()  # (a `| tee` that Ctrl-C ended never costs the checkpoint)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("jaxmllm").setLevel(logging.INFO)  # (grain's import set up the root logger)
     args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.set)
-        main(cfg)
-    except (ConfigError, OversizeError, sharding.ShardingError, FamilyError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (NonFiniteError, checkpoint.SaveError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3 if isinstance(e, NonFiniteError) else 5
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    main(load_config(args.config, args.set))
 
 
 if __name__ == "__main__":

@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
+    unknown = [s for s in args.sizes.split(",") if s not in SIZES]
+    if unknown:
+        p.error(f"--sizes: {', '.join(unknown)} is not one of {', '.join(SIZES)}")
     cfg = load_config(None, [f"data.video_fps={args.fps}", "model.vision.temporal_patch=2"])
     params = Params.from_config(cfg)
     demand = host_demand(args.tokens_per_s, args.gpus)
@@ -161,4 +164,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxmllm.config.command import run
+
+    sys.exit(run(main))

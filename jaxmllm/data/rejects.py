@@ -12,7 +12,7 @@ import stat
 from collections import Counter
 from pathlib import Path
 
-from jaxmllm.config import ConfigError
+from jaxmllm.config import ConfigError, UserError
 
 REASONS = {
     "malformed_line": "the line is not a JSON object with an id and text or messages",
@@ -38,8 +38,9 @@ REASONS = {
 }
 
 
-class RecordError(ValueError):
-    """A record that cannot become a sample; `reason` is one of REASONS."""
+class RecordError(UserError):
+    """A record that cannot become a sample; `reason` is one of REASONS. (Counted and skipped
+    where a data set is read; a command given one file, `generate --image`, stops on it.)"""
 
     def __init__(self, reason: str, detail: str, record_id: str = "?"):
         assert reason in REASONS, reason

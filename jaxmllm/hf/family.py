@@ -25,10 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from jaxmllm.config.checks import UserError
+
 Transform = Callable[..., tuple[np.ndarray, ...]]
 
 
-class FamilyError(ValueError):
+class FamilyError(UserError):
     """A HF checkpoint jaxmllm cannot use as it is; the message names the key or tensor."""
 
 
