@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 MISSING = "/nonexistent-jaxmllm/config.yaml"
 TINY = "configs/tiny.yaml"
@@ -35,6 +37,7 @@ CASES = {  # module: [argv, ...]
         ["--manifest", "{tmp}/m.jsonl", "--out", "{tmp}/x.array_record", "--config", MISSING],
         ["--manifest", "{tmp}/m.jsonl", "--out", "{tmp}/x.array_record", "--set", "data.x=1"],
     ],
+    "jaxmllm.config.reference": [["--nope"]],  # (takes no config)
     "jaxmllm.plan.cost": [["--calibrate", "/nonexistent-jaxmllm/run"]],
     "jaxmllm.bench.attention": [["--mix", "nope"]],
     "jaxmllm.bench.balance": [["--lengths", "/nonexistent-jaxmllm/lengths.jsonl"]],
@@ -113,3 +116,28 @@ def test_bad_config_exits_2_with_one_message(tmp_path):
         if code != 2 or "Traceback" in text or "error" not in text:
             failures.append(f"python -m {module} {' '.join(argv)} -> {code}:\n{text[-2000:]}")
     assert not failures, "\n\n".join(failures)
+
+
+def test_a_config_without_data_refuses_to_start(tmp_path, capsys):
+    """The built-in data only when asked for: a config with no data.path, data.sources or
+    data.source (as `hf import` writes one) stops training and indexing, naming all three."""
+    from jaxmllm.config import load_config
+    from jaxmllm.data.index import main as index
+    from jaxmllm.data.source import make_source
+    from jaxmllm.train import cli as train
+
+    raw = yaml.safe_load((ROOT / TINY).read_text())
+    del raw["data"]["source"]
+    raw["train"]["output_dir"] = str(tmp_path / "run")
+    config = tmp_path / "no_data.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    for command in (train, index):
+        assert command(["--config", str(config)]) == 2
+        err = capsys.readouterr().err
+        assert "the config names no data" in err, err
+        for key in ("data.path", "data.sources", "data.source: synthetic"):
+            assert key in err, err
+        assert f"python -m jaxmllm.data.index --config {config}" in err, err
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
+    _, index = make_source(load_config(config, ["data.source=synthetic"]))  # (when named)
+    assert len(index) == raw["data"]["synthetic"]["num_samples"]

@@ -102,8 +102,10 @@ class EvalConfig:
 class DataConfig:
     """Where samples come from, how they are preprocessed, and what happens to bad input."""
 
-    # auto: files when data.path or data.sources is set, else synthetic | synthetic (built in)
-    # | files (data.path or data.sources, read in data.format) | jsonl | arrayrecord (files in
+    # Where samples come from: files (data.path or data.sources, read in data.format) |
+    # synthetic (the built-in shapes, moving shapes, tones and counting text: only when asked
+    # for) | none (no data: generation, the memory bench; training refuses to start) | auto
+    # (files when data.path or data.sources is set, else none) | jsonl, arrayrecord (files in
     # that format: the names before data.format)
     source: str = "auto"
     # The data: a file, a directory of shards (its files of one format) or a glob
@@ -192,16 +194,25 @@ class DataConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (none by default)
 
     def __post_init__(self):
-        check(self.source in ("auto", *DATA_SOURCES), f"must be auto or one of "
-              f"{sorted(DATA_SOURCES)}", "source")  # fmt: skip
+        check(
+            self.source in ("auto", "none", *DATA_SOURCES),
+            f"must be auto, none or one of {sorted(DATA_SOURCES)}",
+            "source",
+        )
         check(self.format in FORMATS, f"must be one of {', '.join(FORMATS)}", "format")
         check(not (self.path and self.sources), "give data.path (one data set) or data.sources "
               "(a mixture), not both", "sources")  # fmt: skip
-        if self.source == "auto":  # (resolved once, here)
+        if self.source == "auto":  # (resolved once, here: the built-in data only when named)
             given = bool(self.path or self.sources)
-            object.__setattr__(self, "source", "files" if given else "synthetic")
+            object.__setattr__(self, "source", "files" if given else "none")
+        check(  # (a copy of a synthetic config given a data.path must not train on shapes)
+            self.source != "synthetic" or not (self.path or self.sources),
+            "synthetic reads the built-in data, not data.path / data.sources: set data.source: "
+            "files (or auto) to read them, or drop them",
+            "source",
+        )
         check(
-            self.source == "synthetic" or bool(self.path or self.sources),
+            self.source in ("synthetic", "none") or bool(self.path or self.sources),
             f"source {self.source} needs data.path (a data file, a directory of shards or a "
             "glob) or data.sources",
             "path",
@@ -259,6 +270,17 @@ class DataConfig:
 
 
 DATA_SOURCES = {"synthetic", "files", "jsonl", "arrayrecord"}
+
+
+def no_data(config: str = "<your config>") -> str:
+    """What a command that needs data says to a config that names none (data.source: none,
+    or auto without data.path and data.sources)."""
+    return (
+        "the config names no data: set data.path (a data file, a folder of shards or a glob, "
+        "in any data.format; then index it once: python -m jaxmllm.data.index --config "
+        f"{config}), data.sources (a mixture of data sets), or data.source: synthetic (the "
+        "built-in shapes, tones and counting text)"
+    )
 
 
 def files_format(data: DataConfig | EvalConfig) -> str:

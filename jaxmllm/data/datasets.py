@@ -16,7 +16,8 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxmllm.config import Config, config_origin
+from jaxmllm.config import Config, ConfigError, config_origin
+from jaxmllm.config.data import no_data
 from jaxmllm.config.sections import files_format
 
 
@@ -33,8 +34,15 @@ class DataSet:
 
 
 def data_sets(cfg: Config) -> list[DataSet]:
-    """The data sets of a files source: data.path's, or one per data.sources entry."""
+    """The data sets of a files source: data.path's, or one per data.sources entry.
+
+    Raises:
+      ConfigError: for a config that names no data (data.source: none, or left auto).
+    """
     d = cfg.data
+    if d.source == "none":
+        origin = config_origin(cfg)
+        raise ConfigError(no_data(origin[0] if origin else "<your config>"))
     if d.sources:
         return [
             DataSet(

@@ -135,6 +135,7 @@ def load_index(cfg: Config, ds: DataSet) -> tuple[list[dict], dict, Path]:
 def open_source(cfg: Config) -> ManifestSource | MixtureSource:
     """The training source of the config's data (data.path, or a mixture of data.sources):
     indexes loaded and checked, oversize policy applied."""
+    sets = data_sets(cfg)  # (a config that names no data stops here, saying so)
     tokenizer = make_tokenizer(cfg.data.tokenizer, cfg.data.template_date)
     if cfg.model.llm.vocab_size < tokenizer.vocab_size:
         what = (
@@ -147,7 +148,6 @@ def open_source(cfg: Config) -> ManifestSource | MixtureSource:
             f"({cfg.data.tokenizer}: {tokenizer.vocab_size} ids {what}); "
             f"raise model.llm.vocab_size to at least {tokenizer.vocab_size}"
         )
-    sets = data_sets(cfg)
     parts = [open_data_set(cfg, ds, tokenizer) for ds in sets]
     if not cfg.data.sources:
         return parts[0]
