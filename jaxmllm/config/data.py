@@ -56,6 +56,7 @@ class SourceConfig:
     # proportion to its records (all sources 0: each record once per round, as one data set)
     weight: float = 0.0
     media_root: str = ""  # as data.media_root
+    confine_media_to: str = ""  # as data.confine_media_to
     index_dir: str = ""  # its lengths index, as data.index_dir
     name: str = ""  # its name in the metrics (samples/<name>); "" = the file's (folder's) stem
 
@@ -117,11 +118,15 @@ class DataConfig:
     # `messages`, media in content parts or lists) | parquet (as HF datasets writes it) |
     # webdataset (.tar shards: 000123.jpg + 000123.json or .txt) | arrayrecord
     format: str = "auto"
-    # The folder media paths in the records are relative to (LLaVA's --image_folder) and which
-    # they must resolve inside ("..", absolute paths and symlinks leading out are rejected as
-    # path_outside_root); "" = the data file's folder (a directory of shards: that directory;
-    # data.eval.path's for its records)
+    # The folder relative media paths in the records start from (LLaVA's --image_folder); "" =
+    # the data file's folder (a directory of shards: that directory; data.eval.path's for its
+    # records)
     media_root: str = ""
+    # The folder media paths must lead inside once "..", absolute paths and symlinks are
+    # resolved (else the record is rejected: path_outside_root); "" = the folder they start
+    # from. A parent of it lets records reach a sibling folder ("../images/0.png") while
+    # relative paths keep their start; it must hold data.media_root (or the data's folder)
+    confine_media_to: str = ""
     # A mixture: several data sets, each {path, format, weight, media_root, index_dir, name},
     # drawn by weight into one stream the planner balances as one (instead of data.path)
     sources: tuple[SourceConfig, ...] = ()

@@ -31,6 +31,7 @@ class DataSet:
     index_dir: str  # "" = the keyed default (`index_dir`)
     name: str  # its name in the metrics and messages
     weight: float  # its share of a mixture (0: in proportion to its records)
+    confine: str = ""  # the folder its media must stay inside; "" = media_root's (the base)
 
 
 def data_sets(cfg: Config) -> list[DataSet]:
@@ -52,10 +53,12 @@ def data_sets(cfg: Config) -> list[DataSet]:
                 s.index_dir,
                 s.name or stem(s.path),
                 s.weight,
+                s.confine_media_to,
             )
             for s in d.sources
         ]
-    return [DataSet(d.path, files_format(d), d.media_root, d.index_dir, stem(d.path), 0.0)]
+    fmt, confine = files_format(d), d.confine_media_to
+    return [DataSet(d.path, fmt, d.media_root, d.index_dir, stem(d.path), 0.0, confine)]
 
 
 def eval_set(cfg: Config) -> DataSet | None:
@@ -63,7 +66,10 @@ def eval_set(cfg: Config) -> DataSet | None:
     e = cfg.data.eval
     if e.source in ("none", "synthetic"):
         return None
-    return DataSet(e.path, files_format(e), cfg.data.media_root, e.index_dir, stem(e.path), 0.0)
+    d = cfg.data
+    return DataSet(
+        e.path, files_format(e), d.media_root, e.index_dir, stem(e.path), 0.0, d.confine_media_to
+    )
 
 
 def stem(path: str) -> str:
@@ -79,6 +85,8 @@ def index_key(counted: dict, ds: DataSet) -> str:
         "format": ds.format,
         "media_root": str(Path(ds.media_root).absolute()) if ds.media_root else "",
     }
+    if ds.confine:  # (only when set: the keys of indexes built before it stay as they were)
+        what["confine_media_to"] = str(Path(ds.confine).absolute())
     digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
     tok = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(str(counted.get("tokenizer", "byte"))).name)
     return f"{tok}-{digest}"

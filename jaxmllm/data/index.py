@@ -152,7 +152,8 @@ def data_set(cfg: Config, path: str | Path | None) -> DataSet:
         if ds is not None and str(ds.path) == str(path):
             return ds
     d = cfg.data
-    return DataSet(str(path), files_format(d), d.media_root, d.index_dir, stem(str(path)), 0.0)
+    fmt, name = files_format(d), stem(str(path))
+    return DataSet(str(path), fmt, d.media_root, d.index_dir, name, 0.0, d.confine_media_to)
 
 
 def index_data_set(
@@ -162,7 +163,7 @@ def index_data_set(
     from tqdm import tqdm
 
     params = Params.from_config(cfg)
-    records = open_records(ds.path, ds.format, ds.media_root, data=cfg.data)
+    records = open_records(ds.path, ds.format, ds.media_root, data=cfg.data, confine=ds.confine)
     out = index_dir(ds, params.counted())
     chunks = [list(range(a, min(a + 64, len(records)))) for a in range(0, len(records), 64)]
     bar = tqdm(total=len(records), desc=f"index {ds.name}", unit="rec", disable=not progress)

@@ -18,7 +18,8 @@ REASONS = {
     "malformed_line": "the line is not a JSON object with an id and text or messages",
     "duplicate_id": "another record already has this id",
     "missing_media": "a media file does not exist",
-    "path_outside_root": "a media path leads out of data.media_root (data.allow_outside_paths)",
+    "path_outside_root": "a media path leads out of data.confine_media_to (default: the folder "
+    "relative paths start from; data.allow_outside_paths)",
     "media_too_large": "a media file is larger than data.max_media_bytes (not read)",
     "undecodable_media": "a media file (or inline data) cannot be decoded",
     "placeholder_mismatch": "<image>/<video>/<audio> placeholders differ in number from the media",

@@ -168,7 +168,9 @@ def open_data_set(cfg: Config, ds: DataSet, tokenizer) -> ManifestSource:
     pre = Preprocessor(Params.from_config(cfg), tokenizer)
     with np.load(out / "scan.npz", allow_pickle=False) as saved:
         scan = dict(saved)
-    records = open_records(ds.path, summary["format"], ds.media_root, scan, data=cfg.data)
+    records = open_records(
+        ds.path, summary["format"], ds.media_root, scan, data=cfg.data, confine=ds.confine
+    )
     log.info("%s: %s (%s)", ds.path, records.format, summary.get("detected") or "data.format")
     kept, limits, startup = apply_oversize(cfg, rows, records, pre)
     source = ManifestSource(records, pre, kept, limits)
