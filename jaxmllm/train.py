@@ -45,6 +45,7 @@ from jaxmllm.loop.evaluate import open_evaluator
 from jaxmllm.loop.guards import NonFiniteError, NonFiniteGuard, Preemption, Watchdog
 from jaxmllm.loop.ledger import Ledger
 from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter
+from jaxmllm.loop.summary import RunReport, rejects_file
 from jaxmllm.loop.timings import TimingsRecorder
 from jaxmllm.plan.sizing import check_attention, resolve_attention, resolve_batch
 from jaxmllm.step.stages.program import build_program
@@ -142,6 +143,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
         closing.callback(watchdog.stop)
     window, guard = MetricsWindow(mesh.size, cfg.data), NonFiniteGuard(t.max_nonfinite_steps)
     timings = open_timings(cfg, out, start, is_main, closing)
+    report = RunReport(cfg, out, start, rejects_file(out))  # (what the terminal is told)
     last: dict = {}
     try:
         for step in range(start, t.steps):
@@ -164,8 +166,10 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
             if ledger is not None:
                 ledger.write(done, info.parts)
             window.add(info, waited)
+            report.step(info)
             if done % t.log_every == 0 or done in (1, t.steps):
                 last = log_step(done, metrics, info, window, guard.total, writer, bar)
+                report.logged(done)
             if evaluator is not None and evaluator.due(done):  # (reads the params, no more)
                 writer.write(done, evaluator(prog.to_checkpoint(state), done))  # [depth, ...]
                 window.exclude(evaluator.seconds)  # (throughput is the training's)
@@ -184,6 +188,11 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
             if stopping:
                 _stopped(preempt.requested, done, mngr, bar)
                 break
+        else:  # every step done (not stopped by a signal): the summary
+            if last:
+                checkpoint.wait_for_saves(mngr)  # (the summary names the last checkpoint)
+                bar.close()
+                report.finish(t.steps, last, window, Path(mngr.directory) / str(t.steps))
     except KeyboardInterrupt:
         checkpoint.wait_for_saves(mngr)
         print(
@@ -236,7 +245,7 @@ def open_data(cfg: Config, mesh, source, index, out: Path) -> grain.DatasetItera
         source=source,
         index=index,
         positions=positions,
-        reject_log=out / ("rejects.jsonl" if rank == 0 else f"rejects.process{rank}.jsonl"),
+        reject_log=rejects_file(out),
         to_device=lambda host_batch: sharding.make_global_batch(host_batch, mesh),
     )
 

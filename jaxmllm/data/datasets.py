@@ -142,7 +142,6 @@ def acceptance_problem(summary: dict, min_accept: float) -> str | None:
         example = summary.get("examples", {}).get(reason)
         why += f"; most common reason: {reason} ({n} records"
         why += f", e.g. {example['id']}: {example['detail']})" if example else ")"
-    hint = summary.get("format_hint")
-    if hint:
-        why += f". {hint}"
+    for hint in (summary.get("format_hint"), summary.get("media_hint")):
+        why += f". {hint}" if hint else ""
     return why

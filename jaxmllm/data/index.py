@@ -56,7 +56,7 @@ from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.preprocess import MEDIA, Limits, Params, Preprocessor
 from jaxmllm.data.records import open_records, read_record
 from jaxmllm.data.records.formats import FORMATS, detect
-from jaxmllm.data.rejects import RecordError, failed
+from jaxmllm.data.rejects import RecordError, failed, media_hint, wrapped
 
 # ----------------------------------------------------------------------------- building
 
@@ -225,6 +225,7 @@ def _write(cfg, params, ds: DataSet, records, out: Path, rows, rejects) -> dict:
     )
     if acceptance_problem(summary, cfg.data.min_accept):
         summary["format_hint"] = format_hint(records)
+        summary["media_hint"] = media_hint(summary, records.paths.base)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -298,8 +299,8 @@ def report(summary: dict) -> list[str]:
         lines.append("  rejected, by reason (one example each):")
         for reason, n in summary["rejects"].items():
             ex = summary["examples"].get(reason, {})
-            lines.append(f"    {reason:<22} {n:>7}  {ex.get('id')} ({ex.get('where')}): "
-                         f"{str(ex.get('detail'))[:120]}")  # fmt: skip
+            example = f"{ex.get('id')} ({ex.get('where')}): {ex.get('detail')}"
+            lines += wrapped(f"    {reason:<22} {n:>7}  {example}", " " * 8)  # (whole)
     if summary.get("ignored_members"):
         left = ", ".join(f".{k} ({v})" for k, v in summary["ignored_members"].items())
         lines.append(f"  left out of the shards (not a record, caption or known media): {left}")

@@ -25,7 +25,7 @@ from jaxmllm.data.mixture import MixtureSource
 from jaxmllm.data.preprocess import MEDIA, Limits, Params, Preprocessor, Sizes
 from jaxmllm.data.records import open_records, read_record
 from jaxmllm.data.records.formats import data_files
-from jaxmllm.data.rejects import DataError, RecordError, fail_message
+from jaxmllm.data.rejects import DataError, RecordError, fail_message, index_line
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.data.text.tokenizer import PretrainedTokenizer, make_tokenizer
@@ -171,7 +171,8 @@ def open_data_set(cfg: Config, ds: DataSet, tokenizer) -> ManifestSource:
     records = open_records(
         ds.path, summary["format"], ds.media_root, scan, data=cfg.data, confine=ds.confine
     )
-    log.info("%s: %s (%s)", ds.path, records.format, summary.get("detected") or "data.format")
+    level = logging.WARNING if summary.get("rejected") else logging.INFO  # (once, at start-up)
+    log.log(level, index_line(ds.path, records.format, summary, out))
     kept, limits, startup = apply_oversize(cfg, rows, records, pre)
     source = ManifestSource(records, pre, kept, limits)
     source.startup_rejects = startup
