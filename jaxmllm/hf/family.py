@@ -88,6 +88,10 @@ class Family:
         """Whether a tensor this family does not use is knowingly left alone."""
         return False
 
+    def part_of(self, name: str) -> str | None:
+        """The role of the part a tensor belongs to in a whole checkpoint; None: one part."""
+        return None
+
 
 # ----------------------------------------------------------------------------- layouts
 
