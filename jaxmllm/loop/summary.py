@@ -71,7 +71,7 @@ class RunReport:
                 f"{per_device:.3g} TFLOP/s a device"
             )
         lines += wrapped(f"  rejects: {self.rejects(row)}", " " * 4)
-        lines.append(f"  checkpoint: {checkpoint}")
+        lines.append(f"  checkpoint: {_shown(checkpoint)}")
         lines.append(f"  generate from it: {self.generate_command()}")
         return lines
 
@@ -125,6 +125,12 @@ def window_lines(first: int, last: int, new: dict, example: dict | None, where) 
             f"{example.get('reason')}: {example.get('detail')}"
         )
     return wrapped(f"{text}. Each one is listed in {where}.", " " * 4)
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the working directory when it is inside it, else as it is."""
+    path = Path(path)
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def _counts(row: dict, prefix: str) -> dict[str, float]:
