@@ -119,9 +119,10 @@ def window_lines(first: int, last: int, new: dict, example: dict | None, where) 
         f"{process}load-time rejects in steps {first}-{last}: {sum(new.values())} "
         f"({by_reason(new)}), skipped (their slots are padding)"
     )
-    if example is not None:
+    if example is not None:  # (its `step` is the plan's, from 0: the training step before it)
+        step = example["step"] + 1 if isinstance(example.get("step"), int) else "?"
         text += (
-            f"; the first: record {example.get('id')} (step {example.get('step')}): "
+            f"; the first: record {example.get('id')} (step {step}): "
             f"{example.get('reason')}: {example.get('detail')}"
         )
     return wrapped(f"{text}. Each one is listed in {where}.", " " * 4)
