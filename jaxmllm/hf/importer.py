@@ -36,6 +36,8 @@ TEMPLATE = """\
 NO_DATA = """It names no data yet, and training refuses to start without: set data.path (a
 # file, a folder of shards or a glob, in any data.format; docs/data.md), then index it once:"""
 DATA = "Index its data once before the first run:"
+BUILT_IN = """It trains on the built-in data (data.source: synthetic); for your own, set
+# data.path and data.source: files, then index it once:"""
 
 
 def model_section(llm: str, vision: str = "", audio: str = "") -> dict:
@@ -227,7 +229,8 @@ def write_config(
     cfg = from_dict(Config, raw, source=str(out))  # the checks the trainer will run
     out.parent.mkdir(parents=True, exist_ok=True)
     named = raw["data"].get("path") or raw["data"].get("sources")
-    text = TEMPLATE.format(config=out, command=command, data=DATA if named else NO_DATA)
+    data = BUILT_IN if cfg.data.source == "synthetic" else DATA if named else NO_DATA
+    text = TEMPLATE.format(config=out, command=command, data=data)
     out.write_text(text + yaml.safe_dump(raw, sort_keys=False, default_flow_style=False, width=100))
     return cfg
 
