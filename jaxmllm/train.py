@@ -30,7 +30,7 @@ from jaxmllm.config.command import run
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.init_from import initial_params
-from jaxmllm.loop import checkpoint, distributed, guards
+from jaxmllm.loop import checkpoint, distributed, guards, xla_flags
 from jaxmllm.loop.checkpoint import (
     check_process_count,
     check_resumable,
@@ -44,7 +44,7 @@ from jaxmllm.loop.checkpoint import (
 from jaxmllm.loop.evaluate import open_evaluator
 from jaxmllm.loop.guards import NonFiniteError, NonFiniteGuard, Preemption, Watchdog
 from jaxmllm.loop.ledger import Ledger
-from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter
+from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter, device_peak
 from jaxmllm.loop.summary import RunReport, rejects_file
 from jaxmllm.loop.timings import TimingsRecorder
 from jaxmllm.plan.sizing import check_attention, resolve_attention, resolve_batch
@@ -62,6 +62,7 @@ def main(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> 
     distributed.start(cfg)
     checkpoint.check_output_dir(Path(cfg.train.output_dir))  # (read-only, a file: stop here)
     mesh = sharding.make_mesh(cfg.mesh)
+    xla_flags.report()  # (the GPU flag set in effect, on a GPU)
     if cfg.batch.exchange == "ragged" and jax.default_backend() == "cpu":
         raise ConfigError(
             "batch.exchange=ragged: XLA:CPU does not implement ragged_all_to_all; use "
@@ -141,7 +142,9 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
     watchdog = Watchdog(cfg.distributed.step_timeout_s) if jax.process_count() > 1 else None
     if watchdog is not None:
         closing.callback(watchdog.stop)
-    window, guard = MetricsWindow(mesh.size, cfg.data), NonFiniteGuard(t.max_nonfinite_steps)
+    peak = device_peak(t.peak_tflops, jax.devices()[0].device_kind) if is_main else None
+    window = MetricsWindow(mesh.size, cfg.data, peak)
+    guard = NonFiniteGuard(t.max_nonfinite_steps)
     timings = open_timings(cfg, out, start, is_main, closing)
     report = RunReport(cfg, out, start, rejects_file(out))  # (what the terminal is told)
     last: dict = {}
@@ -284,7 +287,8 @@ def log_step(done: int, metrics: dict, info: StepInfo, window, nonfinite_total, 
     row["samples"] = len(info.samples)
     row.update({f"samples/{name}": n for name, n in info.sources.items()})  # (a mixture's)
     writer.write(done, row)
-    bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+    mfu = {"mfu": f"{row['mfu']:.1%}"} if "mfu" in row else {}
+    bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", **mfu)
     return row
 
 

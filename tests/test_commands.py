@@ -45,6 +45,7 @@ CASES = {  # module: [argv, ...]
     "jaxmllm.bench.context": [["--mix", "nope"]],
     "jaxmllm.bench.data": [["--config", MISSING]],
     "jaxmllm.bench.formats": [["--config", MISSING]],
+    "jaxmllm.bench.gpu": [["--out", "{tmp}/gpu", "--timeout", "soon"]],
     "jaxmllm.bench.hfload": [["--shape", "nope"]],
     "jaxmllm.bench.host": [["--config", MISSING], ["--config", TINY, "--set", "nope.x=1"]],
     "jaxmllm.bench.memory": [
