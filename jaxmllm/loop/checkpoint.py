@@ -82,6 +82,8 @@ class SaveError(RuntimeError):
     """A checkpoint save that failed (a full disk, a lost mount): the run stops, naming the
     directory, the cause and the checkpoint it keeps."""
 
+    exit_code = 5  # (what the command exits with: `jaxmllm.config.command.run`)
+
 
 _in_flight: dict[int, int] = {}  # id(manager) -> the step of its last save, until checked
 
