@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import jax
@@ -254,4 +255,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from jaxmllm.config.command import run
+
+    sys.exit(run(main))

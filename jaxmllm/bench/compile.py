@@ -157,4 +157,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from jaxmllm.config.command import run
+
+    raise SystemExit(run(main))

@@ -28,7 +28,7 @@ Parts (`--cases` picks cases by a regular expression over their names, `part/...
 `--smoke` runs every part at tiny shapes on the CPU (a minute or two; tests/test_gpu_bench.py):
 the campaign cannot rot between the times a GPU is at hand. On one H100 (estimates): env and
 attention ~3 min, a recipe case ~2 min (8 cases), host ~2 min: run it in commands of at most
-9 minutes with --parts and --cases (docs/gpu.md).
+9 minutes with --parts and --cases (docs/gpu-step.md).
 """
 
 from __future__ import annotations
@@ -159,4 +159,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxmllm.config.command import run
+
+    sys.exit(run(main))

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import jax
 
+from jaxmllm.config.checks import UserError
+
 RECIPE = "configs/gpu/qwen2vl_2b.yaml"
 # The recipe's per-GPU shapes on one device, on the built-in data (no files, no tokenizer).
 PER_GPU = [
@@ -98,7 +100,7 @@ def cases(parts: list[str], gpu: bool, smoke: bool) -> list[Case]:
         elif part == "host":
             out.append(Case(part, "host", (*PER_GPU, *shrink), smoke=smoke))
         else:
-            raise SystemExit(f"--parts: {part!r} is not one of {', '.join(PARTS)}")
+            raise UserError(f"--parts: {part!r} is not one of {', '.join(PARTS)}")
     return out
 
 

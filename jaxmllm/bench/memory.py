@@ -400,4 +400,6 @@ def mesh_devices(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from jaxmllm.config.command import run
+
+    raise SystemExit(run(main))

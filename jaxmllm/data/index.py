@@ -56,7 +56,7 @@ from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.preprocess import MEDIA, Limits, Params, Preprocessor
 from jaxmllm.data.records import open_records, read_record
 from jaxmllm.data.records.formats import FORMATS, detect
-from jaxmllm.data.rejects import RecordError, failed
+from jaxmllm.data.rejects import RecordError, failed, media_hint, wrapped
 
 # ----------------------------------------------------------------------------- building
 
@@ -152,7 +152,8 @@ def data_set(cfg: Config, path: str | Path | None) -> DataSet:
         if ds is not None and str(ds.path) == str(path):
             return ds
     d = cfg.data
-    return DataSet(str(path), files_format(d), d.media_root, d.index_dir, stem(str(path)), 0.0)
+    fmt, name = files_format(d), stem(str(path))
+    return DataSet(str(path), fmt, d.media_root, d.index_dir, name, 0.0, d.confine_media_to)
 
 
 def index_data_set(
@@ -162,7 +163,7 @@ def index_data_set(
     from tqdm import tqdm
 
     params = Params.from_config(cfg)
-    records = open_records(ds.path, ds.format, ds.media_root, data=cfg.data)
+    records = open_records(ds.path, ds.format, ds.media_root, data=cfg.data, confine=ds.confine)
     out = index_dir(ds, params.counted())
     chunks = [list(range(a, min(a + 64, len(records)))) for a in range(0, len(records), 64)]
     bar = tqdm(total=len(records), desc=f"index {ds.name}", unit="rec", disable=not progress)
@@ -224,6 +225,7 @@ def _write(cfg, params, ds: DataSet, records, out: Path, rows, rejects) -> dict:
     )
     if acceptance_problem(summary, cfg.data.min_accept):
         summary["format_hint"] = format_hint(records)
+        summary["media_hint"] = media_hint(summary, records.paths.base)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -297,8 +299,8 @@ def report(summary: dict) -> list[str]:
         lines.append("  rejected, by reason (one example each):")
         for reason, n in summary["rejects"].items():
             ex = summary["examples"].get(reason, {})
-            lines.append(f"    {reason:<22} {n:>7}  {ex.get('id')} ({ex.get('where')}): "
-                         f"{str(ex.get('detail'))[:120]}")  # fmt: skip
+            example = f"{ex.get('id')} ({ex.get('where')}): {ex.get('detail')}"
+            lines += wrapped(f"    {reason:<22} {n:>7}  {example}", " " * 8)  # (whole)
     if summary.get("ignored_members"):
         left = ", ".join(f".{k} ({v})" for k, v in summary["ignored_members"].items())
         lines.append(f"  left out of the shards (not a record, caption or known media): {left}")
@@ -350,4 +352,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxmllm.config.command import run
+
+    sys.exit(run(main))

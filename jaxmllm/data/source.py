@@ -25,7 +25,7 @@ from jaxmllm.data.mixture import MixtureSource
 from jaxmllm.data.preprocess import MEDIA, Limits, Params, Preprocessor, Sizes
 from jaxmllm.data.records import open_records, read_record
 from jaxmllm.data.records.formats import data_files
-from jaxmllm.data.rejects import DataError, RecordError, fail_message
+from jaxmllm.data.rejects import DataError, RecordError, fail_message, index_line
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.data.text.tokenizer import PretrainedTokenizer, make_tokenizer
@@ -135,6 +135,7 @@ def load_index(cfg: Config, ds: DataSet) -> tuple[list[dict], dict, Path]:
 def open_source(cfg: Config) -> ManifestSource | MixtureSource:
     """The training source of the config's data (data.path, or a mixture of data.sources):
     indexes loaded and checked, oversize policy applied."""
+    sets = data_sets(cfg)  # (a config that names no data stops here, saying so)
     tokenizer = make_tokenizer(cfg.data.tokenizer, cfg.data.template_date)
     if cfg.model.llm.vocab_size < tokenizer.vocab_size:
         what = (
@@ -147,7 +148,6 @@ def open_source(cfg: Config) -> ManifestSource | MixtureSource:
             f"({cfg.data.tokenizer}: {tokenizer.vocab_size} ids {what}); "
             f"raise model.llm.vocab_size to at least {tokenizer.vocab_size}"
         )
-    sets = data_sets(cfg)
     parts = [open_data_set(cfg, ds, tokenizer) for ds in sets]
     if not cfg.data.sources:
         return parts[0]
@@ -168,8 +168,11 @@ def open_data_set(cfg: Config, ds: DataSet, tokenizer) -> ManifestSource:
     pre = Preprocessor(Params.from_config(cfg), tokenizer)
     with np.load(out / "scan.npz", allow_pickle=False) as saved:
         scan = dict(saved)
-    records = open_records(ds.path, summary["format"], ds.media_root, scan, data=cfg.data)
-    log.info("%s: %s (%s)", ds.path, records.format, summary.get("detected") or "data.format")
+    records = open_records(
+        ds.path, summary["format"], ds.media_root, scan, data=cfg.data, confine=ds.confine
+    )
+    level = logging.WARNING if summary.get("rejected") else logging.INFO  # (once, at start-up)
+    log.log(level, index_line(ds.path, records.format, summary, out))
     kept, limits, startup = apply_oversize(cfg, rows, records, pre)
     source = ManifestSource(records, pre, kept, limits)
     source.startup_rejects = startup

@@ -177,6 +177,9 @@ class Part(Family):
             return self.at + runtime  # (its head)
         return runtime.removeprefix("model.")  # (a projector the whole holds)
 
+    def part_of(self, name: str) -> str | None:
+        return self.whole.part_of(name)
+
     def skipped(self, name: str) -> bool:
         if self.whole.part_of(name) != self.role:
             return True  # another part's

@@ -40,6 +40,9 @@ class MetricsWindow:
         """`peak_tflops`: a device's dense bf16 peak (`device_peak`): MFU, None: no MFU."""
         self.n_devices, self.data, self.peak = n_devices, data, peak_tflops
         self.windows, self.warned = 0, False
+        # The run's totals over every window but the first (its step compiles): the end summary
+        self.run_tokens = self.run_flops = self.run_seconds = 0.0
+        self.run_steps = 0
         self._reset()
 
     def _reset(self) -> None:
@@ -74,6 +77,11 @@ class MetricsWindow:
         stats = throughput(tokens, flops, self.steps, elapsed, self.n_devices)
         if self.peak:  # model FLOPs of the real tokens and items over the devices' peak
             stats["mfu"] = stats["tflops_per_device"] / self.peak
+        if self.windows:  # (the job's real tokens and FLOPs, evaluations left out)
+            self.run_tokens += tokens
+            self.run_flops += flops
+            self.run_seconds += elapsed
+            self.run_steps += self.steps
         if self.predicted:  # process 0's devices only: what the calibrated model expects
             stats["predicted_step_time_s"] = self.predicted / max(self.steps, 1)
         stats.update({f"padding/{k}": 1.0 - v for k, v in fill.items()})

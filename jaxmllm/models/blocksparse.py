@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmllm.config.remat import ATTENTION
+from sharding import varying_as
 
 CHUNK_SCORES = 1 << 22  # scores (f32) a chunk of tiles holds at once: 16 MiB
 NEG = float(jnp.finfo(jnp.float32).min)
@@ -143,6 +144,7 @@ def _forward(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2, block, c
         jnp.zeros((nbq + 1, kv, g, block), jnp.float32),
         jnp.zeros((nbq + 1, block, kv, g, e), jnp.float32),
     )
+    init = varying_as(init, q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2)
     (top, total, acc), _ = jax.lax.scan(chunk, init, _chunks(tiles_k2, heads, block))
     total = jnp.moveaxis(total[:nbq], -1, 1)[..., None]  # [nbq, q, kv, g, 1]
     out = acc[:nbq] / jnp.maximum(total, 1e-30)
@@ -192,6 +194,7 @@ def _bwd(block, causal, res, d_out):
 
     zeros = lambda blocks, b: jnp.zeros((blocks + 1, *b.shape[1:]), jnp.float32)
     init = (zeros(nbq, q_b), zeros(nbk, k_b), zeros(nbk, v_b))
+    init = varying_as(init, *res, d_out)
     (dq, dk, dv), _ = jax.lax.scan(chunk, init, _chunks(tiles_k2, heads, block))
     grads = (
         dq[:nbq].reshape(q_the.shape).astype(q_the.dtype),

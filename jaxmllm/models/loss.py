@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 from jax.sharding import PartitionSpec as P
 
-from sharding import DATA_AXES
+from sharding import DATA_AXES, varying_as
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,14 +130,16 @@ def _run(head: Head, weight, h_cdnw, targets_cdn, mask_cdn, want_w: bool, want_h
         return total, dw, dh
 
     out_specs = (P(), spec if want_w else None, batch if want_h else None)
-    # (check_vma off: nothing differentiates through this map, the custom VJP stands in)
-    return jax.shard_map(
+    # (check_vma off: nothing differentiates through this map, the custom VJP stands in; its
+    # results vary over the enclosing map's axes, a pipeline stage's, as its inputs do)
+    out = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=(spec, batch, batch, batch),
         out_specs=out_specs,
         check_vma=False,
     )(weight, h_cdnw, targets_cdn, mask_cdn)
+    return varying_as(out, weight, h_cdnw, targets_cdn, mask_cdn)
 
 
 class _Local:
@@ -236,8 +238,4 @@ def varying_zeros(shape: tuple[int, ...], *inputs: jax.Array) -> jax.Array:
     """fp32 zeros varying over the manual mesh axes its inputs vary over: a scan's carry must
     start as varying as the sums its body adds to it (inside the pipeline's shard_map over the
     stages)."""
-    axes = set()
-    for x in inputs:
-        axes |= set(jax.typeof(x).manual_axis_type.varying)
-    zeros = jnp.zeros(shape, jnp.float32)
-    return jax.lax.pcast(zeros, tuple(sorted(axes)), to="varying") if axes else zeros
+    return varying_as(jnp.zeros(shape, jnp.float32), *inputs)

@@ -15,13 +15,14 @@ unless data.allow_outside_paths.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 
-from jaxmllm.config import DataConfig
+from jaxmllm.config import ConfigError, DataConfig
 from jaxmllm.data.records.arrayrecord import ArrayRecordRecords
 from jaxmllm.data.records.formats import FORMATS, data_files, detect, json_container
 from jaxmllm.data.records.jsonl import JsonRecords
@@ -89,15 +90,33 @@ class Records:
 
 
 def media_paths(
-    path: str | Path, files: list[Path], media_root: str | Path = "", data: DataConfig | None = None
+    path: str | Path,
+    files: list[Path],
+    media_root: str | Path = "",
+    data: DataConfig | None = None,
+    confine: str | Path = "",
 ) -> MediaPaths:
-    """Where the media paths of the data set at `path` (its `files`) lead: `media_root`, else
-    the data file's folder (a directory's self); confined there unless data.allow_outside_paths."""
+    """Where the media paths of the data set at `path` (its `files`) lead: relative ones start
+    from `media_root`, else the data file's folder (a directory's self); all must stay inside
+    `confine` (default: that folder) unless data.allow_outside_paths.
+
+    Raises:
+      ConfigError: a `confine` folder that does not hold the folder paths start from.
+    """
     if media_root:
         base = Path(media_root)
     else:
         base = Path(path) if Path(path).is_dir() else files[0].parent
-    return MediaPaths(base, anywhere=(data or DataConfig()).allow_outside_paths)
+    inside = Path(confine) if confine else None
+    if inside is not None and not Path(os.path.realpath(base)).is_relative_to(
+        os.path.realpath(inside)
+    ):
+        raise ConfigError(
+            f"data.confine_media_to={confine} does not hold {base}, the folder relative media "
+            "paths start from (data.media_root, else the data file's folder): every relative "
+            "path would be rejected; set it to a folder that holds both"
+        )
+    return MediaPaths(base, anywhere=(data or DataConfig()).allow_outside_paths, inside=inside)
 
 
 def open_records(
@@ -106,13 +125,15 @@ def open_records(
     media_root: str | Path = "",
     scan: dict | None = None,
     data: DataConfig | None = None,
+    confine: str | Path = "",
 ) -> Records:
     """The records of the data set at `path` (a file, a directory of shards or a glob) in
     data.format `fmt` (`auto`: detected; `why` says how); media paths relative to `media_root`
     ("" = the data file's folder, a directory's self). `scan`: the saved `Records.scan()` of
     these files (the index's), so they are not scanned again. `data` (the run's data section:
     default settings without it) says whether media paths may lead out of that folder and how
-    large a record or a .tar member may be (data.max_media_bytes)."""
+    large a record or a .tar member may be (data.max_media_bytes); `confine`, the folder they
+    must stay inside instead (data.confine_media_to)."""
     data = data or DataConfig()
     files = data_files(path)
     why = ""
@@ -131,7 +152,7 @@ def open_records(
         )
         caps = {"max_bytes": data.max_media_bytes} if kind in CAPPED else {}
         readers.append(READERS[kind](f, saved or None, **caps))
-    return Records(readers, fmt, media_paths(path, files, media_root, data), why)
+    return Records(readers, fmt, media_paths(path, files, media_root, data, confine), why)
 
 
 def read_record(records, k: int) -> Record:
