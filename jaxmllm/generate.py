@@ -45,9 +45,9 @@ from jaxmllm.config.command import run
 from jaxmllm.config.phases import KINDS
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.template import TEMPLATES, Template, make_template
-from jaxmllm.loop.checkpoint import restore_params
+from jaxmllm.hf.start import run_parameters
 from jaxmllm.step.generate import Generator
-from jaxmllm.step.program import build_model, split_frozen
+from jaxmllm.step.program import split_frozen
 
 # ----------------------------------------------------------------------------- a run
 
@@ -65,9 +65,9 @@ def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Config, dict
     except OSError:
         raise ConfigError(f"--run {run_dir}: no config.json (is it a train.output_dir?)") from None
     cfg = from_dict(Config, raw, source=str(path))
-    params, frozen = jax.eval_shape(lambda: build_model(cfg, 0))
-    step, restored = restore_params(Path(run_dir), {"params": params, "frozen": frozen}, step)
-    return cfg, jax.device_put(restored), step
+    # (a run with LoRA adapters: its base read again, as its training read it)
+    step, params, frozen = run_parameters(cfg, Path(run_dir), step)
+    return cfg, jax.device_put({"params": params, "frozen": frozen}), step
 
 
 def load_hf(args) -> tuple[Config, dict]:

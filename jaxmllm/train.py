@@ -29,7 +29,7 @@ from jaxmllm.config import Config, ConfigError, load_config
 from jaxmllm.config.command import run
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
-from jaxmllm.init_from import initial_params
+from jaxmllm.init_from import initial_params, start_base
 from jaxmllm.loop import checkpoint, distributed, guards, xla_flags
 from jaxmllm.loop.checkpoint import (
     check_process_count,
@@ -109,6 +109,8 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
         print(prog.describe())
         if prog.parts.frozen_keys:
             print(f"frozen (no gradient, no optimizer state): {', '.join(prog.parts.frozen_keys)}")
+        if prog.parts.adapted:
+            print(f"LoRA adapters train, their base frozen: {', '.join(prog.parts.adapted)}")
 
     # Evaluation (data.eval): a fixed held-out set planned at the step's shapes, and questions.
     evaluator = open_evaluator(cfg, mesh, prog, out, positions_of(mesh))
@@ -119,13 +121,14 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
     mngr = make_checkpoint_manager(cfg)
     closing.callback(checkpoint.wait_for_saves, mngr, True)  # waits for a save in flight
     saved_form = prog.checkpoint_abstract()
-    stamp = format_stamp({**saved_form["params"], **saved_form["frozen"]})
+    stamp = format_stamp(prog.abstract_params())
     check_process_count(mngr)
+    fresh, base = start_base(cfg, prog, stamp)  # (adapters: their base, never in checkpoints)
     state = restore_latest(mngr, saved_form, data_iter, stamp)
     if state is None:  # a fresh run: random, or the pretrained weights model.init_from names
-        state = prog.init(initial_params(cfg, prog))
+        state = fresh if fresh is not None else prog.init(initial_params(cfg, prog))
     else:
-        state = prog.from_checkpoint(state)
+        state = prog.from_saved(state, base)
     start = int(state["step"])
     if start:
         print(f"resumed from checkpoint at step {start} in {mngr.directory}")
@@ -160,7 +163,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
                 timings.dispatched(done, metrics["loss"], info.work)
             checkpoint.check_saves(mngr)  # a save that failed in the background stops the run
             if guard.check(done, metrics["nonfinite"]):
-                args = save_args(prog.to_checkpoint(state), data_iter, stamp)
+                args = save_args(prog.to_saved(state), data_iter, stamp)
                 checkpoint.save(mngr, guard.stopped_at, args, force=True)
                 checkpoint.wait_for_saves(mngr)
                 raise NonFiniteError(guard.message(mngr.directory))
@@ -181,7 +184,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
             stopping = preempt.requested is not None
             force = done == t.steps or stopping
             saving = force or mngr.should_save(done)  # (converted only when it is saved)
-            args = save_args(prog.to_checkpoint(state), data_iter, stamp) if saving else None
+            args = save_args(prog.to_saved(state), data_iter, stamp) if saving else None
             saved = saving and checkpoint.save(mngr, done, args, force)
             if saved and timings is not None:
                 timings.saved()

@@ -48,6 +48,10 @@ CASES = {  # module: [argv, ...]
     "jaxmllm.bench.gpu": [["--out", "{tmp}/gpu", "--timeout", "soon"]],
     "jaxmllm.bench.hfload": [["--shape", "nope"]],
     "jaxmllm.bench.host": [["--config", MISSING], ["--config", TINY, "--set", "nope.x=1"]],
+    "jaxmllm.bench.lora": [
+        ["--config", MISSING],
+        ["--config", TINY, "--set", "model.llm.lora.rank=-1"],
+    ],
     "jaxmllm.bench.memory": [
         ["--config", MISSING],
         ["--config", TINY, "--set", "mesh.fsdp=3", "--devices", "8"],  # a ShardingError

@@ -28,7 +28,7 @@ from jaxmllm.batch.bucketize import batch_shapes
 from jaxmllm.config import Config, load_config
 from jaxmllm.loop.distributed import split_cpu
 from jaxmllm.plan.sizing import resolve_attention, resolve_bounds
-from jaxmllm.step.program import build_program
+from jaxmllm.step.program import build_program, join
 
 
 def with_depth(config: str, depth: int, overrides: list[str]) -> Config:
@@ -66,7 +66,7 @@ def measure(cfg: Config, mesh) -> dict:
         t2 = time.perf_counter()
         compiled = lowered.compile()
         t3, cpu3 = time.perf_counter(), time.process_time()
-    params = {**prog.abstract["params"], **prog.abstract["frozen"]}
+    params = join(prog.abstract["params"], prog.abstract["frozen"])
     memory = compiled.memory_analysis()
     return {
         "build_s": t1 - t0,
@@ -76,9 +76,18 @@ def measure(cfg: Config, mesh) -> dict:
         "cpu_s": cpu3 - cpu1,  # this process's CPU time: less sensitive to a busy machine
         "stablehlo_chars": len(lowered.as_text()),
         "params": sum(math.prod(p.shape) for p in jax.tree.leaves(params)),
+        # (totals over the devices) every parameter's, the trained ones' and their optimizer
+        # state's bytes: LoRA trains a few parameters beside a frozen base
+        "param_bytes": _bytes(params),
+        "trained_params": sum(math.prod(p.shape) for p in jax.tree.leaves(prog.abstract["params"])),
+        "opt_bytes": _bytes(prog.abstract["opt_state"]),
         "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
         "peak_bytes": _peak(memory),
     }
+
+
+def _bytes(tree) -> int:
+    return int(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
 def _peak(memory) -> int | None:

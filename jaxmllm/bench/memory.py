@@ -46,7 +46,7 @@ from jaxmllm.config import REMAT_POLICIES, Config, load_config
 from jaxmllm.config.phases import ENCODERS, LLM, PHASES, enabled, phase
 from jaxmllm.config.remat import ATTENTION, QKV
 from jaxmllm.loop.distributed import split_cpu
-from jaxmllm.plan.cost import multiplier
+from jaxmllm.plan import training
 from jaxmllm.plan.sizing import resolve_attention, resolve_bounds
 
 GIB = 2**30
@@ -124,13 +124,10 @@ def recomputed(parts: dict[str, float], policy: str, attention: str) -> float:
 
 
 def backward_runs(cfg: Config) -> dict[str, int]:
-    """Per enabled tower, its training multiplier (`plan.cost.multiplier`): 1 when it runs
-    forward only (frozen, nothing trainable below), so nothing is recomputed."""
-    m = cfg.model
-    on = [p.name for p in enabled(m)]
-    enc_trainable = any(not getattr(m, t).freeze for t in on)
-    out = {t: multiplier(getattr(m, t).freeze, False) for t in on}
-    return out | {LLM: multiplier(m.llm.freeze, enc_trainable or not m.projector_freeze)}
+    """Per enabled tower, its training multiplier (`plan.training.multiplier`): 1 when it runs
+    forward only (frozen, nothing trainable below or inside), so nothing is recomputed."""
+    how = training.modules(cfg.model)
+    return {t: how[t].multiplier for t in (*(p.name for p in enabled(cfg.model)), LLM)}
 
 
 def recompute_flops(cfg: Config) -> float:
@@ -197,6 +194,7 @@ def fit(cfg: Config, mesh, devices: int, device_bytes: int) -> dict:
     slope = (p1 - p0) / (high - low) if high > low else None
     return {
         "policy": label(cfg),
+        **{k: base[k] for k in ("params", "param_bytes", "trained_params", "opt_bytes")},
         "temp_bytes": base["temp_bytes"],
         "peak_bytes": base["peak_bytes"],
         "bytes_per_row": None if slope is None else int(slope),  # (between the rows compiled)
@@ -264,6 +262,50 @@ def check(cfg: Config, device_gib: float) -> dict:
     return {"policy": label(cfg), "fits": got["peak_bytes"] <= device_gib * GIB, **got}
 
 
+def full_twin(cfg: Config) -> Config:
+    """`cfg` with every module that trains LoRA adapters trained whole instead (its base in
+    the param dtype): the full fine-tune a LoRA recipe stands beside."""
+    m = cfg.model
+    towers = {}
+    for t in PHASES:
+        tower = getattr(m, t)
+        if tower.lora.enabled:
+            off = dataclasses.replace(tower.lora, rank=0)
+            towers[t] = dataclasses.replace(tower, lora=off, base_dtype="")
+    projector = dataclasses.replace(m.projector_lora, rank=0)
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(m, projector_lora=projector, **towers)
+    )
+
+
+def compare_lora(cfg: Config, device_gib: float) -> list[dict]:
+    """A LoRA recipe (its own policies; the most rows that fit, as `fit`) and its full
+    fine-tune (`full_twin`) at the same rows, compiled once: parameters, trained parameters,
+    their optimizer state's bytes, the peak."""
+    cfg = resolve_attention(cfg)
+    mesh = sharding.make_mesh(cfg.mesh)
+    devices = sharding.data_parallel_size(mesh)
+    lora = {"kind": "LoRA", **fit(cfg, mesh, devices, int(device_gib * GIB))}
+    print(f"LoRA: compiled in {lora['compile_s']:.0f} s", flush=True)
+    got = measure(with_rows(full_twin(cfg), cfg.batch.llm_rows, devices), mesh)
+    full = {"kind": "full fine-tune", "policy": label(cfg), **got, "max_microbatch": None}
+    return [lora, full]
+
+
+def lora_table(rows: list[dict], device_gib: float) -> str:
+    cols = ["kind", "params", "trained", "param GiB", "optimizer GiB", "peak GiB", "fits"]
+    cols.append("max rows")
+    lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
+    for r in rows:
+        best = r["max_microbatch"]
+        fits = "yes" if r["peak_bytes"] <= device_gib * GIB else "no"
+        cells = [r["kind"], f"{r['params'] / 1e9:.2f}B", f"{r['trained_params'] / 1e6:.1f}M"]
+        cells += [f"{r[k] / GIB:.2f}" for k in ("param_bytes", "opt_bytes", "peak_bytes")]
+        cells += [fits, "-" if best is None else f"{best}{'' if r.get('pinned') else '+'}"]
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
 def table(rows: list[dict], rows_per_mb: int, row_len: int) -> str:
     cols = ["policy", "temp GiB", "peak GiB", "GiB/row", "recompute TFLOP", "recompute %"]
     cols += [f"max rows (x{row_len})", "vs now"]
@@ -293,6 +335,12 @@ def main(argv: list[str] | None = None) -> int:
                    "config's mesh.cpu_devices, else the product of its mesh sizes)")  # fmt: skip
     p.add_argument("--check", action="store_true", help="compile the config as it is once; "
                    "exit 1 unless it fits --device-gib")  # fmt: skip
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help="a config with LoRA adapters: it and its full fine-tune side by side (params, "
+        "optimizer bytes, peak)",
+    )
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
@@ -314,6 +362,17 @@ def main(argv: list[str] | None = None) -> int:
             f"in {got['total_s']:.0f} s"
         )
         return 0 if got["fits"] else 1
+    if args.lora:
+        rows = compare_lora(cfg, args.device_gib)
+        b = cfg.batch
+        print(
+            f"{args.config} on {mesh.size} device(s), mesh {dict(mesh.shape)}, {b.microbatches} "
+            f"microbatches of {b.llm_rows} x {b.llm_row_len} tokens ({label(cfg)}); totals over "
+            "the devices"
+        )
+        print(lora_table(rows, args.device_gib))
+        _write(args, mesh, rows)
+        return 0
     policies = [s for s in args.policies.split(",") if s]
     rows = run(cfg, policies, args.device_gib)
     print(
@@ -322,12 +381,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg.batch.llm_rows} x {cfg.batch.llm_row_len} tokens; fits {args.device_gib:g} GiB"
     )
     print(table(rows, cfg.batch.llm_rows, cfg.batch.llm_row_len))
+    _write(args, mesh, rows)
+    return 0
+
+
+def _write(args, mesh, rows: list[dict]) -> None:
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": args.config, "overrides": args.set, "device_gib": args.device_gib,
-                       "devices": mesh.size, "backend": jax.devices()[0].platform,
-                       "jax": jax.__version__, "rows": rows}, f, indent=2)  # fmt: skip
-    return 0
+            run = {"config": args.config, "overrides": args.set, "device_gib": args.device_gib}
+            run |= {"devices": mesh.size, "backend": jax.devices()[0].platform}
+            json.dump({**run, "jax": jax.__version__, "rows": rows}, f, indent=2)
 
 
 def mesh_devices(cfg: Config) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jaxmllm.config.checks import check, positive
+from jaxmllm.config.lora import PROJECTOR_TARGETS, LoraConfig, block_targets
 from jaxmllm.config.remat import REMAT_POLICIES, upgrade_legacy
 
 NORMS = ("rms", "layer")  # jaxmllm.models.layers.NORMS implements each
@@ -31,8 +32,26 @@ class BlockOptions:
     mlp_bias: bool = False  # biases on the MLP's projections
     # This tower's remat policy (one of config.remat.REMAT_POLICIES); "" = model.remat's
     remat: str = ""
+    # LoRA adapters on the blocks' matrices (jaxmllm/config/lora.py): rank > 0 freezes the
+    # tower's base weights and trains the adapters, e.g. {rank: 64, alpha: 128, targets: all}
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    # The frozen base's storage dtype (a frozen tower or one with adapters): float32 |
+    # bfloat16 (half the memory; it is computed in model.compute_dtype anyway) | "" =
+    # model.param_dtype
+    base_dtype: str = ""
+
+    @property
+    def adapter_targets(self) -> tuple[str, ...]:
+        """The block matrices with adapters (none without `lora.rank`)."""
+        return self.lora.resolve(block_targets(self.mlp)) if self.lora.enabled else ()
 
     def __post_init__(self):
+        self.lora.resolve(block_targets(self.mlp), "lora.targets", f"{self.mlp} blocks")
+        check(
+            self.base_dtype in ("", "float32", "bfloat16"),
+            "must be float32, bfloat16 or empty (model.param_dtype)",
+            "base_dtype",
+        )
         check(self.norm in NORMS, f"must be one of {', '.join(NORMS)}", "norm")
         check(
             self.remat in ("", *REMAT_POLICIES),
@@ -351,6 +370,9 @@ class InitFrom:
     # An earlier run's train.output_dir: its latest checkpoint's parameters (not its optimizer
     # state or data position) for every module both models have, over the directories above
     run: str = ""
+    # A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) the
+    # adapters start from: `hf import --adapter` writes it with the model.*.lora it implies
+    adapter: str = ""
 
 
 @dataclass(frozen=True)
@@ -362,6 +384,9 @@ class ModelConfig:
     llm: LLMConfig = field(default_factory=LLMConfig)
     init_from: InitFrom = field(default_factory=InitFrom)  # else every module starts random
     projector_freeze: bool = False  # freeze both projectors
+    # LoRA adapters on the projectors' matrices (fc1, fc2; fc: a linear projector): rank > 0
+    # freezes their base weights and trains the adapters (jaxmllm/config/lora.py)
+    projector_lora: LoraConfig = field(default_factory=LoraConfig)
     compute_dtype: str = "float32"  # activations/matmuls: float32 or bfloat16 (params stay fp32)
     param_dtype: str = "float32"  # master weights
     # What each transformer block keeps for the backward pass, every tower's unless it sets
@@ -392,6 +417,57 @@ class ModelConfig:
         for key in ("compute_dtype", "param_dtype"):
             check(getattr(self, key) in ("float32", "bfloat16"), "must be float32 or bfloat16", key)
         check(self.remat in REMAT_POLICIES, f"must be one of {', '.join(REMAT_POLICIES)}", "remat")
+        self._check_adapters()
+
+    def _check_adapters(self) -> None:
+        """Adapters train on a frozen base: not on a tower frozen outright; a base dtype only
+        where there is a frozen base; projector targets that some projector has."""
+        for name in ("vision", "audio", "llm"):
+            tower = getattr(self, name)
+            check(
+                not (tower.freeze and tower.lora.enabled),
+                "true freezes the whole tower, its adapters too: set it to false to train the "
+                f"adapters of model.{name}.lora (their base stays frozen), or lora.rank: 0",
+                f"{name}.freeze",
+            )
+            check(
+                not tower.base_dtype or tower.freeze or tower.lora.enabled,
+                f"{tower.base_dtype!r}: the tower trains all its weights (set model.{name}."
+                "freeze: true or lora.rank > 0 for a frozen base, or leave base_dtype empty)",
+                f"{name}.base_dtype",
+            )
+        check(
+            not (self.projector_freeze and self.projector_lora.enabled),
+            "true freezes the projectors, their adapters too: set it to false to train the "
+            "adapters of model.projector_lora, or projector_lora.rank: 0",
+            "projector_freeze",
+        )
+        kinds = [self.projector_kind(n) for n in ("vision", "audio") if getattr(self, n).enabled]
+        valid = tuple(dict.fromkeys(t for k in kinds for t in PROJECTOR_TARGETS[k]))
+        key = "projector_lora.targets"
+        self.projector_lora.resolve(valid or PROJECTOR_TARGETS["mlp"], key, "the projectors")
+
+    def projector_kind(self, tower: str) -> str:
+        """The kind of a tower's projector (config.model.PROJECTORS)."""
+        return "mlp" if tower == "vision" else self.audio.projector
+
+    def adapted(self, module: str) -> tuple[str, ...]:
+        """The matrices of a top-level module (vision, vision_projector, audio,
+        audio_projector, llm) that get adapters: none without its lora.rank."""
+        if not module.endswith("_projector"):
+            return getattr(self, module).adapter_targets
+        if not self.projector_lora.enabled:
+            return ()
+        valid = PROJECTOR_TARGETS[self.projector_kind(module.removesuffix("_projector"))]
+        if "all" in self.projector_lora.targets:
+            return valid
+        return tuple(t for t in valid if t in self.projector_lora.targets)
+
+    def lora_of(self, module: str) -> LoraConfig:
+        """The adapters' settings of a top-level module (`adapted`)."""
+        if module.endswith("_projector"):
+            return self.projector_lora
+        return getattr(self, module).lora
 
     def remat_of(self, tower: str) -> str:
         """The remat policy of `tower` (vision, audio, llm): its own, else model.remat."""

@@ -3,7 +3,8 @@
 python -m jaxmllm.hf import --model DIR --out CONFIG.yaml      # a whole LLaVA, Qwen2-VL, ...
 python -m jaxmllm.hf import --llm DIR [--vision DIR] [--audio DIR] --out CONFIG.yaml
 python -m jaxmllm.train --config CONFIG.yaml           # starts from those weights
-python -m jaxmllm.hf export RUN_DIR --out DIR [--step N]
+python -m jaxmllm.hf import --model DIR --adapter PEFT_DIR --out CONFIG.yaml  # + its LoRA
+python -m jaxmllm.hf export RUN_DIR --out DIR [--step N] [--merged]
 python -m jaxmllm.hf check DIR                          # our model vs transformers
 """
 
@@ -35,6 +36,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     imp.add_argument("--vision", default="", help="a SigLIP, CLIP or Qwen2(.5)-VL directory")
     imp.add_argument("--audio", default="", help="a Whisper directory")
     imp.add_argument("--tokenizer", default="", help="the tokenizer directory (default: --llm)")
+    imp.add_argument(
+        "--adapter",
+        default="",
+        help="a PEFT LoRA adapter of the checkpoint to start from: model.*.lora and "
+        "model.init_from.adapter follow it",
+    )
     imp.add_argument("--out", required=True, help="the config YAML to write")
     imp.add_argument("--base", default="", help="a recipe whose other keys to keep "
                      "(configs/recipes/stage1.yaml, stage2.yaml)")  # fmt: skip
@@ -48,6 +55,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     exp.add_argument("--max-shard-gb", type=float, default=4.0, help="safetensors shard size")
+    exp.add_argument(
+        "--merged",
+        action="store_true",
+        help="a run with LoRA adapters: the whole model with them merged (default: PEFT adapters)",
+    )
     chk = sub.add_parser("check", help="compare our model with transformers on random inputs")
     chk.add_argument("directory", help="a HF model directory")
     chk.add_argument(
@@ -58,6 +70,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     chk.add_argument("--tokens", type=int, default=64, help="decoder input length")
     chk.add_argument("--tolerance", type=float, default=1e-3, help="exit 1 above this")
+    chk.add_argument(
+        "--adapter",
+        default="",
+        help="a PEFT LoRA adapter on both models (ours "
+        "as hf import --adapter reads it, transformers' by peft)",
+    )
     chk.add_argument("--json", action="store_true", help="print the figures as JSON")
     return p.parse_args(argv)
 
@@ -88,6 +106,7 @@ def _command(argv: list[str] | None) -> int:
             args.base,
             args.tokenizer,
             model=args.model,
+            adapter=args.adapter,
             command=command,
         )
         print(f"wrote {args.out}; train with: python -m jaxmllm.train --config {args.out}")
@@ -95,13 +114,14 @@ def _command(argv: list[str] | None) -> int:
         from jaxmllm.hf.export import export_run
 
         shard_bytes = int(args.max_shard_gb * (1 << 30))
-        for role, path in export_run(args.run_dir, args.out, args.step, shard_bytes).items():
+        written = export_run(args.run_dir, args.out, args.step, shard_bytes, merged=args.merged)
+        for role, path in written.items():
             print(f"{role}: {path}")
     else:
         from jaxmllm.hf.check import describe
         from jaxmllm.hf.check_whole import check_all
 
-        results = check_all(args.directory, args.role, args.tokens)
+        results = check_all(args.directory, args.role, args.tokens, adapter=args.adapter)
         for result in results:
             print(json.dumps(result) if args.json else describe(result))
         return 0 if max(r["max_abs_diff"] for r in results) <= args.tolerance else 1

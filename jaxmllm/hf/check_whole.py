@@ -50,10 +50,19 @@ _image = nnx.jit(lambda m, x, seg, pos: m.vision_projector(m.vision(x, seg, pos)
 _clip = nnx.jit(lambda m, x, seg, pos: m.audio_projector(m.audio(x, seg, pos)))
 
 
-def check_all(directory: str, role: str = "", tokens: int = 64, seed: int = 0) -> list[dict]:
+def check_all(
+    directory: str, role: str = "", tokens: int = 64, seed: int = 0, adapter: str = ""
+) -> list[dict]:
     """`check_dir`'s figures for a checkpoint of one part; for a whole checkpoint,
-    `check_whole`'s (only `role`'s line when one is named: llm, vision, audio or model)."""
+    `check_whole`'s (only `role`'s line when one is named: llm, vision, audio or model).
+    `adapter`: a PEFT LoRA adapter put on both models (ours by `hf import --adapter`,
+    transformers' by peft's `PeftModel.from_pretrained`; a whole checkpoint's)."""
     whole = whole_for(read_hf_config(directory))
+    if adapter and whole is None:
+        raise FamilyError(
+            f"--adapter: {directory} holds one part; adapters are checked on a whole model "
+            "(LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen2-Audio)"
+        )
     if whole is None:
         if role == "model":
             raise FamilyError(f"{directory} holds one part, not a whole model: leave out --role "
@@ -63,19 +72,23 @@ def check_all(directory: str, role: str = "", tokens: int = 64, seed: int = 0) -
     if role and role not in roles:
         raise FamilyError(f"{directory} is a whole {whole.name} checkpoint with no {role} part: "
                           f"--role is one of {', '.join(roles)}")  # fmt: skip
-    results = check_whole(directory, tokens, seed)
+    results = check_whole(directory, tokens, seed, adapter)
     return [r for r in results if r["role"] == role] if role else results
 
 
-def check_whole(directory: str, tokens: int = 64, seed: int = 0) -> list[dict]:
+def check_whole(directory: str, tokens: int = 64, seed: int = 0, adapter: str = "") -> list[dict]:
     """The figures of the module docstring, each {"role", "family", "what", "max_abs_diff",
-    "max_abs_ref"}; the last one the whole model's."""
+    "max_abs_ref"}; the last one the whole model's (`adapter`: as `check_all`)."""
     hf = read_hf_config(directory)
     whole = whole_for(hf)
     assert whole is not None, directory
     dirs = {r: directory if r in whole.parts else "" for r in ("vision", "audio")}
-    cfg, model = load_model(directory, dirs["vision"], dirs["audio"])
+    cfg, model = load_model(directory, dirs["vision"], dirs["audio"], adapter=adapter)
     ref = hf_module(directory, hf, "llm")
+    if adapter:
+        from peft import PeftModel
+
+        ref = PeftModel.from_pretrained(ref, adapter).eval()
     rng = np.random.default_rng(seed)
     vocab = cfg.model.llm.vocab_size
     reserved = {hf.get(k) for k in hf if k.endswith(("token_id", "token_index"))}
@@ -173,7 +186,7 @@ def _run(ref, ids: np.ndarray, hook=None, n: int = 0, **inputs):
     captured = {}
     handle = None
     if hook is not None:
-        module = ref
+        module = ref.get_base_model() if hasattr(ref, "get_base_model") else ref  # (peft's)
         for part in hook[0].split("."):
             module = getattr(module, part)
         handle = module.register_forward_hook(lambda mod, i, o: captured.update(out=o))

@@ -12,6 +12,10 @@ What is written follows where the run's modules came from (`model.init_from`):
   with processor files made from the data section when its tokenizer is a HF directory; or a
   refusal naming, per family, the option it has no counterpart for.
 
+A run with LoRA adapters writes, in each of these places, a PEFT adapter for the checkpoint
+it started from instead (`jaxmllm.hf.peft_export`), or with `merged` the checkpoints with the
+adapters merged into their matrices.
+
 Tensors come from our parameters through the families' links, in the dtype the imported
 checkpoint stored them in (float32 from scratch); what the families knowingly left alone at
 import (a SigLIP pooling head, Whisper's decoder, the tower blocks after LLaVA's feature layer)
@@ -29,17 +33,19 @@ import os
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
-from flax import nnx
 
 from jaxmllm.config import Config, ConfigError, from_dict
 from jaxmllm.hf.family import Family, FamilyError, mismatches
+from jaxmllm.hf.peft_export import check_adapter_pieces, merge_adapters, write_adapter_piece
 from jaxmllm.hf.registry import FAMILIES, ROLES, family_for, read_hf_config
 from jaxmllm.hf.safetensors import DTYPES, Checkpoint, write_checkpoint, write_file
+from jaxmllm.hf.start import run_parameters
 from jaxmllm.hf.whole import Part, Whole
 from jaxmllm.hf.wholes import WHOLES, decoder_of, whole_for
-from jaxmllm.loop.checkpoint import restore_params
-from jaxmllm.step.program import model_parts
+from jaxmllm.models.lora import kernel_paths
+from jaxmllm.step.program import join
 from sharding.rules import keyed_leaves
 
 log = logging.getLogger("jaxmllm")
@@ -65,10 +71,13 @@ class Piece:
     family: Family | None = None  # a checkpoint of one part's
 
 
-def export_run(run_dir: str, out: str, step: int | None = None, max_shard: int = 4 << 30):
+def export_run(
+    run_dir: str, out: str, step: int | None = None, max_shard: int = 4 << 30, merged=False
+):
     """Writes the run's checkpoint `step` (None: the latest) under `out` (see the module
     docstring); returns {what: directory} (what: "model", a role, a whole's name, or
-    "projectors").
+    "projectors"). A run with LoRA adapters writes PEFT adapters (`jaxmllm.hf.peft_export`),
+    or with `merged` its checkpoints with the adapters merged into their matrices.
 
     Raises:
       ConfigError: no run config or checkpoint there, or `out` a file or a non-empty directory.
@@ -87,13 +96,21 @@ def export_run(run_dir: str, out: str, step: int | None = None, max_shard: int =
         raise ConfigError(f"{run}: no config.json (is it a run's train.output_dir?)") from None
     cfg = from_dict(Config, raw, source=str(run / "config.json"))
     pieces = plan_export(cfg)  # (refusals before anything is read or written)
+    adapters = bool(kernel_paths(cfg.model)) and not merged
+    if adapters:
+        check_adapter_pieces(cfg, pieces)
     step, flat = _restore(cfg, run, step)
+    if merged:
+        flat = merge_adapters(cfg, flat)
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     try:
         written, held = {}, set()
         for piece in pieces:
-            held |= write_piece(cfg, piece, flat, partial / piece.where, max_shard)
+            if adapters:
+                held |= write_adapter_piece(cfg, piece, flat, partial / piece.where)
+            else:
+                held |= write_piece(cfg, piece, flat, partial / piece.where, max_shard)
             written[piece.where or "model"] = out / piece.where
         rest = {k: v for k, v in flat.items() if k.split("/")[0] in set(PROJECTORS) - held}
         if rest:  # projectors no exported checkpoint has a place for
@@ -111,14 +128,10 @@ def export_run(run_dir: str, out: str, step: int | None = None, max_shard: int =
 
 
 def _restore(cfg: Config, run: Path, step: int | None) -> tuple[int, dict]:
-    parts, _ = model_parts(cfg)
-    pure = nnx.to_pure_dict(parts.template)
-    abstract = {
-        "params": {k: v for k, v in pure.items() if k not in parts.frozen_keys},
-        "frozen": {k: v for k, v in pure.items() if k in parts.frozen_keys},
-    }
-    step, restored = restore_params(run, abstract, step)
-    return step, keyed_leaves({**restored["params"], **restored["frozen"]})
+    """The run's parameters ("/"-joined path -> host array); a run with adapters reads its
+    base again (`run_parameters`)."""
+    step, params, frozen = run_parameters(cfg, run, step)
+    return step, keyed_leaves(jax.device_get(join(params, frozen)))
 
 
 def plan_export(cfg: Config) -> list[Piece]:

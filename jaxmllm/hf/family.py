@@ -88,6 +88,16 @@ class Family:
         """Whether a tensor this family does not use is knowingly left alone."""
         return False
 
+    def runtime(self, name: str) -> str:
+        """The name transformers gives the module of a tensor (its checkpoint name without
+        `.weight`) in the model it builds: the same for a checkpoint of one part; a whole
+        checkpoint's parts nest otherwise (`whole.Part`). PEFT adapters name these."""
+        return name
+
+    def checkpoint_name(self, runtime: str) -> str:
+        """The inverse of `runtime`."""
+        return runtime
+
     def part_of(self, name: str) -> str | None:
         """The role of the part a tensor belongs to in a whole checkpoint; None: one part."""
         return None

@@ -10,6 +10,7 @@ and processor settings included.
 
 from __future__ import annotations
 
+import copy
 import json
 import shlex
 import sys
@@ -198,6 +199,7 @@ def write_config(
     base: str | Path = "",
     tokenizer: str = "",
     model: str = "",
+    adapter: str = "",
     command: str = "",
 ) -> Config:
     """Writes the config YAML at `out` and returns it, checked as the trainer will load it.
@@ -206,12 +208,13 @@ def write_config(
     `audio`). `base`: a config YAML (a recipe: configs/recipes/) whose keys are kept where the
     import does not set them: the import sets the modules' architecture, `model.init_from` and
     the processors' data keys; the base keeps freezing, batch, optimizer, data source and the
-    rest. `tokenizer`: the tokenizer directory when it is not the LLM's. `command`: the
-    command line that asked for it, for the file's header (default: one made of these
-    arguments).
+    rest. `tokenizer`: the tokenizer directory when it is not the LLM's. `adapter`: a PEFT
+    LoRA adapter of these checkpoints the run starts from (`adapter_sections`: it sets
+    model.*.lora and what else trains). `command`: the command line that asked for it, for
+    the file's header (default: one made of these arguments).
     """
     out = Path(out)
-    command = command or import_command(out, llm, vision, audio, base, tokenizer, model)
+    command = command or import_command(out, llm, vision, audio, base, tokenizer, model, adapter)
     if model:
         llm, vision, audio = model_dirs(model)
     if not llm:
@@ -226,6 +229,8 @@ def write_config(
     llm_keys["vocab_size"] = vocab_size(llm_keys["vocab_size"], raw["data"]["tokenizer"])
     if section["audio"].get("positions") == "sinusoidal":  # Whisper: clips up to its table
         raw["data"]["audio_max_frames"] = section["audio"]["max_positions"] * 2
+    if adapter:
+        adapter_sections(raw, adapter, str(out))
     cfg = from_dict(Config, raw, source=str(out))  # the checks the trainer will run
     out.parent.mkdir(parents=True, exist_ok=True)
     named = raw["data"].get("path") or raw["data"].get("sources")
@@ -235,13 +240,51 @@ def write_config(
     return cfg
 
 
-def import_command(out: Path, llm="", vision="", audio="", base="", tokenizer="", model="") -> str:
+def adapter_sections(raw: dict, adapter: str, where: str) -> None:
+    """`raw`'s model with the LoRA sections a PEFT adapter implies (its ranks, scales and
+    targets: `adapter_load.lora_sections`) and `init_from.adapter`: a module it has adapters on
+    trains them, one it saves whole (`modules_to_save`) trains whole, the others freeze.
+
+    Raises:
+      FamilyError: an adapter the model cannot take (naming the tensors or target_modules).
+    """
+    from jaxmllm.hf.adapter_load import lora_sections
+
+    model = raw["model"]
+    everything = copy.deepcopy(raw)  # (adapters on every matrix: which ones it has)
+    for tower in ("vision", "audio", "llm"):
+        everything["model"][tower].update(freeze=False, lora={"rank": 1, "targets": ["all"]})
+    everything["model"].update(projector_freeze=False, projector_lora={"rank": 1})
+    sections, saved = lora_sections(from_dict(Config, everything, source=where), adapter)
+    projectors = [sections.pop(p) for p in ("vision_projector", "audio_projector") if p in sections]
+    if len(projectors) > 1 and projectors[0] != projectors[1]:
+        raise FamilyError(
+            f"{adapter}: its two projectors' adapters differ in rank or scale; "
+            "model.projector_lora is one for both"
+        )
+    for tower in ("vision", "audio", "llm"):
+        if tower in sections:
+            model[tower].update(freeze=False, lora=sections[tower])
+        elif model[tower].get("enabled", True):
+            model[tower].update(freeze=tower not in saved, lora={"rank": 0})
+    if projectors:
+        model.update(projector_freeze=False, projector_lora=projectors[0])
+    else:
+        trained = bool(saved & {"vision_projector", "audio_projector"})
+        model.update(projector_freeze=not trained, projector_lora={"rank": 0})
+    model["init_from"]["adapter"] = str(Path(adapter).resolve())
+
+
+def import_command(
+    out: Path, llm="", vision="", audio="", base="", tokenizer="", model="", adapter=""
+) -> str:
     """The `hf import` command line that writes `out` from these arguments."""
     args = ["--model", model] if model else ["--llm", llm]
     for role, directory in (("vision", vision), ("audio", audio)):
         args += [f"--{role}", directory] if directory and not model else []
     args += ["--tokenizer", tokenizer] if tokenizer else []
     args += ["--base", str(base)] if base else []
+    args += ["--adapter", str(adapter)] if adapter else []
     return shlex.join(["python", "-m", "jaxmllm.hf", "import", *args, "--out", str(out)])
 
 

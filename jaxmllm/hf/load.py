@@ -27,6 +27,7 @@ import numpy as np
 from jaxmllm.hf.family import FamilyError, Link
 from jaxmllm.hf.registry import ROLES, family_for, read_hf_config
 from jaxmllm.hf.safetensors import Checkpoint, CheckpointError
+from jaxmllm.models.lora import is_adapter
 from sharding.rules import keyed_leaves
 
 log = logging.getLogger("jaxmllm")
@@ -55,7 +56,7 @@ def pretrained(cfg: Any, abstract: dict, skip: set[str] = frozenset()) -> dict:
         directory = getattr(cfg.model.init_from, role)
         if directory and not _modules(cfg, role, directory) <= set(skip):
             loaded.update(load_role(cfg, role, directory, flat))
-    return _nest(loaded)
+    return nest(loaded)
 
 
 def _modules(cfg: Any, role: str, directory: str) -> set[str]:
@@ -111,7 +112,11 @@ def _check_complete(key, family, ck, prefix, consumed, out, flat) -> None:
     """Every parameter of the modules filled has its tensor, and every tensor of the family's
     part is used or knowingly left alone."""
     modules = {p.split("/")[0] for p in out}
-    unfilled = [p for p in flat if p.split("/")[0] in modules and p not in out]
+    unfilled = [
+        p
+        for p in flat
+        if p.split("/")[0] in modules and p not in out and not is_adapter(p.split("/"))
+    ]  # (LoRA adapters start fresh, or from model.init_from.adapter)
     if unfilled:
         raise FamilyError(
             f"{key}: {len(unfilled)} parameters of {', '.join(sorted(modules))} have no tensor "
@@ -258,7 +263,8 @@ def _slices(bounds: tuple) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in bounds)
 
 
-def _nest(flat: dict[str, Any]) -> dict:
+def nest(flat: dict[str, Any]) -> dict:
+    """A nested dict of "/"-joined paths' values (what `keyed_leaves` flattens)."""
     tree: dict = {}
     for path, value in flat.items():
         *parents, leaf = path.split("/")

@@ -15,9 +15,16 @@ from flax import nnx
 
 from jaxmllm.config import Config, InitFrom, from_dict
 from jaxmllm.config.spec import BatchSpec
-from jaxmllm.hf.importer import check_placeholders, data_section, model_section, vocab_size
+from jaxmllm.hf.importer import (
+    adapter_sections,
+    check_placeholders,
+    data_section,
+    model_section,
+    vocab_size,
+)
 from jaxmllm.hf.load import pretrained
 from jaxmllm.hf.registry import ROLES, read_hf_config, section_of
+from jaxmllm.hf.start import initial_params
 from jaxmllm.hf.wholes import whole_for
 from jaxmllm.models import MultimodalLM
 from jaxmllm.models.audio import AudioEncoder
@@ -83,12 +90,18 @@ def load_towers(cfg: Config, role: str) -> Towers:
 
 
 def load_model(
-    llm: str, vision: str = "", audio: str = "", seed: int = 0, tokenizer: str = ""
+    llm: str,
+    vision: str = "",
+    audio: str = "",
+    seed: int = 0,
+    tokenizer: str = "",
+    adapter: str = "",
 ) -> tuple[Config, MultimodalLM]:
     """A whole MultimodalLM from HF directories, on one device, fp32, dense attention (what
     generation from `--hf` runs): the config `hf import` would write, the checkpoints' weights,
     and a module no checkpoint has (a projector) from the random init of `seed`. A whole
-    checkpoint is `llm` and each encoder it holds. `tokenizer`: its directory (default: `llm`)."""
+    checkpoint is `llm` and each encoder it holds. `tokenizer`: its directory (default: `llm`).
+    `adapter`: a PEFT LoRA adapter of these checkpoints, put on them (`hf import --adapter`)."""
     model = model_section(llm, vision, audio)
     data = data_section(llm, vision, audio, tokenizer)
     check_placeholders(llm, data["tokenizer"])
@@ -97,7 +110,10 @@ def load_model(
     batch = {"planner": "first_fit", "route_pair_capacity": 0, "attention_block": 1}
     if model["audio"].get("positions") == "sinusoidal":
         data["audio_max_frames"] = model["audio"]["max_positions"] * 2
-    cfg = from_dict(Config, {"model": model, "batch": batch, "data": data}, source=llm)
+    raw = {"model": model, "batch": batch, "data": data}
+    if adapter:
+        adapter_sections(raw, adapter, llm)
+    cfg = from_dict(Config, raw, source=llm)
     spec = BatchSpec.of(cfg)
     abstract = nnx.eval_shape(lambda: MultimodalLM(cfg.model, spec, rngs=nnx.Rngs(seed)))
     graphdef, state = nnx.split(abstract)
@@ -110,7 +126,7 @@ def load_model(
         fresh = nnx.state(MultimodalLM(cfg.model, spec, rngs=nnx.Rngs(seed)))
         return overlay(nnx.to_pure_dict(fresh), given)
 
-    given = pretrained(cfg, shapes)
+    given = initial_params(cfg, shapes)  # (the checkpoints', the adapter's)
     fresh = sorted(k for k in shapes if k not in given)
     if fresh:  # (a projector between a separate tower and the LLM: untrained until stage 1)
         log.warning("no checkpoint has %s: randomly initialised (seed %d)", ", ".join(fresh), seed)

@@ -33,6 +33,9 @@ class Whole:
     parts: dict[str, tuple[str, str]] = {}
     # role -> config.json keys naming its placeholder token id (the first present is read)
     token_keys: dict[str, tuple[str, ...]] = {}
+    # encoder role -> where transformers (5) puts that part in the model it builds (the LLM's
+    # decoder is `model.language_model.`, its head `lm_head`; a projector `model.<name>`)
+    runtime_prefix: dict[str, str] = {}
 
     def sub(self, role: str, hf: dict) -> dict:
         """A part's own config (the whole's top-level tie_word_embeddings goes to the LLM's),
@@ -152,6 +155,27 @@ class Part(Family):
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
         return self.whole.to_hf_config(cfg, source, (self.role,))
+
+    def runtime(self, name: str) -> str:
+        if not name.startswith(self.at):  # (a projector the whole holds beside the parts)
+            return f"model.{name}"
+        rest = name[len(self.at) :]
+        if self.role != "llm":
+            return self.whole.runtime_prefix[self.role] + rest
+        if rest.startswith("model."):  # the decoder; its head (lm_head) sits at the top
+            return "model.language_model." + rest.removeprefix("model.")
+        return rest
+
+    def checkpoint_name(self, runtime: str) -> str:
+        """The inverse of `runtime`: a module's name in the checkpoint."""
+        prefix = self.whole.runtime_prefix.get(self.role)
+        if prefix and runtime.startswith(prefix):
+            return self.at + runtime.removeprefix(prefix)
+        if self.role == "llm" and runtime.startswith("model.language_model."):
+            return self.at + "model." + runtime.removeprefix("model.language_model.")
+        if self.role == "llm" and not runtime.startswith("model."):
+            return self.at + runtime  # (its head)
+        return runtime.removeprefix("model.")  # (a projector the whole holds)
 
     def part_of(self, name: str) -> str | None:
         return self.whole.part_of(name)

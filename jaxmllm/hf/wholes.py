@@ -99,6 +99,7 @@ class Llava(Whole):
         "vision": ("vision_config", "vision_tower."),
     }
     token_keys = {"vision": ("image_token_index", "image_token_id")}
+    runtime_prefix = {"vision": "model.vision_tower."}
     towers = {"clip_vision_model": Clip(), "siglip_vision_model": Siglip()}
 
     def inner(self, role: str, hf: dict) -> Family:
@@ -234,6 +235,7 @@ class QwenVL(Whole):
 
     parts = {"llm": ("text_config", ""), "vision": ("vision_config", "visual.")}
     token_keys = {"vision": ("image_token_id",)}
+    runtime_prefix = {"vision": "model.visual."}
 
     def __init__(self, name: str, tower: Family, hf_class: str, processor_class: str):
         self.name, self.model_types, self.tower = name, (name,), tower
@@ -316,6 +318,7 @@ class Qwen2Audio(Whole):
     processor_class = "Qwen2AudioProcessor"
     parts = {"llm": ("text_config", "language_model."), "audio": ("audio_config", "audio_tower.")}
     token_keys = {"audio": ("audio_token_index", "audio_token_id")}
+    runtime_prefix = {"audio": "model.audio_tower."}
     encoder = Qwen2AudioEncoder()
 
     def inner(self, role: str, hf: dict) -> Family:

@@ -12,6 +12,12 @@ call it damaged or start over. A checkpoint that carries the right stamp but no 
 is damaged: `restore_latest` moves it aside and resumes from the previous one. Only the
 checkpoints a resume would use are judged: an older step half deleted by a kill during orbax's
 clean-up of old checkpoints is not mistaken for another format.
+
+A run with LoRA adapters saves no frozen base (its `state` has no `frozen`): the base is read
+again from `model.init_from` (or drawn again from `train.seed` where nothing is named) at every
+start, and the stamp carries its identity, `"base": {"init_from": {...}, "hash": ...}` (the
+sources and a content hash of the base as loaded, `base_identity`), so a resume against another
+base is refused naming both (`check_format`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import orbax.checkpoint as ocp
 from jaxmllm.config import AUTO_SIZES, Config, ConfigError, to_dict
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.loop import distributed
+from jaxmllm.loop.base import check_base
 from jaxmllm.plan.state import PlanStateError
 
 log = logging.getLogger("jaxmllm")
@@ -192,19 +199,24 @@ def save_args(state, data_iter, stamp: dict) -> ocp.args.Composite:
 
 
 def check_format(mngr: ocp.CheckpointManager, step: int, stamp: dict) -> None:
-    """Refuses checkpoint `step` if it has no stamp (an older format) or another one."""
-    found = _read_stamp(mngr, step)
-    if found is not None and found != stamp:  # None: a stamp that does not read back is damage
+    """Refuses checkpoint `step` if it has no stamp (an older format) or another one, or (a
+    run with adapters) was trained on another base than the one read now."""
+    found = read_stamp(mngr, step)
+    if found is None:  # a stamp that does not read back is damage
+        return
+    fmt = lambda d: {k: v for k, v in d.items() if k != "base"}
+    if fmt(found) != fmt(stamp):
         was = "no format stamp (written before checkpoints had one)" if found == {} else found
         raise ConfigError(
-            f"checkpoint {step} in {mngr.directory} has {was}; this version writes {stamp} and "
-            "does not restore another format (its parameter tree may differ). Use a new "
-            "train.output_dir to train from scratch, or the jaxmllm version that wrote it to "
-            "resume."
+            f"checkpoint {step} in {mngr.directory} has {was}; this version writes "
+            f"{fmt(stamp)} and does not restore another format (its parameter tree may "
+            "differ). Use a new train.output_dir to train from scratch, or the jaxmllm version "
+            "that wrote it to resume."
         )
+    check_base(f"checkpoint {step} in {mngr.directory}", found.get("base"), stamp.get("base"))
 
 
-def _read_stamp(mngr: ocp.CheckpointManager, step: int) -> dict | None:
+def read_stamp(mngr: ocp.CheckpointManager, step: int) -> dict | None:
     """A checkpoint's stamp; {} when it has none; None when it is there but does not read."""
     if not (Path(mngr.directory) / str(step) / "meta").is_dir():
         return {}
@@ -383,6 +395,13 @@ def write_config(cfg: Config, out: Path) -> None:
     tmp = out / f"config.json.tmp{os.getpid()}"  # other processes may be reading it
     tmp.write_text(json.dumps(to_dict(cfg), indent=2))
     tmp.replace(out / "config.json")
+
+
+def run_stamp(out: Path, step: int) -> dict | None:
+    """The stamp of a run's checkpoint `step` (`read_stamp`)."""
+    directory = Path(out).absolute() / "checkpoints"
+    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False)) as m:
+        return read_stamp(m, step)
 
 
 def restore_params(out: Path, abstract_params: dict, step: int | None = None) -> tuple[int, dict]:

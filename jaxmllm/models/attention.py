@@ -27,6 +27,7 @@ from jaxmllm.config.remat import QKV
 from jaxmllm.models import blocksparse, cudnn
 from jaxmllm.models import context as ctx
 from jaxmllm.models.layers import ROPE, Dense
+from jaxmllm.models.lora import Adapter
 
 
 @jax.tree_util.register_dataclass
@@ -122,23 +123,22 @@ class Attention(nnx.Module):
         rope_sections: tuple[int, ...] = (),
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
+        lora: dict[str, Adapter] | None = None,
         rngs: nnx.Rngs,
     ):
         """`head_dim` 0 = width / heads; `bias`: which of the q, k, v, o projections have one;
         `rope`: 1d | 2d | mrope (`rope_sections`) | none (positions enter elsewhere);
-        `rope_scaling` as `rope_frequencies`."""
+        `rope_scaling` as `rope_frequencies`; `lora`: adapters of the projections it names
+        (q, k, v, o)."""
         assert heads % kv_heads == 0, (heads, kv_heads)
         head_dim = head_dim or width // heads
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        own = lambda name: dict(use_bias=name in bias, lora=(lora or {}).get(name), **kw)
         qkv = ("embed", "kv_heads", "head_dim")
-        self.query = Dense(
-            width, (heads, head_dim), ("embed", "heads", "head_dim"), use_bias="q" in bias, **kw
-        )
-        self.key = Dense(width, (kv_heads, head_dim), qkv, use_bias="k" in bias, **kw)
-        self.value = Dense(width, (kv_heads, head_dim), qkv, use_bias="v" in bias, **kw)
-        self.out = Dense(
-            (heads, head_dim), width, ("heads", "head_dim", "embed"), use_bias="o" in bias, **kw
-        )
+        self.query = Dense(width, (heads, head_dim), ("embed", "heads", "head_dim"), **own("q"))
+        self.key = Dense(width, (kv_heads, head_dim), qkv, **own("k"))
+        self.value = Dense(width, (kv_heads, head_dim), qkv, **own("v"))
+        self.out = Dense((heads, head_dim), width, ("heads", "head_dim", "embed"), **own("o"))
         self.kv_heads = kv_heads
         self.rope = rope
         self.rope_theta = rope_theta

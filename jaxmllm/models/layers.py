@@ -26,6 +26,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import sharding
+from jaxmllm.models import lora as lora_
 from jaxmllm.models.vocab import lookup, vocab_axes
 
 Axes = tuple[str | None, ...]
@@ -47,6 +48,7 @@ class Dense(nnx.Module):
 
     Multi-dimensional in/out shapes let attention keep heads as their own (shardable) axis.
     `out_dtype` (default: `dtype`) set to float32 keeps the matmul's fp32 accumulator, for logits.
+    `lora`: a LoRA adapter beside the kernel (`jaxmllm.models.lora`: `lora_a`, `lora_b`).
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class Dense(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         out_dtype: jnp.dtype | None = None,
+        lora: lora_.Adapter | None = None,
         rngs: nnx.Rngs,
     ):
         in_shape = _as_shape(in_shape)
@@ -66,6 +69,14 @@ class Dense(nnx.Module):
         # Fan-in scaling keeps activations at unit scale through the stack at init.
         std = 1.0 / math.sqrt(math.prod(in_shape))
         self.kernel = normal_param(rngs, in_shape + out_shape, std, axes, param_dtype)
+        self.adapter = lora
+        if lora is not None:  # (its init folds the kernel's key: the base's draws stay)
+            stream = rngs.params
+            key = jax.random.fold_in(stream.key[...], stream.count[...] - 1)
+            a = lora_.init_a(jax.random.fold_in(key, lora_.SALT), in_shape, lora.rank)
+            self.lora_a = nnx.Param(a, axes=(*axes[: len(in_shape)], None))
+            b = jnp.zeros((lora.rank, *out_shape), jnp.float32)
+            self.lora_b = nnx.Param(b, axes=(None, *axes[len(in_shape) :]))
         bias_axes = tuple(axes[len(in_shape) :])
         self.bias = (
             nnx.Param(jnp.zeros(out_shape, param_dtype), axes=bias_axes) if use_bias else None
@@ -82,6 +93,9 @@ class Dense(nnx.Module):
         )
         if self.bias is not None:
             y = y + self.bias[...].astype(self.out_dtype)
+        if self.adapter is not None:
+            delta = lora_.update(x, self.lora_a[...], self.lora_b[...], self.adapter, self.dtype)
+            y = y + delta.astype(y.dtype)
         return y
 
 
@@ -300,12 +314,15 @@ class GatedMLP(nnx.Module):
         use_bias: bool = False,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
+        lora: dict[str, lora_.Adapter] | None = None,
         rngs: nnx.Rngs,
     ):
+        """`lora`: adapters of the matrices it names (gate, up, down)."""
         kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.gate = Dense(width, mlp_dim, ("embed", "mlp"), **kw)
-        self.up = Dense(width, mlp_dim, ("embed", "mlp"), **kw)
-        self.down = Dense(mlp_dim, width, ("mlp", "embed"), **kw)
+        on = lora or {}
+        self.gate = Dense(width, mlp_dim, ("embed", "mlp"), lora=on.get("gate"), **kw)
+        self.up = Dense(width, mlp_dim, ("embed", "mlp"), lora=on.get("up"), **kw)
+        self.down = Dense(mlp_dim, width, ("mlp", "embed"), lora=on.get("down"), **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = checkpoint_name(self.gate(x), "mlp_in"), checkpoint_name(self.up(x), "mlp_in")
@@ -325,11 +342,14 @@ class MLP(nnx.Module):
         use_bias: bool = True,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
+        lora: dict[str, lora_.Adapter] | None = None,
         rngs: nnx.Rngs,
     ):
+        """`lora`: adapters of the matrices it names (fc1, fc2)."""
         kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.fc1 = Dense(width, mlp_dim, ("embed", "mlp"), **kw)
-        self.fc2 = Dense(mlp_dim, out_width or width, ("mlp", "embed"), **kw)
+        on = lora or {}
+        self.fc1 = Dense(width, mlp_dim, ("embed", "mlp"), lora=on.get("fc1"), **kw)
+        self.fc2 = Dense(mlp_dim, out_width or width, ("mlp", "embed"), lora=on.get("fc2"), **kw)
         self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -337,7 +357,8 @@ class MLP(nnx.Module):
 
 
 def make_mlp(kind: str, width: int, mlp_dim: int, *, use_bias: bool, **kw) -> nnx.Module:
-    """The block MLP `kind` names (`config.model.MLPS`)."""
+    """The block MLP `kind` names (`config.model.MLPS`); `lora` in `kw`: the adapters of the
+    matrices it names (the others are the attention's)."""
     if kind == "gated_silu":
         return GatedMLP(width, mlp_dim, use_bias=use_bias, **kw)
     return MLP(width, mlp_dim, activation=kind, use_bias=use_bias, **kw)

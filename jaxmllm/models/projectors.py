@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxmllm.config import ModelConfig
 from jaxmllm.models.layers import MLP, Dense
+from jaxmllm.models.lora import Adapter, adapters
 
 
 class Projector(MLP):
@@ -34,9 +35,10 @@ class Projector(MLP):
         activation: str = "gelu_tanh",
         dtype: jnp.dtype,
         param_dtype: jnp.dtype,
+        lora: dict[str, Adapter] | None = None,
         rngs: nnx.Rngs,
     ):
-        """`hidden`: fc1's width (0: `out_width`)."""
+        """`hidden`: fc1's width (0: `out_width`); `lora`: adapters of fc1, fc2."""
         super().__init__(
             group * in_width,
             hidden or out_width,
@@ -44,6 +46,7 @@ class Projector(MLP):
             out_width=out_width,
             dtype=dtype,
             param_dtype=param_dtype,
+            lora=lora,
             rngs=rngs,
         )
         self.group = group
@@ -57,9 +60,11 @@ class Projector(MLP):
 class LinearProjector(nnx.Module):
     """One Linear with a bias from each encoder row to an LLM token (Qwen2-Audio's)."""
 
-    def __init__(self, in_width: int, out_width: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self, in_width: int, out_width: int, *, dtype, param_dtype, lora=None, rngs: nnx.Rngs
+    ):
         kw = dict(use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.fc = Dense(in_width, out_width, (None, "embed"), **kw)
+        self.fc = Dense(in_width, out_width, (None, "embed"), lora=(lora or {}).get("fc"), **kw)
 
     def __call__(self, x_bnd: jax.Array) -> jax.Array:
         return self.fc(x_bnd)
@@ -68,6 +73,7 @@ class LinearProjector(nnx.Module):
 def vision_projector(cfg: ModelConfig, **kw) -> Projector:
     """The projector from `cfg.vision`'s patch features to `cfg.llm`'s embeddings."""
     v = cfg.vision
+    kw["lora"] = _adapters(cfg, "vision_projector")
     return Projector(
         v.width, cfg.llm.width, v.merge**2, hidden=v.projector_dim, activation=v.projector_act, **kw
     )
@@ -76,9 +82,15 @@ def vision_projector(cfg: ModelConfig, **kw) -> Projector:
 def audio_projector(cfg: ModelConfig, **kw) -> Projector | LinearProjector:
     """The projector from `cfg.audio`'s encoder rows (subsample / (stride x pool) per token)."""
     a = cfg.audio
+    kw["lora"] = _adapters(cfg, "audio_projector")
     if a.projector == "linear":
         return LinearProjector(a.width, cfg.llm.width, **kw)
     group = a.rows_per_token  # encoder rows per LLM token
     return Projector(
         a.width, cfg.llm.width, group, hidden=a.projector_dim, activation=a.projector_act, **kw
     )
+
+
+def _adapters(cfg: ModelConfig, module: str) -> dict[str, Adapter]:
+    """The adapters of a projector's matrices (`model.projector_lora`)."""
+    return dict(adapters(cfg.projector_lora, cfg.adapted(module)))

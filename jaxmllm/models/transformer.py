@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmllm.config.remat import REMAT_POLICIES
+from jaxmllm.models import lora
 from jaxmllm.models.attention import Attention, Packing
 from jaxmllm.models.layers import NORMS, make_mlp
 
@@ -37,11 +38,14 @@ class BlockSpec:
     rope_theta: float = 10000.0
     rope_scaling: Any = None  # config.model.RopeScaling, or None
     rope_sections: tuple[int, ...] = ()  # mrope: frequencies turned by time, row, column
+    # LoRA adapters: (target, lora.Adapter) of the matrices that have one (q, k, v, o, ...)
+    lora: tuple[tuple[str, lora.Adapter], ...] = ()
 
     @classmethod
     def of(cls, cfg: Any, *, kv_heads: int | None = None, rope: str, **extra) -> BlockSpec:
         """The spec of a tower config (`config.model.BlockOptions` + width, heads, ...)."""
         return cls(
+            lora=lora.adapters(cfg.lora, cfg.adapter_targets),
             width=cfg.width,
             heads=cfg.heads,
             kv_heads=kv_heads or cfg.heads,
@@ -72,6 +76,7 @@ class Block(nnx.Module):
         rngs: nnx.Rngs,
     ):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
+        adapters = dict(spec.lora)
         self.attn_norm = spec.norm_layer(**kw)
         self.attn = Attention(
             spec.width,
@@ -83,12 +88,19 @@ class Block(nnx.Module):
             rope_theta=spec.rope_theta,
             rope_scaling=spec.rope_scaling,
             rope_sections=spec.rope_sections,
+            lora=adapters,
             rngs=rngs,
             **kw,
         )
         self.mlp_norm = spec.norm_layer(**kw)
         self.mlp = make_mlp(
-            spec.mlp, spec.width, spec.mlp_dim, use_bias=spec.mlp_bias, rngs=rngs, **kw
+            spec.mlp,
+            spec.width,
+            spec.mlp_dim,
+            use_bias=spec.mlp_bias,
+            lora=adapters,
+            rngs=rngs,
+            **kw,
         )
 
     def __call__(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> jax.Array:
@@ -168,9 +180,12 @@ class Transformer(nnx.Module):
         (a pipeline stage's slab of layers padded to the largest stage's); with `local`, the
         layers outside `full_layers` attend by it."""
         graphdef, stacked = nnx.split(self.blocks)
+        depth = jax.tree.leaves(stacked)[0].shape[0]
+        index = jnp.arange(depth)  # (each layer folds its own into the adapters' dropout key)
 
-        def block(x_btd, block_state, pack=pack):
-            return nnx.merge(graphdef, block_state)(x_btd, pack, positions)
+        def block(x_btd, block_state, j, pack=pack):
+            with lora.salted(j):
+                return nnx.merge(graphdef, block_state)(x_btd, pack, positions)
 
         policy = remat_policy(self.remat)
         if policy is not None:
@@ -179,27 +194,26 @@ class Transformer(nnx.Module):
             block = jax.checkpoint(block, policy=policy, prevent_cse=False)
         if local is not None:
             assert count is None, "windowed layers do not run in pipeline stages"
-            depth = jax.tree.leaves(stacked)[0].shape[0]
             full = jnp.asarray([i in self.full_layers for i in range(depth)])
 
             def either(x_btd, step):  # the layer's own packing: whole documents or windows
-                block_state, is_full = step
-                whole = lambda x: block(x, block_state, pack)
-                return jax.lax.cond(is_full, whole, lambda x: block(x, block_state, local),
-                                    x_btd), None  # fmt: skip
+                block_state, is_full, j = step
+                whole = lambda x: block(x, block_state, j, pack)
+                windowed = lambda x: block(x, block_state, j, local)
+                return jax.lax.cond(is_full, whole, windowed, x_btd), None
 
-            x_btd, _ = jax.lax.scan(either, x_btd, (stacked, full))
+            x_btd, _ = jax.lax.scan(either, x_btd, (stacked, full, index))
             return x_btd
         if count is None:
-            x_btd, _ = jax.lax.scan(lambda x, st: (block(x, st), None), x_btd, stacked)
+            x_btd, _ = jax.lax.scan(lambda x, xs: (block(x, *xs), None), x_btd, (stacked, index))
             return x_btd
 
         def masked(x_btd, step):  # a padding slot is skipped, not computed
             j, block_state = step
-            return jax.lax.cond(j < count, block, lambda x, _: x, x_btd, block_state), None
+            skip = lambda x, *_: x
+            return jax.lax.cond(j < count, block, skip, x_btd, block_state, j), None
 
-        depth = jax.tree.leaves(stacked)[0].shape[0]
-        x_btd, _ = jax.lax.scan(masked, x_btd, (jnp.arange(depth), stacked))
+        x_btd, _ = jax.lax.scan(masked, x_btd, (index, stacked))
         return x_btd
 
 

@@ -55,6 +55,8 @@ import numpy as np
 
 from jaxmllm.config.checks import UserError
 from jaxmllm.config.phases import ENCODERS, LLM, PHASES
+from jaxmllm.plan import training
+from jaxmllm.plan.training import multiplier
 
 if TYPE_CHECKING:
     from jaxmllm.config import ModelConfig
@@ -154,23 +156,31 @@ class CostModel:
 
     @classmethod
     def from_model(cls, model: ModelConfig) -> CostModel:
-        """Training FLOPs per item from the module sizes and what is frozen."""
-        lm, on = model.llm, [p for p in ENCODERS if p.enabled(model)]
-        enc_trainable = any(not p.encoder(model).freeze for p in on)
-        below_llm = enc_trainable or not model.projector_freeze
-        m_llm = multiplier(lm.freeze, below_llm)
-        m_proj = multiplier(model.projector_freeze, enc_trainable)
+        """Training FLOPs per item from the module sizes, what is frozen and the LoRA
+        adapters (`jaxmllm.plan.training`: a tower under adapters costs its forward and its
+        activations' gradients, 2x, plus its adapters' own, 3x)."""
+        lm, how = model.llm, training.modules(model)
         head = getattr(lm, "head_dim", 0) or lm.width // lm.heads  # (runs before head_dim)
         q, kv = head * lm.heads, head * lm.kv_heads  # query (and output) width, key/value width
         llm_lin = lm.depth * layer_linear(lm.width, kv, lm.mlp_dim, q, _mlp(lm))
         llm_lin += 2 * lm.width * lm.vocab_size
         llm_quad = lm.depth * 2.0 * q  # causal: half of 4*d
-        terms = {LLM: PhaseCost(m_llm * llm_lin, m_llm * llm_quad)}
+        m_llm = how[LLM].multiplier
+        shapes = training.block_shapes(lm.width, kv, lm.mlp_dim, q)
+        adapters = 3 * lm.depth * training.adapter_flops(how[LLM], shapes)
+        terms = {LLM: PhaseCost(m_llm * llm_lin + adapters, m_llm * llm_quad)}
+        encoders = any(how[p.name].trains for p in ENCODERS if p.name in how)
         for p in ENCODERS:
             enc = p.encoder(model)
             lin, quad, proj = ENCODER_FLOPS[p.name](enc, lm.width)
-            m_enc = multiplier(enc.freeze, False)
-            terms[p.name] = PhaseCost(m_enc * lin + m_proj * proj, m_enc * quad)
+            if p.name not in how:  # (disabled: it has no items; priced as it would train)
+                m_enc = multiplier(enc.freeze, False)
+                m_proj = multiplier(model.projector_freeze, encoders)
+                terms[p.name] = PhaseCost(m_enc * lin + m_proj * proj, m_enc * quad)
+                continue
+            m_enc, m_proj = how[p.name].multiplier, how[f"{p.name}_projector"].multiplier
+            adapters = 3 * ENCODER_ADAPTERS[p.name](enc, lm.width, how)
+            terms[p.name] = PhaseCost(m_enc * lin + m_proj * proj + adapters, m_enc * quad)
         return cls(terms)
 
 
@@ -208,12 +218,28 @@ def _audio_flops(a, llm_width: int) -> tuple[float, float, float]:
 ENCODER_FLOPS = {"vision": _vision_flops, "audio": _audio_flops}
 
 
-def multiplier(frozen: bool, trainable_below: bool) -> int:
-    """Training cost over forward cost: 3 trainable, 2 frozen that still passes gradients to
-    something trainable below it, 1 frozen with nothing trainable below (forward only)."""
-    if not frozen:
-        return 3
-    return 2 if trainable_below else 1
+def _vision_adapters(v, llm_width: int, how: dict) -> float:
+    """Per patch: the forward FLOPs of the tower's and its projector's LoRA adapters."""
+    area, hid = v.merge**2, getattr(v, "projector_dim", 0) or llm_width
+    tower = v.depth * training.adapter_flops(
+        how["vision"], training.block_shapes(v.width, v.width, v.mlp_dim)
+    )
+    shapes = {"fc1": (area * v.width, hid), "fc2": (hid, llm_width)}
+    return tower + training.adapter_flops(how["vision_projector"], shapes) / area
+
+
+def _audio_adapters(a, llm_width: int, how: dict) -> float:
+    """Per log-mel frame: the forward FLOPs of the encoder's and its projector's adapters."""
+    s, r = a.subsample, 2 if getattr(a, "stem", "pairs") == "whisper" else 4
+    hid = getattr(a, "projector_dim", 0) or llm_width
+    tower = a.depth * training.adapter_flops(
+        how["audio"], training.block_shapes(a.width, a.width, a.mlp_dim)
+    )
+    shapes = {"fc1": (s // r * a.width, hid), "fc2": (hid, llm_width), "fc": (a.width, llm_width)}
+    return tower / r + training.adapter_flops(how["audio_projector"], shapes) / s
+
+
+ENCODER_ADAPTERS = {"vision": _vision_adapters, "audio": _audio_adapters}
 
 
 def layer_linear(d: int, d_kv: int, f: int, d_q: int = 0, mlp: str = "gated_silu") -> float:

@@ -22,7 +22,7 @@ import sharding
 from jaxmllm.config import Config
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.config.spec import BatchSpec
-from jaxmllm.models import MultimodalLM, param_axes
+from jaxmllm.models import MultimodalLM, lora, param_axes
 
 # Top-level model attributes, and the config switch that freezes each: per encoder phase its
 # encoder (model.<phase>.freeze) and projector (model.projector_freeze), then the LLM. An encoder
@@ -36,6 +36,41 @@ for _p in ENCODERS:
         c.model.projector_freeze or not p.bucket(c.batch)
     )
 FREEZE_SWITCHES["llm"] = lambda c: c.model.llm.freeze
+# Beside the modules frozen outright, those with LoRA adapters (`model.<tower>.lora`,
+# `model.projector_lora`) train their adapters alone: the rest of such a module (its base) is
+# frozen, leaf by leaf (`ModelParts.trains`).
+
+
+def adapted_modules(cfg: Config, modules) -> tuple[str, ...]:
+    """The top-level modules among `modules` whose adapters train (not frozen outright)."""
+    frozen = {k for k, is_frozen in FREEZE_SWITCHES.items() if is_frozen(cfg)}
+    return tuple(k for k in modules if k not in frozen and cfg.model.adapted(k))
+
+
+def split_tree(tree: dict, keep: Callable[[tuple[str, ...]], bool], path=()) -> tuple[dict, dict]:
+    """(the leaves of a nested dict whose path `keep` takes, the others), nested alike; a
+    branch left without leaves is left out (orbax refuses empty subtrees)."""
+    kept, rest = {}, {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            a, b = split_tree(value, keep, (*path, key))
+            kept.update({key: a} if a else {})
+            rest.update({key: b} if b else {})
+        elif keep((*path, key)):
+            kept[key] = value
+        else:
+            rest[key] = value
+    return kept, rest
+
+
+def join(*trees: dict) -> dict:
+    """Nested dicts with disjoint leaves merged into one (what `split_tree` split)."""
+    out: dict = {}
+    for tree in trees:
+        for key, value in tree.items():
+            mine = out.get(key)
+            out[key] = join(mine, value) if isinstance(mine, dict) else value
+    return out
 
 
 # ----------------------------------------------------------------------------- model state
@@ -48,10 +83,21 @@ class ModelParts:
     graphdef: Any
     template: Any  # abstract nnx.State the pure dicts are poured into
     frozen_keys: tuple[str, ...]  # top-level modules whose params are not trained
+    adapted: tuple[str, ...] = ()  # top-level modules that train their LoRA adapters alone
+
+    def trains(self, path: tuple[str, ...]) -> bool:
+        """Whether the parameter at `path` (keys from the model's root) is trained."""
+        if path[0] in self.frozen_keys:
+            return False
+        return path[0] not in self.adapted or lora.is_adapter(path)
+
+    def split(self, tree: dict) -> tuple[dict, dict]:
+        """A tree keyed like the parameters (values, shapes, axes) as (trained, frozen)."""
+        return split_tree(tree, self.trains)
 
     def merge(self, params: dict, frozen: dict) -> MultimodalLM:
         state = jax.tree.map(lambda x: x, self.template)  # a fresh copy to fill
-        nnx.replace_by_pure_dict(state, {**params, **frozen})
+        nnx.replace_by_pure_dict(state, join(params, frozen))
         return nnx.merge(self.graphdef, state)
 
 
@@ -61,13 +107,16 @@ def build_model(cfg: Config, seed: int) -> tuple[dict, dict]:
 
 
 def split_frozen(cfg: Config, model: MultimodalLM) -> tuple[dict, dict]:
-    """A model's parameters as (trainable, frozen) pure dicts, by the config's freeze keys."""
+    """A model's parameters as (trainable, frozen) pure dicts, by the config's freeze keys
+    and adapters."""
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    frozen = {k for k, is_frozen in FREEZE_SWITCHES.items() if k in pure and is_frozen(cfg)}
-    return (
-        {k: v for k, v in pure.items() if k not in frozen},
-        {k: v for k, v in pure.items() if k in frozen},
-    )
+    return _parts_of(cfg, pure).split(pure)
+
+
+def _parts_of(cfg: Config, modules) -> ModelParts:
+    """What trains of the top-level `modules` (no graph: `model_parts` has it)."""
+    frozen = tuple(k for k, f in FREEZE_SWITCHES.items() if k in modules and f(cfg))
+    return ModelParts(None, None, frozen, adapted_modules(cfg, modules))
 
 
 def model_parts(cfg: Config) -> tuple[ModelParts, dict]:
@@ -75,8 +124,20 @@ def model_parts(cfg: Config) -> tuple[ModelParts, dict]:
     spec = BatchSpec.of(cfg)
     abstract = nnx.eval_shape(lambda: MultimodalLM(cfg.model, spec, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract, nnx.Param)
-    frozen = tuple(k for k, f in FREEZE_SWITCHES.items() if k in state and f(cfg))
-    return ModelParts(graphdef, state, frozen), param_axes(state)
+    which = _parts_of(cfg, state)
+    parts = ModelParts(graphdef, state, which.frozen_keys, which.adapted)
+    return parts, param_axes(state)
+
+
+def base_dtypes(cfg: Config, frozen: dict) -> dict:
+    """The frozen parameters in their towers' `base_dtype` (`model.<tower>.base_dtype`; the
+    projectors keep theirs)."""
+    out = dict(frozen)
+    for tower in ("vision", "audio", "llm"):
+        dtype = getattr(cfg.model, tower).base_dtype
+        if dtype and tower in out:
+            out[tower] = jax.tree.map(lambda x, d=dtype: x.astype(d), out[tower])
+    return out
 
 
 def overlay(tree: dict, given: dict) -> dict:
@@ -111,12 +172,16 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
     return optax.chain(*chain), schedule
 
 
+DECAYED = ("kernel", "embedding", *lora.LEAVES)  # the matrices weight decay shrinks
+
+
 def decay_mask(params: dict) -> dict:
-    """True for matrices (kernels, embeddings), False for norm scales and biases.
+    """True for matrices (kernels, embeddings, LoRA adapters), False for norm scales and
+    biases.
 
     By name, not ndim: scanned layers give a norm scale a leading `layers` dim.
     """
-    decayed = lambda path, _: sharding.rules.key_parts(path)[-1] in ("kernel", "embedding")
+    decayed = lambda path, _: sharding.rules.key_parts(path)[-1] in DECAYED
     return jax.tree_util.tree_map_with_path(decayed, params)
 
 
@@ -140,13 +205,16 @@ def make_loss_and_grads(parts: ModelParts) -> Callable:
 
     def loss_and_grads(params, frozen, batch):
         denom = jnp.maximum(batch["llm_loss_mask"].sum(), 1.0)
+        m = batch["llm_tokens"].shape[0]
 
-        def microbatch(acc, mb):
-            (loss, _), grads = grad_fn(params, frozen, mb, denom)
+        def microbatch(acc, xs):
+            mb, i = xs
+            with lora.salted(i):  # (the adapters' dropout: each microbatch its own masks)
+                (loss, _), grads = grad_fn(params, frozen, mb, denom)
             return jax.tree.map(jnp.add, acc, (loss, grads)), None
 
         zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        (loss, grads), _ = jax.lax.scan(microbatch, zero, batch)
+        (loss, grads), _ = jax.lax.scan(microbatch, zero, (batch, jnp.arange(m)))
         return loss, grads
 
     return loss_and_grads
@@ -157,13 +225,19 @@ def make_train_step(
     optimizer: optax.GradientTransformation,
     schedule: optax.Schedule,
     loss_and_grads: Callable | None = None,
+    dropout_seed: int | None = None,
 ) -> Callable:
     """One optimizer step over all microbatches of a step batch [M, D, ...]; `loss_and_grads`
-    (params, frozen, batch) -> (loss, grads) defaults to `make_loss_and_grads(parts)`."""
+    (params, frozen, batch) -> (loss, grads) defaults to `make_loss_and_grads(parts)`.
+    `dropout_seed`: the adapters' dropout draws from it and the step (None: no dropout)."""
     loss_and_grads = loss_and_grads or make_loss_and_grads(parts)
 
     def train_step(state, batch):
-        loss, grads = loss_and_grads(state["params"], state["frozen"], batch)
+        key = None
+        if dropout_seed is not None:
+            key = jax.random.fold_in(jax.random.PRNGKey(dropout_seed), state["step"])
+        with lora.dropout_key(key):
+            loss, grads = loss_and_grads(state["params"], state["frozen"], batch)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
@@ -211,6 +285,7 @@ def init_state(cfg: Config, optimizer: optax.GradientTransformation, given: dict
     """
     params, frozen = build_model(cfg, cfg.train.seed)
     params, frozen = overlay(params, given or {}), overlay(frozen, given or {})
+    frozen = base_dtypes(cfg, frozen)
     return {
         "params": params,
         "frozen": frozen,
@@ -248,24 +323,49 @@ class Program:
     def abstract_params(self) -> dict:
         """Every parameter, trained and frozen, as a ShapeDtypeStruct with its sharding."""
         sharded = self.abstract_sharded()
-        return {**sharded["params"], **sharded["frozen"]}
+        return join(sharded["params"], sharded["frozen"])
 
     def describe(self) -> str:
-        params = {**self.abstract["params"], **self.abstract["frozen"]}
+        params = join(self.abstract["params"], self.abstract["frozen"])
         return sharding.describe(self.axes, params, self.mesh)
 
     # A checkpoint holds the train state in a form that does not depend on the mesh; a
     # pipelined program (jaxmllm/step/stages/program.py) converts its own to and from it.
+    # With LoRA adapters it holds no frozen base: that is read again at every start
+    # (`saves_base`, `to_saved`, `from_saved`).
+
+    @property
+    def saves_base(self) -> bool:
+        """Whether checkpoints hold the frozen parameters: not with adapters (their base is
+        read again from model.init_from, `jaxmllm.loop.base`)."""
+        return not self.parts.adapted
 
     def checkpoint_abstract(self) -> dict:
         """What a checkpoint restores into: shapes and shardings of the saved train state."""
-        return self.abstract_sharded()
+        return self.without_base(self.abstract_sharded())
+
+    def without_base(self, tree: dict) -> dict:
+        """A train-state tree less its frozen base when checkpoints do not hold it."""
+        return tree if self.saves_base else {k: v for k, v in tree.items() if k != "frozen"}
 
     def to_checkpoint(self, state: dict) -> dict:
+        """The whole state in checkpoint form (what evaluation reads)."""
         return state
 
     def from_checkpoint(self, state: dict) -> dict:
         return state
+
+    def to_saved(self, state: dict) -> dict:
+        """What a checkpoint saves of the state (`checkpoint_abstract`'s tree)."""
+        return self.without_base(state)
+
+    def base_of(self, state: dict) -> dict:
+        """The frozen parameters of a state in checkpoint form."""
+        return state["frozen"]
+
+    def from_saved(self, saved: dict, base: dict | None) -> dict:
+        """The state from a restored checkpoint and, where it holds none, the base."""
+        return self.from_checkpoint(saved if base is None else {**saved, "frozen": base})
 
 
 def build_program(cfg: Config, mesh) -> Program:
@@ -277,8 +377,7 @@ def build_program(cfg: Config, mesh) -> Program:
     optimizer, schedule = make_optimizer(cfg)
     abstract = jax.eval_shape(lambda: init_state(cfg, optimizer))
     sharding.validate(axes)
-    trained = {k: v for k, v in axes.items() if k not in parts.frozen_keys}
-    frozen = {k: v for k, v in axes.items() if k in parts.frozen_keys}
+    trained, frozen = parts.split(axes)
     shardings = {
         "params": sharding.param_shardings(trained, abstract["params"], mesh),
         "frozen": sharding.param_shardings(frozen, abstract["frozen"], mesh),
@@ -289,8 +388,15 @@ def build_program(cfg: Config, mesh) -> Program:
     )
     # One compiled program; the state is donated so params are updated in place.
     step = jax.jit(
-        make_train_step(parts, optimizer, schedule),
+        make_train_step(parts, optimizer, schedule, dropout_seed=dropout_seed(cfg, parts)),
         donate_argnums=0,
         out_shardings=(shardings, sharding.replicated(mesh)),
     )
     return Program(cfg, mesh, parts, axes, optimizer, abstract, shardings, step)
+
+
+def dropout_seed(cfg: Config, parts: ModelParts) -> int | None:
+    """The seed of the adapters' dropout masks (`train.seed`), None when no trained adapter
+    drops anything."""
+    rates = [cfg.model.lora_of(m).dropout for m in parts.adapted]
+    return cfg.train.seed if any(r > 0 for r in rates) else None

@@ -7,9 +7,10 @@ every token, patch or audio row the bucket holds (`data.cost.layer_linear`), plu
 4 * pairs * width for the pairs computed (dense: every pair of each row; block-sparse: the
 tile capacity's tiles of block x block pairs; cuDNN: the causal half of each LLM row).
 
-Training multiplies a forward by `data.cost.multiplier`: 3 trainable, 2 frozen with something
-trainable below it (input gradients only), 1 frozen with nothing trainable below (no backward at
-all). Here that is the backward's share: 2, 1 or 0 times the forward.
+Training multiplies a forward by `plan.training.multiplier`: 3 trainable, 2 frozen with something
+trainable below it or LoRA adapters inside (input gradients only), 1 frozen with nothing
+trainable below (no backward at all). Here that is the backward's share: 2, 1 or 0 times the
+forward; a module's adapters add their own forward and twice it back.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import math
 from typing import Any
 
 from jaxmllm.config.phases import BY_NAME, LLM, NAMES
-from jaxmllm.plan.cost import layer_linear, multiplier
+from jaxmllm.plan import training
+from jaxmllm.plan.cost import layer_linear
 
 # The encoders' chain order in front of the LLM when run as pipeline stages: the table's, last
 # first (the last encoder phase starts the chain)
@@ -84,18 +86,27 @@ def model_costs(model: Any, batch: Any, fractions: dict[str, float] | None = Non
         encoder is skipped: no work).
     """
     fractions = fractions or {}
-    lm, on = model.llm, [BY_NAME[name] for name in ENCODERS if BY_NAME[name].enabled(model)]
-    enc_trainable = any(not p.encoder(model).freeze for p in on)
-    proj_below = enc_trainable  # what lies below a projector: its encoder
-    llm_below = enc_trainable or not model.projector_freeze
-    back = lambda frozen, below: multiplier(frozen, below) - 1  # backward / forward
+    on = [BY_NAME[name] for name in ENCODERS if BY_NAME[name].enabled(model)]
+    how = training.modules(model)  # (what trains: frozen, adapters, the multipliers)
     segments = []
     for p in on:
         if fractions.get(p.name, 1.0) > 0:
             cost = SEGMENTS[p.name]
-            segments.append(cost(model, batch, fractions.get(p.name, 1.0), back, proj_below))
-    segments.append(_llm(model, batch, back(lm.freeze, llm_below)))
+            segments.append(cost(model, batch, fractions.get(p.name, 1.0), how))
+    segments.append(_llm(model, batch, how))
     return ModelCosts(batch.microbatches, tuple(segments))
+
+
+def _back(module: training.Module) -> float:
+    """Backward over forward of a module's base (`training.multiplier` - 1)."""
+    return module.multiplier - 1
+
+
+def _adapters(module: training.Module, shapes: dict, units: float) -> Work:
+    """The work of a module's LoRA adapters over `units` tokens: their forward, twice it
+    back (their weights' and their input's gradients)."""
+    fwd = training.adapter_flops(module, shapes) * units
+    return Work(fwd, 2 * fwd)
 
 
 def _work(fwd: float, back: float) -> Work:
@@ -112,8 +123,8 @@ def _attention(model: Any, rows: int, length: int, tiles: int, block: int, causa
     return float(rows * length * length)
 
 
-def _llm(model: Any, batch: Any, back: float) -> Segment:
-    lm = model.llm
+def _llm(model: Any, batch: Any, how: dict) -> Segment:
+    lm, back = model.llm, _back(how[LLM])
     tokens = batch.llm_rows * batch.llm_row_len
     head = lm.head_dim or lm.width // lm.heads
     q, kv = head * lm.heads, head * lm.kv_heads  # query (and output) width, key/value width
@@ -122,10 +133,11 @@ def _llm(model: Any, batch: Any, back: float) -> Segment:
     pairs = _attention(model, rows, length, batch.llm_tiles, batch.attention_block, True)
     layer = layer_linear(lm.width, kv, lm.mlp_dim, q, lm.mlp) * tokens + 4.0 * pairs * q
     logits = 2.0 * lm.width * lm.vocab_size * tokens
-    return Segment(LLM, lm.depth, _work(layer, back), Work(), _work(logits, back))
+    adapters = _adapters(how[LLM], training.block_shapes(lm.width, kv, lm.mlp_dim, q), tokens)
+    return Segment(LLM, lm.depth, _work(layer, back) + adapters, Work(), _work(logits, back))
 
 
-def _vision(model: Any, batch: Any, fraction: float, back, proj_below: bool) -> Segment:
+def _vision(model: Any, batch: Any, fraction: float, how: dict) -> Segment:
     v, lm = model.vision, model.llm
     patches = _scaled(batch.vision_patches, fraction)
     tiles = variant_tiles(batch.vision_tiles, patches, batch.attention_block)
@@ -135,12 +147,15 @@ def _vision(model: Any, batch: Any, fraction: float, back, proj_below: bool) -> 
     embed = 2.0 * v.patch_size**2 * v.channels * v.width * patches
     area, hidden = v.merge**2, v.projector_dim or lm.width
     project = 2.0 * (area * v.width * hidden + hidden * lm.width) * patches / area
-    own = back(v.freeze, False)
-    proj = back(model.projector_freeze, proj_below)
-    return Segment("vision", v.depth, _work(layer, own), _work(embed, own), _work(project, proj))
+    own, proj = how["vision"], how["vision_projector"]
+    layer = _work(layer, _back(own))
+    layer += _adapters(own, training.block_shapes(v.width, v.width, v.mlp_dim), patches)
+    shapes = {"fc1": (area * v.width, hidden), "fc2": (hidden, lm.width)}
+    leave = _work(project, _back(proj)) + _adapters(proj, shapes, patches / area)
+    return Segment("vision", v.depth, layer, _work(embed, _back(own)), leave)
 
 
-def _audio(model: Any, batch: Any, fraction: float, back, proj_below: bool) -> Segment:
+def _audio(model: Any, batch: Any, fraction: float, how: dict) -> Segment:
     a, lm = model.audio, model.llm
     frames = _scaled(batch.audio_frames, fraction)
     rows = frames // a.stride  # encoder rows (the stem's stride)
@@ -153,9 +168,16 @@ def _audio(model: Any, batch: Any, fraction: float, back, proj_below: bool) -> S
         convs = 2.0 * 2 * a.n_mels * a.width * frames / 2 + 2.0 * 2 * a.width * a.width * rows
     hidden, merged = a.projector_dim or lm.width, a.subsample // a.stride  # rows per LLM token
     project = 2.0 * (merged * a.width * hidden + hidden * lm.width) * frames / a.subsample
-    own = back(a.freeze, False)
-    proj = back(model.projector_freeze, proj_below)
-    return Segment("audio", a.depth, _work(layer, own), _work(convs, own), _work(project, proj))
+    own, proj = how["audio"], how["audio_projector"]
+    layer = _work(layer, _back(own))
+    layer += _adapters(own, training.block_shapes(a.width, a.width, a.mlp_dim), rows)
+    shapes = {
+        "fc1": (merged * a.width, hidden),
+        "fc2": (hidden, lm.width),
+        "fc": (a.width, lm.width),
+    }
+    leave = _work(project, _back(proj)) + _adapters(proj, shapes, frames / a.subsample)
+    return Segment("audio", a.depth, layer, _work(convs, _back(own)), leave)
 
 
 # Per encoder phase of the table: its stack's costs from its config section

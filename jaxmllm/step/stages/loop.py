@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxmllm.models import lora
 from jaxmllm.models.llm import chunked_token_losses
 from jaxmllm.models.mllm import encoder_args
 from jaxmllm.step.stages.layout import Layout
@@ -50,15 +51,20 @@ def pipeline_loss(parts: Any, layout: Layout) -> Callable:
     """
 
     def loss_fn(params, frozen, batch):
+        key = lora.current_key()  # (the adapters' dropout: passed in, not closed over)
         specs = (layout.in_spec(params), layout.in_spec(frozen), PartitionSpec())
-        body = lambda p, f, b: _body(parts, layout, p, f, b)
+
+        def body(p, f, b, *key):
+            with lora.dropout_key(key[0] if key else None):
+                return _body(parts, layout, p, f, b)
+
         return jax.shard_map(
             body,
             mesh=jax.sharding.get_abstract_mesh(),
-            in_specs=specs,
+            in_specs=(*specs, *([PartitionSpec()] if key is not None else [])),
             out_specs=PartitionSpec(),
             axis_names={STAGE_AXIS},
-        )(params, frozen, batch)
+        )(params, frozen, batch, *([] if key is None else [key]))
 
     return loss_fn
 
@@ -214,7 +220,8 @@ class _Ticks:
         ic = jnp.clip(i, 0, self.m - 1)
         which = jnp.where((i >= 0) & (i < self.m), self.branch, IDLE)
         mb = _take(self.batch, ic)
-        out, hidden = jax.lax.switch(which, self.branches, carry, mb, ic)
+        with lora.salted(self.s, t):  # (the adapters' dropout: a stage and tick's own masks)
+            out, hidden = jax.lax.switch(which, self.branches, carry, mb, ic)
         moved = {k: jax.lax.ppermute(v, STAGE_AXIS, self.perms[k]) for k, v in out.items()}
         return moved, hidden
 

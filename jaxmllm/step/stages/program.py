@@ -35,6 +35,10 @@ class PipelineProgram(unpipelined.Program):
     def __post_init__(self):  # the conversions, compiled once each
         self._to_depth = jax.jit(self.layout.to_depth, out_shardings=self.checkpoint_shardings)
         self._to_stages = jax.jit(self.layout.to_stages, out_shardings=self.shardings)
+        saved = self.without_base(self.checkpoint_shardings)  # (no base: it is not converted)
+        self._saved_depth = jax.jit(self.layout.to_depth, out_shardings=saved)
+        base = self.checkpoint_shardings["frozen"]
+        self._base_depth = jax.jit(self.layout.to_depth, out_shardings=base)
 
     def init(self, given: dict | None = None) -> dict:
         """A fresh pipelined train state; `given` parameters ([depth, ...] form, as
@@ -46,24 +50,33 @@ class PipelineProgram(unpipelined.Program):
 
     def abstract_params(self) -> dict:
         """Every parameter in its [depth, ...] (checkpoint) form, with that form's sharding."""
-        saved = self.checkpoint_abstract()
-        return {**saved["params"], **saved["frozen"]}
+        saved = self._depth_sharded()
+        return unpipelined.join(saved["params"], saved["frozen"])
 
     def describe(self) -> str:
         return super().describe() + "\n" + self.plan.describe()
 
-    def checkpoint_abstract(self) -> dict:
+    def _depth_sharded(self) -> dict:
         return jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             self.depth_abstract,
             self.checkpoint_shardings,
         )
 
+    def checkpoint_abstract(self) -> dict:
+        return self.without_base(self._depth_sharded())
+
     def to_checkpoint(self, state: dict) -> dict:
         return self._to_depth(state)
 
     def from_checkpoint(self, state: dict) -> dict:
         return self._to_stages(state)
+
+    def to_saved(self, state: dict) -> dict:
+        return self._saved_depth(self.without_base(state))
+
+    def base_of(self, state: dict) -> dict:
+        return self._base_depth(state["frozen"])
 
 
 def build_program(cfg: Config, mesh) -> unpipelined.Program:
@@ -82,8 +95,12 @@ def build_program(cfg: Config, mesh) -> unpipelined.Program:
     # Checkpoints: the [depth, ...] stacks, their layers split over the stages where they divide.
     saved = _shardings(axes, depth, parts, optimizer, mesh, {**sharding.RULES, "layers": "stage"})
     loss = pipeline_loss(parts, layout)
+    dropout = unpipelined.dropout_seed(cfg, parts)
+    train_step = unpipelined.make_train_step(
+        parts, optimizer, schedule, jax.value_and_grad(loss), dropout_seed=dropout
+    )
     step = jax.jit(
-        unpipelined.make_train_step(parts, optimizer, schedule, jax.value_and_grad(loss)),
+        train_step,
         donate_argnums=0,
         out_shardings=(shardings, sharding.replicated(mesh)),
     )
@@ -96,8 +113,7 @@ def build_program(cfg: Config, mesh) -> unpipelined.Program:
 def _shardings(axes, abstract, parts, optimizer, mesh, rules) -> dict[str, Any]:
     """NamedShardings of a train state (params, frozen, optimizer state, step) under `rules`."""
     sharding.validate(axes, rules)
-    trained = {k: v for k, v in axes.items() if k not in parts.frozen_keys}
-    frozen = {k: v for k, v in axes.items() if k in parts.frozen_keys}
+    trained, frozen = parts.split(axes)
     out = {
         "params": sharding.param_shardings(trained, abstract["params"], mesh, rules),
         "frozen": sharding.param_shardings(frozen, abstract["frozen"], mesh, rules),

@@ -1,0 +1,258 @@
+"""PEFT LoRA adapters in and out, with transformers and peft themselves as the oracle: adapters
+peft wrote put on tiny Qwen2-VL and LLaVA checkpoints built in tmp_path give our logits with an
+image in the prompt within 1e-4 of `PeftModel.from_pretrained`'s; a LoRA run trained from such a
+checkpoint exports an adapter peft loads (and `--merged`, the model with it merged) that gives
+the run's own logits; adapters with modules the model lacks are refused naming them."""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+
+import hf_models
+import numpy as np
+import pytest
+
+from jaxmllm.hf.check_whole import check_all
+from jaxmllm.hf.family import FamilyError
+from jaxmllm.hf.importer import write_config
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
+
+LLM = r"model\.language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+
+
+def peft_adapter(source: str, out: Path, seed: int = 0, **options) -> str:
+    """An adapter of the checkpoint as peft writes one, its A and B at random (a trained
+    adapter's), the modules it saves whole moved off the checkpoint's."""
+    model = transformers.AutoModelForImageTextToText.from_pretrained(source)
+    config = peft.LoraConfig(init_lora_weights=False, **options)
+    wrapped = peft.get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if ".lora_B." in name or "modules_to_save" in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    wrapped.save_pretrained(str(out))
+    return str(out)
+
+
+def logits(source: str, adapter: str = "") -> np.ndarray:
+    """transformers' logits of a fixed text (peft's with `adapter`)."""
+    model = transformers.AutoModelForImageTextToText.from_pretrained(source).eval()
+    if adapter:
+        model = peft.PeftModel.from_pretrained(model, adapter).eval()
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        return model(input_ids=ids).logits[0].numpy()
+
+
+CASES = {
+    # The LLM and the vision tower's fused qkv (its rotary permutation: the link's own) and
+    # output projection, scaled by rslora and a pattern of their own; the merger saved whole.
+    "qwen2_vl": (
+        hf_models.qwen2_vl,
+        dict(
+            r=4,
+            lora_alpha=8,
+            use_rslora=True,
+            alpha_pattern={"qkv": 12},
+            target_modules=rf"(?:{LLM}|model\.visual\.blocks\.\d+\.attn\.(qkv|proj))",
+            modules_to_save=["model.visual.merger.mlp.0"],
+        ),
+    ),
+    # The LLM and the CLIP tower's q and v (LLaVA's LLM has q_proj too: a regex tells them
+    # apart), the projector's first matrix, each module of a rank of its own.
+    "llava": (
+        hf_models.llava,
+        dict(
+            r=2,
+            lora_alpha=4,
+            target_modules=rf"(?:{LLM}|model\.vision_tower\.encoder\.layers\.\d+\.self_attn\."
+            r"(q|v)_proj|model\.multi_modal_projector\.linear_1)",
+            rank_pattern={"linear_1": 3},
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_peft_adapter_gives_peft_s_logits_with_an_image_in_the_prompt(name, tmp_path):
+    """`hf check DIR --adapter A`: ours (the adapter read as `hf import --adapter` reads it)
+    against transformers + `PeftModel.from_pretrained`, every line within 1e-4, the adapter
+    moving the logits far more than that; and `hf import --adapter` writes the LoRA sections
+    it implies."""
+    build, options = CASES[name]
+    source = build(tmp_path / name)
+    adapter = peft_adapter(source, tmp_path / "adapter", **options)
+    assert np.abs(logits(source, adapter) - logits(source)).max() > 0.05
+    results = check_all(source, adapter=adapter)
+    assert results[-1]["role"] == "model" and "image in the prompt" in results[-1]["what"]
+    for result in results:
+        assert result["max_abs_diff"] < 1e-4, result
+    cfg = write_config(tmp_path / "run.yaml", model=source, adapter=adapter)
+    m = cfg.model
+    assert m.init_from.adapter == str(Path(adapter).resolve())
+    assert m.llm.lora.rank == options["r"] and set(m.llm.lora.targets) == set(
+        ("q", "k", "v", "o", "gate", "up", "down")
+    )
+    if name == "qwen2_vl":
+        assert set(m.vision.lora.targets) == {"q", "k", "v", "o"} and not m.vision.freeze
+        assert m.projector_freeze is False and m.projector_lora.rank == 0  # (saved whole)
+    else:
+        assert set(m.vision.lora.targets) == {"q", "v"}
+        assert m.projector_lora.rank == 3 and m.projector_lora.targets == ("fc1",)
+
+
+def test_an_adapter_of_modules_the_model_lacks_is_refused_naming_them(tmp_path):
+    """target_modules naming modules no adapter of the model sits on (the LM head, a name no
+    module has), weights of such a module, a DoRA adapter: refused, naming them, before
+    anything trains."""
+    source = hf_models.llava(tmp_path / "llava")
+    adapter = Path(
+        peft_adapter(
+            source, tmp_path / "adapter", r=2, lora_alpha=4, target_modules=["q_proj", "lm_head"]
+        )
+    )
+    with pytest.raises(
+        FamilyError,
+        match=r"target_modules 'lm_head' name no module this model "
+        r"can put an adapter on \(jaxmllm adapts .*q_proj",
+    ):
+        write_config(tmp_path / "run.yaml", model=source, adapter=str(adapter))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["target_modules"] = ["q_proj", "qkv_proj"]
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(FamilyError, match=r"'qkv_proj' name no module"):
+        write_config(tmp_path / "run.yaml", model=source, adapter=str(adapter))
+    config["target_modules"] = ["q_proj"]  # (the config hides the LM head's weights)
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        FamilyError,
+        match=r"tensors name modules this model has no adapter on, "
+        r"e\.g\. .*base_model\.model\.lm_head\.lora_A\.weight",
+    ):
+        write_config(tmp_path / "run.yaml", model=source, adapter=str(adapter))
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(FamilyError, match="DoRA adapters are not supported"):
+        write_config(tmp_path / "run.yaml", model=source, adapter=str(adapter))
+
+
+# ----------------------------------------------------------------------------- a LoRA run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2_vl", "llava"])
+def test_a_lora_run_exports_an_adapter_peft_loads_with_the_runs_logits(name, tmp_path):
+    """Import a whole checkpoint, train 2 steps of LoRA on its LLM and vision tower (the
+    projector trained whole), export: a PEFT adapter of the checkpoint, which read back is the
+    run's adapters bit for bit and gives peft's logits with an image in the prompt within
+    1e-4; `--merged`: the model with the adapters merged, its logits peft's; a checkpoint
+    whose files changed since is refused by a resume and by export, naming it."""
+    import jax
+    from test_hf_train import CPU
+    from test_hf_whole_train import whole_dir
+
+    import sharding
+    from jaxmllm import train
+    from jaxmllm.config import Config, ConfigError, from_dict, load_config
+    from jaxmllm.data.source import make_source
+    from jaxmllm.hf.export import export_run
+    from jaxmllm.hf.start import run_parameters
+    from jaxmllm.hf.towers import load_model
+    from jaxmllm.init_from import initial_params
+    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.step.stages.program import build_program
+    from sharding.rules import keyed_leaves
+
+    source = whole_dir(name, tmp_path / name)
+    write_config(tmp_path / "run.yaml", model=source)
+    out = tmp_path / "run"
+    sets = [
+        *CPU,
+        f"train.output_dir={out}",
+        "optim.lr=1e-2",
+        "train.steps=2",
+        "train.checkpoint_every=2",
+        "model.audio.enabled=false",
+        "data.synthetic.audio_fraction=0",
+        "model.llm.lora.rank=4",
+        "model.llm.lora.alpha=8",
+        "model.vision.lora.rank=2",
+        "model.vision.lora.targets=[q,k,o]",
+    ]
+    cfg = load_config(tmp_path / "run.yaml", sets)
+    train.main(cfg)
+    adapter = tmp_path / "adapter"
+    assert set(export_run(str(out), str(adapter))) == {"model"}
+    assert {p.name for p in adapter.iterdir()} == {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    }
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["modules_to_save"]  # (the projector, trained whole)
+    wrapped = transformers.AutoModelForImageTextToText.from_pretrained(source)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = peft.PeftModel.from_pretrained(wrapped, str(adapter))
+    assert not [w for w in caught if "missing adapter keys" in str(w.message)]  # (every one)
+    named = {n for n, _ in wrapped.named_modules() if n.endswith(".lora_A")}
+    assert named and all(re.search(config["target_modules"], n) for n in named)
+    for result in check_all(source, adapter=str(adapter)):
+        assert result["max_abs_diff"] < 1e-4, result
+
+    run_cfg = from_dict(Config, json.loads((out / "config.json").read_text()))  # (resolved)
+    _, params, _ = run_parameters(run_cfg, out)
+    trained = keyed_leaves(jax.device_get(params))
+    _, back = load_model(source, source, adapter=str(adapter))
+    mine = {p: v for p, v in _flat(back).items() if p in trained}
+    assert set(mine) == set(trained)
+    for path, value in trained.items():
+        np.testing.assert_array_equal(mine[path], value, err_msg=path)
+
+    again = write_config(tmp_path / "again.yaml", model=source, adapter=str(adapter))
+    assert again.model.vision.lora.targets == ("k", "o", "q") and again.model.llm.lora.rank == 4
+    no_audio = ["model.audio.enabled=false", "data.synthetic.audio_fraction=0"]
+    again = load_config(tmp_path / "again.yaml", [*CPU, *no_audio])
+    again = resolve_batch(again, make_source(again)[1], 8)
+    mesh = sharding.make_mesh(again.mesh)
+    with jax.set_mesh(mesh):
+        given = keyed_leaves(jax.device_get(initial_params(again, build_program(again, mesh))))
+    for path, value in trained.items():  # (the trainer's start: model.init_from.adapter)
+        np.testing.assert_array_equal(given[path], value, err_msg=path)
+
+    merged = export_run(str(out), str(tmp_path / "merged"), merged=True)["model"]
+    np.testing.assert_allclose(logits(str(merged)), logits(source, str(adapter)), atol=1e-4)
+    for result in check_all(str(merged)):
+        assert result["max_abs_diff"] < 1e-4, result
+
+    _perturb(Path(source))  # (its files changed since the run read them)
+    refused = rf"trained on the base \(model\.init_from\.llm={source}.*content hash"
+    with pytest.raises(ConfigError, match=refused):
+        run_parameters(run_cfg, out)
+    with pytest.raises(ConfigError, match=refused):
+        train.main(load_config(tmp_path / "run.yaml", [*sets, "train.steps=3"]))
+
+
+def _flat(model) -> dict:
+    from flax import nnx
+
+    from sharding.rules import keyed_leaves
+
+    return keyed_leaves(nnx.to_pure_dict(nnx.state(model)))
+
+
+def _perturb(directory: Path) -> None:
+    """One LLM tensor of a checkpoint nudged (its files changed since a run read it)."""
+    from jaxmllm.hf.safetensors import Checkpoint, write_checkpoint
+
+    ck = Checkpoint(directory)
+    tensors = {n: np.array(ck.get(n)) for n in ck.names()}
+    name = next(n for n in tensors if n.endswith("layers.0.mlp.up_proj.weight"))
+    tensors[name] = tensors[name] + np.asarray(1e-3, tensors[name].dtype)
+    write_checkpoint(directory, sorted(tensors.items()))
