@@ -129,6 +129,11 @@ class DataConfig:
     # lengths index from `python -m jaxmllm.data.index`; "" = <path>.index/<key>, the key naming
     # what decides its counts (tokenizer, preprocessing), so configs that differ keep their own
     index_dir: str = ""
+    # Where `python -m jaxmllm.data.index` runs its shards: "" = local worker processes
+    # (--workers); auto = Ray tasks on the cluster `ray start` started on this machine (or
+    # RAY_ADDRESS), else a local Ray; or a Ray cluster's address (host:6379). Needs the ray
+    # extra (pip install -e '.[ray]'); --ray on the command line overrides it.
+    index_ray: str = ""
     # byte (UTF-8 bytes + jaxmllm's 8 specials); the path of a tokenizer.json file (training from
     # scratch: its ids >= 256 shifted by 8 past jaxmllm's specials); or the path of a HuggingFace
     # checkpoint's tokenizer directory (tokenizer.json + tokenizer_config.json: the checkpoint's

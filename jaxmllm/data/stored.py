@@ -1,0 +1,384 @@
+"""An index folder's columns: what a build's shards found, merged; opened (mapped) and checked.
+
+    <index>/summary.json         counts, percentiles, rejects by reason, the preprocessing
+                                 parameters, `index_format`, and `columns`: every column file's
+                                 dtype and shape (loading checks each file against it)
+    <index>/rejects.jsonl        every rejected record: id, place, reason
+    <index>/text.npy             per accepted record (a training sample): text tokens
+    <index>/vision.ptr.npy  .sizes.npy    per encoder phase: sample i's items are
+    <index>/audio.ptr.npy   .sizes.npy      sizes[ptr[i]:ptr[i + 1]], in the phase's units
+    <index>/row.npy  line.npy    where each sample is: its record number, its line
+    <index>/id.offsets.npy  id.bytes.npy  its record id (`columnar.Strings`)
+    <index>/image_sizes.ptr.npy  .values.npy   per kind of media, each item's size from its
+      (audio_samples, video_sizes)           header ([items, fields])
+    <index>/files.path.*  files.size.npy  files.records.npy   the data files, their sizes, the
+                                 first record of each
+    <index>/scan.<key>.npy  scan.<key>.ptr.npy   what scanning the files found (line offsets,
+                                 .tar members), file f's at [ptr[f]:ptr[f + 1]]
+
+A build's shards write parts (`row_part`, `reject_part`), which `merge_rows` streams into these
+columns; `StoredIndex` maps them and checks them against the summary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from jaxmllm.config.phases import ENCODERS
+from jaxmllm.data.columnar import (
+    ColumnError,
+    ColumnWriter,
+    Strings,
+    chunks,
+    open_column,
+    open_strings,
+)
+from jaxmllm.data.lengths import Items, LengthsIndex
+from jaxmllm.data.preprocess import MEDIA, Sizes
+
+FORMAT = "jaxmllm-columnar-1"  # summary.json's index_format
+SIZES = {kind: media.size_key for kind, media in MEDIA.items()}
+
+
+def size_dtype(kind: str):
+    return np.float64 if float in MEDIA[kind].size_types else np.int64
+
+
+def ragged_columns() -> list[tuple[str, str, object, tuple]]:
+    """(name, its values' column, their dtype, a value's shape) of each ragged column: the
+    pointers are `<name>.ptr`, a part's counts per row `<name>.count`."""
+    out = [(p.name, f"{p.name}.sizes", np.int64, ()) for p in ENCODERS]
+    for kind, key in SIZES.items():
+        out.append((key, f"{key}.values", size_dtype(kind), (len(MEDIA[kind].size_types),)))
+    return out
+
+
+# ----------------------------------------------------------------------------- parts
+
+
+def row_part(rows: list[dict]) -> dict[str, np.ndarray]:
+    """A shard's accepted rows (the index's measure() dicts) as a part's arrays."""
+    ids = Strings.of(r["id"] for r in rows)
+    out = {
+        "text": _ints(r["text"] for r in rows),
+        "row": _ints(r["row"] for r in rows),
+        "line": _ints(r["line"] for r in rows),
+        "id.offsets": ids.offsets,
+        "id.bytes": ids.data,
+        "id.hash": id_hashes(r["id"] for r in rows),
+    }
+    for p in ENCODERS:
+        out[f"{p.name}.count"] = _ints(len(r[p.items]) for r in rows)
+        out[f"{p.name}.sizes"] = _ints(v for r in rows for v in r[p.items])
+    for kind, key in SIZES.items():
+        width = len(MEDIA[kind].size_types)
+        out[f"{key}.count"] = _ints(len(r[key]) for r in rows)
+        values = [v for r in rows for s in r[key] for v in s]
+        out[f"{key}.values"] = np.asarray(values, size_dtype(kind)).reshape(-1, width)
+    return out
+
+
+def reject_part(rejects: list[dict]) -> dict[str, np.ndarray]:
+    """A shard's rejects (in record order) as a part's arrays: each one's JSON line and row."""
+    lines = Strings.of(json.dumps(r) for r in rejects)
+    return {
+        "rejects.offsets": lines.offsets,
+        "rejects.bytes": lines.data,
+        "rejects.row": _ints(r["row"] for r in rejects),
+    }
+
+
+def _ints(values) -> np.ndarray:
+    return np.fromiter(values, np.int64)
+
+
+def id_hashes(ids) -> np.ndarray:
+    """64-bit hashes of record ids (the merge finds duplicates by sorting them)."""
+    digest = lambda s: hashlib.blake2b(s.encode("utf-8", "surrogateescape"), digest_size=8)
+    return np.fromiter((int.from_bytes(digest(s).digest(), "little") for s in ids), np.uint64)
+
+
+def save_part(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Writes a part under a temporary name, then renames it into place: a reader sees the
+    whole part or none (a shard killed while writing leaves only a temporary file)."""
+    tmp = path.with_name(f"{path.stem}.tmp-{np.random.default_rng().integers(1 << 62)}.npz")
+    np.savez(tmp, **arrays)
+    tmp.replace(path)
+
+
+# ----------------------------------------------------------------------------- merge
+
+
+def duplicates(parts: list[dict]) -> list[np.ndarray]:
+    """Per part, which of its rows repeat an id an earlier row has (by part, then row)."""
+    hashes = np.concatenate([p["id.hash"] for p in parts]) if parts else np.zeros(0, np.uint64)
+    starts = np.cumsum([0, *(len(p["id.hash"]) for p in parts)])
+    order = np.argsort(hashes, kind="stable")  # (equal hashes keep their order)
+    ranked = hashes[order]
+    repeat = np.flatnonzero(ranked[1:] == ranked[:-1]) + 1
+    dup = np.zeros(len(hashes), bool)
+    if len(repeat):
+        id_of = lambda k: _id_at(parts, starts, int(k))
+        for r in repeat.tolist():  # (a run of equal hashes: compare the ids themselves)
+            first = r
+            while first > 0 and ranked[first - 1] == ranked[r]:
+                first -= 1
+            mine = id_of(order[r])
+            dup[order[r]] = any(id_of(order[j]) == mine for j in range(first, r))
+    return [dup[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+
+def _id_at(parts: list[dict], starts: np.ndarray, k: int) -> str:
+    p = int(np.searchsorted(starts, k, "right")) - 1
+    return Strings(parts[p]["id.offsets"], parts[p]["id.bytes"])[k - int(starts[p])]
+
+
+def merge_rows(folder: Path, parts: list[dict], drop: list[np.ndarray]) -> dict[str, list]:
+    """Streams the parts' rows, less those `drop` marks, into the index's columns in
+    `folder`; returns their column table."""
+    keep = [~d for d in drop]
+    table = {}
+    for name in ("text", "row", "line", "id"):
+        table.update(
+            concat_column(
+                folder, name, [p[name] if name in p else _strings(p, name) for p in parts], keep
+            )
+        )
+    for name, values, _, _ in ragged_columns():
+        table.update(concat_ragged(folder, name, values, parts, f"{name}.count", values, keep))
+    return table
+
+
+def _strings(part: dict, key: str) -> Strings:
+    return Strings(part[f"{key}.offsets"], part[f"{key}.bytes"])
+
+
+def part_value(part: dict, key: str) -> np.ndarray | Strings:
+    """A part's array `key`, or its strings (`key.offsets`, `key.bytes`)."""
+    return part[key] if key in part else _strings(part, key)
+
+
+def concat_column(folder: Path, name: str, values: list, keep: list | None = None) -> dict:
+    """Writes the parts' `values` (arrays, or `Strings`), less the rows `keep` leaves out,
+    one after another as column `name`; its column table entries."""
+    keep = keep if keep is not None else [None] * len(values)
+    if values and isinstance(values[0], Strings):
+        lengths = [
+            np.diff(v.offsets) if k is None else np.diff(v.offsets)[k]
+            for v, k in zip(values, keep, strict=True)
+        ]
+        offsets = ColumnWriter(
+            folder / f"{name}.offsets.npy", np.int64, (sum(map(len, lengths)) + 1,)
+        )
+        data = ColumnWriter(
+            folder / f"{name}.bytes.npy", np.uint8, (int(sum(x.sum() for x in lengths)),)
+        )
+        offsets.write(np.zeros(1, np.int64))
+        total = 0
+        for v, k, n in zip(values, keep, lengths, strict=True):
+            offsets.write(total + np.cumsum(n))
+            every = np.asarray(v.data[int(v.offsets[0]) : int(v.offsets[-1])])
+            data.write(every if k is None else every[np.repeat(k, np.diff(v.offsets))])
+            total += int(n.sum())
+        return {f"{name}.offsets.npy": offsets.close(), f"{name}.bytes.npy": data.close()}
+    kept = [v if k is None else v[k] for v, k in zip(values, keep, strict=True)]
+    first = values[0] if values else np.zeros(0, np.int64)
+    out = ColumnWriter(folder / f"{name}.npy", first.dtype, (sum(map(len, kept)), *first.shape[1:]))
+    for v in kept:
+        out.write(v)
+    return {f"{name}.npy": out.close()}
+
+
+def concat_ragged(
+    folder: Path,
+    name: str,
+    values_name: str,
+    parts: list[dict],
+    count_key: str,
+    values_key: str,
+    keep: list | None = None,
+) -> dict:
+    """Writes a ragged column from the parts: `<name>.ptr` from their rows' `count_key`
+    (less the rows `keep` leaves out), `values_name` from their `values_key`."""
+    keep = keep if keep is not None else [None] * len(parts)
+    counts = [p[count_key] for p in parts]
+    kept = [c if k is None else c[k] for c, k in zip(counts, keep, strict=True)]
+    ptr = ColumnWriter(folder / f"{name}.ptr.npy", np.int64, (sum(map(len, kept)) + 1,))
+    ptr.write(np.zeros(1, np.int64))
+    total = 0
+    for c in kept:
+        ptr.write(total + np.cumsum(c))
+        total += int(c.sum())
+    values = [part_value(p, values_key) for p in parts]
+    item_keep = [None if k is None else np.repeat(k, c) for c, k in zip(counts, keep, strict=True)]
+    return {f"{name}.ptr.npy": ptr.close(), **concat_column(folder, values_name, values, item_keep)}
+
+
+# ----------------------------------------------------------------------------- opening
+
+
+class StoredIndex:
+    """An index folder's columns, mapped and checked against its summary: each column file
+    is the dtype and shape the summary's table says, every row count is the summary's, each
+    pointer column spans its values. `lengths_only`: the planner's columns alone (a lengths
+    index: `open_lengths`)."""
+
+    def __init__(self, folder: Path, summary: dict, lengths_only: bool = False):
+        self.folder, self.summary = Path(folder), summary
+        table = summary.get("columns")
+        if not isinstance(table, dict):
+            raise ColumnError(f"{self.folder}/summary.json has no column table")
+        self.table = table
+        n = summary.get("accepted")
+        if not isinstance(n, int) or n < 0:
+            raise ColumnError(f"{self.folder}/summary.json: 'accepted' is not a count")
+        self.n = n
+        self.text = self._ints("text.npy", (n,))
+        if lengths_only:
+            self.items = {p.name: Items(*self._ragged(p.name, f"{p.name}.sizes")) for p in ENCODERS}
+            return
+        self.row = self._ints("row.npy", (n,))
+        self.line = self._ints("line.npy", (n,))
+        self.ids = open_strings(self.folder, "id", table)
+        self._shape("id.offsets.npy", (n + 1,))
+        ragged = {name: self._ragged(name, values) for name, values, _, _ in ragged_columns()}
+        self.items = {p.name: Items(*ragged[p.name]) for p in ENCODERS}
+        self.sizes = {kind: ragged[key] for kind, key in SIZES.items()}
+        self.files = open_strings(self.folder, "files.path", table)
+        f = len(self.files)
+        self.file_sizes = self._ints("files.size.npy", (f,))
+        self.file_starts = self._ints("files.records.npy", (f + 1,))
+        self.scans = ScanColumns(self.folder, table, summary.get("scan_keys", []), f)
+
+    @classmethod
+    def of_rows(cls, rows: list[dict]) -> StoredIndex:
+        """An index held in memory, of accepted rows (the build's measure() dicts): what the
+        fuzz harness and small tools load samples through without writing a folder."""
+        part = row_part(rows)
+        out = cls.__new__(cls)
+        out.folder, out.summary, out.table, out.n = Path("."), {}, {}, len(rows)
+        out.text, out.row, out.line = part["text"], part["row"], part["line"]
+        out.ids = Strings(part["id.offsets"], part["id.bytes"])
+        ragged = {
+            name: (np.concatenate([[0], np.cumsum(part[f"{name}.count"])]), part[values])
+            for name, values, _, _ in ragged_columns()
+        }
+        out.items = {p.name: Items(*ragged[p.name]) for p in ENCODERS}
+        out.sizes = {kind: ragged[key] for kind, key in SIZES.items()}
+        return out
+
+    def _ints(self, file: str, shape: tuple) -> np.ndarray:
+        array = open_column(self.folder, file, self.table)
+        if array.dtype != np.int64:
+            raise ColumnError(f"{self.folder / file} holds {array.dtype}, not int64 counts")
+        return self._shape(file, shape, array)
+
+    def _shape(self, file: str, shape: tuple, array=None) -> np.ndarray:
+        array = open_column(self.folder, file, self.table) if array is None else array
+        if array.shape[: len(shape)] != shape:
+            raise ColumnError(
+                f"{self.folder / file} has {array.shape[0]} rows, the summary's "
+                f"{self.n} samples need {shape[0]} (a half-written or mixed-up index)"
+            )
+        return array
+
+    def _ragged(self, name: str, values: str) -> tuple[np.ndarray, np.ndarray]:
+        ptr = self._ints(f"{name}.ptr.npy", (self.n + 1,))
+        data = open_column(self.folder, f"{values}.npy", self.table)
+        if len(ptr) and (int(ptr[0]) != 0 or int(ptr[-1]) != len(data)):
+            raise ColumnError(
+                f"{self.folder / name}.ptr.npy: its ends ({int(ptr[0])}, {int(ptr[-1])}) do "
+                f"not span the {len(data)} values"
+            )
+        return ptr, data
+
+    def lengths(self) -> LengthsIndex:
+        """The planner's index: views of the mapped counts, drawn by the index shuffle."""
+        return LengthsIndex(self.text, dict(self.items), shuffle="index")
+
+    def media_sizes(self, i: int) -> Sizes:
+        """Sample i's media sizes, as its record's header gave them."""
+        out = {}
+        for kind, (ptr, values) in self.sizes.items():
+            types = MEDIA[kind].size_types
+            rows = values[int(ptr[i]) : int(ptr[i + 1])].tolist()
+            out[kind] = [tuple(t(v) for t, v in zip(types, r, strict=True)) for r in rows]
+        return Sizes(out)
+
+
+def open_lengths(folder: Path) -> LengthsIndex:
+    """The planner's lengths of the index in `folder` (built, or `bench.lengths_synth`'s),
+    mapped and checked; ColumnError naming what is wrong."""
+    folder = Path(folder)
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ColumnError(f"{folder}/summary.json: not an index's summary ({e})") from None
+    if not isinstance(summary, dict) or summary.get("index_format") != FORMAT:
+        raise ColumnError(f"{folder}: not a {FORMAT} index")
+    return StoredIndex(folder, summary, lengths_only=True).lengths()
+
+
+class ScanColumns:
+    """What scanning the data files found, as mapped columns: `of(f)` is file f's scan (views),
+    as its reader takes it."""
+
+    def __init__(self, folder: Path, table: dict, keys: list[str], files: int):
+        self.columns = {}
+        for key in keys:
+            ptr = open_column(folder, f"scan.{key}.ptr.npy", table)
+            if ptr.shape != (files + 1,):
+                raise ColumnError(f"{folder}/scan.{key}.ptr.npy: not one entry per data file")
+            if f"scan.{key}.npy" in table:
+                values = open_column(folder, f"scan.{key}.npy", table)
+            else:
+                values = open_strings(folder, f"scan.{key}", table)
+            if int(ptr[-1]) != len(values) or int(ptr[0]) != 0:
+                raise ColumnError(f"{folder}/scan.{key}.ptr.npy does not span scan.{key}")
+            self.columns[key] = (ptr, values)
+
+    def of(self, f: int) -> dict:
+        return {k: v[int(p[f]) : int(p[f + 1])] for k, (p, v) in self.columns.items()}
+
+
+def scan_columns(scans: list[dict]) -> dict[str, np.ndarray | Strings]:
+    """Per-file scans (each a dict of arrays or `Strings`) as columns: each key's values of
+    every file one after another, and `<key>.ptr`, where each file's start."""
+    out = {}
+    for key in scans[0] if scans else []:
+        values = [s[key] for s in scans]
+        ptr = np.cumsum([0, *(len(v) for v in values)]).astype(np.int64)
+        joined = (
+            Strings.concat(values) if isinstance(values[0], Strings) else np.concatenate(values)
+        )
+        out[key], out[f"{key}.ptr"] = joined, ptr
+    return out
+
+
+def check_counts(index: StoredIndex, largest: dict[str, int]) -> None:
+    """Raises ColumnError, naming the file, for counts no build writes: negative text, items
+    of no units or more than `largest[phase]` (what the preprocessing settings allow), item
+    pointers that go back. One pass in chunks, none of it kept resident."""
+    for start, part in chunks(index.text):
+        if len(part) and int(part.min()) < 0:
+            bad = int(np.argmax(part < 0))
+            raise ColumnError(
+                f"{index.folder}/text.npy: sample {start + bad} has {int(part[bad])} text tokens"
+            )
+    for name, items in index.items.items():
+        last = 0
+        for start, part in chunks(items.ptr):
+            if len(part) and (int(part[0]) < last or (np.diff(part) < 0).any()):
+                raise ColumnError(f"{index.folder}/{name}.ptr.npy goes back near sample {start}")
+            last = int(part[-1]) if len(part) else last
+        most = largest.get(name)
+        for _, part in chunks(items.sizes):
+            if len(part) and (int(part.min()) < 1 or (most and int(part.max()) > most)):
+                raise ColumnError(
+                    f"{index.folder}/{name}.sizes.npy: an item of {int(part.min())} or "
+                    f"{int(part.max())} units (1..{most} possible with these settings)"
+                )
