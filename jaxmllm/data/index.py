@@ -63,6 +63,7 @@ from jaxmllm.data.datasets import (
 )
 from jaxmllm.data.index_build import (
     check_encoders,
+    close_worker,
     context,
     init_worker,
     measure,
@@ -180,6 +181,8 @@ def index_data_set(
         pool.close()
         shutil.rmtree(staged, ignore_errors=True)
         raise
+    finally:
+        close_worker()  # (the files jobs run in this process opened)
     return summary
 
 

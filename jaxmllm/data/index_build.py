@@ -14,8 +14,9 @@ reads half a part, and nothing the trainer reads exists until the staging folder
 The index is the same bytes whatever ran the jobs and however the records were sharded.
 
 A job marks the record it is reading (`<part>.at`); when its process dies (killed for memory,
-an abort in the Rust tokenizer), that record becomes a `record_crashed` reject and the rest of
-its shard runs again in a fresh process, up to `MAX_CRASHED` records a build.
+an abort in the Rust tokenizer), the rest of its shard runs again in fresh processes, that
+record first; if a process dies on it again, it becomes a `record_crashed` reject naming it
+and the build goes on, up to `MAX_CRASHED` such records a build.
 """
 
 from __future__ import annotations
@@ -124,8 +125,15 @@ _worker: dict = {}
 
 
 def init_worker(ctx: BuildContext) -> None:
-    _worker.clear()
+    close_worker()
     _worker["ctx"] = ctx
+
+
+def close_worker() -> None:
+    """Closes what this process's jobs opened (the data files) and forgets the build."""
+    if "records" in _worker:
+        _worker["records"].close()
+    _worker.clear()
 
 
 def staged_records(ctx: BuildContext) -> Records:
@@ -298,6 +306,7 @@ def measure_records(pool, ctx: BuildContext, records: int, workers: int, bar) ->
     jobs = [(a, min(records, a + step)) for a in range(0, records, step)]
     done: list[int] = []
     crashed: list[str] = []
+    suspects: set[int] = set()  # records a worker died on once (tried again in a fresh one)
     died_early: Counter = Counter()
     opened: list[Records] = []
 
@@ -313,6 +322,9 @@ def measure_records(pool, ctx: BuildContext, records: int, workers: int, bar) ->
             if died_early[job] > 1:
                 raise ConfigError(died_outside(how))
             return [job]
+        if k not in suspects:  # (a worker killed for another's memory: the record may be fine)
+            suspects.add(k)
+            return [j for j in ((a, k), (k, b)) if j[0] < j[1]]
         if not opened:
             opened.append(staged_records(ctx))
         write_rows_part(ctx.parts, k, [], [crash_reject(opened[0], k, how)])

@@ -359,26 +359,49 @@ def scan_columns(scans: list[dict]) -> dict[str, np.ndarray | Strings]:
     return out
 
 
-def check_counts(index: StoredIndex, largest: dict[str, int]) -> None:
-    """Raises ColumnError, naming the file, for counts no build writes: negative text, items
-    of no units or more than `largest[phase]` (what the preprocessing settings allow), item
-    pointers that go back. One pass in chunks, none of it kept resident."""
-    for start, part in chunks(index.text):
-        if len(part) and int(part.min()) < 0:
-            bad = int(np.argmax(part < 0))
-            raise ColumnError(
-                f"{index.folder}/text.npy: sample {start + bad} has {int(part[bad])} text tokens"
-            )
+def check_values(index: StoredIndex, largest: dict[str, int]) -> None:
+    """Raises ColumnError, naming the file, for values no build writes: negative text, items
+    of no units or more than `largest[phase]` (what the preprocessing settings allow), pointers
+    that go back, record numbers out of order or past the data, negative media sizes, scan
+    offsets outside the files. One pass in windows, none of it kept resident."""
+    records = int(index.file_starts[-1]) if len(index.file_starts) else 0
+    _within(index.folder, "text.npy", index.text, 0, None)
     for name, items in index.items.items():
-        last = 0
-        for start, part in chunks(items.ptr):
-            if len(part) and (int(part[0]) < last or (np.diff(part) < 0).any()):
-                raise ColumnError(f"{index.folder}/{name}.ptr.npy goes back near sample {start}")
-            last = int(part[-1]) if len(part) else last
-        most = largest.get(name)
-        for _, part in chunks(items.sizes):
-            if len(part) and (int(part.min()) < 1 or (most and int(part.max()) > most)):
-                raise ColumnError(
-                    f"{index.folder}/{name}.sizes.npy: an item of {int(part.min())} or "
-                    f"{int(part.max())} units (1..{most} possible with these settings)"
-                )
+        _ascending(index.folder, f"{name}.ptr.npy", items.ptr)
+        _within(index.folder, f"{name}.sizes.npy", items.sizes, 1, largest.get(name))
+    _ascending(index.folder, "row.npy", index.row, strict=True)
+    _within(index.folder, "row.npy", index.row, 0, records - 1)
+    _within(index.folder, "line.npy", index.line, 0, None)
+    for kind, (ptr, values) in index.sizes.items():
+        _ascending(index.folder, f"{SIZES[kind]}.ptr.npy", ptr)
+        _within(index.folder, f"{SIZES[kind]}.values.npy", values, 0, None)
+    biggest = int(index.file_sizes.max(initial=0))
+    for key, (ptr, values) in index.scans.columns.items():
+        if not isinstance(values, Strings):
+            _within(index.folder, f"scan.{key}.npy", values, 0, biggest)
+        _ascending(index.folder, f"scan.{key}.ptr.npy", ptr)
+
+
+def _within(folder: Path, file: str, column: np.ndarray, low, high) -> None:
+    for start, part in chunks(column):
+        outside = part < low
+        if high is not None:
+            outside |= part > high
+        if outside.any():
+            bad = int(np.flatnonzero(outside.reshape(len(part), -1).any(1))[0])
+            most = "..." if high is None else high
+            raise ColumnError(
+                f"{folder / file}: row {start + bad} holds {part[bad].tolist()}, outside "
+                f"[{low}, {most}]"
+            )
+
+
+def _ascending(folder: Path, file: str, column: np.ndarray, strict: bool = False) -> None:
+    last = None
+    for start, part in chunks(column):
+        if not len(part):
+            continue
+        steps = np.diff(part) if last is None else np.diff(np.concatenate([[last], part]))
+        if (steps <= 0).any() if strict else (steps < 0).any():
+            raise ColumnError(f"{folder / file} goes back (or repeats) near row {start}")
+        last = part[-1]

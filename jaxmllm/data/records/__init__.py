@@ -15,6 +15,7 @@ unless data.allow_outside_paths.
 
 from __future__ import annotations
 
+import resource
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from functools import partial
@@ -41,8 +42,12 @@ READERS = {
 CAPPED = ("jsonl", "jsonarray", "tar")  # readers that take data.max_media_bytes (`max_bytes`)
 
 
-OPEN_READERS = 64  # readers a process keeps open (a file handle each) at most; the least
-# recently read are closed, so a data set of 10^5 files never runs out of file descriptors
+def _open_readers() -> int:
+    """Readers a process keeps open (a file handle each) at most: 64, or an eighth of its file
+    descriptor limit; the least recently read are closed, so a data set of 10^5 files never
+    runs out of descriptors."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 64 if soft == resource.RLIM_INFINITY else int(np.clip(soft // 8, 4, 64))
 
 
 class FileScans:
@@ -63,7 +68,7 @@ class Records:
     k - starts[f] of file f.
 
     File f's reader is made when one of its records is first read (from `scans.of(f)`, what
-    scanning it found) and kept among the `OPEN_READERS` most recently read; an older one is
+    scanning it found) and kept among the `most_open` most recently read; an older one is
     closed (its file handle, its cached row groups), and made again if read again.
     """
 
@@ -82,6 +87,7 @@ class Records:
         self.schema = FORMATS[fmt].schema
         self.container = FORMATS[fmt].container
         self._live: OrderedDict[int, object] = OrderedDict()
+        self.most_open = _open_readers()
 
     @property
     def base_dir(self) -> Path:
@@ -99,7 +105,7 @@ class Records:
         kind = "jsonl" if self.container == "json" else self.container
         caps = self.caps if kind in CAPPED else {}
         reader = self._live[f] = READERS[kind](self.files[f], self.scans.of(f), **caps)
-        while len(self._live) > OPEN_READERS:
+        while len(self._live) > self.most_open:
             self._live.popitem(last=False)[1].close()
         return reader
 
