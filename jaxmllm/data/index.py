@@ -209,6 +209,7 @@ def summarize(
     for p in ENCODERS:
         stats[f"{p.unit}_per_{p.item}"] = index.items[p.name].sizes
         stats[f"{p.items}_per_sample"] = index.items[p.name].count()
+        stats[f"{p.unit}_per_sample"] = index.items[p.name].per_sample()
     ptr, videos = stored.sizes["video"]
     if len(videos):  # (their temporal patches are among the vision items above)
         stats["videos_per_sample"] = np.diff(ptr)

@@ -54,10 +54,12 @@ class Items:
         values = self.sizes if values is None else values
         if not len(values):
             return np.zeros(len(self.ptr) - 1, np.int64)
-        # (the sums between the cumulative sum at each sample's first item and at its end: one
-        # pass, exact in integers)
-        total = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
-        return total[self.ptr[1:]] - total[self.ptr[:-1]]
+        # (the differences of the cumulative sum at each sample's first item: one pass and one
+        # gather, exact in integers)
+        total = np.empty(len(values) + 1, np.int64)
+        total[0] = 0
+        np.cumsum(values, out=total[1:])
+        return np.diff(total[self.ptr])
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@ def apply_oversize(cfg: Config, stored, records, pre: Preprocessor):
     """
     caps, policy = bucket_limits(cfg), cfg.data.on_oversize
     index = stored.lengths()
+    if within_bounds(stored.summary, caps):  # (the build's maxima: nothing to look for)
+        return index, None, {}, []
     over, needs = over_bounds(index, pre.per_token, caps)
     if not len(over):
         return index, None, {}, []
@@ -67,6 +69,18 @@ def apply_oversize(cfg: Config, stored, records, pre: Preprocessor):
     return patched, keep, limits, rejects
 
 
+def within_bounds(summary: dict, caps: Limits) -> bool:
+    """Whether the index's summary says no sample is over a bound of `caps` (its maxima of
+    LLM tokens and units per sample, which the build computed from the columns)."""
+    stats = summary.get("percentiles", {})
+    most = {None: stats.get("llm_tokens", {}).get("max")}
+    for name in caps.max_units:
+        p = BY_NAME[name]
+        most[name] = stats.get(f"{p.unit}_per_sample", {"max": 0}).get("max")
+    bounds = {None: caps.max_tokens, **caps.max_units}
+    return all(isinstance(most[k], int) and most[k] <= bounds[k] for k in bounds)
+
+
 def over_bounds(index: LengthsIndex, per_token, caps: Limits) -> tuple[np.ndarray, list[str]]:
     """The samples over a bound of `caps` (in order), and what each is over, in words."""
     bounds = [("tokens", caps.max_tokens, "llm_row_len", None)]
@@ -76,7 +90,7 @@ def over_bounds(index: LengthsIndex, per_token, caps: Limits) -> tuple[np.ndarra
     found, words = [], []
     for start in range(0, len(index), CHUNK):
         stop = min(len(index), start + CHUNK)
-        llm, units = chunk_needs(index, start, stop, per_token)
+        llm, units = chunk_needs(index, start, stop, per_token, caps.max_units)
         need = {None: llm, **units}
         over = np.zeros(stop - start, bool)
         for _, cap, _, phase in bounds:
@@ -92,16 +106,22 @@ def over_bounds(index: LengthsIndex, per_token, caps: Limits) -> tuple[np.ndarra
     return np.asarray(found, np.int64), words
 
 
-def chunk_needs(index: LengthsIndex, start: int, stop: int, per_token) -> tuple:
-    """Samples start..stop-1's LLM tokens and units per encoder phase."""
+def chunk_needs(index: LengthsIndex, start: int, stop: int, per_token, bounded=()) -> tuple:
+    """Samples start..stop-1's LLM tokens, and units per encoder phase of those `bounded`."""
     llm = window(index.text, start, stop).astype(np.int64)
     units = {}
     for name, items in index.items.items():
+        if not len(items):
+            continue
         ptr = window(items.ptr, start, stop + 1)
-        sizes = window(items.sizes, int(ptr[0]), int(ptr[-1])) if len(items) else items.sizes
-        local = Items(ptr - ptr[0], sizes)
-        units[name] = local.per_sample()
-        llm += local.per_sample(sizes // per_token[name])
+        local = Items(ptr - ptr[0], window(items.sizes, int(ptr[0]), int(ptr[-1])))
+        if name in bounded:
+            units[name] = local.per_sample()
+        per = per_token[name]  # (a shift where it is a power of two: integer division is slow)
+        power = per & (per - 1) == 0
+        llm += local.per_sample(
+            local.sizes >> (per.bit_length() - 1) if power else local.sizes // per
+        )
     return llm, units
 
 

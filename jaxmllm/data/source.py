@@ -31,7 +31,7 @@ from jaxmllm.data.records import Records, media_paths, read_record
 from jaxmllm.data.records.formats import data_files, detect
 from jaxmllm.data.rejects import DataError, RecordError, fail_message
 from jaxmllm.data.samples import Sample
-from jaxmllm.data.stored import FORMAT, StoredIndex, check_values
+from jaxmllm.data.stored import FORMAT, StoredIndex, check_lengths, check_places
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.data.text.tokenizer import PretrainedTokenizer, make_tokenizer
 
@@ -263,7 +263,8 @@ def open_data_set(cfg: Config, ds: DataSet, tokenizer) -> ManifestSource:
             + f" ({summary['rejected']} rejected records in all: {out}/rejects.jsonl)"
         )
     try:
-        check_values(stored, largest_items(cfg))
+        check_lengths(stored, largest_items(cfg))
+        check_places(stored)
     except ColumnError as e:
         raise ConfigError(f"the index in {out}/ is damaged: {e}. Rebuild it:\n  "
                           f"{index_command(cfg)}") from None  # fmt: skip

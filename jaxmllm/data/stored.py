@@ -359,16 +359,21 @@ def scan_columns(scans: list[dict]) -> dict[str, np.ndarray | Strings]:
     return out
 
 
-def check_values(index: StoredIndex, largest: dict[str, int]) -> None:
-    """Raises ColumnError, naming the file, for values no build writes: negative text, items
-    of no units or more than `largest[phase]` (what the preprocessing settings allow), pointers
-    that go back, record numbers out of order or past the data, negative media sizes, scan
-    offsets outside the files. One pass in windows, none of it kept resident."""
-    records = int(index.file_starts[-1]) if len(index.file_starts) else 0
+def check_lengths(index: StoredIndex, largest: dict[str, int]) -> None:
+    """Raises ColumnError, naming the file, for counts no build writes: negative text, items
+    of no units or more than `largest[phase]` (what the preprocessing settings allow), item
+    pointers that go back. One pass in windows, none of it kept resident."""
     _within(index.folder, "text.npy", index.text, 0, None)
     for name, items in index.items.items():
         _ascending(index.folder, f"{name}.ptr.npy", items.ptr)
         _within(index.folder, f"{name}.sizes.npy", items.sizes, 1, largest.get(name))
+
+
+def check_places(index: StoredIndex) -> None:
+    """Raises ColumnError, naming the file, for places no build writes: record numbers out of
+    order or past the data, negative lines or media sizes, pointers that go back, scan
+    offsets outside the files. One pass in windows, none of it kept resident."""
+    records = int(index.file_starts[-1]) if len(index.file_starts) else 0
     _ascending(index.folder, "row.npy", index.row, strict=True)
     _within(index.folder, "row.npy", index.row, 0, records - 1)
     _within(index.folder, "line.npy", index.line, 0, None)
