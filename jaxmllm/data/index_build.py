@@ -33,19 +33,20 @@ import numpy as np
 from jaxmllm.config import ConfigError, DataConfig
 from jaxmllm.config.phases import KINDS
 from jaxmllm.data.columnar import Strings, save
+from jaxmllm.data.parts import (
+    duplicates,
+    reject_part,
+    row_part,
+    row_specs,
+    save_part,
+    stream,
+    strings,
+)
 from jaxmllm.data.preprocess import MEDIA, Limits, Params, Preprocessor
 from jaxmllm.data.records import Records, read_record, scan_file
 from jaxmllm.data.records.record import MediaPaths
 from jaxmllm.data.rejects import RecordError, failed
-from jaxmllm.data.stored import (
-    ScanColumns,
-    concat_ragged,
-    duplicates,
-    merge_rows,
-    reject_part,
-    row_part,
-    save_part,
-)
+from jaxmllm.data.stored import ScanColumns
 
 MAX_CRASHED = 32  # records whose worker died, at most, before the build stops
 FILES_A_SCAN = 64  # data files a scan job reads at most
@@ -274,20 +275,15 @@ def merge_scans(ctx: BuildContext, paths: list[Path]) -> None:
     `.ptr` (file f's values at [ptr[f]:ptr[f + 1]]), `files.path`, `files.size`,
     `files.records` (each file's first record); and `scan.json`, their table."""
     folder = Path(ctx.token)
-    parts = []
-    for path in paths:
-        with np.load(path) as part:
-            parts.append(dict(part))
-    keys = sorted(
-        {k.removesuffix(".count") for k in parts[0] if k.endswith(".count")} - {"records"}
-    )
-    table = {}
-    for key in keys:
-        table.update(
-            concat_ragged(folder, f"scan.{key}", f"scan.{key}", parts, f"{key}.count", key)
-        )
-    counts = np.concatenate([p["records"] for p in parts])
-    starts = np.cumsum([0, *counts.tolist()]).astype(np.int64)
+    with np.load(paths[0]) as part:
+        names = set(part.files)
+    keys = sorted({k.removesuffix(".count") for k in names if k.endswith(".count")} - {"records"})
+    specs = [("ragged", f"scan.{k}", f"{k}.count", f"scan.{k}", k) for k in keys]
+    table = stream(folder, paths, [*specs, ("plain", "files.count", "records")])
+    counts = np.load(folder / "files.count.npy")
+    (folder / "files.count.npy").unlink()
+    del table["files.count.npy"]
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     files = Strings.of(str(Path(f).absolute()) for f in ctx.files)
     sizes = np.asarray([Path(f).stat().st_size for f in ctx.files], np.int64)
     for name, value in (("files.records", starts), ("files.path", files), ("files.size", sizes)):
@@ -341,6 +337,9 @@ def measure_records(pool, ctx: BuildContext, records: int, workers: int, bar) ->
         return [j for j in ((a, k), (k + 1, b)) if j[0] < j[1]]
 
     run_jobs(pool, measure_job, jobs, "measure", finished, died)
+    if not records:  # (the merge's columns come from the parts: an empty one)
+        write_rows_part(ctx.parts, 0, [], [])
+        done.append(0)
     return sorted(done)
 
 
@@ -366,40 +365,37 @@ def crash_reject(records: Records, k: int, how: str) -> dict:
     return err.to_json(line=0, row=k, where=where)
 
 
-def merge_measured(folder: Path, starts: list[int]) -> tuple[dict, Counter, dict, list[dict]]:
-    """Merges the measure parts (first records `starts`) into the columns and rejects.jsonl;
-    returns (column table, reject counts by reason, an example of each, the parts' meta)."""
-    parts = []
-    for a in starts:
-        with np.load(folder / "parts" / f"rows-{a:012d}.npz") as part:
-            parts.append(dict(part))
-    drop = duplicates(parts)
-    table = merge_rows(folder, parts, drop)
+def merge_measured(folder: Path, starts: list[int]) -> tuple[dict, Counter, dict]:
+    """Merges the measure parts (first records `starts`) into the columns and rejects.jsonl,
+    a part at a time; returns (column table, reject counts by reason, an example of each)."""
+    paths = [folder / "parts" / f"rows-{a:012d}.npz" for a in starts]
+    drop = duplicates(paths)
+    table = stream(folder, paths, row_specs(), [~d for d in drop])
     reasons: Counter[str] = Counter()
     examples: dict[str, dict] = {}
     with open(folder / "rejects.jsonl", "w") as out:
-        for part, dup in zip(parts, drop, strict=True):
-            lines = Strings(part["rejects.offsets"], part["rejects.bytes"]).tolist()
-            rows = part["rejects.row"].tolist()
-            for j in np.flatnonzero(dup).tolist():
-                entry = duplicate_reject(part, j)
-                lines.append(json.dumps(entry))
-                rows.append(entry["row"])
-                examples.setdefault(
-                    "duplicate_id", {k: entry[k] for k in ("id", "detail")} | {"where": None}
-                )
-                reasons["duplicate_id"] += 1
-            for j in np.argsort(rows, kind="stable").tolist():
-                out.write(lines[j] + "\n")
-            meta = json.loads(part["meta"].tobytes())
+        for path, dup in zip(paths, drop, strict=True):
+            with np.load(path) as part:
+                lines = strings(part, "rejects").tolist()
+                rows = part["rejects.row"].tolist()
+                for j in np.flatnonzero(dup).tolist():
+                    entry = duplicate_reject(part, j)
+                    lines.append(json.dumps(entry))
+                    rows.append(entry["row"])
+                    example = {"id": entry["id"], "detail": entry["detail"], "where": None}
+                    examples.setdefault("duplicate_id", example)
+                    reasons["duplicate_id"] += 1
+                for j in np.argsort(rows, kind="stable").tolist():
+                    out.write(lines[j] + "\n")
+                meta = json.loads(part["meta"].tobytes())
             reasons.update(meta["reasons"])
             for reason, ex in meta["examples"].items():
                 examples.setdefault(reason, ex)
     return table, reasons, examples
 
 
-def duplicate_reject(part: dict, j: int) -> dict:
-    rid = Strings(part["id.offsets"], part["id.bytes"])[j]
+def duplicate_reject(part, j: int) -> dict:
+    rid = strings(part, "id")[j]
     err = RecordError("duplicate_id", "seen on an earlier line", rid)
     return {**err.to_json(), "line": int(part["line"][j]), "row": int(part["row"][j])}
 

@@ -16,13 +16,12 @@
     <index>/scan.<key>.npy  scan.<key>.ptr.npy   what scanning the files found (line offsets,
                                  .tar members), file f's at [ptr[f]:ptr[f + 1]]
 
-A build's shards write parts (`row_part`, `reject_part`), which `merge_rows` streams into these
-columns; `StoredIndex` maps them and checks them against the summary.
+A build's shards write parts, which `jaxmllm.data.parts.stream` merges into these columns;
+`StoredIndex` maps them and checks them against the summary.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -31,191 +30,16 @@ import numpy as np
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.columnar import (
     ColumnError,
-    ColumnWriter,
     Strings,
     chunks,
     open_column,
     open_strings,
 )
 from jaxmllm.data.lengths import Items, LengthsIndex
+from jaxmllm.data.parts import SIZES, ragged_columns, row_part
 from jaxmllm.data.preprocess import MEDIA, Sizes
 
 FORMAT = "jaxmllm-columnar-1"  # summary.json's index_format
-SIZES = {kind: media.size_key for kind, media in MEDIA.items()}
-
-
-def size_dtype(kind: str):
-    return np.float64 if float in MEDIA[kind].size_types else np.int64
-
-
-def ragged_columns() -> list[tuple[str, str, object, tuple]]:
-    """(name, its values' column, their dtype, a value's shape) of each ragged column: the
-    pointers are `<name>.ptr`, a part's counts per row `<name>.count`."""
-    out = [(p.name, f"{p.name}.sizes", np.int64, ()) for p in ENCODERS]
-    for kind, key in SIZES.items():
-        out.append((key, f"{key}.values", size_dtype(kind), (len(MEDIA[kind].size_types),)))
-    return out
-
-
-# ----------------------------------------------------------------------------- parts
-
-
-def row_part(rows: list[dict]) -> dict[str, np.ndarray]:
-    """A shard's accepted rows (the index's measure() dicts) as a part's arrays."""
-    ids = Strings.of(r["id"] for r in rows)
-    out = {
-        "text": _ints(r["text"] for r in rows),
-        "row": _ints(r["row"] for r in rows),
-        "line": _ints(r["line"] for r in rows),
-        "id.offsets": ids.offsets,
-        "id.bytes": ids.data,
-        "id.hash": id_hashes(r["id"] for r in rows),
-    }
-    for p in ENCODERS:
-        out[f"{p.name}.count"] = _ints(len(r[p.items]) for r in rows)
-        out[f"{p.name}.sizes"] = _ints(v for r in rows for v in r[p.items])
-    for kind, key in SIZES.items():
-        width = len(MEDIA[kind].size_types)
-        out[f"{key}.count"] = _ints(len(r[key]) for r in rows)
-        values = [v for r in rows for s in r[key] for v in s]
-        out[f"{key}.values"] = np.asarray(values, size_dtype(kind)).reshape(-1, width)
-    return out
-
-
-def reject_part(rejects: list[dict]) -> dict[str, np.ndarray]:
-    """A shard's rejects (in record order) as a part's arrays: each one's JSON line and row."""
-    lines = Strings.of(json.dumps(r) for r in rejects)
-    return {
-        "rejects.offsets": lines.offsets,
-        "rejects.bytes": lines.data,
-        "rejects.row": _ints(r["row"] for r in rejects),
-    }
-
-
-def _ints(values) -> np.ndarray:
-    return np.fromiter(values, np.int64)
-
-
-def id_hashes(ids) -> np.ndarray:
-    """64-bit hashes of record ids (the merge finds duplicates by sorting them)."""
-    digest = lambda s: hashlib.blake2b(s.encode("utf-8", "surrogateescape"), digest_size=8)
-    return np.fromiter((int.from_bytes(digest(s).digest(), "little") for s in ids), np.uint64)
-
-
-def save_part(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Writes a part under a temporary name, then renames it into place: a reader sees the
-    whole part or none (a shard killed while writing leaves only a temporary file)."""
-    tmp = path.with_name(f"{path.stem}.tmp-{np.random.default_rng().integers(1 << 62)}.npz")
-    np.savez(tmp, **arrays)
-    tmp.replace(path)
-
-
-# ----------------------------------------------------------------------------- merge
-
-
-def duplicates(parts: list[dict]) -> list[np.ndarray]:
-    """Per part, which of its rows repeat an id an earlier row has (by part, then row)."""
-    hashes = np.concatenate([p["id.hash"] for p in parts]) if parts else np.zeros(0, np.uint64)
-    starts = np.cumsum([0, *(len(p["id.hash"]) for p in parts)])
-    order = np.argsort(hashes, kind="stable")  # (equal hashes keep their order)
-    ranked = hashes[order]
-    repeat = np.flatnonzero(ranked[1:] == ranked[:-1]) + 1
-    dup = np.zeros(len(hashes), bool)
-    if len(repeat):
-        id_of = lambda k: _id_at(parts, starts, int(k))
-        for r in repeat.tolist():  # (a run of equal hashes: compare the ids themselves)
-            first = r
-            while first > 0 and ranked[first - 1] == ranked[r]:
-                first -= 1
-            mine = id_of(order[r])
-            dup[order[r]] = any(id_of(order[j]) == mine for j in range(first, r))
-    return [dup[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
-
-
-def _id_at(parts: list[dict], starts: np.ndarray, k: int) -> str:
-    p = int(np.searchsorted(starts, k, "right")) - 1
-    return Strings(parts[p]["id.offsets"], parts[p]["id.bytes"])[k - int(starts[p])]
-
-
-def merge_rows(folder: Path, parts: list[dict], drop: list[np.ndarray]) -> dict[str, list]:
-    """Streams the parts' rows, less those `drop` marks, into the index's columns in
-    `folder`; returns their column table."""
-    keep = [~d for d in drop]
-    table = {}
-    for name in ("text", "row", "line", "id"):
-        table.update(
-            concat_column(
-                folder, name, [p[name] if name in p else _strings(p, name) for p in parts], keep
-            )
-        )
-    for name, values, _, _ in ragged_columns():
-        table.update(concat_ragged(folder, name, values, parts, f"{name}.count", values, keep))
-    return table
-
-
-def _strings(part: dict, key: str) -> Strings:
-    return Strings(part[f"{key}.offsets"], part[f"{key}.bytes"])
-
-
-def part_value(part: dict, key: str) -> np.ndarray | Strings:
-    """A part's array `key`, or its strings (`key.offsets`, `key.bytes`)."""
-    return part[key] if key in part else _strings(part, key)
-
-
-def concat_column(folder: Path, name: str, values: list, keep: list | None = None) -> dict:
-    """Writes the parts' `values` (arrays, or `Strings`), less the rows `keep` leaves out,
-    one after another as column `name`; its column table entries."""
-    keep = keep if keep is not None else [None] * len(values)
-    if values and isinstance(values[0], Strings):
-        lengths = [
-            np.diff(v.offsets) if k is None else np.diff(v.offsets)[k]
-            for v, k in zip(values, keep, strict=True)
-        ]
-        offsets = ColumnWriter(
-            folder / f"{name}.offsets.npy", np.int64, (sum(map(len, lengths)) + 1,)
-        )
-        data = ColumnWriter(
-            folder / f"{name}.bytes.npy", np.uint8, (int(sum(x.sum() for x in lengths)),)
-        )
-        offsets.write(np.zeros(1, np.int64))
-        total = 0
-        for v, k, n in zip(values, keep, lengths, strict=True):
-            offsets.write(total + np.cumsum(n))
-            every = np.asarray(v.data[int(v.offsets[0]) : int(v.offsets[-1])])
-            data.write(every if k is None else every[np.repeat(k, np.diff(v.offsets))])
-            total += int(n.sum())
-        return {f"{name}.offsets.npy": offsets.close(), f"{name}.bytes.npy": data.close()}
-    kept = [v if k is None else v[k] for v, k in zip(values, keep, strict=True)]
-    first = values[0] if values else np.zeros(0, np.int64)
-    out = ColumnWriter(folder / f"{name}.npy", first.dtype, (sum(map(len, kept)), *first.shape[1:]))
-    for v in kept:
-        out.write(v)
-    return {f"{name}.npy": out.close()}
-
-
-def concat_ragged(
-    folder: Path,
-    name: str,
-    values_name: str,
-    parts: list[dict],
-    count_key: str,
-    values_key: str,
-    keep: list | None = None,
-) -> dict:
-    """Writes a ragged column from the parts: `<name>.ptr` from their rows' `count_key`
-    (less the rows `keep` leaves out), `values_name` from their `values_key`."""
-    keep = keep if keep is not None else [None] * len(parts)
-    counts = [p[count_key] for p in parts]
-    kept = [c if k is None else c[k] for c, k in zip(counts, keep, strict=True)]
-    ptr = ColumnWriter(folder / f"{name}.ptr.npy", np.int64, (sum(map(len, kept)) + 1,))
-    ptr.write(np.zeros(1, np.int64))
-    total = 0
-    for c in kept:
-        ptr.write(total + np.cumsum(c))
-        total += int(c.sum())
-    values = [part_value(p, values_key) for p in parts]
-    item_keep = [None if k is None else np.repeat(k, c) for c, k in zip(counts, keep, strict=True)]
-    return {f"{name}.ptr.npy": ptr.close(), **concat_column(folder, values_name, values, item_keep)}
 
 
 # ----------------------------------------------------------------------------- opening
@@ -343,20 +167,6 @@ class ScanColumns:
 
     def of(self, f: int) -> dict:
         return {k: v[int(p[f]) : int(p[f + 1])] for k, (p, v) in self.columns.items()}
-
-
-def scan_columns(scans: list[dict]) -> dict[str, np.ndarray | Strings]:
-    """Per-file scans (each a dict of arrays or `Strings`) as columns: each key's values of
-    every file one after another, and `<key>.ptr`, where each file's start."""
-    out = {}
-    for key in scans[0] if scans else []:
-        values = [s[key] for s in scans]
-        ptr = np.cumsum([0, *(len(v) for v in values)]).astype(np.int64)
-        joined = (
-            Strings.concat(values) if isinstance(values[0], Strings) else np.concatenate(values)
-        )
-        out[key], out[f"{key}.ptr"] = joined, ptr
-    return out
 
 
 def check_lengths(index: StoredIndex, largest: dict[str, int]) -> None:
