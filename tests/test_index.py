@@ -24,8 +24,12 @@ from jaxmllm.plan.shuffle import IndexShuffle
 from jaxmllm.plan.stream import MixtureStream, SampleStream
 from runs import child_env
 
-SETTINGS = ["data.source=jsonl", "data.eval.source=none", "data.image_min_pixels=256",
-            "data.image_max_pixels=1024"]  # fmt: skip
+SETTINGS = [
+    "data.source=jsonl",
+    "data.eval.source=none",
+    "data.image_min_pixels=256",
+    "data.image_max_pixels=1024",
+]
 
 
 def config(path, *extra):
@@ -54,8 +58,13 @@ def index_cli(path, *args, index_kill=None, timeout=240, extra=()):
     """`python -m jaxmllm.data.index` on `path` in a child process."""
     sets = [x for s in (*SETTINGS, f"data.path={path}", *extra) for x in ("--set", s)]
     cmd = [sys.executable, "-m", "jaxmllm.data.index", "--config", "configs/tiny.yaml", *sets]
-    return subprocess.run([*cmd, *args], env=child_env(index_kill=index_kill), timeout=timeout,
-                          capture_output=True, text=True)  # fmt: skip
+    return subprocess.run(
+        [*cmd, *args],
+        env=child_env(index_kill=index_kill),
+        timeout=timeout,
+        capture_output=True,
+        text=True,
+    )
 
 
 # ----------------------------------------------------------------------------- storage
@@ -174,12 +183,21 @@ def test_an_abort_in_the_rust_tokenizer_names_the_record(tmp_path):
     tk = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     tk.save(str(tmp_path / "tokenizer.json"))
-    huge = {"id": "huge", "messages": [{"role": "user", "content": "a " * (6 << 20)},
-                                       {"role": "assistant", "content": "b"}]}  # fmt: skip
+    huge = {
+        "id": "huge",
+        "messages": [
+            {"role": "user", "content": "a " * (6 << 20)},
+            {"role": "assistant", "content": "b"},
+        ],
+    }
     path = write_manifest(tmp_path / "m.jsonl", 20, (json.dumps(huge),))
     cap = "import resource; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))"
-    sets = [*SETTINGS, f"data.path={path}", f"data.tokenizer={tmp_path / 'tokenizer.json'}",
-            "model.llm.vocab_size=300"]  # fmt: skip
+    sets = [
+        *SETTINGS,
+        f"data.path={path}",
+        f"data.tokenizer={tmp_path / 'tokenizer.json'}",
+        "model.llm.vocab_size=300",
+    ]
     code = f"{cap}; import sys; from jaxmllm.data.index import main; sys.exit(main(sys.argv[1:]))"
     args = [
         "--config",
@@ -188,8 +206,13 @@ def test_an_abort_in_the_rust_tokenizer_names_the_record(tmp_path):
         "1",
         *[x for s in sets for x in ("--set", s)],
     ]
-    done = subprocess.run([sys.executable, "-c", code, *args], env=child_env(), timeout=600,
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env=child_env(),
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "record_crashed" in done.stdout and "m.jsonl line 21" in done.stdout
     assert "20 accepted, 1 rejected" in done.stdout
@@ -330,8 +353,9 @@ source = open_source(cfg)
 loaded = sum(source[i] is not None for i in range(len(source)))
 print("accepted", summary["accepted"], "loaded", loaded)
 """
-    done = subprocess.run([sys.executable, "-c", code], env=child_env(), timeout=300,
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(), timeout=300, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "accepted 300 loaded 300" in done.stdout
 
@@ -399,8 +423,9 @@ def test_every_sample_of_a_mapped_index_trains_once_an_epoch_across_a_kill(tmp_p
     sets += ["train.checkpoint_every=2", "train.ledger=true", "train.progress_bar=false"]
 
     def run(out, kill=None):
-        done = subprocess.run(train_cmd(out, *sets), env=child_env(kill), timeout=900,
-                              capture_output=True, text=True)  # fmt: skip
+        done = subprocess.run(
+            train_cmd(out, *sets), env=child_env(kill), timeout=900, capture_output=True, text=True
+        )
         return done.returncode, done.stdout + done.stderr
 
     ref, out = tmp_path / "ref", tmp_path / "out"

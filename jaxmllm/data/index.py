@@ -194,8 +194,10 @@ def format_hint(files: list[Path], fmt: str) -> str:
         return ""
     if found == fmt:
         return ""
-    return (f"The files look like {FORMATS[found].what} ({why}): set data.format: {found} "
-            "(or auto) and index again")  # fmt: skip
+    return (
+        f"The files look like {FORMATS[found].what} ({why}): set data.format: {found} "
+        "(or auto) and index again"
+    )
 
 
 def summarize(
@@ -257,8 +259,10 @@ def report(summary: dict) -> list[str]:
         lines.append("  rejected, by reason (one example each):")
         for reason, n in summary["rejects"].items():
             ex = summary["examples"].get(reason, {})
-            lines.append(f"    {reason:<22} {n:>7}  {ex.get('id')} ({ex.get('where')}): "
-                         f"{str(ex.get('detail'))[:120]}")  # fmt: skip
+            lines.append(
+                f"    {reason:<22} {n:>7}  {ex.get('id')} ({ex.get('where')}): "
+                f"{str(ex.get('detail'))[:120]}"
+            )
     if summary.get("ignored_members"):
         left = ", ".join(f".{k} ({v})" for k, v in summary["ignored_members"].items())
         lines.append(f"  left out of the shards (not a record, caption or known media): {left}")
@@ -274,15 +278,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--config", help="the training config (data, tokenizer, patch size, budgets)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--manifest", help="index this data file (directory, glob) instead of the "
-                   "config's data (data.path's settings apply)")  # fmt: skip
+    p.add_argument(
+        "--manifest",
+        help="index this data file (directory, glob) instead of the "
+        "config's data (data.path's settings apply)",
+    )
     p.add_argument("--out", help="index folder (with --manifest; default: its keyed folder)")
-    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                   help="local worker processes (0: in this process)")  # fmt: skip
-    p.add_argument("--ray", nargs="?", const="auto", default="", metavar="ADDRESS",
-                   help="run the shards as Ray tasks: on the cluster at ADDRESS, or (no "
-                   "ADDRESS, `auto`) the one `ray start` started here, else a local one "
-                   "(default: data.index_ray)")  # fmt: skip
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="local worker processes (0: in this process)",
+    )
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="auto",
+        default="",
+        metavar="ADDRESS",
+        help="run the shards as Ray tasks: on the cluster at ADDRESS, or (no "
+        "ADDRESS, `auto`) the one `ray start` started here, else a local one "
+        "(default: data.index_ray)",
+    )
     p.add_argument("--decode", action="store_true", help="fully decode media (slower, stricter)")
     args = p.parse_args(argv)
     failed = []
@@ -293,8 +310,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.out:
                 sets = [dataclasses.replace(sets[0], index_dir=args.out)]
         elif cfg.data.source == "synthetic":
-            raise ConfigError("the config reads the built-in synthetic data (data.source): give "
-                              "data.path or data.sources, or --manifest")  # fmt: skip
+            raise ConfigError(
+                "the config reads the built-in synthetic data (data.source): give "
+                "data.path or data.sources, or --manifest"
+            )
         else:
             sets = data_sets(cfg) + [e for e in [eval_set(cfg)] if e is not None]
         for ds in sets:

@@ -138,7 +138,7 @@ class LengthsIndex:
             items={
                 p.name: Items.from_lists([list(r.get(p.items, [])) for r in records])
                 for p in ENCODERS
-            },  # fmt: skip
+            },
         )
 
     @classmethod

@@ -139,8 +139,9 @@ def row_specs() -> list[tuple]:
     """The specs of an index's row columns in a measure part."""
     specs = [("plain", name, name) for name in ("text", "row", "line")]
     specs.append(("strings", "id", "id"))
-    specs += [("ragged", name, f"{name}.count", values, values) for name, values, _, _ in
-              ragged_columns()]  # fmt: skip
+    specs += [
+        ("ragged", name, f"{name}.count", values, values) for name, values, _, _ in ragged_columns()
+    ]
     return specs
 
 

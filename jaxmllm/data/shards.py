@@ -147,8 +147,11 @@ def exit_reason(code: int | None) -> str:
     """How a process ended, in words."""
     if code is not None and code < 0:
         name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
-        what = {"SIGKILL": "killed, e.g. for memory", "SIGABRT": "aborted in native code",
-                "SIGSEGV": "a crash in native code"}.get(name, "a signal")  # fmt: skip
+        what = {
+            "SIGKILL": "killed, e.g. for memory",
+            "SIGABRT": "aborted in native code",
+            "SIGSEGV": "a crash in native code",
+        }.get(name, "a signal")
         return f"{name}: {what}"
     return f"exit code {code}"
 

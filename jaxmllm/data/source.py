@@ -97,8 +97,10 @@ class ManifestSource:
         want = self.index.record(int(i))
         got = {"text": int(np.isin(sample.tokens, self.media_ids, invert=True).sum())}
         for p in ENCODERS:
-            got[p.items] = [_indexed(want[p.items], j) if m is None else len(m[0])
-                            for j, m in enumerate(sample.media[p.name])]  # fmt: skip
+            got[p.items] = [
+                _indexed(want[p.items], j) if m is None else len(m[0])
+                for j, m in enumerate(sample.media[p.name])
+            ]
         if got != want:
             raise RecordError("changed_since_index", f"now {got}, the index says {want}", rid)
         return sample
@@ -159,8 +161,9 @@ def load_index(cfg: Config, ds: DataSet) -> StoredIndex:
     summary = _summary(out, ds, cfg)
     want = Params.from_config(cfg).counted()
     params = summary.get("params") if isinstance(summary.get("params"), dict) else {}
-    diff = [f"{k}: index {params.get(k)!r}, config {v!r}" for k, v in want.items()
-            if params.get(k) != v]  # fmt: skip
+    diff = [
+        f"{k}: index {params.get(k)!r}, config {v!r}" for k, v in want.items() if params.get(k) != v
+    ]
     if diff:
         raise ConfigError(
             f"the index in {out}/ was built with other preprocessing settings ({'; '.join(diff)})."
@@ -266,14 +269,22 @@ def open_data_set(cfg: Config, ds: DataSet, tokenizer) -> ManifestSource:
         check_lengths(stored, largest_items(cfg))
         check_places(stored)
     except ColumnError as e:
-        raise ConfigError(f"the index in {out}/ is damaged: {e}. Rebuild it:\n  "
-                          f"{index_command(cfg)}") from None  # fmt: skip
+        raise ConfigError(
+            f"the index in {out}/ is damaged: {e}. Rebuild it:\n  {index_command(cfg)}"
+        ) from None
     pre = Preprocessor(Params.from_config(cfg), tokenizer)
     files = FileList(stored.files)
     caps = {"max_bytes": cfg.data.max_media_bytes}
     paths = media_paths(ds.path, files, ds.media_root, cfg.data)
-    records = Records(files, stored.file_starts, summary["format"], paths, stored.scans,
-                      summary.get("detected", ""), caps)  # fmt: skip
+    records = Records(
+        files,
+        stored.file_starts,
+        summary["format"],
+        paths,
+        stored.scans,
+        summary.get("detected", ""),
+        caps,
+    )
     log.info("%s: %s (%s)", ds.path, records.format, summary.get("detected") or "data.format")
     index, keep, limits, startup = apply_oversize(cfg, stored, records, pre)
     source = ManifestSource(records, pre, stored, index, keep, limits)
