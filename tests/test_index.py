@@ -438,3 +438,19 @@ def test_every_sample_of_a_mapped_index_trains_once_an_epoch_across_a_kill(tmp_p
     assert ledger.check_replays(out) == []  # (step 3, trained again, trained the same)
     assert ledger.read_ledger(out) == ledger.read_ledger(ref)
     assert ledger.audit(out, range(1, 9))["missing_steps"] == []
+
+
+def test_a_source_goes_to_its_worker_processes_as_its_folder(tmp_path):
+    """data.workers' processes receive the source pickled: the index's folder, mapped again
+    there, never its columns (a copy of the whole index per worker)."""
+    import pickle
+
+    path = write_manifest(tmp_path / "m.jsonl", 3000)
+    cfg = config(path)
+    build_index(cfg, path, progress=False)
+    source = open_source(cfg)
+    blob = pickle.dumps(source)
+    assert len(blob) < 20_000  # (the columns: over 300 kB)
+    again = pickle.loads(blob)
+    assert np.array_equal(again.index.text, source.index.text)
+    assert again.record_id(2999) == "r2999" and np.array_equal(again[5].tokens, source[5].tokens)

@@ -30,7 +30,7 @@ import numpy as np
 from jaxmllm.bench.host import write_media, write_photo
 from jaxmllm.config import load_config
 
-SETTINGS = ["data.source=jsonl", "data.eval.source=none"]
+SETTINGS = ["data.source=jsonl", "data.eval.source=none", "data.image_max_pixels=65536"]
 
 
 def write_text_image(folder: Path, records: int, seed: int = 0) -> Path:
@@ -53,6 +53,18 @@ def write_text_image(folder: Path, records: int, seed: int = 0) -> Path:
     return path
 
 
+def repeated(manifest: Path, times: int) -> Path:
+    """`manifest`'s records `times` over, the k-th copy's ids suffixed `.k`."""
+    out = manifest.with_name(f"{manifest.stem}-x{times}.jsonl")
+    lines = manifest.read_text().splitlines()
+    with open(out, "w") as f:
+        for k in range(times):
+            for line in lines:
+                rec = json.loads(line)
+                f.write(json.dumps({**rec, "id": f"{rec['id']}.{k}"}) + "\n")
+    return out
+
+
 def build(manifest: Path, out: Path, workers: int, ray: str) -> float:
     """Seconds to build the index of `manifest` into `out`."""
     from jaxmllm.data.index import build_index
@@ -70,9 +82,11 @@ def digest(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def open_in_child(manifest: Path, out: Path) -> dict:
-    """A fresh process's open_source of the index: seconds and peak resident memory."""
+def open_in_child(manifest: Path, out: Path, row_len: int) -> dict:
+    """A fresh process's open_source of the index (LLM rows of `row_len` tokens): seconds,
+    peak resident memory, samples repaired or dropped by data.on_oversize."""
     sets = [*SETTINGS, f"data.path={manifest}", f"data.index_dir={out}"]
+    sets.append(f"batch.llm_row_len={row_len}")
     code = f"""
 import json, resource, time
 t0 = time.perf_counter()
@@ -83,7 +97,8 @@ t1 = time.perf_counter()
 source = open_source(cfg)
 t2 = time.perf_counter()
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
-print(json.dumps({{"import_s": t1 - t0, "open_s": t2 - t1, "peak_mb": rss, "n": len(source)}}))
+over = len(source.startup_rejects)
+print(json.dumps({{"import_s": t1 - t0, "open_s": t2 - t1, "peak_mb": rss, "over": over}}))
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if done.returncode:
@@ -102,7 +117,21 @@ def main(argv: list[str] | None = None) -> int:
     data.add_argument("--text-image", type=int, help="records, half with an image")
     ap.add_argument("--workers", default="0,1,2", help="local worker counts, comma list")
     ap.add_argument("--ray", type=int, default=0, help="also on a local Ray of this many CPUs")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="each record this many times, each with its own id (the same media "
+        "files: more records without writing more media)",
+    )
     ap.add_argument("--keep", help="write the data here (kept) instead of a temporary folder")
+    ap.add_argument(
+        "--row-len",
+        type=int,
+        default=8192,
+        help="batch.llm_row_len of the open (a sample over it is repaired at start-up "
+        "by data.on_oversize: a record read each)",
+    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             write = write_media if args.media else write_text_image
             write(folder, n)
             print(f"{manifest}: {n} records written in {time.perf_counter() - started:.0f} s")
+        if args.repeat > 1:
+            manifest, n = repeated(manifest, args.repeat), n * args.repeat
         runs = [("local", int(w), "") for w in args.workers.split(",")]
         if args.ray:
             runs.append(("ray", args.ray, "auto"))
@@ -122,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 import ray as ray_module
 
                 ray_module.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
-            out = folder / "index"  # (one folder: the summary names it)
+            out = folder / f"index-{manifest.stem}"  # (one folder: the summary names it)
             seconds = build(manifest, out, workers, ray)
             if ray:
                 ray_module.shutdown()
@@ -138,9 +169,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         same = len({r["digest"] for r in rows}) == 1
         print(f"the same index every way: {same}")
-        opened = open_in_child(manifest, folder / "index")
+        opened = open_in_child(manifest, folder / f"index-{manifest.stem}", args.row_len)
         took = f"{opened['open_s']:.2f} s (+{opened['import_s']:.2f} s imports)"
-        print(f"open_source: {took}, peak resident memory {opened['peak_mb']:.0f} MB")
+        print(
+            f"open_source: {took}, peak resident memory {opened['peak_mb']:.0f} MB, "
+            f"{opened['over']} samples over batch.llm_row_len={args.row_len}"
+        )
         if args.json:
             Path(args.json).write_text(json.dumps({"rows": rows, "same": same, "open": opened}))
     return 0

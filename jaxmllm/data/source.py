@@ -60,6 +60,8 @@ class ManifestSource:
     ):
         self.records, self.pre, self.stored, self.index = records, pre, stored, index
         self.keep, self.limits = keep, dict(limits or {})
+        # (the planner's lengths are the mapped columns themselves: a worker maps them again)
+        self.mapped = keep is None and index.text is stored.text
         self.specials = pre.tokenizer.specials  # what bucketize pads with and finds slots by
         self.media_ids = list(self.specials.media.values())
         self.startup_rejects: list[dict] = []  # oversize repairs and skips made at start-up
@@ -107,6 +109,14 @@ class ManifestSource:
 
     def record_id(self, i: int) -> str:
         return self.stored.ids[self.stored_row(i)]
+
+    def __getstate__(self):
+        return {**self.__dict__, "index": None} if self.mapped else self.__dict__
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.index is None:
+            self.index = self.stored.lengths()
 
     def head(self, n: int) -> ManifestSource:
         """This source's first `n` samples (a held-out set's share)."""

@@ -52,7 +52,7 @@ class StoredIndex:
     index: `open_lengths`)."""
 
     def __init__(self, folder: Path, summary: dict, lengths_only: bool = False):
-        self.folder, self.summary = Path(folder), summary
+        self.folder, self.summary, self.lengths_only = Path(folder), summary, lengths_only
         table = summary.get("columns")
         if not isinstance(table, dict):
             raise ColumnError(f"{self.folder}/summary.json has no column table")
@@ -78,6 +78,13 @@ class StoredIndex:
         self.file_starts = self._ints("files.records.npy", (f + 1,))
         self.scans = ScanColumns(self.folder, table, summary.get("scan_keys", []), f)
 
+    def __reduce__(self):
+        # Sent to a worker process as its folder, mapped again there: pickling the mapped
+        # arrays would copy every column into each worker.
+        if not self.table:  # (held in memory: `of_rows`)
+            return object.__reduce__(self)
+        return StoredIndex, (self.folder, self.summary, self.lengths_only)
+
     @classmethod
     def of_rows(cls, rows: list[dict]) -> StoredIndex:
         """An index held in memory, of accepted rows (the build's measure() dicts): what the
@@ -85,6 +92,7 @@ class StoredIndex:
         part = row_part(rows)
         out = cls.__new__(cls)
         out.folder, out.summary, out.table, out.n = Path("."), {}, {}, len(rows)
+        out.lengths_only = False
         out.text, out.row, out.line = part["text"], part["row"], part["line"]
         out.ids = Strings(part["id.offsets"], part["id.bytes"])
         ragged = {
@@ -152,6 +160,7 @@ class ScanColumns:
     as its reader takes it."""
 
     def __init__(self, folder: Path, table: dict, keys: list[str], files: int):
+        self.args = (folder, table, keys, files)  # (a worker process maps them again)
         self.columns = {}
         for key in keys:
             ptr = open_column(folder, f"scan.{key}.ptr.npy", table)
@@ -167,6 +176,9 @@ class ScanColumns:
 
     def of(self, f: int) -> dict:
         return {k: v[int(p[f]) : int(p[f + 1])] for k, (p, v) in self.columns.items()}
+
+    def __reduce__(self):
+        return ScanColumns, self.args
 
 
 def check_lengths(index: StoredIndex, largest: dict[str, int]) -> None:
