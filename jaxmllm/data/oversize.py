@@ -90,6 +90,8 @@ def over_bounds(index: LengthsIndex, per_token, caps: Limits) -> tuple[np.ndarra
     found, words = [], []
     for start in range(0, len(index), CHUNK):
         stop = min(len(index), start + CHUNK)
+        if not caps.max_units and most_tokens(index, start, stop, per_token) <= caps.max_tokens:
+            continue  # (no sample of the window can be over: no sums needed)
         llm, units = chunk_needs(index, start, stop, per_token, caps.max_units)
         need = {None: llm, **units}
         over = np.zeros(stop - start, bool)
@@ -104,6 +106,17 @@ def over_bounds(index: LengthsIndex, per_token, caps: Limits) -> tuple[np.ndarra
             ]
             words.append(", ".join(over_what))
     return np.asarray(found, np.int64), words
+
+
+def most_tokens(index: LengthsIndex, start: int, stop: int, per_token) -> int:
+    """A bound on samples start..stop-1's LLM tokens: text + items x the window's largest."""
+    bound = window(index.text, start, stop).astype(np.int64)
+    for name, items in index.items.items():
+        if len(items):
+            ptr = window(items.ptr, start, stop + 1)
+            largest = int(window(items.sizes, int(ptr[0]), int(ptr[-1])).max(initial=0))
+            bound += np.diff(ptr) * (largest // per_token[name])
+    return int(bound.max(initial=0))
 
 
 def chunk_needs(index: LengthsIndex, start: int, stop: int, per_token, bounded=()) -> tuple:
