@@ -122,7 +122,7 @@ def most_tokens(index: LengthsIndex, start: int, stop: int, per_token) -> int:
 def chunk_needs(index: LengthsIndex, start: int, stop: int, per_token, bounded=()) -> tuple:
     """Samples start..stop-1's LLM tokens, and units per encoder phase of those `bounded`."""
     llm = window(index.text, start, stop).astype(np.int64)
-    units = {}
+    units = {name: np.zeros(stop - start, np.int64) for name in bounded}
     for name, items in index.items.items():
         if not len(items):
             continue
