@@ -454,3 +454,11 @@ def test_a_source_goes_to_its_worker_processes_as_its_folder(tmp_path):
     again = pickle.loads(blob)
     assert np.array_equal(again.index.text, source.index.text)
     assert again.record_id(2999) == "r2999" and np.array_equal(again[5].tokens, source[5].tokens)
+
+
+def test_a_preprocessing_value_no_image_can_have_is_refused_before_indexing(tmp_path):
+    """The probe's preprocessor_config.json min_pixels of 1e30 killed the index midway (counts
+    past int64); it is refused when the config loads, naming the key."""
+    path = write_manifest(tmp_path / "m.jsonl", 10)
+    with pytest.raises(ConfigError, match="data.image_min_pixels"):
+        config(path, f"data.image_min_pixels={10**30}", f"data.image_max_pixels={10**30}")

@@ -242,6 +242,13 @@ class DataConfig:
             "audio_max_frames",
         )
         check(self.max_image_pixels >= 1, "must be >= 1", "max_image_pixels")
+        check(
+            self.image_min_pixels <= self.max_image_pixels,
+            f"must be <= data.max_image_pixels={self.max_image_pixels}: every image is upscaled "
+            "to at least this many pixels, more than the largest image decoded (a preprocessor "
+            "config's min_pixels in another unit?)",
+            "image_min_pixels",
+        )
         check(self.max_audio_seconds > 0, "must be > 0", "max_audio_seconds")
         check(self.max_audio_samples >= 1, "must be >= 1", "max_audio_samples")
         check(self.max_media_bytes >= 1, "must be >= 1", "max_media_bytes")
