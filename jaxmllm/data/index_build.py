@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,7 +173,7 @@ def read_marker(path: Path) -> int:
 def scan_job(job: tuple[int, int]) -> dict:
     """Scans files a..b-1 into part `scan-<a>.npz` (each key's values of its files one after
     another, and `<key>.count` per file); returns what .tar shards left out."""
-    ctx = _worker["ctx"]
+    ctx, cpu = _worker["ctx"], time.process_time()
     a, b = job
     name = f"scan-{a:09d}"
     marker, found, ignored = Marker(ctx.parts / f"{name}.at"), [], Counter()
@@ -193,12 +194,12 @@ def scan_job(job: tuple[int, int]) -> dict:
             arrays[key] = np.concatenate(values)
     save_part(ctx.parts / f"{name}.npz", arrays)
     marker.close()
-    return {"ignored": dict(ignored)}
+    return {"ignored": dict(ignored), "cpu_s": time.process_time() - cpu}
 
 
 def measure_job(job: tuple[int, int]) -> dict:
     """Measures records a..b-1 into part `rows-<a>.npz`."""
-    ctx = _worker["ctx"]
+    ctx, cpu = _worker["ctx"], time.process_time()
     if "records" not in _worker:
         _worker["records"] = staged_records(ctx)
         _worker["pre"] = Preprocessor(ctx.params)
@@ -212,7 +213,7 @@ def measure_job(job: tuple[int, int]) -> dict:
     marker.set(-2)
     write_rows_part(ctx.parts, a, rows, rejects)
     marker.close()
-    return {"records": b - a}
+    return {"records": b - a, "cpu_s": time.process_time() - cpu}
 
 
 def write_rows_part(parts: Path, a: int, rows: list[dict], rejects: list[dict]) -> None:
@@ -251,9 +252,9 @@ def run_jobs(pool, fn, jobs: list[tuple[int, int]], name: str, on_done, on_died)
                 on_done(out.key, out.value)
 
 
-def scan_files(pool, ctx: BuildContext) -> dict[str, int]:
+def scan_files(pool, ctx: BuildContext, stats: dict) -> dict[str, int]:
     """The scan stage: parts per group of files, merged into the staged `files.*`, `scan.*`
-    columns; returns the .tar members left out, by extension."""
+    columns; returns the .tar members left out, by extension (`stats`: the jobs' CPU time)."""
     n = len(ctx.files)
     step = max(1, min(FILES_A_SCAN, n // 256))
     jobs = [(a, min(n, a + step)) for a in range(0, n, step)]
@@ -265,7 +266,11 @@ def scan_files(pool, ctx: BuildContext) -> dict[str, int]:
             raise ConfigError(died_outside(how))
         raise ConfigError(f"{ctx.files[f]}: the index's worker died scanning it ({how}); check it")
 
-    run_jobs(pool, scan_job, jobs, "scan", lambda job, v: ignored.update(v["ignored"]), died)
+    def finished(job, value) -> None:
+        ignored.update(value["ignored"])
+        stats["jobs_cpu_s"] = stats.get("jobs_cpu_s", 0.0) + value["cpu_s"]
+
+    run_jobs(pool, scan_job, jobs, "scan", finished, died)
     merge_scans(ctx, [ctx.parts / f"scan-{a:09d}.npz" for a, _ in jobs])
     return dict(sorted(ignored.items()))
 
@@ -296,8 +301,11 @@ def shard_size(records: int, workers: int) -> int:
     return int(np.clip(-(-records // max(1, 16 * workers)), 16, 4096))
 
 
-def measure_records(pool, ctx: BuildContext, records: int, workers: int, bar) -> list[int]:
-    """The measure stage; returns the first record of each part, in order."""
+def measure_records(
+    pool, ctx: BuildContext, records: int, workers: int, bar, stats: dict
+) -> list[int]:
+    """The measure stage; returns the first record of each part, in order (`stats`: the
+    jobs' CPU time)."""
     step = shard_size(records, workers)
     jobs = [(a, min(records, a + step)) for a in range(0, records, step)]
     done: list[int] = []
@@ -309,6 +317,7 @@ def measure_records(pool, ctx: BuildContext, records: int, workers: int, bar) ->
     def finished(job, value) -> None:
         done.append(job[0])
         bar.update(job[1] - job[0])
+        stats["jobs_cpu_s"] = stats.get("jobs_cpu_s", 0.0) + value["cpu_s"]
 
     def died(job, how: str) -> list:
         a, b = job
