@@ -3,8 +3,7 @@
     python -m jaxmllm.bench.balance --mix omni,ai2d,chartqa --devices 8,64,512,2560 \\
         [--policies orchestrated,balanced,grain,naive] [--tokens 32768] [--micro 2] \\
         [--json OUT.json] [--plot OUT.png]
-    python -m jaxmllm.bench.balance --lengths FILE.jsonl --devices 64
-    python -m jaxmllm.bench.balance --lengths INDEX_FOLDER --devices 64   # a columnar index
+    python -m jaxmllm.bench.balance --lengths FILE.jsonl|INDEX_FOLDER --devices 64  # load timed
     python -m jaxmllm.bench.balance --mix omni --devices 8,64,512,2560 --simulate \
         [--devices-per-host 8] [--pair-capacity auto|whole] [--flops 4e14] \
         [--intra-bw 4.5e11] [--inter-bw 5e10] [--latency 1e-5]
@@ -65,12 +64,7 @@ Per policy, one table row (all figures over the steps run, steady state included
              lower-bound step of work: a policy that fills less takes more steps)
   ms/step    host planning time per step on one core: median over the steps after the first of
              time.process_time() around plan() (JSON: also the min); grain: per host, each host
-             packs its own devices
-  start-up   (a line under each row; JSON startup_s, peak_rss_mb) seconds from the index in
-             memory to the first plan (capacities sized from the index, the planner made, its
-             first plan) and the process's peak resident memory so far; with --lengths, the
-             header says how long loading it took (a JSONL file parsed, or a columnar index
-             folder mapped: `jaxmllm.data.stored.open_lengths`)
+             packs its own devices; `peak MB`: the process's peak resident memory so far
 """
 
 from __future__ import annotations
@@ -85,7 +79,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.bench import family, plot, simulate
-from jaxmllm.bench.mixes import MIXES, load_lengths, load_mix, random_mix, video_mix
+from jaxmllm.bench.mixes import MIXES, lengths_of, load_mix, peak_rss_mb, random_mix, video_mix
 from jaxmllm.bench.table import (
     HEADER,
     PHASES,
@@ -97,7 +91,6 @@ from jaxmllm.bench.table import (
 from jaxmllm.config import ModelConfig
 from jaxmllm.config.phases import BY_NAME, NAMES
 from jaxmllm.data.lengths import LengthsIndex
-from jaxmllm.data.stored import open_lengths
 from jaxmllm.plan.capacity import (
     HELD_DRY_RUN_STEPS,
     ROUTE_DRY_RUN_STEPS,
@@ -249,7 +242,6 @@ def run_policy(
     pair: str = "auto",
     machine: simulate.Machine | None = None,
 ) -> tuple[dict, list]:
-    started = time.perf_counter()
     caps = make_caps(index, devices, tokens, micro, policy, block=block, devices_per_host=per_host)
     whole = caps.route_pair_capacity
     caps = sized_caps(index, caps, policy, steps, cost, seed, pair)
@@ -273,8 +265,6 @@ def run_policy(
         plan = planner.plan()
         times.append(time.process_time() - t)
         check_plan(plan, index, caps)
-        if first_plan is None:
-            startup = time.perf_counter() - started
         first_plan = first_plan or plan
         step_work = items.work[plan.samples].sum(0)
         work += step_work
@@ -350,8 +340,6 @@ def run_policy(
         "exchange_rows": devices * caps.route_pair_capacity,
         "exchange_rows_whole": devices * whole if caps.route_pair_capacity else 0,
         "ms_per_step": 1000 * float(np.median(steady)),
-        "startup_s": startup,
-        "peak_rss_mb": peak_rss_mb(),
         "ms_per_step_min": 1000 * float(np.min(steady)),
         "caps": {
             "llm_rows": caps.llm_rows,
@@ -380,13 +368,6 @@ def run_policy(
     return row, [first_plan, items]
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MB."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
-
-
 def steps_for(index: LengthsIndex, devices: int, tokens: int, micro: int, lo: int, hi: int) -> int:
     """Enough steps for about one epoch, within [lo, hi]."""
     per_step = devices * micro * tokens / max(index.llm_tokens(dict.fromkeys(NAMES, 4)).mean(), 1)
@@ -400,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--lengths", help="lengths file (JSONL, or an InternVL JSON table)")
+    src.add_argument("--lengths", help="lengths: JSONL, an InternVL table, or an index folder")
     src.add_argument("--mix", help=f"built-in mix(es), comma-separated: {', '.join(MIXES)}")
     src.add_argument("--random", type=int, metavar="N",
                      help="N random workloads (mixes.random_mix, seeds --seed..+N-1), then the "
@@ -460,16 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cost = CostModel.from_file(args.cost_file) if args.cost_file else None
         if args.lengths:
-            started = time.perf_counter()
-            folder = Path(args.lengths).is_dir()
-            index = open_lengths(args.lengths) if folder else load_lengths(args.lengths)
-            took = time.perf_counter() - started
-            how = "mapped" if folder else "parsed"
-            print(
-                f"{args.lengths}: {len(index)} samples {how} in {took:.2f} s, peak resident "
-                f"memory {peak_rss_mb():.0f} MB"
-            )
-            sources = [(Path(args.lengths).name, index)]
+            sources = [(Path(args.lengths).name, lengths_of(args.lengths))]
         elif args.random:
             seeds = range(args.seed, args.seed + args.random)
             draw = video_mix if args.family == "video" else random_mix
@@ -501,12 +473,10 @@ def main(argv: list[str] | None = None) -> int:
                     pol, index, d, args.tokens, args.micro, n, cost, block=args.block,
                     per_host=args.devices_per_host, pair=args.pair_capacity, machine=machine,
                 )  # fmt: skip
-                row["mix"] = name
+                row.update(mix=name, peak_rss_mb=peak_rss_mb())
                 rows.append(row)
                 plots[(name, d, pol)] = first
                 print(format_row(row), flush=True)
-                start = f"{row['startup_s']:.2f} s (sizing, the first plan)"
-                print(f"    start-up {start}, peak resident memory {row['peak_rss_mb']:.0f} MB")
             print_like_for_like([r for r in rows if r["mix"] == name and r["devices"] == d])
     if args.random:
         print(f"\n== over {args.random} {args.family} workloads (seeds {args.seed}..)")

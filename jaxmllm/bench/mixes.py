@@ -25,6 +25,8 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import resource
+import time
 from pathlib import Path
 
 import numpy as np
@@ -229,6 +231,26 @@ def _from_internvl(recs: list, where: str) -> LengthsIndex:
         raise ValueError(f"{where}: entry {bad} has fewer tokens than its tiles need")
     imgs = [np.full(t, INTERNVL_TILE_PATCHES, np.int64) for t in tiles]
     return from_arrays(text, imgs, [np.zeros(0, np.int64)] * len(tiles))
+
+
+def lengths_of(path: str | Path) -> LengthsIndex:
+    """The lengths at `path`: a columnar index folder (`jaxmllm.data.stored.open_lengths`:
+    mapped) or a lengths file (`load_lengths`: parsed); prints how long that took and the
+    process's peak resident memory after it."""
+    from jaxmllm.data.stored import open_lengths
+
+    started = time.perf_counter()
+    folder = Path(path).is_dir()
+    index = open_lengths(path) if folder else load_lengths(path)
+    took, how = time.perf_counter() - started, "mapped" if folder else "parsed"
+    peak = f"peak resident memory {peak_rss_mb():.0f} MB"
+    print(f"{path}: {len(index)} samples {how} in {took:.2f} s, {peak}")
+    return index
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
 
 
 def load_lengths(path: str | Path, merge_area: int = 4, subsample: int = 4) -> LengthsIndex:

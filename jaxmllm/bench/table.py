@@ -18,6 +18,7 @@ def format_row(r: dict) -> str:
             f"{ratio:6.1f}x  {r['max_age']:3d} {r['deferred']:8.0f}  {r['routed']:5.3f} "
             f"{r['routed_inter']:5.3f} {r['caps']['route_pair_capacity']:6d} "
             f"{r['caps']['route_pair_whole']:6d} {r['ms_per_step']:8.1f}"
+            f" {r.get('peak_rss_mb', float('nan')):7.0f}"
         )
         + (
             f"  {r['tile_capacity']:7d} {r['tile_mean']:8.0f} {r['tile_cap_over_mean']:8.3f} "
@@ -58,7 +59,7 @@ def print_like_for_like(rows: list[dict]) -> None:
 
 HEADER = (
     f"{'policy':<13}{'D':>5} {'fill llm   vision audio':<24}  steps/LB  quad (bound)  "
-    f"cv     rand/ours age deferred routed inter   pair  whole  ms/step"
+    f"cv     rand/ours age deferred routed inter   pair  whole  ms/step peak MB"
 )
 TILE_HEADER = f"  {'tiles':>7} {'mean':>8} {'cap/mean':>8} {'max/mean':>8} {'goodput':>8}"
 SIM_HEADER = f"  {'sim: fl':>8} {'ragged':>8} {'dense':>8} {'x LB':>8}"
