@@ -136,8 +136,6 @@ def index_data_set(
     processes (0: this one), or Ray tasks on the cluster at `ray` (`auto`: a running one, else
     a local one; default data.index_ray). `stats` gets the build's figures (seconds of each
     stage, the jobs' CPU time: never in the index, which is the same bytes however built)."""
-    from tqdm import tqdm
-
     params = Params.from_config(cfg)
     files = data_files(ds.path)
     fmt, why = detect(files) if ds.format == "auto" else (ds.format, "")
@@ -148,52 +146,79 @@ def index_data_set(
     (staged / "parts").mkdir()
     paths = media_paths(ds.path, files, ds.media_root, cfg.data)
     ctx = context(fmt, files, paths, cfg, staged, decode)
-    ray = ray or cfg.data.index_ray
-    if ray:
-        pool = RayTasks(ray, init_worker, ctx)
-        workers = pool.cores()
-    else:
-        pool = LocalProcesses(workers, init_worker, ctx) if workers else InProcess(init_worker, ctx)
+    pool, workers = make_pool(ctx, workers, ray or cfg.data.index_ray)
     stats = {} if stats is None else stats
     try:
+        merged, ignored = run_build(pool, ctx, ds.name, workers, progress, stats)
         started = time.perf_counter()
-        ignored = scan_files(pool, ctx, stats)
-        records = int(np.load(staged / "files.records.npy")[-1])
-        stats["scan_s"], started = time.perf_counter() - started, time.perf_counter()
-        bar = tqdm(total=records, desc=f"index {ds.name}", unit="rec", disable=not progress)
-        starts = measure_records(pool, ctx, records, workers, bar, stats)
-        bar.close()
-        pool.close()
-        stats["measure_s"], started = time.perf_counter() - started, time.perf_counter()
-        table, reasons, examples = merge_measured(staged, starts)
-        table.update(json.loads((staged / "scan.json").read_text())["columns"])
-        stored = StoredIndex(staged, {"accepted": table["text.npy"][1][0], "columns": table})
-        summary = {"index_format": FORMAT, **summarize(cfg, stored, records, reasons, examples)}
-        summary.update(
-            data=str(ds.path),
-            format=fmt,
-            detected=why,
-            file_count=len(files),
-            params=params.counted(),
-            ignored_members=ignored,
-            index=str(out),
-            scan_keys=json.loads((staged / "scan.json").read_text())["keys"],
-            columns=dict(sorted(table.items())),
-        )
-        if acceptance_problem(summary, cfg.data.min_accept):
-            summary["format_hint"] = format_hint(files, fmt)
-        del stored
-        shutil.rmtree(staged / "parts")
-        (staged / "scan.json").unlink()
-        (staged / "summary.json").write_text(json.dumps(summary, indent=2))
+        summary = write_summary(cfg, ds, staged, merged, ignored, (files, fmt, why), out)
         publish(staged, out)
-        stats["merge_s"] = time.perf_counter() - started
+        stats["merge_s"] += time.perf_counter() - started
     except BaseException:
         pool.close()
         shutil.rmtree(staged, ignore_errors=True)
         raise
     finally:
         close_worker()  # (the files jobs run in this process opened)
+    return summary
+
+
+def make_pool(ctx, workers: int, ray: str):
+    """(Where the build's jobs run, how many run at once): Ray tasks on the cluster at `ray`,
+    else `workers` local processes, else this process."""
+    if ray:
+        pool = RayTasks(ray, init_worker, ctx)
+        return pool, pool.cores()
+    if workers:
+        return LocalProcesses(workers, init_worker, ctx), workers
+    return InProcess(init_worker, ctx), 0
+
+
+def run_build(pool, ctx, name: str, workers: int, progress: bool, stats: dict) -> tuple:
+    """The build's map and merge into its staging folder: ((records, column table, rejects by
+    reason, an example of each), the .tar members left out)."""
+    from tqdm import tqdm
+
+    staged, started = Path(ctx.token), time.perf_counter()
+    ignored = scan_files(pool, ctx, stats)
+    records = int(np.load(staged / "files.records.npy")[-1])
+    stats["scan_s"], started = time.perf_counter() - started, time.perf_counter()
+    bar = tqdm(total=records, desc=f"index {name}", unit="rec", disable=not progress)
+    starts = measure_records(pool, ctx, records, workers, bar, stats)
+    bar.close()
+    pool.close()
+    stats["measure_s"], started = time.perf_counter() - started, time.perf_counter()
+    table, reasons, examples = merge_measured(staged, starts)
+    stats["merge_s"] = time.perf_counter() - started
+    return (records, table, reasons, examples), ignored
+
+
+def write_summary(cfg: Config, ds: DataSet, staged: Path, merged, ignored, found, out) -> dict:
+    """Writes the staging folder's summary.json (its last file), clearing the build's own
+    files; returns it. `found`: (the data files, their format, why `auto` chose it)."""
+    records, table, reasons, examples = merged
+    files, fmt, why = found
+    scan = json.loads((staged / "scan.json").read_text())
+    table = dict(sorted({**table, **scan["columns"]}.items()))
+    stored = StoredIndex(staged, {"accepted": table["text.npy"][1][0], "columns": table})
+    summary = {"index_format": FORMAT, **summarize(cfg, stored, records, reasons, examples)}
+    summary.update(
+        data=str(ds.path),
+        format=fmt,
+        detected=why,
+        file_count=len(files),
+        params=Params.from_config(cfg).counted(),
+        ignored_members=ignored,
+        index=str(out),
+        scan_keys=scan["keys"],
+        columns=table,
+    )
+    if acceptance_problem(summary, cfg.data.min_accept):
+        summary["format_hint"] = format_hint(files, fmt)
+    del stored
+    shutil.rmtree(staged / "parts")
+    (staged / "scan.json").unlink()
+    (staged / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
