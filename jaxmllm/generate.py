@@ -41,8 +41,8 @@ import jax
 
 from jaxmllm.batch.prompts import PromptShapes
 from jaxmllm.config import Config, ConfigError, from_dict
+from jaxmllm.config.command import run
 from jaxmllm.config.phases import KINDS
-from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.template import TEMPLATES, Template, make_template
 from jaxmllm.loop.checkpoint import restore_params
@@ -122,10 +122,18 @@ def answer_prompts(
     return [{"ids": a.ids, "text": template.decode(a.ids)} for a in answers]
 
 
+def prompt_ids(text: str) -> list[int]:
+    """The ids of one `--prompt-ids` ("257,49,50")."""
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ConfigError(f"--prompt-ids {text!r}: give comma-separated token ids") from None
+
+
 def request_prompts(template: Template, args) -> list[Sample]:
     """The prompts of the command line, with their media files (see `--help`)."""
     texts = args.prompt or []
-    ids = [[int(x) for x in s.replace(" ", "").split(",") if x] for s in args.prompt_ids or []]
+    ids = [prompt_ids(s) for s in args.prompt_ids or []]
     media = {k.name: list(getattr(args, k.item)) for k in KINDS}  # (--image, --audio, --video)
     several = len(texts) + len(ids) > 1
     if several and any(media.values()):
@@ -194,26 +202,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; its exit code (2: a run, checkpoint, prompt or file to fix, said in
+    one line: `jaxmllm.config.command`)."""
+    return run(_command, argv)
+
+
+def _command(argv: list[str] | None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     args = parse_args(argv)
-    try:
-        if args.hf:
-            cfg, params = load_hf(args)
-        else:
-            cfg, params, _ = load_run(args.run, args.step)
-        if args.video:
-            cfg = taking_videos(cfg)
-        template = make_template(cfg, args.template, pretrained=bool(args.hf))
-        answers = answer_prompts(cfg, params, template, request_prompts(template, args), args)
-    except (ConfigError, RecordError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.hf:
+        cfg, params = load_hf(args)
+    else:
+        cfg, params, _ = load_run(args.run, args.step)
+    if args.video:
+        cfg = taking_videos(cfg)
+    template = make_template(cfg, args.template, pretrained=bool(args.hf))
+    answers = answer_prompts(cfg, params, template, request_prompts(template, args), args)
     for i, answer in enumerate(answers):
         if args.json:
             print(json.dumps(answer))
         else:
             print(answer["text"] if len(answers) == 1 else f"[{i}] {answer['text']}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ import sys
 import threading
 import time
 
+from jaxmllm.config.command import run
+
 EXIT_PEER_FAILED = 5
 
 
@@ -179,4 +181,4 @@ def _describe(code: int) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

@@ -26,12 +26,11 @@ import sharding
 from jaxmllm.batch.counts import calibrated_cost
 from jaxmllm.batch.info import StepInfo
 from jaxmllm.config import Config, ConfigError, load_config
+from jaxmllm.config.command import run
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
-from jaxmllm.hf.family import FamilyError
-from jaxmllm.hf.safetensors import CheckpointError
 from jaxmllm.init_from import initial_params
-from jaxmllm.loop import checkpoint, distributed, guards
+from jaxmllm.loop import checkpoint, distributed, guards, xla_flags
 from jaxmllm.loop.checkpoint import (
     check_process_count,
     check_resumable,
@@ -45,9 +44,9 @@ from jaxmllm.loop.checkpoint import (
 from jaxmllm.loop.evaluate import open_evaluator
 from jaxmllm.loop.guards import NonFiniteError, NonFiniteGuard, Preemption, Watchdog
 from jaxmllm.loop.ledger import Ledger
-from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter
+from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter, device_peak
+from jaxmllm.loop.summary import RunReport, rejects_file
 from jaxmllm.loop.timings import TimingsRecorder
-from jaxmllm.plan.contract import OversizeError
 from jaxmllm.plan.sizing import check_attention, resolve_attention, resolve_batch
 from jaxmllm.step.stages.program import build_program
 
@@ -63,6 +62,7 @@ def main(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> 
     distributed.start(cfg)
     checkpoint.check_output_dir(Path(cfg.train.output_dir))  # (read-only, a file: stop here)
     mesh = sharding.make_mesh(cfg.mesh)
+    xla_flags.report()  # (the GPU flag set in effect, on a GPU)
     if cfg.batch.exchange == "ragged" and jax.default_backend() == "cpu":
         raise ConfigError(
             "batch.exchange=ragged: XLA:CPU does not implement ragged_all_to_all; use "
@@ -142,8 +142,11 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
     watchdog = Watchdog(cfg.distributed.step_timeout_s) if jax.process_count() > 1 else None
     if watchdog is not None:
         closing.callback(watchdog.stop)
-    window, guard = MetricsWindow(mesh.size, cfg.data), NonFiniteGuard(t.max_nonfinite_steps)
+    peak = device_peak(t.peak_tflops, jax.devices()[0].device_kind) if is_main else None
+    window = MetricsWindow(mesh.size, cfg.data, peak)
+    guard = NonFiniteGuard(t.max_nonfinite_steps)
     timings = open_timings(cfg, out, start, is_main, closing)
+    report = RunReport(cfg, out, start, rejects_file(out))  # (what the terminal is told)
     last: dict = {}
     try:
         for step in range(start, t.steps):
@@ -166,8 +169,10 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
             if ledger is not None:
                 ledger.write(done, info.parts)
             window.add(info, waited)
+            report.step(info)
             if done % t.log_every == 0 or done in (1, t.steps):
                 last = log_step(done, metrics, info, window, guard.total, writer, bar)
+                report.logged(done)
             if evaluator is not None and evaluator.due(done):  # (reads the params, no more)
                 writer.write(done, evaluator(prog.to_checkpoint(state), done))  # [depth, ...]
                 window.exclude(evaluator.seconds)  # (throughput is the training's)
@@ -186,6 +191,11 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
             if stopping:
                 _stopped(preempt.requested, done, mngr, bar)
                 break
+        else:  # every step done (not stopped by a signal): the summary
+            if last:
+                checkpoint.wait_for_saves(mngr)  # (the summary names the last checkpoint)
+                bar.close()
+                report.finish(t.steps, last, window, Path(mngr.directory) / str(t.steps))
     except KeyboardInterrupt:
         checkpoint.wait_for_saves(mngr)
         print(
@@ -238,7 +248,7 @@ def open_data(cfg: Config, mesh, source, index, out: Path) -> grain.DatasetItera
         source=source,
         index=index,
         positions=positions,
-        reject_log=out / ("rejects.jsonl" if rank == 0 else f"rejects.process{rank}.jsonl"),
+        reject_log=rejects_file(out),
         to_device=lambda host_batch: sharding.make_global_batch(host_batch, mesh),
     )
 
@@ -277,7 +287,8 @@ def log_step(done: int, metrics: dict, info: StepInfo, window, nonfinite_total, 
     row["samples"] = len(info.samples)
     row.update({f"samples/{name}": n for name, n in info.sources.items()})  # (a mixture's)
     writer.write(done, row)
-    bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+    mfu = {"mfu": f"{row['mfu']:.1%}"} if "mfu" in row else {}
+    bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", **mfu)
     return row
 
 
@@ -313,22 +324,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def cli(argv: list[str] | None = None) -> int:
+    """The command line; its exit code (2: a config, data or checkpoint to fix, said in one
+    line; 3: diverged; 5: a checkpoint save failed; `jaxmllm.config.command`)."""
+    return run(_command, argv)
+
+
+def _command(argv: list[str] | None) -> None:
     guards.outlive_closed_pipes()  # (a `| tee` that Ctrl-C ended never costs the checkpoint)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("jaxmllm").setLevel(logging.INFO)  # (grain's import set up the root logger)
     args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.set)
-        main(cfg)
-    except (ConfigError, OversizeError, sharding.ShardingError, FamilyError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (NonFiniteError, checkpoint.SaveError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3 if isinstance(e, NonFiniteError) else 5
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    main(load_config(args.config, args.set))
 
 
 if __name__ == "__main__":

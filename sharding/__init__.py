@@ -20,6 +20,8 @@ from .mesh import (
     data_parallel_size,
     make_mesh,
     resolve_axis_sizes,
+    varying_as,
+    varying_axes,
 )
 from .params import (
     batch_sharding,
@@ -62,4 +64,6 @@ __all__ = [
     "resolve",
     "resolve_axis_sizes",
     "validate",
+    "varying_as",
+    "varying_axes",
 ]

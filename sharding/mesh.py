@@ -119,6 +119,31 @@ def context_size(mesh: Mesh) -> int:
     return mesh.shape[CONTEXT_AXIS] if CONTEXT_AXIS in mesh.shape else 1
 
 
+def varying_axes(x: Any) -> frozenset[str]:
+    """The manual mesh axes `x` varies over inside a shard_map that checks them (none outside
+    one, or under check_vma=False). jax < 0.11 names them `manual_axis_type.varying`, later
+    versions `vma`."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def varying_as(tree: Any, *inputs: Any) -> Any:
+    """`tree`'s arrays made to vary over every manual axis any of `inputs` varies over.
+
+    For values made from constants (a scan's initial carry) or returned by an inner shard_map
+    that does not check them: inside a shard_map that does (a pipeline stage), scan and cond
+    want the same types in and out, and a carry that its body adds varying values to varies.
+    """
+    axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(inputs)))
+
+    def one(x):
+        missing = tuple(sorted(axes - varying_axes(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree) if axes else tree
+
+
 def _read_sizes(mesh_cfg: Any) -> dict[str, int]:
     """Reads the five sizes from a mapping or an object, checking each is >= 1 or -1."""
     get = mesh_cfg.get if isinstance(mesh_cfg, Mapping) else lambda k, d: getattr(mesh_cfg, k, d)

@@ -455,7 +455,8 @@ def test_cudnn_kernel_equals_dense_reference_with_grouped_heads(causal):
     def loss(fn, q, k, v):
         return jnp.sum(jnp.where(real, fn(q, k, v) * weights, 0.0))
 
-    fused = lambda q, k, v: cudnn.attend(q, k, v, jnp.asarray(seg), causal=causal)
+    segments = cudnn.segments(jnp.asarray(seg), t)
+    fused = lambda q, k, v: cudnn.attend(q, k, v, jnp.asarray(seg), *segments, causal=causal)
     dense = lambda q, k, v: dense_attention(q, k, v, mask, jnp.float32)
     out = jax.jit(fused)(q, k, v)
     assert out.dtype == jnp.float32 and bool(jnp.isfinite(out).all())
@@ -469,16 +470,41 @@ def test_cudnn_kernel_equals_dense_reference_with_grouped_heads(causal):
         assert _rel_err(g, w) < 2e-2, (name, _rel_err(g, w))
 
 
-@needs_gpu
-def test_cudnn_model_loss_and_every_gradient_match_the_dense_reference():
+def packed_stand_in(q, k, v, offsets, lengths, *, causal, scale):
+    """cuDNN's packed attention on a CPU: the dense reference over the documents the offsets
+    and lengths name (the K/V heads arrive repeated to the query heads where jax needs it)."""
+    pos = jnp.arange(q.shape[1])
+    starts, ends = offsets[:, :-1, None], offsets[:, :-1, None] + lengths[:, :, None]
+    inside = (pos >= starts) & (pos < ends) & (lengths[:, :, None] > 0)  # [B, documents, T]
+    seg = jnp.where(inside.any(1), jnp.argmax(inside, 1) + 1, 0)
+    assert scale == pytest.approx(q.shape[-1] ** -0.5)
+    return dense_attention(q, k, v, attention_mask(seg, causal=causal), q.dtype)
+
+
+@pytest.fixture(params=["gpu", "cpu"])
+def fused(request, monkeypatch):
+    """cuDNN's kernel on a GPU; elsewhere its stand-in, so the glue around it (segments read
+    once outside the layers' scan, the masking, the kept residuals) runs on every CI."""
+    from jaxmllm.models import cudnn
+
+    if request.param == "cpu":
+        monkeypatch.setattr(cudnn, "_fused_attention", packed_stand_in)
+    elif jax.default_backend() != "gpu":
+        pytest.skip("cuDNN runs on a GPU only (there: JAX_PLATFORMS=cuda pytest ...)")
+    return request.param
+
+
+def test_cudnn_model_loss_and_every_gradient_match_the_dense_reference(fused):
     """The whole model (bf16 compute) with cuDNN attention in every phase against dense."""
     rng = np.random.default_rng(0)
-    mb = build_batch(rng, _random_pack(rng), SPARSE_BATCH)
-    bf16 = dataclasses.replace(DENSE, compute_dtype="bfloat16")
-    _, params, _, dense_grad = model_fns(bf16, SPARSE_BATCH)
-    _, fused_params, _, fused_grad = model_fns(
-        dataclasses.replace(bf16, attention="cudnn"), SPARSE_BATCH
+    # (cuDNN's bound on documents per row: the most a row of these buckets can hold)
+    batch = dataclasses.replace(
+        SPARSE_BATCH, llm_documents=40, vision_documents=48, audio_documents=16
     )
+    mb = build_batch(rng, _random_pack(rng), batch)
+    bf16 = dataclasses.replace(DENSE, compute_dtype="bfloat16")
+    _, params, _, dense_grad = model_fns(bf16, batch)
+    _, fused_params, _, fused_grad = model_fns(dataclasses.replace(bf16, attention="cudnn"), batch)
     assert_trees_close(params, fused_params, rtol=0, atol=0)
     (loss_d, count_d), grads_d = dense_grad(params, mb)
     (loss_c, count_c), grads_c = fused_grad(params, mb)

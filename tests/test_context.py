@@ -26,7 +26,7 @@ from jaxmllm.data.media.image import patchify
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.source import make_source
 from jaxmllm.data.text import tokenizer as tok
-from jaxmllm.models import context as ctx
+from jaxmllm.models import blocksparse
 from jaxmllm.models.attention import attention_mask, dense_attention
 from jaxmllm.plan import context as split
 from jaxmllm.plan import tiles
@@ -118,7 +118,7 @@ def test_dealt_row_attends_as_the_whole_row(causal, monkeypatch):
     """A group row of random documents dealt to 4 ranks, each rank's queries over the gathered
     keys (in chunks of 3 tiles: several chunks, the online softmax and its backward), equal
     dense attention over the whole row: outputs and the gradients of q, k and v."""
-    monkeypatch.setattr(ctx, "CHUNK_SCORES", 3 * 2 * 4 * 4)
+    monkeypatch.setattr(blocksparse, "CHUNK_SCORES", 3 * 2 * 4 * 4)
     rng = np.random.default_rng(2 + causal)
     block, row_blocks, ranks, heads, kv, e = 4, 16, 4, 2, 1, 8
     s_len = block * row_blocks
@@ -137,11 +137,21 @@ def test_dealt_row_attends_as_the_whole_row(causal, monkeypatch):
     real = jnp.asarray(seg > 0)[:, None, None]
 
     every = tok_of.ravel()  # the gathered group: rank by rank
-    rank_attend = jax.vmap(ctx.attend_gathered, (0, None, None, 0, None, 0, None, 0, None, None))
+    rank_attend = jax.vmap(blocksparse.kernel, (0, None, None, 0, None, 0, None, 0, None, None))
 
     def split_loss(q, k, v):
-        out = rank_attend(q[tok_of], k[every], v[every], seg[tok_of], seg[every], pos[tok_of],
-                          pos[every], rank_tiles, block, causal)  # fmt: skip
+        out = rank_attend(
+            q[tok_of],
+            k[every],
+            v[every],
+            seg[tok_of],
+            seg[every],
+            pos[tok_of],
+            pos[every],
+            rank_tiles,
+            block,
+            causal,
+        )
         out = jnp.zeros((s_len, heads, e)).at[every].set(out.reshape(s_len, heads, e))
         return jnp.sum(jnp.where(real, out * w, 0.0)), out
 

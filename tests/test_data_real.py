@@ -316,7 +316,11 @@ def test_image_grid_stays_in_budget(h, w, max_pixels):
 
 
 @pytest.mark.slow  # ~60 s: a whole training run on a manifest
-def test_training_on_a_manifest_reports_rejects(tmp_path):
+def test_training_on_a_manifest_reports_rejects(tmp_path, capsys, caplog):
+    """Media deleted after indexing: the run goes on, and says so on the terminal (a line
+    per logging window with rejects, the index's rejects at start-up) and in its summary."""
+    import logging
+
     from jaxmllm.loop.metrics import read_metrics
     from jaxmllm.train import main
 
@@ -339,11 +343,21 @@ def test_training_on_a_manifest_reports_rejects(tmp_path):
         rec = json.loads(manifest.read_text().splitlines()[line - 1])
         for p in rec.get("images", []) + rec.get("audio", []):
             (manifest.parent / p).unlink(missing_ok=True)
+    caplog.set_level(logging.INFO, logger="jaxmllm")
     main(cfg)
     metrics = read_metrics(out)
     assert len(metrics) == 3 and all(np.isfinite(m["loss"]) for m in metrics)
     assert metrics[-1]["rejects/index_total"] == 6
     assert metrics[-1]["rejects/load_total"] >= 1
+    told = " ".join(line.strip() for line in caplog.text.splitlines())  # (wrapped lines joined)
+    assert "the index accepted 240 of 246 records; 6 rejected (" in told, told
+    assert "load-time rejects in steps " in told and "(missing_media " in told, told
+    assert "the first: record " in told and "no such file: " in told, told
+    summary = capsys.readouterr().out.split("done: 3 steps")[1]
+    loads = int(metrics[-1]["rejects/load_total"])
+    assert f"{loads} at load time (missing_media {loads})" in summary, summary
+    assert "6 at indexing (" in summary, summary
+    assert str(out / "rejects.jsonl") in summary and f"checkpoint: {out}/checkpoints/3" in summary
     logged = [r for r in read_rejects(out / "rejects.jsonl") if r["stage"] == "load"]
     seen = [r for r in logged if r["step"] < 3]  # the pipeline runs ahead of the trainer
     assert len(seen) == metrics[-1]["rejects/load_total"]

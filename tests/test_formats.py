@@ -21,7 +21,7 @@ from jaxmllm.data.rejects import RecordError, read_rejects
 from jaxmllm.data.source import open_source
 
 SMALL = ["data.image_min_pixels=256", "data.image_max_pixels=1024", "data.audio_max_frames=32"]
-SETTINGS = ["data.eval.source=none", *SMALL]
+SETTINGS = ["data.source=files", "data.eval.source=none", *SMALL]  # (tiny.yaml: synthetic)
 
 
 def config(path, *extra, base="configs/tiny.yaml"):
@@ -322,7 +322,7 @@ def test_index_tells_the_truth(data, tmp_path, capsys):
         ConfigError, match=r"min_accept(.|\n)*python -m jaxmllm.data.index --config"
     ):
         open_source(load_config(cfg, [*base, "data.min_accept=0.9"]))
-    code, out, err = run_index(capsys, cfg, "data.path=/nope.json", "data.eval.source=none")
+    code, out, err = run_index(capsys, cfg, "data.path=/nope.json", *SETTINGS)
     assert code == 2 and "no such data file" in err
 
 
@@ -338,9 +338,8 @@ def test_index_folder_is_keyed_by_what_decides_it(data, tmp_path):
     fresh = load_config(yaml, [*SETTINGS, f"data.path={path}", "data.image_max_pixels=2048"])
     with pytest.raises(ConfigError) as e:
         open_source(fresh)
-    assert f"python -m jaxmllm.data.index --config {yaml} --set data.eval.source=none" in str(
-        e.value
-    )
+    rebuild = f"python -m jaxmllm.data.index --config {yaml} --set data.source=files --set"
+    assert rebuild in str(e.value)
     assert "<this config>" not in str(e.value)
 
 

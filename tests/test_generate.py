@@ -16,7 +16,15 @@ import numpy as np
 import pytest
 
 from jaxmllm.batch.prompts import PromptShapes, prompt_batch, prompt_config, split_answer
-from jaxmllm.config import AudioConfig, BatchConfig, Config, LLMConfig, ModelConfig, VisionConfig
+from jaxmllm.config import (
+    AudioConfig,
+    BatchConfig,
+    Config,
+    DataConfig,
+    LLMConfig,
+    ModelConfig,
+    VisionConfig,
+)
 from jaxmllm.data.media.image import patchify
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text import tokenizer as tok
@@ -35,6 +43,7 @@ CFG = Config(
         attention="dense",
     ),
     batch=BatchConfig(route_pair_capacity=0, planner="first_fit"),
+    data=DataConfig(source="synthetic"),  # (a run of the built-in data: the plain template)
 )
 
 

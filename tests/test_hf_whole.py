@@ -6,6 +6,7 @@ trips, what import writes, and what import and export refuse."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import hf_models
@@ -85,7 +86,7 @@ def _load(source: str):
 
 
 @pytest.mark.parametrize("name", sorted(WHOLES))
-def test_whole_import_then_export_is_bit_identical(name, tmp_path):
+def test_whole_import_then_export_is_bit_identical(name, tmp_path, caplog):
     """Every tensor of the whole checkpoint is consumed or knowingly left alone (LLaVA's last
     CLIP block and post_layernorm), and writing the loaded parameters back gives every tensor
     bit for bit, in shards, with a config.json transformers loads without a missing or an
@@ -93,7 +94,11 @@ def test_whole_import_then_export_is_bit_identical(name, tmp_path):
     import transformers
 
     source = WHOLES[name](tmp_path / "source")
+    caplog.set_level(logging.INFO, logger="jaxmllm")
     whole, roles, cfg, flat = _load(source)
+    encoder = next(r for r in roles if r != "llm")  # each part's load names the others'
+    assert f"are its {encoder} part (model.init_from.{encoder} loads them)" in caplog.text
+    assert "are its llm part (model.init_from.llm loads them)" in caplog.text, caplog.text
     out = tmp_path / "out"
     write_piece(cfg, Piece("", roles, source, whole=whole), flat, out, 16 << 10)
     assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
@@ -127,6 +132,8 @@ def test_import_model_writes_the_whole_config(tmp_path):
     out = tmp_path / "run.yaml"
     assert main(["import", "--model", str(d), "--out", str(out)]) == 0
     assert out.read_text().startswith(f"# python -m jaxmllm.train --config {out}")
+    assert f"# Written by: python -m jaxmllm.hf import --model {d} --out {out}\n" in out.read_text()
+    assert "It names no data yet" in out.read_text()  # (and training refuses it: data.path)
     cfg = load_config(out)
     v, init = cfg.model.vision, cfg.model.init_from
     assert (init.llm, init.vision, init.audio) == (str(d), str(d), "")

@@ -130,6 +130,36 @@ def inside_records(data: Path) -> list[dict]:
     ]
 
 
+def test_a_sibling_media_folder_is_let_in_by_confine_media_to(tree, opened):  # noqa: F811
+    """ShareGPT records in data/sharegpt/ whose images are in data/images/ ("../images/0.png",
+    a common layout): confined to the folder paths start from, every one is rejected with a
+    message naming data.confine_media_to; confined to data/, they load with their relative
+    paths unchanged, and whatever leads out of data/ is still rejected, unread."""
+    data, outside = tree
+    (data / "sharegpt").mkdir()
+    (data / "images").mkdir()
+    png(data / "images" / "0.png")
+    records = [
+        {"id": "sibling", "text": "<image> a", "images": ["../images/0.png"]},
+        {"id": "beyond", "text": "<image> b", "images": ["../../outside/private.png"]},
+    ]
+    manifest = write_manifest(data / "sharegpt" / "train.jsonl", records)
+    summary, rejects = index(manifest, "data.min_accept=0")
+    assert summary["accepted"] == 0 and rejects["sibling"]["reason"] == "path_outside_root"
+    detail = rejects["sibling"]["detail"]
+    assert "set data.confine_media_to to a folder that holds it" in detail, detail
+    assert "0.png" not in detail and str(outside) not in rejects["beyond"]["detail"]  # (unsaid)
+    opened.clear()
+    summary, rejects = index(manifest, f"data.confine_media_to={data}")
+    assert summary["accepted"] == 1 and rejects["beyond"]["reason"] == "path_outside_root"
+    assert not [p for p in opened if outside_the_data(p, outside)]
+    cfg = config(manifest, f"data.index_dir={manifest}.index", f"data.confine_media_to={data}")
+    assert open_source(cfg)[0].loss.any()  # (loaded from data/images/, the path as written)
+    # A confinement that does not hold the folder paths start from is a config error.
+    with pytest.raises(ConfigError, match="does not hold"):
+        open_records(manifest, data=cfg.data, confine=outside)
+
+
 def test_media_paths_outside_the_data_set_are_rejected_unread(tree, opened):  # noqa: F811
     data, outside = tree
     records = inside_records(data) + outside_records(outside)

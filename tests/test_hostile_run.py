@@ -433,6 +433,28 @@ def test_a_run_whose_updates_turn_nan_never_checkpoints_them(tmp_path, monkeypat
     assert rows[-1]["nonfinite_total"] >= 1
 
 
+def test_a_failed_saves_cause_names_the_os_error_wherever_tensorstore_puts_it():
+    from jaxmllm.loop.checkpoint import save_cause
+
+    # as tensorstore words it on a full tmpfs: the OS error mid-message, a long spec after it
+    spec = ", ".join(f'\\"key{i}\\":{i}' for i in range(60))
+    message = (
+        'RESOURCE_EXHAUSTED: Error opening "zarr" driver: Error writing "params.w/.zarray" in '
+        'OCDBT database at local file "/ckpt/4.tmp/": Failed to write 2476 bytes to file 9: No '
+        f"space left on device [os_error_code='28'] [tensorstore_spec='{{{spec}}}']"
+    )
+    cause = save_cause(ValueError(message))
+    assert cause.startswith("No space left on device: ValueError: RESOURCE_EXHAUSTED")
+    assert len(cause) < 400
+    assert save_cause(OSError(errno.EROFS, "Read-only file system")) == (
+        "OSError: [Errno 30] Read-only file system"
+    )
+    wrapped = RuntimeError("write failed")
+    wrapped.__cause__ = OSError(errno.ENOSPC, "disk full")
+    assert save_cause(wrapped) == "No space left on device: RuntimeError: write failed"
+    assert save_cause(KeyError()) == "KeyError: "
+
+
 @pytest.mark.slow  # two training runs: ~2 min on 2 cores
 def test_a_full_disk_stops_the_run_within_a_step_keeping_the_last_checkpoint(tmp_path, monkeypatch):
     from orbax.checkpoint._src.path import async_path

@@ -314,20 +314,40 @@ def test_every_remat_policy_gives_the_same_loss_and_every_gradient(three_samples
     assert all(np.abs(g).max() > 0 for g in grad_leaves(grads_r))
 
 
-def test_the_activations_remat_policies_keep_are_tagged_in_every_block():
-    """Every name a policy keeps is tagged (checkpoint_name) in a block of each kind of MLP: a
-    misspelt name would keep nothing, silently."""
+def _names(jaxpr) -> set[str]:
+    """The checkpoint names tagged anywhere in a jaxpr, nested ones included."""
+    found = set()
+    for e in jaxpr.eqns:
+        if e.primitive.name == "name":
+            found.add(str(e.params["name"]))
+        for value in e.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr | jax.extend.core.Jaxpr):
+                    found |= _names(getattr(sub, "jaxpr", sub))
+    return found
+
+
+@pytest.mark.parametrize("kernel", ["block_sparse", "cudnn"])
+def test_the_activations_remat_policies_keep_are_tagged_in_every_block(kernel, monkeypatch):
+    """Every name a policy keeps is tagged (checkpoint_name) in the forward pass a block's
+    gradient runs, for each kind of MLP and each kernel that tags its own residuals (cuDNN's
+    CPU stand-in): a misspelt name would keep nothing, silently."""
+    from test_attention import packed_stand_in
+
+    from jaxmllm.models import cudnn
+
+    monkeypatch.setattr(cudnn, "_fused_attention", packed_stand_in)
     wanted = {n for p in REMAT_POLICIES.values() for n in p.names}
+    segments = jnp.ones((1, 8), jnp.int32)
+    tiles = jnp.asarray([[[0, 0], [1, 0], [1, 1]]], jnp.int32)
+    pack = packing(segments, causal=True, kind=kernel, tiles_bk2=tiles, block=4, documents=1)
     for mlp in ("gated_silu", "gelu"):
         spec = BlockSpec(32, 4, 2, 64, mlp=mlp, rope="1d")
-        block = Block(spec, rngs=nnx.Rngs(0))
-        x = jnp.ones((1, 8, 32))
-        pack = packing(jnp.ones((1, 8), jnp.int32), causal=True)
-        jaxpr = jax.make_jaxpr(functools.partial(block, pack=pack, positions=jnp.arange(8)[None]))(
-            x
+        block = functools.partial(
+            Block(spec, rngs=nnx.Rngs(0)), pack=pack, positions=jnp.arange(8)[None]
         )
-        tagged = {str(e.params["name"]) for e in jaxpr.jaxpr.eqns if e.primitive.name == "name"}
-        assert wanted <= tagged, (mlp, wanted - tagged)
+        jaxpr = jax.make_jaxpr(lambda x, block=block: jax.vjp(block, x)[0])(jnp.ones((1, 8, 32)))
+        assert wanted <= _names(jaxpr.jaxpr), (kernel, mlp, wanted - _names(jaxpr.jaxpr))
 
 
 def test_param_axes_cover_every_param():
@@ -518,7 +538,12 @@ def test_exchange_is_one_all_to_all_under_a_mesh():
     rng = np.random.default_rng(6)
     rows = rng.normal(size=(4, 8, 16)).astype(np.float32)
     send = rng.integers(0, 8, (4, 4, 3)).astype(np.int32)
-    src = rng.integers(-1, 12, (4, 2, 5)).astype(np.int32)
+    # Each received row fills at most one slot (an item's rows fill its placeholders one each).
+    src = np.full((4, 2 * 5), -1, np.int32)
+    for d in range(4):
+        slots = rng.choice(2 * 5, 6, replace=False)
+        src[d, slots] = rng.choice(12, 6, replace=False)
+    src = src.reshape(4, 2, 5)
     x = rng.normal(size=(4, 2, 5, 16)).astype(np.float32)
     put = lambda a: jax.device_put(a, jax.NamedSharding(mesh, jax.P(("data", "fsdp"))))
     with jax.set_mesh(mesh):

@@ -313,6 +313,7 @@ def test_routing_tables_are_a_bijection():
             "batch.route_pair_capacity=128",
             "batch.planner=orchestrated",
             "batch.devices_per_host=2",  # (two hosts: routing within a host first)
+            "data.source=synthetic",
             "data.synthetic.num_samples=256",
         ],
     )

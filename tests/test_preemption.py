@@ -1,5 +1,6 @@
 """Preemption: SIGTERM finishes the step, checkpoints, exits 0; the same command resumes."""
 
+import os
 import signal
 import subprocess
 import time
@@ -62,3 +63,31 @@ def test_sigterm_checkpoints_exits_0_and_the_rerun_resumes(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resumed from checkpoint at step {last}" in again.stdout
     assert read_metrics(tmp_path)[-1]["step"] == last + 1
+
+
+@pytest.mark.slow  # one child run, about a minute
+def test_ctrl_c_with_data_workers_prints_one_line_and_no_traceback(tmp_path):
+    """Ctrl-C reaches the terminal's whole process group, data workers included: they stop
+    without a word (no `Process SpawnProcess-1: Traceback ... KeyboardInterrupt`), the trainer
+    checkpoints and says where, and exits 0."""
+    log_path = tmp_path / "run.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [*tiny_cmd(tmp_path, 500), "data.workers=2"],
+            cwd=ROOT,
+            env=child_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # (its own process group: the terminal's, as for a user)
+        )
+    deadline = time.monotonic() + 900
+    while logged_step(tmp_path) < 3:
+        assert proc.poll() is None, log_path.read_text()[-2000:]
+        assert time.monotonic() < deadline, "training never reached step 3"
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: every process of the group
+    proc.wait(timeout=900)
+    out = log_path.read_text()
+    assert proc.returncode == 0, out[-3000:]
+    assert "stopped by SIGINT after step" in out, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]

@@ -33,7 +33,7 @@ def tiny(out, *sets, **train):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
-    main(tiny(out))
+    main(tiny(out, peak_tflops=0.5))  # (a stated peak: CPUs have none, so no MFU otherwise)
     return out
 
 
@@ -55,6 +55,7 @@ def test_has_a_pulse(uninterrupted):
     ):
         assert all(np.isfinite(r[key]) for r in rows), key
     assert all(r["host/load_s"] > 0 and r["host/bucketize_s"] > 0 for r in rows)
+    assert all(r["mfu"] == pytest.approx(r["tflops_per_device"] / 0.5) for r in rows)
     assert rows[0]["loss"] > 3.0  # starts near uniform over the vocabulary
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert json.loads((uninterrupted / "config.json").read_text())["train"]["steps"] == STEPS

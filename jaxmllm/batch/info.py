@@ -16,8 +16,8 @@ class StepInfo:
     """One step's plan summary and counts, as the feed made them on this host.
 
     The loop reads it for the metrics window (`tokens`, `flops`, `predicted_s`, `fill`,
-    `rejects`, `host`), the ledger (`parts`), the timings (`work`) and the logged row (`samples`,
-    `sources`).
+    `rejects`, `host`), the ledger (`parts`), the timings (`work`), the logged row (`samples`,
+    `sources`) and the terminal's report of load-time rejects (`new_rejects`, `first_reject`).
     """
 
     step: int
@@ -36,5 +36,9 @@ class StepInfo:
     work: dict | None = None
     predicted_s: float = 0.0
     sources: dict[str, int] = field(default_factory=dict)  # a mixture's samples per source
+    # this step's load-time rejects on this host, by reason, and the first of them (the
+    # terminal shows them per logging window)
+    new_rejects: dict[str, int] = field(default_factory=dict)
+    first_reject: dict | None = None
     host: HostTimes | None = None  # the feed's time per stage on this step (metrics host/*)
     extra: dict = field(default_factory=dict)  # anything a caller adds (benches)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import jax
@@ -40,10 +41,16 @@ from jaxmllm.models.attention import attention_mask, dense_attention
 from jaxmllm.plan import tiles as T
 
 
-def documents(mix: str, row_len: int, merge_area: int = 4, subsample: int = 4) -> np.ndarray:
-    """Lengths of the documents packed into one row of `row_len` tokens (see the module doc)."""
+def documents(
+    mix: str, row_len: int, kind: str = "llm", merge_area: int = 4, subsample: int = 4
+) -> np.ndarray:
+    """Lengths of the documents packed into one row of `row_len` tokens (see the module doc):
+    the samples' LLM tokens, or (`kind` vision) their images' patches."""
     index = load_mix(mix)
-    lengths = index.llm_tokens({"vision": merge_area, "audio": subsample})
+    if kind == "vision":
+        lengths = index.items["vision"].sizes
+    else:
+        lengths = index.llm_tokens({"vision": merge_area, "audio": subsample})
     out, used = [], 0
     for n in lengths:
         if n < 1 or n > row_len:
@@ -101,24 +108,28 @@ def median_time(compiled, args, repeat: int, clock=time.perf_counter) -> float:
 
 
 def measure(row_len: int, args) -> dict:
-    sizes = documents(args.mix, row_len)
+    """One row's forward + backward by every kernel; `args`: the command line's (`kind`: llm,
+    causal over samples' tokens, or vision, over images' patches)."""
+    kind = getattr(args, "kind", "llm")
+    causal = kind == "llm"
+    sizes = documents(args.mix, row_len, kind)
     seg_np = segments(sizes, row_len)
     offsets = np.cumsum(sizes) - sizes
-    tl = T.tile_list(offsets, sizes, np.zeros(len(sizes), np.int64), row_len // args.block,
-                     args.block, True)  # fmt: skip
-    doc_tiles = int(T.own_tiles(-(-sizes // args.block), True).sum())
+    rows = np.zeros(len(sizes), np.int64)
+    tl = T.tile_list(offsets, sizes, rows, row_len // args.block, args.block, causal)
+    doc_tiles = int(T.own_tiles(-(-sizes // args.block), causal).sum())
     dtype = jnp.dtype(args.dtype)
     q, k, v, w = _inputs(row_len, args.heads, args.kv_heads, args.head_dim, dtype)
     seg = jnp.asarray(seg_np)[None]
 
     sparse_fwd = lambda q, k, v, s, t: blocksparse.attend(
-        q, k, v, s, t, block=args.block, causal=True
+        q, k, v, s, t, block=args.block, causal=causal
     )
     sparse = _grad_fn(sparse_fwd)
     sparse_args = (q, k, v, w, seg, jnp.asarray(tl, jnp.int32)[None])
     sparse_c = sparse.lower(*sparse_args).compile()
     dense = _grad_fn(
-        lambda q, k, v, s: dense_attention(q, k, v, attention_mask(s, causal=True), dtype)
+        lambda q, k, v, s: dense_attention(q, k, v, attention_mask(s, causal=causal), dtype)
     )
     dense_args = (q, k, v, w, seg)
     try:
@@ -134,7 +145,7 @@ def measure(row_len: int, args) -> dict:
         "fill": float(sizes.sum() / row_len),
         "tiles": len(tl),
         "doc_tiles": doc_tiles,
-        "dense_tiles": (row_len // args.block) * (row_len // args.block + 1) // 2,
+        "dense_tiles": int(T.own_tiles(row_len // args.block, causal)),
         "sparse_s": median_time(sparse_c, sparse_args, args.repeat),
         "sparse_bytes": _peak_bytes(sparse_c),
         "dense_bytes": _peak_bytes(dense_c) if dense_c is not None else None,
@@ -144,7 +155,8 @@ def measure(row_len: int, args) -> dict:
         median_time(dense_c, dense_args, args.repeat) if row["dense_measured"] else None
     )
     if jax.default_backend() == "gpu":
-        fused_fwd = lambda q, k, v, s: cudnn.attend(q, k, v, s, causal=True, documents=len(sizes))
+        packed = cudnn.segments(seg, len(sizes))
+        fused_fwd = lambda q, k, v, s: cudnn.attend(q, k, v, s, *packed, causal=causal)
         fused_c = _grad_fn(fused_fwd).lower(*dense_args).compile()
         row["cudnn_s"] = median_time(fused_c, dense_args, args.repeat)
         row["cudnn_bytes"] = _peak_bytes(fused_c)
@@ -166,8 +178,8 @@ def extrapolate(rows: list[dict]) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    cols = ["row", "docs", "doc mean", "tiles", "doc tiles", "tiles/doc", "dense s", "sparse s",
-            "speed-up", "dense MiB", "sparse MiB"]  # fmt: skip
+    cols = ["row", "docs", "doc mean", "tiles", "doc tiles", "tiles/doc", "dense s", "sparse s"]
+    cols += ["speed-up", "dense MiB", "sparse MiB"]
     fused = any("cudnn_s" in r for r in rows)
     if fused:
         cols += ["cudnn s", "cudnn MiB", "cudnn err"]
@@ -175,13 +187,22 @@ def table(rows: list[dict]) -> str:
     mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"
     for r in rows:
         dense = f"{r['dense_s']:.4g}" + ("" if r["dense_measured"] else " (T^2 est.)")
-        lines.append(" | ".join([
-            str(r["row_len"]), str(r["docs"]), f"{r['doc_mean']:.0f}", str(r["tiles"]),
-            str(r["doc_tiles"]), f"{r['tiles'] / max(r['doc_tiles'], 1):.3f}", dense,
-            f"{r['sparse_s']:.4g}", f"{r['dense_s'] / r['sparse_s']:.1f}x",
-            mib(r["dense_bytes"]), mib(r["sparse_bytes"]),
-        ] + ([f"{r['cudnn_s']:.4f}", mib(r["cudnn_bytes"]), f"{r['cudnn_err']:.1e}"]
-             if fused else [])))  # fmt: skip
+        cells = [
+            str(r["row_len"]),
+            str(r["docs"]),
+            f"{r['doc_mean']:.0f}",
+            str(r["tiles"]),
+            str(r["doc_tiles"]),
+            f"{r['tiles'] / max(r['doc_tiles'], 1):.3f}",
+            dense,
+            f"{r['sparse_s']:.4g}",
+            f"{r['dense_s'] / r['sparse_s']:.1f}x",
+            mib(r["dense_bytes"]),
+            mib(r["sparse_bytes"]),
+        ]
+        if fused:
+            cells += [f"{r['cudnn_s']:.4f}", mib(r["cudnn_bytes"]), f"{r['cudnn_err']:.1e}"]
+        lines.append(" | ".join(cells))
     return "\n".join(lines)
 
 
@@ -193,6 +214,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument(
+        "--kind",
+        default="llm",
+        choices=["llm", "vision"],
+        help="llm: causal, over the samples' LLM tokens; vision: over their images' patches",
+    )
     p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (median)")
     p.add_argument(
         "--dense-max",
@@ -216,10 +243,11 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(measure(row_len, args))
         print(f"row {row_len}: done", flush=True)
     extrapolate(rows)
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, mix {args.mix}, block "
-          f"{args.block}, {args.heads} heads / {args.kv_heads} kv heads of {args.head_dim}, "
-          f"{args.dtype}, "
-          "forward + backward of one row")  # fmt: skip
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}, mix {args.mix} ({args.kind}), "
+        f"block {args.block}, {args.heads} heads / {args.kv_heads} kv heads of {args.head_dim}, "
+        f"{args.dtype}, forward + backward of one row"
+    )
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
@@ -227,4 +255,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from jaxmllm.config.command import run
+
+    sys.exit(run(main))

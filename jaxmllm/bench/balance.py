@@ -89,6 +89,7 @@ from jaxmllm.bench.table import (
     print_like_for_like,
 )
 from jaxmllm.config import ModelConfig
+from jaxmllm.config.command import fail, run
 from jaxmllm.config.phases import BY_NAME, NAMES
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.capacity import (
@@ -449,8 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sources = [(m, load_mix(m)) for m in args.mix.split(",")]
     except (OSError, ValueError) as e:  # a missing table, an unknown mix, a bad cost file
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e, 2)
     cost = cost or CostModel.from_model(model)
     rows, plots = [], {}
     for name, index in sources:
@@ -497,4 +497,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

@@ -39,18 +39,28 @@ def with_depth(config: str, depth: int, overrides: list[str]) -> Config:
     return resolve_bounds(cfg, sharding.data_parallel_size(sharding.make_mesh(cfg.mesh)))
 
 
+def abstract_batch(cfg: Config, mesh) -> dict:
+    """The step batch's shapes, dtypes and shardings (no data)."""
+    shapes = batch_shapes(cfg, sharding.data_parallel_size(mesh))
+    return {
+        name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(mesh, len(shape)))
+        for name, (shape, dtype) in shapes.items()
+    }
+
+
+def lower_step(cfg: Config, mesh):
+    """(the program, the train step lowered from abstract shapes on `mesh`)."""
+    with jax.set_mesh(mesh):
+        prog = build_program(cfg, mesh)
+        return prog, prog.step.lower(prog.abstract_sharded(), abstract_batch(cfg, mesh))
+
+
 def measure(cfg: Config, mesh) -> dict:
     """Lowers and compiles the train step of `cfg` on `mesh`; times and sizes."""
     with jax.set_mesh(mesh):
         t0 = time.perf_counter()
         prog = build_program(cfg, mesh)
-        shapes = batch_shapes(cfg, sharding.data_parallel_size(mesh))
-        batch = {
-            name: jax.ShapeDtypeStruct(
-                shape, dtype, sharding=sharding.batch_sharding(mesh, len(shape))
-            )
-            for name, (shape, dtype) in shapes.items()
-        }
+        batch = abstract_batch(cfg, mesh)
         t1, cpu1 = time.perf_counter(), time.process_time()
         lowered = prog.step.lower(prog.abstract_sharded(), batch)
         t2 = time.perf_counter()
@@ -138,4 +148,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from jaxmllm.config.command import run
+
+    raise SystemExit(run(main))

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmllm.bench.attention import documents, median_time
-from jaxmllm.models.context import attend_gathered
+from jaxmllm.models.blocksparse import kernel
 from jaxmllm.plan import context as split
 from jaxmllm.plan.capacity import encoder_capacities, held_tiles, route_capacity
 from jaxmllm.plan.contract import Capacities
@@ -161,7 +161,7 @@ def _layer_grad(width: int, heads: int, kv: int, mlp: int, block: int):
         t = x.shape[0]
         q = (x @ wq).reshape(t, heads, e)
         own = (x @ wk).sum() + (x @ wv).sum()  # (the rank's own keys and values: its share)
-        a = attend_gathered(q, k_all, v_all, seg, seg_all, pos, pos_all, tiles, block, True)
+        a = kernel(q, k_all, v_all, seg, seg_all, pos, pos_all, tiles, block, True)
         h = x + a.reshape(t, width) @ wo
         out = h + jax.nn.silu(h @ w1) @ w2
         return jnp.sum(out * weights) + 1e-6 * own
@@ -273,4 +273,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxmllm.config.command import run
+
+    sys.exit(run(main))

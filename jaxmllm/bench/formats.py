@@ -288,11 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     workers = [int(w) for w in args.workers.split(",")]
     procs = [int(w) for w in args.index_processes.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
+    cfg = load_config(args.config, ["data.source=files", "data.path=x", "data.workers=0"])
+    with tempfile.TemporaryDirectory() as tmp:  # (the config first: a typo stops at once)
         records = make_records(Path(tmp), args.records)
         paths = write_formats(tmp, records)
         paths = {f: paths[f] for f in args.formats.split(",")}
-        cfg = load_config(args.config, ["data.source=files", "data.path=x", "data.workers=0"])
         rows = bench(cfg, paths, workers, procs, args.load_samples)
     cols = [
         "format",
@@ -314,4 +314,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxmllm.config.command import run
+
+    sys.exit(run(main))

@@ -128,7 +128,8 @@ def data_config(cfg: Config, data: str, folder: Path, records: int = 240) -> Con
     if data == "config":
         return cfg
     if data == "synthetic":
-        return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source="synthetic"))
+        built_in = dataclasses.replace(cfg.data, source="synthetic", path="", sources=())
+        return dataclasses.replace(cfg, data=built_in)
     manifest = folder / "manifest.jsonl"
     if not manifest.exists():
         write_media(folder, records)
@@ -355,4 +356,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxmllm.config.command import run
+
+    sys.exit(run(main))

@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
+    counts = args.workers.split(",")
+    if not all(w.strip().isdigit() for w in counts):
+        ap.error(f"--workers {args.workers}: a comma list of worker counts (0: in this process)")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.keep or tmp)
         started = time.perf_counter()
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{manifest}: {n} records written in {time.perf_counter() - started:.0f} s")
         if args.repeat > 1:
             manifest, n = repeated(manifest, args.repeat), n * args.repeat
-        runs = [("local", int(w), "") for w in args.workers.split(",")]
+        runs = [("local", int(w), "") for w in counts]
         if args.ray:
             runs.append(("ray", args.ray, "auto"))
         rows = []
@@ -185,4 +188,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxmllm.config.command import run
+
+    sys.exit(run(main))

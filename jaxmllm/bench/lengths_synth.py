@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="the index folder to write")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.samples < 1:
+        ap.error(f"--samples {args.samples}: an index needs at least 1 sample")
     started = time.perf_counter()
     write(Path(args.out), args.samples, args.seed)
     seconds = time.perf_counter() - started
@@ -86,4 +88,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxmllm.config.command import run
+
+    sys.exit(run(main))

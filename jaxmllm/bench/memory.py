@@ -44,7 +44,7 @@ import sharding
 from jaxmllm.bench.compile import measure
 from jaxmllm.config import REMAT_POLICIES, Config, load_config
 from jaxmllm.config.phases import ENCODERS, LLM, PHASES, enabled, phase
-from jaxmllm.config.remat import QKV
+from jaxmllm.config.remat import ATTENTION, QKV
 from jaxmllm.loop.distributed import split_cpu
 from jaxmllm.plan.cost import multiplier
 from jaxmllm.plan.sizing import resolve_attention, resolve_bounds
@@ -108,15 +108,16 @@ def layer_flops(cfg: Config, tower: str) -> dict[str, float]:
     }
 
 
-def recomputed(parts: dict[str, float], policy: str) -> float:
+def recomputed(parts: dict[str, float], policy: str, attention: str) -> float:
     """FLOPs of one layer's forward that `policy` runs again in the backward pass: the
-    attention always (no policy keeps its probabilities), and each projection the backward
-    reads whose output the policy does not keep (the last projection's output it never
-    reads)."""
+    attention unless the policy keeps the kernel's output and statistics (`attention`; the
+    dense reference kernel tags none, so it reruns), and each projection the backward reads
+    whose output the policy does not keep (the last projection's output it never reads)."""
     keep = REMAT_POLICIES[policy]
     if not keep.remat:
         return 0.0
-    again = parts["attention"]
+    kept = ATTENTION in keep.names and set(QKV) <= set(keep.names) and attention != "dense"
+    again = 0.0 if kept else parts["attention"]
     again += parts["qkv"] if not set(QKV) <= set(keep.names) else 0.0
     again += parts["out"] if "attention_out" not in keep.names else 0.0
     return again + (parts["mlp_in"] if "mlp_in" not in keep.names else 0.0)
@@ -137,7 +138,9 @@ def recompute_flops(cfg: Config) -> float:
     total = 0.0
     for tower, mult in backward_runs(cfg).items():
         if mult > 1:
-            per_layer = recomputed(layer_flops(cfg, tower), cfg.model.remat_of(tower))
+            per_layer = recomputed(
+                layer_flops(cfg, tower), cfg.model.remat_of(tower), cfg.model.attention
+            )
             total += getattr(cfg.model, tower).depth * per_layer
     return total * cfg.batch.microbatches
 
@@ -334,4 +337,6 @@ def mesh_devices(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from jaxmllm.config.command import run
+
+    raise SystemExit(run(main))

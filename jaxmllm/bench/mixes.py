@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxmllm.config import UserError
 from jaxmllm.data.lengths import Items, LengthsIndex
 from jaxmllm.data.media.video import VideoInfo, VideoRule, video_parts
 
@@ -363,5 +364,5 @@ MIXES = {
 def load_mix(name: str, seed: int = 0) -> LengthsIndex:
     """A built-in mix by name (see MIXES)."""
     if name not in MIXES:
-        raise ValueError(f"unknown mix {name!r}; built-in mixes: {', '.join(MIXES)}")
+        raise UserError(f"--mix: unknown mix {name!r}; built-in mixes: {', '.join(MIXES)}")
     return MIXES[name](seed)

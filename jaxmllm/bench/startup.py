@@ -45,7 +45,7 @@ def memory_mb() -> tuple[float, float]:
     return resident / 1e6, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
 
 
-def run(folder: Path, row_len: int, window: int, plan: str, devices: int, tokens: int) -> list:
+def stages(folder: Path, row_len: int, window: int, plan: str, devices: int, tokens: int) -> list:
     rows = [{"stage": "import", "s": IMPORTED, "cpu_s": CPU}]
 
     def stage(name: str, fn):
@@ -94,7 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     folder = Path(args.lengths)
-    rows = run(folder, args.row_len, args.window, args.plan, args.devices, args.tokens)
+    if not (folder / "summary.json").is_file():
+        ap.error(
+            f"--lengths {folder}: no summary.json there, so not a columnar index (build one "
+            "with python -m jaxmllm.data.index, or a synthetic one with "
+            "python -m jaxmllm.bench.lengths_synth)"
+        )
+    rows = stages(folder, args.row_len, args.window, args.plan, args.devices, args.tokens)
     n = json.loads((folder / "summary.json").read_text())["accepted"]
     print(f"{folder}: {n} samples")
     print(f"{'stage':<10}{'s':>9}{'cpu s':>9}{'rss MB':>10}{'peak MB':>10}")
@@ -113,4 +119,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxmllm.config.command import run
+
+    sys.exit(run(main))

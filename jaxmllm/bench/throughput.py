@@ -56,6 +56,7 @@ from jaxmllm.config.phases import PHASES as TOWERS
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.loop.distributed import split_cpu
+from jaxmllm.loop.metrics import peak_tflops
 from jaxmllm.plan.sizing import resolve_batch
 from jaxmllm.step.program import build_program
 
@@ -254,15 +255,6 @@ def tile_stats(run: Run) -> dict:
     }
 
 
-# Dense bf16 matrix peak per device, TFLOP/s (the datasheets), by device kind: MFU's denominator.
-PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L4": 121.0, "TPU v5 lite": 197.0,
-               "TPU v5p": 459.0, "TPU v4": 275.0, "TPU v6": 918.0}  # fmt: skip
-
-
-def peak_tflops(device_kind: str) -> float | None:
-    return next((v for k, v in PEAK_TFLOPS.items() if k in device_kind), None)
-
-
 def table(rows: list[dict], peak: float | None = None) -> str:
     cols = ["policy", "tok/s", "step s", "max-dev tok/s", "max-dev step s", "pad llm", "pad vis",
             "pad aud", "tiles", "tile fill", "tile max/mean", "FLOP/tok", "TFLOP/s/dev", "MFU",
@@ -365,11 +357,18 @@ def main(argv: list[str] | None = None) -> int:
         print(phase_table(rows))
     if args.json:
         with open(args.json, "w") as f:
-            out = {"config": args.config, "devices": devices, "device_kind": kind,
-                   "peak_tflops": peak, "rows": rows}  # fmt: skip
+            out = {
+                "config": args.config,
+                "devices": devices,
+                "device_kind": kind,
+                "peak_tflops": peak,
+                "rows": rows,
+            }
             json.dump(out, f, indent=2)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxmllm.config.command import run
+
+    sys.exit(run(main))

@@ -15,7 +15,7 @@ the seeks it made.
 
 The workers a host needs for training on the `video` mix (`jaxmllm.bench.mixes.long_video`):
 --gpus x the real LLM tokens/s a GPU trains (--tokens-per-s; default: `bench.throughput` of
-configs/small.yaml on one H100, orchestrated, from the README) x the share of the mix's LLM
+configs/small.yaml on one H100, orchestrated: docs/benchmarks.md) x the share of the mix's LLM
 tokens that are video tokens / the mix's video tokens per sampled frame = sampled frames/s the
 host must decode, over one worker's sampled frames/s.
 """
@@ -125,11 +125,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fps", type=float, default=2.0, help="frames sampled a second")
     p.add_argument("--gops", default="250,30", help="frames a keyframe, comma-separated")
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--tokens-per-s", type=float, default=27300.0,
-                   help="real LLM tokens/s a GPU trains (README: small.yaml, H100)")  # fmt: skip
+    p.add_argument(
+        "--tokens-per-s",
+        type=float,
+        default=27300.0,
+        help="real LLM tokens/s a GPU trains (docs/benchmarks.md: small.yaml, H100)",
+    )
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
+    unknown = [s for s in args.sizes.split(",") if s not in SIZES]
+    if unknown:
+        p.error(f"--sizes: {', '.join(unknown)} is not one of {', '.join(SIZES)}")
     cfg = load_config(None, [f"data.video_fps={args.fps}", "model.vision.temporal_patch=2"])
     params = Params.from_config(cfg)
     demand = host_demand(args.tokens_per_s, args.gpus)
@@ -161,4 +168,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxmllm.config.command import run
+
+    sys.exit(run(main))

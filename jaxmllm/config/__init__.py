@@ -9,7 +9,7 @@ policies by name), `model` (encoders, decoder, how they compute), `sections` (me
 batch, data, optimizer, loop, launch), `load` (the whole `Config`, YAML and overrides).
 """
 
-from jaxmllm.config.checks import ConfigError
+from jaxmllm.config.checks import ConfigError, UserError
 from jaxmllm.config.load import (
     Config,
     closest_name,
@@ -64,6 +64,7 @@ __all__ = [
     "RematPolicy",
     "SyntheticConfig",
     "TrainConfig",
+    "UserError",
     "VisionConfig",
     "SourceConfig",
     "closest_name",

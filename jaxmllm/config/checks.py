@@ -1,9 +1,17 @@
-"""The bottom of the config package: the error every bad config raises, and the checks."""
+"""The bottom of the config package: the errors a user can fix (every bad config raises one),
+and the checks."""
 
 from __future__ import annotations
 
 
-class ConfigError(ValueError):
+class UserError(ValueError):
+    """Bad input a user can fix (a config, an override, a data file, a checkpoint, a record):
+    its message names the key, file or record and what to change. Every `python -m jaxmllm.*`
+    command prints it as one message and exits 2 (`jaxmllm.config.command.run`), never a
+    traceback."""
+
+
+class ConfigError(UserError):
     """A config file or override that cannot be used; the message names the key and source."""
 
 

@@ -56,6 +56,7 @@ class SourceConfig:
     # proportion to its records (all sources 0: each record once per round, as one data set)
     weight: float = 0.0
     media_root: str = ""  # as data.media_root
+    confine_media_to: str = ""  # as data.confine_media_to
     index_dir: str = ""  # its lengths index, as data.index_dir
     name: str = ""  # its name in the metrics (samples/<name>); "" = the file's (folder's) stem
 
@@ -102,8 +103,10 @@ class EvalConfig:
 class DataConfig:
     """Where samples come from, how they are preprocessed, and what happens to bad input."""
 
-    # auto: files when data.path or data.sources is set, else synthetic | synthetic (built in)
-    # | files (data.path or data.sources, read in data.format) | jsonl | arrayrecord (files in
+    # Where samples come from: files (data.path or data.sources, read in data.format) |
+    # synthetic (the built-in shapes, moving shapes, tones and counting text: only when asked
+    # for) | none (no data: generation, the memory bench; training refuses to start) | auto
+    # (files when data.path or data.sources is set, else none) | jsonl, arrayrecord (files in
     # that format: the names before data.format)
     source: str = "auto"
     # The data: a file, a directory of shards (its files of one format) or a glob
@@ -115,11 +118,15 @@ class DataConfig:
     # `messages`, media in content parts or lists) | parquet (as HF datasets writes it) |
     # webdataset (.tar shards: 000123.jpg + 000123.json or .txt) | arrayrecord
     format: str = "auto"
-    # The folder media paths in the records are relative to (LLaVA's --image_folder) and which
-    # they must resolve inside ("..", absolute paths and symlinks leading out are rejected as
-    # path_outside_root); "" = the data file's folder (a directory of shards: that directory;
-    # data.eval.path's for its records)
+    # The folder relative media paths in the records start from (LLaVA's --image_folder); "" =
+    # the data file's folder (a directory of shards: that directory; data.eval.path's for its
+    # records)
     media_root: str = ""
+    # The folder media paths must lead inside once "..", absolute paths and symlinks are
+    # resolved (else the record is rejected: path_outside_root); "" = the folder they start
+    # from. A parent of it lets records reach a sibling folder ("../images/0.png") while
+    # relative paths keep their start; it must hold data.media_root (or the data's folder)
+    confine_media_to: str = ""
     # A mixture: several data sets, each {path, format, weight, media_root, index_dir, name},
     # drawn by weight into one stream the planner balances as one (instead of data.path)
     sources: tuple[SourceConfig, ...] = ()
@@ -197,16 +204,25 @@ class DataConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (none by default)
 
     def __post_init__(self):
-        check(self.source in ("auto", *DATA_SOURCES), f"must be auto or one of "
-              f"{sorted(DATA_SOURCES)}", "source")  # fmt: skip
+        check(
+            self.source in ("auto", "none", *DATA_SOURCES),
+            f"must be auto, none or one of {sorted(DATA_SOURCES)}",
+            "source",
+        )
         check(self.format in FORMATS, f"must be one of {', '.join(FORMATS)}", "format")
         check(not (self.path and self.sources), "give data.path (one data set) or data.sources "
               "(a mixture), not both", "sources")  # fmt: skip
-        if self.source == "auto":  # (resolved once, here)
+        if self.source == "auto":  # (resolved once, here: the built-in data only when named)
             given = bool(self.path or self.sources)
-            object.__setattr__(self, "source", "files" if given else "synthetic")
+            object.__setattr__(self, "source", "files" if given else "none")
+        check(  # (a copy of a synthetic config given a data.path must not train on shapes)
+            self.source != "synthetic" or not (self.path or self.sources),
+            "synthetic reads the built-in data, not data.path / data.sources: set data.source: "
+            "files (or auto) to read them, or drop them",
+            "source",
+        )
         check(
-            self.source == "synthetic" or bool(self.path or self.sources),
+            self.source in ("synthetic", "none") or bool(self.path or self.sources),
             f"source {self.source} needs data.path (a data file, a directory of shards or a "
             "glob) or data.sources",
             "path",
@@ -271,6 +287,17 @@ class DataConfig:
 
 
 DATA_SOURCES = {"synthetic", "files", "jsonl", "arrayrecord"}
+
+
+def no_data(config: str = "<your config>") -> str:
+    """What a command that needs data says to a config that names none (data.source: none,
+    or auto without data.path and data.sources)."""
+    return (
+        "the config names no data: set data.path (a data file, a folder of shards or a glob, "
+        "in any data.format; then index it once: python -m jaxmllm.data.index --config "
+        f"{config}), data.sources (a mixture of data sets), or data.source: synthetic (the "
+        "built-in shapes, tones and counting text)"
+    )
 
 
 def files_format(data: DataConfig | EvalConfig) -> str:

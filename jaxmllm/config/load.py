@@ -70,8 +70,8 @@ class Config:
             self._check_synthetic_video()
         if self.model.attention in ("block_sparse", "auto"):  # (auto may resolve to it)
             self._check_blocks()
-        check(
-            self.data.eval.source != "synthetic" or self.data.source == "synthetic",
+        check(  # (a config without data is refused where data is needed, saying so)
+            self.data.eval.source != "synthetic" or self.data.source in ("synthetic", "none"),
             "synthetic (a held-out share of the built-in data) needs data.source: synthetic; "
             "set data.eval.source: none, or jsonl / arrayrecord with a held-out data.eval.path",
             "data.eval.source",

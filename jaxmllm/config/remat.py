@@ -9,12 +9,14 @@ from this table (`jaxmllm.models.transformer.remat_policy`), the memory bench co
 each recomputes from it (`jaxmllm.bench.memory`), so the two cannot drift apart.
 
 What a block's backward pass needs, per token (d width, f MLP width, q/kv the query and key /
-value widths): the query, key and value (q + 2 kv values) and the attention's probabilities,
-the attention's output projection (`attention_out`, d: the residual the MLP's norm reads) and
-the MLP's input projections (`mlp_in`: gate and up, 2f, or fc1, f). No policy keeps the
-attention's probabilities (a tile of block x block scores per head): every policy but `none`
-recomputes the attention itself, whatever else it keeps (measured on XLA's cost analysis:
-keeping the attention's output before its projection spares nothing, so no policy does).
+value widths): the query, key and value (q + 2 kv values), the attention kernel's output and
+softmax statistics (`attention`: q values and one per head, what a flash-style backward
+recomputes the probabilities from; the block-sparse and cuDNN kernels tag them), the attention's
+output projection (`attention_out`, d: the residual the MLP's norm reads) and the MLP's input
+projections (`mlp_in`: gate and up, 2f, or fc1, f). A policy that keeps q, k, v and
+`attention` never reruns the attention's forward pass in the backward; one that does not
+recomputes it. No policy keeps the probabilities themselves (a tile of block x block scores
+per head), and the dense reference kernel tags nothing: under any policy but `none` it reruns.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ log = logging.getLogger("jaxmllm")
 
 # The names the blocks tag their activations with (checkpoint_name), what a policy may keep.
 QKV = ("query", "key", "value")  # the attention's projections, after their rotary
-DOTS = (*QKV, "attention_out", "mlp_in")  # every weight matmul's output the backward reads
+ATTENTION = "attention"  # the attention kernel's output and softmax statistics
+DOTS = (*QKV, ATTENTION, "attention_out", "mlp_in")  # every matmul's output the backward reads
 
 
 @dataclass(frozen=True)
@@ -47,13 +50,13 @@ REMAT_POLICIES = {
     # Only each block's input: the least memory; the backward reruns the block's forward
     # (all but its last projection, whose output the backward never reads).
     "full": RematPolicy(()),
-    # Every weight matmul's output (q, k, v, the attention's output projection, the MLP's
-    # input projections): the backward reruns only the attention and elementwise ops.
+    # Every matmul's output (q, k, v, the attention kernel's, its output projection, the MLP's
+    # input projections): the backward reruns only elementwise ops.
     "save_dots": RematPolicy(DOTS),
-    # q, k, v and the attention's output projection: the MLP's input projections (its largest
-    # activations, 2 x mlp_dim a token when gated) are recomputed, with the attention.
-    "save_dots_except_mlp": RematPolicy((*QKV, "attention_out")),
-    # q, k, v only: the output projection and the MLP are recomputed, with the attention.
+    # q, k, v, the attention kernel's output and its output projection: the MLP's input
+    # projections (its largest activations, 2 x mlp_dim a token when gated) are recomputed.
+    "save_dots_except_mlp": RematPolicy((*QKV, ATTENTION, "attention_out")),
+    # q, k, v only: the attention, its output projection and the MLP are recomputed.
     "save_qkv": RematPolicy(QKV),
     # save_dots' activations in the host's memory (GPU: pinned host memory, copied out in the
     # forward and back in the backward pass, overlapped by XLA): the device keeps what full

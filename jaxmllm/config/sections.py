@@ -220,6 +220,10 @@ class TrainConfig:
     max_nonfinite_steps: int = 5  # stop after this many skipped (NaN/inf) steps in a row; 0 = never
     ledger: bool = False  # write the sample ids of every step to <output_dir>/ledger/ (audits)
     record_timings: bool = True  # each step's time and work to timings.jsonl (calibration)
+    # XLA's GPU scheduling flags (jaxmllm/loop/xla_flags.py: latency-hiding scheduler,
+    # pipelined collectives, double buffering) added when the backend is a GPU; XLA_FLAGS wins
+    xla_gpu_flags: bool = True
+    peak_tflops: float = 0.0  # a device's dense bf16 peak for MFU; 0: from its kind (or no MFU)
     cost_file: str = ""  # calibrated cost model (data.cost --calibrate): predicted step time
     # Evaluate on data.eval every N steps and at the last step (0: at the last step only);
     # nothing without data.eval.source
@@ -229,6 +233,7 @@ class TrainConfig:
         positive(self, "steps", "log_every", "checkpoint_every", "keep_checkpoints")
         check(self.eval_every >= 0, "must be >= 0 (0: at the last step only)", "eval_every")
         check(self.max_nonfinite_steps >= 0, "must be >= 0 (0 = never stop)", "max_nonfinite_steps")
+        check(self.peak_tflops >= 0, "must be >= 0 (0: from the device's kind)", "peak_tflops")
 
 
 @dataclass(frozen=True)

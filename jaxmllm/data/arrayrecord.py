@@ -32,15 +32,17 @@ def convert(
     """Writes every record of the data set at `manifest` to the ArrayRecord file `out`;
     returns the count.
 
-    `data` (default settings without it): media paths are read only inside `media_root`
-    (else data.media_root, else the data file's folder) unless data.allow_outside_paths, and
+    `data` (default settings without it): relative media paths start from `media_root` (else
+    data.media_root, else the data file's folder) and are read only inside
+    data.confine_media_to (else that folder) unless data.allow_outside_paths, and
     only files of at most data.max_media_bytes; what is not embedded is recorded with the
     reason (see `encode_record`), never its contents.
     """
     from array_record.python.array_record_module import ArrayRecordWriter
 
     data = data or DataConfig()
-    records = open_records(manifest, fmt, media_root or data.media_root, data=data)
+    root, confine = media_root or data.media_root, data.confine_media_to
+    records = open_records(manifest, fmt, root, data=data, confine=confine)
     writer = ArrayRecordWriter(str(out), "group_size:1")
     try:
         for k in range(len(records)):
@@ -62,8 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--media-root", default="", help="as data.media_root (default: the config's, "
                    "else the data file's folder)")  # fmt: skip
     p.add_argument("--out", required=True, help="the .array_record file to write")
-    p.add_argument("--config", help="a config whose data.media_root, data.allow_outside_paths "
-                   "and data.max_media_bytes apply (default: their defaults)")  # fmt: skip
+    p.add_argument(
+        "--config",
+        help="a config whose data.media_root, data.confine_media_to, data.allow_outside_paths "
+        "and data.max_media_bytes apply (default: their defaults)",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override them, e.g. --set data.media_root=images/")  # fmt: skip
     args = p.parse_args(argv)
@@ -85,4 +90,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxmllm.config.command import run
+
+    sys.exit(run(main))

@@ -16,7 +16,8 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxmllm.config import Config, config_origin
+from jaxmllm.config import Config, ConfigError, config_origin
+from jaxmllm.config.data import no_data
 from jaxmllm.config.sections import files_format
 
 
@@ -30,11 +31,19 @@ class DataSet:
     index_dir: str  # "" = the keyed default (`index_dir`)
     name: str  # its name in the metrics and messages
     weight: float  # its share of a mixture (0: in proportion to its records)
+    confine: str = ""  # the folder its media must stay inside; "" = media_root's (the base)
 
 
 def data_sets(cfg: Config) -> list[DataSet]:
-    """The data sets of a files source: data.path's, or one per data.sources entry."""
+    """The data sets of a files source: data.path's, or one per data.sources entry.
+
+    Raises:
+      ConfigError: for a config that names no data (data.source: none, or left auto).
+    """
     d = cfg.data
+    if d.source == "none":
+        origin = config_origin(cfg)
+        raise ConfigError(no_data(origin[0] if origin else "<your config>"))
     if d.sources:
         return [
             DataSet(
@@ -44,10 +53,12 @@ def data_sets(cfg: Config) -> list[DataSet]:
                 s.index_dir,
                 s.name or stem(s.path),
                 s.weight,
+                s.confine_media_to,
             )
             for s in d.sources
         ]
-    return [DataSet(d.path, files_format(d), d.media_root, d.index_dir, stem(d.path), 0.0)]
+    fmt, confine = files_format(d), d.confine_media_to
+    return [DataSet(d.path, fmt, d.media_root, d.index_dir, stem(d.path), 0.0, confine)]
 
 
 def eval_set(cfg: Config) -> DataSet | None:
@@ -55,7 +66,10 @@ def eval_set(cfg: Config) -> DataSet | None:
     e = cfg.data.eval
     if e.source in ("none", "synthetic"):
         return None
-    return DataSet(e.path, files_format(e), cfg.data.media_root, e.index_dir, stem(e.path), 0.0)
+    d = cfg.data
+    return DataSet(
+        e.path, files_format(e), d.media_root, e.index_dir, stem(e.path), 0.0, d.confine_media_to
+    )
 
 
 def stem(path: str) -> str:
@@ -71,6 +85,8 @@ def index_key(counted: dict, ds: DataSet) -> str:
         "format": ds.format,
         "media_root": str(Path(ds.media_root).absolute()) if ds.media_root else "",
     }
+    if ds.confine:  # (only when set: the keys of indexes built before it stay as they were)
+        what["confine_media_to"] = str(Path(ds.confine).absolute())
     digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
     tok = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(str(counted.get("tokenizer", "byte"))).name)
     return f"{tok}-{digest}"
@@ -126,7 +142,6 @@ def acceptance_problem(summary: dict, min_accept: float) -> str | None:
         example = summary.get("examples", {}).get(reason)
         why += f"; most common reason: {reason} ({n} records"
         why += f", e.g. {example['id']}: {example['detail']})" if example else ")"
-    hint = summary.get("format_hint")
-    if hint:
-        why += f". {hint}"
+    for hint in (summary.get("format_hint"), summary.get("media_hint")):
+        why += f". {hint}" if hint else ""
     return why

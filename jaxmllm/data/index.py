@@ -75,6 +75,7 @@ from jaxmllm.data.index_build import (
 from jaxmllm.data.preprocess import Params
 from jaxmllm.data.records import media_paths
 from jaxmllm.data.records.formats import FORMATS, data_files, detect
+from jaxmllm.data.rejects import media_hint, wrapped
 from jaxmllm.data.shards import InProcess, LocalProcesses, RayTasks
 from jaxmllm.data.stored import FORMAT, StoredIndex
 
@@ -119,7 +120,8 @@ def data_set(cfg: Config, path: str | Path | None) -> DataSet:
         if ds is not None and str(ds.path) == str(path):
             return ds
     d = cfg.data
-    return DataSet(str(path), files_format(d), d.media_root, d.index_dir, stem(str(path)), 0.0)
+    fmt, name = files_format(d), stem(str(path))
+    return DataSet(str(path), fmt, d.media_root, d.index_dir, name, 0.0, d.confine_media_to)
 
 
 def index_data_set(
@@ -144,14 +146,16 @@ def index_data_set(
     remove_stale(out)
     staged = staging(out)
     (staged / "parts").mkdir()
-    paths = media_paths(ds.path, files, ds.media_root, cfg.data)
+    paths = media_paths(ds.path, files, ds.media_root, cfg.data, ds.confine)
     ctx = context(fmt, files, paths, cfg, staged, decode)
     pool, workers = make_pool(ctx, workers, ray or cfg.data.index_ray)
     stats = {} if stats is None else stats
     try:
         merged, ignored = run_build(pool, ctx, ds.name, workers, progress, stats)
         started = time.perf_counter()
-        summary = write_summary(cfg, ds, staged, merged, ignored, (files, fmt, why), out)
+        summary = write_summary(
+            cfg, ds, staged, merged, ignored, (files, fmt, why, paths.base), out
+        )
         publish(staged, out)
         stats["merge_s"] += time.perf_counter() - started
     except BaseException:
@@ -195,9 +199,10 @@ def run_build(pool, ctx, name: str, workers: int, progress: bool, stats: dict) -
 
 def write_summary(cfg: Config, ds: DataSet, staged: Path, merged, ignored, found, out) -> dict:
     """Writes the staging folder's summary.json (its last file), clearing the build's own
-    files; returns it. `found`: (the data files, their format, why `auto` chose it)."""
+    files; returns it. `found`: (the data files, their format, why `auto` chose it, the folder
+    relative media paths start from)."""
     records, table, reasons, examples = merged
-    files, fmt, why = found
+    files, fmt, why, base = found
     scan = json.loads((staged / "scan.json").read_text())
     table = dict(sorted({**table, **scan["columns"]}.items()))
     stored = StoredIndex(staged, {"accepted": table["text.npy"][1][0], "columns": table})
@@ -215,6 +220,7 @@ def write_summary(cfg: Config, ds: DataSet, staged: Path, merged, ignored, found
     )
     if acceptance_problem(summary, cfg.data.min_accept):
         summary["format_hint"] = format_hint(files, fmt)
+        summary["media_hint"] = media_hint(summary, base)
     del stored
     shutil.rmtree(staged / "parts")
     (staged / "scan.json").unlink()
@@ -295,10 +301,8 @@ def report(summary: dict) -> list[str]:
         lines.append("  rejected, by reason (one example each):")
         for reason, n in summary["rejects"].items():
             ex = summary["examples"].get(reason, {})
-            lines.append(
-                f"    {reason:<22} {n:>7}  {ex.get('id')} ({ex.get('where')}): "
-                f"{str(ex.get('detail'))[:120]}"
-            )
+            example = f"{ex.get('id')} ({ex.get('where')}): {ex.get('detail')}"
+            lines += wrapped(f"    {reason:<22} {n:>7}  {example}", " " * 8)  # (whole)
     if summary.get("ignored_members"):
         left = ", ".join(f".{k} ({v})" for k, v in summary["ignored_members"].items())
         lines.append(f"  left out of the shards (not a record, caption or known media): {left}")
@@ -372,4 +376,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxmllm.config.command import run
+
+    sys.exit(run(main))

@@ -8,13 +8,15 @@ bucketize leaves its slots as padding, and the sample still counts as consumed.
 Workers are started by spawn (JAX's threads make fork unsafe) and send their samples' arrays
 back through shared memory (`jaxmllm.data.shared`), not pickled. A worker that dies (killed,
 out of memory, or a script without an `if __name__ == "__main__":` guard, whose top level every
-spawned worker runs again) stops the load with an error that says so, never a hang.
+spawned worker runs again) stops the load with an error that says so, never a hang. Workers
+ignore Ctrl-C: the process that owns them stops them (`close`).
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import weakref
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -31,6 +33,10 @@ _worker: dict = {}
 
 
 def _init_worker(source, owner: int) -> None:
+    # Ctrl-C reaches the terminal's whole process group. The trainer stops the workers itself,
+    # after the checkpoint the signal asks for; a worker interrupted in its queue would only
+    # print a traceback (`Process SpawnProcess-1: ... KeyboardInterrupt`), so it ignores it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker["source"], _worker["owner"] = source, owner
 
 

@@ -9,16 +9,18 @@ from __future__ import annotations
 import json
 import os
 import stat
+import textwrap
 from collections import Counter
 from pathlib import Path
 
-from jaxmllm.config import ConfigError
+from jaxmllm.config import ConfigError, UserError
 
 REASONS = {
     "malformed_line": "the line is not a JSON object with an id and text or messages",
     "duplicate_id": "another record already has this id",
     "missing_media": "a media file does not exist",
-    "path_outside_root": "a media path leads out of data.media_root (data.allow_outside_paths)",
+    "path_outside_root": "a media path leads out of data.confine_media_to (default: the folder "
+    "relative paths start from; data.allow_outside_paths)",
     "media_too_large": "a media file is larger than data.max_media_bytes (not read)",
     "undecodable_media": "a media file (or inline data) cannot be decoded",
     "placeholder_mismatch": "<image>/<video>/<audio> placeholders differ in number from the media",
@@ -40,8 +42,9 @@ REASONS = {
 }
 
 
-class RecordError(ValueError):
-    """A record that cannot become a sample; `reason` is one of REASONS."""
+class RecordError(UserError):
+    """A record that cannot become a sample; `reason` is one of REASONS. (Counted and skipped
+    where a data set is read; a command given one file, `generate --image`, stops on it.)"""
 
     def __init__(self, reason: str, detail: str, record_id: str = "?"):
         assert reason in REASONS, reason
@@ -107,14 +110,26 @@ class RejectLog:
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path) if path else None
         self.counts: Counter[str] = Counter()
+        self.new: Counter[str] = Counter()  # load-time rejects by reason since `take_new`
+        self.first: dict | None = None  # the first of them
 
     def add(self, key: str, entry: dict) -> None:
         """Counts `key` (e.g. "load_missing_media") and writes `entry` as one line."""
         self.counts[key] += 1
+        if key.startswith("load_"):
+            self.new[key.removeprefix("load_")] += 1
+            self.first = self.first or entry
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a") as f:
                 f.write(json.dumps(entry) + "\n")
+
+    def take_new(self) -> tuple[dict[str, int], dict | None]:
+        """The load-time rejects since the last call, by reason, and the first of them (what
+        the terminal shows per logging window); starts anew."""
+        new, first = dict(self.new), self.first
+        self.new, self.first = Counter(), None
+        return new, first
 
 
 def read_rejects(path: str | Path) -> list[dict]:
@@ -123,3 +138,50 @@ def read_rejects(path: str | Path) -> list[dict]:
     if not p.exists():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------- on the terminal
+
+WIDTH = 100  # the lines rejects are wrapped to (never cut: a path is the clue)
+
+
+def wrapped(text: str, indent: str = "", width: int = WIDTH) -> list[str]:
+    """`text` whole on lines of about `width`, the second and later indented by `indent`
+    (words and paths never split: a line holds a longer path whole)."""
+    return textwrap.wrap(
+        text, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
+    ) or [""]
+
+
+def by_reason(counts: dict[str, float]) -> str:
+    """'missing_media 12, undecodable_media 1', most first."""
+    ordered = sorted(((int(n), r) for r, n in counts.items() if n), key=lambda x: (-x[0], x[1]))
+    return ", ".join(f"{r} {n}" for n, r in ordered)
+
+
+def index_line(path: str, fmt: str, summary: dict, out: str | Path) -> str:
+    """What training says at start-up about a data set's index: its format, how many records
+    it accepted, and the rejects by reason with the file that lists them."""
+    how = summary.get("detected") or "data.format"
+    line = f"{path}: {fmt} ({how}); the index accepted {summary['accepted']} of "
+    line += f"{summary['records']} records"
+    if summary.get("rejected"):
+        line += f"; {summary['rejected']} rejected ({by_reason(summary['rejects'])}), each "
+        line += f"listed in {Path(out) / 'rejects.jsonl'}"
+    return line
+
+
+def media_hint(summary: dict, base: str | Path) -> str:
+    """For an index most of whose rejects are missing_media: where the media paths start and
+    where the first missing one would be, and the setting that moves the start."""
+    rejects = summary.get("rejects", {})
+    if not rejects or max(rejects, key=rejects.get) != "missing_media":
+        return ""
+    detail = str(summary.get("examples", {}).get("missing_media", {}).get("detail", ""))
+    missing = detail[len("no such file: ") :].split(" (")[0] if detail.startswith("no such") else ""
+    return (
+        f"Relative media paths start from {base} (data.media_root, else the data file's "
+        f"folder){f', so the first missing one would be {missing}' if missing else ''}: if "
+        "the media are in another folder, set data.media_root to the folder their paths "
+        "start from (LLaVA's --image_folder) and index again"
+    )

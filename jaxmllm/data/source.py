@@ -29,7 +29,7 @@ from jaxmllm.data.oversize import apply_oversize
 from jaxmllm.data.preprocess import MEDIA, Limits, Params, Preprocessor
 from jaxmllm.data.records import Records, media_paths, read_record
 from jaxmllm.data.records.formats import data_files, detect
-from jaxmllm.data.rejects import DataError, RecordError, fail_message
+from jaxmllm.data.rejects import DataError, RecordError, fail_message, index_line
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.stored import FORMAT, StoredIndex, check_lengths, check_places
 from jaxmllm.data.synthetic import SyntheticSource
@@ -243,6 +243,7 @@ def same_files(stored: StoredIndex, files: list[Path]) -> bool:
 def open_source(cfg: Config) -> ManifestSource | MixtureSource:
     """The training source of the config's data (data.path, or a mixture of data.sources):
     indexes loaded and checked, oversize policy applied."""
+    sets = data_sets(cfg)  # (a config that names no data stops here, saying so)
     tokenizer = make_tokenizer(cfg.data.tokenizer, cfg.data.template_date)
     if cfg.model.llm.vocab_size < tokenizer.vocab_size:
         what = (
@@ -255,7 +256,6 @@ def open_source(cfg: Config) -> ManifestSource | MixtureSource:
             f"({cfg.data.tokenizer}: {tokenizer.vocab_size} ids {what}); "
             f"raise model.llm.vocab_size to at least {tokenizer.vocab_size}"
         )
-    sets = data_sets(cfg)
     parts = [open_data_set(cfg, ds, tokenizer) for ds in sets]
     if not cfg.data.sources:
         return parts[0]
@@ -285,7 +285,7 @@ def open_data_set(cfg: Config, ds: DataSet, tokenizer) -> ManifestSource:
     pre = Preprocessor(Params.from_config(cfg), tokenizer)
     files = FileList(stored.files)
     caps = {"max_bytes": cfg.data.max_media_bytes}
-    paths = media_paths(ds.path, files, ds.media_root, cfg.data)
+    paths = media_paths(ds.path, files, ds.media_root, cfg.data, ds.confine)
     records = Records(
         files,
         stored.file_starts,
@@ -295,7 +295,8 @@ def open_data_set(cfg: Config, ds: DataSet, tokenizer) -> ManifestSource:
         summary.get("detected", ""),
         caps,
     )
-    log.info("%s: %s (%s)", ds.path, records.format, summary.get("detected") or "data.format")
+    level = logging.WARNING if summary.get("rejected") else logging.INFO  # (once, at start-up)
+    log.log(level, index_line(ds.path, records.format, summary, out))
     index, keep, limits, startup = apply_oversize(cfg, stored, records, pre)
     source = ManifestSource(records, pre, stored, index, keep, limits)
     source.startup_rejects = startup

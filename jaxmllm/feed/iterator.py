@@ -102,6 +102,7 @@ class StepIterator(grain.DatasetIterator):
         counts = self.count(batch)  # this host's real tokens and FLOPs, for the metrics
         times.count_s = clock.lap()
         times.bytes_to_device = sum(a.nbytes for a in batch.values())
+        new_rejects, first_reject = self.loader.log.take_new()
         info = StepInfo(
             step=plan.step,
             samples=plan.samples.copy(),  # the whole step's, on every host
@@ -109,6 +110,8 @@ class StepIterator(grain.DatasetIterator):
             deferred=plan.deferred,
             fill=fill,
             rejects=self.loader.counts(),
+            new_rejects=new_rejects,
+            first_reject=first_reject,
             variant=variant,
             sources={} if mix is None else mix.counts(plan.samples),
             host=times,  # this step's time in each stage of the feed

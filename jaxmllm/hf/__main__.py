@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 
-from jaxmllm.config import ConfigError
+from jaxmllm.config.command import run
 from jaxmllm.hf.family import FamilyError
-from jaxmllm.hf.safetensors import CheckpointError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,35 +63,48 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; its exit code (1: `check` above --tolerance; 2: a checkpoint, run or
+    config to fix, said in one line: `jaxmllm.config.command`)."""
+    return run(_command, argv)
+
+
+def _command(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("jaxmllm").setLevel(logging.INFO)  # (not orbax's and absl's chatter)
     args = parse_args(argv)
-    try:
-        if args.command == "import":
-            from jaxmllm.hf.importer import write_config
+    if args.command == "import":
+        from jaxmllm.hf.importer import write_config
 
-            if args.model and (args.vision or args.audio):
-                raise FamilyError("--model brings its own encoders: leave out --vision / --audio")
-            write_config(args.out, args.llm, args.vision, args.audio, args.base, args.tokenizer,
-                         model=args.model)  # fmt: skip
-            print(f"wrote {args.out}; train with: python -m jaxmllm.train --config {args.out}")
-        elif args.command == "export":
-            from jaxmllm.hf.export import export_run
+        if args.model and (args.vision or args.audio):
+            raise FamilyError("--model brings its own encoders: leave out --vision / --audio")
+        command = shlex.join(
+            ["python", "-m", "jaxmllm.hf", *(sys.argv[1:] if argv is None else argv)]
+        )
+        write_config(
+            args.out,
+            args.llm,
+            args.vision,
+            args.audio,
+            args.base,
+            args.tokenizer,
+            model=args.model,
+            command=command,
+        )
+        print(f"wrote {args.out}; train with: python -m jaxmllm.train --config {args.out}")
+    elif args.command == "export":
+        from jaxmllm.hf.export import export_run
 
-            for role, path in export_run(args.run_dir, args.out, args.step,
-                                         int(args.max_shard_gb * (1 << 30))).items():  # fmt: skip
-                print(f"{role}: {path}")
-        else:
-            from jaxmllm.hf.check import describe
-            from jaxmllm.hf.check_whole import check_all
+        shard_bytes = int(args.max_shard_gb * (1 << 30))
+        for role, path in export_run(args.run_dir, args.out, args.step, shard_bytes).items():
+            print(f"{role}: {path}")
+    else:
+        from jaxmllm.hf.check import describe
+        from jaxmllm.hf.check_whole import check_all
 
-            results = check_all(args.directory, args.role, args.tokens)
-            for result in results:
-                print(json.dumps(result) if args.json else describe(result))
-            return 0 if max(r["max_abs_diff"] for r in results) <= args.tolerance else 1
-    except (FamilyError, CheckpointError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        results = check_all(args.directory, args.role, args.tokens)
+        for result in results:
+            print(json.dumps(result) if args.json else describe(result))
+        return 0 if max(r["max_abs_diff"] for r in results) <= args.tolerance else 1
     return 0
 
 

@@ -25,10 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from jaxmllm.config.checks import UserError
+
 Transform = Callable[..., tuple[np.ndarray, ...]]
 
 
-class FamilyError(ValueError):
+class FamilyError(UserError):
     """A HF checkpoint jaxmllm cannot use as it is; the message names the key or tensor."""
 
 
@@ -85,6 +87,10 @@ class Family:
     def skipped(self, name: str) -> bool:
         """Whether a tensor this family does not use is knowingly left alone."""
         return False
+
+    def part_of(self, name: str) -> str | None:
+        """The role of the part a tensor belongs to in a whole checkpoint; None: one part."""
+        return None
 
 
 # ----------------------------------------------------------------------------- layouts

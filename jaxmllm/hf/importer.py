@@ -11,6 +11,7 @@ and processor settings included.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -26,11 +27,17 @@ from jaxmllm.hf.wholes import Llava, whole_for
 TEMPLATE = """\
 # python -m jaxmllm.train --config {config}
 #
-# Written by: python -m jaxmllm.hf import {args}
+# Written by: {command}
 # The model section is the checkpoints' own (model.init_from names them); what is not in a
-# checkpoint (the projectors) starts fresh. Point data at your own manifest (README, "Your own
-# data") and size batch.* to your devices; `--set` overrides any key.
+# checkpoint (the projectors) starts fresh. Size batch.* to your devices; `--set` overrides any
+# key. {data}
+#   python -m jaxmllm.data.index --config {config}
 """
+NO_DATA = """It names no data yet, and training refuses to start without: set data.path (a
+# file, a folder of shards or a glob, in any data.format; docs/data.md), then index it once:"""
+DATA = "Index its data once before the first run:"
+BUILT_IN = """It trains on the built-in data (data.source: synthetic); for your own, set
+# data.path and data.source: files, then index it once:"""
 
 
 def model_section(llm: str, vision: str = "", audio: str = "") -> dict:
@@ -191,6 +198,7 @@ def write_config(
     base: str | Path = "",
     tokenizer: str = "",
     model: str = "",
+    command: str = "",
 ) -> Config:
     """Writes the config YAML at `out` and returns it, checked as the trainer will load it.
 
@@ -198,30 +206,43 @@ def write_config(
     `audio`). `base`: a config YAML (a recipe: configs/recipes/) whose keys are kept where the
     import does not set them: the import sets the modules' architecture, `model.init_from` and
     the processors' data keys; the base keeps freezing, batch, optimizer, data source and the
-    rest. `tokenizer`: the tokenizer directory when it is not the LLM's.
+    rest. `tokenizer`: the tokenizer directory when it is not the LLM's. `command`: the
+    command line that asked for it, for the file's header (default: one made of these
+    arguments).
     """
     out = Path(out)
+    command = command or import_command(out, llm, vision, audio, base, tokenizer, model)
     if model:
         llm, vision, audio = model_dirs(model)
     if not llm:
         raise FamilyError("name the checkpoint: --model DIR (a whole model) or --llm DIR")
     raw = _read_base(base) if base else {**DEFAULTS, "train": {"output_dir": f"runs/{out.stem}"}}
-    model = raw.setdefault("model", {})
+    section = raw.setdefault("model", {})
     for key, value in model_section(llm, vision, audio).items():
-        model[key] = {**model.get(key, {}), **value}
+        section[key] = {**section.get(key, {}), **value}
     raw["data"] = {**raw.get("data", {}), **data_section(llm, vision, audio, tokenizer)}
     check_placeholders(llm, raw["data"]["tokenizer"])
-    model["llm"]["vocab_size"] = vocab_size(model["llm"]["vocab_size"], raw["data"]["tokenizer"])
-    if model["audio"].get("positions") == "sinusoidal":  # Whisper: clips up to its table
-        raw["data"]["audio_max_frames"] = model["audio"]["max_positions"] * 2
+    llm_keys = section["llm"]
+    llm_keys["vocab_size"] = vocab_size(llm_keys["vocab_size"], raw["data"]["tokenizer"])
+    if section["audio"].get("positions") == "sinusoidal":  # Whisper: clips up to its table
+        raw["data"]["audio_max_frames"] = section["audio"]["max_positions"] * 2
     cfg = from_dict(Config, raw, source=str(out))  # the checks the trainer will run
-    dirs = (("llm", llm), ("vision", vision), ("audio", audio))
-    args = f"--model {model}" if model else " ".join(f"--{role} {d}" for role, d in dirs if d)
-    args += f" --base {base}" if base else ""
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = TEMPLATE.format(config=out, args=f"{args} --out {out}")
+    named = raw["data"].get("path") or raw["data"].get("sources")
+    data = BUILT_IN if cfg.data.source == "synthetic" else DATA if named else NO_DATA
+    text = TEMPLATE.format(config=out, command=command, data=data)
     out.write_text(text + yaml.safe_dump(raw, sort_keys=False, default_flow_style=False, width=100))
     return cfg
+
+
+def import_command(out: Path, llm="", vision="", audio="", base="", tokenizer="", model="") -> str:
+    """The `hf import` command line that writes `out` from these arguments."""
+    args = ["--model", model] if model else ["--llm", llm]
+    for role, directory in (("vision", vision), ("audio", audio)):
+        args += [f"--{role}", directory] if directory and not model else []
+    args += ["--tokenizer", tokenizer] if tokenizer else []
+    args += ["--base", str(base)] if base else []
+    return shlex.join(["python", "-m", "jaxmllm.hf", "import", *args, "--out", str(out)])
 
 
 def _read_base(base: str | Path) -> dict:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -91,6 +93,7 @@ def load_role(cfg: Any, role: str, directory: str, flat: dict) -> dict[str, jax.
         arrays = fill(link, ck, prefix, [flat[p] for p in link.ours], key)
         out.update(zip(link.ours, arrays, strict=True))
     _check_complete(key, family, ck, prefix, consumed, out, flat)
+    _left_alone(cfg, role, family, ck, prefix, consumed)
     elapsed = time.perf_counter() - start
     log.info(
         "%s: %d tensors of %s (%s) into %d parameters in %.1f s",
@@ -105,6 +108,8 @@ def load_role(cfg: Any, role: str, directory: str, flat: dict) -> dict[str, jax.
 
 
 def _check_complete(key, family, ck, prefix, consumed, out, flat) -> None:
+    """Every parameter of the modules filled has its tensor, and every tensor of the family's
+    part is used or knowingly left alone."""
     modules = {p.split("/")[0] for p in out}
     unfilled = [p for p in flat if p.split("/")[0] in modules and p not in out]
     if unfilled:
@@ -119,16 +124,29 @@ def _check_complete(key, family, ck, prefix, consumed, out, flat) -> None:
             f"{key}: {len(left)} tensors of the checkpoint have no place in the model, e.g. "
             f"{left[0]} (a variant of {family.name} jaxmllm does not read?)"
         )
-    skipped = len(mine) - len([n for n in mine if n in consumed])
-    others = len(ck.names()) - len(mine)
-    if skipped or others:
-        log.info(
-            "%s: left alone %d tensors the model does not use (e.g. a pooling head) and %d of "
-            "other parts (a decoder, a text tower)",
-            key,
-            skipped,
-            others,
-        )
+
+
+def _left_alone(cfg: Any, role: str, family, ck: Checkpoint, prefix: str, consumed) -> None:
+    """Logs what a role read of a checkpoint left alone: tensors of its part the model does not
+    use (a pooling head), and a whole checkpoint's other parts, naming the key that loads each."""
+    key = f"model.init_from.{role}"
+    unused = [n for n in ck.names() if n not in consumed]
+    parts = Counter(
+        family.part_of(n[len(prefix) :]) if n.startswith(prefix) else "" for n in unused
+    )
+    own = parts.pop(role, 0) + parts.pop(None, 0)
+    if own:
+        log.info("%s: left alone %d tensors the model does not use (e.g. a pooling head)", key, own)
+    elsewhere = parts.pop("", 0)
+    if elsewhere:
+        what = "a decoder, a text tower"
+        log.info("%s: left alone %d tensors of parts it does not read (%s)", key, elsewhere, what)
+    for part, n in sorted(parts.items()):  # a whole checkpoint's other parts
+        directory = getattr(cfg.model.init_from, part, "")
+        same = bool(directory) and Path(directory).resolve() == ck.dir.resolve()
+        loaded = "loads them" if same else "is not this directory: left alone"
+        where = f"model.init_from.{part} {loaded}"
+        log.info("%s: %d tensors of %s are its %s part (%s)", key, n, ck.dir, part, where)
 
 
 def check_sizes(link: Link, ck: Checkpoint, prefix: str, targets: list, key: str) -> None:

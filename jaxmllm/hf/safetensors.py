@@ -28,6 +28,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from jaxmllm.config.checks import UserError
+
 DTYPES = {
     "F64": np.dtype("<f8"),
     "F32": np.dtype("<f4"),
@@ -51,7 +53,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint directory or file that cannot be read; the message names it and why."""
 
 

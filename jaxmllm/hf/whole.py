@@ -153,6 +153,9 @@ class Part(Family):
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
         return self.whole.to_hf_config(cfg, source, (self.role,))
 
+    def part_of(self, name: str) -> str | None:
+        return self.whole.part_of(name)
+
     def skipped(self, name: str) -> bool:
         if self.whole.part_of(name) != self.role:
             return True  # another part's

@@ -82,6 +82,8 @@ class SaveError(RuntimeError):
     """A checkpoint save that failed (a full disk, a lost mount): the run stops, naming the
     directory, the cause and the checkpoint it keeps."""
 
+    exit_code = 5  # (what the command exits with: `jaxmllm.config.command.run`)
+
 
 _in_flight: dict[int, int] = {}  # id(manager) -> the step of its last save, until checked
 
@@ -133,15 +135,31 @@ def _save_errors(mngr: ocp.CheckpointManager, step: int | None = None):
     except Exception as e:  # orbax, tensorstore and the OS raise many types for a failed write
         _failed.add(id(mngr))
         kept = complete_steps(Path(mngr.directory))
-        cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        cause = cause if len(cause) <= 300 else f"{cause[:140]} ... {cause[-140:]}"  # (the OS
-        # error ends tensorstore's long messages)
+        cause = save_cause(e)
         raise SaveError(
             f"saving {'a checkpoint' if step is None else f'checkpoint {step}'} in "
             f"{mngr.directory} failed ({cause}); training stopped. The latest complete "
             f"checkpoint is {f'step {kept[-1]}' if kept else 'none'}, kept as it was: fix the "
             "cause (free disk space?) and rerun the same command to resume from it"
         ) from e
+
+
+def save_cause(e: BaseException) -> str:
+    """A failed write's cause in a line: the OS error first where there is one (tensorstore
+    puts it anywhere in a long message, before the spec it appends, as `[os_error_code='28']`),
+    then the exception's first line, its middle cut past 300 characters."""
+    text = str(e).splitlines()[0] if str(e) else ""
+    short = f"{type(e).__name__}: {text}"
+    short = short if len(short) <= 300 else f"{short[:140]} ... {short[-140:]}"
+    code = re.search(r"os_error_code\W*(\d+)", text)
+    chain = [e]
+    while chain[-1].__cause__ is not None and len(chain) < 8:
+        chain.append(chain[-1].__cause__)
+    errno_ = (
+        int(code[1]) if code else next((x.errno for x in chain if isinstance(x, OSError)), None)
+    )
+    reason = os.strerror(errno_) if errno_ else ""
+    return f"{reason}: {short}" if reason and reason not in short else short
 
 
 def complete_steps(directory: Path) -> list[int]:

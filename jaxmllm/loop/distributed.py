@@ -23,6 +23,7 @@ import jax
 
 from jaxmllm.config import Config, ConfigError, DistributedConfig, to_dict
 from jaxmllm.config.sections import MAX_CPU_DEVICES_PER_CORE
+from jaxmllm.loop import xla_flags
 
 log = logging.getLogger("jaxmllm")
 
@@ -80,6 +81,7 @@ def resolve_job(cfg: DistributedConfig, env: Mapping[str, str] | None = None) ->
 
 def start(cfg: Config) -> Job | None:
     """Starts JAX for this process of the job (before any JAX backend is up). Idempotent."""
+    xla_flags.apply(cfg.train.xla_gpu_flags)  # (before any backend starts: XLA reads it once)
     job = resolve_job(cfg.distributed)
     n = job.num_processes if job else 1
     if cfg.mesh.cpu_devices:

@@ -93,8 +93,10 @@ def eval_source(cfg: Config):
         return held, held.index
     from jaxmllm.data.source import open_source
 
-    data = dataclasses.replace(cfg.data, source=e.source, path=e.path, format=e.format,
-                               index_dir=e.index_dir, media_root="", sources=())  # fmt: skip
+    # (its media paths lead as data.eval's index read them: `jaxmllm.data.datasets.eval_set`)
+    data = dataclasses.replace(
+        cfg.data, source=e.source, path=e.path, format=e.format, index_dir=e.index_dir, sources=()
+    )
     try:
         full = open_source(keep_origin(dataclasses.replace(cfg, data=data), cfg))
     except ConfigError as err:

@@ -59,6 +59,8 @@ class Watchdog:
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a non-finite loss, gradient or update."""
 
+    exit_code = 3  # (what the command exits with: `jaxmllm.config.command.run`)
+
 
 class NonFiniteGuard:
     """Counts skipped (non-finite) steps; says when `limit` came in a row.

@@ -36,9 +36,13 @@ class MetricsWindow:
     its start-up, aside), it warns once, naming what would help (`data`: the DataConfig).
     """
 
-    def __init__(self, n_devices: int, data=None):
-        self.n_devices, self.data = n_devices, data
+    def __init__(self, n_devices: int, data=None, peak_tflops: float | None = None):
+        """`peak_tflops`: a device's dense bf16 peak (`device_peak`): MFU, None: no MFU."""
+        self.n_devices, self.data, self.peak = n_devices, data, peak_tflops
         self.windows, self.warned = 0, False
+        # The run's totals over every window but the first (its step compiles): the end summary
+        self.run_tokens = self.run_flops = self.run_seconds = 0.0
+        self.run_steps = 0
         self._reset()
 
     def _reset(self) -> None:
@@ -71,6 +75,13 @@ class MetricsWindow:
             self.tokens, self.flops, info.fill, info.rejects
         )
         stats = throughput(tokens, flops, self.steps, elapsed, self.n_devices)
+        if self.peak:  # model FLOPs of the real tokens and items over the devices' peak
+            stats["mfu"] = stats["tflops_per_device"] / self.peak
+        if self.windows:  # (the job's real tokens and FLOPs, evaluations left out)
+            self.run_tokens += tokens
+            self.run_flops += flops
+            self.run_seconds += elapsed
+            self.run_steps += self.steps
         if self.predicted:  # process 0's devices only: what the calibrated model expects
             stats["predicted_step_time_s"] = self.predicted / max(self.steps, 1)
         stats.update({f"padding/{k}": 1.0 - v for k, v in fill.items()})
@@ -113,6 +124,46 @@ def _waiting(stats: dict, data) -> str:
         )
     tail = f"; data.prefetch (now {prefetch}) evens out uneven steps, not a slower feed."
     return head + advice + tail
+
+
+# Dense bf16 matrix peak per device, TFLOP/s (datasheets, without sparsity), by device kind:
+# MFU's denominator. The first name found in a device's kind wins (so "H100 PCIe" before
+# "H100", "A100" before "A10", "GH200" before "H200").
+PEAK_TFLOPS = (
+    ("GH200", 989.4),
+    ("H200 NVL", 835.5),
+    ("H200", 989.4),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.5),
+    ("H100", 989.4),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("A10", 125.0),
+    ("TPU v5 lite", 197.0),
+    ("TPU v5p", 459.0),
+    ("TPU v4", 275.0),
+    ("TPU v6", 918.0),
+)
+
+
+def peak_tflops(device_kind: str) -> float | None:
+    """The dense bf16 peak of a device kind (`jax.devices()[0].device_kind`), None: unknown."""
+    return next((v for k, v in PEAK_TFLOPS if k in device_kind), None)
+
+
+def device_peak(configured: float, device_kind: str) -> float | None:
+    """MFU's denominator for a run: `train.peak_tflops` if set, else the kind's datasheet peak;
+    None (logged once, with the key to set) where neither is known, a CPU's included."""
+    peak = configured or peak_tflops(device_kind)
+    if peak is None:
+        log.info(
+            "MFU not reported: no dense bf16 peak known for device kind %r (set "
+            "train.peak_tflops to a device's peak TFLOP/s to report it)",
+            device_kind,
+        )
+    return peak
 
 
 def throughput(tokens: float, flops: float, steps: int, seconds: float, n_dev: int) -> dict:

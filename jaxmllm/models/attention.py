@@ -8,7 +8,8 @@ says so in one of two forms, and `Attention` computes with whichever it gets:
 - block-sparse: the segment ids [B, T] and a list of (query block, key block) tiles [B, K, 2]
   that the planner made (`jaxmllm.plan.tiles`), so only those tiles are scored
   (`jaxmllm.models.blocksparse`): cost and memory follow the documents, not T^2;
-- cudnn: cuDNN's fused attention (GPU), from the segment ids.
+- cudnn: cuDNN's fused attention (GPU), from the documents' offsets and lengths (read off the
+  segment ids once, here, not in every layer of the scan).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class Packing:
     block: int = dataclasses.field(default=0, metadata=dict(static=True))
     causal: bool = dataclasses.field(default=False, metadata=dict(static=True))
     kind: str = dataclasses.field(default="dense", metadata=dict(static=True))
-    documents: int = dataclasses.field(default=0, metadata=dict(static=True))  # cudnn: per row
+    offsets: jax.Array | None = None  # [B, documents + 1] cudnn: where each document starts
+    lengths: jax.Array | None = None  # [B, documents] cudnn: its length (-1 past the last)
     # block-sparse rows split over the mesh's context groups (`jaxmllm.models.context`)
     context: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
@@ -61,10 +63,12 @@ def packing(
         if tiles_bk2 is None:
             raise ValueError("block-sparse attention needs the tile list (batch *_tiles)")
         context = context and ctx.context_size() > 1
-        return Packing(segment_ids_bt, tiles=tiles_bk2, block=block, causal=causal, kind=kind,
-                       context=context)  # fmt: skip
+        return Packing(
+            segment_ids_bt, tiles=tiles_bk2, block=block, causal=causal, kind=kind, context=context
+        )
     if kind == "cudnn":
-        return Packing(segment_ids_bt, causal=causal, kind=kind, documents=documents)
+        offsets, lengths = cudnn.segments(segment_ids_bt, documents or segment_ids_bt.shape[1])
+        return Packing(segment_ids_bt, causal=causal, kind=kind, offsets=offsets, lengths=lengths)
     mask = attention_mask(segment_ids_bt, causal=causal)
     return Packing(segment_ids_bt, mask=mask, causal=causal, kind="dense")
 
@@ -157,19 +161,35 @@ class Attention(nnx.Module):
         q_bthe, k_bske, v_bske = map(checkpoint_name, self.project(x_btd, positions), QKV)
         if pack.context:  # (block-sparse, the row split over a context group)
             out_bthe = ctx.attend(
-                q_bthe, k_bske, v_bske, pack.segment_ids, positions, pack.tiles,
-                block=pack.block, causal=pack.causal,
-            )  # fmt: skip
+                q_bthe,
+                k_bske,
+                v_bske,
+                pack.segment_ids,
+                positions,
+                pack.tiles,
+                block=pack.block,
+                causal=pack.causal,
+            )
         elif pack.kind == "block_sparse":
             out_bthe = blocksparse.attend(
-                q_bthe, k_bske, v_bske, pack.segment_ids, pack.tiles,
-                block=pack.block, causal=pack.causal,
-            )  # fmt: skip
+                q_bthe,
+                k_bske,
+                v_bske,
+                pack.segment_ids,
+                pack.tiles,
+                block=pack.block,
+                causal=pack.causal,
+            )
         elif pack.kind == "cudnn":
             out_bthe = cudnn.attend(
-                q_bthe, k_bske, v_bske, pack.segment_ids, causal=pack.causal,
-                documents=pack.documents,
-            )  # fmt: skip
+                q_bthe,
+                k_bske,
+                v_bske,
+                pack.segment_ids,
+                pack.offsets,
+                pack.lengths,
+                causal=pack.causal,
+            )
         else:
             out_bthe = dense_attention(q_bthe, k_bske, v_bske, pack.mask, self.dtype)
         return checkpoint_name(self.out(out_bthe.astype(self.dtype)), "attention_out")

@@ -108,6 +108,7 @@ class Embed(nnx.Module):
         self.embedding = normal_param(rngs, (vocab_size, width), 1.0, axes, param_dtype)
         self.dtype = dtype
         self.vocab_parallel = vocab_parallel
+        self.vocab_size = vocab_size  # ids from here on look up zeros (unused tokens)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         table = self.embedding[...]
@@ -128,7 +129,9 @@ class Embed(nnx.Module):
             vocab = sharding.mesh_axes_of("vocab")  # the vocab dim keeps its rule's axes
             vocab = tuple(a for a in vocab if a in mesh.axis_names) or None
             table = jax.lax.with_sharding_constraint(table, jax.P(vocab, None))
-        return jnp.take(table, ids, axis=0).astype(self.dtype)
+        # An id past the table looks up zeros and its gradient is dropped (MultimodalLM's
+        # placeholder and padding tokens).
+        return jnp.take(table, ids, axis=0, mode="fill", fill_value=0).astype(self.dtype)
 
     def attend(self, x_btd: jax.Array) -> jax.Array:
         """Float32 logits `x . E^T` (the tied output projection)."""

@@ -15,8 +15,9 @@ from flax import nnx
 from jaxmllm.config import LLMConfig
 from jaxmllm.models.attention import Packing, packing
 from jaxmllm.models.layers import Dense, Embed
+from jaxmllm.models.loss import Head, loss_sum
 from jaxmllm.models.transformer import BlockSpec, Transformer
-from jaxmllm.models.vocab import losses, varying_zero, vocab_axes
+from jaxmllm.models.vocab import vocab_axes
 
 
 class Decoder(nnx.Module):
@@ -40,6 +41,7 @@ class Decoder(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.attention, self.block = attention, block  # model.attention, batch.attention_block
+        self.dtype = dtype  # the compute dtype (the loss's matmuls take it too)
         self.documents = documents  # batch.*_documents (cudnn attention)
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.embed = Embed(cfg.vocab_size, cfg.width, vocab_parallel=cfg.vocab_parallel, **kw)
@@ -131,10 +133,10 @@ def chunked_token_losses(
 ) -> tuple[jax.Array, jax.Array]:
     """Summed masked cross entropy over tokens, projecting `decoder.logits_chunk` at a time.
 
-    A 152k vocabulary makes [tokens, vocab] fp32 logits the largest array of a step; here a
-    scan projects one slice of every device's tokens at a time and rematerialises it in the
-    backward pass, so a step holds [D, chunk, vocab] logits at most. Equal to the unchunked
-    `token_losses` of the full logits up to float summation order.
+    A 152k vocabulary makes [tokens, vocab] fp32 logits the largest array of a step; the loss
+    (`jaxmllm.models.loss`) projects one slice of every device's tokens at a time, once, and
+    leaves the backward pass only a scaling, so a step holds [D, chunk, vocab] logits at most.
+    Equal to the unchunked `token_losses` of the full logits up to float summation order.
 
     Args:
       decoder: the decoder whose output projection gives the logits.
@@ -145,7 +147,7 @@ def chunked_token_losses(
     Returns:
       (sum of loss * mask, sum of mask), float32 scalars.
     """
-    d, n, width = h_dnw.shape
+    d, n, _ = h_dnw.shape
     chunk = min(decoder.logits_chunk, n)
     pad = -n % chunk
     if pad:
@@ -153,21 +155,10 @@ def chunked_token_losses(
         targets_dn = jnp.pad(targets_dn, ((0, 0), (0, pad)))
         loss_mask_dn = jnp.pad(loss_mask_dn, ((0, 0), (0, pad)))
     slices = lambda x: jnp.moveaxis(x.reshape(d, -1, chunk, *x.shape[2:]), 1, 0)
-
-    @jax.checkpoint
-    def one(total, xs):
-        h_dcw, targets_dc, mask_dc = xs
-        logits = decoder.logits(h_dcw).astype(jnp.float32)  # [D, chunk, vocab]
-        target = jnp.take_along_axis(logits, targets_dc[..., None], axis=-1)[..., 0]
-        loss = jax.nn.logsumexp(logits, axis=-1) - target
-        return total + jnp.sum(loss * mask_dc.astype(jnp.float32)), None
-
-    xs = (slices(h_dnw), slices(targets_dn), slices(loss_mask_dn))
-    count = jnp.sum(loss_mask_dn.astype(jnp.float32))
     weight, rows_first, divisor = decoder.head()
     size = weight.shape[0] if rows_first else weight.shape[1]
+    # The projection split by vocabulary rows over the model axes (jaxmllm.models.vocab).
     axes = vocab_axes(size, d) if decoder.vocab_parallel else ()
-    if axes:  # the projection split by vocabulary rows (jaxmllm.models.vocab)
-        return losses(weight, rows_first, divisor, xs, axes), count
-    total, _ = jax.lax.scan(one, varying_zero(h_dnw, weight), xs)
-    return total, count
+    head = Head(rows_first, divisor, axes, decoder.dtype)
+    total = loss_sum(weight, slices(h_dnw), slices(targets_dn), slices(loss_mask_dn), head)
+    return total, jnp.sum(loss_mask_dn.astype(jnp.float32))

@@ -125,8 +125,8 @@ class MultimodalLM(nnx.Module):
                     if phase(name).capacity in mb}  # fmt: skip
         # The table is sharded on `embed`; pin the lookup to the batch layout so XLA does not
         # carry the table's layout into the activations (a full rematerialisation otherwise).
-        x_drlw = shard_like_batch(self.llm.embed(mb["llm_tokens"]))
         names = list(rows)
+        x_drlw = shard_like_batch(self.llm.embed(self.looked_up(mb, names)))
         buffers = self._route(
             [rows[p] for p in names],
             [mb.get(f"{p}_send") for p in names],
@@ -136,6 +136,16 @@ class MultimodalLM(nnx.Module):
         for buffer, name in zip(buffers, names, strict=True):
             x_drlw = fill_slots(x_drlw, buffer, mb[phase(name).src])
         return x_drlw
+
+    def looked_up(self, mb: dict[str, jax.Array], names: list[str]) -> jax.Array:
+        """The token ids whose embeddings are used, the others (placeholder slots, which encoder
+        rows fill, and padding) past the vocabulary: they look up zeros, and the table's
+        gradient drops theirs instead of adding zeros for every one of them onto their id's
+        row (an image's hundreds of placeholders share one id)."""
+        unused = mb["llm_segment_ids"] == 0 if "llm_segment_ids" in mb else False
+        for name in names:
+            unused = unused | (mb[phase(name).src] >= 0)
+        return jnp.where(unused, self.llm.embed.vocab_size, mb["llm_tokens"])
 
     def _route(
         self, rows: list[jax.Array], sends: list[jax.Array | None], counts: list
@@ -151,7 +161,7 @@ class MultimodalLM(nnx.Module):
                 )
         # Local rows take the local path (index < N); only the others cross devices, all
         # phases in one all-to-all (a collective's latency is paid once).
-        received = exchange_rows(rows, sends, counts if self.exchange == "ragged" else None)
+        received = exchange_rows(rows, sends, counts, ragged=self.exchange == "ragged")
         return [jnp.concatenate([r, x], axis=1) for r, x in zip(rows, received, strict=True)]
 
 
@@ -163,7 +173,10 @@ def encoder_args(mb: dict[str, jax.Array], name: str) -> tuple:
 
 
 def exchange_rows(
-    rows: list[jax.Array], sends: list[jax.Array], counts: list[jax.Array] | None = None
+    rows: list[jax.Array],
+    sends: list[jax.Array],
+    counts: list[jax.Array | None] | None = None,
+    ragged: bool = False,
 ) -> list[jax.Array]:
     """Sends encoder rows between devices with one all-to-all at a fixed per-pair capacity.
 
@@ -180,7 +193,9 @@ def exchange_rows(
       reverse all-to-all. Without a mesh, the same exchange is written as a transpose (single
       device, reference tests).
 
-    With `counts` (per phase, rows src sends dst [D, D]) and a mesh, the exchange is one
+    `counts` (per phase, rows src sends dst [D, D]): the slots past a pair's count gather
+    nothing (zeros), so the backward pass does not add their zero cotangents onto the row their
+    unused index names. With `ragged` (and a mesh) the exchange is one
     `lax.ragged_all_to_all` that moves only the filled slots (same buffers, same layout), for
     backends that implement it (GPU; XLA:CPU does not).
     """
@@ -191,9 +206,16 @@ def exchange_rows(
     for a in axes:
         shards *= mesh.shape[a]
 
-    def gather(rows_nw, send_dc):  # one device: [D, sum C_p, W], phases side by side
-        pairs = zip(rows_nw, send_dc, strict=True)
-        return jnp.concatenate([jnp.take(r, s, axis=0) for r, s in pairs], axis=1)
+    counts = None if counts is None or any(c is None for c in counts) else counts
+    if ragged and counts is None:
+        raise ValueError("the ragged exchange needs the *_send_count arrays")
+
+    def gather(rows_nw, send_dc, count_d=None):  # one device: [D, sum C_p, W], side by side
+        if count_d is None:
+            count_d = [None] * len(rows_nw)
+        return jnp.concatenate(
+            [_sent(r, s, c) for r, s, c in zip(rows_nw, send_dc, count_d, strict=True)], axis=1
+        )
 
     def split(received_dcw):  # [D, sum C_p, W] -> per phase [D * C_p, W]
         parts = jnp.split(received_dcw, np.cumsum(caps)[:-1].tolist(), axis=1)
@@ -202,7 +224,7 @@ def exchange_rows(
     if not axes or shards == 1 or STAGE_AXIS in mesh.manual_axes:
         # Inside a pipeline's shard_map over the stages a nested one over the data axes does not
         # lower (stage-varying operands): the transpose, resharded by XLA (an all-to-all).
-        sent_sdcw = jax.vmap(gather)(rows, sends)
+        sent_sdcw = jax.vmap(gather)(rows, sends, counts)
         return jax.vmap(split)(shard_like_batch(jnp.swapaxes(sent_sdcw, 0, 1)))
     if rows[0].shape[0] != shards:
         raise ValueError(
@@ -212,8 +234,9 @@ def exchange_rows(
     spec = PartitionSpec(axes)
 
     def per_shard(rows_1nw, sends_1dc, counts_1d):
-        sent_dcw = gather([r[0] for r in rows_1nw], [s[0] for s in sends_1dc])
-        if counts_1d is None:
+        own = None if counts_1d is None else [c[0] for c in counts_1d]
+        sent_dcw = gather([r[0] for r in rows_1nw], [s[0] for s in sends_1dc], own)
+        if not ragged:
             # Chunk dst of the send buffer goes to shard dst; chunk src of the result came
             # from src.
             received_dcw = jax.lax.all_to_all(sent_dcw, axes, 0, 0, tiled=True)
@@ -222,6 +245,15 @@ def exchange_rows(
         return [p[None] for p in split(received_dcw)]
 
     return jax.shard_map(per_shard, mesh=mesh, in_specs=spec, out_specs=spec)(rows, sends, counts)
+
+
+def _sent(rows_nw: jax.Array, send_dc: jax.Array, count_d: jax.Array | None) -> jax.Array:
+    """One device's send buffer of one phase [D, C, W]: `rows[send]`, slots past each
+    destination's count zeros (an index past the rows, dropped in the backward pass)."""
+    if count_d is not None:
+        used = jnp.arange(send_dc.shape[-1]) < count_d[:, None]
+        send_dc = jnp.where(used, send_dc, rows_nw.shape[0])
+    return jnp.take(rows_nw, send_dc, axis=0, mode="fill", fill_value=0)
 
 
 def ragged_args(me, counts_pd, caps: list[int]):
@@ -275,9 +307,28 @@ def shard_like_batch(x: jax.Array) -> jax.Array:
 
 
 def fill_slots(x_drlw: jax.Array, rows_dnw: jax.Array, src_drl: jax.Array) -> jax.Array:
-    """Replaces token embeddings where `src >= 0` with row `src` of the same device's `rows`."""
-    gathered = jax.vmap(lambda rows, idx: rows[idx])(rows_dnw, jnp.maximum(src_drl, 0))
-    return jnp.where(src_drl[..., None] >= 0, gathered.astype(x_drlw.dtype), x_drlw)
+    """Replaces token embeddings where `src >= 0` with row `src` of the same device's `rows`.
+
+    A row fills at most one slot (an item's rows fill its placeholders one each), so the rows
+    are scattered into their slots: the forward pass adds N rows into zeros and the backward
+    pass gathers N rows' cotangents, where gathering a row for every token would make the
+    backward pass scatter-add every token's cotangent, nearly all of them onto the row that
+    non-slot tokens read (on a GPU, tokens x width atomic adds into one row). The slot of each
+    row is found by a scatter of token indices (an int per token: no width, no gradient).
+    """
+    d, rows, length, width = x_drlw.shape
+    n, tokens = rows_dnw.shape[1], rows * length
+
+    def one(x_tw, rows_nw, src_t):
+        # Row i's slot: the token whose src is i (`tokens`, past the end: a row no slot reads).
+        named = jnp.where(src_t >= 0, src_t, n)  # (non-slot tokens name no row: dropped)
+        slot = jnp.full((n,), tokens, jnp.int32)
+        slot = slot.at[named].set(jnp.arange(tokens, dtype=jnp.int32), mode="drop")
+        placed = jnp.zeros_like(x_tw).at[slot].add(rows_nw.astype(x_tw.dtype), mode="drop")
+        return jnp.where((src_t >= 0)[:, None], placed, x_tw)
+
+    filled = jax.vmap(one)(x_drlw.reshape(d, tokens, width), rows_dnw, src_drl.reshape(d, -1))
+    return filled.reshape(d, rows, length, width)
 
 
 def token_losses(

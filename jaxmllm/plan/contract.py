@@ -14,6 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
+from jaxmllm.config.checks import UserError
 from jaxmllm.config.phases import ENCODERS, LLM, NAMES, PHASES
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.tiles import bin_tiles, own_tiles
@@ -138,7 +139,7 @@ class Planner(Protocol):
         ...
 
 
-class OversizeError(ValueError):
+class OversizeError(UserError):
     """A sample that cannot fit an empty bucket; names the sample and the capacity to raise."""
 
 

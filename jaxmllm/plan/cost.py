@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from jaxmllm.config.checks import UserError
 from jaxmllm.config.phases import ENCODERS, LLM, PHASES
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ IRLS_ROUNDS = 20  # reweighted least-squares rounds toward the least absolute re
 IRLS_FLOOR = 1e-3  # relative residuals below this weigh as this (keeps the weights finite)
 
 
-class CostFileError(ValueError):
+class CostFileError(UserError):
     """A timings or calibrated-cost file that cannot be used; the message names file and line."""
 
 
@@ -460,4 +461,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxmllm.config.command import run
+
+    sys.exit(run(main))

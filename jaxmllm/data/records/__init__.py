@@ -15,6 +15,7 @@ unless data.allow_outside_paths.
 
 from __future__ import annotations
 
+import os
 import resource
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmllm.config import DataConfig
+from jaxmllm.config import ConfigError, DataConfig
 from jaxmllm.data.records.arrayrecord import ArrayRecordRecords
 from jaxmllm.data.records.formats import FORMATS, data_files, detect, json_container
 from jaxmllm.data.records.jsonl import JsonRecords
@@ -160,15 +161,33 @@ def scan_file(path: Path, fmt: str, data: DataConfig | None = None) -> tuple[dic
 
 
 def media_paths(
-    path: str | Path, files: list[Path], media_root: str | Path = "", data: DataConfig | None = None
+    path: str | Path,
+    files: list[Path],
+    media_root: str | Path = "",
+    data: DataConfig | None = None,
+    confine: str | Path = "",
 ) -> MediaPaths:
-    """Where the media paths of the data set at `path` (its `files`) lead: `media_root`, else
-    the data file's folder (a directory's self); confined there unless data.allow_outside_paths."""
+    """Where the media paths of the data set at `path` (its `files`) lead: relative ones start
+    from `media_root`, else the data file's folder (a directory's self); all must stay inside
+    `confine` (default: that folder) unless data.allow_outside_paths.
+
+    Raises:
+      ConfigError: a `confine` folder that does not hold the folder paths start from.
+    """
     if media_root:
         base = Path(media_root)
     else:
         base = Path(path) if Path(path).is_dir() else files[0].parent
-    return MediaPaths(base, anywhere=(data or DataConfig()).allow_outside_paths)
+    inside = Path(confine) if confine else None
+    if inside is not None and not Path(os.path.realpath(base)).is_relative_to(
+        os.path.realpath(inside)
+    ):
+        raise ConfigError(
+            f"data.confine_media_to={confine} does not hold {base}, the folder relative media "
+            "paths start from (data.media_root, else the data file's folder): every relative "
+            "path would be rejected; set it to a folder that holds both"
+        )
+    return MediaPaths(base, anywhere=(data or DataConfig()).allow_outside_paths, inside=inside)
 
 
 def open_records(
@@ -177,6 +196,7 @@ def open_records(
     media_root: str | Path = "",
     scan: dict | None = None,
     data: DataConfig | None = None,
+    confine: str | Path = "",
 ) -> Records:
     """The records of the data set at `path` (a file, a directory of shards or a glob) in
     data.format `fmt` (`auto`: detected; `why` says how); media paths relative to `media_root`
@@ -184,7 +204,8 @@ def open_records(
     (`FileScans` of `scan_file`'s, or the index's mapped columns), so they are not scanned
     again. `data` (the run's data section:
     default settings without it) says whether media paths may lead out of that folder and how
-    large a record or a .tar member may be (data.max_media_bytes)."""
+    large a record or a .tar member may be (data.max_media_bytes); `confine`, the folder they
+    must stay inside instead (data.confine_media_to)."""
     data = data or DataConfig()
     files = data_files(path)
     why = ""
@@ -199,7 +220,9 @@ def open_records(
     counts = [int(scan.of(f)["records"][0]) for f in range(len(files))]
     starts = np.cumsum([0, *counts]).astype(np.int64)
     caps = {"max_bytes": data.max_media_bytes}
-    return Records(files, starts, fmt, media_paths(path, files, media_root, data), scan, why, caps)
+    return Records(
+        files, starts, fmt, media_paths(path, files, media_root, data, confine), scan, why, caps
+    )
 
 
 def read_record(records, k: int) -> Record:

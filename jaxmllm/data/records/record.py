@@ -39,14 +39,15 @@ class Record:
 @dataclass(frozen=True)
 class MediaPaths:
     """Where a record's media paths lead: relative to `base`, and (unless `anywhere`) only to
-    files inside it once `..` and symlinks are resolved."""
+    files inside `inside` (default `base`) once `..` and symlinks are resolved."""
 
-    base: Path
+    base: Path  # where relative paths start (data.media_root, else the data file's folder)
     anywhere: bool = False  # data.allow_outside_paths (generation's own --image / --audio)
+    inside: Path | None = None  # data.confine_media_to: a folder holding `base`; None = base
     root: Path = field(init=False, repr=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "root", Path(os.path.realpath(self.base)))
+        object.__setattr__(self, "root", Path(os.path.realpath(self.inside or self.base)))
 
     def resolve(self, entry: str, where: str, rid: str) -> Path:
         """The path of a media entry; raises RecordError("path_outside_root") for one that
@@ -59,14 +60,24 @@ class MediaPaths:
         except ValueError:  # a NUL byte: no file can have that name
             return path  # (check_media_file rejects it as missing, opening nothing)
         if not real.is_relative_to(self.root):
-            raise RecordError(
-                "path_outside_root",
-                f"{where} leads outside the media folder {self.base} (by '..', an absolute path "
-                "or a symlink); move the file under it, set data.media_root to a folder that "
-                "holds it, or set data.allow_outside_paths: true to read paths anywhere",
-                rid,
-            )
+            raise RecordError("path_outside_root", self._outside(where), rid)
         return real
+
+    def _outside(self, where: str) -> str:
+        """What a path leading out says: the folder it left and the setting that lets it in
+        while relative paths keep their start (never where it led)."""
+        left = (
+            f"data.confine_media_to={self.inside}"
+            if self.inside
+            else f"the media folder {self.base} (data.confine_media_to is empty: media must "
+            "stay inside the folder relative paths start from)"
+        )
+        return (
+            f"{where} leads outside {left} by '..', an absolute path or a symlink. If the "
+            "file is yours, set data.confine_media_to to a folder that holds it (relative "
+            f"paths still start from {self.base}, data.media_root), or move it inside; "
+            "data.allow_outside_paths: true reads paths anywhere"
+        )
 
 
 def parse_record(obj: Any, paths: MediaPaths | Path, line: int) -> Record:

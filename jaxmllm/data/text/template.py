@@ -162,7 +162,7 @@ def _data_form(cfg: Config) -> str:
     """chat when the training data's first readable record has `messages`, else plain."""
     try:
         ds = data_sets(cfg)[0]
-        records = open_records(ds.path, ds.format, ds.media_root, data=cfg.data)
+        records = open_records(ds.path, ds.format, ds.media_root, data=cfg.data, confine=ds.confine)
         for k in range(min(len(records), 16)):
             try:
                 record = read_record(records, k)

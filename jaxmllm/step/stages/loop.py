@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec
 from jaxmllm.models.llm import chunked_token_losses
 from jaxmllm.models.mllm import encoder_args
 from jaxmllm.step.stages.layout import Layout
-from sharding import STAGE_AXIS
+from sharding import STAGE_AXIS, varying_axes
 from sharding.rules import key_parts
 
 IDLE = 0  # the switch branch of a stage with no microbatch this tick
@@ -67,7 +67,7 @@ def vary(tree: Any) -> Any:
     """Marks stage-invariant values as varying over the stage axis (see the module docstring)."""
 
     def one(x):
-        if STAGE_AXIS in jax.typeof(x).manual_axis_type.varying:
+        if STAGE_AXIS in varying_axes(x):
             return x
         return jax.lax.pcast(x, (STAGE_AXIS,), to="varying")
 

@@ -1,0 +1,150 @@
+"""What the terminal says about a run beside its progress bar.
+
+Per logging window, a line when records failed to load (a media file deleted or replaced since
+the index): how many by reason, and the first one whole, each process about its own (its own
+rejects file). At the end of a run that finished its steps, process 0's summary: the final
+loss, the job's real tokens a second, the rejects of the whole run by stage, where the
+checkpoint is and the command that generates from it. (The rejects an index made are told
+once at start-up, by `jaxmllm.data.source`.)
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import time
+from pathlib import Path
+
+import jax
+
+from jaxmllm.batch.info import StepInfo
+from jaxmllm.config import Config
+from jaxmllm.data.datasets import data_sets, index_dir
+from jaxmllm.data.preprocess import Params
+from jaxmllm.data.rejects import by_reason, wrapped
+
+log = logging.getLogger("jaxmllm")
+
+
+class RunReport:
+    """Collects what the terminal is told: `step` every step, `logged` at a logged step (the
+    window's rejects line), `finish` after the last step (the summary)."""
+
+    def __init__(self, cfg: Config, out: Path, start: int, rejects_file: Path):
+        self.cfg, self.out, self.start, self.rejects_file = cfg, out, start, rejects_file
+        self.began = time.perf_counter()
+        self.first_step = start + 1  # the first step of the current logging window
+        self.new: dict[str, int] = {}  # this window's load-time rejects here, by reason
+        self.first: dict | None = None  # and the first of them
+
+    def step(self, info: StepInfo) -> None:
+        for reason, n in info.new_rejects.items():
+            self.new[reason] = self.new.get(reason, 0) + n
+        self.first = self.first or info.first_reject
+
+    def logged(self, done: int) -> None:
+        """At a logged step: one line about the window's load-time rejects, if there were any;
+        the window starts anew."""
+        if self.new:
+            lines = window_lines(self.first_step, done, self.new, self.first, self.rejects_file)
+            log.warning("\n".join(lines))
+        self.first_step, self.new, self.first = done + 1, {}, None
+
+    def finish(self, done: int, row: dict, window, checkpoint: Path) -> None:
+        """The end-of-run summary (process 0): `row`, the last logged step's metrics (the job's
+        cumulative reject counts); `window`, the metrics window (the run's totals)."""
+        if jax.process_index() == 0:
+            print("\n".join(self.summary(done, row, window, checkpoint)), flush=True)
+
+    def summary(self, done: int, row: dict, window, checkpoint: Path) -> list[str]:
+        steps = f"{done} steps" if self.start == 0 else f"steps {self.start + 1}-{done}"
+        took = _duration(time.perf_counter() - self.began)
+        loss = row.get("loss", float("nan"))
+        lines = [
+            f"done: {steps} in {took} (compiling and evaluating included); final loss {loss:.4f}"
+        ]
+        if window.run_steps:
+            per_device = window.run_flops / window.run_seconds / window.n_devices / 1e12
+            lines.append(
+                f"  throughput: {window.run_tokens / window.run_seconds:,.0f} real tokens/s over "
+                f"steps {done - window.run_steps + 1}-{done} (the first window compiles), "
+                f"{per_device:.3g} TFLOP/s a device"
+            )
+        lines += wrapped(f"  rejects: {self.rejects(row)}", " " * 4)
+        lines.append(f"  checkpoint: {_shown(checkpoint)}")
+        lines.append(f"  generate from it: {self.generate_command()}")
+        return lines
+
+    def rejects(self, row: dict) -> str:
+        """The run's rejects by stage (the job's), and the files that list them."""
+        stages = []
+        for stage, prefix in (("at indexing", "index_"), ("at load time", "load_")):
+            total = row.get(f"rejects/{prefix}total", 0.0)
+            if total:
+                stages.append(f"{int(total)} {stage} ({by_reason(_counts(row, prefix))})")
+        oversize = _counts(row, "oversize_")
+        if oversize:
+            stages.append(f"{int(sum(oversize.values()))} oversize ({by_reason(oversize)})")
+        if not stages:
+            return "none"
+        files = [str(self.rejects_file)] if row.get("rejects/load_total") else []
+        if row.get("rejects/index_total"):
+            files += [str(self._index_folder(ds) / "rejects.jsonl") for ds in data_sets(self.cfg)]
+        where = f"; listed in {', '.join(files)}" if files else ""
+        return ", ".join(stages) + where
+
+    def _index_folder(self, ds) -> Path:
+        return index_dir(ds, Params.from_config(self.cfg).counted())
+
+    def generate_command(self) -> str:
+        """The command that generates from the run's checkpoint, with a prompt like its data's."""
+        run = ["python", "-m", "jaxmllm.generate", "--run", str(self.out)]
+        if self.cfg.data.source == "synthetic":
+            return shlex.join([*run, "--prompt", "12 13 14"])
+        image = ["--image", "IMAGE"] if self.cfg.model.vision.enabled else []
+        return shlex.join([*run, *image, "--prompt", "PROMPT"])
+
+
+def rejects_file(out: Path) -> Path:
+    """This process's load-time rejects file: <out>/rejects.jsonl (process N > 0:
+    rejects.processN.jsonl)."""
+    rank = jax.process_index()
+    return out / ("rejects.jsonl" if rank == 0 else f"rejects.process{rank}.jsonl")
+
+
+def window_lines(first: int, last: int, new: dict, example: dict | None, where) -> list[str]:
+    """The terminal's lines about one logging window's load-time rejects (wrapped, whole)."""
+    process = f"process {jax.process_index()}: " if jax.process_count() > 1 else ""
+    text = (
+        f"{process}load-time rejects in steps {first}-{last}: {sum(new.values())} "
+        f"({by_reason(new)}), skipped (their slots are padding)"
+    )
+    if example is not None:  # (its `step` is the plan's, from 0: the training step before it)
+        step = example["step"] + 1 if isinstance(example.get("step"), int) else "?"
+        text += (
+            f"; the first: record {example.get('id')} (step {step}): "
+            f"{example.get('reason')}: {example.get('detail')}"
+        )
+    return wrapped(f"{text}. Each one is listed in {where}.", " " * 4)
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the working directory when it is inside it, else as it is."""
+    path = Path(path)
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+
+def _counts(row: dict, prefix: str) -> dict[str, float]:
+    """{reason: count} of a row's `rejects/<prefix><reason>` keys (totals left out)."""
+    keys = [k for k in row if k.startswith(f"rejects/{prefix}") and not k.endswith("_total")]
+    return {k.removeprefix(f"rejects/{prefix}"): row[k] for k in keys}
+
+
+def _duration(seconds: float) -> str:
+    """'2 min 24 s', '1 h 03 min', '9.4 s'."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    return f"{minutes // 60} h {minutes % 60:02d} min"

@@ -1,0 +1,241 @@
+"""The LM loss: masked cross entropy of the output projection, fused with its own gradient.
+
+A 152k vocabulary makes the logits the largest array of a step (fp32 [tokens, vocab]: ~5 GB a
+GPU and microbatch for the 2B recipe). Here they exist one slice of tokens at a time, and once:
+the forward pass projects a slice (compute-dtype operands, fp32 accumulation), takes its
+log-sum-exp and target logit, and, when a gradient is wanted, turns the slice at once into the
+gradient of its logits, `(softmax - onehot) * mask`, cast to the compute dtype, and multiplies
+that back with the projection and the hidden states (compute-dtype operands again): the
+backward pass then only scales what the forward pass left (the hidden states' and the
+projection's gradients) by the loss's cotangent. So a step projects the logits once (not again
+in a rematerialised backward), never multiplies fp32 matrices under bf16 compute, and never
+scatters into the logits (the target's one-hot is a compare with the vocabulary's iota, not the
+gradient of a gather). This is Liger-Kernel's fused linear cross entropy, written for XLA;
+the softmax statistics, the loss sum and the projection's gradient stay in fp32.
+
+Vocab-parallel (`jaxmllm.models.vocab`): the projection split by vocabulary over the model
+axes, each device projects its fsdp group's tokens onto its vocabulary shard; the softmax's
+max, normaliser and target logit are reduced over the shards (Megatron's vocab-parallel cross
+entropy), the hidden states' gradient summed over the shards back to the tokens' owners, the
+projection's over the data groups that share a shard.
+
+The gradient is computed only for what is differentiated (`jax.custom_vjp`'s symbolic zeros):
+a frozen output projection gets none and costs no matmul; evaluation (no gradient at all)
+projects once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+from jax.sharding import PartitionSpec as P
+
+from sharding import DATA_AXES, varying_as
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """How the logits come from hidden states h: `h . weight / divisor`."""
+
+    rows_first: bool  # weight is the tied table [vocab, width], else the head [width, vocab]
+    divisor: float
+    axes: tuple[str, ...] = ()  # the model axes the vocabulary is split over (vocab_axes)
+    dtype: Any = jnp.float32  # the compute dtype: the matmuls' operands
+
+    def project(self, h_xw: jax.Array, w: jax.Array) -> jax.Array:
+        """fp32 logits [..., vocab shard] of hidden states [..., width]."""
+        eq = "...w,vw->...v" if self.rows_first else "...w,wv->...v"
+        return jnp.einsum(eq, h_xw, w, preferred_element_type=jnp.float32) / self.divisor
+
+    def back(self, g_xv: jax.Array, w: jax.Array) -> jax.Array:
+        """The hidden states' gradient [..., width] (fp32) of a logits gradient [..., vocab]."""
+        eq = "...v,vw->...w" if self.rows_first else "...v,wv->...w"
+        return jnp.einsum(eq, g_xv, w, preferred_element_type=jnp.float32)
+
+    def weight_grad(self, h_xw: jax.Array, g_xv: jax.Array) -> jax.Array:
+        """The projection's gradient (fp32, the weight's layout) over every leading index."""
+        eq = "...w,...v->vw" if self.rows_first else "...w,...v->wv"
+        return jnp.einsum(eq, h_xw, g_xv, preferred_element_type=jnp.float32)
+
+
+def loss_sum(
+    weight: jax.Array,
+    h_cdnw: jax.Array,
+    targets_cdn: jax.Array,
+    mask_cdn: jax.Array,
+    head: Head,
+) -> jax.Array:
+    """The fp32 sum of cross entropy x mask over every token of every slice.
+
+    Args:
+      weight: the output projection as `head` says (the parameter itself, any dtype: it is
+        cast to the compute dtype for the matmuls, and its gradient returned in its own dtype).
+      h_cdnw: hidden states [C, D, chunk, width]: C slices of every bucket's tokens; D leads
+        the bucket axis, split over the data axes under a mesh.
+      targets_cdn: target ids [C, D, chunk]; mask_cdn: float weights [C, D, chunk].
+      head: the projection's layout, divisor, vocabulary axes and compute dtype.
+    """
+    return _loss_sum(weight, h_cdnw, targets_cdn, mask_cdn, head)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _loss_sum(weight, h_cdnw, targets_cdn, mask_cdn, head):
+    total, _, _ = _run(head, weight, h_cdnw, targets_cdn, mask_cdn, False, False)
+    return total
+
+
+def _fwd(weight, h_cdnw, targets_cdn, mask_cdn, head):
+    want_w, want_h = weight.perturbed, h_cdnw.perturbed
+    w, h = weight.value, h_cdnw.value
+    total, dw, dh = _run(head, w, h, targets_cdn.value, mask_cdn.value, want_w, want_h)
+    dw = None if dw is None else dw.astype(w.dtype)
+    return total, (dw, dh)
+
+
+def _bwd(head, residuals, g):
+    dw, dh = residuals
+    if isinstance(g, SymbolicZero):
+        return None, None, None, None
+    scale = lambda x: None if x is None else (g * x.astype(jnp.float32)).astype(x.dtype)
+    return scale(dw), scale(dh), None, None
+
+
+_loss_sum.defvjp(_fwd, _bwd, symbolic_zeros=True)
+
+
+def _run(head: Head, weight, h_cdnw, targets_cdn, mask_cdn, want_w: bool, want_h: bool):
+    """(loss sum, the projection's gradient or None, the hidden states' or None), unscaled."""
+    if not head.axes:
+        return _scan(head, weight, h_cdnw, targets_cdn, mask_cdn, want_w, want_h, _Local())
+    mesh = jax.sharding.get_abstract_mesh()
+    data = tuple(a for a in DATA_AXES if a in mesh.axis_names)
+    spec = P(head.axes, None) if head.rows_first else P(None, head.axes)
+    weight = jax.lax.with_sharding_constraint(weight, spec)
+    batch = P(None, data)
+    # Devices of one data group (other data / fsdp-outside-the-vocab positions) hold the same
+    # vocabulary shard: its gradient sums over them.
+    shared = tuple(a for a in data if a not in head.axes)
+
+    def body(w_l, h_l, t_l, m_l):
+        split = _Split(head.axes, w_l.shape[0] if head.rows_first else w_l.shape[1])
+        total, dw, dh = _scan(head, w_l, h_l, t_l, m_l, want_w, want_h, split)
+        total = jax.lax.psum(total, data)
+        if dw is not None and shared:
+            dw = jax.lax.psum(dw, shared)
+        return total, dw, dh
+
+    out_specs = (P(), spec if want_w else None, batch if want_h else None)
+    # (check_vma off: nothing differentiates through this map, the custom VJP stands in; its
+    # results vary over the enclosing map's axes, a pipeline stage's, as its inputs do)
+    out = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(spec, batch, batch, batch),
+        out_specs=out_specs,
+        check_vma=False,
+    )(weight, h_cdnw, targets_cdn, mask_cdn)
+    return varying_as(out, weight, h_cdnw, targets_cdn, mask_cdn)
+
+
+class _Local:
+    """The whole vocabulary on hand: the reductions over vocabulary shards are no-ops."""
+
+    first = 0
+
+    def group(self, x):  # the tokens this device projects: its own
+        return x
+
+    def max(self, x):
+        return x
+
+    def sum(self, x):
+        return x
+
+    def own(self, x):  # the group's per-token values -> this device's tokens'
+        return x
+
+    def own_sum(self, x):  # per-token partial sums over vocabulary shards -> this device's
+        return x
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """A vocabulary shard per device of the model axes (inside their shard_map): the fsdp
+    group's tokens are projected onto this device's `cols` vocabulary columns."""
+
+    axes: tuple[str, ...]
+    cols: int
+
+    @property
+    def first(self):
+        return jax.lax.axis_index(self.axes) * self.cols
+
+    def group(self, x):
+        return jax.lax.all_gather(x, "fsdp", axis=0, tiled=True) if "fsdp" in self.axes else x
+
+    def max(self, x):
+        return jax.lax.pmax(x, self.axes)
+
+    def sum(self, x):
+        return jax.lax.psum(x, self.axes)
+
+    def own(self, x):
+        if "fsdp" not in self.axes:
+            return x
+        own = x.shape[0] // jax.lax.axis_size("fsdp")
+        return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("fsdp") * own, own, axis=0)
+
+    def own_sum(self, x):
+        if "tensor" in self.axes:
+            x = jax.lax.psum(x, "tensor")
+        if "fsdp" in self.axes:
+            x = jax.lax.psum_scatter(x, "fsdp", scatter_dimension=0, tiled=True)
+        return x
+
+
+def _scan(head: Head, weight, h_cdnw, targets_cdn, mask_cdn, want_w, want_h, vocab):
+    """The slices one after another: the loss sum and the wanted gradients, unscaled."""
+    w = weight.astype(head.dtype)
+    cols = w.shape[0] if head.rows_first else w.shape[1]
+    want = want_w or want_h
+
+    def one(carry, xs):
+        total, dw = carry
+        h_dcw, t_dc, m_dc = xs
+        h_g = vocab.group(h_dcw.astype(head.dtype))  # [G, chunk, width]
+        local = vocab.group(t_dc) - vocab.first
+        logits = head.project(h_g, w)  # [G, chunk, cols] fp32
+        top = vocab.max(logits.max(-1))
+        norm = vocab.sum(jnp.exp(logits - top[..., None]).sum(-1))
+        lse = top + jnp.log(norm)
+        inside = (local >= 0) & (local < cols)
+        picked = jnp.take_along_axis(logits, jnp.clip(local, 0, cols - 1)[..., None], -1)
+        target = vocab.sum(jnp.where(inside, picked[..., 0], 0.0))
+        mask = m_dc.astype(jnp.float32)
+        total = total + jnp.sum(vocab.own(lse - target) * mask)
+        if not want:
+            return (total, dw), None
+        # d loss / d logits, this device's columns of every group token: softmax - onehot
+        onehot = jnp.arange(cols) == local[..., None]
+        scale = (vocab.group(mask) / head.divisor)[..., None]
+        g = ((jnp.exp(logits - lse[..., None]) - onehot) * scale).astype(head.dtype)
+        dh = vocab.own_sum(head.back(g, w)).astype(h_dcw.dtype) if want_h else None
+        if want_w:
+            dw = dw + head.weight_grad(h_g, g)
+        return (total, dw), dh
+
+    init = (varying_zeros((), h_cdnw), varying_zeros(weight.shape if want_w else (), h_cdnw, w))
+    (total, dw), dh = jax.lax.scan(one, init, (h_cdnw, targets_cdn, mask_cdn))
+    return total, (dw if want_w else None), dh
+
+
+def varying_zeros(shape: tuple[int, ...], *inputs: jax.Array) -> jax.Array:
+    """fp32 zeros varying over the manual mesh axes its inputs vary over: a scan's carry must
+    start as varying as the sums its body adds to it (inside the pipeline's shard_map over the
+    stages)."""
+    return varying_as(jnp.zeros(shape, jnp.float32), *inputs)

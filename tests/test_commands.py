@@ -1,0 +1,147 @@
+"""Every `python -m jaxmllm.*` command ends a bad config, override, file or checkpoint with one
+line (`error: ...`) and exit code 2, never a traceback (`jaxmllm.config.command.run`).
+
+Each entry point runs as `python -m` runs it (`runpy`, as `__main__`), all in one child
+process so JAX is imported once: with a config file that does not exist, and with an override
+that cannot be applied (an unknown key, or a mesh the devices cannot make); entry points that
+take no config get an input of their own kind that does not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+MISSING = "/nonexistent-jaxmllm/config.yaml"
+TINY = "configs/tiny.yaml"
+CASES = {  # module: [argv, ...]
+    "jaxmllm.train": [["--config", MISSING], ["--config", TINY, "--set", "optim.nope=1"]],
+    "jaxmllm.launch": [["--processes", "1", "--config", MISSING]],
+    "jaxmllm.generate": [["--run", "/nonexistent-jaxmllm/run", "--prompt", "1 2"]],
+    "jaxmllm.hf": [
+        ["import", "--model", "/nonexistent-jaxmllm/model", "--out", "{tmp}/x.yaml"],
+        ["export", "/nonexistent-jaxmllm/run", "--out", "{tmp}/exported"],
+        ["check", "/nonexistent-jaxmllm/model"],
+    ],
+    "jaxmllm.data.index": [
+        ["--config", MISSING],
+        ["--config", "configs/manifest_example.yaml", "--set", "data.nope=1"],
+    ],
+    "jaxmllm.data.arrayrecord": [
+        ["--manifest", "{tmp}/m.jsonl", "--out", "{tmp}/x.array_record", "--config", MISSING],
+        ["--manifest", "{tmp}/m.jsonl", "--out", "{tmp}/x.array_record", "--set", "data.x=1"],
+    ],
+    "jaxmllm.config.reference": [["--nope"]],  # (takes no config)
+    "jaxmllm.plan.cost": [["--calibrate", "/nonexistent-jaxmllm/run"]],
+    "jaxmllm.bench.attention": [["--mix", "nope"]],
+    "jaxmllm.bench.balance": [["--lengths", "/nonexistent-jaxmllm/lengths.jsonl"]],
+    "jaxmllm.bench.compile": [["--config", MISSING], ["--config", TINY, "--set", "mesh.fsdp=3"]],
+    "jaxmllm.bench.context": [["--mix", "nope"]],
+    "jaxmllm.bench.data": [["--config", MISSING]],
+    "jaxmllm.bench.formats": [["--config", MISSING]],
+    "jaxmllm.bench.gpu": [["--out", "{tmp}/gpu", "--timeout", "soon"]],
+    "jaxmllm.bench.hfload": [["--shape", "nope"]],
+    "jaxmllm.bench.indexing": [["--text-image", "10", "--workers", "nope"]],
+    "jaxmllm.bench.lengths_synth": [["--samples", "0", "--out", "{tmp}/synth"]],
+    "jaxmllm.bench.startup": [["--lengths", "/nonexistent-jaxmllm/index"]],
+    "jaxmllm.bench.host": [["--config", MISSING], ["--config", TINY, "--set", "nope.x=1"]],
+    "jaxmllm.bench.memory": [
+        ["--config", MISSING],
+        ["--config", TINY, "--set", "mesh.fsdp=3", "--devices", "8"],  # a ShardingError
+    ],
+    "jaxmllm.bench.stages": [["--config", MISSING], ["--set", "nope.x=1"]],
+    "jaxmllm.bench.throughput": [["--config", MISSING], ["--config", TINY, "--set", "x.y=1"]],
+    "jaxmllm.bench.video": [["--sizes", "nope"]],
+}
+
+HARNESS = """
+import contextlib, io, json, logging, runpy, sys, traceback
+out = []
+for module, argv in json.loads(sys.argv[1]):
+    text = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)  # (.buffer too)
+    logging.root.handlers.clear()  # (each command's basicConfig writes to this capture)
+    sys.argv = [module, *argv]
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()  # what the command would have shown
+            code = "escaped"
+    out.append([module, argv, code, text.buffer.getvalue().decode()])
+print(json.dumps(out))
+"""
+
+
+def entry_points() -> set[str]:
+    """The modules of jaxmllm that run as `python -m` (an `if __name__ == "__main__":` block)."""
+    found = set()
+    for path in (ROOT / "jaxmllm").rglob("*.py"):
+        if re.search(r'^if __name__ == "__main__":', path.read_text(), re.MULTILINE):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found.add(".".join(parts[:-1] if parts[-1] == "__main__" else parts))
+    return found
+
+
+def test_every_entry_point_is_tried_and_ends_through_the_wrapper():
+    assert entry_points() == set(CASES), "add the new entry point to CASES"
+    for module in CASES:
+        path = ROOT / Path(*module.split("."))
+        text = (path / "__main__.py" if path.is_dir() else path.with_suffix(".py")).read_text()
+        block = text[text.index('if __name__ == "__main__":') :]
+        # sys.exit(run(main)), or a main (cli) whose body is `return run(...)`
+        assert "run(main)" in block or "    return run(_command, argv)" in text, module
+
+
+def test_bad_config_exits_2_with_one_message(tmp_path):
+    cases = [
+        (module, [a.format(tmp=tmp_path) for a in argv])
+        for module, argvs in CASES.items()
+        for argv in argvs
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", HARNESS, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failures = []
+    for module, argv, code, text in json.loads(proc.stdout.splitlines()[-1]):
+        if code != 2 or "Traceback" in text or "error" not in text:
+            failures.append(f"python -m {module} {' '.join(argv)} -> {code}:\n{text[-2000:]}")
+    assert not failures, "\n\n".join(failures)
+
+
+def test_a_config_without_data_refuses_to_start(tmp_path, capsys):
+    """The built-in data only when asked for: a config with no data.path, data.sources or
+    data.source (as `hf import` writes one) stops training and indexing, naming all three."""
+    from jaxmllm.config import load_config
+    from jaxmllm.data.index import main as index
+    from jaxmllm.data.source import make_source
+    from jaxmllm.train import cli as train
+
+    raw = yaml.safe_load((ROOT / TINY).read_text())
+    del raw["data"]["source"]
+    raw["train"]["output_dir"] = str(tmp_path / "run")
+    config = tmp_path / "no_data.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    for command in (train, index):
+        assert command(["--config", str(config)]) == 2
+        err = capsys.readouterr().err
+        assert "the config names no data" in err, err
+        for key in ("data.path", "data.sources", "data.source: synthetic"):
+            assert key in err, err
+        assert f"python -m jaxmllm.data.index --config {config}" in err, err
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
+    _, index = make_source(load_config(config, ["data.source=synthetic"]))  # (when named)
+    assert len(index) == raw["data"]["synthetic"]["num_samples"]
