@@ -14,9 +14,11 @@ reads half a part, and nothing the trainer reads exists until the staging folder
 The index is the same bytes whatever ran the jobs and however the records were sharded.
 
 A job marks the record it is reading (`<part>.at`); when its process dies (killed for memory,
-an abort in the Rust tokenizer), the rest of its shard runs again in fresh processes, that
-record first; if a process dies on it again, it becomes a `record_crashed` reject naming it
-and the build goes on, up to `MAX_CRASHED` such records a build.
+an abort in the Rust tokenizer), that record becomes a `record_crashed` reject naming it, at
+once and without trying it again (why a process died on it is not known until someone looks:
+the reject says where to look), and the rest of its shard runs in fresh processes; up to
+`MAX_CRASHED` such records a build. A process that dies outside any record stops the build,
+saying where.
 """
 
 from __future__ import annotations
@@ -310,8 +312,6 @@ def measure_records(
     jobs = [(a, min(records, a + step)) for a in range(0, records, step)]
     done: list[int] = []
     crashed: list[str] = []
-    suspects: set[int] = set()  # records a worker died on once (tried again in a fresh one)
-    died_early: Counter = Counter()
     opened: list[Records] = []
 
     def finished(job, value) -> None:
@@ -320,16 +320,20 @@ def measure_records(
         stats["jobs_cpu_s"] = stats.get("jobs_cpu_s", 0.0) + value["cpu_s"]
 
     def died(job, how: str) -> list:
+        """A job whose process died: the record it was reading is a reject naming it (not
+        tried again: a death on a record is not understood until someone looks at it, and
+        the reject says where), the rest of its records go on in fresh processes. A death
+        outside any record stops the build, saying where."""
         a, b = job
         k = read_marker(ctx.parts / f"rows-{a:012d}.at")
-        if not a <= k < b:  # (before its first record, or while writing its part)
-            died_early[job] += 1
-            if died_early[job] > 1:
-                raise ConfigError(died_outside(how))
-            return [job]
-        if k not in suspects:  # (a worker killed for another's memory: the record may be fine)
-            suspects.add(k)
-            return [j for j in ((a, k), (k, b)) if j[0] < j[1]]
+        if k == -2:
+            raise ConfigError(
+                f"a worker process of the index died writing its part of records {a}..{b - 1} "
+                f"to {ctx.parts} ({how}): look at that folder's filesystem (full, or its "
+                "quota) and the machine's memory, then index again"
+            )
+        if not a <= k < b:  # (before its first record)
+            raise ConfigError(died_outside(how))
         if not opened:
             opened.append(staged_records(ctx))
         write_rows_part(ctx.parts, k, [], [crash_reject(opened[0], k, how)])
