@@ -7,13 +7,17 @@ tokens first, then each encoder phase's units; `ENC` names the encoder phases.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from jaxmllm.config.phases import LLM, NAMES, PHASES
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.bins import Cost, Loads, quad_cost, tile_cost
 from jaxmllm.plan.contract import Capacities, bucket_tile_caps
+from jaxmllm.plan.ragged import gather_items
 from jaxmllm.plan.route import Routes
+from jaxmllm.plan.summary import summary_of
 from jaxmllm.plan.tilecap import TileBudget
 from jaxmllm.plan.tiles import expected_tiles, packed_density
 
@@ -22,17 +26,20 @@ TILE_SCALE = 16  # selection counts expected tiles in 1/16 tiles, integers like 
 
 
 class Phases:
-    """The index's work per sample and phase, and the per-device capacities it must fit."""
+    """How much work each sample is per phase, and the per-device capacities it must fit.
+
+    Per-sample work is computed for the samples a step looks at (`of`: its window, its
+    deferred ones), from the index's arrays, never for the whole index at once: start-up and
+    memory do not grow with the data set. What needs the whole data (the selection's long-run
+    mean, the expected tiles' scale) comes from its summary (`summary.summary_of`: a uniform
+    sample and its tail; the whole index when it is small, so plans are what they were)."""
 
     def __init__(self, index: LengthsIndex, caps: Capacities):
-        self.caps = caps
-        self.work = index.work(caps.per_token)  # [sample, phase]
-        self.llm = np.ascontiguousarray(self.work[:, 0])  # LLM tokens per sample
+        self.caps, self.index = caps, index
         self.sizes = {p: index.items[p].sizes for p in ENC}  # per item
         self.ptr = {p: index.items[p].ptr for p in ENC}  # items of a sample
         self.per_row = dict(caps.per_token)  # units per LLM row (projector output row)
         self.cap = dict(caps.units)  # per device
-        self.work_t = np.ascontiguousarray(self.work.T)  # [phase, sample], for fast columns
         self.cap_vec = np.array(
             [caps.llm_rows * caps.llm_row_len, *(caps.units[p] for p in ENC)], np.int64
         )  # [phase]: units per device and microbatch
@@ -41,62 +48,125 @@ class Phases:
         if caps.block:
             self.cost = {LLM: tile_cost(caps.block, True)}
             self.cost.update({p: tile_cost(caps.block, False, caps.row_units(p)) for p in ENC})
-        # ... of each sample's text and each item, once (the packers' and loads' `sq`)
-        self.llm_cost = self.cost[LLM](self.llm)
-        self.item_cost = {p: self.cost[p](self.sizes[p]) for p in ENC}
         # What selection fits into a microbatch (`Selector`): each phase's units, and where
         # the tiles have a capacity (block-sparse attention and a planner that holds it) each
         # such phase's expected tiles too, so that a step takes a mix of samples whose tiles
         # fit as well as their tokens, instead of one the tile capacity then turns away.
-        self.sel_work, self.sel_cap = self.work, self.cap_vec
-        # per bucket (an LLM bucket may be a context group of caps.context devices)
-        bucket_caps = bucket_tile_caps(caps)
+        # (per step variant: `sel_caps[variant]`; `sel_cap` the base one's)
+        self.sel_caps = [self.cap_vec] * caps.variants
         tile_caps = caps.tile_caps()
+        self.tile_phases, self.scale = [], {}
+        body = summary_of(index, caps.per_token).body
         if caps.block and any(tile_caps.values()):
             self.tile_phases = [p for p in PHASES if tile_caps[p]]
-            cols, caps_t = [], []
-            for p in self.tile_phases:
-                cols.append(np.rint(TILE_SCALE * self._expected(index, p)).astype(np.int64))
-                per_device = bucket_caps[p] / (caps.context if p == LLM else 1)
-                caps_t.append(round(TILE_SCALE * per_device))
-            self.sel_work = np.concatenate([self.work, np.stack(cols, 1)], 1)
-            self.sel_cap = np.concatenate([self.cap_vec, np.array(caps_t, np.int64)])
-        else:
-            self.tile_phases = []
-        self.sel_work_t = np.ascontiguousarray(self.sel_work.T)
+            self.scale = {p: self._tile_scale(body, p) for p in self.tile_phases}
+            self.sel_caps = [self._sel_cap(v) for v in range(caps.variants)]
+        self.sel_cap = self.sel_caps[0]
+        # the long-run mean of a sample's selection work (the body's: the index's when small;
+        # [sample, column] reduced over samples, as numpy sums it in that layout)
+        sel = np.ascontiguousarray(self.of(np.arange(len(body)), body).sel.T)
+        self.mean_work = sel.mean(0) if len(sel) else np.ones(len(self.sel_cap))
 
-    def _expected(self, index: LengthsIndex, phase: str) -> np.ndarray:
-        """Expected attention tiles of each sample in `phase`: `tiles.expected_tiles` (each
-        document from a uniformly random point of a block), scaled per phase so that the data's
-        total is what its documents packed back to back need (`tiles.packed_density`: sizes of
-        whole blocks stay aligned, which the uniform guess misses)."""
-        b, caps = self.caps.block, self.caps
+    def of(self, samples: np.ndarray, index: LengthsIndex | None = None) -> Pool:
+        """The work of `samples` (of `index`, default the planner's)."""
+        index = self.index if index is None else index
+        s = np.asarray(samples, np.int64)
+        llm = np.asarray(index.text[s], np.int64)
+        units, items = [], {}
+        for p in ENC:
+            owner, _, flat = gather_items(index.items[p].ptr, s)
+            size = np.asarray(index.items[p].sizes[flat], np.int64)
+            items[p] = (owner, size)
+            units.append(np.bincount(owner, size, len(s)).astype(np.int64))
+            llm = llm + np.bincount(owner, size // self.per_row[p], len(s)).astype(np.int64)
+        work = np.stack([llm, *units])  # [phase, sample]
+        tiles = [
+            np.rint(TILE_SCALE * self._expected(llm, items, len(s), p)).astype(np.int64)
+            for p in self.tile_phases
+        ]
+        sel = np.concatenate([work, np.stack(tiles)]) if tiles else work
+        return Pool(llm, self.cost[LLM](llm), np.ascontiguousarray(work.T), sel, items)
+
+    def _sel_cap(self, variant: int) -> np.ndarray:
+        """What selection fits into a device's share of a microbatch of a step of `variant`:
+        the units, then the tile phases' tiles (in 1/TILE_SCALE tiles; an LLM bucket may be a
+        context group of caps.context devices: a device's share of it)."""
+        caps, bucket_caps = self.caps, bucket_tile_caps(self.caps, variant)
+        tiles = [
+            round(TILE_SCALE * bucket_caps[p] / (caps.context if p == LLM else 1))
+            for p in self.tile_phases
+        ]
+        return np.concatenate([self.cap_vec, np.array(tiles, np.int64)])
+
+    def _documents(self, llm: np.ndarray, sizes: np.ndarray, phase: str):
+        """(each document's attention rows, causal, a row's length) of a phase: the samples'
+        LLM tokens `llm`, or an encoder phase's item `sizes`."""
+        caps = self.caps
         if phase == LLM:
-            units, causal, row_len, t = self.llm, True, caps.llm_bin_len, None
-        else:
-            per = caps.row_units(phase)
-            units, causal, row_len = self.sizes[phase] // per, False, self.cap[phase] // per
-        t = np.where(units > 0, expected_tiles(units, b, causal), 0.0)
-        scale = packed_density(units, row_len, b, causal) * units.sum() / max(t.sum(), 1e-9)
-        t = t * scale
-        if phase == LLM:
-            return t
-        ptr = self.ptr[phase]
-        owner = np.repeat(np.arange(len(ptr) - 1), np.diff(ptr))
-        return np.bincount(owner, weights=t, minlength=len(ptr) - 1)
+            return llm, True, caps.llm_bin_len
+        per = caps.row_units(phase)
+        return sizes // per, False, self.cap[phase] // per
+
+    def _tile_scale(self, body: LengthsIndex, phase: str) -> float:
+        """A phase's expected tiles (`tiles.expected_tiles`: each document from a uniformly
+        random point of a block) scaled so that the data's total (the body's) is what its
+        documents packed back to back need (`tiles.packed_density`: sizes of whole blocks stay
+        aligned, which the uniform guess misses)."""
+        sizes = body.items[phase].sizes if phase != LLM else None
+        llm = body.llm_tokens(self.caps.per_token) if phase == LLM else None
+        units, causal, row_len = self._documents(llm, sizes, phase)
+        t = np.where(units > 0, expected_tiles(units, self.caps.block, causal), 0.0)
+        return (
+            packed_density(units, row_len, self.caps.block, causal)
+            * units.sum()
+            / max(t.sum(), 1e-9)
+        )
+
+    def _expected(self, llm: np.ndarray, items: dict, n: int, phase: str) -> np.ndarray:
+        """Expected attention tiles of each of `n` samples in `phase` (`_tile_scale`'s)."""
+        owner, size = items.get(phase, (None, None))
+        units, causal, _ = self._documents(llm, size, phase)
+        t = np.where(units > 0, expected_tiles(units, self.caps.block, causal), 0.0)
+        t = t * self.scale[phase]
+        return t if phase == LLM else np.bincount(owner, weights=t, minlength=n)
+
+
+@dataclass
+class Pool:
+    """The work of some samples (a step's pool): per sample its LLM tokens, their cost (what
+    the packers equalise), its units per phase [sample, phase], its selection work [column,
+    sample] (the units, then the tile phases' expected tiles), and per encoder phase its items'
+    (owner position, size)."""
+
+    llm: np.ndarray
+    llm_cost: np.ndarray
+    work: np.ndarray
+    sel: np.ndarray
+    items: dict[str, tuple[np.ndarray, np.ndarray]]
+
+    def take(self, positions: np.ndarray) -> Pool:
+        """The work of the samples at `positions` (items left out)."""
+        return Pool(
+            self.llm[positions],
+            self.llm_cost[positions],
+            self.work[positions],
+            self.sel[:, positions],
+            {},
+        )
 
 
 class Micro:
     """Bucket loads and placements of one microbatch while it is being filled."""
 
-    def __init__(self, caps: Capacities, cost: dict[str, Cost] | None = None):
+    def __init__(self, caps: Capacities, cost: dict[str, Cost] | None = None, variant: int = 0):
         cost = cost or {p: quad_cost for p in PHASES}
         # per LLM row (bucket * rows + row; a bucket is a device or a context group), per device
         # for the encoders
         self.rows = Loads.zeros(caps.llm_buckets * caps.llm_rows, cost[LLM])
         self.enc = {p: Loads.zeros(caps.devices, cost[p]) for p in ENC}
-        # exact attention tiles per bucket and phase, within their capacity (block-sparse)
-        self.tiles = TileBudget(caps) if caps.block else None
+        # exact attention tiles per bucket and phase, within their capacity (block-sparse) in
+        # a step of `variant`
+        self.tiles = TileBudget(caps, variant) if caps.block else None
         z = np.zeros(0, np.int64)
         self.entries: list[np.ndarray] = [z]  # pool positions placed, in order
         self.row_bin: list[np.ndarray] = [z]  # their LLM row bin (device * rows + row)
