@@ -38,20 +38,19 @@ from jaxmllm.plan import ladder
 from jaxmllm.plan.assign import Assignment, text_home
 from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
 from jaxmllm.plan.ladder import Ladder
-from jaxmllm.plan.ragged import gather_items, offsets_in_bins
+from jaxmllm.plan.ragged import offsets_in_bins
 from jaxmllm.plan.select import Selector
 from jaxmllm.plan.stream import stream_of
-from jaxmllm.plan.work import ENC, Micro, Phases, Pool
+from jaxmllm.plan.work import ENC, Micro, Phases
 
 # Tuned constants of the step (what each was measured to do: plan/README.md).
 MANY_BUCKETS = 128  # beyond this many buckets the planner works coarser (see __init__)
 MAX_AGE = 4  # default: most steps a sample waits
 LOOKAHEAD = 0.5  # default: share of the step's capacity the window holds beyond it
-# A microbatch whose first placement left out more than ROLLBACK of a phase's selected units
-# (items too big for the packers at FILL: broad mixes of long documents and big images) is
-# selected again at RETRY_FILL, and the fuller of the two kept (routing strategies; measured
-# in plan/README.md)
-ROLLBACK = 0.01
+# A microbatch whose placement left a phase short of RETRY_FILL of its capacity although its
+# selection brought that much (items too big for the packers at FILL: broad mixes of long
+# documents and big images) is selected again at RETRY_FILL, and the fuller of the two kept
+# (routing strategies; measured in plan/README.md)
 RETRY_FILL = 0.98
 TILE_RETRIES = 2  # times a sample a device's tile capacity turned away tries other devices
 
@@ -121,23 +120,28 @@ class Balancer:
         caps, step = self.caps, self.step
         held, variant = None, 0
         if self.ladder is not None:  # (a long step plans the long samples; the rest wait)
-            waiting = self._rungs(self.phases.of(self.deferred[:, 0]))
+            waiting = self._rungs(self.deferred[:, 0])
             variant = self.ladder.variant(step, self.deferred[:, 1], waiting)
             held = waiting > variant
         self.selector = self.selectors[variant]
         pool, fresh = self.selector.window(self.stream, self.cursor, self.deferred, step, held)
+        # The pool's work: by sample where every sample's is kept, else by pool position
+        every = self.phases.every
+        if every is not None:
+            self.work_of, self.at = every, pool[:, 0]
+        else:
+            self.work_of, self.at = self.phases.of(pool[:, 0]), np.arange(len(pool))
         self.cursor += fresh
         samples, since = pool[:, 0], pool[:, 1]
         urgent = step - since >= self.max_age - 1
         taken = np.zeros(len(pool), bool)
-        self.pool = self.phases.of(samples)  # (the pool's work, by pool position)
         held = None
         if self.ladder is not None:
-            rungs = self._rungs(self.pool)
+            rungs = self._rungs(samples)
             held = rungs > variant  # (they wait for a step of their variant)
             urgent = (urgent & (rungs == 0)) | ((rungs > 0) & ~held)  # (long ones first)
             taken |= held
-        work = self.pool.sel  # [phase, pool position]
+        work = np.take(self.work_of.sel, self.at, axis=1)  # [phase, pool position]
         left = work.sum(1)  # work of the pool not yet taken
         if held is not None:
             left -= work[:, held].sum(1)
@@ -148,12 +152,11 @@ class Balancer:
             share = left / (caps.microbatches - m)
             sel = self.selector.select(work, taken, share, urgent=urgent)
             self._add(mb, sel, samples, urgent)
-            if self.retry and self._rolled_back(mb, work, sel) > ROLLBACK:
+            if self.retry and self._left_short(mb, work, sel, urgent):
                 again = Micro(caps, self.phases.cost, variant)
                 sel = self.selector.select(work, taken, share, urgent=urgent, fill=RETRY_FILL)
                 self._add(again, sel, samples, urgent)
-                fill = lambda m: float((m.used() / np.maximum(self.phases.cap_vec, 1)).sum())
-                if fill(again) > fill(mb):
+                if self._fuller(again, urgent) > self._fuller(mb, urgent):
                     mb = again
             taken[np.concatenate(mb.entries)] = True
             # Slack left: the next samples of the window that fit it, in the same order.
@@ -170,15 +173,29 @@ class Balancer:
         self.step += 1
         return self._emit(step, micros, samples, since, variant)
 
-    def _rungs(self, pool: Pool) -> np.ndarray:
-        """Per sample of `pool`, its rung of the ladder (`Ladder.rungs`)."""
-        return self.ladder.rungs(pool.llm, pool.items)
+    def _rungs(self, samples: np.ndarray) -> np.ndarray:
+        """Per sample, its rung of the ladder (`Ladder.rungs`)."""
+        pool = self.phases.of(samples)
+        return self.ladder.rungs(pool.llm, {p: it[:2] for p, it in pool.items.items()})
 
-    def _rolled_back(self, mb: Micro, work: np.ndarray, sel: np.ndarray) -> float:
-        """The largest share of a phase's selected units (`sel`'s) its placement left out."""
-        chosen = np.take(work, sel, axis=1).sum(1)[: len(self.phases.cap_vec)]
-        placed = mb.used()
-        return float(np.max(1 - placed / np.maximum(chosen, 1), initial=0.0))
+    def _left_short(self, mb: Micro, work: np.ndarray, sel: np.ndarray, urgent) -> bool:
+        """Whether the placement of a selection (`sel`) left out an urgent sample, or left
+        some phase short of RETRY_FILL of the microbatch's capacity where the selection
+        brought at least that much: a selection at RETRY_FILL, leaving the packers room, may
+        then place more."""
+        placed = np.concatenate(mb.entries)
+        if self.slack_pass and urgent[sel].sum() > urgent[placed].sum():
+            return True  # (past MANY_BUCKETS buckets one waits a step more instead)
+        full = RETRY_FILL * self.caps.devices * self.phases.cap_vec
+        chosen = np.take(work, sel, axis=1).sum(1)[: len(full)]
+        return bool(((chosen >= full) & (mb.used() < full)).any())
+
+    def _fuller(self, mb: Micro, urgent: np.ndarray) -> tuple[int, float]:
+        """What makes one placement of a microbatch better than another: the urgent samples
+        it places, then its units over its capacity summed over the phases."""
+        placed = np.concatenate(mb.entries)
+        fill = float((mb.used() / np.maximum(self.phases.cap_vec, 1)).sum())
+        return int(urgent[placed].sum()), fill
 
     def _free(self, mb: Micro) -> np.ndarray:
         """Units still free in each phase of the microbatch."""
@@ -200,15 +217,14 @@ class Balancer:
         if not len(entries):
             return
         ph = self.phases
-        s, pw = samples[entries], self.pool.take(entries)
+        s, at = samples[entries], self.at[entries]
+        pw = self.work_of.take(at, sel=False)
         ends = {LLM: mb.rows.units.copy(), **{p: mb.enc[p].units.copy() for p in ENC}}
         rows = self.assignment.samples(ph, mb, pw, urgent[entries])
         items = {}
         ok = rows >= 0
         for p in ENC:
-            owner, j, flat = gather_items(ph.ptr[p], s)
-            size = np.asarray(ph.sizes[p][flat], np.int64)
-            items[p] = (owner, j, size, ph.cost[p](size))
+            items[p] = self.work_of.items_of(p, at)
         ok, devs = self.assignment.items(ph, mb, rows, items, urgent[entries], ok)
         retry, offsets = np.zeros(0, np.int64), {}
         if mb.tiles is not None:  # block-sparse attention: each device within its tiles

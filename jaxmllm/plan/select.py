@@ -69,7 +69,7 @@ class Selector:
         budget = np.where(self.share > 0, m * self.cap_vec * self.share, np.inf)
         goal = (1 + self.lookahead) * budget
         counted = deferred[:, 0] if held is None else deferred[~held, 0]
-        have = self.phases.of(counted).sel.sum(1)
+        have = self.phases.sel_of(counted).sum(1)
         per = np.where(self.cap_vec > 0, self.mean_work, 0)
         need = np.where(per > 0, np.where(np.isfinite(goal), goal, 0) - have, 0)
         n = int((need / np.maximum(per, 1e-9)).max()) + 16
@@ -85,7 +85,7 @@ class Selector:
         ]
         while True:
             fresh = stream.take(cursor, n)
-            cum = np.cumsum(self.phases.of(fresh).sel, 1)
+            cum = np.cumsum(self.phases.sel_of(fresh), 1)
             first = [int(np.searchsorted(cum[p], int(np.ceil(b)), "left")) for p, b in all_in]
             k = max(first, default=0)
             for p, b in one_full:

@@ -7,7 +7,7 @@ tokens first, then each encoder phase's units; `ENC` names the encoder phases.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from jaxmllm.plan.tiles import expected_tiles, packed_density
 
 ENC = NAMES
 TILE_SCALE = 16  # selection counts expected tiles in 1/16 tiles, integers like the units
+KEEP_EVERY = 1 << 21  # `Phases` keeps every sample's work for indexes of at most this many
 
 
 class Phases:
@@ -62,13 +63,28 @@ class Phases:
             self.scale = {p: self._tile_scale(body, p) for p in self.tile_phases}
             self.sel_caps = [self._sel_cap(v) for v in range(caps.variants)]
         self.sel_cap = self.sel_caps[0]
+        # Every sample's work, once, where the index is small enough that it costs little
+        # memory (a step's then is a gather, as cheap as it was before the summary)
+        self.every = None
+        if len(index) <= KEEP_EVERY:
+            self.every = self.of(np.arange(len(index)))
         # the long-run mean of a sample's selection work (the body's: the index's when small;
         # [sample, column] reduced over samples, as numpy sums it in that layout)
         sel = np.ascontiguousarray(self.of(np.arange(len(body)), body).sel.T)
         self.mean_work = sel.mean(0) if len(sel) else np.ones(len(self.sel_cap))
 
+    def sel_of(self, samples: np.ndarray) -> np.ndarray:
+        """The selection work [column, sample] of `samples` (`of`'s, read off `every` where
+        that is kept)."""
+        if self.every is not None:
+            return np.take(self.every.sel, samples, axis=1)
+        return self.of(samples).sel
+
     def of(self, samples: np.ndarray, index: LengthsIndex | None = None) -> Pool:
-        """The work of `samples` (of `index`, default the planner's)."""
+        """The work of `samples` (of `index`, default the planner's: read off `every` where
+        that is kept)."""
+        if index is None and self.every is not None:
+            return self.every.pick(np.asarray(samples, np.int64))
         index = self.index if index is None else index
         s = np.asarray(samples, np.int64)
         llm = np.asarray(index.text[s], np.int64)
@@ -76,16 +92,17 @@ class Phases:
         for p in ENC:
             owner, _, flat = gather_items(index.items[p].ptr, s)
             size = np.asarray(index.items[p].sizes[flat], np.int64)
-            items[p] = (owner, size)
+            items[p] = (owner, size, self.cost[p](size))
             units.append(np.bincount(owner, size, len(s)).astype(np.int64))
             llm = llm + np.bincount(owner, size // self.per_row[p], len(s)).astype(np.int64)
+        llm_cost = self.cost[LLM](llm)
         work = np.stack([llm, *units])  # [phase, sample]
         tiles = [
-            np.rint(TILE_SCALE * self._expected(llm, items, len(s), p)).astype(np.int64)
+            np.rint(TILE_SCALE * self._expected(llm, llm_cost, items, p)).astype(np.int64)
             for p in self.tile_phases
         ]
         sel = np.concatenate([work, np.stack(tiles)]) if tiles else work
-        return Pool(llm, self.cost[LLM](llm), np.ascontiguousarray(work.T), sel, items)
+        return Pool(llm, llm_cost, np.ascontiguousarray(work.T), sel, items)
 
     def _sel_cap(self, variant: int) -> np.ndarray:
         """What selection fits into a device's share of a microbatch of a step of `variant`:
@@ -122,13 +139,15 @@ class Phases:
             / max(t.sum(), 1e-9)
         )
 
-    def _expected(self, llm: np.ndarray, items: dict, n: int, phase: str) -> np.ndarray:
-        """Expected attention tiles of each of `n` samples in `phase` (`_tile_scale`'s)."""
-        owner, size = items.get(phase, (None, None))
-        units, causal, _ = self._documents(llm, size, phase)
-        t = np.where(units > 0, expected_tiles(units, self.caps.block, causal), 0.0)
-        t = t * self.scale[phase]
-        return t if phase == LLM else np.bincount(owner, weights=t, minlength=n)
+    def _expected(self, llm: np.ndarray, llm_cost: np.ndarray, items: dict, phase: str):
+        """Expected attention tiles of each sample (LLM tokens `llm`) in `phase`: its
+        documents' `tile_cost` (their cost: `llm_cost`, an item's third field), scaled by
+        `_tile_scale`."""
+        if phase == LLM:
+            return np.where(llm > 0, llm_cost, 0.0) * self.scale[phase]
+        owner, size, cost = items[phase]
+        t = np.where(size // self.caps.row_units(phase) > 0, cost, 0.0) * self.scale[phase]
+        return np.bincount(owner, weights=t, minlength=len(llm))
 
 
 @dataclass
@@ -136,23 +155,47 @@ class Pool:
     """The work of some samples (a step's pool): per sample its LLM tokens, their cost (what
     the packers equalise), its units per phase [sample, phase], its selection work [column,
     sample] (the units, then the tile phases' expected tiles), and per encoder phase its items'
-    (owner position, size)."""
+    (owner position, size, cost), by owner then item."""
 
     llm: np.ndarray
     llm_cost: np.ndarray
     work: np.ndarray
     sel: np.ndarray
-    items: dict[str, tuple[np.ndarray, np.ndarray]]
+    items: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+    _ptr: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # (items_of's)
 
-    def take(self, positions: np.ndarray) -> Pool:
-        """The work of the samples at `positions` (items left out)."""
+    def __len__(self) -> int:
+        return len(self.llm)
+
+    def take(self, positions: np.ndarray, sel: bool = True) -> Pool:
+        """The work of the samples at `positions` (items left out; and their selection work
+        too unless `sel`)."""
         return Pool(
             self.llm[positions],
             self.llm_cost[positions],
             self.work[positions],
-            self.sel[:, positions],
+            np.take(self.sel, positions, axis=1) if sel else self.sel[:, :0],
             {},
         )
+
+    def items_of(self, phase: str, positions: np.ndarray):
+        """The items of the samples at `positions` in a phase: (owner: index into
+        `positions`, item number within its sample, size, cost)."""
+        owner, size, cost = self.items[phase]
+        ptr = self._ptr.get(phase)
+        if ptr is None:
+            ptr = self._ptr[phase] = np.zeros(len(self) + 1, np.int64)
+            np.cumsum(np.bincount(owner, minlength=len(self)), out=ptr[1:])
+        at, j, flat = gather_items(ptr, positions)
+        return at, j, size[flat], cost[flat]
+
+    def pick(self, positions: np.ndarray) -> Pool:
+        """The work of the samples at `positions` (any order), items with them."""
+        pool = self.take(positions)
+        for p in self.items:
+            at, _, size, cost = self.items_of(p, positions)
+            pool.items[p] = (at, size, cost)
+        return pool
 
 
 class Micro:
