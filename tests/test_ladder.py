@@ -264,3 +264,31 @@ def test_a_run_with_rare_long_documents_trains_both_variants_and_resumes_exactly
     assert audit["missing_steps"] == [] and audit["text"] == planned
     pulled = Counter(stream_of(index, cfg.data.seed).take(0, planner.cursor).tolist())
     assert planned + Counter(planner.deferred[:, 0].tolist()) == pulled
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 22])
+def test_the_summary_holds_the_index_extremes_and_its_longest_samples(monkeypatch, chunk):
+    """Exact extremes and the longest samples by each measure, however the pass is chunked;
+    the body is a uniform sample of SAMPLE samples (the whole index when smaller)."""
+    from jaxmllm.bench.tails import chats_mix
+    from jaxmllm.plan import summary
+
+    monkeypatch.setattr(summary, "CHUNK", chunk)
+    monkeypatch.setattr(summary, "TAIL", 5)
+    monkeypatch.setattr(summary, "SAMPLE", 300)
+    index = chats_mix(1, 1000)
+    got = summary.summarize(index, PER_TOKEN)
+    llm = index.llm_tokens(PER_TOKEN)
+    units = index.units()
+    assert got.most["llm"] == llm.max() and got.least["llm"] == llm[llm > 0].min()
+    for p in ("vision", "audio"):
+        sizes = index.items[p].sizes
+        assert got.most[p] == sizes.max() and got.least[p] == sizes[sizes > 0].min()
+        assert got.most_units[p] == units[p].max()
+        assert set(np.argsort(-units[p], kind="stable")[:5]) <= set(got.tail_ids)
+    assert set(np.argsort(-llm, kind="stable")[:5]) <= set(got.tail_ids)
+    np.testing.assert_array_equal(got.tail.llm_tokens(PER_TOKEN), llm[got.tail_ids])
+    assert len(got.body) == 300 and got.scale == 1000 / 300
+    np.testing.assert_array_equal(got.body.text, index.text[got.body_ids])
+    small = summary.summarize(chats_mix(1, 200), PER_TOKEN)
+    assert small.whole and len(small.body) == 200

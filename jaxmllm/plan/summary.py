@@ -15,9 +15,10 @@ and gigabytes a host; the summary is bounded:
 - the exact maxima and minima per phase.
 
 The tail and the extremes come from one vectorised pass over the index in chunks of `CHUNK`
-samples (an LLM sequence per sample, a segment maximum per phase), so memory stays bounded and
-the pass is numpy's speed over the index's arrays (memory-mapped ones included). The summary is
-computed once per (index, units per LLM token) and kept while the index lives.
+samples (a sample's sums are differences of a running sum at its items' pointers; the highest
+scores are kept chunk by chunk, looking only at those above the lowest kept), so memory stays
+bounded and the pass is numpy's speed over the index's arrays (memory-mapped ones included).
+The summary is computed once per (index, units per LLM token) and kept while the index lives.
 """
 
 from __future__ import annotations
@@ -84,75 +85,81 @@ def summarize(index: LengthsIndex, per_token: Mapping[str, int]) -> IndexSummary
     most = dict.fromkeys([LLM, *NAMES], 0)
     least = dict.fromkeys([LLM, *NAMES], 0)
     most_units = dict.fromkeys(NAMES, 0)
-    tails = []  # (score, id) of each chunk's tail candidates per measure
+    tops = [_Top() for _ in range(1 + 2 * len(NAMES))]  # (LLM; per phase units, largest item)
+    phases = [(k, p) for k, p in enumerate(NAMES) if len(index.items[p].sizes)]
     for start in range(0, n, CHUNK):
-        ids = np.arange(start, min(n, start + CHUNK), dtype=np.int64)
-        llm, units, largest = chunk_work(index, ids, per_token)
-        measures = [llm, *units.values(), *largest.values()]
-        tails += [_top(ids, m) for m in measures]
-        _extremes(most, least, LLM, llm)
-        for p in NAMES:
-            sizes = index.items[p].sizes[
-                index.items[p].ptr[ids[0]] : index.items[p].ptr[ids[-1] + 1]
-            ]
+        lo, hi = start, min(n, start + CHUNK)
+        llm = np.array(index.text[lo:hi], np.int64)
+        for k, p in phases:  # (a phase without items adds nothing: its pointers unread)
+            items = index.items[p]
+            ptr = np.asarray(items.ptr[lo : hi + 1])
+            sizes = np.asarray(items.sizes[ptr[0] : ptr[-1]])
+            llm += _run_sums(sizes // per_token[p], ptr)
+            units = _run_sums(sizes, ptr)
+            tops[1 + 2 * k].add(lo, units)
+            # (an item's sample: the run its position falls in)
+            big = tops[2 + 2 * k].add(0, sizes, keep=False)
+            tops[2 + 2 * k].ids_of(lo + np.searchsorted(ptr, ptr[0] + big, "right") - 1, sizes[big])
             _extremes(most, least, p, sizes)
-            most_units[p] = max(most_units[p], int(units[p].max(initial=0)))
-    tail_ids = np.unique(np.concatenate([t for t in tails] or [np.zeros(0, np.int64)]))
+            most_units[p] = max(most_units[p], int(units.max(initial=0)))
+        tops[0].add(lo, llm)
+        _extremes(most, least, LLM, llm)
+    tail_ids = np.unique(np.concatenate([t.ids for t in tops]))
     if n <= SAMPLE:
         body, body_ids = index, np.arange(n, dtype=np.int64)
     else:
         body_ids = np.sort(np.random.default_rng(SEED).choice(n, SAMPLE, replace=False))
         body = subset(index, body_ids)
-    return IndexSummary(
-        n, body, body_ids, subset(index, tail_ids), tail_ids, most, least, most_units
-    )
+    tail = subset(index, tail_ids)
+    return IndexSummary(n, body, body_ids, tail, tail_ids, most, least, most_units)
 
 
-def chunk_work(index: LengthsIndex, ids: np.ndarray, per_token: Mapping[str, int]):
-    """For a contiguous run of sample `ids`: (LLM tokens of each, per encoder phase its units
-    of each, per encoder phase its largest item of each)."""
-    lo, hi = int(ids[0]), int(ids[-1]) + 1
-    llm = np.asarray(index.text[lo:hi], np.int64).copy()
-    units, largest = {}, {}
-    for p in NAMES:
-        items = index.items[p]
-        ptr = np.asarray(items.ptr[lo : hi + 1], np.int64)
-        sizes = np.asarray(items.sizes[ptr[0] : ptr[-1]], np.int64)
-        starts = ptr[:-1] - ptr[0]
-        units[p] = _segment(np.add, sizes, starts, len(ids))
-        largest[p] = _segment(np.maximum, sizes, starts, len(ids))
-        llm += _segment(np.add, sizes // per_token[p], starts, len(ids))
-    return llm, units, largest
+def _run_sums(values: np.ndarray, ptr: np.ndarray) -> np.ndarray:
+    """The sum of each run of `values` (run i: ptr[i] - ptr[0] .. ptr[i + 1] - ptr[0])."""
+    cum = np.zeros(len(values) + 1, np.int64)
+    np.cumsum(values, dtype=np.int64, out=cum[1:])
+    ends = np.take(cum, ptr - ptr[0])
+    return np.diff(ends)
 
 
-def _segment(ufunc, values: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
-    """`ufunc`'s reduction of each sample's run of `values` (runs starting at `starts`, in
-    order; 0 for an empty run)."""
-    out = np.zeros(n, np.int64)
-    if not len(values):
-        return out
-    full = starts < len(values)
-    full[:-1] &= starts[1:] > starts[:-1]  # (an empty run: its start is the next one's)
-    full[-1] &= starts[-1] < len(values)
-    if full.any():
-        out[full] = ufunc.reduceat(values, starts[full])
-    return out
+class _Top:
+    """The ids of the TAIL highest scores seen, chunk by chunk: only those above the lowest
+    kept one are looked at after the first chunk (few, on a long tail)."""
 
+    def __init__(self):
+        self.ids = np.zeros(0, np.int64)
+        self.scores = np.zeros(0, np.int64)
 
-def _top(ids: np.ndarray, score: np.ndarray) -> np.ndarray:
-    """The ids of the TAIL highest scores (any order), none of them 0."""
-    k = min(TAIL, len(score))
-    top = np.argpartition(score, len(score) - k)[len(score) - k :]
-    return ids[top[score[top] > 0]]
+    def add(self, first: int, score: np.ndarray, keep: bool = True) -> np.ndarray:
+        """Folds in `score` (of ids first, first + 1, ...); with `keep` False only returns
+        the positions that would enter (for `ids_of`)."""
+        floor = self.scores.min() if len(self.scores) >= TAIL else 0
+        cand = np.flatnonzero(score > floor)
+        if len(cand) > TAIL:
+            cand = cand[np.argpartition(score[cand], len(cand) - TAIL)[len(cand) - TAIL :]]
+        if keep:
+            self.ids_of(first + cand, score[cand])
+        return cand
+
+    def ids_of(self, ids: np.ndarray, scores: np.ndarray) -> None:
+        """Folds in these (id, score) pairs, keeping the TAIL highest."""
+        ids = np.concatenate([self.ids, ids])
+        scores = np.concatenate([self.scores, scores])
+        if len(scores) > TAIL:
+            top = np.argpartition(scores, len(scores) - TAIL)[len(scores) - TAIL :]
+            ids, scores = ids[top], scores[top]
+        self.ids, self.scores = ids, scores
 
 
 def _extremes(most: dict, least: dict, phase: str, values: np.ndarray) -> None:
     """Folds `values` (a chunk's documents of `phase`) into `most` and `least` (non-zero)."""
-    pos = values[values > 0]
-    if not len(pos):
+    if not len(values):
         return
-    most[phase] = max(most[phase], int(pos.max()))
-    low = int(pos.min())
+    top = int(values.max())
+    if top <= 0:
+        return
+    most[phase] = max(most[phase], top)
+    low = int(np.where(values > 0, values, top).min())
     least[phase] = low if not least[phase] else min(least[phase], low)
 
 

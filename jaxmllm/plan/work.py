@@ -7,6 +7,7 @@ tokens first, then each encoder phase's units; `ENC` names the encoder phases.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +25,7 @@ from jaxmllm.plan.tiles import expected_tiles, packed_density
 ENC = NAMES
 TILE_SCALE = 16  # selection counts expected tiles in 1/16 tiles, integers like the units
 KEEP_EVERY = 1 << 21  # `Phases` keeps every sample's work for indexes of at most this many
+_EVERY: dict[tuple, Pool] = {}  # (that work, per index and the capacities it depends on)
 
 
 class Phases:
@@ -67,7 +69,17 @@ class Phases:
         # memory (a step's then is a gather, as cheap as it was before the summary)
         self.every = None
         if len(index) <= KEEP_EVERY:
-            self.every = self.of(np.arange(len(index)))
+            key = (
+                id(index),
+                *(tuple(sorted(d.items())) for d in (caps.per_token, caps.units)),
+                caps.block,
+                caps.llm_bin_len,
+                tuple(self.tile_phases),
+            )
+            self.every = _EVERY.get(key)
+            if self.every is None:  # (sizing builds several planners on one index)
+                self.every = _EVERY[key] = self.of(np.arange(len(index)))
+                weakref.finalize(index, _EVERY.pop, key, None)
         # the long-run mean of a sample's selection work (the body's: the index's when small;
         # [sample, column] reduced over samples, as numpy sums it in that layout)
         sel = np.ascontiguousarray(self.of(np.arange(len(body)), body).sel.T)
