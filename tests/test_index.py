@@ -304,6 +304,22 @@ def _another_format(out):
     (out / "summary.json").write_text(json.dumps(summary))
 
 
+def _another_index_format(out):
+    summary = json.loads((out / "summary.json").read_text())
+    summary["index_format"] = "jaxmllm-lengths-0"
+    (out / "summary.json").write_text(json.dumps(summary))
+
+
+def _half_written_summary(out):
+    text = (out / "summary.json").read_text()
+    (out / "summary.json").write_text(text[: len(text) // 2])
+
+
+def _half_written_column(out):
+    data = (out / "text.npy").read_bytes()
+    (out / "text.npy").write_bytes(data[: 128 + (len(data) - 128) // 2])
+
+
 def _column_missing(out):
     (out / "id.bytes.npy").unlink()
 
@@ -322,6 +338,9 @@ DAMAGE = {
     "negative_offsets": (_negative_offsets, "scan.starts.npy"),
     "rows_out_of_order": (_rows_out_of_order, "row.npy"),
     "another_format": (_another_format, "parquet"),
+    "another_index_format": (_another_index_format, "summary.json"),
+    "half_written_summary": (_half_written_summary, "summary.json"),
+    "half_written_column": (_half_written_column, "text.npy"),
     "column_missing": (_column_missing, "id.bytes.npy"),
     "older_jsonl_index": (_older_jsonl_index, "lengths.jsonl"),
 }

@@ -57,8 +57,13 @@ def test_longest_fitting_is_the_bound_of_a_document_alone_anywhere_in_a_block():
         assert worst[1] > cap  # (a block more would not fit)
 
 
-def test_rare_long_documents_wait_for_their_variant_and_nothing_is_lost():
-    index = rare_long()
+@pytest.mark.parametrize("shuffle", ["permutation", "index"])
+def test_rare_long_documents_wait_for_their_variant_and_nothing_is_lost(shuffle):
+    """Held in memory (a stored permutation) or mapped (the index shuffle, a columnar index's
+    epoch order): the long samples wait for their variant, every position pulled from the
+    stream is planned once or still waits, and a planner restored from a saved state plans
+    the same steps."""
+    index = dataclasses.replace(rare_long(), shuffle=shuffle)
     least = largest_doc_tiles(index, caps_of(index))["llm"]
     caps = caps_of(index, long_tiles=({"llm": least + 100, "vision": 0},))
     assert caps.variants == 2 and caps.tile_caps(1)["llm"] == least + 100

@@ -222,8 +222,8 @@ def _summary(out: Path, ds: DataSet, cfg: Config) -> dict:
     if not isinstance(summary, dict) or summary.get("index_format") != FORMAT:
         found = summary.get("index_format") if isinstance(summary, dict) else None
         raise ConfigError(
-            f"the index in {out}/ is of another format ({found!r}, this jaxmllm reads "
-            f"{FORMAT!r}). Rebuild it:\n  {command}"
+            f"the index in {out}/ is of another format ({out}/summary.json says "
+            f"index_format {found!r}, this jaxmllm reads {FORMAT!r}). Rebuild it:\n  {command}"
         )
     return summary
 
