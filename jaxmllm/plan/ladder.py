@@ -26,7 +26,7 @@ long step holds: then the next step is long too).
 
 What it costs: a long step's devices compute its capacity, padding included; when long
 documents are many, long steps come as soon as they fill every bucket, when they are rare, once
-in LONG_WAIT steps (measured in docs/long_tails.md).
+in LONG_WAIT steps (measured in docs/long-tails.md).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from jaxmllm.config.phases import LLM, PHASES
 from jaxmllm.plan.contract import Capacities, bucket_tile_caps
 from jaxmllm.plan.tiles import own_tiles, packed_density
 
-# Tuned constants of the long variants (what each was measured to do: docs/long_tails.md).
+# Tuned constants of the long variants (what each was measured to do: docs/long-tails.md).
 MAX_VARIANTS = 3  # step variants at most: each is a compiled program
 LONG_WAIT = 16  # most steps a long sample waits for a long step
 SHARE = 0.5  # a document belongs to the base if it fills at most this share of its bucket
