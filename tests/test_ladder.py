@@ -262,7 +262,11 @@ def test_a_run_with_rare_long_documents_trains_both_variants_and_resumes_exactly
     _, index = make_source(cfg)
     planner = planner_from_config(cfg, index, 8)  # (data x fsdp: 8 buckets)
     plans = [planner.plan() for _ in range(steps)]
-    assert {p.variant for p in plans} == {0, 1}
+    # base steps and long ones: which long variant depends on the sizing's dry run (a mapped
+    # index's epoch order is the index shuffle's; with a middle variant sized, the longest
+    # documents here go to the top one), each a program compiled once (above)
+    used = {p.variant for p in plans}
+    assert 0 in used and len(used) == 2 and max(used) <= len(resolved["llm_long_tiles"])
     assert ledger.check_replays(out) == []  # step 7, redone, trained the same samples
     audit = ledger.audit(out, range(1, steps + 1))
     planned = Counter(s for p in plans for s in p.samples.tolist())
