@@ -160,7 +160,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
                 state, metrics = prog.step(state, batch)
             done = step + 1
             if timings is not None:  # times the step before, now done, as the guard waits on it
-                timings.dispatched(done, metrics["loss"], info.work)
+                timings.dispatched(done, metrics["loss"], info.work, info.variant)
             checkpoint.check_saves(mngr)  # a save that failed in the background stops the run
             if guard.check(done, metrics["nonfinite"]):
                 args = save_args(prog.to_saved(state), data_iter, stamp)

@@ -222,8 +222,9 @@ def test_expected_tiles_is_the_mean_over_where_a_document_starts():
 def _omni_caps(devices: int, block: int, scale: float):
     """Capacities for the omni mix, tile capacities the suggested ones times `scale`."""
     from jaxmllm.bench.mixes import synthetic_omni
-    from jaxmllm.plan.capacity import suggest_capacities, suggest_tiles
+    from jaxmllm.plan.capacity import suggest_capacities
     from jaxmllm.plan.contract import Capacities
+    from jaxmllm.plan.tilesize import suggest_tiles
 
     index = synthetic_omni(3000, seed=3)
     per_token, per_row = {"vision": 4, "audio": 4}, {"vision": 1, "audio": 4}

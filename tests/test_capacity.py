@@ -45,11 +45,12 @@ def test_capacity_ladder_and_ratios():
 def test_capacity_suggestion_matches_modality_demands():
     """The LLM length may move one ladder step if that brings the phases' demands closer."""
     from jaxmllm.plan.capacity import _encoder_caps
+    from jaxmllm.plan.summary import summary_of
 
     index = synthetic_omni(4000, seed=2)
     llm = index.llm_tokens(PER_TOKEN)
     sug = suggest_capacities(index, 32768, PER_TOKEN, per_row=PER_ROW, match_llm=True)
-    plain = _encoder_caps(index, llm, 1, 32768, PER_TOKEN, PER_ROW, 8)
+    plain = _encoder_caps(summary_of(index, PER_TOKEN), llm, 1, 32768, PER_TOKEN, PER_ROW, 8)
     assert (
         suggest_capacities(index, 32768, PER_TOKEN, per_row=PER_ROW) == plain
     )  # default: as asked

@@ -47,6 +47,9 @@ CASES = {  # module: [argv, ...]
     "jaxmllm.bench.formats": [["--config", MISSING]],
     "jaxmllm.bench.gpu": [["--out", "{tmp}/gpu", "--timeout", "soon"]],
     "jaxmllm.bench.hfload": [["--shape", "nope"]],
+    "jaxmllm.bench.indexing": [["--text-image", "10", "--workers", "nope"]],
+    "jaxmllm.bench.lengths_synth": [["--samples", "0", "--out", "{tmp}/synth"]],
+    "jaxmllm.bench.startup": [["--lengths", "/nonexistent-jaxmllm/index"]],
     "jaxmllm.bench.host": [["--config", MISSING], ["--config", TINY, "--set", "nope.x=1"]],
     "jaxmllm.bench.lora": [
         ["--config", MISSING],

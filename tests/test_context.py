@@ -400,10 +400,11 @@ def test_planned_groups_hold_every_capacity_and_plan_every_sample_once(mix):
 
     from jaxmllm.bench.mixes import load_mix
     from jaxmllm.config import ModelConfig
-    from jaxmllm.plan.capacity import encoder_capacities, held_tiles, route_capacity
+    from jaxmllm.plan.capacity import encoder_capacities, route_capacity
     from jaxmllm.plan.contract import Capacities, check_plan
     from jaxmllm.plan.cost import CostModel
     from jaxmllm.plan.registry import make_planner
+    from jaxmllm.plan.tilesize import held_tiles
 
     index = load_mix(mix)
     per_token, per_row = {"vision": 4, "audio": 4}, {"vision": 1, "audio": 4}

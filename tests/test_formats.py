@@ -231,7 +231,7 @@ def test_parquet_reads_a_row_group_at_a_time(data, tmp_path):
     path = tmp_path / "p"
     write_parquet(path, data["records"], data["root"], shards=1)
     records = open_records(path)
-    reader = records.readers[0]
+    reader = records.reader(0)
     assert len(records) == 12 and reader.starts.tolist() == [0, 12]
     assert records.raw(11)[0]["id"] == "r11" and list(reader._groups) == [0]
 

@@ -66,6 +66,7 @@ from jaxmllm.data.records.jsonl import parse_line
 from jaxmllm.data.records.record import MediaPaths
 from jaxmllm.data.rejects import REASONS, RecordError
 from jaxmllm.data.source import ManifestSource
+from jaxmllm.data.stored import StoredIndex
 from tools.fuzz_checkpoints import OracleMismatch, gen_safetensors, safetensors_outcome
 
 TARGETS = ("image", "audio", "jsonl", "arrayrecord", "safetensors")
@@ -471,7 +472,8 @@ def record_outcome(h: Harness, records) -> str:
             raise RuntimeError(row["detail"])
         return f"index:{row['reason']}"
     try:
-        ManifestSource(records, h.pre, [row], {})[0]
+        stored = StoredIndex.of_rows([row])
+        ManifestSource(records, h.pre, stored, stored.lengths())[0]
     except RecordError as e:
         if e.reason == "changed_since_index":
             raise Invariant(e.detail) from None

@@ -17,7 +17,7 @@ microbatches). `--against` compares with an earlier run's JSON and exits 1 on an
 
 `--bench` sizes the capacities as `python -m jaxmllm.bench.balance` runs a policy (`--block`
 tiles, `--devices-per-host`: the route capacity and a tile-holding policy's tile capacities
-from dry runs of its plans, `balance.sized_caps`) and hashes them with the plans; the JSON
+from dry runs of its plans, `bench.sizes.sized_caps`) and hashes them with the plans; the JSON
 keeps them (`caps/<key>`), and `--caps-from` an earlier run's JSON takes them from there
 instead of the dry runs (quicker; the dry runs are plans too). `--random N` adds the mixes
 `random:0` .. `random:N-1` (`jaxmllm.bench.mixes.random_mix`).
@@ -34,8 +34,8 @@ import time
 
 import numpy as np
 
-from jaxmllm.bench.balance import make_caps, sized_caps, steps_for
 from jaxmllm.bench.mixes import load_mix, random_mix
+from jaxmllm.bench.sizes import make_caps, sized_caps, steps_for
 from jaxmllm.config import ModelConfig
 from jaxmllm.plan.contract import Capacities
 from jaxmllm.plan.cost import CostModel
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                         caps = _caps(json.loads(known[f"caps/{key}"]))
                     else:
                         caps = bench_caps(pol, index, d, args)
-                    out[f"caps/{key}"] = json.dumps(dataclasses.asdict(caps), sort_keys=True)
+                    out[f"caps/{key}"] = caps_json(caps)
                     out[key] = caps_digest(pol, index, caps, args.steps)
                 else:
                     out[key] = plan_digest(pol, index, d, args.steps, args.tokens, args.micro)
@@ -127,7 +127,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _caps(fields: dict) -> Capacities:
+    fields["long_tiles"] = tuple(fields.get("long_tiles", ()))
     return Capacities(**fields)
+
+
+def caps_json(caps: Capacities) -> str:
+    """The capacities as JSON; without long variants, as before they existed (so that runs
+    of either compare)."""
+    fields = dataclasses.asdict(caps)
+    if not fields["long_tiles"]:
+        del fields["long_tiles"]
+    return json.dumps(fields, sort_keys=True)
 
 
 if __name__ == "__main__":

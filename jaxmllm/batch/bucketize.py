@@ -52,9 +52,12 @@ from jaxmllm.plan.contract import Capacities, StepPlan
 from jaxmllm.plan.tiles import TileOverflow, document_starts, from_segments
 
 
-def batch_shapes(cfg: Config, devices: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Global shape and dtype of every array in a step batch (the contract, for eval_shape);
-    `cfg` resolved (`BatchSpec.of` says what is not)."""
+def batch_shapes(
+    cfg: Config, devices: int, variant: int = 0
+) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Global shape and dtype of every array in a step batch (the contract, for eval_shape) of
+    a step of `variant` (its tile lists: `jaxmllm.plan.ladder`); `cfg` resolved (`BatchSpec.of`
+    says what is not)."""
     spec, m = BatchSpec.of(cfg), cfg.model
     lead = (spec.microbatches, devices)
     llm = lead + (spec.llm_rows, spec.llm_row_len)
@@ -74,17 +77,17 @@ def batch_shapes(cfg: Config, devices: int) -> dict[str, tuple[tuple[int, ...], 
         if c:
             out[f"{p.name}_send"] = (lead + (devices, c), np.int32)
             out[f"{p.name}_send_count"] = (lead + (devices,), np.int32)
-    for phase, cap in spec.tile_caps().items():  # (block-sparse attention)
+    for phase, cap in spec.tile_caps(variant).items():  # (block-sparse attention)
         out[f"{phase}_tiles"] = (lead + (cap, 2), np.int32)
     return out
 
 
 def empty_batch(
-    cfg: Config, devices: int, local: int | None = None, pad: int = RESERVED.pad
+    cfg: Config, devices: int, local: int | None = None, pad: int = RESERVED.pad, variant: int = 0
 ) -> dict[str, np.ndarray]:
-    """An all-padding batch (zeros; `*_src` = -1; tokens `pad`); `local` rows of the D axis if
-    given."""
-    shapes = batch_shapes(cfg, devices)
+    """An all-padding batch (zeros; `*_src` = -1; tokens `pad`) of a step of `variant`;
+    `local` rows of the D axis if given."""
+    shapes = batch_shapes(cfg, devices, variant)
     if local is not None:
         shapes = {k: ((s[0], local) + s[2:], d) for k, (s, d) in shapes.items()}
     batch = {k: np.zeros(s, d) for k, (s, d) in shapes.items()}
@@ -117,11 +120,13 @@ def bucketize(
         phase's slots are the tokens equal to its `media` id.
     """
     spec = BatchSpec.of(cfg)
-    tile_caps = spec.tile_caps()  # (block-sparse attention: every bucket's tile list; else {})
+    # (block-sparse attention: every bucket's tile list, of the step's variant; else {})
+    tile_caps = spec.tile_caps(plan.variant)
     local = np.full(caps.devices, -1, np.int64)
     pos = np.arange(caps.devices) if positions is None else np.asarray(positions, np.int64)
     local[pos] = np.arange(len(pos))
-    batch = empty_batch(cfg, caps.devices, None if positions is None else len(pos), specials.pad)
+    local_n = None if positions is None else len(pos)
+    batch = empty_batch(cfg, caps.devices, local_n, specials.pad, plan.variant)
     # Text goes to its LLM bucket's rows: a device's, or a context group's (then dealt).
     grouped = caps.context > 1
     text = group_text(batch, caps, specials.pad) if grouped else batch
@@ -138,7 +143,7 @@ def bucketize(
                 plan.samples[items.owner], items.item)  # fmt: skip
             _write_items(batch, p, plan, samples, slots, caps, (local, home, split), units)
     if tile_caps:  # block-sparse attention
-        _write_tiles(batch, cfg, spec, plan.step, pos, skip=(LLM,) if grouped else ())
+        _write_tiles(batch, cfg, tile_caps, spec.attention_block, plan, pos, grouped)
     if spec.documents:  # cuDNN attention, a tower's class tokens
         _check_documents(batch, cfg, spec, plan.step, pos)
     return batch
@@ -172,13 +177,13 @@ def _check_documents(batch, cfg: Config, spec: BatchSpec, step: int, positions) 
             )
 
 
-def _write_tiles(batch, cfg: Config, spec: BatchSpec, step: int, positions, skip=()) -> None:
+def _write_tiles(batch, cfg: Config, tile_caps, block: int, plan, positions, grouped) -> None:
     """Each bucket's attention tile list, read off the segment ids just written (a document is
-    a run of one segment id; the planner kept every bucket's tiles within its capacity);
-    phases in `skip` have theirs already (a context split)."""
-    block = spec.attention_block
-    for phase, cap in spec.tile_caps().items():
-        if phase in skip:
+    a run of one segment id; the planner kept every bucket's tiles within its capacity,
+    `tile_caps` of the step's variant); with context groups (`grouped`) the LLM's are written
+    already (the split)."""
+    for phase, cap in tile_caps.items():
+        if grouped and phase == LLM:
             continue
         seg = _attention_rows(batch, cfg, phase)  # (an encoder attends over its rows)
         m_n, d_n = seg.shape[:2]
@@ -187,9 +192,10 @@ def _write_tiles(batch, cfg: Config, spec: BatchSpec, step: int, positions, skip
             tiles = from_segments(rows, block, phase == LLM, cap)
         except TileOverflow as e:
             m, d = divmod(e.bucket, d_n)
+            key = f"{phase}_long_tiles" if plan.variant else f"{phase}_tiles"
             raise ValueError(
-                f"step {step}: microbatch {m} of device {int(positions[d])} needs {e.need} "
-                f"{phase} attention tiles, more than batch.{phase}_tiles={cap}; raise it "
+                f"step {plan.step}: microbatch {m} of device {int(positions[d])} needs {e.need} "
+                f"{phase} attention tiles, more than batch.{key} allows ({cap}); raise it "
                 "(or -1: sized from the data)"
             ) from None
         batch[f"{phase}_tiles"] = tiles.reshape(m_n, d_n, cap, 2)

@@ -30,7 +30,9 @@ class StepInfo:
     rejects: dict[str, float]  # cumulative bad-input counts, by reason (metrics keys)
     tokens: float  # this host's real LLM tokens
     flops: float  # their analytic model FLOPs
-    variant: str = "whole"  # the pipelined program's step variant (pipeline.encoder_fractions)
+    # the step's variant: the pipelined program's (pipeline.encoder_fractions), "+long<v>" for
+    # a long step (block-sparse attention's long tile lists, `jaxmllm.plan.ladder`)
+    variant: str = "whole"
     # the slowest and the mean device's work per phase (`counts.step_work`: timings and the
     # calibrated cost model), when recorded; the calibrated model's predicted step time
     work: dict | None = None

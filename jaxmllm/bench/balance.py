@@ -3,7 +3,7 @@
     python -m jaxmllm.bench.balance --mix omni,ai2d,chartqa --devices 8,64,512,2560 \\
         [--policies orchestrated,balanced,grain,naive] [--tokens 32768] [--micro 2] \\
         [--json OUT.json] [--plot OUT.png]
-    python -m jaxmllm.bench.balance --lengths FILE.jsonl --devices 64
+    python -m jaxmllm.bench.balance --lengths FILE.jsonl|INDEX_FOLDER --devices 64  # load timed
     python -m jaxmllm.bench.balance --mix omni --devices 8,64,512,2560 --simulate \
         [--devices-per-host 8] [--pair-capacity auto|whole] [--flops 4e14] \
         [--intra-bw 4.5e11] [--inter-bw 5e10] [--latency 1e-5]
@@ -64,13 +64,12 @@ Per policy, one table row (all figures over the steps run, steady state included
              lower-bound step of work: a policy that fills less takes more steps)
   ms/step    host planning time per step on one core: median over the steps after the first of
              time.process_time() around plan() (JSON: also the min); grain: per host, each host
-             packs its own devices
+             packs its own devices; `peak MB`: the process's peak resident memory so far
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -79,7 +78,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.bench import family, plot, simulate
-from jaxmllm.bench.mixes import MIXES, load_lengths, load_mix, random_mix, video_mix
+from jaxmllm.bench.mixes import FAMILIES, MIXES, lengths_of, load_mix, peak_rss_mb
+from jaxmllm.bench.sizes import make_caps, sized_caps, steps_for
 from jaxmllm.bench.table import (
     HEADER,
     PHASES,
@@ -93,98 +93,14 @@ from jaxmllm.config.command import fail, run
 from jaxmllm.config.phases import BY_NAME, NAMES
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.capacity import (
-    HELD_DRY_RUN_STEPS,
-    ROUTE_DRY_RUN_STEPS,
     fill_bound,
-    flop_share,
-    held_tiles,
-    route_capacity,
-    suggest_capacities,
 )
 from jaxmllm.plan.contract import Capacities, StepPlan, check_plan, item_rows, pair_rows, step_tiles
 from jaxmllm.plan.cost import CostModel
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
+from jaxmllm.plan.tilesize import flop_share
 
 POLICIES = ("orchestrated", "balanced", "grain", "naive")  # the default --policies
-
-
-def make_caps(
-    index: LengthsIndex,
-    devices: int,
-    tokens: int,
-    micro: int,
-    policy: str,
-    merge_area: int = 4,
-    subsample: int = 4,
-    block: int = 0,
-    devices_per_host: int = 0,
-) -> Capacities:
-    """Capacities matched to the data; route capacity = a device's whole encoder output (it
-    never binds: `route_caps` sizes it as the trainer does); `devices_per_host` (0: one host)
-    for host-aware routing; with `block`, rows in whole blocks (tile capacities: `held_caps`)."""
-    per_token = {"vision": merge_area, "audio": subsample}
-    per_row = {"vision": 1, "audio": subsample}  # (the pairs stem: a row per LLM token)
-    sug = suggest_capacities(
-        index, tokens, per_token, per_row=per_row, match_llm=True, block=block or 1
-    )
-    route = max(sug.units[p] // per_token[p] for p in per_token)
-    caps = Capacities(
-        microbatches=micro,
-        devices=devices,
-        llm_rows=sug.llm_rows,
-        llm_row_len=sug.llm_row_len,
-        units=sug.units,
-        per_token=per_token,
-        per_row=per_row,
-        route_pair_capacity=route if policy == "orchestrated" else 0,
-        block=block,
-        devices_per_host=devices_per_host,
-    )
-    return caps
-
-
-def route_caps(index: LengthsIndex, caps: Capacities, policy: str, steps: int, seed: int):
-    """A routing policy's per-pair route capacity as the trainer sizes it (`resolve_route`:
-    the most rows a pair carried in a dry run of its plans, at least the largest item's), from
-    the plans of the next seed, with the headroom of a run longer than its dry run: the
-    bench's run is then past its dry run, as a long run mostly is."""
-    if not caps.route_pair_capacity:
-        return caps
-    planner = make_planner(policy, index, caps, seed + 1)
-    pair = route_capacity(planner, index, caps, min(steps, ROUTE_DRY_RUN_STEPS), steps + 1)
-    return dataclasses.replace(caps, route_pair_capacity=pair)
-
-
-def held_caps(
-    index: LengthsIndex, caps: Capacities, policy: str, steps: int, seed: int,
-    cost: CostModel | None = None,
-):  # fmt: skip
-    """A tile-holding policy's capacities as the trainer sizes them (`resolve_tiles`): the mean
-    need plus headroom (with `cost`, the headroom that does the most useful work per computed
-    FLOP), or what a dry run of its plans without a bound needed if that is less."""
-    tiles = held_tiles(
-        make_planner(policy, index, caps, seed),
-        index,
-        caps,
-        steps,
-        make=lambda c: make_planner(policy, index, c, seed),
-        weights=cost.tile_weights(caps.block, caps.per_row) if cost else None,
-    )
-    return dataclasses.replace(caps, tiles=tiles)
-
-
-def sized_caps(
-    index: LengthsIndex, caps: Capacities, policy: str, steps: int, cost: CostModel | None,
-    seed: int = 0, pair: str = "auto",
-) -> Capacities:  # fmt: skip
-    """`make_caps`' capacities as a policy runs the bench for `steps` plans: the route
-    capacity as the trainer sizes it (`route_caps`; `pair` "whole" keeps a device's whole
-    encoder output) and, with tiles, a tile-holding policy's tile capacities (`held_caps`)."""
-    if pair == "auto":
-        caps = route_caps(index, caps, policy, steps, seed)
-    if caps.block and policy in HOLDS_TILES:
-        caps = held_caps(index, caps, policy, min(steps, HELD_DRY_RUN_STEPS), seed, cost)
-    return caps
 
 
 class _Items:
@@ -261,6 +177,7 @@ def run_policy(
     step_fill = []  # per step, real units / capacity per phase
     tile_need, tile_spread, tile_most = [], [], dict.fromkeys(PHASES, 0)
     tile_total = dict.fromkeys(PHASES, 0.0)
+    variants = []  # each step's (`plan.ladder`: 1 for a long step)
     for _ in range(steps):
         t = time.process_time()
         plan = planner.plan()
@@ -284,6 +201,7 @@ def run_policy(
         totals = sum(r.sum(1) for _, r, _ in loads.values())
         micro_cv.append(float(np.std(totals) / np.mean(totals)) if np.mean(totals) > 0 else 0.0)
         ages = max(ages, int(planner.ages.max(initial=0)))
+        variants.append(plan.variant)
         if block:
             need = step_tiles(plan, index, caps)  # per phase [M, D]
             for p, n in need.items():
@@ -356,23 +274,27 @@ def run_policy(
         # per lower-bound step of work: what compares policies that fill differently
         row["simulated"]["work_ragged"] = row["simulated"]["step_ragged"] * row["steps_over_lb"]
     if block:
-        caps_by_phase = caps.tile_caps() if policy in HOLDS_TILES else tile_most
+        holds = policy in HOLDS_TILES
+        caps_by_phase = caps.tile_caps() if holds else tile_most
+        ladder = [caps.tile_caps(v) for v in range(1, caps.variants)] if holds else []
+        # what a bucket computes, on average over the steps (a long step: its variant's)
+        by_step = [caps.tile_caps(v) if v else caps_by_phase for v in variants]
+        computed = {p: float(np.mean([c[p] for c in by_step])) for p in caps_by_phase}
+        long_by_phase = ladder[-1] if ladder else {}
         row["tile_capacity"] = int(sum(caps_by_phase.values()))
+        row["tile_capacity_long"] = int(sum(long_by_phase.values()))
+        row["long_steps"] = int(np.count_nonzero(variants))
+        row["tile_ladder"] = [int(sum(c.values())) for c in ladder]  # (each long variant's)
         weights = cost.tile_weights(block, caps.per_row)
         buckets = steps * devices * micro
-        row["goodput"] = flop_share(work, tile_total, caps, caps_by_phase, buckets, weights)
+        row["goodput"] = flop_share(work, tile_total, caps, computed, buckets, weights)
         row["tile_capacity_by_phase"] = dict(caps_by_phase)
+        row["tile_capacity_long_by_phase"] = dict(long_by_phase)
         row["tile_mean"] = float(np.mean(tile_need))
         row["tile_max_mean"] = float(np.mean(tile_spread)) if tile_spread else 0.0
-        row["tile_cap_over_mean"] = row["tile_capacity"] / max(row["tile_mean"], 1e-9)
+        row["tile_cap_over_mean"] = sum(computed.values()) / max(row["tile_mean"], 1e-9)
         row["block"] = block
     return row, [first_plan, items]
-
-
-def steps_for(index: LengthsIndex, devices: int, tokens: int, micro: int, lo: int, hi: int) -> int:
-    """Enough steps for about one epoch, within [lo, hi]."""
-    per_step = devices * micro * tokens / max(index.llm_tokens(dict.fromkeys(NAMES, 4)).mean(), 1)
-    return int(np.clip(np.ceil(len(index) / per_step), lo, hi))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -382,15 +304,28 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--lengths", help="lengths file (JSONL, or an InternVL JSON table)")
+    src.add_argument("--lengths", help="lengths: JSONL, an InternVL table, or an index folder")
     src.add_argument("--mix", help=f"built-in mix(es), comma-separated: {', '.join(MIXES)}")
     src.add_argument("--random", type=int, metavar="N",
                      help="N random workloads (mixes.random_mix, seeds --seed..+N-1), then the "
                      "distribution of each figure over them (bench/family.py)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="first seed of --random")
-    ap.add_argument("--family", choices=("random", "video"), default="random",
-                    help="--random's workloads: mixes.random_mix (every kind of sample), or "
-                    "mixes.video_mix (video-heavy, long videos)")  # fmt: skip
+    ap.add_argument(
+        "--family",
+        choices=tuple(FAMILIES),
+        default="random",
+        help="--random's workloads: mixes.random_mix (every kind of sample), "
+        "mixes.video_mix (video-heavy, long videos), tails.docqa_mix (documents "
+        "with a rare tail of 30k tokens), tails.chats_mix (long-tailed chats with "
+        "images and clips)",
+    )
+    ap.add_argument(
+        "--samples",
+        type=int,
+        default=0,
+        help="samples of a synthetic --mix or --random workload (0: its own "
+        "default: 20k, 200k for the long-tailed ones)",
+    )
     ap.add_argument("--devices", default="8,64", help="device counts, comma-separated")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--tokens", type=int, default=32768, help="LLM tokens per device and micro")
@@ -442,13 +377,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cost = CostModel.from_file(args.cost_file) if args.cost_file else None
         if args.lengths:
-            sources = [(Path(args.lengths).name, load_lengths(args.lengths))]
+            sources = [(Path(args.lengths).name, lengths_of(args.lengths))]
         elif args.random:
             seeds = range(args.seed, args.seed + args.random)
-            draw = video_mix if args.family == "video" else random_mix
-            sources = [(f"{args.family}:{s}", draw(s)) for s in seeds]
+            draw = FAMILIES[args.family]
+            sources = [(f"{args.family}:{s}", draw(s, args.samples)) for s in seeds]
         else:
-            sources = [(m, load_mix(m)) for m in args.mix.split(",")]
+            sources = [(m, load_mix(m, samples=args.samples)) for m in args.mix.split(",")]
     except (OSError, ValueError) as e:  # a missing table, an unknown mix, a bad cost file
         return fail(e, 2)
     cost = cost or CostModel.from_model(model)
@@ -473,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                     pol, index, d, args.tokens, args.micro, n, cost, block=args.block,
                     per_host=args.devices_per_host, pair=args.pair_capacity, machine=machine,
                 )  # fmt: skip
-                row["mix"] = name
+                row.update(mix=name, peak_rss_mb=peak_rss_mb())
                 rows.append(row)
                 plots[(name, d, pol)] = first
                 print(format_row(row), flush=True)

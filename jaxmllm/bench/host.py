@@ -25,6 +25,10 @@ files the bench writes and indexes: 300-1500 px JPEG / PNG images, some records 
 three, 3-20 s WAV / FLAC clips; `--media-dir` keeps it for the next run) and `config` (what the
 config names, e.g. `--set data.source=jsonl --set data.path=...`).
 
+Opening the source (the columnar index mapped and checked, data.on_oversize applied: the
+trainer's start-up before its first plan) is timed with the peak resident memory so far, on
+stderr and in the JSON (`source_open_s`, `source_open_peak_rss_mb`).
+
 With more devices than `--devices-per-host`, the host is one of several: it plans the global
 step and loads, bucketizes and copies only its own devices' share (positions 0..7 of 64).
 """
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -131,7 +136,7 @@ def data_config(cfg: Config, data: str, folder: Path, records: int = 240) -> Con
     d = dataclasses.replace(cfg.data, source="jsonl", path=str(manifest), index_dir="")
     cfg = dataclasses.replace(cfg, data=d)
     out = index_dir(data_sets(cfg)[0], Params.from_config(cfg).counted())
-    if not (out / "lengths.jsonl").exists():
+    if not (out / "summary.json").exists():
         build_index(cfg, manifest, progress=False)  # (its folder keyed by the settings)
     return cfg
 
@@ -327,12 +332,19 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             source, index = make_source(cfg)
             opened = time.perf_counter() - started
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
+            what = "index mapped and checked, oversize applied"
+            print(
+                f"{data}: {len(index)} samples, source opened in {opened:.2f} s ({what}), "
+                f"peak resident memory {peak:.0f} MB",
+                file=sys.stderr,
+            )
             setup = Setup(cfg, source, index, args.steps, args.warmup, args.devices_per_host,
                           args.device_tflops, measure_device)  # fmt: skip
             for devices in (int(d) for d in args.devices.split(",")):
                 for workers in (int(w) for w in args.workers.split(",")):
                     row = {"data": data, **measure(setup, devices, workers)}
-                    row["source_open_s"] = opened
+                    row["source_open_s"], row["source_open_peak_rss_mb"] = opened, peak
                     rows.append(row)
                     print(f"{data} {devices} devices {workers} workers: done", file=sys.stderr)
     print(f"{args.config}: medians of {args.steps} steps after {args.warmup}; seconds per step "

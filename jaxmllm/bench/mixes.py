@@ -9,6 +9,8 @@
   vision item per temporal patch sized by the data pipeline's own video rule; `video_mix(seed)`
   draws a family of such workloads for held-out checks (`bench.balance --random N --family
   video`).
+- `interleaved`, `speech`, `longtail` and the families `docqa_mix`, `chats_mix`: long-tailed
+  workloads drawn vectorised at any size (`jaxmllm.bench.tails`).
 
 Lengths files are read in the DESIGN.md JSONL format (`{"text": 312, "images": [1024]}` a line) or
 in the InternVL JSON format (`[{"vit_num": 3, "token_num": 811}, ...]`), detected by content;
@@ -25,10 +27,13 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import resource
+import time
 from pathlib import Path
 
 import numpy as np
 
+from jaxmllm.bench import tails
 from jaxmllm.config import UserError
 from jaxmllm.data.lengths import Items, LengthsIndex
 from jaxmllm.data.media.video import VideoInfo, VideoRule, video_parts
@@ -232,6 +237,26 @@ def _from_internvl(recs: list, where: str) -> LengthsIndex:
     return from_arrays(text, imgs, [np.zeros(0, np.int64)] * len(tiles))
 
 
+def lengths_of(path: str | Path) -> LengthsIndex:
+    """The lengths at `path`: a columnar index folder (`jaxmllm.data.stored.open_lengths`:
+    mapped) or a lengths file (`load_lengths`: parsed); prints how long that took and the
+    process's peak resident memory after it."""
+    from jaxmllm.data.stored import open_lengths
+
+    started = time.perf_counter()
+    folder = Path(path).is_dir()
+    index = open_lengths(path) if folder else load_lengths(path)
+    took, how = time.perf_counter() - started, "mapped" if folder else "parsed"
+    peak = f"peak resident memory {peak_rss_mb():.0f} MB"
+    print(f"{path}: {len(index)} samples {how} in {took:.2f} s, {peak}")
+    return index
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
+
+
 def load_lengths(path: str | Path, merge_area: int = 4, subsample: int = 4) -> LengthsIndex:
     """Reads a lengths file: DESIGN.md JSONL, or an InternVL JSON table (detected); lengths
     rounded to the phases' granularity (see the module docstring), what was dropped logged."""
@@ -331,16 +356,37 @@ def _read_text(path: Path) -> str:
     return path.read_text()
 
 
+def _table(name: str, samples: int = 0) -> LengthsIndex:
+    """A shipped length table (its size is its own)."""
+    if samples:
+        raise ValueError(f"{name} is a table of real lengths: its size is fixed (drop --samples)")
+    return load_internvl(LENGTHS_DIR / f"{name}_internvl.json.gz")
+
+
+# name -> (seed, samples: 0 for the mix's default size) -> index
 MIXES = {
-    "omni": lambda seed=0: synthetic_omni(seed=seed),
-    "video": lambda seed=0: long_video(seed=seed),
-    "ai2d": lambda seed=0: load_internvl(LENGTHS_DIR / "ai2d_internvl.json.gz"),
-    "chartqa": lambda seed=0: load_internvl(LENGTHS_DIR / "chartqa_internvl.json.gz"),
+    "omni": lambda seed=0, samples=0: synthetic_omni(samples or 20000, seed=seed),
+    "video": lambda seed=0, samples=0: long_video(samples or 20000, seed=seed),
+    "ai2d": lambda seed=0, samples=0: _table("ai2d", samples),
+    "chartqa": lambda seed=0, samples=0: _table("chartqa", samples),
+    "interleaved": lambda seed=0, samples=0: tails.interleaved(samples or 20000, seed),
+    "speech": lambda seed=0, samples=0: tails.speech(samples or 20000, seed),
+    "longtail": lambda seed=0, samples=0: tails.longtail(samples or 200_000, seed),
 }
 
 
-def load_mix(name: str, seed: int = 0) -> LengthsIndex:
-    """A built-in mix by name (see MIXES)."""
+# --random's families: name -> (seed, samples: 0 for the family's default size) -> index
+FAMILIES = {
+    "random": lambda seed, samples=0: random_mix(seed, samples or 20000),
+    "video": lambda seed, samples=0: video_mix(seed, samples or 20000),
+    "docqa": lambda seed, samples=0: tails.docqa_mix(seed, samples or 200_000),
+    "chats": lambda seed, samples=0: tails.chats_mix(seed, samples or 200_000),
+}
+
+
+def load_mix(name: str, seed: int = 0, samples: int = 0) -> LengthsIndex:
+    """A built-in mix by name (see MIXES), of `samples` samples (0: its default size; the
+    synthetic ones only)."""
     if name not in MIXES:
         raise UserError(f"--mix: unknown mix {name!r}; built-in mixes: {', '.join(MIXES)}")
-    return MIXES[name](seed)
+    return MIXES[name](seed, samples)

@@ -18,10 +18,11 @@ def format_row(r: dict) -> str:
             f"{ratio:6.1f}x  {r['max_age']:3d} {r['deferred']:8.0f}  {r['routed']:5.3f} "
             f"{r['routed_inter']:5.3f} {r['caps']['route_pair_capacity']:6d} "
             f"{r['caps']['route_pair_whole']:6d} {r['ms_per_step']:8.1f}"
+            f" {r.get('peak_rss_mb', float('nan')):7.0f}"
         )
         + (
-            f"  {r['tile_capacity']:7d} {r['tile_mean']:8.0f} {r['tile_cap_over_mean']:8.3f} "
-            f"{r['tile_max_mean']:8.3f} {r['goodput']:8.3f}"
+            f"  {r['tile_capacity']:7d} {_long(r):>11} {r['tile_mean']:8.0f} "
+            f"{r['tile_cap_over_mean']:8.3f} {r['tile_max_mean']:8.3f} {r['goodput']:8.3f}"
             if "tile_capacity" in r
             else ""
         )
@@ -33,6 +34,13 @@ def format_row(r: dict) -> str:
             else ""
         )
     )
+
+
+def _long(r: dict) -> str:
+    """The long variant's tile capacity and its steps (`plan.ladder`), or '-' without one."""
+    if not r.get("tile_capacity_long"):
+        return "-"
+    return f"{r['tile_capacity_long']}/{r['long_steps']}"
 
 
 def fill_over(row: dict, steps: int) -> dict:
@@ -58,7 +66,9 @@ def print_like_for_like(rows: list[dict]) -> None:
 
 HEADER = (
     f"{'policy':<13}{'D':>5} {'fill llm   vision audio':<24}  steps/LB  quad (bound)  "
-    f"cv     rand/ours age deferred routed inter   pair  whole  ms/step"
+    f"cv     rand/ours age deferred routed inter   pair  whole  ms/step peak MB"
 )
-TILE_HEADER = f"  {'tiles':>7} {'mean':>8} {'cap/mean':>8} {'max/mean':>8} {'goodput':>8}"
+TILE_HEADER = (
+    f"  {'tiles':>7} {'long/steps':>11} {'mean':>8} {'cap/mean':>8} {'max/mean':>8} {'goodput':>8}"
+)
 SIM_HEADER = f"  {'sim: fl':>8} {'ragged':>8} {'dense':>8} {'x LB':>8}"

@@ -29,6 +29,7 @@ from jaxmllm.config.model import (
 )
 from jaxmllm.config.remat import REMAT_POLICIES, RematPolicy
 from jaxmllm.config.sections import (
+    AUTO_LADDERS,
     AUTO_SIZES,
     DATA_SOURCES,
     BatchConfig,
@@ -45,6 +46,7 @@ from jaxmllm.config.sections import (
 
 __all__ = [
     "ATTENTIONS",
+    "AUTO_LADDERS",
     "AUTO_SIZES",
     "DATA_SOURCES",
     "REMAT_POLICIES",

@@ -136,6 +136,11 @@ class DataConfig:
     # lengths index from `python -m jaxmllm.data.index`; "" = <path>.index/<key>, the key naming
     # what decides its counts (tokenizer, preprocessing), so configs that differ keep their own
     index_dir: str = ""
+    # Where `python -m jaxmllm.data.index` runs its shards: "" = local worker processes
+    # (--workers); auto = Ray tasks on the cluster `ray start` started on this machine (or
+    # RAY_ADDRESS), else a local Ray; or a Ray cluster's address (host:6379). Needs the ray
+    # extra (pip install -e '.[ray]'); --ray on the command line overrides it.
+    index_ray: str = ""
     # byte (UTF-8 bytes + jaxmllm's 8 specials); the path of a tokenizer.json file (training from
     # scratch: its ids >= 256 shifted by 8 past jaxmllm's specials); or the path of a HuggingFace
     # checkpoint's tokenizer directory (tokenizer.json + tokenizer_config.json: the checkpoint's
@@ -253,6 +258,13 @@ class DataConfig:
             "audio_max_frames",
         )
         check(self.max_image_pixels >= 1, "must be >= 1", "max_image_pixels")
+        check(
+            self.image_min_pixels <= self.max_image_pixels,
+            f"must be <= data.max_image_pixels={self.max_image_pixels}: every image is upscaled "
+            "to at least this many pixels, more than the largest image decoded (a preprocessor "
+            "config's min_pixels in another unit?)",
+            "image_min_pixels",
+        )
         check(self.max_audio_seconds > 0, "must be > 0", "max_audio_seconds")
         check(self.max_audio_samples >= 1, "must be >= 1", "max_audio_samples")
         check(self.max_media_bytes >= 1, "must be >= 1", "max_media_bytes")

@@ -70,6 +70,11 @@ class Phase:
         return f"{self.name}_tiles"
 
     @property
+    def long_tiles(self) -> str:
+        """batch.<long_tiles>: the attention tiles per bucket of the long step variants."""
+        return f"{self.name}_long_tiles"
+
+    @property
     def documents(self) -> str:
         """batch.<documents>: the most documents one row holds (cuDNN attention)."""
         return f"{self.name}_documents"

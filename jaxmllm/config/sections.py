@@ -30,6 +30,9 @@ AUTO_SIZES = (
     *(p.documents for p in ENCODERS),
     "devices_per_host",
 )
+# ... and the lists [-1] leaves to the data (the long variants' tiles, `BatchConfig`)
+AUTO_LADDERS = ("llm_long_tiles", *(p.long_tiles for p in ENCODERS))
+LONG_VARIANTS = 2  # most long variants of a step (`jaxmllm.plan.ladder.MAX_VARIANTS` - 1)
 
 
 # XLA:CPU makes any number of virtual devices, each with its own threads and buffers: 100,000
@@ -147,6 +150,16 @@ class BatchConfig:
     llm_tiles: int = -1
     vision_tiles: int = -1
     audio_tiles: int = -1
+    # Block-sparse attention's long variants of a step (`jaxmllm.plan.ladder`): per phase the
+    # tiles a device computes in each, in increasing order (a step planned for the documents
+    # too long for the tiles of the variant below; 0: the one below's). Each variant a run uses
+    # is one more compiled program (at most 2 long ones). [-1] = auto: sized from the data with
+    # the tiles above when those are auto (none where the longest documents cost the base step
+    # little, none with mesh.context > 1), else none; [] = none (the tiles above hold every
+    # document)
+    llm_long_tiles: tuple[int, ...] = (-1,)
+    vision_long_tiles: tuple[int, ...] = (-1,)
+    audio_long_tiles: tuple[int, ...] = (-1,)
     # cuDNN attention (model.attention: cudnn): the most documents one row of each phase holds,
     # a static size of cuDNN's packed layout (its backward workspace grows with it, ~8 MiB per
     # document at 2048 tokens, 8 heads of 64). -1 = auto: the row over the data's smallest
@@ -168,6 +181,21 @@ class BatchConfig:
         for key in AUTO_SIZES[1:]:  # (route_pair_capacity may also be 0)
             check(getattr(self, key) >= 1 or getattr(self, key) == -1, "must be >= 1, or -1 "
                    "for auto (resolved at start-up)", key)  # fmt: skip
+        ladders = {k: getattr(self, k) for k in AUTO_LADDERS}
+        for key, value in ladders.items():
+            check(
+                value == (-1,) or (len(value) <= LONG_VARIANTS and all(v >= 0 for v in value)),
+                f"must be [-1] (auto), or at most {LONG_VARIANTS} tile counts >= 0 (one a long "
+                "variant)",
+                key,
+            )
+        lengths = {len(v) for v in ladders.values() if v not in ((-1,), ())}
+        check(
+            len(lengths) <= 1,
+            "every phase's long variants must be as many (0: the variant "
+            f"below's tiles); got {ladders}",
+            "llm_long_tiles",
+        )
         check(
             self.planner != "orchestrated" or self.route_pair_capacity != 0,
             "orchestrated routes encoder rows between devices: set route_pair_capacity "

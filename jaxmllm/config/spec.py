@@ -81,6 +81,9 @@ class BatchSpec:
     # row holds (cuDNN; a tower's class tokens, one row each, when resolved: `bounded`)
     tiles: Mapping[str, int]
     documents: Mapping[str, int]
+    # Block-sparse attention's long step variants (`jaxmllm.plan.ladder`): per variant 1, 2,
+    # ... and phase, its tiles (0: the variant below's); read them with `tile_caps(variant)`
+    long_tiles: tuple[Mapping[str, int], ...] = ()
     # The tile keys still -1 (auto): a model can be built without them (its parameters do not
     # depend on them), a batch cannot (`tile_caps` refuses)
     unresolved_tiles: tuple[str, ...] = ()
@@ -91,16 +94,25 @@ class BatchSpec:
         """The dtype of a phase's inputs array in the batch."""
         return np.dtype(self.inputs.get(phase, Inputs()).numpy_dtype)
 
-    def tile_caps(self) -> Mapping[str, int]:
-        """Per phase, the tiles a bucket computes (block-sparse attention; else empty).
+    def tile_caps(self, variant: int = 0) -> Mapping[str, int]:
+        """Per phase, the tiles a bucket computes (block-sparse attention; else empty) in a
+        step of `variant` (0: the base; v: the long variant v, `long_tiles`).
 
         Raises:
           ConfigError: a tile capacity still -1 (auto), naming its key.
         """
         if self.unresolved_tiles:
             keys = ", ".join(f"batch.{k}" for k in self.unresolved_tiles)
-            raise ConfigError(f"{keys}=-1 (auto) is not resolved: {RESOLVE}")
-        return self.tiles
+            raise ConfigError(f"{keys}=-1 or [-1] (auto) is not resolved: {RESOLVE}")
+        out = dict(self.tiles)
+        for long in self.long_tiles[:variant]:
+            out.update({p: n for p, n in long.items() if n and p in out})
+        return out
+
+    @property
+    def variants(self) -> int:
+        """The step's variants: the base one and each long one."""
+        return 1 + len(self.long_tiles)
 
     @classmethod
     def of(cls, cfg: Any) -> BatchSpec:
@@ -127,6 +139,10 @@ class BatchSpec:
         need = {"route_pair_capacity": b.route_pair_capacity}
         sparse = m.attention == "block_sparse"
         unresolved = tuple(k for k in tiles.values() if sparse and getattr(b, k) < 0)
+        # (the long variants' [-1] is sized with the tiles when those are auto; else none)
+        longs = {LLM: "llm_long_tiles", **{p.name: p.long_tiles for p in on}}
+        ladder = {p: () if getattr(b, k) == (-1,) else getattr(b, k) for p, k in longs.items()}
+        count = max([len(v) for v in ladder.values()], default=0)
         if m.attention == "cudnn":
             need.update({key: getattr(b, key) for key in docs.values()})
         for key, value in need.items():
@@ -149,6 +165,11 @@ class BatchSpec:
                 if p in bounded and (m.attention == "cudnn" or getattr(b, key) > 0)
             },
             unresolved_tiles=unresolved,
+            long_tiles=tuple(
+                {p: (ladder[p] or (0,) * count)[v] for p in longs} for v in range(count)
+            )
+            if sparse and not unresolved
+            else (),
             inputs={p.name: inputs_of(p, data, m.compute_dtype) for p in on},
         )
 

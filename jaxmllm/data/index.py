@@ -7,19 +7,27 @@ a held-out data.eval.path) once,
 in whatever format it is stored (data.format; `auto` says what it detected and why), media sizes
 from file headers (PIL reads the size without decoding, soundfile the duration), in parallel,
 and writes to each data set's index folder (data.index_dir, default `<path>.index/<key>`, the key
-naming the tokenizer and the preprocessing settings, so configs that differ keep their own):
+naming the tokenizer and the preprocessing settings, so configs that differ keep their own)
+columns every training host maps without parsing (`jaxmllm.data.stored` lists them):
 
-- `lengths.jsonl`: one line per accepted record, in the DESIGN lengths format (a video's temporal
-  patches are vision items among its `images`, in placeholder order) plus where the record is
-  (`id`, `row`, `line`) and its media sizes (`image_sizes`, `audio_samples`, `video_sizes`:
-  frames, frame rate, height, width from the container's header), which let the oversize policy
-  repair a sample at start-up without touching the media;
-- `summary.json`: counts, per-modality percentiles, the format and the files read, the
-  preprocessing parameters the counts depend on (training checks them), rejects by reason with
-  an example of each;
-- `rejects.jsonl`: every rejected record with its id, place and reason;
-- `scan.npz`: what opening the files found (line offsets, .tar member offsets), so training
-  does not scan them again.
+- per accepted record, its counts in model units (text tokens; per encoder phase its items'
+  patches or frames: a video's temporal patches are vision items, in placeholder order), where
+  it is (id, record number, line) and its media sizes from their headers (image height and
+  width, a clip's samples and rate, a video's frames, rate, height and width), which let the
+  oversize policy repair a sample at start-up without touching the media;
+- the data files (path, size, first record) and what scanning them found (line offsets, .tar
+  member offsets), so training does not scan them again;
+- `summary.json`: counts, per-modality percentiles, the format, the preprocessing parameters
+  the counts depend on (training checks them), rejects by reason with an example of each, and
+  every column file's dtype and shape (training checks each file against it);
+- `rejects.jsonl`: every rejected record with its id, place and reason.
+
+The build is a map over shards of the files and a merge (`jaxmllm.data.index_build`): in local
+worker processes (--workers), or as Ray tasks with --ray [ADDRESS] (data.index_ray; `pip
+install -e '.[ray]'`), the same bytes either way. It writes into a staging folder beside the
+index and renames it into place once whole: a build killed at any point leaves the previous
+index or none, never half of one. A record on which a worker process dies (killed for memory,
+an abort in the tokenizer) is a `record_crashed` reject and the build goes on.
 
 It prints the rejects by reason, one example each, and exits 1 when it accepted nothing or
 less than data.min_accept of the records (naming the most common reason and, where the records
@@ -33,17 +41,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import multiprocessing
 import os
+import shutil
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError, load_config
-from jaxmllm.config.phases import ENCODERS, KINDS
+from jaxmllm.config.phases import ENCODERS
 from jaxmllm.config.sections import files_format
+from jaxmllm.data.columnar import publish, remove_stale, staging
 from jaxmllm.data.datasets import (
     DataSet,
     acceptance_problem,
@@ -52,72 +62,26 @@ from jaxmllm.data.datasets import (
     index_dir,
     stem,
 )
-from jaxmllm.data.lengths import LengthsIndex
-from jaxmllm.data.preprocess import MEDIA, Limits, Params, Preprocessor
-from jaxmllm.data.records import open_records, read_record
-from jaxmllm.data.records.formats import FORMATS, detect
-from jaxmllm.data.rejects import RecordError, failed, media_hint, wrapped
+from jaxmllm.data.index_build import (
+    check_encoders,
+    close_worker,
+    context,
+    init_worker,
+    measure,
+    measure_records,
+    merge_measured,
+    scan_files,
+)
+from jaxmllm.data.preprocess import Params
+from jaxmllm.data.records import media_paths
+from jaxmllm.data.records.formats import FORMATS, data_files, detect
+from jaxmllm.data.rejects import media_hint, wrapped
+from jaxmllm.data.shards import InProcess, LocalProcesses, RayTasks
+from jaxmllm.data.stored import FORMAT, StoredIndex
+
+__all__ = ["build_index", "check_encoders", "index_data_set", "main", "measure"]
 
 # ----------------------------------------------------------------------------- building
-
-
-def measure(records, pre: Preprocessor, k: int, decode: bool = False) -> dict:
-    """Record k's index row ({"ok": True, ...counts}) or its reject ({"ok": False, ...}).
-
-    Whatever one record does, the index goes on: an exception other than a RecordError
-    (MemoryError included) is the record's reject too (`record_failed`, naming it).
-    """
-    line, rid = 0, None
-    try:
-        obj, line = records.raw(k)
-        record = read_record(records, k)
-        rid = record.id
-        check_encoders(record, pre.p)
-        sizes = pre.sizes(record)
-        pre.check(record, sizes)
-        if decode:  # full decode: catches files whose header is fine but whose data is not
-            pre.sample(k, record, sizes, Limits())
-        counts = pre.layout(record, sizes).counts()
-    except RecordError as e:
-        where = records.where(k) if hasattr(records, "where") else f"record {k}"
-        return {"ok": False, **e.to_json(line=line, row=k, where=where)}
-    except Exception as e:  # noqa: BLE001  one record never takes the index down
-        err = failed(e, rid or (f"line:{line}" if line else f"row:{k}"))
-        where = records.where(k) if hasattr(records, "where") else f"record {k}"
-        return {"ok": False, **err.to_json(line=line, row=k, where=where)}
-    return {
-        "ok": True,
-        **counts,
-        "id": record.id,
-        "row": k,
-        "line": line,
-        **{media.size_key: [list(s) for s in sizes.media[k]] for k, media in MEDIA.items()},
-    }
-
-
-def check_encoders(record, p: Params) -> None:
-    """Raises RecordError for a record with items of a kind whose phase the model has no
-    encoder for (videos: vision)."""
-    for kind in KINDS:
-        if record.media[kind.name] and kind.phase not in p.encoders.split(","):
-            raise RecordError(
-                "no_encoder",
-                f"{len(record.media[kind.name])} {kind.item} item(s), but the model has no "
-                f"{kind.phase} encoder (model.{kind.phase}.enabled: false): enable it, or "
-                "leave such records out",
-                record.id,
-            )
-
-
-_worker: dict = {}
-
-
-def _init_worker(records, params: Params, decode: bool) -> None:
-    _worker.update(records=records, pre=Preprocessor(params), decode=decode)
-
-
-def _measure_chunk(ks: list[int]) -> list[dict]:
-    return [measure(_worker["records"], _worker["pre"], k, _worker["decode"]) for k in ks]
 
 
 def build_index(
@@ -128,13 +92,17 @@ def build_index(
     workers: int = 0,
     decode: bool = False,
     progress: bool = True,
+    ray: str = "",
+    stats: dict | None = None,
 ) -> dict:
     """Indexes one data set: `path` (in data.format, media under data.media_root), else the
     config's only one; into `out`, else its index folder. Returns the summary."""
     ds = data_set(cfg, path)
     if out is not None:
         ds = dataclasses.replace(ds, index_dir=str(out))
-    return index_data_set(cfg, ds, workers=workers, decode=decode, progress=progress)
+    return index_data_set(
+        cfg, ds, workers=workers, decode=decode, progress=progress, ray=ray, stats=stats
+    )
 
 
 def data_set(cfg: Config, path: str | Path | None) -> DataSet:
@@ -157,113 +125,147 @@ def data_set(cfg: Config, path: str | Path | None) -> DataSet:
 
 
 def index_data_set(
-    cfg: Config, ds: DataSet, *, workers: int = 0, decode: bool = False, progress: bool = True
+    cfg: Config,
+    ds: DataSet,
+    *,
+    workers: int = 0,
+    decode: bool = False,
+    progress: bool = True,
+    ray: str = "",
+    stats: dict | None = None,
 ) -> dict:
-    """Indexes data set `ds` into its index folder; returns the summary."""
+    """Indexes data set `ds` into its index folder; returns the summary. `workers` local
+    processes (0: this one), or Ray tasks on the cluster at `ray` (`auto`: a running one, else
+    a local one; default data.index_ray). `stats` gets the build's figures (seconds of each
+    stage, the jobs' CPU time: never in the index, which is the same bytes however built)."""
+    params = Params.from_config(cfg)
+    files = data_files(ds.path)
+    fmt, why = detect(files) if ds.format == "auto" else (ds.format, "")
+    out = index_dir(ds, params.counted())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(out)
+    staged = staging(out)
+    (staged / "parts").mkdir()
+    paths = media_paths(ds.path, files, ds.media_root, cfg.data, ds.confine)
+    ctx = context(fmt, files, paths, cfg, staged, decode)
+    pool, workers = make_pool(ctx, workers, ray or cfg.data.index_ray)
+    stats = {} if stats is None else stats
+    try:
+        merged, ignored = run_build(pool, ctx, ds.name, workers, progress, stats)
+        started = time.perf_counter()
+        summary = write_summary(
+            cfg, ds, staged, merged, ignored, (files, fmt, why, paths.base), out
+        )
+        publish(staged, out)
+        stats["merge_s"] += time.perf_counter() - started
+    except BaseException:
+        pool.close()
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    finally:
+        close_worker()  # (the files jobs run in this process opened)
+    return summary
+
+
+def make_pool(ctx, workers: int, ray: str):
+    """(Where the build's jobs run, how many run at once): Ray tasks on the cluster at `ray`,
+    else `workers` local processes, else this process."""
+    if ray:
+        pool = RayTasks(ray, init_worker, ctx)
+        return pool, pool.cores()
+    if workers:
+        return LocalProcesses(workers, init_worker, ctx), workers
+    return InProcess(init_worker, ctx), 0
+
+
+def run_build(pool, ctx, name: str, workers: int, progress: bool, stats: dict) -> tuple:
+    """The build's map and merge into its staging folder: ((records, column table, rejects by
+    reason, an example of each), the .tar members left out)."""
     from tqdm import tqdm
 
-    params = Params.from_config(cfg)
-    records = open_records(ds.path, ds.format, ds.media_root, data=cfg.data, confine=ds.confine)
-    out = index_dir(ds, params.counted())
-    chunks = [list(range(a, min(a + 64, len(records)))) for a in range(0, len(records), 64)]
-    bar = tqdm(total=len(records), desc=f"index {ds.name}", unit="rec", disable=not progress)
-    results: list[dict] = []
-    if workers > 0 and len(records):
-        ctx = multiprocessing.get_context("spawn")  # safe even if JAX threads are running
-        with ctx.Pool(workers, _init_worker, (records, params, decode)) as pool:
-            for part in pool.imap(_measure_chunk, chunks):
-                results += part
-                bar.update(len(part))
-    else:
-        _init_worker(records, params, decode)
-        for chunk in chunks:
-            results += _measure_chunk(chunk)
-            bar.update(len(chunk))
+    staged, started = Path(ctx.token), time.perf_counter()
+    ignored = scan_files(pool, ctx, stats)
+    records = int(np.load(staged / "files.records.npy")[-1])
+    stats["scan_s"], started = time.perf_counter() - started, time.perf_counter()
+    bar = tqdm(total=records, desc=f"index {name}", unit="rec", disable=not progress)
+    starts = measure_records(pool, ctx, records, workers, bar, stats)
     bar.close()
-    rows, rejects = _dedupe(results)
-    summary = _write(cfg, params, ds, records, out, rows, rejects)
-    return summary
+    pool.close()
+    stats["measure_s"], started = time.perf_counter() - started, time.perf_counter()
+    table, reasons, examples = merge_measured(staged, starts)
+    stats["merge_s"] = time.perf_counter() - started
+    return (records, table, reasons, examples), ignored
 
 
-def _dedupe(results: list[dict]) -> tuple[list[dict], list[dict]]:
-    rows, rejects, seen = [], [], set()
-    for r in results:
-        ok = r.pop("ok")
-        if ok and r["id"] in seen:
-            ok, r = (
-                False,
-                {
-                    **RecordError("duplicate_id", "seen on an earlier line", r["id"]).to_json(),
-                    "line": r["line"],
-                    "row": r["row"],
-                },
-            )
-        if ok:
-            seen.add(r["id"])
-        (rows if ok else rejects).append(r)
-    return rows, rejects
-
-
-def _write(cfg, params, ds: DataSet, records, out: Path, rows, rejects) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "lengths.jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    with open(out / "rejects.jsonl", "w") as f:
-        for r in rejects:
-            f.write(json.dumps(r) + "\n")
-    np.savez(out / "scan.npz", **records.scan())
-    summary = summarize(cfg, rows, rejects)
+def write_summary(cfg: Config, ds: DataSet, staged: Path, merged, ignored, found, out) -> dict:
+    """Writes the staging folder's summary.json (its last file), clearing the build's own
+    files; returns it. `found`: (the data files, their format, why `auto` chose it, the folder
+    relative media paths start from)."""
+    records, table, reasons, examples = merged
+    files, fmt, why, base = found
+    scan = json.loads((staged / "scan.json").read_text())
+    table = dict(sorted({**table, **scan["columns"]}.items()))
+    stored = StoredIndex(staged, {"accepted": table["text.npy"][1][0], "columns": table})
+    summary = {"index_format": FORMAT, **summarize(cfg, stored, records, reasons, examples)}
     summary.update(
         data=str(ds.path),
-        format=records.format,
-        detected=records.why,
-        files=[[str(f.absolute()), f.stat().st_size] for f in records.files],
-        params=params.counted(),
-        ignored_members=records.ignored(),
+        format=fmt,
+        detected=why,
+        file_count=len(files),
+        params=Params.from_config(cfg).counted(),
+        ignored_members=ignored,
         index=str(out),
+        scan_keys=scan["keys"],
+        columns=table,
     )
     if acceptance_problem(summary, cfg.data.min_accept):
-        summary["format_hint"] = format_hint(records)
-        summary["media_hint"] = media_hint(summary, records.paths.base)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        summary["format_hint"] = format_hint(files, fmt)
+        summary["media_hint"] = media_hint(summary, base)
+    del stored
+    shutil.rmtree(staged / "parts")
+    (staged / "scan.json").unlink()
+    (staged / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def format_hint(records) -> str:
+def format_hint(files: list[Path], fmt: str) -> str:
     """Where the records look like another format than the one read, the data.format to use."""
     try:
-        found, why = detect(records.files)
+        found, why = detect(files)
     except ConfigError:
         return ""
-    if found == records.format:
+    if found == fmt:
         return ""
-    return (f"The files look like {FORMATS[found].what} ({why}): set data.format: {found} "
-            "(or auto) and index again")  # fmt: skip
+    return (
+        f"The files look like {FORMATS[found].what} ({why}): set data.format: {found} "
+        "(or auto) and index again"
+    )
 
 
-def summarize(cfg: Config, rows: list[dict], rejects: list[dict]) -> dict:
+def summarize(
+    cfg: Config, stored: StoredIndex, records: int, reasons: Counter, examples: dict
+) -> dict:
     """Counts and percentiles per modality (training sizes its buckets from the index itself:
-    `batch.capacity: auto`)."""
-    index = LengthsIndex.from_records(rows)
+    `batch.capacity: auto`); rejects by reason, most first, with an example of each."""
+    index = stored.lengths()
     llm = index.llm_tokens({p.name: p.per_token(cfg.model) for p in ENCODERS})
     stats = {"text_tokens": index.text, "llm_tokens": llm}
     for p in ENCODERS:
         stats[f"{p.unit}_per_{p.item}"] = index.items[p.name].sizes
         stats[f"{p.items}_per_sample"] = index.items[p.name].count()
-    examples: dict[str, dict] = {}
-    for r in rejects:
-        examples.setdefault(r["reason"], {k: r.get(k) for k in ("id", "detail", "where")})
-    videos = [r.get(MEDIA["video"].size_key, []) for r in rows]
-    if any(videos):  # (their temporal patches are among the vision items above)
-        stats["videos_per_sample"] = np.array([len(v) for v in videos], np.int64)
-        stats["frames_per_video"] = np.array([f for v in videos for f, *_ in v], np.int64)
+        stats[f"{p.unit}_per_sample"] = index.items[p.name].per_sample()
+    ptr, videos = stored.sizes["video"]
+    if len(videos):  # (their temporal patches are among the vision items above)
+        stats["videos_per_sample"] = np.diff(ptr)
+        stats["frames_per_video"] = videos[:, 0].astype(np.int64)
+    rejected = sum(reasons.values())
+    order = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))
     return {
-        "records": len(rows) + len(rejects),
-        "accepted": len(rows),
-        "rejected": len(rejects),
-        "rejects": dict(Counter(r["reason"] for r in rejects).most_common()),
-        "examples": examples,
+        "records": records,
+        "accepted": len(index),
+        "rejected": rejected,
+        "rejects": dict(order),
+        "examples": {reason: examples[reason] for reason, _ in order},
         "percentiles": {k: _percentiles(v) for k, v in stats.items()},
     }
 
@@ -304,7 +306,7 @@ def report(summary: dict) -> list[str]:
     if summary.get("ignored_members"):
         left = ", ".join(f".{k} ({v})" for k, v in summary["ignored_members"].items())
         lines.append(f"  left out of the shards (not a record, caption or known media): {left}")
-    lines.append(f"  wrote {summary['index']}/: lengths.jsonl, summary.json, rejects.jsonl")
+    lines.append(f"  wrote {summary['index']}/: columns (.npy), summary.json, rejects.jsonl")
     return lines
 
 
@@ -316,10 +318,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--config", help="the training config (data, tokenizer, patch size, budgets)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--manifest", help="index this data file (directory, glob) instead of the "
-                   "config's data (data.path's settings apply)")  # fmt: skip
+    p.add_argument(
+        "--manifest",
+        help="index this data file (directory, glob) instead of the "
+        "config's data (data.path's settings apply)",
+    )
     p.add_argument("--out", help="index folder (with --manifest; default: its keyed folder)")
-    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="local worker processes (0: in this process)",
+    )
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="auto",
+        default="",
+        metavar="ADDRESS",
+        help="run the shards as Ray tasks: on the cluster at ADDRESS, or (no "
+        "ADDRESS, `auto`) the one `ray start` started here, else a local one "
+        "(default: data.index_ray)",
+    )
     p.add_argument("--decode", action="store_true", help="fully decode media (slower, stricter)")
     args = p.parse_args(argv)
     failed = []
@@ -330,12 +350,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.out:
                 sets = [dataclasses.replace(sets[0], index_dir=args.out)]
         elif cfg.data.source == "synthetic":
-            raise ConfigError("the config reads the built-in synthetic data (data.source): give "
-                              "data.path or data.sources, or --manifest")  # fmt: skip
+            raise ConfigError(
+                "the config reads the built-in synthetic data (data.source): give "
+                "data.path or data.sources, or --manifest"
+            )
         else:
             sets = data_sets(cfg) + [e for e in [eval_set(cfg)] if e is not None]
         for ds in sets:
-            summary = index_data_set(cfg, ds, workers=args.workers, decode=args.decode)
+            summary = index_data_set(
+                cfg, ds, workers=args.workers, decode=args.decode, ray=args.ray
+            )
             print("\n".join(report(summary)))
             problem = acceptance_problem(summary, cfg.data.min_accept)
             if problem:

@@ -29,6 +29,11 @@ class Items:
             sizes=np.array([v for x in lists for v in x], np.int64),
         )
 
+    @classmethod
+    def none(cls, samples: int) -> Items:
+        """No items for any of `samples` samples (a read-only view of one zero: no memory)."""
+        return cls(ptr=np.broadcast_to(np.int64(0), (samples + 1,)), sizes=np.zeros(0, np.int64))
+
     def __len__(self) -> int:
         return len(self.sizes)
 
@@ -47,11 +52,14 @@ class Items:
     def per_sample(self, values: np.ndarray | None = None) -> np.ndarray:
         """Sum within each sample of `values` (one per item; default: the sizes)."""
         values = self.sizes if values is None else values
-        sums = np.zeros(len(self.ptr) - 1, np.int64)
-        if len(values):
-            owner = np.repeat(np.arange(len(sums)), np.diff(self.ptr))
-            np.add.at(sums, owner, values)
-        return sums
+        if not len(values):
+            return np.zeros(len(self.ptr) - 1, np.int64)
+        # (the differences of the cumulative sum at each sample's first item: one pass and one
+        # gather, exact in integers)
+        total = np.empty(len(values) + 1, np.int64)
+        total[0] = 0
+        np.cumsum(values, out=total[1:])
+        return np.diff(total[self.ptr])
 
 
 @dataclass(frozen=True)
@@ -110,9 +118,13 @@ class LengthsIndex:
     text: np.ndarray
     items: dict[str, Items]
     mixture: Mixture | None = None  # several data sets drawn by weight (data.sources)
+    # The epoch order (`jaxmllm.plan.stream`): "permutation", a stored permutation (indexes
+    # held in memory: synthetic, benchmark mixes), or "index", a bijective index shuffle that
+    # stores nothing (a mapped index, `jaxmllm.data.columnar`, of any size)
+    shuffle: str = "permutation"
 
     def __post_init__(self):
-        empty = Items.from_lists([[] for _ in range(len(self.text))])
+        empty = Items.none(len(self.text))
         self.items = {p.name: self.items.get(p.name, empty) for p in ENCODERS}
 
     def __len__(self) -> int:
@@ -126,7 +138,7 @@ class LengthsIndex:
             items={
                 p.name: Items.from_lists([list(r.get(p.items, [])) for r in records])
                 for p in ENCODERS
-            },  # fmt: skip
+            },
         )
 
     @classmethod
@@ -141,7 +153,8 @@ class LengthsIndex:
                 sizes=np.concatenate(sizes).astype(np.int64),
             )
         text = np.concatenate([part.text for part in parts]).astype(np.int64)
-        return cls(text=text, items=items, mixture=mixture)
+        mapped = any(part.shuffle == "index" for part in parts)
+        return cls(text, items, mixture, "index" if mapped else "permutation")
 
     def record(self, i: int) -> dict:
         """Sample i in the lengths-file format."""

@@ -44,7 +44,7 @@ class MixtureSource:
             ) from None
         self.parts, self.mixture = list(parts), mixture
         self.starts = np.asarray(mixture.starts, np.int64)
-        self.index = LengthsIndex.concat([p.index for p in parts], mixture)
+        self._index: LengthsIndex | None = None
         self.specials = parts[0].specials  # (one tokenizer for all)
         self.media_ids = list(self.specials.media.values())
         self.startup_rejects = [{**e, "source": name} for p, name in zip(parts, names, strict=True)
@@ -56,6 +56,17 @@ class MixtureSource:
 
     def __len__(self) -> int:
         return int(self.starts[-1])
+
+    @property
+    def index(self) -> LengthsIndex:
+        """The sources' lengths one after another (made on first use: a worker process,
+        which loads samples through the parts, never needs this copy of every count)."""
+        if self._index is None:
+            self._index = LengthsIndex.concat([p.index for p in self.parts], self.mixture)
+        return self._index
+
+    def __getstate__(self):
+        return {**self.__dict__, "_index": None}
 
     def _at(self, i: int) -> tuple[int, int]:
         s = int(np.searchsorted(self.starts, int(i), "right")) - 1

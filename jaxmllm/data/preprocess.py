@@ -351,6 +351,7 @@ class Images:
     budget, one part each, taken whole."""
 
     size_key = "image_sizes"  # an index row's (height, width) of each image
+    size_types = (int, int)
     whole = True  # an image is never cut: it fits whole or the sample is cut before it
     pixels = True  # data.on_oversize: shrink lowers its pixel budget
 
@@ -389,6 +390,7 @@ class Clips:
     `audio_max_frames` (one part each); a limit trims a chunk to whole LLM tokens."""
 
     size_key = "audio_samples"  # an index row's (samples, sample rate) of each clip
+    size_types = (int, int)
     whole = False
     pixels = False
 
@@ -425,6 +427,7 @@ class Videos:
     the video's first temporal patches)."""
 
     size_key = "video_sizes"  # an index row's (frames, frame rate, height, width) of each video
+    size_types = (int, float, int, int)
     whole = True
     pixels = True
 

@@ -37,6 +37,8 @@ REASONS = {
     "template_inconsistent": "the chat template's text before an assistant turn changes later",
     "no_encoder": "the record has items of a phase the model has no encoder for (model.<phase>)",
     "record_failed": "reading the record raised an unexpected error (named in the detail)",
+    "record_crashed": "the index's worker process died reading the record (out of memory, an "
+    "abort in native code); the build went on without it",
 }
 
 

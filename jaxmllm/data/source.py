@@ -1,15 +1,17 @@
 """The training source of a data set in any format: index checked, oversize applied.
 
-`open_source(cfg)` is what the trainer's pipeline calls: it loads the lengths index that
-`python -m jaxmllm.data.index` wrote (and stops, printing that command, when it is missing, was
-built with other preprocessing settings or for other files, or accepted too few records),
-applies data.on_oversize to the rows no bucket can hold, and returns a `ManifestSource` whose
-item i is the Sample of index row i; for data.sources, a `MixtureSource` of one per source.
+`open_source(cfg)` is what the trainer's pipeline calls: it maps the lengths index that
+`python -m jaxmllm.data.index` wrote (and stops, printing that command, when it is missing,
+damaged or of an older format, was built with other preprocessing settings or for other files,
+or accepted too few records), applies data.on_oversize to the samples no bucket can hold
+(`jaxmllm.data.oversize`), and returns a `ManifestSource` whose item i is the Sample of index
+row i; for data.sources, a `MixtureSource` of one per source. Opening reads the summary and
+each column's header, checks the counts in one pass of bounded memory, and keeps nothing per
+sample: the planner's lengths are views of the mapped columns.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -17,16 +19,19 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from jaxmllm.config import Config, ConfigError, phases
-from jaxmllm.config.phases import BY_NAME, ENCODERS
+from jaxmllm.config import Config, ConfigError
+from jaxmllm.config.phases import ENCODERS, KIND
+from jaxmllm.data.columnar import ColumnError, Strings
 from jaxmllm.data.datasets import DataSet, acceptance_problem, data_sets, index_command, index_dir
-from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.data.lengths import Items, LengthsIndex
 from jaxmllm.data.mixture import MixtureSource
-from jaxmllm.data.preprocess import MEDIA, Limits, Params, Preprocessor, Sizes
-from jaxmllm.data.records import open_records, read_record
-from jaxmllm.data.records.formats import data_files
+from jaxmllm.data.oversize import apply_oversize
+from jaxmllm.data.preprocess import MEDIA, Limits, Params, Preprocessor
+from jaxmllm.data.records import Records, media_paths, read_record
+from jaxmllm.data.records.formats import data_files, detect
 from jaxmllm.data.rejects import DataError, RecordError, fail_message, index_line
 from jaxmllm.data.samples import Sample
+from jaxmllm.data.stored import FORMAT, StoredIndex, check_lengths, check_places
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.data.text.tokenizer import PretrainedTokenizer, make_tokenizer
 
@@ -38,88 +43,153 @@ log = logging.getLogger("jaxmllm")
 class ManifestSource:
     """grain random-access source over the index's accepted records: `source[i]` -> Sample.
 
-    Row i of the lengths index is record `rows[i]["row"]` of the file; `limits[i]` holds the
-    oversize policy's repair of row i, if any.
+    `stored` is the mapped index (`jaxmllm.data.stored.StoredIndex`); `index` the planner's
+    lengths (the stored counts, or, where the oversize policy repaired or dropped samples, a
+    patched copy); sample i is stored row `keep[i]` (None: row i), and `limits[i]` holds the
+    oversize policy's repair of sample i, if any.
     """
 
-    def __init__(self, records, pre: Preprocessor, rows: list[dict], limits: dict[int, Limits]):
-        self.records, self.pre, self.rows, self.limits = records, pre, rows, limits
+    def __init__(
+        self,
+        records,
+        pre: Preprocessor,
+        stored: StoredIndex,
+        index: LengthsIndex,
+        keep: np.ndarray | None = None,
+        limits: dict[int, Limits] | None = None,
+    ):
+        self.records, self.pre, self.stored, self.index = records, pre, stored, index
+        self.keep, self.limits = keep, dict(limits or {})
+        # (the planner's lengths are the mapped columns themselves: a worker maps them again)
+        self.mapped = keep is None and index.text is stored.text
         self.specials = pre.tokenizer.specials  # what bucketize pads with and finds slots by
         self.media_ids = list(self.specials.media.values())
-        self.index = LengthsIndex.from_records(rows)
         self.startup_rejects: list[dict] = []  # oversize repairs and skips made at start-up
         self.index_rejects: dict[str, int] = {}  # rejects counted by the index, by reason
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.index)
 
     def __getitem__(self, i: int) -> Sample:
         return self.load(i)
 
+    def stored_row(self, i: int) -> int:
+        """The index row of sample i."""
+        return int(i) if self.keep is None else int(self.keep[int(i)])
+
+    @property
+    def rows(self) -> Rows:
+        """The samples' index rows, as dicts (ids, places, counts, media sizes)."""
+        return Rows(self)
+
     def load(self, i: int, keep: dict[str, tuple[int, ...]] | None = None) -> Sample:
         """Sample i, decoding only the items `keep[phase]` lists (None = all); the others are
         None in the Sample (on several hosts, another host encodes them)."""
-        row = self.rows[int(i)]
-        record = read_record(self.records, int(row["row"]))
-        if record.id != row["id"]:
-            raise RecordError(
-                "changed_since_index", f"record {row['row']} is now {record.id!r}", row["id"]
-            )
+        j = self.stored_row(i)
+        rid, k = self.stored.ids[j], int(self.stored.row[j])
+        if not 0 <= k < len(self.records):
+            raise RecordError("changed_since_index", f"record {k} is past the data's end", rid)
+        record = read_record(self.records, k)
+        if record.id != rid:
+            raise RecordError("changed_since_index", f"record {k} is now {record.id!r}", rid)
         limits = self.limits.get(int(i), Limits())
-        sample = self.pre.sample(int(i), record, sizes_of(row), limits, keep)
+        sample = self.pre.sample(int(i), record, self.stored.media_sizes(j), limits, keep)
         # The plan reserved exactly the index's counts; a record edited since (same byte size,
         # other tokens) would overflow its slot into a neighbour's, so refuse it instead.
         want = self.index.record(int(i))
         got = {"text": int(np.isin(sample.tokens, self.media_ids, invert=True).sum())}
         for p in ENCODERS:
-            got[p.items] = [_indexed(want[p.items], j) if m is None else len(m[0])
-                            for j, m in enumerate(sample.media[p.name])]  # fmt: skip
+            got[p.items] = [
+                _indexed(want[p.items], j) if m is None else len(m[0])
+                for j, m in enumerate(sample.media[p.name])
+            ]
         if got != want:
-            raise RecordError("changed_since_index", f"now {got}, the index says {want}", row["id"])
+            raise RecordError("changed_since_index", f"now {got}, the index says {want}", rid)
         return sample
 
     def record_id(self, i: int) -> str:
-        return self.rows[int(i)]["id"]
+        return self.stored.ids[self.stored_row(i)]
+
+    def __getstate__(self):
+        return {**self.__dict__, "index": None} if self.mapped else self.__dict__
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.index is None:
+            self.index = self.stored.lengths()
+
+    def head(self, n: int) -> ManifestSource:
+        """This source's first `n` samples (a held-out set's share)."""
+        index = self.index
+        items = {
+            p: Items(it.ptr[: n + 1], it.sizes[: int(it.ptr[n])]) for p, it in index.items.items()
+        }
+        part = LengthsIndex(index.text[:n], items, shuffle=index.shuffle)
+        keep = np.arange(n) if self.keep is None else self.keep[:n]
+        limits = {i: lim for i, lim in self.limits.items() if i < n}
+        return ManifestSource(self.records, self.pre, self.stored, part, keep, limits)
+
+
+class Rows:
+    """A source's samples as index rows (dicts): `rows[i]`, `len(rows)`, iteration."""
+
+    def __init__(self, source: ManifestSource):
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> dict:
+        s, j = self.source, self.source.stored_row(i)
+        sizes = s.stored.media_sizes(j)
+        row = {"id": s.stored.ids[j], "row": int(s.stored.row[j]), "line": int(s.stored.line[j])}
+        row.update(s.index.record(int(i)))
+        row.update({m.size_key: [list(x) for x in sizes.media[k]] for k, m in MEDIA.items()})
+        return row
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
 def _indexed(counts: list, j: int) -> int:
     return counts[j] if j < len(counts) else -1  # -1: not in the index, a mismatch
 
 
-def sizes_of(row: dict) -> Sizes:
-    """The media sizes an index row recorded."""
-    return Sizes({p: [tuple(s) for s in row.get(media.size_key, [])] for p, media in MEDIA.items()})
-
-
 # ----------------------------------------------------------------------------- loading the index
 
 
-def load_index(cfg: Config, ds: DataSet) -> tuple[list[dict], dict, Path]:
-    """The index rows, summary and folder of data set `ds`, checked against the config and the
-    files: it must exist, match the preprocessing settings and the files, and have accepted
-    enough of the records (data.min_accept)."""
+def load_index(cfg: Config, ds: DataSet) -> StoredIndex:
+    """The index of data set `ds`, mapped and checked against the config and the files: it
+    must exist, be whole (every column what its summary says), match the preprocessing
+    settings and the files, and have accepted enough of the records (data.min_accept)."""
     out = index_dir(ds, Params.from_config(cfg).counted())
     try:
         files = data_files(ds.path)
     except FileNotFoundError as e:
         raise ConfigError(f"data.path: {e}") from None
-    rebuild = f"Build it once with:\n  {index_command(cfg)}"
-    if not (out / "summary.json").exists():
-        raise ConfigError(f"no lengths index for {ds.path} in {out}/ (data.index_dir). {rebuild}")
-    summary = json.loads((out / "summary.json").read_text())
+    rebuild = f"Rebuild it:\n  {index_command(cfg)}"
+    summary = _summary(out, ds, cfg)
     want = Params.from_config(cfg).counted()
-    diff = [f"{k}: index {summary['params'].get(k)!r}, config {v!r}" for k, v in want.items()
-            if summary["params"].get(k) != v]  # fmt: skip
+    params = summary.get("params") if isinstance(summary.get("params"), dict) else {}
+    diff = [
+        f"{k}: index {params.get(k)!r}, config {v!r}" for k, v in want.items() if params.get(k) != v
+    ]
     if diff:
         raise ConfigError(
             f"the index in {out}/ was built with other preprocessing settings ({'; '.join(diff)})."
-            f" Rebuild it:\n  {index_command(cfg)}"
+            f" {rebuild}"
         )
-    now = [[str(f.absolute()), f.stat().st_size] for f in files]
-    if summary.get("files") != now:
+    try:
+        stored = StoredIndex(out, summary)
+    except ColumnError as e:
+        raise ConfigError(f"the index in {out}/ is damaged: {e}. {rebuild}") from None
+    if not same_files(stored, files):
+        raise ConfigError(f"{ds.path} changed since its index in {out}/ was built. {rebuild}")
+    fmt = ds.format if ds.format != "auto" else detect(files)[0]
+    if summary.get("format") != fmt:
         raise ConfigError(
-            f"{ds.path} changed since its index in {out}/ was built. Rebuild it:\n"
-            f"  {index_command(cfg)}"
+            f"the index in {out}/ says its files are {summary.get('format')!r}, they read as "
+            f"{fmt!r}. {rebuild}"
         )
     problem = acceptance_problem(summary, cfg.data.min_accept)
     if problem:
@@ -127,9 +197,47 @@ def load_index(cfg: Config, ds: DataSet) -> tuple[list[dict], dict, Path]:
             f"the index of {ds.path} in {out}/ {problem}; see {out}/rejects.jsonl, fix the "
             f"data (or data.format), then rebuild it:\n  {index_command(cfg)}"
         )
-    with open(out / "lengths.jsonl") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return rows, summary, out
+    return stored
+
+
+def _summary(out: Path, ds: DataSet, cfg: Config) -> dict:
+    """The index's summary.json, or a ConfigError saying why there is no usable one."""
+    command = index_command(cfg)
+    if not (out / "summary.json").exists():
+        if (out / "lengths.jsonl").exists():
+            raise ConfigError(
+                f"the index in {out}/ is an older jaxmllm's (lengths.jsonl); this one maps "
+                f"columns instead. Rebuild it:\n  {command}"
+            )
+        raise ConfigError(
+            f"no lengths index for {ds.path} in {out}/ (data.index_dir). Build it once "
+            f"with:\n  {command}"
+        )
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (ValueError, OSError) as e:
+        raise ConfigError(
+            f"{out}/summary.json is unreadable ({e}). Rebuild it:\n  {command}"
+        ) from None
+    if not isinstance(summary, dict) or summary.get("index_format") != FORMAT:
+        found = summary.get("index_format") if isinstance(summary, dict) else None
+        raise ConfigError(
+            f"the index in {out}/ is of another format ({out}/summary.json says "
+            f"index_format {found!r}, this jaxmllm reads {FORMAT!r}). Rebuild it:\n  {command}"
+        )
+    return summary
+
+
+def same_files(stored: StoredIndex, files: list[Path]) -> bool:
+    """Whether `files` are the index's data files, with the sizes they had."""
+    now = Strings.of(str(f.absolute()) for f in files)
+    sizes = np.asarray([f.stat().st_size for f in files], np.int64)
+    indexed = stored.files
+    return (
+        np.array_equal(now.offsets, indexed.offsets)
+        and np.array_equal(now.data, indexed.data)
+        and np.array_equal(sizes, stored.file_sizes)
+    )
 
 
 def open_source(cfg: Config) -> ManifestSource | MixtureSource:
@@ -155,29 +263,69 @@ def open_source(cfg: Config) -> ManifestSource | MixtureSource:
 
 
 def open_data_set(cfg: Config, ds: DataSet, tokenizer) -> ManifestSource:
-    """One data set's source: its index loaded and checked, oversize policy applied."""
-    rows, summary, out = load_index(cfg, ds)
-    check_videos(cfg, sum(len(r.get(MEDIA["video"].size_key, [])) for r in rows), ds.path)
+    """One data set's source: its index mapped and checked, oversize policy applied."""
+    stored = load_index(cfg, ds)
+    summary, out = stored.summary, stored.folder
+    check_videos(cfg, len(stored.sizes["video"][1]), ds.path)
     if cfg.data.on_error == "fail" and summary.get("rejected"):
-        first = json.loads((out / "rejects.jsonl").read_text().splitlines()[0])
+        with open(out / "rejects.jsonl") as f:
+            first = json.loads(f.readline())
         err = RecordError(first["reason"], first["detail"], first["id"])
         raise DataError(
             fail_message(err, "data.on_error", first.get("where") or f"line {first['line']}")
             + f" ({summary['rejected']} rejected records in all: {out}/rejects.jsonl)"
         )
+    try:
+        check_lengths(stored, largest_items(cfg))
+        check_places(stored)
+    except ColumnError as e:
+        raise ConfigError(
+            f"the index in {out}/ is damaged: {e}. Rebuild it:\n  {index_command(cfg)}"
+        ) from None
     pre = Preprocessor(Params.from_config(cfg), tokenizer)
-    with np.load(out / "scan.npz", allow_pickle=False) as saved:
-        scan = dict(saved)
-    records = open_records(
-        ds.path, summary["format"], ds.media_root, scan, data=cfg.data, confine=ds.confine
+    files = FileList(stored.files)
+    caps = {"max_bytes": cfg.data.max_media_bytes}
+    paths = media_paths(ds.path, files, ds.media_root, cfg.data, ds.confine)
+    records = Records(
+        files,
+        stored.file_starts,
+        summary["format"],
+        paths,
+        stored.scans,
+        summary.get("detected", ""),
+        caps,
     )
     level = logging.WARNING if summary.get("rejected") else logging.INFO  # (once, at start-up)
     log.log(level, index_line(ds.path, records.format, summary, out))
-    kept, limits, startup = apply_oversize(cfg, rows, records, pre)
-    source = ManifestSource(records, pre, kept, limits)
+    index, keep, limits, startup = apply_oversize(cfg, stored, records, pre)
+    source = ManifestSource(records, pre, stored, index, keep, limits)
     source.startup_rejects = startup
     source.index_rejects = dict(summary.get("rejects", {}))
     return source
+
+
+class FileList:
+    """The index's data files as Paths, from its mapped column."""
+
+    def __init__(self, paths: Strings):
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, f: int) -> Path:
+        return Path(self.paths[f])
+
+
+def largest_items(cfg: Config) -> dict[str, int]:
+    """Per encoder phase, the most units one item can have under the config's preprocessing
+    (an index claiming more was not written by a build with these settings)."""
+    out: dict[str, int] = {}
+    for kind, media in MEDIA.items():
+        if hasattr(media, "largest"):
+            phase = KIND[kind].phase
+            out[phase] = max(out.get(phase, 0), media.largest(cfg))
+    return out
 
 
 def check_videos(cfg: Config, videos: int, where: str = "") -> None:
@@ -189,86 +337,6 @@ def check_videos(cfg: Config, videos: int, where: str = "") -> None:
             "model.vision.video is false: set model.vision.video: true (and "
             "model.vision.enabled), or use data without videos"
         )
-
-
-# ----------------------------------------------------------------------------- oversize
-
-
-def bucket_limits(cfg: Config) -> Limits:
-    """What one sample may use: the LLM row always; encoder buckets when their size is fixed
-    (`batch.capacity: auto` sizes them from the data, so they always fit)."""
-    b, m = cfg.batch, cfg.model
-    fixed = b.capacity == "fixed"
-    units = {p.name: p.bucket(b) for p in phases.enabled(m)} if fixed else {}
-    return Limits(max_tokens=b.llm_row_len, max_units=units)
-
-
-def apply_oversize(cfg: Config, rows: list[dict], records, pre: Preprocessor):
-    """Applies data.on_oversize to rows no bucket can hold.
-
-    Returns (kept rows, their repairs by new row number, reject entries). shrink lowers the
-    image and video pixel budgets until the sample fits, then trims audio, cuts videos and the
-    sequence; truncate only trims and cuts; skip drops the record; fail stops naming it.
-    """
-    caps, policy = bucket_limits(cfg), cfg.data.on_oversize
-    need = _needs(LengthsIndex.from_records(rows), pre, caps)  # {what: (cap, key, per sample)}
-    over = np.zeros(len(rows), bool)
-    for cap, _, values in need.values():
-        over |= values > cap
-    kept, limits, rejects = [], {}, []
-    for i, row in enumerate(rows):
-        if not over[i]:
-            kept.append(row)
-            continue
-        what = ", ".join(
-            f"{values[i]} {unit} > batch.{key}={cap}"
-            for unit, (cap, key, values) in need.items()
-            if values[i] > cap
-        )
-        err = RecordError("oversize", what, row["id"])
-        if policy == "fail":
-            raise DataError(fail_message(err, "data.on_oversize", f"line {row['line']}"))
-        repaired = None if policy == "skip" else _repair(row, records, pre, caps, policy)
-        if repaired is None:
-            rejects.append(err.to_json(line=row["line"], action="skip"))
-            continue
-        lim, new_row = repaired
-        limits[len(kept)] = lim
-        kept.append(new_row)
-        rejects.append(err.to_json(line=row["line"], action=policy, limits=lim.to_json()))
-    return kept, limits, rejects
-
-
-def _needs(index: LengthsIndex, pre: Preprocessor, caps: Limits) -> dict[str, tuple]:
-    """What each sample needs of each bounded bucket: {its unit: (the bound, its batch key,
-    the need per sample)}."""
-    out = {"tokens": (caps.max_tokens, "llm_row_len", index.llm_tokens(pre.per_token))}
-    units = index.units()
-    for name, cap in caps.max_units.items():
-        p = BY_NAME[name]
-        out[p.unit] = (cap, p.capacity, units[name])
-    return out
-
-
-def _repair(row: dict, records, pre: Preprocessor, caps: Limits, policy: str):
-    """(limits, repaired row) or None when nothing learnable is left."""
-    record = read_record(records, int(row["row"]))
-    sizes = sizes_of(row)
-    pixels = any(sizes.media[k] for k, media in MEDIA.items() if media.pixels)
-    p = pre.p
-    budget = p.image_max_pixels if policy == "shrink" and pixels else None
-    unit = (p.patch_size * p.merge) ** 2
-    while True:
-        # (a video's budget shrinks with the images': at the same share of its own)
-        video = None if budget is None else p.video_max_pixels * budget // p.image_max_pixels
-        lim = dataclasses.replace(caps, max_pixels=budget, video_pixels=video or None)
-        layout = pre.layout(record, sizes, lim)
-        if budget is None or not layout.cut or budget <= unit:
-            break
-        budget = max(unit, int(budget * 0.8))  # shrink the images and videos until nothing is cut
-    if layout.loss_tokens() == 0:
-        return None
-    return lim, {**row, **layout.counts()}
 
 
 def make_source(cfg: Config) -> tuple[grain.MapDataset, LengthsIndex]:

@@ -96,6 +96,8 @@ class StepIterator(grain.DatasetIterator):
         variant = "whole"
         if self.variants is not None:  # a compiled program per variant used
             batch, variant = self.variants.pick(plan, self.index, batch)
+        if plan.variant:  # (a long step's tile lists: `jaxmllm.plan.ladder`, its own program)
+            variant += f"+long{plan.variant}"
         mix = self.index.mixture  # (data.sources: the step's samples per source)
         fill = fill_stats(batch)  # this host's buckets
         times.bucketize_s = clock.lap()

@@ -38,7 +38,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxmllm.config import AUTO_SIZES, Config, ConfigError, to_dict
+from jaxmllm.config import AUTO_LADDERS, AUTO_SIZES, Config, ConfigError, to_dict
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.loop import distributed
 from jaxmllm.loop.base import check_base
@@ -368,16 +368,27 @@ def keep_resolved(cfg: Config, out: Path) -> Config:
         for k in AUTO_SIZES
         if getattr(cfg.batch, k) == -1 and isinstance(saved.get(k), int) and saved[k] >= 0
     }
+    keep |= {  # (the long variants' tiles: lists, [-1] auto; none where the run that wrote
+        # the checkpoints predates them: it planned without)
+        k: tuple(saved.get(k, ()))
+        for k in AUTO_LADDERS
+        if getattr(cfg.batch, k) == (-1,) and (k not in saved or _counts(saved[k]))
+    }
     if not keep:
         return cfg
     log.info("resuming: batch sizes resolved by the run that wrote the checkpoints: %s", keep)
     return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, **keep))
 
 
+def _counts(value: object) -> bool:
+    """Whether a saved value is a resolved list of counts (>= 0)."""
+    return isinstance(value, list) and all(isinstance(v, int) and v >= 0 for v in value)
+
+
 def resolved_keys(cfg: Config) -> list[str]:
     """The `batch.*` keys a run resolves from the data (`-1` sizes, `capacity: auto`'s encoder
     buckets): what depends on the context groups besides the planner's plans."""
-    keys = [f"batch.{k}" for k in AUTO_SIZES]
+    keys = [f"batch.{k}" for k in (*AUTO_SIZES, *AUTO_LADDERS)]
     if cfg.batch.capacity == "auto":
         keys += [f"batch.{p.capacity}" for p in ENCODERS]
     return keys

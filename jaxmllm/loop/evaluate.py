@@ -91,7 +91,7 @@ def eval_source(cfg: Config):
     if e.source == "synthetic":
         held = HeldOut(cfg)
         return held, held.index
-    from jaxmllm.data.source import ManifestSource, open_source
+    from jaxmllm.data.source import open_source
 
     # (its media paths lead as data.eval's index read them: `jaxmllm.data.datasets.eval_set`)
     data = dataclasses.replace(
@@ -102,8 +102,7 @@ def eval_source(cfg: Config):
     except ConfigError as err:
         raise ConfigError(f"data.eval: {err}") from None
     n = len(full) if not e.samples else min(e.samples, len(full))
-    limits = {i: lim for i, lim in full.limits.items() if i < n}
-    source = ManifestSource(full.records, full.pre, full.rows[:n], limits)
+    source = full.head(n)
     return source, source.index
 
 

@@ -37,11 +37,14 @@ class TimingsRecorder:
         self._file = open(self.path, "a")
         self._pending: tuple[dict, jax.Array, dict] | None = None
         self._last, self._last_step = time.perf_counter(), None
+        self._variants: set[str] = set()
 
-    def dispatched(self, step: int, signal: jax.Array, work: dict) -> None:
+    def dispatched(self, step: int, signal: jax.Array, work: dict, variant: str = "") -> None:
         """Step `step` is queued on the devices: the step before it is timed when it is done
-        (waiting on its `signal`, a small output such as its loss)."""
-        first = self._last_step is None  # this process compiles the step on its first call
+        (waiting on its `signal`, a small output such as its loss). A step of a `variant` this
+        process has not run yet (`StepInfo.variant`: another program) compiles it."""
+        first = variant not in self._variants  # (each program compiles on its first call)
+        self._variants.add(variant)
         self._finish()
         row = {"step": step, "compile": first, "checkpoint": False}
         self._pending, self._last_step = (row, signal, work), step

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxmllm.config.phases import ENCODERS
+from jaxmllm.config.phases import ENCODERS, LLM
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.contract import (
     Capacities,
@@ -27,7 +27,8 @@ from jaxmllm.plan.contract import (
 )
 from jaxmllm.plan.pack import pack_phase
 from jaxmllm.plan.route import keep_capacity, localize
-from jaxmllm.plan.work import ENC, Micro, Phases
+from jaxmllm.plan.summary import summary_of
+from jaxmllm.plan.work import ENC, Micro, Phases, Pool
 
 LATE_FITS = 64  # most samples the joint packing's rounds missed that it tries one by one
 
@@ -45,9 +46,9 @@ class Assignment(Protocol):
         """Raises OversizeError, naming the config key to change, if the data cannot fit."""
         ...
 
-    def samples(self, ph: Phases, mb: Micro, s: np.ndarray, urgent: np.ndarray) -> np.ndarray:
-        """Places the LLM part of samples `s`: each one's row bin (device * rows + row), -1
-        where it did not fit; adds them to `mb`'s loads."""
+    def samples(self, ph: Phases, mb: Micro, s: Pool, urgent: np.ndarray) -> np.ndarray:
+        """Places the LLM part of samples (their work `s`): each one's row bin (device * rows
+        + row), -1 where it did not fit; adds them to `mb`'s loads."""
         ...
 
     def items(
@@ -78,21 +79,21 @@ class JointAssignment:
             )
         check_fits(index, caps)
 
-    def samples(self, ph: Phases, mb: Micro, s: np.ndarray, urgent: np.ndarray) -> np.ndarray:
+    def samples(self, ph: Phases, mb: Micro, s: Pool, urgent: np.ndarray) -> np.ndarray:
         """Vector bin packing: in rounds of one sample per device, the biggest samples (urgent
         first, then by their largest share of a bucket) to the devices least full in their
         fullest phase, each in the device's emptiest row; then up to LATE_FITS of those that
         missed, one by one, to the device where they fit tightest."""
         caps = ph.caps
         d_n, r_n, row_len = caps.devices, caps.llm_rows, caps.llm_row_len
-        w = ph.work[s]
+        w = s.work
         cap = ph.cap_vec
         norm = np.where(cap > 0, w / np.maximum(cap, 1), 0).max(1)
         order = np.lexsort((-norm, ~urgent))
-        out = np.full(len(s), -1, np.int64)
+        out = np.full(len(s.llm), -1, np.int64)
         rows2 = mb.rows.units.reshape(d_n, r_n)
         enc = np.stack([mb.enc[p].units for p in ENC], 1)  # [D, encoder phases] (written back)
-        for start in range(0, len(s), d_n):
+        for start in range(0, len(s.llm), d_n):
             idx = order[start : start + d_n]
             dev_load = np.concatenate([rows2.sum(1, keepdims=True), enc], 1)
             score = (dev_load / np.maximum(cap, 1)).max(1)
@@ -144,34 +145,32 @@ class RoutedAssignment:
                 "devices: set batch.route_pair_capacity > 0 (e.g. the largest "
                 "item's encoder rows)"
             )
-        llm = index.llm_tokens(caps.per_token)
-        checks = [(llm_row_key(caps), llm, caps.llm_bin_len)]
+        most = summary_of(index, caps.per_token).most  # (the largest document per phase)
+        checks = [(llm_row_key(caps), most[LLM], caps.llm_bin_len)]
         for p in ENCODERS:
-            values, cap, per = index.items[p.name].sizes, caps.units[p.name], caps.per_token[p.name]
-            if len(values) and not cap:
+            n, cap, per = len(index.items[p.name]), caps.units[p.name], caps.per_token[p.name]
+            if n and not cap:
                 raise OversizeError(
                     f"the data has {p.items} but model.{p.name}.enabled is false: enable it, "
                     f"or use data without {p.items}"
                 )
-            checks.append((f"batch.{p.capacity}", values, cap))
-            if len(values) and values.max() // per > caps.route_pair_capacity:
+            checks.append((f"batch.{p.capacity}", most[p.name], cap))
+            if n and most[p.name] // per > caps.route_pair_capacity:
                 raise OversizeError(
-                    f"an item needs {int(values.max() // per)} encoder rows, more than "
+                    f"an item needs {most[p.name] // per} encoder rows, more than "
                     f"batch.route_pair_capacity={caps.route_pair_capacity}; raise it"
                 )
         for key, need, cap in checks:
-            bad = np.flatnonzero(need > cap)
-            if len(bad):
+            if need > cap:
                 raise OversizeError(
-                    f"{len(bad)} item(s) need more than {key}={cap} (the "
-                    f"largest needs {int(need.max())}); raise {key}"
+                    f"an item needs more than {key}={cap} (the largest needs {need}); raise {key}"
                 )
         check_tiles_fit(index, caps)
 
-    def samples(self, ph: Phases, mb: Micro, s: np.ndarray, urgent: np.ndarray) -> np.ndarray:
+    def samples(self, ph: Phases, mb: Micro, s: Pool, urgent: np.ndarray) -> np.ndarray:
         """The LLM phase on its own: samples to rows (bins of llm_row_len, or of a context
         group's rows)."""
-        rows, _ = pack_phase(ph.llm[s], mb.rows, ph.caps.llm_bin_len, urgent, costs=ph.llm_cost[s])
+        rows, _ = pack_phase(s.llm, mb.rows, ph.caps.llm_bin_len, urgent, costs=s.llm_cost)
         return rows
 
     def items(self, ph, mb, rows, items, urgent, ok):

@@ -34,9 +34,11 @@ import numpy as np
 
 from jaxmllm.config.phases import LLM
 from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.plan import ladder
 from jaxmllm.plan.assign import Assignment, text_home
 from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
-from jaxmllm.plan.ragged import gather_items, offsets_in_bins
+from jaxmllm.plan.ladder import Ladder
+from jaxmllm.plan.ragged import offsets_in_bins
 from jaxmllm.plan.select import Selector
 from jaxmllm.plan.stream import stream_of
 from jaxmllm.plan.work import ENC, Micro, Phases
@@ -45,6 +47,11 @@ from jaxmllm.plan.work import ENC, Micro, Phases
 MANY_BUCKETS = 128  # beyond this many buckets the planner works coarser (see __init__)
 MAX_AGE = 4  # default: most steps a sample waits
 LOOKAHEAD = 0.5  # default: share of the step's capacity the window holds beyond it
+# A microbatch whose placement left a phase short of RETRY_FILL of its capacity although its
+# selection brought that much (items too big for the packers at FILL: broad mixes of long
+# documents and big images) is selected again at RETRY_FILL, and the fuller of the two kept
+# (routing strategies; measured in plan/README.md)
+RETRY_FILL = 0.98
 TILE_RETRIES = 2  # times a sample a device's tile capacity turned away tries other devices
 
 
@@ -62,6 +69,7 @@ class Balancer:
         assignment: Assignment,
         max_age: int = MAX_AGE,
         lookahead: float = LOOKAHEAD,
+        long_wait: int | None = None,
     ):
         assignment.check(index, caps)
         self.index, self.caps, self.seed = index, caps, seed
@@ -77,9 +85,16 @@ class Balancer:
         buckets = caps.microbatches * caps.devices
         self.lookahead = lookahead * min(1.0, (MANY_BUCKETS / max(buckets, 1)) ** 0.5)
         self.slack_pass = buckets <= MANY_BUCKETS or not assignment.routed
+        # (a routing strategy packs each phase on its own: the retry at RETRY_FILL lets it fit
+        # big items it left out; `balanced`'s whole samples gained nothing, omni: see README)
+        self.retry = assignment.routed
         self.stream = stream_of(index, seed)
         self.phases = Phases(index, caps)
-        self.selector = Selector(self.phases, self.lookahead)
+        # per step variant (`jaxmllm.plan.ladder`: the long one plans the long samples)
+        self.selectors = [Selector(self.phases, self.lookahead, v) for v in range(caps.variants)]
+        self.selector = self.selectors[0]  # (the step's, as it plans)
+        wait = ladder.LONG_WAIT if long_wait is None else long_wait
+        self.ladder = Ladder(caps, wait) if caps.variants > 1 else None
         self.cursor, self.step = 0, 0
         self.deferred = np.zeros((0, 2), np.int64)  # (sample, stream step it was pulled at)
         self.ages = np.zeros(0, np.int64)
@@ -103,20 +118,46 @@ class Balancer:
     def plan(self) -> StepPlan:
         """Plans the next step and advances the state."""
         caps, step = self.caps, self.step
-        pool, fresh = self.selector.window(self.stream, self.cursor, self.deferred, step)
+        held, variant = None, 0
+        if self.ladder is not None:  # (a long step plans the long samples; the rest wait)
+            waiting = self._rungs(self.deferred[:, 0])
+            variant = self.ladder.variant(step, self.deferred[:, 1], waiting)
+            held = waiting > variant
+        self.selector = self.selectors[variant]
+        pool, fresh = self.selector.window(self.stream, self.cursor, self.deferred, step, held)
+        # The pool's work: by sample where every sample's is kept, else by pool position
+        every = self.phases.every
+        if every is not None:
+            self.work_of, self.at = every, pool[:, 0]
+        else:
+            self.work_of, self.at = self.phases.of(pool[:, 0]), np.arange(len(pool))
         self.cursor += fresh
         samples, since = pool[:, 0], pool[:, 1]
         urgent = step - since >= self.max_age - 1
         taken = np.zeros(len(pool), bool)
-        work = np.take(self.phases.sel_work_t, samples, axis=1)  # [phase, pool position]
+        held = None
+        if self.ladder is not None:
+            rungs = self._rungs(samples)
+            held = rungs > variant  # (they wait for a step of their variant)
+            urgent = (urgent & (rungs == 0)) | ((rungs > 0) & ~held)  # (long ones first)
+            taken |= held
+        work = np.take(self.work_of.sel, self.at, axis=1)  # [phase, pool position]
         left = work.sum(1)  # work of the pool not yet taken
+        if held is not None:
+            left -= work[:, held].sum(1)
         micros = []
         for m in range(caps.microbatches):
-            mb = Micro(caps, self.phases.cost)
+            mb = Micro(caps, self.phases.cost, variant)
             # Across microbatches first: each gets at most an equal share of what is left.
             share = left / (caps.microbatches - m)
             sel = self.selector.select(work, taken, share, urgent=urgent)
             self._add(mb, sel, samples, urgent)
+            if self.retry and self._left_short(mb, work, sel, urgent):
+                again = Micro(caps, self.phases.cost, variant)
+                sel = self.selector.select(work, taken, share, urgent=urgent, fill=RETRY_FILL)
+                self._add(again, sel, samples, urgent)
+                if self._fuller(again, urgent) > self._fuller(mb, urgent):
+                    mb = again
             taken[np.concatenate(mb.entries)] = True
             # Slack left: the next samples of the window that fit it, in the same order.
             if self.slack_pass:
@@ -126,13 +167,39 @@ class Balancer:
             taken[placed] = True
             left = left - np.take(work, placed, axis=1).sum(1)
             micros.append(mb)
+        if held is not None:
+            taken &= ~held  # (they wait)
         self.deferred = pool[~taken]
         self.step += 1
-        return self._emit(step, micros, samples, since)
+        return self._emit(step, micros, samples, since, variant)
+
+    def _rungs(self, samples: np.ndarray) -> np.ndarray:
+        """Per sample, its rung of the ladder (`Ladder.rungs`)."""
+        pool = self.phases.of(samples)
+        return self.ladder.rungs(pool.llm, {p: it[:2] for p, it in pool.items.items()})
+
+    def _left_short(self, mb: Micro, work: np.ndarray, sel: np.ndarray, urgent) -> bool:
+        """Whether the placement of a selection (`sel`) left out an urgent sample, or left
+        some phase short of RETRY_FILL of the microbatch's capacity where the selection
+        brought at least that much: a selection at RETRY_FILL, leaving the packers room, may
+        then place more."""
+        placed = np.concatenate(mb.entries)
+        if self.slack_pass and urgent[sel].sum() > urgent[placed].sum():
+            return True  # (past MANY_BUCKETS buckets one waits a step more instead)
+        full = RETRY_FILL * self.caps.devices * self.phases.cap_vec
+        chosen = np.take(work, sel, axis=1).sum(1)[: len(full)]
+        return bool(((chosen >= full) & (mb.used() < full)).any())
+
+    def _fuller(self, mb: Micro, urgent: np.ndarray) -> tuple[int, float]:
+        """What makes one placement of a microbatch better than another: the urgent samples
+        it places, then its units over its capacity summed over the phases."""
+        placed = np.concatenate(mb.entries)
+        fill = float((mb.used() / np.maximum(self.phases.cap_vec, 1)).sum())
+        return int(urgent[placed].sum()), fill
 
     def _free(self, mb: Micro) -> np.ndarray:
         """Units still free in each phase of the microbatch."""
-        return self.caps.devices * self.phases.sel_cap - mb.used_selected(self.phases)
+        return self.caps.devices * self.selector.cap_vec - mb.used_selected(self.phases)
 
     # ------------------------------------------------------------------ placement
 
@@ -150,18 +217,18 @@ class Balancer:
         if not len(entries):
             return
         ph = self.phases
-        s = samples[entries]
+        s, at = samples[entries], self.at[entries]
+        pw = self.work_of.take(at, sel=False)
         ends = {LLM: mb.rows.units.copy(), **{p: mb.enc[p].units.copy() for p in ENC}}
-        rows = self.assignment.samples(ph, mb, s, urgent[entries])
+        rows = self.assignment.samples(ph, mb, pw, urgent[entries])
         items = {}
         ok = rows >= 0
         for p in ENC:
-            owner, j, flat = gather_items(ph.ptr[p], s)
-            items[p] = (owner, j, ph.sizes[p][flat], ph.item_cost[p][flat])
+            items[p] = self.work_of.items_of(p, at)
         ok, devs = self.assignment.items(ph, mb, rows, items, urgent[entries], ok)
         retry, offsets = np.zeros(0, np.int64), {}
         if mb.tiles is not None:  # block-sparse attention: each device within its tiles
-            placed = {LLM: (np.arange(len(s)), rows, ends[LLM], ph.llm[s])}
+            placed = {LLM: (np.arange(len(s)), rows, ends[LLM], pw.llm)}
             for p in ENC:
                 placed[p] = (items[p][0], devs[p], ends[p], items[p][2])
             fitted = ok.copy()
@@ -169,8 +236,8 @@ class Balancer:
             retry = entries[fitted & ~ok]
         # Roll back the samples that did not get all their parts.
         bad = np.flatnonzero(~ok & (rows >= 0))
-        np.subtract.at(mb.rows.units, rows[bad], ph.llm[s[bad]])
-        np.subtract.at(mb.rows.quad, rows[bad], ph.llm_cost[s[bad]])
+        np.subtract.at(mb.rows.units, rows[bad], pw.llm[bad])
+        np.subtract.at(mb.rows.quad, rows[bad], pw.llm_cost[bad])
         for p in ENC:
             owner, j, size, cost = items[p]
             dev = devs[p]
@@ -184,12 +251,12 @@ class Balancer:
             mb.routes[p].add(size[keep], dev[keep], text_home(rows, self.caps)[owner[keep]])
         mb.entries.append(entries[ok])
         mb.row_bin.append(rows[ok])
-        mb.row_offset.append(_offsets(rows, ph.llm[s], ends[LLM], ok, offsets.get(LLM)))
+        mb.row_offset.append(_offsets(rows, pw.llm, ends[LLM], ok, offsets.get(LLM)))
         if len(retry) and retries:
             self._add(mb, retry, samples, urgent, retries - 1)
 
     def _emit(
-        self, step: int, micros: list[Micro], samples: np.ndarray, since: np.ndarray
+        self, step: int, micros: list[Micro], samples: np.ndarray, since: np.ndarray, variant: int
     ) -> StepPlan:
         # Each microbatch's arrays concatenated straight into the step's (int64 already: no
         # astype copies; the offsets were laid out as each placement was kept).
@@ -235,6 +302,7 @@ class Balancer:
             offset=off,
             items=plans,
             deferred=len(self.deferred),
+            variant=variant,
         )
 
 

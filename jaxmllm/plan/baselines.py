@@ -183,11 +183,10 @@ class GrainPlanner:
         import grain
 
         hosts = len(self.host_devices)
-        n = len(self.index)
 
         def element(i):
             p = h + int(i) * hosts  # host h reads every hosts-th position of the global stream
-            s = int(self.stream.order(p // n)[p % n])
+            s = int(self.stream.at(np.array([p]))[0])
             out = {LLM: np.zeros(self.llm[s], np.int8), "pos": p}
             for phase in self.length_struct:
                 if phase != LLM:
@@ -223,7 +222,7 @@ class GrainPlanner:
             it.set_state(st)
 
     def plan(self) -> StepPlan:
-        caps, n = self.caps, len(self.index)
+        caps = self.caps
         pos, micro, dev = [], [], []
         for h, it in enumerate(self._iters):
             devs = self.host_devices[h]
@@ -233,10 +232,7 @@ class GrainPlanner:
                 micro += [b // len(devs)] * len(got)
                 dev += [int(devs[b % len(devs)])] * len(got)
         pos, micro, dev = (np.array(x, np.int64) for x in (pos, micro, dev))
-        samples = np.empty(len(pos), np.int64)
-        for e in np.unique(pos // n):
-            sel = pos // n == e
-            samples[sel] = self.stream.order(int(e))[pos[sel] % n]
+        samples = self.stream.at(pos)
         bins = micro * caps.devices + dev  # packed in arrival order within each bin
         offset = offsets_in_bins(bins, self.llm[samples])
         items = {}

@@ -17,6 +17,7 @@ import numpy as np
 from jaxmllm.plan.tiles import expected_tiles
 
 Cost = Callable[[np.ndarray], np.ndarray]  # item sizes -> their quadratic cost (float64)
+TABLE_MAX = 1 << 22  # `tile_cost` reads sizes up to this many attention units off a table
 
 
 def quad_cost(sizes: np.ndarray) -> np.ndarray:
@@ -28,8 +29,22 @@ def quad_cost(sizes: np.ndarray) -> np.ndarray:
 
 def tile_cost(block: int, causal: bool, per: int = 1) -> Cost:
     """The cost of items under block-sparse attention: the tiles each adds on average
-    (`jaxmllm.plan.tiles.expected_tiles`) over its `sizes // per` attention units."""
-    return lambda sizes: expected_tiles(np.asarray(sizes, np.int64) // per, block, causal)
+    (`jaxmllm.plan.tiles.expected_tiles`) over its `sizes // per` attention units (read off
+    a table of every size up to the largest seen, grown by doubling: the planner prices the
+    items of every step's window, and a table look-up is a tenth of the arithmetic)."""
+    table = np.zeros(0)
+
+    def cost(sizes: np.ndarray) -> np.ndarray:
+        nonlocal table
+        units = np.asarray(sizes, np.int64) // per
+        top = int(units.max(initial=0))
+        if top >= TABLE_MAX:
+            return expected_tiles(units, block, causal)
+        if top >= len(table):
+            table = expected_tiles(np.arange(max(2 * top + 1, 1024)), block, causal)
+        return table[units]
+
+    return cost
 
 
 @dataclass

@@ -12,9 +12,8 @@ first; the others can fill only up to their demand relative to it).
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,14 +23,10 @@ from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.contract import (
     Capacities,
     Planner,
-    device_tile_caps,
-    documents,
     pair_rows,
     step_documents,
-    step_tiles,
 )
-from jaxmllm.plan.select import BINDING
-from jaxmllm.plan.tiles import own_tiles, packed_density
+from jaxmllm.plan.summary import IndexSummary, summary_of
 
 
 def ladder_values(lo: int = 32, hi: int = 1 << 22, per_octave: int = 8) -> np.ndarray:
@@ -109,9 +104,13 @@ def suggest_capacities(
         ladder shape to the target (`batch.capacity: auto` keeps the user's LLM bucket).
       block: block-sparse attention's block: every row (LLM, patches, audio encoder rows) a
         whole number of blocks.
+
+    Proportions come from the index's summary (`summary.summary_of`: a uniform sample, the
+    whole index when small), extremes from its tail (the longest samples).
     """
-    llm = index.llm_tokens(per_token)
-    longest = int(llm.max()) if len(llm) else 1
+    summary = summary_of(index, per_token)
+    llm = summary.body.llm_tokens(per_token)
+    longest = summary.most[LLM] if summary.samples else 1
     target = max(llm_tokens_per_device, longest)
     mult = math.lcm(32, block)
     if max_row_len is None or target <= max_row_len:
@@ -129,7 +128,7 @@ def suggest_capacities(
             shapes += [(r, row_len) for r in (rows - 1, rows + 1) if r >= 1]
     best = None
     for rows, row_len in shapes:
-        sug = _encoder_caps(index, llm, rows, row_len, per_token, per_row, per_octave, block)
+        sug = _encoder_caps(summary, llm, rows, row_len, per_token, per_row, per_octave, block)
         mismatch = math.log(max(sug.demand.values()) / min(sug.demand.values()))
         score = (round(mismatch, 3), abs(math.log(rows * row_len / target)))
         if best is None or score < best[0]:
@@ -149,14 +148,15 @@ def encoder_capacities(
     """Encoder buckets matched to exactly `llm_tokens_per_device` LLM tokens a device (as one
     row): where the LLM rows are not a device's (a context group's rows are longer than any
     device's tokens, and its longest document no measure of a device's share)."""
-    llm = index.llm_tokens(per_token)
+    summary = summary_of(index, per_token)
+    llm = summary.body.llm_tokens(per_token)
     return _encoder_caps(
-        index, llm, 1, llm_tokens_per_device, per_token, per_row, per_octave, block
+        summary, llm, 1, llm_tokens_per_device, per_token, per_row, per_octave, block
     )
 
 
 def _encoder_caps(
-    index: LengthsIndex,
+    summary: IndexSummary,
     llm: np.ndarray,
     rows: int,
     row_len: int,
@@ -168,8 +168,8 @@ def _encoder_caps(
     llm_cap = rows * row_len
     total_llm = max(int(llm.sum()), 1)
     caps, demand = {}, {LLM: 1.0}
-    for name, per_sample in index.units().items():
-        if not per_sample.any():
+    for name, per_sample in summary.body.units().items():  # (the body's: `llm`'s samples)
+        if not summary.most_units[name]:
             caps[name] = 0
             continue
         # (a bucket: whole LLM tokens, a multiple of 4, whole blocks of encoder rows)
@@ -178,87 +178,10 @@ def _encoder_caps(
         ideal = llm_cap * per_sample.sum() / total_llm
         caps[name] = max(
             ladder_nearest(ideal, per_octave, mult),
-            ladder_up(int(per_sample.max()), per_octave, mult),
+            ladder_up(summary.most_units[name], per_octave, mult),
         )
         demand[name] = float(ideal / caps[name])
     return CapacitySuggestion(llm_rows=rows, llm_row_len=row_len, units=caps, demand=demand)
-
-
-# ----------------------------------------------------------------------------- tiles
-
-HELD_DRY_RUN_STEPS = 50  # a holding planner's tile capacity: at most what this many of its
-# plans needed without a bound (uniform data: its tiles are even without holding them)
-TILE_HEADROOM = 0.03  # a tile-aware planner's capacity: the data's mean need per device + this
-# With a cost model, the headroom among these that does the most useful work per computed FLOP
-# in a short dry run of each (`held_tiles`): a tight capacity turns samples away (fill falls,
-# by 3-5% at 8 devices on random mixes at +3%), a loose one computes padding tiles.
-HELD_HEADROOMS = (0.03, 0.06, 0.10, 0.15)
-HELD_TRIAL_STEPS = 12  # plans each headroom is tried for
-
-
-def tile_density(
-    index: LengthsIndex, caps: Capacities, most: int = 20000, seed: int = 0
-) -> dict[str, float]:
-    """Per phase, the attention tiles (of caps.block) the data needs per unit: a bucket of C
-    units of documents drawn from the data needs about C times this. Measured, not assumed:
-    (up to `most` of) the phase's documents in random order are laid one after another into
-    rows of the bucket's length, as a packer lays them, and their tiles counted, so sizes
-    that are multiples of the block (images of whole tiles) and documents a row boundary moves
-    count as they will."""
-    return {
-        phase: packed_density(n, row_len, caps.block, causal, most, seed)
-        for phase, (n, causal, row_len) in documents(index, caps).items()
-    }
-
-
-def suggest_tiles(
-    index: LengthsIndex,
-    caps: Capacities,
-    headroom: float = TILE_HEADROOM,
-    density: dict[str, float] | None = None,
-) -> dict[str, int]:
-    """Tile capacities per bucket for a planner that holds them (orchestrated): the mean need
-    of a bucket filled to the phase's long-run share (1 for the phases that bind, less for the
-    others: their buckets are filled only as far as the data's mix has work for them) plus
-    `headroom`, at least the largest document's own tiles, at most every tile of the bucket's
-    rows (0 for a phase without data). An LLM bucket is a device or a context group
-    (`contract.device_tile_caps` gives a device's). `density`: `tile_density(index, caps)`,
-    when the caller has it."""
-    units = {LLM: caps.llm_rows * caps.llm_bin_len}
-    units.update({p: caps.units[p] // caps.row_units(p) for p in NAMES})
-    rows = {p: caps.llm_rows if p == LLM else 1 for p in PHASES}
-    largest = {p: n for p, (n, _, _) in documents(index, caps).items()}
-    work = {p: float(largest[p].sum()) for p in units}
-    # (per device: a group's LLM bucket is context devices' units)
-    devices = {p: caps.context if p == LLM else 1 for p in PHASES}
-    demand = {p: work[p] * devices[p] / units[p] if units[p] else 0.0 for p in units}
-    top = max(demand.values()) or 1.0
-    share = {p: 1.0 if demand[p] >= BINDING * top else demand[p] / top for p in units}
-    out = {}
-    for phase, rho in (density or tile_density(index, caps)).items():
-        n, causal = largest[phase], phase == LLM
-        if not units[phase] or not len(n) or not n.any():
-            out[phase] = 0
-            continue
-        blocks = units[phase] // rows[phase] // caps.block
-        every = rows[phase] * int(own_tiles(np.array([blocks]), causal)[0])
-        alone = int(own_tiles(-(-n // caps.block), causal).max())
-        want = math.ceil(rho * units[phase] * share[phase] * (1 + headroom))
-        out[phase] = int(min(max(want, alone), every))
-    return out
-
-
-def largest_doc_tiles(index: LengthsIndex, caps: Capacities) -> dict[str, int]:
-    """Per phase, the tiles the data's largest document needs wherever in a block it starts
-    (it may span one block more than its size in blocks): the least a bucket's tile capacity
-    can be."""
-    out = {}
-    for phase, (n, causal, _) in documents(index, caps).items():
-        n = n[n > 0]
-        out[phase] = (
-            int(own_tiles(np.array([(n.max() - 1) // caps.block + 2]), causal)[0]) if len(n) else 0
-        )
-    return out
 
 
 def dry_run_documents(
@@ -276,117 +199,15 @@ def dry_run_documents(
 def most_documents(index: LengthsIndex, caps: Capacities) -> dict[str, int]:
     """Per phase, the most documents one packed row can hold with this data: the row over the
     smallest document (documents never share a position), at most the row, at least 1."""
+    least = summary_of(index, caps.per_token).least
     out = {}
-    for phase, (n, _, row) in documents(index, caps).items():
-        n = n[n > 0]
-        out[phase] = max(1, min(row, row // int(n.min()))) if len(n) and row else 1
+    for phase in PHASES:
+        per = 1 if phase == LLM else caps.row_units(phase)
+        row = caps.llm_bin_len if phase == LLM else caps.units[phase] // per
+        out[phase] = (
+            max(1, min(row, row // max(least[phase] // per, 1))) if least[phase] and row else 1
+        )
     return out
-
-
-def held_tiles(
-    planner: Planner,
-    index: LengthsIndex,
-    caps: Capacities,
-    steps: int,
-    *,
-    make: Callable[[Capacities], Planner] | None = None,
-    weights: dict[str, tuple[float, float]] | None = None,
-) -> dict:
-    """The tile capacities of a planner that holds them (`registry.HOLDS_TILES`), per phase the
-    least of: the data's mean need of a bucket filled to the phase's share plus headroom
-    (`suggest_tiles`); the mean need of `steps` of its own plans without a bound plus the same
-    headroom (less where its plans fill less than that: few devices to choose among, samples
-    that wait); the most any of those plans needed (uniform data, tiles even unheld). Never
-    below the largest document's own tiles. (`planner`, built on `caps` without tile bounds,
-    is used up.)
-
-    The headroom is TILE_HEADROOM, or with `make` (a planner on given capacities) and
-    `weights` (per phase: FLOPs per unit, per computed tile, from the cost model) the one of
-    HELD_HEADROOMS whose plans do the most useful work per FLOP the buckets compute
-    (`goodput`) over HELD_TRIAL_STEPS plans each.
-
-    Returns the `*_tiles` capacities (a device's, where an LLM bucket is a context group:
-    `contract.device_tile_caps`)."""
-    most, mean = dry_run_tile_stats(planner, index, caps, steps)
-    least = largest_doc_tiles(index, caps)
-    density = tile_density(index, caps)  # (once for every headroom tried)
-
-    def at(headroom: float) -> dict[str, int]:
-        bucket = {
-            p: max(least[p], min(n, most[p], math.ceil(mean[p] * (1 + headroom)))) if n else 0
-            for p, n in suggest_tiles(index, caps, headroom, density).items()
-        }
-        return device_tile_caps(caps, bucket)
-
-    if make is None or weights is None:
-        return at(TILE_HEADROOM)
-    best, best_score = at(HELD_HEADROOMS[0]), -1.0
-    for headroom in HELD_HEADROOMS:
-        tiles = at(headroom)
-        if headroom > HELD_HEADROOMS[0] and tiles == best:
-            continue
-        held = dataclasses.replace(caps, tiles=tiles)
-        score = goodput(make(held), index, held, HELD_TRIAL_STEPS, weights)
-        if score > best_score * (1 + 1e-9):
-            best, best_score = tiles, score
-    return best
-
-
-def goodput(
-    planner: Planner, index: LengthsIndex, caps: Capacities, steps: int, weights: dict
-) -> float:
-    """Useful FLOPs over computed FLOPs of `planner`'s first `steps` plans (`flop_share` of
-    their units and needed tiles over `caps`' buckets). (`planner` is used up.)"""
-    work = index.work(caps.per_token)
-    units, tiles = np.zeros(len(PHASES)), dict.fromkeys(weights, 0.0)
-    for _ in range(steps):
-        plan = planner.plan()
-        units += work[plan.samples].sum(0)
-        for phase, need in step_tiles(plan, index, caps).items():
-            tiles[phase] = tiles.get(phase, 0.0) + float(need.sum())
-    buckets = steps * caps.microbatches * caps.devices
-    return flop_share(units, tiles, caps, caps.tile_caps(), buckets, weights)
-
-
-def flop_share(
-    units: np.ndarray,
-    tiles: dict[str, float],
-    caps: Capacities,
-    cap_tiles: dict[str, int],
-    buckets: int,
-    weights: dict[str, tuple[float, float]],
-) -> float:
-    """Useful over computed FLOPs: the real `units` (per phase: LLM tokens, patches, frames)
-    and the `tiles` their documents need, over `buckets` buckets of `caps`' units and
-    `cap_tiles` tiles each, weighted by `weights[phase]` = (per unit, per tile)."""
-    cap_units = (caps.llm_rows * caps.llm_row_len, *(caps.units[p] for p in NAMES))
-    useful = computed = 0.0
-    for i, phase in enumerate(PHASES):
-        unit_w, tile_w = weights.get(phase, (0.0, 0.0))
-        useful += unit_w * float(units[i]) + tile_w * tiles.get(phase, 0.0)
-        computed += buckets * (unit_w * cap_units[i] + tile_w * cap_tiles.get(phase, 0))
-    return useful / computed if computed > 0 else 0.0
-
-
-def dry_run_tiles(planner: Planner, index: LengthsIndex, caps: Capacities, steps: int) -> dict:
-    """The most tiles any bucket of `planner` needs per phase over its first `steps` plans:
-    the smallest tile capacities a planner that ignores them never exceeds (`planner` is used
-    up: its state advances)."""
-    return dry_run_tile_stats(planner, index, caps, steps)[0]
-
-
-def dry_run_tile_stats(
-    planner: Planner, index: LengthsIndex, caps: Capacities, steps: int
-) -> tuple[dict[str, int], dict[str, float]]:
-    """(most, mean) tiles a bucket of `planner`'s first `steps` plans needs, per phase (the
-    mean over every bucket of every step; `planner` is used up)."""
-    most = dict.fromkeys(PHASES, 0)
-    total = dict.fromkeys(most, 0.0)
-    for _ in range(steps):
-        for phase, need in step_tiles(planner.plan(), index, caps).items():
-            most[phase] = max(most[phase], int(need.max(initial=0)))
-            total[phase] += float(need.mean()) if need.size else 0.0
-    return most, {p: t / max(steps, 1) for p, t in total.items()}
 
 
 # ----------------------------------------------------------------------------- routes
@@ -404,10 +225,8 @@ def whole_output_rows(caps: Capacities) -> int:
 def largest_item_rows(index: LengthsIndex, caps: Capacities) -> int:
     """The encoder output rows of the data's largest item: the least a route capacity can be
     (every item must be able to leave its device)."""
-    rows = [
-        int(index.items[p].sizes.max(initial=0)) // caps.per_token[p] if caps.units[p] else 0
-        for p in NAMES
-    ]
+    most = summary_of(index, caps.per_token).most
+    rows = [most[p] // caps.per_token[p] if caps.units[p] else 0 for p in NAMES]
     return max([*rows, 1])
 
 

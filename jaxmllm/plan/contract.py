@@ -17,6 +17,8 @@ import numpy as np
 from jaxmllm.config.checks import UserError
 from jaxmllm.config.phases import ENCODERS, LLM, NAMES, PHASES
 from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.plan.ragged import gather_items
+from jaxmllm.plan.summary import summary_of
 from jaxmllm.plan.tiles import bin_tiles, own_tiles
 
 
@@ -51,6 +53,11 @@ class Capacities:
     # placed on a group; its query blocks are dealt to the group's devices, llm_row_len tokens
     # each); the encoders keep one bucket per device. 1 = every device its own LLM bucket.
     context: int = 1
+    # The long variants of a step (`jaxmllm.plan.ladder`), in increasing order: per variant
+    # 1, 2, ... and phase, the tiles a device may compute in a step planned for documents too
+    # long for the variant below (empty: every step is planned with `tiles`; a phase missing
+    # or 0: the variant below's)
+    long_tiles: tuple[Mapping[str, int], ...] = ()
 
     def __post_init__(self):
         for key in ("units", "per_token", "per_row"):
@@ -62,9 +69,18 @@ class Capacities:
         """Units per encoder row of an encoder phase."""
         return self.per_row[phase]
 
-    def tile_caps(self) -> dict[str, int]:
-        """Per phase, the tiles a device may compute (0 = no bound)."""
-        return {p: self.tiles.get(p, 0) for p in PHASES}
+    def tile_caps(self, variant: int = 0) -> dict[str, int]:
+        """Per phase, the tiles a device may compute (0 = no bound) in a step of `variant`
+        (0: the base; v > 0: the long variant v, `long_tiles[v - 1]` where it sets a phase's)."""
+        out = {p: self.tiles.get(p, 0) for p in PHASES}
+        for long in self.long_tiles[:variant]:
+            out.update({p: n for p, n in long.items() if n})
+        return out
+
+    @property
+    def variants(self) -> int:
+        """Step variants: the base one and each long one (`long_tiles`)."""
+        return 1 + len(self.long_tiles)
 
     @property
     def llm_buckets(self) -> int:
@@ -116,6 +132,8 @@ class StepPlan:
     # Per encoder phase (every phase of the table, by name): where its items are encoded
     items: dict[str, ItemPlan] = field(default_factory=dict)
     deferred: int = 0  # samples waiting for a later step after this plan
+    # The step's variant: 0 the base, v > 0 a long one (its tiles `Capacities.tile_caps(v)`)
+    variant: int = 0
 
     def __post_init__(self):
         self.items = {p: self.items.get(p, ItemPlan.empty()) for p in NAMES}
@@ -144,19 +162,24 @@ class OversizeError(UserError):
 
 
 def check_fits(index: LengthsIndex, caps: Capacities) -> None:
-    """Fails at start-up, naming the sample and the config key, if any sample can never fit."""
-    checks = [(llm_row_key(caps), index.llm_tokens(caps.per_token), caps.llm_bin_len)]
-    units = index.units()
+    """Fails at start-up, naming the sample and the config key, if any sample can never fit
+    (from the index's summary: its extremes are exact; the samples named are the longest)."""
+    summary = summary_of(index, caps.per_token)
+    tail = summary.body if summary.whole else summary.tail
+    ids = summary.body_ids if summary.whole else summary.tail_ids
+    checks = [(llm_row_key(caps), tail.llm_tokens(caps.per_token), caps.llm_bin_len)]
+    units = tail.units()
     for p in ENCODERS:
         if caps.units[p.name]:
             checks.append((f"batch.{p.capacity}", units[p.name], caps.units[p.name]))
     for key, need, cap in checks:
         bad = np.flatnonzero(need > cap)
         if len(bad):
+            count = f"{len(bad)}" if summary.whole else f"at least {len(bad)}"
             raise OversizeError(
-                f"{len(bad)} sample(s) need more than {key}={cap} (sample {int(bad[0])} needs "
-                f"{int(need[bad[0]])}, the largest {int(need.max())}); raise {key} to at least "
-                f"{int(need.max())}"
+                f"{count} sample(s) need more than {key}={cap} (sample {int(ids[bad[0]])} "
+                f"needs {int(need[bad[0]])}, the largest {int(need.max())}); raise {key} to "
+                f"at least {int(need.max())}"
             )
     for p in ENCODERS:
         if not caps.units[p.name] and len(index.items[p.name]):
@@ -184,25 +207,28 @@ def documents(index: LengthsIndex, caps: Capacities) -> dict[str, tuple[np.ndarr
 
 def check_tiles_fit(index: LengthsIndex, caps: Capacities) -> None:
     """Fails at start-up, naming the config key, if a document alone (at the start of an empty
-    bucket) needs more attention tiles than its phase's tile capacity."""
+    bucket) needs more attention tiles than its phase's tile capacity (of the top variant: a
+    document too long for the base waits for a long step)."""
     if not caps.block:
         return
     b = caps.block
-    docs = documents(index, caps)
-    for phase, cap in bucket_tile_caps(caps).items():
-        sizes, causal, _ = docs[phase]
-        if not caps.tile_caps()[phase] or not len(sizes):
+    most = summary_of(index, caps.per_token).most  # (each phase's largest document)
+    variant = caps.variants - 1
+    for phase, cap in bucket_tile_caps(caps, variant).items():
+        per = 1 if phase == LLM else caps.row_units(phase)
+        size = most[phase] // per
+        if not caps.tile_caps(variant)[phase] or not size:
             continue
-        need = own_tiles(-(-sizes // b), causal)
-        if need.max() > cap:
-            least = int(need.max())
+        need = int(own_tiles(np.array([-(-size // b)]), phase == LLM)[0])
+        if need > cap:
+            key = f"{phase}_long_tiles" if variant else f"{phase}_tiles"  # (its last value)
+            least = need
             if phase == LLM and caps.context > 1:  # (a rank's share, and the dealing's slack)
                 least = -(-least // caps.context) + llm_deal_slack(caps)
             raise OversizeError(
-                f"a {phase} document of {int(sizes[np.argmax(need)])} units needs "
-                f"{int(need.max())} attention tiles of {b}, more than batch.{phase}_tiles="
-                f"{caps.tile_caps()[phase]} allows; raise batch.{phase}_tiles to at least "
-                f"{least} (or -1: sized from the data)"
+                f"a {phase} document of {size} units needs {need} attention tiles of {b}, more "
+                f"than batch.{key}={caps.tile_caps(variant)[phase]} allows; raise batch.{key} "
+                f"to at least {least} (or -1: sized from the data)"
             )
 
 
@@ -227,13 +253,14 @@ def device_tile_caps(caps: Capacities, bucket: dict[str, int]) -> dict:
     return out
 
 
-def bucket_tile_caps(caps: Capacities) -> dict[str, int]:
-    """Per phase, the tiles one bucket may need (0 = no bound): `caps.tile_caps()`, but with
-    context groups the LLM bucket is a group, whose ranks each compute `llm_tiles`: the group
-    holds context x (llm_tiles - `llm_deal_slack`), so that its blocks dealt to the ranks
-    keep every rank within llm_tiles (at least 1 where llm_tiles bounds: a capacity within
-    the slack holds nothing, and `check_tiles_fit` says so)."""
-    out = caps.tile_caps()
+def bucket_tile_caps(caps: Capacities, variant: int = 0) -> dict[str, int]:
+    """Per phase, the tiles one bucket may need (0 = no bound) in a step of `variant`:
+    `caps.tile_caps(variant)`, but with context groups the LLM bucket is a group, whose ranks
+    each compute `llm_tiles`: the group holds context x (llm_tiles - `llm_deal_slack`), so
+    that its blocks dealt to the ranks keep every rank within llm_tiles (at least 1 where
+    llm_tiles bounds: a capacity within the slack holds nothing, and `check_tiles_fit` says
+    so)."""
+    out = caps.tile_caps(variant)
     if caps.context > 1 and out[LLM]:
         out[LLM] = max(caps.context * (out[LLM] - llm_deal_slack(caps)), 1)
     return out
@@ -245,7 +272,7 @@ def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
     attention tiles within their capacity)."""
     d_n, r_n, row_len = caps.devices, caps.llm_rows, caps.llm_bin_len
     g_n = caps.llm_buckets
-    llm = index.llm_tokens(caps.per_token)[plan.samples]
+    llm = llm_tokens_of(index, plan.samples, caps.per_token)
     if (
         len(plan.samples)
         and (
@@ -262,7 +289,7 @@ def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
     _check_segments(plan.step, LLM, key, plan.offset, llm, row_len)
     for p in NAMES:
         it, items, per = plan.items[p], index.items[p], caps.per_token[p]
-        want = items.count()[plan.samples]
+        want = items.ptr[plan.samples + 1] - items.ptr[plan.samples]
         got = np.bincount(it.owner, minlength=len(plan.samples)) if len(it.owner) else want * 0
         uniq = len(np.unique(it.owner * (int(want.max(initial=0)) + 1) + it.item))
         if (got != want).any() or uniq != len(it.owner) or (it.item >= want[it.owner]).any():
@@ -283,15 +310,38 @@ def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
                 f"step {plan.step}: {p} rows between two devices exceed "
                 f"route_pair_capacity={caps.route_pair_capacity}"
             )
+    if plan.variant >= caps.variants:
+        raise ValueError(f"step {plan.step}: variant {plan.variant}, the capacities have none")
     if caps.block:
-        caps_by_phase = bucket_tile_caps(caps)
+        caps_by_phase = bucket_tile_caps(caps, plan.variant)
         for p, need in step_tiles(plan, index, caps).items():
-            cap = caps_by_phase[p] if caps.tile_caps()[p] else 0
+            cap = caps_by_phase[p] if caps.tile_caps(plan.variant)[p] else 0
             if cap and need.max(initial=0) > cap:
                 raise ValueError(
                     f"step {plan.step}: a device needs {int(need.max())} {p} attention tiles, "
                     f"more than its tile capacity {cap}"
                 )
+
+
+def work_of(index: LengthsIndex, samples: np.ndarray, per_token: Mapping[str, int]) -> np.ndarray:
+    """`LengthsIndex.work` of `samples` alone (a plan's, not the whole index's): per sample
+    its LLM tokens, then each encoder phase's units [sample, phase]."""
+    s = np.asarray(samples, np.int64)
+    out = np.zeros((len(s), len(PHASES)), np.int64)
+    out[:, 0] = index.text[s]
+    for k, (p, items) in enumerate(index.items.items(), 1):
+        owner, _, flat = gather_items(items.ptr, s)
+        size = np.asarray(items.sizes[flat], np.int64)
+        out[:, 0] += np.bincount(owner, size // per_token[p], len(s)).astype(np.int64)
+        out[:, k] = np.bincount(owner, size, len(s)).astype(np.int64)
+    return out
+
+
+def llm_tokens_of(
+    index: LengthsIndex, samples: np.ndarray, per_token: Mapping[str, int]
+) -> np.ndarray:
+    """The LLM sequence length of each of `samples` (`work_of`'s first column)."""
+    return work_of(index, samples, per_token)[:, 0]
 
 
 def item_rows(plan: StepPlan, index: LengthsIndex, caps: Capacities, phase: str) -> np.ndarray:
@@ -324,7 +374,7 @@ def phase_docs(
     """The documents attention sees in one phase of a plan, in its units (LLM tokens, patches,
     audio encoder rows = frames / audio stride): (microbatch, device, row, offset, size) each."""
     if phase == LLM:
-        llm = index.llm_tokens(caps.per_token)[plan.samples]
+        llm = llm_tokens_of(index, plan.samples, caps.per_token)
         return plan.micro, plan.device, plan.row, plan.offset, llm
     it = plan.items[phase]
     size = index.items[phase].size(plan.samples[it.owner], it.item)

@@ -30,12 +30,13 @@ SWAP_SHORT = 0.02  # a phase this far (share of a microbatch) below what it may 
 class Selector:
     """Window and selection of the balanced planners, from the phases' long-run demands."""
 
-    def __init__(self, phases: Phases, lookahead: float):
-        # (the phases' units, and their expected tiles where tiles have a capacity: Phases)
-        self.caps, self.cap_vec, self.work_t = phases.caps, phases.sel_cap, phases.sel_work_t
+    def __init__(self, phases: Phases, lookahead: float, variant: int = 0):
+        # (the phases' units, and their expected tiles where tiles have a capacity: Phases; in
+        # a step of `variant`)
+        self.caps, self.phases = phases.caps, phases
+        self.cap_vec = phases.sel_caps[variant]
         self.lookahead = lookahead
-        width = len(self.cap_vec)
-        self.mean_work = phases.sel_work.mean(0) if len(phases.sel_work) else np.ones(width)
+        self.mean_work = phases.mean_work
         # Long-run share of its capacity each phase fills when the most demanding one is full.
         demand = np.where(self.cap_vec > 0, self.mean_work / np.maximum(self.cap_vec, 1), 0)
         # Tile rows (after the phases' units) only bound what a microbatch takes: no share of
@@ -51,17 +52,24 @@ class Selector:
         self.micro_cap = np.where(nonbinding, self.share + HEADROOM * (1 - self.share), 1.0)
 
     def window(
-        self, stream: SampleStream, cursor: int, deferred: np.ndarray, step: int
+        self,
+        stream: SampleStream,
+        cursor: int,
+        deferred: np.ndarray,
+        step: int,
+        held: np.ndarray | None = None,
     ) -> tuple[np.ndarray, int]:
         """The step's pool of (sample, step pulled) pairs and the count of fresh samples taken
         from `stream` at `cursor`: the `deferred` ones, then fresh ones until every phase holds
         its long-run share of the step's capacity plus `lookahead`, or one phase its whole
         capacity plus `lookahead` (a rare modality must not make the window, and so the waits,
-        grow)."""
+        grow). `held`: the deferred ones this step cannot take (long samples in a base step,
+        `jaxmllm.plan.ladder`), which count for nothing."""
         m = self.caps.microbatches * self.caps.devices
         budget = np.where(self.share > 0, m * self.cap_vec * self.share, np.inf)
         goal = (1 + self.lookahead) * budget
-        have = np.take(self.work_t, deferred[:, 0], axis=1).sum(1)
+        counted = deferred[:, 0] if held is None else deferred[~held, 0]
+        have = self.phases.sel_of(counted).sum(1)
         per = np.where(self.cap_vec > 0, self.mean_work, 0)
         need = np.where(per > 0, np.where(np.isfinite(goal), goal, 0) - have, 0)
         n = int((need / np.maximum(per, 1e-9)).max()) + 16
@@ -77,7 +85,7 @@ class Selector:
         ]
         while True:
             fresh = stream.take(cursor, n)
-            cum = np.cumsum(np.take(self.work_t, fresh, axis=1), 1)
+            cum = np.cumsum(self.phases.sel_of(fresh), 1)
             first = [int(np.searchsorted(cum[p], int(np.ceil(b)), "left")) for p, b in all_in]
             k = max(first, default=0)
             for p, b in one_full:
@@ -97,12 +105,13 @@ class Selector:
         rounds: int = ROUNDS,
         small: bool = False,
         urgent: np.ndarray | None = None,
+        fill: float = FILL,
     ) -> np.ndarray:
         """Pool positions (priority order) that together fit one microbatch in every phase and
         take at most about `share` of each phase's work (with `small`: exactly `share`, and
         only samples no bigger than SMALL of a bucket in any phase). `work`: [phase, pool
         position]."""
-        full = self.caps.devices * self.cap_vec.astype(np.float64) * FILL
+        full = self.caps.devices * self.cap_vec.astype(np.float64) * fill
         left = np.minimum(full, np.where(share > 0, share * OVER_SHARE, full))
         left = np.minimum(left, full * self.micro_cap)  # (non-binding phases: see __init__)
         if small:
@@ -167,7 +176,7 @@ class Selector:
             if not chosen.any():
                 return np.flatnonzero(chosen)
         if urgent is not None:
-            self.swap(work, taken, chosen, left, urgent)
+            self.swap(work, taken, chosen, left, urgent, fill)
         return np.flatnonzero(chosen)
 
     def swap(
@@ -177,6 +186,7 @@ class Selector:
         chosen: np.ndarray,
         left: np.ndarray,
         urgent: np.ndarray,
+        fill: float = FILL,
     ) -> None:
         """Trades chosen samples for others of the window when a phase is left short.
 
@@ -193,7 +203,7 @@ class Selector:
         not bind, no binding phase but the fullest one gives anything up. Updates `chosen` in
         place. Urgent samples never wait.
         """
-        full = self.caps.devices * self.cap_vec * FILL
+        full = self.caps.devices * self.cap_vec * fill
         rel = left / np.maximum(full, 1)
         target = (full > 0) & self.units
         p = int(np.argmax(np.where(target, rel, -1.0)))

@@ -23,13 +23,9 @@ from jaxmllm.config.spec import documents_bounded
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.preprocess import MEDIA
 from jaxmllm.plan.capacity import (
-    HELD_DRY_RUN_STEPS,
     ROUTE_DRY_RUN_STEPS,
     dry_run_documents,
-    dry_run_tiles,
     encoder_capacities,
-    held_tiles,
-    largest_doc_tiles,
     most_documents,
     route_capacity,
     suggest_capacities,
@@ -38,6 +34,7 @@ from jaxmllm.plan.contract import Capacities, Planner, device_tile_caps
 from jaxmllm.plan.cost import CostModel
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
 from jaxmllm.plan.tiles import bin_tiles, own_tiles
+from jaxmllm.plan.tilesize import HELD_DRY_RUN_STEPS, dry_run_tiles, largest_doc_tiles, size_tiles
 
 log = logging.getLogger("jaxmllm")
 
@@ -189,51 +186,76 @@ def resolve_route(cfg: Config, index: LengthsIndex, devices: int | None) -> int:
     return route_capacity(planner, index, caps, steps, cfg.train.steps)
 
 
+# Long variants of the step (`jaxmllm.plan.ladder`) only for runs of this many steps: each is
+# one more program to compile (minutes for a large model), which a shorter run would spend
+# more on than its padding tiles cost it
+LADDER_MIN_STEPS = 1000
 DRY_RUN_STEPS = 2000  # at most this many steps planned to size a planner's tile capacities
 DRY_RUN_HEADROOM = 0.1  # added when the run is longer than the dry run
 
 
-def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict[str, int]:
-    """The `batch.*_tiles: -1` (auto) of block-sparse attention, resolved (the rest resolved).
+def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict:
+    """The `batch.*_tiles: -1` and `batch.*_long_tiles: [-1]` (auto) of block-sparse
+    attention, resolved (the rest resolved).
 
     A planner that holds a tile capacity near the mean (`HOLDS_TILES`: orchestrated) gets the
     data's mean need per device plus the headroom (of a few) whose plans do the most useful
-    work per FLOP the buckets compute under the model's cost (`held_tiles`), or less where a dry
-    run of `HELD_DRY_RUN_STEPS` of its plans without a bound never needed as much (uniform
-    data, where its tiles are even without holding them); any other gets the
-    most its own buckets need in a dry run of its plans (`DRY_RUN_STEPS` at most, then
-    `DRY_RUN_HEADROOM` more when the run is longer), so that its buckets always fit and the
-    comparison shows what its packing costs. Never below what the largest document needs.
+    work per FLOP the buckets compute under the model's cost (`capacity.size_tiles`), or less
+    where a dry run of `HELD_DRY_RUN_STEPS` of its plans without a bound never needed as much
+    (uniform data, where its tiles are even without holding them); where the longest documents
+    need more than that, long variants of the step for them (`jaxmllm.plan.ladder`: with its
+    tiles auto, in a run of LADDER_MIN_STEPS or more, without context groups, whose split
+    shares a long document among the group).
+    Any other planner gets the most its own buckets need in a dry run of its plans
+    (`DRY_RUN_STEPS` at most, then `DRY_RUN_HEADROOM` more when the run is longer), so that its
+    buckets always fit and the comparison shows what its packing costs, and no long variant.
+    Every document fits the top variant, wherever in a block it starts.
     """
     b = cfg.batch
     keys = {p: key for p, key in tile_keys().items() if getattr(b, key) == -1}
-    if cfg.model.attention != "block_sparse" or not keys:
+    longs = {p: key for p, key in long_tile_keys().items() if getattr(b, key) == (-1,)}
+    if cfg.model.attention != "block_sparse" or not (keys or longs):
         return {}
+    out = {key: () for key in longs.values()}  # (no long variant unless sized below)
+    if not keys:
+        return out
     caps = capacities(cfg, devices or 1)  # (the -1s: no bound)
     if devices is None:
         devices = sharding.data_parallel_size(sharding.make_mesh(cfg.mesh))
         caps = dataclasses.replace(caps, devices=devices)
     planner = make_planner(b.planner, index, caps, cfg.data.seed)
+    long = ()
     if b.planner in HOLDS_TILES:
         # (the headroom that does the most useful work per computed FLOP of the cost model)
         weights = CostModel.from_model(cfg.model).tile_weights(caps.block, caps.per_row)
-        need = held_tiles(
+        ladder = (
+            len(longs) == len(long_tile_keys())
+            and cfg.mesh.context == 1
+            and cfg.train.steps >= LADDER_MIN_STEPS
+        )
+        sizes = size_tiles(
             planner,
             index,
             caps,
             min(cfg.train.steps, HELD_DRY_RUN_STEPS),
             make=lambda c: make_planner(b.planner, index, c, cfg.data.seed),
             weights=weights,
+            ladder=ladder or bool(caps.long_tiles),
         )
+        need, long = sizes.tiles, sizes.long if ladder else ()
     else:
         steps = min(cfg.train.steps, DRY_RUN_STEPS)
         need = dry_run_tiles(planner, index, caps, steps)
         if steps < cfg.train.steps:
             need = {p: math.ceil(n * (1 + DRY_RUN_HEADROOM)) for p, n in need.items()}
-    # Documents the dry run did not meet fit too, wherever in a block they start.
-    least = device_tile_caps(caps, largest_doc_tiles(index, caps))
-    need = {p: max(n, least[p]) for p, n in need.items()}
-    return {key: max(need[p], 1) for p, key in keys.items()}
+    if not long and not caps.long_tiles:
+        # Documents the dry run did not meet fit too, wherever in a block they start.
+        least = device_tile_caps(caps, largest_doc_tiles(index, caps))
+        need = {p: max(n, least[p]) for p, n in need.items()}
+    out.update({key: max(need[p], 1) for p, key in keys.items()})
+    if long and longs:
+        out.update({key: tuple(rung[p] for rung in long) for p, key in longs.items()})
+    return out
 
 
 DOCUMENTS_HEADROOM = 0.25  # cuDNN's documents per row: over the dry run's most, when longer
@@ -268,6 +290,11 @@ def resolve_documents(cfg: Config, index: LengthsIndex, devices: int | None) -> 
 def tile_keys() -> dict[str, str]:
     """Per phase, the batch key of its tile capacity (block-sparse attention)."""
     return {LLM: "llm_tiles", **{p.name: p.tiles for p in ENCODERS}}
+
+
+def long_tile_keys() -> dict[str, str]:
+    """Per phase, the batch key of its long variants' tiles (block-sparse attention)."""
+    return {LLM: "llm_long_tiles", **{p.name: p.long_tiles for p in ENCODERS}}
 
 
 def document_keys() -> dict[str, str]:
@@ -324,6 +351,8 @@ def resolve_bounds(cfg: Config, devices: int) -> Config:
               if p in tiles and getattr(b, key) == -1}  # fmt: skip
     bounds |= {key: docs[p] for p, key in document_keys().items()
                if p in docs and getattr(b, key) == -1}  # fmt: skip
+    # (the bounds are the worst any data needs: no long variant holds more)
+    bounds |= {key: () for key in long_tile_keys().values() if getattr(b, key) == (-1,)}
     return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, **bounds))
 
 
@@ -340,6 +369,15 @@ def capacities(cfg: Config, devices: int) -> Capacities:
     on = {p.name: p in phases.in_batch(m, b) for p in ENCODERS}
     tiles = {p: max(getattr(b, key), 0) if sparse and on.get(p, True) else 0
              for p, key in tile_keys().items()}  # fmt: skip
+    longs = {
+        p: getattr(b, key) if sparse and on.get(p, True) else ()
+        for p, key in long_tile_keys().items()
+    }
+    variants = max((len(v) for v in longs.values() if v != (-1,)), default=0)
+    long_tiles = tuple(
+        {p: v[k] if len(v) > k and v != (-1,) else 0 for p, v in longs.items()}
+        for k in range(variants)
+    )
     return Capacities(
         microbatches=b.microbatches,
         devices=devices,
@@ -353,6 +391,7 @@ def capacities(cfg: Config, devices: int) -> Capacities:
         context=cfg.mesh.context,
         block=b.attention_block if sparse else 0,
         tiles=tiles,
+        long_tiles=long_tiles,
     )
 
 

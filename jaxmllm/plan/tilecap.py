@@ -22,11 +22,12 @@ from jaxmllm.plan.tiles import packed_tiles
 
 class TileBudget:
     """Exact tiles per bucket and phase of one microbatch (`used`), and their capacities (an
-    LLM bucket is a device, or a context group: `contract.bucket_tile_caps`)."""
+    LLM bucket is a device, or a context group: `contract.bucket_tile_caps`) in a step of
+    `variant` (`contract.Capacities.tile_caps`)."""
 
-    def __init__(self, caps: Capacities):
+    def __init__(self, caps: Capacities, variant: int = 0):
         self.block = caps.block
-        self.caps = bucket_tile_caps(caps)
+        self.caps = bucket_tile_caps(caps, variant)
         self.per_row = {p: caps.row_units(p) for p in PHASES[1:]}  # units per encoder row
         self.per_row[LLM] = 1
         self.llm_rows = caps.llm_rows

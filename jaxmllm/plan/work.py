@@ -7,32 +7,42 @@ tokens first, then each encoder phase's units; `ENC` names the encoder phases.
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from jaxmllm.config.phases import LLM, NAMES, PHASES
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.bins import Cost, Loads, quad_cost, tile_cost
 from jaxmllm.plan.contract import Capacities, bucket_tile_caps
+from jaxmllm.plan.ragged import gather_items
 from jaxmllm.plan.route import Routes
+from jaxmllm.plan.summary import summary_of
 from jaxmllm.plan.tilecap import TileBudget
 from jaxmllm.plan.tiles import expected_tiles, packed_density
 
 ENC = NAMES
 TILE_SCALE = 16  # selection counts expected tiles in 1/16 tiles, integers like the units
+KEEP_EVERY = 1 << 21  # `Phases` keeps every sample's work for indexes of at most this many
+_EVERY: dict[tuple, Pool] = {}  # (that work, per index and the capacities it depends on)
 
 
 class Phases:
-    """The index's work per sample and phase, and the per-device capacities it must fit."""
+    """How much work each sample is per phase, and the per-device capacities it must fit.
+
+    Per-sample work is computed for the samples a step looks at (`of`: its window, its
+    deferred ones), from the index's arrays, never for the whole index at once: start-up and
+    memory do not grow with the data set. What needs the whole data (the selection's long-run
+    mean, the expected tiles' scale) comes from its summary (`summary.summary_of`: a uniform
+    sample and its tail; the whole index when it is small, so plans are what they were)."""
 
     def __init__(self, index: LengthsIndex, caps: Capacities):
-        self.caps = caps
-        self.work = index.work(caps.per_token)  # [sample, phase]
-        self.llm = np.ascontiguousarray(self.work[:, 0])  # LLM tokens per sample
+        self.caps, self.index = caps, index
         self.sizes = {p: index.items[p].sizes for p in ENC}  # per item
         self.ptr = {p: index.items[p].ptr for p in ENC}  # items of a sample
         self.per_row = dict(caps.per_token)  # units per LLM row (projector output row)
         self.cap = dict(caps.units)  # per device
-        self.work_t = np.ascontiguousarray(self.work.T)  # [phase, sample], for fast columns
         self.cap_vec = np.array(
             [caps.llm_rows * caps.llm_row_len, *(caps.units[p] for p in ENC)], np.int64
         )  # [phase]: units per device and microbatch
@@ -41,62 +51,177 @@ class Phases:
         if caps.block:
             self.cost = {LLM: tile_cost(caps.block, True)}
             self.cost.update({p: tile_cost(caps.block, False, caps.row_units(p)) for p in ENC})
-        # ... of each sample's text and each item, once (the packers' and loads' `sq`)
-        self.llm_cost = self.cost[LLM](self.llm)
-        self.item_cost = {p: self.cost[p](self.sizes[p]) for p in ENC}
         # What selection fits into a microbatch (`Selector`): each phase's units, and where
         # the tiles have a capacity (block-sparse attention and a planner that holds it) each
         # such phase's expected tiles too, so that a step takes a mix of samples whose tiles
         # fit as well as their tokens, instead of one the tile capacity then turns away.
-        self.sel_work, self.sel_cap = self.work, self.cap_vec
-        # per bucket (an LLM bucket may be a context group of caps.context devices)
-        bucket_caps = bucket_tile_caps(caps)
+        # (per step variant: `sel_caps[variant]`; `sel_cap` the base one's)
+        self.sel_caps = [self.cap_vec] * caps.variants
         tile_caps = caps.tile_caps()
+        self.tile_phases, self.scale = [], {}
+        body = summary_of(index, caps.per_token).body
         if caps.block and any(tile_caps.values()):
             self.tile_phases = [p for p in PHASES if tile_caps[p]]
-            cols, caps_t = [], []
-            for p in self.tile_phases:
-                cols.append(np.rint(TILE_SCALE * self._expected(index, p)).astype(np.int64))
-                per_device = bucket_caps[p] / (caps.context if p == LLM else 1)
-                caps_t.append(round(TILE_SCALE * per_device))
-            self.sel_work = np.concatenate([self.work, np.stack(cols, 1)], 1)
-            self.sel_cap = np.concatenate([self.cap_vec, np.array(caps_t, np.int64)])
-        else:
-            self.tile_phases = []
-        self.sel_work_t = np.ascontiguousarray(self.sel_work.T)
+            self.scale = {p: self._tile_scale(body, p) for p in self.tile_phases}
+            self.sel_caps = [self._sel_cap(v) for v in range(caps.variants)]
+        self.sel_cap = self.sel_caps[0]
+        # Every sample's work, once, where the index is small enough that it costs little
+        # memory (a step's then is a gather, as cheap as it was before the summary)
+        self.every = None
+        if len(index) <= KEEP_EVERY:
+            key = (
+                id(index),
+                *(tuple(sorted(d.items())) for d in (caps.per_token, caps.units)),
+                caps.block,
+                caps.llm_bin_len,
+                tuple(self.tile_phases),
+            )
+            self.every = _EVERY.get(key)
+            if self.every is None:  # (sizing builds several planners on one index)
+                self.every = _EVERY[key] = self.of(np.arange(len(index)))
+                weakref.finalize(index, _EVERY.pop, key, None)
+        # the long-run mean of a sample's selection work (the body's: the index's when small;
+        # [sample, column] reduced over samples, as numpy sums it in that layout)
+        sel = np.ascontiguousarray(self.of(np.arange(len(body)), body).sel.T)
+        self.mean_work = sel.mean(0) if len(sel) else np.ones(len(self.sel_cap))
 
-    def _expected(self, index: LengthsIndex, phase: str) -> np.ndarray:
-        """Expected attention tiles of each sample in `phase`: `tiles.expected_tiles` (each
-        document from a uniformly random point of a block), scaled per phase so that the data's
-        total is what its documents packed back to back need (`tiles.packed_density`: sizes of
-        whole blocks stay aligned, which the uniform guess misses)."""
-        b, caps = self.caps.block, self.caps
+    def sel_of(self, samples: np.ndarray) -> np.ndarray:
+        """The selection work [column, sample] of `samples` (`of`'s, read off `every` where
+        that is kept)."""
+        if self.every is not None:
+            return np.take(self.every.sel, samples, axis=1)
+        return self.of(samples).sel
+
+    def of(self, samples: np.ndarray, index: LengthsIndex | None = None) -> Pool:
+        """The work of `samples` (of `index`, default the planner's: read off `every` where
+        that is kept)."""
+        if index is None and self.every is not None:
+            return self.every.pick(np.asarray(samples, np.int64))
+        index = self.index if index is None else index
+        s = np.asarray(samples, np.int64)
+        llm = np.asarray(index.text[s], np.int64)
+        units, items = [], {}
+        for p in ENC:
+            owner, _, flat = gather_items(index.items[p].ptr, s)
+            size = np.asarray(index.items[p].sizes[flat], np.int64)
+            items[p] = (owner, size, self.cost[p](size))
+            units.append(np.bincount(owner, size, len(s)).astype(np.int64))
+            llm = llm + np.bincount(owner, size // self.per_row[p], len(s)).astype(np.int64)
+        llm_cost = self.cost[LLM](llm)
+        work = np.stack([llm, *units])  # [phase, sample]
+        tiles = [
+            np.rint(TILE_SCALE * self._expected(llm, llm_cost, items, p)).astype(np.int64)
+            for p in self.tile_phases
+        ]
+        sel = np.concatenate([work, np.stack(tiles)]) if tiles else work
+        return Pool(llm, llm_cost, np.ascontiguousarray(work.T), sel, items)
+
+    def _sel_cap(self, variant: int) -> np.ndarray:
+        """What selection fits into a device's share of a microbatch of a step of `variant`:
+        the units, then the tile phases' tiles (in 1/TILE_SCALE tiles; an LLM bucket may be a
+        context group of caps.context devices: a device's share of it)."""
+        caps, bucket_caps = self.caps, bucket_tile_caps(self.caps, variant)
+        tiles = [
+            round(TILE_SCALE * bucket_caps[p] / (caps.context if p == LLM else 1))
+            for p in self.tile_phases
+        ]
+        return np.concatenate([self.cap_vec, np.array(tiles, np.int64)])
+
+    def _documents(self, llm: np.ndarray, sizes: np.ndarray, phase: str):
+        """(each document's attention rows, causal, a row's length) of a phase: the samples'
+        LLM tokens `llm`, or an encoder phase's item `sizes`."""
+        caps = self.caps
         if phase == LLM:
-            units, causal, row_len, t = self.llm, True, caps.llm_bin_len, None
-        else:
-            per = caps.row_units(phase)
-            units, causal, row_len = self.sizes[phase] // per, False, self.cap[phase] // per
-        t = np.where(units > 0, expected_tiles(units, b, causal), 0.0)
-        scale = packed_density(units, row_len, b, causal) * units.sum() / max(t.sum(), 1e-9)
-        t = t * scale
+            return llm, True, caps.llm_bin_len
+        per = caps.row_units(phase)
+        return sizes // per, False, self.cap[phase] // per
+
+    def _tile_scale(self, body: LengthsIndex, phase: str) -> float:
+        """A phase's expected tiles (`tiles.expected_tiles`: each document from a uniformly
+        random point of a block) scaled so that the data's total (the body's) is what its
+        documents packed back to back need (`tiles.packed_density`: sizes of whole blocks stay
+        aligned, which the uniform guess misses)."""
+        sizes = body.items[phase].sizes if phase != LLM else None
+        llm = body.llm_tokens(self.caps.per_token) if phase == LLM else None
+        units, causal, row_len = self._documents(llm, sizes, phase)
+        t = np.where(units > 0, expected_tiles(units, self.caps.block, causal), 0.0)
+        return (
+            packed_density(units, row_len, self.caps.block, causal)
+            * units.sum()
+            / max(t.sum(), 1e-9)
+        )
+
+    def _expected(self, llm: np.ndarray, llm_cost: np.ndarray, items: dict, phase: str):
+        """Expected attention tiles of each sample (LLM tokens `llm`) in `phase`: its
+        documents' `tile_cost` (their cost: `llm_cost`, an item's third field), scaled by
+        `_tile_scale`."""
         if phase == LLM:
-            return t
-        ptr = self.ptr[phase]
-        owner = np.repeat(np.arange(len(ptr) - 1), np.diff(ptr))
-        return np.bincount(owner, weights=t, minlength=len(ptr) - 1)
+            return np.where(llm > 0, llm_cost, 0.0) * self.scale[phase]
+        owner, size, cost = items[phase]
+        t = np.where(size // self.caps.row_units(phase) > 0, cost, 0.0) * self.scale[phase]
+        return np.bincount(owner, weights=t, minlength=len(llm))
+
+
+@dataclass
+class Pool:
+    """The work of some samples (a step's pool): per sample its LLM tokens, their cost (what
+    the packers equalise), its units per phase [sample, phase], its selection work [column,
+    sample] (the units, then the tile phases' expected tiles), and per encoder phase its items'
+    (owner position, size, cost), by owner then item."""
+
+    llm: np.ndarray
+    llm_cost: np.ndarray
+    work: np.ndarray
+    sel: np.ndarray
+    items: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+    _ptr: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # (items_of's)
+
+    def __len__(self) -> int:
+        return len(self.llm)
+
+    def take(self, positions: np.ndarray, sel: bool = True) -> Pool:
+        """The work of the samples at `positions` (items left out; and their selection work
+        too unless `sel`)."""
+        return Pool(
+            self.llm[positions],
+            self.llm_cost[positions],
+            self.work[positions],
+            np.take(self.sel, positions, axis=1) if sel else self.sel[:, :0],
+            {},
+        )
+
+    def items_of(self, phase: str, positions: np.ndarray):
+        """The items of the samples at `positions` in a phase: (owner: index into
+        `positions`, item number within its sample, size, cost)."""
+        owner, size, cost = self.items[phase]
+        ptr = self._ptr.get(phase)
+        if ptr is None:
+            ptr = self._ptr[phase] = np.zeros(len(self) + 1, np.int64)
+            np.cumsum(np.bincount(owner, minlength=len(self)), out=ptr[1:])
+        at, j, flat = gather_items(ptr, positions)
+        return at, j, size[flat], cost[flat]
+
+    def pick(self, positions: np.ndarray) -> Pool:
+        """The work of the samples at `positions` (any order), items with them."""
+        pool = self.take(positions)
+        for p in self.items:
+            at, _, size, cost = self.items_of(p, positions)
+            pool.items[p] = (at, size, cost)
+        return pool
 
 
 class Micro:
     """Bucket loads and placements of one microbatch while it is being filled."""
 
-    def __init__(self, caps: Capacities, cost: dict[str, Cost] | None = None):
+    def __init__(self, caps: Capacities, cost: dict[str, Cost] | None = None, variant: int = 0):
         cost = cost or {p: quad_cost for p in PHASES}
         # per LLM row (bucket * rows + row; a bucket is a device or a context group), per device
         # for the encoders
         self.rows = Loads.zeros(caps.llm_buckets * caps.llm_rows, cost[LLM])
         self.enc = {p: Loads.zeros(caps.devices, cost[p]) for p in ENC}
-        # exact attention tiles per bucket and phase, within their capacity (block-sparse)
-        self.tiles = TileBudget(caps) if caps.block else None
+        # exact attention tiles per bucket and phase, within their capacity (block-sparse) in
+        # a step of `variant`
+        self.tiles = TileBudget(caps, variant) if caps.block else None
         z = np.zeros(0, np.int64)
         self.entries: list[np.ndarray] = [z]  # pool positions placed, in order
         self.row_bin: list[np.ndarray] = [z]  # their LLM row bin (device * rows + row)

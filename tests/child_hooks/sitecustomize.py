@@ -1,5 +1,6 @@
 """Imported at start-up by every Python process the tests start with `runs.child_env(kill=...)`,
-which puts this folder first on PYTHONPATH: installs the kill point named in JAXMLLM_TEST_KILL.
+which puts this folder first on PYTHONPATH: installs the kill point named in JAXMLLM_TEST_KILL
+(a training run's) or JAXMLLM_TEST_INDEX_KILL (an index build's).
 
 Test machinery only, never imported by jaxmllm.
 """
@@ -10,3 +11,8 @@ if os.environ.get("JAXMLLM_TEST_KILL"):
     import killpoints
 
     killpoints.install_from_env()
+
+if os.environ.get("JAXMLLM_TEST_INDEX_KILL"):
+    import indexkill
+
+    indexkill.install_from_env()

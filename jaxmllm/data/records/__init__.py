@@ -16,7 +16,9 @@ unless data.allow_outside_paths.
 from __future__ import annotations
 
 import os
-from collections import Counter
+import resource
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
@@ -41,14 +43,52 @@ READERS = {
 CAPPED = ("jsonl", "jsonarray", "tar")  # readers that take data.max_media_bytes (`max_bytes`)
 
 
+def _open_readers() -> int:
+    """Readers a process keeps open (a file handle each) at most: 64, or an eighth of its file
+    descriptor limit; the least recently read are closed, so a data set of 10^5 files never
+    runs out of descriptors."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 64 if soft == resource.RLIM_INFINITY else int(np.clip(soft // 8, 4, 64))
+
+
+class FileScans:
+    """What scanning each file found (a reader's `scan()`: offsets of lines, members, row
+    groups), in memory: `of(f)` is file f's. (The index keeps them as mapped columns instead:
+    `jaxmllm.data.stored.ScanColumns`, which has the same `of`.) `ignored`: .tar members left
+    out, by extension."""
+
+    def __init__(self, scans: list[dict], ignored: dict[str, int] | None = None):
+        self.scans, self.ignored = list(scans), dict(ignored or {})
+
+    def of(self, f: int) -> dict:
+        return self.scans[f]
+
+
 class Records:
     """The records of a data set's files, one after another: record k of the set is record
-    k - start[f] of file f."""
+    k - starts[f] of file f.
 
-    def __init__(self, readers: list, fmt: str, paths: MediaPaths, why: str = ""):
-        self.readers, self.format, self.paths, self.why = readers, fmt, paths, why
+    File f's reader is made when one of its records is first read (from `scans.of(f)`, what
+    scanning it found) and kept among the `most_open` most recently read; an older one is
+    closed (its file handle, its cached row groups), and made again if read again.
+    """
+
+    def __init__(
+        self,
+        files: Sequence[Path],
+        starts: np.ndarray,
+        fmt: str,
+        paths: MediaPaths,
+        scans,
+        why: str = "",
+        caps: dict | None = None,
+    ):
+        self.files, self.starts, self.format, self.paths = files, starts, fmt, paths
+        self.scans, self.why, self.caps = scans, why, caps or {}
         self.schema = FORMATS[fmt].schema
-        self.starts = np.cumsum([0, *(len(r) for r in readers)]).astype(np.int64)
+        self.container = FORMATS[fmt].container
+        self._live: OrderedDict[int, object] = OrderedDict()
+        self.most_open = _open_readers()
 
     @property
     def base_dir(self) -> Path:
@@ -57,9 +97,22 @@ class Records:
     def __len__(self) -> int:
         return int(self.starts[-1])
 
+    def reader(self, f: int):
+        """File f's reader (made, or the kept one)."""
+        reader = self._live.get(f)
+        if reader is not None:
+            self._live.move_to_end(f)
+            return reader
+        kind = "jsonl" if self.container == "json" else self.container
+        caps = self.caps if kind in CAPPED else {}
+        reader = self._live[f] = READERS[kind](self.files[f], self.scans.of(f), **caps)
+        while len(self._live) > self.most_open:
+            self._live.popitem(last=False)[1].close()
+        return reader
+
     def _at(self, k: int):
         f = int(np.searchsorted(self.starts, k, "right")) - 1
-        return self.readers[f], int(k - self.starts[f])
+        return self.reader(f), int(k - self.starts[f])
 
     def raw(self, k: int) -> tuple[object, int]:
         reader, j = self._at(k)
@@ -73,20 +126,38 @@ class Records:
         reader, j = self._at(k)
         return reader.fallback_id(j)
 
-    @property
-    def files(self) -> list[Path]:
-        return [r.path for r in self.readers]
-
-    def scan(self) -> dict[str, np.ndarray]:
-        """Every file's scan, keyed `<file number>/<name>` (an .npz's arrays)."""
-        return {f"{i}/{k}": v for i, r in enumerate(self.readers) for k, v in r.scan().items()}
+    def scan(self):
+        """What scanning the files found (to open them again without scanning)."""
+        return self.scans
 
     def ignored(self) -> dict[str, int]:
         """Members left out of .tar shards, by extension (none for other formats)."""
-        out: Counter[str] = Counter()
-        for r in self.readers:
-            out.update(getattr(r, "ignored", {}))
-        return dict(out)
+        return dict(getattr(self.scans, "ignored", {}))
+
+    def close(self) -> None:
+        """Closes every reader's file."""
+        while self._live:
+            self._live.popitem()[1].close()
+
+    def __getstate__(self):
+        return {**self.__dict__, "_live": OrderedDict()}
+
+
+def scan_file(path: Path, fmt: str, data: DataConfig | None = None) -> tuple[dict, dict]:
+    """(what scanning file `path` of data.format `fmt` finds: its reader's `scan()`; members
+    of a .tar shard left out, by extension)."""
+    data = data or DataConfig()
+    kind = FORMATS[fmt].container
+    if kind == "json":
+        kind = "jsonarray" if json_container(path) == "array" else "jsonl"
+    caps = {"max_bytes": data.max_media_bytes} if kind in CAPPED else {}
+    reader = READERS[kind](path, None, **caps)
+    try:
+        return {**reader.scan(), "records": np.asarray([len(reader)], np.int64)}, dict(
+            getattr(reader, "ignored", {})
+        )
+    finally:
+        reader.close()
 
 
 def media_paths(
@@ -129,8 +200,9 @@ def open_records(
 ) -> Records:
     """The records of the data set at `path` (a file, a directory of shards or a glob) in
     data.format `fmt` (`auto`: detected; `why` says how); media paths relative to `media_root`
-    ("" = the data file's folder, a directory's self). `scan`: the saved `Records.scan()` of
-    these files (the index's), so they are not scanned again. `data` (the run's data section:
+    ("" = the data file's folder, a directory's self). `scan`: what scanning these files found
+    (`FileScans` of `scan_file`'s, or the index's mapped columns), so they are not scanned
+    again. `data` (the run's data section:
     default settings without it) says whether media paths may lead out of that folder and how
     large a record or a .tar member may be (data.max_media_bytes); `confine`, the folder they
     must stay inside instead (data.confine_media_to)."""
@@ -139,20 +211,18 @@ def open_records(
     why = ""
     if fmt == "auto":
         fmt, why = detect(files)
-    container = FORMATS[fmt].container
-    readers = []
-    for i, f in enumerate(files):
-        kind = container
-        if container == "json":
-            kind = "jsonarray" if json_container(f) == "array" else "jsonl"
-        saved = (
-            None
-            if scan is None
-            else {k.partition("/")[2]: v for k, v in scan.items() if k.partition("/")[0] == str(i)}
-        )
-        caps = {"max_bytes": data.max_media_bytes} if kind in CAPPED else {}
-        readers.append(READERS[kind](f, saved or None, **caps))
-    return Records(readers, fmt, media_paths(path, files, media_root, data, confine), why)
+    if scan is None:
+        scanned = [scan_file(f, fmt, data) for f in files]
+        ignored: Counter[str] = Counter()
+        for _, left_out in scanned:
+            ignored.update(left_out)
+        scan = FileScans([found for found, _ in scanned], dict(ignored))
+    counts = [int(scan.of(f)["records"][0]) for f in range(len(files))]
+    starts = np.cumsum([0, *counts]).astype(np.int64)
+    caps = {"max_bytes": data.max_media_bytes}
+    return Records(
+        files, starts, fmt, media_paths(path, files, media_root, data, confine), scan, why, caps
+    )
 
 
 def read_record(records, k: int) -> Record:

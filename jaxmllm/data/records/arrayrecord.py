@@ -129,5 +129,10 @@ class ArrayRecordRecords:
     def fallback_id(self, k: int) -> str:
         return f"{self.path.name}:{int(k)}"
 
+    def close(self) -> None:
+        source, self._source = self._source, None
+        if source is not None and hasattr(source, "close"):
+            source.close()
+
     def __getstate__(self):
         return {**self.__dict__, "_source": None}

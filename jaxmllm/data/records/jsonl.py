@@ -55,7 +55,7 @@ class JsonRecords:
         if size > self.max_line + 1:  # (+1: the line's newline)
             return {"__malformed__": self._too_long()}, line
         if self._file is None:
-            self._file = open(self.path, "rb")  # noqa: SIM115  (one handle per process)
+            self._file = open(self.path, "rb")  # noqa: SIM115  (closed by close(): `Records`)
         self._file.seek(int(self.starts[k]))
         return parse_line(self._file.read(size)), line
 
@@ -70,6 +70,11 @@ class JsonRecords:
 
     def fallback_id(self, k: int) -> str:
         return f"{self.path.name}:{int(self.lines[k])}"
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def __getstate__(self):
         return {**self.__dict__, "_file": None}

@@ -78,5 +78,11 @@ class ParquetRecords:
     def fallback_id(self, k: int) -> str:
         return f"{self.path.name}:{int(k)}"
 
+    def close(self) -> None:
+        file = getattr(self, "_file", None)
+        if file is not None:
+            file.close()
+        self._file, self._groups = None, OrderedDict()
+
     def __getstate__(self):
         return {**self.__dict__, "_file": None, "_groups": OrderedDict()}

@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxmllm.config import ConfigError
 from jaxmllm.config.phases import KINDS
+from jaxmllm.data.columnar import Strings
 from jaxmllm.data.rejects import MAX_MEDIA_BYTES
 
 RECORD, CAPTION = ("json",), ("txt", "text", "caption")
@@ -66,25 +67,15 @@ class TarRecords:
     ):
         self.path = Path(path)
         self.max_bytes = max_bytes  # data.max_media_bytes: a larger member is not read
-        scan = scan if scan is not None else scan_tar(self.path)
+        self.ignored: dict[str, int] = {}  # members left out, by extension (when scanned)
+        if scan is None:
+            scan, self.ignored = scan_tar(self.path)
         self.ptr, self.offset, self.size = scan["ptr"], scan["offset"], scan["size"]
-        self.keys, self.exts = scan["keys"], scan["exts"]
-        self.ignored = dict(
-            zip(scan["ignored"].tolist(), scan["ignored_count"].tolist(), strict=True)
-        )
+        self.keys, self.exts = scan["keys"], scan["exts"]  # `Strings`: names of any length
         self._file = None
 
-    def scan(self) -> dict[str, np.ndarray]:
-        names, counts = zip(*self.ignored.items(), strict=True) if self.ignored else ((), ())
-        return {
-            "ptr": self.ptr,
-            "offset": self.offset,
-            "size": self.size,
-            "keys": self.keys,
-            "exts": self.exts,
-            "ignored": np.asarray(names, str),
-            "ignored_count": np.asarray(counts, np.int64),
-        }
+    def scan(self) -> dict:
+        return {k: getattr(self, k) for k in ("ptr", "offset", "size", "keys", "exts")}
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -93,7 +84,7 @@ class TarRecords:
         """(the sample as a record: its json's fields, its media members as {"bytes", "path"}
         entries, its caption as `text`; k)."""
         if self._file is None:
-            self._file = open(self.path, "rb")  # noqa: SIM115  (one handle per process)
+            self._file = open(self.path, "rb")  # noqa: SIM115  (closed by close(): `Records`)
         key = str(self.keys[k])
         record: dict = {}
         caption = None
@@ -137,6 +128,11 @@ class TarRecords:
     def fallback_id(self, k: int) -> str:
         return str(self.keys[k]).rpartition("/")[2]
 
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
     def __getstate__(self):
         return {**self.__dict__, "_file": None}
 
@@ -149,8 +145,9 @@ def _json(data: bytes, name: str) -> dict:
     return obj if isinstance(obj, dict) else {"__malformed__": f"{name} is not a JSON object"}
 
 
-def scan_tar(path: Path) -> dict[str, np.ndarray]:
-    """The members of a shard (their data's offset and size) grouped into samples by key."""
+def scan_tar(path: Path) -> tuple[dict, dict[str, int]]:
+    """(The members of a shard (their data's offset and size) grouped into samples by key,
+    the names as `Strings`; the members left out, by extension)."""
     try:
         tar = tarfile.open(path, "r:")  # (uncompressed only: members are read at random)
     except tarfile.ReadError as e:
@@ -176,12 +173,11 @@ def scan_tar(path: Path) -> dict[str, np.ndarray]:
             offset.append(member.offset_data)
             size.append(member.size)
             exts.append(ext)
-    return {
+    found = {
         "ptr": np.asarray(ptr, np.int64),
         "offset": np.asarray(offset, np.int64),
         "size": np.asarray(size, np.int64),
-        "keys": np.asarray(keys, str),
-        "exts": np.asarray(exts, str),
-        "ignored": np.asarray(list(ignored), str),
-        "ignored_count": np.asarray(list(ignored.values()), np.int64),
+        "keys": Strings.of(keys),
+        "exts": Strings.of(exts),
     }
+    return found, dict(ignored)

@@ -1,0 +1,206 @@
+"""The long variants of a step: where rare very long documents go instead of setting every
+device's tile capacity.
+
+A bucket's tile capacity (block-sparse attention) is a fixed shape: every device of every step
+computes it, padding included. Sized near the mean need of a bucket (`capacity.size_tiles`) it
+wastes little, but a document alone may need more tiles than that: a causal document of n
+tokens needs about n^2 / (2 b^2), so one of 16k tokens needs ~8k tiles of 128 where a device's
+32k tokens of 400-token chats need ~1.5k. Held at least as large as the longest document,
+every device of every step pays for it, and the longest document grows with the data set
+(a lognormal tail: 12k LLM tokens among 20k samples, 18k among a million).
+
+So a step comes in a few compiled variants (at most `MAX_VARIANTS`) that differ only in their
+tile capacities (`Capacities.tile_caps(variant)`): the base one, held near the mean need, and
+long ones up to what the longest document needs. A document's *rung* is the lowest variant
+whose bucket holds it comfortably: at most `SHARE` of the bucket's tiles alone (wherever in a
+block it starts), or alone at all in the top variant or where no variant above holds more of
+its phase; a sample's rung is its documents' highest (its text in the LLM, its images and clips
+in their encoders). A step of variant v plans the samples of rungs 1..v first (urgent: into the
+emptiest buckets) and leaves those of higher rungs waiting; it fills the rest as any step.
+
+Which variant a step is comes from the deferred queue alone, so the plan stays a function of
+(seed, step, index, carried state): the highest v such that the samples waiting at rung v or
+above could give each of the step's buckets one, or one of them has waited `LONG_WAIT - 1`
+steps. A long sample waits at most LONG_WAIT steps (more only while more of them wait than one
+long step holds: then the next step is long too).
+
+What it costs: a long step's devices compute its capacity, padding included; when long
+documents are many, long steps come as soon as they fill every bucket, when they are rare, once
+in LONG_WAIT steps (measured in docs/long-tails.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from jaxmllm.config.phases import LLM, PHASES
+from jaxmllm.plan.contract import Capacities, bucket_tile_caps
+from jaxmllm.plan.tiles import own_tiles, packed_density
+
+# Tuned constants of the long variants (what each was measured to do: docs/long-tails.md).
+MAX_VARIANTS = 3  # step variants at most: each is a compiled program
+LONG_WAIT = 16  # most steps a long sample waits for a long step
+SHARE = 0.5  # a document belongs to the base if it fills at most this share of its bucket
+BATCH = 0.75  # a long step comes as soon as its samples waiting are this many a bucket
+# A phase gets long capacities where its longest document needs more than its base by this
+# share of a bucket's FLOPs, all phases (of its own tiles without a cost model): below it, a
+# second compiled step would save too little
+GAIN_FLOPS = 0.005
+GAIN_TILES = 0.05
+MIDDLE = 2.0  # a middle variant where the longest document needs this times the base or more
+
+
+def longest_fitting(cap: float, block: int, causal: bool) -> int:
+    """The most attention rows a document may have and still fit `cap` tiles alone wherever
+    in a block it starts (it spans one block more than its size in blocks when it starts
+    inside one); 0 when not even one row fits."""
+    if cap < 1:
+        return 0
+    m = int(np.floor((np.sqrt(8 * cap + 1) - 1) / 2)) if causal else int(np.floor(np.sqrt(cap)))
+    while own_tiles(np.array([m + 1]), causal)[0] <= cap:  # (float rounding)
+        m += 1
+    while m > 0 and own_tiles(np.array([m]), causal)[0] > cap:
+        m -= 1
+    return max((m - 1) * block, 0)
+
+
+def longest_filling(cap: float, density: float, rows: int, block: int, causal: bool) -> int:
+    """The most attention rows a document may have and still fit `cap` tiles with the rest of
+    its bucket's `rows` filled at `density` tiles a row (wherever in a block it starts)."""
+    m = np.arange(1, rows // block + 3)  # blocks spanned (one more than its blocks at worst)
+    n = (m - 1) * block
+    ok = own_tiles(m, causal) + density * np.maximum(rows - n, 0) <= cap
+    return int(n[ok].max()) if ok.any() else 0
+
+
+def bucket_rows(caps: Capacities) -> dict[str, int]:
+    """Per phase, a bucket's attention rows (an LLM bucket's tokens, an encoder's rows)."""
+    out = {LLM: caps.llm_rows * caps.llm_bin_len}
+    out.update({p: caps.units[p] // caps.row_units(p) for p in PHASES if p != LLM})
+    return out
+
+
+def rung_rows(caps: Capacities) -> list[dict[str, int]]:
+    """Per variant but the top one and per phase with a tile capacity, the most attention rows
+    of a document of that variant's rung (module docstring): the base's fill at most SHARE of
+    a bucket alone; a long one's fit with the rest of their bucket at the base's density (its
+    tiles over its rows); where no variant above holds more of a phase, its documents fit
+    alone."""
+    top = caps.variants - 1
+    buckets = [bucket_tile_caps(caps, v) for v in range(caps.variants)]
+    rows = bucket_rows(caps)
+    out = []
+    for v, cap in enumerate(buckets[:-1]):
+        bound = {}
+        for p in PHASES:
+            causal = p == LLM
+            if not cap[p]:
+                continue
+            if buckets[top][p] <= cap[p]:  # (nothing above holds more)
+                bound[p] = longest_fitting(cap[p], caps.block, causal)
+            elif v == 0:
+                bound[p] = longest_fitting(SHARE * cap[p], caps.block, causal)
+            else:
+                density = buckets[0][p] / max(rows[p], 1)
+                bound[p] = longest_filling(cap[p], density, rows[p], caps.block, causal)
+        out.append(bound)
+    return out
+
+
+class Ladder:
+    """Which rung each sample is, and which variant each step is (module docstring)."""
+
+    def __init__(self, caps: Capacities, wait: int = LONG_WAIT):
+        self.wait, self.variants = wait, caps.variants
+        self.rows = rung_rows(caps)
+        self.per_row = {p: 1 if p == LLM else caps.row_units(p) for p in PHASES}
+        self.batch = BATCH * caps.microbatches * caps.llm_buckets
+
+    def rungs(self, llm: np.ndarray, items: dict[str, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """Per sample, its rung: its LLM tokens `llm`, and per encoder phase its items'
+        (owner sample position, size in units)."""
+        out = np.zeros(len(llm), np.int64)
+        for bound in self.rows:
+            above = llm > bound[LLM] if LLM in bound else np.zeros(len(llm), bool)
+            for p, (owner, size) in items.items():
+                if p in bound:
+                    above[owner[size // self.per_row[p] > bound[p]]] = True
+            out += above
+        return out
+
+    def variant(self, step: int, since: np.ndarray, rungs: np.ndarray) -> int:
+        """The variant of step `step` from the waiting samples (pulled at `since`, of `rungs`):
+        the highest v such that those of rung v or above are BATCH a bucket of the step, or
+        one of them has waited LONG_WAIT - 1 steps; 0 when none."""
+        for v in range(self.variants - 1, 0, -1):
+            up = rungs >= v
+            if up.sum() >= self.batch or (up.any() and (step - since[up]).max() >= self.wait - 1):
+                return v
+        return 0
+
+
+def size_ladder(
+    held: dict[str, int],
+    least: dict[str, int],
+    docs: dict[str, tuple[np.ndarray, bool, int]],
+    tail: dict[str, tuple[np.ndarray, bool, int]],
+    rows: dict[str, int],
+    density: dict[str, float],
+    block: int,
+    weights: dict[str, tuple[float, float]] | None = None,
+) -> tuple[dict[str, int], list[dict[str, int]]]:
+    """(the base bucket tile capacities, the long variants' in increasing order) of a bucket
+    held at `held` tiles without long variants (0: a phase without a bound).
+
+    Documents of a bucket's rung fill at most SHARE of it alone (`rung_rows`), so the base
+    holds only the documents under that bound: its capacity is `held` scaled by their packed
+    density over the whole data's (`density`), settled in a few rounds (the bound moves with
+    it). A long variant holds its documents with the rest of its bucket filled at the base's
+    density: per phase the most any of them needs alone (wherever in a block it starts,
+    `least` for the longest) plus that density times the rest of the bucket's `rows`. A phase
+    whose longest document the base holds within GAIN_TILES of its tiles gets no long capacity
+    (its base is raised to it), or with `weights` (per phase: FLOPs per unit of `rows`, per
+    tile) within GAIN_FLOPS of what a whole bucket computes, all phases (the tiles of a phase
+    whose attention costs little, an audio encoder's, are not worth a second program). Where
+    the top is MIDDLE times the base or more, a middle variant at their geometric mean (the
+    documents between two rungs of such a ratio are too many kinds for one: those near the
+    bottom would leave most of the top's tiles to padding).
+
+    `docs`: per phase (document sizes in attention rows, causal, row length), as
+    `contract.documents`, of a uniform sample of the data (its densities); `tail`: the same
+    of its longest documents (what the long variants must hold); `rows`: per phase a bucket's
+    attention rows."""
+    base = dict(held)
+    dens0 = dict(density)
+    for _ in range(3):
+        for p, n in held.items():
+            sizes, causal, row_len = docs[p]
+            if not n or not density.get(p):
+                continue
+            bound = longest_fitting(SHARE * base[p], block, causal)
+            dens0[p] = packed_density(sizes[sizes <= bound], row_len, block, causal)
+            base[p] = max(1, math.ceil(n * dens0[p] / density[p]))
+    if weights is None:
+        worth = {p: GAIN_TILES * n for p, n in held.items()}
+    else:
+        flops = sum(weights[p][0] * rows[p] + weights[p][1] * n for p, n in held.items())
+        worth = {p: GAIN_FLOPS * flops / weights[p][1] if weights[p][1] else np.inf for p in held}
+    top = {}
+    for p, n in base.items():
+        sizes, causal, _ = docs[p]
+        if not n or least[p] - held[p] <= worth[p]:
+            continue
+        sizes = np.concatenate([sizes, tail[p][0]])
+        long = sizes[sizes > longest_fitting(SHARE * n, block, causal)]
+        alone = own_tiles((long - 1) // block + 2, causal)
+        top[p] = int(np.ceil((alone + n / rows[p] * np.maximum(rows[p] - long, 0)).max()))
+    if not top:
+        return {p: max(n, least[p]) if n else 0 for p, n in held.items()}, []
+    base = {p: base[p] if p in top else max(n, least[p]) if n else 0 for p, n in held.items()}
+    mid = {p: int(np.sqrt(base[p] * n)) for p, n in top.items() if n >= MIDDLE * base[p]}
+    rungs = [mid, top] if mid and MAX_VARIANTS > 2 else [top]
+    if len(rungs) == 2:  # (a phase without a middle rung: its top in both)
+        rungs[0] = {p: mid.get(p, n) for p, n in top.items()}
+    return base, [{p: r.get(p, 0) for p in base} for r in rungs]

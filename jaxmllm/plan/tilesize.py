@@ -1,0 +1,277 @@
+"""Tile capacities (block-sparse attention) from the data and from dry runs of a planner.
+
+A planner that holds its tile capacities near the mean need (`registry.HOLDS_TILES`) gets the
+data's mean need of a bucket plus the headroom that does the most useful work per computed FLOP
+(`size_tiles`), with long variants of the step for the documents too long for that
+(`jaxmllm.plan.ladder`); any other planner gets the most a dry run of its plans needed
+(`dry_run_tiles`). The data's figures come from its summary (`summary.summary_of`), never from
+every sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxmllm.config.phases import LLM, NAMES, PHASES
+from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.plan.contract import (
+    Capacities,
+    Planner,
+    device_tile_caps,
+    documents,
+    step_tiles,
+    work_of,
+)
+from jaxmllm.plan.ladder import size_ladder
+from jaxmllm.plan.select import BINDING
+from jaxmllm.plan.summary import IndexSummary, summary_of
+from jaxmllm.plan.tiles import own_tiles, packed_density
+
+HELD_DRY_RUN_STEPS = 50  # a holding planner's tile capacity: at most what this many of its
+# plans needed without a bound (uniform data: its tiles are even without holding them)
+TILE_HEADROOM = 0.03  # a tile-aware planner's capacity: the data's mean need per device + this
+# With a cost model, the headroom among these that does the most useful work per computed FLOP
+# in a short dry run of each (`held_tiles`): a tight capacity turns samples away (fill falls,
+# by 3-5% at 8 devices on random mixes at +3%), a loose one computes padding tiles.
+HELD_HEADROOMS = (0.03, 0.06, 0.10, 0.15)
+HELD_TRIAL_STEPS = 12  # plans each headroom is tried for
+
+
+def tile_density(
+    index: LengthsIndex, caps: Capacities, most: int = 20000, seed: int = 0
+) -> dict[str, float]:
+    """Per phase, the attention tiles (of caps.block) the data needs per unit: a bucket of C
+    units of documents drawn from the data needs about C times this. Measured, not assumed:
+    (up to `most` of) the phase's documents in random order are laid one after another into
+    rows of the bucket's length, as a packer lays them, and their tiles counted, so sizes
+    that are multiples of the block (images of whole tiles) and documents a row boundary moves
+    count as they will. (Of the index's summary: a uniform sample, the whole index when
+    small.)"""
+    body = summary_of(index, caps.per_token).body
+    return {
+        phase: packed_density(n, row_len, caps.block, causal, most, seed)
+        for phase, (n, causal, row_len) in documents(body, caps).items()
+    }
+
+
+def suggest_tiles(
+    index: LengthsIndex,
+    caps: Capacities,
+    headroom: float = TILE_HEADROOM,
+    density: dict[str, float] | None = None,
+) -> dict[str, int]:
+    """Tile capacities per bucket for a planner that holds them (orchestrated): the mean need
+    of a bucket filled to the phase's long-run share (1 for the phases that bind, less for the
+    others: their buckets are filled only as far as the data's mix has work for them) plus
+    `headroom`, at least the largest document's own tiles, at most every tile of the bucket's
+    rows (0 for a phase without data). An LLM bucket is a device or a context group
+    (`contract.device_tile_caps` gives a device's). `density`: `tile_density(index, caps)`,
+    when the caller has it."""
+    units = {LLM: caps.llm_rows * caps.llm_bin_len}
+    units.update({p: caps.units[p] // caps.row_units(p) for p in NAMES})
+    rows = {p: caps.llm_rows if p == LLM else 1 for p in PHASES}
+    summary = summary_of(index, caps.per_token)
+    largest = {p: n for p, (n, _, _) in documents(summary.body, caps).items()}
+    work = {p: float(largest[p].sum()) for p in units}  # (the body's: shares of it matter)
+    longest = longest_rows(summary, caps)
+    # (per device: a group's LLM bucket is context devices' units)
+    devices = {p: caps.context if p == LLM else 1 for p in PHASES}
+    demand = {p: work[p] * devices[p] / units[p] if units[p] else 0.0 for p in units}
+    top = max(demand.values()) or 1.0
+    share = {p: 1.0 if demand[p] >= BINDING * top else demand[p] / top for p in units}
+    out = {}
+    for phase, rho in (density or tile_density(index, caps)).items():
+        causal = phase == LLM
+        if not units[phase] or not longest[phase]:
+            out[phase] = 0
+            continue
+        blocks = units[phase] // rows[phase] // caps.block
+        every = rows[phase] * int(own_tiles(np.array([blocks]), causal)[0])
+        alone = int(own_tiles(np.array([-(-longest[phase] // caps.block)]), causal)[0])
+        want = math.ceil(rho * units[phase] * share[phase] * (1 + headroom))
+        out[phase] = int(min(max(want, alone), every))
+    return out
+
+
+def longest_rows(summary: IndexSummary, caps: Capacities) -> dict[str, int]:
+    """Per phase, the attention rows of the data's largest document (`contract.documents`' of
+    the largest item; 0 for a phase without data)."""
+    return {p: n // (1 if p == LLM else caps.row_units(p)) for p, n in summary.most.items()}
+
+
+def largest_doc_tiles(index: LengthsIndex, caps: Capacities) -> dict[str, int]:
+    """Per phase, the tiles the data's largest document needs wherever in a block it starts
+    (it may span one block more than its size in blocks): the least a bucket's tile capacity
+    can be."""
+    out = {}
+    for phase, n in longest_rows(summary_of(index, caps.per_token), caps).items():
+        out[phase] = (
+            int(own_tiles(np.array([(n - 1) // caps.block + 2]), phase == LLM)[0]) if n else 0
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class TileSizes:
+    """The tile capacities a holding planner is given: the `*_tiles` of its base steps and,
+    where some document needs more than a base bucket holds, the `*_long_tiles` of its long
+    steps (`jaxmllm.plan.ladder`; empty: no long variant)."""
+
+    tiles: dict[str, int]
+    long: tuple[dict[str, int], ...]
+
+
+def held_tiles(
+    planner: Planner,
+    index: LengthsIndex,
+    caps: Capacities,
+    steps: int,
+    *,
+    make: Callable[[Capacities], Planner] | None = None,
+    weights: dict[str, tuple[float, float]] | None = None,
+) -> dict:
+    """`size_tiles`' capacities without a long variant: every bucket at least the largest
+    document's own tiles."""
+    return size_tiles(planner, index, caps, steps, make=make, weights=weights, ladder=False).tiles
+
+
+def size_tiles(
+    planner: Planner,
+    index: LengthsIndex,
+    caps: Capacities,
+    steps: int,
+    *,
+    make: Callable[[Capacities], Planner] | None = None,
+    weights: dict[str, tuple[float, float]] | None = None,
+    ladder: bool = True,
+) -> TileSizes:
+    """The tile capacities of a planner that holds them (`registry.HOLDS_TILES`), per phase the
+    least of: the data's mean need of a bucket filled to the phase's share plus headroom
+    (`suggest_tiles`); the mean need of `steps` of its own plans without a bound plus the same
+    headroom (less where its plans fill less than that: few devices to choose among, samples
+    that wait); the most any of those plans needed (uniform data, tiles even unheld).
+
+    A document must fit alone, wherever in a block it starts (`largest_doc_tiles`): where the
+    largest one needs more than that, with `ladder` the phase gets long variants that hold it
+    (`jaxmllm.plan.ladder.size_ladder` says when and how large: long steps plan the documents a
+    base bucket cannot hold), without it the base capacity is raised to it.
+
+    The headroom is TILE_HEADROOM, or with `make` (a planner on given capacities) and
+    `weights` (per phase: FLOPs per unit, per computed tile, from the cost model) the one of
+    HELD_HEADROOMS whose plans do the most useful work per FLOP the buckets compute
+    (`goodput`) over HELD_TRIAL_STEPS plans each. (`planner`, built on `caps` without tile
+    bounds, is used up.)
+
+    Returns the capacities of a device (where an LLM bucket is a context group:
+    `contract.device_tile_caps`)."""
+    most, mean = dry_run_tile_stats(planner, index, caps, steps)
+    least = largest_doc_tiles(index, caps)
+    density = tile_density(index, caps)  # (once for every headroom tried)
+    summary = summary_of(index, caps.per_token)
+    docs = documents(summary.body, caps)  # (the body's for densities, and the tail's too for
+    tail = documents(summary.tail, caps)  # the longest documents)
+    rows = {
+        LLM: caps.llm_rows * caps.llm_bin_len,
+        **{p: caps.units[p] // caps.row_units(p) for p in NAMES},
+    }
+
+    # (per phase: FLOPs per attention row, per tile)
+    row_weights = (
+        None
+        if weights is None
+        else {p: (u * (1 if p == LLM else caps.row_units(p)), t) for p, (u, t) in weights.items()}
+    )
+
+    def at(headroom: float) -> TileSizes:
+        held = {
+            p: min(n, most[p], math.ceil(mean[p] * (1 + headroom))) if n else -1
+            for p, n in suggest_tiles(index, caps, headroom, density).items()
+        }  # (-1: a phase without data)
+        held = {p: max(n, 0) for p, n in held.items()}
+        if not ladder:
+            base, long = {p: max(n, least[p]) if n else 0 for p, n in held.items()}, []
+        else:
+            base, long = size_ladder(
+                held, least, docs, tail, rows, density, caps.block, row_weights
+            )
+        return TileSizes(
+            device_tile_caps(caps, base), tuple(device_tile_caps(caps, r) for r in long)
+        )
+
+    if make is None or weights is None:
+        return at(TILE_HEADROOM)
+    best, best_score = at(HELD_HEADROOMS[0]), -1.0
+    for headroom in HELD_HEADROOMS:
+        sizes = at(headroom)
+        if headroom > HELD_HEADROOMS[0] and sizes == best:
+            continue
+        held = dataclasses.replace(caps, tiles=sizes.tiles, long_tiles=sizes.long)
+        score = goodput(make(held), index, held, HELD_TRIAL_STEPS, weights)
+        if score > best_score * (1 + 1e-9):
+            best, best_score = sizes, score
+    return best
+
+
+def goodput(
+    planner: Planner, index: LengthsIndex, caps: Capacities, steps: int, weights: dict
+) -> float:
+    """Useful FLOPs over computed FLOPs of `planner`'s first `steps` plans (`flop_share` of
+    their units and needed tiles over `caps`' buckets). (`planner` is used up.)"""
+    units, tiles = np.zeros(len(PHASES)), dict.fromkeys(weights, 0.0)
+    computed = dict.fromkeys(PHASES, 0.0)  # (each step's capacities: its variant's)
+    for _ in range(steps):
+        plan = planner.plan()
+        units += work_of(index, plan.samples, caps.per_token).sum(0)
+        for phase, need in step_tiles(plan, index, caps).items():
+            tiles[phase] = tiles.get(phase, 0.0) + float(need.sum())
+        for phase, n in caps.tile_caps(plan.variant).items():
+            computed[phase] += n / steps
+    buckets = steps * caps.microbatches * caps.devices
+    return flop_share(units, tiles, caps, computed, buckets, weights)
+
+
+def flop_share(
+    units: np.ndarray,
+    tiles: dict[str, float],
+    caps: Capacities,
+    cap_tiles: dict[str, float],
+    buckets: int,
+    weights: dict[str, tuple[float, float]],
+) -> float:
+    """Useful over computed FLOPs: the real `units` (per phase: LLM tokens, patches, frames)
+    and the `tiles` their documents need, over `buckets` buckets of `caps`' units and
+    `cap_tiles` tiles each (with a long variant: the mean over the steps), weighted by
+    `weights[phase]` = (per unit, per tile)."""
+    cap_units = (caps.llm_rows * caps.llm_row_len, *(caps.units[p] for p in NAMES))
+    useful = computed = 0.0
+    for i, phase in enumerate(PHASES):
+        unit_w, tile_w = weights.get(phase, (0.0, 0.0))
+        useful += unit_w * float(units[i]) + tile_w * tiles.get(phase, 0.0)
+        computed += buckets * (unit_w * cap_units[i] + tile_w * cap_tiles.get(phase, 0))
+    return useful / computed if computed > 0 else 0.0
+
+
+def dry_run_tiles(planner: Planner, index: LengthsIndex, caps: Capacities, steps: int) -> dict:
+    """The most tiles any bucket of `planner` needs per phase over its first `steps` plans:
+    the smallest tile capacities a planner that ignores them never exceeds (`planner` is used
+    up: its state advances)."""
+    return dry_run_tile_stats(planner, index, caps, steps)[0]
+
+
+def dry_run_tile_stats(
+    planner: Planner, index: LengthsIndex, caps: Capacities, steps: int
+) -> tuple[dict[str, int], dict[str, float]]:
+    """(most, mean) tiles a bucket of `planner`'s first `steps` plans needs, per phase (the
+    mean over every bucket of every step; `planner` is used up)."""
+    most = dict.fromkeys(PHASES, 0)
+    total = dict.fromkeys(most, 0.0)
+    for _ in range(steps):
+        for phase, need in step_tiles(planner.plan(), index, caps).items():
+            most[phase] = max(most[phase], int(need.max(initial=0)))
+            total[phase] += float(need.mean()) if need.size else 0.0
+    return most, {p: t / max(steps, 1) for p, t in total.items()}

@@ -1,0 +1,303 @@
+"""The long variants of a step (`jaxmllm.plan.ladder`): a rare very long document waits for a
+step of a larger tile capacity instead of setting every step's; nothing is lost, a long sample
+waits a bounded number of steps, plans stay a function of (seed, step, index, state)."""
+
+import dataclasses
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from jaxmllm.bench.tails import index_of, longtail, ragged
+from jaxmllm.plan import ladder
+from jaxmllm.plan.contract import Capacities, check_plan, step_tiles
+from jaxmllm.plan.ladder import Ladder, longest_fitting, rung_rows
+from jaxmllm.plan.registry import make_planner
+from jaxmllm.plan.stream import stream_of
+from jaxmllm.plan.tiles import own_tiles
+from jaxmllm.plan.tilesize import largest_doc_tiles, size_tiles
+
+PER_TOKEN = {"vision": 4, "audio": 4}
+PER_ROW = {"vision": 1, "audio": 4}
+
+
+def rare_long(n=3000, every=500, seed=0):
+    """Chats of ~60 tokens with images, and one document of ~3,000 tokens in every `every`."""
+    rng = np.random.default_rng(seed)
+    text = rng.integers(20, 100, n)
+    text[::every] = rng.integers(2800, 3100, len(text[::every]))
+    count = rng.integers(0, 2, n)
+    images = ragged(count, 64 * rng.integers(1, 5, count.sum()))
+    return index_of(text, images)
+
+
+def caps_of(index, devices=4, tiles=None, long_tiles=()):
+    caps = Capacities(
+        microbatches=2,
+        devices=devices,
+        llm_rows=1,
+        llm_row_len=4096,
+        units={"vision": 4096, "audio": 0},
+        per_token=PER_TOKEN,
+        per_row=PER_ROW,
+        route_pair_capacity=256,
+        block=64,
+        tiles=tiles or {"llm": 150, "vision": 1100},
+        long_tiles=long_tiles,
+    )
+    return caps
+
+
+def test_longest_fitting_is_the_bound_of_a_document_alone_anywhere_in_a_block():
+    for cap, causal in ((1, True), (10, True), (150, True), (1100, False), (4, False)):
+        rows = longest_fitting(cap, 64, causal)
+        worst = own_tiles(np.array([(rows - 1) // 64 + 2, (rows + 63) // 64 + 2]), causal)
+        assert rows == 0 or worst[0] <= cap
+        assert worst[1] > cap  # (a block more would not fit)
+
+
+@pytest.mark.parametrize("shuffle", ["permutation", "index"])
+def test_rare_long_documents_wait_for_their_variant_and_nothing_is_lost(shuffle):
+    """Held in memory (a stored permutation) or mapped (the index shuffle, a columnar index's
+    epoch order): the long samples wait for their variant, every position pulled from the
+    stream is planned once or still waits, and a planner restored from a saved state plans
+    the same steps."""
+    index = dataclasses.replace(rare_long(), shuffle=shuffle)
+    least = largest_doc_tiles(index, caps_of(index))["llm"]
+    caps = caps_of(index, long_tiles=({"llm": least + 100, "vision": 0},))
+    assert caps.variants == 2 and caps.tile_caps(1)["llm"] == least + 100
+    planner = make_planner("orchestrated", index, caps, 0)
+    rungs = Ladder(caps).rungs(index.llm_tokens(PER_TOKEN), {})
+    assert set(np.flatnonzero(rungs)) == set(range(0, len(index), 500))  # the long ones
+    planned, variants, states = Counter(), [], []
+    for _ in range(60):
+        states.append(json.loads(json.dumps(planner.get_state())))
+        plan = planner.plan()
+        check_plan(plan, index, caps)  # (within the step's variant's tiles)
+        variants.append(plan.variant)
+        long = rungs[plan.samples] > 0
+        assert plan.variant or not long.any()  # a base step takes no long sample
+        assert planner.ages.max(initial=0) <= max(ladder.LONG_WAIT, planner.max_age)
+        tiles = step_tiles(plan, index, caps)["llm"]
+        if not plan.variant:
+            assert tiles.max() <= caps.tile_caps(0)["llm"]
+        planned.update(plan.samples.tolist())
+    assert 0 < variants.count(1) < len(variants) // 4  # long steps are few, and they come
+    # Nothing lost: what was pulled from the stream is planned once, or still waits.
+    pulled = Counter(stream_of(index, 0).take(0, planner.cursor).tolist())
+    waiting = Counter(planner.deferred[:, 0].tolist())
+    assert planned + waiting == pulled
+    # Deterministic: a planner restored from a saved state plans the same steps.
+    again = make_planner("orchestrated", index, caps, 0)
+    again.set_state(states[30])
+    first = make_planner("orchestrated", index, caps, 0)
+    for _ in range(30):
+        first.plan()
+    for _ in range(20):
+        a, b = first.plan(), again.plan()
+        assert a.variant == b.variant
+        np.testing.assert_array_equal(a.samples, b.samples)
+        np.testing.assert_array_equal(a.offset, b.offset)
+
+
+def test_a_step_is_long_when_enough_long_samples_wait_or_one_is_old():
+    index = rare_long()
+    caps = caps_of(index, long_tiles=({"llm": 9000, "vision": 0},))
+    lad = Ladder(caps, wait=8)
+    enough = int(np.ceil(ladder.BATCH * 2 * 4))  # (of 2 microbatches x 4 devices' buckets)
+    since = np.full(enough, 10)
+    assert lad.variant(12, since[1:], np.ones(enough - 1, np.int64)) == 0
+    assert lad.variant(12, since, np.ones(enough, np.int64)) == 1
+    assert lad.variant(17, since[:3], np.array([0, 1, 0])) == 1  # waited 7 = wait - 1 steps
+    assert lad.variant(16, since[:3], np.array([0, 1, 0])) == 0
+
+
+def test_sizing_gives_the_longest_documents_a_variant_instead_of_every_step():
+    """On a long-tailed index the base capacity stays near the mean need and a long variant
+    holds the longest document; without the ladder every step holds it."""
+    from jaxmllm.bench.sizes import make_caps
+
+    index = longtail(20000)
+    caps = make_caps(index, 8, 32768, 2, "orchestrated", block=128)
+    make = lambda c: make_planner("orchestrated", index, c, 0)
+    least = largest_doc_tiles(index, caps)
+    flat = size_tiles(make(caps), index, caps, 10, ladder=False)
+    lad = size_tiles(make(caps), index, caps, 10)
+    assert flat.long == () and flat.tiles["llm"] >= least["llm"]
+    assert lad.long and lad.tiles["llm"] < 0.6 * least["llm"]
+    top = dataclasses.replace(caps, tiles=lad.tiles, long_tiles=lad.long)
+    assert top.tile_caps(top.variants - 1)["llm"] >= least["llm"]
+    assert all(b["llm"] > 0 for b in rung_rows(top))
+    # the longest sample is of the top rung, the median one of the base
+    llm = index.llm_tokens(caps.per_token)
+    rungs = Ladder(top).rungs(llm[[np.argmax(llm), np.argsort(llm)[len(llm) // 2]]], {})
+    assert rungs.tolist() == [top.variants - 1, 0]
+
+
+@pytest.mark.parametrize("context", [1, 2])
+def test_capacities_of_a_config_carry_its_long_variants(context):
+    from jaxmllm.config import load_config
+    from jaxmllm.config.spec import BatchSpec
+    from jaxmllm.plan.sizing import capacities
+
+    sets = [
+        "batch.llm_tiles=20",
+        "batch.vision_tiles=40",
+        "batch.audio_tiles=4",
+        "batch.llm_long_tiles=[30,60]",
+        "batch.vision_long_tiles=[0,50]",
+        "batch.audio_long_tiles=[]",
+        "batch.route_pair_capacity=64",
+        f"mesh.context={context}",
+        "mesh.fsdp=1",
+        f"mesh.data={8 // context}",
+    ]
+    cfg = load_config("configs/tiny.yaml", sets)
+    caps = capacities(cfg, 8)
+    assert caps.variants == 3
+    assert [caps.tile_caps(v)["llm"] for v in range(3)] == [20, 30, 60]
+    assert [caps.tile_caps(v)["vision"] for v in range(3)] == [40, 40, 50]
+    assert [caps.tile_caps(v)["audio"] for v in range(3)] == [4, 4, 4]
+    spec = BatchSpec.of(cfg)
+    assert [spec.tile_caps(v)["llm"] for v in range(3)] == [20, 30, 60]
+    with pytest.raises(Exception, match="llm_long_tiles"):
+        load_config(
+            "configs/tiny.yaml", ["batch.llm_long_tiles=[30,60]", "batch.vision_long_tiles=[50]"]
+        )
+
+
+def _records(n: int, every: int) -> list[dict]:
+    """Text chats of ~40 tokens (byte tokenizer), one in `every` a document of ~230."""
+    out = []
+    for k in range(n):
+        long = k % every == every // 2
+        answer = " ".join(str(k % 10 + j) for j in range(80 if long else 8))
+        out.append(
+            {
+                "id": f"r{k}",
+                "messages": [
+                    {"role": "user", "content": f"count from {k % 10}"},
+                    {"role": "assistant", "content": answer},
+                ],
+            }
+        )
+    return out
+
+
+@pytest.mark.slow  # ~2-3 minutes: two short runs of two compiled programs each
+def test_a_run_with_rare_long_documents_trains_both_variants_and_resumes_exactly(
+    tmp_path, caplog, monkeypatch
+):
+    """Text data with a rare document several times a step's mean tiles: auto sizing gives it a
+    long variant; the run trains base and long steps, each program compiled once, finite
+    losses; interrupted and rerun, it resumes exactly, and the ledger holds exactly what the
+    planner planned (what it pulled from the stream, less what still waits)."""
+    import logging
+
+    import jax
+
+    from jaxmllm.config import load_config
+    from jaxmllm.data.index import build_index
+    from jaxmllm.data.source import make_source
+    from jaxmllm.loop import ledger
+    from jaxmllm.loop.metrics import read_metrics
+    from jaxmllm.plan import sizing
+    from jaxmllm.plan.sizing import planner_from_config
+    from jaxmllm.train import main
+
+    monkeypatch.setattr(sizing, "LADDER_MIN_STEPS", 1)  # (a short run: a ladder all the same)
+    monkeypatch.setattr(ladder, "LONG_WAIT", 4)  # (long steps within the run)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _records(400, 100)))
+    steps = 12
+
+    def config(out):
+        sets = [
+            "data.eval.source=none",
+            "data.workers=0",
+            "data.source=files",
+            f"data.path={data}",
+            "batch.llm_row_len=256",
+            "batch.attention_block=16",
+            "batch.microbatches=2",
+        ]
+        cfg = load_config("configs/manifest_example.yaml", sets)
+        train = dict(steps=steps, output_dir=str(out), log_every=1, checkpoint_every=2)
+        return dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, progress_bar=False, ledger=True, **train)
+        )
+
+    out = tmp_path / "run"
+    build_index(config(out), progress=False)
+
+    def interrupt_at_7(step, _):
+        if step == 7:
+            raise KeyboardInterrupt
+
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING):
+            with pytest.raises(KeyboardInterrupt):
+                main(config(out), on_step=interrupt_at_7)
+            first = sum("Compiling jit(train_step)" in r.getMessage() for r in caplog.records)
+            caplog.clear()
+            main(config(out))  # resumes from the step-6 checkpoint
+            second = sum("Compiling jit(train_step)" in r.getMessage() for r in caplog.records)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    resolved = json.loads((out / "config.json").read_text())["batch"]
+    assert resolved["llm_long_tiles"] and resolved["llm_long_tiles"][-1] > resolved["llm_tiles"]
+    assert first == 2 and second <= 2  # one program per variant a run uses
+    losses = {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
+    assert sorted(losses) == list(range(1, steps + 1)) and np.isfinite(list(losses.values())).all()
+    # The planner's plans, replayed: both variants, and the ledger holds exactly them.
+    cfg = config(out)
+    cfg = dataclasses.replace(
+        cfg,
+        batch=dataclasses.replace(
+            cfg.batch, **{k: tuple(v) if isinstance(v, list) else v for k, v in resolved.items()}
+        ),
+    )
+    _, index = make_source(cfg)
+    planner = planner_from_config(cfg, index, 8)  # (data x fsdp: 8 buckets)
+    plans = [planner.plan() for _ in range(steps)]
+    # base steps and long ones: which long variant depends on the sizing's dry run (a mapped
+    # index's epoch order is the index shuffle's; with a middle variant sized, the longest
+    # documents here go to the top one), each a program compiled once (above)
+    used = {p.variant for p in plans}
+    assert 0 in used and len(used) == 2 and max(used) <= len(resolved["llm_long_tiles"])
+    assert ledger.check_replays(out) == []  # step 7, redone, trained the same samples
+    audit = ledger.audit(out, range(1, steps + 1))
+    planned = Counter(s for p in plans for s in p.samples.tolist())
+    assert audit["missing_steps"] == [] and audit["text"] == planned
+    pulled = Counter(stream_of(index, cfg.data.seed).take(0, planner.cursor).tolist())
+    assert planned + Counter(planner.deferred[:, 0].tolist()) == pulled
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 22])
+def test_the_summary_holds_the_index_extremes_and_its_longest_samples(monkeypatch, chunk):
+    """Exact extremes and the longest samples by each measure, however the pass is chunked;
+    the body is a uniform sample of SAMPLE samples (the whole index when smaller)."""
+    from jaxmllm.bench.tails import chats_mix
+    from jaxmllm.plan import summary
+
+    monkeypatch.setattr(summary, "CHUNK", chunk)
+    monkeypatch.setattr(summary, "TAIL", 5)
+    monkeypatch.setattr(summary, "SAMPLE", 300)
+    index = chats_mix(1, 1000)
+    got = summary.summarize(index, PER_TOKEN)
+    llm = index.llm_tokens(PER_TOKEN)
+    units = index.units()
+    assert got.most["llm"] == llm.max() and got.least["llm"] == llm[llm > 0].min()
+    for p in ("vision", "audio"):
+        sizes = index.items[p].sizes
+        assert got.most[p] == sizes.max() and got.least[p] == sizes[sizes > 0].min()
+        assert got.most_units[p] == units[p].max()
+        assert set(np.argsort(-units[p], kind="stable")[:5]) <= set(got.tail_ids)
+    assert set(np.argsort(-llm, kind="stable")[:5]) <= set(got.tail_ids)
+    np.testing.assert_array_equal(got.tail.llm_tokens(PER_TOKEN), llm[got.tail_ids])
+    assert len(got.body) == 300 and got.scale == 1000 / 300
+    np.testing.assert_array_equal(got.body.text, index.text[got.body_ids])
+    small = summary.summarize(chats_mix(1, 200), PER_TOKEN)
+    assert small.whole and len(small.body) == 200
