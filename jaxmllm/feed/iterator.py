@@ -124,7 +124,10 @@ class StepIterator(grain.DatasetIterator):
 
     def close(self) -> None:
         """Stops and joins the loader's worker processes (grain's close only marks the iterator
-        closed): a run that ends, by an exception too, leaves no workers behind."""
+        closed): a run that ends, by an exception too, leaves no workers behind. Idempotent
+        (grain calls it again from __del__)."""
+        if self._closed:
+            return
         if self.loader is not None:
             self.loader.close()
         super().close()
