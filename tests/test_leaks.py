@@ -97,10 +97,10 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.slow  # ~20 s: a child Python and its two spawned workers import jaxmllm
 def test_ctrl_c_stops_the_workers_quietly(tmp_path):
     """Ctrl-C reaches the terminal's whole process group, workers still importing included:
-    none prints a KeyboardInterrupt traceback; the owner closes them."""
+    none prints a KeyboardInterrupt traceback; the owner closes them. (~7 s: a child Python and
+    its two spawned workers import jaxmllm.)"""
     script = tmp_path / "feed.py"
     script.write_text(CTRL_C.format(out=tmp_path / "out"))
     proc = subprocess.Popen(
