@@ -31,6 +31,7 @@ def pytest_configure(config):
     import jax
 
     cache = tempfile.mkdtemp(prefix="jaxmllm-test-xla-cache-")
+    config._jaxmllm_cache = cache  # deleted at the session's end (pytest_unconfigure)
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -38,3 +39,12 @@ def pytest_configure(config):
     # matrix products default to TF32-like precision, ~1e-4 off.
     if os.environ["JAX_PLATFORMS"] != "cpu":
         jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_unconfigure(config):
+    """Tests leave nothing in the temporary folder: the session's compile cache goes too."""
+    import shutil
+
+    cache = getattr(config, "_jaxmllm_cache", None)
+    if cache is not None:
+        shutil.rmtree(cache, ignore_errors=True)

@@ -349,3 +349,54 @@ def test_a_config_that_trains_nothing_is_refused_naming_the_freeze_keys(tmp_path
                        r"model\.projector_freeze=true"):  # fmt: skip
         load_config(TINY, frozen)
     assert load_config(TINY, frozen[:3]).model.projector_freeze is False
+
+
+def _full_vocabulary(d: Path, name: str) -> str:
+    """A whole checkpoint whose vocabulary is full: vocab_size is its tokenizer's size, so the
+    import grows the vocabulary for jaxmllm's placeholder tokens."""
+    tk = build_dir(d, "qwen", "Qwen/Qwen2.5-7B-Instruct")
+    tokenizer = json.loads((tk / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+    size = len(tokenizer["model"]["vocab"]) + len(tokenizer["added_tokens"])
+    if name == "llava":
+        image = ids["<|image_pad|>"]
+        hf_models.llava(d, tower="siglip", text="qwen2", tied=True, vocab=size, image=image)
+    else:
+        media = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+        hf_models.qwen2_5_vl(d, vocab=size, ids=tuple(ids[t] for t in media))
+    build_dir(d, "qwen", "Qwen/Qwen2.5-7B-Instruct")  # (the model's save wrote its own files)
+    return str(d)
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param("llava", marks=pytest.mark.slow), "qwen2_5_vl"]
+)  # (LLaVA ~40 s: its SigLIP tower at its own size)
+def test_a_checkpoint_whose_vocabulary_is_full_checks_and_exports(name, tmp_path, capsys):
+    """`hf check` compares the checkpoint's own vocabulary columns (the rows the import adds
+    for placeholders have none in transformers' model) and says what an export does with the
+    added rows; the export holds them, and checks against transformers again."""
+    source = _full_vocabulary(tmp_path / "source", name)
+    have = read_hf_config(source)["text_config"]["vocab_size"]
+    whole, roles, cfg, flat = _load(source)
+    grown = cfg.model.llm.vocab_size  # (the tokenizer's size and the placeholders, by 128s)
+    assert grown > have and grown % 128 == 0, (have, grown)
+    assert main(["check", source, "--json"]) == 0
+    results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    for result in results:
+        assert result["max_abs_diff"] < 1e-4, result
+    for result in (results[0], results[-1]):  # the logits: the llm's and the whole model's
+        assert f"over the checkpoint's {have} vocabulary columns" in result["what"], result
+        assert f"an export writes them, vocab_size {grown}" in result["what"], result
+
+    out = tmp_path / "export"
+    write_piece(cfg, Piece("", roles, source, whole=whole), flat, out, 16 << 10)
+    assert read_hf_config(str(out))["text_config"]["vocab_size"] == grown
+    before, after = Checkpoint(source), Checkpoint(out)
+    embed = next(n for n in before.names() if n.endswith("embed_tokens.weight"))
+    assert after.get(embed).shape[0] == grown
+    assert np.array_equal(after.get(embed)[:have], before.get(embed))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (out / f).write_bytes((Path(source) / f).read_bytes())
+    assert main(["check", str(out), "--json"]) == 0
+    again = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert all(r["max_abs_diff"] < 1e-4 for r in again), again

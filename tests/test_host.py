@@ -223,7 +223,7 @@ def _same(a: Sample, b: Sample) -> bool:
 
 def test_a_samples_large_arrays_travel_through_shared_memory_and_come_back_the_same():
     before = set(shared.SHM.glob("jaxmllm-*"))
-    packed = shared.pack(_sample(), os.getpid())
+    packed = shared.pack(_sample(), "0123456789abcdef")
     assert isinstance(packed, shared.Packed)
     assert isinstance(packed.sample.media["vision"][0][0], shared.Ref)  # the patches: a file
     assert isinstance(packed.sample.tokens, np.ndarray)  # small: pickled
@@ -238,28 +238,35 @@ def test_a_samples_large_arrays_travel_through_shared_memory_and_come_back_the_s
 
 def test_without_shared_memory_a_sample_travels_pickled(monkeypatch, tmp_path):
     small = _sample(big=10)
-    assert shared.pack(small, os.getpid()) is small  # nothing large: as it is
+    assert shared.pack(small, "0123456789abcdef") is small  # nothing large: as it is
     monkeypatch.setattr(shared, "SHM", tmp_path / "missing")
-    assert _same(shared.pack(_sample(), os.getpid()), _sample())
+    assert _same(shared.pack(_sample(), "0123456789abcdef"), _sample())
 
     def full(*args):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(shared, "SHM", tmp_path)
     monkeypatch.setattr(shared.os, "pwrite", full)
-    assert isinstance(shared.pack(_sample(), os.getpid()), Sample)
+    assert isinstance(shared.pack(_sample(), "0123456789abcdef"), Sample)
     assert list(tmp_path.iterdir()) == []  # nothing left behind
 
 
-def test_shared_files_of_a_dead_loader_are_removed(monkeypatch, tmp_path):
+def test_stale_removal_deletes_only_the_files_of_loaders_whose_lock_is_free(monkeypatch, tmp_path):
+    """Names carry a loader's random token, and a loader's lock (an flock the kernel drops when
+    its process dies, in any pid namespace) is what says it lives: a pid is never trusted."""
     monkeypatch.setattr(shared, "SHM", tmp_path)
-    dead = _dead_pid()
+    mine = shared.Owner()
+    (tmp_path / f"{shared.prefix(mine.token)}1-0").write_bytes(b"x")
+    dead = "0123456789abcdef"  # a loader killed before it could clean up: its lock is free
+    (tmp_path / f"jaxmllm-{dead}.lock").write_bytes(b"")
     (tmp_path / f"jaxmllm-{dead}-1-0").write_bytes(b"x")
-    (tmp_path / f"jaxmllm-{os.getpid()}-1-0").write_bytes(b"x")
+    other = f"jaxmllm-{_dead_pid()}-1-0"  # not a loader's token (another kind): never touched
+    (tmp_path / other).write_bytes(b"x")
     shared.remove_stale()
-    assert [p.name for p in tmp_path.iterdir()] == [f"jaxmllm-{os.getpid()}-1-0"]
-    shared.remove_left(os.getpid())
-    assert list(tmp_path.iterdir()) == []
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted([other, f"jaxmllm-{mine.token}.lock", f"{shared.prefix(mine.token)}1-0"])
+    mine.close()
+    assert [p.name for p in tmp_path.iterdir()] == [other]
 
 
 def _dead_pid() -> int:
@@ -283,7 +290,7 @@ def test_workers_load_the_same_samples_as_the_loaders_process(tmp_path):
         assert (a.id, a.grids) == (b.id, b.grids)
         for x, y in zip(_arrays(a), _arrays(b), strict=True):
             assert x.dtype == y.dtype and np.array_equal(x, y)
-    assert not list(shared.SHM.glob(f"jaxmllm-{os.getpid()}-*"))
+    assert not list(shared.SHM.glob(f"{shared.prefix(loader.owner.token)}*"))
 
 
 def _arrays(s: Sample) -> list[np.ndarray]:
@@ -308,10 +315,37 @@ def test_a_worker_that_dies_stops_the_load_with_an_error_that_says_why(tmp_path)
     try:
         with pytest.raises(
             DataError, match=r"data.workers=1: a worker process died while loading step 4"
-        ):
+        ) as got:
             loader.load(np.arange(10), step=4)
     finally:
         loader.close()
+    # ... and names the record it was loading, and how it ended
+    assert "loading index 5 (exit code 1)" in str(got.value), got.value
+
+
+def test_closing_the_feed_stops_and_joins_its_workers(tmp_path):
+    """grain's close only marks its iterators closed: the step iterator's stops the loader's
+    worker processes (a notebook whose run raised would keep them) and deletes its files."""
+    import multiprocessing
+
+    cfg = _resolved("data.workers=2", f"train.output_dir={tmp_path}")
+    feed = make_pipeline(cfg, 8, prefetch=2)
+    next(feed)
+    workers = multiprocessing.active_children()
+    assert len(workers) == 2
+    token = _step_iterator(feed).loader.owner.token
+    assert list(shared.SHM.glob(f"jaxmllm-{token}*"))  # its lock, its workers' slots
+    feed.close()
+    assert not any(w.is_alive() for w in workers)
+    assert not multiprocessing.active_children()
+    assert not list(shared.SHM.glob(f"jaxmllm-{token}*"))
+
+
+def _step_iterator(it):
+    """The StepIterator under grain's prefetch iterators."""
+    while type(it).__name__ != "StepIterator":
+        it = it._parents[0] if getattr(it, "_parents", None) else it._maybe_nonnative_parent
+    return it
 
 
 UNGUARDED = """

@@ -8,15 +8,20 @@ bucketize leaves its slots as padding, and the sample still counts as consumed.
 Workers are started by spawn (JAX's threads make fork unsafe) and send their samples' arrays
 back through shared memory (`jaxmllm.data.shared`), not pickled. A worker that dies (killed,
 out of memory, or a script without an `if __name__ == "__main__":` guard, whose top level every
-spawned worker runs again) stops the load with an error that says so, never a hang. Workers
-ignore Ctrl-C: the process that owns them stops them (`close`).
+spawned worker runs again) stops the load with an error that says so and names the record
+each dead worker was loading, never a hang. Workers ignore Ctrl-C: the process that owns them
+stops them (`close`); they start with SIGINT blocked, so a Ctrl-C while one is still importing
+prints nothing either. A worker whose owner died (SIGKILL) exits within a second.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
+import threading
+import time
 import weakref
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -32,16 +37,37 @@ from jaxmllm.data.samples import Sample
 _worker: dict = {}
 
 
-def _init_worker(source, owner: int) -> None:
+def _init_worker(source, owner: str) -> None:
     # Ctrl-C reaches the terminal's whole process group. The trainer stops the workers itself,
     # after the checkpoint the signal asks for; a worker interrupted in its queue would only
     # print a traceback (`Process SpawnProcess-1: ... KeyboardInterrupt`), so it ignores it.
+    # (It started with SIGINT blocked, `_sigint_blocked`: a Ctrl-C meanwhile is dropped here.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _worker["source"], _worker["owner"] = source, owner
+    _worker["loading"] = shared.loading_slot(owner, os.getpid())
+    parent = os.getppid()
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+
+
+def _exit_with(parent: int) -> None:
+    """Ends this worker once its owner is gone (a SIGKILLed trainer leaves no orphans: the pool's
+    pipes alone do not wake a worker blocked in a long decode)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _load_one(job):
-    return shared.pack(_load(_worker["source"], *job), _worker["owner"])
+    _loading(int(job[0]))  # the record in hand, for the error if this process dies now
+    out = shared.pack(_load(_worker["source"], *job), _worker["owner"])
+    _loading(-1)
+    return out
+
+
+def _loading(i: int) -> None:
+    if _worker["loading"] is not None:
+        os.pwrite(_worker["loading"], i.to_bytes(8, "little", signed=True), 0)
 
 
 def _load(source, i: int, keep):
@@ -72,13 +98,14 @@ class Loader:
         self.pool = None
         if cfg.data.workers > 0:
             shared.remove_stale()  # (of loaders killed before they could)
+            self.owner = shared.Owner()  # this loader's token in shared-memory names
             self.pool = ProcessPoolExecutor(
                 cfg.data.workers,
                 multiprocessing.get_context("spawn"),  # JAX's threads make fork unsafe
                 initializer=_init_worker,
-                initargs=(self.raw, os.getpid()),
+                initargs=(self.raw, self.owner.token),
             )
-            weakref.finalize(self, _stop, self.pool, os.getpid())
+            weakref.finalize(self, _stop, self.pool, self.owner)
 
     def load(
         self, indices: np.ndarray, step: int, media: dict[int, dict] | None = None
@@ -97,10 +124,14 @@ class Loader:
         jobs = [(i, None if media is None else media.get(i, {})) for i in idx]
         if self.pool is not None:
             chunk = max(1, len(idx) // (4 * self.cfg.data.workers))
+            with _sigint_blocked():  # (workers start here: see _init_worker)
+                results = self.pool.map(_load_one, jobs, chunksize=chunk)
+            workers = list((getattr(self.pool, "_processes", None) or {}).values())
             try:
-                got = [shared.unpack(g) for g in self.pool.map(_load_one, jobs, chunksize=chunk)]
+                got = [shared.unpack(g) for g in results]
             except BrokenProcessPool:
-                raise DataError(_died(self.cfg.data.workers, step)) from None
+                dead = self._dead(workers)
+                raise DataError(_died(self.cfg.data.workers, step, dead)) from None
         else:
             got = [_load(self.raw, *job) for job in jobs]
         out = {}
@@ -114,10 +145,33 @@ class Loader:
             out[i] = g
         return out
 
+    def _dead(self, workers: list) -> list[str]:
+        """'<record> (index i) (<how it ended>)' for each worker that died on its own."""
+        out = []
+        for process in workers:
+            process.join(timeout=5)
+            code = process.exitcode
+            if code is None or code == -signal.SIGTERM:  # (the pool stops the others so)
+                continue
+            i = shared.read_loading(self.owner.token, process.pid)
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            if i is None:
+                out.append(f"a record not known ({how})")
+                continue
+            out.append(f"{self._record(i)} ({how})")
+        return out
+
+    def _record(self, i: int) -> str:
+        """'<record id> (index i)', or 'index i' for a source without record ids."""
+        try:
+            return f"{self.raw.record_id(i)} (index {i})"
+        except Exception:  # noqa: BLE001  (none, or one that fails: the index still says)
+            return f"index {i}"
+
     def close(self) -> None:
         """Stops the worker processes (also done when the loader is garbage-collected)."""
         if self.pool is not None:
-            _stop(self.pool, os.getpid())
+            _stop(self.pool, self.owner)
 
     def counts(self) -> dict[str, float]:
         """Cumulative reject counts for the step metrics ({} for the synthetic source)."""
@@ -134,7 +188,17 @@ class Loader:
         return out
 
 
-def _stop(pool: ProcessPoolExecutor, owner: int) -> None:
+@contextlib.contextmanager
+def _sigint_blocked():
+    """SIGINT blocked in this thread: a process spawned meanwhile starts with it blocked."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _stop(pool: ProcessPoolExecutor, owner: shared.Owner) -> None:
     """Stops the workers now, not after their current samples (the executor's own list of
     them: `terminate_workers` is Python 3.14's), and deletes the shared files they left."""
     processes = list((getattr(pool, "_processes", None) or {}).values())
@@ -143,13 +207,14 @@ def _stop(pool: ProcessPoolExecutor, owner: int) -> None:
         process.terminate()
     for process in processes:
         process.join(timeout=5)
-    shared.remove_left(owner)
+    owner.close()
 
 
-def _died(workers: int, step: int) -> str:
+def _died(workers: int, step: int, dead: list[str]) -> str:
+    records = f", loading {'; '.join(dead)}" if dead else ""
     return (
-        f"data.workers={workers}: a worker process died while loading step {step} (its error, "
-        "if any, is above). A script that runs the data pipeline with workers must keep its "
+        f"data.workers={workers}: a worker process died while loading step {step}{records} (its "
+        "error, if any, is above). A script that runs the data pipeline with workers must keep its "
         'top-level code under `if __name__ == "__main__":` (workers start by spawn, which '
         "runs the main script again in each); a worker killed for memory needs fewer workers "
         "or more memory. data.workers: 0 loads in this process."

@@ -124,6 +124,16 @@ class StepIterator(grain.DatasetIterator):
             times.transfer_s = clock.lap()
         return {"batch": batch, "info": info}
 
+    def close(self) -> None:
+        """Stops and joins the loader's worker processes (grain's close only marks the iterator
+        closed): a run that ends, by an exception too, leaves no workers behind. Idempotent
+        (grain calls it again from __del__)."""
+        if self._closed:
+            return
+        if self.loader is not None:
+            self.loader.close()
+        super().close()
+
     def get_state(self) -> dict:
         counts = self.loader.log.counts if self.loader is not None else self._restored_rejects
         rejects = {k: int(v) for k, v in counts.items() if k.startswith("load_")}

@@ -85,6 +85,25 @@ def figures(role: str, family: str, what: str, ours, theirs) -> dict:
     }
 
 
+def own_columns(ours, theirs, what: str) -> tuple[np.ndarray, str]:
+    """Our logits over the checkpoint's own vocabulary, and `what` saying so where it differs.
+
+    A checkpoint whose vocabulary is full (its tokenizer's tokens fill `vocab_size`) is grown by
+    `hf import` for the placeholder tokens jaxmllm adds (`importer.vocab_size`, to a multiple of
+    128); transformers' model has no columns for those rows, so the comparison is over the
+    checkpoint's own. An export writes every row, the added ones included, and sets
+    vocab_size to ours: importing the export again grows nothing."""
+    ours = np.asarray(ours)
+    have, grown = np.shape(theirs)[-1], ours.shape[-1]
+    if grown == have:
+        return ours, what
+    return ours[..., :have], (
+        f"{what} over the checkpoint's {have} vocabulary columns (the {grown - have} rows the "
+        f"import added for placeholder tokens are ours alone; an export writes them, "
+        f"vocab_size {grown})"
+    )
+
+
 def hf_module(directory: str, hf: dict, role: str):
     """The transformers module to compare with, fp32, in eval mode."""
     try:
@@ -120,14 +139,16 @@ def _numpy(t) -> np.ndarray:
 def _llm(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int):
     import torch
 
-    ids = rng.integers(0, cfg.model.llm.vocab_size, (1, tokens))
+    vocab = min(cfg.model.llm.vocab_size, ref.config.vocab_size)  # (the checkpoint's own ids)
+    ids = rng.integers(0, vocab, (1, tokens))
     with torch.no_grad():
         theirs = _numpy(ref(input_ids=_torch(ids)).logits)
     positions = np.arange(tokens)[None]
     if any(cfg.model.llm.mrope_section):  # text alone: time, row and column all count on
         positions = np.repeat(positions[..., None], 3, axis=-1)
     ours = _decode(towers, jnp.asarray(ids), jnp.asarray(positions))
-    return f"logits of {tokens} tokens", np.asarray(ours), theirs
+    ours, what = own_columns(ours, theirs, f"logits of {tokens} tokens")
+    return what, ours, theirs
 
 
 # One compiled program each (op by op, a tower compiles dozens of small ones).

@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxmllm.batch.bucketize import mrope_positions
 from jaxmllm.data.media.image import patchify
-from jaxmllm.hf.check import _numpy, _torch, check_dir, figures, hf_module
+from jaxmllm.hf.check import _numpy, _torch, check_dir, figures, hf_module, own_columns
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.registry import read_hf_config
 from jaxmllm.hf.towers import load_model
@@ -100,7 +100,8 @@ def check_whole(directory: str, tokens: int = 64, seed: int = 0, adapter: str = 
     ids = text(tokens)
     theirs = _run(ref, ids)[0]
     ours = _logits(model.llm, _embed(model.llm, jnp.asarray(ids)[None]), _positions(ids, mrope))
-    out.append(figures("llm", whole.name, f"logits of {tokens} text tokens", ours[0], theirs))
+    ours, what = own_columns(ours[0], theirs, f"logits of {tokens} text tokens")
+    out.append(figures("llm", whole.name, what, ours, theirs))
 
     media = "vision" if "vision" in whole.parts else "audio"
     prompt = (_image_prompt if media == "vision" else _clip_prompt)(cfg, model, whole, hf, rng)
@@ -118,8 +119,10 @@ def check_whole(directory: str, tokens: int = 64, seed: int = 0, adapter: str = 
     x = _embed(model.llm, jnp.asarray(ids)[None])
     x = x.at[0, np.flatnonzero(ids == token)].set(rows[0].astype(x.dtype))
     ours = _logits(model.llm, x, jnp.asarray(positions))
-    return out + [figures("model", whole.name, f"logits of {len(ids)} tokens with {what} in the "
-                          "prompt", ours[0], theirs)]  # fmt: skip
+    ours, what = own_columns(
+        ours[0], theirs, f"logits of {len(ids)} tokens with {what} in the prompt"
+    )
+    return [*out, figures("model", whole.name, what, ours, theirs)]
 
 
 def hf_vocab(hf: dict) -> int:

@@ -1,0 +1,195 @@
+"""Nothing leaks: no worker process, shared-memory file or temporary folder outlives the run,
+the test session or a SIGKILL; workers stop quietly on Ctrl-C."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from runs import ROOT, child_env, logged_step, train_cmd
+
+from jaxmllm import train
+from jaxmllm.config import load_config
+from jaxmllm.data import shared
+
+
+def _children(pid: int) -> list[int]:
+    """Live processes whose parent is `pid` (from /proc)."""
+    out = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines())
+        except (OSError, ValueError):
+            continue
+        if fields.get("PPid", "").strip() == str(pid) and not fields["State"].startswith("Z"):
+            out.append(int(status.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text().split("State:\t", 1)[1]
+    except (OSError, IndexError):
+        return False
+    return not state.startswith(("Z", "X"))
+
+
+def _wait(until, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if until():
+            return True
+        time.sleep(0.1)
+    return until()
+
+
+def test_tests_leave_nothing_in_the_temporary_folder(tmp_path):
+    """conftest's compile cache is deleted at the session's end."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}
+    env.pop("XLA_FLAGS", None)  # (conftest sets its own)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_layout.py::test_the_cycle_finder_finds_a_cycle",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in temp.iterdir()) == []
+
+
+CTRL_C = """
+from jaxmllm.config import load_config
+from jaxmllm.data.source import make_source
+from jaxmllm.feed.iterator import make_pipeline
+from jaxmllm.plan.sizing import resolve_batch
+
+def main():
+    cfg = load_config("configs/tiny.yaml", ["data.workers=2", "data.synthetic.num_samples=64",
+        "data.eval.source=none", "train.output_dir={out}"])
+    cfg = resolve_batch(cfg, make_source(cfg)[1], 8)
+    feed = make_pipeline(cfg, 8, prefetch=2)
+    try:
+        while True:
+            next(feed)
+    except KeyboardInterrupt:
+        print("interrupted")
+    finally:
+        feed.close()
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_ctrl_c_stops_the_workers_quietly(tmp_path):
+    """Ctrl-C reaches the terminal's whole process group, workers still importing included:
+    none prints a KeyboardInterrupt traceback; the owner closes them. (~7 s: a child Python and
+    its two spawned workers import jaxmllm.)"""
+    script = tmp_path / "feed.py"
+    script.write_text(CTRL_C.format(out=tmp_path / "out"))
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=ROOT,
+        env=child_env(),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert _wait(lambda: len(_children(proc.pid)) >= 2, 120), "no workers started"
+        workers = _children(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)  # (the workers are still importing jaxmllm)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "interrupted" in out, err
+    assert "KeyboardInterrupt" not in err and "Traceback" not in err, err
+    assert not any(_alive(w) for w in workers)
+
+
+@pytest.mark.slow  # ~1 min: a tiny training's compile
+def test_a_training_that_raises_stops_its_workers(tmp_path):
+    """Every exit of the trainer closes the feed, an exception's too."""
+    import multiprocessing
+
+    cfg = load_config(
+        "configs/tiny.yaml",
+        [
+            "data.workers=2",
+            "data.eval.source=none",
+            "data.synthetic.num_samples=64",
+            "train.steps=5",
+            "train.progress_bar=false",
+            f"train.output_dir={tmp_path}",
+        ],
+    )
+    before = set(shared.SHM.glob("jaxmllm-*"))
+
+    def fail(step, metrics):
+        assert len(multiprocessing.active_children()) == 2  # the feed's workers, running
+        raise RuntimeError("stop here")
+
+    with pytest.raises(RuntimeError, match="stop here"):
+        train.main(cfg, on_step=fail)
+    assert not multiprocessing.active_children()
+    assert set(shared.SHM.glob("jaxmllm-*")) <= before
+
+
+@pytest.mark.slow  # ~1 min: a tiny training's compile in a child process
+def test_a_sigkilled_trainer_leaves_no_worker_or_shared_memory_after_the_next_start(tmp_path):
+    """SIGKILL mid-step: the workers exit by themselves; the next loader's start deletes the
+    dead one's shared-memory files (its lock is free) and nothing of a live loader's."""
+    out = tmp_path / "run"
+    before = set(shared.SHM.glob("jaxmllm-*.lock"))
+    cmd = train_cmd(
+        out,
+        "data.workers=2",
+        "train.steps=1000",
+        "train.log_every=1",
+        "train.progress_bar=false",
+        "data.synthetic.num_samples=256",
+    )
+    log = open(tmp_path / "log.txt", "wb")  # noqa: SIM115  (closed below)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        assert _wait(lambda: logged_step(out) >= 2 or proc.poll() is not None, 600)
+        assert proc.poll() is None, (tmp_path / "log.txt").read_text()
+        workers = _children(proc.pid)
+        locks = set(shared.SHM.glob("jaxmllm-*.lock")) - before
+        assert len(workers) >= 2 and len(locks) == 1, (workers, locks)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    assert _wait(lambda: not any(_alive(w) for w in workers), 10), "workers outlived the trainer"
+    [lock] = locks
+    token = lock.name[len("jaxmllm-") : -len(".lock")]
+    live = shared.Owner()  # another loader, alive: its files must stay
+    try:
+        shared.remove_stale()  # what the next start does first
+        assert not list(shared.SHM.glob(f"jaxmllm-{token}*"))
+        assert (shared.SHM / f"jaxmllm-{live.token}.lock").exists()
+    finally:
+        live.close()
