@@ -123,7 +123,8 @@ def test_ctrl_c_stops_the_workers_quietly(tmp_path):
             proc.wait()
     assert "interrupted" in out, err
     assert "KeyboardInterrupt" not in err and "Traceback" not in err, err
-    assert not any(_alive(w) for w in workers)
+    alive = [w for w in workers if _alive(w)]
+    assert not alive, [Path(f"/proc/{w}/cmdline").read_bytes() for w in alive]
 
 
 @pytest.mark.slow  # ~1 min: a tiny training's compile
