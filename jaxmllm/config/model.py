@@ -75,6 +75,11 @@ class VisionConfig(BlockOptions):
     # Qwen2-VL's processor does); false: images only, a patch one frame wide, and data with
     # videos is refused at start-up naming this key. The parameters do not depend on it.
     video: bool = False
+    # How a video's temporal patches are placed in time by M-RoPE: 0 = one time step per
+    # temporal patch (Qwen2-VL); > 0 = absolute time, this many steps a second (Qwen2.5-VL's
+    # vision_config.tokens_per_second: a temporal patch of frames sampled at f fps advances
+    # floor(k x tokens_per_second x temporal_patch / f))
+    tokens_per_second: float = 0.0
     projector_dim: int = 0  # the projector's hidden width; 0 = the LLM's width
     projector_act: str = "gelu_tanh"  # the projector's activation: gelu_tanh | gelu (exact)
     freeze: bool = False  # no gradient and no optimizer state for the encoder

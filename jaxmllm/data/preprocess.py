@@ -27,7 +27,14 @@ from jaxmllm.config import Config, ConfigError, phases
 from jaxmllm.config.phases import BY_NAME, ENCODERS, KIND, KINDS, NAMES
 from jaxmllm.data.media.audio import Caps, chunk_lengths, clip_frames, load_audio, read_info
 from jaxmllm.data.media.image import image_grid, load_image, read_size
-from jaxmllm.data.media.video import VideoInfo, VideoRule, load_video, read_video_info, video_parts
+from jaxmllm.data.media.video import (
+    VideoInfo,
+    VideoRule,
+    load_video,
+    read_video_info,
+    video_parts,
+    video_time_step,
+)
 from jaxmllm.data.records.record import Record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Item, Sample
@@ -60,6 +67,9 @@ class Params:
     video_frame_min_pixels: int = 3136
     video_frame_max_pixels: int = 602112
     video_max_pixels: int = 3211264
+    # M-RoPE's time per second of video (model.vision.tokens_per_second; 0: one step per
+    # temporal patch): it places tokens, it does not count them
+    video_tokens_per_second: float = field(default=0.0, compare=False)
     # Nor do the values of frames (which mel scale). (Pixels load as uint8: the encoder
     # normalises them on the device, by data.image_mean and image_std: `config.spec.Inputs`.)
     mel: str = field(default="jaxmllm", compare=False)
@@ -104,6 +114,7 @@ class Params:
             video_frame_min_pixels=d.video_frame_min_pixels,
             video_frame_max_pixels=d.video_frame_max_pixels,
             video_max_pixels=d.video_max_pixels,
+            video_tokens_per_second=v.tokens_per_second,
             mel=d.mel,
             max_image_pixels=d.max_image_pixels,
             max_audio_seconds=d.max_audio_seconds,
@@ -172,7 +183,9 @@ class Part(NamedTuple):
     source: int  # the record's item number of that kind
     part: int  # which part of it (a long clip's chunk, a video's temporal patch; 0 for an image)
     units: int  # patches / frames it takes in the phase's bucket
-    grid: tuple[int, int] | None = None  # an image's or video frame's patch grid (rows, cols)
+    # An image's or video frame's patch grid (rows, cols); a video placed in absolute time
+    # (model.vision.tokens_per_second) adds M-RoPE's time step per temporal patch
+    grid: tuple | None = None
 
 
 @dataclass
@@ -312,8 +325,8 @@ class Preprocessor:
 def grids(lay: Layout) -> list[tuple[int, int, int]]:
     """The (temporal patches, rows, cols) grid of each image or video of a layout, in order
     (M-RoPE places their tokens on it): an image is one temporal patch, a video as many as the
-    layout kept of it."""
-    out: list[tuple[int, int, int]] = []
+    layout kept of it (and its time step, where it is placed in absolute time)."""
+    out: list[tuple] = []
     last = None
     for op in lay.parts():
         if op.grid is None:
@@ -447,8 +460,13 @@ class Videos:
             )
 
     def parts(self, pre: Preprocessor, size, limits: Limits) -> list[tuple[int, tuple | None]]:
-        count, (gh, gw) = video_parts(VideoInfo.of(size), pre.video_rule(limits))
-        return [(gh * gw, (gh, gw))] * count
+        info, rule = VideoInfo.of(size), pre.video_rule(limits)
+        count, (gh, gw) = video_parts(info, rule)
+        tps = pre.p.video_tokens_per_second
+        if not tps or not count:
+            return [(gh * gw, (gh, gw))] * count
+        step = video_time_step(info, count * rule.temporal_patch, rule.temporal_patch, tps)
+        return [(gh * gw, (gh, gw, step))] * count  # (M-RoPE's time step: `grids`)
 
     def load(self, pre: Preprocessor, src, size, limits: Limits, record_id: str,
              parts=None) -> list[Item | None]:  # fmt: skip

@@ -126,6 +126,20 @@ def frame_grid(info: VideoInfo, n: int, rule: VideoRule) -> tuple[int, int]:
     return image_grid(info.height, info.width, rule.patch, rule.merge, least, most)
 
 
+def video_time_step(info: VideoInfo, n: int, temporal_patch: int, tokens_per_second: float):
+    """M-RoPE's time step per temporal patch of a video giving n frames, in absolute time
+    (Qwen2.5-VL): tokens_per_second x the seconds a temporal patch spans, `temporal_patch /
+    sampled fps` (transformers' `second_per_grid_ts`, the sampled fps its VideoMetadata's:
+    n / frames x rate), both in float32 as its `get_rope_index` multiplies them."""
+    return time_step(tokens_per_second, temporal_patch / (n / info.frames * info.rate))
+
+
+def time_step(tokens_per_second: float, seconds: float) -> float:
+    """tokens_per_second x `seconds` (a temporal patch's span) as transformers multiplies
+    them: float32 (its `second_per_grid_ts` tensor), the product rounded to float32."""
+    return float(np.float32(tokens_per_second) * np.float32(seconds))
+
+
 def video_parts(info: VideoInfo, rule: VideoRule) -> tuple[int, tuple[int, int]]:
     """(temporal patches, each one's patch grid) of a video."""
     n = sampled_frames(info, rule)
