@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import signal
 import weakref
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -69,6 +70,7 @@ class Loader:
         self.raw = getattr(source, "_source", source)  # the object under grain's MapDataset
         self.log = RejectLog(reject_log or Path(cfg.train.output_dir) / "rejects.jsonl")
         self.startup_written = False
+        self.frames: Counter = Counter()  # videos read from the frame cache or decoded
         self.pool = None
         if cfg.data.workers > 0:
             shared.remove_stale()  # (of loaders killed before they could)
@@ -111,6 +113,8 @@ class Loader:
                     raise DataError(fail_message(err, "data.on_error", f"step {step}"))
                 self.log.add(f"load_{err.reason}", err.to_json(stage="load", step=step, index=i))
                 g = None
+            elif g is not None:
+                self.frames.update(getattr(g, "frames", {}))
             out[i] = g
         return out
 
@@ -131,6 +135,7 @@ class Loader:
         loads = {k: v for k, v in self.log.counts.items() if k.startswith("load_")}
         out["rejects/load_total"] = float(sum(loads.values()))
         out.update({f"rejects/{k}": float(v) for k, v in loads.items()})
+        out.update({f"frames/{k}": float(v) for k, v in sorted(self.frames.items())})
         return out
 
 

@@ -17,9 +17,10 @@ how they are decoded. A new modality adds its entry.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -39,6 +40,9 @@ from jaxmllm.data.records.record import Record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Item, Sample
 from jaxmllm.data.text.tokenizer import DEFAULT_DATE, make_tokenizer, tokenizer_sha256
+
+if TYPE_CHECKING:
+    from jaxmllm.data.frame_store import FrameCache
 
 # ----------------------------------------------------------------------------- parameters
 
@@ -217,6 +221,8 @@ class Preprocessor:
         self.tokenizer = tokenizer or make_tokenizer(params.tokenizer, params.template_date)
         # (per encoder phase, from its own kind's media: every kind of a phase has the same)
         self.per_token = {p.name: MEDIA[p.name].per_token(params) for p in ENCODERS}
+        self.frames: FrameCache | None = None  # videos' frames decoded once (data.frame_cache)
+        self.frame_counts: Counter = Counter()  # the last sample's videos: cached or decoded
 
     def grid(self, h: int, w: int, limits: Limits = Limits()) -> tuple[int, int]:
         p = self.p
@@ -295,9 +301,10 @@ class Preprocessor:
             if keep is None or count[op.phase] in keep.get(op.phase, ()):
                 wanted.setdefault((op.kind, op.source), []).append(op.part)
             count[op.phase] += 1
+        self.frame_counts = Counter()  # (Videos.load: read from the frame cache, or decoded)
         decoded = {
             (kind, j): MEDIA[kind].load(self, record.media[kind][j], sizes.media[kind][j],
-                                        limits, record.id, parts)
+                                        limits, record.id, parts, item=j)
             for (kind, j), parts in wanted.items()
         }  # fmt: skip
         tokens, loss = [], []
@@ -319,6 +326,7 @@ class Preprocessor:
             loss=np.concatenate(loss).astype(bool),
             media=media,
             grids=grids(lay),
+            frames=dict(self.frame_counts),
         )
 
 
@@ -388,7 +396,7 @@ class Images:
         return [(gh * gw, (gh, gw))]
 
     def load(self, pre: Preprocessor, src, size, limits: Limits, record_id: str,
-             parts=None) -> list[Item]:  # fmt: skip
+             parts=None, item: int = 0) -> list[Item]:  # fmt: skip
         p = pre.p
         budget = limits.max_pixels or p.image_max_pixels
         patches, pos = load_image(src, p.patch_size, p.merge, min(p.image_min_pixels, budget),
@@ -424,7 +432,7 @@ class Clips:
         return [(frames, None) for frames in pre.clip_chunks(*size)]
 
     def load(self, pre: Preprocessor, src, size, limits: Limits, record_id: str,
-             parts=None) -> list[Item]:  # fmt: skip
+             parts=None, item: int = 0) -> list[Item]:  # fmt: skip
         p = pre.p
         chunks = load_audio(src, p.audio_sample_rate, p.n_mels, p.subsample, p.audio_max_frames,
                             expect_samples=size[0], record_id=record_id, mel=p.mel,
@@ -469,11 +477,26 @@ class Videos:
         return [(gh * gw, (gh, gw, step))] * count  # (M-RoPE's time step: `grids`)
 
     def load(self, pre: Preprocessor, src, size, limits: Limits, record_id: str,
-             parts=None) -> list[Item | None]:  # fmt: skip
+             parts=None, item: int = 0) -> list[Item | None]:  # fmt: skip
+        """The video's temporal patches (`item`: its number in the record): from the frame
+        cache where the preprocessor has one (`pre.frames`) and it holds them, else decoded;
+        `pre.frame_counts` counts which (frames/cache_hit, frames/decoded_<why>)."""
         p, caps = pre.p, (pre.p.max_image_pixels, pre.p.max_video_decoded_pixels)
         info, rule = VideoInfo.of(size), pre.video_rule(limits)
+        cached = None
+        if pre.frames is not None:
+
+            def cached(want, shape):
+                groups, why = pre.frames.groups(record_id, item, src, want, shape,
+                                                rule.temporal_patch)  # fmt: skip
+                pre.frame_counts["cache_hit" if groups is not None else f"decoded_{why}"] += 1
+                return groups
+
+        else:
+            pre.frame_counts["decoded"] += 1
         return load_video(src, info, rule, record_id, parts, *caps,
-                          max_seconds=p.max_video_seconds, max_bytes=p.max_media_bytes)  # fmt: skip
+                          max_seconds=p.max_video_seconds, max_bytes=p.max_media_bytes,
+                          cached=cached)  # fmt: skip
 
 
 # Per kind of media of the table (jaxmllm.config.phases.KINDS), its media (a test holds the two

@@ -20,6 +20,7 @@ import numpy as np
 from jaxmllm.config import Config, ConfigError, phases
 from jaxmllm.config.phases import BY_NAME, ENCODERS
 from jaxmllm.data.datasets import DataSet, acceptance_problem, data_sets, index_command, index_dir
+from jaxmllm.data.frame_store import MANIFEST, FrameCache
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.mixture import MixtureSource
 from jaxmllm.data.preprocess import MEDIA, Limits, Params, Preprocessor, Sizes
@@ -166,6 +167,8 @@ def open_data_set(cfg: Config, ds: DataSet, tokenizer) -> ManifestSource:
             + f" ({summary['rejected']} rejected records in all: {out}/rejects.jsonl)"
         )
     pre = Preprocessor(Params.from_config(cfg), tokenizer)
+    if cfg.data.frame_cache:
+        pre.frames = open_frame_cache(cfg, ds, out)
     with np.load(out / "scan.npz", allow_pickle=False) as saved:
         scan = dict(saved)
     records = open_records(
@@ -178,6 +181,23 @@ def open_data_set(cfg: Config, ds: DataSet, tokenizer) -> ManifestSource:
     source.startup_rejects = startup
     source.index_rejects = dict(summary.get("rejects", {}))
     return source
+
+
+def open_frame_cache(cfg: Config, ds: DataSet, out: Path) -> FrameCache:
+    """Data set `ds`'s frame cache (data.frame_cache), in its index folder `out`: built by
+    `python -m jaxmllm.data.frames` for these preprocessing settings, or a ConfigError that
+    says how to build it."""
+    folder = out / "frames"
+    build = index_command(cfg).replace("jaxmllm.data.index", "jaxmllm.data.frames")
+    if not (folder / MANIFEST).is_file():
+        raise ConfigError(
+            f"data.frame_cache is true but {ds.path} has no frame cache in {folder}/ (for these "
+            f"preprocessing settings). Build it once with:\n  {build}\nor set "
+            "data.frame_cache: false to decode videos while training"
+        )
+    cache = FrameCache(folder)
+    log.info("frame cache %s: %d videos (the others are decoded, counted)", folder, len(cache))
+    return cache
 
 
 def check_videos(cfg: Config, videos: int, where: str = "") -> None:

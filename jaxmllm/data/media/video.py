@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -164,7 +164,7 @@ def read_video_info(
     only the tail of the packet index is read)."""
     with _open(src, record_id, max_bytes) as (container, stream):
         info = _header(container, stream, src, record_id)
-        _check_caps(info, src, record_id, max_seconds, max_pixels, max_decoded)
+        check_caps(info, src, record_id, max_seconds, max_pixels, max_decoded)
         _check_tail(container, stream, info, src, record_id)
     return info
 
@@ -190,7 +190,7 @@ def _duration(container, stream) -> float:
     return (container.duration or 0) / 1_000_000  # (AV_TIME_BASE)
 
 
-def _check_caps(info: VideoInfo, src, record_id, max_seconds, max_pixels, max_decoded) -> None:
+def check_caps(info: VideoInfo, src, record_id, max_seconds, max_pixels, max_decoded) -> None:
     seconds = info.frames / info.rate
     pixels = info.height * info.width
     if seconds > max_seconds:
@@ -238,27 +238,53 @@ def load_video(
     max_decoded: int = MAX_DECODED_PIXELS,
     max_seconds: float = MAX_SECONDS,
     max_bytes: int = MAX_MEDIA_BYTES,
+    cached: Callable | None = None,
 ) -> list[tuple[np.ndarray, np.ndarray] | None]:
     """The video's temporal patches as vision items, from the header `info` the index read
     (checked again: the caps are the training config's): per temporal patch (patches [gh*gw,
     temporal_patch * patch*patch*3] uint8 pixels, normalised on the device as an image's,
     positions [gh*gw, 2] as (row, col)). `parts`: only these temporal patches are decoded
-    (the others None: another host encodes them); None = all."""
-    _check_caps(info, src, record_id, max_seconds, max_pixels, max_decoded)
+    (the others None: another host encodes them); None = all. `cached(want, shape)`: the
+    frame cache's frames of temporal patches `want` ([temporal_patch, H, W, 3] uint8 each) for
+    a video sampled to `shape` = (frames, H, W), or None to decode them here."""
+    check_caps(info, src, record_id, max_seconds, max_pixels, max_decoded)
     count, (gh, gw) = video_parts(info, rule)
     t = rule.temporal_patch
-    want = range(count) if parts is None else sorted(set(parts) & set(range(count)))
-    index = frame_indices(info.frames, count * t)
-    frames = decode_frames(src, info, [int(index[k * t + f]) for k in want for f in range(t)],
-                           (gw * rule.patch, gh * rule.patch), record_id,
-                           max_bytes=max_bytes)  # fmt: skip
+    want = list(range(count)) if parts is None else sorted(set(parts) & set(range(count)))
+    shape = (count * t, gh * rule.patch, gw * rule.patch)
+    groups = cached(want, shape) if cached is not None and want else None
+    if groups is None:
+        frames = sampled_frames_of(src, info, rule, record_id, want, max_bytes)
+        groups = [frames[j * t : (j + 1) * t] for j in range(len(want))]
     out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * count
     positions = patchify(np.zeros((gh * rule.patch, gw * rule.patch, 1), np.uint8), rule.patch,
                          rule.merge)[1]  # fmt: skip
     for j, k in enumerate(want):
-        group = np.stack(frames[j * t : (j + 1) * t])
-        out[k] = (temporal_patch(group, rule.patch, rule.merge), positions)
+        out[k] = (temporal_patch(groups[j], rule.patch, rule.merge), positions)
     return out
+
+
+def sampled_frames_of(
+    src: Source,
+    info: VideoInfo,
+    rule: VideoRule,
+    record_id: str,
+    want: Sequence[int] | None = None,
+    max_bytes: int = MAX_MEDIA_BYTES,
+) -> np.ndarray:
+    """The frames the rule samples of temporal patches `want` (None: all), decoded and resized:
+    uint8 [len(want) x temporal_patch, H, W, 3] (what `load_video` patches, what the frame
+    cache stores)."""
+    count, (gh, gw) = video_parts(info, rule)
+    t = rule.temporal_patch
+    want = range(count) if want is None else want
+    index = frame_indices(info.frames, count * t)
+    size = (gw * rule.patch, gh * rule.patch)
+    frames = decode_frames(src, info, [int(index[k * t + f]) for k in want for f in range(t)],
+                           size, record_id, max_bytes=max_bytes)  # fmt: skip
+    if not frames:
+        return np.zeros((0, size[1], size[0], 3), np.uint8)
+    return np.stack(frames)
 
 
 def temporal_patch(frames: np.ndarray, patch: int, merge: int) -> np.ndarray:
