@@ -200,3 +200,31 @@ def test_a_config_asking_for_a_cache_never_built_is_told_how(tmp_path):
         open_source(_config(manifest, "data.frame_cache=true", "data.video_fps=2"))
     assert build_frames(other, data_set(other, None))["rebuilt"] == 1  # (its own folder)
     open_source(_config(manifest, "data.frame_cache=true", "data.video_fps=2"))
+
+
+@pytest.mark.parametrize("suffix", [".mp4", ".webm"])
+def test_threaded_decoding_gives_the_same_frames_with_a_seek_a_group_of_pictures(tmp_path, suffix):
+    """FFmpeg's frame and slice threads (the worker's share of the cores) decode the sampled
+    frames bit for bit as one thread does (the cache and the decoder agree whatever each ran
+    with), and the decoder seeks at most once per group of pictures it samples from."""
+    from jaxmllm.data.media.video import (
+        decode_frames,
+        frame_indices,
+        read_video_info,
+        set_decode_threads,
+    )
+
+    path = write_video(tmp_path / f"m{suffix}", moving_frames(90, 48, 64), fps=10, gop=12)
+    info = read_video_info(path)
+    indices = frame_indices(info.frames, 30).tolist()  # (three frames a second of 10)
+    got = {}
+    try:
+        for threads in (1, 4):
+            set_decode_threads(threads)
+            counts: dict = {}
+            got[threads] = decode_frames(path, info, indices, (32, 24), "m", counts)
+            assert counts["seeks"] <= -(-90 // 12), counts  # (8 groups of pictures)
+    finally:
+        set_decode_threads(0)
+    assert len(got[1]) == len(got[4]) == 30
+    assert all(np.array_equal(a, b) for a, b in zip(got[1], got[4], strict=True))

@@ -32,7 +32,13 @@ from pathlib import Path
 from jaxmllm.config import Config, ConfigError, load_config
 from jaxmllm.data.datasets import DataSet, data_sets, eval_set, index_dir
 from jaxmllm.data.frame_store import ShardWriter, merge, shard_name, source_size, verify_shard
-from jaxmllm.data.media.video import VideoInfo, sampled_frames_of, video_parts
+from jaxmllm.data.media.video import (
+    VideoInfo,
+    sampled_frames_of,
+    set_decode_threads,
+    share_of_cores,
+    video_parts,
+)
 from jaxmllm.data.preprocess import MEDIA, Limits, Params
 from jaxmllm.data.records import read_record
 from jaxmllm.data.rejects import RecordError, failed, wrapped
@@ -60,7 +66,8 @@ def build_frames(
     jobs = list(enumerate(plans))
     if workers > 0 and len(jobs) > 1:
         ctx = multiprocessing.get_context("spawn")  # safe even if JAX threads are running
-        with ctx.Pool(min(workers, len(jobs)), _init_worker, (source, out)) as pool:
+        n = min(workers, len(jobs))
+        with ctx.Pool(n, _init_worker, (source, out, share_of_cores(n))) as pool:
             sides = list(pool.imap(_build_shard, jobs))
     else:
         _init_worker(source, out)
@@ -75,8 +82,9 @@ def build_frames(
             "shards_total": len(sides)}  # fmt: skip
 
 
-def _init_worker(source, out: Path) -> None:
+def _init_worker(source, out: Path, threads: int = 0) -> None:
     _worker.update(source=source, out=out)
+    set_decode_threads(threads)  # (0 in this process: every core)
 
 
 def _build_shard(job: tuple[int, list[int]]) -> dict:

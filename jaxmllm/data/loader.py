@@ -27,18 +27,20 @@ import numpy as np
 
 from jaxmllm.config import Config
 from jaxmllm.data import shared
+from jaxmllm.data.media.video import set_decode_threads, share_of_cores
 from jaxmllm.data.rejects import DataError, RecordError, RejectLog, fail_message, failed
 from jaxmllm.data.samples import Sample
 
 _worker: dict = {}
 
 
-def _init_worker(source, owner: int) -> None:
+def _init_worker(source, owner: int, threads: int = 0) -> None:
     # Ctrl-C reaches the terminal's whole process group. The trainer stops the workers itself,
     # after the checkpoint the signal asks for; a worker interrupted in its queue would only
     # print a traceback (`Process SpawnProcess-1: ... KeyboardInterrupt`), so it ignores it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker["source"], _worker["owner"] = source, owner
+    set_decode_threads(threads)  # (the workers decode side by side: a share of the cores each)
 
 
 def _load_one(job):
@@ -78,7 +80,7 @@ class Loader:
                 cfg.data.workers,
                 multiprocessing.get_context("spawn"),  # JAX's threads make fork unsafe
                 initializer=_init_worker,
-                initargs=(self.raw, os.getpid()),
+                initargs=(self.raw, os.getpid(), share_of_cores(cfg.data.workers)),
             )
             weakref.finalize(self, _stop, self.pool, os.getpid())
 

@@ -21,13 +21,17 @@ sees:
 Decoding reads the container's packet index first (demuxing only: which packets are keyframes),
 then for each sampled frame seeks to the keyframe before it unless decoding on from where it is
 is cheaper, so a long video sampled at 2 fps decodes only the groups of pictures that hold its
-samples. Frames are converted to RGB and resized by FFmpeg's swscale (bicubic) in one pass.
+samples: at most one seek per group of pictures, however many frames it samples from it. Frames
+are converted to RGB and resized by FFmpeg's swscale (bicubic) in one pass. The decoder runs
+FFmpeg's frame and slice threads, as many as the process's share of the cores (the loader's
+workers split them: `set_decode_threads`); the frames are the same whatever the threads.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -42,9 +46,10 @@ Source = str | Path | bytes
 MAX_SECONDS = 3600.0  # the default of data.max_video_seconds
 MAX_DECODED_PIXELS = 1 << 38  # the default of data.max_video_decoded_pixels
 MAX_RATE = 1000.0  # frames a second: a header saying more is broken or hostile
-# Decoder threads per process: the data loader's worker processes decode videos side by side,
-# and FFmpeg's own threads on top of them would only contend for the same cores.
-DECODE_THREADS = 1
+# Decoder threads per process (FFmpeg's frame and slice threads): the process's share of the
+# cores it may run on. The loader's worker processes decode side by side, so each gets
+# cores // workers (`set_decode_threads`); 0 = every core (decoding in the training process).
+_THREADS = [0]
 # How many frames past the header's count a stream may hold before decoding stops (a header
 # that undercounts, by a little in honest files, by millions in hostile ones)
 FRAME_SLACK = 1.05
@@ -415,12 +420,38 @@ class _open:
             raise RecordError("undecodable_media", f"{_name(self.src)}: no video stream",
                               self.record_id)  # fmt: skip
         stream = self.container.streams.video[0]
-        stream.thread_type, stream.thread_count = "SLICE", DECODE_THREADS
+        threads = decode_threads()
+        # (frame threads decode several frames at once; FFmpeg's output is the same, bit for
+        # bit, whatever the threads: H.264 and VP9 decoding is exact)
+        stream.thread_type = "AUTO" if threads > 1 else "SLICE"
+        stream.thread_count = threads
         return self.container, stream
 
     def __exit__(self, *exc):
         self.container.close()
         return False
+
+
+def cores() -> int:
+    """The cores this process may run on (its affinity; the machine's where unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (macOS)
+        return os.cpu_count() or 1
+
+
+def share_of_cores(workers: int) -> int:
+    """Decoder threads for each of `workers` processes decoding side by side (0: one process)."""
+    return max(1, cores() // max(1, workers))
+
+
+def set_decode_threads(n: int) -> None:
+    """This process's decoder threads from now on (0: every core it may run on)."""
+    _THREADS[0] = int(n)
+
+
+def decode_threads() -> int:
+    return _THREADS[0] or cores()
 
 
 def _start(stream) -> float:
