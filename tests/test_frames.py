@@ -51,16 +51,24 @@ def _data(tmp_path: Path) -> Path:
     ]
     records += [{"id": f"t{j}", "text": " ".join(map(str, range(j, j + 8)))} for j in range(4)]
     path = tmp_path / "data.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
 
 def _config(manifest: Path, *sets):
-    return load_config("configs/tiny.yaml", [
-        "data.source=jsonl", f"data.path={manifest}", "data.video_fps=4",
-        "data.video_frame_min_pixels=64", "data.video_max_pixels=8192",
-        f"train.output_dir={manifest.parent / 'run'}", *VIDEO, *sets,
-    ])  # fmt: skip
+    return load_config(
+        "configs/tiny.yaml",
+        [
+            "data.source=jsonl",
+            f"data.path={manifest}",
+            "data.video_fps=4",
+            "data.video_frame_min_pixels=64",
+            "data.video_max_pixels=8192",
+            f"train.output_dir={manifest.parent / 'run'}",
+            *VIDEO,
+            *sets,
+        ],
+    )
 
 
 def _built(tmp_path: Path):
@@ -111,8 +119,14 @@ def test_batches_from_the_cache_are_decodings_bit_for_bit_and_resume(tmp_path, c
     for a, b in zip(cached[1:], resumed, strict=True):
         _same(a, b)
 
-    sets = ["data.source=jsonl", f"data.path={manifest}", "data.video_fps=4",
-            "data.video_frame_min_pixels=64", "data.video_max_pixels=8192", *VIDEO]  # fmt: skip
+    sets = [
+        "data.source=jsonl",
+        f"data.path={manifest}",
+        "data.video_fps=4",
+        "data.video_frame_min_pixels=64",
+        "data.video_max_pixels=8192",
+        *VIDEO,
+    ]
     argv = ["--config", "configs/tiny.yaml", *[x for s in sets for x in ("--set", s)]]
     assert main([*argv, "--workers", "0"]) == 0
     out = capsys.readouterr().out

@@ -244,8 +244,9 @@ def test_qwen2_5_vl_with_a_video_generates_transformers_tokens(tmp_path):
     assert grid[0] == 3 and len(grid) == 4  # three temporal patches, in absolute time
     stop = frozenset(template.specials.stop)
     gen = Generator(cfg, PromptShapes.fit([prompt], cfg, 8), template.specials)
-    (ours,) = gen.generate(params["params"], params["frozen"], [prompt], max_new_tokens=8,
-                           stop_ids=stop)  # fmt: skip
+    (ours,) = gen.generate(
+        params["params"], params["frozen"], [prompt], max_new_tokens=8, stop_ids=stop
+    )
 
     tokens = prompt.tokens.astype(np.int64)
     assert (tokens == ids[1]).sum() == grid[0] * grid[1] * grid[2] // 4
@@ -254,10 +255,13 @@ def test_qwen2_5_vl_with_a_video_generates_transformers_tokens(tmp_path):
     meta = VideoMetadata(total_num_frames=33, fps=10.0, frames_indices=frame_indices(33, 6))
     model = transformers.AutoModelForImageTextToText.from_pretrained(str(d)).eval()
     theirs = hf_greedy(
-        model, tokens.tolist(), 8, stop,
+        model,
+        tokens.tolist(),
+        8,
+        stop,
         pixel_values_videos=torch.from_numpy(theirs_pixels.reshape(len(patches), -1)),
         video_grid_thw=torch.tensor([grid[:3]]),
         second_per_grid_ts=torch.tensor([2 / meta.sampled_fps]),
         mm_token_type_ids=torch.from_numpy(2 * (tokens == ids[1])[None].astype(np.int64)),
-    )  # fmt: skip
+    )
     assert len(ours.ids) == 8 and ours.ids == theirs

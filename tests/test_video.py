@@ -242,10 +242,17 @@ def test_qwen2_5_vl_video_positions_are_get_rope_index_in_absolute_time(
     from PIL import Image
 
     Image.new("RGB", (24, 16), (200, 30, 30)).save(tmp_path / "cat.png")
-    manifest = _manifest(tmp_path, [
-        {"id": "v", "text": "<video>then<image>and<video>which way?",
-         "videos": ["a.mp4", "b.mp4"], "images": ["cat.png"]},
-    ])  # fmt: skip
+    manifest = _manifest(
+        tmp_path,
+        [
+            {
+                "id": "v",
+                "text": "<video>then<image>and<video>which way?",
+                "videos": ["a.mp4", "b.mp4"],
+                "images": ["cat.png"],
+            },
+        ],
+    )
     cfg = _config(manifest, f"model.vision.tokens_per_second={tokens_per_second}")
     build_index(cfg, manifest, progress=False)
     source = open_source(cfg)
@@ -255,8 +262,11 @@ def test_qwen2_5_vl_video_positions_are_get_rope_index_in_absolute_time(
     for size in row["video_sizes"]:
         info = VideoInfo.of(size)
         n = video_parts(info, pre.video_rule())[0] * 2
-        meta = VideoMetadata(total_num_frames=info.frames, fps=info.rate,
-                             frames_indices=frame_indices(info.frames, n).tolist())  # fmt: skip
+        meta = VideoMetadata(
+            total_num_frames=info.frames,
+            fps=info.rate,
+            frames_indices=frame_indices(info.frames, n).tolist(),
+        )
         spg.append(2 / meta.sampled_fps)
     assert spg[0] != 1 / 2 and spg[1] != 1 / 2  # (not the asked 4 fps)
     image_id, video_id = (pre.tokenizer.specials.media[k] for k in ("vision", "video"))
@@ -269,10 +279,12 @@ def test_qwen2_5_vl_video_positions_are_get_rope_index_in_absolute_time(
     thw = [g[:3] for g in sample.grids]
     with torch.no_grad():
         want, _ = model.model.get_rope_index(
-            torch.from_numpy(ids[None]), torch.from_numpy(kinds[None]),
-            image_grid_thw=torch.tensor([thw[1]]), video_grid_thw=torch.tensor([thw[0], thw[2]]),
+            torch.from_numpy(ids[None]),
+            torch.from_numpy(kinds[None]),
+            image_grid_thw=torch.tensor([thw[1]]),
+            video_grid_thw=torch.tensor([thw[0], thw[2]]),
             second_per_grid_ts=torch.tensor(spg),
-        )  # fmt: skip
+        )
     assert [len(g) for g in sample.grids] == [4, 3, 4]  # (videos carry their time step)
     got = mrope_positions(ids, [image_id, video_id], sample.grids, 2)
     np.testing.assert_array_equal(got, want[:, 0].numpy().T)

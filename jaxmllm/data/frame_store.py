@@ -3,16 +3,17 @@
 A cache folder (`<index folder>/frames/`, so it lives under the same preprocessing key as the
 lengths index: a change of sampling or resolution is another folder) holds
 
-- `frames-NNNNN.bin` shards: raw uint8 frames [frames, height, width, 3], video after video
-  (lossless: the pixels decoding gives, so a batch from the cache is bit-identical);
+- `frames-NNNNN.bin` shards: raw uint8 temporal patches, video after video, laid out as the
+  vision tower takes them (`video.patches_of`: each patch's frames side by side), so a read is
+  a copy (lossless: the pixels decoding gives, so a batch from the cache is bit-identical);
 - `frames-NNNNN.json` beside each: the shard's entries and rejects, written after the shard
   (a shard without one, or whose size or checksums disagree with it, is built again);
 - `frames.json`: the merged manifest the loader reads: every entry (record id, video number,
-  shard, byte offset, frames, height, width, the source's byte size, one CRC-32 per temporal
+  shard, byte offset, frames, height, width, the source's byte size, one XXH3 checksum per temporal
   patch), the shards' byte sizes, the rejects by reason.
 
 Reading checks a shard's size when it is first opened (a truncated or grown shard is refused
-whole) and each temporal patch's CRC-32 as it is read (a changed byte is refused), so damaged
+whole) and each temporal patch's XXH3 checksum as it is read (a changed byte is refused), so damaged
 bytes are never handed out as pixels: the video is decoded instead, counted by reason.
 """
 
@@ -21,12 +22,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import zlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 log = logging.getLogger("jaxmllm")
 
@@ -37,12 +38,17 @@ MISSES = {
     "absent": "the cache has no entry for it (built before the record, or rejected there)",
     "other_size": "its entry was sampled to another frame count or size (other limits)",
     "stale": "its file's byte size changed since the cache was built",
-    "damaged": "its shard is truncated or changed (size or CRC-32 check failed)",
+    "damaged": "its shard is truncated or changed (size or XXH3 checksum check failed)",
 }
 
 
 def shard_name(k: int) -> str:
     return f"frames-{k:05d}"
+
+
+def checksum(data) -> int:
+    """XXH3-64 of a buffer (bytes, a contiguous array)."""
+    return xxhash.xxh3_64_intdigest(data)
 
 
 def source_size(src) -> int:
@@ -57,11 +63,11 @@ class Entry:
     offset: int  # bytes into the shard
     shape: tuple[int, int, int]  # (frames, height, width); 3 channels
     source_bytes: int
-    crcs: tuple[int, ...]  # one per temporal patch
+    sums: tuple[int, ...]  # one per temporal patch
 
     def patch_bytes(self) -> int:
         n, h, w = self.shape
-        return n // len(self.crcs) * h * w * 3
+        return n // len(self.sums) * h * w * 3
 
 
 class ShardWriter:
@@ -73,15 +79,16 @@ class ShardWriter:
         self.file = open(self.tmp, "wb")
         self.offset = 0
 
-    def add(self, frames: np.ndarray, temporal_patch: int) -> tuple[int, list[int]]:
-        """Writes frames [n, H, W, 3] uint8; returns (offset, CRC-32 per temporal patch)."""
-        data = np.ascontiguousarray(frames, np.uint8)
-        per = len(data) // temporal_patch
-        crcs = [zlib.crc32(data[k * temporal_patch : (k + 1) * temporal_patch]) for k in range(per)]
-        at = self.offset
-        self.file.write(memoryview(data).cast("B"))
-        self.offset += data.nbytes
-        return at, crcs
+    def add(self, blocks: list[np.ndarray]) -> tuple[int, list[int]]:
+        """Writes a video's temporal patches (uint8, `video.patches_of`); returns (its offset,
+        the XXH3 checksum of each temporal patch)."""
+        at, sums = self.offset, []
+        for block in blocks:
+            data = np.ascontiguousarray(block, np.uint8)
+            sums.append(checksum(data))
+            self.file.write(memoryview(data).cast("B"))
+            self.offset += data.nbytes
+        return at, sums
 
     def close(self) -> int:
         self.file.flush()
@@ -92,7 +99,7 @@ class ShardWriter:
 
 
 def verify_shard(folder: Path, side: dict) -> bool:
-    """Whether a built shard still holds what its side file says: its size, every CRC-32."""
+    """Whether a built shard still holds what its side file says: its size, every XXH3 checksum."""
     path = folder / f"{side['name']}.bin"
     if not path.is_file() or path.stat().st_size != side["bytes"]:
         return False
@@ -100,15 +107,15 @@ def verify_shard(folder: Path, side: dict) -> bool:
         for e in side["entries"]:
             entry = as_entry(e)
             f.seek(entry.offset)
-            for crc in entry.crcs:
-                if zlib.crc32(f.read(entry.patch_bytes())) != crc:
+            for want in entry.sums:
+                if checksum(f.read(entry.patch_bytes())) != want:
                     return False
     return True
 
 
 def as_entry(e: list) -> Entry:
     """An entry of a side file or the manifest: [record id, video, shard, offset, frames,
-    height, width, source bytes, [crc, ...]]."""
+    height, width, source bytes, [sum, ...]]."""
     return Entry(e[2], int(e[3]), (int(e[4]), int(e[5]), int(e[6])), int(e[7]), tuple(e[8]))
 
 
@@ -131,14 +138,16 @@ class FrameCache:
         return len(self.entries)
 
     def groups(
-        self, record_id: str, j: int, src, want: list[int], shape: tuple, temporal_patch: int
+        self, record_id: str, j: int, src, want: list[int], shape: tuple, rule
     ) -> tuple[list[np.ndarray] | None, str]:
-        """(frames [temporal_patch, H, W, 3] uint8 of each temporal patch in `want`, "hit"),
-        or (None, why not) for video j of `record_id` sampled to `shape` = (frames, H, W)."""
+        """(the pixels of each temporal patch in `want`, as `video.patches_of` makes them,
+        "hit"), or (None, why not) for video j of `record_id` sampled to `shape` = (frames, H, W)
+        by the video rule `rule`."""
         entry = self.entries.get((record_id, j))
         if entry is None:
             return None, "absent"
-        if entry.shape != tuple(shape) or len(entry.crcs) * temporal_patch != shape[0]:
+        t, p = rule.temporal_patch, rule.patch
+        if entry.shape != tuple(shape) or len(entry.sums) * t != shape[0]:
             return None, "other_size"
         try:
             if source_size(src) != entry.source_bytes:
@@ -153,12 +162,17 @@ class FrameCache:
         out = []
         for k in want:
             data = os.pread(fd, size, entry.offset + k * size)
-            if len(data) != size or zlib.crc32(data) != entry.crcs[k]:
-                log.warning("frame cache %s: %s (video %d of %s) fails its CRC-32 check: decoding "
-                            "it instead; rebuild the cache", self.folder, entry.shard, j,
-                            record_id)  # fmt: skip
+            if len(data) != size or checksum(data) != entry.sums[k]:
+                log.warning(
+                    "frame cache %s: %s (video %d of %s) fails its checksum: decoding it instead; "
+                    "rebuild the cache",
+                    self.folder,
+                    entry.shard,
+                    j,
+                    record_id,
+                )
                 return None, "damaged"
-            out.append(np.frombuffer(data, np.uint8).reshape(temporal_patch, h, w, 3))
+            out.append(np.frombuffer(data, np.uint8).reshape(h // p * (w // p), t * p * p * 3))
         return out, "hit"
 
     def _open(self, shard: str) -> int | None:
@@ -171,12 +185,19 @@ class FrameCache:
             if os.fstat(fd).st_size != self.shard_bytes.get(shard, -1):
                 os.close(fd)
                 fd = None
-                log.warning("frame cache %s: %s is not the size it was built at (truncated or "
-                            "changed): its videos are decoded instead; rebuild the cache",
-                            self.folder, path.name)  # fmt: skip
+                log.warning(
+                    "frame cache %s: %s is not the size it was built at (truncated or "
+                    "changed): its videos are decoded instead; rebuild the cache",
+                    self.folder,
+                    path.name,
+                )
         except OSError as e:
-            log.warning("frame cache %s: %s cannot be opened (%s): its videos are decoded",
-                        self.folder, path.name, e)  # fmt: skip
+            log.warning(
+                "frame cache %s: %s cannot be opened (%s): its videos are decoded",
+                self.folder,
+                path.name,
+                e,
+            )
         self._files[shard] = fd
         return fd
 

@@ -34,6 +34,7 @@ from jaxmllm.data.datasets import DataSet, data_sets, eval_set, index_dir
 from jaxmllm.data.frame_store import ShardWriter, merge, shard_name, source_size, verify_shard
 from jaxmllm.data.media.video import (
     VideoInfo,
+    patches_of,
     sampled_frames_of,
     set_decode_threads,
     share_of_cores,
@@ -78,8 +79,12 @@ def build_frames(
             path.unlink()
     manifest = merge(out, sides, Params.from_config(cfg).counted())
     manifest.pop("entries")
-    return {**manifest, "folder": str(out), "rebuilt": sum(s["built"] for s in sides),
-            "shards_total": len(sides)}  # fmt: skip
+    return {
+        **manifest,
+        "folder": str(out),
+        "rebuilt": sum(s["built"] for s in sides),
+        "shards_total": len(sides),
+    }
 
 
 def _init_worker(source, out: Path, threads: int = 0) -> None:
@@ -111,8 +116,13 @@ def _build_shard(job: tuple[int, list[int]]) -> dict:
         writer.file.close()
         writer.tmp.unlink(missing_ok=True)
         raise
-    side = {"name": shard_name(k), "bytes": writer.close(), "plan": plan, "entries": entries,
-            "rejects": rejects}  # fmt: skip
+    side = {
+        "name": shard_name(k),
+        "bytes": writer.close(),
+        "plan": plan,
+        "entries": entries,
+        "rejects": rejects,
+    }
     tmp = side_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(side))
     os.replace(tmp, side_path)
@@ -147,11 +157,15 @@ def _add_row(source, i: int, writer: ShardWriter, entries: list, rejects: list) 
             count, (gh, gw) = video_parts(info, rule)
             want = (count * rule.temporal_patch, gh * rule.patch, gw * rule.patch, 3)
             if frames.shape != want:  # (the decoder's contract: never stored otherwise)
-                raise RecordError("changed_since_index", f"video {j}: decoded {frames.shape}, "
-                                  f"the rule samples {want}", rid)  # fmt: skip
-            at, crcs = writer.add(frames, rule.temporal_patch)
-            entries.append([rid, j, writer.path.stem, at, *frames.shape[:3], source_size(src),
-                            crcs])  # fmt: skip
+                raise RecordError(
+                    "changed_since_index",
+                    f"video {j}: decoded {frames.shape}, the rule samples {want}",
+                    rid,
+                )
+            at, sums = writer.add(patches_of(frames, rule))
+            entries.append(
+                [rid, j, writer.path.stem, at, *frames.shape[:3], source_size(src), sums]
+            )
         except RecordError as e:
             rejects.append({**e.to_json(), "video": j})
         except Exception as e:  # noqa: BLE001
@@ -166,8 +180,10 @@ def report(summary: dict) -> list[str]:
         "now, the others kept)"
     ]
     if summary["rejects"]:
-        lines.append(f"  rejected {sum(summary['rejects'].values())} videos (decoded, and "
-                     "rejected, at load time):")  # fmt: skip
+        lines.append(
+            f"  rejected {sum(summary['rejects'].values())} videos (decoded, and "
+            "rejected, at load time):"
+        )
         for reason, n in summary["rejects"].items():
             ex = summary["examples"].get(reason, {})
             example = f"{ex.get('id')} (video {ex.get('video')}): {ex.get('detail')}"
@@ -183,20 +199,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--config", required=True, help="the training config (its data and video rule)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                   help="decoding processes (each builds whole shards)")  # fmt: skip
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="decoding processes (each builds whole shards)",
+    )
     p.add_argument("--rows-per-shard", type=int, default=ROWS_PER_SHARD)
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.set)
         if cfg.data.source == "synthetic":
-            raise ConfigError("the config reads the built-in synthetic data (data.source): give "
-                              "data.path or data.sources")  # fmt: skip
+            raise ConfigError(
+                "the config reads the built-in synthetic data (data.source): give "
+                "data.path or data.sources"
+            )
         if args.rows_per_shard < 1:
             raise ConfigError("--rows-per-shard must be >= 1")
         for ds in data_sets(cfg) + [e for e in [eval_set(cfg)] if e is not None]:
-            summary = build_frames(cfg, ds, workers=args.workers,
-                                   rows_per_shard=args.rows_per_shard)  # fmt: skip
+            summary = build_frames(
+                cfg, ds, workers=args.workers, rows_per_shard=args.rows_per_shard
+            )
             print("\n".join(report(summary)))
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

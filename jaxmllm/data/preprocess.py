@@ -395,8 +395,16 @@ class Images:
         gh, gw = pre.grid(*size, limits)
         return [(gh * gw, (gh, gw))]
 
-    def load(self, pre: Preprocessor, src, size, limits: Limits, record_id: str,
-             parts=None, item: int = 0) -> list[Item]:  # fmt: skip
+    def load(
+        self,
+        pre: Preprocessor,
+        src,
+        size,
+        limits: Limits,
+        record_id: str,
+        parts=None,
+        item: int = 0,
+    ) -> list[Item]:
         p = pre.p
         budget = limits.max_pixels or p.image_max_pixels
         patches, pos = load_image(src, p.patch_size, p.merge, min(p.image_min_pixels, budget),
@@ -431,8 +439,16 @@ class Clips:
     def parts(self, pre: Preprocessor, size, limits: Limits) -> list[tuple[int, tuple | None]]:
         return [(frames, None) for frames in pre.clip_chunks(*size)]
 
-    def load(self, pre: Preprocessor, src, size, limits: Limits, record_id: str,
-             parts=None, item: int = 0) -> list[Item]:  # fmt: skip
+    def load(
+        self,
+        pre: Preprocessor,
+        src,
+        size,
+        limits: Limits,
+        record_id: str,
+        parts=None,
+        item: int = 0,
+    ) -> list[Item]:
         p = pre.p
         chunks = load_audio(src, p.audio_sample_rate, p.n_mels, p.subsample, p.audio_max_frames,
                             expect_samples=size[0], record_id=record_id, mel=p.mel,
@@ -476,8 +492,16 @@ class Videos:
         step = video_time_step(info, count * rule.temporal_patch, rule.temporal_patch, tps)
         return [(gh * gw, (gh, gw, step))] * count  # (M-RoPE's time step: `grids`)
 
-    def load(self, pre: Preprocessor, src, size, limits: Limits, record_id: str,
-             parts=None, item: int = 0) -> list[Item | None]:  # fmt: skip
+    def load(
+        self,
+        pre: Preprocessor,
+        src,
+        size,
+        limits: Limits,
+        record_id: str,
+        parts=None,
+        item: int = 0,
+    ) -> list[Item | None]:
         """The video's temporal patches (`item`: its number in the record): from the frame
         cache where the preprocessor has one (`pre.frames`) and it holds them, else decoded;
         `pre.frame_counts` counts which (frames/cache_hit, frames/decoded_<why>)."""
@@ -487,16 +511,23 @@ class Videos:
         if pre.frames is not None:
 
             def cached(want, shape):
-                groups, why = pre.frames.groups(record_id, item, src, want, shape,
-                                                rule.temporal_patch)  # fmt: skip
+                groups, why = pre.frames.groups(record_id, item, src, want, shape, rule)
                 pre.frame_counts["cache_hit" if groups is not None else f"decoded_{why}"] += 1
                 return groups
 
         else:
             pre.frame_counts["decoded"] += 1
-        return load_video(src, info, rule, record_id, parts, *caps,
-                          max_seconds=p.max_video_seconds, max_bytes=p.max_media_bytes,
-                          cached=cached)  # fmt: skip
+        return load_video(
+            src,
+            info,
+            rule,
+            record_id,
+            parts,
+            *caps,
+            max_seconds=p.max_video_seconds,
+            max_bytes=p.max_media_bytes,
+            cached=cached,
+        )
 
 
 # Per kind of media of the table (jaxmllm.config.phases.KINDS), its media (a test holds the two

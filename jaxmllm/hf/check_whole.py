@@ -109,8 +109,15 @@ def check_whole(directory: str, tokens: int = 64, seed: int = 0) -> list[dict]:
     x = _embed(model.llm, jnp.asarray(ids)[None])
     x = x.at[0, np.flatnonzero(ids == token)].set(rows[0].astype(x.dtype))
     ours = _logits(model.llm, x, jnp.asarray(positions))
-    out.append(figures("model", whole.name, f"logits of {len(ids)} tokens with {what} in the "
-                       "prompt", ours[0], theirs))  # fmt: skip
+    out.append(
+        figures(
+            "model",
+            whole.name,
+            f"logits of {len(ids)} tokens with {what} in the prompt",
+            ours[0],
+            theirs,
+        )
+    )
     video = hf.get("video_token_id")
     if mrope and cfg.model.vision.temporal_patch > 1 and video is not None and video < vocab:
         out.append(_video_check(cfg, model, ref, whole, int(video), text, rng))
@@ -137,12 +144,20 @@ def _video_check(cfg, model, ref, whole: Whole, token: int, text, rng) -> dict:
     positions = patchify(np.zeros((gh * p, gw * p, 1), np.float32), p, m)[1]
     patches = np.concatenate(items)
     segments = np.repeat(np.arange(1, t + 1), len(positions))[None]
-    rows = np.asarray(_image(model, jnp.asarray(patches)[None], jnp.asarray(segments, jnp.int32),
-                             jnp.asarray(np.tile(positions, (t, 1)))[None]))  # fmt: skip
+    rows = np.asarray(
+        _image(
+            model,
+            jnp.asarray(patches)[None],
+            jnp.asarray(segments, jnp.int32),
+            jnp.asarray(np.tile(positions, (t, 1)))[None],
+        )
+    )
     ids = np.concatenate([text(5), [token] * (len(patches) // m**2), text(7)]).astype(np.int64)
     grid = (t, gh, gw)
-    inputs = {"video_grid_thw": torch.tensor([grid]),
-              "mm_token_type_ids": _torch(2 * (ids == token)[None].astype(np.int64))}  # fmt: skip
+    inputs = {
+        "video_grid_thw": torch.tensor([grid]),
+        "mm_token_type_ids": _torch(2 * (ids == token)[None].astype(np.int64)),
+    }
     if v.tokens_per_second:  # (Qwen2.5-VL: the seconds a temporal patch spans)
         inputs["second_per_grid_ts"] = torch.tensor([tp / VIDEO_FPS])
         grid = (*grid, time_step(v.tokens_per_second, tp / VIDEO_FPS))

@@ -250,23 +250,31 @@ def load_video(
     temporal_patch * patch*patch*3] uint8 pixels, normalised on the device as an image's,
     positions [gh*gw, 2] as (row, col)). `parts`: only these temporal patches are decoded
     (the others None: another host encodes them); None = all. `cached(want, shape)`: the
-    frame cache's frames of temporal patches `want` ([temporal_patch, H, W, 3] uint8 each) for
-    a video sampled to `shape` = (frames, H, W), or None to decode them here."""
+    frame cache's pixels of temporal patches `want` (as `patches_of` makes them) for a video
+    sampled to `shape` = (frames, H, W), or None to decode them here."""
     check_caps(info, src, record_id, max_seconds, max_pixels, max_decoded)
     count, (gh, gw) = video_parts(info, rule)
     t = rule.temporal_patch
     want = list(range(count)) if parts is None else sorted(set(parts) & set(range(count)))
     shape = (count * t, gh * rule.patch, gw * rule.patch)
-    groups = cached(want, shape) if cached is not None and want else None
-    if groups is None:
-        frames = sampled_frames_of(src, info, rule, record_id, want, max_bytes)
-        groups = [frames[j * t : (j + 1) * t] for j in range(len(want))]
+    blocks = cached(want, shape) if cached is not None and want else None
+    if blocks is None:
+        blocks = patches_of(sampled_frames_of(src, info, rule, record_id, want, max_bytes), rule)
     out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * count
     positions = patchify(np.zeros((gh * rule.patch, gw * rule.patch, 1), np.uint8), rule.patch,
                          rule.merge)[1]  # fmt: skip
     for j, k in enumerate(want):
-        out[k] = (temporal_patch(groups[j], rule.patch, rule.merge), positions)
+        out[k] = (blocks[j], positions)
     return out
+
+
+def patches_of(frames: np.ndarray, rule: VideoRule) -> list[np.ndarray]:
+    """Sampled frames [k x temporal_patch, H, W, 3] as k temporal patches' pixels
+    (`temporal_patch`): what the vision tower takes, what the frame cache stores."""
+    t = rule.temporal_patch
+    return [
+        temporal_patch(frames[j : j + t], rule.patch, rule.merge) for j in range(0, len(frames), t)
+    ]
 
 
 def sampled_frames_of(
@@ -285,8 +293,14 @@ def sampled_frames_of(
     want = range(count) if want is None else want
     index = frame_indices(info.frames, count * t)
     size = (gw * rule.patch, gh * rule.patch)
-    frames = decode_frames(src, info, [int(index[k * t + f]) for k in want for f in range(t)],
-                           size, record_id, max_bytes=max_bytes)  # fmt: skip
+    frames = decode_frames(
+        src,
+        info,
+        [int(index[k * t + f]) for k in want for f in range(t)],
+        size,
+        record_id,
+        max_bytes=max_bytes,
+    )
     if not frames:
         return np.zeros((0, size[1], size[0], 3), np.uint8)
     return np.stack(frames)
