@@ -242,3 +242,41 @@ def test_threaded_decoding_gives_the_same_frames_with_a_seek_a_group_of_pictures
         set_decode_threads(0)
     assert len(got[1]) == len(got[4]) == 30
     assert all(np.array_equal(a, b) for a, b in zip(got[1], got[4], strict=True))
+
+
+@pytest.mark.slow  # (~70 s of CPU: three short training runs; the fast pipeline test above
+# holds the batches and their resumption, this one the trainer's checkpoint and metrics)
+def test_a_training_run_from_the_cache_resumes_exactly(tmp_path):
+    """Training from the cache, interrupted after step 3 and run again, resumes from the step-2
+    checkpoint: steps 1..4 have the losses and gradient norms of the uninterrupted run from
+    the cache, which are those of the run that decodes (its batches are the same)."""
+    from jaxmllm.loop.metrics import read_metrics
+    from jaxmllm.train import main as train
+
+    manifest, _ = _built(tmp_path)
+
+    def run(out, *sets, on_step=None):
+        steps = ["train.steps=4", "train.log_every=1", "train.checkpoint_every=2"]
+        cfg = _config(
+            manifest, f"train.output_dir={out}", *steps, "train.progress_bar=false", *sets
+        )
+        train(cfg, on_step=on_step)
+
+    def interrupt_at_3(step, _):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    run(tmp_path / "decoded")
+    run(tmp_path / "full", "data.frame_cache=true")
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "cut", "data.frame_cache=true", on_step=interrupt_at_3)
+    run(tmp_path / "cut", "data.frame_cache=true")  # resumes from the step-2 checkpoint
+    decoded, full, cut = (
+        {r["step"]: r for r in read_metrics(tmp_path / name)} for name in ("decoded", "full", "cut")
+    )
+    assert sorted(cut) == sorted(full) == sorted(decoded) == [1, 2, 3, 4]
+    for step in full:
+        assert full[step]["padding/vision"] < 1.0  # (videos in every step)
+        assert full[step].get("frames/cache_hit", 0) > 0, full[step]
+        for key in ("loss", "grad_norm", "loss_tokens", "samples"):
+            assert cut[step][key] == full[step][key] == decoded[step][key], (step, key)
