@@ -22,7 +22,9 @@ and over this process's CPU time, the frames decoded and the seeks made. Then th
 costs `jaxmllm.plan.cost`'s training FLOPs per sampled frame (its LLM tokens and vision patches,
 shared over the mix's video frames); --gpus GPUs at --tflops each (400: an H100 at ~40% of its
 bf16 peak) consume gpus x tflops / FLOPs-a-frame sampled frames/s, and the host needs that over
-one process's rate in worker processes (each of the threaded ones owning --threads cores).
+one process's rate in worker processes (each of the threaded ones owning --threads cores), and
+over its frames per CPU-second in cores (threads shorten a video's wait, not the CPU it costs:
+a host contended by other jobs gives wall rates below the CPU ones).
 """
 
 from __future__ import annotations
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     recipes = args.recipes.split(",")
     demand = {r: host_demand(r, args.tflops, args.gpus) for r in recipes}
     rows = []
-    head = "".join(f" {'workers ' + r:>10}" for r in recipes)
+    head = "".join(f" {'workers ' + r:>10} {'cores ' + r:>8}" for r in recipes)
     print(
         f"{'size':>6} {'gop':>4} {'way':>10} {'frames':>6} {'grid':>7} {'frames/s':>9} "
         f"{'(cpu)':>8} {'decoded':>8} {'seeks':>6}{head}"
@@ -230,11 +232,13 @@ def main(argv: list[str] | None = None) -> int:
                         **{k: v for k, v in got[way].items() if k != "pixels"},
                     }
                     for r in recipes:
-                        row[f"workers_{r}"] = math.ceil(
-                            demand[r]["frames_per_s_needed"] / row["frames_per_s"]
-                        )
+                        need = demand[r]["frames_per_s_needed"]
+                        row[f"workers_{r}"] = math.ceil(need / row["frames_per_s"])
+                        row[f"cores_{r}"] = math.ceil(need / row["frames_per_cpu_s"])
                     rows.append(row)
-                    workers = "".join(f" {row[f'workers_{r}']:>10}" for r in recipes)
+                    workers = "".join(
+                        f" {row[f'workers_{r}']:>10} {row[f'cores_{r}']:>8}" for r in recipes
+                    )
                     print(
                         f"{size:>6} {gop:>4} {way.replace('N', str(threads)):>10} "
                         f"{row['sampled_frames']:>6} {'x'.join(map(str, row['frame_grid'])):>7} "
@@ -247,9 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"({d['recipe']}: {d['gflops_per_frame']} GFLOP a sampled frame on the video mix; "
             f"{args.gpus} GPUs x {args.tflops:.0f} TFLOP/s = {d['frames_per_s_needed']} "
-            "sampled frames/s a host; workers = that over one process's frames/s)"
+            "sampled frames/s a host)"
         )
-    print("(the cache's pixels equal decoding's in every row)")
+    print(
+        "(workers: that over one process's frames/s, wall clock, each of the threaded ones "
+        f"owning {threads} cores; cores: over frames per CPU-second, what the host's cores "
+        "must do however the work is split; the cache's pixels equal decoding's in every row)"
+    )
     if args.json:
         out = {"demand": demand, "threads": threads, "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
