@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from jaxmllm.config.checks import check, positive
@@ -139,6 +140,11 @@ class VisionConfig(BlockOptions):
             "position_grid",
         )
         check(self.projector_dim >= 0, "must be >= 0 (0: the LLM's width)", "projector_dim")
+        check(
+            math.isfinite(self.tokens_per_second) and self.tokens_per_second >= 0,
+            "must be >= 0 (0: one M-RoPE time step per temporal patch, Qwen2-VL's rule)",
+            "tokens_per_second",
+        )
         check(self.projector_act in ACTIVATIONS, f"must be one of {ACTIVATIONS}", "projector_act")
         check(
             not self.class_token or self.positions == "learned",
@@ -249,6 +255,11 @@ class AudioConfig(BlockOptions):
             "subsample",
         )
         check(self.projector_dim >= 0, "must be >= 0 (0: the LLM's width)", "projector_dim")
+        check(
+            math.isfinite(self.tokens_per_second) and self.tokens_per_second >= 0,
+            "must be >= 0 (0: one M-RoPE time step per temporal patch, Qwen2-VL's rule)",
+            "tokens_per_second",
+        )
         check(self.projector_act in ACTIVATIONS, f"must be one of {ACTIVATIONS}", "projector_act")
         check(self.projector in PROJECTORS, f"must be one of {', '.join(PROJECTORS)}", "projector")
         check(
