@@ -255,11 +255,6 @@ class AudioConfig(BlockOptions):
             "subsample",
         )
         check(self.projector_dim >= 0, "must be >= 0 (0: the LLM's width)", "projector_dim")
-        check(
-            math.isfinite(self.tokens_per_second) and self.tokens_per_second >= 0,
-            "must be >= 0 (0: one M-RoPE time step per temporal patch, Qwen2-VL's rule)",
-            "tokens_per_second",
-        )
         check(self.projector_act in ACTIVATIONS, f"must be one of {ACTIVATIONS}", "projector_act")
         check(self.projector in PROJECTORS, f"must be one of {', '.join(PROJECTORS)}", "projector")
         check(
