@@ -179,6 +179,8 @@ def test_a_damaged_or_stale_cache_is_never_read_as_pixels(tmp_path):
     write_video(tmp_path / "v0.mp4", moving_frames(20, 32, 48, "left"), fps=10, gop=5)
     assert (tmp_path / "v0.mp4").stat().st_size != size  # (the same header: the index agrees)
     assert not all(np.array_equal(a, b) for a, b in zip(want, check("decoded_stale"), strict=True))
+    assert build_frames(cfg, data_set(cfg, None))["rebuilt"] == 1  # (its shard, for the new file)
+    check("cache_hit")
 
 
 def test_a_video_broken_after_indexing_is_a_counted_reject_at_cache_time(tmp_path):

@@ -131,10 +131,24 @@ def _build_shard(job: tuple[int, list[int]]) -> dict:
 
 def _plan(source, i: int) -> list:
     """What row i's videos will be in a shard: [record id, [(frames, rate, height, width) of
-    each video], its limits] (a shard built for another plan is built again)."""
+    each video], its limits, its videos' byte sizes] (a shard built for another plan, or
+    before a video file changed, is built again)."""
     row = source.rows[i]
     limits = source.limits.get(i, Limits())
-    return [row["id"], row[MEDIA["video"].size_key], [limits.max_pixels, limits.video_pixels]]
+    try:
+        record = read_record(source.records, int(row["row"]))
+        sizes = [_size(src) for src in record.media["video"]]
+    except Exception:  # noqa: BLE001  (the build rejects the record, counted)
+        sizes = None
+    key = MEDIA["video"].size_key
+    return [row["id"], row[key], [limits.max_pixels, limits.video_pixels], sizes]
+
+
+def _size(src) -> int:
+    try:
+        return source_size(src)
+    except OSError:
+        return -1  # (missing: the build rejects it, naming it)
 
 
 def _add_row(source, i: int, writer: ShardWriter, entries: list, rejects: list) -> None:
