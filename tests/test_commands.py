@@ -33,6 +33,11 @@ CASES = {  # module: [argv, ...]
         ["--config", MISSING],
         ["--config", "configs/manifest_example.yaml", "--set", "data.nope=1"],
     ],
+    "jaxmllm.data.frames": [
+        ["--config", MISSING],
+        ["--config", "configs/manifest_example.yaml", "--set", "data.nope=1"],
+        ["--config", TINY],  # (synthetic data: nothing to cache)
+    ],
     "jaxmllm.data.arrayrecord": [
         ["--manifest", "{tmp}/m.jsonl", "--out", "{tmp}/x.array_record", "--config", MISSING],
         ["--manifest", "{tmp}/m.jsonl", "--out", "{tmp}/x.array_record", "--set", "data.x=1"],

@@ -211,3 +211,57 @@ def test_qwen2_audio_with_a_clip_generates_transformers_tokens(tmp_path):
     theirs = hf_greedy(model, tokens, 16, stop, input_features=torch.from_numpy(features),
                        feature_attention_mask=mask)  # fmt: skip
     assert len(ours) == 16 and ours == theirs
+
+
+def test_qwen2_5_vl_with_a_video_generates_transformers_tokens(tmp_path):
+    """A whole Qwen2.5-VL and a video file on the command line (`--video`): the template places
+    its `<|video_pad|>` ids, decoding samples 6 of its 33 frames (1.82 fps, not the asked 2:
+    a temporal patch spans 1.1 s), M-RoPE counts its time in seconds x tokens_per_second; the
+    8 greedy ids are transformers' given the same frames and its `second_per_grid_ts`."""
+    import torch
+    import transformers
+    from transformers.video_utils import VideoMetadata
+    from video_files import moving_frames, write_video
+
+    from jaxmllm.data.media.video import frame_indices
+    from jaxmllm.generate import taking_videos
+
+    d = tmp_path / "qwen2_5_vl"
+    tk = hf(build_dir(d, "qwen", "Qwen/Qwen2.5-VL-7B-Instruct"))
+    names = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+    ids = tuple(tk.convert_tokens_to_ids(t) for t in names)
+    hf_models.qwen2_5_vl(d, vocab=VOCAB, ids=ids)
+    build_dir(d, "qwen", "Qwen/Qwen2.5-VL-7B-Instruct")  # (save_pretrained wrote over it)
+    video = write_video(tmp_path / "m.mp4", moving_frames(33, 32, 48), fps=10)
+
+    args = parse_args(["--hf", str(d), "--video", str(video), "--prompt", "Which way?"])
+    cfg, params = load_hf(args)
+    cfg = taking_videos(cfg)
+    assert cfg.model.vision.tokens_per_second == 4  # (the checkpoint's, read by the import)
+    template = make_template(cfg, "auto", pretrained=True)
+    (prompt,) = request_prompts(template, args)
+    (grid,) = prompt.grids
+    assert grid[0] == 3 and len(grid) == 4  # three temporal patches, in absolute time
+    stop = frozenset(template.specials.stop)
+    gen = Generator(cfg, PromptShapes.fit([prompt], cfg, 8), template.specials)
+    (ours,) = gen.generate(
+        params["params"], params["frozen"], [prompt], max_new_tokens=8, stop_ids=stop
+    )
+
+    tokens = prompt.tokens.astype(np.int64)
+    assert (tokens == ids[1]).sum() == grid[0] * grid[1] * grid[2] // 4
+    patches = Inputs.pixels().normalise(np.concatenate([v for v, _ in prompt.media["vision"]]))
+    theirs_pixels = patches.reshape(-1, 2, 4, 4, 3).transpose(0, 4, 1, 2, 3)
+    meta = VideoMetadata(total_num_frames=33, fps=10.0, frames_indices=frame_indices(33, 6))
+    model = transformers.AutoModelForImageTextToText.from_pretrained(str(d)).eval()
+    theirs = hf_greedy(
+        model,
+        tokens.tolist(),
+        8,
+        stop,
+        pixel_values_videos=torch.from_numpy(theirs_pixels.reshape(len(patches), -1)),
+        video_grid_thw=torch.tensor([grid[:3]]),
+        second_per_grid_ts=torch.tensor([2 / meta.sampled_fps]),
+        mm_token_type_ids=torch.from_numpy(2 * (tokens == ids[1])[None].astype(np.int64)),
+    )
+    assert len(ours.ids) == 8 and ours.ids == theirs

@@ -49,9 +49,14 @@ def test_whole_model_with_media_matches_transformers(name, tmp_path, capsys):
     """`hf check DIR`: one line per part and last the whole model: the LLM on text, the encoder
     and projector on an image (LLaVA's CLIP with its class token, read a block before the end;
     Qwen2.5-VL's windows) or a clip (Qwen2-Audio's pooled rows), and every token's logits with
-    it in the prompt, within 1e-4 of transformers in fp32."""
+    it in the prompt, within 1e-4 of transformers in fp32; a Qwen VL's with a video in the
+    prompt too (Qwen2.5-VL's time in seconds, its second_per_grid_ts)."""
     assert main(["check", WHOLES[name](tmp_path / name), "--json"]) == 0
     results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    if name.startswith("qwen2-") and name != "qwen2-audio":  # and a video (M-RoPE's time)
+        video = results.pop()
+        assert video["role"] == "model" and "temporal-patch video" in video["what"], video
+        assert video["max_abs_ref"] > 0.5 and video["max_abs_diff"] < 1e-4, video
     assert [r["role"] for r in results][::2] == ["llm", "model"] and len(results) == 3
     line = describe(results[-1])
     assert " model: logits of " in line and ": largest difference " in line, line

@@ -223,6 +223,77 @@ def test_mrope_video_positions_are_get_rope_index(tmp_path):
     np.testing.assert_array_equal(got, want[:, 0].numpy().T)
 
 
+@pytest.mark.parametrize("tokens_per_second", [1, 4, 25])
+def test_qwen2_5_vl_video_positions_are_get_rope_index_in_absolute_time(
+    tmp_path, tokens_per_second
+):
+    """Qwen2.5-VL counts video time in seconds: a JSONL record with an image and two videos of
+    other lengths and frame rates (so the sampled fps is not the asked 4: floor(k x
+    tokens_per_second x second_per_grid_t) is not a whole step), loaded as training loads it,
+    gets M-RoPE positions equal to transformers' `get_rope_index` given the checkpoint's
+    tokens_per_second and `second_per_grid_ts` of transformers' own VideoMetadata.sampled_fps
+    (temporal_patch / sampled fps); with tokens_per_second 0 they are Qwen2-VL's."""
+    import hf_models
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers.video_utils import VideoMetadata
+
+    write_video(tmp_path / "a.mp4", moving_frames(33, 32, 48), fps=10)  # 3.3 s: 12 of 33
+    write_video(tmp_path / "b.mp4", moving_frames(23, 40, 40, "left"), fps=7)  # 12 of 23
+    from PIL import Image
+
+    Image.new("RGB", (24, 16), (200, 30, 30)).save(tmp_path / "cat.png")
+    manifest = _manifest(
+        tmp_path,
+        [
+            {
+                "id": "v",
+                "text": "<video>then<image>and<video>which way?",
+                "videos": ["a.mp4", "b.mp4"],
+                "images": ["cat.png"],
+            },
+        ],
+    )
+    cfg = _config(manifest, f"model.vision.tokens_per_second={tokens_per_second}")
+    build_index(cfg, manifest, progress=False)
+    source = open_source(cfg)
+    sample, row = source[0], source.rows[0]
+    pre = source.pre
+    spg = []
+    for size in row["video_sizes"]:
+        info = VideoInfo.of(size)
+        n = video_parts(info, pre.video_rule())[0] * 2
+        meta = VideoMetadata(
+            total_num_frames=info.frames,
+            fps=info.rate,
+            frames_indices=frame_indices(info.frames, n).tolist(),
+        )
+        spg.append(2 / meta.sampled_fps)
+    assert spg[0] != 1 / 2 and spg[1] != 1 / 2  # (not the asked 4 fps)
+    image_id, video_id = (pre.tokenizer.specials.media[k] for k in ("vision", "video"))
+    ids = sample.tokens.astype(np.int64)
+    kinds = np.where(ids == image_id, 1, np.where(ids == video_id, 2, 0))
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        hf_models.qwen2_5_vl(tmp_path / "vl")
+    )
+    model.config.vision_config.tokens_per_second = tokens_per_second
+    thw = [g[:3] for g in sample.grids]
+    with torch.no_grad():
+        want, _ = model.model.get_rope_index(
+            torch.from_numpy(ids[None]),
+            torch.from_numpy(kinds[None]),
+            image_grid_thw=torch.tensor([thw[1]]),
+            video_grid_thw=torch.tensor([thw[0], thw[2]]),
+            second_per_grid_ts=torch.tensor(spg),
+        )
+    assert [len(g) for g in sample.grids] == [4, 3, 4]  # (videos carry their time step)
+    got = mrope_positions(ids, [image_id, video_id], sample.grids, 2)
+    np.testing.assert_array_equal(got, want[:, 0].numpy().T)
+    qwen2_vl = mrope_positions(ids, [image_id, video_id], thw, 2)  # (a step per patch)
+    assert not np.array_equal(got, qwen2_vl)  # (a case where absolute time tells)
+    plain = open_source(_config(manifest))[0]  # tokens_per_second 0: Qwen2-VL's positions
+    assert plain.grids == thw
+
+
 def _manifest(tmp_path: Path, records: list[dict]) -> Path:
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -383,19 +383,23 @@ def fill_stats(batch: dict[str, np.ndarray]) -> dict[str, float]:
 
 
 def mrope_positions(
-    tokens: np.ndarray, vision: int | list[int], grids: list[tuple[int, ...]], merge: int
+    tokens: np.ndarray, vision: int | list[int], grids: list[tuple], merge: int
 ) -> np.ndarray:
-    """M-RoPE positions [T, 3] (time, row, column) of a sample, as Qwen2-VL's `get_rope_index`
-    makes them: text counts on in all three; the k-th image or video is the next block of
-    vision placeholder tokens (`vision`: the ids of images' and videos' slots) its grid fills
-    (items may follow each other with no text between), its grid of t temporal patches of
-    (rows / merge) x (cols / merge) tokens, time-major, then row-major, at (start + time,
-    start + row, start + column), and the text after it resumes at start + the merged grid's
-    longer side (the time does not count: transformers 5's rule). `grids`: (t, rows, cols)
-    in patches each, or (rows, cols) for an image."""
+    """M-RoPE positions [T, 3] (time, row, column) of a sample, as Qwen2-VL's and Qwen2.5-VL's
+    `get_rope_index` make them: text counts on in all three; the k-th image or video is the
+    next block of vision placeholder tokens (`vision`: the ids of images' and videos' slots)
+    its grid fills (items may follow each other with no text between), its grid of t temporal
+    patches of (rows / merge) x (cols / merge) tokens, time-major, then row-major, at (start +
+    time, start + row, start + column), and the text after it resumes at start + the merged
+    grid's longer side (the time does not count: transformers 5's rule). `grids`: (t, rows,
+    cols) in patches each, (rows, cols) for an image, or (t, rows, cols, step) for a video
+    placed in absolute time (Qwen2.5-VL): temporal patch k at time floor(k x step) in float32,
+    step = tokens_per_second x seconds a temporal patch spans (`video_time_step`)."""
     out = np.zeros((len(tokens), 3), np.int32)
     is_vision = np.isin(tokens, vision)
-    merged = [(g[0] if len(g) == 3 else 1, g[-2] // merge, g[-1] // merge) for g in grids]
+    full = [(1, *g) if len(g) == 2 else g for g in grids]
+    merged = [(g[0], g[1] // merge, g[2] // merge) for g in full]
+    steps = [g[3] if len(g) == 4 else None for g in full]
     total = sum(t * h * w for t, h, w in merged)
     if int(is_vision.sum()) != total:
         raise ValueError(
@@ -403,7 +407,7 @@ def mrope_positions(
             f"merge to {total} (videos count as images here)"
         )
     at, pos = 0, 0
-    for t, h, w in merged:
+    for (t, h, w), step in zip(merged, steps, strict=True):
         # The item's tokens are the next t * h * w vision tokens (a run of them may be several
         # items, in order).
         size = t * h * w
@@ -413,6 +417,8 @@ def mrope_positions(
         out[at:start] = (pos + np.arange(start - at))[:, None]
         pos += start - at
         time, rest = np.divmod(np.arange(size), h * w)
+        if step is not None:  # (torch: arange * float32 interval, then .long())
+            time = (time.astype(np.float32) * np.float32(step)).astype(np.int64)
         r, c = np.divmod(rest, w)
         out[start : start + size] = np.stack([time, r, c], -1) + pos
         pos += max(h, w)

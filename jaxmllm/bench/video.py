@@ -1,23 +1,30 @@
-"""Video decoding rate: sampled frames/s per worker process, and the workers a host needs.
+"""Video reading rate: sampled frames/s per process from the frame cache, threaded decoding and
+single-threaded decoding, side by side, and the worker processes an 8-GPU host needs.
 
     python -m jaxmllm.bench.video [--sizes 480p,1080p] [--seconds 30] [--fps 2] \\
-        [--gops 250,30] [--repeat 3] [--tokens-per-s 27300] [--gpus 8] [--json OUT]
+        [--gops 250,30] [--repeat 3] [--threads N] [--recipes 2b,7b] [--tflops 400] \\
+        [--gpus 8] [--json OUT]
 
 Writes H.264 MP4s (x264, 30 fps, a keyframe every --gops frames: 250 is x264's default, 30 a
-camera's) of --seconds of moving shapes over a textured, drifting background, then decodes each
-in this one process (a worker's share of the host) exactly as training does: `load_video` (the
-packet index, a seek to the keyframe before a sampled frame where that is cheaper than decoding
-on, RGB and resize in swscale, normalise, temporal patches) at --fps, by the default data
-config's video rule. Per size and group of pictures: sampled frames/s (the median of --repeat)
-over this process's CPU time (one decoder thread: what a worker on a core of its own does,
-whatever else the machine runs) and over wall time, the frames the decoder went through, and
-the seeks it made.
+camera's) of --seconds of moving shapes over a textured, drifting background, then reads each
+in this one process exactly as training does (`load_video`: the sampled frames at the default
+data config's video rule and --fps, RGB and resized, temporal patches), three ways:
 
-The workers a host needs for training on the `video` mix (`jaxmllm.bench.mixes.long_video`):
---gpus x the real LLM tokens/s a GPU trains (--tokens-per-s; default: `bench.throughput` of
-configs/small.yaml on one H100, orchestrated: docs/benchmarks.md) x the share of the mix's LLM
-tokens that are video tokens / the mix's video tokens per sampled frame = sampled frames/s the
-host must decode, over one worker's sampled frames/s.
+- `decode x1`: one decoder thread (the loader's decoding before the frame cache and threads);
+- `decode xN`: FFmpeg's frame and slice threads, N = --threads (default: this process's cores),
+  what a worker owning N cores does;
+- `cache`: from a frame cache built for the clip (`jaxmllm.data.frame_store`: its shard read
+  by offset, checksums checked); the pixels are checked equal to decoding's.
+
+Per size, group of pictures and way: sampled frames/s over wall time (the median of --repeat)
+and over this process's CPU time, the frames decoded and the seeks made. Then the demand: on the
+`video` mix (`jaxmllm.bench.mixes.long_video`), each recipe (`configs/gpu/qwen2vl_<r>.yaml`)
+costs `jaxmllm.plan.cost`'s training FLOPs per sampled frame (its LLM tokens and vision patches,
+shared over the mix's video frames); --gpus GPUs at --tflops each (400: an H100 at ~40% of its
+bf16 peak) consume gpus x tflops / FLOPs-a-frame sampled frames/s, and the host needs that over
+one process's rate in worker processes (each of the threaded ones owning --threads cores), and
+over its frames per CPU-second in cores (threads shorten a video's wait, not the CPU it costs:
+a host contended by other jobs gives wall rates below the CPU ones).
 """
 
 from __future__ import annotations
@@ -63,59 +70,109 @@ def write_clip(path: Path, height: int, width: int, seconds: float, gop: int) ->
     return path
 
 
-def decode_rate(path: Path, params, repeat: int) -> dict:
-    """Sampled frames/s of `load_video` on one file (median of `repeat`), and what the decoder
-    did for them."""
+def read_rate(path: Path, params, repeat: int, way: str, threads: int, cache=None) -> dict:
+    """Sampled frames/s of `load_video` on one file read `way` (decode / cache; median of
+    `repeat`), and what the decoder did for them."""
     from jaxmllm.data.media import video
 
     rule = video.VideoRule.of(params)
     info = video.read_video_info(path)
     n = video.sampled_frames(info, rule)
     gh, gw = video.frame_grid(info, n, rule)
-    counts: dict = {}
-    video.decode_frames(path, info, video.frame_indices(info.frames, n).tolist(),
-                        (gw * rule.patch, gh * rule.patch), "bench", counts)  # fmt: skip
-    cpu, wall = [], []
-    for _ in range(repeat):
-        t0, w0 = time.process_time(), time.perf_counter()
-        video.load_video(path, info, rule, "bench")
-        cpu.append(time.process_time() - t0)
-        wall.append(time.perf_counter() - w0)
-    dt = statistics.median(cpu)
+    counts: dict = {"decoded": 0, "seeks": 0}
+    cached = None
+    if cache is not None:
+
+        def cached(want, shape):
+            groups, why = cache.groups("bench", 0, path, want, shape, rule)
+            if groups is None:
+                raise RuntimeError(f"the bench's frame cache missed ({why})")
+            return groups
+
+    video.set_decode_threads(threads)
+    try:
+        if cache is None:
+            video.decode_frames(
+                path,
+                info,
+                video.frame_indices(info.frames, n).tolist(),
+                (gw * rule.patch, gh * rule.patch),
+                "bench",
+                counts,
+            )
+        cpu, wall = [], []
+        for _ in range(repeat):
+            t0, w0 = time.process_time(), time.perf_counter()
+            items = video.load_video(path, info, rule, "bench", cached=cached)
+            cpu.append(time.process_time() - t0)
+            wall.append(time.perf_counter() - w0)
+    finally:
+        video.set_decode_threads(0)
+    dt, dw = statistics.median(cpu), statistics.median(wall)
     return {
         "sampled_frames": n,
         "frame_grid": [gh, gw],
-        "cpu_s": round(dt, 3),
-        "wall_s": round(statistics.median(wall), 3),
-        "sampled_frames_per_s": round(n / dt, 1),
-        "sampled_frames_per_wall_s": round(n / statistics.median(wall), 1),
+        "cpu_s": round(dt, 4),
+        "wall_s": round(dw, 4),
+        "frames_per_s": round(n / dw, 1),
+        "frames_per_cpu_s": round(n / max(dt, 1e-9), 1),
         "decoded_frames": counts["decoded"],
-        "decoded_frames_per_s": round(counts["decoded"] / dt, 1),
         "seeks": counts["seeks"],
+        "pixels": items,
     }
 
 
-def host_demand(tokens_per_s: float, gpus: int, per_token: int = 4) -> dict:
-    """Sampled frames/s a host of `gpus` must decode to train the `video` mix at
-    `tokens_per_s` real LLM tokens/s a GPU."""
-    from jaxmllm.bench.mixes import long_video
+def build_cache(path: Path, folder: Path, params):
+    """A frame cache holding `path`'s sampled frames as video 0 of record "bench"."""
+    from jaxmllm.data import frame_store
+    from jaxmllm.data.media import video
 
+    rule = video.VideoRule.of(params)
+    info = video.read_video_info(path)
+    frames = video.sampled_frames_of(path, info, rule, "bench")
+    folder.mkdir(parents=True, exist_ok=True)
+    writer = frame_store.ShardWriter(folder, 0)
+    at, sums = writer.add(video.patches_of(frames, rule))
+    entry = ["bench", 0, writer.path.stem, at, *frames.shape[:3], path.stat().st_size, sums]
+    side = {"name": writer.path.stem, "entries": [entry], "rejects": []}
+    side["bytes"] = writer.close()
+    frame_store.merge(folder, [side], params.counted())
+    return frame_store.FrameCache(folder)
+
+
+def host_demand(recipe: str, tflops: float, gpus: int) -> dict:
+    """Sampled frames/s `gpus` GPUs at `tflops` consume training `recipe`
+    (configs/gpu/qwen2vl_<recipe>.yaml) on the `video` mix: its training FLOPs per sampled
+    video frame (the mix's LLM tokens and vision patches over its video frames)."""
+    from jaxmllm.bench.mixes import long_video
+    from jaxmllm.config import load_config
+    from jaxmllm.plan.cost import CostModel
+
+    cfg = load_config(f"configs/gpu/qwen2vl_{recipe}.yaml", [])
+    cost = CostModel.from_model(cfg.model)
+    v = cfg.model.vision
     index = long_video(num_samples=4000)
     vision = index.items["vision"]
+    llm = index.llm_tokens({"vision": v.merge**2, "audio": 4})
+    flops = (
+        cost.phase("llm").item_cost(llm).sum() + cost.phase("vision").item_cost(vision.sizes).sum()
+    )
     videos = vision.count() > 1  # (the mix's samples with several vision items are videos)
-    llm = index.llm_tokens({"vision": per_token, "audio": 4})
-    video_tokens = vision.per_sample(vision.sizes // per_token)[videos].sum()
-    frames = 2 * vision.count()[videos].sum()  # (two frames a temporal patch)
-    share = video_tokens / llm.sum()
-    per_frame = video_tokens / frames
-    need = gpus * tokens_per_s * share / per_frame
-    return {"video_token_share": round(float(share), 3),
-            "video_tokens_per_frame": round(float(per_frame), 1),
-            "frames_per_s_needed": round(float(need), 1)}  # fmt: skip
+    frames = v.temporal_patch * vision.count()[videos].sum()
+    per_frame = flops / frames
+    return {
+        "recipe": f"configs/gpu/qwen2vl_{recipe}.yaml",
+        "gflops_per_frame": round(float(per_frame) / 1e9, 1),
+        "frames_per_s_needed": round(float(gpus * tflops * 1e12 / per_frame), 1),
+    }
+
+
+WAYS = ("decode x1", "decode xN", "cache")
 
 
 def main(argv: list[str] | None = None) -> int:
     from jaxmllm.config import load_config
+    from jaxmllm.data.media.video import cores
     from jaxmllm.data.preprocess import Params
 
     p = argparse.ArgumentParser(prog="python -m jaxmllm.bench.video", description=__doc__,
@@ -125,45 +182,85 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fps", type=float, default=2.0, help="frames sampled a second")
     p.add_argument("--gops", default="250,30", help="frames a keyframe, comma-separated")
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument(
-        "--tokens-per-s",
-        type=float,
-        default=27300.0,
-        help="real LLM tokens/s a GPU trains (docs/benchmarks.md: small.yaml, H100)",
-    )
+    p.add_argument("--threads", type=int, default=0, help="decode xN's threads (0: the cores)")
+    p.add_argument("--recipes", default="2b,7b", help="configs/gpu/qwen2vl_<r>.yaml, comma-sep.")
+    p.add_argument("--tflops", type=float, default=400.0, help="TFLOP/s a GPU trains at")
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     unknown = [s for s in args.sizes.split(",") if s not in SIZES]
     if unknown:
         p.error(f"--sizes: {', '.join(unknown)} is not one of {', '.join(SIZES)}")
+    if args.repeat < 1 or args.threads < 0 or args.tflops <= 0 or args.gpus < 1:
+        p.error("--repeat and --gpus must be >= 1, --threads >= 0, --tflops > 0")
+    threads = args.threads or cores()
     cfg = load_config(None, [f"data.video_fps={args.fps}", "model.vision.temporal_patch=2"])
     params = Params.from_config(cfg)
-    demand = host_demand(args.tokens_per_s, args.gpus)
+    recipes = args.recipes.split(",")
+    demand = {r: host_demand(r, args.tflops, args.gpus) for r in recipes}
     rows = []
-    print(f"{'size':>6} {'gop':>4} {'frames':>6} {'grid':>7} {'sampled/s':>10} {'(wall)':>7} "
-          f"{'decoded':>8} {'decoded/s':>10} {'seeks':>6} {'workers':>8}")  # fmt: skip
+    head = "".join(f" {'workers ' + r:>10} {'cores ' + r:>8}" for r in recipes)
+    print(
+        f"{'size':>6} {'gop':>4} {'way':>10} {'frames':>6} {'grid':>7} {'frames/s':>9} "
+        f"{'(cpu)':>8} {'decoded':>8} {'seeks':>6}{head}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes.split(","):
             for gop in (int(g) for g in args.gops.split(",")):
                 path = write_clip(Path(tmp) / f"{size}_{gop}.mp4", *SIZES[size], args.seconds, gop)
-                row = {"size": size, "gop": gop, **decode_rate(path, params, args.repeat)}
-                row["workers_needed"] = math.ceil(
-                    demand["frames_per_s_needed"] / row["sampled_frames_per_s"]
+                cache = build_cache(path, Path(tmp) / f"cache_{size}_{gop}", params)
+                got = {}
+                for way in WAYS:
+                    n = 1 if way == "decode x1" else threads
+                    got[way] = read_rate(
+                        path, params, args.repeat, way, n, cache if way == "cache" else None
+                    )
+                same = all(
+                    np.array_equal(a[0], b[0])
+                    for a, b in zip(got["decode x1"]["pixels"], got["cache"]["pixels"], strict=True)
                 )
-                rows.append(row)
-                print(f"{size:>6} {gop:>4} {row['sampled_frames']:>6} "
-                      f"{'x'.join(map(str, row['frame_grid'])):>7} "
-                      f"{row['sampled_frames_per_s']:>10} {row['sampled_frames_per_wall_s']:>7} "
-                      f"{row['decoded_frames']:>8} "
-                      f"{row['decoded_frames_per_s']:>10} {row['seeks']:>6} "
-                      f"{row['workers_needed']:>8}", flush=True)  # fmt: skip
-    print(f"(workers: {args.gpus} GPUs x {args.tokens_per_s:.0f} tokens/s x "
-          f"{demand['video_token_share']} video tokens / {demand['video_tokens_per_frame']} "
-          f"tokens a sampled frame = {demand['frames_per_s_needed']} sampled frames/s a host, "
-          "over one worker's sampled frames/s)")  # fmt: skip
+                if not same:
+                    raise RuntimeError(
+                        f"{size} gop {gop}: the cache's pixels differ from decoding's"
+                    )
+                for way in WAYS:
+                    row = {
+                        "size": size,
+                        "gop": gop,
+                        "way": way,
+                        "threads": 1 if way == "decode x1" else threads,
+                        **{k: v for k, v in got[way].items() if k != "pixels"},
+                    }
+                    for r in recipes:
+                        need = demand[r]["frames_per_s_needed"]
+                        row[f"workers_{r}"] = math.ceil(need / row["frames_per_s"])
+                        row[f"cores_{r}"] = math.ceil(need / row["frames_per_cpu_s"])
+                    rows.append(row)
+                    workers = "".join(
+                        f" {row[f'workers_{r}']:>10} {row[f'cores_{r}']:>8}" for r in recipes
+                    )
+                    print(
+                        f"{size:>6} {gop:>4} {way.replace('N', str(threads)):>10} "
+                        f"{row['sampled_frames']:>6} {'x'.join(map(str, row['frame_grid'])):>7} "
+                        f"{row['frames_per_s']:>9} {row['frames_per_cpu_s']:>8} "
+                        f"{row['decoded_frames']:>8} {row['seeks']:>6}{workers}",
+                        flush=True,
+                    )
+    for r in recipes:
+        d = demand[r]
+        print(
+            f"({d['recipe']}: {d['gflops_per_frame']} GFLOP a sampled frame on the video mix; "
+            f"{args.gpus} GPUs x {args.tflops:.0f} TFLOP/s = {d['frames_per_s_needed']} "
+            "sampled frames/s a host)"
+        )
+    print(
+        "(workers: that over one process's frames/s, wall clock, each of the threaded ones "
+        f"owning {threads} cores; cores: over frames per CPU-second, what the host's cores "
+        "must do however the work is split; the cache's pixels equal decoding's in every row)"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"demand": demand, "rows": rows}, indent=1) + "\n")
+        out = {"demand": demand, "threads": threads, "rows": rows}
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 

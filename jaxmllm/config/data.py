@@ -196,6 +196,11 @@ class DataConfig:
     on_error: str = "skip"  # bad or missing media, bad lines, placeholder mismatch: skip | fail
     on_oversize: str = "shrink"  # a sample no bucket can hold: shrink | truncate | skip | fail
     workers: int = 0  # preprocessing worker processes; 0 = in the training process
+    # Read videos' sampled, resized frames from the data set's frame cache (`python -m
+    # jaxmllm.data.frames --config X` builds it once, beside the index, under the same
+    # preprocessing key: lossless uint8, checksummed) instead of decoding them; a video the
+    # cache lacks, or whose entry is stale or damaged, is decoded, counted (frames/ metrics)
+    frame_cache: bool = False
     # Steps the feed's thread prepares ahead of the trainer (planned, loaded, on the devices:
     # each holds a batch's device memory); evens out uneven steps. 0 = none (no thread).
     prefetch: int = 2

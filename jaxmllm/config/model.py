@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from jaxmllm.config.checks import check, positive
@@ -94,6 +95,11 @@ class VisionConfig(BlockOptions):
     # Qwen2-VL's processor does); false: images only, a patch one frame wide, and data with
     # videos is refused at start-up naming this key. The parameters do not depend on it.
     video: bool = False
+    # How a video's temporal patches are placed in time by M-RoPE: 0 = one time step per
+    # temporal patch (Qwen2-VL); > 0 = absolute time, this many steps a second (Qwen2.5-VL's
+    # vision_config.tokens_per_second: a temporal patch of frames sampled at f fps advances
+    # floor(k x tokens_per_second x temporal_patch / f))
+    tokens_per_second: float = 0.0
     projector_dim: int = 0  # the projector's hidden width; 0 = the LLM's width
     projector_act: str = "gelu_tanh"  # the projector's activation: gelu_tanh | gelu (exact)
     freeze: bool = False  # no gradient and no optimizer state for the encoder
@@ -153,6 +159,11 @@ class VisionConfig(BlockOptions):
             "position_grid",
         )
         check(self.projector_dim >= 0, "must be >= 0 (0: the LLM's width)", "projector_dim")
+        check(
+            math.isfinite(self.tokens_per_second) and self.tokens_per_second >= 0,
+            "must be >= 0 (0: one M-RoPE time step per temporal patch, Qwen2-VL's rule)",
+            "tokens_per_second",
+        )
         check(self.projector_act in ACTIVATIONS, f"must be one of {ACTIVATIONS}", "projector_act")
         check(
             not self.class_token or self.positions == "learned",

@@ -23,6 +23,7 @@ import signal
 import threading
 import time
 import weakref
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -31,13 +32,14 @@ import numpy as np
 
 from jaxmllm.config import Config
 from jaxmllm.data import shared
+from jaxmllm.data.media.video import set_decode_threads, share_of_cores
 from jaxmllm.data.rejects import DataError, RecordError, RejectLog, fail_message, failed
 from jaxmllm.data.samples import Sample
 
 _worker: dict = {}
 
 
-def _init_worker(source, owner: str) -> None:
+def _init_worker(source, owner: str, threads: int = 0) -> None:
     # Ctrl-C reaches the terminal's whole process group. The trainer stops the workers itself,
     # after the checkpoint the signal asks for; a worker interrupted in its queue would only
     # print a traceback (`Process SpawnProcess-1: ... KeyboardInterrupt`), so it ignores it.
@@ -45,6 +47,7 @@ def _init_worker(source, owner: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _worker["source"], _worker["owner"] = source, owner
+    set_decode_threads(threads)  # (the workers decode side by side: a share of the cores each)
     _worker["loading"] = shared.loading_slot(owner, os.getpid())
     parent = os.getppid()
     threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
@@ -95,6 +98,7 @@ class Loader:
         self.raw = getattr(source, "_source", source)  # the object under grain's MapDataset
         self.log = RejectLog(reject_log or Path(cfg.train.output_dir) / "rejects.jsonl")
         self.startup_written = False
+        self.frames: Counter = Counter()  # videos read from the frame cache or decoded
         self.pool = None
         if cfg.data.workers > 0:
             shared.remove_stale()  # (of loaders killed before they could)
@@ -103,7 +107,7 @@ class Loader:
                 cfg.data.workers,
                 multiprocessing.get_context("spawn"),  # JAX's threads make fork unsafe
                 initializer=_init_worker,
-                initargs=(self.raw, self.owner.token),
+                initargs=(self.raw, self.owner.token, share_of_cores(cfg.data.workers)),
             )
             weakref.finalize(self, _stop, self.pool, self.owner)
 
@@ -142,6 +146,8 @@ class Loader:
                     raise DataError(fail_message(err, "data.on_error", f"step {step}"))
                 self.log.add(f"load_{err.reason}", err.to_json(stage="load", step=step, index=i))
                 g = None
+            elif g is not None:
+                self.frames.update(getattr(g, "frames", {}))
             out[i] = g
         return out
 
@@ -185,6 +191,7 @@ class Loader:
         loads = {k: v for k, v in self.log.counts.items() if k.startswith("load_")}
         out["rejects/load_total"] = float(sum(loads.values()))
         out.update({f"rejects/{k}": float(v) for k, v in loads.items()})
+        out.update({f"frames/{k}": float(v) for k, v in sorted(self.frames.items())})
         return out
 
 

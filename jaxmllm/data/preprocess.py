@@ -8,30 +8,35 @@ trimmed clip, a cut sequence) from the index alone. The tokenizer (`jaxmllm.data
 says how a record becomes token runs and media markers (`pieces`) and which id fills an item's
 rows (`specials`).
 
-Each kind of media of the table (`jaxmllm.config.phases.KINDS`) has its media here (`MEDIA`, by
-kind): how its files' sizes are read from their headers, what parts an item becomes in its
-phase's bucket (an image one, a video one per temporal patch, a long clip several chunks) and
-how they are decoded. A new modality adds its entry.
+Each kind of media of the table (`jaxmllm.config.phases.KINDS`) has its media
+(`jaxmllm.data.media.kinds.MEDIA`, by kind): how its files' sizes are read from their headers,
+what parts an item becomes in its phase's bucket (an image one, a video one per temporal patch,
+a long clip several chunks) and how they are decoded. A new modality adds its entry.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError, phases
 from jaxmllm.config.phases import BY_NAME, ENCODERS, KIND, KINDS, NAMES
-from jaxmllm.data.media.audio import Caps, chunk_lengths, clip_frames, load_audio, read_info
-from jaxmllm.data.media.image import image_grid, load_image, read_size
-from jaxmllm.data.media.video import VideoInfo, VideoRule, load_video, read_video_info, video_parts
+from jaxmllm.data.media.audio import Caps, chunk_lengths, clip_frames
+from jaxmllm.data.media.image import image_grid
+from jaxmllm.data.media.kinds import MEDIA
+from jaxmllm.data.media.video import VideoRule
 from jaxmllm.data.records.record import Record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Item, Sample
 from jaxmllm.data.text.tokenizer import DEFAULT_DATE, make_tokenizer, tokenizer_sha256
+
+if TYPE_CHECKING:
+    from jaxmllm.data.frame_store import FrameCache
 
 # ----------------------------------------------------------------------------- parameters
 
@@ -60,6 +65,9 @@ class Params:
     video_frame_min_pixels: int = 3136
     video_frame_max_pixels: int = 602112
     video_max_pixels: int = 3211264
+    # M-RoPE's time per second of video (model.vision.tokens_per_second; 0: one step per
+    # temporal patch): it places tokens, it does not count them
+    video_tokens_per_second: float = field(default=0.0, compare=False)
     # Nor do the values of frames (which mel scale). (Pixels load as uint8: the encoder
     # normalises them on the device, by data.image_mean and image_std: `config.spec.Inputs`.)
     mel: str = field(default="jaxmllm", compare=False)
@@ -104,6 +112,7 @@ class Params:
             video_frame_min_pixels=d.video_frame_min_pixels,
             video_frame_max_pixels=d.video_frame_max_pixels,
             video_max_pixels=d.video_max_pixels,
+            video_tokens_per_second=v.tokens_per_second,
             mel=d.mel,
             max_image_pixels=d.max_image_pixels,
             max_audio_seconds=d.max_audio_seconds,
@@ -172,7 +181,9 @@ class Part(NamedTuple):
     source: int  # the record's item number of that kind
     part: int  # which part of it (a long clip's chunk, a video's temporal patch; 0 for an image)
     units: int  # patches / frames it takes in the phase's bucket
-    grid: tuple[int, int] | None = None  # an image's or video frame's patch grid (rows, cols)
+    # An image's or video frame's patch grid (rows, cols); a video placed in absolute time
+    # (model.vision.tokens_per_second) adds M-RoPE's time step per temporal patch
+    grid: tuple | None = None
 
 
 @dataclass
@@ -204,6 +215,8 @@ class Preprocessor:
         self.tokenizer = tokenizer or make_tokenizer(params.tokenizer, params.template_date)
         # (per encoder phase, from its own kind's media: every kind of a phase has the same)
         self.per_token = {p.name: MEDIA[p.name].per_token(params) for p in ENCODERS}
+        self.frames: FrameCache | None = None  # videos' frames decoded once (data.frame_cache)
+        self.frame_counts: Counter = Counter()  # the last sample's videos: cached or decoded
 
     def grid(self, h: int, w: int, limits: Limits = Limits()) -> tuple[int, int]:
         p = self.p
@@ -282,9 +295,10 @@ class Preprocessor:
             if keep is None or count[op.phase] in keep.get(op.phase, ()):
                 wanted.setdefault((op.kind, op.source), []).append(op.part)
             count[op.phase] += 1
+        self.frame_counts = Counter()  # (Videos.load: read from the frame cache, or decoded)
         decoded = {
             (kind, j): MEDIA[kind].load(self, record.media[kind][j], sizes.media[kind][j],
-                                        limits, record.id, parts)
+                                        limits, record.id, parts, item=j)
             for (kind, j), parts in wanted.items()
         }  # fmt: skip
         tokens, loss = [], []
@@ -306,14 +320,15 @@ class Preprocessor:
             loss=np.concatenate(loss).astype(bool),
             media=media,
             grids=grids(lay),
+            frames=dict(self.frame_counts),
         )
 
 
 def grids(lay: Layout) -> list[tuple[int, int, int]]:
     """The (temporal patches, rows, cols) grid of each image or video of a layout, in order
     (M-RoPE places their tokens on it): an image is one temporal patch, a video as many as the
-    layout kept of it."""
-    out: list[tuple[int, int, int]] = []
+    layout kept of it (and its time step, where it is placed in absolute time)."""
+    out: list[tuple] = []
     last = None
     for op in lay.parts():
         if op.grid is None:
@@ -341,129 +356,6 @@ def _part(parts: list[Item | None], op: Part, record_id: str) -> Item:
             record_id,
         )
     return values[: op.units], pos[: op.units]
-
-
-# ----------------------------------------------------------------------------- media
-
-
-class Images:
-    """The vision phase's own items: images, patchified at a native resolution within the pixel
-    budget, one part each, taken whole."""
-
-    size_key = "image_sizes"  # an index row's (height, width) of each image
-    size_types = (int, int)
-    whole = True  # an image is never cut: it fits whole or the sample is cut before it
-    pixels = True  # data.on_oversize: shrink lowers its pixel budget
-
-    def per_token(self, p: Params) -> int:
-        return p.merge**2
-
-    def largest(self, cfg: Config) -> int:
-        """The most patches a vision item can have: `data.image_max_pixels` (with
-        model.vision.video, or a video frame's `data.video_frame_max_pixels`) in merge blocks."""
-        v, d = cfg.model.vision, cfg.data
-        unit = v.patch_size * v.merge
-        return max(d.image_max_pixels, d.video_frame_max_pixels * v.video) // unit**2 * v.merge**2
-
-    def read_size(self, pre: Preprocessor, src: Any, record_id: str) -> tuple[int, int]:
-        return read_size(src, record_id, pre.p.max_image_pixels, pre.p.max_media_bytes)
-
-    def check(self, pre: Preprocessor, j: int, size: tuple[int, int], record_id: str) -> None:
-        pass  # (image_grid upscales the smallest image to the minimum pixels)
-
-    def parts(self, pre: Preprocessor, size, limits: Limits) -> list[tuple[int, tuple | None]]:
-        gh, gw = pre.grid(*size, limits)
-        return [(gh * gw, (gh, gw))]
-
-    def load(self, pre: Preprocessor, src, size, limits: Limits, record_id: str,
-             parts=None) -> list[Item]:  # fmt: skip
-        p = pre.p
-        budget = limits.max_pixels or p.image_max_pixels
-        patches, pos = load_image(src, p.patch_size, p.merge, min(p.image_min_pixels, budget),
-                                  budget, record_id, max_image_pixels=p.max_image_pixels,
-                                  max_bytes=p.max_media_bytes)  # fmt: skip
-        return [(patches, pos)]
-
-
-class Clips:
-    """The audio phase's items: clips as log-mel frames, cut into chunks of at most
-    `audio_max_frames` (one part each); a limit trims a chunk to whole LLM tokens."""
-
-    size_key = "audio_samples"  # an index row's (samples, sample rate) of each clip
-    size_types = (int, int)
-    whole = False
-    pixels = False
-
-    def per_token(self, p: Params) -> int:
-        return p.subsample
-
-    def largest(self, cfg: Config) -> int:
-        """The most frames a part (a chunk of a clip) can have."""
-        return cfg.data.audio_max_frames
-
-    def read_size(self, pre: Preprocessor, src: Any, record_id: str) -> tuple[int, int]:
-        return read_info(src, record_id, caps=pre.p.audio_caps())
-
-    def check(self, pre: Preprocessor, j: int, size: tuple[int, int], record_id: str) -> None:
-        samples, rate = size
-        if not pre.clip_chunks(samples, rate):
-            raise RecordError("audio_too_short", f"clip {j}: {samples / rate:.3f} s", record_id)
-
-    def parts(self, pre: Preprocessor, size, limits: Limits) -> list[tuple[int, tuple | None]]:
-        return [(frames, None) for frames in pre.clip_chunks(*size)]
-
-    def load(self, pre: Preprocessor, src, size, limits: Limits, record_id: str,
-             parts=None) -> list[Item]:  # fmt: skip
-        p = pre.p
-        chunks = load_audio(src, p.audio_sample_rate, p.n_mels, p.subsample, p.audio_max_frames,
-                            expect_samples=size[0], record_id=record_id, mel=p.mel,
-                            caps=p.audio_caps())  # fmt: skip
-        return [(c, np.arange(len(c), dtype=np.int32)) for c in chunks]
-
-
-class Videos:
-    """Videos, in the vision phase: frames sampled and resized by the video rule
-    (`jaxmllm.data.media.video`), one part per temporal patch, each taken whole (a cut keeps
-    the video's first temporal patches)."""
-
-    size_key = "video_sizes"  # an index row's (frames, frame rate, height, width) of each video
-    size_types = (int, float, int, int)
-    whole = True
-    pixels = True
-
-    def per_token(self, p: Params) -> int:
-        return p.merge**2
-
-    def read_size(self, pre: Preprocessor, src: Any, record_id: str) -> tuple:
-        p = pre.p
-        return read_video_info(src, record_id, p.max_video_seconds, p.max_image_pixels,
-                               p.max_video_decoded_pixels, p.max_media_bytes).as_size()  # fmt: skip
-
-    def check(self, pre: Preprocessor, j: int, size: tuple, record_id: str) -> None:
-        info = VideoInfo.of(size)
-        if not video_parts(info, pre.video_rule())[0]:
-            raise RecordError(
-                "video_too_short",
-                f"video {j}: {info.frames} frames at {info.rate:g} fps give fewer sampled frames "
-                f"than one temporal patch ({pre.p.temporal_patch})",
-                record_id,
-            )
-
-    def parts(self, pre: Preprocessor, size, limits: Limits) -> list[tuple[int, tuple | None]]:
-        count, (gh, gw) = video_parts(VideoInfo.of(size), pre.video_rule(limits))
-        return [(gh * gw, (gh, gw))] * count
-
-    def load(self, pre: Preprocessor, src, size, limits: Limits, record_id: str,
-             parts=None) -> list[Item | None]:  # fmt: skip
-        p, caps = pre.p, (pre.p.max_image_pixels, pre.p.max_video_decoded_pixels)
-        info, rule = VideoInfo.of(size), pre.video_rule(limits)
-        return load_video(src, info, rule, record_id, parts, *caps,
-                          max_seconds=p.max_video_seconds, max_bytes=p.max_media_bytes)  # fmt: skip
-
-
-# Per kind of media of the table (jaxmllm.config.phases.KINDS), its media (a test holds the two
-# equal)
-MEDIA = {"vision": Images(), "audio": Clips(), "video": Videos()}
 
 
 class _Budget:

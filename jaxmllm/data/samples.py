@@ -32,8 +32,12 @@ class Sample:
     media: dict[str, list[Item | None]] = field(default_factory=dict)
     # Each image's or video's grid (temporal patches, rows, cols) in patches, in order, known
     # from the layout even where another host decodes its pixels: M-RoPE places its tokens on
-    # it (an image: one temporal patch)
-    grids: list[tuple[int, int, int]] = field(default_factory=list)
+    # it (an image: one temporal patch); a video placed in absolute time (Qwen2.5-VL) adds its
+    # time step per temporal patch: (t, rows, cols, step), `batch.bucketize.mrope_positions`
+    grids: list[tuple] = field(default_factory=list)
+    # How its videos were read: {"cache_hit": n, "decoded": n, "decoded_<why>": n} (the frame
+    # cache's misses by reason, `data.frame_store.MISSES`); the loader sums them as metrics
+    frames: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self):
         self.media = {p: list(self.media.get(p, [])) for p in NAMES}

@@ -23,6 +23,7 @@ from jaxmllm.config import Config, ConfigError
 from jaxmllm.config.phases import ENCODERS, KIND
 from jaxmllm.data.columnar import ColumnError, Strings
 from jaxmllm.data.datasets import DataSet, acceptance_problem, data_sets, index_command, index_dir
+from jaxmllm.data.frame_store import MANIFEST, FrameCache
 from jaxmllm.data.lengths import Items, LengthsIndex
 from jaxmllm.data.mixture import MixtureSource
 from jaxmllm.data.oversize import apply_oversize
@@ -283,6 +284,8 @@ def open_data_set(cfg: Config, ds: DataSet, tokenizer) -> ManifestSource:
             f"the index in {out}/ is damaged: {e}. Rebuild it:\n  {index_command(cfg)}"
         ) from None
     pre = Preprocessor(Params.from_config(cfg), tokenizer)
+    if cfg.data.frame_cache:
+        pre.frames = open_frame_cache(cfg, ds, out)
     files = FileList(stored.files)
     caps = {"max_bytes": cfg.data.max_media_bytes}
     paths = media_paths(ds.path, files, ds.media_root, cfg.data, ds.confine)
@@ -326,6 +329,23 @@ def largest_items(cfg: Config) -> dict[str, int]:
             phase = KIND[kind].phase
             out[phase] = max(out.get(phase, 0), media.largest(cfg))
     return out
+
+
+def open_frame_cache(cfg: Config, ds: DataSet, out: Path) -> FrameCache:
+    """Data set `ds`'s frame cache (data.frame_cache), in its index folder `out`: built by
+    `python -m jaxmllm.data.frames` for these preprocessing settings, or a ConfigError that
+    says how to build it."""
+    folder = out / "frames"
+    build = index_command(cfg).replace("jaxmllm.data.index", "jaxmllm.data.frames")
+    if not (folder / MANIFEST).is_file():
+        raise ConfigError(
+            f"data.frame_cache is true but {ds.path} has no frame cache in {folder}/ (for these "
+            f"preprocessing settings). Build it once with:\n  {build}\nor set "
+            "data.frame_cache: false to decode videos while training"
+        )
+    cache = FrameCache(folder)
+    log.info("frame cache %s: %d videos (the others are decoded, counted)", folder, len(cache))
+    return cache
 
 
 def check_videos(cfg: Config, videos: int, where: str = "") -> None:

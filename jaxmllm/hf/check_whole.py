@@ -2,7 +2,7 @@
 
 Our model is the one `hf import --model DIR` configures, loaded on one device in fp32 with dense
 attention (`towers.load_model`); transformers' is the checkpoint's own class. Both get the same
-inputs, and three figures come back, one line each:
+inputs, and three or four figures come back, one line each:
 
 - the LLM on text alone (random ids, none a placeholder): its logits;
 - the encoder and projector on one image (random pixels; LLaVA's at its tower's own size,
@@ -10,7 +10,10 @@ inputs, and three figures come back, one line each:
   frames, three quarters of Whisper's window, the rest zero as the feature extractor pads):
   the rows that fill the placeholders (transformers': a hook on its projector);
 - the whole model with the image or clip in the prompt (its placeholders, one per row, between
-  text; M-RoPE's positions on the image's grid): the logits of every token.
+  text; M-RoPE's positions on the image's grid): the logits of every token;
+- a Qwen VL's whole model with a video of three temporal patches in the prompt (its video
+  placeholders; M-RoPE's time per temporal patch, in seconds x tokens_per_second for
+  Qwen2.5-VL, as transformers' `second_per_grid_ts`): the logits of every token.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from flax import nnx
 
 from jaxmllm.batch.bucketize import mrope_positions
 from jaxmllm.data.media.image import patchify
+from jaxmllm.data.media.video import temporal_patch, time_step
 from jaxmllm.hf.check import _numpy, _torch, check_dir, figures, hf_module, own_columns
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.registry import read_hf_config
@@ -122,7 +126,60 @@ def check_whole(directory: str, tokens: int = 64, seed: int = 0, adapter: str = 
     ours, what = own_columns(
         ours[0], theirs, f"logits of {len(ids)} tokens with {what} in the prompt"
     )
-    return [*out, figures("model", whole.name, what, ours, theirs)]
+    out.append(figures("model", whole.name, what, ours, theirs))
+    video = hf.get("video_token_id")
+    if mrope and cfg.model.vision.temporal_patch > 1 and video is not None and video < vocab:
+        out.append(_video_check(cfg, model, ref, whole, int(video), text, rng))
+    return out
+
+
+# A clip's sampled frame rate in the video line (not a whole number of temporal patches a
+# second, so Qwen2.5-VL's absolute time rounds down between them)
+VIDEO_FPS = 1.5
+
+
+def _video_check(cfg, model, ref, whole: Whole, token: int, text, rng) -> dict:
+    """The whole model with a video of three temporal patches in the prompt (random frames
+    sampled at VIDEO_FPS): every token's logits, M-RoPE's time on the temporal patches (in
+    absolute time where the model counts tokens_per_second: Qwen2.5-VL's second_per_grid_ts)."""
+    import torch
+
+    v = cfg.model.vision
+    m, p, c, tp = v.merge, v.patch_size, v.channels, v.temporal_patch
+    w = max(v.window, m)
+    gh, gw, t = 2 * w + m, w + m, 3
+    frames = rng.normal(size=(t * tp, gh * p, gw * p, c)).astype(np.float32)
+    items = [temporal_patch(frames[k * tp : (k + 1) * tp], p, m) for k in range(t)]
+    positions = patchify(np.zeros((gh * p, gw * p, 1), np.float32), p, m)[1]
+    patches = np.concatenate(items)
+    segments = np.repeat(np.arange(1, t + 1), len(positions))[None]
+    rows = np.asarray(
+        _image(
+            model,
+            jnp.asarray(patches)[None],
+            jnp.asarray(segments, jnp.int32),
+            jnp.asarray(np.tile(positions, (t, 1)))[None],
+        )
+    )
+    ids = np.concatenate([text(5), [token] * (len(patches) // m**2), text(7)]).astype(np.int64)
+    grid = (t, gh, gw)
+    inputs = {
+        "video_grid_thw": torch.tensor([grid]),
+        "mm_token_type_ids": _torch(2 * (ids == token)[None].astype(np.int64)),
+    }
+    if v.tokens_per_second:  # (Qwen2.5-VL: the seconds a temporal patch spans)
+        inputs["second_per_grid_ts"] = torch.tensor([tp / VIDEO_FPS])
+        grid = (*grid, time_step(v.tokens_per_second, tp / VIDEO_FPS))
+    theirs_pixels = patches.reshape(-1, tp, p, p, c).transpose(0, 4, 1, 2, 3)
+    inputs["pixel_values_videos"] = _torch(theirs_pixels.reshape(len(patches), -1))
+    theirs, _ = _run(ref, ids, **inputs)
+    x = _embed(model.llm, jnp.asarray(ids)[None])
+    x = x.at[0, np.flatnonzero(ids == token)].set(rows[0].astype(x.dtype))
+    pos = mrope_positions(ids, token, [grid], m)[None]
+    ours = _logits(model.llm, x, jnp.asarray(pos))
+    what = f"a {t}-temporal-patch video ({gh}x{gw} patches) in the prompt"
+    ours, what = own_columns(ours[0], theirs, f"logits of {len(ids)} tokens with {what}")
+    return figures("model", whole.name, what, ours, theirs)
 
 
 def hf_vocab(hf: dict) -> int:

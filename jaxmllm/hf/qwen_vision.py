@@ -36,6 +36,9 @@ from jaxmllm.hf.family import (
 )
 from jaxmllm.hf.vision import _prefix, layer_norm, linear
 
+# Qwen2.5-VL video time steps a second where its config says none (transformers' default)
+TOKENS_PER_SECOND = 4
+
 
 def rope_permutation(head_dim: int) -> np.ndarray:
     """Our 2D rotary head layout from Qwen2-VL's: ours[j] = theirs[perm[j]] (see the module
@@ -195,6 +198,7 @@ class Qwen2VLVision(QwenTower):
             "model.vision.norm": ("layer",),
             "model.vision.mlp": ("quick_gelu",),
             "model.vision.window": (0,),
+            "model.vision.tokens_per_second": (0,),  # (a time step per temporal patch)
         }
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
@@ -235,7 +239,11 @@ class Qwen25VLVision(QwenTower):
         refuse_unless(units >= 1, where, f"window_size {hf['window_size']} is under one merge "
                       f"block ({merge} x {patch} pixels)")  # fmt: skip
         full = [int(i) for i in hf.get("fullatt_block_indexes") or []]
+        # (videos in absolute time; transformers' Qwen2_5_VLVisionConfig default when absent)
+        tps = float(hf.get("tokens_per_second", TOKENS_PER_SECOND))
+        refuse_unless(tps > 0, where, f"tokens_per_second {tps}: expected a positive rate")
         return {
+            "tokens_per_second": tps,
             "mlp_dim": int(read(hf, "intermediate_size", where)),
             "norm": "rms",
             "mlp": "gated_silu",
@@ -250,6 +258,10 @@ class Qwen25VLVision(QwenTower):
             "model.vision.norm": ("rms",),
             "model.vision.mlp": ("gated_silu",),
             "model.vision.window": (lambda x: x > 0, "windows of window_size pixels"),
+            "model.vision.tokens_per_second": (
+                lambda x: x > 0,
+                "videos placed in absolute time (its vision_config.tokens_per_second)",
+            ),
             "model.vision.full_blocks": (
                 lambda b: all(i < v.depth for i in b),
                 "full-attention blocks among its blocks",
@@ -265,6 +277,7 @@ class Qwen25VLVision(QwenTower):
             out_hidden_size=cfg.model.llm.width,
             window_size=v.window * v.patch_size,
             fullatt_block_indexes=list(v.full_blocks),
+            tokens_per_second=_whole_number(v.tokens_per_second),
         )
         return out
 
@@ -280,3 +293,8 @@ class Qwen25VLVision(QwenTower):
                                   ("down_proj", "down", (f, w))):  # fmt: skip
             links += linear(layer + f"mlp.{proj}", ours + f"mlp/{name}", shape, 1, n)
         return links
+
+
+def _whole_number(x: float) -> int | float:
+    """transformers' configs write tokens_per_second as an int (4, 2): kept one where it is."""
+    return int(x) if float(x).is_integer() else x

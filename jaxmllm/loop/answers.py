@@ -118,7 +118,7 @@ class Questions:
 def _media(prompt) -> str:
     """What a prompt shows the model besides text: "2 images", "image, audio", "video",
     "text" (its vision items by their grids: a video's several temporal patches are one)."""
-    frames = [g[0] if len(g) == 3 else 1 for g in prompt.grids]
+    frames = [g[0] if len(g) >= 3 else 1 for g in prompt.grids]
     named = [(sum(t == 1 for t in frames), "image"), (sum(t > 1 for t in frames), "video")]
     named += [(len(prompt.media[p.name]), p.item) for p in ENCODERS if p.name != VISION.name]
     named = [(n, what) for n, what in named if n]

@@ -21,14 +21,18 @@ sees:
 Decoding reads the container's packet index first (demuxing only: which packets are keyframes),
 then for each sampled frame seeks to the keyframe before it unless decoding on from where it is
 is cheaper, so a long video sampled at 2 fps decodes only the groups of pictures that hold its
-samples. Frames are converted to RGB and resized by FFmpeg's swscale (bicubic) in one pass.
+samples: at most one seek per group of pictures, however many frames it samples from it. Frames
+are converted to RGB and resized by FFmpeg's swscale (bicubic) in one pass. The decoder runs
+FFmpeg's frame and slice threads, as many as the process's share of the cores (the loader's
+workers split them: `set_decode_threads`); the frames are the same whatever the threads.
 """
 
 from __future__ import annotations
 
 import io
 import math
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -42,9 +46,10 @@ Source = str | Path | bytes
 MAX_SECONDS = 3600.0  # the default of data.max_video_seconds
 MAX_DECODED_PIXELS = 1 << 38  # the default of data.max_video_decoded_pixels
 MAX_RATE = 1000.0  # frames a second: a header saying more is broken or hostile
-# Decoder threads per process: the data loader's worker processes decode videos side by side,
-# and FFmpeg's own threads on top of them would only contend for the same cores.
-DECODE_THREADS = 1
+# Decoder threads per process (FFmpeg's frame and slice threads): the process's share of the
+# cores it may run on. The loader's worker processes decode side by side, so each gets
+# cores // workers (`set_decode_threads`); 0 = every core (decoding in the training process).
+_THREADS = [0]
 # How many frames past the header's count a stream may hold before decoding stops (a header
 # that undercounts, by a little in honest files, by millions in hostile ones)
 FRAME_SLACK = 1.05
@@ -126,6 +131,20 @@ def frame_grid(info: VideoInfo, n: int, rule: VideoRule) -> tuple[int, int]:
     return image_grid(info.height, info.width, rule.patch, rule.merge, least, most)
 
 
+def video_time_step(info: VideoInfo, n: int, temporal_patch: int, tokens_per_second: float):
+    """M-RoPE's time step per temporal patch of a video giving n frames, in absolute time
+    (Qwen2.5-VL): tokens_per_second x the seconds a temporal patch spans, `temporal_patch /
+    sampled fps` (transformers' `second_per_grid_ts`, the sampled fps its VideoMetadata's:
+    n / frames x rate), both in float32 as its `get_rope_index` multiplies them."""
+    return time_step(tokens_per_second, temporal_patch / (n / info.frames * info.rate))
+
+
+def time_step(tokens_per_second: float, seconds: float) -> float:
+    """tokens_per_second x `seconds` (a temporal patch's span) as transformers multiplies
+    them: float32 (its `second_per_grid_ts` tensor), the product rounded to float32."""
+    return float(np.float32(tokens_per_second) * np.float32(seconds))
+
+
 def video_parts(info: VideoInfo, rule: VideoRule) -> tuple[int, tuple[int, int]]:
     """(temporal patches, each one's patch grid) of a video."""
     n = sampled_frames(info, rule)
@@ -150,7 +169,7 @@ def read_video_info(
     only the tail of the packet index is read)."""
     with _open(src, record_id, max_bytes) as (container, stream):
         info = _header(container, stream, src, record_id)
-        _check_caps(info, src, record_id, max_seconds, max_pixels, max_decoded)
+        check_caps(info, src, record_id, max_seconds, max_pixels, max_decoded)
         _check_tail(container, stream, info, src, record_id)
     return info
 
@@ -176,7 +195,7 @@ def _duration(container, stream) -> float:
     return (container.duration or 0) / 1_000_000  # (AV_TIME_BASE)
 
 
-def _check_caps(info: VideoInfo, src, record_id, max_seconds, max_pixels, max_decoded) -> None:
+def check_caps(info: VideoInfo, src, record_id, max_seconds, max_pixels, max_decoded) -> None:
     seconds = info.frames / info.rate
     pixels = info.height * info.width
     if seconds > max_seconds:
@@ -224,27 +243,67 @@ def load_video(
     max_decoded: int = MAX_DECODED_PIXELS,
     max_seconds: float = MAX_SECONDS,
     max_bytes: int = MAX_MEDIA_BYTES,
+    cached: Callable | None = None,
 ) -> list[tuple[np.ndarray, np.ndarray] | None]:
     """The video's temporal patches as vision items, from the header `info` the index read
     (checked again: the caps are the training config's): per temporal patch (patches [gh*gw,
     temporal_patch * patch*patch*3] uint8 pixels, normalised on the device as an image's,
     positions [gh*gw, 2] as (row, col)). `parts`: only these temporal patches are decoded
-    (the others None: another host encodes them); None = all."""
-    _check_caps(info, src, record_id, max_seconds, max_pixels, max_decoded)
+    (the others None: another host encodes them); None = all. `cached(want, shape)`: the
+    frame cache's pixels of temporal patches `want` (as `patches_of` makes them) for a video
+    sampled to `shape` = (frames, H, W), or None to decode them here."""
+    check_caps(info, src, record_id, max_seconds, max_pixels, max_decoded)
     count, (gh, gw) = video_parts(info, rule)
     t = rule.temporal_patch
-    want = range(count) if parts is None else sorted(set(parts) & set(range(count)))
-    index = frame_indices(info.frames, count * t)
-    frames = decode_frames(src, info, [int(index[k * t + f]) for k in want for f in range(t)],
-                           (gw * rule.patch, gh * rule.patch), record_id,
-                           max_bytes=max_bytes)  # fmt: skip
+    want = list(range(count)) if parts is None else sorted(set(parts) & set(range(count)))
+    shape = (count * t, gh * rule.patch, gw * rule.patch)
+    blocks = cached(want, shape) if cached is not None and want else None
+    if blocks is None:
+        blocks = patches_of(sampled_frames_of(src, info, rule, record_id, want, max_bytes), rule)
     out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * count
     positions = patchify(np.zeros((gh * rule.patch, gw * rule.patch, 1), np.uint8), rule.patch,
                          rule.merge)[1]  # fmt: skip
     for j, k in enumerate(want):
-        group = np.stack(frames[j * t : (j + 1) * t])
-        out[k] = (temporal_patch(group, rule.patch, rule.merge), positions)
+        out[k] = (blocks[j], positions)
     return out
+
+
+def patches_of(frames: np.ndarray, rule: VideoRule) -> list[np.ndarray]:
+    """Sampled frames [k x temporal_patch, H, W, 3] as k temporal patches' pixels
+    (`temporal_patch`): what the vision tower takes, what the frame cache stores."""
+    t = rule.temporal_patch
+    return [
+        temporal_patch(frames[j : j + t], rule.patch, rule.merge) for j in range(0, len(frames), t)
+    ]
+
+
+def sampled_frames_of(
+    src: Source,
+    info: VideoInfo,
+    rule: VideoRule,
+    record_id: str,
+    want: Sequence[int] | None = None,
+    max_bytes: int = MAX_MEDIA_BYTES,
+) -> np.ndarray:
+    """The frames the rule samples of temporal patches `want` (None: all), decoded and resized:
+    uint8 [len(want) x temporal_patch, H, W, 3] (what `load_video` patches, what the frame
+    cache stores)."""
+    count, (gh, gw) = video_parts(info, rule)
+    t = rule.temporal_patch
+    want = range(count) if want is None else want
+    index = frame_indices(info.frames, count * t)
+    size = (gw * rule.patch, gh * rule.patch)
+    frames = decode_frames(
+        src,
+        info,
+        [int(index[k * t + f]) for k in want for f in range(t)],
+        size,
+        record_id,
+        max_bytes=max_bytes,
+    )
+    if not frames:
+        return np.zeros((0, size[1], size[0], 3), np.uint8)
+    return np.stack(frames)
 
 
 def temporal_patch(frames: np.ndarray, patch: int, merge: int) -> np.ndarray:
@@ -375,12 +434,38 @@ class _open:
             raise RecordError("undecodable_media", f"{_name(self.src)}: no video stream",
                               self.record_id)  # fmt: skip
         stream = self.container.streams.video[0]
-        stream.thread_type, stream.thread_count = "SLICE", DECODE_THREADS
+        threads = decode_threads()
+        # (frame threads decode several frames at once; FFmpeg's output is the same, bit for
+        # bit, whatever the threads: H.264 and VP9 decoding is exact)
+        stream.thread_type = "AUTO" if threads > 1 else "SLICE"
+        stream.thread_count = threads
         return self.container, stream
 
     def __exit__(self, *exc):
         self.container.close()
         return False
+
+
+def cores() -> int:
+    """The cores this process may run on (its affinity; the machine's where unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (macOS)
+        return os.cpu_count() or 1
+
+
+def share_of_cores(workers: int) -> int:
+    """Decoder threads for each of `workers` processes decoding side by side (0: one process)."""
+    return max(1, cores() // max(1, workers))
+
+
+def set_decode_threads(n: int) -> None:
+    """This process's decoder threads from now on (0: every core it may run on)."""
+    _THREADS[0] = int(n)
+
+
+def decode_threads() -> int:
+    return _THREADS[0] or cores()
 
 
 def _start(stream) -> float:
