@@ -29,6 +29,18 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _workers(pid: int) -> list[int]:
+    """The children of `pid` that are spawned multiprocessing workers (not its tracker)."""
+    out = []
+    for child in _children(pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                out.append(child)
+        except OSError:
+            continue
+    return out
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/status").read_text().split("State:\t", 1)[1]
@@ -113,8 +125,9 @@ def test_ctrl_c_stops_the_workers_quietly(tmp_path):
         text=True,
     )
     try:
-        assert _wait(lambda: len(_children(proc.pid)) >= 2, 120), "no workers started"
-        workers = _children(proc.pid)
+        assert _wait(lambda: len(_workers(proc.pid)) >= 2, 120), "no workers started"
+        workers = _workers(proc.pid)
+        others = set(_children(proc.pid)) - set(workers)  # multiprocessing's resource tracker
         os.killpg(proc.pid, signal.SIGINT)  # (the workers are still importing jaxmllm)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -123,8 +136,10 @@ def test_ctrl_c_stops_the_workers_quietly(tmp_path):
             proc.wait()
     assert "interrupted" in out, err
     assert "KeyboardInterrupt" not in err and "Traceback" not in err, err
-    alive = [w for w in workers if _alive(w)]
-    assert not alive, [Path(f"/proc/{w}/cmdline").read_bytes() for w in alive]
+    assert not [w for w in workers if _alive(w)]  # (the owner joined them before it exited)
+    # The resource tracker ends by itself once its owner's pipe closes, a moment after the
+    # owner: asynchronously (seen exiting, its command line already empty, in loaded runs)
+    assert _wait(lambda: not any(_alive(w) for w in others), 30), "the resource tracker lives on"
 
 
 @pytest.mark.slow  # ~1 min: a tiny training's compile
@@ -174,7 +189,7 @@ def test_a_sigkilled_trainer_leaves_no_worker_or_shared_memory_after_the_next_st
     try:
         assert _wait(lambda: logged_step(out) >= 2 or proc.poll() is not None, 600)
         assert proc.poll() is None, (tmp_path / "log.txt").read_text()
-        workers = _children(proc.pid)
+        workers = _workers(proc.pid)
         locks = set(shared.SHM.glob("jaxmllm-*.lock")) - before
         assert len(workers) >= 2 and len(locks) == 1, (workers, locks)
         proc.send_signal(signal.SIGKILL)
