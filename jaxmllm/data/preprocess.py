@@ -67,6 +67,7 @@ class Params:
     # the training config's caps (a lowered cap rejects at load time, a raised one needs a rebuild
     # of the index to admit the files it refused).
     max_image_pixels: int = field(default=1 << 26, compare=False)
+    max_image_scans: int = field(default=100, compare=False)
     max_audio_seconds: float = field(default=600.0, compare=False)
     max_audio_samples: int = field(default=1 << 26, compare=False)
     max_media_bytes: int = field(default=1 << 30, compare=False)
@@ -106,6 +107,7 @@ class Params:
             video_max_pixels=d.video_max_pixels,
             mel=d.mel,
             max_image_pixels=d.max_image_pixels,
+            max_image_scans=d.max_image_scans,
             max_audio_seconds=d.max_audio_seconds,
             max_audio_samples=d.max_audio_samples,
             max_media_bytes=d.max_media_bytes,
@@ -365,7 +367,8 @@ class Images:
         return max(d.image_max_pixels, d.video_frame_max_pixels * v.video) // unit**2 * v.merge**2
 
     def read_size(self, pre: Preprocessor, src: Any, record_id: str) -> tuple[int, int]:
-        return read_size(src, record_id, pre.p.max_image_pixels, pre.p.max_media_bytes)
+        p = pre.p
+        return read_size(src, record_id, p.max_image_pixels, p.max_media_bytes, p.max_image_scans)
 
     def check(self, pre: Preprocessor, j: int, size: tuple[int, int], record_id: str) -> None:
         pass  # (image_grid upscales the smallest image to the minimum pixels)
@@ -378,9 +381,17 @@ class Images:
              parts=None) -> list[Item]:  # fmt: skip
         p = pre.p
         budget = limits.max_pixels or p.image_max_pixels
-        patches, pos = load_image(src, p.patch_size, p.merge, min(p.image_min_pixels, budget),
-                                  budget, record_id, max_image_pixels=p.max_image_pixels,
-                                  max_bytes=p.max_media_bytes)  # fmt: skip
+        patches, pos = load_image(
+            src,
+            p.patch_size,
+            p.merge,
+            min(p.image_min_pixels, budget),
+            budget,
+            record_id,
+            max_image_pixels=p.max_image_pixels,
+            max_bytes=p.max_media_bytes,
+            max_scans=p.max_image_scans,
+        )
         return [(patches, pos)]
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmllm.config import ConfigError, DataConfig
+from jaxmllm.config import ConfigError, DataConfig, printable
 from jaxmllm.data.records.arrayrecord import ArrayRecordRecords
 from jaxmllm.data.records.formats import FORMATS, data_files, detect, json_container
 from jaxmllm.data.records.jsonl import JsonRecords
@@ -66,12 +66,13 @@ class Records:
         return reader.raw(j)
 
     def where(self, k: int) -> str:
+        """Record k's place (file, line, member), printable: names come from the data."""
         reader, j = self._at(k)
-        return reader.where(j)
+        return printable(reader.where(j))
 
     def fallback_id(self, k: int) -> str:
         reader, j = self._at(k)
-        return reader.fallback_id(j)
+        return printable(reader.fallback_id(j))
 
     @property
     def files(self) -> list[Path]:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmllm.config import ConfigError
+from jaxmllm.config import ConfigError, printable
 from jaxmllm.config.phases import KINDS
 from jaxmllm.data.rejects import MAX_MEDIA_BYTES
 
@@ -167,7 +167,7 @@ def scan_tar(path: Path) -> dict[str, np.ndarray]:
                 continue
             key, ext = split_key(member.name)
             if role(ext) is None:
-                ignored[ext.rpartition(".")[2] or "(none)"] += 1
+                ignored[printable(ext.rpartition(".")[2]) or "(none)"] += 1  # (reported)
                 continue
             if not keys or keys[-1] != key:
                 keys.append(key)
