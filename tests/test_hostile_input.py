@@ -11,18 +11,22 @@ hold; a JSON list, a Parquet row group or a tar header claiming more than the ca
 from __future__ import annotations
 
 import io
+import json
 import tarfile
 import time
+import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 from test_hostile import config, index, png, write_manifest
 
-from jaxmllm.config import printable
+from jaxmllm.config import ConfigError, printable
 from jaxmllm.data.index import report
 from jaxmllm.data.media.image import jpeg_scans
 from jaxmllm.data.preprocess import Images, Params, Preprocessor
+from jaxmllm.data.records.webdataset import MAX_HEADER_BYTES, TarRecords, scan_tar
 from jaxmllm.data.rejects import RecordError
 
 # ----------------------------------------------------------------------------- the terminal
@@ -132,3 +136,81 @@ def test_a_jpeg_of_repeated_scans_is_refused_before_decoding(tmp_path, w, h, cop
     with pytest.raises(RecordError, match="image_too_costly"):
         Images().read_size(pre, str(tmp_path / "ok.jpg"), "ok")
     assert jpeg_scans(good, 1000) == 10 and jpeg_scans(repeated_scans(good, 7), 1000) == 17
+
+
+# ----------------------------------------------------------------------------- tar shards
+
+
+def add(tar: tarfile.TarFile, name: str, body: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(body)
+    tar.addfile(info, io.BytesIO(body))
+
+
+def shard(path: Path, names: list[str], fmt: int = tarfile.PAX_FORMAT) -> Path:
+    with tarfile.open(path, "w", format=fmt) as tar:
+        for i, name in enumerate(names):
+            add(tar, f"{name}.json", json.dumps({"text": f"caption {i}"}).encode())
+    return path
+
+
+@pytest.mark.parametrize(
+    ("length", "members", "fmt"),
+    [(100_000, 3000, tarfile.PAX_FORMAT), (1_000_000, 200, tarfile.GNU_FORMAT)],
+)
+def test_a_member_name_over_the_header_cap_stops_naming_the_shard(tmp_path, length, members, fmt):
+    names = [f"k{i:05d}" for i in range(members)]
+    names[members // 2] = "x" * length
+    path = shard(tmp_path / "long.tar", names, fmt)
+    tracemalloc.start()
+    with pytest.raises(ConfigError, match=f"long.tar: .* over {MAX_HEADER_BYTES} bytes"):
+        scan_tar(path)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 16 << 20  # (the name is never read: the header's size is checked first)
+
+
+def test_long_member_names_under_the_cap_cost_their_bytes_once(tmp_path):
+    names = [f"k{i:05d}" for i in range(3000)]
+    names[7] = "y" * 60_000  # (under MAX_HEADER_BYTES: a valid, if odd, key)
+    names[2000] = "\u6771" * 9_000  # (three bytes a character)
+    path = shard(tmp_path / "odd.tar", names)
+    scan = scan_tar(path)
+    held = sum(a.nbytes for a in scan.values())
+    assert held < 2 * sum(len(n.encode()) + 5 for n in names) + (1 << 16)  # (not 3000 x widest)
+    records = TarRecords(path, scan)
+    assert len(records) == 3000 and records.keys[7] == names[7]
+    assert (
+        records.raw(2000)[0]["text"] == "caption 2000" and records.fallback_id(2000) == names[2000]
+    )
+    again = TarRecords(path, dict(np.load(save(tmp_path, scan))))  # (the index's scan.npz)
+    assert again.keys[2000] == names[2000] and again.exts[0] == "json"
+
+
+def save(tmp_path: Path, scan: dict) -> Path:
+    np.savez(tmp_path / "scan.npz", **scan)
+    return tmp_path / "scan.npz"
+
+
+@pytest.mark.parametrize("claimed", [500 << 20, 1 << 33, 1 << 60])
+def test_a_member_claiming_more_bytes_than_the_shard_is_a_counted_reject(tmp_path, claimed):
+    path = tmp_path / "bad.tar"
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for i in range(3):
+            add(tar, f"good{i}.json", json.dumps({"text": f"caption {i}"}).encode())
+        info = tarfile.TarInfo("liar.json")
+        info.size = claimed
+        tar.fileobj.write(info.tobuf(tarfile.GNU_FORMAT))  # (a header, then almost nothing)
+        tar.fileobj.write(b'{"text": "short"}'.ljust(512, b" "))
+        tar.offset += 1024
+        tar.members.append(info)  # (so close() does not pad after it)
+    start = time.monotonic()
+    summary, rejects = index(path, "data.source=files", "data.format=webdataset")
+    assert time.monotonic() - start < 20
+    assert summary["accepted"] == 3 and len(rejects) == 1
+    (liar,) = rejects.values()  # (named by its shard and key, and the member in the detail)
+    assert liar["reason"] == "malformed_line" and liar["where"] == "bad.tar sample liar"
+    assert f"liar.json: its header claims {claimed} bytes, past the end of" in liar["detail"]
+    garbage = tmp_path / "garbage.tar"  # (a long-name header whose member header is garbage)
+    garbage.write_bytes(path.read_bytes()[:1536] + b"\x00" * 100 + b"\x17" * 412 + b"\0" * 1024)
+    scan_tar(garbage)  # (a bad header after good ones: tarfile ends there, as GNU tar warns)

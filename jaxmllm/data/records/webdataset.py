@@ -15,13 +15,17 @@ order they are stored, in place of any the json names. Other members are left ou
 sample is rejected (`media_too_large`; a json or caption that large: `malformed_line`).
 
 Opening reads the tar headers only (member offsets and sizes: Python's `tarfile`), which the
-index saves; record k is then a `seek` and a read per member, nothing extracted. Compressed
-shards (.tar.gz) cannot be read at random and are refused.
+index saves; record k is then a `seek` and a read per member, nothing extracted (the shard
+opened and closed per sample: thousands of shards hold no file handles). Compressed shards
+(.tar.gz) cannot be read at random and are refused. Hostile headers are bounded: names are
+held as their bytes (`Names`), a pax or long-name header over MAX_HEADER_BYTES stops the scan
+naming the shard, and a member claiming more bytes than the shard holds is its sample's reject.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import tarfile
 from collections import Counter
 from pathlib import Path
@@ -33,6 +37,17 @@ from jaxmllm.config.phases import KINDS
 from jaxmllm.data.rejects import MAX_MEDIA_BYTES
 
 RECORD, CAPTION = ("json",), ("txt", "text", "caption")
+# Bytes of a pax or GNU long-name header (a member's long name, its extended attributes):
+# tarfile reads one whole before the member it describes; a longer one stops the scan, naming
+# the shard (real shards' names are file names: a few hundred bytes).
+MAX_HEADER_BYTES = 1 << 16
+LONG_HEADERS = (
+    tarfile.GNUTYPE_LONGNAME,
+    tarfile.GNUTYPE_LONGLINK,
+    tarfile.XHDTYPE,
+    tarfile.XGLTYPE,
+    tarfile.SOLARIS_XHDTYPE,
+)
 KIND_OF_FILE = {ext: k for k in KINDS for ext in k.files}  # "jpg" -> images, "mp4" -> videos
 
 
@@ -68,7 +83,8 @@ class TarRecords:
         self.max_bytes = max_bytes  # data.max_media_bytes: a larger member is not read
         scan = scan if scan is not None else scan_tar(self.path)
         self.ptr, self.offset, self.size = scan["ptr"], scan["offset"], scan["size"]
-        self.keys, self.exts = scan["keys"], scan["exts"]
+        self.keys, self.exts = Names.of(scan, "keys"), Names.of(scan, "exts")
+        self.end = int(scan["end"][0]) if "end" in scan else None  # the shard's bytes, scanned
         self.ignored = dict(
             zip(scan["ignored"].tolist(), scan["ignored_count"].tolist(), strict=True)
         )
@@ -80,8 +96,9 @@ class TarRecords:
             "ptr": self.ptr,
             "offset": self.offset,
             "size": self.size,
-            "keys": self.keys,
-            "exts": self.exts,
+            **self.keys.scan("keys"),
+            **self.exts.scan("exts"),
+            **({} if self.end is None else {"end": np.asarray([self.end], np.int64)}),
             "ignored": np.asarray(names, str),
             "ignored_count": np.asarray(counts, np.int64),
         }
@@ -92,15 +109,21 @@ class TarRecords:
     def raw(self, k: int) -> tuple[object, int]:
         """(the sample as a record: its json's fields, its media members as {"bytes", "path"}
         entries, its caption as `text`; k)."""
-        if self._file is None:
-            self._file = open(self.path, "rb")  # noqa: SIM115  (one handle per process)
-        key = str(self.keys[k])
+        with open(self.path, "rb") as f:  # (per sample: thousands of shards, one handle)
+            return self._raw(f, k)
+
+    def _raw(self, f, k: int) -> tuple[object, int]:
+        key = self.keys[k]
         record: dict = {}
         caption = None
         media: dict[str, list] = {kind.name: [] for kind in KINDS}
         for m in range(int(self.ptr[k]), int(self.ptr[k + 1])):
-            ext = str(self.exts[m])
+            ext = self.exts[m]
             what = role(ext)
+            if self.end is not None and int(self.offset[m]) + int(self.size[m]) > self.end:
+                claim = f"{key}.{ext}: its header claims {int(self.size[m])} bytes, past the "
+                claim += f"end of the shard ({self.end} bytes): a truncated or corrupt shard"
+                return {"__malformed__": claim}, int(k)
             if int(self.size[m]) > self.max_bytes:  # (its size from the header: nothing read)
                 too_large = f"{key}.{ext}: {int(self.size[m])} bytes > data.max_media_bytes"
                 if what in ("record", "caption"):
@@ -109,8 +132,8 @@ class TarRecords:
                     {"missing": f"{key}.{ext}", "reason": "media_too_large", "detail": too_large}
                 )
                 continue
-            self._file.seek(int(self.offset[m]))
-            data = self._file.read(int(self.size[m]))
+            f.seek(int(self.offset[m]))
+            data = f.read(int(self.size[m]))
             if what == "record":
                 record = _json(data, f"{key}.{ext}")
             elif what == "caption":
@@ -135,10 +158,53 @@ class TarRecords:
         return f"{self.path.name} sample {self.keys[k]}"
 
     def fallback_id(self, k: int) -> str:
-        return str(self.keys[k]).rpartition("/")[2]
+        return self.keys[k].rpartition("/")[2]
 
-    def __getstate__(self):
-        return {**self.__dict__, "_file": None}
+
+class Names:
+    """Strings of any length, one after another in one UTF-8 buffer with their offsets: the
+    keys and extensions of a shard's members. (A fixed-width numpy string array is as wide as
+    its longest name: one 100,000-character name among 3,000 members took 3.57 GB.)"""
+
+    def __init__(self, data: np.ndarray, ptr: np.ndarray):
+        self.data, self.ptr = data, ptr  # uint8 [bytes], int64 [n + 1]
+
+    @classmethod
+    def from_list(cls, names: list[str]) -> Names:
+        encoded = [n.encode("utf-8", "surrogateescape") for n in names]
+        ptr = np.cumsum([0, *map(len, encoded)]).astype(np.int64)
+        return cls(np.frombuffer(b"".join(encoded), np.uint8).copy(), ptr)
+
+    @classmethod
+    def of(cls, scan: dict[str, np.ndarray], name: str) -> Names:
+        """The names saved as `<name>_bytes`/`<name>_ptr` (or an older index's string array)."""
+        if f"{name}_bytes" in scan:
+            return cls(scan[f"{name}_bytes"], scan[f"{name}_ptr"])
+        return cls.from_list([str(x) for x in scan[name]])
+
+    def scan(self, name: str) -> dict[str, np.ndarray]:
+        return {f"{name}_bytes": self.data, f"{name}_ptr": self.ptr}
+
+    def __len__(self) -> int:
+        return len(self.ptr) - 1
+
+    def __getitem__(self, k: int) -> str:
+        raw = self.data[int(self.ptr[k]) : int(self.ptr[k + 1])].tobytes()
+        return raw.decode("utf-8", "surrogateescape")
+
+
+class HeaderTooLarge(Exception):
+    """A pax or GNU long-name header over MAX_HEADER_BYTES (raised before it is read)."""
+
+
+class BoundedTarInfo(tarfile.TarInfo):
+    """tarfile's member header, refusing a pax or long-name header over MAX_HEADER_BYTES
+    before reading it (tarfile reads such a header whole, whatever size it claims)."""
+
+    def _proc_member(self, tarfile_):
+        if self.type in LONG_HEADERS and self.size > MAX_HEADER_BYTES:
+            raise HeaderTooLarge(f"{self.size} bytes at byte {self.offset}")
+        return super()._proc_member(tarfile_)
 
 
 def _json(data: bytes, name: str) -> dict:
@@ -150,18 +216,38 @@ def _json(data: bytes, name: str) -> dict:
 
 
 def scan_tar(path: Path) -> dict[str, np.ndarray]:
-    """The members of a shard (their data's offset and size) grouped into samples by key."""
+    """The members of a shard (their data's offset and size) grouped into samples by key.
+
+    Names of any length cost their bytes once (`Names`); a pax or long-name header over
+    MAX_HEADER_BYTES, or a header tarfile cannot read, stops with the shard and the place; a
+    member whose claimed size runs past the end of the file ends the scan (its sample is then
+    rejected when read: nothing after it is a member)."""
+    end = os.path.getsize(path)
     try:
-        tar = tarfile.open(path, "r:")  # (uncompressed only: members are read at random)
+        tar = tarfile.open(path, "r:", tarinfo=BoundedTarInfo)  # (uncompressed only: random reads)
     except tarfile.ReadError as e:
         raise ConfigError(
             f"{path}: not an uncompressed tar file ({e}); WebDataset shards are read at random, "
             "which a compressed shard does not allow: decompress it (gunzip)"
         ) from None
+    except HeaderTooLarge as e:
+        raise ConfigError(_too_large(path, e)) from None
     ptr, offset, size, keys, exts = [0], [], [], [], []
     ignored: Counter[str] = Counter()
     with tar:
-        for member in tar:
+        while True:
+            try:
+                member = tar.next()
+            except HeaderTooLarge as e:
+                raise ConfigError(_too_large(path, e)) from None
+            except tarfile.TarError as e:
+                raise ConfigError(
+                    f"{path}: unreadable tar header after byte {tar.offset} ({e}); the shard is "
+                    "corrupt or truncated: write it again (or leave it out of data.path)"
+                ) from None
+            if member is None:
+                break
+            tar.members.clear()  # (tarfile keeps every header read; the arrays below suffice)
             base = member.name.rpartition("/")[2]
             if not member.isfile() or base.startswith("."):
                 continue
@@ -176,12 +262,23 @@ def scan_tar(path: Path) -> dict[str, np.ndarray]:
             offset.append(member.offset_data)
             size.append(member.size)
             exts.append(ext)
+            if member.offset_data + member.size > end:
+                break  # (the rest of the file is inside it; reading it rejects its sample)
     return {
         "ptr": np.asarray(ptr, np.int64),
         "offset": np.asarray(offset, np.int64),
         "size": np.asarray(size, np.int64),
-        "keys": np.asarray(keys, str),
-        "exts": np.asarray(exts, str),
+        **Names.from_list(keys).scan("keys"),
+        **Names.from_list(exts).scan("exts"),
+        "end": np.asarray([end], np.int64),
         "ignored": np.asarray(list(ignored), str),
         "ignored_count": np.asarray(list(ignored.values()), np.int64),
     }
+
+
+def _too_large(path: Path, e: HeaderTooLarge) -> str:
+    return (
+        f"{path}: a pax or GNU long-name tar header of {e} (a member's name or attributes) is "
+        f"over {MAX_HEADER_BYTES} bytes, the most a WebDataset member name may take; rename "
+        "the members (a key is a file name) and write the shard again"
+    )
