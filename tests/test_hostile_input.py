@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import io
 import json
+import resource
 import tarfile
 import time
 import tracemalloc
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 from test_hostile import config, index, png, write_manifest
@@ -26,6 +29,8 @@ from jaxmllm.config import ConfigError, printable
 from jaxmllm.data.index import report
 from jaxmllm.data.media.image import jpeg_scans
 from jaxmllm.data.preprocess import Images, Params, Preprocessor
+from jaxmllm.data.records import open_records
+from jaxmllm.data.records.handles import FILES, MAX_OPEN
 from jaxmllm.data.records.webdataset import MAX_HEADER_BYTES, TarRecords, scan_tar
 from jaxmllm.data.rejects import RecordError
 
@@ -214,3 +219,55 @@ def test_a_member_claiming_more_bytes_than_the_shard_is_a_counted_reject(tmp_pat
     garbage = tmp_path / "garbage.tar"  # (a long-name header whose member header is garbage)
     garbage.write_bytes(path.read_bytes()[:1536] + b"\x00" * 100 + b"\x17" * 412 + b"\0" * 1024)
     scan_tar(garbage)  # (a bad header after good ones: tarfile ends there, as GNU tar warns)
+
+
+# ----------------------------------------------------------------------------- many files
+
+
+@pytest.fixture
+def few_handles():
+    """The process's open-file limit lowered to 256 (far below the files read) for a test."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+    yield
+    FILES.close_all()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "webdataset", "parquet"])
+def test_thousands_of_data_files_never_exhaust_the_handles(tmp_path, few_handles, fmt):
+    data = tmp_path / "data"
+    data.mkdir()
+    n = 1200 if fmt == "jsonl" else 400  # (each over the limit of 256)
+    for i in range(n):
+        record = {"id": f"r{i}", "text": f"caption {i}"}
+        if fmt == "jsonl":
+            write_manifest(data / f"{i:05d}.jsonl", [record])
+        elif fmt == "webdataset":
+            with tarfile.open(data / f"{i:05d}.tar", "w") as tar:
+                add(tar, f"r{i}.json", json.dumps(record).encode())
+        else:
+            pq.write_table(pa.Table.from_pylist([record]), data / f"{i:05d}.parquet")
+    extra = [] if fmt == "jsonl" else ["data.source=files", f"data.format={fmt}"]
+    records = open_records(data, "auto" if fmt == "jsonl" else fmt)
+    texts = [records.raw(k)[0]["text"] for k in range(len(records))] * 2  # (twice: reopened)
+    assert texts[:n] == [f"caption {i}" for i in range(n)]
+    assert len(FILES) <= MAX_OPEN
+    summary, rejects = index(data, *extra)
+    assert summary["accepted"] == n and not rejects
+
+
+def test_a_parquet_row_group_over_the_cap_is_rejected_unread(tmp_path):
+    path = tmp_path / "bomb.parquet"
+    rows = [{"id": f"r{i}", "text": "x" * (4 << 20)} for i in range(8)]  # 32 MB of one letter
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=4, compression="zstd")
+    pq.write_table(pa.Table.from_pylist([{"id": "ok", "text": "fine"}]), tmp_path / "ok.parquet")
+    assert path.stat().st_size < 64 << 10
+    settings = ["data.source=files", "data.format=parquet", f"data.max_media_bytes={4 << 20}"]
+    before = pa.total_allocated_bytes()
+    summary, rejects = index(tmp_path, *settings)
+    assert pa.total_allocated_bytes() - before < 4 << 20
+    assert summary["accepted"] == 1 and len(rejects) == 8
+    for r in rejects.values():
+        assert r["reason"] == "malformed_line" and "data.max_media_bytes=4194304" in r["detail"]
+        assert r["where"].startswith("bomb.parquet row ")

@@ -38,7 +38,12 @@ READERS = {
     "tar": TarRecords,
     "arrayrecord": ArrayRecordRecords,
 }
-CAPPED = ("jsonl", "jsonarray", "tar")  # readers that take data.max_media_bytes (`max_bytes`)
+CAPPED = (
+    "jsonl",
+    "jsonarray",
+    "tar",
+    "parquet",
+)  # readers that take data.max_media_bytes (`max_bytes`)
 
 
 class Records:

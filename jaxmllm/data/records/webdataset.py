@@ -15,8 +15,8 @@ order they are stored, in place of any the json names. Other members are left ou
 sample is rejected (`media_too_large`; a json or caption that large: `malformed_line`).
 
 Opening reads the tar headers only (member offsets and sizes: Python's `tarfile`), which the
-index saves; record k is then a `seek` and a read per member, nothing extracted (the shard
-opened and closed per sample: thousands of shards hold no file handles). Compressed shards
+index saves; record k is then a `seek` and a read per member, nothing extracted (`handles`:
+thousands of shards never hold more than a few dozen file handles). Compressed shards
 (.tar.gz) cannot be read at random and are refused. Hostile headers are bounded: names are
 held as their bytes (`Names`), a pax or long-name header over MAX_HEADER_BYTES stops the scan
 naming the shard, and a member claiming more bytes than the shard holds is its sample's reject.
@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxmllm.config import ConfigError, printable
 from jaxmllm.config.phases import KINDS
+from jaxmllm.data.records.handles import pread
 from jaxmllm.data.rejects import MAX_MEDIA_BYTES
 
 RECORD, CAPTION = ("json",), ("txt", "text", "caption")
@@ -88,7 +89,6 @@ class TarRecords:
         self.ignored = dict(
             zip(scan["ignored"].tolist(), scan["ignored_count"].tolist(), strict=True)
         )
-        self._file = None
 
     def scan(self) -> dict[str, np.ndarray]:
         names, counts = zip(*self.ignored.items(), strict=True) if self.ignored else ((), ())
@@ -109,10 +109,6 @@ class TarRecords:
     def raw(self, k: int) -> tuple[object, int]:
         """(the sample as a record: its json's fields, its media members as {"bytes", "path"}
         entries, its caption as `text`; k)."""
-        with open(self.path, "rb") as f:  # (per sample: thousands of shards, one handle)
-            return self._raw(f, k)
-
-    def _raw(self, f, k: int) -> tuple[object, int]:
         key = self.keys[k]
         record: dict = {}
         caption = None
@@ -132,8 +128,7 @@ class TarRecords:
                     {"missing": f"{key}.{ext}", "reason": "media_too_large", "detail": too_large}
                 )
                 continue
-            f.seek(int(self.offset[m]))
-            data = f.read(int(self.size[m]))
+            data = pread(self.path, int(self.offset[m]), int(self.size[m]))
             if what == "record":
                 record = _json(data, f"{key}.{ext}")
             elif what == "caption":
