@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import resource
+import shutil
 import tarfile
 import time
 import tracemalloc
@@ -33,6 +34,10 @@ from jaxmllm.data.records import open_records
 from jaxmllm.data.records.handles import FILES, MAX_OPEN
 from jaxmllm.data.records.webdataset import MAX_HEADER_BYTES, TarRecords, scan_tar
 from jaxmllm.data.rejects import RecordError
+from jaxmllm.data.text.pretrained import MAX_TOKENIZER_BYTES, PretrainedTokenizer
+from jaxmllm.hf.family import FamilyError
+from jaxmllm.hf.importer import write_config
+from jaxmllm.hf.safetensors import CheckpointError
 
 # ----------------------------------------------------------------------------- the terminal
 
@@ -271,3 +276,86 @@ def test_a_parquet_row_group_over_the_cap_is_rejected_unread(tmp_path):
     for r in rejects.values():
         assert r["reason"] == "malformed_line" and "data.max_media_bytes=4194304" in r["detail"]
         assert r["where"].startswith("bomb.parquet row ")
+
+
+# ----------------------------------------------------------------------------- hf import
+
+
+def claim(directory: str, key: str, value, file: str = "config.json") -> None:
+    """Sets `key` (dotted for a nested section) of `directory`'s JSON `file`."""
+    path = Path(directory) / file
+    data = json.loads(path.read_text()) if path.exists() else {}
+    *outer, last = key.split(".")
+    node = data
+    for part in outer:
+        node = node.setdefault(part, {})
+    node[last] = value
+    path.write_text(json.dumps(data))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    import hf_models
+
+    root = tmp_path_factory.mktemp("hf")
+    return hf_models.qwen2(root / "llm", tied=True), hf_models.siglip(root / "vision")
+
+
+def fresh(checkpoints, tmp_path) -> tuple[str, str]:
+    """Copies of the module's checkpoints, to damage."""
+    return tuple(str(shutil.copytree(d, tmp_path / Path(d).name)) for d in checkpoints)
+
+
+@pytest.mark.parametrize(
+    ("role", "key", "claimed", "held"),
+    [("llm", "num_hidden_layers", 1000, 2), ("llm", "num_hidden_layers", 3, 2),
+     ("vision", "num_hidden_layers", 40, 2)],
+)  # fmt: skip
+def test_import_refuses_more_layers_than_the_tensors_hold(
+    checkpoints, tmp_path, role, key, claimed, held
+):
+    llm, vision = fresh(checkpoints, tmp_path)
+    claim(llm if role == "llm" else vision, key, claimed)
+    start = time.monotonic()
+    with pytest.raises(FamilyError, match=f"config.json says {claimed} layers \\('{key}'\\)"):
+        write_config(tmp_path / "run.yaml", llm, vision)
+    assert time.monotonic() - start < 30  # (the model is never built)
+    assert not (tmp_path / "run.yaml").exists()
+    write_config(tmp_path / "ok.yaml", *checkpoints)  # (the whole checkpoints import)
+
+
+def test_import_refuses_a_pickle_only_checkpoint(checkpoints, tmp_path):
+    llm, _ = fresh(checkpoints, tmp_path)
+    (Path(llm) / "model.safetensors").unlink()
+    (Path(llm) / "pytorch_model.bin").write_bytes(b"\x80\x04 never unpickled")
+    with pytest.raises(CheckpointError, match="pytorch_model.bin .* never loads.*save_pretrained"):
+        write_config(tmp_path / "run.yaml", llm)
+    assert not (tmp_path / "run.yaml").exists()
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("min_pixels", 1e30), ("min_pixels", "lots"), ("max_pixels", float("nan")),
+     ("min_pixels", True), ("max_pixels", -4), ("image_mean", ["a", 0.5, 0.5])],
+)  # fmt: skip
+def test_import_refuses_a_damaged_processor_file(checkpoints, tmp_path, key, value):
+    llm, vision = fresh(checkpoints, tmp_path)
+    claim(vision, "min_pixels", 3136, "preprocessor_config.json")
+    claim(vision, "max_pixels", 12845056, "preprocessor_config.json")
+    claim(vision, "image_std", [0.5, 0.5, 0.5], "preprocessor_config.json")
+    claim(vision, "image_mean", [0.5, 0.5, 0.5], "preprocessor_config.json")
+    write_config(tmp_path / "ok.yaml", llm, vision)
+    claim(vision, key, value, "preprocessor_config.json")
+    with pytest.raises(FamilyError, match=f"preprocessor_config.json: {key} is "):
+        write_config(tmp_path / "run.yaml", llm, vision)
+
+
+def test_an_oversized_tokenizer_is_refused_naming_the_limit(tmp_path):
+    with open(tmp_path / "tokenizer.json", "wb") as f:  # (sparse: no disk, the size claimed)
+        f.truncate(MAX_TOKENIZER_BYTES + 1)
+    claim(str(tmp_path), "model_max_length", 64, "tokenizer_config.json")
+    tracemalloc.start()
+    with pytest.raises(ConfigError, match=f"over the {MAX_TOKENIZER_BYTES} a tokenizer may take"):
+        PretrainedTokenizer(tmp_path)
+    assert tracemalloc.get_traced_memory()[1] < 16 << 20
+    tracemalloc.stop()
