@@ -32,6 +32,8 @@ from jaxmllm.data.media.image import jpeg_scans
 from jaxmllm.data.preprocess import Images, Params, Preprocessor
 from jaxmllm.data.records import open_records
 from jaxmllm.data.records.handles import FILES, MAX_OPEN
+from jaxmllm.data.records.jsonarray import scan_array
+from jaxmllm.data.records.jsonl import JsonRecords
 from jaxmllm.data.records.webdataset import MAX_HEADER_BYTES, TarRecords, scan_tar
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.text.pretrained import MAX_TOKENIZER_BYTES, PretrainedTokenizer
@@ -359,3 +361,48 @@ def test_an_oversized_tokenizer_is_refused_naming_the_limit(tmp_path):
         PretrainedTokenizer(tmp_path)
     assert tracemalloc.get_traced_memory()[1] < 16 << 20
     tracemalloc.stop()
+
+
+# ----------------------------------------------------------------------------- JSON lists
+
+
+TRICKY = [
+    {"id": "a", "text": 'brackets in text: ] } [ { and "quotes" \\" \\\\'},
+    {"id": "b", "messages": [{"role": "user", "content": "x\\\\"}, {"role": "assistant",
+     "content": "é 😀 東京 \u2028 ]"}]},
+    {"id": "c", "text": "", "nested": [[[{"deep": [1, 2, {"k": "]"}]}]]]},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_a_json_list_is_scanned_without_parsing_it_whole(tmp_path, indent):
+    path = tmp_path / "list.json"
+    path.write_text(json.dumps(TRICKY * 3, ensure_ascii=False, indent=indent))
+    scan = scan_array(path)
+    data = path.read_bytes()
+    got = [json.loads(data[a:b]) for a, b in zip(scan["starts"], scan["ends"], strict=True)]
+    assert got == TRICKY * 3
+    emoji = tmp_path / "emoji.json"  # (~24 MB of 4-byte characters: was parsed whole as text)
+    emoji.write_text(json.dumps([{"id": str(i), "text": "😀" * 6000} for i in range(1000)]))
+    tracemalloc.start()
+    assert len(scan_array(emoji)["starts"]) == 1000
+    assert tracemalloc.get_traced_memory()[1] < 4 << 20
+    tracemalloc.stop()
+
+
+def test_an_element_over_the_cap_is_never_read(tmp_path):
+    path = tmp_path / "big.json"
+    records = [{"id": "ok1", "text": "fine"}, {"id": "huge", "text": "z" * (24 << 20)}]
+    path.write_text(json.dumps([*records, {"id": "ok2", "text": "fine"}, "not an object"]))
+    tracemalloc.start()
+    reader = JsonRecords(path, array=True, max_bytes=1 << 20)
+    assert "__malformed__" in reader.raw(1)[0] and reader.raw(2)[0]["id"] == "ok2"
+    assert tracemalloc.get_traced_memory()[1] < 4 << 20  # (the 24 MB element: never held)
+    tracemalloc.stop()
+    summary, rejects = index(path, f"data.max_media_bytes={1 << 20}")
+    assert summary["accepted"] == 2 and len(rejects) == 2
+    assert all(r["reason"] == "malformed_line" for r in rejects.values())
+    assert any("data.max_media_bytes=1048576" in r["detail"] for r in rejects.values())
+    path.write_text(json.dumps(records)[:-40])  # (breaks off inside the long element)
+    with pytest.raises(ConfigError, match=r"big.json: not valid JSON at line 1 column \d+"):
+        scan_array(path)
