@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import resource
 import shutil
 import tarfile
+import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -31,7 +33,7 @@ from jaxmllm.data.index import report
 from jaxmllm.data.media.image import jpeg_scans
 from jaxmllm.data.preprocess import Images, Params, Preprocessor
 from jaxmllm.data.records import open_records
-from jaxmllm.data.records.handles import FILES, MAX_OPEN
+from jaxmllm.data.records.handles import FILES, MAX_OPEN, pread
 from jaxmllm.data.records.jsonarray import scan_array
 from jaxmllm.data.records.jsonl import JsonRecords
 from jaxmllm.data.records.webdataset import MAX_HEADER_BYTES, TarRecords, scan_tar
@@ -406,3 +408,29 @@ def test_an_element_over_the_cap_is_never_read(tmp_path):
     path.write_text(json.dumps(records)[:-40])  # (breaks off inside the long element)
     with pytest.raises(ConfigError, match=r"big.json: not valid JSON at line 1 column \d+"):
         scan_array(path)
+
+
+def test_a_child_forked_while_a_thread_reads_does_not_hang(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"id": "a", "text": "hello"}\n')
+    held = threading.Event()
+
+    def hold():
+        with FILES.use("held", lambda: None, lambda _: None):
+            held.set()
+            time.sleep(1.0)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:  # (the child: a read with the parent's lock held by a thread it lacks)
+        os._exit(0 if pread(path, 0, 5) == b'{"id"' else 1)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    thread.join()
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0

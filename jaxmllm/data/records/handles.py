@@ -6,7 +6,8 @@ read after it failed "Too many open files" as that record's reject. The readers 
 files from one `OpenFiles` a process: a file read again soon is not reopened, a file not read
 for a while is closed. Bytes are read with `os.pread` (no shared file position: a forked worker
 or a second thread reading the same file cannot move another's). A forked child starts with an
-empty table (the parent's handles are the parent's to close).
+empty table and a fresh lock (the parent's handles are the parent's to close; its lock may
+have been held by a thread that does not exist in the child).
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ class OpenFiles:
                     close(old)
             yield self._open[key][0]
 
+    def forked(self) -> None:
+        """In a forked child: a fresh lock (the parent's may have been held by another thread
+        at the fork, which would hang the child's first read) and an empty table."""
+        self._lock, self._open, self._pid = threading.RLock(), OrderedDict(), os.getpid()
+
     def __len__(self) -> int:
         return len(self._open) if self._pid == os.getpid() else 0
 
@@ -56,6 +62,7 @@ class OpenFiles:
 
 
 FILES = OpenFiles()
+os.register_at_fork(after_in_child=FILES.forked)
 
 
 def pread(path: str | Path, offset: int, size: int) -> bytes:
