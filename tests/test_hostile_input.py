@@ -32,12 +32,12 @@ from jaxmllm.config import ConfigError, printable
 from jaxmllm.data.index import report
 from jaxmllm.data.media.image import jpeg_scans
 from jaxmllm.data.preprocess import Images, Params, Preprocessor
-from jaxmllm.data.records import open_records
+from jaxmllm.data.records import jsonl, open_records
 from jaxmllm.data.records.handles import FILES, MAX_OPEN, pread
 from jaxmllm.data.records.jsonarray import scan_array
 from jaxmllm.data.records.jsonl import JsonRecords
 from jaxmllm.data.records.webdataset import MAX_HEADER_BYTES, TarRecords, scan_tar
-from jaxmllm.data.rejects import RecordError
+from jaxmllm.data.rejects import RecordError, read_rejects
 from jaxmllm.data.text.pretrained import MAX_TOKENIZER_BYTES, PretrainedTokenizer
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.importer import write_config
@@ -392,19 +392,22 @@ def test_a_json_list_is_scanned_without_parsing_it_whole(tmp_path, indent):
     tracemalloc.stop()
 
 
-def test_an_element_over_the_cap_is_never_read(tmp_path):
+def test_an_element_over_the_cap_is_never_read(tmp_path, monkeypatch):
     path = tmp_path / "big.json"
     records = [{"id": "ok1", "text": "fine"}, {"id": "huge", "text": "z" * (24 << 20)}]
     path.write_text(json.dumps([*records, {"id": "ok2", "text": "fine"}, "not an object"]))
-    tracemalloc.start()
-    reader = JsonRecords(path, array=True, max_bytes=1 << 20)
-    assert "__malformed__" in reader.raw(1)[0] and reader.raw(2)[0]["id"] == "ok2"
-    assert tracemalloc.get_traced_memory()[1] < 4 << 20  # (the 24 MB element: never held)
-    tracemalloc.stop()
-    summary, rejects = index(path, f"data.max_media_bytes={1 << 20}")
-    assert summary["accepted"] == 2 and len(rejects) == 2
-    assert all(r["reason"] == "malformed_line" for r in rejects.values())
-    assert any("data.max_media_bytes=1048576" in r["detail"] for r in rejects.values())
+    reads = []
+    spy = lambda path, offset, size: reads.append(size) or pread(path, offset, size)  # noqa: E731
+    with monkeypatch.context() as patch:
+        patch.setattr(jsonl, "pread", spy)
+        reader = JsonRecords(path, array=True, max_bytes=1 << 20)
+        assert "__malformed__" in reader.raw(1)[0] and reader.raw(2)[0]["id"] == "ok2"
+    assert max(reads) < 1 << 10  # (the 24 MB element: never read)
+    summary, _ = index(path, "data.source=files", f"data.max_media_bytes={1 << 20}")
+    rejects = read_rejects(f"{path}.index/rejects.jsonl")  # (all on line 1: listed, not keyed)
+    assert summary["accepted"] == 2 and summary["rejected"] == len(rejects) == 2
+    assert all(r["reason"] == "malformed_line" for r in rejects)
+    assert any("data.max_media_bytes=1048576" in r["detail"] for r in rejects)
     path.write_text(json.dumps(records)[:-40])  # (breaks off inside the long element)
     with pytest.raises(ConfigError, match=r"big.json: not valid JSON at line 1 column \d+"):
         scan_array(path)

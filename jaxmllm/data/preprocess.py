@@ -381,17 +381,9 @@ class Images:
              parts=None) -> list[Item]:  # fmt: skip
         p = pre.p
         budget = limits.max_pixels or p.image_max_pixels
-        patches, pos = load_image(
-            src,
-            p.patch_size,
-            p.merge,
-            min(p.image_min_pixels, budget),
-            budget,
-            record_id,
-            max_image_pixels=p.max_image_pixels,
-            max_bytes=p.max_media_bytes,
-            max_scans=p.max_image_scans,
-        )
+        low = min(p.image_min_pixels, budget)
+        caps = (p.max_image_pixels, p.max_media_bytes, p.max_image_scans)
+        patches, pos = load_image(src, p.patch_size, p.merge, low, budget, record_id, *caps)
         return [(patches, pos)]
 
 
