@@ -25,7 +25,7 @@ import jax
 import sharding
 from jaxmllm.batch.counts import calibrated_cost
 from jaxmllm.batch.info import StepInfo
-from jaxmllm.config import Config, ConfigError, load_config
+from jaxmllm.config import Config, ConfigError, guard_logs, load_config
 from jaxmllm.config.command import run
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
@@ -335,6 +335,7 @@ def cli(argv: list[str] | None = None) -> int:
 def _command(argv: list[str] | None) -> None:
     guards.outlive_closed_pipes()  # (a `| tee` that Ctrl-C ended never costs the checkpoint)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    guard_logs()  # (record ids and file names in messages: escaped)
     logging.getLogger("jaxmllm").setLevel(logging.INFO)  # (grain's import set up the root logger)
     args = parse_args(argv)
     main(load_config(args.config, args.set))

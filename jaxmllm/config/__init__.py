@@ -27,6 +27,7 @@ from jaxmllm.config.model import (
     ModelConfig,
     VisionConfig,
 )
+from jaxmllm.config.printable import guard_logs, printable
 from jaxmllm.config.remat import REMAT_POLICIES, RematPolicy
 from jaxmllm.config.sections import (
     AUTO_LADDERS,
@@ -72,7 +73,9 @@ __all__ = [
     "closest_name",
     "config_origin",
     "from_dict",
+    "guard_logs",
     "keep_origin",
     "load_config",
+    "printable",
     "to_dict",
 ]

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 
 from jaxmllm.config.checks import UserError
+from jaxmllm.config.printable import printable
 
 EXIT_USER = 2  # what the user can fix: the message says what
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
@@ -46,6 +47,7 @@ def user_error(e: Exception) -> bool:
 
 
 def fail(error: BaseException, code: int) -> int:
-    """Prints `error: <message>` on stderr; returns `code`."""
-    print(f"error: {error}", file=sys.stderr, flush=True)
+    """Prints `error: <message>` on stderr (terminal controls escaped: it may quote a file's
+    or a record's name); returns `code`."""
+    print(f"error: {printable(error, keep_lines=True)}", file=sys.stderr, flush=True)
     return code

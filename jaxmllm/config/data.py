@@ -163,6 +163,10 @@ class DataConfig:
     # Decompression-bomb caps, checked on the file header before any pixel or sample is decoded
     # (index and loader alike); a file over a cap is rejected (image_too_large, audio_too_long).
     max_image_pixels: int = 1 << 26  # width x height of a stored image (64 Mpx = 8192 x 8192)
+    # Scans of a progressive JPEG, counted from its markers before decoding: each scan is a
+    # pass over the whole image, so a few KB of repeated scans cost minutes (libjpeg-turbo's
+    # LJT-01-003); encoders write at most about a dozen. Over it: image_too_costly
+    max_image_scans: int = 100
     max_audio_seconds: float = 600.0  # length of a clip from its header (frames / rate)
     # Samples of a stored clip over all its channels (frames x channels), from its header: what
     # decoding it costs whatever its rate (600 s of 48 kHz stereo: 57.6 M); over it: audio_too_long
@@ -270,6 +274,7 @@ class DataConfig:
             "config's min_pixels in another unit?)",
             "image_min_pixels",
         )
+        check(self.max_image_scans >= 1, "must be >= 1", "max_image_scans")
         check(self.max_audio_seconds > 0, "must be > 0", "max_audio_seconds")
         check(self.max_audio_samples >= 1, "must be >= 1", "max_audio_samples")
         check(self.max_media_bytes >= 1, "must be >= 1", "max_media_bytes")

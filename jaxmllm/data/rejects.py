@@ -13,7 +13,7 @@ import textwrap
 from collections import Counter
 from pathlib import Path
 
-from jaxmllm.config import ConfigError, UserError
+from jaxmllm.config import ConfigError, UserError, printable
 
 REASONS = {
     "malformed_line": "the line is not a JSON object with an id and text or messages",
@@ -27,6 +27,8 @@ REASONS = {
     "empty_sample": "nothing to train on: no text, no media, or no assistant turn",
     "audio_too_short": "a clip is shorter than one encoder step (subsample x 10 ms)",
     "image_too_large": "the header's width x height exceeds data.max_image_pixels (not decoded)",
+    "image_too_costly": "a progressive JPEG has more scans than data.max_image_scans (each "
+    "scan a pass over the whole image; not decoded)",
     "audio_too_long": "the header's length exceeds data.max_audio_seconds (not decoded)",
     "video_too_short": "a video gives fewer sampled frames than one temporal patch",
     "video_too_large": "the header's length, frame size or frames x pixels exceed the data.max_* "
@@ -48,6 +50,8 @@ class RecordError(UserError):
 
     def __init__(self, reason: str, detail: str, record_id: str = "?"):
         assert reason in REASONS, reason
+        # (from the data: a newline or an escape code would act on the terminal and the logs)
+        record_id, detail = printable(record_id), printable(detail)
         super().__init__(f"record {record_id}: {reason}: {detail}")
         self.reason, self.detail, self.record_id = reason, detail, record_id
 

@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import shlex
 import sys
 from pathlib import Path
 
 import yaml
 
-from jaxmllm.config import Config, from_dict
+from jaxmllm.config import Config, DataConfig, from_dict
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.text.tokenizer import make_tokenizer
 from jaxmllm.hf.family import FamilyError
+from jaxmllm.hf.load import checkpoint_tensors
 from jaxmllm.hf.registry import ROLES, family_for, read_hf_config, section_of
 from jaxmllm.hf.wholes import Llava, whole_for
 
@@ -90,27 +92,65 @@ def data_section(llm: str, vision: str = "", audio: str = "", tokenizer: str = "
     budgets (preprocessor_config.json), Whisper's mel and sample rate."""
     data: dict = {"tokenizer": str(Path(tokenizer or llm).resolve())}
     proc = _processor(vision)
+    where = _processor_file(vision)
     if "image_mean" in proc and "image_std" in proc:
-        data["image_mean"] = [float(x) for x in proc["image_mean"]]
-        data["image_std"] = [float(x) for x in proc["image_std"]]
+        for key in ("image_mean", "image_std"):
+            values = proc[key] if isinstance(proc[key], list) else [proc[key]]
+            data[key] = [_number(x, where, key, 1e6, whole=False) for x in values]
     size = proc.get("size") if isinstance(proc.get("size"), dict) else {}
     low = proc.get("min_pixels", size.get("shortest_edge"))
     high = proc.get("max_pixels", size.get("longest_edge"))
     if low and high:  # Qwen2-VL's pixel budget (SigLIP's fixed size: jaxmllm keeps native)
-        data["image_min_pixels"], data["image_max_pixels"] = int(low), int(high)
+        low_key = "min_pixels" if "min_pixels" in proc else "size.shortest_edge"
+        high_key = "max_pixels" if "max_pixels" in proc else "size.longest_edge"
+        data["image_min_pixels"] = _number(low, where, low_key, MAX_PIXELS)
+        data["image_max_pixels"] = _number(high, where, high_key, MAX_PIXELS)
     if vision and isinstance(whole_for(read_hf_config(vision)), Llava):
         # LLaVA saw square crops of one size: as many pixels, at each image's aspect ratio
         crop = proc.get("crop_size") if isinstance(proc.get("crop_size"), dict) else size
         if crop.get("height") and crop.get("width"):
-            data["image_min_pixels"] = data["image_max_pixels"] = crop["height"] * crop["width"]
+            side = 1 << 13  # (a side of the largest stored image, data.max_image_pixels)
+            h = _number(crop["height"], where, "crop_size.height", side)
+            w = _number(crop["width"], where, "crop_size.width", side)
+            data["image_min_pixels"] = data["image_max_pixels"] = h * w
     if vision:
         _check_sizes(vision, proc)
     if audio:
         data["mel"] = "whisper"
         rate = _processor(audio).get("sampling_rate")
         if rate:
-            data["audio_sample_rate"] = int(rate)
+            data["audio_sample_rate"] = _number(
+                rate, _processor_file(audio), "sampling_rate", 10**6
+            )
     return data
+
+
+MAX_PIXELS = DataConfig().max_image_pixels  # a pixel budget past it: no stored image is read
+
+
+def _number(value: object, where: str, key: str, most: float, whole: bool = True) -> float:
+    """`value` of the processor file's `key` as a number (a whole one by default), refused
+    unless it is one in (0, most] (mean and std: [-most, most]) naming the file and the key."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and whole:
+        ok = 1 <= value <= most and float(value).is_integer()
+    elif ok:
+        ok = -most <= value <= most
+    if not ok:
+        what = f"a whole number from 1 to {int(most)}" if whole else f"a number within +-{most:g}"
+        raise FamilyError(
+            f"{where}: {key} is {value!r:.40} but must be {what} (a damaged processor "
+            "file: fix the value, or delete the file to keep jaxmllm's defaults)"
+        )
+    return int(value) if whole else float(value)
+
+
+def _processor_file(directory: str) -> str:
+    """The processor file `_processor` reads in `directory` (for messages)."""
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        if directory and (Path(directory) / name).is_file():
+            return str(Path(directory) / name)
+    return f"{directory}/preprocessor_config.json"
 
 
 def _check_sizes(vision: str, proc: dict) -> None:
@@ -232,6 +272,10 @@ def write_config(
     if adapter:
         adapter_sections(raw, adapter, str(out))
     cfg = from_dict(Config, raw, source=str(out))  # the checks the trainer will run
+    for role in ROLES:  # every tensor the model will ask for is there (headers only)
+        directory = getattr(cfg.model.init_from, role)
+        if directory:
+            checkpoint_tensors(cfg, role, directory, f"--{role} {directory}")
     out.parent.mkdir(parents=True, exist_ok=True)
     named = raw["data"].get("path") or raw["data"].get("sources")
     data = BUILT_IN if cfg.data.source == "synthetic" else DATA if named else NO_DATA

@@ -70,25 +70,15 @@ def load_role(cfg: Any, role: str, directory: str, flat: dict) -> dict[str, jax.
     """One checkpoint's parameters ("/"-joined path -> array) for `role`."""
     key = f"model.init_from.{role}"
     start = time.perf_counter()
-    hf = read_hf_config(directory)
-    ck = Checkpoint(directory)
-    family = family_for(role, hf, f"{key}={directory}", ck.names())
-    prefix = family.prefix(ck.names())
-    out, consumed = {}, set()
-    links = family.links(cfg, hf)
-    for link in links:  # every tensor there and of the parameters' size, before any allocation
+    ck, family, prefix, links, consumed = checkpoint_tensors(cfg, role, directory, key)
+    out = {}
+    for link in links:  # every tensor of the parameters' size, before any allocation
         missing = [p for p in link.ours if p not in flat]
         if missing:
             raise FamilyError(
                 f"{key}: the model has no parameter {missing[0]} for {link.hf[0]} "
                 f"(is model.{role} set as the import wrote it?)"
             )
-        for name in link.hf:
-            names = [name.format(i=i) for i in range(link.layers)] if link.layers else [name]
-            for n in names:
-                if prefix + n not in ck:
-                    raise FamilyError(f"{key}: {directory} has no tensor {prefix + n}")
-                consumed.add(prefix + n)
         check_sizes(link, ck, prefix, [flat[p] for p in link.ours], key)
     for link in links:
         arrays = fill(link, ck, prefix, [flat[p] for p in link.ours], key)
@@ -106,6 +96,49 @@ def load_role(cfg: Any, role: str, directory: str, flat: dict) -> dict[str, jax.
         elapsed,
     )
     return out
+
+
+LAYER_KEYS = ("num_hidden_layers", "depth", "encoder_layers", "num_layers", "n_layer")
+
+
+def checkpoint_tensors(cfg: Any, role: str, directory: str, key: str) -> tuple:
+    """(checkpoint, family, prefix, links, tensor names) of `role` read from `directory` for
+    `cfg`: every tensor the family's links name is there (read from the headers: nothing
+    loaded), so `hf import` refuses a config.json that claims more layers than its tensors
+    hold before the trainer spends minutes building that model.
+
+    Raises:
+      CheckpointError: no safetensors (a pytorch_model.bin only, or nothing).
+      FamilyError: a tensor missing, naming it (and the layer count and its config.json key
+        when a layer past the tensors' last is what is missing).
+    """
+    hf = read_hf_config(directory)
+    ck = Checkpoint(directory)
+    family = family_for(role, hf, f"{key}={directory}", ck.names())
+    prefix = family.prefix(ck.names())
+    links = family.links(cfg, hf)
+    consumed = set()
+    for link in links:
+        for name in link.hf:
+            names = [name.format(i=i) for i in range(link.layers)] if link.layers else [name]
+            for i, n in enumerate(names):
+                if prefix + n not in ck:
+                    raise FamilyError(_missing(key, directory, hf, link, prefix + n, i))
+                consumed.add(prefix + n)
+    return ck, family, prefix, links, consumed
+
+
+def _missing(key: str, directory: str, hf: dict, link: Link, name: str, layer: int) -> str:
+    if not link.layers or layer == 0:
+        return f"{key}: {directory} has no tensor {name}"
+    parts = [("", hf)] + [(f"{k}.", v) for k, v in hf.items() if isinstance(v, dict)]
+    claims = [f"{p}{k}" for p, part in parts for k in LAYER_KEYS if part.get(k) == link.layers]
+    what = f"'{claims[0]}'" if claims else "its layer count"
+    return (
+        f"{key}: {Path(directory) / 'config.json'} says {link.layers} layers ({what}) but the "
+        f"checkpoint's tensors hold {layer}: it has no {name}. Set config.json's "
+        f"{claims[0] if claims else 'layer count'} to {layer}, or complete the checkpoint"
+    )
 
 
 def _check_complete(key, family, ck, prefix, consumed, out, flat) -> None:

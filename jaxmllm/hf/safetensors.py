@@ -192,6 +192,14 @@ class Checkpoint:
             file = SafetensorsFile(single)
             self._where = dict.fromkeys(file.names(), file)
         else:
+            pickles = sorted(p.name for p in self.dir.glob("pytorch_model*.bin"))
+            if pickles:
+                raise CheckpointError(
+                    f"{self.dir}: holds {pickles[0]} (a pickle, which jaxmllm never loads: "
+                    f"it can run code) and no {SINGLE} or {INDEX}; convert it once with "
+                    "transformers: AutoModel.from_pretrained(DIR).save_pretrained(DIR, "
+                    "safe_serialization=True), or download the checkpoint's safetensors"
+                )
             raise CheckpointError(
                 f"{self.dir}: no {SINGLE} or {INDEX} (jaxmllm reads safetensors checkpoints; "
                 "convert a pytorch_model.bin with transformers' save_pretrained first)"

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import mmap
+import re
 import struct
 import warnings
 from pathlib import Path
@@ -21,6 +23,7 @@ from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError, check_media_file
 ORIENTATION = 0x0112  # EXIF tag; values 5..8 swap width and height
 Source = str | Path | bytes
 MAX_PIXELS = 1 << 26  # the default of data.max_image_pixels
+MAX_SCANS = 100  # the default of data.max_image_scans
 # Raster formats PIL may open (others are refused as undecodable): the common dataset formats.
 # MPO is how PIL opens many camera JPEGs. Left out: EPS/PS (Ghostscript), ICO/ICNS/CUR (the
 # decoded size is not the header's), and the long tail of rare formats.
@@ -59,13 +62,15 @@ def open_image(
     record_id: str = "?",
     max_pixels: int = MAX_PIXELS,
     max_bytes: int = MAX_MEDIA_BYTES,
+    max_scans: int = MAX_SCANS,
 ) -> Image.Image:
     """Opens an image from a path or bytes, reading its header only.
 
     Refuses, before any pixel is decoded, a file of more than `max_bytes`, an image of more than
-    `max_pixels` (a decompression bomb: a few KB of PNG can hold gigapixels of zeros), an empty
-    one, and formats outside FORMATS (PIL would also try EPS through Ghostscript, icons whose
-    decoded size is not the header's...).
+    `max_pixels` (a decompression bomb: a few KB of PNG can hold gigapixels of zeros), a
+    progressive JPEG of more than `max_scans` scans (a decoding-time bomb: `jpeg_scans`), an
+    empty one, and formats outside FORMATS (PIL would also try EPS through Ghostscript, icons
+    whose decoded size is not the header's...).
     """
     check_media_file(src, record_id, max_bytes)
     try:
@@ -87,7 +92,57 @@ def open_image(
     if w <= 0 or h <= 0:
         img.close()
         raise RecordError("undecodable_media", f"{_name(src)}: empty image ({w}x{h})", record_id)
+    if img.format in ("JPEG", "MPO") and img.info.get("progressive"):
+        scans = jpeg_scans(src, max_scans)
+        if scans > max_scans:
+            img.close()
+            raise RecordError(
+                "image_too_costly",
+                f"{_name(src)}: a progressive JPEG of more than {max_scans} scans over "
+                f"{w}x{h} pixels > data.max_image_scans={max_scans}",
+                record_id,
+            )
     return img
+
+
+# A marker in a JPEG's entropy-coded data: 0xFF, then neither a stuffed 0x00 nor a restart.
+_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7]")
+_STANDALONE = {0x01, 0xD8, *range(0xD0, 0xD8)}  # markers without a length
+
+
+def jpeg_scans(src: Source, limit: int) -> int:
+    """The scans (SOS markers) of the JPEG at `src`, counted by walking its marker segments
+    and skipping each scan's entropy-coded data to the next marker; stops past `limit`. One
+    pass over the file's bytes (memory-mapped, nothing decoded): what libjpeg-turbo's report
+    on the JPEG standard (LJT-01-003) advises against progressive images that repeat scans."""
+    if isinstance(src, bytes):
+        return _count_scans(src, limit)
+    with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return _count_scans(data, limit)
+
+
+def _count_scans(data, limit: int) -> int:
+    pos, scans, end = 2, 0, len(data)  # (past SOI)
+    while pos + 4 <= end and scans <= limit:
+        if data[pos] != 0xFF:
+            break  # (not a marker: what follows is the decoder's to refuse)
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill
+            pos += 1
+            continue
+        if marker in _STANDALONE:
+            pos += 2
+            continue
+        if marker == 0xD9:  # EOI
+            break
+        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+        if marker == 0xDA:  # SOS: its entropy-coded data runs to the next marker
+            scans += 1
+            found = _MARKER.search(data, pos)
+            if found is None:
+                break
+            pos = found.start()
+    return scans
 
 
 def read_size(
@@ -95,13 +150,14 @@ def read_size(
     record_id: str = "?",
     max_pixels: int = MAX_PIXELS,
     max_bytes: int = MAX_MEDIA_BYTES,
+    max_scans: int = MAX_SCANS,
 ) -> tuple[int, int]:
     """(height, width) as displayed (EXIF orientation applied), read from the header only.
 
     Also checks the end-of-image marker of JPEG and PNG files, which catches truncated files
     without decoding them.
     """
-    with open_image(src, record_id, max_pixels, max_bytes) as img:
+    with open_image(src, record_id, max_pixels, max_bytes, max_scans) as img:
         w, h = img.size
         orientation = _orientation(img)
         fmt = img.format
@@ -115,13 +171,14 @@ def decode_rgb(
     record_id: str = "?",
     max_pixels: int = MAX_PIXELS,
     max_bytes: int = MAX_MEDIA_BYTES,
+    max_scans: int = MAX_SCANS,
 ) -> np.ndarray:
     """Decodes the first frame to uint8 RGB [h, w, 3], EXIF orientation applied.
 
     Grayscale, palette, CMYK and 16-bit images are converted; transparency is composited on white.
     The image must decode to the size its header announced (what the index counted).
     """
-    with open_image(src, record_id, max_pixels, max_bytes) as img:
+    with open_image(src, record_id, max_pixels, max_bytes, max_scans) as img:
         want = img.size
         orientation = _orientation(img)
         try:
@@ -148,6 +205,7 @@ def load_image(
     record_id: str = "?",
     max_image_pixels: int = MAX_PIXELS,
     max_bytes: int = MAX_MEDIA_BYTES,
+    max_scans: int = MAX_SCANS,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Decode (refusing images over `max_image_pixels` or files over `max_bytes`), resize to
     the budget, patchify.
@@ -156,7 +214,7 @@ def load_image(
     the encoder normalises them on the device (`jaxmllm.config.spec.Inputs`: (x / 255 -
     data.image_mean) / data.image_std per channel; `Inputs.normalise` on the host).
     """
-    rgb = decode_rgb(src, record_id, max_image_pixels, max_bytes)
+    rgb = decode_rgb(src, record_id, max_image_pixels, max_bytes, max_scans)
     gh, gw = image_grid(*rgb.shape[:2], patch, merge, min_pixels, max_pixels)
     rgb = fit_to_grid(rgb, gh * patch, gw * patch, patch * merge)
     return patch_rows(rgb, patch, merge), patch_positions(gh, gw, merge)

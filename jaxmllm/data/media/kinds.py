@@ -48,7 +48,8 @@ class Images:
         return max(d.image_max_pixels, d.video_frame_max_pixels * v.video) // unit**2 * v.merge**2
 
     def read_size(self, pre: Preprocessor, src: Any, record_id: str) -> tuple[int, int]:
-        return read_size(src, record_id, pre.p.max_image_pixels, pre.p.max_media_bytes)
+        p = pre.p
+        return read_size(src, record_id, p.max_image_pixels, p.max_media_bytes, p.max_image_scans)
 
     def check(self, pre: Preprocessor, j: int, size: tuple[int, int], record_id: str) -> None:
         pass  # (image_grid upscales the smallest image to the minimum pixels)
@@ -69,9 +70,9 @@ class Images:
     ) -> list[Item]:
         p = pre.p
         budget = limits.max_pixels or p.image_max_pixels
-        patches, pos = load_image(src, p.patch_size, p.merge, min(p.image_min_pixels, budget),
-                                  budget, record_id, max_image_pixels=p.max_image_pixels,
-                                  max_bytes=p.max_media_bytes)  # fmt: skip
+        low = min(p.image_min_pixels, budget)
+        caps = (p.max_image_pixels, p.max_media_bytes, p.max_image_scans)
+        patches, pos = load_image(src, p.patch_size, p.merge, low, budget, record_id, *caps)
         return [(patches, pos)]
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmllm.config import ConfigError, DataConfig
+from jaxmllm.config import ConfigError, DataConfig, printable
 from jaxmllm.data.records.arrayrecord import ArrayRecordRecords
 from jaxmllm.data.records.formats import FORMATS, data_files, detect, json_container
 from jaxmllm.data.records.jsonl import JsonRecords
@@ -40,7 +40,12 @@ READERS = {
     "tar": TarRecords,
     "arrayrecord": ArrayRecordRecords,
 }
-CAPPED = ("jsonl", "jsonarray", "tar")  # readers that take data.max_media_bytes (`max_bytes`)
+CAPPED = (
+    "jsonl",
+    "jsonarray",
+    "tar",
+    "parquet",
+)  # readers that take data.max_media_bytes (`max_bytes`)
 
 
 def _open_readers() -> int:
@@ -119,12 +124,13 @@ class Records:
         return reader.raw(j)
 
     def where(self, k: int) -> str:
+        """Record k's place (file, line, member), printable: names come from the data."""
         reader, j = self._at(k)
-        return reader.where(j)
+        return printable(reader.where(j))
 
     def fallback_id(self, k: int) -> str:
         reader, j = self._at(k)
-        return reader.fallback_id(j)
+        return printable(reader.fallback_id(j))
 
     def scan(self):
         """What scanning the files found (to open them again without scanning)."""

@@ -15,6 +15,7 @@ import struct
 from pathlib import Path
 
 from jaxmllm.config.phases import KINDS
+from jaxmllm.data.records.handles import FILES
 from jaxmllm.data.records.record import MediaPaths, valid_unicode
 from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError, check_media_file
 
@@ -104,24 +105,27 @@ class ArrayRecordRecords:
 
     def __init__(self, path: str | Path, scan: dict | None = None):
         self.path = Path(path)
-        self._source = None
-        self._len = len(self._open())
+        with self._open() as source:
+            self._len = len(source)
 
     def scan(self) -> dict:
         return {}  # (the file's own index: nothing to keep)
 
     def _open(self):
-        if self._source is None:
-            from grain.sources import ArrayRecordDataSource
+        """grain's source of the file (a context: held open in `handles.FILES`, bounded)."""
+        from grain.sources import ArrayRecordDataSource
 
-            self._source = ArrayRecordDataSource(str(self.path))
-        return self._source
+        opener = lambda: ArrayRecordDataSource(str(self.path))  # noqa: E731
+        closer = lambda source: source.__exit__(None, None, None)  # noqa: E731
+        return FILES.use(("arrayrecord", str(self.path)), opener, closer)
 
     def __len__(self) -> int:
         return self._len
 
     def raw(self, k: int) -> tuple[object, int]:
-        return decode_record(self._open()[int(k)])
+        with self._open() as source:
+            data = source[int(k)]
+        return decode_record(data)
 
     def where(self, k: int) -> str:
         return f"{self.path.name} record {int(k)}"
@@ -130,9 +134,4 @@ class ArrayRecordRecords:
         return f"{self.path.name}:{int(k)}"
 
     def close(self) -> None:
-        source, self._source = self._source, None
-        if source is not None and hasattr(source, "close"):
-            source.close()
-
-    def __getstate__(self):
-        return {**self.__dict__, "_source": None}
+        """Nothing to close: the file is held in the process's bounded table (`handles`)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from jaxmllm.config import ConfigError
 from jaxmllm.config.sections import FORMATS as FORMAT_NAMES
+from jaxmllm.data.records.jsonarray import scan_array
 from jaxmllm.data.records.record import parse_record
 from jaxmllm.data.rejects import RecordError
 
@@ -56,6 +57,7 @@ BY_SUFFIX = {".parquet": "parquet", ".tar": "webdataset", ".array_record": "arra
 JSON_SUFFIXES = (".json", ".jsonl")
 DATA_SUFFIXES = (*BY_SUFFIX, *JSON_SUFFIXES)
 PEEK = 1 << 22  # bytes read to find a JSON list's first record (more when it is longer)
+FIRST_MAX = 1 << 26  # the longest first record `detect` parses (a longer one: set data.format)
 
 
 def data_files(path: str | Path) -> list[Path]:
@@ -168,8 +170,16 @@ def first_record(path: Path, container: str) -> object:
         except (ValueError, RecursionError):
             if len(data) < PEEK:
                 return None
-    text = path.read_text(encoding="utf-8-sig", errors="replace").lstrip()[1:].lstrip()
-    try:
-        return json.JSONDecoder().raw_decode(text)[0]
-    except (ValueError, RecursionError):
+    try:  # (a first record longer than PEEK: found without reading the file whole)
+        scan = scan_array(path, limit=1)
+    except ConfigError:
         return None
+    if not len(scan["starts"]) or scan["ends"][0] - scan["starts"][0] > FIRST_MAX:
+        return None  # (then the format is data.format's to say)
+    start, end = int(scan["starts"][0]), int(scan["ends"][0])
+    with open(path, "rb") as f:
+        f.seek(start)
+        try:
+            return json.loads(f.read(end - start))
+        except (ValueError, RecursionError):
+            return None

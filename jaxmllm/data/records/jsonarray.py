@@ -6,84 +6,118 @@ the byte ranges of the list's elements, found in one pass (`jsonl.JsonRecords` r
       ...
     ]
 
-Opening parses the whole file once (Python's own JSON decoder, element by element) to find
-where each element starts and ends and on which line; record k is then one `seek` and one parse
-of its own bytes. A file that is not one JSON list, or breaks off inside one, stops with the
-file, line and column: past a syntax error no element boundary can be trusted.
+Opening finds where each element starts and ends, and on which line, without parsing it: the
+file is memory-mapped and walked by one regular expression that steps over whole strings and
+counts brackets, so memory stays that of the offsets, whatever the file's size or its text
+(parsed whole, 1 GB of ASCII took 2 GB and one emoji ~5x the file). Record k is then one read
+and one parse of its own bytes; an element over the line cap (data.max_media_bytes) is never
+read (`JsonRecords` rejects it), and an element that is not valid JSON is its record's reject.
+A file that is not one JSON list, or breaks off inside one, stops with the file, line and
+column: past a broken bracket no element boundary can be trusted.
 """
 
 from __future__ import annotations
 
-import json
+import mmap
+import re
 from pathlib import Path
 
 import numpy as np
 
 from jaxmllm.config import ConfigError
 
-WHITESPACE = " \t\n\r"
+BOM = b"\xef\xbb\xbf"
+STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"', re.DOTALL)  # escapes included
+# From inside an element to its next bracket, over other text and whole strings (possessive:
+# no backtracking, so an element that never closes costs one pass, not an exponential search).
+BRACKET = re.compile(
+    rb'(?>[^"\[\]{}]++|"[^"\\]*+(?:\\.[^"\\]*+)*+")*+'  # (text and strings, never re-tried)
+    rb"(?:([\[{])|([\]}]))",
+    re.DOTALL,
+)
+SPACE = re.compile(rb"[ \t\r\n]*")
+SCALAR = re.compile(rb"[^,\]\s]+")  # a number or literal element (a reject when read)
+CHUNK = 1 << 24  # bytes counted at a time for line numbers
 
 
-def scan_array(path: Path) -> dict[str, np.ndarray]:
-    """Byte offsets (start, end) and first lines of the elements of the JSON list in `path`."""
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text ({e}); a JSON data file must be") from None
-    skew = len(data) - len(text.encode()) if data.startswith(b"\xef\xbb\xbf") else 0  # a BOM
-    ascii_only = len(text) == len(data) - skew  # then a character offset is a byte offset
-    decoder = json.JSONDecoder()
-    pos = _skip(text, 0)
-    if not text.startswith("[", pos):
+def scan_array(path: Path, limit: int | None = None) -> dict[str, np.ndarray]:
+    """Byte offsets (start, end) and first lines of the elements of the JSON list in `path`
+    (the first `limit` of them: all by default)."""
+    with open(path, "rb") as f:
+        if not f.seek(0, 2):
+            raise ConfigError(f"{path}: empty; a JSON data file holds a list of records")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return _scan(data, path, limit)
+
+
+def _scan(data, path: Path, limit: int | None) -> dict[str, np.ndarray]:
+    pos = _skip(data, 3 if data[:3] == BOM else 0)
+    if data[pos : pos + 1] != b"[":
         raise ConfigError(
-            f"{path}: not a JSON list of records (it starts with {text[pos : pos + 20]!r})"
+            f"{path}: not a JSON list of records (it starts with {bytes(data[pos : pos + 20])!r})"
         )
-    pos = _skip(text, pos + 1)
-    starts, ends, lines = [], [], []
-    byte, char, line = skew, 0, 1  # where the last element ended, in bytes, characters, lines
-    while not text.startswith("]", pos):
-        try:
-            _, end = decoder.raw_decode(text, pos)
-        except (ValueError, RecursionError) as e:
-            raise ConfigError(
-                f"{path}: not valid JSON at {_place(text, pos, e)}; fix the file "
-                "(or convert it to JSON lines, one record a line)"
-            ) from None
-        line += text.count("\n", char, pos)
-        if ascii_only:
-            start_b, end_b = pos + skew, end + skew
-        else:
-            start_b = byte + len(text[char:pos].encode())
-            end_b = start_b + len(text[pos:end].encode())
-        starts.append(start_b)
-        ends.append(end_b)
-        lines.append(line)
-        line += text.count("\n", pos, end)
-        byte, char = end_b, end
-        pos = _skip(text, end)
-        if text.startswith(",", pos):
-            pos = _skip(text, pos + 1)
-        elif not text.startswith("]", pos):
-            raise ConfigError(f"{path}: expected ',' or ']' at {_place(text, pos)}; fix the file")
-    if _skip(text, pos + 1) != len(text):
-        raise ConfigError(f"{path}: text after the list's closing ']' at {_place(text, pos + 1)}")
+    pos = _skip(data, pos + 1)
+    lines = Lines(data)
+    starts, ends, firsts = [], [], []
+    while data[pos : pos + 1] != b"]" and (limit is None or len(starts) < limit):
+        end = _element_end(data, pos, path, lines)
+        starts.append(pos)
+        ends.append(end)
+        firsts.append(lines.at(pos))
+        pos = _skip(data, end)
+        if data[pos : pos + 1] == b",":
+            pos = _skip(data, pos + 1)
+        elif data[pos : pos + 1] != b"]":
+            raise ConfigError(f"{path}: expected ',' or ']' at {_place(data, pos, lines)}; fix it")
+    if limit is None and _skip(data, pos + 1) != len(data):
+        where = _place(data, pos + 1, lines)
+        raise ConfigError(f"{path}: text after the list's closing ']' at {where}")
     return {
         "starts": np.asarray(starts, np.int64),
         "ends": np.asarray(ends, np.int64),
-        "lines": np.asarray(lines, np.int64),
+        "lines": np.asarray(firsts, np.int64),
     }
 
 
-def _skip(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in WHITESPACE:
-        pos += 1
-    return pos
+def _element_end(data, pos: int, path: Path, lines: Lines) -> int:
+    """Where the element starting at `pos` ends: its brackets closed, strings stepped over."""
+    head = data[pos : pos + 1]
+    if head in (b"{", b"["):
+        depth, at, step = 1, pos + 1, BRACKET.match
+        while m := step(data, at):
+            at = m.end()
+            depth += 1 if m.lastindex == 1 else -1
+            if depth == 0:
+                return at
+    else:
+        m = (STRING if head == b'"' else SCALAR).match(data, pos)
+        if m is not None:
+            return m.end()
+    raise ConfigError(
+        f"{path}: not valid JSON at {_place(data, pos, lines)} (the element starting there never "
+        "ends: the file breaks off, or a bracket or quote is missing); fix the file (or convert "
+        "it to JSON lines, one record a line)"
+    )
 
 
-def _place(text: str, pos: int, error: Exception | None = None) -> str:
-    if isinstance(error, json.JSONDecodeError):
-        return f"line {error.lineno} column {error.colno} ({error.msg})"
-    line = text.count("\n", 0, pos) + 1
-    column = pos - (text.rfind("\n", 0, pos) + 1) + 1
-    return f"line {line} column {column}" + (f" ({error})" if error else "")
+def _skip(data, pos: int) -> int:
+    return SPACE.match(data, pos).end()
+
+
+class Lines:
+    """1-based line numbers of increasing byte offsets, newlines counted a chunk at a time."""
+
+    def __init__(self, data):
+        self.data, self.pos, self.line = data, 0, 1
+
+    def at(self, pos: int) -> int:
+        while self.pos < pos:
+            step = min(pos, self.pos + CHUNK)
+            self.line += self.data[self.pos : step].count(b"\n")
+            self.pos = step
+        return self.line
+
+
+def _place(data, pos: int, lines: Lines) -> str:
+    column = pos - (data.rfind(b"\n", 0, pos) + 1) + 1
+    return f"line {lines.at(pos)} column {column}"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxmllm.data.records.handles import pread
 from jaxmllm.data.records.jsonarray import scan_array
 from jaxmllm.data.rejects import MAX_MEDIA_BYTES
 
@@ -40,7 +41,6 @@ class JsonRecords:
         if scan is None:
             scan = scan_array(self.path) if array else scan_lines(self.path, max_bytes)
         self.starts, self.ends, self.lines = scan["starts"], scan["ends"], scan["lines"]
-        self._file = None
 
     def scan(self) -> dict[str, np.ndarray]:
         """What opening found (saved with the index, so training does not scan it again)."""
@@ -54,10 +54,7 @@ class JsonRecords:
         size, line = int(self.ends[k] - self.starts[k]), int(self.lines[k])
         if size > self.max_line + 1:  # (+1: the line's newline)
             return {"__malformed__": self._too_long()}, line
-        if self._file is None:
-            self._file = open(self.path, "rb")  # noqa: SIM115  (closed by close(): `Records`)
-        self._file.seek(int(self.starts[k]))
-        return parse_line(self._file.read(size)), line
+        return parse_line(pread(self.path, int(self.starts[k]), size)), line
 
     def _too_long(self) -> str:
         return (
@@ -72,12 +69,8 @@ class JsonRecords:
         return f"{self.path.name}:{int(self.lines[k])}"
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-    def __getstate__(self):
-        return {**self.__dict__, "_file": None}
+        """Nothing to close: lines are read through the process's bounded table of open files
+        (`handles`)."""
 
 
 def scan_lines(path: Path, max_line: int = MAX_MEDIA_BYTES) -> dict[str, np.ndarray]:

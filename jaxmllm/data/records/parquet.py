@@ -9,7 +9,10 @@ list of them for a `Sequence(Image())`; a messages column is a list of `{"role",
 structs, where content parts carry every part's keys, None where a part has none
 (`jaxmllm.data.records.schemas` reads such rows). Parquet cannot read one row alone: record k
 reads its row group (columns of up to ~100 rows where `datasets` wrote images) and keeps the
-last few groups read, so the index, which reads rows in order, decodes each group once.
+last few groups read, so the index, which reads rows in order, decodes each group once. A row
+group whose metadata says it decompresses to more than data.max_media_bytes is not read: each
+of its rows is a reject (a few KB of Parquet can claim GBs of zeros). The file is held open in
+`handles.FILES` (bounded: thousands of files never exhaust the handles).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import ConfigError
+from jaxmllm.data.records.handles import FILES
+from jaxmllm.data.rejects import MAX_MEDIA_BYTES
 
 KEEP_GROUPS = 2  # row groups kept per process (a group of images is tens of MB)
 
@@ -27,11 +32,18 @@ KEEP_GROUPS = 2  # row groups kept per process (a group of images is tens of MB)
 class ParquetRecords:
     """Random access to the rows of a Parquet file, a row group at a time."""
 
-    def __init__(self, path: str | Path, scan: dict[str, np.ndarray] | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        scan: dict[str, np.ndarray] | None = None,
+        max_bytes: int = MAX_MEDIA_BYTES,
+    ):
         self.path = Path(path)
+        self.max_bytes = max_bytes  # data.max_media_bytes: a row group decompressing to more
         if scan is None:
-            meta = self._open().metadata
-            rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+            with self._open() as f:
+                meta = f.metadata
+                rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
             scan = {"starts": np.cumsum([0, *rows]).astype(np.int64)}
         self.starts = scan["starts"]  # [groups + 1]: the first row of each row group
         self._groups: OrderedDict[int, object] = OrderedDict()
@@ -40,18 +52,21 @@ class ParquetRecords:
         return {"starts": self.starts}
 
     def _open(self):
-        if getattr(self, "_file", None) is None:
-            import pyarrow.parquet as pq
+        """The file (a context: held open in `handles.FILES`, closed when others push it out)."""
+        return FILES.use(("parquet", str(self.path)), self._parquet_file, lambda f: f.close())
 
-            try:
-                self._file = pq.ParquetFile(self.path, memory_map=True)
-            except Exception as e:  # noqa: BLE001  pyarrow raises several kinds on a bad file
-                raise ConfigError(f"{self.path}: not a readable Parquet file ({e})") from None
-        return self._file
+    def _parquet_file(self):
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(self.path, memory_map=True)
+        except Exception as e:  # noqa: BLE001  pyarrow raises several kinds on a bad file
+            raise ConfigError(f"{self.path}: not a readable Parquet file ({e})") from None
 
     def columns(self) -> list[str]:
         """The file's column names."""
-        return list(self._open().schema_arrow.names)
+        with self._open() as f:
+            return list(f.schema_arrow.names)
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -60,13 +75,23 @@ class ParquetRecords:
         """(row k as a dict of its columns, k)."""
         g = int(np.searchsorted(self.starts, k, "right")) - 1
         table = self._group(g)
+        if isinstance(table, str):
+            return {"__malformed__": table}, int(k)
         return table.slice(int(k - self.starts[g]), 1).to_pylist()[0], int(k)
 
     def _group(self, g: int):
         if g in self._groups:
             self._groups.move_to_end(g)
             return self._groups[g]
-        table = self._open().read_row_group(g, use_threads=False)
+        with self._open() as f:
+            size = f.metadata.row_group(g).total_byte_size  # (uncompressed, from the metadata)
+            if size > self.max_bytes:  # (the row group's reject, for each of its rows)
+                table = (
+                    f"row group {g} decompresses to {size} bytes > data.max_media_bytes="
+                    f"{self.max_bytes} (not read); raise it for rows of large inline media"
+                )
+            else:
+                table = f.read_row_group(g, use_threads=False)
         self._groups[g] = table
         while len(self._groups) > KEEP_GROUPS:
             self._groups.popitem(last=False)
@@ -79,10 +104,8 @@ class ParquetRecords:
         return f"{self.path.name}:{int(k)}"
 
     def close(self) -> None:
-        file = getattr(self, "_file", None)
-        if file is not None:
-            file.close()
-        self._file, self._groups = None, OrderedDict()
+        """Drops the cached row groups (the file itself is held in `handles.FILES`)."""
+        self._groups = OrderedDict()
 
     def __getstate__(self):
-        return {**self.__dict__, "_file": None, "_groups": OrderedDict()}
+        return {**self.__dict__, "_groups": OrderedDict()}

@@ -15,25 +15,41 @@ order they are stored, in place of any the json names. Other members are left ou
 sample is rejected (`media_too_large`; a json or caption that large: `malformed_line`).
 
 Opening reads the tar headers only (member offsets and sizes: Python's `tarfile`), which the
-index saves; record k is then a `seek` and a read per member, nothing extracted. Compressed
-shards (.tar.gz) cannot be read at random and are refused.
+index saves; record k is then a `seek` and a read per member, nothing extracted (`handles`:
+thousands of shards never hold more than a few dozen file handles). Compressed shards
+(.tar.gz) cannot be read at random and are refused. Hostile headers are bounded: names are
+held as their bytes (`columnar.Strings`), a pax or long-name header over MAX_HEADER_BYTES stops the scan
+naming the shard, and a member claiming more bytes than the shard holds is its sample's reject.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import tarfile
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
-from jaxmllm.config import ConfigError
+from jaxmllm.config import ConfigError, printable
 from jaxmllm.config.phases import KINDS
 from jaxmllm.data.columnar import Strings
+from jaxmllm.data.records.handles import pread
 from jaxmllm.data.rejects import MAX_MEDIA_BYTES
 
 RECORD, CAPTION = ("json",), ("txt", "text", "caption")
+# Bytes of a pax or GNU long-name header (a member's long name, its extended attributes):
+# tarfile reads one whole before the member it describes; a longer one stops the scan, naming
+# the shard (real shards' names are file names: a few hundred bytes).
+MAX_HEADER_BYTES = 1 << 16
+LONG_HEADERS = (
+    tarfile.GNUTYPE_LONGNAME,
+    tarfile.GNUTYPE_LONGLINK,
+    tarfile.XHDTYPE,
+    tarfile.XGLTYPE,
+    tarfile.SOLARIS_XHDTYPE,
+)
 KIND_OF_FILE = {ext: k for k in KINDS for ext in k.files}  # "jpg" -> images, "mp4" -> videos
 
 
@@ -72,10 +88,12 @@ class TarRecords:
             scan, self.ignored = scan_tar(self.path)
         self.ptr, self.offset, self.size = scan["ptr"], scan["offset"], scan["size"]
         self.keys, self.exts = scan["keys"], scan["exts"]  # `Strings`: names of any length
-        self._file = None
+        self.end = int(scan["end"][0]) if "end" in scan else None  # the shard's bytes, scanned
 
     def scan(self) -> dict:
-        return {k: getattr(self, k) for k in ("ptr", "offset", "size", "keys", "exts")}
+        keys = ("ptr", "offset", "size", "keys", "exts")
+        out = {k: getattr(self, k) for k in keys}
+        return out if self.end is None else {**out, "end": np.asarray([self.end], np.int64)}
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -83,15 +101,17 @@ class TarRecords:
     def raw(self, k: int) -> tuple[object, int]:
         """(the sample as a record: its json's fields, its media members as {"bytes", "path"}
         entries, its caption as `text`; k)."""
-        if self._file is None:
-            self._file = open(self.path, "rb")  # noqa: SIM115  (closed by close(): `Records`)
         key = str(self.keys[k])
         record: dict = {}
         caption = None
         media: dict[str, list] = {kind.name: [] for kind in KINDS}
         for m in range(int(self.ptr[k]), int(self.ptr[k + 1])):
-            ext = str(self.exts[m])
+            ext = self.exts[m]
             what = role(ext)
+            if self.end is not None and int(self.offset[m]) + int(self.size[m]) > self.end:
+                claim = f"{key}.{ext}: its header claims {int(self.size[m])} bytes, past the "
+                claim += f"end of the shard ({self.end} bytes): a truncated or corrupt shard"
+                return {"__malformed__": claim}, int(k)
             if int(self.size[m]) > self.max_bytes:  # (its size from the header: nothing read)
                 too_large = f"{key}.{ext}: {int(self.size[m])} bytes > data.max_media_bytes"
                 if what in ("record", "caption"):
@@ -100,8 +120,7 @@ class TarRecords:
                     {"missing": f"{key}.{ext}", "reason": "media_too_large", "detail": too_large}
                 )
                 continue
-            self._file.seek(int(self.offset[m]))
-            data = self._file.read(int(self.size[m]))
+            data = pread(self.path, int(self.offset[m]), int(self.size[m]))
             if what == "record":
                 record = _json(data, f"{key}.{ext}")
             elif what == "caption":
@@ -126,15 +145,25 @@ class TarRecords:
         return f"{self.path.name} sample {self.keys[k]}"
 
     def fallback_id(self, k: int) -> str:
-        return str(self.keys[k]).rpartition("/")[2]
+        return self.keys[k].rpartition("/")[2]
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Nothing to close: members are read through the process's bounded table of open
+        files (`handles`)."""
 
-    def __getstate__(self):
-        return {**self.__dict__, "_file": None}
+
+class HeaderTooLarge(Exception):
+    """A pax or GNU long-name header over MAX_HEADER_BYTES (raised before it is read)."""
+
+
+class BoundedTarInfo(tarfile.TarInfo):
+    """tarfile's member header, refusing a pax or long-name header over MAX_HEADER_BYTES
+    before reading it (tarfile reads such a header whole, whatever size it claims)."""
+
+    def _proc_member(self, tarfile_):
+        if self.type in LONG_HEADERS and self.size > MAX_HEADER_BYTES:
+            raise HeaderTooLarge(f"{self.size} bytes at byte {self.offset}")
+        return super()._proc_member(tarfile_)
 
 
 def _json(data: bytes, name: str) -> dict:
@@ -147,24 +176,43 @@ def _json(data: bytes, name: str) -> dict:
 
 def scan_tar(path: Path) -> tuple[dict, dict[str, int]]:
     """(The members of a shard (their data's offset and size) grouped into samples by key,
-    the names as `Strings`; the members left out, by extension)."""
+    the names as `Strings`; the members left out, by extension).
+
+    A pax or long-name header over MAX_HEADER_BYTES, or a header tarfile cannot read, stops
+    with the shard and the place; a member whose claimed size runs past the end of the file
+    ends the scan (its sample is then rejected when read: nothing after it is a member)."""
+    end = os.path.getsize(path)
     try:
-        tar = tarfile.open(path, "r:")  # (uncompressed only: members are read at random)
+        tar = tarfile.open(path, "r:", tarinfo=BoundedTarInfo)  # (uncompressed only: random reads)
     except tarfile.ReadError as e:
         raise ConfigError(
             f"{path}: not an uncompressed tar file ({e}); WebDataset shards are read at random, "
             "which a compressed shard does not allow: decompress it (gunzip)"
         ) from None
+    except HeaderTooLarge as e:
+        raise ConfigError(_too_large(path, e)) from None
     ptr, offset, size, keys, exts = [0], [], [], [], []
     ignored: Counter[str] = Counter()
     with tar:
-        for member in tar:
+        while True:
+            try:
+                member = tar.next()
+            except HeaderTooLarge as e:
+                raise ConfigError(_too_large(path, e)) from None
+            except tarfile.TarError as e:
+                raise ConfigError(
+                    f"{path}: unreadable tar header after byte {tar.offset} ({e}); the shard is "
+                    "corrupt or truncated: write it again (or leave it out of data.path)"
+                ) from None
+            if member is None:
+                break
+            tar.members.clear()  # (tarfile keeps every header read; the arrays below suffice)
             base = member.name.rpartition("/")[2]
             if not member.isfile() or base.startswith("."):
                 continue
             key, ext = split_key(member.name)
             if role(ext) is None:
-                ignored[ext.rpartition(".")[2] or "(none)"] += 1
+                ignored[printable(ext.rpartition(".")[2]) or "(none)"] += 1  # (reported)
                 continue
             if not keys or keys[-1] != key:
                 keys.append(key)
@@ -173,11 +221,22 @@ def scan_tar(path: Path) -> tuple[dict, dict[str, int]]:
             offset.append(member.offset_data)
             size.append(member.size)
             exts.append(ext)
+            if member.offset_data + member.size > end:
+                break  # (the rest of the file is inside it; reading it rejects its sample)
     found = {
         "ptr": np.asarray(ptr, np.int64),
         "offset": np.asarray(offset, np.int64),
         "size": np.asarray(size, np.int64),
         "keys": Strings.of(keys),
         "exts": Strings.of(exts),
+        "end": np.asarray([end], np.int64),
     }
     return found, dict(ignored)
+
+
+def _too_large(path: Path, e: HeaderTooLarge) -> str:
+    return (
+        f"{path}: a pax or GNU long-name tar header of {e} (a member's name or attributes) is "
+        f"over {MAX_HEADER_BYTES} bytes, the most a WebDataset member name may take; rename "
+        "the members (a key is a file name) and write the shard again"
+    )

@@ -91,6 +91,9 @@ def directory_sha256(directory: str, template_date: str) -> str:
     return h.hexdigest()
 
 
+MAX_TOKENIZER_BYTES = 48 << 20  # a tokenizer.json's size (Gemma 3's, among the largest: 33 MB)
+
+
 class PretrainedTokenizer:
     """The tokenizer of a HuggingFace checkpoint directory (see the module docstring).
 
@@ -115,6 +118,14 @@ class PretrainedTokenizer:
                 "needs tokenizer.json and tokenizer_config.json (nothing is downloaded)"
             )
         config = _read_json(root / "tokenizer_config.json", required=True)
+        size = (root / "tokenizer.json").stat().st_size
+        if size > MAX_TOKENIZER_BYTES:  # (each process holds it parsed: about 20x the file)
+            raise ConfigError(
+                f"data.tokenizer: {root / 'tokenizer.json'} is {size} bytes, over the "
+                f"{MAX_TOKENIZER_BYTES} a tokenizer may take (the largest released ones are tens "
+                "of MB; loaded, about 20 times the file in every worker): not a "
+                "tokenizer jaxmllm loads; point data.tokenizer at the model's own"
+            )
         try:
             self._tk = Tokenizer.from_file(str(root / "tokenizer.json"))
         except Exception as e:

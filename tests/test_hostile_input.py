@@ -1,0 +1,439 @@
+"""Hostile input, the classes of issue 40 on the data and import side: each built in tmp_path,
+in several instances, and its outcome asserted (a counted reject naming the record, or an
+error naming the file and the limit to change), within a time backstop.
+
+Classes: record ids and member names that would act on the terminal; progressive JPEGs whose
+scans make decoding cost minutes; WebDataset member names of any length; thousands of data
+files open at once; HF checkpoint directories whose config claims what their tensors do not
+hold; a JSON list, a Parquet row group or a tar header claiming more than the caps allow.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import resource
+import shutil
+import tarfile
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+from test_hostile import config, index, png, write_manifest
+
+from jaxmllm.config import ConfigError, printable
+from jaxmllm.data.index import report
+from jaxmllm.data.media.image import jpeg_scans
+from jaxmllm.data.preprocess import Images, Params, Preprocessor
+from jaxmllm.data.records import jsonl, open_records
+from jaxmllm.data.records.handles import FILES, MAX_OPEN, pread
+from jaxmllm.data.records.jsonarray import scan_array
+from jaxmllm.data.records.jsonl import JsonRecords
+from jaxmllm.data.records.webdataset import MAX_HEADER_BYTES, TarRecords, scan_tar
+from jaxmllm.data.rejects import RecordError, read_rejects
+from jaxmllm.data.text.pretrained import MAX_TOKENIZER_BYTES, PretrainedTokenizer
+from jaxmllm.hf.family import FamilyError
+from jaxmllm.hf.importer import write_config
+from jaxmllm.hf.safetensors import CheckpointError
+
+# ----------------------------------------------------------------------------- the terminal
+
+HOSTILE_NAMES = [
+    "fake\n  rejected, by reason: none",  # a forged summary line
+    "\x1b[8mconcealed\x1b[0m",  # SGR conceal
+    "\x1b]0;pwned title\x07",  # the window's title (OSC)
+    "\x1b[2J\x1b[H",  # clear the screen
+    "\x9b2J",  # C1 CSI on its own
+    "abc\u202egnp.exe",  # a bidirectional override
+    "tab\there\rcarriage",
+]
+
+
+def controls(text: str) -> list[str]:
+    """The characters of `text` that act on a terminal (newlines aside)."""
+    return [c for c in text if c != "\n" and printable(c) != c]
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES)
+def test_printable_escapes_what_acts_on_a_terminal(name):
+    out = printable(name)
+    assert "\n" not in out and not controls(out)
+    assert printable("café 東京 😀 plain-id_1.jpg") == "café 東京 😀 plain-id_1.jpg"
+
+
+def test_record_ids_and_names_reach_the_terminal_escaped(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    png(data / "ok.png")
+    records = [
+        {"id": name, "text": "<image> hi", "images": [f"{name}.png"]} for name in HOSTILE_NAMES
+    ]
+    records.append({"id": "good", "text": "<image> fine", "images": ["ok.png"]})
+    summary, rejects = index(write_manifest(data / "m.jsonl", records))
+    assert summary["rejected"] == len(HOSTILE_NAMES)
+    lines = report(summary)
+    for line in lines:
+        assert not controls(line), line
+    assert not any("\n" in line for line in lines)
+    assert not any(line.lstrip().startswith("rejected, by reason: none") for line in lines)
+    for r in rejects.values():  # each named, escaped, in the log and in its message
+        assert r["reason"] == "missing_media" and not controls(r["id"] + r["detail"])
+        assert "\n" not in r["id"] + r["detail"]
+    err = RecordError("missing_media", "\x1b[2Jx.png", "\x1b]0;t\x07")
+    assert not controls(str(err)) and "\\x1b" in str(err)
+
+
+def test_webdataset_member_names_reach_the_terminal_escaped(tmp_path):
+    shard = tmp_path / "s.tar"
+    with tarfile.open(shard, "w") as tar:
+        for i, name in enumerate(HOSTILE_NAMES):
+            body = b"not json {"
+            info = tarfile.TarInfo(f"{name.replace('/', '_')}{i}.json")
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+            odd = tarfile.TarInfo(f"k{i}.\x1b[2J{i}")  # an extension nobody reads, reported
+            odd.size = 1
+            tar.addfile(odd, io.BytesIO(b"x"))
+    summary, rejects = index(shard, "data.source=files", "data.format=webdataset")
+    assert summary["rejected"] == len(HOSTILE_NAMES)
+    for line in report(summary):
+        assert not controls(line), line
+    assert all(not controls(r["id"] + r["detail"] + r["where"]) for r in rejects.values())
+
+
+# ----------------------------------------------------------------------------- decoding time
+
+
+def progressive_jpeg(w: int, h: int, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    base = np.linspace(0, 255, w * h * 3).reshape(h, w, 3) + rng.normal(0, 8, (h, w, 3))
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(base, 0, 255).astype(np.uint8)).save(
+        buf, "JPEG", progressive=True, quality=90
+    )
+    return buf.getvalue()
+
+
+def repeated_scans(jpeg: bytes, copies: int) -> bytes:
+    """`jpeg` with its last scan repeated `copies` times: a valid stream (libjpeg warns, then
+    decodes every scan over the whole image), as the probe's 528 KB file was."""
+    last = jpeg.rfind(b"\xff\xda")
+    return jpeg[:-2] + jpeg[last:-2] * copies + b"\xff\xd9"
+
+
+@pytest.mark.parametrize(("w", "h", "copies"), [(640, 480, 3000), (96, 1200, 400), (256, 256, 120)])
+def test_a_jpeg_of_repeated_scans_is_refused_before_decoding(tmp_path, w, h, copies):
+    good = progressive_jpeg(w, h)
+    (tmp_path / "ok.jpg").write_bytes(good)
+    (tmp_path / "bomb.jpg").write_bytes(repeated_scans(good, copies))
+    comment = b"\xff\xfe\x00\x10" + b"\xff\xda" * 6 + b"\x00\x00"  # SOS bytes in a COM segment
+    (tmp_path / "com.jpg").write_bytes(good[:2] + comment * 200 + good[2:])
+    records = [
+        {"id": name, "text": "<image> x", "images": [f"{name}.jpg"]}
+        for name in ("ok", "bomb", "com")
+    ]
+    start = time.monotonic()
+    summary, rejects = index(write_manifest(tmp_path / "m.jsonl", records))
+    assert time.monotonic() - start < 20  # (decoding the bomb alone would take far longer)
+    assert summary["accepted"] == 2 and set(rejects) == {"bomb"}
+    assert rejects["bomb"]["reason"] == "image_too_costly"
+    assert "data.max_image_scans=100" in rejects["bomb"]["detail"]
+    cfg = config(tmp_path / "m.jsonl", "data.max_image_scans=5")  # (Pillow writes 10)
+    pre = Preprocessor(Params.from_config(cfg))
+    with pytest.raises(RecordError, match="image_too_costly"):
+        Images().read_size(pre, str(tmp_path / "ok.jpg"), "ok")
+    assert jpeg_scans(good, 1000) == 10 and jpeg_scans(repeated_scans(good, 7), 1000) == 17
+
+
+# ----------------------------------------------------------------------------- tar shards
+
+
+def add(tar: tarfile.TarFile, name: str, body: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(body)
+    tar.addfile(info, io.BytesIO(body))
+
+
+def shard(path: Path, names: list[str], fmt: int = tarfile.PAX_FORMAT) -> Path:
+    with tarfile.open(path, "w", format=fmt) as tar:
+        for i, name in enumerate(names):
+            add(tar, f"{name}.json", json.dumps({"text": f"caption {i}"}).encode())
+    return path
+
+
+@pytest.mark.parametrize(
+    ("length", "members", "fmt"),
+    [(100_000, 3000, tarfile.PAX_FORMAT), (1_000_000, 200, tarfile.GNU_FORMAT)],
+)
+def test_a_member_name_over_the_header_cap_stops_naming_the_shard(tmp_path, length, members, fmt):
+    names = [f"k{i:05d}" for i in range(members)]
+    names[members // 2] = "x" * length
+    path = shard(tmp_path / "long.tar", names, fmt)
+    tracemalloc.start()
+    with pytest.raises(ConfigError, match=f"long.tar: .* over {MAX_HEADER_BYTES} bytes"):
+        scan_tar(path)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 16 << 20  # (the name is never read: the header's size is checked first)
+
+
+def test_long_member_names_under_the_cap_cost_their_bytes_once(tmp_path):
+    names = [f"k{i:05d}" for i in range(3000)]
+    names[7] = "y" * 60_000  # (under MAX_HEADER_BYTES: a valid, if odd, key)
+    names[2000] = "\u6771" * 9_000  # (three bytes a character)
+    path = shard(tmp_path / "odd.tar", names)
+    scan = scan_tar(path)
+    held = sum(a.nbytes for a in scan.values())
+    assert held < 2 * sum(len(n.encode()) + 5 for n in names) + (1 << 16)  # (not 3000 x widest)
+    records = TarRecords(path, scan)
+    assert len(records) == 3000 and records.keys[7] == names[7]
+    assert (
+        records.raw(2000)[0]["text"] == "caption 2000" and records.fallback_id(2000) == names[2000]
+    )
+    again = TarRecords(path, dict(np.load(save(tmp_path, scan))))  # (the index's scan.npz)
+    assert again.keys[2000] == names[2000] and again.exts[0] == "json"
+
+
+def save(tmp_path: Path, scan: dict) -> Path:
+    np.savez(tmp_path / "scan.npz", **scan)
+    return tmp_path / "scan.npz"
+
+
+@pytest.mark.parametrize("claimed", [500 << 20, 1 << 33, 1 << 60])
+def test_a_member_claiming_more_bytes_than_the_shard_is_a_counted_reject(tmp_path, claimed):
+    path = tmp_path / "bad.tar"
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for i in range(3):
+            add(tar, f"good{i}.json", json.dumps({"text": f"caption {i}"}).encode())
+        info = tarfile.TarInfo("liar.json")
+        info.size = claimed
+        tar.fileobj.write(info.tobuf(tarfile.GNU_FORMAT))  # (a header, then almost nothing)
+        tar.fileobj.write(b'{"text": "short"}'.ljust(512, b" "))
+        tar.offset += 1024
+        tar.members.append(info)  # (so close() does not pad after it)
+    start = time.monotonic()
+    summary, rejects = index(path, "data.source=files", "data.format=webdataset")
+    assert time.monotonic() - start < 20
+    assert summary["accepted"] == 3 and len(rejects) == 1
+    (liar,) = rejects.values()  # (named by its shard and key, and the member in the detail)
+    assert liar["reason"] == "malformed_line" and liar["where"] == "bad.tar sample liar"
+    assert f"liar.json: its header claims {claimed} bytes, past the end of" in liar["detail"]
+    garbage = tmp_path / "garbage.tar"  # (a long-name header whose member header is garbage)
+    garbage.write_bytes(path.read_bytes()[:1536] + b"\x00" * 100 + b"\x17" * 412 + b"\0" * 1024)
+    scan_tar(garbage)  # (a bad header after good ones: tarfile ends there, as GNU tar warns)
+
+
+# ----------------------------------------------------------------------------- many files
+
+
+@pytest.fixture
+def few_handles():
+    """The process's open-file limit lowered to 256 (far below the files read) for a test."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+    yield
+    FILES.close_all()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "webdataset", "parquet"])
+def test_thousands_of_data_files_never_exhaust_the_handles(tmp_path, few_handles, fmt):
+    data = tmp_path / "data"
+    data.mkdir()
+    n = 1200 if fmt == "jsonl" else 400  # (each over the limit of 256)
+    for i in range(n):
+        record = {"id": f"r{i}", "text": f"caption {i}"}
+        if fmt == "jsonl":
+            write_manifest(data / f"{i:05d}.jsonl", [record])
+        elif fmt == "webdataset":
+            with tarfile.open(data / f"{i:05d}.tar", "w") as tar:
+                add(tar, f"r{i}.json", json.dumps(record).encode())
+        else:
+            pq.write_table(pa.Table.from_pylist([record]), data / f"{i:05d}.parquet")
+    extra = [] if fmt == "jsonl" else ["data.source=files", f"data.format={fmt}"]
+    records = open_records(data, "auto" if fmt == "jsonl" else fmt)
+    texts = [records.raw(k)[0]["text"] for k in range(len(records))] * 2  # (twice: reopened)
+    assert texts[:n] == [f"caption {i}" for i in range(n)]
+    assert len(FILES) <= MAX_OPEN
+    summary, rejects = index(data, *extra)
+    assert summary["accepted"] == n and not rejects
+
+
+def test_a_parquet_row_group_over_the_cap_is_rejected_unread(tmp_path):
+    path = tmp_path / "bomb.parquet"
+    rows = [{"id": f"r{i}", "text": "x" * (4 << 20)} for i in range(8)]  # 32 MB of one letter
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=4, compression="zstd")
+    pq.write_table(pa.Table.from_pylist([{"id": "ok", "text": "fine"}]), tmp_path / "ok.parquet")
+    assert path.stat().st_size < 64 << 10
+    settings = ["data.source=files", "data.format=parquet", f"data.max_media_bytes={4 << 20}"]
+    before = pa.total_allocated_bytes()
+    summary, rejects = index(tmp_path, *settings)
+    assert pa.total_allocated_bytes() - before < 4 << 20
+    assert summary["accepted"] == 1 and len(rejects) == 8
+    for r in rejects.values():
+        assert r["reason"] == "malformed_line" and "data.max_media_bytes=4194304" in r["detail"]
+        assert r["where"].startswith("bomb.parquet row ")
+
+
+# ----------------------------------------------------------------------------- hf import
+
+
+def claim(directory: str, key: str, value, file: str = "config.json") -> None:
+    """Sets `key` (dotted for a nested section) of `directory`'s JSON `file`."""
+    path = Path(directory) / file
+    data = json.loads(path.read_text()) if path.exists() else {}
+    *outer, last = key.split(".")
+    node = data
+    for part in outer:
+        node = node.setdefault(part, {})
+    node[last] = value
+    path.write_text(json.dumps(data))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    import hf_models
+
+    root = tmp_path_factory.mktemp("hf")
+    return hf_models.qwen2(root / "llm", tied=True), hf_models.siglip(root / "vision")
+
+
+def fresh(checkpoints, tmp_path) -> tuple[str, str]:
+    """Copies of the module's checkpoints, to damage."""
+    return tuple(str(shutil.copytree(d, tmp_path / Path(d).name)) for d in checkpoints)
+
+
+@pytest.mark.parametrize(
+    ("role", "key", "claimed", "held"),
+    [("llm", "num_hidden_layers", 1000, 2), ("llm", "num_hidden_layers", 3, 2),
+     ("vision", "num_hidden_layers", 40, 2)],
+)  # fmt: skip
+def test_import_refuses_more_layers_than_the_tensors_hold(
+    checkpoints, tmp_path, role, key, claimed, held
+):
+    llm, vision = fresh(checkpoints, tmp_path)
+    claim(llm if role == "llm" else vision, key, claimed)
+    start = time.monotonic()
+    with pytest.raises(FamilyError, match=f"config.json says {claimed} layers \\('{key}'\\)"):
+        write_config(tmp_path / "run.yaml", llm, vision)
+    assert time.monotonic() - start < 30  # (the model is never built)
+    assert not (tmp_path / "run.yaml").exists()
+    write_config(tmp_path / "ok.yaml", *checkpoints)  # (the whole checkpoints import)
+
+
+def test_import_refuses_a_pickle_only_checkpoint(checkpoints, tmp_path):
+    llm, _ = fresh(checkpoints, tmp_path)
+    (Path(llm) / "model.safetensors").unlink()
+    (Path(llm) / "pytorch_model.bin").write_bytes(b"\x80\x04 never unpickled")
+    with pytest.raises(CheckpointError, match="pytorch_model.bin .* never loads.*save_pretrained"):
+        write_config(tmp_path / "run.yaml", llm)
+    assert not (tmp_path / "run.yaml").exists()
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("min_pixels", 1e30), ("min_pixels", "lots"), ("max_pixels", float("nan")),
+     ("min_pixels", True), ("max_pixels", -4), ("image_mean", ["a", 0.5, 0.5])],
+)  # fmt: skip
+def test_import_refuses_a_damaged_processor_file(checkpoints, tmp_path, key, value):
+    llm, vision = fresh(checkpoints, tmp_path)
+    claim(vision, "min_pixels", 3136, "preprocessor_config.json")
+    claim(vision, "max_pixels", 12845056, "preprocessor_config.json")
+    claim(vision, "image_std", [0.5, 0.5, 0.5], "preprocessor_config.json")
+    claim(vision, "image_mean", [0.5, 0.5, 0.5], "preprocessor_config.json")
+    write_config(tmp_path / "ok.yaml", llm, vision)
+    claim(vision, key, value, "preprocessor_config.json")
+    with pytest.raises(FamilyError, match=f"preprocessor_config.json: {key} is "):
+        write_config(tmp_path / "run.yaml", llm, vision)
+
+
+def test_an_oversized_tokenizer_is_refused_naming_the_limit(tmp_path):
+    with open(tmp_path / "tokenizer.json", "wb") as f:  # (sparse: no disk, the size claimed)
+        f.truncate(MAX_TOKENIZER_BYTES + 1)
+    claim(str(tmp_path), "model_max_length", 64, "tokenizer_config.json")
+    tracemalloc.start()
+    with pytest.raises(ConfigError, match=f"over the {MAX_TOKENIZER_BYTES} a tokenizer may take"):
+        PretrainedTokenizer(tmp_path)
+    assert tracemalloc.get_traced_memory()[1] < 16 << 20
+    tracemalloc.stop()
+
+
+# ----------------------------------------------------------------------------- JSON lists
+
+
+TRICKY = [
+    {"id": "a", "text": 'brackets in text: ] } [ { and "quotes" \\" \\\\'},
+    {"id": "b", "messages": [{"role": "user", "content": "x\\\\"}, {"role": "assistant",
+     "content": "é 😀 東京 \u2028 ]"}]},
+    {"id": "c", "text": "", "nested": [[[{"deep": [1, 2, {"k": "]"}]}]]]},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_a_json_list_is_scanned_without_parsing_it_whole(tmp_path, indent):
+    path = tmp_path / "list.json"
+    path.write_text(json.dumps(TRICKY * 3, ensure_ascii=False, indent=indent))
+    scan = scan_array(path)
+    data = path.read_bytes()
+    got = [json.loads(data[a:b]) for a, b in zip(scan["starts"], scan["ends"], strict=True)]
+    assert got == TRICKY * 3
+    emoji = tmp_path / "emoji.json"  # (~24 MB of 4-byte characters: was parsed whole as text)
+    emoji.write_text(json.dumps([{"id": str(i), "text": "😀" * 6000} for i in range(1000)]))
+    tracemalloc.start()
+    assert len(scan_array(emoji)["starts"]) == 1000
+    assert tracemalloc.get_traced_memory()[1] < 4 << 20
+    tracemalloc.stop()
+
+
+def test_an_element_over_the_cap_is_never_read(tmp_path, monkeypatch):
+    path = tmp_path / "big.json"
+    records = [{"id": "ok1", "text": "fine"}, {"id": "huge", "text": "z" * (24 << 20)}]
+    path.write_text(json.dumps([*records, {"id": "ok2", "text": "fine"}, "not an object"]))
+    reads = []
+    spy = lambda path, offset, size: reads.append(size) or pread(path, offset, size)  # noqa: E731
+    with monkeypatch.context() as patch:
+        patch.setattr(jsonl, "pread", spy)
+        reader = JsonRecords(path, array=True, max_bytes=1 << 20)
+        assert "__malformed__" in reader.raw(1)[0] and reader.raw(2)[0]["id"] == "ok2"
+    assert max(reads) < 1 << 10  # (the 24 MB element: never read)
+    summary, _ = index(path, "data.source=files", f"data.max_media_bytes={1 << 20}")
+    rejects = read_rejects(f"{path}.index/rejects.jsonl")  # (all on line 1: listed, not keyed)
+    assert summary["accepted"] == 2 and summary["rejected"] == len(rejects) == 2
+    assert all(r["reason"] == "malformed_line" for r in rejects)
+    assert any("data.max_media_bytes=1048576" in r["detail"] for r in rejects)
+    path.write_text(json.dumps(records)[:-40])  # (breaks off inside the long element)
+    with pytest.raises(ConfigError, match=r"big.json: not valid JSON at line 1 column \d+"):
+        scan_array(path)
+
+
+def test_a_child_forked_while_a_thread_reads_does_not_hang(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"id": "a", "text": "hello"}\n')
+    held = threading.Event()
+
+    def hold():
+        with FILES.use("held", lambda: None, lambda _: None):
+            held.set()
+            time.sleep(1.0)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:  # (the child: a read with the parent's lock held by a thread it lacks)
+        os._exit(0 if pread(path, 0, 5) == b'{"id"' else 1)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    thread.join()
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
