@@ -18,8 +18,9 @@ Opening reads the tar headers only (member offsets and sizes: Python's `tarfile`
 index saves; record k is then a `seek` and a read per member, nothing extracted (`handles`:
 thousands of shards never hold more than a few dozen file handles). Compressed shards
 (.tar.gz) cannot be read at random and are refused. Hostile headers are bounded: names are
-held as their bytes (`columnar.Strings`), a pax or long-name header over MAX_HEADER_BYTES stops the scan
-naming the shard, and a member claiming more bytes than the shard holds is its sample's reject.
+held as their bytes (`columnar.Strings`), a pax or long-name header over MAX_HEADER_BYTES stops
+the scan naming the shard, and a member claiming more bytes than the shard holds is its
+sample's reject.
 """
 
 from __future__ import annotations
