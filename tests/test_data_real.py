@@ -170,7 +170,7 @@ def test_decoded_shapes_orientation_and_audio_chunks(data):
 
 def test_loading_some_media_decodes_only_those(data, monkeypatch):
     """On several hosts each decodes only the images / clips its devices encode."""
-    import jaxmllm.data.preprocess as pre
+    import jaxmllm.data.media.kinds as pre
 
     src = open_source(data["cfg"])
     by_id = {src.rows[i]["id"]: i for i in range(len(src))}

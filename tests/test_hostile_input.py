@@ -29,9 +29,11 @@ from PIL import Image
 from test_hostile import config, index, png, write_manifest
 
 from jaxmllm.config import ConfigError, printable
+from jaxmllm.data.columnar import Strings
 from jaxmllm.data.index import report
 from jaxmllm.data.media.image import jpeg_scans
-from jaxmllm.data.preprocess import Images, Params, Preprocessor
+from jaxmllm.data.media.kinds import Images
+from jaxmllm.data.preprocess import Params, Preprocessor
 from jaxmllm.data.records import jsonl, open_records
 from jaxmllm.data.records.handles import FILES, MAX_OPEN, pread
 from jaxmllm.data.records.jsonarray import scan_array
@@ -189,8 +191,11 @@ def test_long_member_names_under_the_cap_cost_their_bytes_once(tmp_path):
     names[7] = "y" * 60_000  # (under MAX_HEADER_BYTES: a valid, if odd, key)
     names[2000] = "\u6771" * 9_000  # (three bytes a character)
     path = shard(tmp_path / "odd.tar", names)
-    scan = scan_tar(path)
-    held = sum(a.nbytes for a in scan.values())
+    scan, _ = scan_tar(path)
+    held = sum(
+        a.offsets.nbytes + a.data.nbytes if isinstance(a, Strings) else a.nbytes
+        for a in scan.values()
+    )
     assert held < 2 * sum(len(n.encode()) + 5 for n in names) + (1 << 16)  # (not 3000 x widest)
     records = TarRecords(path, scan)
     assert len(records) == 3000 and records.keys[7] == names[7]

@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-from runs import ROOT, child_env, logged_step, train_cmd
 
 from jaxmllm import train
 from jaxmllm.config import load_config
 from jaxmllm.data import shared
+from runs import ROOT, child_env, logged_step, train_cmd
 
 
 def _children(pid: int) -> list[int]:
