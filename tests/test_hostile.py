@@ -364,37 +364,37 @@ def test_decoding_memory_follows_the_target_rate_not_the_file(tmp_path):
 
 
 def test_an_exception_on_one_record_is_its_reject(tmp_path, monkeypatch):
-    from jaxmllm.data import preprocess
+    from jaxmllm.data.media import kinds
 
     png(tmp_path / "a.png")
     png(tmp_path / "boom.png")
     records = [{"id": f"r{k}", "text": "<image> x", "images": ["a.png"]} for k in range(3)]
     records.insert(1, {"id": "boom", "text": "<image> x", "images": ["boom.png"]})
     manifest = write_manifest(tmp_path / "m.jsonl", records)
-    real = preprocess.read_size
+    real = kinds.read_size
 
     def read_size(src, *args, **kwargs):
         if Path(src).name == "boom.png":
             raise MemoryError("out of memory while reading the header")
         return real(src, *args, **kwargs)
 
-    monkeypatch.setattr(preprocess, "read_size", read_size)
+    monkeypatch.setattr(kinds, "read_size", read_size)
     summary, rejects = index(manifest)  # (in-process: the patch applies)
     assert summary["accepted"] == 3 and rejects["boom"]["reason"] == "record_failed"
     assert "MemoryError" in rejects["boom"]["detail"]
-    monkeypatch.setattr(preprocess, "read_size", real)
+    monkeypatch.setattr(kinds, "read_size", real)
     # At load time: the loader counts it, names the record, and loads the others.
     cfg = config(manifest, f"data.index_dir={manifest}.index",
                  f"train.output_dir={tmp_path / 'run'}")  # fmt: skip
     source = open_source(cfg)
-    real_load = preprocess.load_image
+    real_load = kinds.load_image
 
     def load_image(src, *args, **kwargs):
         if "r2" in args:  # (the record id)
             raise MemoryError("out of memory while decoding")
         return real_load(src, *args, **kwargs)
 
-    monkeypatch.setattr(preprocess, "load_image", load_image)
+    monkeypatch.setattr(kinds, "load_image", load_image)
     got = Loader(cfg, source).load(np.arange(3), step=0)  # rows: r0, r1, r2 (boom: rejected)
     assert [s is None for s in got.values()] == [False, False, True]
     logged = read_rejects(tmp_path / "run" / "rejects.jsonl")
