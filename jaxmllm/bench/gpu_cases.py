@@ -25,6 +25,7 @@ PER_GPU = [
     "batch.microbatches=2",
     "batch.devices_per_host=-1",
     "data.source=synthetic",
+    "data.path=",  # (the recipe names its data file; the built-in data refuses one)
     "data.tokenizer=byte",
     "data.workers=8",
     "data.synthetic.min_image_side=16",
