@@ -229,13 +229,8 @@ def _scan(head: Head, weight, h_cdnw, targets_cdn, mask_cdn, want_w, want_h, voc
             dw = dw + head.weight_grad(h_g, g)
         return (total, dw), dh
 
-    init = (varying_zeros((), h_cdnw), varying_zeros(weight.shape if want_w else (), h_cdnw, w))
+    zeros = lambda shape: jnp.zeros(shape, jnp.float32)  # noqa: E731
+    # (the carries start as varying as the sums the body adds to them: a pipeline stage's)
+    init = varying_as((zeros(()), zeros(weight.shape if want_w else ())), h_cdnw, w)
     (total, dw), dh = jax.lax.scan(one, init, (h_cdnw, targets_cdn, mask_cdn))
     return total, (dw if want_w else None), dh
-
-
-def varying_zeros(shape: tuple[int, ...], *inputs: jax.Array) -> jax.Array:
-    """fp32 zeros varying over the manual mesh axes its inputs vary over: a scan's carry must
-    start as varying as the sums its body adds to it (inside the pipeline's shard_map over the
-    stages)."""
-    return varying_as(jnp.zeros(shape, jnp.float32), *inputs)
