@@ -92,6 +92,31 @@ def test_record_ids_and_names_reach_the_terminal_escaped(tmp_path):
     assert not controls(str(err)) and "\\x1b" in str(err)
 
 
+
+def test_the_index_commands_error_lines_are_escaped(tmp_path, capsys):
+    """`python -m jaxmllm.data.index` refusing data: its `error:` line names the file or an
+    example record, and reaches the terminal escaped (a file that is not there, named with
+    escape codes and a newline; a data set whose every record is rejected)."""
+    from test_hostile import SETTINGS
+
+    from jaxmllm.data.index import main
+
+    missing = tmp_path / "gone\x1b]0;pwned title\x07\n  rejected, by reason: none.jsonl"
+    assert main(["--config", "configs/tiny.yaml", "--manifest", str(missing)]) == 2
+    data = tmp_path / "data"
+    data.mkdir()
+    records = [{"id": name, "text": "<image> hi", "images": ["gone.png"]} for name in HOSTILE_NAMES]
+    manifest = write_manifest(data / "m.jsonl", records)
+    sets = [*SETTINGS, f"data.path={manifest}", "data.min_accept=0.5"]
+    argv = ["--config", "configs/tiny.yaml", "--out", str(tmp_path / "index")]
+    assert main([*argv, *[a for s in sets for a in ("--set", s)]]) == 1
+    out, err = capsys.readouterr()
+    assert err.count("error:") == 2 and "gone" in err and "missing_media" in err
+    for line in (out + err).splitlines():
+        assert not controls(line), line
+        assert not line.lstrip().startswith("rejected, by reason: none"), line
+
+
 def test_webdataset_member_names_reach_the_terminal_escaped(tmp_path):
     shard = tmp_path / "s.tar"
     with tarfile.open(shard, "w") as tar:

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmllm.config import Config, ConfigError, load_config
+from jaxmllm.config import Config, ConfigError, load_config, printable
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.config.sections import files_format
 from jaxmllm.data.columnar import publish, remove_stale, staging
@@ -293,7 +293,7 @@ def report(summary: dict) -> list[str]:
     each), where it was written."""
     how = f"auto: {summary['detected']}" if summary.get("detected") else "data.format"
     lines = [
-        f"{summary['data']}: {summary['format']} ({how})",
+        printable(f"{summary['data']}: {summary['format']} ({how})"),
         f"  {summary['records']} records: {summary['accepted']} accepted, "
         f"{summary['rejected']} rejected",
     ]
@@ -301,10 +301,10 @@ def report(summary: dict) -> list[str]:
         lines.append("  rejected, by reason (one example each):")
         for reason, n in summary["rejects"].items():
             ex = summary["examples"].get(reason, {})
-            example = f"{ex.get('id')} ({ex.get('where')}): {ex.get('detail')}"
+            example = printable(f"{ex.get('id')} ({ex.get('where')}): {ex.get('detail')}")
             lines += wrapped(f"    {reason:<22} {n:>7}  {example}", " " * 8)  # (whole)
     if summary.get("ignored_members"):
-        left = ", ".join(f".{k} ({v})" for k, v in summary["ignored_members"].items())
+        left = ", ".join(f".{printable(k)} ({v})" for k, v in summary["ignored_members"].items())
         lines.append(f"  left out of the shards (not a record, caption or known media): {left}")
     lines.append(f"  wrote {summary['index']}/: columns (.npy), summary.json, rejects.jsonl")
     return lines
@@ -365,10 +365,10 @@ def main(argv: list[str] | None = None) -> int:
             if problem:
                 failed.append(f"{ds.path}: {problem}")
     except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e, keep_lines=True)}", file=sys.stderr)
         return 2
     for message in failed:
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {printable(message)}", file=sys.stderr)
     if failed:
         return 1
     print("bucket sizes: batch.capacity: auto sizes the encoder buckets from it at start-up")

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxmllm.config import ConfigError
+from jaxmllm.config import ConfigError, printable
 from jaxmllm.config.sections import FORMATS as FORMAT_NAMES
 from jaxmllm.data.records.jsonarray import scan_array
 from jaxmllm.data.records.record import parse_record
@@ -67,7 +67,7 @@ def data_files(path: str | Path) -> list[Path]:
     if any(c in text for c in "*?["):
         files = sorted(Path(f) for f in glob.glob(text, recursive=True) if Path(f).is_file())
         if not files:
-            raise FileNotFoundError(f"no data file matches {text}")
+            raise FileNotFoundError(f"no data file matches {printable(text)}")
         return files
     path = Path(path)
     if path.is_dir():
@@ -81,10 +81,12 @@ def data_files(path: str | Path) -> list[Path]:
                 and not _hidden_or_index(f.relative_to(path))
             )
         if not files:
-            raise FileNotFoundError(f"{path} holds no data files ({', '.join(DATA_SUFFIXES)})")
+            raise FileNotFoundError(
+                f"{printable(path)} holds no data files ({', '.join(DATA_SUFFIXES)})"
+            )
         return files
     if not path.exists():
-        raise FileNotFoundError(f"no such data file: {path}")
+        raise FileNotFoundError(f"no such data file: {printable(path)}")
     return [path]
 
 
