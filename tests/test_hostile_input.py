@@ -179,6 +179,25 @@ def test_a_jpeg_of_repeated_scans_is_refused_before_decoding(tmp_path, w, h, cop
     assert jpeg_scans(good, 1000) == 10 and jpeg_scans(repeated_scans(good, 7), 1000) == 17
 
 
+
+@pytest.mark.parametrize(("w", "h", "copies"), [(640, 480, 50), (1200, 96, 80)])
+def test_a_jpeg_whose_scans_cost_more_than_its_pixels_allow_is_refused(tmp_path, w, h, copies):
+    """Fewer scans than data.max_image_scans, but scans x pixels over
+    data.max_image_scan_pixels: refused by that key before decoding; an ordinary progressive
+    JPEG of the same size (Pillow writes 10 scans) passes."""
+    good = progressive_jpeg(w, h)
+    (tmp_path / "ok.jpg").write_bytes(good)
+    (tmp_path / "slow.jpg").write_bytes(repeated_scans(good, copies))  # (10 + copies < 100)
+    budget = 20 * w * h  # (a dozen scans of this size pass)
+    records = [{"id": n, "text": "<image> x", "images": [f"{n}.jpg"]} for n in ("ok", "slow")]
+    manifest = write_manifest(tmp_path / "m.jsonl", records)
+    summary, rejects = index(manifest, f"data.max_image_scan_pixels={budget}")
+    assert summary["accepted"] == 1 and set(rejects) == {"slow"}
+    assert rejects["slow"]["reason"] == "image_too_costly"
+    assert f"data.max_image_scan_pixels={budget}" in rejects["slow"]["detail"]
+    summary, rejects = index(manifest)  # (the default budget: 2^30 scan-pixels)
+    assert summary["accepted"] == 2 and not rejects
+
 # ----------------------------------------------------------------------------- tar shards
 
 

@@ -167,6 +167,10 @@ class DataConfig:
     # pass over the whole image, so a few KB of repeated scans cost minutes (libjpeg-turbo's
     # LJT-01-003); encoders write at most about a dozen. Over it: image_too_costly
     max_image_scans: int = 100
+    # ... and scans x width x height of one (each scan a pass over every pixel): the decoding
+    # time of its scans, whatever its size (12 scans of 64 Mpx pass; 100 of 16 Mpx do not).
+    # Over it: image_too_costly
+    max_image_scan_pixels: int = 1 << 30
     max_audio_seconds: float = 600.0  # length of a clip from its header (frames / rate)
     # Samples of a stored clip over all its channels (frames x channels), from its header: what
     # decoding it costs whatever its rate (600 s of 48 kHz stereo: 57.6 M); over it: audio_too_long
@@ -275,6 +279,7 @@ class DataConfig:
             "image_min_pixels",
         )
         check(self.max_image_scans >= 1, "must be >= 1", "max_image_scans")
+        check(self.max_image_scan_pixels >= 1, "must be >= 1", "max_image_scan_pixels")
         check(self.max_audio_seconds > 0, "must be > 0", "max_audio_seconds")
         check(self.max_audio_samples >= 1, "must be >= 1", "max_audio_samples")
         check(self.max_media_bytes >= 1, "must be >= 1", "max_media_bytes")

@@ -76,6 +76,7 @@ class Params:
     # of the index to admit the files it refused).
     max_image_pixels: int = field(default=1 << 26, compare=False)
     max_image_scans: int = field(default=100, compare=False)
+    max_image_scan_pixels: int = field(default=1 << 30, compare=False)
     max_audio_seconds: float = field(default=600.0, compare=False)
     max_audio_samples: int = field(default=1 << 26, compare=False)
     max_media_bytes: int = field(default=1 << 30, compare=False)
@@ -117,6 +118,7 @@ class Params:
             mel=d.mel,
             max_image_pixels=d.max_image_pixels,
             max_image_scans=d.max_image_scans,
+            max_image_scan_pixels=d.max_image_scan_pixels,
             max_audio_seconds=d.max_audio_seconds,
             max_audio_samples=d.max_audio_samples,
             max_media_bytes=d.max_media_bytes,

@@ -27,8 +27,8 @@ REASONS = {
     "empty_sample": "nothing to train on: no text, no media, or no assistant turn",
     "audio_too_short": "a clip is shorter than one encoder step (subsample x 10 ms)",
     "image_too_large": "the header's width x height exceeds data.max_image_pixels (not decoded)",
-    "image_too_costly": "a progressive JPEG has more scans than data.max_image_scans (each "
-    "scan a pass over the whole image; not decoded)",
+    "image_too_costly": "a progressive JPEG has more scans than data.max_image_scans, or scans x "
+    "pixels over data.max_image_scan_pixels (each scan a pass over the whole image; not decoded)",
     "audio_too_long": "the header's length exceeds data.max_audio_seconds (not decoded)",
     "video_too_short": "a video gives fewer sampled frames than one temporal patch",
     "video_too_large": "the header's length, frame size or frames x pixels exceed the data.max_* "

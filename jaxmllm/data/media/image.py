@@ -24,6 +24,7 @@ ORIENTATION = 0x0112  # EXIF tag; values 5..8 swap width and height
 Source = str | Path | bytes
 MAX_PIXELS = 1 << 26  # the default of data.max_image_pixels
 MAX_SCANS = 100  # the default of data.max_image_scans
+MAX_SCAN_PIXELS = 1 << 30  # the default of data.max_image_scan_pixels
 # Raster formats PIL may open (others are refused as undecodable): the common dataset formats.
 # MPO is how PIL opens many camera JPEGs. Left out: EPS/PS (Ghostscript), ICO/ICNS/CUR (the
 # decoded size is not the header's), and the long tail of rare formats.
@@ -63,6 +64,7 @@ def open_image(
     max_pixels: int = MAX_PIXELS,
     max_bytes: int = MAX_MEDIA_BYTES,
     max_scans: int = MAX_SCANS,
+    max_scan_pixels: int = MAX_SCAN_PIXELS,
 ) -> Image.Image:
     """Opens an image from a path or bytes, reading its header only.
 
@@ -93,13 +95,22 @@ def open_image(
         img.close()
         raise RecordError("undecodable_media", f"{_name(src)}: empty image ({w}x{h})", record_id)
     if img.format in ("JPEG", "MPO") and img.info.get("progressive"):
-        scans = jpeg_scans(src, max_scans)
-        if scans > max_scans:
+        # Each scan is a pass over the whole image: the cost is scans x pixels, bounded by
+        # both caps (a dozen scans of a 64 Mpx photo pass; 100 scans of 16 Mpx do not).
+        affordable = min(max_scans, max_scan_pixels // (w * h))
+        scans = jpeg_scans(src, affordable)
+        if scans > affordable:
             img.close()
+            over = (
+                f"more than {max_scans} scans > data.max_image_scans={max_scans}"
+                if affordable == max_scans
+                else f"{scans}+ scans x {w}x{h} pixels > "
+                f"data.max_image_scan_pixels={max_scan_pixels}"
+            )
             raise RecordError(
                 "image_too_costly",
-                f"{_name(src)}: a progressive JPEG of more than {max_scans} scans over "
-                f"{w}x{h} pixels > data.max_image_scans={max_scans}",
+                f"{_name(src)}: a progressive JPEG of {over} (each scan decodes the whole "
+                f"{w}x{h} image)",
                 record_id,
             )
     return img
@@ -151,13 +162,14 @@ def read_size(
     max_pixels: int = MAX_PIXELS,
     max_bytes: int = MAX_MEDIA_BYTES,
     max_scans: int = MAX_SCANS,
+    max_scan_pixels: int = MAX_SCAN_PIXELS,
 ) -> tuple[int, int]:
     """(height, width) as displayed (EXIF orientation applied), read from the header only.
 
     Also checks the end-of-image marker of JPEG and PNG files, which catches truncated files
     without decoding them.
     """
-    with open_image(src, record_id, max_pixels, max_bytes, max_scans) as img:
+    with open_image(src, record_id, max_pixels, max_bytes, max_scans, max_scan_pixels) as img:
         w, h = img.size
         orientation = _orientation(img)
         fmt = img.format
@@ -172,13 +184,14 @@ def decode_rgb(
     max_pixels: int = MAX_PIXELS,
     max_bytes: int = MAX_MEDIA_BYTES,
     max_scans: int = MAX_SCANS,
+    max_scan_pixels: int = MAX_SCAN_PIXELS,
 ) -> np.ndarray:
     """Decodes the first frame to uint8 RGB [h, w, 3], EXIF orientation applied.
 
     Grayscale, palette, CMYK and 16-bit images are converted; transparency is composited on white.
     The image must decode to the size its header announced (what the index counted).
     """
-    with open_image(src, record_id, max_pixels, max_bytes, max_scans) as img:
+    with open_image(src, record_id, max_pixels, max_bytes, max_scans, max_scan_pixels) as img:
         want = img.size
         orientation = _orientation(img)
         try:
@@ -206,6 +219,7 @@ def load_image(
     max_image_pixels: int = MAX_PIXELS,
     max_bytes: int = MAX_MEDIA_BYTES,
     max_scans: int = MAX_SCANS,
+    max_scan_pixels: int = MAX_SCAN_PIXELS,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Decode (refusing images over `max_image_pixels` or files over `max_bytes`), resize to
     the budget, patchify.
@@ -214,7 +228,7 @@ def load_image(
     the encoder normalises them on the device (`jaxmllm.config.spec.Inputs`: (x / 255 -
     data.image_mean) / data.image_std per channel; `Inputs.normalise` on the host).
     """
-    rgb = decode_rgb(src, record_id, max_image_pixels, max_bytes, max_scans)
+    rgb = decode_rgb(src, record_id, max_image_pixels, max_bytes, max_scans, max_scan_pixels)
     gh, gw = image_grid(*rgb.shape[:2], patch, merge, min_pixels, max_pixels)
     rgb = fit_to_grid(rgb, gh * patch, gw * patch, patch * merge)
     return patch_rows(rgb, patch, merge), patch_positions(gh, gw, merge)
