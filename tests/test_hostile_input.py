@@ -38,6 +38,7 @@ from jaxmllm.data.records import jsonl, open_records
 from jaxmllm.data.records.handles import FILES, MAX_OPEN, pread
 from jaxmllm.data.records.jsonarray import scan_array
 from jaxmllm.data.records.jsonl import JsonRecords
+from jaxmllm.data.records.parquet import ParquetRecords
 from jaxmllm.data.records.webdataset import MAX_HEADER_BYTES, TarRecords, scan_tar
 from jaxmllm.data.rejects import RecordError, read_rejects
 from jaxmllm.data.text.pretrained import MAX_TOKENIZER_BYTES, PretrainedTokenizer
@@ -90,7 +91,6 @@ def test_record_ids_and_names_reach_the_terminal_escaped(tmp_path):
         assert "\n" not in r["id"] + r["detail"]
     err = RecordError("missing_media", "\x1b[2Jx.png", "\x1b]0;t\x07")
     assert not controls(str(err)) and "\\x1b" in str(err)
-
 
 
 def test_the_index_commands_error_lines_are_escaped(tmp_path, capsys):
@@ -179,7 +179,6 @@ def test_a_jpeg_of_repeated_scans_is_refused_before_decoding(tmp_path, w, h, cop
     assert jpeg_scans(good, 1000) == 10 and jpeg_scans(repeated_scans(good, 7), 1000) == 17
 
 
-
 @pytest.mark.parametrize(("w", "h", "copies"), [(640, 480, 50), (1200, 96, 80)])
 def test_a_jpeg_whose_scans_cost_more_than_its_pixels_allow_is_refused(tmp_path, w, h, copies):
     """Fewer scans than data.max_image_scans, but scans x pixels over
@@ -197,6 +196,7 @@ def test_a_jpeg_whose_scans_cost_more_than_its_pixels_allow_is_refused(tmp_path,
     assert f"data.max_image_scan_pixels={budget}" in rejects["slow"]["detail"]
     summary, rejects = index(manifest)  # (the default budget: 2^30 scan-pixels)
     assert summary["accepted"] == 2 and not rejects
+
 
 # ----------------------------------------------------------------------------- tar shards
 
@@ -329,6 +329,35 @@ def test_a_parquet_row_group_over_the_cap_is_rejected_unread(tmp_path):
     for r in rejects.values():
         assert r["reason"] == "malformed_line" and "data.max_media_bytes=4194304" in r["detail"]
         assert r["where"].startswith("bomb.parquet row ")
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_parquet_dictionary_repeating_its_values_is_never_expanded(tmp_path, nested):
+    """One 600 KB value, dictionary-encoded, repeated by 2,000 rows (or 40 rows of 50 turns):
+    a ~50 KB file whose metadata counts the value once but which expands to ~1.2 GB. The
+    group is measured from its dictionary and rejected unread; under a cap that admits it, a
+    row read expands only its own values."""
+    value = "y" * (600 << 10)
+    if nested:
+        turns = [{"from": "human", "value": value}] * 50
+        rows = [{"id": f"r{i}", "conversations": turns} for i in range(40)]
+    else:
+        rows = [{"id": f"r{i}", "text": value} for i in range(2000)]
+    path = tmp_path / "dict.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=len(rows))
+    pq.write_table(pa.Table.from_pylist([{"id": "ok", "text": "fine"}]), tmp_path / "ok.parquet")
+    assert path.stat().st_size < 256 << 10
+    before = pa.total_allocated_bytes()
+    start = time.monotonic()
+    summary, rejects = index(tmp_path, "data.source=files", "data.format=parquet")
+    assert pa.total_allocated_bytes() - before < 16 << 20 and time.monotonic() - start < 20
+    assert summary["accepted"] == 1 and len(rejects) == len(rows)
+    for r in rejects.values():
+        assert r["reason"] == "malformed_line" and "data.max_media_bytes=" in r["detail"]
+        assert "expands to" in r["detail"] and r["where"].startswith("dict.parquet row ")
+    row = ParquetRecords(path, max_bytes=4 << 30).raw(1)[0]  # (a cap that admits it)
+    assert row["id"] == "r1" and pa.total_allocated_bytes() - before < 16 << 20
+    assert (row["conversations"][0]["value"] if nested else row["text"]) == value
 
 
 # ----------------------------------------------------------------------------- hf import
