@@ -16,10 +16,13 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     # 40 s. On the 2-core box the 8 forced devices share two cores with compiles and other
     # jobs, and a training step under load once went past it (test_hf_train's stage-1 run, in
     # XLA's rendezvous: "Termination timeout ... 6 of 8 arrived"). Wait longer; warn at 20 s.
-    # (Seen since: the same step stuck with every thread idle, a deadlock, not slowness: the
-    # abort ends it, and .ci/run runs a failed slow file once more.)
-    FLAGS += ["--xla_cpu_collective_call_terminate_timeout_seconds=300",
-              "--xla_cpu_collective_call_warn_stuck_timeout_seconds=20"]  # fmt: skip
+    FLAGS += ["--xla_cpu_collective_call_terminate_timeout_seconds=300"]
+    FLAGS += ["--xla_cpu_collective_call_warn_stuck_timeout_seconds=20"]
+    # XLA:CPU's pool sized so the 8 devices' overlapping collectives cannot block every thread
+    # (the deadlock of test_hf_train's first step: jaxmllm.loop.cpu_pool says why).
+    from jaxmllm.loop.cpu_pool import size_pool
+
+    size_pool(8)
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *FLAGS]).strip()
 
 

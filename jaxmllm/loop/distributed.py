@@ -23,7 +23,7 @@ import jax
 
 from jaxmllm.config import Config, ConfigError, DistributedConfig, to_dict
 from jaxmllm.config.sections import MAX_CPU_DEVICES_PER_CORE
-from jaxmllm.loop import xla_flags
+from jaxmllm.loop import cpu_pool, xla_flags
 
 log = logging.getLogger("jaxmllm")
 
@@ -205,6 +205,7 @@ def split_cpu(count: int) -> None:
     from jax._src import xla_bridge  # no public way to ask whether backends are up
 
     if not xla_bridge.backends_are_initialized():
+        cpu_pool.size_pool(count)  # (before the backend starts: XLA reads it once)
         jax.config.update("jax_num_cpu_devices", count)
     elif jax.default_backend() == "cpu" and jax.local_device_count() != count:
         log.warning(
