@@ -437,10 +437,25 @@ def test_an_oversized_tokenizer_is_refused_naming_the_limit(tmp_path):
         f.truncate(MAX_TOKENIZER_BYTES + 1)
     claim(str(tmp_path), "model_max_length", 64, "tokenizer_config.json")
     tracemalloc.start()
-    with pytest.raises(ConfigError, match=f"over the {MAX_TOKENIZER_BYTES} a tokenizer may take"):
+    with pytest.raises(ConfigError, match=f"over data.max_tokenizer_bytes={MAX_TOKENIZER_BYTES}"):
         PretrainedTokenizer(tmp_path)
     assert tracemalloc.get_traced_memory()[1] < 16 << 20
     tracemalloc.stop()
+
+
+def test_the_tokenizer_cap_is_the_configs(tmp_path):
+    """data.max_tokenizer_bytes decides: a real tokenizer directory over a low cap is refused
+    naming the key; under the default it loads."""
+    from test_chat import build_dir
+
+    tokenizer = build_dir(tmp_path / "tok", "qwen", None)
+    size = (tokenizer / "tokenizer.json").stat().st_size
+    manifest = write_manifest(tmp_path / "m.jsonl", [{"id": "a", "text": "hi"}])
+    low = config(manifest, f"data.tokenizer={tokenizer}", f"data.max_tokenizer_bytes={size - 1}")
+    with pytest.raises(ConfigError, match=f"over data.max_tokenizer_bytes={size - 1}"):
+        Preprocessor(Params.from_config(low))
+    ok = config(manifest, f"data.tokenizer={tokenizer}")
+    assert Preprocessor(Params.from_config(ok)).tokenizer.vocab_size > 256
 
 
 # ----------------------------------------------------------------------------- JSON lists

@@ -149,6 +149,9 @@ class DataConfig:
     # The date a tokenizer directory's chat template writes where it asks for today's
     # (strftime_now, e.g. Llama 3.2's "Today Date:"), fixed so token counts do not change daily.
     template_date: str = "2024-07-26"
+    # The largest tokenizer.json a tokenizer directory may hold (bytes; each process holds it
+    # parsed, about 20x the file; the largest released ones, Gemma 3's, are ~33 MB)
+    max_tokenizer_bytes: int = 48 << 20
     image_min_pixels: int = 3136  # smaller images are upscaled to about this many pixels
     image_max_pixels: int = 1003520  # larger images are downscaled to at most this many pixels
     # Pixels become (x / 255 - mean) / std per channel (RGB): 0.5 / 0.5 maps them to [-1, 1]
@@ -279,6 +282,7 @@ class DataConfig:
             "image_min_pixels",
         )
         check(self.max_image_scans >= 1, "must be >= 1", "max_image_scans")
+        check(self.max_tokenizer_bytes >= 1, "must be >= 1", "max_tokenizer_bytes")
         check(self.max_image_scan_pixels >= 1, "must be >= 1", "max_image_scan_pixels")
         check(self.max_audio_seconds > 0, "must be > 0", "max_audio_seconds")
         check(self.max_audio_samples >= 1, "must be >= 1", "max_audio_samples")

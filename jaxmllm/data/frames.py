@@ -58,7 +58,9 @@ def build_frames(
 ) -> dict:
     """Builds (or completes) data set `ds`'s frame cache; returns its manifest without the
     entries."""
-    tokenizer = make_tokenizer(cfg.data.tokenizer, cfg.data.template_date)
+    tokenizer = make_tokenizer(
+        cfg.data.tokenizer, cfg.data.template_date, cfg.data.max_tokenizer_bytes
+    )
     decoding = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, frame_cache=False))
     source = open_data_set(decoding, ds, tokenizer)  # (index checked; oversize repairs made)
     out = index_dir(ds, Params.from_config(cfg).counted()) / "frames"

@@ -33,6 +33,7 @@ from jaxmllm.data.media.video import VideoRule
 from jaxmllm.data.records.record import Record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Item, Sample
+from jaxmllm.data.text.pretrained import MAX_TOKENIZER_BYTES
 from jaxmllm.data.text.tokenizer import DEFAULT_DATE, make_tokenizer, tokenizer_sha256
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ class Params:
     max_video_decoded_pixels: int = field(default=1 << 38, compare=False)
     # A tokenizer directory's template date is part of tokenizer_sha256 (it decides counts).
     template_date: str = field(default=DEFAULT_DATE, compare=False)
+    max_tokenizer_bytes: int = field(default=MAX_TOKENIZER_BYTES, compare=False)
 
     @classmethod
     def from_config(cls, cfg: Config) -> Params:
@@ -125,6 +127,7 @@ class Params:
             max_video_seconds=d.max_video_seconds,
             max_video_decoded_pixels=d.max_video_decoded_pixels,
             template_date=d.template_date,
+            max_tokenizer_bytes=d.max_tokenizer_bytes,
         )
 
     def audio_caps(self) -> Caps:
@@ -216,7 +219,9 @@ class Preprocessor:
 
     def __init__(self, params: Params, tokenizer=None):
         self.p = params
-        self.tokenizer = tokenizer or make_tokenizer(params.tokenizer, params.template_date)
+        self.tokenizer = tokenizer or make_tokenizer(
+            params.tokenizer, params.template_date, params.max_tokenizer_bytes
+        )
         # (per encoder phase, from its own kind's media: every kind of a phase has the same)
         self.per_token = {p.name: MEDIA[p.name].per_token(params) for p in ENCODERS}
         self.frames: FrameCache | None = None  # videos' frames decoded once (data.frame_cache)

@@ -245,7 +245,9 @@ def open_source(cfg: Config) -> ManifestSource | MixtureSource:
     """The training source of the config's data (data.path, or a mixture of data.sources):
     indexes loaded and checked, oversize policy applied."""
     sets = data_sets(cfg)  # (a config that names no data stops here, saying so)
-    tokenizer = make_tokenizer(cfg.data.tokenizer, cfg.data.template_date)
+    tokenizer = make_tokenizer(
+        cfg.data.tokenizer, cfg.data.template_date, cfg.data.max_tokenizer_bytes
+    )
     if cfg.model.llm.vocab_size < tokenizer.vocab_size:
         what = (
             f"incl. {len(tokenizer.added_tokens)} added placeholder token(s)"

@@ -65,7 +65,7 @@ def enabled(cfg: Any, name: str, want: bool) -> list[str]:
 
 def tokenizer_ids(cfg: Any) -> Any:
     """The run's tokenizer (what a new config.json's placeholder ids are)."""
-    return make_tokenizer(cfg.data.tokenizer, cfg.data.template_date)
+    return make_tokenizer(cfg.data.tokenizer, cfg.data.template_date, cfg.data.max_tokenizer_bytes)
 
 
 def placeholder(cfg: Any, phase: str) -> str:

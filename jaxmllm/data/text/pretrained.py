@@ -107,7 +107,12 @@ class PretrainedTokenizer:
       template: the ChatTemplate (None when the directory has none: text records only).
     """
 
-    def __init__(self, directory: str | Path, template_date: str = DEFAULT_DATE):
+    def __init__(
+        self,
+        directory: str | Path,
+        template_date: str = DEFAULT_DATE,
+        max_bytes: int = MAX_TOKENIZER_BYTES,
+    ):
         from tokenizers import Tokenizer
 
         self.path, self.template_date = str(directory), template_date
@@ -119,12 +124,12 @@ class PretrainedTokenizer:
             )
         config = _read_json(root / "tokenizer_config.json", required=True)
         size = (root / "tokenizer.json").stat().st_size
-        if size > MAX_TOKENIZER_BYTES:  # (each process holds it parsed: about 20x the file)
+        if size > max_bytes:  # (each process holds it parsed: about 20x the file)
             raise ConfigError(
-                f"data.tokenizer: {root / 'tokenizer.json'} is {size} bytes, over the "
-                f"{MAX_TOKENIZER_BYTES} a tokenizer may take (the largest released ones are tens "
-                "of MB; loaded, about 20 times the file in every worker): not a "
-                "tokenizer jaxmllm loads; point data.tokenizer at the model's own"
+                f"data.tokenizer: {root / 'tokenizer.json'} is {size} bytes, over "
+                f"data.max_tokenizer_bytes={max_bytes} (the largest released tokenizers are "
+                "tens of MB; loaded, about 20 times the file in every worker): point "
+                "data.tokenizer at the model's own, or raise the key for a larger one you trust"
             )
         try:
             self._tk = Tokenizer.from_file(str(root / "tokenizer.json"))

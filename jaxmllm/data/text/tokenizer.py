@@ -27,6 +27,7 @@ from jaxmllm.config.phases import KINDS
 from jaxmllm.data.records.record import KIND_OF_PLACEHOLDER, PLACEHOLDER, Record
 from jaxmllm.data.text.pretrained import (
     DEFAULT_DATE,
+    MAX_TOKENIZER_BYTES,
     PretrainedTokenizer,
     directory_sha256,
     is_tokenizer_dir,
@@ -43,13 +44,16 @@ from jaxmllm.data.text.specials import (  # noqa: F401  (re-exported: the reserv
 )
 
 
-def make_tokenizer(spec: str, template_date: str = DEFAULT_DATE):
+def make_tokenizer(
+    spec: str, template_date: str = DEFAULT_DATE, max_bytes: int = MAX_TOKENIZER_BYTES
+):
     """`byte`, the path of a tokenizer.json, or the path of a HuggingFace tokenizer directory
-    (`template_date`: the date its chat template's strftime_now renders)."""
+    (`template_date`: the date its chat template's strftime_now renders; `max_bytes`:
+    data.max_tokenizer_bytes, the largest tokenizer.json a directory may hold)."""
     if spec == "byte":
         return ByteTokenizer()
     if is_tokenizer_dir(spec):
-        return PretrainedTokenizer(spec, template_date)
+        return PretrainedTokenizer(spec, template_date, max_bytes)
     path = Path(spec)
     if not path.is_file():
         raise ConfigError(
