@@ -7,19 +7,19 @@ that pool a deadlock waiting to happen when it is as small as XLA makes it:
 - XLA:CPU's in-process collectives block the thread that runs them until every participant
   has arrived (`InProcessCommunicator`: a rendezvous, then a barrier).
 - Its thunk executor orders one device's collectives by *scheduling* edges only
-  (`ExecutionGraph::NodeEdge::KindOf(kCollectiveCommunicator)`): a collective may start once
-  the one before it has started, not finished. Collectives with no data between them (the
-  FSDP gathers of parameters the microbatch loop does not read, beside that loop and the
-  gathers and all-to-alls inside it) are in flight on one device at the same time, each on
-  its own thread of the pool.
+  (`ExecutionGraph::NodeEdge::KindOf(kCollectiveCommunicator)`; XLA's comment: "the
+  execution of operations can overlap and finish in any order"): a loop whose body went
+  asynchronous releases the collectives after it, so collectives with no data between them
+  are in flight on one device at the same time, each on its own thread of the pool.
 - The pool holds max(cores, devices) threads (`GetPjRtCpuClient`): 8 for 8 devices on a
   2-core machine.
 
 So one device with two collectives in flight leaves another device without a thread for the
-collective everyone waits for. Seen in test_hf_train's first step (gdb, 2026-11-25): all 8
-threads blocked, 6 in the routed all-to-all inside the microbatch loop, one in a parameter
-all-gather at the top level, one in the loop's own first all-gather, 0% CPU until XLA's
-terminate timeout aborted the process; about one run in two beside a CPU burner.
+collective everyone waits for. Seen in test_hf_train's recipes (gdb on three hung runs,
+2026-11-25): all 8 threads blocked in rendezvous, 6 in the routed all-to-all inside an
+asynchronous loop, one in an all-gather released beside it, one in an all-gather of a loop's
+first iteration; 0% CPU until XLA's terminate timeout aborted the process. 3 runs in 8 hung
+beside a CPU burner with that pool, none in 8 with this one.
 
 `size_pool` sets `PJRT_NPROC` (which XLA reads once, when JAX starts its CPU backend) to
 POOL_THREADS before that happens, when a process is split into more than one device and the
