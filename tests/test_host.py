@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -333,12 +334,45 @@ def test_closing_the_feed_stops_and_joins_its_workers(tmp_path):
     next(feed)
     workers = multiprocessing.active_children()
     assert len(workers) == 2
-    token = _step_iterator(feed).loader.owner.token
+    loader = _step_iterator(feed).loader
+    own = {p.pid for p in loader.pool._processes.values()}  # (the rest: an earlier test's)
+    token = loader.owner.token
     assert list(shared.SHM.glob(f"jaxmllm-{token}*"))  # its lock, its workers' slots
     feed.close()
-    assert not any(w.is_alive() for w in workers)
+    alive = [(w.pid, w.pid in own, w.exitcode) for w in workers if w.is_alive()]
+    assert not alive, f"(pid, this feed's, exit code): {alive}"
     assert not multiprocessing.active_children()
     assert not list(shared.SHM.glob(f"jaxmllm-{token}*"))
+
+
+def _ignore_sigterm():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _busy(started: str) -> None:
+    open(started, "w").close()
+    time.sleep(60)
+
+
+def test_a_worker_that_outlives_sigterm_is_killed_and_said(caplog, tmp_path):
+    """Closing stops every worker: one that ignores SIGTERM is killed after its 5 s, and the
+    warning gives its signal state (how a worker once outlived SIGTERM beside a burner)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from jaxmllm.data.loader import _stop
+
+    pool = ProcessPoolExecutor(1, multiprocessing.get_context("spawn"), _ignore_sigterm)
+    started = tmp_path / "started"
+    pool.submit(_busy, str(started))  # (busy: the pool's own stop, a sentinel, would wait)
+    deadline = time.monotonic() + 60
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    [worker] = pool._processes.values()
+    with caplog.at_level("WARNING", logger="jaxmllm"):
+        _stop(pool, shared.Owner())
+    assert not worker.is_alive() and worker.exitcode == -signal.SIGKILL
+    assert f"pid {worker.pid}) outlived SIGTERM" in caplog.text and "SigIgn" in caplog.text
 
 
 def _step_iterator(it):

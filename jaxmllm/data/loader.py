@@ -17,6 +17,7 @@ prints nothing either. A worker whose owner died (SIGKILL) exits within a second
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import signal
@@ -36,6 +37,7 @@ from jaxmllm.data.media.video import set_decode_threads, share_of_cores
 from jaxmllm.data.rejects import DataError, RecordError, RejectLog, fail_message, failed
 from jaxmllm.data.samples import Sample
 
+log = logging.getLogger("jaxmllm")
 _worker: dict = {}
 
 
@@ -214,7 +216,23 @@ def _stop(pool: ProcessPoolExecutor, owner: shared.Owner) -> None:
         process.terminate()
     for process in processes:
         process.join(timeout=5)
+    for process in processes:
+        if process.is_alive():  # (seen once, beside a CPU burner: said, with its signal state)
+            state = _signal_state(process.pid)
+            log.warning("a data worker (pid %d) outlived SIGTERM by 5 s: %s", process.pid, state)
+            process.kill()
+            process.join(timeout=5)
     owner.close()
+
+
+def _signal_state(pid: int) -> str:
+    """A process's state and signal masks, from /proc (why a SIGTERM did not end it)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            keys = ("State", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+            return ", ".join(" ".join(line.split()) for line in f if line.split(":")[0] in keys)
+    except OSError as e:
+        return f"no /proc status ({e.strerror})"
 
 
 def _died(workers: int, step: int, dead: list[str]) -> str:
