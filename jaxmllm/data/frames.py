@@ -46,7 +46,7 @@ from jaxmllm.data.preprocess import Limits, Params
 from jaxmllm.data.records import read_record
 from jaxmllm.data.rejects import RecordError, failed, wrapped
 from jaxmllm.data.source import open_data_set
-from jaxmllm.data.text.tokenizer import make_tokenizer
+from jaxmllm.data.text.tokenizer import config_tokenizer
 
 ROWS_PER_SHARD = 64  # index rows a shard covers (its videos'; a worker's unit of work)
 
@@ -58,9 +58,7 @@ def build_frames(
 ) -> dict:
     """Builds (or completes) data set `ds`'s frame cache; returns its manifest without the
     entries."""
-    tokenizer = make_tokenizer(
-        cfg.data.tokenizer, cfg.data.template_date, cfg.data.max_tokenizer_bytes
-    )
+    tokenizer = config_tokenizer(cfg.data)
     decoding = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, frame_cache=False))
     source = open_data_set(decoding, ds, tokenizer)  # (index checked; oversize repairs made)
     out = index_dir(ds, Params.from_config(cfg).counted()) / "frames"

@@ -130,6 +130,15 @@ class Params:
             max_tokenizer_bytes=d.max_tokenizer_bytes,
         )
 
+    def image_caps(self) -> tuple[int, int, int, int]:
+        """What an image may cost before it is decoded (`image.open_image`'s caps, in order)."""
+        return (
+            self.max_image_pixels,
+            self.max_media_bytes,
+            self.max_image_scans,
+            self.max_image_scan_pixels,
+        )
+
     def audio_caps(self) -> Caps:
         """What a clip may cost before it is decoded."""
         return Caps(self.max_audio_seconds, self.max_audio_samples, self.max_media_bytes)

@@ -34,7 +34,7 @@ from jaxmllm.data.rejects import DataError, RecordError, fail_message, index_lin
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.stored import FORMAT, StoredIndex, check_lengths, check_places
 from jaxmllm.data.synthetic import SyntheticSource
-from jaxmllm.data.text.tokenizer import PretrainedTokenizer, make_tokenizer
+from jaxmllm.data.text.tokenizer import PretrainedTokenizer, config_tokenizer
 
 log = logging.getLogger("jaxmllm")
 
@@ -245,9 +245,7 @@ def open_source(cfg: Config) -> ManifestSource | MixtureSource:
     """The training source of the config's data (data.path, or a mixture of data.sources):
     indexes loaded and checked, oversize policy applied."""
     sets = data_sets(cfg)  # (a config that names no data stops here, saying so)
-    tokenizer = make_tokenizer(
-        cfg.data.tokenizer, cfg.data.template_date, cfg.data.max_tokenizer_bytes
-    )
+    tokenizer = config_tokenizer(cfg.data)
     if cfg.model.llm.vocab_size < tokenizer.vocab_size:
         what = (
             f"incl. {len(tokenizer.added_tokens)} added placeholder token(s)"

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxmllm.data.text.tokenizer import make_tokenizer
+from jaxmllm.data.text.tokenizer import config_tokenizer
 from jaxmllm.hf.audio import Qwen2AudioEncoder
 from jaxmllm.hf.decoders import Decoders
 from jaxmllm.hf.family import Family, Link, mismatches, refuse_unless
@@ -65,7 +65,7 @@ def enabled(cfg: Any, name: str, want: bool) -> list[str]:
 
 def tokenizer_ids(cfg: Any) -> Any:
     """The run's tokenizer (what a new config.json's placeholder ids are)."""
-    return make_tokenizer(cfg.data.tokenizer, cfg.data.template_date, cfg.data.max_tokenizer_bytes)
+    return config_tokenizer(cfg.data)
 
 
 def placeholder(cfg: Any, phase: str) -> str:

@@ -48,9 +48,7 @@ class Images:
         return max(d.image_max_pixels, d.video_frame_max_pixels * v.video) // unit**2 * v.merge**2
 
     def read_size(self, pre: Preprocessor, src: Any, record_id: str) -> tuple[int, int]:
-        p = pre.p
-        caps = (p.max_image_pixels, p.max_media_bytes, p.max_image_scans, p.max_image_scan_pixels)
-        return read_size(src, record_id, *caps)
+        return read_size(src, record_id, *pre.p.image_caps())
 
     def check(self, pre: Preprocessor, j: int, size: tuple[int, int], record_id: str) -> None:
         pass  # (image_grid upscales the smallest image to the minimum pixels)
@@ -72,7 +70,7 @@ class Images:
         p = pre.p
         budget = limits.max_pixels or p.image_max_pixels
         low = min(p.image_min_pixels, budget)
-        caps = (p.max_image_pixels, p.max_media_bytes, p.max_image_scans, p.max_image_scan_pixels)
+        caps = p.image_caps()
         patches, pos = load_image(src, p.patch_size, p.merge, low, budget, record_id, *caps)
         return [(patches, pos)]
 

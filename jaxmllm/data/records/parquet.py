@@ -68,8 +68,9 @@ class ParquetRecords:
             coded = _dictionary_columns(f.metadata)
             if not coded:
                 return f
-            f.close()
-            return pq.ParquetFile(self.path, memory_map=True, read_dictionary=coded)
+            meta = f.metadata
+            f.close()  # (reopened to read them as dictionaries, the footer already parsed)
+            return pq.ParquetFile(self.path, memory_map=True, read_dictionary=coded, metadata=meta)
         except Exception as e:  # noqa: BLE001  pyarrow raises several kinds on a bad file
             raise ConfigError(f"{self.path}: not a readable Parquet file ({e})") from None
 

@@ -44,6 +44,12 @@ from jaxmllm.data.text.specials import (  # noqa: F401  (re-exported: the reserv
 )
 
 
+def config_tokenizer(data):
+    """The tokenizer a config's data section names (`data.tokenizer`, its template date and
+    data.max_tokenizer_bytes)."""
+    return make_tokenizer(data.tokenizer, data.template_date, data.max_tokenizer_bytes)
+
+
 def make_tokenizer(
     spec: str, template_date: str = DEFAULT_DATE, max_bytes: int = MAX_TOKENIZER_BYTES
 ):
