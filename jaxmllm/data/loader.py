@@ -155,9 +155,9 @@ class Loader:
 
     def _dead(self, workers: list) -> list[str]:
         """'<record> (index i) (<how it ended>)' for each worker that died on its own."""
+        _reaped(self.pool, timeout=10)  # (the pool stopped the others: it collects them all)
         out = []
         for process in workers:
-            process.join(timeout=5)
             code = process.exitcode
             if code is None or code == -signal.SIGTERM:  # (the pool stops the others so)
                 continue
@@ -211,25 +211,49 @@ def _stop(pool: ProcessPoolExecutor, owner: shared.Owner) -> None:
     """Stops the workers now, not after their current samples (the executor's own list of
     them: `terminate_workers` is Python 3.14's), and deletes the shared files they left."""
     processes = list((getattr(pool, "_processes", None) or {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)  # (shutdown forgets it)
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         process.terminate()
-    for process in processes:
-        process.join(timeout=5)
-    for process in processes:
-        # (Python's `is_alive` says True for a worker whose exit status something else in this
-        # process collected: seen twice in the test suite, /proc had no such pid. The OS says.)
-        if process.is_alive() and running(process.pid):
-            state = _signal_state(process.pid)
-            log.warning("a data worker (pid %d) outlived SIGTERM by 5 s: %s", process.pid, state)
-            process.kill()
-            process.join(timeout=5)
+    if not _reaped(pool, timeout=5, manager=manager):
+        for process in processes:
+            if _state(process.pid) not in (None, "Z"):  # (a zombie is dead, not yet collected)
+                state = _signal_state(process.pid)
+                log.warning(
+                    "a data worker (pid %d) outlived SIGTERM by 5 s: %s", process.pid, state
+                )
+                process.kill()
+        _reaped(pool, timeout=5, manager=manager)
     owner.close()
+
+
+def _reaped(pool: ProcessPoolExecutor, timeout: float, manager=None) -> bool:
+    """Waits for the pool's manager thread to end, which collects the workers' exit status
+    (`Process.exitcode` is then set). It is their only reaper: a join in this thread races
+    its `waitpid`, and Python reads the lost race (ECHILD) as a process still running, with
+    no exit code. False if it is still at work after `timeout` seconds."""
+    manager = manager or getattr(pool, "_executor_manager_thread", None)
+    if manager is None or manager is threading.current_thread():
+        return True
+    manager.join(timeout)
+    return not manager.is_alive()
 
 
 def running(pid: int) -> bool:
     """Whether process `pid` exists (a zombie too), as the OS says (/proc; True without it)."""
     return not Path("/proc").is_dir() or Path(f"/proc/{pid}").exists()
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter from /proc ('R', 'S', 'Z' ...), None if it is gone ('?'
+    without /proc)."""
+    if not Path("/proc").is_dir():
+        return "?"
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _signal_state(pid: int) -> str:
