@@ -88,8 +88,10 @@ def load_hf(args) -> tuple[Config, dict]:
         audio = args.hf_audio or (args.hf if "audio" in own else "")
         tokenizer = Path(args.tokenizer or args.hf)
         if not (tokenizer / "tokenizer.json").is_file():
-            raise ConfigError(f"--hf: {tokenizer} has no tokenizer.json: name the checkpoint's "
-                              "tokenizer directory with --tokenizer DIR")  # fmt: skip
+            raise ConfigError(
+                f"--hf: {tokenizer} has no tokenizer.json: name the checkpoint's "
+                "tokenizer directory with --tokenizer DIR"
+            )
         cfg, model = load_model(args.hf, vision, audio, tokenizer=str(tokenizer))
     except ValueError as e:  # (FamilyError, CheckpointError: they name the file)
         raise ConfigError(f"--hf: {e}") from None
@@ -140,8 +142,10 @@ def request_prompts(template: Template, args) -> list[Sample]:
         flags = " / ".join(f"--{k.item}" for k in KINDS)
         marks = " / ".join(k.placeholder for k in KINDS)
         if ids:
-            raise ConfigError(f"{flags} go with one --prompt-ids, or with --prompt texts that "
-                              f"place them with {marks}")  # fmt: skip
+            raise ConfigError(
+                f"{flags} go with one --prompt-ids, or with --prompt texts that "
+                f"place them with {marks}"
+            )
         if any(sum(t.count(k.placeholder) for t in texts) != len(media[k.name]) for k in KINDS):
             raise ConfigError(
                 f"with several prompts, place each of {flags} with a {marks} placeholder in the "
@@ -149,8 +153,7 @@ def request_prompts(template: Template, args) -> list[Sample]:
             )
     prompts = []
     for text in texts:
-        take = {k.name: text.count(k.placeholder) if several else len(media[k.name])
-                for k in KINDS}  # fmt: skip
+        take = {k.name: text.count(k.placeholder) if several else len(media[k.name]) for k in KINDS}
         prompts.append(template.prompt(text, {k: files[: take[k]] for k, files in media.items()}))
         media = {k: files[take[k] :] for k, files in media.items()}
     every = {k.name: list(getattr(args, k.item)) for k in KINDS}
@@ -170,26 +173,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--hf-vision", default="", metavar="DIR", help="with --hf: a vision tower")
     p.add_argument("--hf-audio", default="", metavar="DIR", help="with --hf: an audio encoder")
-    p.add_argument("--tokenizer", default="", metavar="DIR",
-                   help="with --hf: its tokenizer directory (default: the --hf one)")  # fmt: skip
+    p.add_argument(
+        "--tokenizer",
+        default="",
+        metavar="DIR",
+        help="with --hf: its tokenizer directory (default: the --hf one)",
+    )
     for kind in KINDS:  # --image, --audio, --video: each kind of media's files
-        p.add_argument(f"--{kind.item}", action="extend", nargs="+", default=[], metavar="PATH",
-                       help=f"{kind.item} file(s), in order of the {kind.placeholder} "
-                       "placeholders")  # fmt: skip
+        p.add_argument(
+            f"--{kind.item}",
+            action="extend",
+            nargs="+",
+            default=[],
+            metavar="PATH",
+            help=f"{kind.item} file(s), in order of the {kind.placeholder} placeholders",
+        )
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--prompt", action="append", metavar="TEXT",
-                      help="a prompt (repeat for a batch); without placeholders the media come "
-                      "first")  # fmt: skip
-    what.add_argument("--prompt-ids", action="append", metavar="IDS",
-                      help="a prompt as comma-separated token ids, used as is (repeat for a "
-                      "batch); image / audio placeholder ids: one per encoder row")  # fmt: skip
+    what.add_argument(
+        "--prompt",
+        action="append",
+        metavar="TEXT",
+        help="a prompt (repeat for a batch); without placeholders the media come first",
+    )
+    what.add_argument(
+        "--prompt-ids",
+        action="append",
+        metavar="IDS",
+        help="a prompt as comma-separated token ids, used as is (repeat for a "
+        "batch); image / audio placeholder ids: one per encoder row",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--template", choices=TEMPLATES, default="auto",
-                   help="how a --prompt is rendered: chat (user turn, assistant marker), "
-                   "plain (the text to continue); auto: as the run's data")  # fmt: skip
+    p.add_argument(
+        "--template",
+        choices=TEMPLATES,
+        default="auto",
+        help="how a --prompt is rendered: chat (user turn, assistant marker), "
+        "plain (the text to continue); auto: as the run's data",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt: ids, text")
     args = p.parse_args(argv)
     if args.run and (args.hf_vision or args.hf_audio or args.tokenizer):

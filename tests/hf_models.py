@@ -42,16 +42,29 @@ def llama(
     import transformers as T
 
     rope = (
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 32, "rope_theta": 5000.0}
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "rope_theta": 5000.0,
+        }
         if scaling
         else {"rope_type": "default", "rope_theta": 5000.0}
-    )  # fmt: skip
+    )
     cfg = T.LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_parameters=rope,
-        tie_word_embeddings=tied, max_position_embeddings=256,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_parameters=rope,
+        tie_word_embeddings=tied,
+        max_position_embeddings=256,
+    )
     return save(randomize(T.LlamaForCausalLM(cfg), seed), directory)
 
 
@@ -59,10 +72,16 @@ def qwen2(directory: Path, *, tied: bool, seed: int = 0, vocab: int = 300) -> st
     import transformers as T
 
     cfg = T.Qwen2Config(
-        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=tied,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        tie_word_embeddings=tied,
+    )
     return save(randomize(T.Qwen2ForCausalLM(cfg), seed), directory)
 
 
@@ -70,9 +89,14 @@ def siglip(directory: Path, seed: int = 0, head: bool = False) -> str:
     import transformers as T
 
     cfg = T.SiglipVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        image_size=24, patch_size=4, vision_use_head=head,
-    )  # fmt: skip
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=24,
+        patch_size=4,
+        vision_use_head=head,
+    )
     return save(randomize(T.SiglipVisionModel(cfg), seed), directory)
 
 
@@ -83,9 +107,14 @@ def qwen2_vl_vision(directory: Path, seed: int = 0, out: int = 64) -> str:
     )
 
     cfg = Qwen2VLVisionConfig(
-        depth=2, embed_dim=32, hidden_size=out, num_heads=4, patch_size=4, spatial_merge_size=2,
+        depth=2,
+        embed_dim=32,
+        hidden_size=out,
+        num_heads=4,
+        patch_size=4,
+        spatial_merge_size=2,
         temporal_patch_size=2,
-    )  # fmt: skip
+    )
     return save(randomize(Qwen2VisionTransformerPretrainedModel(cfg), seed), directory)
 
 
@@ -93,12 +122,24 @@ def whisper(directory: Path, seed: int = 0) -> str:
     import transformers as T
 
     cfg = T.WhisperConfig(
-        d_model=32, encoder_layers=2, decoder_layers=1, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
-        max_source_positions=32, vocab_size=100, max_target_positions=16, pad_token_id=1,
-        bos_token_id=2, eos_token_id=3, decoder_start_token_id=2, begin_suppress_tokens=None,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        num_mel_bins=16,
+        max_source_positions=32,
+        vocab_size=100,
+        max_target_positions=16,
+        pad_token_id=1,
+        bos_token_id=2,
+        eos_token_id=3,
+        decoder_start_token_id=2,
+        begin_suppress_tokens=None,
         suppress_tokens=None,
-    )  # fmt: skip
+    )
     return save(randomize(T.WhisperForConditionalGeneration(cfg), seed), directory)
 
 
@@ -111,17 +152,32 @@ def qwen2_vl(
 
     cfg = Qwen2VLConfig(
         text_config=dict(
-            vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-6,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
-            bos_token_id=None, eos_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
         ),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, patch_size=4,
-                           spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=ids[0], video_token_id=ids[1], vision_start_token_id=ids[2],
+        vision_config=dict(
+            depth=2,
+            embed_dim=32,
+            hidden_size=64,
+            num_heads=4,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        image_token_id=ids[0],
+        video_token_id=ids[1],
+        vision_start_token_id=ids[2],
         vision_end_token_id=ids[3],
         tie_word_embeddings=tied,
-    )  # fmt: skip
+    )
     return save(randomize(Qwen2VLForConditionalGeneration(cfg), seed), directory)
 
 
@@ -129,15 +185,27 @@ def clip(directory: Path, seed: int = 0) -> str:
     import transformers as T
 
     cfg = T.CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        image_size=24, patch_size=4,
-    )  # fmt: skip
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=24,
+        patch_size=4,
+    )
     return save(randomize(T.CLIPVisionModel(cfg), seed), directory)
 
 
-QWEN25_VISION = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=4,
-                     spatial_merge_size=2, temporal_patch_size=2, window_size=16,
-                     fullatt_block_indexes=[1, 3])  # fmt: skip
+QWEN25_VISION = dict(
+    depth=4,
+    hidden_size=32,
+    intermediate_size=48,
+    num_heads=4,
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=16,
+    fullatt_block_indexes=[1, 3],
+)
 
 
 def qwen2_5_vl_vision(directory: Path, seed: int = 0, out: int = 64) -> str:
@@ -151,8 +219,14 @@ def qwen2_5_vl_vision(directory: Path, seed: int = 0, out: int = 64) -> str:
     return save(randomize(Qwen2_5_VisionTransformerPretrainedModel(cfg), seed), directory)
 
 
-AUDIO = dict(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
-             num_mel_bins=16, max_source_positions=32)  # fmt: skip
+AUDIO = dict(
+    d_model=32,
+    encoder_layers=2,
+    encoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    num_mel_bins=16,
+    max_source_positions=32,
+)
 
 
 def qwen2_audio_encoder(directory: Path, seed: int = 0) -> str:
@@ -169,10 +243,19 @@ def _text(kind: str, vocab: int, mrope: bool = False) -> dict:
     if mrope:
         rope["mrope_section"] = [2, 3, 3]
     return dict(
-        model_type=kind, vocab_size=vocab, hidden_size=64, intermediate_size=96,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-        rope_parameters=rope, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
+        model_type=kind,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        rope_parameters=rope,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
 
 
 def llava(
@@ -189,18 +272,28 @@ def llava(
     a Llama or Qwen2 LLM. `image`: the image token id."""
     from transformers import LlavaConfig, LlavaForConditionalGeneration
 
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                  num_attention_heads=4, image_size=24, patch_size=4)  # fmt: skip
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=24,
+        patch_size=4,
+    )
     if tower == "clip":
         vision["model_type"], layer, strategy = "clip_vision_model", -2, "default"
     else:
         vision["model_type"], layer, strategy = "siglip_vision_model", -1, "full"
     text_cfg = _text(text, vocab)
     cfg = LlavaConfig(
-        vision_config=vision, text_config=text_cfg, image_token_id=image,
-        vision_feature_layer=layer, vision_feature_select_strategy=strategy,
-        image_seq_length=36, tie_word_embeddings=tied,
-    )  # fmt: skip
+        vision_config=vision,
+        text_config=text_cfg,
+        image_token_id=image,
+        vision_feature_layer=layer,
+        vision_feature_select_strategy=strategy,
+        image_seq_length=36,
+        tie_word_embeddings=tied,
+    )
     return save(randomize(LlavaForConditionalGeneration(cfg), seed), directory)
 
 
@@ -213,10 +306,14 @@ def qwen2_5_vl(
     text = _text("qwen2", vocab, mrope=True)
     text.pop("model_type")
     cfg = Qwen2_5_VLConfig(
-        text_config=text, vision_config=dict(out_hidden_size=64, **QWEN25_VISION),
-        image_token_id=ids[0], video_token_id=ids[1], vision_start_token_id=ids[2],
-        vision_end_token_id=ids[3], tie_word_embeddings=tied,
-    )  # fmt: skip
+        text_config=text,
+        vision_config=dict(out_hidden_size=64, **QWEN25_VISION),
+        image_token_id=ids[0],
+        video_token_id=ids[1],
+        vision_start_token_id=ids[2],
+        vision_end_token_id=ids[3],
+        tie_word_embeddings=tied,
+    )
     return save(randomize(Qwen2_5_VLForConditionalGeneration(cfg), seed), directory)
 
 
@@ -227,6 +324,7 @@ def qwen2_audio(directory: Path, seed: int = 0, vocab: int = 300, audio: int = 2
 
     cfg = Qwen2AudioConfig(
         audio_config=dict(model_type="qwen2_audio_encoder", **AUDIO),
-        text_config=_text("qwen2", vocab), audio_token_id=audio,
-    )  # fmt: skip
+        text_config=_text("qwen2", vocab),
+        audio_token_id=audio,
+    )
     return save(randomize(Qwen2AudioForConditionalGeneration(cfg), seed), directory)

@@ -230,15 +230,22 @@ def _omni_caps(devices: int, block: int, scale: float):
     per_token, per_row = {"vision": 4, "audio": 4}, {"vision": 1, "audio": 4}
     sug = suggest_capacities(index, 8192, per_token, per_row=per_row, match_llm=True, block=block)
     caps = Capacities(
-        microbatches=2, devices=devices, llm_rows=sug.llm_rows, llm_row_len=sug.llm_row_len,
-        units=sug.units, per_token=per_token, per_row=per_row,
-        route_pair_capacity=sug.units["vision"] // 4, block=block,
-    )  # fmt: skip
+        microbatches=2,
+        devices=devices,
+        llm_rows=sug.llm_rows,
+        llm_row_len=sug.llm_row_len,
+        units=sug.units,
+        per_token=per_token,
+        per_row=per_row,
+        route_pair_capacity=sug.units["vision"] // 4,
+        block=block,
+    )
     suggested = suggest_tiles(index, caps)
     alone = {  # a tile capacity is never below the largest document's own tiles
-        "llm": index.llm_tokens(per_token), "vision": index.items["vision"].sizes,
+        "llm": index.llm_tokens(per_token),
+        "vision": index.items["vision"].sizes,
         "audio": index.items["audio"].sizes // 4,
-    }  # fmt: skip
+    }
     tight = {
         p: max(int(n * scale), int(tiles.own_tiles(-(-alone[p] // block), p == "llm").max()))
         for p, n in suggested.items()
@@ -350,8 +357,9 @@ def test_cudnn_document_bounds_are_sized_from_the_data_and_held():
     for phase, n in most.items():  # the dry run planned these very steps
         assert 0 < n == getattr(cfg.batch, f"{phase}_documents"), phase
     tight = dataclasses.replace(cfg.batch, llm_documents=most["llm"] - 1)
-    data = make_pipeline(dataclasses.replace(cfg, batch=tight), 8, prefetch=0, source=source,
-                         index=index)  # fmt: skip
+    data = make_pipeline(
+        dataclasses.replace(cfg, batch=tight), 8, prefetch=0, source=source, index=index
+    )
     try:
         with pytest.raises(ValueError, match=rf"more than batch\.llm_documents={most['llm'] - 1}"):
             for _ in range(4):

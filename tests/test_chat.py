@@ -33,10 +33,25 @@ CORPUS = [
     "The quick brown fox jumps over the lazy dog; a red circle on a mat.",
     "You are a helpful assistant. Today is a good day to count: 12 345 6789!",
 ]
-QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
-                 "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]  # fmt: skip
-LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
-                  "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]  # fmt: skip
+QWEN_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+LLAMA_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+]
 CHAT = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "Hello, how are you?"},
@@ -93,10 +108,16 @@ def build_dir(path: Path, family: str, template: str | None, extra=(), **config)
     path.mkdir(parents=True, exist_ok=True)
     tk.save(str(path / "tokenizer.json"))
     added = {
-        str(tk.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False,
-                                 "rstrip": False, "single_word": False, "special": True}
+        str(tk.token_to_id(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for t in specials
-    }  # fmt: skip
+    }
     body = {"added_tokens_decoder": added, **named, "model_max_length": 131072, **config}
     if template is not None:
         body["chat_template"] = TEMPLATES[template]
@@ -246,8 +267,9 @@ def test_media_without_own_tokens_get_new_rows_and_text_records(dirs):
 
 def test_own_audio_placeholder_configured_image_token_and_legacy_specials(tmp_path):
     audio = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>", "<|IMG|>"]
-    d = build_dir(tmp_path / "omni", "qwen", "Qwen/Qwen2.5-7B-Instruct", audio,
-                  image_token="<|IMG|>")  # fmt: skip
+    d = build_dir(
+        tmp_path / "omni", "qwen", "Qwen/Qwen2.5-7B-Instruct", audio, image_token="<|IMG|>"
+    )
     tk = make_tokenizer(str(d))
     assert tk.added_tokens == {}  # both placeholders are the checkpoint's own
     record = parse_record(
@@ -377,9 +399,14 @@ def test_index_and_batches_with_a_tokenizer_directory(dirs, tmp_path):
     tk = make_tokenizer(str(dirs["qwen-vl"]))
     cfg = load_config(
         "configs/manifest_example.yaml",
-        [f"data.path={tmp_path / 'm.jsonl'}", f"data.tokenizer={dirs['qwen-vl']}",
-         "data.workers=0", f"model.llm.vocab_size={tk.vocab_size}", "batch.llm_row_len=256"],
-    )  # fmt: skip
+        [
+            f"data.path={tmp_path / 'm.jsonl'}",
+            f"data.tokenizer={dirs['qwen-vl']}",
+            "data.workers=0",
+            f"model.llm.vocab_size={tk.vocab_size}",
+            "batch.llm_row_len=256",
+        ],
+    )
     summary = build_index(cfg, tmp_path / "m.jsonl", progress=False)
     assert summary["accepted"] == 9 and summary["rejects"] == {"placeholder_mismatch": 3}
     source, index = make_source(cfg)

@@ -180,12 +180,20 @@ def context_config(data: int, context: int, *extra: str):
     cfg = load_config(
         "configs/tiny.yaml",
         [
-            "data.synthetic.num_samples=256", "batch.capacity=fixed", "batch.vision_patches=640",
-            "batch.audio_frames=256", f"mesh.data={data}", "mesh.fsdp=1",
-            f"mesh.context={context}", f"batch.llm_row_len={ROW}", "train.steps=4",
-            "batch.llm_tiles=40", "batch.microbatches=1", *extra,  # (a long sample's room)
+            "data.synthetic.num_samples=256",
+            "batch.capacity=fixed",
+            "batch.vision_patches=640",
+            "batch.audio_frames=256",
+            f"mesh.data={data}",
+            "mesh.fsdp=1",
+            f"mesh.context={context}",
+            f"batch.llm_row_len={ROW}",
+            "train.steps=4",
+            "batch.llm_tiles=40",
+            "batch.microbatches=1",
+            *extra,  # (a long sample's room)
         ],
-    )  # fmt: skip
+    )
     source, index = make_source(cfg)
     return resolve_batch(cfg, index), source, index
 
@@ -198,11 +206,16 @@ def reference_config(cfg):
         cfg,
         mesh=dataclasses.replace(cfg.mesh, data=1, context=1),
         batch=dataclasses.replace(
-            cfg.batch, microbatches=1, route_pair_capacity=0, planner="first_fit",
-            llm_row_len=row, llm_tiles=every(row), vision_tiles=every(cfg.batch.vision_patches),
+            cfg.batch,
+            microbatches=1,
+            route_pair_capacity=0,
+            planner="first_fit",
+            llm_row_len=row,
+            llm_tiles=every(row),
+            vision_tiles=every(cfg.batch.vision_patches),
             audio_tiles=every(cfg.batch.audio_frames // cfg.model.audio.subsample),
         ),
-    )  # fmt: skip
+    )
 
 
 def alone(ref, sample: Sample) -> dict:
@@ -211,12 +224,16 @@ def alone(ref, sample: Sample) -> dict:
 
     def items(sizes):
         n = len(sizes)
-        return ItemPlan(np.zeros(n, np.int64), np.arange(n), np.zeros(n, np.int64),
-                        np.cumsum(sizes) - np.asarray(sizes, np.int64))  # fmt: skip
+        return ItemPlan(
+            np.zeros(n, np.int64),
+            np.arange(n),
+            np.zeros(n, np.int64),
+            np.cumsum(sizes) - np.asarray(sizes, np.int64),
+        )
 
     plan = StepPlan(
         0, z, z, z, z, z, items={k: items([len(m[0]) for m in v]) for k, v in sample.media.items()}
-    )  # fmt: skip
+    )
     return bucketize(plan, {0: sample}, ref, capacities(ref, 1))
 
 
@@ -232,8 +249,13 @@ def programs(cfg):
             prog = build_program(cfg, mesh)
             state = prog.init()
         ref = reference_config(cfg)
-        _PROGRAMS[cfg] = (mesh, state, jax.jit(make_loss_and_grads(prog.parts)), ref,
-                          jax.jit(make_loss_and_grads(model_parts(ref)[0])))  # fmt: skip
+        _PROGRAMS[cfg] = (
+            mesh,
+            state,
+            jax.jit(make_loss_and_grads(prog.parts)),
+            ref,
+            jax.jit(make_loss_and_grads(model_parts(ref)[0])),
+        )
     return _PROGRAMS[cfg]
 
 
@@ -273,10 +295,16 @@ def long_sample(rng, n: int, image_side: int, frames: int, sid: int) -> Sample:
     clip = rng.normal(size=(frames, 16)).astype(np.float32)
     text = rng.integers(0, 256, n - image_side**2 // 4 - frames // 4 - 1).astype(np.int32)
     cut = len(text) // 3
-    tokens = np.concatenate([
-        [tok.BOS], text[:cut], np.full(image_side**2 // 4, IMAGE), text[cut : 2 * cut],
-        np.full(frames // 4, AUDIO), text[2 * cut :],
-    ]).astype(np.int32)  # fmt: skip
+    tokens = np.concatenate(
+        [
+            [tok.BOS],
+            text[:cut],
+            np.full(image_side**2 // 4, IMAGE),
+            text[cut : 2 * cut],
+            np.full(frames // 4, AUDIO),
+            text[2 * cut :],
+        ]
+    ).astype(np.int32)
     loss = (tokens < 256) & (np.arange(len(tokens)) > 0)
     return Sample(sid, tokens, loss, {"vision": [image], "audio": [(clip, np.arange(frames))]})
 
@@ -372,8 +400,9 @@ def test_every_slot_reads_its_items_rows_through_the_exchange_and_the_gather():
                 m, g = int(plan.micro[k]), int(plan.device[k])
                 sid = 1 + int(((plan.micro[:k] == m) & (plan.device[:k] == g)).sum())
                 mine = np.flatnonzero(
-                    (seg[m, g] == sid) & np.isin(host["llm_tokens"].reshape(2, data, -1)[m, g],
-                                                 slot_token))  # fmt: skip
+                    (seg[m, g] == sid)
+                    & np.isin(host["llm_tokens"].reshape(2, data, -1)[m, g], slot_token)
+                )
                 got = reads[m, g][mine[np.argsort(position[m, g][mine])]]
                 want = []
                 for j in np.flatnonzero(items.owner == k)[np.argsort(items.item[items.owner == k])]:
@@ -410,10 +439,17 @@ def test_planned_groups_hold_every_capacity_and_plan_every_sample_once(mix):
     per_token, per_row = {"vision": 4, "audio": 4}, {"vision": 1, "audio": 4}
     enc = encoder_capacities(index, 2048, per_token, per_row=per_row, block=128)
     caps = Capacities(
-        microbatches=2, devices=16, llm_rows=1, llm_row_len=2048, units=enc.units,
-        per_token=per_token, per_row=per_row, route_pair_capacity=enc.units["vision"] // 4,
-        block=128, context=4,
-    )  # fmt: skip
+        microbatches=2,
+        devices=16,
+        llm_rows=1,
+        llm_row_len=2048,
+        units=enc.units,
+        per_token=per_token,
+        per_row=per_row,
+        route_pair_capacity=enc.units["vision"] // 4,
+        block=128,
+        context=4,
+    )
     make = lambda c: make_planner("orchestrated", index, c, 0)
     route = route_capacity(make(caps), index, caps, 10, 30)
     caps = dataclasses.replace(caps, route_pair_capacity=route)
@@ -448,10 +484,18 @@ def test_a_document_as_long_as_the_only_group_is_planned_every_step():
     none = [np.zeros(0, np.int64)] * 6
     index = from_arrays(np.array([8192, 8192, 8000, 8192, 8192, 5000]), none, none)
     caps = Capacities(
-        microbatches=1, devices=8, llm_rows=1, llm_row_len=1024, units={"vision": 0, "audio": 0},
-        per_token={"vision": 4, "audio": 4}, per_row={"vision": 1, "audio": 4},
-        route_pair_capacity=1, block=128, tiles={"llm": (64 * 65 // 2) // 8 + 8}, context=8,
-    )  # fmt: skip
+        microbatches=1,
+        devices=8,
+        llm_rows=1,
+        llm_row_len=1024,
+        units={"vision": 0, "audio": 0},
+        per_token={"vision": 4, "audio": 4},
+        per_row={"vision": 1, "audio": 4},
+        route_pair_capacity=1,
+        block=128,
+        tiles={"llm": (64 * 65 // 2) // 8 + 8},
+        context=8,
+    )
     planner = make_planner("orchestrated", index, caps, 0)
     planned = []
     for _ in range(6):

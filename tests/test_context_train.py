@@ -28,9 +28,14 @@ def context_run(out, data: int, context: int, steps: int = STEPS):
     the sample ledger on."""
     cfg = load_config(
         "configs/tiny.yaml",
-        [f"data.synthetic.num_samples={SAMPLES}", f"mesh.data={data}", "mesh.fsdp=1",
-         f"mesh.context={context}", "batch.llm_row_len=64"],
-    )  # fmt: skip
+        [
+            f"data.synthetic.num_samples={SAMPLES}",
+            f"mesh.data={data}",
+            "mesh.fsdp=1",
+            f"mesh.context={context}",
+            "batch.llm_row_len=64",
+        ],
+    )
     train = dict(steps=steps, output_dir=str(out), log_every=1, checkpoint_every=2)
     return replace(cfg, train=replace(cfg.train, progress_bar=False, ledger=True, **train))
 
@@ -95,9 +100,15 @@ def test_a_context_size_too_small_for_the_data_is_refused_naming_the_keys():
     tokens do, groups of 2 and single devices do not, and the message names the keys."""
     cfg = load_config(
         "configs/tiny.yaml",
-        [f"data.synthetic.num_samples={SAMPLES}", "mesh.data=2", "mesh.fsdp=1",
-         "mesh.context=4", "batch.llm_row_len=32", "batch.route_pair_capacity=80"],
-    )  # fmt: skip
+        [
+            f"data.synthetic.num_samples={SAMPLES}",
+            "mesh.data=2",
+            "mesh.fsdp=1",
+            "mesh.context=4",
+            "batch.llm_row_len=32",
+            "batch.route_pair_capacity=80",
+        ],
+    )
     _, index = make_source(cfg)
     check_fits(index, capacities(cfg, 8))  # 4 x 32 tokens hold every sample
     alone = replace(cfg, mesh=replace(cfg.mesh, data=8, context=1))

@@ -17,10 +17,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from runs import child_env, train_cmd
 
 from jaxmllm.loop import ledger
 from jaxmllm.loop.metrics import read_metrics
+from runs import child_env, train_cmd
 
 STEPS = 14
 SAMPLES = 256  # about 4 steps an epoch: the run crosses 3 epoch boundaries

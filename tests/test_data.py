@@ -231,8 +231,13 @@ def test_route_capacity_from_the_dry_run_is_held_by_the_pipeline():
     from jaxmllm.plan.contract import check_plan
     from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
 
-    cfg = tiny("batch.capacity=auto", "batch.route_pair_capacity=-1", "batch.microbatches=2",
-               "data.synthetic.num_samples=512", "train.steps=100")  # fmt: skip
+    cfg = tiny(
+        "batch.capacity=auto",
+        "batch.route_pair_capacity=-1",
+        "batch.microbatches=2",
+        "data.synthetic.num_samples=512",
+        "train.steps=100",
+    )
     source, index = make_source(cfg)
     got = resolve_batch(cfg, index, 8)
     whole = max(got.batch.vision_patches, got.batch.audio_frames) // 4

@@ -87,7 +87,7 @@ def data(tmp_path_factory):
             "id": "modes",
             "text": "<image><image><image><image>",
             "images": ["m/gray.png", "m/rgba.png", "m/cmyk.jpg", "m/deep.png"],
-        },  # fmt: skip
+        },
         {"id": "rot", "text": "<image>rotated", "images": ["m/rot.jpg"]},
         {"id": "inline", "text": "<image>inline", "images": [inline]},
         {"id": "stereo", "text": "<audio> two tones", "audio": ["m/stereo.flac"]},
@@ -104,7 +104,7 @@ def data(tmp_path_factory):
                 {"role": "assistant", "content": [{"type": "text", "text": "yes"}]},
             ],
             "images": ["m/a.png"],
-        },  # fmt: skip
+        },
     ]
     bad = {
         "trunc": ({"text": "<image>", "images": ["m/trunc.jpg"]}, "undecodable_media"),
@@ -425,9 +425,11 @@ def test_pixels_are_normalised_with_the_configured_mean_and_std(tmp_path):
     mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
     for sets, want in [
         ([], [1.0, 51 / 127.5 - 1, -1.0]),
-        ([f"data.image_mean={list(mean)}", f"data.image_std={list(std)}"],
-         (np.array([255, 51, 0]) / 255 - np.array(mean)) / np.array(std)),
-    ]:  # fmt: skip
+        (
+            [f"data.image_mean={list(mean)}", f"data.image_std={list(std)}"],
+            (np.array([255, 51, 0]) / 255 - np.array(mean)) / np.array(std),
+        ),
+    ]:
         inputs = inputs_of(VISION, load_config("configs/tiny.yaml", sets).data)
         got = inputs.normalise(pixels).reshape(-1, 3)
         np.testing.assert_allclose(got, np.tile(want, (len(got), 1)), rtol=1e-5)

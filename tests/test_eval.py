@@ -15,8 +15,9 @@ from jaxmllm.batch.bucketize import batch_shapes
 from jaxmllm.config import ConfigError, load_config
 from jaxmllm.data.preprocess import Params, Preprocessor
 from jaxmllm.data.rejects import RecordError
+from jaxmllm.data.scoring import score_answer
 from jaxmllm.data.source import make_source
-from jaxmllm.data.synthetic import SyntheticSource, score_answer
+from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.data.text.template import RecordTemplate, make_template
 from jaxmllm.loop.evaluate import MIXES, HeldOut, eval_metrics, plan_set, sample_mixes
@@ -94,8 +95,11 @@ def test_eval_rows_are_token_weighted_and_merge_into_their_steps_row(tmp_path):
 
 def test_answers_are_scored_by_what_they_name():
     assert score_answer("a red circle", "a red circle") == {
-        "exact": 1.0, "count": 1.0, "colour": 1.0, "shape": 1.0
-    }  # fmt: skip
+        "exact": 1.0,
+        "count": 1.0,
+        "colour": 1.0,
+        "shape": 1.0,
+    }
     two = score_answer("a red cross and a blue cross", "a red circle and a green cross")
     assert two == {"exact": 0.0, "count": 1.0, "colour": 0.5, "shape": 0.5}
     assert score_answer("a red circle", "a red circle and a green cross")["count"] == 0.0
@@ -175,5 +179,7 @@ def test_a_manifest_eval_set_brings_its_questions_and_counts_every_sample(tmp_pa
     questions = Questions(replace(cfg), source, 4)
     shown = [questions.show(p.tokens) for p in questions.prompts]
     assert "<user>what colour is the box?<assistant>" in shown and "" in shown
-    assert all(t.startswith("a ") or t in ("red", "green", "blue", "yellow", "white", "purple")
-               for t in questions.truths), questions.truths  # fmt: skip
+    assert all(
+        t.startswith("a ") or t in ("red", "green", "blue", "yellow", "white", "purple")
+        for t in questions.truths
+    ), questions.truths

@@ -491,29 +491,48 @@ def test_every_reader_confines_media_caps_sizes_and_carries_videos(tmp_path):
     (tmp_path / "llava.json").write_text(json.dumps(llava))
     data = DataConfig(media_root=str(root))
     got = _reasons(open_records(tmp_path / "llava.json", "llava", data.media_root, data=data))
-    assert got == {"in": "vision:1", "out": "path_outside_root", "abs": "path_outside_root",
-                   "vid": "video:1"}  # fmt: skip
+    assert got == {
+        "in": "vision:1",
+        "out": "path_outside_root",
+        "abs": "path_outside_root",
+        "vid": "video:1",
+    }
     anywhere = DataConfig(media_root=str(root), allow_outside_paths=True)
     opened = open_records(tmp_path / "llava.json", "llava", str(root), data=anywhere)
     assert _reasons(opened)["out"] == "vision:1"
 
     parts = [{"type": "video", "video": "v.mp4"}, {"type": "text", "text": "?"}]
     messages = [
-        {"id": "m1", "messages": [{"role": "user", "content": parts},
-                                  {"role": "assistant", "content": "a"}]},
-        {"id": "m2", "messages": [{"role": "user", "content": "<video>?"},
-                                  {"role": "assistant", "content": "a"}], "videos": ["../v.mp4"]},
-        {"id": "m3", "messages": [{"role": "user", "content": "x" * 300},
-                                  {"role": "assistant", "content": "a"}]},
-    ]  # fmt: skip
+        {
+            "id": "m1",
+            "messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "a"}],
+        },
+        {
+            "id": "m2",
+            "messages": [
+                {"role": "user", "content": "<video>?"},
+                {"role": "assistant", "content": "a"},
+            ],
+            "videos": ["../v.mp4"],
+        },
+        {
+            "id": "m3",
+            "messages": [
+                {"role": "user", "content": "x" * 300},
+                {"role": "assistant", "content": "a"},
+            ],
+        },
+    ]
     path = root / "m.jsonl"
     path.write_text("".join(json.dumps(m) + "\n" for m in messages))
     got = _reasons(open_records(path, "messages", data=DataConfig(max_media_bytes=256)))
     assert got == {"m1": "video:1", "m2": "path_outside_root", "line:3": "malformed_line"}
 
     image = lambda p: [{"bytes": None, "path": p}]  # (HF datasets' Image(): a path only)
-    rows = [{"id": "p1", "text": "<image> a", "images": image("img/a.png")},
-            {"id": "p2", "text": "<image> b", "images": image("../secret.png")}]  # fmt: skip
+    rows = [
+        {"id": "p1", "text": "<image> a", "images": image("img/a.png")},
+        {"id": "p2", "text": "<image> b", "images": image("../secret.png")},
+    ]
     pq.write_table(pa.Table.from_pylist(rows), root / "p.parquet")
     got = _reasons(open_records(root / "p.parquet", "parquet"))
     assert got == {"p1": "vision:1", "p2": "path_outside_root"}
@@ -521,9 +540,13 @@ def test_every_reader_confines_media_caps_sizes_and_carries_videos(tmp_path):
     shard = root / "s.tar"
     out = json.dumps({"text": "<image> c", "images": ["../secret.png"]}).encode()
     with tarfile.open(shard, "w") as tar:
-        for name, blob in [("k1.mp4", b"m" * 10), ("k1.txt", b"<video> a clip"),
-                           ("k2.jpg", b"j" * 300), ("k2.txt", b"too large"),
-                           ("k3.json", out)]:  # fmt: skip
+        for name, blob in [
+            ("k1.mp4", b"m" * 10),
+            ("k1.txt", b"<video> a clip"),
+            ("k2.jpg", b"j" * 300),
+            ("k2.txt", b"too large"),
+            ("k3.json", out),
+        ]:
             info = tarfile.TarInfo(name)
             info.size = len(blob)
             tar.addfile(info, io.BytesIO(blob))

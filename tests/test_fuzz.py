@@ -146,8 +146,13 @@ def test_seeds_decode_and_special_files_are_refused_unopened(h, opened):
         assert check(fuzz.image_outcome, h, h.seeds[name]) == "ok", name
     for name in fuzz.AUDIO_SEEDS:
         assert check(fuzz.audio_outcome, h, h.seeds[name]) == "ok", name
-    want = {"dir": "undecodable_media", "fifo": "undecodable_media", "missing.png": "missing_media",
-            "/dev/zero": "path_outside_root", "rgb.png\x00x": "missing_media"}  # fmt: skip
+    want = {
+        "dir": "undecodable_media",
+        "fifo": "undecodable_media",
+        "missing.png": "missing_media",
+        "/dev/zero": "path_outside_root",
+        "rgb.png\x00x": "missing_media",
+    }
     arrayrecord = lambda hh, path: fuzz.arrayrecord_outcome(  # the converter reads paths too
         hh, (fuzz._record_with(hh, path, "images"), 0)
     )
@@ -176,8 +181,13 @@ def test_exif_orientations_match_pil(h):
 
 def test_non_finite_audio_is_rejected(h):
     buf = io.BytesIO()
-    sf.write(buf, np.array([0.1, np.nan, np.inf] * 2000, np.float32), 16000, format="WAV",
-             subtype="FLOAT")  # fmt: skip
+    sf.write(
+        buf,
+        np.array([0.1, np.nan, np.inf] * 2000, np.float32),
+        16000,
+        format="WAV",
+        subtype="FLOAT",
+    )
     assert check(fuzz.audio_outcome, h, buf.getvalue()) == "load:undecodable_media"
 
 
@@ -332,10 +342,18 @@ def test_fuzzed_manifest_under_skip_and_fail(h, tmp_path):
     rng = random.Random(0)
     path = h.root / "fuzzed.jsonl"
     path.write_bytes(b"\n".join(fuzz.gen_line(rng, h.seeds) for _ in range(60)) + b"\n")
-    over = [f"data.path={path}", f"data.index_dir={tmp_path / 'ix'}", "data.source=jsonl",
-            "data.image_min_pixels=256", "data.image_max_pixels=1024", "data.audio_max_frames=32",
-            f"train.output_dir={tmp_path / 'run'}", "data.max_image_pixels=4194304",
-            "data.eval.source=none", "data.min_accept=0"]  # fmt: skip
+    over = [
+        f"data.path={path}",
+        f"data.index_dir={tmp_path / 'ix'}",
+        "data.source=jsonl",
+        "data.image_min_pixels=256",
+        "data.image_max_pixels=1024",
+        "data.audio_max_frames=32",
+        f"train.output_dir={tmp_path / 'run'}",
+        "data.max_image_pixels=4194304",
+        "data.eval.source=none",
+        "data.min_accept=0",
+    ]
     cfg = load_config("configs/tiny.yaml", over)
     summary = build_index(cfg, path, tmp_path / "ix", progress=False)
     rejects = read_rejects(tmp_path / "ix" / "rejects.jsonl")

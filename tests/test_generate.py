@@ -49,15 +49,20 @@ CFG = Config(
 
 def prompt(rng: np.random.Generator, n_text: int, images=(), clips=()) -> Sample:
     """BOS, each image's and clip's placeholder run, then random bytes."""
-    media = [patchify(rng.integers(0, 256, (4 * h, 4 * w, 3), dtype=np.uint8), 4)
-             for h, w in images]  # fmt: skip
+    media = [
+        patchify(rng.integers(0, 256, (4 * h, 4 * w, 3), dtype=np.uint8), 4) for h, w in images
+    ]
     audio = [(rng.normal(size=(f, N_MELS)).astype(np.float32), np.arange(f)) for f in clips]
     tokens = [tok.BOS]
     tokens += [IMAGE] * sum(len(p) // 4 for p, _ in media)
     tokens += [AUDIO] * sum(f // 4 for f in clips)
     tokens += rng.integers(0, 256, n_text).tolist()
-    return Sample(-1, np.asarray(tokens, np.int32), np.zeros(len(tokens), bool),
-                  {"vision": media, "audio": audio})  # fmt: skip
+    return Sample(
+        -1,
+        np.asarray(tokens, np.int32),
+        np.zeros(len(tokens), bool),
+        {"vision": media, "audio": audio},
+    )
 
 
 @pytest.fixture(scope="module")

@@ -32,9 +32,14 @@ def hf_greedy(model, ids, new: int, stop, **inputs) -> list[int]:
     prompt = torch.tensor([list(ids)], dtype=torch.long)
     with torch.no_grad():
         out = model.generate(
-            input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
-            do_sample=False, eos_token_id=sorted(stop), pad_token_id=sorted(stop)[0], **inputs,
-        )  # fmt: skip
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=sorted(stop),
+            pad_token_id=sorted(stop)[0],
+            **inputs,
+        )
     return out[0, len(ids) :].tolist()
 
 
@@ -46,16 +51,18 @@ def test_greedy_llama_matches_transformers_for_32_tokens(tmp_path):
     src = hf_models.llama(tmp_path / "llama", tied=True, vocab=VOCAB)
     build_dir(Path(src), "llama", "meta-llama/Llama-3.1-8B-Instruct")
     text = "The quick brown fox jumps over the lazy dog."
-    args = parse_args(["--hf", src, "--template", "plain", "--prompt", text,
-                       "--max-new-tokens", "32"])  # fmt: skip
+    args = parse_args(
+        ["--hf", src, "--template", "plain", "--prompt", text, "--max-new-tokens", "32"]
+    )
     cfg, params = load_hf(args)
     template = make_template(cfg, args.template, pretrained=True)
     (prompt,) = request_prompts(template, args)
     assert prompt.tokens.tolist() == hf(Path(src))(text)["input_ids"]
     stop = template.specials.stop
     gen = Generator(cfg, PromptShapes.fit([prompt], cfg, 32), template.specials)
-    (ours,) = gen.generate(params["params"], params["frozen"], [prompt], max_new_tokens=32,
-                           stop_ids=frozenset(stop))  # fmt: skip
+    (ours,) = gen.generate(
+        params["params"], params["frozen"], [prompt], max_new_tokens=32, stop_ids=frozenset(stop)
+    )
     theirs = hf_greedy(LlamaForCausalLM.from_pretrained(src).eval(), prompt.tokens, 32, stop)
     assert len(ours.ids) == 32 and ours.ids == theirs
 
@@ -102,8 +109,9 @@ def _ours(d: Path, prompt: Sample, new: int) -> tuple[list[int], frozenset]:
     assert specials.media[phase] in prompt.tokens
     stop = frozenset(template.specials.stop)
     gen = Generator(cfg, PromptShapes.fit([prompt], cfg, new), template.specials)
-    (ours,) = gen.generate(params["params"], params["frozen"], [prompt], max_new_tokens=new,
-                           stop_ids=stop)  # fmt: skip
+    (ours,) = gen.generate(
+        params["params"], params["frozen"], [prompt], max_new_tokens=new, stop_ids=stop
+    )
     return ours.ids, stop
 
 
@@ -131,8 +139,13 @@ def test_llava_with_an_image_generates_transformers_tokens(tmp_path, tower):
     image = Inputs.pixels().normalise(pixels)  # (what transformers takes: the config's default)
     words = tk("Describe the picture, please.", add_special_tokens=False)["input_ids"]
     tokens = [*words[:3], *[image_id] * g * g, *words[3:]]
-    prompt = Sample(-1, np.asarray(tokens, np.int32), np.zeros(len(tokens), bool),
-                    {"vision": [(patches, positions)]}, grids=[(g, g)])  # fmt: skip
+    prompt = Sample(
+        -1,
+        np.asarray(tokens, np.int32),
+        np.zeros(len(tokens), bool),
+        {"vision": [(patches, positions)]},
+        grids=[(g, g)],
+    )
     ours, stop = _ours(d, prompt, 16)
 
     import torch
@@ -165,8 +178,13 @@ def test_qwen_vl_with_an_image_generates_transformers_first_tokens(tmp_path, fam
     patches, positions = patchify(pixels, p, 2)  # (uint8: our encoder normalises them)
     words = tk("Describe the picture, please.")["input_ids"]
     tokens = [*words[:3], ids[2], *[ids[0]] * (gh * gw // 4), ids[3], *words[3:]]
-    prompt = Sample(-1, np.asarray(tokens, np.int32), np.zeros(len(tokens), bool),
-                    {"vision": [(patches, positions)]}, grids=[(gh, gw)])  # fmt: skip
+    prompt = Sample(
+        -1,
+        np.asarray(tokens, np.int32),
+        np.zeros(len(tokens), bool),
+        {"vision": [(patches, positions)]},
+        grids=[(gh, gw)],
+    )
     ours, stop = _ours(d, prompt, 8)
 
     import torch
@@ -176,8 +194,9 @@ def test_qwen_vl_with_an_image_generates_transformers_first_tokens(tmp_path, fam
     kinds = torch.from_numpy((np.asarray(tokens) == ids[0])[None].astype(np.int32))
     model = transformers.AutoModelForImageTextToText.from_pretrained(str(d)).eval()
     grid = torch.tensor([[1, gh, gw]])
-    theirs = hf_greedy(model, tokens, 8, stop, pixel_values=pixels, image_grid_thw=grid,
-                       mm_token_type_ids=kinds)  # fmt: skip
+    theirs = hf_greedy(
+        model, tokens, 8, stop, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=kinds
+    )
     assert len(ours) == 8 and ours == theirs
 
 
@@ -208,8 +227,14 @@ def test_qwen2_audio_with_a_clip_generates_transformers_tokens(tmp_path):
     features[0, :, :frames] = clip.T
     mask = torch.from_numpy((np.arange(window) < frames)[None].astype(np.int64))
     model = Qwen2AudioForConditionalGeneration.from_pretrained(str(d)).eval()
-    theirs = hf_greedy(model, tokens, 16, stop, input_features=torch.from_numpy(features),
-                       feature_attention_mask=mask)  # fmt: skip
+    theirs = hf_greedy(
+        model,
+        tokens,
+        16,
+        stop,
+        input_features=torch.from_numpy(features),
+        feature_attention_mask=mask,
+    )
     assert len(ours) == 16 and ours == theirs
 
 

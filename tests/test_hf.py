@@ -104,8 +104,11 @@ def test_a_missing_tensor_and_a_wrong_shape_are_refused_naming_them(tmp_path):
     hf["intermediate_size"] = 80  # the checkpoint's MLP is 96 wide
     (source / "config.json").write_text(json.dumps(hf))
     # Refused from the headers, before a parameter is allocated, naming the file and tensor.
-    with pytest.raises(CheckpointError, match=r"mlp\.gate_proj\.weight \[96, 64\] in .*"
-                       r"model\.safetensors does not hold"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"mlp\.gate_proj\.weight \[96, 64\] in .*"
+        r"model\.safetensors does not hold",
+    ):
         load_towers(config_for("llm", str(source)), "llm")
 
 
@@ -168,8 +171,12 @@ def test_import_takes_the_processors_settings(tmp_path):
     llm = hf_models.qwen2(tmp_path / "llm", tied=True)
     vision = hf_models.qwen2_vl_vision(tmp_path / "vision")
     audio = hf_models.whisper(tmp_path / "audio")
-    clip = {"image_mean": [0.48145466, 0.4578275, 0.40821073], "min_pixels": 3136,
-            "image_std": [0.26862954, 0.26130258, 0.27577711], "max_pixels": 12845056}  # fmt: skip
+    clip = {
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "min_pixels": 3136,
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "max_pixels": 12845056,
+    }
     (tmp_path / "vision" / "preprocessor_config.json").write_text(json.dumps(clip))
     (tmp_path / "audio" / "preprocessor_config.json").write_text('{"sampling_rate": 16000}')
     cfg = write_config(tmp_path / "run.yaml", llm, vision, audio)
@@ -185,14 +192,34 @@ def test_mrope_positions_are_qwen2_vls():
     from jaxmllm.batch.bucketize import mrope_positions
 
     ids = np.array([1, 2, 9, 9, 9, 9, 9, 9, 3, 9, 4])  # a 4x6 grid (2x3 merged), a 2x2 one
-    want = [[0, 0, 0], [1, 1, 1], [2, 2, 2], [2, 2, 3], [2, 2, 4], [2, 3, 2], [2, 3, 3],
-            [2, 3, 4], [5, 5, 5], [6, 6, 6], [7, 7, 7]]  # fmt: skip
+    want = [
+        [0, 0, 0],
+        [1, 1, 1],
+        [2, 2, 2],
+        [2, 2, 3],
+        [2, 2, 4],
+        [2, 3, 2],
+        [2, 3, 3],
+        [2, 3, 4],
+        [5, 5, 5],
+        [6, 6, 6],
+        [7, 7, 7],
+    ]
     np.testing.assert_array_equal(mrope_positions(ids, 9, [(4, 6), (2, 2)], 2), want)
     with pytest.raises(ValueError, match="7 image tokens but .* 1 image grids merge to 6"):
         mrope_positions(ids, 9, [(4, 6)], 2)
     # Two images with no text between (synthetic samples, tokenizers without vision start/end
     # tokens): one run of image tokens, split by the grids in order.
     ids = np.array([1, 9, 9, 9, 9, 9, 9, 9, 4])
-    want = [[0, 0, 0], [1, 1, 1], [1, 1, 2], [1, 1, 3], [1, 2, 1], [1, 2, 2], [1, 2, 3],
-            [4, 4, 4], [5, 5, 5]]  # fmt: skip
+    want = [
+        [0, 0, 0],
+        [1, 1, 1],
+        [1, 1, 2],
+        [1, 1, 3],
+        [1, 2, 1],
+        [1, 2, 2],
+        [1, 2, 3],
+        [4, 4, 4],
+        [5, 5, 5],
+    ]
     np.testing.assert_array_equal(mrope_positions(ids, 9, [(4, 6), (2, 2)], 2), want)

@@ -28,13 +28,25 @@ from sharding.rules import keyed_leaves
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 CPU = [  # the recipes sized for 8 CPU devices and built-in data
-    "mesh.cpu_devices=8", "mesh.data=4", "mesh.fsdp=2", "model.compute_dtype=float32",
-    "model.remat=none", "batch.llm_row_len=256", "batch.microbatches=2",
-    "batch.attention_block=32", "data.source=synthetic", "data.path=",
-    "data.synthetic.num_samples=256", "data.synthetic.max_image_side=8",
-    "data.synthetic.max_audio_frames=64", "train.steps=3", "train.checkpoint_every=3",
-    "train.log_every=1", "train.progress_bar=false", "optim.warmup_steps=1",
-]  # fmt: skip
+    "mesh.cpu_devices=8",
+    "mesh.data=4",
+    "mesh.fsdp=2",
+    "model.compute_dtype=float32",
+    "model.remat=none",
+    "batch.llm_row_len=256",
+    "batch.microbatches=2",
+    "batch.attention_block=32",
+    "data.source=synthetic",
+    "data.path=",
+    "data.synthetic.num_samples=256",
+    "data.synthetic.max_image_side=8",
+    "data.synthetic.max_audio_frames=64",
+    "train.steps=3",
+    "train.checkpoint_every=3",
+    "train.log_every=1",
+    "train.progress_bar=false",
+    "optim.warmup_steps=1",
+]
 
 
 def _same(a: dict, b: dict, prefix: str) -> bool:
@@ -55,11 +67,14 @@ def test_recipes_stage1_then_stage2_then_export(tmp_path):
     base1 = ROOT / "configs" / "recipes" / "stage1.yaml"
     write_config(tmp_path / "stage1.yaml", llm, vision, audio, base=base1)
     out1 = runs / "stage1"
-    cfg1 = load_config(tmp_path / "stage1.yaml", [*CPU, f"train.output_dir={out1}",
-                                                   "optim.lr=1e-2"])  # fmt: skip
+    cfg1 = load_config(
+        tmp_path / "stage1.yaml", [*CPU, f"train.output_dir={out1}", "optim.lr=1e-2"]
+    )
     assert (cfg1.model.llm.freeze, cfg1.model.vision.freeze, cfg1.model.projector_freeze) == (
-        True, True, False
-    )  # fmt: skip
+        True,
+        True,
+        False,
+    )
     train.main(cfg1)
     exported1 = export_run(str(out1), str(tmp_path / "export1"))
     vocab = cfg1.model.llm.vocab_size  # 300 rows grown to the tokenizer's, by 128s
@@ -74,9 +89,10 @@ def test_recipes_stage1_then_stage2_then_export(tmp_path):
     base2 = ROOT / "configs" / "recipes" / "stage2.yaml"
     write_config(tmp_path / "stage2.yaml", llm, vision, audio, base=base2)
     out2 = runs / "stage2"
-    cfg2 = load_config(tmp_path / "stage2.yaml", [*CPU, f"train.output_dir={out2}",
-                                                   f"model.init_from.run={out1}",
-                                                   "optim.lr=3e-3"])  # fmt: skip
+    cfg2 = load_config(
+        tmp_path / "stage2.yaml",
+        [*CPU, f"train.output_dir={out2}", f"model.init_from.run={out1}", "optim.lr=3e-3"],
+    )
     mesh = train.sharding.make_mesh(cfg2.mesh)
     _, index = make_source(cfg2)
     prog = build_program(resolve_batch(cfg2, index, train.sharding.data_parallel_size(mesh)), mesh)
@@ -123,10 +139,19 @@ def test_pretrained_start_under_pipeline_stages(tmp_path):
     llm = hf_models.qwen2(tmp_path / "qwen2", tied=True)
     vision = hf_models.siglip(tmp_path / "siglip")
     write_config(tmp_path / "run.yaml", llm, vision, base=ROOT / "configs/recipes/stage2.yaml")
-    cfg = load_config(tmp_path / "run.yaml", [
-        *CPU, "model.init_from.run=", "mesh.stage=2", "mesh.data=4", "mesh.fsdp=1",
-        "model.audio.enabled=false", "data.synthetic.audio_fraction=0", "batch.microbatches=4",
-    ])  # fmt: skip
+    cfg = load_config(
+        tmp_path / "run.yaml",
+        [
+            *CPU,
+            "model.init_from.run=",
+            "mesh.stage=2",
+            "mesh.data=4",
+            "mesh.fsdp=1",
+            "model.audio.enabled=false",
+            "data.synthetic.audio_fraction=0",
+            "batch.microbatches=4",
+        ],
+    )
     shard = train.sharding
     mesh = shard.make_mesh(cfg.mesh)
     source, index = make_source(cfg)

@@ -130,9 +130,16 @@ def test_import_model_writes_the_whole_config(tmp_path):
     hf_models.llava(d, vocab=512, image=image)
     build_dir(d, "llama", "meta-llama/Llama-3.1-8B-Instruct", extra=["<image>"])
     mean, std = [0.48, 0.46, 0.41], [0.27, 0.26, 0.28]
-    processor = {"image_processor": {"image_mean": mean, "image_std": std, "crop_size":
-                 {"height": 24, "width": 20}, "size": {"shortest_edge": 24}},
-                 "image_token": "<image>", "processor_class": "LlavaProcessor"}  # fmt: skip
+    processor = {
+        "image_processor": {
+            "image_mean": mean,
+            "image_std": std,
+            "crop_size": {"height": 24, "width": 20},
+            "size": {"shortest_edge": 24},
+        },
+        "image_token": "<image>",
+        "processor_class": "LlavaProcessor",
+    }
     (d / "processor_config.json").write_text(json.dumps(processor))
     out = tmp_path / "run.yaml"
     assert main(["import", "--model", str(d), "--out", str(out)]) == 0
@@ -176,16 +183,26 @@ def test_import_reads_a_llava_1_5_config_its_defaults_included(tmp_path):
         "patch_size": 14,
         "projection_dim": 768,
     }
-    config = {"architectures": ["LlavaForConditionalGeneration"], "image_token_index": 32000,
-              "model_type": "llava", "projector_hidden_act": "gelu", "text_config": text,
-              "vision_config": vision, "vision_feature_layer": -2,
-              "vision_feature_select_strategy": "default"}  # fmt: skip
+    config = {
+        "architectures": ["LlavaForConditionalGeneration"],
+        "image_token_index": 32000,
+        "model_type": "llava",
+        "projector_hidden_act": "gelu",
+        "text_config": text,
+        "vision_config": vision,
+        "vision_feature_layer": -2,
+        "vision_feature_select_strategy": "default",
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     model = model_section(str(tmp_path), str(tmp_path))
     llm, v = model["llm"], model["vision"]
     assert (llm["width"], llm["depth"], llm["heads"], llm["kv_heads"], llm["mlp_dim"]) == (
-        4096, 32, 32, 32, 11008
-    )  # fmt: skip
+        4096,
+        32,
+        32,
+        32,
+        11008,
+    )
     assert (llm["norm_eps"], llm["vocab_size"], llm["attn_bias"]) == (1e-5, 32064, "")
     tower = (v["depth"], v["position_grid"], v["class_token"], v["final_norm"])
     assert tower == (23, 24, True, False)
@@ -226,14 +243,20 @@ def test_import_refuses_what_it_cannot_read(tmp_path, capsys):
 def _packed(cfg: VisionConfig, grids, length: int):
     rng = np.random.default_rng(0)
     p = cfg.patch_size
-    packed = [patchify(rng.normal(size=(h * p, w * p, 3)).astype(np.float32), p, cfg.merge)
-              for h, w in grids]  # fmt: skip
+    packed = [
+        patchify(rng.normal(size=(h * p, w * p, 3)).astype(np.float32), p, cfg.merge)
+        for h, w in grids
+    ]
     x = np.concatenate([a for a, _ in packed])
     pos = np.concatenate([b for _, b in packed])
     seg = np.concatenate([np.full(len(a), i + 1) for i, (a, _) in enumerate(packed)])
     pad = length - len(x)
-    return (np.pad(x, ((0, pad), (0, 0)))[None], np.pad(seg, (0, pad))[None],
-            np.pad(pos, ((0, pad), (0, 0)))[None], len(seg))  # fmt: skip
+    return (
+        np.pad(x, ((0, pad), (0, 0)))[None],
+        np.pad(seg, (0, pad))[None],
+        np.pad(pos, ((0, pad), (0, 0)))[None],
+        len(seg),
+    )
 
 
 @pytest.mark.parametrize("kind", ["class_token", "window"])
@@ -244,26 +267,55 @@ def test_block_sparse_towers_equal_dense(kind):
     the class rows' and the windows' band of tiles added by the tower) as with dense."""
     if kind == "class_token":
         cfg = VisionConfig(
-            patch_size=4, width=32, depth=2, heads=4, mlp_dim=64, merge=1, positions="learned",
-            position_grid=6, class_token=True, pre_norm=True, final_norm=False, norm="layer",
-            mlp="quick_gelu", attn_bias="qkvo", mlp_bias=True, patch_bias=False,
-        )  # fmt: skip
+            patch_size=4,
+            width=32,
+            depth=2,
+            heads=4,
+            mlp_dim=64,
+            merge=1,
+            positions="learned",
+            position_grid=6,
+            class_token=True,
+            pre_norm=True,
+            final_norm=False,
+            norm="layer",
+            mlp="quick_gelu",
+            attn_bias="qkvo",
+            mlp_bias=True,
+            patch_bias=False,
+        )
         grids, length, documents = [(6, 6), (4, 7), (3, 2)], 128, 5
     else:
         cfg = VisionConfig(
-            patch_size=4, width=32, depth=4, heads=4, mlp_dim=48, norm="rms", mlp="gated_silu",
-            mlp_bias=True, attn_bias="qkvo", window=4, full_blocks=(1, 3), patch_bias=False,
+            patch_size=4,
+            width=32,
+            depth=4,
+            heads=4,
+            mlp_dim=48,
+            norm="rms",
+            mlp="gated_silu",
+            mlp_bias=True,
+            attn_bias="qkvo",
+            window=4,
+            full_blocks=(1, 3),
+            patch_bias=False,
             temporal_patch=2,
-        )  # fmt: skip
+        )
         grids, length, documents = [(10, 6), (4, 6), (2, 2), (8, 8)], 192, 0
     x, seg, pos, n = _packed(cfg, grids, length)
     out = {}
     for attention in ("dense", "block_sparse"):
         sparse = attention == "block_sparse"
         encoder = VisionEncoder(
-            cfg, dtype=jnp.float32, param_dtype=jnp.float32, remat="none", attention=attention,
-            block=16, documents=documents if sparse else 0, rngs=nnx.Rngs(0),
-        )  # fmt: skip
+            cfg,
+            dtype=jnp.float32,
+            param_dtype=jnp.float32,
+            remat="none",
+            attention=attention,
+            block=16,
+            documents=documents if sparse else 0,
+            rngs=nnx.Rngs(0),
+        )
         tiles = jnp.asarray(from_segments(seg[:, None], 16, False, 200)) if sparse else None
         run = nnx.jit(lambda e, *a: e(*a))  # (one program: op by op takes 10x as long)
         out[attention] = np.asarray(run(encoder, *map(jnp.asarray, (x, seg, pos)), tiles))[0, :n]
@@ -299,11 +351,19 @@ def test_export_from_scratch_refuses_naming_the_option_and_leaves_nothing(tmp_pa
     with pytest.raises(FamilyError, match=r"as qwen2_vl: model\.llm\.attn_bias=''") as e:
         plan_export(cfg)
     assert "as llava: " in str(e.value) and "as qwen2_5_vl: " in str(e.value)
-    llm_only = ["model.vision.enabled=false", "model.audio.enabled=false",
-                "model.llm.tie_embeddings=true", "model.llm.attn_bias=qkv"]  # fmt: skip
+    llm_only = [
+        "model.vision.enabled=false",
+        "model.audio.enabled=false",
+        "model.llm.tie_embeddings=true",
+        "model.llm.attn_bias=qkv",
+    ]
     with pytest.raises(FamilyError, match=r"as qwen2: model\.llm\.tied_logits_scaled=True"):
-        plan_export(load_config(TINY, [*llm_only, "data.synthetic.audio_fraction=0",
-                                       "data.synthetic.image_fraction=0"]))  # fmt: skip
+        plan_export(
+            load_config(
+                TINY,
+                [*llm_only, "data.synthetic.audio_fraction=0", "data.synthetic.image_fraction=0"],
+            )
+        )
     assert not out.exists() and not list(tmp_path.glob(".export*"))
     (tmp_path / "file").write_text("x")
     assert main(["export", str(run), "--out", str(tmp_path / "file")]) == 2
@@ -345,13 +405,23 @@ def test_a_config_that_trains_nothing_is_refused_naming_the_freeze_keys(tmp_path
     load, naming the keys; with an encoder its projector trains."""
     base = ROOT / "configs" / "recipes" / "stage1.yaml"
     llm = hf_models.qwen2(tmp_path / "qwen2", tied=True)
-    with pytest.raises(ConfigError, match=r"nothing trains: model\.llm\.freeze=true .*no "
-                       r"projector to train.*set one of them to false"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"nothing trains: model\.llm\.freeze=true .*no "
+        r"projector to train.*set one of them to false",
+    ):
         write_config(tmp_path / "stage1.yaml", llm, base=base)
-    frozen = ["model.llm.freeze=true", "model.vision.freeze=true", "model.audio.freeze=true",
-              "model.projector_freeze=true"]  # fmt: skip
-    with pytest.raises(ConfigError, match=r"model\.vision\.freeze=true, model\.audio\.freeze=true, "
-                       r"model\.projector_freeze=true"):  # fmt: skip
+    frozen = [
+        "model.llm.freeze=true",
+        "model.vision.freeze=true",
+        "model.audio.freeze=true",
+        "model.projector_freeze=true",
+    ]
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.vision\.freeze=true, model\.audio\.freeze=true, "
+        r"model\.projector_freeze=true",
+    ):
         load_config(TINY, frozen)
     assert load_config(TINY, frozen[:3]).model.projector_freeze is False
 

@@ -36,8 +36,10 @@ AUDIO = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
 def whole_dir(name: str, d: Path) -> str:
     """A whole checkpoint with its tokenizer (and, for LLaVA, its processor's image token)."""
     family = "llama" if name == "llava" else "qwen"
-    template = {"llava": "meta-llama/Llama-3.1-8B-Instruct", "qwen2_audio":
-                "Qwen/Qwen2.5-7B-Instruct"}.get(name, "Qwen/Qwen2.5-VL-7B-Instruct")  # fmt: skip
+    template = {
+        "llava": "meta-llama/Llama-3.1-8B-Instruct",
+        "qwen2_audio": "Qwen/Qwen2.5-7B-Instruct",
+    }.get(name, "Qwen/Qwen2.5-VL-7B-Instruct")
     extra = {"llava": ["<image>"], "qwen2_audio": AUDIO}.get(name, [])
     tk = json.loads((build_dir(d, family, template, extra) / "tokenizer.json").read_text())
     ids = {t["content"]: t["id"] for t in tk["added_tokens"]}
@@ -58,10 +60,13 @@ def run_params(out: Path) -> dict:
     """The parameters of the run's latest checkpoint ("/"-joined path -> array)."""
     cfg = from_dict(Config, json.loads((out / "config.json").read_text()))  # (resolved)
     parts, _ = model_parts(cfg)
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                          nnx_pure(parts.template))  # fmt: skip
-    split = {"params": {k: v for k, v in shapes.items() if k not in parts.frozen_keys},
-             "frozen": {k: v for k, v in shapes.items() if k in parts.frozen_keys}}  # fmt: skip
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx_pure(parts.template)
+    )
+    split = {
+        "params": {k: v for k, v in shapes.items() if k not in parts.frozen_keys},
+        "frozen": {k: v for k, v in shapes.items() if k in parts.frozen_keys},
+    }
     _, restored = restore_params(out, split, None)
     return keyed_leaves({**restored["params"], **restored["frozen"]})
 
@@ -97,9 +102,17 @@ def test_import_train_export_matches_transformers(name, tmp_path):
     out = tmp_path / "run"
     media = {"qwen2_audio": ["model.vision.enabled=false", "data.synthetic.image_fraction=0"]}
     no_audio = ["model.audio.enabled=false", "data.synthetic.audio_fraction=0"]
-    cfg = load_config(tmp_path / "run.yaml", [*CPU, f"train.output_dir={out}", "optim.lr=1e-2",
-                                              "train.steps=2", "train.checkpoint_every=2",
-                                              *media.get(name, no_audio)])  # fmt: skip
+    cfg = load_config(
+        tmp_path / "run.yaml",
+        [
+            *CPU,
+            f"train.output_dir={out}",
+            "optim.lr=1e-2",
+            "train.steps=2",
+            "train.checkpoint_every=2",
+            *media.get(name, no_audio),
+        ],
+    )
     train.main(cfg)
     exported = export_run(str(out), str(tmp_path / "export"))
     assert set(exported) == {"model"}
@@ -135,19 +148,40 @@ def test_a_run_from_scratch_exports_as_the_family_it_matches(tmp_path):
 
     tok = build_dir(tmp_path / "tok", "qwen", "Qwen/Qwen2.5-VL-7B-Instruct")
     options = [
-        f"data.tokenizer={tok}", "model.llm.vocab_size=512", "model.llm.attn_bias=qkv",
-        "model.llm.tie_embeddings=false", "model.llm.mrope_section=[2,3,3]",
-        "model.llm.width=64", "model.llm.heads=4", "model.llm.kv_heads=2",
-        "model.vision.norm=layer", "model.vision.mlp=quick_gelu", "model.vision.attn_bias=qkvo",
-        "model.vision.mlp_bias=true", "model.vision.patch_bias=false",
-        "model.vision.projector_act=gelu", "model.vision.projector_dim=256",
-        "model.vision.width=64", "model.vision.heads=4", "model.vision.temporal_patch=2",
-        "model.audio.enabled=false", "data.synthetic.audio_fraction=0", "mesh.context=1",
-    ]  # fmt: skip
+        f"data.tokenizer={tok}",
+        "model.llm.vocab_size=512",
+        "model.llm.attn_bias=qkv",
+        "model.llm.tie_embeddings=false",
+        "model.llm.mrope_section=[2,3,3]",
+        "model.llm.width=64",
+        "model.llm.heads=4",
+        "model.llm.kv_heads=2",
+        "model.vision.norm=layer",
+        "model.vision.mlp=quick_gelu",
+        "model.vision.attn_bias=qkvo",
+        "model.vision.mlp_bias=true",
+        "model.vision.patch_bias=false",
+        "model.vision.projector_act=gelu",
+        "model.vision.projector_dim=256",
+        "model.vision.width=64",
+        "model.vision.heads=4",
+        "model.vision.temporal_patch=2",
+        "model.audio.enabled=false",
+        "data.synthetic.audio_fraction=0",
+        "mesh.context=1",
+    ]
     out = tmp_path / "run"
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", [*CPU, *options, f"train.output_dir={out}",
-                                                       "train.steps=2", "train.checkpoint_every=2",
-                                                       "data.eval.source=none"])  # fmt: skip
+    cfg = load_config(
+        ROOT / "configs" / "tiny.yaml",
+        [
+            *CPU,
+            *options,
+            f"train.output_dir={out}",
+            "train.steps=2",
+            "train.checkpoint_every=2",
+            "data.eval.source=none",
+        ],
+    )
     train.main(cfg)
     exported = export_run(str(out), str(tmp_path / "export"))["model"]
     assert not list(tmp_path.glob(".export*"))  # (written aside, renamed whole)

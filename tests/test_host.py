@@ -129,17 +129,44 @@ def test_the_media_manifest_holds_large_images_several_per_record_and_long_clips
 def test_bench_host_writes_a_row_per_data_devices_and_workers(tmp_path):
     out = tmp_path / "rows.json"
     sets = [*TINY, "data.image_min_pixels=256", "data.image_max_pixels=2304"]
-    args = ["--config", "configs/tiny.yaml", "--data", "synthetic,media", "--devices", "4,16",
-            "--steps", "2", "--warmup", "0", "--media-dir", str(tmp_path / "media"),
-            "--media-records", "12", "--json", str(out)]  # fmt: skip
+    args = [
+        "--config",
+        "configs/tiny.yaml",
+        "--data",
+        "synthetic,media",
+        "--devices",
+        "4,16",
+        "--steps",
+        "2",
+        "--warmup",
+        "0",
+        "--media-dir",
+        str(tmp_path / "media"),
+        "--media-records",
+        "12",
+        "--json",
+        str(out),
+    ]
     assert bench_host.main(args + [f"--set={s}" for s in sets]) == 0
     rows = json.loads(out.read_text())
     assert [(r["data"], r["devices"], r["workers"]) for r in rows] == [
-        ("synthetic", 4, 0), ("synthetic", 16, 0), ("media", 4, 0), ("media", 16, 0)
-    ]  # fmt: skip
+        ("synthetic", 4, 0),
+        ("synthetic", 16, 0),
+        ("media", 4, 0),
+        ("media", 16, 0),
+    ]
     for r in rows:
-        for key in ("plan_s", "load_s", "bucketize_s", "transfer_s", "serial_s",
-                    "load_s_per_sample", "device_s", "workers_needed", "wait_s"):  # fmt: skip
+        for key in (
+            "plan_s",
+            "load_s",
+            "bucketize_s",
+            "transfer_s",
+            "serial_s",
+            "load_s_per_sample",
+            "device_s",
+            "workers_needed",
+            "wait_s",
+        ):
             assert r[key] >= 0 and np.isfinite(r[key]), (r["data"], key)
         assert r["device_s"] > 0 and r["workers_needed"] > 0 and r["samples"] > 0
         assert r["host_over_device"] == r["host_s"] / r["device_s"]
@@ -152,8 +179,17 @@ def test_bench_host_writes_a_row_per_data_devices_and_workers(tmp_path):
 def _info(**host) -> StepInfo:
     times = HostTimes(**{f"{k}_s": v for k, v in host.items()})
     none = np.zeros(0, np.int64)
-    return StepInfo(step=1, samples=none, parts={}, deferred=0, fill={"llm": 1.0}, rejects={},
-                    tokens=100.0, flops=1e9, host=times)  # fmt: skip
+    return StepInfo(
+        step=1,
+        samples=none,
+        parts={},
+        deferred=0,
+        fill={"llm": 1.0},
+        rejects={},
+        tokens=100.0,
+        flops=1e9,
+        host=times,
+    )
 
 
 def test_the_metrics_hold_the_feeds_times_per_step_and_the_loops_wait():
@@ -162,8 +198,14 @@ def test_the_metrics_hold_the_feeds_times_per_step_and_the_loops_wait():
     window.add(_info(plan=0.03, load=0.5, bucketize=0.3, count=0.04, transfer=0.07), 0.4)
     window.start -= 3.0  # the window took 3 s
     stats, _ = window.close(_info())
-    want = {"plan": 0.02, "load": 0.4, "bucketize": 0.2, "count": 0.03, "transfer": 0.06,
-            "wait": 0.3}  # fmt: skip
+    want = {
+        "plan": 0.02,
+        "load": 0.4,
+        "bucketize": 0.2,
+        "count": 0.03,
+        "transfer": 0.06,
+        "wait": 0.3,
+    }
     for stage, seconds in want.items():
         assert np.isclose(stats[f"host/{stage}_s"], seconds), stage
     assert 0.19 < stats["host/wait_share"] <= 0.2  # 0.6 s of the window's 3 s
@@ -451,8 +493,19 @@ def test_a_script_without_a_main_guard_gets_an_error_not_a_hang(tmp_path):
 @pytest.mark.slow  # ~1 min: compiles the tiny model's step for one device
 def test_bench_host_times_the_step_on_a_device_when_asked(tmp_path):
     out = tmp_path / "rows.json"
-    args = ["--config", "configs/tiny.yaml", "--data", "synthetic", "--steps", "1", "--warmup",
-            "0", "--measure-device", "--json", str(out)]  # fmt: skip
+    args = [
+        "--config",
+        "configs/tiny.yaml",
+        "--data",
+        "synthetic",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--measure-device",
+        "--json",
+        str(out),
+    ]
     assert bench_host.main(args + [f"--set={s}" for s in TINY]) == 0
     [row] = json.loads(out.read_text())
     assert row["device_from"] == "measured" and 0 < row["device_s"] < 60

@@ -38,9 +38,14 @@ from jaxmllm.data.source import open_source
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKSTOP_S = 60.0  # a hang guard: no input here takes more than a few seconds
-SETTINGS = ["data.source=jsonl", "data.eval.source=none", "data.image_min_pixels=256",
-            "data.image_max_pixels=1024", "data.audio_max_frames=32",
-            "data.min_accept=0"]  # (these data sets are mostly bad on purpose)  # fmt: skip
+SETTINGS = [
+    "data.source=jsonl",
+    "data.eval.source=none",
+    "data.image_min_pixels=256",
+    "data.image_max_pixels=1024",
+    "data.audio_max_frames=32",
+    "data.min_accept=0",
+]  # (these data sets are mostly bad on purpose)
 
 
 def config(path, *extra):
@@ -163,8 +168,13 @@ def test_a_sibling_media_folder_is_let_in_by_confine_media_to(tree, opened):  # 
 def test_media_paths_outside_the_data_set_are_rejected_unread(tree, opened):  # noqa: F811
     data, outside = tree
     records = inside_records(data) + outside_records(outside)
-    records.append({"id": "missing_marker", "text": "<image> e",
-                    "images": [{"missing": str(outside / "private.png")}]})  # fmt: skip
+    records.append(
+        {
+            "id": "missing_marker",
+            "text": "<image> e",
+            "images": [{"missing": str(outside / "private.png")}],
+        }
+    )
     manifest = write_manifest(data / "m.jsonl", records)
     opened.clear()
     summary, rejects = index(manifest)
@@ -238,7 +248,7 @@ def test_the_arrayrecord_converter_embeds_nothing_from_outside(tree, opened):  #
         b"private",
         b"passwd",
         os.environ["PATH"].encode(),
-    ):  # fmt: skip  (PATH: in /proc/self/environ)
+    ):  # (PATH: in /proc/self/environ)
         assert leaked not in blob, leaked
     refused = {sparse, data / "fifo.png", outside / "private.png", Path("/etc/passwd")}
     assert not refused & {p.resolve() for p in opened}
@@ -384,8 +394,9 @@ def test_an_exception_on_one_record_is_its_reject(tmp_path, monkeypatch):
     assert "MemoryError" in rejects["boom"]["detail"]
     monkeypatch.setattr(kinds, "read_size", real)
     # At load time: the loader counts it, names the record, and loads the others.
-    cfg = config(manifest, f"data.index_dir={manifest}.index",
-                 f"train.output_dir={tmp_path / 'run'}")  # fmt: skip
+    cfg = config(
+        manifest, f"data.index_dir={manifest}.index", f"train.output_dir={tmp_path / 'run'}"
+    )
     source = open_source(cfg)
     real_load = kinds.load_image
 

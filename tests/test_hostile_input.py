@@ -390,9 +390,12 @@ def fresh(checkpoints, tmp_path) -> tuple[str, str]:
 
 @pytest.mark.parametrize(
     ("role", "key", "claimed", "held"),
-    [("llm", "num_hidden_layers", 1000, 2), ("llm", "num_hidden_layers", 3, 2),
-     ("vision", "num_hidden_layers", 40, 2)],
-)  # fmt: skip
+    [
+        ("llm", "num_hidden_layers", 1000, 2),
+        ("llm", "num_hidden_layers", 3, 2),
+        ("vision", "num_hidden_layers", 40, 2),
+    ],
+)
 def test_import_refuses_more_layers_than_the_tensors_hold(
     checkpoints, tmp_path, role, key, claimed, held
 ):
@@ -417,9 +420,15 @@ def test_import_refuses_a_pickle_only_checkpoint(checkpoints, tmp_path):
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("min_pixels", 1e30), ("min_pixels", "lots"), ("max_pixels", float("nan")),
-     ("min_pixels", True), ("max_pixels", -4), ("image_mean", ["a", 0.5, 0.5])],
-)  # fmt: skip
+    [
+        ("min_pixels", 1e30),
+        ("min_pixels", "lots"),
+        ("max_pixels", float("nan")),
+        ("min_pixels", True),
+        ("max_pixels", -4),
+        ("image_mean", ["a", 0.5, 0.5]),
+    ],
+)
 def test_import_refuses_a_damaged_processor_file(checkpoints, tmp_path, key, value):
     llm, vision = fresh(checkpoints, tmp_path)
     claim(vision, "min_pixels", 3136, "preprocessor_config.json")
@@ -463,10 +472,15 @@ def test_the_tokenizer_cap_is_the_configs(tmp_path):
 
 TRICKY = [
     {"id": "a", "text": 'brackets in text: ] } [ { and "quotes" \\" \\\\'},
-    {"id": "b", "messages": [{"role": "user", "content": "x\\\\"}, {"role": "assistant",
-     "content": "é 😀 東京 \u2028 ]"}]},
+    {
+        "id": "b",
+        "messages": [
+            {"role": "user", "content": "x\\\\"},
+            {"role": "assistant", "content": "é 😀 東京 \u2028 ]"},
+        ],
+    },
     {"id": "c", "text": "", "nested": [[[{"deep": [1, 2, {"k": "]"}]}]]]},
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("indent", [None, 2])

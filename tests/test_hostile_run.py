@@ -25,10 +25,10 @@ import jax
 import numpy as np
 import optax
 import pytest
-from runs import NO_EVAL, child_env, logged_step, train_cmd
 
 from jaxmllm.config import load_config
 from jaxmllm.hf.safetensors import Checkpoint, CheckpointError, SafetensorsFile, write_checkpoint
+from runs import NO_EVAL, child_env, logged_step, train_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKSTOP_S = 60.0  # a hang guard: no input here takes more than a few seconds
@@ -39,8 +39,10 @@ BACKSTOP_S = 60.0  # a hang guard: no input here takes more than a few seconds
 
 def good_file(tmp_path: Path) -> tuple[Path, dict, bytes]:
     """A valid two-tensor safetensors file, its header and its data bytes."""
-    write_checkpoint(tmp_path / "ok", [("a", np.arange(6, dtype=np.float32).reshape(2, 3)),
-                                       ("b", np.ones(4, np.int16))])  # fmt: skip
+    write_checkpoint(
+        tmp_path / "ok",
+        [("a", np.arange(6, dtype=np.float32).reshape(2, 3)), ("b", np.ones(4, np.int16))],
+    )
     raw = (tmp_path / "ok" / "model.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     return tmp_path / "ok" / "model.safetensors", json.loads(raw[8 : 8 + n]), raw[8 + n :]
@@ -136,9 +138,15 @@ def test_config_json_sizes_are_checked_before_anything_is_built(tmp_path, monkey
     source = tmp_path / "llama"
     hf_models.llama(source, tied=False)
     good = json.loads((source / "config.json").read_text())
-    for key, value in (("vocab_size", 10**12), ("vocab_size", 1e12), ("num_hidden_layers", 10**9),
-                       ("num_attention_heads", 0), ("hidden_size", "abc"), ("hidden_size", -64),
-                       ("intermediate_size", True)):  # fmt: skip
+    for key, value in (
+        ("vocab_size", 10**12),
+        ("vocab_size", 1e12),
+        ("num_hidden_layers", 10**9),
+        ("num_attention_heads", 0),
+        ("hidden_size", "abc"),
+        ("hidden_size", -64),
+        ("intermediate_size", True),
+    ):
         (source / "config.json").write_text(json.dumps({**good, key: value}))
         start = time.monotonic()
         with pytest.raises(FamilyError, match=f"config.json: {key} = .*whole number"):
@@ -177,11 +185,23 @@ def cli_fails(capsys, *sets: str, out: str = "") -> str:
 
 @pytest.mark.parametrize(
     "value",
-    ["optim.lr=.nan", "optim.lr=.inf", "optim.lr=-1e-3", "optim.b1=1.0", "optim.b2=.nan",
-     "optim.b1=-0.1", "optim.eps=0", "optim.eps=.nan", "optim.clip_norm=-1",
-     "optim.clip_norm=.inf", "optim.weight_decay=.nan", "optim.min_lr_ratio=2",
-     "mesh.cpu_devices=100000", "mesh.cpu_devices=-1"],
-)  # fmt: skip
+    [
+        "optim.lr=.nan",
+        "optim.lr=.inf",
+        "optim.lr=-1e-3",
+        "optim.b1=1.0",
+        "optim.b2=.nan",
+        "optim.b1=-0.1",
+        "optim.eps=0",
+        "optim.eps=.nan",
+        "optim.clip_norm=-1",
+        "optim.clip_norm=.inf",
+        "optim.weight_decay=.nan",
+        "optim.min_lr_ratio=2",
+        "mesh.cpu_devices=100000",
+        "mesh.cpu_devices=-1",
+    ],
+)
 def test_config_values_that_destroy_a_run_exit_2_naming_the_key(capsys, value):
     err = cli_fails(capsys, value)
     assert value.split("=")[0].split(".")[1] in err and "Traceback" not in err, err
@@ -215,14 +235,34 @@ def test_an_output_dir_that_cannot_be_written_exits_2_naming_it(capsys, tmp_path
 
 def tiny_text(out, *sets, steps: int = 6, **train):
     """The cheapest run of the trainer: text only, one layer (compiled once per session)."""
-    cfg = load_config("configs/tiny.yaml", [
-        "data.synthetic.num_samples=64", *NO_EVAL, "model.vision.enabled=false",
-        "model.audio.enabled=false", "model.llm.depth=1", "batch.microbatches=1",
-        "data.synthetic.image_fraction=0", "data.synthetic.audio_fraction=0",
-        "data.synthetic.multi_image_fraction=0", "data.synthetic.video_fraction=0",
-        *sets])  # fmt: skip
-    return replace(cfg, train=replace(cfg.train, steps=steps, output_dir=str(out), log_every=1,
-                                      checkpoint_every=2, progress_bar=False, **train))  # fmt: skip
+    cfg = load_config(
+        "configs/tiny.yaml",
+        [
+            "data.synthetic.num_samples=64",
+            *NO_EVAL,
+            "model.vision.enabled=false",
+            "model.audio.enabled=false",
+            "model.llm.depth=1",
+            "batch.microbatches=1",
+            "data.synthetic.image_fraction=0",
+            "data.synthetic.audio_fraction=0",
+            "data.synthetic.multi_image_fraction=0",
+            "data.synthetic.video_fraction=0",
+            *sets,
+        ],
+    )
+    return replace(
+        cfg,
+        train=replace(
+            cfg.train,
+            steps=steps,
+            output_dir=str(out),
+            log_every=1,
+            checkpoint_every=2,
+            progress_bar=False,
+            **train,
+        ),
+    )
 
 
 def nan_after(step: int) -> optax.GradientTransformation:
@@ -486,8 +526,14 @@ def test_a_full_disk_stops_the_run_within_a_step_keeping_the_last_checkpoint(tmp
 def test_ctrl_c_with_a_closed_output_pipe_still_checkpoints(tmp_path):
     """`python -m jaxmllm.train ... 2>&1 | tee log`, Ctrl-C: the signal ends tee as well, so
     the run writes to a pipe nobody reads. It must still finish its step, save, and exit 0."""
-    cmd = train_cmd(tmp_path, "train.steps=500", "train.log_every=1", "train.progress_bar=true",
-                    "train.checkpoint_every=1000", "data.synthetic.num_samples=256")  # fmt: skip
+    cmd = train_cmd(
+        tmp_path,
+        "train.steps=500",
+        "train.log_every=1",
+        "train.progress_bar=true",
+        "train.checkpoint_every=1000",
+        "data.synthetic.num_samples=256",
+    )
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )

@@ -12,7 +12,6 @@ import subprocess
 
 import numpy as np
 import pytest
-from runs import child_env, train_cmd
 
 from jaxmllm.batch.bucketize import bucketize
 from jaxmllm.config import ConfigError, DistributedConfig, load_config
@@ -23,6 +22,7 @@ from jaxmllm.loop import ledger
 from jaxmllm.loop.distributed import describe_mismatch, resolve_job
 from jaxmllm.loop.metrics import read_metrics
 from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
+from runs import child_env, train_cmd
 
 # ----------------------------------------------------------------------------- job start-up
 
@@ -188,8 +188,13 @@ OVERRIDES = [
 
 # A held-out evaluation at steps 3 and 6 (a small set, two short answers): its metrics are the
 # job's whatever the processes, like the loss (the one-process run and the two-process one)
-EVAL = ["data.eval.source=synthetic", "data.eval.samples=24", "data.eval.questions=2",
-        "data.eval.max_new_tokens=4", "train.eval_every=3"]  # fmt: skip
+EVAL = [
+    "data.eval.source=synthetic",
+    "data.eval.samples=24",
+    "data.eval.questions=2",
+    "data.eval.max_new_tokens=4",
+    "train.eval_every=3",
+]
 
 
 def _launch(processes, out, *extra, kill=None):

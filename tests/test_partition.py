@@ -224,14 +224,25 @@ def test_describe_prints_layers_time_and_bubble_per_stage():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"],
-         r"mesh\.tensor: .*mesh\.fsdp=2 .*mesh\.stage=2.*mesh\.tensor: 1 or mesh\.fsdp: 1"),
-        (["mesh.data=1", "mesh.tensor=2", "model.llm.vocab_parallel=false"],
-         r"model\.llm\.vocab_parallel: false with mesh\.tensor=2 .*mesh\.stage=2"),
-        (["mesh.data=1", "mesh.context=2", "model.attention=block_sparse",
-          "batch.planner=orchestrated"], r"mesh\.context: .*mesh\.stage=2"),
+        (
+            ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"],
+            r"mesh\.tensor: .*mesh\.fsdp=2 .*mesh\.stage=2.*mesh\.tensor: 1 or mesh\.fsdp: 1",
+        ),
+        (
+            ["mesh.data=1", "mesh.tensor=2", "model.llm.vocab_parallel=false"],
+            r"model\.llm\.vocab_parallel: false with mesh\.tensor=2 .*mesh\.stage=2",
+        ),
+        (
+            [
+                "mesh.data=1",
+                "mesh.context=2",
+                "model.attention=block_sparse",
+                "batch.planner=orchestrated",
+            ],
+            r"mesh\.context: .*mesh\.stage=2",
+        ),
     ],
-)  # fmt: skip
+)
 def test_what_the_pipeline_does_not_run_is_refused_naming_both_keys(overrides, message):
     stage2 = ["mesh.stage=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1"]
     load_config("configs/tiny.yaml", stage2)  # (the defaults run)

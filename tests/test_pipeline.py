@@ -28,9 +28,13 @@ FIXED = [
     "batch.route_pair_capacity=160",
     "model.llm.depth=3",
 ]
-TEXT_ONLY = ["model.vision.enabled=false", "model.audio.enabled=false",
-             "data.synthetic.image_fraction=0", "data.synthetic.audio_fraction=0",
-             "data.synthetic.video_fraction=0"]  # fmt: skip
+TEXT_ONLY = [
+    "model.vision.enabled=false",
+    "model.audio.enabled=false",
+    "data.synthetic.image_fraction=0",
+    "data.synthetic.audio_fraction=0",
+    "data.synthetic.video_fraction=0",
+]
 
 
 def pipelined_and_reference(*overrides):
@@ -57,8 +61,9 @@ def pipelined_and_reference(*overrides):
     got = run(host)
     with jax.set_mesh(mesh):
         params = jax.device_get(prog.to_checkpoint(state))
-    flat = sharding.make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp},
-                              devices=jax.devices()[:devices])  # fmt: skip
+    flat = sharding.make_mesh(
+        {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp}, devices=jax.devices()[:devices]
+    )
     with jax.set_mesh(flat):
         reference = jax.jit(make_loss_and_grads(prog.parts))
         batch = sharding.make_global_batch(host, flat)
@@ -115,48 +120,88 @@ def test_text_only_pipeline_of_uneven_stages_matches_the_unpipelined_step():
         # 2 stages x 4: a frozen vision encoder and a trainable audio one, both data-parallel
         # across the stages; the LLM's 3 layers as the partitioner splits them.
         pytest.param(
-            ["mesh.stage=2", "mesh.data=4", "mesh.fsdp=1", "model.vision.freeze=true",
-             "pipeline.vision=data", "pipeline.audio=data"],
-            True, id="stage2-data4-frozen-vision",
+            [
+                "mesh.stage=2",
+                "mesh.data=4",
+                "mesh.fsdp=1",
+                "model.vision.freeze=true",
+                "pipeline.vision=data",
+                "pipeline.audio=data",
+            ],
+            True,
+            id="stage2-data4-frozen-vision",
         ),
         # 4 stages x 2: each encoder its own stage (audio frozen, vision trainable), the LLM on 2.
         pytest.param(
-            ["mesh.stage=4", "mesh.data=2", "mesh.fsdp=1", "model.audio.freeze=true",
-             "pipeline.vision=stages", "pipeline.audio=stages", "model.llm.depth=2",
-             "model.llm.logits_chunk=64"],
-            True, id="stage4-data2-encoder-stages",
+            [
+                "mesh.stage=4",
+                "mesh.data=2",
+                "mesh.fsdp=1",
+                "model.audio.freeze=true",
+                "pipeline.vision=stages",
+                "pipeline.audio=stages",
+                "model.llm.depth=2",
+                "model.llm.logits_chunk=64",
+            ],
+            True,
+            id="stage4-data2-encoder-stages",
         ),
         # 2 stages x 4, everything trainable: vision its own stage, audio data-parallel;
         # M-RoPE positions (time, row, column) ride with the microbatches to the LLM's stages.
         pytest.param(
-            ["mesh.stage=2", "mesh.data=4", "mesh.fsdp=1", "pipeline.vision=stages",
-             "pipeline.audio=data", "model.llm.mrope_section=[4,6,6]"],
-            False, id="stage2-data4-trainable",
+            [
+                "mesh.stage=2",
+                "mesh.data=4",
+                "mesh.fsdp=1",
+                "pipeline.vision=stages",
+                "pipeline.audio=data",
+                "model.llm.mrope_section=[4,6,6]",
+            ],
+            False,
+            id="stage2-data4-trainable",
         ),
         # 2 stages x 2 x fsdp 2: parameters split over fsdp within each stage, the loss split
         # by vocabulary over fsdp (the embedding lookup takes the gathered table).
         pytest.param(
-            ["mesh.stage=2", "mesh.data=2", "mesh.fsdp=2", "model.llm.vocab_parallel=true",
-             "model.vision.freeze=true"],
-            False, id="stage2-data2-fsdp2-vocab",
+            [
+                "mesh.stage=2",
+                "mesh.data=2",
+                "mesh.fsdp=2",
+                "model.llm.vocab_parallel=true",
+                "model.vision.freeze=true",
+            ],
+            False,
+            id="stage2-data2-fsdp2-vocab",
         ),
         # 4 stages x 2, both encoders frozen: vision's first stage has no backward at all
         # (nothing trainable below it; its projector, on its last stage, still trains).
         pytest.param(
-            ["mesh.stage=4", "mesh.data=2", "mesh.fsdp=1", "model.vision.freeze=true",
-             "model.audio.freeze=true", "pipeline.vision=stages", "pipeline.audio=data"],
-            False, id="stage4-data2-frozen-encoders",
+            [
+                "mesh.stage=4",
+                "mesh.data=2",
+                "mesh.fsdp=1",
+                "model.vision.freeze=true",
+                "model.audio.freeze=true",
+                "pipeline.vision=stages",
+                "pipeline.audio=data",
+            ],
+            False,
+            id="stage4-data2-frozen-encoders",
         ),
     ],
-)  # fmt: skip
+)
 def test_multimodal_pipeline_matches_the_unpipelined_step(overrides, variant):
     prog, state, got, want, (cfg, host, run) = pipelined_and_reference(*overrides)
     assert_same_math(got, want)
     frozen = prog.parts.frozen_keys
     assert bool(frozen) == any("freeze=true" in o for o in overrides)
     assert not set(frozen) & set(state["params"])  # no gradient, no optimizer state
-    mirrored = {k for p in jax.tree_util.tree_leaves_with_path(state["opt_state"])
-                for k in map(str, p[0]) if k.strip(".[]'") in frozen}  # fmt: skip
+    mirrored = {
+        k
+        for p in jax.tree_util.tree_leaves_with_path(state["opt_state"])
+        for k in map(str, p[0])
+        if k.strip(".[]'") in frozen
+    }
     assert not mirrored
     if not variant:
         return
@@ -174,8 +219,15 @@ def test_multimodal_pipeline_matches_the_unpipelined_step(overrides, variant):
 
 
 def test_stage_layout_round_trips_params_and_optimizer_state_with_zero_padding():
-    plan = Plan("gpipe", 4, (Stage("vision", 0, 2, None), Stage("llm", 0, 1, None),
-                             Stage("llm", 1, 3, None)), (), None, 0.0, 0.0)  # fmt: skip
+    plan = Plan(
+        "gpipe",
+        4,
+        (Stage("vision", 0, 2, None), Stage("llm", 0, 1, None), Stage("llm", 1, 3, None)),
+        (),
+        None,
+        0.0,
+        0.0,
+    )
     layout = Layout.of(plan)
     rng = np.random.default_rng(0)
     tree = {

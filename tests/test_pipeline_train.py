@@ -63,9 +63,15 @@ def test_one_compiled_program_per_step_variant_over_50_steps():
     from jaxmllm.plan.sizing import resolve_batch
     from jaxmllm.step.stages.program import build_program
 
-    varied = ["batch.capacity=fixed", "batch.vision_patches=640", "batch.audio_frames=256",
-              "batch.route_pair_capacity=160", "data.synthetic.audio_fraction=0.1",
-              "pipeline.encoder_fractions=[0, 0.5, 1]", "train.steps=50"]  # fmt: skip
+    varied = [
+        "batch.capacity=fixed",
+        "batch.vision_patches=640",
+        "batch.audio_frames=256",
+        "batch.route_pair_capacity=160",
+        "data.synthetic.audio_fraction=0.1",
+        "pipeline.encoder_fractions=[0, 0.5, 1]",
+        "train.steps=50",
+    ]
     cfg = load_config("configs/tiny.yaml", ["data.synthetic.num_samples=256", *STAGE2, *varied])
     source, index = make_source(cfg)
     mesh = sharding.make_mesh(cfg.mesh)
@@ -94,9 +100,16 @@ def test_bfloat16_pipelined_run_trains(tmp_path):
     the last stage, the data-parallel encoders' gather); a subprocess, so an abort fails the
     test instead of ending the session."""
     out = tmp_path / "bf16"
-    sets = ["model.compute_dtype=bfloat16", "model.remat=full", "train.steps=2",
-            f"train.output_dir={out}", "train.log_every=1", "train.progress_bar=false",
-            "train.eval_every=0", "data.synthetic.num_samples=256"]  # fmt: skip
+    sets = [
+        "model.compute_dtype=bfloat16",
+        "model.remat=full",
+        "train.steps=2",
+        f"train.output_dir={out}",
+        "train.log_every=1",
+        "train.progress_bar=false",
+        "train.eval_every=0",
+        "data.synthetic.num_samples=256",
+    ]
     cmd = [sys.executable, "-m", "jaxmllm.train", "--config", "configs/pipeline.yaml"]
     for s in sets:
         cmd += ["--set", s]

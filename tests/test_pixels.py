@@ -113,8 +113,9 @@ def test_features_travel_in_the_bf16_compute_dtype_and_change_no_value():
 
 
 def test_under_bf16_compute_the_audio_bucket_holds_the_frames_cast():
-    cfg = load_config("configs/tiny.yaml", ["data.synthetic.num_samples=256",
-                                            "model.compute_dtype=bfloat16"])  # fmt: skip
+    cfg = load_config(
+        "configs/tiny.yaml", ["data.synthetic.num_samples=256", "model.compute_dtype=bfloat16"]
+    )
     source = SyntheticSource(cfg)
     index = source.lengths()
     cfg = resolve_batch(cfg, index)

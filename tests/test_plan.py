@@ -398,11 +398,13 @@ def test_lengths_files_are_rounded_as_the_pipeline_rounds_and_bad_lines_named(tm
     rng = np.random.default_rng(0)
     lines = [{"text": 3, "audio": [3]}, {"images": [2]}]  # both vanish: audio 3 -> 0, image 2 -> 0
     for _ in range(400):
-        lines.append({
-            "text": int(rng.integers(1, 400)),
-            "images": [int(x) for x in rng.integers(1, 3000, int(rng.integers(0, 3)))],
-            "audio": [int(x) for x in rng.integers(1, 2000, int(rng.integers(0, 2)))],
-        })  # fmt: skip
+        lines.append(
+            {
+                "text": int(rng.integers(1, 400)),
+                "images": [int(x) for x in rng.integers(1, 3000, int(rng.integers(0, 3)))],
+                "audio": [int(x) for x in rng.integers(1, 2000, int(rng.integers(0, 2)))],
+            }
+        )
     path = tmp_path / "odd.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     index = load_lengths(path)

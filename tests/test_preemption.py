@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 
 import pytest
-from runs import child_env, logged_step, train_cmd
 
 from jaxmllm.loop.metrics import read_metrics
+from runs import child_env, logged_step, train_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -87,8 +87,18 @@ def test_a_multinode_recipe_has_its_nodes_shapes_per_gpu():
 @pytest.mark.parametrize("path", COMPILED, ids=lambda p: p.stem)
 def test_a_recipe_step_compiles_on_its_mesh_and_fits_80_gb(path):  # (72 GiB of it)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    command = [sys.executable, "-m", "jaxmllm.bench.memory", "--config", str(path), "--check",
-               "--devices", str(devices_of(path)), "--device-gib", str(GIB)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "jaxmllm.bench.memory",
+        "--config",
+        str(path),
+        "--check",
+        "--devices",
+        str(devices_of(path)),
+        "--device-gib",
+        str(GIB),
+    ]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0 and f" fits {GIB} GiB" in done.stdout, (
         done.stdout + done.stderr[-3000:]

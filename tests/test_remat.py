@@ -25,9 +25,16 @@ from jaxmllm.step.program import make_loss_and_grads, model_parts
 
 # The decoder alone (the encoders' blocks are the same code), two layers: a scan XLA keeps,
 # whose body its cost analysis counts once.
-SMALL = ["batch.capacity=fixed", "model.audio.enabled=false", "model.vision.enabled=false",
-         "model.llm.depth=2", "batch.microbatches=1", "mesh.data=1", "mesh.fsdp=1",
-         "mesh.cpu_devices=0"]  # fmt: skip
+SMALL = [
+    "batch.capacity=fixed",
+    "model.audio.enabled=false",
+    "model.vision.enabled=false",
+    "model.llm.depth=2",
+    "batch.microbatches=1",
+    "mesh.data=1",
+    "mesh.fsdp=1",
+    "mesh.cpu_devices=0",
+]
 
 
 def compiled(cfg):
@@ -47,15 +54,19 @@ def _split(parts):
     from flax import nnx
 
     pure = nnx.to_pure_dict(pure)
-    return ({k: v for k, v in pure.items() if k not in parts.frozen_keys},
-            {k: v for k, v in pure.items() if k in parts.frozen_keys})  # fmt: skip
+    return (
+        {k: v for k, v in pure.items() if k not in parts.frozen_keys},
+        {k: v for k, v in pure.items() if k in parts.frozen_keys},
+    )
 
 
 @pytest.fixture(scope="module")
 def programs():
     base = resolve_bounds(load_config("configs/tiny.yaml", SMALL), 1)
-    return {p: (with_policy(base, p), compiled(with_policy(base, p)))
-            for p in ("none", "full", "save_dots", "save_dots_except_mlp")}  # fmt: skip
+    return {
+        p: (with_policy(base, p), compiled(with_policy(base, p)))
+        for p in ("none", "full", "save_dots", "save_dots_except_mlp")
+    }
 
 
 def test_the_analytic_recompute_is_what_xla_recomputes(programs):

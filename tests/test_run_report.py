@@ -22,8 +22,13 @@ from jaxmllm.data.loader import Loader
 from jaxmllm.data.source import open_source
 from jaxmllm.loop.summary import RunReport
 
-SETTINGS = ["data.source=files", "data.workers=0", "data.image_min_pixels=256",
-            "data.image_max_pixels=1024", "data.eval.source=none"]  # fmt: skip
+SETTINGS = [
+    "data.source=files",
+    "data.workers=0",
+    "data.image_min_pixels=256",
+    "data.image_max_pixels=1024",
+    "data.eval.source=none",
+]
 
 
 def config(path, *extra):
@@ -32,8 +37,9 @@ def config(path, *extra):
 
 def index(config_file, sets) -> int:
     """`python -m jaxmllm.data.index --config FILE --set ...`'s exit code."""
-    return index_main(["--config", str(config_file), "--workers", "0",
-                       *[a for s in sets for a in ("--set", s)]])  # fmt: skip
+    return index_main(
+        ["--config", str(config_file), "--workers", "0", *[a for s in sets for a in ("--set", s)]]
+    )
 
 
 def unwrapped(text: str) -> str:
@@ -97,13 +103,18 @@ def test_rejects_at_start_up_per_window_and_in_the_summary(tmp_path, caplog):
     for path in gone:
         path.unlink()
     rejects_file = tmp_path / "run" / "rejects.jsonl"
-    loader, report = Loader(cfg, source, rejects_file), RunReport(cfg, tmp_path / "run", 0,
-                                                                  rejects_file)  # fmt: skip
+    loader, report = (
+        Loader(cfg, source, rejects_file),
+        RunReport(cfg, tmp_path / "run", 0, rejects_file),
+    )
     for step in range(2):  # a window of two steps, each loading half of the samples
         loader.load(np.arange(step * 6, step * 6 + 6), step=step)
         new, first = loader.log.take_new()
-        report.step(StepInfo(step, np.arange(6), {}, 0, {}, {}, 0.0, 0.0, new_rejects=new,
-                             first_reject=first))  # fmt: skip
+        report.step(
+            StepInfo(
+                step, np.arange(6), {}, 0, {}, {}, 0.0, 0.0, new_rejects=new, first_reject=first
+            )
+        )
     caplog.clear()
     report.logged(2)
     line = unwrapped(caplog.text)
@@ -114,8 +125,9 @@ def test_rejects_at_start_up_per_window_and_in_the_summary(tmp_path, caplog):
     report.logged(3)  # a window without rejects says nothing
     assert "load-time" not in caplog.text
     row = {"loss": 1.25, **loader.counts()}
-    window = SimpleNamespace(run_steps=2, run_tokens=1000.0, run_seconds=2.0, run_flops=8e12,
-                             n_devices=8)  # fmt: skip
+    window = SimpleNamespace(
+        run_steps=2, run_tokens=1000.0, run_seconds=2.0, run_flops=8e12, n_devices=8
+    )
     summary = unwrapped("\n".join(report.summary(3, row, window, Path("ck/3"))))
     assert "final loss 1.2500" in summary and "500 real tokens/s over steps 2-3" in summary
     assert "rejects: 6 at indexing (" in summary and "2 at load time (missing_media 2)" in summary

@@ -13,10 +13,16 @@ MACHINE = simulate.Machine(flops=100.0, intra_bw=10.0, inter_bw=1.0, latency=0.5
 
 def caps(devices: int = 4, per_host: int = 2, pair: int = 3) -> Capacities:
     return Capacities(
-        microbatches=1, devices=devices, llm_rows=1, llm_row_len=64,
-        units={"vision": 64, "audio": 0}, per_token={"vision": 4, "audio": 4},
-        per_row={"vision": 1, "audio": 4}, route_pair_capacity=pair, devices_per_host=per_host,
-    )  # fmt: skip
+        microbatches=1,
+        devices=devices,
+        llm_rows=1,
+        llm_row_len=64,
+        units={"vision": 64, "audio": 0},
+        per_token={"vision": 4, "audio": 4},
+        per_row={"vision": 1, "audio": 4},
+        route_pair_capacity=pair,
+        devices_per_host=per_host,
+    )
 
 
 def test_compute_is_the_slowest_device_per_phase_summed():
@@ -49,18 +55,27 @@ def test_plan_traffic_splits_rows_within_and_across_hosts():
     from jaxmllm.bench.mixes import from_arrays
 
     # three samples with texts on devices 0, 0, 3; images of 8, 4, 12 patches (2, 1, 3 rows)
-    index = from_arrays(np.array([5, 5, 5]), [np.array([8]), np.array([4]), np.array([12])],
-                        [np.zeros(0, np.int64)] * 3)  # fmt: skip
+    index = from_arrays(
+        np.array([5, 5, 5]),
+        [np.array([8]), np.array([4]), np.array([12])],
+        [np.zeros(0, np.int64)] * 3,
+    )
     z = np.zeros(3, np.int64)
     plan = StepPlan(
-        step=0, samples=np.arange(3), micro=z, device=np.array([0, 0, 3]), row=z, offset=z,
+        step=0,
+        samples=np.arange(3),
+        micro=z,
+        device=np.array([0, 0, 3]),
+        row=z,
+        offset=z,
         items={"vision": ItemPlan(np.arange(3), z, np.array([1, 2, 3]), z)},
-    )  # fmt: skip
+    )
     t = simulate.plan_traffic(plan, index, caps())["vision"][:, 0, :]
     # sample 0: 1 -> 0 within host 0 (2 rows); sample 1: 2 -> 0 across (1 row); 2: at home
     assert (t == [[0, 2, 0, 0], [0, 0, 1, 0], [2, 0, 0, 0], [1, 0, 0, 0]]).all()
-    times = simulate.step_times({"llm": np.array([[100.0, 0, 0, 0]])}, {"vision": t[:, None]},
-                                {}, MACHINE)  # fmt: skip
+    times = simulate.step_times(
+        {"llm": np.array([[100.0, 0, 0, 0]])}, {"vision": t[:, None]}, {}, MACHINE
+    )
     assert times["compute"] == pytest.approx(1.0)
     # device 0 receives 4 bytes within, 2 across: the slowest
     assert times["step_ragged"] == pytest.approx(1.0 + 4 / 10 + 2 / 1 + 0.5)

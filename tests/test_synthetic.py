@@ -20,9 +20,15 @@ KEYS = [([0], [0]), ([7], [1]), ([2**40 + 5], [0]), ([], [3, 9])]  # (a seed of 
 def test_streams_draw_what_one_generator_per_key_draws(head, tail):
     ids = np.arange(0, 30_000, 7)
     streams = pcg.Streams(head, ids, tail)
-    draws = [streams.random(), streams.integers(2, 9), streams.integers(5, 6),
-             streams.geometric(0.01), streams.integers(0, 90), streams.geometric(0.4),
-             streams.integers(0, 3)]  # fmt: skip
+    draws = [
+        streams.random(),
+        streams.integers(2, 9),
+        streams.integers(5, 6),
+        streams.geometric(0.01),
+        streams.integers(0, 90),
+        streams.geometric(0.4),
+        streams.integers(0, 3),
+    ]
     exact = np.ones(len(ids), bool)
     for d in draws[1:]:
         exact &= d[1]
@@ -31,8 +37,15 @@ def test_streams_draw_what_one_generator_per_key_draws(head, tail):
         if not exact[k]:
             continue
         rng = np.random.default_rng([*head, i, *tail])
-        want = [rng.random(), rng.integers(2, 9), rng.integers(5, 6), rng.geometric(0.01),
-                rng.integers(0, 90), rng.geometric(0.4), rng.integers(0, 3)]  # fmt: skip
+        want = [
+            rng.random(),
+            rng.integers(2, 9),
+            rng.integers(5, 6),
+            rng.geometric(0.01),
+            rng.integers(0, 90),
+            rng.geometric(0.4),
+            rng.integers(0, 3),
+        ]
         got = [draws[0][k], *(d[0][k] for d in draws[1:])]
         assert got == want, i
 

@@ -5,11 +5,11 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from runs import NO_EVAL
 
 from jaxmllm.config import ConfigError, load_config
 from jaxmllm.loop.metrics import read_metrics
 from jaxmllm.train import main
+from runs import NO_EVAL
 
 STEPS = 6
 
@@ -297,8 +297,13 @@ def test_checkpoints_of_another_format_are_refused_and_left_alone(
 # ----------------------------------------------------------------------------- generation, eval
 
 
-EVAL = ("data.eval.source=synthetic", "data.eval.samples=32", "data.eval.questions=4",
-        "data.eval.max_new_tokens=8", "train.eval_every=2")  # fmt: skip
+EVAL = (
+    "data.eval.source=synthetic",
+    "data.eval.samples=32",
+    "data.eval.questions=4",
+    "data.eval.max_new_tokens=8",
+    "train.eval_every=2",
+)
 
 
 def evaluated(out):
@@ -355,8 +360,13 @@ def test_a_short_tiny_run_answers_held_out_questions_well_above_chance(tmp_path,
     the tone and the colours far more often than chance (1/3, 1/6): what the model sees and
     hears reaches it. Measured (2026-11-23): pitch 100%, contour 75% of 12 tones, colours 75%
     of 36 shape answers; the full 200-step run: README, "What it learned"."""
-    sets = ["train.steps=60", "train.eval_every=0", "data.eval.questions=48",
-            "train.checkpoint_every=60", "train.progress_bar=false"]  # fmt: skip
+    sets = [
+        "train.steps=60",
+        "train.eval_every=0",
+        "data.eval.questions=48",
+        "train.checkpoint_every=60",
+        "train.progress_bar=false",
+    ]
     main(load_config("configs/tiny.yaml", [*sets, f"train.output_dir={tmp_path}"]))
     assert "Held-out questions after step 60" in capsys.readouterr().out
     [final] = [r for r in read_metrics(tmp_path) if "eval/loss" in r]

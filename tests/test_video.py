@@ -91,9 +91,17 @@ def processor():
 
 
 def rule(**kw) -> VideoRule:
-    base = dict(fps=2.0, min_frames=4, max_frames=768, frame_min_pixels=3136,
-                frame_max_pixels=602112, max_pixels=3211264, temporal_patch=2, patch=14,
-                merge=2)  # fmt: skip
+    base = dict(
+        fps=2.0,
+        min_frames=4,
+        max_frames=768,
+        frame_min_pixels=3136,
+        frame_max_pixels=602112,
+        max_pixels=3211264,
+        temporal_patch=2,
+        patch=14,
+        merge=2,
+    )
     return VideoRule(**(base | kw))
 
 
@@ -120,9 +128,14 @@ def test_sampling_and_resize_are_qwen2_vls_video_processors(
     info = VideoInfo(frames, rate, height, width)
     n = sampled_frames(info, r)
     meta = VideoMetadata(total_num_frames=frames, fps=rate)
-    theirs = cls.sample_frames(proc, meta, temporal_patch_size=r.temporal_patch,
-                               min_frames=r.min_frames, max_frames=r.max_frames,
-                               fps=r.fps)  # fmt: skip
+    theirs = cls.sample_frames(
+        proc,
+        meta,
+        temporal_patch_size=r.temporal_patch,
+        min_frames=r.min_frames,
+        max_frames=r.max_frames,
+        fps=r.fps,
+    )
     np.testing.assert_array_equal(frame_indices(frames, n), theirs.numpy())
     # HF's video budget is max_video_tokens x factor^2 x 0.9 pixels: ours is that number
     factor = r.patch * r.merge
@@ -130,8 +143,15 @@ def test_sampling_and_resize_are_qwen2_vls_video_processors(
     assert int(proc.max_video_tokens * factor * factor * 0.9) == r.max_pixels
     video = torch.zeros(1, 1, 3, height, width).expand(1, n, 3, height, width)
     size = SizeDict(shortest_edge=r.frame_min_pixels, longest_edge=r.frame_max_pixels)
-    cls.resize(proc, video, size, resample=None, factor=factor, temporal_factor=r.temporal_patch,
-               cap_pixels_per_frame=True)  # fmt: skip
+    cls.resize(
+        proc,
+        video,
+        size,
+        resample=None,
+        factor=factor,
+        temporal_factor=r.temporal_patch,
+        cap_pixels_per_frame=True,
+    )
     gh, gw = frame_grid(info, n, r)
     assert (gh * r.patch, gw * r.patch) == asked[-1]
 
@@ -209,16 +229,28 @@ def test_mrope_video_positions_are_get_rope_index(tmp_path):
     grids = [(1, 4, 6), (3, 4, 4), (2, 2, 6)]  # (t, rows, cols) in patches; merge 2
     text = lambda n: list(range(10, 10 + n))
     pads = lambda token, g: [token] * (g[0] * g[1] * g[2] // 4)
-    ids = (text(3) + [start] + pads(image, grids[0]) + [end] + text(2) + [start]
-           + pads(video, grids[1]) + [end, start] + pads(video, grids[2]) + [end]
-           + text(4))  # fmt: skip
+    ids = (
+        text(3)
+        + [start]
+        + pads(image, grids[0])
+        + [end]
+        + text(2)
+        + [start]
+        + pads(video, grids[1])
+        + [end, start]
+        + pads(video, grids[2])
+        + [end]
+        + text(4)
+    )
     ids = np.asarray(ids)
     kinds = np.where(ids == image, 1, np.where(ids == video, 2, 0))
     with torch.no_grad():
         want, _ = model.model.get_rope_index(
-            torch.from_numpy(ids[None]), torch.from_numpy(kinds[None]),
-            image_grid_thw=torch.tensor([grids[0]]), video_grid_thw=torch.tensor(grids[1:]),
-        )  # fmt: skip
+            torch.from_numpy(ids[None]),
+            torch.from_numpy(kinds[None]),
+            image_grid_thw=torch.tensor([grids[0]]),
+            video_grid_thw=torch.tensor(grids[1:]),
+        )
     got = mrope_positions(ids, [image, video], grids, 2)
     np.testing.assert_array_equal(got, want[:, 0].numpy().T)
 
@@ -301,10 +333,18 @@ def _manifest(tmp_path: Path, records: list[dict]) -> Path:
 
 
 def _config(manifest: Path, *sets):
-    return load_config("configs/tiny.yaml", [
-        "data.source=jsonl", f"data.path={manifest}", "data.video_fps=4",
-        "data.video_frame_min_pixels=64", "data.video_max_pixels=8192", *VIDEO, *sets,
-    ])  # fmt: skip
+    return load_config(
+        "configs/tiny.yaml",
+        [
+            "data.source=jsonl",
+            f"data.path={manifest}",
+            "data.video_fps=4",
+            "data.video_frame_min_pixels=64",
+            "data.video_max_pixels=8192",
+            *VIDEO,
+            *sets,
+        ],
+    )
 
 
 def test_jsonl_videos_index_and_load_as_the_index_counts(tmp_path):
@@ -316,13 +356,21 @@ def test_jsonl_videos_index_and_load_as_the_index_counts(tmp_path):
     from PIL import Image
 
     Image.new("RGB", (24, 16), (200, 30, 30)).save(tmp_path / "cat.png")
-    manifest = _manifest(tmp_path, [
-        {"id": "v1", "text": "<video>it moves right", "videos": ["a.mp4"]},
-        {"id": "v2", "messages": [
-            {"role": "user", "content": "<image>then<video>which way?"},
-            {"role": "assistant", "content": "left"}],
-         "images": ["cat.png"], "videos": ["b.webm"]},
-    ])  # fmt: skip
+    manifest = _manifest(
+        tmp_path,
+        [
+            {"id": "v1", "text": "<video>it moves right", "videos": ["a.mp4"]},
+            {
+                "id": "v2",
+                "messages": [
+                    {"role": "user", "content": "<image>then<video>which way?"},
+                    {"role": "assistant", "content": "left"},
+                ],
+                "images": ["cat.png"],
+                "videos": ["b.webm"],
+            },
+        ],
+    )
     cfg = _config(manifest)
     summary = build_index(cfg, manifest, progress=False)
     assert summary["accepted"] == 2 and summary["percentiles"]["videos_per_sample"]["total"] == 2
@@ -356,14 +404,18 @@ def test_video_placeholders_are_a_checkpoints_own_or_its_image_token(tmp_path):
     parts = [{"type": "video"}, {"type": "text", "text": "What is in this picture?"}]
     messages = [{"role": "user", "content": parts}, {"role": "assistant", "content": "A cat."}]
     record = parse_record({"id": "r", "messages": messages, "videos": ["x.mp4"]}, tmp_path, 1)
-    ids = [int(i) for p in tk.pieces(record) for i in (p[1] if p[0] == "text" else
-                                                      [tk.specials.media[p[0]]])]  # fmt: skip
+    ids = [
+        int(i)
+        for p in tk.pieces(record)
+        for i in (p[1] if p[0] == "text" else [tk.specials.media[p[0]]])
+    ]
     assert ids == hf_ids(qwen, messages)
     llama = make_tokenizer(str(build_dir(tmp_path / "llama", "llama", None)))
     assert llama.specials.media["video"] == llama.specials.media["vision"]
     assert "<|jaxmllm_video|>" not in llama.added_tokens
-    text = parse_record({"id": "t", "text": "<video>a<image>b", "videos": ["v"], "images": ["i"]},
-                        tmp_path, 1)  # fmt: skip
+    text = parse_record(
+        {"id": "t", "text": "<video>a<image>b", "videos": ["v"], "images": ["i"]}, tmp_path, 1
+    )
     assert [p for p in llama.pieces(text) if p[0] != "text"] == [("video", 0), ("vision", 0)]
 
 
@@ -387,20 +439,40 @@ def test_bad_videos_are_rejected_and_counted_naming_the_record(tmp_path):
     write_empty(tmp_path / "empty.webm")
     write_video(tmp_path / "wide.mp4", grey_frames(4, 64, 128), fps=10)  # (8192 pixels a frame)
     write_video(tmp_path / "many.mp4", moving_frames(100, 32, 48), fps=10)  # (153600 decoded)
-    names = ("good.mp4", "cut.mp4", "cut2.mp4", "junk.mp4", "tone.wav", "blip.mp4", "long.mkv",
-             "missing.mp4", "empty.mp4", "empty.webm", "wide.mp4", "many.mp4")  # fmt: skip
+    names = (
+        "good.mp4",
+        "cut.mp4",
+        "cut2.mp4",
+        "junk.mp4",
+        "tone.wav",
+        "blip.mp4",
+        "long.mkv",
+        "missing.mp4",
+        "empty.mp4",
+        "empty.webm",
+        "wide.mp4",
+        "many.mp4",
+    )
     records = [{"id": f"r-{name}", "text": "<video>x", "videos": [name]} for name in names]
     records.append({"id": "r-count", "text": "<video><video>x", "videos": ["good.mp4"]})
     manifest = _manifest(tmp_path, records)
-    caps = ["data.max_video_seconds=30", "data.max_image_pixels=4096",
-            "data.max_video_decoded_pixels=100000", f"data.index_dir={manifest}.index",
-            "data.min_accept=0"]  # (mostly bad on purpose)  # fmt: skip
+    caps = [
+        "data.max_video_seconds=30",
+        "data.max_image_pixels=4096",
+        "data.max_video_decoded_pixels=100000",
+        f"data.index_dir={manifest}.index",
+        "data.min_accept=0",
+    ]  # (mostly bad on purpose)
     cfg = _config(manifest, *caps)
     summary = build_index(cfg, manifest, progress=False)
     assert summary["accepted"] == 1
-    assert summary["rejects"] == {"undecodable_media": 6, "video_too_short": 1,
-                                  "video_too_large": 3, "missing_media": 1,
-                                  "placeholder_mismatch": 1}  # fmt: skip
+    assert summary["rejects"] == {
+        "undecodable_media": 6,
+        "video_too_short": 1,
+        "video_too_large": 3,
+        "missing_media": 1,
+        "placeholder_mismatch": 1,
+    }
     rejects = [json.loads(x) for x in (Path(f"{manifest}.index") / "rejects.jsonl").open()]
     why = {r["id"]: (r["reason"], r["detail"]) for r in rejects}
     assert set(why) == {f"r-{name}" for name in names[1:]} | {"r-count"}
@@ -428,24 +500,28 @@ def test_videos_need_the_vision_encoder_to_take_them(tmp_path):
     with pytest.raises(ConfigError, match="1 video.*model.vision.video: true"):
         open_source(_config(manifest, "model.vision.video=false"))
     with pytest.raises(ConfigError, match="data.synthetic.video_fraction: needs model.vision.vid"):
-        load_config("configs/tiny.yaml", ["model.vision.video=false",
-                                          "data.synthetic.video_fraction=0.1"])  # fmt: skip
+        load_config(
+            "configs/tiny.yaml", ["model.vision.video=false", "data.synthetic.video_fraction=0.1"]
+        )
 
 
 def test_oversize_videos_shrink_then_cut_or_skip(tmp_path):
     """A video too long for the LLM row: shrink lowers its pixel budget, then keeps its first
     temporal patches; skip drops it; every one counted at start-up."""
     write_video(tmp_path / "a.mp4", moving_frames(40, 64, 96), fps=10)
-    manifest = _manifest(tmp_path, [{"id": "v", "text": "<video>x", "videos": ["a.mp4"]},
-                                    {"id": "t", "text": "short text"}])  # fmt: skip
+    manifest = _manifest(
+        tmp_path,
+        [{"id": "v", "text": "<video>x", "videos": ["a.mp4"]}, {"id": "t", "text": "short text"}],
+    )
     sets = ["batch.capacity=fixed", "data.video_max_pixels=40000", "batch.llm_row_len=64"]
     cfg = _config(manifest, *sets)
     build_index(cfg, manifest, progress=False)
     params = Params.from_config(cfg)
     pre = Preprocessor(params)
-    full = pre.layout(parse_record({"id": "v", "text": "<video>x", "videos": ["a.mp4"]},
-                                   tmp_path, 1), pre.sizes(parse_record(
-        {"id": "v", "text": "<video>x", "videos": ["a.mp4"]}, tmp_path, 1)))  # fmt: skip
+    full = pre.layout(
+        parse_record({"id": "v", "text": "<video>x", "videos": ["a.mp4"]}, tmp_path, 1),
+        pre.sizes(parse_record({"id": "v", "text": "<video>x", "videos": ["a.mp4"]}, tmp_path, 1)),
+    )
     assert full.counts()["text"] + sum(full.counts()["images"]) // 4 > 64
     shrunk = open_source(cfg)
     (entry,) = shrunk.startup_rejects
@@ -488,14 +564,27 @@ def test_qwen2_vl_with_a_video_matches_transformers(processor, tmp_path):
     patches = np.concatenate([v for v, _ in items])
     segments = np.concatenate([np.full(len(v), k + 1) for k, (v, _) in enumerate(items)])
     positions = np.concatenate([p for _, p in items])
-    feats = tower.vision(jnp.asarray(patches)[None], jnp.asarray(segments, jnp.int32)[None],
-                         jnp.asarray(positions)[None])  # fmt: skip
+    feats = tower.vision(
+        jnp.asarray(patches)[None],
+        jnp.asarray(segments, jnp.int32)[None],
+        jnp.asarray(positions)[None],
+    )
     rows = np.asarray(tower.vision_projector(feats)[0])
     image_id, video_id, start, end = 290, 291, 292, 293
     text = lambda n: list(rng.integers(0, 290, n))
     n_img = len(img_patches) // 4
-    ids = np.asarray(text(4) + [start] + [image_id] * n_img + [end] + text(3) + [start]
-                     + [video_id] * (len(rows) - n_img) + [end] + text(5), np.int32)  # fmt: skip
+    ids = np.asarray(
+        text(4)
+        + [start]
+        + [image_id] * n_img
+        + [end]
+        + text(3)
+        + [start]
+        + [video_id] * (len(rows) - n_img)
+        + [end]
+        + text(5),
+        np.int32,
+    )
     grids = [(1, 4, 2), (t, gh, gw)]
     x = llm.embed(jnp.asarray(ids)[None])
     x = x.at[0, np.flatnonzero(ids == image_id)].set(rows[:n_img])
@@ -505,8 +594,9 @@ def test_qwen2_vl_with_a_video_matches_transformers(processor, tmp_path):
 
     ref = hf_module(source, json.loads((tmp_path / "qwen2_vl" / "config.json").read_text()), "llm")
     gh_, gw_ = frame_grid(info, 2 * t, r)
-    frames = decode_frames(path, info, frame_indices(info.frames, 2 * t).tolist(),
-                           (gw_ * 4, gh_ * 4), "m")  # fmt: skip
+    frames = decode_frames(
+        path, info, frame_indices(info.frames, 2 * t).tolist(), (gw_ * 4, gh_ * 4), "m"
+    )
     normal = (np.stack(frames).astype(np.float32) / 255 - 0.5) / 0.5
     clip = torch.from_numpy(normal.transpose(0, 3, 1, 2)[None])
     pixel_values_videos = cls.patchify(proc, clip, 4, 2, 2)[0][0]
@@ -514,10 +604,14 @@ def test_qwen2_vl_with_a_video_matches_transformers(processor, tmp_path):
     pixel_values = torch.from_numpy(np.repeat(still, 2, axis=2).reshape(len(still), -1))
     kinds = np.where(ids == image_id, 1, np.where(ids == video_id, 2, 0))
     with torch.no_grad():
-        out = ref(input_ids=torch.from_numpy(ids[None].astype(np.int64)),
-                  pixel_values=pixel_values, image_grid_thw=torch.tensor([grids[0]]),
-                  pixel_values_videos=pixel_values_videos, video_grid_thw=torch.tensor([grids[1]]),
-                  mm_token_type_ids=torch.from_numpy(kinds[None]))  # fmt: skip
+        out = ref(
+            input_ids=torch.from_numpy(ids[None].astype(np.int64)),
+            pixel_values=pixel_values,
+            image_grid_thw=torch.tensor([grids[0]]),
+            pixel_values_videos=pixel_values_videos,
+            video_grid_thw=torch.tensor([grids[1]]),
+            mm_token_type_ids=torch.from_numpy(kinds[None]),
+        )
     theirs = out.logits[0].numpy()
     assert np.abs(theirs).max() > 0.5
     np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4)
@@ -540,21 +634,34 @@ def test_routed_step_with_videos_equals_samples_one_by_one(tmp_path):
     from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
     from jaxmllm.step.program import build_program, make_loss_and_grads, model_parts
 
-    for k, (n, h, w, way) in enumerate([(20, 32, 48, "left"), (31, 40, 40, "right"),
-                                        (12, 48, 32, "left")]):  # fmt: skip
+    for k, (n, h, w, way) in enumerate(
+        [(20, 32, 48, "left"), (31, 40, 40, "right"), (12, 48, 32, "left")]
+    ):
         write_video(tmp_path / f"v{k}.mp4", moving_frames(n, h, w, way), fps=10)
     Image.new("RGB", (24, 16), (200, 30, 30)).save(tmp_path / "cat.png")
     ask = "which way does it move? "
-    manifest = _manifest(tmp_path, [
-        {"id": "a", "text": f"<video>{ask}left", "videos": ["v0.mp4"]},
-        {"id": "b", "text": f"<video>{ask}right", "videos": ["v1.mp4"]},
-        {"id": "c", "text": "<image>a red square<video>and it moves left",
-         "images": ["cat.png"], "videos": ["v2.mp4"]},
-        {"id": "d", "text": "<image>what is this? a red square", "images": ["cat.png"]},
-        {"id": "e", "text": "1 2 3 4 5 6 7 8 9"},
-    ])  # fmt: skip
-    cfg = _config(manifest, "batch.route_pair_capacity=160", "batch.capacity=fixed",
-                  "batch.vision_patches=640", "batch.audio_frames=128")  # fmt: skip
+    manifest = _manifest(
+        tmp_path,
+        [
+            {"id": "a", "text": f"<video>{ask}left", "videos": ["v0.mp4"]},
+            {"id": "b", "text": f"<video>{ask}right", "videos": ["v1.mp4"]},
+            {
+                "id": "c",
+                "text": "<image>a red square<video>and it moves left",
+                "images": ["cat.png"],
+                "videos": ["v2.mp4"],
+            },
+            {"id": "d", "text": "<image>what is this? a red square", "images": ["cat.png"]},
+            {"id": "e", "text": "1 2 3 4 5 6 7 8 9"},
+        ],
+    )
+    cfg = _config(
+        manifest,
+        "batch.route_pair_capacity=160",
+        "batch.capacity=fixed",
+        "batch.vision_patches=640",
+        "batch.audio_frames=128",
+    )
     build_index(cfg, manifest, progress=False)
     source = open_source(cfg)
     cfg = resolve_batch(cfg, source.index)
@@ -567,8 +674,13 @@ def test_routed_step_with_videos_equals_samples_one_by_one(tmp_path):
     home = plan.device[vision.owner]
     vision.device = (home + 1 + vision.item) % devices  # (a video's patches over devices)
     repack(vision, plan, index.sizes, index.ptr)
-    host = bucketize(plan, {int(s): source[int(s)] for s in plan.samples}, cfg,
-                     capacities(cfg, devices), specials=source.specials)  # fmt: skip
+    host = bucketize(
+        plan,
+        {int(s): source[int(s)] for s in plan.samples},
+        cfg,
+        capacities(cfg, devices),
+        specials=source.specials,
+    )
     videos = [int(s) for s in plan.samples if source.rows[int(s)]["video_sizes"]]
     assert set(videos) == {0, 1, 2} and (vision.device != home).all()  # (some twice: epochs)
     with jax.set_mesh(mesh):
@@ -606,12 +718,18 @@ def test_a_run_with_videos_resumes_exactly(tmp_path):
         for j in range(16)
     ]
     records += [{"id": f"t{j}", "text": " ".join(map(str, range(j, j + 8)))} for j in range(8)]
-    manifest = _manifest(tmp_path, records)  # fmt: skip
+    manifest = _manifest(tmp_path, records)
     build_index(_config(manifest), manifest, progress=False)
 
     def run(out, on_step=None):
-        cfg = _config(manifest, f"train.output_dir={out}", "train.steps=4", "train.log_every=1",
-                      "train.checkpoint_every=2", "train.progress_bar=false")  # fmt: skip
+        cfg = _config(
+            manifest,
+            f"train.output_dir={out}",
+            "train.steps=4",
+            "train.log_every=1",
+            "train.checkpoint_every=2",
+            "train.progress_bar=false",
+        )
         main(cfg, on_step=on_step)
 
     def interrupt_at_3(step, _):

@@ -57,8 +57,16 @@ CASES = [
 @pytest.mark.parametrize(("tied", "shape"), CASES)
 def test_vocab_parallel_equals_the_unsplit_loss_and_gradients(tied, shape):
     data, fsdp, tensor = shape
-    cfg = LLMConfig(vocab_size=VOCAB, width=32, depth=1, heads=4, kv_heads=2, mlp_dim=64,
-                    tie_embeddings=tied, logits_chunk=16)  # fmt: skip
+    cfg = LLMConfig(
+        vocab_size=VOCAB,
+        width=32,
+        depth=1,
+        heads=4,
+        kv_heads=2,
+        mlp_dim=64,
+        tie_embeddings=tied,
+        logits_chunk=16,
+    )
     rng = np.random.default_rng(0)
     d = data * fsdp
     ids = jnp.asarray(rng.integers(0, VOCAB, (d, T)), jnp.int32)
@@ -75,8 +83,13 @@ def test_vocab_parallel_equals_the_unsplit_loss_and_gradients(tied, shape):
     np.testing.assert_allclose(got, want, rtol=1e-5)
     flat_want, flat_got = nnx.to_flat_state(want_grads), nnx.to_flat_state(got_grads)
     for (path, w), (_, g) in zip(flat_want, flat_got, strict=True):
-        np.testing.assert_allclose(np.asarray(g.get_value()), np.asarray(w.get_value()),
-                                   rtol=1e-4, atol=1e-6, err_msg=str(path))  # fmt: skip
+        np.testing.assert_allclose(
+            np.asarray(g.get_value()),
+            np.asarray(w.get_value()),
+            rtol=1e-4,
+            atol=1e-6,
+            err_msg=str(path),
+        )
 
 
 @pytest.mark.slow
@@ -84,8 +97,16 @@ def test_the_split_path_holds_shards_of_the_table_only():
     """Compiled for data 1 x fsdp 8 with a 32k vocabulary: XLA's default path holds the whole
     table (and its gradient) several times over on every device; the split path a few of its
     1/8 shards (the loop's carries, the gradient's accumulator)."""
-    cfg = LLMConfig(vocab_size=32768, width=256, depth=1, heads=4, kv_heads=2, mlp_dim=64,
-                    tie_embeddings=True, logits_chunk=64)  # fmt: skip
+    cfg = LLMConfig(
+        vocab_size=32768,
+        width=256,
+        depth=1,
+        heads=4,
+        kv_heads=2,
+        mlp_dim=64,
+        tie_embeddings=True,
+        logits_chunk=64,
+    )
     table_bytes = 32768 * 256 * 4
     ids = jnp.zeros((8, 128), jnp.int32)
     mask = jnp.ones((8, 128), jnp.float32)

@@ -139,8 +139,11 @@ def bucketize(
     for p in ENCODERS:
         if p.capacity in batch:
             items = plan.items[p.name]
-            units = None if index is None else index.items[p.name].size(
-                plan.samples[items.owner], items.item)  # fmt: skip
+            units = (
+                None
+                if index is None
+                else index.items[p.name].size(plan.samples[items.owner], items.item)
+            )
             _write_items(batch, p, plan, samples, slots, caps, (local, home, split), units)
     if tile_caps:  # block-sparse attention
         _write_tiles(batch, cfg, tile_caps, spec.attention_block, plan, pos, grouped)
@@ -218,8 +221,11 @@ def _write_texts(text, plan: StepPlan, samples, home, grouped: bool, row_len: in
     end (-1: not written here)."""
     m_n, b_n, r_n, l_n = text["llm_tokens"].shape
     bucket = home[plan.device]
-    here = [k for k, (s, b) in enumerate(zip(plan.samples.tolist(), bucket.tolist(), strict=True))
-            if b >= 0 and samples[s] is not None]  # fmt: skip
+    here = [
+        k
+        for k, (s, b) in enumerate(zip(plan.samples.tolist(), bucket.tolist(), strict=True))
+        if b >= 0 and samples[s] is not None
+    ]
     ks = np.asarray(here, np.int64)
     loaded = [samples[s] for s in plan.samples[ks].tolist()]
     n = np.array([len(x.tokens) for x in loaded], np.int64)

@@ -128,7 +128,7 @@ def prompt_batch(
         items={
             e.name: _packed([[len(m[0]) for m in p.media[e.name]] for p in prompts])
             for e in ENCODERS
-        },  # fmt: skip
+        },
     )
     batch = bucketize(plan, dict(enumerate(prompts)), pcfg, capacities(pcfg, n), specials=specials)
     return {k: v[0] for k, v in batch.items()}  # the one microbatch

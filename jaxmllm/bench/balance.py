@@ -306,9 +306,13 @@ def main(argv: list[str] | None = None) -> int:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--lengths", help="lengths: JSONL, an InternVL table, or an index folder")
     src.add_argument("--mix", help=f"built-in mix(es), comma-separated: {', '.join(MIXES)}")
-    src.add_argument("--random", type=int, metavar="N",
-                     help="N random workloads (mixes.random_mix, seeds --seed..+N-1), then the "
-                     "distribution of each figure over them (bench/family.py)")  # fmt: skip
+    src.add_argument(
+        "--random",
+        type=int,
+        metavar="N",
+        help="N random workloads (mixes.random_mix, seeds --seed..+N-1), then the "
+        "distribution of each figure over them (bench/family.py)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="first seed of --random")
     ap.add_argument(
         "--family",
@@ -330,8 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--tokens", type=int, default=32768, help="LLM tokens per device and micro")
     ap.add_argument("--micro", type=int, default=2, help="microbatches per step")
-    ap.add_argument("--block", type=int, default=128,
-                    help="attention block for the tile columns (0: leave them out)")  # fmt: skip
+    ap.add_argument(
+        "--block",
+        type=int,
+        default=128,
+        help="attention block for the tile columns (0: leave them out)",
+    )
     ap.add_argument(
         "--min-steps",
         type=int,
@@ -345,10 +353,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="fewer steps for the (slow, pure Python) grain packer",
     )
-    ap.add_argument("--devices-per-host", type=int, default=8,
-                    help="data-parallel devices a host (routing: within a host first)")  # fmt: skip
-    ap.add_argument("--pair-capacity", choices=("auto", "whole"), default="auto",
-                    help="route capacity: the trainer's auto, or a whole output")  # fmt: skip
+    ap.add_argument(
+        "--devices-per-host",
+        type=int,
+        default=8,
+        help="data-parallel devices a host (routing: within a host first)",
+    )
+    ap.add_argument(
+        "--pair-capacity",
+        choices=("auto", "whole"),
+        default="auto",
+        help="route capacity: the trainer's auto, or a whole output",
+    )
     ap.add_argument("--simulate", action="store_true", help="predicted step times (simulate)")
     ap.add_argument("--flops", type=float, default=400e12, help="--simulate: FLOP/s a device")
     ap.add_argument("--intra-bw", type=float, default=450e9, help="--simulate: B/s in a host")
@@ -405,9 +421,18 @@ def main(argv: list[str] | None = None) -> int:
                 if pol == "grain" and args.grain_max_steps:
                     n = min(steps, args.grain_max_steps)
                 row, first = run_policy(
-                    pol, index, d, args.tokens, args.micro, n, cost, block=args.block,
-                    per_host=args.devices_per_host, pair=args.pair_capacity, machine=machine,
-                )  # fmt: skip
+                    pol,
+                    index,
+                    d,
+                    args.tokens,
+                    args.micro,
+                    n,
+                    cost,
+                    block=args.block,
+                    per_host=args.devices_per_host,
+                    pair=args.pair_capacity,
+                    machine=machine,
+                )
                 row.update(mix=name, peak_rss_mb=peak_rss_mb())
                 rows.append(row)
                 plots[(name, d, pol)] = first

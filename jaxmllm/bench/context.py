@@ -68,10 +68,17 @@ def packed_rows(index, ranks: int, tokens: int, groups: int, steps: int, seed: i
     per_token, per_row = {"vision": 4, "audio": 4}, {"vision": 1, "audio": 4}
     enc = encoder_capacities(index, tokens, per_token, per_row=per_row, block=128)
     caps = Capacities(
-        microbatches=1, devices=groups * ranks, llm_rows=1, llm_row_len=tokens, units=enc.units,
-        per_token=per_token, per_row=per_row, route_pair_capacity=max(enc.units.values()) // 4,
-        block=128, context=ranks,
-    )  # fmt: skip
+        microbatches=1,
+        devices=groups * ranks,
+        llm_rows=1,
+        llm_row_len=tokens,
+        units=enc.units,
+        per_token=per_token,
+        per_row=per_row,
+        route_pair_capacity=max(enc.units.values()) // 4,
+        block=128,
+        context=ranks,
+    )
     make = lambda c: make_planner("orchestrated", index, c, seed)
     # (sized as the trainer sizes them: `pipeline.resolve_route`, `resolve_tiles`)
     route = route_capacity(make(caps), index, caps, steps, steps)
@@ -102,8 +109,18 @@ def balance_rows(mixes: dict, contexts: list[int], tokens: int, groups: int, ste
         for name, index in mixes.items():
             t0 = time.process_time()
             weights, caps = packed_rows(index, ranks, tokens, groups, steps)
-            rows.append(_row(f"{name} packed", ranks, weights, caps.llm_rows, time.process_time()
-                             - t0, tokens=tokens, groups=groups, steps=steps))  # fmt: skip
+            rows.append(
+                _row(
+                    f"{name} packed",
+                    ranks,
+                    weights,
+                    caps.llm_rows,
+                    time.process_time() - t0,
+                    tokens=tokens,
+                    groups=groups,
+                    steps=steps,
+                )
+            )
         for share in LONG_SHARES:
             weights = long_document(ranks, tokens, share)
             label = f"long {share:.0%} of {ranks * tokens // 1024}k"
@@ -142,8 +159,10 @@ def from_balance(args) -> int:
     tokens = args.tokens if args.tokens != 32768 else 8192  # (the balance bench's default)
     contexts = [int(c) for c in args.context.split(",")]
     rows = balance_rows(mixes, contexts, tokens, args.groups, min(args.max_steps, 8))
-    print(f"per-rank attention tiles max/mean (block 128, {tokens} tokens a rank; the mean over "
-          "groups, the worst in brackets)")  # fmt: skip
+    print(
+        f"per-rank attention tiles max/mean (block 128, {tokens} tokens a rank; the mean over "
+        "groups, the worst in brackets)"
+    )
     print(balance_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
@@ -184,12 +203,19 @@ def rank_times(sizes: np.ndarray, ranks: int, args) -> dict:
     pos = pos.astype(np.int32)
     rng = np.random.default_rng(0)
     kv_w = args.kv_heads * (width // args.heads)
-    shapes = [(width, width), (width, kv_w), (width, kv_w), (width, width),
-              (width, args.mlp), (args.mlp, width)]  # fmt: skip
+    shapes = [
+        (width, width),
+        (width, kv_w),
+        (width, kv_w),
+        (width, width),
+        (width, args.mlp),
+        (args.mlp, width),
+    ]
     params = [jnp.asarray(rng.normal(0, 0.02, s), jnp.float32) for s in shapes]
     x = jnp.asarray(rng.normal(size=(row_len, width)), jnp.float32)
-    kv = lambda: jnp.asarray(rng.normal(size=(row_len, args.kv_heads, width // args.heads)),
-                             jnp.float32)  # fmt: skip
+    kv = lambda: jnp.asarray(
+        rng.normal(size=(row_len, args.kv_heads, width // args.heads)), jnp.float32
+    )
     k_all, v_all = kv(), kv()
     grad = _layer_grad(width, args.heads, args.kv_heads, args.mlp, b)
 
@@ -226,12 +252,19 @@ def time_table(results: list[dict]) -> str:
     cols += [f"{n} slowest s (/ W/C, tiles max/mean)" for n in split.SPLITS]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     for r in results:
-        cells = [r["workload"], str(r["context"]), str(r["tiles"]), f"{r['whole_s']:.3f}",
-                 f"{r['whole_s'] / r['context']:.3f}"]  # fmt: skip
+        cells = [
+            r["workload"],
+            str(r["context"]),
+            str(r["tiles"]),
+            f"{r['whole_s']:.3f}",
+            f"{r['whole_s'] / r['context']:.3f}",
+        ]
         for n in split.SPLITS:
             s = r["splits"][n]
-            cells.append(f"{max(s['rank_s']):.3f} ({s['slowest_over_share']:.2f}x, "
-                         f"{s['tiles_max_mean']:.3f})")  # fmt: skip
+            cells.append(
+                f"{max(s['rank_s']):.3f} ({s['slowest_over_share']:.2f}x, "
+                f"{s['tiles_max_mean']:.3f})"
+            )
         lines.append(" | ".join(cells))
     return "\n".join(lines)
 
@@ -263,9 +296,11 @@ def main(argv: list[str] | None = None) -> int:
             r = rank_times(sizes, ranks, args)
             results.append({"workload": workload, "context": ranks, **r})
             print(f"{workload}, context {ranks}: done", file=sys.stderr, flush=True)
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}: one decoder layer, "
-          f"forward + backward, fp32, width {args.width}, {args.heads} heads / {args.kv_heads} "
-          f"kv heads, block {args.block}, {args.tokens} tokens a rank")  # fmt: skip
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}: one decoder layer, "
+        f"forward + backward, fp32, width {args.width}, {args.heads} heads / {args.kv_heads} "
+        f"kv heads, block {args.block}, {args.tokens} tokens a rank"
+    )
     print(time_table(results))
     if args.json:
         with open(args.json, "w") as f:

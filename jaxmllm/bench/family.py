@@ -46,35 +46,55 @@ def summarize(rows: list[dict]) -> list[dict]:
         bfill = [min(r["fill"][p] for p in r["binding"]) for r in rs if r["binding"]]
         fill_ok = [all(_fill_ok(r, p) for p in r["binding"]) for r in rs]
         noisy = [r for r in rs if r["random_cv"] > NOISY_CV and r["micro_cv"] > 0]
-        out.append({
-            "policy": policy,
-            "devices": devices,
-            "mixes": len(rs),
-            "binding_fill": bfill,
-            "fill_ok": sum(fill_ok),
-            "steps_over_lb": [r["steps_over_lb"] for r in rs],
-            "quad_over_bound": [r["quad_max_mean"] / r["quad_bound"] for r in rs],
-            "cv_ratio": [r["random_cv"] / r["micro_cv"] for r in noisy],
-            "max_age": max(r["max_age"] for r in rs),
-            "tile_cap_over_mean": [r[t] for r in rs if (t := "tile_cap_over_mean") in r],
-            "ms_per_step": [r["ms_per_step"] for r in rs],
-        })  # fmt: skip
+        out.append(
+            {
+                "policy": policy,
+                "devices": devices,
+                "mixes": len(rs),
+                "binding_fill": bfill,
+                "fill_ok": sum(fill_ok),
+                "steps_over_lb": [r["steps_over_lb"] for r in rs],
+                "quad_over_bound": [r["quad_max_mean"] / r["quad_bound"] for r in rs],
+                "cv_ratio": [r["random_cv"] / r["micro_cv"] for r in noisy],
+                "max_age": max(r["max_age"] for r in rs),
+                "tile_cap_over_mean": [r[t] for r in rs if (t := "tile_cap_over_mean") in r],
+                "ms_per_step": [r["ms_per_step"] for r in rs],
+            }
+        )
     return out
 
 
 def table(summaries: list[dict]) -> str:
-    cols = ["policy", "D", "mixes", "bfill min/med", "fill ok", "steps/LB med/max",
-            "quad/bnd med/max", "cv ratio min/med (n)", "age", "cap/mean med/max",
-            "ms/step med/max"]  # fmt: skip
+    cols = [
+        "policy",
+        "D",
+        "mixes",
+        "bfill min/med",
+        "fill ok",
+        "steps/LB med/max",
+        "quad/bnd med/max",
+        "cv ratio min/med (n)",
+        "age",
+        "cap/mean med/max",
+        "ms/step med/max",
+    ]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     for s in summaries:
-        lines.append(" | ".join([
-            s["policy"], str(s["devices"]), str(s["mixes"]),
-            _stats(s["binding_fill"], low=True), f"{s['fill_ok']}/{s['mixes']}",
-            _stats(s["steps_over_lb"], low=False),
-            _stats(s["quad_over_bound"], low=False),
-            _stats(s["cv_ratio"], low=True) + f" ({len(s['cv_ratio'])})", str(s["max_age"]),
-            _stats(s["tile_cap_over_mean"], low=False),
-            _stats(s["ms_per_step"], low=False),
-        ]))  # fmt: skip
+        lines.append(
+            " | ".join(
+                [
+                    s["policy"],
+                    str(s["devices"]),
+                    str(s["mixes"]),
+                    _stats(s["binding_fill"], low=True),
+                    f"{s['fill_ok']}/{s['mixes']}",
+                    _stats(s["steps_over_lb"], low=False),
+                    _stats(s["quad_over_bound"], low=False),
+                    _stats(s["cv_ratio"], low=True) + f" ({len(s['cv_ratio'])})",
+                    str(s["max_age"]),
+                    _stats(s["tile_cap_over_mean"], low=False),
+                    _stats(s["ms_per_step"], low=False),
+                ]
+            )
+        )
     return "\n".join(lines)

@@ -25,20 +25,41 @@ import numpy as np
 
 SHAPES = {  # config.json of real checkpoints (their shapes; weights are random here)
     "qwen2.5-0.5b": {
-        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936,
-        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-        "num_attention_heads": 14, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0, "tie_word_embeddings": True, "hidden_act": "silu",
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
     },
     "llama-3.2-1b": {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256,
-        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "tie_word_embeddings": True, "hidden_act": "silu",
-        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     },
-}  # fmt: skip
+}
 
 
 def write_random(directory: Path, shape: str) -> int:
@@ -75,8 +96,10 @@ def _hf_shapes(links, cfg) -> list[tuple[str, tuple[int, ...]]]:
     ours = keyed_leaves(nnx.to_pure_dict(parts.template))
     out = []
     for link in links:
-        zeros = [np.zeros(ours[p].shape[1:] if link.layers else ours[p].shape, np.int8)
-                 for p in link.ours]  # fmt: skip
+        zeros = [
+            np.zeros(ours[p].shape[1:] if link.layers else ours[p].shape, np.int8)
+            for p in link.ours
+        ]
         for layer in range(link.layers) if link.layers else [None]:
             names = link.hf_names(layer)
             out += [(n, t.shape) for n, t in zip(names, link.to_hf(*zeros), strict=True)]
@@ -126,8 +149,11 @@ def _rss_mib() -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxmllm.bench.hfload", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m jaxmllm.bench.hfload",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--fsdp", type=int, default=8, help="the rest of --devices is data parallel")
@@ -144,22 +170,41 @@ def main(argv: list[str] | None = None) -> int:
         count = write_random(directory, args.shape)
         wrote = time.perf_counter() - start
         size = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-        cmd = [sys.executable, "-m", "jaxmllm.bench.hfload", "--load", str(directory),
-               "--devices", str(args.devices), "--fsdp", str(args.fsdp)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "jaxmllm.bench.hfload",
+            "--load",
+            str(directory),
+            "--devices",
+            str(args.devices),
+            "--fsdp",
+            str(args.fsdp),
+        ]
         child = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if child.returncode:
             print(child.stderr[-3000:], file=sys.stderr)
             return child.returncode
         result = json.loads(child.stdout.strip().splitlines()[-1])
-    result.update(shape=args.shape, devices=args.devices, fsdp=args.fsdp, hf_params=count,
-                  checkpoint_mib=round(size / 2**20), write_seconds=round(wrote, 1))  # fmt: skip
-    print(f"{'shape':14} {'params':>11} {'ckpt MiB':>9} {'mesh':>10} {'load s':>7} "
-          f"{'params MiB (per device)':>24} {'RSS before':>11} {'peak RSS':>9}")  # fmt: skip
+    result.update(
+        shape=args.shape,
+        devices=args.devices,
+        fsdp=args.fsdp,
+        hf_params=count,
+        checkpoint_mib=round(size / 2**20),
+        write_seconds=round(wrote, 1),
+    )
+    print(
+        f"{'shape':14} {'params':>11} {'ckpt MiB':>9} {'mesh':>10} {'load s':>7} "
+        f"{'params MiB (per device)':>24} {'RSS before':>11} {'peak RSS':>9}"
+    )
     mesh = f"{args.devices // args.fsdp}x{args.fsdp}"
-    print(f"{args.shape:14} {result['params']:>11,} {result['checkpoint_mib']:>9} {mesh:>10} "
-          f"{result['seconds']:>7} {result['param_mib_total']:>13} "
-          f"({result['param_mib_per_device']:>6}) {result['rss_before_mib']:>11} "
-          f"{result['peak_rss_mib']:>9}")  # fmt: skip
+    print(
+        f"{args.shape:14} {result['params']:>11,} {result['checkpoint_mib']:>9} {mesh:>10} "
+        f"{result['seconds']:>7} {result['param_mib_total']:>13} "
+        f"({result['param_mib_per_device']:>6}) {result['rss_before_mib']:>11} "
+        f"{result['peak_rss_mib']:>9}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -224,8 +224,14 @@ def measure(setup: Setup, devices: int, workers: int) -> dict:
     def to_device(host: dict[str, np.ndarray]) -> dict:
         return jax.block_until_ready(sharding.make_global_batch(host, mesh))
 
-    feed = make_pipeline(cfg, devices, source=setup.source, index=setup.index,
-                         positions=positions, to_device=to_device)  # fmt: skip
+    feed = make_pipeline(
+        cfg,
+        devices,
+        source=setup.source,
+        index=setup.index,
+        positions=positions,
+        to_device=to_device,
+    )
     rows = []
     try:
         for step in range(setup.warmup + setup.steps):
@@ -280,21 +286,57 @@ def local_mesh(local: int):
 
 
 def table(rows: list[dict]) -> str:
-    cols = ("data", "dev", "wk", "smp", "plan", "load", "bucket", "count", "xfer", "serial",
-            "overlap", "host", "wait", "device", "host/dev", "serial/dev", "overlap/dev",
-            "ms/smp", "wk need", "MB/step")  # fmt: skip
+    cols = (
+        "data",
+        "dev",
+        "wk",
+        "smp",
+        "plan",
+        "load",
+        "bucket",
+        "count",
+        "xfer",
+        "serial",
+        "overlap",
+        "host",
+        "wait",
+        "device",
+        "host/dev",
+        "serial/dev",
+        "overlap/dev",
+        "ms/smp",
+        "wk need",
+        "MB/step",
+    )
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     for r in rows:
         s = lambda k, r=r: f"{r[k]:.3f}"
-        lines.append(" | ".join([
-            r["data"], str(r["devices"]), str(r["workers"]), f"{r['samples']:.0f}",
-            s("plan_s"), s("load_s"), s("bucketize_s"), s("count_s"), s("transfer_s"),
-            s("serial_s"), s("overlapped_s"), s("host_s"), s("wait_s"), s("device_s"),
-            f"{r['host_over_device']:.1f}x", f"{r['serial_over_device']:.2f}x",
-            f"{r['overlapped_over_device']:.2f}x",
-            f"{r['load_s_per_sample'] * 1e3:.1f}", f"{r['workers_needed']:.1f}",
-            f"{r['bytes_to_device'] / 1e6:.0f}",
-        ]))  # fmt: skip
+        lines.append(
+            " | ".join(
+                [
+                    r["data"],
+                    str(r["devices"]),
+                    str(r["workers"]),
+                    f"{r['samples']:.0f}",
+                    s("plan_s"),
+                    s("load_s"),
+                    s("bucketize_s"),
+                    s("count_s"),
+                    s("transfer_s"),
+                    s("serial_s"),
+                    s("overlapped_s"),
+                    s("host_s"),
+                    s("wait_s"),
+                    s("device_s"),
+                    f"{r['host_over_device']:.1f}x",
+                    f"{r['serial_over_device']:.2f}x",
+                    f"{r['overlapped_over_device']:.2f}x",
+                    f"{r['load_s_per_sample'] * 1e3:.1f}",
+                    f"{r['workers_needed']:.1f}",
+                    f"{r['bytes_to_device'] / 1e6:.0f}",
+                ]
+            )
+        )
     return "\n".join(lines)
 
 
@@ -339,16 +381,26 @@ def main(argv: list[str] | None = None) -> int:
                 f"peak resident memory {peak:.0f} MB",
                 file=sys.stderr,
             )
-            setup = Setup(cfg, source, index, args.steps, args.warmup, args.devices_per_host,
-                          args.device_tflops, measure_device)  # fmt: skip
+            setup = Setup(
+                cfg,
+                source,
+                index,
+                args.steps,
+                args.warmup,
+                args.devices_per_host,
+                args.device_tflops,
+                measure_device,
+            )
             for devices in (int(d) for d in args.devices.split(",")):
                 for workers in (int(w) for w in args.workers.split(",")):
                     row = {"data": data, **measure(setup, devices, workers)}
                     row["source_open_s"], row["source_open_peak_rss_mb"] = opened, peak
                     rows.append(row)
                     print(f"{data} {devices} devices {workers} workers: done", file=sys.stderr)
-    print(f"{args.config}: medians of {args.steps} steps after {args.warmup}; seconds per step "
-          f"on this host; device: {rows[0]['device_from']}")  # fmt: skip
+    print(
+        f"{args.config}: medians of {args.steps} steps after {args.warmup}; seconds per step "
+        f"on this host; device: {rows[0]['device_from']}"
+    )
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -313,12 +313,20 @@ def table(rows: list[dict], rows_per_mb: int, row_len: int) -> str:
     gib = lambda b: "-" if b is None else f"{b / GIB:.2f}"
     for r in rows:
         best = r["max_microbatch"]
-        lines.append(" | ".join([
-            r["policy"], gib(r["temp_bytes"]), gib(r["peak_bytes"]), gib(r["bytes_per_row"]),
-            f"{r['recompute_flops'] / 1e12:.2f}", f"{100 * r['recompute_share']:.1f}",
-            f"{best}{'' if r['pinned'] else '+'}",
-            f"{best / rows_per_mb:.2f}x",
-        ]))  # fmt: skip
+        lines.append(
+            " | ".join(
+                [
+                    r["policy"],
+                    gib(r["temp_bytes"]),
+                    gib(r["peak_bytes"]),
+                    gib(r["bytes_per_row"]),
+                    f"{r['recompute_flops'] / 1e12:.2f}",
+                    f"{100 * r['recompute_share']:.1f}",
+                    f"{best}{'' if r['pinned'] else '+'}",
+                    f"{best / rows_per_mb:.2f}x",
+                ]
+            )
+        )
     return "\n".join(lines)
 
 
@@ -331,10 +339,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True)
     p.add_argument("--policies", default=",".join(REMAT_POLICIES), help="comma-separated")
     p.add_argument("--device-gib", type=float, default=80.0, help="a device's memory")
-    p.add_argument("--devices", type=int, default=0, help="forced CPU devices (default: the "
-                   "config's mesh.cpu_devices, else the product of its mesh sizes)")  # fmt: skip
-    p.add_argument("--check", action="store_true", help="compile the config as it is once; "
-                   "exit 1 unless it fits --device-gib")  # fmt: skip
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=0,
+        help="forced CPU devices (default: the "
+        "config's mesh.cpu_devices, else the product of its mesh sizes)",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="compile the config as it is once; exit 1 unless it fits --device-gib",
+    )
     p.add_argument(
         "--lora",
         action="store_true",

@@ -163,9 +163,17 @@ def video_items(
     height, width = RESOLUTIONS[int(rng.integers(len(RESOLUTIONS)))]
     rate = RATES[int(rng.integers(len(RATES)))]
     unit = 14 * merge
-    rule = VideoRule(fps=fps, min_frames=4, max_frames=768, frame_min_pixels=unit * unit,
-                     frame_max_pixels=768 * unit * unit, max_pixels=budget_tokens * unit * unit,
-                     temporal_patch=2, patch=14, merge=merge)  # fmt: skip
+    rule = VideoRule(
+        fps=fps,
+        min_frames=4,
+        max_frames=768,
+        frame_min_pixels=unit * unit,
+        frame_max_pixels=768 * unit * unit,
+        max_pixels=budget_tokens * unit * unit,
+        temporal_patch=2,
+        patch=14,
+        merge=merge,
+    )
     count, (gh, gw) = video_parts(VideoInfo(max(1, int(seconds * rate)), rate, height, width), rule)
     return np.full(count, gh * gw, np.int64)
 

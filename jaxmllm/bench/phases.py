@@ -82,8 +82,9 @@ class PhaseTimer:
     def _rows(self, mb: dict) -> dict[str, jax.Array]:
         """Constant encoder rows of the shapes the projectors give (what the LLM reads)."""
         rows = lambda p: mb[p.capacity].shape[1] // p.per_token(self.cfg.model)
-        return {p.name: jnp.zeros((1, rows(p), self.width), self.dtype)
-                for p in enabled(self.cfg.model)}  # fmt: skip
+        return {
+            p.name: jnp.zeros((1, rows(p), self.width), self.dtype) for p in enabled(self.cfg.model)
+        }
 
     def _exchange(self, host: dict[str, np.ndarray]) -> float:
         """The step's all-to-alls (every microbatch) forward and transposed, on the mesh."""
@@ -106,8 +107,9 @@ class PhaseTimer:
         key = p.capacity
         d, n = host[key].shape[1], host[key].shape[2] // p.per_token(self.cfg.model)
         spec = jax.sharding.PartitionSpec(sharding.DATA_AXES)
-        return jax.device_put(jnp.ones((d, n, self.width), self.dtype),
-                              jax.sharding.NamedSharding(self.mesh, spec))  # fmt: skip
+        return jax.device_put(
+            jnp.ones((d, n, self.width), self.dtype), jax.sharding.NamedSharding(self.mesh, spec)
+        )
 
 
 def _exchange_fwd_bwd(rows: list, sends: list) -> list:

@@ -66,9 +66,14 @@ def route_caps(index: LengthsIndex, caps: Capacities, policy: str, steps: int, s
 
 
 def held_caps(
-    index: LengthsIndex, caps: Capacities, policy: str, steps: int, seed: int,
-    cost: CostModel | None = None, ladder: bool = True,
-):  # fmt: skip
+    index: LengthsIndex,
+    caps: Capacities,
+    policy: str,
+    steps: int,
+    seed: int,
+    cost: CostModel | None = None,
+    ladder: bool = True,
+):
     """A tile-holding policy's capacities as the trainer sizes them (`resolve_tiles`): the mean
     need plus headroom (with `cost`, the headroom that does the most useful work per computed
     FLOP), or what a dry run of its plans without a bound needed if that is less; with
@@ -86,9 +91,14 @@ def held_caps(
 
 
 def sized_caps(
-    index: LengthsIndex, caps: Capacities, policy: str, steps: int, cost: CostModel | None,
-    seed: int = 0, pair: str = "auto",
-) -> Capacities:  # fmt: skip
+    index: LengthsIndex,
+    caps: Capacities,
+    policy: str,
+    steps: int,
+    cost: CostModel | None,
+    seed: int = 0,
+    pair: str = "auto",
+) -> Capacities:
     """`make_caps`' capacities as a policy runs the bench for `steps` plans: the route
     capacity as the trainer sizes it (`route_caps`; `pair` "whole" keeps a device's whole
     encoder output) and, with tiles, a tile-holding policy's tile capacities (`held_caps`)."""

@@ -53,13 +53,20 @@ def measure_bubbles(config: str, sets: list[str], stage_counts: list[int], repea
             fwd, bwd = StageTimer(one, plan.stages, batch, repeats).times()
         table = SCHEDULES[plan.schedule](cfg.batch.microbatches, stages)
         measured = table.bubble(fwd, bwd)
-        rows.append({
-            "stages": stages, "microbatches": cfg.batch.microbatches, "schedule": plan.schedule,
-            "plan": [f"{s.segment}:{s.layers}" for s in plan.stages],
-            "fwd_s": fwd, "bwd_s": bwd, "measured_pipeline_s": table.time(fwd, bwd),
-            "predicted_bubble": plan.bubble, "measured_bubble": measured,
-            "bubble_rel_diff": (measured - plan.bubble) / plan.bubble if plan.bubble else 0.0,
-        })  # fmt: skip
+        rows.append(
+            {
+                "stages": stages,
+                "microbatches": cfg.batch.microbatches,
+                "schedule": plan.schedule,
+                "plan": [f"{s.segment}:{s.layers}" for s in plan.stages],
+                "fwd_s": fwd,
+                "bwd_s": bwd,
+                "measured_pipeline_s": table.time(fwd, bwd),
+                "predicted_bubble": plan.bubble,
+                "measured_bubble": measured,
+                "bubble_rel_diff": (measured - plan.bubble) / plan.bubble if plan.bubble else 0.0,
+            }
+        )
     return rows
 
 
@@ -115,10 +122,14 @@ class StageTimer:
         """(fn(wrt, const), wrt, const): the stage's work, what its backward differentiates,
         and the rest."""
         seg, first, last = stage.segment, stage.first == 0, self._is_last(stage)
-        keys = [k for k in (seg, f"{seg}_projector" if last and seg != "llm" else None)
-                if k and k in self.params]  # fmt: skip
-        cut = lambda tree: {k: _slice(v, k == seg, stage.first, stage.layers)
-                            for k, v in tree.items()}  # fmt: skip
+        keys = [
+            k
+            for k in (seg, f"{seg}_projector" if last and seg != "llm" else None)
+            if k and k in self.params
+        ]
+        cut = lambda tree: {
+            k: _slice(v, k == seg, stage.first, stage.layers) for k, v in tree.items()
+        }
         params, frozen = cut(self.params), cut(self.frozen)
         wrt = {"params": {k: params[k] for k in keys}}
         inputs = self.rows if (first and seg == "llm") else received

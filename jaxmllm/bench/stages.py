@@ -91,34 +91,72 @@ def _summary(plan: Plan) -> dict:
 
 
 def quality_table(rows: list[dict]) -> str:
-    cols = ["model", "S", "M", "uniform step", "blind step", "aware step", "uniform/aware",
-            "blind/aware", "bottleneck u/a", "aware plan"]  # fmt: skip
+    cols = [
+        "model",
+        "S",
+        "M",
+        "uniform step",
+        "blind step",
+        "aware step",
+        "uniform/aware",
+        "blind/aware",
+        "bottleneck u/a",
+        "aware plan",
+    ]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     for r in rows:
         a = r["aware"]
-        plan = " ".join(a["stages"]) + (f" (dp: {','.join(a['data_parallel'])})"
-                                         if a["data_parallel"] else "")  # fmt: skip
-        lines.append(" | ".join([
-            r["model"], str(r["stages"]), str(r["microbatches"]),
-            f"{r['uniform']['step_tflop']:.1f}", f"{r['blind']['step_tflop']:.1f}",
-            f"{a['step_tflop']:.1f} {a['schedule']}", f"{r['uniform_over_aware']:.2f}x",
-            f"{r['blind_over_aware']:.2f}x", f"{r['bottleneck_uniform_over_aware']:.2f}x", plan,
-        ]))  # fmt: skip
+        plan = " ".join(a["stages"]) + (
+            f" (dp: {','.join(a['data_parallel'])})" if a["data_parallel"] else ""
+        )
+        lines.append(
+            " | ".join(
+                [
+                    r["model"],
+                    str(r["stages"]),
+                    str(r["microbatches"]),
+                    f"{r['uniform']['step_tflop']:.1f}",
+                    f"{r['blind']['step_tflop']:.1f}",
+                    f"{a['step_tflop']:.1f} {a['schedule']}",
+                    f"{r['uniform_over_aware']:.2f}x",
+                    f"{r['blind_over_aware']:.2f}x",
+                    f"{r['bottleneck_uniform_over_aware']:.2f}x",
+                    plan,
+                ]
+            )
+        )
     return "\n".join(lines)
 
 
 def measure_table(rows: list[dict]) -> str:
-    cols = ["S", "M", "plan", "predicted bubble", "measured bubble", "rel. diff",
-            "measured pipeline s", "stage fwd ms", "stage bwd ms"]  # fmt: skip
+    cols = [
+        "S",
+        "M",
+        "plan",
+        "predicted bubble",
+        "measured bubble",
+        "rel. diff",
+        "measured pipeline s",
+        "stage fwd ms",
+        "stage bwd ms",
+    ]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     for r in rows:
-        lines.append(" | ".join([
-            str(r["stages"]), str(r["microbatches"]), " ".join(r["plan"]),
-            f"{r['predicted_bubble']:.3f}", f"{r['measured_bubble']:.3f}",
-            f"{r['bubble_rel_diff']:+.1%}", f"{r['measured_pipeline_s']:.3f}",
-            " ".join(f"{t * 1e3:.1f}" for t in r["fwd_s"]),
-            " ".join(f"{t * 1e3:.1f}" for t in r["bwd_s"]),
-        ]))  # fmt: skip
+        lines.append(
+            " | ".join(
+                [
+                    str(r["stages"]),
+                    str(r["microbatches"]),
+                    " ".join(r["plan"]),
+                    f"{r['predicted_bubble']:.3f}",
+                    f"{r['measured_bubble']:.3f}",
+                    f"{r['bubble_rel_diff']:+.1%}",
+                    f"{r['measured_pipeline_s']:.3f}",
+                    " ".join(f"{t * 1e3:.1f}" for t in r["fwd_s"]),
+                    " ".join(f"{t * 1e3:.1f}" for t in r["bwd_s"]),
+                ]
+            )
+        )
     return "\n".join(lines)
 
 
@@ -134,11 +172,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedules", default=",".join(SCHEDULES_RUN), help="gpipe,1f1b: both")
     p.add_argument("--measure", default="configs/pipeline.yaml", help="'' skips the measure")
     p.add_argument("--measure-stages", default="2,4")
-    p.add_argument("--repeats", type=int, default=100,
-                   help="rounds of timing every stage's programs in turn (median)")  # fmt: skip
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=100,
+        help="rounds of timing every stage's programs in turn (median)",
+    )
     p.add_argument("--json", help="write the rows here")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="overrides for the --measure config")  # fmt: skip
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="overrides for the --measure config",
+    )
     args = p.parse_args(argv)
     ints = lambda text: [int(x) for x in text.split(",") if x]
     schedules = [s for s in args.schedules.split(",") if s]
@@ -146,16 +193,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for as_stages in (False, True):
         part = []
-        for name, model in (("frozen vision", _frozen_vision(cfg, True)),
-                            ("all trainable", _all_trainable(cfg))):  # fmt: skip
+        for name, model in (
+            ("frozen vision", _frozen_vision(cfg, True)),
+            ("all trainable", _all_trainable(cfg)),
+        ):
             for m in ints(args.microbatches):
                 for s in ints(args.stages):
                     row = quality_row(model, s, m, schedules, as_stages)
-                    part.append({"model": name, "encoders": "stages" if as_stages else "free",
-                                 **row})  # fmt: skip
+                    part.append(
+                        {"model": name, "encoders": "stages" if as_stages else "free", **row}
+                    )
         where = "encoders as stages" if as_stages else "encoders placed by the partitioner"
-        print(f"\npartition quality, {args.config} shapes, {where} (predicted TFLOP per step "
-              f"and device; schedules: {', '.join(schedules)})")  # fmt: skip
+        print(
+            f"\npartition quality, {args.config} shapes, {where} (predicted TFLOP per step "
+            f"and device; schedules: {', '.join(schedules)})"
+        )
         print(quality_table(part))
         rows += part
     measured = []

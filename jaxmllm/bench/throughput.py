@@ -218,8 +218,9 @@ def phase_stats(run: Run) -> dict:
     """Per phase, the mean over steps of its slowest device's seconds (`bench.phases`)."""
     if not run.phase_times:
         return {}
-    return {f"phase/{p}_s": float(np.mean([t.get(p, 0.0) for t in run.phase_times]))
-            for p in PHASES}  # fmt: skip
+    return {
+        f"phase/{p}_s": float(np.mean([t.get(p, 0.0) for t in run.phase_times])) for p in PHASES
+    }
 
 
 def per_device(run: Run, total_tokens: float) -> dict:
@@ -256,9 +257,25 @@ def tile_stats(run: Run) -> dict:
 
 
 def table(rows: list[dict], peak: float | None = None) -> str:
-    cols = ["policy", "tok/s", "step s", "max-dev tok/s", "max-dev step s", "pad llm", "pad vis",
-            "pad aud", "tiles", "tile fill", "tile max/mean", "FLOP/tok", "TFLOP/s/dev", "MFU",
-            "xchg MB", "vs grain", "vs grain (max-dev)"]  # fmt: skip
+    cols = [
+        "policy",
+        "tok/s",
+        "step s",
+        "max-dev tok/s",
+        "max-dev step s",
+        "pad llm",
+        "pad vis",
+        "pad aud",
+        "tiles",
+        "tile fill",
+        "tile max/mean",
+        "FLOP/tok",
+        "TFLOP/s/dev",
+        "MFU",
+        "xchg MB",
+        "vs grain",
+        "vs grain (max-dev)",
+    ]
     grain = next((r for r in rows if r["policy"] == "grain"), None)
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     for r in rows:
@@ -268,16 +285,27 @@ def table(rows: list[dict], peak: float | None = None) -> str:
             return f"{r[key] / grain[key]:.2f}x" if ok else "-"
 
         f = lambda key, fmt, r=r: format(r[key], fmt) if key in r else "-"
-        lines.append(" | ".join([
-            r["policy"], f("tokens_per_s", ".0f"), f("step_time_s", ".3f"),
-            f("tokens_per_s_max_device", ".0f"), f("step_time_max_device_s", ".3f"),
-            *(f"{r.get(f'padding/{p}', 0.0):.2f}" for p in ("llm", "vision", "audio")),
-            f("tile_capacity", "d"), f("tile_fill", ".3f"), f("tile_max_mean", ".3f"),
-            f("model_flops_per_real_token", ".3g"), f("tflops_per_device", ".1f"),
-            f"{r['tflops_per_device'] / peak:.1%}" if peak else "-",
-            f"{r['exchange_bytes_per_step'] / 1e6:.2f}",
-            vs("tokens_per_s"), vs("tokens_per_s_max_device"),
-        ]))  # fmt: skip
+        lines.append(
+            " | ".join(
+                [
+                    r["policy"],
+                    f("tokens_per_s", ".0f"),
+                    f("step_time_s", ".3f"),
+                    f("tokens_per_s_max_device", ".0f"),
+                    f("step_time_max_device_s", ".3f"),
+                    *(f"{r.get(f'padding/{p}', 0.0):.2f}" for p in ("llm", "vision", "audio")),
+                    f("tile_capacity", "d"),
+                    f("tile_fill", ".3f"),
+                    f("tile_max_mean", ".3f"),
+                    f("model_flops_per_real_token", ".3g"),
+                    f("tflops_per_device", ".1f"),
+                    f"{r['tflops_per_device'] / peak:.1%}" if peak else "-",
+                    f"{r['exchange_bytes_per_step'] / 1e6:.2f}",
+                    vs("tokens_per_s"),
+                    vs("tokens_per_s_max_device"),
+                ]
+            )
+        )
     return "\n".join(lines)
 
 
@@ -291,8 +319,11 @@ def phase_table(rows: list[dict]) -> str:
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     for r in rows:
         step = r.get("step_time_max_device_s")
-        cells = [r["policy"], f"{100 * r['recompute_share']:.1f}",
-                 "-" if step is None else f"{step:.3f}"]  # fmt: skip
+        cells = [
+            r["policy"],
+            f"{100 * r['recompute_share']:.1f}",
+            "-" if step is None else f"{step:.3f}",
+        ]
         if phased:
             times = {p: r[f"phase/{p}_s"] for p in PHASES}
             cells += [f"{t:.3f}" for t in times.values()]
@@ -320,8 +351,12 @@ def main(argv: list[str] | None = None) -> int:
         help="remat policies (every tower's) to run each "
         "policy under, comma-separated: rows policy/remat (default: the config's)",
     )
-    p.add_argument("--phases", action="store_true", help="time each phase's own program too "
-                   "(jaxmllm.bench.phases), on the max-device measure's devices")  # fmt: skip
+    p.add_argument(
+        "--phases",
+        action="store_true",
+        help="time each phase's own program too "
+        "(jaxmllm.bench.phases), on the max-device measure's devices",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)

@@ -175,8 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     from jaxmllm.data.media.video import cores
     from jaxmllm.data.preprocess import Params
 
-    p = argparse.ArgumentParser(prog="python -m jaxmllm.bench.video", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m jaxmllm.bench.video",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--sizes", default="480p,1080p", help=f"of {', '.join(SIZES)}")
     p.add_argument("--seconds", type=float, default=30.0, help="length of each video")
     p.add_argument("--fps", type=float, default=2.0, help="frames sampled a second")

@@ -33,12 +33,21 @@ class SyntheticConfig:
     # tokens instead (long documents, e.g. for mesh.context); 0 = up to max_text_words words
 
     def __post_init__(self):
-        check(self.text_tokens == 0 or self.text_tokens >= 3, "must be 0, or >= 3 (BOS and EOS "
-              "around the text)", "text_tokens")  # fmt: skip
-        check(self.image_fraction + self.audio_fraction + self.video_fraction <= 1, "image, "
-              "audio and video fractions must add up to at most 1", "video_fraction")  # fmt: skip
-        check(1 <= self.min_video_frames <= self.max_video_frames, "must be >= 1 and <= "
-              "max_video_frames", "min_video_frames")  # fmt: skip
+        check(
+            self.text_tokens == 0 or self.text_tokens >= 3,
+            "must be 0, or >= 3 (BOS and EOS around the text)",
+            "text_tokens",
+        )
+        check(
+            self.image_fraction + self.audio_fraction + self.video_fraction <= 1,
+            "image, audio and video fractions must add up to at most 1",
+            "video_fraction",
+        )
+        check(
+            1 <= self.min_video_frames <= self.max_video_frames,
+            "must be >= 1 and <= max_video_frames",
+            "min_video_frames",
+        )
         check(self.video_side >= 1, "must be >= 1", "video_side")
 
 
@@ -84,8 +93,11 @@ class EvalConfig:
     max_new_tokens: int = 48  # the longest answer generated
 
     def __post_init__(self):
-        check(self.source in ("none", *DATA_SOURCES), f"must be none or one of "
-              f"{sorted(DATA_SOURCES)}", "source")  # fmt: skip
+        check(
+            self.source in ("none", *DATA_SOURCES),
+            f"must be none or one of {sorted(DATA_SOURCES)}",
+            "source",
+        )
         check(
             self.source in ("none", "synthetic") or bool(self.path),
             f"source {self.source} needs data.eval.path (a data file, a directory or a glob)",
@@ -95,8 +107,11 @@ class EvalConfig:
         check(self.samples >= 0, "must be >= 0 (0: the whole source)", "samples")
         check(self.questions >= 0, "must be >= 0", "questions")
         check(self.max_new_tokens >= 1, "must be >= 1", "max_new_tokens")
-        check(self.source != "synthetic" or self.samples > 0, "a synthetic eval set needs its "
-              "size (> 0)", "samples")  # fmt: skip
+        check(
+            self.source != "synthetic" or self.samples > 0,
+            "a synthetic eval set needs its size (> 0)",
+            "samples",
+        )
 
 
 @dataclass(frozen=True)
@@ -226,8 +241,11 @@ class DataConfig:
             "source",
         )
         check(self.format in FORMATS, f"must be one of {', '.join(FORMATS)}", "format")
-        check(not (self.path and self.sources), "give data.path (one data set) or data.sources "
-              "(a mixture), not both", "sources")  # fmt: skip
+        check(
+            not (self.path and self.sources),
+            "give data.path (one data set) or data.sources (a mixture), not both",
+            "sources",
+        )
         if self.source == "auto":  # (resolved once, here: the built-in data only when named)
             given = bool(self.path or self.sources)
             object.__setattr__(self, "source", "files" if given else "none")
@@ -251,8 +269,11 @@ class DataConfig:
         check(0.0 <= self.min_accept <= 1.0, "must be in [0, 1]", "min_accept")
         object.__setattr__(self, "sources", tuple(self.sources))
         given = [s.weight > 0 for s in self.sources]
-        check(all(given) or not any(given), "give every source a weight > 0, or none (all 0: "
-              "each in proportion to its records)", "sources")  # fmt: skip
+        check(
+            all(given) or not any(given),
+            "give every source a weight > 0, or none (all 0: each in proportion to its records)",
+            "sources",
+        )
         check(self.on_error in ("skip", "fail"), "must be skip or fail", "on_error")
         check(
             self.on_oversize in ("shrink", "truncate", "skip", "fail"),
@@ -289,8 +310,11 @@ class DataConfig:
         check(self.max_media_bytes >= 1, "must be >= 1", "max_media_bytes")
         check(self.video_fps > 0, "must be > 0 (frames sampled a second)", "video_fps")
         check(self.video_min_frames >= 1, "must be >= 1", "video_min_frames")
-        check(self.video_max_frames >= self.video_min_frames, "must be >= video_min_frames",
-              "video_max_frames")  # fmt: skip
+        check(
+            self.video_max_frames >= self.video_min_frames,
+            "must be >= video_min_frames",
+            "video_max_frames",
+        )
         check(self.video_frame_min_pixels >= 1, "must be >= 1", "video_frame_min_pixels")
         check(
             self.video_frame_max_pixels >= self.video_frame_min_pixels,

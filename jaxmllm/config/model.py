@@ -184,10 +184,16 @@ class VisionConfig(BlockOptions):
             f"{list(full)}: must be distinct block indices in [0, depth={self.depth})",
             "full_blocks",
         )
-        check(not full or self.window > 0, "needs window > 0 (the other blocks' windows)",
-              "full_blocks")  # fmt: skip
-        check(not (self.class_token and self.window), "class tokens and windows together are "
-              "not supported (no tower has both)", "window")  # fmt: skip
+        check(
+            not full or self.window > 0,
+            "needs window > 0 (the other blocks' windows)",
+            "full_blocks",
+        )
+        check(
+            not (self.class_token and self.window),
+            "class tokens and windows together are not supported (no tower has both)",
+            "window",
+        )
 
 
 PROJECTORS = ("mlp", "linear")  # jaxmllm.models.projectors implements each

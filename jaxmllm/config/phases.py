@@ -106,14 +106,24 @@ class Phase:
 
 
 VISION = Phase(
-    "vision", "image", "images", "patches", "vision_patches", reserved_id=259,
+    "vision",
+    "image",
+    "images",
+    "patches",
+    "vision_patches",
+    reserved_id=259,
     files=("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff", "ppm", "tga", "avif", "qoi"),
     pixels=True,
-)  # fmt: skip
+)
 AUDIO = Phase(
-    "audio", "audio", "audio", "frames", "audio_frames", reserved_id=260,
+    "audio",
+    "audio",
+    "audio",
+    "frames",
+    "audio_frames",
+    reserved_id=260,
     files=("wav", "flac", "ogg", "oga", "mp3"),
-)  # fmt: skip
+)
 
 ENCODERS: tuple[Phase, ...] = (VISION, AUDIO)  # (the order of every per-phase layout)
 BY_NAME = {p.name: p for p in ENCODERS}

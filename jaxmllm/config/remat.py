@@ -65,8 +65,12 @@ REMAT_POLICIES = {
 }
 
 # `model.remat: true/false` with `model.remat_policy: nothing|dots`, before the names.
-LEGACY = {(False, "nothing"): "none", (False, "dots"): "none", (True, "nothing"): "full",
-          (True, "dots"): "save_dots"}  # fmt: skip
+LEGACY = {
+    (False, "nothing"): "none",
+    (False, "dots"): "none",
+    (True, "nothing"): "full",
+    (True, "dots"): "save_dots",
+}
 TOWERS = ("vision", "audio", "llm")
 
 

@@ -64,8 +64,9 @@ class MeshConfig:
             "context",
         )
         check(self.stage >= 1, "must be >= 1 (1: no pipeline); -1 is not allowed here", "stage")
-        check(self.cpu_devices >= 0, "must be >= 0 (0: the host's devices as they are)",
-              "cpu_devices")  # fmt: skip
+        check(
+            self.cpu_devices >= 0, "must be >= 0 (0: the host's devices as they are)", "cpu_devices"
+        )
 
 
 SCHEDULES = ("auto", "gpipe", "1f1b")
@@ -179,8 +180,11 @@ class BatchConfig:
         check(self.route_pair_capacity >= -1, "must be >= 0, or -1", "route_pair_capacity")
         check(self.attention_block >= 1, "must be >= 1", "attention_block")
         for key in AUTO_SIZES[1:]:  # (route_pair_capacity may also be 0)
-            check(getattr(self, key) >= 1 or getattr(self, key) == -1, "must be >= 1, or -1 "
-                   "for auto (resolved at start-up)", key)  # fmt: skip
+            check(
+                getattr(self, key) >= 1 or getattr(self, key) == -1,
+                "must be >= 1, or -1 for auto (resolved at start-up)",
+                key,
+            )
         ladders = {k: getattr(self, k) for k in AUTO_LADDERS}
         for key, value in ladders.items():
             check(

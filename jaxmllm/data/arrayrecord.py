@@ -61,16 +61,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxmllm.data.arrayrecord", description=__doc__)
     p.add_argument("--manifest", required=True, help="the data: a file, a directory or a glob")
     p.add_argument("--format", default="auto", help="its data.format (default: detected)")
-    p.add_argument("--media-root", default="", help="as data.media_root (default: the config's, "
-                   "else the data file's folder)")  # fmt: skip
+    p.add_argument(
+        "--media-root",
+        default="",
+        help="as data.media_root (default: the config's, else the data file's folder)",
+    )
     p.add_argument("--out", required=True, help="the .array_record file to write")
     p.add_argument(
         "--config",
         help="a config whose data.media_root, data.confine_media_to, data.allow_outside_paths "
         "and data.max_media_bytes apply (default: their defaults)",
     )
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override them, e.g. --set data.media_root=images/")  # fmt: skip
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override them, e.g. --set data.media_root=images/",
+    )
     args = p.parse_args(argv)
     if not args.out.endswith(".array_record"):
         print("error: --out must end in .array_record", file=sys.stderr)

@@ -47,8 +47,11 @@ class MixtureSource:
         self._index: LengthsIndex | None = None
         self.specials = parts[0].specials  # (one tokenizer for all)
         self.media_ids = list(self.specials.media.values())
-        self.startup_rejects = [{**e, "source": name} for p, name in zip(parts, names, strict=True)
-                                for e in p.startup_rejects]  # fmt: skip
+        self.startup_rejects = [
+            {**e, "source": name}
+            for p, name in zip(parts, names, strict=True)
+            for e in p.startup_rejects
+        ]
         counts: Counter[str] = Counter()
         for p in parts:
             counts.update(p.index_rejects)

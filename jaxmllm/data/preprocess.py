@@ -164,9 +164,15 @@ class Limits:
     max_units: Mapping[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        out = {k: v for k, v in (("max_pixels", self.max_pixels),
-                                 ("video_pixels", self.video_pixels),
-                                 ("max_tokens", self.max_tokens)) if v is not None}  # fmt: skip
+        out = {
+            k: v
+            for k, v in (
+                ("max_pixels", self.max_pixels),
+                ("video_pixels", self.video_pixels),
+                ("max_tokens", self.max_tokens),
+            )
+            if v is not None
+        }
         out.update({f"max_{BY_NAME[p].unit}": n for p, n in self.max_units.items()})
         return out
 
@@ -248,8 +254,12 @@ class Preprocessor:
     def sizes(self, record: Record) -> Sizes:
         """The media sizes of a record, read from the files' headers (nothing is decoded);
         raises RecordError for a file over the bomb caps or one that does not open."""
-        return Sizes({k: [media.read_size(self, src, record.id) for src in record.media[k]]
-                      for k, media in MEDIA.items()})  # fmt: skip
+        return Sizes(
+            {
+                k: [media.read_size(self, src, record.id) for src in record.media[k]]
+                for k, media in MEDIA.items()
+            }
+        )
 
     def check(self, record: Record, sizes: Sizes) -> None:
         """Raises RecordError for an item its phase cannot use at all (a clip too short for
@@ -315,10 +325,11 @@ class Preprocessor:
             count[op.phase] += 1
         self.frame_counts = Counter()  # (Videos.load: read from the frame cache, or decoded)
         decoded = {
-            (kind, j): MEDIA[kind].load(self, record.media[kind][j], sizes.media[kind][j],
-                                        limits, record.id, parts, item=j)
+            (kind, j): MEDIA[kind].load(
+                self, record.media[kind][j], sizes.media[kind][j], limits, record.id, parts, item=j
+            )
             for (kind, j), parts in wanted.items()
-        }  # fmt: skip
+        }
         tokens, loss = [], []
         media: dict[str, list[Item | None]] = {p: [] for p in NAMES}
         for op in lay.ops:

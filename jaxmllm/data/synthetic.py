@@ -85,8 +85,9 @@ class SyntheticSource:
             grid = (len(items), self.syn.video_side, self.syn.video_side)
             rows = [len(v) // self.merge**2 for v, _ in items]
             caption = self._video_caption(p["video"])
-            return self._media_sample(int(i), VISION, rows, VIDEO_PROMPT, caption, items,
-                                      grids=[grid], marker=VIDEO.name)  # fmt: skip
+            return self._media_sample(
+                int(i), VISION, rows, VIDEO_PROMPT, caption, items, grids=[grid], marker=VIDEO.name
+            )
         clip = self._render_audio(rng, *p["audio"])
         caption = f"a {p['audio'][2]} {p['audio'][1]} tone"
         item = (clip, np.arange(len(clip), dtype=np.int32))
@@ -110,15 +111,22 @@ class SyntheticSource:
         tokens = np.zeros(len(t.kind), np.int64)
         tokens[text] = self._text_lengths(t.text[text, 0], t.text[text, 1])
         # "a red circle", " and " between two
-        names = [NAME_BYTES["colour"][t.images[:, k, 2]] + NAME_BYTES["shape"][t.images[:, k, 3]]
-                 for k in range(2)]  # fmt: skip
+        names = [
+            NAME_BYTES["colour"][t.images[:, k, 2]] + NAME_BYTES["shape"][t.images[:, k, 3]]
+            for k in range(2)
+        ]
         caption = 3 + names[0] + np.where(t.n_images == 2, 5 + 3 + names[1], 0)
         tokens[image] = (2 + len(IMAGE_PROMPT) + caption)[image]
         caption = 3 + NAME_BYTES["contour"][t.audio[:, 2]] + NAME_BYTES["pitch"][t.audio[:, 1]]
         tokens[audio] = (2 + len(AUDIO_PROMPT) + caption + len(" tone"))[audio]
         # "a red circle moving left"
-        caption = (3 + NAME_BYTES["colour"][t.video[:, 1]] + NAME_BYTES["shape"][t.video[:, 2]]
-                   + len(" moving ") + NAME_BYTES["direction"][t.video[:, 3]])  # fmt: skip
+        caption = (
+            3
+            + NAME_BYTES["colour"][t.video[:, 1]]
+            + NAME_BYTES["shape"][t.video[:, 2]]
+            + len(" moving ")
+            + NAME_BYTES["direction"][t.video[:, 3]]
+        )
         tokens[video] = (2 + len(VIDEO_PROMPT) + caption)[video]
         # Vision items in sample order: a sample's images, or its video's temporal patches
         patches = (t.images[:, :, 0] * t.images[:, :, 1]).astype(np.int64)
@@ -157,8 +165,10 @@ class SyntheticSource:
         exact = np.concatenate([e for _, e in blocks] or [np.ones(0, bool)])
         probe = np.unique(np.linspace(0, max(len(ids) - 1, 0), 16).astype(np.int64))[: len(ids)]
         if any(table.params(int(i)) != self._sample_params(int(i)) for i in probe):
-            log.warning("numpy's streams differ from jaxmllm.data.pcg's: synthetic parameters "
-                        "drawn one sample at a time (slower start-up, same samples)")  # fmt: skip
+            log.warning(
+                "numpy's streams differ from jaxmllm.data.pcg's: synthetic parameters "
+                "drawn one sample at a time (slower start-up, same samples)"
+            )
             exact[:] = False
         for i in np.flatnonzero(~exact).tolist():  # a rare branch of numpy's: drawn its way
             table.set(i, self._sample_params(i))
@@ -178,8 +188,12 @@ class SyntheticSource:
         lanes = streams.take(image)
         lo, hi = max(1, syn.min_image_side // m), max(1, syn.max_image_side // m)
         for k in range(2):  # (a one-image sample never draws the second's)
-            draws = [lanes.integers(lo, hi + 1), lanes.integers(lo, hi + 1),
-                     lanes.integers(0, len(COLOURS)), lanes.integers(0, len(SHAPES))]  # fmt: skip
+            draws = [
+                lanes.integers(lo, hi + 1),
+                lanes.integers(lo, hi + 1),
+                lanes.integers(0, len(COLOURS)),
+                lanes.integers(0, len(SHAPES)),
+            ]
             for c, (value, ok) in enumerate(draws):
                 table.images[image, k, c] = value * (m if c < 2 else 1)
                 exact[image] &= ok | (k >= table.n_images[image])
@@ -193,9 +207,12 @@ class SyntheticSource:
         table.kind[video] = VIDEO_KIND
         lanes = streams.take(video)
         t = self.temporal  # (whole temporal patches)
-        draws = [lanes.integers(-(-syn.min_video_frames // t), syn.max_video_frames // t + 1),
-                 lanes.integers(0, len(COLOURS)), lanes.integers(0, len(SHAPES)),
-                 lanes.integers(0, len(DIRECTIONS))]  # fmt: skip
+        draws = [
+            lanes.integers(-(-syn.min_video_frames // t), syn.max_video_frames // t + 1),
+            lanes.integers(0, len(COLOURS)),
+            lanes.integers(0, len(SHAPES)),
+            lanes.integers(0, len(DIRECTIONS)),
+        ]
         for c, (value, ok) in enumerate(draws):
             table.video[video, c] = value * (t if c == 0 else 1)
             exact[video] &= ok
@@ -226,8 +243,9 @@ class SyntheticSource:
             }
         if u < syn.image_fraction + syn.audio_fraction + syn.video_fraction:
             t = self.temporal  # (whole temporal patches)
-            frames = t * int(rng.integers(-(-syn.min_video_frames // t), syn.max_video_frames // t
-                                          + 1))  # fmt: skip
+            frames = t * int(
+                rng.integers(-(-syn.min_video_frames // t), syn.max_video_frames // t + 1)
+            )
             colour, shape = str(rng.choice(list(COLOURS))), str(rng.choice(SHAPES))
             return {"kind": "video", "video": (frames, colour, shape, str(rng.choice(DIRECTIONS)))}
         # Long-tailed text lengths: most samples short, a few near the maximum.
@@ -326,9 +344,16 @@ class SyntheticSource:
 TEXT_KIND, IMAGE_KIND, AUDIO_KIND, VIDEO_KIND = 0, 1, 2, 3  # kinds of sample (_Table.kind)
 BLOCK = 1 << 16  # samples drawn together (their arrays stay in the cache)
 # The bytes of each name, by its number (the order the draws number them)
-NAME_BYTES = {key: np.array([len(name.encode()) for name in names]) for key, names in
-              (("colour", COLOURS), ("shape", SHAPES), ("pitch", PITCHES),
-               ("contour", CONTOURS), ("direction", DIRECTIONS))}  # fmt: skip
+NAME_BYTES = {
+    key: np.array([len(name.encode()) for name in names])
+    for key, names in (
+        ("colour", COLOURS),
+        ("shape", SHAPES),
+        ("pitch", PITCHES),
+        ("contour", CONTOURS),
+        ("direction", DIRECTIONS),
+    )
+}
 
 
 @dataclass
@@ -359,17 +384,28 @@ class _Table:
     def params(self, i: int) -> dict:
         """Sample i's parameters as `_sample_params` returns them."""
         if self.kind[i] == IMAGE_KIND:
-            images = [(int(h), int(w), tuple(COLOURS)[c], SHAPES[s])
-                      for h, w, c, s in self.images[i, : self.n_images[i]]]  # fmt: skip
+            images = [
+                (int(h), int(w), tuple(COLOURS)[c], SHAPES[s])
+                for h, w, c, s in self.images[i, : self.n_images[i]]
+            ]
             return {"kind": "image", "images": images}
         if self.kind[i] == AUDIO_KIND:
             frames, pitch, contour = self.audio[i]
-            return {"kind": "audio", "audio": (int(frames), tuple(PITCHES)[pitch],
-                                               tuple(CONTOURS)[contour])}  # fmt: skip
+            return {
+                "kind": "audio",
+                "audio": (int(frames), tuple(PITCHES)[pitch], tuple(CONTOURS)[contour]),
+            }
         if self.kind[i] == VIDEO_KIND:
             frames, colour, shape, direction = self.video[i]
-            return {"kind": "video", "video": (int(frames), tuple(COLOURS)[colour], SHAPES[shape],
-                                               DIRECTIONS[direction])}  # fmt: skip
+            return {
+                "kind": "video",
+                "video": (
+                    int(frames),
+                    tuple(COLOURS)[colour],
+                    SHAPES[shape],
+                    DIRECTIONS[direction],
+                ),
+            }
         return {"kind": "text", "start": int(self.text[i, 0]), "words": int(self.text[i, 1])}
 
     def set(self, i: int, p: dict) -> None:
@@ -385,8 +421,12 @@ class _Table:
         elif p["kind"] == "video":
             frames, colour, shape, direction = p["video"]
             self.kind[i] = VIDEO_KIND
-            self.video[i] = (frames, tuple(COLOURS).index(colour), SHAPES.index(shape),
-                             DIRECTIONS.index(direction))  # fmt: skip
+            self.video[i] = (
+                frames,
+                tuple(COLOURS).index(colour),
+                SHAPES.index(shape),
+                DIRECTIONS.index(direction),
+            )
         else:
             self.kind[i], self.text[i] = TEXT_KIND, (p["start"], p["words"])
 
@@ -418,50 +458,3 @@ def _shape_mask(height: int, width: int, cy: float, cx: float, r: float, shape: 
         "triangle": lambda: (y > cy - r) & (y < cy + r) & (dx < (y - (cy - r)) / 2),
         "cross": lambda: ((dx < r / 3) & (dy < r)) | ((dy < r / 3) & (dx < r)),
     }[shape]()
-
-
-# ----------------------------------------------------------------------------- scoring answers
-
-# What `score_answer` checks of each kind of answer, and a uniform guess's chance of it
-SCORED = {
-    "shapes": {"count": 1 / 2, "colour": 1 / len(COLOURS), "shape": 1 / len(SHAPES)},
-    "tone": {"pitch": 1 / len(PITCHES), "contour": 1 / len(CONTOURS)},
-    "motion": {
-        "direction": 1 / len(DIRECTIONS),
-        "colour": 1 / len(COLOURS),
-        "shape": 1 / len(SHAPES),
-    },  # fmt: skip
-}
-
-
-def score_answer(answer: str, truth: str) -> dict[str, float]:
-    """How much of a generated caption is right, by what it names.
-
-    Shapes ("a red circle and a blue square"): `count` (as many shapes named as shown),
-    `colour` and `shape` (the share of the shown shapes, in order, named right); a tone ("a
-    rising high tone"): `pitch`, `contour`; a moving shape ("a red circle moving left"):
-    `direction`, `colour`, `shape`; all: `exact` (the whole answer).
-    """
-    scores = {"exact": float(answer.strip() == truth.strip())}
-    want, got = _named(truth), _named(answer)
-    got += [("", "", "")] * len(want)  # (an answer naming fewer things misses the rest)
-    if truth.strip().split()[-1] in DIRECTIONS:  # (colour, shape, "moving") + the direction
-        scores["direction"] = float(answer.strip().split()[-1:] == truth.strip().split()[-1:])
-        scores["colour"] = float(got[0][0] == want[0][0])
-        scores["shape"] = float(got[0][1] == want[0][1])
-    elif truth.strip().endswith(" tone"):  # (contour, pitch, "tone")
-        scores["contour"] = float(got[0][0] == want[0][0])
-        scores["pitch"] = float(got[0][1] == want[0][1])
-    elif want:  # shapes: (colour, shape) each
-        scores["count"] = float(len(got) - len(want) == len(want))
-        pairs = list(zip(want, got, strict=False))
-        scores["colour"] = sum(w[0] == g[0] for w, g in pairs) / len(want)
-        scores["shape"] = sum(w[1] == g[1] for w, g in pairs) / len(want)
-    return scores
-
-
-def _named(caption: str) -> list[tuple[str, str, str]]:
-    """The first three words after each "a " of a caption's " and "-joined parts ("" where a
-    part has fewer)."""
-    parts = [p.strip().removeprefix("a ").split() for p in caption.strip().split(" and ")]
-    return [tuple((p + ["", "", ""])[:3]) for p in parts if p]

@@ -22,8 +22,11 @@ from jaxmllm.hf.family import FamilyError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jaxmllm.hf", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m jaxmllm.hf",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="write a training config that starts from checkpoints")
     which = imp.add_mutually_exclusive_group(required=True)
@@ -44,8 +47,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "model.init_from.adapter follow it",
     )
     imp.add_argument("--out", required=True, help="the config YAML to write")
-    imp.add_argument("--base", default="", help="a recipe whose other keys to keep "
-                     "(configs/recipes/stage1.yaml, stage2.yaml)")  # fmt: skip
+    imp.add_argument(
+        "--base",
+        default="",
+        help="a recipe whose other keys to keep (configs/recipes/stage1.yaml, stage2.yaml)",
+    )
     exp = sub.add_parser("export", help="write a run's parameters as HF directories")
     exp.add_argument("run_dir", help="a training run's train.output_dir")
     exp.add_argument(

@@ -110,16 +110,19 @@ def hf_module(directory: str, hf: dict, role: str):
         import torch
         import transformers
     except ImportError:
-        raise FamilyError("hf check needs torch and transformers: pip install -e '.[dev]' "
-                          "(torch==2.13.0 is the CPU build)") from None  # fmt: skip
+        raise FamilyError(
+            "hf check needs torch and transformers: pip install -e '.[dev]' "
+            "(torch==2.13.0 is the CPU build)"
+        ) from None
     name, attr = HF_MODULES[hf["model_type"], role]
     cls = getattr(transformers, name, None)
     if cls is None:  # (a vision tower or audio encoder not exported at the top level)
         import importlib
 
         module = MODULES[name]
-        cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"),
-                      name)  # fmt: skip
+        cls = getattr(
+            importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name
+        )
     model = cls.from_pretrained(directory, dtype=torch.float32).eval()
     for part in filter(None, attr.split(".")):
         model = getattr(model, part)
@@ -188,8 +191,7 @@ def _vision(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int):
             )[0, int(v.class_token) :]  # (CLIP: its class token first)
             h, w = grids[0]
             raster = positions[0, :, 0] * w + positions[0, :, 1]  # ours are in merge order
-            return (f"hidden states of a {h}x{w}-patch image", np.asarray(feats)[0],
-                    theirs[raster])  # fmt: skip
+            return (f"hidden states of a {h}x{w}-patch image", np.asarray(feats)[0], theirs[raster])
         t, p, c = v.temporal_patch, v.patch_size, v.channels
         frames = patches[0].reshape(-1, p, p, c).transpose(0, 3, 1, 2)[:, :, None]
         pixels = np.repeat(frames, t, axis=2).reshape(len(frames), -1)
@@ -213,8 +215,11 @@ def _audio(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int):
     with torch.no_grad():
         theirs = _numpy(ref(_torch(clips.transpose(0, 2, 1))).last_hidden_state)
     rows = math.prod(theirs.shape[:2])
-    return "hidden states of 2 packed clips", np.asarray(ours).reshape(rows, -1), \
-        theirs.reshape(rows, -1)  # fmt: skip
+    return (
+        "hidden states of 2 packed clips",
+        np.asarray(ours).reshape(rows, -1),
+        theirs.reshape(rows, -1),
+    )
 
 
 def describe(result: dict[str, Any]) -> str:

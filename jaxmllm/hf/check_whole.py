@@ -69,13 +69,17 @@ def check_all(
         )
     if whole is None:
         if role == "model":
-            raise FamilyError(f"{directory} holds one part, not a whole model: leave out --role "
-                              "model (or name the part: llm, vision, audio)")  # fmt: skip
+            raise FamilyError(
+                f"{directory} holds one part, not a whole model: leave out --role "
+                "model (or name the part: llm, vision, audio)"
+            )
         return [check_dir(directory, role, tokens, seed)]
     roles = [*whole.parts, "model"]
     if role and role not in roles:
-        raise FamilyError(f"{directory} is a whole {whole.name} checkpoint with no {role} part: "
-                          f"--role is one of {', '.join(roles)}")  # fmt: skip
+        raise FamilyError(
+            f"{directory} is a whole {whole.name} checkpoint with no {role} part: "
+            f"--role is one of {', '.join(roles)}"
+        )
     results = check_whole(directory, tokens, seed, adapter)
     return [r for r in results if r["role"] == role] if role else results
 
@@ -228,13 +232,22 @@ def _clip_prompt(cfg, model, whole: Whole, hf: dict, rng):
     window = a.max_positions * a.stride  # transformers takes Whisper's whole window
     frames = max(8, window * 3 // 4 // a.subsample * a.subsample)
     clip = rng.normal(size=(frames, a.n_mels)).astype(np.float32)
-    rows = np.asarray(_clip(model, jnp.asarray(clip)[None], jnp.ones((1, frames), jnp.int32),
-                            jnp.arange(frames)[None]))  # fmt: skip
+    rows = np.asarray(
+        _clip(
+            model,
+            jnp.asarray(clip)[None],
+            jnp.ones((1, frames), jnp.int32),
+            jnp.arange(frames)[None],
+        )
+    )
     features = np.zeros((1, a.n_mels, window), np.float32)
     features[0, :, :frames] = clip.T
     mask = (np.arange(window) < frames)[None].astype(np.int64)
-    inputs = {"input_features": _torch(features), "feature_attention_mask": torch.from_numpy(mask),
-              "around": ([], [])}  # fmt: skip
+    inputs = {
+        "input_features": _torch(features),
+        "feature_attention_mask": torch.from_numpy(mask),
+        "around": ([], []),
+    }
     token = whole.token_id("audio", hf)
     return f"a {frames}-frame clip", rows, inputs, token, None, frames // a.subsample
 

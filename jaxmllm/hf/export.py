@@ -50,13 +50,23 @@ from sharding.rules import keyed_leaves
 
 log = logging.getLogger("jaxmllm")
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
     "chat_template.json",
-)  # fmt: skip
+)
 # Copied from the imported checkpoint's directory when present.
-FILES = ("generation_config.json", "preprocessor_config.json", "processor_config.json",
-         *TOKENIZER_FILES)  # fmt: skip
+FILES = (
+    "generation_config.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    *TOKENIZER_FILES,
+)
 PROJECTORS = ("vision_projector", "audio_projector")
 
 
@@ -87,8 +97,10 @@ def export_run(
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file: name a directory to write (new or empty)")
     if out.is_dir() and any(out.iterdir()):
-        raise ConfigError(f"--out {out} is not empty: name a new directory (export never "
-                          "writes into an existing one)")  # fmt: skip
+        raise ConfigError(
+            f"--out {out} is not empty: name a new directory (export never "
+            "writes into an existing one)"
+        )
     run = Path(run_dir)
     try:
         raw = json.loads((run / "config.json").read_text())
@@ -214,8 +226,11 @@ def write_piece(cfg: Config, piece: Piece, flat: dict, directory: Path, max_shar
         keep_all = piece.family.exports_whole
         if keep_all and ck is None:
             prefix = "model.encoder."
-            log.warning("%s: no imported checkpoint to take the rest of the model from: the "
-                        "export holds this module only", piece.roles[0])  # fmt: skip
+            log.warning(
+                "%s: no imported checkpoint to take the rest of the model from: the "
+                "export holds this module only",
+                piece.roles[0],
+            )
     tensors: dict[str, np.ndarray] = {}
     for family in families:
         tensors.update(hf_tensors(family, cfg, hf if piece.whole else source, flat))
@@ -231,9 +246,11 @@ def write_piece(cfg: Config, piece: Piece, flat: dict, directory: Path, max_shar
     if piece.whole is not None and ck is None:
         out.update(piece.whole.fillers(cfg))
     write_checkpoint(directory, sorted(out.items()), max_shard)
-    config = piece.whole.to_hf_config(cfg, source, piece.roles) if piece.whole else (
-        piece.family.to_hf_config(cfg, source)
-    )  # fmt: skip
+    config = (
+        piece.whole.to_hf_config(cfg, source, piece.roles)
+        if piece.whole
+        else (piece.family.to_hf_config(cfg, source))
+    )
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _processor_files(cfg, piece, directory)
     return {p.split("/")[0] for f in families for link in f.links(cfg, hf) for p in link.ours}

@@ -223,9 +223,11 @@ def vocab_size(checkpoint: int, tokenizer: str) -> int:
     to a multiple of 128, which the vocabulary's shards divide."""
     root = Path(tokenizer)
     if not ((root / "tokenizer.json").is_file() and (root / "tokenizer_config.json").is_file()):
-        print(f"note: {tokenizer} has no tokenizer.json and tokenizer_config.json; set "
-              "data.tokenizer to the checkpoint's tokenizer directory before training",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"note: {tokenizer} has no tokenizer.json and tokenizer_config.json; set "
+            "data.tokenizer to the checkpoint's tokenizer directory before training",
+            file=sys.stderr,
+        )
         return checkpoint
     need = make_tokenizer(tokenizer).vocab_size
     return checkpoint if need <= checkpoint else -(-need // 128) * 128

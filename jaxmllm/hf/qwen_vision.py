@@ -44,8 +44,9 @@ def rope_permutation(head_dim: int) -> np.ndarray:
     """Our 2D rotary head layout from Qwen2-VL's: ours[j] = theirs[perm[j]] (see the module
     docstring): rows take their features 0..q and 2q..3q, columns q..2q and 3q..4q."""
     q = head_dim // 4
-    return np.concatenate([np.arange(0, q), np.arange(2 * q, 3 * q), np.arange(q, 2 * q),
-                           np.arange(3 * q, 4 * q)])  # fmt: skip
+    return np.concatenate(
+        [np.arange(0, q), np.arange(2 * q, 3 * q), np.arange(q, 2 * q), np.arange(3 * q, 4 * q)]
+    )
 
 
 class QwenTower(Family):
@@ -236,8 +237,11 @@ class Qwen25VLVision(QwenTower):
     def blocks(self, hf: dict, where: str, width: int, merge: int) -> dict:
         patch = int(read(hf, "patch_size", where))
         units = int(read(hf, "window_size", where)) // merge // patch  # merged tokens a side
-        refuse_unless(units >= 1, where, f"window_size {hf['window_size']} is under one merge "
-                      f"block ({merge} x {patch} pixels)")  # fmt: skip
+        refuse_unless(
+            units >= 1,
+            where,
+            f"window_size {hf['window_size']} is under one merge block ({merge} x {patch} pixels)",
+        )
         full = [int(i) for i in hf.get("fullatt_block_indexes") or []]
         # (videos in absolute time; transformers' Qwen2_5_VLVisionConfig default when absent)
         tps = float(hf.get("tokens_per_second", TOKENS_PER_SECOND))
@@ -289,8 +293,11 @@ class Qwen25VLVision(QwenTower):
             same(layer + "norm2.weight", ours + "mlp_norm/scale", n),
             same("merger.ln_q.weight", "vision/transformer/final_norm/scale"),
         ]
-        for proj, name, shape in (("gate_proj", "gate", (w, f)), ("up_proj", "up", (w, f)),
-                                  ("down_proj", "down", (f, w))):  # fmt: skip
+        for proj, name, shape in (
+            ("gate_proj", "gate", (w, f)),
+            ("up_proj", "up", (w, f)),
+            ("down_proj", "down", (f, w)),
+        ):
             links += linear(layer + f"mlp.{proj}", ours + f"mlp/{name}", shape, 1, n)
         return links
 

@@ -35,16 +35,21 @@ ROLES = ("llm", "vision", "audio")
 MAX_VOCAB, MAX_WIDTH, MAX_LAYERS, MAX_HEADS = 1 << 24, 1 << 18, 1024, 4096
 SIZES = {
     **dict.fromkeys(("vocab_size",), MAX_VOCAB),
-    **dict.fromkeys(("hidden_size", "intermediate_size", "head_dim", "d_model", "embed_dim",
-                     "encoder_ffn_dim"), MAX_WIDTH),
+    **dict.fromkeys(
+        ("hidden_size", "intermediate_size", "head_dim", "d_model", "embed_dim", "encoder_ffn_dim"),
+        MAX_WIDTH,
+    ),
     **dict.fromkeys(("num_hidden_layers", "depth", "encoder_layers"), MAX_LAYERS),
-    **dict.fromkeys(("num_attention_heads", "num_key_value_heads", "num_heads",
-                     "encoder_attention_heads"), MAX_HEADS),
+    **dict.fromkeys(
+        ("num_attention_heads", "num_key_value_heads", "num_heads", "encoder_attention_heads"),
+        MAX_HEADS,
+    ),
     **dict.fromkeys(("patch_size", "num_mel_bins"), 1 << 12),
     **dict.fromkeys(("image_size", "max_source_positions"), 1 << 20),
-    **dict.fromkeys(("spatial_merge_size", "in_channels", "num_channels",
-                     "temporal_patch_size"), 64),
-}  # fmt: skip
+    **dict.fromkeys(
+        ("spatial_merge_size", "in_channels", "num_channels", "temporal_patch_size"), 64
+    ),
+}
 SECTIONS = ("text_config", "vision_config", "audio_config")
 
 

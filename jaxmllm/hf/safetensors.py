@@ -45,9 +45,28 @@ DTYPES = {
 NAMES = {v: k for k, v in DTYPES.items()}
 # Bits per element of every dtype the format has (the header is validated with all of them;
 # jaxmllm reads the ones in DTYPES).
-BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16,
-        "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "F64": 64,
-        "I64": 64, "U64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}  # fmt: skip
+BITS = {
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+    "C64": 64,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
 MAX_HEADER = 100_000_000  # bytes (the safetensors library's limit)
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -186,8 +205,9 @@ class Checkpoint:
             self._where = {name: files[f] for name, f in weight_map.items()}
             for name, file in self._where.items():
                 if name not in file.header:
-                    raise CheckpointError(f"{index}: weight_map puts {name} in {file.path}, "
-                                          "which has no such tensor")  # fmt: skip
+                    raise CheckpointError(
+                        f"{index}: weight_map puts {name} in {file.path}, which has no such tensor"
+                    )
         elif single.is_file():
             file = SafetensorsFile(single)
             self._where = dict.fromkeys(file.names(), file)

@@ -79,8 +79,9 @@ class LearnedTower(Family):
         hf = hf.get("vision_config", hf)  # a whole model: its vision half
         where = f"{self.name} config.json"
         act = read(hf, "hidden_act", where, next(iter(self.acts)))
-        refuse_unless(act in self.acts, where,
-                      f"hidden_act {act!r} is not supported ({list(self.acts)})")  # fmt: skip
+        refuse_unless(
+            act in self.acts, where, f"hidden_act {act!r} is not supported ({list(self.acts)})"
+        )
         image, patch = int(read(hf, "image_size", where)), int(read(hf, "patch_size", where))
         return {
             "patch_size": patch,
@@ -145,7 +146,7 @@ class LearnedTower(Family):
                 v.patch_size,
                 v.channels,
                 w,
-            ),  # fmt: skip
+            ),
             *layer_norm(layer + "layer_norm1", ours + "attn_norm", n),
             *layer_norm(layer + "layer_norm2", ours + "mlp_norm", n),
             *linear(layer + "self_attn.out_proj", ours + "attn/out", (h, e, w), 2, n),
@@ -207,6 +208,11 @@ class Clip(LearnedTower):
 
     def skipped(self, name: str) -> bool:
         # A CLIPModel's text half and projections; an older file's position_ids buffer.
-        patterns = [r"text_model\..*", r"(visual|text)_projection\..*", r"logit_scale",
-                    r"(.*\.)?position_ids", r"post_layernorm\..*"]  # fmt: skip
+        patterns = [
+            r"text_model\..*",
+            r"(visual|text)_projection\..*",
+            r"logit_scale",
+            r"(.*\.)?position_ids",
+            r"post_layernorm\..*",
+        ]
         return matches(patterns, name)

@@ -39,8 +39,12 @@ PROJECTOR_ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": 
 
 def decoder(hf: dict, where: str, allowed=("llama", "qwen2")) -> Decoders:
     kind = hf.get("model_type", "llama")
-    refuse_unless(kind in allowed, where, f"text_config model_type {kind!r} is not supported "
-                  f"(jaxmllm reads {', '.join(allowed)} here)")  # fmt: skip
+    refuse_unless(
+        kind in allowed,
+        where,
+        f"text_config model_type {kind!r} is not supported "
+        f"(jaxmllm reads {', '.join(allowed)} here)",
+    )
     return DECODERS[kind]
 
 
@@ -59,8 +63,11 @@ def nested(config: dict, model_type: str | None = None) -> dict:
 
 def enabled(cfg: Any, name: str, want: bool) -> list[str]:
     have = getattr(cfg.model, name).enabled
-    return [] if have == want else [f"model.{name}.enabled={have} ({'needs' if want else 'has no'} "
-                                    f"{name} encoder)"]  # fmt: skip
+    return (
+        []
+        if have == want
+        else [f"model.{name}.enabled={have} ({'needs' if want else 'has no'} {name} encoder)"]
+    )
 
 
 def tokenizer_ids(cfg: Any) -> Any:
@@ -108,19 +115,29 @@ class Llava(Whole):
             return decoder(sub, "llava config.json")
         kind = sub.get("model_type", "clip_vision_model")
         tower = self.towers.get(kind)
-        refuse_unless(tower is not None, "llava config.json", f"vision_config model_type "
-                      f"{kind!r}: jaxmllm reads {', '.join(self.towers)}")  # fmt: skip
+        refuse_unless(
+            tower is not None,
+            "llava config.json",
+            f"vision_config model_type {kind!r}: jaxmllm reads {', '.join(self.towers)}",
+        )
         return tower
 
     def feature_depth(self, hf: dict) -> int:
         """The tower's blocks before the hidden layer the LLM reads (`vision_feature_layer`)."""
         where, layer = "llava config.json", hf.get("vision_feature_layer", -2)
-        refuse_unless(isinstance(layer, int), where, f"vision_feature_layer {layer!r}: several "
-                      "feature layers are not supported (one integer)")  # fmt: skip
+        refuse_unless(
+            isinstance(layer, int),
+            where,
+            f"vision_feature_layer {layer!r}: several "
+            "feature layers are not supported (one integer)",
+        )
         depth = int(self.sub("vision", hf).get("num_hidden_layers", 0))
         used = layer if layer >= 0 else depth + 1 + layer
-        refuse_unless(1 <= used <= depth, where, f"vision_feature_layer {layer} is not one of "
-                      f"the tower's {depth} blocks")  # fmt: skip
+        refuse_unless(
+            1 <= used <= depth,
+            where,
+            f"vision_feature_layer {layer} is not one of the tower's {depth} blocks",
+        )
         return used
 
     def section(self, role: str, hf: dict) -> dict:
@@ -131,15 +148,27 @@ class Llava(Whole):
         strategy = hf.get("vision_feature_select_strategy", "default")
         want = "default" if tower.name == "clip" else "full"
         message = f"vision_feature_select_strategy {strategy!r} with a {tower.name} tower"
-        refuse_unless(strategy == want, where, f"{message} is not supported (jaxmllm reads "
-                      f"{want!r})")  # fmt: skip
-        refuse_unless(hf.get("multimodal_projector_bias", True), where,
-                      "multimodal_projector_bias: false is not supported")  # fmt: skip
+        refuse_unless(
+            strategy == want, where, f"{message} is not supported (jaxmllm reads {want!r})"
+        )
+        refuse_unless(
+            hf.get("multimodal_projector_bias", True),
+            where,
+            "multimodal_projector_bias: false is not supported",
+        )
         act = hf.get("projector_hidden_act", "gelu")
-        refuse_unless(act in PROJECTOR_ACTS, where, f"projector_hidden_act {act!r} is not "
-                      f"supported ({', '.join(PROJECTOR_ACTS)})")  # fmt: skip
-        out.update(depth=self.feature_depth(hf), final_norm=False, merge=1, projector_dim=0,
-                   projector_act=PROJECTOR_ACTS[act])  # fmt: skip
+        refuse_unless(
+            act in PROJECTOR_ACTS,
+            where,
+            f"projector_hidden_act {act!r} is not supported ({', '.join(PROJECTOR_ACTS)})",
+        )
+        out.update(
+            depth=self.feature_depth(hf),
+            final_norm=False,
+            merge=1,
+            projector_dim=0,
+            projector_act=PROJECTOR_ACTS[act],
+        )
         return out
 
     def own_links(self, role: str, cfg: Any, hf: dict) -> list[Link]:
@@ -148,8 +177,10 @@ class Llava(Whole):
         v, out = cfg.model.vision, cfg.model.llm.width
         hidden = v.projector_dim or out
         p = "multi_modal_projector."
-        return [*linear(p + "linear_1", "vision_projector/fc1", (v.width, hidden)),
-                *linear(p + "linear_2", "vision_projector/fc2", (hidden, out))]  # fmt: skip
+        return [
+            *linear(p + "linear_1", "vision_projector/fc1", (v.width, hidden)),
+            *linear(p + "linear_2", "vision_projector/fc2", (hidden, out)),
+        ]
 
     def owns(self, role: str, name: str) -> bool:
         return role == "vision" and name.startswith("multi_modal_projector.")
@@ -178,8 +209,9 @@ class Llava(Whole):
         out = dict(source)
         if "llm" in roles:
             text = self.sub("llm", source)
-            out["text_config"] = nested(self.inner("llm", source).to_hf_config(cfg, text),
-                                        text.get("model_type"))  # fmt: skip
+            out["text_config"] = nested(
+                self.inner("llm", source).to_hf_config(cfg, text), text.get("model_type")
+            )
             out["tie_word_embeddings"] = llm.tie_embeddings
         if "vision" in roles:
             out["vision_config"] = nested(tower.to_hf_config(cfg, source))
@@ -205,8 +237,10 @@ class Llava(Whole):
 
     def fillers(self, cfg: Any) -> dict[str, Any]:
         width = cfg.model.vision.width  # (the tower's final norm: LLaVA never applies it)
-        return {"vision_tower.post_layernorm.weight": np.ones(width, np.float32),
-                "vision_tower.post_layernorm.bias": np.zeros(width, np.float32)}  # fmt: skip
+        return {
+            "vision_tower.post_layernorm.weight": np.ones(width, np.float32),
+            "vision_tower.post_layernorm.bias": np.zeros(width, np.float32),
+        }
 
     def processor_files(self, cfg: Any) -> dict[str, dict]:
         v = cfg.model.vision
@@ -215,11 +249,15 @@ class Llava(Whole):
             **pixels(cfg, "CLIPImageProcessor" if v.class_token else "SiglipImageProcessor"),
             "resample": 3,
             **(
-                {"size": {"shortest_edge": side}, "do_center_crop": True,
-                 "crop_size": {"height": side, "width": side}}
-                if v.class_token else {"size": {"height": side, "width": side}}
+                {
+                    "size": {"shortest_edge": side},
+                    "do_center_crop": True,
+                    "crop_size": {"height": side, "width": side},
+                }
+                if v.class_token
+                else {"size": {"height": side, "width": side}}
             ),
-        }  # fmt: skip
+        }
         processor = {
             "processor_class": self.processor_class,
             "patch_size": v.patch_size,
@@ -254,9 +292,11 @@ class QwenVL(Whole):
         if source is None:
             tk = tokenizer_ids(cfg)
             ids = {"image_token_id": tk.specials.media["vision"]}
-            for key, token in (("video_token_id", "<|video_pad|>"),
-                               ("vision_start_token_id", "<|vision_start|>"),
-                               ("vision_end_token_id", "<|vision_end|>")):  # fmt: skip
+            for key, token in (
+                ("video_token_id", "<|video_pad|>"),
+                ("vision_start_token_id", "<|vision_start|>"),
+                ("vision_end_token_id", "<|vision_end|>"),
+            ):
                 found = getattr(tk, "token_id", lambda _: None)(token)
                 if found is not None:
                     ids[key] = found
@@ -400,7 +440,7 @@ WHOLES: tuple[Whole, ...] = (
     QwenVL("qwen2_vl", Qwen2VLVision(), "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"),
     QwenVL(
         "qwen2_5_vl", Qwen25VLVision(), "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor"
-    ),  # fmt: skip
+    ),
     Qwen2Audio(),
 )
 

@@ -4,7 +4,7 @@ The eval set's first `data.eval.questions` samples that have a prompt (tokens be
 loss token: a question with its image or clip, a user turn) are cut there (`split_answer`); at
 each evaluation the model answers them greedily with the KV-cache generator, and each answer is
 compared with the sample's own: exactly, and for the built-in synthetic data by what it names
-(`synthetic.score_answer`: how many shapes, their colours and kinds, a tone's pitch and
+(`scoring.score_answer`: how many shapes, their colours and kinds, a tone's pitch and
 contour). The answers go to the log; at the last step a table of them with the accuracy beside
 chance is printed, so a first run shows that what it sees and hears reaches the LLM.
 """
@@ -19,7 +19,7 @@ from jaxmllm.batch.prompts import PromptShapes, split_answer
 from jaxmllm.config import Config
 from jaxmllm.config.phases import ENCODERS, VISION
 from jaxmllm.data.rejects import RecordError
-from jaxmllm.data.synthetic import SCORED, score_answer
+from jaxmllm.data.scoring import SCORED, score_answer
 from jaxmllm.data.text.template import make_template
 from jaxmllm.step.generate import Generator
 
@@ -67,8 +67,15 @@ class Questions:
             text = self.template.decode(answer.ids)
             scores = score_answer(text, truth) if self.synthetic else {}
             scores["exact"] = float(text.strip() == truth.strip())
-            results.append({"media": _media(prompt), "prompt": self.show(prompt.tokens),
-                            "answer": text, "truth": truth, "scores": scores})  # fmt: skip
+            results.append(
+                {
+                    "media": _media(prompt),
+                    "prompt": self.show(prompt.tokens),
+                    "answer": text,
+                    "truth": truth,
+                    "scores": scores,
+                }
+            )
         return results
 
     def show(self, ids: np.ndarray) -> str:
@@ -90,8 +97,9 @@ class Questions:
         """The first few answers and how many were right, into the log."""
         for r in results[:LOGGED]:
             mark = "right" if r["scores"]["exact"] else f"wrong, truth {r['truth']!r}"
-            log.info("step %d: [%s] %r -> %r (%s)", step, r["media"], r["prompt"], r["answer"],
-                     mark)  # fmt: skip
+            log.info(
+                "step %d: [%s] %r -> %r (%s)", step, r["media"], r["prompt"], r["answer"], mark
+            )
         right = sum(r["scores"]["exact"] for r in results)
         log.info("step %d: %d of %d held-out answers exactly right", step, right, len(results))
 

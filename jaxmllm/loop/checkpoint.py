@@ -325,9 +325,11 @@ def check_resumable(cfg: Config, out: Path) -> None:
     changed = [
         k
         for k in sorted(set(saved) | set(now))
-        if k.startswith(RESUME_KEYS) and _saved(saved, k, now) != now.get(k)
-        and k not in free and not free_to_change(k)
-    ]  # fmt: skip
+        if k.startswith(RESUME_KEYS)
+        and _saved(saved, k, now) != now.get(k)
+        and k not in free
+        and not free_to_change(k)
+    ]
     if changed:
         diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:6])
         raise ConfigError(

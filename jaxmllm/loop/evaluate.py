@@ -123,8 +123,9 @@ def plan_set(cfg: Config, source, index: LengthsIndex, devices: int, positions, 
     except OversizeError as e:
         raise ConfigError(f"data.eval: a sample does not fit the run's buckets: {e}") from None
     # (in this process: the set is loaded once, at start-up)
-    loader = Loader(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=0)),
-                    source, reject_log)  # fmt: skip
+    loader = Loader(
+        dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=0)), source, reject_log
+    )
     mixes, seen, batches = sample_mixes(index), np.zeros(len(index), bool), []
     steps_per_pass = max(1, -(-len(index) // max(1, caps.devices * caps.microbatches)))
     while not seen.all():
@@ -200,11 +201,13 @@ def make_eval_step(parts: ModelParts, mesh=None):
             loss, correct = token_scores(model.llm, h_drlw.reshape(d, -1, width), targets)
             weight = mb["llm_loss_mask"].reshape(d, -1).astype(jnp.float32)
             share_dnk = jax.nn.one_hot(mix_drl.reshape(d, -1), len(MIXES)) * weight[..., None]
-            sums = jnp.stack([
-                jnp.einsum("dn,dnk->k", loss, share_dnk),
-                jnp.einsum("dn,dnk->k", correct, share_dnk),
-                share_dnk.sum((0, 1)),
-            ])  # fmt: skip
+            sums = jnp.stack(
+                [
+                    jnp.einsum("dn,dnk->k", loss, share_dnk),
+                    jnp.einsum("dn,dnk->k", correct, share_dnk),
+                    share_dnk.sum((0, 1)),
+                ]
+            )
             return total + sums, None
 
         zero = jnp.zeros((3, len(MIXES)), jnp.float32)
@@ -286,7 +289,9 @@ def open_evaluator(cfg: Config, mesh, prog: Program, out: Path, positions=None):
     data-parallel positions in a multi-process job."""
     if cfg.data.eval.source == "none":
         if cfg.train.eval_every:
-            log.warning("train.eval_every=%d but data.eval.source is none: no evaluation",
-                        cfg.train.eval_every)  # fmt: skip
+            log.warning(
+                "train.eval_every=%d but data.eval.source is none: no evaluation",
+                cfg.train.eval_every,
+            )
         return None
     return Evaluator(cfg, mesh, prog, out, positions)

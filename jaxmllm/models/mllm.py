@@ -50,8 +50,13 @@ class MultimodalLM(nnx.Module):
         for p in ENCODERS:  # (in the table's order: the parameters' random init follows it)
             encoder, projector = ENCODER_MODULES[p.name]
             on = p.enabled(cfg)
-            setattr(self, p.name, encoder(p.encoder(cfg), **shared, **own(p.name),
-                                          **inputs(p.name), **kw) if on else None)  # fmt: skip
+            setattr(
+                self,
+                p.name,
+                encoder(p.encoder(cfg), **shared, **own(p.name), **inputs(p.name), **kw)
+                if on
+                else None,
+            )
             setattr(self, f"{p.name}_projector", projector(cfg, **kw) if on else None)
         self.llm = Decoder(cfg.llm, **shared, **own(LLM), **kw)
         self.route_capacity = spec.route_pair_capacity
@@ -121,8 +126,9 @@ class MultimodalLM(nnx.Module):
         `rows`: each phase's projector rows when computed already (a pipeline's encoder
         stages), else encoded here."""
         if rows is None:  # (a phase whose bucket is zero has no arrays: it is left out)
-            rows = {name: self.encode(mb, name) for name in self.phases
-                    if phase(name).capacity in mb}  # fmt: skip
+            rows = {
+                name: self.encode(mb, name) for name in self.phases if phase(name).capacity in mb
+            }
         # The table is sharded on `embed`; pin the lookup to the batch layout so XLA does not
         # carry the table's layout into the activations (a full rematerialisation otherwise).
         names = list(rows)

@@ -71,8 +71,10 @@ def class_tiles(tiles_bk2: jax.Array, patch_blocks: int, class_blocks: int) -> j
     """The planner's tiles and those of the class rows: every patch block with every class
     block both ways, and the class blocks among themselves [B, K + extra, 2]."""
     p, c = np.arange(patch_blocks), patch_blocks + np.arange(class_blocks)
-    pairs = [np.stack(np.meshgrid(a, b, indexing="ij"), -1).reshape(-1, 2)
-             for a, b in ((p, c), (c, p), (c, c))]  # fmt: skip
+    pairs = [
+        np.stack(np.meshgrid(a, b, indexing="ij"), -1).reshape(-1, 2)
+        for a, b in ((p, c), (c, p), (c, c))
+    ]
     extra = jnp.asarray(np.concatenate(pairs), tiles_bk2.dtype)
     extra = jnp.broadcast_to(extra, (tiles_bk2.shape[0], *extra.shape))
     return jnp.concatenate([tiles_bk2, extra], axis=1)

@@ -46,6 +46,8 @@ def make_planner(name: str, index: LengthsIndex, caps: Capacities, seed: int) ->
     if name not in PLANNERS:
         raise ValueError(f"unknown planner {name!r}: one of {', '.join(sorted(PLANNERS))}")
     if caps.context > 1 and name not in PLANS_CONTEXT:
-        raise ValueError(f"planner {name!r} plans no context groups (context {caps.context}): "
-                         f"use one of {', '.join(sorted(PLANS_CONTEXT))}")  # fmt: skip
+        raise ValueError(
+            f"planner {name!r} plans no context groups (context {caps.context}): "
+            f"use one of {', '.join(sorted(PLANS_CONTEXT))}"
+        )
     return PLANNERS[name](index, caps, seed)

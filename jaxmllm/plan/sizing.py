@@ -122,8 +122,9 @@ def resolve_batch(cfg: Config, index: LengthsIndex, devices: int | None = None) 
         if cfg.mesh.context > 1:  # (a device's tokens: its share of its group's longer rows)
             got = encoder_capacities(index, tokens, per_token, per_row=per_row, block=block)
         else:
-            got = suggest_capacities(index, tokens, per_token, per_row=per_row,
-                                     max_row_len=b.llm_row_len, block=block)  # fmt: skip
+            got = suggest_capacities(
+                index, tokens, per_token, per_row=per_row, max_row_len=b.llm_row_len, block=block
+            )
         for p in ENCODERS:
             if got.units[p.name]:  # 0: the data has none of it (below)
                 changes[p.capacity] = got.units[p.name]
@@ -143,8 +144,9 @@ def resolve_batch(cfg: Config, index: LengthsIndex, devices: int | None = None) 
         changes["route_pair_capacity"] = 0
     elif b.route_pair_capacity == -1:
         # A device's whole encoder output (never binds) for the dry run, then what it carried.
-        rows = [changes.get(p.capacity, p.bucket(b)) // per_token[p.name]
-                for p in phases.enabled(m)]  # fmt: skip
+        rows = [
+            changes.get(p.capacity, p.bucket(b)) // per_token[p.name] for p in phases.enabled(m)
+        ]
         changes["route_pair_capacity"] = max([*rows, 1])
         auto_route = True
     if b.devices_per_host == -1:
@@ -271,8 +273,11 @@ def resolve_documents(cfg: Config, index: LengthsIndex, devices: int | None) -> 
     tokens a row, 0.4B parameters, it asked for 234 GiB on an H100. A later row past the
     bound stops the run naming the key (`bucketize`); resume with it raised."""
     b = cfg.batch
-    keys = {p: key for p, key in document_keys().items()
-            if getattr(b, key) == -1 and p in documents_bounded(cfg.model)}  # fmt: skip
+    keys = {
+        p: key
+        for p, key in document_keys().items()
+        if getattr(b, key) == -1 and p in documents_bounded(cfg.model)
+    }
     if not keys:
         return {}
     if devices is None:
@@ -280,8 +285,9 @@ def resolve_documents(cfg: Config, index: LengthsIndex, devices: int | None) -> 
     caps = capacities(cfg, devices)
     bound = most_documents(index, caps)
     steps = min(cfg.train.steps, DRY_RUN_STEPS)
-    most = dry_run_documents(make_planner(b.planner, index, caps, cfg.data.seed), index, caps,
-                             steps)  # fmt: skip
+    most = dry_run_documents(
+        make_planner(b.planner, index, caps, cfg.data.seed), index, caps, steps
+    )
     if steps < cfg.train.steps:
         most = {p: math.ceil(n * (1 + DOCUMENTS_HEADROOM)) for p, n in most.items()}
     return {key: max(1, min(bound[p], most[p])) for p, key in keys.items()}
@@ -347,10 +353,14 @@ def resolve_bounds(cfg: Config, devices: int) -> Config:
         tiles[phase] = max(rows * int(bucket[0]), int(least))
         docs[phase] = max(row, 1)  # (cuDNN: a document a unit)
     tiles = device_tile_caps(caps, tiles)
-    bounds = {key: max(tiles[p], 1) for p, key in tile_keys().items()
-              if p in tiles and getattr(b, key) == -1}  # fmt: skip
-    bounds |= {key: docs[p] for p, key in document_keys().items()
-               if p in docs and getattr(b, key) == -1}  # fmt: skip
+    bounds = {
+        key: max(tiles[p], 1)
+        for p, key in tile_keys().items()
+        if p in tiles and getattr(b, key) == -1
+    }
+    bounds |= {
+        key: docs[p] for p, key in document_keys().items() if p in docs and getattr(b, key) == -1
+    }
     # (the bounds are the worst any data needs: no long variant holds more)
     bounds |= {key: () for key in long_tile_keys().values() if getattr(b, key) == (-1,)}
     return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, **bounds))
@@ -367,8 +377,10 @@ def capacities(cfg: Config, devices: int) -> Capacities:
             "data first: jaxmllm.plan.sizing.resolve_batch"
         )
     on = {p.name: p in phases.in_batch(m, b) for p in ENCODERS}
-    tiles = {p: max(getattr(b, key), 0) if sparse and on.get(p, True) else 0
-             for p, key in tile_keys().items()}  # fmt: skip
+    tiles = {
+        p: max(getattr(b, key), 0) if sparse and on.get(p, True) else 0
+        for p, key in tile_keys().items()
+    }
     longs = {
         p: getattr(b, key) if sparse and on.get(p, True) else ()
         for p, key in long_tile_keys().items()

@@ -110,9 +110,13 @@ def packed_density(
 
 
 def tile_list(
-    offsets: np.ndarray, sizes: np.ndarray, rows: np.ndarray, row_blocks: int, block: int,
+    offsets: np.ndarray,
+    sizes: np.ndarray,
+    rows: np.ndarray,
+    row_blocks: int,
+    block: int,
     causal: bool,
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """The (query block, key block) tiles [K, 2] of one device's documents (row `rows`, at
     `offsets` within it, of `sizes`), blocks numbered over the device's rows flattened, sorted
     by query block then key block (documents come in order and each one's tiles in that order

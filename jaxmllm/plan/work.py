@@ -229,10 +229,15 @@ class Micro:
         # per phase: (owner entry, item number, device, offset in its bucket) of placed items
         self.items: dict[str, list[tuple[np.ndarray, ...]]] = {p: [] for p in ENC}
         self.routes = {
-            p: Routes(caps.devices, caps.per_token[p], caps.route_pair_capacity, caps.units[p],
-                      caps.context)
+            p: Routes(
+                caps.devices,
+                caps.per_token[p],
+                caps.route_pair_capacity,
+                caps.units[p],
+                caps.context,
+            )
             for p in ENC
-        }  # fmt: skip
+        }
 
     def used_selected(self, phases: Phases) -> np.ndarray:
         """What `used` counts plus, for the phases selection counts tiles of, the exact tiles

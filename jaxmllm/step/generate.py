@@ -93,8 +93,12 @@ class Generator:
         # largest of its three), then counting on with the index.
         last = mb["llm_positions"][:, 0].reshape(self.shapes.rows, self.shapes.prompt_len, -1)
         delta = np.array([last[b, :n].max() + 1 - n for b, n in enumerate(index)], np.int32)
-        sampling = lambda i: (np.int32(seed), np.int32(i), np.float32(temperature),
-                              np.float32(top_p))  # fmt: skip
+        sampling = lambda i: (
+            np.int32(seed),
+            np.int32(i),
+            np.float32(temperature),
+            np.float32(top_p),
+        )
         token, logits, cache = self.prefill(params, frozen, mb, sampling(0))
         answers = [Answer([], False, [] if keep_logits else None) for _ in prompts]
         for i in range(max_new_tokens):

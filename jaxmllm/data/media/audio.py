@@ -107,8 +107,9 @@ def _blocks(f: sf.SoundFile, src: Source, record_id: str) -> Iterator[np.ndarray
             with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf: rejected below
                 mono = x.mean(axis=1, dtype=np.float32)
             if not np.isfinite(mono).all():  # float WAV/AIFF can store NaN and inf
-                raise RecordError("undecodable_media", f"{_name(src)}: non-finite samples",
-                                  record_id)  # fmt: skip
+                raise RecordError(
+                    "undecodable_media", f"{_name(src)}: non-finite samples", record_id
+                )
             yield mono
     except RecordError:
         raise
@@ -296,10 +297,12 @@ def slaney_filters(rate: int, n_fft: int, n_mels: int) -> np.ndarray:
     to 8 kHz (librosa's default; Whisper's)."""
     f_sp, min_log_hz = 200.0 / 3, 1000.0
     min_log_mel, step = min_log_hz / f_sp, np.log(6.4) / 27.0
-    to_mel = lambda f: np.where(f >= min_log_hz, min_log_mel + np.log(np.maximum(f, 1e-9) /
-                                min_log_hz) / step, f / f_sp)  # fmt: skip
-    to_hz = lambda m: np.where(m >= min_log_mel, min_log_hz * np.exp(step * (m - min_log_mel)),
-                               f_sp * m)  # fmt: skip
+    to_mel = lambda f: np.where(
+        f >= min_log_hz, min_log_mel + np.log(np.maximum(f, 1e-9) / min_log_hz) / step, f / f_sp
+    )
+    to_hz = lambda m: np.where(
+        m >= min_log_mel, min_log_hz * np.exp(step * (m - min_log_mel)), f_sp * m
+    )
     edges = to_hz(np.linspace(to_mel(0.0), to_mel(min(8000.0, rate / 2)), n_mels + 2))
     freqs = np.linspace(0, rate // 2, n_fft // 2 + 1)
     lo, mid, hi = edges[:-2], edges[1:-1], edges[2:]

@@ -29,8 +29,11 @@ MAX_SCAN_PIXELS = 1 << 30  # the default of data.max_image_scan_pixels
 # MPO is how PIL opens many camera JPEGs. Left out: EPS/PS (Ghostscript), ICO/ICNS/CUR (the
 # decoded size is not the header's), and the long tail of rare formats.
 Image.init()
-FORMATS = tuple(f for f in ("PNG", "JPEG", "MPO", "GIF", "WEBP", "BMP", "TIFF", "PPM", "TGA",
-                            "AVIF", "QOI") if f in Image.OPEN)  # fmt: skip
+FORMATS = tuple(
+    f
+    for f in ("PNG", "JPEG", "MPO", "GIF", "WEBP", "BMP", "TIFF", "PPM", "TGA", "AVIF", "QOI")
+    if f in Image.OPEN
+)
 
 
 def image_grid(

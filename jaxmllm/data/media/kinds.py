@@ -113,9 +113,17 @@ class Clips:
         item: int = 0,
     ) -> list[Item]:
         p = pre.p
-        chunks = load_audio(src, p.audio_sample_rate, p.n_mels, p.subsample, p.audio_max_frames,
-                            expect_samples=size[0], record_id=record_id, mel=p.mel,
-                            caps=p.audio_caps())  # fmt: skip
+        chunks = load_audio(
+            src,
+            p.audio_sample_rate,
+            p.n_mels,
+            p.subsample,
+            p.audio_max_frames,
+            expect_samples=size[0],
+            record_id=record_id,
+            mel=p.mel,
+            caps=p.audio_caps(),
+        )
         return [(c, np.arange(len(c), dtype=np.int32)) for c in chunks]
 
 
@@ -134,8 +142,14 @@ class Videos:
 
     def read_size(self, pre: Preprocessor, src: Any, record_id: str) -> tuple:
         p = pre.p
-        return read_video_info(src, record_id, p.max_video_seconds, p.max_image_pixels,
-                               p.max_video_decoded_pixels, p.max_media_bytes).as_size()  # fmt: skip
+        return read_video_info(
+            src,
+            record_id,
+            p.max_video_seconds,
+            p.max_image_pixels,
+            p.max_video_decoded_pixels,
+            p.max_media_bytes,
+        ).as_size()
 
     def check(self, pre: Preprocessor, j: int, size: tuple, record_id: str) -> None:
         info = VideoInfo.of(size)

@@ -202,12 +202,16 @@ def check_caps(info: VideoInfo, src, record_id, max_seconds, max_pixels, max_dec
         detail = f"{_name(src)}: {seconds:.1f} s > data.max_video_seconds={max_seconds}"
         raise RecordError("video_too_large", detail, record_id)
     if pixels > max_pixels:
-        detail = (f"{_name(src)}: frames of {info.width}x{info.height} = {pixels} pixels > "
-                  f"data.max_image_pixels={max_pixels}")  # fmt: skip
+        detail = (
+            f"{_name(src)}: frames of {info.width}x{info.height} = {pixels} pixels > "
+            f"data.max_image_pixels={max_pixels}"
+        )
         raise RecordError("video_too_large", detail, record_id)
     if info.frames * pixels > max_decoded:
-        detail = (f"{_name(src)}: {info.frames} frames x {pixels} pixels > "
-                  f"data.max_video_decoded_pixels={max_decoded}")  # fmt: skip
+        detail = (
+            f"{_name(src)}: {info.frames} frames x {pixels} pixels > "
+            f"data.max_video_decoded_pixels={max_decoded}"
+        )
         raise RecordError("video_too_large", detail, record_id)
 
 
@@ -261,8 +265,9 @@ def load_video(
     if blocks is None:
         blocks = patches_of(sampled_frames_of(src, info, rule, record_id, want, max_bytes), rule)
     out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * count
-    positions = patchify(np.zeros((gh * rule.patch, gw * rule.patch, 1), np.uint8), rule.patch,
-                         rule.merge)[1]  # fmt: skip
+    positions = patchify(
+        np.zeros((gh * rule.patch, gw * rule.patch, 1), np.uint8), rule.patch, rule.merge
+    )[1]
     for j, k in enumerate(want):
         out[k] = (blocks[j], positions)
     return out
@@ -362,8 +367,10 @@ class _Decoder:
         for packet in self.container.demux(self.stream):
             packets += 1
             if packets > most:
-                raise RecordError("undecodable_media", f"more than {most} packets, the header "
-                                  f"says {self.info.frames} frames")  # fmt: skip
+                raise RecordError(
+                    "undecodable_media",
+                    f"more than {most} packets, the header says {self.info.frames} frames",
+                )
             if packet.is_keyframe and packet.pts is not None:
                 keys.append(float(packet.pts * tb))
         return np.unique(np.asarray(keys or [self.start], np.float64))
@@ -393,8 +400,10 @@ class _Decoder:
                     break
             else:  # the stream ended: a frame or so short of the header is the last one's
                 if last is None or k < len(shown) and shown[k] - pos > 2.0 / rate:
-                    raise RecordError("undecodable_media", f"truncated: no frame at "
-                                      f"{shown[k]:.2f} s (the last at {pos:.2f} s)")  # fmt: skip
+                    raise RecordError(
+                        "undecodable_media",
+                        f"truncated: no frame at {shown[k]:.2f} s (the last at {pos:.2f} s)",
+                    )
                 out += [self._rgb(last)] * (len(shown) - k)
                 k = len(shown)
         return out
@@ -431,8 +440,9 @@ class _open:
             raise RecordError("undecodable_media", _what(self.src, e), self.record_id) from None
         if not self.container.streams.video:
             self.container.close()
-            raise RecordError("undecodable_media", f"{_name(self.src)}: no video stream",
-                              self.record_id)  # fmt: skip
+            raise RecordError(
+                "undecodable_media", f"{_name(self.src)}: no video stream", self.record_id
+            )
         stream = self.container.streams.video[0]
         threads = decode_threads()
         # (frame threads decode several frames at once; FFmpeg's output is the same, bit for

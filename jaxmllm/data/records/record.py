@@ -163,8 +163,12 @@ def _media_source(entry: Any, paths: MediaPaths, where: str, rid: str) -> Any:
         # member over the size cap): rejected for the reason found, never taken as a path (a
         # manifest could name any file so).
         reason = entry.get("reason")
-        reason = reason if reason in ("missing_media", "undecodable_media", "media_too_large",
-                                      "path_outside_root") else "missing_media"  # fmt: skip
+        reason = (
+            reason
+            if reason
+            in ("missing_media", "undecodable_media", "media_too_large", "path_outside_root")
+            else "missing_media"
+        )
         detail = entry.get("detail")
         detail = (
             detail if isinstance(detail, str) else "the ArrayRecord converter could not embed it"

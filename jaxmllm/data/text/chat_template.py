@@ -85,8 +85,9 @@ class _Watchdog:
             self._live[token] = tid
             heapq.heappush(self._heap, (time.monotonic() + seconds, token, tid))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="jaxmllm-template-limit",
-                                                daemon=True)  # fmt: skip
+                self._thread = threading.Thread(
+                    target=self._run, name="jaxmllm-template-limit", daemon=True
+                )
                 self._thread.start()
             self._cond.notify()
         try:

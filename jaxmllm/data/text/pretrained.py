@@ -218,8 +218,11 @@ class PretrainedTokenizer:
         """A chat record's turns as HF messages: `<image>` / `<video>` / `<audio>` become
         content parts ({"type": "image"}) where the template renders that placeholder itself
         (Qwen2-VL's), else the wrapped placeholder text."""
-        own = {k for k, (token, _, _) in self._media.items() if self.template and token in
-               self.template.source}  # fmt: skip
+        own = {
+            k
+            for k, (token, _, _) in self._media.items()
+            if self.template and token in self.template.source
+        }
         out = []
         for role, text in record.turns:
             parts = [p for p in PLACEHOLDER.split(text) if p]

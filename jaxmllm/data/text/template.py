@@ -88,8 +88,10 @@ class RecordTemplate:
             text = _placeholders(media) + text
         obj = {"id": "prompt", **_media_entries(media)}
         if self.chat:  # (a record needs an answer to parse: a stand-in, left out below)
-            obj["messages"] = [{"role": "user", "content": text},
-                               {"role": "assistant", "content": "."}]  # fmt: skip
+            obj["messages"] = [
+                {"role": "user", "content": text},
+                {"role": "assistant", "content": "."},
+            ]
         else:
             obj["text"] = text
         record = parse_record(obj, OWN_FILES, 0)

@@ -93,7 +93,7 @@ class Plan:
                 f"; data-parallel across stages: {', '.join(self.data_parallel)}"
                 if self.data_parallel
                 else ""
-            ),  # fmt: skip
+            ),
             f"stage  segment  layers   fwd {unit}  bwd {unit}  per microbatch",
         ]
         for i, s in enumerate(self.stages):
@@ -252,8 +252,9 @@ def reprice(plan: Plan, costs: ModelCosts) -> Plan:
             passes = passes + costs.segment(name).whole().times(share)
     if not head_in_pipeline:
         passes = passes + costs.segment("llm").leave.times(share)
-    return _evaluate(plan.schedule, costs.microbatches, tuple(stage_list), plan.data_parallel,
-                     passes)  # fmt: skip
+    return _evaluate(
+        plan.schedule, costs.microbatches, tuple(stage_list), plan.data_parallel, passes
+    )
 
 
 def segment_stages(seg: Segment, split: Sequence[int], *, leave: bool) -> list[Stage]:

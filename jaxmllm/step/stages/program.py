@@ -105,9 +105,19 @@ def build_program(cfg: Config, mesh) -> unpipelined.Program:
         out_shardings=(shardings, sharding.replicated(mesh)),
     )
     return PipelineProgram(
-        cfg, mesh, parts, stage_axes, optimizer, abstract, shardings, step,
-        plan=plan, layout=layout, checkpoint_shardings=saved, depth_abstract=depth,
-    )  # fmt: skip
+        cfg,
+        mesh,
+        parts,
+        stage_axes,
+        optimizer,
+        abstract,
+        shardings,
+        step,
+        plan=plan,
+        layout=layout,
+        checkpoint_shardings=saved,
+        depth_abstract=depth,
+    )
 
 
 def _shardings(axes, abstract, parts, optimizer, mesh, rules) -> dict[str, Any]:
