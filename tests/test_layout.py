@@ -171,3 +171,17 @@ def test_module_size(name):
     lines = len(path.read_text().splitlines())
     limit = MAX_TRAIN_LINES if name == "jaxmllm.train" else MAX_LINES
     assert lines <= limit, f"{path.relative_to(ROOT)}: {lines} lines (at most {limit})"
+
+
+def test_no_code_is_kept_from_the_formatter():
+    """Code is formatted as ruff formats it, never squeezed past it to pass the size limit
+    (STYLE.md): no formatter-off markers in any Python file of the tree."""
+    marks = ("fmt: " + "skip", "fmt: " + "off", "yapf: " + "disable")  # (not this file's own)
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for top in (*PACKAGES, "tests", "tools")
+        for path in sorted((ROOT / top).rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if any(mark in line for mark in marks)
+    ]
+    assert not found, f"formatter markers (remove them and run `ruff format .`): {found}"

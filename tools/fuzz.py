@@ -586,8 +586,11 @@ def cap_meter(max_pixels: int, max_seconds: float):
         check_clip(done, f.samplerate, "read")  # more samples than the header said
         return x
 
-    patches = [(Preprocessor, "grid", grid), (Preprocessor, "clip_chunks", clip_chunks),
-               (sf.SoundFile, "read", read)]  # fmt: skip
+    patches = [
+        (Preprocessor, "grid", grid),
+        (Preprocessor, "clip_chunks", clip_chunks),
+        (sf.SoundFile, "read", read),
+    ]
     patches += [(c, "load", capped_load(c.__dict__["load"])) for c in _image_classes()]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     for owner, name, fn in patches:

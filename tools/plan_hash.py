@@ -50,9 +50,14 @@ def plan_digest(policy: str, index, devices: int, steps: int, tokens: int, micro
 def bench_caps(policy: str, index, devices: int, args) -> Capacities:
     """The capacities the balance bench runs `policy` with (its dry runs as long as its run)."""
     caps = make_caps(
-        index, devices, args.tokens, args.micro, policy, block=args.block,
+        index,
+        devices,
+        args.tokens,
+        args.micro,
+        policy,
+        block=args.block,
         devices_per_host=args.devices_per_host,
-    )  # fmt: skip
+    )
     steps = steps_for(index, devices, args.tokens, args.micro, 8, 40)
     return sized_caps(index, caps, policy, steps, CostModel.from_model(ModelConfig()))
 
