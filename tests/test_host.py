@@ -129,6 +129,7 @@ def test_the_media_manifest_holds_large_images_several_per_record_and_long_clips
 def test_bench_host_writes_a_row_per_data_devices_and_workers(tmp_path):
     out = tmp_path / "rows.json"
     sets = [*TINY, "data.image_min_pixels=256", "data.image_max_pixels=2304"]
+    sets.append(f"train.output_dir={tmp_path}")  # (its rejects log: not the checkout's runs/)
     args = [
         "--config",
         "configs/tiny.yaml",
@@ -506,6 +507,7 @@ def test_bench_host_times_the_step_on_a_device_when_asked(tmp_path):
         "--json",
         str(out),
     ]
-    assert bench_host.main(args + [f"--set={s}" for s in TINY]) == 0
+    sets = [*TINY, f"train.output_dir={tmp_path}"]
+    assert bench_host.main(args + [f"--set={s}" for s in sets]) == 0
     [row] = json.loads(out.read_text())
     assert row["device_from"] == "measured" and 0 < row["device_s"] < 60
