@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -233,24 +234,22 @@ def test_an_output_dir_that_cannot_be_written_exits_2_naming_it(capsys, tmp_path
 # ----------------------------------------------------------------------------- faults
 
 
+TINY_TEXT = [  # the cheapest run of the trainer: text only, one layer
+    "data.synthetic.num_samples=64",
+    "model.vision.enabled=false",
+    "model.audio.enabled=false",
+    "model.llm.depth=1",
+    "batch.microbatches=1",
+    "data.synthetic.image_fraction=0",
+    "data.synthetic.audio_fraction=0",
+    "data.synthetic.multi_image_fraction=0",
+    "data.synthetic.video_fraction=0",
+]
+
+
 def tiny_text(out, *sets, steps: int = 6, **train):
     """The cheapest run of the trainer: text only, one layer (compiled once per session)."""
-    cfg = load_config(
-        "configs/tiny.yaml",
-        [
-            "data.synthetic.num_samples=64",
-            *NO_EVAL,
-            "model.vision.enabled=false",
-            "model.audio.enabled=false",
-            "model.llm.depth=1",
-            "batch.microbatches=1",
-            "data.synthetic.image_fraction=0",
-            "data.synthetic.audio_fraction=0",
-            "data.synthetic.multi_image_fraction=0",
-            "data.synthetic.video_fraction=0",
-            *sets,
-        ],
-    )
+    cfg = load_config("configs/tiny.yaml", [*NO_EVAL, *TINY_TEXT, *sets])
     return replace(
         cfg,
         train=replace(
@@ -551,18 +550,29 @@ def test_ctrl_c_with_a_closed_output_pipe_still_checkpoints(tmp_path):
 
 @pytest.mark.slow  # a training run on a 5 MB tmpfs: ~1 min; needs permission to mount one
 def test_a_real_full_disk_stops_the_run_keeping_the_last_checkpoint(tmp_path):
-    from jaxmllm.loop.checkpoint import SaveError
+    """The trainer's command on a disk that fills up: exit code 5, the message, the kept
+    checkpoints. (A child process, as a user's run: in-process, a failed save leaves tensorstore
+    writes in flight whose late callbacks find orbax's event loop closed; formatted in their
+    thread beside pytest's own `ast.parse`, that once broke the test process's end on Python
+    3.11's AST recursion counter, CPython gh-106905.)"""
     from jaxmllm.loop.metrics import read_metrics
-    from jaxmllm.train import main
 
     disk = tmp_path / "checkpoints"  # room for the first two checkpoints (~2 MB each), no more
     disk.mkdir()
     mount = ["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(disk)]
     if subprocess.run(mount, capture_output=True).returncode != 0:
         pytest.skip("cannot mount a tmpfs here (not root); the patched-writer test covers it")
+    sets = [*TINY_TEXT, "train.steps=12", "train.log_every=1", "train.checkpoint_every=2"]
     try:
-        with pytest.raises(SaveError, match=r"checkpoint 4 .*No space left.*step 2, kept"):
-            main(tiny_text(tmp_path, steps=12))
+        done = subprocess.run(
+            train_cmd(tmp_path, *sets, "train.progress_bar=false"),
+            capture_output=True,
+            text=True,
+            env=child_env(),
+            timeout=600,
+        )
+        assert done.returncode == 5, done.stderr[-3000:]
+        assert re.search(r"checkpoint 4 .*No space left.*step 2, kept", done.stderr), done.stderr
         assert read_metrics(tmp_path)[-1]["step"] <= 6  # noticed within a step of failing
         assert sorted(checkpoint_params(tmp_path)) == [1, 2]
     finally:
