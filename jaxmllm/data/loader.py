@@ -241,7 +241,7 @@ def _reaped(pool: ProcessPoolExecutor, timeout: float, manager=None) -> bool:
 
 def running(pid: int) -> bool:
     """Whether process `pid` exists (a zombie too), as the OS says (/proc; True without it)."""
-    return not Path("/proc").is_dir() or Path(f"/proc/{pid}").exists()
+    return _state(pid) is not None
 
 
 def _state(pid: int) -> str | None:
