@@ -20,6 +20,7 @@ import pytest
 
 from jaxmllm.loop import ledger
 from jaxmllm.loop.metrics import read_metrics
+
 from runs import child_env, train_cmd
 
 STEPS = 14

@@ -18,6 +18,7 @@ from jaxmllm.data.index import build_index
 from jaxmllm.data.source import make_source
 from jaxmllm.loop.metrics import read_metrics
 from jaxmllm.plan.sizing import resolve_batch
+
 from runs import NO_EVAL
 
 SMALL = ["data.image_min_pixels=256", "data.image_max_pixels=1024", "data.audio_max_frames=32"]

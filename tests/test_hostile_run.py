@@ -29,6 +29,7 @@ import pytest
 
 from jaxmllm.config import load_config
 from jaxmllm.hf.safetensors import Checkpoint, CheckpointError, SafetensorsFile, write_checkpoint
+
 from runs import NO_EVAL, child_env, logged_step, train_cmd
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,6 +22,7 @@ from jaxmllm.data.lengths import Mixture
 from jaxmllm.data.source import open_source
 from jaxmllm.plan.shuffle import IndexShuffle
 from jaxmllm.plan.stream import MixtureStream, SampleStream
+
 from runs import child_env
 
 SETTINGS = [
@@ -442,6 +443,7 @@ def test_every_sample_of_a_mapped_index_trains_once_an_epoch_across_a_kill(tmp_p
     """The trainer on a mapped index, killed after step 3 and resumed, trains what the
     uninterrupted run trains, step for step (the sample ledger)."""
     from jaxmllm.loop import ledger
+
     from runs import train_cmd
 
     path = write_manifest(tmp_path / "data" / "m.jsonl", 256)

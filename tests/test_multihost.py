@@ -22,6 +22,7 @@ from jaxmllm.loop import ledger
 from jaxmllm.loop.distributed import describe_mismatch, resolve_job
 from jaxmllm.loop.metrics import read_metrics
 from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
+
 from runs import child_env, train_cmd
 
 # ----------------------------------------------------------------------------- job start-up

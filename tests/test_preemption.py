@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from jaxmllm.loop.metrics import read_metrics
+
 from runs import child_env, logged_step, train_cmd
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,6 +9,7 @@ import pytest
 from jaxmllm.config import ConfigError, load_config
 from jaxmllm.loop.metrics import read_metrics
 from jaxmllm.train import main
+
 from runs import NO_EVAL
 
 STEPS = 6
