@@ -1,7 +1,13 @@
 """Test set-up: 8 forced CPU devices, set before JAX is imported anywhere."""
 
 import os
+import tempfile
 
+# Everything the session's tools cache on disk lives in one folder, deleted at its end
+# (pytest_unconfigure): JAX's compile cache, and torch's inductor cache, which importing peft
+# creates as `torchinductor_<user>` in the temporary folder (its children inherit the place).
+SESSION_TMP = tempfile.mkdtemp(prefix="jaxmllm-test-")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(SESSION_TMP, "torchinductor"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 FLAGS = ["--xla_force_host_platform_device_count=8"]
 if os.environ["JAX_PLATFORMS"] == "cpu" and "optimization_level" not in os.environ.get(
@@ -29,13 +35,9 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *FLAGS]).st
 def pytest_configure(config):
     """One persistent compilation cache per test session: the trainer tests build the same
     tiny-config program many times over (a fresh jit each run), and compiling it dominates them."""
-    import tempfile
-
     import jax
 
-    cache = tempfile.mkdtemp(prefix="jaxmllm-test-xla-cache-")
-    config._jaxmllm_cache = cache  # deleted at the session's end (pytest_unconfigure)
-    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_compilation_cache_dir", os.path.join(SESSION_TMP, "xla-cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     # The same-math tests compare fp32 programs at 1e-5: on a GPU (JAX_PLATFORMS=cuda), fp32
@@ -45,9 +47,7 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    """Tests leave nothing in the temporary folder: the session's compile cache goes too."""
+    """Tests leave nothing in the temporary folder: the session's caches go too."""
     import shutil
 
-    cache = getattr(config, "_jaxmllm_cache", None)
-    if cache is not None:
-        shutil.rmtree(cache, ignore_errors=True)
+    shutil.rmtree(SESSION_TMP, ignore_errors=True)

@@ -13,6 +13,7 @@ import pytest
 from jaxmllm import train
 from jaxmllm.config import load_config
 from jaxmllm.data import shared
+
 from runs import ROOT, child_env, logged_step, train_cmd
 
 
@@ -59,11 +60,14 @@ def _wait(until, seconds: float) -> bool:
 
 
 def test_tests_leave_nothing_in_the_temporary_folder(tmp_path):
-    """conftest's compile cache is deleted at the session's end."""
+    """conftest's compile cache is deleted at the session's end, and so is torch's compile
+    cache (importing peft makes torch's inductor create `torchinductor_<user>` there):
+    test_lora_hf is collected, so peft is imported."""
     temp = tmp_path / "tmp"
     temp.mkdir()
     env = {**os.environ, "TMPDIR": str(temp)}
     env.pop("XLA_FLAGS", None)  # (conftest sets its own)
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # (this session's, which this conftest deletes)
     done = subprocess.run(
         [
             sys.executable,
@@ -72,7 +76,10 @@ def test_tests_leave_nothing_in_the_temporary_folder(tmp_path):
             "-q",
             "-p",
             "no:cacheprovider",
-            "tests/test_layout.py::test_the_cycle_finder_finds_a_cycle",
+            "tests/test_layout.py",
+            "tests/test_lora_hf.py",
+            "-k",
+            "test_the_cycle_finder_finds_a_cycle",
         ],
         cwd=ROOT,
         env=env,
