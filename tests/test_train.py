@@ -248,6 +248,71 @@ def test_torn_checkpoints_fall_back_to_the_previous_complete_one(uninterrupted, 
         np.testing.assert_allclose(got[step]["loss"], want[step]["loss"], rtol=1e-5)
 
 
+def test_a_run_whose_checkpoints_are_all_damaged_stops_with_one_error_and_no_tracebacks(
+    uninterrupted, tmp_path, capfd
+):
+    """Each failed restore leaves orbax's other reads of that checkpoint in flight, finishing
+    after orbax closed their event loop: counted by jaxmllm.loop.late_io, not printed (73
+    "Event loop is closed" tracebacks before)."""
+    import shutil
+    import time
+
+    from jaxmllm.loop import late_io
+
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    for data in (out / "checkpoints").glob("*/state/d/*"):
+        data.write_bytes(data.read_bytes()[:10])  # every checkpoint's arrays cut short
+    with pytest.raises(ConfigError, match=r"no checkpoint in .*checkpoints could be restored"):
+        main(tiny(out))
+    settled, seen = time.monotonic(), late_io.late_completions()
+    while time.monotonic() - settled < 1.0:  # the abandoned reads finish within milliseconds
+        time.sleep(0.1)
+        if late_io.late_completions() != seen:
+            settled, seen = time.monotonic(), late_io.late_completions()
+    err = capfd.readouterr().err
+    assert "Event loop is closed" not in err and "Traceback" not in err, err[-2000:]
+
+
+def test_late_completions_of_abandoned_reads_are_counted_and_others_passed_on(monkeypatch):
+    """The mechanism on its own: a tensorstore future awaited on orbax's loop completes after
+    the coroutine failed and orbax closed the loop. Any other unraisable exception goes to the
+    hook that was there before."""
+    import asyncio
+    import sys
+
+    import tensorstore as ts
+    from orbax.checkpoint._src import asyncio_utils
+
+    from jaxmllm.loop import late_io
+
+    passed_on = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: passed_on.append(str(u.exc_value)))
+    late_io.install()
+    promise, future = ts.Promise.new()
+
+    async def restore():
+        async def read():
+            await future
+
+        asyncio.ensure_future(read())
+        await asyncio.sleep(0)  # the read awaits: tensorstore holds a callback into this loop
+        raise ValueError("one read failed")
+
+    before = late_io.late_completions()
+    with pytest.raises(ValueError):
+        asyncio_utils.run_sync(restore())
+    promise.set_result(1)  # the abandoned read completes: its callback meets the closed loop
+    assert late_io.late_completions() == before + 1
+
+    class Other:
+        def __del__(self):
+            raise RuntimeError("other")
+
+    Other()  # (its __del__'s exception is unraisable too)
+    assert passed_on == ["other"]
+
+
 def test_format_stamp_tells_per_layer_from_scanned_layers():
     from jaxmllm.loop.checkpoint import FORMAT, format_stamp
 

@@ -40,7 +40,7 @@ import orbax.checkpoint as ocp
 
 from jaxmllm.config import AUTO_LADDERS, AUTO_SIZES, Config, ConfigError, to_dict
 from jaxmllm.config.phases import ENCODERS
-from jaxmllm.loop import distributed
+from jaxmllm.loop import distributed, late_io
 from jaxmllm.loop.base import check_base
 from jaxmllm.plan.state import PlanStateError
 
@@ -69,6 +69,7 @@ def make_checkpoint_manager(cfg: Config) -> ocp.CheckpointManager:
     A save interrupted by a kill leaves a `*.orbax-checkpoint-tmp*` directory: it is reported
     and cleaned up, and the run resumes from the latest complete checkpoint.
     """
+    late_io.install()  # (orbax's abandoned reads and writes: counted, not printed)
     t = cfg.train
     directory = Path(t.output_dir).absolute() / "checkpoints"
     for tmp in sorted(directory.glob("*.orbax-checkpoint-tmp*")) if directory.exists() else []:

@@ -1,0 +1,73 @@
+"""Checkpoint reads and writes that orbax abandoned, finishing after it closed their event loop:
+counted and logged once, not printed as a traceback each.
+
+orbax runs a restore (and a save's writes) as a coroutine on an event loop of its own, which
+it closes as soon as the coroutine ends (`orbax.checkpoint._src.asyncio_utils.run_sync`). When
+one tensorstore read of a damaged checkpoint fails, the coroutine raises at once while the
+checkpoint's other reads are still in flight. Each of those, as it completes, calls the closed
+loop's `call_soon_threadsafe` from tensorstore's thread, and Python prints the RuntimeError
+("Event loop is closed") as an unraisable exception: 73 tracebacks around the three warnings
+that named three damaged checkpoints of the tiny config (orbax 0.12.8, tensorstore 0.1.86). A
+save that failed on a full disk leaves its other writes the same way.
+
+Nothing is lost with them: the operation they belonged to has already failed and been
+reported (`restore_latest`'s warning, `SaveError`). `install` puts a hook in front of Python's
+that counts exactly these (that exception, raised in asyncio's `call_soon_threadsafe`) and
+logs the first; every other unraisable exception goes to the hook that was there before.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+
+log = logging.getLogger("jaxmllm")
+
+_lock = threading.Lock()
+_late = 0
+
+
+def late_completions() -> int:
+    """How many abandoned operations have finished after their loop closed, in this process."""
+    return _late
+
+
+def is_late_completion(unraisable) -> bool:
+    """An unraisable "Event loop is closed" raised in asyncio's call_soon_threadsafe."""
+    if not isinstance(unraisable.exc_value, RuntimeError):
+        return False
+    if str(unraisable.exc_value) != "Event loop is closed":
+        return False
+    tb = unraisable.exc_traceback
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "call_soon_threadsafe" and "asyncio" in code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def install() -> None:
+    """Puts the counting hook in front of sys.unraisablehook (once per process)."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_jaxmllm_late_io", False):
+        return
+
+    def hook(unraisable):
+        global _late
+        if not is_late_completion(unraisable):
+            previous(unraisable)
+            return
+        with _lock:
+            _late += 1
+            first = _late == 1
+        if first:
+            log.info(
+                "checkpoint reads or writes that orbax abandoned when the operation failed "
+                "finished after it closed their event loop; counted, not printed "
+                "(jaxmllm.loop.late_io)"
+            )
+
+    hook._jaxmllm_late_io = True
+    sys.unraisablehook = hook
