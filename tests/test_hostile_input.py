@@ -297,6 +297,44 @@ def test_a_member_claiming_more_bytes_than_the_shard_is_a_counted_reject(tmp_pat
     scan_tar(garbage)  # (a bad header after good ones: tarfile ends there, as GNU tar warns)
 
 
+def sparse_member(name: str, stored: bytes, real_size: int) -> bytes:
+    """A GNU (old format) sparse member's header and data: `stored` is its one region, at
+    offset 0 of a file of `real_size` bytes (tarfile reads these but cannot write them)."""
+    info = tarfile.TarInfo(name)
+    info.type, info.size = tarfile.GNUTYPE_SPARSE, len(stored)
+    head = bytearray(info.tobuf(tarfile.GNU_FORMAT))
+    octal = lambda n: f"{n:011o}".encode() + b"\0"  # noqa: E731
+    head[386:410] = octal(0) + octal(len(stored))  # (the first region: offset, bytes)
+    head[483:495] = octal(real_size)
+    head[148:156] = b" " * 8
+    head[148:156] = f"{sum(head):06o}".encode() + b"\0 "
+    return bytes(head) + stored.ljust(-(-len(stored) // 512) * 512, b"\0")
+
+
+def test_members_that_are_not_files_are_their_samples_rejects(tmp_path):
+    """A symlink, a hard link (GNU tar writes a file's second name so), a FIFO or a sparse file
+    as a sample's image: its sample is a `missing_media` reject naming the member (they were
+    left out unseen: the sample trained without its image; a sparse file claims its expanded
+    size, which ended the scan and lost the samples after it without a count)."""
+    path = tmp_path / "links.tar"
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        add(tar, "a.png", png(tmp_path / "a.png").read_bytes())
+        add(tar, "a.json", json.dumps({"text": "a caption"}).encode())
+        for key, kind in [("s", tarfile.SYMTYPE), ("h", tarfile.LNKTYPE), ("f", tarfile.FIFOTYPE)]:
+            info = tarfile.TarInfo(f"{key}.png")
+            info.type, info.linkname = kind, "a.png" if kind == tarfile.LNKTYPE else "/etc/passwd"
+            tar.addfile(info)
+            add(tar, f"{key}.json", json.dumps({"text": f"{key} caption"}).encode())
+        tar.fileobj.write(sparse_member("x.png", b"\x89PNG" * 100, 1 << 20))
+        tar.offset += 1024
+        add(tar, "x.json", json.dumps({"text": "x caption"}).encode())
+        add(tar, "z.json", json.dumps({"text": "after the sparse file"}).encode())
+    summary, rejects = index(path, "data.source=files", "data.format=webdataset")
+    assert summary["accepted"] == 2 and set(rejects) == {"s", "h", "f", "x"}
+    for key, r in rejects.items():
+        assert r["reason"] == "missing_media" and f"{key}.png is a link" in r["detail"]
+
+
 # ----------------------------------------------------------------------------- many files
 
 
