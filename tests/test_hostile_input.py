@@ -35,6 +35,7 @@ from jaxmllm.data.media.image import jpeg_scans
 from jaxmllm.data.media.kinds import Images
 from jaxmllm.data.preprocess import Params, Preprocessor
 from jaxmllm.data.records import jsonl, open_records
+from jaxmllm.data.records.formats import data_files
 from jaxmllm.data.records.handles import FILES, MAX_OPEN, pread
 from jaxmllm.data.records.jsonarray import scan_array
 from jaxmllm.data.records.jsonl import JsonRecords
@@ -333,6 +334,24 @@ def test_members_that_are_not_files_are_their_samples_rejects(tmp_path):
     assert summary["accepted"] == 2 and set(rejects) == {"s", "h", "f", "x"}
     for key, r in rejects.items():
         assert r["reason"] == "missing_media" and f"{key}.png is a link" in r["detail"]
+
+
+@pytest.mark.parametrize("packed", ["s1.tar.gz", "more.jsonl.zst", "deep/s2.tar.xz"])
+def test_compressed_data_files_in_a_folder_are_refused_not_left_out(tmp_path, packed):
+    """A folder of shards where some are compressed: they were left out without a word (their
+    records lost, none counted); now refused naming them, with the glob that leaves them out."""
+    data = tmp_path / ("data" if "/" not in packed else "data/top")
+    data.mkdir(parents=True)
+    shard(data / "s0.tar", ["k0"])
+    (data / packed).parent.mkdir(exist_ok=True)
+    (data / packed).write_bytes(b"\x1f\x8b compressed")
+    folder = tmp_path / "data"
+    with pytest.raises(ConfigError, match=f"holds compressed data files \\({Path(packed).name}\\)"):
+        data_files(folder)
+    stars = "\\*" if folder == data else "\\*\\*/\\*"
+    with pytest.raises(ConfigError, match=f"data.path: {folder}/{stars}.tar$"):
+        data_files(folder)
+    assert data_files(f"{folder}/{stars.replace(chr(92), '')}.tar") == [data / "s0.tar"]
 
 
 # ----------------------------------------------------------------------------- many files
