@@ -118,6 +118,27 @@ def test_the_index_commands_error_lines_are_escaped(tmp_path, capsys):
         assert not line.lstrip().startswith("rejected, by reason: none"), line
 
 
+def test_a_file_name_that_is_not_utf8_reaches_the_terminal_escaped(tmp_path, capsys):
+    """A data file named by bytes that are not UTF-8 (0xff, 0x9b: CSI on its own): Python
+    holds them as lone surrogates, which were printed as the raw bytes, or, where stdout is
+    strict UTF-8 (any locale but C), ended the index in a UnicodeEncodeError traceback; and
+    its records without an id were refused, their fallback id (the file's name) not Unicode."""
+    from test_hostile import SETTINGS
+
+    from jaxmllm.data.index import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    name = os.fsdecode(b"\xff\x9b2J.jsonl")
+    (data / name).write_text('{"text": "no id here"}\nnot json\n')
+    assert printable(name) == "\\xff\\x9b2J.jsonl" and printable("a\ud800") == "a\\ud800"
+    sets = [*SETTINGS, f"data.path={data}", "data.source=files"]  # (ids: the file name)
+    assert main(["--config", "configs/tiny.yaml", *[a for s in sets for a in ("--set", s)]]) == 0
+    out, err = capsys.readouterr()
+    (out + err).encode("utf-8")  # (strict: no surrogate left)
+    assert "\\xff\\x9b2J.jsonl line 2" in out and "1 accepted, 1 rejected" in out
+
+
 def test_webdataset_member_names_reach_the_terminal_escaped(tmp_path):
     shard = tmp_path / "s.tar"
     with tarfile.open(shard, "w") as tar:
