@@ -118,6 +118,22 @@ def test_the_index_commands_error_lines_are_escaped(tmp_path, capsys):
         assert not line.lstrip().startswith("rejected, by reason: none"), line
 
 
+def test_the_index_progress_bar_names_the_data_escaped(tmp_path, capsys):
+    """The progress bar (stderr) names the data set by its file's stem: it was printed raw,
+    setting the window's title and reversing the text after it."""
+    from jaxmllm.data.index import main
+
+    path = write_manifest(
+        tmp_path / "\x1b]0;pwned title\x07\u202eevil\x9b2J.jsonl", [{"text": "a"}]
+    )
+    argv = ["--config", "configs/tiny.yaml", "--manifest", str(path), "--out", str(tmp_path / "i")]
+    assert main([*argv, "--set", "data.eval.source=none"]) == 0
+    out, err = capsys.readouterr()
+    assert "index \\x1b]0;pwned title\\x07\\u202eevil\\x9b2J" in err
+    for line in (out + err.replace("\r", "\n")).splitlines():  # (the bar redraws with \r)
+        assert not controls(line), line
+
+
 def test_a_file_name_that_is_not_utf8_reaches_the_terminal_escaped(tmp_path, capsys):
     """A data file named by bytes that are not UTF-8 (0xff, 0x9b: CSI on its own): Python
     holds them as lone surrogates, which were printed as the raw bytes, or, where stdout is
