@@ -622,6 +622,23 @@ def test_a_json_list_is_scanned_without_parsing_it_whole(tmp_path, indent):
     tracemalloc.stop()
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+@pytest.mark.parametrize("shape", ["lines", "list"])
+def test_a_utf16_data_file_is_refused_naming_its_encoding(tmp_path, encoding, shape):
+    """A JSON file in UTF-16 (Windows tools write it so): its format was 'not a JSON object;
+    set data.format', and with data.format set every line a reject that did not say why."""
+    records = [{"id": "a", "text": "x"}, {"id": "b", "text": "y"}]
+    text = (
+        "".join(json.dumps(r) + "\n" for r in records) if shape == "lines" else json.dumps(records)
+    )
+    bom = {"utf-16": "", "utf-16-be": "\ufeff", "utf-32": ""}[encoding]  # (-be writes none)
+    path = tmp_path / "data.json"
+    path.write_bytes((bom + text).encode(encoding))
+    for fmt in ("auto", "messages"):
+        with pytest.raises(ConfigError, match=r"data.json: UTF-16 or UTF-32 text .* iconv"):
+            index(path, "data.source=files", f"data.format={fmt}")
+
+
 def test_an_element_over_the_cap_is_never_read(tmp_path, monkeypatch):
     path = tmp_path / "big.json"
     records = [{"id": "ok1", "text": "fine"}, {"id": "huge", "text": "z" * (24 << 20)}]

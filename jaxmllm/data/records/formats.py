@@ -173,9 +173,20 @@ def _native(obj: dict, base: Path) -> bool:
 
 
 def json_container(path: Path) -> str:
-    """`array` (the file is one JSON list) or `lines` (JSON lines), by its first character."""
+    """`array` (the file is one JSON list) or `lines` (JSON lines), by its first character.
+
+    Raises:
+      ConfigError: for a UTF-16 or UTF-32 file (by its byte-order mark), which would read as
+        lines cut in the middle of their characters, each a reject that does not say why.
+    """
     with open(path, "rb") as f:
-        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+        head = f.read(4096)
+    if head.startswith((b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff")):
+        raise ConfigError(
+            f"{printable(path)}: UTF-16 or UTF-32 text (it starts with that byte-order mark); "
+            "JSON data files are read as UTF-8: convert it, e.g. iconv -f UTF-16 -t UTF-8"
+        )
+    head = head.lstrip(b"\xef\xbb\xbf \t\r\n")
     return "array" if head.startswith(b"[") else "lines"
 
 
