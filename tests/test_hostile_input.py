@@ -35,6 +35,7 @@ from jaxmllm.data.media.image import jpeg_scans
 from jaxmllm.data.media.kinds import Images
 from jaxmllm.data.preprocess import Params, Preprocessor
 from jaxmllm.data.records import jsonl, open_records
+from jaxmllm.data.records.formats import data_files
 from jaxmllm.data.records.handles import FILES, MAX_OPEN, pread
 from jaxmllm.data.records.jsonarray import scan_array
 from jaxmllm.data.records.jsonl import JsonRecords
@@ -117,6 +118,43 @@ def test_the_index_commands_error_lines_are_escaped(tmp_path, capsys):
         assert not line.lstrip().startswith("rejected, by reason: none"), line
 
 
+def test_the_index_progress_bar_names_the_data_escaped(tmp_path, capsys):
+    """The progress bar (stderr) names the data set by its file's stem: it was printed raw,
+    setting the window's title and reversing the text after it."""
+    from jaxmllm.data.index import main
+
+    path = write_manifest(
+        tmp_path / "\x1b]0;pwned title\x07\u202eevil\x9b2J.jsonl", [{"text": "a"}]
+    )
+    argv = ["--config", "configs/tiny.yaml", "--manifest", str(path), "--out", str(tmp_path / "i")]
+    assert main([*argv, "--set", "data.eval.source=none"]) == 0
+    out, err = capsys.readouterr()
+    assert "index \\x1b]0;pwned title\\x07\\u202eevil\\x9b2J" in err
+    for line in (out + err.replace("\r", "\n")).splitlines():  # (the bar redraws with \r)
+        assert not controls(line), line
+
+
+def test_a_file_name_that_is_not_utf8_reaches_the_terminal_escaped(tmp_path, capsys):
+    """A data file named by bytes that are not UTF-8 (0xff, 0x9b: CSI on its own): Python
+    holds them as lone surrogates, which were printed as the raw bytes, or, where stdout is
+    strict UTF-8 (any locale but C), ended the index in a UnicodeEncodeError traceback; and
+    its records without an id were refused, their fallback id (the file's name) not Unicode."""
+    from test_hostile import SETTINGS
+
+    from jaxmllm.data.index import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    name = os.fsdecode(b"\xff\x9b2J.jsonl")
+    (data / name).write_text('{"text": "no id here"}\nnot json\n')
+    assert printable(name) == "\\xff\\x9b2J.jsonl" and printable("a\ud800") == "a\\ud800"
+    sets = [*SETTINGS, f"data.path={data}", "data.source=files"]  # (ids: the file name)
+    assert main(["--config", "configs/tiny.yaml", *[a for s in sets for a in ("--set", s)]]) == 0
+    out, err = capsys.readouterr()
+    (out + err).encode("utf-8")  # (strict: no surrogate left)
+    assert "\\xff\\x9b2J.jsonl line 2" in out and "1 accepted, 1 rejected" in out
+
+
 def test_webdataset_member_names_reach_the_terminal_escaped(tmp_path):
     shard = tmp_path / "s.tar"
     with tarfile.open(shard, "w") as tar:
@@ -177,6 +215,24 @@ def test_a_jpeg_of_repeated_scans_is_refused_before_decoding(tmp_path, w, h, cop
     with pytest.raises(RecordError, match="image_too_costly"):
         Images().read_size(pre, str(tmp_path / "ok.jpg"), "ok")
     assert jpeg_scans(good, 1000) == 10 and jpeg_scans(repeated_scans(good, 7), 1000) == 17
+
+
+@pytest.mark.parametrize("junk", [b"\x00", b"junk" * 100, b"\xff\x00"])
+def test_junk_before_the_repeated_scans_does_not_hide_them(tmp_path, junk):
+    """Bytes that are no marker between two segments: libjpeg skips them (a warning) and
+    decodes every scan after them, so the count goes on past them too (it stopped there: a
+    264 KB file of 5,000 scans took a minute per decode, accepted by the index)."""
+    good = progressive_jpeg(640, 480)
+    bomb = repeated_scans(good, 3000)
+    first = bomb.find(b"\xff\xda")
+    (tmp_path / "junk.jpg").write_bytes(bomb[:first] + junk + bomb[first:])
+    (tmp_path / "ok.jpg").write_bytes(good[:first] + junk + good[first:])  # (10 scans: read)
+    last = bomb.rfind(b"\xff\xda")  # (junk between the last two scans too)
+    assert jpeg_scans(bomb[:last] + junk + bomb[last:], 1000) > 1000
+    records = [{"id": n, "text": "<image> x", "images": [f"{n}.jpg"]} for n in ("junk", "ok")]
+    summary, rejects = index(write_manifest(tmp_path / "m.jsonl", records))
+    assert summary["accepted"] == 1 and set(rejects) == {"junk"}
+    assert rejects["junk"]["reason"] == "image_too_costly"
 
 
 @pytest.mark.parametrize(("w", "h", "copies"), [(640, 480, 50), (1200, 96, 80)])
@@ -277,6 +333,62 @@ def test_a_member_claiming_more_bytes_than_the_shard_is_a_counted_reject(tmp_pat
     garbage = tmp_path / "garbage.tar"  # (a long-name header whose member header is garbage)
     garbage.write_bytes(path.read_bytes()[:1536] + b"\x00" * 100 + b"\x17" * 412 + b"\0" * 1024)
     scan_tar(garbage)  # (a bad header after good ones: tarfile ends there, as GNU tar warns)
+
+
+def sparse_member(name: str, stored: bytes, real_size: int) -> bytes:
+    """A GNU (old format) sparse member's header and data: `stored` is its one region, at
+    offset 0 of a file of `real_size` bytes (tarfile reads these but cannot write them)."""
+    info = tarfile.TarInfo(name)
+    info.type, info.size = tarfile.GNUTYPE_SPARSE, len(stored)
+    head = bytearray(info.tobuf(tarfile.GNU_FORMAT))
+    octal = lambda n: f"{n:011o}".encode() + b"\0"  # noqa: E731
+    head[386:410] = octal(0) + octal(len(stored))  # (the first region: offset, bytes)
+    head[483:495] = octal(real_size)
+    head[148:156] = b" " * 8
+    head[148:156] = f"{sum(head):06o}".encode() + b"\0 "
+    return bytes(head) + stored.ljust(-(-len(stored) // 512) * 512, b"\0")
+
+
+def test_members_that_are_not_files_are_their_samples_rejects(tmp_path):
+    """A symlink, a hard link (GNU tar writes a file's second name so), a FIFO or a sparse file
+    as a sample's image: its sample is a `missing_media` reject naming the member (they were
+    left out unseen: the sample trained without its image; a sparse file claims its expanded
+    size, which ended the scan and lost the samples after it without a count)."""
+    path = tmp_path / "links.tar"
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        add(tar, "a.png", png(tmp_path / "a.png").read_bytes())
+        add(tar, "a.json", json.dumps({"text": "a caption"}).encode())
+        for key, kind in [("s", tarfile.SYMTYPE), ("h", tarfile.LNKTYPE), ("f", tarfile.FIFOTYPE)]:
+            info = tarfile.TarInfo(f"{key}.png")
+            info.type, info.linkname = kind, "a.png" if kind == tarfile.LNKTYPE else "/etc/passwd"
+            tar.addfile(info)
+            add(tar, f"{key}.json", json.dumps({"text": f"{key} caption"}).encode())
+        tar.fileobj.write(sparse_member("x.png", b"\x89PNG" * 100, 1 << 20))
+        tar.offset += 1024
+        add(tar, "x.json", json.dumps({"text": "x caption"}).encode())
+        add(tar, "z.json", json.dumps({"text": "after the sparse file"}).encode())
+    summary, rejects = index(path, "data.source=files", "data.format=webdataset")
+    assert summary["accepted"] == 2 and set(rejects) == {"s", "h", "f", "x"}
+    for key, r in rejects.items():
+        assert r["reason"] == "missing_media" and f"{key}.png is a link" in r["detail"]
+
+
+@pytest.mark.parametrize("packed", ["s1.tar.gz", "more.jsonl.zst", "deep/s2.tar.xz"])
+def test_compressed_data_files_in_a_folder_are_refused_not_left_out(tmp_path, packed):
+    """A folder of shards where some are compressed: they were left out without a word (their
+    records lost, none counted); now refused naming them, with the glob that leaves them out."""
+    data = tmp_path / ("data" if "/" not in packed else "data/top")
+    data.mkdir(parents=True)
+    shard(data / "s0.tar", ["k0"])
+    (data / packed).parent.mkdir(exist_ok=True)
+    (data / packed).write_bytes(b"\x1f\x8b compressed")
+    folder = tmp_path / "data"
+    with pytest.raises(ConfigError, match=f"holds compressed data files \\({Path(packed).name}\\)"):
+        data_files(folder)
+    stars = "\\*" if folder == data else "\\*\\*/\\*"
+    with pytest.raises(ConfigError, match=f"data.path: {folder}/{stars}.tar$"):
+        data_files(folder)
+    assert data_files(f"{folder}/{stars.replace(chr(92), '')}.tar") == [data / "s0.tar"]
 
 
 # ----------------------------------------------------------------------------- many files
@@ -409,6 +521,17 @@ def test_import_refuses_more_layers_than_the_tensors_hold(
     write_config(tmp_path / "ok.yaml", *checkpoints)  # (the whole checkpoints import)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_import_refuses_a_config_json_number_that_is_not_finite(checkpoints, tmp_path, value):
+    """config.json's rope_theta NaN (JSON as Python reads it takes NaN and Infinity): imported
+    as it was, it made every loss NaN; refused naming the key of the config it would write."""
+    llm, vision = fresh(checkpoints, tmp_path)
+    claim(llm, "rope_parameters.rope_theta", value)
+    with pytest.raises(ConfigError, match="model.llm.rope_theta must be a finite number"):
+        write_config(tmp_path / "run.yaml", llm, vision)
+    assert not (tmp_path / "run.yaml").exists()
+
+
 def test_import_refuses_a_pickle_only_checkpoint(checkpoints, tmp_path):
     llm, _ = fresh(checkpoints, tmp_path)
     (Path(llm) / "model.safetensors").unlink()
@@ -497,6 +620,23 @@ def test_a_json_list_is_scanned_without_parsing_it_whole(tmp_path, indent):
     assert len(scan_array(emoji)["starts"]) == 1000
     assert tracemalloc.get_traced_memory()[1] < 4 << 20
     tracemalloc.stop()
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+@pytest.mark.parametrize("shape", ["lines", "list"])
+def test_a_utf16_data_file_is_refused_naming_its_encoding(tmp_path, encoding, shape):
+    """A JSON file in UTF-16 (Windows tools write it so): its format was 'not a JSON object;
+    set data.format', and with data.format set every line a reject that did not say why."""
+    records = [{"id": "a", "text": "x"}, {"id": "b", "text": "y"}]
+    text = (
+        "".join(json.dumps(r) + "\n" for r in records) if shape == "lines" else json.dumps(records)
+    )
+    bom = {"utf-16": "", "utf-16-be": "\ufeff", "utf-32": ""}[encoding]  # (-be writes none)
+    path = tmp_path / "data.json"
+    path.write_bytes((bom + text).encode(encoding))
+    for fmt in ("auto", "messages"):
+        with pytest.raises(ConfigError, match=r"data.json: UTF-16 or UTF-32 text .* iconv"):
+            index(path, "data.source=files", f"data.format={fmt}")
 
 
 def test_an_element_over_the_cap_is_never_read(tmp_path, monkeypatch):

@@ -200,6 +200,9 @@ def cli_fails(capsys, *sets: str, out: str = "") -> str:
         "optim.clip_norm=.inf",
         "optim.weight_decay=.nan",
         "optim.min_lr_ratio=2",
+        "model.llm.rope_theta=.nan",
+        "model.vision.rope_theta=.inf",
+        "model.audio.rope_theta=nan",
         "mesh.cpu_devices=100000",
         "mesh.cpu_devices=-1",
     ],
@@ -380,6 +383,33 @@ def test_a_background_save_that_fails_is_noticed_at_the_next_step(tmp_path, monk
     with ocp.CheckpointManager(tmp_path / "checkpoints") as again:
         restored = again.restore(2, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
     assert restored["state"]["x"].tolist() == [2, 2, 2]
+
+
+STOPS_AT_START_UP = """
+import asyncio, sys
+from orbax.checkpoint._src.path import async_path
+from jaxmllm.config import load_config
+from jaxmllm.loop.checkpoint import make_checkpoint_manager, wait_for_saves
+
+real = async_path.exists
+async def slow(path):  # (orbax's clean-up thread, slower than the error that stops the run)
+    await asyncio.sleep(0.5)
+    return await real(path)
+async_path.exists = slow
+cfg = load_config("configs/tiny.yaml", [f"train.output_dir={sys.argv[1]}"])
+mngr = make_checkpoint_manager(cfg)
+wait_for_saves(mngr, close=True)  # (as train.main's exit does, then exit 2)
+sys.exit(2)
+"""
+
+
+def test_a_run_that_stops_at_start_up_exits_without_a_traceback(tmp_path):
+    """A run stopping right after its checkpoint manager started (a config.json whose sizes
+    are not its tensors': exit 2, one line) exited under orbax's clean-up thread, which then
+    printed a traceback ("cannot schedule new futures after interpreter shutdown")."""
+    cmd = [sys.executable, "-c", STOPS_AT_START_UP, str(tmp_path / "run")]
+    done = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
 BAD_STATES = {

@@ -6,10 +6,12 @@ always naming the key and the file.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -356,10 +358,11 @@ def _coerce(tp: Any, value: Any, *, source: str, key: str) -> Any:
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    if tp is float and isinstance(value, float) and not math.isfinite(value):
+        # Finite nowhere downstream: a config.json's rope_theta NaN made every loss NaN.
+        raise ConfigError(f"{source}: {key} must be a finite number, got {value!r}")
     if tp is bool and not isinstance(value, bool):
         raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
     if tp is int and (isinstance(value, bool) or not isinstance(value, int)):

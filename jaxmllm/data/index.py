@@ -187,7 +187,7 @@ def run_build(pool, ctx, name: str, workers: int, progress: bool, stats: dict) -
     ignored = scan_files(pool, ctx, stats)
     records = int(np.load(staged / "files.records.npy")[-1])
     stats["scan_s"], started = time.perf_counter() - started, time.perf_counter()
-    bar = tqdm(total=records, desc=f"index {name}", unit="rec", disable=not progress)
+    bar = tqdm(total=records, desc=f"index {printable(name)}", unit="rec", disable=not progress)
     starts = measure_records(pool, ctx, records, workers, bar, stats)
     bar.close()
     pool.close()

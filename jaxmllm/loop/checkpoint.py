@@ -125,6 +125,8 @@ def wait_for_saves(mngr: ocp.CheckpointManager, close: bool = False) -> None:
     """Waits for the saves in flight (and closes the manager); their failure is a SaveError,
     once: a manager whose failure was reported closes quietly."""
     wait = mngr.close if close else mngr.wait_until_finished
+    if close:
+        _await_cleanup(mngr)
     if id(mngr) in _failed:
         with contextlib.suppress(Exception):
             wait()
@@ -134,6 +136,19 @@ def wait_for_saves(mngr: ocp.CheckpointManager, close: bool = False) -> None:
 
 
 _failed: set[int] = set()  # id(manager) of those whose failed save was reported
+
+
+def _await_cleanup(mngr: ocp.CheckpointManager) -> None:
+    """Waits for the thread in which orbax deletes interrupted saves' folders: it starts with
+    the manager, and `close` does not wait for it, so a run that stopped at start-up (a
+    config.json whose sizes are not its tensors') exited under it and printed a traceback
+    after its one-line error. (Orbax's own attribute; its saves wait on it the same way.)"""
+    cleanup = getattr(mngr, "_cleanup_tmp_directory_future", None)
+    if cleanup is not None:
+        try:
+            cleanup.result()
+        except Exception as e:  # noqa: BLE001  (closing: the error that stopped the run matters)
+            log.warning("clean-up of interrupted checkpoint saves failed: %s", e)
 
 
 @contextlib.contextmanager

@@ -121,6 +121,7 @@ def open_image(
 
 # A marker in a JPEG's entropy-coded data: 0xFF, then neither a stuffed 0x00 nor a restart.
 _MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7]")
+_ANY_MARKER = re.compile(rb"\xff[^\x00\xff]")  # (fill bytes 0xFF before it: part of none)
 _STANDALONE = {0x01, 0xD8, *range(0xD0, 0xD8)}  # markers without a length
 
 
@@ -138,8 +139,14 @@ def jpeg_scans(src: Source, limit: int) -> int:
 def _count_scans(data, limit: int) -> int:
     pos, scans, end = 2, 0, len(data)  # (past SOI)
     while pos + 4 <= end and scans <= limit:
-        if data[pos] != 0xFF:
-            break  # (not a marker: what follows is the decoder's to refuse)
+        if data[pos] != 0xFF or data[pos + 1] == 0x00:
+            # Junk between segments: libjpeg skips it to the next marker (with a warning) and
+            # decodes on, so the count does too (stopping here let 5,000 scans through).
+            found = _ANY_MARKER.search(data, pos + 1)
+            if found is None:
+                break
+            pos = found.start()
+            continue
         marker = data[pos + 1]
         if marker == 0xFF:  # fill
             pos += 1

@@ -56,6 +56,7 @@ assert set(FORMATS) == set(FORMAT_NAMES) - {"auto"}, "config.sections.FORMATS !=
 BY_SUFFIX = {".parquet": "parquet", ".tar": "webdataset", ".array_record": "arrayrecord"}
 JSON_SUFFIXES = (".json", ".jsonl")
 DATA_SUFFIXES = (*BY_SUFFIX, *JSON_SUFFIXES)
+PACKED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")  # a data file's, compressed: refused
 PEEK = 1 << 22  # bytes read to find a JSON list's first record (more when it is longer)
 FIRST_MAX = 1 << 26  # the longest first record `detect` parses (a longer one: set data.format)
 
@@ -71,15 +72,14 @@ def data_files(path: str | Path) -> list[Path]:
         return files
     path = Path(path)
     if path.is_dir():
-        files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix in DATA_SUFFIXES)
+        files = sorted(f for f in path.iterdir() if f.is_file() and _data_or_packed(f))
         if not files:
             files = sorted(
                 f
                 for f in path.rglob("*")
-                if f.is_file()
-                and f.suffix in DATA_SUFFIXES
-                and not _hidden_or_index(f.relative_to(path))
+                if f.is_file() and _data_or_packed(f) and not _hidden_or_index(f.relative_to(path))
             )
+        _refuse_packed(path, files)
         if not files:
             raise FileNotFoundError(
                 f"{printable(path)} holds no data files ({', '.join(DATA_SUFFIXES)})"
@@ -88,6 +88,31 @@ def data_files(path: str | Path) -> list[Path]:
     if not path.exists():
         raise FileNotFoundError(f"no such data file: {printable(path)}")
     return [path]
+
+
+def _data_or_packed(f: Path) -> bool:
+    return f.suffix in DATA_SUFFIXES or (
+        f.suffix in PACKED and Path(f.stem).suffix in DATA_SUFFIXES
+    )
+
+
+def _refuse_packed(path: Path, files: list[Path]) -> None:
+    """Refuses a folder holding compressed data files (`000.tar.gz`, `train.jsonl.zst`): read
+    at random they cannot be, and left out they would be lost without a word."""
+    packed = [f for f in files if f.suffix in PACKED]
+    if not packed:
+        return
+    names = ", ".join(printable(f.name) for f in packed[:3])
+    more = f" and {len(packed) - 3} more" if len(packed) > 3 else ""
+    others = [f for f in files if f.suffix in DATA_SUFFIXES]
+    glob = ""
+    if others:
+        stars = "*" if all(f.parent == path for f in files) else "**/*"
+        glob = f", or leave them out: data.path: {printable(path)}/{stars}{others[0].suffix}"
+    raise ConfigError(
+        f"{printable(path)} holds compressed data files ({names}{more}), which jaxmllm cannot "
+        f"read at random: decompress them (gunzip, zstd -d, ...){glob}"
+    )
 
 
 def _hidden_or_index(rel: Path) -> bool:
@@ -148,9 +173,20 @@ def _native(obj: dict, base: Path) -> bool:
 
 
 def json_container(path: Path) -> str:
-    """`array` (the file is one JSON list) or `lines` (JSON lines), by its first character."""
+    """`array` (the file is one JSON list) or `lines` (JSON lines), by its first character.
+
+    Raises:
+      ConfigError: for a UTF-16 or UTF-32 file (by its byte-order mark), which would read as
+        lines cut in the middle of their characters, each a reject that does not say why.
+    """
     with open(path, "rb") as f:
-        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+        head = f.read(4096)
+    if head.startswith((b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff")):
+        raise ConfigError(
+            f"{printable(path)}: UTF-16 or UTF-32 text (it starts with that byte-order mark); "
+            "JSON data files are read as UTF-8: convert it, e.g. iconv -f UTF-16 -t UTF-8"
+        )
+    head = head.lstrip(b"\xef\xbb\xbf \t\r\n")
     return "array" if head.startswith(b"[") else "lines"
 
 

@@ -19,8 +19,8 @@ index saves; record k is then a `seek` and a read per member, nothing extracted 
 thousands of shards never hold more than a few dozen file handles). Compressed shards
 (.tar.gz) cannot be read at random and are refused. Hostile headers are bounded: names are
 held as their bytes (`columnar.Strings`), a pax or long-name header over MAX_HEADER_BYTES stops
-the scan naming the shard, and a member claiming more bytes than the shard holds is its
-sample's reject.
+the scan naming the shard, and a member claiming more bytes than the shard holds, or holding
+none of its own (a link, a device, a sparse file), is its sample's reject.
 """
 
 from __future__ import annotations
@@ -52,6 +52,10 @@ LONG_HEADERS = (
     tarfile.SOLARIS_XHDTYPE,
 )
 KIND_OF_FILE = {ext: k for k in KINDS for ext in k.files}  # "jpg" -> images, "mp4" -> videos
+# A member that holds no bytes of its own where it lies (a link, a device, a sparse file) is
+# scanned with this size; reading it rejects its sample, naming it (else the sample would
+# train without the item, or a sparse file would read the members after it).
+NOT_A_FILE = -1
 
 
 def split_key(name: str) -> tuple[str, str]:
@@ -109,6 +113,17 @@ class TarRecords:
         for m in range(int(self.ptr[k]), int(self.ptr[k + 1])):
             ext = self.exts[m]
             what = role(ext)
+            if int(self.size[m]) == NOT_A_FILE:
+                kind = "malformed_line" if what in ("record", "caption") else "missing_media"
+                detail = (
+                    f"{key}.{ext} is a link, a device or a sparse file, not a member holding its "
+                    "bytes; write the shard again with the files themselves (GNU tar: "
+                    "--hard-dereference --dereference, without --sparse)"
+                )
+                if kind == "malformed_line":
+                    return {"__malformed__": detail}, int(k)
+                media[what].append({"missing": f"{key}.{ext}", "reason": kind, "detail": detail})
+                continue
             if self.end is not None and int(self.offset[m]) + int(self.size[m]) > self.end:
                 claim = f"{key}.{ext}: its header claims {int(self.size[m])} bytes, past the "
                 claim += f"end of the shard ({self.end} bytes): a truncated or corrupt shard"
@@ -209,7 +224,7 @@ def scan_tar(path: Path) -> tuple[dict, dict[str, int]]:
                 break
             tar.members.clear()  # (tarfile keeps every header read; the arrays below suffice)
             base = member.name.rpartition("/")[2]
-            if not member.isfile() or base.startswith("."):
+            if member.isdir() or base.startswith("."):
                 continue
             key, ext = split_key(member.name)
             if role(ext) is None:
@@ -219,10 +234,11 @@ def scan_tar(path: Path) -> tuple[dict, dict[str, int]]:
                 keys.append(key)
                 ptr.append(ptr[-1])
             ptr[-1] += 1
+            held = member.isfile() and not member.issparse()
             offset.append(member.offset_data)
-            size.append(member.size)
+            size.append(member.size if held else NOT_A_FILE)
             exts.append(ext)
-            if member.offset_data + member.size > end:
+            if held and member.offset_data + member.size > end:
                 break  # (the rest of the file is inside it; reading it rejects its sample)
     found = {
         "ptr": np.asarray(ptr, np.int64),
