@@ -116,6 +116,7 @@ def test_the_index_is_the_same_bytes_however_it_is_built(tmp_path, monkeypatch):
     out = tmp_path / "ix"
     summary = build_index(cfg, path, out, progress=False)
     assert summary["rejects"] == {"duplicate_id": 1, "empty_sample": 1, "malformed_line": 1}
+    assert summary["examples"]["duplicate_id"]["where"] == "record 150"  # (was None)
     want = digest(out)
     monkeypatch.setattr(index_build, "shard_size", lambda records, workers: 7)
     build_index(cfg, path, out, progress=False)

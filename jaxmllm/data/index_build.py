@@ -395,7 +395,8 @@ def merge_measured(folder: Path, starts: list[int]) -> tuple[dict, Counter, dict
                     entry = duplicate_reject(part, j)
                     lines.append(json.dumps(entry))
                     rows.append(entry["row"])
-                    example = {"id": entry["id"], "detail": entry["detail"], "where": None}
+                    where = f"record {entry['row']}"  # (a part keeps no file names)
+                    example = {"id": entry["id"], "detail": entry["detail"], "where": where}
                     examples.setdefault("duplicate_id", example)
                     reasons["duplicate_id"] += 1
                 for j in np.argsort(rows, kind="stable").tolist():
