@@ -373,6 +373,26 @@ def test_members_that_are_not_files_are_their_samples_rejects(tmp_path):
         assert r["reason"] == "missing_media" and f"{key}.png is a link" in r["detail"]
 
 
+def test_a_member_named_twice_in_a_sample_is_its_samples_reject(tmp_path):
+    """Two `k.json` (or two `k.png`) one after the other in a shard: the second json replaced
+    the first without a word (and a second image was trained as the sample's second image)."""
+    image = png(tmp_path / "a.png").read_bytes()
+    caption = lambda text: json.dumps({"text": text}).encode()  # noqa: E731
+    path = tmp_path / "twice.tar"
+    with tarfile.open(path, "w") as tar:
+        for name, body in [("j.json", caption("a")), ("j.json", caption("b"))]:
+            add(tar, name, body)
+        for name, body in [("i.png", image), ("i.png", image), ("i.json", caption("<image> c"))]:
+            add(tar, name, body)
+        add(tar, "ok.png", image)
+        add(tar, "ok.json", caption("<image> one of each"))
+    summary, rejects = index(path, "data.source=files", "data.format=webdataset")
+    assert summary["accepted"] == 1 and set(rejects) == {"j", "i"}, rejects
+    for key, ext in [("j", "json"), ("i", "png")]:
+        assert rejects[key]["reason"] == "malformed_line"
+        assert f"{key}.{ext}: two members of this name" in rejects[key]["detail"]
+
+
 @pytest.mark.parametrize("packed", ["s1.tar.gz", "more.jsonl.zst", "deep/s2.tar.xz"])
 def test_compressed_data_files_in_a_folder_are_refused_not_left_out(tmp_path, packed):
     """A folder of shards where some are compressed: they were left out without a word (their

@@ -88,8 +88,12 @@ def parse_record(obj: Any, paths: MediaPaths | Path, line: int) -> Record:
     fallback = f"line:{line}"
     if not isinstance(obj, dict):
         raise RecordError("malformed_line", "not a JSON object", fallback)
-    if "__malformed__" in obj:  # a line the ArrayRecord converter could not parse
-        raise RecordError("malformed_line", obj["__malformed__"], fallback)
+    if "__malformed__" in obj:
+        # A line the ArrayRecord converter could not parse (no id), or a WebDataset sample
+        # that cannot be read (its key as its id).
+        named = obj.get("id")
+        rid = named if isinstance(named, str) and named else fallback
+        raise RecordError("malformed_line", obj["__malformed__"], rid)
     rid = obj.get("id")
     if not isinstance(rid, (str, int)) or isinstance(rid, bool) or rid == "":
         raise RecordError("malformed_line", "missing or invalid 'id'", fallback)

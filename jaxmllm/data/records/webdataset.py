@@ -107,12 +107,19 @@ class TarRecords:
         """(the sample as a record: its json's fields, its media members as {"bytes", "path"}
         entries, its caption as `text`; k)."""
         key = str(self.keys[k])
+        sample = key.rpartition("/")[2]  # (its id, unless its json names one)
         record: dict = {}
         caption = None
         media: dict[str, list] = {kind.name: [] for kind in KINDS}
+        names: set[str] = set()  # (one member named twice: which one is the sample's?)
         for m in range(int(self.ptr[k]), int(self.ptr[k + 1])):
             ext = self.exts[m]
             what = role(ext)
+            if ext in names:
+                twice = f"{key}.{ext}: two members of this name in the shard, one after the "
+                twice += "other; keep one (the second would silently replace the first)"
+                return {"__malformed__": twice, "id": sample}, int(k)
+            names.add(ext)
             if int(self.size[m]) == NOT_A_FILE:
                 kind = "malformed_line" if what in ("record", "caption") else "missing_media"
                 detail = (
@@ -121,17 +128,17 @@ class TarRecords:
                     "--hard-dereference --dereference, without --sparse)"
                 )
                 if kind == "malformed_line":
-                    return {"__malformed__": detail}, int(k)
+                    return {"__malformed__": detail, "id": sample}, int(k)
                 media[what].append({"missing": f"{key}.{ext}", "reason": kind, "detail": detail})
                 continue
             if self.end is not None and int(self.offset[m]) + int(self.size[m]) > self.end:
                 claim = f"{key}.{ext}: its header claims {int(self.size[m])} bytes, past the "
                 claim += f"end of the shard ({self.end} bytes): a truncated or corrupt shard"
-                return {"__malformed__": claim}, int(k)
+                return {"__malformed__": claim, "id": sample}, int(k)
             if int(self.size[m]) > self.max_bytes:  # (its size from the header: nothing read)
                 too_large = f"{key}.{ext}: {int(self.size[m])} bytes > data.max_media_bytes"
                 if what in ("record", "caption"):
-                    return {"__malformed__": f"{too_large}={self.max_bytes}"}, int(k)
+                    return {"__malformed__": f"{too_large}={self.max_bytes}", "id": sample}, int(k)
                 media[what].append(
                     {"missing": f"{key}.{ext}", "reason": "media_too_large", "detail": too_large}
                 )
@@ -144,8 +151,8 @@ class TarRecords:
             elif what is not None:
                 media[what].append({"bytes": data, "path": f"{key}.{ext}"})
         if "__malformed__" in record:
-            return record, int(k)
-        record.setdefault("id", key.rpartition("/")[2])
+            return {**record, "id": sample}, int(k)
+        record.setdefault("id", sample)
         for kind in KINDS:
             if media[kind.name]:  # the members, in place of what the json names
                 for alias in {kind.item, kind.items, f"{kind.item}s"}:
