@@ -5,9 +5,11 @@ worker, publish half an index, train on a damaged one, run out of file descripto
 import hashlib
 import io
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -139,11 +141,15 @@ def test_ray_builds_the_same_bytes_and_retries_a_killed_task(tmp_path, monkeypat
     kill = {"record": "r77", "how": "kill", "once": str(tmp_path / "killed-once")}
     for key, value in child_env(index_kill=kill).items():  # (Ray's workers start from these)
         monkeypatch.setenv(key, value)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Ray's session files in a folder of the test's, not /tmp/ray (tests leave nothing in the
+    # temporary folder); short, as Ray's sockets live in it (a socket path has 107 bytes).
+    sessions = tempfile.mkdtemp(prefix="ray-")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=sessions)
     try:
         build_index(cfg, path, out, progress=False, ray="auto")
     finally:
         ray.shutdown()
+        shutil.rmtree(sessions, ignore_errors=True)
     assert (tmp_path / "killed-once").exists()  # (the hook did kill a Ray worker)
     assert digest(out) == want
 
