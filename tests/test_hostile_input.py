@@ -393,7 +393,7 @@ def test_a_member_named_twice_in_a_sample_is_its_samples_reject(tmp_path):
         assert f"{key}.{ext}: two members of this name" in rejects[key]["detail"]
 
 
-@pytest.mark.parametrize("packed", ["s1.tar.gz", "more.jsonl.zst", "deep/s2.tar.xz"])
+@pytest.mark.parametrize("packed", ["s1.tar.gz", "s1.tgz", "deep/s2.tar.xz"])
 def test_compressed_data_files_in_a_folder_are_refused_not_left_out(tmp_path, packed):
     """A folder of shards where some are compressed: they were left out without a word (their
     records lost, none counted); now refused naming them, with the glob that leaves them out."""
@@ -409,6 +409,27 @@ def test_compressed_data_files_in_a_folder_are_refused_not_left_out(tmp_path, pa
     with pytest.raises(ConfigError, match=f"data.path: {folder}/{stars}.tar$"):
         data_files(folder)
     assert data_files(f"{folder}/{stars.replace(chr(92), '')}.tar") == [data / "s0.tar"]
+    (data / "s0.tar").unlink()  # (nothing but compressed files: refused too)
+    with pytest.raises(ConfigError, match="holds compressed data files"):
+        data_files(folder)
+
+
+def test_a_compressed_file_of_another_kind_than_the_data_is_left_out_with_a_warning(
+    tmp_path, caplog
+):
+    """A manifest beside its images' archive (`images.tar.gz`): not a data file of the
+    manifest's kind, so left out, and the log names it (it was refused, as a compressed shard)."""
+    write_manifest(tmp_path / "train.jsonl", [{"text": "a"}])
+    (tmp_path / "images.tar.gz").write_bytes(b"\x1f\x8b an archive")
+    (tmp_path / "more.jsonl.zst").write_bytes(b"(\xb5/\xfd a compressed manifest")
+    with pytest.raises(ConfigError, match=r"compressed data files \(more.jsonl.zst\)"):
+        data_files(tmp_path)
+    (tmp_path / "more.jsonl.zst").unlink()
+    with caplog.at_level("WARNING", logger="jaxmllm"):
+        assert data_files(tmp_path) == [tmp_path / "train.jsonl"]
+    assert "left out 1 compressed file(s) that are not .jsonl data files: images.tar.gz" in (
+        caplog.text
+    )
 
 
 # ----------------------------------------------------------------------------- many files

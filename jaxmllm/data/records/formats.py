@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from jaxmllm.config.sections import FORMATS as FORMAT_NAMES
 from jaxmllm.data.records.jsonarray import scan_array
 from jaxmllm.data.records.record import parse_record
 from jaxmllm.data.rejects import RecordError
+
+log = logging.getLogger("jaxmllm")
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ BY_SUFFIX = {".parquet": "parquet", ".tar": "webdataset", ".array_record": "arra
 JSON_SUFFIXES = (".json", ".jsonl")
 DATA_SUFFIXES = (*BY_SUFFIX, *JSON_SUFFIXES)
 PACKED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")  # a data file's, compressed: refused
+PACKED_TARS = (".tgz", ".tbz", ".tbz2", ".txz")  # (a .tar, compressed, by its one suffix)
 PEEK = 1 << 22  # bytes read to find a JSON list's first record (more when it is longer)
 FIRST_MAX = 1 << 26  # the longest first record `detect` parses (a longer one: set data.format)
 
@@ -73,13 +77,13 @@ def data_files(path: str | Path) -> list[Path]:
     path = Path(path)
     if path.is_dir():
         files = sorted(f for f in path.iterdir() if f.is_file() and _data_or_packed(f))
-        if not files:
+        if not any(f.suffix in DATA_SUFFIXES for f in files):  # (none at the top: below it)
             files = sorted(
                 f
                 for f in path.rglob("*")
                 if f.is_file() and _data_or_packed(f) and not _hidden_or_index(f.relative_to(path))
             )
-        _refuse_packed(path, files)
+        files = _without_packed(path, files)
         if not files:
             raise FileNotFoundError(
                 f"{printable(path)} holds no data files ({', '.join(DATA_SUFFIXES)})"
@@ -90,25 +94,45 @@ def data_files(path: str | Path) -> list[Path]:
     return [path]
 
 
+def _packed(f: Path) -> str | None:
+    """The data suffix of a compressed data file (`000.tar.gz`, `a.tgz`: `.tar`), else None."""
+    if f.suffix in PACKED_TARS:
+        return ".tar"
+    inner = Path(f.stem).suffix
+    return inner if f.suffix in PACKED and inner in DATA_SUFFIXES else None
+
+
 def _data_or_packed(f: Path) -> bool:
-    return f.suffix in DATA_SUFFIXES or (
-        f.suffix in PACKED and Path(f.stem).suffix in DATA_SUFFIXES
-    )
+    return f.suffix in DATA_SUFFIXES or _packed(f) is not None
 
 
-def _refuse_packed(path: Path, files: list[Path]) -> None:
-    """Refuses a folder holding compressed data files (`000.tar.gz`, `train.jsonl.zst`): read
-    at random they cannot be, and left out they would be lost without a word."""
-    packed = [f for f in files if f.suffix in PACKED]
+def _without_packed(path: Path, files: list[Path]) -> list[Path]:
+    """The folder's data files, refusing it when compressed files may be some of them
+    (`000.tar.gz` beside `001.tar`, or nothing but compressed files): read at random they
+    cannot be, and left out their records would be lost without a word. A compressed file of
+    another kind than the data's (`images.tar.gz` beside `train.jsonl`: a media archive) is
+    left out, and the log says so."""
+    plain = [f for f in files if f.suffix in DATA_SUFFIXES]
+    packed = [f for f in files if f.suffix not in DATA_SUFFIXES]
     if not packed:
-        return
-    names = ", ".join(printable(f.name) for f in packed[:3])
-    more = f" and {len(packed) - 3} more" if len(packed) > 3 else ""
-    others = [f for f in files if f.suffix in DATA_SUFFIXES]
+        return files
+    kinds = {f.suffix for f in plain}
+    refused = [f for f in packed if not plain or _packed(f) in kinds]
+    if not refused:
+        log.warning(
+            "%s: left out %d compressed file(s) that are not %s data files: %s",
+            printable(path),
+            len(packed),
+            "/".join(sorted(kinds)),
+            ", ".join(printable(f.name) for f in packed[:3]) + (" ..." if len(packed) > 3 else ""),
+        )
+        return plain
+    names = ", ".join(printable(f.name) for f in refused[:3])
+    more = f" and {len(refused) - 3} more" if len(refused) > 3 else ""
     glob = ""
-    if others:
+    if plain:
         stars = "*" if all(f.parent == path for f in files) else "**/*"
-        glob = f", or leave them out: data.path: {printable(path)}/{stars}{others[0].suffix}"
+        glob = f", or leave them out: data.path: {printable(path)}/{stars}{plain[0].suffix}"
     raise ConfigError(
         f"{printable(path)} holds compressed data files ({names}{more}), which jaxmllm cannot "
         f"read at random: decompress them (gunzip, zstd -d, ...){glob}"
