@@ -193,3 +193,17 @@ def test_a_run_written_before_the_remat_names_resumes_under_any_policy(tmp_path)
     check_resumable(resumed("model.llm.remat=save_qkv"), tmp_path)
     with pytest.raises(ConfigError, match="model.llm.width"):  # (what does change state)
         check_resumable(resumed("model.llm.width=64"), tmp_path)
+
+
+def test_infinity_means_no_cap_and_other_non_finite_floats_are_refused(tmp_path):
+    """A cap (`max_*`) may be .inf, meaning none; NaN anywhere, and infinity elsewhere, are
+    numbers nowhere downstream; an integer past a float's range is refused, not a traceback."""
+    cfg = load_config("configs/tiny.yaml", ["data.max_audio_seconds=.inf"])
+    assert cfg.data.max_audio_seconds == float("inf")
+    for bad in ["data.max_audio_seconds=.nan", "data.max_video_seconds=-.inf", "optim.b1=.inf"]:
+        with pytest.raises(ConfigError, match=r"must be a finite number"):
+            load_config("configs/tiny.yaml", [bad])
+    path = tmp_path / "huge.yaml"
+    path.write_text(f"model:\n  llm:\n    rope_theta: {'9' * 400}\n")
+    with pytest.raises(ConfigError, match=r"model.llm.rope_theta is over a float's range"):
+        load_config(path)

@@ -356,13 +356,18 @@ def _coerce(tp: Any, value: Any, *, source: str, key: str) -> Any:
             for i, (a, v) in enumerate(zip(args, value, strict=True))
         )
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # (an integer of hundreds of digits)
+            raise ConfigError(f"{source}: {key} is over a float's range (1.8e308)") from None
     if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
         with contextlib.suppress(ValueError):
             value = float(value)
     if tp is float and isinstance(value, float) and not math.isfinite(value):
-        # Finite nowhere downstream: a config.json's rope_theta NaN made every loss NaN.
-        raise ConfigError(f"{source}: {key} must be a finite number, got {value!r}")
+        # NaN is a number nowhere downstream (a config.json's rope_theta NaN made every loss
+        # NaN); infinity only as a cap, where it means none (data.max_audio_seconds: .inf).
+        if not (value == math.inf and key.rpartition(".")[2].startswith("max_")):
+            raise ConfigError(f"{source}: {key} must be a finite number, got {value!r}")
     if tp is bool and not isinstance(value, bool):
         raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
     if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
