@@ -116,8 +116,9 @@ class TarRecords:
             ext = self.exts[m]
             what = role(ext)
             if ext in names:
-                twice = f"{key}.{ext}: two members of this name in the shard, one after the "
-                twice += "other; keep one (the second would silently replace the first)"
+                twice = f"{key}.{ext}: two members of this name (extensions compared without "
+                twice += "case) one after the other; keep one (the second would silently "
+                twice += "replace the first)"
                 return {"__malformed__": twice, "id": sample}, int(k)
             names.add(ext)
             if int(self.size[m]) == NOT_A_FILE:
