@@ -248,6 +248,8 @@ def test_torn_checkpoints_fall_back_to_the_previous_complete_one(uninterrupted, 
         np.testing.assert_allclose(got[step]["loss"], want[step]["loss"], rtol=1e-5)
 
 
+# (pytest's own hook takes unraisable exceptions as warnings, so they fail the test too)
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 def test_a_run_whose_checkpoints_are_all_damaged_stops_with_one_error_and_no_tracebacks(
     uninterrupted, tmp_path, capfd
 ):
