@@ -1,6 +1,12 @@
-"""The device mesh: axes ("data", "stage", "fsdp", "context", "tensor"), data slowest (spans
-hosts), tensor fastest; "stage" (pipeline stages, size 1 unless pipelining) sits between data
-and fsdp.
+"""The device mesh: axes ("data", "stage", "expert", "fsdp", "context", "tensor"), data slowest
+(spans hosts), tensor fastest; "stage" (pipeline stages, size 1 unless pipelining) sits between
+data and the rest.
+
+`expert` (expert parallelism: a mixture-of-experts decoder's experts split over its devices) is,
+for batches, one more data-parallel axis (EP inside DP: its devices hold data-parallel buckets
+of their own, and tokens travel to their experts' devices by all-to-all inside the step); for
+the experts' weights it is a model axis (each device holds experts / expert of them), for every
+other parameter like data (replicated; gradients reduce over it).
 
 `context` splits one LLM row over a group of devices (each holds an equal share of its tokens
 and gathers the keys and values of the group, every layer): for batches it is one more
@@ -8,18 +14,18 @@ data-parallel axis (every step array's device axis is split over data x fsdp x c
 parameters it is like data (replicated; gradients reduce over it).
 
 Across processes (hosts) the devices are laid out process by process, so the fast axes stay
-inside a host: with L devices per process and fsdp * context * tensor dividing L, every
-`tensor`, `context` and `fsdp` group is one host's devices (NVLink / shared memory), each host
-holds L / (fsdp * context * tensor) whole `data` rows, and only the data-parallel gradient
-reduction crosses the network. A layout where they do not divide L still works but puts
-model-parallel (and the context groups' key/value) traffic on the network; `make_mesh` warns.
+inside a host: with L devices per process and expert * fsdp * context * tensor dividing L,
+every `tensor`, `context`, `fsdp` and `expert` group is one host's devices (NVLink / shared
+memory), each host holds L / (expert * fsdp * context * tensor) whole `data` rows, and only the
+data-parallel gradient reduction crosses the network. A layout where they do not divide L
+still works but puts model-parallel (and the context groups' key/value) traffic on the
+network; `make_mesh` warns.
 Pipeline stages may span hosts: what crosses a stage boundary is one microbatch's activations
 per tick (point to point), far less than the gradient reduction.
 
-The mesh config is anything with ``data``, ``stage``, ``fsdp``, ``context`` and ``tensor`` sizes,
-as attributes (e.g. ``jaxmllm.config.MeshConfig``) or as mapping keys (a missing key: its
-default).
-One of them may be -1: the remaining devices.
+The mesh config is anything with ``data``, ``stage``, ``expert``, ``fsdp``, ``context`` and
+``tensor`` sizes, as attributes (e.g. ``jaxmllm.config.MeshConfig``) or as mapping keys (a
+missing key: its default). One of them may be -1: the remaining devices.
 """
 
 from __future__ import annotations
@@ -35,11 +41,14 @@ from jax.sharding import AxisType, Mesh
 
 log = logging.getLogger("jaxmllm")
 
-AXES = ("data", "stage", "fsdp", "context", "tensor")  # mesh axis names, slowest to fastest
-DATA_AXES = ("data", "fsdp", "context")  # the axes a batch is split over
+# mesh axis names, slowest to fastest
+AXES = ("data", "stage", "expert", "fsdp", "context", "tensor")
+DATA_AXES = ("data", "expert", "fsdp", "context")  # the axes a batch is split over
 CONTEXT_AXIS = "context"  # the axis an LLM row is split over (a context group)
 STAGE_AXIS = "stage"  # pipeline stages: a batch is replicated over it, stacked layers split
-DEFAULT_SIZES = {"data": -1, "stage": 1, "fsdp": 1, "context": 1, "tensor": 1}  # as MeshConfig
+EXPERT_AXIS = "expert"  # experts split over it (a batch is split over it too: EP inside DP)
+# as MeshConfig
+DEFAULT_SIZES = {"data": -1, "stage": 1, "expert": 1, "fsdp": 1, "context": 1, "tensor": 1}
 
 
 class ShardingError(ValueError):
@@ -47,12 +56,12 @@ class ShardingError(ValueError):
 
 
 def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds the ("data", "stage", "fsdp", "context", "tensor") mesh over all (or the given)
-    devices.
+    """Builds the ("data", "stage", "expert", "fsdp", "context", "tensor") mesh over all (or the
+    given) devices.
 
     Args:
-      mesh_cfg: Axis sizes as attributes or keys ``data``, ``stage``, ``fsdp``, ``context``,
-        ``tensor``; at most one -1.
+      mesh_cfg: Axis sizes as attributes or keys ``data``, ``stage``, ``expert``, ``fsdp``,
+        ``context``, ``tensor``; at most one -1.
       devices: Devices to use, all of them; default ``jax.devices()``.
 
     Returns:
@@ -67,14 +76,16 @@ def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mes
     types = (AxisType.Auto,) * len(AXES)
     if len({d.process_index for d in devices}) == 1:
         return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
-    # Several hosts: process by process, so tensor, context and fsdp groups stay inside a host.
+    # Several hosts: process by process, so tensor, context, fsdp and expert groups stay inside
+    # a host.
     devices.sort(key=lambda d: (d.process_index, d.id))
     local = sum(d.process_index == devices[0].process_index for d in devices)
-    inner = math.prod(shape[2:])  # fsdp x context x tensor
+    inner = math.prod(shape[2:])  # expert x fsdp x context x tensor
     if local % inner:
         log.warning(
-            "mesh.fsdp x mesh.context x mesh.tensor = %d does not divide the %d devices of a "
-            "process: model-parallel groups span hosts (slow); keep them within a host",
+            "mesh.expert x mesh.fsdp x mesh.context x mesh.tensor = %d does not divide the %d "
+            "devices of a process: model-parallel groups span hosts (slow); keep them within a "
+            "host",
             inner,
             local,
         )
@@ -82,7 +93,8 @@ def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mes
 
 
 def resolve_axis_sizes(mesh_cfg: Any, n_devices: int) -> tuple[int, ...]:
-    """Returns (data, stage, fsdp, context, tensor) with a -1 replaced by the remaining devices.
+    """Returns (data, stage, expert, fsdp, context, tensor) with a -1 replaced by the remaining
+    devices.
 
     Raises:
       ShardingError: Naming the ``mesh.*`` keys and the device count when sizes do not fit.
@@ -110,8 +122,14 @@ def resolve_axis_sizes(mesh_cfg: Any, n_devices: int) -> tuple[int, ...]:
 
 
 def data_parallel_size(mesh: Mesh) -> int:
-    """Number of data-parallel positions (a step array's device buckets): data * fsdp * context."""
+    """Number of data-parallel positions (a step array's device buckets):
+    data * expert * fsdp * context."""
     return math.prod(mesh.shape[axis] for axis in DATA_AXES if axis in mesh.shape)
+
+
+def expert_size(mesh: Mesh) -> int:
+    """Devices the experts are split over (1: every device holds every expert)."""
+    return mesh.shape[EXPERT_AXIS] if EXPERT_AXIS in mesh.shape else 1
 
 
 def context_size(mesh: Mesh) -> int:
@@ -145,7 +163,7 @@ def varying_as(tree: Any, *inputs: Any) -> Any:
 
 
 def _read_sizes(mesh_cfg: Any) -> dict[str, int]:
-    """Reads the five sizes from a mapping or an object, checking each is >= 1 or -1."""
+    """Reads the six sizes from a mapping or an object, checking each is >= 1 or -1."""
     get = mesh_cfg.get if isinstance(mesh_cfg, Mapping) else lambda k, d: getattr(mesh_cfg, k, d)
     sizes = {axis: get(axis, DEFAULT_SIZES[axis]) for axis in AXES}
     for axis, size in sizes.items():

@@ -4,9 +4,9 @@ Parameters: an axes tree mirrors the parameter tree; each leaf is a tuple of log
 per dim (or None: replicated). ``rules.RULES`` turns names into mesh axes.
 
 Batches: every step array has shape [M, D, ...]: M microbatches (unsharded), then D data-parallel
-buckets split over ("data", "fsdp", "context") and replicated over "tensor". Data-parallel
-position p (0 <= p < data * fsdp * context, data-major, so a context group's ranks are
-consecutive) holds D / (data * fsdp * context) consecutive rows of D.
+buckets split over ("data", "expert", "fsdp", "context") and replicated over "tensor".
+Data-parallel position p (0 <= p < data * expert * fsdp * context, data-major, so a context
+group's ranks are consecutive) holds D / (data * fsdp * context) consecutive rows of D.
 
 Multi-process contract for ``make_global_batch``: each process passes only the rows of D that
 belong to the data-parallel positions of its own devices, ``local_dp_indices(mesh)``, in that
@@ -121,8 +121,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh, ndim: int, device_axis: int = 1) -> NamedSharding:
-    """Sharding of a step array [M, D, ...]: D over ("data", "fsdp", "context"), the rest
-    unsharded."""
+    """Sharding of a step array [M, D, ...]: D over ("data", "expert", "fsdp", "context"), the
+    rest unsharded."""
     if not 0 <= device_axis < ndim:
         raise ShardingError(f"a batch array of {ndim} dims has no device axis {device_axis}")
     entries: list[Any] = [None] * ndim
@@ -160,7 +160,8 @@ def make_global_batch(
       device_axis: The D axis.
 
     Returns:
-      name -> global array [M, k * data * fsdp * context, ...] sharded by ``batch_sharding``.
+      name -> global array [M, k * data * expert * fsdp * context, ...] sharded by
+      ``batch_sharding``.
     """
     n_local = len(local_dp_indices(mesh))
     out = {}

@@ -22,9 +22,11 @@ Rules = Mapping[str, Rule]
 Axes = tuple[str | None, ...]  # one logical name (or None) per array dim
 
 RULES: dict[str, Rule] = {
-    "batch": ("data", "fsdp", "context"),  # data-parallel buckets (a context rank is one)
+    # data-parallel buckets (a context rank is one, an expert-parallel rank is one)
+    "batch": ("data", "expert", "fsdp", "context"),
     "embed": "fsdp",  # model width: FSDP shards weights and optimizer state along it
     "mlp": "tensor",  # gated-MLP inner width (column split in, row split out)
+    "expert": "expert",  # a mixture-of-experts layer's stacked experts (expert parallelism)
     "heads": "tensor",  # query heads
     "kv_heads": "tensor",  # key/value heads (GQA)
     "head_dim": None,  # per-head width, small and used whole by attention

@@ -61,29 +61,34 @@ def llm_params():
 @pytest.mark.parametrize(
     "cfg, shape",
     [
-        ({"data": -1, "fsdp": 2, "tensor": 1}, (4, 1, 2, 1, 1)),
-        ({"data": 2, "fsdp": 2, "tensor": 2}, (2, 1, 2, 1, 2)),
-        ({"data": 1, "fsdp": -1, "tensor": 2}, (1, 1, 4, 1, 2)),
-        ({"data": 2, "context": 4}, (2, 1, 1, 4, 1)),
-        ({"data": 1, "context": -1}, (1, 1, 1, 8, 1)),
-        ({"data": 2, "stage": 4}, (2, 4, 1, 1, 1)),
-        ({"stage": 2, "fsdp": 2}, (2, 2, 2, 1, 1)),
-        ({}, (8, 1, 1, 1, 1)),  # MeshConfig defaults: data=-1
+        ({"data": -1, "fsdp": 2, "tensor": 1}, (4, 1, 1, 2, 1, 1)),
+        ({"data": 2, "fsdp": 2, "tensor": 2}, (2, 1, 1, 2, 1, 2)),
+        ({"data": 1, "fsdp": -1, "tensor": 2}, (1, 1, 1, 4, 1, 2)),
+        ({"data": 2, "context": 4}, (2, 1, 1, 1, 4, 1)),
+        ({"data": 1, "context": -1}, (1, 1, 1, 1, 8, 1)),
+        ({"data": 2, "stage": 4}, (2, 4, 1, 1, 1, 1)),
+        ({"stage": 2, "fsdp": 2}, (2, 2, 1, 2, 1, 1)),
+        ({"expert": 4, "fsdp": 2}, (1, 1, 4, 2, 1, 1)),
+        ({"data": 2, "expert": -1}, (2, 1, 4, 1, 1, 1)),
+        ({}, (8, 1, 1, 1, 1, 1)),  # MeshConfig defaults: data=-1
     ],
 )
 def test_make_mesh_shapes(cfg, shape):
     mesh = sharding.make_mesh(cfg)
-    assert mesh.axis_names == ("data", "stage", "fsdp", "context", "tensor")
+    assert mesh.axis_names == ("data", "stage", "expert", "fsdp", "context", "tensor")
     assert tuple(mesh.shape.values()) == shape
-    assert mesh.axis_types == (AxisType.Auto,) * 5
-    # a batch's device buckets: every device but the tensor groups' copies and the stages
-    assert sharding.data_parallel_size(mesh) == shape[0] * shape[2] * shape[3]
-    assert sharding.context_size(mesh) == shape[3]
+    assert mesh.axis_types == (AxisType.Auto,) * 6
+    # a batch's device buckets: every device but the tensor groups' copies and the stages (the
+    # expert axis holds buckets of its own: EP inside DP)
+    assert sharding.data_parallel_size(mesh) == shape[0] * shape[2] * shape[3] * shape[4]
+    assert sharding.context_size(mesh) == shape[4]
+    assert sharding.expert_size(mesh) == shape[2]
 
 
 def test_make_mesh_accepts_config_object():
     mesh = sharding.make_mesh(SimpleNamespace(data=4, fsdp=2, tensor=1))
-    assert dict(mesh.shape) == {"data": 4, "stage": 1, "fsdp": 2, "context": 1, "tensor": 1}
+    want = {"data": 4, "stage": 1, "expert": 1, "fsdp": 2, "context": 1, "tensor": 1}
+    assert dict(mesh.shape) == want
 
 
 def test_make_mesh_on_given_devices():
@@ -116,7 +121,10 @@ def test_logical_to_spec_default_rules():
     spec = sharding.logical_to_spec(("embed", "heads", "head_dim"), (16, 4, 8), mesh)
     assert spec == PartitionSpec("fsdp", "tensor", None)
     spec = sharding.logical_to_spec(("batch", None), (8, 5), mesh)
-    assert spec == PartitionSpec(("data", "fsdp", "context"), None)
+    assert spec == PartitionSpec(("data", "expert", "fsdp", "context"), None)
+    mesh = sharding.make_mesh({"expert": 4, "fsdp": 2})  # experts over expert, width over fsdp
+    spec = sharding.logical_to_spec(("expert", "embed", "mlp"), (8, 16, 4), mesh)
+    assert spec == PartitionSpec("expert", "fsdp", "tensor")
 
 
 def test_indivisible_dim_is_replicated_with_a_note():
@@ -283,7 +291,7 @@ def test_describe_lists_every_parameter_and_totals():
 
 def test_batch_sharding_splits_the_device_axis():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    axes = ("data", "fsdp", "context")
+    axes = ("data", "expert", "fsdp", "context")
     assert sharding.batch_sharding(mesh, 3).spec == PartitionSpec(None, axes, None)
     assert sharding.batch_sharding(mesh, 2, device_axis=0).spec == PartitionSpec(axes, None)
     with pytest.raises(ShardingError):
