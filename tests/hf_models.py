@@ -85,6 +85,28 @@ def qwen2(directory: Path, *, tied: bool, seed: int = 0, vocab: int = 300) -> st
     return save(randomize(T.Qwen2ForCausalLM(cfg), seed), directory)
 
 
+def qwen3(
+    directory: Path, *, tied: bool = False, seed: int = 0, vocab: int = 300, bias: bool = False
+) -> str:
+    """A Qwen3 decoder: QK-norm, a head_dim (24) other than width / heads (64 / 4)."""
+    import transformers as T
+
+    cfg = T.Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        attention_bias=bias,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        tie_word_embeddings=tied,
+    )
+    return save(randomize(T.Qwen3ForCausalLM(cfg), seed), directory)
+
+
 def siglip(directory: Path, seed: int = 0, head: bool = False) -> str:
     import transformers as T
 
@@ -328,3 +350,68 @@ def qwen2_audio(directory: Path, seed: int = 0, vocab: int = 300, audio: int = 2
         audio_token_id=audio,
     )
     return save(randomize(Qwen2AudioForConditionalGeneration(cfg), seed), directory)
+
+
+def qwen3_moe(
+    directory: Path,
+    *,
+    seed: int = 0,
+    vocab: int = 300,
+    experts: int = 8,
+    top_k: int = 2,
+    norm_topk: bool = True,
+    dense_layers: tuple[int, ...] = (),
+    sparse_step: int = 1,
+    layers: int = 3,
+    heads: tuple[int, int] = (4, 2),
+    tied: bool = False,
+) -> str:
+    """A Qwen3-MoE decoder (QK-norm, head_dim 24 of width 64), `dense_layers` among its MoE
+    ones; the router drawn at random too, so tokens spread over the experts."""
+    import transformers as T
+
+    cfg = T.Qwen3MoeConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=heads[0],
+        num_key_value_heads=heads[1],
+        head_dim=24,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm_topk,
+        mlp_only_layers=list(dense_layers),
+        decoder_sparse_step=sparse_step,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        tie_word_embeddings=tied,
+        router_aux_loss_coef=0.01,
+    )
+    return save(randomize(T.Qwen3MoeForCausalLM(cfg), seed), directory)
+
+
+def qwen2_moe(directory: Path, *, seed: int = 0, vocab: int = 300, qkv_bias: bool = True) -> str:
+    """A Qwen2-MoE decoder: q/k/v biases, a shared expert with its sigmoid gate, top-k
+    probabilities not renormalised, a dense layer every second (decoder_sparse_step 2)."""
+    import transformers as T
+
+    cfg = T.Qwen2MoeConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_experts=6,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        decoder_sparse_step=2,
+        qkv_bias=qkv_bias,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
+    return save(randomize(T.Qwen2MoeForCausalLM(cfg), seed), directory)

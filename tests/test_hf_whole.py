@@ -232,9 +232,12 @@ def test_import_refuses_what_it_cannot_read(tmp_path, capsys):
         with pytest.raises(FamilyError, match=match):
             write_config(tmp_path / "run.yaml", model=str(d))
     (d / "config.json").write_text(json.dumps(config))
+    tower = hf_models.siglip(tmp_path / "siglip")
+    assert main(["import", "--model", tower, "--out", str(tmp_path / "x.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "not a model jaxmllm reads whole" in err and "pass it as --vision" in err, err
+    assert "qwen2_vl" in err and "qwen3" in err, err  # (what it does read whole)
     single = hf_models.qwen2(tmp_path / "qwen2", tied=True)
-    assert main(["import", "--model", single, "--out", str(tmp_path / "x.yaml")]) == 2
-    assert "a checkpoint of one part" in capsys.readouterr().err
     args = ["import", "--model", str(d), "--vision", single, "--out", str(tmp_path / "x.yaml")]
     assert main(args) == 2
     assert "--model brings its own encoders" in capsys.readouterr().err

@@ -5,11 +5,13 @@ valid one), wrong types and failed checks, always naming the key and the file, s
 stops the run at start-up with a message that says what to change.
 
 Rooms, bottom to top: `checks` (ConfigError and the checks), `remat` (the rematerialisation
-policies by name), `model` (encoders, decoder, how they compute), `sections` (mesh, pipeline,
+policies by name), `blocks` (what a tower's blocks are made of), `decoder` (the LLM and its
+mixture of experts), `model` (encoders, decoder, how they compute), `sections` (mesh, pipeline,
 batch, data, optimizer, loop, launch), `load` (the whole `Config`, YAML and overrides).
 """
 
 from jaxmllm.config.checks import ConfigError, UserError
+from jaxmllm.config.decoder import LLMConfig, MoEConfig
 from jaxmllm.config.load import (
     Config,
     closest_name,
@@ -23,7 +25,6 @@ from jaxmllm.config.model import (
     ATTENTIONS,
     AudioConfig,
     InitFrom,
-    LLMConfig,
     ModelConfig,
     VisionConfig,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "LLMConfig",
     "MeshConfig",
     "ModelConfig",
+    "MoEConfig",
     "OptimConfig",
     "PipelineConfig",
     "RematPolicy",

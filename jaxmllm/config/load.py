@@ -83,6 +83,8 @@ class Config:
             self._check_context()
         if self.mesh.stage > 1:
             self._check_pipeline()
+        if self.model.llm.moe.enabled or self.mesh.expert > 1:
+            self._check_experts()
 
     def _check_synthetic_video(self) -> None:
         """The built-in videos are encoded by the vision encoder, in whole temporal patches of
@@ -147,6 +149,30 @@ class Config:
             f"mesh.context={self.mesh.context}: context parallelism masks keys by 1D token "
             "positions; set model.llm.mrope_section: [0, 0, 0] or mesh.context: 1",
             "model.llm.mrope_section",
+        )
+
+    def _check_experts(self) -> None:
+        """Expert parallelism splits a mixture of experts' experts evenly; what the MoE decoder
+        does not run with is refused, naming both keys."""
+        moe, ep = self.model.llm.moe, self.mesh.expert
+        check(
+            moe.enabled,
+            f"{ep} splits the experts of a mixture-of-experts decoder, and model.llm.moe.experts "
+            "is 0 (a dense decoder): set mesh.expert: 1, or give the decoder experts",
+            "mesh.expert",
+        )
+        check(
+            moe.experts % ep == 0,
+            f"{ep} must divide model.llm.moe.experts={moe.experts} (each device holds "
+            f"experts / mesh.expert of them): set mesh.expert to a divisor of {moe.experts}",
+            "mesh.expert",
+        )
+        check(
+            self.mesh.stage == 1,
+            f"{self.mesh.stage}: a mixture-of-experts decoder does not run in pipeline stages "
+            "(its token all-to-alls inside the stages' shard_map): set mesh.stage: 1 and spread "
+            "the experts with mesh.expert instead",
+            "mesh.stage",
         )
 
     def _check_pipeline(self) -> None:

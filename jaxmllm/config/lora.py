@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from jaxmllm.config.checks import check
 
 ATTENTION = ("q", "k", "v", "o")
-# A block's matrices by its MLP kind (config.model.MLPS): gated_silu, else fc1 / fc2
+# A block's matrices by its MLP kind (config.blocks.MLPS): gated_silu, else fc1 / fc2
 BLOCK_TARGETS = {"gated_silu": (*ATTENTION, "gate", "up", "down")}
 OTHER_MLP = (*ATTENTION, "fc1", "fc2")
 # A projector's matrices by its kind (config.model.PROJECTORS)

@@ -5,67 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from jaxmllm.config.blocks import ACTIVATIONS, BlockOptions
 from jaxmllm.config.checks import check, positive
-from jaxmllm.config.lora import PROJECTOR_TARGETS, LoraConfig, block_targets
+from jaxmllm.config.decoder import LLMConfig
+from jaxmllm.config.lora import PROJECTOR_TARGETS, LoraConfig
 from jaxmllm.config.remat import REMAT_POLICIES, upgrade_legacy
-
-NORMS = ("rms", "layer")  # jaxmllm.models.layers.NORMS implements each
-MLPS = ("gated_silu", "gelu_tanh", "gelu", "quick_gelu")  # jaxmllm.models.layers.MLPS
-ACTIVATIONS = ("gelu_tanh", "gelu")  # projector activations (jaxmllm.models.layers.ACTIVATIONS)
-
-
-@dataclass(frozen=True)
-class BlockOptions:
-    """What each transformer block of a tower is made of; the defaults are jaxmllm's own blocks.
-
-    HuggingFace families set them (`python -m jaxmllm.hf import` writes them from config.json):
-    Llama / Qwen2 decoders rms + gated_silu (Qwen2: attn_bias qkv), SigLIP layer + gelu_tanh +
-    biases, CLIP layer + quick_gelu + biases, the Qwen2-VL vision tower layer + quick_gelu +
-    biases, Qwen2.5-VL's rms + gated_silu + biases, Whisper layer + gelu + qvo.
-    """
-
-    norm: str = "rms"  # rms (RMSNorm) | layer (LayerNorm with a bias), before attention and MLP
-    norm_eps: float = 1e-6  # the norms' epsilon (Llama 1e-5, Qwen2 1e-6, Whisper 1e-5)
-    # MLP: gated_silu = down(silu(gate x) * up x) | gelu_tanh, gelu (exact), quick_gelu
-    # (x * sigmoid(1.702 x)) = fc2(act(fc1 x))
-    mlp: str = "gated_silu"
-    attn_bias: str = ""  # attention projections with a bias: any of q, k, v, o, e.g. "qkv"
-    mlp_bias: bool = False  # biases on the MLP's projections
-    # This tower's remat policy (one of config.remat.REMAT_POLICIES); "" = model.remat's
-    remat: str = ""
-    # LoRA adapters on the blocks' matrices (jaxmllm/config/lora.py): rank > 0 freezes the
-    # tower's base weights and trains the adapters, e.g. {rank: 64, alpha: 128, targets: all}
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    # The frozen base's storage dtype (a frozen tower or one with adapters): float32 |
-    # bfloat16 (half the memory; it is computed in model.compute_dtype anyway) | "" =
-    # model.param_dtype
-    base_dtype: str = ""
-
-    @property
-    def adapter_targets(self) -> tuple[str, ...]:
-        """The block matrices with adapters (none without `lora.rank`)."""
-        return self.lora.resolve(block_targets(self.mlp)) if self.lora.enabled else ()
-
-    def __post_init__(self):
-        self.lora.resolve(block_targets(self.mlp), "lora.targets", f"{self.mlp} blocks")
-        check(
-            self.base_dtype in ("", "float32", "bfloat16"),
-            "must be float32, bfloat16 or empty (model.param_dtype)",
-            "base_dtype",
-        )
-        check(self.norm in NORMS, f"must be one of {', '.join(NORMS)}", "norm")
-        check(
-            self.remat in ("", *REMAT_POLICIES),
-            f"must be one of {', '.join(REMAT_POLICIES)} (or empty: model.remat's)",
-            "remat",
-        )
-        check(self.mlp in MLPS, f"must be one of {', '.join(MLPS)}", "mlp")
-        check(self.norm_eps > 0, "must be > 0", "norm_eps")
-        check(
-            set(self.attn_bias) <= set("qkvo") and len(set(self.attn_bias)) == len(self.attn_bias),
-            f"{self.attn_bias!r}: must be letters of 'qkvo' (each at most once), e.g. 'qkv'",
-            "attn_bias",
-        )
 
 
 @dataclass(frozen=True)
@@ -293,85 +237,6 @@ class AudioConfig(BlockOptions):
             "linear projects one pooled row per LLM token: needs stride x pool = subsample",
             "projector",
         )
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Rotary frequency scaling for contexts longer than pretraining (HF's rope_scaling)."""
-
-    type: str = "none"  # none | linear (frequencies / factor) | llama3 (Llama 3.1+'s bands)
-    factor: float = 1.0  # linear, llama3: how much longer the context is
-    low_freq_factor: float = 1.0  # llama3: wavelengths over original / this are divided by factor
-    high_freq_factor: float = 4.0  # llama3: wavelengths under original / this are kept
-    original_max_positions: int = 8192  # llama3: the pretraining context
-
-    def __post_init__(self):
-        check(self.type in ROPE_SCALINGS, f"must be one of {', '.join(ROPE_SCALINGS)}", "type")
-        check(self.factor > 0, "must be > 0", "factor")
-        check(
-            self.type != "llama3" or self.high_freq_factor > self.low_freq_factor > 0,
-            "llama3 needs high_freq_factor > low_freq_factor > 0",
-            "high_freq_factor",
-        )
-        positive(self, "original_max_positions")
-
-
-ROPE_SCALINGS = ("none", "linear", "llama3")
-
-
-@dataclass(frozen=True)
-class LLMConfig(BlockOptions):
-    """Llama-style decoder: RMSNorm, RoPE, grouped-query attention, gated MLP."""
-
-    vocab_size: int = 32000  # tokenizer vocabulary incl. special tokens
-    width: int = 2048  # hidden size
-    depth: int = 16  # decoder layers
-    heads: int = 16  # query heads
-    kv_heads: int = 4  # key/value heads (GQA); must divide heads
-    mlp_dim: int = 5632  # gated-MLP inner width
-    head_dim: int = 0  # width of each attention head; 0 = width / heads
-    rope_theta: float = 10000.0  # rotary base
-    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
-    # Multimodal rotary (Qwen2-VL's M-RoPE): the head's rotary frequencies in three sections
-    # turned by (time, row, column) positions: an image's tokens take their place in its grid,
-    # text the same position in all three. (0, 0, 0): 1D rotary; else they sum to head_dim / 2
-    mrope_section: tuple[int, int, int] = (0, 0, 0)
-    tie_embeddings: bool = False  # share input embedding and output projection
-    # Tied output: logits = x . E^T / sqrt(width), unit-scale logits from jaxmllm's unit-scale
-    # embedding rows; false for HF checkpoints (x . E^T)
-    tied_logits_scaled: bool = True
-    # Tokens per slice of the output projection and cross entropy: a step never holds more than
-    # [rows, logits_chunk, vocab] fp32 logits (a 152k vocabulary at 1024: 0.6 GB a row)
-    logits_chunk: int = 1024
-    # Embedding lookups and the loss's logits split by vocabulary rows over fsdp x tensor
-    # (models/vocab.py): no device holds the whole table; false: XLA gathers it per device
-    vocab_parallel: bool = True
-    freeze: bool = False  # no gradient and no optimizer state for the decoder
-
-    @property
-    def head_width(self) -> int:
-        """Each attention head's width."""
-        return self.head_dim or self.width // self.heads
-
-    def __post_init__(self):
-        super().__post_init__()
-        positive(self, "vocab_size", "width", "depth", "heads", "kv_heads", "mlp_dim")
-        positive(self, "logits_chunk")
-        check(self.head_dim >= 0, "must be >= 0 (0: width / heads)", "head_dim")
-        check(
-            self.head_dim > 0 or self.width % self.heads == 0,
-            "width must be divisible by heads (or set head_dim)",
-            "width",
-        )
-        check(self.head_width % 2 == 0, "head dim must be even (RoPE)", "heads")
-        check(
-            not any(self.mrope_section) or sum(self.mrope_section) == self.head_width // 2,
-            f"{list(self.mrope_section)} must sum to head_dim / 2 = {self.head_width // 2} "
-            "(or be [0, 0, 0]: 1D rotary)",
-            "mrope_section",
-        )
-        check(self.heads % self.kv_heads == 0, "kv_heads must divide heads", "kv_heads")
-        check(self.vocab_size >= 264, "the byte tokenizer needs at least 264 ids", "vocab_size")
 
 
 @dataclass(frozen=True)

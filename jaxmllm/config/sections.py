@@ -47,6 +47,11 @@ class MeshConfig:
 
     data: int = -1  # pure data parallelism (replicated params); slowest axis, spans hosts
     stage: int = 1  # pipeline stages: the stacked layers split into stages (see `pipeline`)
+    # Expert parallelism: the decoder's routed experts (model.llm.moe) split over this many
+    # devices, which also hold data-parallel buckets (EP inside DP: the batch is split over it
+    # as over data); tokens travel to their experts' devices and back. 1 = every device holds
+    # every expert. Must divide model.llm.moe.experts
+    expert: int = 1
     fsdp: int = 1  # data parallelism with params/optimizer state sharded over this axis
     # Context parallelism: an LLM row is split over this many devices (a context group, inside
     # a host), batch.llm_row_len tokens each, keys and values gathered over the group; the
@@ -64,6 +69,9 @@ class MeshConfig:
             "context",
         )
         check(self.stage >= 1, "must be >= 1 (1: no pipeline); -1 is not allowed here", "stage")
+        check(
+            self.expert >= 1, "must be >= 1 (1: no expert parallelism); -1 is not allowed", "expert"
+        )
         check(
             self.cpu_devices >= 0, "must be >= 0 (0: the host's devices as they are)", "cpu_devices"
         )

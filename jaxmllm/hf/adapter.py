@@ -52,14 +52,17 @@ class Module:
     kernels: tuple[int, ...]  # which of link.ours carry adapters (all that map into it)
 
     def names(self, layer: int | None) -> tuple[str, str]:
-        """(runtime, checkpoint) names of its module at `layer`."""
-        fmt = lambda n: n.format(i=layer) if layer is not None else n
-        return fmt(self.runtime), fmt(self.name)
+        """(runtime, checkpoint) names of its module at row `layer` of our stacked kernels."""
+        if layer is None:
+            return self.runtime, self.name
+        i = self.link.hf_layer(layer)
+        return self.runtime.format(i=i), self.name.format(i=i)
 
     def pattern(self) -> str:
         """A regular expression of its runtime names, at each of our layers (a LLaVA tower's
         blocks after its feature layer have none)."""
-        layers = "(?:" + "|".join(map(str, range(self.link.layers))) + ")"
+        ids = map(self.link.hf_layer, range(self.link.layers))
+        layers = "(?:" + "|".join(map(str, ids)) + ")"
         return re.escape(self.runtime).replace(r"\{i\}", layers)
 
 

@@ -22,7 +22,7 @@ from jaxmllm.hf.load import nest
 from jaxmllm.hf.registry import ROLES, family_for, read_hf_config
 from jaxmllm.hf.safetensors import Checkpoint
 from jaxmllm.hf.whole import Part
-from jaxmllm.models.lora import kernel_paths
+from jaxmllm.models.mllm import kernel_paths
 from sharding.rules import keyed_leaves
 
 log = logging.getLogger("jaxmllm")

@@ -27,6 +27,9 @@ from jaxmllm.hf.wholes import WHOLES
 HF_MODULES = {  # (model_type, role) -> (transformers class, path to the module compared)
     ("llama", "llm"): ("LlamaForCausalLM", ""),
     ("qwen2", "llm"): ("Qwen2ForCausalLM", ""),
+    ("qwen3", "llm"): ("Qwen3ForCausalLM", ""),
+    ("qwen2_moe", "llm"): ("Qwen2MoeForCausalLM", ""),
+    ("qwen3_moe", "llm"): ("Qwen3MoeForCausalLM", ""),
     ("siglip_vision_model", "vision"): ("SiglipVisionModel", ""),
     ("siglip", "vision"): ("SiglipModel", "vision_model"),
     ("clip_vision_model", "vision"): ("CLIPVisionModel", ""),

@@ -29,7 +29,7 @@ from jaxmllm.data.media.image import patchify
 from jaxmllm.data.media.video import temporal_patch, time_step
 from jaxmllm.hf.check import _numpy, _torch, check_dir, figures, hf_module, own_columns
 from jaxmllm.hf.family import FamilyError
-from jaxmllm.hf.registry import read_hf_config
+from jaxmllm.hf.registry import family_for, read_hf_config, roles_of
 from jaxmllm.hf.towers import load_model
 from jaxmllm.hf.whole import Whole
 from jaxmllm.hf.wholes import Llava, whole_for
@@ -61,11 +61,12 @@ def check_all(
     `check_whole`'s (only `role`'s line when one is named: llm, vision, audio or model).
     `adapter`: a PEFT LoRA adapter put on both models (ours by `hf import --adapter`,
     transformers' by peft's `PeftModel.from_pretrained`; a whole checkpoint's)."""
-    whole = whole_for(read_hf_config(directory))
-    if adapter and whole is None:
+    hf = read_hf_config(directory)
+    whole = whole_for(hf)
+    if adapter and whole is None and roles_of(hf) != ("llm",):
         raise FamilyError(
-            f"--adapter: {directory} holds one part; adapters are checked on a whole model "
-            "(LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen2-Audio)"
+            f"--adapter: {directory} is an encoder alone; adapters are checked on a whole model "
+            "(LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen2-Audio) or a causal LM"
         )
     if whole is None:
         if role == "model":
@@ -73,6 +74,8 @@ def check_all(
                 f"{directory} holds one part, not a whole model: leave out --role "
                 "model (or name the part: llm, vision, audio)"
             )
+        if adapter:
+            return [check_llm_adapter(directory, tokens, seed, adapter)]
         return [check_dir(directory, role, tokens, seed)]
     roles = [*whole.parts, "model"]
     if role and role not in roles:
@@ -82,6 +85,24 @@ def check_all(
         )
     results = check_whole(directory, tokens, seed, adapter)
     return [r for r in results if r["role"] == role] if role else results
+
+
+def check_llm_adapter(directory: str, tokens: int, seed: int, adapter: str) -> dict:
+    """A causal LM with a PEFT adapter: our logits (the adapter read as `hf import --adapter`
+    reads it) against transformers' under peft's `PeftModel.from_pretrained`."""
+    from peft import PeftModel
+
+    hf = read_hf_config(directory)
+    cfg, model = load_model(directory, adapter=adapter)
+    ref = PeftModel.from_pretrained(hf_module(directory, hf, "llm"), adapter).eval()
+    ids = np.random.default_rng(seed).integers(
+        0, min(cfg.model.llm.vocab_size, hf_vocab(hf)), tokens
+    )
+    theirs = _run(ref, ids)[0]
+    ours = _logits(model.llm, _embed(model.llm, jnp.asarray(ids)[None]), _positions(ids, False))
+    ours, what = own_columns(ours[0], theirs, f"logits of {tokens} tokens with the adapter")
+    family = family_for("llm", hf, directory)
+    return figures("llm", family.name, what, ours, theirs)
 
 
 def check_whole(directory: str, tokens: int = 64, seed: int = 0, adapter: str = "") -> list[dict]:

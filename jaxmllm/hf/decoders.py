@@ -1,21 +1,48 @@
-"""Decoder families: Llama (3.x, with its rope scaling) and Qwen2 / Qwen2.5 (q/k/v biases); the
-LLM of a whole checkpoint is one of them on its `text_config` (`jaxmllm.hf.wholes`: Qwen2-VL's
-is Qwen2 with M-RoPE).
+"""Decoder families: Llama (3.x, with its rope scaling), Qwen2 / Qwen2.5 (q/k/v biases) and
+Qwen3 (QK-norm, a head_dim of its own); the LLM of a whole checkpoint is one of them on its
+`text_config` (`jaxmllm.hf.wholes`: Qwen2-VL's is Qwen2 with M-RoPE).
 
 All are jaxmllm's own decoder (RMSNorm, rotate-half RoPE, GQA, SiLU-gated MLP) with options:
-`norm_eps`, `head_dim`, `attn_bias` (Qwen2: qkv; Llama: qkvo with attention_bias), `mlp_bias`,
-`rope_scaling`, `mrope_section` (Qwen2-VL), and tied embeddings without jaxmllm's
-1/sqrt(width) logit scale.
+`norm_eps`, `head_dim`, `attn_bias` (Qwen2: qkv; Llama and Qwen3: qkvo with attention_bias),
+`mlp_bias`, `qk_norm` (Qwen3), `rope_scaling`, `mrope_section` (Qwen2-VL), and tied embeddings
+without jaxmllm's 1/sqrt(width) logit scale.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from jaxmllm.hf.family import Family, FamilyError, Link, dense, read, refuse_unless, reshaped, same
+import numpy as np
+
+from jaxmllm.hf.family import (
+    Family,
+    FamilyError,
+    Link,
+    dense,
+    mismatches,
+    read,
+    refuse_unless,
+    reshaped,
+    same,
+)
+from jaxmllm.models.llm import stacks
 
 ROPE_TYPES = {"default": "none", "mrope": "none", "linear": "linear", "llama3": "llama3"}
-CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+# The families whose attention projections all have a bias or none (`attention_bias`); Qwen2's
+# are q, k and v always, Qwen2-MoE's q, k and v or none (`qkv_bias`)
+ALL_OR_NONE = ("llama", "qwen3", "qwen3_moe")
+QK_NORM = ("qwen3", "qwen3_moe")  # RMSNorm over each head's queries and keys
+MOE = ("qwen2_moe", "qwen3_moe")  # mixture-of-experts MLPs (`mlp.gate`, `mlp.experts.{j}`)
+SHARED_EXPERT = ("qwen2_moe",)  # a shared expert with its sigmoid gate beside the experts
+MAX_EXPERTS = 1 << 14  # (far past any model's; a damaged config.json's 1e9 would allocate)
 
 
 def rope_section(hf: dict, where: str) -> tuple[float, dict]:
@@ -63,7 +90,8 @@ def rope_to_hf(llm: Any) -> dict:
 
 
 class Decoders(Family):
-    """Llama and Qwen2 causal LMs (`LlamaForCausalLM`, `Qwen2ForCausalLM`)."""
+    """Llama, Qwen2, Qwen3 causal LMs and the Qwen2-MoE, Qwen3-MoE mixtures of experts (the
+    classes of `CLASSES`)."""
 
     role = "llm"
 
@@ -92,13 +120,15 @@ class Decoders(Family):
         )
         head_dim = int(hf.get("head_dim") or width // heads)
         theta, scaling = rope_section(hf, where)
-        if self.model_type != "llama":
-            bias = "qkv"
-        else:
+        if self.model_type in ALL_OR_NONE:
             bias = "qkvo" if hf.get("attention_bias") else ""
+        elif self.model_type == "qwen2_moe":
+            bias = "qkv" if hf.get("qkv_bias", True) else ""
+        else:
+            bias = "qkv"
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         mrope = [int(x) for x in rope.get("mrope_section", [0, 0, 0])]
-        return {
+        out = {
             "vocab_size": int(read(hf, "vocab_size", where)),
             "width": width,
             "depth": int(read(hf, "num_hidden_layers", where)),
@@ -115,15 +145,55 @@ class Decoders(Family):
             "mlp": "gated_silu",
             "attn_bias": bias,
             "mlp_bias": bool(hf.get("mlp_bias", False)),
+            "qk_norm": self.model_type in QK_NORM,
             "mrope_section": mrope,
         }
+        if self.model_type in MOE:
+            out["moe"] = self.moe_section(hf, where, out["depth"])
+        return out
+
+    def moe_section(self, hf: dict, where: str, depth: int) -> dict:
+        """Our `model.llm.moe` keys from a mixture of experts' config.json."""
+        experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
+        refuse_unless(
+            isinstance(experts, int) and 0 <= experts <= MAX_EXPERTS,
+            where,
+            f"num_experts {experts!r:.40} must be a whole number from 0 to {MAX_EXPERTS}",
+        )
+        if not experts:  # (no experts: every layer's MLP is dense)
+            return {"experts": 0}
+        dense = [int(i) for i in hf.get("mlp_only_layers") or []]
+        refuse_unless(
+            all(0 <= i < depth for i in dense),
+            where,
+            f"mlp_only_layers {dense} names a layer past num_hidden_layers={depth}",
+        )
+        shared = int(hf.get("shared_expert_intermediate_size") or 0)
+        out = {
+            "experts": experts,
+            "top_k": int(read(hf, "num_experts_per_tok", where)),
+            "mlp_dim": int(read(hf, "moe_intermediate_size", where)),
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+            "every": int(hf.get("decoder_sparse_step") or 1),
+            "dense_layers": dense,
+            "aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0)),
+            "shared_mlp_dim": shared if self.model_type in SHARED_EXPERT else 0,
+            "shared_gate": True,
+        }
+        refuse_unless(
+            out["top_k"] <= experts,
+            where,
+            f"num_experts_per_tok={out['top_k']} is more than num_experts={experts}",
+        )
+        return out
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
         llm = cfg.model.llm
-        if self.model_type != "llama" and llm.attn_bias != "qkv":
-            raise FamilyError(f"model.llm.attn_bias={llm.attn_bias!r}: Qwen2 has q/k/v biases")
-        if self.model_type == "llama" and llm.attn_bias not in ("", "qkvo"):
-            raise FamilyError(f"model.llm.attn_bias={llm.attn_bias!r}: Llama has none or all")
+        wants = self.wants(cfg)
+        layout = {k: wants[k] for k in ("model.llm.attn_bias", "model.llm.qk_norm")}
+        bad = mismatches(cfg, layout, self.name)  # (what the tensors' names depend on)
+        if bad:
+            raise FamilyError(f"{'; '.join(bad)}: not a {self.name} decoder")
         out = {k: v for k, v in (source or {}).items() if k not in ("rope_theta", "rope_scaling")}
         out.update(
             architectures=[self.hf_class],
@@ -140,8 +210,14 @@ class Decoders(Family):
             rope_parameters=rope_to_hf(llm),
             tie_word_embeddings=llm.tie_embeddings,
         )
+        if self.model_type in ALL_OR_NONE:
+            out.update(attention_bias=llm.attn_bias == "qkvo")
+        if self.model_type == "qwen2_moe":
+            out.update(qkv_bias=llm.attn_bias == "qkv")
         if self.model_type == "llama":
-            out.update(attention_bias=llm.attn_bias == "qkvo", mlp_bias=llm.mlp_bias)
+            out.update(mlp_bias=llm.mlp_bias)
+        if self.model_type in MOE:
+            out.update(moe_to_hf(llm, self.model_type))
         if any(llm.mrope_section):
             out["rope_parameters"]["mrope_section"] = list(llm.mrope_section)
         return out
@@ -152,8 +228,18 @@ class Decoders(Family):
         return {
             "model.llm.norm": ("rms",),
             "model.llm.mlp": ("gated_silu",),
-            "model.llm.attn_bias": ("", "qkvo") if self.model_type == "llama" else ("qkv",),
+            "model.llm.attn_bias": BIASES.get(self.model_type, ("qkv",)),
             "model.llm.mlp_bias": (False, True) if self.model_type == "llama" else (False,),
+            "model.llm.qk_norm": (self.model_type in QK_NORM,),
+            "model.llm.moe.experts": (
+                (lambda e: bool(e) == (self.model_type in MOE)),
+                "routed experts" if self.model_type in MOE else "no experts (a dense MLP)",
+            ),
+            "model.llm.moe.shared_mlp_dim": (
+                (lambda s: bool(s) == (self.model_type in SHARED_EXPERT)),
+                "a shared expert" if self.model_type in SHARED_EXPERT else "no shared expert",
+            ),
+            "model.llm.moe.shared_gate": (True,),
             "model.llm.tied_logits_scaled": (
                 lambda scaled: not (scaled and llm.tie_embeddings),
                 "tied logits x . E^T, unscaled",
@@ -163,43 +249,115 @@ class Decoders(Family):
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
         llm = cfg.model.llm
-        w, h, k, e, f, n = (
-            llm.width,
-            llm.heads,
-            llm.kv_heads,
-            llm.head_width,
-            llm.mlp_dim,
-            llm.depth,
-        )
-        p, ours = "model.layers.{i}.", "llm/transformer/blocks/"
+        links = [same("model.embed_tokens.weight", "llm/embed/embedding")]
+        for stack, kind, ids in stacks(llm):  # (a mixture of experts: MoE and dense apart)
+            links += [stacked(x, ids) for x in self.layer_links(llm, stack, kind, len(ids))]
+        links.append(same("model.norm.weight", "llm/transformer/final_norm/scale"))
+        if not llm.tie_embeddings:
+            # (-1: the checkpoint's vocabulary; the loader grows it to ours if tokens were added)
+            links.append(dense("lm_head.weight", "llm/lm_head/kernel", (llm.width, -1)))
+        return links
+
+    def layer_links(self, llm: Any, stack: str, kind: str, n: int) -> list[Link]:
+        """The links of one stack of our layers (`stack`, of `kind`: dense or moe), `n` layers,
+        `{i}` the checkpoint's layer."""
+        w, h, k, e, f = llm.width, llm.heads, llm.kv_heads, llm.head_width, llm.mlp_dim
+        p, ours = "model.layers.{i}.", f"llm/transformer/{stack}/"
         links = [
-            same("model.embed_tokens.weight", "llm/embed/embedding"),
             same(p + "input_layernorm.weight", ours + "attn_norm/scale", n),
             dense(p + "self_attn.q_proj.weight", ours + "attn/query/kernel", (w, h, e), 1, n),
             dense(p + "self_attn.k_proj.weight", ours + "attn/key/kernel", (w, k, e), 1, n),
             dense(p + "self_attn.v_proj.weight", ours + "attn/value/kernel", (w, k, e), 1, n),
             dense(p + "self_attn.o_proj.weight", ours + "attn/out/kernel", (h, e, w), 2, n),
             same(p + "post_attention_layernorm.weight", ours + "mlp_norm/scale", n),
-            dense(p + "mlp.gate_proj.weight", ours + "mlp/gate/kernel", (w, f), 1, n),
-            dense(p + "mlp.up_proj.weight", ours + "mlp/up/kernel", (w, f), 1, n),
-            dense(p + "mlp.down_proj.weight", ours + "mlp/down/kernel", (f, w), 1, n),
-            same("model.norm.weight", "llm/transformer/final_norm/scale"),
         ]
-        heads = {"q": ("query", h), "k": ("key", k), "v": ("value", k)}
+        if kind == "moe":
+            links += moe_links(llm.moe, w, p + "mlp.", ours + "mlp/", n)
+        else:
+            links += gated_mlp_links(w, f, p + "mlp.", ours + "mlp/", n)
+        heads = {
+            "q": ("query", llm.heads),
+            "k": ("key", llm.kv_heads),
+            "v": ("value", llm.kv_heads),
+        }
         for letter, (name, count) in heads.items():
             if letter in llm.attn_bias:
                 hf_name = p + f"self_attn.{letter}_proj.bias"
                 links.append(reshaped(hf_name, ours + f"attn/{name}/bias", (count, e), n))
+        if llm.qk_norm:
+            links.append(same(p + "self_attn.q_norm.weight", ours + "attn/q_norm/scale", n))
+            links.append(same(p + "self_attn.k_norm.weight", ours + "attn/k_norm/scale", n))
         if "o" in llm.attn_bias:
             links.append(same(p + "self_attn.o_proj.bias", ours + "attn/out/bias", n))
-        if llm.mlp_bias:
+        if llm.mlp_bias and kind == "dense":
             for proj, name in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
                 links.append(same(p + f"mlp.{proj}.bias", ours + f"mlp/{name}/bias", n))
-        if not llm.tie_embeddings:
-            # (-1: the checkpoint's vocabulary; the loader grows it to ours if tokens were added)
-            links.append(dense("lm_head.weight", "llm/lm_head/kernel", (w, -1)))
         return links
 
     def skipped(self, name: str) -> bool:
         # Rotary caches some older exports stored (recomputed from the config).
         return name.endswith("rotary_emb.inv_freq")
+
+
+BIASES = {"llama": ("", "qkvo"), "qwen3": ("", "qkvo"), "qwen3_moe": ("", "qkvo")}
+BIASES["qwen2_moe"] = ("qkv", "")
+
+
+def stacked(link: Link, ids: tuple[int, ...]) -> Link:
+    """`link` over the checkpoint's layers `ids` (a stack of some of them)."""
+    every = ids == tuple(range(len(ids)))
+    return dataclasses.replace(link, layer_ids=() if every else ids)
+
+
+def gated_mlp_links(w: int, f: int, hf: str, ours: str, n: int) -> list[Link]:
+    """A SiLU-gated MLP's three Linear weights (`gate_proj`, `up_proj`, `down_proj`)."""
+    return [
+        dense(hf + "gate_proj.weight", ours + "gate/kernel", (w, f), 1, n),
+        dense(hf + "up_proj.weight", ours + "up/kernel", (w, f), 1, n),
+        dense(hf + "down_proj.weight", ours + "down/kernel", (f, w), 1, n),
+    ]
+
+
+def moe_links(moe: Any, w: int, hf: str, ours: str, n: int) -> list[Link]:
+    """An MoE layer's router (`gate`), its experts one Linear each (`experts.{j}.*_proj`,
+    stacked [E, ...] on our side) and the shared expert with its gate."""
+    links = [dense(hf + "gate.weight", ours + "router/kernel", (w, moe.experts), 1, n)]
+    for proj in ("gate", "up", "down"):
+        links.append(experts_link(hf, f"{proj}_proj", ours + f"experts/{proj}", moe.experts, n))
+    if moe.shared_mlp_dim:
+        links += gated_mlp_links(w, moe.shared_mlp_dim, hf + "shared_expert.", ours + "shared/", n)
+        if moe.shared_gate:
+            links.append(
+                dense(hf + "shared_expert_gate.weight", ours + "shared_gate/kernel", (w, 1), 1, n)
+            )
+    return links
+
+
+def experts_link(hf: str, proj: str, ours: str, experts: int, n: int) -> Link:
+    """E per-expert torch Linear weights [out, in] <-> our stacked [E, in, out]."""
+    names = tuple(f"{hf}experts.{j}.{proj}.weight" for j in range(experts))
+    return Link(
+        names,
+        (ours,),
+        lambda *ws: (np.stack([np.asarray(x).T for x in ws]),),
+        lambda x: tuple(np.asarray(x)[j].T for j in range(experts)),
+        n,
+    )
+
+
+def moe_to_hf(llm: Any, model_type: str) -> dict:
+    """A mixture of experts' config.json keys of our `model.llm.moe`."""
+    m = llm.moe
+    out = {
+        "num_experts": m.experts,
+        "num_experts_per_tok": m.top_k,
+        "moe_intermediate_size": m.mlp_dim,
+        "norm_topk_prob": m.norm_topk_prob,
+        "decoder_sparse_step": m.every,
+        "mlp_only_layers": list(m.dense_layers),
+        "router_aux_loss_coef": m.aux_loss_coef,
+        "output_router_logits": False,
+    }
+    if model_type in SHARED_EXPERT:
+        out["shared_expert_intermediate_size"] = m.shared_mlp_dim
+    return out

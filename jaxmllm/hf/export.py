@@ -44,7 +44,7 @@ from jaxmllm.hf.safetensors import DTYPES, Checkpoint, write_checkpoint, write_f
 from jaxmllm.hf.start import run_parameters
 from jaxmllm.hf.whole import Part, Whole
 from jaxmllm.hf.wholes import WHOLES, decoder_of, whole_for
-from jaxmllm.models.lora import kernel_paths
+from jaxmllm.models.mllm import kernel_paths
 from jaxmllm.step.program import join
 from sharding.rules import keyed_leaves
 

@@ -39,7 +39,9 @@ class Link:
     """HF tensors <-> our parameters; `{i}` in a HF name is the layer of a stacked parameter.
 
     `to_ours(*hf_arrays) -> our arrays` and `to_hf(*our_arrays) -> hf arrays`, one layer at a
-    time when `layers` > 0 (our parameters then have a leading [layers] axis).
+    time when `layers` > 0 (our parameters then have a leading [layers] axis). Row j of ours is
+    the checkpoint's layer `layer_ids[j]` (default j: a stack of every layer; a mixture of
+    experts stacks its MoE layers and its dense ones apart).
     """
 
     hf: tuple[str, ...]
@@ -47,9 +49,17 @@ class Link:
     to_ours: Transform
     to_hf: Transform
     layers: int = 0
+    layer_ids: tuple[int, ...] = ()
+
+    def hf_layer(self, row: int) -> int:
+        """The checkpoint's layer number of row `row` of our stacked parameters."""
+        return self.layer_ids[row] if self.layer_ids else row
 
     def hf_names(self, layer: int | None = None) -> tuple[str, ...]:
-        return tuple(n.format(i=layer) for n in self.hf) if self.layers else self.hf
+        """The HF names of row `layer` of ours (None or unstacked: the names as they are)."""
+        if not self.layers:
+            return self.hf
+        return tuple(n.format(i=self.hf_layer(layer)) for n in self.hf)
 
 
 class Family:

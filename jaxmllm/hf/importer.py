@@ -24,8 +24,8 @@ from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.text.tokenizer import make_tokenizer
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.load import checkpoint_tensors
-from jaxmllm.hf.registry import ROLES, family_for, read_hf_config, section_of
-from jaxmllm.hf.wholes import Llava, whole_for
+from jaxmllm.hf.registry import FAMILIES, ROLES, family_for, read_hf_config, roles_of, section_of
+from jaxmllm.hf.wholes import WHOLES, Llava, whole_for
 
 TEMPLATE = """\
 # python -m jaxmllm.train --config {config}
@@ -70,18 +70,26 @@ def model_section(llm: str, vision: str = "", audio: str = "") -> dict:
 
 def model_dirs(model: str) -> tuple[str, str, str]:
     """(llm, vision, audio) directories of a whole checkpoint: itself for each part it holds.
+    A causal LM alone (Llama, Qwen2, Qwen3, Qwen3-MoE, ...) is a whole text-only model: its
+    LLM, no encoder.
 
     Raises:
-      FamilyError: a directory that is not a whole multimodal checkpoint.
+      FamilyError: a directory that is neither, naming what jaxmllm reads whole.
     """
     hf = read_hf_config(model)
     whole = whole_for(hf)
     if whole is None:
+        if roles_of(hf) == ("llm",):
+            return model, "", ""
         kind = hf.get("model_type")
+        wholes = sorted(t for w in WHOLES for t in w.model_types)
+        decoders = sorted(t for f in FAMILIES if f.role == "llm" for t in f.model_types)
+        parts = roles_of(hf)
+        hint = f"; it is a {parts[0]} part: pass it as --{parts[0]} beside --llm" if parts else ""
         raise FamilyError(
-            f"--model {model}: model_type {kind!r} is a checkpoint of one part, not a whole "
-            "multimodal model (llava, qwen2_vl, qwen2_5_vl, qwen2_audio): pass it as --llm, "
-            "--vision or --audio"
+            f"--model {model}: model_type {kind!r} is not a model jaxmllm reads whole{hint}. "
+            f"Whole multimodal models: {', '.join(wholes)}; causal LMs (a text-only model): "
+            f"{', '.join(decoders)}; encoders are parts (--vision, --audio)"
         )
     return tuple(model if role in whole.parts else "" for role in ROLES)  # type: ignore
 

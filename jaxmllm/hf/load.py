@@ -120,10 +120,12 @@ def checkpoint_tensors(cfg: Any, role: str, directory: str, key: str) -> tuple:
     consumed = set()
     for link in links:
         for name in link.hf:
-            names = [name.format(i=i) for i in range(link.layers)] if link.layers else [name]
+            rows = range(link.layers) if link.layers else [None]
+            names = [name.format(i=link.hf_layer(i)) if link.layers else name for i in rows]
             for i, n in enumerate(names):
                 if prefix + n not in ck:
-                    raise FamilyError(_missing(key, directory, hf, link, prefix + n, i))
+                    layer = link.hf_layer(i) if link.layers else 0
+                    raise FamilyError(_missing(key, directory, hf, link, prefix + n, layer))
                 consumed.add(prefix + n)
     return ck, family, prefix, links, consumed
 
@@ -132,10 +134,11 @@ def _missing(key: str, directory: str, hf: dict, link: Link, name: str, layer: i
     if not link.layers or layer == 0:
         return f"{key}: {directory} has no tensor {name}"
     parts = [("", hf)] + [(f"{k}.", v) for k, v in hf.items() if isinstance(v, dict)]
-    claims = [f"{p}{k}" for p, part in parts for k in LAYER_KEYS if part.get(k) == link.layers]
+    depth = link.hf_layer(link.layers - 1) + 1  # (the layers this link's rows reach)
+    claims = [f"{p}{k}" for p, part in parts for k in LAYER_KEYS if part.get(k) == depth]
     what = f"'{claims[0]}'" if claims else "its layer count"
     return (
-        f"{key}: {Path(directory) / 'config.json'} says {link.layers} layers ({what}) but the "
+        f"{key}: {Path(directory) / 'config.json'} says {depth} layers ({what}) but the "
         f"checkpoint's tensors hold {layer}: it has no {name}. Set config.json's "
         f"{claims[0] if claims else 'layer count'} to {layer}, or complete the checkpoint"
     )

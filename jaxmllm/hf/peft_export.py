@@ -13,6 +13,7 @@ Modules trained whole beside the adapters (a projector) go in as PEFT's `modules
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import numpy as np
@@ -23,10 +24,12 @@ from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.registry import read_hf_config
 from jaxmllm.hf.safetensors import DTYPES, Checkpoint
 from jaxmllm.hf.whole import Part
-from jaxmllm.models.lora import LEAVES, kernel_paths, merged
+from jaxmllm.models.lora import LEAVES, merged
+from jaxmllm.models.mllm import kernel_paths
 from jaxmllm.step.program import model_parts
 
 log = logging.getLogger("jaxmllm")
+STACKED = re.compile(r"/transformer/(\w+_)?blocks/")  # a scanned stack's parameters
 
 
 def check_adapter_pieces(cfg: Config, pieces: list) -> None:
@@ -55,7 +58,7 @@ def merge_adapters(cfg: Config, flat: dict) -> dict:
         lora = cfg.model.lora_of(module)
         a, b = (flat[path.rsplit("/", 1)[0] + "/" + leaf] for leaf in LEAVES)
         kernel = np.asarray(flat[path])
-        if "/transformer/blocks/" in path:  # (a scanned stack: one layer at a time)
+        if STACKED.search(path):  # (a scanned stack: one layer at a time)
             layers = [merged(kernel[i], a[i], b[i], lora.alpha / lora.rank) for i in range(len(a))]
             out[path] = np.stack(layers)
         else:

@@ -9,16 +9,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxmllm.hf.audio import Qwen2AudioEncoder, WhisperEncoder
-from jaxmllm.hf.decoders import Decoders
 from jaxmllm.hf.family import Family, FamilyError
 from jaxmllm.hf.qwen_vision import Qwen2VLVision, Qwen25VLVision
 from jaxmllm.hf.vision import Clip, Siglip
 from jaxmllm.hf.whole import Part
-from jaxmllm.hf.wholes import WHOLES, whole_for
+from jaxmllm.hf.wholes import DECODERS, WHOLES, whole_for
 
 FAMILIES: tuple[Family, ...] = (
-    Decoders("llama"),
-    Decoders("qwen2"),
+    *DECODERS.values(),
     Siglip(),
     Clip(),
     Qwen2VLVision(),
@@ -33,12 +31,23 @@ ROLES = ("llm", "vision", "audio")
 # number from 1 to its bound: far above any real model, far below what would allocate or loop
 # until the machine gives out (vocab_size 1e12, num_hidden_layers 1e9; heads 0 divides by zero).
 MAX_VOCAB, MAX_WIDTH, MAX_LAYERS, MAX_HEADS = 1 << 24, 1 << 18, 1024, 4096
+MAX_EXPERTS = 1 << 14
 SIZES = {
     **dict.fromkeys(("vocab_size",), MAX_VOCAB),
     **dict.fromkeys(
-        ("hidden_size", "intermediate_size", "head_dim", "d_model", "embed_dim", "encoder_ffn_dim"),
+        (
+            "hidden_size",
+            "intermediate_size",
+            "head_dim",
+            "d_model",
+            "embed_dim",
+            "encoder_ffn_dim",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+        ),
         MAX_WIDTH,
     ),
+    **dict.fromkeys(("num_experts_per_tok", "decoder_sparse_step"), MAX_EXPERTS),
     **dict.fromkeys(("num_hidden_layers", "depth", "encoder_layers"), MAX_LAYERS),
     **dict.fromkeys(
         ("num_attention_heads", "num_key_value_heads", "num_heads", "encoder_attention_heads"),

@@ -33,11 +33,11 @@ from jaxmllm.hf.qwen_vision import Qwen2VLVision, Qwen25VLVision
 from jaxmllm.hf.vision import Clip, Siglip, linear
 from jaxmllm.hf.whole import Whole
 
-DECODERS = {"llama": Decoders("llama"), "qwen2": Decoders("qwen2")}
+DECODERS = {kind: Decoders(kind) for kind in ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")}
 PROJECTOR_ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 
 
-def decoder(hf: dict, where: str, allowed=("llama", "qwen2")) -> Decoders:
+def decoder(hf: dict, where: str, allowed=("llama", "qwen2", "qwen3")) -> Decoders:
     kind = hf.get("model_type", "llama")
     refuse_unless(
         kind in allowed,
@@ -50,7 +50,12 @@ def decoder(hf: dict, where: str, allowed=("llama", "qwen2")) -> Decoders:
 
 def decoder_of(cfg: Any) -> Decoders:
     """The decoder family our LLM's options say it is."""
-    return DECODERS["qwen2" if cfg.model.llm.attn_bias == "qkv" else "llama"]
+    llm = cfg.model.llm
+    if llm.moe.enabled:
+        return DECODERS["qwen3_moe" if llm.qk_norm else "qwen2_moe"]
+    if llm.qk_norm:
+        return DECODERS["qwen3"]
+    return DECODERS["qwen2" if llm.attn_bias == "qkv" else "llama"]
 
 
 def nested(config: dict, model_type: str | None = None) -> dict:

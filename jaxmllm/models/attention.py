@@ -26,7 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxmllm.config.remat import QKV
 from jaxmllm.models import blocksparse, cudnn
 from jaxmllm.models import context as ctx
-from jaxmllm.models.layers import ROPE, Dense
+from jaxmllm.models.layers import ROPE, Dense, RMSNorm
 from jaxmllm.models.lora import Adapter
 
 
@@ -117,6 +117,8 @@ class Attention(nnx.Module):
         *,
         head_dim: int = 0,
         bias: str = "",
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
         rope: str = "1d",
         rope_theta: float = 10000.0,
         rope_scaling: Any = None,
@@ -127,9 +129,10 @@ class Attention(nnx.Module):
         rngs: nnx.Rngs,
     ):
         """`head_dim` 0 = width / heads; `bias`: which of the q, k, v, o projections have one;
-        `rope`: 1d | 2d | mrope (`rope_sections`) | none (positions enter elsewhere);
-        `rope_scaling` as `rope_frequencies`; `lora`: adapters of the projections it names
-        (q, k, v, o)."""
+        `qk_norm`: an RMSNorm (epsilon `norm_eps`) over each head's queries and keys before the
+        rotary positions (Qwen3); `rope`: 1d | 2d | mrope (`rope_sections`) | none (positions
+        enter elsewhere); `rope_scaling` as `rope_frequencies`; `lora`: adapters of the
+        projections it names (q, k, v, o)."""
         assert heads % kv_heads == 0, (heads, kv_heads)
         head_dim = head_dim or width // heads
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -139,6 +142,11 @@ class Attention(nnx.Module):
         self.key = Dense(width, (kv_heads, head_dim), qkv, **own("k"))
         self.value = Dense(width, (kv_heads, head_dim), qkv, **own("v"))
         self.out = Dense((heads, head_dim), width, ("heads", "head_dim", "embed"), **own("o"))
+        if qk_norm:
+            norm = dict(eps=norm_eps, dtype=dtype, param_dtype=param_dtype, axis="head_dim")
+            self.q_norm, self.k_norm = RMSNorm(head_dim, **norm), RMSNorm(head_dim, **norm)
+        else:
+            self.q_norm = self.k_norm = None
         self.kv_heads = kv_heads
         self.rope = rope
         self.rope_theta = rope_theta
@@ -207,4 +215,7 @@ class Attention(nnx.Module):
         rotate = lambda x: ROPE[self.rope](
             x, positions, self.rope_theta, self.rope_scaling, **extra
         )
-        return rotate(self.query(x_btd)), rotate(self.key(x_btd)), self.value(x_btd)
+        q_bthe, k_bthe = self.query(x_btd), self.key(x_btd)
+        if self.q_norm is not None:  # (QK-norm: each head's queries and keys, before rotary)
+            q_bthe, k_bthe = self.q_norm(q_bthe), self.k_norm(k_bthe)
+        return rotate(q_bthe), rotate(k_bthe), self.value(x_btd)

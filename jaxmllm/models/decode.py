@@ -35,24 +35,27 @@ from jaxmllm.models.mllm import MultimodalLM
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Cache:
-    """Every decoder layer's keys and values, stacked like the layers' parameters."""
+    """Every decoder layer's keys and values, stacked like the layers' parameters: per kind of
+    layer (one, `""`, unless a mixture of experts stacks its MoE and dense layers apart)."""
 
-    k: jax.Array  # [depth, B, S, kv_heads, head_dim] in the compute dtype
-    v: jax.Array
+    k: dict[str, jax.Array]  # kind -> [its layers, B, S, kv_heads, head_dim], compute dtype
+    v: dict[str, jax.Array]
 
     @property
     def length(self) -> int:
         """S: the most tokens (prompt and generated) a row can hold."""
-        return self.k.shape[2]
+        return next(iter(self.k.values())).shape[2]
 
 
 def empty_cache(model: MultimodalLM, rows: int, length: int) -> Cache:
     """A zero cache for `rows` prompts of at most `length` tokens in all."""
-    kernel = model.llm.transformer.blocks.attn.key.kernel  # [depth, width, kv_heads, head_dim]
-    depth, _, kv_heads, head_dim = kernel.shape
-    dtype = model.llm.transformer.blocks.attn.dtype
-    zeros = jnp.zeros((depth, rows, length, kv_heads, head_dim), dtype)
-    return Cache(zeros, zeros)
+    transformer = model.llm.transformer
+    k, v = {}, {}
+    for kind in transformer.kinds:
+        attn = transformer.stack(kind).attn
+        depth, _, kv_heads, head_dim = attn.key.kernel.shape  # [layers, width, kv, head_dim]
+        k[kind] = v[kind] = jnp.zeros((depth, rows, length, kv_heads, head_dim), attn.dtype)
+    return Cache(k, v)
 
 
 def prefill(model: MultimodalLM, mb: dict[str, jax.Array], length: int) -> tuple[jax.Array, Cache]:
@@ -99,7 +102,7 @@ def step(
     """
     x_b1w = model.llm.embed(tokens_b[:, None])
     positions_b1 = (index_b if positions_b is None else positions_b)[:, None]
-    if model.llm.transformer.blocks.attn.rope == "mrope":
+    if model.llm.transformer.stack(model.llm.transformer.kinds[0]).attn.rope == "mrope":
         positions_b1 = jnp.repeat(positions_b1[..., None], 3, axis=-1)  # [B, 1, 3]
     h_b1w, cache = _decode(model, x_b1w, positions_b1, index_b, cache)
     return model.llm.logits(h_b1w)[:, 0], cache
@@ -112,14 +115,14 @@ def _decode(
     start_b, start_b + 1, ... (rotary positions [B, T], or [B, T, 3] with M-RoPE); returns
     the final hidden states [B, T, width] and the cache."""
     transformer = model.llm.transformer
-    graphdef, stacked = nnx.split(transformer.blocks)
+    graphdefs = {k: nnx.graphdef(transformer.stack(k)) for k in transformer.kinds}
     t, s = x_btw.shape[1], cache.length
     index_bt = start_b[:, None] + jnp.arange(t)
     mask_b1ts = (jnp.arange(s)[None, None, :] <= index_bt[:, :, None])[:, None]
 
-    def layer(x_btw, xs):
-        block_state, k_bske, v_bske = xs
-        block = nnx.merge(graphdef, block_state)
+    def layer(kind, block_state, x_btw, kv, _):
+        k_bske, v_bske = kv
+        block = nnx.merge(graphdefs[kind], block_state)
         q_bthe, k_bthe, v_bthe = block.attn.project(block.attn_norm(x_btw), positions_bt)
         k_bske = _write(k_bske, k_bthe, start_b)
         v_bske = _write(v_bske, v_bthe, start_b)
@@ -127,7 +130,10 @@ def _decode(
         x_btw = x_btw + block.attn.out(out_bthe.astype(block.attn.dtype))
         return x_btw + block.mlp(block.mlp_norm(x_btw)), (k_bske, v_bske)
 
-    x_btw, (k, v) = jax.lax.scan(layer, x_btw, (stacked, cache.k, cache.v))
+    kv = {kind: (cache.k[kind], cache.v[kind]) for kind in transformer.kinds}
+    x_btw, ys = transformer.scan(layer, x_btw, kv)
+    k = {kind: y[0] for kind, y in ys.items()}
+    v = {kind: y[1] for kind, y in ys.items()}
     return transformer.final_norm(x_btw), Cache(k, v)
 
 

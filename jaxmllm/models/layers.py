@@ -165,8 +165,10 @@ class RMSNorm(nnx.Module):
         eps: float = NORM_EPS,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
+        axis: str = "embed",
     ):
-        self.scale = nnx.Param(jnp.ones((width,), param_dtype), axes=("embed",))
+        """`axis`: the scale's logical axis (a head's width: head_dim, QK-norm's)."""
+        self.scale = nnx.Param(jnp.ones((width,), param_dtype), axes=(axis,))
         self.eps = eps
         self.dtype = dtype
 
@@ -181,7 +183,8 @@ class LayerNorm(RMSNorm):
 
     def __init__(self, width: int, **kw):
         super().__init__(width, **kw)
-        self.bias = nnx.Param(jnp.zeros_like(self.scale[...]), axes=("embed",))
+        axes = self.scale.get_metadata()["axes"]
+        self.bias = nnx.Param(jnp.zeros_like(self.scale[...]), axes=axes)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
@@ -191,7 +194,7 @@ class LayerNorm(RMSNorm):
         return (x32 * scale + bias).astype(self.dtype)
 
 
-NORMS = {"rms": RMSNorm, "layer": LayerNorm}  # config.model.NORMS names these
+NORMS = {"rms": RMSNorm, "layer": LayerNorm}  # config.blocks.NORMS names these
 
 
 # ----------------------------------------------------------------------------- rotary
@@ -201,7 +204,7 @@ def rope_frequencies(dim: int, theta: float, scaling: Any = None) -> np.ndarray:
     """Angular frequencies of a rotary embedding over `dim` features (`dim // 2` of them).
 
     `theta ** (-2i / dim)`, optionally scaled as HF's `rope_scaling` does (`scaling`: a
-    `jaxmllm.config.model.RopeScaling`): linear divides every frequency by the factor; llama3
+    `jaxmllm.config.decoder.RopeScaling`): linear divides every frequency by the factor; llama3
     divides the low frequencies (wavelengths past original / low_freq_factor) by it, keeps the
     high ones (wavelengths under original / high_freq_factor) and blends in between. Computed
     in float64 on the host: the frequencies are constants of the program.
@@ -357,7 +360,7 @@ class MLP(nnx.Module):
 
 
 def make_mlp(kind: str, width: int, mlp_dim: int, *, use_bias: bool, **kw) -> nnx.Module:
-    """The block MLP `kind` names (`config.model.MLPS`); `lora` in `kw`: the adapters of the
+    """The block MLP `kind` names (`config.blocks.MLPS`); `lora` in `kw`: the adapters of the
     matrices it names (the others are the attention's)."""
     if kind == "gated_silu":
         return GatedMLP(width, mlp_dim, use_bias=use_bias, **kw)

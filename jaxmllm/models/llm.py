@@ -1,11 +1,14 @@
 """Llama-style decoder: RMSNorm, RoPE, grouped-query attention, gated MLP; and its loss.
 
 The same module holds the HF decoder families it imports (Llama 3.x with its rope scaling,
-Qwen2 / Qwen2.5 with q/k/v biases): their differences are `LLMConfig` options.
+Qwen2 / Qwen2.5 with q/k/v biases, Qwen3 with QK-norm, Qwen3-MoE and Qwen2-MoE with their
+experts): their differences are `LLMConfig` options. A mixture-of-experts decoder's layers are
+of two kinds, `moe` and `dense` (`model.llm.moe.every`, `dense_layers`), stacked apart.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -16,7 +19,8 @@ from jaxmllm.config import LLMConfig
 from jaxmllm.models.attention import Packing, packing
 from jaxmllm.models.layers import Dense, Embed
 from jaxmllm.models.loss import Head, loss_sum
-from jaxmllm.models.transformer import BlockSpec, Transformer
+from jaxmllm.models.moe import MoESpec, RouterStats
+from jaxmllm.models.transformer import BlockSpec, Transformer, layer_places
 from jaxmllm.models.vocab import vocab_axes
 
 
@@ -53,7 +57,10 @@ class Decoder(nnx.Module):
             rope_scaling=cfg.rope_scaling,
             rope_sections=tuple(cfg.mrope_section),
         )
-        self.transformer = Transformer(cfg.depth, spec, remat=remat, **kw)
+        kinds, pattern = layer_kinds(cfg, spec)
+        self.transformer = Transformer(
+            cfg.depth, spec, remat=remat, kinds=kinds, pattern=pattern, **kw
+        )
         self.lm_head = (
             None
             if cfg.tie_embeddings
@@ -100,7 +107,20 @@ class Decoder(nnx.Module):
         Returns:
           Final hidden states [B, T, width] in the compute dtype.
         """
-        return self.transformer(x_btd, self.packing(segment_ids_bt, tiles_bk2), positions_bt)
+        return self.hidden_and_router(x_btd, segment_ids_bt, positions_bt, tiles_bk2)[0]
+
+    def hidden_and_router(
+        self,
+        x_btd: jax.Array,
+        segment_ids_bt: jax.Array,
+        positions_bt: jax.Array,
+        tiles_bk2: jax.Array | None = None,
+    ) -> tuple[jax.Array, RouterStats | None]:
+        """`hidden`, and the MoE layers' router statistics ([MoE layers, ...]; None for a
+        dense decoder)."""
+        pack = self.packing(segment_ids_bt, tiles_bk2)
+        h, stats = self.transformer.run(x_btd, pack, positions_bt)
+        return self.transformer.norm(h), stats
 
     def packing(self, segment_ids_bt: jax.Array, tiles_bk2: jax.Array | None = None) -> Packing:
         """Causal attention within each packed document (arguments as in `__call__`)."""
@@ -126,6 +146,31 @@ class Decoder(nnx.Module):
         if self.lm_head is None:
             return self.embed.attend(h_btd) / self.tied_divisor
         return self.lm_head(h_btd)
+
+
+def stacks(cfg: LLMConfig) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The decoder's stacks of layers: (attribute under `transformer`, kind, the layers in it):
+    one `blocks` of every layer, or a mixture of experts' MoE and dense layers apart
+    (`layer_kinds`)."""
+    if not cfg.moe.enabled:
+        return [("blocks", "dense", tuple(range(cfg.depth)))]
+    pattern = [("moe" if cfg.moe.is_moe(i) else "dense") for i in range(cfg.depth)]
+    places = layer_places(pattern)
+    out = []
+    for kind in dict.fromkeys(pattern):
+        ids = tuple(i for i, k in enumerate(pattern) if k == kind)
+        out.append((places[ids[0]][0], kind, ids))
+    return out
+
+
+def layer_kinds(cfg: LLMConfig, spec: BlockSpec) -> tuple[dict | None, tuple[str, ...]]:
+    """({kind: BlockSpec}, each layer's kind) of a decoder: `moe` and `dense` layers for a
+    mixture of experts, (None, ()) for one kind of layer."""
+    if not cfg.moe.enabled:
+        return None, ()
+    pattern = tuple("moe" if cfg.moe.is_moe(i) else "dense" for i in range(cfg.depth))
+    specs = {"moe": dataclasses.replace(spec, moe=MoESpec.of(cfg.moe)), "dense": spec}
+    return {k: specs[k] for k in dict.fromkeys(pattern)}, pattern
 
 
 def chunked_token_losses(

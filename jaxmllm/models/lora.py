@@ -158,19 +158,3 @@ def dropped(x: jax.Array, rate: float) -> jax.Array:
         return x
     keep = jax.random.bernoulli(scope.next(), 1.0 - rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros((), x.dtype)).astype(x.dtype)
-
-
-def kernel_paths(model) -> dict[str, tuple[str, str]]:
-    """Every kernel with an adapter under a `config.ModelConfig` (its `model.*.lora`):
-    path -> (top-level module, target), from the config alone."""
-    out = {}
-    for module in ("vision", "vision_projector", "audio", "audio_projector", "llm"):
-        tower = module.removesuffix("_projector")
-        if tower != "llm" and not getattr(model, tower).enabled:
-            continue
-        projector = module.endswith("_projector")
-        for target in model.adapted(module):
-            where = PROJECTOR_PATHS[target] if projector else BLOCK_PATHS[target]
-            stack = () if projector else ("transformer", "blocks")
-            out["/".join((module, *stack, *where, "kernel"))] = (module, target)
-    return out

@@ -24,7 +24,8 @@ from jaxmllm.config.spec import BatchSpec
 from jaxmllm.models.context import gather_rows
 from jaxmllm.models.encoders import ENCODER_MODULES
 from jaxmllm.models.layers import Axes
-from jaxmllm.models.llm import Decoder, chunked_token_losses
+from jaxmllm.models.llm import Decoder, chunked_token_losses, stacks
+from jaxmllm.models.lora import BLOCK_PATHS, PROJECTOR_PATHS
 from sharding import DATA_AXES, STAGE_AXIS
 
 
@@ -86,20 +87,32 @@ class MultimodalLM(nnx.Module):
     def losses(self, mb: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         """(summed masked cross entropy, loss-token count) of one microbatch; the logits are
         projected a slice of tokens at a time (`model.llm.logits_chunk`)."""
-        h_drlw = self.hidden(mb)
+        return self.losses_and_router(mb)[:2]
+
+    def losses_and_router(self, mb: dict[str, jax.Array]) -> tuple:
+        """`losses`, and the decoder's MoE router statistics (`moe.RouterStats` per MoE layer;
+        None for a dense decoder): what the load-balancing loss is made of."""
+        h_drlw, stats = self.hidden_and_router(mb)
         d, width = h_drlw.shape[0], h_drlw.shape[-1]
-        return chunked_token_losses(
+        loss_sum, count = chunked_token_losses(
             self.llm,
             h_drlw.reshape(d, -1, width),
             mb["llm_targets"].reshape(d, -1),
             mb["llm_loss_mask"].reshape(d, -1),
         )
+        return loss_sum, count, stats
 
     def hidden(self, mb: dict[str, jax.Array]) -> jax.Array:
         """The decoder's final hidden states [D, R, L, width] for one microbatch."""
+        return self.hidden_and_router(mb)[0]
+
+    def hidden_and_router(self, mb: dict[str, jax.Array]) -> tuple:
+        """`hidden`, and the decoder's MoE router statistics (None for a dense decoder)."""
         x_bsw, segment_ids_bs, positions_bs = self.decoder_inputs(mb)
-        h = self.llm.hidden(x_bsw, segment_ids_bs, positions_bs, mb.get("llm_tiles"))
-        return h.reshape(*mb["llm_tokens"].shape, -1)
+        h, stats = self.llm.hidden_and_router(
+            x_bsw, segment_ids_bs, positions_bs, mb.get("llm_tiles")
+        )
+        return h.reshape(*mb["llm_tokens"].shape, -1), stats
 
     def decoder_inputs(
         self, mb: dict[str, jax.Array], rows: dict[str, jax.Array] | None = None
@@ -380,3 +393,38 @@ def _axes_of(variable: nnx.Variable) -> Axes:
     if axes is None:  # non-parameter state (none today): never sharded
         return (None,) * len(variable.get_value().shape)
     return tuple(axes)
+
+
+SHARED_EXPERT = {"gate": ("shared", "gate"), "up": ("shared", "up"), "down": ("shared", "down")}
+
+
+def kernel_paths(model: ModelConfig) -> dict[str, tuple[str, str]]:
+    """Every kernel with an adapter under a `config.ModelConfig` (its `model.*.lora`):
+    path -> (top-level module, target), from the config alone. In a mixture-of-experts
+    decoder the MLP targets (gate, up, down) are its dense layers' and its shared expert's
+    (the routed experts take none)."""
+    out = {}
+    for module in ("vision", "vision_projector", "audio", "audio_projector", "llm"):
+        tower = module.removesuffix("_projector")
+        if tower != "llm" and not getattr(model, tower).enabled:
+            continue
+        for target in model.adapted(module):
+            for where in _kernel_places(model, module, target):
+                out["/".join((module, *where, "kernel"))] = (module, target)
+    return out
+
+
+def _kernel_places(model: ModelConfig, module: str, target: str) -> list[tuple[str, ...]]:
+    """Where a target's kernels sit under a top-level module (none, one or one per stack)."""
+    if module.endswith("_projector"):
+        return [PROJECTOR_PATHS[target]]
+    if module != "llm":
+        return [("transformer", "blocks", *BLOCK_PATHS[target])]
+    out = []
+    for stack, kind, _ in stacks(model.llm):
+        if kind == "moe" and target in SHARED_EXPERT:
+            if model.llm.moe.shared_mlp_dim:
+                out.append(("transformer", stack, "mlp", *SHARED_EXPERT[target]))
+        else:
+            out.append(("transformer", stack, *BLOCK_PATHS[target]))
+    return out

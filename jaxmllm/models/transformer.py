@@ -2,22 +2,31 @@
 
 Each transformer is ONE `Block` whose parameters are stacked on a leading `layers` axis and
 applied with `jax.lax.scan`, so the compiled program holds one block whatever the depth.
+
+A decoder whose layers differ in kind (a mixture-of-experts decoder with dense layers among its
+MoE ones) stacks each kind's layers apart (`blocks` the main kind's, `<kind>_blocks` the
+others') and runs them as a few scans over repeating units of kinds (`segments`): one scan for
+[dense, moe] x 24, two for a dense layer before 47 MoE ones; a block is compiled once per kind
+and segment.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxmllm.config.remat import REMAT_POLICIES
 from jaxmllm.models import lora
 from jaxmllm.models.attention import Attention, Packing
 from jaxmllm.models.layers import NORMS, make_mlp
+from jaxmllm.models.moe import MoE, MoESpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,16 +43,18 @@ class BlockSpec:
     mlp: str = "gated_silu"  # layers.make_mlp
     attn_bias: str = ""  # projections with a bias, of "qkvo"
     mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before rotary
     rope: str = "1d"  # layers.ROPE: 1d | 2d | none
     rope_theta: float = 10000.0
-    rope_scaling: Any = None  # config.model.RopeScaling, or None
+    rope_scaling: Any = None  # config.decoder.RopeScaling, or None
     rope_sections: tuple[int, ...] = ()  # mrope: frequencies turned by time, row, column
     # LoRA adapters: (target, lora.Adapter) of the matrices that have one (q, k, v, o, ...)
     lora: tuple[tuple[str, lora.Adapter], ...] = ()
+    moe: MoESpec | None = None  # the MLP is a mixture of experts (models.moe)
 
     @classmethod
     def of(cls, cfg: Any, *, kv_heads: int | None = None, rope: str, **extra) -> BlockSpec:
-        """The spec of a tower config (`config.model.BlockOptions` + width, heads, ...)."""
+        """The spec of a tower config (`config.blocks.BlockOptions` + width, heads, ...)."""
         return cls(
             lora=lora.adapters(cfg.lora, cfg.adapter_targets),
             width=cfg.width,
@@ -55,6 +66,7 @@ class BlockSpec:
             mlp=cfg.mlp,
             attn_bias=cfg.attn_bias,
             mlp_bias=cfg.mlp_bias,
+            qk_norm=cfg.qk_norm,
             rope=rope,
             rope_theta=cfg.rope_theta,
             **extra,
@@ -84,6 +96,8 @@ class Block(nnx.Module):
             spec.kv_heads,
             head_dim=spec.head_dim,
             bias=spec.attn_bias,
+            qk_norm=spec.qk_norm,
+            norm_eps=spec.norm_eps,
             rope=spec.rope,
             rope_theta=spec.rope_theta,
             rope_scaling=spec.rope_scaling,
@@ -93,19 +107,29 @@ class Block(nnx.Module):
             **kw,
         )
         self.mlp_norm = spec.norm_layer(**kw)
-        self.mlp = make_mlp(
-            spec.mlp,
-            spec.width,
-            spec.mlp_dim,
-            use_bias=spec.mlp_bias,
-            lora=adapters,
-            rngs=rngs,
-            **kw,
-        )
+        if spec.moe is not None:
+            self.mlp = MoE(spec.width, spec.moe, lora=adapters, rngs=rngs, **kw)
+        else:
+            self.mlp = make_mlp(
+                spec.mlp,
+                spec.width,
+                spec.mlp_dim,
+                use_bias=spec.mlp_bias,
+                lora=adapters,
+                rngs=rngs,
+                **kw,
+            )
 
     def __call__(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> jax.Array:
+        return self.forward(x_btd, pack, positions)[0]
+
+    def forward(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> tuple:
+        """(the block's output, its router's statistics: `moe.RouterStats`, None when dense)."""
         x_btd = x_btd + self.attn(self.attn_norm(x_btd), pack, positions)
-        return x_btd + self.mlp(self.mlp_norm(x_btd))
+        if isinstance(self.mlp, MoE):
+            y, stats = self.mlp.routed(self.mlp_norm(x_btd), pack.segment_ids > 0)
+            return x_btd + y, stats
+        return x_btd + self.mlp(self.mlp_norm(x_btd)), None
 
 
 def remat_policy(name: str) -> Callable | None:
@@ -124,6 +148,67 @@ def remat_policy(name: str) -> Callable | None:
     return jax.checkpoint_policies.save_only_these_names(*policy.names)
 
 
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Layers [start, start + len(unit) x repeats) of a transformer: `unit`'s kinds, repeated
+    (one scan of `repeats` steps, each step the unit's blocks in order)."""
+
+    start: int
+    unit: tuple[str, ...]
+    repeats: int
+
+
+def segments(pattern: Sequence[str], longest_unit: int = 8) -> tuple[Segment, ...]:
+    """The layers of `pattern` (each layer's kind) as scans over repeating units, the fewest
+    blocks compiled (a unit's length, plus one a segment): [a] x 48 is one segment of unit
+    (a,), [a, b] x 24 one of (a, b), [b] + [a] x 47 two."""
+    n = len(pattern)
+    if len(set(pattern)) <= 1:
+        return (Segment(0, tuple(pattern[:1]), n),) if n else ()
+    best = [0] + [math.inf] * n
+    choice: list[tuple[int, int]] = [(0, 0)] * (n + 1)
+    for end in range(1, n + 1):
+        for p in range(1, min(longest_unit, end) + 1):
+            start = end - p
+            while start >= 0:  # [start, end) repeats its first p kinds
+                cost = best[start] + p + 1
+                if cost < best[end]:
+                    best[end], choice[end] = cost, (start, p)
+                before = start - p
+                if before < 0 or pattern[before:start] != pattern[start : start + p]:
+                    break
+                start = before
+    out, end = [], n
+    while end:
+        start, p = choice[end]
+        out.append(Segment(start, tuple(pattern[start : start + p]), (end - start) // p))
+        end = start
+    return tuple(reversed(out))
+
+
+def stack_name(kind: str, main: str) -> str:
+    """The attribute holding a kind's stacked layers: `blocks` for the main kind."""
+    return "blocks" if kind == main else f"{kind}_blocks"
+
+
+def layer_places(pattern: Sequence[str]) -> list[tuple[str, int]]:
+    """Each layer's (stack attribute, index in it); the first layer's kind... is not the main
+    one: the main kind is `pattern`'s `main_kind`."""
+    main = main_kind(pattern)
+    seen: dict[str, int] = {}
+    out = []
+    for kind in pattern:
+        out.append((stack_name(kind, main), seen.get(kind, 0)))
+        seen[kind] = seen.get(kind, 0) + 1
+    return out
+
+
+def main_kind(pattern: Sequence[str]) -> str:
+    """The kind whose layers are `blocks`: the most common (the first of those tied)."""
+    counts = {k: list(pattern).count(k) for k in dict.fromkeys(pattern)}
+    return max(counts, key=counts.get) if counts else ""
+
+
 class Transformer(nnx.Module):
     """A stack of pre-norm blocks scanned over a leading `layers` axis, then a final norm.
 
@@ -134,6 +219,8 @@ class Transformer(nnx.Module):
     `final_norm` False: no norm after the blocks (a tower read before its last norm).
     `full_layers`: with a `local` packing given to `layers`, the layers that attend by `pack`
     (the others by `local`: windows within the documents); one block is compiled per packing.
+    `kinds`: layers of several kinds, {kind: its BlockSpec}, and `pattern` each layer's kind:
+    each kind's layers stacked apart (`stack_name`), run as `segments` (module docstring).
     """
 
     def __init__(
@@ -144,6 +231,8 @@ class Transformer(nnx.Module):
         remat: str = "none",
         final_norm: bool = True,
         full_layers: tuple[int, ...] = (),
+        kinds: dict[str, BlockSpec] | None = None,
+        pattern: tuple[str, ...] = (),
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
@@ -151,10 +240,18 @@ class Transformer(nnx.Module):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat {remat!r} is not one of {', '.join(REMAT_POLICIES)}")
         kw = dict(dtype=dtype, param_dtype=param_dtype)
+        kinds = kinds or {"": spec}
+        pattern = tuple(pattern) or ("",) * depth
+        assert len(pattern) == depth and set(pattern) <= set(kinds), (pattern, list(kinds))
         # Layer by layer from the shared RNG stream, then stacked: every layer draws exactly
         # what separate blocks drew (init runs once; only the train step must not grow).
-        layers = [Block(spec, rngs=rngs, **kw) for _ in range(depth)]
-        self.blocks = stack_modules(layers, "layers")
+        layers = [Block(kinds[kind], rngs=rngs, **kw) for kind in pattern]
+        self.main = main_kind(pattern)
+        self.kinds = tuple(dict.fromkeys(pattern))  # in order of first use
+        for kind in self.kinds:
+            own = [layer for layer, k in zip(layers, pattern, strict=True) if k == kind]
+            setattr(self, stack_name(kind, self.main), stack_modules(own, "layers"))
+        self.pattern = pattern
         self.final_norm = spec.norm_layer(**kw) if final_norm else None
         self.remat = remat
         self.full_layers = tuple(full_layers)
@@ -168,6 +265,26 @@ class Transformer(nnx.Module):
         """The final norm (none: x as it is)."""
         return x_btd if self.final_norm is None else self.final_norm(x_btd)
 
+    def stack(self, kind: str) -> nnx.Module:
+        """A kind's stacked layers."""
+        return getattr(self, stack_name(kind, self.main))
+
+    def _block_fn(self, kind: str, positions: jax.Array) -> tuple[Callable, Any, Any]:
+        """(block(x, state, layer index, pack) -> (x, stats), graphdef, stacked state) of a
+        kind's stack, rematerialised under the policy."""
+        graphdef, stacked = nnx.split(self.stack(kind))
+
+        def block(x_btd, block_state, j, pack):
+            with lora.salted(j):
+                return nnx.merge(graphdef, block_state).forward(x_btd, pack, positions)
+
+        policy = remat_policy(self.remat)
+        if policy is not None:
+            # Inside a scan XLA cannot merge the recomputation with the forward pass, so the
+            # guard against that (prevent_cse) would only block optimisations.
+            block = jax.checkpoint(block, policy=policy, prevent_cse=False)
+        return block, graphdef, stacked
+
     def layers(
         self,
         x_btd: jax.Array,
@@ -179,42 +296,119 @@ class Transformer(nnx.Module):
         """The stacked blocks without the final norm; with `count`, only the first `count`
         (a pipeline stage's slab of layers padded to the largest stage's); with `local`, the
         layers outside `full_layers` attend by it."""
-        graphdef, stacked = nnx.split(self.blocks)
-        depth = jax.tree.leaves(stacked)[0].shape[0]
-        index = jnp.arange(depth)  # (each layer folds its own into the adapters' dropout key)
-
-        def block(x_btd, block_state, j, pack=pack):
-            with lora.salted(j):
-                return nnx.merge(graphdef, block_state)(x_btd, pack, positions)
-
-        policy = remat_policy(self.remat)
-        if policy is not None:
-            # Inside a scan XLA cannot merge the recomputation with the forward pass, so the
-            # guard against that (prevent_cse) would only block optimisations.
-            block = jax.checkpoint(block, policy=policy, prevent_cse=False)
-        if local is not None:
-            assert count is None, "windowed layers do not run in pipeline stages"
-            full = jnp.asarray([i in self.full_layers for i in range(depth)])
-
-            def either(x_btd, step):  # the layer's own packing: whole documents or windows
-                block_state, is_full, j = step
-                whole = lambda x: block(x, block_state, j, pack)
-                windowed = lambda x: block(x, block_state, j, local)
-                return jax.lax.cond(is_full, whole, windowed, x_btd), None
-
-            x_btd, _ = jax.lax.scan(either, x_btd, (stacked, full, index))
-            return x_btd
         if count is None:
-            x_btd, _ = jax.lax.scan(lambda x, xs: (block(x, *xs), None), x_btd, (stacked, index))
-            return x_btd
+            return self.run(x_btd, pack, positions, local=local)[0]
+        assert len(self.kinds) == 1 and local is None, "pipelined stacks are of one kind"
+        block, _, stacked = self._block_fn(self.kinds[0], positions)
+        depth = jax.tree.leaves(stacked)[0].shape[0]
 
         def masked(x_btd, step):  # a padding slot is skipped, not computed
             j, block_state = step
+            run = lambda x, state, j: block(x, state, j, pack)[0]
             skip = lambda x, *_: x
-            return jax.lax.cond(j < count, block, skip, x_btd, block_state, j), None
+            return jax.lax.cond(j < count, run, skip, x_btd, block_state, j), None
 
-        x_btd, _ = jax.lax.scan(masked, x_btd, (index, stacked))
+        x_btd, _ = jax.lax.scan(masked, x_btd, (jnp.arange(depth), stacked))
         return x_btd
+
+    def run(
+        self,
+        x_btd: jax.Array,
+        pack: Packing,
+        positions: jax.Array,
+        local: Packing | None = None,
+    ) -> tuple[jax.Array, Any]:
+        """The blocks without the final norm, and the MoE layers' router statistics stacked in
+        layer order (`moe.RouterStats` [MoE layers, ...]; None without MoE layers)."""
+        if local is not None:
+            return self._windowed(x_btd, pack, positions, local)
+        fns = {k: self._block_fn(k, positions)[0] for k in self.kinds}
+        step = lambda kind, state, x, _, j: fns[kind](x, state, j, pack)
+        x_btd, ys = self.scan(step, x_btd)
+        found = [(k, y) for k, y in ys.items() if y is not None]
+        if not found:
+            return x_btd, None
+        # (each kind's in its layers' order; several kinds with statistics: back in layer order)
+        stats = jax.tree.map(lambda *a: jnp.concatenate(a), *(y for _, y in found))
+        kinds = [k for k, _ in found]
+        layers = [i for k in kinds for i, kind in enumerate(self.pattern) if kind == k]
+        if layers != sorted(layers):
+            stats = jax.tree.map(lambda a: a[jnp.asarray(np.argsort(layers))], stats)
+        return x_btd, stats
+
+    def scan(self, step: Callable, x_btd: jax.Array, extra: dict | None = None) -> tuple:
+        """Every layer in order: `step(kind, block_state, x, extra_j, j) -> (x, y)` for layer j
+        (`block_state`: its parameters; `extra_j`: its slice of `extra[kind]`, arrays stacked
+        like the kind's layers, e.g. a KV cache). Returns (x, {kind: ys stacked like its
+        layers}); one scan per segment (`segments`)."""
+        extra = extra or {}
+        states = {k: nnx.split(self.stack(k))[1] for k in self.kinds}
+        if len(self.kinds) == 1:
+            (kind,) = self.kinds
+            depth = jax.tree.leaves(states[kind])[0].shape[0]  # (a pipeline stage's slab)
+            body = lambda x, xs: step(kind, xs[0], x, xs[1], xs[2])
+            x_btd, ys = jax.lax.scan(
+                body, x_btd, (states[kind], extra.get(kind), jnp.arange(depth))
+            )
+            return x_btd, {kind: ys}
+        found: dict[str, list] = {k: [] for k in self.kinds}
+        offsets = dict.fromkeys(self.kinds, 0)
+        for seg in segments(self.pattern):
+            xs = {}
+            for kind in dict.fromkeys(seg.unit):
+                n, at, reps = seg.unit.count(kind), offsets[kind], seg.repeats
+                cut = lambda a, at=at, n=n, reps=reps: a[at : at + n * reps].reshape(
+                    reps, n, *a.shape[1:]
+                )
+                xs[kind] = jax.tree.map(cut, (states[kind], extra.get(kind)))
+                offsets[kind] = at + n * reps
+
+            def unit(x_btd, xs_r, seg=seg):
+                xs, r = xs_r
+                seen: dict[str, int] = {}
+                ys: dict[str, list] = {k: [] for k in xs}
+                for j, kind in enumerate(seg.unit):
+                    o = seen.get(kind, 0)
+                    seen[kind] = o + 1
+                    state, more = jax.tree.map(lambda a, o=o: a[o], xs[kind])
+                    x_btd, y = step(kind, state, x_btd, more, seg.start + r * len(seg.unit) + j)
+                    ys[kind].append(y)
+                # [unit's layers of a kind] per kind, stacked in their order
+                return x_btd, {k: _stacked(v) for k, v in ys.items()}
+
+            x_btd, ys = jax.lax.scan(unit, x_btd, (xs, jnp.arange(seg.repeats)))
+            for kind, y in ys.items():  # [repeats, n, ...] -> the kind's layers in order
+                found[kind].append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), y))
+        return x_btd, {k: _concatenated(v) for k, v in found.items()}
+
+    def _windowed(self, x_btd, pack, positions, local):
+        """`run` with `local`: each layer by its own packing (whole documents or windows)."""
+        assert len(self.kinds) == 1, "windowed layers are of one kind"
+        block, _, stacked = self._block_fn(self.kinds[0], positions)
+        depth = jax.tree.leaves(stacked)[0].shape[0]
+        full = jnp.asarray([i in self.full_layers for i in range(depth)])
+
+        def either(x_btd, step):
+            block_state, is_full, j = step
+            whole = lambda x: block(x, block_state, j, pack)
+            windowed = lambda x: block(x, block_state, j, local)
+            return jax.lax.cond(is_full, whole, windowed, x_btd)
+
+        return jax.lax.scan(either, x_btd, (stacked, full, jnp.arange(depth)))
+
+
+def _stacked(ys: list) -> Any:
+    """One kind's outputs in a unit, stacked on a new leading axis (None when they are)."""
+    if not ys or ys[0] is None:
+        return None
+    return jax.tree.map(lambda *a: jnp.stack(a), *ys)
+
+
+def _concatenated(found: list) -> Any:
+    """Segments' stacked outputs, one after another (None when there are none)."""
+    if not found or found[0] is None:
+        return None
+    return jax.tree.map(lambda *a: jnp.concatenate(a), *found)
 
 
 def stack_modules(modules: Sequence[nnx.Module], axis_name: str) -> nnx.Module:

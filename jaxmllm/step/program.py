@@ -22,7 +22,7 @@ import sharding
 from jaxmllm.config import Config
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.config.spec import BatchSpec
-from jaxmllm.models import MultimodalLM, lora, param_axes
+from jaxmllm.models import MultimodalLM, lora, moe, param_axes
 
 # Top-level model attributes, and the config switch that freezes each: per encoder phase its
 # encoder (model.<phase>.freeze) and projector (model.projector_freeze), then the LLM. An encoder
@@ -188,18 +188,44 @@ def decay_mask(params: dict) -> dict:
 # ----------------------------------------------------------------------------- train step
 
 
-def make_loss_and_grads(parts: ModelParts) -> Callable:
-    """(params, frozen, batch [M, D, ...]) -> (loss, grads) over all microbatches of a step.
+@dataclasses.dataclass(frozen=True)
+class RouterLoss:
+    """A mixture-of-experts decoder's router losses (`model.llm.moe`): their coefficients and
+    the decoder layers they come from (for the per-layer load in the metrics)."""
+
+    aux: float  # moe.aux_loss_coef: the load-balancing loss's weight
+    z: float  # moe.z_loss_coef
+    layers: tuple[int, ...]  # the MoE layers, in order
+
+    @classmethod
+    def of(cls, cfg: Config) -> RouterLoss | None:
+        llm = cfg.model.llm
+        if not llm.moe.enabled:
+            return None
+        return cls(llm.moe.aux_loss_coef, llm.moe.z_loss_coef, llm.moe_layers)
+
+
+def make_loss_and_grads(parts: ModelParts, router: RouterLoss | None = None) -> Callable:
+    """(params, frozen, batch [M, D, ...]) -> (loss, grads) over all microbatches of a step;
+    with `router` (an MoE decoder's), (loss, grads, router metrics).
 
     loss = sum of token losses / global count of loss tokens in the whole step, so the loss and
     the gradient do not depend on how the planner spread samples over devices or microbatches.
     Only `params` are differentiated: frozen modules get no gradient, and a frozen encoder with
-    nothing trainable below it runs forward only.
+    nothing trainable below it runs forward only. An MoE decoder's router losses are added:
+    each microbatch's load-balancing loss is the global batch's (its statistics are sums over
+    every device's tokens, `models.moe`), and the step's is their mean over the microbatches.
     """
 
-    def loss_fn(params, frozen, mb, denom):
-        loss_sum, count = parts.merge(params, frozen).losses(mb)
-        return loss_sum / denom, count
+    def loss_fn(params, frozen, mb, denom, m):
+        model = parts.merge(params, frozen)
+        if router is None:
+            loss_sum, count = model.losses(mb)
+            return loss_sum / denom, (count, None)
+        loss_sum, count, stats = model.losses_and_router(mb)
+        aux, z = moe.balance_loss(stats), moe.z_loss(stats)
+        loss = loss_sum / denom + (router.aux * aux + router.z * z) / m
+        return loss, (count, (stats, aux / m, z / m))
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -210,14 +236,50 @@ def make_loss_and_grads(parts: ModelParts) -> Callable:
         def microbatch(acc, xs):
             mb, i = xs
             with lora.salted(i):  # (the adapters' dropout: each microbatch its own masks)
-                (loss, _), grads = grad_fn(params, frozen, mb, denom)
-            return jax.tree.map(jnp.add, acc, (loss, grads)), None
+                (loss, (_, routed)), grads = grad_fn(params, frozen, mb, denom, m)
+            total = jax.tree.map(jnp.add, acc[:2], (loss, grads))
+            if routed is None:
+                return total, None
+            return (*total, _add_routed(acc[2], routed)), None
 
         zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        (loss, grads), _ = jax.lax.scan(microbatch, zero, (batch, jnp.arange(m)))
-        return loss, grads
+        if router is not None:  # (the statistics' shapes: one microbatch's, traced only)
+            first = jax.tree.map(lambda x: x[0], batch)
+            shapes = jax.eval_shape(lambda: grad_fn(params, frozen, first, denom, m)[0][1][1])
+            zero = (*zero, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+        out, _ = jax.lax.scan(microbatch, zero, (batch, jnp.arange(m)))
+        if router is None:
+            return out
+        return out[0], out[1], router_metrics(router, *out[2])
 
     return loss_and_grads
+
+
+def _add_routed(acc, new):
+    """Microbatches' router statistics and losses summed (the busiest device's rows too: the
+    metrics' ratio is then over the step)."""
+    return jax.tree.map(jnp.add, acc, new)
+
+
+def router_metrics(router: RouterLoss, stats, aux, z) -> dict:
+    """A step's MoE metrics: the load-balancing and z losses (unscaled), each MoE layer's
+    experts' load (the most assignments of an expert over the mean), the rows the busiest
+    device received over the mean, the share of assignments sent to another device's
+    experts, and the assignments dropped by a capacity (0 when dropless)."""
+    counts = stats.counts  # [layers, E]
+    load = counts.max(-1) / jnp.maximum(counts.mean(-1), 1e-9)
+    out = {
+        "moe/aux_loss": aux,
+        "moe/z_loss": z,
+        "moe/load_max_mean": load.mean(),
+        "moe/load_max_mean_worst": load.max(),
+        "moe/recv_max_mean": jnp.mean(stats.recv_max / jnp.maximum(stats.recv_mean, 1e-9)),
+        "moe/sent_remote_share": stats.sent_remote.sum() / jnp.maximum(counts.sum(), 1.0),
+        "moe/dropped": stats.dropped.sum(),
+    }
+    for j, layer in enumerate(router.layers):
+        out[f"moe/load_max_mean/layer_{layer}"] = load[j]
+    return out
 
 
 def make_train_step(
@@ -228,7 +290,8 @@ def make_train_step(
     dropout_seed: int | None = None,
 ) -> Callable:
     """One optimizer step over all microbatches of a step batch [M, D, ...]; `loss_and_grads`
-    (params, frozen, batch) -> (loss, grads) defaults to `make_loss_and_grads(parts)`.
+    (params, frozen, batch) -> (loss, grads[, metrics]) defaults to
+    `make_loss_and_grads(parts)`.
     `dropout_seed`: the adapters' dropout draws from it and the step (None: no dropout)."""
     loss_and_grads = loss_and_grads or make_loss_and_grads(parts)
 
@@ -237,7 +300,7 @@ def make_train_step(
         if dropout_seed is not None:
             key = jax.random.fold_in(jax.random.PRNGKey(dropout_seed), state["step"])
         with lora.dropout_key(key):
-            loss, grads = loss_and_grads(state["params"], state["frozen"], batch)
+            loss, grads, *extra = loss_and_grads(state["params"], state["frozen"], batch)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
@@ -262,6 +325,8 @@ def make_train_step(
             ),
             "loss_tokens": jnp.maximum(batch["llm_loss_mask"].sum(), 1.0),
         }
+        for more in extra:  # (an MoE decoder's router metrics)
+            metrics.update(more)
         return new_state, metrics
 
     return train_step
@@ -387,8 +452,11 @@ def build_program(cfg: Config, mesh) -> Program:
         optimizer, abstract["opt_state"], shardings["params"], mesh
     )
     # One compiled program; the state is donated so params are updated in place.
+    loss_and_grads = make_loss_and_grads(parts, RouterLoss.of(cfg))
     step = jax.jit(
-        make_train_step(parts, optimizer, schedule, dropout_seed=dropout_seed(cfg, parts)),
+        make_train_step(
+            parts, optimizer, schedule, loss_and_grads, dropout_seed=dropout_seed(cfg, parts)
+        ),
         donate_argnums=0,
         out_shardings=(shardings, sharding.replicated(mesh)),
     )

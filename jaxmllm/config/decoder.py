@@ -1,0 +1,195 @@
+"""The decoder's section: a Llama-style LLM (`LLMConfig`), its rotary scaling and its
+mixture-of-experts MLPs (`MoEConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxmllm.config.blocks import BlockOptions
+from jaxmllm.config.checks import check, positive
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequency scaling for contexts longer than pretraining (HF's rope_scaling)."""
+
+    type: str = "none"  # none | linear (frequencies / factor) | llama3 (Llama 3.1+'s bands)
+    factor: float = 1.0  # linear, llama3: how much longer the context is
+    low_freq_factor: float = 1.0  # llama3: wavelengths over original / this are divided by factor
+    high_freq_factor: float = 4.0  # llama3: wavelengths under original / this are kept
+    original_max_positions: int = 8192  # llama3: the pretraining context
+
+    def __post_init__(self):
+        check(self.type in ROPE_SCALINGS, f"must be one of {', '.join(ROPE_SCALINGS)}", "type")
+        check(self.factor > 0, "must be > 0", "factor")
+        check(
+            self.type != "llama3" or self.high_freq_factor > self.low_freq_factor > 0,
+            "llama3 needs high_freq_factor > low_freq_factor > 0",
+            "high_freq_factor",
+        )
+        positive(self, "original_max_positions")
+
+
+ROPE_SCALINGS = ("none", "linear", "llama3")
+
+
+EXCHANGES = ("dense", "ragged")  # how tokens travel to their experts' devices (MoEConfig)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts MLPs in the decoder (Qwen3-MoE, Qwen2-MoE): in an MoE layer a router
+    sends each token to `top_k` of `experts` gated MLPs, stacked, and sums their outputs
+    weighted by its probabilities; an optional shared expert sees every token. Dropless: every
+    token reaches its experts (tokens grouped by expert, a grouped matmul computing only the
+    active ones, `jaxmllm/models/moe.py`). `mesh.expert` shards the experts over devices that
+    also hold data-parallel buckets; tokens travel to their experts' devices and back."""
+
+    experts: int = 0  # routed experts of an MoE layer (num_experts); 0: no MoE, every MLP dense
+    top_k: int = 2  # experts each token is sent to (num_experts_per_tok)
+    mlp_dim: int = 0  # a routed expert's gated-MLP width (moe_intermediate_size)
+    norm_topk_prob: bool = True  # the top_k probabilities renormalised to sum to 1
+    # A shared expert every token of an MoE layer passes through (Qwen2-MoE,
+    # Qwen3.5-MoE: shared_expert_intermediate_size), this wide; 0: none
+    shared_mlp_dim: int = 0
+    shared_gate: bool = True  # its output scaled by sigmoid(x . w) (shared_expert_gate)
+    # Which layers are MoE (the others a dense MLP of model.llm.mlp_dim): layer i (0-based) is
+    # when (i + 1) % every == 0 and i is not in dense_layers (decoder_sparse_step,
+    # mlp_only_layers)
+    every: int = 1
+    dense_layers: tuple[int, ...] = ()
+    # The load-balancing loss (router_aux_loss_coef): coef x experts x sum over experts of
+    # (share of assignments) x (mean router probability), over every MoE layer's tokens of a
+    # microbatch on all devices (padding left out), averaged over the step's microbatches
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0  # the router z-loss: coef x mean over tokens of logsumexp(logits)^2
+    # Rows a device receives for its experts: 0 = dropless (buffers for the worst case, every
+    # token reaches its experts); c > 0 bounds them at c x the mean (less memory): what does
+    # not fit is dropped, counted (moe_dropped in the metrics) and logged, never silently
+    capacity_factor: float = 0.0
+    # The token all-to-alls under mesh.expert > 1: dense (lax.all_to_all, every backend, moves
+    # the worst case's buffers) | ragged (lax.ragged_all_to_all: only the routed rows; GPU)
+    exchange: str = "dense"
+    # Rows per tile of the grouped matmul (a tile holds one expert's rows); 0: from the token
+    # count and experts (padding at most ~1/8 of the rows)
+    tile: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.experts > 0
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) has the routed experts."""
+        return self.enabled and (layer + 1) % self.every == 0 and layer not in self.dense_layers
+
+    def __post_init__(self):
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        check(self.experts >= 0, "must be >= 0 (0: no mixture of experts)", "experts")
+        positive(self, "every")
+        check(self.tile >= 0, "must be >= 0 (0: from the token count)", "tile")
+        check(self.shared_mlp_dim >= 0, "must be >= 0 (0: no shared expert)", "shared_mlp_dim")
+        check(self.exchange in EXCHANGES, f"must be one of {', '.join(EXCHANGES)}", "exchange")
+        for key in ("aux_loss_coef", "z_loss_coef", "capacity_factor"):
+            check(getattr(self, key) >= 0, "must be >= 0 (0: off)", key)
+        check(
+            all(isinstance(i, int) and i >= 0 for i in self.dense_layers),
+            f"{list(self.dense_layers)}: must be layer indices >= 0",
+            "dense_layers",
+        )
+        if not self.enabled:
+            return
+        positive(self, "top_k", "mlp_dim")
+        check(
+            self.top_k <= self.experts,
+            f"must be at most experts={self.experts} (a token's distinct experts)",
+            "top_k",
+        )
+        check(
+            self.capacity_factor == 0 or self.capacity_factor >= 1,
+            "must be 0 (dropless) or >= 1 (x the mean rows a device receives)",
+            "capacity_factor",
+        )
+
+
+@dataclass(frozen=True)
+class LLMConfig(BlockOptions):
+    """Llama-style decoder: RMSNorm, RoPE, grouped-query attention, gated MLP."""
+
+    vocab_size: int = 32000  # tokenizer vocabulary incl. special tokens
+    width: int = 2048  # hidden size
+    depth: int = 16  # decoder layers
+    heads: int = 16  # query heads
+    kv_heads: int = 4  # key/value heads (GQA); must divide heads
+    mlp_dim: int = 5632  # gated-MLP inner width
+    head_dim: int = 0  # width of each attention head; 0 = width / heads
+    rope_theta: float = 10000.0  # rotary base
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # Multimodal rotary (Qwen2-VL's M-RoPE): the head's rotary frequencies in three sections
+    # turned by (time, row, column) positions: an image's tokens take their place in its grid,
+    # text the same position in all three. (0, 0, 0): 1D rotary; else they sum to head_dim / 2
+    mrope_section: tuple[int, int, int] = (0, 0, 0)
+    tie_embeddings: bool = False  # share input embedding and output projection
+    # Tied output: logits = x . E^T / sqrt(width), unit-scale logits from jaxmllm's unit-scale
+    # embedding rows; false for HF checkpoints (x . E^T)
+    tied_logits_scaled: bool = True
+    # Mixture-of-experts MLPs (experts > 0): which layers, how many experts, the router's losses
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    # Tokens per slice of the output projection and cross entropy: a step never holds more than
+    # [rows, logits_chunk, vocab] fp32 logits (a 152k vocabulary at 1024: 0.6 GB a row)
+    logits_chunk: int = 1024
+    # Embedding lookups and the loss's logits split by vocabulary rows over fsdp x tensor
+    # (models/vocab.py): no device holds the whole table; false: XLA gathers it per device
+    vocab_parallel: bool = True
+    freeze: bool = False  # no gradient and no optimizer state for the decoder
+
+    @property
+    def head_width(self) -> int:
+        """Each attention head's width."""
+        return self.head_dim or self.width // self.heads
+
+    def __post_init__(self):
+        super().__post_init__()
+        positive(self, "vocab_size", "width", "depth", "heads", "kv_heads", "mlp_dim")
+        positive(self, "logits_chunk")
+        check(self.head_dim >= 0, "must be >= 0 (0: width / heads)", "head_dim")
+        check(
+            self.head_dim > 0 or self.width % self.heads == 0,
+            "width must be divisible by heads (or set head_dim)",
+            "width",
+        )
+        check(self.head_width % 2 == 0, "head dim must be even (RoPE)", "heads")
+        check(
+            not any(self.mrope_section) or sum(self.mrope_section) == self.head_width // 2,
+            f"{list(self.mrope_section)} must sum to head_dim / 2 = {self.head_width // 2} "
+            "(or be [0, 0, 0]: 1D rotary)",
+            "mrope_section",
+        )
+        check(self.heads % self.kv_heads == 0, "kv_heads must divide heads", "kv_heads")
+        check(self.vocab_size >= 264, "the byte tokenizer needs at least 264 ids", "vocab_size")
+        m = self.moe
+        check(
+            all(i < self.depth for i in m.dense_layers),
+            f"{list(m.dense_layers)}: a layer past depth={self.depth}",
+            "moe.dense_layers",
+        )
+        check(
+            not m.enabled or any(m.is_moe(i) for i in range(self.depth)),
+            f"no layer of the {self.depth} is MoE (moe.every={m.every}, moe.dense_layers="
+            f"{list(m.dense_layers)}): set moe.experts: 0 for a dense decoder",
+            "moe.experts",
+        )
+
+        mlp = {"gate", "up", "down"} & set(self.lora.targets)
+        dense = any(not m.is_moe(i) for i in range(self.depth))
+        check(
+            not (m.enabled and self.lora.enabled and mlp and not dense and not m.shared_mlp_dim),
+            f"{', '.join(sorted(mlp))} adapt a dense MLP or a shared expert, and this mixture of "
+            "experts has neither (its routed experts take no adapters: PEFT adapts modules, "
+            "transformers' experts are stacked parameters): name q, k, v, o (or all)",
+            "lora.targets",
+        )
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The decoder layers (0-based) with routed experts."""
+        return tuple(i for i in range(self.depth) if self.moe.is_moe(i))

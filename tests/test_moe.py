@@ -1,0 +1,247 @@
+"""Mixture-of-experts MLPs (jaxmllm/models/moe.py, grouped.py): the grouped matmul against a
+dense reference, expert parallelism against one device, the load-balancing loss against
+transformers', the layer segments, and the config's refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import sharding
+from jaxmllm.config import Config, ConfigError, from_dict
+from jaxmllm.models import grouped, moe
+from jaxmllm.models.transformer import Segment, layer_places, segments
+
+
+def _reference(x, experts, gate, up, down):
+    """Each row through its expert by gathering that expert's weights per row (every row, the
+    padding ones' -1 giving 0)."""
+    e = jnp.maximum(experts, 0)
+    h = jax.nn.silu(jnp.einsum("rd,rdf->rf", x, gate[e])) * jnp.einsum("rd,rdf->rf", x, up[e])
+    return jnp.where((experts >= 0)[:, None], jnp.einsum("rf,rfd->rd", h, down[e]), 0.0)
+
+
+@pytest.mark.parametrize(
+    "sizes, rows, tile",
+    [
+        ((3, 0, 17, 8, 1), 48, 8),  # an empty group, groups across tiles, padding rows after
+        ((16, 16), 32, 16),  # groups on tile boundaries, no padding
+        ((0, 0, 5), 8, 8),  # one group, in one tile
+        ((1,) * 40, 40, 8),  # more groups than tiles: several visits to each tile
+    ],
+)
+def test_grouped_mlp_computes_each_group_against_its_expert(sizes, rows, tile):
+    """Forward and the written-out backward equal a per-row reference (inputs, and every
+    expert's gate, up and down), with groups empty, cut by tiles, sharing tiles, and rows past
+    the last group (they give 0 and no gradient)."""
+    rng = np.random.default_rng(0)
+    e, d, f = len(sizes), 16, 24
+    x = jnp.asarray(rng.normal(size=(rows, d)), jnp.float32)
+    w = [jnp.asarray(rng.normal(size=s) / 4, jnp.float32) for s in ((e, d, f),) * 2 + ((e, f, d),)]
+    ids = np.repeat(np.arange(e), sizes)
+    experts = jnp.asarray(np.concatenate([ids, -np.ones(rows - len(ids), int)]))
+    ours = lambda x, *w: grouped.grouped_mlp(x, jnp.asarray(sizes, jnp.int32), *w, tile)
+    theirs = lambda x, *w: _reference(x, experts, *w)
+    np.testing.assert_allclose(ours(x, *w), theirs(x, *w), atol=1e-5)
+    cot = jnp.asarray(rng.normal(size=(rows, d)), jnp.float32)
+    grad = lambda fn: jax.grad(lambda *a: (fn(*a) * cot).sum(), argnums=(0, 1, 2, 3))(x, *w)
+    for a, b in zip(grad(jax.jit(ours)), grad(theirs), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_the_visits_are_the_tiles_each_group_touches():
+    """Each group visits exactly the tiles it has rows in, with its own row range; the visit
+    count is bounded by tiles + experts - 1 (the padding is at most a tile an expert)."""
+    sizes = np.array([3, 0, 17, 8, 1])
+    t, e, lo, hi = (np.asarray(a).reshape(-1) for a in grouped.visits(jnp.asarray(sizes), 6, 8, 4))
+    active = hi > lo
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    want = [
+        (tile, expert)
+        for expert, (s, n) in enumerate(zip(starts, sizes, strict=True))
+        for tile in range(s // 8, (s + n - 1) // 8 + 1)
+        if n
+    ]
+    assert list(zip(t[active], e[active], strict=True)) == want
+    rows = sum(hi[i] - lo[i] for i in np.flatnonzero(active))
+    assert rows == sizes.sum() and len(t) <= 6 + 5 - 1 + 3  # (+ padding to whole chunks)
+
+
+def _layer(experts=8, top_k=2, shared=0, capacity=0.0, width=32):
+    spec = moe.MoESpec(
+        experts, top_k, 16, norm_topk_prob=True, shared_mlp_dim=shared, capacity_factor=capacity
+    )
+    return moe.MoE(width, spec, rngs=nnx.Rngs(3))
+
+
+def _inputs(rows=8, tokens=12, width=32):
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(rows, tokens, width)), jnp.float32)
+    valid = jnp.asarray(rng.random((rows, tokens)) > 0.2)  # (padding tokens reach no expert)
+    return x, valid
+
+
+def _routed(layer, x, valid, mesh=None):
+    def loss(state, x):
+        y, stats = nnx.merge(graphdef, state).routed(x, valid)
+        return (y * y).sum(), (y, stats)
+
+    graphdef, state = nnx.split(layer)
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    if mesh is None:
+        return fn(state, x)
+    with jax.set_mesh(mesh):
+        return fn(state, x)
+
+
+@pytest.mark.parametrize("expert, shared", [(2, 0), (4, 24), (8, 0)])
+def test_expert_parallelism_computes_what_one_device_does(expert, shared):
+    """With the experts split over mesh.expert (tokens by all-to-all to their experts'
+    devices and back, over data x expert buckets; a shared expert beside them), the layer's
+    output, its router statistics and every gradient equal one device's; nothing is dropped,
+    and about (expert - 1) / expert of the assignments go to another device."""
+    layer, (x, valid) = _layer(shared=shared), _inputs()
+    (_, (y1, s1)), g1 = _routed(layer, x, valid)
+    mesh = sharding.make_mesh({"data": -1, "expert": expert})
+    (_, (y2, s2)), g2 = _routed(layer, x, valid, mesh)
+    np.testing.assert_allclose(y2, y1, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+    for key in ("counts", "probs", "tokens", "z"):
+        np.testing.assert_allclose(getattr(s2, key), getattr(s1, key), rtol=1e-5)
+    assignments = float(valid.sum()) * 2
+    assert float(s2.dropped) == 0.0 and float(s1.dropped) == 0.0
+    assert float(s1.sent_remote) == 0.0
+    share = float(s2.sent_remote) / assignments
+    assert abs(share - (expert - 1) / expert) < 0.2, share
+    assert float(s2.recv_mean) * 8 == pytest.approx(assignments)  # (each device's own rows)
+
+
+def test_a_capacity_drops_what_does_not_fit_and_counts_it():
+    """A capacity of 1x the mean a device receives drops the assignments past it: counted
+    (the layer's `dropped`), their contribution 0, the others' as dropless."""
+    layer, (x, valid) = _layer(capacity=1.0), _inputs()
+    mesh = sharding.make_mesh({"data": -1, "expert": 4})
+    (_, (y, stats)), _ = _routed(layer, x, valid, mesh)
+    free = dataclasses.replace(layer.spec, capacity_factor=0.0)
+    layer.spec = free
+    (_, (y_free, _)), _ = _routed(layer, x, valid, mesh)
+    dropped = float(stats.dropped)
+    assert dropped > 0
+    changed = np.abs(np.asarray(y) - np.asarray(y_free)).max(-1) > 1e-6
+    assert 0 < changed.sum() <= dropped  # (each dropped assignment changes its token only)
+
+
+def test_the_ragged_exchange_lowers():
+    """The ragged all-to-all (GPU: XLA:CPU does not run it) traces and lowers with its
+    offsets, both ways and in the backward pass."""
+    layer, (x, valid) = _layer(), _inputs()
+    layer.spec = dataclasses.replace(layer.spec, exchange="ragged")
+    graphdef, state = nnx.split(layer)
+    mesh = sharding.make_mesh({"data": -1, "expert": 4})
+
+    def loss(state, x):
+        return (nnx.merge(graphdef, state).routed(x, valid)[0] ** 2).sum()
+
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.grad(loss)).lower(state, x).as_text()
+    assert text.count("ragged_all_to_all") >= 4  # (there and back, forward and backward)
+
+
+def test_the_balance_loss_is_transformers(tmp_path):
+    """Our load-balancing loss from the router statistics equals transformers'
+    `load_balancing_loss_func` on the same router logits (two layers' tokens concatenated,
+    padding left out by its attention mask); the z-loss is the mean squared log-sum-exp."""
+    torch = pytest.importorskip("torch")
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    rng = np.random.default_rng(0)
+    experts, top_k, rows, tokens = 8, 2, 2, 10
+    logits = rng.normal(size=(2, rows, tokens, experts)).astype(np.float32) * 2
+    valid = rng.random((rows, tokens)) > 0.3
+    stats = []
+    for layer in logits:
+        probs = jax.nn.softmax(jnp.asarray(layer), -1)
+        _, top = jax.lax.top_k(probs, top_k)
+        v = jnp.asarray(valid, jnp.float32)
+        counts = jnp.zeros(experts).at[top].add(jnp.broadcast_to(v[..., None], top.shape))
+        lse = jax.nn.logsumexp(jnp.asarray(layer), -1)
+        zero = jnp.zeros(())
+        stats.append(
+            moe.RouterStats(
+                counts,
+                jnp.einsum("bte,bt->e", probs, v),
+                v.sum(),
+                (lse * lse * v).sum(),
+                zero,
+                zero,
+                zero,
+                zero,
+            )
+        )
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *stats)
+    gate = tuple(torch.from_numpy(layer.reshape(-1, experts)) for layer in logits)
+    mask = torch.from_numpy(valid.astype(np.int64))
+    theirs = float(load_balancing_loss_func(gate, experts, top_k, mask))
+    assert float(moe.balance_loss(stacked)) == pytest.approx(theirs, rel=1e-5)
+    lse = jax.nn.logsumexp(jnp.asarray(logits), -1)
+    want = float((lse**2 * valid).sum() / (2 * valid.sum()))
+    assert float(moe.z_loss(stacked)) == pytest.approx(want, rel=1e-5)
+
+
+def test_segments_cover_the_layers_with_few_blocks():
+    """Layers of one kind: one scan; a period: one scan of the unit; a prefix of another kind:
+    two scans; anything else still covers every layer in order."""
+    assert segments(["m"] * 48) == (Segment(0, ("m",), 48),)
+    assert segments(["d", "m"] * 24) == (Segment(0, ("d", "m"), 24),)
+    assert segments(["d"] + ["m"] * 47) == (Segment(0, ("d",), 1), Segment(1, ("m",), 47))
+    pattern = list("lllflllflllf")
+    assert segments(pattern) == (Segment(0, tuple("lllf"), 3),)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        pattern = list(rng.choice(["a", "b", "c"], rng.integers(1, 30)))
+        out = [k for s in segments(pattern) for _ in range(s.repeats) for k in s.unit]
+        assert out == pattern
+    places = layer_places(["d", "m", "m", "d", "m"])  # (the most common kind is `blocks`)
+    assert places == [("d_blocks", 0), ("blocks", 0), ("blocks", 1), ("d_blocks", 1), ("blocks", 2)]
+
+
+@pytest.mark.parametrize(
+    "raw, key",
+    [
+        ({"mesh": {"expert": 2}}, "mesh.expert"),  # a dense decoder
+        ({"mesh": {"expert": 3}, "model": {"llm": {"moe": {"experts": 8}}}}, "mesh.expert"),
+        ({"mesh": {"stage": 2}, "model": {"llm": {"moe": {"experts": 8}}}}, "mesh.stage"),
+        ({"model": {"llm": {"moe": {"experts": 4, "top_k": 5}}}}, "top_k"),
+        ({"model": {"llm": {"depth": 2, "moe": {"experts": 4, "dense_layers": [2]}}}}, "dense"),
+        ({"model": {"llm": {"depth": 2, "moe": {"experts": 4, "every": 3}}}}, "moe.experts"),
+        ({"model": {"llm": {"moe": {"experts": 4, "capacity_factor": 0.5}}}}, "capacity"),
+    ],
+)
+def test_what_a_mixture_of_experts_cannot_run_is_refused_naming_the_key(raw, key):
+    raw = {"mesh": {}, **raw}
+    llm = raw.setdefault("model", {}).setdefault("llm", {})
+    if "moe" in llm:
+        llm["moe"].setdefault("mlp_dim", 16)
+    with pytest.raises(ConfigError, match=key):
+        from_dict(Config, raw)
+
+
+def test_an_moe_config_counts_its_layers():
+    cfg = from_dict(
+        Config,
+        {
+            "model": {
+                "llm": {
+                    "depth": 6,
+                    "moe": {"experts": 4, "mlp_dim": 8, "every": 2, "dense_layers": [3]},
+                }
+            }
+        },
+    )
+    assert cfg.model.llm.moe_layers == (1, 5)
