@@ -86,6 +86,27 @@ def test_greedy_qwen2_chat_from_the_command_line_matches_transformers(tmp_path, 
     assert answer["text"] == tk.decode(theirs, skip_special_tokens=False).replace("<|im_end|>", "")
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_greedy_qwen3_and_its_mixture_of_experts_match_transformers(name, tmp_path, capsys):
+    """Qwen3 (QK-norm) and Qwen3-MoE (a dense layer among its MoE ones, the KV cache of each
+    stack): the chat-rendered prompt's 24 greedy ids are transformers'."""
+    import transformers
+
+    build = {"qwen3": hf_models.qwen3, "qwen3_moe": hf_models.qwen3_moe}[name]
+    extra = {"qwen3_moe": {"dense_layers": (1,)}}.get(name, {})
+    src = build(tmp_path / name, vocab=VOCAB, **extra)
+    build_dir(Path(src), "qwen", "Qwen/Qwen2.5-7B-Instruct")
+    question = "Which colour is the sky?"
+    want = hf_ids(Path(src), [{"role": "user", "content": question}], add_generation_prompt=True)
+    assert main(["--hf", src, "--prompt", question, "--max-new-tokens", "24", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    tk = hf(Path(src))
+    stop = {tk.convert_tokens_to_ids("<|im_end|>"), tk.convert_tokens_to_ids("<|endoftext|>")}
+    model = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    theirs = hf_greedy(model, want, 24, stop)
+    assert len(theirs) == 24 and answer["ids"] == theirs
+
+
 def test_hf_generation_refuses_what_it_cannot_read(tmp_path, capsys):
     """No tokenizer beside the weights, or a directory that is no checkpoint: a clear error."""
     src = hf_models.llama(tmp_path / "llama", tied=True)

@@ -125,16 +125,142 @@ def peft_adapter(source: str, out: Path, **options) -> str:
     return str(out)
 
 
-def test_a_peft_adapter_on_an_moe_decoder_gives_peft_s_logits(tmp_path):
-    """PEFT adapters on a Qwen3-MoE's attention and on its dense layer's MLP (transformers'
-    routed experts are stacked parameters: no module for an adapter): `hf check --adapter`
-    within 1e-4 of peft's, and `hf import --adapter` configures those targets."""
+@pytest.mark.parametrize(
+    "targets",
+    [
+        ["q_proj", "k_proj", "v_proj", "o_proj"],  # attention alone
+        ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],  # + the routed experts
+        ["down_proj"],  # one expert matrix alone (its adapter un-nested)
+    ],
+)
+def test_a_peft_adapter_on_an_moe_decoder_gives_peft_s_logits(targets, tmp_path):
+    """PEFT adapters on a Qwen3-MoE (a dense layer among its MoE ones): on the attention, and
+    on the routed experts where PEFT puts gate_proj, up_proj and down_proj targets on
+    transformers 5's stacked experts (target_parameters: gate_up_proj at twice the rank,
+    down_proj): `hf check --adapter` within 1e-4 of peft's logits, the adapter moving them
+    far more, and `hf import --adapter` configures those targets."""
     pytest.importorskip("peft")
     source = hf_models.qwen3_moe(tmp_path / "m", dense_layers=(1,))
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     adapter = peft_adapter(source, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=targets)
     (result,) = check_all(source, adapter=adapter)
     assert result["max_abs_diff"] < 1e-4, result
+    (plain,) = check_all(source)
     cfg = write_config(tmp_path / "run.yaml", model=source, adapter=adapter)
-    assert cfg.model.llm.lora.rank == 4
-    assert set(cfg.model.llm.lora.targets) == {"q", "k", "v", "o", "gate", "up", "down"}
+    assert cfg.model.llm.lora.rank == 4 and cfg.model.llm.lora.alpha == 8
+    want = {t.removesuffix("_proj") for t in targets}
+    assert set(cfg.model.llm.lora.targets) == want
+
+
+def test_an_adapter_on_one_of_gate_and_up_is_refused():
+    from jaxmllm.config import Config, ConfigError, from_dict
+
+    llm = {"moe": {"experts": 4, "mlp_dim": 8}, "lora": {"rank": 2, "targets": ["q", "gate"]}}
+    with pytest.raises(ConfigError, match="gate and up adapt each expert's fused"):
+        from_dict(Config, {"model": {"llm": llm}})
+    llm["lora"] = {"rank": 2, "targets": ["all"], "dropout": 0.1}
+    with pytest.raises(ConfigError, match="lora.dropout"):
+        from_dict(Config, {"model": {"llm": llm}})
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def _with_tokenizer(name: str, d: Path) -> str:
+    """A tiny random checkpoint of `name` with a Qwen tokenizer directory beside it."""
+    from test_chat import build_dir
+
+    build_dir(d, "qwen", "Qwen/Qwen2.5-7B-Instruct")
+    build = {"qwen3": hf_models.qwen3, "qwen3_moe": hf_models.qwen3_moe}[name]
+    source = build(d, vocab=512)  # (the tokenizer's ~420 ids fit: no rows are added)
+    build_dir(d, "qwen", "Qwen/Qwen2.5-7B-Instruct")  # (save_pretrained wrote over it)
+    return source
+
+
+TEXT_ONLY = ["data.synthetic.image_fraction=0", "data.synthetic.audio_fraction=0"]
+TEXT_ONLY += ["data.synthetic.multi_image_fraction=0"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_import_train_export_holds_to_transformers(name, tmp_path):
+    """`hf import --model` -> check -> train 2 steps (the MoE's experts split over
+    mesh.expert=2) -> `hf export` -> transformers loads the export, its logits ours within
+    1e-4 of the run's parameters (which moved from the import's)."""
+    from test_hf_train import CPU
+    from test_hf_whole_train import run_params
+
+    from jaxmllm import train
+    from jaxmllm.config import load_config
+    from jaxmllm.hf.export import export_run
+
+    source = _with_tokenizer(name, tmp_path / name)
+    (before,) = check_all(source)
+    assert before["max_abs_diff"] < 1e-4, before
+    write_config(tmp_path / "run.yaml", model=source)
+    out = tmp_path / "run"
+    mesh = ["mesh.data=2", "mesh.expert=2"] if name == "qwen3_moe" else []
+    sets = [*CPU, *TEXT_ONLY, *mesh, f"train.output_dir={out}", "optim.lr=1e-2"]
+    train.main(load_config(tmp_path / "run.yaml", [*sets, "train.steps=2"]))
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    if name == "qwen3_moe":
+        assert metrics[-1]["moe/dropped"] == 0 and metrics[-1]["moe/sent_remote_share"] > 0.2
+    exported = export_run(str(out), str(tmp_path / "export"))["model"]
+    (after,) = check_all(str(exported))
+    assert after["max_abs_diff"] < 1e-4, after
+    trained = run_params(out)
+    load = lambda d: keyed_leaves(
+        nnx.to_pure_dict(nnx.state(load_towers(config_for("llm", d), "llm")))
+    )
+    got, imported = load(str(exported)), load(source)
+    for path, value in got.items():
+        np.testing.assert_array_equal(value, trained[path], err_msg=path)
+    assert any(not np.array_equal(imported[p], got[p]) for p in got)  # (training moved them)
+
+
+@pytest.mark.slow
+def test_a_lora_run_on_an_moe_exports_an_adapter_peft_loads(tmp_path):
+    """LoRA on a Qwen3-MoE's attention and routed experts (rank 4: gate_up at 8, as PEFT),
+    the experts over mesh.expert=2, 2 steps: the exported PEFT adapter (target_parameters for
+    the experts) loads in peft without a missing key and gives the run's logits within 1e-4;
+    read back, it is the run's adapters bit for bit; `--merged` gives the same logits."""
+    import warnings
+
+    import peft
+    from test_hf_train import CPU
+
+    from jaxmllm import train
+    from jaxmllm.config import Config, from_dict, load_config
+    from jaxmllm.hf.export import export_run
+    from jaxmllm.hf.start import run_parameters
+    from jaxmllm.hf.towers import load_model
+
+    source = _with_tokenizer("qwen3_moe", tmp_path / "m")
+    write_config(tmp_path / "run.yaml", model=source)
+    out = tmp_path / "run"
+    lora = ["model.llm.lora.rank=4", "model.llm.lora.alpha=8", "mesh.data=2", "mesh.expert=2"]
+    sets = [*CPU, *TEXT_ONLY, *lora, f"train.output_dir={out}", "optim.lr=1e-2"]
+    train.main(load_config(tmp_path / "run.yaml", [*sets, "train.steps=2"]))
+    adapter = tmp_path / "adapter"
+    assert set(export_run(str(out), str(adapter))) == {"model"}
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == ["down_proj", "gate_up_proj"]
+    assert config["rank_pattern"] == {r".*\.gate_up_proj": 8}
+    base = transformers.AutoModelForCausalLM.from_pretrained(source)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        peft.PeftModel.from_pretrained(base, str(adapter))
+    assert not [w for w in caught if "missing adapter keys" in str(w.message)]
+    (result,) = check_all(source, adapter=str(adapter))
+    assert result["max_abs_diff"] < 1e-4, result
+    run_cfg = from_dict(Config, json.loads((out / "config.json").read_text()))
+    _, params, _ = run_parameters(run_cfg, out)
+    trained = keyed_leaves(jax.device_get(params))
+    _, back = load_model(source, adapter=str(adapter))
+    mine = keyed_leaves(nnx.to_pure_dict(nnx.state(back)))
+    experts = [p for p in trained if "experts/gate_up_adapter" in p]
+    assert experts and not np.all(trained[experts[-1]] == 0)  # (B moved from zero)
+    for path, value in trained.items():
+        np.testing.assert_allclose(mine[path], value, rtol=1e-6, err_msg=path)
+    merged = export_run(str(out), str(tmp_path / "merged"), merged=True)["model"]
+    (plain,) = check_all(str(merged))
+    assert plain["max_abs_diff"] < 1e-4, plain

@@ -179,14 +179,25 @@ class LLMConfig(BlockOptions):
             "moe.experts",
         )
 
-        mlp = {"gate", "up", "down"} & set(self.lora.targets)
-        dense = any(not m.is_moe(i) for i in range(self.depth))
+        if m.enabled and self.lora.enabled:
+            self._check_expert_adapters()
+
+    def _check_expert_adapters(self) -> None:
+        """A mixture of experts' MLP targets adapt its routed experts, as PEFT adapts
+        transformers' stacked ones: gate and up are one fused matrix there, and no dropout."""
+        mlp = {"gate", "up", "down"} & set(self.adapter_targets)
         check(
-            not (m.enabled and self.lora.enabled and mlp and not dense and not m.shared_mlp_dim),
-            f"{', '.join(sorted(mlp))} adapt a dense MLP or a shared expert, and this mixture of "
-            "experts has neither (its routed experts take no adapters: PEFT adapts modules, "
-            "transformers' experts are stacked parameters): name q, k, v, o (or all)",
+            len({"gate", "up"} & mlp) != 1,
+            "gate and up adapt each expert's fused gate_up matrix (transformers' "
+            "mlp.experts.gate_up_proj, one PEFT adapter): name both or neither",
             "lora.targets",
+        )
+        check(
+            not mlp or self.lora.dropout == 0,
+            f"{self.lora.dropout}: adapters on the routed experts ({', '.join(sorted(mlp))}) are "
+            "merged into their weights, where no dropout of the inputs reaches (PEFT refuses "
+            "it too): set lora.dropout: 0, or adapt q, k, v, o only",
+            "lora.dropout",
         )
 
     @property

@@ -160,17 +160,27 @@ def write_adapter(
     dropout: float,
     saved: dict[str, np.ndarray],
     base: str,
+    experts: dict | None = None,
 ) -> None:
     """`adapter_config.json` and `adapter_model.safetensors` of `mods` (their adapters in
     `flat`, "/"-joined paths; `scales`: alpha / rank per top-level module), `saved`: whole
-    modules trained beside them (runtime tensor names -> arrays: `modules_to_save`)."""
+    modules trained beside them (runtime tensor names -> arrays: `modules_to_save`);
+    `experts`: a mixture of experts' adapters on its stacked experts (PEFT's
+    target_parameters: `jaxmllm.hf.experts_adapter`), {tensors, config, rank, alpha}."""
     tensors, ranks = {}, {}
     for mod in mods:
         got, rank, scale = adapter_tensors(mod, flat, scales)
         tensors.update(got)
         ranks[mod.pattern()] = (rank, scale * rank)
-    (r, alpha), _ = Counter(ranks.values()).most_common(1)[0]
+    if ranks:
+        (r, alpha), _ = Counter(ranks.values()).most_common(1)[0]
+    else:  # (the experts' adapters alone)
+        r, alpha = experts["rank"], experts["alpha"]
     tensors.update({PREFIX + k: v for k, v in saved.items()})
+    params = {}
+    if experts is not None:
+        tensors.update({PREFIX + k: v for k, v in experts["tensors"].items()})
+        params = experts["config"]
     config = {
         "peft_type": "LORA",
         "task_type": None,
@@ -178,9 +188,16 @@ def write_adapter(
         "r": int(r),
         "lora_alpha": float(alpha),
         "lora_dropout": float(dropout),
-        "target_modules": "(?:" + "|".join(sorted(ranks)) + ")",
-        "rank_pattern": {k: int(v[0]) for k, v in ranks.items() if v != (r, alpha)},
-        "alpha_pattern": {k: float(v[1]) for k, v in ranks.items() if v != (r, alpha)},
+        "target_modules": "(?:" + "|".join(sorted(ranks)) + ")" if ranks else [],
+        "target_parameters": params.get("target_parameters"),
+        "rank_pattern": {
+            **{k: int(v[0]) for k, v in ranks.items() if v != (r, alpha)},
+            **params.get("rank_pattern", {}),
+        },
+        "alpha_pattern": {
+            **{k: float(v[1]) for k, v in ranks.items() if v != (r, alpha)},
+            **params.get("alpha_pattern", {}),
+        },
         "modules_to_save": sorted({n.rsplit(".", 1)[0] for n in saved}) or None,
         "bias": "none",
         "fan_in_fan_out": False,

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxmllm.hf import experts_adapter
 from jaxmllm.hf.adapter import PREFIX, Adapter, Module, check_targets, modules, ours_from
 from jaxmllm.hf.family import Family, FamilyError, Link
 from jaxmllm.hf.load import nest
@@ -58,6 +59,8 @@ class Found:
 
     adapters: list[tuple[Module, list[tuple]]]
     saved: list[tuple[Link, str, list[tuple[np.ndarray, ...]]]]  # (link, its runtime, layers)
+    # a mixture of experts' stacked experts: (experts_adapter.ExpertsParam, (a, b) per layer)
+    experts: list = dataclasses.field(default_factory=list)
 
 
 def find(adapter: Adapter, cfg: Any, kernels: set[str], trains_whole) -> Found:
@@ -72,6 +75,10 @@ def find(adapter: Adapter, cfg: Any, kernels: set[str], trains_whole) -> Found:
     keys, used = set(adapter.keys()), set()
     found = Found([], [])
     for src in sources(cfg):
+        if src.role == "llm":  # (adapters on the stacked experts: target_parameters)
+            params = experts_adapter.present(adapter, cfg, src.family, src.prefix)
+            found.experts, held = experts_adapter.read(adapter, params, cfg.model.llm.moe.experts)
+            used |= held
         for mod in modules([(src.family, src.prefix)], cfg, src.hf, kernels):
             layers = _layers(adapter, mod, keys)
             missing = [i for i, got in enumerate(layers) if got is None]
@@ -188,6 +195,7 @@ def adapter_params(cfg: Any, abstract: dict) -> dict:
         for k, path in enumerate(link.ours):
             value = np.stack([p[k] for p in per]) if link.layers else per[0][k]
             out[path] = np.asarray(value).reshape(flat[path].shape)
+    out.update(_expert_adapters(found.experts, flat, adapter, cfg))
     what = f"{len(found.adapters)} adapted modules, {len(found.saved)} saved whole"
     log.info("model.init_from.adapter=%s: %s", adapter.directory, what)
     placed = {p: jax.device_put(v.astype(flat[p].dtype), flat[p].sharding) for p, v in out.items()}
@@ -221,6 +229,32 @@ def _kernel_adapters(mod: Module, layers: list, flat: dict, adapter: Adapter, cf
         for leaf, x in (("lora_a", 0), ("lora_b", 1)):
             arrays = [p[x] * (ratio if x else 1.0) for p in per]
             out[_leaf(path, leaf)] = np.stack(arrays) if mod.link.layers else arrays[0]
+    return out
+
+
+def _expert_adapters(experts: list, flat: dict, adapter: Adapter, cfg) -> dict:
+    """Our lora_a / lora_b of each adapted matrix of the stacked experts (every layer)."""
+    out = {}
+    lora = cfg.model.llm.lora
+    for p, per in experts:
+        a_path = f"{p.path}/{p.matrix}_adapter/lora_a"
+        if a_path not in flat:
+            raise FamilyError(
+                f"{adapter.directory}: it adapts the experts' {experts_adapter.PARAMS[p.matrix]}, "
+                "and model.llm.lora.targets leaves it out (gate and up: gate_up_proj; down: "
+                "down_proj)"
+            )
+        want, rank = flat[a_path].shape[-1], per[0][0].shape[-1]
+        if rank != want:
+            raise FamilyError(
+                f"{adapter.directory}: the experts' {experts_adapter.PARAMS[p.matrix]} adapters "
+                f"have rank {rank}, ours {want} (model.llm.lora.rank={lora.rank}"
+                f"{', doubled for gate_up as PEFT does' if p.matrix == 'gate_up' else ''})"
+            )
+        theirs = adapter.scale(experts_adapter.scale_name(p, p.layers[0]), rank)
+        ratio = theirs / (lora.alpha / lora.rank)  # (B carries the scale's difference)
+        out[a_path] = np.stack([a for a, _ in per])
+        out[_leaf(a_path, "lora_b")] = np.stack([b * ratio for _, b in per])
     return out
 
 
@@ -273,6 +307,18 @@ def lora_sections(cfg_all: Any, directory: str) -> tuple[dict, set[str]]:
                     f"rank {got['rank']}: jaxmllm gives a module's adapters one rank"
                 )
             got["targets"].append(target)
+    for p, per in found.experts:
+        rank = per[0][0].shape[-1] // (2 if p.matrix == "gate_up" else 1)
+        scale = adapter.scale(experts_adapter.scale_name(p, p.layers[0]), per[0][0].shape[-1])
+        fresh = {"rank": rank, "alpha": scale * rank, "dropout": 0.0, "targets": []}
+        got = sections.setdefault("llm", fresh)
+        if got["rank"] != rank:
+            raise FamilyError(
+                f"{directory}: the experts' {experts_adapter.PARAMS[p.matrix]} adapters have rank "
+                f"{rank}{' (half of gate_up_proj s)' if p.matrix == 'gate_up' else ''}, the "
+                f"LLM's other adapters rank {got['rank']}: jaxmllm gives a module's adapters one"
+            )
+        got["targets"] += ["gate", "up"] if p.matrix == "gate_up" else ["down"]
     dropout = float(adapter.config.get("lora_dropout") or 0.0)
     for got in sections.values():
         got["dropout"] = dropout

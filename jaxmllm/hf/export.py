@@ -3,8 +3,9 @@
 What is written follows where the run's modules came from (`model.init_from`):
 
 - every module from one whole checkpoint (`hf import --model`): `DIR` is that checkpoint again
-  (LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen2-Audio), the run's LLM, encoders and projectors in it,
-  with the imported directory's processor, tokenizer, chat template and generation files;
+  (LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen2-Audio, or a causal LM alone: Qwen3, Qwen3-MoE, ...), the
+  run's LLM, encoders and projectors in it, with the imported directory's processor,
+  tokenizer, chat template and generation files;
 - modules from parts: `DIR/llm/`, `DIR/vision/`, `DIR/audio/`, each the family it was imported
   from (a part of a whole checkpoint is written back into that whole, under `DIR/<name>/`), and
   `DIR/projectors.safetensors` with the projectors no exported checkpoint holds (our names);
@@ -159,6 +160,9 @@ def plan_export(cfg: Config) -> list[Piece]:
     wholes = {d: whole_for(read_hf_config(d)) for d in set(dirs.values()) if d}
     if len(set(dirs.values())) == 1 and wholes.get(dirs["llm"]) is not None:
         return [Piece("", roles, dirs["llm"], whole=wholes[dirs["llm"]])]
+    if roles == ("llm",):  # a causal LM alone (`hf import --model` of one): DIR is it again
+        family = family_for("llm", read_hf_config(dirs["llm"]), dirs["llm"])
+        return [Piece("", roles, dirs["llm"], family=family)]
     pieces, done = [], set()
     for role in roles:
         d = dirs[role]

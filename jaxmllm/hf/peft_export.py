@@ -19,13 +19,15 @@ from typing import Any
 import numpy as np
 
 from jaxmllm.config import Config
+from jaxmllm.hf import experts_adapter
 from jaxmllm.hf.adapter import modules, write_adapter
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.registry import read_hf_config
 from jaxmllm.hf.safetensors import DTYPES, Checkpoint
 from jaxmllm.hf.whole import Part
+from jaxmllm.hf.wholes import DECODERS
 from jaxmllm.models.lora import LEAVES, merged
-from jaxmllm.models.mllm import kernel_paths
+from jaxmllm.models.mllm import expert_adapters, kernel_paths
 from jaxmllm.step.program import model_parts
 
 log = logging.getLogger("jaxmllm")
@@ -36,6 +38,7 @@ def check_adapter_pieces(cfg: Config, pieces: list) -> None:
     """Refuses, before anything is read, to write adapters for a module with no checkpoint to
     put them on (trained from scratch)."""
     adapted = {m for m, _ in kernel_paths(cfg.model).values()}
+    adapted |= {"llm"} if expert_adapters(cfg.model) else set()
     for piece in pieces:
         mine = adapted & _modules_of(piece.roles)
         if mine and not piece.source:
@@ -63,6 +66,10 @@ def merge_adapters(cfg: Config, flat: dict) -> dict:
             out[path] = np.stack(layers)
         else:
             out[path] = merged(kernel, a, b, lora.alpha / lora.rank)
+    params = experts_adapter.params_of(cfg, DECODERS["qwen3_moe"])  # (paths: any family's)
+    if params:  # (the routed experts' adapters: both matrices' scale is alpha / rank)
+        scale = cfg.model.llm.lora.alpha / cfg.model.llm.lora.rank
+        out.update(experts_adapter.merged(flat, params, dict.fromkeys(("gate_up", "down"), scale)))
     return out
 
 
@@ -95,7 +102,8 @@ def write_adapter_piece(cfg: Config, piece: Any, flat: dict, directory) -> set[s
     mods = modules(families, cfg, hf, kernels)
     scales = {m: cfg.model.lora_of(m).alpha / cfg.model.lora_of(m).rank for m in parts.adapted}
     dropout = max((cfg.model.lora_of(m).dropout for m in parts.adapted), default=0.0)
-    write_adapter(directory, mods, flat, scales, dropout, saved, str(piece.source))
+    experts = _experts(cfg, families, flat)
+    write_adapter(directory, mods, flat, scales, dropout, saved, str(piece.source), experts)
     whole_modules = len({k.rsplit(".", 1)[0] for k in saved})
     log.info(
         "%s: a PEFT adapter of %d modules (%d saved whole) for %s",
@@ -105,6 +113,22 @@ def write_adapter_piece(cfg: Config, piece: Any, flat: dict, directory) -> set[s
         piece.source,
     )
     return {p.split("/")[0] for f, _ in families for link in f.links(cfg, hf) for p in link.ours}
+
+
+def _experts(cfg: Config, families: list, flat: dict) -> dict | None:
+    """The routed experts' adapters of the LLM among `families` (`experts_adapter`): their
+    tensors and adapter_config.json keys; None without."""
+    llm = [(f, prefix) for f, prefix in families if f.role == "llm"]
+    params = [p for f, prefix in llm for p in experts_adapter.params_of(cfg, f, prefix)]
+    if not params:
+        return None
+    lora = cfg.model.llm.lora
+    return {
+        "tensors": experts_adapter.tensors(params, flat),
+        "config": experts_adapter.config_keys(params, lora.rank, lora.alpha),
+        "rank": lora.rank,
+        "alpha": lora.alpha,
+    }
 
 
 def _check_base(cfg, families, hf, ck: Checkpoint, flat: dict, parts) -> None:

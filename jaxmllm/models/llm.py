@@ -148,6 +148,9 @@ class Decoder(nnx.Module):
         return self.lm_head(h_btd)
 
 
+MLP_TARGETS = ("gate", "up", "down")  # a gated MLP's adapter targets (config.lora)
+
+
 def stacks(cfg: LLMConfig) -> list[tuple[str, str, tuple[int, ...]]]:
     """The decoder's stacks of layers: (attribute under `transformer`, kind, the layers in it):
     one `blocks` of every layer, or a mixture of experts' MoE and dense layers apart
@@ -169,7 +172,13 @@ def layer_kinds(cfg: LLMConfig, spec: BlockSpec) -> tuple[dict | None, tuple[str
     if not cfg.moe.enabled:
         return None, ()
     pattern = tuple("moe" if cfg.moe.is_moe(i) else "dense" for i in range(cfg.depth))
-    specs = {"moe": dataclasses.replace(spec, moe=MoESpec.of(cfg.moe)), "dense": spec}
+    # (the MLP targets adapt the routed experts, as PEFT does on transformers' MoE models: a
+    # dense layer's MLP among them takes none)
+    attention = tuple((t, a) for t, a in spec.lora if t not in MLP_TARGETS)
+    specs = {
+        "moe": dataclasses.replace(spec, moe=MoESpec.of(cfg.moe)),
+        "dense": dataclasses.replace(spec, lora=attention),
+    }
     return {k: specs[k] for k in dict.fromkeys(pattern)}, pattern
 
 

@@ -24,7 +24,7 @@ from jaxmllm.config.spec import BatchSpec
 from jaxmllm.models.context import gather_rows
 from jaxmllm.models.encoders import ENCODER_MODULES
 from jaxmllm.models.layers import Axes
-from jaxmllm.models.llm import Decoder, chunked_token_losses, stacks
+from jaxmllm.models.llm import MLP_TARGETS, Decoder, chunked_token_losses, stacks
 from jaxmllm.models.lora import BLOCK_PATHS, PROJECTOR_PATHS
 from sharding import DATA_AXES, STAGE_AXIS
 
@@ -395,14 +395,10 @@ def _axes_of(variable: nnx.Variable) -> Axes:
     return tuple(axes)
 
 
-SHARED_EXPERT = {"gate": ("shared", "gate"), "up": ("shared", "up"), "down": ("shared", "down")}
-
-
 def kernel_paths(model: ModelConfig) -> dict[str, tuple[str, str]]:
     """Every kernel with an adapter under a `config.ModelConfig` (its `model.*.lora`):
-    path -> (top-level module, target), from the config alone. In a mixture-of-experts
-    decoder the MLP targets (gate, up, down) are its dense layers' and its shared expert's
-    (the routed experts take none)."""
+    path -> (top-level module, target), from the config alone. A mixture of experts' MLP
+    targets adapt its routed experts instead (`expert_adapters`)."""
     out = {}
     for module in ("vision", "vision_projector", "audio", "audio_projector", "llm"):
         tower = module.removesuffix("_projector")
@@ -420,11 +416,20 @@ def _kernel_places(model: ModelConfig, module: str, target: str) -> list[tuple[s
         return [PROJECTOR_PATHS[target]]
     if module != "llm":
         return [("transformer", "blocks", *BLOCK_PATHS[target])]
-    out = []
-    for stack, kind, _ in stacks(model.llm):
-        if kind == "moe" and target in SHARED_EXPERT:
-            if model.llm.moe.shared_mlp_dim:
-                out.append(("transformer", stack, "mlp", *SHARED_EXPERT[target]))
-        else:
-            out.append(("transformer", stack, *BLOCK_PATHS[target]))
-    return out
+    if model.llm.moe.enabled and target in MLP_TARGETS:
+        return []  # (the routed experts': expert_adapters)
+    return [("transformer", stack, *BLOCK_PATHS[target]) for stack, _, _ in stacks(model.llm)]
+
+
+def expert_adapters(model: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """The stacked experts with adapters: their module's path -> the adapted matrices of
+    `moe.Experts` (gate_up, down), from the config alone."""
+    targets = set(model.adapted("llm")) & set(MLP_TARGETS)
+    if not (model.llm.moe.enabled and targets):
+        return {}
+    which = tuple(m for m, t in (("gate_up", "gate"), ("down", "down")) if t in targets)
+    return {
+        f"llm/transformer/{stack}/mlp/experts": which
+        for stack, kind, _ in stacks(model.llm)
+        if kind == "moe"
+    }

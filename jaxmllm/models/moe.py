@@ -110,14 +110,88 @@ def z_loss(stats: RouterStats) -> jax.Array:
 
 
 class Experts(nnx.Module):
-    """E gated MLPs' weights, stacked: gate and up [E, width, f], down [E, f, width]."""
+    """E gated MLPs' weights, stacked: gate and up [E, width, f], down [E, f, width].
 
-    def __init__(self, experts: int, width: int, mlp_dim: int, *, param_dtype, rngs: nnx.Rngs):
+    With adapters (`lora`: targets gate, up, down), each expert has its own low-rank update,
+    as PEFT puts LoRA on transformers' stacked experts (`target_parameters`): one on gate and
+    up together, as transformers fuses them (`gate_up`: A [E, width, 2r], B [E, 2r, 2f], gate
+    the first f columns; PEFT's rank and alpha for it are twice the others'), one on down
+    (A [E, f, r], B [E, r, width]). No dropout: the update is merged into the weights
+    (`weights`), which no dropout of the inputs could reach (PEFT refuses it too).
+    """
+
+    def __init__(
+        self,
+        experts: int,
+        width: int,
+        mlp_dim: int,
+        *,
+        param_dtype,
+        dtype=jnp.float32,
+        lora: dict[str, lora_.Adapter] | None = None,
+        rngs: nnx.Rngs,
+    ):
+        """`dtype`: the compute dtype the adapters' updates are multiplied in (fp32 sums)."""
         w_in, w_out = 1.0 / math.sqrt(width), 1.0 / math.sqrt(mlp_dim)
-        into, out = ("expert", "embed", "mlp"), ("expert", "mlp", "embed")
+        into, out = ("expert", "expert_embed", "mlp"), ("expert", "mlp", "expert_embed")
         self.gate = normal_param(rngs, (experts, width, mlp_dim), w_in, into, param_dtype)
         self.up = normal_param(rngs, (experts, width, mlp_dim), w_in, into, param_dtype)
         self.down = normal_param(rngs, (experts, mlp_dim, width), w_out, out, param_dtype)
+        lora = lora or {}
+        fused = lora.get("gate")  # (gate and up are adapted together: config checks it)
+        kw = dict(dtype=dtype, rngs=rngs)
+        self.gate_up_adapter = (
+            ExpertsAdapter(experts, width, 2 * mlp_dim, double(fused), into[1:], **kw)
+            if fused
+            else None
+        )
+        down = lora.get("down")
+        self.down_adapter = (
+            ExpertsAdapter(experts, mlp_dim, width, down, out[1:], **kw) if down else None
+        )
+
+    def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """gate, up and down with each expert's adapter update added (float32 sums)."""
+        gate, up, down = self.gate[...], self.up[...], self.down[...]
+        f = gate.shape[-1]
+        if self.gate_up_adapter is not None:
+            delta = self.gate_up_adapter.delta()
+            gate = (gate.astype(jnp.float32) + delta[..., :f]).astype(gate.dtype)
+            up = (up.astype(jnp.float32) + delta[..., f:]).astype(up.dtype)
+        if self.down_adapter is not None:
+            down = (down.astype(jnp.float32) + self.down_adapter.delta()).astype(down.dtype)
+        return gate, up, down
+
+
+def double(adapter: lora_.Adapter) -> lora_.Adapter:
+    """The fused gate_up adapter of a tower's `adapter`: rank and alpha doubled (PEFT's)."""
+    return lora_.Adapter(2 * adapter.rank, 2 * adapter.alpha, adapter.dropout)
+
+
+class ExpertsAdapter(nnx.Module):
+    """Every expert's LoRA update of one stacked matrix: lora_a [E, in, r], lora_b [E, r, out]
+    (fp32; A at PEFT's init, B zero), the update scale * A_e B_e."""
+
+    def __init__(
+        self, experts, n_in, n_out, adapter: lora_.Adapter, axes, *, dtype, rngs: nnx.Rngs
+    ):
+        # (folded from the last weight's key, salted by the matrix: the base's draws stay)
+        stream = rngs.params
+        key = jax.random.fold_in(stream.key[...], stream.count[...] - 1)
+        key = jax.random.fold_in(jax.random.fold_in(key, lora_.SALT), n_in * 7919 + n_out)
+        bound = 1.0 / math.sqrt(n_in)  # (PEFT's init of A)
+        a = jax.random.uniform(key, (experts, n_in, adapter.rank), jnp.float32, -bound, bound)
+        self.lora_a = nnx.Param(a, axes=("expert", axes[0], None))
+        b = jnp.zeros((experts, adapter.rank, n_out), jnp.float32)
+        self.lora_b = nnx.Param(b, axes=("expert", None, axes[1]))
+        self.scale = adapter.scale
+        self.dtype = dtype
+
+    def delta(self) -> jax.Array:
+        """[E, in, out]: scale * A_e B_e in the compute dtype (float32 sums; the backward's
+        matmuls then take it too)."""
+        a, b = (p[...].astype(self.dtype) for p in (self.lora_a, self.lora_b))
+        return self.scale * jnp.einsum("eir,ero->eio", a, b, preferred_element_type=self.dtype)
 
 
 class MoE(nnx.Module):
@@ -133,13 +207,21 @@ class MoE(nnx.Module):
         lora: dict[str, lora_.Adapter] | None = None,
         rngs: nnx.Rngs,
     ):
-        """`lora`: adapters of the shared expert's gate, up and down (the routed experts and
-        the router have none: PEFT adapts modules, and transformers' experts are stacked
-        parameters)."""
+        """`lora`: adapters of the routed experts' gate, up and down (`Experts`), as PEFT
+        puts them on transformers' MoE models (the router and the shared expert take none:
+        PEFT moves gate_proj, up_proj and down_proj onto the stacked experts there)."""
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.router = Dense(width, spec.experts, ("embed", None), out_dtype=jnp.float32, **kw)
+        # (logits in the compute dtype, as transformers computes them, then float32: a float32
+        # output would make the backward's matmul float32 x float32)
+        self.router = Dense(width, spec.experts, ("embed", None), **kw)
         self.experts = Experts(
-            spec.experts, width, spec.mlp_dim, param_dtype=param_dtype, rngs=rngs
+            spec.experts,
+            width,
+            spec.mlp_dim,
+            param_dtype=param_dtype,
+            dtype=dtype,
+            lora=lora,
+            rngs=rngs,
         )
         shared = spec.shared_mlp_dim > 0
         self.shared = (
@@ -172,16 +254,14 @@ class MoE(nnx.Module):
         spec = self.spec
         if valid_bt is None:
             valid_bt = jnp.ones(x_btd.shape[:2], bool)
-        logits = self.router(x_btd)  # [B, T, E] float32
+        logits = self.router(x_btd).astype(jnp.float32)  # [B, T, E]
         probs = jax.nn.softmax(logits, axis=-1)
         top_p, top_e = jax.lax.top_k(probs, spec.top_k)
         if spec.norm_topk_prob:
             top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
         weights = top_p.astype(x_btd.dtype)
-        e = self.experts
-        y, moved = dispatch(
-            x_btd, top_e, weights, valid_bt, e.gate[...], e.up[...], e.down[...], spec
-        )
+        gate, up, down = self.experts.weights()  # (with their adapters' updates)
+        y, moved = dispatch(x_btd, top_e, weights, valid_bt, gate, up, down, spec)
         if self.shared is not None:
             shared = self.shared(x_btd)
             if self.shared_gate is not None:
@@ -196,7 +276,7 @@ class MoE(nnx.Module):
         lse = jax.nn.logsumexp(logits, axis=-1)
         stats = RouterStats(
             counts=counts,
-            probs=jnp.einsum("bte,bt->e", probs, valid),
+            probs=jnp.sum(probs * valid[..., None], axis=(0, 1)),  # (a sum, not an f32 dot)
             tokens=valid.sum(),
             z=jnp.sum(lse * lse * valid),
             **moved,
@@ -213,14 +293,18 @@ def dispatch(x_btd, top_e, weights, valid_bt, gate, up, down, spec: MoESpec):
 
     Under a mesh (`jax.set_mesh`) with data-parallel axes: one `shard_map` in which each
     device routes its own buckets' tokens, to its own experts or (mesh.expert > 1) by
-    all-to-all to the devices holding them. Without one (a single device, `hf check`), or
-    inside a pipeline stage's manual axes: every token of the batch on this device.
+    all-to-all to the devices holding them. Without one (a single device, `hf check`), inside
+    a pipeline stage's manual axes, or for rows that are not whole buckets of the devices
+    (generation's prompts): every token of the batch here, XLA placing the work.
     """
     mesh = jax.sharding.get_abstract_mesh()
     axes = () if mesh.empty else tuple(a for a in DATA_AXES if a in mesh.axis_names)
+    shards = math.prod(mesh.shape[a] for a in axes)
     cast = lambda w: w.astype(x_btd.dtype)
     gate, up, down = cast(gate), cast(up), cast(down)
-    if not axes or STAGE_AXIS in mesh.manual_axes:
+    # (rows not one bucket a data-parallel device, e.g. generation's prompts under the
+    # training mesh: every token here, the experts gathered by XLA)
+    if not axes or STAGE_AXIS in mesh.manual_axes or x_btd.shape[0] % shards:
         route = Route(spec, experts_here=spec.experts, ep=1, tensor=False, axes=())
         return route(x_btd, top_e, weights, valid_bt, gate, up, down)
     ep = mesh.shape.get(EXPERT_AXIS, 1)
