@@ -24,7 +24,11 @@ Axes = tuple[str | None, ...]  # one logical name (or None) per array dim
 RULES: dict[str, Rule] = {
     # data-parallel buckets (a context rank is one, an expert-parallel rank is one)
     "batch": ("data", "expert", "fsdp", "context"),
-    "embed": "fsdp",  # model width: FSDP shards weights and optimizer state along it
+    # model width: FSDP shards weights and optimizer state along it, over the expert axis too
+    # (its devices hold data-parallel buckets: for every weight but the experts' it is one more
+    # data-parallel axis, ZeRO-3 over both, as MaxText shards `embed`)
+    "embed": ("expert", "fsdp"),
+    "expert_embed": "fsdp",  # a mixture of experts' width (its experts split over `expert`)
     "mlp": "tensor",  # gated-MLP inner width (column split in, row split out)
     "expert": "expert",  # a mixture-of-experts layer's stacked experts (expert parallelism)
     "heads": "tensor",  # query heads
@@ -67,6 +71,7 @@ def resolve(
     for dim, (name, size) in enumerate(zip(axes, shape, strict=True)):
         mesh_axes = mesh_axes_of(name, rules, path)
         _check_on_mesh(mesh_axes, mesh, name)
+        mesh_axes = _live(mesh_axes, mesh)
         ways = math.prod(mesh.shape[axis] for axis in mesh_axes)
         if size % ways:
             notes.append(
@@ -207,6 +212,15 @@ def _check_on_mesh(mesh_axes: tuple[str, ...], mesh: Mesh, name: str | None) -> 
         raise ShardingError(
             f"rule {name!r} uses mesh axes {missing} not in the mesh {tuple(mesh.axis_names)}"
         )
+
+
+def _live(mesh_axes: tuple[str, ...], mesh: Mesh) -> tuple[str, ...]:
+    """A rule of several mesh axes less those of size 1 (they split nothing): `embed`'s
+    (expert, fsdp) reads `fsdp` on a mesh without expert parallelism; all of size 1: the last."""
+    if len(mesh_axes) < 2:
+        return mesh_axes
+    live = tuple(a for a in mesh_axes if mesh.shape[a] > 1)
+    return live or mesh_axes[-1:]
 
 
 def _is_rule(rule: Any) -> bool:

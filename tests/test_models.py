@@ -56,6 +56,8 @@ LOCAL = BatchConfig(
 ALLOWED_AXES = {
     "layers",
     "embed",
+    "expert",
+    "expert_embed",
     "mlp",
     "heads",
     "kv_heads",

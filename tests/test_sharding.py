@@ -120,11 +120,14 @@ def test_logical_to_spec_default_rules():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     spec = sharding.logical_to_spec(("embed", "heads", "head_dim"), (16, 4, 8), mesh)
     assert spec == PartitionSpec("fsdp", "tensor", None)
-    spec = sharding.logical_to_spec(("batch", None), (8, 5), mesh)
-    assert spec == PartitionSpec(("data", "expert", "fsdp", "context"), None)
+    spec = sharding.logical_to_spec(("batch", None), (8, 5), mesh)  # (axes of size 1 left out)
+    assert spec == PartitionSpec(("data", "fsdp"), None)
     mesh = sharding.make_mesh({"expert": 4, "fsdp": 2})  # experts over expert, width over fsdp
-    spec = sharding.logical_to_spec(("expert", "embed", "mlp"), (8, 16, 4), mesh)
+    spec = sharding.logical_to_spec(("expert", "expert_embed", "mlp"), (8, 16, 4), mesh)
     assert spec == PartitionSpec("expert", "fsdp", "tensor")
+    # every other weight's width over both (ZeRO-3 over the expert axis's buckets too)
+    spec = sharding.logical_to_spec(("embed", "heads"), (16, 4), mesh)
+    assert spec == PartitionSpec(("expert", "fsdp"), "tensor")
 
 
 def test_indivisible_dim_is_replicated_with_a_note():
