@@ -64,6 +64,7 @@ CASES = {  # module: [argv, ...]
         ["--config", MISSING],
         ["--config", TINY, "--set", "mesh.fsdp=3", "--devices", "8"],  # a ShardingError
     ],
+    "jaxmllm.bench.moe": [["--parts", "nope"]],
     "jaxmllm.bench.stages": [["--config", MISSING], ["--set", "nope.x=1"]],
     "jaxmllm.bench.throughput": [["--config", MISSING], ["--config", TINY, "--set", "x.y=1"]],
     "jaxmllm.bench.video": [["--sizes", "nope"]],

@@ -99,15 +99,27 @@ def _routed(layer, x, valid, mesh=None):
         return fn(state, x)
 
 
-@pytest.mark.parametrize("expert, shared", [(2, 0), (4, 24), (8, 0)])
-def test_expert_parallelism_computes_what_one_device_does(expert, shared):
+@pytest.mark.parametrize(
+    "axes, shared",
+    [
+        ({"expert": 2}, 0),
+        ({"expert": 4}, 24),  # (a shared expert beside the routed ones)
+        ({"expert": 8}, 0),
+        ({"expert": 2, "fsdp": 2, "tensor": 2}, 0),  # experts' width over fsdp and tensor
+        ({"expert": 2, "context": 2, "tensor": 2}, 24),  # a row's tokens over context
+    ],
+    ids=str,
+)
+def test_expert_parallelism_computes_what_one_device_does(axes, shared):
     """With the experts split over mesh.expert (tokens by all-to-all to their experts'
-    devices and back, over data x expert buckets; a shared expert beside them), the layer's
-    output, its router statistics and every gradient equal one device's; nothing is dropped,
-    and about (expert - 1) / expert of the assignments go to another device."""
+    devices and back, over the data-parallel buckets; with fsdp, tensor splitting each
+    expert's inner width, context), the layer's output, its router statistics and every
+    gradient equal one device's; nothing is dropped, and about (expert - 1) / expert of the
+    assignments go to another device."""
+    expert = axes["expert"]
     layer, (x, valid) = _layer(shared=shared), _inputs()
     (_, (y1, s1)), g1 = _routed(layer, x, valid)
-    mesh = sharding.make_mesh({"data": -1, "expert": expert})
+    mesh = sharding.make_mesh({"data": -1, **axes})
     (_, (y2, s2)), g2 = _routed(layer, x, valid, mesh)
     np.testing.assert_allclose(y2, y1, atol=1e-5)
     for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1), strict=True):
@@ -119,7 +131,8 @@ def test_expert_parallelism_computes_what_one_device_does(expert, shared):
     assert float(s1.sent_remote) == 0.0
     share = float(s2.sent_remote) / assignments
     assert abs(share - (expert - 1) / expert) < 0.2, share
-    assert float(s2.recv_mean) * 8 == pytest.approx(assignments)  # (each device's own rows)
+    buckets = sharding.data_parallel_size(mesh)
+    assert float(s2.recv_mean) * buckets == pytest.approx(assignments)  # (every row received)
 
 
 def test_a_capacity_drops_what_does_not_fit_and_counts_it():
@@ -245,3 +258,63 @@ def test_an_moe_config_counts_its_layers():
         },
     )
     assert cfg.model.llm.moe_layers == (1, 5)
+
+
+def test_the_cost_model_and_the_parameter_report_count_the_active_experts():
+    """The LLM's FLOPs per token are 2 x its active matmul weights (a token visits top_k of
+    the experts: theirs count at top_k / experts), x3 to train; the start-up report's active
+    parameters count the same share."""
+    import math
+
+    from jaxmllm.config import load_config
+    from jaxmllm.hf.adapter_load import shapes_of
+    from jaxmllm.plan.cost import CostModel
+    from jaxmllm.step.program import active_parameters
+
+    cfg = load_config("configs/tiny_moe.yaml")
+    moe_cfg = cfg.model.llm.moe
+    share = moe_cfg.top_k / moe_cfg.experts
+    shapes = shapes_of(cfg)
+    matmul = 0.0
+    for path, leaf in shapes.items():
+        expert = "/mlp/experts/" in path
+        if path.startswith("llm/") and (path.endswith("/kernel") or expert):
+            matmul += math.prod(leaf.shape) * (share if expert else 1)
+    linear = CostModel.from_model(cfg.model).phase("llm").linear
+    assert linear == pytest.approx(3 * 2 * matmul)
+    total, active = active_parameters(shapes, share)
+    experts = sum(math.prod(v.shape) for p, v in shapes.items() if "/mlp/experts/" in p)
+    assert total - active == pytest.approx(experts * (1 - share), abs=3)
+    assert 0 < active < total
+
+
+@pytest.mark.slow
+def test_the_same_run_logs_the_same_losses_at_any_expert_parallel_degree(tmp_path):
+    """configs/tiny_moe.yaml (its LLM alone, text data) trained 3 steps with mesh.expert = 1, 2
+    and 4 on 8 CPU devices: the same losses and load-balancing losses step for step (1e-4
+    relative); the plans do not change with it, only where experts live and the all-to-alls;
+    nothing dropped, and the share of assignments sent to another device's experts grows as
+    (expert - 1) / expert."""
+    import json
+
+    from jaxmllm import train
+    from jaxmllm.config import load_config
+
+    text = ["model.vision.enabled=false", "model.audio.enabled=false"]
+    text += [f"data.synthetic.{k}_fraction=0" for k in ("image", "audio", "video", "multi_image")]
+    rows = {}
+    for expert in (1, 2, 4):
+        out = tmp_path / f"ep{expert}"
+        sets = [*text, f"mesh.expert={expert}", f"mesh.data={4 // expert}", "train.steps=3"]
+        sets += ["train.log_every=1", "train.eval_every=0", "data.eval.source=none"]
+        sets += [f"train.output_dir={out}", "train.progress_bar=false"]
+        train.main(load_config("configs/tiny_moe.yaml", sets))
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        rows[expert] = [r for r in map(json.loads, lines) if "loss" in r]
+    for expert in (2, 4):
+        for mine, ref in zip(rows[expert], rows[1], strict=True):
+            assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4)
+            assert mine["moe/aux_loss"] == pytest.approx(ref["moe/aux_loss"], rel=1e-4)
+            assert mine["moe/dropped"] == 0.0
+            share = mine["moe/sent_remote_share"]
+            assert abs(share - (expert - 1) / expert) < 0.15, share

@@ -47,7 +47,8 @@ def test_a_recipe_loads_and_starts_with_the_command_that_runs_it(path):
     first = path.read_text().splitlines()[0]
     assert first.startswith("# ") and f"--config configs/gpu/{path.name}" in first, first
     assert cfg.model.attention == "auto" and cfg.model.compute_dtype == "bfloat16"
-    assert cfg.mesh.fsdp * cfg.mesh.tensor == min(devices_of(path), 8)  # (within a node)
+    inner = cfg.mesh.expert * cfg.mesh.fsdp * cfg.mesh.tensor
+    assert inner == min(devices_of(path), 8)  # (within a node)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
@@ -55,11 +56,12 @@ def test_a_recipe_resolves_on_its_devices(path):
     """Its mesh takes all its GPUs, `auto` attention resolves (block-sparse on this CPU), and
     the batch sizes resolve to their bounds without data (what bench.memory compiles)."""
     from jaxmllm.plan.sizing import resolve_attention, resolve_bounds
-    from sharding.mesh import resolve_axis_sizes
+    from sharding.mesh import AXES, resolve_axis_sizes
 
     cfg, devices = load_config(path), devices_of(path)
-    sizes = resolve_axis_sizes(cfg.mesh, devices)
-    assert math.prod(sizes) == devices and sizes[2] == min(devices, 8), sizes  # (a node's)
+    sizes = dict(zip(AXES, resolve_axis_sizes(cfg.mesh, devices), strict=True))
+    node = sizes["expert"] * sizes["fsdp"] * sizes["tensor"]  # (a node's)
+    assert math.prod(sizes.values()) == devices and node == min(devices, 8), sizes
     resolved = resolve_bounds(resolve_attention(cfg), devices)  # (data x fsdp: all)
     assert resolved.model.attention == "block_sparse"
     assert resolved.batch.route_pair_capacity > 0 or devices == 1  # (one GPU: no exchange)

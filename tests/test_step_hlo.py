@@ -21,8 +21,14 @@ from jaxmllm.models.mllm import exchange_rows, fill_slots
     [
         ("configs/gpu/qwen2vl_2b.yaml", []),  # routed, block-sparse, vocab-parallel, FSDP 8
         ("configs/long_context.yaml", ["model.compute_dtype=bfloat16"]),  # context groups
+        # a mixture of experts over mesh.expert (router, grouped matmul, the exchange), LoRA
+        # on its attention and experts (their updates merged into the experts' weights)
+        (
+            "configs/tiny_moe.yaml",
+            ["model.compute_dtype=bfloat16", "model.llm.lora.rank=4", "batch.capacity=fixed"],
+        ),
     ],
-    ids=["qwen2vl_2b", "long_context"],
+    ids=["qwen2vl_2b", "long_context", "tiny_moe"],
 )
 def test_a_bf16_step_multiplies_bf16_operands_only(config, overrides):
     cfg = with_depth(config, 2, overrides)

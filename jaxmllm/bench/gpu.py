@@ -1,6 +1,6 @@
 """The GPU campaign: what a lent GPU should measure, case by case, within one GPU's memory.
 
-    python -m jaxmllm.bench.gpu --out DIR [--parts env,attention,recipe,host] [--cases REGEX]
+    python -m jaxmllm.bench.gpu --out DIR [--parts env,attention,recipe,moe,host] [--cases REGEX]
         [--timeout 480] [--cache DIR] [--smoke]
 
 Each case runs in a process of its own (one train state at a time; XLA's persistent
@@ -22,6 +22,9 @@ Parts (`--cases` picks cases by a regular expression over their names, `part/...
   for one policy per kernel, without: step time, tokens/s, model TFLOP/s and MFU, the device's
   peak memory, the dots by dtype, and a profile of two steps (time per kernel category and the
   top 15 kernels: `jaxmllm.bench.profile`).
+- moe: configs/gpu/qwen3_30b_a3b.yaml's per-GPU expert work on this one GPU (16 experts of
+  768, top-8, as a GPU of its EP-8 node holds and computes; 12 of its 48 layers; text), full
+  remat, the best kernel: the recipe part's measurements.
 - host: an 8-GPU host's feed for that step (`jaxmllm.bench.host --measure-device`): planning,
   loading and the serial rest against the step this device measures.
 

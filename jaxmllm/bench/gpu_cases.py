@@ -65,9 +65,49 @@ POLICIES = {
     "llm_save_dots": ["model.remat=full", "model.llm.remat=save_dots"],
     "full": ["model.remat=full"],
 }
+# The mixture of experts' recipe (configs/gpu/qwen3_30b_a3b.yaml, EP 8 over a node) at its
+# per-GPU shapes on one GPU: a GPU of the node holds 16 of a layer's 128 experts and computes
+# its tokens' 8 assignments each on average, so one GPU with 16 experts and top-8 does that
+# node's per-GPU expert work (the same widths, experts and rows a GPU; the router 16 wide, not
+# 128); 12 of its 48 layers, so parameters and Adam fit one 80 GB GPU; text only.
+MOE_RECIPE = "configs/gpu/qwen3_30b_a3b.yaml"
+MOE_PER_GPU = [
+    "mesh.data=1",
+    "mesh.expert=1",
+    "model.llm.depth=12",
+    "model.llm.moe.experts=16",
+    "model.llm.moe.exchange=dense",  # (one device: nothing exchanged)
+    "batch.microbatches=2",
+    "batch.devices_per_host=-1",
+    "data.source=synthetic",
+    "data.path=",
+    "data.tokenizer=byte",
+    "data.workers=4",
+    "data.synthetic.image_fraction=0",
+    "data.synthetic.multi_image_fraction=0",
+    "data.synthetic.audio_fraction=0",
+    "data.synthetic.video_fraction=0",
+    "data.synthetic.max_text_words=2000",
+    "train.steps=20",
+]
+MOE_SMOKE = [
+    "model.llm.depth=2",
+    "model.llm.width=64",
+    "model.llm.heads=4",
+    "model.llm.kv_heads=2",
+    "model.llm.head_dim=16",
+    "model.llm.mlp_dim=128",
+    "model.llm.moe.mlp_dim=32",
+    "model.llm.vocab_size=512",
+    "batch.llm_row_len=256",
+    "mesh.cpu_devices=1",
+    "data.workers=0",
+    "data.synthetic.num_samples=64",
+    "data.synthetic.max_text_words=100",
+]
 # (kind, heads, kv heads, head dim): the recipes' LLM and vision attention
 HEADS = {"llm": ("llm", 12, 2, 128), "vision": ("vision", 16, 16, 80)}
-PARTS = ("env", "attention", "recipe", "host")
+PARTS = ("env", "attention", "recipe", "moe", "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +119,7 @@ class Case:
     sets: tuple[str, ...] = ()  # config overrides (recipe, host)
     flags: bool = True  # XLA's GPU flag set (added before JAX starts)
     smoke: bool = False
+    config: str = RECIPE  # the recipe its overrides apply to (recipe, moe)
 
 
 def cases(parts: list[str], gpu: bool, smoke: bool) -> list[Case]:
@@ -98,6 +139,9 @@ def cases(parts: list[str], gpu: bool, smoke: bool) -> list[Case]:
                     for flags in (True, False) if i == 0 else (True,):
                         name = f"recipe/{kernel}/{policy}/{'flags' if flags else 'no-flags'}"
                         out.append(Case(part, name, base, flags, smoke))
+        elif part == "moe":  # the mixture of experts' per-GPU step, the best kernel only
+            base = (*MOE_PER_GPU, *(MOE_SMOKE if smoke else ()), f"model.attention={kernels[0]}")
+            out.append(Case(part, f"moe/{kernels[0]}/full", base, smoke=smoke, config=MOE_RECIPE))
         elif part == "host":
             out.append(Case(part, "host", (*PER_GPU, *shrink), smoke=smoke))
         else:
@@ -192,7 +236,7 @@ def recipe(case: Case, out: Path) -> Iterator[dict]:
     from jaxmllm.loop.distributed import split_cpu
     from jaxmllm.loop.metrics import peak_tflops
 
-    cfg = load_config(RECIPE, list(case.sets))
+    cfg = load_config(case.config, list(case.sets))
     split_cpu(cfg.mesh.cpu_devices)
     mesh = sharding.make_mesh(cfg.mesh)
     warmup, steps = (1, 2) if case.smoke else (2, 5)
@@ -225,6 +269,11 @@ def recipe(case: Case, out: Path) -> Iterator[dict]:
     with gzip.open(out / "hlo" / name, "wt") as f:
         f.write(compiled)
     yield row
+
+
+def moe(case: Case, out: Path) -> Iterator[dict]:
+    """The mixture of experts' step on this device (`recipe`'s measurements, MOE_PER_GPU)."""
+    yield from recipe(case, out)
 
 
 def host(case: Case, out: Path) -> Iterator[dict]:

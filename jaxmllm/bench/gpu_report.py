@@ -91,6 +91,16 @@ def recipe(rows: list[dict]) -> str:
     return "## Recipe step\n\n" + head + "\n\n" + "\n".join(lines) + "\n\n" + top
 
 
+def moe(rows: list[dict]) -> str:
+    """The mixture of experts' per-GPU step: the recipe table's columns."""
+    text = recipe(rows).replace("## Recipe step", "## Mixture-of-experts step", 1)
+    return text.replace(
+        "The recipe's per-GPU shapes",
+        "configs/gpu/qwen3_30b_a3b.yaml's per-GPU expert work (16 experts, top-8, 12 layers)",
+        1,
+    )
+
+
 def host(rows: list[dict]) -> str:
     cols = ["workers", "plan s", "load s", "serial s", "overlapped s", "device s", "workers needed"]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
@@ -111,5 +121,5 @@ def host(rows: list[dict]) -> str:
     return "## Host against the step (8-GPU host)\n\n" + "\n".join(lines)
 
 
-SECTIONS = {"env": env, "attention": attention, "recipe": recipe, "host": host}
+SECTIONS = {"env": env, "attention": attention, "recipe": recipe, "moe": moe, "host": host}
 PARTS = tuple(SECTIONS)

@@ -14,13 +14,29 @@ copy of the experts' weights. Permutations (`take_rows`) are gathered both ways.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 CHUNK_ROWS = 1024  # rows a scan step of the grouped matmul computes (visits x tile)
+_UNROLLED = contextvars.ContextVar("grouped_unrolled", default=False)
+
+
+@contextlib.contextmanager
+def unrolled() -> Iterator[None]:
+    """Grouped matmuls traced inside this block unroll their scans: XLA's cost analysis
+    counts a loop's body once, so `bench.moe` counts every visit this way (a larger program,
+    the same computation)."""
+    token = _UNROLLED.set(True)
+    try:
+        yield
+    finally:
+        _UNROLLED.reset(token)
 
 
 @jax.custom_vjp
@@ -150,7 +166,7 @@ def _grouped_fwd(x_rd, gate, up, down, tables, tile: int):
         )
         return None, jax.lax.cond(jnp.any(hi > lo), run, empty)
 
-    _, (y, g, u) = jax.lax.scan(step, None, tables)
+    _, (y, g, u) = jax.lax.scan(step, None, tables, unroll=_UNROLLED.get())
     # (named as the MLP's input projections are: remat policies keep them or recompute them)
     g, u = checkpoint_name(g, "mlp_in"), checkpoint_name(u, "mlp_in")
     out = jnp.zeros_like(x_tmd).at[tables[0].reshape(-1)].add(y.reshape(-1, tile, d))
@@ -198,7 +214,9 @@ def _grouped_bwd(tile: int, res, dy_rd):
         return jax.lax.cond(jnp.any(hi > lo), run, skip, acc)
 
     zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (gate, up, down))
-    (d_gate, d_up, d_down), dx = jax.lax.scan(step, zeros, (tables, g_all, u_all))
+    (d_gate, d_up, d_down), dx = jax.lax.scan(
+        step, zeros, (tables, g_all, u_all), unroll=_UNROLLED.get()
+    )
     dx_tmd = jnp.zeros_like(x_tmd).at[tables[0].reshape(-1)].add(dx.reshape(-1, tile, d))
     grads = (d_gate.astype(gate.dtype), d_up.astype(up.dtype), d_down.astype(down.dtype))
     return (dx_tmd.reshape(r, d), *grads, None)

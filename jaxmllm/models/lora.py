@@ -85,8 +85,10 @@ def update(x: jax.Array, a: jax.Array, b: jax.Array, adapter: Adapter, dtype) ->
     n_in = a.ndim - 1
     x = dropped(x, adapter.dropout).astype(dtype)
     contract_a = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-    low = jnp.tensordot(x, a.astype(dtype), axes=contract_a, preferred_element_type=jnp.float32)
-    low = (low * adapter.scale).astype(dtype)  # [..., rank]: the scale on the small side
+    # (outputs in `dtype`, as the kernel's: a float32 output would make the backward's matmuls
+    # float32 x float32 under bf16 compute)
+    low = jnp.tensordot(x, a.astype(dtype), axes=contract_a, preferred_element_type=dtype)
+    low = low * jnp.asarray(adapter.scale, dtype)  # [..., rank]: the scale on the small side
     return jnp.tensordot(low, b.astype(dtype), axes=((low.ndim - 1,), (0,)))
 
 

@@ -56,6 +56,7 @@ import numpy as np
 from jaxmllm.config.checks import UserError
 from jaxmllm.config.phases import ENCODERS, LLM, PHASES
 from jaxmllm.plan import training
+from jaxmllm.plan.flops import ENCODER_ADAPTERS, ENCODER_FLOPS, decoder_linear, moe_decoder
 from jaxmllm.plan.training import multiplier
 
 if TYPE_CHECKING:
@@ -162,11 +163,12 @@ class CostModel:
         lm, how = model.llm, training.modules(model)
         head = getattr(lm, "head_dim", 0) or lm.width // lm.heads  # (runs before head_dim)
         q, kv = head * lm.heads, head * lm.kv_heads  # query (and output) width, key/value width
-        llm_lin = lm.depth * layer_linear(lm.width, kv, lm.mlp_dim, q, _mlp(lm))
-        llm_lin += 2 * lm.width * lm.vocab_size
+        llm_lin = decoder_linear(lm) + 2 * lm.width * lm.vocab_size
         llm_quad = lm.depth * 2.0 * q  # causal: half of 4*d
         m_llm = how[LLM].multiplier
         shapes = training.block_shapes(lm.width, kv, lm.mlp_dim, q)
+        if moe_decoder(lm):  # (the experts' adapters are merged into their weights once a step)
+            shapes = {t: v for t, v in shapes.items() if t in ("q", "k", "v", "o")}
         adapters = 3 * lm.depth * training.adapter_flops(how[LLM], shapes)
         terms = {LLM: PhaseCost(m_llm * llm_lin + adapters, m_llm * llm_quad)}
         encoders = any(how[p.name].trains for p in ENCODERS if p.name in how)
@@ -182,71 +184,6 @@ class CostModel:
             adapters = 3 * ENCODER_ADAPTERS[p.name](enc, lm.width, how)
             terms[p.name] = PhaseCost(m_enc * lin + m_proj * proj + adapters, m_enc * quad)
         return cls(terms)
-
-
-def _mlp(section) -> str:
-    return getattr(section, "mlp", "gated_silu")
-
-
-def _vision_flops(v, llm_width: int) -> tuple[float, float, float]:
-    """Per patch: (encoder linear, encoder quadratic, projector) forward FLOPs of a ViT over
-    patches and its merge-area MLP projector."""
-    area = v.merge**2
-    hid = getattr(v, "projector_dim", 0) or llm_width
-    proj = 2 * (area * v.width * hid + hid * llm_width) / area
-    lin = v.depth * layer_linear(v.width, v.width, v.mlp_dim, mlp=_mlp(v))
-    return lin, v.depth * 4.0 * v.width, proj
-
-
-def _audio_flops(a, llm_width: int) -> tuple[float, float, float]:
-    """Per log-mel frame: (encoder linear, encoder quadratic, projector) forward FLOPs of the
-    audio encoder (its stem's convolutions, then a transformer on rows of `r` frames) and its
-    projector (`subsample / r` rows per LLM token)."""
-    stem = getattr(a, "stem", "pairs")
-    s, r = a.subsample, 2 if stem == "whisper" else 4  # frames per LLM token, per encoder row
-    hid = getattr(a, "projector_dim", 0) or llm_width
-    proj = 2 * (s // r * a.width * hid + hid * llm_width) / s
-    if stem == "whisper":  # 3-tap convs, stride 1 then 2: per frame
-        conv = 2 * 3 * a.width * (a.n_mels + a.width / 2)
-    else:  # (two 3-tap stride-2 convs, as first modelled: within a few % of the two pairs)
-        conv = 2 * 9 * a.width * (a.n_mels + a.width) / s
-    lin = a.depth * layer_linear(a.width, a.width, a.mlp_dim, mlp=_mlp(a)) / r + conv
-    return lin, a.depth * 4.0 * a.width / (r * r), proj
-
-
-# Per encoder phase of the table: its forward FLOPs per unit from its config section
-ENCODER_FLOPS = {"vision": _vision_flops, "audio": _audio_flops}
-
-
-def _vision_adapters(v, llm_width: int, how: dict) -> float:
-    """Per patch: the forward FLOPs of the tower's and its projector's LoRA adapters."""
-    area, hid = v.merge**2, getattr(v, "projector_dim", 0) or llm_width
-    tower = v.depth * training.adapter_flops(
-        how["vision"], training.block_shapes(v.width, v.width, v.mlp_dim)
-    )
-    shapes = {"fc1": (area * v.width, hid), "fc2": (hid, llm_width)}
-    return tower + training.adapter_flops(how["vision_projector"], shapes) / area
-
-
-def _audio_adapters(a, llm_width: int, how: dict) -> float:
-    """Per log-mel frame: the forward FLOPs of the encoder's and its projector's adapters."""
-    s, r = a.subsample, 2 if getattr(a, "stem", "pairs") == "whisper" else 4
-    hid = getattr(a, "projector_dim", 0) or llm_width
-    tower = a.depth * training.adapter_flops(
-        how["audio"], training.block_shapes(a.width, a.width, a.mlp_dim)
-    )
-    shapes = {"fc1": (s // r * a.width, hid), "fc2": (hid, llm_width), "fc": (a.width, llm_width)}
-    return tower / r + training.adapter_flops(how["audio_projector"], shapes) / s
-
-
-ENCODER_ADAPTERS = {"vision": _vision_adapters, "audio": _audio_adapters}
-
-
-def layer_linear(d: int, d_kv: int, f: int, d_q: int = 0, mlp: str = "gated_silu") -> float:
-    """Forward FLOPs per token of a layer's projections: q and o (d x d_q), k and v (d x d_kv),
-    the MLP (3 matrices gated, 2 otherwise)."""
-    d_q = d_q or d
-    return 2.0 * (2 * d * d_q + 2 * d * d_kv + (3 if mlp == "gated_silu" else 2) * d * f)
 
 
 # ----------------------------------------------------------------------------- timings

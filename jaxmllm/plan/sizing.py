@@ -78,10 +78,19 @@ def hopper_or_newer(device) -> bool | str:
 
 def check_attention(cfg: Config, devices: list | None = None) -> None:
     """Refuses a resolved `model.attention` the devices cannot run, naming the key and what to
-    set instead: cudnn off NVIDIA GPUs of compute capability 9.0 or newer."""
+    set instead: cudnn off NVIDIA GPUs of compute capability 9.0 or newer; and a mixture of
+    experts' ragged token exchange off GPUs."""
+    first = (jax.devices() if devices is None else devices)[0]
+    moe = cfg.model.llm.moe
+    if moe.enabled and moe.exchange == "ragged" and cfg.mesh.expert > 1:
+        if first.platform != "gpu":
+            raise ConfigError(
+                "model.llm.moe.exchange=ragged: lax.ragged_all_to_all runs on GPUs, this "
+                f"backend is {first.platform} (XLA:{first.platform.upper()} does not implement "
+                "it); set model.llm.moe.exchange: dense"
+            )
     if cfg.model.attention != "cudnn":
         return
-    first = (jax.devices() if devices is None else devices)[0]
     if first.platform != "gpu":
         raise ConfigError(
             f"model.attention=cudnn: cuDNN's fused attention needs a GPU, this backend is "

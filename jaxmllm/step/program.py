@@ -10,6 +10,7 @@ gradients over a step's microbatches, and the one compiled program a config beco
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -392,7 +393,15 @@ class Program:
 
     def describe(self) -> str:
         params = join(self.abstract["params"], self.abstract["frozen"])
-        return sharding.describe(self.axes, params, self.mesh)
+        text = sharding.describe(self.axes, params, self.mesh)
+        moe = self.cfg.model.llm.moe
+        if moe.enabled:  # (a token visits top_k of the experts: what a step computes)
+            total, active = active_parameters(params, moe.top_k / moe.experts)
+            text += (
+                f"\n{active:,} of the {total:,} parameters active a token (top {moe.top_k} of "
+                f"{moe.experts} experts a layer: {active / total:.1%})"
+            )
+        return text
 
     # A checkpoint holds the train state in a form that does not depend on the mesh; a
     # pipelined program (jaxmllm/step/stages/program.py) converts its own to and from it.
@@ -431,6 +440,17 @@ class Program:
     def from_saved(self, saved: dict, base: dict | None) -> dict:
         """The state from a restored checkpoint and, where it holds none, the base."""
         return self.from_checkpoint(saved if base is None else {**saved, "frozen": base})
+
+
+def active_parameters(params: dict, share: float) -> tuple[int, int]:
+    """(every parameter, those a token uses): a mixture of experts' routed experts count at
+    `share` (top_k / experts), their adapters too."""
+    total = active = 0
+    for path, leaf in sharding.rules.keyed_leaves(params).items():
+        n = math.prod(leaf.shape)
+        total += n
+        active += round(n * share) if "/mlp/experts/" in path else n
+    return total, active
 
 
 def build_program(cfg: Config, mesh) -> Program:

@@ -3,7 +3,7 @@ sees it: per transformer layer, and at the ends of each stack (embeddings, proje
 
 Pure Python over the config. Under fixed shapes a device computes its whole bucket, so a cost is
 a function of the capacities (`batch.*`), not of the samples: per layer the matrices' FLOPs of
-every token, patch or audio row the bucket holds (`data.cost.layer_linear`), plus attention:
+every token, patch or audio row the bucket holds (`plan.flops.layer_linear`), plus attention:
 4 * pairs * width for the pairs computed (dense: every pair of each row; block-sparse: the
 tile capacity's tiles of block x block pairs; cuDNN: the causal half of each LLM row).
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from jaxmllm.config.phases import BY_NAME, LLM, NAMES
 from jaxmllm.plan import training
-from jaxmllm.plan.cost import layer_linear
+from jaxmllm.plan.flops import layer_linear
 
 # The encoders' chain order in front of the LLM when run as pipeline stages: the table's, last
 # first (the last encoder phase starts the chain)
