@@ -152,12 +152,17 @@ def step(args) -> list[dict]:
     base = ["model.vision.enabled=false", "model.audio.enabled=false", "data.eval.source=none"]
     base += [f"data.synthetic.{k}_fraction=0" for k in ("image", "audio", "video", "multi_image")]
     base += ["model.llm.width=256", "model.llm.head_dim=64", "model.llm.moe.mlp_dim=128"]
-    base += ["batch.llm_row_len=512", "data.synthetic.max_text_words=200"]
+    base += ["batch.llm_row_len=1024", "data.synthetic.max_text_words=200"]
     cfg0 = load_config("configs/tiny_moe.yaml", base)
     m = cfg0.model.llm.moe
     dense_mlp = m.top_k * m.mlp_dim  # (the same active MLP width a token)
     variants = {
-        "dense twin": ["model.llm.moe.experts=0", f"model.llm.mlp_dim={dense_mlp}"],
+        "dense twin": [
+            "model.llm.moe.experts=0",
+            f"model.llm.mlp_dim={dense_mlp}",
+            "mesh.expert=1",
+            "mesh.data=4",
+        ],
         **{f"moe expert={e}": [f"mesh.expert={e}", f"mesh.data={4 // e}"] for e in (1, 2, 4)},
     }
     runs = []
