@@ -164,6 +164,7 @@ class SyntheticSource:
         table = _Table.concat([t for t, _ in blocks], len(ids))
         exact = np.concatenate([e for _, e in blocks] or [np.ones(0, bool)])
         probe = np.unique(np.linspace(0, max(len(ids) - 1, 0), 16).astype(np.int64))[: len(ids)]
+        probe = probe[exact[probe]]  # (a lane on numpy's rare branch is drawn its way below)
         if any(table.params(int(i)) != self._sample_params(int(i)) for i in probe):
             log.warning(
                 "numpy's streams differ from jaxmllm.data.pcg's: synthetic parameters "
