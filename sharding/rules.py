@@ -36,8 +36,9 @@ RULES: dict[str, Rule] = {
     "head_dim": None,  # per-head width, small and used whole by attention
     "vocab": "tensor",  # embedding rows and output logits
     # The embedding table's and output projection's vocabulary when they are split by rows
-    # over every model-parallel device (vocab-parallel lookups and loss): fsdp x tensor
-    "vocab_split": ("fsdp", "tensor"),
+    # over every model-parallel device (vocab-parallel lookups and loss): expert x fsdp x
+    # tensor (the expert axis's devices hold buckets of their own, as fsdp's do)
+    "vocab_split": ("expert", "fsdp", "tensor"),
     "patch": None,  # flattened patch pixels into the ViT
     "mel": None,  # mel bins into the audio encoder
     "positions": None,  # rows of an absolute position table (SigLIP, Whisper)

@@ -1,5 +1,6 @@
 """Vocabulary-parallel embedding and loss (jaxmllm.models.vocab) on 8 CPU devices: the same
-loss and every gradient as the unsplit reference, tied and untied, several meshes."""
+loss and every gradient as the unsplit reference, tied and untied, several meshes (the expert
+axis's devices hold buckets of their own: the vocabulary splits over it as over fsdp)."""
 
 from __future__ import annotations
 
@@ -45,18 +46,20 @@ def placed(state, mesh):
 
 
 SLOW = pytest.mark.slow  # (one case in the default suite: both axes split, the untied head)
-CASES = [
-    pytest.param(False, (2, 2, 2), id="untied-d2f2t2"),
-    pytest.param(True, (2, 2, 2), id="tied-d2f2t2", marks=SLOW),
-    pytest.param(True, (1, 8, 1), id="tied-f8", marks=SLOW),
-    pytest.param(False, (1, 8, 1), id="untied-f8", marks=SLOW),
-    pytest.param(True, (4, 1, 2), id="tied-d4t2", marks=SLOW),
+CASES = [  # (data, expert, fsdp, tensor)
+    pytest.param(False, (2, 1, 2, 2), id="untied-d2f2t2"),
+    pytest.param(True, (1, 2, 2, 2), id="tied-e2f2t2"),
+    pytest.param(True, (2, 1, 2, 2), id="tied-d2f2t2", marks=SLOW),
+    pytest.param(True, (1, 1, 8, 1), id="tied-f8", marks=SLOW),
+    pytest.param(False, (1, 1, 8, 1), id="untied-f8", marks=SLOW),
+    pytest.param(False, (1, 8, 1, 1), id="untied-e8", marks=SLOW),
+    pytest.param(True, (4, 1, 1, 2), id="tied-d4t2", marks=SLOW),
 ]
 
 
 @pytest.mark.parametrize(("tied", "shape"), CASES)
 def test_vocab_parallel_equals_the_unsplit_loss_and_gradients(tied, shape):
-    data, fsdp, tensor = shape
+    data, expert, fsdp, tensor = shape
     cfg = LLMConfig(
         vocab_size=VOCAB,
         width=32,
@@ -68,17 +71,16 @@ def test_vocab_parallel_equals_the_unsplit_loss_and_gradients(tied, shape):
         logits_chunk=16,
     )
     rng = np.random.default_rng(0)
-    d = data * fsdp
+    d = data * expert * fsdp
     ids = jnp.asarray(rng.integers(0, VOCAB, (d, T)), jnp.int32)
     targets = jnp.asarray(rng.integers(0, VOCAB, (d, T)), jnp.int32)
     mask = jnp.asarray(rng.random((d, T)) < 0.7, jnp.float32)
     params, value_and_grad = decoder_loss(cfg)
     want, want_grads = value_and_grad(params, ids, targets, mask)  # no mesh: the reference
-    mesh = sharding.make_mesh({"data": data, "fsdp": fsdp, "tensor": tensor})
+    mesh = sharding.make_mesh({"data": data, "expert": expert, "fsdp": fsdp, "tensor": tensor})
     with jax.set_mesh(mesh):
-        assert vocab_axes(VOCAB, d) == tuple(
-            a for a, n in (("fsdp", fsdp), ("tensor", tensor)) if n > 1
-        )
+        split = (("expert", expert), ("fsdp", fsdp), ("tensor", tensor))
+        assert vocab_axes(VOCAB, d) == tuple(a for a, n in split if n > 1)
         got, got_grads = value_and_grad(params, ids, targets, mask)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     flat_want, flat_got = nnx.to_flat_state(want_grads), nnx.to_flat_state(got_grads)

@@ -14,7 +14,7 @@ gradient of a gather). This is Liger-Kernel's fused linear cross entropy, writte
 the softmax statistics, the loss sum and the projection's gradient stay in fp32.
 
 Vocab-parallel (`jaxmllm.models.vocab`): the projection split by vocabulary over the model
-axes, each device projects its fsdp group's tokens onto its vocabulary shard; the softmax's
+axes, each device projects its group's tokens (expert x fsdp) onto its vocabulary shard; the softmax's
 max, normaliser and target logit are reduced over the shards (Megatron's vocab-parallel cross
 entropy), the hidden states' gradient summed over the shards back to the tokens' owners, the
 projection's over the data groups that share a shard.
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 from jax.sharding import PartitionSpec as P
 
+from jaxmllm.models.vocab import gather_group, group_axes, scatter_group
 from sharding import DATA_AXES, varying_as
 
 
@@ -165,8 +166,9 @@ class _Local:
 
 @dataclasses.dataclass(frozen=True)
 class _Split:
-    """A vocabulary shard per device of the model axes (inside their shard_map): the fsdp
-    group's tokens are projected onto this device's `cols` vocabulary columns."""
+    """A vocabulary shard per device of the model axes (inside their shard_map): the group's
+    tokens (`expert` x `fsdp`: `models.vocab.GROUP_AXES`) are projected onto this device's
+    `cols` vocabulary columns."""
 
     axes: tuple[str, ...]
     cols: int
@@ -176,7 +178,7 @@ class _Split:
         return jax.lax.axis_index(self.axes) * self.cols
 
     def group(self, x):
-        return jax.lax.all_gather(x, "fsdp", axis=0, tiled=True) if "fsdp" in self.axes else x
+        return gather_group(x, self.axes)
 
     def max(self, x):
         return jax.lax.pmax(x, self.axes)
@@ -185,17 +187,16 @@ class _Split:
         return jax.lax.psum(x, self.axes)
 
     def own(self, x):
-        if "fsdp" not in self.axes:
+        group = group_axes(self.axes)
+        if not group:
             return x
-        own = x.shape[0] // jax.lax.axis_size("fsdp")
-        return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("fsdp") * own, own, axis=0)
+        own = x.shape[0] // jax.lax.axis_size(group)
+        return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(group) * own, own, axis=0)
 
     def own_sum(self, x):
         if "tensor" in self.axes:
             x = jax.lax.psum(x, "tensor")
-        if "fsdp" in self.axes:
-            x = jax.lax.psum_scatter(x, "fsdp", scatter_dimension=0, tiled=True)
-        return x
+        return scatter_group(x, self.axes)
 
 
 def _scan(head: Head, weight, h_cdnw, targets_cdn, mask_cdn, want_w, want_h, vocab):
