@@ -9,7 +9,7 @@ from jaxmllm.config.checks import check
 from jaxmllm.config.lora import LoraConfig, block_targets
 from jaxmllm.config.remat import REMAT_POLICIES
 
-NORMS = ("rms", "layer")  # jaxmllm.models.layers.NORMS implements each
+NORMS = ("rms", "rms_offset", "layer")  # jaxmllm.models.layers.NORMS implements each
 MLPS = ("gated_silu", "gelu_tanh", "gelu", "quick_gelu")  # jaxmllm.models.layers.MLPS
 ACTIVATIONS = ("gelu_tanh", "gelu")  # projector activations (jaxmllm.models.layers.ACTIVATIONS)
 
@@ -25,7 +25,9 @@ class BlockOptions:
     gelu + qvo.
     """
 
-    norm: str = "rms"  # rms (RMSNorm) | layer (LayerNorm with a bias), before attention and MLP
+    # rms (RMSNorm) | rms_offset (RMSNorm scaling by 1 + its weight, stored zero-centred:
+    # Qwen3.5's, QK-norm's too) | layer (LayerNorm with a bias), before attention and MLP
+    norm: str = "rms"
     norm_eps: float = 1e-6  # the norms' epsilon (Llama 1e-5, Qwen2 1e-6, Whisper 1e-5)
     # MLP: gated_silu = down(silu(gate x) * up x) | gelu_tanh, gelu (exact), quick_gelu
     # (x * sigmoid(1.702 x)) = fc2(act(fc1 x))
@@ -48,10 +50,14 @@ class BlockOptions:
     @property
     def adapter_targets(self) -> tuple[str, ...]:
         """The block matrices with adapters (none without `lora.rank`)."""
-        return self.lora.resolve(block_targets(self.mlp)) if self.lora.enabled else ()
+        return self.lora.resolve(self.block_matrices()) if self.lora.enabled else ()
+
+    def block_matrices(self) -> tuple[str, ...]:
+        """The matrices of the blocks, as LoRA targets name them."""
+        return block_targets(self.mlp)
 
     def __post_init__(self):
-        self.lora.resolve(block_targets(self.mlp), "lora.targets", f"{self.mlp} blocks")
+        self.lora.resolve(self.block_matrices(), "lora.targets", f"{self.mlp} blocks")
         check(
             self.base_dtype in ("", "float32", "bfloat16"),
             "must be float32, bfloat16 or empty (model.param_dtype)",

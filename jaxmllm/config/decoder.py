@@ -1,5 +1,5 @@
-"""The decoder's section: a Llama-style LLM (`LLMConfig`), its rotary scaling and its
-mixture-of-experts MLPs (`MoEConfig`)."""
+"""The decoder's section: a Llama-style LLM (`LLMConfig`), its rotary scaling, its
+mixture-of-experts MLPs (`MoEConfig`) and its linear-attention layers (`LinearConfig`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from jaxmllm.config.blocks import BlockOptions
 from jaxmllm.config.checks import check, positive
+from jaxmllm.config.lora import LINEAR_TARGETS
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,66 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class LinearConfig:
+    """Gated DeltaNet linear attention in some decoder layers (Qwen3.5's `linear_attention`
+    layer_types; `jaxmllm/models/deltanet.py`): a causal depthwise convolution and a gated
+    delta-rule state per value head instead of attention, restarted at each document of a
+    packed row. Its cost is linear in tokens: only the other (full-attention) layers add
+    attention tiles and quadratic cost to the planner's model."""
+
+    # The linear-attention layers (0-based); the others are full attention. Either list them,
+    # or say every: layer i is full attention when (i + 1) % every == 0 and linear otherwise
+    # (HF's full_attention_interval); neither: no linear layers
+    layers: tuple[int, ...] = ()
+    every: int = 0
+    key_heads: int = 16  # query/key heads (linear_num_key_heads)
+    value_heads: int = 32  # value heads, a multiple of key_heads (linear_num_value_heads)
+    key_dim: int = 128  # each query/key head's width (linear_key_head_dim)
+    value_dim: int = 128  # each value head's width (linear_value_head_dim)
+    conv_width: int = 4  # the causal convolution's taps (linear_conv_kernel_dim)
+    # Tokens a chunk of the chunked delta rule, a power of two: C x C matmuls and a triangular
+    # inverse within a chunk, a scan over T / C chunks (64: transformers' and FLA's)
+    chunk: int = 64
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.layers) or self.every > 0
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) is linear attention."""
+        if self.every:
+            return (layer + 1) % self.every != 0
+        return layer in self.layers
+
+    def __post_init__(self):
+        object.__setattr__(self, "layers", tuple(self.layers))
+        check(
+            all(isinstance(i, int) and i >= 0 for i in self.layers),
+            f"{list(self.layers)}: must be layer indices >= 0",
+            "layers",
+        )
+        check(
+            not (self.layers and self.every),
+            f"layers {list(self.layers)} and every {self.every}: give one of them",
+            "every",
+        )
+        check(self.every >= 0, "must be >= 0 (0: the layers list says)", "every")
+        positive(self, "key_heads", "value_heads", "key_dim", "value_dim", "conv_width", "chunk")
+        check(
+            self.chunk & (self.chunk - 1) == 0,
+            f"{self.chunk}: must be a power of two (the chunk's triangular inverse doubles "
+            "its blocks), e.g. 64",
+            "chunk",
+        )
+        check(
+            self.value_heads % self.key_heads == 0,
+            f"must be a multiple of key_heads={self.key_heads} (a key head serves "
+            "value_heads / key_heads value heads)",
+            "value_heads",
+        )
+
+
+@dataclass(frozen=True)
 class LLMConfig(BlockOptions):
     """Llama-style decoder: RMSNorm, RoPE, grouped-query attention, gated MLP."""
 
@@ -128,12 +189,20 @@ class LLMConfig(BlockOptions):
     # turned by (time, row, column) positions: an image's tokens take their place in its grid,
     # text the same position in all three. (0, 0, 0): 1D rotary; else they sum to head_dim / 2
     mrope_section: tuple[int, int, int] = (0, 0, 0)
+    # The share of each head's width that rotates (HF's partial_rotary_factor: Qwen3.5's 0.25);
+    # the rest of the head carries no position
+    rotary_fraction: float = 1.0
+    # Attention's output gated per channel by sigmoid(x W_gate), W_gate beside each head's
+    # queries (Qwen3.5's full-attention layers: q_proj twice as wide)
+    attn_gate: bool = False
     tie_embeddings: bool = False  # share input embedding and output projection
     # Tied output: logits = x . E^T / sqrt(width), unit-scale logits from jaxmllm's unit-scale
     # embedding rows; false for HF checkpoints (x . E^T)
     tied_logits_scaled: bool = True
     # Mixture-of-experts MLPs (experts > 0): which layers, how many experts, the router's losses
     moe: MoEConfig = field(default_factory=MoEConfig)
+    # Gated DeltaNet linear attention in some layers (layers or every): a hybrid decoder
+    linear: LinearConfig = field(default_factory=LinearConfig)
     # Tokens per slice of the output projection and cross entropy: a step never holds more than
     # [rows, logits_chunk, vocab] fp32 logits (a 152k vocabulary at 1024: 0.6 GB a row)
     logits_chunk: int = 1024
@@ -147,6 +216,17 @@ class LLMConfig(BlockOptions):
         """Each attention head's width."""
         return self.head_dim or self.width // self.heads
 
+    def block_matrices(self) -> tuple[str, ...]:
+        """The blocks' matrices as LoRA targets name them: a hybrid's linear-attention ones
+        too."""
+        own = super().block_matrices()
+        return own + LINEAR_TARGETS if self.linear.enabled else own
+
+    @property
+    def rotary_dim(self) -> int:
+        """The rotating part of each head's width (an even number)."""
+        return int(self.head_width * self.rotary_fraction) // 2 * 2
+
     def __post_init__(self):
         super().__post_init__()
         positive(self, "vocab_size", "width", "depth", "heads", "kv_heads", "mlp_dim")
@@ -159,8 +239,15 @@ class LLMConfig(BlockOptions):
         )
         check(self.head_width % 2 == 0, "head dim must be even (RoPE)", "heads")
         check(
-            not any(self.mrope_section) or sum(self.mrope_section) == self.head_width // 2,
-            f"{list(self.mrope_section)} must sum to head_dim / 2 = {self.head_width // 2} "
+            0 < self.rotary_fraction <= 1 and self.rotary_dim > 0,
+            f"must be in (0, 1] and leave an even number of rotating dims of the head's "
+            f"{self.head_width}",
+            "rotary_fraction",
+        )
+        half = self.rotary_dim // 2
+        check(
+            not any(self.mrope_section) or sum(self.mrope_section) == half,
+            f"{list(self.mrope_section)} must sum to the rotary dims / 2 = {half} "
             "(or be [0, 0, 0]: 1D rotary)",
             "mrope_section",
         )
@@ -177,6 +264,12 @@ class LLMConfig(BlockOptions):
             f"no layer of the {self.depth} is MoE (moe.every={m.every}, moe.dense_layers="
             f"{list(m.dense_layers)}): set moe.experts: 0 for a dense decoder",
             "moe.experts",
+        )
+        lin = self.linear
+        check(
+            all(i < self.depth for i in lin.layers),
+            f"{list(lin.layers)}: a layer past depth={self.depth}",
+            "linear.layers",
         )
 
         if m.enabled and self.lora.enabled:
@@ -199,6 +292,11 @@ class LLMConfig(BlockOptions):
             "it too): set lora.dropout: 0, or adapt q, k, v, o only",
             "lora.dropout",
         )
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The decoder layers (0-based) with linear attention."""
+        return tuple(i for i in range(self.depth) if self.linear.is_linear(i))
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

@@ -85,6 +85,8 @@ class Config:
             self._check_pipeline()
         if self.model.llm.moe.enabled or self.mesh.expert > 1:
             self._check_experts()
+        if self.model.llm.linear.enabled:
+            self._check_linear()
 
     def _check_synthetic_video(self) -> None:
         """The built-in videos are encoded by the vision encoder, in whole temporal patches of
@@ -172,6 +174,27 @@ class Config:
             f"{self.mesh.stage}: a mixture-of-experts decoder does not run in pipeline stages "
             "(its token all-to-alls inside the stages' shard_map): set mesh.stage: 1 and spread "
             "the experts with mesh.expert instead",
+            "mesh.stage",
+        )
+
+    def _check_linear(self) -> None:
+        """Linear-attention layers carry a state through a row in token order: what that does
+        not run with is refused, naming the key."""
+        # Context parallelism deals a row's query blocks to the ranks for equal tiles (not in
+        # order), so no rank holds a document's tokens before another's: the state cannot be
+        # handed from rank to rank.
+        check(
+            self.mesh.context == 1,
+            f"{self.mesh.context}: a decoder with linear-attention layers (model.llm.linear) "
+            "carries each document's state through its tokens in order, and context "
+            "parallelism deals a row's blocks to the ranks out of order; set mesh.context: 1 "
+            "(long rows: a larger batch.llm_row_len, its memory is linear in tokens)",
+            "mesh.context",
+        )
+        check(
+            self.mesh.stage == 1,
+            f"{self.mesh.stage}: a decoder with linear-attention layers stacks its two kinds "
+            "of layers apart, and pipeline stages run one kind; set mesh.stage: 1",
             "mesh.stage",
         )
 

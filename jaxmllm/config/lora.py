@@ -7,8 +7,9 @@ two small ones A [in, rank] and B [rank, out] (fp32 master weights): the matrix 
 changes nothing.
 
 Targets are named as the blocks name their matrices: the attention's q, k, v, o; a gated MLP's
-gate, up, down, another MLP's fc1, fc2 (`model.<tower>.mlp`); a projector's fc1, fc2 (fc: the
-linear audio projector). `all` is every matrix of the blocks (or projectors).
+gate, up, down, another MLP's fc1, fc2 (`model.<tower>.mlp`); a hybrid decoder's
+linear-attention in_qkv, in_z, in_b, in_a, out_proj (`model.llm.linear`); a projector's fc1, fc2
+(fc: the linear audio projector). `all` is every matrix of the blocks (or projectors).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from dataclasses import dataclass
 from jaxmllm.config.checks import check
 
 ATTENTION = ("q", "k", "v", "o")
+# A hybrid decoder's linear-attention layers (Gated DeltaNet): transformers' in_proj_qkv,
+# in_proj_z, in_proj_b, in_proj_a and out_proj
+LINEAR_TARGETS = ("in_qkv", "in_z", "in_b", "in_a", "out_proj")
 # A block's matrices by its MLP kind (config.blocks.MLPS): gated_silu, else fc1 / fc2
 BLOCK_TARGETS = {"gated_silu": (*ATTENTION, "gate", "up", "down")}
 OTHER_MLP = (*ATTENTION, "fc1", "fc2")

@@ -45,6 +45,9 @@ class Packing:
     lengths: jax.Array | None = None  # [B, documents] cudnn: its length (-1 past the last)
     # block-sparse rows split over the mesh's context groups (`jaxmllm.models.context`)
     context: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # tokens a row when a device's rows lie end to end in one (block-sparse); 0: T, each row
+    # one (linear attention restarts its state at a row's first token as at a document's)
+    row: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
 def packing(
@@ -56,22 +59,32 @@ def packing(
     block: int = 0,
     documents: int = 0,
     context: bool = False,
+    row: int = 0,
 ) -> Packing:
     """The `Packing` of rows with these segment ids for attention `kind` (`model.attention`);
     `documents`: cudnn's bound on documents per row (`batch.*_documents`, 0: the row length);
-    `context`: block-sparse rows split over the mesh's context groups, when it has them."""
+    `context`: block-sparse rows split over the mesh's context groups, when it has them;
+    `row`: tokens a row when several lie end to end in one (`Packing.row`)."""
     if kind == "block_sparse":
         if tiles_bk2 is None:
             raise ValueError("block-sparse attention needs the tile list (batch *_tiles)")
         context = context and ctx.context_size() > 1
         return Packing(
-            segment_ids_bt, tiles=tiles_bk2, block=block, causal=causal, kind=kind, context=context
+            segment_ids_bt,
+            tiles=tiles_bk2,
+            block=block,
+            causal=causal,
+            kind=kind,
+            context=context,
+            row=row,
         )
     if kind == "cudnn":
         offsets, lengths = cudnn.segments(segment_ids_bt, documents or segment_ids_bt.shape[1])
-        return Packing(segment_ids_bt, causal=causal, kind=kind, offsets=offsets, lengths=lengths)
+        return Packing(
+            segment_ids_bt, causal=causal, kind=kind, offsets=offsets, lengths=lengths, row=row
+        )
     mask = attention_mask(segment_ids_bt, causal=causal)
-    return Packing(segment_ids_bt, mask=mask, causal=causal, kind="dense")
+    return Packing(segment_ids_bt, mask=mask, causal=causal, kind="dense", row=row)
 
 
 def attention_mask(segment_ids_bt: jax.Array, *, causal: bool) -> jax.Array:
@@ -123,27 +136,40 @@ class Attention(nnx.Module):
         rope_theta: float = 10000.0,
         rope_scaling: Any = None,
         rope_sections: tuple[int, ...] = (),
+        rotary_dim: int = 0,
+        gate: bool = False,
+        norm_offset: bool = False,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         lora: dict[str, Adapter] | None = None,
         rngs: nnx.Rngs,
     ):
         """`head_dim` 0 = width / heads; `bias`: which of the q, k, v, o projections have one;
-        `qk_norm`: an RMSNorm (epsilon `norm_eps`) over each head's queries and keys before the
-        rotary positions (Qwen3); `rope`: 1d | 2d | mrope (`rope_sections`) | none (positions
-        enter elsewhere); `rope_scaling` as `rope_frequencies`; `lora`: adapters of the
-        projections it names (q, k, v, o)."""
+        `qk_norm`: an RMSNorm (epsilon `norm_eps`; scaling by 1 + its weight with
+        `norm_offset`) over each head's queries and keys before the rotary positions (Qwen3,
+        Qwen3.5); `rope`: 1d | 2d | mrope (`rope_sections`) | none (positions enter
+        elsewhere), on the first `rotary_dim` of each head (0: all of it); `rope_scaling` as
+        `rope_frequencies`; `gate`: the output gated by sigmoid(x W_gate), W_gate beside each
+        head's queries in the query kernel [width, heads, 2 head_dim] (Qwen3.5's q_proj);
+        `lora`: adapters of the projections it names (q, k, v, o)."""
         assert heads % kv_heads == 0, (heads, kv_heads)
         head_dim = head_dim or width // heads
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         own = lambda name: dict(use_bias=name in bias, lora=(lora or {}).get(name), **kw)
         qkv = ("embed", "kv_heads", "head_dim")
-        self.query = Dense(width, (heads, head_dim), ("embed", "heads", "head_dim"), **own("q"))
+        q_width = 2 * head_dim if gate else head_dim
+        self.query = Dense(width, (heads, q_width), ("embed", "heads", "head_dim"), **own("q"))
         self.key = Dense(width, (kv_heads, head_dim), qkv, **own("k"))
         self.value = Dense(width, (kv_heads, head_dim), qkv, **own("v"))
         self.out = Dense((heads, head_dim), width, ("heads", "head_dim", "embed"), **own("o"))
         if qk_norm:
-            norm = dict(eps=norm_eps, dtype=dtype, param_dtype=param_dtype, axis="head_dim")
+            norm = dict(
+                eps=norm_eps,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                axis="head_dim",
+                offset=norm_offset,
+            )
             self.q_norm, self.k_norm = RMSNorm(head_dim, **norm), RMSNorm(head_dim, **norm)
         else:
             self.q_norm = self.k_norm = None
@@ -152,6 +178,8 @@ class Attention(nnx.Module):
         self.rope_theta = rope_theta
         self.rope_scaling = rope_scaling
         self.rope_sections = tuple(rope_sections)
+        self.rotary_dim = rotary_dim if 0 < rotary_dim < head_dim else 0
+        self.gate = gate
         self.dtype = dtype
 
     def __call__(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> jax.Array:
@@ -166,7 +194,13 @@ class Attention(nnx.Module):
           [B, T, width] in the compute dtype.
         """
         # Named for the remat policies (config/remat.py): what a block may keep for backward.
-        q_bthe, k_bske, v_bske = map(checkpoint_name, self.project(x_btd, positions), QKV)
+        q_bthe, k_bske, v_bske, gate = self.project(x_btd, positions)
+        q_bthe, k_bske, v_bske = map(checkpoint_name, (q_bthe, k_bske, v_bske), QKV)
+        out_bthe = self.attend(q_bthe, k_bske, v_bske, pack, positions)
+        return checkpoint_name(self.output(out_bthe, gate), "attention_out")
+
+    def attend(self, q_bthe, k_bske, v_bske, pack: Packing, positions: jax.Array) -> jax.Array:
+        """The attention of projected queries, keys and values by `pack`'s kind."""
         if pack.context:  # (block-sparse, the row split over a context group)
             out_bthe = ctx.attend(
                 q_bthe,
@@ -200,7 +234,16 @@ class Attention(nnx.Module):
             )
         else:
             out_bthe = dense_attention(q_bthe, k_bske, v_bske, pack.mask, self.dtype)
-        return checkpoint_name(self.out(out_bthe.astype(self.dtype)), "attention_out")
+        return out_bthe
+
+    def output(self, out_bthe: jax.Array, gate_bthe: jax.Array | None) -> jax.Array:
+        """Attention's output projection (training and decoding both call it), gated by
+        sigmoid(gate) first when the attention has one (`project`'s)."""
+        out_bthe = out_bthe.astype(self.dtype)
+        if gate_bthe is not None:
+            gated = out_bthe * jax.nn.sigmoid(gate_bthe.astype(jnp.float32))
+            out_bthe = gated.astype(self.dtype)
+        return self.out(out_bthe)
 
     def project(self, x_btd: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
         """Queries, keys and values of `x` at `positions`, rotated: what attention scores.
@@ -209,13 +252,19 @@ class Attention(nnx.Module):
         full-sequence pass computes.
 
         Returns:
-          q [B, T, heads, head_dim], k and v [B, T, kv_heads, head_dim].
+          q [B, T, heads, head_dim], k and v [B, T, kv_heads, head_dim], and the output gate's
+          logits [B, T, heads, head_dim] (None without a gate).
         """
         extra = {"sections": self.rope_sections} if self.rope == "mrope" else {}
-        rotate = lambda x: ROPE[self.rope](
-            x, positions, self.rope_theta, self.rope_scaling, **extra
+        turn = lambda x: ROPE[self.rope](x, positions, self.rope_theta, self.rope_scaling, **extra)
+        cut = self.rotary_dim
+        rotate = (
+            turn if not cut else lambda x: jnp.concatenate([turn(x[..., :cut]), x[..., cut:]], -1)
         )
         q_bthe, k_bthe = self.query(x_btd), self.key(x_btd)
+        gate = None
+        if self.gate:  # (each head's queries, then its gate)
+            q_bthe, gate = jnp.split(q_bthe, 2, axis=-1)
         if self.q_norm is not None:  # (QK-norm: each head's queries and keys, before rotary)
             q_bthe, k_bthe = self.q_norm(q_bthe), self.k_norm(k_bthe)
-        return rotate(q_bthe), rotate(k_bthe), self.value(x_btd)
+        return rotate(q_bthe), rotate(k_bthe), self.value(x_btd), gate

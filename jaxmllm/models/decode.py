@@ -15,9 +15,12 @@ M-RoPE's (time, row, column)), and a generated token's is given with it (`step`)
 queries of a short prompt write garbage keys past the prompt; the row's generated tokens
 overwrite them before any query can reach them.
 
-The block's own sub-modules do the work (`attn_norm`, `attn.project`, `attn.out`, `mlp_norm`,
-`mlp`), so a cached key is exactly the key training computes; attention over the cache is the
-training path's dense attention under a [B, 1, T, S] mask.
+The block's own sub-modules do the work (`attn_norm`, `attn.project`, `attn.output`,
+`mlp_norm`, `mlp`), so a cached key is exactly the key training computes; attention over the
+cache is the training path's dense attention under a [B, 1, T, S] mask. A linear-attention
+layer (Gated DeltaNet) caches its convolution's last inputs and its state instead
+(`GatedDeltaNet.extend`): a prompt runs the chunked rule from the empty state, a step the rule
+for one token.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmllm.models.attention import dense_attention
+from jaxmllm.models.deltanet import GatedDeltaNet
 from jaxmllm.models.mllm import MultimodalLM
 
 
@@ -36,26 +40,34 @@ from jaxmllm.models.mllm import MultimodalLM
 @dataclasses.dataclass(frozen=True)
 class Cache:
     """Every decoder layer's keys and values, stacked like the layers' parameters: per kind of
-    layer (one, `""`, unless a mixture of experts stacks its MoE and dense layers apart)."""
+    layer (one, `""`, unless a mixture of experts or a hybrid stacks its kinds apart); a
+    linear-attention layer's (Gated DeltaNet) are its convolution's window and its state."""
 
     k: dict[str, jax.Array]  # kind -> [its layers, B, S, kv_heads, head_dim], compute dtype
     v: dict[str, jax.Array]
-
-    @property
-    def length(self) -> int:
-        """S: the most tokens (prompt and generated) a row can hold."""
-        return next(iter(self.k.values())).shape[2]
+    # linear kinds: [its layers, B, conv_width - 1, key heads, group], compute dtype
+    window: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
+    state: dict[str, jax.Array] = dataclasses.field(default_factory=dict)  # [layers, B, ...]
+    length: int = dataclasses.field(default=0, metadata=dict(static=True))  # S
 
 
 def empty_cache(model: MultimodalLM, rows: int, length: int) -> Cache:
     """A zero cache for `rows` prompts of at most `length` tokens in all."""
     transformer = model.llm.transformer
-    k, v = {}, {}
+    k, v, window, state = {}, {}, {}, {}
     for kind in transformer.kinds:
         attn = transformer.stack(kind).attn
+        if isinstance(attn, GatedDeltaNet):
+            s = attn.spec
+            depth, taps, heads, group = attn.conv.shape  # [layers, taps, key heads, group]
+            window[kind] = jnp.zeros((depth, rows, taps - 1, heads, group), attn.dtype)
+            r = s.value_heads // s.key_heads
+            shape = (depth, rows, s.key_heads, r, s.key_dim, s.value_dim)
+            state[kind] = jnp.zeros(shape, jnp.float32)
+            continue
         depth, _, kv_heads, head_dim = attn.key.kernel.shape  # [layers, width, kv, head_dim]
         k[kind] = v[kind] = jnp.zeros((depth, rows, length, kv_heads, head_dim), attn.dtype)
-    return Cache(k, v)
+    return Cache(k, v, window, state, length)
 
 
 def prefill(model: MultimodalLM, mb: dict[str, jax.Array], length: int) -> tuple[jax.Array, Cache]:
@@ -73,9 +85,11 @@ def prefill(model: MultimodalLM, mb: dict[str, jax.Array], length: int) -> tuple
     x_bpw = model.inputs(mb)[:, 0]
     rows = x_bpw.shape[0]
     positions_bp = mb["llm_positions"][:, 0]
-    lengths_b = (mb["llm_segment_ids"][:, 0] > 0).sum(-1)
+    valid_bp = mb["llm_segment_ids"][:, 0] > 0
+    lengths_b = valid_bp.sum(-1)
     start_b = jnp.zeros((rows,), jnp.int32)
-    h_bpw, cache = _decode(model, x_bpw, positions_bp, start_b, empty_cache(model, rows, length))
+    cache = empty_cache(model, rows, length)
+    h_bpw, cache = _decode(model, x_bpw, positions_bp, start_b, cache, valid_bp)
     last_bw = jnp.take_along_axis(h_bpw, jnp.maximum(lengths_b - 1, 0)[:, None, None], axis=1)
     return model.llm.logits(last_bw)[:, 0], cache
 
@@ -102,39 +116,55 @@ def step(
     """
     x_b1w = model.llm.embed(tokens_b[:, None])
     positions_b1 = (index_b if positions_b is None else positions_b)[:, None]
-    if model.llm.transformer.stack(model.llm.transformer.kinds[0]).attn.rope == "mrope":
+    transformer = model.llm.transformer
+    if any(getattr(transformer.stack(k).attn, "rope", "") == "mrope" for k in transformer.kinds):
         positions_b1 = jnp.repeat(positions_b1[..., None], 3, axis=-1)  # [B, 1, 3]
-    h_b1w, cache = _decode(model, x_b1w, positions_b1, index_b, cache)
+    h_b1w, cache = _decode(model, x_b1w, positions_b1, index_b, cache, None)
     return model.llm.logits(h_b1w)[:, 0], cache
 
 
 def _decode(
-    model: MultimodalLM, x_btw: jax.Array, positions_bt: jax.Array, start_b: jax.Array, cache: Cache
+    model: MultimodalLM,
+    x_btw: jax.Array,
+    positions_bt: jax.Array,
+    start_b: jax.Array,
+    cache: Cache,
+    valid_bt: jax.Array | None,
 ) -> tuple[jax.Array, Cache]:
     """The decoder's scanned block over T new tokens per row written at cache indices
-    start_b, start_b + 1, ... (rotary positions [B, T], or [B, T, 3] with M-RoPE); returns
-    the final hidden states [B, T, width] and the cache."""
+    start_b, start_b + 1, ... (rotary positions [B, T], or [B, T, 3] with M-RoPE; `valid_bt`:
+    a prompt's tokens, None: every one); returns the final hidden states [B, T, width] and
+    the cache."""
     transformer = model.llm.transformer
     graphdefs = {k: nnx.graphdef(transformer.stack(k)) for k in transformer.kinds}
     t, s = x_btw.shape[1], cache.length
     index_bt = start_b[:, None] + jnp.arange(t)
     mask_b1ts = (jnp.arange(s)[None, None, :] <= index_bt[:, :, None])[:, None]
+    valid_bt = jnp.ones(x_btw.shape[:2], bool) if valid_bt is None else valid_bt
 
-    def layer(kind, block_state, x_btw, kv, _):
-        k_bske, v_bske = kv
+    def layer(kind, block_state, x_btw, cached, _):
         block = nnx.merge(graphdefs[kind], block_state)
-        q_bthe, k_bthe, v_bthe = block.attn.project(block.attn_norm(x_btw), positions_bt)
-        k_bske = _write(k_bske, k_bthe, start_b)
-        v_bske = _write(v_bske, v_bthe, start_b)
-        out_bthe = dense_attention(q_bthe, k_bske, v_bske, mask_b1ts, block.attn.dtype)
-        x_btw = x_btw + block.attn.out(out_bthe.astype(block.attn.dtype))
-        return x_btw + block.mlp(block.mlp_norm(x_btw)), (k_bske, v_bske)
+        h_btw = block.attn_norm(x_btw)
+        if isinstance(block.attn, GatedDeltaNet):  # (its convolution's window and its state)
+            out_btw, *cached = block.attn.extend(h_btw, *cached, valid_bt)
+        else:
+            k_bske, v_bske = cached
+            q_bthe, k_bthe, v_bthe, gate = block.attn.project(h_btw, positions_bt)
+            k_bske = _write(k_bske, k_bthe, start_b)
+            v_bske = _write(v_bske, v_bthe, start_b)
+            out_bthe = dense_attention(q_bthe, k_bske, v_bske, mask_b1ts, block.attn.dtype)
+            out_btw, cached = block.attn.output(out_bthe, gate), (k_bske, v_bske)
+        x_btw = x_btw + out_btw
+        return x_btw + block.mlp(block.mlp_norm(x_btw)), tuple(cached)
 
-    kv = {kind: (cache.k[kind], cache.v[kind]) for kind in transformer.kinds}
-    x_btw, ys = transformer.scan(layer, x_btw, kv)
-    k = {kind: y[0] for kind, y in ys.items()}
-    v = {kind: y[1] for kind, y in ys.items()}
-    return transformer.final_norm(x_btw), Cache(k, v)
+    held = {**{k: (cache.k[k], cache.v[k]) for k in cache.k}}
+    held.update({k: (cache.window[k], cache.state[k]) for k in cache.window})
+    x_btw, ys = transformer.scan(layer, x_btw, held)
+    k = {kind: ys[kind][0] for kind in cache.k}
+    v = {kind: ys[kind][1] for kind in cache.k}
+    window = {kind: ys[kind][0] for kind in cache.window}
+    state = {kind: ys[kind][1] for kind in cache.window}
+    return transformer.final_norm(x_btw), Cache(k, v, window, state, s)
 
 
 def _write(cache_bske: jax.Array, new_bthe: jax.Array, start_b: jax.Array) -> jax.Array:

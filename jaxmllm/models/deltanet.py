@@ -19,7 +19,7 @@ per chunk, and the state's d_k x d_v), memory too: the kernel runs under `jax.ch
 keeping only its inputs for the backward pass (as flash-linear-attention keeps q, k, v, g, beta
 and recomputes the chunk states), so a step holds one layer's chunk states and C x C matrices
 at a time, never a layer's for every layer. C = 64 as transformers and flash-linear-attention
-use: the triangular solve's C^3 a chunk (C^2 a token) against T / C sequential scan steps.
+use: the triangular inverse's C^3 a chunk (C^2 a token) against T / C sequential scan steps.
 
 **Packed rows.** A row holds several documents; the state and the convolution's window restart
 at each (`document_starts`: a new segment id, or a row's first token), so a document's outputs
@@ -28,9 +28,10 @@ UT system and the chunk's attention, the state read is masked to the tokens stil
 document the chunk started in, and the state carried to the next chunk holds only the last
 document's tokens. The mask is exact: no large negative decay stands in for a restart.
 
-**Precision.** The state, decays, norms and the triangular solve are float32; under bf16
-compute the matmuls take bf16 operands with float32 accumulation, the state cast to bf16 where
-it is multiplied, kept float32 where it accumulates.
+**Precision.** The state, decays, norms and the triangular inverse are float32 (the inverse
+by products and sums, as exact on a GPU as on a CPU: flash-linear-attention keeps it in IEEE
+float32 too); under bf16 compute the matmuls take bf16 operands with float32 accumulation, the
+state cast to bf16 where it is multiplied, kept float32 where it accumulates.
 """
 
 from __future__ import annotations
@@ -148,17 +149,40 @@ _mixed_dot.defvjp(_mixed_fwd, _mixed_bwd)
 
 
 def unit_lower_inverse(lower: jax.Array, dtype) -> jax.Array:
-    """(I + lower)^-1 of strictly lower-triangular matrices [..., C, C], float32 (a
-    triangular solve); its backward, -T^T dT T^T, by matmuls in the compute dtype."""
+    """(I + lower)^-1 of strictly lower-triangular matrices [..., C, C] (C a power of two),
+    float32; its backward, -T^T dT T^T, by matmuls in the compute dtype (`_dot`)."""
     return _inverse(jnp.dtype(dtype), lower)
+
+
+def _product(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b of float32 blocks [..., s, s] as products and a sum: exact float32 on every
+    backend (a float32 dot may run as TF32 on a GPU), and no dot of float32 operands."""
+    return jnp.sum(a[..., :, :, None] * b[..., None, :, :], axis=-2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _inverse(dtype, lower):
-    eye = jnp.broadcast_to(jnp.eye(lower.shape[-1], dtype=lower.dtype), lower.shape)
-    return jax.lax.linalg.triangular_solve(
-        lower + eye, eye, left_side=True, lower=True, unit_diagonal=True
-    )
+    # Doubling, as flash-linear-attention merges its inverted 16 x 16 blocks (in float32):
+    # the inverse of [[A, 0], [L, D]] is [[A^-1, 0], [-D^-1 L A^-1, D^-1]], from the inverses
+    # of blocks of 1 (ones) to the whole C. (A triangular solve is XLA:CPU's LAPACK custom
+    # call, which parallelises its batch over XLA's thread pool and waits for it: two of them
+    # running at once on a two-thread pool wait for each other forever.)
+    c = lower.shape[-1]
+    assert c & (c - 1) == 0, f"{c}: the chunk must be a power of two"
+    lead = lower.shape[:-2]
+    inverse = jnp.ones((*lead, c, 1, 1), jnp.float32)  # [..., blocks, s, s]
+    s = 1
+    while s < c:
+        n = c // (2 * s)
+        pairs = lower.reshape(*lead, n, 2 * s, n, 2 * s)
+        diagonal = jnp.einsum("...iaib->...iab", pairs)  # each pair's [2s, 2s] block
+        below = diagonal[..., s:, :s]
+        first, second = (inverse.reshape(*lead, n, 2, s, s)[..., j, :, :] for j in (0, 1))
+        off = -_product(_product(second, below), first)
+        top = jnp.concatenate([first, jnp.zeros_like(first)], axis=-1)
+        inverse = jnp.concatenate([top, jnp.concatenate([off, second], axis=-1)], axis=-2)
+        s *= 2
+    return inverse[..., 0, :, :]
 
 
 def _inverse_fwd(dtype, lower):
@@ -186,7 +210,8 @@ def chunked_delta_rule(
     *,
     chunk: int = 64,
     dtype=jnp.float32,
-) -> jax.Array:
+    final_state: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The gated delta rule over packed rows, a chunk of tokens at a time (module docstring).
 
     Args:
@@ -197,23 +222,27 @@ def chunked_delta_rule(
       starts_bt: where documents begin (`document_starts`) [B, T].
       chunk: C, tokens a chunk.
       dtype: the matmuls' operand dtype (the compute dtype).
+      final_state: return the state after the last token too (a prompt's, for decoding:
+        tokens with g = 0 and beta = 0 after it leave it as it is).
 
     Returns:
-      Outputs [B, T, key heads, value heads a key head, value dim] in `dtype`.
+      Outputs [B, T, key heads, value heads a key head, value dim] in `dtype` (and the final
+      state [B, key heads, value heads a key head, key dim, value dim] float32).
     """
     run = jax.checkpoint(
         _chunked, policy=jax.checkpoint_policies.nothing_saveable, static_argnums=(6, 7)
     )
-    return run(q_btkd, k_btkd, v_btkrv, g_btkr, beta_btkr, starts_bt, chunk, jnp.dtype(dtype))
+    args = (q_btkd, k_btkd, v_btkrv, g_btkr, beta_btkr, starts_bt, chunk, jnp.dtype(dtype))
+    out, state = run(*args)
+    return (out, state) if final_state else out
 
 
 def _chunked(q, k, v, g, beta, starts, chunk, dtype):
     b, t = starts.shape
     pad = -t % chunk
-    if pad:  # (tokens past the row: no decay, no write, a document of their own)
+    if pad:  # (tokens past the row: no decay, no write: the state passes them unchanged)
         width = lambda x: [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
-        q, k, v, g, beta = (jnp.pad(x, width(x)) for x in (q, k, v, g, beta))
-        starts = jnp.pad(starts, [(0, 0), (0, pad)], constant_values=True)
+        q, k, v, g, beta, starts = (jnp.pad(x, width(x)) for x in (q, k, v, g, beta, starts))
     n = (t + pad) // chunk
     # [n, B, C, ...]: chunks lead, for the scan
     cut = lambda x: jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
@@ -259,9 +288,9 @@ def _chunked(q, k, v, g, beta, starts, chunk, dtype):
     d, dv = q.shape[-1], v.shape[-1]
     kh, r = g.shape[-2:]
     state = jnp.zeros((b, kh, r, d, dv), jnp.float32)
-    _, out = jax.lax.scan(step, state, (u, w, qs, attn, kt, through))  # [n, B, k, r, C, v]
+    state, out = jax.lax.scan(step, state, (u, w, qs, attn, kt, through))  # [n,B,k,r,C,v]
     out = jnp.moveaxis(jnp.moveaxis(out, 0, 1), 4, 2)  # [B, n, C, k, r, v]
-    return out.reshape(b, n * chunk, kh, r, dv)[:, :t]
+    return out.reshape(b, n * chunk, kh, r, dv)[:, :t], state
 
 
 def recurrent_delta_rule(
@@ -344,15 +373,46 @@ class GatedDeltaNet(nnx.Module):
         """Mixes each document of the packed rows (`pack`: an `attention.Packing`; positions
         are unused: order is the recurrence's). Returns [B, T, width] in the compute dtype."""
         starts = document_starts(pack.segment_ids, pack.row)
-        q, k, v, g, beta = self.inputs(x_btd, starts)
+        mixed = causal_conv(self.qkv(x_btd), self.conv[...], starts)
+        q, k, v, g, beta = self.inputs(mixed, x_btd)
         out = chunked_delta_rule(q, k, v, g, beta, starts, chunk=self.spec.chunk, dtype=self.dtype)
         return self.output(out, x_btd)
 
-    def inputs(self, x_btd: jax.Array, starts_bt: jax.Array) -> tuple[jax.Array, ...]:
-        """The delta rule's q, k [B, T, k, d] (normalised, q scaled), v [B, T, k, r, v] in
-        the compute dtype, and g, beta [B, T, k, r] float32."""
+    def extend(
+        self, x_btd: jax.Array, window: jax.Array, state: jax.Array, valid_bt: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """KV-cache decoding's: T new tokens of one document a row after the convolution's
+        `window` (its last conv_width - 1 inputs [B, K - 1, k, group]) and the delta rule's
+        `state` [B, k, r, d, v] (zeros before a prompt); `valid_bt`: the tokens that are the
+        row's (a right-padded prompt's; the others change nothing). Returns (outputs [B, T,
+        width], the window and the state after each row's last valid token)."""
+        t, taps = x_btd.shape[1], self.spec.conv_width - 1
+        inputs = self.qkv(x_btd)
+        seen = jnp.concatenate([window.astype(inputs.dtype), inputs], axis=1)  # [B, K-1+T, ...]
+        starts = jnp.zeros(seen.shape[:2], bool).at[:, 0].set(True)
+        mixed = causal_conv(seen, self.conv[...], starts)[:, taps:]
+        q, k, v, g, beta = self.inputs(mixed, x_btd)
+        keep = valid_bt[..., None, None]
+        g, beta = jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
+        if t == 1:  # (a decode step: the rule token by token from the cached state)
+            first = jnp.zeros_like(valid_bt)
+            out, state = recurrent_delta_rule(q, k, v, g, beta, first, state)
+            out = out.astype(self.dtype)
+        else:  # (a prompt, from the empty state)
+            first = jnp.zeros_like(valid_bt).at[:, 0].set(True)
+            run = dict(chunk=self.spec.chunk, dtype=self.dtype, final_state=True)
+            out, state = chunked_delta_rule(q, k, v, g, beta, first, **run)
+        last = jnp.sum(valid_bt, axis=1)  # the window ends at each row's last valid token
+        at = last[:, None] + jnp.arange(taps)  # (in `seen`, token i is at taps + i)
+        window = jnp.take_along_axis(seen, at.reshape(*at.shape, 1, 1), axis=1)
+        return self.output(out, x_btd), window, state
+
+    def inputs(self, mixed: jax.Array, x_btd: jax.Array) -> tuple[jax.Array, ...]:
+        """From the convolution's outputs `mixed` [B, T, k, group] (before its SiLU) and the
+        layer's inputs: the delta rule's q, k [B, T, k, d] (normalised, q scaled), v [B, T,
+        k, r, v] in the compute dtype, and g, beta [B, T, k, r] float32."""
         s = self.spec
-        mixed = jax.nn.silu(causal_conv(self.qkv(x_btd), self.conv[...], starts_bt))
+        mixed = jax.nn.silu(mixed)
         q, k, v = jnp.split(mixed, [s.key_dim, 2 * s.key_dim], axis=-1)
         v = v.reshape(*v.shape[:-1], -1, s.value_dim).astype(self.dtype)
         q = (l2_normalised(q) * s.key_dim**-0.5).astype(self.dtype)

@@ -15,6 +15,7 @@ g query heads per kv head, e head dim, f MLP width.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -166,23 +167,28 @@ class RMSNorm(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         axis: str = "embed",
+        offset: bool = False,
     ):
-        """`axis`: the scale's logical axis (a head's width: head_dim, QK-norm's)."""
-        self.scale = nnx.Param(jnp.ones((width,), param_dtype), axes=(axis,))
+        """`axis`: the scale's logical axis (a head's width: head_dim, QK-norm's); `offset`:
+        the scale is 1 + the stored weight, which starts at 0 (Qwen3.5's, Gemma's)."""
+        init = jnp.zeros if offset else jnp.ones
+        self.scale = nnx.Param(init((width,), param_dtype), axes=(axis,))
         self.eps = eps
         self.dtype = dtype
+        self.offset = offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        return (x32 * (1.0 + scale if self.offset else scale)).astype(self.dtype)
 
 
 class LayerNorm(RMSNorm):
     """Layer norm (centred, scaled, shifted) with a learned scale and bias, computed in fp32."""
 
     def __init__(self, width: int, **kw):
-        super().__init__(width, **kw)
+        super().__init__(width, offset=False, **kw)
         axes = self.scale.get_metadata()["axes"]
         self.bias = nnx.Param(jnp.zeros_like(self.scale[...]), axes=axes)
 
@@ -194,7 +200,8 @@ class LayerNorm(RMSNorm):
         return (x32 * scale + bias).astype(self.dtype)
 
 
-NORMS = {"rms": RMSNorm, "layer": LayerNorm}  # config.blocks.NORMS names these
+# config.blocks.NORMS names these
+NORMS = {"rms": RMSNorm, "rms_offset": functools.partial(RMSNorm, offset=True), "layer": LayerNorm}
 
 
 # ----------------------------------------------------------------------------- rotary

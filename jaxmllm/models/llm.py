@@ -2,8 +2,10 @@
 
 The same module holds the HF decoder families it imports (Llama 3.x with its rope scaling,
 Qwen2 / Qwen2.5 with q/k/v biases, Qwen3 with QK-norm, Qwen3-MoE and Qwen2-MoE with their
-experts): their differences are `LLMConfig` options. A mixture-of-experts decoder's layers are
-of two kinds, `moe` and `dense` (`model.llm.moe.every`, `dense_layers`), stacked apart.
+experts, Qwen3.5 with its Gated DeltaNet layers): their differences are `LLMConfig` options. A
+decoder whose layers differ in kind stacks each kind apart (`layer_pattern`): a mixture of
+experts' `moe` and `dense` layers (`model.llm.moe.every`, `dense_layers`), a hybrid's `linear`
+and `full` attention ones (`model.llm.linear`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from flax import nnx
 
 from jaxmllm.config import LLMConfig
 from jaxmllm.models.attention import Packing, packing
+from jaxmllm.models.deltanet import LinearSpec
 from jaxmllm.models.layers import Dense, Embed
 from jaxmllm.models.loss import Head, loss_sum
 from jaxmllm.models.moe import MoESpec, RouterStats
@@ -56,6 +59,8 @@ class Decoder(nnx.Module):
             head_dim=cfg.head_dim,
             rope_scaling=cfg.rope_scaling,
             rope_sections=tuple(cfg.mrope_section),
+            rotary_dim=cfg.rotary_dim if cfg.rotary_dim < cfg.head_width else 0,
+            attn_gate=cfg.attn_gate,
         )
         kinds, pattern = layer_kinds(cfg, spec)
         self.transformer = Transformer(
@@ -93,6 +98,7 @@ class Decoder(nnx.Module):
         segment_ids_bt: jax.Array,
         positions_bt: jax.Array,
         tiles_bk2: jax.Array | None = None,
+        row: int = 0,
     ) -> jax.Array:
         """Decodes embedded rows up to the final norm.
 
@@ -103,11 +109,12 @@ class Decoder(nnx.Module):
             column for M-RoPE, `model.llm.mrope_section`).
           tiles_bk2: block-sparse attention's tiles [B, K, 2] (a device's rows are then one
             row B of all their tokens: tiles never pair blocks of two rows).
+          row: tokens a row when rows lie end to end in one (block-sparse); 0: T.
 
         Returns:
           Final hidden states [B, T, width] in the compute dtype.
         """
-        return self.hidden_and_router(x_btd, segment_ids_bt, positions_bt, tiles_bk2)[0]
+        return self.hidden_and_router(x_btd, segment_ids_bt, positions_bt, tiles_bk2, row)[0]
 
     def hidden_and_router(
         self,
@@ -115,15 +122,18 @@ class Decoder(nnx.Module):
         segment_ids_bt: jax.Array,
         positions_bt: jax.Array,
         tiles_bk2: jax.Array | None = None,
+        row: int = 0,
     ) -> tuple[jax.Array, RouterStats | None]:
         """`hidden`, and the MoE layers' router statistics ([MoE layers, ...]; None for a
         dense decoder)."""
-        pack = self.packing(segment_ids_bt, tiles_bk2)
+        pack = self.packing(segment_ids_bt, tiles_bk2, row)
         h, stats = self.transformer.run(x_btd, pack, positions_bt)
         return self.transformer.norm(h), stats
 
-    def packing(self, segment_ids_bt: jax.Array, tiles_bk2: jax.Array | None = None) -> Packing:
-        """Causal attention within each packed document (arguments as in `__call__`)."""
+    def packing(
+        self, segment_ids_bt: jax.Array, tiles_bk2: jax.Array | None = None, row: int = 0
+    ) -> Packing:
+        """Causal attention within each packed document (arguments as in `hidden`)."""
         return packing(
             segment_ids_bt,
             causal=True,
@@ -132,6 +142,7 @@ class Decoder(nnx.Module):
             block=self.block,
             documents=self.documents,
             context=True,  # split over the mesh's context groups, if it has them
+            row=row,
         )
 
     def head(self) -> tuple[jax.Array, bool, float]:
@@ -151,35 +162,64 @@ class Decoder(nnx.Module):
 MLP_TARGETS = ("gate", "up", "down")  # a gated MLP's adapter targets (config.lora)
 
 
+def layer_pattern(cfg: LLMConfig) -> tuple[str, ...]:
+    """Each decoder layer's kind: its token mixer (`linear` or `full` attention, in a hybrid
+    decoder) and its MLP (`moe` or `dense`, in a mixture of experts), joined: `linear_moe`,
+    `full`, `dense`, ...; "" for every layer of a decoder of one kind."""
+
+    def kind(i: int) -> str:
+        mixer = ("linear" if cfg.linear.is_linear(i) else "full") if cfg.linear.enabled else ""
+        mlp = ("moe" if cfg.moe.is_moe(i) else "dense") if cfg.moe.enabled else ""
+        return "_".join(filter(None, (mixer, mlp)))
+
+    return tuple(kind(i) for i in range(cfg.depth))
+
+
+def is_linear(kind: str) -> bool:
+    """Whether layers of `kind` (`layer_pattern`) mix tokens by linear attention."""
+    return kind.startswith("linear")
+
+
+def is_moe(kind: str) -> bool:
+    """Whether layers of `kind` (`layer_pattern`) have the routed experts."""
+    return kind.endswith("moe")
+
+
 def stacks(cfg: LLMConfig) -> list[tuple[str, str, tuple[int, ...]]]:
     """The decoder's stacks of layers: (attribute under `transformer`, kind, the layers in it):
-    one `blocks` of every layer, or a mixture of experts' MoE and dense layers apart
-    (`layer_kinds`)."""
-    if not cfg.moe.enabled:
-        return [("blocks", "dense", tuple(range(cfg.depth)))]
-    pattern = [("moe" if cfg.moe.is_moe(i) else "dense") for i in range(cfg.depth)]
+    one `blocks` of every layer, or each kind's apart (`layer_pattern`: a mixture of experts'
+    MoE and dense layers, a hybrid's linear and full-attention ones)."""
+    pattern = layer_pattern(cfg)
     places = layer_places(pattern)
     out = []
     for kind in dict.fromkeys(pattern):
         ids = tuple(i for i, k in enumerate(pattern) if k == kind)
-        out.append((places[ids[0]][0], kind, ids))
+        out.append((places[ids[0]][0], kind or "dense", ids))
     return out
 
 
 def layer_kinds(cfg: LLMConfig, spec: BlockSpec) -> tuple[dict | None, tuple[str, ...]]:
-    """({kind: BlockSpec}, each layer's kind) of a decoder: `moe` and `dense` layers for a
-    mixture of experts, (None, ()) for one kind of layer."""
-    if not cfg.moe.enabled:
+    """({kind: BlockSpec}, each layer's kind) of a decoder (`layer_pattern`): a mixture of
+    experts' `moe` and `dense` layers, a hybrid's `linear` and `full` attention ones; (None,
+    ()) for one kind of layer."""
+    pattern = layer_pattern(cfg)
+    if not any(pattern):
         return None, ()
-    pattern = tuple("moe" if cfg.moe.is_moe(i) else "dense" for i in range(cfg.depth))
     # (the MLP targets adapt the routed experts, as PEFT does on transformers' MoE models: a
     # dense layer's MLP among them takes none)
     attention = tuple((t, a) for t, a in spec.lora if t not in MLP_TARGETS)
-    specs = {
-        "moe": dataclasses.replace(spec, moe=MoESpec.of(cfg.moe)),
-        "dense": dataclasses.replace(spec, lora=attention),
-    }
-    return {k: specs[k] for k in dict.fromkeys(pattern)}, pattern
+
+    def spec_of(kind: str) -> BlockSpec:
+        out = spec
+        if is_moe(kind):
+            out = dataclasses.replace(out, moe=MoESpec.of(cfg.moe))
+        elif cfg.moe.enabled:
+            out = dataclasses.replace(out, lora=attention)
+        if is_linear(kind):
+            out = dataclasses.replace(out, linear=LinearSpec.of(cfg.linear))
+        return out
+
+    return {k: spec_of(k) for k in dict.fromkeys(pattern)}, pattern
 
 
 def chunked_token_losses(

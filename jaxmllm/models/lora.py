@@ -39,6 +39,12 @@ BLOCK_PATHS = {
     "down": ("mlp", "down"),
     "fc1": ("mlp", "fc1"),
     "fc2": ("mlp", "fc2"),
+    # a hybrid decoder's linear-attention layers (their `attn` is a deltanet.GatedDeltaNet)
+    "in_qkv": ("attn", "qkv"),
+    "in_z": ("attn", "z"),
+    "in_b": ("attn", "b"),
+    "in_a": ("attn", "a"),
+    "out_proj": ("attn", "out"),
 }
 PROJECTOR_PATHS = {"fc1": ("fc1",), "fc2": ("fc2",), "fc": ("fc",)}
 SALT = 0x4C6F5241  # folded into a kernel's init key for its adapter's A

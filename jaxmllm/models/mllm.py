@@ -19,12 +19,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxmllm.config import ModelConfig
+from jaxmllm.config.lora import LINEAR_TARGETS
 from jaxmllm.config.phases import ENCODERS, LLM, phase
 from jaxmllm.config.spec import BatchSpec
 from jaxmllm.models.context import gather_rows
 from jaxmllm.models.encoders import ENCODER_MODULES
 from jaxmllm.models.layers import Axes
-from jaxmllm.models.llm import MLP_TARGETS, Decoder, chunked_token_losses, stacks
+from jaxmllm.models.llm import MLP_TARGETS, Decoder, chunked_token_losses, is_linear, stacks
 from jaxmllm.models.lora import BLOCK_PATHS, PROJECTOR_PATHS
 from sharding import DATA_AXES, STAGE_AXIS
 
@@ -109,8 +110,9 @@ class MultimodalLM(nnx.Module):
     def hidden_and_router(self, mb: dict[str, jax.Array]) -> tuple:
         """`hidden`, and the decoder's MoE router statistics (None for a dense decoder)."""
         x_bsw, segment_ids_bs, positions_bs = self.decoder_inputs(mb)
+        row = mb["llm_segment_ids"].shape[-1]  # (block-sparse lays a device's rows end to end)
         h, stats = self.llm.hidden_and_router(
-            x_bsw, segment_ids_bs, positions_bs, mb.get("llm_tiles")
+            x_bsw, segment_ids_bs, positions_bs, mb.get("llm_tiles"), row
         )
         return h.reshape(*mb["llm_tokens"].shape, -1), stats
 
@@ -418,7 +420,12 @@ def _kernel_places(model: ModelConfig, module: str, target: str) -> list[tuple[s
         return [("transformer", "blocks", *BLOCK_PATHS[target])]
     if model.llm.moe.enabled and target in MLP_TARGETS:
         return []  # (the routed experts': expert_adapters)
-    return [("transformer", stack, *BLOCK_PATHS[target]) for stack, _, _ in stacks(model.llm)]
+    linear = target in LINEAR_TARGETS  # (a hybrid's linear-attention layers have their own)
+    return [
+        ("transformer", stack, *BLOCK_PATHS[target])
+        for stack, kind, _ in stacks(model.llm)
+        if target in MLP_TARGETS or linear == is_linear(kind)
+    ]
 
 
 def expert_adapters(model: ModelConfig) -> dict[str, tuple[str, ...]]:

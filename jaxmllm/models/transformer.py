@@ -25,6 +25,7 @@ from flax import nnx
 from jaxmllm.config.remat import REMAT_POLICIES
 from jaxmllm.models import lora
 from jaxmllm.models.attention import Attention, Packing
+from jaxmllm.models.deltanet import GatedDeltaNet, LinearSpec
 from jaxmllm.models.layers import NORMS, make_mlp
 from jaxmllm.models.moe import MoE, MoESpec
 
@@ -48,6 +49,10 @@ class BlockSpec:
     rope_theta: float = 10000.0
     rope_scaling: Any = None  # config.decoder.RopeScaling, or None
     rope_sections: tuple[int, ...] = ()  # mrope: frequencies turned by time, row, column
+    rotary_dim: int = 0  # the rotating part of each head (0: all of it)
+    attn_gate: bool = False  # attention's output gated by sigmoid(x W_gate) (Qwen3.5)
+    # The token mixer is Gated DeltaNet linear attention of these sizes, not attention
+    linear: LinearSpec | None = None
     # LoRA adapters: (target, lora.Adapter) of the matrices that have one (q, k, v, o, ...)
     lora: tuple[tuple[str, lora.Adapter], ...] = ()
     moe: MoESpec | None = None  # the MLP is a mixture of experts (models.moe)
@@ -90,22 +95,30 @@ class Block(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         adapters = dict(spec.lora)
         self.attn_norm = spec.norm_layer(**kw)
-        self.attn = Attention(
-            spec.width,
-            spec.heads,
-            spec.kv_heads,
-            head_dim=spec.head_dim,
-            bias=spec.attn_bias,
-            qk_norm=spec.qk_norm,
-            norm_eps=spec.norm_eps,
-            rope=spec.rope,
-            rope_theta=spec.rope_theta,
-            rope_scaling=spec.rope_scaling,
-            rope_sections=spec.rope_sections,
-            lora=adapters,
-            rngs=rngs,
-            **kw,
-        )
+        if spec.linear is not None:
+            self.attn = GatedDeltaNet(
+                spec.width, spec.linear, norm_eps=spec.norm_eps, lora=adapters, rngs=rngs, **kw
+            )
+        else:
+            self.attn = Attention(
+                spec.width,
+                spec.heads,
+                spec.kv_heads,
+                head_dim=spec.head_dim,
+                bias=spec.attn_bias,
+                qk_norm=spec.qk_norm,
+                norm_eps=spec.norm_eps,
+                rope=spec.rope,
+                rope_theta=spec.rope_theta,
+                rope_scaling=spec.rope_scaling,
+                rope_sections=spec.rope_sections,
+                rotary_dim=spec.rotary_dim,
+                gate=spec.attn_gate,
+                norm_offset=spec.norm == "rms_offset",
+                lora=adapters,
+                rngs=rngs,
+                **kw,
+            )
         self.mlp_norm = spec.norm_layer(**kw)
         if spec.moe is not None:
             self.mlp = MoE(spec.width, spec.moe, lora=adapters, rngs=rngs, **kw)

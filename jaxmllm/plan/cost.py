@@ -56,7 +56,13 @@ import numpy as np
 from jaxmllm.config.checks import UserError
 from jaxmllm.config.phases import ENCODERS, LLM, PHASES
 from jaxmllm.plan import training
-from jaxmllm.plan.flops import ENCODER_ADAPTERS, ENCODER_FLOPS, decoder_linear, moe_decoder
+from jaxmllm.plan.flops import (
+    ENCODER_ADAPTERS,
+    ENCODER_FLOPS,
+    decoder_adapters,
+    decoder_linear,
+    full_layer_count,
+)
 from jaxmllm.plan.training import multiplier
 
 if TYPE_CHECKING:
@@ -162,14 +168,12 @@ class CostModel:
         activations' gradients, 2x, plus its adapters' own, 3x)."""
         lm, how = model.llm, training.modules(model)
         head = getattr(lm, "head_dim", 0) or lm.width // lm.heads  # (runs before head_dim)
-        q, kv = head * lm.heads, head * lm.kv_heads  # query (and output) width, key/value width
+        q = head * lm.heads  # query (and output) width
         llm_lin = decoder_linear(lm) + 2 * lm.width * lm.vocab_size
-        llm_quad = lm.depth * 2.0 * q  # causal: half of 4*d
+        # causal: half of 4*d; full-attention layers only (a hybrid's linear ones: llm_lin)
+        llm_quad = full_layer_count(lm) * 2.0 * q
         m_llm = how[LLM].multiplier
-        shapes = training.block_shapes(lm.width, kv, lm.mlp_dim, q)
-        if moe_decoder(lm):  # (the experts' adapters are merged into their weights once a step)
-            shapes = {t: v for t, v in shapes.items() if t in ("q", "k", "v", "o")}
-        adapters = 3 * lm.depth * training.adapter_flops(how[LLM], shapes)
+        adapters = 3 * decoder_adapters(lm, how[LLM])
         terms = {LLM: PhaseCost(m_llm * llm_lin + adapters, m_llm * llm_quad)}
         encoders = any(how[p.name].trains for p in ENCODERS if p.name in how)
         for p in ENCODERS:

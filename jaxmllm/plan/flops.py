@@ -4,7 +4,11 @@ times the training multipliers).
 
 Per transformer layer and token (hidden d, key/value width d_kv, gated-MLP width f):
 2 * (2 d d_q + 2 d d_kv + 3 d f). A mixture-of-experts layer's MLP is its router, the top_k
-experts a token visits and its shared expert: the active parameters (`decoder_linear`).
+experts a token visits and its shared expert: the active parameters (`decoder_linear`). A
+hybrid decoder's layers are of two kinds: full attention (its q projection twice as wide with
+an output gate), quadratic in a document's tokens, and Gated DeltaNet linear attention
+(`linear_attention`), linear in tokens: only the full-attention layers count in the
+decoder's quadratic term (`full_layer_count`).
 """
 
 from __future__ import annotations
@@ -83,20 +87,82 @@ def moe_layer_count(lm) -> int:
     return sum((i + 1) % m.every == 0 and i not in dense for i in range(lm.depth))
 
 
+def linear_layer_count(lm) -> int:
+    """The decoder's Gated DeltaNet layers (`config.decoder.LinearConfig.is_linear`; a run's
+    config.json from before hybrids has none)."""
+    lin = getattr(lm, "linear", None)
+    every, layers = getattr(lin, "every", 0), set(getattr(lin, "layers", ()) or ())
+    if every:
+        return sum((i + 1) % every != 0 for i in range(lm.depth))
+    return sum(i in layers for i in range(lm.depth))
+
+
+def full_layer_count(lm) -> int:
+    """The decoder's full-attention layers: the ones whose cost is quadratic in a document."""
+    return lm.depth - linear_layer_count(lm)
+
+
+def linear_attention(lm) -> float:
+    """Forward FLOPs per token of a Gated DeltaNet layer (`jaxmllm.models.deltanet`): its
+    projections (q, k, v together, the output gate z, beta's and the decay's logits, the
+    output), its convolution, and the chunked delta rule over chunks of C: per key head its
+    chunk's k k^T and q k^T, per value head the UT transform's triangular solve (C^2 / 3 a
+    token), u and w, the chunk's attention and the three state matmuls (d_k x d_v)."""
+    s, d = lm.linear, lm.width
+    kh, vh, dk, dv, c = s.key_heads, s.value_heads, s.key_dim, s.value_dim, s.chunk
+    channels = 2 * kh * dk + vh * dv
+    projections = 2.0 * d * (channels + vh * dv + 2 * vh) + 2.0 * vh * dv * d
+    conv = 2.0 * s.conv_width * channels
+    rule = 4.0 * c * dk * kh + 2.0 * vh * (c * c / 3 + c * (2 * dv + dk) + 3 * dk * dv)
+    return projections + conv + rule
+
+
 def decoder_linear(lm) -> float:
-    """Forward FLOPs per token of the decoder's layers' projections, every layer: attention,
-    and a dense layer's MLP, or an MoE layer's router, the top_k experts a token visits and
-    its shared expert (and gate): what a step computes, the active parameters."""
+    """Forward FLOPs per token of the decoder's layers' linear terms, every layer: attention's
+    projections (a full-attention layer's) or a Gated DeltaNet layer's whole cost, and a dense
+    layer's MLP, or an MoE layer's router, the top_k experts a token visits and its shared
+    expert (and gate): what a step computes, the active parameters."""
     head = getattr(lm, "head_dim", 0) or lm.width // lm.heads
     q, kv, d = head * lm.heads, head * lm.kv_heads, lm.width
+    attention = layer_linear(d, kv, 0, q) + 2.0 * d * q * bool(getattr(lm, "attn_gate", False))
+    n_linear = linear_layer_count(lm)
+    mixers = (lm.depth - n_linear) * attention + (n_linear and n_linear * linear_attention(lm))
+    dense = layer_linear(d, kv, lm.mlp_dim, q, _mlp(lm)) - layer_linear(d, kv, 0, q)
     if not moe_decoder(lm):
-        return lm.depth * layer_linear(d, kv, lm.mlp_dim, q, _mlp(lm))
+        return mixers + lm.depth * dense
     m, n_moe = lm.moe, moe_layer_count(lm)
-    attention = layer_linear(d, kv, 0, q)
-    dense = layer_linear(d, kv, lm.mlp_dim, q, _mlp(lm)) - attention
     routed = 2.0 * (d * m.experts + m.top_k * 3 * d * m.mlp_dim + 3 * d * m.shared_mlp_dim)
     routed += 2.0 * d * bool(m.shared_mlp_dim and m.shared_gate)
-    return lm.depth * attention + (lm.depth - n_moe) * dense + n_moe * routed
+    return mixers + (lm.depth - n_moe) * dense + n_moe * routed
+
+
+def decoder_adapters(lm, module) -> float:
+    """Forward FLOPs per token of the decoder's LoRA adapters (`module`: the LLM's
+    `training.Module`): attention's and the MLP's in full-attention layers, the linear
+    layers' own in Gated DeltaNet ones; an MoE's experts' adapters are merged into their
+    weights once a step, not per token."""
+    head = getattr(lm, "head_dim", 0) or lm.width // lm.heads
+    q, kv = head * lm.heads, head * lm.kv_heads
+    shapes = training.block_shapes(lm.width, kv, lm.mlp_dim, q)
+    mlp = {t: v for t, v in shapes.items() if t not in ("q", "k", "v", "o")}
+    attention = {t: v for t, v in shapes.items() if t in ("q", "k", "v", "o")}
+    if getattr(lm, "attn_gate", False):
+        attention["q"] = (lm.width, 2 * q)
+    if moe_decoder(lm):
+        mlp = {}
+    n_linear = linear_layer_count(lm)
+    full = (lm.depth - n_linear) * training.adapter_flops(module, {**attention, **mlp})
+    if not n_linear:
+        return full
+    s, d = lm.linear, lm.width
+    own = {
+        "in_qkv": (d, 2 * s.key_heads * s.key_dim + s.value_heads * s.value_dim),
+        "in_z": (d, s.value_heads * s.value_dim),
+        "in_b": (d, s.value_heads),
+        "in_a": (d, s.value_heads),
+        "out_proj": (s.value_heads * s.value_dim, d),
+    }
+    return full + n_linear * training.adapter_flops(module, {**own, **mlp})
 
 
 def layer_linear(d: int, d_kv: int, f: int, d_q: int = 0, mlp: str = "gated_silu") -> float:

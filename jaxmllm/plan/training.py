@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxmllm.config.lora import ALL, PROJECTOR_TARGETS, block_targets
+from jaxmllm.config.lora import ALL, LINEAR_TARGETS, PROJECTOR_TARGETS, block_targets
 from jaxmllm.config.phases import ENCODERS, LLM
 
 
@@ -80,7 +80,11 @@ def modules(model: Any) -> dict[str, Module]:
     below = any(m.trains for m in out.values())
     rank, targets = _lora(model.llm)
     frozen = bool(model.llm.freeze) or rank > 0
-    targets = _resolved(targets, block_targets(getattr(model.llm, "mlp", "gated_silu")))
+    valid = block_targets(getattr(model.llm, "mlp", "gated_silu"))
+    lin = getattr(model.llm, "linear", None)  # (a hybrid's linear layers: matrices of their own)
+    if getattr(lin, "layers", ()) or getattr(lin, "every", 0):
+        valid += LINEAR_TARGETS
+    targets = _resolved(targets, valid)
     out[LLM] = Module(frozen, rank, targets, multiplier(frozen, below, rank > 0))
     return out
 

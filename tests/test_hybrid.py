@@ -1,0 +1,73 @@
+"""A hybrid decoder (configs/tiny_hybrid.yaml: Gated DeltaNet layers among full-attention ones)
+as the planner and the step see it: its cost model counts the full-attention layers alone as
+quadratic, and a linear layer's as what the step computes; LoRA's targets on both kinds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from jaxmllm.config import load_config
+
+
+def test_only_the_full_attention_layers_are_quadratic_in_the_cost_model():
+    """The LLM's quadratic coefficient counts its one full-attention layer of four (a
+    full-attention twin: all four); its linear coefficient is 2 x its matmul weights (the
+    full layer's q projection twice as wide for the gate) plus the linear layers'
+    convolution and delta rule, x3 to train."""
+    from jaxmllm.hf.adapter_load import shapes_of
+    from jaxmllm.plan.cost import CostModel
+    from jaxmllm.plan.flops import linear_attention
+
+    cfg = load_config("configs/tiny_hybrid.yaml")
+    twin = load_config("configs/tiny_hybrid.yaml", ["model.llm.linear.every=0"])
+    llm = cfg.model.llm
+    hybrid, full = (CostModel.from_model(c.model).phase("llm") for c in (cfg, twin))
+    q = llm.heads * llm.head_width
+    assert hybrid.quadratic == pytest.approx(3 * 1 * 2.0 * q)
+    assert full.quadratic == pytest.approx(4 * hybrid.quadratic)
+    shapes = shapes_of(cfg)
+    matmul = sum(
+        math.prod(leaf.shape)
+        for path, leaf in shapes.items()
+        if path.startswith("llm/") and path.endswith("/kernel")
+    )
+    s = llm.linear
+    channels = 2 * s.key_heads * s.key_dim + s.value_heads * s.value_dim
+    own = linear_attention(llm) - 2.0 * matmul_of_linear_layer(llm)
+    assert own == pytest.approx(
+        2.0 * s.conv_width * channels
+        + 4.0 * s.chunk * s.key_dim * s.key_heads
+        + 2.0 * s.value_heads * (s.chunk**2 / 3 + s.chunk * (2 * s.value_dim + s.key_dim))
+        + 2.0 * s.value_heads * 3 * s.key_dim * s.value_dim
+    )
+    assert hybrid.linear == pytest.approx(3 * (2 * matmul + len(llm.linear_layers) * own))
+
+
+def matmul_of_linear_layer(llm) -> float:
+    """A Gated DeltaNet layer's projection weights (qkv, z, b, a, out)."""
+    s, d = llm.linear, llm.width
+    channels = 2 * s.key_heads * s.key_dim + s.value_heads * s.value_dim
+    return (
+        d * channels
+        + d * s.value_heads * s.value_dim
+        + 2 * d * s.value_heads
+        + (s.value_heads * s.value_dim * d)
+    )
+
+
+def test_lora_targets_the_linear_layers_matrices_too():
+    """`all` adapts the full-attention layers' q, k, v, o, the linear layers' in_qkv, in_z,
+    in_b, in_a, out_proj, and every MLP; the adapters sit where each kind has them."""
+    from jaxmllm.models.mllm import kernel_paths
+
+    cfg = load_config("configs/tiny_hybrid.yaml", ["model.llm.lora.rank=4"])
+    paths = kernel_paths(cfg.model)
+    mine = {p: t for p, (m, t) in paths.items() if m == "llm"}
+    assert mine["llm/transformer/blocks/attn/qkv/kernel"] == "in_qkv"
+    assert mine["llm/transformer/blocks/attn/out/kernel"] == "out_proj"
+    assert mine["llm/transformer/full_blocks/attn/out/kernel"] == "o"
+    assert mine["llm/transformer/full_blocks/mlp/gate/kernel"] == "gate"
+    assert "llm/transformer/blocks/attn/query/kernel" not in mine
+    assert "llm/transformer/full_blocks/attn/qkv/kernel" not in mine
