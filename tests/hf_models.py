@@ -415,3 +415,57 @@ def qwen2_moe(directory: Path, *, seed: int = 0, vocab: int = 300, qkv_bias: boo
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     )
     return save(randomize(T.Qwen2MoeForCausalLM(cfg), seed), directory)
+
+
+def qwen3_5(
+    directory: Path,
+    *,
+    seed: int = 0,
+    vocab: int = 300,
+    layers: tuple[str, ...] = ("linear", "linear", "linear", "full"),
+    heads: tuple[int, int] = (4, 2),
+    linear_heads: tuple[int, int] = (2, 4),
+    conv: int = 4,
+    key_dim: int = 32,
+    partial: float = 0.25,
+    tied: bool = False,
+    experts: int = 0,
+) -> str:
+    """A Qwen3.5 hybrid decoder: Gated DeltaNet layers (`linear_heads`: key and value heads)
+    among full-attention ones (`layers`, in order), head_dim 16 of width 64, rotary on
+    `partial` of each head; with `experts`, Qwen3.5-MoE (top-2, a shared expert)."""
+    import transformers as T
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=len(layers),
+        num_attention_heads=heads[0],
+        num_key_value_heads=heads[1],
+        head_dim=16,
+        layer_types=[f"{kind}_attention" for kind in layers],
+        linear_num_key_heads=linear_heads[0],
+        linear_num_value_heads=linear_heads[1],
+        linear_key_head_dim=key_dim,
+        linear_value_head_dim=12,
+        linear_conv_kernel_dim=conv,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "partial_rotary_factor": partial,
+        },
+        tie_word_embeddings=tied,
+    )
+    if experts:
+        cfg = T.Qwen3_5MoeTextConfig(
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=experts,
+            num_experts_per_tok=2,
+            router_aux_loss_coef=0.01,
+            **common,
+        )
+        return save(randomize(T.Qwen3_5MoeForCausalLM(cfg), seed), directory)
+    cfg = T.Qwen3_5TextConfig(intermediate_size=96, **common)
+    return save(randomize(T.Qwen3_5ForCausalLM(cfg), seed), directory)

@@ -1,7 +1,9 @@
 """`python -m jaxmllm.hf check DIR`: our model from a HF directory against transformers itself.
 
 Builds the module the checkpoint fills (`towers`), runs it and the transformers model on the
-same random inputs in fp32, and reports the largest difference: of the logits for a decoder,
+same random inputs in fp32, and reports the largest difference: of the logits for a decoder
+(three samples packed into one row as training packs them, each held to transformers run on
+it alone),
 of the last hidden states for SigLIP and Whisper, of the patch merger's output for the Qwen2-VL
 vision tower. Images are non-square and at a resolution other than the checkpoint's (SigLIP's
 table is resized), several packed in one row (Qwen2-VL); clips are several, packed. Needs torch
@@ -30,6 +32,8 @@ HF_MODULES = {  # (model_type, role) -> (transformers class, path to the module 
     ("qwen3", "llm"): ("Qwen3ForCausalLM", ""),
     ("qwen2_moe", "llm"): ("Qwen2MoeForCausalLM", ""),
     ("qwen3_moe", "llm"): ("Qwen3MoeForCausalLM", ""),
+    ("qwen3_5_text", "llm"): ("Qwen3_5ForCausalLM", ""),
+    ("qwen3_5_moe_text", "llm"): ("Qwen3_5MoeForCausalLM", ""),
     ("siglip_vision_model", "vision"): ("SiglipVisionModel", ""),
     ("siglip", "vision"): ("SiglipModel", "vision_model"),
     ("clip_vision_model", "vision"): ("CLIPVisionModel", ""),
@@ -143,22 +147,37 @@ def _numpy(t) -> np.ndarray:
 
 
 def _llm(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int):
+    """The decoder on one packed row, as training runs it: `tokens` random ids in three
+    samples of unequal lengths and a little padding, segment ids and positions restarting at
+    each; transformers runs each sample alone. Every sample's logits are compared."""
     import torch
 
     vocab = min(cfg.model.llm.vocab_size, ref.config.vocab_size)  # (the checkpoint's own ids)
-    ids = rng.integers(0, vocab, (1, tokens))
+    lengths = packed_lengths(tokens)
+    samples = [rng.integers(0, vocab, n) for n in lengths]
     with torch.no_grad():
-        theirs = _numpy(ref(input_ids=_torch(ids)).logits)
-    positions = np.arange(tokens)[None]
+        theirs = np.concatenate([_numpy(ref(input_ids=_torch(x[None])).logits)[0] for x in samples])
+    pad = 5
+    ids = np.concatenate([*samples, np.zeros(pad, np.int64)])[None]
+    segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate([*lengths, pad])])[None]
+    segments[segments == len(lengths) + 1] = 0
+    positions = np.concatenate([np.arange(n) for n in [*lengths, pad]])[None]
     if any(cfg.model.llm.mrope_section):  # text alone: time, row and column all count on
         positions = np.repeat(positions[..., None], 3, axis=-1)
-    ours = _decode(towers, jnp.asarray(ids), jnp.asarray(positions))
-    ours, what = own_columns(ours, theirs, f"logits of {tokens} tokens")
+    ours = _decode(towers, *map(jnp.asarray, (ids, segments, positions)))
+    what = f"logits of {tokens} tokens, {len(lengths)} samples packed into 1 row"
+    ours, what = own_columns(np.asarray(ours)[0, :tokens], theirs, what)
     return what, ours, theirs
 
 
+def packed_lengths(tokens: int) -> list[int]:
+    """Three samples' lengths adding up to `tokens` (at least 3), none alike."""
+    first, second = max(tokens // 2, 1), max(tokens // 3, 1)
+    return [first, second, tokens - first - second] if tokens - first - second > 0 else [tokens]
+
+
 # One compiled program each (op by op, a tower compiles dozens of small ones).
-_decode = nnx.jit(lambda t, ids, pos: t.llm(t.llm.embed(ids), jnp.ones_like(ids), pos))
+_decode = nnx.jit(lambda t, ids, seg, pos: t.llm(t.llm.embed(ids), seg, pos))
 _encode_images = nnx.jit(lambda t, patches, seg, pos: t.vision(patches, seg, pos))
 _project = nnx.jit(lambda t, feats: t.vision_projector(feats))
 _encode_audio = nnx.jit(lambda t, frames, seg, pos: t.audio(frames, seg, pos))

@@ -45,9 +45,10 @@ SHARED_EXPERT = ("qwen2_moe",)  # a shared expert with its sigmoid gate beside t
 MAX_EXPERTS = 1 << 14  # (far past any model's; a damaged config.json's 1e9 would allocate)
 
 
-def rope_section(hf: dict, where: str) -> tuple[float, dict]:
+def rope_section(hf: dict, where: str, partial: bool = False) -> tuple[float, dict]:
     """(rope_theta, our rope_scaling) from either config style: transformers 5's
-    `rope_parameters`, or the hub's older `rope_theta` + `rope_scaling`."""
+    `rope_parameters`, or the hub's older `rope_theta` + `rope_scaling`; `partial`: the family
+    reads a partial_rotary_factor itself (else one other than 1 is refused)."""
     params = hf.get("rope_parameters") or {}
     if isinstance(params, dict) and "rope_type" not in params and params:
         params = next(iter(params.values()))  # per layer type: the same for every layer here
@@ -59,8 +60,9 @@ def rope_section(hf: dict, where: str) -> tuple[float, dict]:
         where,
         f"rope type {kind!r} is not supported (jaxmllm has {', '.join(ROPE_TYPES)})",
     )
+    fraction = float(scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
     refuse_unless(
-        float(scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) == 1.0,
+        partial or fraction == 1.0,
         where,
         "partial_rotary_factor != 1 (rotary on part of each head) is not supported",
     )

@@ -44,9 +44,13 @@ SIZES = {
             "encoder_ffn_dim",
             "moe_intermediate_size",
             "shared_expert_intermediate_size",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
         ),
         MAX_WIDTH,
     ),
+    **dict.fromkeys(("linear_num_key_heads", "linear_num_value_heads"), MAX_HEADS),
+    **dict.fromkeys(("linear_conv_kernel_dim",), 64),
     **dict.fromkeys(("num_experts_per_tok", "decoder_sparse_step"), MAX_EXPERTS),
     **dict.fromkeys(("num_hidden_layers", "depth", "encoder_layers"), MAX_LAYERS),
     **dict.fromkeys(

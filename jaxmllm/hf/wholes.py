@@ -29,11 +29,13 @@ from jaxmllm.data.text.tokenizer import config_tokenizer
 from jaxmllm.hf.audio import Qwen2AudioEncoder
 from jaxmllm.hf.decoders import Decoders
 from jaxmllm.hf.family import Family, Link, mismatches, refuse_unless
+from jaxmllm.hf.hybrid import HYBRIDS
 from jaxmllm.hf.qwen_vision import Qwen2VLVision, Qwen25VLVision
 from jaxmllm.hf.vision import Clip, Siglip, linear
 from jaxmllm.hf.whole import Whole
 
 DECODERS = {kind: Decoders(kind) for kind in ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")}
+DECODERS.update(HYBRIDS)  # Qwen3.5's text decoders (jaxmllm.hf.hybrid)
 PROJECTOR_ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 
 
@@ -51,6 +53,8 @@ def decoder(hf: dict, where: str, allowed=("llama", "qwen2", "qwen3")) -> Decode
 def decoder_of(cfg: Any) -> Decoders:
     """The decoder family our LLM's options say it is."""
     llm = cfg.model.llm
+    if llm.linear.enabled:
+        return DECODERS["qwen3_5_moe_text" if llm.moe.enabled else "qwen3_5_text"]
     if llm.moe.enabled:
         return DECODERS["qwen3_moe" if llm.qk_norm else "qwen2_moe"]
     if llm.qk_norm:
