@@ -151,6 +151,27 @@ def test_a_peft_adapter_on_an_moe_decoder_gives_peft_s_logits(targets, tmp_path)
     assert set(cfg.model.llm.lora.targets) == want
 
 
+def test_a_peft_adapter_on_a_shared_expert_gives_peft_s_logits(tmp_path):
+    """With a shared expert (Qwen2-MoE, a dense layer every second) PEFT's gate_proj, up_proj
+    and down_proj targets match the shared expert's Linears and the dense layers' MLPs, not
+    the routed experts (no Linear there): ours put them there too, within 1e-4 of peft."""
+    pytest.importorskip("peft")
+    source = hf_models.qwen2_moe(tmp_path / "m")
+    targets = ["q_proj", "gate_proj", "up_proj", "down_proj"]
+    adapter = peft_adapter(source, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=targets)
+    (result,) = check_all(source, adapter=adapter)
+    (plain,) = check_all(source)
+    assert result["max_abs_diff"] < 1e-4, result
+    assert abs(result["max_abs_ref"] - plain["max_abs_ref"]) > 1e-3, (result, plain)
+    from jaxmllm.hf.towers import load_model
+
+    _, model = load_model(source, adapter=adapter)
+    flat = keyed_leaves(nnx.to_pure_dict(nnx.state(model)))
+    assert "llm/transformer/moe_blocks/mlp/shared/gate/lora_b" in flat  # (layers 1, 3)
+    assert "llm/transformer/blocks/mlp/gate/lora_b" in flat  # (the dense layers 0, 2)
+    assert not [p for p in flat if "experts" in p and "adapter" in p]
+
+
 def test_an_adapter_on_one_of_gate_and_up_is_refused():
     from jaxmllm.config import Config, ConfigError, from_dict
 

@@ -115,6 +115,32 @@ def test_a_hybrid_given_as_model_is_a_text_only_model(tmp_path):
     assert (llm.moe.experts, llm.moe.shared_mlp_dim, llm.moe.norm_topk_prob) == (4, 48, True)
 
 
+@pytest.mark.parametrize("experts", [0, 4], ids=["qwen3_5", "qwen3_5_moe"])
+def test_a_peft_adapter_on_every_matrix_gives_peft_s_logits(experts, tmp_path):
+    """A PEFT adapter on every Linear (LLaMA-Factory's `all`: the full-attention layers'
+    q_proj with its gate rows, k, v, o; the linear layers' in_proj_qkv (its rows regrouped
+    like the weight's), in_proj_z, in_proj_b, in_proj_a, out_proj; the MLPs, in the MoE the
+    shared expert's, as PEFT matches them): `hf check --adapter` within 1e-4 of peft's, the
+    adapter moving the logits, and `hf import --adapter` configures those targets."""
+    pytest.importorskip("peft")
+    from test_hf_moe import peft_adapter
+
+    from jaxmllm.hf.check_whole import check_all
+
+    source = hf_models.qwen3_5(tmp_path / "m", experts=experts)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    targets += ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+    adapter = peft_adapter(source, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=targets)
+    (result,) = check_all(source, adapter=adapter)
+    (plain,) = check_all(source)
+    assert result["max_abs_diff"] < 1e-4, result
+    assert abs(result["max_abs_ref"] - plain["max_abs_ref"]) > 1e-3, (result, plain)
+    cfg = write_config(tmp_path / "run.yaml", model=source, adapter=adapter)
+    lora = cfg.model.llm.lora
+    assert (lora.rank, lora.alpha) == (4, 8)
+    assert {"in_qkv", "in_z", "in_b", "in_a", "out_proj", "q", "gate"} <= set(lora.targets)
+
+
 def test_what_a_hybrid_does_not_run_with_is_refused_naming_the_key(tmp_path):
     """An unknown layer type names layer_types; context parallelism and pipeline stages over
     linear-attention layers are refused at start-up naming mesh.context and mesh.stage."""
@@ -132,3 +158,105 @@ def test_what_a_hybrid_does_not_run_with_is_refused_naming_the_key(tmp_path):
         from_dict(Config, {"model": {"llm": llm}, "mesh": {"context": 2}})
     with pytest.raises(ConfigError, match="mesh.stage"):
         from_dict(Config, {"model": {"llm": llm}, "mesh": {"stage": 2}})
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def _with_tokenizer(d: Path, experts: int = 0) -> str:
+    """A tiny random Qwen3.5 (MoE with `experts`) with a Qwen tokenizer directory beside it."""
+    from test_chat import build_dir
+
+    build_dir(d, "qwen", "Qwen/Qwen2.5-7B-Instruct")
+    source = hf_models.qwen3_5(d, vocab=512, experts=experts)  # (the tokenizer's ids fit)
+    build_dir(d, "qwen", "Qwen/Qwen2.5-7B-Instruct")  # (save_pretrained wrote over it)
+    return source
+
+
+TEXT_ONLY = ["data.synthetic.image_fraction=0", "data.synthetic.audio_fraction=0"]
+TEXT_ONLY += ["data.synthetic.multi_image_fraction=0"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experts", [0, 4], ids=["qwen3_5", "qwen3_5_moe"])
+def test_import_train_export_holds_to_transformers(experts, tmp_path):
+    """`hf import --model` -> check -> train 2 steps on packed rows (the MoE's experts over
+    mesh.expert=2) -> `hf export` -> transformers loads the export, whose packed logits ours
+    match within 1e-3, its parameters the run's (moved from the import's)."""
+    from test_hf_train import CPU
+    from test_hf_whole_train import run_params
+
+    from jaxmllm import train
+    from jaxmllm.config import load_config
+    from jaxmllm.hf.check_whole import check_all
+    from jaxmllm.hf.export import export_run
+
+    source = _with_tokenizer(tmp_path / "m", experts)
+    (before,) = check_all(source, tokens=150)
+    assert before["max_abs_diff"] < 1e-3, before
+    write_config(tmp_path / "run.yaml", model=source)
+    out = tmp_path / "run"
+    mesh = ["mesh.data=2", "mesh.expert=2"] if experts else []
+    sets = [*CPU, *TEXT_ONLY, *mesh, f"train.output_dir={out}", "optim.lr=1e-2"]
+    train.main(load_config(tmp_path / "run.yaml", [*sets, "train.steps=2"]))
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(m["loss"]) for m in metrics if "loss" in m)
+    exported = export_run(str(out), str(tmp_path / "export"))["model"]
+    transformers.AutoModelForCausalLM.from_pretrained(str(exported))
+    (after,) = check_all(str(exported), tokens=150)
+    assert after["max_abs_diff"] < 1e-3, after
+    trained = run_params(out)
+    load = lambda d: keyed_leaves(
+        nnx.to_pure_dict(nnx.state(load_towers(config_for("llm", d), "llm")))
+    )
+    got, imported = load(str(exported)), load(source)
+    for path, value in got.items():
+        np.testing.assert_array_equal(value, trained[path], err_msg=path)
+    assert any(not np.array_equal(imported[p], got[p]) for p in got)  # (training moved them)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experts", [0, 4], ids=["qwen3_5", "qwen3_5_moe"])
+def test_a_lora_run_exports_an_adapter_peft_loads(experts, tmp_path):
+    """LoRA (rank 4, every matrix: the full-attention layers' q, k, v, o, the linear layers'
+    in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj, the MLPs or the shared expert),
+    2 steps: the exported PEFT adapter loads in peft with no missing key and gives the run's
+    logits within 1e-4; read back it is the run's adapters."""
+    import warnings
+
+    import peft
+    from test_hf_train import CPU
+
+    from jaxmllm import train
+    from jaxmllm.config import Config, from_dict, load_config
+    from jaxmllm.hf.check_whole import check_all
+    from jaxmllm.hf.export import export_run
+    from jaxmllm.hf.start import run_parameters
+    from jaxmllm.hf.towers import load_model
+
+    source = _with_tokenizer(tmp_path / "m", experts)
+    write_config(tmp_path / "run.yaml", model=source)
+    out = tmp_path / "run"
+    lora = ["model.llm.lora.rank=4", "model.llm.lora.alpha=8"]
+    sets = [*CPU, *TEXT_ONLY, *lora, f"train.output_dir={out}", "optim.lr=1e-2"]
+    train.main(load_config(tmp_path / "run.yaml", [*sets, "train.steps=2"]))
+    adapter = tmp_path / "adapter"
+    assert set(export_run(str(out), str(adapter))) == {"model"}
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert "in_proj_qkv" in config["target_modules"] and "q_proj" in config["target_modules"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(source)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        peft.PeftModel.from_pretrained(base, str(adapter))
+    assert not [w for w in caught if "missing adapter keys" in str(w.message)]
+    (result,) = check_all(source, adapter=str(adapter))
+    assert result["max_abs_diff"] < 1e-4, result
+    run_cfg = from_dict(Config, json.loads((out / "config.json").read_text()))
+    _, params, _ = run_parameters(run_cfg, out)
+    trained = keyed_leaves(jax.device_get(params))
+    _, back = load_model(source, adapter=str(adapter))
+    mine = keyed_leaves(nnx.to_pure_dict(nnx.state(back)))
+    moved = [p for p in trained if p.endswith("attn/qkv/lora_b")]
+    assert moved and not np.all(trained[moved[0]] == 0)  # (B moved from zero)
+    for path, value in trained.items():
+        np.testing.assert_allclose(mine[path], value, rtol=1e-6, atol=1e-7, err_msg=path)

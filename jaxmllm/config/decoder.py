@@ -272,8 +272,8 @@ class LLMConfig(BlockOptions):
             "linear.layers",
         )
 
-        if m.enabled and self.lora.enabled:
-            self._check_expert_adapters()
+        if m.enabled and not m.shared_mlp_dim and self.lora.enabled:
+            self._check_expert_adapters()  # (with a shared expert they adapt its Linears)
 
     def _check_expert_adapters(self) -> None:
         """A mixture of experts' MLP targets adapt its routed experts, as PEFT adapts

@@ -206,14 +206,15 @@ def layer_kinds(cfg: LLMConfig, spec: BlockSpec) -> tuple[dict | None, tuple[str
     if not any(pattern):
         return None, ()
     # (the MLP targets adapt the routed experts, as PEFT does on transformers' MoE models: a
-    # dense layer's MLP among them takes none)
+    # dense layer's MLP among them takes none; with a shared expert they adapt it, and a dense
+    # layer's MLP, as PEFT matches their Linears: `moe.MoE`)
     attention = tuple((t, a) for t, a in spec.lora if t not in MLP_TARGETS)
 
     def spec_of(kind: str) -> BlockSpec:
         out = spec
         if is_moe(kind):
             out = dataclasses.replace(out, moe=MoESpec.of(cfg.moe))
-        elif cfg.moe.enabled:
+        elif cfg.moe.enabled and not cfg.moe.shared_mlp_dim:
             out = dataclasses.replace(out, lora=attention)
         if is_linear(kind):
             out = dataclasses.replace(out, linear=LinearSpec.of(cfg.linear))

@@ -25,7 +25,14 @@ from jaxmllm.config.spec import BatchSpec
 from jaxmllm.models.context import gather_rows
 from jaxmllm.models.encoders import ENCODER_MODULES
 from jaxmllm.models.layers import Axes
-from jaxmllm.models.llm import MLP_TARGETS, Decoder, chunked_token_losses, is_linear, stacks
+from jaxmllm.models.llm import (
+    MLP_TARGETS,
+    Decoder,
+    chunked_token_losses,
+    is_linear,
+    is_moe,
+    stacks,
+)
 from jaxmllm.models.lora import BLOCK_PATHS, PROJECTOR_PATHS
 from sharding import DATA_AXES, STAGE_AXIS
 
@@ -418,8 +425,15 @@ def _kernel_places(model: ModelConfig, module: str, target: str) -> list[tuple[s
         return [PROJECTOR_PATHS[target]]
     if module != "llm":
         return [("transformer", "blocks", *BLOCK_PATHS[target])]
-    if model.llm.moe.enabled and target in MLP_TARGETS:
-        return []  # (the routed experts': expert_adapters)
+    moe = model.llm.moe
+    if moe.enabled and target in MLP_TARGETS:
+        if not moe.shared_mlp_dim:
+            return []  # (the routed experts': expert_adapters)
+        # (a shared expert's, and a dense layer's MLP: `moe.MoE`)
+        return [
+            ("transformer", stack, "mlp", *(("shared",) if is_moe(kind) else ()), target)
+            for stack, kind, _ in stacks(model.llm)
+        ]
     linear = target in LINEAR_TARGETS  # (a hybrid's linear-attention layers have their own)
     return [
         ("transformer", stack, *BLOCK_PATHS[target])
@@ -432,11 +446,11 @@ def expert_adapters(model: ModelConfig) -> dict[str, tuple[str, ...]]:
     """The stacked experts with adapters: their module's path -> the adapted matrices of
     `moe.Experts` (gate_up, down), from the config alone."""
     targets = set(model.adapted("llm")) & set(MLP_TARGETS)
-    if not (model.llm.moe.enabled and targets):
-        return {}
+    if not (model.llm.moe.enabled and targets) or model.llm.moe.shared_mlp_dim:
+        return {}  # (none, or a shared expert's: `kernel_paths`)
     which = tuple(m for m, t in (("gate_up", "gate"), ("down", "down")) if t in targets)
     return {
         f"llm/transformer/{stack}/mlp/experts": which
         for stack, kind, _ in stacks(model.llm)
-        if kind == "moe"
+        if is_moe(kind)
     }

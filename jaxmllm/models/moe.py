@@ -207,9 +207,11 @@ class MoE(nnx.Module):
         lora: dict[str, lora_.Adapter] | None = None,
         rngs: nnx.Rngs,
     ):
-        """`lora`: adapters of the routed experts' gate, up and down (`Experts`), as PEFT
-        puts them on transformers' MoE models (the router and the shared expert take none:
-        PEFT moves gate_proj, up_proj and down_proj onto the stacked experts there)."""
+        """`lora`: adapters of gate, up and down where PEFT puts them on transformers' MoE
+        models: on the shared expert's Linears when there is one (Qwen2-MoE, Qwen3.5-MoE:
+        gate_proj, up_proj and down_proj match them, the stacked experts are no Linear), else
+        on the routed experts' stacked weights (`Experts`; Qwen3-MoE, where PEFT moves those
+        targets onto them); the router takes none."""
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         # (logits in the compute dtype, as transformers computes them, then float32: a float32
         # output would make the backward's matmul float32 x float32)
@@ -220,7 +222,7 @@ class MoE(nnx.Module):
             spec.mlp_dim,
             param_dtype=param_dtype,
             dtype=dtype,
-            lora=lora,
+            lora=None if spec.shared_mlp_dim else lora,
             rngs=rngs,
         )
         shared = spec.shared_mlp_dim > 0

@@ -138,31 +138,34 @@ def decoder_linear(lm) -> float:
 
 def decoder_adapters(lm, module) -> float:
     """Forward FLOPs per token of the decoder's LoRA adapters (`module`: the LLM's
-    `training.Module`): attention's and the MLP's in full-attention layers, the linear
-    layers' own in Gated DeltaNet ones; an MoE's experts' adapters are merged into their
-    weights once a step, not per token."""
+    `training.Module`): attention's in full-attention layers, the linear layers' own in Gated
+    DeltaNet ones, the MLPs' (an MoE layer's on its shared expert; without one, on its routed
+    experts: merged into their weights once a step, not per token, and none on a dense
+    layer's MLP among them, as `models.moe.MoE` places them)."""
     head = getattr(lm, "head_dim", 0) or lm.width // lm.heads
-    q, kv = head * lm.heads, head * lm.kv_heads
-    shapes = training.block_shapes(lm.width, kv, lm.mlp_dim, q)
-    mlp = {t: v for t, v in shapes.items() if t not in ("q", "k", "v", "o")}
-    attention = {t: v for t, v in shapes.items() if t in ("q", "k", "v", "o")}
-    if getattr(lm, "attn_gate", False):
-        attention["q"] = (lm.width, 2 * q)
-    if moe_decoder(lm):
-        mlp = {}
+    q, kv, d = head * lm.heads, head * lm.kv_heads, lm.width
+    mlp_of = lambda f: {"gate": (d, f), "up": (d, f), "down": (f, d)}
+    gate = 2 if getattr(lm, "attn_gate", False) else 1
+    attention = {"q": (d, gate * q), "k": (d, kv), "v": (d, kv), "o": (q, d)}
     n_linear = linear_layer_count(lm)
-    full = (lm.depth - n_linear) * training.adapter_flops(module, {**attention, **mlp})
-    if not n_linear:
-        return full
-    s, d = lm.linear, lm.width
-    own = {
-        "in_qkv": (d, 2 * s.key_heads * s.key_dim + s.value_heads * s.value_dim),
-        "in_z": (d, s.value_heads * s.value_dim),
-        "in_b": (d, s.value_heads),
-        "in_a": (d, s.value_heads),
-        "out_proj": (s.value_heads * s.value_dim, d),
-    }
-    return full + n_linear * training.adapter_flops(module, {**own, **mlp})
+    flops = (lm.depth - n_linear) * training.adapter_flops(module, attention)
+    if not moe_decoder(lm):
+        flops += lm.depth * training.adapter_flops(module, mlp_of(lm.mlp_dim))
+    elif lm.moe.shared_mlp_dim:
+        n_moe = moe_layer_count(lm)
+        flops += n_moe * training.adapter_flops(module, mlp_of(lm.moe.shared_mlp_dim))
+        flops += (lm.depth - n_moe) * training.adapter_flops(module, mlp_of(lm.mlp_dim))
+    if n_linear:
+        s = lm.linear
+        own = {
+            "in_qkv": (d, 2 * s.key_heads * s.key_dim + s.value_heads * s.value_dim),
+            "in_z": (d, s.value_heads * s.value_dim),
+            "in_b": (d, s.value_heads),
+            "in_a": (d, s.value_heads),
+            "out_proj": (s.value_heads * s.value_dim, d),
+        }
+        flops += n_linear * training.adapter_flops(module, own)
+    return flops
 
 
 def layer_linear(d: int, d_kv: int, f: int, d_q: int = 0, mlp: str = "gated_silu") -> float:
