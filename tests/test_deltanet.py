@@ -150,3 +150,21 @@ def test_bf16_multiplies_bf16_operands_with_float32_state():
     step = jax.jit(jax.grad(lambda *a: jnp.sum(run(*a).astype(jnp.float32)), argnums=range(5)))
     dots = hlo.dot_dtypes(step.lower(*args).as_text())
     assert dots and all(lhs == rhs == "bf16" for lhs, rhs, _ in dots), dots
+
+
+def test_a_linear_layer_s_step_memory_grows_linearly_in_tokens():
+    """A Gated DeltaNet layer's training step (bench.linear's) compiled for rows of 2,048 and
+    8,192 tokens: its memory per token (XLA's memory analysis: arguments, outputs and
+    temporaries) is flat, where attention's dense scores would grow 4x."""
+    from flax import nnx
+
+    from jaxmllm.bench import linear as L
+    from jaxmllm.bench.attention import _peak_bytes
+
+    args = L.parser().parse_args(["--width", "256", "--key-heads", "2", "--value-heads", "4"])
+    per_token = {}
+    for t in (2048, 8192):
+        grad, params = L.step_fn(L.mixer("linear", args, nnx.Rngs(0)))
+        compiled = grad.lower(params, *L.inputs(t, args)).compile()
+        per_token[t] = _peak_bytes(compiled) / t
+    assert per_token[8192] <= 1.1 * per_token[2048], per_token

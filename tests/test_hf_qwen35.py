@@ -120,8 +120,9 @@ def test_a_peft_adapter_on_every_matrix_gives_peft_s_logits(experts, tmp_path):
     """A PEFT adapter on every Linear (LLaMA-Factory's `all`: the full-attention layers'
     q_proj with its gate rows, k, v, o; the linear layers' in_proj_qkv (its rows regrouped
     like the weight's), in_proj_z, in_proj_b, in_proj_a, out_proj; the MLPs, in the MoE the
-    shared expert's, as PEFT matches them): `hf check --adapter` within 1e-4 of peft's, the
-    adapter moving the logits, and `hf import --adapter` configures those targets."""
+    shared expert's, as PEFT matches them): `hf check --adapter` within 5e-4 of peft's (these
+    random hybrids' fp32 noise: transformers' own fp32 logits are 1.5e-4 from its float64
+    ones), the adapter moving the logits, and `hf import --adapter` configures the targets."""
     pytest.importorskip("peft")
     from test_hf_moe import peft_adapter
 
@@ -133,7 +134,7 @@ def test_a_peft_adapter_on_every_matrix_gives_peft_s_logits(experts, tmp_path):
     adapter = peft_adapter(source, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=targets)
     (result,) = check_all(source, adapter=adapter)
     (plain,) = check_all(source)
-    assert result["max_abs_diff"] < 1e-4, result
+    assert result["max_abs_diff"] < 5e-4, result
     assert abs(result["max_abs_ref"] - plain["max_abs_ref"]) > 1e-3, (result, plain)
     cfg = write_config(tmp_path / "run.yaml", model=source, adapter=adapter)
     lora = cfg.model.llm.lora
@@ -221,7 +222,7 @@ def test_a_lora_run_exports_an_adapter_peft_loads(experts, tmp_path):
     """LoRA (rank 4, every matrix: the full-attention layers' q, k, v, o, the linear layers'
     in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj, the MLPs or the shared expert),
     2 steps: the exported PEFT adapter loads in peft with no missing key and gives the run's
-    logits within 1e-4; read back it is the run's adapters."""
+    logits within 5e-4; read back it is the run's adapters."""
     import warnings
 
     import peft
@@ -250,7 +251,7 @@ def test_a_lora_run_exports_an_adapter_peft_loads(experts, tmp_path):
         peft.PeftModel.from_pretrained(base, str(adapter))
     assert not [w for w in caught if "missing adapter keys" in str(w.message)]
     (result,) = check_all(source, adapter=str(adapter))
-    assert result["max_abs_diff"] < 1e-4, result
+    assert result["max_abs_diff"] < 5e-4, result
     run_cfg = from_dict(Config, json.loads((out / "config.json").read_text()))
     _, params, _ = run_parameters(run_cfg, out)
     trained = keyed_leaves(jax.device_get(params))

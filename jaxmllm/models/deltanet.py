@@ -229,24 +229,45 @@ def chunked_delta_rule(
       Outputs [B, T, key heads, value heads a key head, value dim] in `dtype` (and the final
       state [B, key heads, value heads a key head, key dim, value dim] float32).
     """
-    run = jax.checkpoint(
-        _chunked, policy=jax.checkpoint_policies.nothing_saveable, static_argnums=(6, 7)
-    )
-    args = (q_btkd, k_btkd, v_btkrv, g_btkr, beta_btkr, starts_bt, chunk, jnp.dtype(dtype))
-    out, state = run(*args)
+    args = (q_btkd, k_btkd, v_btkrv, g_btkr, beta_btkr, starts_bt)
+    out, state = _chunked(*args, chunk, jnp.dtype(dtype))
     return (out, state) if final_state else out
 
 
+GROUP = 8  # at most this many chunks a step of the outer scan (each step rematerialised)
+
+
 def _chunked(q, k, v, g, beta, starts, chunk, dtype):
+    """The chunked rule: a scan over groups of `group` chunks (the largest divisor of the
+    chunk count up to GROUP), each group's intra-chunk work vectorised, then its chunks'
+    states in order; each group's step rematerialised in the backward pass, so the pass keeps
+    one state a group and holds one group's C x C matrices at a time."""
     b, t = starts.shape
     pad = -t % chunk
     if pad:  # (tokens past the row: no decay, no write: the state passes them unchanged)
         width = lambda x: [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
         q, k, v, g, beta, starts = (jnp.pad(x, width(x)) for x in (q, k, v, g, beta, starts))
     n = (t + pad) // chunk
-    # [n, B, C, ...]: chunks lead, for the scan
-    cut = lambda x: jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
-    q, k, v, g, beta, starts = map(cut, (q, k, v, g, beta, starts))
+    group = max(d for d in range(1, min(GROUP, n) + 1) if n % d == 0)
+    # [groups, group, B, C, ...]: groups lead, for the scan
+    cut = lambda x: jnp.moveaxis(x.reshape(b, n // group, group, chunk, *x.shape[2:]), 0, 2)
+    xs = tuple(map(cut, (q, k, v, g, beta, starts)))
+
+    def step(state, xs):  # one group: state [B, k, r, d, v] float32
+        return _group(state, *xs, dtype=dtype)
+
+    step = jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable)
+    kh, r, d, dv = *g.shape[-2:], q.shape[-1], v.shape[-1]
+    state = jnp.zeros((b, kh, r, d, dv), jnp.float32)
+    state, out = jax.lax.scan(step, state, xs)  # [groups, group, B, k, r, C, v]
+    out = jnp.moveaxis(out.reshape(n, b, kh, r, chunk, dv), 0, 1)  # [B, n, k, r, C, v]
+    return jnp.moveaxis(out, 4, 2).reshape(b, n * chunk, kh, r, dv)[:, :t], state
+
+
+def _group(state, q, k, v, g, beta, starts, *, dtype):
+    """A group's chunks [n, B, C, ...] from the state before them: (the state after, their
+    outputs [n, B, k, r, C, v])."""
+    chunk = starts.shape[-1]
     doc = jnp.cumsum(starts.astype(jnp.int32), axis=-1)  # a token's document within its chunk
     carried = doc == 0  # [n, B, C]: still in the document the chunk's state belongs to
     same = doc[..., :, None] == doc[..., None, :]  # [n, B, C, C]
@@ -261,7 +282,6 @@ def _chunked(q, k, v, g, beta, starts, chunk, dtype):
     qk = _dot("nbikd,nbjkd->nbijk", q, k, dtype)[..., None]
     strict = (keep & ~jnp.eye(chunk, dtype=bool))[..., None, None]
     lower = jnp.where(strict, beta[:, :, :, None] * kk * decay, 0.0)  # [n, B, C, C, k, r]
-    attn = qk * decay  # the chunk's own causal attention, within documents
     # the UT transform: (I + lower)^-1 applied to the chunk's values and decayed keys
     inverse = unit_lower_inverse(jnp.moveaxis(lower, (2, 3), (-2, -1)), dtype)  # [n,B,k,r,C,C]
     grow = jnp.exp(cum) * carried[..., None, None]  # decay from the chunk's start, if carried
@@ -270,7 +290,7 @@ def _chunked(q, k, v, g, beta, starts, chunk, dtype):
     u = _dot("nbkrij,nbkrjv->nbkriv", inverse, vb, dtype)  # corrections, before the state's
     w = _dot("nbkrij,nbkrjd->nbkrid", inverse, kb, dtype)  # what the chunk's state predicts
     qs = jnp.moveaxis(q[..., None, :] * grow[..., None], 2, -2)  # [n, B, k, r, C, d]
-    attn = jnp.moveaxis(attn, (2, 3), (-2, -1))  # [n, B, k, r, C, C]
+    attn = jnp.moveaxis(qk * decay, (2, 3), (-2, -1))  # the chunk's own attention [n,B,k,r,C,C]
     last = cum[:, :, -1:] - cum  # decay from each token to the chunk's end
     tail = jnp.where(same[:, :, -1][..., None, None], jnp.exp(last), 0.0)  # [n, B, C, k, r]
     kt = jnp.moveaxis(k[..., None, :] * tail[..., None], 2, -2)  # [n, B, k, r, C, d]
@@ -285,12 +305,7 @@ def _chunked(q, k, v, g, beta, starts, chunk, dtype):
         state = state * through[..., None, None] + _dot("bkrcd,bkrcv->bkrdv", kt, fresh, dtype)
         return state, out.astype(dtype)
 
-    d, dv = q.shape[-1], v.shape[-1]
-    kh, r = g.shape[-2:]
-    state = jnp.zeros((b, kh, r, d, dv), jnp.float32)
-    state, out = jax.lax.scan(step, state, (u, w, qs, attn, kt, through))  # [n,B,k,r,C,v]
-    out = jnp.moveaxis(jnp.moveaxis(out, 0, 1), 4, 2)  # [B, n, C, k, r, v]
-    return out.reshape(b, n * chunk, kh, r, dv)[:, :t], state
+    return jax.lax.scan(step, state, (u, w, qs, attn, kt, through))
 
 
 def recurrent_delta_rule(
@@ -371,10 +386,13 @@ class GatedDeltaNet(nnx.Module):
 
     def __call__(self, x_btd: jax.Array, pack, positions: jax.Array | None = None) -> jax.Array:
         """Mixes each document of the packed rows (`pack`: an `attention.Packing`; positions
-        are unused: order is the recurrence's). Returns [B, T, width] in the compute dtype."""
+        are unused: order is the recurrence's). Returns [B, T, width] in the compute dtype.
+
+        The elementwise work between the matmuls (the convolution and the gates, the gated
+        norm) is rematerialised in the backward pass: the layer keeps its projections'
+        outputs, not their float32 intermediates."""
         starts = document_starts(pack.segment_ids, pack.row)
-        mixed = causal_conv(self.qkv(x_btd), self.conv[...], starts)
-        q, k, v, g, beta = self.inputs(mixed, x_btd)
+        q, k, v, g, beta = self.inputs(self.qkv(x_btd), starts, x_btd)
         out = chunked_delta_rule(q, k, v, g, beta, starts, chunk=self.spec.chunk, dtype=self.dtype)
         return self.output(out, x_btd)
 
@@ -387,11 +405,10 @@ class GatedDeltaNet(nnx.Module):
         row's (a right-padded prompt's; the others change nothing). Returns (outputs [B, T,
         width], the window and the state after each row's last valid token)."""
         t, taps = x_btd.shape[1], self.spec.conv_width - 1
-        inputs = self.qkv(x_btd)
-        seen = jnp.concatenate([window.astype(inputs.dtype), inputs], axis=1)  # [B, K-1+T, ...]
-        starts = jnp.zeros(seen.shape[:2], bool).at[:, 0].set(True)
-        mixed = causal_conv(seen, self.conv[...], starts)[:, taps:]
-        q, k, v, g, beta = self.inputs(mixed, x_btd)
+        projected = self.qkv(x_btd)
+        seen = jnp.concatenate([window.astype(projected.dtype), projected], axis=1)
+        starts = jnp.zeros(seen.shape[:2], bool).at[:, 0].set(True)  # ([B, K - 1 + T])
+        q, k, v, g, beta = self.inputs(seen, starts, x_btd, skip=taps)
         keep = valid_bt[..., None, None]
         g, beta = jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
         if t == 1:  # (a decode step: the rule token by token from the cached state)
@@ -407,26 +424,46 @@ class GatedDeltaNet(nnx.Module):
         window = jnp.take_along_axis(seen, at.reshape(*at.shape, 1, 1), axis=1)
         return self.output(out, x_btd), window, state
 
-    def inputs(self, mixed: jax.Array, x_btd: jax.Array) -> tuple[jax.Array, ...]:
-        """From the convolution's outputs `mixed` [B, T, k, group] (before its SiLU) and the
-        layer's inputs: the delta rule's q, k [B, T, k, d] (normalised, q scaled), v [B, T,
-        k, r, v] in the compute dtype, and g, beta [B, T, k, r] float32."""
+    def inputs(
+        self, projected: jax.Array, starts_bt: jax.Array, x_btd: jax.Array, skip: int = 0
+    ) -> tuple[jax.Array, ...]:
+        """The delta rule's q, k [B, T, k, d] (normalised, q scaled), v [B, T, k, r, v] in the
+        compute dtype, g, beta [B, T, k, r] float32, from the fused projection's outputs
+        [B, skip + T, k, group] (`skip`: a decoding window's before the T) through the
+        convolution, and the layer's inputs x (beta's and the decay's logits)."""
         s = self.spec
-        mixed = jax.nn.silu(mixed)
-        q, k, v = jnp.split(mixed, [s.key_dim, 2 * s.key_dim], axis=-1)
-        v = v.reshape(*v.shape[:-1], -1, s.value_dim).astype(self.dtype)
-        q = (l2_normalised(q) * s.key_dim**-0.5).astype(self.dtype)
-        k = l2_normalised(k).astype(self.dtype)
-        group = lambda x: x.reshape(*x.shape[:-1], s.key_heads, -1)  # value heads by key head
-        beta = group(jax.nn.sigmoid(self.b(x_btd).astype(jnp.float32)))
-        rate = jax.nn.softplus(self.a(x_btd).astype(jnp.float32) + self.dt_bias[...])
-        g = group(-jnp.exp(self.a_log[...].astype(jnp.float32)) * rate)
-        return q, k, v, g, beta
+        run = functools.partial(_inputs, spec=s, skip=skip, dtype=self.dtype)
+        run = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)
+        params = (self.conv[...], self.dt_bias[...], self.a_log[...])
+        return run(projected, starts_bt, self.b(x_btd), self.a(x_btd), *params)
 
     def output(self, out_btkrv: jax.Array, x_btd: jax.Array) -> jax.Array:
         """The delta rule's outputs through the gated RMSNorm and the output projection."""
-        o32 = out_btkrv.reshape(*out_btkrv.shape[:2], -1, self.spec.value_dim).astype(jnp.float32)
-        normed = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + self.norm_eps)
-        gate = jax.nn.silu(self.z(x_btd).astype(jnp.float32))
-        scaled = normed.astype(self.dtype).astype(jnp.float32) * self.norm[...].astype(jnp.float32)
-        return self.out((scaled * gate).astype(self.dtype))
+        run = functools.partial(_gated_norm, eps=self.norm_eps, dtype=self.dtype)
+        run = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)
+        return self.out(run(out_btkrv, self.z(x_btd), self.norm[...]))
+
+
+def _inputs(projected, starts, b_logits, a_logits, conv, dt_bias, a_log, *, spec, skip, dtype):
+    """`GatedDeltaNet.inputs`' elementwise part: the convolution, SiLU, the split into q, k,
+    v, their norms, and the gates."""
+    s = spec
+    mixed = jax.nn.silu(causal_conv(projected, conv, starts)[:, skip:])
+    q, k, v = jnp.split(mixed, [s.key_dim, 2 * s.key_dim], axis=-1)
+    v = v.reshape(*v.shape[:-1], -1, s.value_dim).astype(dtype)
+    q = (l2_normalised(q) * s.key_dim**-0.5).astype(dtype)
+    k = l2_normalised(k).astype(dtype)
+    group = lambda x: x.reshape(*x.shape[:-1], s.key_heads, -1)  # value heads by key head
+    beta = group(jax.nn.sigmoid(b_logits.astype(jnp.float32)))
+    rate = jax.nn.softplus(a_logits.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    g = group(-jnp.exp(a_log.astype(jnp.float32)) * rate)
+    return q, k, v, g, beta
+
+
+def _gated_norm(out_btkrv, z_bthv, weight, *, eps, dtype):
+    """RMSNorm over each value head's outputs (float32, cast to the compute dtype before its
+    weight, as transformers' Qwen3_5RMSNormGated), gated by SiLU(z)."""
+    o32 = out_btkrv.reshape(z_bthv.shape).astype(jnp.float32)
+    normed = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
+    scaled = normed.astype(dtype).astype(jnp.float32) * weight.astype(jnp.float32)
+    return (scaled * jax.nn.silu(z_bthv.astype(jnp.float32))).astype(dtype)
