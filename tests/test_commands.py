@@ -54,6 +54,7 @@ CASES = {  # module: [argv, ...]
     "jaxmllm.bench.hfload": [["--shape", "nope"]],
     "jaxmllm.bench.indexing": [["--text-image", "10", "--workers", "nope"]],
     "jaxmllm.bench.lengths_synth": [["--samples", "0", "--out", "{tmp}/synth"]],
+    "jaxmllm.bench.linear": [["--rows", "1000"]],
     "jaxmllm.bench.startup": [["--lengths", "/nonexistent-jaxmllm/index"]],
     "jaxmllm.bench.host": [["--config", MISSING], ["--config", TINY, "--set", "nope.x=1"]],
     "jaxmllm.bench.lora": [

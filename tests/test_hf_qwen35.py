@@ -144,7 +144,8 @@ def test_a_peft_adapter_on_every_matrix_gives_peft_s_logits(experts, tmp_path):
 
 def test_what_a_hybrid_does_not_run_with_is_refused_naming_the_key(tmp_path):
     """An unknown layer type names layer_types; context parallelism and pipeline stages over
-    linear-attention layers are refused at start-up naming mesh.context and mesh.stage."""
+    linear-attention layers are refused at start-up naming mesh.context and mesh.stage; a
+    chunk not a power of two names linear.chunk."""
     from jaxmllm.config import Config, ConfigError, from_dict
     from jaxmllm.hf.family import FamilyError
 
@@ -159,6 +160,8 @@ def test_what_a_hybrid_does_not_run_with_is_refused_naming_the_key(tmp_path):
         from_dict(Config, {"model": {"llm": llm}, "mesh": {"context": 2}})
     with pytest.raises(ConfigError, match="mesh.stage"):
         from_dict(Config, {"model": {"llm": llm}, "mesh": {"stage": 2}})
+    with pytest.raises(ConfigError, match="linear.chunk.*power of two"):
+        from_dict(Config, {"model": {"llm": {**llm, "linear": {**llm["linear"], "chunk": 48}}}})
 
 
 # ----------------------------------------------------------------------------- end to end

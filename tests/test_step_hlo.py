@@ -27,8 +27,15 @@ from jaxmllm.models.mllm import exchange_rows, fill_slots
             "configs/tiny_moe.yaml",
             ["model.compute_dtype=bfloat16", "model.llm.lora.rank=4", "batch.capacity=fixed"],
         ),
+        # a hybrid: Gated DeltaNet layers (the chunked rule's matmuls, its inverse by products
+        # in float32, the gates) beside a gated full-attention layer, LoRA on both kinds
+        (
+            "configs/tiny_hybrid.yaml",
+            ["model.compute_dtype=bfloat16", "model.llm.lora.rank=4", "batch.capacity=fixed"]
+            + ["model.llm.linear.every=2"],  # (2 layers deep: one of each kind)
+        ),
     ],
-    ids=["qwen2vl_2b", "long_context", "tiny_moe"],
+    ids=["qwen2vl_2b", "long_context", "tiny_moe", "tiny_hybrid"],
 )
 def test_a_bf16_step_multiplies_bf16_operands_only(config, overrides):
     cfg = with_depth(config, 2, overrides)

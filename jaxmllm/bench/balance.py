@@ -70,6 +70,7 @@ Per policy, one table row (all figures over the steps run, steady state included
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -376,6 +377,13 @@ def main(argv: list[str] | None = None) -> int:
         help="a calibrated cost model (python -m jaxmllm.plan.cost --calibrate RUN_DIR) for the "
         "cost columns; default the FLOP model of the default model config",
     )
+    ap.add_argument(
+        "--linear-every",
+        type=int,
+        default=0,
+        help="price a hybrid LLM: full attention every N-th layer, Gated DeltaNet elsewhere "
+        "(Qwen3.5: 4), same width; 0: every layer full attention",
+    )
     ap.add_argument("--plot", help="PNG of per-device load of one step (needs matplotlib)")
     ap.add_argument("--context", help="context sizes (jaxmllm.bench.context's split tiles)")
     ap.add_argument("--groups", type=int, default=8, help="--context: context groups")
@@ -387,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.lengths or args.mix or args.random):
         ap.error("one of the arguments --lengths --mix --random (or --context) is required")
     model = ModelConfig()
+    if args.linear_every:  # (the cost model's quadratic term: its full-attention layers only)
+        linear = dataclasses.replace(model.llm.linear, every=args.linear_every)
+        model = dataclasses.replace(model, llm=dataclasses.replace(model.llm, linear=linear))
     row_bytes = 2 * model.llm.width  # (an encoder output row: the LLM width in bf16)
     sim = (args.flops, args.intra_bw, args.inter_bw, args.latency, row_bytes)
     machine = simulate.Machine(*sim) if args.simulate else None
@@ -433,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
                     pair=args.pair_capacity,
                     machine=machine,
                 )
-                row.update(mix=name, peak_rss_mb=peak_rss_mb())
+                row.update(mix=name, peak_rss_mb=peak_rss_mb(), linear_every=args.linear_every)
                 rows.append(row)
                 plots[(name, d, pol)] = first
                 print(format_row(row), flush=True)

@@ -15,7 +15,9 @@ Parts (`--cases` picks cases by a regular expression over their names, `part/...
 - attention: forward + backward of one packed row, block-sparse and (GPU) cuDNN, dense up to
   8,192 tokens, at the recipes' head shapes: the LLM's 12 query / 2 KV heads of 128 (causal, the
   samples' tokens) and the vision tower's 16 heads of 80 (the images' patches), bf16
-  (`jaxmllm.bench.attention`).
+  (`jaxmllm.bench.attention`); then a hybrid's two token mixers at Qwen3.5-9B's widths, one
+  document a row of 4k, 16k and 64k tokens: Gated DeltaNet's training step against full
+  attention's (`jaxmllm.bench.linear`).
 - recipe: configs/gpu/qwen2vl_2b.yaml's per-GPU shapes on this one GPU (fsdp 1, 2 microbatches,
   built-in data with images of up to 64 x 64 patches) under the remat policies that fit 80 GB,
   with cuDNN and block-sparse attention, with XLA's GPU flag set (`jaxmllm.loop.xla_flags`) and,

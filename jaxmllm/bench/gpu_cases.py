@@ -200,7 +200,8 @@ def _importable(module: str) -> bool:
 
 
 def attention(case: Case, out: Path) -> Iterator[dict]:
-    """Forward + backward of one packed row per head shape and row length, every kernel."""
+    """Forward + backward of one packed row per head shape and row length, every kernel; then
+    a hybrid's two kinds of layers (`layers`)."""
     from jaxmllm.bench.attention import extrapolate, measure
 
     lengths = [1024] if case.smoke else [4096, 8192, 16384]
@@ -225,6 +226,30 @@ def attention(case: Case, out: Path) -> Iterator[dict]:
             # (forward: 2 matmuls of 2 FLOPs a pair; backward: 5; the documents' own tiles)
             row["tflops"] = 14.0 * pairs / row["sparse_s"] / 1e12
             yield {"shape": f"{name} {heads}/{kv_heads}x{head_dim}", **row}
+    yield from layers(case)
+
+
+# A hybrid's token mixers at Qwen3.5-9B's widths (4096 wide; full attention 32 / 4 heads of
+# 128, Gated DeltaNet 16 key / 32 value heads of 128), one document a row (`bench.linear`)
+LAYER = ["--width", "4096", "--heads", "32", "--kv-heads", "4"]
+LAYER += ["--key-heads", "16", "--value-heads", "32", "--head-dim", "128"]
+LAYER_SMOKE = ["--width", "64", "--heads", "4", "--kv-heads", "2"]
+LAYER_SMOKE += ["--key-heads", "2", "--value-heads", "4", "--head-dim", "16"]
+
+
+def layers(case: Case) -> Iterator[dict]:
+    """A linear-attention layer's training step against a full-attention layer's of the same
+    width, by row length: time and memory (`jaxmllm.bench.linear`)."""
+    from jaxmllm.bench import linear
+
+    lengths = [1024] if case.smoke else [4096, 16384, 65536]
+    shape = LAYER_SMOKE if case.smoke else LAYER
+    sets = [*shape, "--dtype", "bfloat16", "--repeat", "2" if case.smoke else "5"]
+    args = linear.parser().parse_args([*sets, "--full-max", str(max(lengths))])
+    rows = [linear.measure(n, kind, args) for kind in ("linear", "full") for n in lengths]
+    linear.extrapolate(rows)
+    for row in rows:
+        yield {"shape": f"{args.width}-wide layer", **row}
 
 
 def recipe(case: Case, out: Path) -> Iterator[dict]:

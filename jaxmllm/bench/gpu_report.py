@@ -27,6 +27,8 @@ def env(rows: list[dict]) -> str:
 
 
 def attention(rows: list[dict]) -> str:
+    layers = [r for r in rows if "mixer" in r]  # (bench.linear's rows: a hybrid's two layers)
+    rows = [r for r in rows if "mixer" not in r]
     cols = ["shape", "row", "docs", "tiles", "doc tiles", "sparse ms", "TFLOP/s", "sparse MiB"]
     cols += ["dense ms", "cudnn ms", "cudnn MiB", "cudnn err"]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
@@ -54,7 +56,16 @@ def attention(rows: list[dict]) -> str:
             )
         )
     note = "Forward + backward of one bf16 row; TFLOP/s of the documents' own tiles, block-sparse."
-    return "## Attention kernels\n\n" + note + "\n\n" + "\n".join(lines)
+    out = "## Attention kernels\n\n" + note + "\n\n" + "\n".join(lines)
+    if layers:
+        from jaxmllm.bench.linear import table
+
+        note = (
+            f"A {layers[0]['shape']}'s training step, one document a row, bf16: Gated DeltaNet "
+            "(linear) against full attention (block-sparse)."
+        )
+        out += "\n\n### Linear against full attention\n\n" + note + "\n\n" + table(layers)
+    return out
 
 
 def recipe(rows: list[dict]) -> str:
