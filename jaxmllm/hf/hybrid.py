@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxmllm.hf.decoders import Decoders, gated_mlp_links, moe_links, rope_section, stacked
+from jaxmllm.hf.decoders import Decoders, gated_mlp_links, moe_links, rope_section
 from jaxmllm.hf.family import (
     FamilyError,
     Link,
@@ -33,7 +33,7 @@ from jaxmllm.hf.family import (
     same,
 )
 from jaxmllm.models.deltanet import LinearSpec
-from jaxmllm.models.llm import is_linear, is_moe, stacks
+from jaxmllm.models.llm import is_linear, is_moe
 
 CLASSES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -222,16 +222,6 @@ class Qwen35(Decoders):
             ),
             "model.llm.mrope_section": ((lambda m: not any(m)), "1D rotary positions"),
         }
-
-    def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
-        llm = cfg.model.llm
-        links = [same("model.embed_tokens.weight", "llm/embed/embedding")]
-        for stack, kind, ids in stacks(llm):
-            links += [stacked(x, ids) for x in self.layer_links(llm, stack, kind, len(ids))]
-        links.append(same("model.norm.weight", "llm/transformer/final_norm/scale"))
-        if not llm.tie_embeddings:
-            links.append(dense("lm_head.weight", "llm/lm_head/kernel", (llm.width, -1)))
-        return links
 
     def layer_links(self, llm: Any, stack: str, kind: str, n: int) -> list[Link]:
         """One stack's links (`kind`: linear or full attention, moe or a dense MLP)."""

@@ -4,7 +4,8 @@ Each transformer is ONE `Block` whose parameters are stacked on a leading `layer
 applied with `jax.lax.scan`, so the compiled program holds one block whatever the depth.
 
 A decoder whose layers differ in kind (a mixture-of-experts decoder with dense layers among its
-MoE ones) stacks each kind's layers apart (`blocks` the main kind's, `<kind>_blocks` the
+MoE ones, a hybrid's Gated DeltaNet layers among full-attention ones) stacks each kind's layers
+apart (`blocks` the main kind's, `<kind>_blocks` the
 others') and runs them as a few scans over repeating units of kinds (`segments`): one scan for
 [dense, moe] x 24, two for a dense layer before 47 MoE ones; a block is compiled once per kind
 and segment.
