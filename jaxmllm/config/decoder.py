@@ -128,6 +128,9 @@ class LLMConfig(BlockOptions):
     # turned by (time, row, column) positions: an image's tokens take their place in its grid,
     # text the same position in all three. (0, 0, 0): 1D rotary; else they sum to head_dim / 2
     mrope_section: tuple[int, int, int] = (0, 0, 0)
+    # M-RoPE's frequencies interleaved (Qwen3-VL: time, row, column, time, ... while rows and
+    # columns have theirs, then time) instead of in sections; the sections' sizes as above
+    mrope_interleaved: bool = False
     tie_embeddings: bool = False  # share input embedding and output projection
     # Tied output: logits = x . E^T / sqrt(width), unit-scale logits from jaxmllm's unit-scale
     # embedding rows; false for HF checkpoints (x . E^T)

@@ -150,6 +150,12 @@ class Config:
             "positions; set model.llm.mrope_section: [0, 0, 0] or mesh.context: 1",
             "model.llm.mrope_section",
         )
+        check(
+            not (self.model.vision.enabled and self.model.vision.deepstack),
+            f"{list(self.model.vision.deepstack)} (DeepStack) is not supported with "
+            f"mesh.context={self.mesh.context}: set mesh.context: 1",
+            "model.vision.deepstack",
+        )
 
     def _check_experts(self) -> None:
         """Expert parallelism splits a mixture of experts' experts evenly; what the MoE decoder
@@ -202,11 +208,18 @@ class Config:
             check(
                 p.placement(name) != "stages" or phase.encoder(m).stages_ok,
                 f"the {name} tower's options (model.{name}: class_token, window, final_norm: "
-                f"false, pool) run only as a whole tower: set pipeline.{name}: data (or auto)",
+                f"false, deepstack, pool) run only as a whole tower: set pipeline.{name}: data "
+                "(or auto)",
                 f"pipeline.{name}",
             )
         # Not (yet) run inside the pipeline's shard_map over the stages.
         stage = f"with mesh.stage={self.mesh.stage} (pipeline stages)"
+        check(
+            not (m.vision.enabled and m.vision.deepstack),
+            f"{list(m.vision.deepstack)} (DeepStack: the tower's features added in the LLM's "
+            f"first layers) is not supported {stage}: set mesh.stage: 1",
+            "model.vision.deepstack",
+        )
         check(
             self.mesh.context == 1,
             f"context parallelism is not supported {stage}: set mesh.context: 1 or mesh.stage: 1",

@@ -130,7 +130,8 @@ class Attention(nnx.Module):
     ):
         """`head_dim` 0 = width / heads; `bias`: which of the q, k, v, o projections have one;
         `qk_norm`: an RMSNorm (epsilon `norm_eps`) over each head's queries and keys before the
-        rotary positions (Qwen3); `rope`: 1d | 2d | mrope (`rope_sections`) | none (positions
+        rotary positions (Qwen3); `rope`: 1d | 2d | mrope, mrope_interleaved (`rope_sections`) |
+        none (positions
         enter elsewhere); `rope_scaling` as `rope_frequencies`; `lora`: adapters of the
         projections it names (q, k, v, o)."""
         assert heads % kv_heads == 0, (heads, kv_heads)
@@ -211,7 +212,7 @@ class Attention(nnx.Module):
         Returns:
           q [B, T, heads, head_dim], k and v [B, T, kv_heads, head_dim].
         """
-        extra = {"sections": self.rope_sections} if self.rope == "mrope" else {}
+        extra = {"sections": self.rope_sections} if self.rope.startswith("mrope") else {}
         rotate = lambda x: ROPE[self.rope](
             x, positions, self.rope_theta, self.rope_scaling, **extra
         )

@@ -70,12 +70,15 @@ def prefill(model: MultimodalLM, mb: dict[str, jax.Array], length: int) -> tuple
     Returns:
       (logits [B, vocab] float32 at each row's last prompt token, cache).
     """
-    x_bpw = model.inputs(mb)[:, 0]
+    x_brpw, added_kbrpw = model.inputs_and_added(mb)
+    x_bpw = x_brpw[:, 0]
+    added = None if added_kbrpw is None else added_kbrpw[:, :, 0]  # (DeepStack's)
     rows = x_bpw.shape[0]
     positions_bp = mb["llm_positions"][:, 0]
     lengths_b = (mb["llm_segment_ids"][:, 0] > 0).sum(-1)
     start_b = jnp.zeros((rows,), jnp.int32)
-    h_bpw, cache = _decode(model, x_bpw, positions_bp, start_b, empty_cache(model, rows, length))
+    cache = empty_cache(model, rows, length)
+    h_bpw, cache = _decode(model, x_bpw, positions_bp, start_b, cache, added)
     last_bw = jnp.take_along_axis(h_bpw, jnp.maximum(lengths_b - 1, 0)[:, None, None], axis=1)
     return model.llm.logits(last_bw)[:, 0], cache
 
@@ -102,18 +105,24 @@ def step(
     """
     x_b1w = model.llm.embed(tokens_b[:, None])
     positions_b1 = (index_b if positions_b is None else positions_b)[:, None]
-    if model.llm.transformer.stack(model.llm.transformer.kinds[0]).attn.rope == "mrope":
+    if model.llm.transformer.stack(model.llm.transformer.kinds[0]).attn.rope.startswith("mrope"):
         positions_b1 = jnp.repeat(positions_b1[..., None], 3, axis=-1)  # [B, 1, 3]
     h_b1w, cache = _decode(model, x_b1w, positions_b1, index_b, cache)
     return model.llm.logits(h_b1w)[:, 0], cache
 
 
 def _decode(
-    model: MultimodalLM, x_btw: jax.Array, positions_bt: jax.Array, start_b: jax.Array, cache: Cache
+    model: MultimodalLM,
+    x_btw: jax.Array,
+    positions_bt: jax.Array,
+    start_b: jax.Array,
+    cache: Cache,
+    added_kbtw: jax.Array | None = None,
 ) -> tuple[jax.Array, Cache]:
     """The decoder's scanned block over T new tokens per row written at cache indices
-    start_b, start_b + 1, ... (rotary positions [B, T], or [B, T, 3] with M-RoPE); returns
-    the final hidden states [B, T, width] and the cache."""
+    start_b, start_b + 1, ... (rotary positions [B, T], or [B, T, 3] with M-RoPE; DeepStack's
+    additions after the first K layers, `added_kbtw`); returns the final hidden states
+    [B, T, width] and the cache."""
     transformer = model.llm.transformer
     graphdefs = {k: nnx.graphdef(transformer.stack(k)) for k in transformer.kinds}
     t, s = x_btw.shape[1], cache.length
@@ -131,7 +140,7 @@ def _decode(
         return x_btw + block.mlp(block.mlp_norm(x_btw)), (k_bske, v_bske)
 
     kv = {kind: (cache.k[kind], cache.v[kind]) for kind in transformer.kinds}
-    x_btw, ys = transformer.scan(layer, x_btw, kv)
+    x_btw, ys = transformer.scan(layer, x_btw, kv, added=added_kbtw)
     k = {kind: y[0] for kind, y in ys.items()}
     v = {kind: y[1] for kind, y in ys.items()}
     return transformer.final_norm(x_btw), Cache(k, v)
