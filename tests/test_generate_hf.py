@@ -107,6 +107,43 @@ def test_greedy_qwen3_and_its_mixture_of_experts_match_transformers(name, tmp_pa
     assert len(theirs) == 24 and answer["ids"] == theirs
 
 
+def test_logprobs_and_logits_are_transformers_scores(tmp_path, capsys):
+    """`--json --logprobs 3 --logits F.npz`: each new id's log-probability, the 3 likeliest
+    ids' and the saved logits of every step are transformers' greedy scores (its
+    `output_scores`) within 1e-4."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    src = hf_models.qwen2(tmp_path / "qwen2", tied=False, vocab=VOCAB)
+    build_dir(Path(src), "qwen", "Qwen/Qwen2.5-7B-Instruct")
+    saved = tmp_path / "logits.npz"
+    argv = ["--hf", src, "--prompt", "Hello", "--max-new-tokens", "6", "--json"]
+    assert main([*argv, "--logprobs", "3", "--logits", str(saved)]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    want = hf_ids(Path(src), [{"role": "user", "content": "Hello"}], add_generation_prompt=True)
+    model = Qwen2ForCausalLM.from_pretrained(src).eval()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([want]),
+            max_new_tokens=len(answer["ids"]),
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+        )
+    scores = torch.stack(out.scores)[:, 0].double()
+    theirs = torch.log_softmax(scores, -1).numpy()
+    ids = answer["ids"]
+    assert ids == out.sequences[0, len(want) :].tolist()
+    np.testing.assert_allclose(answer["logprobs"], theirs[np.arange(len(ids)), ids], atol=1e-4)
+    for step, best in enumerate(answer["top_logprobs"]):
+        assert list(map(int, best)) == np.argsort(-theirs[step])[:3].tolist()
+    np.testing.assert_allclose(np.load(saved)["answer_0"], scores.numpy(), atol=1e-4)
+    with pytest.raises(SystemExit) as refused:  # (it goes with --json)
+        parse_args([*argv[:-1], "--logprobs", "3"])
+    assert refused.value.code == 2
+
+
 def test_hf_generation_refuses_what_it_cannot_read(tmp_path, capsys):
     """No tokenizer beside the weights, or a directory that is no checkpoint: a clear error."""
     src = hf_models.llama(tmp_path / "llama", tied=True)
