@@ -1,7 +1,7 @@
-"""Whole multimodal checkpoints in and out (LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen2-Audio), with
-transformers itself as the oracle: tiny random models built in tmp_path (tests/hf_models.py,
-every parameter drawn at random), their logits with media in the prompt, bit-exact round
-trips, what import writes, and what import and export refuse."""
+"""Whole multimodal checkpoints in and out (LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+Qwen2-Audio), with transformers itself as the oracle: tiny random models built in tmp_path
+(tests/hf_models.py, every parameter drawn at random), their logits with media in the prompt,
+bit-exact round trips, what import writes, and what import and export refuse."""
 
 from __future__ import annotations
 
@@ -40,27 +40,32 @@ WHOLES = {
     "qwen2-vl": hf_models.qwen2_vl,
     "qwen2-5-vl": hf_models.qwen2_5_vl,
     "qwen2-audio": hf_models.qwen2_audio,
+    "qwen3-vl": hf_models.qwen3_vl,
 }
 CLASSES = {"qwen2-audio": "Qwen2AudioForConditionalGeneration"}  # (else image-text-to-text)
 
 
 @pytest.mark.parametrize("name", sorted(WHOLES))
 def test_whole_model_with_media_matches_transformers(name, tmp_path, capsys):
-    """`hf check DIR`: one line per part and last the whole model: the LLM on text, the encoder
-    and projector on an image (LLaVA's CLIP with its class token, read a block before the end;
-    Qwen2.5-VL's windows) or a clip (Qwen2-Audio's pooled rows), and every token's logits with
-    it in the prompt, within 1e-4 of transformers in fp32; a Qwen VL's with a video in the
-    prompt too (Qwen2.5-VL's time in seconds, its second_per_grid_ts)."""
+    """`hf check DIR`: one line per part and then one per sample of a packed row: the LLM on
+    text, the encoder and projector on an image (LLaVA's CLIP with its class token, read a
+    block before the end; Qwen2.5-VL's windows) or a clip (Qwen2-Audio's pooled rows), then
+    each sample (text alone, images of two sizes or clips, a Qwen VL's video) packed into ONE
+    row as training packs them, every token's logits within 1e-4 of transformers run on that
+    sample alone in fp32 (Qwen2.5-VL's video time in seconds, its second_per_grid_ts)."""
     assert main(["check", WHOLES[name](tmp_path / name), "--json"]) == 0
     results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    if name.startswith("qwen2-") and name != "qwen2-audio":  # and a video (M-RoPE's time)
-        video = results.pop()
-        assert video["role"] == "model" and "temporal-patch video" in video["what"], video
-        assert video["max_abs_ref"] > 0.5 and video["max_abs_diff"] < 1e-4, video
-    assert [r["role"] for r in results][::2] == ["llm", "model"] and len(results) == 3
+    samples = [r for r in results if r["role"] == "model"]
+    assert [r["role"] for r in results[:2]] == ["llm", "audio" if "audio" in name else "vision"]
+    deep = int(name == "qwen3-vl")  # (a line of DeepStack's rows)
+    assert len(results) == 2 + deep + len(samples)
+    n = 4 if name.startswith("qwen") and name != "qwen2-audio" else 3  # (+ a video)
+    assert len(samples) == n and all(f"packed {n} samples into 1 row" in r["what"] for r in samples)
+    assert any("text alone" in r["what"] for r in samples)
+    if n == 4:
+        assert any("temporal-patch video" in r["what"] for r in samples)
     line = describe(results[-1])
-    assert " model: logits of " in line and ": largest difference " in line, line
-    assert "with a" in results[-1]["what"] and "in the prompt" in results[-1]["what"]
+    assert " model: logits of sample " in line and ": largest difference " in line, line
     for result in results:
         assert result["max_abs_ref"] > 0.5, result  # a real signal, not zeros
         assert result["max_abs_diff"] < 1e-4, result
@@ -462,7 +467,7 @@ def test_a_checkpoint_whose_vocabulary_is_full_checks_and_exports(name, tmp_path
     results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     for result in results:
         assert result["max_abs_diff"] < 1e-4, result
-    for result in (results[0], results[-1]):  # the logits: the llm's and the whole model's
+    for result in (results[0], results[-1]):  # the logits: the llm's and a sample's
         assert f"over the checkpoint's {have} vocabulary columns" in result["what"], result
         assert f"an export writes them, vocab_size {grown}" in result["what"], result
 

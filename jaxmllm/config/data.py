@@ -213,6 +213,11 @@ class DataConfig:
     video_frame_min_pixels: int = 3136
     video_frame_max_pixels: int = 602112
     video_max_pixels: int = 3211264  # 4096 LLM tokens of 28 x 28 pixels
+    # Each temporal patch of a video preceded by its time as text, `<1.5 seconds>` (the mean
+    # of its first and last sampled frames' times), and wrapped in the tokenizer's vision
+    # start and end tokens where it has them, as Qwen3-VL's processor writes a video; M-RoPE
+    # then places each temporal patch as an image of its own (`hf import` of a Qwen3-VL sets it)
+    video_timestamps: bool = False
     # Video caps, checked on the container's header before any frame is decoded (index and
     # loader alike): its length, and its frames x width x height (the most decoding can
     # produce: 2^38 is 75 minutes of 1080p at 30 fps); a stored frame is also held to

@@ -4,8 +4,9 @@ Qwen3 (QK-norm, a head_dim of its own); the LLM of a whole checkpoint is one of 
 
 All are jaxmllm's own decoder (RMSNorm, rotate-half RoPE, GQA, SiLU-gated MLP) with options:
 `norm_eps`, `head_dim`, `attn_bias` (Qwen2: qkv; Llama and Qwen3: qkvo with attention_bias),
-`mlp_bias`, `qk_norm` (Qwen3), `rope_scaling`, `mrope_section` (Qwen2-VL), and tied embeddings
-without jaxmllm's 1/sqrt(width) logit scale.
+`mlp_bias`, `qk_norm` (Qwen3), `rope_scaling`, `mrope_section` (Qwen2-VL; interleaved:
+Qwen3-VL's `mrope_interleaved`), and tied embeddings without jaxmllm's 1/sqrt(width) logit
+scale.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ class Decoders(Family):
             bias = "qkv"
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         mrope = [int(x) for x in rope.get("mrope_section", [0, 0, 0])]
+        interleaved = bool(rope.get("mrope_interleaved", False)) and any(mrope)
         out = {
             "vocab_size": int(read(hf, "vocab_size", where)),
             "width": width,
@@ -147,6 +149,7 @@ class Decoders(Family):
             "mlp_bias": bool(hf.get("mlp_bias", False)),
             "qk_norm": self.model_type in QK_NORM,
             "mrope_section": mrope,
+            "mrope_interleaved": interleaved,
         }
         if self.model_type in MOE:
             out["moe"] = self.moe_section(hf, where, out["depth"])
@@ -220,6 +223,8 @@ class Decoders(Family):
             out.update(moe_to_hf(llm, self.model_type))
         if any(llm.mrope_section):
             out["rope_parameters"]["mrope_section"] = list(llm.mrope_section)
+            if llm.mrope_interleaved:
+                out["rope_parameters"]["mrope_interleaved"] = True
         return out
 
     def wants(self, cfg: Any) -> dict[str, Any]:

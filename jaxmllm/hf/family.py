@@ -172,9 +172,9 @@ def parts_of(hf: str, ours: Sequence[str], links: Sequence[Link], layers: int = 
     return Link((hf,), tuple(ours), to_ours, to_hf, layers)
 
 
-def prefixed(link: Link, prefix: str) -> Link:
-    """`link` with its HF names under `prefix` (a part of a whole checkpoint)."""
-    return dataclasses.replace(link, hf=tuple(prefix + n for n in link.hf))
+def renamed(link: Link, name: Callable[[str], str]) -> Link:
+    """`link` with each HF name `n` as `name(n)` (a part's tensors in a whole checkpoint)."""
+    return dataclasses.replace(link, hf=tuple(name(n) for n in link.hf))
 
 
 def split_rows(hf: str, ours: Sequence[str], rows: int) -> Link:

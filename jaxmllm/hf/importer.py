@@ -113,7 +113,10 @@ def data_section(llm: str, vision: str = "", audio: str = "", tokenizer: str = "
         high_key = "max_pixels" if "max_pixels" in proc else "size.longest_edge"
         data["image_min_pixels"] = _number(low, where, low_key, MAX_PIXELS)
         data["image_max_pixels"] = _number(high, where, high_key, MAX_PIXELS)
-    if vision and isinstance(whole_for(read_hf_config(vision)), Llava):
+    whole = whole_for(read_hf_config(vision)) if vision else None
+    if whole is not None and whole.video_timestamps:  # (Qwen3-VL: times between frames)
+        data["video_timestamps"] = True
+    if isinstance(whole, Llava):
         # LLaVA saw square crops of one size: as many pixels, at each image's aspect ratio
         crop = proc.get("crop_size") if isinstance(proc.get("crop_size"), dict) else size
         if crop.get("height") and crop.get("width"):
