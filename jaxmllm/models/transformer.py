@@ -370,15 +370,21 @@ class Transformer(nnx.Module):
         (`block_state`: its parameters; `extra_j`: its slice of `extra[kind]`, arrays stacked
         like the kind's layers, e.g. a KV cache), then `added[j]` added to x for the first K
         layers (`added` [K, ...]: DeepStack). Returns (x, {kind: ys stacked like its layers});
-        one scan per segment (`segments`), the first K layers' apart."""
+        one scan per segment (`segments`)."""
         x_btd, ys, _ = self._scan(step, x_btd, extra or {}, added, ())
         return x_btd, ys
 
     def _scan(self, step, x_btd, extra: dict, added, cuts: tuple[int, ...]) -> tuple:
-        """`scan`, and x after each layer of `cuts` ({layer: x})."""
+        """`scan`, and x after each layer of `cuts` ({layer: x}: the layers are scanned in
+        pieces that end there). `added` rides along as a constant of the one scan: a piece of
+        its own for the first K layers would be a second while loop whose temporaries XLA does
+        not share with the first's (an MoE layer's exchange buffers twice: +23 GiB a GPU of
+        configs/gpu/qwen3_vl_30b_a3b.yaml, bench.memory), where the constant costs an add a
+        layer and, backward, its gradient's [K, ...] accumulator."""
+        if added is not None:
+            step = _adding(step, added)
         states = {k: nnx.split(self.stack(k))[1] for k in self.kinds}
-        k_added = 0 if added is None else added.shape[0]
-        if len(self.kinds) == 1 and not k_added and not cuts:
+        if len(self.kinds) == 1 and not cuts:
             (kind,) = self.kinds
             depth = jax.tree.leaves(states[kind])[0].shape[0]  # (a pipeline stage's slab)
             body = lambda x, xs: step(kind, xs[0], x, xs[1], xs[2])
@@ -389,7 +395,7 @@ class Transformer(nnx.Module):
         found: dict[str, list] = {k: [] for k in self.kinds}
         offsets = dict.fromkeys(self.kinds, 0)
         kept = {}
-        for seg in pieces(self.pattern, (k_added, *(c + 1 for c in cuts))):
+        for seg in pieces(self.pattern, tuple(c + 1 for c in cuts)):
             xs = {}
             for kind in dict.fromkeys(seg.unit):
                 n, at, reps = seg.unit.count(kind), offsets[kind], seg.repeats
@@ -398,13 +404,9 @@ class Transformer(nnx.Module):
                 )
                 xs[kind] = jax.tree.map(cut, (states[kind], extra.get(kind)))
                 offsets[kind] = at + n * reps
-            end = seg.start + len(seg.unit) * seg.repeats
-            more = None
-            if seg.start < k_added:  # (a piece of the first K layers: DeepStack's additions)
-                more = added[seg.start : end].reshape(seg.repeats, len(seg.unit), *added.shape[1:])
 
             def unit(x_btd, xs_r, seg=seg):
-                xs, more, r = xs_r
+                xs, r = xs_r
                 seen: dict[str, int] = {}
                 ys: dict[str, list] = {k: [] for k in xs}
                 for j, kind in enumerate(seg.unit):
@@ -412,15 +414,14 @@ class Transformer(nnx.Module):
                     seen[kind] = o + 1
                     state, extra_j = jax.tree.map(lambda a, o=o: a[o], xs[kind])
                     x_btd, y = step(kind, state, x_btd, extra_j, seg.start + r * len(seg.unit) + j)
-                    if more is not None:
-                        x_btd = x_btd + more[j].astype(x_btd.dtype)
                     ys[kind].append(y)
                 # [unit's layers of a kind] per kind, stacked in their order
                 return x_btd, {k: _stacked(v) for k, v in ys.items()}
 
-            x_btd, ys = jax.lax.scan(unit, x_btd, (xs, more, jnp.arange(seg.repeats)))
+            x_btd, ys = jax.lax.scan(unit, x_btd, (xs, jnp.arange(seg.repeats)))
             for kind, y in ys.items():  # [repeats, n, ...] -> the kind's layers in order
                 found[kind].append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), y))
+            end = seg.start + len(seg.unit) * seg.repeats
             if end - 1 in cuts:
                 kept[end - 1] = x_btd
         return x_btd, {k: _concatenated(v) for k, v in found.items()}, kept
@@ -439,6 +440,19 @@ class Transformer(nnx.Module):
             return jax.lax.cond(is_full, whole, windowed, x_btd)
 
         return jax.lax.scan(either, x_btd, (stacked, full, jnp.arange(depth)))
+
+
+def _adding(step: Callable, added: jax.Array) -> Callable:
+    """`step`, then `added[j]` added to its x for a layer j of the first K (`added` [K, ...];
+    zero after them: one body for every layer)."""
+    k = added.shape[0]
+
+    def stepped(kind, state, x_btd, extra_j, j):
+        x_btd, y = step(kind, state, x_btd, extra_j, j)
+        add = jax.lax.dynamic_index_in_dim(added, jnp.minimum(j, k - 1), keepdims=False)
+        return x_btd + jnp.where(j < k, add, jnp.zeros_like(add)).astype(x_btd.dtype), y
+
+    return stepped
 
 
 def _stacked(ys: list) -> Any:
