@@ -482,15 +482,16 @@ def qwen3_vl_moe(
     dense_layers: tuple[int, ...] = (),
     sparse_step: int = 1,
     tied: bool = False,
+    moe_dim: int = 32,
 ) -> str:
     """A whole Qwen3-VL-MoE: `qwen3_vl`'s tower and LLM with its MLPs mixtures of `experts`
-    (top `top_k`, always renormalised), `dense_layers` among them; the router drawn at random
-    too, so tokens spread over the experts."""
+    of width `moe_dim` (top `top_k`, always renormalised), `dense_layers` among them; the
+    router drawn at random too, so tokens spread over the experts."""
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
     parts = _qwen3_vl_parts(vocab, layers, (4, 4, 4), deepstack, ids)
     parts["text_config"].update(
-        moe_intermediate_size=32,
+        moe_intermediate_size=moe_dim,
         num_experts=experts,
         num_experts_per_tok=top_k,
         mlp_only_layers=list(dense_layers),

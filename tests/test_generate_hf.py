@@ -215,12 +215,14 @@ def test_llava_with_an_image_generates_transformers_tokens(tmp_path, tower):
 
 
 @pytest.mark.parametrize(
-    ("family", "gh", "gw"), [("qwen2_vl", 6, 4), ("qwen2_5_vl", 10, 6), ("qwen3_vl", 6, 4)]
+    ("family", "gh", "gw"),
+    [("qwen2_vl", 6, 4), ("qwen2_5_vl", 10, 6), ("qwen3_vl", 6, 4), ("qwen3_vl_moe", 6, 4)],
 )
 def test_qwen_vl_with_an_image_generates_transformers_first_tokens(tmp_path, family, gh, gw):
-    """A whole Qwen2-VL, Qwen2.5-VL or Qwen3-VL from one directory (its tower found in it;
-    Qwen2.5-VL's windows of 4 x 4 patches, six over the image, two blocks full; Qwen3-VL's
-    learned positions, its DeepStack added in the prefill's first layers, interleaved M-RoPE):
+    """A whole Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE from one directory (its tower
+    found in it; Qwen2.5-VL's windows of 4 x 4 patches, six over the image, two blocks full;
+    Qwen3-VL's learned positions, its DeepStack added in the prefill's first layers,
+    interleaved M-RoPE; the MoE's experts in the KV-cache steps):
     an image between the tokenizer's vision start and end; prefill places its tokens on the
     image's grid, decoding counts on from one past the largest position (Qwen2-VL's rope
     delta): the first 8 ids are transformers'."""

@@ -234,3 +234,103 @@ def test_check_data_compares_the_users_own_records(tmp_path, capsys):
     )
     assert main(["check", source, "--data", str(data / "bad.jsonl")]) == 2
     assert "no record to check" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- Qwen3-VL-MoE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(experts=4, top_k=1, deepstack=(1,)),  # top-1 of 4, DeepStack from one block
+        dict(experts=6, top_k=3, layers=4, sparse_step=2),  # a dense layer every second
+        dict(experts=8, top_k=2, dense_layers=(0, 2), moe_dim=24),  # dense layers; 2f != width
+    ],
+)
+def test_qwen3_vl_moe_of_other_shapes_checks_within_1e_4(shape, tmp_path):
+    """Other expert counts and top-k, dense layers among the MoE ones (mlp_only_layers,
+    decoder_sparse_step), experts whose fused gate_up is not square: every line within 1e-4
+    of transformers in fp32 (each sample of a packed row)."""
+    for result in _checked(hf_models.qwen3_vl_moe(tmp_path / "m", **shape)):
+        assert result["max_abs_diff"] < 1e-4, result
+
+
+def test_qwen3_vl_moe_reads_the_hubs_transposed_experts_and_writes_transformers(tmp_path):
+    """The hub's Qwen3-VL-MoE files hold the stacked experts transposed ([E, width, 2f],
+    [E, f, width]) from what transformers 5 saves: both load to the same parameters (told by
+    their shape, as transformers tells them), and the export writes transformers' layout."""
+    from flax import nnx
+
+    from jaxmllm.hf.export import Piece, write_piece
+    from jaxmllm.hf.safetensors import Checkpoint, write_checkpoint
+    from jaxmllm.hf.towers import load_model
+    from jaxmllm.hf.wholes import whole_for
+    from sharding.rules import keyed_leaves
+
+    saved = hf_models.qwen3_vl_moe(tmp_path / "saved", moe_dim=24)
+    ck = Checkpoint(saved)
+    experts = lambda n: n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    hub = tmp_path / "hub"
+    tensors = [(n, ck.get(n).transpose(0, 2, 1) if experts(n) else ck.get(n)) for n in ck.names()]
+    write_checkpoint(hub, sorted(tensors), 1 << 30)
+    (hub / "config.json").write_text((Path(saved) / "config.json").read_text())
+    gate_up = next(n for n in ck.names() if n.endswith("gate_up_proj"))
+    assert ck.get(gate_up).shape[1:] == (48, 64)  # (transformers': [E, 2f, width])
+
+    flat = lambda d: keyed_leaves(nnx.to_pure_dict(nnx.state(load_model(d, d)[1])))
+    a, b = flat(saved), flat(str(hub))
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    for result in check_all(str(hub)):  # (transformers transposes them back on its own)
+        assert result["max_abs_diff"] < 1e-4, result
+    cfg, _ = load_model(str(hub), str(hub))
+    whole = whole_for(json.loads((hub / "config.json").read_text()))
+    out = tmp_path / "out"
+    write_piece(cfg, Piece("", ("llm", "vision"), str(hub), whole=whole), b, out, 1 << 30)
+    back = Checkpoint(out)
+    for n in ck.names():
+        assert np.array_equal(back.get(n), ck.get(n)), n  # (transformers' own layout)
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [
+        pytest.param(  # attention alone (~25 s; the dense model's adapters hold it too)
+            dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+            marks=pytest.mark.slow,
+        ),
+        dict(  # + the routed experts, named (PEFT 0.21 moves no MLP target onto them here),
+            # gate and up fused at twice the rank and alpha as PEFT's own conversion puts them
+            target_modules=["q_proj", "v_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+            rank_pattern={r".*\.gate_up_proj": 8},
+            alpha_pattern={r".*\.gate_up_proj": 16},
+        ),
+    ],
+)
+def test_a_peft_adapter_on_qwen3_vl_moe_gives_peft_s_logits(targets, tmp_path):
+    """PEFT adapters on a Qwen3-VL-MoE's LLM (a dense layer among its MoE ones): attention,
+    and the routed experts' stacked matrices (target_parameters, under
+    model.language_model.): `hf check --adapter` within 1e-4 of peft's, every sample of the
+    packed row; `hf import --adapter` configures those targets."""
+    import peft
+    import torch
+    import transformers
+
+    source = hf_models.qwen3_vl_moe(tmp_path / "m", dense_layers=(1,))
+    model = transformers.AutoModelForImageTextToText.from_pretrained(source)
+    # (the tower's modules have other names: qkv, proj, linear_fc1, ...)
+    config = peft.LoraConfig(init_lora_weights=False, r=4, lora_alpha=8, **targets)
+    wrapped = peft.get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if ".lora_B." in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    wrapped.save_pretrained(str(tmp_path / "adapter"))
+    for result in check_all(source, adapter=str(tmp_path / "adapter")):
+        assert result["max_abs_diff"] < 1e-4, result
+    cfg = write_config(tmp_path / "run.yaml", model=source, adapter=str(tmp_path / "adapter"))
+    experts = {"gate", "up", "down"} if "target_parameters" in targets else set()
+    want = {t.removesuffix("_proj") for t in targets["target_modules"]} | experts
+    assert set(cfg.model.llm.lora.targets) == want and cfg.model.vision.freeze

@@ -41,6 +41,7 @@ WHOLES = {
     "qwen2-5-vl": hf_models.qwen2_5_vl,
     "qwen2-audio": hf_models.qwen2_audio,
     "qwen3-vl": hf_models.qwen3_vl,
+    "qwen3-vl-moe": lambda d: hf_models.qwen3_vl_moe(d, dense_layers=(1,)),
 }
 CLASSES = {"qwen2-audio": "Qwen2AudioForConditionalGeneration"}  # (else image-text-to-text)
 
@@ -57,7 +58,7 @@ def test_whole_model_with_media_matches_transformers(name, tmp_path, capsys):
     results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     samples = [r for r in results if r["role"] == "model"]
     assert [r["role"] for r in results[:2]] == ["llm", "audio" if "audio" in name else "vision"]
-    deep = int(name == "qwen3-vl")  # (a line of DeepStack's rows)
+    deep = int(name.startswith("qwen3-vl"))  # (a line of DeepStack's rows)
     assert len(results) == 2 + deep + len(samples)
     n = 4 if name.startswith("qwen") and name != "qwen2-audio" else 3  # (+ a video)
     assert len(samples) == n and all(f"packed {n} samples into 1 row" in r["what"] for r in samples)

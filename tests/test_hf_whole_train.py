@@ -48,7 +48,11 @@ def whole_dir(name: str, d: Path) -> str:
     elif name == "qwen2_audio":
         hf_models.qwen2_audio(d, vocab=VOCAB, audio=ids["<|AUDIO|>"])
     else:
-        builders = {"qwen2_vl": hf_models.qwen2_vl, "qwen3_vl": hf_models.qwen3_vl}
+        builders = {
+            "qwen2_vl": hf_models.qwen2_vl,
+            "qwen3_vl": hf_models.qwen3_vl,
+            "qwen3_vl_moe": lambda d, **kw: hf_models.qwen3_vl_moe(d, dense_layers=(1,), **kw),
+        }
         build = builders.get(name, hf_models.qwen2_5_vl)
         build(d, vocab=VOCAB, ids=tuple(ids[t] for t in QWEN_VL))
     build_dir(d, family, template, extra)  # (save_pretrained wrote over it)
@@ -91,7 +95,7 @@ def exported_params(directory: Path, cfg) -> dict:
 @pytest.mark.slow
 # (Qwen2-VL's export after training: the run from scratch below; its import and export share
 # Qwen2.5-VL's code, and both are held bit for bit and against transformers in test_hf_whole)
-@pytest.mark.parametrize("name", ["llava", "qwen2_5_vl", "qwen2_audio", "qwen3_vl"])
+@pytest.mark.parametrize("name", ["llava", "qwen2_5_vl", "qwen2_audio", "qwen3_vl", "qwen3_vl_moe"])
 def test_import_train_export_matches_transformers(name, tmp_path):
     """Import a whole checkpoint and check it (LLaVA on the stage-1 recipe: only its
     projector trains; the others train every module), train 2 steps on the built-in data with
@@ -105,6 +109,8 @@ def test_import_train_export_matches_transformers(name, tmp_path):
     write_config(tmp_path / "run.yaml", model=source, base=base)
     out = tmp_path / "run"
     media = {"qwen2_audio": ["model.vision.enabled=false", "data.synthetic.image_fraction=0"]}
+    # (the MoE's experts over 2 devices beside 2 x 2 data-parallel ones)
+    experts = ["mesh.data=2", "mesh.expert=2"] if name == "qwen3_vl_moe" else []
     no_audio = ["model.audio.enabled=false", "data.synthetic.audio_fraction=0"]
     cfg = load_config(
         tmp_path / "run.yaml",
@@ -115,6 +121,7 @@ def test_import_train_export_matches_transformers(name, tmp_path):
             "train.steps=2",
             "train.checkpoint_every=2",
             *media.get(name, no_audio),
+            *experts,
         ],
     )
     train.main(cfg)

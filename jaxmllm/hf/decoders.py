@@ -96,10 +96,13 @@ class Decoders(Family):
 
     role = "llm"
 
-    def __init__(self, model_type: str):
+    def __init__(self, model_type: str, stacked_experts: bool = False):
+        """`stacked_experts`: the experts' weights stacked as transformers 5 holds them
+        (`experts_links`: Qwen3-VL-MoE's checkpoints), not one Linear each."""
         self.name = self.model_type = model_type
         self.model_types = (model_type,)
         self.hf_class = CLASSES[model_type]
+        self.stacked_experts = stacked_experts
 
     def section(self, hf: dict) -> dict:
         where = f"{self.name} config.json"
@@ -277,7 +280,7 @@ class Decoders(Family):
             same(p + "post_attention_layernorm.weight", ours + "mlp_norm/scale", n),
         ]
         if kind == "moe":
-            links += moe_links(llm.moe, w, p + "mlp.", ours + "mlp/", n)
+            links += moe_links(llm.moe, w, p + "mlp.", ours + "mlp/", n, self.stacked_experts)
         else:
             links += gated_mlp_links(w, f, p + "mlp.", ours + "mlp/", n)
         heads = {
@@ -323,11 +326,14 @@ def gated_mlp_links(w: int, f: int, hf: str, ours: str, n: int) -> list[Link]:
     ]
 
 
-def moe_links(moe: Any, w: int, hf: str, ours: str, n: int) -> list[Link]:
+def moe_links(moe: Any, w: int, hf: str, ours: str, n: int, stacked: bool = False) -> list:
     """An MoE layer's router (`gate`), its experts one Linear each (`experts.{j}.*_proj`,
-    stacked [E, ...] on our side) and the shared expert with its gate."""
+    stacked [E, ...] on our side; `stacked`: `stacked_experts_links`) and the shared expert
+    with its gate."""
     links = [dense(hf + "gate.weight", ours + "router/kernel", (w, moe.experts), 1, n)]
-    for proj in ("gate", "up", "down"):
+    if stacked:
+        links += stacked_experts_links(hf + "experts.", ours + "experts/", moe, w, n)
+    for proj in ("gate", "up", "down") if not stacked else ():
         links.append(experts_link(hf, f"{proj}_proj", ours + f"experts/{proj}", moe.experts, n))
     if moe.shared_mlp_dim:
         links += gated_mlp_links(w, moe.shared_mlp_dim, hf + "shared_expert.", ours + "shared/", n)
@@ -348,6 +354,35 @@ def experts_link(hf: str, proj: str, ours: str, experts: int, n: int) -> Link:
         lambda x: tuple(np.asarray(x)[j].T for j in range(experts)),
         n,
     )
+
+
+def stacked_experts_links(hf: str, ours: str, moe: Any, w: int, n: int) -> list[Link]:
+    """The experts stacked as transformers 5 holds them: `gate_up_proj` [E, 2f, w] (each
+    expert's gate rows, then its up rows) and `down_proj` [E, w, f], which it also saves so;
+    the hub's Qwen3-VL-MoE files hold them transposed ([E, w, 2f], [E, f, w]), told apart by
+    their shape as transformers' loader tells them (a square one read as it saves them).
+    Ours: gate and up [E, w, f], down [E, f, w]; an export writes transformers' layout."""
+    e, f = moe.experts, moe.mlp_dim
+
+    def gate_up(x):
+        x = np.asarray(x)
+        x = x if x.shape == (e, 2 * f, w) else x.transpose(0, 2, 1)  # (the hub's [E, w, 2f])
+        return x[:, :f].transpose(0, 2, 1), x[:, f:].transpose(0, 2, 1)
+
+    def down(x):
+        x = np.asarray(x)
+        return (x.transpose(0, 2, 1) if x.shape == (e, w, f) else x,)  # (else the hub's)
+
+    return [
+        Link(
+            (hf + "gate_up_proj",),
+            (ours + "gate", ours + "up"),
+            gate_up,
+            lambda g, u: (np.concatenate([g, u], axis=-1).transpose(0, 2, 1),),
+            n,
+        ),
+        Link((hf + "down_proj",), (ours + "down",), down, lambda x: (x.transpose(0, 2, 1),), n),
+    ]
 
 
 def moe_to_hf(llm: Any, model_type: str) -> dict:

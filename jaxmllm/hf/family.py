@@ -108,6 +108,11 @@ class Family:
         """The inverse of `runtime`."""
         return runtime
 
+    def placed(self, name: str) -> str:
+        """The checkpoint's name of a tensor or module its inner family names `name` (a part
+        of a whole checkpoint is placed under the whole's names; else `name`)."""
+        return name
+
     def part_of(self, name: str) -> str | None:
         """The role of the part a tensor belongs to in a whole checkpoint; None: one part."""
         return None

@@ -12,6 +12,10 @@
   under `model.visual.`. Its videos are frames with their time written between them as text
   (`data.video_timestamps`), each frame an item of M-RoPE as transformers' `get_rope_index`
   splits `video_grid_thw`.
+- Qwen3-VL-MoE (`Qwen3VLMoeForConditionalGeneration`): the same with the Qwen3-MoE decoder
+  (`model.llm.moe`: dense layers among the MoE ones by `mlp_only_layers` and
+  `decoder_sparse_step`), its router always renormalising the top-k probabilities, its
+  experts stacked as transformers 5 holds them (`decoders.stacked_experts_links`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxmllm.hf import oracle
+from jaxmllm.hf.decoders import MOE, Decoders
 from jaxmllm.hf.family import Family, mismatches
 from jaxmllm.hf.qwen_vision import Qwen3VLVision
 from jaxmllm.hf.whole import Whole
@@ -133,6 +138,8 @@ class Qwen3VL(QwenVL):
 
     def __init__(self, name: str, hf_class: str, decoder: str):
         super().__init__(name, Qwen3VLVision(name), hf_class, "Qwen3VLProcessor", decoder)
+        if self.decoder.model_type in MOE:  # (its experts stacked, as transformers 5's)
+            self.decoder = Decoders(self.decoder.model_type, stacked_experts=True)
 
     def section(self, role: str, hf: dict) -> dict:
         out = super().section(role, hf)
@@ -140,6 +147,8 @@ class Qwen3VL(QwenVL):
             out["mrope_interleaved"] = True
             if not any(out["mrope_section"]):
                 out["mrope_section"] = list(QWEN3_VL_SECTIONS)
+            if out.get("moe", {}).get("experts"):  # (its router always renormalises top-k)
+                out["moe"]["norm_topk_prob"] = True
         return out
 
     def place(self, role: str, name: str, at: str) -> str:

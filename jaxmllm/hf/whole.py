@@ -172,6 +172,9 @@ class Part(Family):
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
         return self.whole.to_hf_config(cfg, source, (self.role,))
 
+    def placed(self, name: str) -> str:
+        return self.whole.place(self.role, name, self.at)
+
     def runtime(self, name: str) -> str:
         if self.whole.runtime_names:
             return name

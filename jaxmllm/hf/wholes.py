@@ -314,6 +314,7 @@ WHOLES: tuple[Whole, ...] = (
         "qwen2_5_vl", Qwen25VLVision(), "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor"
     ),
     Qwen3VL("qwen3_vl", "Qwen3VLForConditionalGeneration", "qwen3"),
+    Qwen3VL("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "qwen3_moe"),
     Qwen2Audio(),
 )
 
