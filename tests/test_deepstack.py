@@ -110,3 +110,33 @@ def test_pieces_never_cross_a_bound():
     for s in got:
         end = s.start + len(s.unit) * s.repeats
         assert not any(s.start < b < end for b in (3, 5)), got
+
+
+def test_the_cost_model_counts_deepstacks_projectors_and_additions():
+    """DeepStack's added work per patch, x3 to train: its K projectors' matmuls (2 x their
+    weights over the merge area, as the model builds them) and the K additions of their rows
+    to the LLM's hidden states; its LoRA adapters likewise."""
+    import math
+
+    from jaxmllm.config import Config, from_dict
+    from jaxmllm.hf.adapter_load import shapes_of
+    from jaxmllm.plan.cost import CostModel
+
+    raw = lambda deep: {
+        "model": {
+            "vision": {"width": 32, "heads": 4, "depth": 3, "mlp_dim": 48, "deepstack": deep},
+            "llm": {"width": 64, "depth": 2, "heads": 4, "kv_heads": 2, "mlp_dim": 96},
+            "audio": {"enabled": False},
+        }
+    }
+    plain, deep = (from_dict(Config, raw(d)) for d in ([], [0, 2]))
+    shapes = shapes_of(deep)
+    added = sum(
+        math.prod(v.shape)
+        for p, v in shapes.items()
+        if p.startswith("vision_projector/deepstack/") and p.endswith("/kernel")
+    )
+    v, width = deep.model.vision, deep.model.llm.width
+    cost = lambda c: CostModel.from_model(c.model).phase("vision").linear
+    want = 3 * (2 * added + len(v.deepstack) * width) / v.merge**2
+    assert cost(deep) - cost(plain) == pytest.approx(want)
