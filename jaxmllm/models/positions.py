@@ -41,7 +41,7 @@ def resize_weights(index: jax.Array, size: jax.Array, grid: int) -> jax.Array:
     weights = cubic_weights(src - base)  # [..., 4]
     taps = jnp.clip(base.astype(jnp.int32)[..., None] + jnp.arange(-1, 3), 0, grid - 1)
     one_hot = jax.nn.one_hot(taps, grid, dtype=jnp.float32)  # [..., 4, grid]
-    return jnp.einsum("...k,...kg->...g", weights, one_hot)
+    return (weights[..., None] * one_hot).sum(-2)  # (a sum of 4 rows, no matmul)
 
 
 def bilinear_weights(index: jax.Array, size: jax.Array, grid: int) -> jax.Array:
@@ -54,7 +54,7 @@ def bilinear_weights(index: jax.Array, size: jax.Array, grid: int) -> jax.Array:
     weights = jnp.stack([1 - frac, frac], axis=-1)  # [..., 2]
     taps = jnp.clip(base.astype(jnp.int32)[..., None] + jnp.arange(2), 0, grid - 1)
     one_hot = jax.nn.one_hot(taps, grid, dtype=jnp.float32)  # [..., 2, grid]
-    return jnp.einsum("...k,...kg->...g", weights, one_hot)
+    return (weights[..., None] * one_hot).sum(-2)
 
 
 RESIZE = {"bicubic": resize_weights, "bilinear": bilinear_weights}  # config.model.RESIZES
@@ -77,6 +77,7 @@ def resized_table(
     segment_ids_bp: jax.Array,
     positions_bp2: jax.Array,
     mode: str = "bicubic",
+    dtype: jnp.dtype = jnp.float32,
 ) -> jax.Array:
     """The learned G*G-row table resized to each patch's image grid, read at its (row, col).
 
@@ -85,9 +86,11 @@ def resized_table(
       segment_ids_bp: image of each patch, 0 for padding [B, P].
       positions_bp2: (row, col) of each patch in its image [B, P, 2].
       mode: bicubic (align_corners false) | bilinear (align_corners true): `RESIZE`.
+      dtype: the matmul's (the compute dtype: under bf16 compute a bf16 x bf16 dot, its
+        backward's too; no fp32 x fp32 dot in the step).
 
     Returns:
-      [B, P, width] float32 position embeddings (padding patches get some row; unused).
+      [B, P, width] position embeddings in `dtype` (padding patches get some row; unused).
     """
     grid = math.isqrt(table_gd.shape[0])
     sizes = image_grids(segment_ids_bp, positions_bp2)
@@ -96,7 +99,9 @@ def resized_table(
     w_cols = weights(positions_bp2[..., 1], sizes[..., 1], grid)
     w_bpgg = w_rows[..., :, None] * w_cols[..., None, :]
     w_bpn = w_bpgg.reshape(*w_bpgg.shape[:-2], grid * grid)
-    return jnp.einsum("bpn,nd->bpd", w_bpn, table_gd.astype(jnp.float32))
+    return jnp.einsum(
+        "bpn,nd->bpd", w_bpn.astype(dtype), table_gd.astype(dtype), preferred_element_type=dtype
+    )
 
 
 def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> np.ndarray:

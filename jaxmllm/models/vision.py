@@ -139,7 +139,9 @@ class VisionEncoder(nnx.Module):
         x_bpd = self.patch_embed(patches_bpc)
         if self.position_embedding is not None:
             table = self.position_embedding[...]
-            pos_bpd = resized_table(table, segment_ids_bp, positions_bp2, self.position_resize)
+            pos_bpd = resized_table(
+                table, segment_ids_bp, positions_bp2, self.position_resize, x_bpd.dtype
+            )
             x_bpd = (x_bpd.astype(jnp.float32) + pos_bpd).astype(x_bpd.dtype)
         seg, pos, tiles = segment_ids_bp, positions_bp2, tiles_bk2
         b, n = seg.shape
