@@ -47,9 +47,11 @@ def test_what_a_fusion_computes_comes_from_the_hlo():
 
 
 def test_the_cases_cover_both_kernels_and_the_flags_on_a_gpu():
-    names = [c.name for c in cases(["env", "attention", "recipe", "moe", "host"], True, False)]
+    parts = ["env", "attention", "recipe", "moe", "qwen3_vl", "host"]
+    names = [c.name for c in cases(parts, True, False)]
     assert names[:2] == ["env", "attention"] and names[-1] == "host"
     assert "moe/cudnn/full" in names  # (the mixture of experts' step, on its best kernel)
+    assert {"qwen3_vl/8b/cudnn", "qwen3_vl/30b_a3b/cudnn"} <= set(names)  # (both recipes)
     recipe = [n for n in names if n.startswith("recipe/")]
     assert {n.split("/")[1] for n in recipe} == {"cudnn", "block_sparse"}
     assert sum(n.endswith("/no-flags") for n in recipe) == 2 and len(recipe) == 8
@@ -63,15 +65,16 @@ def test_the_smoke_campaign_runs_every_part(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + (out / "log.txt").read_text()[-3000:]
     rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
-    assert {r["part"] for r in rows} == {"env", "attention", "recipe", "moe", "host"}
+    assert {r["part"] for r in rows} == {"env", "attention", "recipe", "moe", "qwen3_vl", "host"}
     assert not [r for r in rows if "error" in r]
-    for r in (r for r in rows if r["part"] in ("recipe", "moe")):
+    for r in (r for r in rows if r["part"] in ("recipe", "moe", "qwen3_vl")):
         assert r["hlo"]["dots"] and "f32 x f32 -> f32" not in r["hlo"]["dots"]
         assert sum(r["profile"]["category_share"].values()) == pytest.approx(1.0)
         assert r["profile"]["category_s"]["matmul"] > 0 and r["tokens_per_s"] > 0
     report = (out / "report.md").read_text()
     sections = ("Environment", "Attention kernels", "Recipe step", "Mixture-of-experts step")
+    sections += ("Qwen3-VL steps",)
     for section in (*sections, "Host against the step"):
         assert f"## {section}" in report
     with tarfile.open(out / "hlo.tar.gz") as tar:
-        assert len(tar.getnames()) == 3  # (the recipe cases' and the MoE case's steps)
+        assert len(tar.getnames()) == 5  # (the recipe cases', the MoE's and Qwen3-VL's)

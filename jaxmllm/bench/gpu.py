@@ -1,6 +1,7 @@
 """The GPU campaign: what a lent GPU should measure, case by case, within one GPU's memory.
 
-    python -m jaxmllm.bench.gpu --out DIR [--parts env,attention,recipe,moe,host] [--cases REGEX]
+    python -m jaxmllm.bench.gpu --out DIR [--parts env,attention,recipe,moe,qwen3_vl,host]
+        [--cases REGEX]
         [--timeout 480] [--cache DIR] [--smoke]
 
 Each case runs in a process of its own (one train state at a time; XLA's persistent
@@ -25,6 +26,10 @@ Parts (`--cases` picks cases by a regular expression over their names, `part/...
 - moe: configs/gpu/qwen3_30b_a3b.yaml's per-GPU expert work on this one GPU (16 experts of
   768, top-8, as a GPU of its EP-8 node holds and computes; 12 of its 48 layers; text), full
   remat, the best kernel: the recipe part's measurements.
+- qwen3_vl: configs/gpu/qwen3_vl_8b.yaml's and qwen3_vl_30b_a3b.yaml's per-GPU steps on this
+  one GPU with images (the tower whole, DeepStack into the LLM's first 3 layers; the 8B's LLM
+  6 of its 36 layers, the MoE's 12 of 48 with 16 experts: what fits one 80 GB GPU with Adam),
+  the best kernel: the recipe part's measurements.
 - host: an 8-GPU host's feed for that step (`jaxmllm.bench.host --measure-device`): planning,
   loading and the serial rest against the step this device measures.
 

@@ -105,9 +105,67 @@ MOE_SMOKE = [
     "data.synthetic.num_samples=64",
     "data.synthetic.max_text_words=100",
 ]
+# The Qwen3-VL recipes (configs/gpu/qwen3_vl_8b.yaml, FSDP 8; qwen3_vl_30b_a3b.yaml, EP 8) at
+# their per-GPU shapes on one GPU, with images (and DeepStack, interleaved M-RoPE, the learned
+# table resized bilinearly): the 8B's LLM cut to 6 of its 36 layers and the MoE's to 12 of 48
+# with 16 experts (a GPU's share of the node's, as `moe` does) so parameters and Adam fit one
+# 80 GB GPU; the tower whole (27 layers), DeepStack into the LLM's first 3.
+QWEN3_VL = {
+    "8b": ("configs/gpu/qwen3_vl_8b.yaml", ["mesh.fsdp=1", "model.llm.depth=6"]),
+    "30b_a3b": (
+        "configs/gpu/qwen3_vl_30b_a3b.yaml",
+        [
+            "mesh.expert=1",
+            "model.llm.depth=12",
+            "model.llm.moe.experts=16",
+            "model.llm.moe.exchange=dense",  # (one device: nothing exchanged)
+        ],
+    ),
+}
+QWEN3_VL_PER_GPU = [
+    "mesh.data=1",
+    "batch.microbatches=2",
+    "batch.devices_per_host=-1",
+    "data.source=synthetic",
+    "data.path=",
+    "data.tokenizer=byte",
+    "data.workers=8",
+    "data.synthetic.min_image_side=16",
+    "data.synthetic.max_image_side=64",
+    "data.synthetic.max_text_words=1000",
+    "data.synthetic.audio_fraction=0",
+    "data.synthetic.video_fraction=0",
+    "train.steps=20",
+]
+QWEN3_VL_SMOKE = [
+    "model.llm.depth=3",
+    "model.llm.width=64",
+    "model.llm.heads=4",
+    "model.llm.kv_heads=2",
+    "model.llm.head_dim=24",
+    "model.llm.mlp_dim=128",
+    "model.llm.mrope_section=[4,4,4]",
+    "model.llm.vocab_size=512",
+    "model.vision.depth=3",
+    "model.vision.width=32",
+    "model.vision.heads=2",
+    "model.vision.mlp_dim=64",
+    "model.vision.projector_dim=128",
+    "model.vision.patch_size=4",
+    "model.vision.position_grid=6",
+    "model.vision.deepstack=[0,2]",
+    "batch.llm_row_len=1024",
+    "batch.vision_patches=1024",
+    "mesh.cpu_devices=1",
+    "data.workers=0",
+    "data.synthetic.num_samples=64",
+    "data.synthetic.max_text_words=100",
+    "data.synthetic.min_image_side=4",
+    "data.synthetic.max_image_side=16",
+]
 # (kind, heads, kv heads, head dim): the recipes' LLM and vision attention
 HEADS = {"llm": ("llm", 12, 2, 128), "vision": ("vision", 16, 16, 80)}
-PARTS = ("env", "attention", "recipe", "moe", "host")
+PARTS = ("env", "attention", "recipe", "moe", "qwen3_vl", "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +200,13 @@ def cases(parts: list[str], gpu: bool, smoke: bool) -> list[Case]:
         elif part == "moe":  # the mixture of experts' per-GPU step, the best kernel only
             base = (*MOE_PER_GPU, *(MOE_SMOKE if smoke else ()), f"model.attention={kernels[0]}")
             out.append(Case(part, f"moe/{kernels[0]}/full", base, smoke=smoke, config=MOE_RECIPE))
+        elif part == "qwen3_vl":  # both Qwen3-VL recipes' per-GPU steps, the best kernel
+            for name, (config, sets) in QWEN3_VL.items():
+                moe_smoke = ["model.llm.moe.mlp_dim=32"] if "a3b" in name else []
+                tiny = [*QWEN3_VL_SMOKE, *moe_smoke] if smoke else []
+                base = (*QWEN3_VL_PER_GPU, *sets, *tiny, f"model.attention={kernels[0]}")
+                case = Case(part, f"qwen3_vl/{name}/{kernels[0]}", base, smoke=smoke, config=config)
+                out.append(case)
         elif part == "host":
             out.append(Case(part, "host", (*PER_GPU, *shrink), smoke=smoke))
         else:
@@ -273,6 +338,11 @@ def recipe(case: Case, out: Path) -> Iterator[dict]:
 
 def moe(case: Case, out: Path) -> Iterator[dict]:
     """The mixture of experts' step on this device (`recipe`'s measurements, MOE_PER_GPU)."""
+    yield from recipe(case, out)
+
+
+def qwen3_vl(case: Case, out: Path) -> Iterator[dict]:
+    """A Qwen3-VL recipe's step on this device (`recipe`'s measurements, QWEN3_VL)."""
     yield from recipe(case, out)
 
 

@@ -121,5 +121,23 @@ def host(rows: list[dict]) -> str:
     return "## Host against the step (8-GPU host)\n\n" + "\n".join(lines)
 
 
-SECTIONS = {"env": env, "attention": attention, "recipe": recipe, "moe": moe, "host": host}
+def qwen3_vl(rows: list[dict]) -> str:
+    """The Qwen3-VL recipes' per-GPU steps: the recipe table's columns."""
+    text = recipe(rows).replace("## Recipe step", "## Qwen3-VL steps", 1)
+    return text.replace(
+        "The recipe's per-GPU shapes",
+        "configs/gpu/qwen3_vl_8b.yaml's (6 of its LLM's 36 layers) and qwen3_vl_30b_a3b.yaml's "
+        "(12 of 48 layers, 16 experts, top-8) per-GPU shapes with images, DeepStack",
+        1,
+    )
+
+
+SECTIONS = {
+    "env": env,
+    "attention": attention,
+    "recipe": recipe,
+    "moe": moe,
+    "qwen3_vl": qwen3_vl,
+    "host": host,
+}
 PARTS = tuple(SECTIONS)
