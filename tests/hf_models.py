@@ -500,3 +500,12 @@ def qwen3_vl_moe(
     )
     cfg = Qwen3VLMoeConfig(tie_word_embeddings=tied, **parts)
     return save(randomize(Qwen3VLMoeForConditionalGeneration(cfg), seed), directory)
+
+
+def qwen3_vl_vision(directory: Path, seed: int = 0, out: int = 64) -> str:
+    """Qwen3-VL's tower alone (its merger and DeepStack's from block 1)."""
+    from transformers import Qwen3VLVisionModel
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+
+    cfg = Qwen3VLVisionConfig(out_hidden_size=out, deepstack_visual_indexes=[1], **QWEN3_VL_VISION)
+    return save(randomize(Qwen3VLVisionModel(cfg), seed), directory)

@@ -34,6 +34,7 @@ BUILD = {
     "clip": hf_models.clip,
     "qwen2-vl-vision": hf_models.qwen2_vl_vision,
     "qwen2-5-vl-vision": hf_models.qwen2_5_vl_vision,
+    "qwen3-vl-vision": hf_models.qwen3_vl_vision,
     "whisper": hf_models.whisper,
     "qwen2-audio-encoder": hf_models.qwen2_audio_encoder,
 }
@@ -51,8 +52,27 @@ def test_our_model_matches_transformers(name, tmp_path):
     assert result["max_abs_diff"] < 1e-4, result
 
 
+def test_the_check_packs_several_inputs_into_a_row_or_gives_each_its_own(tmp_path):
+    """`hf check` packs a causal LM's three texts into one row (positions restarting at each:
+    "packed into 1 row"), or with --one-per-row gives each its own; both within 1e-4."""
+    source = BUILD["qwen2-untied"](tmp_path / "m")
+    packed, alone = check_dir(source), check_dir(source, packed=False)
+    assert "3 texts" in packed["what"] and "packed into 1 row" in packed["what"], packed
+    assert "each in a row of its own" in alone["what"], alone
+    assert packed["max_abs_diff"] < 1e-4 and alone["max_abs_diff"] < 1e-4
+
+
 @pytest.mark.parametrize(
-    "name", ["qwen2-tied", "siglip", "clip", "qwen2-5-vl-vision", "whisper", "qwen2-audio-encoder"]
+    "name",
+    [
+        "qwen2-tied",
+        "siglip",
+        "clip",
+        "qwen2-5-vl-vision",
+        "qwen3-vl-vision",
+        "whisper",
+        "qwen2-audio-encoder",
+    ],
 )
 def test_import_then_export_is_bit_identical(name, tmp_path):
     """Every HF tensor is consumed, every parameter filled (else the load raises), and writing
