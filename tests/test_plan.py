@@ -365,6 +365,21 @@ def test_balance_benchmark_runs():
     assert row["random_cv"] > 2 * row["micro_cv"] > 0
 
 
+def test_a_config_s_patches_repatch_the_built_in_mixes():
+    """`bench.balance --config`: the built-in mixes' images (14 px patches) in the config's
+    patches, the same pixels: Qwen3-VL's 16 px patches take (14 / 16)^2 of them, in whole
+    merge blocks (at least one), the text unchanged."""
+    from jaxmllm.bench.mixes import repatched
+
+    index = synthetic_omni(500, seed=1)
+    again = repatched(index, 16, 2)
+    before, after = index.items["vision"].sizes, again.items["vision"].sizes
+    assert (after % 4 == 0).all() and (after >= 4).all() and len(after) == len(before)
+    assert abs(after.sum() / before.sum() - (14 / 16) ** 2) < 0.02
+    assert (again.text == index.text).all()
+    assert (repatched(index, 14, 2).items["vision"].sizes == before).all()  # (no change)
+
+
 def test_one_registry_names_the_planners():
     """config validates batch.planner against the registry; unknown names say which exist."""
     from jaxmllm.config import ConfigError

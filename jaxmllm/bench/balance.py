@@ -78,7 +78,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.bench import family, plot, simulate
-from jaxmllm.bench.mixes import FAMILIES, MIXES, lengths_of, load_mix, peak_rss_mb
+from jaxmllm.bench.mixes import FAMILIES, MIXES, lengths_of, load_mix, peak_rss_mb, repatched
 from jaxmllm.bench.sizes import make_caps, sized_caps, steps_for
 from jaxmllm.bench.table import (
     HEADER,
@@ -88,7 +88,7 @@ from jaxmllm.bench.table import (
     format_row,
     print_like_for_like,
 )
-from jaxmllm.config import ModelConfig
+from jaxmllm.config import ModelConfig, load_config
 from jaxmllm.config.command import fail, run
 from jaxmllm.config.phases import BY_NAME, NAMES
 from jaxmllm.data.lengths import LengthsIndex
@@ -377,6 +377,13 @@ def main(argv: list[str] | None = None) -> int:
         "cost columns; default the FLOP model of the default model config",
     )
     ap.add_argument("--plot", help="PNG of per-device load of one step (needs matplotlib)")
+    ap.add_argument(
+        "--config",
+        default="",
+        help="a config whose model prices the items (its towers' sizes, what trains: e.g. "
+        "configs/gpu/qwen3_vl_8b.yaml) and whose patch size and merge the built-in mixes' "
+        "images take (written in 14 px patches: the same pixels in its patches)",
+    )
     ap.add_argument("--context", help="context sizes (jaxmllm.bench.context's split tiles)")
     ap.add_argument("--groups", type=int, default=8, help="--context: context groups")
     args = ap.parse_args(argv)
@@ -386,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         return context.from_balance(args)
     if not (args.lengths or args.mix or args.random):
         ap.error("one of the arguments --lengths --mix --random (or --context) is required")
-    model = ModelConfig()
+    model = load_config(args.config).model if args.config else ModelConfig()
+    v = model.vision
     row_bytes = 2 * model.llm.width  # (an encoder output row: the LLM width in bf16)
     sim = (args.flops, args.intra_bw, args.inter_bw, args.latency, row_bytes)
     machine = simulate.Machine(*sim) if args.simulate else None
@@ -400,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
             sources = [(f"{args.family}:{s}", draw(s, args.samples)) for s in seeds]
         else:
             sources = [(m, load_mix(m, samples=args.samples)) for m in args.mix.split(",")]
+            if args.config:  # (the same pixels in the config's patches)
+                sources = [(m, repatched(i, v.patch_size, v.merge)) for m, i in sources]
     except (OSError, ValueError) as e:  # a missing table, an unknown mix, a bad cost file
         return fail(e, 2)
     cost = cost or CostModel.from_model(model)
