@@ -38,7 +38,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen2-Audio (its LLM, encoders, projectors)",
     )
     which.add_argument("--llm", default="", help="a Llama or Qwen2 causal LM directory")
-    imp.add_argument("--vision", default="", help="a SigLIP, CLIP or Qwen2(.5)-VL directory")
+    imp.add_argument(
+        "--vision", default="", help="a SigLIP, CLIP or Qwen2(.5)-VL / Qwen3-VL directory"
+    )
     imp.add_argument("--audio", default="", help="a Whisper directory")
     imp.add_argument("--tokenizer", default="", help="the tokenizer directory (default: --llm)")
     imp.add_argument(
@@ -68,7 +70,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="a run with LoRA adapters: the whole model with them merged (default: PEFT adapters)",
     )
-    chk = sub.add_parser("check", help="compare our model with transformers on random inputs")
+    chk = sub.add_parser(
+        "check",
+        help="compare our model with transformers, samples packed into one row as training "
+        "packs them, each against transformers on it alone (random ones, or --data records)",
+    )
     chk.add_argument("directory", help="a HF model directory")
     chk.add_argument(
         "--role",
