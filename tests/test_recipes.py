@@ -4,9 +4,10 @@ shapes, nothing allocated) fits a GPU of 80 GB (`python -m jaxmllm.bench.memory 
 process with as many forced CPU devices): within 72 GiB, the 90% of its 79.6 GiB that JAX
 takes with the recipes' XLA_PYTHON_CLIENT_MEM_FRACTION=0.9.
 
-A compile takes ~3 min on a CPU, so the slow test compiles three: the 7B on one node (the most
-memory per GPU), the 2B on two nodes (the other model, and the data x fsdp mesh of 16) and the
-7B's LoRA on one GPU (CUDA_VISIBLE_DEVICES=0 in its command). The others are held to them by
+A compile takes ~3 min on a CPU, so the slow test compiles four: the 7B on one node (the most
+memory per GPU), the 2B on two nodes (the other model, and the data x fsdp mesh of 16), the
+7B's LoRA on one GPU (CUDA_VISIBLE_DEVICES=0 in its command) and the 30B mixture of experts
+(expert parallelism, its dropless buffers; 71.1 of the 72 GiB). The others are held to them by
 the fast tests: a multinode recipe has its node's per-GPU shapes."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "configs" / "gpu").glob("*.yaml"))
 COMPILED = [
     ROOT / "configs" / "gpu" / f"{name}.yaml"
-    for name in ["qwen2vl_7b", "qwen2vl_2b_multinode", "qwen2vl_7b_lora"]
+    for name in ["qwen2vl_7b", "qwen2vl_2b_multinode", "qwen2vl_7b_lora", "qwen3_30b_a3b"]
 ]
 GIB = 72  # what JAX may take of an 80 GB GPU (79.6 GiB) with XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 

@@ -303,19 +303,23 @@ def make_train_step(
         with lora.dropout_key(key):
             loss, grads, *extra = loss_and_grads(state["params"], state["frozen"], batch)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
+
+        def updated():
+            updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+            return optax.apply_updates(state["params"], updates), opt_state
+
         # A non-finite loss, gradient or updated parameter skips the update: params and
         # optimizer state stay. (An update can be non-finite with a finite gradient: an
         # overflowing step size, an optimizer state gone bad; no checkpoint may hold it.)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(params)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-        new_state = {
-            **state,
-            "params": keep(params, state["params"]),
-            "opt_state": keep(opt_state, state["opt_state"]),
-            "step": state["step"] + 1,
-        }
+        # The updated parameters are computed twice: once to be checked only (each leaf's
+        # update fused into its finiteness reduction, never stored), then under a cond that
+        # keeps the old state otherwise, updating it in place. Selecting between a computed new
+        # state and the old one held both whole at once: 17.8 GiB of the 30B-A3B recipe's
+        # 88.9 GiB per GPU (bench.memory), for one more elementwise pass over the state.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(updated()[0])
+        kept = lambda: (state["params"], state["opt_state"])
+        params, opt_state = jax.lax.cond(finite, updated, kept)
+        new_state = {**state, "params": params, "opt_state": opt_state, "step": state["step"] + 1}
         metrics = {
             "nonfinite": 1.0 - finite.astype(jnp.float32),
             "loss": loss,
