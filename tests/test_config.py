@@ -45,6 +45,22 @@ def test_check_failure_names_full_key():
         load_config(None, ["model.llm.heads=4", "model.llm.kv_heads=3"])
 
 
+def test_a_vocabulary_smaller_than_the_byte_tokenizer_is_refused_only_with_byte_data():
+    """Byte ids need 264 rows: refused where bytes are tokenized (the built-in data, a data set
+    under data.tokenizer: byte), naming the key; a config without data (an HF checkpoint's
+    own, `hf check` of a 99-token model) or with another tokenizer is not held to it (that
+    tokenizer's size is checked when the source opens)."""
+    small = "model.llm.vocab_size=200"
+    with pytest.raises(
+        ConfigError, match=r"model\.llm\.vocab_size: the byte tokenizer needs at least 264"
+    ):
+        load_config("configs/tiny.yaml", [small])
+    with pytest.raises(ConfigError, match=r"model\.llm\.vocab_size: the byte tokenizer"):
+        load_config(None, [small, "data.path=train.jsonl"])
+    assert load_config(None, [small]).model.llm.vocab_size == 200
+    assert load_config(None, [small, "data.path=x.jsonl", "data.tokenizer=ckpt/"]).data.path
+
+
 @pytest.mark.parametrize(
     "setting, key",
     [

@@ -28,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 BUILD = {
     "qwen3": lambda d: hf_models.qwen3(d),
     "qwen3-tied-biases": lambda d: hf_models.qwen3(d, tied=True, bias=True),
+    "qwen3-vocab-99": lambda d: hf_models.qwen3(d, vocab=99),  # (transformers' test models')
     "qwen3-moe": lambda d: hf_models.qwen3_moe(d),
     # a dense layer among the MoE ones, top-k probabilities as they are, 6 query heads a kv head
     "qwen3-moe-dense-layer": lambda d: hf_models.qwen3_moe(

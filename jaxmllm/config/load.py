@@ -22,6 +22,7 @@ import yaml
 
 from jaxmllm.config import phases
 from jaxmllm.config.checks import ConfigError, check
+from jaxmllm.config.data import BYTE_VOCAB
 from jaxmllm.config.model import ModelConfig
 from jaxmllm.config.phases import ENCODERS, NAMES
 from jaxmllm.config.sections import (
@@ -77,6 +78,18 @@ class Config:
             "synthetic (a held-out share of the built-in data) needs data.source: synthetic; "
             "set data.eval.source: none, or jsonl / arrayrecord with a held-out data.eval.path",
             "data.eval.source",
+        )
+        # Byte ids: the built-in data's, or a data set's under data.tokenizer: byte (another
+        # tokenizer's size is checked when the source opens; a config without data, an HF
+        # checkpoint's own, needs none)
+        d = self.data
+        bytes_ = d.source == "synthetic" or (d.tokenizer == "byte" and (d.path or d.sources))
+        check(
+            not bytes_ or self.model.llm.vocab_size >= BYTE_VOCAB,
+            f"the byte tokenizer needs at least {BYTE_VOCAB} ids (256 bytes and 8 reserved "
+            f"specials){' (the built-in data is bytes)' if d.source == 'synthetic' else ''}: "
+            "raise it, or set data.tokenizer to a checkpoint's tokenizer",
+            "model.llm.vocab_size",
         )
         self._check_trains()
         if self.mesh.context > 1:
