@@ -162,6 +162,26 @@ def test_import_model_writes_the_whole_config(tmp_path):
         write_config(tmp_path / "again.yaml", model=str(d))
 
 
+def test_import_on_a_gpu_recipe_names_the_keys_still_to_set(tmp_path, monkeypatch):
+    """`hf import --base RECIPE`: the recipe's placeholders (its data file, a shared folder of
+    another cluster, its workers a process) are named in the written header, what is real here
+    is not."""
+    source = hf_models.qwen2_vl(tmp_path / "vl")
+    monkeypatch.chdir(tmp_path)  # (the recipe's data/train.jsonl: relative to the command's)
+    recipe = ROOT / "configs" / "gpu" / "qwen2vl_2b_multinode.yaml"
+    write_config(tmp_path / "run.yaml", model=source, base=recipe)
+    header = [line for line in (tmp_path / "run.yaml").read_text().splitlines() if line[:1] == "#"]
+    at = header.index(
+        "# Still to set (the --base recipe's placeholders, paths naming nothing here):"
+    )
+    unset = [line.split(":")[0].strip("# ") for line in header[at + 1 :]]
+    assert unset == ["data.path", "train.output_dir", "data.workers"]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("")
+    write_config(tmp_path / "run.yaml", model=source, base=recipe)
+    assert "#   data.path:" not in (tmp_path / "run.yaml").read_text()
+
+
 def test_import_reads_a_llava_1_5_config_its_defaults_included(tmp_path):
     """llava-1.5-7b-hf's config.json names little of its text_config beyond model_type: the
     rest is LlamaConfig's defaults, filled as transformers fills them (4096 wide, 32 layers);
