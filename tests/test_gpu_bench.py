@@ -117,6 +117,14 @@ def test_plan_prints_the_calls_to_make(capsys):
     assert all("--out $OUT --budget" in c for c in commands)
 
 
+def test_the_docs_show_the_plan_as_it_prints(capsys):
+    """docs/gpu-step.md's first GPU call is --plan's output (rerun it into the page after
+    changing the campaign or its estimates)."""
+    assert main(["--plan"]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed in (ROOT / "docs" / "gpu-step.md").read_text()
+
+
 def test_budget_starts_no_case_it_cannot_finish_and_stops_one_at_its_end(tmp_path):
     """A case that outruns what is left is stopped at the budget (its rows so far kept), and
     one whose estimate no longer fits is not started: both said in the report."""
