@@ -123,8 +123,9 @@ HEADS = {"llm": ("llm", 12, 2, 128), "vision": ("vision", 16, 16, 80)}
 PARTS = ("env", "tests", "recipe", "attention", "moe", "host")
 # The campaign on a GPU, most valuable first (`--plan` packs it into device calls in this
 # order), and the seconds each case takes on one H100 from an empty compile cache, its
-# process's start-up included: estimates (the cases' sizes against the figures of
-# docs/gpu-step.md) until a GPU has measured them; every run's report lists what each case took.
+# process's start-up included: estimates, not yet measured on a GPU (a recipe case about 2
+# minutes, env and attention about 3 together); every run's report lists what each case took,
+# to put here.
 CAMPAIGN = {
     "env": 15,  # versions, devices, flags, memory, what this Python lacks
     "tests/cudnn": 60,  # the cuDNN kernel's correctness tests (tests/test_attention.py)
