@@ -227,12 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         total = sum(s for _, s in wheels) / 2**20
         print(f"{total:8.2f} MiB in {len(wheels)} wheels in {args.wheels}")
         return 0
-    if not args.out:
-        p.error("--out DIR is needed (or --plan, --wheels, --list)")
-    out, cache = Path(args.out), Path(args.cache)
-    out.mkdir(parents=True, exist_ok=True)
     if args.child:
-        child(Case(**json.loads(args.child)), out, cache)
+        child(Case(**json.loads(args.child)), Path(args.out), Path(args.cache))
         return 0
     from jaxmllm.loop import xla_flags
 
@@ -241,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.list or not todo:
         print("\n".join(f"{c.name} (~{c.estimate_s} s)" for c in todo) or "no case matches")
         return 0 if todo else 2
+    if not args.out:
+        p.error("--out DIR is needed (or --plan, --wheels, --list)")
+    out, cache = Path(args.out), Path(args.cache)
+    out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
         os.environ["JAX_PLATFORMS"] = "cpu"  # (the children's too)
     print(f"memory: {xla_flags.set_memory_fraction()} (the children's)", flush=True)
