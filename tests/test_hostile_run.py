@@ -129,6 +129,7 @@ def test_weight_maps_name_files_inside_the_directory_only(tmp_path):
     assert Checkpoint(d).get("a").tolist() == [[0, 1, 2], [3, 4, 5]]
 
 
+@pytest.mark.torch
 def test_config_json_sizes_are_checked_before_anything_is_built(tmp_path, monkeypatch):
     import hf_models
 

@@ -9,6 +9,7 @@ message, and rerunning resumes it.
 
 import json
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -93,6 +94,37 @@ def test_disagreeing_processes_are_described():
     }
     msg = describe_mismatch(ref, other)
     assert "local_devices: 4 -> 2" in msg and "optim.lr: 0.001 -> 0.002" in msg
+
+
+MESH_OF_TWO_PROCESSES = """
+import logging, sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_num_cpu_devices", 2)
+jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
+logging.basicConfig(level=logging.WARNING)
+import sharding
+mesh = sharding.make_mesh({"data": 1, "fsdp": 4})
+print("hosts", sorted({d.slice_index for d in jax.devices()}), dict(mesh.shape))
+"""
+
+
+def test_two_processes_of_one_machine_are_one_host_to_the_mesh():
+    """Two processes of two devices each on this machine (as a SLURM node runs one process a
+    GPU): fsdp 4 over both keeps its group on one host, so make_mesh says nothing (the check
+    once counted one process's devices and warned on every such job)."""
+    address = f"127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-c", MESH_OF_TWO_PROCESSES, address]
+    env = {**child_env(), "JAX_PLATFORMS": "cpu"}
+    procs = [
+        subprocess.Popen([*cmd, str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err.decode()[-2000:]
+        assert "hosts [0]" in out.decode() and "'fsdp': 4" in out.decode()
+        assert "span hosts" not in err.decode(), err.decode()[-2000:]
 
 
 # ----------------------------------------------------------------------------- per-host batches

@@ -167,9 +167,15 @@ class Run:
 
 
 def setup(
-    cfg: Config, policies: list[str], mesh, per_device: bool = True, phases: bool = False
+    cfg: Config,
+    policies: list[str],
+    mesh,
+    per_device: bool = True,
+    phases: bool = False,
+    data: tuple | None = None,
 ) -> list[Run]:
-    source, index = make_source(cfg)
+    """Each policy's run; `data`: (a grain source, its lengths index) instead of the config's."""
+    source, index = data or make_source(cfg)
     devices = sharding.data_parallel_size(mesh)
     mesh1 = sharding.make_mesh(MeshConfig(data=1), devices=jax.devices()[:1])
     runs, init = [], None
