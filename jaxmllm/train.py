@@ -30,7 +30,7 @@ from jaxmllm.config.command import run
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.init_from import initial_params, start_base
-from jaxmllm.loop import checkpoint, distributed, guards, xla_flags
+from jaxmllm.loop import checkpoint, guards
 from jaxmllm.loop.checkpoint import (
     check_process_count,
     check_resumable,
@@ -48,6 +48,7 @@ from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter, device_peak
 from jaxmllm.loop.summary import RunReport, rejects_file
 from jaxmllm.loop.timings import TimingsRecorder
 from jaxmllm.plan.sizing import check_attention, resolve_attention, resolve_batch
+from jaxmllm.process import distributed, xla_flags
 from jaxmllm.step.stages.program import build_program
 
 log = logging.getLogger("jaxmllm")
@@ -56,8 +57,8 @@ log = logging.getLogger("jaxmllm")
 def main(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> dict:
     """Trains per `cfg`; returns the last logged metrics. `on_step(step, metrics)` is a hook.
 
-    In a multi-process job (see jaxmllm/loop/distributed.py) every process calls this with the same
-    config; JAX is started here, before anything touches a device.
+    In a multi-process job (see jaxmllm/process/distributed.py) every process calls this with the
+    same config; JAX is started here, before anything touches a device.
     """
     distributed.start(cfg)
     checkpoint.check_output_dir(Path(cfg.train.output_dir))  # (read-only, a file: stop here)

@@ -23,6 +23,7 @@ MAX_TRAIN_LINES = 350
 LAYERS = (
     ("sharding",),
     ("jaxmllm.config",),
+    ("jaxmllm.process",),  # the process before JAX starts: jax.distributed, XLA flags, threads
     ("jaxmllm.data",),  # records and their formats, media, text, the lengths index
     ("jaxmllm.plan",),  # cost model, sizing, planners, pipeline stages' plan
     ("jaxmllm.batch",),  # bucketize, routing tables, context split, counts, prompts

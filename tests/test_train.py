@@ -254,12 +254,12 @@ def test_a_run_whose_checkpoints_are_all_damaged_stops_with_one_error_and_no_tra
     uninterrupted, tmp_path, capfd
 ):
     """Each failed restore leaves orbax's other reads of that checkpoint in flight, finishing
-    after orbax closed their event loop: counted by jaxmllm.loop.late_io, not printed (73
+    after orbax closed their event loop: counted by jaxmllm.process.late_io, not printed (73
     "Event loop is closed" tracebacks before)."""
     import shutil
     import time
 
-    from jaxmllm.loop import late_io
+    from jaxmllm.process import late_io
 
     out = tmp_path / "run"
     shutil.copytree(uninterrupted, out)
@@ -286,7 +286,7 @@ def test_late_completions_of_abandoned_reads_are_counted_and_others_passed_on(mo
     import tensorstore as ts
     from orbax.checkpoint._src import asyncio_utils
 
-    from jaxmllm.loop import late_io
+    from jaxmllm.process import late_io
 
     passed_on = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: passed_on.append(str(u.exc_value)))

@@ -18,7 +18,7 @@ Parts (`--cases` picks cases by a regular expression over their names, `part/...
   (`jaxmllm.bench.attention`).
 - recipe: configs/gpu/qwen2vl_2b.yaml's per-GPU shapes on this one GPU (fsdp 1, 2 microbatches,
   built-in data with images of up to 64 x 64 patches) under the remat policies that fit 80 GB,
-  with cuDNN and block-sparse attention, with XLA's GPU flag set (`jaxmllm.loop.xla_flags`) and,
+  with cuDNN and block-sparse attention, with XLA's GPU flag set (`jaxmllm.process.xla_flags`) and,
   for one policy per kernel, without: step time, tokens/s, model TFLOP/s and MFU, the device's
   peak memory, the dots by dtype, and a profile of two steps (time per kernel category and the
   top 15 kernels: `jaxmllm.bench.profile`).
@@ -109,7 +109,7 @@ def pack_hlo(out: Path) -> None:
 
 def child(case: Case, out: Path, cache: Path) -> None:
     """Measures one case in this process and appends its rows."""
-    from jaxmllm.loop import xla_flags
+    from jaxmllm.process import xla_flags
 
     xla_flags.apply(case.flags)  # (before JAX starts its backends)
     import jax
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(Case(**json.loads(args.child)), out, cache)
         return 0
-    from jaxmllm.loop.xla_flags import gpu_expected
+    from jaxmllm.process.xla_flags import gpu_expected
 
     gpu = not args.smoke and gpu_expected()
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]

@@ -233,8 +233,8 @@ def recipe(case: Case, out: Path) -> Iterator[dict]:
     from jaxmllm.bench import hlo, profile
     from jaxmllm.bench.throughput import setup, summarize
     from jaxmllm.config import load_config
-    from jaxmllm.loop.distributed import split_cpu
     from jaxmllm.loop.metrics import peak_tflops
+    from jaxmllm.process.distributed import split_cpu
 
     cfg = load_config(case.config, list(case.sets))
     split_cpu(cfg.mesh.cpu_devices)

@@ -54,9 +54,9 @@ from jaxmllm.bench.data import write_audio
 from jaxmllm.config import Config, MeshConfig, load_config
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
-from jaxmllm.loop.distributed import split_cpu
 from jaxmllm.plan.cost import PHASES, CostModel
 from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.process.distributed import split_cpu
 
 DATA = ("synthetic", "media", "config")
 

@@ -33,7 +33,7 @@ import numpy as np
 import sharding
 from jaxmllm.bench.throughput import Run, setup
 from jaxmllm.config import load_config
-from jaxmllm.loop.distributed import split_cpu
+from jaxmllm.process.distributed import split_cpu
 
 FREE = [
     "model.vision.freeze=false",

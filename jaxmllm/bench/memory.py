@@ -45,9 +45,9 @@ from jaxmllm.bench.compile import measure
 from jaxmllm.config import REMAT_POLICIES, Config, load_config
 from jaxmllm.config.phases import ENCODERS, LLM, PHASES, enabled, phase
 from jaxmllm.config.remat import ATTENTION, QKV
-from jaxmllm.loop.distributed import split_cpu
 from jaxmllm.plan import training
 from jaxmllm.plan.sizing import resolve_attention, resolve_bounds
+from jaxmllm.process.distributed import split_cpu
 
 GIB = 2**30
 

@@ -55,9 +55,9 @@ from jaxmllm.config import Config, MeshConfig, load_config
 from jaxmllm.config.phases import PHASES as TOWERS
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
-from jaxmllm.loop.distributed import split_cpu
 from jaxmllm.loop.metrics import peak_tflops
 from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.process.distributed import split_cpu
 from jaxmllm.step.program import build_program
 
 POLICIES = ("naive", "grain", "balanced", "orchestrated")

@@ -40,9 +40,9 @@ import orbax.checkpoint as ocp
 
 from jaxmllm.config import AUTO_LADDERS, AUTO_SIZES, Config, ConfigError, to_dict
 from jaxmllm.config.phases import ENCODERS
-from jaxmllm.loop import distributed, late_io
 from jaxmllm.loop.base import check_base
 from jaxmllm.plan.state import PlanStateError
+from jaxmllm.process import distributed, late_io
 
 log = logging.getLogger("jaxmllm")
 
