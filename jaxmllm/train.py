@@ -24,10 +24,10 @@ import jax
 
 import sharding
 from jaxmllm.batch.counts import calibrated_cost
-from jaxmllm.batch.info import StepInfo
 from jaxmllm.config import Config, ConfigError, guard_logs, load_config
 from jaxmllm.config.command import run
 from jaxmllm.data.source import make_source
+from jaxmllm.feed.info import StepInfo
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.init_from import initial_params, start_base
 from jaxmllm.loop import checkpoint, guards

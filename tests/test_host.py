@@ -18,7 +18,6 @@ import soundfile as sf
 from PIL import Image
 
 from jaxmllm.batch.counts import StepCounter
-from jaxmllm.batch.info import StepInfo
 from jaxmllm.bench import host as bench_host
 from jaxmllm.config import ConfigError, load_config
 from jaxmllm.data import shared
@@ -27,6 +26,7 @@ from jaxmllm.data.rejects import DataError
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.source import make_source
 from jaxmllm.data.synthetic import SyntheticSource
+from jaxmllm.feed.info import StepInfo
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.feed.times import HostTimes
 from jaxmllm.loop.metrics import MetricsWindow

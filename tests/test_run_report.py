@@ -13,13 +13,13 @@ from types import SimpleNamespace
 import numpy as np
 from PIL import Image
 
-from jaxmllm.batch.info import StepInfo
 from jaxmllm.bench.data import write_dataset
 from jaxmllm.config import load_config
 from jaxmllm.data.index import build_index
 from jaxmllm.data.index import main as index_main
 from jaxmllm.data.loader import Loader
 from jaxmllm.data.source import open_source
+from jaxmllm.feed.info import StepInfo
 from jaxmllm.loop.summary import RunReport
 
 SETTINGS = [

@@ -27,13 +27,13 @@ import numpy as np
 
 from jaxmllm.batch.bucketize import bucketize, fill_stats
 from jaxmllm.batch.counts import StepCounter
-from jaxmllm.batch.info import StepInfo
 from jaxmllm.config import Config
 from jaxmllm.config.phases import NAMES
 from jaxmllm.config.spec import BatchSpec
 from jaxmllm.data.loader import Loader
 from jaxmllm.data.source import make_source
 from jaxmllm.data.text.specials import RESERVED
+from jaxmllm.feed.info import StepInfo
 from jaxmllm.feed.times import HostTimes, Stopwatch
 from jaxmllm.plan.registry import make_planner
 from jaxmllm.plan.sizing import capacities

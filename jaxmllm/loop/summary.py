@@ -17,11 +17,11 @@ from pathlib import Path
 
 import jax
 
-from jaxmllm.batch.info import StepInfo
 from jaxmllm.config import Config
 from jaxmllm.data.datasets import data_sets, index_dir
 from jaxmllm.data.preprocess import Params
 from jaxmllm.data.rejects import by_reason, wrapped
+from jaxmllm.feed.info import StepInfo
 
 log = logging.getLogger("jaxmllm")
 
