@@ -47,8 +47,8 @@ from jaxmllm.loop.ledger import Ledger
 from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter, device_peak
 from jaxmllm.loop.summary import RunReport, rejects_file
 from jaxmllm.loop.timings import TimingsRecorder
-from jaxmllm.plan.sizing import check_attention, resolve_attention, resolve_batch
 from jaxmllm.process import distributed, xla_flags
+from jaxmllm.resolve.sizing import check_attention, resolve_attention, resolve_batch
 from jaxmllm.step.stages.program import build_program
 
 log = logging.getLogger("jaxmllm")

@@ -222,9 +222,9 @@ def test_expected_tiles_is_the_mean_over_where_a_document_starts():
 def _omni_caps(devices: int, block: int, scale: float):
     """Capacities for the omni mix, tile capacities the suggested ones times `scale`."""
     from jaxmllm.bench.mixes import synthetic_omni
-    from jaxmllm.plan.capacity import suggest_capacities
     from jaxmllm.plan.contract import Capacities
-    from jaxmllm.plan.tilesize import suggest_tiles
+    from jaxmllm.resolve.capacity import suggest_capacities
+    from jaxmllm.resolve.tilesize import suggest_tiles
 
     index = synthetic_omni(3000, seed=3)
     per_token, per_row = {"vision": 4, "audio": 4}, {"vision": 1, "audio": 4}
@@ -288,7 +288,7 @@ def test_every_planned_tile_list_is_exactly_its_documents_tiles(planner):
     from jaxmllm.config.spec import BatchSpec
     from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.sizing import resolve_batch
 
     cfg = load_config(
         "configs/tiny.yaml",
@@ -329,7 +329,7 @@ def test_cudnn_document_bounds_are_sized_from_the_data_and_held():
     from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
     from jaxmllm.plan.contract import documents
-    from jaxmllm.plan.sizing import capacities, resolve_batch
+    from jaxmllm.resolve.sizing import capacities, resolve_batch
 
     cfg = load_config(
         "configs/tiny.yaml",
@@ -389,7 +389,7 @@ def test_auto_attention_picks_cudnn_on_hopper_and_block_sparse_elsewhere(caplog)
     from jaxmllm.config import ConfigError, load_config
     from jaxmllm.config.spec import BatchSpec
     from jaxmllm.data.source import make_source
-    from jaxmllm.plan.sizing import check_attention, resolve_attention, resolve_batch
+    from jaxmllm.resolve.sizing import check_attention, resolve_attention, resolve_batch
 
     h100 = Device(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H100 80GB HBM3")
     a100 = Device(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100-SXM4-80GB")

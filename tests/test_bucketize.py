@@ -9,7 +9,7 @@ from jaxmllm.config import load_config
 from jaxmllm.config.phases import VISION
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.data.text.specials import RESERVED
-from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
+from jaxmllm.resolve.sizing import capacities, planner_from_config, resolve_batch
 
 TEXT = ("llm_tokens", "llm_segment_ids", "llm_positions", "llm_targets", "llm_loss_mask")
 

@@ -380,7 +380,7 @@ def test_index_and_batches_with_a_tokenizer_directory(dirs, tmp_path):
     from jaxmllm.data.index import build_index
     from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.sizing import resolve_batch
 
     Image.new("RGB", (48, 32), (10, 200, 30)).save(tmp_path / "a.png")
     with wave.open(str(tmp_path / "a.wav"), "wb") as w:

@@ -31,7 +31,7 @@ from jaxmllm.models.attention import attention_mask, dense_attention
 from jaxmllm.plan import context as split
 from jaxmllm.plan import tiles
 from jaxmllm.plan.contract import ItemPlan, StepPlan
-from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
+from jaxmllm.resolve.sizing import capacities, planner_from_config, resolve_batch
 from jaxmllm.step.program import build_program, make_loss_and_grads, model_parts
 
 IMAGE, AUDIO = tok.RESERVED.media["vision"], tok.RESERVED.media["audio"]  # the placeholders
@@ -429,11 +429,11 @@ def test_planned_groups_hold_every_capacity_and_plan_every_sample_once(mix):
 
     from jaxmllm.bench.mixes import load_mix
     from jaxmllm.config import ModelConfig
-    from jaxmllm.plan.capacity import encoder_capacities, route_capacity
+    from jaxmllm.cost.model import CostModel
     from jaxmllm.plan.contract import Capacities, check_plan
-    from jaxmllm.plan.cost import CostModel
     from jaxmllm.plan.registry import make_planner
-    from jaxmllm.plan.tilesize import held_tiles
+    from jaxmllm.resolve.capacity import encoder_capacities, route_capacity
+    from jaxmllm.resolve.tilesize import held_tiles
 
     index = load_mix(mix)
     per_token, per_row = {"vision": 4, "audio": 4}, {"vision": 1, "audio": 4}

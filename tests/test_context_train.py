@@ -17,7 +17,7 @@ from jaxmllm.config import load_config
 from jaxmllm.data.source import make_source
 from jaxmllm.loop import ledger
 from jaxmllm.plan.contract import OversizeError, check_fits
-from jaxmllm.plan.sizing import capacities
+from jaxmllm.resolve.sizing import capacities
 from jaxmllm.train import main
 
 SAMPLES, STEPS = 256, 6

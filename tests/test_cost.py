@@ -9,8 +9,8 @@ import pytest
 
 from jaxmllm.batch.counts import step_work
 from jaxmllm.config import load_config, to_dict
+from jaxmllm.cost.model import PHASES, CostFileError, CostModel, PhaseCost, main, read_timings
 from jaxmllm.loop.timings import TimingsRecorder
-from jaxmllm.plan.cost import PHASES, CostFileError, CostModel, PhaseCost, main, read_timings
 
 
 def _run_dir(tmp_path, rows):

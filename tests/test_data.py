@@ -9,7 +9,7 @@ from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.plan.contract import OversizeError
-from jaxmllm.plan.sizing import capacities, planner_from_config
+from jaxmllm.resolve.sizing import capacities, planner_from_config
 
 IMAGE, AUDIO = tok.RESERVED.media["vision"], tok.RESERVED.media["audio"]  # the placeholders
 VISION = [IMAGE, tok.RESERVED.media["video"]]  # (the vision phase's: images', videos')
@@ -172,7 +172,7 @@ def test_oversize_sample_is_a_clear_start_up_error():
 
 def test_pipeline_state_roundtrip_reproduces_steps():
     from jaxmllm.data.source import make_source
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.sizing import resolve_batch
 
     cfg = tiny()
     cfg = resolve_batch(cfg, make_source(cfg)[1], 8)  # (the trainer resolves once)
@@ -194,7 +194,7 @@ def test_pipeline_state_roundtrip_reproduces_steps():
 
 def test_resolve_batch_sizes_encoder_buckets_and_route_capacity_from_the_data():
     from jaxmllm.data.source import make_source
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.sizing import resolve_batch
 
     cfg = tiny("batch.capacity=auto", "batch.route_pair_capacity=-1")
     _, index = make_source(cfg)
@@ -229,7 +229,7 @@ def test_route_capacity_from_the_dry_run_is_held_by_the_pipeline():
     from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
     from jaxmllm.plan.contract import check_plan
-    from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
+    from jaxmllm.resolve.sizing import capacities, planner_from_config, resolve_batch
 
     cfg = tiny(
         "batch.capacity=auto",

@@ -23,7 +23,7 @@ from jaxmllm.data.media.image import image_grid
 from jaxmllm.data.rejects import DataError, read_rejects
 from jaxmllm.data.source import open_source
 from jaxmllm.data.text import tokenizer as tok
-from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.resolve.sizing import resolve_batch
 
 IMAGE, AUDIO = tok.RESERVED.media["vision"], tok.RESERVED.media["audio"]  # the placeholders
 

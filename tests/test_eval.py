@@ -22,7 +22,7 @@ from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.data.text.template import RecordTemplate, make_template
 from jaxmllm.loop.evaluate import MIXES, HeldOut, eval_metrics, plan_set, sample_mixes
 from jaxmllm.loop.metrics import read_metrics
-from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.resolve.sizing import resolve_batch
 
 IMAGE, AUDIO = tok.RESERVED.media["vision"], tok.RESERVED.media["audio"]  # the placeholders
 

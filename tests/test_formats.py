@@ -374,7 +374,7 @@ def test_a_mixture_plans_one_index_and_its_state_restores_exactly(data, tmp_path
     """Three formats as data.sources: one lengths index, samples from every source in a step's
     plan, per-source counts in the step's info, and a restored pipeline's next steps equal."""
     from jaxmllm.feed.iterator import make_pipeline
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.sizing import resolve_batch
 
     p = data["paths"]
     sources = (

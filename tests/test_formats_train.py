@@ -17,7 +17,7 @@ from jaxmllm.config.spec import BatchSpec
 from jaxmllm.data.index import build_index
 from jaxmllm.data.source import make_source
 from jaxmllm.loop.metrics import read_metrics
-from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.resolve.sizing import resolve_batch
 
 from runs import NO_EVAL
 

@@ -81,7 +81,7 @@ def _built(tmp_path: Path):
 
 def _batches(cfg, steps: int, state=None):
     from jaxmllm.feed.iterator import make_pipeline
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.sizing import resolve_batch
 
     cfg = resolve_batch(cfg, open_source(cfg).index, 8)
     it = make_pipeline(cfg, 8, prefetch=0)

@@ -21,7 +21,7 @@ from jaxmllm.hf.importer import write_config
 from jaxmllm.hf.safetensors import Checkpoint
 from jaxmllm.init_from import initial_params
 from jaxmllm.loop.checkpoint import restore_params
-from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.resolve.sizing import resolve_batch
 from jaxmllm.step.program import build_program
 from sharding.rules import keyed_leaves
 

@@ -30,7 +30,7 @@ from jaxmllm.feed.info import StepInfo
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.feed.times import HostTimes
 from jaxmllm.loop.metrics import MetricsWindow
-from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.resolve.sizing import resolve_batch
 
 TINY = ["data.synthetic.num_samples=256", "data.eval.source=none"]
 
@@ -463,7 +463,7 @@ UNGUARDED = """
 from jaxmllm.config import load_config
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
-from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.resolve.sizing import resolve_batch
 cfg = load_config("configs/tiny.yaml", ["data.workers=1", "data.synthetic.num_samples=64",
     "data.eval.source=none", "train.output_dir={out}"])
 cfg = resolve_batch(cfg, make_source(cfg)[1], 8)

@@ -430,8 +430,8 @@ def test_a_restored_planner_state_that_does_not_fit_is_refused(tmp_path):
     from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
     from jaxmllm.loop.checkpoint import restore_latest, save_args
-    from jaxmllm.plan.sizing import resolve_batch
     from jaxmllm.plan.state import PlanStateError
+    from jaxmllm.resolve.sizing import resolve_batch
 
     cfg = load_config("configs/tiny.yaml", ["data.synthetic.num_samples=64", *NO_EVAL])
     source, index = make_source(cfg)

@@ -421,8 +421,8 @@ def test_a_mapped_index_plans_every_sample_once_across_a_restart(tmp_path):
     every stream position it has taken is trained exactly once or still deferred."""
     from collections import Counter
 
-    from jaxmllm.plan.sizing import planner_from_config, resolve_batch
     from jaxmllm.plan.stream import stream_of
+    from jaxmllm.resolve.sizing import planner_from_config, resolve_batch
 
     path = write_manifest(tmp_path / "m.jsonl", 256)
     cfg = config(path)

@@ -25,7 +25,10 @@ LAYERS = (
     ("jaxmllm.config",),
     ("jaxmllm.process",),  # the process before JAX starts: jax.distributed, XLA flags, threads
     ("jaxmllm.data",),  # records and their formats, media, text, the lengths index
-    ("jaxmllm.plan",),  # cost model, sizing, planners, pipeline stages' plan
+    ("jaxmllm.cost",),  # the cost model and its calibration, analytic FLOPs
+    ("jaxmllm.pipeline",),  # pipeline parallelism's plan: stages partitioned by the cost model
+    ("jaxmllm.plan",),  # step planning: the contract, the planners
+    ("jaxmllm.resolve",),  # start-up: auto sizes settled by dry runs of the planner
     ("jaxmllm.batch",),  # bucketize, routing tables, context split, counts, prompts
     ("jaxmllm.feed",),  # the grain iterator: plan -> load -> bucketize -> device
     ("jaxmllm.models",),

@@ -95,7 +95,7 @@ CTRL_C = """
 from jaxmllm.config import load_config
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
-from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.resolve.sizing import resolve_batch
 
 def main():
     cfg = load_config("configs/tiny.yaml", ["data.workers=2", "data.synthetic.num_samples=64",

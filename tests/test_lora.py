@@ -15,14 +15,14 @@ import pytest
 
 import sharding
 from jaxmllm.config import ConfigError, load_config
+from jaxmllm.cost.model import CostModel
+from jaxmllm.cost.training import modules
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.hf.load import nest
 from jaxmllm.models.lora import LEAVES
-from jaxmllm.plan.cost import CostModel
-from jaxmllm.plan.sizing import resolve_batch
-from jaxmllm.plan.stages.costs import model_costs
-from jaxmllm.plan.training import modules
+from jaxmllm.pipeline.costs import model_costs
+from jaxmllm.resolve.sizing import resolve_batch
 from jaxmllm.step.program import build_program, join, make_loss_and_grads
 from sharding.rules import keyed_leaves
 

@@ -167,7 +167,7 @@ def test_a_lora_run_exports_an_adapter_peft_loads_with_the_runs_logits(name, tmp
     from jaxmllm.hf.start import run_parameters
     from jaxmllm.hf.towers import load_model
     from jaxmllm.init_from import initial_params
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.sizing import resolve_batch
     from jaxmllm.step.stages.program import build_program
     from sharding.rules import keyed_leaves
 

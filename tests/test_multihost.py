@@ -20,8 +20,8 @@ from jaxmllm.feed.iterator import local_media, local_parts
 from jaxmllm.launch import free_port
 from jaxmllm.loop import ledger
 from jaxmllm.loop.metrics import read_metrics
-from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
 from jaxmllm.process.distributed import describe_mismatch, resolve_job
+from jaxmllm.resolve.sizing import capacities, planner_from_config, resolve_batch
 
 from runs import child_env, train_cmd
 

@@ -12,7 +12,7 @@ from jaxmllm.config import load_config
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.plan.contract import ItemPlan, StepPlan
-from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
+from jaxmllm.resolve.sizing import capacities, planner_from_config, resolve_batch
 from jaxmllm.step.program import build_program, make_loss_and_grads, model_parts
 
 ROUTED = [

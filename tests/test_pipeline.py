@@ -12,9 +12,9 @@ from jaxmllm.batch.bucketize import bucketize
 from jaxmllm.config import load_config
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
-from jaxmllm.plan.sizing import resolve_batch
-from jaxmllm.plan.stages.choose import Variants
-from jaxmllm.plan.stages.partition import Plan, Stage
+from jaxmllm.pipeline.choose import Variants
+from jaxmllm.pipeline.partition import Plan, Stage
+from jaxmllm.resolve.sizing import resolve_batch
 from jaxmllm.step.program import make_loss_and_grads
 from jaxmllm.step.stages.layout import Layout
 from jaxmllm.step.stages.loop import pipeline_loss

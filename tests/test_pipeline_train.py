@@ -60,7 +60,7 @@ def test_one_compiled_program_per_step_variant_over_50_steps():
     import sharding
     from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.sizing import resolve_batch
     from jaxmllm.step.stages.program import build_program
 
     varied = [

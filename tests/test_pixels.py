@@ -14,7 +14,7 @@ from jaxmllm.config.spec import Inputs
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.models.inputs import decode
 from jaxmllm.models.vision import VisionEncoder
-from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
+from jaxmllm.resolve.sizing import capacities, planner_from_config, resolve_batch
 
 BF16 = np.dtype(jnp.bfloat16)
 CLIP = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))

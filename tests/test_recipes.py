@@ -55,7 +55,7 @@ def test_a_recipe_loads_and_starts_with_the_command_that_runs_it(path):
 def test_a_recipe_resolves_on_its_devices(path):
     """Its mesh takes all its GPUs, `auto` attention resolves (block-sparse on this CPU), and
     the batch sizes resolve to their bounds without data (what bench.memory compiles)."""
-    from jaxmllm.plan.sizing import resolve_attention, resolve_bounds
+    from jaxmllm.resolve.sizing import resolve_attention, resolve_bounds
     from sharding.mesh import AXES, resolve_axis_sizes
 
     cfg, devices = load_config(path), devices_of(path)
@@ -112,7 +112,7 @@ def test_the_bounds_without_data_hold_what_the_data_resolves_to():
     """What the compile-only measurements size buckets with (`resolve_bounds`) is at least
     what a run resolves from its data: tiles, route capacity (so what fits there fits a run)."""
     from jaxmllm.data.source import make_source
-    from jaxmllm.plan.sizing import resolve_batch, resolve_bounds, tile_keys
+    from jaxmllm.resolve.sizing import resolve_batch, resolve_bounds, tile_keys
 
     sets = ["batch.capacity=fixed", "data.synthetic.num_samples=256", "train.steps=4"]
     cfg = load_config("configs/tiny.yaml", sets)

@@ -90,10 +90,10 @@ def test_timings_hold_every_step_with_its_slowest_devices_work(uninterrupted):
     """One row per step; compilation and saved steps marked; the work is, per microbatch, that
     of the device the FLOP model finds costliest (counted here one segment at a time from the
     same steps' batches), summed over microbatches, and the mean device's."""
+    from jaxmllm.cost.model import PHASES, CostModel
     from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
-    from jaxmllm.plan.cost import PHASES, CostModel
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.sizing import resolve_batch
 
     rows = [json.loads(line) for line in (uninterrupted / "timings.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -180,7 +180,7 @@ def test_nonfinite_step_keeps_the_state_and_divergence_stops_with_a_checkpoint(t
     from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
     from jaxmllm.loop.guards import NonFiniteError
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.sizing import resolve_batch
     from jaxmllm.step.program import build_program
 
     cfg = tiny(tmp_path / "unit")

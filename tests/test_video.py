@@ -631,7 +631,7 @@ def test_routed_step_with_videos_equals_samples_one_by_one(tmp_path):
 
     import sharding
     from jaxmllm.batch.bucketize import bucketize
-    from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
+    from jaxmllm.resolve.sizing import capacities, planner_from_config, resolve_batch
     from jaxmllm.step.program import build_program, make_loss_and_grads, model_parts
 
     for k, (n, h, w, way) in enumerate(

@@ -37,8 +37,8 @@ import numpy as np
 from jaxmllm.bench.mixes import load_mix, random_mix
 from jaxmllm.bench.sizes import make_caps, sized_caps, steps_for
 from jaxmllm.config import ModelConfig
+from jaxmllm.cost.model import CostModel
 from jaxmllm.plan.contract import Capacities
-from jaxmllm.plan.cost import CostModel
 from jaxmllm.plan.registry import make_planner
 
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxmllm.config import Config, ConfigError
 from jaxmllm.config.phases import LLM, PHASES
-from jaxmllm.plan.cost import CostFileError, CostModel
+from jaxmllm.cost.model import CostFileError, CostModel
 
 
 def segment_work(seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -84,7 +84,7 @@ def step_flops(cfg: Config, batch: dict[str, np.ndarray], cost: CostModel | None
     """Model FLOPs of one step's real (non-padding) items, from the planner's cost model.
 
     Per phase: linear * (real units) + quadratic * (sum of squared segment lengths), with the
-    training multipliers for trained and frozen modules (see jaxmllm/plan/cost.py).
+    training multipliers for trained and frozen modules (see jaxmllm/cost/model.py).
     """
     work = bucket_work(batch, cfg.mesh.context)
     return _flops(work, cost or CostModel.from_model(cfg.model))

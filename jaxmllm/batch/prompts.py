@@ -24,7 +24,7 @@ from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.specials import RESERVED, Specials
 from jaxmllm.plan.contract import ItemPlan, StepPlan
-from jaxmllm.plan.sizing import capacities
+from jaxmllm.resolve.sizing import capacities
 
 ROUND = 16  # lengths are rounded up to multiples of this, so nearby prompts share programs
 

@@ -114,7 +114,7 @@ def bench(cfg, manifest: Path, workers: list[int], step_time_s: float) -> list[d
 
     from jaxmllm.data.loader import Loader
     from jaxmllm.data.source import open_source
-    from jaxmllm.plan.sizing import planner_from_config, resolve_batch
+    from jaxmllm.resolve.sizing import planner_from_config, resolve_batch
 
     source = open_source(cfg)
     megabytes = (

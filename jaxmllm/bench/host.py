@@ -52,11 +52,11 @@ import sharding
 from jaxmllm.batch.counts import bucket_work
 from jaxmllm.bench.data import write_audio
 from jaxmllm.config import Config, MeshConfig, load_config
+from jaxmllm.cost.model import PHASES, CostModel
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
-from jaxmllm.plan.cost import PHASES, CostModel
-from jaxmllm.plan.sizing import resolve_batch
 from jaxmllm.process.distributed import split_cpu
+from jaxmllm.resolve.sizing import resolve_batch
 
 DATA = ("synthetic", "media", "config")
 

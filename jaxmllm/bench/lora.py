@@ -14,7 +14,7 @@ alike):
   projectors frozen (the encoders then run forward only).
 
 Reported per variant: trained parameters, the median step time, real LLM tokens/s, the
-cost model's FLOPs of a step (`plan.cost.CostModel.from_model`: the training multipliers, a
+cost model's FLOPs of a step (`cost.model.CostModel.from_model`: the training multipliers, a
 tower under adapters 2x its forward plus 3x its adapters') and its prediction of the step time:
 seconds per FLOP fitted on `full`'s steps (the median time over the median FLOPs), applied to
 each variant's FLOPs, beside what was measured.

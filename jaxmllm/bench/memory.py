@@ -45,9 +45,9 @@ from jaxmllm.bench.compile import measure
 from jaxmllm.config import REMAT_POLICIES, Config, load_config
 from jaxmllm.config.phases import ENCODERS, LLM, PHASES, enabled, phase
 from jaxmllm.config.remat import ATTENTION, QKV
-from jaxmllm.plan import training
-from jaxmllm.plan.sizing import resolve_attention, resolve_bounds
+from jaxmllm.cost import training
 from jaxmllm.process.distributed import split_cpu
+from jaxmllm.resolve.sizing import resolve_attention, resolve_bounds
 
 GIB = 2**30
 
@@ -124,7 +124,7 @@ def recomputed(parts: dict[str, float], policy: str, attention: str) -> float:
 
 
 def backward_runs(cfg: Config) -> dict[str, int]:
-    """Per enabled tower, its training multiplier (`plan.training.multiplier`): 1 when it runs
+    """Per enabled tower, its training multiplier (`cost.training.multiplier`): 1 when it runs
     forward only (frozen, nothing trainable below or inside), so nothing is recomputed."""
     how = training.modules(cfg.model)
     return {t: how[t].multiplier for t in (*(p.name for p in enabled(cfg.model)), LLM)}

@@ -9,13 +9,13 @@ import dataclasses
 import numpy as np
 
 from jaxmllm.config.phases import NAMES
+from jaxmllm.cost.model import CostModel
 from jaxmllm.data.lengths import LengthsIndex
-from jaxmllm.plan.capacity import ROUTE_DRY_RUN_STEPS, route_capacity, suggest_capacities
 from jaxmllm.plan.contract import Capacities
-from jaxmllm.plan.cost import CostModel
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
 from jaxmllm.plan.summary import summary_of
-from jaxmllm.plan.tilesize import HELD_DRY_RUN_STEPS, size_tiles
+from jaxmllm.resolve.capacity import ROUTE_DRY_RUN_STEPS, route_capacity, suggest_capacities
+from jaxmllm.resolve.tilesize import HELD_DRY_RUN_STEPS, size_tiles
 
 
 def make_caps(

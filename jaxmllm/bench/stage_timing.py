@@ -26,11 +26,11 @@ from jaxmllm.config import MeshConfig, load_config
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.models.mllm import encoder_args
-from jaxmllm.plan.sizing import resolve_batch
-from jaxmllm.plan.stages.choose import plan_of
-from jaxmllm.plan.stages.partition import Stage
-from jaxmllm.plan.stages.schedule import SCHEDULES
+from jaxmllm.pipeline.choose import plan_of
+from jaxmllm.pipeline.partition import Stage
+from jaxmllm.pipeline.schedule import SCHEDULES
 from jaxmllm.process.distributed import split_cpu
+from jaxmllm.resolve.sizing import resolve_batch
 from jaxmllm.step.program import build_model, model_parts
 
 

@@ -12,7 +12,7 @@ microbatch count, the predicted step time and bottleneck tick of
   hold the end of one module and the start of the next), the better of the schedules;
 - frozen-blind: the partitioner as if every module were trainable, its plan priced with the
   true costs (what knowing the model's shapes but not what is frozen gives);
-- frozen-aware: the partitioner with the true costs (`jaxmllm.plan.stages.partition`).
+- frozen-aware: the partitioner with the true costs (`jaxmllm.pipeline.partition`).
 
 Measured bubble (`--measure`, on this machine's CPU): the plans of a small pipelined config
 (configs/pipeline.yaml by default) at each `--measure-stages`; each stage's forward and backward
@@ -30,10 +30,10 @@ import json
 import sys
 
 from jaxmllm.config import Config, load_config
-from jaxmllm.plan.sizing import resolve_attention
-from jaxmllm.plan.stages.choose import SCHEDULES_RUN
-from jaxmllm.plan.stages.costs import model_costs
-from jaxmllm.plan.stages.partition import Plan, partition, reprice, uniform
+from jaxmllm.pipeline.choose import SCHEDULES_RUN
+from jaxmllm.pipeline.costs import model_costs
+from jaxmllm.pipeline.partition import Plan, partition, reprice, uniform
+from jaxmllm.resolve.sizing import resolve_attention
 
 
 def _frozen_vision(cfg: Config, frozen: bool) -> Config:

@@ -56,8 +56,8 @@ from jaxmllm.config.phases import PHASES as TOWERS
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.loop.metrics import peak_tflops
-from jaxmllm.plan.sizing import resolve_batch
 from jaxmllm.process.distributed import split_cpu
+from jaxmllm.resolve.sizing import resolve_batch
 from jaxmllm.step.program import build_program
 
 POLICIES = ("naive", "grain", "balanced", "orchestrated")

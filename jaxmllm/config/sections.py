@@ -85,7 +85,7 @@ PLACEMENTS = ("auto", "stages", "data")
 class PipelineConfig:
     """Pipeline parallelism (`mesh.stage` > 1): how layers and encoders are split into stages.
 
-    Left on auto, a partitioner (jaxmllm/plan/stages/partition.py) chooses from the cost model,
+    Left on auto, a partitioner (jaxmllm/pipeline/partition.py) chooses from the cost model,
     with the frozen modules' multipliers, and prints the plan at start-up.
     """
 

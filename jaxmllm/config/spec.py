@@ -1,7 +1,7 @@
 """The resolved batch: every size the step's arrays are shaped by, with no `auto` or -1 left.
 
 `batch.capacity: auto` and the -1 sizes of `BatchConfig` are resolved against the data once, at
-start-up (`jaxmllm.plan.sizing.resolve_batch`, dry runs of the planner included); the resolved
+start-up (`jaxmllm.resolve.sizing.resolve_batch`, dry runs of the planner included); the resolved
 config is kept with the checkpoints. What shapes arrays (the model, bucketize, the feed) takes a
 `BatchSpec` of it, which holds the resolved values only and refuses a config that still has a
 sentinel, naming the key, so no shape is ever made from one.
@@ -19,7 +19,9 @@ import numpy as np
 from jaxmllm.config.checks import ConfigError
 from jaxmllm.config.phases import LLM, enabled, in_batch
 
-RESOLVE = "resolve it against the data first (jaxmllm.plan.sizing.resolve_batch; the trainer does)"
+RESOLVE = (
+    "resolve it against the data first (jaxmllm.resolve.sizing.resolve_batch; the trainer does)"
+)
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ class BatchSpec:
         if m.attention == "auto":  # (what the kernel is decides tiles or documents)
             raise ConfigError(
                 "model.attention=auto is not resolved: resolve it for the devices first "
-                "(jaxmllm.plan.sizing.resolve_attention; the trainer does)"
+                "(jaxmllm.resolve.sizing.resolve_attention; the trainer does)"
             )
         on = in_batch(m, b)  # (a zero bucket: the step leaves that encoder out)
         tiles = {LLM: "llm_tiles", **{p.name: p.tiles for p in on}}

@@ -35,10 +35,10 @@ from jaxmllm.data.source import make_source
 from jaxmllm.data.text.specials import RESERVED
 from jaxmllm.feed.info import StepInfo
 from jaxmllm.feed.times import HostTimes, Stopwatch
+from jaxmllm.pipeline.choose import Variants
 from jaxmllm.plan.registry import make_planner
-from jaxmllm.plan.sizing import capacities
-from jaxmllm.plan.stages.choose import Variants
 from jaxmllm.plan.state import PlanStateError, check_state
+from jaxmllm.resolve.sizing import capacities
 
 log = logging.getLogger("jaxmllm")
 
@@ -66,7 +66,7 @@ class StepIterator(grain.DatasetIterator):
         self.source, self.index = (source, index) if source is not None else make_source(cfg)
         # The tokenizer's pad and media ids (a source under grain's MapDataset is its _source).
         self.specials = getattr(getattr(self.source, "_source", self.source), "specials", RESERVED)
-        self.spec = BatchSpec.of(cfg)  # (the batch resolved: `plan.sizing.resolve_batch`)
+        self.spec = BatchSpec.of(cfg)  # (the batch resolved: `resolve.sizing.resolve_batch`)
         self.caps = capacities(cfg, devices)
         self.planner = make_planner(cfg.batch.planner, self.index, self.caps, cfg.data.seed)
         self.positions = None if positions is None else np.asarray(positions, np.int64)
@@ -217,7 +217,7 @@ def make_pipeline(
 ) -> grain.DatasetIterator:
     """The trainer's data iterator; planning and loading run ahead in a background thread.
 
-    `cfg` must be resolved against the data (`jaxmllm.plan.sizing.resolve_batch`: the trainer
+    `cfg` must be resolved against the data (`jaxmllm.resolve.sizing.resolve_batch`: the trainer
     does it once, at start-up); pass `source`/`index` to reuse
     a source the caller already opened, `positions` (this host's data-parallel positions) to
     load and bucketize only those devices' rows, `to_device` (host arrays -> device arrays, e.g.

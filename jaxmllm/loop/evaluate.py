@@ -44,7 +44,7 @@ from jaxmllm.feed.iterator import local_media, local_parts
 from jaxmllm.loop.answers import Questions
 from jaxmllm.plan.contract import OversizeError, StepPlan
 from jaxmllm.plan.registry import make_planner
-from jaxmllm.plan.sizing import capacities
+from jaxmllm.resolve.sizing import capacities
 from jaxmllm.step.program import ModelParts, Program
 
 log = logging.getLogger("jaxmllm")

@@ -15,8 +15,8 @@ import jax
 
 import sharding
 from jaxmllm.config import Config
-from jaxmllm.plan.stages.choose import plan_of
-from jaxmllm.plan.stages.partition import Plan
+from jaxmllm.pipeline.choose import plan_of
+from jaxmllm.pipeline.partition import Plan
 from jaxmllm.step import program as unpipelined
 from jaxmllm.step.stages.layout import Layout
 from jaxmllm.step.stages.loop import pipeline_loss

@@ -20,9 +20,13 @@ import sharding
 from jaxmllm.config import Config, ConfigError, phases
 from jaxmllm.config.phases import ENCODERS, LLM
 from jaxmllm.config.spec import documents_bounded
+from jaxmllm.cost.model import CostModel
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.preprocess import MEDIA
-from jaxmllm.plan.capacity import (
+from jaxmllm.plan.contract import Capacities, Planner, device_tile_caps
+from jaxmllm.plan.registry import HOLDS_TILES, make_planner
+from jaxmllm.plan.tiles import bin_tiles, own_tiles
+from jaxmllm.resolve.capacity import (
     ROUTE_DRY_RUN_STEPS,
     dry_run_documents,
     encoder_capacities,
@@ -30,11 +34,12 @@ from jaxmllm.plan.capacity import (
     route_capacity,
     suggest_capacities,
 )
-from jaxmllm.plan.contract import Capacities, Planner, device_tile_caps
-from jaxmllm.plan.cost import CostModel
-from jaxmllm.plan.registry import HOLDS_TILES, make_planner
-from jaxmllm.plan.tiles import bin_tiles, own_tiles
-from jaxmllm.plan.tilesize import HELD_DRY_RUN_STEPS, dry_run_tiles, largest_doc_tiles, size_tiles
+from jaxmllm.resolve.tilesize import (
+    HELD_DRY_RUN_STEPS,
+    dry_run_tiles,
+    largest_doc_tiles,
+    size_tiles,
+)
 
 log = logging.getLogger("jaxmllm")
 
@@ -383,7 +388,7 @@ def capacities(cfg: Config, devices: int) -> Capacities:
     if b.route_pair_capacity < 0:
         raise ValueError(
             "batch.route_pair_capacity=-1 (auto) must be resolved against the "
-            "data first: jaxmllm.plan.sizing.resolve_batch"
+            "data first: jaxmllm.resolve.sizing.resolve_batch"
         )
     on = {p.name: p in phases.in_batch(m, b) for p in ENCODERS}
     tiles = {

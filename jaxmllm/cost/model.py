@@ -17,7 +17,7 @@ Calibration (Entrain's macroscopic profiling): the trainer writes `<output_dir>/
 (`train.record_timings`, see jaxmllm/loop/timings.py), one line per step with its measured time and
 the work of its slowest device (per microbatch, the device the cost model finds slowest: the
 microbatches' collectives make every device wait for it), per phase: real units, the sum of
-squared segment lengths, attention tiles. `python -m jaxmllm.plan.cost --calibrate RUN_DIR`
+squared segment lengths, attention tiles. `python -m jaxmllm.cost.model --calibrate RUN_DIR`
 fits
 
     step_time = overhead + sum over phases of (a_p * units_p + b_p * sq_p)
@@ -55,9 +55,9 @@ import numpy as np
 
 from jaxmllm.config.checks import UserError
 from jaxmllm.config.phases import ENCODERS, LLM, PHASES
-from jaxmllm.plan import training
-from jaxmllm.plan.flops import ENCODER_ADAPTERS, ENCODER_FLOPS, decoder_linear, moe_decoder
-from jaxmllm.plan.training import multiplier
+from jaxmllm.cost import training
+from jaxmllm.cost.flops import ENCODER_ADAPTERS, ENCODER_FLOPS, decoder_linear, moe_decoder
+from jaxmllm.cost.training import multiplier
 
 if TYPE_CHECKING:
     from jaxmllm.config import ModelConfig
@@ -158,7 +158,7 @@ class CostModel:
     @classmethod
     def from_model(cls, model: ModelConfig) -> CostModel:
         """Training FLOPs per item from the module sizes, what is frozen and the LoRA
-        adapters (`jaxmllm.plan.training`: a tower under adapters costs its forward and its
+        adapters (`jaxmllm.cost.training`: a tower under adapters costs its forward and its
         activations' gradients, 2x, plus its adapters' own, 3x)."""
         lm, how = model.llm, training.modules(model)
         head = getattr(lm, "head_dim", 0) or lm.width // lm.heads  # (runs before head_dim)
@@ -401,7 +401,7 @@ def _coefficient_table(models: dict[str, CostModel]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m jaxmllm.plan.cost",
+        prog="python -m jaxmllm.cost.model",
         description="Calibrate the cost model on a run's measured step times (timings.jsonl).",
     )
     ap.add_argument("--calibrate", required=True, metavar="RUN_DIR", help="a train.output_dir")
