@@ -43,7 +43,7 @@ CASES = {  # module: [argv, ...]
         ["--manifest", "{tmp}/m.jsonl", "--out", "{tmp}/x.array_record", "--set", "data.x=1"],
     ],
     "jaxmllm.config.reference": [["--nope"]],  # (takes no config)
-    "jaxmllm.cost.model": [["--calibrate", "/nonexistent-jaxmllm/run"]],
+    "jaxmllm.cost.calibrate": [["/nonexistent-jaxmllm/run"]],
     "jaxmllm.bench.attention": [["--mix", "nope"]],
     "jaxmllm.bench.balance": [["--lengths", "/nonexistent-jaxmllm/lengths.jsonl"]],
     "jaxmllm.bench.compile": [["--config", MISSING], ["--config", TINY, "--set", "mesh.fsdp=3"]],

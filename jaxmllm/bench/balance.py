@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write all rows here")
     ap.add_argument(
         "--cost-file",
-        help="a calibrated cost model (python -m jaxmllm.cost.model --calibrate RUN_DIR) for the "
+        help="a calibrated cost model (python -m jaxmllm.cost.calibrate RUN_DIR) for the "
         "cost columns; default the FLOP model of the default model config",
     )
     ap.add_argument("--plot", help="PNG of per-device load of one step (needs matplotlib)")
