@@ -48,7 +48,8 @@ from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter, device_peak
 from jaxmllm.loop.summary import RunReport, rejects_file
 from jaxmllm.loop.timings import TimingsRecorder
 from jaxmllm.process import distributed, xla_flags
-from jaxmllm.resolve.sizing import check_attention, resolve_attention, resolve_batch
+from jaxmllm.resolve.attention import check_attention, resolve_attention
+from jaxmllm.resolve.sizing import resolve_batch
 from jaxmllm.step.stages.program import build_program
 
 log = logging.getLogger("jaxmllm")

@@ -389,7 +389,8 @@ def test_auto_attention_picks_cudnn_on_hopper_and_block_sparse_elsewhere(caplog)
     from jaxmllm.config import ConfigError, load_config
     from jaxmllm.config.spec import BatchSpec
     from jaxmllm.data.source import make_source
-    from jaxmllm.resolve.sizing import check_attention, resolve_attention, resolve_batch
+    from jaxmllm.resolve.attention import check_attention, resolve_attention
+    from jaxmllm.resolve.sizing import resolve_batch
 
     h100 = Device(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H100 80GB HBM3")
     a100 = Device(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100-SXM4-80GB")

@@ -89,7 +89,7 @@ def test_missing_file_and_bad_yaml(tmp_path):
 def test_small_config_is_a_realistic_single_gpu_model():
     import jax
 
-    from jaxmllm.resolve.sizing import resolve_attention
+    from jaxmllm.resolve.attention import resolve_attention
     from jaxmllm.step.program import model_parts
 
     cfg = load_config(ROOT / "configs" / "small.yaml", ["batch.route_pair_capacity=64"])

@@ -15,7 +15,7 @@ from jaxmllm.pipeline.partition import (
     uniform,
 )
 from jaxmllm.pipeline.schedule import IDLE, SCHEDULES, gpipe, one_f_one_b
-from jaxmllm.resolve.sizing import resolve_attention
+from jaxmllm.resolve.attention import resolve_attention
 
 # --- schedule tables ------------------------------------------------------------------------
 

@@ -55,7 +55,8 @@ def test_a_recipe_loads_and_starts_with_the_command_that_runs_it(path):
 def test_a_recipe_resolves_on_its_devices(path):
     """Its mesh takes all its GPUs, `auto` attention resolves (block-sparse on this CPU), and
     the batch sizes resolve to their bounds without data (what bench.memory compiles)."""
-    from jaxmllm.resolve.sizing import resolve_attention, resolve_bounds
+    from jaxmllm.resolve.attention import resolve_attention
+    from jaxmllm.resolve.sizing import resolve_bounds
     from sharding.mesh import AXES, resolve_axis_sizes
 
     cfg, devices = load_config(path), devices_of(path)

@@ -27,7 +27,8 @@ import sharding
 from jaxmllm.batch.bucketize import batch_shapes
 from jaxmllm.config import Config, load_config
 from jaxmllm.process.distributed import split_cpu
-from jaxmllm.resolve.sizing import resolve_attention, resolve_bounds
+from jaxmllm.resolve.attention import resolve_attention
+from jaxmllm.resolve.sizing import resolve_bounds
 from jaxmllm.step.program import build_program, join
 
 

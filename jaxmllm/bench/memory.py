@@ -47,7 +47,8 @@ from jaxmllm.config.phases import ENCODERS, LLM, PHASES, enabled, phase
 from jaxmllm.config.remat import ATTENTION, QKV
 from jaxmllm.cost import training
 from jaxmllm.process.distributed import split_cpu
-from jaxmllm.resolve.sizing import resolve_attention, resolve_bounds
+from jaxmllm.resolve.attention import resolve_attention
+from jaxmllm.resolve.sizing import resolve_bounds
 
 GIB = 2**30
 

@@ -33,7 +33,7 @@ from jaxmllm.config import Config, load_config
 from jaxmllm.pipeline.choose import SCHEDULES_RUN
 from jaxmllm.pipeline.costs import model_costs
 from jaxmllm.pipeline.partition import Plan, partition, reprice, uniform
-from jaxmllm.resolve.sizing import resolve_attention
+from jaxmllm.resolve.attention import resolve_attention
 
 
 def _frozen_vision(cfg: Config, frozen: bool) -> Config:

@@ -132,7 +132,7 @@ class BatchSpec:
         if m.attention == "auto":  # (what the kernel is decides tiles or documents)
             raise ConfigError(
                 "model.attention=auto is not resolved: resolve it for the devices first "
-                "(jaxmllm.resolve.sizing.resolve_attention; the trainer does)"
+                "(jaxmllm.resolve.attention.resolve_attention; the trainer does)"
             )
         on = in_batch(m, b)  # (a zero bucket: the step leaves that encoder out)
         tiles = {LLM: "llm_tiles", **{p.name: p.tiles for p in on}}

@@ -1,4 +1,4 @@
 """Start-up resolution: a config's `auto` and -1 sizes settled against the devices and the data
-by dry runs of its planner. `capacity` (bucket sizes suggested from the data, route capacity),
-`tilesize` (tile capacities, long variants), `sizing` (the config's sizes resolved; its
-capacities; `model.attention: auto` for the devices)."""
+by dry runs of its planner. `attention` (`model.attention: auto` for the devices, and checked),
+`capacity` (bucket sizes suggested from the data, route capacity), `tilesize` (tile
+capacities, long variants), `sizing` (the config's sizes resolved; its capacities)."""
