@@ -17,16 +17,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import grain
 import jax
 
 import sharding
-from jaxmllm.batch.counts import calibrated_cost
-from jaxmllm.config import Config, ConfigError, guard_logs, load_config
+from jaxmllm.config import Config, guard_logs, load_config
 from jaxmllm.config.command import run
-from jaxmllm.data.source import make_source
 from jaxmllm.feed.info import StepInfo
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.init_from import initial_params, start_base
@@ -35,7 +32,6 @@ from jaxmllm.loop.checkpoint import (
     check_process_count,
     check_resumable,
     format_stamp,
-    keep_resolved,
     make_checkpoint_manager,
     restore_latest,
     save_args,
@@ -48,8 +44,7 @@ from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter, device_peak
 from jaxmllm.loop.summary import RunReport, rejects_file
 from jaxmllm.loop.timings import TimingsRecorder
 from jaxmllm.process import distributed, xla_flags
-from jaxmllm.resolve.attention import check_attention, resolve_attention
-from jaxmllm.resolve.sizing import resolve_batch
+from jaxmllm.resolve.run import Run, resolve_run
 from jaxmllm.step.stages.program import build_program
 
 log = logging.getLogger("jaxmllm")
@@ -63,27 +58,18 @@ def main(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> 
     """
     distributed.start(cfg)
     checkpoint.check_output_dir(Path(cfg.train.output_dir))  # (read-only, a file: stop here)
-    mesh = sharding.make_mesh(cfg.mesh)
     xla_flags.report()  # (the GPU flag set in effect, on a GPU)
-    if cfg.batch.exchange == "ragged" and jax.default_backend() == "cpu":
-        raise ConfigError(
-            "batch.exchange=ragged: XLA:CPU does not implement ragged_all_to_all; use "
-            "batch.exchange: dense on CPU (ragged is for GPU backends)"
-        )
-    cfg = resolve_attention(cfg)  # auto: the kernel for these devices (logged)
-    check_attention(cfg)  # a kernel these devices cannot run stops the run here
-    calibrated_cost(cfg)  # a bad train.cost_file stops the run here, not in the data thread
-    # The data decides `auto` sizes before anything is shaped by them.
-    source, index = make_source(cfg)
-    cfg = keep_resolved(cfg, Path(cfg.train.output_dir))  # (a resumed run: as it was planned)
-    cfg = resolve_batch(cfg, index, sharding.data_parallel_size(mesh))
+    # Resolved once: the mesh, the kernel for these devices, the source and its index, the
+    # batch's sizes from the data (a resumed run's: as it was planned), the bucket spec.
+    run = resolve_run(cfg, resume=cfg.train.output_dir)
     # Under the mesh, the model pins the encoder-row exchange to the data axes (an all-to-all).
-    with jax.set_mesh(mesh), contextlib.ExitStack() as closing:
-        return _train(cfg, mesh, source, index, on_step, closing)
+    with jax.set_mesh(run.mesh), contextlib.ExitStack() as closing:
+        return _train(run, on_step, closing)
 
 
-def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitStack) -> dict:
+def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
     """The stages after the config; what they open is closed by `closing`, in reverse."""
+    cfg, mesh = run.cfg, run.mesh
     t = cfg.train
     out = Path(t.output_dir)
     is_main = jax.process_index() == 0
@@ -102,7 +88,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
 
     # Data: the planner fills fixed-shape buckets; planning, loading and the copy to the devices
     # run ahead in a thread. Each process plans the whole step and loads only its own devices'.
-    data_iter = open_data(cfg, mesh, source, index, out)
+    data_iter = open_data(run, out)
     closing.callback(data_iter.close)
 
     # Shapes, shardings (checked for clashes), and the one compiled step.
@@ -115,7 +101,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
             print(f"LoRA adapters train, their base frozen: {', '.join(prog.parts.adapted)}")
 
     # Evaluation (data.eval): a fixed held-out set planned at the step's shapes, and questions.
-    evaluator = open_evaluator(cfg, mesh, prog, out, positions_of(mesh))
+    evaluator = open_evaluator(run, prog, out)
 
     # Init: jitted straight into its shardings (no full copy on one device), or restore. A
     # checkpoint of another format (stamp) is refused, never restored into the wrong tree; it
@@ -233,52 +219,23 @@ def open_timings(cfg: Config, out: Path, start: int, is_main: bool, closing):
     return timings
 
 
-def open_data(cfg: Config, mesh, source, index, out: Path) -> grain.DatasetIterator:
+def open_data(run: Run, out: Path) -> grain.DatasetIterator:
     """This process's step iterator: it yields each step's global device arrays, assembled from
     this process's rows in the pipeline's thread while the devices run the step before."""
-    rank, positions = jax.process_index(), positions_of(mesh)
-    if positions is not None:
+    if run.positions is not None:
         log.info(
             "process %d of %d: data-parallel positions %d..%d of %d",
-            rank,
+            jax.process_index(),
             jax.process_count(),
-            positions[0],
-            positions[-1],
-            sharding.data_parallel_size(mesh),
+            run.positions[0],
+            run.positions[-1],
+            run.devices,
         )
     return make_pipeline(
-        cfg,
-        sharding.data_parallel_size(mesh),
-        cfg.data.prefetch,
-        source=source,
-        index=index,
-        positions=positions,
+        run,
         reject_log=rejects_file(out),
-        to_device=lambda host_batch: sharding.make_global_batch(host_batch, mesh),
+        to_device=lambda host_batch: sharding.make_global_batch(host_batch, run.mesh),
     )
-
-
-def positions_of(mesh) -> Any:
-    """This process's data-parallel positions in a multi-process job; None with one process."""
-    return host_positions(mesh) if jax.process_count() > 1 else None
-
-
-def host_positions(mesh) -> Any:
-    """This process's data-parallel positions; they must be one contiguous run (the mesh
-    lays devices out process by process), which is what make_global_batch assembles."""
-    positions = sharding.local_dp_indices(mesh)
-    if len(positions) == 0 or (positions != positions[0] + range(len(positions))).any():
-        raise sharding.ShardingError(
-            f"process {jax.process_index()} holds data-parallel positions {positions.tolist()}, "
-            "not one contiguous run; use a mesh whose fsdp x tensor fits within a host"
-        )
-    context = sharding.context_size(mesh)
-    if positions[0] % context or len(positions) % context:  # (a group's rows: one host's)
-        raise sharding.ShardingError(
-            f"process {jax.process_index()} holds part of a context group of {context} "
-            "devices; mesh.context must divide the devices of a process"
-        )
-    return positions
 
 
 def log_step(done: int, metrics: dict, info: StepInfo, window, nonfinite_total, writer, bar):

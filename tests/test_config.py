@@ -111,7 +111,8 @@ def test_a_resumed_run_keeps_the_auto_sizes_its_checkpoints_were_planned_with(tm
     output dir, or a key the user set, resolves as configured."""
     from dataclasses import replace
 
-    from jaxmllm.loop.checkpoint import check_resumable, keep_resolved, write_config
+    from jaxmllm.loop.checkpoint import check_resumable, write_config
+    from jaxmllm.resolve.resumed import keep_resolved
 
     cfg = load_config("configs/tiny.yaml", [f"train.output_dir={tmp_path}"])
     assert cfg.batch.route_pair_capacity == -1

@@ -152,8 +152,9 @@ def test_resumed_recorder_drops_the_steps_it_will_redo(tmp_path):
 def test_calibrated_model_predicts_in_the_metrics_and_a_bad_one_stops_the_run(tmp_path):
     """train.cost_file: StepCounter adds the calibrated model's step time; a file that is not a
     cost model is a ConfigError naming the key (the trainer checks it at start-up)."""
-    from jaxmllm.batch.counts import StepCounter, calibrated_cost
+    from jaxmllm.batch.counts import StepCounter
     from jaxmllm.config import ConfigError
+    from jaxmllm.cost.model import calibrated_cost
 
     cfg = load_config("configs/tiny.yaml")
     model = CostModel(dict.fromkeys(PHASES, PhaseCost(1e-3, 1e-6)), unit="seconds", overhead=0.5)

@@ -42,7 +42,7 @@ def caps_of(index, devices=4, tiles=None, long_tiles=()):
         per_token=PER_TOKEN,
         per_row=PER_ROW,
         route_pair_capacity=256,
-        block=64,
+        attention_block=64,
         tiles=tiles or {"llm": 150, "vision": 1100},
         long_tiles=long_tiles,
     )

@@ -15,13 +15,12 @@ import pytest
 
 from jaxmllm.batch.bucketize import bucketize
 from jaxmllm.config import ConfigError, DistributedConfig, load_config
-from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.feed.iterator import local_media, local_parts
 from jaxmllm.launch import free_port
 from jaxmllm.loop import ledger
 from jaxmllm.loop.metrics import read_metrics
 from jaxmllm.process.distributed import describe_mismatch, resolve_job
-from jaxmllm.resolve.sizing import capacities, planner_from_config, resolve_batch
+from jaxmllm.resolve.run import resolve_run
 
 from runs import child_env, train_cmd
 
@@ -100,12 +99,9 @@ def test_disagreeing_processes_are_described():
 
 @pytest.fixture(scope="module")
 def planned():
-    cfg = load_config("configs/tiny.yaml", ["data.synthetic.num_samples=512"])
-    source = SyntheticSource(cfg)
-    index = source.lengths()
-    cfg = resolve_batch(cfg, index)
-    caps = capacities(cfg, 8)
-    planner = planner_from_config(cfg, index, 8)
+    run = resolve_run(load_config("configs/tiny.yaml", ["data.synthetic.num_samples=512"]))
+    cfg, source, index, caps = run.cfg, run.source, run.index, run.caps
+    planner = run.planner()
     plans = [planner.plan() for _ in range(3)]
     samples = {int(i): source[int(i)] for p in plans for i in np.unique(p.samples)}
     return cfg, caps, index, plans, samples, source

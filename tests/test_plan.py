@@ -293,9 +293,8 @@ def test_equal_tiles_fill_whole_buckets():
 
 def test_routing_tables_are_a_bijection():
     """Through the real pipeline: every encoder output row fills exactly one placeholder."""
-    from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
-    from jaxmllm.resolve.sizing import resolve_batch
+    from jaxmllm.resolve.run import resolve_run
 
     cfg = load_config(
         None,
@@ -317,8 +316,7 @@ def test_routing_tables_are_a_bijection():
             "data.synthetic.num_samples=256",
         ],
     )
-    cfg = resolve_batch(cfg, make_source(cfg)[1], 4)
-    it = make_pipeline(cfg, 4, prefetch=0)
+    it = make_pipeline(resolve_run(cfg, 4), prefetch=0)
     routed = 0
     for _ in range(3):
         batch = next(it)["batch"]

@@ -112,13 +112,12 @@ def test_a_recipe_step_compiles_on_its_mesh_and_fits_80_gb(path):  # (72 GiB of 
 def test_the_bounds_without_data_hold_what_the_data_resolves_to():
     """What the compile-only measurements size buckets with (`resolve_bounds`) is at least
     what a run resolves from its data: tiles, route capacity (so what fits there fits a run)."""
-    from jaxmllm.data.source import make_source
-    from jaxmllm.resolve.sizing import resolve_batch, resolve_bounds, tile_keys
+    from jaxmllm.resolve.run import resolve_run
+    from jaxmllm.resolve.sizing import resolve_bounds, tile_keys
 
     sets = ["batch.capacity=fixed", "data.synthetic.num_samples=256", "train.steps=4"]
     cfg = load_config("configs/tiny.yaml", sets)
-    _, index = make_source(cfg)
-    bound, data = resolve_bounds(cfg, 8).batch, resolve_batch(cfg, index, 8).batch
+    bound, data = resolve_bounds(cfg, 8).batch, resolve_run(cfg, 8).cfg.batch
     for key in ["route_pair_capacity", *tile_keys().values()]:
         assert getattr(bound, key) >= getattr(data, key) > 0, key
     with pytest.raises(ConfigError, match=r"batch\.capacity: fixed"):

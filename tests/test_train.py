@@ -91,19 +91,17 @@ def test_timings_hold_every_step_with_its_slowest_devices_work(uninterrupted):
     of the device the FLOP model finds costliest (counted here one segment at a time from the
     same steps' batches), summed over microbatches, and the mean device's."""
     from jaxmllm.cost.model import PHASES, CostModel
-    from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
-    from jaxmllm.resolve.sizing import resolve_batch
+    from jaxmllm.resolve.run import resolve_run
 
     rows = [json.loads(line) for line in (uninterrupted / "timings.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert rows[0]["compile"] and not any(r["compile"] for r in rows[1:])
     assert all(rows[s - 1]["checkpoint"] for s in (2, 4, 6))
     assert all(r["time_s"] > 0 for r in rows)
-    cfg = tiny(uninterrupted)
-    cfg = resolve_batch(cfg, make_source(cfg)[1], 8)  # (as the run resolved it)
-    cost = CostModel.from_model(cfg.model)
-    data = make_pipeline(cfg, 8, prefetch=0)
+    run = resolve_run(tiny(uninterrupted), 8)  # (as the run resolved it)
+    cost = CostModel.from_model(run.cfg.model)
+    data = make_pipeline(run, prefetch=0)
     for row in rows:
         work = _bucket_work(next(data)["batch"], PHASES)
         m_n = row["microbatches"]
@@ -177,19 +175,17 @@ def test_nonfinite_step_keeps_the_state_and_divergence_stops_with_a_checkpoint(t
     import jax
 
     import sharding
-    from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
     from jaxmllm.loop.guards import NonFiniteError
-    from jaxmllm.resolve.sizing import resolve_batch
+    from jaxmllm.resolve.run import resolve_run
     from jaxmllm.step.program import build_program
 
-    cfg = tiny(tmp_path / "unit")
-    cfg = resolve_batch(cfg, make_source(cfg)[1])
-    mesh = sharding.make_mesh(cfg.mesh)
+    run = resolve_run(tiny(tmp_path / "unit"))
+    mesh = run.mesh
     with jax.set_mesh(mesh):
-        prog = build_program(cfg, mesh)
+        prog = build_program(run.cfg, mesh)
         state = prog.init()
-        host = next(make_pipeline(cfg, 8, prefetch=0))["batch"]
+        host = next(make_pipeline(run, prefetch=0))["batch"]
         host["llm_loss_mask"][:] = np.nan
         before = jax.device_get({k: state[k] for k in ("params", "opt_state")})
         state, metrics = prog.step(state, sharding.make_global_batch(host, mesh))
@@ -201,7 +197,7 @@ def test_nonfinite_step_keeps_the_state_and_divergence_stops_with_a_checkpoint(t
     # A diverging run: skipped steps are counted, and K in a row stop it with a checkpoint.
     diverge = replace(
         tiny(tmp_path / "run"),
-        optim=replace(cfg.optim, lr=1e30, warmup_steps=0),
+        optim=replace(run.cfg.optim, lr=1e30, warmup_steps=0),
         train=replace(tiny(tmp_path / "run").train, steps=40, max_nonfinite_steps=2),
     )
     with pytest.raises(NonFiniteError, match=r"max_nonfinite_steps=2.*Lower optim\.lr"):

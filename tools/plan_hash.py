@@ -133,15 +133,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _caps(fields: dict) -> Capacities:
     fields["long_tiles"] = tuple(fields.get("long_tiles", ()))
+    fields["attention_block"] = fields.pop("block", fields.get("attention_block", 0))
     return Capacities(**fields)
 
 
 def caps_json(caps: Capacities) -> str:
-    """The capacities as JSON; without long variants, as before they existed (so that runs
-    of either compare)."""
+    """The capacities as JSON, in the form they had before long variants existed and before
+    `block` was named `attention_block` (so that runs of either compare)."""
     fields = dataclasses.asdict(caps)
     if not fields["long_tiles"]:
         del fields["long_tiles"]
+    fields["block"] = fields.pop("attention_block")
     return json.dumps(fields, sort_keys=True)
 
 

@@ -76,7 +76,7 @@ def packed_rows(index, ranks: int, tokens: int, groups: int, steps: int, seed: i
         per_token=per_token,
         per_row=per_row,
         route_pair_capacity=max(enc.units.values()) // 4,
-        block=128,
+        attention_block=128,
         context=ranks,
     )
     make = lambda c: make_planner("orchestrated", index, c, seed)

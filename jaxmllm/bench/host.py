@@ -56,7 +56,7 @@ from jaxmllm.cost.model import PHASES, CostModel
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.process.distributed import split_cpu
-from jaxmllm.resolve.sizing import resolve_batch
+from jaxmllm.resolve.run import resolve_run
 
 DATA = ("synthetic", "media", "config")
 
@@ -210,10 +210,11 @@ class Setup:
 def measure(setup: Setup, devices: int, workers: int) -> dict:
     """One row: the feed of `devices` buckets (this host's share) with `workers` processes,
     consumed by a step that takes the device time; medians over the measured steps."""
-    cfg = resolve_batch(setup.cfg, setup.index, devices)
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=workers))
-    local = min(devices, setup.per_host)
-    positions = np.arange(local) if local < devices else None
+    cfg = dataclasses.replace(setup.cfg, data=dataclasses.replace(setup.cfg.data, workers=workers))
+    run = resolve_run(cfg, devices, data=(setup.source, setup.index))
+    cfg, local = run.cfg, min(devices, setup.per_host)
+    if local < devices:  # (this host as one of several: it loads only its own positions')
+        run = dataclasses.replace(run, positions=np.arange(local))
     mesh = local_mesh(local)
     timer = DeviceTimer(cfg) if setup.measure else None
     # Measured, the device runs the warm-up steps' batches (every device's bucket in turn, so
@@ -224,14 +225,7 @@ def measure(setup: Setup, devices: int, workers: int) -> dict:
     def to_device(host: dict[str, np.ndarray]) -> dict:
         return jax.block_until_ready(sharding.make_global_batch(host, mesh))
 
-    feed = make_pipeline(
-        cfg,
-        devices,
-        source=setup.source,
-        index=setup.index,
-        positions=positions,
-        to_device=to_device,
-    )
+    feed = make_pipeline(run, to_device=to_device)
     rows = []
     try:
         for step in range(setup.warmup + setup.steps):

@@ -57,17 +57,18 @@ from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.loop.metrics import peak_tflops
 from jaxmllm.process.distributed import split_cpu
-from jaxmllm.resolve.sizing import resolve_batch
+from jaxmllm.resolve.run import Run as Resolved
+from jaxmllm.resolve.run import resolve_run
 from jaxmllm.step.program import build_program
 
 POLICIES = ("naive", "grain", "balanced", "orchestrated")
 
 
-def policy_config(cfg: Config, policy: str, index, devices: int) -> Config:
+def policy_run(cfg: Config, policy: str, data: tuple, devices: int) -> Resolved:
     """`cfg` with `policy` as planner (`name` or `name:attention`, e.g. `orchestrated:dense`,
     and `/remat` after it for every tower's remat policy, e.g. `orchestrated/save_dots`),
-    auto values resolved; token and patch capacities shared by all policies, tile capacities
-    each policy's own (what its packs need: see `resolve_batch`)."""
+    resolved over `data` (source, index); token and patch capacities shared by all policies,
+    tile capacities each policy's own (what its packs need: see `resolve_batch`)."""
     policy, _, remat = policy.partition("/")
     cfg = with_policy(cfg, remat) if remat else cfg
     planner, _, attention = policy.partition(":")
@@ -76,7 +77,7 @@ def policy_config(cfg: Config, policy: str, index, devices: int) -> Config:
     rpc = cfg.batch.route_pair_capacity if routed else -1
     batch = dataclasses.replace(cfg.batch, planner=planner, route_pair_capacity=rpc)
     model = dataclasses.replace(cfg.model, attention=attention or cfg.model.attention)
-    return resolve_batch(dataclasses.replace(cfg, batch=batch, model=model), index, devices)
+    return resolve_run(dataclasses.replace(cfg, batch=batch, model=model), devices, data=data)
 
 
 def device_batch(host: dict[str, np.ndarray], d: int, shapes: dict) -> dict[str, np.ndarray]:
@@ -169,17 +170,18 @@ class Run:
 def setup(
     cfg: Config, policies: list[str], mesh, per_device: bool = True, phases: bool = False
 ) -> list[Run]:
-    source, index = make_source(cfg)
+    opened = make_source(cfg)  # (once: every policy plans the same data)
     devices = sharding.data_parallel_size(mesh)
     mesh1 = sharding.make_mesh(MeshConfig(data=1), devices=jax.devices()[:1])
     runs, init = [], None
     for policy in policies:
-        pcfg = policy_config(cfg, policy, index, devices)
+        resolved = policy_run(cfg, policy, opened, devices)
+        pcfg = resolved.cfg
         prog = build_program(pcfg, mesh)
         if init is None:
             init = jax.device_get(prog.init())  # every policy starts from the same state
         state = jax.device_put(init, prog.shardings)
-        data = make_pipeline(pcfg, devices, source=source, index=index)
+        data = make_pipeline(resolved)
         run = Run(policy, pcfg, data, prog.step, state)
         if per_device:
             with jax.set_mesh(mesh1):

@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxmllm.config.checks import UserError
+from jaxmllm.config.checks import ConfigError, UserError
 from jaxmllm.config.phases import ENCODERS, LLM, PHASES
 from jaxmllm.cost import training
 from jaxmllm.cost.flops import ENCODER_ADAPTERS, ENCODER_FLOPS, decoder_linear, moe_decoder
 from jaxmllm.cost.training import multiplier
 
 if TYPE_CHECKING:
-    from jaxmllm.config import ModelConfig
+    from jaxmllm.config import Config, ModelConfig
 
 
 class CostFileError(UserError):
@@ -156,3 +156,17 @@ class CostModel:
             adapters = 3 * ENCODER_ADAPTERS[p.name](enc, lm.width, how)
             terms[p.name] = PhaseCost(m_enc * lin + m_proj * proj + adapters, m_enc * quad)
         return cls(terms)
+
+
+def calibrated_cost(cfg: Config) -> CostModel | None:
+    """The model of `train.cost_file` (None when unset).
+
+    Raises:
+      ConfigError: naming the key and what is wrong with the file.
+    """
+    if not cfg.train.cost_file:
+        return None
+    try:
+        return CostModel.from_file(cfg.train.cost_file)
+    except CostFileError as e:
+        raise ConfigError(f"train.cost_file: {e}") from None

@@ -19,7 +19,7 @@ import numpy as np
 import sharding
 from jaxmllm.config import Config, ConfigError, phases
 from jaxmllm.config.phases import ENCODERS, LLM
-from jaxmllm.config.spec import documents_bounded
+from jaxmllm.config.spec import BatchSpec, documents_bounded
 from jaxmllm.cost.model import CostModel
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.preprocess import MEDIA
@@ -178,7 +178,7 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
     long = ()
     if b.planner in HOLDS_TILES:
         # (the headroom that does the most useful work per computed FLOP of the cost model)
-        weights = CostModel.from_model(cfg.model).tile_weights(caps.block, caps.per_row)
+        weights = CostModel.from_model(cfg.model).tile_weights(caps.attention_block, caps.per_row)
         ladder = (
             len(longs) == len(long_tile_keys())
             and cfg.mesh.context == 1
@@ -286,7 +286,7 @@ def resolve_bounds(cfg: Config, devices: int) -> Config:
     cfg = dataclasses.replace(cfg, batch=dataclasses.replace(b, **changes))
     caps = capacities(cfg, devices)
     # Per phase: (rows of its longest document, rows of a bucket's row, bucket rows, causal)
-    longest = {LLM: (caps.llm_bin_len, caps.llm_bin_len, b.llm_rows, True)}
+    longest = {LLM: (caps.group_row_len, caps.group_row_len, b.llm_rows, True)}
     for p in on:
         per_row = p.per_row(m)
         longest[p.name] = (MEDIA[p.name].largest(cfg) // per_row, p.bucket(b) // per_row, 1, False)
@@ -316,44 +316,9 @@ def resolve_bounds(cfg: Config, devices: int) -> Config:
 
 
 def capacities(cfg: Config, devices: int) -> Capacities:
-    """The planner's bucket capacities from a resolved config (see `resolve_batch`), over
-    `devices` data-parallel buckets. A tile capacity still -1 (auto) is no bound."""
-    b, m = cfg.batch, cfg.model
-    sparse = m.attention == "block_sparse"
-    if b.route_pair_capacity < 0:
-        raise ValueError(
-            "batch.route_pair_capacity=-1 (auto) must be resolved against the "
-            "data first: jaxmllm.resolve.sizing.resolve_batch"
-        )
-    on = {p.name: p in phases.in_batch(m, b) for p in ENCODERS}
-    tiles = {
-        p: max(getattr(b, key), 0) if sparse and on.get(p, True) else 0
-        for p, key in tile_keys().items()
-    }
-    longs = {
-        p: getattr(b, key) if sparse and on.get(p, True) else ()
-        for p, key in long_tile_keys().items()
-    }
-    variants = max((len(v) for v in longs.values() if v != (-1,)), default=0)
-    long_tiles = tuple(
-        {p: v[k] if len(v) > k and v != (-1,) else 0 for p, v in longs.items()}
-        for k in range(variants)
-    )
-    return Capacities(
-        microbatches=b.microbatches,
-        devices=devices,
-        llm_rows=b.llm_rows,
-        llm_row_len=b.llm_row_len,
-        units={p.name: p.bucket(b) if on[p.name] else 0 for p in ENCODERS},
-        per_token={p.name: p.per_token(m) for p in ENCODERS},
-        per_row={p.name: p.per_row(m) for p in ENCODERS},
-        route_pair_capacity=b.route_pair_capacity,
-        devices_per_host=max(b.devices_per_host, 0),
-        context=cfg.mesh.context,
-        block=b.attention_block if sparse else 0,
-        tiles=tiles,
-        long_tiles=long_tiles,
-    )
+    """The planner's bucket capacities of a config's bucket spec (`BatchSpec`), over `devices`
+    data-parallel buckets; sizes still -1 (auto) are no bound, the route capacity excepted."""
+    return Capacities.of(BatchSpec.of(cfg, resolved=False), devices)
 
 
 def planner_from_config(cfg: Config, index: LengthsIndex, devices: int) -> Planner:
