@@ -108,7 +108,7 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
     # holds the state in a form the mesh does not change (pipelined stacks as [depth, ...]).
     mngr = make_checkpoint_manager(cfg)
     closing.callback(checkpoint.wait_for_saves, mngr, True)  # waits for a save in flight
-    saved_form = prog.checkpoint_abstract()
+    saved_form = prog.saved_abstract()
     stamp = format_stamp(prog.abstract_params())
     check_process_count(mngr)
     fresh, base = start_base(cfg, prog, stamp)  # (adapters: their base, never in checkpoints)
@@ -116,7 +116,7 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
     if state is None:  # a fresh run: random, or the pretrained weights model.init_from names
         state = fresh if fresh is not None else prog.init(initial_params(cfg, prog))
     else:
-        state = prog.from_saved(state, base)
+        state = prog.restored(state, base)
     start = int(state["step"])
     if start:
         print(f"resumed from checkpoint at step {start} in {mngr.directory}")
@@ -151,7 +151,7 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
                 timings.dispatched(done, metrics["loss"], info.work, info.variant)
             checkpoint.check_saves(mngr)  # a save that failed in the background stops the run
             if guard.check(done, metrics["nonfinite"]):
-                args = save_args(prog.to_saved(state), data_iter, stamp)
+                args = save_args(prog.saved(state), data_iter, stamp)
                 checkpoint.save(mngr, guard.stopped_at, args, force=True)
                 checkpoint.wait_for_saves(mngr)
                 raise NonFiniteError(guard.message(mngr.directory))
@@ -165,14 +165,14 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
                 last = log_step(done, metrics, info, window, guard.total, writer, bar)
                 report.logged(done)
             if evaluator is not None and evaluator.due(done):  # (reads the params, no more)
-                writer.write(done, evaluator(prog.to_checkpoint(state), done))  # [depth, ...]
+                writer.write(done, evaluator(prog.weights(state), done))  # [depth, ...]
                 window.exclude(evaluator.seconds)  # (throughput is the training's)
                 if timings is not None:
                     timings.evaluated()
             stopping = preempt.requested is not None
             force = done == t.steps or stopping
             saving = force or mngr.should_save(done)  # (converted only when it is saved)
-            args = save_args(prog.to_saved(state), data_iter, stamp) if saving else None
+            args = save_args(prog.saved(state), data_iter, stamp) if saving else None
             saved = saving and checkpoint.save(mngr, done, args, force)
             if saved and timings is not None:
                 timings.saved()

@@ -363,9 +363,9 @@ def test_adapters_in_pipeline_stages_give_the_unpipelined_math():
     llm = [s for s in prog.plan.stages if s.segment == "llm"]
     assert llm and all(0 < s.work.bwd < 2 * s.work.fwd for s in llm)
     with jax.set_mesh(prog.mesh):  # (a checkpoint: [depth, ...], no base; back to stages)
-        saved, base = prog.to_saved(state), prog.base_of(state)
+        saved, base = prog.saved(state), prog.weights(state)["frozen"]
         assert set(saved) == {"params", "opt_state", "step"}
-        back = jax.device_get(prog.from_saved(saved, base))
+        back = jax.device_get(prog.restored(saved, base))
     for (path, a), b in zip(
         keyed_leaves(back).items(), jax.tree.leaves(jax.device_get(state)), strict=True
     ):

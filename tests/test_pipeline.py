@@ -56,7 +56,7 @@ def pipelined_and_reference(*overrides):
 
     got = run(host)
     with jax.set_mesh(mesh):
-        params = jax.device_get(prog.to_checkpoint(state))
+        params = jax.device_get(prog.weights(state))
     flat = sharding.make_mesh(
         {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp}, devices=jax.devices()[:devices]
     )
