@@ -22,8 +22,8 @@ import grain
 import jax
 
 import sharding
-from jaxmllm.config import Config, guard_logs, load_config
-from jaxmllm.config.command import run
+from jaxmllm.config import Config, load_config
+from jaxmllm.config.command import add_config_args, configure_logging, run
 from jaxmllm.feed.info import StepInfo
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.init_from import initial_params, start_base
@@ -41,7 +41,7 @@ from jaxmllm.loop.evaluate import open_evaluator
 from jaxmllm.loop.guards import NonFiniteError, NonFiniteGuard, Preemption, Watchdog
 from jaxmllm.loop.ledger import Ledger
 from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter, device_peak
-from jaxmllm.loop.summary import RunReport, rejects_file
+from jaxmllm.loop.summary import RunReport, rejects_file, schedule_note
 from jaxmllm.loop.timings import TimingsRecorder
 from jaxmllm.process import distributed, xla_flags
 from jaxmllm.resolve.run import Run, resolve_run
@@ -99,6 +99,7 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
             print(f"frozen (no gradient, no optimizer state): {', '.join(prog.parts.frozen_keys)}")
         if prog.parts.adapted:
             print(f"LoRA adapters train, their base frozen: {', '.join(prog.parts.adapted)}")
+        log.log(*schedule_note(cfg))  # (a warm-up over most of a short run: said)
 
     # Evaluation (data.eval): a fixed held-out set planned at the step's shapes, and questions.
     evaluator = open_evaluator(run, prog, out)
@@ -273,15 +274,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", required=True, help="experiment YAML, e.g. configs/tiny.yaml")
-    p.add_argument(
-        "--set",
-        action="extend",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override config values, e.g. --set optim.lr=3e-4 train.steps=50 (repeatable)",
-    )
+    add_config_args(p)
     return p.parse_args(argv)
 
 
@@ -293,9 +286,7 @@ def cli(argv: list[str] | None = None) -> int:
 
 def _command(argv: list[str] | None) -> None:
     guards.outlive_closed_pipes()  # (a `| tee` that Ctrl-C ended never costs the checkpoint)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    guard_logs()  # (record ids and file names in messages: escaped)
-    logging.getLogger("jaxmllm").setLevel(logging.INFO)  # (grain's import set up the root logger)
+    configure_logging()  # (lines with their time; record ids and file names escaped)
     args = parse_args(argv)
     main(load_config(args.config, args.set))
 

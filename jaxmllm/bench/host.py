@@ -52,6 +52,7 @@ import sharding
 from jaxmllm.batch.counts import bucket_work
 from jaxmllm.bench.data import write_audio
 from jaxmllm.config import Config, MeshConfig, load_config
+from jaxmllm.config.command import add_config_args
 from jaxmllm.cost.model import PHASES, CostModel
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", required=True)
+    add_config_args(p)
     p.add_argument("--data", default="config", help=f"comma list of {', '.join(DATA)}")
     p.add_argument("--devices", default="8", help="data-parallel buckets per step, comma list")
     p.add_argument("--workers", default="0", help="data.workers values, comma list")
@@ -356,7 +357,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--media-dir", help="where the media manifest is written (kept); default tmp")
     p.add_argument("--media-records", type=int, default=240, help="records of the manifest")
     p.add_argument("--json", help="write the rows here")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     base = load_config(args.config, args.set)
     split_cpu(base.mesh.cpu_devices)

@@ -33,6 +33,7 @@ import numpy as np
 import sharding
 from jaxmllm.bench.throughput import Run, setup
 from jaxmllm.config import load_config
+from jaxmllm.config.command import add_config_args
 from jaxmllm.process.distributed import split_cpu
 
 FREE = [
@@ -130,13 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", required=True)
+    add_config_args(p)
     p.add_argument("--steps", type=int, default=20, help="measured steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps per variant")
     p.add_argument("--rank", type=int, default=16, help="the adapters' rank")
     p.add_argument("--planner", default="", help="batch.planner (default: the config's)")
     p.add_argument("--json", help="write the rows here")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     split_cpu(load_config(args.config, args.set).mesh.cpu_devices)
     rows = measure(args.config, args.set, args.rank, args.planner, args.steps, args.warmup)

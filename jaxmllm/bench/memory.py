@@ -43,6 +43,7 @@ import jax
 import sharding
 from jaxmllm.bench.compile import measure
 from jaxmllm.config import REMAT_POLICIES, Config, load_config
+from jaxmllm.config.command import add_config_args
 from jaxmllm.config.phases import ENCODERS, LLM, PHASES, enabled, phase
 from jaxmllm.config.remat import ATTENTION, QKV
 from jaxmllm.cost import training
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", required=True)
+    add_config_args(p)
     p.add_argument("--policies", default=",".join(REMAT_POLICIES), help="comma-separated")
     p.add_argument("--device-gib", type=float, default=80.0, help="a device's memory")
     p.add_argument(
@@ -359,7 +360,6 @@ def main(argv: list[str] | None = None) -> int:
         "optimizer bytes, peak)",
     )
     p.add_argument("--json", help="write the rows here")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
     # Nothing runs: no code optimisation (XLA:CPU's LLVM passes, half the compile time; the

@@ -52,6 +52,7 @@ from jaxmllm.batch.bucketize import batch_shapes
 from jaxmllm.bench.memory import recompute_flops, train_flops, with_policy
 from jaxmllm.bench.phases import PHASES, PhaseTimer
 from jaxmllm.config import Config, MeshConfig, load_config
+from jaxmllm.config.command import add_config_args
 from jaxmllm.config.phases import PHASES as TOWERS
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
@@ -341,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", required=True)
+    add_config_args(p)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--steps", type=int, default=30, help="measured steps per policy")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps per policy")
@@ -359,7 +360,6 @@ def main(argv: list[str] | None = None) -> int:
         help="time each phase's own program too "
         "(jaxmllm.bench.phases), on the max-device measure's devices",
     )
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
     split_cpu(cfg.mesh.cpu_devices)

@@ -156,7 +156,7 @@ def overlay(tree: dict, given: dict) -> dict:
 def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with linear warm-up then cosine decay, global-norm clipping, no decay on vectors."""
     o = cfg.optim
-    warmup = min(o.warmup_steps, max(cfg.train.steps - 1, 0))
+    warmup = warmup_steps(cfg)
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=o.lr,
@@ -171,6 +171,11 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
         )
     )
     return optax.chain(*chain), schedule
+
+
+def warmup_steps(cfg: Config) -> int:
+    """The schedule's warm-up steps: optim.warmup_steps, held below the run's length."""
+    return min(cfg.optim.warmup_steps, max(cfg.train.steps - 1, 0))
 
 
 DECAYED = ("kernel", "embedding", *lora.LEAVES)  # the matrices weight decay shrinks
