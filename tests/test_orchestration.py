@@ -25,8 +25,8 @@ ROUTED = [
 ]
 
 
-def resolved(*extra):
-    return resolve_run(load_config("configs/tiny.yaml", [*ROUTED, *extra]))
+def resolved(*extra, devices=None):
+    return resolve_run(load_config("configs/tiny.yaml", [*ROUTED, *extra]), devices)
 
 
 def repack(items: ItemPlan, plan: StepPlan, values, ptr) -> None:
@@ -266,7 +266,7 @@ def test_ragged_exchange_lowers_in_the_step_and_is_refused_on_cpu(tmp_path):
     from jaxmllm.config import ConfigError
     from jaxmllm.train import main
 
-    run = resolved("batch.exchange=ragged", "batch.microbatches=1")
+    run = resolved("batch.exchange=ragged", "batch.microbatches=1", devices=8)  # (lowered)
     cfg = run.cfg
     mesh = sharding.make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):

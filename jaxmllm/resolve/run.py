@@ -88,8 +88,9 @@ def resolve_run(
     Args:
       cfg: The config as loaded.
       devices: The devices to build the mesh over (default: every device); or a number of
-        data-parallel buckets to plan for without a mesh (a bench planning another machine's
-        steps; the kernel is then resolved for this machine's devices).
+        data-parallel buckets to plan for without a mesh (a bench or a test planning steps
+        that run elsewhere: `auto` is resolved for this machine's devices, and the checks of
+        what the devices run, `check_backend` and `check_attention`, are left to the run).
       resume: The output folder of a run this one resumes: it keeps the sizes its checkpoints
         were planned with.
       data: (source, lengths index) as `make_source(cfg)` opened them, to share one opening
@@ -99,14 +100,15 @@ def resolve_run(
       ConfigError: (or another UserError) a check that failed, naming the key or file.
     """
     mesh = None
-    if isinstance(devices, int):
+    if isinstance(devices, int):  # (planned here, run elsewhere: no device checks)
         buckets, present = devices, jax.devices()
     else:
         mesh = sharding.make_mesh(cfg.mesh, devices)
         buckets, present = sharding.data_parallel_size(mesh), list(mesh.devices.flat)
-    check_backend(cfg, present)
+        check_backend(cfg, present)
     cfg = resolve_attention(cfg, present)  # auto: the kernel for these devices (logged)
-    check_attention(cfg, present)  # a kernel these devices cannot run stops the run here
+    if mesh is not None:
+        check_attention(cfg, present)  # a kernel these devices cannot run stops the run here
     calibrated = calibrated_cost(cfg)
     source, index = make_source(cfg) if data is None else data  # (the data decides `auto`)
     if resume is not None:
