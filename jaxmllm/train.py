@@ -286,7 +286,7 @@ def cli(argv: list[str] | None = None) -> int:
 
 def _command(argv: list[str] | None) -> None:
     guards.outlive_closed_pipes()  # (a `| tee` that Ctrl-C ended never costs the checkpoint)
-    configure_logging()  # (lines with their time; record ids and file names escaped)
+    configure_logging(logging.WARNING, ours=logging.INFO)  # (with their time; not orbax chatter)
     args = parse_args(argv)
     main(load_config(args.config, args.set))
 

@@ -214,14 +214,17 @@ def test_an_overrides_error_names_the_set_not_the_file(tmp_path):
 
 def test_a_runs_log_lines_carry_their_time():
     """Importing grain installs a root handler first; the commands' logging replaces it, so
-    every line says when (the trainer's start-up lines had none)."""
+    every line says when (the trainer's start-up lines had none); jaxmllm's at INFO, the other
+    libraries' at WARNING."""
     script = (
         "import jaxmllm.train, logging\n"  # (imports grain)
         "from jaxmllm.config.command import configure_logging\n"
-        "configure_logging()\n"
+        "configure_logging(logging.WARNING, ours=logging.INFO)\n"
         "logging.getLogger('jaxmllm').info('batch resolved')\n"
+        "logging.getLogger('orbax').info('registry chatter')\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300
     )
     assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ INFO batch resolved$", proc.stderr, re.M)
+    assert "chatter" not in proc.stderr  # (others' INFO lines: warnings only, as before)

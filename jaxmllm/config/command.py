@@ -2,7 +2,7 @@
 or one message.
 
     add_config_args(parser)   # --config FILE --set a.b=1 c.d=2 ... (one parser for all)
-    configure_logging()       # lines with their time and level
+    configure_logging(logging.WARNING, ours=logging.INFO)   # lines with their time and level
     if __name__ == "__main__":
         sys.exit(run(main))
 
