@@ -28,8 +28,8 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     FLAGS += ["--xla_cpu_collective_call_terminate_timeout_seconds=300"]
     FLAGS += ["--xla_cpu_collective_call_warn_stuck_timeout_seconds=20"]
     # XLA:CPU's pool sized so the 8 devices' overlapping collectives cannot block every thread
-    # (the deadlock of test_hf_train's first step: jaxmllm.loop.cpu_pool says why).
-    from jaxmllm.loop.cpu_pool import size_pool
+    # (the deadlock of test_hf_train's first step: jaxmllm.process.cpu_pool says why).
+    from jaxmllm.process.cpu_pool import size_pool
 
     size_pool(8)
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *FLAGS]).strip()

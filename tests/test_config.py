@@ -105,7 +105,7 @@ def test_missing_file_and_bad_yaml(tmp_path):
 def test_small_config_is_a_realistic_single_gpu_model():
     import jax
 
-    from jaxmllm.plan.sizing import resolve_attention
+    from jaxmllm.resolve.attention import resolve_attention
     from jaxmllm.step.program import model_parts
 
     cfg = load_config(ROOT / "configs" / "small.yaml", ["batch.route_pair_capacity=64"])
@@ -127,7 +127,8 @@ def test_a_resumed_run_keeps_the_auto_sizes_its_checkpoints_were_planned_with(tm
     output dir, or a key the user set, resolves as configured."""
     from dataclasses import replace
 
-    from jaxmllm.loop.checkpoint import check_resumable, keep_resolved, write_config
+    from jaxmllm.loop.checkpoint import check_resumable, write_config
+    from jaxmllm.resolve.resumed import keep_resolved
 
     cfg = load_config("configs/tiny.yaml", [f"train.output_dir={tmp_path}"])
     assert cfg.batch.route_pair_capacity == -1

@@ -21,7 +21,7 @@ from jaxmllm.bench import gpu_plan, profile
 from jaxmllm.bench.gpu import main, over_limits, run_cases
 from jaxmllm.bench.gpu_cases import MOE_PEAK_GIB, PARTS, PEAK_GIB, POLICIES, Case, cases
 from jaxmllm.bench.gpu_report import report
-from jaxmllm.loop import xla_flags
+from jaxmllm.process import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 

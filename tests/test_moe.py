@@ -295,8 +295,8 @@ def test_the_cost_model_and_the_parameter_report_count_the_active_experts():
     import math
 
     from jaxmllm.config import load_config
+    from jaxmllm.cost.model import CostModel
     from jaxmllm.hf.adapter_load import shapes_of
-    from jaxmllm.plan.cost import CostModel
     from jaxmllm.step.program import active_parameters
 
     cfg = load_config("configs/tiny_moe.yaml")

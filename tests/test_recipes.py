@@ -67,7 +67,8 @@ def test_a_recipe_loads_and_starts_with_the_command_that_runs_it(path):
 def test_a_recipe_resolves_on_its_devices(path):
     """Its mesh takes all its GPUs, `auto` attention resolves (block-sparse on this CPU), and
     the batch sizes resolve to their bounds without data (what bench.memory compiles)."""
-    from jaxmllm.plan.sizing import resolve_attention, resolve_bounds
+    from jaxmllm.resolve.attention import resolve_attention
+    from jaxmllm.resolve.sizing import resolve_bounds
     from sharding.mesh import AXES, resolve_axis_sizes
 
     cfg, devices = load_config(path), devices_of(path)
@@ -124,13 +125,12 @@ def test_a_recipe_step_compiles_on_its_mesh_and_fits_80_gb(path):  # (72 GiB of 
 def test_the_bounds_without_data_hold_what_the_data_resolves_to():
     """What the compile-only measurements size buckets with (`resolve_bounds`) is at least
     what a run resolves from its data: tiles, route capacity (so what fits there fits a run)."""
-    from jaxmllm.data.source import make_source
-    from jaxmllm.plan.sizing import resolve_batch, resolve_bounds, tile_keys
+    from jaxmllm.resolve.run import resolve_run
+    from jaxmllm.resolve.sizing import resolve_bounds, tile_keys
 
     sets = ["batch.capacity=fixed", "data.synthetic.num_samples=256", "train.steps=4"]
     cfg = load_config("configs/tiny.yaml", sets)
-    _, index = make_source(cfg)
-    bound, data = resolve_bounds(cfg, 8).batch, resolve_batch(cfg, index, 8).batch
+    bound, data = resolve_bounds(cfg, 8).batch, resolve_run(cfg, 8).cfg.batch
     for key in ["route_pair_capacity", *tile_keys().values()]:
         assert getattr(bound, key) >= getattr(data, key) > 0, key
     with pytest.raises(ConfigError, match=r"batch\.capacity: fixed"):

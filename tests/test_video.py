@@ -654,7 +654,8 @@ def test_routed_step_with_videos_equals_samples_one_by_one(tmp_path):
 
     import sharding
     from jaxmllm.batch.bucketize import bucketize
-    from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
+    from jaxmllm.resolve.run import resolve_run
+    from jaxmllm.resolve.sizing import capacities, planner_from_config
     from jaxmllm.step.program import build_program, make_loss_and_grads, model_parts
 
     for k, (n, h, w, way) in enumerate(
@@ -686,8 +687,8 @@ def test_routed_step_with_videos_equals_samples_one_by_one(tmp_path):
         "batch.audio_frames=128",
     )
     build_index(cfg, manifest, progress=False)
-    source = open_source(cfg)
-    cfg = resolve_batch(cfg, source.index)
+    run = resolve_run(cfg)
+    cfg, source = run.cfg, run.source
     blocks = cfg.batch.vision_patches // cfg.batch.attention_block  # (room for the moves)
     cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, vision_tiles=blocks**2))
     mesh = sharding.make_mesh(cfg.mesh)

@@ -1,4 +1,4 @@
-"""XLA's GPU flag set (jaxmllm.loop.xla_flags): every flag parses on the installed jaxlib (an
+"""XLA's GPU flag set (jaxmllm.process.xla_flags): every flag parses on the installed jaxlib (an
 unknown one aborts the process at start-up), and it is added only for a GPU backend, leaving
 the user's own XLA_FLAGS as they are."""
 
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from jaxmllm.loop import xla_flags
 from jaxmllm.loop.metrics import device_peak, peak_tflops
+from jaxmllm.process import xla_flags
 
 
 def starts_with(flags: str) -> subprocess.CompletedProcess:

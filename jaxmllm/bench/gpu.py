@@ -172,7 +172,7 @@ def over_limits(out: Path) -> list[str]:
 
 def child(case: Case, out: Path, cache: Path) -> None:
     """Measures one case in this process and appends its rows as they come."""
-    from jaxmllm.loop import xla_flags
+    from jaxmllm.process import xla_flags
 
     xla_flags.apply()  # (before JAX starts its backends)
     import jax
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(Case(**json.loads(args.child)), Path(args.out), Path(args.cache))
         return 0
-    from jaxmllm.loop import xla_flags
+    from jaxmllm.process import xla_flags
 
     gpu = not args.smoke and xla_flags.gpu_expected()
     todo = [c for c in cases(parts, gpu, args.smoke) if re.search(args.cases, c.name)]

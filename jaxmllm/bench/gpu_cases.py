@@ -216,8 +216,8 @@ def env(case: Case, out: Path) -> Iterator[dict]:
     """Versions, devices, the flags and memory share in effect, what this Python lacks."""
     import jaxlib
 
-    from jaxmllm.loop import xla_flags
     from jaxmllm.loop.metrics import peak_tflops
+    from jaxmllm.process import xla_flags
 
     missing = sorted(dist for module, dist in MODULES.items() if not _importable(module))
     device = jax.devices()[0]
@@ -253,7 +253,7 @@ TESTS = ("tests/test_attention.py", "-k", "cudnn")
 def tests(case: Case, out: Path) -> Iterator[dict]:
     """pytest on `TESTS` in a process of its own (this one starts no backend: the tests' takes
     the GPU), on the GPU where one is expected; a row of counts and what failed."""
-    from jaxmllm.loop.xla_flags import gpu_expected
+    from jaxmllm.process.xla_flags import gpu_expected
 
     root = Path(__file__).resolve().parents[2]
     if not (root / TESTS[0]).is_file():
@@ -322,8 +322,8 @@ def recipe(case: Case, out: Path) -> Iterator[dict]:
     from jaxmllm.bench.gpu_mix import MixSource
     from jaxmllm.bench.throughput import setup, summarize
     from jaxmllm.config import load_config
-    from jaxmllm.loop.distributed import split_cpu
     from jaxmllm.loop.metrics import peak_tflops
+    from jaxmllm.process.distributed import split_cpu
 
     cfg = load_config(case.config, list(case.sets))
     split_cpu(cfg.mesh.cpu_devices)

@@ -43,12 +43,14 @@ import jax
 import sharding
 from jaxmllm.bench.compile import measure
 from jaxmllm.config import REMAT_POLICIES, Config, load_config
+from jaxmllm.config.command import add_config_args
 from jaxmllm.config.phases import ENCODERS, LLM, PHASES, enabled, phase
 from jaxmllm.config.remat import ATTENTION, QKV
-from jaxmllm.loop.distributed import split_cpu
-from jaxmllm.loop.xla_flags import MEMORY_FRACTION
-from jaxmllm.plan import training
-from jaxmllm.plan.sizing import resolve_attention, resolve_bounds
+from jaxmllm.cost import training
+from jaxmllm.process.distributed import split_cpu
+from jaxmllm.process.xla_flags import MEMORY_FRACTION
+from jaxmllm.resolve.attention import resolve_attention
+from jaxmllm.resolve.sizing import resolve_bounds
 
 GIB = 2**30
 DEVICE_GIB = round(MEMORY_FRACTION * 80)  # of an 80 GB GPU (79.6 GiB), what a run takes: 72
@@ -126,7 +128,7 @@ def recomputed(parts: dict[str, float], policy: str, attention: str) -> float:
 
 
 def backward_runs(cfg: Config) -> dict[str, int]:
-    """Per enabled tower, its training multiplier (`plan.training.multiplier`): 1 when it runs
+    """Per enabled tower, its training multiplier (`cost.training.multiplier`): 1 when it runs
     forward only (frozen, nothing trainable below or inside), so nothing is recomputed."""
     how = training.modules(cfg.model)
     return {t: how[t].multiplier for t in (*(p.name for p in enabled(cfg.model)), LLM)}
@@ -338,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", required=True)
+    add_config_args(p)
     p.add_argument("--policies", default=",".join(REMAT_POLICIES), help="comma-separated")
     p.add_argument(
         "--device-gib",
@@ -366,7 +368,6 @@ def main(argv: list[str] | None = None) -> int:
         "optimizer bytes, peak)",
     )
     p.add_argument("--json", help="write the rows here")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
     # Nothing runs: no code optimisation (XLA:CPU's LLVM passes, half the compile time; the
