@@ -43,8 +43,8 @@ import jax
 import numpy as np
 
 from jaxmllm.batch.prompts import PromptShapes
-from jaxmllm.config import Config, ConfigError, from_dict, guard_logs
-from jaxmllm.config.command import run
+from jaxmllm.config import Config, ConfigError, from_dict
+from jaxmllm.config.command import configure_logging, run
 from jaxmllm.config.phases import KINDS
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.template import TEMPLATES, Template, make_template
@@ -273,8 +273,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _command(argv: list[str] | None) -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
-    guard_logs()  # (record ids and file names in messages: escaped)
+    configure_logging(logging.WARNING)  # (record ids and file names in messages: escaped)
     args = parse_args(argv)
     if args.hf:
         cfg, params = load_hf(args)

@@ -43,7 +43,7 @@ CASES = {  # module: [argv, ...]
         ["--manifest", "{tmp}/m.jsonl", "--out", "{tmp}/x.array_record", "--set", "data.x=1"],
     ],
     "jaxmllm.config.reference": [["--nope"]],  # (takes no config)
-    "jaxmllm.plan.cost": [["--calibrate", "/nonexistent-jaxmllm/run"]],
+    "jaxmllm.cost.calibrate": [["/nonexistent-jaxmllm/run"]],
     "jaxmllm.bench.attention": [["--mix", "nope"]],
     "jaxmllm.bench.balance": [["--lengths", "/nonexistent-jaxmllm/lengths.jsonl"]],
     "jaxmllm.bench.compile": [["--config", MISSING], ["--config", TINY, "--set", "mesh.fsdp=3"]],
@@ -155,3 +155,76 @@ def test_a_config_without_data_refuses_to_start(tmp_path, capsys):
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
     _, index = make_source(load_config(config, ["data.source=synthetic"]))  # (when named)
     assert len(index) == raw["data"]["synthetic"]["num_samples"]
+
+
+def test_a_manifest_alone_is_indexed_and_set_takes_several_pairs(tmp_path, capsys):
+    """`python -m jaxmllm.data.index --manifest FILE --out DIR`, as its help says, with no
+    config: the defaults and `--set`, several pairs after one `--set`."""
+    from jaxmllm.data.index import main as index
+
+    data = tmp_path / "m.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "text": "hello " * i}) + "\n" for i in (1, 2)))
+    out = tmp_path / "index"
+    assert index(["--manifest", str(data), "--out", str(out), "--workers", "0"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accepted"] == 2
+    argv = ["--manifest", str(data), "--out", str(tmp_path / "i2"), "--workers", "0"]
+    sets = ["--set", "data.tokenizer=byte", "data.image_max_pixels=4096"]
+    assert index([*argv, *sets]) == 0
+    params = json.loads((tmp_path / "i2" / "summary.json").read_text())["params"]
+    assert params["image_max_pixels"] == 4096
+    capsys.readouterr()
+
+
+def test_an_overrides_error_names_the_set_not_the_file(tmp_path):
+    """In every command (one parser, `add_config_args`): `--set` takes several pairs, and an
+    error one of them causes names that `--set`, not the YAML file it overrides."""
+    data = tmp_path / "m.jsonl"
+    data.write_text(json.dumps({"text": "hi"}) + "\n")
+    cases = [
+        (
+            "jaxmllm.data.index",
+            ["--manifest", str(data), "--set", "data.tokenizer=byte", "data.image_max_pixel=9"],
+            "--set data.image_max_pixel=9: unknown key 'data.image_max_pixel'",
+        ),
+        (
+            "jaxmllm.bench.host",
+            ["--config", TINY, "--set", "train.steps=3", "model.llm.widht=3"],
+            "--set model.llm.widht=3: unknown key 'model.llm.widht'; did you mean",
+        ),
+        (
+            "jaxmllm.train",
+            ["--config", TINY, "--set", "train.steps=3", "data.source=jsonl"],
+            "--set data.source=jsonl: data.path",
+        ),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", HARNESS, json.dumps([c[:2] for c in cases])],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for (module, _, code, text), (_, _, want) in zip(
+        json.loads(proc.stdout.splitlines()[-1]), cases, strict=True
+    ):
+        assert code == 2 and want in text and TINY not in text, (module, text)
+
+
+def test_a_runs_log_lines_carry_their_time():
+    """Importing grain installs a root handler first; the commands' logging replaces it, so
+    every line says when (the trainer's start-up lines had none); jaxmllm's at INFO, the other
+    libraries' at WARNING."""
+    script = (
+        "import jaxmllm.train, logging\n"  # (imports grain)
+        "from jaxmllm.config.command import configure_logging\n"
+        "configure_logging(logging.WARNING, ours=logging.INFO)\n"
+        "logging.getLogger('jaxmllm').info('batch resolved')\n"
+        "logging.getLogger('orbax').info('registry chatter')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ INFO batch resolved$", proc.stderr, re.M)
+    assert "chatter" not in proc.stderr  # (others' INFO lines: warnings only, as before)

@@ -23,7 +23,7 @@ from jaxmllm.data.media.image import image_grid
 from jaxmllm.data.rejects import DataError, read_rejects
 from jaxmllm.data.source import open_source
 from jaxmllm.data.text import tokenizer as tok
-from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.resolve.run import resolve_run
 
 IMAGE, AUDIO = tok.RESERVED.media["vision"], tok.RESERVED.media["audio"]  # the placeholders
 
@@ -380,13 +380,13 @@ def test_load_time_reject_counts_carry_across_a_restore(data, tmp_path):
     build_index(cfg, path, progress=False)
     (root / "own" / "x0.png").unlink()  # one record breaks after indexing
 
-    cfg = resolve_batch(cfg, open_source(cfg).index, 8)
-    it = make_pipeline(cfg, 8, prefetch=0)
+    run = resolve_run(cfg, 8)
+    it = make_pipeline(run, prefetch=0)
     for _ in range(2):
         next(it)
     state = it.get_state()
     want = [next(it)["info"].rejects for _ in range(2)]
-    restored = make_pipeline(cfg, 8, prefetch=0)
+    restored = make_pipeline(run, prefetch=0)
     restored.set_state(state)
     got = [next(restored)["info"].rejects for _ in range(2)]
     assert got == want and want[-1]["rejects/load_total"] > 0

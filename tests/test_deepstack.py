@@ -15,14 +15,14 @@ from jaxmllm.models.layers import mrope_axes
 from jaxmllm.models.positions import resized_table
 from jaxmllm.models.transformer import BlockSpec, Transformer, pieces
 
-torch = pytest.importorskip("torch")
 
-
+@pytest.mark.torch
 @pytest.mark.parametrize("sections", [(24, 20, 20), (4, 4, 4), (2, 5, 5), (16, 24, 24)])
 def test_interleaved_mrope_turns_transformers_frequencies(sections):
     """Which of time, row and column turns each rotary frequency: transformers' Qwen3-VL
     recomposition (time everywhere, then rows and columns interleaved in), run on the axis
     numbers themselves."""
+    import torch
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
     half = sum(sections)
@@ -34,9 +34,12 @@ def test_interleaved_mrope_turns_transformers_frequencies(sections):
     assert (mrope_axes(sections) == np.repeat(np.arange(3), sections)).all()
 
 
+@pytest.mark.torch
 def test_a_learned_table_resized_bilinearly_is_torchs():
     """Two images of other grids packed in one row read the 6 x 6 table as
     `F.interpolate(mode="bilinear", align_corners=True)` resizes it to each grid."""
+    import torch
+
     grid, width = 6, 5
     table = np.random.default_rng(0).normal(size=(grid * grid, width)).astype(np.float32)
     grids = [(4, 9), (7, 3)]
@@ -118,9 +121,10 @@ def test_the_cost_model_counts_deepstacks_projectors_and_additions():
     to the LLM's hidden states; its LoRA adapters likewise."""
     import math
 
+    from jaxmllm.plan.cost import CostModel
+
     from jaxmllm.config import Config, from_dict
     from jaxmllm.hf.adapter_load import shapes_of
-    from jaxmllm.plan.cost import CostModel
 
     raw = lambda deep: {
         "model": {

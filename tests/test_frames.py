@@ -81,10 +81,9 @@ def _built(tmp_path: Path):
 
 def _batches(cfg, steps: int, state=None):
     from jaxmllm.feed.iterator import make_pipeline
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.run import resolve_run
 
-    cfg = resolve_batch(cfg, open_source(cfg).index, 8)
-    it = make_pipeline(cfg, 8, prefetch=0)
+    it = make_pipeline(resolve_run(cfg, 8), prefetch=0)
     if state is not None:
         it.set_state(state)
     out = [next(it) for _ in range(steps)]

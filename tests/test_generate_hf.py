@@ -43,6 +43,7 @@ def hf_greedy(model, ids, new: int, stop, **inputs) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
+@pytest.mark.torch
 def test_greedy_llama_matches_transformers_for_32_tokens(tmp_path):
     """Llama (llama3 rope scaling, tied): a plain prompt is the tokenizer's ids (its BOS, then
     the text), and the 32 greedy ids are transformers'."""
@@ -67,6 +68,7 @@ def test_greedy_llama_matches_transformers_for_32_tokens(tmp_path):
     assert len(ours.ids) == 32 and ours.ids == theirs
 
 
+@pytest.mark.torch
 def test_greedy_qwen2_chat_from_the_command_line_matches_transformers(tmp_path, capsys):
     """Qwen2 (untied): `--prompt` is rendered by the directory's chat template with its
     generation prompt (apply_chat_template's ids) and --json prints transformers' greedy ids
@@ -86,6 +88,7 @@ def test_greedy_qwen2_chat_from_the_command_line_matches_transformers(tmp_path, 
     assert answer["text"] == tk.decode(theirs, skip_special_tokens=False).replace("<|im_end|>", "")
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
 def test_greedy_qwen3_and_its_mixture_of_experts_match_transformers(name, tmp_path, capsys):
     """Qwen3 (QK-norm) and Qwen3-MoE (a dense layer among its MoE ones, the KV cache of each
@@ -107,6 +110,7 @@ def test_greedy_qwen3_and_its_mixture_of_experts_match_transformers(name, tmp_pa
     assert len(theirs) == 24 and answer["ids"] == theirs
 
 
+@pytest.mark.torch
 def test_logprobs_and_logits_are_transformers_scores(tmp_path, capsys):
     """`--json --logprobs 3 --logits F.npz`: each new id's log-probability, the 3 likeliest
     ids' and the saved logits of every step are transformers' greedy scores (its
@@ -144,6 +148,7 @@ def test_logprobs_and_logits_are_transformers_scores(tmp_path, capsys):
     assert refused.value.code == 2
 
 
+@pytest.mark.torch
 def test_hf_generation_refuses_what_it_cannot_read(tmp_path, capsys):
     """No tokenizer beside the weights, or a directory that is no checkpoint: a clear error."""
     src = hf_models.llama(tmp_path / "llama", tied=True)
@@ -173,6 +178,7 @@ def _ours(d: Path, prompt: Sample, new: int) -> tuple[list[int], frozenset]:
     return ours.ids, stop
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("tower", ["clip", pytest.param("siglip", marks=pytest.mark.slow)])
 def test_llava_with_an_image_generates_transformers_tokens(tmp_path, tower):
     """A whole LLaVA from one directory: CLIP read at its second-to-last block with the class
@@ -214,6 +220,7 @@ def test_llava_with_an_image_generates_transformers_tokens(tmp_path, tower):
     assert len(ours) == 16 and ours == theirs
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize(
     ("family", "gh", "gw"),
     [("qwen2_vl", 6, 4), ("qwen2_5_vl", 10, 6), ("qwen3_vl", 6, 4), ("qwen3_vl_moe", 6, 4)],
@@ -263,6 +270,7 @@ def test_qwen_vl_with_an_image_generates_transformers_first_tokens(tmp_path, fam
     assert len(ours) == 8 and ours == theirs
 
 
+@pytest.mark.torch
 def test_qwen2_audio_with_a_clip_generates_transformers_tokens(tmp_path):
     """A whole Qwen2-Audio: a 48-frame clip (12 `<|AUDIO|>` ids between its bos and eos),
     its encoder pooling pairs of rows, the Linear projector; the 16 greedy ids are
@@ -301,6 +309,7 @@ def test_qwen2_audio_with_a_clip_generates_transformers_tokens(tmp_path):
     assert len(ours) == 16 and ours == theirs
 
 
+@pytest.mark.torch
 def test_qwen2_5_vl_with_a_video_generates_transformers_tokens(tmp_path):
     """A whole Qwen2.5-VL and a video file on the command line (`--video`): the template places
     its `<|video_pad|>` ids, decoding samples 6 of its 33 frames (1.82 fps, not the asked 2:

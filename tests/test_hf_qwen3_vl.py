@@ -21,6 +21,7 @@ from jaxmllm.hf.importer import write_config
 from jaxmllm.models.mllm import MultimodalLM
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.torch  # (every test here runs transformers' models, on torch)
 VOCAB = 512
 NAMES = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 

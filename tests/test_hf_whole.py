@@ -46,6 +46,7 @@ WHOLES = {
 CLASSES = {"qwen2-audio": "Qwen2AudioForConditionalGeneration"}  # (else image-text-to-text)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("name", sorted(WHOLES))
 def test_whole_model_with_media_matches_transformers(name, tmp_path, capsys):
     """`hf check DIR`: one line per part and then one per sample of a packed row: the LLM on
@@ -72,6 +73,7 @@ def test_whole_model_with_media_matches_transformers(name, tmp_path, capsys):
         assert result["max_abs_diff"] < 1e-4, result
 
 
+@pytest.mark.torch
 def test_check_role_prints_one_part_of_a_whole_checkpoint(tmp_path, capsys):
     """`hf check DIR --role R` on a whole checkpoint prints R's line alone; a role the
     checkpoint has no part for, or `--role model` on a checkpoint of one part, is refused naming
@@ -96,6 +98,7 @@ def _load(source: str):
     return whole, roles, cfg, keyed_leaves(nnx.to_pure_dict(nnx.state(model)))
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("name", sorted(WHOLES))
 def test_whole_import_then_export_is_bit_identical(name, tmp_path, caplog):
     """Every tensor of the whole checkpoint is consumed or knowingly left alone (LLaVA's last
@@ -125,6 +128,7 @@ def test_whole_import_then_export_is_bit_identical(name, tmp_path, caplog):
     assert all(np.array_equal(flat[k], again[k]) for k in flat)
 
 
+@pytest.mark.torch
 def test_import_model_writes_the_whole_config(tmp_path):
     """`hf import --model` on a LLaVA directory: the LLM, the tower read at its feature layer
     (2 of its 3 blocks, no final norm, the class token), the projector (one patch a token, its
@@ -166,6 +170,27 @@ def test_import_model_writes_the_whole_config(tmp_path):
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(FamilyError, match="image_token_index is 5 but the tokenizer"):
         write_config(tmp_path / "again.yaml", model=str(d))
+
+
+@pytest.mark.torch
+def test_import_on_a_gpu_recipe_names_the_keys_still_to_set(tmp_path, monkeypatch):
+    """`hf import --base RECIPE`: the recipe's placeholders (its data file, a shared folder of
+    another cluster, its workers a process) are named in the written header, what is real here
+    is not."""
+    source = hf_models.qwen2_vl(tmp_path / "vl")
+    monkeypatch.chdir(tmp_path)  # (the recipe's data/train.jsonl: relative to the command's)
+    recipe = ROOT / "configs" / "gpu" / "qwen2vl_2b_multinode.yaml"
+    write_config(tmp_path / "run.yaml", model=source, base=recipe)
+    header = [line for line in (tmp_path / "run.yaml").read_text().splitlines() if line[:1] == "#"]
+    at = header.index(
+        "# Still to set (the --base recipe's placeholders, paths naming nothing here):"
+    )
+    unset = [line.split(":")[0].strip("# ") for line in header[at + 1 :]]
+    assert unset == ["data.path", "train.output_dir", "data.workers"]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("")
+    write_config(tmp_path / "run.yaml", model=source, base=recipe)
+    assert "#   data.path:" not in (tmp_path / "run.yaml").read_text()
 
 
 def test_import_reads_a_llava_1_5_config_its_defaults_included(tmp_path):
@@ -226,6 +251,7 @@ def test_the_processors_placeholder_is_the_images(tmp_path):
     assert make_tokenizer(str(d)).decode([image]) == "<image>" and image != pad
 
 
+@pytest.mark.torch
 def test_import_refuses_what_it_cannot_read(tmp_path, capsys):
     d = Path(hf_models.llava(tmp_path / "llava"))
     config = json.loads((d / "config.json").read_text())
@@ -409,6 +435,7 @@ def test_an_export_that_fails_midway_leaves_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "export").exists() and not list(tmp_path.glob(".export*"))
 
 
+@pytest.mark.torch
 def test_a_config_that_trains_nothing_is_refused_naming_the_freeze_keys(tmp_path):
     """Stage 1 on an LLM alone (no encoder, so no projector) freezes everything: refused at
     load, naming the keys; with an encoder its projector trains."""
@@ -452,6 +479,7 @@ def _full_vocabulary(d: Path, name: str) -> str:
     return str(d)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize(
     "name", [pytest.param("llava", marks=pytest.mark.slow), "qwen2_5_vl"]
 )  # (LLaVA ~40 s: its SigLIP tower at its own size)

@@ -435,7 +435,7 @@ def test_over_long_text_goes_through_the_oversize_policy(tmp_path, policy):
 
 
 def test_the_capacity_ladder_has_no_end_to_fall_off():
-    from jaxmllm.plan.capacity import ladder_nearest, ladder_up
+    from jaxmllm.resolve.capacity import ladder_nearest, ladder_up
 
     for x in (5_000_000, 3 << 22, 10**9):  # past 2^22, where it raised IndexError
         assert ladder_up(x) >= x and ladder_up(x) % 32 == 0

@@ -177,12 +177,11 @@ def test_a_lora_run_exports_an_adapter_peft_loads_with_the_runs_logits(name, tmp
     import sharding
     from jaxmllm import train
     from jaxmllm.config import Config, ConfigError, from_dict, load_config
-    from jaxmllm.data.source import make_source
     from jaxmllm.hf.export import export_run
     from jaxmllm.hf.start import run_parameters
     from jaxmllm.hf.towers import load_model
     from jaxmllm.init_from import initial_params
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.run import resolve_run
     from jaxmllm.step.stages.program import build_program
     from sharding.rules import keyed_leaves
 
@@ -235,7 +234,7 @@ def test_a_lora_run_exports_an_adapter_peft_loads_with_the_runs_logits(name, tmp
     assert again.model.vision.lora.targets == ("k", "o", "q") and again.model.llm.lora.rank == 4
     no_audio = ["model.audio.enabled=false", "data.synthetic.audio_fraction=0"]
     again = load_config(tmp_path / "again.yaml", [*CPU, *no_audio])
-    again = resolve_batch(again, make_source(again)[1], 8)
+    again = resolve_run(again, 8).cfg
     mesh = sharding.make_mesh(again.mesh)
     with jax.set_mesh(mesh):
         given = keyed_leaves(jax.device_get(initial_params(again, build_program(again, mesh))))

@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 
 from jaxmllm.bench.mixes import from_arrays, synthetic_omni
 from jaxmllm.config import ModelConfig, load_config
+from jaxmllm.cost.model import CostModel
 from jaxmllm.plan.balancer import MANY_BUCKETS
-from jaxmllm.plan.capacity import suggest_capacities
 from jaxmllm.plan.contract import Capacities, OversizeError, check_plan
-from jaxmllm.plan.cost import CostModel
 from jaxmllm.plan.registry import PLANNERS
 from jaxmllm.plan.select import BINDING, HEADROOM, Selector
 from jaxmllm.plan.stream import SampleStream
+from jaxmllm.resolve.capacity import suggest_capacities
 
 MERGE_AREA, SUBSAMPLE = 4, 4
 PER_TOKEN = {"vision": MERGE_AREA, "audio": SUBSAMPLE}  # (units per LLM token)
@@ -293,9 +293,8 @@ def test_equal_tiles_fill_whole_buckets():
 
 def test_routing_tables_are_a_bijection():
     """Through the real pipeline: every encoder output row fills exactly one placeholder."""
-    from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.run import resolve_run
 
     cfg = load_config(
         None,
@@ -317,8 +316,7 @@ def test_routing_tables_are_a_bijection():
             "data.synthetic.num_samples=256",
         ],
     )
-    cfg = resolve_batch(cfg, make_source(cfg)[1], 4)
-    it = make_pipeline(cfg, 4, prefetch=0)
+    it = make_pipeline(resolve_run(cfg, 4), prefetch=0)
     routed = 0
     for _ in range(3):
         batch = next(it)["batch"]
@@ -512,8 +510,8 @@ def test_route_capacity_from_the_planners_traffic_is_held():
     """The per-pair route capacity sized from a dry run of the planner's plans is at least
     the largest item's rows and far below a device's whole output; the planner holds it
     over a longer run (samples wait rather than overflow a pair), and nothing is lost."""
-    from jaxmllm.plan.capacity import largest_item_rows, route_capacity, whole_output_rows
     from jaxmllm.plan.contract import pair_rows
+    from jaxmllm.resolve.capacity import largest_item_rows, route_capacity, whole_output_rows
 
     index = synthetic_omni(6000, seed=4)
     sug = suggest_capacities(index, 4096, PER_TOKEN, per_row=PER_ROW)

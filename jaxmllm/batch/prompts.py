@@ -21,10 +21,10 @@ import numpy as np
 from jaxmllm.batch.bucketize import bucketize
 from jaxmllm.config import Config, ConfigError
 from jaxmllm.config.phases import ENCODERS
+from jaxmllm.config.spec import BatchSpec
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.specials import RESERVED, Specials
-from jaxmllm.plan.contract import ItemPlan, StepPlan
-from jaxmllm.plan.sizing import capacities
+from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
 
 ROUND = 16  # lengths are rounded up to multiples of this, so nearby prompts share programs
 
@@ -130,7 +130,8 @@ def prompt_batch(
             for e in ENCODERS
         },
     )
-    batch = bucketize(plan, dict(enumerate(prompts)), pcfg, capacities(pcfg, n), specials=specials)
+    caps = Capacities.of(BatchSpec.of(pcfg, resolved=False), n)  # (class rows: -1, unbounded)
+    batch = bucketize(plan, dict(enumerate(prompts)), pcfg, caps, specials=specials)
     return {k: v[0] for k, v in batch.items()}  # the one microbatch
 
 
@@ -159,7 +160,8 @@ def packed_row(
             for e in ENCODERS
         },
     )
-    batch = bucketize(plan, dict(enumerate(samples)), pcfg, capacities(pcfg, 1), specials=specials)
+    caps = Capacities.of(BatchSpec.of(pcfg, resolved=False), 1)  # (as prompt_batch's)
+    batch = bucketize(plan, dict(enumerate(samples)), pcfg, caps, specials=specials)
     return {k: v[0] for k, v in batch.items()}, starts
 
 

@@ -91,14 +91,14 @@ from jaxmllm.bench.table import (
 from jaxmllm.config import ModelConfig, load_config
 from jaxmllm.config.command import fail, run
 from jaxmllm.config.phases import BY_NAME, NAMES
+from jaxmllm.cost.model import CostModel
 from jaxmllm.data.lengths import LengthsIndex
-from jaxmllm.plan.capacity import (
+from jaxmllm.plan.contract import Capacities, StepPlan, check_plan, item_rows, pair_rows, step_tiles
+from jaxmllm.plan.registry import HOLDS_TILES, make_planner
+from jaxmllm.resolve.capacity import (
     fill_bound,
 )
-from jaxmllm.plan.contract import Capacities, StepPlan, check_plan, item_rows, pair_rows, step_tiles
-from jaxmllm.plan.cost import CostModel
-from jaxmllm.plan.registry import HOLDS_TILES, make_planner
-from jaxmllm.plan.tilesize import flop_share
+from jaxmllm.resolve.tilesize import flop_share
 
 POLICIES = ("orchestrated", "balanced", "grain", "naive")  # the default --policies
 
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write all rows here")
     ap.add_argument(
         "--cost-file",
-        help="a calibrated cost model (python -m jaxmllm.plan.cost --calibrate RUN_DIR) for the "
+        help="a calibrated cost model (python -m jaxmllm.cost.calibrate RUN_DIR) for the "
         "cost columns; default the FLOP model of the default model config",
     )
     ap.add_argument("--plot", help="PNG of per-device load of one step (needs matplotlib)")

@@ -19,7 +19,7 @@ data config's video rule and --fps, RGB and resized, temporal patches), three wa
 Per size, group of pictures and way: sampled frames/s over wall time (the median of --repeat)
 and over this process's CPU time, the frames decoded and the seeks made. Then the demand: on the
 `video` mix (`jaxmllm.bench.mixes.long_video`), each recipe (`configs/gpu/qwen2vl_<r>.yaml`)
-costs `jaxmllm.plan.cost`'s training FLOPs per sampled frame (its LLM tokens and vision patches,
+costs `jaxmllm.cost.model`'s training FLOPs per sampled frame (its LLM tokens and vision patches,
 shared over the mix's video frames); --gpus GPUs at --tflops each (400: an H100 at ~40% of its
 bf16 peak) consume gpus x tflops / FLOPs-a-frame sampled frames/s, and the host needs that over
 one process's rate in worker processes (each of the threaded ones owning --threads cores), and
@@ -146,7 +146,7 @@ def host_demand(recipe: str, tflops: float, gpus: int) -> dict:
     video frame (the mix's LLM tokens and vision patches over its video frames)."""
     from jaxmllm.bench.mixes import long_video
     from jaxmllm.config import load_config
-    from jaxmllm.plan.cost import CostModel
+    from jaxmllm.cost.model import CostModel
 
     cfg = load_config(f"configs/gpu/qwen2vl_{recipe}.yaml", [])
     cost = CostModel.from_model(cfg.model)

@@ -9,6 +9,8 @@ from datetime import datetime
 
 from jaxmllm.config.checks import check
 
+BYTE_VOCAB = 264  # the byte tokenizer's ids: 256 bytes, then jaxmllm's 8 reserved specials
+
 
 @dataclass(frozen=True)
 class SyntheticConfig:

@@ -168,7 +168,6 @@ class LLMConfig(BlockOptions):
             "mrope_section",
         )
         check(self.heads % self.kv_heads == 0, "kv_heads must divide heads", "kv_heads")
-        check(self.vocab_size >= 264, "the byte tokenizer needs at least 264 ids", "vocab_size")
         m = self.moe
         check(
             all(i < self.depth for i in m.dense_layers),

@@ -7,6 +7,7 @@ always naming the key and the file.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import datetime
 import difflib
@@ -22,6 +23,7 @@ import yaml
 
 from jaxmllm.config import phases
 from jaxmllm.config.checks import ConfigError, check
+from jaxmllm.config.data import BYTE_VOCAB
 from jaxmllm.config.model import ModelConfig
 from jaxmllm.config.phases import ENCODERS, NAMES
 from jaxmllm.config.sections import (
@@ -77,6 +79,18 @@ class Config:
             "synthetic (a held-out share of the built-in data) needs data.source: synthetic; "
             "set data.eval.source: none, or jsonl / arrayrecord with a held-out data.eval.path",
             "data.eval.source",
+        )
+        # Byte ids: the built-in data's, or a data set's under data.tokenizer: byte (another
+        # tokenizer's size is checked when the source opens; a config without data, an HF
+        # checkpoint's own, needs none)
+        d = self.data
+        bytes_ = d.source == "synthetic" or (d.tokenizer == "byte" and (d.path or d.sources))
+        check(
+            not bytes_ or self.model.llm.vocab_size >= BYTE_VOCAB,
+            f"the byte tokenizer needs at least {BYTE_VOCAB} ids (256 bytes and 8 reserved "
+            f"specials){' (the built-in data is bytes)' if d.source == 'synthetic' else ''}: "
+            "raise it, or set data.tokenizer to a checkpoint's tokenizer",
+            "model.llm.vocab_size",
         )
         self._check_trains()
         if self.mesh.context > 1:
@@ -286,9 +300,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    for item in overrides:
-        _apply_override(raw, item)
-    cfg = from_dict(Config, raw, source=source)
+    given = copy.deepcopy(raw) if overrides else raw
+    keys = [_apply_override(raw, item) for item in overrides]
+    try:
+        cfg = from_dict(Config, raw, source=source)
+    except ConfigError as e:
+        raise _named(e, source, given, list(overrides), keys) from None
     if path is not None:  # (not a field: a command that rebuilds what it needs names it)
         cfg.__dict__["_origin"] = (str(path), [str(o) for o in overrides])
     return cfg
@@ -307,7 +324,24 @@ def keep_origin(changed: Config, cfg: Config) -> Config:
     return changed
 
 
-def _apply_override(raw: dict, item: str) -> None:
+def _named(error: ConfigError, source: str, given: dict, overrides: list, keys: list):
+    """`error` of a config with `--set` overrides, named by what caused it: the override(s)
+    whose key it names (or all of them) when the file (the defaults) alone loads or fails
+    otherwise; the file, as `error` says, when it fails alone the same way."""
+    if not overrides:
+        return error
+    try:
+        from_dict(Config, given, source=source)
+    except ConfigError as alone:
+        if str(alone) == str(error):
+            return error  # (the file's own)
+    message = str(error).removeprefix(f"{source}: ")
+    named = [item for item, key in zip(overrides, keys, strict=True) if key in message]
+    return ConfigError(f"--set {' '.join(named or overrides)}: {message}")
+
+
+def _apply_override(raw: dict, item: str) -> str:
+    """Sets `item` (key.path=value) in `raw`; returns its dotted key."""
     key, sep, value = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"--set {item!r}: expected key.path=value, e.g. optim.lr=3e-4")
@@ -325,6 +359,7 @@ def _apply_override(raw: dict, item: str) -> None:
             f"--set {key.strip()}: the value {value[:80]!r} is not valid YAML ({problem}); "
             "quote it as a string or give a plain number, list or mapping"
         ) from None
+    return key.strip()
 
 
 def from_dict(cls: type, raw: Any, *, source: str = "<dict>", prefix: str = "") -> Any:

@@ -314,7 +314,7 @@ class ModelConfig:
     # dense: every pair of a row, masked (the reference; memory and time grow with row_len^2) |
     # cudnn: cuDNN's fused attention over the packed documents (GPU only) | auto: cudnn on
     # Hopper or newer NVIDIA GPUs, block_sparse elsewhere, resolved at start-up
-    # (jaxmllm.plan.sizing.resolve_attention) and printed; models never see auto
+    # (jaxmllm.resolve.attention.resolve_attention) and printed; models never see auto
     attention: str = "block_sparse"
 
     def __post_init__(self):

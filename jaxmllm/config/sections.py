@@ -37,7 +37,7 @@ LONG_VARIANTS = 2  # most long variants of a step (`jaxmllm.plan.ladder.MAX_VARI
 
 # XLA:CPU makes any number of virtual devices, each with its own threads and buffers: 100,000
 # crashed it after 90 s. A process may split its cores into at most this many devices each
-# (`jaxmllm.loop.distributed.split_cpu` checks it against the machine), 256 at least.
+# (`jaxmllm.process.distributed.split_cpu` checks it against the machine), 256 at least.
 MAX_CPU_DEVICES_PER_CORE = 32
 
 
@@ -85,7 +85,7 @@ PLACEMENTS = ("auto", "stages", "data")
 class PipelineConfig:
     """Pipeline parallelism (`mesh.stage` > 1): how layers and encoders are split into stages.
 
-    Left on auto, a partitioner (jaxmllm/plan/stages/partition.py) chooses from the cost model,
+    Left on auto, a partitioner (jaxmllm/pipeline/partition.py) chooses from the cost model,
     with the frozen modules' multipliers, and prints the plan at start-up.
     """
 
@@ -260,7 +260,7 @@ class TrainConfig:
     max_nonfinite_steps: int = 5  # stop after this many skipped (NaN/inf) steps in a row; 0 = never
     ledger: bool = False  # write the sample ids of every step to <output_dir>/ledger/ (audits)
     record_timings: bool = True  # each step's time and work to timings.jsonl (calibration)
-    # XLA's GPU scheduling flags (jaxmllm/loop/xla_flags.py: latency-hiding scheduler,
+    # XLA's GPU scheduling flags (jaxmllm/process/xla_flags.py: latency-hiding scheduler,
     # pipelined collectives, double buffering) added when the backend is a GPU; XLA_FLAGS wins
     xla_gpu_flags: bool = True
     peak_tflops: float = 0.0  # a device's dense bf16 peak for MFU; 0: from its kind (or no MFU)

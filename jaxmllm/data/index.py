@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError, load_config, printable
+from jaxmllm.config.command import add_config_args
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.config.sections import files_format
 from jaxmllm.data.columnar import publish, remove_stale, staging
@@ -107,8 +108,9 @@ def build_index(
 
 def data_set(cfg: Config, path: str | Path | None) -> DataSet:
     """The config's data set at `path` (one of data.sources, or data.path's settings for
-    another file); without `path`, its only one."""
-    sets = data_sets(cfg)
+    another file: a config that names no data gives its defaults); without `path`, its only
+    one."""
+    sets = data_sets(cfg) if path is None or cfg.data.source != "none" else []
     if path is None:
         if len(sets) != 1:
             raise ConfigError(
@@ -316,8 +318,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", help="the training config (data, tokenizer, patch size, budgets)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    add_config_args(
+        p,
+        required=False,
+        config_help="the training config (data, tokenizer, patch size, budgets); without it, "
+        "--manifest is indexed with the defaults and --set",
+    )
     p.add_argument(
         "--manifest",
         help="index this data file (directory, glob) instead of the "

@@ -16,7 +16,6 @@ import json
 import logging
 from pathlib import Path
 
-import grain
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError
@@ -359,14 +358,17 @@ def check_videos(cfg: Config, videos: int, where: str = "") -> None:
         )
 
 
-def make_source(cfg: Config) -> tuple[grain.MapDataset, LengthsIndex]:
-    """The record source named by data.source and its lengths index.
+def make_source(
+    cfg: Config,
+) -> tuple[SyntheticSource | ManifestSource | MixtureSource, LengthsIndex]:
+    """The record source data.source names (`source[i]` -> the Sample of index row i, as
+    itself: a random-access source is all the feed reads) and its lengths index.
 
     A manifest or ArrayRecord source reads its index (`python -m jaxmllm.data.index`), checks it
     against the config and applies data.on_oversize; row i of the index is `source[i]`.
     """
     if cfg.data.source == "synthetic":
         source = SyntheticSource(cfg)
-        return grain.MapDataset.source(source), source.lengths()
+        return source, source.lengths()
     manifest = open_source(cfg)
-    return grain.MapDataset.source(manifest), manifest.index
+    return manifest, manifest.index

@@ -17,8 +17,7 @@ import logging
 import shlex
 import sys
 
-from jaxmllm.config import guard_logs
-from jaxmllm.config.command import run
+from jaxmllm.config.command import configure_logging, run
 from jaxmllm.hf.family import FamilyError
 
 
@@ -114,9 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _command(argv: list[str] | None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
-    guard_logs()  # (record ids and file names in messages: escaped)
-    logging.getLogger("jaxmllm").setLevel(logging.INFO)  # (not orbax's and absl's chatter)
+    configure_logging(logging.WARNING, ours=logging.INFO)  # (not orbax's and absl's chatter)
     args = parse_args(argv)
     if args.command == "import":
         from jaxmllm.hf.importer import write_config

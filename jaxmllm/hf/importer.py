@@ -11,6 +11,7 @@ and processor settings included.
 from __future__ import annotations
 
 import copy
+import glob
 import json
 import math
 import shlex
@@ -293,8 +294,34 @@ def write_config(
     named = raw["data"].get("path") or raw["data"].get("sources")
     data = BUILT_IN if cfg.data.source == "synthetic" else DATA if named else NO_DATA
     text = TEMPLATE.format(config=out, command=command, data=data)
+    unset = keys_to_set(raw, from_base=bool(base))
+    if unset:
+        text += "# Still to set (the --base recipe's placeholders, paths naming nothing here):\n"
+        text += "".join(f"#   {line}\n" for line in unset)
     out.write_text(text + yaml.safe_dump(raw, sort_keys=False, default_flow_style=False, width=100))
     return cfg
+
+
+def keys_to_set(raw: dict, from_base: bool) -> list[str]:
+    """The written config's keys that still need a value of this site: data paths that name
+    nothing here (data.path, data.media_root), an absolute train.output_dir whose top folder
+    does not exist here (a recipe's /shared/...), and, `from_base`, data.workers (a recipe's
+    worker count a process, sized for its own nodes' cores)."""
+    data, unset = raw.get("data", {}), []
+    for key in ("path", "media_root"):
+        value = str(data.get(key) or "")
+        if value and not (Path(value).exists() or glob.glob(value)):
+            unset.append(f"data.{key}: {value} (nothing there yet)")
+    out = Path(str(raw.get("train", {}).get("output_dir") or ""))
+    if out.is_absolute() and len(out.parts) > 1 and not Path(*out.parts[:2]).exists():
+        unset.append(f"train.output_dir: {out} ({Path(*out.parts[:2])} does not exist here)")
+    workers = data.get("workers")
+    if from_base and workers:
+        unset.append(
+            f"data.workers: {workers} (the recipe's, per process: what python -m "
+            "jaxmllm.bench.host says a step needs, within a process's cores)"
+        )
+    return unset
 
 
 def adapter_sections(raw: dict, adapter: str, where: str) -> None:

@@ -17,13 +17,38 @@ from pathlib import Path
 
 import jax
 
-from jaxmllm.batch.info import StepInfo
 from jaxmllm.config import Config
 from jaxmllm.data.datasets import data_sets, index_dir
 from jaxmllm.data.preprocess import Params
 from jaxmllm.data.rejects import by_reason, wrapped
+from jaxmllm.feed.info import StepInfo
+from jaxmllm.step.program import warmup_steps
 
 log = logging.getLogger("jaxmllm")
+
+
+SHORT_WARMUP = 0.5  # a warm-up over this share of the run: its loss moves little, said
+
+
+def schedule_note(cfg: Config) -> tuple[int, str]:
+    """(log level, line): the learning rate's schedule, said at start-up; a warning when the
+    warm-up takes most of the run (a short trial of an imported config, lr 1e-5 after 50
+    warm-up steps, looked dead with nothing said)."""
+    o, steps, warmup = cfg.optim, cfg.train.steps, warmup_steps(cfg)
+    line = (
+        f"optim.lr={o.lr:g}: 0 -> {o.lr:g} over {warmup} warm-up steps, cosine to "
+        f"{o.lr * o.min_lr_ratio:g} at step {steps}"
+    )
+    if o.warmup_steps > warmup:
+        line += f" (optim.warmup_steps={o.warmup_steps}, held to the run's {steps} steps)"
+    if steps > 1 and warmup > SHORT_WARMUP * steps:
+        line += (
+            f"; the warm-up takes {warmup} of the run's {steps} steps, so its loss moves little "
+            f"at first: for a short trial lower optim.warmup_steps (--set optim.warmup_steps="
+            f"{max(1, steps // 10)}) or raise train.steps"
+        )
+        return logging.WARNING, line
+    return logging.INFO, line
 
 
 class RunReport:

@@ -435,7 +435,7 @@ class _open:
         check_media_file(self.src, self.record_id, self.max_bytes)  # (data.max_media_bytes)
         data = io.BytesIO(self.src) if isinstance(self.src, bytes) else str(self.src)
         try:
-            self.container = av.open(data, mode="r", metadata_errors="ignore")
+            self.container = av.open(data, mode="r", **open_options(av.__version__))
         except Exception as e:  # noqa: BLE001  anything FFmpeg says about a file it cannot read
             raise RecordError("undecodable_media", _what(self.src, e), self.record_id) from None
         if not self.container.streams.video:
@@ -454,6 +454,12 @@ class _open:
     def __exit__(self, *exc):
         self.container.close()
         return False
+
+
+def open_options(version: str) -> dict[str, str]:
+    """`av.open`'s keywords: PyAV < 19 raises on metadata that is not UTF-8 unless told to
+    ignore it; 19 dropped the keyword (a TypeError) and never raises (surrogateescape)."""
+    return {"metadata_errors": "ignore"} if int(version.split(".")[0]) < 19 else {}
 
 
 def cores() -> int:

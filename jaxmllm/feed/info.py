@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # (the feed, a later layer, makes it)
-    from jaxmllm.feed.times import HostTimes
+from jaxmllm.feed.times import HostTimes
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """FLOPs of one item of each phase from the model config: the forward FLOPs per unit of a
-tower's layers and projector (`jaxmllm.plan.cost.CostModel.from_model` prices items with them,
+tower's layers and projector (`jaxmllm.cost.model.CostModel.from_model` prices items with them,
 times the training multipliers).
 
 Per transformer layer and token (hidden d, key/value width d_kv, gated-MLP width f):
@@ -9,7 +9,7 @@ experts a token visits and its shared expert: the active parameters (`decoder_li
 
 from __future__ import annotations
 
-from jaxmllm.plan import training
+from jaxmllm.cost import training
 
 
 def _mlp(section) -> str:
