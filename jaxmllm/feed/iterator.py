@@ -79,7 +79,8 @@ class StepIterator(grain.DatasetIterator):
 
     def __next__(self) -> dict[str, Any]:
         if self.loader is None:  # made on first use: worker processes start here
-            self.loader = Loader(self.cfg, self.source, self.reject_log)
+            # (its rejects go to the log when the trainer takes their step: `RunReport`)
+            self.loader = Loader(self.cfg, self.source, self.reject_log, write=False)
             self.loader.log.counts.update(self._restored_rejects)
         clock = Stopwatch()  # each stage's time, for the metrics (host/*) and bench.host
         plan = self.planner.plan()
@@ -114,6 +115,7 @@ class StepIterator(grain.DatasetIterator):
             rejects=self.loader.counts(),
             new_rejects=new_rejects,
             first_reject=first_reject,
+            reject_entries=self.loader.log.take_entries(),
             variant=variant,
             sources={} if mix is None else mix.counts(plan.samples),
             host=times,  # this step's time in each stage of the feed

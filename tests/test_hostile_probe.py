@@ -1,0 +1,117 @@
+"""Hostile input and faults of issue 50's probes, each class built from the file (or the run)
+that showed it, its outcome asserted: a counted reject naming the record, or an error naming
+the file and the key to change, never a silent loss or a hang.
+
+Classes here: a run in which no sample loads; the rejects log against the run's counts and
+records told apart from their draws. The config-file classes: tests/test_config_files.py;
+the data files': tests/test_hostile_shards.py; the run's: tests/test_run_guards.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxmllm.batch.info import StepInfo
+from jaxmllm.bench.data import write_dataset
+from jaxmllm.config import load_config
+from jaxmllm.data.index import build_index
+from jaxmllm.data.loader import Loader
+from jaxmllm.data.rejects import DataError, read_rejects
+from jaxmllm.data.source import open_source
+from jaxmllm.loop.summary import RunReport
+
+SETTINGS = [
+    "data.source=files",
+    "data.workers=0",
+    "data.image_min_pixels=256",
+    "data.image_max_pixels=1024",
+    "data.eval.source=none",
+]
+
+
+def config(path, *extra):
+    return load_config("configs/manifest_example.yaml", [*SETTINGS, f"data.path={path}", *extra])
+
+
+def steps_of(loader: Loader, report: RunReport, draws: list[np.ndarray]) -> None:
+    """Loads each step's samples as the feed does and hands the step to the report as the
+    loop does (the feed writes no rejects itself: `write=False`)."""
+    for step, read in enumerate(draws):
+        loader.load(read, step=step)
+        new, first = loader.log.take_new()
+        info = StepInfo(step, read, {"read": read}, 0, {}, loader.counts(), 0.0, 0.0)
+        info.new_rejects, info.first_reject = new, first
+        info.reject_entries = loader.log.take_entries()
+        report.step(info)
+
+
+@pytest.fixture
+def data(tmp_path):
+    """A manifest of 16 images, indexed."""
+    manifest = write_dataset(tmp_path / "ds", images=16, audio=0)
+    cfg = config(manifest, f"train.output_dir={tmp_path / 'run'}", "train.steps=4")
+    build_index(cfg, manifest, progress=False)
+    return manifest, cfg
+
+
+def test_a_run_whose_media_are_missing_here_stops_naming_the_cause(data, tmp_path):
+    """The media folder is not on the training host (the index was built where it was): every
+    sample fails to load. The run trained on padding at 0 tokens/s and exited 0; it stops,
+    exit 2, at the step where the share passes data.max_load_rejects."""
+    manifest, cfg = data
+    (manifest.parent / "media").rename(tmp_path / "elsewhere")
+    source, out = open_source(cfg), tmp_path / "run"
+    loader = Loader(cfg, source, write=False)
+    report = RunReport(cfg, out, 0, out / "rejects.jsonl")
+    draws = [np.arange(k * 4, k * 4 + 4) for k in range(4)]
+    with pytest.raises(DataError) as e:  # (16 draws: judged at the last step, the 4th)
+        steps_of(loader, report, draws)
+    message = str(e.value)
+    assert "steps 1-4: 16 of the 16 samples drawn failed to load (missing_media 16" in message
+    assert "data.max_load_rejects=0.1" in message and "python -m jaxmllm.data.index" in message
+    assert "no such file" in message and len(read_rejects(out / "rejects.jsonl")) == 16
+
+
+def test_a_few_missing_media_are_within_the_bound(data, tmp_path):
+    manifest, cfg = data
+    records = [json.loads(x) for x in manifest.read_text().splitlines()]
+    (manifest.parent / records[0]["images"][0]).unlink()
+    source, out = open_source(cfg), tmp_path / "run"
+    report = RunReport(cfg, out, 0, out / "rejects.jsonl")
+    many = [np.arange(16)] * 3  # (48 draws, 3 failing: judged, under 0.1)
+    steps_of(Loader(cfg, source, write=False), report, many)
+    lax = config(manifest, f"train.output_dir={tmp_path / 'lax'}", "data.max_load_rejects=1")
+    (manifest.parent / "media").rename(tmp_path / "elsewhere")
+    report = RunReport(lax, tmp_path / "lax", 0, tmp_path / "lax" / "rejects.jsonl")
+    steps_of(Loader(lax, open_source(lax), write=False), report, many)  # (1: never stops)
+
+
+def test_the_rejects_log_lists_what_the_run_counted_and_records_apart_from_draws(data, tmp_path):
+    """One image deleted after indexing, drawn in each of 32 steps (a small data set's
+    epochs): the log had a line per load (prefetched steps the run never trained included)
+    and the summary said "32 at load time", read as 32 broken files. The log now has the
+    lines of the steps taken, and the summary says how many records they are."""
+    manifest, cfg = data
+    records = [json.loads(x) for x in manifest.read_text().splitlines()]
+    gone = records[0]["id"]
+    (manifest.parent / records[0]["images"][0]).unlink()
+    source, out = open_source(cfg), tmp_path / "run"
+    cfg = config(manifest, f"train.output_dir={out}", "train.steps=32")
+    loader = Loader(cfg, source, write=False)
+    report = RunReport(cfg, out, 0, out / "rejects.jsonl")
+    steps_of(loader, report, [np.arange(16)] * 32)
+    loader.load(np.arange(16), step=32)  # (a step prefetched, never trained: not logged)
+    logged = read_rejects(out / "rejects.jsonl")
+    assert len(logged) == 32 and {r["id"] for r in logged} == {gone}
+    row = {"loss": 1.0, **{k: v for k, v in report_counts(logged).items()}}
+    window = type("W", (), {"run_steps": 0})()
+    summary = " ".join(report.summary(32, row, window, Path("ck/32")))
+    assert "32 at load time (missing_media 32; 1 record, drawn 32 times)" in summary, summary
+
+
+def report_counts(logged: list[dict]) -> dict:
+    return {"rejects/load_total": float(len(logged)), "rejects/load_missing_media": 32.0}
