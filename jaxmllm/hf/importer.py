@@ -19,8 +19,9 @@ from pathlib import Path
 
 import yaml
 
-from jaxmllm.config import Config, DataConfig, from_dict
+from jaxmllm.config import Config, ConfigError, DataConfig, from_dict
 from jaxmllm.config.phases import ENCODERS
+from jaxmllm.config.yamlfile import read_yaml
 from jaxmllm.data.text.tokenizer import make_tokenizer
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.load import checkpoint_tensors
@@ -344,11 +345,11 @@ def import_command(
 
 def _read_base(base: str | Path) -> dict:
     try:
-        raw = yaml.safe_load(Path(base).read_text()) or {}
+        raw = read_yaml(Path(base).read_text(), f"--base {base}") or {}
     except OSError as e:
         raise FamilyError(f"--base {base}: cannot read it ({e.strerror})") from None
-    except yaml.YAMLError as e:
-        raise FamilyError(f"--base {base}: not valid YAML ({e})") from None
+    except ConfigError as e:
+        raise FamilyError(str(e)) from None
     if not isinstance(raw, dict):
         raise FamilyError(f"--base {base}: the top level must be a mapping of sections")
     return raw
