@@ -124,7 +124,10 @@ def data(tmp_path_factory):
     path.write_text("\n".join(lines) + "\n")
     expect = {k: why for k, (_, why) in bad.items()}
     expect.update(
-        {f"line:{len(lines) - 2}": "malformed_line", f"line:{len(lines) - 1}": "malformed_line"}
+        {  # (no id: named by their place)
+            f"manifest.jsonl:{len(lines) - 2}": "malformed_line",
+            f"manifest.jsonl:{len(lines) - 1}": "malformed_line",
+        }
     )
     cfg = config(path)
     summary = build_index(cfg, path, progress=False)

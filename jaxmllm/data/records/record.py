@@ -80,12 +80,15 @@ class MediaPaths:
         )
 
 
-def parse_record(obj: Any, paths: MediaPaths | Path, line: int) -> Record:
+def parse_record(
+    obj: Any, paths: MediaPaths | Path, line: int, fallback: str | None = None
+) -> Record:
     """Checks one manifest object and resolves its media paths (a bare Path: confined to that
-    folder); raises RecordError."""
+    folder); raises RecordError. `fallback`: what names a record that names itself no id (its
+    place in the data set; default `line:<line>`)."""
     if not isinstance(paths, MediaPaths):
         paths = MediaPaths(Path(paths))
-    fallback = f"line:{line}"
+    fallback = fallback or f"line:{line}"
     if not isinstance(obj, dict):
         raise RecordError("malformed_line", "not a JSON object", fallback)
     if "__malformed__" in obj:
