@@ -153,3 +153,41 @@ def test_an_index_of_the_earlier_format_is_refused_naming_the_rebuild(tmp_path):
         open_source(cfg)
     assert "index_format 'jaxmllm-columnar-1'" in str(e.value)
     assert "Rebuild it:\n  python -m jaxmllm.data.index" in str(e.value)
+
+
+def within(seconds: float, fn):
+    """fn()'s value, or a failure when it has not returned in `seconds` (a hang)."""
+    import threading
+
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert out, f"no answer in {seconds} s"
+    return out[0]
+
+
+def test_links_into_a_loop_or_a_sibling_are_walked_once(tmp_path, caplog):
+    """Links to a parent in a data folder: the recursive glob walked the loop (no answer in
+    60 s); a link to a sibling folder read its files twice, each record then the other's
+    duplicate_id. Each folder is read once, by the first path reaching it; the log says."""
+    import logging
+
+    from jaxmllm.data.records.formats import data_files
+
+    data = tmp_path / "data"
+    for lang in ("en", "fr"):
+        (data / lang).mkdir(parents=True)
+        (data / lang / "data.jsonl").write_text(json.dumps({"id": lang, "text": "x"}) + "\n")
+    (data / "en" / "loop").symlink_to("..")
+    (data / "fr" / "up").symlink_to("../..")
+    (data / "fr" / "back").symlink_to(data)
+    (data / "zz_en_again").symlink_to(data / "en")
+    (data / "en" / "same.jsonl").symlink_to(data / "en" / "data.jsonl")
+    caplog.set_level(logging.WARNING, logger="jaxmllm")
+    want = [data / "en" / "data.jsonl", data / "fr" / "data.jsonl"]
+    assert within(20, lambda: data_files(f"{data}/**/*.jsonl")) == want
+    assert within(20, lambda: data_files(data)) == want
+    assert "lead back into folders already read" in caplog.text
+    summary, rejects = index(data, "data.source=files", "data.format=jsonl")
+    assert summary["accepted"] == 2 and not rejects
