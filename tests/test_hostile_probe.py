@@ -115,3 +115,28 @@ def test_the_rejects_log_lists_what_the_run_counted_and_records_apart_from_draws
 
 def report_counts(logged: list[dict]) -> dict:
     return {"rejects/load_total": float(len(logged)), "rejects/load_missing_media": 32.0}
+
+
+def test_two_sources_sharing_one_index_folder_are_refused(tmp_path, capsys):
+    """Two data.sources given one index_dir: each build replaced the other's index, and
+    training then claimed a file had changed since its index, which no rebuild fixed."""
+    from jaxmllm.config import ConfigError
+    from jaxmllm.data.index import main as index_main
+
+    a = write_dataset(tmp_path / "a", images=4, audio=0)
+    b = write_dataset(tmp_path / "b", images=4, audio=0)
+    shared = tmp_path / "index"
+    sources = (
+        f"data.sources=[{{path: {a}, index_dir: {shared}}}, {{path: {b}, index_dir: {shared}}}]"
+    )
+    sets = [*SETTINGS, "data.path=", sources]
+    cfg = load_config("configs/manifest_example.yaml", sets)
+    with pytest.raises(ConfigError, match=f"{a} and {b} would share the index folder {shared}"):
+        open_source(cfg)
+    argv = ["--config", "configs/manifest_example.yaml", "--workers", "0"]
+    assert index_main([*argv, *[a for s in sets for a in ("--set", s)]]) == 2
+    assert "would share the index folder" in capsys.readouterr().err
+    assert not shared.exists()  # (refused before either was built)
+    build_index(config(a, f"data.index_dir={shared}"), a, progress=False)  # (a's, then b's)
+    with pytest.raises(ConfigError, match=f"was built for {a} .*, not {b}: each data set"):
+        open_source(config(b, f"data.index_dir={shared}"))

@@ -57,6 +57,7 @@ from jaxmllm.data.columnar import publish, remove_stale, staging
 from jaxmllm.data.datasets import (
     DataSet,
     acceptance_problem,
+    check_index_dirs,
     data_sets,
     eval_set,
     index_dir,
@@ -356,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             sets = data_sets(cfg) + [e for e in [eval_set(cfg)] if e is not None]
+        check_index_dirs(cfg, sets)
         for ds in sets:
             summary = index_data_set(
                 cfg, ds, workers=args.workers, decode=args.decode, ray=args.ray
