@@ -44,6 +44,7 @@ from jaxmllm.loop.checkpoint import (
 from jaxmllm.loop.evaluate import open_evaluator
 from jaxmllm.loop.guards import NonFiniteError, NonFiniteGuard, Preemption, Watchdog
 from jaxmllm.loop.ledger import Ledger
+from jaxmllm.loop.lock import hold_output_dir
 from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter, device_peak
 from jaxmllm.loop.summary import RunReport, rejects_file
 from jaxmllm.loop.timings import TimingsRecorder
@@ -85,9 +86,8 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
     t = cfg.train
     out = Path(t.output_dir)
     is_main = jax.process_index() == 0
+    closing.enter_context(hold_output_dir(out, is_main))  # (a second run there stops here)
     check_resumable(cfg, out)
-    if is_main:
-        write_config(cfg, out)
 
     # Mesh: data x fsdp x tensor over all devices; D = data-parallel buckets per step.
     log.info(
@@ -129,6 +129,8 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
         state = fresh if fresh is not None else prog.init(initial_params(cfg, prog))
     else:
         state = prog.from_saved(state, base)
+    if is_main:  # (only once the resume checks passed: a refused run leaves the folder as it was)
+        write_config(cfg, out)
     start = int(state["step"])
     if start:
         print(f"resumed from checkpoint at step {start} in {mngr.directory}")
