@@ -140,3 +140,22 @@ def test_two_sources_sharing_one_index_folder_are_refused(tmp_path, capsys):
     build_index(config(a, f"data.index_dir={shared}"), a, progress=False)  # (a's, then b's)
     with pytest.raises(ConfigError, match=f"was built for {a} .*, not {b}: each data set"):
         open_source(config(b, f"data.index_dir={shared}"))
+
+
+def test_a_long_id_is_quoted_cut_with_its_length(tmp_path):
+    """A rejected record's 20 MB id was printed whole in the index's example line (and kept
+    in summary.json). Messages quote its start and its length; the rejects log keeps it."""
+    from jaxmllm.data.index import report
+    from jaxmllm.data.rejects import RecordError
+
+    rid = "x" * 20_000_000
+    manifest = tmp_path / "m.jsonl"
+    lines = [{"id": rid, "text": "<image> a", "images": ["gone.png"]}, {"id": "ok", "text": "b"}]
+    manifest.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cfg = config(manifest, "data.min_accept=0")
+    summary = build_index(cfg, manifest, progress=False)
+    shown = " ".join(line.strip() for line in report(summary))
+    assert len(shown) < 2000 and "... (20000000 characters) (m.jsonl line 1)" in shown, shown
+    assert (Path(summary["index"]) / "summary.json").stat().st_size < 100_000
+    assert read_rejects(Path(summary["index"]) / "rejects.jsonl")[0]["id"] == rid
+    assert len(str(RecordError("missing_media", "gone.png", rid))) < 400

@@ -196,6 +196,12 @@ class DataConfig:
     # Bytes of a media file (or inline media, or a manifest line), from its size before any
     # byte is read; over it: media_too_large (a line: malformed_line)
     max_media_bytes: int = 1 << 30
+    # Bytes of memory a process reading records may spend on one (decoding an image or a clip,
+    # parsing a JSON line, a Parquet row group), estimated before it is read; over it: a
+    # counted reject, over_memory_budget. 0 = half the machine's (or its cgroup's) memory
+    # shared by the processes reading side by side (data.workers, an index's --workers), at
+    # least 256 MiB
+    worker_memory: int = 0
     # true: media paths may lead anywhere (absolute paths kept on purpose); they are still read
     # only as regular files, within the caps above
     allow_outside_paths: bool = False
@@ -247,6 +253,7 @@ class DataConfig:
             "source",
         )
         check(self.format in FORMATS, f"must be one of {', '.join(FORMATS)}", "format")
+        check(self.worker_memory >= 0, "must be >= 0 bytes (0: auto)", "worker_memory")
         check(
             0 <= self.max_load_rejects <= 1,
             "must be a share from 0 to 1 (1: never stop)",

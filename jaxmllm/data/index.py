@@ -148,8 +148,10 @@ def index_data_set(
     staged = staging(out)
     (staged / "parts").mkdir()
     paths = media_paths(ds.path, files, ds.media_root, cfg.data, ds.confine)
-    ctx = context(fmt, files, paths, cfg, staged, decode)
-    pool, workers = make_pool(ctx, workers, ray or cfg.data.index_ray)
+    ray = ray or cfg.data.index_ray
+    processes = (os.cpu_count() or 1) if ray else max(1, workers)  # (Ray: a task a core)
+    ctx = context(fmt, files, paths, cfg, staged, decode, processes)
+    pool, workers = make_pool(ctx, workers, ray)
     stats = {} if stats is None else stats
     try:
         merged, ignored = run_build(pool, ctx, ds.name, workers, progress, stats)

@@ -38,10 +38,25 @@ REASONS = {
     "template_error": "the tokenizer directory's chat template fails on the record (or has none)",
     "template_inconsistent": "the chat template's text before an assistant turn changes later",
     "no_encoder": "the record has items of a phase the model has no encoder for (model.<phase>)",
+    "over_memory_budget": "reading it (decoding an image or a clip, parsing a line, a row "
+    "group) would need more memory than data.worker_memory (not read)",
     "record_failed": "reading the record raised an unexpected error (named in the detail)",
     "record_crashed": "the index's worker process died reading the record (out of memory, an "
     "abort in native code); the build went on without it",
 }
+
+
+MAX_ID_SHOWN = 200  # characters of a record id a message quotes (a longer one: cut, its length)
+
+
+def shown_id(record_id: object) -> str:
+    """A record id as messages, summaries and examples quote it: whole up to MAX_ID_SHOWN
+    characters, else its start and its length (a 20 MB id was printed whole). The rejects
+    log keeps it whole."""
+    rid = str(record_id)
+    if len(rid) <= MAX_ID_SHOWN:
+        return rid
+    return f"{rid[: MAX_ID_SHOWN // 2]}... ({len(rid)} characters)"
 
 
 class RecordError(UserError):
@@ -52,7 +67,7 @@ class RecordError(UserError):
         assert reason in REASONS, reason
         # (from the data: a newline or an escape code would act on the terminal and the logs)
         record_id, detail = printable(record_id), printable(detail)
-        super().__init__(f"record {record_id}: {reason}: {detail}")
+        super().__init__(f"record {shown_id(record_id)}: {reason}: {detail}")
         self.reason, self.detail, self.record_id = reason, detail, record_id
 
     def to_json(self, **extra) -> dict:
@@ -192,10 +207,11 @@ class LoadShare:
         if not over or (self.drawn < self.JUDGED_AFTER and not last):
             return
         example = ""
-        if self.first is not None:
+        first = self.first
+        if first is not None:
             example = (
-                f"; the first: record {self.first.get('id')}: {self.first.get('reason')}: "
-                f"{self.first.get('detail')}"
+                f"; the first: record {shown_id(first.get('id'))}: {first.get('reason')}: "
+                f"{first.get('detail')}"
             )
         raise DataError(
             f"{steps}: {self.failed} of the {self.drawn} samples drawn failed to load "

@@ -303,7 +303,7 @@ def open_data_set(cfg: Config, ds: DataSet, tokenizer) -> ManifestSource:
     if cfg.data.frame_cache:
         pre.frames = open_frame_cache(cfg, ds, out)
     files = FileList(stored.files)
-    caps = {"max_bytes": cfg.data.max_media_bytes}
+    caps = {"max_bytes": cfg.data.max_media_bytes, "max_memory": pre.p.worker_memory}
     paths = media_paths(ds.path, files, ds.media_root, cfg.data, ds.confine)
     records = Records(
         files,

@@ -21,7 +21,7 @@ from jaxmllm.batch.info import StepInfo
 from jaxmllm.config import Config
 from jaxmllm.data.datasets import data_sets, index_command, index_dir
 from jaxmllm.data.preprocess import Params
-from jaxmllm.data.rejects import LoadShare, append_rejects, by_reason, wrapped
+from jaxmllm.data.rejects import LoadShare, append_rejects, by_reason, shown_id, wrapped
 
 log = logging.getLogger("jaxmllm")
 
@@ -152,7 +152,7 @@ def window_lines(first: int, last: int, new: dict, example: dict | None, where) 
     if example is not None:  # (its `step` is the plan's, from 0: the training step before it)
         step = example["step"] + 1 if isinstance(example.get("step"), int) else "?"
         text += (
-            f"; the first: record {example.get('id')} (step {step}): "
+            f"; the first: record {shown_id(example.get('id'))} (step {step}): "
             f"{example.get('reason')}: {example.get('detail')}"
         )
     return wrapped(f"{text}. Each one is listed in {where}.", " " * 4)

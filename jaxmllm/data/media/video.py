@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmllm.data.media.image import MAX_PIXELS, image_grid, patchify
+from jaxmllm.data.media.image import MAX_PIXELS, image_grid, jpeg_data, jpeg_scans, patchify
 from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError, check_media_file
 
 Source = str | Path | bytes
@@ -163,15 +163,51 @@ def read_video_info(
     max_pixels: int = MAX_PIXELS,
     max_decoded: int = MAX_DECODED_PIXELS,
     max_bytes: int = MAX_MEDIA_BYTES,
+    jpeg: tuple[int, int] | None = None,
 ) -> VideoInfo:
     """The video's frames, rate and size from its container's header, without decoding a frame;
     refuses one over the caps (`video_too_large`) and a truncated one (its last packets missing:
-    only the tail of the packet index is read)."""
+    only the tail of the packet index is read); an MJPEG one's frames are held to an image's
+    JPEG bounds (`jpeg`: data.max_image_scans, max_image_scan_pixels; `check_jpeg_frame`)."""
     with _open(src, record_id, max_bytes) as (container, stream):
         info = _header(container, stream, src, record_id)
         check_caps(info, src, record_id, max_seconds, max_pixels, max_decoded)
+        if jpeg is not None and stream.codec_context.name == "mjpeg":
+            for packet in container.demux(stream):
+                check_jpeg_frame(packet, info, jpeg, src, record_id)
+            container.seek(0)
         _check_tail(container, stream, info, src, record_id)
     return info
+
+
+def check_jpeg_frame(packet, info: VideoInfo, jpeg, src, record_id) -> None:
+    """An MJPEG frame (a packet: one JPEG) held to what an image's JPEG is before decoding:
+    its scans (each a pass over the frame: `image.jpeg_scans`, data.max_image_scans and
+    max_image_scan_pixels) and its data against its size (`image.jpeg_data`). FFmpeg's MJPEG
+    decoder reads progressive frames too, so a frame of repeated scans costs what an image of
+    them does, every frame."""
+    data = bytes(packet)
+    if not data:
+        return
+    max_scans, max_scan_pixels = jpeg
+    w, h = info.width, info.height
+    affordable = min(max_scans, max_scan_pixels // max(w * h, 1))
+    when = float(packet.pts * packet.time_base) if packet.pts is not None else 0.0
+    at = (
+        f"MJPEG frame at {when:.2f} s"
+        if src is None
+        else f"{_name(src)}: MJPEG frame at {when:.2f} s"
+    )
+    if jpeg_scans(data, affordable) > affordable:
+        raise RecordError(
+            "image_too_costly",
+            f"{at}: a JPEG of more than {affordable} scans of {w}x{h} pixels "
+            f"(data.max_image_scans={max_scans}, data.max_image_scan_pixels={max_scan_pixels})",
+            record_id,
+        )
+    problem = jpeg_data(data, w, h)
+    if problem:
+        raise RecordError("undecodable_media", f"{at}: {problem}", record_id)
 
 
 def _header(container, stream, src: Source, record_id: str) -> VideoInfo:
@@ -248,6 +284,7 @@ def load_video(
     max_seconds: float = MAX_SECONDS,
     max_bytes: int = MAX_MEDIA_BYTES,
     cached: Callable | None = None,
+    jpeg: tuple[int, int] | None = None,
 ) -> list[tuple[np.ndarray, np.ndarray] | None]:
     """The video's temporal patches as vision items, from the header `info` the index read
     (checked again: the caps are the training config's): per temporal patch (patches [gh*gw,
@@ -255,7 +292,8 @@ def load_video(
     positions [gh*gw, 2] as (row, col)). `parts`: only these temporal patches are decoded
     (the others None: another host encodes them); None = all. `cached(want, shape)`: the
     frame cache's pixels of temporal patches `want` (as `patches_of` makes them) for a video
-    sampled to `shape` = (frames, H, W), or None to decode them here."""
+    sampled to `shape` = (frames, H, W), or None to decode them here. `jpeg`: an MJPEG
+    video's frames' bounds (`check_jpeg_frame`)."""
     check_caps(info, src, record_id, max_seconds, max_pixels, max_decoded)
     count, (gh, gw) = video_parts(info, rule)
     t = rule.temporal_patch
@@ -263,7 +301,8 @@ def load_video(
     shape = (count * t, gh * rule.patch, gw * rule.patch)
     blocks = cached(want, shape) if cached is not None and want else None
     if blocks is None:
-        blocks = patches_of(sampled_frames_of(src, info, rule, record_id, want, max_bytes), rule)
+        frames = sampled_frames_of(src, info, rule, record_id, want, max_bytes, jpeg)
+        blocks = patches_of(frames, rule)
     out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * count
     positions = patchify(
         np.zeros((gh * rule.patch, gw * rule.patch, 1), np.uint8), rule.patch, rule.merge
@@ -289,6 +328,7 @@ def sampled_frames_of(
     record_id: str,
     want: Sequence[int] | None = None,
     max_bytes: int = MAX_MEDIA_BYTES,
+    jpeg: tuple[int, int] | None = None,
 ) -> np.ndarray:
     """The frames the rule samples of temporal patches `want` (None: all), decoded and resized:
     uint8 [len(want) x temporal_patch, H, W, 3] (what `load_video` patches, what the frame
@@ -305,6 +345,7 @@ def sampled_frames_of(
         size,
         record_id,
         max_bytes=max_bytes,
+        jpeg=jpeg,
     )
     if not frames:
         return np.zeros((0, size[1], size[0], 3), np.uint8)
@@ -329,6 +370,7 @@ def decode_frames(
     record_id: str,
     counts: dict | None = None,
     max_bytes: int = MAX_MEDIA_BYTES,
+    jpeg: tuple[int, int] | None = None,
 ) -> list[np.ndarray]:
     """Frames `indices` (ascending, of the header's count) as uint8 RGB [height, width, 3] at
     `size` = (width, height): each the first frame shown at or after its index's time (the
@@ -338,7 +380,8 @@ def decode_frames(
         return []
     with _open(src, record_id, max_bytes) as (container, stream):
         try:
-            decoder = _Decoder(container, stream, info, size)
+            mjpeg = jpeg if stream.codec_context.name == "mjpeg" else None
+            decoder = _Decoder(container, stream, info, size, mjpeg, (None, record_id))
             frames = decoder.frames(list(indices))
             if counts is not None:
                 counts.update(decoded=decoder.decoded, seeks=decoder.seeks)
@@ -354,8 +397,9 @@ class _Decoder:
     before a wanted frame when that keyframe lies past the position (the frames between would
     otherwise be decoded for nothing)."""
 
-    def __init__(self, container, stream, info: VideoInfo, size: tuple[int, int]):
+    def __init__(self, container, stream, info: VideoInfo, size, jpeg=None, named=("", "?")):
         self.container, self.stream, self.info, self.size = container, stream, info, size
+        self.jpeg, self.named = jpeg, named  # (an MJPEG stream's frame bounds; src, record)
         self.start = _start(stream)
         self.keys = self._keyframes()  # seconds, ascending
         self.budget = int(info.frames * FRAME_SLACK) + 2  # frames decoding may pass through
@@ -371,6 +415,8 @@ class _Decoder:
                     "undecodable_media",
                     f"more than {most} packets, the header says {self.info.frames} frames",
                 )
+            if self.jpeg is not None:  # (each frame a JPEG: bounded before any is decoded)
+                check_jpeg_frame(packet, self.info, self.jpeg, *self.named)
             if packet.is_keyframe and packet.pts is not None:
                 keys.append(float(packet.pts * tb))
         return np.unique(np.asarray(keys or [self.start], np.float64))

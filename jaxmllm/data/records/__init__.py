@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import ConfigError, DataConfig, printable
+from jaxmllm.data import budget
 from jaxmllm.data.records.arrayrecord import ArrayRecordRecords
 from jaxmllm.data.records.formats import FORMATS, data_files, detect, json_container
 from jaxmllm.data.records.jsonl import JsonRecords
@@ -241,7 +242,8 @@ def open_records(
         scan = FileScans([found for found, _ in scanned], dict(ignored))
     counts = [int(scan.of(f)["records"][0]) for f in range(len(files))]
     starts = np.cumsum([0, *counts]).astype(np.int64)
-    caps = {"max_bytes": data.max_media_bytes}
+    memory = budget.resolve(data.worker_memory, max(1, data.workers))
+    caps = {"max_bytes": data.max_media_bytes, "max_memory": memory}
     return Records(
         files, starts, fmt, media_paths(path, files, media_root, data, confine), scan, why, caps
     )

@@ -96,7 +96,7 @@ def parse_record(
         # that cannot be read (its key as its id).
         named = obj.get("id")
         rid = named if isinstance(named, str) and named else fallback
-        raise RecordError("malformed_line", obj["__malformed__"], rid)
+        raise RecordError(obj.get("__reason__", "malformed_line"), obj["__malformed__"], rid)
     rid = obj.get("id")
     if not isinstance(rid, (str, int)) or isinstance(rid, bool) or rid == "":
         raise RecordError("malformed_line", "missing or invalid 'id'", fallback)

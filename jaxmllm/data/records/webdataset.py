@@ -41,6 +41,7 @@ import numpy as np
 
 from jaxmllm.config import ConfigError, printable
 from jaxmllm.config.phases import KINDS
+from jaxmllm.data import budget
 from jaxmllm.data.columnar import Strings
 from jaxmllm.data.records.handles import pread
 from jaxmllm.data.rejects import MAX_MEDIA_BYTES
@@ -91,9 +92,11 @@ class TarRecords:
         path: str | Path,
         scan: dict[str, np.ndarray] | None = None,
         max_bytes: int = MAX_MEDIA_BYTES,
+        max_memory: int = 0,
     ):
         self.path = Path(path)
         self.max_bytes = max_bytes  # data.max_media_bytes: a larger member is not read
+        self.max_memory = max_memory  # data.worker_memory: a json member parses to ~8x
         self.ignored: dict[str, int] = {}  # members left out, by extension (when scanned)
         if scan is None:
             scan, self.ignored = scan_tar(self.path)
@@ -161,6 +164,10 @@ class TarRecords:
                     {"missing": f"{key}.{ext}", "reason": "media_too_large", "detail": too_large}
                 )
                 continue
+            cost = budget.JSON_FACTOR * int(self.size[m])
+            if what == "record" and self.max_memory and cost > self.max_memory:
+                detail = budget.over(cost, self.max_memory, f"parsing {key}.{ext}")
+                return {"__malformed__": detail, "__reason__": "over_memory_budget"}, int(k)
             data = pread(self.path, int(self.offset[m]), int(self.size[m]))
             if what == "record":
                 record = _json(data, f"{key}.{ext}")
