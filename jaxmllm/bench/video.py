@@ -172,7 +172,7 @@ WAYS = ("decode x1", "decode xN", "cache")
 
 def main(argv: list[str] | None = None) -> int:
     from jaxmllm.config import load_config
-    from jaxmllm.data.media.video import cores
+    from jaxmllm.data.media.container import cores
     from jaxmllm.data.preprocess import Params
 
     p = argparse.ArgumentParser(

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxmllm.config import Config
 from jaxmllm.data import shared
-from jaxmllm.data.media.video import set_decode_threads, share_of_cores
+from jaxmllm.data.media.container import set_decode_threads, share_of_cores
 from jaxmllm.data.rejects import DataError, RecordError, RejectLog, fail_message, failed
 from jaxmllm.data.samples import Sample
 

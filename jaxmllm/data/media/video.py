@@ -29,9 +29,7 @@ workers split them: `set_decode_threads`); the frames are the same whatever the 
 
 from __future__ import annotations
 
-import io
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -39,17 +37,15 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmllm.data.media.image import MAX_PIXELS, image_grid, jpeg_data, jpeg_scans, patchify
-from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError, check_media_file
+from jaxmllm.data.media.container import failure, name_of, open_video
+from jaxmllm.data.media.image import MAX_PIXELS, image_grid, patchify
+from jaxmllm.data.media.jpeg import check_frame
+from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError
 
 Source = str | Path | bytes
 MAX_SECONDS = 3600.0  # the default of data.max_video_seconds
 MAX_DECODED_PIXELS = 1 << 38  # the default of data.max_video_decoded_pixels
 MAX_RATE = 1000.0  # frames a second: a header saying more is broken or hostile
-# Decoder threads per process (FFmpeg's frame and slice threads): the process's share of the
-# cores it may run on. The loader's worker processes decode side by side, so each gets
-# cores // workers (`set_decode_threads`); 0 = every core (decoding in the training process).
-_THREADS = [0]
 # How many frames past the header's count a stream may hold before decoding stops (a header
 # that undercounts, by a little in honest files, by millions in hostile ones)
 FRAME_SLACK = 1.05
@@ -169,7 +165,7 @@ def read_video_info(
     refuses one over the caps (`video_too_large`) and a truncated one (its last packets missing:
     only the tail of the packet index is read); an MJPEG one's frames are held to an image's
     JPEG bounds (`jpeg`: data.max_image_scans, max_image_scan_pixels; `check_jpeg_frame`)."""
-    with _open(src, record_id, max_bytes) as (container, stream):
+    with open_video(src, record_id, max_bytes) as (container, stream):
         info = _header(container, stream, src, record_id)
         check_caps(info, src, record_id, max_seconds, max_pixels, max_decoded)
         if jpeg is not None and stream.codec_context.name == "mjpeg":
@@ -181,46 +177,34 @@ def read_video_info(
 
 
 def check_jpeg_frame(packet, info: VideoInfo, jpeg, src, record_id) -> None:
-    """An MJPEG frame (a packet: one JPEG) held to what an image's JPEG is before decoding:
-    its scans (each a pass over the frame: `image.jpeg_scans`, data.max_image_scans and
-    max_image_scan_pixels) and its data against its size (`image.jpeg_data`). FFmpeg's MJPEG
-    decoder reads progressive frames too, so a frame of repeated scans costs what an image of
-    them does, every frame."""
+    """An MJPEG frame (a packet: one JPEG) held to an image's JPEG bounds (`jpeg.check_frame`)
+    before it is decoded: FFmpeg's MJPEG decoder reads progressive frames too."""
     data = bytes(packet)
-    if not data:
-        return
-    max_scans, max_scan_pixels = jpeg
-    w, h = info.width, info.height
-    affordable = min(max_scans, max_scan_pixels // max(w * h, 1))
     when = float(packet.pts * packet.time_base) if packet.pts is not None else 0.0
-    at = (
-        f"MJPEG frame at {when:.2f} s"
-        if src is None
-        else f"{_name(src)}: MJPEG frame at {when:.2f} s"
+    at = f"MJPEG frame at {when:.2f} s"
+    check_frame(
+        data,
+        info.width,
+        info.height,
+        jpeg,
+        at if src is None else f"{name_of(src)}: {at}",
+        record_id,
     )
-    if jpeg_scans(data, affordable) > affordable:
-        raise RecordError(
-            "image_too_costly",
-            f"{at}: a JPEG of more than {affordable} scans of {w}x{h} pixels "
-            f"(data.max_image_scans={max_scans}, data.max_image_scan_pixels={max_scan_pixels})",
-            record_id,
-        )
-    problem = jpeg_data(data, w, h)
-    if problem:
-        raise RecordError("undecodable_media", f"{at}: {problem}", record_id)
 
 
 def _header(container, stream, src: Source, record_id: str) -> VideoInfo:
     cc = stream.codec_context
     rate = stream.average_rate or stream.guessed_rate or stream.base_rate
     if not rate or rate <= 0 or rate > MAX_RATE:
-        raise RecordError("undecodable_media", f"{_name(src)}: frame rate {rate}", record_id)
+        raise RecordError("undecodable_media", f"{name_of(src)}: frame rate {rate}", record_id)
     frames = int(stream.frames or 0)
     if frames <= 0:  # (Matroska, WebM: no count in the header, a duration)
         seconds = _duration(container, stream)
         frames = int(round(seconds * rate)) if seconds else 0
     if frames <= 0 or cc.width <= 0 or cc.height <= 0:
-        detail = f"{_name(src)}: empty or unknown length ({frames} frames, {cc.width}x{cc.height})"
+        detail = (
+            f"{name_of(src)}: empty or unknown length ({frames} frames, {cc.width}x{cc.height})"
+        )
         raise RecordError("undecodable_media", detail, record_id)
     return VideoInfo(frames, float(rate), int(cc.height), int(cc.width))
 
@@ -235,17 +219,17 @@ def check_caps(info: VideoInfo, src, record_id, max_seconds, max_pixels, max_dec
     seconds = info.frames / info.rate
     pixels = info.height * info.width
     if seconds > max_seconds:
-        detail = f"{_name(src)}: {seconds:.1f} s > data.max_video_seconds={max_seconds}"
+        detail = f"{name_of(src)}: {seconds:.1f} s > data.max_video_seconds={max_seconds}"
         raise RecordError("video_too_large", detail, record_id)
     if pixels > max_pixels:
         detail = (
-            f"{_name(src)}: frames of {info.width}x{info.height} = {pixels} pixels > "
+            f"{name_of(src)}: frames of {info.width}x{info.height} = {pixels} pixels > "
             f"data.max_image_pixels={max_pixels}"
         )
         raise RecordError("video_too_large", detail, record_id)
     if info.frames * pixels > max_decoded:
         detail = (
-            f"{_name(src)}: {info.frames} frames x {pixels} pixels > "
+            f"{name_of(src)}: {info.frames} frames x {pixels} pixels > "
             f"data.max_video_decoded_pixels={max_decoded}"
         )
         raise RecordError("video_too_large", detail, record_id)
@@ -262,11 +246,11 @@ def _check_tail(container, stream, info: VideoInfo, src, record_id) -> None:
             if packet.pts is not None:
                 last = max(last or 0.0, float(packet.pts * stream.time_base))
     except Exception as e:  # noqa: BLE001  FFmpeg raises its own errors on broken files
-        raise RecordError("undecodable_media", _what(src, e), record_id) from None
+        raise RecordError("undecodable_media", failure(src, e), record_id) from None
     frame = 1.0 / info.rate
     if last is None or last + frame < end - max(1.0, 2 * frame):
         at = "no packet" if last is None else f"the last packet at {last:.2f} s"
-        detail = f"{_name(src)}: truncated ({at}, the header says {end:.2f} s)"
+        detail = f"{name_of(src)}: truncated ({at}, the header says {end:.2f} s)"
         raise RecordError("undecodable_media", detail, record_id)
 
 
@@ -378,7 +362,7 @@ def decode_frames(
     `counts`, when given, gets the frames decoded and the seeks made (`decoded`, `seeks`)."""
     if not indices:
         return []
-    with _open(src, record_id, max_bytes) as (container, stream):
+    with open_video(src, record_id, max_bytes) as (container, stream):
         try:
             mjpeg = jpeg if stream.codec_context.name == "mjpeg" else None
             decoder = _Decoder(container, stream, info, size, mjpeg, (None, record_id))
@@ -387,9 +371,9 @@ def decode_frames(
                 counts.update(decoded=decoder.decoded, seeks=decoder.seeks)
             return frames
         except RecordError as e:  # (the decoder's own findings: named here)
-            raise RecordError(e.reason, f"{_name(src)}: {e.detail}", record_id) from None
+            raise RecordError(e.reason, f"{name_of(src)}: {e.detail}", record_id) from None
         except Exception as e:  # noqa: BLE001  FFmpeg's errors on broken or hostile streams
-            raise RecordError("undecodable_media", _what(src, e), record_id) from None
+            raise RecordError("undecodable_media", failure(src, e), record_id) from None
 
 
 class _Decoder:
@@ -468,73 +452,9 @@ class _Decoder:
 # ----------------------------------------------------------------------------- containers
 
 
-class _open:
-    """`with _open(src, record_id) as (container, stream)`: the first video stream, opened for
-    reading with one decoder thread; a file that does not open is `undecodable_media`."""
-
-    def __init__(self, src: Source, record_id: str, max_bytes: int = MAX_MEDIA_BYTES):
-        self.src, self.record_id, self.max_bytes = src, record_id, max_bytes
-
-    def __enter__(self):
-        import av  # (PyAV: FFmpeg's libraries as a wheel; imported only where videos are read)
-
-        check_media_file(self.src, self.record_id, self.max_bytes)  # (data.max_media_bytes)
-        data = io.BytesIO(self.src) if isinstance(self.src, bytes) else str(self.src)
-        try:
-            self.container = av.open(data, mode="r", metadata_errors="ignore")
-        except Exception as e:  # noqa: BLE001  anything FFmpeg says about a file it cannot read
-            raise RecordError("undecodable_media", _what(self.src, e), self.record_id) from None
-        if not self.container.streams.video:
-            self.container.close()
-            raise RecordError(
-                "undecodable_media", f"{_name(self.src)}: no video stream", self.record_id
-            )
-        stream = self.container.streams.video[0]
-        threads = decode_threads()
-        # (frame threads decode several frames at once; FFmpeg's output is the same, bit for
-        # bit, whatever the threads: H.264 and VP9 decoding is exact)
-        stream.thread_type = "AUTO" if threads > 1 else "SLICE"
-        stream.thread_count = threads
-        return self.container, stream
-
-    def __exit__(self, *exc):
-        self.container.close()
-        return False
-
-
-def cores() -> int:
-    """The cores this process may run on (its affinity; the machine's where unknown)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # (macOS)
-        return os.cpu_count() or 1
-
-
-def share_of_cores(workers: int) -> int:
-    """Decoder threads for each of `workers` processes decoding side by side (0: one process)."""
-    return max(1, cores() // max(1, workers))
-
-
-def set_decode_threads(n: int) -> None:
-    """This process's decoder threads from now on (0: every core it may run on)."""
-    _THREADS[0] = int(n)
-
-
-def decode_threads() -> int:
-    return _THREADS[0] or cores()
-
-
 def _start(stream) -> float:
     return float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
 
 
 def _pts(seconds: float, stream) -> int:
     return int(Fraction(seconds).limit_denominator(1 << 20) / stream.time_base)
-
-
-def _what(src: Source, e: Exception) -> str:
-    return f"{_name(src)}: {type(e).__name__}: {e}"[:500]
-
-
-def _name(src: Source) -> str:
-    return f"<{len(src)} inline bytes>" if isinstance(src, bytes) else str(src)
