@@ -159,3 +159,53 @@ def test_a_long_id_is_quoted_cut_with_its_length(tmp_path):
     assert (Path(summary["index"]) / "summary.json").stat().st_size < 100_000
     assert read_rejects(Path(summary["index"]) / "rejects.jsonl")[0]["id"] == rid
     assert len(str(RecordError("missing_media", "gone.png", rid))) < 400
+
+
+def test_a_tensor_stored_transposed_is_refused_naming_it(tmp_path):
+    """A safetensors tensor stored with a transposed shape of the same size (element counts
+    were checked, not shapes) loaded scrambled; it is refused naming the file, the tensor
+    and both shapes."""
+    import hf_models
+    from safetensors.numpy import load_file, save_file
+
+    from jaxmllm.hf.safetensors import CheckpointError
+    from jaxmllm.hf.towers import config_for, load_towers
+
+    source = tmp_path / "llama"
+    hf_models.llama(source, tied=False)
+    name = "model.layers.0.mlp.gate_proj.weight"
+    files = sorted(source.glob("*.safetensors"))
+    for f in files:
+        tensors = load_file(f)
+        if name in tensors:
+            assert tensors[name].shape[0] != tensors[name].shape[1]
+            tensors[name] = np.ascontiguousarray(tensors[name].T)
+            save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as e:
+        load_towers(config_for("llm", str(source)), "llm")
+    message = str(e.value)
+    assert name in message and "store it as" in message and "transposed?" in message, message
+
+
+def test_an_unsupported_whole_model_names_what_is_read_and_the_part_flags(tmp_path):
+    """`hf import --model` on a multimodal model type jaxmllm does not read said the
+    checkpoint was "of one part"; it names the whole models and causal LMs it reads, and the
+    flags that take parts."""
+    from jaxmllm.hf.family import FamilyError
+    from jaxmllm.hf.importer import model_dirs
+
+    model = tmp_path / "m"
+    model.mkdir()
+    for config, part in [
+        ({"model_type": "idefics3", "text_config": {}, "vision_config": {}}, None),
+        ({"model_type": "whisper", "d_model": 64}, "audio"),
+    ]:
+        (model / "config.json").write_text(json.dumps(config))
+        with pytest.raises(FamilyError) as e:
+            model_dirs(str(model))
+        message = str(e.value)
+        assert f"model_type {config['model_type']!r} is not a model jaxmllm reads whole" in message
+        assert "qwen2_vl" in message and "llama" in message and "--vision, --audio" in message
+        assert "of one part" not in message
+        if part:
+            assert f"it is an {part} part: pass it as --{part} beside --llm" in message

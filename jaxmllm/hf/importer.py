@@ -86,7 +86,12 @@ def model_dirs(model: str) -> tuple[str, str, str]:
         wholes = sorted(t for w in WHOLES for t in w.model_types)
         decoders = sorted(t for f in FAMILIES if f.role == "llm" for t in f.model_types)
         parts = roles_of(hf)
-        hint = f"; it is a {parts[0]} part: pass it as --{parts[0]} beside --llm" if parts else ""
+        article = "an" if parts and parts[0][0] in "aeiou" else "a"
+        hint = (
+            f"; it is {article} {parts[0]} part: pass it as --{parts[0]} beside --llm"
+            if parts
+            else ""
+        )
         raise FamilyError(
             f"--model {model}: model_type {kind!r} is not a model jaxmllm reads whole{hint}. "
             f"Whole multimodal models: {', '.join(wholes)}; causal LMs (a text-only model): "
