@@ -42,12 +42,13 @@ from jaxmllm.loop.checkpoint import (
     write_config,
 )
 from jaxmllm.loop.evaluate import open_evaluator
-from jaxmllm.loop.guards import NonFiniteError, NonFiniteGuard, Preemption, Watchdog
+from jaxmllm.loop.guards import NonFiniteError, NonFiniteGuard, Preemption
 from jaxmllm.loop.ledger import Ledger
 from jaxmllm.loop.lock import hold_output_dir
 from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter, device_peak
 from jaxmllm.loop.summary import RunReport, rejects_file
 from jaxmllm.loop.timings import TimingsRecorder
+from jaxmllm.loop.watchdog import startup_signals, step_watchdog
 from jaxmllm.plan.sizing import check_attention, resolve_attention, resolve_batch
 from jaxmllm.step.stages.program import build_program
 
@@ -144,9 +145,8 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
     ledger = Ledger(out, jax.process_index()) if t.ledger else None
     if ledger is not None:
         closing.callback(ledger.close)
-    watchdog = Watchdog(cfg.distributed.step_timeout_s) if jax.process_count() > 1 else None
-    if watchdog is not None:
-        closing.callback(watchdog.stop)
+    watchdog = step_watchdog(cfg, start, preempt, mngr.directory)  # (a hung step ends it)
+    closing.callback(watchdog.close)
     peak = device_peak(t.peak_tflops, jax.devices()[0].device_kind) if is_main else None
     window = MetricsWindow(mesh.size, cfg.data, peak)
     guard = NonFiniteGuard(t.max_nonfinite_steps)
@@ -169,8 +169,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
                 checkpoint.save(mngr, guard.stopped_at, args, force=True)
                 checkpoint.wait_for_saves(mngr)
                 raise NonFiniteError(guard.message(mngr.directory))
-            if watchdog is not None:
-                watchdog.progress(done)
+            watchdog.beat(done)
             if ledger is not None:
                 ledger.write(done, info.parts)
             window.add(info, waited)
@@ -340,7 +339,8 @@ def _command(argv: list[str] | None) -> None:
     guard_logs()  # (record ids and file names in messages: escaped)
     logging.getLogger("jaxmllm").setLevel(logging.INFO)  # (grain's import set up the root logger)
     args = parse_args(argv)
-    main(load_config(args.config, args.set))
+    with startup_signals():  # (SIGTERM before the loop: says what it interrupted, exit 143)
+        main(load_config(args.config, args.set))
 
 
 if __name__ == "__main__":
