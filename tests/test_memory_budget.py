@@ -107,9 +107,7 @@ def test_records_over_the_budget_are_counted_rejects_naming_the_key(tmp_path):
     summary, rejects = index(write_manifest(tmp_path / "m.jsonl", records), limit)
     assert summary["accepted"] == 1 and set(rejects) == {"m.jsonl:2", "long_clip"}
     for r in rejects.values():
-        assert (
-            r["reason"] == "over_memory_budget" and f"data.worker_memory={MIB}" in r["detail"]
-        )
+        assert r["reason"] == "over_memory_budget" and f"data.worker_memory={MIB}" in r["detail"]
     table = pa.table({"text": ["small"] * 10 + ["y" * MIB] * 10})
     pq.write_table(table, tmp_path / "t.parquet", row_group_size=10)
     summary, rejects = index(
