@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_run_report import SETTINGS, config  # (a manifest_example config on a data set)
 
 from jaxmllm.batch.info import StepInfo
 from jaxmllm.bench.data import write_dataset
@@ -23,18 +24,6 @@ from jaxmllm.data.loader import Loader
 from jaxmllm.data.rejects import DataError, read_rejects
 from jaxmllm.data.source import open_source
 from jaxmllm.loop.summary import RunReport
-
-SETTINGS = [
-    "data.source=files",
-    "data.workers=0",
-    "data.image_min_pixels=256",
-    "data.image_max_pixels=1024",
-    "data.eval.source=none",
-]
-
-
-def config(path, *extra):
-    return load_config("configs/manifest_example.yaml", [*SETTINGS, f"data.path={path}", *extra])
 
 
 def steps_of(loader: Loader, report: RunReport, draws: list[np.ndarray]) -> None:
@@ -196,15 +185,15 @@ def test_an_unsupported_whole_model_names_what_is_read_and_the_part_flags(tmp_pa
 
     model = tmp_path / "m"
     model.mkdir()
-    for config, part in [
+    for hf, part in [
         ({"model_type": "idefics3", "text_config": {}, "vision_config": {}}, None),
         ({"model_type": "whisper", "d_model": 64}, "audio"),
     ]:
-        (model / "config.json").write_text(json.dumps(config))
+        (model / "config.json").write_text(json.dumps(hf))
         with pytest.raises(FamilyError) as e:
             model_dirs(str(model))
         message = str(e.value)
-        assert f"model_type {config['model_type']!r} is not a model jaxmllm reads whole" in message
+        assert f"model_type {hf['model_type']!r} is not a model jaxmllm reads whole" in message
         assert "qwen2_vl" in message and "llama" in message and "--vision, --audio" in message
         assert "of one part" not in message
         if part:

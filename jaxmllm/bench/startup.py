@@ -95,36 +95,11 @@ def sweep(sizes: list[int], tmp: Path, plan: str, devices: int) -> list[dict]:
     for n in sizes:
         folder = tmp / f"jaxmllm-startup-{n}"
         try:
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "jaxmllm.bench.lengths_synth",
-                    "--samples",
-                    str(n),
-                    "--out",
-                    str(folder),
-                ],
-                check=True,
-                stdout=subprocess.DEVNULL,
-            )
+            _python("jaxmllm.bench.lengths_synth", "--samples", n, "--out", folder)
             rows_file = folder / "rows.json"
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "jaxmllm.bench.startup",
-                    "--lengths",
-                    str(folder),
-                    "--plan",
-                    plan,
-                    "--devices",
-                    str(devices),
-                    "--json",
-                    str(rows_file),
-                ],
-                check=True,
-                stdout=subprocess.DEVNULL,
+            _python(
+                "jaxmllm.bench.startup",
+                *("--lengths", folder, "--plan", plan, "--devices", devices, "--json", rows_file),
             )
             rows = {r["stage"]: r for r in json.loads(rows_file.read_text())["rows"]}
         finally:
@@ -137,6 +112,12 @@ def sweep(sizes: list[int], tmp: Path, plan: str, devices: int) -> list[dict]:
         row["peak_mb"] = max(r["peak_mb"] for r in rows.values())
         out.append(row)
     return out
+
+
+def _python(module: str, *args) -> None:
+    """`python -m module args...` in a process of its own (its own peak memory), quietly."""
+    command = [sys.executable, "-m", module, *map(str, args)]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
 
 
 def print_sweep(rows: list[dict]) -> None:
