@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from jaxmllm.feed.info import StepInfo
 from test_run_report import SETTINGS, config  # (a manifest_example config on a data set)
 
 from jaxmllm.bench.data import write_dataset
@@ -23,6 +22,7 @@ from jaxmllm.data.index import build_index
 from jaxmllm.data.loader import Loader
 from jaxmllm.data.rejects import DataError, read_rejects
 from jaxmllm.data.source import open_source
+from jaxmllm.feed.info import StepInfo
 from jaxmllm.loop.summary import RunReport
 
 
