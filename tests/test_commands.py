@@ -45,7 +45,7 @@ CASES = {  # module: [argv, ...]
     ],
     "jaxmllm.config.reference": [["--nope"]],  # (takes no config)
     "jaxmllm.cost.calibrate": [["/nonexistent-jaxmllm/run"]],
-    "jaxmllm.bench.attention": [["--mix", "nope"]],
+    "jaxmllm.bench.attention": [["--mix", "nope"], ["--rows", "256"]],  # (no document fits)
     "jaxmllm.bench.balance": [["--lengths", "/nonexistent-jaxmllm/lengths.jsonl"]],
     "jaxmllm.bench.compile": [["--config", MISSING], ["--config", TINY, "--set", "mesh.fsdp=3"]],
     "jaxmllm.bench.context": [["--mix", "nope"]],
