@@ -150,6 +150,7 @@ def test_a_long_id_is_quoted_cut_with_its_length(tmp_path):
     assert len(str(RecordError("missing_media", "gone.png", rid))) < 400
 
 
+@pytest.mark.torch  # (hf_models builds the checkpoint with transformers' LlamaForCausalLM)
 def test_a_tensor_stored_transposed_is_refused_naming_it(tmp_path):
     """A safetensors tensor stored with a transposed shape of the same size (element counts
     were checked, not shapes) loaded scrambled; it is refused naming the file, the tensor
