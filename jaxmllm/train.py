@@ -38,11 +38,13 @@ from jaxmllm.loop.checkpoint import (
     write_config,
 )
 from jaxmllm.loop.evaluate import open_evaluator
-from jaxmllm.loop.guards import NonFiniteError, NonFiniteGuard, Preemption, Watchdog
+from jaxmllm.loop.guards import NonFiniteError, NonFiniteGuard, Preemption
 from jaxmllm.loop.ledger import Ledger
+from jaxmllm.loop.lock import hold_output_dir
 from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter, device_peak
 from jaxmllm.loop.summary import RunReport, rejects_file, schedule_note
 from jaxmllm.loop.timings import TimingsRecorder
+from jaxmllm.loop.watchdog import startup_signals, step_watchdog
 from jaxmllm.process import distributed, xla_flags
 from jaxmllm.resolve.run import Run, resolve_run
 from jaxmllm.step.stages.program import build_program
@@ -73,9 +75,8 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
     t = cfg.train
     out = Path(t.output_dir)
     is_main = jax.process_index() == 0
+    closing.enter_context(hold_output_dir(out, is_main))  # (a second run there stops here)
     check_resumable(cfg, out)
-    if is_main:
-        write_config(cfg, out)
 
     # Mesh: data x fsdp x tensor over all devices; D = data-parallel buckets per step.
     log.info(
@@ -118,6 +119,8 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
         state = fresh if fresh is not None else prog.init(initial_params(cfg, prog))
     else:
         state = prog.restored(state, base)
+    if is_main:  # (only once the resume checks passed: a refused run leaves the folder as it was)
+        write_config(cfg, out)
     start = int(state["step"])
     if start:
         print(f"resumed from checkpoint at step {start} in {mngr.directory}")
@@ -131,9 +134,8 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
     ledger = Ledger(out, jax.process_index()) if t.ledger else None
     if ledger is not None:
         closing.callback(ledger.close)
-    watchdog = Watchdog(cfg.distributed.step_timeout_s) if jax.process_count() > 1 else None
-    if watchdog is not None:
-        closing.callback(watchdog.stop)
+    watchdog = step_watchdog(cfg, start, preempt, mngr.directory)  # (a hung step ends it)
+    closing.callback(watchdog.close)
     peak = device_peak(t.peak_tflops, jax.devices()[0].device_kind) if is_main else None
     window = MetricsWindow(mesh.size, cfg.data, peak)
     guard = NonFiniteGuard(t.max_nonfinite_steps)
@@ -156,8 +158,7 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
                 checkpoint.save(mngr, guard.stopped_at, args, force=True)
                 checkpoint.wait_for_saves(mngr)
                 raise NonFiniteError(guard.message(mngr.directory))
-            if watchdog is not None:
-                watchdog.progress(done)
+            watchdog.beat(done)
             if ledger is not None:
                 ledger.write(done, info.parts)
             window.add(info, waited)
@@ -288,7 +289,8 @@ def _command(argv: list[str] | None) -> None:
     guards.outlive_closed_pipes()  # (a `| tee` that Ctrl-C ended never costs the checkpoint)
     configure_logging(logging.WARNING, ours=logging.INFO)  # (with their time; not orbax chatter)
     args = parse_args(argv)
-    main(load_config(args.config, args.set))
+    with startup_signals():  # (SIGTERM before the loop: says what it interrupted, exit 143)
+        main(load_config(args.config, args.set))
 
 
 if __name__ == "__main__":

@@ -526,7 +526,7 @@ def test_every_reader_confines_media_caps_sizes_and_carries_videos(tmp_path):
     path = root / "m.jsonl"
     path.write_text("".join(json.dumps(m) + "\n" for m in messages))
     got = _reasons(open_records(path, "messages", data=DataConfig(max_media_bytes=256)))
-    assert got == {"m1": "video:1", "m2": "path_outside_root", "line:3": "malformed_line"}
+    assert got == {"m1": "video:1", "m2": "path_outside_root", "m.jsonl:3": "malformed_line"}
 
     image = lambda p: [{"bytes": None, "path": p}]  # (HF datasets' Image(): a path only)
     rows = [

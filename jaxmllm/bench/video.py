@@ -74,6 +74,7 @@ def read_rate(path: Path, params, repeat: int, way: str, threads: int, cache=Non
     """Sampled frames/s of `load_video` on one file read `way` (decode / cache; median of
     `repeat`), and what the decoder did for them."""
     from jaxmllm.data.media import video
+    from jaxmllm.data.media.container import set_decode_threads
 
     rule = video.VideoRule.of(params)
     info = video.read_video_info(path)
@@ -89,7 +90,7 @@ def read_rate(path: Path, params, repeat: int, way: str, threads: int, cache=Non
                 raise RuntimeError(f"the bench's frame cache missed ({why})")
             return groups
 
-    video.set_decode_threads(threads)
+    set_decode_threads(threads)
     try:
         if cache is None:
             video.decode_frames(
@@ -107,7 +108,7 @@ def read_rate(path: Path, params, repeat: int, way: str, threads: int, cache=Non
             cpu.append(time.process_time() - t0)
             wall.append(time.perf_counter() - w0)
     finally:
-        video.set_decode_threads(0)
+        set_decode_threads(0)
     dt, dw = statistics.median(cpu), statistics.median(wall)
     return {
         "sampled_frames": n,
@@ -172,7 +173,7 @@ WAYS = ("decode x1", "decode xN", "cache")
 
 def main(argv: list[str] | None = None) -> int:
     from jaxmllm.config import load_config
-    from jaxmllm.data.media.video import cores
+    from jaxmllm.data.media.container import cores
     from jaxmllm.data.preprocess import Params
 
     p = argparse.ArgumentParser(

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from jaxmllm.config import phases
 from jaxmllm.config.checks import ConfigError, check
 from jaxmllm.config.data import BYTE_VOCAB
@@ -35,6 +33,7 @@ from jaxmllm.config.sections import (
     PipelineConfig,
     TrainConfig,
 )
+from jaxmllm.config.yamlfile import read_yaml, shown
 
 
 @dataclass(frozen=True)
@@ -294,10 +293,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             text = Path(path).read_text()
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-        try:
-            raw = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raw = read_yaml(text, str(path)) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
     given = copy.deepcopy(raw) if overrides else raw
@@ -337,27 +333,32 @@ def _named(error: ConfigError, source: str, given: dict, overrides: list, keys: 
             return error  # (the file's own)
     message = str(error).removeprefix(f"{source}: ")
     named = [item for item, key in zip(overrides, keys, strict=True) if key in message]
-    return ConfigError(f"--set {' '.join(named or overrides)}: {message}")
+    return ConfigError(f"--set {' '.join(map(_cut, named or overrides))}: {message}")
+
+
+def _cut(item: str, most: int = 100) -> str:
+    """An override as a message names it: whole up to `most` characters, else its start and
+    its length (a 10k-character value is not printed back)."""
+    return item if len(item) <= most else f"{item[: most - 20]}... ({len(item):,} characters)"
 
 
 def _apply_override(raw: dict, item: str) -> str:
     """Sets `item` (key.path=value) in `raw`; returns its dotted key."""
     key, sep, value = item.partition("=")
     if not sep or not key:
-        raise ConfigError(f"--set {item!r}: expected key.path=value, e.g. optim.lr=3e-4")
+        raise ConfigError(f"--set {shown(item)}: expected key.path=value, e.g. optim.lr=3e-4")
     node = raw
     parts = key.strip().split(".")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"--set {item!r}: {part} is not a section")
-    try:
-        node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError as e:  # e.g. a `!!python/object` tag safe_load refuses, or bad syntax
-        problem = str(e).splitlines()[0][:200]
+            raise ConfigError(f"--set {shown(item)}: {part} is not a section")
+    try:  # (a `!!python/object` tag the safe loader refuses, bad syntax, an alias bomb)
+        node[parts[-1]] = read_yaml(value, f"--set {key.strip()}") if value.strip() else ""
+    except ConfigError as e:
         raise ConfigError(
-            f"--set {key.strip()}: the value {value[:80]!r} is not valid YAML ({problem}); "
-            "quote it as a string or give a plain number, list or mapping"
+            f"{e} (the value {shown(value)}: quote it as a string or give a plain number, list "
+            "or mapping)"
         ) from None
     return key.strip()
 
@@ -414,7 +415,7 @@ def _coerce(tp: Any, value: Any, *, source: str, key: str) -> Any:
         tp = next(a for a in args if a is not type(None))
     if origin is tuple and typing.get_args(tp)[-1:] == (Ellipsis,):  # any length: tuple[int, ...]
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{source}: {key} must be a list, got {value!r}")
+            raise ConfigError(f"{source}: {key} must be a list, got {shown(value)}")
         item = typing.get_args(tp)[0]
         return tuple(
             _coerce(item, v, source=source, key=f"{key}[{i}]") for i, v in enumerate(value)
@@ -423,7 +424,7 @@ def _coerce(tp: Any, value: Any, *, source: str, key: str) -> Any:
         args = typing.get_args(tp)
         if not isinstance(value, list | tuple) or len(value) != len(args):
             raise ConfigError(
-                f"{source}: {key} must be a list of {len(args)} values, got {value!r}"
+                f"{source}: {key} must be a list of {len(args)} values, got {shown(value)}"
             )
         return tuple(
             _coerce(a, v, source=source, key=f"{key}[{i}]")
@@ -441,15 +442,15 @@ def _coerce(tp: Any, value: Any, *, source: str, key: str) -> Any:
         # NaN is a number nowhere downstream (a config.json's rope_theta NaN made every loss
         # NaN); infinity only as a cap, where it means none (data.max_audio_seconds: .inf).
         if not (value == math.inf and key.rpartition(".")[2].startswith("max_")):
-            raise ConfigError(f"{source}: {key} must be a finite number, got {value!r}")
+            raise ConfigError(f"{source}: {key} must be a finite number, got {shown(value)}")
     if tp is bool and not isinstance(value, bool):
-        raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
+        raise ConfigError(f"{source}: {key} must be true or false, got {shown(value)}")
     if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"{source}: {key} must be an integer, got {value!r}")
+        raise ConfigError(f"{source}: {key} must be an integer, got {shown(value)}")
     if tp is str and isinstance(value, datetime.date):  # YAML reads 2024-07-26 as a date
         return value.isoformat()
     if tp in (float, str) and not isinstance(value, tp):
-        raise ConfigError(f"{source}: {key} must be a {tp.__name__}, got {value!r}")
+        raise ConfigError(f"{source}: {key} must be a {tp.__name__}, got {shown(value)}")
     return value
 
 

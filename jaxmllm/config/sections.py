@@ -258,6 +258,12 @@ class TrainConfig:
     async_checkpointing: bool = True  # write checkpoints in the background
     progress_bar: bool = True  # tqdm bar on the terminal
     max_nonfinite_steps: int = 5  # stop after this many skipped (NaN/inf) steps in a row; 0 = never
+    # A step (its batch, the device's work, the loop's bookkeeping) that takes longer ends the
+    # process, exit 4, naming the step and where it was (a collective that never completes, a
+    # stuck device), for the scheduler to restart it from the last checkpoint; a SIGTERM the
+    # loop cannot take while a step hangs does the same. 0 = auto: 10x the median step, at
+    # least 300 s; .inf = never. The first 5 steps (which compile) get an hour at least.
+    max_step_seconds: float = 0.0
     ledger: bool = False  # write the sample ids of every step to <output_dir>/ledger/ (audits)
     record_timings: bool = True  # each step's time and work to timings.jsonl (calibration)
     # XLA's GPU scheduling flags (jaxmllm/process/xla_flags.py: latency-hiding scheduler,
@@ -272,6 +278,7 @@ class TrainConfig:
     def __post_init__(self):
         positive(self, "steps", "log_every", "checkpoint_every", "keep_checkpoints")
         check(self.eval_every >= 0, "must be >= 0 (0: at the last step only)", "eval_every")
+        check(self.max_step_seconds >= 0, "must be >= 0 (0: auto; .inf: never)", "max_step_seconds")
         check(self.max_nonfinite_steps >= 0, "must be >= 0 (0 = never stop)", "max_nonfinite_steps")
         check(self.peak_tflops >= 0, "must be >= 0 (0: from the device's kind)", "peak_tflops")
 

@@ -35,14 +35,8 @@ from jaxmllm.config import Config, ConfigError, load_config
 from jaxmllm.config.command import add_config_args
 from jaxmllm.data.datasets import DataSet, data_sets, eval_set, index_dir
 from jaxmllm.data.frame_store import ShardWriter, merge, shard_name, source_size, verify_shard
-from jaxmllm.data.media.video import (
-    VideoInfo,
-    patches_of,
-    sampled_frames_of,
-    set_decode_threads,
-    share_of_cores,
-    video_parts,
-)
+from jaxmllm.data.media.container import set_decode_threads, share_of_cores
+from jaxmllm.data.media.video import VideoInfo, patches_of, sampled_frames_of, video_parts
 from jaxmllm.data.preprocess import Limits, Params
 from jaxmllm.data.records import read_record
 from jaxmllm.data.rejects import RecordError, failed, wrapped

@@ -58,6 +58,7 @@ from jaxmllm.data.columnar import publish, remove_stale, staging
 from jaxmllm.data.datasets import (
     DataSet,
     acceptance_problem,
+    check_index_dirs,
     data_sets,
     eval_set,
     index_dir,
@@ -149,8 +150,10 @@ def index_data_set(
     staged = staging(out)
     (staged / "parts").mkdir()
     paths = media_paths(ds.path, files, ds.media_root, cfg.data, ds.confine)
-    ctx = context(fmt, files, paths, cfg, staged, decode)
-    pool, workers = make_pool(ctx, workers, ray or cfg.data.index_ray)
+    ray = ray or cfg.data.index_ray
+    processes = (os.cpu_count() or 1) if ray else max(1, workers)  # (Ray: a task a core)
+    ctx = context(fmt, files, paths, cfg, staged, decode, processes)
+    pool, workers = make_pool(ctx, workers, ray)
     stats = {} if stats is None else stats
     try:
         merged, ignored = run_build(pool, ctx, ds.name, workers, progress, stats)
@@ -362,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             sets = data_sets(cfg) + [e for e in [eval_set(cfg)] if e is not None]
+        check_index_dirs(cfg, sets)
         for ds in sets:
             summary = index_data_set(
                 cfg, ds, workers=args.workers, decode=args.decode, ray=args.ray

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxmllm.config import Config
 from jaxmllm.data import shared
-from jaxmllm.data.media.video import set_decode_threads, share_of_cores
+from jaxmllm.data.media.container import set_decode_threads, share_of_cores
 from jaxmllm.data.rejects import DataError, RecordError, RejectLog, fail_message, failed
 from jaxmllm.data.samples import Sample
 
@@ -95,9 +95,15 @@ def _load(source, i: int, keep):
 class Loader:
     """Loads samples by index; counts and logs load-time rejects to <output_dir>/rejects.jsonl."""
 
-    def __init__(self, cfg: Config, source, reject_log: str | Path | None = None):
+    def __init__(
+        self, cfg: Config, source, reject_log: str | Path | None = None, write: bool = True
+    ):
+        """`reject_log`: the file load-time rejects are appended to (default
+        <output_dir>/rejects.jsonl); `write` False: none, the caller writes the entries
+        (`RejectLog.take_entries`)."""
         self.cfg, self.source = cfg, source
-        self.log = RejectLog(reject_log or Path(cfg.train.output_dir) / "rejects.jsonl")
+        path = reject_log or Path(cfg.train.output_dir) / "rejects.jsonl"
+        self.log = RejectLog(path if write else None)
         self.startup_written = False
         self.frames: Counter = Counter()  # videos read from the frame cache or decoded
         self.pool = None

@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxmllm.config import Config, ConfigError, phases
 from jaxmllm.config.phases import BY_NAME, ENCODERS, KIND, KINDS, NAMES
+from jaxmllm.data import budget
 from jaxmllm.data.media.audio import Caps, chunk_lengths, clip_frames
 from jaxmllm.data.media.image import image_grid
 from jaxmllm.data.media.kinds import MEDIA
@@ -87,6 +88,9 @@ class Params:
     # A tokenizer directory's template date is part of tokenizer_sha256 (it decides counts).
     template_date: str = field(default=DEFAULT_DATE, compare=False)
     max_tokenizer_bytes: int = field(default=MAX_TOKENIZER_BYTES, compare=False)
+    # The memory one record may cost a process reading it (`jaxmllm.data.budget`), in bytes,
+    # resolved for the processes reading side by side (0: no budget)
+    worker_memory: int = field(default=0, compare=False)
 
     @classmethod
     def from_config(cls, cfg: Config) -> Params:
@@ -130,20 +134,33 @@ class Params:
             max_video_decoded_pixels=d.max_video_decoded_pixels,
             template_date=d.template_date,
             max_tokenizer_bytes=d.max_tokenizer_bytes,
+            worker_memory=budget.resolve(d.worker_memory, max(1, d.workers)),
         )
 
-    def image_caps(self) -> tuple[int, int, int, int]:
+    def image_caps(self) -> tuple[int, int, int, int, int]:
         """What an image may cost before it is decoded (`image.open_image`'s caps, in order)."""
         return (
             self.max_image_pixels,
             self.max_media_bytes,
             self.max_image_scans,
             self.max_image_scan_pixels,
+            self.worker_memory,
         )
+
+    def image_grid(self, max_pixels: int = 0) -> tuple[int, int, int, int]:
+        """What images are resized to (`image.Grid`), within `max_pixels` (default
+        data.image_max_pixels)."""
+        high = max_pixels or self.image_max_pixels
+        return (self.patch_size, self.merge, min(self.image_min_pixels, high), high)
 
     def audio_caps(self) -> Caps:
         """What a clip may cost before it is decoded."""
-        return Caps(self.max_audio_seconds, self.max_audio_samples, self.max_media_bytes)
+        return Caps(
+            self.max_audio_seconds,
+            self.max_audio_samples,
+            self.max_media_bytes,
+            self.worker_memory,
+        )
 
     def counted(self) -> dict:
         """The fields that decide counts (what an index must agree on); a field newer than

@@ -58,7 +58,8 @@ class Feed:
 
     `source` (`source[i]` -> Sample) and `index` default to the run's; `workers` to
     `data.workers` (worker processes start on the first load); load-time rejects are counted
-    and logged to `reject_log` (default `<output_dir>/rejects.jsonl`).
+    and logged to `reject_log` (default `<output_dir>/rejects.jsonl`); `write_rejects` False:
+    the caller writes them (`RejectLog.take_entries`).
     """
 
     def __init__(
@@ -69,6 +70,7 @@ class Feed:
         *,
         workers: int | None = None,
         reject_log: str | Path | None = None,
+        write_rejects: bool = True,
     ):
         self.cfg, self.caps, self.positions = run.cfg, run.caps, run.positions
         if workers is not None and workers != self.cfg.data.workers:
@@ -78,7 +80,7 @@ class Feed:
         self.index = run.index if index is None else index
         self.planner = run.planner(self.index)
         self.specials = getattr(self.source, "specials", RESERVED)  # the tokenizer's pad, media
-        self.reject_log = reject_log
+        self.reject_log, self.write_rejects = reject_log, write_rejects
         self.loader: Loader | None = None  # (made on the first load: worker processes start)
 
     def plan(self) -> StepPlan:
@@ -98,7 +100,7 @@ class Feed:
     def open_loader(self) -> Loader:
         """The loader, made on first use (its worker processes start here)."""
         if self.loader is None:
-            self.loader = Loader(self.cfg, self.source, self.reject_log)
+            self.loader = Loader(self.cfg, self.source, self.reject_log, self.write_rejects)
         return self.loader
 
     def bucketize(self, plan: StepPlan, samples: dict) -> dict[str, np.ndarray]:
@@ -129,7 +131,9 @@ class StepIterator(grain.DatasetIterator):
     ):
         super().__init__()
         self.cfg = run.cfg
-        self.feed = Feed(run, reject_log=reject_log)
+        # (its rejects go to the log when the trainer takes their step, `RunReport`: the feed
+        # loads steps ahead of the one the trainer trains)
+        self.feed = Feed(run, reject_log=reject_log, write_rejects=False)
         self.index = self.feed.index
         self._restored_rejects: dict[str, int] = {}  # load-time reject counts of earlier runs
         self.count = StepCounter(run.cfg, run.cost, run.calibrated)  # tokens, FLOPs, work
@@ -185,6 +189,7 @@ class StepIterator(grain.DatasetIterator):
             rejects=loader.counts(),
             new_rejects=new_rejects,
             first_reject=first_reject,
+            reject_entries=loader.log.take_entries(),
             variant=variant,
             sources={} if mix is None else mix.counts(plan.samples),
             host=times,  # this step's time in each stage of the feed

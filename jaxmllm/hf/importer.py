@@ -20,8 +20,9 @@ from pathlib import Path
 
 import yaml
 
-from jaxmllm.config import Config, DataConfig, from_dict
+from jaxmllm.config import Config, ConfigError, DataConfig, from_dict
 from jaxmllm.config.phases import ENCODERS
+from jaxmllm.config.yamlfile import read_yaml
 from jaxmllm.data.text.tokenizer import make_tokenizer
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.load import checkpoint_tensors
@@ -86,7 +87,12 @@ def model_dirs(model: str) -> tuple[str, str, str]:
         wholes = sorted(t for w in WHOLES for t in w.model_types)
         decoders = sorted(t for f in FAMILIES if f.role == "llm" for t in f.model_types)
         parts = roles_of(hf)
-        hint = f"; it is a {parts[0]} part: pass it as --{parts[0]} beside --llm" if parts else ""
+        article = "an" if parts and parts[0][0] in "aeiou" else "a"
+        hint = (
+            f"; it is {article} {parts[0]} part: pass it as --{parts[0]} beside --llm"
+            if parts
+            else ""
+        )
         raise FamilyError(
             f"--model {model}: model_type {kind!r} is not a model jaxmllm reads whole{hint}. "
             f"Whole multimodal models: {', '.join(wholes)}; causal LMs (a text-only model): "
@@ -374,11 +380,11 @@ def import_command(
 
 def _read_base(base: str | Path) -> dict:
     try:
-        raw = yaml.safe_load(Path(base).read_text()) or {}
+        raw = read_yaml(Path(base).read_text(), f"--base {base}") or {}
     except OSError as e:
         raise FamilyError(f"--base {base}: cannot read it ({e.strerror})") from None
-    except yaml.YAMLError as e:
-        raise FamilyError(f"--base {base}: not valid YAML ({e})") from None
+    except ConfigError as e:
+        raise FamilyError(str(e)) from None
     if not isinstance(raw, dict):
         raise FamilyError(f"--base {base}: the top level must be a mapping of sections")
     return raw

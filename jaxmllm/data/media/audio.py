@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxmllm.config import UserError
+from jaxmllm.data import budget
 from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError, check_media_file
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class Caps:
     seconds: float = MAX_SECONDS
     samples: int = MAX_SAMPLES
     bytes: int = MAX_MEDIA_BYTES
+    memory: int = 0  # data.worker_memory (0: none): a clip costs ~8 float32 copies of its samples
 
 
 def read_info(
@@ -155,6 +157,9 @@ def _check_header(src, frames, rate, channels, caps: Caps, record_id) -> None:
             f"data.max_audio_samples={caps.samples} (not decoded)",
             record_id,
         )
+    # (decoded to float32 mono, resampled, framed for the log-mel: about 8 copies of it)
+    what = f"{_name(src)}: decoding {frames} samples at {rate} Hz"
+    budget.check(frames * 4 * 8, caps.memory, what, record_id)
 
 
 def resample(x: np.ndarray, rate: int, target: int) -> np.ndarray:

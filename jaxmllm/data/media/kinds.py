@@ -50,7 +50,7 @@ class Images:
         return max(d.image_max_pixels, d.video_frame_max_pixels * v.video) // unit**2 * v.merge**2
 
     def read_size(self, pre: Preprocessor, src: Any, record_id: str) -> tuple[int, int]:
-        return read_size(src, record_id, *pre.p.image_caps())
+        return read_size(src, record_id, *pre.p.image_caps(), grid=pre.p.image_grid())
 
     def check(self, pre: Preprocessor, j: int, size: tuple[int, int], record_id: str) -> None:
         pass  # (image_grid upscales the smallest image to the minimum pixels)
@@ -167,6 +167,7 @@ class Videos:
             p.max_image_pixels,
             p.max_video_decoded_pixels,
             p.max_media_bytes,
+            jpeg=(p.max_image_scans, p.max_image_scan_pixels),
         ).as_size()
 
     def check(self, pre: Preprocessor, j: int, size: tuple, record_id: str) -> None:
@@ -230,6 +231,7 @@ class Videos:
             max_seconds=p.max_video_seconds,
             max_bytes=p.max_media_bytes,
             cached=cached,
+            jpeg=(p.max_image_scans, p.max_image_scan_pixels),
         )
 
 
