@@ -121,9 +121,8 @@ def test_the_cost_model_counts_deepstacks_projectors_and_additions():
     to the LLM's hidden states; its LoRA adapters likewise."""
     import math
 
-    from jaxmllm.plan.cost import CostModel
-
     from jaxmllm.config import Config, from_dict
+    from jaxmllm.cost.model import CostModel
     from jaxmllm.hf.adapter_load import shapes_of
 
     raw = lambda deep: {

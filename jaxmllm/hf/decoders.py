@@ -364,6 +364,9 @@ def stacked_experts_links(hf: str, ours: str, moe: Any, w: int, n: int) -> list[
     Ours: gate and up [E, w, f], down [E, f, w]; an export writes transformers' layout."""
     e, f = moe.experts, moe.mlp_dim
 
+    def hubs(shape):  # (the hub's layout of a tensor transformers saves as `shape`)
+        return ((shape[0], shape[2], shape[1]),)
+
     def gate_up(x):
         x = np.asarray(x)
         x = x if x.shape == (e, 2 * f, w) else x.transpose(0, 2, 1)  # (the hub's [E, w, 2f])
@@ -380,8 +383,16 @@ def stacked_experts_links(hf: str, ours: str, moe: Any, w: int, n: int) -> list[
             gate_up,
             lambda g, u: (np.concatenate([g, u], axis=-1).transpose(0, 2, 1),),
             n,
+            stored_as=hubs,
         ),
-        Link((hf + "down_proj",), (ours + "down",), down, lambda x: (x.transpose(0, 2, 1),), n),
+        Link(
+            (hf + "down_proj",),
+            (ours + "down",),
+            down,
+            lambda x: (x.transpose(0, 2, 1),),
+            n,
+            stored_as=hubs,
+        ),
     ]
 
 

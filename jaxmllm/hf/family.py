@@ -41,7 +41,9 @@ class Link:
     `to_ours(*hf_arrays) -> our arrays` and `to_hf(*our_arrays) -> hf arrays`, one layer at a
     time when `layers` > 0 (our parameters then have a leading [layers] axis). Row j of ours is
     the checkpoint's layer `layer_ids[j]` (default j: a stack of every layer; a mixture of
-    experts stacks its MoE layers and its dense ones apart).
+    experts stacks its MoE layers and its dense ones apart). `stored_as(shape)`: the other
+    shapes a HF tensor of `shape` (as `to_hf` writes it) may be stored in and `to_ours` tells
+    apart (the hub's Qwen3-VL-MoE experts, transposed); any other shape is refused on load.
     """
 
     hf: tuple[str, ...]
@@ -50,6 +52,7 @@ class Link:
     to_hf: Transform
     layers: int = 0
     layer_ids: tuple[int, ...] = ()
+    stored_as: Callable[[tuple[int, ...]], tuple[tuple[int, ...], ...]] | None = None
 
     def hf_layer(self, row: int) -> int:
         """The checkpoint's layer number of row `row` of our stacked parameters."""

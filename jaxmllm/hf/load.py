@@ -212,11 +212,14 @@ def check_sizes(link: Link, ck: Checkpoint, prefix: str, targets: list, key: str
             )
 
 
-def check_shapes(names, stored, mapped, ck: Checkpoint, prefix: str, key: str) -> None:
+def check_shapes(link: Link, names, stored, mapped, ck: Checkpoint, prefix: str, key: str) -> None:
     """Refuses tensors stored in another shape than the model's parameters map to (element
-    counts alike: a [width, mlp] tensor where [mlp, width] is meant), naming file and both."""
+    counts alike: a [width, mlp] tensor where [mlp, width] is meant), naming file and both;
+    a shape the link says it reads too (`Link.stored_as`) is not refused."""
     for name, a, b in zip(names, stored, mapped, strict=True):
-        if tuple(a.shape) != tuple(np.shape(b)):
+        want = tuple(np.shape(b))
+        also = link.stored_as(want) if link.stored_as else ()
+        if tuple(a.shape) != want and tuple(a.shape) not in also:
             raise CheckpointError(
                 f"{key}: tensor {name} in {ck.file(prefix + name)} is {list(a.shape)}, but the "
                 f"model's sizes (config.json) store it as {list(np.shape(b))}: the same "
@@ -259,7 +262,7 @@ def fill(link: Link, ck: Checkpoint, prefix: str, targets: list, key: str) -> li
             ) from None
         # (a tensor stored in another shape of its size, a transposed one, reshapes without
         # an error: its shape must be what ours map back to)
-        check_shapes(names, arrays, back, ck, prefix, key)
+        check_shapes(link, names, arrays, back, ck, prefix, key)
         return ours
 
     if link.layers:
