@@ -13,7 +13,9 @@ token per row against the KV cache, `jaxmllm.models.decode`). Greedy at temperat
 default), else temperature and nucleus (top-p) sampling from `--seed`. Prompts of different
 lengths are decoded together, right-padded; each row stops at the template's stop ids (kept as
 the last id of `ids`, left out of `text`) or after `--max-new-tokens`. With `--json` each
-prompt's answer is printed as one JSON object a line: {"ids": [...], "text": "..."}.
+prompt's answer is printed as one JSON object a line: {"ids": [...], "text": "..."}, with
+`--logprobs N` each new id's log-probability and the N likeliest ids' too; `--logits FILE.npz`
+saves every new id's logits (what `hf check` compares, on the tokens generation picks).
 
 The run's own config (`<run>/config.json`) rebuilds the model, its checkpoint's parameters are
 restored (latest, or `--step`; no optimizer state), and the prompt is rendered by the run's
@@ -38,10 +40,11 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from jaxmllm.batch.prompts import PromptShapes
-from jaxmllm.config import Config, ConfigError, from_dict, guard_logs
-from jaxmllm.config.command import run
+from jaxmllm.config import Config, ConfigError, from_dict
+from jaxmllm.config.command import configure_logging, run
 from jaxmllm.config.phases import KINDS
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.template import TEMPLATES, Template, make_template
@@ -109,8 +112,11 @@ def taking_videos(cfg: Config) -> Config:
 def answer_prompts(
     cfg: Config, params: dict, template: Template, prompts: list[Sample], args
 ) -> list[dict]:
-    """The CLI's answers: {"ids", "text"} per prompt, all prompts in one batch."""
+    """The CLI's answers: {"ids", "text"} per prompt, all prompts in one batch; with
+    `--logprobs N` each new id's log-probability and the N likeliest ids' ("logprobs",
+    "top_logprobs"); with `--logits FILE` every new id's logits, saved there."""
     gen = Generator(cfg, PromptShapes.fit(prompts, cfg, args.max_new_tokens), template.specials)
+    scores = bool(args.logprobs or args.logits)
     answers = gen.generate(
         params["params"],
         params["frozen"],
@@ -120,8 +126,29 @@ def answer_prompts(
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
+        keep_logits=scores,
     )
-    return [{"ids": a.ids, "text": template.decode(a.ids)} for a in answers]
+    out = [{"ids": a.ids, "text": template.decode(a.ids)} for a in answers]
+    if args.logprobs:
+        for answer, a in zip(out, answers, strict=True):
+            answer.update(logprobs(a.ids, a.logits, args.logprobs))
+    if args.logits:  # (prompt k's [new ids, vocab] float32 as `answer_<k>`)
+        arrays = {f"answer_{k}": np.stack(a.logits) for k, a in enumerate(answers)}
+        np.savez(args.logits, **arrays)
+    return out
+
+
+def logprobs(ids: list[int], logits: list[np.ndarray], top: int) -> dict:
+    """Each new id's log-probability under its step's logits (their log-softmax, float64),
+    and the `top` likeliest ids' at each step ({id: log-probability}, likeliest first)."""
+    chosen, best = [], []
+    for i, scores in zip(ids, logits, strict=True):
+        x = np.asarray(scores, np.float64)
+        lp = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+        chosen.append(float(lp[i]))
+        order = np.argsort(-lp, kind="stable")[:top]
+        best.append({str(int(j)): float(lp[j]) for j in order})
+    return {"logprobs": chosen, "top_logprobs": best}
 
 
 def prompt_ids(text: str) -> list[int]:
@@ -214,11 +241,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "plain (the text to continue); auto: as the run's data",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt: ids, text")
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --json: each new id's log-probability and the N likeliest ids' at each step",
+    )
+    p.add_argument(
+        "--logits",
+        default="",
+        metavar="FILE.npz",
+        help="save each prompt's logits of every new id there ([new ids, vocab] float32)",
+    )
     args = p.parse_args(argv)
     if args.run and (args.hf_vision or args.hf_audio or args.tokenizer):
         p.error("--hf-vision, --hf-audio and --tokenizer go with --hf (a run has its own)")
     if args.hf and args.step is not None:
         p.error("--step goes with --run")
+    if args.logprobs < 0 or (args.logprobs and not args.json):
+        p.error("--logprobs N (N >= 1) goes with --json")
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
         p.error("--max-new-tokens must be >= 1, --temperature >= 0, --top-p in (0, 1]")
     return args
@@ -231,8 +273,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _command(argv: list[str] | None) -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
-    guard_logs()  # (record ids and file names in messages: escaped)
+    configure_logging(logging.WARNING)  # (record ids and file names in messages: escaped)
     args = parse_args(argv)
     if args.hf:
         cfg, params = load_hf(args)

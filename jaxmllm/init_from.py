@@ -28,6 +28,6 @@ def start_base(cfg: Config, prog: Program, stamp: dict) -> tuple[dict | None, di
     given = initial_params(cfg, prog)
     loaded = prog.parts.split(given)[1]  # (before init, which may donate them)
     fresh = prog.init(given)
-    base = prog.base_of(fresh)
+    base = prog.weights(fresh)["frozen"]
     stamp["base"] = base_identity(cfg, base, loaded)
     return fresh, base

@@ -3,9 +3,9 @@
     python -m jaxmllm.launch --processes 2 --config configs/tiny.yaml [--set k=v ...]
 
 starts 2 processes of `python -m jaxmllm.train` with the same arguments, tells each who it is
-(JAXMLLM_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID, see jaxmllm/loop/distributed.py) and prefixes
-their output with `[pN]`. On CPU the config's `mesh.cpu_devices` are shared out between them
-(gloo collectives); with `--gpus`, process i sees GPU i only (CUDA_VISIBLE_DEVICES).
+(JAXMLLM_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID, see jaxmllm/process/distributed.py) and
+prefixes their output with `[pN]`. On CPU the config's `mesh.cpu_devices` are shared out
+between them (gloo collectives); with `--gpus`, process i sees GPU i only (CUDA_VISIBLE_DEVICES).
 
 Several machines: run the same command on each with `--nodes`, `--node-rank` and the
 `--coordinator` (node 0's address); see launch/multinode.sh. If a process dies, the launcher

@@ -17,37 +17,36 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import grain
 import jax
 
 import sharding
-from jaxmllm.batch.counts import calibrated_cost
-from jaxmllm.batch.info import StepInfo
-from jaxmllm.config import Config, ConfigError, guard_logs, load_config
-from jaxmllm.config.command import run
-from jaxmllm.data.source import make_source
+from jaxmllm.config import Config, load_config
+from jaxmllm.config.command import add_config_args, configure_logging, run
+from jaxmllm.feed.info import StepInfo
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.init_from import initial_params, start_base
-from jaxmllm.loop import checkpoint, distributed, guards, xla_flags
+from jaxmllm.loop import checkpoint, guards
 from jaxmllm.loop.checkpoint import (
     check_process_count,
     check_resumable,
     format_stamp,
-    keep_resolved,
     make_checkpoint_manager,
     restore_latest,
     save_args,
     write_config,
 )
 from jaxmllm.loop.evaluate import open_evaluator
-from jaxmllm.loop.guards import NonFiniteError, NonFiniteGuard, Preemption, Watchdog
+from jaxmllm.loop.guards import NonFiniteError, NonFiniteGuard, Preemption
 from jaxmllm.loop.ledger import Ledger
+from jaxmllm.loop.lock import hold_output_dir
 from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter, device_peak
-from jaxmllm.loop.summary import RunReport, rejects_file
+from jaxmllm.loop.summary import RunReport, rejects_file, schedule_note
 from jaxmllm.loop.timings import TimingsRecorder
-from jaxmllm.plan.sizing import check_attention, resolve_attention, resolve_batch
+from jaxmllm.loop.watchdog import startup_signals, step_watchdog
+from jaxmllm.process import distributed, xla_flags
+from jaxmllm.resolve.run import Run, resolve_run
 from jaxmllm.step.stages.program import build_program
 
 log = logging.getLogger("jaxmllm")
@@ -56,38 +55,28 @@ log = logging.getLogger("jaxmllm")
 def main(cfg: Config, *, on_step: Callable[[int, dict], None] | None = None) -> dict:
     """Trains per `cfg`; returns the last logged metrics. `on_step(step, metrics)` is a hook.
 
-    In a multi-process job (see jaxmllm/loop/distributed.py) every process calls this with the same
-    config; JAX is started here, before anything touches a device.
+    In a multi-process job (see jaxmllm/process/distributed.py) every process calls this with the
+    same config; JAX is started here, before anything touches a device.
     """
     distributed.start(cfg)
     checkpoint.check_output_dir(Path(cfg.train.output_dir))  # (read-only, a file: stop here)
-    mesh = sharding.make_mesh(cfg.mesh)
     xla_flags.report()  # (the GPU flag set in effect, on a GPU)
-    if cfg.batch.exchange == "ragged" and jax.default_backend() == "cpu":
-        raise ConfigError(
-            "batch.exchange=ragged: XLA:CPU does not implement ragged_all_to_all; use "
-            "batch.exchange: dense on CPU (ragged is for GPU backends)"
-        )
-    cfg = resolve_attention(cfg)  # auto: the kernel for these devices (logged)
-    check_attention(cfg)  # a kernel these devices cannot run stops the run here
-    calibrated_cost(cfg)  # a bad train.cost_file stops the run here, not in the data thread
-    # The data decides `auto` sizes before anything is shaped by them.
-    source, index = make_source(cfg)
-    cfg = keep_resolved(cfg, Path(cfg.train.output_dir))  # (a resumed run: as it was planned)
-    cfg = resolve_batch(cfg, index, sharding.data_parallel_size(mesh))
+    # Resolved once: the mesh, the kernel for these devices, the source and its index, the
+    # batch's sizes from the data (a resumed run's: as it was planned), the bucket spec.
+    run = resolve_run(cfg, resume=cfg.train.output_dir)
     # Under the mesh, the model pins the encoder-row exchange to the data axes (an all-to-all).
-    with jax.set_mesh(mesh), contextlib.ExitStack() as closing:
-        return _train(cfg, mesh, source, index, on_step, closing)
+    with jax.set_mesh(run.mesh), contextlib.ExitStack() as closing:
+        return _train(run, on_step, closing)
 
 
-def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitStack) -> dict:
+def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
     """The stages after the config; what they open is closed by `closing`, in reverse."""
+    cfg, mesh = run.cfg, run.mesh
     t = cfg.train
     out = Path(t.output_dir)
     is_main = jax.process_index() == 0
+    closing.enter_context(hold_output_dir(out, is_main))  # (a second run there stops here)
     check_resumable(cfg, out)
-    if is_main:
-        write_config(cfg, out)
 
     # Mesh: data x fsdp x tensor over all devices; D = data-parallel buckets per step.
     log.info(
@@ -100,7 +89,7 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
 
     # Data: the planner fills fixed-shape buckets; planning, loading and the copy to the devices
     # run ahead in a thread. Each process plans the whole step and loads only its own devices'.
-    data_iter = open_data(cfg, mesh, source, index, out)
+    data_iter = open_data(run, out)
     closing.callback(data_iter.close)
 
     # Shapes, shardings (checked for clashes), and the one compiled step.
@@ -111,16 +100,17 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
             print(f"frozen (no gradient, no optimizer state): {', '.join(prog.parts.frozen_keys)}")
         if prog.parts.adapted:
             print(f"LoRA adapters train, their base frozen: {', '.join(prog.parts.adapted)}")
+        log.log(*schedule_note(cfg))  # (a warm-up over most of a short run: said)
 
     # Evaluation (data.eval): a fixed held-out set planned at the step's shapes, and questions.
-    evaluator = open_evaluator(cfg, mesh, prog, out, positions_of(mesh))
+    evaluator = open_evaluator(run, prog, out)
 
     # Init: jitted straight into its shardings (no full copy on one device), or restore. A
     # checkpoint of another format (stamp) is refused, never restored into the wrong tree; it
     # holds the state in a form the mesh does not change (pipelined stacks as [depth, ...]).
     mngr = make_checkpoint_manager(cfg)
     closing.callback(checkpoint.wait_for_saves, mngr, True)  # waits for a save in flight
-    saved_form = prog.checkpoint_abstract()
+    saved_form = prog.saved_abstract()
     stamp = format_stamp(prog.abstract_params())
     check_process_count(mngr)
     fresh, base = start_base(cfg, prog, stamp)  # (adapters: their base, never in checkpoints)
@@ -128,7 +118,9 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
     if state is None:  # a fresh run: random, or the pretrained weights model.init_from names
         state = fresh if fresh is not None else prog.init(initial_params(cfg, prog))
     else:
-        state = prog.from_saved(state, base)
+        state = prog.restored(state, base)
+    if is_main:  # (only once the resume checks passed: a refused run leaves the folder as it was)
+        write_config(cfg, out)
     start = int(state["step"])
     if start:
         print(f"resumed from checkpoint at step {start} in {mngr.directory}")
@@ -142,9 +134,8 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
     ledger = Ledger(out, jax.process_index()) if t.ledger else None
     if ledger is not None:
         closing.callback(ledger.close)
-    watchdog = Watchdog(cfg.distributed.step_timeout_s) if jax.process_count() > 1 else None
-    if watchdog is not None:
-        closing.callback(watchdog.stop)
+    watchdog = step_watchdog(cfg, start, preempt, mngr.directory)  # (a hung step ends it)
+    closing.callback(watchdog.close)
     peak = device_peak(t.peak_tflops, jax.devices()[0].device_kind) if is_main else None
     window = MetricsWindow(mesh.size, cfg.data, peak)
     guard = NonFiniteGuard(t.max_nonfinite_steps)
@@ -163,12 +154,11 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
                 timings.dispatched(done, metrics["loss"], info.work, info.variant)
             checkpoint.check_saves(mngr)  # a save that failed in the background stops the run
             if guard.check(done, metrics["nonfinite"]):
-                args = save_args(prog.to_saved(state), data_iter, stamp)
+                args = save_args(prog.saved(state), data_iter, stamp)
                 checkpoint.save(mngr, guard.stopped_at, args, force=True)
                 checkpoint.wait_for_saves(mngr)
                 raise NonFiniteError(guard.message(mngr.directory))
-            if watchdog is not None:
-                watchdog.progress(done)
+            watchdog.beat(done)
             if ledger is not None:
                 ledger.write(done, info.parts)
             window.add(info, waited)
@@ -177,14 +167,14 @@ def _train(cfg: Config, mesh, source, index, on_step, closing: contextlib.ExitSt
                 last = log_step(done, metrics, info, window, guard.total, writer, bar)
                 report.logged(done)
             if evaluator is not None and evaluator.due(done):  # (reads the params, no more)
-                writer.write(done, evaluator(prog.to_checkpoint(state), done))  # [depth, ...]
+                writer.write(done, evaluator(prog.weights(state), done))  # [depth, ...]
                 window.exclude(evaluator.seconds)  # (throughput is the training's)
                 if timings is not None:
                     timings.evaluated()
             stopping = preempt.requested is not None
             force = done == t.steps or stopping
             saving = force or mngr.should_save(done)  # (converted only when it is saved)
-            args = save_args(prog.to_saved(state), data_iter, stamp) if saving else None
+            args = save_args(prog.saved(state), data_iter, stamp) if saving else None
             saved = saving and checkpoint.save(mngr, done, args, force)
             if saved and timings is not None:
                 timings.saved()
@@ -231,52 +221,23 @@ def open_timings(cfg: Config, out: Path, start: int, is_main: bool, closing):
     return timings
 
 
-def open_data(cfg: Config, mesh, source, index, out: Path) -> grain.DatasetIterator:
+def open_data(run: Run, out: Path) -> grain.DatasetIterator:
     """This process's step iterator: it yields each step's global device arrays, assembled from
     this process's rows in the pipeline's thread while the devices run the step before."""
-    rank, positions = jax.process_index(), positions_of(mesh)
-    if positions is not None:
+    if run.positions is not None:
         log.info(
             "process %d of %d: data-parallel positions %d..%d of %d",
-            rank,
+            jax.process_index(),
             jax.process_count(),
-            positions[0],
-            positions[-1],
-            sharding.data_parallel_size(mesh),
+            run.positions[0],
+            run.positions[-1],
+            run.devices,
         )
     return make_pipeline(
-        cfg,
-        sharding.data_parallel_size(mesh),
-        cfg.data.prefetch,
-        source=source,
-        index=index,
-        positions=positions,
+        run,
         reject_log=rejects_file(out),
-        to_device=lambda host_batch: sharding.make_global_batch(host_batch, mesh),
+        to_device=lambda host_batch: sharding.make_global_batch(host_batch, run.mesh),
     )
-
-
-def positions_of(mesh) -> Any:
-    """This process's data-parallel positions in a multi-process job; None with one process."""
-    return host_positions(mesh) if jax.process_count() > 1 else None
-
-
-def host_positions(mesh) -> Any:
-    """This process's data-parallel positions; they must be one contiguous run (the mesh
-    lays devices out process by process), which is what make_global_batch assembles."""
-    positions = sharding.local_dp_indices(mesh)
-    if len(positions) == 0 or (positions != positions[0] + range(len(positions))).any():
-        raise sharding.ShardingError(
-            f"process {jax.process_index()} holds data-parallel positions {positions.tolist()}, "
-            "not one contiguous run; use a mesh whose fsdp x tensor fits within a host"
-        )
-    context = sharding.context_size(mesh)
-    if positions[0] % context or len(positions) % context:  # (a group's rows: one host's)
-        raise sharding.ShardingError(
-            f"process {jax.process_index()} holds part of a context group of {context} "
-            "devices; mesh.context must divide the devices of a process"
-        )
-    return positions
 
 
 def log_step(done: int, metrics: dict, info: StepInfo, window, nonfinite_total, writer, bar):
@@ -314,15 +275,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", required=True, help="experiment YAML, e.g. configs/tiny.yaml")
-    p.add_argument(
-        "--set",
-        action="extend",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override config values, e.g. --set optim.lr=3e-4 train.steps=50 (repeatable)",
-    )
+    add_config_args(p)
     return p.parse_args(argv)
 
 
@@ -334,11 +287,10 @@ def cli(argv: list[str] | None = None) -> int:
 
 def _command(argv: list[str] | None) -> None:
     guards.outlive_closed_pipes()  # (a `| tee` that Ctrl-C ended never costs the checkpoint)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    guard_logs()  # (record ids and file names in messages: escaped)
-    logging.getLogger("jaxmllm").setLevel(logging.INFO)  # (grain's import set up the root logger)
+    configure_logging(logging.WARNING, ours=logging.INFO)  # (with their time; not orbax chatter)
     args = parse_args(argv)
-    main(load_config(args.config, args.set))
+    with startup_signals():  # (SIGTERM before the loop: says what it interrupted, exit 143)
+        main(load_config(args.config, args.set))
 
 
 if __name__ == "__main__":

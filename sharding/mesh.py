@@ -13,13 +13,14 @@ and gathers the keys and values of the group, every layer): for batches it is on
 data-parallel axis (every step array's device axis is split over data x fsdp x context), for
 parameters it is like data (replicated; gradients reduce over it).
 
-Across processes (hosts) the devices are laid out process by process, so the fast axes stay
-inside a host: with L devices per process and expert * fsdp * context * tensor dividing L,
-every `tensor`, `context`, `fsdp` and `expert` group is one host's devices (NVLink / shared
-memory), each host holds L / (expert * fsdp * context * tensor) whole `data` rows, and only the
-data-parallel gradient reduction crosses the network. A layout where they do not divide L
-still works but puts model-parallel (and the context groups' key/value) traffic on the
-network; `make_mesh` warns.
+Across processes the devices are laid out host by host (the machine each is on, over every
+process of the job: one process driving a node's 8 GPUs, or 8 one-GPU processes as under SLURM),
+so the fast axes stay inside a host: with L devices a host and expert * fsdp * context * tensor
+dividing L, every `tensor`, `context`, `fsdp` and `expert` group is one host's devices (NVLink /
+shared memory), each host holds L / (expert * fsdp * context * tensor) whole `data` rows, and
+only the data-parallel gradient reduction crosses the network. A layout where they do not
+divide L still works but puts model-parallel (and the context groups' key/value) traffic on the
+network; `make_mesh` warns (`spans_hosts`).
 Pipeline stages may span hosts: what crosses a stage boundary is one microbatch's activations
 per tick (point to point), far less than the gradient reduction.
 
@@ -76,20 +77,41 @@ def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mes
     types = (AxisType.Auto,) * len(AXES)
     if len({d.process_index for d in devices}) == 1:
         return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
-    # Several hosts: process by process, so tensor, context, fsdp and expert groups stay inside
-    # a host.
-    devices.sort(key=lambda d: (d.process_index, d.id))
-    local = sum(d.process_index == devices[0].process_index for d in devices)
-    inner = math.prod(shape[2:])  # expert x fsdp x context x tensor
-    if local % inner:
-        log.warning(
-            "mesh.expert x mesh.fsdp x mesh.context x mesh.tensor = %d does not divide the %d "
-            "devices of a process: model-parallel groups span hosts (slow); keep them within a "
-            "host",
-            inner,
-            local,
-        )
+    # Several processes: host by host, process by process, so tensor, context, fsdp and expert
+    # groups stay inside a host.
+    devices.sort(key=lambda d: (host_of(d), d.process_index, d.id))
+    problem = spans_hosts(devices, shape)
+    if problem:
+        log.warning("%s", problem)
     return Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES, axis_types=types)
+
+
+def host_of(device: jax.Device) -> int:
+    """The machine a device is on: XLA numbers the hosts of a multi-process job by their boot
+    id (`slice_index`: every process of one machine alike, e.g. the 8 one-GPU processes a
+    SLURM node runs); where a backend gives none, each process counts as its own host."""
+    index = getattr(device, "slice_index", None)
+    return device.process_index if index is None else index
+
+
+def spans_hosts(devices: Sequence[jax.Device], shape: Sequence[int]) -> str:
+    """'' when every model-parallel group (expert x fsdp x context x tensor, the mesh's
+    fastest axes) of `devices`, laid out host by host in this order, lies within one host;
+    else what is wrong and what to change. Hosts and their devices are counted over every
+    process of the job, not one process's devices (one process per GPU is the usual SLURM
+    layout, and its groups still share a machine)."""
+    inner = math.prod(shape[2:])  # expert x fsdp x context x tensor
+    hosts = [host_of(d) for d in devices]
+    split = sum(len(set(hosts[k : k + inner])) > 1 for k in range(0, len(hosts), inner))
+    if not split:
+        return ""
+    per_host = sorted({hosts.count(h) for h in set(hosts)})
+    return (
+        f"mesh.expert x mesh.fsdp x mesh.context x mesh.tensor = {inner} devices a group, but "
+        f"the job's {len(set(hosts))} hosts have {' or '.join(map(str, per_host))} devices "
+        f"each: {split} of {len(hosts) // inner} model-parallel groups span hosts (slow: "
+        "their gathers cross the network); make the group divide a host's devices"
+    )
 
 
 def resolve_axis_sizes(mesh_cfg: Any, n_devices: int) -> tuple[int, ...]:

@@ -1,7 +1,10 @@
 """Test set-up: 8 forced CPU devices, set before JAX is imported anywhere."""
 
+import importlib.util
 import os
 import tempfile
+
+import pytest
 
 # Everything the session's tools cache on disk lives in one folder, deleted at its end
 # (pytest_unconfigure): JAX's compile cache, and torch's inductor cache, which importing peft
@@ -25,8 +28,8 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     FLAGS += ["--xla_cpu_collective_call_terminate_timeout_seconds=300"]
     FLAGS += ["--xla_cpu_collective_call_warn_stuck_timeout_seconds=20"]
     # XLA:CPU's pool sized so the 8 devices' overlapping collectives cannot block every thread
-    # (the deadlock of test_hf_train's first step: jaxmllm.loop.cpu_pool says why).
-    from jaxmllm.loop.cpu_pool import size_pool
+    # (the deadlock of test_hf_train's first step: jaxmllm.process.cpu_pool says why).
+    from jaxmllm.process.cpu_pool import size_pool
 
     size_pool(8)
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *FLAGS]).strip()
@@ -51,3 +54,16 @@ def pytest_unconfigure(config):
     import shutil
 
     shutil.rmtree(SESSION_TMP, ignore_errors=True)
+
+
+TORCH = importlib.util.find_spec("torch") is not None
+
+
+@pytest.hookimpl(tryfirst=True)  # (before the test's fixtures are set up)
+def pytest_runtest_setup(item):
+    """Tests marked `torch` hold jaxmllm to transformers' models, which run on torch: where torch
+    is not installed they skip, saying so (CI's Python 3.12 leg: torch's CPU build is a local
+    wheel for 3.11 only, and the registry's torch pulls several GB of CUDA packages; the 3.11
+    leg runs them)."""
+    if not TORCH and item.get_closest_marker("torch"):
+        pytest.skip("torch is not installed: transformers' models (the oracle) run on it")

@@ -469,3 +469,97 @@ def qwen3_5(
         return save(randomize(T.Qwen3_5MoeForCausalLM(cfg), seed), directory)
     cfg = T.Qwen3_5TextConfig(intermediate_size=96, **common)
     return save(randomize(T.Qwen3_5ForCausalLM(cfg), seed), directory)
+
+
+QWEN3_VL_VISION = dict(
+    depth=3,
+    hidden_size=32,
+    intermediate_size=48,
+    num_heads=4,
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=36,
+)
+
+
+def _qwen3_vl_parts(vocab: int, layers: int, sections, deepstack, ids) -> dict:
+    """A tiny Qwen3-VL's config keys: its Qwen3 text config (QK-norm, head_dim 24 of width
+    64, interleaved M-RoPE of `sections`), its tower's (DeepStack from blocks `deepstack`),
+    its placeholder ids (image, video, vision start, vision end)."""
+    text = _text("qwen3", vocab)
+    text.pop("model_type")
+    text.update(
+        num_hidden_layers=layers,
+        head_dim=24,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "mrope_section": list(sections),
+            "mrope_interleaved": True,
+        },
+    )
+    vision = dict(out_hidden_size=64, deepstack_visual_indexes=list(deepstack), **QWEN3_VL_VISION)
+    keys = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return dict(text_config=text, vision_config=vision, **dict(zip(keys, ids, strict=True)))
+
+
+def qwen3_vl(
+    directory: Path,
+    seed: int = 0,
+    tied: bool = False,
+    vocab: int = 300,
+    ids=(290, 291, 292, 293),
+    deepstack=(0, 2),
+    layers: int = 3,
+    sections=(4, 4, 4),
+) -> str:
+    """A whole Qwen3-VL: its Qwen3 LLM with interleaved M-RoPE, its tower (a 6 x 6 learned
+    table resized bilinearly, 2D rotary) with DeepStack from blocks `deepstack` into the LLM's
+    first layers (`_qwen3_vl_parts`); `ids` as `qwen2_vl`'s."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    parts = _qwen3_vl_parts(vocab, layers, sections, deepstack, ids)
+    cfg = Qwen3VLConfig(tie_word_embeddings=tied, **parts)
+    return save(randomize(Qwen3VLForConditionalGeneration(cfg), seed), directory)
+
+
+def qwen3_vl_moe(
+    directory: Path,
+    seed: int = 0,
+    vocab: int = 300,
+    ids=(290, 291, 292, 293),
+    deepstack=(0, 2),
+    layers: int = 3,
+    experts: int = 8,
+    top_k: int = 2,
+    dense_layers: tuple[int, ...] = (),
+    sparse_step: int = 1,
+    tied: bool = False,
+    moe_dim: int = 32,
+) -> str:
+    """A whole Qwen3-VL-MoE: `qwen3_vl`'s tower and LLM with its MLPs mixtures of `experts`
+    of width `moe_dim` (top `top_k`, always renormalised), `dense_layers` among them; the
+    router drawn at random too, so tokens spread over the experts."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    parts = _qwen3_vl_parts(vocab, layers, (4, 4, 4), deepstack, ids)
+    parts["text_config"].update(
+        moe_intermediate_size=moe_dim,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        mlp_only_layers=list(dense_layers),
+        decoder_sparse_step=sparse_step,
+        router_aux_loss_coef=0.01,
+    )
+    cfg = Qwen3VLMoeConfig(tie_word_embeddings=tied, **parts)
+    return save(randomize(Qwen3VLMoeForConditionalGeneration(cfg), seed), directory)
+
+
+def qwen3_vl_vision(directory: Path, seed: int = 0, out: int = 64) -> str:
+    """Qwen3-VL's tower alone (its merger and DeepStack's from block 1)."""
+    from transformers import Qwen3VLVisionModel
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+
+    cfg = Qwen3VLVisionConfig(out_hidden_size=out, deepstack_visual_indexes=[1], **QWEN3_VL_VISION)
+    return save(randomize(Qwen3VLVisionModel(cfg), seed), directory)

@@ -14,25 +14,30 @@ HOOKS = ROOT / "tests" / "child_hooks"  # sitecustomize + killpoints, for kill=.
 NO_EVAL = ("data.eval.source=none",)
 
 
-def child_env(kill: dict | None = None, index_kill: dict | None = None) -> dict[str, str]:
+def child_env(
+    kill: dict | None = None, index_kill: dict | None = None, hang: dict | None = None
+) -> dict[str, str]:
     """The environment for a child run: unbuffered output, the repo importable, and without
     conftest's forced device count (the config's mesh.cpu_devices splits the CPU itself).
 
     `kill`: a kill point (see tests/child_hooks/killpoints.py) the child SIGKILLs itself at;
-    `index_kill`: one of an index build (tests/child_hooks/indexkill.py).
+    `index_kill`: one of an index build (tests/child_hooks/indexkill.py); `hang`: a step that
+    blocks (tests/child_hooks/hangpoints.py).
     """
-    hooks = ("XLA_FLAGS", "JAXMLLM_TEST_KILL", "JAXMLLM_TEST_INDEX_KILL")
+    hooks = ("XLA_FLAGS", "JAXMLLM_TEST_KILL", "JAXMLLM_TEST_INDEX_KILL", "JAXMLLM_TEST_HANG")
     env = {k: v for k, v in os.environ.items() if k not in hooks}
     if "--xla_backend_optimization_level=0" in os.environ.get("XLA_FLAGS", ""):
         env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # (as conftest: compiling is most)
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    if kill is not None or index_kill is not None:
+    if kill is not None or index_kill is not None or hang is not None:
         env["PYTHONPATH"] = str(HOOKS) + os.pathsep + env["PYTHONPATH"]
     if kill is not None:
         env["JAXMLLM_TEST_KILL"] = json.dumps(kill)
     if index_kill is not None:
         env["JAXMLLM_TEST_INDEX_KILL"] = json.dumps(index_kill)
+    if hang is not None:
+        env["JAXMLLM_TEST_HANG"] = json.dumps(hang)
     return env
 
 

@@ -222,9 +222,9 @@ def test_expected_tiles_is_the_mean_over_where_a_document_starts():
 def _omni_caps(devices: int, block: int, scale: float):
     """Capacities for the omni mix, tile capacities the suggested ones times `scale`."""
     from jaxmllm.bench.mixes import synthetic_omni
-    from jaxmllm.plan.capacity import suggest_capacities
     from jaxmllm.plan.contract import Capacities
-    from jaxmllm.plan.tilesize import suggest_tiles
+    from jaxmllm.resolve.capacity import suggest_capacities
+    from jaxmllm.resolve.tilesize import suggest_tiles
 
     index = synthetic_omni(3000, seed=3)
     per_token, per_row = {"vision": 4, "audio": 4}, {"vision": 1, "audio": 4}
@@ -238,7 +238,7 @@ def _omni_caps(devices: int, block: int, scale: float):
         per_token=per_token,
         per_row=per_row,
         route_pair_capacity=sug.units["vision"] // 4,
-        block=block,
+        attention_block=block,
     )
     suggested = suggest_tiles(index, caps)
     alone = {  # a tile capacity is never below the largest document's own tiles
@@ -285,20 +285,19 @@ def test_every_planned_tile_list_is_exactly_its_documents_tiles(planner):
     list, every phase, is the tile set of the documents its segment ids hold, within the
     capacity the config resolved (a dry run for grain, the data's mean need for orchestrated)."""
     from jaxmllm.config import load_config
-    from jaxmllm.config.spec import BatchSpec
-    from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.run import resolve_run
 
     cfg = load_config(
         "configs/tiny.yaml",
         ["data.synthetic.num_samples=256", f"batch.planner={planner}", "train.steps=4"],
     )
-    cfg = resolve_batch(cfg, make_source(cfg)[1], devices=8)
-    caps = BatchSpec.of(cfg).tile_caps()
+    run = resolve_run(cfg, 8)
+    cfg = run.cfg
+    caps = run.spec.tile_caps()
     block = cfg.batch.attention_block
     sub = cfg.model.audio.subsample
-    data = make_pipeline(cfg, 8, prefetch=0)
+    data = make_pipeline(run, prefetch=0)
     try:
         for _ in range(4):
             b = next(data)["batch"]
@@ -326,22 +325,22 @@ def test_cudnn_document_bounds_are_sized_from_the_data_and_held():
     above what the data allows (the row over its smallest document), and a bound set too small
     is refused naming the key."""
     from jaxmllm.config import load_config
-    from jaxmllm.data.source import make_source
+    from jaxmllm.config.spec import BatchSpec
     from jaxmllm.feed.iterator import make_pipeline
     from jaxmllm.plan.contract import documents
-    from jaxmllm.plan.sizing import capacities, resolve_batch
+    from jaxmllm.resolve.run import resolve_run
 
     cfg = load_config(
         "configs/tiny.yaml",
         ["data.synthetic.num_samples=256", "model.attention=cudnn", "train.steps=4"],
     )
-    source, index = make_source(cfg)
-    cfg = resolve_batch(cfg, index, devices=8)
+    run = resolve_run(cfg, 8)
+    cfg, index = run.cfg, run.index
     most = {}
-    for phase, (sizes, _, row) in documents(index, capacities(cfg, 8)).items():
+    for phase, (sizes, _, row) in documents(index, run.caps).items():
         assert getattr(cfg.batch, f"{phase}_documents") <= row // int(sizes[sizes > 0].min())
         most[phase] = 0
-    data = make_pipeline(cfg, 8, prefetch=0, source=source, index=index)
+    data = make_pipeline(run, prefetch=0)
     try:
         for _ in range(4):
             b = next(data)["batch"]
@@ -356,10 +355,10 @@ def test_cudnn_document_bounds_are_sized_from_the_data_and_held():
         data.close()
     for phase, n in most.items():  # the dry run planned these very steps
         assert 0 < n == getattr(cfg.batch, f"{phase}_documents"), phase
-    tight = dataclasses.replace(cfg.batch, llm_documents=most["llm"] - 1)
-    data = make_pipeline(
-        dataclasses.replace(cfg, batch=tight), 8, prefetch=0, source=source, index=index
+    tight = dataclasses.replace(
+        cfg, batch=dataclasses.replace(cfg.batch, llm_documents=most["llm"] - 1)
     )
+    data = make_pipeline(dataclasses.replace(run, cfg=tight, spec=BatchSpec.of(tight)), prefetch=0)
     try:
         with pytest.raises(ValueError, match=rf"more than batch\.llm_documents={most['llm'] - 1}"):
             for _ in range(4):
@@ -389,7 +388,8 @@ def test_auto_attention_picks_cudnn_on_hopper_and_block_sparse_elsewhere(caplog)
     from jaxmllm.config import ConfigError, load_config
     from jaxmllm.config.spec import BatchSpec
     from jaxmllm.data.source import make_source
-    from jaxmllm.plan.sizing import check_attention, resolve_attention, resolve_batch
+    from jaxmllm.resolve.attention import check_attention, resolve_attention
+    from jaxmllm.resolve.run import resolve_run
 
     h100 = Device(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H100 80GB HBM3")
     a100 = Device(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100-SXM4-80GB")
@@ -407,8 +407,8 @@ def test_auto_attention_picks_cudnn_on_hopper_and_block_sparse_elsewhere(caplog)
         sets = ["data.synthetic.num_samples=256", "train.steps=4"]
         auto = load_config("configs/tiny.yaml", [*sets, "model.attention=auto"])
         named = load_config("configs/tiny.yaml", [*sets, "model.attention=block_sparse"])
-        source, index = make_source(named)
-        assert resolve_batch(auto, index, 8) == resolve_batch(named, index, 8)
+        data = make_source(named)
+        assert resolve_run(auto, 8, data=data).cfg == resolve_run(named, 8, data=data).cfg
     with pytest.raises(ConfigError, match=r"model\.attention=cudnn.*9\.0.*this one is 8\.0"):
         check_attention(resolve_attention(cfg, [h100]), [a100])
     check_attention(resolve_attention(cfg, [h100]), [h100])

@@ -7,9 +7,9 @@ import pytest
 from jaxmllm.batch.bucketize import bucketize, empty_batch, mrope_positions
 from jaxmllm.config import load_config
 from jaxmllm.config.phases import VISION
-from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.data.text.specials import RESERVED
-from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
+from jaxmllm.resolve.run import resolve_run
+from jaxmllm.resolve.sizing import capacities, planner_from_config
 
 TEXT = ("llm_tokens", "llm_segment_ids", "llm_positions", "llm_targets", "llm_loss_mask")
 
@@ -44,9 +44,8 @@ def oracle_text(plan, samples, cfg, caps):
 @pytest.mark.parametrize("extra", [[], ["model.llm.mrope_section=[4,6,6]"]], ids=["1d", "mrope"])
 def test_text_arrays_match_the_per_sample_loop(devices, extra):
     cfg = load_config("configs/tiny.yaml", ["data.synthetic.num_samples=256", *extra])
-    source = SyntheticSource(cfg)
-    index = source.lengths()
-    cfg = resolve_batch(cfg, index)
+    run = resolve_run(cfg)  # (sized for the mesh's 8 buckets; planned here for `devices`)
+    cfg, source, index = run.cfg, run.source, run.index
     caps = capacities(cfg, devices)
     planner = planner_from_config(cfg, index, devices)
     for step in range(3):

@@ -9,8 +9,8 @@ import pytest
 
 from jaxmllm.bench.mixes import from_arrays, synthetic_omni
 from jaxmllm.config import ModelConfig
-from jaxmllm.plan.capacity import ladder_values, suggest_capacities
-from jaxmllm.plan.cost import CostModel
+from jaxmllm.cost.model import CostModel
+from jaxmllm.resolve.capacity import ladder_values, suggest_capacities
 
 MERGE_AREA, SUBSAMPLE = 4, 4
 PER_TOKEN = {"vision": MERGE_AREA, "audio": SUBSAMPLE}  # (units per LLM token)
@@ -44,8 +44,8 @@ def test_capacity_ladder_and_ratios():
 
 def test_capacity_suggestion_matches_modality_demands():
     """The LLM length may move one ladder step if that brings the phases' demands closer."""
-    from jaxmllm.plan.capacity import _encoder_caps
     from jaxmllm.plan.summary import summary_of
+    from jaxmllm.resolve.capacity import _encoder_caps
 
     index = synthetic_omni(4000, seed=2)
     llm = index.llm_tokens(PER_TOKEN)

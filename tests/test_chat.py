@@ -380,7 +380,7 @@ def test_index_and_batches_with_a_tokenizer_directory(dirs, tmp_path):
     from jaxmllm.data.index import build_index
     from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.run import resolve_run
 
     Image.new("RGB", (48, 32), (10, 200, 30)).save(tmp_path / "a.png")
     with wave.open(str(tmp_path / "a.wav"), "wb") as w:
@@ -409,11 +409,10 @@ def test_index_and_batches_with_a_tokenizer_directory(dirs, tmp_path):
     )
     summary = build_index(cfg, tmp_path / "m.jsonl", progress=False)
     assert summary["accepted"] == 9 and summary["rejects"] == {"placeholder_mismatch": 3}
-    source, index = make_source(cfg)
-    for i in range(len(index)):  # loading checks each sample against its index row
-        assert source[i].loss.any()
-    cfg = resolve_batch(cfg, index)
-    step = next(make_pipeline(cfg, 8, prefetch=0, source=source, index=index))["batch"]
+    run = resolve_run(cfg)
+    for i in range(len(run.index)):  # loading checks each sample against its index row
+        assert run.source[i].loss.any()
+    step = next(make_pipeline(run, prefetch=0))["batch"]
     tokens, seg = step["llm_tokens"], step["llm_segment_ids"]
     assert (tokens[seg == 0] == tk.specials.pad).all()
     vision, audio = step["llm_vision_src"] >= 0, step["llm_audio_src"] >= 0

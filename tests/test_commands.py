@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,8 +44,8 @@ CASES = {  # module: [argv, ...]
         ["--manifest", "{tmp}/m.jsonl", "--out", "{tmp}/x.array_record", "--set", "data.x=1"],
     ],
     "jaxmllm.config.reference": [["--nope"]],  # (takes no config)
-    "jaxmllm.plan.cost": [["--calibrate", "/nonexistent-jaxmllm/run"]],
-    "jaxmllm.bench.attention": [["--mix", "nope"]],
+    "jaxmllm.cost.calibrate": [["/nonexistent-jaxmllm/run"]],
+    "jaxmllm.bench.attention": [["--mix", "nope"], ["--rows", "256"]],  # (no document fits)
     "jaxmllm.bench.balance": [["--lengths", "/nonexistent-jaxmllm/lengths.jsonl"]],
     "jaxmllm.bench.compile": [["--config", MISSING], ["--config", TINY, "--set", "mesh.fsdp=3"]],
     "jaxmllm.bench.context": [["--mix", "nope"]],
@@ -92,6 +93,20 @@ print(json.dumps(out))
 """
 
 
+def harness(cases: list, timeout: int) -> list:
+    """[module, argv, exit code, output] of each (module, argv) run as `python -m` runs it,
+    all in one child process (JAX imported once)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", HARNESS, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 def entry_points() -> set[str]:
     """The modules of jaxmllm that run as `python -m` (an `if __name__ == "__main__":` block)."""
     found = set()
@@ -118,16 +133,8 @@ def test_bad_config_exits_2_with_one_message(tmp_path):
         for module, argvs in CASES.items()
         for argv in argvs
     ]
-    proc = subprocess.run(
-        [sys.executable, "-c", HARNESS, json.dumps(cases)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     failures = []
-    for module, argv, code, text in json.loads(proc.stdout.splitlines()[-1]):
+    for module, argv, code, text in harness(cases, timeout=600):
         if code != 2 or "Traceback" in text or "error" not in text:
             failures.append(f"python -m {module} {' '.join(argv)} -> {code}:\n{text[-2000:]}")
     assert not failures, "\n\n".join(failures)
@@ -156,3 +163,196 @@ def test_a_config_without_data_refuses_to_start(tmp_path, capsys):
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
     _, index = make_source(load_config(config, ["data.source=synthetic"]))  # (when named)
     assert len(index) == raw["data"]["synthetic"]["num_samples"]
+
+
+def test_a_manifest_alone_is_indexed_and_set_takes_several_pairs(tmp_path, capsys):
+    """`python -m jaxmllm.data.index --manifest FILE --out DIR`, as its help says, with no
+    config: the defaults and `--set`, several pairs after one `--set`."""
+    from jaxmllm.data.index import main as index
+
+    data = tmp_path / "m.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "text": "hello " * i}) + "\n" for i in (1, 2)))
+    out = tmp_path / "index"
+    assert index(["--manifest", str(data), "--out", str(out), "--workers", "0"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accepted"] == 2
+    argv = ["--manifest", str(data), "--out", str(tmp_path / "i2"), "--workers", "0"]
+    sets = ["--set", "data.tokenizer=byte", "data.image_max_pixels=4096"]
+    assert index([*argv, *sets]) == 0
+    params = json.loads((tmp_path / "i2" / "summary.json").read_text())["params"]
+    assert params["image_max_pixels"] == 4096
+    capsys.readouterr()
+
+
+def test_an_overrides_error_names_the_set_not_the_file(tmp_path):
+    """In every command (one parser, `add_config_args`): `--set` takes several pairs, and an
+    error one of them causes names that `--set`, not the YAML file it overrides."""
+    data = tmp_path / "m.jsonl"
+    data.write_text(json.dumps({"text": "hi"}) + "\n")
+    cases = [
+        (
+            "jaxmllm.data.index",
+            ["--manifest", str(data), "--set", "data.tokenizer=byte", "data.image_max_pixel=9"],
+            "--set data.image_max_pixel=9: unknown key 'data.image_max_pixel'",
+        ),
+        (
+            "jaxmllm.bench.host",
+            ["--config", TINY, "--set", "train.steps=3", "model.llm.widht=3"],
+            "--set model.llm.widht=3: unknown key 'model.llm.widht'; did you mean",
+        ),
+        (
+            "jaxmllm.train",
+            ["--config", TINY, "--set", "train.steps=3", "data.source=jsonl"],
+            "--set data.source=jsonl: data.path",
+        ),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", HARNESS, json.dumps([c[:2] for c in cases])],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for (module, _, code, text), (_, _, want) in zip(
+        json.loads(proc.stdout.splitlines()[-1]), cases, strict=True
+    ):
+        assert code == 2 and want in text and TINY not in text, (module, text)
+
+
+def test_a_runs_log_lines_carry_their_time():
+    """Importing grain installs a root handler first; the commands' logging replaces it, so
+    every line says when (the trainer's start-up lines had none); jaxmllm's at INFO, the other
+    libraries' at WARNING."""
+    script = (
+        "import jaxmllm.train, logging\n"  # (imports grain)
+        "from jaxmllm.config.command import configure_logging\n"
+        "configure_logging(logging.WARNING, ours=logging.INFO)\n"
+        "logging.getLogger('jaxmllm').info('batch resolved')\n"
+        "logging.getLogger('orbax').info('registry chatter')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ INFO batch resolved$", proc.stderr, re.M)
+    assert "chatter" not in proc.stderr  # (others' INFO lines: warnings only, as before)
+
+
+# ----------------------------------------------------------------------------- good input
+
+RUN = [
+    "--config",
+    TINY,
+    "--set",
+    "data.eval.source=none",
+    "data.synthetic.num_samples=64",
+    "train.steps=12",  # (plan.cost fits on the steps without a compile or a save: 5 at least)
+    "train.checkpoint_every=6",
+    "train.progress_bar=false",
+    "model.vision.enabled=false",  # (an LLM alone: what `hf export` writes from scratch)
+    "model.audio.enabled=false",
+    "data.synthetic.image_fraction=0",
+    "data.synthetic.multi_image_fraction=0",
+    "data.synthetic.audio_fraction=0",
+    "data.synthetic.video_fraction=0",
+    "train.output_dir={tmp}/run",
+]
+MANIFEST = [
+    "--config",
+    "configs/manifest_example.yaml",
+    "--set",
+    "data.path={tmp}/ds/manifest.jsonl",
+]
+GOOD = [  # (module, argv): each command's main path once, small, in the order they need
+    ("jaxmllm.train", RUN),
+    ("jaxmllm.generate", ["--run", "{tmp}/run", "--prompt", "12 13 14", "--max-new-tokens", "4"]),
+    ("jaxmllm.cost.calibrate", ["{tmp}/run"]),
+    ("jaxmllm.launch", ["--processes", "1", *RUN[:-1], "train.output_dir={tmp}/launched"]),
+    ("jaxmllm.hf", ["import", "--llm", "{tmp}/llama", "--out", "{tmp}/imported.yaml"]),
+    ("jaxmllm.hf", ["check", "{tmp}/llama", "--tokens", "16"]),
+    ("jaxmllm.hf", ["export", "{tmp}/run", "--out", "{tmp}/exported"]),
+    ("jaxmllm.data.index", [*MANIFEST, "--workers", "0"]),
+    ("jaxmllm.data.frames", [*MANIFEST, "--set", "model.vision.video=true"]),
+    (
+        "jaxmllm.data.arrayrecord",
+        ["--manifest", "{tmp}/ds/manifest.jsonl", "--out", "{tmp}/x.array_record"],
+    ),
+    ("jaxmllm.config.reference", ["--out", "{tmp}/reference.md"]),
+    ("jaxmllm.bench.attention", ["--rows", "2048", "--repeat", "1"]),
+    ("jaxmllm.bench.balance", ["--mix", "omni", "--devices", "8", "--max-steps", "3"]),
+    ("jaxmllm.bench.compile", ["--config", TINY, "--depth", "2", "--set", "batch.capacity=fixed"]),
+    (
+        "jaxmllm.bench.context",
+        ["--tokens", "512", "--context", "2", "--width", "64", "--repeat", "1"],
+    ),
+    ("jaxmllm.bench.data", ["--images", "6", "--audio", "2", "--workers", "0"]),
+    (
+        "jaxmllm.bench.formats",
+        ["--records", "40", "--workers", "0", "--index-processes", "1", "--formats", "jsonl"],
+    ),
+    ("jaxmllm.bench.gpu", ["--out", "{tmp}/gpu", "--smoke", "--parts", "env"]),
+    ("jaxmllm.bench.hfload", ["--shape", "tiny", "--devices", "8", "--fsdp", "8"]),
+    ("jaxmllm.bench.host", ["--config", TINY, "--steps", "1", "--warmup", "1"]),
+    ("jaxmllm.bench.indexing", ["--text-image", "20", "--workers", "0"]),
+    ("jaxmllm.bench.lengths_synth", ["--samples", "1000", "--out", "{tmp}/synth"]),
+    (
+        "jaxmllm.bench.startup",
+        ["--lengths", "{tmp}/synth", "--plan", "orchestrated", "--devices", "8"],
+    ),
+    ("jaxmllm.bench.lora", ["--config", TINY, "--steps", "1", "--warmup", "1"]),
+    # (the table: its __main__ once crashed)
+    (
+        "jaxmllm.bench.memory",
+        ["--config", TINY, "--policies", "none,full", "--set", "batch.capacity=fixed"],
+    ),
+    (
+        "jaxmllm.bench.moe",
+        [
+            "--parts",
+            "flops",
+            "--tokens",
+            "256",
+            "--experts",
+            "8",
+            "--top-k",
+            "2",
+            "--width",
+            "64",
+            "--expert-width",
+            "32",
+        ],
+    ),
+    (
+        "jaxmllm.bench.stages",
+        ["--config", TINY, "--stages", "2", "--microbatches", "4", "--measure", ""],
+    ),
+    (
+        "jaxmllm.bench.throughput",
+        ["--config", TINY, "--steps", "1", "--warmup", "1", "--policies", "orchestrated"],
+    ),
+    (
+        "jaxmllm.bench.video",
+        ["--sizes", "360p", "--seconds", "2", "--repeat", "1", "--gops", "30", "--recipes", "2b"],
+    ),
+]
+
+
+@pytest.mark.slow  # ~10-30 min: every command's main path, each small
+def test_every_command_runs_its_main_path_on_good_input(tmp_path):
+    """Each `python -m jaxmllm.*` command once on a small good input, as `python -m` runs it:
+    exit 0, no traceback. (The entry-point test above tries only bad configs, so a command
+    that crashed on good input, bench.memory's table, passed CI.)"""
+    import hf_models
+
+    from jaxmllm.bench.data import write_dataset
+
+    assert {m for m, _ in GOOD} == set(CASES), "give the new entry point a good input"
+    write_dataset(tmp_path / "ds", images=8, audio=4)
+    hf_models.llama(tmp_path / "llama", tied=False)
+    cases = [(m, [a.format(tmp=tmp_path) for a in argv]) for m, argv in GOOD]
+    failures = [
+        f"python -m {module} {' '.join(argv)} -> {code}:\n{text[-3000:]}"
+        for module, argv, code, text in harness(cases, timeout=3600)
+        if code != 0 or "Traceback" in text
+    ]
+    assert not failures, "\n\n".join(failures)

@@ -45,6 +45,22 @@ def test_check_failure_names_full_key():
         load_config(None, ["model.llm.heads=4", "model.llm.kv_heads=3"])
 
 
+def test_a_vocabulary_smaller_than_the_byte_tokenizer_is_refused_only_with_byte_data():
+    """Byte ids need 264 rows: refused where bytes are tokenized (the built-in data, a data set
+    under data.tokenizer: byte), naming the key; a config without data (an HF checkpoint's
+    own, `hf check` of a 99-token model) or with another tokenizer is not held to it (that
+    tokenizer's size is checked when the source opens)."""
+    small = "model.llm.vocab_size=200"
+    with pytest.raises(
+        ConfigError, match=r"model\.llm\.vocab_size: the byte tokenizer needs at least 264"
+    ):
+        load_config("configs/tiny.yaml", [small])
+    with pytest.raises(ConfigError, match=r"model\.llm\.vocab_size: the byte tokenizer"):
+        load_config(None, [small, "data.path=train.jsonl"])
+    assert load_config(None, [small]).model.llm.vocab_size == 200
+    assert load_config(None, [small, "data.path=x.jsonl", "data.tokenizer=ckpt/"]).data.path
+
+
 @pytest.mark.parametrize(
     "setting, key",
     [
@@ -89,7 +105,7 @@ def test_missing_file_and_bad_yaml(tmp_path):
 def test_small_config_is_a_realistic_single_gpu_model():
     import jax
 
-    from jaxmllm.plan.sizing import resolve_attention
+    from jaxmllm.resolve.attention import resolve_attention
     from jaxmllm.step.program import model_parts
 
     cfg = load_config(ROOT / "configs" / "small.yaml", ["batch.route_pair_capacity=64"])
@@ -111,7 +127,8 @@ def test_a_resumed_run_keeps_the_auto_sizes_its_checkpoints_were_planned_with(tm
     output dir, or a key the user set, resolves as configured."""
     from dataclasses import replace
 
-    from jaxmllm.loop.checkpoint import check_resumable, keep_resolved, write_config
+    from jaxmllm.loop.checkpoint import check_resumable, write_config
+    from jaxmllm.resolve.resumed import keep_resolved
 
     cfg = load_config("configs/tiny.yaml", [f"train.output_dir={tmp_path}"])
     assert cfg.batch.route_pair_capacity == -1

@@ -24,14 +24,14 @@ from jaxmllm.batch.bucketize import bucketize
 from jaxmllm.config import load_config
 from jaxmllm.data.media.image import patchify
 from jaxmllm.data.samples import Sample
-from jaxmllm.data.source import make_source
 from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.models import blocksparse
 from jaxmllm.models.attention import attention_mask, dense_attention
 from jaxmllm.plan import context as split
 from jaxmllm.plan import tiles
 from jaxmllm.plan.contract import ItemPlan, StepPlan
-from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
+from jaxmllm.resolve.run import resolve_run
+from jaxmllm.resolve.sizing import capacities, planner_from_config
 from jaxmllm.step.program import build_program, make_loss_and_grads, model_parts
 
 IMAGE, AUDIO = tok.RESERVED.media["vision"], tok.RESERVED.media["audio"]  # the placeholders
@@ -194,8 +194,8 @@ def context_config(data: int, context: int, *extra: str):
             *extra,  # (a long sample's room)
         ],
     )
-    source, index = make_source(cfg)
-    return resolve_batch(cfg, index), source, index
+    run = resolve_run(cfg)
+    return run.cfg, run.source, run.index
 
 
 def reference_config(cfg):
@@ -429,11 +429,11 @@ def test_planned_groups_hold_every_capacity_and_plan_every_sample_once(mix):
 
     from jaxmllm.bench.mixes import load_mix
     from jaxmllm.config import ModelConfig
-    from jaxmllm.plan.capacity import encoder_capacities, route_capacity
+    from jaxmllm.cost.model import CostModel
     from jaxmllm.plan.contract import Capacities, check_plan
-    from jaxmllm.plan.cost import CostModel
     from jaxmllm.plan.registry import make_planner
-    from jaxmllm.plan.tilesize import held_tiles
+    from jaxmllm.resolve.capacity import encoder_capacities, route_capacity
+    from jaxmllm.resolve.tilesize import held_tiles
 
     index = load_mix(mix)
     per_token, per_row = {"vision": 4, "audio": 4}, {"vision": 1, "audio": 4}
@@ -447,7 +447,7 @@ def test_planned_groups_hold_every_capacity_and_plan_every_sample_once(mix):
         per_token=per_token,
         per_row=per_row,
         route_pair_capacity=enc.units["vision"] // 4,
-        block=128,
+        attention_block=128,
         context=4,
     )
     make = lambda c: make_planner("orchestrated", index, c, 0)
@@ -492,7 +492,7 @@ def test_a_document_as_long_as_the_only_group_is_planned_every_step():
         per_token={"vision": 4, "audio": 4},
         per_row={"vision": 1, "audio": 4},
         route_pair_capacity=1,
-        block=128,
+        attention_block=128,
         tiles={"llm": (64 * 65 // 2) // 8 + 8},
         context=8,
     )

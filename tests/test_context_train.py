@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 
 from jaxmllm.config import load_config
+from jaxmllm.data.index import build_index
 from jaxmllm.data.source import make_source
+from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.loop import ledger
 from jaxmllm.plan.contract import OversizeError, check_fits
-from jaxmllm.plan.sizing import capacities
+from jaxmllm.resolve.run import resolve_run
+from jaxmllm.resolve.sizing import capacities
 from jaxmllm.train import main
 
 SAMPLES, STEPS = 256, 6
@@ -118,3 +121,42 @@ def test_a_context_size_too_small_for_the_data_is_refused_naming_the_keys():
     assert 64 < index.llm_tokens({"vision": 4, "audio": 4}).max() <= 128
     with pytest.raises(OversizeError, match=r"batch\.llm_row_len x mesh\.context"):
         check_fits(index, capacities(half, 8))
+
+
+def test_a_long_document_of_real_records_trains_whole_in_its_context_group(tmp_path):
+    """mesh.context=4 with 256 tokens a device: a JSONL document of 601 tokens, more than a
+    device's share, fits its group's row of 1,024. data.on_oversize (shrink, the default)
+    leaves it whole, since a sample's cap is the group's row (`BatchSpec.group_row_len`), and
+    the feed puts every token of every planned sample in the step's rows."""
+    path = tmp_path / "docs.jsonl"
+    records = [
+        {"id": f"r{i}", "text": ("long document " * 50)[:599] if i % 4 == 0 else "short " * i}
+        for i in range(48)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = load_config(
+        "configs/tiny.yaml",
+        [
+            "data.source=jsonl",
+            f"data.path={path}",
+            f"data.index_dir={tmp_path / 'index'}",
+            "data.eval.source=none",
+            "mesh.data=2",
+            "mesh.fsdp=1",
+            "mesh.context=4",
+            "batch.llm_row_len=256",
+            "train.steps=4",
+        ],
+    )
+    build_index(cfg, path, progress=False)
+    run = resolve_run(cfg)
+    lengths = run.index.llm_tokens(run.spec.per_token)
+    assert lengths.max() == 601 and run.spec.group_row_len == 1024
+    assert run.source.startup_rejects == []  # nothing shrunk, truncated or skipped
+    it = make_pipeline(run, prefetch=0)
+    long = 0
+    for _ in range(3):
+        info = next(it)["info"]
+        assert info.tokens == lengths[info.samples].sum()  # every planned token is in the rows
+        long += int((lengths[info.samples] == 601).sum())
+    assert long > 0

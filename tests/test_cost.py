@@ -9,8 +9,9 @@ import pytest
 
 from jaxmllm.batch.counts import step_work
 from jaxmllm.config import load_config, to_dict
+from jaxmllm.cost.calibrate import main, read_timings
+from jaxmllm.cost.model import PHASES, CostFileError, CostModel, PhaseCost
 from jaxmllm.loop.timings import TimingsRecorder
-from jaxmllm.plan.cost import PHASES, CostFileError, CostModel, PhaseCost, main, read_timings
 
 
 def _run_dir(tmp_path, rows):
@@ -48,7 +49,7 @@ def test_calibrate_recovers_known_coefficients(tmp_path, capsys):
     scales = {"llm": 2e-11, "vision": 5e-11, "audio": 1e-10}
     rows = _synthetic_rows(flops, 0.05, scales, noise=0.002)
     _run_dir(tmp_path, rows)
-    assert main(["--calibrate", str(tmp_path), "--holdout", "0.2"]) == 0
+    assert main([str(tmp_path), "--holdout", "0.2"]) == 0
     assert "held out 12 steps (49..60)" in capsys.readouterr().out
     model = CostModel.from_file(tmp_path / "cost_calibrated.json")
     assert model.unit == "seconds"
@@ -74,7 +75,7 @@ def test_free_fit_departs_from_the_flop_ratios_where_the_data_insist(tmp_path):
     errors = {}
     for name in ("scaled", "free"):
         out = tmp_path / f"{name}.json"
-        assert main(["--calibrate", str(tmp_path), "--fit", name, "--out", str(out)]) == 0
+        assert main([str(tmp_path), "--fit", name, "--out", str(out)]) == 0
         errors[name] = json.loads(out.read_text())["errors"]["holdout"]["mean"]
     assert errors["free"] < errors["scaled"]
 
@@ -88,7 +89,7 @@ def test_bad_timings_and_cost_files_are_named_with_the_line(tmp_path, capsys):
     lines = path.read_text().splitlines()
     lines[2] = lines[2].replace('"time_s": ', '"time_s": -')
     path.write_text("\n".join(lines) + "\n")
-    assert main(["--calibrate", str(tmp_path)]) == 2
+    assert main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"{path}:3: 'time_s' must be a number of seconds > 0" in err
     lines[2] = '{"step": 3, "time_s": 0.5, "slowest": {"text_units": 4}}'
@@ -99,7 +100,7 @@ def test_bad_timings_and_cost_files_are_named_with_the_line(tmp_path, capsys):
     with pytest.raises(CostFileError, match=r"timings.jsonl:2: not valid JSON"):
         read_timings(path)
     path.unlink()
-    assert main(["--calibrate", str(tmp_path)]) == 2
+    assert main([str(tmp_path)]) == 2
     assert f"cannot read timings file {path}" in capsys.readouterr().err
     bad = tmp_path / "cost.json"
     bad.write_text('{"unit": "seconds", "overhead": 0.1, "phases": {"llm": {"linear": 1}}}')
@@ -110,7 +111,7 @@ def test_bad_timings_and_cost_files_are_named_with_the_line(tmp_path, capsys):
 def test_too_few_steps_to_fit_is_said(tmp_path, capsys):
     flops = _run_dir(tmp_path, [])[1]
     _run_dir(tmp_path, _synthetic_rows(flops, 0.05, dict.fromkeys(PHASES, 1e-11), 5))
-    assert main(["--calibrate", str(tmp_path)]) == 2
+    assert main([str(tmp_path)]) == 2
     assert "3 steps to fit on" in capsys.readouterr().err
 
 
@@ -151,8 +152,9 @@ def test_resumed_recorder_drops_the_steps_it_will_redo(tmp_path):
 def test_calibrated_model_predicts_in_the_metrics_and_a_bad_one_stops_the_run(tmp_path):
     """train.cost_file: StepCounter adds the calibrated model's step time; a file that is not a
     cost model is a ConfigError naming the key (the trainer checks it at start-up)."""
-    from jaxmllm.batch.counts import StepCounter, calibrated_cost
+    from jaxmllm.batch.counts import StepCounter
     from jaxmllm.config import ConfigError
+    from jaxmllm.cost.model import calibrated_cost
 
     cfg = load_config("configs/tiny.yaml")
     model = CostModel(dict.fromkeys(PHASES, PhaseCost(1e-3, 1e-6)), unit="seconds", overhead=0.5)

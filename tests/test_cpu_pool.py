@@ -1,4 +1,4 @@
-"""XLA:CPU's thread pool against the collective deadlock (jaxmllm.loop.cpu_pool): the pool is
+"""XLA:CPU's thread pool against the collective deadlock (jaxmllm.process.cpu_pool): the pool is
 sized before the backend starts, and the step that deadlocked (test_hf_train's recipes: 8
 devices, FSDP gathers beside the microbatch loop's routed all-to-all) runs in fresh processes
 beside a CPU burner, every run to its end."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxmllm.loop.cpu_pool import POOL_THREADS, VARIABLE, size_pool
+from jaxmllm.process.cpu_pool import POOL_THREADS, VARIABLE, size_pool
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -34,7 +34,7 @@ def test_a_smaller_pool_the_user_set_is_kept_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="jaxmllm"):
         assert not size_pool(8, env)
     assert env == {VARIABLE: "8"}
-    assert "deadlock" in caplog.text and "jaxmllm.loop.cpu_pool" in caplog.text
+    assert "deadlock" in caplog.text and "jaxmllm.process.cpu_pool" in caplog.text
 
 
 def test_the_test_sessions_backend_started_with_the_sized_pool():

@@ -9,7 +9,7 @@ from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.plan.contract import OversizeError
-from jaxmllm.plan.sizing import capacities, planner_from_config
+from jaxmllm.resolve.sizing import capacities, planner_from_config
 
 IMAGE, AUDIO = tok.RESERVED.media["vision"], tok.RESERVED.media["audio"]  # the placeholders
 VISION = [IMAGE, tok.RESERVED.media["video"]]  # (the vision phase's: images', videos')
@@ -171,18 +171,16 @@ def test_oversize_sample_is_a_clear_start_up_error():
 
 
 def test_pipeline_state_roundtrip_reproduces_steps():
-    from jaxmllm.data.source import make_source
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.run import resolve_run
 
-    cfg = tiny()
-    cfg = resolve_batch(cfg, make_source(cfg)[1], 8)  # (the trainer resolves once)
-    it = make_pipeline(cfg, 8)
+    run = resolve_run(tiny(), 8)  # (the trainer resolves once)
+    it = make_pipeline(run)
     for _ in range(3):
         next(it)
     state = it.get_state()
     want = [next(it) for _ in range(2)]
     it.close()
-    it2 = make_pipeline(cfg, 8)
+    it2 = make_pipeline(run)
     it2.set_state(state)
     got = [next(it2) for _ in range(2)]
     it2.close()
@@ -194,7 +192,7 @@ def test_pipeline_state_roundtrip_reproduces_steps():
 
 def test_resolve_batch_sizes_encoder_buckets_and_route_capacity_from_the_data():
     from jaxmllm.data.source import make_source
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.sizing import resolve_batch
 
     cfg = tiny("batch.capacity=auto", "batch.route_pair_capacity=-1")
     _, index = make_source(cfg)
@@ -226,10 +224,9 @@ def test_route_capacity_from_the_dry_run_is_held_by_the_pipeline():
     """`route_pair_capacity: -1` resolves below a device's whole output on omni-like data
     (the dense exchange shrinks), the planner keeps every pair within it, and every placeholder
     still reads its item's rows through the exchange (bucketize raises past the capacity)."""
-    from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
     from jaxmllm.plan.contract import check_plan
-    from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
+    from jaxmllm.resolve.run import resolve_run
 
     cfg = tiny(
         "batch.capacity=auto",
@@ -238,14 +235,14 @@ def test_route_capacity_from_the_dry_run_is_held_by_the_pipeline():
         "data.synthetic.num_samples=512",
         "train.steps=100",
     )
-    source, index = make_source(cfg)
-    got = resolve_batch(cfg, index, 8)
+    run = resolve_run(cfg, 8)
+    got, index = run.cfg, run.index
     whole = max(got.batch.vision_patches, got.batch.audio_frames) // 4
     assert got.batch.route_pair_capacity < whole
-    planner, caps = planner_from_config(got, index, 8), capacities(got, 8)
+    planner = run.planner()
     for _ in range(60):  # (past the dry run's 50 plans: the bound is held, not just met)
-        check_plan(planner.plan(), index, caps)  # (raises past the route capacity)
-    it = make_pipeline(got, 8, prefetch=0, source=source, index=index)
+        check_plan(planner.plan(), index, run.caps)  # (raises past the route capacity)
+    it = make_pipeline(run, prefetch=0)
     for _ in range(3):
         out = next(it)
         batch = out["batch"]

@@ -16,13 +16,12 @@ from jaxmllm.config import ConfigError, load_config
 from jaxmllm.data.preprocess import Params, Preprocessor
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.scoring import score_answer
-from jaxmllm.data.source import make_source
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.data.text.template import RecordTemplate, make_template
 from jaxmllm.loop.evaluate import MIXES, HeldOut, eval_metrics, plan_set, sample_mixes
 from jaxmllm.loop.metrics import read_metrics
-from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.resolve.run import resolve_run
 
 IMAGE, AUDIO = tok.RESERVED.media["vision"], tok.RESERVED.media["audio"]  # the placeholders
 
@@ -50,18 +49,17 @@ def test_the_held_out_share_is_the_synthetic_samples_after_the_training_range():
 
 @pytest.fixture(scope="module")
 def resolved():
-    """tiny's config with its batch resolved against its training data, as the trainer has."""
-    cfg = tiny()
-    return resolve_batch(cfg, make_source(cfg)[1], devices=8)
+    """tiny's run: its batch resolved against its training data, as the trainer has."""
+    return resolve_run(tiny(), 8)
 
 
 def test_the_eval_set_is_planned_at_the_step_shapes_and_counts_each_sample_once(tmp_path, resolved):
     """The run's planner and bucket shapes (so the eval step takes the train step's batch),
     and each sample's loss tokens counted exactly once under its modality mix, however many
     times the planner brought it."""
-    cfg = resolved
+    cfg = resolved.cfg
     held = HeldOut(cfg)
-    batches = plan_set(cfg, held, held.index, 8, None, tmp_path / "rejects.jsonl")
+    batches = plan_set(resolved, held, held.index, tmp_path / "rejects.jsonl")
     shapes = batch_shapes(cfg, 8)
     for batch in batches:
         assert {k: (v.shape, v.dtype) for k, v in batch.items() if k != "eval_mix"} == {
@@ -77,6 +75,31 @@ def test_the_eval_set_is_planned_at_the_step_shapes_and_counts_each_sample_once(
         want[mix] += held[i].loss[1:].sum()  # (token t's target is token t + 1)
     np.testing.assert_array_equal(counted, want)
     assert set(np.flatnonzero(want)) == {0, 1, 2}  # text, image and audio samples all there
+
+
+def test_each_host_evaluates_its_own_rows_of_the_set_with_context_groups(tmp_path):
+    """mesh.context=2 on 2 hosts of 4 devices (context groups 0, 1 on the first, 2, 3 on the
+    second): each host's eval batches are its slice of the one-host batches, text, routing and
+    each token's mix alike, and every sample is counted once over the hosts (the eval feed
+    takes a host's context groups as the training feed does)."""
+    cfg = tiny("mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "batch.llm_row_len=96")
+    run = resolve_run(cfg, 8)
+    held = HeldOut(run.cfg)
+    whole = plan_set(run, held, held.index, tmp_path / "rejects.jsonl")
+    counted = 0
+    for host in range(2):
+        positions = np.arange(4 * host, 4 * host + 4)
+        mine = replace(run, positions=positions)
+        batches = plan_set(mine, held, held.index, tmp_path / f"rejects{host}.jsonl")
+        assert len(batches) == len(whole)
+        for got, want in zip(batches, whole, strict=True):
+            assert got.keys() == want.keys()
+            for key, value in want.items():
+                np.testing.assert_array_equal(got[key], value[:, positions], err_msg=key)
+            mask = got["llm_loss_mask"] > 0
+            counted += int((mask & (got["eval_mix"] >= 0)).sum())
+        assert any((b["eval_mix"] >= 0).any() for b in batches), host  # (its text is there)
+    assert counted == sum(int(held[i].loss[1:].sum()) for i in range(len(held)))
 
 
 def test_eval_rows_are_token_weighted_and_merge_into_their_steps_row(tmp_path):
@@ -167,13 +190,13 @@ def test_a_manifest_eval_set_brings_its_questions_and_counts_every_sample(tmp_pa
     cfg = tiny(
         "data.eval.source=jsonl", f"data.eval.path={manifest}", "data.eval.samples=0", *small
     )
-    cfg = replace(cfg, batch=resolved.batch)  # (the training data's: unchanged)
+    cfg = replace(cfg, batch=resolved.cfg.batch)  # (the training data's: unchanged)
     with pytest.raises(ConfigError, match=r"data\.eval: no lengths index"):
         eval_source(cfg)
     build_index(cfg, manifest, progress=False)
     source, index = eval_source(cfg)
     assert len(index) == 9
-    batches = plan_set(cfg, source, index, 8, None, tmp_path / "rejects.jsonl")
+    batches = plan_set(replace(resolved, cfg=cfg), source, index, tmp_path / "rejects.jsonl")
     counted = sum(int(((b["eval_mix"] >= 0) & (b["llm_loss_mask"] > 0)).sum()) for b in batches)
     assert counted == sum(int(source[i].loss[1:].sum()) for i in range(len(index)))
     questions = Questions(replace(cfg), source, 4)

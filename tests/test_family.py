@@ -17,10 +17,10 @@ from jaxmllm.bench.balance import PHASES
 from jaxmllm.bench.mixes import from_arrays, random_mix, rounded
 from jaxmllm.bench.sizes import make_caps
 from jaxmllm.config import ModelConfig
+from jaxmllm.cost.model import CostModel
 from jaxmllm.plan.contract import check_plan, step_tiles
-from jaxmllm.plan.cost import CostModel
 from jaxmllm.plan.registry import make_planner
-from jaxmllm.plan.tilesize import HELD_TRIAL_STEPS, goodput, held_tiles
+from jaxmllm.resolve.tilesize import HELD_TRIAL_STEPS, goodput, held_tiles
 
 MERGE_AREA, SUBSAMPLE = 4, 4
 PER_TOKEN = {"vision": MERGE_AREA, "audio": SUBSAMPLE}  # (units per LLM token)

@@ -374,7 +374,7 @@ def test_a_mixture_plans_one_index_and_its_state_restores_exactly(data, tmp_path
     """Three formats as data.sources: one lengths index, samples from every source in a step's
     plan, per-source counts in the step's info, and a restored pipeline's next steps equal."""
     from jaxmllm.feed.iterator import make_pipeline
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.run import resolve_run
 
     p = data["paths"]
     sources = (
@@ -389,13 +389,13 @@ def test_a_mixture_plans_one_index_and_its_state_restores_exactly(data, tmp_path
     assert src.index.mixture.draws == (18, 9, 9)
     assert_same(src[12], src[0], "the same record from two sources")
     assert src.record_id(30) == "r6"
-    cfg = resolve_batch(cfg, src.index, 8)
-    it = make_pipeline(cfg, 8, prefetch=0)
+    run = resolve_run(cfg, 8)
+    it = make_pipeline(run, prefetch=0)
     infos = [next(it)["info"] for _ in range(2)]
     assert all(sum(i.sources.values()) == len(i.samples) for i in infos)
     state = it.get_state()
     want = [next(it) for _ in range(2)]
-    again = make_pipeline(cfg, 8, prefetch=0)
+    again = make_pipeline(run, prefetch=0)
     again.set_state(state)
     for a, b in zip(want, [next(again) for _ in range(2)], strict=True):
         assert np.array_equal(a["info"].samples, b["info"].samples)
@@ -526,7 +526,7 @@ def test_every_reader_confines_media_caps_sizes_and_carries_videos(tmp_path):
     path = root / "m.jsonl"
     path.write_text("".join(json.dumps(m) + "\n" for m in messages))
     got = _reasons(open_records(path, "messages", data=DataConfig(max_media_bytes=256)))
-    assert got == {"m1": "video:1", "m2": "path_outside_root", "line:3": "malformed_line"}
+    assert got == {"m1": "video:1", "m2": "path_outside_root", "m.jsonl:3": "malformed_line"}
 
     image = lambda p: [{"bytes": None, "path": p}]  # (HF datasets' Image(): a path only)
     rows = [

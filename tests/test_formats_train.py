@@ -15,9 +15,8 @@ from jaxmllm.bench.formats import make_records, write_formats
 from jaxmllm.config import load_config
 from jaxmllm.config.spec import BatchSpec
 from jaxmllm.data.index import build_index
-from jaxmllm.data.source import make_source
 from jaxmllm.loop.metrics import read_metrics
-from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.resolve.run import resolve_run
 
 from runs import NO_EVAL
 
@@ -67,8 +66,7 @@ def test_a_phase_the_data_lacks_gets_no_bucket_and_the_step_leaves_it_out(data, 
 
     for kind, absent in (("images", ["audio"]), ("text", ["vision", "audio"])):
         cfg = indexed(config(tmp_path, f"data.path={data[kind]}"))
-        _, index = make_source(cfg)
-        cfg = resolve_batch(cfg, index, 8)
+        cfg = resolve_run(cfg, 8).cfg
         for phase in absent:
             key = {"vision": "vision_patches", "audio": "audio_frames"}[phase]
             assert getattr(cfg.batch, key) == 0

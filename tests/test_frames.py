@@ -81,10 +81,9 @@ def _built(tmp_path: Path):
 
 def _batches(cfg, steps: int, state=None):
     from jaxmllm.feed.iterator import make_pipeline
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.run import resolve_run
 
-    cfg = resolve_batch(cfg, open_source(cfg).index, 8)
-    it = make_pipeline(cfg, 8, prefetch=0)
+    it = make_pipeline(resolve_run(cfg, 8), prefetch=0)
     if state is not None:
         it.set_state(state)
     out = [next(it) for _ in range(steps)]
@@ -223,12 +222,8 @@ def test_threaded_decoding_gives_the_same_frames_with_a_seek_a_group_of_pictures
     """FFmpeg's frame and slice threads (the worker's share of the cores) decode the sampled
     frames bit for bit as one thread does (the cache and the decoder agree whatever each ran
     with), and the decoder seeks at most once per group of pictures it samples from."""
-    from jaxmllm.data.media.video import (
-        decode_frames,
-        frame_indices,
-        read_video_info,
-        set_decode_threads,
-    )
+    from jaxmllm.data.media.container import set_decode_threads
+    from jaxmllm.data.media.video import decode_frames, frame_indices, read_video_info
 
     path = write_video(tmp_path / f"m{suffix}", moving_frames(90, 48, 64), fps=10, gop=12)
     info = read_video_info(path)

@@ -375,12 +375,14 @@ def test_fuzzed_manifest_under_skip_and_fail(h, tmp_path):
 # ----------------------------------------------------------------------------- checkpoints
 
 
+@pytest.mark.torch  # (the oracle reads the files with safetensors' torch framework)
 @FUZZ
 @given(st.randoms(use_true_random=False))
 def test_safetensors_files_are_read_as_the_library_reads_them(h, rng):
     check(fuzz.safetensors_outcome, h, fuzz.gen_safetensors(rng))
 
 
+@pytest.mark.torch  # (the oracle reads the files with safetensors' torch framework)
 @FUZZ
 @given(st.binary(max_size=300))
 def test_arbitrary_bytes_as_a_safetensors_file(h, data):

@@ -43,6 +43,7 @@ def hf_greedy(model, ids, new: int, stop, **inputs) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
+@pytest.mark.torch
 def test_greedy_llama_matches_transformers_for_32_tokens(tmp_path):
     """Llama (llama3 rope scaling, tied): a plain prompt is the tokenizer's ids (its BOS, then
     the text), and the 32 greedy ids are transformers'."""
@@ -67,6 +68,7 @@ def test_greedy_llama_matches_transformers_for_32_tokens(tmp_path):
     assert len(ours.ids) == 32 and ours.ids == theirs
 
 
+@pytest.mark.torch
 def test_greedy_qwen2_chat_from_the_command_line_matches_transformers(tmp_path, capsys):
     """Qwen2 (untied): `--prompt` is rendered by the directory's chat template with its
     generation prompt (apply_chat_template's ids) and --json prints transformers' greedy ids
@@ -94,6 +96,7 @@ QWEN3 = {
 }
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("name", sorted(QWEN3))
 def test_greedy_qwen3_and_its_mixture_of_experts_match_transformers(name, tmp_path, capsys):
     """Qwen3 (QK-norm), Qwen3-MoE (a dense layer among its MoE ones, the KV cache of each
@@ -115,6 +118,45 @@ def test_greedy_qwen3_and_its_mixture_of_experts_match_transformers(name, tmp_pa
     assert len(theirs) >= 16 and answer["ids"] == theirs  # (or fewer, ending at a stop id)
 
 
+@pytest.mark.torch
+def test_logprobs_and_logits_are_transformers_scores(tmp_path, capsys):
+    """`--json --logprobs 3 --logits F.npz`: each new id's log-probability, the 3 likeliest
+    ids' and the saved logits of every step are transformers' greedy scores (its
+    `output_scores`) within 1e-4."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    src = hf_models.qwen2(tmp_path / "qwen2", tied=False, vocab=VOCAB)
+    build_dir(Path(src), "qwen", "Qwen/Qwen2.5-7B-Instruct")
+    saved = tmp_path / "logits.npz"
+    argv = ["--hf", src, "--prompt", "Hello", "--max-new-tokens", "6", "--json"]
+    assert main([*argv, "--logprobs", "3", "--logits", str(saved)]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    want = hf_ids(Path(src), [{"role": "user", "content": "Hello"}], add_generation_prompt=True)
+    model = Qwen2ForCausalLM.from_pretrained(src).eval()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([want]),
+            max_new_tokens=len(answer["ids"]),
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+        )
+    scores = torch.stack(out.scores)[:, 0].double()
+    theirs = torch.log_softmax(scores, -1).numpy()
+    ids = answer["ids"]
+    assert ids == out.sequences[0, len(want) :].tolist()
+    np.testing.assert_allclose(answer["logprobs"], theirs[np.arange(len(ids)), ids], atol=1e-4)
+    for step, best in enumerate(answer["top_logprobs"]):
+        assert list(map(int, best)) == np.argsort(-theirs[step])[:3].tolist()
+    np.testing.assert_allclose(np.load(saved)["answer_0"], scores.numpy(), atol=1e-4)
+    with pytest.raises(SystemExit) as refused:  # (it goes with --json)
+        parse_args([*argv[:-1], "--logprobs", "3"])
+    assert refused.value.code == 2
+
+
+@pytest.mark.torch
 def test_hf_generation_refuses_what_it_cannot_read(tmp_path, capsys):
     """No tokenizer beside the weights, or a directory that is no checkpoint: a clear error."""
     src = hf_models.llama(tmp_path / "llama", tied=True)
@@ -144,6 +186,7 @@ def _ours(d: Path, prompt: Sample, new: int) -> tuple[list[int], frozenset]:
     return ours.ids, stop
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("tower", ["clip", pytest.param("siglip", marks=pytest.mark.slow)])
 def test_llava_with_an_image_generates_transformers_tokens(tmp_path, tower):
     """A whole LLaVA from one directory: CLIP read at its second-to-last block with the class
@@ -185,13 +228,19 @@ def test_llava_with_an_image_generates_transformers_tokens(tmp_path, tower):
     assert len(ours) == 16 and ours == theirs
 
 
-@pytest.mark.parametrize(("family", "gh", "gw"), [("qwen2_vl", 6, 4), ("qwen2_5_vl", 10, 6)])
+@pytest.mark.torch
+@pytest.mark.parametrize(
+    ("family", "gh", "gw"),
+    [("qwen2_vl", 6, 4), ("qwen2_5_vl", 10, 6), ("qwen3_vl", 6, 4), ("qwen3_vl_moe", 6, 4)],
+)
 def test_qwen_vl_with_an_image_generates_transformers_first_tokens(tmp_path, family, gh, gw):
-    """A whole Qwen2-VL or Qwen2.5-VL from one directory (its tower found in it; Qwen2.5-VL's
-    windows of 4 x 4 patches, six over the image, two blocks full): an image between the
-    tokenizer's vision start and end; prefill places its tokens on the image's grid, decoding
-    counts on from one past the largest position (Qwen2-VL's rope delta): the first 8 ids are
-    transformers'."""
+    """A whole Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE from one directory (its tower
+    found in it; Qwen2.5-VL's windows of 4 x 4 patches, six over the image, two blocks full;
+    Qwen3-VL's learned positions, its DeepStack added in the prefill's first layers,
+    interleaved M-RoPE; the MoE's experts in the KV-cache steps):
+    an image between the tokenizer's vision start and end; prefill places its tokens on the
+    image's grid, decoding counts on from one past the largest position (Qwen2-VL's rope
+    delta): the first 8 ids are transformers'."""
     import transformers
 
     d = tmp_path / family
@@ -229,6 +278,7 @@ def test_qwen_vl_with_an_image_generates_transformers_first_tokens(tmp_path, fam
     assert len(ours) == 8 and ours == theirs
 
 
+@pytest.mark.torch
 def test_qwen2_audio_with_a_clip_generates_transformers_tokens(tmp_path):
     """A whole Qwen2-Audio: a 48-frame clip (12 `<|AUDIO|>` ids between its bos and eos),
     its encoder pooling pairs of rows, the Linear projector; the 16 greedy ids are
@@ -267,6 +317,7 @@ def test_qwen2_audio_with_a_clip_generates_transformers_tokens(tmp_path):
     assert len(ours) == 16 and ours == theirs
 
 
+@pytest.mark.torch
 def test_qwen2_5_vl_with_a_video_generates_transformers_tokens(tmp_path):
     """A whole Qwen2.5-VL and a video file on the command line (`--video`): the template places
     its `<|video_pad|>` ids, decoding samples 6 of its 33 frames (1.82 fps, not the asked 2:

@@ -1,19 +1,37 @@
-"""The GPU campaign (jaxmllm.bench.gpu): its kernel categories on names GPUs give kernels, and the
-whole campaign at tiny shapes on the CPU (--smoke), so it cannot rot between GPUs."""
+"""The GPU campaign (jaxmllm.bench.gpu): its kernel categories on names GPUs give kernels, its
+cases and their memory, the plan that fits a lent GPU's time, --budget, the output a lent GPU
+gives back, the wheels its image lacks, and the whole campaign at tiny shapes on the CPU
+(--smoke), so it cannot rot between GPUs."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
-import tarfile
+import time
+import zipfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxmllm.bench import profile
-from jaxmllm.bench.gpu_cases import cases
+from jaxmllm.bench import gpu_plan, profile
+from jaxmllm.bench.gpu import main, over_limits, run_cases
+from jaxmllm.bench.gpu_cases import (
+    MOE_PEAK_GIB,
+    PARTS,
+    PEAK_GIB,
+    POLICIES,
+    QWEN3_VL_PEAK_GIB,
+    Case,
+    cases,
+)
+from jaxmllm.bench.gpu_report import report
+from jaxmllm.process import xla_flags
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
@@ -46,32 +64,184 @@ def test_what_a_fusion_computes_comes_from_the_hlo():
     assert profile.category(f"some_kernel {op}", kinds) == "matmul"
 
 
-def test_the_cases_cover_both_kernels_and_the_flags_on_a_gpu():
-    names = [c.name for c in cases(["env", "attention", "recipe", "moe", "host"], True, False)]
-    assert names[:2] == ["env", "attention"] and names[-1] == "host"
-    assert "moe/cudnn/full" in names  # (the mixture of experts' step, on its best kernel)
+def test_the_cases_cover_both_kernels_in_the_campaigns_order():
+    names = [c.name for c in cases(list(PARTS), True, False)]
+    assert names[:3] == ["env", "tests/cudnn", "recipe/cudnn/save_dots_except_mlp"]
+    assert "moe/cudnn/full" in names and "attention" in names and names[-1] == "host"
+    assert {"qwen3_vl/cudnn/8b", "qwen3_vl/cudnn/30b_a3b"} <= set(names)  # (both recipes)
     recipe = [n for n in names if n.startswith("recipe/")]
     assert {n.split("/")[1] for n in recipe} == {"cudnn", "block_sparse"}
-    assert sum(n.endswith("/no-flags") for n in recipe) == 2 and len(recipe) == 8
+    assert "recipe/cudnn/save_dots_except_mlp/mixes" in recipe  # (real length mixes)
+    assert all(c.estimate_s > 0 for c in cases(list(PARTS), True, False))
+    cpu = [c.name for c in cases(list(PARTS), False, False)]
+    assert not [n for n in cpu if "cudnn/" in n] and len(cpu) == len(set(cpu))
+
+
+def test_every_case_remat_fits_the_memory_a_run_takes():
+    """Each recipe case's remat policy has its bench.memory peak at these shapes, within the
+    0.9 of an 80 GB GPU the campaign gives JAX (the host case runs the recipe's main policy),
+    and the MoE and Qwen3-VL cases' too."""
+    budget = xla_flags.MEMORY_FRACTION * 79.6
+    for case in cases(["recipe", "host", "moe", "qwen3_vl"], True, False):
+        if case.part == "moe":
+            assert MOE_PEAK_GIB <= budget and "model.remat=full" in case.sets
+            continue
+        if case.part == "qwen3_vl":  # (each recipe's own remat)
+            assert QWEN3_VL_PEAK_GIB[case.name.split("/")[-1]] <= budget, case.name
+            assert not [s for s in case.sets if s.startswith("model.remat=")], case.name
+            continue
+        policy = next(p for p, sets in POLICIES.items() if sets[-1] in case.sets)
+        assert PEAK_GIB[policy] <= budget, case.name
+        assert case.sets[-len(POLICIES[policy]) :] == tuple(POLICIES[policy]), case.name
+
+
+@pytest.mark.parametrize("minutes", [26, 15, 60])
+def test_the_plan_fits_its_budget_most_valuable_first(minutes):
+    """The calls' timeouts and a machine's start each fit the budget, no call passes the
+    device's 10 minutes, each case is in one call once, in the campaign's order."""
+    todo = cases(list(PARTS), True, False)
+    budget = minutes * 60
+    calls, left_out = gpu_plan.plan(todo, budget)
+    assert sum(c.timeout_s + gpu_plan.START_S for c in calls) <= budget
+    assert all(c.timeout_s <= gpu_plan.CALL_S for c in calls)
+    planned = [case.name for call in calls for case in call.cases]
+    assert sorted(planned + [c.name for c in left_out]) == sorted(c.name for c in todo)
+    assert planned == [c.name for c in todo if c.name in planned]  # (the campaign's order)
+    for call in calls:
+        command = call.command()
+        assert len(command) <= gpu_plan.COMMAND_CHARS and f"--budget {call.budget_s} " in command
+        assert call.timeout_s >= call.budget_s + gpu_plan.SETUP_S
+    if minutes == 26:
+        assert planned[:3] == ["env", "tests/cudnn", "recipe/cudnn/save_dots_except_mlp"]
+        assert [c.name for c in calls[0].cases][:3] == planned[:3]  # (all in the first call)
+        assert len([n for n in planned if n.startswith(("recipe/", "moe/"))]) >= 4
+        assert "attention" in planned
+    if minutes == 60:
+        assert not left_out
+
+
+def test_plan_prints_the_calls_to_make(capsys):
+    assert main(["--plan"]) == 0
+    text = capsys.readouterr().out
+    assert "python -m jaxmllm.bench.gpu --wheels .whl" in text
+    commands = [line for line in text.splitlines() if line.startswith("python3 -m pip install")]
+    calls = [line for line in text.splitlines() if line.startswith("# Call ")]
+    assert len(commands) == len(calls) >= 2 and "carry=['.whl']" in calls[0]
+    assert all("--out $OUT --budget" in c for c in commands)
+
+
+def test_the_docs_show_the_plan_as_it_prints(capsys):
+    """docs/gpu-step.md's first GPU call is --plan's output (rerun it into the page after
+    changing the campaign or its estimates)."""
+    assert main(["--plan"]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed in (ROOT / "docs" / "gpu-step.md").read_text()
+
+
+def test_budget_starts_no_case_it_cannot_finish_and_stops_one_at_its_end(tmp_path):
+    """A case that outruns what is left is stopped at the budget (its rows so far kept), and
+    one whose estimate no longer fits is not started: both said in the report."""
+    slow = Case("tests", "tests/cudnn", smoke=True, estimate_s=1)  # (runs ~50 s on a CPU)
+    env = Case("env", "env", smoke=True, estimate_s=10)
+    started = time.perf_counter()
+    rows = run_cases([slow, env], tmp_path, 600, tmp_path / "cache", budget=4)
+    assert time.perf_counter() - started < 30
+    ended = {r["case"]: r for r in rows if r.get("kind") == "case"}
+    assert "stopped after" in ended["tests/cudnn"]["error"]
+    assert "not started: ~10 s needed" in ended["env"]["skip"]
+    report = (tmp_path / "report.md").read_text()
+    assert "tests/cudnn" in report and "not started" in report
+    assert over_limits(tmp_path) == []
+
+
+def test_a_step_row_stands_without_its_profile():
+    """The recipe's step row comes before its profile's: a profile that failed leaves the
+    step's time, MFU and fill in the report, its shares '-'."""
+    step = {"part": "recipe", "case": "recipe/cudnn/full", "kind": "step", "step_time_s": 1.5}
+    step |= {"tokens_per_s": 10922.0, "tflops_per_device": 400.0, "mfu": 0.404}
+    step |= {"peak_memory_gib": 51.5, "recompute_share": 0.25, "device_kind": "NVIDIA H100"}
+    step |= {"fill": {"llm": 0.93, "vision": 0.41}}
+    failed = {"part": "recipe", "case": "recipe/cudnn/full", "kind": "case", "error": "exit 1"}
+    text = report([step, failed])
+    line = next(x for x in text.splitlines() if x.startswith("recipe/cudnn/full |"))
+    assert "40.4%" in line and "93%" in line and "41%" in line and line.endswith("| -")
+    assert "recipe/cudnn/full | - | exit 1" in text
+
+
+def test_what_a_lent_gpu_would_not_give_back_is_named(tmp_path):
+    for i in range(9):
+        (tmp_path / f"f{i}.txt").write_text("x")
+    (tmp_path / "a" / "b" / "c").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "c" / "deep.txt").write_text("x")
+    (tmp_path / "odd name.txt").write_text("x")
+    problems = over_limits(tmp_path)
+    assert any("11 files" in p for p in problems)
+    assert any("deep.txt: deeper than 2 folders" in p for p in problems)
+    assert any("odd name.txt" in p for p in problems)
+
+
+def test_the_wheels_are_what_the_image_lacks_of_the_dependencies():
+    """Every dependency in pyproject.toml is in the GPU image or among the wheels carried to
+    it (a new one must say which); soundfile needs cffi, grain array-record and portpicker."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=\[;\s]", d, maxsplit=1)[0].lower() for d in deps}
+    carried = set(gpu_plan.WHEELS) | set(gpu_plan.VIDEO_WHEELS) | {"tensorboardx"}
+    image = {name.split("==")[0] for name in gpu_plan.IMAGE}
+    assert names - carried <= image, names - carried - image
+    assert {"grain", "soundfile", "array-record", "portpicker", "cffi"} <= set(gpu_plan.WHEELS)
+
+
+def test_ci_runs_the_default_suite_on_the_gpu_images_python_and_jax():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "tools/python.sh 3.12" in ci and f"jax=={gpu_plan.JAX} jaxlib=={gpu_plan.JAX}" in ci
 
 
 @pytest.mark.slow
 def test_the_smoke_campaign_runs_every_part(tmp_path):
+    """In this interpreter where there is no Python 3.12: where there is, the smoke runs in the
+    GPU image's packages instead (tests/test_gpu_image.py), once in CI."""
+    if subprocess.run([ROOT / "tools" / "python.sh", "3.12"], capture_output=True).returncode == 0:
+        pytest.skip("tests/test_gpu_image.py runs the smoke in the GPU image's Python 3.12")
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "jaxmllm.bench.gpu", "--out", str(out), "--smoke"]
     cmd += ["--cache", str(tmp_path / "cache")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    check_smoke(out, done)
+
+
+def check_smoke(out, done) -> None:
+    """What a smoke campaign must leave: every part's rows, no error, a step row before each
+    profile, the steps' HLO in hlo.zip, the report's sections, nothing a GPU would keep."""
     assert done.returncode == 0, done.stdout[-3000:] + (out / "log.txt").read_text()[-3000:]
     rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
-    assert {r["part"] for r in rows} == {"env", "attention", "recipe", "moe", "host"}
-    assert not [r for r in rows if "error" in r]
-    for r in (r for r in rows if r["part"] in ("recipe", "moe")):
-        assert r["hlo"]["dots"] and "f32 x f32 -> f32" not in r["hlo"]["dots"]
-        assert sum(r["profile"]["category_share"].values()) == pytest.approx(1.0)
-        assert r["profile"]["category_s"]["matmul"] > 0 and r["tokens_per_s"] > 0
+    assert {r["part"] for r in rows} == set(PARTS)
+    assert not [r for r in rows if r.get("error") or r.get("skip")]
+    steps = [r for r in rows if r.get("kind") == "step"]
+    profiles = [r for r in rows if r.get("kind") == "profile"]
+    assert len(steps) == len(profiles) == 5  # (the recipe's, on the mixes, the MoE's, Qwen3-VL's)
+    for step, prof in zip(steps, profiles, strict=True):
+        assert rows.index(step) < rows.index(prof) and step["case"] == prof["case"]
+        assert step["tokens_per_s"] > 0 and 0 < step["fill"]["llm"] <= 1
+        assert prof["hlo"]["dots"] and "f32 x f32 -> f32" not in prof["hlo"]["dots"]
+        assert sum(prof["profile"]["category_share"].values()) == pytest.approx(1.0)
+        assert prof["profile"]["category_s"]["matmul"] > 0
+    mixes = next(r for r in steps if r["case"].endswith("/mixes"))
+    assert mixes["data"] == "mixes" and mixes["fill"]["vision"] > 0.5  # (ChartQA's tiles)
+    [tests_row] = [r for r in rows if r["part"] == "tests" and r.get("kind") == "tests"]
+    assert tests_row["failed"] == 0 and tests_row["passed"] + tests_row["skipped"] > 0
     report = (out / "report.md").read_text()
-    sections = ("Environment", "Attention kernels", "Recipe step", "Mixture-of-experts step")
-    for section in (*sections, "Host against the step"):
+    sections = ("Environment", "Kernel tests", "Attention kernels", "Recipe step")
+    sections += ("Mixture-of-experts step", "Qwen3-VL steps", "Host against the step", "Cases")
+    for section in sections:
         assert f"## {section}" in report
-    with tarfile.open(out / "hlo.tar.gz") as tar:
-        assert len(tar.getnames()) == 3  # (the recipe cases' and the MoE case's steps)
+    with zipfile.ZipFile(out / "hlo.zip") as z:
+        assert len(z.namelist()) == 5
+    assert sorted(p.name for p in out.iterdir()) == [
+        "hlo.zip",
+        "log.txt",
+        "report.md",
+        "rows.jsonl",
+    ]
+    assert over_limits(out) == []

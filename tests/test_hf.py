@@ -34,11 +34,13 @@ BUILD = {
     "clip": hf_models.clip,
     "qwen2-vl-vision": hf_models.qwen2_vl_vision,
     "qwen2-5-vl-vision": hf_models.qwen2_5_vl_vision,
+    "qwen3-vl-vision": hf_models.qwen3_vl_vision,
     "whisper": hf_models.whisper,
     "qwen2-audio-encoder": hf_models.qwen2_audio_encoder,
 }
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("name", sorted(BUILD))
 def test_our_model_matches_transformers(name, tmp_path):
     """Logits (decoders: 64 tokens, 2-4 query heads per kv head, Qwen2's biases, tied and
@@ -51,8 +53,29 @@ def test_our_model_matches_transformers(name, tmp_path):
     assert result["max_abs_diff"] < 1e-4, result
 
 
+@pytest.mark.torch
+def test_the_check_packs_several_inputs_into_a_row_or_gives_each_its_own(tmp_path):
+    """`hf check` packs a causal LM's three texts into one row (positions restarting at each:
+    "packed into 1 row"), or with --one-per-row gives each its own; both within 1e-4."""
+    source = BUILD["qwen2-untied"](tmp_path / "m")
+    packed, alone = check_dir(source), check_dir(source, packed=False)
+    assert "3 texts" in packed["what"] and "packed into 1 row" in packed["what"], packed
+    assert "each in a row of its own" in alone["what"], alone
+    assert packed["max_abs_diff"] < 1e-4 and alone["max_abs_diff"] < 1e-4
+
+
+@pytest.mark.torch
 @pytest.mark.parametrize(
-    "name", ["qwen2-tied", "siglip", "clip", "qwen2-5-vl-vision", "whisper", "qwen2-audio-encoder"]
+    "name",
+    [
+        "qwen2-tied",
+        "siglip",
+        "clip",
+        "qwen2-5-vl-vision",
+        "qwen3-vl-vision",
+        "whisper",
+        "qwen2-audio-encoder",
+    ],
 )
 def test_import_then_export_is_bit_identical(name, tmp_path):
     """Every HF tensor is consumed, every parameter filled (else the load raises), and writing
@@ -80,6 +103,7 @@ def test_import_then_export_is_bit_identical(name, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, nnx.state(again), nnx.state(towers))
 
 
+@pytest.mark.torch
 def test_a_tensor_with_no_place_is_refused_naming_it(tmp_path):
     source = tmp_path / "llama"
     hf_models.llama(source, tied=True)
@@ -91,6 +115,7 @@ def test_a_tensor_with_no_place_is_refused_naming_it(tmp_path):
         load_towers(config_for("llm", str(source)), "llm")
 
 
+@pytest.mark.torch
 def test_a_missing_tensor_and_a_wrong_shape_are_refused_naming_them(tmp_path):
     source = tmp_path / "llama"
     hf_models.llama(source, tied=False)
@@ -126,6 +151,7 @@ def test_unsupported_architectures_and_options_are_refused(tmp_path):
         model_section(str(tmp_path))
 
 
+@pytest.mark.torch
 def test_import_writes_a_config_the_trainer_loads(tmp_path):
     llm, vision, audio = (
         hf_models.qwen2(tmp_path / "llm", tied=True),
@@ -167,6 +193,7 @@ def test_whisper_log_mel_is_the_feature_extractors(tmp_path):
     np.testing.assert_allclose(whisper_log_mel(x, 16000, 80), theirs, atol=2e-5)
 
 
+@pytest.mark.torch
 def test_import_takes_the_processors_settings(tmp_path):
     llm = hf_models.qwen2(tmp_path / "llm", tied=True)
     vision = hf_models.qwen2_vl_vision(tmp_path / "vision")

@@ -28,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 BUILD = {
     "qwen3": lambda d: hf_models.qwen3(d),
     "qwen3-tied-biases": lambda d: hf_models.qwen3(d, tied=True, bias=True),
+    "qwen3-vocab-99": lambda d: hf_models.qwen3(d, vocab=99),  # (transformers' test models')
     "qwen3-moe": lambda d: hf_models.qwen3_moe(d),
     # a dense layer among the MoE ones, top-k probabilities as they are, 6 query heads a kv head
     "qwen3-moe-dense-layer": lambda d: hf_models.qwen3_moe(
@@ -42,6 +43,7 @@ BUILD = {
 }
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("name", sorted(BUILD))
 def test_our_decoder_matches_transformers(name, tmp_path):
     """`hf check`: logits of 64 tokens within 1e-4 of transformers' (the target is 1e-3)."""
@@ -50,6 +52,7 @@ def test_our_decoder_matches_transformers(name, tmp_path):
     assert result["max_abs_diff"] < 1e-4, result
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("name", ["qwen3-moe-dense-layer", "qwen2-moe-shared-expert"])
 def test_import_then_export_is_bit_identical(name, tmp_path):
     """Every expert's tensors consumed into the stacked experts (MoE and dense layers in stacks
@@ -76,6 +79,7 @@ def test_import_then_export_is_bit_identical(name, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, nnx.state(again), nnx.state(towers))
 
 
+@pytest.mark.torch
 def test_a_causal_lm_given_as_model_is_a_text_only_model(tmp_path, capsys):
     """`hf import --model` on a Qwen3-MoE checkpoint writes a whole text-only config: its LLM
     (the experts, the router's loss coefficient), no encoder; the trainer loads it."""
@@ -93,6 +97,7 @@ def test_a_causal_lm_given_as_model_is_a_text_only_model(tmp_path, capsys):
     assert moe.aux_loss_coef == 0.01 and m.llm.qk_norm and m.llm.head_dim == 24
 
 
+@pytest.mark.torch
 def test_the_layer_count_and_expert_count_refusals_name_the_key(tmp_path):
     """A config.json whose expert count is not its tensors' is refused from the headers, naming
     the missing expert tensor; a damaged num_experts is refused naming the key."""

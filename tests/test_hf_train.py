@@ -14,14 +14,13 @@ from test_chat import build_dir
 
 from jaxmllm import train
 from jaxmllm.config import load_config
-from jaxmllm.data.source import make_source
 from jaxmllm.hf.check import check_dir
 from jaxmllm.hf.export import export_run
 from jaxmllm.hf.importer import write_config
 from jaxmllm.hf.safetensors import Checkpoint
 from jaxmllm.init_from import initial_params
 from jaxmllm.loop.checkpoint import restore_params
-from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.resolve.run import resolve_run
 from jaxmllm.step.program import build_program
 from sharding.rules import keyed_leaves
 
@@ -93,9 +92,8 @@ def test_recipes_stage1_then_stage2_then_export(tmp_path):
         tmp_path / "stage2.yaml",
         [*CPU, f"train.output_dir={out2}", f"model.init_from.run={out1}", "optim.lr=3e-3"],
     )
-    mesh = train.sharding.make_mesh(cfg2.mesh)
-    _, index = make_source(cfg2)
-    prog = build_program(resolve_batch(cfg2, index, train.sharding.data_parallel_size(mesh)), mesh)
+    run = resolve_run(cfg2)
+    prog = build_program(run.cfg, run.mesh)
     with jax.set_mesh(prog.mesh):
         start = jax.device_get(initial_params(cfg2, prog))
     _, stage1 = restore_params(out1, _abstract(prog, frozen=("llm", "vision", "audio")))
@@ -154,14 +152,14 @@ def test_pretrained_start_under_pipeline_stages(tmp_path):
     )
     shard = train.sharding
     mesh = shard.make_mesh(cfg.mesh)
-    source, index = make_source(cfg)
-    cfg = resolve_batch(cfg, index, 4)
-    host = next(make_pipeline(cfg, 4, prefetch=0, source=source, index=index))["batch"]
+    run = resolve_run(cfg, 4)
+    cfg = run.cfg
+    host = next(make_pipeline(run, prefetch=0))["batch"]
     with jax.set_mesh(mesh):
         prog = build_pipelined(cfg, mesh)
         assert "vision" in prog.parts.frozen_keys and "llm" not in prog.parts.frozen_keys
         state = prog.init(initial_params(cfg, prog))
-        piped = jax.device_get(prog.to_checkpoint(state))
+        piped = jax.device_get(prog.weights(state))
         fn = jax.jit(jax.value_and_grad(pipeline_loss(prog.parts, prog.layout)))
         loss, grads = fn(state["params"], state["frozen"], shard.make_global_batch(host, mesh))
         got = float(loss), jax.device_get(prog.layout.to_depth(grads))

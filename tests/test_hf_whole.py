@@ -1,7 +1,7 @@
-"""Whole multimodal checkpoints in and out (LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen2-Audio), with
-transformers itself as the oracle: tiny random models built in tmp_path (tests/hf_models.py,
-every parameter drawn at random), their logits with media in the prompt, bit-exact round
-trips, what import writes, and what import and export refuse."""
+"""Whole multimodal checkpoints in and out (LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+Qwen2-Audio), with transformers itself as the oracle: tiny random models built in tmp_path
+(tests/hf_models.py, every parameter drawn at random), their logits with media in the prompt,
+bit-exact round trips, what import writes, and what import and export refuse."""
 
 from __future__ import annotations
 
@@ -40,32 +40,40 @@ WHOLES = {
     "qwen2-vl": hf_models.qwen2_vl,
     "qwen2-5-vl": hf_models.qwen2_5_vl,
     "qwen2-audio": hf_models.qwen2_audio,
+    "qwen3-vl": hf_models.qwen3_vl,
+    "qwen3-vl-moe": lambda d: hf_models.qwen3_vl_moe(d, dense_layers=(1,)),
 }
 CLASSES = {"qwen2-audio": "Qwen2AudioForConditionalGeneration"}  # (else image-text-to-text)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("name", sorted(WHOLES))
 def test_whole_model_with_media_matches_transformers(name, tmp_path, capsys):
-    """`hf check DIR`: one line per part and last the whole model: the LLM on text, the encoder
-    and projector on an image (LLaVA's CLIP with its class token, read a block before the end;
-    Qwen2.5-VL's windows) or a clip (Qwen2-Audio's pooled rows), and every token's logits with
-    it in the prompt, within 1e-4 of transformers in fp32; a Qwen VL's with a video in the
-    prompt too (Qwen2.5-VL's time in seconds, its second_per_grid_ts)."""
+    """`hf check DIR`: one line per part and then one per sample of a packed row: the LLM on
+    text, the encoder and projector on an image (LLaVA's CLIP with its class token, read a
+    block before the end; Qwen2.5-VL's windows) or a clip (Qwen2-Audio's pooled rows), then
+    each sample (text alone, images of two sizes or clips, a Qwen VL's video) packed into ONE
+    row as training packs them, every token's logits within 1e-4 of transformers run on that
+    sample alone in fp32 (Qwen2.5-VL's video time in seconds, its second_per_grid_ts)."""
     assert main(["check", WHOLES[name](tmp_path / name), "--json"]) == 0
     results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    if name.startswith("qwen2-") and name != "qwen2-audio":  # and a video (M-RoPE's time)
-        video = results.pop()
-        assert video["role"] == "model" and "temporal-patch video" in video["what"], video
-        assert video["max_abs_ref"] > 0.5 and video["max_abs_diff"] < 1e-4, video
-    assert [r["role"] for r in results][::2] == ["llm", "model"] and len(results) == 3
+    samples = [r for r in results if r["role"] == "model"]
+    assert [r["role"] for r in results[:2]] == ["llm", "audio" if "audio" in name else "vision"]
+    deep = int(name.startswith("qwen3-vl"))  # (a line of DeepStack's rows)
+    assert len(results) == 2 + deep + len(samples)
+    n = 4 if name.startswith("qwen") and name != "qwen2-audio" else 3  # (+ a video)
+    assert len(samples) == n and all(f"packed {n} samples into 1 row" in r["what"] for r in samples)
+    assert any("text alone" in r["what"] for r in samples)
+    if n == 4:
+        assert any("temporal-patch video" in r["what"] for r in samples)
     line = describe(results[-1])
-    assert " model: logits of " in line and ": largest difference " in line, line
-    assert "with a" in results[-1]["what"] and "in the prompt" in results[-1]["what"]
+    assert " model: logits of sample " in line and ": largest difference " in line, line
     for result in results:
         assert result["max_abs_ref"] > 0.5, result  # a real signal, not zeros
         assert result["max_abs_diff"] < 1e-4, result
 
 
+@pytest.mark.torch
 def test_check_role_prints_one_part_of_a_whole_checkpoint(tmp_path, capsys):
     """`hf check DIR --role R` on a whole checkpoint prints R's line alone; a role the
     checkpoint has no part for, or `--role model` on a checkpoint of one part, is refused naming
@@ -90,6 +98,7 @@ def _load(source: str):
     return whole, roles, cfg, keyed_leaves(nnx.to_pure_dict(nnx.state(model)))
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("name", sorted(WHOLES))
 def test_whole_import_then_export_is_bit_identical(name, tmp_path, caplog):
     """Every tensor of the whole checkpoint is consumed or knowingly left alone (LLaVA's last
@@ -119,6 +128,7 @@ def test_whole_import_then_export_is_bit_identical(name, tmp_path, caplog):
     assert all(np.array_equal(flat[k], again[k]) for k in flat)
 
 
+@pytest.mark.torch
 def test_import_model_writes_the_whole_config(tmp_path):
     """`hf import --model` on a LLaVA directory: the LLM, the tower read at its feature layer
     (2 of its 3 blocks, no final norm, the class token), the projector (one patch a token, its
@@ -160,6 +170,27 @@ def test_import_model_writes_the_whole_config(tmp_path):
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(FamilyError, match="image_token_index is 5 but the tokenizer"):
         write_config(tmp_path / "again.yaml", model=str(d))
+
+
+@pytest.mark.torch
+def test_import_on_a_gpu_recipe_names_the_keys_still_to_set(tmp_path, monkeypatch):
+    """`hf import --base RECIPE`: the recipe's placeholders (its data file, a shared folder of
+    another cluster, its workers a process) are named in the written header, what is real here
+    is not."""
+    source = hf_models.qwen2_vl(tmp_path / "vl")
+    monkeypatch.chdir(tmp_path)  # (the recipe's data/train.jsonl: relative to the command's)
+    recipe = ROOT / "configs" / "gpu" / "qwen2vl_2b_multinode.yaml"
+    write_config(tmp_path / "run.yaml", model=source, base=recipe)
+    header = [line for line in (tmp_path / "run.yaml").read_text().splitlines() if line[:1] == "#"]
+    at = header.index(
+        "# Still to set (the --base recipe's placeholders, paths naming nothing here):"
+    )
+    unset = [line.split(":")[0].strip("# ") for line in header[at + 1 :]]
+    assert unset == ["data.path", "train.output_dir", "data.workers"]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("")
+    write_config(tmp_path / "run.yaml", model=source, base=recipe)
+    assert "#   data.path:" not in (tmp_path / "run.yaml").read_text()
 
 
 def test_import_reads_a_llava_1_5_config_its_defaults_included(tmp_path):
@@ -220,6 +251,7 @@ def test_the_processors_placeholder_is_the_images(tmp_path):
     assert make_tokenizer(str(d)).decode([image]) == "<image>" and image != pad
 
 
+@pytest.mark.torch
 def test_import_refuses_what_it_cannot_read(tmp_path, capsys):
     d = Path(hf_models.llava(tmp_path / "llava"))
     config = json.loads((d / "config.json").read_text())
@@ -403,6 +435,7 @@ def test_an_export_that_fails_midway_leaves_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "export").exists() and not list(tmp_path.glob(".export*"))
 
 
+@pytest.mark.torch
 def test_a_config_that_trains_nothing_is_refused_naming_the_freeze_keys(tmp_path):
     """Stage 1 on an LLM alone (no encoder, so no projector) freezes everything: refused at
     load, naming the keys; with an encoder its projector trains."""
@@ -446,6 +479,7 @@ def _full_vocabulary(d: Path, name: str) -> str:
     return str(d)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize(
     "name", [pytest.param("llava", marks=pytest.mark.slow), "qwen2_5_vl"]
 )  # (LLaVA ~40 s: its SigLIP tower at its own size)
@@ -462,7 +496,7 @@ def test_a_checkpoint_whose_vocabulary_is_full_checks_and_exports(name, tmp_path
     results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     for result in results:
         assert result["max_abs_diff"] < 1e-4, result
-    for result in (results[0], results[-1]):  # the logits: the llm's and the whole model's
+    for result in (results[0], results[-1]):  # the logits: the llm's and a sample's
         assert f"over the checkpoint's {have} vocabulary columns" in result["what"], result
         assert f"an export writes them, vocab_size {grown}" in result["what"], result
 

@@ -48,7 +48,12 @@ def whole_dir(name: str, d: Path) -> str:
     elif name == "qwen2_audio":
         hf_models.qwen2_audio(d, vocab=VOCAB, audio=ids["<|AUDIO|>"])
     else:
-        build = hf_models.qwen2_vl if name == "qwen2_vl" else hf_models.qwen2_5_vl
+        builders = {
+            "qwen2_vl": hf_models.qwen2_vl,
+            "qwen3_vl": hf_models.qwen3_vl,
+            "qwen3_vl_moe": lambda d, **kw: hf_models.qwen3_vl_moe(d, dense_layers=(1,), **kw),
+        }
+        build = builders.get(name, hf_models.qwen2_5_vl)
         build(d, vocab=VOCAB, ids=tuple(ids[t] for t in QWEN_VL))
     build_dir(d, family, template, extra)  # (save_pretrained wrote over it)
     if name == "llava":
@@ -90,17 +95,22 @@ def exported_params(directory: Path, cfg) -> dict:
 @pytest.mark.slow
 # (Qwen2-VL's export after training: the run from scratch below; its import and export share
 # Qwen2.5-VL's code, and both are held bit for bit and against transformers in test_hf_whole)
-@pytest.mark.parametrize("name", ["llava", "qwen2_5_vl", "qwen2_audio"])
+@pytest.mark.parametrize("name", ["llava", "qwen2_5_vl", "qwen2_audio", "qwen3_vl", "qwen3_vl_moe"])
 def test_import_train_export_matches_transformers(name, tmp_path):
-    """Import a whole checkpoint (LLaVA on the stage-1 recipe: only its projector trains;
-    the others train every module), train 2 steps, export: the export is the run's parameters
-    (the trained ones moved from the import's, the frozen ones bit for bit the import's), and
-    transformers' logits with an image or a clip in the prompt are ours within 1e-4."""
+    """Import a whole checkpoint and check it (LLaVA on the stage-1 recipe: only its
+    projector trains; the others train every module), train 2 steps on the built-in data with
+    images (Qwen3-VL: DeepStack and M-RoPE in packed rows over 4 x 2 devices), export: the
+    export is the run's parameters (the trained ones moved from the import's, the frozen ones
+    bit for bit the import's), and transformers' logits with an image or a clip in the prompt
+    are ours within 1e-4."""
     source = whole_dir(name, tmp_path / name)
+    assert all(r["max_abs_diff"] < 1e-4 for r in check_all(source))  # (the import's)
     base = ROOT / "configs" / "recipes" / "stage1.yaml" if name == "llava" else ""
     write_config(tmp_path / "run.yaml", model=source, base=base)
     out = tmp_path / "run"
     media = {"qwen2_audio": ["model.vision.enabled=false", "data.synthetic.image_fraction=0"]}
+    # (the MoE's experts over 2 devices beside 2 x 2 data-parallel ones)
+    experts = ["mesh.data=2", "mesh.expert=2"] if name == "qwen3_vl_moe" else []
     no_audio = ["model.audio.enabled=false", "data.synthetic.audio_fraction=0"]
     cfg = load_config(
         tmp_path / "run.yaml",
@@ -111,13 +121,14 @@ def test_import_train_export_matches_transformers(name, tmp_path):
             "train.steps=2",
             "train.checkpoint_every=2",
             *media.get(name, no_audio),
+            *experts,
         ],
     )
     train.main(cfg)
     exported = export_run(str(out), str(tmp_path / "export"))
     assert set(exported) == {"model"}
     results = check_all(str(exported["model"]))
-    assert results[-1]["role"] == "model" and "in the prompt" in results[-1]["what"]
+    assert results[-1]["role"] == "model" and "packed" in results[-1]["what"]
     for result in results:
         assert result["max_abs_diff"] < 1e-4, result
 

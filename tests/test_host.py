@@ -18,36 +18,34 @@ import soundfile as sf
 from PIL import Image
 
 from jaxmllm.batch.counts import StepCounter
-from jaxmllm.batch.info import StepInfo
 from jaxmllm.bench import host as bench_host
 from jaxmllm.config import ConfigError, load_config
 from jaxmllm.data import shared
 from jaxmllm.data.loader import Loader, running
 from jaxmllm.data.rejects import DataError
 from jaxmllm.data.samples import Sample
-from jaxmllm.data.source import make_source
 from jaxmllm.data.synthetic import SyntheticSource
+from jaxmllm.feed.info import StepInfo
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.feed.times import HostTimes
 from jaxmllm.loop.metrics import MetricsWindow
-from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.resolve.run import resolve_run
 
 TINY = ["data.synthetic.num_samples=256", "data.eval.source=none"]
 
 
 def _resolved(*sets):
-    cfg = load_config("configs/tiny.yaml", [*TINY, *sets])
-    return resolve_batch(cfg, make_source(cfg)[1], 8)
+    return resolve_run(load_config("configs/tiny.yaml", [*TINY, *sets]), 8)
 
 
 def test_the_feed_times_each_stage_of_a_step():
-    cfg = _resolved()
+    run = _resolved()
 
     def slow_copy(batch):
         time.sleep(0.05)
         return batch
 
-    element = next(make_pipeline(cfg, 8, prefetch=0, to_device=slow_copy))
+    element = next(make_pipeline(run, prefetch=0, to_device=slow_copy))
     info = element["info"]
     host = info.host
     for stage in ("plan_s", "load_s", "bucketize_s", "count_s"):
@@ -66,7 +64,7 @@ def test_the_copy_runs_on_a_thread_of_its_own_and_the_state_is_the_trainers(monk
     state (what a checkpoint keeps) the one after the last batch the trainer took."""
     import jaxmllm.feed.iterator as feed_module
 
-    cfg = _resolved()
+    run = _resolved()
     copies, feeds = [], []
     bucketize = feed_module.bucketize
 
@@ -81,8 +79,8 @@ def test_the_copy_runs_on_a_thread_of_its_own_and_the_state_is_the_trainers(monk
         time.sleep(0.02)
         return {k: v + 0 for k, v in batch.items()}
 
-    feed = make_pipeline(cfg, 8, prefetch=2, to_device=copy)
-    plain = make_pipeline(cfg, 8, prefetch=0)
+    feed = make_pipeline(run, prefetch=2, to_device=copy)
+    plain = make_pipeline(run, prefetch=0)
     try:
         for _ in range(3):
             a, b = next(feed), next(plain)
@@ -96,15 +94,15 @@ def test_the_copy_runs_on_a_thread_of_its_own_and_the_state_is_the_trainers(monk
 
 
 def test_analytic_device_time_is_the_costliest_bucket_per_microbatch():
-    cfg = _resolved()
-    batch = next(make_pipeline(cfg, 8, prefetch=0))["batch"]
-    flops = StepCounter(cfg)(batch)["flops"]  # every bucket's
-    seconds = bench_host.flops_seconds(cfg, batch, 100.0)
+    run = _resolved()
+    batch = next(make_pipeline(run, prefetch=0))["batch"]
+    flops = StepCounter(run.cfg)(batch)["flops"]  # every bucket's
+    seconds = bench_host.flops_seconds(run.cfg, batch, 100.0)
     assert flops / 8 <= seconds * 100e12 <= flops  # at least the mean device, at most all
     # one bucket per microbatch: the device time is its FLOPs
     one = {k: v[:, :1] for k, v in batch.items()}
-    want = StepCounter(cfg)(one)["flops"]
-    assert np.isclose(bench_host.flops_seconds(cfg, one, 100.0) * 100e12, want)
+    want = StepCounter(run.cfg)(one)["flops"]
+    assert np.isclose(bench_host.flops_seconds(run.cfg, one, 100.0) * 100e12, want)
 
 
 def test_the_media_manifest_holds_large_images_several_per_record_and_long_clips(tmp_path):
@@ -402,12 +400,12 @@ def test_closing_the_feed_stops_and_joins_its_workers(tmp_path):
     worker processes (a notebook whose run raised would keep them) and deletes its files."""
     import multiprocessing
 
-    cfg = _resolved("data.workers=2", f"train.output_dir={tmp_path}")
-    feed = make_pipeline(cfg, 8, prefetch=2)
+    run = _resolved("data.workers=2", f"train.output_dir={tmp_path}")
+    feed = make_pipeline(run, prefetch=2)
     next(feed)
     workers = multiprocessing.active_children()
     assert len(workers) == 2
-    loader = _step_iterator(feed).loader
+    loader = _step_iterator(feed).feed.loader
     own = {p.pid for p in loader.pool._processes.values()}  # (the rest: an earlier test's)
     token = loader.owner.token
     assert list(shared.SHM.glob(f"jaxmllm-{token}*"))  # its lock, its workers' slots
@@ -461,13 +459,11 @@ def _step_iterator(it):
 
 UNGUARDED = """
 from jaxmllm.config import load_config
-from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
-from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.resolve.run import resolve_run
 cfg = load_config("configs/tiny.yaml", ["data.workers=1", "data.synthetic.num_samples=64",
     "data.eval.source=none", "train.output_dir={out}"])
-cfg = resolve_batch(cfg, make_source(cfg)[1], 8)
-next(make_pipeline(cfg, 8, prefetch=0))
+next(make_pipeline(resolve_run(cfg, 8), prefetch=0))
 print("loaded")
 """
 

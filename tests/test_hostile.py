@@ -282,9 +282,9 @@ def test_files_and_lines_over_the_byte_cap_are_not_read(tmp_path, opened):  # no
     summary, rejects = index(manifest, "data.max_media_bytes=3000")
     assert summary["accepted"] == 2  # small, after
     assert rejects["big"]["reason"] == "media_too_large" and big not in opened
-    assert rejects["line:2"]["reason"] == "malformed_line"  # the inline line is over the cap
-    assert "data.max_media_bytes=3000" in rejects["line:4"]["detail"]
-    assert rejects["line:4"]["line"] == 4  # later lines keep their numbers
+    assert rejects["m.jsonl:2"]["reason"] == "malformed_line"  # the inline line is over the cap
+    assert "data.max_media_bytes=3000" in rejects["m.jsonl:4"]["detail"]
+    assert rejects["m.jsonl:4"]["line"] == 4  # later lines keep their numbers
     with pytest.raises(ConfigError, match="max_media_bytes"):
         config(manifest, "data.max_media_bytes=0")
 
@@ -435,7 +435,7 @@ def test_over_long_text_goes_through_the_oversize_policy(tmp_path, policy):
 
 
 def test_the_capacity_ladder_has_no_end_to_fall_off():
-    from jaxmllm.plan.capacity import ladder_nearest, ladder_up
+    from jaxmllm.resolve.capacity import ladder_nearest, ladder_up
 
     for x in (5_000_000, 3 << 22, 10**9):  # past 2^22, where it raised IndexError
         assert ladder_up(x) >= x and ladder_up(x) % 32 == 0

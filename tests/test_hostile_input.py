@@ -541,6 +541,7 @@ def fresh(checkpoints, tmp_path) -> tuple[str, str]:
     return tuple(str(shutil.copytree(d, tmp_path / Path(d).name)) for d in checkpoints)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize(
     ("role", "key", "claimed", "held"),
     [
@@ -562,6 +563,7 @@ def test_import_refuses_more_layers_than_the_tensors_hold(
     write_config(tmp_path / "ok.yaml", *checkpoints)  # (the whole checkpoints import)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_import_refuses_a_config_json_number_that_is_not_finite(checkpoints, tmp_path, value):
     """config.json's rope_theta NaN (JSON as Python reads it takes NaN and Infinity): imported
@@ -573,6 +575,7 @@ def test_import_refuses_a_config_json_number_that_is_not_finite(checkpoints, tmp
     assert not (tmp_path / "run.yaml").exists()
 
 
+@pytest.mark.torch
 def test_import_refuses_a_pickle_only_checkpoint(checkpoints, tmp_path):
     llm, _ = fresh(checkpoints, tmp_path)
     (Path(llm) / "model.safetensors").unlink()
@@ -582,6 +585,7 @@ def test_import_refuses_a_pickle_only_checkpoint(checkpoints, tmp_path):
     assert not (tmp_path / "run.yaml").exists()
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize(
     ("key", "value"),
     [

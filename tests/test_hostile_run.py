@@ -129,6 +129,7 @@ def test_weight_maps_name_files_inside_the_directory_only(tmp_path):
     assert Checkpoint(d).get("a").tolist() == [[0, 1, 2], [3, 4, 5]]
 
 
+@pytest.mark.torch
 def test_config_json_sizes_are_checked_before_anything_is_built(tmp_path, monkeypatch):
     import hf_models
 
@@ -427,16 +428,14 @@ BAD_STATES = {
 def test_a_restored_planner_state_that_does_not_fit_is_refused(tmp_path):
     import orbax.checkpoint as ocp
 
-    from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
     from jaxmllm.loop.checkpoint import restore_latest, save_args
-    from jaxmllm.plan.sizing import resolve_batch
     from jaxmllm.plan.state import PlanStateError
+    from jaxmllm.resolve.run import resolve_run
 
     cfg = load_config("configs/tiny.yaml", ["data.synthetic.num_samples=64", *NO_EVAL])
-    source, index = make_source(cfg)
-    cfg = resolve_batch(cfg, index, 8)  # (once: each pipeline below reuses it)
-    pipeline = lambda: make_pipeline(cfg, 8, prefetch=0, source=source, index=index)
+    run = resolve_run(cfg, 8)  # (once: each pipeline below reuses it)
+    pipeline = lambda: make_pipeline(run, prefetch=0)
     it = pipeline()
     steps = [next(it)["info"].samples for _ in range(4)]
     resumed = pipeline()

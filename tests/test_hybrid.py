@@ -16,9 +16,9 @@ def test_only_the_full_attention_layers_are_quadratic_in_the_cost_model():
     full-attention twin: all four); its linear coefficient is 2 x its matmul weights (the
     full layer's q projection twice as wide for the gate) plus the linear layers'
     convolution and delta rule, x3 to train."""
+    from jaxmllm.cost.flops import linear_attention
+    from jaxmllm.cost.model import CostModel
     from jaxmllm.hf.adapter_load import shapes_of
-    from jaxmllm.plan.cost import CostModel
-    from jaxmllm.plan.flops import linear_attention
 
     cfg = load_config("configs/tiny_hybrid.yaml")
     twin = load_config("configs/tiny_hybrid.yaml", ["model.llm.linear.every=0"])
@@ -83,9 +83,8 @@ def test_a_hybrid_split_over_fsdp_and_tensor_with_remat_gives_the_unsplit_math()
     import numpy as np
 
     import sharding
-    from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.run import resolve_run
     from jaxmllm.step.program import build_program, make_loss_and_grads
     from sharding.rules import keyed_leaves
 
@@ -96,12 +95,12 @@ def test_a_hybrid_split_over_fsdp_and_tensor_with_remat_gives_the_unsplit_math()
 
     def run(overrides, devices, state=None):
         cfg = load_config("configs/tiny_hybrid.yaml", [*text, *overrides])
-        source, index = make_source(cfg)
-        mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:devices])
-        cfg = resolve_batch(cfg, index, sharding.data_parallel_size(mesh))
-        host = next(make_pipeline(cfg, 4, prefetch=0, source=source, index=index))["batch"]
+        run = resolve_run(cfg, jax.devices()[:devices])
+        assert sharding.data_parallel_size(run.mesh) == 4  # (the same plans at every layout)
+        host = next(make_pipeline(run, prefetch=0))["batch"]
+        mesh = run.mesh
         with jax.set_mesh(mesh):
-            prog = build_program(cfg, mesh)
+            prog = build_program(run.cfg, mesh)
             state = prog.init() if state is None else jax.device_put(state, prog.shardings)
             batch = sharding.make_global_batch(host, mesh)
             fn = jax.jit(make_loss_and_grads(prog.parts))

@@ -421,25 +421,24 @@ def test_a_mapped_index_plans_every_sample_once_across_a_restart(tmp_path):
     every stream position it has taken is trained exactly once or still deferred."""
     from collections import Counter
 
-    from jaxmllm.plan.sizing import planner_from_config, resolve_batch
     from jaxmllm.plan.stream import stream_of
+    from jaxmllm.resolve.run import resolve_run
 
     path = write_manifest(tmp_path / "m.jsonl", 256)
     cfg = config(path)
     build_index(cfg, path, progress=False)
-    index = open_source(cfg).index
-    assert index.shuffle == "index"
-    cfg = resolve_batch(cfg, index, 8)
-    whole = planner_from_config(cfg, index, 8)
+    run = resolve_run(cfg, 8)
+    assert run.index.shuffle == "index"
+    whole = run.planner()
     want = [whole.plan().samples for _ in range(12)]
-    first = planner_from_config(cfg, index, 8)
+    first = run.planner()
     got = [first.plan().samples for _ in range(5)]
-    again = planner_from_config(cfg, index, 8)
+    again = run.planner()
     again.set_state(json.loads(json.dumps(first.get_state())))
     got += [again.plan().samples for _ in range(7)]
     assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
     state = again.get_state()
-    taken = Counter(stream_of(index, cfg.data.seed).take(0, state["cursor"]).tolist())
+    taken = Counter(stream_of(run.index, cfg.data.seed).take(0, state["cursor"]).tolist())
     waiting = Counter(sample for sample, _ in state["deferred"])
     trained = Counter(np.concatenate(got).tolist())
     assert trained + waiting == taken and len(taken) == 256

@@ -16,7 +16,7 @@ from jaxmllm.plan.ladder import Ladder, longest_fitting, rung_rows
 from jaxmllm.plan.registry import make_planner
 from jaxmllm.plan.stream import stream_of
 from jaxmllm.plan.tiles import own_tiles
-from jaxmllm.plan.tilesize import largest_doc_tiles, size_tiles
+from jaxmllm.resolve.tilesize import largest_doc_tiles, size_tiles
 
 PER_TOKEN = {"vision": 4, "audio": 4}
 PER_ROW = {"vision": 1, "audio": 4}
@@ -42,7 +42,7 @@ def caps_of(index, devices=4, tiles=None, long_tiles=()):
         per_token=PER_TOKEN,
         per_row=PER_ROW,
         route_pair_capacity=256,
-        block=64,
+        attention_block=64,
         tiles=tiles or {"llm": 150, "vision": 1100},
         long_tiles=long_tiles,
     )
@@ -139,7 +139,7 @@ def test_sizing_gives_the_longest_documents_a_variant_instead_of_every_step():
 def test_capacities_of_a_config_carry_its_long_variants(context):
     from jaxmllm.config import load_config
     from jaxmllm.config.spec import BatchSpec
-    from jaxmllm.plan.sizing import capacities
+    from jaxmllm.resolve.sizing import capacities
 
     sets = [
         "batch.llm_tiles=20",
@@ -202,8 +202,8 @@ def test_a_run_with_rare_long_documents_trains_both_variants_and_resumes_exactly
     from jaxmllm.data.source import make_source
     from jaxmllm.loop import ledger
     from jaxmllm.loop.metrics import read_metrics
-    from jaxmllm.plan import sizing
-    from jaxmllm.plan.sizing import planner_from_config
+    from jaxmllm.resolve import sizing
+    from jaxmllm.resolve.sizing import planner_from_config
     from jaxmllm.train import main
 
     monkeypatch.setattr(sizing, "LADDER_MIN_STEPS", 1)  # (a short run: a ladder all the same)

@@ -1,5 +1,5 @@
 """The tree's shape: packages in the order data flows, each importing only those before it; no
-import cycles between modules; rooms of one concept.
+import cycles between modules; rooms of one concept (a long module is warned, not failed).
 
 The import graph is read from the source (every `import` / `from ... import` at any depth,
 except under `if TYPE_CHECKING:`), so an import hidden inside a function counts too.
@@ -8,9 +8,8 @@ except under `if TYPE_CHECKING:`), so an import hidden inside a function counts 
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("jaxmllm", "sharding")
@@ -23,8 +22,12 @@ MAX_TRAIN_LINES = 350
 LAYERS = (
     ("sharding",),
     ("jaxmllm.config",),
+    ("jaxmllm.process",),  # the process before JAX starts: jax.distributed, XLA flags, threads
     ("jaxmllm.data",),  # records and their formats, media, text, the lengths index
-    ("jaxmllm.plan",),  # cost model, sizing, planners, pipeline stages' plan
+    ("jaxmllm.cost",),  # the cost model and its calibration, analytic FLOPs
+    ("jaxmllm.pipeline",),  # pipeline parallelism's plan: stages partitioned by the cost model
+    ("jaxmllm.plan",),  # step planning: the contract, the planners
+    ("jaxmllm.resolve",),  # start-up: auto sizes settled by dry runs of the planner
     ("jaxmllm.batch",),  # bucketize, routing tables, context split, counts, prompts
     ("jaxmllm.feed",),  # the grain iterator: plan -> load -> bucketize -> device
     ("jaxmllm.models",),
@@ -165,12 +168,36 @@ def test_no_import_cycles():
     )
 
 
-@pytest.mark.parametrize("name", sorted(_modules()))
-def test_module_size(name):
-    path = _modules()[name]
-    lines = len(path.read_text().splitlines())
-    limit = MAX_TRAIN_LINES if name == "jaxmllm.train" else MAX_LINES
-    assert lines <= limit, f"{path.relative_to(ROOT)}: {lines} lines (at most {limit})"
+class ModuleSize(UserWarning):
+    """A module past the size where a module usually holds two concepts."""
+
+
+def long_modules(modules: dict[str, Path]) -> list[str]:
+    """'path: n lines' for every module past its size (`MAX_LINES`; `train` `MAX_TRAIN_LINES`)."""
+    out = []
+    for name, path in sorted(modules.items()):
+        lines = len(path.read_text().splitlines())
+        limit = MAX_TRAIN_LINES if name == "jaxmllm.train" else MAX_LINES
+        if lines > limit:
+            where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+            out.append(f"{where}: {lines} lines (past {limit})")
+    return out
+
+
+def test_module_sizes_are_a_smell_detector_not_a_limit():
+    """STYLE.md: past ~500 lines a module is usually two concepts; then split it by concept,
+    or keep it whole with a reason. A warning, never a failure: a cap that fails drives splits
+    by size, and one produced an import circle (data/media/kinds <-> data/preprocess)."""
+    for line in long_modules(_modules()):
+        warnings.warn(f"{line}: one concept, or two to split?", ModuleSize, stacklevel=1)
+
+
+def test_a_long_module_is_named_with_its_size(tmp_path):
+    long, short = tmp_path / "long.py", tmp_path / "short.py"
+    long.write_text("x = 1\n" * (MAX_LINES + 1))
+    short.write_text("x = 1\n")
+    found = long_modules({"jaxmllm.x": long, "jaxmllm.y": short})
+    assert found == [f"long.py: {MAX_LINES + 1} lines (past {MAX_LINES})"]
 
 
 def test_no_code_is_kept_from_the_formatter():

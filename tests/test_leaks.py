@@ -93,15 +93,13 @@ def test_tests_leave_nothing_in_the_temporary_folder(tmp_path):
 
 CTRL_C = """
 from jaxmllm.config import load_config
-from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
-from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.resolve.run import resolve_run
 
 def main():
     cfg = load_config("configs/tiny.yaml", ["data.workers=2", "data.synthetic.num_samples=64",
         "data.eval.source=none", "train.output_dir={out}"])
-    cfg = resolve_batch(cfg, make_source(cfg)[1], 8)
-    feed = make_pipeline(cfg, 8, prefetch=2)
+    feed = make_pipeline(resolve_run(cfg, 8), prefetch=2)
     try:
         while True:
             next(feed)

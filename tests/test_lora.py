@@ -15,14 +15,13 @@ import pytest
 
 import sharding
 from jaxmllm.config import ConfigError, load_config
-from jaxmllm.data.source import make_source
+from jaxmllm.cost.model import CostModel
+from jaxmllm.cost.training import modules
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.hf.load import nest
 from jaxmllm.models.lora import LEAVES
-from jaxmllm.plan.cost import CostModel
-from jaxmllm.plan.sizing import resolve_batch
-from jaxmllm.plan.stages.costs import model_costs
-from jaxmllm.plan.training import modules
+from jaxmllm.pipeline.costs import model_costs
+from jaxmllm.resolve.run import resolve_run
 from jaxmllm.step.program import build_program, join, make_loss_and_grads
 from sharding.rules import keyed_leaves
 
@@ -46,13 +45,9 @@ NO_AUDIO = ["model.audio.enabled=false", "data.synthetic.audio_fraction=0"]  # (
 
 def setup(*overrides):
     """(config resolved on the data, its mesh, one step's host batch)."""
-    cfg = load_config("configs/tiny.yaml", [*FIXED, *overrides])
-    source, index = make_source(cfg)
-    mesh = sharding.make_mesh(cfg.mesh)
-    devices = sharding.data_parallel_size(mesh)
-    cfg = resolve_batch(cfg, index, devices)
-    host = next(make_pipeline(cfg, devices, prefetch=0, source=source, index=index))["batch"]
-    return cfg, mesh, host
+    run = resolve_run(load_config("configs/tiny.yaml", [*FIXED, *overrides]))
+    host = next(make_pipeline(run, prefetch=0))["batch"]
+    return run.cfg, run.mesh, host
 
 
 def loss_and_grads(cfg, mesh, host, state=None):
@@ -106,7 +101,7 @@ def test_fresh_adapters_change_nothing_and_only_they_get_gradients():
     cfg, mesh, host = setup(*NO_AUDIO, *adapters, "model.vision.lora.targets=[q,v,up]")
     prog, state, (loss, grads) = loss_and_grads(cfg, mesh, host)
     base_cfg = load_config("configs/tiny.yaml", [*FIXED, *NO_AUDIO])
-    base_cfg = resolve_batch(base_cfg, make_source(base_cfg)[1], 8)
+    base_cfg = resolve_run(base_cfg, 8).cfg
     _, base_state, (base_loss, _) = loss_and_grads(base_cfg, mesh, host)
     mine = keyed_leaves(jax.device_get(join(state["params"], state["frozen"])))
     theirs = keyed_leaves(jax.device_get(join(base_state["params"], base_state["frozen"])))
@@ -184,7 +179,7 @@ def test_adapters_under_fsdp_tensor_and_remat_give_the_unsplit_math():
     got = run(cfg, mesh)
     one = ["mesh.data=4", "mesh.fsdp=1"]
     flat = load_config("configs/tiny.yaml", [*FIXED, *NO_AUDIO, *LORA, *drop, *one])
-    flat = resolve_batch(flat, make_source(flat)[1], 4)  # (the same 4 data-parallel buckets)
+    flat = resolve_run(flat, 4).cfg  # (the same 4 data-parallel buckets)
     want = run(flat, sharding.make_mesh(flat.mesh, devices=jax.devices()[:4]))
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     wanted = keyed_leaves(want[1])
@@ -238,7 +233,7 @@ def test_a_tower_under_adapters_is_priced_as_passing_gradients():
     as_read = json.loads(json.dumps(raw["model"]), object_hook=lambda d: types.SimpleNamespace(**d))
     assert CostModel.from_model(as_read).to_dict() == adapted.to_dict()
 
-    batch = resolve_batch(lora, make_source(lora)[1], 8).batch
+    batch = resolve_run(lora, 8).cfg.batch
     costs, costs_full = model_costs(lora.model, batch), model_costs(base.model, batch)
     layer, layer_full = costs.segment("llm").layer, costs_full.segment("llm").layer
     tokens = batch.llm_rows * batch.llm_row_len
@@ -308,7 +303,7 @@ def test_checkpoints_hold_the_adapters_not_the_base_and_refuse_another_base(tmp_
     cfg, params, step = load_run(tmp_path)
     assert step == 2
     fresh = load_config("configs/tiny.yaml", sets)
-    fresh = resolve_batch(fresh, make_source(fresh)[1], 8)
+    fresh = resolve_run(fresh, 8).cfg
     from jaxmllm.step.program import base_dtypes, build_model
 
     start, base = jax.jit(lambda: build_model(fresh, 0))()
@@ -329,7 +324,7 @@ def test_checkpoints_hold_the_adapters_not_the_base_and_refuse_another_base(tmp_
     from jaxmllm.init_from import initial_params
 
     later = load_config("configs/tiny.yaml", [*sets, f"model.init_from.run={tmp_path}"])
-    later = resolve_batch(later, make_source(later)[1], 8)
+    later = resolve_run(later, 8).cfg
     with pytest.raises(ConfigError, match=r"that run trained LoRA adapters on llm.*--merged"):
         initial_params(later, build_program(later, sharding.make_mesh(later.mesh)))
 
@@ -368,9 +363,9 @@ def test_adapters_in_pipeline_stages_give_the_unpipelined_math():
     llm = [s for s in prog.plan.stages if s.segment == "llm"]
     assert llm and all(0 < s.work.bwd < 2 * s.work.fwd for s in llm)
     with jax.set_mesh(prog.mesh):  # (a checkpoint: [depth, ...], no base; back to stages)
-        saved, base = prog.to_saved(state), prog.base_of(state)
+        saved, base = prog.saved(state), prog.weights(state)["frozen"]
         assert set(saved) == {"params", "opt_state", "step"}
-        back = jax.device_get(prog.from_saved(saved, base))
+        back = jax.device_get(prog.restored(saved, base))
     for (path, a), b in zip(
         keyed_leaves(back).items(), jax.tree.leaves(jax.device_get(state)), strict=True
     ):

@@ -147,3 +147,27 @@ def test_log_mel_frames_are_bit_for_bit_the_plain_computations(rate, seconds, wh
     got, want = fn(x, rate, 80), _log_mel_reference(x, rate, 80, whisper)
     assert got.dtype == np.float32 and got.shape == want.shape
     assert np.array_equal(got, want)
+
+
+NO_SOUNDFILE = """
+import sys
+sys.modules["soundfile"] = None  # (as on a Python without it, or without the cffi it needs)
+import jaxmllm.train, jaxmllm.data.index
+from jaxmllm.config import UserError
+from jaxmllm.data.media import audio
+try:
+    audio.read_info(b"RIFF....WAVE", "r1")
+except UserError as e:
+    print("refused:", e)
+"""
+
+
+def test_without_soundfile_only_reading_audio_needs_it():
+    """soundfile (and the cffi it loads libsndfile through) is imported where a clip is read:
+    the trainer imports without it, and reading a clip says what to install."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", NO_SOUNDFILE], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused: reading audio needs the soundfile package" in done.stdout

@@ -29,24 +29,24 @@ def _reference(x, experts, gate, up, down):
 @pytest.mark.parametrize(
     "sizes, rows, tile",
     [
-        ((3, 0, 17, 8, 1), 48, 8),  # an empty group, groups across tiles, padding rows after
-        ((16, 16), 32, 16),  # groups on tile boundaries, no padding
+        ((3, 0, 17, 8, 1), 48, 8),  # an empty group, groups across tiles, rows of no expert
+        ((16, 16), 32, 16),  # groups of whole tiles, every row an expert's
         ((0, 0, 5), 8, 8),  # one group, in one tile
-        ((1,) * 40, 40, 8),  # more groups than tiles: several visits to each tile
+        ((1,) * 40, 40, 8),  # more groups than tiles: a tile an expert, mostly padding
     ],
 )
 def test_grouped_mlp_computes_each_group_against_its_expert(sizes, rows, tile):
     """Forward and the written-out backward equal a per-row reference (inputs, and every
-    expert's gate, up and down), with groups empty, cut by tiles, sharing tiles, and rows past
-    the last group (they give 0 and no gradient)."""
+    expert's gate, up and down), rows in any order, groups empty or cut by tiles, rows of no
+    expert (they give 0 and no gradient)."""
     rng = np.random.default_rng(0)
     e, d, f = len(sizes), 16, 24
     x = jnp.asarray(rng.normal(size=(rows, d)), jnp.float32)
     w = [jnp.asarray(rng.normal(size=s) / 4, jnp.float32) for s in ((e, d, f),) * 2 + ((e, f, d),)]
     ids = np.repeat(np.arange(e), sizes)
-    experts = jnp.asarray(np.concatenate([ids, -np.ones(rows - len(ids), int)]))
-    ours = lambda x, *w: grouped.grouped_mlp(x, jnp.asarray(sizes, jnp.int32), *w, tile)
-    theirs = lambda x, *w: _reference(x, experts, *w)
+    experts = rng.permutation(np.concatenate([ids, np.full(rows - len(ids), e)]))
+    ours = lambda x, *w: grouped.local_experts(x, jnp.asarray(experts), *w, tile)
+    theirs = lambda x, *w: _reference(x, jnp.asarray(np.where(experts < e, experts, -1)), *w)
     np.testing.assert_allclose(ours(x, *w), theirs(x, *w), atol=1e-5)
     cot = jnp.asarray(rng.normal(size=(rows, d)), jnp.float32)
     grad = lambda fn: jax.grad(lambda *a: (fn(*a) * cot).sum(), argnums=(0, 1, 2, 3))(x, *w)
@@ -54,22 +54,27 @@ def test_grouped_mlp_computes_each_group_against_its_expert(sizes, rows, tile):
         np.testing.assert_allclose(a, b, atol=1e-4)
 
 
-def test_the_visits_are_the_tiles_each_group_touches():
-    """Each group visits exactly the tiles it has rows in, with its own row range; the visit
-    count is bounded by tiles + experts - 1 (the padding is at most a tile an expert)."""
-    sizes = np.array([3, 0, 17, 8, 1])
-    t, e, lo, hi = (np.asarray(a).reshape(-1) for a in grouped.visits(jnp.asarray(sizes), 6, 8, 4))
-    active = hi > lo
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    want = [
-        (tile, expert)
-        for expert, (s, n) in enumerate(zip(starts, sizes, strict=True))
-        for tile in range(s // 8, (s + n - 1) // 8 + 1)
-        if n
-    ]
-    assert list(zip(t[active], e[active], strict=True)) == want
-    rows = sum(hi[i] - lo[i] for i in np.flatnonzero(active))
-    assert rows == sizes.sum() and len(t) <= 6 + 5 - 1 + 3  # (+ padding to whole chunks)
+def test_the_layout_gives_each_expert_whole_tiles_of_its_own():
+    """Each row's slot lies in a tile of its expert's, the rows of one expert in their order,
+    `row` inverts `slot`; the tiles the groups take are at most the rows' plus one an expert
+    (the padding), and the layout holds any loads (every row on one expert too)."""
+    rng = np.random.default_rng(2)
+    experts, tile = 5, 8
+    for ids in (rng.integers(0, experts + 1, 45), np.zeros(45, int), np.full(45, experts)):
+        layout = grouped.Layout.of(jnp.asarray(ids), experts, tile, chunk=4)
+        slot, row, expert = (np.asarray(a) for a in (layout.slot, layout.row, layout.expert))
+        valid = ids < experts
+        assert (slot[~valid] >= len(row)).all()
+        assert (expert[slot[valid] // tile] == ids[valid]).all()
+        assert (row[slot[valid]] == np.flatnonzero(valid)).all()
+        assert (np.sort(row[row < len(ids)]) == np.flatnonzero(valid)).all()
+        for e in range(experts):  # (a group's rows keep their order, from its first slot)
+            mine = slot[ids == e]
+            assert (np.diff(mine) == 1).all() and (len(mine) == 0 or mine[0] % tile == 0)
+        used = int(layout.used)
+        assert used == sum(-(-np.sum(ids == e) // tile) for e in range(experts))
+        assert used <= -(-valid.sum() // tile) + experts - 1 <= len(expert)
+        assert len(expert) % 4 == 0  # (whole chunks)
 
 
 def _layer(experts=8, top_k=2, shared=0, capacity=0.0, width=32):
@@ -148,6 +153,29 @@ def test_a_capacity_drops_what_does_not_fit_and_counts_it():
     assert dropped > 0
     changed = np.abs(np.asarray(y) - np.asarray(y_free)).max(-1) > 1e-6
     assert 0 < changed.sum() <= dropped  # (each dropped assignment changes its token only)
+
+
+@pytest.mark.parametrize("expert", [4, 8])
+def test_the_worst_case_reaches_one_device_without_a_drop(expert):
+    """Every token of every device routed to the same two experts: the devices holding them
+    receive all of their group's (one device: with 2 experts a device; two: with 1, each a token's
+    assignment), and the dropless buffer, sized to what a device's experts can be sent
+    (min(top_k, experts there) a token a sender), holds it: nothing dropped, one device's
+    output."""
+    layer, (x, _) = _layer(), _inputs()
+    valid = jnp.ones(x.shape[:2], bool)  # (every group of the expert axis as many tokens)
+    kernel = np.zeros(layer.router.kernel.shape, np.float32)
+    kernel[0, :2] = 1.0  # (feature 0 votes for experts 0 and 1 only)
+    layer.router.kernel[...] = jnp.asarray(kernel)
+    x = x.at[..., 0].set(5.0)
+    (_, (y1, _)), _ = _routed(layer, x, valid)
+    mesh = sharding.make_mesh({"data": -1, "expert": expert})
+    (_, (y2, stats)), _ = _routed(layer, x, valid, mesh)
+    np.testing.assert_allclose(y2, y1, atol=1e-5)
+    assert float(stats.dropped) == 0.0
+    per_device = 2 if expert == 4 else 1  # (assignments a token sends the busiest device)
+    groups = 8 // expert  # (data-parallel groups of the expert axis: each routes its own)
+    assert float(stats.recv_max) == float(valid.sum()) / groups * per_device
 
 
 def test_the_ragged_exchange_lowers():
@@ -267,8 +295,8 @@ def test_the_cost_model_and_the_parameter_report_count_the_active_experts():
     import math
 
     from jaxmllm.config import load_config
+    from jaxmllm.cost.model import CostModel
     from jaxmllm.hf.adapter_load import shapes_of
-    from jaxmllm.plan.cost import CostModel
     from jaxmllm.step.program import active_parameters
 
     cfg = load_config("configs/tiny_moe.yaml")

@@ -9,19 +9,19 @@ message, and rerunning resumes it.
 
 import json
 import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from jaxmllm.batch.bucketize import bucketize
 from jaxmllm.config import ConfigError, DistributedConfig, load_config
-from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.feed.iterator import local_media, local_parts
 from jaxmllm.launch import free_port
 from jaxmllm.loop import ledger
-from jaxmllm.loop.distributed import describe_mismatch, resolve_job
 from jaxmllm.loop.metrics import read_metrics
-from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
+from jaxmllm.process.distributed import describe_mismatch, resolve_job
+from jaxmllm.resolve.run import resolve_run
 
 from runs import child_env, train_cmd
 
@@ -95,17 +95,45 @@ def test_disagreeing_processes_are_described():
     assert "local_devices: 4 -> 2" in msg and "optim.lr: 0.001 -> 0.002" in msg
 
 
+MESH_OF_TWO_PROCESSES = """
+import logging, sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_num_cpu_devices", 2)
+jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
+logging.basicConfig(level=logging.WARNING)
+import sharding
+mesh = sharding.make_mesh({"data": 1, "fsdp": 4})
+print("hosts", sorted({d.slice_index for d in jax.devices()}), dict(mesh.shape))
+"""
+
+
+def test_two_processes_of_one_machine_are_one_host_to_the_mesh():
+    """Two processes of two devices each on this machine (as a SLURM node runs one process a
+    GPU): fsdp 4 over both keeps its group on one host, so make_mesh says nothing (the check
+    once counted one process's devices and warned on every such job)."""
+    address = f"127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-c", MESH_OF_TWO_PROCESSES, address]
+    env = {**child_env(), "JAX_PLATFORMS": "cpu"}
+    procs = [
+        subprocess.Popen([*cmd, str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err.decode()[-2000:]
+        assert "hosts [0]" in out.decode() and "'fsdp': 4" in out.decode()
+        assert "span hosts" not in err.decode(), err.decode()[-2000:]
+
+
 # ----------------------------------------------------------------------------- per-host batches
 
 
 @pytest.fixture(scope="module")
 def planned():
-    cfg = load_config("configs/tiny.yaml", ["data.synthetic.num_samples=512"])
-    source = SyntheticSource(cfg)
-    index = source.lengths()
-    cfg = resolve_batch(cfg, index)
-    caps = capacities(cfg, 8)
-    planner = planner_from_config(cfg, index, 8)
+    run = resolve_run(load_config("configs/tiny.yaml", ["data.synthetic.num_samples=512"]))
+    cfg, source, index, caps = run.cfg, run.source, run.index, run.caps
+    planner = run.planner()
     plans = [planner.plan() for _ in range(3)]
     samples = {int(i): source[int(i)] for p in plans for i in np.unique(p.samples)}
     return cfg, caps, index, plans, samples, source
@@ -304,3 +332,34 @@ def test_processes_with_different_configs_all_stop_with_the_difference(tmp_path)
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 2, out[-3000:]
         assert "process 1: optim.lr: 0.003 -> 0.002" in out, out[-3000:]
+
+
+CONTEXT_EVAL = [
+    "mesh.data=2",
+    "mesh.fsdp=2",
+    "mesh.context=2",
+    "batch.llm_row_len=96",
+    "train.steps=2",
+    "train.checkpoint_every=2",
+    "data.eval.source=synthetic",
+    "data.eval.samples=24",
+    "data.eval.questions=0",
+    "train.eval_every=2",
+]
+
+
+@pytest.mark.slow  # two launched jobs of 2 steps, each compiling its step and eval step
+def test_context_groups_on_two_processes_evaluate_like_one(tmp_path):
+    """mesh.context=2 and data.eval on 2 processes x 4 devices (each holds two whole context
+    groups): the held-out metrics are one process's with 8 devices. The eval set goes through
+    the training feed, which takes a host's context groups; a copy of it that did not (its
+    local parts without the context) left the host of groups 2 and 3 no text to load."""
+    rows = {}
+    for processes in (1, 2):
+        out = tmp_path / str(processes)
+        code, text = _launch(processes, out, *CONTEXT_EVAL)
+        assert code == 0, text[-3000:]
+        rows[processes] = [r for r in read_metrics(out) if "eval/loss" in r]
+    assert [r["step"] for r in rows[2]] == [2]
+    for key in [k for k in rows[1][0] if k.startswith("eval/")]:
+        assert rows[2][0][key] == pytest.approx(rows[1][0][key], rel=1e-5, abs=1e-6), key

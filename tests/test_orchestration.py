@@ -9,10 +9,10 @@ import pytest
 import sharding
 from jaxmllm.batch.bucketize import bucketize
 from jaxmllm.config import load_config
-from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.plan.contract import ItemPlan, StepPlan
-from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
+from jaxmllm.resolve.run import resolve_run
+from jaxmllm.resolve.sizing import capacities, planner_from_config
 from jaxmllm.step.program import build_program, make_loss_and_grads, model_parts
 
 ROUTED = [
@@ -25,10 +25,8 @@ ROUTED = [
 ]
 
 
-def resolved(*extra):
-    cfg = load_config("configs/tiny.yaml", [*ROUTED, *extra])
-    source, index = make_source(cfg)
-    return resolve_batch(cfg, index), source, index
+def resolved(*extra, devices=None):
+    return resolve_run(load_config("configs/tiny.yaml", [*ROUTED, *extra]), devices)
 
 
 def repack(items: ItemPlan, plan: StepPlan, values, ptr) -> None:
@@ -71,7 +69,8 @@ def one_sample_batch(cfg, sample, source, index):
 
 @pytest.mark.slow  # (~130 s: each of the step's samples alone; CI runs it with -m slow)
 def test_routed_step_equals_samples_one_by_one_on_one_device():
-    cfg, source, index = resolved()
+    run = resolved()
+    cfg, source, index = run.cfg, run.source, run.index
     # The images are moved below, past what the planner balanced: room for every vision tile.
     blocks = cfg.batch.vision_patches // cfg.batch.attention_block
     cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, vision_tiles=blocks**2))
@@ -126,12 +125,13 @@ def assert_equals_alone(got, reference, state, batches, host) -> None:
 
 @pytest.mark.slow  # ~80 s: 50 train steps (the default suite keeps under 10 minutes)
 def test_step_exchanges_by_all_to_all_and_compiles_once_over_50_steps():
-    cfg, source, index = resolved("train.steps=50", "batch.microbatches=1")
+    run = resolved("train.steps=50", "batch.microbatches=1")
+    cfg = run.cfg
     mesh = sharding.make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
         prog = build_program(cfg, mesh)
         state = prog.init()
-        data = make_pipeline(cfg, sharding.data_parallel_size(mesh), source=source, index=index)
+        data = make_pipeline(run)
         first = sharding.make_global_batch(next(data)["batch"], mesh)
         hlo = prog.step.lower(state, first).compile().as_text()
         assert "all-to-all" in hlo
@@ -161,12 +161,13 @@ def test_frozen_encoder_costs_match_the_cost_model(below):
         # attention's backward has more elementwise work per tile in XLA's count (~17% here).
         "model.attention=dense",
     ]
-    cfg, source, index = resolved(*extra)
+    run = resolved(*extra)
+    cfg = run.cfg
     frozen_over = ["model.vision.freeze=true"]
     if below == "nothing_trainable":
         frozen_over.append("model.projector_freeze=true")
-    frozen_cfg, _, _ = resolved(*extra, *frozen_over)
-    host = next(make_pipeline(cfg, 8, prefetch=0, source=source, index=index))["batch"]
+    frozen_cfg = resolved(*extra, *frozen_over).cfg
+    host = next(make_pipeline(run, prefetch=0))["batch"]
 
     def flops(c, fn):
         return fn.lower(host).compile().cost_analysis()["flops"]
@@ -265,12 +266,13 @@ def test_ragged_exchange_lowers_in_the_step_and_is_refused_on_cpu(tmp_path):
     from jaxmllm.config import ConfigError
     from jaxmllm.train import main
 
-    cfg, source, index = resolved("batch.exchange=ragged", "batch.microbatches=1")
+    run = resolved("batch.exchange=ragged", "batch.microbatches=1", devices=8)  # (lowered)
+    cfg = run.cfg
     mesh = sharding.make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
         prog = build_program(cfg, mesh)
         state = jax.eval_shape(prog.init)
-        host = next(make_pipeline(cfg, 8, prefetch=0, source=source, index=index))["batch"]
+        host = next(make_pipeline(run, prefetch=0))["batch"]
         text = prog.step.lower(state, sharding.make_global_batch(host, mesh)).as_text()
     assert text.count("ragged_all_to_all") >= 2  # the exchange and its transpose (backward)
     assert "vision_send_count" in host and host["vision_send_count"].sum() > 0

@@ -6,16 +6,16 @@ import math
 import pytest
 
 from jaxmllm.config import ConfigError, load_config
-from jaxmllm.plan.sizing import resolve_attention
-from jaxmllm.plan.stages.costs import ModelCosts, Segment, Work, model_costs
-from jaxmllm.plan.stages.partition import (
+from jaxmllm.pipeline.costs import ModelCosts, Segment, Work, model_costs
+from jaxmllm.pipeline.partition import (
     PartitionError,
     balanced_split,
     partition,
     segment_stages,
     uniform,
 )
-from jaxmllm.plan.stages.schedule import IDLE, SCHEDULES, gpipe, one_f_one_b
+from jaxmllm.pipeline.schedule import IDLE, SCHEDULES, gpipe, one_f_one_b
+from jaxmllm.resolve.attention import resolve_attention
 
 # --- schedule tables ------------------------------------------------------------------------
 

@@ -10,11 +10,10 @@ import pytest
 import sharding
 from jaxmllm.batch.bucketize import bucketize
 from jaxmllm.config import load_config
-from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
-from jaxmllm.plan.sizing import resolve_batch
-from jaxmllm.plan.stages.choose import Variants
-from jaxmllm.plan.stages.partition import Plan, Stage
+from jaxmllm.pipeline.choose import Variants
+from jaxmllm.pipeline.partition import Plan, Stage
+from jaxmllm.resolve.run import resolve_run
 from jaxmllm.step.program import make_loss_and_grads
 from jaxmllm.step.stages.layout import Layout
 from jaxmllm.step.stages.loop import pipeline_loss
@@ -41,12 +40,9 @@ def pipelined_and_reference(*overrides):
     """(loss, grads) of one step's batch through the pipelined program, and through the
     unpipelined step on a mesh of the same data-parallel buckets; grads as [depth, ...]. Also
     the pipelined (loss, grads) of other host batches: run(host)."""
-    cfg = load_config("configs/tiny.yaml", [*FIXED, *overrides])
-    source, index = make_source(cfg)
-    mesh = sharding.make_mesh(cfg.mesh)
-    devices = sharding.data_parallel_size(mesh)
-    cfg = resolve_batch(cfg, index, devices)
-    host = next(make_pipeline(cfg, devices, prefetch=0, source=source, index=index))["batch"]
+    run = resolve_run(load_config("configs/tiny.yaml", [*FIXED, *overrides]))
+    cfg, mesh, devices = run.cfg, run.mesh, run.devices
+    host = next(make_pipeline(run, prefetch=0))["batch"]
     with jax.set_mesh(mesh):
         prog = build_program(cfg, mesh)
         state = prog.init()
@@ -60,7 +56,7 @@ def pipelined_and_reference(*overrides):
 
     got = run(host)
     with jax.set_mesh(mesh):
-        params = jax.device_get(prog.to_checkpoint(state))
+        params = jax.device_get(prog.weights(state))
     flat = sharding.make_mesh(
         {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp}, devices=jax.devices()[:devices]
     )
@@ -284,16 +280,16 @@ def test_variants_cut_only_padding_and_prefer_the_cheapest_that_holds_the_step()
     stage2 = ["mesh.stage=2", "mesh.data=4", "mesh.fsdp=1"]
     rare_audio = "data.synthetic.audio_fraction=0.1"  # (some steps have none)
     cfg = load_config("configs/tiny.yaml", [*FIXED, *stage2, fractions, rare_audio])
-    source, index = make_source(cfg)
-    cfg = resolve_batch(cfg, index, 4)
-    data = make_pipeline(cfg, 4, prefetch=0, source=source, index=index)
+    run = resolve_run(cfg, 4)
+    cfg, source, index = run.cfg, run.source, run.index
+    data = make_pipeline(run, prefetch=0)
     variants = data.variants
     assert variants.time[(1.0, 1.0)] > variants.time[(0.5, 1.0)] > variants.time[(0.0, 1.0)]
     seen = set()
     for _ in range(12):
         plan = data.planner.plan()
         samples = {int(i): source[int(i)] for i in plan.samples}
-        whole = bucketize(plan, samples, cfg, data.caps, index=index)
+        whole = bucketize(plan, samples, cfg, run.caps, index=index)
         cut, name = variants.pick(plan, index, whole)
         seen.add(name)
         for phase, key in (("vision", "vision_patches"), ("audio", "audio_frames")):

@@ -58,9 +58,8 @@ def test_one_compiled_program_per_step_variant_over_50_steps():
     import jax
 
     import sharding
-    from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.run import resolve_run
     from jaxmllm.step.stages.program import build_program
 
     varied = [
@@ -73,16 +72,14 @@ def test_one_compiled_program_per_step_variant_over_50_steps():
         "train.steps=50",
     ]
     cfg = load_config("configs/tiny.yaml", ["data.synthetic.num_samples=256", *STAGE2, *varied])
-    source, index = make_source(cfg)
-    mesh = sharding.make_mesh(cfg.mesh)
-    devices = sharding.data_parallel_size(mesh)
-    cfg = resolve_batch(cfg, index, devices)
+    run = resolve_run(cfg)
+    cfg, mesh = run.cfg, run.mesh
     used = []
     with jax.set_mesh(mesh):
         prog = build_program(cfg, mesh)
         state = prog.init()
         to_device = lambda host: sharding.make_global_batch(host, mesh)
-        data = make_pipeline(cfg, devices, source=source, index=index, to_device=to_device)
+        data = make_pipeline(run, to_device=to_device)
         for _ in range(50):
             element = next(data)
             used.append(element["info"].variant)

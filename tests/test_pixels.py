@@ -11,10 +11,9 @@ from flax import nnx
 from jaxmllm.batch.bucketize import batch_shapes, bucketize
 from jaxmllm.config import VisionConfig, load_config
 from jaxmllm.config.spec import Inputs
-from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.models.inputs import decode
 from jaxmllm.models.vision import VisionEncoder
-from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
+from jaxmllm.resolve.run import resolve_run
 
 BF16 = np.dtype(jnp.bfloat16)
 CLIP = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
@@ -68,14 +67,11 @@ def test_the_encoder_on_uint8_pixels_is_the_encoder_on_normalised_ones(dtype):
 def test_a_steps_vision_bucket_holds_the_samples_pixels_and_refuses_floats():
     """The batch's vision inputs are the loaded uint8 pixels where the plan put them; a loader
     handing floats to a pixel bucket is refused by name, never cast."""
-    cfg = load_config("configs/tiny.yaml", ["data.synthetic.num_samples=256"])
-    source = SyntheticSource(cfg)
-    index = source.lengths()
-    cfg = resolve_batch(cfg, index)
-    caps = capacities(cfg, 8)
+    run = resolve_run(load_config("configs/tiny.yaml", ["data.synthetic.num_samples=256"]))
+    cfg, source, index, caps = run.cfg, run.source, run.index, run.caps
     shapes = batch_shapes(cfg, 8)
     assert shapes["vision_patches"][1] == np.uint8 and shapes["audio_frames"][1] == np.float32
-    plan = planner_from_config(cfg, index, 8).plan()
+    plan = run.planner().plan()
     samples = {int(i): source[int(i)] for i in np.unique(plan.samples)}
     batch = bucketize(plan, samples, cfg, caps, index=index)
     assert batch["vision_patches"].dtype == np.uint8
@@ -116,12 +112,11 @@ def test_under_bf16_compute_the_audio_bucket_holds_the_frames_cast():
     cfg = load_config(
         "configs/tiny.yaml", ["data.synthetic.num_samples=256", "model.compute_dtype=bfloat16"]
     )
-    source = SyntheticSource(cfg)
-    index = source.lengths()
-    cfg = resolve_batch(cfg, index)
-    plan = planner_from_config(cfg, index, 8).plan()
+    run = resolve_run(cfg)
+    cfg, source, index = run.cfg, run.source, run.index
+    plan = run.planner().plan()
     samples = {int(i): source[int(i)] for i in np.unique(plan.samples)}
-    batch = bucketize(plan, samples, cfg, capacities(cfg, 8), index=index)
+    batch = bucketize(plan, samples, cfg, run.caps, index=index)
     frames = batch["audio_frames"]
     assert frames.dtype == BF16 and batch["vision_patches"].dtype == np.uint8
     clips = [f for i in samples for f, _ in samples[i].media["audio"]]

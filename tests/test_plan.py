@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 
 from jaxmllm.bench.mixes import from_arrays, synthetic_omni
 from jaxmllm.config import ModelConfig, load_config
+from jaxmllm.cost.model import CostModel
 from jaxmllm.plan.balancer import MANY_BUCKETS
-from jaxmllm.plan.capacity import suggest_capacities
 from jaxmllm.plan.contract import Capacities, OversizeError, check_plan
-from jaxmllm.plan.cost import CostModel
 from jaxmllm.plan.registry import PLANNERS
 from jaxmllm.plan.select import BINDING, HEADROOM, Selector
 from jaxmllm.plan.stream import SampleStream
+from jaxmllm.resolve.capacity import suggest_capacities
 
 MERGE_AREA, SUBSAMPLE = 4, 4
 PER_TOKEN = {"vision": MERGE_AREA, "audio": SUBSAMPLE}  # (units per LLM token)
@@ -293,9 +293,8 @@ def test_equal_tiles_fill_whole_buckets():
 
 def test_routing_tables_are_a_bijection():
     """Through the real pipeline: every encoder output row fills exactly one placeholder."""
-    from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.run import resolve_run
 
     cfg = load_config(
         None,
@@ -317,8 +316,7 @@ def test_routing_tables_are_a_bijection():
             "data.synthetic.num_samples=256",
         ],
     )
-    cfg = resolve_batch(cfg, make_source(cfg)[1], 4)
-    it = make_pipeline(cfg, 4, prefetch=0)
+    it = make_pipeline(resolve_run(cfg, 4), prefetch=0)
     routed = 0
     for _ in range(3):
         batch = next(it)["batch"]
@@ -363,6 +361,21 @@ def test_balance_benchmark_runs():
     assert row["quad_max_mean"] <= 1.03 * row["quad_bound"]
     assert naive["quad_max_mean"] > 1.5 * row["quad_max_mean"]
     assert row["random_cv"] > 2 * row["micro_cv"] > 0
+
+
+def test_a_config_s_patches_repatch_the_built_in_mixes():
+    """`bench.balance --config`: the built-in mixes' images (14 px patches) in the config's
+    patches, the same pixels: Qwen3-VL's 16 px patches take (14 / 16)^2 of them, in whole
+    merge blocks (at least one), the text unchanged."""
+    from jaxmllm.bench.mixes import repatched
+
+    index = synthetic_omni(500, seed=1)
+    again = repatched(index, 16, 2)
+    before, after = index.items["vision"].sizes, again.items["vision"].sizes
+    assert (after % 4 == 0).all() and (after >= 4).all() and len(after) == len(before)
+    assert abs(after.sum() / before.sum() - (14 / 16) ** 2) < 0.02
+    assert (again.text == index.text).all()
+    assert (repatched(index, 14, 2).items["vision"].sizes == before).all()  # (no change)
 
 
 def test_one_registry_names_the_planners():
@@ -497,8 +510,8 @@ def test_route_capacity_from_the_planners_traffic_is_held():
     """The per-pair route capacity sized from a dry run of the planner's plans is at least
     the largest item's rows and far below a device's whole output; the planner holds it
     over a longer run (samples wait rather than overflow a pair), and nothing is lost."""
-    from jaxmllm.plan.capacity import largest_item_rows, route_capacity, whole_output_rows
     from jaxmllm.plan.contract import pair_rows
+    from jaxmllm.resolve.capacity import largest_item_rows, route_capacity, whole_output_rows
 
     index = synthetic_omni(6000, seed=4)
     sug = suggest_capacities(index, 4096, PER_TOKEN, per_row=PER_ROW)

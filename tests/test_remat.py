@@ -20,7 +20,7 @@ from jaxmllm.bench.memory import (
     with_policy,
 )
 from jaxmllm.config import MeshConfig, load_config
-from jaxmllm.plan.sizing import resolve_bounds
+from jaxmllm.resolve.sizing import resolve_bounds
 from jaxmllm.step.program import make_loss_and_grads, model_parts
 
 # The decoder alone (the encoders' blocks are the same code), two layers: a scan XLA keeps,

@@ -13,14 +13,14 @@ from types import SimpleNamespace
 import numpy as np
 from PIL import Image
 
-from jaxmllm.batch.info import StepInfo
 from jaxmllm.bench.data import write_dataset
 from jaxmllm.config import load_config
 from jaxmllm.data.index import build_index
 from jaxmllm.data.index import main as index_main
 from jaxmllm.data.loader import Loader
 from jaxmllm.data.source import open_source
-from jaxmllm.loop.summary import RunReport
+from jaxmllm.feed.info import StepInfo
+from jaxmllm.loop.summary import RunReport, schedule_note
 
 SETTINGS = [
     "data.source=files",
@@ -133,3 +133,17 @@ def test_rejects_at_start_up_per_window_and_in_the_summary(tmp_path, caplog):
     assert "rejects: 6 at indexing (" in summary and "2 at load time (missing_media 2)" in summary
     assert str(rejects_file) in summary and "index" in summary.split("listed in")[1], summary
     assert "checkpoint: ck/3" in summary and "python -m jaxmllm.generate --run" in summary
+
+
+def test_a_warm_up_over_most_of_a_short_run_is_said_at_start_up():
+    """An imported config's lr 1e-5 after 50 warm-up steps, tried for 20 steps: the warm-up,
+    held to the run, takes 19 of them, so the loss barely moves; start-up says so and what to
+    set. A run long enough for its warm-up gets its schedule in one line, no warning."""
+    imported = ["optim.lr=1e-5", "optim.warmup_steps=50", "optim.min_lr_ratio=0.1"]
+    short = load_config("configs/tiny.yaml", [*imported, "train.steps=20"])
+    level, line = schedule_note(short)
+    assert level == logging.WARNING
+    assert "0 -> 1e-05 over 19 warm-up steps" in line and "warmup_steps=50, held" in line
+    assert "--set optim.warmup_steps=2" in line
+    level, line = schedule_note(load_config("configs/tiny.yaml", [*imported, "train.steps=1000"]))
+    assert level == logging.INFO and "over 50 warm-up steps, cosine to 1e-06 at step 1000" in line

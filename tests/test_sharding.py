@@ -96,6 +96,38 @@ def test_make_mesh_on_given_devices():
     assert mesh.shape["data"] == 4
 
 
+def _device(host: int | None, process: int, number: int) -> SimpleNamespace:
+    kw = {} if host is None else {"slice_index": host}
+    return SimpleNamespace(process_index=process, id=number, **kw)
+
+
+@pytest.mark.parametrize(
+    ("per_host", "per_process", "shape", "spans"),
+    [
+        (8, 1, (2, 1, 1, 8, 1, 1), False),  # SLURM: one process a GPU, fsdp over a node's 8
+        (8, 8, (2, 1, 1, 8, 1, 1), False),  # one process driving a node's 8 GPUs
+        (4, 1, (1, 1, 1, 8, 1, 1), True),  # fsdp 8 over two 4-GPU nodes: the real mistake
+        (4, 1, (2, 1, 1, 2, 1, 2), False),  # fsdp x tensor = 4 on 4-GPU nodes
+        (4, 4, (1, 1, 2, 4, 1, 1), True),  # expert x fsdp = 8 on 4-GPU nodes
+    ],
+)
+def test_groups_spanning_hosts_are_counted_over_the_jobs_hosts(per_host, per_process, shape, spans):
+    """The check reads the job's hosts (XLA's slice_index: processes of one machine alike),
+    not one process's devices: a one-process-per-GPU job over 8-GPU nodes keeps its fsdp 8
+    groups on one node each, and says nothing."""
+    devices = [_device(k // per_host, k // per_process, k) for k in range(16)]
+    problem = sharding.mesh.spans_hosts(devices, shape)
+    assert bool(problem) == spans, problem
+    if spans:
+        assert f"have {per_host} devices each" in problem and "span hosts" in problem
+
+
+def test_without_a_host_number_each_process_is_a_host():
+    devices = [_device(None, k // 4, k) for k in range(8)]  # (a backend with no slice_index)
+    assert sharding.mesh.spans_hosts(devices, (2, 1, 1, 4, 1, 1)) == ""
+    assert "span hosts" in sharding.mesh.spans_hosts(devices, (1, 1, 1, 8, 1, 1))
+
+
 @pytest.mark.parametrize(
     "cfg, words",
     [

@@ -34,8 +34,11 @@ from jaxmllm.models.mllm import exchange_rows, fill_slots
             ["model.compute_dtype=bfloat16", "model.llm.lora.rank=4", "batch.capacity=fixed"]
             + ["model.llm.linear.every=2"],  # (2 layers deep: one of each kind)
         ),
+        # Qwen3-VL: its learned table resized (a matmul of interpolation weights), DeepStack's
+        # projectors and additions, interleaved M-RoPE
+        ("configs/gpu/qwen3_vl_8b.yaml", ["model.vision.deepstack=[0,1]"]),
     ],
-    ids=["qwen2vl_2b", "long_context", "tiny_moe", "tiny_hybrid"],
+    ids=["qwen2vl_2b", "long_context", "tiny_moe", "tiny_hybrid", "qwen3_vl_8b"],
 )
 def test_a_bf16_step_multiplies_bf16_operands_only(config, overrides):
     cfg = with_depth(config, 2, overrides)

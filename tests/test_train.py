@@ -90,20 +90,18 @@ def test_timings_hold_every_step_with_its_slowest_devices_work(uninterrupted):
     """One row per step; compilation and saved steps marked; the work is, per microbatch, that
     of the device the FLOP model finds costliest (counted here one segment at a time from the
     same steps' batches), summed over microbatches, and the mean device's."""
-    from jaxmllm.data.source import make_source
+    from jaxmllm.cost.model import PHASES, CostModel
     from jaxmllm.feed.iterator import make_pipeline
-    from jaxmllm.plan.cost import PHASES, CostModel
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.run import resolve_run
 
     rows = [json.loads(line) for line in (uninterrupted / "timings.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert rows[0]["compile"] and not any(r["compile"] for r in rows[1:])
     assert all(rows[s - 1]["checkpoint"] for s in (2, 4, 6))
     assert all(r["time_s"] > 0 for r in rows)
-    cfg = tiny(uninterrupted)
-    cfg = resolve_batch(cfg, make_source(cfg)[1], 8)  # (as the run resolved it)
-    cost = CostModel.from_model(cfg.model)
-    data = make_pipeline(cfg, 8, prefetch=0)
+    run = resolve_run(tiny(uninterrupted), 8)  # (as the run resolved it)
+    cost = CostModel.from_model(run.cfg.model)
+    data = make_pipeline(run, prefetch=0)
     for row in rows:
         work = _bucket_work(next(data)["batch"], PHASES)
         m_n = row["microbatches"]
@@ -177,19 +175,17 @@ def test_nonfinite_step_keeps_the_state_and_divergence_stops_with_a_checkpoint(t
     import jax
 
     import sharding
-    from jaxmllm.data.source import make_source
     from jaxmllm.feed.iterator import make_pipeline
     from jaxmllm.loop.guards import NonFiniteError
-    from jaxmllm.plan.sizing import resolve_batch
+    from jaxmllm.resolve.run import resolve_run
     from jaxmllm.step.program import build_program
 
-    cfg = tiny(tmp_path / "unit")
-    cfg = resolve_batch(cfg, make_source(cfg)[1])
-    mesh = sharding.make_mesh(cfg.mesh)
+    run = resolve_run(tiny(tmp_path / "unit"))
+    mesh = run.mesh
     with jax.set_mesh(mesh):
-        prog = build_program(cfg, mesh)
+        prog = build_program(run.cfg, mesh)
         state = prog.init()
-        host = next(make_pipeline(cfg, 8, prefetch=0))["batch"]
+        host = next(make_pipeline(run, prefetch=0))["batch"]
         host["llm_loss_mask"][:] = np.nan
         before = jax.device_get({k: state[k] for k in ("params", "opt_state")})
         state, metrics = prog.step(state, sharding.make_global_batch(host, mesh))
@@ -201,7 +197,7 @@ def test_nonfinite_step_keeps_the_state_and_divergence_stops_with_a_checkpoint(t
     # A diverging run: skipped steps are counted, and K in a row stop it with a checkpoint.
     diverge = replace(
         tiny(tmp_path / "run"),
-        optim=replace(cfg.optim, lr=1e30, warmup_steps=0),
+        optim=replace(run.cfg.optim, lr=1e30, warmup_steps=0),
         train=replace(tiny(tmp_path / "run").train, steps=40, max_nonfinite_steps=2),
     )
     with pytest.raises(NonFiniteError, match=r"max_nonfinite_steps=2.*Lower optim\.lr"):
@@ -254,12 +250,12 @@ def test_a_run_whose_checkpoints_are_all_damaged_stops_with_one_error_and_no_tra
     uninterrupted, tmp_path, capfd
 ):
     """Each failed restore leaves orbax's other reads of that checkpoint in flight, finishing
-    after orbax closed their event loop: counted by jaxmllm.loop.late_io, not printed (73
+    after orbax closed their event loop: counted by jaxmllm.process.late_io, not printed (73
     "Event loop is closed" tracebacks before)."""
     import shutil
     import time
 
-    from jaxmllm.loop import late_io
+    from jaxmllm.process import late_io
 
     out = tmp_path / "run"
     shutil.copytree(uninterrupted, out)
@@ -286,7 +282,7 @@ def test_late_completions_of_abandoned_reads_are_counted_and_others_passed_on(mo
     import tensorstore as ts
     from orbax.checkpoint._src import asyncio_utils
 
-    from jaxmllm.loop import late_io
+    from jaxmllm.process import late_io
 
     passed_on = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: passed_on.append(str(u.exc_value)))

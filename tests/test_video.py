@@ -44,8 +44,10 @@ from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.source import open_source
 
 pytest.importorskip("av")
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+try:  # (transformers' processor and models run on it: the tests that need it are marked)
+    import torch
+except ImportError:
+    torch = None
 
 PIXELS = Inputs.pixels()  # (0.5, 0.5, 0.5): what the Qwen2-VL processor here normalises with
 VIDEO = ["model.vision.video=true", "model.vision.temporal_patch=2", "data.eval.source=none"]
@@ -116,6 +118,7 @@ CASES = [  # (frames, rate, height, width, rule changes)
 ]
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("frames, rate, height, width, change", CASES)
 def test_sampling_and_resize_are_qwen2_vls_video_processors(
     processor, frames, rate, height, width, change
@@ -184,6 +187,22 @@ def test_decoding_takes_the_sampled_frames_at_the_resized_size(tmp_path, suffix)
     assert part[0] is None and np.array_equal(part[1][0], values)
 
 
+def test_a_video_whose_metadata_is_not_utf8_decodes(tmp_path):
+    """A title tag in Latin-1 bytes (as some muxers write): PyAV before 19 raises on it unless
+    told to ignore it, 19 took that keyword away (a TypeError on every video); with either,
+    the header and the frames are read."""
+    import av
+
+    path = write_video(tmp_path / "v.mp4", grey_frames(8, 32, 32), fps=4, title="TITLE_01")
+    data = path.read_bytes()
+    assert data.count(b"TITLE_01") == 1
+    path.write_bytes(data.replace(b"TITLE_01", b"caf\xe9 \xff\xfe"))  # (as long: no offset moves)
+    info = read_video_info(path, "r1")
+    assert info == VideoInfo(8, 4.0, 32, 32)
+    items = load_video(path, info, rule(patch=4, merge=2, fps=4.0, frame_min_pixels=16), "r1")
+    assert items and items[0][0].dtype == np.uint8, av.__version__
+
+
 def test_a_video_over_the_byte_cap_is_never_opened(tmp_path):
     """data.max_media_bytes holds for videos as for every media file: over it, the header read
     and the decoding alike refuse it (media_too_large) before FFmpeg sees a byte."""
@@ -199,6 +218,7 @@ def test_a_video_over_the_byte_cap_is_never_opened(tmp_path):
         assert e.value.reason == "media_too_large" and e.value.record_id == "r1"
 
 
+@pytest.mark.torch
 def test_temporal_patches_are_the_processors_patchify(processor, tmp_path):
     """Our temporal patches, permuted to transformers' layout (channel, frame, row, column per
     patch), are its video processor's patches of the same frames, in the same order."""
@@ -218,6 +238,7 @@ def test_temporal_patches_are_the_processors_patchify(processor, tmp_path):
     np.testing.assert_allclose(as_theirs, theirs[0].numpy(), atol=1e-6)
 
 
+@pytest.mark.torch
 def test_mrope_video_positions_are_get_rope_index(tmp_path):
     """Text, an image, text, two videos one after the other, text: M-RoPE positions equal
     Qwen2-VL's `get_rope_index` for the same ids and grids."""
@@ -255,6 +276,7 @@ def test_mrope_video_positions_are_get_rope_index(tmp_path):
     np.testing.assert_array_equal(got, want[:, 0].numpy().T)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("tokens_per_second", [1, 4, 25])
 def test_qwen2_5_vl_video_positions_are_get_rope_index_in_absolute_time(
     tmp_path, tokens_per_second
@@ -533,6 +555,7 @@ def test_oversize_videos_shrink_then_cut_or_skip(tmp_path):
     assert len(skipped) == 1 and skipped.startup_rejects[0]["action"] == "skip"
 
 
+@pytest.mark.torch
 def test_qwen2_vl_with_a_video_matches_transformers(processor, tmp_path):
     """A whole Qwen2-VL with an image and a video in the prompt: its tower encodes the video's
     temporal patches (each attending within itself) and the image, the merger's rows fill the
@@ -631,7 +654,8 @@ def test_routed_step_with_videos_equals_samples_one_by_one(tmp_path):
 
     import sharding
     from jaxmllm.batch.bucketize import bucketize
-    from jaxmllm.plan.sizing import capacities, planner_from_config, resolve_batch
+    from jaxmllm.resolve.run import resolve_run
+    from jaxmllm.resolve.sizing import capacities, planner_from_config
     from jaxmllm.step.program import build_program, make_loss_and_grads, model_parts
 
     for k, (n, h, w, way) in enumerate(
@@ -663,8 +687,8 @@ def test_routed_step_with_videos_equals_samples_one_by_one(tmp_path):
         "batch.audio_frames=128",
     )
     build_index(cfg, manifest, progress=False)
-    source = open_source(cfg)
-    cfg = resolve_batch(cfg, source.index)
+    run = resolve_run(cfg)
+    cfg, source = run.cfg, run.source
     blocks = cfg.batch.vision_patches // cfg.batch.attention_block  # (room for the moves)
     cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, vision_tiles=blocks**2))
     mesh = sharding.make_mesh(cfg.mesh)

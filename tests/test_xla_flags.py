@@ -1,4 +1,4 @@
-"""XLA's GPU flag set (jaxmllm.loop.xla_flags): every flag parses on the installed jaxlib (an
+"""XLA's GPU flag set (jaxmllm.process.xla_flags): every flag parses on the installed jaxlib (an
 unknown one aborts the process at start-up), and it is added only for a GPU backend, leaving
 the user's own XLA_FLAGS as they are."""
 
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from jaxmllm.loop import xla_flags
 from jaxmllm.loop.metrics import device_peak, peak_tflops
+from jaxmllm.process import xla_flags
 
 
 def starts_with(flags: str) -> subprocess.CompletedProcess:
@@ -23,9 +23,28 @@ def starts_with(flags: str) -> subprocess.CompletedProcess:
 
 def test_every_gpu_flag_parses_on_the_installed_jaxlib():
     assert starts_with(xla_flags.format_flags(xla_flags.GPU_FLAGS)).returncode == 0
-    # (the check can fail: MaxText's older spelling is unknown to this jaxlib and aborts)
+    # (the check can fail: MaxText's older spelling is unknown to this jaxlib and aborts,
+    # naming it: jaxlib 0.10 says "Unknown flag in XLA_FLAGS", 0.11 "Flag parsing failed")
     unknown = starts_with("--xla_gpu_pipeline_all_gather=true")
-    assert unknown.returncode != 0 and "Unknown flag" in unknown.stderr
+    assert unknown.returncode != 0 and "--xla_gpu_pipeline_all_gather" in unknown.stderr
+    assert "Unknown flag" in unknown.stderr or "Flag parsing failed" in unknown.stderr
+
+
+def test_the_memory_fraction_is_set_where_the_installed_jaxlib_reads_it(monkeypatch):
+    """0.9 of each GPU under the name jaxlib's GPU client reads (its options built here, no GPU
+    needed), unless the user set either name: both set is an error in jaxlib."""
+    from jaxlib import xla_client
+
+    for name in (xla_flags.MEMORY_VARIABLE, xla_flags.MEMORY_VARIABLE_OLD):
+        monkeypatch.delenv(name, raising=False)
+    env = {}
+    assert xla_flags.set_memory_fraction(env=env) == f"{xla_flags.MEMORY_VARIABLE}=0.9"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert xla_client.generate_pjrt_gpu_plugin_options()["memory_fraction"] == 0.9
+    mine = {xla_flags.MEMORY_VARIABLE_OLD: "0.8"}  # (a user's, under the old name)
+    assert xla_flags.set_memory_fraction(env=mine) == f"{xla_flags.MEMORY_VARIABLE_OLD}=0.8"
+    assert mine == {xla_flags.MEMORY_VARIABLE_OLD: "0.8"}
 
 
 @pytest.fixture

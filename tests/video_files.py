@@ -29,16 +29,24 @@ def grey_frames(n: int, height: int, width: int) -> np.ndarray:
 
 
 def write_video(
-    path: Path, frames: np.ndarray, fps: int = 10, gop: int = 12, faststart: bool = False
+    path: Path,
+    frames: np.ndarray,
+    fps: int = 10,
+    gop: int = 12,
+    faststart: bool = False,
+    title: str = "",
 ) -> Path:
     """Encodes uint8 RGB `frames` [n, h, w, 3] (h, w even) at `fps`, the codec by the file's
     suffix (H.264 in .mp4 / .mkv, VP9 in .webm), a keyframe at least every `gop` frames;
-    `faststart`: an MP4's index before its data (as streamed files have it)."""
+    `faststart`: an MP4's index before its data (as streamed files have it); `title`: the
+    container's title tag."""
     import av
 
     path = Path(path)
     options = {"movflags": "faststart"} if faststart else {}
     with av.open(str(path), "w", options=options) as container:
+        if title:
+            container.metadata["title"] = title
         stream = container.add_stream(CODECS[path.suffix], rate=fps)
         stream.height, stream.width = frames.shape[1:3]
         stream.pix_fmt = "yuv420p"

@@ -5,6 +5,7 @@ bit-identical (a refactor, a speed-up) or to see where it is not.
         [--policies orchestrated,balanced] [--steps 6] [--out hashes.json] [--against old.json]
     python -m tools.plan_hash --bench [--block 128] [--devices-per-host 8] [--random 5] \
         [--caps-from old.json] ...   # the balance bench's capacities, random mixes too
+    python -m tools.plan_hash --config configs/tiny.yaml --devices 8 [--set k=v ...]
 
 (`-m` from the repository root hashes this checkout's code; `python tools/plan_hash.py` puts
 tools/ first on sys.path, so jaxmllm comes from wherever the package is installed, e.g. an
@@ -14,6 +15,10 @@ editable install of another worktree.)
 devices, policy): a SHA-256 over every array of the first --steps plans and the
 planner's carried state after each, with the bench's capacities (`--tokens 32768`, 2
 microbatches). `--against` compares with an earlier run's JSON and exits 1 on any difference.
+
+`--config FILE [--set k=v ...]` hashes the plans of a config as a run makes them (start-up
+resolved into `jaxmllm.resolve.run.Run` for each of `--devices` buckets: its sizes from dry
+runs of its planner over its data), the resolved batch kept in the JSON (`batch/<key>`).
 
 `--bench` sizes the capacities as `python -m jaxmllm.bench.balance` runs a policy (`--block`
 tiles, `--devices-per-host`: the route capacity and a tile-holding policy's tile capacities
@@ -37,8 +42,9 @@ import numpy as np
 from jaxmllm.bench.mixes import load_mix, random_mix
 from jaxmllm.bench.sizes import make_caps, sized_caps, steps_for
 from jaxmllm.config import ModelConfig
+from jaxmllm.config.command import add_config_args
+from jaxmllm.cost.model import CostModel
 from jaxmllm.plan.contract import Capacities
-from jaxmllm.plan.cost import CostModel
 from jaxmllm.plan.registry import make_planner
 
 
@@ -63,7 +69,28 @@ def bench_caps(policy: str, index, devices: int, args) -> Capacities:
 
 
 def caps_digest(policy: str, index, caps: Capacities, steps: int) -> str:
-    planner = make_planner(policy, index, caps, 0)
+    return planner_digest(make_planner(policy, index, caps, 0), steps)
+
+
+def run_digests(config: str, sets: list[str], devices: list[int], steps: int) -> dict:
+    """`config`'s plans as its run makes them, per device count: {key: digest, batch/key:
+    the resolved batch section}."""
+    from jaxmllm.config import load_config, to_dict
+    from jaxmllm.resolve.run import resolve_run
+
+    out = {}
+    for d in devices:
+        run = resolve_run(load_config(config, sets), d)
+        key = f"{config}/{d}/run"
+        out[f"batch/{key}"] = json.dumps(to_dict(run.cfg)["batch"], sort_keys=True)
+        out[key] = planner_digest(run.planner(), steps)
+        print(f"{key:<40} {out[key][:16]}", flush=True)
+    return out
+
+
+def planner_digest(planner, steps: int) -> str:
+    """A SHA-256 over every array of the planner's next `steps` plans and its carried state
+    after each."""
     h = hashlib.sha256()
     for _ in range(steps):
         plan = planner.plan()
@@ -94,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--caps-from", help="--bench: capacities from an earlier run's JSON")
     ap.add_argument("--out")
     ap.add_argument("--against")
+    add_config_args(ap, required=False, config_help="hash this config's plans as a run makes them")
     args = ap.parse_args(argv)
     known = {}
     if args.caps_from:
@@ -101,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             known = json.load(f)
     mixes = [m for m in args.mix.split(",") if m] + [f"random:{s}" for s in range(args.random)]
     out = {}
+    if args.config:
+        devices = [int(x) for x in args.devices.split(",")]
+        out, mixes = run_digests(args.config, args.set, devices, args.steps), []
     for mix in mixes:
         index = random_mix(int(mix[7:])) if mix.startswith("random:") else load_mix(mix)
         for d in (int(x) for x in args.devices.split(",")):
@@ -133,15 +164,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _caps(fields: dict) -> Capacities:
     fields["long_tiles"] = tuple(fields.get("long_tiles", ()))
+    fields["attention_block"] = fields.pop("block", fields.get("attention_block", 0))
     return Capacities(**fields)
 
 
 def caps_json(caps: Capacities) -> str:
-    """The capacities as JSON; without long variants, as before they existed (so that runs
-    of either compare)."""
+    """The capacities as JSON, in the form they had before long variants existed and before
+    `block` was named `attention_block` (so that runs of either compare)."""
     fields = dataclasses.asdict(caps)
     if not fields["long_tiles"]:
         del fields["long_tiles"]
+    fields["block"] = fields.pop("attention_block")
     return json.dumps(fields, sort_keys=True)
 
 

@@ -2,6 +2,5 @@
 
 Rooms, bottom to top: `context` (a context group's rows dealt to its devices), `bucketize` (the
 batch contract's arrays, the routing tables), `counts` (what a batch holds: real tokens, FLOPs,
-each bucket's work), `info` (what a step carries beside its arrays), `prompts` (generation's
-prompts laid out as a batch).
+each bucket's work), `prompts` (generation's prompts laid out as a batch).
 """

@@ -122,16 +122,14 @@ def bucketize(
     spec = BatchSpec.of(cfg)
     # (block-sparse attention: every bucket's tile list, of the step's variant; else {})
     tile_caps = spec.tile_caps(plan.variant)
-    local = np.full(caps.devices, -1, np.int64)
     pos = np.arange(caps.devices) if positions is None else np.asarray(positions, np.int64)
-    local[pos] = np.arange(len(pos))
+    local, home = host_buckets(caps, positions)  # device, bucket -> this host's
     local_n = None if positions is None else len(pos)
     batch = empty_batch(cfg, caps.devices, local_n, specials.pad, plan.variant)
     # Text goes to its LLM bucket's rows: a device's, or a context group's (then dealt).
     grouped = caps.context > 1
     text = group_text(batch, caps, specials.pad) if grouped else batch
-    home = local_groups(local, caps.context) if grouped else local  # bucket -> this host's
-    slots = _write_texts(text, plan, samples, home, grouped, caps.llm_bin_len, specials, cfg)
+    slots = _write_texts(text, plan, samples, home, grouped, caps.group_row_len, specials, cfg)
     split = None
     if grouped:
         groups = np.flatnonzero(home >= 0)
@@ -213,13 +211,11 @@ def _attention_rows(batch, cfg: Config, phase: str) -> np.ndarray:
     return seg[..., :: phases.phase(phase).per_row(cfg.model)]
 
 
-def _write_texts(text, plan: StepPlan, samples, home, grouped: bool, row_len: int, specials, cfg):
-    """Writes every loaded sample whose bucket is here into its rows at once (the samples'
-    tokens concatenated, scattered at their flat positions), and returns per encoder phase its
-    placeholder slots: (slots, begin, end) = every sample's slot indexes into its bucket's
-    rows flattened, concatenated in plan order, and per planned sample where its own begin and
-    end (-1: not written here)."""
-    m_n, b_n, r_n, l_n = text["llm_tokens"].shape
+def text_segments(plan: StepPlan, samples, home, grouped: bool, b_n: int, r_n: int) -> tuple:
+    """(ks, bucket, segment): the planned samples whose text this host writes (their LLM bucket
+    is here, `home[b]` >= 0, and they loaded), in plan order; every planned sample's bucket on
+    this host; and each written sample's segment id: 1, 2, ... per row (a context group's: one
+    count over all its rows), in plan order. `b_n`, `r_n`: this host's buckets and rows."""
     bucket = home[plan.device]
     here = [
         k
@@ -227,6 +223,32 @@ def _write_texts(text, plan: StepPlan, samples, home, grouped: bool, row_len: in
         if b >= 0 and samples[s] is not None
     ]
     ks = np.asarray(here, np.int64)
+    m, b, r = plan.micro[ks], bucket[ks], plan.row[ks]
+    key = m * b_n + b if grouped else (m * b_n + b) * r_n + r
+    order = np.argsort(key, kind="stable")
+    rank = np.empty(len(ks), np.int64)
+    rank[order] = np.arange(len(ks)) - np.searchsorted(key[order], key[order])
+    return ks, bucket, rank + 1
+
+
+def host_buckets(caps: Capacities, positions) -> tuple[np.ndarray, np.ndarray]:
+    """(local, home): per device its index in this host's arrays (`positions`; None: every
+    device), per LLM bucket (a device, or a context group) its index among this host's, -1
+    where another host holds it."""
+    local = np.full(caps.devices, -1, np.int64)
+    pos = np.arange(caps.devices) if positions is None else np.asarray(positions, np.int64)
+    local[pos] = np.arange(len(pos))
+    return local, (local_groups(local, caps.context) if caps.context > 1 else local)
+
+
+def _write_texts(text, plan: StepPlan, samples, home, grouped: bool, row_len: int, specials, cfg):
+    """Writes every loaded sample whose bucket is here into its rows at once (the samples'
+    tokens concatenated, scattered at their flat positions), and returns per encoder phase its
+    placeholder slots: (slots, begin, end) = every sample's slot indexes into its bucket's
+    rows flattened, concatenated in plan order, and per planned sample where its own begin and
+    end (-1: not written here)."""
+    m_n, b_n, r_n, l_n = text["llm_tokens"].shape
+    ks, bucket, segment = text_segments(plan, samples, home, grouped, b_n, r_n)
     loaded = [samples[s] for s in plan.samples[ks].tolist()]
     n = np.array([len(x.tokens) for x in loaded], np.int64)
     if not len(ks) or not n.sum():
@@ -236,15 +258,9 @@ def _write_texts(text, plan: StepPlan, samples, home, grouped: bool, row_len: in
     starts = np.cumsum(n) - n
     within = np.arange(len(tokens)) - np.repeat(starts, n)  # a token's index in its sample
     m, b, r, o = plan.micro[ks], bucket[ks], plan.row[ks], plan.offset[ks]
-    # Segment ids 1, 2, ... per row (a context group's: one count over all its rows), in
-    # plan order.
-    key = m * b_n + b if grouped else (m * b_n + b) * r_n + r
-    order = np.argsort(key, kind="stable")
-    rank = np.empty(len(ks), np.int64)
-    rank[order] = np.arange(len(ks)) - np.searchsorted(key[order], key[order])
     flat = np.repeat(((m * b_n + b) * r_n + r) * l_n + o, n) + within
     text["llm_tokens"].reshape(-1)[flat] = tokens
-    text["llm_segment_ids"].reshape(-1)[flat] = np.repeat(rank + 1, n)
+    text["llm_segment_ids"].reshape(-1)[flat] = np.repeat(segment, n)
     if text["llm_positions"].ndim == 5:  # M-RoPE: (time, row, column)
         vision, merge = specials.phase_ids(VISION.name), cfg.model.vision.merge
         mrope = [mrope_positions(x.tokens, vision, x.grids, merge) for x in loaded]

@@ -28,7 +28,7 @@ def group_text(batch: dict[str, np.ndarray], caps: Capacities, pad: int) -> dict
     """Empty group rows [M, groups, R, C x L] for the text arrays of a host batch whose device
     axis holds whole groups (padding: `pad` tokens, the tokenizer's; zeros)."""
     m_n, d_n, r_n, _ = batch["llm_tokens"].shape
-    shape = (m_n, d_n // caps.context, r_n, caps.llm_bin_len)
+    shape = (m_n, d_n // caps.context, r_n, caps.group_row_len)
     out = {k: np.zeros(shape, batch[k].dtype) for k in TEXT}
     out["llm_tokens"][:] = pad
     return out
@@ -74,7 +74,7 @@ class Split:
         tile lists into `batch`. `groups`: global index of each of the host's groups."""
         seg = text["llm_segment_ids"]
         m_n, g_n, r_n, bin_len = seg.shape
-        c_n, block = caps.context, caps.block
+        c_n, block = caps.context, caps.attention_block
         blocks = r_n * bin_len // block
         tiles, bucket = segment_tiles(seg.reshape(m_n * g_n, r_n, bin_len), block, True)
         starts = np.searchsorted(bucket, np.arange(m_n * g_n + 1))
@@ -103,6 +103,6 @@ class Split:
     def where(self, m: int, g: int, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Tokens at `flat` (index into group `g`'s rows flattened; g among this host's
         groups) of microbatch `m`: (this host's device, index into its rows flattened)."""
-        block, inner = np.divmod(flat, self.caps.block)
+        block, inner = np.divmod(flat, self.caps.attention_block)
         device = g * self.caps.context + self.owner[m, g, block]
-        return device, self.slot[m, g, block] * self.caps.block + inner
+        return device, self.slot[m, g, block] * self.caps.attention_block + inner

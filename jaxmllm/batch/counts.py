@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxmllm.config import Config, ConfigError
+from jaxmllm.config import Config
 from jaxmllm.config.phases import LLM, PHASES
-from jaxmllm.plan.cost import CostFileError, CostModel
+from jaxmllm.cost.model import CostModel, calibrated_cost
 
 
 def segment_work(seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -84,7 +84,7 @@ def step_flops(cfg: Config, batch: dict[str, np.ndarray], cost: CostModel | None
     """Model FLOPs of one step's real (non-padding) items, from the planner's cost model.
 
     Per phase: linear * (real units) + quadratic * (sum of squared segment lengths), with the
-    training multipliers for trained and frozen modules (see jaxmllm/plan/cost.py).
+    training multipliers for trained and frozen modules (see jaxmllm/cost/model.py).
     """
     work = bucket_work(batch, cfg.mesh.context)
     return _flops(work, cost or CostModel.from_model(cfg.model))
@@ -101,32 +101,21 @@ def _flops(work: dict[str, np.ndarray], cost: CostModel) -> float:
     )
 
 
-def calibrated_cost(cfg: Config) -> CostModel | None:
-    """The model of `train.cost_file` (None when unset).
-
-    Raises:
-      ConfigError: naming the key and what is wrong with the file.
-    """
-    if not cfg.train.cost_file:
-        return None
-    try:
-        return CostModel.from_file(cfg.train.cost_file)
-    except CostFileError as e:
-        raise ConfigError(f"train.cost_file: {e}") from None
-
-
 class StepCounter:
     """Counts what a host batch holds for the metrics: real LLM tokens, analytic FLOPs and, for
     the timings and the predicted step time, the work of its slowest and its mean device.
 
-    The pipeline calls it on its own thread, per step; the cost models are built once. The
-    slowest device is the one the calibrated model (`train.cost_file`) finds slowest, else the
-    FLOP model.
+    The pipeline calls it on its own thread, per step, with the run's cost models (`cost`: the
+    FLOP model; `calibrated`: train.cost_file's, None without; both default to the config's).
+    The slowest device is the one the calibrated model finds slowest, else the FLOP model.
     """
 
-    def __init__(self, cfg: Config):
-        self.cfg, self.cost = cfg, CostModel.from_model(cfg.model)
-        self.calibrated = calibrated_cost(cfg)
+    def __init__(
+        self, cfg: Config, cost: CostModel | None = None, calibrated: CostModel | None = None
+    ):
+        self.cfg = cfg
+        self.cost = CostModel.from_model(cfg.model) if cost is None else cost
+        self.calibrated = calibrated_cost(cfg) if calibrated is None else calibrated
         self.work = cfg.train.record_timings or self.calibrated is not None
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict:

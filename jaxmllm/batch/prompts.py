@@ -21,10 +21,10 @@ import numpy as np
 from jaxmllm.batch.bucketize import bucketize
 from jaxmllm.config import Config, ConfigError
 from jaxmllm.config.phases import ENCODERS
+from jaxmllm.config.spec import BatchSpec
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.specials import RESERVED, Specials
-from jaxmllm.plan.contract import ItemPlan, StepPlan
-from jaxmllm.plan.sizing import capacities
+from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
 
 ROUND = 16  # lengths are rounded up to multiples of this, so nearby prompts share programs
 
@@ -130,8 +130,56 @@ def prompt_batch(
             for e in ENCODERS
         },
     )
-    batch = bucketize(plan, dict(enumerate(prompts)), pcfg, capacities(pcfg, n), specials=specials)
+    caps = Capacities.of(BatchSpec.of(pcfg, resolved=False), n)  # (class rows: -1, unbounded)
+    batch = bucketize(plan, dict(enumerate(prompts)), pcfg, caps, specials=specials)
     return {k: v[0] for k, v in batch.items()}  # the one microbatch
+
+
+def packed_row(
+    samples: Sequence[Sample], cfg: Config, specials: Specials = RESERVED
+) -> tuple[dict, np.ndarray]:
+    """`samples` packed one after another into ONE row of one bucket, as training packs a row
+    (`bucketize` itself: segment ids 1, 2, ... a sample, positions restarting at each, M-RoPE's
+    per sample, each sample's images and clips packed into the bucket's encoder rows in order):
+    (the microbatch [1, 1, L, ...], each sample's first token in the row). What `hf check`
+    compares sample by sample with transformers run on each alone."""
+    lengths = [len(s.tokens) for s in samples]
+    shapes = PromptShapes.fit([_joined(samples)], cfg, 0)
+    pcfg = prompt_config(cfg, shapes)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    n = len(samples)
+    plan = StepPlan(
+        step=0,
+        samples=np.arange(n),
+        micro=np.zeros(n, np.int64),
+        device=np.zeros(n, np.int64),
+        row=np.zeros(n, np.int64),
+        offset=starts,
+        items={
+            e.name: _one_row([[len(m[0]) for m in s.media[e.name]] for s in samples])
+            for e in ENCODERS
+        },
+    )
+    caps = Capacities.of(BatchSpec.of(pcfg, resolved=False), 1)  # (as prompt_batch's)
+    batch = bucketize(plan, dict(enumerate(samples)), pcfg, caps, specials=specials)
+    return {k: v[0] for k, v in batch.items()}, starts
+
+
+def _joined(samples: Sequence[Sample]) -> Sample:
+    """One sample holding every sample's tokens and items (what one row must fit)."""
+    media = {e.name: [m for s in samples for m in s.media[e.name]] for e in ENCODERS}
+    tokens = np.concatenate([s.tokens for s in samples])
+    return Sample(-1, tokens, np.zeros(len(tokens), bool), media)
+
+
+def _one_row(sizes: list[list[int]]) -> ItemPlan:
+    """Every sample's items, in order, one after another in the one bucket."""
+    owner = [b for b, items in enumerate(sizes) for _ in items]
+    item = [j for items in sizes for j in range(len(items))]
+    flat = [u for items in sizes for u in items]
+    offset = np.concatenate([[0], np.cumsum(flat)[:-1]]) if flat else []
+    as_int = lambda x: np.asarray(x, np.int64)
+    return ItemPlan(as_int(owner), as_int(item), as_int([0] * len(owner)), as_int(offset))
 
 
 def _packed(sizes: list[list[int]]) -> ItemPlan:

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmllm.bench.mixes import load_mix
+from jaxmllm.config.checks import UserError
 from jaxmllm.models import blocksparse, cudnn
 from jaxmllm.models.attention import attention_mask, dense_attention
 from jaxmllm.plan import tiles as T
@@ -113,6 +114,11 @@ def measure(row_len: int, args) -> dict:
     kind = getattr(args, "kind", "llm")
     causal = kind == "llm"
     sizes = documents(args.mix, row_len, kind)
+    if not len(sizes):  # (a row of nothing measures nothing: a speed-up of padding)
+        raise UserError(
+            f"--rows {row_len}: no {kind} document of mix {args.mix} fits a row of {row_len} "
+            "tokens; use longer rows or another --mix"
+        )
     seg_np = segments(sizes, row_len)
     offsets = np.cumsum(sizes) - sizes
     rows = np.zeros(len(sizes), np.int64)

@@ -79,7 +79,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.bench import family, plot, simulate
-from jaxmllm.bench.mixes import FAMILIES, MIXES, lengths_of, load_mix, peak_rss_mb
+from jaxmllm.bench.mixes import FAMILIES, MIXES, lengths_of, load_mix, peak_rss_mb, repatched
 from jaxmllm.bench.sizes import make_caps, sized_caps, steps_for
 from jaxmllm.bench.table import (
     HEADER,
@@ -89,17 +89,17 @@ from jaxmllm.bench.table import (
     format_row,
     print_like_for_like,
 )
-from jaxmllm.config import ModelConfig
+from jaxmllm.config import ModelConfig, load_config
 from jaxmllm.config.command import fail, run
 from jaxmllm.config.phases import BY_NAME, NAMES
+from jaxmllm.cost.model import CostModel
 from jaxmllm.data.lengths import LengthsIndex
-from jaxmllm.plan.capacity import (
+from jaxmllm.plan.contract import Capacities, StepPlan, check_plan, item_rows, pair_rows, step_tiles
+from jaxmllm.plan.registry import HOLDS_TILES, make_planner
+from jaxmllm.resolve.capacity import (
     fill_bound,
 )
-from jaxmllm.plan.contract import Capacities, StepPlan, check_plan, item_rows, pair_rows, step_tiles
-from jaxmllm.plan.cost import CostModel
-from jaxmllm.plan.registry import HOLDS_TILES, make_planner
-from jaxmllm.plan.tilesize import flop_share
+from jaxmllm.resolve.tilesize import flop_share
 
 POLICIES = ("orchestrated", "balanced", "grain", "naive")  # the default --policies
 
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write all rows here")
     ap.add_argument(
         "--cost-file",
-        help="a calibrated cost model (python -m jaxmllm.plan.cost --calibrate RUN_DIR) for the "
+        help="a calibrated cost model (python -m jaxmllm.cost.calibrate RUN_DIR) for the "
         "cost columns; default the FLOP model of the default model config",
     )
     ap.add_argument(
@@ -385,6 +385,13 @@ def main(argv: list[str] | None = None) -> int:
         "(Qwen3.5: 4), same width; 0: every layer full attention",
     )
     ap.add_argument("--plot", help="PNG of per-device load of one step (needs matplotlib)")
+    ap.add_argument(
+        "--config",
+        default="",
+        help="a config whose model prices the items (its towers' sizes, what trains: e.g. "
+        "configs/gpu/qwen3_vl_8b.yaml) and whose patch size and merge the built-in mixes' "
+        "images take (written in 14 px patches: the same pixels in its patches)",
+    )
     ap.add_argument("--context", help="context sizes (jaxmllm.bench.context's split tiles)")
     ap.add_argument("--groups", type=int, default=8, help="--context: context groups")
     args = ap.parse_args(argv)
@@ -394,10 +401,11 @@ def main(argv: list[str] | None = None) -> int:
         return context.from_balance(args)
     if not (args.lengths or args.mix or args.random):
         ap.error("one of the arguments --lengths --mix --random (or --context) is required")
-    model = ModelConfig()
+    model = load_config(args.config).model if args.config else ModelConfig()
     if args.linear_every:  # (the cost model's quadratic term: its full-attention layers only)
         linear = dataclasses.replace(model.llm.linear, every=args.linear_every)
         model = dataclasses.replace(model, llm=dataclasses.replace(model.llm, linear=linear))
+    v = model.vision
     row_bytes = 2 * model.llm.width  # (an encoder output row: the LLM width in bf16)
     sim = (args.flops, args.intra_bw, args.inter_bw, args.latency, row_bytes)
     machine = simulate.Machine(*sim) if args.simulate else None
@@ -411,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
             sources = [(f"{args.family}:{s}", draw(s, args.samples)) for s in seeds]
         else:
             sources = [(m, load_mix(m, samples=args.samples)) for m in args.mix.split(",")]
+            if args.config:  # (the same pixels in the config's patches)
+                sources = [(m, repatched(i, v.patch_size, v.merge)) for m, i in sources]
     except (OSError, ValueError) as e:  # a missing table, an unknown mix, a bad cost file
         return fail(e, 2)
     cost = cost or CostModel.from_model(model)

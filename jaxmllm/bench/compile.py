@@ -26,8 +26,10 @@ import jax
 import sharding
 from jaxmllm.batch.bucketize import batch_shapes
 from jaxmllm.config import Config, load_config
-from jaxmllm.loop.distributed import split_cpu
-from jaxmllm.plan.sizing import resolve_attention, resolve_bounds
+from jaxmllm.config.command import add_config_args
+from jaxmllm.process.distributed import split_cpu
+from jaxmllm.resolve.attention import resolve_attention
+from jaxmllm.resolve.sizing import resolve_bounds
 from jaxmllm.step.program import build_program, join
 
 
@@ -128,11 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", required=True)
+    add_config_args(p)
     p.add_argument("--depth", default="4,32", help="comma-separated layer counts")
     p.add_argument("--platform", default="cpu", help="backend to compile for (cpu, gpu, tpu)")
     p.add_argument("--json", help="write the rows here")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     jax.config.update("jax_platforms", args.platform)
     jax.config.update("jax_enable_compilation_cache", False)

@@ -38,11 +38,11 @@ import numpy as np
 from jaxmllm.bench.attention import documents, median_time
 from jaxmllm.models.blocksparse import kernel
 from jaxmllm.plan import context as split
-from jaxmllm.plan.capacity import encoder_capacities, route_capacity
 from jaxmllm.plan.contract import Capacities
 from jaxmllm.plan.registry import make_planner
 from jaxmllm.plan.tiles import tile_list
-from jaxmllm.plan.tilesize import held_tiles
+from jaxmllm.resolve.capacity import encoder_capacities, route_capacity
+from jaxmllm.resolve.tilesize import held_tiles
 
 LONG_SHARES = (0.5, 0.9, 1.0)  # long single documents: these shares of a group's row
 
@@ -76,7 +76,7 @@ def packed_rows(index, ranks: int, tokens: int, groups: int, steps: int, seed: i
         per_token=per_token,
         per_row=per_row,
         route_pair_capacity=max(enc.units.values()) // 4,
-        block=128,
+        attention_block=128,
         context=ranks,
     )
     make = lambda c: make_planner("orchestrated", index, c, seed)

@@ -114,7 +114,7 @@ def bench(cfg, manifest: Path, workers: list[int], step_time_s: float) -> list[d
 
     from jaxmllm.data.loader import Loader
     from jaxmllm.data.source import open_source
-    from jaxmllm.plan.sizing import planner_from_config, resolve_batch
+    from jaxmllm.resolve.run import resolve_run
 
     source = open_source(cfg)
     megabytes = (
@@ -125,8 +125,7 @@ def bench(cfg, manifest: Path, workers: list[int], step_time_s: float) -> list[d
         )
         / 1e6
     )
-    planned = resolve_batch(cfg, source.index)
-    planner = planner_from_config(planned, source.index, 8)
+    planner = resolve_run(cfg, 8, data=(source, source.index)).planner()
     per_step = float(np.mean([len(planner.plan().samples) for _ in range(8)]))
     rows = []
     for w in workers:

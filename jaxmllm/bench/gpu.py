@@ -1,82 +1,141 @@
 """The GPU campaign: what a lent GPU should measure, case by case, within one GPU's memory.
 
-    python -m jaxmllm.bench.gpu --out DIR [--parts env,attention,recipe,moe,host] [--cases REGEX]
-        [--timeout 480] [--cache DIR] [--smoke]
+    python -m jaxmllm.bench.gpu --plan [--budget-minutes 26]        the device calls to make
+    python -m jaxmllm.bench.gpu --wheels DIR [--video]              what the GPU image lacks
+    python -m jaxmllm.bench.gpu --out DIR [--parts env,tests,...] [--cases REGEX] [--budget S]
+        [--timeout 480] [--cache DIR] [--smoke] [--list]
 
-Each case runs in a process of its own (one train state at a time; XLA's persistent
-compilation cache shared under --cache, so a rerun compiles nothing twice), bounded by
---timeout, and appends its row to DIR/rows.jsonl the moment it is measured: a case that runs
-out of memory or time leaves an error row and the next one runs. After every case DIR/report.md
-holds the tables so far; the compiled HLO of each recipe step goes to DIR/hlo.tar.gz at the end.
+`--plan` prints the device calls that fit a lent GPU's time (`jaxmllm.bench.gpu_plan`: calls of
+at most 10 minutes, a fresh machine's start before each, most valuable cases first) with the
+exact command of each; `--wheels` downloads the wheels that GPU image lacks (grain,
+array-record, portpicker, soundfile, cffi; PyAV with --video) into DIR and prints their sizes.
+
+The campaign: each case runs in a process of its own (one train state at a time; XLA's
+persistent compilation cache shared under --cache), bounded by --timeout and by what is left of
+--budget: a case whose estimate (`gpu_cases.CAMPAIGN`, one H100) no longer fits the budget is
+not started (a row says so), and one still running when the budget ends is stopped, so the call
+around it never outlasts its limit. Rows go to DIR/rows.jsonl the moment they are measured (a
+recipe's step time and MFU before its profile: a failure there keeps them); after every case
+DIR/report.md holds the tables so far and how long each case took, and DIR holds only what a
+lent GPU gives back (`LIMITS`: rows.jsonl, report.md, log.txt and hlo.zip, each bounded). The
+memory share JAX takes of the GPU is set to 0.9 (`xla_flags.set_memory_fraction`, the variable
+the installed jaxlib reads) unless the environment sets it.
 
 Parts (`--cases` picks cases by a regular expression over their names, `part/...`):
-- env: jax's version and devices, the XLA flags in effect, and which modules jaxmllm imports
-  that this Python lacks (a machine without a package index needs them carried as wheels).
-- attention: forward + backward of one packed row, block-sparse and (GPU) cuDNN, dense up to
-  8,192 tokens, at the recipes' head shapes: the LLM's 12 query / 2 KV heads of 128 (causal, the
-  samples' tokens) and the vision tower's 16 heads of 80 (the images' patches), bf16
-  (`jaxmllm.bench.attention`); then a hybrid's two token mixers at Qwen3.5-9B's widths, one
-  document a row of 4k, 16k and 64k tokens: Gated DeltaNet's training step against full
-  attention's (`jaxmllm.bench.linear`).
+- env: Python, jax and jaxlib, devices, the XLA flags and memory share in effect, and which
+  modules jaxmllm imports that this Python lacks.
+- tests: the cuDNN kernel's correctness tests (tests/test_attention.py -k cudnn) on the GPU.
 - recipe: configs/gpu/qwen2vl_2b.yaml's per-GPU shapes on this one GPU (fsdp 1, 2 microbatches,
-  built-in data with images of up to 64 x 64 patches) under the remat policies that fit 80 GB,
-  with cuDNN and block-sparse attention, with XLA's GPU flag set (`jaxmllm.loop.xla_flags`) and,
-  for one policy per kernel, without: step time, tokens/s, model TFLOP/s and MFU, the device's
-  peak memory, the dots by dtype, and a profile of two steps (time per kernel category and the
-  top 15 kernels: `jaxmllm.bench.profile`).
-- moe: configs/gpu/qwen3_30b_a3b.yaml's per-GPU expert work on this one GPU (16 experts of
-  768, top-8, as a GPU of its EP-8 node holds and computes; 12 of its 48 layers; text), full
-  remat, the best kernel: the recipe part's measurements.
-- host: an 8-GPU host's feed for that step (`jaxmllm.bench.host --measure-device`): planning,
-  loading and the serial rest against the step this device measures.
+  built-in data with images of up to 64 x 64 patches, or `.../mixes`: ChartQA's and AI2D's real
+  lengths, `gpu_mix`) under remat policies that fit 72 GiB (`gpu_cases.PEAK_GIB`), with cuDNN
+  and block-sparse attention and XLA's GPU flag set: step time, tokens/s, model TFLOP/s and
+  MFU, each phase's fill, the peak memory; then a profile of two steps (time per kernel
+  category, the top 15 kernels: `jaxmllm.bench.profile`) and the dots by dtype.
+- attention: forward + backward of one packed row, block-sparse and (GPU) cuDNN, dense up to
+  8,192 tokens, at the recipes' head shapes (`jaxmllm.bench.attention`); then a hybrid's two
+  token mixers at Qwen3.5-9B's widths, one document a row of 4k, 16k and 64k tokens: Gated
+  DeltaNet's training step against full attention's (`jaxmllm.bench.linear`).
+- moe: configs/gpu/qwen3_30b_a3b.yaml's per-GPU expert work on this one GPU (16 experts of 768,
+  top-8, 12 of its 48 layers; text), full remat: the recipe part's measurements.
+- qwen3_vl: configs/gpu/qwen3_vl_8b.yaml's and qwen3_vl_30b_a3b.yaml's per-GPU steps on this
+  one GPU with images (the tower whole, DeepStack into the LLM's first 3 layers; the 8B's LLM
+  3 of its 36 layers, the MoE's 12 of 48 with 16 experts: what fits one GPU), each recipe's
+  own remat (`gpu_cases.QWEN3_VL_PEAK_GIB`): the recipe part's measurements.
+- host: an 8-GPU host's feed for the recipe's step (`jaxmllm.bench.host --measure-device`).
 
-`--smoke` runs every part at tiny shapes on the CPU (a minute or two; tests/test_gpu_bench.py):
-the campaign cannot rot between the times a GPU is at hand. On one H100 (estimates): env and
-attention ~3 min, a recipe case ~2 min (8 cases), host ~2 min: run it in commands of at most
-9 minutes with --parts and --cases (docs/gpu-step.md).
+`--smoke` runs every part at tiny shapes on the CPU (a few minutes; tests/test_gpu_bench.py):
+the campaign cannot rot between the times a GPU is at hand. docs/gpu-step.md has the plan.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
+from jaxmllm.bench import gpu_plan
 from jaxmllm.bench.gpu_cases import PARTS, Case, cases
+
+# What a lent GPU gives back of a command's output folder: at most 8 files of 16 MiB, 64 MiB
+# in all, no deeper than 2 folders, names of letters, digits, '.', '_' and '-'.
+LIMITS = {"files": 8, "file_bytes": 16 << 20, "bytes": 64 << 20, "depth": 2}
+LOG_TAIL = 256 << 10  # of each case's output, the end kept in log.txt
+LOG_MAX = 8 << 20  # log.txt's size, past which a case's output is left out
 
 # ----------------------------------------------------------------------------- the parent
 
 
-def run_cases(todo: list[Case], out: Path, timeout: int, cache: Path) -> list[dict]:
-    """Each case in a child process, bounded; its rows appended to out/rows.jsonl."""
-    rows_file = out / "rows.jsonl"
+def run_cases(todo: list[Case], out: Path, timeout: int, cache: Path, budget: int) -> list[dict]:
+    """Each case in a child process, bounded by `timeout` and what is left of `budget` (0:
+    none); its rows appended to out/rows.jsonl, then one of its own: how it ended, in what time."""
+    rows_file, started = out / "rows.jsonl", time.perf_counter()
     for case in todo:
-        started = time.perf_counter()
-        cmd = [sys.executable, "-m", "jaxmllm.bench.gpu", "--child", json.dumps(vars(case))]
-        cmd += ["--out", str(out), "--cache", str(cache)]
-        error = None
-        with open(out / "log.txt", "a") as log:
-            log.write(f"\n=== {case.name}\n")
-            log.flush()
-            try:
-                done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
-                if done.returncode:
-                    error = f"exit {done.returncode} (log.txt)"
-            except subprocess.TimeoutExpired:
-                error = f"over --timeout {timeout} s"
-        seconds = time.perf_counter() - started
-        if error is not None:
-            append(rows_file, {"part": case.part, "case": case.name, "error": error})
+        left = budget - (time.perf_counter() - started) if budget else timeout
+        if budget and case.estimate_s > left:
+            why = f"not started: ~{case.estimate_s} s needed, {left:.0f} s left of --budget"
+            append(rows_file, {"part": case.part, "case": case.name, "kind": "case", "skip": why})
+            print(f"{case.name}: {why}", flush=True)
+            write_report(out)
+            continue
+        seconds, error = run_child(case, out, cache, int(max(1, min(timeout, left))))
+        status = {"kind": "case", "seconds": round(seconds, 1)}
+        append(rows_file, {"part": case.part, "case": case.name, **status, "error": error})
         print(f"{case.name}: {error or 'done'} after {seconds:.0f} s", flush=True)
         write_report(out)
     return read_rows(rows_file)
+
+
+def run_child(case: Case, out: Path, cache: Path, timeout: int) -> tuple[float, str | None]:
+    """Runs one case's child; (seconds, its error or None). The end of its output goes to
+    out/log.txt (bounded: `LOG_TAIL` a case, `LOG_MAX` in all)."""
+    cmd = [sys.executable, "-m", "jaxmllm.bench.gpu", "--child", json.dumps(vars(case))]
+    cmd += ["--out", str(out), "--cache", str(cache)]
+    error, started = None, time.perf_counter()
+    with tempfile.TemporaryFile() as output:
+        # (a session of its own, ended whole: a case stopped, failed or done takes its
+        # processes with it, the tests' pytest, data workers, which would hold the GPU's
+        # memory from the next case)
+        child = subprocess.Popen(
+            cmd, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code = child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+        if code is None:
+            error = f"stopped after {timeout} s (--timeout or what was left of --budget)"
+        elif code:
+            error = f"exit {code} (log.txt)"
+        seconds = time.perf_counter() - started
+        keep_log(out / "log.txt", case.name, output)
+    return seconds, error
+
+
+def keep_log(log: Path, name: str, output) -> None:
+    """Appends the end of a case's output to `log`, bounded."""
+    size = output.seek(0, os.SEEK_END)
+    output.seek(max(0, size - LOG_TAIL))
+    tail = output.read()
+    used = log.stat().st_size if log.exists() else 0
+    with open(log, "ab") as f:
+        f.write(f"\n=== {name} ({size} bytes of output".encode())
+        if used + len(tail) > LOG_MAX:
+            f.write(b"; left out: log.txt is at its size limit)\n")
+            return
+        f.write(f"{'; its last ' + str(len(tail)) if size > len(tail) else ''})\n".encode())
+        f.write(tail)
 
 
 def append(path: Path, row: dict) -> None:
@@ -94,26 +153,34 @@ def write_report(out: Path) -> None:
     (out / "report.md").write_text(report(read_rows(out / "rows.jsonl")))
 
 
-def pack_hlo(out: Path) -> None:
-    """The steps' HLO files in one archive (few files to carry back), the folder removed."""
-    folder = out / "hlo"
-    if not folder.exists():
-        return
-    with tarfile.open(out / "hlo.tar.gz", "w:gz") as tar:
-        for path in sorted(folder.iterdir()):
-            tar.add(path, arcname=path.name)
-            path.unlink()
-    folder.rmdir()
+def over_limits(out: Path) -> list[str]:
+    """What under `out` a lent GPU would not give back (`LIMITS`), each named."""
+    found = [p for p in out.rglob("*") if p.is_file()]
+    problems = []
+    if len(found) > LIMITS["files"]:
+        problems.append(f"{len(found)} files (at most {LIMITS['files']})")
+    for p in found:
+        rel = p.relative_to(out)
+        if p.stat().st_size > LIMITS["file_bytes"]:
+            problems.append(f"{rel}: {p.stat().st_size} bytes (at most {LIMITS['file_bytes']})")
+        if len(rel.parts) - 1 > LIMITS["depth"]:
+            problems.append(f"{rel}: deeper than {LIMITS['depth']} folders")
+        if not all(re.fullmatch(r"[A-Za-z0-9._-]+", part) for part in rel.parts):
+            problems.append(f"{rel}: a name of other characters than letters, digits, ._-")
+    total = sum(p.stat().st_size for p in found)
+    if total > LIMITS["bytes"]:
+        problems.append(f"{total} bytes in all (at most {LIMITS['bytes']})")
+    return problems
 
 
 # ----------------------------------------------------------------------------- a child
 
 
 def child(case: Case, out: Path, cache: Path) -> None:
-    """Measures one case in this process and appends its rows."""
-    from jaxmllm.loop import xla_flags
+    """Measures one case in this process and appends its rows as they come."""
+    from jaxmllm.process import xla_flags
 
-    xla_flags.apply(case.flags)  # (before JAX starts its backends)
+    xla_flags.apply()  # (before JAX starts its backends)
     import jax
 
     jax.config.update("jax_compilation_cache_dir", str(cache))
@@ -125,41 +192,76 @@ def child(case: Case, out: Path, cache: Path) -> None:
         append(out / "rows.jsonl", {"part": case.part, "case": case.name, **row})
 
 
+# ----------------------------------------------------------------------------- the command
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m jaxmllm.bench.gpu",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--out", required=True, help="folder for rows.jsonl, report.md, hlo.tar.gz")
+    p.add_argument("--out", help="folder for rows.jsonl, report.md, log.txt, hlo.zip")
     p.add_argument("--parts", default=",".join(PARTS), help="comma list of " + ", ".join(PARTS))
     p.add_argument("--cases", default="", help="only the cases whose names match this regex")
     p.add_argument("--timeout", type=int, default=480, help="seconds a case may take")
+    p.add_argument("--budget", type=int, default=0, help="seconds for all cases (0: no bound)")
     p.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "jaxmllm-xla-cache"))
     p.add_argument("--smoke", action="store_true", help="every part at tiny shapes (CPU)")
     p.add_argument("--list", action="store_true", help="print the cases and exit")
+    p.add_argument("--plan", action="store_true", help="print the device calls and exit")
+    p.add_argument(
+        "--budget-minutes",
+        type=float,
+        default=gpu_plan.BUDGET_S / 60,
+        help="--plan: the device minutes to fit (26: 30, less the 4 no machine starts in)",
+    )
+    p.add_argument("--wheels", metavar="DIR", help="download the wheels a GPU image lacks")
+    p.add_argument("--video", action="store_true", help="--wheels: PyAV too (video cases)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    out, cache = Path(args.out), Path(args.cache)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.child:
-        child(Case(**json.loads(args.child)), out, cache)
-        return 0
-    from jaxmllm.loop.xla_flags import gpu_expected
-
-    gpu = not args.smoke and gpu_expected()
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    if args.plan:
+        budget = int(args.budget_minutes * 60)
+        calls, left_out = gpu_plan.plan(cases(parts, True, False), budget)
+        print(gpu_plan.describe(calls, left_out, budget, gpu_plan.START_S))
+        return 0
+    if args.wheels:
+        wheels = gpu_plan.download_wheels(args.wheels, args.video)
+        for name, size in wheels:
+            print(f"{size / 2**20:8.2f} MiB  {name}")
+        total = sum(s for _, s in wheels) / 2**20
+        print(f"{total:8.2f} MiB in {len(wheels)} wheels in {args.wheels}")
+        return 0
+    if args.child:
+        child(Case(**json.loads(args.child)), Path(args.out), Path(args.cache))
+        return 0
+    from jaxmllm.process import xla_flags
+
+    gpu = not args.smoke and xla_flags.gpu_expected()
     todo = [c for c in cases(parts, gpu, args.smoke) if re.search(args.cases, c.name)]
     if args.list or not todo:
-        print("\n".join(c.name for c in todo) or f"no case matches --cases {args.cases!r}")
+        print("\n".join(f"{c.name} (~{c.estimate_s} s)" for c in todo) or "no case matches")
         return 0 if todo else 2
+    if not args.out:
+        p.error("--out DIR is needed (or --plan, --wheels, --list)")
+    out, cache = Path(args.out), Path(args.cache)
+    out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
         os.environ["JAX_PLATFORMS"] = "cpu"  # (the children's too)
-    rows = run_cases(todo, out, args.timeout, cache)
-    pack_hlo(out)
+    print(f"memory: {xla_flags.set_memory_fraction()} (the children's)", flush=True)
+    rows = run_cases(todo, out, args.timeout, cache, args.budget)
+    write_report(out)
     print((out / "report.md").read_text())
-    failed = [r for r in rows if "error" in r]
-    print(f"{len(todo)} cases, {len(failed)} failed; rows in {out / 'rows.jsonl'}")
+    for problem in over_limits(out):
+        print(f"warning: {out}: {problem}: a lent GPU would not give it back")
+    ended = [r for r in rows if r.get("kind") == "case"]
+    failed = [r for r in ended if r.get("error")]
+    skipped = [r for r in ended if r.get("skip")]
+    print(
+        f"{len(todo)} cases: {len(failed)} failed, {len(skipped)} not started (--budget); "
+        f"rows in {out / 'rows.jsonl'}"
+    )
     return 1 if failed else 0
 
 

@@ -1,17 +1,23 @@
 """The GPU campaign's cases (`jaxmllm.bench.gpu`) and their measurements, one function per part,
-each run in a child process of its own: `part(case, out)` yields the case's rows."""
+each run in a child process of its own: `part(case, out)` yields the case's rows, each appended
+to rows.jsonl the moment it is measured (a recipe's step row before its profile's, so a failure
+in profiling keeps the step's time and MFU)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
 import importlib.util
 import json
 import os
+import platform
+import subprocess
+import sys
 import tempfile
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from xml.etree import ElementTree
 
 import jax
 
@@ -58,18 +64,24 @@ SMOKE = [
     "data.synthetic.min_image_side=4",
     "data.synthetic.max_image_side=16",
 ]
-# The policies that fit 80 GB at these shapes (bench.memory, XLA:CPU's estimate): every tower's,
-# or the LLM's beside the vision tower's.
+# The remat policies of the campaign's cases, as overrides, and the peak each takes of one GPU at
+# the recipe's per-GPU shapes (GiB: python -m jaxmllm.bench.memory --config
+# configs/gpu/qwen2vl_2b.yaml --devices 1 --check, PER_GPU's mesh, microbatches and data and the
+# policy's overrides; XLA:CPU, the tiles at their bound for any data, 2026-11-25): each within
+# the 71.7 GiB JAX takes of an 80 GB H100 at xla_flags.MEMORY_FRACTION; the first two not within
+# the 59.7 of JAX's default 0.75. The recipe's own save_dots is left out (more at fsdp 1).
 POLICIES = {
     "save_dots_except_mlp": ["model.remat=save_dots_except_mlp"],
     "llm_save_dots": ["model.remat=full", "model.llm.remat=save_dots"],
     "full": ["model.remat=full"],
 }
+PEAK_GIB = {"save_dots_except_mlp": 65.2, "llm_save_dots": 68.4, "full": 51.5}
 # The mixture of experts' recipe (configs/gpu/qwen3_30b_a3b.yaml, EP 8 over a node) at its
 # per-GPU shapes on one GPU: a GPU of the node holds 16 of a layer's 128 experts and computes
 # its tokens' 8 assignments each on average, so one GPU with 16 experts and top-8 does that
 # node's per-GPU expert work (the same widths, experts and rows a GPU; the router 16 wide, not
-# 128); 12 of its 48 layers, so parameters and Adam fit one 80 GB GPU; text only.
+# 128); 12 of its 48 layers, so parameters and Adam fit one 80 GB GPU (peak 40.9 GiB with full
+# remat, bench.memory --check as PEAK_GIB's: MOE_PEAK_GIB); text only.
 MOE_RECIPE = "configs/gpu/qwen3_30b_a3b.yaml"
 MOE_PER_GPU = [
     "mesh.data=1",
@@ -90,6 +102,7 @@ MOE_PER_GPU = [
     "data.synthetic.max_text_words=2000",
     "train.steps=20",
 ]
+MOE_PEAK_GIB = 40.9
 MOE_SMOKE = [
     "model.llm.depth=2",
     "model.llm.width=64",
@@ -99,15 +112,105 @@ MOE_SMOKE = [
     "model.llm.mlp_dim=128",
     "model.llm.moe.mlp_dim=32",
     "model.llm.vocab_size=512",
-    "batch.llm_row_len=256",
+    "batch.llm_row_len=512",  # (the built-in text samples of up to 100 words: 361 tokens)
     "mesh.cpu_devices=1",
     "data.workers=0",
     "data.synthetic.num_samples=64",
     "data.synthetic.max_text_words=100",
 ]
+# The Qwen3-VL recipes (configs/gpu/qwen3_vl_8b.yaml, FSDP 8; qwen3_vl_30b_a3b.yaml, EP 8) at
+# their per-GPU shapes on one GPU, with images (and DeepStack, interleaved M-RoPE, the learned
+# table resized bilinearly), each under its recipe's remat: the 8B's LLM cut to 3 of its 36
+# layers (DeepStack's) and the MoE's to 12 of 48 with 16 experts (a GPU's share of the node's,
+# as `moe` does) so parameters and Adam fit one GPU; the tower whole (27 layers). Their peaks
+# (bench.memory --check as PEAK_GIB's, block-sparse, 2026-11-25): QWEN3_VL_PEAK_GIB.
+QWEN3_VL = {  # which: (recipe, its per-GPU overrides, --smoke's more)
+    "8b": ("configs/gpu/qwen3_vl_8b.yaml", ["mesh.fsdp=1", "model.llm.depth=3"], []),
+    "30b_a3b": (
+        "configs/gpu/qwen3_vl_30b_a3b.yaml",
+        [
+            "mesh.expert=1",
+            "model.llm.depth=12",
+            "model.llm.moe.experts=16",
+            "model.llm.moe.exchange=dense",  # (one device: nothing exchanged)
+        ],
+        ["model.llm.moe.mlp_dim=32"],
+    ),
+}
+QWEN3_VL_PEAK_GIB = {"8b": 67.2, "30b_a3b": 28.6}  # (at depth 6 the 8B's took 79.2)
+QWEN3_VL_PER_GPU = [
+    "mesh.data=1",
+    "batch.microbatches=2",
+    "batch.devices_per_host=-1",
+    "data.source=synthetic",
+    "data.path=",
+    "data.tokenizer=byte",
+    "data.workers=8",
+    "data.synthetic.min_image_side=16",
+    "data.synthetic.max_image_side=64",
+    "data.synthetic.max_text_words=1000",
+    "data.synthetic.audio_fraction=0",
+    "data.synthetic.video_fraction=0",
+    "train.steps=20",
+]
+QWEN3_VL_SMOKE = [
+    "model.llm.depth=3",
+    "model.llm.width=64",
+    "model.llm.heads=4",
+    "model.llm.kv_heads=2",
+    "model.llm.head_dim=24",
+    "model.llm.mlp_dim=128",
+    "model.llm.mrope_section=[4,4,4]",
+    "model.llm.vocab_size=512",
+    "model.vision.depth=3",
+    "model.vision.width=32",
+    "model.vision.heads=2",
+    "model.vision.mlp_dim=64",
+    "model.vision.projector_dim=128",
+    "model.vision.patch_size=4",
+    "model.vision.position_grid=6",
+    "model.vision.deepstack=[0,2]",
+    "batch.llm_row_len=1024",
+    "batch.vision_patches=1024",
+    "mesh.cpu_devices=1",
+    "data.workers=0",
+    "data.synthetic.num_samples=64",
+    "data.synthetic.max_text_words=100",
+    "data.synthetic.min_image_side=4",
+    "data.synthetic.max_image_side=16",
+]
 # (kind, heads, kv heads, head dim): the recipes' LLM and vision attention
 HEADS = {"llm": ("llm", 12, 2, 128), "vision": ("vision", 16, 16, 80)}
-PARTS = ("env", "attention", "recipe", "moe", "host")
+PARTS = ("env", "tests", "recipe", "attention", "moe", "qwen3_vl", "host")
+# The campaign on a GPU, most valuable first (`--plan` packs it into device calls in this
+# order), and the seconds each case takes on one H100 from an empty compile cache, its
+# process's start-up included: estimates, not yet measured on a GPU (a recipe case about 2
+# minutes, env and attention about 3 together); every run's report lists what each case took,
+# to put here.
+CAMPAIGN = {
+    "env": 15,  # versions, devices, flags, memory, what this Python lacks
+    "tests/cudnn": 60,  # the cuDNN kernel's correctness tests (tests/test_attention.py)
+    "recipe/cudnn/save_dots_except_mlp": 150,  # the 2B recipe's step with the flag set
+    "recipe/block_sparse/save_dots_except_mlp": 150,  # the flash-style kernel instead
+    "recipe/cudnn/full": 150,  # full remat: what recomputing every block costs
+    "attention": 150,  # the kernels' table at the recipes' head shapes, 4k-16k tokens
+    "recipe/cudnn/save_dots_except_mlp/mixes": 170,  # on ChartQA's and AI2D's lengths
+    "moe/cudnn/full": 180,  # the 30B-A3B mixture of experts' per-GPU expert work
+    "recipe/cudnn/llm_save_dots": 150,  # the vision tower recomputed, the LLM's dots kept
+    "qwen3_vl/cudnn/8b": 200,  # Qwen3-VL-8B's per-GPU step: DeepStack, its table, images
+    "qwen3_vl/cudnn/30b_a3b": 200,  # Qwen3-VL-30B-A3B's: the tower beside the MoE's experts
+    "host": 150,  # an 8-GPU host's feed against this step
+}
+# --smoke's seconds a case at tiny shapes on the 2-core CPU, shared (load average 10; 2026-11-25)
+SMOKE_S = {
+    "env": 5,
+    "tests": 60,
+    "recipe": 100,
+    "attention": 30,
+    "moe": 60,
+    "qwen3_vl": 100,
+    "host": 100,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,37 +219,50 @@ class Case:
 
     part: str
     name: str
-    sets: tuple[str, ...] = ()  # config overrides (recipe, host)
-    flags: bool = True  # XLA's GPU flag set (added before JAX starts)
+    sets: tuple[str, ...] = ()  # config overrides (recipe, moe, host)
     smoke: bool = False
     config: str = RECIPE  # the recipe its overrides apply to (recipe, moe)
+    mixes: bool = False  # samples of real length mixes (`gpu_mix`), not the built-in data
+    estimate_s: int = 0  # what it takes: on one H100 (CAMPAIGN), or --smoke's (SMOKE_S)
 
 
 def cases(parts: list[str], gpu: bool, smoke: bool) -> list[Case]:
-    """The campaign's cases, in order: on a GPU both kernels, on a CPU block-sparse only."""
-    kernels = ["cudnn", "block_sparse"] if gpu else ["block_sparse"]
-    shrink = tuple(SMOKE) if smoke else ()
-    out = []
+    """The campaign's cases of `parts`, most valuable first: on a GPU both kernels, elsewhere
+    block-sparse only; --smoke one remat policy (the others differ in overrides alone)."""
     for part in parts:
-        if part in ("env", "attention"):
-            out.append(Case(part, part, smoke=smoke))
-        elif part == "recipe":
-            for kernel in kernels:
-                for i, (policy, sets) in enumerate(POLICIES.items()):
-                    if smoke and i > 0:
-                        break  # (one policy: the flags' two cases cover the mechanics)
-                    base = (*PER_GPU, *shrink, f"model.attention={kernel}", *sets)
-                    for flags in (True, False) if i == 0 else (True,):
-                        name = f"recipe/{kernel}/{policy}/{'flags' if flags else 'no-flags'}"
-                        out.append(Case(part, name, base, flags, smoke))
-        elif part == "moe":  # the mixture of experts' per-GPU step, the best kernel only
-            base = (*MOE_PER_GPU, *(MOE_SMOKE if smoke else ()), f"model.attention={kernels[0]}")
-            out.append(Case(part, f"moe/{kernels[0]}/full", base, smoke=smoke, config=MOE_RECIPE))
-        elif part == "host":
-            out.append(Case(part, "host", (*PER_GPU, *shrink), smoke=smoke))
-        else:
+        if part not in PARTS:
             raise UserError(f"--parts: {part!r} is not one of {', '.join(PARTS)}")
-    return out
+    names = [n if gpu else n.replace("/cudnn/", "/block_sparse/") for n in CAMPAIGN]
+    if smoke:
+        names = [n for n in names if n.split("/")[-1] not in ("full", "llm_save_dots")]
+        names += ["moe/block_sparse/full"]  # (the mixture of experts' own policy)
+    names = [n for n in dict.fromkeys(names) if n.split("/")[0] in parts]
+    return [case(n, smoke) for n in names]
+
+
+def case(name: str, smoke: bool) -> Case:
+    """The case a campaign name stands for: part/kernel/policy[/mixes], env, tests/..., ..."""
+    part, *rest = name.split("/")
+    estimate = SMOKE_S[part] if smoke else CAMPAIGN[name.replace("/block_sparse/", "/cudnn/")]
+    if part in ("env", "tests", "attention"):
+        return Case(part, name, smoke=smoke, estimate_s=estimate)
+    shrink = tuple(SMOKE) if smoke else ()
+    if part == "host":  # (the remat of the recipe's main case: the recipe's own takes 68.5 GiB)
+        sets = (*PER_GPU, *shrink, *POLICIES["save_dots_except_mlp"])
+        return Case(part, name, sets, smoke, estimate_s=estimate)
+    if part == "qwen3_vl":  # (the recipe's own remat: QWEN3_VL_PEAK_GIB measured it)
+        kernel, which = rest
+        config, own, more = QWEN3_VL[which]
+        tiny = (*QWEN3_VL_SMOKE, *more) if smoke else ()
+        sets = (*QWEN3_VL_PER_GPU, *own, *tiny, f"model.attention={kernel}")
+        return Case(part, name, sets, smoke, config, estimate_s=estimate)
+    kernel, policy, *mixes = rest
+    if part == "moe":
+        sets = (*MOE_PER_GPU, *(MOE_SMOKE if smoke else ()), *POLICIES[policy])
+        sets += (f"model.attention={kernel}",)
+        return Case(part, name, sets, smoke, MOE_RECIPE, estimate_s=estimate)
+    sets = (*PER_GPU, *shrink, f"model.attention={kernel}", *POLICIES[policy])
+    return Case(part, name, sets, smoke, mixes=bool(mixes), estimate_s=estimate)
 
 
 # Modules jaxmllm imports and the distributions that hold them: what a GPU machine's Python
@@ -174,19 +290,26 @@ MODULES = {
 
 
 def env(case: Case, out: Path) -> Iterator[dict]:
-    """Versions, devices, the flags in effect, what this Python lacks."""
+    """Versions, devices, the flags and memory share in effect, what this Python lacks."""
+    import jaxlib
+
     from jaxmllm.loop.metrics import peak_tflops
+    from jaxmllm.process import xla_flags
 
     missing = sorted(dist for module, dist in MODULES.items() if not _importable(module))
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
+    names = (xla_flags.MEMORY_VARIABLE, xla_flags.MEMORY_VARIABLE_OLD)
     yield {
+        "python": platform.python_version(),
         "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
         "backend": jax.default_backend(),
         "devices": jax.device_count(),
         "device_kind": device.device_kind,
         "peak_tflops": peak_tflops(device.device_kind),
         "memory_gib": stats.get("bytes_limit", 0) / 2**30,
+        "memory_fraction": " ".join(f"{n}={os.environ[n]}" for n in names if n in os.environ),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "missing": missing,
     }
@@ -199,10 +322,49 @@ def _importable(module: str) -> bool:
         return False
 
 
+# The cuDNN kernel's correctness tests: its output and gradients against the dense reference,
+# the model's loss and every gradient with it (they skip off a GPU).
+TESTS = ("tests/test_attention.py", "-k", "cudnn")
+
+
+def tests(case: Case, out: Path) -> Iterator[dict]:
+    """pytest on `TESTS` in a process of its own (this one starts no backend: the tests' takes
+    the GPU), on the GPU where one is expected; a row of counts and what failed."""
+    from jaxmllm.process.xla_flags import gpu_expected
+
+    root = Path(__file__).resolve().parents[2]
+    if not (root / TESTS[0]).is_file():
+        raise UserError(f"{root / TESTS[0]}: no such file (the campaign runs from a checkout)")
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS]
+        env = {**os.environ, "JAX_PLATFORMS": "cuda" if gpu_expected() else "cpu"}
+        done = subprocess.run([*cmd, f"--junitxml={xml}"], cwd=root, env=env)
+        row = junit_counts(xml) if xml.exists() else {"exit": done.returncode}
+    yield {"kind": "tests", "tests": " ".join(TESTS), "platform": env["JAX_PLATFORMS"], **row}
+    if done.returncode not in (0, 5):  # (5: none collected)
+        raise UserError(f"pytest {' '.join(TESTS)}: exit {done.returncode}: {row}")
+
+
+def junit_counts(path: Path) -> dict:
+    """Passed, failed and skipped tests of a JUnit XML report, and each failure's first line."""
+    counts, failures = {"passed": 0, "failed": 0, "skipped": 0}, []
+    for test in ElementTree.parse(path).getroot().iter("testcase"):
+        bad = next((x for x in test if x.tag in ("failure", "error")), None)
+        if bad is not None:
+            message = (bad.get("message") or bad.tag).splitlines() or [bad.tag]
+            failures.append(f"{test.get('name')}: {message[0][:200]}")
+        skipped = test.find("skipped") is not None
+        kind = "failed" if bad is not None else "skipped" if skipped else "passed"
+        counts[kind] += 1
+    return {**counts, "failures": failures}
+
+
 def attention(case: Case, out: Path) -> Iterator[dict]:
-    """Forward + backward of one packed row per head shape and row length, every kernel; then
-    a hybrid's two kinds of layers (`layers`)."""
-    from jaxmllm.bench.attention import extrapolate, measure
+    """Forward + backward of one packed row per head shape and row length, every kernel: a row
+    the moment each length is measured (dense past its largest measured length: the report's
+    T^2 estimate)."""
+    from jaxmllm.bench.attention import measure
 
     lengths = [1024] if case.smoke else [4096, 8192, 16384]
     for name, (kind, heads, kv_heads, head_dim) in HEADS.items():
@@ -219,9 +381,8 @@ def attention(case: Case, out: Path) -> Iterator[dict]:
             dense_max=8192,
             dtype="bfloat16",
         )
-        rows = [measure(n, args) for n in lengths]
-        extrapolate(rows)
-        for row in rows:
+        for n in lengths:
+            row = measure(n, args)
             pairs = row["doc_tiles"] * args.block**2 * heads * head_dim
             # (forward: 2 matmuls of 2 FLOPs a pair; backward: 5; the documents' own tiles)
             row["tflops"] = 14.0 * pairs / row["sparse_s"] / 1e12
@@ -253,23 +414,45 @@ def layers(case: Case) -> Iterator[dict]:
 
 
 def recipe(case: Case, out: Path) -> Iterator[dict]:
-    """The recipe's step on this device: throughput, MFU, memory, profile, dots, HLO."""
+    """The recipe's step on this device: a row of its time, MFU, fill and peak memory, then one
+    of its profile and dots (its compiled HLO into hlo.zip)."""
+    import grain
+
     import sharding
     from jaxmllm.bench import hlo, profile
+    from jaxmllm.bench.gpu_mix import MixSource
     from jaxmllm.bench.throughput import setup, summarize
     from jaxmllm.config import load_config
-    from jaxmllm.loop.distributed import split_cpu
     from jaxmllm.loop.metrics import peak_tflops
+    from jaxmllm.process.distributed import split_cpu
 
     cfg = load_config(case.config, list(case.sets))
     split_cpu(cfg.mesh.cpu_devices)
     mesh = sharding.make_mesh(cfg.mesh)
+    data = None
+    if case.mixes:
+        source = MixSource(cfg, shrink=16 if case.smoke else 1)
+        data = (grain.MapDataset.source(source), source.lengths())
     warmup, steps = (1, 2) if case.smoke else (2, 5)
     with jax.set_mesh(mesh):
-        [run] = setup(cfg, ["orchestrated"], mesh, per_device=False)
+        [run] = setup(cfg, ["orchestrated"], mesh, per_device=False, data=data)
         for i in range(warmup + steps):
             run.run_step(mesh, measure=i >= warmup)
         row = summarize(run, sharding.data_parallel_size(mesh))
+        kind = jax.devices()[0].device_kind
+        peak = peak_tflops(kind)
+        stats = jax.devices()[0].memory_stats() or {}
+        fill = {k.split("/", 1)[1]: 1.0 - v for k, v in row.items() if k.startswith("padding/")}
+        yield {
+            "kind": "step",
+            **row,
+            "kernel": run.cfg.model.attention,
+            "data": "mixes" if case.mixes else "built-in",
+            "device_kind": kind,
+            "mfu": row["tflops_per_device"] / peak if peak else None,
+            "peak_memory_gib": stats.get("peak_bytes_in_use", 0) / 2**30 or None,
+            "fill": fill,
+        }
         batch = sharding.make_global_batch(next(run.data)["batch"], mesh)
         lowered = run.step.lower(run.state, batch)
         compiled = lowered.compile().as_text()
@@ -277,27 +460,34 @@ def recipe(case: Case, out: Path) -> Iterator[dict]:
             with profile.trace(trace):
                 for _ in range(2):
                     run.run_step(mesh, measure=False)
-            row["profile"] = profile.summarize(trace, 2, compiled)
-    kind = jax.devices()[0].device_kind
-    peak = peak_tflops(kind)
-    stats = jax.devices()[0].memory_stats() or {}
-    row.update(
-        kernel=run.cfg.model.attention,
-        flags=case.flags,
-        device_kind=kind,
-        mfu=row["tflops_per_device"] / peak if peak else None,
-        peak_memory_gib=stats.get("peak_bytes_in_use", 0) / 2**30 or None,
-        hlo=hlo.describe(lowered.as_text()),
-    )
-    (out / "hlo").mkdir(exist_ok=True)
-    name = case.name.replace("/", "_") + ".hlo.txt.gz"
-    with gzip.open(out / "hlo" / name, "wt") as f:
-        f.write(compiled)
-    yield row
+            summary = profile.summarize(trace, 2, compiled)
+    dots = hlo.describe(lowered.as_text())
+    hlo_file = add_hlo(out, case.name.replace("/", "_") + ".hlo.txt", compiled)
+    yield {"kind": "profile", "profile": summary, "hlo": dots, **hlo_file}
+
+
+HLO_ZIP = "hlo.zip"
+HLO_ZIP_MAX = 12 << 20  # (a file the device machine returns holds at most 16 MiB)
+
+
+def add_hlo(out: Path, name: str, text: str) -> dict:
+    """Adds a step's compiled HLO to out/hlo.zip (one file, whatever the cases), unless the
+    archive is at its size limit; returns what became of it."""
+    path = out / HLO_ZIP
+    if path.exists() and path.stat().st_size > HLO_ZIP_MAX:
+        return {"hlo_file": f"left out: {HLO_ZIP} is over {HLO_ZIP_MAX >> 20} MiB"}
+    with zipfile.ZipFile(path, "a", zipfile.ZIP_DEFLATED) as z:
+        z.writestr(name, text)
+    return {"hlo_file": f"{HLO_ZIP}:{name}"}
 
 
 def moe(case: Case, out: Path) -> Iterator[dict]:
     """The mixture of experts' step on this device (`recipe`'s measurements, MOE_PER_GPU)."""
+    yield from recipe(case, out)
+
+
+def qwen3_vl(case: Case, out: Path) -> Iterator[dict]:
+    """A Qwen3-VL recipe's step on this device (`recipe`'s measurements, QWEN3_VL)."""
     yield from recipe(case, out)
 
 

@@ -1,29 +1,53 @@
-"""The GPU campaign's report (`jaxmllm.bench.gpu`): its rows as Markdown tables, one a part."""
+"""The GPU campaign's report (`jaxmllm.bench.gpu`): its rows as Markdown tables, one a part, and
+what each case took."""
 
 from __future__ import annotations
 
+import copy
+
 from jaxmllm.bench import profile
+from jaxmllm.bench.attention import extrapolate
 
 
 def report(rows: list[dict]) -> str:
-    """Every part that has rows, in the campaign's order; failed cases listed last."""
-    by_part = {p: [r for r in rows if r["part"] == p and "error" not in r] for p in PARTS}
+    """Every part that has rows, in the campaign's order; then each case's time and end."""
+    measured = [r for r in rows if r.get("kind") != "case"]
+    by_part = {p: [r for r in measured if r["part"] == p] for p in PARTS}
     sections = [f(by_part[p]) for p, f in SECTIONS.items() if by_part[p]]
-    failed = [r for r in rows if "error" in r]
-    if failed:
-        sections.append("## Failed\n\n" + "\n".join(f"- {r['case']}: {r['error']}" for r in failed))
+    ended = [r for r in rows if r.get("kind") == "case"]
+    if ended:
+        sections.append(cases(ended))
     return "\n\n".join(["# GPU campaign", *sections]) + "\n"
+
+
+def cases(rows: list[dict]) -> str:
+    lines = ["case | seconds | end", "--- | --- | ---"]
+    for r in rows:
+        end = r.get("error") or r.get("skip") or "done"
+        lines.append(f"{r['case']} | {r.get('seconds', '-')} | {end}")
+    return "## Cases\n\n" + "\n".join(lines)
 
 
 def env(rows: list[dict]) -> str:
     r = rows[-1]
     lines = [
-        f"- jax {r['jax']} on {r['devices']} x {r['device_kind']} ({r['backend']}), "
-        f"{r['memory_gib']:.1f} GiB, dense bf16 peak {r['peak_tflops'] or '-'} TFLOP/s",
+        f"- Python {r.get('python', '?')}, jax {r['jax']} (jaxlib {r.get('jaxlib', '?')}) on "
+        f"{r['devices']} x {r['device_kind']} ({r['backend']}), {r['memory_gib']:.1f} GiB for "
+        f"JAX ({r.get('memory_fraction') or 'no memory share set'}), dense bf16 peak "
+        f"{r['peak_tflops'] or '-'} TFLOP/s",
         f"- XLA_FLAGS: `{r['xla_flags'] or '(none)'}`",
         f"- missing here (carry as wheels): {', '.join(r['missing']) or 'nothing'}",
     ]
     return "## Environment\n\n" + "\n".join(lines)
+
+
+def tests(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        counts = [f"{r.get(k, 0)} {k}" for k in ("passed", "failed", "skipped")]
+        lines.append(f"- `pytest {r['tests']}` on {r['platform']}: {', '.join(counts)}")
+        lines += [f"  - {failure}" for failure in r.get("failures", [])]
+    return "## Kernel tests\n\n" + "\n".join(lines)
 
 
 def attention(rows: list[dict]) -> str:
@@ -34,27 +58,16 @@ def attention(rows: list[dict]) -> str:
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     ms = lambda s: "-" if s is None else f"{1e3 * s:.2f}"
     mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"
+    rows = copy.deepcopy(rows)
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        extrapolate([r for r in rows if r["shape"] == shape])  # (dense past its measured rows)
     for r in rows:
         dense = ms(r.get("dense_s")) + ("" if r.get("dense_measured") else " (T^2 est.)")
         err = r.get("cudnn_err")
-        lines.append(
-            " | ".join(
-                [
-                    r["shape"],
-                    str(r["row_len"]),
-                    str(r["docs"]),
-                    str(r["tiles"]),
-                    str(r["doc_tiles"]),
-                    ms(r["sparse_s"]),
-                    f"{r['tflops']:.1f}",
-                    mib(r["sparse_bytes"]),
-                    dense,
-                    ms(r.get("cudnn_s")),
-                    mib(r.get("cudnn_bytes")),
-                    "-" if err is None else f"{err:.1e}",
-                ]
-            )
-        )
+        cells = [r["shape"], str(r["row_len"]), str(r["docs"]), str(r["tiles"])]
+        cells += [str(r["doc_tiles"]), ms(r["sparse_s"]), f"{r['tflops']:.1f}"]
+        cells += [mib(r["sparse_bytes"]), dense, ms(r.get("cudnn_s")), mib(r.get("cudnn_bytes"))]
+        lines.append(" | ".join([*cells, "-" if err is None else f"{err:.1e}"]))
     note = "Forward + backward of one bf16 row; TFLOP/s of the documents' own tiles, block-sparse."
     out = "## Attention kernels\n\n" + note + "\n\n" + "\n".join(lines)
     if layers:
@@ -69,37 +82,40 @@ def attention(rows: list[dict]) -> str:
 
 
 def recipe(rows: list[dict]) -> str:
-    cols = ["case", "step s", "tokens/s", "TFLOP/s/dev", "MFU", "peak GiB", "recompute %"]
+    steps = [r for r in rows if r.get("kind") == "step"]
+    profiles = {r["case"]: r for r in rows if r.get("kind") == "profile"}
+    if not steps:
+        return "## Recipe step\n\n(no step measured)"
+    phases = sorted({p for r in steps for p in r.get("fill", {})})
     cats = [c for c, _ in profile.CATEGORIES] + ["other"]
-    cols += [f"{c} %" for c in cats] + ["f32 x f32 dots"]
+    cols = ["case", "step s", "tokens/s", "TFLOP/s/dev", "MFU", *(f"fill {p}" for p in phases)]
+    cols += ["peak GiB", "recompute %", *(f"{c} %" for c in cats), "f32 x f32 dots"]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
-    for r in rows:
-        share = r["profile"]["category_share"]
-        dots = r["hlo"]["dots"].get("f32 x f32 -> f32", 0)
-        mfu, peak = r.get("mfu"), r.get("peak_memory_gib")
-        lines.append(
-            " | ".join(
-                [
-                    r["case"],
-                    f"{r['step_time_s']:.3f}",
-                    f"{r['tokens_per_s']:.0f}",
-                    f"{r['tflops_per_device']:.1f}",
-                    "-" if mfu is None else f"{mfu:.1%}",
-                    "-" if peak is None else f"{peak:.1f}",
-                    f"{100 * r['recompute_share']:.1f}",
-                    *(f"{100 * share[c]:.1f}" for c in cats),
-                    str(dots),
-                ]
-            )
-        )
-    best = max(rows, key=lambda r: r["tflops_per_device"])
+    for r in steps:
+        mfu, peak, fill = r.get("mfu"), r.get("peak_memory_gib"), r.get("fill", {})
+        prof = profiles.get(r["case"])
+        share = prof["profile"]["category_share"] if prof else {}
+        cells = [r["case"], f"{r['step_time_s']:.3f}", f"{r['tokens_per_s']:.0f}"]
+        cells += [f"{r['tflops_per_device']:.1f}", "-" if mfu is None else f"{mfu:.1%}"]
+        cells += [f"{fill[p]:.0%}" if p in fill else "-" for p in phases]
+        cells += ["-" if peak is None else f"{peak:.1f}", f"{100 * r['recompute_share']:.1f}"]
+        cells += [f"{100 * share[c]:.1f}" if c in share else "-" for c in cats]
+        cells.append(str(prof["hlo"]["dots"].get("f32 x f32 -> f32", 0)) if prof else "-")
+        lines.append(" | ".join(cells))
+    best = max(steps, key=lambda r: r["tflops_per_device"])
     head = (
         f"The recipe's per-GPU shapes on one {best['device_kind']}; MFU: model TFLOP/s of the "
-        "real tokens and items over the device's dense bf16 peak; the shares: device time per "
-        "kernel category over a profile of two steps."
+        "real tokens and items over the device's dense bf16 peak; fill: each phase's real share "
+        "of its buckets (`.../mixes`: samples of ChartQA's and AI2D's lengths, else the "
+        "built-in data); the shares: device time per kernel category over a profile of two "
+        "steps ('-': no profile)."
     )
-    top = f"Top kernels of {best['case']} (ms a step):\n\n" + profile.table(best["profile"])
-    return "## Recipe step\n\n" + head + "\n\n" + "\n".join(lines) + "\n\n" + top
+    text = "## Recipe step\n\n" + head + "\n\n" + "\n".join(lines)
+    best_profile = profiles.get(best["case"])
+    if best_profile:
+        text += f"\n\nTop kernels of {best['case']} (ms a step):\n\n"
+        text += profile.table(best_profile["profile"])
+    return text
 
 
 def moe(rows: list[dict]) -> str:
@@ -132,5 +148,24 @@ def host(rows: list[dict]) -> str:
     return "## Host against the step (8-GPU host)\n\n" + "\n".join(lines)
 
 
-SECTIONS = {"env": env, "attention": attention, "recipe": recipe, "moe": moe, "host": host}
+def qwen3_vl(rows: list[dict]) -> str:
+    """The Qwen3-VL recipes' per-GPU steps: the recipe table's columns."""
+    text = recipe(rows).replace("## Recipe step", "## Qwen3-VL steps", 1)
+    return text.replace(
+        "The recipe's per-GPU shapes",
+        "configs/gpu/qwen3_vl_8b.yaml's (3 of its LLM's 36 layers) and qwen3_vl_30b_a3b.yaml's "
+        "(12 of 48 layers, 16 experts, top-8) per-GPU shapes with images, DeepStack",
+        1,
+    )
+
+
+SECTIONS = {
+    "env": env,
+    "tests": tests,
+    "recipe": recipe,
+    "attention": attention,
+    "moe": moe,
+    "qwen3_vl": qwen3_vl,
+    "host": host,
+}
 PARTS = tuple(SECTIONS)

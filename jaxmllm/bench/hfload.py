@@ -24,6 +24,20 @@ from pathlib import Path
 import numpy as np
 
 SHAPES = {  # config.json of real checkpoints (their shapes; weights are random here)
+    "tiny": {  # (not a real checkpoint: a smoke run of the bench, tests/test_commands.py)
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+    },
     "qwen2.5-0.5b": {
         "model_type": "qwen2",
         "architectures": ["Qwen2ForCausalLM"],

@@ -52,11 +52,12 @@ import sharding
 from jaxmllm.batch.counts import bucket_work
 from jaxmllm.bench.data import write_audio
 from jaxmllm.config import Config, MeshConfig, load_config
+from jaxmllm.config.command import add_config_args
+from jaxmllm.cost.model import PHASES, CostModel
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
-from jaxmllm.loop.distributed import split_cpu
-from jaxmllm.plan.cost import PHASES, CostModel
-from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.process.distributed import split_cpu
+from jaxmllm.resolve.run import resolve_run
 
 DATA = ("synthetic", "media", "config")
 
@@ -210,10 +211,11 @@ class Setup:
 def measure(setup: Setup, devices: int, workers: int) -> dict:
     """One row: the feed of `devices` buckets (this host's share) with `workers` processes,
     consumed by a step that takes the device time; medians over the measured steps."""
-    cfg = resolve_batch(setup.cfg, setup.index, devices)
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=workers))
-    local = min(devices, setup.per_host)
-    positions = np.arange(local) if local < devices else None
+    cfg = dataclasses.replace(setup.cfg, data=dataclasses.replace(setup.cfg.data, workers=workers))
+    run = resolve_run(cfg, devices, data=(setup.source, setup.index))
+    cfg, local = run.cfg, min(devices, setup.per_host)
+    if local < devices:  # (this host as one of several: it loads only its own positions')
+        run = dataclasses.replace(run, positions=np.arange(local))
     mesh = local_mesh(local)
     timer = DeviceTimer(cfg) if setup.measure else None
     # Measured, the device runs the warm-up steps' batches (every device's bucket in turn, so
@@ -224,14 +226,7 @@ def measure(setup: Setup, devices: int, workers: int) -> dict:
     def to_device(host: dict[str, np.ndarray]) -> dict:
         return jax.block_until_ready(sharding.make_global_batch(host, mesh))
 
-    feed = make_pipeline(
-        cfg,
-        devices,
-        source=setup.source,
-        index=setup.index,
-        positions=positions,
-        to_device=to_device,
-    )
+    feed = make_pipeline(run, to_device=to_device)
     rows = []
     try:
         for step in range(setup.warmup + setup.steps):
@@ -346,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", required=True)
+    add_config_args(p)
     p.add_argument("--data", default="config", help=f"comma list of {', '.join(DATA)}")
     p.add_argument("--devices", default="8", help="data-parallel buckets per step, comma list")
     p.add_argument("--workers", default="0", help="data.workers values, comma list")
@@ -362,7 +357,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--media-dir", help="where the media manifest is written (kept); default tmp")
     p.add_argument("--media-records", type=int, default=240, help="records of the manifest")
     p.add_argument("--json", help="write the rows here")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     base = load_config(args.config, args.set)
     split_cpu(base.mesh.cpu_devices)

@@ -14,7 +14,7 @@ alike):
   projectors frozen (the encoders then run forward only).
 
 Reported per variant: trained parameters, the median step time, real LLM tokens/s, the
-cost model's FLOPs of a step (`plan.cost.CostModel.from_model`: the training multipliers, a
+cost model's FLOPs of a step (`cost.model.CostModel.from_model`: the training multipliers, a
 tower under adapters 2x its forward plus 3x its adapters') and its prediction of the step time:
 seconds per FLOP fitted on `full`'s steps (the median time over the median FLOPs), applied to
 each variant's FLOPs, beside what was measured.
@@ -33,7 +33,8 @@ import numpy as np
 import sharding
 from jaxmllm.bench.throughput import Run, setup
 from jaxmllm.config import load_config
-from jaxmllm.loop.distributed import split_cpu
+from jaxmllm.config.command import add_config_args
+from jaxmllm.process.distributed import split_cpu
 
 FREE = [
     "model.vision.freeze=false",
@@ -130,13 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", required=True)
+    add_config_args(p)
     p.add_argument("--steps", type=int, default=20, help="measured steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps per variant")
     p.add_argument("--rank", type=int, default=16, help="the adapters' rank")
     p.add_argument("--planner", default="", help="batch.planner (default: the config's)")
     p.add_argument("--json", help="write the rows here")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     split_cpu(load_config(args.config, args.set).mesh.cpu_devices)
     rows = measure(args.config, args.set, args.rank, args.planner, args.steps, args.warmup)

@@ -1,7 +1,7 @@
 """Device memory of the train step per remat policy, compile-only: what fits a GPU, on any host.
 
     python -m jaxmllm.bench.memory --config configs/small.yaml [--policies none,full,...]
-        [--device-gib 80] [--devices N] [--check] [--json OUT] [--set key=value ...]
+        [--device-gib 72] [--devices N] [--check] [--json OUT] [--set key=value ...]
 
 For each policy (`model.remat`, every tower; and the config's own mix when its towers set
 their own), the train step is built from abstract shapes (no data read, no parameter
@@ -43,13 +43,17 @@ import jax
 import sharding
 from jaxmllm.bench.compile import measure
 from jaxmllm.config import REMAT_POLICIES, Config, load_config
+from jaxmllm.config.command import add_config_args
 from jaxmllm.config.phases import ENCODERS, LLM, PHASES, enabled, phase
 from jaxmllm.config.remat import ATTENTION, QKV
-from jaxmllm.loop.distributed import split_cpu
-from jaxmllm.plan import training
-from jaxmllm.plan.sizing import resolve_attention, resolve_bounds
+from jaxmllm.cost import training
+from jaxmllm.process.distributed import split_cpu
+from jaxmllm.process.xla_flags import MEMORY_FRACTION
+from jaxmllm.resolve.attention import resolve_attention
+from jaxmllm.resolve.sizing import resolve_bounds
 
 GIB = 2**30
+DEVICE_GIB = round(MEMORY_FRACTION * 80)  # of an 80 GB GPU (79.6 GiB), what a run takes: 72
 
 
 def with_policy(cfg: Config, policy: str) -> Config:
@@ -124,7 +128,7 @@ def recomputed(parts: dict[str, float], policy: str, attention: str) -> float:
 
 
 def backward_runs(cfg: Config) -> dict[str, int]:
-    """Per enabled tower, its training multiplier (`plan.training.multiplier`): 1 when it runs
+    """Per enabled tower, its training multiplier (`cost.training.multiplier`): 1 when it runs
     forward only (frozen, nothing trainable below or inside), so nothing is recomputed."""
     how = training.modules(cfg.model)
     return {t: how[t].multiplier for t in (*(p.name for p in enabled(cfg.model)), LLM)}
@@ -336,9 +340,15 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", required=True)
+    add_config_args(p)
     p.add_argument("--policies", default=",".join(REMAT_POLICIES), help="comma-separated")
-    p.add_argument("--device-gib", type=float, default=80.0, help="a device's memory")
+    p.add_argument(
+        "--device-gib",
+        type=float,
+        default=DEVICE_GIB,
+        help="what JAX may take of a device: 72, the 0.9 of an 80 GB GPU a run takes "
+        "(XLA_CLIENT_MEM_FRACTION=0.9, the recipes' and the GPU campaign's)",
+    )
     p.add_argument(
         "--devices",
         type=int,
@@ -358,7 +368,6 @@ def main(argv: list[str] | None = None) -> int:
         "optimizer bytes, peak)",
     )
     p.add_argument("--json", help="write the rows here")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
     # Nothing runs: no code optimisation (XLA:CPU's LLVM passes, half the compile time; the

@@ -355,6 +355,21 @@ def rounded(
     return out, counts
 
 
+BUILT_IN_PATCH = 14  # the built-in mixes' images and video frames are in patches of 14 px
+
+
+def repatched(index: LengthsIndex, patch: int, merge: int = 2) -> LengthsIndex:
+    """`index` (a built-in mix: its images in patches of 14 px) with each image's and video
+    frame's pixels in patches of `patch` px: n x (14 / patch)^2 patches, to the nearest whole
+    merge block (at least one), as the pipeline resizes an image to whole merge windows."""
+    vis = index.items["vision"]
+    area = merge * merge
+    scaled = vis.sizes * (BUILT_IN_PATCH / patch) ** 2 / area
+    sizes = np.maximum(np.rint(scaled), 1).astype(np.int64) * area
+    items = {**index.items, "vision": Items(vis.ptr, sizes)}
+    return LengthsIndex(text=index.text, items=items)
+
+
 def _read_text(path: Path) -> str:
     """A file's text, gunzipped when its name ends in .gz."""
     path = Path(path)

@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     from jaxmllm.config.command import run
-    from jaxmllm.loop.distributed import split_cpu
+    from jaxmllm.process.distributed import split_cpu
 
     split_cpu(8)  # (the step part's meshes; the layer parts use one device)
     raise SystemExit(run(main))

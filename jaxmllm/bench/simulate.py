@@ -4,7 +4,7 @@ A step's predicted time is the sum over its microbatches of, phase by phase in t
 step runs them (vision encoder, audio encoder, the exchange of their output rows, the LLM), the
 slowest device's time for that phase:
 
-    compute  max over devices of the phase's FLOPs (`jaxmllm.plan.cost.CostModel`, every item
+    compute  max over devices of the phase's FLOPs (`jaxmllm.cost.model.CostModel`, every item
              the device computes) / a device's sustained FLOP/s
     exchange per encoder phase that routes, max over devices of
              bytes within the host / intra-host bandwidth + bytes across hosts / inter-host

@@ -9,13 +9,13 @@ import dataclasses
 import numpy as np
 
 from jaxmllm.config.phases import NAMES
+from jaxmllm.cost.model import CostModel
 from jaxmllm.data.lengths import LengthsIndex
-from jaxmllm.plan.capacity import ROUTE_DRY_RUN_STEPS, route_capacity, suggest_capacities
 from jaxmllm.plan.contract import Capacities
-from jaxmllm.plan.cost import CostModel
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
 from jaxmllm.plan.summary import summary_of
-from jaxmllm.plan.tilesize import HELD_DRY_RUN_STEPS, size_tiles
+from jaxmllm.resolve.capacity import ROUTE_DRY_RUN_STEPS, route_capacity, suggest_capacities
+from jaxmllm.resolve.tilesize import HELD_DRY_RUN_STEPS, size_tiles
 
 
 def make_caps(
@@ -47,7 +47,7 @@ def make_caps(
         per_token=per_token,
         per_row=per_row,
         route_pair_capacity=route if policy == "orchestrated" else 0,
-        block=block,
+        attention_block=block,
         devices_per_host=devices_per_host,
     )
     return caps
@@ -84,7 +84,7 @@ def held_caps(
         caps,
         steps,
         make=lambda c: make_planner(policy, index, c, seed),
-        weights=cost.tile_weights(caps.block, caps.per_row) if cost else None,
+        weights=cost.tile_weights(caps.attention_block, caps.per_row) if cost else None,
         ladder=ladder,
     )
     return dataclasses.replace(caps, tiles=sizes.tiles, long_tiles=sizes.long)
@@ -104,7 +104,7 @@ def sized_caps(
     encoder output) and, with tiles, a tile-holding policy's tile capacities (`held_caps`)."""
     if pair == "auto":
         caps = route_caps(index, caps, policy, steps, seed)
-    if caps.block and policy in HOLDS_TILES:
+    if caps.attention_block and policy in HOLDS_TILES:
         caps = held_caps(index, caps, policy, min(steps, HELD_DRY_RUN_STEPS), seed, cost)
     return caps
 

@@ -23,14 +23,13 @@ import sharding
 from jaxmllm.batch.bucketize import batch_shapes
 from jaxmllm.bench.throughput import device_batch
 from jaxmllm.config import MeshConfig, load_config
-from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
-from jaxmllm.loop.distributed import split_cpu
 from jaxmllm.models.mllm import encoder_args
-from jaxmllm.plan.sizing import resolve_batch
-from jaxmllm.plan.stages.choose import plan_of
-from jaxmllm.plan.stages.partition import Stage
-from jaxmllm.plan.stages.schedule import SCHEDULES
+from jaxmllm.pipeline.choose import plan_of
+from jaxmllm.pipeline.partition import Stage
+from jaxmllm.pipeline.schedule import SCHEDULES
+from jaxmllm.process.distributed import split_cpu
+from jaxmllm.resolve.run import resolve_run
 from jaxmllm.step.program import build_model, model_parts
 
 
@@ -41,11 +40,10 @@ def measure_bubbles(config: str, sets: list[str], stage_counts: list[int], repea
     for stages in stage_counts:
         cfg = load_config(config, [*sets, f"mesh.stage={stages}", "mesh.data=-1"])
         split_cpu(cfg.mesh.cpu_devices)
-        devices = sharding.data_parallel_size(sharding.make_mesh(cfg.mesh))
-        source, index = make_source(cfg)
-        cfg = resolve_batch(cfg, index, devices)
+        run = resolve_run(cfg, sharding.data_parallel_size(sharding.make_mesh(cfg.mesh)))
+        cfg = run.cfg
         plan = plan_of(cfg, stages)
-        host = next(make_pipeline(cfg, devices, prefetch=0, source=source, index=index))
+        host = next(make_pipeline(run, prefetch=0))
         one = dataclasses.replace(cfg, mesh=MeshConfig(data=1))
         mesh1 = sharding.make_mesh(one.mesh, devices=jax.devices()[:1])
         with jax.set_mesh(mesh1):

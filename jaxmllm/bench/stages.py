@@ -12,7 +12,7 @@ microbatch count, the predicted step time and bottleneck tick of
   hold the end of one module and the start of the next), the better of the schedules;
 - frozen-blind: the partitioner as if every module were trainable, its plan priced with the
   true costs (what knowing the model's shapes but not what is frozen gives);
-- frozen-aware: the partitioner with the true costs (`jaxmllm.plan.stages.partition`).
+- frozen-aware: the partitioner with the true costs (`jaxmllm.pipeline.partition`).
 
 Measured bubble (`--measure`, on this machine's CPU): the plans of a small pipelined config
 (configs/pipeline.yaml by default) at each `--measure-stages`; each stage's forward and backward
@@ -30,10 +30,11 @@ import json
 import sys
 
 from jaxmllm.config import Config, load_config
-from jaxmllm.plan.sizing import resolve_attention
-from jaxmllm.plan.stages.choose import SCHEDULES_RUN
-from jaxmllm.plan.stages.costs import model_costs
-from jaxmllm.plan.stages.partition import Plan, partition, reprice, uniform
+from jaxmllm.config.command import add_config_args
+from jaxmllm.pipeline.choose import SCHEDULES_RUN
+from jaxmllm.pipeline.costs import model_costs
+from jaxmllm.pipeline.partition import Plan, partition, reprice, uniform
+from jaxmllm.resolve.attention import resolve_attention
 
 
 def _frozen_vision(cfg: Config, frozen: bool) -> Config:
@@ -166,7 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", default="configs/small.yaml", help="the model partitioned")
+    add_config_args(
+        p,
+        required=False,
+        default="configs/small.yaml",
+        config_help="the model partitioned",
+        set_help="overrides for the --measure config",
+    )
     p.add_argument("--stages", default="2,4,8")
     p.add_argument("--microbatches", default="4,16")
     p.add_argument("--schedules", default=",".join(SCHEDULES_RUN), help="gpipe,1f1b: both")
@@ -179,13 +186,6 @@ def main(argv: list[str] | None = None) -> int:
         help="rounds of timing every stage's programs in turn (median)",
     )
     p.add_argument("--json", help="write the rows here")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="overrides for the --measure config",
-    )
     args = p.parse_args(argv)
     ints = lambda text: [int(x) for x in text.split(",") if x]
     schedules = [s for s in args.schedules.split(",") if s]

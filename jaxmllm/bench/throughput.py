@@ -52,22 +52,24 @@ from jaxmllm.batch.bucketize import batch_shapes
 from jaxmllm.bench.memory import recompute_flops, train_flops, with_policy
 from jaxmllm.bench.phases import PHASES, PhaseTimer
 from jaxmllm.config import Config, MeshConfig, load_config
+from jaxmllm.config.command import add_config_args
 from jaxmllm.config.phases import PHASES as TOWERS
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
-from jaxmllm.loop.distributed import split_cpu
 from jaxmllm.loop.metrics import peak_tflops
-from jaxmllm.plan.sizing import resolve_batch
+from jaxmllm.process.distributed import split_cpu
+from jaxmllm.resolve.run import Run as Resolved
+from jaxmllm.resolve.run import resolve_run
 from jaxmllm.step.program import build_program
 
 POLICIES = ("naive", "grain", "balanced", "orchestrated")
 
 
-def policy_config(cfg: Config, policy: str, index, devices: int) -> Config:
+def policy_run(cfg: Config, policy: str, data: tuple, devices: int) -> Resolved:
     """`cfg` with `policy` as planner (`name` or `name:attention`, e.g. `orchestrated:dense`,
     and `/remat` after it for every tower's remat policy, e.g. `orchestrated/save_dots`),
-    auto values resolved; token and patch capacities shared by all policies, tile capacities
-    each policy's own (what its packs need: see `resolve_batch`)."""
+    resolved over `data` (source, index); token and patch capacities shared by all policies,
+    tile capacities each policy's own (what its packs need: see `resolve_batch`)."""
     policy, _, remat = policy.partition("/")
     cfg = with_policy(cfg, remat) if remat else cfg
     planner, _, attention = policy.partition(":")
@@ -76,7 +78,7 @@ def policy_config(cfg: Config, policy: str, index, devices: int) -> Config:
     rpc = cfg.batch.route_pair_capacity if routed else -1
     batch = dataclasses.replace(cfg.batch, planner=planner, route_pair_capacity=rpc)
     model = dataclasses.replace(cfg.model, attention=attention or cfg.model.attention)
-    return resolve_batch(dataclasses.replace(cfg, batch=batch, model=model), index, devices)
+    return resolve_run(dataclasses.replace(cfg, batch=batch, model=model), devices, data=data)
 
 
 def device_batch(host: dict[str, np.ndarray], d: int, shapes: dict) -> dict[str, np.ndarray]:
@@ -167,19 +169,27 @@ class Run:
 
 
 def setup(
-    cfg: Config, policies: list[str], mesh, per_device: bool = True, phases: bool = False
+    cfg: Config,
+    policies: list[str],
+    mesh,
+    per_device: bool = True,
+    phases: bool = False,
+    data: tuple | None = None,
 ) -> list[Run]:
-    source, index = make_source(cfg)
+    """Each policy's run; `data`: (a grain source, its lengths index) instead of the config's
+    (opened once: every policy plans the same data)."""
+    opened = data or make_source(cfg)
     devices = sharding.data_parallel_size(mesh)
     mesh1 = sharding.make_mesh(MeshConfig(data=1), devices=jax.devices()[:1])
     runs, init = [], None
     for policy in policies:
-        pcfg = policy_config(cfg, policy, index, devices)
+        resolved = policy_run(cfg, policy, opened, devices)
+        pcfg = resolved.cfg
         prog = build_program(pcfg, mesh)
         if init is None:
             init = jax.device_get(prog.init())  # every policy starts from the same state
         state = jax.device_put(init, prog.shardings)
-        data = make_pipeline(pcfg, devices, source=source, index=index)
+        data = make_pipeline(resolved)
         run = Run(policy, pcfg, data, prog.step, state)
         if per_device:
             with jax.set_mesh(mesh1):
@@ -339,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", required=True)
+    add_config_args(p)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--steps", type=int, default=30, help="measured steps per policy")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps per policy")
@@ -357,7 +367,6 @@ def main(argv: list[str] | None = None) -> int:
         help="time each phase's own program too "
         "(jaxmllm.bench.phases), on the max-device measure's devices",
     )
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
     split_cpu(cfg.mesh.cpu_devices)

@@ -19,7 +19,7 @@ data config's video rule and --fps, RGB and resized, temporal patches), three wa
 Per size, group of pictures and way: sampled frames/s over wall time (the median of --repeat)
 and over this process's CPU time, the frames decoded and the seeks made. Then the demand: on the
 `video` mix (`jaxmllm.bench.mixes.long_video`), each recipe (`configs/gpu/qwen2vl_<r>.yaml`)
-costs `jaxmllm.plan.cost`'s training FLOPs per sampled frame (its LLM tokens and vision patches,
+costs `jaxmllm.cost.model`'s training FLOPs per sampled frame (its LLM tokens and vision patches,
 shared over the mix's video frames); --gpus GPUs at --tflops each (400: an H100 at ~40% of its
 bf16 peak) consume gpus x tflops / FLOPs-a-frame sampled frames/s, and the host needs that over
 one process's rate in worker processes (each of the threaded ones owning --threads cores), and
@@ -74,6 +74,7 @@ def read_rate(path: Path, params, repeat: int, way: str, threads: int, cache=Non
     """Sampled frames/s of `load_video` on one file read `way` (decode / cache; median of
     `repeat`), and what the decoder did for them."""
     from jaxmllm.data.media import video
+    from jaxmllm.data.media.container import set_decode_threads
 
     rule = video.VideoRule.of(params)
     info = video.read_video_info(path)
@@ -89,7 +90,7 @@ def read_rate(path: Path, params, repeat: int, way: str, threads: int, cache=Non
                 raise RuntimeError(f"the bench's frame cache missed ({why})")
             return groups
 
-    video.set_decode_threads(threads)
+    set_decode_threads(threads)
     try:
         if cache is None:
             video.decode_frames(
@@ -107,7 +108,7 @@ def read_rate(path: Path, params, repeat: int, way: str, threads: int, cache=Non
             cpu.append(time.process_time() - t0)
             wall.append(time.perf_counter() - w0)
     finally:
-        video.set_decode_threads(0)
+        set_decode_threads(0)
     dt, dw = statistics.median(cpu), statistics.median(wall)
     return {
         "sampled_frames": n,
@@ -146,7 +147,7 @@ def host_demand(recipe: str, tflops: float, gpus: int) -> dict:
     video frame (the mix's LLM tokens and vision patches over its video frames)."""
     from jaxmllm.bench.mixes import long_video
     from jaxmllm.config import load_config
-    from jaxmllm.plan.cost import CostModel
+    from jaxmllm.cost.model import CostModel
 
     cfg = load_config(f"configs/gpu/qwen2vl_{recipe}.yaml", [])
     cost = CostModel.from_model(cfg.model)
@@ -172,7 +173,7 @@ WAYS = ("decode x1", "decode xN", "cache")
 
 def main(argv: list[str] | None = None) -> int:
     from jaxmllm.config import load_config
-    from jaxmllm.data.media.video import cores
+    from jaxmllm.data.media.container import cores
     from jaxmllm.data.preprocess import Params
 
     p = argparse.ArgumentParser(

@@ -7,7 +7,8 @@ stops the run at start-up with a message that says what to change.
 Rooms, bottom to top: `checks` (ConfigError and the checks), `remat` (the rematerialisation
 policies by name), `blocks` (what a tower's blocks are made of), `decoder` (the LLM and its
 mixture of experts), `model` (encoders, decoder, how they compute), `sections` (mesh, pipeline,
-batch, data, optimizer, loop, launch), `load` (the whole `Config`, YAML and overrides).
+batch, data, optimizer, loop, launch), `yamlfile` (YAML as configs read it), `load` (the whole
+`Config`, YAML and overrides).
 """
 
 from jaxmllm.config.checks import ConfigError, UserError

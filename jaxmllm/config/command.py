@@ -1,5 +1,8 @@
-"""How every `python -m jaxmllm.*` command ends: its own exit code, or one message.
+"""How every `python -m jaxmllm.*` command takes its config and how it ends: its own exit code,
+or one message.
 
+    add_config_args(parser)   # --config FILE --set a.b=1 c.d=2 ... (one parser for all)
+    configure_logging(logging.WARNING, ours=logging.INFO)   # lines with their time and level
     if __name__ == "__main__":
         sys.exit(run(main))
 
@@ -14,14 +17,49 @@ jaxmllm and keeps its traceback.
 
 from __future__ import annotations
 
+import argparse
+import logging
 import sys
 from collections.abc import Callable
 
 from jaxmllm.config.checks import UserError
-from jaxmllm.config.printable import printable
+from jaxmllm.config.printable import guard_logs, printable
 
 EXIT_USER = 2  # what the user can fix: the message says what
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
+SET_HELP = "override config values, e.g. --set optim.lr=3e-4 train.steps=50"
+
+
+def add_config_args(
+    parser: argparse.ArgumentParser,
+    *,
+    required: bool = True,
+    default: str | None = None,
+    config_help: str = "experiment YAML, e.g. configs/tiny.yaml",
+    set_help: str = SET_HELP,
+) -> None:
+    """`--config FILE` and `--set KEY=VALUE ...`, as every command takes them: one `--set`
+    takes several pairs, and it may be repeated (`load_config(args.config, args.set)`; an
+    error an override causes names the `--set`, not the file)."""
+    parser.add_argument("--config", required=required, default=default, help=config_help)
+    parser.add_argument(
+        "--set",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"{set_help} (several after one --set, or --set repeated)",
+    )
+
+
+def configure_logging(level: int = logging.INFO, ours: int | None = None) -> None:
+    """Log lines with their time and level, at `level` and above (jaxmllm's own at `ours`,
+    default `level`), record ids and file names in them escaped (`guard_logs`). Forced:
+    importing grain installed a handler on the root logger already, beside which
+    `basicConfig` alone does nothing (the lines had no time)."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s", force=True)
+    guard_logs()
+    logging.getLogger("jaxmllm").setLevel(level if ours is None else ours)
 
 
 def run(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:

@@ -9,6 +9,8 @@ from datetime import datetime
 
 from jaxmllm.config.checks import check
 
+BYTE_VOCAB = 264  # the byte tokenizer's ids: 256 bytes, then jaxmllm's 8 reserved specials
+
 
 @dataclass(frozen=True)
 class SyntheticConfig:
@@ -196,6 +198,12 @@ class DataConfig:
     # Bytes of a media file (or inline media, or a manifest line), from its size before any
     # byte is read; over it: media_too_large (a line: malformed_line)
     max_media_bytes: int = 1 << 30
+    # Bytes of memory a process reading records may spend on one (decoding an image or a clip,
+    # parsing a JSON line, a Parquet row group), estimated before it is read; over it: a
+    # counted reject, over_memory_budget. 0 = half the machine's (or its cgroup's) memory
+    # shared by the processes reading side by side (data.workers, an index's --workers), at
+    # least 256 MiB
+    worker_memory: int = 0
     # true: media paths may lead anywhere (absolute paths kept on purpose); they are still read
     # only as regular files, within the caps above
     allow_outside_paths: bool = False
@@ -213,6 +221,11 @@ class DataConfig:
     video_frame_min_pixels: int = 3136
     video_frame_max_pixels: int = 602112
     video_max_pixels: int = 3211264  # 4096 LLM tokens of 28 x 28 pixels
+    # Each temporal patch of a video preceded by its time as text, `<1.5 seconds>` (the mean
+    # of its first and last sampled frames' times), and wrapped in the tokenizer's vision
+    # start and end tokens where it has them, as Qwen3-VL's processor writes a video; M-RoPE
+    # then places each temporal patch as an image of its own (`hf import` of a Qwen3-VL sets it)
+    video_timestamps: bool = False
     # Video caps, checked on the container's header before any frame is decoded (index and
     # loader alike): its length, and its frames x width x height (the most decoding can
     # produce: 2^38 is 75 minutes of 1080p at 30 fps); a stored frame is also held to
@@ -220,6 +233,12 @@ class DataConfig:
     max_video_seconds: float = 3600.0
     max_video_decoded_pixels: int = 1 << 38
     on_error: str = "skip"  # bad or missing media, bad lines, placeholder mismatch: skip | fail
+    # The share of the samples a run draws that may fail to load (media deleted, changed or
+    # out of reach since the index was built: each a counted load-time reject, its slots
+    # padding) before the run stops, exit 2, naming the commonest reason: media missing on
+    # this host (an index built on another machine) fail them all. Judged over the run so far
+    # once 32 samples are drawn, and at its last step; 1 = never stop
+    max_load_rejects: float = 0.1
     on_oversize: str = "shrink"  # a sample no bucket can hold: shrink | truncate | skip | fail
     workers: int = 0  # preprocessing worker processes; 0 = in the training process
     # Read videos' sampled, resized frames from the data set's frame cache (`python -m
@@ -241,6 +260,12 @@ class DataConfig:
             "source",
         )
         check(self.format in FORMATS, f"must be one of {', '.join(FORMATS)}", "format")
+        check(self.worker_memory >= 0, "must be >= 0 bytes (0: auto)", "worker_memory")
+        check(
+            0 <= self.max_load_rejects <= 1,
+            "must be a share from 0 to 1 (1: never stop)",
+            "max_load_rejects",
+        )
         check(
             not (self.path and self.sources),
             "give data.path (one data set) or data.sources (a mixture), not both",

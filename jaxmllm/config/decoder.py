@@ -195,6 +195,9 @@ class LLMConfig(BlockOptions):
     # Attention's output gated per channel by sigmoid(x W_gate), W_gate beside each head's
     # queries (Qwen3.5's full-attention layers: q_proj twice as wide)
     attn_gate: bool = False
+    # M-RoPE's frequencies interleaved (Qwen3-VL: time, row, column, time, ... while rows and
+    # columns have theirs, then time) instead of in sections; the sections' sizes as above
+    mrope_interleaved: bool = False
     tie_embeddings: bool = False  # share input embedding and output projection
     # Tied output: logits = x . E^T / sqrt(width), unit-scale logits from jaxmllm's unit-scale
     # embedding rows; false for HF checkpoints (x . E^T)
@@ -252,7 +255,6 @@ class LLMConfig(BlockOptions):
             "mrope_section",
         )
         check(self.heads % self.kv_heads == 0, "kv_heads must divide heads", "kv_heads")
-        check(self.vocab_size >= 264, "the byte tokenizer needs at least 264 ids", "vocab_size")
         m = self.moe
         check(
             all(i < self.depth for i in m.dense_layers),

@@ -7,6 +7,7 @@ always naming the key and the file.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import datetime
 import difflib
@@ -18,10 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from jaxmllm.config import phases
 from jaxmllm.config.checks import ConfigError, check
+from jaxmllm.config.data import BYTE_VOCAB
 from jaxmllm.config.model import ModelConfig
 from jaxmllm.config.phases import ENCODERS, NAMES
 from jaxmllm.config.sections import (
@@ -33,6 +33,7 @@ from jaxmllm.config.sections import (
     PipelineConfig,
     TrainConfig,
 )
+from jaxmllm.config.yamlfile import read_yaml, shown
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,18 @@ class Config:
             "synthetic (a held-out share of the built-in data) needs data.source: synthetic; "
             "set data.eval.source: none, or jsonl / arrayrecord with a held-out data.eval.path",
             "data.eval.source",
+        )
+        # Byte ids: the built-in data's, or a data set's under data.tokenizer: byte (another
+        # tokenizer's size is checked when the source opens; a config without data, an HF
+        # checkpoint's own, needs none)
+        d = self.data
+        bytes_ = d.source == "synthetic" or (d.tokenizer == "byte" and (d.path or d.sources))
+        check(
+            not bytes_ or self.model.llm.vocab_size >= BYTE_VOCAB,
+            f"the byte tokenizer needs at least {BYTE_VOCAB} ids (256 bytes and 8 reserved "
+            f"specials){' (the built-in data is bytes)' if d.source == 'synthetic' else ''}: "
+            "raise it, or set data.tokenizer to a checkpoint's tokenizer",
+            "model.llm.vocab_size",
         )
         self._check_trains()
         if self.mesh.context > 1:
@@ -152,6 +165,12 @@ class Config:
             "positions; set model.llm.mrope_section: [0, 0, 0] or mesh.context: 1",
             "model.llm.mrope_section",
         )
+        check(
+            not (self.model.vision.enabled and self.model.vision.deepstack),
+            f"{list(self.model.vision.deepstack)} (DeepStack) is not supported with "
+            f"mesh.context={self.mesh.context}: set mesh.context: 1",
+            "model.vision.deepstack",
+        )
 
     def _check_experts(self) -> None:
         """Expert parallelism splits a mixture of experts' experts evenly; what the MoE decoder
@@ -225,11 +244,18 @@ class Config:
             check(
                 p.placement(name) != "stages" or phase.encoder(m).stages_ok,
                 f"the {name} tower's options (model.{name}: class_token, window, final_norm: "
-                f"false, pool) run only as a whole tower: set pipeline.{name}: data (or auto)",
+                f"false, deepstack, pool) run only as a whole tower: set pipeline.{name}: data "
+                "(or auto)",
                 f"pipeline.{name}",
             )
         # Not (yet) run inside the pipeline's shard_map over the stages.
         stage = f"with mesh.stage={self.mesh.stage} (pipeline stages)"
+        check(
+            not (m.vision.enabled and m.vision.deepstack),
+            f"{list(m.vision.deepstack)} (DeepStack: the tower's features added in the LLM's "
+            f"first layers) is not supported {stage}: set mesh.stage: 1",
+            "model.vision.deepstack",
+        )
         check(
             self.mesh.context == 1,
             f"context parallelism is not supported {stage}: set mesh.context: 1 or mesh.stage: 1",
@@ -290,15 +316,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             text = Path(path).read_text()
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-        try:
-            raw = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raw = read_yaml(text, str(path)) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    for item in overrides:
-        _apply_override(raw, item)
-    cfg = from_dict(Config, raw, source=source)
+    given = copy.deepcopy(raw) if overrides else raw
+    keys = [_apply_override(raw, item) for item in overrides]
+    try:
+        cfg = from_dict(Config, raw, source=source)
+    except ConfigError as e:
+        raise _named(e, source, given, list(overrides), keys) from None
     if path is not None:  # (not a field: a command that rebuilds what it needs names it)
         cfg.__dict__["_origin"] = (str(path), [str(o) for o in overrides])
     return cfg
@@ -317,24 +343,47 @@ def keep_origin(changed: Config, cfg: Config) -> Config:
     return changed
 
 
-def _apply_override(raw: dict, item: str) -> None:
+def _named(error: ConfigError, source: str, given: dict, overrides: list, keys: list):
+    """`error` of a config with `--set` overrides, named by what caused it: the override(s)
+    whose key it names (or all of them) when the file (the defaults) alone loads or fails
+    otherwise; the file, as `error` says, when it fails alone the same way."""
+    if not overrides:
+        return error
+    try:
+        from_dict(Config, given, source=source)
+    except ConfigError as alone:
+        if str(alone) == str(error):
+            return error  # (the file's own)
+    message = str(error).removeprefix(f"{source}: ")
+    named = [item for item, key in zip(overrides, keys, strict=True) if key in message]
+    return ConfigError(f"--set {' '.join(map(_cut, named or overrides))}: {message}")
+
+
+def _cut(item: str, most: int = 100) -> str:
+    """An override as a message names it: whole up to `most` characters, else its start and
+    its length (a 10k-character value is not printed back)."""
+    return item if len(item) <= most else f"{item[: most - 20]}... ({len(item):,} characters)"
+
+
+def _apply_override(raw: dict, item: str) -> str:
+    """Sets `item` (key.path=value) in `raw`; returns its dotted key."""
     key, sep, value = item.partition("=")
     if not sep or not key:
-        raise ConfigError(f"--set {item!r}: expected key.path=value, e.g. optim.lr=3e-4")
+        raise ConfigError(f"--set {shown(item)}: expected key.path=value, e.g. optim.lr=3e-4")
     node = raw
     parts = key.strip().split(".")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"--set {item!r}: {part} is not a section")
-    try:
-        node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError as e:  # e.g. a `!!python/object` tag safe_load refuses, or bad syntax
-        problem = str(e).splitlines()[0][:200]
+            raise ConfigError(f"--set {shown(item)}: {part} is not a section")
+    try:  # (a `!!python/object` tag the safe loader refuses, bad syntax, an alias bomb)
+        node[parts[-1]] = read_yaml(value, f"--set {key.strip()}") if value.strip() else ""
+    except ConfigError as e:
         raise ConfigError(
-            f"--set {key.strip()}: the value {value[:80]!r} is not valid YAML ({problem}); "
-            "quote it as a string or give a plain number, list or mapping"
+            f"{e} (the value {shown(value)}: quote it as a string or give a plain number, list "
+            "or mapping)"
         ) from None
+    return key.strip()
 
 
 def from_dict(cls: type, raw: Any, *, source: str = "<dict>", prefix: str = "") -> Any:
@@ -389,7 +438,7 @@ def _coerce(tp: Any, value: Any, *, source: str, key: str) -> Any:
         tp = next(a for a in args if a is not type(None))
     if origin is tuple and typing.get_args(tp)[-1:] == (Ellipsis,):  # any length: tuple[int, ...]
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{source}: {key} must be a list, got {value!r}")
+            raise ConfigError(f"{source}: {key} must be a list, got {shown(value)}")
         item = typing.get_args(tp)[0]
         return tuple(
             _coerce(item, v, source=source, key=f"{key}[{i}]") for i, v in enumerate(value)
@@ -398,7 +447,7 @@ def _coerce(tp: Any, value: Any, *, source: str, key: str) -> Any:
         args = typing.get_args(tp)
         if not isinstance(value, list | tuple) or len(value) != len(args):
             raise ConfigError(
-                f"{source}: {key} must be a list of {len(args)} values, got {value!r}"
+                f"{source}: {key} must be a list of {len(args)} values, got {shown(value)}"
             )
         return tuple(
             _coerce(a, v, source=source, key=f"{key}[{i}]")
@@ -416,15 +465,15 @@ def _coerce(tp: Any, value: Any, *, source: str, key: str) -> Any:
         # NaN is a number nowhere downstream (a config.json's rope_theta NaN made every loss
         # NaN); infinity only as a cap, where it means none (data.max_audio_seconds: .inf).
         if not (value == math.inf and key.rpartition(".")[2].startswith("max_")):
-            raise ConfigError(f"{source}: {key} must be a finite number, got {value!r}")
+            raise ConfigError(f"{source}: {key} must be a finite number, got {shown(value)}")
     if tp is bool and not isinstance(value, bool):
-        raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
+        raise ConfigError(f"{source}: {key} must be true or false, got {shown(value)}")
     if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"{source}: {key} must be an integer, got {value!r}")
+        raise ConfigError(f"{source}: {key} must be an integer, got {shown(value)}")
     if tp is str and isinstance(value, datetime.date):  # YAML reads 2024-07-26 as a date
         return value.isoformat()
     if tp in (float, str) and not isinstance(value, tp):
-        raise ConfigError(f"{source}: {key} must be a {tp.__name__}, got {value!r}")
+        raise ConfigError(f"{source}: {key} must be a {tp.__name__}, got {shown(value)}")
     return value
 
 

@@ -11,6 +11,8 @@ from jaxmllm.config.decoder import LLMConfig
 from jaxmllm.config.lora import PROJECTOR_TARGETS, LoraConfig
 from jaxmllm.config.remat import REMAT_POLICIES, upgrade_legacy
 
+RESIZES = ("bicubic", "bilinear")  # how a learned position table meets an image's grid
+
 
 @dataclass(frozen=True)
 class VisionConfig(BlockOptions):
@@ -27,9 +29,14 @@ class VisionConfig(BlockOptions):
     rope_theta: float = 10000.0  # 2D rotary base
     # Where patches learn their place: rope (2D rotary by row and column in every attention) |
     # learned (SigLIP: a table of position_grid x position_grid rows added to the patch
-    # embeddings, resized bicubically to each image's grid)
+    # embeddings, resized to each image's grid)
     positions: str = "rope"
-    position_grid: int = 0  # side of the learned table (positions: learned); SigLIP-384/14: 27
+    # Side of a learned table of positions added to the patch embeddings (0: none): positions:
+    # learned needs one (SigLIP-384/14: 27); with rope it is added too (Qwen3-VL: 48)
+    position_grid: int = 0
+    # How the table is resized to each image's grid: bicubic (torch's, align_corners false:
+    # SigLIP, CLIP) | bilinear (align_corners true: Qwen3-VL)
+    position_resize: str = "bicubic"
     patch_bias: bool = True  # a bias on the patch embedding (Qwen2-VL's has none)
     # Frames per patch of a video-capable patch embedding (Qwen2-VL: 2): a video's temporal
     # patch is this many frames of a patch side by side; an image repeats its one frame
@@ -62,12 +69,17 @@ class VisionConfig(BlockOptions):
     # 0: every block over the whole image. A multiple of merge
     window: int = 0
     full_blocks: tuple[int, ...] = ()  # with window: the blocks (0-based) over the whole image
+    # DeepStack (Qwen3-VL): the blocks (0-based) whose outputs, merged as the projector merges
+    # (merge x merge patches a token) by projectors of their own (a LayerNorm over the merged
+    # width, then fc1, GELU, fc2), are added to the LLM's hidden states at the image's and
+    # video's tokens after its first len(deepstack) layers, the k-th after layer k
+    deepstack: tuple[int, ...] = ()
 
     @property
     def stages_ok(self) -> bool:
         """Whether its blocks run as pipeline stages (`pipeline.vision: stages`): not with class
         tokens, windows or no final norm, which only the whole tower's call lays out."""
-        return not (self.class_token or self.window or not self.final_norm)
+        return not (self.class_token or self.window or not self.final_norm or self.deepstack)
 
     # What the phase table (jaxmllm.config.phases) reads of an encoder: its units (patches),
     # how many make an LLM token and an encoder row, and one unit's input and position.
@@ -102,6 +114,20 @@ class VisionConfig(BlockOptions):
             "positions: learned needs the table's side (e.g. 27 for SigLIP at 384 px / 14)",
             "position_grid",
         )
+        check(self.position_grid >= 0, "must be >= 0 (0: no learned table)", "position_grid")
+        check(
+            self.position_resize in RESIZES,
+            f"must be one of {', '.join(RESIZES)}",
+            "position_resize",
+        )
+        deep = tuple(self.deepstack)
+        object.__setattr__(self, "deepstack", deep)
+        check(
+            all(isinstance(i, int) and 0 <= i < self.depth for i in deep)
+            and len(set(deep)) == len(deep),
+            f"{list(deep)}: must be distinct block indices in [0, depth={self.depth})",
+            "deepstack",
+        )
         check(self.projector_dim >= 0, "must be >= 0 (0: the LLM's width)", "projector_dim")
         check(
             math.isfinite(self.tokens_per_second) and self.tokens_per_second >= 0,
@@ -132,6 +158,11 @@ class VisionConfig(BlockOptions):
             not full or self.window > 0,
             "needs window > 0 (the other blocks' windows)",
             "full_blocks",
+        )
+        check(
+            not (deep and self.window),
+            "DeepStack and windows together are not supported (no tower has both)",
+            "deepstack",
         )
         check(
             not (self.class_token and self.window),
@@ -283,7 +314,7 @@ class ModelConfig:
     # dense: every pair of a row, masked (the reference; memory and time grow with row_len^2) |
     # cudnn: cuDNN's fused attention over the packed documents (GPU only) | auto: cudnn on
     # Hopper or newer NVIDIA GPUs, block_sparse elsewhere, resolved at start-up
-    # (jaxmllm.plan.sizing.resolve_attention) and printed; models never see auto
+    # (jaxmllm.resolve.attention.resolve_attention) and printed; models never see auto
     attention: str = "block_sparse"
 
     def __post_init__(self):
@@ -295,6 +326,12 @@ class ModelConfig:
             "class tokens or windows (model.vision.class_token, window) needs block_sparse or "
             "dense",
             "attention",
+        )
+        check(
+            not (v.enabled and len(v.deepstack) > self.llm.depth),
+            f"{list(v.deepstack)}: DeepStack adds each of these blocks' features after one of "
+            f"the LLM's first layers, and it has {self.llm.depth}",
+            "vision.deepstack",
         )
         for key in ("compute_dtype", "param_dtype"):
             check(getattr(self, key) in ("float32", "bfloat16"), "must be float32 or bfloat16", key)

@@ -184,6 +184,6 @@ def enabled(model: Any) -> tuple[Phase, ...]:
 
 def in_batch(model: Any, batch: Any) -> tuple[Phase, ...]:
     """The encoder phases a step runs: those the model has whose bucket (batch.<capacity>) is
-    not zero. A phase the data has no items of gets a zero bucket (`plan.sizing.resolve_batch`):
+    not zero. A phase the data has no items of gets a zero bucket (`resolve.sizing.resolve_batch`):
     its encoder is left out of the step, its parameters kept (and not trained)."""
     return tuple(p for p in enabled(model) if p.bucket(batch) > 0)

@@ -37,7 +37,7 @@ LONG_VARIANTS = 2  # most long variants of a step (`jaxmllm.plan.ladder.MAX_VARI
 
 # XLA:CPU makes any number of virtual devices, each with its own threads and buffers: 100,000
 # crashed it after 90 s. A process may split its cores into at most this many devices each
-# (`jaxmllm.loop.distributed.split_cpu` checks it against the machine), 256 at least.
+# (`jaxmllm.process.distributed.split_cpu` checks it against the machine), 256 at least.
 MAX_CPU_DEVICES_PER_CORE = 32
 
 
@@ -85,7 +85,7 @@ PLACEMENTS = ("auto", "stages", "data")
 class PipelineConfig:
     """Pipeline parallelism (`mesh.stage` > 1): how layers and encoders are split into stages.
 
-    Left on auto, a partitioner (jaxmllm/plan/stages/partition.py) chooses from the cost model,
+    Left on auto, a partitioner (jaxmllm/pipeline/partition.py) chooses from the cost model,
     with the frozen modules' multipliers, and prints the plan at start-up.
     """
 
@@ -258,9 +258,15 @@ class TrainConfig:
     async_checkpointing: bool = True  # write checkpoints in the background
     progress_bar: bool = True  # tqdm bar on the terminal
     max_nonfinite_steps: int = 5  # stop after this many skipped (NaN/inf) steps in a row; 0 = never
+    # A step (its batch, the device's work, the loop's bookkeeping) that takes longer ends the
+    # process, exit 4, naming the step and where it was (a collective that never completes, a
+    # stuck device), for the scheduler to restart it from the last checkpoint; a SIGTERM the
+    # loop cannot take while a step hangs does the same. 0 = auto: 10x the median step, at
+    # least 300 s; .inf = never. The first 5 steps (which compile) get an hour at least.
+    max_step_seconds: float = 0.0
     ledger: bool = False  # write the sample ids of every step to <output_dir>/ledger/ (audits)
     record_timings: bool = True  # each step's time and work to timings.jsonl (calibration)
-    # XLA's GPU scheduling flags (jaxmllm/loop/xla_flags.py: latency-hiding scheduler,
+    # XLA's GPU scheduling flags (jaxmllm/process/xla_flags.py: latency-hiding scheduler,
     # pipelined collectives, double buffering) added when the backend is a GPU; XLA_FLAGS wins
     xla_gpu_flags: bool = True
     peak_tflops: float = 0.0  # a device's dense bf16 peak for MFU; 0: from its kind (or no MFU)
@@ -272,6 +278,7 @@ class TrainConfig:
     def __post_init__(self):
         positive(self, "steps", "log_every", "checkpoint_every", "keep_checkpoints")
         check(self.eval_every >= 0, "must be >= 0 (0: at the last step only)", "eval_every")
+        check(self.max_step_seconds >= 0, "must be >= 0 (0: auto; .inf: never)", "max_step_seconds")
         check(self.max_nonfinite_steps >= 0, "must be >= 0 (0 = never stop)", "max_nonfinite_steps")
         check(self.peak_tflops >= 0, "must be >= 0 (0: from the device's kind)", "peak_tflops")
 

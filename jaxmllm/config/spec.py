@@ -1,10 +1,11 @@
 """The resolved batch: every size the step's arrays are shaped by, with no `auto` or -1 left.
 
 `batch.capacity: auto` and the -1 sizes of `BatchConfig` are resolved against the data once, at
-start-up (`jaxmllm.plan.sizing.resolve_batch`, dry runs of the planner included); the resolved
+start-up (`jaxmllm.resolve.sizing.resolve_batch`, dry runs of the planner included); the resolved
 config is kept with the checkpoints. What shapes arrays (the model, bucketize, the feed) takes a
-`BatchSpec` of it, which holds the resolved values only and refuses a config that still has a
-sentinel, naming the key, so no shape is ever made from one.
+`BatchSpec` of it, which refuses a config that still has a sentinel, naming the key, so no shape
+is ever made from one; the planner's capacities and the limits on one sample are derived from
+the same spec.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import ml_dtypes
 import numpy as np
 
 from jaxmllm.config.checks import ConfigError
-from jaxmllm.config.phases import LLM, enabled, in_batch
+from jaxmllm.config.phases import ENCODERS, LLM, enabled, in_batch
 
-RESOLVE = "resolve it against the data first (jaxmllm.plan.sizing.resolve_batch; the trainer does)"
+RESOLVE = (
+    "resolve it against the data first (jaxmllm.resolve.sizing.resolve_batch; the trainer does)"
+)
 
 
 @dataclass(frozen=True)
@@ -67,28 +70,63 @@ class Inputs:
 
 @dataclass(frozen=True)
 class BatchSpec:
-    """Per device and microbatch, the sizes of a step's buckets, all resolved."""
+    """Per device and microbatch, the sizes of a step's buckets: the one spec of what fits a
+    bucket, from which every layer takes its limits. The planner's capacities are derived from
+    it (`jaxmllm.plan.contract.Capacities.of`), so are the data layer's limits on one sample
+    (`jaxmllm.data.oversize.sample_limits`: a context group's row of LLM tokens, each encoder
+    bucket of a fixed size) and the arrays bucketize fills and the model takes.
+
+    `of(cfg)` refuses a config with a size still -1 or auto (naming the key), except the tile
+    capacities: a model can be built without them, a batch cannot (`tile_caps` refuses);
+    `of(cfg, resolved=False)` is the spec of a config the data has not sized yet (start-up:
+    the limits on a sample, the dry runs that size the rest), its sentinels in `unresolved`.
+    """
 
     microbatches: int
     llm_rows: int
-    llm_row_len: int
+    llm_row_len: int  # tokens of a device's LLM row (a context group's: `group_row_len`)
     units: Mapping[str, int]  # per encoder phase a step runs (`phases.in_batch`): its bucket
     route_pair_capacity: int  # encoder rows one device may send another (0: local)
     exchange: str  # dense | ragged
     attention_block: int  # block-sparse attention's tile side (every encoder takes it)
-    # Per phase (the LLM's and each encoder's the model has): tiles a bucket computes
-    # (block-sparse attention only, else empty: read them with `tile_caps`), most documents a
-    # row holds (cuDNN; a tower's class tokens, one row each, when resolved: `bounded`)
+    # Per phase (the LLM's and each encoder's the step runs): tiles a bucket computes, those
+    # resolved (block-sparse attention only, else empty: read them with `tile_caps`); most
+    # documents a row holds (cuDNN; a tower's class tokens, one row each, when resolved:
+    # `bounded`)
     tiles: Mapping[str, int]
     documents: Mapping[str, int]
     # Block-sparse attention's long step variants (`jaxmllm.plan.ladder`): per variant 1, 2,
     # ... and phase, its tiles (0: the variant below's); read them with `tile_caps(variant)`
     long_tiles: tuple[Mapping[str, int], ...] = ()
-    # The tile keys still -1 (auto): a model can be built without them (its parameters do not
-    # depend on them), a batch cannot (`tile_caps` refuses)
-    unresolved_tiles: tuple[str, ...] = ()
+    # The batch keys (and `model.attention`) still -1 or auto: only tile keys in a spec of
+    # `of(cfg)`, any in one of `of(cfg, resolved=False)`
+    unresolved: tuple[str, ...] = ()
     # Per phase a step runs: how its inputs travel (uint8 pixels, normalised on the device)
     inputs: Mapping[str, Inputs] = field(default_factory=dict)
+    # mesh.context: an LLM bucket is a group of this many devices, whose rows are this many
+    # devices' rows long (the encoders keep a bucket per device)
+    context: int = 1
+    attention: str = "block_sparse"  # model.attention, resolved: the kernel
+    devices_per_host: int = 0  # data-parallel positions per host (0: all on one)
+    # Per encoder phase of the table (the model's or not): its units per LLM token (patches
+    # per merged token, frames per token) and per encoder row (what its attention sees)
+    per_token: Mapping[str, int] = field(default_factory=dict)
+    per_row: Mapping[str, int] = field(default_factory=dict)
+    # Per encoder phase the model has, the most units one sample may use: its bucket where
+    # batch.capacity is fixed; none under auto (the buckets are sized to hold the data's
+    # largest item)
+    sample_units: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def group_row_len(self) -> int:
+        """Tokens of one LLM row of a bucket: a context group's row, `context` devices' rows
+        long; the most LLM tokens one sample may have."""
+        return self.context * self.llm_row_len
+
+    @property
+    def tiled(self) -> bool:
+        """Whether buckets compute tiles (block-sparse attention): a tile capacity per phase."""
+        return self.attention == "block_sparse"
 
     def input_dtype(self, phase: str) -> np.dtype:
         """The dtype of a phase's inputs array in the batch."""
@@ -101,13 +139,11 @@ class BatchSpec:
         Raises:
           ConfigError: a tile capacity still -1 (auto), naming its key.
         """
-        if self.unresolved_tiles:
-            keys = ", ".join(f"batch.{k}" for k in self.unresolved_tiles)
-            raise ConfigError(f"{keys}=-1 or [-1] (auto) is not resolved: {RESOLVE}")
-        out = dict(self.tiles)
-        for long in self.long_tiles[:variant]:
-            out.update({p: n for p, n in long.items() if n and p in out})
-        return out
+        keys = [k for k in self.unresolved if k.endswith("_tiles")]
+        if keys:
+            named = ", ".join(f"batch.{k}" for k in keys)
+            raise ConfigError(f"{named}=-1 or [-1] (auto) is not resolved: {RESOLVE}")
+        return variant_tiles(self.tiles, self.long_tiles, variant)
 
     @property
     def variants(self) -> int:
@@ -115,39 +151,47 @@ class BatchSpec:
         return 1 + len(self.long_tiles)
 
     @classmethod
-    def of(cls, cfg: Any) -> BatchSpec:
-        """The spec of a resolved `Config`.
+    def of(cls, cfg: Any, *, resolved: bool = True) -> BatchSpec:
+        """The spec of a `Config`: resolved (default), or as the data has sized it so far.
 
         Raises:
-          ConfigError: a size still -1 (auto), naming its key.
+          ConfigError: (resolved) a size still -1 (auto), naming its key.
         """
-        return cls.from_sections(cfg.model, cfg.batch, cfg.data)
+        return cls.from_sections(cfg.model, cfg.batch, cfg.data, cfg.mesh.context, resolved)
 
     @classmethod
-    def from_sections(cls, m: Any, b: Any, data: Any = None) -> BatchSpec:
-        """The spec of a resolved ModelConfig and BatchConfig (see `of`); `data` (a DataConfig)
-        gives pixels' normalisation (default: data.image_mean's and image_std's defaults)."""
+    def from_sections(
+        cls, m: Any, b: Any, data: Any = None, context: int = 1, resolved: bool = True
+    ) -> BatchSpec:
+        """The spec of a ModelConfig and BatchConfig (see `of`); `data` (a DataConfig) gives
+        pixels' normalisation (default: data.image_mean's and image_std's defaults),
+        `context` the mesh's context groups."""
+        unresolved = []
         if m.attention == "auto":  # (what the kernel is decides tiles or documents)
-            raise ConfigError(
-                "model.attention=auto is not resolved: resolve it for the devices first "
-                "(jaxmllm.plan.sizing.resolve_attention; the trainer does)"
-            )
+            if resolved:
+                raise ConfigError(
+                    "model.attention=auto is not resolved: resolve it for the devices first "
+                    "(jaxmllm.resolve.attention.resolve_attention; the trainer does)"
+                )
+            unresolved.append("model.attention")
         on = in_batch(m, b)  # (a zero bucket: the step leaves that encoder out)
         tiles = {LLM: "llm_tiles", **{p.name: p.tiles for p in on}}
         docs = {LLM: "llm_documents", **{p.name: p.documents for p in on}}
         bounded = documents_bounded(m)
         need = {"route_pair_capacity": b.route_pair_capacity}
         sparse = m.attention == "block_sparse"
-        unresolved = tuple(k for k in tiles.values() if sparse and getattr(b, k) < 0)
+        unresolved += [k for k in tiles.values() if sparse and getattr(b, k) < 0]
         # (the long variants' [-1] is sized with the tiles when those are auto; else none)
         longs = {LLM: "llm_long_tiles", **{p.name: p.long_tiles for p in on}}
         ladder = {p: () if getattr(b, k) == (-1,) else getattr(b, k) for p, k in longs.items()}
-        count = max([len(v) for v in ladder.values()], default=0)
+        count = max([len(v) for v in ladder.values()], default=0) if sparse else 0
         if m.attention == "cudnn":
             need.update({key: getattr(b, key) for key in docs.values()})
         for key, value in need.items():
-            if value < 0:
+            if value < 0 and resolved:
                 raise ConfigError(f"batch.{key}={value} (auto) is not resolved: {RESOLVE}")
+            if value < 0:
+                unresolved.append(key)
         return cls(
             microbatches=b.microbatches,
             llm_rows=b.llm_rows,
@@ -156,22 +200,39 @@ class BatchSpec:
             route_pair_capacity=b.route_pair_capacity,
             exchange=b.exchange,
             attention_block=b.attention_block,
-            tiles={p: getattr(b, key) for p, key in tiles.items()}
-            if sparse and not unresolved
+            tiles={p: getattr(b, key) for p, key in tiles.items() if getattr(b, key) >= 0}
+            if sparse
             else {},
             documents={
                 p: getattr(b, key)
                 for p, key in docs.items()
-                if p in bounded and (m.attention == "cudnn" or getattr(b, key) > 0)
+                if p in bounded
+                and (m.attention == "cudnn" or getattr(b, key) > 0)
+                and getattr(b, key) >= 0
             },
-            unresolved_tiles=unresolved,
+            unresolved=tuple(unresolved),
             long_tiles=tuple(
-                {p: (ladder[p] or (0,) * count)[v] for p in longs} for v in range(count)
-            )
-            if sparse and not unresolved
-            else (),
+                {p: v[k] if len(v) > k else 0 for p, v in ladder.items()} for k in range(count)
+            ),
             inputs={p.name: inputs_of(p, data, m.compute_dtype) for p in on},
+            context=context,
+            attention=m.attention,
+            devices_per_host=max(b.devices_per_host, 0),
+            per_token={p.name: p.per_token(m) for p in ENCODERS},
+            per_row={p.name: p.per_row(m) for p in ENCODERS},
+            sample_units={p.name: p.bucket(b) for p in enabled(m)} if b.capacity == "fixed" else {},
         )
+
+
+def variant_tiles(
+    tiles: Mapping[str, int], long_tiles: tuple[Mapping[str, int], ...], variant: int
+) -> dict[str, int]:
+    """Per phase of `tiles`, the tiles of a step of `variant`: the base's, each long variant
+    up to `variant` raising the phases it sets (0: the variant below's)."""
+    out = dict(tiles)
+    for long in long_tiles[:variant]:
+        out.update({p: n for p, n in long.items() if n and p in out})
+    return out
 
 
 def inputs_of(p: Any, data: Any = None, compute_dtype: str = "float32") -> Inputs:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from jaxmllm.config import ConfigError, DataConfig, load_config
+from jaxmllm.config.command import add_config_args
 from jaxmllm.data.records import open_records
 from jaxmllm.data.records.arrayrecord import encode_record
 from jaxmllm.data.records.schemas import to_native
@@ -67,17 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         help="as data.media_root (default: the config's, else the data file's folder)",
     )
     p.add_argument("--out", required=True, help="the .array_record file to write")
-    p.add_argument(
-        "--config",
-        help="a config whose data.media_root, data.confine_media_to, data.allow_outside_paths "
-        "and data.max_media_bytes apply (default: their defaults)",
-    )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override them, e.g. --set data.media_root=images/",
+    add_config_args(
+        p,
+        required=False,
+        config_help="a config whose data.media_root, data.confine_media_to, "
+        "data.allow_outside_paths and data.max_media_bytes apply (default: their defaults)",
+        set_help="override them, e.g. --set data.media_root=images/",
     )
     args = p.parse_args(argv)
     if not args.out.endswith(".array_record"):

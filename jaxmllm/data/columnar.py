@@ -20,6 +20,7 @@ A folder of columns is written beside its final place and renamed into it once c
 from __future__ import annotations
 
 import glob
+import mmap
 import os
 import secrets
 import shutil
@@ -133,7 +134,7 @@ def open_column(folder: Path, file: str, table: dict[str, list]) -> np.ndarray:
             f"{path} holds {array.dtype.str} {list(array.shape)}, the summary says "
             f"{table[file][0]} {table[file][1]}"
         )
-    return array
+    return array.view(Column) if isinstance(array, np.memmap) else array
 
 
 def open_strings(folder: Path, name: str, table: dict[str, list]) -> Strings:
@@ -169,6 +170,54 @@ def window(array: np.ndarray, start: int, stop: int) -> np.ndarray:
     count = (stop - start) * row // array.itemsize
     out = np.fromfile(array.filename, array.dtype, count, offset=array.offset + start * row)
     return out.reshape(stop - start, *array.shape[1:])
+
+
+GATHER_BLOCK = 1 << 26  # bytes of a column a gather maps at once (`Column`)
+
+
+class Column(np.memmap):
+    """A mapped column whose gathers (`column[rows]`, rows an array of row numbers) leave no
+    page of it resident: the rows are read through the mapping in ascending order, a block
+    of GATHER_BLOCK bytes of the file at a time, and each block's pages are released
+    (madvise DONTNEED: the page cache keeps them, this process's memory does not) before the
+    next. Read through a plain mapping, a few thousand rows scattered over a 10^8-row column
+    bring the kernel's neighbourhood of each (fault-around, 64 KB) into the process's
+    resident memory: the whole column, gigabytes, after a step's plan. A column of at most
+    GATHER_BLOCK bytes is read as a plain mapping (it may stay resident whole). Everything
+    else is a numpy memmap's."""
+
+    def __getitem__(self, key):
+        if (
+            isinstance(key, np.ndarray | list)
+            and self._mmap is not None
+            and len(self._mmap) > GATHER_BLOCK  # (a smaller column may stay resident whole)
+            and self.ndim
+        ):
+            rows = np.asarray(key)
+            if rows.dtype.kind in "iu" and rows.size and self.strides[0] > 0:
+                return _gather(self, rows)
+        return super().__getitem__(key)
+
+
+def _gather(column: Column, rows: np.ndarray) -> np.ndarray:
+    plain = column.view(np.ndarray)
+    flat = rows.ravel().astype(np.int64, copy=False)
+    flat = np.where(flat < 0, flat + len(column), flat)  # (numpy's negative rows)
+    order = np.argsort(flat, kind="stable")
+    wanted = flat[order]
+    out = np.empty((len(flat), *column.shape[1:]), column.dtype)
+    stride = column.strides[0]
+    per = max(1, GATHER_BLOCK // stride)
+    cuts = np.flatnonzero(np.diff(wanted // per)) + 1
+    base = np.frombuffer(column._mmap, np.uint8).ctypes.data  # (the mapping's first byte)
+    start = column.ctypes.data - base
+    page = mmap.PAGESIZE
+    for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(flat)], strict=True):
+        out[order[a:b]] = plain[wanted[a:b]]
+        lo = (start + int(wanted[a]) * stride) // page * page
+        hi = min(len(column._mmap), start + (int(wanted[b - 1]) + 1) * stride)
+        column._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    return out.reshape(*rows.shape, *column.shape[1:])
 
 
 def _whole_file(array: np.ndarray) -> bool:

@@ -19,6 +19,7 @@ from pathlib import Path
 from jaxmllm.config import Config, ConfigError, config_origin
 from jaxmllm.config.data import no_data
 from jaxmllm.config.sections import files_format
+from jaxmllm.data.preprocess import Params
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,28 @@ def _glob_base(path: str) -> str:
     """The folder part of a glob before its first wildcard."""
     head = re.split(r"[*?\[]", str(path), maxsplit=1)[0]
     return head.rpartition("/")[0] or "."
+
+
+def check_index_dirs(cfg: Config, sets: list[DataSet]) -> None:
+    """Refuses data sets that would share an index folder (two data.sources given one
+    index_dir): an index is one data set's, so each build would replace the other's and
+    training would then find a data set "changed since its index" that no rebuild fixes.
+
+    Raises:
+      ConfigError: naming both data sets and the folder.
+    """
+    counted = Params.from_config(cfg).counted()
+    owner: dict[Path, DataSet] = {}
+    for ds in sets:
+        folder = index_dir(ds, counted).absolute()
+        first = owner.setdefault(folder, ds)
+        if first is not ds and str(first.path) != str(ds.path):
+            raise ConfigError(
+                f"{first.path} and {ds.path} would share the index folder {folder}/ (an "
+                "index is one data set's: each build would replace the other's): give each "
+                "data.sources entry (and data.eval) its own index_dir, or leave index_dir "
+                "empty for the keyed folder beside each data set"
+            )
 
 
 def index_command(cfg: Config) -> str:

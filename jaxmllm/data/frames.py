@@ -32,16 +32,11 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError, load_config
+from jaxmllm.config.command import add_config_args
 from jaxmllm.data.datasets import DataSet, data_sets, eval_set, index_dir
 from jaxmllm.data.frame_store import ShardWriter, merge, shard_name, source_size, verify_shard
-from jaxmllm.data.media.video import (
-    VideoInfo,
-    patches_of,
-    sampled_frames_of,
-    set_decode_threads,
-    share_of_cores,
-    video_parts,
-)
+from jaxmllm.data.media.container import set_decode_threads, share_of_cores
+from jaxmllm.data.media.video import VideoInfo, patches_of, sampled_frames_of, video_parts
 from jaxmllm.data.preprocess import Limits, Params
 from jaxmllm.data.records import read_record
 from jaxmllm.data.rejects import RecordError, failed, wrapped
@@ -231,8 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", required=True, help="the training config (its data and video rule)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    add_config_args(p, config_help="the training config (its data and video rule)")
     p.add_argument(
         "--workers",
         type=int,

@@ -51,12 +51,14 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError, load_config, printable
+from jaxmllm.config.command import add_config_args
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.config.sections import files_format
 from jaxmllm.data.columnar import publish, remove_stale, staging
 from jaxmllm.data.datasets import (
     DataSet,
     acceptance_problem,
+    check_index_dirs,
     data_sets,
     eval_set,
     index_dir,
@@ -107,8 +109,9 @@ def build_index(
 
 def data_set(cfg: Config, path: str | Path | None) -> DataSet:
     """The config's data set at `path` (one of data.sources, or data.path's settings for
-    another file); without `path`, its only one."""
-    sets = data_sets(cfg)
+    another file: a config that names no data gives its defaults); without `path`, its only
+    one."""
+    sets = data_sets(cfg) if path is None or cfg.data.source != "none" else []
     if path is None:
         if len(sets) != 1:
             raise ConfigError(
@@ -147,8 +150,10 @@ def index_data_set(
     staged = staging(out)
     (staged / "parts").mkdir()
     paths = media_paths(ds.path, files, ds.media_root, cfg.data, ds.confine)
-    ctx = context(fmt, files, paths, cfg, staged, decode)
-    pool, workers = make_pool(ctx, workers, ray or cfg.data.index_ray)
+    ray = ray or cfg.data.index_ray
+    processes = (os.cpu_count() or 1) if ray else max(1, workers)  # (Ray: a task a core)
+    ctx = context(fmt, files, paths, cfg, staged, decode, processes)
+    pool, workers = make_pool(ctx, workers, ray)
     stats = {} if stats is None else stats
     try:
         merged, ignored = run_build(pool, ctx, ds.name, workers, progress, stats)
@@ -316,8 +321,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", help="the training config (data, tokenizer, patch size, budgets)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    add_config_args(
+        p,
+        required=False,
+        config_help="the training config (data, tokenizer, patch size, budgets); without it, "
+        "--manifest is indexed with the defaults and --set",
+    )
     p.add_argument(
         "--manifest",
         help="index this data file (directory, glob) instead of the "
@@ -356,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             sets = data_sets(cfg) + [e for e in [eval_set(cfg)] if e is not None]
+        check_index_dirs(cfg, sets)
         for ds in sets:
             summary = index_data_set(
                 cfg, ds, workers=args.workers, decode=args.decode, ray=args.ray

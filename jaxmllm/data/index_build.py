@@ -23,6 +23,7 @@ saying where.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -35,6 +36,7 @@ import numpy as np
 
 from jaxmllm.config import ConfigError, DataConfig
 from jaxmllm.config.phases import KINDS
+from jaxmllm.data import budget
 from jaxmllm.data.columnar import Strings, save
 from jaxmllm.data.parts import (
     duplicates,
@@ -48,7 +50,7 @@ from jaxmllm.data.parts import (
 from jaxmllm.data.preprocess import MEDIA, Limits, Params, Preprocessor
 from jaxmllm.data.records import Records, read_record, scan_file
 from jaxmllm.data.records.record import MediaPaths
-from jaxmllm.data.rejects import RecordError, failed
+from jaxmllm.data.rejects import RecordError, failed, shown_id
 from jaxmllm.data.stored import ScanColumns
 
 MAX_CRASHED = 32  # records whose worker died, at most, before the build stops
@@ -146,7 +148,7 @@ def staged_records(ctx: BuildContext) -> Records:
     table = json.loads((folder / "scan.json").read_text())
     starts = np.load(folder / "files.records.npy", mmap_mode="r")
     scans = ScanColumns(folder, table["columns"], table["keys"], len(ctx.files))
-    caps = {"max_bytes": ctx.data.max_media_bytes}
+    caps = {"max_bytes": ctx.data.max_media_bytes, "max_memory": ctx.params.worker_memory}
     return Records([Path(f) for f in ctx.files], starts, ctx.fmt, ctx.paths, scans, "", caps)
 
 
@@ -222,8 +224,10 @@ def write_rows_part(parts: Path, a: int, rows: list[dict], rejects: list[dict]) 
     """A measure part: rows, rejects, and the rejects' count and first example by reason."""
     reasons = Counter(r["reason"] for r in rejects)
     examples: dict[str, dict] = {}
-    for r in rejects:
-        examples.setdefault(r["reason"], {k: r.get(k) for k in ("id", "detail", "where")})
+    for r in rejects:  # (an id cut to a line: the summary quotes it, the log keeps it whole)
+        examples.setdefault(
+            r["reason"], {**{k: r.get(k) for k in ("detail", "where")}, "id": shown_id(r["id"])}
+        )
     meta = json.dumps({"reasons": reasons, "examples": examples}).encode()
     arrays = {**row_part(rows), **reject_part(rejects), "meta": np.frombuffer(meta, np.uint8)}
     save_part(parts / f"rows-{a:012d}.npz", arrays)
@@ -396,7 +400,11 @@ def merge_measured(folder: Path, starts: list[int]) -> tuple[dict, Counter, dict
                     lines.append(json.dumps(entry))
                     rows.append(entry["row"])
                     where = f"record {entry['row']}"  # (a part keeps no file names)
-                    example = {"id": entry["id"], "detail": entry["detail"], "where": where}
+                    example = {
+                        "id": shown_id(entry["id"]),
+                        "detail": entry["detail"],
+                        "where": where,
+                    }
                     examples.setdefault("duplicate_id", example)
                     reasons["duplicate_id"] += 1
                 for j in np.argsort(rows, kind="stable").tolist():
@@ -415,15 +423,23 @@ def duplicate_reject(part, j: int) -> dict:
 
 
 def context(
-    fmt: str, files: list[Path], paths: MediaPaths, cfg, staged: Path, decode: bool
+    fmt: str,
+    files: list[Path],
+    paths: MediaPaths,
+    cfg,
+    staged: Path,
+    decode: bool,
+    processes: int = 1,
 ) -> BuildContext:
-    """The build's context for data files `files` of data.format `fmt`."""
+    """The build's context for data files `files` of data.format `fmt`, read by `processes`
+    side by side (the memory budget's share: `jaxmllm.data.budget`)."""
+    memory = budget.resolve(cfg.data.worker_memory, processes)
     return BuildContext(
         token=str(staged),
         files=tuple(str(f) for f in files),
         fmt=fmt,
         paths=paths,
         data=cfg.data,
-        params=Params.from_config(cfg),
+        params=dataclasses.replace(Params.from_config(cfg), worker_memory=memory),
         decode=decode,
     )

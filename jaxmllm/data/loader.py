@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxmllm.config import Config
 from jaxmllm.data import shared
-from jaxmllm.data.media.video import set_decode_threads, share_of_cores
+from jaxmllm.data.media.container import set_decode_threads, share_of_cores
 from jaxmllm.data.rejects import DataError, RecordError, RejectLog, fail_message, failed
 from jaxmllm.data.samples import Sample
 
@@ -95,10 +95,15 @@ def _load(source, i: int, keep):
 class Loader:
     """Loads samples by index; counts and logs load-time rejects to <output_dir>/rejects.jsonl."""
 
-    def __init__(self, cfg: Config, source, reject_log: str | Path | None = None):
+    def __init__(
+        self, cfg: Config, source, reject_log: str | Path | None = None, write: bool = True
+    ):
+        """`reject_log`: the file load-time rejects are appended to (default
+        <output_dir>/rejects.jsonl); `write` False: none, the caller writes the entries
+        (`RejectLog.take_entries`)."""
         self.cfg, self.source = cfg, source
-        self.raw = getattr(source, "_source", source)  # the object under grain's MapDataset
-        self.log = RejectLog(reject_log or Path(cfg.train.output_dir) / "rejects.jsonl")
+        path = reject_log or Path(cfg.train.output_dir) / "rejects.jsonl"
+        self.log = RejectLog(path if write else None)
         self.startup_written = False
         self.frames: Counter = Counter()  # videos read from the frame cache or decoded
         self.pool = None
@@ -109,7 +114,7 @@ class Loader:
                 cfg.data.workers,
                 multiprocessing.get_context("spawn"),  # JAX's threads make fork unsafe
                 initializer=_init_worker,
-                initargs=(self.raw, self.owner.token, share_of_cores(cfg.data.workers)),
+                initargs=(self.source, self.owner.token, share_of_cores(cfg.data.workers)),
             )
             weakref.finalize(self, _stop, self.pool, self.owner)
 
@@ -123,7 +128,7 @@ class Loader:
         them.
         """
         if step == 0 and not self.startup_written:  # a fresh run logs start-up repairs once
-            for entry in getattr(self.raw, "startup_rejects", []):
+            for entry in getattr(self.source, "startup_rejects", []):
                 self.log.add("_startup", {**entry, "stage": "startup"})
             self.startup_written = True
         idx = [int(i) for i in indices]
@@ -139,7 +144,7 @@ class Loader:
                 dead = self._dead(workers)
                 raise DataError(_died(self.cfg.data.workers, step, dead)) from None
         else:
-            got = [_load(self.raw, *job) for job in jobs]
+            got = [_load(self.source, *job) for job in jobs]
         out = {}
         for i, g in zip(idx, got, strict=True):
             if isinstance(g, tuple):
@@ -172,7 +177,7 @@ class Loader:
     def _record(self, i: int) -> str:
         """'<record id> (index i)', or 'index i' for a source without record ids."""
         try:
-            return f"{self.raw.record_id(i)} (index {i})"
+            return f"{self.source.record_id(i)} (index {i})"
         except Exception:  # noqa: BLE001  (none, or one that fails: the index still says)
             return f"index {i}"
 
@@ -183,11 +188,11 @@ class Loader:
 
     def counts(self) -> dict[str, float]:
         """Cumulative reject counts for the step metrics ({} for the synthetic source)."""
-        if not hasattr(self.raw, "index_rejects"):
+        if not hasattr(self.source, "index_rejects"):
             return {}
-        out = {"rejects/index_total": float(sum(self.raw.index_rejects.values()))}
-        out.update({f"rejects/index_{k}": float(v) for k, v in self.raw.index_rejects.items()})
-        for entry in self.raw.startup_rejects:
+        out = {"rejects/index_total": float(sum(self.source.index_rejects.values()))}
+        out.update({f"rejects/index_{k}": float(v) for k, v in self.source.index_rejects.items()})
+        for entry in self.source.startup_rejects:
             key = f"rejects/oversize_{entry['action']}"
             out[key] = out.get(key, 0.0) + 1.0
         loads = {k: v for k, v in self.log.counts.items() if k.startswith("load_")}

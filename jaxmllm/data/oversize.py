@@ -1,7 +1,8 @@
 """data.on_oversize: what happens to a sample no bucket can hold, decided at start-up.
 
-`apply_oversize` finds the samples over a bound (the LLM row, and the encoder buckets when
-their size is fixed) in one vectorised pass over the index's counts, a window of rows at a
+`apply_oversize` finds the samples over a bound (`sample_limits` of the bucket spec: an LLM row
+of a bucket, a context group's under context parallelism, and the encoder buckets when their
+size is fixed) in one vectorised pass over the index's counts, a window of rows at a
 time (memory bounded whatever the index's size), then applies the policy to those alone:
 shrink lowers the image and video pixel budgets until the sample fits, then trims audio, cuts
 videos and the sequence; truncate only trims and cuts; skip drops the sample; fail stops
@@ -15,8 +16,9 @@ import dataclasses
 
 import numpy as np
 
-from jaxmllm.config import Config, phases
+from jaxmllm.config import Config
 from jaxmllm.config.phases import BY_NAME, ENCODERS
+from jaxmllm.config.spec import BatchSpec
 from jaxmllm.data.columnar import CHUNK, window
 from jaxmllm.data.lengths import Items, LengthsIndex
 from jaxmllm.data.preprocess import MEDIA, Limits, Preprocessor
@@ -24,13 +26,13 @@ from jaxmllm.data.records import read_record
 from jaxmllm.data.rejects import DataError, RecordError, fail_message
 
 
-def bucket_limits(cfg: Config) -> Limits:
-    """What one sample may use: the LLM row always; encoder buckets when their size is fixed
-    (`batch.capacity: auto` sizes them from the data, so they always fit)."""
-    b, m = cfg.batch, cfg.model
-    fixed = b.capacity == "fixed"
-    units = {p.name: p.bucket(b) for p in phases.enabled(m)} if fixed else {}
-    return Limits(max_tokens=b.llm_row_len, max_units=units)
+def sample_limits(spec: BatchSpec) -> Limits:
+    """What one sample may use, from the bucket spec: an LLM row of a bucket (a context
+    group's row under context parallelism, `BatchSpec.group_row_len`: the planner places a
+    sample's text on a group and deals its blocks to the group's devices), and each encoder
+    bucket whose size is fixed (`batch.capacity: auto` sizes them from the data, so they always
+    fit)."""
+    return Limits(max_tokens=spec.group_row_len, max_units=dict(spec.sample_units))
 
 
 def apply_oversize(cfg: Config, stored, records, pre: Preprocessor):
@@ -39,11 +41,12 @@ def apply_oversize(cfg: Config, stored, records, pre: Preprocessor):
     Returns (the planner's lengths, the index row of each sample or None where that is the
     sample's own, repairs by sample, reject entries).
     """
-    caps, policy = bucket_limits(cfg), cfg.data.on_oversize
+    spec = BatchSpec.of(cfg, resolved=False)  # (before the data sized the rest)
+    caps, policy = sample_limits(spec), cfg.data.on_oversize
     index = stored.lengths()
     if within_bounds(stored.summary, caps):  # (the build's maxima: nothing to look for)
         return index, None, {}, []
-    over, needs = over_bounds(index, pre.per_token, caps)
+    over, needs = over_bounds(index, pre.per_token, caps, row_key(spec))
     if not len(over):
         return index, None, {}, []
     repaired: dict[int, tuple[Limits, dict]] = {}
@@ -81,12 +84,22 @@ def within_bounds(summary: dict, caps: Limits) -> bool:
     return all(isinstance(most[k], int) and most[k] <= bounds[k] for k in bounds)
 
 
-def over_bounds(index: LengthsIndex, per_token, caps: Limits) -> tuple[np.ndarray, list[str]]:
-    """The samples over a bound of `caps` (in order), and what each is over, in words."""
-    bounds = [("tokens", caps.max_tokens, "llm_row_len", None)]
+def row_key(spec: BatchSpec) -> str:
+    """The config key(s) that set the tokens of a sample's row, for messages."""
+    if spec.context == 1:
+        return "batch.llm_row_len"
+    return f"batch.llm_row_len x mesh.context (a context group's row, context {spec.context})"
+
+
+def over_bounds(
+    index: LengthsIndex, per_token, caps: Limits, row: str = "batch.llm_row_len"
+) -> tuple[np.ndarray, list[str]]:
+    """The samples over a bound of `caps` (in order), and what each is over, in words (`row`:
+    the key of the LLM row's bound)."""
+    bounds = [("tokens", caps.max_tokens, row, None)]
     for name, cap in caps.max_units.items():
         p = BY_NAME[name]
-        bounds.append((p.unit, cap, p.capacity, name))
+        bounds.append((p.unit, cap, f"batch.{p.capacity}", name))
     found, words = [], []
     for start in range(0, len(index), CHUNK):
         stop = min(len(index), start + CHUNK)
@@ -100,7 +113,7 @@ def over_bounds(index: LengthsIndex, per_token, caps: Limits) -> tuple[np.ndarra
         for j in np.flatnonzero(over).tolist():
             found.append(start + j)
             over_what = [
-                f"{need[phase][j]} {unit} > batch.{key}={cap}"
+                f"{need[phase][j]} {unit} > {key}={cap}"
                 for unit, cap, key, phase in bounds
                 if need[phase][j] > cap
             ]

@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxmllm.config import Config, ConfigError, phases
 from jaxmllm.config.phases import BY_NAME, ENCODERS, KIND, KINDS, NAMES
+from jaxmllm.data import budget
 from jaxmllm.data.media.audio import Caps, chunk_lengths, clip_frames
 from jaxmllm.data.media.image import image_grid
 from jaxmllm.data.media.kinds import MEDIA
@@ -66,6 +67,7 @@ class Params:
     video_frame_min_pixels: int = 3136
     video_frame_max_pixels: int = 602112
     video_max_pixels: int = 3211264
+    video_timestamps: bool = False  # (Qwen3-VL's: the time before each temporal patch)
     # M-RoPE's time per second of video (model.vision.tokens_per_second; 0: one step per
     # temporal patch): it places tokens, it does not count them
     video_tokens_per_second: float = field(default=0.0, compare=False)
@@ -86,6 +88,9 @@ class Params:
     # A tokenizer directory's template date is part of tokenizer_sha256 (it decides counts).
     template_date: str = field(default=DEFAULT_DATE, compare=False)
     max_tokenizer_bytes: int = field(default=MAX_TOKENIZER_BYTES, compare=False)
+    # The memory one record may cost a process reading it (`jaxmllm.data.budget`), in bytes,
+    # resolved for the processes reading side by side (0: no budget)
+    worker_memory: int = field(default=0, compare=False)
 
     @classmethod
     def from_config(cls, cfg: Config) -> Params:
@@ -116,6 +121,7 @@ class Params:
             video_frame_min_pixels=d.video_frame_min_pixels,
             video_frame_max_pixels=d.video_frame_max_pixels,
             video_max_pixels=d.video_max_pixels,
+            video_timestamps=d.video_timestamps,
             video_tokens_per_second=v.tokens_per_second,
             mel=d.mel,
             max_image_pixels=d.max_image_pixels,
@@ -128,25 +134,48 @@ class Params:
             max_video_decoded_pixels=d.max_video_decoded_pixels,
             template_date=d.template_date,
             max_tokenizer_bytes=d.max_tokenizer_bytes,
+            worker_memory=budget.resolve(d.worker_memory, max(1, d.workers)),
         )
 
-    def image_caps(self) -> tuple[int, int, int, int]:
+    def image_caps(self) -> tuple[int, int, int, int, int]:
         """What an image may cost before it is decoded (`image.open_image`'s caps, in order)."""
         return (
             self.max_image_pixels,
             self.max_media_bytes,
             self.max_image_scans,
             self.max_image_scan_pixels,
+            self.worker_memory,
         )
+
+    def image_grid(self, max_pixels: int = 0) -> tuple[int, int, int, int]:
+        """What images are resized to (`image.Grid`), within `max_pixels` (default
+        data.image_max_pixels)."""
+        high = max_pixels or self.image_max_pixels
+        return (self.patch_size, self.merge, min(self.image_min_pixels, high), high)
 
     def audio_caps(self) -> Caps:
         """What a clip may cost before it is decoded."""
-        return Caps(self.max_audio_seconds, self.max_audio_samples, self.max_media_bytes)
+        return Caps(
+            self.max_audio_seconds,
+            self.max_audio_samples,
+            self.max_media_bytes,
+            self.worker_memory,
+        )
 
     def counted(self) -> dict:
-        """The fields that decide counts (what an index must agree on)."""
+        """The fields that decide counts (what an index must agree on); a field newer than
+        the index format (`SINCE`) only where it is not its default, so the indexes built
+        before it keep their keys."""
         fields = Params.__dataclass_fields__
-        return {k: v for k, v in self.__dict__.items() if fields[k].compare}
+        return {
+            k: v
+            for k, v in self.__dict__.items()
+            if fields[k].compare and not (k in SINCE and v == SINCE[k])
+        }
+
+
+# Count-deciding fields added since indexes were first built, and their defaults
+SINCE = {"video_timestamps": False}
 
 
 # ----------------------------------------------------------------------------- layout
@@ -292,10 +321,21 @@ class Preprocessor:
             kind, j = piece
             media, phase = MEDIA[kind], KIND[kind].phase
             per = self.per_token[phase]
-            for c, (units, grid) in enumerate(media.parts(self, sizes.media[kind][j], limits)):
+            size = sizes.media[kind][j]
+            stamps = media.stamps(self, size, limits)
+            for c, (units, grid) in enumerate(media.parts(self, size, limits)):
+                around = self.tokenizer.frame_text(kind, stamps[c]) if stamps else ()
+                if around and not budget.fits(phase, units, per, sum(map(len, around))):
+                    return Layout(ops, cut=True)  # (a temporal patch and its time, or neither)
+                if around:
+                    budget.take_tokens(len(around[0]))
+                    ops.append(Text(around[0], np.zeros(len(around[0]), bool)))
                 keep = budget.take(phase, units, per, whole=media.whole)
                 if keep:
                     ops.append(Part(phase, kind, j, c, keep, grid))
+                if len(around) and len(around[1]):
+                    budget.take_tokens(len(around[1]))
+                    ops.append(Text(around[1], np.zeros(len(around[1]), bool)))
                 if keep < units:
                     return Layout(ops, cut=True)
         return Layout(ops)
@@ -356,11 +396,14 @@ class Preprocessor:
 def grids(lay: Layout) -> list[tuple[int, int, int]]:
     """The (temporal patches, rows, cols) grid of each image or video of a layout, in order
     (M-RoPE places their tokens on it): an image is one temporal patch, a video as many as the
-    layout kept of it (and its time step, where it is placed in absolute time)."""
+    layout kept of it (and its time step, where it is placed in absolute time); a video with
+    text between its temporal patches (its times: data.video_timestamps) one grid each, as
+    Qwen3-VL's `get_rope_index` splits a video's grid into its frames."""
     out: list[tuple] = []
-    last = None
-    for op in lay.parts():
-        if op.grid is None:
+    last = None  # the item of the op before, when it is a part
+    for op in lay.ops:
+        if not isinstance(op, Part) or op.grid is None:
+            last = None  # (text between a video's temporal patches: Qwen3-VL's times)
             continue
         if (op.kind, op.source) == last:
             out[-1] = (out[-1][0] + 1, *op.grid)
@@ -399,6 +442,11 @@ class _Budget:
         keep = int(min(n, self.tokens_left))
         self.tokens_left -= keep
         return keep
+
+    def fits(self, phase: str, units: int, per_token: int, tokens: int) -> bool:
+        """Whether a whole part of `units` and `tokens` more tokens fit what is left."""
+        left = self.tokens_left - tokens - units // per_token
+        return units <= self.units_left[phase] and left >= 0
 
     def take(self, phase: str, units: int, per_token: int, whole: bool) -> int:
         """Units of an encoder part the limits let in: all or none where it is taken `whole`,

@@ -38,10 +38,25 @@ REASONS = {
     "template_error": "the tokenizer directory's chat template fails on the record (or has none)",
     "template_inconsistent": "the chat template's text before an assistant turn changes later",
     "no_encoder": "the record has items of a phase the model has no encoder for (model.<phase>)",
+    "over_memory_budget": "reading it (decoding an image or a clip, parsing a line, a row "
+    "group) would need more memory than data.worker_memory (not read)",
     "record_failed": "reading the record raised an unexpected error (named in the detail)",
     "record_crashed": "the index's worker process died reading the record (out of memory, an "
     "abort in native code); the build went on without it",
 }
+
+
+MAX_ID_SHOWN = 200  # characters of a record id a message quotes (a longer one: cut, its length)
+
+
+def shown_id(record_id: object) -> str:
+    """A record id as messages, summaries and examples quote it: whole up to MAX_ID_SHOWN
+    characters, else its start and its length (a 20 MB id was printed whole). The rejects
+    log keeps it whole."""
+    rid = str(record_id)
+    if len(rid) <= MAX_ID_SHOWN:
+        return rid
+    return f"{rid[: MAX_ID_SHOWN // 2]}... ({len(rid)} characters)"
 
 
 class RecordError(UserError):
@@ -52,7 +67,7 @@ class RecordError(UserError):
         assert reason in REASONS, reason
         # (from the data: a newline or an escape code would act on the terminal and the logs)
         record_id, detail = printable(record_id), printable(detail)
-        super().__init__(f"record {record_id}: {reason}: {detail}")
+        super().__init__(f"record {shown_id(record_id)}: {reason}: {detail}")
         self.reason, self.detail, self.record_id = reason, detail, record_id
 
     def to_json(self, **extra) -> dict:
@@ -109,13 +124,20 @@ def fail_message(err: RecordError, option: str, where: str) -> str:
 
 
 class RejectLog:
-    """Counts rejects by key and appends them to a JSONL file (when a path is given)."""
+    """Counts rejects by key and appends them to a JSONL file (when a path is given).
+
+    The load-time and start-up rejects since the last `take_new` are also kept as entries
+    (`take_entries`): the trainer's feed loads steps ahead of the one it trains, so it logs
+    none itself (no path) and hands each step's entries over with the step, and the trainer
+    writes them when it takes the step (`jaxmllm.loop.summary.RunReport`): the log lists what
+    the run's counts count, never a step prefetched and not trained."""
 
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path) if path else None
         self.counts: Counter[str] = Counter()
         self.new: Counter[str] = Counter()  # load-time rejects by reason since `take_new`
         self.first: dict | None = None  # the first of them
+        self.entries: list[dict] = []  # load-time and start-up entries since `take_entries`
 
     def add(self, key: str, entry: dict) -> None:
         """Counts `key` (e.g. "load_missing_media") and writes `entry` as one line."""
@@ -123,10 +145,10 @@ class RejectLog:
         if key.startswith("load_"):
             self.new[key.removeprefix("load_")] += 1
             self.first = self.first or entry
+        if key.startswith(("load_", "_startup")):
+            self.entries.append(entry)
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as f:
-                f.write(json.dumps(entry) + "\n")
+            append_rejects(self.path, [entry])
 
     def take_new(self) -> tuple[dict[str, int], dict | None]:
         """The load-time rejects since the last call, by reason, and the first of them (what
@@ -135,6 +157,21 @@ class RejectLog:
         self.new, self.first = Counter(), None
         return new, first
 
+    def take_entries(self) -> list[dict]:
+        """The load-time and start-up entries since the last call; starts anew."""
+        entries, self.entries = self.entries, []
+        return entries
+
+
+def append_rejects(path: str | Path, entries: list[dict]) -> None:
+    """Appends `entries` to the rejects file at `path`, one JSON line each."""
+    if not entries:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(e) + "\n" for e in entries))
+
 
 def read_rejects(path: str | Path) -> list[dict]:
     """The entries of a rejects.jsonl ([] when there is none)."""
@@ -142,6 +179,49 @@ def read_rejects(path: str | Path) -> list[dict]:
     if not p.exists():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+class LoadShare:
+    """The samples a run drew and those of them that failed to load; `check` stops the run
+    (DataError) when the failed share passes `bound` (data.max_load_rejects), judged once
+    JUDGED_AFTER samples were drawn, and at the run's last step."""
+
+    JUDGED_AFTER = 32
+
+    def __init__(self, bound: float):
+        self.bound, self.drawn, self.failed = bound, 0, 0
+        self.reasons: Counter[str] = Counter()
+        self.first: dict | None = None
+
+    def add(self, drawn: int, failed: dict[str, int], first: dict | None) -> None:
+        """A step's samples drawn here, its load-time rejects by reason and the first."""
+        self.drawn += drawn
+        self.failed += sum(failed.values())
+        self.reasons.update(failed)
+        self.first = self.first or first
+
+    def check(self, steps: str, last: bool, rebuild: str) -> None:
+        """Raises DataError when too many failed (`steps`: the steps counted, for the message;
+        `rebuild`: the command that rebuilds the index)."""
+        over = self.failed > self.bound * self.drawn
+        if not over or (self.drawn < self.JUDGED_AFTER and not last):
+            return
+        example = ""
+        first = self.first
+        if first is not None:
+            example = (
+                f"; the first: record {shown_id(first.get('id'))}: {first.get('reason')}: "
+                f"{first.get('detail')}"
+            )
+        raise DataError(
+            f"{steps}: {self.failed} of the {self.drawn} samples drawn failed to load "
+            f"({by_reason(self.reasons)}{example}), more than data.max_load_rejects="
+            f"{self.bound:g} of them: the run stops rather than train on padding. Media "
+            "missing on this host (an index built on another machine, a media folder not "
+            "mounted here) fail them all: make the media reachable where the index says they "
+            f"are, or rebuild the index where they changed ({rebuild}), or raise "
+            "data.max_load_rejects"
+        )
 
 
 # ----------------------------------------------------------------------------- on the terminal

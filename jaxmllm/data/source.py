@@ -16,13 +16,20 @@ import json
 import logging
 from pathlib import Path
 
-import grain
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError
 from jaxmllm.config.phases import ENCODERS, KIND
 from jaxmllm.data.columnar import ColumnError, Strings
-from jaxmllm.data.datasets import DataSet, acceptance_problem, data_sets, index_command, index_dir
+from jaxmllm.data.datasets import (
+    DataSet,
+    acceptance_problem,
+    check_index_dirs,
+    data_sets,
+    eval_set,
+    index_command,
+    index_dir,
+)
 from jaxmllm.data.frame_store import MANIFEST, FrameCache
 from jaxmllm.data.lengths import Items, LengthsIndex
 from jaxmllm.data.mixture import MixtureSource
@@ -185,6 +192,13 @@ def load_index(cfg: Config, ds: DataSet) -> StoredIndex:
     except ColumnError as e:
         raise ConfigError(f"the index in {out}/ is damaged: {e}. {rebuild}") from None
     if not same_files(stored, files):
+        built_for = summary.get("data")
+        if isinstance(built_for, str) and built_for != str(ds.path):  # (a folder two shared)
+            raise ConfigError(
+                f"the index in {out}/ was built for {built_for} (its summary.json), not "
+                f"{ds.path}: each data set needs an index folder of its own (data.index_dir, "
+                f"data.sources[].index_dir). {rebuild}"
+            )
         raise ConfigError(f"{ds.path} changed since its index in {out}/ was built. {rebuild}")
     fmt = ds.format if ds.format != "auto" else detect(files)[0]
     if summary.get("format") != fmt:
@@ -245,6 +259,7 @@ def open_source(cfg: Config) -> ManifestSource | MixtureSource:
     """The training source of the config's data (data.path, or a mixture of data.sources):
     indexes loaded and checked, oversize policy applied."""
     sets = data_sets(cfg)  # (a config that names no data stops here, saying so)
+    check_index_dirs(cfg, [*sets, *[e for e in [eval_set(cfg)] if e is not None]])
     tokenizer = config_tokenizer(cfg.data)
     if cfg.model.llm.vocab_size < tokenizer.vocab_size:
         what = (
@@ -287,7 +302,7 @@ def open_data_set(cfg: Config, ds: DataSet, tokenizer) -> ManifestSource:
     if cfg.data.frame_cache:
         pre.frames = open_frame_cache(cfg, ds, out)
     files = FileList(stored.files)
-    caps = {"max_bytes": cfg.data.max_media_bytes}
+    caps = {"max_bytes": cfg.data.max_media_bytes, "max_memory": pre.p.worker_memory}
     paths = media_paths(ds.path, files, ds.media_root, cfg.data, ds.confine)
     records = Records(
         files,
@@ -359,14 +374,17 @@ def check_videos(cfg: Config, videos: int, where: str = "") -> None:
         )
 
 
-def make_source(cfg: Config) -> tuple[grain.MapDataset, LengthsIndex]:
-    """The record source named by data.source and its lengths index.
+def make_source(
+    cfg: Config,
+) -> tuple[SyntheticSource | ManifestSource | MixtureSource, LengthsIndex]:
+    """The record source data.source names (`source[i]` -> the Sample of index row i, as
+    itself: a random-access source is all the feed reads) and its lengths index.
 
     A manifest or ArrayRecord source reads its index (`python -m jaxmllm.data.index`), checks it
     against the config and applies data.on_oversize; row i of the index is `source[i]`.
     """
     if cfg.data.source == "synthetic":
         source = SyntheticSource(cfg)
-        return grain.MapDataset.source(source), source.lengths()
+        return source, source.lengths()
     manifest = open_source(cfg)
-    return grain.MapDataset.source(manifest), manifest.index
+    return manifest, manifest.index

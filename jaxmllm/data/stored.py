@@ -39,7 +39,12 @@ from jaxmllm.data.lengths import Items, LengthsIndex
 from jaxmllm.data.parts import SIZES, ragged_columns, row_part
 from jaxmllm.data.preprocess import MEDIA, Sizes
 
-FORMAT = "jaxmllm-columnar-1"  # summary.json's index_format
+# summary.json's index_format: a build that reads the data differently (what a record is, its
+# id, what a scan finds) writes another, so an index built before it is a start-up error that
+# names the rebuild command (`jaxmllm.data.source`), never read on the old rules. 2: a WebDataset
+# key that comes back later and a cut shard are rejects, ids carry the file's place among
+# several, records over the memory budget are rejects (issue 50)
+FORMAT = "jaxmllm-columnar-2"
 
 
 # ----------------------------------------------------------------------------- opening

@@ -1,11 +1,19 @@
-"""The grain pipeline: plan a step, load only its samples, bucketize, prefetch in a thread.
+"""The feed: a step's data in named stages, on a resolved run (`jaxmllm.resolve.run.Run`).
 
-    source (grain.MapDataset, random access) ─┐
-    lengths index -> planner (carried state) ─┴─> StepIterator -> ThreadPrefetch -> trainer
+    plan -> local parts -> load -> bucketize -> count -> transfer
 
-Everything per step runs on the prefetch thread, ahead of the trainer: planning, loading,
-bucketizing, the step's counts for metrics (real tokens, analytic FLOPs); given `to_device`,
-a second thread puts each batch on the devices while the first works on the next step, so the
+`Feed` holds the stages a step's data goes through on a data set (the run's, or another:
+evaluation is the same feed over its held-out set, `jaxmllm.loop.evaluate`): the planner's
+plan, what this host needs of it (`local_parts`: the text of its own data-parallel positions,
+or context groups, and the items encoded there), loading those samples (in worker processes),
+bucketizing them into the fixed-shape batch. The training iterator (`StepIterator`) adds its
+own stages: the step's program variant, the counts for the metrics (real tokens, analytic
+FLOPs), the `StepInfo`, and the copy to the devices.
+
+    source, lengths index -> planner (carried state) -> StepIterator -> ThreadPrefetch -> trainer
+
+Everything per step runs on the prefetch thread, ahead of the trainer; given `to_device`, a
+second thread puts each batch on the devices while the first works on the next step, so the
 trainer's thread only dispatches steps.
 
 The iterator is a `grain.DatasetIterator`, so its state (the planner's) is checkpointed with
@@ -13,13 +21,15 @@ grain's own orbax handler and a restored pipeline replays the exact same steps.
 
 On several hosts every process plans the same global step from the same index and seed, then
 loads and bucketizes only the samples with text or an encoder item on its own data-parallel
-positions (`positions`); grain saves each process's iterator state in its own file.
+positions (`Run.positions`); grain saves each process's iterator state in its own file.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grain
@@ -27,20 +37,82 @@ import numpy as np
 
 from jaxmllm.batch.bucketize import bucketize, fill_stats
 from jaxmllm.batch.counts import StepCounter
-from jaxmllm.batch.info import StepInfo
-from jaxmllm.config import Config
 from jaxmllm.config.phases import NAMES
-from jaxmllm.config.spec import BatchSpec
+from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.loader import Loader
-from jaxmllm.data.source import make_source
+from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.specials import RESERVED
+from jaxmllm.feed.info import StepInfo
 from jaxmllm.feed.times import HostTimes, Stopwatch
-from jaxmllm.plan.registry import make_planner
-from jaxmllm.plan.sizing import capacities
-from jaxmllm.plan.stages.choose import Variants
+from jaxmllm.pipeline.choose import Variants
+from jaxmllm.plan.contract import StepPlan
 from jaxmllm.plan.state import PlanStateError, check_state
+from jaxmllm.resolve.run import Run
 
 log = logging.getLogger("jaxmllm")
+
+
+class Feed:
+    """The stages of a step's data over one data set, on a run: `plan`, `local_parts`, `load`,
+    `bucketize`. Training's iterator and evaluation each hold one.
+
+    `source` (`source[i]` -> Sample) and `index` default to the run's; `workers` to
+    `data.workers` (worker processes start on the first load); load-time rejects are counted
+    and logged to `reject_log` (default `<output_dir>/rejects.jsonl`); `write_rejects` False:
+    the caller writes them (`RejectLog.take_entries`).
+    """
+
+    def __init__(
+        self,
+        run: Run,
+        source=None,
+        index: LengthsIndex | None = None,
+        *,
+        workers: int | None = None,
+        reject_log: str | Path | None = None,
+        write_rejects: bool = True,
+    ):
+        self.cfg, self.caps, self.positions = run.cfg, run.caps, run.positions
+        if workers is not None and workers != self.cfg.data.workers:
+            data = dataclasses.replace(self.cfg.data, workers=workers)
+            self.cfg = dataclasses.replace(self.cfg, data=data)
+        self.source = run.source if source is None else source
+        self.index = run.index if index is None else index
+        self.planner = run.planner(self.index)
+        self.specials = getattr(self.source, "specials", RESERVED)  # the tokenizer's pad, media
+        self.reject_log, self.write_rejects = reject_log, write_rejects
+        self.loader: Loader | None = None  # (made on the first load: worker processes start)
+
+    def plan(self) -> StepPlan:
+        """The next step's plan (the planner's carried state advances)."""
+        return self.planner.plan()
+
+    def local_parts(self, plan: StepPlan) -> dict[str, np.ndarray]:
+        """What this host needs of `plan` (`local_parts`)."""
+        return local_parts(plan, self.positions, self.caps.devices, self.caps.context)
+
+    def load(self, plan: StepPlan, parts: dict[str, np.ndarray]) -> dict[int, Sample | None]:
+        """The samples this host reads, and of them only the items it encodes (on several
+        hosts); a sample that fails to load is None under data.on_error=skip."""
+        media = None if self.positions is None else local_media(parts)
+        return self.open_loader().load(parts["read"], plan.step, media)
+
+    def open_loader(self) -> Loader:
+        """The loader, made on first use (its worker processes start here)."""
+        if self.loader is None:
+            self.loader = Loader(self.cfg, self.source, self.reject_log, self.write_rejects)
+        return self.loader
+
+    def bucketize(self, plan: StepPlan, samples: dict) -> dict[str, np.ndarray]:
+        """This host's fixed-shape arrays of the step."""
+        return bucketize(
+            plan, samples, self.cfg, self.caps, self.positions, self.index, self.specials
+        )
+
+    def close(self) -> None:
+        """Stops the loader's worker processes, if any."""
+        if self.loader is not None:
+            self.loader.close()
 
 
 class StepIterator(grain.DatasetIterator):
@@ -53,76 +125,76 @@ class StepIterator(grain.DatasetIterator):
 
     def __init__(
         self,
-        cfg: Config,
-        devices: int,
-        source=None,
-        index=None,
-        positions=None,
+        run: Run,
         reject_log=None,
         to_device: Callable[[dict[str, np.ndarray]], dict[str, Any]] | None = None,
     ):
         super().__init__()
-        self.cfg = cfg
-        self.source, self.index = (source, index) if source is not None else make_source(cfg)
-        # The tokenizer's pad and media ids (a source under grain's MapDataset is its _source).
-        self.specials = getattr(getattr(self.source, "_source", self.source), "specials", RESERVED)
-        self.spec = BatchSpec.of(cfg)  # (the batch resolved: `plan.sizing.resolve_batch`)
-        self.caps = capacities(cfg, devices)
-        self.planner = make_planner(cfg.batch.planner, self.index, self.caps, cfg.data.seed)
-        self.positions = None if positions is None else np.asarray(positions, np.int64)
-        self.reject_log = reject_log  # this process's rejects file; default <output_dir>/...
-        self.loader: Loader | None = None
+        self.cfg = run.cfg
+        # (its rejects go to the log when the trainer takes their step, `RunReport`: the feed
+        # loads steps ahead of the one the trainer trains)
+        self.feed = Feed(run, reject_log=reject_log, write_rejects=False)
+        self.index = self.feed.index
         self._restored_rejects: dict[str, int] = {}  # load-time reject counts of earlier runs
-        self.count = StepCounter(cfg)  # real tokens and analytic FLOPs of each step
-        self.variants = Variants.of(cfg)  # pipeline.encoder_fractions: each step's buckets
+        self.count = StepCounter(run.cfg, run.cost, run.calibrated)  # tokens, FLOPs, work
+        self.variants = Variants.of(run.cfg)  # pipeline.encoder_fractions: each step's buckets
         self.to_device = to_device
 
+    @property
+    def planner(self):
+        return self.feed.planner
+
     def __next__(self) -> dict[str, Any]:
-        if self.loader is None:  # made on first use: worker processes start here
-            self.loader = Loader(self.cfg, self.source, self.reject_log)
-            self.loader.log.counts.update(self._restored_rejects)
+        if self.feed.loader is None:  # (worker processes start here; restored counts carry on)
+            self.feed.open_loader().log.counts.update(self._restored_rejects)
         clock = Stopwatch()  # each stage's time, for the metrics (host/*) and bench.host
-        plan = self.planner.plan()
+        plan = self.feed.plan()
         times = HostTimes(plan_s=clock.lap())
-        parts = local_parts(plan, self.positions, self.caps.devices, self.caps.context)
-        # A sample that fails to load is None under data.on_error=skip: its slots stay padding.
-        # On several hosts each decodes only the images and clips its own devices encode.
-        media = None if self.positions is None else local_media(parts)
-        samples = self.loader.load(parts["read"], plan.step, media)
+        parts = self.feed.local_parts(plan)
+        samples = self.feed.load(plan, parts)
         times.load_s, times.samples = clock.lap(), len(samples)
-        batch = bucketize(
-            plan, samples, self.cfg, self.caps, self.positions, self.index, self.specials
-        )
-        variant = "whole"
-        if self.variants is not None:  # a compiled program per variant used
-            batch, variant = self.variants.pick(plan, self.index, batch)
-        if plan.variant:  # (a long step's tile lists: `jaxmllm.plan.ladder`, its own program)
-            variant += f"+long{plan.variant}"
-        mix = self.index.mixture  # (data.sources: the step's samples per source)
+        batch = self.feed.bucketize(plan, samples)
+        batch, variant = self.variant(plan, batch)
         fill = fill_stats(batch)  # this host's buckets
         times.bucketize_s = clock.lap()
         counts = self.count(batch)  # this host's real tokens and FLOPs, for the metrics
         times.count_s = clock.lap()
         times.bytes_to_device = sum(a.nbytes for a in batch.values())
-        new_rejects, first_reject = self.loader.log.take_new()
-        info = StepInfo(
+        info = self.info(plan, parts, fill, variant, times, counts)
+        if self.to_device is not None:  # the transfer overlaps the step the device is running
+            batch = self.to_device(batch)
+            times.transfer_s = clock.lap()
+        return {"batch": batch, "info": info}
+
+    def variant(self, plan: StepPlan, batch: dict) -> tuple[dict, str]:
+        """The step's program: the pipelined one's variant (pipeline.encoder_fractions: its
+        buckets cut), "+long<v>" for a long step (`jaxmllm.plan.ladder`)."""
+        variant = "whole"
+        if self.variants is not None:  # a compiled program per variant used
+            batch, variant = self.variants.pick(plan, self.index, batch)
+        if plan.variant:  # (a long step's tile lists: its own program)
+            variant += f"+long{plan.variant}"
+        return batch, variant
+
+    def info(self, plan: StepPlan, parts, fill, variant: str, times, counts) -> StepInfo:
+        """What the step carries to the loop beside its arrays."""
+        loader, mix = self.feed.loader, self.index.mixture  # (data.sources: samples per source)
+        new_rejects, first_reject = loader.log.take_new()
+        return StepInfo(
             step=plan.step,
             samples=plan.samples.copy(),  # the whole step's, on every host
             parts=parts,  # what this host read, trains (text) and encodes
             deferred=plan.deferred,
             fill=fill,
-            rejects=self.loader.counts(),
+            rejects=loader.counts(),
             new_rejects=new_rejects,
             first_reject=first_reject,
+            reject_entries=loader.log.take_entries(),
             variant=variant,
             sources={} if mix is None else mix.counts(plan.samples),
             host=times,  # this step's time in each stage of the feed
             **counts,
         )
-        if self.to_device is not None:  # the transfer overlaps the step the device is running
-            batch = self.to_device(batch)
-            times.transfer_s = clock.lap()
-        return {"batch": batch, "info": info}
 
     def close(self) -> None:
         """Stops and joins the loader's worker processes (grain's close only marks the iterator
@@ -130,14 +202,14 @@ class StepIterator(grain.DatasetIterator):
         (grain calls it again from __del__)."""
         if self._closed:
             return
-        if self.loader is not None:
-            self.loader.close()
+        self.feed.close()
         super().close()
 
     def get_state(self) -> dict:
-        counts = self.loader.log.counts if self.loader is not None else self._restored_rejects
+        loader = self.feed.loader
+        counts = loader.log.counts if loader is not None else self._restored_rejects
         rejects = {k: int(v) for k, v in counts.items() if k.startswith("load_")}
-        return {"planner": self.planner.get_state(), "load_rejects": rejects}
+        return {"planner": self.feed.planner.get_state(), "load_rejects": rejects}
 
     def set_state(self, state: dict) -> None:
         """Restores a checkpoint's state; refuses (PlanStateError) one that does not fit the
@@ -146,7 +218,7 @@ class StepIterator(grain.DatasetIterator):
             raise PlanStateError(f"the checkpoint's data state is not an object: {state!r:.80}")
         check_state(state.get("planner"), len(self.index))
         try:
-            self.planner.set_state(state["planner"])
+            self.feed.planner.set_state(state["planner"])
         except (KeyError, TypeError, ValueError) as e:  # (a field this planner lacks)
             raise PlanStateError(
                 f"the checkpoint's planner state is not one batch.planner="
@@ -154,9 +226,9 @@ class StepIterator(grain.DatasetIterator):
             ) from None
         # Cumulative load-time reject counts carry across restarts, like the planner's cursor.
         self._restored_rejects = dict(state.get("load_rejects", {}))
-        if self.loader is not None:
-            self.loader.log.counts.clear()
-            self.loader.log.counts.update(self._restored_rejects)
+        if self.feed.loader is not None:
+            self.feed.loader.log.counts.clear()
+            self.feed.loader.log.counts.update(self._restored_rejects)
 
 
 def local_parts(
@@ -196,41 +268,32 @@ def local_media(parts: dict[str, np.ndarray]) -> dict[int, dict[str, tuple[int, 
 class StepDataset(grain.IterDataset):
     """grain dataset wrapper so the step iterator composes with grain's prefetching."""
 
-    def __init__(self, cfg: Config, devices: int, **kwargs):
+    def __init__(self, run: Run, **kwargs):
         super().__init__()
-        self.cfg, self.devices, self.kwargs = cfg, devices, kwargs
+        self.run, self.kwargs = run, kwargs
 
     def __iter__(self) -> StepIterator:
-        return StepIterator(self.cfg, self.devices, **self.kwargs)
+        return StepIterator(self.run, **self.kwargs)
 
 
 def make_pipeline(
-    cfg: Config,
-    devices: int,
-    prefetch: int = 2,
+    run: Run,
+    prefetch: int | None = None,
     *,
-    source=None,
-    index=None,
-    positions=None,
     reject_log=None,
     to_device: Callable[[dict[str, np.ndarray]], dict[str, Any]] | None = None,
 ) -> grain.DatasetIterator:
-    """The trainer's data iterator; planning and loading run ahead in a background thread.
+    """The trainer's data iterator on `run`; planning and loading run ahead in a background
+    thread (`prefetch` steps; default data.prefetch, 0: in the caller's thread).
 
-    `cfg` must be resolved against the data (`jaxmllm.plan.sizing.resolve_batch`: the trainer
-    does it once, at start-up); pass `source`/`index` to reuse
-    a source the caller already opened, `positions` (this host's data-parallel positions) to
-    load and bucketize only those devices' rows, `to_device` (host arrays -> device arrays, e.g.
-    `sharding.make_global_batch`) to put each batch on the devices ahead of the trainer too: in
-    a second thread after the feed's (one batch ahead), so the copy overlaps the next step's
-    work.
+    `to_device` (host arrays -> device arrays, e.g. `sharding.make_global_batch`) puts each
+    batch on the devices ahead of the trainer too: in a second thread after the feed's (one
+    batch ahead), so the copy overlaps the next step's work. On several hosts each process
+    loads and bucketizes only its own positions' rows (`Run.positions`).
     """
+    prefetch = run.cfg.data.prefetch if prefetch is None else prefetch
     ds = StepDataset(
-        cfg,
-        devices,
-        source=source,
-        index=index,
-        positions=positions,
+        run,
         reject_log=reject_log,
         to_device=None if prefetch > 0 else to_device,  # (prefetched: its own thread, below)
     )

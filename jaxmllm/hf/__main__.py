@@ -6,6 +6,7 @@ python -m jaxmllm.train --config CONFIG.yaml           # starts from those weigh
 python -m jaxmllm.hf import --model DIR --adapter PEFT_DIR --out CONFIG.yaml  # + its LoRA
 python -m jaxmllm.hf export RUN_DIR --out DIR [--step N] [--merged]
 python -m jaxmllm.hf check DIR                          # our model vs transformers
+python -m jaxmllm.hf check DIR --data my_records.jsonl  # ... on your own records
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ import logging
 import shlex
 import sys
 
-from jaxmllm.config import guard_logs
-from jaxmllm.config.command import run
+from jaxmllm.config.command import configure_logging, run
 from jaxmllm.hf.family import FamilyError
 
 
@@ -34,10 +34,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--model",
         default="",
         help="a whole multimodal checkpoint: LLaVA, "
-        "Qwen2-VL, Qwen2.5-VL or Qwen2-Audio (its LLM, encoders, projectors)",
+        "Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen2-Audio (its LLM, encoders, projectors)",
     )
     which.add_argument("--llm", default="", help="a Llama or Qwen2 causal LM directory")
-    imp.add_argument("--vision", default="", help="a SigLIP, CLIP or Qwen2(.5)-VL directory")
+    imp.add_argument(
+        "--vision", default="", help="a SigLIP, CLIP or Qwen2(.5)-VL / Qwen3-VL directory"
+    )
     imp.add_argument("--audio", default="", help="a Whisper directory")
     imp.add_argument("--tokenizer", default="", help="the tokenizer directory (default: --llm)")
     imp.add_argument(
@@ -67,7 +69,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="a run with LoRA adapters: the whole model with them merged (default: PEFT adapters)",
     )
-    chk = sub.add_parser("check", help="compare our model with transformers on random inputs")
+    chk = sub.add_parser(
+        "check",
+        help="compare our model with transformers, samples packed into one row as training "
+        "packs them, each against transformers on it alone (random ones, or --data records)",
+    )
     chk.add_argument("directory", help="a HF model directory")
     chk.add_argument(
         "--role",
@@ -83,6 +89,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a PEFT LoRA adapter on both models (ours "
         "as hf import --adapter reads it, transformers' by peft)",
     )
+    chk.add_argument(
+        "--one-per-row",
+        action="store_true",
+        help="each sample in a row of its own (default: several packed into one row, as "
+        "training packs them, each compared with transformers on it alone)",
+    )
+    chk.add_argument(
+        "--data",
+        default="",
+        metavar="FILE",
+        help="your own records (a data file in any data.format, its media beside it): its "
+        "first records preprocessed as hf import's config would, instead of random samples",
+    )
     chk.add_argument("--json", action="store_true", help="print the figures as JSON")
     return p.parse_args(argv)
 
@@ -94,9 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _command(argv: list[str] | None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
-    guard_logs()  # (record ids and file names in messages: escaped)
-    logging.getLogger("jaxmllm").setLevel(logging.INFO)  # (not orbax's and absl's chatter)
+    configure_logging(logging.WARNING, ours=logging.INFO)  # (not orbax's and absl's chatter)
     args = parse_args(argv)
     if args.command == "import":
         from jaxmllm.hf.importer import write_config
@@ -129,7 +146,14 @@ def _command(argv: list[str] | None) -> int:
         from jaxmllm.hf.check import describe
         from jaxmllm.hf.check_whole import check_all
 
-        results = check_all(args.directory, args.role, args.tokens, adapter=args.adapter)
+        results = check_all(
+            args.directory,
+            args.role,
+            args.tokens,
+            adapter=args.adapter,
+            packed=not args.one_per_row,
+            data=args.data,
+        )
         for result in results:
             print(json.dumps(result) if args.json else describe(result))
         return 0 if max(r["max_abs_diff"] for r in results) <= args.tolerance else 1

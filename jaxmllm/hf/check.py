@@ -1,18 +1,17 @@
 """`python -m jaxmllm.hf check DIR`: our model from a HF directory against transformers itself.
 
 Builds the module the checkpoint fills (`towers`), runs it and the transformers model on the
-same random inputs in fp32, and reports the largest difference: of the logits for a decoder
-(three samples packed into one row as training packs them, each held to transformers run on
-it alone),
-of the last hidden states for SigLIP and Whisper, of the patch merger's output for the Qwen2-VL
-vision tower. Images are non-square and at a resolution other than the checkpoint's (SigLIP's
-table is resized), several packed in one row (Qwen2-VL); clips are several, packed. Needs torch
-and transformers (`pip install -e '.[dev]'`).
+same random inputs in fp32, and reports the largest difference: of the logits for a decoder,
+of the last hidden states for SigLIP and Whisper, of the patch merger's output for the Qwen VL
+vision towers (and DeepStack's mergers' for Qwen3-VL's). Several inputs are packed into one
+row the way training packs them (texts of three lengths, positions restarting at each; images
+non-square and at resolutions other than the checkpoint's, SigLIP's table resized; clips), each
+compared with transformers run on it alone. Needs torch and transformers (`pip install -e
+'.[dev]'`).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -40,6 +39,8 @@ HF_MODULES = {  # (model_type, role) -> (transformers class, path to the module 
     ("clip", "vision"): ("CLIPModel", "vision_model"),
     ("qwen2_vl_vision", "vision"): ("Qwen2VisionTransformerPretrainedModel", ""),
     ("qwen2_5_vl_vision", "vision"): ("Qwen2_5_VisionTransformerPretrainedModel", ""),
+    ("qwen3_vl_vision", "vision"): ("Qwen3VLVisionModel", ""),
+    ("qwen3_vl_moe_vision", "vision"): ("Qwen3VLMoeVisionModel", ""),
     ("whisper", "audio"): ("WhisperModel", "encoder"),
     ("qwen2_audio_encoder", "audio"): ("Qwen2AudioEncoder", ""),
 }
@@ -62,8 +63,12 @@ def role_of(hf: dict) -> str:
     return roles[0]
 
 
-def check_dir(directory: str, role: str = "", tokens: int = 64, seed: int = 0) -> dict:
-    """Compares our module with transformers' on random inputs; returns the figures.
+def check_dir(
+    directory: str, role: str = "", tokens: int = 64, seed: int = 0, packed: bool = True
+) -> dict:
+    """Compares our module with transformers' on random inputs, several packed into one row
+    (`packed`; else each in a row of its own), each against transformers on it alone; returns
+    the figures.
 
     Returns:
       {"role", "family", "what", "max_abs_diff", "max_abs_ref"}.
@@ -76,7 +81,7 @@ def check_dir(directory: str, role: str = "", tokens: int = 64, seed: int = 0) -
     reference = hf_module(directory, hf, role)
     rng = np.random.default_rng(seed)
     run = {"llm": _llm, "vision": _vision, "audio": _audio}[role]
-    what, ours, theirs = run(towers, reference, cfg, family, rng, tokens)
+    what, ours, theirs = run(towers, reference, cfg, family, rng, tokens, packed)
     return figures(role, family.name, what, ours, theirs)
 
 
@@ -146,40 +151,37 @@ def _numpy(t) -> np.ndarray:
     return t.detach().float().numpy()
 
 
-def _llm(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int):
-    """The decoder on one packed row, as training runs it: `tokens` random ids in three
-    samples of unequal lengths and a little padding, segment ids and positions restarting at
-    each; transformers runs each sample alone. Every sample's logits are compared."""
+def _llm(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int, packed: bool):
+    """Three texts (tokens, 5/8 and 1/4 of it) packed into one row (segment ids 1, 2, 3,
+    positions restarting at each), each against transformers on it alone."""
     import torch
 
     vocab = min(cfg.model.llm.vocab_size, ref.config.vocab_size)  # (the checkpoint's own ids)
-    lengths = packed_lengths(tokens)
-    samples = [rng.integers(0, vocab, n) for n in lengths]
+    lengths = [tokens, max(2, tokens * 5 // 8), max(2, tokens // 4)]
+    texts = [rng.integers(0, vocab, n) for n in lengths]
     with torch.no_grad():
-        theirs = np.concatenate([_numpy(ref(input_ids=_torch(x[None])).logits)[0] for x in samples])
-    pad = 5
-    ids = np.concatenate([*samples, np.zeros(pad, np.int64)])[None]
-    segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate([*lengths, pad])])[None]
-    segments[segments == len(lengths) + 1] = 0
-    positions = np.concatenate([np.arange(n) for n in [*lengths, pad]])[None]
-    if any(cfg.model.llm.mrope_section):  # text alone: time, row and column all count on
-        positions = np.repeat(positions[..., None], 3, axis=-1)
-    ours = _decode(towers, *map(jnp.asarray, (ids, segments, positions)))
-    what = f"logits of {tokens} tokens, {len(lengths)} samples packed into 1 row"
-    ours, what = own_columns(np.asarray(ours)[0, :tokens], theirs, what)
-    return what, ours, theirs
-
-
-def packed_lengths(tokens: int) -> list[int]:
-    """Three samples' lengths adding up to `tokens` (at least 3), none alike."""
-    first, second = max(tokens // 2, 1), max(tokens // 3, 1)
-    return [first, second, tokens - first - second] if tokens - first - second > 0 else [tokens]
+        theirs = [_numpy(ref(input_ids=_torch(ids[None])).logits)[0] for ids in texts]
+    rows = [np.concatenate(texts)] if packed else texts
+    segments = [np.repeat(np.arange(1, len(lengths) + 1), lengths)] if packed else None
+    ours = []
+    for ids in rows:
+        seg = segments[0] if packed else np.ones(len(ids), np.int64)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if packed else [0]
+        positions = np.arange(len(ids)) - np.repeat(starts, lengths if packed else [len(ids)])
+        if any(cfg.model.llm.mrope_section):  # text alone: time, row and column all count on
+            positions = np.repeat(positions[..., None], 3, axis=-1)
+        args = (jnp.asarray(ids)[None], jnp.asarray(seg)[None], jnp.asarray(positions)[None])
+        ours.append(np.asarray(_decode(towers, *args))[0])
+    ours = np.concatenate(ours)
+    sizes = ", ".join(map(str, lengths))
+    what = f"logits of {len(texts)} texts of {sizes} tokens {_where(packed)}"
+    ours, what = own_columns(ours, np.concatenate(theirs), what)
+    return what, ours, np.concatenate(theirs)
 
 
 # One compiled program each (op by op, a tower compiles dozens of small ones).
 _decode = nnx.jit(lambda t, ids, seg, pos: t.llm(t.llm.embed(ids), seg, pos))
 _encode_images = nnx.jit(lambda t, patches, seg, pos: t.vision(patches, seg, pos))
-_project = nnx.jit(lambda t, feats: t.vision_projector(feats))
 _encode_audio = nnx.jit(lambda t, frames, seg, pos: t.audio(frames, seg, pos))
 
 
@@ -188,60 +190,93 @@ def _images(cfg: Config, rng, grids: list[tuple[int, int]]) -> list[np.ndarray]:
     return [rng.normal(size=(h * p, w * p, c)).astype(np.float32) for h, w in grids]
 
 
-def _vision(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int):
+def _rows(encode, towers, items: list[tuple], packed: bool) -> np.ndarray:
+    """Our encoder's output of the items (inputs, positions), all packed into one row
+    (segment ids 1, 2, ...) or each in a row of its own: [levels, rows of every item in
+    order, width] (`encode`'s [levels, rows, width] of one row)."""
+    groups = [items] if packed else [[x] for x in items]
+    out = []
+    for group in groups:
+        x = np.concatenate([a for a, _ in group])[None]
+        pos = np.concatenate([b for _, b in group])[None]
+        seg = np.concatenate([np.full(len(a), k + 1) for k, (a, _) in enumerate(group)])[None]
+        out.append(np.asarray(encode(towers, *map(jnp.asarray, (x, seg, pos)))))
+    return np.concatenate(out, axis=1)
+
+
+def _where(packed: bool) -> str:
+    return "packed into 1 row" if packed else "each in a row of its own"
+
+
+def _vision(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int, packed: bool):
     import torch
 
     v = cfg.model.vision
     m = v.merge
-    if v.positions == "learned":  # SigLIP, CLIP: one non-square image off the table's grid
+    if v.positions == "learned":  # SigLIP, CLIP: non-square images off the table's grid
         g = v.position_grid
-        grids = [((g + m) // m * m, max(m, (g - m) // m * m))]  # taller, narrower
+        tall, narrow = (g + m) // m * m, max(m, (g - m) // m * m)
+        grids = [(tall, narrow), (narrow, tall)]
     else:  # (windows: an image of several, some cut by its edge)
         w = max(v.window, m)
         grids = [(2 * m, 3 * m), (m, 2 * m), (3 * m, m), (2 * w + m, w + m)]
     images = _images(cfg, rng, grids)
-    packed = [patchify(img, v.patch_size, m) for img in images]
-    patches = np.concatenate([x for x, _ in packed])[None]
-    positions = np.concatenate([pos for _, pos in packed])[None]
-    segments = np.concatenate([np.full(len(x), i + 1) for i, (x, _) in enumerate(packed)])[None]
-    feats = _encode_images(towers, *map(jnp.asarray, (patches, segments, positions)))
-    with torch.no_grad():
-        if v.positions == "learned":
-            pixels = _torch(images[0].transpose(2, 0, 1)[None])
-            theirs = _numpy(
-                ref(pixel_values=pixels, interpolate_pos_encoding=True).last_hidden_state
-            )[0, int(v.class_token) :]  # (CLIP: its class token first)
-            h, w = grids[0]
-            raster = positions[0, :, 0] * w + positions[0, :, 1]  # ours are in merge order
-            return (f"hidden states of a {h}x{w}-patch image", np.asarray(feats)[0], theirs[raster])
-        t, p, c = v.temporal_patch, v.patch_size, v.channels
-        frames = patches[0].reshape(-1, p, p, c).transpose(0, 3, 1, 2)[:, :, None]
-        pixels = np.repeat(frames, t, axis=2).reshape(len(frames), -1)
-        grid_thw = torch.tensor([[1, h, w] for h, w in grids])
-        out = ref(hidden_states=_torch(pixels), grid_thw=grid_thw)
-        theirs = _numpy(out.pooler_output)
-    ours = np.asarray(_project(towers, feats))[0]
-    return f"merger output of {len(grids)} packed images", ours, theirs
+    items = [patchify(img, v.patch_size, m) for img in images]
+    if v.positions == "learned":
+        feats = _rows(_encode_images, towers, items, packed)[0]
+        theirs = []
+        with torch.no_grad():
+            for image, (_, w), (_, pos) in zip(images, grids, items, strict=True):
+                pixels = _torch(image.transpose(2, 0, 1)[None])
+                out = ref(pixel_values=pixels, interpolate_pos_encoding=True).last_hidden_state
+                raster = pos[:, 0] * w + pos[:, 1]  # ours are in merge order
+                theirs.append(_numpy(out)[0, int(v.class_token) :][raster])  # (CLIP's first)
+        what = f"hidden states of {len(grids)} images ({_sizes(grids)} patches) {_where(packed)}"
+        return what, feats, np.concatenate(theirs)
+    t, p, c = v.temporal_patch, v.patch_size, v.channels
+    patches = np.concatenate([x for x, _ in items])
+    frames = patches.reshape(-1, p, p, c).transpose(0, 3, 1, 2)[:, :, None]
+    pixels = np.repeat(frames, t, axis=2).reshape(len(frames), -1)
+    with torch.no_grad():  # (transformers' tower attends within each image: each alone)
+        out = ref(hidden_states=_torch(pixels), grid_thw=torch.tensor([[1, *g] for g in grids]))
+    theirs = _numpy(out.pooler_output)
+    what = "merger output of"
+    if v.deepstack:  # the merger's rows, then each DeepStack level's
+        theirs = np.concatenate([theirs, *map(_numpy, out.deepstack_features)])
+        what = f"merger and DeepStack ({len(v.deepstack)} levels) output of"
+    ours = _rows(_encode_projected, towers, items, packed)
+    ours = ours.reshape(-1, ours.shape[-1])
+    what = f"{what} {len(grids)} images ({_sizes(grids)} patches) {_where(packed)}"
+    return what, ours, theirs
 
 
-def _audio(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int):
+def _sizes(grids) -> str:
+    return ", ".join(f"{h}x{w}" for h, w in grids)
+
+
+@nnx.jit
+def _encode_projected(t, x, seg, pos):
+    """The projector's rows of one row's images [levels, rows, width]: the merger's, then each
+    DeepStack level's (a tower with `deepstack`)."""
+    if not t.vision.deepstack:
+        return t.vision_projector(t.vision(x, seg, pos))
+    feats, taps = t.vision.tapped(x, seg, pos)
+    return jnp.concatenate([t.vision_projector(feats), t.vision_projector.deep(taps)[:, 0]])
+
+
+def _audio(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int, packed: bool):
     import torch
 
     a = cfg.model.audio
     frames = a.max_positions * a.stride  # Whisper takes whole windows only
     clips = rng.normal(size=(2, frames, a.n_mels)).astype(np.float32)
-    packed = clips.reshape(1, -1, a.n_mels)
-    segments = np.repeat([1, 2], frames)[None]
-    positions = np.tile(np.arange(frames), 2)[None]
-    ours = _encode_audio(towers, *map(jnp.asarray, (packed, segments, positions)))
-    with torch.no_grad():
+    items = [(clip, np.arange(frames)) for clip in clips]
+    ours = _rows(_encode_audio, towers, items, packed)[0]
+    with torch.no_grad():  # (a batch of clips: each alone)
         theirs = _numpy(ref(_torch(clips.transpose(0, 2, 1))).last_hidden_state)
-    rows = math.prod(theirs.shape[:2])
-    return (
-        "hidden states of 2 packed clips",
-        np.asarray(ours).reshape(rows, -1),
-        theirs.reshape(rows, -1),
-    )
+    theirs = theirs.reshape(-1, theirs.shape[-1])
+    what = f"hidden states of 2 clips {_where(packed)}"
+    return what, ours.reshape(len(theirs), -1), theirs
 
 
 def describe(result: dict[str, Any]) -> str:

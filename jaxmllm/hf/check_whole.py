@@ -1,32 +1,46 @@
 """`python -m jaxmllm.hf check DIR` on a whole checkpoint: the whole model against transformers.
 
 Our model is the one `hf import --model DIR` configures, loaded on one device in fp32 with dense
-attention (`towers.load_model`); transformers' is the checkpoint's own class. Both get the same
-inputs, and three or four figures come back, one line each:
+attention (`towers.load_model`); transformers' is the checkpoint's own class. Lines, one each:
 
 - the LLM on text alone (random ids, none a placeholder): its logits;
-- the encoder and projector on one image (random pixels; LLaVA's at its tower's own size,
-  which transformers requires; a Qwen VL's several windows wide) or one clip (random log-mel
-  frames, three quarters of Whisper's window, the rest zero as the feature extractor pads):
-  the rows that fill the placeholders (transformers': a hook on its projector);
-- the whole model with the image or clip in the prompt (its placeholders, one per row, between
-  text; M-RoPE's positions on the image's grid): the logits of every token;
-- a Qwen VL's whole model with a video of three temporal patches in the prompt (its video
-  placeholders; M-RoPE's time per temporal patch, in seconds x tokens_per_second for
-  Qwen2.5-VL, as transformers' `second_per_grid_ts`): the logits of every token.
+- the encoder and projector on the first sample's image or clip: the rows that fill its
+  placeholders (transformers': a hook on its projector), and a tower with DeepStack its
+  levels' rows (Qwen3-VL's `deepstack_features`);
+- each of several samples (text alone, images of other sizes, a video of three temporal
+  patches where the family reads videos, clips), PACKED INTO ONE ROW the way training packs
+  them (`batch.prompts.packed_row`: bucketize itself, so segment ids, positions restarting per
+  sample, M-RoPE's per sample, the encoder rows' slots and DeepStack's additions are
+  training's): every token's logits of the sample against transformers run on that sample
+  alone (`Whole.reference_inputs`). `packed=False` gives each sample a row of its own.
+
+`data`: a data file of the user's own records (any data.format, its media beside it) instead of
+random samples: its first records, preprocessed by the import's config (the checkpoint's
+tokenizer and chat template, its processor's settings), are the samples. A causal LM alone
+takes `data` too (its samples' text).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmllm.batch.bucketize import mrope_positions
+from jaxmllm.batch.prompts import packed_row
+from jaxmllm.config import Config
+from jaxmllm.config.phases import KINDS
 from jaxmllm.data.media.image import patchify
 from jaxmllm.data.media.video import temporal_patch, time_step
+from jaxmllm.data.preprocess import Limits, Params, Preprocessor
+from jaxmllm.data.records import open_records, read_record
+from jaxmllm.data.rejects import RecordError
+from jaxmllm.data.samples import Sample
+from jaxmllm.data.text.specials import Specials
+from jaxmllm.hf import oracle
 from jaxmllm.hf.check import _numpy, _torch, check_dir, figures, hf_module, own_columns
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.registry import family_for, read_hf_config, roles_of
@@ -46,27 +60,46 @@ HOOKS = {  # where transformers' rows come out: a module, and how to read its ou
     "llava": ("model.multi_modal_projector", lambda out, n: out[0]),
     "qwen2_vl": ("model.visual", _merged),
     "qwen2_5_vl": ("model.visual", _merged),
+    "qwen3_vl": ("model.visual", _merged),
+    "qwen3_vl_moe": ("model.visual", _merged),
     "qwen2_audio": ("model.multi_modal_projector", lambda out, n: out[0, :n]),
 }
 _logits = nnx.jit(lambda llm, x, pos: llm(x, jnp.ones(x.shape[:2], jnp.int32), pos))
 _embed = nnx.jit(lambda llm, ids: llm.embed(ids))
-_image = nnx.jit(lambda m, x, seg, pos: m.vision_projector(m.vision(x, seg, pos)))
-_clip = nnx.jit(lambda m, x, seg, pos: m.audio_projector(m.audio(x, seg, pos)))
+_forward = nnx.jit(lambda m, mb: m(mb))
+_encode = nnx.jit(lambda m, mb, name: m.encode_deep(mb, name), static_argnums=2)
+# A clip's sampled frame rate in the video sample (not a whole number of temporal patches a
+# second, so Qwen2.5-VL's absolute time rounds down between them)
+VIDEO_FPS = 1.5
+DATA_SAMPLES = 4  # `--data`: its first records (the readable ones)
 
 
 def check_all(
-    directory: str, role: str = "", tokens: int = 64, seed: int = 0, adapter: str = ""
+    directory: str,
+    role: str = "",
+    tokens: int = 64,
+    seed: int = 0,
+    adapter: str = "",
+    packed: bool = True,
+    data: str = "",
 ) -> list[dict]:
     """`check_dir`'s figures for a checkpoint of one part; for a whole checkpoint,
     `check_whole`'s (only `role`'s line when one is named: llm, vision, audio or model).
     `adapter`: a PEFT LoRA adapter put on both models (ours by `hf import --adapter`,
-    transformers' by peft's `PeftModel.from_pretrained`; a whole checkpoint's)."""
+    transformers' by peft's `PeftModel.from_pretrained`; a whole checkpoint's). `packed`:
+    several samples in one row (else each in its own); `data`: the user's records instead of
+    random samples (the module docstring)."""
     hf = read_hf_config(directory)
     whole = whole_for(hf)
     if adapter and whole is None and roles_of(hf) != ("llm",):
         raise FamilyError(
             f"--adapter: {directory} is an encoder alone; adapters are checked on a whole model "
-            "(LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen2-Audio) or a causal LM"
+            "(LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen2-Audio) or a causal LM"
+        )
+    if data and whole is None and roles_of(hf) != ("llm",):
+        raise FamilyError(
+            f"--data: {directory} is an encoder alone; records are checked on a whole model or "
+            "a causal LM"
         )
     if whole is None:
         if role == "model":
@@ -76,14 +109,16 @@ def check_all(
             )
         if adapter:
             return [check_llm_adapter(directory, tokens, seed, adapter)]
-        return [check_dir(directory, role, tokens, seed)]
+        if data:
+            return check_whole(directory, tokens, seed, packed=packed, data=data)
+        return [check_dir(directory, role, tokens, seed, packed)]
     roles = [*whole.parts, "model"]
     if role and role not in roles:
         raise FamilyError(
             f"{directory} is a whole {whole.name} checkpoint with no {role} part: "
             f"--role is one of {', '.join(roles)}"
         )
-    results = check_whole(directory, tokens, seed, adapter)
+    results = check_whole(directory, tokens, seed, adapter, packed, data)
     return [r for r in results if r["role"] == role] if role else results
 
 
@@ -98,113 +133,256 @@ def check_llm_adapter(directory: str, tokens: int, seed: int, adapter: str) -> d
     ids = np.random.default_rng(seed).integers(
         0, min(cfg.model.llm.vocab_size, hf_vocab(hf)), tokens
     )
-    theirs = _run(ref, ids)[0]
+    theirs = _run(ref, {"input_ids": ids})[0]
     ours = _logits(model.llm, _embed(model.llm, jnp.asarray(ids)[None]), _positions(ids, False))
     ours, what = own_columns(ours[0], theirs, f"logits of {tokens} tokens with the adapter")
     family = family_for("llm", hf, directory)
     return figures("llm", family.name, what, ours, theirs)
 
 
-def check_whole(directory: str, tokens: int = 64, seed: int = 0, adapter: str = "") -> list[dict]:
+def check_whole(
+    directory: str,
+    tokens: int = 64,
+    seed: int = 0,
+    adapter: str = "",
+    packed: bool = True,
+    data: str = "",
+) -> list[dict]:
     """The figures of the module docstring, each {"role", "family", "what", "max_abs_diff",
-    "max_abs_ref"}; the last one the whole model's (`adapter`: as `check_all`)."""
+    "max_abs_ref"} (`adapter`, `packed`, `data`: as `check_all`); a causal LM alone (`data`
+    only) gets its samples' lines."""
     hf = read_hf_config(directory)
     whole = whole_for(hf)
-    assert whole is not None, directory
-    dirs = {r: directory if r in whole.parts else "" for r in ("vision", "audio")}
+    parts = whole.parts if whole is not None else ("llm",)
+    dirs = {r: directory if r in parts else "" for r in ("vision", "audio")}
     cfg, model = load_model(directory, dirs["vision"], dirs["audio"], adapter=adapter)
+    cfg = _with_videos(cfg)
     ref = hf_module(directory, hf, "llm")
     if adapter:
         from peft import PeftModel
 
         ref = PeftModel.from_pretrained(ref, adapter).eval()
+    name = whole.name if whole is not None else family_for("llm", hf, directory).name
     rng = np.random.default_rng(seed)
-    vocab = cfg.model.llm.vocab_size
-    reserved = {hf.get(k) for k in hf if k.endswith(("token_id", "token_index"))}
-    allowed = np.setdiff1d(np.arange(min(vocab, hf_vocab(hf))), list(reserved - {None}))
-    text = lambda n: rng.choice(allowed, n)
-    mrope = any(cfg.model.llm.mrope_section)
+    vocab = min(cfg.model.llm.vocab_size, hf_vocab(hf))
+    reserved = {hf.get(k) for k in hf if k.endswith(("token_id", "token_index"))} - {None}
+    pool = np.setdiff1d(np.arange(vocab), list(reserved))
+    spare, pool = pool[-len(KINDS) - 2 :], pool[: -len(KINDS) - 2]
+    text = lambda n: rng.choice(pool, n)
     out = []
-
-    ids = text(tokens)
-    theirs = _run(ref, ids)[0]
-    ours = _logits(model.llm, _embed(model.llm, jnp.asarray(ids)[None]), _positions(ids, mrope))
-    ours, what = own_columns(ours[0], theirs, f"logits of {tokens} text tokens")
-    out.append(figures("llm", whole.name, what, ours, theirs))
-
-    media = "vision" if "vision" in whole.parts else "audio"
-    prompt = (_image_prompt if media == "vision" else _clip_prompt)(cfg, model, whole, hf, rng)
-    what, rows, inputs, token, positions, n = prompt
-    before, after = inputs.pop("around")
-    ids = np.concatenate([text(5), before, [token] * n, after, text(7)]).astype(np.int64)
-    if "image_grid_thw" in inputs:  # (transformers 5 finds a Qwen VL's image tokens by these)
-        inputs["mm_token_type_ids"] = _torch((ids == token)[None].astype(np.int64))
-    if mrope:
-        positions = mrope_positions(ids, token, positions, cfg.model.vision.merge)[None]
+    if not data:
+        ids = text(tokens)
+        theirs = _run(ref, {"input_ids": ids})[0]
+        mrope = any(cfg.model.llm.mrope_section)
+        x = _embed(model.llm, jnp.asarray(ids)[None])
+        ours, what = own_columns(
+            _logits(model.llm, x, _positions(ids, mrope))[0],
+            theirs,
+            f"logits of {tokens} text tokens",
+        )
+        out.append(figures("llm", name, what, ours, theirs))
+        specials = check_specials(whole, hf, spare)
+        samples = random_samples(cfg, whole, hf, rng, text)
     else:
-        positions = np.arange(len(ids))[None]
-    theirs, captured = _run(ref, ids, HOOKS[whole.name], n, **inputs)
-    out.append(figures(media, whole.name, f"projected rows of {what}", rows[0], captured))
-    x = _embed(model.llm, jnp.asarray(ids)[None])
-    x = x.at[0, np.flatnonzero(ids == token)].set(rows[0].astype(x.dtype))
-    ours = _logits(model.llm, x, jnp.asarray(positions))
-    ours, what = own_columns(
-        ours[0], theirs, f"logits of {len(ids)} tokens with {what} in the prompt"
+        specials, samples = data_samples(cfg, data)
+    reference = (
+        (lambda s: whole.reference_inputs(s, cfg, specials))
+        if whole is not None
+        else (lambda s: oracle.text_only(s, cfg, specials))
     )
-    out.append(figures("model", whole.name, what, ours, theirs))
-    video = hf.get("video_token_id")
-    if mrope and cfg.model.vision.temporal_patch > 1 and video is not None and video < vocab:
-        out.append(_video_check(cfg, model, ref, whole, int(video), text, rng))
+    return out + sample_lines(cfg, model, ref, whole, name, samples, specials, reference, packed)
+
+
+def sample_lines(cfg, model, ref, whole, name, samples, specials, reference, packed) -> list:
+    """The encoder's lines on the first sample with media, and each sample's logits, ours from
+    one packed row (or a row each) against transformers on the sample alone."""
+    theirs, captured = [], None
+    hook = HOOKS.get(whole.name) if whole is not None else None
+    first = next((k for k, (_, s) in enumerate(samples) if _media(s)), None)
+    for k, (_, sample) in enumerate(samples):
+        n = int(np.isin(sample.tokens, [*specials.media.values()]).sum())
+        logits, got = _run(ref, reference(sample), hook if k == first else None, n)
+        theirs.append(logits)
+        captured = got if k == first else captured
+    rows = [packed_row([s for _, s in samples], cfg, specials)] if packed else None
+    rows = rows or [packed_row([s], cfg, specials) for _, s in samples]
+    logits = [np.asarray(_forward(model, _device(mb)))[0, 0] for mb, _ in rows]
+    out = []
+    if first is not None:
+        out += encoder_lines(cfg, model, name, samples[first], specials, captured)
+    n = len(samples)
+    where = f"packed {n} samples into 1 row" if packed else "each sample in a row of its own"
+    for k, ((desc, sample), mine) in enumerate(zip(samples, theirs, strict=True)):
+        row, start = (0, rows[0][1][k]) if packed else (k, 0)
+        ours = logits[row][start : start + len(sample.tokens)]
+        what = f"logits of sample {k + 1} of {n} ({len(sample.tokens)} tokens: {desc}); {where}"
+        ours, what = own_columns(ours, mine, what)
+        out.append(figures("model", name, what, ours, mine))
     return out
 
 
-# A clip's sampled frame rate in the video line (not a whole number of temporal patches a
-# second, so Qwen2.5-VL's absolute time rounds down between them)
-VIDEO_FPS = 1.5
+def encoder_lines(cfg, model, name: str, sample_of, specials, captured) -> list[dict]:
+    """The first sample's encoder rows (and DeepStack's levels) against transformers'."""
+    desc, sample = sample_of
+    phase = "vision" if sample.media["vision"] else "audio"
+    mb, _ = packed_row([sample], cfg, specials)
+    rows, deep = _encode(model, _device(mb), phase)
+    n = int(np.isin(sample.tokens, specials.phase_ids(phase)).sum())
+    theirs_rows, theirs_deep = captured
+    out = [figures(phase, name, f"projected rows of {desc}", np.asarray(rows)[0, :n], theirs_rows)]
+    if deep is not None:
+        ours = np.asarray(deep)[:, 0, :n]
+        what = f"DeepStack's rows of {desc} ({len(ours)} levels)"
+        out.append(figures(phase, name, what, ours, theirs_deep))
+    return out
 
 
-def _video_check(cfg, model, ref, whole: Whole, token: int, text, rng) -> dict:
-    """The whole model with a video of three temporal patches in the prompt (random frames
-    sampled at VIDEO_FPS): every token's logits, M-RoPE's time on the temporal patches (in
-    absolute time where the model counts tokens_per_second: Qwen2.5-VL's second_per_grid_ts)."""
-    import torch
+def _media(sample: Sample) -> bool:
+    return any(sample.media.values())
 
+
+def _device(mb: dict) -> dict:
+    return jax.tree.map(jnp.asarray, mb)
+
+
+def _with_videos(cfg: Config) -> Config:
+    """`cfg` with its tower taking videos where it can (its buckets' patches a temporal patch
+    wide; the parameters are the same)."""
     v = cfg.model.vision
-    m, p, c, tp = v.merge, v.patch_size, v.channels, v.temporal_patch
-    w = max(v.window, m)
-    gh, gw, t = 2 * w + m, w + m, 3
-    frames = rng.normal(size=(t * tp, gh * p, gw * p, c)).astype(np.float32)
-    items = [temporal_patch(frames[k * tp : (k + 1) * tp], p, m) for k in range(t)]
-    positions = patchify(np.zeros((gh * p, gw * p, 1), np.float32), p, m)[1]
-    patches = np.concatenate(items)
-    segments = np.repeat(np.arange(1, t + 1), len(positions))[None]
-    rows = np.asarray(
-        _image(
-            model,
-            jnp.asarray(patches)[None],
-            jnp.asarray(segments, jnp.int32),
-            jnp.asarray(np.tile(positions, (t, 1)))[None],
-        )
-    )
-    ids = np.concatenate([text(5), [token] * (len(patches) // m**2), text(7)]).astype(np.int64)
-    grid = (t, gh, gw)
-    inputs = {
-        "video_grid_thw": torch.tensor([grid]),
-        "mm_token_type_ids": _torch(2 * (ids == token)[None].astype(np.int64)),
-    }
-    if v.tokens_per_second:  # (Qwen2.5-VL: the seconds a temporal patch spans)
-        inputs["second_per_grid_ts"] = torch.tensor([tp / VIDEO_FPS])
-        grid = (*grid, time_step(v.tokens_per_second, tp / VIDEO_FPS))
-    theirs_pixels = patches.reshape(-1, tp, p, p, c).transpose(0, 4, 1, 2, 3)
-    inputs["pixel_values_videos"] = _torch(theirs_pixels.reshape(len(patches), -1))
-    theirs, _ = _run(ref, ids, **inputs)
-    x = _embed(model.llm, jnp.asarray(ids)[None])
-    x = x.at[0, np.flatnonzero(ids == token)].set(rows[0].astype(x.dtype))
-    pos = mrope_positions(ids, token, [grid], m)[None]
-    ours = _logits(model.llm, x, jnp.asarray(pos))
-    what = f"a {t}-temporal-patch video ({gh}x{gw} patches) in the prompt"
-    ours, what = own_columns(ours[0], theirs, f"logits of {len(ids)} tokens with {what}")
-    return figures("model", whole.name, what, ours, theirs)
+    if not v.enabled or v.temporal_patch == 1 or v.video:
+        return cfg
+    model = dataclasses.replace(cfg.model, vision=dataclasses.replace(v, video=True))
+    return dataclasses.replace(cfg, model=model)
+
+
+def check_specials(whole: Whole | None, hf: dict, spare: np.ndarray) -> Specials:
+    """The ids the packed row needs: the checkpoint's placeholders (config.json's), padding and
+    the others from ids the random text never draws (`spare`)."""
+    spare = [int(i) for i in spare]
+    media = {}
+    if whole is not None and "vision" in whole.parts:
+        media["vision"] = whole.token_id("vision", hf)
+        media["video"] = hf.get("video_token_id", media["vision"])
+    if whole is not None and "audio" in whole.parts:
+        media["audio"] = whole.token_id("audio", hf)
+    for kind in KINDS:
+        media.setdefault(kind.name, spare.pop())
+    if media["video"] is None:
+        media["video"] = media["vision"]
+    return Specials(pad=spare[0], bos=None, eos=spare[1], stop=(spare[1],), media=media)
+
+
+def random_samples(cfg, whole: Whole | None, hf: dict, rng, text) -> list[tuple[str, Sample]]:
+    """A family's samples of random ids and media, as its processor lays them out: text alone,
+    images of two sizes (Qwen2.5-VL's several windows wide; LLaVA's at its tower's size), a
+    video of three temporal patches where the family reads videos (Qwen3-VL's with text, its
+    times, between them), clips."""
+    if whole is None:
+        return [(f"{n} text tokens", _text_sample(text(n))) for n in (24, 40, 16)]
+    if "audio" in whole.parts:
+        a = cfg.model.audio
+        window = a.max_positions * a.stride
+        lengths = [max(8, window * 3 // 4 // a.subsample * a.subsample), window // 2]
+        token = whole.token_id("audio", hf)
+        clips = [_clip_sample(n, a, token, rng, text) for n in lengths]
+        return [clips[0], ("text alone", _text_sample(text(24))), clips[1]]
+    v = cfg.model.vision
+    m = v.merge
+    token = whole.token_id("vision", hf)
+    wrap = [hf.get(k) for k in ("vision_start_token_id", "vision_end_token_id")]
+    wrap = [[i] if i is not None and i < hf_vocab(hf) else [] for i in wrap]
+    if isinstance(whole, Llava):  # transformers reads LLaVA's images at the tower's size
+        grids = [(v.position_grid, v.position_grid)] * 2
+    else:
+        w = max(v.window, m)
+        grids = [(2 * w + m, w + m), (m, 2 * m)]
+    image = lambda g, before, after: _image_sample(cfg, g, token, wrap, rng, text, before, after)
+    out = [image(grids[0], 5, 7), ("text alone", _text_sample(text(24)))]
+    video = hf.get("video_token_id")
+    if not isinstance(whole, Llava) and v.temporal_patch > 1 and video is not None:
+        out.append(_video_sample(cfg, whole, grids[0], int(video), wrap, rng, text))
+    return [*out, image(grids[1], 3, 4)]
+
+
+def _text_sample(ids: np.ndarray) -> Sample:
+    ids = np.asarray(ids, np.int32)
+    return Sample(0, ids, np.zeros(len(ids), bool))
+
+
+def _image_sample(cfg, grid, token, wrap, rng, text, before: int, after: int):
+    v = cfg.model.vision
+    p, c, m = v.patch_size, v.channels, v.merge
+    gh, gw = grid
+    pixels = rng.integers(0, 256, (gh * p, gw * p, c), dtype=np.uint8)
+    patches, positions = patchify(pixels, p, m)
+    ids = [*text(before), *wrap[0], *[token] * (gh * gw // m**2), *wrap[1], *text(after)]
+    ids = np.asarray(ids, np.int32)
+    sample = Sample(0, ids, np.zeros(len(ids), bool), {"vision": [(patches, positions)]})
+    sample.grids = [(1, gh, gw)]
+    return f"a {gh}x{gw}-patch image", sample
+
+
+def _video_sample(cfg, whole: Whole, grid, token: int, wrap, rng, text):
+    """Three temporal patches of random frames sampled at VIDEO_FPS: one run of placeholders
+    in its wrap (Qwen2-VL, Qwen2.5-VL: time in seconds x tokens_per_second), or each temporal
+    patch after text standing for its time, in a wrap of its own (Qwen3-VL's)."""
+    v = cfg.model.vision
+    p, c, m, tp = v.patch_size, v.channels, v.merge, v.temporal_patch
+    (gh, gw), t = grid, 3
+    frames = rng.integers(0, 256, (t * tp, gh * p, gw * p, c), dtype=np.uint8)
+    positions = patchify(np.zeros((gh * p, gw * p, 1), np.uint8), p, m)[1]
+    items = [(temporal_patch(frames[k * tp : (k + 1) * tp], p, m), positions) for k in range(t)]
+    n = gh * gw // m**2
+    if whole.video_timestamps:
+        ids = [*text(4)]
+        for _ in range(t):
+            ids += [*text(3), *wrap[0], *[token] * n, *wrap[1]]
+        ids += [*text(5)]
+        grids = [(1, gh, gw)] * t
+    else:
+        ids = [*text(5), *wrap[0], *[token] * (n * t), *wrap[1], *text(7)]
+        step = (time_step(v.tokens_per_second, tp / VIDEO_FPS),) if v.tokens_per_second else ()
+        grids = [(t, gh, gw, *step)]
+    ids = np.asarray(ids, np.int32)
+    sample = Sample(0, ids, np.zeros(len(ids), bool), {"vision": items})
+    sample.grids = grids
+    return f"a {t}-temporal-patch video ({gh}x{gw} patches)", sample
+
+
+def _clip_sample(frames: int, a, token: int, rng, text):
+    clip = rng.normal(size=(frames, a.n_mels)).astype(np.float32)
+    ids = np.asarray([*text(5), *[token] * (frames // a.subsample), *text(7)], np.int32)
+    item = (clip, np.arange(frames, dtype=np.int32))
+    return f"a {frames}-frame clip", Sample(0, ids, np.zeros(len(ids), bool), {"audio": [item]})
+
+
+def data_samples(cfg: Config, path: str) -> tuple[Specials, list[tuple[str, Sample]]]:
+    """The first DATA_SAMPLES readable records of the data file at `path` (its media paths
+    relative to its folder), preprocessed by `cfg` (the import's: the checkpoint's tokenizer,
+    chat template and processor settings); the tokenizer's ids.
+
+    Raises:
+      FamilyError: no readable record there (naming the first record's problem).
+    """
+    pre = Preprocessor(Params.from_config(cfg))
+    records = open_records(path, "auto", data=cfg.data)
+    samples, problems = [], []
+    for k in range(len(records)):
+        try:
+            record = read_record(records, k)
+            sample = pre.sample(k, record, pre.sizes(record), Limits())
+        except RecordError as e:
+            problems.append(f"record {k}: {e}")
+            continue
+        items = {p: len(v) for p, v in sample.media.items() if v}
+        what = ", ".join(f"{n} {p} item(s)" for p, n in items.items()) or "text alone"
+        samples.append((f"record {record.id!r}: {what}", sample))
+        if len(samples) == DATA_SAMPLES:
+            break
+    if not samples:
+        why = problems[0] if problems else "it holds no record"
+        raise FamilyError(f"--data {path}: no record to check ({why})")
+    return pre.tokenizer.specials, samples
 
 
 def hf_vocab(hf: dict) -> int:
@@ -216,65 +394,9 @@ def _positions(ids: np.ndarray, mrope: bool) -> jnp.ndarray:
     return jnp.asarray(np.repeat(positions[..., None], 3, -1) if mrope else positions)
 
 
-def _image_prompt(cfg, model, whole: Whole, hf: dict, rng):
-    import torch
-
-    v = cfg.model.vision
-    m, p, c = v.merge, v.patch_size, v.channels
-    if isinstance(whole, Llava):  # transformers reads LLaVA's images at the tower's size
-        gh = gw = v.position_grid
-    else:
-        w = max(v.window, m)
-        gh, gw = 2 * w + m, w + m
-    image = rng.normal(size=(gh * p, gw * p, c)).astype(np.float32)
-    patches, positions = patchify(image, p, m)
-    segments = jnp.ones((1, len(patches)), jnp.int32)
-    rows = np.asarray(
-        _image(model, jnp.asarray(patches)[None], segments, jnp.asarray(positions)[None])
-    )
-    token, n = whole.token_id("vision", hf), gh * gw // m**2
-    if isinstance(whole, Llava):
-        inputs: dict[str, Any] = {"pixel_values": _torch(image.transpose(2, 0, 1)[None])}
-        inputs["around"] = ([], [])
-    else:
-        frames = patches.reshape(-1, p, p, c).transpose(0, 3, 1, 2)[:, :, None]
-        pixels = np.repeat(frames, v.temporal_patch, axis=2).reshape(len(frames), -1)
-        inputs = {"pixel_values": _torch(pixels), "image_grid_thw": torch.tensor([[1, gh, gw]])}
-        wrap = [hf.get(k) for k in ("vision_start_token_id", "vision_end_token_id")]
-        wrap = [[i] if i is not None and i < hf_vocab(hf) else [] for i in wrap]
-        inputs["around"] = tuple(wrap)
-    return f"a {gh}x{gw}-patch image", rows, inputs, token, [(gh, gw)], n
-
-
-def _clip_prompt(cfg, model, whole: Whole, hf: dict, rng):
-    import torch
-
-    a = cfg.model.audio
-    window = a.max_positions * a.stride  # transformers takes Whisper's whole window
-    frames = max(8, window * 3 // 4 // a.subsample * a.subsample)
-    clip = rng.normal(size=(frames, a.n_mels)).astype(np.float32)
-    rows = np.asarray(
-        _clip(
-            model,
-            jnp.asarray(clip)[None],
-            jnp.ones((1, frames), jnp.int32),
-            jnp.arange(frames)[None],
-        )
-    )
-    features = np.zeros((1, a.n_mels, window), np.float32)
-    features[0, :, :frames] = clip.T
-    mask = (np.arange(window) < frames)[None].astype(np.int64)
-    inputs = {
-        "input_features": _torch(features),
-        "feature_attention_mask": torch.from_numpy(mask),
-        "around": ([], []),
-    }
-    token = whole.token_id("audio", hf)
-    return f"a {frames}-frame clip", rows, inputs, token, None, frames // a.subsample
-
-
-def _run(ref, ids: np.ndarray, hook=None, n: int = 0, **inputs):
-    """transformers' logits [T, vocab] of `ids` (and what `hook` reads off its module)."""
+def _run(ref, inputs: dict[str, Any], hook=None, n: int = 0) -> tuple[np.ndarray, Any]:
+    """transformers' logits [T, vocab] of one sample's inputs (numpy; batched here), and what
+    `hook` reads off its module: (its `n` rows, DeepStack's [K, rows, width] or None)."""
     import torch
 
     captured = {}
@@ -284,13 +406,25 @@ def _run(ref, ids: np.ndarray, hook=None, n: int = 0, **inputs):
         for part in hook[0].split("."):
             module = getattr(module, part)
         handle = module.register_forward_hook(lambda mod, i, o: captured.update(out=o))
+    per_sample = ("input_ids", "mm_token_type_ids")  # (the others are stacked items already)
+    tensors = {
+        k: _torch(v[None] if k in per_sample else v)
+        for k, v in inputs.items()
+        if isinstance(v, np.ndarray)
+    }
     try:
         with torch.no_grad():
-            logits = ref(input_ids=torch.from_numpy(ids[None].astype(np.int64)), **inputs).logits
+            logits = ref(**tensors).logits
     finally:
         if handle is not None:
             handle.remove()
     theirs = _numpy(logits[0])
     if hook is None:
         return theirs, None
-    return theirs, _numpy(hook[1](captured["out"], n))
+    out = captured["out"]
+    deep = getattr(out, "deepstack_features", None)
+    joined = lambda d: (
+        np.concatenate([_numpy(x) for x in d]) if isinstance(d, list | tuple) else _numpy(d)
+    )
+    deep = np.stack([joined(d) for d in deep]) if deep else None  # (split by image after)
+    return theirs, (_numpy(hook[1](out, n)), deep)

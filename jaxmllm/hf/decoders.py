@@ -4,8 +4,9 @@ Qwen3 (QK-norm, a head_dim of its own); the LLM of a whole checkpoint is one of 
 
 All are jaxmllm's own decoder (RMSNorm, rotate-half RoPE, GQA, SiLU-gated MLP) with options:
 `norm_eps`, `head_dim`, `attn_bias` (Qwen2: qkv; Llama and Qwen3: qkvo with attention_bias),
-`mlp_bias`, `qk_norm` (Qwen3), `rope_scaling`, `mrope_section` (Qwen2-VL), and tied embeddings
-without jaxmllm's 1/sqrt(width) logit scale.
+`mlp_bias`, `qk_norm` (Qwen3), `rope_scaling`, `mrope_section` (Qwen2-VL; interleaved:
+Qwen3-VL's `mrope_interleaved`), and tied embeddings without jaxmllm's 1/sqrt(width) logit
+scale.
 """
 
 from __future__ import annotations
@@ -97,10 +98,13 @@ class Decoders(Family):
 
     role = "llm"
 
-    def __init__(self, model_type: str):
+    def __init__(self, model_type: str, stacked_experts: bool = False):
+        """`stacked_experts`: the experts' weights stacked as transformers 5 holds them
+        (`experts_links`: Qwen3-VL-MoE's checkpoints), not one Linear each."""
         self.name = self.model_type = model_type
         self.model_types = (model_type,)
         self.hf_class = CLASSES[model_type]
+        self.stacked_experts = stacked_experts
 
     def section(self, hf: dict) -> dict:
         where = f"{self.name} config.json"
@@ -130,6 +134,7 @@ class Decoders(Family):
             bias = "qkv"
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         mrope = [int(x) for x in rope.get("mrope_section", [0, 0, 0])]
+        interleaved = bool(rope.get("mrope_interleaved", False)) and any(mrope)
         out = {
             "vocab_size": int(read(hf, "vocab_size", where)),
             "width": width,
@@ -149,6 +154,7 @@ class Decoders(Family):
             "mlp_bias": bool(hf.get("mlp_bias", False)),
             "qk_norm": self.model_type in QK_NORM,
             "mrope_section": mrope,
+            "mrope_interleaved": interleaved,
         }
         if self.model_type in MOE:
             out["moe"] = self.moe_section(hf, where, out["depth"])
@@ -222,6 +228,8 @@ class Decoders(Family):
             out.update(moe_to_hf(llm, self.model_type))
         if any(llm.mrope_section):
             out["rope_parameters"]["mrope_section"] = list(llm.mrope_section)
+            if llm.mrope_interleaved:
+                out["rope_parameters"]["mrope_interleaved"] = True
         return out
 
     def wants(self, cfg: Any) -> dict[str, Any]:
@@ -274,7 +282,7 @@ class Decoders(Family):
             same(p + "post_attention_layernorm.weight", ours + "mlp_norm/scale", n),
         ]
         if kind == "moe":
-            links += moe_links(llm.moe, w, p + "mlp.", ours + "mlp/", n)
+            links += moe_links(llm.moe, w, p + "mlp.", ours + "mlp/", n, self.stacked_experts)
         else:
             links += gated_mlp_links(w, f, p + "mlp.", ours + "mlp/", n)
         heads = {
@@ -320,11 +328,14 @@ def gated_mlp_links(w: int, f: int, hf: str, ours: str, n: int) -> list[Link]:
     ]
 
 
-def moe_links(moe: Any, w: int, hf: str, ours: str, n: int) -> list[Link]:
+def moe_links(moe: Any, w: int, hf: str, ours: str, n: int, stacked: bool = False) -> list:
     """An MoE layer's router (`gate`), its experts one Linear each (`experts.{j}.*_proj`,
-    stacked [E, ...] on our side) and the shared expert with its gate."""
+    stacked [E, ...] on our side; `stacked`: `stacked_experts_links`) and the shared expert
+    with its gate."""
     links = [dense(hf + "gate.weight", ours + "router/kernel", (w, moe.experts), 1, n)]
-    for proj in ("gate", "up", "down"):
+    if stacked:
+        links += stacked_experts_links(hf + "experts.", ours + "experts/", moe, w, n)
+    for proj in ("gate", "up", "down") if not stacked else ():
         links.append(experts_link(hf, f"{proj}_proj", ours + f"experts/{proj}", moe.experts, n))
     if moe.shared_mlp_dim:
         links += gated_mlp_links(w, moe.shared_mlp_dim, hf + "shared_expert.", ours + "shared/", n)
@@ -345,6 +356,46 @@ def experts_link(hf: str, proj: str, ours: str, experts: int, n: int) -> Link:
         lambda x: tuple(np.asarray(x)[j].T for j in range(experts)),
         n,
     )
+
+
+def stacked_experts_links(hf: str, ours: str, moe: Any, w: int, n: int) -> list[Link]:
+    """The experts stacked as transformers 5 holds them: `gate_up_proj` [E, 2f, w] (each
+    expert's gate rows, then its up rows) and `down_proj` [E, w, f], which it also saves so;
+    the hub's Qwen3-VL-MoE files hold them transposed ([E, w, 2f], [E, f, w]), told apart by
+    their shape as transformers' loader tells them (a square one read as it saves them).
+    Ours: gate and up [E, w, f], down [E, f, w]; an export writes transformers' layout."""
+    e, f = moe.experts, moe.mlp_dim
+
+    def hubs(shape):  # (the hub's layout of a tensor transformers saves as `shape`)
+        return ((shape[0], shape[2], shape[1]),)
+
+    def gate_up(x):
+        x = np.asarray(x)
+        x = x if x.shape == (e, 2 * f, w) else x.transpose(0, 2, 1)  # (the hub's [E, w, 2f])
+        return x[:, :f].transpose(0, 2, 1), x[:, f:].transpose(0, 2, 1)
+
+    def down(x):
+        x = np.asarray(x)
+        return (x.transpose(0, 2, 1) if x.shape == (e, w, f) else x,)  # (else the hub's)
+
+    return [
+        Link(
+            (hf + "gate_up_proj",),
+            (ours + "gate", ours + "up"),
+            gate_up,
+            lambda g, u: (np.concatenate([g, u], axis=-1).transpose(0, 2, 1),),
+            n,
+            stored_as=hubs,
+        ),
+        Link(
+            (hf + "down_proj",),
+            (ours + "down",),
+            down,
+            lambda x: (x.transpose(0, 2, 1),),
+            n,
+            stored_as=hubs,
+        ),
+    ]
 
 
 def moe_to_hf(llm: Any, model_type: str) -> dict:

@@ -46,12 +46,18 @@ def params_of(cfg: Any, family: Family, prefix: str = "") -> list[ExpertsParam]:
         path = f"llm/transformer/{stack}/mlp/experts"
         if kind != "moe" or path not in adapted:
             continue
-        module = family.runtime(prefix + "model.layers.{i}.mlp.experts")
+        module = experts_module(family, prefix)
         for matrix in adapted[path]:
             inner = matrix == "gate_up" and len(adapted[path]) == 2  # (nested inside down's)
             runtime = module + (".base_layer" if inner else "")
             out.append(ExpertsParam(path, matrix, runtime, ids))
     return out
+
+
+def experts_module(family: Family, prefix: str = "") -> str:
+    """transformers' module of a layer's stacked experts (`{i}` the layer), as `family` (a
+    decoder, or a whole checkpoint's LLM part: its placement) builds the model."""
+    return family.runtime(prefix + family.placed("model.layers.{i}.mlp.experts"))
 
 
 def to_peft(a_eir: np.ndarray, b_ero: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -144,7 +150,7 @@ def present(adapter: Any, cfg: Any, family: Family, prefix: str = "") -> list[Ex
     for stack, kind, ids in stacks(cfg.model.llm) if held else []:
         if kind != "moe":
             continue
-        module = family.runtime(prefix + "model.layers.{i}.mlp.experts")
+        module = experts_module(family, prefix)
         for matrix in ("gate_up", "down"):
             if PARAMS[matrix] in held:
                 inner = matrix == "gate_up" and len(held) == 2

@@ -41,7 +41,9 @@ class Link:
     `to_ours(*hf_arrays) -> our arrays` and `to_hf(*our_arrays) -> hf arrays`, one layer at a
     time when `layers` > 0 (our parameters then have a leading [layers] axis). Row j of ours is
     the checkpoint's layer `layer_ids[j]` (default j: a stack of every layer; a mixture of
-    experts stacks its MoE layers and its dense ones apart).
+    experts stacks its MoE layers and its dense ones apart). `stored_as(shape)`: the other
+    shapes a HF tensor of `shape` (as `to_hf` writes it) may be stored in and `to_ours` tells
+    apart (the hub's Qwen3-VL-MoE experts, transposed); any other shape is refused on load.
     """
 
     hf: tuple[str, ...]
@@ -50,6 +52,7 @@ class Link:
     to_hf: Transform
     layers: int = 0
     layer_ids: tuple[int, ...] = ()
+    stored_as: Callable[[tuple[int, ...]], tuple[tuple[int, ...], ...]] | None = None
 
     def hf_layer(self, row: int) -> int:
         """The checkpoint's layer number of row `row` of our stacked parameters."""
@@ -107,6 +110,11 @@ class Family:
     def checkpoint_name(self, runtime: str) -> str:
         """The inverse of `runtime`."""
         return runtime
+
+    def placed(self, name: str) -> str:
+        """The checkpoint's name of a tensor or module its inner family names `name` (a part
+        of a whole checkpoint is placed under the whole's names; else `name`)."""
+        return name
 
     def part_of(self, name: str) -> str | None:
         """The role of the part a tensor belongs to in a whole checkpoint; None: one part."""
@@ -172,9 +180,9 @@ def parts_of(hf: str, ours: Sequence[str], links: Sequence[Link], layers: int = 
     return Link((hf,), tuple(ours), to_ours, to_hf, layers)
 
 
-def prefixed(link: Link, prefix: str) -> Link:
-    """`link` with its HF names under `prefix` (a part of a whole checkpoint)."""
-    return dataclasses.replace(link, hf=tuple(prefix + n for n in link.hf))
+def renamed(link: Link, name: Callable[[str], str]) -> Link:
+    """`link` with each HF name `n` as `name(n)` (a part's tensors in a whole checkpoint)."""
+    return dataclasses.replace(link, hf=tuple(name(n) for n in link.hf))
 
 
 def split_rows(hf: str, ours: Sequence[str], rows: int) -> Link:

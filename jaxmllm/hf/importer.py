@@ -11,6 +11,7 @@ and processor settings included.
 from __future__ import annotations
 
 import copy
+import glob
 import json
 import math
 import shlex
@@ -19,8 +20,9 @@ from pathlib import Path
 
 import yaml
 
-from jaxmllm.config import Config, DataConfig, from_dict
+from jaxmllm.config import Config, ConfigError, DataConfig, from_dict
 from jaxmllm.config.phases import ENCODERS
+from jaxmllm.config.yamlfile import read_yaml
 from jaxmllm.data.text.tokenizer import make_tokenizer
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.load import checkpoint_tensors
@@ -85,7 +87,12 @@ def model_dirs(model: str) -> tuple[str, str, str]:
         wholes = sorted(t for w in WHOLES for t in w.model_types)
         decoders = sorted(t for f in FAMILIES if f.role == "llm" for t in f.model_types)
         parts = roles_of(hf)
-        hint = f"; it is a {parts[0]} part: pass it as --{parts[0]} beside --llm" if parts else ""
+        article = "an" if parts and parts[0][0] in "aeiou" else "a"
+        hint = (
+            f"; it is {article} {parts[0]} part: pass it as --{parts[0]} beside --llm"
+            if parts
+            else ""
+        )
         raise FamilyError(
             f"--model {model}: model_type {kind!r} is not a model jaxmllm reads whole{hint}. "
             f"Whole multimodal models: {', '.join(wholes)}; causal LMs (a text-only model): "
@@ -113,7 +120,10 @@ def data_section(llm: str, vision: str = "", audio: str = "", tokenizer: str = "
         high_key = "max_pixels" if "max_pixels" in proc else "size.longest_edge"
         data["image_min_pixels"] = _number(low, where, low_key, MAX_PIXELS)
         data["image_max_pixels"] = _number(high, where, high_key, MAX_PIXELS)
-    if vision and isinstance(whole_for(read_hf_config(vision)), Llava):
+    whole = whole_for(read_hf_config(vision)) if vision else None
+    if whole is not None and whole.video_timestamps:  # (Qwen3-VL: times between frames)
+        data["video_timestamps"] = True
+    if isinstance(whole, Llava):
         # LLaVA saw square crops of one size: as many pixels, at each image's aspect ratio
         crop = proc.get("crop_size") if isinstance(proc.get("crop_size"), dict) else size
         if crop.get("height") and crop.get("width"):
@@ -290,8 +300,34 @@ def write_config(
     named = raw["data"].get("path") or raw["data"].get("sources")
     data = BUILT_IN if cfg.data.source == "synthetic" else DATA if named else NO_DATA
     text = TEMPLATE.format(config=out, command=command, data=data)
+    unset = keys_to_set(raw, from_base=bool(base))
+    if unset:
+        text += "# Still to set (the --base recipe's placeholders, paths naming nothing here):\n"
+        text += "".join(f"#   {line}\n" for line in unset)
     out.write_text(text + yaml.safe_dump(raw, sort_keys=False, default_flow_style=False, width=100))
     return cfg
+
+
+def keys_to_set(raw: dict, from_base: bool) -> list[str]:
+    """The written config's keys that still need a value of this site: data paths that name
+    nothing here (data.path, data.media_root), an absolute train.output_dir whose top folder
+    does not exist here (a recipe's /shared/...), and, `from_base`, data.workers (a recipe's
+    worker count a process, sized for its own nodes' cores)."""
+    data, unset = raw.get("data", {}), []
+    for key in ("path", "media_root"):
+        value = str(data.get(key) or "")
+        if value and not (Path(value).exists() or glob.glob(value)):
+            unset.append(f"data.{key}: {value} (nothing there yet)")
+    out = Path(str(raw.get("train", {}).get("output_dir") or ""))
+    if out.is_absolute() and len(out.parts) > 1 and not Path(*out.parts[:2]).exists():
+        unset.append(f"train.output_dir: {out} ({Path(*out.parts[:2])} does not exist here)")
+    workers = data.get("workers")
+    if from_base and workers:
+        unset.append(
+            f"data.workers: {workers} (the recipe's, per process: what python -m "
+            "jaxmllm.bench.host says a step needs, within a process's cores)"
+        )
+    return unset
 
 
 def adapter_sections(raw: dict, adapter: str, where: str) -> None:
@@ -344,11 +380,11 @@ def import_command(
 
 def _read_base(base: str | Path) -> dict:
     try:
-        raw = yaml.safe_load(Path(base).read_text()) or {}
+        raw = read_yaml(Path(base).read_text(), f"--base {base}") or {}
     except OSError as e:
         raise FamilyError(f"--base {base}: cannot read it ({e.strerror})") from None
-    except yaml.YAMLError as e:
-        raise FamilyError(f"--base {base}: not valid YAML ({e})") from None
+    except ConfigError as e:
+        raise FamilyError(str(e)) from None
     if not isinstance(raw, dict):
         raise FamilyError(f"--base {base}: the top level must be a mapping of sections")
     return raw

@@ -212,6 +212,22 @@ def check_sizes(link: Link, ck: Checkpoint, prefix: str, targets: list, key: str
             )
 
 
+def check_shapes(link: Link, names, stored, mapped, ck: Checkpoint, prefix: str, key: str) -> None:
+    """Refuses tensors stored in another shape than the model's parameters map to (element
+    counts alike: a [width, mlp] tensor where [mlp, width] is meant), naming file and both;
+    a shape the link says it reads too (`Link.stored_as`) is not refused."""
+    for name, a, b in zip(names, stored, mapped, strict=True):
+        want = tuple(np.shape(b))
+        also = link.stored_as(want) if link.stored_as else ()
+        if tuple(a.shape) != want and tuple(a.shape) not in also:
+            raise CheckpointError(
+                f"{key}: tensor {name} in {ck.file(prefix + name)} is {list(a.shape)}, but the "
+                f"model's sizes (config.json) store it as {list(np.shape(b))}: the same "
+                "elements in another shape (transposed?) would load scrambled; a damaged or "
+                "mismatched checkpoint"
+            )
+
+
 def fill(link: Link, ck: Checkpoint, prefix: str, targets: list, key: str) -> list[jax.Array]:
     """The link's parameters as sharded arrays (see the module docstring)."""
     shards = [_shards(t) for t in targets]
@@ -233,7 +249,8 @@ def fill(link: Link, ck: Checkpoint, prefix: str, targets: list, key: str) -> li
     def read(names: tuple[str, ...]) -> tuple[np.ndarray, ...]:
         arrays = [ck.get(prefix + n) for n in names]
         try:
-            return link.to_ours(*arrays)
+            ours = link.to_ours(*arrays)
+            back = link.to_hf(*ours)
         except ValueError:  # a reshape that cannot be: the config and the tensor disagree
             shapes = ", ".join(f"{n} {list(a.shape)}" for n, a in zip(names, arrays, strict=True))
             want = ", ".join(
@@ -243,6 +260,10 @@ def fill(link: Link, ck: Checkpoint, prefix: str, targets: list, key: str) -> li
                 f"{key}: tensor {shapes} does not fit the model's {want} (does model.* match "
                 "the checkpoint's config.json?)"
             ) from None
+        # (a tensor stored in another shape of its size, a transposed one, reshapes without
+        # an error: its shape must be what ours map back to)
+        check_shapes(link, names, arrays, back, ck, prefix, key)
+        return ours
 
     if link.layers:
         for layer in range(link.layers):

@@ -1,4 +1,4 @@
-"""Vision families of the Qwen VL towers: Qwen2-VL's and Qwen2.5-VL's.
+"""Vision families of the Qwen VL towers: Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's.
 
 Both are jaxmllm's vision encoder with 2D rotary positions, a temporal patch embedding without
 bias, a fused qkv with biases and a patch merger that is exactly jaxmllm's vision projector (the
@@ -15,10 +15,18 @@ which the links do.
   within windows of `window_size` pixels (`model.vision.window`, in patches) except those in
   `fullatt_block_indexes` (`full_blocks`), which attend over the whole image
   (`jaxmllm.models.vision_rows`: a window is a document).
+- Qwen3-VL (`Qwen3VLVisionModel`, or `model.visual.` of a Qwen3-VL or Qwen3-VL-MoE): LayerNorm
+  blocks with a tanh-GELU MLP with biases, a patch embedding with a bias, a learned table of
+  positions (`num_position_embeddings`, a square grid) resized bilinearly to each image's grid
+  and added to the patch embeddings (`position_grid`, `position_resize: bilinear`) besides the
+  2D rotary, and DeepStack: the outputs of the blocks `deepstack_visual_indexes` through
+  mergers of their own (`deepstack_merger_list`: a LayerNorm over the merged width, then the
+  merger's MLP; our `vision_projector/deepstack`, stacked), added in the LLM's first layers.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -93,6 +101,8 @@ class QwenTower(Family):
         v = cfg.model.vision
         return {
             "model.vision.positions": ("rope",),
+            "model.vision.position_grid": (0,),
+            "model.vision.deepstack": ((lambda d: not d), "no DeepStack"),
             "model.vision.norm_eps": (1e-6,),
             "model.vision.attn_bias": ("qkvo",),
             "model.vision.mlp_bias": (True,),
@@ -164,10 +174,17 @@ class QwenTower(Family):
             *self.block_links(cfg, layer, ours),
         ]
         if self.loads_merger(cfg, hf):
-            hidden, out = v.projector_dim or cfg.model.llm.width, cfg.model.llm.width
-            links += linear("merger.mlp.0", "vision_projector/fc1", (w * v.merge**2, hidden))
-            links += linear("merger.mlp.2", "vision_projector/fc2", (hidden, out))
+            links += self.merger_links(cfg)
         return links
+
+    def merger_links(self, cfg: Any) -> list[Link]:
+        """The merger's MLP: our vision projector (its norm is the tower's final norm)."""
+        v = cfg.model.vision
+        hidden, out = v.projector_dim or cfg.model.llm.width, cfg.model.llm.width
+        return [
+            *linear("merger.mlp.0", "vision_projector/fc1", (v.width * v.merge**2, hidden)),
+            *linear("merger.mlp.2", "vision_projector/fc2", (hidden, out)),
+        ]
 
     def block_links(self, cfg: Any, layer: str, ours: str) -> list[Link]:
         raise NotImplementedError
@@ -305,3 +322,114 @@ class Qwen25VLVision(QwenTower):
 def _whole_number(x: float) -> int | float:
     """transformers' configs write tokens_per_second as an int (4, 2): kept one where it is."""
     return int(x) if float(x).is_integer() else x
+
+
+class Qwen3VLVision(QwenTower):
+    """Qwen3-VL's tower (the module docstring); `kind`: the whole checkpoint it is written
+    into (qwen3_vl or qwen3_vl_moe: the vision config's model_type)."""
+
+    name = "qwen3_vl"
+    model_types = ("qwen3_vl_vision", "qwen3_vl_moe_vision")
+    hf_class = "Qwen3VLVisionModel"
+    act = "gelu_pytorch_tanh"
+    out_key = "out_hidden_size"
+
+    def __init__(self, kind: str = "qwen3_vl"):
+        self.kind = kind
+
+    def width(self, hf: dict, where: str) -> int:
+        return int(read(hf, "hidden_size", where))
+
+    def blocks(self, hf: dict, where: str, width: int, merge: int) -> dict:
+        table = int(read(hf, "num_position_embeddings", where))
+        grid = math.isqrt(table)
+        refuse_unless(
+            grid * grid == table,
+            where,
+            f"num_position_embeddings {table} is not a square grid of positions",
+        )
+        deep = [int(i) for i in hf.get("deepstack_visual_indexes") or []]
+        depth = int(read(hf, "depth", where))
+        refuse_unless(
+            all(0 <= i < depth for i in deep) and len(set(deep)) == len(deep),
+            where,
+            f"deepstack_visual_indexes {deep} must be distinct blocks of the tower's {depth}",
+        )
+        return {
+            "mlp_dim": int(read(hf, "intermediate_size", where)),
+            "norm": "layer",
+            "mlp": "gelu_tanh",
+            "patch_bias": True,
+            "position_grid": grid,
+            "position_resize": "bilinear",
+            "deepstack": deep,
+        }
+
+    def wants(self, cfg: Any) -> dict[str, Any]:
+        return {
+            **super().wants(cfg),
+            "model.vision.norm": ("layer",),
+            "model.vision.mlp": ("gelu_tanh",),
+            "model.vision.patch_bias": (True,),
+            "model.vision.position_grid": ((lambda g: g > 0), "a learned table of positions"),
+            "model.vision.position_resize": ("bilinear",),
+            "model.vision.window": (0,),
+            "model.vision.tokens_per_second": (0,),  # (videos: a time step per frame)
+            "model.vision.deepstack": (
+                lambda d: len(d) <= cfg.model.llm.depth,
+                "DeepStack into as many of the LLM's first layers",
+            ),
+        }
+
+    def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        v = cfg.model.vision
+        out = self.common_config(cfg, source)
+        out.update(
+            model_type=f"{self.kind}_vision",
+            hidden_size=v.width,
+            intermediate_size=v.mlp_dim,
+            out_hidden_size=cfg.model.llm.width,
+            num_position_embeddings=v.position_grid**2,
+            deepstack_visual_indexes=list(v.deepstack),
+        )
+        return out
+
+    def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
+        return [
+            *super().links(cfg, hf),
+            same("patch_embed.proj.bias", "vision/patch_embed/bias"),
+            same("pos_embed.weight", "vision/position_embedding"),
+        ]
+
+    def block_links(self, cfg: Any, layer: str, ours: str) -> list[Link]:
+        v = cfg.model.vision
+        w, f, n = v.width, v.mlp_dim, v.depth
+        return [
+            *layer_norm(layer + "norm1", ours + "attn_norm", n),
+            *layer_norm(layer + "norm2", ours + "mlp_norm", n),
+            *linear(layer + "mlp.linear_fc1", ours + "mlp/fc1", (w, f), 1, n),
+            *linear(layer + "mlp.linear_fc2", ours + "mlp/fc2", (f, w), 1, n),
+            *layer_norm("merger.norm", "vision/transformer/final_norm"),
+        ]
+
+    def merger_links(self, cfg: Any) -> list[Link]:
+        """The merger's MLP (our projector) and DeepStack's mergers (stacked: `{i}` a level)."""
+        v = cfg.model.vision
+        merged, out = v.width * v.merge**2, cfg.model.llm.width
+        hidden, k = v.projector_dim or out, len(v.deepstack)
+        deep, ours = "deepstack_merger_list.{i}.", "vision_projector/deepstack/"
+        links = [
+            *linear("merger.linear_fc1", "vision_projector/fc1", (merged, hidden)),
+            *linear("merger.linear_fc2", "vision_projector/fc2", (hidden, out)),
+        ]
+        if k:
+            links += [
+                *layer_norm(deep + "norm", ours + "norm", k),
+                *linear(deep + "linear_fc1", ours + "fc1", (merged, hidden), 1, k),
+                *linear(deep + "linear_fc2", ours + "fc2", (hidden, out), 1, k),
+            ]
+        return links
+
+    def skipped(self, name: str) -> bool:
+        # The mergers when they were trained for another LLM width (`loads_merger`).
+        return name.startswith(("merger.linear_fc", "deepstack_merger_list."))

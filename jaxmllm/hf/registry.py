@@ -10,7 +10,7 @@ from pathlib import Path
 
 from jaxmllm.hf.audio import Qwen2AudioEncoder, WhisperEncoder
 from jaxmllm.hf.family import Family, FamilyError
-from jaxmllm.hf.qwen_vision import Qwen2VLVision, Qwen25VLVision
+from jaxmllm.hf.qwen_vision import Qwen2VLVision, Qwen3VLVision, Qwen25VLVision
 from jaxmllm.hf.vision import Clip, Siglip
 from jaxmllm.hf.whole import Part
 from jaxmllm.hf.wholes import DECODERS, WHOLES, whole_for
@@ -21,6 +21,7 @@ FAMILIES: tuple[Family, ...] = (
     Clip(),
     Qwen2VLVision(),
     Qwen25VLVision(),
+    Qwen3VLVision(),
     WhisperEncoder(),
     Qwen2AudioEncoder(),
 )
@@ -46,6 +47,7 @@ SIZES = {
             "shared_expert_intermediate_size",
             "linear_key_head_dim",
             "linear_value_head_dim",
+            "out_hidden_size",
         ),
         MAX_WIDTH,
     ),
@@ -58,7 +60,7 @@ SIZES = {
         MAX_HEADS,
     ),
     **dict.fromkeys(("patch_size", "num_mel_bins"), 1 << 12),
-    **dict.fromkeys(("image_size", "max_source_positions"), 1 << 20),
+    **dict.fromkeys(("image_size", "max_source_positions", "num_position_embeddings"), 1 << 20),
     **dict.fromkeys(
         ("spatial_merge_size", "in_channels", "num_channels", "temporal_patch_size"), 64
     ),

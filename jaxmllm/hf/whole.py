@@ -19,7 +19,7 @@ import functools
 import json
 from typing import Any
 
-from jaxmllm.hf.family import Family, Link, prefixed
+from jaxmllm.hf.family import Family, Link, renamed
 
 
 class Whole:
@@ -36,6 +36,11 @@ class Whole:
     # encoder role -> where transformers (5) puts that part in the model it builds (the LLM's
     # decoder is `model.language_model.`, its head `lm_head`; a projector `model.<name>`)
     runtime_prefix: dict[str, str] = {}
+    # The checkpoint names its tensors as transformers 5 names the modules (Qwen3-VL's
+    # `model.language_model.`, `model.visual.`): PEFT's names are its names
+    runtime_names = False
+    # Its processor writes each video frame's time before it (Qwen3-VL): data.video_timestamps
+    video_timestamps = False
 
     def sub(self, role: str, hf: dict) -> dict:
         """A part's own config (the whole's top-level tie_word_embeddings goes to the LLM's),
@@ -53,6 +58,11 @@ class Whole:
     def section(self, role: str, hf: dict) -> dict:
         """Our config section of a part (the inner family's, and what the whole adds)."""
         return self.inner(role, hf).section(self.sub(role, hf))
+
+    def place(self, role: str, name: str, at: str) -> str:
+        """A part's tensor in the whole checkpoint: its family's `name` under `at` (the part's
+        prefix and nesting); a whole that nests its LLM's decoder otherwise renames it."""
+        return at + name
 
     def own_links(self, role: str, cfg: Any, hf: dict) -> list[Link]:
         """Links of tensors a role holds outside its part's prefix (a projector), full names."""
@@ -97,6 +107,11 @@ class Whole:
         """The processor's files (name -> JSON) for a checkpoint from scratch, from the data
         section: what `AutoProcessor` reads beside the tokenizer."""
         return {}
+
+    def reference_inputs(self, sample: Any, cfg: Any, specials: Any) -> dict:
+        """transformers' keyword arguments (numpy) for one of our samples alone: what `hf
+        check` runs its class on (`jaxmllm.hf.oracle`)."""
+        raise NotImplementedError
 
     def token_id(self, role: str, hf: dict) -> int | None:
         """The placeholder token id config.json names for a role's media."""
@@ -150,13 +165,19 @@ class Part(Family):
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
         hf = hf or self.hf
         sub = self.whole.sub(self.role, hf)
-        links = [prefixed(link, self.at) for link in self.inner.links(cfg, sub)]
+        place = lambda n: self.whole.place(self.role, n, self.at)
+        links = [renamed(link, place) for link in self.inner.links(cfg, sub)]
         return links + self.whole.own_links(self.role, cfg, hf)
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
         return self.whole.to_hf_config(cfg, source, (self.role,))
 
+    def placed(self, name: str) -> str:
+        return self.whole.place(self.role, name, self.at)
+
     def runtime(self, name: str) -> str:
+        if self.whole.runtime_names:
+            return name
         if not name.startswith(self.at):  # (a projector the whole holds beside the parts)
             return f"model.{name}"
         rest = name[len(self.at) :]
@@ -168,6 +189,8 @@ class Part(Family):
 
     def checkpoint_name(self, runtime: str) -> str:
         """The inverse of `runtime`: a module's name in the checkpoint."""
+        if self.whole.runtime_names:
+            return runtime
         prefix = self.whole.runtime_prefix.get(self.role)
         if prefix and runtime.startswith(prefix):
             return self.at + runtime.removeprefix(prefix)

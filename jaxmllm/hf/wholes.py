@@ -8,15 +8,13 @@
   written back at export). `vision_feature_select_strategy: default` drops CLIP's class token
   after the blocks (jaxmllm's class tokens are never read by the LLM); a SigLIP tower has none
   (`full`). An image is `image_token_index` once per patch.
-- Qwen2-VL and Qwen2.5-VL (`Qwen2VLForConditionalGeneration`,
-  `Qwen2_5_VLForConditionalGeneration`): the Qwen2 LLM with M-RoPE and the `visual.` tower
-  whose patch merger is the projector (`jaxmllm.hf.qwen_vision`).
+- Qwen2-VL, Qwen2.5-VL and Qwen3-VL (`jaxmllm.hf.qwen_vl`).
 - Qwen2-Audio (`Qwen2AudioForConditionalGeneration`): the Qwen2-Audio encoder (Whisper's, its
   rows pooled in pairs), one Linear as projector (`multi_modal_projector.linear`,
   `model.audio.projector: linear`) and a Qwen2 LLM. A clip of L frames is L / 4 audio tokens.
 
-Videos (Qwen2-VL / 2.5-VL's temporal grid and Qwen2.5-VL's absolute-time M-RoPE) are not read
-yet: a video modality adds its part here, beside `vision`.
+The helpers every whole uses (its decoder family, nested configs, placeholders, pixels) are
+`jaxmllm.hf.whole_config`'s.
 """
 
 from __future__ import annotations
@@ -25,84 +23,26 @@ from typing import Any
 
 import numpy as np
 
-from jaxmllm.data.text.tokenizer import config_tokenizer
+from jaxmllm.hf import oracle
 from jaxmllm.hf.audio import Qwen2AudioEncoder
-from jaxmllm.hf.decoders import Decoders
 from jaxmllm.hf.family import Family, Link, mismatches, refuse_unless
-from jaxmllm.hf.hybrid import HYBRIDS
 from jaxmllm.hf.qwen_vision import Qwen2VLVision, Qwen25VLVision
+from jaxmllm.hf.qwen_vl import Qwen3VL, QwenVL
 from jaxmllm.hf.vision import Clip, Siglip, linear
 from jaxmllm.hf.whole import Whole
+from jaxmllm.hf.whole_config import (
+    DECODERS,
+    PROJECTOR_ACTS,
+    decoder,
+    decoder_of,
+    enabled,
+    nested,
+    pixels,
+    placeholder,
+    tokenizer_ids,
+)
 
-DECODERS = {kind: Decoders(kind) for kind in ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")}
-DECODERS.update(HYBRIDS)  # Qwen3.5's text decoders (jaxmllm.hf.hybrid)
-PROJECTOR_ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
-
-
-def decoder(hf: dict, where: str, allowed=("llama", "qwen2", "qwen3")) -> Decoders:
-    kind = hf.get("model_type", "llama")
-    refuse_unless(
-        kind in allowed,
-        where,
-        f"text_config model_type {kind!r} is not supported "
-        f"(jaxmllm reads {', '.join(allowed)} here)",
-    )
-    return DECODERS[kind]
-
-
-def decoder_of(cfg: Any) -> Decoders:
-    """The decoder family our LLM's options say it is."""
-    llm = cfg.model.llm
-    if llm.linear.enabled:
-        return DECODERS["qwen3_5_moe_text" if llm.moe.enabled else "qwen3_5_text"]
-    if llm.moe.enabled:
-        return DECODERS["qwen3_moe" if llm.qk_norm else "qwen2_moe"]
-    if llm.qk_norm:
-        return DECODERS["qwen3"]
-    return DECODERS["qwen2" if llm.attn_bias == "qkv" else "llama"]
-
-
-def nested(config: dict, model_type: str | None = None) -> dict:
-    """A part's config as a whole's config.json nests it (no architectures of its own)."""
-    out = {k: v for k, v in config.items() if k != "architectures"}
-    if model_type:
-        out["model_type"] = model_type
-    return out
-
-
-def enabled(cfg: Any, name: str, want: bool) -> list[str]:
-    have = getattr(cfg.model, name).enabled
-    return (
-        []
-        if have == want
-        else [f"model.{name}.enabled={have} ({'needs' if want else 'has no'} {name} encoder)"]
-    )
-
-
-def tokenizer_ids(cfg: Any) -> Any:
-    """The run's tokenizer (what a new config.json's placeholder ids are)."""
-    return config_tokenizer(cfg.data)
-
-
-def placeholder(cfg: Any, phase: str) -> str:
-    """The text of the run's tokenizer's placeholder token of an encoder phase."""
-    tk = tokenizer_ids(cfg)
-    return tk.decode([tk.specials.media[phase]])
-
-
-def pixels(cfg: Any, processor: str) -> dict:
-    """An image processor's normalisation (rescaled to [0, 1], then mean / std per channel)."""
-    d = cfg.data
-    return {
-        "image_processor_type": processor,
-        "do_convert_rgb": True,
-        "do_resize": True,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": list(d.image_mean),
-        "image_std": list(d.image_std),
-    }
+__all__ = ["DECODERS", "WHOLES", "decoder_of", "whole_for"]
 
 
 class Llava(Whole):
@@ -244,6 +184,9 @@ class Llava(Whole):
             + mismatches(cfg, wants, "LLaVA")
         )
 
+    def reference_inputs(self, sample: Any, cfg: Any, specials: Any) -> dict:
+        return oracle.llava(sample, cfg, specials)
+
     def fillers(self, cfg: Any) -> dict[str, Any]:
         width = cfg.model.vision.width  # (the tower's final norm: LLaVA never applies it)
         return {
@@ -277,89 +220,6 @@ class Llava(Whole):
         return {"preprocessor_config.json": image, "processor_config.json": processor}
 
 
-class QwenVL(Whole):
-    """Qwen2-VL and Qwen2.5-VL: a Qwen2 LLM with M-RoPE (at the top level of older files)."""
-
-    parts = {"llm": ("text_config", ""), "vision": ("vision_config", "visual.")}
-    token_keys = {"vision": ("image_token_id",)}
-    runtime_prefix = {"vision": "model.visual."}
-
-    def __init__(self, name: str, tower: Family, hf_class: str, processor_class: str):
-        self.name, self.model_types, self.tower = name, (name,), tower
-        self.hf_class, self.processor_class = hf_class, processor_class
-
-    def sub(self, role: str, hf: dict) -> dict:
-        if role == "llm" and not hf.get("text_config"):  # the hub's older, flat files
-            return {k: v for k, v in hf.items() if k != "vision_config"}
-        return super().sub(role, hf)
-
-    def inner(self, role: str, hf: dict) -> Family:
-        return DECODERS["qwen2"] if role == "llm" else self.tower
-
-    def to_hf_config(self, cfg: Any, source: dict | None, roles: tuple[str, ...]) -> dict:
-        llm = cfg.model.llm
-        if source is None:
-            tk = tokenizer_ids(cfg)
-            ids = {"image_token_id": tk.specials.media["vision"]}
-            for key, token in (
-                ("video_token_id", "<|video_pad|>"),
-                ("vision_start_token_id", "<|vision_start|>"),
-                ("vision_end_token_id", "<|vision_end|>"),
-            ):
-                found = getattr(tk, "token_id", lambda _: None)(token)
-                if found is not None:
-                    ids[key] = found
-            text = DECODERS["qwen2"].to_hf_config(cfg, None)
-            return {
-                "architectures": [self.hf_class],
-                "model_type": self.name,
-                "text_config": nested(text, f"{self.name}_text"),
-                "vision_config": nested(self.tower.to_hf_config(cfg, None)),
-                "tie_word_embeddings": llm.tie_embeddings,
-                **ids,
-            }
-        out = dict(source)
-        if "llm" in roles:
-            text = DECODERS["qwen2"].to_hf_config(cfg, self.sub("llm", source))
-            if source.get("text_config"):
-                kind = source["text_config"].get("model_type", f"{self.name}_text")
-                out["text_config"] = nested(text, kind)
-            else:  # flat: the text keys at the top level, as the source has them
-                out.update(nested(text, self.name))
-                out["architectures"] = [self.hf_class]
-            out["tie_word_embeddings"] = llm.tie_embeddings
-        if "vision" in roles:
-            out["vision_config"] = nested(self.tower.to_hf_config(cfg, source))
-        return out
-
-    def processor_files(self, cfg: Any) -> dict[str, dict]:
-        v, d = cfg.model.vision, cfg.data
-        image = {
-            **pixels(cfg, "Qwen2VLImageProcessor"),
-            "min_pixels": d.image_min_pixels,
-            "max_pixels": d.image_max_pixels,
-            "patch_size": v.patch_size,
-            "merge_size": v.merge,
-            "temporal_patch_size": v.temporal_patch,
-        }
-        return {
-            "preprocessor_config.json": image,
-            "processor_config.json": {"processor_class": self.processor_class},
-        }
-
-    def mismatches(self, cfg: Any) -> list[str]:
-        wants = {
-            **DECODERS["qwen2"].wants(cfg),
-            **self.tower.wants(cfg),
-            "model.llm.mrope_section": (any, "M-RoPE (time, row, column sections)"),
-        }
-        return (
-            enabled(cfg, "vision", True)
-            + enabled(cfg, "audio", False)
-            + mismatches(cfg, wants, self.name)
-        )
-
-
 class Qwen2Audio(Whole):
     name = "qwen2_audio"
     model_types = ("qwen2_audio",)
@@ -389,6 +249,9 @@ class Qwen2Audio(Whole):
 
     def owns(self, role: str, name: str) -> bool:
         return role == "audio" and name.startswith("multi_modal_projector.")
+
+    def reference_inputs(self, sample: Any, cfg: Any, specials: Any) -> dict:
+        return oracle.qwen2_audio(sample, cfg, specials)
 
     def to_hf_config(self, cfg: Any, source: dict | None, roles: tuple[str, ...]) -> dict:
         llm = cfg.model.llm
@@ -450,6 +313,8 @@ WHOLES: tuple[Whole, ...] = (
     QwenVL(
         "qwen2_5_vl", Qwen25VLVision(), "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor"
     ),
+    Qwen3VL("qwen3_vl", "Qwen3VLForConditionalGeneration", "qwen3"),
+    Qwen3VL("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "qwen3_moe"),
     Qwen2Audio(),
 )
 

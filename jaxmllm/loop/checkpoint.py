@@ -23,7 +23,6 @@ base is refused naming both (`check_format`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -40,9 +39,10 @@ import orbax.checkpoint as ocp
 
 from jaxmllm.config import AUTO_LADDERS, AUTO_SIZES, Config, ConfigError, to_dict
 from jaxmllm.config.phases import ENCODERS
-from jaxmllm.loop import distributed, late_io
 from jaxmllm.loop.base import check_base
 from jaxmllm.plan.state import PlanStateError
+from jaxmllm.process import distributed, late_io
+from jaxmllm.resolve.resumed import context_changed
 
 log = logging.getLogger("jaxmllm")
 
@@ -337,7 +337,7 @@ def check_resumable(cfg: Config, out: Path) -> None:
         return
     saved = distributed.flatten(json.loads(saved_path.read_text()))
     now = distributed.flatten(to_dict(cfg))
-    free = set(resolved_keys(cfg)) if _context_changed(cfg, saved) else set()
+    free = set(resolved_keys(cfg)) if context_changed(cfg, saved) else set()
     changed = [
         k
         for k in sorted(set(saved) | set(now))
@@ -363,46 +363,6 @@ def _saved(saved: dict, key: str, now: dict):
     return saved.get(key)
 
 
-def keep_resolved(cfg: Config, out: Path) -> Config:
-    """A run resuming from `out`'s checkpoints keeps the `-1` (auto) batch sizes they were
-    planned with (from `out`/config.json): those come from dry runs as long as the run, and
-    the step count may change between runs (a longer run would resolve others and be
-    refused). A run starting afresh resolves them anew."""
-    saved_path, ckpts = out / "config.json", out / "checkpoints"
-    if not saved_path.exists() or not ckpts.exists() or not any(ckpts.iterdir()):
-        return cfg
-    run = json.loads(saved_path.read_text())
-    if _context_changed(cfg, distributed.flatten(run)):
-        log.info(
-            "resuming with mesh.context=%d (the checkpoints were trained with %s): the batch "
-            "sizes resolved from the data are resolved anew for the new context groups",
-            cfg.mesh.context,
-            run.get("mesh", {}).get("context", 1),
-        )
-        return cfg
-    saved = run.get("batch", {})
-    keep = {
-        k: saved[k]
-        for k in AUTO_SIZES
-        if getattr(cfg.batch, k) == -1 and isinstance(saved.get(k), int) and saved[k] >= 0
-    }
-    keep |= {  # (the long variants' tiles: lists, [-1] auto; none where the run that wrote
-        # the checkpoints predates them: it planned without)
-        k: tuple(saved.get(k, ()))
-        for k in AUTO_LADDERS
-        if getattr(cfg.batch, k) == (-1,) and (k not in saved or _counts(saved[k]))
-    }
-    if not keep:
-        return cfg
-    log.info("resuming: batch sizes resolved by the run that wrote the checkpoints: %s", keep)
-    return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, **keep))
-
-
-def _counts(value: object) -> bool:
-    """Whether a saved value is a resolved list of counts (>= 0)."""
-    return isinstance(value, list) and all(isinstance(v, int) and v >= 0 for v in value)
-
-
 def resolved_keys(cfg: Config) -> list[str]:
     """The `batch.*` keys a run resolves from the data (`-1` sizes, `capacity: auto`'s encoder
     buckets): what depends on the context groups besides the planner's plans."""
@@ -410,12 +370,6 @@ def resolved_keys(cfg: Config) -> list[str]:
     if cfg.batch.capacity == "auto":
         keys += [f"batch.{p.capacity}" for p in ENCODERS]
     return keys
-
-
-def _context_changed(cfg: Config, saved_flat: dict) -> bool:
-    """Whether the run that wrote `saved_flat` (a flattened config.json) had another
-    mesh.context (1 before the key existed)."""
-    return saved_flat.get("mesh.context", 1) != cfg.mesh.context
 
 
 def write_config(cfg: Config, out: Path) -> None:

@@ -3,8 +3,9 @@
 `data.eval` names the set: a held-out share of the built-in synthetic source (its samples
 `num_samples`, `num_samples + 1`, ...: generated like the training samples, from indices the
 training index never holds), or a manifest / ArrayRecord file with its own lengths index. At
-start-up the set is planned once by the run's own planner at the run's own bucket shapes and
-bucketized into step batches, until every sample has been planned (a sample the planner brings
+start-up the set goes through the training feed (`jaxmllm.feed.iterator.Feed`: the run's own
+planner at the run's own bucket shapes, this host's parts loaded, bucketized) into step batches,
+until every sample has been planned (a sample the planner brings
 again in a later step of the pass counts once); so the eval step takes the train step's batch
 shapes and compiles once, and every evaluation sees exactly the same batches.
 
@@ -34,17 +35,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import sharding
-from jaxmllm.batch.bucketize import bucketize
+from jaxmllm.batch.bucketize import host_buckets, text_segments
 from jaxmllm.config import Config, ConfigError, keep_origin
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.lengths import LengthsIndex
-from jaxmllm.data.loader import Loader
 from jaxmllm.data.synthetic import SyntheticSource
-from jaxmllm.feed.iterator import local_media, local_parts
+from jaxmllm.feed.iterator import Feed
 from jaxmllm.loop.answers import Questions
 from jaxmllm.plan.contract import OversizeError, StepPlan
-from jaxmllm.plan.registry import make_planner
-from jaxmllm.plan.sizing import capacities
+from jaxmllm.resolve.run import Run
 from jaxmllm.step.program import ModelParts, Program
 
 log = logging.getLogger("jaxmllm")
@@ -114,49 +113,49 @@ def sample_mixes(index: LengthsIndex) -> np.ndarray:
     return mix
 
 
-def plan_set(cfg: Config, source, index: LengthsIndex, devices: int, positions, reject_log):
+def plan_set(run: Run, source, index: LengthsIndex, reject_log) -> list[dict]:
     """The set's step batches (this host's rows, with `eval_mix`: each token's sample's mix,
-    -1 for tokens not counted), planned by the run's planner at its shapes."""
-    caps = capacities(cfg, devices)
-    try:
-        planner = make_planner(cfg.batch.planner, index, caps, cfg.data.seed)
+    -1 for tokens not counted): the training feed over the set (`Feed`: the run's planner at
+    its shapes, this host's parts loaded, bucketized), until every sample has been planned."""
+    try:  # (loaded in this process: the set is loaded once, at start-up)
+        feed = Feed(run, source, index, workers=0, reject_log=reject_log)
     except OversizeError as e:
         raise ConfigError(f"data.eval: a sample does not fit the run's buckets: {e}") from None
-    # (in this process: the set is loaded once, at start-up)
-    loader = Loader(
-        dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=0)), source, reject_log
-    )
+    caps = run.caps
     mixes, seen, batches = sample_mixes(index), np.zeros(len(index), bool), []
     steps_per_pass = max(1, -(-len(index) // max(1, caps.devices * caps.microbatches)))
     while not seen.all():
         if len(batches) > MAX_PASSES * steps_per_pass + 8:
             raise ConfigError(f"data.eval: {int((~seen).sum())} samples were never planned")
-        plan = planner.plan()
-        parts = local_parts(plan, positions, caps.devices)
-        media = None if positions is None else local_media(parts)
-        samples = loader.load(parts["read"], plan.step, media)
-        batch = bucketize(plan, samples, cfg, caps, positions, index, source.specials)
-        batch["eval_mix"] = _token_mixes(plan, index, caps, batch, positions, mixes, seen)
+        plan = feed.plan()
+        samples = feed.load(plan, feed.local_parts(plan))
+        batch = feed.bucketize(plan, samples)
+        batch["eval_mix"] = _token_mixes(plan, samples, caps, run.positions, batch, mixes, seen)
         batches.append(batch)
+    feed.close()
     return batches
 
 
-def _token_mixes(plan: StepPlan, index, caps, batch, positions, mixes, seen) -> np.ndarray:
+def _token_mixes(plan: StepPlan, samples, caps, positions, batch, mixes, seen) -> np.ndarray:
     """[M, D_local, R, L]: the mix of each token's sample, -1 for padding and for a sample the
-    pass already brought (each sample counts once); marks the plan's samples `seen`."""
-    out = np.full(batch["llm_tokens"].shape, -1, np.int32)
-    local = np.full(caps.devices, -1, np.int64)
-    pos = np.arange(caps.devices) if positions is None else np.asarray(positions)
-    local[pos] = np.arange(len(pos))
-    lengths = index.llm_tokens(caps.per_token)
+    pass already brought (each sample counts once), read off the segment ids bucketize wrote
+    (`text_segments`: a sample's id in its row, or in its context group's rows); marks the
+    plan's samples `seen`."""
+    first = np.zeros(len(plan.samples), bool)
     for k, s in enumerate(plan.samples.tolist()):  # (a small set may come twice in a step)
-        d, first = local[plan.device[k]], not seen[s]
-        seen[s] = True  # (every host walks the whole plan: they agree on which is first)
-        if d < 0 or not first:
-            continue
-        o = int(plan.offset[k])
-        out[plan.micro[k], d, plan.row[k], o : o + lengths[s]] = mixes[s]
-    return out
+        first[k], seen[s] = not seen[s], True  # (every host walks the whole plan: they agree)
+    segments = batch["llm_segment_ids"]
+    m_n, d_n, r_n, _ = segments.shape
+    grouped = caps.context > 1
+    _, home = host_buckets(caps, positions)
+    ks, bucket, seg = text_segments(plan, samples, home, grouped, d_n // caps.context, r_n)
+    rows = np.zeros(len(ks), np.int64) if grouped else plan.row[ks]
+    table = np.full((m_n, d_n // caps.context, 1 if grouped else r_n, seg.max(initial=0) + 1), -1)
+    table[plan.micro[ks], bucket[ks], rows, seg] = np.where(first[ks], mixes[plan.samples[ks]], -1)
+    m = np.arange(m_n)[:, None, None, None]
+    b = (np.arange(d_n) // caps.context)[None, :, None, None]  # (a host holds whole groups)
+    r = np.zeros((1, 1, r_n, 1), np.int64) if grouped else np.arange(r_n)[None, None, :, None]
+    return np.where(segments > 0, table[m, b, r, segments], -1).astype(np.int32)
 
 
 # ----------------------------------------------------------------------------- the eval step
@@ -238,16 +237,16 @@ def eval_metrics(sums: np.ndarray) -> dict[str, float]:
 class Evaluator:
     """The eval set on the run's mesh: its batches, the compiled eval step, the questions."""
 
-    def __init__(self, cfg: Config, mesh, prog: Program, out: Path, positions=None):
+    def __init__(self, run: Run, prog: Program, out: Path):
+        cfg = run.cfg
         e = cfg.data.eval
-        self.cfg, self.mesh = cfg, mesh
+        self.cfg, self.mesh = cfg, run.mesh
         self.every, self.last = cfg.train.eval_every, cfg.train.steps
         source, index = eval_source(cfg)
         rank = jax.process_index()
         rejects = out / ("rejects.eval.jsonl" if rank == 0 else f"rejects.eval.process{rank}.jsonl")
-        devices = sharding.data_parallel_size(mesh)
-        self.batches = plan_set(cfg, source, index, devices, positions, rejects)
-        self.step = make_eval_step(prog.parts, mesh)
+        self.batches = plan_set(run, source, index, rejects)
+        self.step = make_eval_step(prog.parts, run.mesh)
         self.questions = Questions(cfg, source, e.questions) if e.questions else None
         self.seconds = 0.0  # the last evaluation's time
         log.info(
@@ -284,9 +283,9 @@ class Evaluator:
         return row
 
 
-def open_evaluator(cfg: Config, mesh, prog: Program, out: Path, positions=None):
-    """The run's `Evaluator`, or None without data.eval.source. `positions`: this process's
-    data-parallel positions in a multi-process job."""
+def open_evaluator(run: Run, prog: Program, out: Path):
+    """The run's `Evaluator`, or None without data.eval.source."""
+    cfg = run.cfg
     if cfg.data.eval.source == "none":
         if cfg.train.eval_every:
             log.warning(
@@ -294,4 +293,4 @@ def open_evaluator(cfg: Config, mesh, prog: Program, out: Path, positions=None):
                 cfg.train.eval_every,
             )
         return None
-    return Evaluator(cfg, mesh, prog, out, positions)
+    return Evaluator(run, prog, out)

@@ -1,6 +1,6 @@
-"""Guards around the training loop: a stuck peer, a diverging run, a preemption signal.
+"""Guards around the training loop: a diverging run, a preemption signal, a closed pipe.
 
-- `Watchdog` stops a process whose step has not advanced in `distributed.step_timeout_s`.
+(A hung step or a stuck peer, and a signal the loop cannot take: `jaxmllm.loop.watchdog`.)
 - `NonFiniteGuard` counts steps whose update was skipped for a NaN/inf loss, gradient or updated
   parameter and says when `train.max_nonfinite_steps` came in a row (the trainer then
   checkpoints the last good state and stops).
@@ -16,44 +16,10 @@ import os
 import signal
 import sys
 import threading
-import time
 
 import jax
 
 log = logging.getLogger("jaxmllm")
-
-
-class Watchdog:
-    """Stops a process whose step has not advanced in `timeout` seconds (a peer hung or died).
-
-    JAX's own heartbeat stops the job when a process dies; this catches a process that is
-    alive but stuck, and says so instead of waiting forever.
-    """
-
-    def __init__(self, timeout: int):
-        self.timeout, self.step, self.last = timeout, 0, time.monotonic()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="jaxmllm-watchdog", daemon=True)
-        self._thread.start()
-
-    def progress(self, step: int) -> None:
-        self.step, self.last = step, time.monotonic()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        while not self._stop.wait(min(5.0, self.timeout / 4)):
-            if self.step and time.monotonic() - self.last > self.timeout:
-                print(
-                    f"error: process {jax.process_index()}: step {self.step + 1} has not "
-                    f"finished in distributed.step_timeout_s={self.timeout} s; another process "
-                    "is probably dead or stuck. Stopping; relaunch every process to resume "
-                    "from the latest checkpoint.",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                os._exit(4)
 
 
 class NonFiniteError(RuntimeError):

@@ -18,8 +18,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxmllm.batch.info import StepInfo
 from jaxmllm.data.rejects import REASONS
+from jaxmllm.feed.info import StepInfo
 from jaxmllm.feed.times import STAGES
 
 log = logging.getLogger("jaxmllm")

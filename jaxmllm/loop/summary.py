@@ -17,18 +17,51 @@ from pathlib import Path
 
 import jax
 
-from jaxmllm.batch.info import StepInfo
 from jaxmllm.config import Config
-from jaxmllm.data.datasets import data_sets, index_dir
+from jaxmllm.data.datasets import data_sets, index_command, index_dir
 from jaxmllm.data.preprocess import Params
-from jaxmllm.data.rejects import by_reason, wrapped
+from jaxmllm.data.rejects import LoadShare, append_rejects, by_reason, shown_id, wrapped
+from jaxmllm.feed.info import StepInfo
+from jaxmllm.step.program import warmup_steps
 
 log = logging.getLogger("jaxmllm")
 
 
+SHORT_WARMUP = 0.5  # a warm-up over this share of the run: its loss moves little, said
+
+
+def schedule_note(cfg: Config) -> tuple[int, str]:
+    """(log level, line): the learning rate's schedule, said at start-up; a warning when the
+    warm-up takes most of the run (a short trial of an imported config, lr 1e-5 after 50
+    warm-up steps, looked dead with nothing said)."""
+    o, steps, warmup = cfg.optim, cfg.train.steps, warmup_steps(cfg)
+    line = (
+        f"optim.lr={o.lr:g}: 0 -> {o.lr:g} over {warmup} warm-up steps, cosine to "
+        f"{o.lr * o.min_lr_ratio:g} at step {steps}"
+    )
+    if o.warmup_steps > warmup:
+        line += f" (optim.warmup_steps={o.warmup_steps}, held to the run's {steps} steps)"
+    if steps > 1 and warmup > SHORT_WARMUP * steps:
+        line += (
+            f"; the warm-up takes {warmup} of the run's {steps} steps, so its loss moves little "
+            f"at first: for a short trial lower optim.warmup_steps (--set optim.warmup_steps="
+            f"{max(1, steps // 10)}) or raise train.steps"
+        )
+        return logging.WARNING, line
+    return logging.INFO, line
+
+
+DISTINCT_KEPT = 1 << 20  # records that failed to load this run, told apart at most
+
+
 class RunReport:
     """Collects what the terminal is told: `step` every step, `logged` at a logged step (the
-    window's rejects line), `finish` after the last step (the summary)."""
+    window's rejects line), `finish` after the last step (the summary).
+
+    It also writes each step's load-time rejects to the rejects file when the loop takes the
+    step (the feed loads steps ahead: those never trained are in no log), tells the records
+    that failed apart from their draws (a missing image drawn in 32 epochs is one record),
+    and stops the run when too many of the samples drawn failed (data.max_load_rejects)."""
 
     def __init__(self, cfg: Config, out: Path, start: int, rejects_file: Path):
         self.cfg, self.out, self.start, self.rejects_file = cfg, out, start, rejects_file
@@ -36,11 +69,21 @@ class RunReport:
         self.first_step = start + 1  # the first step of the current logging window
         self.new: dict[str, int] = {}  # this window's load-time rejects here, by reason
         self.first: dict | None = None  # and the first of them
+        self.loads = LoadShare(cfg.data.max_load_rejects)  # this run's draws and failures here
+        self.failed: set[int] = set()  # the samples that failed to load here this run
 
     def step(self, info: StepInfo) -> None:
+        append_rejects(self.rejects_file, info.reject_entries)
+        for entry in info.reject_entries:
+            if entry.get("stage") == "load" and len(self.failed) < DISTINCT_KEPT:
+                self.failed.add(int(entry.get("index", -1)))
         for reason, n in info.new_rejects.items():
             self.new[reason] = self.new.get(reason, 0) + n
         self.first = self.first or info.first_reject
+        self.loads.add(len(info.parts.get("read", ())), info.new_rejects, info.first_reject)
+        done = info.step + 1
+        steps = f"steps {self.start + 1}-{done}" if done > self.start + 1 else f"step {done}"
+        self.loads.check(steps, done >= self.cfg.train.steps, index_command(self.cfg))
 
     def logged(self, done: int) -> None:
         """At a logged step: one line about the window's load-time rejects, if there were any;
@@ -81,7 +124,10 @@ class RunReport:
         for stage, prefix in (("at indexing", "index_"), ("at load time", "load_")):
             total = row.get(f"rejects/{prefix}total", 0.0)
             if total:
-                stages.append(f"{int(total)} {stage} ({by_reason(_counts(row, prefix))})")
+                what = by_reason(_counts(row, prefix))
+                if prefix == "load_" and self._distinct(total):
+                    what += f"; {self._distinct(total)}"
+                stages.append(f"{int(total)} {stage} ({what})")
         oversize = _counts(row, "oversize_")
         if oversize:
             stages.append(f"{int(sum(oversize.values()))} oversize ({by_reason(oversize)})")
@@ -92,6 +138,15 @@ class RunReport:
             files += [str(self._index_folder(ds) / "rejects.jsonl") for ds in data_sets(self.cfg)]
         where = f"; listed in {', '.join(files)}" if files else ""
         return ", ".join(stages) + where
+
+    def _distinct(self, draws: float) -> str:
+        """'1 record, drawn 32 times' where this run's load-time rejects are fewer records
+        than draws (a run of one process from its start: the others' records are theirs)."""
+        records = len(self.failed)
+        if self.start or jax.process_count() > 1 or not records or records >= draws:
+            return ""
+        more = "+" if records >= DISTINCT_KEPT else ""
+        return f"{records}{more} record{'s' * (records != 1)}, drawn {int(draws)} times"
 
     def _index_folder(self, ds) -> Path:
         return index_dir(ds, Params.from_config(self.cfg).counted())
@@ -122,7 +177,7 @@ def window_lines(first: int, last: int, new: dict, example: dict | None, where) 
     if example is not None:  # (its `step` is the plan's, from 0: the training step before it)
         step = example["step"] + 1 if isinstance(example.get("step"), int) else "?"
         text += (
-            f"; the first: record {example.get('id')} (step {step}): "
+            f"; the first: record {shown_id(example.get('id'))} (step {step}): "
             f"{example.get('reason')}: {example.get('detail')}"
         )
     return wrapped(f"{text}. Each one is listed in {where}.", " " * 4)

@@ -10,7 +10,7 @@ per microbatch, that of the device the cost model finds slowest, summed over mic
 The trainer times each step between successive completions (`TimingsRecorder`): once step k+1
 is dispatched it waits for step k's loss, so the devices always have a step queued and the
 interval is step k's time on them (input stalls included: it is the loop's wall time). Rows go
-to `<output_dir>/timings.jsonl`, which `python -m jaxmllm.plan.cost --calibrate` reads.
+to `<output_dir>/timings.jsonl`, which `python -m jaxmllm.cost.calibrate` reads.
 """
 
 from __future__ import annotations

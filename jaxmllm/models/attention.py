@@ -147,11 +147,11 @@ class Attention(nnx.Module):
         """`head_dim` 0 = width / heads; `bias`: which of the q, k, v, o projections have one;
         `qk_norm`: an RMSNorm (epsilon `norm_eps`; scaling by 1 + its weight with
         `norm_offset`) over each head's queries and keys before the rotary positions (Qwen3,
-        Qwen3.5); `rope`: 1d | 2d | mrope (`rope_sections`) | none (positions enter
-        elsewhere), on the first `rotary_dim` of each head (0: all of it); `rope_scaling` as
-        `rope_frequencies`; `gate`: the output gated by sigmoid(x W_gate), W_gate beside each
-        head's queries in the query kernel [width, heads, 2 head_dim] (Qwen3.5's q_proj);
-        `lora`: adapters of the projections it names (q, k, v, o)."""
+        Qwen3.5); `rope`: 1d | 2d | mrope, mrope_interleaved (`rope_sections`) | none
+        (positions enter elsewhere), on the first `rotary_dim` of each head (0: all of it);
+        `rope_scaling` as `rope_frequencies`; `gate`: the output gated by sigmoid(x W_gate),
+        W_gate beside each head's queries in the query kernel [width, heads, 2 head_dim]
+        (Qwen3.5's q_proj); `lora`: adapters of the projections it names (q, k, v, o)."""
         assert heads % kv_heads == 0, (heads, kv_heads)
         head_dim = head_dim or width // heads
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -255,7 +255,7 @@ class Attention(nnx.Module):
           q [B, T, heads, head_dim], k and v [B, T, kv_heads, head_dim], and the output gate's
           logits [B, T, heads, head_dim] (None without a gate).
         """
-        extra = {"sections": self.rope_sections} if self.rope == "mrope" else {}
+        extra = {"sections": self.rope_sections} if self.rope.startswith("mrope") else {}
         turn = lambda x: ROPE[self.rope](x, positions, self.rope_theta, self.rope_scaling, **extra)
         cut = self.rotary_dim
         rotate = (

@@ -82,14 +82,16 @@ def prefill(model: MultimodalLM, mb: dict[str, jax.Array], length: int) -> tuple
     Returns:
       (logits [B, vocab] float32 at each row's last prompt token, cache).
     """
-    x_bpw = model.inputs(mb)[:, 0]
+    x_brpw, added_kbrpw = model.inputs_and_added(mb)
+    x_bpw = x_brpw[:, 0]
+    added = None if added_kbrpw is None else added_kbrpw[:, :, 0]  # (DeepStack's)
     rows = x_bpw.shape[0]
     positions_bp = mb["llm_positions"][:, 0]
     valid_bp = mb["llm_segment_ids"][:, 0] > 0
     lengths_b = valid_bp.sum(-1)
     start_b = jnp.zeros((rows,), jnp.int32)
     cache = empty_cache(model, rows, length)
-    h_bpw, cache = _decode(model, x_bpw, positions_bp, start_b, cache, valid_bp)
+    h_bpw, cache = _decode(model, x_bpw, positions_bp, start_b, cache, valid_bp, added)
     last_bw = jnp.take_along_axis(h_bpw, jnp.maximum(lengths_b - 1, 0)[:, None, None], axis=1)
     return model.llm.logits(last_bw)[:, 0], cache
 
@@ -117,7 +119,8 @@ def step(
     x_b1w = model.llm.embed(tokens_b[:, None])
     positions_b1 = (index_b if positions_b is None else positions_b)[:, None]
     transformer = model.llm.transformer
-    if any(getattr(transformer.stack(k).attn, "rope", "") == "mrope" for k in transformer.kinds):
+    rope = lambda k: getattr(transformer.stack(k).attn, "rope", "")  # (a linear layer has none)
+    if any(rope(k).startswith("mrope") for k in transformer.kinds):
         positions_b1 = jnp.repeat(positions_b1[..., None], 3, axis=-1)  # [B, 1, 3]
     h_b1w, cache = _decode(model, x_b1w, positions_b1, index_b, cache, None)
     return model.llm.logits(h_b1w)[:, 0], cache
@@ -130,11 +133,12 @@ def _decode(
     start_b: jax.Array,
     cache: Cache,
     valid_bt: jax.Array | None,
+    added_kbtw: jax.Array | None = None,
 ) -> tuple[jax.Array, Cache]:
     """The decoder's scanned block over T new tokens per row written at cache indices
     start_b, start_b + 1, ... (rotary positions [B, T], or [B, T, 3] with M-RoPE; `valid_bt`:
-    a prompt's tokens, None: every one); returns the final hidden states [B, T, width] and
-    the cache."""
+    a prompt's tokens, None: every one; DeepStack's additions after the first K layers,
+    `added_kbtw`); returns the final hidden states [B, T, width] and the cache."""
     transformer = model.llm.transformer
     graphdefs = {k: nnx.graphdef(transformer.stack(k)) for k in transformer.kinds}
     t, s = x_btw.shape[1], cache.length
@@ -159,7 +163,7 @@ def _decode(
 
     held = {**{k: (cache.k[k], cache.v[k]) for k in cache.k}}
     held.update({k: (cache.window[k], cache.state[k]) for k in cache.window})
-    x_btw, ys = transformer.scan(layer, x_btw, held)
+    x_btw, ys = transformer.scan(layer, x_btw, held, added=added_kbtw)
     k = {kind: ys[kind][0] for kind in cache.k}
     v = {kind: ys[kind][1] for kind in cache.k}
     window = {kind: ys[kind][0] for kind in cache.window}

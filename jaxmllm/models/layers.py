@@ -282,12 +282,13 @@ def rope_multi(
     theta: float,
     scaling: Any = None,
     sections: tuple[int, ...] = (),
+    interleaved: bool = False,
 ) -> jax.Array:
-    """Multimodal rotary (Qwen2-VL's M-RoPE): rotate-half rotary whose frequencies, in order,
-    fall into `sections` turned by the (time, row, column) positions [..., T, 3]; with three
-    equal positions it is `rope_1d`."""
+    """Multimodal rotary (Qwen2-VL's M-RoPE): rotate-half rotary whose frequencies are turned
+    by the (time, row, column) positions [..., T, 3] (`mrope_axes`: in `sections`, or
+    interleaved as Qwen3-VL's); with three equal positions it is `rope_1d`."""
     freqs = jnp.asarray(rope_frequencies(x_bthe.shape[-1], theta, scaling), jnp.float32)
-    axis = np.repeat(np.arange(len(sections)), sections)  # which position turns frequency k
+    axis = mrope_axes(sections, interleaved)  # which position turns frequency k
     angles = positions_bt3.astype(jnp.float32)[..., axis][..., None, :] * freqs  # [..., T, 1, half]
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
@@ -295,12 +296,31 @@ def rope_multi(
     return out.astype(x_bthe.dtype)
 
 
+def mrope_axes(sections: tuple[int, ...], interleaved: bool = False) -> np.ndarray:
+    """Which of (time, row, column) turns each rotary frequency of M-RoPE, `sum(sections)` of
+    them: in sections (Qwen2-VL: the first sections[0] by time, then rows, then columns), or
+    interleaved (Qwen3-VL: t, r, c, t, r, c, ... while each of rows and columns has frequencies
+    left, the rest by time), as transformers' `recomposition_frequencies` lays them out."""
+    if not interleaved:
+        return np.repeat(np.arange(len(sections)), sections)
+    axis = np.zeros(sum(sections), np.int64)
+    for dim in (1, 2):
+        axis[dim : sections[dim] * 3 : 3] = dim
+    return axis
+
+
 def no_rope(x_bthe: jax.Array, positions: jax.Array, theta: float, scaling: Any = None):
     """Positions enter elsewhere (learned or sinusoidal tables at the tower's input)."""
     return x_bthe
 
 
-ROPE = {"1d": rope_1d, "2d": rope_2d, "none": no_rope, "mrope": rope_multi}
+ROPE = {
+    "1d": rope_1d,
+    "2d": rope_2d,
+    "none": no_rope,
+    "mrope": rope_multi,  # M-RoPE in sections (Qwen2-VL), interleaved (Qwen3-VL)
+    "mrope_interleaved": functools.partial(rope_multi, interleaved=True),
+}
 
 
 # ----------------------------------------------------------------------------- MLPs

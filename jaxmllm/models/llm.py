@@ -55,7 +55,7 @@ class Decoder(nnx.Module):
         spec = BlockSpec.of(
             cfg,
             kv_heads=cfg.kv_heads,  # grouped-query attention
-            rope="mrope" if any(cfg.mrope_section) else "1d",
+            rope=rope_kind(cfg),
             head_dim=cfg.head_dim,
             rope_scaling=cfg.rope_scaling,
             rope_sections=tuple(cfg.mrope_section),
@@ -123,11 +123,13 @@ class Decoder(nnx.Module):
         positions_bt: jax.Array,
         tiles_bk2: jax.Array | None = None,
         row: int = 0,
+        added_kbtd: jax.Array | None = None,
     ) -> tuple[jax.Array, RouterStats | None]:
         """`hidden`, and the MoE layers' router statistics ([MoE layers, ...]; None for a
-        dense decoder)."""
+        dense decoder); `added_kbtd` [K, B, T, width]: DeepStack's features, added to the
+        hidden states after each of the first K layers (zero where a token is not an image's)."""
         pack = self.packing(segment_ids_bt, tiles_bk2, row)
-        h, stats = self.transformer.run(x_btd, pack, positions_bt)
+        h, stats = self.transformer.run(x_btd, pack, positions_bt, added=added_kbtd)
         return self.transformer.norm(h), stats
 
     def packing(
@@ -157,6 +159,13 @@ class Decoder(nnx.Module):
         if self.lm_head is None:
             return self.embed.attend(h_btd) / self.tied_divisor
         return self.lm_head(h_btd)
+
+
+def rope_kind(cfg: LLMConfig) -> str:
+    """The decoder's rotary (`layers.ROPE`): 1d, or M-RoPE in sections or interleaved."""
+    if not any(cfg.mrope_section):
+        return "1d"
+    return "mrope_interleaved" if cfg.mrope_interleaved else "mrope"
 
 
 MLP_TARGETS = ("gate", "up", "down")  # a gated MLP's adapter targets (config.lora)

@@ -14,10 +14,10 @@ gradient of a gather). This is Liger-Kernel's fused linear cross entropy, writte
 the softmax statistics, the loss sum and the projection's gradient stay in fp32.
 
 Vocab-parallel (`jaxmllm.models.vocab`): the projection split by vocabulary over the model
-axes, each device projects its group's tokens (expert x fsdp) onto its vocabulary shard; the softmax's
-max, normaliser and target logit are reduced over the shards (Megatron's vocab-parallel cross
-entropy), the hidden states' gradient summed over the shards back to the tokens' owners, the
-projection's over the data groups that share a shard.
+axes, each device projects its group's tokens (expert x fsdp) onto its vocabulary shard; the
+softmax's max, normaliser and target logit are reduced over the shards (Megatron's
+vocab-parallel cross entropy), the hidden states' gradient summed over the shards back to the
+tokens' owners, the projection's over the data groups that share a shard.
 
 The gradient is computed only for what is differentiated (`jax.custom_vjp`'s symbolic zeros):
 a frozen output projection gets none and costs no matmul; evaluation (no gradient at all)

@@ -92,6 +92,15 @@ class MultimodalLM(nnx.Module):
         encoder, projector = getattr(self, name), getattr(self, f"{name}_projector")
         return projector(encoder(*encoder_args(mb, name)))
 
+    def encode_deep(self, mb: dict[str, jax.Array], name: str) -> tuple:
+        """`encode`'s rows and, for a tower with DeepStack (`model.vision.deepstack`), its
+        tapped blocks' rows through their own projectors [K, D, N, llm width] (else None)."""
+        encoder, projector = getattr(self, name), getattr(self, f"{name}_projector")
+        if not getattr(encoder, "deepstack", ()):
+            return self.encode(mb, name), None
+        features, taps = encoder.tapped(*encoder_args(mb, name))
+        return projector(features), projector.deep(taps)
+
     def losses(self, mb: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         """(summed masked cross entropy, loss-token count) of one microbatch; the logits are
         projected a slice of tokens at a time (`model.llm.logits_chunk`)."""
@@ -116,10 +125,16 @@ class MultimodalLM(nnx.Module):
 
     def hidden_and_router(self, mb: dict[str, jax.Array]) -> tuple:
         """`hidden`, and the decoder's MoE router statistics (None for a dense decoder)."""
-        x_bsw, segment_ids_bs, positions_bs = self.decoder_inputs(mb)
-        row = mb["llm_segment_ids"].shape[-1]  # (block-sparse lays a device's rows end to end)
+        segment_ids_bs, positions_bs = self.decoder_rows(mb)
+        x_drlw, added_kdrlw = self.inputs_and_added(mb)
+        as_rows = lambda a: a.reshape(*a.shape[: a.ndim - 4], *segment_ids_bs.shape, -1)
         h, stats = self.llm.hidden_and_router(
-            x_bsw, segment_ids_bs, positions_bs, mb.get("llm_tiles"), row
+            as_rows(x_drlw),
+            segment_ids_bs,
+            positions_bs,
+            mb.get("llm_tiles"),
+            row=mb["llm_segment_ids"].shape[-1],  # (block-sparse lays a device's rows end to end)
+            added_kbtd=None if added_kdrlw is None else as_rows(added_kdrlw),
         )
         return h.reshape(*mb["llm_tokens"].shape, -1), stats
 
@@ -147,23 +162,43 @@ class MultimodalLM(nnx.Module):
         slots filled with the projected encoder rows (what KV-cache decoding prefills too);
         `rows`: each phase's projector rows when computed already (a pipeline's encoder
         stages), else encoded here."""
+        return self.inputs_and_added(mb, rows)[0]
+
+    def inputs_and_added(
+        self, mb: dict[str, jax.Array], rows: dict[str, jax.Array] | None = None
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """`inputs`, and DeepStack's additions [K, D, R, L, width] (`encode_deep`: each tapped
+        block's rows in its phase's slots, zero elsewhere; None without DeepStack): the K
+        levels travel with their phase's rows, in the same exchange."""
+        deep: dict[str, jax.Array] = {}
         if rows is None:  # (a phase whose bucket is zero has no arrays: it is left out)
-            rows = {
-                name: self.encode(mb, name) for name in self.phases if phase(name).capacity in mb
-            }
+            rows = {}
+            for name in self.phases:
+                if phase(name).capacity in mb:
+                    rows[name], levels = self.encode_deep(mb, name)
+                    if levels is not None:
+                        deep[name] = levels
         # The table is sharded on `embed`; pin the lookup to the batch layout so XLA does not
         # carry the table's layout into the activations (a full rematerialisation otherwise).
         names = list(rows)
         x_drlw = shard_like_batch(self.llm.embed(self.looked_up(mb, names)))
+        # Each phase's rows, then each DeepStack level of a phase that has them, in one exchange
+        sent = [(p, rows[p]) for p in names] + [(p, r) for p in deep for r in deep[p]]
         buffers = self._route(
-            [rows[p] for p in names],
-            [mb.get(f"{p}_send") for p in names],
-            [mb.get(f"{p}_send_count") for p in names],
+            [r for _, r in sent],
+            [mb.get(f"{p}_send") for p, _ in sent],
+            [mb.get(f"{p}_send_count") for p, _ in sent],
         )
         buffers = [gather_rows(b) for b in buffers]  # (a context group's slots read its rows)
-        for buffer, name in zip(buffers, names, strict=True):
+        for buffer, name in zip(buffers[: len(names)], names, strict=True):
             x_drlw = fill_slots(x_drlw, buffer, mb[phase(name).src])
-        return x_drlw
+        if not deep:
+            return x_drlw, None
+        added = [
+            fill_slots(jnp.zeros_like(x_drlw), buffer, mb[phase(name).src])
+            for (name, _), buffer in zip(sent[len(names) :], buffers[len(names) :], strict=True)
+        ]
+        return x_drlw, jnp.stack(added)
 
     def looked_up(self, mb: dict[str, jax.Array], names: list[str]) -> jax.Array:
         """The token ids whose embeddings are used, the others (placeholder slots, which encoder
@@ -422,7 +457,10 @@ def kernel_paths(model: ModelConfig) -> dict[str, tuple[str, str]]:
 def _kernel_places(model: ModelConfig, module: str, target: str) -> list[tuple[str, ...]]:
     """Where a target's kernels sit under a top-level module (none, one or one per stack)."""
     if module.endswith("_projector"):
-        return [PROJECTOR_PATHS[target]]
+        deep = module == "vision_projector" and model.vision.deepstack  # (stacked: DeepStack's)
+        return [PROJECTOR_PATHS[target]] + (
+            [("deepstack", *PROJECTOR_PATHS[target])] if deep else []
+        )
     if module != "llm":
         return [("transformer", "blocks", *BLOCK_PATHS[target])]
     moe = model.llm.moe

@@ -399,10 +399,13 @@ class Route:
         return y_ad, figures
 
     def buffer(self, assignments: int) -> int:
-        """Rows a device may receive: every sender's assignments (dropless), else
-        capacity_factor x the mean."""
-        c = self.spec.capacity_factor
-        worst = self.ep * assignments
+        """Rows a device may receive: the most its experts can be sent (dropless), else
+        capacity_factor x the mean. A token's k assignments go to k distinct experts, so a
+        sender sends a device at most min(k, experts there) of each token's: every sender's
+        assignments when a device holds k experts or more, fewer when it holds fewer (64
+        experts, top-8, over 16 devices: 4 a device, half)."""
+        c, k = self.spec.capacity_factor, self.spec.top_k
+        worst = self.ep * (assignments // k) * min(k, self.experts_here)
         return worst if c == 0 else min(worst, math.ceil(c * assignments))
 
 

@@ -5,6 +5,11 @@ projector merges merge x merge patches (Qwen2-VL's patch merger is exactly this,
 width of 4x the encoder's and exact GELU), the audio projector merges the rows of one LLM token
 (1 for the pairs stem, 2 for Whisper's stride-2 stem). Qwen2-Audio's is one Linear from
 each of its pooled rows (`LinearProjector`).
+
+A vision tower with DeepStack (`model.vision.deepstack`: Qwen3-VL) has one more projector per
+tapped block, beside the main one (`vision_projector/deepstack`, stacked on a leading `layers`
+axis): each a norm over the merged width (the tapped blocks' outputs are not normalised),
+then the same MLP (Qwen3-VL's `deepstack_merger_list`, its `use_postshuffle_norm`).
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmllm.config import ModelConfig
-from jaxmllm.models.layers import MLP, Dense
+from jaxmllm.models.layers import MLP, NORMS, Dense
 from jaxmllm.models.lora import Adapter, adapters
+from jaxmllm.models.transformer import stack_modules
 
 
 class Projector(MLP):
@@ -33,12 +39,19 @@ class Projector(MLP):
         *,
         hidden: int = 0,
         activation: str = "gelu_tanh",
+        norm: str = "",
+        norm_eps: float = 1e-6,
+        deepstack: int = 0,
+        deep_norm: str = "layer",
         dtype: jnp.dtype,
         param_dtype: jnp.dtype,
         lora: dict[str, Adapter] | None = None,
         rngs: nnx.Rngs,
     ):
-        """`hidden`: fc1's width (0: `out_width`); `lora`: adapters of fc1, fc2."""
+        """`hidden`: fc1's width (0: `out_width`); `norm`: a norm (`layers.NORMS`) over the
+        merged rows before fc1 ("": none), of epsilon `norm_eps`; `deepstack`: DeepStack's
+        projectors beside this one (the module docstring), each with a `deep_norm`; `lora`:
+        adapters of fc1, fc2 (of every projector)."""
         super().__init__(
             group * in_width,
             hidden or out_width,
@@ -50,11 +63,37 @@ class Projector(MLP):
             rngs=rngs,
         )
         self.group = group
+        kw = dict(eps=norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.norm = NORMS[norm](group * in_width, **kw) if norm else None
+        level = lambda: Projector(
+            in_width,
+            out_width,
+            group,
+            hidden=hidden,
+            activation=activation,
+            norm=deep_norm,
+            norm_eps=norm_eps,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            lora=lora,
+            rngs=rngs,
+        )
+        levels = [level() for _ in range(deepstack)]
+        self.deepstack = stack_modules(levels, "layers") if levels else None
 
     def __call__(self, x_bnd: jax.Array) -> jax.Array:
         """[B, N, in_width] -> [B, N / group, out_width]."""
         b, n, d = x_bnd.shape
-        return super().__call__(x_bnd.reshape(b, n // self.group, self.group * d))
+        x_bnd = x_bnd.reshape(b, n // self.group, self.group * d)
+        if self.norm is not None:
+            x_bnd = self.norm(x_bnd)
+        return super().__call__(x_bnd)
+
+    def deep(self, taps_kbnd: jax.Array) -> jax.Array:
+        """DeepStack's rows [K, B, N / group, out_width] of the tapped blocks' outputs
+        [K, B, N, in_width], each through its own projector."""
+        graphdef, state = nnx.split(self.deepstack)
+        return jax.vmap(lambda st, x: nnx.merge(graphdef, st)(x))(state, taps_kbnd)
 
 
 class LinearProjector(nnx.Module):
@@ -75,7 +114,15 @@ def vision_projector(cfg: ModelConfig, **kw) -> Projector:
     v = cfg.vision
     kw["lora"] = _adapters(cfg, "vision_projector")
     return Projector(
-        v.width, cfg.llm.width, v.merge**2, hidden=v.projector_dim, activation=v.projector_act, **kw
+        v.width,
+        cfg.llm.width,
+        v.merge**2,
+        hidden=v.projector_dim,
+        activation=v.projector_act,
+        norm_eps=v.norm_eps,
+        deepstack=len(v.deepstack),
+        deep_norm=v.norm,
+        **kw,
     )
 
 

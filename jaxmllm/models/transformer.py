@@ -200,6 +200,16 @@ def segments(pattern: Sequence[str], longest_unit: int = 8) -> tuple[Segment, ..
     return tuple(reversed(out))
 
 
+def pieces(pattern: Sequence[str], bounds: Sequence[int] = ()) -> tuple[Segment, ...]:
+    """`segments` of `pattern` that never cross a layer boundary of `bounds` (a layer index
+    where a piece must start: after DeepStack's first K layers, after a tapped layer)."""
+    cuts = sorted({b for b in bounds if 0 < b < len(pattern)} | {0, len(pattern)})
+    out: list[Segment] = []
+    for start, end in zip(cuts[:-1], cuts[1:], strict=True):
+        out += [Segment(s.start + start, s.unit, s.repeats) for s in segments(pattern[start:end])]
+    return tuple(out)
+
+
 def stack_name(kind: str, main: str) -> str:
     """The attribute holding a kind's stacked layers: `blocks` for the main kind."""
     return "blocks" if kind == main else f"{kind}_blocks"
@@ -331,14 +341,16 @@ class Transformer(nnx.Module):
         pack: Packing,
         positions: jax.Array,
         local: Packing | None = None,
+        added: jax.Array | None = None,
     ) -> tuple[jax.Array, Any]:
         """The blocks without the final norm, and the MoE layers' router statistics stacked in
-        layer order (`moe.RouterStats` [MoE layers, ...]; None without MoE layers)."""
+        layer order (`moe.RouterStats` [MoE layers, ...]; None without MoE layers).
+        `added` [K, B, T, width]: added to x after each of the first K layers (DeepStack)."""
         if local is not None:
             return self._windowed(x_btd, pack, positions, local)
         fns = {k: self._block_fn(k, positions)[0] for k in self.kinds}
         step = lambda kind, state, x, _, j: fns[kind](x, state, j, pack)
-        x_btd, ys = self.scan(step, x_btd)
+        x_btd, ys = self.scan(step, x_btd, added=added)
         found = [(k, y) for k, y in ys.items() if y is not None]
         if not found:
             return x_btd, None
@@ -350,24 +362,54 @@ class Transformer(nnx.Module):
             stats = jax.tree.map(lambda a: a[jnp.asarray(np.argsort(layers))], stats)
         return x_btd, stats
 
-    def scan(self, step: Callable, x_btd: jax.Array, extra: dict | None = None) -> tuple:
+    def tapped(
+        self, x_btd: jax.Array, pack: Packing, positions: jax.Array, taps: Sequence[int]
+    ) -> tuple[jax.Array, jax.Array]:
+        """The blocks without the final norm, and x after each of the layers `taps` (0-based,
+        DeepStack's) stacked [len(taps), B, T, width] in their order. The layers are scanned in
+        pieces that end at the taps: no other layer's activations are kept."""
+        fns = {k: self._block_fn(k, positions)[0] for k in self.kinds}
+        step = lambda kind, state, x, _, j: fns[kind](x, state, j, pack)
+        x_btd, _, kept = self._scan(step, x_btd, {}, None, tuple(taps))
+        return x_btd, jnp.stack([kept[t] for t in taps])
+
+    def scan(
+        self,
+        step: Callable,
+        x_btd: jax.Array,
+        extra: dict | None = None,
+        added: jax.Array | None = None,
+    ) -> tuple:
         """Every layer in order: `step(kind, block_state, x, extra_j, j) -> (x, y)` for layer j
         (`block_state`: its parameters; `extra_j`: its slice of `extra[kind]`, arrays stacked
-        like the kind's layers, e.g. a KV cache). Returns (x, {kind: ys stacked like its
-        layers}); one scan per segment (`segments`)."""
-        extra = extra or {}
+        like the kind's layers, e.g. a KV cache), then `added[j]` added to x for the first K
+        layers (`added` [K, ...]: DeepStack). Returns (x, {kind: ys stacked like its layers});
+        one scan per segment (`segments`)."""
+        x_btd, ys, _ = self._scan(step, x_btd, extra or {}, added, ())
+        return x_btd, ys
+
+    def _scan(self, step, x_btd, extra: dict, added, cuts: tuple[int, ...]) -> tuple:
+        """`scan`, and x after each layer of `cuts` ({layer: x}: the layers are scanned in
+        pieces that end there). `added` rides along as a constant of the one scan: a piece of
+        its own for the first K layers would be a second while loop whose temporaries XLA does
+        not share with the first's (an MoE layer's exchange buffers twice: +23 GiB a GPU of
+        configs/gpu/qwen3_vl_30b_a3b.yaml, bench.memory), where the constant costs an add a
+        layer and, backward, its gradient's [K, ...] accumulator."""
+        if added is not None:
+            step = _adding(step, added)
         states = {k: nnx.split(self.stack(k))[1] for k in self.kinds}
-        if len(self.kinds) == 1:
+        if len(self.kinds) == 1 and not cuts:
             (kind,) = self.kinds
             depth = jax.tree.leaves(states[kind])[0].shape[0]  # (a pipeline stage's slab)
             body = lambda x, xs: step(kind, xs[0], x, xs[1], xs[2])
             x_btd, ys = jax.lax.scan(
                 body, x_btd, (states[kind], extra.get(kind), jnp.arange(depth))
             )
-            return x_btd, {kind: ys}
+            return x_btd, {kind: ys}, {}
         found: dict[str, list] = {k: [] for k in self.kinds}
         offsets = dict.fromkeys(self.kinds, 0)
-        for seg in segments(self.pattern):
+        kept = {}
+        for seg in pieces(self.pattern, tuple(c + 1 for c in cuts)):
             xs = {}
             for kind in dict.fromkeys(seg.unit):
                 n, at, reps = seg.unit.count(kind), offsets[kind], seg.repeats
@@ -384,8 +426,8 @@ class Transformer(nnx.Module):
                 for j, kind in enumerate(seg.unit):
                     o = seen.get(kind, 0)
                     seen[kind] = o + 1
-                    state, more = jax.tree.map(lambda a, o=o: a[o], xs[kind])
-                    x_btd, y = step(kind, state, x_btd, more, seg.start + r * len(seg.unit) + j)
+                    state, extra_j = jax.tree.map(lambda a, o=o: a[o], xs[kind])
+                    x_btd, y = step(kind, state, x_btd, extra_j, seg.start + r * len(seg.unit) + j)
                     ys[kind].append(y)
                 # [unit's layers of a kind] per kind, stacked in their order
                 return x_btd, {k: _stacked(v) for k, v in ys.items()}
@@ -393,7 +435,10 @@ class Transformer(nnx.Module):
             x_btd, ys = jax.lax.scan(unit, x_btd, (xs, jnp.arange(seg.repeats)))
             for kind, y in ys.items():  # [repeats, n, ...] -> the kind's layers in order
                 found[kind].append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), y))
-        return x_btd, {k: _concatenated(v) for k, v in found.items()}
+            end = seg.start + len(seg.unit) * seg.repeats
+            if end - 1 in cuts:
+                kept[end - 1] = x_btd
+        return x_btd, {k: _concatenated(v) for k, v in found.items()}, kept
 
     def _windowed(self, x_btd, pack, positions, local):
         """`run` with `local`: each layer by its own packing (whole documents or windows)."""
@@ -409,6 +454,19 @@ class Transformer(nnx.Module):
             return jax.lax.cond(is_full, whole, windowed, x_btd)
 
         return jax.lax.scan(either, x_btd, (stacked, full, jnp.arange(depth)))
+
+
+def _adding(step: Callable, added: jax.Array) -> Callable:
+    """`step`, then `added[j]` added to its x for a layer j of the first K (`added` [K, ...];
+    zero after them: one body for every layer)."""
+    k = added.shape[0]
+
+    def stepped(kind, state, x_btd, extra_j, j):
+        x_btd, y = step(kind, state, x_btd, extra_j, j)
+        add = jax.lax.dynamic_index_in_dim(added, jnp.minimum(j, k - 1), keepdims=False)
+        return x_btd + jnp.where(j < k, add, jnp.zeros_like(add)).astype(x_btd.dtype), y
+
+    return stepped
 
 
 def _stacked(ys: list) -> Any:

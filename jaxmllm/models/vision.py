@@ -3,7 +3,12 @@
 Each device holds one packed row of patches from several images of any size. Images never attend
 to each other (segment mask). Positions are 2D rotary (row, column within the image; also the
 Qwen2-VL vision tower's scheme), so no image size is baked into the parameters, or a learned
-SigLIP table resized to each image's grid (`jaxmllm.models.positions`).
+SigLIP table resized to each image's grid (`jaxmllm.models.positions`), or both (Qwen3-VL's
+tower: its table resized bilinearly, and 2D rotary in every block).
+
+DeepStack (`model.vision.deepstack`, Qwen3-VL): the outputs of a few blocks are kept
+(`tapped`) for their own projectors, whose rows the LLM adds to its first layers' hidden states
+at the image's tokens (`jaxmllm.models.mllm`).
 """
 
 from __future__ import annotations
@@ -56,9 +61,11 @@ class VisionEncoder(nnx.Module):
             normal_param(
                 rngs, (cfg.position_grid**2, cfg.width), 0.02, ("positions", "embed"), param_dtype
             )
-            if cfg.positions == "learned"
+            if cfg.position_grid
             else None
         )
+        self.position_resize = cfg.position_resize
+        self.deepstack = tuple(cfg.deepstack)  # the blocks whose outputs DeepStack reads
         # CLIP: a learned class token and its own row of the position table; a norm first.
         token = lambda: normal_param(rngs, (cfg.width,), 0.02, ("embed",), param_dtype)
         self.class_embedding = token() if cfg.class_token else None
@@ -103,6 +110,19 @@ class VisionEncoder(nnx.Module):
         rows = self.rows(patches_bpc, segment_ids_bp, positions_bp2, tiles_bk2)
         return rows.finish(self.transformer(rows.x, rows.pack, rows.positions, rows.local))
 
+    def tapped(
+        self,
+        patches_bpc: jax.Array,
+        segment_ids_bp: jax.Array,
+        positions_bp2: jax.Array,
+        tiles_bk2: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """`__call__`'s features, and the outputs of the blocks `deepstack` names (before any
+        norm) [K, B, P, width], each as the row's patches."""
+        rows = self.rows(patches_bpc, segment_ids_bp, positions_bp2, tiles_bk2)
+        h, kept = self.transformer.tapped(rows.x, rows.pack, rows.positions, self.deepstack)
+        return rows.finish(self.transformer.norm(h)), jax.vmap(rows.finish)(kept)
+
     def prepare(self, patches_bpc, segment_ids_bp, positions_bp2, tiles_bk2=None):
         """What the transformer takes (the arguments as in `__call__`): the embedded patches,
         their packing and positions (a pipeline runs the stack's layers stage by stage; a tower
@@ -119,7 +139,9 @@ class VisionEncoder(nnx.Module):
         x_bpd = self.patch_embed(patches_bpc)
         if self.position_embedding is not None:
             table = self.position_embedding[...]
-            pos_bpd = resized_table(table, segment_ids_bp, positions_bp2)
+            pos_bpd = resized_table(
+                table, segment_ids_bp, positions_bp2, self.position_resize, x_bpd.dtype
+            )
             x_bpd = (x_bpd.astype(jnp.float32) + pos_bpd).astype(x_bpd.dtype)
         seg, pos, tiles = segment_ids_bp, positions_bp2, tiles_bk2
         b, n = seg.shape

@@ -146,7 +146,7 @@ class RoutedAssignment:
                 "item's encoder rows)"
             )
         most = summary_of(index, caps.per_token).most  # (the largest document per phase)
-        checks = [(llm_row_key(caps), most[LLM], caps.llm_bin_len)]
+        checks = [(llm_row_key(caps), most[LLM], caps.group_row_len)]
         for p in ENCODERS:
             n, cap, per = len(index.items[p.name]), caps.units[p.name], caps.per_token[p.name]
             if n and not cap:
@@ -170,7 +170,7 @@ class RoutedAssignment:
     def samples(self, ph: Phases, mb: Micro, s: Pool, urgent: np.ndarray) -> np.ndarray:
         """The LLM phase on its own: samples to rows (bins of llm_row_len, or of a context
         group's rows)."""
-        rows, _ = pack_phase(s.llm, mb.rows, ph.caps.llm_bin_len, urgent, costs=s.llm_cost)
+        rows, _ = pack_phase(s.llm, mb.rows, ph.caps.group_row_len, urgent, costs=s.llm_cost)
         return rows
 
     def items(self, ph, mb, rows, items, urgent, ok):

@@ -22,7 +22,7 @@ TABLE_MAX = 1 << 22  # `tile_cost` reads sizes up to this many attention units o
 
 def quad_cost(sizes: np.ndarray) -> np.ndarray:
     """The quadratic (attention) cost of items of `sizes` units under dense attention, as
-    float64: size**2 (`jaxmllm.plan.cost.CostModel` has per-phase coefficients the planners
+    float64: size**2 (`jaxmllm.cost.model.CostModel` has per-phase coefficients the planners
     do not use yet)."""
     return np.asarray(sizes).astype(np.float64) ** 2
 

@@ -1,7 +1,7 @@
 """Context parallelism's split of an LLM bucket: a group's query blocks dealt to its devices.
 
 With `Capacities.context` = C > 1 an LLM bucket is a context group of C devices, whose rows are
-C times a device's (`Capacities.llm_bin_len`). Its rows' blocks of `block` tokens are dealt to
+C times a device's (`Capacities.group_row_len`). Its rows' blocks of `block` tokens are dealt to
 the C devices ("ranks"), each rank the same number of blocks (a device's `llm_rows x
 llm_row_len` tokens: fixed shapes), and each rank computes the attention tiles of the query
 blocks it holds, against the keys and values of the whole group (gathered every layer). So a
@@ -167,11 +167,11 @@ def group_weights(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> dict
     """Per (microbatch, group) of a plan, the tiles of each query block of the group's rows
     (blocks numbered row by row), from the lengths index: what the bench deals."""
     micro, group, row, off, size = phase_docs(plan, index, caps, LLM)
-    row_blocks = caps.llm_bin_len // caps.block
+    row_blocks = caps.group_row_len // caps.attention_block
     out = {}
     for m in range(caps.microbatches):
         for g in range(caps.llm_buckets):
             sel = (micro == m) & (group == g)
-            tiles = tile_list(off[sel], size[sel], row[sel], row_blocks, caps.block, True)
+            tiles = tile_list(off[sel], size[sel], row[sel], row_blocks, caps.attention_block, True)
             out[m, g] = block_weights(tiles, caps.llm_rows * row_blocks)
     return out

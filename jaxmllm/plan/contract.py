@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxmllm.config.checks import UserError
 from jaxmllm.config.phases import ENCODERS, LLM, NAMES, PHASES
+from jaxmllm.config.spec import BatchSpec, variant_tiles
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.ragged import gather_items
 from jaxmllm.plan.summary import summary_of
@@ -24,7 +25,8 @@ from jaxmllm.plan.tiles import bin_tiles, own_tiles
 
 @dataclass(frozen=True)
 class Capacities:
-    """Per device and per microbatch bucket sizes, in model units.
+    """Per device and per microbatch bucket sizes, in model units: the planner's view of a
+    bucket spec (`Capacities.of`, over a number of data-parallel buckets).
 
     Per encoder phase (`jaxmllm.config.phases`, keyed by name, every phase of the table):
     `units` its bucket (0 when the model has no such encoder), `per_token` its units per LLM
@@ -43,7 +45,7 @@ class Capacities:
     # Block-sparse attention (jaxmllm.plan.tiles): units per side of a tile (0 = dense
     # attention: no tiles), and per phase (the LLM's and each encoder's) the tiles a device may
     # compute (0 or missing = no bound)
-    block: int = 0
+    attention_block: int = 0
     tiles: Mapping[str, int] = field(default_factory=dict)
     # Data-parallel positions per host (devices h * n ... (h + 1) * n - 1 on host h; 0 = all on
     # one host): routing keeps an item that cannot stay home on its text's host where it can
@@ -65,6 +67,37 @@ class Capacities:
             if missing:
                 raise ValueError(f"Capacities.{key} lacks encoder phase(s) {missing}")
 
+    @classmethod
+    def of(cls, spec: BatchSpec, devices: int) -> Capacities:
+        """The capacities of bucket spec `spec` over `devices` data-parallel buckets. A tile
+        capacity the spec has not resolved (auto) is no bound: a dry run that sizes it plans
+        without one.
+
+        Raises:
+          ValueError: the spec's route capacity still -1 (auto).
+        """
+        if spec.route_pair_capacity < 0:
+            raise ValueError(
+                "batch.route_pair_capacity=-1 (auto) must be resolved against the "
+                "data first: jaxmllm.resolve.sizing.resolve_batch"
+            )
+        tiled = spec.tiled
+        return cls(
+            microbatches=spec.microbatches,
+            devices=devices,
+            llm_rows=spec.llm_rows,
+            llm_row_len=spec.llm_row_len,
+            units={p: spec.units.get(p, 0) for p in NAMES},
+            per_token=dict(spec.per_token),
+            per_row=dict(spec.per_row),
+            route_pair_capacity=spec.route_pair_capacity,
+            devices_per_host=spec.devices_per_host,
+            context=spec.context,
+            attention_block=spec.attention_block if tiled else 0,
+            tiles={p: spec.tiles.get(p, 0) if tiled else 0 for p in PHASES},
+            long_tiles=tuple({p: long.get(p, 0) for p in PHASES} for long in spec.long_tiles),
+        )
+
     def row_units(self, phase: str) -> int:
         """Units per encoder row of an encoder phase."""
         return self.per_row[phase]
@@ -72,10 +105,7 @@ class Capacities:
     def tile_caps(self, variant: int = 0) -> dict[str, int]:
         """Per phase, the tiles a device may compute (0 = no bound) in a step of `variant`
         (0: the base; v > 0: the long variant v, `long_tiles[v - 1]` where it sets a phase's)."""
-        out = {p: self.tiles.get(p, 0) for p in PHASES}
-        for long in self.long_tiles[:variant]:
-            out.update({p: n for p, n in long.items() if n})
-        return out
+        return variant_tiles({p: self.tiles.get(p, 0) for p in PHASES}, self.long_tiles, variant)
 
     @property
     def variants(self) -> int:
@@ -88,9 +118,9 @@ class Capacities:
         return self.devices // self.context
 
     @property
-    def llm_bin_len(self) -> int:
+    def group_row_len(self) -> int:
         """Tokens of one LLM row of a bucket (a context group's rows are `context` devices'
-        rows long)."""
+        rows long): `BatchSpec.group_row_len`."""
         return self.context * self.llm_row_len
 
     @property
@@ -167,7 +197,7 @@ def check_fits(index: LengthsIndex, caps: Capacities) -> None:
     summary = summary_of(index, caps.per_token)
     tail = summary.body if summary.whole else summary.tail
     ids = summary.body_ids if summary.whole else summary.tail_ids
-    checks = [(llm_row_key(caps), tail.llm_tokens(caps.per_token), caps.llm_bin_len)]
+    checks = [(llm_row_key(caps), tail.llm_tokens(caps.per_token), caps.group_row_len)]
     units = tail.units()
     for p in ENCODERS:
         if caps.units[p.name]:
@@ -198,7 +228,7 @@ def documents(index: LengthsIndex, caps: Capacities) -> dict[str, tuple[np.ndarr
     """Per phase, what its attention sees: every document's size in the phase's units (LLM
     tokens of a sample; an encoder item's rows = its units / the phase's units per row), whether
     it is causal, and the length of one packed row of the phase's bucket."""
-    out = {LLM: (index.llm_tokens(caps.per_token), True, caps.llm_bin_len)}
+    out = {LLM: (index.llm_tokens(caps.per_token), True, caps.group_row_len)}
     for p in NAMES:
         per = caps.row_units(p)
         out[p] = (index.items[p].sizes // per, False, caps.units[p] // per)
@@ -209,9 +239,9 @@ def check_tiles_fit(index: LengthsIndex, caps: Capacities) -> None:
     """Fails at start-up, naming the config key, if a document alone (at the start of an empty
     bucket) needs more attention tiles than its phase's tile capacity (of the top variant: a
     document too long for the base waits for a long step)."""
-    if not caps.block:
+    if not caps.attention_block:
         return
-    b = caps.block
+    b = caps.attention_block
     most = summary_of(index, caps.per_token).most  # (each phase's largest document)
     variant = caps.variants - 1
     for phase, cap in bucket_tile_caps(caps, variant).items():
@@ -240,7 +270,7 @@ def llm_deal_slack(caps: Capacities) -> int:
     from 2 to 0), a round of `context` of them spans at most `context`, and dealing a round's
     largest to the least-loaded rank never widens the ranks' spread past a round's
     (`jaxmllm.plan.context.deal`): no rank ends more than `context` above another."""
-    return caps.context if caps.context > 1 and caps.block else 0
+    return caps.context if caps.context > 1 and caps.attention_block else 0
 
 
 def device_tile_caps(caps: Capacities, bucket: dict[str, int]) -> dict:
@@ -270,7 +300,7 @@ def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
     """Raises ValueError unless the plan honours the contract (capacities, no overlap, every
     item of every planned sample placed once, items local or within the route capacity,
     attention tiles within their capacity)."""
-    d_n, r_n, row_len = caps.devices, caps.llm_rows, caps.llm_bin_len
+    d_n, r_n, row_len = caps.devices, caps.llm_rows, caps.group_row_len
     g_n = caps.llm_buckets
     llm = llm_tokens_of(index, plan.samples, caps.per_token)
     if (
@@ -312,7 +342,7 @@ def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
             )
     if plan.variant >= caps.variants:
         raise ValueError(f"step {plan.step}: variant {plan.variant}, the capacities have none")
-    if caps.block:
+    if caps.attention_block:
         caps_by_phase = bucket_tile_caps(caps, plan.variant)
         for p, need in step_tiles(plan, index, caps).items():
             cap = caps_by_phase[p] if caps.tile_caps(plan.variant)[p] else 0
@@ -385,7 +415,7 @@ def phase_docs(
 
 def step_tiles(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> dict[str, np.ndarray]:
     """Per phase, the attention tiles each bucket of the plan needs [microbatch, bucket]
-    (`jaxmllm.plan.tiles`; needs caps.block > 0); an LLM bucket is a context group when
+    (`jaxmllm.plan.tiles`; needs caps.attention_block > 0); an LLM bucket is a context group when
     caps.context > 1."""
     m_n, out = caps.microbatches, {}
     for phase in PHASES:
@@ -393,7 +423,7 @@ def step_tiles(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> dict[st
         rows = caps.llm_rows if phase == LLM else 1
         d_n = caps.llm_buckets if phase == LLM else caps.devices
         bins = (micro * d_n + dev) * rows + row
-        tiles = bin_tiles(bins, off, size, m_n * d_n * rows, caps.block, phase == LLM)
+        tiles = bin_tiles(bins, off, size, m_n * d_n * rows, caps.attention_block, phase == LLM)
         out[phase] = tiles.reshape(m_n, d_n, rows).sum(2)
     return out
 

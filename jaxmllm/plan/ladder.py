@@ -77,7 +77,7 @@ def longest_filling(cap: float, density: float, rows: int, block: int, causal: b
 
 def bucket_rows(caps: Capacities) -> dict[str, int]:
     """Per phase, a bucket's attention rows (an LLM bucket's tokens, an encoder's rows)."""
-    out = {LLM: caps.llm_rows * caps.llm_bin_len}
+    out = {LLM: caps.llm_rows * caps.group_row_len}
     out.update({p: caps.units[p] // caps.row_units(p) for p in PHASES if p != LLM})
     return out
 
@@ -99,12 +99,12 @@ def rung_rows(caps: Capacities) -> list[dict[str, int]]:
             if not cap[p]:
                 continue
             if buckets[top][p] <= cap[p]:  # (nothing above holds more)
-                bound[p] = longest_fitting(cap[p], caps.block, causal)
+                bound[p] = longest_fitting(cap[p], caps.attention_block, causal)
             elif v == 0:
-                bound[p] = longest_fitting(SHARE * cap[p], caps.block, causal)
+                bound[p] = longest_fitting(SHARE * cap[p], caps.attention_block, causal)
             else:
                 density = buckets[0][p] / max(rows[p], 1)
-                bound[p] = longest_filling(cap[p], density, rows[p], caps.block, causal)
+                bound[p] = longest_filling(cap[p], density, rows[p], caps.attention_block, causal)
         out.append(bound)
     return out
 

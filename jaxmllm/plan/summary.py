@@ -30,11 +30,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxmllm.config.phases import LLM, NAMES
+from jaxmllm.data.columnar import window
 from jaxmllm.data.lengths import Items, LengthsIndex
 
 SAMPLE = 1 << 16  # samples of the body (a uniform sample); the whole index below it
 TAIL = 256  # samples of the tail per measure (longest LLM sequence, most units, largest item)
-CHUNK = 1 << 22  # samples a chunk of the pass over the index
+CHUNK = 1 << 20  # samples a chunk of the pass over the index (its working set: ~100 MB)
 SEED = 20240906  # the body's draw (a summary is a function of the index alone)
 
 
@@ -87,15 +88,24 @@ def summarize(index: LengthsIndex, per_token: Mapping[str, int]) -> IndexSummary
     most_units = dict.fromkeys(NAMES, 0)
     tops = [_Top() for _ in range(1 + 2 * len(NAMES))]  # (LLM; per phase units, largest item)
     phases = [(k, p) for k, p in enumerate(NAMES) if len(index.items[p].sizes)]
+    if n <= SAMPLE:  # (the whole index when small, else a sample)
+        body_ids = np.arange(n, dtype=np.int64)
+    else:
+        body_ids = np.sort(np.random.default_rng(SEED).choice(n, SAMPLE, replace=False))
+    bodies = []
     for start in range(0, n, CHUNK):
         lo, hi = start, min(n, start + CHUNK)
-        llm = np.array(index.text[lo:hi], np.int64)
+        # (each window read from its column's file, not through the mapping: the pages of a
+        # mapped column a pass touched would stay in the process's resident memory)
+        text = window(index.text, lo, hi)
+        llm, chunk = text.astype(np.int64), {}
         for k, p in phases:  # (a phase without items adds nothing: its pointers unread)
-            items = index.items[p]
-            ptr = np.asarray(items.ptr[lo : hi + 1])
-            sizes = np.asarray(items.sizes[ptr[0] : ptr[-1]])
-            llm += _run_sums(sizes // per_token[p], ptr)
+            ptr = window(index.items[p].ptr, lo, hi + 1)
+            sizes = window(index.items[p].sizes, int(ptr[0]), int(ptr[-1]))
+            sizes = sizes.astype(np.int64, copy=False)
+            chunk[p] = Items(ptr - ptr[0], sizes)
             units = _run_sums(sizes, ptr)
+            llm += _rows(sizes, ptr, units, per_token[p])
             tops[1 + 2 * k].add(lo, units)
             # (an item's sample: the run its position falls in)
             big = tops[2 + 2 * k].add(0, sizes, keep=False)
@@ -104,14 +114,23 @@ def summarize(index: LengthsIndex, per_token: Mapping[str, int]) -> IndexSummary
             most_units[p] = max(most_units[p], int(units.max(initial=0)))
         tops[0].add(lo, llm)
         _extremes(most, least, LLM, llm)
+        if len(body_ids) < n:  # (the sample's members in this window, gathered from it)
+            mine = body_ids[np.searchsorted(body_ids, lo) : np.searchsorted(body_ids, hi)]
+            bodies.append(subset(LengthsIndex(text=text, items=chunk), mine - lo))
     tail_ids = np.unique(np.concatenate([t.ids for t in tops]))
-    if n <= SAMPLE:
-        body, body_ids = index, np.arange(n, dtype=np.int64)
-    else:
-        body_ids = np.sort(np.random.default_rng(SEED).choice(n, SAMPLE, replace=False))
-        body = subset(index, body_ids)
+    body = index if len(body_ids) == n else LengthsIndex.concat(bodies)
     tail = subset(index, tail_ids)
     return IndexSummary(n, body, body_ids, tail, tail_ids, most, least, most_units)
+
+
+def _rows(sizes: np.ndarray, ptr: np.ndarray, units: np.ndarray, per: int) -> np.ndarray:
+    """Each run's LLM rows, the sum of its items' `sizes // per` (`units`: the runs' sums of
+    `sizes`): the units' quotient when every size is a multiple of `per` (an image's patches
+    come in whole merge blocks), which saves a second running sum."""
+    if per == 1:
+        return units
+    odd = sizes & (per - 1) if per & (per - 1) == 0 else sizes % per
+    return units // per if not odd.any() else _run_sums(sizes // per, ptr)
 
 
 def _run_sums(values: np.ndarray, ptr: np.ndarray) -> np.ndarray:
@@ -159,7 +178,9 @@ def _extremes(most: dict, least: dict, phase: str, values: np.ndarray) -> None:
     if top <= 0:
         return
     most[phase] = max(most[phase], top)
-    low = int(np.where(values > 0, values, top).min())
+    low = int(values.min())  # (items have units: the smallest is the smallest non-zero)
+    if low <= 0:
+        low = int(np.where(values > 0, values, top).min())
     least[phase] = low if not least[phase] else min(least[phase], low)
 
 
@@ -167,10 +188,11 @@ def subset(index: LengthsIndex, ids: np.ndarray) -> LengthsIndex:
     """The samples `ids` of `index` (ascending) as an index of their own."""
     items = {}
     for p in NAMES:
-        ptr = np.asarray(index.items[p].ptr)
-        first, count = ptr[ids], ptr[ids + 1] - ptr[ids]
+        ptr = index.items[p].ptr
+        first = ptr[ids]
+        count = ptr[ids + 1] - first
         flat = np.repeat(first - np.concatenate([[0], np.cumsum(count)[:-1]]), count)
         flat += np.arange(int(count.sum()), dtype=np.int64)
         new_ptr = np.concatenate([[0], np.cumsum(count)]).astype(np.int64)
-        items[p] = Items(new_ptr, np.asarray(index.items[p].sizes, np.int64)[flat])
-    return LengthsIndex(text=np.asarray(index.text, np.int64)[ids], items=items)
+        items[p] = Items(new_ptr, index.items[p].sizes[flat].astype(np.int64, copy=False))
+    return LengthsIndex(text=index.text[ids].astype(np.int64, copy=False), items=items)

@@ -26,7 +26,7 @@ class TileBudget:
     `variant` (`contract.Capacities.tile_caps`)."""
 
     def __init__(self, caps: Capacities, variant: int = 0):
-        self.block = caps.block
+        self.block = caps.attention_block
         self.caps = bucket_tile_caps(caps, variant)
         self.per_row = {p: caps.row_units(p) for p in PHASES[1:]}  # units per encoder row
         self.per_row[LLM] = 1

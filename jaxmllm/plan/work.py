@@ -48,9 +48,11 @@ class Phases:
         )  # [phase]: units per device and microbatch
         # What the packers equalise: attention tiles with block-sparse attention, size**2 else
         self.cost: dict[str, Cost] = {p: quad_cost for p in PHASES}
-        if caps.block:
-            self.cost = {LLM: tile_cost(caps.block, True)}
-            self.cost.update({p: tile_cost(caps.block, False, caps.row_units(p)) for p in ENC})
+        if caps.attention_block:
+            self.cost = {LLM: tile_cost(caps.attention_block, True)}
+            self.cost.update(
+                {p: tile_cost(caps.attention_block, False, caps.row_units(p)) for p in ENC}
+            )
         # What selection fits into a microbatch (`Selector`): each phase's units, and where
         # the tiles have a capacity (block-sparse attention and a planner that holds it) each
         # such phase's expected tiles too, so that a step takes a mix of samples whose tiles
@@ -60,7 +62,7 @@ class Phases:
         tile_caps = caps.tile_caps()
         self.tile_phases, self.scale = [], {}
         body = summary_of(index, caps.per_token).body
-        if caps.block and any(tile_caps.values()):
+        if caps.attention_block and any(tile_caps.values()):
             self.tile_phases = [p for p in PHASES if tile_caps[p]]
             self.scale = {p: self._tile_scale(body, p) for p in self.tile_phases}
             self.sel_caps = [self._sel_cap(v) for v in range(caps.variants)]
@@ -72,8 +74,8 @@ class Phases:
             key = (
                 id(index),
                 *(tuple(sorted(d.items())) for d in (caps.per_token, caps.units)),
-                caps.block,
-                caps.llm_bin_len,
+                caps.attention_block,
+                caps.group_row_len,
                 tuple(self.tile_phases),
             )
             self.every = _EVERY.get(key)
@@ -132,7 +134,7 @@ class Phases:
         LLM tokens `llm`, or an encoder phase's item `sizes`."""
         caps = self.caps
         if phase == LLM:
-            return llm, True, caps.llm_bin_len
+            return llm, True, caps.group_row_len
         per = caps.row_units(phase)
         return sizes // per, False, self.cap[phase] // per
 
@@ -144,9 +146,9 @@ class Phases:
         sizes = body.items[phase].sizes if phase != LLM else None
         llm = body.llm_tokens(self.caps.per_token) if phase == LLM else None
         units, causal, row_len = self._documents(llm, sizes, phase)
-        t = np.where(units > 0, expected_tiles(units, self.caps.block, causal), 0.0)
+        t = np.where(units > 0, expected_tiles(units, self.caps.attention_block, causal), 0.0)
         return (
-            packed_density(units, row_len, self.caps.block, causal)
+            packed_density(units, row_len, self.caps.attention_block, causal)
             * units.sum()
             / max(t.sum(), 1e-9)
         )
@@ -221,7 +223,7 @@ class Micro:
         self.enc = {p: Loads.zeros(caps.devices, cost[p]) for p in ENC}
         # exact attention tiles per bucket and phase, within their capacity (block-sparse) in
         # a step of `variant`
-        self.tiles = TileBudget(caps, variant) if caps.block else None
+        self.tiles = TileBudget(caps, variant) if caps.attention_block else None
         z = np.zeros(0, np.int64)
         self.entries: list[np.ndarray] = [z]  # pool positions placed, in order
         self.row_bin: list[np.ndarray] = [z]  # their LLM row bin (device * rows + row)

@@ -20,11 +20,16 @@ import functools
 import io
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import soundfile as sf
 
+from jaxmllm.config import UserError
+from jaxmllm.data import budget
 from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError, check_media_file
+
+if TYPE_CHECKING:
+    import soundfile
 
 Source = str | Path | bytes
 HOP_S, WIN_S = 0.010, 0.025
@@ -63,6 +68,7 @@ class Caps:
     seconds: float = MAX_SECONDS
     samples: int = MAX_SAMPLES
     bytes: int = MAX_MEDIA_BYTES
+    memory: int = 0  # data.worker_memory (0: none): a clip costs ~8 float32 copies of its samples
 
 
 def read_info(
@@ -75,6 +81,7 @@ def read_info(
     """
     caps = caps or Caps(seconds=max_seconds)
     check_media_file(src, record_id, caps.bytes)
+    sf = _soundfile()
     try:
         info = sf.info(_file(src))
     except Exception as e:  # noqa: BLE001  libsndfile's errors on hostile bytes; see _blocks
@@ -90,6 +97,7 @@ def open_mono(src: Source, record_id: str, caps: Caps):
     one block whatever the length and channel count; any decoder error, or a NaN / inf
     sample, is a RecordError (undecodable_media)."""
     check_media_file(src, record_id, caps.bytes)
+    sf = _soundfile()
     try:
         f = sf.SoundFile(_file(src))
     except Exception as e:  # noqa: BLE001  see _blocks
@@ -100,7 +108,7 @@ def open_mono(src: Source, record_id: str, caps: Caps):
         yield int(frames), int(rate), _blocks(f, src, record_id)
 
 
-def _blocks(f: sf.SoundFile, src: Source, record_id: str) -> Iterator[np.ndarray]:
+def _blocks(f: soundfile.SoundFile, src: Source, record_id: str) -> Iterator[np.ndarray]:
     block = max(1, BLOCK_SAMPLES // f.channels)
     try:
         for x in f.blocks(block, dtype="float32", always_2d=True, frames=f.frames):
@@ -149,6 +157,9 @@ def _check_header(src, frames, rate, channels, caps: Caps, record_id) -> None:
             f"data.max_audio_samples={caps.samples} (not decoded)",
             record_id,
         )
+    # (decoded to float32 mono, resampled, framed for the log-mel: about 8 copies of it)
+    what = f"{_name(src)}: decoding {frames} samples at {rate} Hz"
+    budget.check(frames * 4 * 8, caps.memory, what, record_id)
 
 
 def resample(x: np.ndarray, rate: int, target: int) -> np.ndarray:
@@ -367,6 +378,19 @@ def load_audio(
     frames = n_frames
     starts = np.cumsum([0] + chunk_lengths(frames, max_frames))
     return [feats[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+
+def _soundfile():
+    """soundfile (libsndfile through cffi), imported where a clip is read: a run without audio
+    needs neither it nor cffi (a GPU image carries jax but not these)."""
+    try:
+        import soundfile
+    except ImportError as e:  # (soundfile itself, or the cffi it loads libsndfile through)
+        raise UserError(
+            f"reading audio needs the soundfile package ({e}): pip install soundfile (it "
+            "brings cffi), or carry both as wheels (python -m jaxmllm.bench.gpu --wheels DIR)"
+        ) from None
+    return soundfile
 
 
 def _file(src: Source):

@@ -10,7 +10,6 @@ import contextlib
 import io
 import math
 import mmap
-import re
 import struct
 import warnings
 from pathlib import Path
@@ -18,10 +17,13 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from jaxmllm.data import budget
+from jaxmllm.data.media.jpeg import jpeg_data, jpeg_scans
 from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError, check_media_file
 
 ORIENTATION = 0x0112  # EXIF tag; values 5..8 swap width and height
 Source = str | Path | bytes
+Grid = tuple[int, int, int, int]  # (patch, merge, min_pixels, max_pixels): `image_grid`'s rule
 MAX_PIXELS = 1 << 26  # the default of data.max_image_pixels
 MAX_SCANS = 100  # the default of data.max_image_scans
 MAX_SCAN_PIXELS = 1 << 30  # the default of data.max_image_scan_pixels
@@ -68,14 +70,19 @@ def open_image(
     max_bytes: int = MAX_MEDIA_BYTES,
     max_scans: int = MAX_SCANS,
     max_scan_pixels: int = MAX_SCAN_PIXELS,
+    max_memory: int = 0,
+    grid: Grid | None = None,
 ) -> Image.Image:
     """Opens an image from a path or bytes, reading its header only.
 
     Refuses, before any pixel is decoded, a file of more than `max_bytes`, an image of more than
     `max_pixels` (a decompression bomb: a few KB of PNG can hold gigapixels of zeros), a
-    progressive JPEG of more than `max_scans` scans (a decoding-time bomb: `jpeg_scans`), an
-    empty one, and formats outside FORMATS (PIL would also try EPS through Ghostscript, icons
-    whose decoded size is not the header's...).
+    progressive JPEG of more than `max_scans` scans (a decoding-time bomb: `jpeg_scans`), a
+    JPEG whose entropy-coded data is too short for the frame its header claims (`jpeg_data`),
+    one whose decoding would take more than `max_memory` bytes (data.worker_memory, estimated
+    by `image_memory` for the size `grid` resizes it to), an empty one, and formats outside
+    FORMATS (PIL would also try EPS through Ghostscript, icons whose decoded size is not the
+    header's...).
     """
     check_media_file(src, record_id, max_bytes)
     try:
@@ -97,6 +104,14 @@ def open_image(
     if w <= 0 or h <= 0:
         img.close()
         raise RecordError("undecodable_media", f"{_name(src)}: empty image ({w}x{h})", record_id)
+    if img.format in ("JPEG", "MPO"):
+        _check_jpeg_data(img, src, w, h, record_id)
+    if max_memory:
+        cost = decoding_memory(w, h, img.mode, img.format, grid, max_memory)
+        if cost > max_memory:
+            img.close()
+            what = f"{_name(src)}: decoding {w}x{h} {img.mode} {img.format}"
+            raise RecordError("over_memory_budget", budget.over(cost, max_memory, what), record_id)
     if img.format in ("JPEG", "MPO") and img.info.get("progressive"):
         # Each scan is a pass over the whole image: the cost is scans x pixels, bounded by
         # both caps (a dozen scans of a 64 Mpx photo pass; 100 scans of 16 Mpx do not).
@@ -119,51 +134,16 @@ def open_image(
     return img
 
 
-# A marker in a JPEG's entropy-coded data: 0xFF, then neither a stuffed 0x00 nor a restart.
-_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7]")
-_ANY_MARKER = re.compile(rb"\xff[^\x00\xff]")  # (fill bytes 0xFF before it: part of none)
-_STANDALONE = {0x01, 0xD8, *range(0xD0, 0xD8)}  # markers without a length
-
-
-def jpeg_scans(src: Source, limit: int) -> int:
-    """The scans (SOS markers) of the JPEG at `src`, counted by walking its marker segments
-    and skipping each scan's entropy-coded data to the next marker; stops past `limit`. One
-    pass over the file's bytes (memory-mapped, nothing decoded): what libjpeg-turbo's report
-    on the JPEG standard (LJT-01-003) advises against progressive images that repeat scans."""
+def _check_jpeg_data(img: Image.Image, src: Source, w: int, h: int, record_id: str) -> None:
+    """Refuses a JPEG whose data is too short for its frame (`jpeg_data`), before decoding."""
     if isinstance(src, bytes):
-        return _count_scans(src, limit)
-    with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        return _count_scans(data, limit)
-
-
-def _count_scans(data, limit: int) -> int:
-    pos, scans, end = 2, 0, len(data)  # (past SOI)
-    while pos + 4 <= end and scans <= limit:
-        if data[pos] != 0xFF or data[pos + 1] == 0x00:
-            # Junk between segments: libjpeg skips it to the next marker (with a warning) and
-            # decodes on, so the count does too (stopping here let 5,000 scans through).
-            found = _ANY_MARKER.search(data, pos + 1)
-            if found is None:
-                break
-            pos = found.start()
-            continue
-        marker = data[pos + 1]
-        if marker == 0xFF:  # fill
-            pos += 1
-            continue
-        if marker in _STANDALONE:
-            pos += 2
-            continue
-        if marker == 0xD9:  # EOI
-            break
-        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
-        if marker == 0xDA:  # SOS: its entropy-coded data runs to the next marker
-            scans += 1
-            found = _MARKER.search(data, pos)
-            if found is None:
-                break
-            pos = found.start()
-    return scans
+        problem = jpeg_data(src, w, h)
+    else:
+        with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            problem = jpeg_data(data, w, h)
+    if problem:
+        img.close()
+        raise RecordError("undecodable_media", f"{_name(src)}: {problem}", record_id)
 
 
 def read_size(
@@ -173,13 +153,16 @@ def read_size(
     max_bytes: int = MAX_MEDIA_BYTES,
     max_scans: int = MAX_SCANS,
     max_scan_pixels: int = MAX_SCAN_PIXELS,
+    max_memory: int = 0,
+    grid: Grid | None = None,
 ) -> tuple[int, int]:
     """(height, width) as displayed (EXIF orientation applied), read from the header only.
 
     Also checks the end-of-image marker of JPEG and PNG files, which catches truncated files
     without decoding them.
     """
-    with open_image(src, record_id, max_pixels, max_bytes, max_scans, max_scan_pixels) as img:
+    caps = (max_pixels, max_bytes, max_scans, max_scan_pixels, max_memory)
+    with open_image(src, record_id, *caps, grid=grid) as img:
         w, h = img.size
         orientation = _orientation(img)
         fmt = img.format
@@ -195,28 +178,116 @@ def decode_rgb(
     max_bytes: int = MAX_MEDIA_BYTES,
     max_scans: int = MAX_SCANS,
     max_scan_pixels: int = MAX_SCAN_PIXELS,
+    max_memory: int = 0,
 ) -> np.ndarray:
     """Decodes the first frame to uint8 RGB [h, w, 3], EXIF orientation applied.
 
     Grayscale, palette, CMYK and 16-bit images are converted; transparency is composited on white.
     The image must decode to the size its header announced (what the index counted).
     """
-    with open_image(src, record_id, max_pixels, max_bytes, max_scans, max_scan_pixels) as img:
-        want = img.size
+    caps = (max_pixels, max_bytes, max_scans, max_scan_pixels, max_memory)
+    return _decode(src, record_id, caps, None)[0]
+
+
+def _decode(src: Source, record_id: str, caps: tuple, grid: Grid | None):
+    """(uint8 RGB [h, w, 3] as displayed, (height, width) displayed from the header).
+
+    An image whose decoding at full size would cost more than the memory budget (`caps`'
+    last, data.worker_memory: `decoding_memory`) is decoded smaller where a library call does
+    it without a full-size copy, given `grid` (what it is resized to): a JPEG by its DCT
+    scaling (`draft`: 1/2, 1/4, 1/8 of each side), any image by `reduce` (whole-pixel box
+    averaging) before it is converted to RGB, never below its target size; the conversion's
+    copies are then the small image's. Within the budget (as almost every image is) it is
+    decoded whole, as it always was: the same pixels to the bit."""
+    with open_image(src, record_id, *caps, grid=grid) as img:
+        w, h = img.size
         orientation = _orientation(img)
+        turned = orientation in (5, 6, 7, 8)
+        shown = (w, h) if turned else (h, w)
+        memory = caps[-1]
+        small = bool(memory) and grid is not None
+        whole = image_memory(w, h, img.mode, img.format, target_of(h, w, grid), False)
+        small = small and whole > memory
         try:
             with _bomb_check_as_error():
                 img.seek(0)
+                if small and img.format in ("JPEG", "MPO"):
+                    th, tw = target_of(h, w, grid)  # (stored orientation: the same rule)
+                    img.draft(None, (tw, th))
+                expect = img.size
                 img.load()
-                if img.size != want:
-                    raise ValueError(f"decoded {img.size[0]}x{img.size[1]}, header {want}")
+                if img.size != expect:
+                    raise ValueError(f"decoded {img.size[0]}x{img.size[1]}, header {expect}")
+                if small:
+                    img = _reduced(img, *target_of(h, w, grid))
                 rgb = _to_rgb(img)
         # The decoders are C libraries behind PIL's Python plugins; on hostile bytes they raise
         # OSError, ValueError, SyntaxError, struct.error, IndexError, TypeError, ... Any of them
         # means the same thing here: this file cannot become pixels.
         except Exception as e:  # noqa: BLE001
             raise RecordError("undecodable_media", _what(src, e), record_id) from None
-    return _orient(rgb, orientation)
+    return _orient(rgb, orientation), shown
+
+
+def target_of(h: int, w: int, grid: Grid | None) -> tuple[int, int]:
+    """(height, width) in pixels that `grid`'s rule resizes an h x w image to (its own size
+    without one)."""
+    if grid is None:
+        return h, w
+    patch, merge, low, high = grid
+    gh, gw = image_grid(h, w, patch, merge, low, high)
+    return gh * patch, gw * patch
+
+
+def _reduced(img: Image.Image, th: int, tw: int) -> Image.Image:
+    """`img` reduced by the largest whole factor that keeps it at least th x tw (itself when
+    that is 1). A mode `reduce` does not take (a palette, 1-bit) is converted first."""
+    k = min(img.width // max(tw, 1), img.height // max(th, 1))
+    if k < 2:
+        return img
+    if img.mode in ("P", "PA", "1"):
+        alpha = img.mode == "PA" or "transparency" in img.info
+        img = img.convert("RGBA" if alpha else "RGB")
+    try:
+        return img.reduce(k)
+    except ValueError:  # (a mode it does not reduce: converted where it is)
+        return img
+
+
+def decoding_memory(
+    w: int, h: int, mode: str, fmt: str | None, grid: Grid | None, budget: int
+) -> int:
+    """Bytes decoding a w x h image of `mode` takes (`image_memory`): whole, when that fits
+    `budget`; else decoded smaller for `grid`'s target, where there is one (`_decode`)."""
+    whole = image_memory(w, h, mode, fmt, target_of(h, w, grid), False)
+    if whole <= budget or grid is None:
+        return whole
+    return image_memory(w, h, mode, fmt, target_of(h, w, grid), True)
+
+
+def image_memory(
+    w: int, h: int, mode: str, fmt: str | None, target: tuple[int, int], small: bool
+) -> int:
+    """Bytes decoding a w x h image of `mode` to RGB at `target` (height, width) may take at
+    once (`_decode`): the decoded image as Pillow stores it (4 bytes a pixel for 3 and 4
+    channels) and the conversions' copies (about 24 bytes a pixel: RGBA, the white it is
+    composited on, RGB, the array, turned); decoded `small`, a converted copy beside the
+    decoded image and the conversions of the reduced one; then the target's resize and
+    patches."""
+    th, tw = target
+    scale = 1
+    if small and fmt in ("JPEG", "MPO"):  # (`draft`: the largest of 8, 4, 2 the target allows)
+        fit = min(w // max(tw, 1), h // max(th, 1))
+        scale = next((s for s in (8, 4, 2) if fit >= s), 1)
+    dw, dh = -(-w // scale), -(-h // scale)
+    stored = 1 if mode in ("1", "L", "P") else 2 if mode.startswith("I;16") else 4
+    k = min(dw // max(tw, 1), dh // max(th, 1)) if small else 1
+    decoded = dw * dh
+    if k >= 2:
+        work = decoded * (stored + 8) + -(-dw // k) * -(-dh // k) * 24
+    else:
+        work = decoded * (stored + 24)
+    return int(work + tw * th * 3 * 4)
 
 
 def load_image(
@@ -230,17 +301,27 @@ def load_image(
     max_bytes: int = MAX_MEDIA_BYTES,
     max_scans: int = MAX_SCANS,
     max_scan_pixels: int = MAX_SCAN_PIXELS,
+    max_memory: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Decode (refusing images over `max_image_pixels` or files over `max_bytes`), resize to
-    the budget, patchify.
+    """Decode (refusing images over `max_image_pixels` or files over `max_bytes`, or whose
+    decoding would take more than `max_memory` bytes), resize to the budget, patchify.
+
+    The patch grid is the header's size's (what the index counted); an image decoded smaller
+    (`_decode`) is resampled to it.
 
     Returns (patches [n, patch*patch*3] uint8 RGB pixels, positions [n, 2] as (row, col)):
     the encoder normalises them on the device (`jaxmllm.config.spec.Inputs`: (x / 255 -
     data.image_mean) / data.image_std per channel; `Inputs.normalise` on the host).
     """
-    rgb = decode_rgb(src, record_id, max_image_pixels, max_bytes, max_scans, max_scan_pixels)
-    gh, gw = image_grid(*rgb.shape[:2], patch, merge, min_pixels, max_pixels)
-    rgb = fit_to_grid(rgb, gh * patch, gw * patch, patch * merge)
+    caps = (max_image_pixels, max_bytes, max_scans, max_scan_pixels, max_memory)
+    grid = (patch, merge, min_pixels, max_pixels)
+    rgb, (h, w) = _decode(src, record_id, caps, grid)
+    gh, gw = image_grid(h, w, patch, merge, min_pixels, max_pixels)
+    if rgb.shape[:2] == (h, w):
+        rgb = fit_to_grid(rgb, gh * patch, gw * patch, patch * merge)
+    else:  # (decoded smaller, by a whole factor: resampled to the grid)
+        size = (gw * patch, gh * patch)
+        rgb = np.asarray(Image.fromarray(rgb).resize(size, Image.Resampling.BICUBIC))
     return patch_rows(rgb, patch, merge), patch_positions(gh, gw, merge)
 
 

@@ -15,6 +15,8 @@ from jaxmllm.data.media.audio import load_audio, read_info
 from jaxmllm.data.media.image import load_image, read_size
 from jaxmllm.data.media.video import (
     VideoInfo,
+    VideoRule,
+    frame_indices,
     load_video,
     read_video_info,
     video_parts,
@@ -48,7 +50,7 @@ class Images:
         return max(d.image_max_pixels, d.video_frame_max_pixels * v.video) // unit**2 * v.merge**2
 
     def read_size(self, pre: Preprocessor, src: Any, record_id: str) -> tuple[int, int]:
-        return read_size(src, record_id, *pre.p.image_caps())
+        return read_size(src, record_id, *pre.p.image_caps(), grid=pre.p.image_grid())
 
     def check(self, pre: Preprocessor, j: int, size: tuple[int, int], record_id: str) -> None:
         pass  # (image_grid upscales the smallest image to the minimum pixels)
@@ -56,6 +58,9 @@ class Images:
     def parts(self, pre: Preprocessor, size, limits: Limits) -> list[tuple[int, tuple | None]]:
         gh, gw = pre.grid(*size, limits)
         return [(gh * gw, (gh, gw))]
+
+    def stamps(self, pre: Preprocessor, size, limits: Limits) -> list[float] | None:
+        return None  # (no time written before its part)
 
     def load(
         self,
@@ -102,6 +107,9 @@ class Clips:
     def parts(self, pre: Preprocessor, size, limits: Limits) -> list[tuple[int, tuple | None]]:
         return [(frames, None) for frames in pre.clip_chunks(*size)]
 
+    def stamps(self, pre: Preprocessor, size, limits: Limits) -> list[float] | None:
+        return None  # (no time written before its parts)
+
     def load(
         self,
         pre: Preprocessor,
@@ -127,6 +135,16 @@ class Clips:
         return [(c, np.arange(len(c), dtype=np.int32)) for c in chunks]
 
 
+def frame_times(info: VideoInfo, rule: VideoRule) -> list[float]:
+    """Each temporal patch's time in seconds: the mean of its first and last sampled frames'
+    (frame index / the video's frame rate), as Qwen3-VL's processor computes the timestamps
+    it writes before each (its `_calculate_timestamps`)."""
+    count = video_parts(info, rule)[0]
+    t = rule.temporal_patch
+    seconds = frame_indices(info.frames, count * t) / info.rate
+    return [float((seconds[k * t] + seconds[k * t + t - 1]) / 2) for k in range(count)]
+
+
 class Videos:
     """Videos, in the vision phase: frames sampled and resized by the video rule
     (`jaxmllm.data.media.video`), one part per temporal patch, each taken whole (a cut keeps
@@ -149,6 +167,7 @@ class Videos:
             p.max_image_pixels,
             p.max_video_decoded_pixels,
             p.max_media_bytes,
+            jpeg=(p.max_image_scans, p.max_image_scan_pixels),
         ).as_size()
 
     def check(self, pre: Preprocessor, j: int, size: tuple, record_id: str) -> None:
@@ -169,6 +188,13 @@ class Videos:
             return [(gh * gw, (gh, gw))] * count
         step = video_time_step(info, count * rule.temporal_patch, rule.temporal_patch, tps)
         return [(gh * gw, (gh, gw, step))] * count  # (M-RoPE's time step: `grids`)
+
+    def stamps(self, pre: Preprocessor, size, limits: Limits) -> list[float] | None:
+        """Each temporal patch's time, where it is written before it (data.video_timestamps:
+        Qwen3-VL's `<1.5 seconds>`), else None."""
+        if not pre.p.video_timestamps:
+            return None
+        return frame_times(VideoInfo.of(size), pre.video_rule(limits))
 
     def load(
         self,
@@ -205,6 +231,7 @@ class Videos:
             max_seconds=p.max_video_seconds,
             max_bytes=p.max_media_bytes,
             cached=cached,
+            jpeg=(p.max_image_scans, p.max_image_scan_pixels),
         )
 
 

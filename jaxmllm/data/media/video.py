@@ -29,9 +29,7 @@ workers split them: `set_decode_threads`); the frames are the same whatever the 
 
 from __future__ import annotations
 
-import io
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -39,17 +37,15 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxmllm.data.media.container import failure, name_of, open_video
 from jaxmllm.data.media.image import MAX_PIXELS, image_grid, patchify
-from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError, check_media_file
+from jaxmllm.data.media.jpeg import check_frame
+from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError
 
 Source = str | Path | bytes
 MAX_SECONDS = 3600.0  # the default of data.max_video_seconds
 MAX_DECODED_PIXELS = 1 << 38  # the default of data.max_video_decoded_pixels
 MAX_RATE = 1000.0  # frames a second: a header saying more is broken or hostile
-# Decoder threads per process (FFmpeg's frame and slice threads): the process's share of the
-# cores it may run on. The loader's worker processes decode side by side, so each gets
-# cores // workers (`set_decode_threads`); 0 = every core (decoding in the training process).
-_THREADS = [0]
 # How many frames past the header's count a stream may hold before decoding stops (a header
 # that undercounts, by a little in honest files, by millions in hostile ones)
 FRAME_SLACK = 1.05
@@ -163,28 +159,52 @@ def read_video_info(
     max_pixels: int = MAX_PIXELS,
     max_decoded: int = MAX_DECODED_PIXELS,
     max_bytes: int = MAX_MEDIA_BYTES,
+    jpeg: tuple[int, int] | None = None,
 ) -> VideoInfo:
     """The video's frames, rate and size from its container's header, without decoding a frame;
     refuses one over the caps (`video_too_large`) and a truncated one (its last packets missing:
-    only the tail of the packet index is read)."""
-    with _open(src, record_id, max_bytes) as (container, stream):
+    only the tail of the packet index is read); an MJPEG one's frames are held to an image's
+    JPEG bounds (`jpeg`: data.max_image_scans, max_image_scan_pixels; `check_jpeg_frame`)."""
+    with open_video(src, record_id, max_bytes) as (container, stream):
         info = _header(container, stream, src, record_id)
         check_caps(info, src, record_id, max_seconds, max_pixels, max_decoded)
+        if jpeg is not None and stream.codec_context.name == "mjpeg":
+            for packet in container.demux(stream):
+                check_jpeg_frame(packet, info, jpeg, src, record_id)
+            container.seek(0)
         _check_tail(container, stream, info, src, record_id)
     return info
+
+
+def check_jpeg_frame(packet, info: VideoInfo, jpeg, src, record_id) -> None:
+    """An MJPEG frame (a packet: one JPEG) held to an image's JPEG bounds (`jpeg.check_frame`)
+    before it is decoded: FFmpeg's MJPEG decoder reads progressive frames too."""
+    data = bytes(packet)
+    when = float(packet.pts * packet.time_base) if packet.pts is not None else 0.0
+    at = f"MJPEG frame at {when:.2f} s"
+    check_frame(
+        data,
+        info.width,
+        info.height,
+        jpeg,
+        at if src is None else f"{name_of(src)}: {at}",
+        record_id,
+    )
 
 
 def _header(container, stream, src: Source, record_id: str) -> VideoInfo:
     cc = stream.codec_context
     rate = stream.average_rate or stream.guessed_rate or stream.base_rate
     if not rate or rate <= 0 or rate > MAX_RATE:
-        raise RecordError("undecodable_media", f"{_name(src)}: frame rate {rate}", record_id)
+        raise RecordError("undecodable_media", f"{name_of(src)}: frame rate {rate}", record_id)
     frames = int(stream.frames or 0)
     if frames <= 0:  # (Matroska, WebM: no count in the header, a duration)
         seconds = _duration(container, stream)
         frames = int(round(seconds * rate)) if seconds else 0
     if frames <= 0 or cc.width <= 0 or cc.height <= 0:
-        detail = f"{_name(src)}: empty or unknown length ({frames} frames, {cc.width}x{cc.height})"
+        detail = (
+            f"{name_of(src)}: empty or unknown length ({frames} frames, {cc.width}x{cc.height})"
+        )
         raise RecordError("undecodable_media", detail, record_id)
     return VideoInfo(frames, float(rate), int(cc.height), int(cc.width))
 
@@ -199,17 +219,17 @@ def check_caps(info: VideoInfo, src, record_id, max_seconds, max_pixels, max_dec
     seconds = info.frames / info.rate
     pixels = info.height * info.width
     if seconds > max_seconds:
-        detail = f"{_name(src)}: {seconds:.1f} s > data.max_video_seconds={max_seconds}"
+        detail = f"{name_of(src)}: {seconds:.1f} s > data.max_video_seconds={max_seconds}"
         raise RecordError("video_too_large", detail, record_id)
     if pixels > max_pixels:
         detail = (
-            f"{_name(src)}: frames of {info.width}x{info.height} = {pixels} pixels > "
+            f"{name_of(src)}: frames of {info.width}x{info.height} = {pixels} pixels > "
             f"data.max_image_pixels={max_pixels}"
         )
         raise RecordError("video_too_large", detail, record_id)
     if info.frames * pixels > max_decoded:
         detail = (
-            f"{_name(src)}: {info.frames} frames x {pixels} pixels > "
+            f"{name_of(src)}: {info.frames} frames x {pixels} pixels > "
             f"data.max_video_decoded_pixels={max_decoded}"
         )
         raise RecordError("video_too_large", detail, record_id)
@@ -226,11 +246,11 @@ def _check_tail(container, stream, info: VideoInfo, src, record_id) -> None:
             if packet.pts is not None:
                 last = max(last or 0.0, float(packet.pts * stream.time_base))
     except Exception as e:  # noqa: BLE001  FFmpeg raises its own errors on broken files
-        raise RecordError("undecodable_media", _what(src, e), record_id) from None
+        raise RecordError("undecodable_media", failure(src, e), record_id) from None
     frame = 1.0 / info.rate
     if last is None or last + frame < end - max(1.0, 2 * frame):
         at = "no packet" if last is None else f"the last packet at {last:.2f} s"
-        detail = f"{_name(src)}: truncated ({at}, the header says {end:.2f} s)"
+        detail = f"{name_of(src)}: truncated ({at}, the header says {end:.2f} s)"
         raise RecordError("undecodable_media", detail, record_id)
 
 
@@ -248,6 +268,7 @@ def load_video(
     max_seconds: float = MAX_SECONDS,
     max_bytes: int = MAX_MEDIA_BYTES,
     cached: Callable | None = None,
+    jpeg: tuple[int, int] | None = None,
 ) -> list[tuple[np.ndarray, np.ndarray] | None]:
     """The video's temporal patches as vision items, from the header `info` the index read
     (checked again: the caps are the training config's): per temporal patch (patches [gh*gw,
@@ -255,7 +276,8 @@ def load_video(
     positions [gh*gw, 2] as (row, col)). `parts`: only these temporal patches are decoded
     (the others None: another host encodes them); None = all. `cached(want, shape)`: the
     frame cache's pixels of temporal patches `want` (as `patches_of` makes them) for a video
-    sampled to `shape` = (frames, H, W), or None to decode them here."""
+    sampled to `shape` = (frames, H, W), or None to decode them here. `jpeg`: an MJPEG
+    video's frames' bounds (`check_jpeg_frame`)."""
     check_caps(info, src, record_id, max_seconds, max_pixels, max_decoded)
     count, (gh, gw) = video_parts(info, rule)
     t = rule.temporal_patch
@@ -263,7 +285,8 @@ def load_video(
     shape = (count * t, gh * rule.patch, gw * rule.patch)
     blocks = cached(want, shape) if cached is not None and want else None
     if blocks is None:
-        blocks = patches_of(sampled_frames_of(src, info, rule, record_id, want, max_bytes), rule)
+        frames = sampled_frames_of(src, info, rule, record_id, want, max_bytes, jpeg)
+        blocks = patches_of(frames, rule)
     out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * count
     positions = patchify(
         np.zeros((gh * rule.patch, gw * rule.patch, 1), np.uint8), rule.patch, rule.merge
@@ -289,6 +312,7 @@ def sampled_frames_of(
     record_id: str,
     want: Sequence[int] | None = None,
     max_bytes: int = MAX_MEDIA_BYTES,
+    jpeg: tuple[int, int] | None = None,
 ) -> np.ndarray:
     """The frames the rule samples of temporal patches `want` (None: all), decoded and resized:
     uint8 [len(want) x temporal_patch, H, W, 3] (what `load_video` patches, what the frame
@@ -305,6 +329,7 @@ def sampled_frames_of(
         size,
         record_id,
         max_bytes=max_bytes,
+        jpeg=jpeg,
     )
     if not frames:
         return np.zeros((0, size[1], size[0], 3), np.uint8)
@@ -329,6 +354,7 @@ def decode_frames(
     record_id: str,
     counts: dict | None = None,
     max_bytes: int = MAX_MEDIA_BYTES,
+    jpeg: tuple[int, int] | None = None,
 ) -> list[np.ndarray]:
     """Frames `indices` (ascending, of the header's count) as uint8 RGB [height, width, 3] at
     `size` = (width, height): each the first frame shown at or after its index's time (the
@@ -336,17 +362,18 @@ def decode_frames(
     `counts`, when given, gets the frames decoded and the seeks made (`decoded`, `seeks`)."""
     if not indices:
         return []
-    with _open(src, record_id, max_bytes) as (container, stream):
+    with open_video(src, record_id, max_bytes) as (container, stream):
         try:
-            decoder = _Decoder(container, stream, info, size)
+            mjpeg = jpeg if stream.codec_context.name == "mjpeg" else None
+            decoder = _Decoder(container, stream, info, size, mjpeg, (None, record_id))
             frames = decoder.frames(list(indices))
             if counts is not None:
                 counts.update(decoded=decoder.decoded, seeks=decoder.seeks)
             return frames
         except RecordError as e:  # (the decoder's own findings: named here)
-            raise RecordError(e.reason, f"{_name(src)}: {e.detail}", record_id) from None
+            raise RecordError(e.reason, f"{name_of(src)}: {e.detail}", record_id) from None
         except Exception as e:  # noqa: BLE001  FFmpeg's errors on broken or hostile streams
-            raise RecordError("undecodable_media", _what(src, e), record_id) from None
+            raise RecordError("undecodable_media", failure(src, e), record_id) from None
 
 
 class _Decoder:
@@ -354,8 +381,9 @@ class _Decoder:
     before a wanted frame when that keyframe lies past the position (the frames between would
     otherwise be decoded for nothing)."""
 
-    def __init__(self, container, stream, info: VideoInfo, size: tuple[int, int]):
+    def __init__(self, container, stream, info: VideoInfo, size, jpeg=None, named=("", "?")):
         self.container, self.stream, self.info, self.size = container, stream, info, size
+        self.jpeg, self.named = jpeg, named  # (an MJPEG stream's frame bounds; src, record)
         self.start = _start(stream)
         self.keys = self._keyframes()  # seconds, ascending
         self.budget = int(info.frames * FRAME_SLACK) + 2  # frames decoding may pass through
@@ -371,6 +399,8 @@ class _Decoder:
                     "undecodable_media",
                     f"more than {most} packets, the header says {self.info.frames} frames",
                 )
+            if self.jpeg is not None:  # (each frame a JPEG: bounded before any is decoded)
+                check_jpeg_frame(packet, self.info, self.jpeg, *self.named)
             if packet.is_keyframe and packet.pts is not None:
                 keys.append(float(packet.pts * tb))
         return np.unique(np.asarray(keys or [self.start], np.float64))
@@ -422,73 +452,9 @@ class _Decoder:
 # ----------------------------------------------------------------------------- containers
 
 
-class _open:
-    """`with _open(src, record_id) as (container, stream)`: the first video stream, opened for
-    reading with one decoder thread; a file that does not open is `undecodable_media`."""
-
-    def __init__(self, src: Source, record_id: str, max_bytes: int = MAX_MEDIA_BYTES):
-        self.src, self.record_id, self.max_bytes = src, record_id, max_bytes
-
-    def __enter__(self):
-        import av  # (PyAV: FFmpeg's libraries as a wheel; imported only where videos are read)
-
-        check_media_file(self.src, self.record_id, self.max_bytes)  # (data.max_media_bytes)
-        data = io.BytesIO(self.src) if isinstance(self.src, bytes) else str(self.src)
-        try:
-            self.container = av.open(data, mode="r", metadata_errors="ignore")
-        except Exception as e:  # noqa: BLE001  anything FFmpeg says about a file it cannot read
-            raise RecordError("undecodable_media", _what(self.src, e), self.record_id) from None
-        if not self.container.streams.video:
-            self.container.close()
-            raise RecordError(
-                "undecodable_media", f"{_name(self.src)}: no video stream", self.record_id
-            )
-        stream = self.container.streams.video[0]
-        threads = decode_threads()
-        # (frame threads decode several frames at once; FFmpeg's output is the same, bit for
-        # bit, whatever the threads: H.264 and VP9 decoding is exact)
-        stream.thread_type = "AUTO" if threads > 1 else "SLICE"
-        stream.thread_count = threads
-        return self.container, stream
-
-    def __exit__(self, *exc):
-        self.container.close()
-        return False
-
-
-def cores() -> int:
-    """The cores this process may run on (its affinity; the machine's where unknown)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # (macOS)
-        return os.cpu_count() or 1
-
-
-def share_of_cores(workers: int) -> int:
-    """Decoder threads for each of `workers` processes decoding side by side (0: one process)."""
-    return max(1, cores() // max(1, workers))
-
-
-def set_decode_threads(n: int) -> None:
-    """This process's decoder threads from now on (0: every core it may run on)."""
-    _THREADS[0] = int(n)
-
-
-def decode_threads() -> int:
-    return _THREADS[0] or cores()
-
-
 def _start(stream) -> float:
     return float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
 
 
 def _pts(seconds: float, stream) -> int:
     return int(Fraction(seconds).limit_denominator(1 << 20) / stream.time_base)
-
-
-def _what(src: Source, e: Exception) -> str:
-    return f"{_name(src)}: {type(e).__name__}: {e}"[:500]
-
-
-def _name(src: Source) -> str:
-    return f"<{len(src)} inline bytes>" if isinstance(src, bytes) else str(src)

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import ConfigError, DataConfig, printable
+from jaxmllm.data import budget
 from jaxmllm.data.records.arrayrecord import ArrayRecordRecords
 from jaxmllm.data.records.formats import FORMATS, data_files, detect, json_container
 from jaxmllm.data.records.jsonl import JsonRecords
@@ -94,6 +95,7 @@ class Records:
         self.container = FORMATS[fmt].container
         self._live: OrderedDict[int, object] = OrderedDict()
         self.most_open = _open_readers()
+        self._common: str | None = None  # the folder of every file (`place`)
 
     @property
     def base_dir(self) -> Path:
@@ -129,8 +131,23 @@ class Records:
         return printable(reader.where(j))
 
     def fallback_id(self, k: int) -> str:
-        reader, j = self._at(k)
-        return printable(reader.fallback_id(j))
+        """Record k's id where it names none: its place in the data set. Within one file the
+        reader's (`data.jsonl:12`, a shard's key); among several, the file's path from the
+        data set's folder first (`en/data.jsonl:12`, `shards/000.tar:000012`), so two
+        folders' `data.jsonl` or two shards whose keys restart at 000000 never share one."""
+        f = int(np.searchsorted(self.starts, k, "right")) - 1
+        own = self.reader(f).fallback_id(int(k - self.starts[f]))
+        if len(self.files) == 1:
+            return printable(own)
+        place = self.place(f)
+        return printable(f"{place}:{own.removeprefix(Path(place).name + ':')}")
+
+    def place(self, f: int) -> str:
+        """File f's path from the folder that holds all the data set's files."""
+        if self._common is None:  # (files are sorted: the first and last share the most)
+            ends = [str(Path(self.files[i]).parent) for i in (0, len(self.files) - 1)]
+            self._common = os.path.commonpath(ends)
+        return os.path.relpath(str(self.files[f]), self._common)
 
     def scan(self):
         """What scanning the files found (to open them again without scanning)."""
@@ -225,7 +242,8 @@ def open_records(
         scan = FileScans([found for found, _ in scanned], dict(ignored))
     counts = [int(scan.of(f)["records"][0]) for f in range(len(files))]
     starts = np.cumsum([0, *counts]).astype(np.int64)
-    caps = {"max_bytes": data.max_media_bytes}
+    memory = budget.resolve(data.worker_memory, max(1, data.workers))
+    caps = {"max_bytes": data.max_media_bytes, "max_memory": memory}
     return Records(
         files, starts, fmt, media_paths(path, files, media_root, data, confine), scan, why, caps
     )
@@ -235,6 +253,7 @@ def read_record(records, k: int) -> Record:
     """Parses record k (raises RecordError for a bad one)."""
     obj, line = records.raw(k)
     schema = getattr(records, "schema", "jaxmllm")
+    fallback = records.fallback_id(k) if hasattr(records, "fallback_id") else None
     if schema != "jaxmllm":
-        obj = to_native(obj, schema, records.fallback_id(k))
-    return parse_record(obj, records.paths, line)
+        obj = to_native(obj, schema, fallback)
+    return parse_record(obj, records.paths, line, fallback)

@@ -8,7 +8,6 @@ files' names and, for JSON, the first record, and says which format it found and
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from jaxmllm.config import ConfigError, printable
 from jaxmllm.config.sections import FORMATS as FORMAT_NAMES
 from jaxmllm.data.records.jsonarray import scan_array
 from jaxmllm.data.records.record import parse_record
+from jaxmllm.data.records.walk import files_below, glob_files
 from jaxmllm.data.rejects import RecordError
 
 log = logging.getLogger("jaxmllm")
@@ -67,10 +67,11 @@ FIRST_MAX = 1 << 26  # the longest first record `detect` parses (a longer one: s
 
 def data_files(path: str | Path) -> list[Path]:
     """The files `path` names: itself, the data files in a directory (at its top, else below
-    it, leaving out index folders), or a glob's matches; in sorted order."""
+    it, leaving out index folders), or a glob's matches; in sorted order. Links to folders
+    are followed once each (`walk`): never into a loop, never a folder's files twice."""
     text = str(path)
     if any(c in text for c in "*?["):
-        files = sorted(Path(f) for f in glob.glob(text, recursive=True) if Path(f).is_file())
+        files = glob_files(text)  # (links to folders followed once: never into a loop)
         if not files:
             raise FileNotFoundError(f"no data file matches {printable(text)}")
         return files
@@ -78,11 +79,11 @@ def data_files(path: str | Path) -> list[Path]:
     if path.is_dir():
         files = sorted(f for f in path.iterdir() if f.is_file() and _data_or_packed(f))
         if not any(f.suffix in DATA_SUFFIXES for f in files):  # (none at the top: below it)
-            files = sorted(
+            files = [
                 f
-                for f in path.rglob("*")
-                if f.is_file() and _data_or_packed(f) and not _hidden_or_index(f.relative_to(path))
-            )
+                for f in files_below(path)
+                if _data_or_packed(f) and not _hidden_or_index(f.relative_to(path))
+            ]
         files = _without_packed(path, files)
         if not files:
             raise FileNotFoundError(

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxmllm.data import budget
 from jaxmllm.data.records.handles import pread
 from jaxmllm.data.records.jsonarray import scan_array
 from jaxmllm.data.rejects import MAX_MEDIA_BYTES
@@ -35,9 +36,11 @@ class JsonRecords:
         scan: dict[str, np.ndarray] | None = None,
         array: bool = False,
         max_bytes: int = MAX_MEDIA_BYTES,
+        max_memory: int = 0,
     ):
         self.path = Path(path)
         self.max_line = max_bytes
+        self.max_memory = max_memory  # data.worker_memory: a line parses to ~8x its bytes
         if scan is None:
             scan = scan_array(self.path) if array else scan_lines(self.path, max_bytes)
         self.starts, self.ends, self.lines = scan["starts"], scan["ends"], scan["lines"]
@@ -54,6 +57,10 @@ class JsonRecords:
         size, line = int(self.ends[k] - self.starts[k]), int(self.lines[k])
         if size > self.max_line + 1:  # (+1: the line's newline)
             return {"__malformed__": self._too_long()}, line
+        cost = budget.JSON_FACTOR * size
+        if self.max_memory and cost > self.max_memory:
+            detail = budget.over(cost, self.max_memory, f"parsing its {size}-byte line")
+            return {"__malformed__": detail, "__reason__": "over_memory_budget"}, line
         return parse_line(pread(self.path, int(self.starts[k]), size)), line
 
     def _too_long(self) -> str:

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.config import ConfigError
+from jaxmllm.data import budget
 from jaxmllm.data.records.handles import FILES
 from jaxmllm.data.rejects import MAX_MEDIA_BYTES
 
@@ -42,9 +43,11 @@ class ParquetRecords:
         path: str | Path,
         scan: dict[str, np.ndarray] | None = None,
         max_bytes: int = MAX_MEDIA_BYTES,
+        max_memory: int = 0,
     ):
         self.path = Path(path)
         self.max_bytes = max_bytes  # data.max_media_bytes: a row group decompressing to more
+        self.max_memory = max_memory  # data.worker_memory: a group read costs ~2x its size
         if scan is None:
             with self._open() as f:
                 meta = f.metadata
@@ -86,8 +89,8 @@ class ParquetRecords:
         """(row k as a dict of its columns, k)."""
         g = int(np.searchsorted(self.starts, k, "right")) - 1
         table = self._group(g)
-        if isinstance(table, str):
-            return {"__malformed__": table}, int(k)
+        if isinstance(table, dict):  # (the row group's reject)
+            return table, int(k)
         return table.slice(int(k - self.starts[g]), 1).to_pylist()[0], int(k)
 
     def _group(self, g: int):
@@ -97,15 +100,18 @@ class ParquetRecords:
         with self._open() as f:
             size = f.metadata.row_group(g).total_byte_size  # (uncompressed, from the metadata)
             if size > self.max_bytes:  # (the row group's reject, for each of its rows)
-                table = (
+                table = _reject(
                     f"row group {g} decompresses to {size} bytes > data.max_media_bytes="
                     f"{self.max_bytes} (not read); raise it for rows of large inline media"
                 )
+            elif self.max_memory and 2 * size > self.max_memory:  # (its pages and its table)
+                what = f"reading row group {g} ({size} bytes decompressed)"
+                table = _reject(budget.over(2 * size, self.max_memory, what), "over_memory_budget")
             else:
                 table = f.read_row_group(g, use_threads=False)
                 size = sum(dense_bytes(chunk) for c in table.columns for chunk in c.chunks)
                 if size > self.max_bytes:  # (dictionaries repeating a few values many times)
-                    table = (
+                    table = _reject(
                         f"row group {g} expands to {size} bytes (its dictionaries' values as "
                         f"its rows repeat them) > data.max_media_bytes={self.max_bytes}"
                     )
@@ -162,3 +168,8 @@ def dense_bytes(arr) -> int:
     if pa.types.is_struct(kind):
         return sum(dense_bytes(field) for field in arr.flatten())
     return arr.nbytes
+
+
+def _reject(detail: str, reason: str = "malformed_line") -> dict:
+    """A row group's reject, as each of its rows reads: a marker the parser raises."""
+    return {"__malformed__": detail, "__reason__": reason}

@@ -80,12 +80,15 @@ class MediaPaths:
         )
 
 
-def parse_record(obj: Any, paths: MediaPaths | Path, line: int) -> Record:
+def parse_record(
+    obj: Any, paths: MediaPaths | Path, line: int, fallback: str | None = None
+) -> Record:
     """Checks one manifest object and resolves its media paths (a bare Path: confined to that
-    folder); raises RecordError."""
+    folder); raises RecordError. `fallback`: what names a record that names itself no id (its
+    place in the data set; default `line:<line>`)."""
     if not isinstance(paths, MediaPaths):
         paths = MediaPaths(Path(paths))
-    fallback = f"line:{line}"
+    fallback = fallback or f"line:{line}"
     if not isinstance(obj, dict):
         raise RecordError("malformed_line", "not a JSON object", fallback)
     if "__malformed__" in obj:
@@ -93,7 +96,7 @@ def parse_record(obj: Any, paths: MediaPaths | Path, line: int) -> Record:
         # that cannot be read (its key as its id).
         named = obj.get("id")
         rid = named if isinstance(named, str) and named else fallback
-        raise RecordError("malformed_line", obj["__malformed__"], rid)
+        raise RecordError(obj.get("__reason__", "malformed_line"), obj["__malformed__"], rid)
     rid = obj.get("id")
     if not isinstance(rid, (str, int)) or isinstance(rid, bool) or rid == "":
         raise RecordError("malformed_line", "missing or invalid 'id'", fallback)

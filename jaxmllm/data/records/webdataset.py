@@ -5,9 +5,13 @@
     000125.0.jpg  000125.1.jpg  000125.wav  000125.json
 
 As webdataset splits a member's name, the key is the path up to the first dot of the file name
-and the rest its extension; consecutive members of one key are one sample. A `json` member is
-the record (any of the schemas `jaxmllm.data.records.schemas` reads; its `id`, else the key),
-a `txt` one a caption (a text record, media first, where the json has no text); members whose
+and the rest its extension; consecutive members of one key are one sample, and a key that
+comes back after other keys' members (a shard written by extension: `tar cf s.tar *.jpg *.txt`)
+makes each of its runs a reject naming it, since neither is the whole sample. A `json` member
+is the record (any of the schemas `jaxmllm.data.records.schemas` reads; its `id`, else its place:
+the key, after the shard's path among several shards), a `txt` one a caption (a text record,
+media first, where the json has no text); a sample with two of either (`k.json` and
+`k.meta.json`) is refused, naming both, rather than one replacing the other; members whose
 last extension is one of a kind's `files` (`jaxmllm.config.phases.KINDS`: jpg, png, ... for
 images, wav, flac, ... for clips, mp4, webm, ... for videos) are that kind's items, in the
 order they are stored, in place of any the json names. Other members are left out and counted
@@ -20,7 +24,9 @@ thousands of shards never hold more than a few dozen file handles). Compressed s
 (.tar.gz) cannot be read at random and are refused. Hostile headers are bounded: names are
 held as their bytes (`columnar.Strings`), a pax or long-name header over MAX_HEADER_BYTES stops
 the scan naming the shard, and a member claiming more bytes than the shard holds, or holding
-none of its own (a link, a device, a sparse file), is its sample's reject.
+none of its own (a link, a device, a sparse file), is its sample's reject. A shard cut short
+inside a member's header, or ending in bytes that are no header (where tarfile stops without a
+word), is one reject naming it and the byte where its whole members end.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import numpy as np
 
 from jaxmllm.config import ConfigError, printable
 from jaxmllm.config.phases import KINDS
+from jaxmllm.data import budget
 from jaxmllm.data.columnar import Strings
 from jaxmllm.data.records.handles import pread
 from jaxmllm.data.rejects import MAX_MEDIA_BYTES
@@ -85,19 +92,26 @@ class TarRecords:
         path: str | Path,
         scan: dict[str, np.ndarray] | None = None,
         max_bytes: int = MAX_MEDIA_BYTES,
+        max_memory: int = 0,
     ):
         self.path = Path(path)
         self.max_bytes = max_bytes  # data.max_media_bytes: a larger member is not read
+        self.max_memory = max_memory  # data.worker_memory: a json member parses to ~8x
         self.ignored: dict[str, int] = {}  # members left out, by extension (when scanned)
         if scan is None:
             scan, self.ignored = scan_tar(self.path)
         self.ptr, self.offset, self.size = scan["ptr"], scan["offset"], scan["size"]
         self.keys, self.exts = scan["keys"], scan["exts"]  # `Strings`: names of any length
         self.end = int(scan["end"][0]) if "end" in scan else None  # the shard's bytes, scanned
+        # samples whose key comes back later in the shard (each of its runs is one); where the
+        # shard is cut ([] when it ends whole)
+        self.split = set(np.asarray(scan.get("split", ()), np.int64).tolist())
+        self.cut = np.asarray(scan.get("cut", ()), np.int64)
 
     def scan(self) -> dict:
-        keys = ("ptr", "offset", "size", "keys", "exts")
+        keys = ("ptr", "offset", "size", "keys", "exts", "cut")
         out = {k: getattr(self, k) for k in keys}
+        out["split"] = np.asarray(sorted(self.split), np.int64)
         return out if self.end is None else {**out, "end": np.asarray([self.end], np.int64)}
 
     def __len__(self) -> int:
@@ -107,11 +121,15 @@ class TarRecords:
         """(the sample as a record: its json's fields, its media members as {"bytes", "path"}
         entries, its caption as `text`; k)."""
         key = str(self.keys[k])
-        sample = key.rpartition("/")[2]  # (its id, unless its json names one)
+        if self.ptr[k] == self.ptr[k + 1]:  # (the shard's cut end: `scan_tar`)
+            return {"__malformed__": self._cut_detail()}, int(k)
+        if k in self.split:
+            return {"__malformed__": _split_detail(key)}, int(k)
         record: dict = {}
         caption = None
         media: dict[str, list] = {kind.name: [] for kind in KINDS}
         names: set[str] = set()  # (one member named twice: which one is the sample's?)
+        held: dict[str, str] = {}  # the member that is the record, the caption
         for m in range(int(self.ptr[k]), int(self.ptr[k + 1])):
             ext = self.exts[m]
             what = role(ext)
@@ -119,8 +137,10 @@ class TarRecords:
                 twice = f"{key}.{ext}: two members of this name (extensions compared without "
                 twice += "case) one after the other; keep one (the second would silently "
                 twice += "replace the first)"
-                return {"__malformed__": twice, "id": sample}, int(k)
+                return {"__malformed__": twice}, int(k)
             names.add(ext)
+            if what in ("record", "caption") and held.setdefault(what, ext) != ext:
+                return {"__malformed__": _two_of(key, what, held[what], ext)}, int(k)
             if int(self.size[m]) == NOT_A_FILE:
                 kind = "malformed_line" if what in ("record", "caption") else "missing_media"
                 detail = (
@@ -129,21 +149,25 @@ class TarRecords:
                     "--hard-dereference --dereference, without --sparse)"
                 )
                 if kind == "malformed_line":
-                    return {"__malformed__": detail, "id": sample}, int(k)
+                    return {"__malformed__": detail}, int(k)
                 media[what].append({"missing": f"{key}.{ext}", "reason": kind, "detail": detail})
                 continue
             if self.end is not None and int(self.offset[m]) + int(self.size[m]) > self.end:
                 claim = f"{key}.{ext}: its header claims {int(self.size[m])} bytes, past the "
                 claim += f"end of the shard ({self.end} bytes): a truncated or corrupt shard"
-                return {"__malformed__": claim, "id": sample}, int(k)
+                return {"__malformed__": claim}, int(k)
             if int(self.size[m]) > self.max_bytes:  # (its size from the header: nothing read)
                 too_large = f"{key}.{ext}: {int(self.size[m])} bytes > data.max_media_bytes"
                 if what in ("record", "caption"):
-                    return {"__malformed__": f"{too_large}={self.max_bytes}", "id": sample}, int(k)
+                    return {"__malformed__": f"{too_large}={self.max_bytes}"}, int(k)
                 media[what].append(
                     {"missing": f"{key}.{ext}", "reason": "media_too_large", "detail": too_large}
                 )
                 continue
+            cost = budget.JSON_FACTOR * int(self.size[m])
+            if what == "record" and self.max_memory and cost > self.max_memory:
+                detail = budget.over(cost, self.max_memory, f"parsing {key}.{ext}")
+                return {"__malformed__": detail, "__reason__": "over_memory_budget"}, int(k)
             data = pread(self.path, int(self.offset[m]), int(self.size[m]))
             if what == "record":
                 record = _json(data, f"{key}.{ext}")
@@ -152,9 +176,8 @@ class TarRecords:
             elif what is not None:
                 media[what].append({"bytes": data, "path": f"{key}.{ext}"})
         if "__malformed__" in record:
-            return {**record, "id": sample}, int(k)
-        record.setdefault("id", sample)
-        for kind in KINDS:
+            return record, int(k)
+        for kind in KINDS:  # (its id: the json's, else its place: `Records.fallback_id`)
             if media[kind.name]:  # the members, in place of what the json names
                 for alias in {kind.item, kind.items, f"{kind.item}s"}:
                     record.pop(alias, None)
@@ -170,6 +193,16 @@ class TarRecords:
 
     def fallback_id(self, k: int) -> str:
         return self.keys[k].rpartition("/")[2]
+
+    def _cut_detail(self) -> str:
+        at = int(self.cut[0]) if len(self.cut) else -1
+        size = self.end if self.end is not None else os.path.getsize(self.path)
+        return (
+            f"the shard ends at byte {size} inside what follows its last whole member (from "
+            f"byte {at}: a member header cut short, or bytes that are no tar header): the "
+            "members from there on are lost (a copy or download cut short); write the shard "
+            "again, or leave it out of data.path"
+        )
 
     def close(self) -> None:
         """Nothing to close: members are read through the process's bounded table of open
@@ -216,7 +249,10 @@ def scan_tar(path: Path) -> tuple[dict, dict[str, int]]:
     except HeaderTooLarge as e:
         raise ConfigError(_too_large(path, e)) from None
     ptr, offset, size, keys, exts = [0], [], [], [], []
+    first: dict[str, int] = {}  # each key's first sample (a key that comes back: `split`)
+    split: set[int] = set()
     ignored: Counter[str] = Counter()
+    overrun = False
     with tar:
         while True:
             try:
@@ -239,6 +275,9 @@ def scan_tar(path: Path) -> tuple[dict, dict[str, int]]:
                 ignored[printable(ext.rpartition(".")[2]) or "(none)"] += 1  # (reported)
                 continue
             if not keys or keys[-1] != key:
+                if key in first:  # (its members apart: neither run is the whole sample)
+                    split.update((first[key], len(keys)))
+                first.setdefault(key, len(keys))
                 keys.append(key)
                 ptr.append(ptr[-1])
             ptr[-1] += 1
@@ -247,7 +286,12 @@ def scan_tar(path: Path) -> tuple[dict, dict[str, int]]:
             size.append(member.size if held else NOT_A_FILE)
             exts.append(ext)
             if held and member.offset_data + member.size > end:
+                overrun = True
                 break  # (the rest of the file is inside it; reading it rejects its sample)
+        cut = [] if overrun or _ends_whole(path, tar.offset, end) else [tar.offset]
+    if cut:  # (a sample of no members: its reject names the shard and the place)
+        keys.append(f"(cut at byte {cut[0]})")
+        ptr.append(ptr[-1])
     found = {
         "ptr": np.asarray(ptr, np.int64),
         "offset": np.asarray(offset, np.int64),
@@ -255,8 +299,43 @@ def scan_tar(path: Path) -> tuple[dict, dict[str, int]]:
         "keys": Strings.of(keys),
         "exts": Strings.of(exts),
         "end": np.asarray([end], np.int64),
+        "split": np.asarray(sorted(split), np.int64),
+        "cut": np.asarray(cut, np.int64),
     }
     return found, dict(ignored)
+
+
+def _ends_whole(path: Path, at: int, end: int) -> bool:
+    """Whether the shard's bytes after its last member (from `at`) are the end-of-archive
+    zero blocks (or nothing): whole 512-byte blocks of zeros. A header cut short (a copy cut
+    200 bytes into it) or bytes that are no header end tarfile's reading without a word."""
+    if (end - at) % 512:
+        return False
+    with open(path, "rb") as f:
+        f.seek(at)
+        while chunk := f.read(1 << 20):
+            if chunk.count(0) != len(chunk):
+                return False
+    return True
+
+
+def _split_detail(key: str) -> str:
+    return (
+        f"{key}: its members are not one after another in the shard (the key comes back "
+        "after other keys' members: a shard written by extension, `tar cf s.tar *.jpg "
+        "*.txt`). WebDataset makes a sample of a key's consecutive members, so neither run "
+        "is the whole sample; write the shard with each sample's members together (`tar "
+        "--sort=name`, or webdataset's ShardWriter)"
+    )
+
+
+def _two_of(key: str, what: str, first: str, second: str) -> str:
+    kind = "JSON members (the record)" if what == "record" else "captions"
+    return (
+        f"{key}: two {kind}, {key}.{first} and {key}.{second}: which one is the sample's "
+        f"cannot be told, and one would replace the other; keep one (name other metadata "
+        f"with an extension jaxmllm leaves out, e.g. {key}.meta)"
+    )
 
 
 def _too_large(path: Path, e: HeaderTooLarge) -> str:

@@ -75,6 +75,11 @@ KNOWN_TOKENS = {
 DEFAULT_DATE = "2024-07-26"  # what strftime_now renders (data.template_date's default)
 
 
+def frame_time(seconds: float) -> str:
+    """A video frame's time as Qwen3-VL's processor writes it before the frame."""
+    return f"<{seconds:.1f} seconds>"
+
+
 def is_tokenizer_dir(spec: str) -> bool:
     return Path(spec).is_dir()
 
@@ -144,6 +149,7 @@ class PretrainedTokenizer:
         # the tokenizer's own `<item>_token` first, then the processor's (processor_config.json)
         media = {**_processor_tokens(root), **named}
         self._media: dict[str, tuple[str, str, str]] = {}
+        self._wraps: dict[str, tuple[str, str]] = {}  # per kind: its placeholder's wrap
         for kind in KINDS:  # (a phase's own kind first: a video may fall back to the image's)
             self._media[kind.name] = self._media_placeholder(kind, media)
         self.vocab_size = max([self.base_size - 1, *self.added_tokens.values()]) + 1
@@ -173,7 +179,9 @@ class PretrainedTokenizer:
         known = KNOWN_TOKENS.get(kind.name, ())
         token, before, after = self._own_placeholder(named.get(f"{kind.item}_token"), known)
         if token is None and kind.name != kind.phase:  # (a video: its phase's own kind's)
+            self._wraps[kind.name] = self._wraps[kind.phase]
             return self._media[kind.phase]
+        self._wraps[kind.name] = (before, after)
         if token is None:  # a new token after the vocabulary: the model needs its row
             token = f"<|jaxmllm_{kind.item}|>"
             self._tk.add_special_tokens([AddedToken(token, special=True, normalized=False)])
@@ -207,6 +215,14 @@ class PretrainedTokenizer:
     def encode(self, text: str) -> np.ndarray:
         """Token ids of `text` (no BOS/EOS; special tokens in it are matched, as HF does)."""
         return np.asarray(self._tk.encode(text, add_special_tokens=False).ids, np.int32)
+
+    def frame_text(self, kind: str, seconds: float) -> tuple[np.ndarray, np.ndarray]:
+        """The ids before and after a video's temporal patch `seconds` in, where its time is
+        written (`data.video_timestamps`): Qwen3-VL's processor writes `<1.5 seconds>` and the
+        frame's placeholders in its wrap (`<|vision_start|>` ... `<|vision_end|>`), the
+        template's own wrap around them all."""
+        before, after = self._wraps[kind]
+        return self.encode(frame_time(seconds) + before), self.encode(after)
 
     def decode(self, ids) -> str:
         """Text of ids, special tokens included."""

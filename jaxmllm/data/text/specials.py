@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from jaxmllm.config.data import BYTE_VOCAB
 from jaxmllm.config.phases import KIND, KINDS
 
 # jaxmllm's reserved specials (byte tokenizer, bare tokenizer.json): ids 256..263; the kinds of
 # media's placeholders are theirs (`Kind.reserved_id`: image 259, audio 260, video 263).
 PAD, BOS, EOS, USER, ASSISTANT = 256, 257, 258, 261, 262
-NUM_SPECIAL = 8  # ids 256..263 are reserved; byte vocab needs vocab_size >= 264
+NUM_SPECIAL = BYTE_VOCAB - 256  # ids 256..263 are reserved
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from jaxmllm.data.text.pretrained import (
     MAX_TOKENIZER_BYTES,
     PretrainedTokenizer,
     directory_sha256,
+    frame_time,
     is_tokenizer_dir,
 )
 from jaxmllm.data.text.specials import (  # noqa: F401  (re-exported: the reserved ids by name)
@@ -93,6 +94,11 @@ class _MarkerFormat:
 
     specials: Specials = RESERVED
     added_tokens: dict[str, int] = {}  # nothing appended: the reserved ids are in vocab_size
+
+    def frame_text(self, kind: str, seconds: float) -> tuple[np.ndarray, np.ndarray]:
+        """The ids before and after a video's temporal patch that starts `seconds` in, where
+        its time is written (`data.video_timestamps`): `<1.5 seconds>`, nothing after."""
+        return self.encode(frame_time(seconds)), np.zeros(0, np.int32)
 
     def pieces(self, record: Record, generation: bool = False) -> list[tuple]:
         """Token runs (ids, loss) and media markers of `record`, in order, before any limit;

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmllm.plan.stages.partition import Plan
+from jaxmllm.pipeline.partition import Plan
 from sharding.rules import is_axes, key_parts
 
 STACK = ("transformer", "blocks")  # under a segment's module: its stacked (scanned) layers

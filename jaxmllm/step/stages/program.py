@@ -15,8 +15,8 @@ import jax
 
 import sharding
 from jaxmllm.config import Config
-from jaxmllm.plan.stages.choose import plan_of
-from jaxmllm.plan.stages.partition import Plan
+from jaxmllm.pipeline.choose import plan_of
+from jaxmllm.pipeline.partition import Plan
 from jaxmllm.step import program as unpipelined
 from jaxmllm.step.stages.layout import Layout
 from jaxmllm.step.stages.loop import pipeline_loss
@@ -33,12 +33,11 @@ class PipelineProgram(unpipelined.Program):
     depth_abstract: dict = None
 
     def __post_init__(self):  # the conversions, compiled once each
-        self._to_depth = jax.jit(self.layout.to_depth, out_shardings=self.checkpoint_shardings)
-        self._to_stages = jax.jit(self.layout.to_stages, out_shardings=self.shardings)
-        saved = self.without_base(self.checkpoint_shardings)  # (no base: it is not converted)
+        saved = self._less_base(self.checkpoint_shardings)  # (no base: it is not converted)
         self._saved_depth = jax.jit(self.layout.to_depth, out_shardings=saved)
-        base = self.checkpoint_shardings["frozen"]
-        self._base_depth = jax.jit(self.layout.to_depth, out_shardings=base)
+        self._stages = jax.jit(self.layout.to_stages, out_shardings=self.shardings)
+        weights = {k: self.checkpoint_shardings[k] for k in ("params", "frozen")}
+        self._weights_depth = jax.jit(self.layout.to_depth, out_shardings=weights)
 
     def init(self, given: dict | None = None) -> dict:
         """A fresh pipelined train state; `given` parameters ([depth, ...] form, as
@@ -63,20 +62,17 @@ class PipelineProgram(unpipelined.Program):
             self.checkpoint_shardings,
         )
 
-    def checkpoint_abstract(self) -> dict:
-        return self.without_base(self._depth_sharded())
+    def saved_abstract(self) -> dict:
+        return self._less_base(self._depth_sharded())
 
-    def to_checkpoint(self, state: dict) -> dict:
-        return self._to_depth(state)
+    def saved(self, state: dict) -> dict:
+        return self._saved_depth(self._less_base(state))
 
-    def from_checkpoint(self, state: dict) -> dict:
-        return self._to_stages(state)
+    def restored(self, saved: dict, base: dict | None) -> dict:
+        return self._stages(super().restored(saved, base))
 
-    def to_saved(self, state: dict) -> dict:
-        return self._saved_depth(self.without_base(state))
-
-    def base_of(self, state: dict) -> dict:
-        return self._base_depth(state["frozen"])
+    def weights(self, state: dict) -> dict:
+        return self._weights_depth(super().weights(state))
 
 
 def build_program(cfg: Config, mesh) -> unpipelined.Program:

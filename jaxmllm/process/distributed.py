@@ -23,7 +23,7 @@ import jax
 
 from jaxmllm.config import Config, ConfigError, DistributedConfig, to_dict
 from jaxmllm.config.sections import MAX_CPU_DEVICES_PER_CORE
-from jaxmllm.loop import cpu_pool, xla_flags
+from jaxmllm.process import cpu_pool, xla_flags
 
 log = logging.getLogger("jaxmllm")
 

@@ -3,11 +3,11 @@ sees it: per transformer layer, and at the ends of each stack (embeddings, proje
 
 Pure Python over the config. Under fixed shapes a device computes its whole bucket, so a cost is
 a function of the capacities (`batch.*`), not of the samples: per layer the matrices' FLOPs of
-every token, patch or audio row the bucket holds (`plan.flops.layer_linear`), plus attention:
+every token, patch or audio row the bucket holds (`cost.flops.layer_linear`), plus attention:
 4 * pairs * width for the pairs computed (dense: every pair of each row; block-sparse: the
 tile capacity's tiles of block x block pairs; cuDNN: the causal half of each LLM row).
 
-Training multiplies a forward by `plan.training.multiplier`: 3 trainable, 2 frozen with something
+Training multiplies a forward by `cost.training.multiplier`: 3 trainable, 2 frozen with something
 trainable below it or LoRA adapters inside (input gradients only), 1 frozen with nothing
 trainable below (no backward at all). Here that is the backward's share: 2, 1 or 0 times the
 forward; a module's adapters add their own forward and twice it back.
@@ -20,8 +20,8 @@ import math
 from typing import Any
 
 from jaxmllm.config.phases import BY_NAME, LLM, NAMES
-from jaxmllm.plan import training
-from jaxmllm.plan.flops import layer_linear
+from jaxmllm.cost import training
+from jaxmllm.cost.flops import layer_linear
 
 # The encoders' chain order in front of the LLM when run as pipeline stages: the table's, last
 # first (the last encoder phase starts the chain)

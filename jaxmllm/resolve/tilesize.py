@@ -45,16 +45,16 @@ HELD_TRIAL_STEPS = 12  # plans each headroom is tried for
 def tile_density(
     index: LengthsIndex, caps: Capacities, most: int = 20000, seed: int = 0
 ) -> dict[str, float]:
-    """Per phase, the attention tiles (of caps.block) the data needs per unit: a bucket of C
-    units of documents drawn from the data needs about C times this. Measured, not assumed:
-    (up to `most` of) the phase's documents in random order are laid one after another into
-    rows of the bucket's length, as a packer lays them, and their tiles counted, so sizes
+    """Per phase, the attention tiles (of caps.attention_block) the data needs per unit: a
+    bucket of C units of documents drawn from the data needs about C times this. Measured, not
+    assumed: (up to `most` of) the phase's documents in random order are laid one after another
+    into rows of the bucket's length, as a packer lays them, and their tiles counted, so sizes
     that are multiples of the block (images of whole tiles) and documents a row boundary moves
     count as they will. (Of the index's summary: a uniform sample, the whole index when
     small.)"""
     body = summary_of(index, caps.per_token).body
     return {
-        phase: packed_density(n, row_len, caps.block, causal, most, seed)
+        phase: packed_density(n, row_len, caps.attention_block, causal, most, seed)
         for phase, (n, causal, row_len) in documents(body, caps).items()
     }
 
@@ -72,7 +72,7 @@ def suggest_tiles(
     rows (0 for a phase without data). An LLM bucket is a device or a context group
     (`contract.device_tile_caps` gives a device's). `density`: `tile_density(index, caps)`,
     when the caller has it."""
-    units = {LLM: caps.llm_rows * caps.llm_bin_len}
+    units = {LLM: caps.llm_rows * caps.group_row_len}
     units.update({p: caps.units[p] // caps.row_units(p) for p in NAMES})
     rows = {p: caps.llm_rows if p == LLM else 1 for p in PHASES}
     summary = summary_of(index, caps.per_token)
@@ -90,9 +90,9 @@ def suggest_tiles(
         if not units[phase] or not longest[phase]:
             out[phase] = 0
             continue
-        blocks = units[phase] // rows[phase] // caps.block
+        blocks = units[phase] // rows[phase] // caps.attention_block
         every = rows[phase] * int(own_tiles(np.array([blocks]), causal)[0])
-        alone = int(own_tiles(np.array([-(-longest[phase] // caps.block)]), causal)[0])
+        alone = int(own_tiles(np.array([-(-longest[phase] // caps.attention_block)]), causal)[0])
         want = math.ceil(rho * units[phase] * share[phase] * (1 + headroom))
         out[phase] = int(min(max(want, alone), every))
     return out
@@ -111,7 +111,9 @@ def largest_doc_tiles(index: LengthsIndex, caps: Capacities) -> dict[str, int]:
     out = {}
     for phase, n in longest_rows(summary_of(index, caps.per_token), caps).items():
         out[phase] = (
-            int(own_tiles(np.array([(n - 1) // caps.block + 2]), phase == LLM)[0]) if n else 0
+            int(own_tiles(np.array([(n - 1) // caps.attention_block + 2]), phase == LLM)[0])
+            if n
+            else 0
         )
     return out
 
@@ -176,7 +178,7 @@ def size_tiles(
     docs = documents(summary.body, caps)  # (the body's for densities, and the tail's too for
     tail = documents(summary.tail, caps)  # the longest documents)
     rows = {
-        LLM: caps.llm_rows * caps.llm_bin_len,
+        LLM: caps.llm_rows * caps.group_row_len,
         **{p: caps.units[p] // caps.row_units(p) for p in NAMES},
     }
 
@@ -197,7 +199,7 @@ def size_tiles(
             base, long = {p: max(n, least[p]) if n else 0 for p, n in held.items()}, []
         else:
             base, long = size_ladder(
-                held, least, docs, tail, rows, density, caps.block, row_weights
+                held, least, docs, tail, rows, density, caps.attention_block, row_weights
             )
         return TileSizes(
             device_tile_caps(caps, base), tuple(device_tile_caps(caps, r) for r in long)

@@ -1,5 +1,5 @@
-"""Sizing: a config's `auto` and -1 batch sizes resolved against the data (and `model.attention:
-auto` against the devices), and the planner's capacities from the resolved config.
+"""Sizing: a config's `auto` and -1 batch sizes resolved against the data, and the planner's
+capacities from the resolved config.
 
 Every dry run that sizes a bucket is here (route capacity, tile and document capacities: each a
 run of the planner's own plans over the data), beside `capacities` (a resolved config -> the
@@ -19,10 +19,15 @@ import numpy as np
 import sharding
 from jaxmllm.config import Config, ConfigError, phases
 from jaxmllm.config.phases import ENCODERS, LLM
-from jaxmllm.config.spec import documents_bounded
+from jaxmllm.config.spec import BatchSpec, documents_bounded
+from jaxmllm.cost.model import CostModel
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.preprocess import MEDIA
-from jaxmllm.plan.capacity import (
+from jaxmllm.plan.contract import Capacities, Planner, device_tile_caps
+from jaxmllm.plan.registry import HOLDS_TILES, make_planner
+from jaxmllm.plan.tiles import bin_tiles, own_tiles
+from jaxmllm.resolve.attention import resolve_attention
+from jaxmllm.resolve.capacity import (
     ROUTE_DRY_RUN_STEPS,
     dry_run_documents,
     encoder_capacities,
@@ -30,79 +35,14 @@ from jaxmllm.plan.capacity import (
     route_capacity,
     suggest_capacities,
 )
-from jaxmllm.plan.contract import Capacities, Planner, device_tile_caps
-from jaxmllm.plan.cost import CostModel
-from jaxmllm.plan.registry import HOLDS_TILES, make_planner
-from jaxmllm.plan.tiles import bin_tiles, own_tiles
-from jaxmllm.plan.tilesize import HELD_DRY_RUN_STEPS, dry_run_tiles, largest_doc_tiles, size_tiles
+from jaxmllm.resolve.tilesize import (
+    HELD_DRY_RUN_STEPS,
+    dry_run_tiles,
+    largest_doc_tiles,
+    size_tiles,
+)
 
 log = logging.getLogger("jaxmllm")
-
-
-def resolve_attention(cfg: Config, devices: list | None = None) -> Config:
-    """`model.attention: auto` resolved for the devices the run trains on (`auto_attention`),
-    logged; any other setting as it is. The trainer resolves it once at start-up, before the
-    batch sizes that depend on the kernel (tiles, documents); config.json and checkpoints keep
-    the resolved kernel, and models refuse `auto`."""
-    if cfg.model.attention != "auto":
-        return cfg
-    kind, why = auto_attention(cfg, jax.devices() if devices is None else devices)
-    log.info("model.attention: auto -> %s (%s)", kind, why)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=kind))
-
-
-def auto_attention(cfg: Config, devices: list) -> tuple[str, str]:
-    """(kernel, why) for `model.attention: auto`: cuDNN's packed attention on NVIDIA GPUs of
-    compute capability 9.0 (Hopper) or newer, which it needs; block-sparse elsewhere, and
-    wherever context parallelism splits rows (it deals block-sparse tiles to the ranks)."""
-    if cfg.mesh.context > 1:
-        return "block_sparse", f"mesh.context={cfg.mesh.context} splits block-sparse tiles"
-    first = devices[0]
-    if first.platform != "gpu":
-        return "block_sparse", f"{first.platform} devices"
-    cc = hopper_or_newer(first)
-    if cc is not True:
-        return "block_sparse", f"{first.device_kind}, compute capability {cc}: cuDNN needs 9.0"
-    return "cudnn", f"{first.device_kind}, compute capability {first.compute_capability}"
-
-
-def hopper_or_newer(device) -> bool | str:
-    """True for an NVIDIA GPU of compute capability 9.0 or newer, else the capability it has
-    (a name for a GPU that reports none in that form, e.g. ROCm's gfx names)."""
-    cc = str(getattr(device, "compute_capability", "none"))
-    try:
-        return tuple(int(x) for x in cc.split(".")[:2]) >= (9, 0) or cc
-    except ValueError:
-        return cc
-
-
-def check_attention(cfg: Config, devices: list | None = None) -> None:
-    """Refuses a resolved `model.attention` the devices cannot run, naming the key and what to
-    set instead: cudnn off NVIDIA GPUs of compute capability 9.0 or newer; and a mixture of
-    experts' ragged token exchange off GPUs."""
-    first = (jax.devices() if devices is None else devices)[0]
-    moe = cfg.model.llm.moe
-    if moe.enabled and moe.exchange == "ragged" and cfg.mesh.expert > 1:
-        if first.platform != "gpu":
-            raise ConfigError(
-                "model.llm.moe.exchange=ragged: lax.ragged_all_to_all runs on GPUs, this "
-                f"backend is {first.platform} (XLA:{first.platform.upper()} does not implement "
-                "it); set model.llm.moe.exchange: dense"
-            )
-    if cfg.model.attention != "cudnn":
-        return
-    if first.platform != "gpu":
-        raise ConfigError(
-            f"model.attention=cudnn: cuDNN's fused attention needs a GPU, this backend is "
-            f"{first.platform}; use model.attention: block_sparse (every backend) or auto"
-        )
-    cc = hopper_or_newer(first)
-    if cc is not True:
-        raise ConfigError(
-            f"model.attention=cudnn: cuDNN's packed-documents layout needs a Hopper GPU "
-            f"(compute capability 9.0) or newer, this one is {cc}; use model.attention: "
-            "block_sparse or auto"
-        )
 
 
 def resolve_batch(cfg: Config, index: LengthsIndex, devices: int | None = None) -> Config:
@@ -238,7 +178,7 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
     long = ()
     if b.planner in HOLDS_TILES:
         # (the headroom that does the most useful work per computed FLOP of the cost model)
-        weights = CostModel.from_model(cfg.model).tile_weights(caps.block, caps.per_row)
+        weights = CostModel.from_model(cfg.model).tile_weights(caps.attention_block, caps.per_row)
         ladder = (
             len(longs) == len(long_tile_keys())
             and cfg.mesh.context == 1
@@ -346,7 +286,7 @@ def resolve_bounds(cfg: Config, devices: int) -> Config:
     cfg = dataclasses.replace(cfg, batch=dataclasses.replace(b, **changes))
     caps = capacities(cfg, devices)
     # Per phase: (rows of its longest document, rows of a bucket's row, bucket rows, causal)
-    longest = {LLM: (caps.llm_bin_len, caps.llm_bin_len, b.llm_rows, True)}
+    longest = {LLM: (caps.group_row_len, caps.group_row_len, b.llm_rows, True)}
     for p in on:
         per_row = p.per_row(m)
         longest[p.name] = (MEDIA[p.name].largest(cfg) // per_row, p.bucket(b) // per_row, 1, False)
@@ -376,44 +316,9 @@ def resolve_bounds(cfg: Config, devices: int) -> Config:
 
 
 def capacities(cfg: Config, devices: int) -> Capacities:
-    """The planner's bucket capacities from a resolved config (see `resolve_batch`), over
-    `devices` data-parallel buckets. A tile capacity still -1 (auto) is no bound."""
-    b, m = cfg.batch, cfg.model
-    sparse = m.attention == "block_sparse"
-    if b.route_pair_capacity < 0:
-        raise ValueError(
-            "batch.route_pair_capacity=-1 (auto) must be resolved against the "
-            "data first: jaxmllm.plan.sizing.resolve_batch"
-        )
-    on = {p.name: p in phases.in_batch(m, b) for p in ENCODERS}
-    tiles = {
-        p: max(getattr(b, key), 0) if sparse and on.get(p, True) else 0
-        for p, key in tile_keys().items()
-    }
-    longs = {
-        p: getattr(b, key) if sparse and on.get(p, True) else ()
-        for p, key in long_tile_keys().items()
-    }
-    variants = max((len(v) for v in longs.values() if v != (-1,)), default=0)
-    long_tiles = tuple(
-        {p: v[k] if len(v) > k and v != (-1,) else 0 for p, v in longs.items()}
-        for k in range(variants)
-    )
-    return Capacities(
-        microbatches=b.microbatches,
-        devices=devices,
-        llm_rows=b.llm_rows,
-        llm_row_len=b.llm_row_len,
-        units={p.name: p.bucket(b) if on[p.name] else 0 for p in ENCODERS},
-        per_token={p.name: p.per_token(m) for p in ENCODERS},
-        per_row={p.name: p.per_row(m) for p in ENCODERS},
-        route_pair_capacity=b.route_pair_capacity,
-        devices_per_host=max(b.devices_per_host, 0),
-        context=cfg.mesh.context,
-        block=b.attention_block if sparse else 0,
-        tiles=tiles,
-        long_tiles=long_tiles,
-    )
+    """The planner's bucket capacities of a config's bucket spec (`BatchSpec`), over `devices`
+    data-parallel buckets; sizes still -1 (auto) are no bound, the route capacity excepted."""
+    return Capacities.of(BatchSpec.of(cfg, resolved=False), devices)
 
 
 def planner_from_config(cfg: Config, index: LengthsIndex, devices: int) -> Planner:

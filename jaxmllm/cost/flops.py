@@ -1,5 +1,5 @@
 """FLOPs of one item of each phase from the model config: the forward FLOPs per unit of a
-tower's layers and projector (`jaxmllm.plan.cost.CostModel.from_model` prices items with them,
+tower's layers and projector (`jaxmllm.cost.model.CostModel.from_model` prices items with them,
 times the training multipliers).
 
 Per transformer layer and token (hidden d, key/value width d_kv, gated-MLP width f):
@@ -13,7 +13,7 @@ decoder's quadratic term (`full_layer_count`).
 
 from __future__ import annotations
 
-from jaxmllm.plan import training
+from jaxmllm.cost import training
 
 
 def _mlp(section) -> str:
@@ -22,10 +22,12 @@ def _mlp(section) -> str:
 
 def _vision_flops(v, llm_width: int) -> tuple[float, float, float]:
     """Per patch: (encoder linear, encoder quadratic, projector) forward FLOPs of a ViT over
-    patches and its merge-area MLP projector."""
-    area = v.merge**2
+    patches and its merge-area MLP projector; DeepStack (`deepstack`: K tapped blocks) adds K
+    more projectors and the K additions of their rows to the LLM's hidden states."""
+    area, levels = v.merge**2, len(getattr(v, "deepstack", ()))
     hid = getattr(v, "projector_dim", 0) or llm_width
     proj = 2 * (area * v.width * hid + hid * llm_width) / area
+    proj = proj * (1 + levels) + levels * llm_width / area
     lin = v.depth * layer_linear(v.width, v.width, v.mlp_dim, mlp=_mlp(v))
     return lin, v.depth * 4.0 * v.width, proj
 
@@ -57,7 +59,8 @@ def _vision_adapters(v, llm_width: int, how: dict) -> float:
         how["vision"], training.block_shapes(v.width, v.width, v.mlp_dim)
     )
     shapes = {"fc1": (area * v.width, hid), "fc2": (hid, llm_width)}
-    return tower + training.adapter_flops(how["vision_projector"], shapes) / area
+    levels = 1 + len(getattr(v, "deepstack", ()))  # (DeepStack's projectors' adapters too)
+    return tower + levels * training.adapter_flops(how["vision_projector"], shapes) / area
 
 
 def _audio_adapters(a, llm_width: int, how: dict) -> float:

@@ -203,7 +203,7 @@ def most_documents(index: LengthsIndex, caps: Capacities) -> dict[str, int]:
     out = {}
     for phase in PHASES:
         per = 1 if phase == LLM else caps.row_units(phase)
-        row = caps.llm_bin_len if phase == LLM else caps.units[phase] // per
+        row = caps.group_row_len if phase == LLM else caps.units[phase] // per
         out[phase] = (
             max(1, min(row, row // max(least[phase] // per, 1))) if least[phase] and row else 1
         )

@@ -53,7 +53,7 @@ def size_pool(devices: int, env: MutableMapping[str, str] = os.environ) -> bool:
         if given.isdigit() and int(given) < POOL_THREADS:
             log.warning(
                 "%s=%s: XLA:CPU's pool for %d devices has %s threads; fewer than %d can "
-                "deadlock a step whose collectives overlap (see jaxmllm.loop.cpu_pool)",
+                "deadlock a step whose collectives overlap (see jaxmllm.process.cpu_pool)",
                 VARIABLE,
                 given,
                 devices,

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # (the feed, a later layer, makes it)
-    from jaxmllm.feed.times import HostTimes
+from jaxmllm.feed.times import HostTimes
 
 
 @dataclass
@@ -42,5 +40,8 @@ class StepInfo:
     # terminal shows them per logging window)
     new_rejects: dict[str, int] = field(default_factory=dict)
     first_reject: dict | None = None
+    # ... and their entries, each as the rejects file lists it (the trainer writes them when
+    # it takes the step: a step loaded ahead and never trained is in no log)
+    reject_entries: list[dict] = field(default_factory=list)
     host: HostTimes | None = None  # the feed's time per stage on this step (metrics host/*)
     extra: dict = field(default_factory=dict)  # anything a caller adds (benches)

@@ -66,7 +66,7 @@ def install() -> None:
             log.info(
                 "checkpoint reads or writes that orbax abandoned when the operation failed "
                 "finished after it closed their event loop; counted, not printed "
-                "(jaxmllm.loop.late_io)"
+                "(jaxmllm.process.late_io)"
             )
 
     hook._jaxmllm_late_io = True

@@ -31,8 +31,8 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from jaxmllm.plan.stages.costs import ModelCosts, Segment, Work
-from jaxmllm.plan.stages.schedule import SCHEDULES
+from jaxmllm.pipeline.costs import ModelCosts, Segment, Work
+from jaxmllm.pipeline.schedule import SCHEDULES
 
 
 class PartitionError(ValueError):

@@ -20,8 +20,8 @@ import numpy as np
 
 from jaxmllm.config import Config, ConfigError, phases
 from jaxmllm.config.phases import ENCODERS, LLM
-from jaxmllm.plan.stages.costs import model_costs, variant_tiles
-from jaxmllm.plan.stages.partition import PartitionError, Plan, partition, reprice
+from jaxmllm.pipeline.costs import model_costs, variant_tiles
+from jaxmllm.pipeline.partition import PartitionError, Plan, partition, reprice
 
 SCHEDULES_RUN = ("gpipe",)  # the schedules the device side implements
 

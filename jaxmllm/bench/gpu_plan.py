@@ -1,0 +1,154 @@
+"""The GPU campaign fitted to what a lent GPU allows (`python -m jaxmllm.bench.gpu --plan`), and
+the wheels its machine lacks (`--wheels DIR`).
+
+A lent GPU (one H100 of 80 GB, lent to some of this project's sessions) gives 30 device-minutes
+at most, counted from each machine's start, starts no machine with under 4
+minutes left, takes one command at most 10 minutes, and gives the machine back 30 s after a
+command: every call starts a fresh machine (a minute or two, an empty compile cache), with no
+package registry. So the campaign is a few calls of at most 10 minutes, each naming the cases
+it runs and a `--budget` that stops it starting a case it cannot finish before the call's
+limit; the most valuable cases go first, and the plan's calls, a start each, fit the budget.
+
+Its image has Python 3.12 with jax 0.11.2 and most of what jaxmllm imports; what it lacks
+travels with the working tree as wheels (`WHEELS`), installed by each call's first command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from jaxmllm.bench.gpu_cases import Case
+
+BUDGET_S = 26 * 60  # usable device time: 30 minutes, less the 4 no machine starts in
+CALL_S = 600  # one command's limit
+START_S = 120  # a machine's start, before each call's command (a fresh one every call)
+SETUP_S = 30  # a call's command before the campaign's clock: the wheels' install, Python
+MARGIN_S = 20  # after its budget: the last case's kill and the report
+COMMAND_CHARS = 2000  # the most a call's command may hold
+# What the GPU image lacks of jaxmllm's imports, at the versions tested here (by its package
+# list, read 2026-11-17: jax 0.11.2, flax, optax, orbax-checkpoint, numpy, pyarrow,
+# pillow, tokenizers, jinja2, pyyaml, tqdm, ml-dtypes and xxhash are there): grain and its
+# array-record and portpicker, soundfile and the cffi it loads libsndfile through (imported
+# only where audio is read). PyAV only for a campaign with videos; tensorboardX never (metrics
+# go to JSONL without it).
+WHEELS = {
+    "grain": "0.2.18",
+    "array-record": "0.8.6",
+    "portpicker": "1.6.0",
+    "soundfile": "0.14.0",
+    "cffi": "2.1.1",
+}
+VIDEO_WHEELS = {"av": "18.1.0"}
+JAX = "0.11.2"  # the GPU image's jax and jaxlib (CI's Python 3.12 leg pins the same)
+# The image's packages that jaxmllm, its tests and the carried wheels import (all in its list;
+# their own dependencies come with them): what tests/test_gpu_image.py makes its virtualenv of.
+IMAGE = [f"jax=={JAX}", f"jaxlib=={JAX}", "flax", "optax", "orbax-checkpoint", "numpy", "pyyaml"]
+IMAGE += ["pillow", "tqdm", "tokenizers", "ml-dtypes", "jinja2", "pyarrow", "xxhash"]
+IMAGE += ["cloudpickle", "pytest", "hypothesis"]
+WHEEL_DIR = ".whl"  # (git-ignored; each call carries it)
+PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64"]
+PLATFORMS += ["manylinux2014_x86_64", "manylinux1_x86_64"]
+INSTALL = (
+    f"python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
+    f"--target /tmp/site {WHEEL_DIR}/*.whl"
+)
+
+
+@dataclasses.dataclass
+class Call:
+    """One device call: its cases, in order, and the seconds the campaign may spend on them."""
+
+    cases: list[Case] = dataclasses.field(default_factory=list)
+
+    @property
+    def budget_s(self) -> int:
+        return sum(c.estimate_s for c in self.cases)
+
+    @property
+    def timeout_s(self) -> int:
+        return SETUP_S + self.budget_s + MARGIN_S
+
+    def command(self, out: str = "$OUT") -> str:
+        names = "|".join(re.escape(c.name) for c in self.cases)
+        campaign = ["python3", "-m", "jaxmllm.bench.gpu", "--out", out]
+        campaign += ["--budget", str(self.budget_s), "--cases", f"^({names})$"]
+        env = "export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1"
+        return f"{INSTALL} && {env} && " + " ".join(
+            a if a == out else shlex.quote(a) for a in campaign
+        )
+
+
+def plan(
+    cases: list[Case], budget_s: int = BUDGET_S, call_s: int = CALL_S, start_s: int = START_S
+) -> tuple[list[Call], list[Case]]:
+    """The device calls for `cases` (most valuable first) within `budget_s`: each case joins the
+    last call while it stays within `call_s`, else starts a call of its own if that call and
+    its start fit what is left; (the calls, the cases left out)."""
+    calls: list[Call] = []
+    left_out: list[Case] = []
+    for case in cases:
+        spent = sum(c.timeout_s + start_s for c in calls)
+        if calls and calls[-1].timeout_s + case.estimate_s <= call_s:
+            if spent + case.estimate_s <= budget_s:
+                calls[-1].cases.append(case)
+                continue
+        alone = Call([case])
+        if alone.timeout_s <= call_s and spent + start_s + alone.timeout_s <= budget_s:
+            calls.append(alone)
+        else:
+            left_out.append(case)
+    return calls, left_out
+
+
+def describe(calls: list[Call], left_out: list[Case], budget_s: int, start_s: int) -> str:
+    """The plan as its reader runs it: the wheels, then each call's timeout and command."""
+    total = sum(c.timeout_s + start_s for c in calls)
+    lines = [
+        f"# GPU campaign: {len(calls)} device calls, {total} s of a {budget_s} s budget "
+        f"(each call's timeout and a {start_s} s machine start)",
+        "",
+        "# Once, here (the wheels the GPU image lacks, into a git-ignored folder):",
+        f"python -m jaxmllm.bench.gpu --wheels {WHEEL_DIR}",
+    ]
+    for i, call in enumerate(calls, 1):
+        lines += [
+            "",
+            f"# Call {i}: run(timeout_s={call.timeout_s}, carry=[{WHEEL_DIR!r}]), "
+            f"the campaign's --budget {call.budget_s} s:",
+            *(f"#   {c.name} (~{c.estimate_s} s)" for c in call.cases),
+            call.command(),
+        ]
+    if left_out:
+        lines += ["", "# Left out (no room in this budget):"]
+        lines += [f"#   {c.name} (~{c.estimate_s} s)" for c in left_out]
+    lines += [
+        "",
+        "# What comes back of each call: $OUT/report.md (the tables so far), rows.jsonl, "
+        "log.txt, hlo.zip",
+    ]
+    return "\n".join(lines)
+
+
+def download_wheels(folder: str | Path, video: bool = False) -> list[tuple[str, int]]:
+    """Downloads `WHEELS` (and `VIDEO_WHEELS`) for the image's Python 3.12 on x86-64 Linux into
+    `folder`, replacing what is there; (file name, bytes) of each."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.whl"):
+        old.unlink()  # (two versions of one package stop the install)
+    wanted = {**WHEELS, **(VIDEO_WHEELS if video else {})}
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    cmd += ["--python-version", "3.12", "--implementation", "cp", "-d", str(folder)]
+    cmd += [a for p in PLATFORMS for a in ("--platform", p)]
+    cmd += [f"{name}=={version}" for name, version in wanted.items()]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        from jaxmllm.config import UserError
+
+        raise UserError(f"pip download of {', '.join(wanted)} failed: {done.stderr[-500:]}")
+    return [(p.name, p.stat().st_size) for p in sorted(folder.glob("*.whl"))]

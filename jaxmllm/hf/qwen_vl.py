@@ -1,0 +1,160 @@
+"""The Qwen VL whole checkpoints: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense and MoE).
+
+- Qwen2-VL and Qwen2.5-VL (`Qwen2VLForConditionalGeneration`,
+  `Qwen2_5_VLForConditionalGeneration`): the Qwen2 LLM with M-RoPE in sections and the
+  `visual.` tower whose patch merger is the projector (`jaxmllm.hf.qwen_vision`).
+- Qwen3-VL (`Qwen3VLForConditionalGeneration`): the Qwen3 LLM (QK-norm) with M-RoPE
+  interleaved (its rotary always interleaves time, row and column: `mrope_interleaved`, its
+  sections [24, 20, 20] where config.json names none), and Qwen3-VL's tower (a learned table
+  of positions besides the 2D rotary, DeepStack into the LLM's first layers). Its checkpoint
+  names tensors as transformers 5 names the modules: the decoder under
+  `model.language_model.` (the Qwen3 family's `model.` renamed), its head `lm_head`, the tower
+  under `model.visual.`. Its videos are frames with their time written between them as text
+  (`data.video_timestamps`), each frame an item of M-RoPE as transformers' `get_rope_index`
+  splits `video_grid_thw`.
+- Qwen3-VL-MoE (`Qwen3VLMoeForConditionalGeneration`): the same with the Qwen3-MoE decoder
+  (`model.llm.moe`: dense layers among the MoE ones by `mlp_only_layers` and
+  `decoder_sparse_step`), its router always renormalising the top-k probabilities, its
+  experts stacked as transformers 5 holds them (`decoders.stacked_experts_links`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxmllm.hf import oracle
+from jaxmllm.hf.decoders import MOE, Decoders
+from jaxmllm.hf.family import Family, mismatches
+from jaxmllm.hf.qwen_vision import Qwen3VLVision
+from jaxmllm.hf.whole import Whole
+from jaxmllm.hf.whole_config import DECODERS, enabled, nested, pixels, tokenizer_ids
+
+# Qwen3-VL's M-RoPE sections where config.json names none (transformers' default)
+QWEN3_VL_SECTIONS = [24, 20, 20]
+
+
+class QwenVL(Whole):
+    """Qwen2-VL and Qwen2.5-VL: a Qwen2 LLM with M-RoPE (at the top level of older files);
+    `decoder`: the LLM's family (`whole_config.DECODERS`)."""
+
+    parts = {"llm": ("text_config", ""), "vision": ("vision_config", "visual.")}
+    token_keys = {"vision": ("image_token_id",)}
+    runtime_prefix = {"vision": "model.visual."}
+    interleaved = False  # M-RoPE's frequencies interleaved (Qwen3-VL), else in sections
+
+    def __init__(
+        self, name: str, tower: Family, hf_class: str, processor_class: str, decoder="qwen2"
+    ):
+        self.name, self.model_types, self.tower = name, (name,), tower
+        self.hf_class, self.processor_class = hf_class, processor_class
+        self.decoder = DECODERS[decoder]
+
+    def sub(self, role: str, hf: dict) -> dict:
+        if role == "llm" and not hf.get("text_config"):  # the hub's older, flat files
+            return {k: v for k, v in hf.items() if k != "vision_config"}
+        return super().sub(role, hf)
+
+    def inner(self, role: str, hf: dict) -> Family:
+        return self.decoder if role == "llm" else self.tower
+
+    def to_hf_config(self, cfg: Any, source: dict | None, roles: tuple[str, ...]) -> dict:
+        llm = cfg.model.llm
+        if source is None:
+            tk = tokenizer_ids(cfg)
+            ids = {"image_token_id": tk.specials.media["vision"]}
+            for key, token in (
+                ("video_token_id", "<|video_pad|>"),
+                ("vision_start_token_id", "<|vision_start|>"),
+                ("vision_end_token_id", "<|vision_end|>"),
+            ):
+                found = getattr(tk, "token_id", lambda _: None)(token)
+                if found is not None:
+                    ids[key] = found
+            text = self.decoder.to_hf_config(cfg, None)
+            return {
+                "architectures": [self.hf_class],
+                "model_type": self.name,
+                "text_config": nested(text, f"{self.name}_text"),
+                "vision_config": nested(self.tower.to_hf_config(cfg, None)),
+                "tie_word_embeddings": llm.tie_embeddings,
+                **ids,
+            }
+        out = dict(source)
+        if "llm" in roles:
+            text = self.decoder.to_hf_config(cfg, self.sub("llm", source))
+            if source.get("text_config"):
+                kind = source["text_config"].get("model_type", f"{self.name}_text")
+                out["text_config"] = nested(text, kind)
+            else:  # flat: the text keys at the top level, as the source has them
+                out.update(nested(text, self.name))
+                out["architectures"] = [self.hf_class]
+            out["tie_word_embeddings"] = llm.tie_embeddings
+        if "vision" in roles:
+            out["vision_config"] = nested(self.tower.to_hf_config(cfg, source))
+        return out
+
+    def reference_inputs(self, sample: Any, cfg: Any, specials: Any) -> dict:
+        return oracle.qwen_vl(sample, cfg, specials)
+
+    def processor_files(self, cfg: Any) -> dict[str, dict]:
+        v, d = cfg.model.vision, cfg.data
+        image = {
+            **pixels(cfg, "Qwen2VLImageProcessor"),
+            "min_pixels": d.image_min_pixels,
+            "max_pixels": d.image_max_pixels,
+            "patch_size": v.patch_size,
+            "merge_size": v.merge,
+            "temporal_patch_size": v.temporal_patch,
+        }
+        return {
+            "preprocessor_config.json": image,
+            "processor_config.json": {"processor_class": self.processor_class},
+        }
+
+    def mismatches(self, cfg: Any) -> list[str]:
+        wants = {
+            **self.decoder.wants(cfg),
+            **self.tower.wants(cfg),
+            "model.llm.mrope_section": (any, "M-RoPE (time, row, column sections)"),
+            "model.llm.mrope_interleaved": (self.interleaved,),
+        }
+        return (
+            enabled(cfg, "vision", True)
+            + enabled(cfg, "audio", False)
+            + mismatches(cfg, wants, self.name)
+        )
+
+
+class Qwen3VL(QwenVL):
+    """Qwen3-VL: the module docstring. `decoder`: qwen3 (dense) or qwen3_moe."""
+
+    parts = {
+        "llm": ("text_config", "model.language_model."),
+        "vision": ("vision_config", "model.visual."),
+    }
+    runtime_names = True
+    interleaved = True
+    video_timestamps = True
+
+    def __init__(self, name: str, hf_class: str, decoder: str):
+        super().__init__(name, Qwen3VLVision(name), hf_class, "Qwen3VLProcessor", decoder)
+        if self.decoder.model_type in MOE:  # (its experts stacked, as transformers 5's)
+            self.decoder = Decoders(self.decoder.model_type, stacked_experts=True)
+
+    def section(self, role: str, hf: dict) -> dict:
+        out = super().section(role, hf)
+        if role == "llm":  # (transformers' rotary interleaves whatever config.json says)
+            out["mrope_interleaved"] = True
+            if not any(out["mrope_section"]):
+                out["mrope_section"] = list(QWEN3_VL_SECTIONS)
+            if out.get("moe", {}).get("experts"):  # (its router always renormalises top-k)
+                out["moe"]["norm_topk_prob"] = True
+        return out
+
+    def place(self, role: str, name: str, at: str) -> str:
+        if role == "llm":  # the decoder's `model.` is `model.language_model.`; its head stays
+            return at + name.removeprefix("model.") if name.startswith("model.") else name
+        return at + name
+
+    def owns(self, role: str, name: str) -> bool:
+        return role == "llm" and name.startswith("lm_head.")

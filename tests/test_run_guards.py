@@ -1,0 +1,217 @@
+"""A run's output folder and start-up under issue 50's probe: two runs on one output_dir (a
+lock), a refused resume that rewrote config.json first, a signal at start-up that said
+nothing, a step that hangs (the step watchdog)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+
+from jaxmllm.config import ConfigError, load_config
+from jaxmllm.loop.lock import LOCK, hold_output_dir
+
+from runs import NO_EVAL, child_env
+
+
+def tiny(out, *sets, steps: int = 2):
+    cfg = load_config("configs/tiny.yaml", ["data.synthetic.num_samples=256", *NO_EVAL, *sets])
+    return replace(
+        cfg,
+        train=replace(
+            cfg.train, steps=steps, output_dir=str(out), checkpoint_every=2, progress_bar=False
+        ),
+    )
+
+
+def test_an_output_dir_held_by_a_run_refuses_a_second(tmp_path):
+    out = tmp_path / "run"
+    with hold_output_dir(out):
+        with pytest.raises(ConfigError, match=f"train.output_dir={out} is in use by another"):
+            with hold_output_dir(out):
+                pass
+    with hold_output_dir(out):  # (released when the run ends)
+        pass
+    with hold_output_dir(out, take=False), hold_output_dir(out):  # (process > 0: nothing)
+        pass
+
+
+def test_a_second_trainer_on_a_held_output_dir_stops_naming_the_first(tmp_path, capsys):
+    """Two runs started on one output_dir: the second exited 5 with orbax tracebacks and
+    removed the first run's unfinished save. It stops at start-up now, exit 2, naming the
+    first (here a process holding the folder as a run does), and writes nothing there."""
+    from jaxmllm.train import cli
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from jaxmllm.loop.lock import "
+            "hold_output_dir\nwith hold_output_dir(Path(sys.argv[1])):\n print('held', "
+            "flush=True); time.sleep(120)",
+            str(out),
+        ],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        argv = ["--config", "configs/tiny.yaml", "--set", *NO_EVAL, f"train.output_dir={out}"]
+        assert cli([*argv, "data.synthetic.num_samples=256", "train.steps=2"]) == 2
+        err = capsys.readouterr().err
+        assert f"train.output_dir={out} is in use by another run (process {holder.pid}" in err
+        assert "Traceback" not in err and sorted(p.name for p in out.iterdir()) == [LOCK]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.slow  # ~60-150 s: three short trainings
+def test_a_refused_resume_leaves_config_json_as_it_was(tmp_path, capsys):
+    """Checkpoints copied to a new output_dir without config.json and resumed with another
+    model: the refused run first wrote its config.json, after which the right config was
+    refused with a false claim about the checkpoint's width. Nothing is written now before
+    the resume checks pass: the right config then resumes."""
+    from jaxmllm.train import main
+
+    out = tmp_path / "run"
+    main(tiny(out, steps=2))
+    (out / "config.json").unlink()  # (the checkpoints copied without it)
+    wide = tiny(out, "model.llm.mlp_dim=96", steps=4)
+    with pytest.raises(ConfigError):
+        main(wide)
+    assert not (out / "config.json").exists()
+    main(tiny(out, steps=4))
+    assert "resumed from checkpoint at step 2" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["train"]["steps"] == 4
+
+
+# ----------------------------------------------------------------------------- the watchdog
+
+
+def test_the_auto_bound_follows_the_measured_steps():
+    from jaxmllm.loop import watchdog as w
+
+    now = [0.0]
+    dog = w.StepWatchdog(0.0, 0, 100, lambda: False, "resume", clock=lambda: now[0])
+    try:
+        assert dog.bound() == w.FIRST_STEPS_S  # (compiling)
+        for step in range(1, 12):
+            now[0] += 40.0 if step == 1 else 2.0  # (the first compiles)
+            dog.beat(step)
+        assert dog.bound() == w.AUTO_FLOOR_S and dog.hung(now[0] + 299) is None
+        for step in range(12, 40):
+            now[0] += 60.0
+            dog.beat(step)
+        assert dog.bound() == 600.0  # (10x the median of the steps since the warm-up)
+        message = dog.hung(now[0] + 601)
+        assert "step 40 has not finished in 601 s (train.max_step_seconds: auto: 600 s" in message
+        assert "the main thread is in" in message and message.endswith("resume")
+        fixed = w.StepWatchdog(5.0, 0, 100, lambda: False, "r", peer_bound_s=3.0)
+        assert fixed.bound() == w.FIRST_STEPS_S
+        for step in range(1, 7):
+            fixed.beat(step)
+        assert fixed.bound() == 3.0  # (a multi-process job: distributed.step_timeout_s)
+        fixed.close()
+    finally:
+        dog.close()
+
+
+def hung_run(tmp_path, hang_step: int, *sets: str) -> subprocess.Popen:
+    """A trainer whose step `hang_step` blocks on the device (tests/child_hooks/hangpoints)."""
+    from runs import train_cmd
+
+    cmd = train_cmd(
+        tmp_path / "run",
+        "data.synthetic.num_samples=256",
+        "train.steps=40",
+        "train.progress_bar=false",
+        "train.checkpoint_every=100",  # (no save near the hang: it waits in the step's check)
+        *sets,
+    )
+    env = child_env(hang={"step": hang_step})
+    return subprocess.Popen(
+        cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+    )
+
+
+def wait_for(proc: subprocess.Popen, marker: str, seconds: float = 600) -> str:
+    """proc's stderr up to and including the line holding `marker`."""
+    import select
+
+    seen, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if select.select([proc.stderr], [], [], 1.0)[0]:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            seen.append(line)
+            if marker in line:
+                return "".join(seen)
+    proc.kill()
+    raise AssertionError(f"no {marker!r} in {seconds} s: {''.join(seen)[-2000:]}")
+
+
+@pytest.mark.slow  # ~60-200 s: a trainer compiles, trains 8 steps, hangs
+def test_a_step_that_hangs_ends_the_run_naming_step_and_phase(tmp_path):
+    """A step whose device work never completes (a host callback that blocks, as a collective
+    that never returns): the trainer waited forever. It ends, exit 4, naming the step and
+    the line the main thread waits in, within its bound."""
+    proc = hung_run(tmp_path, 8, "train.max_step_seconds=5")
+    try:
+        wait_for(proc, "hangpoints: step 8 blocks")
+        start = time.monotonic()
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 4, err
+    assert time.monotonic() - start < 60
+    assert "error: step 9 has not finished in " in err and "train.max_step_seconds: 5 s" in err
+    assert '`if guard.check(done, metrics["nonfinite"]):` (jaxmllm/train.py' in err, err
+
+
+@pytest.mark.slow  # ~60-200 s: as above, then a SIGTERM
+def test_sigterm_during_a_hung_step_ends_the_run_saying_so(tmp_path):
+    """The loop's SIGTERM handler runs between Python bytecodes: a main thread blocked on a
+    hung step never ran it, and a scheduler's preemption signal changed nothing. The
+    watchdog, woken by the signal itself, ends the process (exit 143) naming the step."""
+    import signal
+
+    proc = hung_run(tmp_path, 8, "train.max_step_seconds=600")
+    try:
+        wait_for(proc, "hangpoints: step 8 blocks")
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert time.monotonic() - start < 60
+    assert "error: SIGTERM arrived during step 9, which has not finished in " in err, err
+    assert "jaxmllm/train.py" in err and "rerun the same command to resume" in err
+
+
+@pytest.mark.slow  # ~20-60 s: a trainer's start-up
+def test_sigterm_at_start_up_says_what_it_interrupted(tmp_path):
+    """SIGTERM while the trainer compiles (start-up: minutes on a large model) exited 143
+    with nothing printed; it now says where it was and that nothing was written."""
+    import signal
+
+    proc = hung_run(tmp_path, 1000)
+    try:
+        wait_for(proc, "data-parallel buckets")  # (the mesh: the data and the step follow)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "error: SIGTERM at start-up, in `" in err and "jaxmllm/train.py" in err, err
+    assert "wrote no checkpoint" in err
