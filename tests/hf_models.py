@@ -417,6 +417,47 @@ def qwen2_moe(directory: Path, *, seed: int = 0, vocab: int = 300, qkv_bias: boo
     return save(randomize(T.Qwen2MoeForCausalLM(cfg), seed), directory)
 
 
+def _qwen3_5_text(
+    vocab: int,
+    layers: tuple[str, ...],
+    heads: tuple[int, int],
+    linear_heads: tuple[int, int],
+    conv: int,
+    key_dim: int,
+    head_dim: int,
+    rope: dict,
+    experts: int,
+) -> dict:
+    """A tiny Qwen3.5 text config's keys (`qwen3_5`'s arguments; `rope`: rope_parameters)."""
+    out = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=len(layers),
+        num_attention_heads=heads[0],
+        num_key_value_heads=heads[1],
+        head_dim=head_dim,
+        layer_types=[f"{kind}_attention" for kind in layers],
+        linear_num_key_heads=linear_heads[0],
+        linear_num_value_heads=linear_heads[1],
+        linear_key_head_dim=key_dim,
+        linear_value_head_dim=12,
+        linear_conv_kernel_dim=conv,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, **rope},
+    )
+    if experts:
+        out.update(
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=experts,
+            num_experts_per_tok=2,
+            router_aux_loss_coef=0.01,
+        )
+    else:
+        out["intermediate_size"] = 96
+    return out
+
+
 def qwen3_5(
     directory: Path,
     *,
@@ -436,39 +477,45 @@ def qwen3_5(
     `partial` of each head; with `experts`, Qwen3.5-MoE (top-2, a shared expert)."""
     import transformers as T
 
-    common = dict(
-        vocab_size=vocab,
-        hidden_size=64,
-        num_hidden_layers=len(layers),
-        num_attention_heads=heads[0],
-        num_key_value_heads=heads[1],
-        head_dim=16,
-        layer_types=[f"{kind}_attention" for kind in layers],
-        linear_num_key_heads=linear_heads[0],
-        linear_num_value_heads=linear_heads[1],
-        linear_key_head_dim=key_dim,
-        linear_value_head_dim=12,
-        linear_conv_kernel_dim=conv,
-        rms_norm_eps=1e-6,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 1e6,
-            "partial_rotary_factor": partial,
-        },
-        tie_word_embeddings=tied,
-    )
+    rope = {"partial_rotary_factor": partial}
+    text = _qwen3_5_text(vocab, layers, heads, linear_heads, conv, key_dim, 16, rope, experts)
     if experts:
-        cfg = T.Qwen3_5MoeTextConfig(
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-            num_experts=experts,
-            num_experts_per_tok=2,
-            router_aux_loss_coef=0.01,
-            **common,
-        )
+        cfg = T.Qwen3_5MoeTextConfig(tie_word_embeddings=tied, **text)
         return save(randomize(T.Qwen3_5MoeForCausalLM(cfg), seed), directory)
-    cfg = T.Qwen3_5TextConfig(intermediate_size=96, **common)
+    cfg = T.Qwen3_5TextConfig(tie_word_embeddings=tied, **text)
     return save(randomize(T.Qwen3_5ForCausalLM(cfg), seed), directory)
+
+
+def qwen3_5_whole(
+    directory: Path,
+    *,
+    seed: int = 0,
+    vocab: int = 300,
+    ids=(290, 291, 292, 293),
+    layers: tuple[str, ...] = ("linear", "full", "linear", "full"),
+    linear_heads: tuple[int, int] = (2, 4),
+    sections=(2, 2, 2),
+    tied: bool = False,
+    experts: int = 0,
+) -> str:
+    """A whole, natively multimodal Qwen3.5 (`experts`: Qwen3.5-MoE): `qwen3_5`'s hybrid
+    decoder with interleaved M-RoPE of `sections` on a quarter of each head (head_dim 48: 12
+    rotary dims, 6 frequencies), Qwen3-VL's tower without DeepStack; `ids` as `qwen2_vl`'s."""
+    import transformers as T
+
+    rope = {"partial_rotary_factor": 0.25, "mrope_section": list(sections)}
+    rope["mrope_interleaved"] = True
+    text = _qwen3_5_text(vocab, layers, (4, 2), linear_heads, 4, 32, 48, rope, experts)
+    vision = dict(out_hidden_size=64, **QWEN3_VL_VISION)
+    keys = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    parts = dict(text_config=text, vision_config=vision, **dict(zip(keys, ids, strict=True)))
+    config, model = (
+        (T.Qwen3_5MoeConfig, T.Qwen3_5MoeForConditionalGeneration)
+        if experts
+        else (T.Qwen3_5Config, T.Qwen3_5ForConditionalGeneration)
+    )
+    cfg = config(tie_word_embeddings=tied, **parts)
+    return save(randomize(model(cfg), seed), directory)
 
 
 QWEN3_VL_VISION = dict(

@@ -62,6 +62,8 @@ HOOKS = {  # where transformers' rows come out: a module, and how to read its ou
     "qwen2_5_vl": ("model.visual", _merged),
     "qwen3_vl": ("model.visual", _merged),
     "qwen3_vl_moe": ("model.visual", _merged),
+    "qwen3_5": ("model.visual", _merged),
+    "qwen3_5_moe": ("model.visual", _merged),
     "qwen2_audio": ("model.multi_modal_projector", lambda out, n: out[0, :n]),
 }
 _logits = nnx.jit(lambda llm, x, pos: llm(x, jnp.ones(x.shape[:2], jnp.int32), pos))

@@ -22,6 +22,8 @@ which the links do.
   2D rotary, and DeepStack: the outputs of the blocks `deepstack_visual_indexes` through
   mergers of their own (`deepstack_merger_list`: a LayerNorm over the merged width, then the
   merger's MLP; our `vision_projector/deepstack`, stacked), added in the LLM's first layers.
+- Qwen3.5's (`model.visual.` of a Qwen3.5 or Qwen3.5-MoE): Qwen3-VL's without DeepStack (its
+  config has no `deepstack_visual_indexes`, its checkpoint no `deepstack_merger_list`).
 """
 
 from __future__ import annotations
@@ -326,7 +328,8 @@ def _whole_number(x: float) -> int | float:
 
 class Qwen3VLVision(QwenTower):
     """Qwen3-VL's tower (the module docstring); `kind`: the whole checkpoint it is written
-    into (qwen3_vl or qwen3_vl_moe: the vision config's model_type)."""
+    into (qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe: the vision config's model_type);
+    `deepstack`: whether it has DeepStack (Qwen3.5's has none)."""
 
     name = "qwen3_vl"
     model_types = ("qwen3_vl_vision", "qwen3_vl_moe_vision")
@@ -334,8 +337,8 @@ class Qwen3VLVision(QwenTower):
     act = "gelu_pytorch_tanh"
     out_key = "out_hidden_size"
 
-    def __init__(self, kind: str = "qwen3_vl"):
-        self.kind = kind
+    def __init__(self, kind: str = "qwen3_vl", deepstack: bool = True):
+        self.kind, self.deepstack = kind, deepstack
 
     def width(self, hf: dict, where: str) -> int:
         return int(read(hf, "hidden_size", where))
@@ -349,6 +352,11 @@ class Qwen3VLVision(QwenTower):
             f"num_position_embeddings {table} is not a square grid of positions",
         )
         deep = [int(i) for i in hf.get("deepstack_visual_indexes") or []]
+        refuse_unless(
+            self.deepstack or not deep,
+            where,
+            f"deepstack_visual_indexes {deep}: a {self.kind} tower has no DeepStack",
+        )
         depth = int(read(hf, "depth", where))
         refuse_unless(
             all(0 <= i < depth for i in deep) and len(set(deep)) == len(deep),
@@ -376,8 +384,12 @@ class Qwen3VLVision(QwenTower):
             "model.vision.window": (0,),
             "model.vision.tokens_per_second": (0,),  # (videos: a time step per frame)
             "model.vision.deepstack": (
-                lambda d: len(d) <= cfg.model.llm.depth,
-                "DeepStack into as many of the LLM's first layers",
+                (
+                    lambda d: len(d) <= cfg.model.llm.depth,
+                    "DeepStack into as many of the LLM's first layers",
+                )
+                if self.deepstack
+                else ((lambda d: not d), "no DeepStack")
             ),
         }
 
@@ -390,8 +402,9 @@ class Qwen3VLVision(QwenTower):
             intermediate_size=v.mlp_dim,
             out_hidden_size=cfg.model.llm.width,
             num_position_embeddings=v.position_grid**2,
-            deepstack_visual_indexes=list(v.deepstack),
         )
+        if self.deepstack:
+            out["deepstack_visual_indexes"] = list(v.deepstack)
         return out
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:

@@ -16,6 +16,12 @@
   (`model.llm.moe`: dense layers among the MoE ones by `mlp_only_layers` and
   `decoder_sparse_step`), its router always renormalising the top-k probabilities, its
   experts stacked as transformers 5 holds them (`decoders.stacked_experts_links`).
+- Qwen3.5 and Qwen3.5-MoE (`Qwen3_5ForConditionalGeneration`,
+  `Qwen3_5MoeForConditionalGeneration`): natively multimodal hybrids, Qwen3-VL's whole with
+  the Qwen3.5 decoders (`jaxmllm.hf.hybrid`: Gated DeltaNet layers among full-attention ones,
+  the MoE's experts one Linear each) and Qwen3-VL's tower without DeepStack. Its interleaved
+  M-RoPE turns the rotary part of each head (`partial_rotary_factor`): `mrope_section` sums to
+  its half (Qwen3.5's [11, 11, 10] where config.json names none).
 """
 
 from __future__ import annotations
@@ -25,12 +31,14 @@ from typing import Any
 from jaxmllm.hf import oracle
 from jaxmllm.hf.decoders import MOE, Decoders
 from jaxmllm.hf.family import Family, mismatches
+from jaxmllm.hf.hybrid import HYBRIDS
 from jaxmllm.hf.qwen_vision import Qwen3VLVision
 from jaxmllm.hf.whole import Whole
 from jaxmllm.hf.whole_config import DECODERS, enabled, nested, pixels, tokenizer_ids
 
-# Qwen3-VL's M-RoPE sections where config.json names none (transformers' default)
+# M-RoPE's sections where config.json names none (transformers' defaults)
 QWEN3_VL_SECTIONS = [24, 20, 20]
+QWEN3_5_SECTIONS = [11, 11, 10]
 
 
 class QwenVL(Whole):
@@ -126,7 +134,8 @@ class QwenVL(Whole):
 
 
 class Qwen3VL(QwenVL):
-    """Qwen3-VL: the module docstring. `decoder`: qwen3 (dense) or qwen3_moe."""
+    """Qwen3-VL and Qwen3.5: the module docstring. `decoder`: qwen3 (dense), qwen3_moe,
+    qwen3_5_text or qwen3_5_moe_text (Qwen3.5's, whose tower has no DeepStack)."""
 
     parts = {
         "llm": ("text_config", "model.language_model."),
@@ -137,16 +146,22 @@ class Qwen3VL(QwenVL):
     video_timestamps = True
 
     def __init__(self, name: str, hf_class: str, decoder: str):
-        super().__init__(name, Qwen3VLVision(name), hf_class, "Qwen3VLProcessor", decoder)
+        hybrid = decoder in HYBRIDS
+        tower = Qwen3VLVision(name, deepstack=not hybrid)
+        super().__init__(name, tower, hf_class, "Qwen3VLProcessor", decoder)
+        self.sections = QWEN3_5_SECTIONS if hybrid else QWEN3_VL_SECTIONS
         if self.decoder.model_type in MOE:  # (its experts stacked, as transformers 5's)
             self.decoder = Decoders(self.decoder.model_type, stacked_experts=True)
 
     def section(self, role: str, hf: dict) -> dict:
         out = super().section(role, hf)
         if role == "llm":  # (transformers' rotary interleaves whatever config.json says)
+            rope = self.sub(role, hf).get("rope_parameters") or {}
+            sections = out.get("mrope_section") or rope.get("mrope_section") or ()
             out["mrope_interleaved"] = True
-            if not any(out["mrope_section"]):
-                out["mrope_section"] = list(QWEN3_VL_SECTIONS)
+            out["mrope_section"] = (
+                [int(x) for x in sections] if any(sections) else list(self.sections)
+            )
             if out.get("moe", {}).get("experts"):  # (its router always renormalises top-k)
                 out["moe"]["norm_topk_prob"] = True
         return out

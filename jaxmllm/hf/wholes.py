@@ -8,7 +8,7 @@
   written back at export). `vision_feature_select_strategy: default` drops CLIP's class token
   after the blocks (jaxmllm's class tokens are never read by the LLM); a SigLIP tower has none
   (`full`). An image is `image_token_index` once per patch.
-- Qwen2-VL, Qwen2.5-VL and Qwen3-VL (`jaxmllm.hf.qwen_vl`).
+- Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (`jaxmllm.hf.qwen_vl`).
 - Qwen2-Audio (`Qwen2AudioForConditionalGeneration`): the Qwen2-Audio encoder (Whisper's, its
   rows pooled in pairs), one Linear as projector (`multi_modal_projector.linear`,
   `model.audio.projector: linear`) and a Qwen2 LLM. A clip of L frames is L / 4 audio tokens.
@@ -315,6 +315,8 @@ WHOLES: tuple[Whole, ...] = (
     ),
     Qwen3VL("qwen3_vl", "Qwen3VLForConditionalGeneration", "qwen3"),
     Qwen3VL("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "qwen3_moe"),
+    Qwen3VL("qwen3_5", "Qwen3_5ForConditionalGeneration", "qwen3_5_text"),
+    Qwen3VL("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe_text"),
     Qwen2Audio(),
 )
 
