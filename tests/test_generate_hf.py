@@ -228,26 +228,41 @@ def test_llava_with_an_image_generates_transformers_tokens(tmp_path, tower):
     assert len(ours) == 16 and ours == theirs
 
 
+QWEN_VL = {  # (the others: hf_models' builder of the family's name)
+    "qwen3_5": hf_models.qwen3_5_whole,
+    "qwen3_5_moe": lambda d, **kw: hf_models.qwen3_5_whole(d, experts=4, **kw),
+}
+
+
 @pytest.mark.torch
 @pytest.mark.parametrize(
     ("family", "gh", "gw"),
-    [("qwen2_vl", 6, 4), ("qwen2_5_vl", 10, 6), ("qwen3_vl", 6, 4), ("qwen3_vl_moe", 6, 4)],
+    [
+        ("qwen2_vl", 6, 4),
+        ("qwen2_5_vl", 10, 6),
+        ("qwen3_vl", 6, 4),
+        ("qwen3_vl_moe", 6, 4),
+        ("qwen3_5", 6, 4),
+        ("qwen3_5_moe", 6, 4),
+    ],
 )
 def test_qwen_vl_with_an_image_generates_transformers_first_tokens(tmp_path, family, gh, gw):
-    """A whole Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE from one directory (its tower
-    found in it; Qwen2.5-VL's windows of 4 x 4 patches, six over the image, two blocks full;
-    Qwen3-VL's learned positions, its DeepStack added in the prefill's first layers,
-    interleaved M-RoPE; the MoE's experts in the KV-cache steps):
-    an image between the tokenizer's vision start and end; prefill places its tokens on the
-    image's grid, decoding counts on from one past the largest position (Qwen2-VL's rope
-    delta): the first 8 ids are transformers'."""
+    """A whole Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 or Qwen3.5-MoE from one
+    directory (its tower found in it; Qwen2.5-VL's windows of 4 x 4 patches, six over the
+    image, two blocks full; Qwen3-VL's learned positions, its DeepStack added in the
+    prefill's first layers, interleaved M-RoPE; Qwen3.5's on part of each head, its linear
+    layers' state and window carried from the prefill; the MoEs' experts in the KV-cache
+    steps): an image between the tokenizer's vision start and end; prefill places its tokens
+    on the image's grid, decoding counts on from one past the largest position (Qwen2-VL's
+    rope delta): the first 8 ids are transformers'."""
     import transformers
 
     d = tmp_path / family
     tk = hf(build_dir(d, "qwen", "Qwen/Qwen2.5-VL-7B-Instruct"))
     names = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
     ids = tuple(tk.convert_tokens_to_ids(t) for t in names)
-    getattr(hf_models, family)(d, vocab=VOCAB, ids=ids)
+    build = QWEN_VL.get(family) or getattr(hf_models, family)
+    build(d, vocab=VOCAB, ids=ids)
     build_dir(d, "qwen", "Qwen/Qwen2.5-VL-7B-Instruct")  # (save_pretrained wrote over it)
 
     rng = np.random.default_rng(0)
