@@ -1,5 +1,5 @@
 """PEFT LoRA adapters in and out, with transformers and peft themselves as the oracle: adapters
-peft wrote put on tiny Qwen2-VL, Qwen3-VL and LLaVA checkpoints built in tmp_path give our
+peft wrote put on tiny Qwen2-VL, Qwen3-VL, Qwen3.5 and LLaVA checkpoints built in tmp_path give our
 logits with an image in the prompt within 1e-4 of `PeftModel.from_pretrained`'s; a LoRA run
 trained from such a checkpoint exports an adapter peft loads (and `--merged`, the model with
 it merged) that gives the run's own logits; adapters with modules the model lacks are refused
@@ -26,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 
 LLM = r"model\.language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+LINEAR = r"model\.language_model\.layers\.\d+\.linear_attn\.(in_proj_(qkv|z|b|a)|out_proj)"
 
 
 def peft_adapter(source: str, out: Path, seed: int = 0, **options) -> str:
@@ -78,6 +79,17 @@ CASES = {
             r"model\.visual\.(merger|deepstack_merger_list\.\d+)\.linear_fc1)",
         ),
     ),
+    # Qwen3.5's hybrid LLM (its full-attention layers' and its linear layers' matrices: the
+    # fused in_proj_qkv regrouped by key head), the tower's qkv and output, the merger's fc1.
+    "qwen3_5": (
+        hf_models.qwen3_5_whole,
+        dict(
+            r=4,
+            lora_alpha=8,
+            target_modules=rf"(?:{LLM}|{LINEAR}|model\.visual\.blocks\.\d+\.attn\.(qkv|proj)|"
+            r"model\.visual\.merger\.linear_fc1)",
+        ),
+    ),
     # The LLM and the CLIP tower's q and v (LLaVA's LLM has q_proj too: a regex tells them
     # apart), the projector's first matrix, each module of a rank of its own.
     "llava": (
@@ -106,18 +118,19 @@ def test_a_peft_adapter_gives_peft_s_logits_with_an_image_in_the_prompt(name, tm
     results = check_all(source, adapter=adapter)
     # (the whole model on samples packed into one row, an image in one of them)
     assert any(r["role"] == "model" and "-patch image" in r["what"] for r in results)
-    for result in results:
-        assert result["max_abs_diff"] < 1e-4, result
+    for result in results:  # (Qwen3.5's hybrid: the 1e-3 of its linear layers' chunks)
+        assert result["max_abs_diff"] < (1e-3 if name == "qwen3_5" else 1e-4), result
     cfg = write_config(tmp_path / "run.yaml", model=source, adapter=adapter)
     m = cfg.model
     assert m.init_from.adapter == str(Path(adapter).resolve())
+    linear = ("in_qkv", "in_z", "in_b", "in_a", "out_proj") if name == "qwen3_5" else ()
     assert m.llm.lora.rank == options["r"] and set(m.llm.lora.targets) == set(
-        ("q", "k", "v", "o", "gate", "up", "down")
+        ("q", "k", "v", "o", "gate", "up", "down", *linear)
     )
     if name == "qwen2_vl":
         assert set(m.vision.lora.targets) == {"q", "k", "v", "o"} and not m.vision.freeze
         assert m.projector_freeze is False and m.projector_lora.rank == 0  # (saved whole)
-    elif name == "qwen3_vl":
+    elif name in ("qwen3_vl", "qwen3_5"):
         assert set(m.vision.lora.targets) == {"q", "k", "v", "o"}
         assert m.projector_lora.rank == 4 and m.projector_lora.targets == ("fc1",)
     else:
@@ -163,13 +176,14 @@ def test_an_adapter_of_modules_the_model_lacks_is_refused_naming_them(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen2_vl", "llava", "qwen3_vl"])
+@pytest.mark.parametrize("name", ["qwen2_vl", "llava", "qwen3_vl", "qwen3_5"])
 def test_a_lora_run_exports_an_adapter_peft_loads_with_the_runs_logits(name, tmp_path):
-    """Import a whole checkpoint, train 2 steps of LoRA on its LLM and vision tower (the
-    projector trained whole), export: a PEFT adapter of the checkpoint, which read back is the
-    run's adapters bit for bit and gives peft's logits with an image in the prompt within
-    1e-4; `--merged`: the model with the adapters merged, its logits peft's; a checkpoint
-    whose files changed since is refused by a resume and by export, naming it."""
+    """Import a whole checkpoint, train 2 steps of LoRA on its LLM (Qwen3.5's: its linear
+    layers' matrices too) and vision tower (the projector trained whole), export: a PEFT
+    adapter of the checkpoint, which read back is the run's adapters bit for bit and gives
+    peft's logits with an image in the prompt within 1e-4 (Qwen3.5: 1e-3); `--merged`: the
+    model with the adapters merged, its logits peft's; a checkpoint whose files changed since
+    is refused by a resume and by export, naming it."""
     import jax
     from test_hf_train import CPU
     from test_hf_whole_train import whole_dir
@@ -211,6 +225,8 @@ def test_a_lora_run_exports_an_adapter_peft_loads_with_the_runs_logits(name, tmp
     }
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["modules_to_save"]  # (the projector, trained whole)
+    if name == "qwen3_5":  # (the linear layers' matrices are targets by default)
+        assert "in_proj_qkv" in config["target_modules"], config["target_modules"]
     wrapped = transformers.AutoModelForImageTextToText.from_pretrained(source)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -218,8 +234,9 @@ def test_a_lora_run_exports_an_adapter_peft_loads_with_the_runs_logits(name, tmp
     assert not [w for w in caught if "missing adapter keys" in str(w.message)]  # (every one)
     named = {n for n, _ in wrapped.named_modules() if n.endswith(".lora_A")}
     assert named and all(re.search(config["target_modules"], n) for n in named)
+    bound = 1e-3 if name == "qwen3_5" else 1e-4
     for result in check_all(source, adapter=str(adapter)):
-        assert result["max_abs_diff"] < 1e-4, result
+        assert result["max_abs_diff"] < bound, result
 
     run_cfg = from_dict(Config, json.loads((out / "config.json").read_text()))  # (resolved)
     _, params, _ = run_parameters(run_cfg, out)
@@ -244,7 +261,7 @@ def test_a_lora_run_exports_an_adapter_peft_loads_with_the_runs_logits(name, tmp
     merged = export_run(str(out), str(tmp_path / "merged"), merged=True)["model"]
     np.testing.assert_allclose(logits(str(merged)), logits(source, str(adapter)), atol=1e-4)
     for result in check_all(str(merged)):
-        assert result["max_abs_diff"] < 1e-4, result
+        assert result["max_abs_diff"] < bound, result
 
     _perturb(Path(source))  # (its files changed since the run read them)
     refused = rf"trained on the base \(model\.init_from\.llm={source}.*content hash"
