@@ -1,7 +1,8 @@
 """Qwen3.5 and Qwen3.5-MoE text checkpoints in and out, held to transformers: tiny random
 hybrids built in tmp_path (tests/hf_models.py), logits in fp32 on packed rows, the variants a
 user meets (other layer patterns, head counts, key/value head ratios, conv widths, partial
-rotary, tied embeddings, experts)."""
+rotary, tied embeddings, experts); and what import and export say of the whole, natively
+multimodal checkpoints (their check, training and export: tests/test_hf_whole*.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from jaxmllm.hf.towers import config_for, load_towers
 from sharding.rules import keyed_leaves
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.torch  # (every test here runs transformers' models, on torch)
 
 BUILD = {
     "qwen3_5": lambda d: hf_models.qwen3_5(d),
@@ -41,10 +43,10 @@ BUILD = {
 
 @pytest.mark.parametrize("name", sorted(BUILD))
 def test_our_hybrid_decoder_matches_transformers_on_packed_rows(name, tmp_path):
-    """`hf check`: 150 tokens in three samples packed into one row (documents across the
-    64-token chunks), each sample's logits within 1e-3 of transformers run on it alone."""
+    """`hf check`: three texts (150, 93 and 37 tokens) packed into one row (documents across
+    the 64-token chunks), each text's logits within 1e-3 of transformers run on it alone."""
     result = check_dir(BUILD[name](tmp_path / name), tokens=150)
-    assert "3 samples packed into 1 row" in result["what"], result
+    assert "3 texts" in result["what"] and "packed into 1 row" in result["what"], result
     assert result["max_abs_ref"] > 5, result
     assert result["max_abs_diff"] < 1e-3, result
 
@@ -264,3 +266,57 @@ def test_a_lora_run_exports_an_adapter_peft_loads(experts, tmp_path):
     assert moved and not np.all(trained[moved[0]] == 0)  # (B moved from zero)
     for path, value in trained.items():
         np.testing.assert_allclose(mine[path], value, rtol=1e-6, atol=1e-7, err_msg=path)
+
+
+# ----------------------------------------------------------------------------- whole checkpoints
+
+
+@pytest.mark.parametrize("experts", [0, 4], ids=["qwen3_5", "qwen3_5_moe"])
+def test_import_of_a_whole_writes_the_hybrid_with_interleaved_mrope_and_no_deepstack(
+    experts, tmp_path
+):
+    """`hf import --model` of a whole Qwen3.5: the hybrid LLM (its linear layers, the gated
+    full-attention ones) with interleaved M-RoPE on the rotary quarter of each head, Qwen3-VL's
+    tower without DeepStack, videos with their times written; the same options from scratch
+    export as that whole and no other (as Qwen3-VL: not its decoder), and with DeepStack as
+    none, naming the key."""
+    from jaxmllm.config import load_config
+    from jaxmllm.hf.export import plan_export
+    from jaxmllm.hf.family import FamilyError, mismatches
+    from jaxmllm.hf.whole_config import DECODERS
+
+    source = hf_models.qwen3_5_whole(tmp_path / "m", experts=experts)
+    cfg = write_config(tmp_path / "run.yaml", model=source)
+    v, llm = cfg.model.vision, cfg.model.llm
+    assert llm.linear.layers == (0, 2) and llm.attn_gate and llm.norm == "rms_offset"
+    assert (llm.rotary_fraction, llm.rotary_dim) == (0.25, 12)
+    assert (llm.mrope_interleaved, llm.mrope_section) == (True, (2, 2, 2))
+    assert bool(llm.moe.experts) == bool(experts)
+    assert (v.deepstack, v.position_grid, v.position_resize) == ((), 6, "bilinear")
+    assert cfg.data.video_timestamps
+    name = "qwen3_5_moe" if experts else "qwen3_5"
+    scratch = [f"model.init_from.{r}=" for r in ("llm", "vision")]
+    (piece,) = plan_export(load_config(tmp_path / "run.yaml", scratch))
+    assert piece.whole.name == name and piece.whole.hf_class.startswith("Qwen3_5")
+    deep = load_config(tmp_path / "run.yaml", [*scratch, "model.vision.deepstack=[0]"])
+    with pytest.raises(FamilyError) as e:
+        plan_export(deep)
+    assert f"as {name}: model.vision.deepstack=(0,) ({name} has no DeepStack)" in str(e.value)
+    assert "as qwen3_vl: model.llm.norm='rms_offset'" in str(e.value)
+    qwen3 = mismatches(cfg, DECODERS["qwen3"].wants(cfg), "qwen3")  # (the rest it refuses)
+    for key in ("linear.enabled=True", "attn_gate=True", "rotary_fraction=0.25"):
+        assert any(m.startswith(f"model.llm.{key} ") for m in qwen3), qwen3
+
+
+def test_import_refuses_a_whole_qwen3_5_with_deepstack_naming_the_key(tmp_path):
+    """A Qwen3.5 config.json whose vision_config names DeepStack blocks (transformers' class
+    has none) is refused, naming the key, before anything is written."""
+    from jaxmllm.hf.family import FamilyError
+
+    source = Path(hf_models.qwen3_5_whole(tmp_path / "m"))
+    hf = json.loads((source / "config.json").read_text())
+    hf["vision_config"]["deepstack_visual_indexes"] = [0]
+    (source / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(FamilyError, match=r"deepstack_visual_indexes \[0\]: .*no DeepStack"):
+        write_config(tmp_path / "run.yaml", model=str(source))
+    assert not (tmp_path / "run.yaml").exists()

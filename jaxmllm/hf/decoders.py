@@ -255,6 +255,10 @@ class Decoders(Family):
                 "tied logits x . E^T, unscaled",
             ),
             "model.llm.mrope_section": ((lambda m: not any(m)), "1D rotary positions"),
+            # (Qwen3.5's, `jaxmllm.hf.hybrid`: a whole of another decoder must not take them)
+            "model.llm.linear.enabled": ((lambda e: not e), "no linear-attention layers"),
+            "model.llm.attn_gate": (False,),
+            "model.llm.rotary_fraction": (1.0,),
         }
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
