@@ -33,8 +33,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     which.add_argument(
         "--model",
         default="",
-        help="a whole multimodal checkpoint: LLaVA, "
-        "Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen2-Audio (its LLM, encoders, projectors)",
+        help="a whole multimodal checkpoint: LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), "
+        "Qwen3.5(-MoE) or Qwen2-Audio (its LLM, encoders, projectors)",
     )
     which.add_argument("--llm", default="", help="a Llama or Qwen2 causal LM directory")
     imp.add_argument(
