@@ -36,7 +36,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a whole multimodal checkpoint: LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), "
         "Qwen3.5(-MoE) or Qwen2-Audio (its LLM, encoders, projectors)",
     )
-    which.add_argument("--llm", default="", help="a Llama or Qwen2 causal LM directory")
+    which.add_argument(
+        "--llm",
+        default="",
+        help="a causal LM directory: Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Qwen3.5(-MoE)",
+    )
     imp.add_argument(
         "--vision", default="", help="a SigLIP, CLIP or Qwen2(.5)-VL / Qwen3-VL directory"
     )
