@@ -610,3 +610,36 @@ def qwen3_vl_vision(directory: Path, seed: int = 0, out: int = 64) -> str:
 
     cfg = Qwen3VLVisionConfig(out_hidden_size=out, deepstack_visual_indexes=[1], **QWEN3_VL_VISION)
     return save(randomize(Qwen3VLVisionModel(cfg), seed), directory)
+
+
+def fused_experts(source: str, directory: Path) -> str:
+    """A copy of the MoE checkpoint `source` (one Linear per expert, as save_pretrained writes)
+    with each layer's routed experts fused as transformers 5 holds them and Qwen's Qwen3.5-MoE
+    files store them: `mlp.experts.gate_up_proj` [E, 2f, width] (each expert's gate rows, then
+    its up rows) and `mlp.experts.down_proj` [E, width, f]."""
+    import re
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    directory.mkdir(parents=True)
+    one = re.compile(r"(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight")
+    for path in Path(source).iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy2(path, directory / path.name)
+            continue
+        tensors, experts = {}, {}
+        for name, x in load_file(path).items():
+            m = one.fullmatch(name)
+            if m:
+                experts.setdefault(m[1], {})[(int(m[2]), m[3])] = x
+            else:
+                tensors[name] = x
+        for layer, parts in experts.items():
+            n = 1 + max(j for j, _ in parts)
+            gate_up = [np.concatenate([parts[j, "gate"], parts[j, "up"]]) for j in range(n)]
+            tensors[layer + "gate_up_proj"] = np.stack(gate_up)
+            tensors[layer + "down_proj"] = np.stack([parts[j, "down"] for j in range(n)])
+        save_file(tensors, directory / path.name, metadata={"format": "pt"})
+    return str(directory)

@@ -6,6 +6,7 @@ not, a shared expert with its gate, other head counts and GQA ratios)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import hf_models
@@ -40,6 +41,10 @@ BUILD = {
     ),
     "qwen2-moe-shared-expert": lambda d: hf_models.qwen2_moe(d),
     "qwen2-moe-no-biases": lambda d: hf_models.qwen2_moe(d, qkv_bias=False),
+    # the experts fused, as transformers 5 holds them (and reads them from a checkpoint)
+    "qwen3-moe-fused": lambda d: hf_models.fused_experts(
+        hf_models.qwen3_moe(d.with_name(d.name + "-linear"), dense_layers=(1,)), d
+    ),
 }
 
 
@@ -53,7 +58,9 @@ def test_our_decoder_matches_transformers(name, tmp_path):
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("name", ["qwen3-moe-dense-layer", "qwen2-moe-shared-expert"])
+@pytest.mark.parametrize(
+    "name", ["qwen3-moe-dense-layer", "qwen2-moe-shared-expert", "qwen3-moe-fused"]
+)
 def test_import_then_export_is_bit_identical(name, tmp_path):
     """Every expert's tensors consumed into the stacked experts (MoE and dense layers in stacks
     of their own) and written back bit for bit, with the config.json's MoE keys."""
@@ -130,6 +137,7 @@ def peft_adapter(source: str, out: Path, **options) -> str:
     return str(out)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize(
     "targets",
     [
@@ -156,6 +164,23 @@ def test_a_peft_adapter_on_an_moe_decoder_gives_peft_s_logits(targets, tmp_path)
     assert set(cfg.model.llm.lora.targets) == want
 
 
+@pytest.mark.torch
+def test_a_peft_adapter_on_fused_experts_gives_peft_s_logits(tmp_path):
+    """The same adapter on the routed experts (target_parameters) of a checkpoint whose experts
+    are fused: `hf check --adapter` within 1e-4 of peft's, the adapter moving the logits."""
+    pytest.importorskip("peft")
+    linear = hf_models.qwen3_moe(tmp_path / "linear", dense_layers=(1,))
+    source = hf_models.fused_experts(linear, tmp_path / "m")
+    targets = ["gate_proj", "up_proj", "down_proj"]
+    adapter = peft_adapter(source, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=targets)
+    assert json.loads((Path(adapter) / "adapter_config.json").read_text())["target_parameters"]
+    (result,) = check_all(source, adapter=adapter)
+    (plain,) = check_all(source)
+    assert result["max_abs_diff"] < 1e-4, result
+    assert abs(result["max_abs_ref"] - plain["max_abs_ref"]) > 1e-3, (result, plain)
+
+
+@pytest.mark.torch
 def test_a_peft_adapter_on_a_shared_expert_gives_peft_s_logits(tmp_path):
     """With a shared expert (Qwen2-MoE, a dense layer every second) PEFT's gate_proj, up_proj
     and down_proj targets match the shared expert's Linears and the dense layers' MLPs, not
@@ -290,3 +315,73 @@ def test_a_lora_run_on_an_moe_exports_an_adapter_peft_loads(tmp_path):
     merged = export_run(str(out), str(tmp_path / "merged"), merged=True)["model"]
     (plain,) = check_all(str(merged))
     assert plain["max_abs_diff"] < 1e-4, plain
+
+
+FUSED = {  # (linear: a checkpoint with one Linear per expert, as save_pretrained writes)
+    "qwen3-moe": lambda d: hf_models.qwen3_moe(d, dense_layers=(1,)),
+    "qwen2-moe": lambda d: hf_models.qwen2_moe(d),
+    "qwen3_5-moe": lambda d: hf_models.qwen3_5(d, experts=4),
+    "qwen3_5-moe-whole": lambda d: hf_models.qwen3_5_whole(d, experts=4),
+}
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", sorted(FUSED))
+def test_experts_fused_as_qwen_s_files_import_as_one_linear_each(name, tmp_path):
+    """The experts fused as transformers 5 holds them and Qwen's Qwen3.5-MoE files store them
+    (gate_up_proj [E, 2f, width], down_proj [E, width, f]): transformers itself reads that
+    folder to the same logits as the one Linear per expert it was made from (so the layout is
+    real), and the import of either gives the same parameters bit for bit."""
+    from jaxmllm.hf.towers import load_model
+
+    linear = FUSED[name](tmp_path / "linear")
+    fused = hf_models.fused_experts(linear, tmp_path / "fused")
+    names = Checkpoint(fused).names()
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in names)
+    assert not any(".mlp.experts.0." in n for n in names)
+    whole = name.endswith("whole")
+    cls = transformers.AutoModelForImageTextToText if whole else transformers.AutoModelForCausalLM
+    ids = np.arange(1, 24)[None]
+    logits = []
+    for directory in (linear, fused):
+        model, info = cls.from_pretrained(directory, output_loading_info=True)
+        assert not any(info.values()), info
+        logits.append(model(input_ids=__import__("torch").as_tensor(ids)).logits.detach())
+    np.testing.assert_array_equal(logits[0].numpy(), logits[1].numpy())
+    params = []
+    for directory in (linear, fused):
+        _, ours = load_model(directory, directory if whole else "")
+        params.append(keyed_leaves(nnx.to_pure_dict(nnx.state(ours))))
+    assert set(params[0]) == set(params[1])
+    for k in params[0]:
+        np.testing.assert_array_equal(np.asarray(params[0][k]), np.asarray(params[1][k]), k)
+
+
+@pytest.mark.torch
+def test_a_checkpoint_with_experts_in_both_layouts_is_refused_naming_them(tmp_path):
+    """One layer's experts fused among others one Linear each (or both for one layer): the
+    import is refused naming a tensor of each layout, before anything is written."""
+    from safetensors.numpy import load_file, save_file
+
+    from jaxmllm.hf.family import FamilyError
+
+    linear = hf_models.qwen3_moe(tmp_path / "linear", layers=2)
+    fused = hf_models.fused_experts(linear, tmp_path / "fused")
+    mixed = {k: v for k, v in load_file(Path(linear) / "model.safetensors").items()}
+    layer0 = "model.layers.0.mlp.experts."
+    mixed = {k: v for k, v in mixed.items() if not k.startswith(layer0)}
+    mixed.update(
+        {
+            k: v
+            for k, v in load_file(Path(fused) / "model.safetensors").items()
+            if k.startswith(layer0)
+        }
+    )
+    save_file(mixed, Path(fused) / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(FamilyError) as e:
+        write_config(tmp_path / "run.yaml", model=fused)
+    message = str(e.value)
+    assert f"{fused}: its experts are both fused" in message, message
+    assert re.search(r"\(model\.layers\.0\.mlp\.experts\.(gate_up|down)_proj\)", message)
+    assert re.search(r"\(model\.layers\.1\.mlp\.experts\.0\.\w+_proj\.weight\)", message)
+    assert not (tmp_path / "run.yaml").exists()

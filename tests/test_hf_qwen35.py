@@ -28,6 +28,10 @@ pytestmark = pytest.mark.torch  # (every test here runs transformers' models, on
 BUILD = {
     "qwen3_5": lambda d: hf_models.qwen3_5(d),
     "qwen3_5-moe": lambda d: hf_models.qwen3_5(d, experts=4),
+    # its experts fused, as Qwen's own Qwen3.5-MoE files hold them
+    "qwen3_5-moe-fused": lambda d: hf_models.fused_experts(
+        hf_models.qwen3_5(d.with_name(d.name + "-linear"), experts=4), d
+    ),
     # full attention first and twice, linear layers between
     "full-first": lambda d: hf_models.qwen3_5(d, layers=("full", "linear", "full", "linear")),
     # 6 query heads a kv head; a key head serving 3 value heads; a 3-tap convolution
@@ -69,11 +73,12 @@ def test_the_packed_check_fails_when_the_state_is_not_restarted(tmp_path, monkey
     assert result["max_abs_diff"] > 0.1, result
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5-moe"])
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5-moe", "qwen3_5-moe-fused"])
 def test_import_then_export_is_bit_identical(name, tmp_path):
     """Every tensor consumed (the linear layers' fused in_proj_qkv and conv1d regrouped by
-    key head, q_proj's queries and gates, the experts stacked) and written back bit for bit,
-    with config.json's layer_types and linear-attention sizes."""
+    key head, q_proj's queries and gates, the experts stacked, from one Linear each or fused)
+    and written back bit for bit in the layout read, with config.json's layer_types and
+    linear-attention sizes."""
     source = BUILD[name](tmp_path / "source")
     cfg = config_for("llm", source)
     assert cfg.model.llm.linear.layers == (0, 1, 2)
@@ -117,20 +122,21 @@ def test_a_hybrid_given_as_model_is_a_text_only_model(tmp_path):
     assert (llm.moe.experts, llm.moe.shared_mlp_dim, llm.moe.norm_topk_prob) == (4, 48, True)
 
 
-@pytest.mark.parametrize("experts", [0, 4], ids=["qwen3_5", "qwen3_5_moe"])
-def test_a_peft_adapter_on_every_matrix_gives_peft_s_logits(experts, tmp_path):
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5-moe", "qwen3_5-moe-fused"])
+def test_a_peft_adapter_on_every_matrix_gives_peft_s_logits(name, tmp_path):
     """A PEFT adapter on every Linear (LLaMA-Factory's `all`: the full-attention layers'
     q_proj with its gate rows, k, v, o; the linear layers' in_proj_qkv (its rows regrouped
     like the weight's), in_proj_z, in_proj_b, in_proj_a, out_proj; the MLPs, in the MoE the
-    shared expert's, as PEFT matches them): `hf check --adapter` within 5e-4 of peft's (these
-    random hybrids' fp32 noise: transformers' own fp32 logits are 1.5e-4 from its float64
-    ones), the adapter moving the logits, and `hf import --adapter` configures the targets."""
+    shared expert's, as PEFT matches them; the MoE's experts one Linear each or fused): `hf
+    check --adapter` within 5e-4 of peft's (these random hybrids' fp32 noise: transformers'
+    own fp32 logits are 1.5e-4 from its float64 ones), the adapter moving the logits, and `hf
+    import --adapter` configures the targets."""
     pytest.importorskip("peft")
     from test_hf_moe import peft_adapter
 
     from jaxmllm.hf.check_whole import check_all
 
-    source = hf_models.qwen3_5(tmp_path / "m", experts=experts)
+    source = BUILD[name](tmp_path / "m")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     targets += ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
     adapter = peft_adapter(source, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=targets)

@@ -44,9 +44,13 @@ WHOLES = {
     "qwen3-vl-moe": lambda d: hf_models.qwen3_vl_moe(d, dense_layers=(1,)),
     "qwen3-5": hf_models.qwen3_5_whole,
     "qwen3-5-moe": lambda d: hf_models.qwen3_5_whole(d, experts=4),
+    # its experts fused, as Qwen's own files hold them (written back so)
+    "qwen3-5-moe-fused": lambda d: hf_models.fused_experts(
+        hf_models.qwen3_5_whole(d.with_name(d.name + "-linear"), experts=4), d
+    ),
 }
 # A hybrid's Gated DeltaNet sums its chunks in another order than transformers' (1e-3 fp32)
-BOUNDS = {"qwen3-5": 1e-3, "qwen3-5-moe": 1e-3}
+BOUNDS = {"qwen3-5": 1e-3, "qwen3-5-moe": 1e-3, "qwen3-5-moe-fused": 1e-3}
 CLASSES = {"qwen2-audio": "Qwen2AudioForConditionalGeneration"}  # (else image-text-to-text)
 
 

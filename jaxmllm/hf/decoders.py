@@ -7,11 +7,19 @@ All are jaxmllm's own decoder (RMSNorm, rotate-half RoPE, GQA, SiLU-gated MLP) w
 `mlp_bias`, `qk_norm` (Qwen3), `rope_scaling`, `mrope_section` (Qwen2-VL; interleaved:
 Qwen3-VL's `mrope_interleaved`), and tied embeddings without jaxmllm's 1/sqrt(width) logit
 scale.
+
+A mixture of experts' routed experts are read in the layout the checkpoint holds (`EXPERTS`,
+`Decoders.for_checkpoint`): transformers 5 reads Qwen2-MoE's, Qwen3-MoE's and Qwen3.5-MoE's
+either one Linear each (what its save_pretrained writes) or fused (what it holds in memory, and
+what Qwen's own Qwen3.5-MoE files hold); Qwen3-VL-MoE's only fused.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +52,15 @@ QK_NORM = ("qwen3", "qwen3_moe")  # RMSNorm over each head's queries and keys
 MOE = ("qwen2_moe", "qwen3_moe")  # mixture-of-experts MLPs (`mlp.gate`, `mlp.experts.{j}`)
 SHARED_EXPERT = ("qwen2_moe",)  # a shared expert with its sigmoid gate beside the experts
 MAX_EXPERTS = 1 << 14  # (far past any model's; a damaged config.json's 1e9 would allocate)
+# How a checkpoint may lay out a mixture of experts' routed experts (`moe_links`): one Linear
+# each (experts.{j}.gate_proj, up_proj, down_proj), fused (experts.gate_up_proj [E, 2f, width],
+# experts.down_proj [E, width, f]), or fused and maybe each transposed (the hub's Qwen3-VL-MoE)
+EXPERTS = ("linear", "fused", "fused_hub")
+# A layer's experts in each layout that transformers' qwen2_moe conversion reads either way
+LAYOUT_OF = {
+    "fused": re.compile(r"(?:^|\.)layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj)$"),
+    "linear": re.compile(r"(?:^|\.)layers\.\d+\.mlp\.experts\.\d+\.\w+_proj\.weight$"),
+}
 
 
 def rope_section(hf: dict, where: str, partial: bool = False) -> tuple[float, dict]:
@@ -98,13 +115,37 @@ class Decoders(Family):
 
     role = "llm"
 
-    def __init__(self, model_type: str, stacked_experts: bool = False):
-        """`stacked_experts`: the experts' weights stacked as transformers 5 holds them
-        (`experts_links`: Qwen3-VL-MoE's checkpoints), not one Linear each."""
+    def __init__(self, model_type: str, experts: str = "linear"):
+        """`experts`: how the checkpoint lays out the routed experts (`EXPERTS`): one Linear
+        each (transformers' save_pretrained) until `for_checkpoint` reads them fused;
+        Qwen3-VL-MoE's `fused_hub` only."""
         self.name = self.model_type = model_type
         self.model_types = (model_type,)
         self.hf_class = CLASSES[model_type]
-        self.stacked_experts = stacked_experts
+        self.experts = experts
+
+    def for_checkpoint(self, names: Sequence[str], where: str = "") -> Decoders:
+        """Self reading the experts as `names` hold them, one Linear each or fused (a family
+        that reads one layout only, Qwen3-VL-MoE's, is itself).
+
+        Raises:
+          FamilyError: the checkpoint holds experts in both layouts, naming one of each.
+        """
+        if self.experts != "linear":
+            return self
+        found = {k: next((n for n in names if p.search(n)), None) for k, p in LAYOUT_OF.items()}
+        refuse_unless(
+            not all(found.values()),
+            where or f"{self.name} checkpoint",
+            f"its experts are both fused ({found['fused']}) and one Linear each "
+            f"({found['linear']}): transformers reads every layer's in one layout (a "
+            "checkpoint half converted? write every layer's experts alike)",
+        )
+        if not found["fused"]:
+            return self
+        fused = copy.copy(self)
+        fused.experts = "fused"
+        return fused
 
     def section(self, hf: dict) -> dict:
         where = f"{self.name} config.json"
@@ -286,7 +327,7 @@ class Decoders(Family):
             same(p + "post_attention_layernorm.weight", ours + "mlp_norm/scale", n),
         ]
         if kind == "moe":
-            links += moe_links(llm.moe, w, p + "mlp.", ours + "mlp/", n, self.stacked_experts)
+            links += moe_links(llm.moe, w, p + "mlp.", ours + "mlp/", n, self.experts)
         else:
             links += gated_mlp_links(w, f, p + "mlp.", ours + "mlp/", n)
         heads = {
@@ -332,15 +373,17 @@ def gated_mlp_links(w: int, f: int, hf: str, ours: str, n: int) -> list[Link]:
     ]
 
 
-def moe_links(moe: Any, w: int, hf: str, ours: str, n: int, stacked: bool = False) -> list:
-    """An MoE layer's router (`gate`), its experts one Linear each (`experts.{j}.*_proj`,
-    stacked [E, ...] on our side; `stacked`: `stacked_experts_links`) and the shared expert
-    with its gate."""
+def moe_links(moe: Any, w: int, hf: str, ours: str, n: int, experts: str = "linear") -> list:
+    """An MoE layer's router (`gate`), its experts laid out as `experts` says (`EXPERTS`: one
+    Linear each, `experts.{j}.*_proj`, or `stacked_experts_links`), stacked [E, ...] on our
+    side, and the shared expert with its gate."""
     links = [dense(hf + "gate.weight", ours + "router/kernel", (w, moe.experts), 1, n)]
-    if stacked:
-        links += stacked_experts_links(hf + "experts.", ours + "experts/", moe, w, n)
-    for proj in ("gate", "up", "down") if not stacked else ():
-        links.append(experts_link(hf, f"{proj}_proj", ours + f"experts/{proj}", moe.experts, n))
+    if experts == "linear":
+        for proj in ("gate", "up", "down"):
+            links.append(experts_link(hf, f"{proj}_proj", ours + f"experts/{proj}", moe.experts, n))
+    else:
+        hub = experts == "fused_hub"
+        links += stacked_experts_links(hf + "experts.", ours + "experts/", moe, w, n, hub)
     if moe.shared_mlp_dim:
         links += gated_mlp_links(w, moe.shared_mlp_dim, hf + "shared_expert.", ours + "shared/", n)
         if moe.shared_gate:
@@ -362,12 +405,16 @@ def experts_link(hf: str, proj: str, ours: str, experts: int, n: int) -> Link:
     )
 
 
-def stacked_experts_links(hf: str, ours: str, moe: Any, w: int, n: int) -> list[Link]:
+def stacked_experts_links(
+    hf: str, ours: str, moe: Any, w: int, n: int, hub: bool = False
+) -> list[Link]:
     """The experts stacked as transformers 5 holds them: `gate_up_proj` [E, 2f, w] (each
-    expert's gate rows, then its up rows) and `down_proj` [E, w, f], which it also saves so;
-    the hub's Qwen3-VL-MoE files hold them transposed ([E, w, 2f], [E, f, w]), told apart by
-    their shape as transformers' loader tells them (a square one read as it saves them).
-    Ours: gate and up [E, w, f], down [E, f, w]; an export writes transformers' layout."""
+    expert's gate rows, then its up rows) and `down_proj` [E, w, f], which it also saves so for
+    Qwen3-VL-MoE (and Qwen's Qwen3.5-MoE files hold so). `hub`: also the hub's Qwen3-VL-MoE
+    files' layout, each transposed ([E, w, 2f], [E, f, w]), told apart by their shape as
+    transformers' loader tells them (a square one read as it saves them); else that shape is
+    refused. Ours: gate and up [E, w, f], down [E, f, w]; an export writes transformers'
+    layout."""
     e, f = moe.experts, moe.mlp_dim
 
     def hubs(shape):  # (the hub's layout of a tensor transformers saves as `shape`)
@@ -389,7 +436,7 @@ def stacked_experts_links(hf: str, ours: str, moe: Any, w: int, n: int) -> list[
             gate_up,
             lambda g, u: (np.concatenate([g, u], axis=-1).transpose(0, 2, 1),),
             n,
-            stored_as=hubs,
+            stored_as=hubs if hub else None,
         ),
         Link(
             (hf + "down_proj",),
@@ -397,7 +444,7 @@ def stacked_experts_links(hf: str, ours: str, moe: Any, w: int, n: int) -> list[
             down,
             lambda x: (x.transpose(0, 2, 1),),
             n,
-            stored_as=hubs,
+            stored_as=hubs if hub else None,
         ),
     ]
 

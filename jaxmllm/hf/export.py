@@ -17,12 +17,14 @@ A run with LoRA adapters writes, in each of these places, a PEFT adapter for the
 it started from instead (`jaxmllm.hf.peft_export`), or with `merged` the checkpoints with the
 adapters merged into their matrices.
 
-Tensors come from our parameters through the families' links, in the dtype the imported
-checkpoint stored them in (float32 from scratch); what the families knowingly left alone at
-import (a SigLIP pooling head, Whisper's decoder, the tower blocks after LLaVA's feature layer)
-is copied from the imported checkpoint unchanged, so importing the export gives back the same
-parameters bit for bit. Everything is written into a temporary directory beside `DIR` and
-renamed to `DIR` when complete: a failed export leaves nothing behind.
+Tensors come from our parameters through the families' links, in the dtype and the layout the
+imported checkpoint stored them in (a mixture of experts' experts one Linear each or fused:
+`Family.for_checkpoint`; from scratch float32, one Linear each as transformers saves them);
+what the families knowingly left alone at import (a SigLIP pooling head, Whisper's decoder, the
+tower blocks after LLaVA's feature layer) is copied from the imported checkpoint unchanged, so
+importing the export gives back the same parameters bit for bit. Everything is written into a
+temporary directory beside `DIR` and renamed to `DIR` when complete: a failed export leaves
+nothing behind.
 """
 
 from __future__ import annotations
@@ -225,7 +227,7 @@ def write_piece(cfg: Config, piece: Piece, flat: dict, directory: Path, max_shar
         families = [Part(piece.whole, r, hf, names) for r in piece.roles]
         prefix, keep_all = "", True
     else:
-        hf, families = source, [piece.family]
+        hf, families = source, [piece.family.for_checkpoint(names)]  # (the source's layout)
         prefix = piece.family.prefix(names) if ck else ""
         keep_all = piece.family.exports_whole
         if keep_all and ck is None:

@@ -97,6 +97,14 @@ class Family:
         """The prefix this checkpoint puts before the names `links` uses ("" by default)."""
         return ""
 
+    def for_checkpoint(self, names: Sequence[str], where: str = "") -> Family:
+        """This family as it reads a checkpoint whose tensors are `names` (the part's, its
+        prefix or not; `where`: the checkpoint, as a refusal names it): where transformers
+        reads one architecture's tensors in two layouts (a mixture of experts' experts one
+        Linear each or fused), the one `names` hold. Without names (a checkpoint written from
+        scratch): the layout transformers saves. Self by default."""
+        return self
+
     def skipped(self, name: str) -> bool:
         """Whether a tensor this family does not use is knowingly left alone."""
         return False

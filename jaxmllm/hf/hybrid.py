@@ -7,7 +7,9 @@ output gate whose weights sit beside each head's queries in q_proj, and rotary p
 first `partial_rotary_factor` of each head). Every RMSNorm scales by 1 + its weight, stored
 zero-centred (`norm: rms_offset`, written back as stored). The MLP is SiLU-gated, or in the MoE
 variant a mixture of experts in every layer, top-k renormalised, with a shared expert and its
-sigmoid gate (`jaxmllm.models.moe`, the tensors named as Qwen2-MoE names them).
+sigmoid gate (`jaxmllm.models.moe`, the tensors named as Qwen2-MoE names them; the routed
+experts one Linear each, as transformers saves them, or fused, as Qwen's files hold them:
+`Decoders.for_checkpoint`).
 
 A linear layer's fused `in_proj_qkv` rows [queries | keys | values] are regrouped by key head
 (a key head's query, key and its values together: `qkv_order`), its conv1d channels the same,
@@ -85,6 +87,7 @@ class Qwen35(Decoders):
         self.model_types = (model_type,)
         self.hf_class = CLASSES[model_type]
         self.moe = "moe" in model_type
+        self.experts = "linear"  # (or fused: `Decoders.for_checkpoint`)
 
     def section(self, hf: dict) -> dict:
         where = f"{self.name} config.json"
@@ -238,7 +241,7 @@ class Qwen35(Decoders):
         else:
             links += attention_links(llm, p + "self_attn.", ours + "attn/", n)
         if is_moe(kind):
-            links += moe_links(llm.moe, w, p + "mlp.", ours + "mlp/", n)
+            links += moe_links(llm.moe, w, p + "mlp.", ours + "mlp/", n, self.experts)
         else:
             links += gated_mlp_links(w, llm.mlp_dim, p + "mlp.", ours + "mlp/", n)
         return links

@@ -19,9 +19,10 @@
 - Qwen3.5 and Qwen3.5-MoE (`Qwen3_5ForConditionalGeneration`,
   `Qwen3_5MoeForConditionalGeneration`): natively multimodal hybrids, Qwen3-VL's whole with
   the Qwen3.5 decoders (`jaxmllm.hf.hybrid`: Gated DeltaNet layers among full-attention ones,
-  the MoE's experts one Linear each) and Qwen3-VL's tower without DeepStack. Its interleaved
-  M-RoPE turns the rotary part of each head (`partial_rotary_factor`): `mrope_section` sums to
-  its half (Qwen3.5's [11, 11, 10] where config.json names none).
+  the MoE's experts one Linear each or fused, as the checkpoint holds them) and Qwen3-VL's
+  tower without DeepStack. Its interleaved M-RoPE turns the rotary part of each head
+  (`partial_rotary_factor`): `mrope_section` sums to its half (Qwen3.5's [11, 11, 10] where
+  config.json names none).
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ class Qwen3VL(QwenVL):
         super().__init__(name, tower, hf_class, "Qwen3VLProcessor", decoder)
         self.sections = QWEN3_5_SECTIONS if hybrid else QWEN3_VL_SECTIONS
         if self.decoder.model_type in MOE:  # (its experts stacked, as transformers 5's)
-            self.decoder = Decoders(self.decoder.model_type, stacked_experts=True)
+            self.decoder = Decoders(self.decoder.model_type, experts="fused_hub")
 
     def section(self, role: str, hf: dict) -> dict:
         out = super().section(role, hf)

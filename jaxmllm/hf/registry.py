@@ -119,23 +119,25 @@ def section_of(role: str, hf: dict, where: str) -> dict:
 
 def family_for(role: str, hf: dict, where: str = "", names: Sequence[str] = ()) -> Family:
     """The family that reads `hf` (a config.json) for `role`; for a whole checkpoint, the
-    `Part` of it that role reads (`names`: its tensor names, which say how the part nests).
+    `Part` of it that role reads (`names`: its tensor names, which say how the part nests and
+    how its tensors are laid out: `Family.for_checkpoint`).
 
     Raises:
-      FamilyError: naming the model_type and what jaxmllm reads for that role.
+      FamilyError: naming the model_type and what jaxmllm reads for that role, or a tensor
+        of a layout the family refuses.
     """
     model_type = hf.get("model_type", "")
     whole = whole_for(hf)
     if whole is not None:
         if role in whole.parts:
-            return Part(whole, role, hf, names)
+            return Part(whole, role, hf, names, where)
         raise FamilyError(
             f"{where or 'checkpoint'}: a {whole.name} checkpoint has no {role} part (it holds "
             f"{', '.join(whole.parts)})"
         )
     for family in FAMILIES:
         if family.role == role and model_type in family.model_types:
-            return family
+            return family.for_checkpoint(names, where)
     supported = sorted(t for f in FAMILIES if f.role == role for t in f.model_types)
     supported += sorted(t for w in WHOLES if role in w.parts for t in w.model_types)
     other = [f.role for f in FAMILIES if model_type in f.model_types]

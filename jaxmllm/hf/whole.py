@@ -148,15 +148,17 @@ class Part(Family):
     """One role of a whole checkpoint, read as a part's family (see the module docstring).
 
     `names`: the checkpoint's tensor names, which say how the part nests under its prefix
-    (`vision_tower.` or `vision_tower.vision_model.`); none: the nesting transformers writes.
+    (`vision_tower.` or `vision_tower.vision_model.`) and how its tensors are laid out (the
+    inner family's `for_checkpoint`; `where` names the checkpoint in its refusals); none: the
+    nesting and layout transformers writes.
     """
 
-    def __init__(self, whole: Whole, role: str, hf: dict, names=()):
+    def __init__(self, whole: Whole, role: str, hf: dict, names=(), where: str = ""):
         self.whole, self.role, self.hf = whole, role, hf
         self.name, self.model_types, self.hf_class = whole.name, whole.model_types, whole.hf_class
-        self.inner = whole.inner(role, hf)
         self.base = whole.parts[role][1]
         under = [n[len(self.base) :] for n in names if n.startswith(self.base)]
+        self.inner = whole.inner(role, hf).for_checkpoint(under, where)
         self.at = self.base + (self.inner.prefix(under) if under else whole.nesting(role))
 
     def section(self, hf: dict) -> dict:
