@@ -295,7 +295,7 @@ def write_config(
     for role in ROLES:  # every tensor the model will ask for is there (headers only)
         directory = getattr(cfg.model.init_from, role)
         if directory:
-            checkpoint_tensors(cfg, role, directory, f"--{role} {directory}")
+            checkpoint_tensors(cfg, role, directory, f"model.init_from.{role}")
     out.parent.mkdir(parents=True, exist_ok=True)
     named = raw["data"].get("path") or raw["data"].get("sources")
     data = BUILT_IN if cfg.data.source == "synthetic" else DATA if named else NO_DATA
