@@ -88,11 +88,10 @@ def test_greedy_qwen2_chat_from_the_command_line_matches_transformers(tmp_path, 
     assert answer["text"] == tk.decode(theirs, skip_special_tokens=False).replace("<|im_end|>", "")
 
 
-QWEN3 = {
+QWEN3 = {  # (Qwen3.5-MoE's decoding: the image test's qwen3_5_moe, the same decoder)
     "qwen3": hf_models.qwen3,
     "qwen3_moe": lambda d, vocab: hf_models.qwen3_moe(d, vocab=vocab, dense_layers=(1,)),
     "qwen3_5": hf_models.qwen3_5,
-    "qwen3_5_moe": lambda d, vocab: hf_models.qwen3_5(d, vocab=vocab, experts=4),
 }
 
 
@@ -100,7 +99,7 @@ QWEN3 = {
 @pytest.mark.parametrize("name", sorted(QWEN3))
 def test_greedy_qwen3_and_its_mixture_of_experts_match_transformers(name, tmp_path, capsys):
     """Qwen3 (QK-norm), Qwen3-MoE (a dense layer among its MoE ones, the KV cache of each
-    stack) and Qwen3.5 dense and MoE (its linear layers' cached convolution window and state:
+    stack) and Qwen3.5 (its linear layers' cached convolution window and state:
     the prompt by the chunked rule, each new token by the rule for one): the chat-rendered
     prompt's greedy ids (24, or up to a stop id past 16) are transformers'."""
     import transformers
@@ -240,14 +239,14 @@ QWEN_VL = {  # (the others: hf_models' builder of the family's name)
     [
         ("qwen2_vl", 6, 4),
         ("qwen2_5_vl", 10, 6),
-        ("qwen3_vl", 6, 4),
+        # (the MoEs hold their dense twins' options too: Qwen3-VL's DeepStack and interleaved
+        # M-RoPE, Qwen3.5's linear layers; the twins' decoding is the text test's above)
         ("qwen3_vl_moe", 6, 4),
-        ("qwen3_5", 6, 4),
         ("qwen3_5_moe", 6, 4),
     ],
 )
 def test_qwen_vl_with_an_image_generates_transformers_first_tokens(tmp_path, family, gh, gw):
-    """A whole Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 or Qwen3.5-MoE from one
+    """A whole Qwen2-VL, Qwen2.5-VL, Qwen3-VL-MoE or Qwen3.5-MoE from one
     directory (its tower found in it; Qwen2.5-VL's windows of 4 x 4 patches, six over the
     image, two blocks full; Qwen3-VL's learned positions, its DeepStack added in the
     prefill's first layers, interleaved M-RoPE; Qwen3.5's on part of each head, its linear

@@ -122,7 +122,8 @@ def test_a_hybrid_given_as_model_is_a_text_only_model(tmp_path):
     assert (llm.moe.experts, llm.moe.shared_mlp_dim, llm.moe.norm_topk_prob) == (4, 48, True)
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5-moe", "qwen3_5-moe-fused"])
+# (the dense Qwen3.5's adapters: the whole's, tests/test_lora_hf.py, on the same decoder)
+@pytest.mark.parametrize("name", ["qwen3_5-moe", "qwen3_5-moe-fused"])
 def test_a_peft_adapter_on_every_matrix_gives_peft_s_logits(name, tmp_path):
     """A PEFT adapter on every Linear (LLaMA-Factory's `all`: the full-attention layers'
     q_proj with its gate rows, k, v, o; the linear layers' in_proj_qkv (its rows regrouped
