@@ -294,6 +294,11 @@ GOOD = [  # (module, argv): each command's main path once, small, in the order t
     ("jaxmllm.bench.hfload", ["--shape", "tiny", "--devices", "8", "--fsdp", "8"]),
     ("jaxmllm.bench.host", ["--config", TINY, "--steps", "1", "--warmup", "1"]),
     ("jaxmllm.bench.indexing", ["--text-image", "20", "--workers", "0"]),
+    (
+        "jaxmllm.bench.linear",
+        ["--rows", "256", "--width", "64", "--heads", "4", "--kv-heads", "2", "--key-heads", "2"]
+        + ["--value-heads", "4", "--head-dim", "16", "--full-max", "256", "--repeat", "1"],
+    ),
     ("jaxmllm.bench.lengths_synth", ["--samples", "1000", "--out", "{tmp}/synth"]),
     (
         "jaxmllm.bench.startup",

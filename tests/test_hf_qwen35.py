@@ -190,8 +190,8 @@ TEXT_ONLY = ["data.synthetic.image_fraction=0", "data.synthetic.audio_fraction=0
 TEXT_ONLY += ["data.synthetic.multi_image_fraction=0"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("experts", [0, 4], ids=["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.slow  # (the dense text model's: its whole's, tests/test_hf_whole_train.py)
+@pytest.mark.parametrize("experts", [4], ids=["qwen3_5_moe"])
 def test_import_train_export_holds_to_transformers(experts, tmp_path):
     """`hf import --model` -> check -> train 2 steps on packed rows (the MoE's experts over
     mesh.expert=2) -> `hf export` -> transformers loads the export, whose packed logits ours
@@ -228,8 +228,8 @@ def test_import_train_export_holds_to_transformers(experts, tmp_path):
     assert any(not np.array_equal(imported[p], got[p]) for p in got)  # (training moved them)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("experts", [0, 4], ids=["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.slow  # (the dense model's adapters: its whole's LoRA run, tests/test_lora_hf.py)
+@pytest.mark.parametrize("experts", [4], ids=["qwen3_5_moe"])
 def test_a_lora_run_exports_an_adapter_peft_loads(experts, tmp_path):
     """LoRA (rank 4, every matrix: the full-attention layers' q, k, v, o, the linear layers'
     in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj, the MLPs or the shared expert),
