@@ -267,6 +267,7 @@ def test_base_dtype_stores_the_frozen_base_in_bf16_and_the_adapters_in_fp32():
     assert {x.dtype for x in jax.tree.leaves(params["audio"])} == {jnp.dtype("bfloat16")}
 
 
+@pytest.mark.slow  # (~35 s: two runs; test_lora_hf's LoRA runs read adapters back from a run too)
 def test_checkpoints_hold_the_adapters_not_the_base_and_refuse_another_base(tmp_path):
     """A LoRA run's checkpoints hold its adapters and their optimizer state, none of the
     frozen base's bytes (read again from model.init_from, here the seed's random init), with

@@ -114,6 +114,7 @@ def test_timings_hold_every_step_with_its_slowest_devices_work(uninterrupted):
     data.close()
 
 
+@pytest.mark.slow  # (~16 s; resuming exactly after a kill: test_crash and test_preemption)
 def test_interrupt_and_rerun_resumes_with_identical_losses(uninterrupted, tmp_path):
     def interrupt_at_3(step, _):
         if step == 3:
