@@ -25,11 +25,7 @@ from jaxmllm.config.checks import UserError
 
 RECIPE = "configs/gpu/qwen2vl_2b.yaml"
 # The recipe's per-GPU shapes on one device, on the built-in data (no files, no tokenizer).
-PER_GPU = [
-    "mesh.data=1",
-    "mesh.fsdp=1",
-    "batch.microbatches=2",
-    "batch.devices_per_host=-1",
+BUILT_IN_DATA = [
     "data.source=synthetic",
     "data.path=",  # (the recipe names its data file; the built-in data refuses one)
     "data.tokenizer=byte",
@@ -40,6 +36,13 @@ PER_GPU = [
     "data.synthetic.audio_fraction=0",
     "data.synthetic.video_fraction=0",
     "train.steps=20",
+]
+PER_GPU = [
+    "mesh.data=1",
+    "mesh.fsdp=1",
+    "batch.microbatches=2",
+    "batch.devices_per_host=-1",
+    *BUILT_IN_DATA,
 ]
 # --smoke: the same recipe, every size tiny, on one CPU device.
 SMOKE = [
@@ -142,16 +145,7 @@ QWEN3_VL_PER_GPU = [
     "mesh.data=1",
     "batch.microbatches=2",
     "batch.devices_per_host=-1",
-    "data.source=synthetic",
-    "data.path=",
-    "data.tokenizer=byte",
-    "data.workers=8",
-    "data.synthetic.min_image_side=16",
-    "data.synthetic.max_image_side=64",
-    "data.synthetic.max_text_words=1000",
-    "data.synthetic.audio_fraction=0",
-    "data.synthetic.video_fraction=0",
-    "train.steps=20",
+    *BUILT_IN_DATA,
 ]
 QWEN3_VL_SMOKE = [
     "model.llm.depth=3",
