@@ -274,16 +274,11 @@ def test_a_lora_run_on_an_moe_exports_an_adapter_peft_loads(tmp_path):
     the experts over mesh.expert=2, 2 steps: the exported PEFT adapter (target_parameters for
     the experts) loads in peft without a missing key and gives the run's logits within 1e-4;
     read back, it is the run's adapters bit for bit; `--merged` gives the same logits."""
-    import warnings
-
-    import peft
     from test_hf_train import CPU
 
     from jaxmllm import train
-    from jaxmllm.config import Config, from_dict, load_config
+    from jaxmllm.config import load_config
     from jaxmllm.hf.export import export_run
-    from jaxmllm.hf.start import run_parameters
-    from jaxmllm.hf.towers import load_model
 
     source = _with_tokenizer("qwen3_moe", tmp_path / "m")
     write_config(tmp_path / "run.yaml", model=source)
@@ -296,18 +291,7 @@ def test_a_lora_run_on_an_moe_exports_an_adapter_peft_loads(tmp_path):
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert sorted(config["target_parameters"]) == ["down_proj", "gate_up_proj"]
     assert config["rank_pattern"] == {r".*\.gate_up_proj": 8}
-    base = transformers.AutoModelForCausalLM.from_pretrained(source)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        peft.PeftModel.from_pretrained(base, str(adapter))
-    assert not [w for w in caught if "missing adapter keys" in str(w.message)]
-    (result,) = check_all(source, adapter=str(adapter))
-    assert result["max_abs_diff"] < 1e-4, result
-    run_cfg = from_dict(Config, json.loads((out / "config.json").read_text()))
-    _, params, _ = run_parameters(run_cfg, out)
-    trained = keyed_leaves(jax.device_get(params))
-    _, back = load_model(source, adapter=str(adapter))
-    mine = keyed_leaves(nnx.to_pure_dict(nnx.state(back)))
+    trained, mine = exported_adapter(source, out, adapter, 1e-4)
     experts = [p for p in trained if "experts/gate_up_adapter" in p]
     assert experts and not np.all(trained[experts[-1]] == 0)  # (B moved from zero)
     for path, value in trained.items():
@@ -315,6 +299,31 @@ def test_a_lora_run_on_an_moe_exports_an_adapter_peft_loads(tmp_path):
     merged = export_run(str(out), str(tmp_path / "merged"), merged=True)["model"]
     (plain,) = check_all(str(merged))
     assert plain["max_abs_diff"] < 1e-4, plain
+
+
+def exported_adapter(source: str, out: Path, adapter: Path, bound: float) -> tuple[dict, dict]:
+    """A LoRA run's exported PEFT adapter on `source`: peft loads it with no missing key, and
+    `hf check --adapter` gives its logits within `bound`. Returns the run's parameters and the
+    adapter read back onto `source`, by path, for the caller to compare."""
+    import warnings
+
+    import peft
+
+    from jaxmllm.config import Config, from_dict
+    from jaxmllm.hf.start import run_parameters
+    from jaxmllm.hf.towers import load_model
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(source)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        peft.PeftModel.from_pretrained(base, str(adapter))
+    assert not [w for w in caught if "missing adapter keys" in str(w.message)]
+    (result,) = check_all(source, adapter=str(adapter))
+    assert result["max_abs_diff"] < bound, result
+    run_cfg = from_dict(Config, json.loads((out / "config.json").read_text()))
+    _, params, _ = run_parameters(run_cfg, out)
+    _, back = load_model(source, adapter=str(adapter))
+    return keyed_leaves(jax.device_get(params)), keyed_leaves(nnx.to_pure_dict(nnx.state(back)))
 
 
 FUSED = {  # (linear: a checkpoint with one Linear per expert, as save_pretrained writes)

@@ -235,17 +235,12 @@ def test_a_lora_run_exports_an_adapter_peft_loads(experts, tmp_path):
     in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj, the MLPs or the shared expert),
     2 steps: the exported PEFT adapter loads in peft with no missing key and gives the run's
     logits within 5e-4; read back it is the run's adapters."""
-    import warnings
-
-    import peft
+    from test_hf_moe import exported_adapter
     from test_hf_train import CPU
 
     from jaxmllm import train
-    from jaxmllm.config import Config, from_dict, load_config
-    from jaxmllm.hf.check_whole import check_all
+    from jaxmllm.config import load_config
     from jaxmllm.hf.export import export_run
-    from jaxmllm.hf.start import run_parameters
-    from jaxmllm.hf.towers import load_model
 
     source = _with_tokenizer(tmp_path / "m", experts)
     write_config(tmp_path / "run.yaml", model=source)
@@ -257,18 +252,7 @@ def test_a_lora_run_exports_an_adapter_peft_loads(experts, tmp_path):
     assert set(export_run(str(out), str(adapter))) == {"model"}
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert "in_proj_qkv" in config["target_modules"] and "q_proj" in config["target_modules"]
-    base = transformers.AutoModelForCausalLM.from_pretrained(source)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        peft.PeftModel.from_pretrained(base, str(adapter))
-    assert not [w for w in caught if "missing adapter keys" in str(w.message)]
-    (result,) = check_all(source, adapter=str(adapter))
-    assert result["max_abs_diff"] < 5e-4, result
-    run_cfg = from_dict(Config, json.loads((out / "config.json").read_text()))
-    _, params, _ = run_parameters(run_cfg, out)
-    trained = keyed_leaves(jax.device_get(params))
-    _, back = load_model(source, adapter=str(adapter))
-    mine = keyed_leaves(nnx.to_pure_dict(nnx.state(back)))
+    trained, mine = exported_adapter(source, out, adapter, 5e-4)
     moved = [p for p in trained if p.endswith("attn/qkv/lora_b")]
     assert moved and not np.all(trained[moved[0]] == 0)  # (B moved from zero)
     for path, value in trained.items():

@@ -44,6 +44,17 @@ PER_GPU = [
     "batch.devices_per_host=-1",
     *BUILT_IN_DATA,
 ]
+# --smoke's rows, devices and data, every case's: tiny and fast on one CPU device
+SMOKE_ROWS = [
+    "batch.llm_row_len=1024",
+    "batch.vision_patches=1024",
+    "mesh.cpu_devices=1",
+    "data.workers=0",
+    "data.synthetic.num_samples=64",
+    "data.synthetic.max_text_words=100",
+    "data.synthetic.min_image_side=4",
+    "data.synthetic.max_image_side=16",
+]
 # --smoke: the same recipe, every size tiny, on one CPU device.
 SMOKE = [
     "model.llm.depth=2",
@@ -58,14 +69,7 @@ SMOKE = [
     "model.vision.heads=2",
     "model.vision.mlp_dim=64",
     "model.vision.projector_dim=64",
-    "batch.llm_row_len=1024",
-    "batch.vision_patches=1024",
-    "mesh.cpu_devices=1",
-    "data.workers=0",
-    "data.synthetic.num_samples=64",
-    "data.synthetic.max_text_words=100",
-    "data.synthetic.min_image_side=4",
-    "data.synthetic.max_image_side=16",
+    *SMOKE_ROWS,
 ]
 # The remat policies of the campaign's cases, as overrides, and the peak each takes of one GPU at
 # the recipe's per-GPU shapes (GiB: python -m jaxmllm.bench.memory --config
@@ -164,14 +168,7 @@ QWEN3_VL_SMOKE = [
     "model.vision.patch_size=4",
     "model.vision.position_grid=6",
     "model.vision.deepstack=[0,2]",
-    "batch.llm_row_len=1024",
-    "batch.vision_patches=1024",
-    "mesh.cpu_devices=1",
-    "data.workers=0",
-    "data.synthetic.num_samples=64",
-    "data.synthetic.max_text_words=100",
-    "data.synthetic.min_image_side=4",
-    "data.synthetic.max_image_side=16",
+    *SMOKE_ROWS,
 ]
 # (kind, heads, kv heads, head dim): the recipes' LLM and vision attention
 HEADS = {"llm": ("llm", 12, 2, 128), "vision": ("vision", 16, 16, 80)}
