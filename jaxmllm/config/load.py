@@ -31,6 +31,7 @@ from jaxmllm.config.sections import (
     MeshConfig,
     OptimConfig,
     PipelineConfig,
+    PreferenceConfig,
     TrainConfig,
 )
 from jaxmllm.config.yamlfile import read_yaml, shown
@@ -48,6 +49,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
 
     def __post_init__(self):
         for p in ENCODERS:  # (whole LLM tokens: the projector merges this many units into one)

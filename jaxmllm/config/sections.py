@@ -274,13 +274,56 @@ class TrainConfig:
     # Evaluate on data.eval every N steps and at the last step (0: at the last step only);
     # nothing without data.eval.source
     eval_every: int = 0
+    # What the step learns from its samples: `sft` (next-token cross entropy over the learned
+    # tokens) or `dpo` (preference pairs: the `preference` section's loss over each pair's
+    # chosen and rejected completions, on the same feed and step)
+    objective: str = "sft"
 
     def __post_init__(self):
         positive(self, "steps", "log_every", "checkpoint_every", "keep_checkpoints")
+        check(self.objective in OBJECTIVES, f"must be one of {OBJECTIVES}", "objective")
         check(self.eval_every >= 0, "must be >= 0 (0: at the last step only)", "eval_every")
         check(self.max_step_seconds >= 0, "must be >= 0 (0: auto; .inf: never)", "max_step_seconds")
         check(self.max_nonfinite_steps >= 0, "must be >= 0 (0 = never stop)", "max_nonfinite_steps")
         check(self.peak_tflops >= 0, "must be >= 0 (0: from the device's kind)", "peak_tflops")
+
+
+OBJECTIVES = ("sft", "dpo")
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
+
+
+@dataclass(frozen=True)
+class PreferenceConfig:
+    """Preference tuning (`train.objective: dpo`): the loss over each pair's chosen and
+    rejected completions, and the reference policy it measures them against.
+
+    With z = beta x ((chosen - ref chosen) - (rejected - ref rejected)), sums of the
+    completions' log-probs: `sigmoid` is DPO, -log sigmoid(z) (with `label_smoothing` e:
+    (1 - e) x that + e x -log sigmoid(-z), robust/conservative DPO); `ipo` the squared
+    (z / beta - 1 / (2 beta)) on log-probs averaged over each completion's tokens; `simpo`
+    reference-free, -log sigmoid(beta x (mean chosen - mean rejected) - simpo_gamma) on
+    log-probs averaged over tokens (TRL's formulas: `dpo_loss`, CPO's simpo).
+    """
+
+    loss: str = "sigmoid"  # sigmoid (DPO) | ipo | simpo
+    beta: float = 0.1  # the inverse temperature of the implicit reward (TRL's beta)
+    label_smoothing: float = 0.0  # in [0, 0.5): the assumed share of flipped labels
+    # Adds this weight x the chosen completion's negative log-likelihood averaged over its
+    # tokens (RPO, LLaMA-Factory's pref_ftx): keeps the chosen answers likely
+    sft_weight: float = 0.0
+    simpo_gamma: float = 0.5  # simpo's target reward margin (TRL's simpo_gamma)
+    # The reference policy: `base` (the policy's starting weights, frozen: model.init_from,
+    # or the run's initial parameters; with LoRA the adapters switched off, no second copy),
+    # or a checkpoint of the same architecture and vocabulary: an HF directory or a run
+    # directory (its latest checkpoint). simpo needs none.
+    reference: str = "base"
+
+    def __post_init__(self):
+        check(self.loss in PREFERENCE_LOSSES, f"must be one of {PREFERENCE_LOSSES}", "loss")
+        check(self.beta > 0, "must be > 0", "beta")
+        check(0 <= self.label_smoothing < 0.5, "must be in [0, 0.5)", "label_smoothing")
+        check(self.sft_weight >= 0, "must be >= 0", "sft_weight")
+        check(bool(self.reference), "must be base or a checkpoint directory", "reference")
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,26 @@ class Sample:
     # How its videos were read: {"cache_hit": n, "decoded": n, "decoded_<why>": n} (the frame
     # cache's misses by reason, `data.frame_store.MISSES`); the loader sums them as metrics
     frames: dict[str, int] = field(default_factory=dict)
+    # The documents `tokens` holds, as their lengths in order (they sum to len(tokens)); empty:
+    # one document. A preference pair is two: the prompt and its chosen completion, then the
+    # prompt and its rejected one (`loss` marks the completions' tokens only). Its media are
+    # listed once (encoded once) and their placeholder rows come in both documents, in the same
+    # order: the rows of each item fill both documents' slots. Each document attends only to
+    # itself, its positions start at 0, and its last token predicts nothing.
+    documents: tuple[int, ...] = ()
 
     def __post_init__(self):
         self.media = {p: list(self.media.get(p, [])) for p in NAMES}
+        if self.documents and sum(self.documents) != len(self.tokens):
+            raise ValueError(
+                f"sample {self.id}: documents of {list(self.documents)} tokens, "
+                f"{len(self.tokens)} tokens"
+            )
+
+    @property
+    def is_pair(self) -> bool:
+        """Whether this is a preference pair (chosen, then rejected)."""
+        return len(self.documents) == 2
 
     def keep_only(self, keep: dict[str, tuple[int, ...]]) -> Sample:
         """This sample with only the items `keep[phase]` lists (by number) kept, in place; the
