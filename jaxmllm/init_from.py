@@ -4,13 +4,16 @@ base of a run with LoRA adapters, which its checkpoints do not hold (`start_base
 
 from __future__ import annotations
 
-from jaxmllm.config import Config
+import dataclasses
+from pathlib import Path
+
+from jaxmllm.config import Config, ConfigError, InitFrom, keep_origin
 from jaxmllm.hf.start import initial_params as _initial
 from jaxmllm.hf.start import run_params
 from jaxmllm.loop.base import base_identity
-from jaxmllm.step.program import Program
+from jaxmllm.step.program import Program, join
 
-__all__ = ["initial_params", "run_params", "start_base"]
+__all__ = ["initial_params", "run_params", "start_base", "start_reference"]
 
 
 def initial_params(cfg: Config, prog: Program) -> dict:
@@ -31,3 +34,54 @@ def start_base(cfg: Config, prog: Program, stamp: dict) -> tuple[dict | None, di
     base = prog.weights(fresh)["frozen"]
     stamp["base"] = base_identity(cfg, base, loaded)
     return fresh, base
+
+
+def start_reference(cfg: Config, prog: Program, state: dict) -> dict:
+    """`state` with a preference run's reference policy (`preference.reference`): `base`, the
+    starting weights `model.init_from` gives (random ones from train.seed where it gives
+    none), read again at every start, a resumed run's too; or a checkpoint directory, an HF
+    one (config.json) or a run's train.output_dir (its latest checkpoint), which must hold
+    every parameter of the policy's architecture. A run without a reference: `state`."""
+    if prog.reference_keeps is None:
+        return state
+    ref = cfg.preference.reference
+    if ref == "base":
+        return prog.with_reference(state, prog.initial_weights(initial_params(cfg, prog)))
+    given = initial_params(_reference_config(cfg, ref), prog)
+    need = prog.reference_of(join(*(prog.abstract_sharded()[k] for k in ("params", "frozen"))))
+    missing = _paths(need) - _paths(given)
+    if missing:
+        raise ConfigError(
+            f"preference.reference={ref} has no {', '.join(sorted(missing)[:4])}"
+            f"{' ...' if len(missing) > 4 else ''} ({len(missing)} of the policy's parameters): "
+            "a reference must be a checkpoint of the policy's architecture (model.*) and "
+            "vocabulary"
+        )
+    return prog.with_reference(state, prog.initial_weights(given))
+
+
+def _reference_config(cfg: Config, ref: str) -> Config:
+    """`cfg` whose model.init_from names the reference checkpoint alone: an HF directory as
+    every tower's, a run directory as `run`."""
+    path = Path(ref)
+    if (path / "config.json").is_file():
+        towers = {"llm": ref}
+        towers.update({t: ref for t in ("vision", "audio") if getattr(cfg.model, t).enabled})
+        init = InitFrom(**towers)
+    elif path.is_dir():
+        init = InitFrom(run=ref)
+    else:
+        raise ConfigError(
+            f"preference.reference={ref}: not a directory; set base (the policy's starting "
+            "weights), an HF checkpoint directory (config.json) or a run's train.output_dir"
+        )
+    model = dataclasses.replace(cfg.model, init_from=init)
+    return keep_origin(dataclasses.replace(cfg, model=model), cfg)
+
+
+def _paths(tree: dict, prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    for key, value in tree.items():
+        name = f"{prefix}/{key}" if prefix else str(key)
+        out |= _paths(value, name) if isinstance(value, dict) else {name}
+    return out

@@ -26,7 +26,7 @@ from jaxmllm.config import Config, load_config
 from jaxmllm.config.command import add_config_args, configure_logging, run
 from jaxmllm.feed.info import StepInfo
 from jaxmllm.feed.iterator import make_pipeline
-from jaxmllm.init_from import initial_params, start_base
+from jaxmllm.init_from import initial_params, start_base, start_reference
 from jaxmllm.loop import checkpoint, guards
 from jaxmllm.loop.checkpoint import (
     check_process_count,
@@ -119,6 +119,7 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
         state = fresh if fresh is not None else prog.init(initial_params(cfg, prog))
     else:
         state = prog.restored(state, base)
+    state = start_reference(cfg, prog, state)  # (preference: the reference policy, frozen)
     if is_main:  # (only once the resume checks passed: a refused run leaves the folder as it was)
         write_config(cfg, out)
     start = int(state["step"])

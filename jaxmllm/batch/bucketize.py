@@ -66,6 +66,9 @@ def batch_shapes(
     out["llm_loss_mask"] = (llm, np.float32)
     if any(m.llm.mrope_section):  # M-RoPE: (time, row, column) per token
         out["llm_positions"] = (llm + (3,), np.int32)
+    if spec.pairs:  # preference pairs: each token's sequence in its bucket, the pairs there
+        out["llm_sequence"] = (llm, np.int32)
+        out["llm_pairs"] = (lead, np.int32)
     c = spec.route_pair_capacity
     for p in phases.in_batch(m, cfg.batch):  # (a zero bucket: no arrays, the step skips it)
         enc, units = p.encoder(m), spec.units[p.name]
@@ -95,6 +98,8 @@ def empty_batch(
         if p.src in batch:
             batch[p.src][:] = -1
     batch["llm_tokens"][:] = pad
+    if "llm_sequence" in batch:
+        batch["llm_sequence"][:] = -1
     return batch
 
 
@@ -248,7 +253,7 @@ def _write_texts(text, plan: StepPlan, samples, home, grouped: bool, row_len: in
     rows flattened, concatenated in plan order, and per planned sample where its own begin and
     end (-1: not written here)."""
     m_n, b_n, r_n, l_n = text["llm_tokens"].shape
-    ks, bucket, segment = text_segments(plan, samples, home, grouped, b_n, r_n)
+    ks, bucket, _ = text_segments(plan, samples, home, grouped, b_n, r_n)
     loaded = [samples[s] for s in plan.samples[ks].tolist()]
     n = np.array([len(x.tokens) for x in loaded], np.int64)
     if not len(ks) or not n.sum():
@@ -256,25 +261,38 @@ def _write_texts(text, plan: StepPlan, samples, home, grouped: bool, row_len: in
         return {p.name: (np.zeros(0, np.int64), none, none) for p in ENCODERS}
     tokens = np.concatenate([x.tokens for x in loaded])
     starts = np.cumsum(n) - n
-    within = np.arange(len(tokens)) - np.repeat(starts, n)  # a token's index in its sample
     m, b, r, o = plan.micro[ks], bucket[ks], plan.row[ks], plan.offset[ks]
-    flat = np.repeat(((m * b_n + b) * r_n + r) * l_n + o, n) + within
+    # A sample's documents (one, or a pair's two): each its own segment, positions from 0
+    docs = documents_of(loaded)
+    doc_n = np.concatenate(docs)
+    doc_starts = np.cumsum(doc_n) - doc_n
+    within = np.arange(len(tokens)) - np.repeat(doc_starts, doc_n)  # a token's index in its doc
+    in_sample = np.arange(len(tokens)) - np.repeat(starts, n)  # a token's index in its sample
+    flat = np.repeat(((m * b_n + b) * r_n + r) * l_n + o, n) + in_sample
+    key = m * b_n + b if grouped else (m * b_n + b) * r_n + r
+    segment = document_segments(key, np.array([len(d) for d in docs], np.int64))
     text["llm_tokens"].reshape(-1)[flat] = tokens
-    text["llm_segment_ids"].reshape(-1)[flat] = np.repeat(segment, n)
-    if text["llm_positions"].ndim == 5:  # M-RoPE: (time, row, column)
+    text["llm_segment_ids"].reshape(-1)[flat] = np.repeat(segment, doc_n)
+    if text["llm_positions"].ndim == 5:  # M-RoPE: (time, row, column), each document's own
         vision, merge = specials.phase_ids(VISION.name), cfg.model.vision.merge
-        mrope = [mrope_positions(x.tokens, vision, x.grids, merge) for x in loaded]
+        mrope = [
+            mrope_positions(part, vision, x.grids, merge)
+            for x, d in zip(loaded, docs, strict=True)
+            for part in np.split(x.tokens, np.cumsum(d)[:-1])
+        ]
         text["llm_positions"].reshape(-1, 3)[flat] = np.concatenate(mrope)
     else:
         text["llm_positions"].reshape(-1)[flat] = within
-    # Token t predicts token t+1 of the same sample; the last token predicts nothing.
-    last = (np.cumsum(n) - 1)[n > 0]
+    # Token t predicts token t+1 of the same document; a document's last token predicts nothing.
+    last = (np.cumsum(doc_n) - 1)[doc_n > 0]
     targets = np.append(tokens[1:], specials.pad)
     targets[last] = specials.pad
     text["llm_targets"].reshape(-1)[flat] = targets
     loss = np.append(np.concatenate([x.loss for x in loaded])[1:], False)
     loss[last] = False
     text["llm_loss_mask"].reshape(-1)[flat] = loss
+    if "llm_sequence" in text:
+        _write_sequences(text, loaded, docs, m * b_n + b, flat)
     # placeholder slots per phase (its kinds'): index into the bucket's rows flattened
     first = np.full(len(plan.samples), -1)
     slots = {}
@@ -285,8 +303,48 @@ def _write_texts(text, plan: StepPlan, samples, home, grouped: bool, row_len: in
         begin, end = first.copy(), first.copy()
         end[ks] = np.cumsum(counts)
         begin[ks] = end[ks] - counts
-        slots[p.name] = ((r * row_len + o)[owner] + within[at], begin, end)
+        slots[p.name] = ((r * row_len + o)[owner] + in_sample[at], begin, end)
     return slots
+
+
+def documents_of(loaded: list[Sample]) -> list[np.ndarray]:
+    """Each sample's documents' lengths (one document: its tokens)."""
+    return [np.asarray(x.documents or (len(x.tokens),), np.int64) for x in loaded]
+
+
+def document_segments(key: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """The segment id of each document of samples in plan order (`count` documents each): 1, 2,
+    ... per row (`key`: a sample's row, or its context group's), in plan order."""
+    order = np.argsort(key, kind="stable")
+    ends = np.cumsum(count[order])
+    group_start = np.searchsorted(key[order], key[order])  # first of its row, in `order`
+    before = np.concatenate([[0], ends])[group_start]  # documents of the rows before it
+    first = np.empty(len(key), np.int64)
+    first[order] = ends - count[order] - before + 1  # the sample's first document's id
+    return np.concatenate([f + np.arange(c) for f, c in zip(first, count, strict=True)])
+
+
+def _write_sequences(text, loaded, docs, bucket_key: np.ndarray, flat: np.ndarray) -> None:
+    """Preference pairs: each token's sequence in its (microbatch, bucket), 2k for the chosen
+    document of the bucket's k-th pair and 2k + 1 for its rejected one (-1: no pair's), and
+    each bucket's count of pairs (`llm_pairs`). A pair is one sample, so both its sequences
+    sit in one row of one bucket: the loss sums them there, with no exchange."""
+    is_pair = np.array([x.is_pair for x in loaded], bool)
+    if not is_pair.all():
+        first = loaded[int(np.argmin(is_pair))]
+        raise ValueError(
+            f"sample {first.id} is not a preference pair (chosen and rejected): "
+            "train.objective: dpo trains on pairs only"
+        )
+    order = np.argsort(bucket_key, kind="stable")
+    rank = np.empty(len(bucket_key), np.int64)
+    sorted_key = bucket_key[order]
+    rank[order] = np.arange(len(order)) - np.searchsorted(sorted_key, sorted_key)
+    side = [np.repeat([0, 1], d) for d in docs]
+    seq = np.concatenate([2 * k + s for k, s in zip(rank.tolist(), side, strict=True)])
+    text["llm_sequence"].reshape(-1)[flat] = seq
+    pairs = text["llm_pairs"].reshape(-1)
+    np.add.at(pairs, bucket_key, 1)
 
 
 def _write_items(
@@ -355,7 +413,11 @@ def _write_items(
         at, begin, end = slots[phase]
         if text_here and begin[owner] >= 0:
             first = begin[owner] + used[owner]
-            dest = at[first : min(first + len(rows), end[owner])]
+            twin = sample is not None and sample.is_pair  # (its rows fill both documents')
+            half = (end[owner] - begin[owner]) // 2 if twin else end[owner] - begin[owner]
+            dest = at[first : min(first + len(rows), begin[owner] + half)]
+            if twin:  # (the rejected document's slots of the item: as many, half later)
+                dest = np.concatenate([dest, at[first + half : first + half + len(dest)]])
             used[owner] += len(rows)
         recv = d * ctx + enc_dev % ctx  # (= d without groups)
         base = (enc_dev % ctx) * gathered  # (0 without groups)
@@ -366,7 +428,7 @@ def _write_items(
                     f"{j} is on another device but batch.route_pair_capacity is 0"
                 )
             if dest is not None:
-                _fill(batch[src_key][m], (home, split, m, d, r), dest, base + rows)
+                _fill(batch[src_key][m], (home, split, m, d, r), dest, _twice(base + rows, dest))
             continue
         c0 = pair_fill.get((m, enc_dev, recv), 0)
         if c0 + len(rows) > pair_cap:
@@ -381,7 +443,12 @@ def _write_items(
             batch[f"{phase}_send"][m, e, recv, c0 : c0 + len(rows)] = rows
         if dest is not None:
             got = base + own_rows + enc_dev * pair_cap + c0 + np.arange(len(rows))
-            _fill(batch[src_key][m], (home, split, m, d, r), dest, got)
+            _fill(batch[src_key][m], (home, split, m, d, r), dest, _twice(got, dest))
+
+
+def _twice(rows: np.ndarray, dest: np.ndarray) -> np.ndarray:
+    """The rows for `dest`: once, or twice where a pair's two documents both take them."""
+    return rows if len(dest) <= len(rows) else np.concatenate([rows, rows])[: len(dest)]
 
 
 def _fill(src_drl: np.ndarray, where: tuple, dest: np.ndarray, values: np.ndarray) -> None:

@@ -10,6 +10,7 @@ the same spec.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,9 @@ class BatchSpec:
     # batch.capacity is fixed; none under auto (the buckets are sized to hold the data's
     # largest item)
     sample_units: Mapping[str, int] = field(default_factory=dict)
+    # Preference pairs (train.objective: dpo): a bucket's tokens say which pair and side they
+    # are (`llm_sequence`), and a pair's media rows fill both its documents' slots
+    pairs: bool = False
 
     @property
     def group_row_len(self) -> int:
@@ -157,7 +161,11 @@ class BatchSpec:
         Raises:
           ConfigError: (resolved) a size still -1 (auto), naming its key.
         """
-        return cls.from_sections(cfg.model, cfg.batch, cfg.data, cfg.mesh.context, resolved)
+        spec = cls.from_sections(cfg.model, cfg.batch, cfg.data, cfg.mesh.context, resolved)
+        train = getattr(cfg, "train", None)
+        if train is not None and train.objective == "dpo":
+            spec = dataclasses.replace(spec, pairs=True)
+        return spec
 
     @classmethod
     def from_sections(

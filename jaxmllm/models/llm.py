@@ -21,7 +21,7 @@ from jaxmllm.config import LLMConfig
 from jaxmllm.models.attention import Packing, packing
 from jaxmllm.models.deltanet import LinearSpec
 from jaxmllm.models.layers import Dense, Embed
-from jaxmllm.models.loss import Head, loss_sum
+from jaxmllm.models.loss import Head, loss_sum, token_logps
 from jaxmllm.models.moe import MoESpec, RouterStats
 from jaxmllm.models.transformer import BlockSpec, Transformer, layer_places
 from jaxmllm.models.vocab import vocab_axes
@@ -251,18 +251,33 @@ def chunked_token_losses(
     Returns:
       (sum of loss * mask, sum of mask), float32 scalars.
     """
+    weight, head, (h, targets, mask), _ = _sliced(decoder, h_dnw, targets_dn, loss_mask_dn)
+    total = loss_sum(weight, h, targets, mask, head)
+    return total, jnp.sum(loss_mask_dn.astype(jnp.float32))
+
+
+def chunked_token_logps(decoder: Decoder, h_dnw: jax.Array, targets_dn: jax.Array) -> jax.Array:
+    """Each token's target log-probability [D, N] (fp32), projecting `decoder.logits_chunk`
+    tokens at a time (`jaxmllm.models.loss.token_logps`: no [tokens, vocab] logits held, in
+    the forward pass or the backward)."""
+    weight, head, (h, targets), unslice = _sliced(decoder, h_dnw, targets_dn)
+    return unslice(token_logps(weight, h, targets, head))
+
+
+def _sliced(decoder: Decoder, h_dnw: jax.Array, *per_token: jax.Array) -> tuple:
+    """(the output projection, its `Head`, `h_dnw` and the per-token arrays [D, N] cut into
+    [C, D, chunk(, width)] slices, the inverse for a per-token result [C, D, chunk])."""
     d, n, _ = h_dnw.shape
     chunk = min(decoder.logits_chunk, n)
     pad = -n % chunk
-    if pad:
-        h_dnw = jnp.pad(h_dnw, ((0, 0), (0, pad), (0, 0)))
-        targets_dn = jnp.pad(targets_dn, ((0, 0), (0, pad)))
-        loss_mask_dn = jnp.pad(loss_mask_dn, ((0, 0), (0, pad)))
+    padded = [
+        jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) for x in (h_dnw, *per_token)
+    ]
     slices = lambda x: jnp.moveaxis(x.reshape(d, -1, chunk, *x.shape[2:]), 1, 0)
+    unslice = lambda x: jnp.moveaxis(x, 0, 1).reshape(d, -1)[:, :n]
     weight, rows_first, divisor = decoder.head()
     size = weight.shape[0] if rows_first else weight.shape[1]
     # The projection split by vocabulary rows over the model axes (jaxmllm.models.vocab).
     axes = vocab_axes(size, d) if decoder.vocab_parallel else ()
     head = Head(rows_first, divisor, axes, decoder.dtype)
-    total = loss_sum(weight, slices(h_dnw), slices(targets_dn), slices(loss_mask_dn), head)
-    return total, jnp.sum(loss_mask_dn.astype(jnp.float32))
+    return weight, head, [slices(x) for x in padded], unslice

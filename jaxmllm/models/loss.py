@@ -109,10 +109,56 @@ def _bwd(head, residuals, g):
 _loss_sum.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 
-def _run(head: Head, weight, h_cdnw, targets_cdn, mask_cdn, want_w: bool, want_h: bool):
-    """(loss sum, the projection's gradient or None, the hidden states' or None), unscaled."""
+def token_logps(weight: jax.Array, h_cdnw: jax.Array, targets_cdn: jax.Array, head: Head):
+    """The fp32 log-probability of each token's target, [C, D, chunk]: what a preference or
+    RL loss sums per sequence and weighs per token.
+
+    The same slices as `loss_sum`, with no [tokens, vocab] logits held: the forward pass
+    projects each slice and keeps its log-sum-exp and target logit only; the backward pass,
+    given each token's cotangent g (how the objective weighs that log-prob), projects the
+    slices again and computes the gradients of sum g x logp exactly as `loss_sum` does those
+    of a masked sum (the mask being -g). A weight that depends on every sequence's sum (DPO's
+    sigmoid of a pair's margin) is known only after the forward pass, so the projection is
+    computed twice, where the SFT loss computes it once.
+    """
+    return _token_logps(weight, h_cdnw, targets_cdn, head)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _token_logps(weight, h_cdnw, targets_cdn, head):
+    ones = jnp.ones(targets_cdn.shape, jnp.float32)
+    _, _, nll = _run(head, weight, h_cdnw, targets_cdn, ones, False, False, per_token=True)
+    return -nll
+
+
+def _logps_fwd(weight, h_cdnw, targets_cdn, head):
+    w, h, t = weight.value, h_cdnw.value, targets_cdn.value
+    ones = jnp.ones(t.shape, jnp.float32)
+    _, _, nll = _run(head, w, h, t, ones, False, False, per_token=True)
+    return -nll, (w, h, t, weight.perturbed, h_cdnw.perturbed)
+
+
+def _logps_bwd(head, residuals, g):
+    w, h, t, want_w, want_h = residuals
+    if isinstance(g, SymbolicZero) or not (want_w or want_h):
+        return None, None, None
+    # d(sum g logp) = d(sum (-g) nll): the masked sum's gradients with -g for the mask
+    _, dw, dh = _run(head, w, h, t, -g.astype(jnp.float32), want_w, want_h)
+    return (None if dw is None else dw.astype(w.dtype)), dh, None
+
+
+_token_logps.defvjp(_logps_fwd, _logps_bwd, symbolic_zeros=True)
+
+
+def _run(
+    head: Head, weight, h_cdnw, targets_cdn, mask_cdn, want_w: bool, want_h: bool, per_token=False
+):
+    """(loss sum, the projection's gradient or None, the hidden states' or None), unscaled;
+    `per_token` (no gradient wanted): each token's cross entropy [C, D, chunk] for the last."""
     if not head.axes:
-        return _scan(head, weight, h_cdnw, targets_cdn, mask_cdn, want_w, want_h, _Local())
+        return _scan(
+            head, weight, h_cdnw, targets_cdn, mask_cdn, want_w, want_h, _Local(), per_token
+        )
     mesh = jax.sharding.get_abstract_mesh()
     data = tuple(a for a in DATA_AXES if a in mesh.axis_names)
     spec = P(head.axes, None) if head.rows_first else P(None, head.axes)
@@ -124,13 +170,13 @@ def _run(head: Head, weight, h_cdnw, targets_cdn, mask_cdn, want_w: bool, want_h
 
     def body(w_l, h_l, t_l, m_l):
         split = _Split(head.axes, w_l.shape[0] if head.rows_first else w_l.shape[1])
-        total, dw, dh = _scan(head, w_l, h_l, t_l, m_l, want_w, want_h, split)
+        total, dw, dh = _scan(head, w_l, h_l, t_l, m_l, want_w, want_h, split, per_token)
         total = jax.lax.psum(total, data)
         if dw is not None and shared:
             dw = jax.lax.psum(dw, shared)
         return total, dw, dh
 
-    out_specs = (P(), spec if want_w else None, batch if want_h else None)
+    out_specs = (P(), spec if want_w else None, batch if want_h or per_token else None)
     # (check_vma off: nothing differentiates through this map, the custom VJP stands in; its
     # results vary over the enclosing map's axes, a pipeline stage's, as its inputs do)
     out = jax.shard_map(
@@ -199,8 +245,9 @@ class _Split:
         return scatter_group(x, self.axes)
 
 
-def _scan(head: Head, weight, h_cdnw, targets_cdn, mask_cdn, want_w, want_h, vocab):
-    """The slices one after another: the loss sum and the wanted gradients, unscaled."""
+def _scan(head: Head, weight, h_cdnw, targets_cdn, mask_cdn, want_w, want_h, vocab, per_token):
+    """The slices one after another: the loss sum and the wanted gradients, unscaled (or,
+    `per_token`, each token's cross entropy in the gradient's place)."""
     w = weight.astype(head.dtype)
     cols = w.shape[0] if head.rows_first else w.shape[1]
     want = want_w or want_h
@@ -218,9 +265,10 @@ def _scan(head: Head, weight, h_cdnw, targets_cdn, mask_cdn, want_w, want_h, voc
         picked = jnp.take_along_axis(logits, jnp.clip(local, 0, cols - 1)[..., None], -1)
         target = vocab.sum(jnp.where(inside, picked[..., 0], 0.0))
         mask = m_dc.astype(jnp.float32)
-        total = total + jnp.sum(vocab.own(lse - target) * mask)
+        nll = vocab.own(lse - target)
+        total = total + jnp.sum(nll * mask)
         if not want:
-            return (total, dw), None
+            return (total, dw), (nll if per_token else None)
         # d loss / d logits, this device's columns of every group token: softmax - onehot
         onehot = jnp.arange(cols) == local[..., None]
         scale = (vocab.group(mask) / head.divisor)[..., None]

@@ -28,6 +28,7 @@ from jaxmllm.models.layers import Axes
 from jaxmllm.models.llm import (
     MLP_TARGETS,
     Decoder,
+    chunked_token_logps,
     chunked_token_losses,
     is_linear,
     is_moe,
@@ -70,6 +71,7 @@ class MultimodalLM(nnx.Module):
         self.llm = Decoder(cfg.llm, **shared, **own(LLM), **kw)
         self.route_capacity = spec.route_pair_capacity
         self.exchange = spec.exchange
+        self.twins = spec.pairs  # (a pair's media rows fill both its documents' slots)
 
     def __call__(self, mb: dict[str, jax.Array]) -> jax.Array:
         """Logits for one microbatch.
@@ -118,6 +120,15 @@ class MultimodalLM(nnx.Module):
             mb["llm_loss_mask"].reshape(d, -1),
         )
         return loss_sum, count, stats
+
+    def token_logps_and_router(self, mb: dict[str, jax.Array]) -> tuple:
+        """Each token's target log-probability [D, R, L] (fp32; the fused projection's, no
+        [tokens, vocab] logits), and the decoder's MoE router statistics (None if dense)."""
+        h_drlw, stats = self.hidden_and_router(mb)
+        d, width = h_drlw.shape[0], h_drlw.shape[-1]
+        targets = mb["llm_targets"]
+        logps = chunked_token_logps(self.llm, h_drlw.reshape(d, -1, width), targets.reshape(d, -1))
+        return logps.reshape(targets.shape), stats
 
     def hidden(self, mb: dict[str, jax.Array]) -> jax.Array:
         """The decoder's final hidden states [D, R, L, width] for one microbatch."""
@@ -191,11 +202,11 @@ class MultimodalLM(nnx.Module):
         )
         buffers = [gather_rows(b) for b in buffers]  # (a context group's slots read its rows)
         for buffer, name in zip(buffers[: len(names)], names, strict=True):
-            x_drlw = fill_slots(x_drlw, buffer, mb[phase(name).src])
+            x_drlw = fill_slots(x_drlw, buffer, mb[phase(name).src], self.twins)
         if not deep:
             return x_drlw, None
         added = [
-            fill_slots(jnp.zeros_like(x_drlw), buffer, mb[phase(name).src])
+            fill_slots(jnp.zeros_like(x_drlw), buffer, mb[phase(name).src], self.twins)
             for (name, _), buffer in zip(sent[len(names) :], buffers[len(names) :], strict=True)
         ]
         return x_drlw, jnp.stack(added)
@@ -369,8 +380,15 @@ def shard_like_batch(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, PartitionSpec(axes))
 
 
-def fill_slots(x_drlw: jax.Array, rows_dnw: jax.Array, src_drl: jax.Array) -> jax.Array:
+def fill_slots(
+    x_drlw: jax.Array, rows_dnw: jax.Array, src_drl: jax.Array, twins: bool = False
+) -> jax.Array:
     """Replaces token embeddings where `src >= 0` with row `src` of the same device's `rows`.
+
+    `twins`: a row may fill two slots (a preference pair's image, encoded once, read by its
+    chosen and its rejected document): the first and the last token naming it, found by a
+    scatter-min and a scatter-max of token indices, each take it by a scatter of the N rows;
+    the backward pass gathers each row's two cotangents.
 
     A row fills at most one slot (an item's rows fill its placeholders one each), so the rows
     are scattered into their slots: the forward pass adds N rows into zeros and the backward
@@ -385,9 +403,18 @@ def fill_slots(x_drlw: jax.Array, rows_dnw: jax.Array, src_drl: jax.Array) -> ja
     def one(x_tw, rows_nw, src_t):
         # Row i's slot: the token whose src is i (`tokens`, past the end: a row no slot reads).
         named = jnp.where(src_t >= 0, src_t, n)  # (non-slot tokens name no row: dropped)
+        index = jnp.arange(tokens, dtype=jnp.int32)
         slot = jnp.full((n,), tokens, jnp.int32)
-        slot = slot.at[named].set(jnp.arange(tokens, dtype=jnp.int32), mode="drop")
-        placed = jnp.zeros_like(x_tw).at[slot].add(rows_nw.astype(x_tw.dtype), mode="drop")
+        if twins:  # (the first token naming a row)
+            slot = slot.at[named].min(index, mode="drop")
+        else:
+            slot = slot.at[named].set(index, mode="drop")
+        values = rows_nw.astype(x_tw.dtype)
+        placed = jnp.zeros_like(x_tw).at[slot].add(values, mode="drop")
+        if twins:  # the last token naming a row, where it is not the first
+            last = jnp.full((n,), -1, jnp.int32).at[named].max(index, mode="drop")
+            second = jnp.where((last >= 0) & (last != slot), last, tokens)
+            placed = placed.at[second].add(values, mode="drop")
         return jnp.where((src_t >= 0)[:, None], placed, x_tw)
 
     filled = jax.vmap(one)(x_drlw.reshape(d, tokens, width), rows_dnw, src_drl.reshape(d, -1))

@@ -24,6 +24,11 @@ from jaxmllm.config import Config
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.config.spec import BatchSpec
 from jaxmllm.models import MultimodalLM, lora, moe, param_axes
+from jaxmllm.step.preference import (
+    make_preference_loss_and_grads,
+    reference_keeps,
+    uses_reference,
+)
 
 # Top-level model attributes, and the config switch that freezes each: per encoder phase its
 # encoder (model.<phase>.freeze) and projector (model.projector_freeze), then the LLM. An encoder
@@ -305,8 +310,9 @@ def make_train_step(
         key = None
         if dropout_seed is not None:
             key = jax.random.fold_in(jax.random.PRNGKey(dropout_seed), state["step"])
+        more = {"reference": state["reference"]} if "reference" in state else {}
         with lora.dropout_key(key):
-            loss, grads, *extra = loss_and_grads(state["params"], state["frozen"], batch)
+            loss, grads, *extra = loss_and_grads(state["params"], state["frozen"], batch, **more)
         grad_norm = optax.tree.norm(grads)
 
         def updated():
@@ -381,6 +387,8 @@ class Program:
     abstract: dict  # eval_shape of the train state
     shardings: dict  # NamedSharding per train-state leaf
     step: Callable  # jitted (state, batch) -> (state, metrics); the state is donated
+    # Which parameters a preference run's reference policy holds (None: no reference)
+    reference_keeps: Callable | None = None
 
     def abstract_sharded(self) -> dict:
         return jax.tree.map(
@@ -393,7 +401,16 @@ class Program:
         """A fresh train state, created by a jitted init straight into its shardings; `given`
         parameters (pretrained, already in their shardings) replace the random ones."""
         init = lambda given: init_state(self.cfg, self.optimizer, given)
-        return jax.jit(init, out_shardings=self.shardings, donate_argnums=0)(given or {})
+        out = {k: v for k, v in self.shardings.items() if k != "reference"}
+        return jax.jit(init, out_shardings=out, donate_argnums=0)(given or {})
+
+    def initial_weights(self, given: dict | None = None) -> dict:
+        """{"params", "frozen"} of a fresh state (`init`'s, with no optimizer state made):
+        what a preference run's reference policy starts from."""
+        keys = ("params", "frozen")
+        init = lambda given: {k: init_state(self.cfg, self.optimizer, given)[k] for k in keys}
+        out = {k: self.shardings[k] for k in keys}
+        return jax.jit(init, out_shardings=out, donate_argnums=0)(given or {})
 
     def abstract_params(self) -> dict:
         """Every parameter, trained and frozen, as a ShapeDtypeStruct with its sharding."""
@@ -439,13 +456,40 @@ class Program:
         return saved if base is None else {**saved, "frozen": base}
 
     def weights(self, state: dict) -> dict:
-        """The model's parameters of a train state, {"params", "frozen"}, as a reader outside
-        the step takes them (the form checkpoints hold: `abstract_params`)."""
-        return {"params": state["params"], "frozen": state["frozen"]}
+        """The model's parameters of a train state, {"params", "frozen"} (and "reference",
+        a preference run's reference policy's own leaves), as a reader outside the step takes
+        them (the form checkpoints hold: `abstract_params`)."""
+        out = {"params": state["params"], "frozen": state["frozen"]}
+        if "reference" in state:
+            out["reference"] = state["reference"]
+        return out
+
+    # A preference run's reference policy (`jaxmllm.step.preference`): the leaves where it
+    # differs from the policy's frozen parameters, in the policy's shardings, neither trained
+    # nor saved: read again at every start (`with_reference`), as an adapter run's base.
+
+    def reference_of(self, tree: dict) -> dict:
+        """The leaves of a tree keyed like every parameter (`join(params, frozen)`) that the
+        state's `reference` holds (`preference.reference_keeps`); {} for a run without one."""
+        if not self.reference_keeps:
+            return {}
+        return split_tree(tree, self.reference_keeps)[0]
+
+    def with_reference(self, state: dict, weights: dict) -> dict:
+        """`state` with its reference policy taken from `weights` ({"params", "frozen"}: the
+        starting weights, or a reference checkpoint's), copied (never the policy's buffers,
+        which the step donates)."""
+        if not self.reference_keeps:
+            return state
+        ref = self.reference_of(join(weights["params"], weights["frozen"]))
+        copy = lambda t: jax.tree.map(jnp.copy, t)
+        return {**state, "reference": jax.jit(copy, out_shardings=self.shardings["reference"])(ref)}
 
     def _less_base(self, tree: dict) -> dict:
-        """A train-state tree less its frozen base when checkpoints do not hold it."""
-        return tree if self.saves_base else {k: v for k, v in tree.items() if k != "frozen"}
+        """A train-state tree less its frozen base when checkpoints do not hold it, and less
+        its reference policy (never saved)."""
+        drop = {"reference"} if self.saves_base else {"frozen", "reference"}
+        return {k: v for k, v in tree.items() if k not in drop}
 
 
 def active_parameters(params: dict, share: float) -> tuple[int, int]:
@@ -477,8 +521,18 @@ def build_program(cfg: Config, mesh) -> Program:
     shardings["opt_state"] = sharding.opt_state_shardings(
         optimizer, abstract["opt_state"], shardings["params"], mesh
     )
+    # A preference run's reference policy: its own leaves, sharded as the policy's
+    keeps = reference_keeps(cfg, parts) if uses_reference(cfg) else None
+    if keeps is not None:
+        every = join(shardings["params"], shardings["frozen"])
+        shardings["reference"] = split_tree(every, keeps)[0]
+        every = join(abstract["params"], abstract["frozen"])
+        abstract = {**abstract, "reference": split_tree(every, keeps)[0]}
     # One compiled program; the state is donated so params are updated in place.
-    loss_and_grads = make_loss_and_grads(parts, RouterLoss.of(cfg))
+    if cfg.train.objective == "dpo":
+        loss_and_grads = make_preference_loss_and_grads(cfg, parts, RouterLoss.of(cfg))
+    else:
+        loss_and_grads = make_loss_and_grads(parts, RouterLoss.of(cfg))
     step = jax.jit(
         make_train_step(
             parts, optimizer, schedule, loss_and_grads, dropout_seed=dropout_seed(cfg, parts)
@@ -486,7 +540,7 @@ def build_program(cfg: Config, mesh) -> Program:
         donate_argnums=0,
         out_shardings=(shardings, sharding.replicated(mesh)),
     )
-    return Program(cfg, mesh, parts, axes, optimizer, abstract, shardings, step)
+    return Program(cfg, mesh, parts, axes, optimizer, abstract, shardings, step, keeps)
 
 
 def dropout_seed(cfg: Config, parts: ModelParts) -> int | None:
