@@ -196,7 +196,13 @@ def _packed(sizes: list[list[int]]) -> ItemPlan:
 def split_answer(sample: Sample, specials: Specials = RESERVED) -> tuple[Sample, np.ndarray] | None:
     """A data set's sample as (its prompt: the tokens before its first loss token, with all its
     media; the answer's ids), or None when it has no prompt (text learned from its first token
-    on, a sample whose media come after its answer starts)."""
+    on, a sample whose media come after its answer starts); a preference pair's: its chosen
+    document's."""
+    if sample.documents:
+        n = sample.documents[0]
+        sample = dataclasses.replace(
+            sample, tokens=sample.tokens[:n], loss=sample.loss[:n], documents=()
+        )
     learned = np.flatnonzero(sample.loss)
     if not len(learned) or learned[0] < 2:  # (BOS alone is no prompt)
         return None

@@ -102,6 +102,23 @@ class Config:
             self._check_experts()
         if self.model.llm.linear.enabled:
             self._check_linear()
+        if self.train.objective == "dpo":
+            self._check_preference()
+
+    def _check_preference(self) -> None:
+        """Preference pairs are summed per bucket: a pair's two documents in one device's row
+        (no context group splits them), and the loss is the one step's (not the pipeline's)."""
+        check(
+            self.mesh.context == 1,
+            "must be 1 with train.objective: dpo (a pair's documents are summed in one "
+            "device's row; context groups split rows)",
+            "mesh.context",
+        )
+        check(
+            self.mesh.stage == 1,
+            "must be 1 with train.objective: dpo (pipelined stages train SFT only)",
+            "mesh.stage",
+        )
 
     def _check_synthetic_video(self) -> None:
         """The built-in videos are encoded by the vision encoder, in whole temporal patches of

@@ -44,6 +44,7 @@ from jaxmllm.feed.iterator import Feed
 from jaxmllm.loop.answers import Questions
 from jaxmllm.plan.contract import OversizeError, StepPlan
 from jaxmllm.resolve.run import Run
+from jaxmllm.step.preference import eval_pair_metrics, make_preference_eval_step
 from jaxmllm.step.program import ModelParts, Program
 
 log = logging.getLogger("jaxmllm")
@@ -129,6 +130,12 @@ def plan_set(run: Run, source, index: LengthsIndex, reject_log) -> list[dict]:
             raise ConfigError(f"data.eval: {int((~seen).sum())} samples were never planned")
         plan = feed.plan()
         samples = feed.load(plan, feed.local_parts(plan))
+        if run.cfg.train.objective == "dpo":  # pairs: each counted once, by its own sums
+            for s in plan.samples.tolist():
+                samples[s] = samples.get(s) if not seen[s] else None  # (a repeat: padding)
+            seen[plan.samples] = True
+            batches.append(feed.bucketize(plan, samples))
+            continue
         batch = feed.bucketize(plan, samples)
         batch["eval_mix"] = _token_mixes(plan, samples, caps, run.positions, batch, mixes, seen)
         batches.append(batch)
@@ -246,7 +253,12 @@ class Evaluator:
         rank = jax.process_index()
         rejects = out / ("rejects.eval.jsonl" if rank == 0 else f"rejects.eval.process{rank}.jsonl")
         self.batches = plan_set(run, source, index, rejects)
-        self.step = make_eval_step(prog.parts, run.mesh)
+        self.pairs = cfg.train.objective == "dpo"
+        if self.pairs:  # (the sums come back whole on every process)
+            out = sharding.replicated(run.mesh)
+            self.step = jax.jit(make_preference_eval_step(cfg, prog.parts), out_shardings=out)
+        else:
+            self.step = make_eval_step(prog.parts, run.mesh)
         self.questions = Questions(cfg, source, e.questions) if e.questions else None
         self.seconds = 0.0  # the last evaluation's time
         log.info(
@@ -267,11 +279,14 @@ class Evaluator:
         from when the step was done."""
         jax.block_until_ready(state["params"])
         start = time.perf_counter()
-        total = np.zeros((3, len(MIXES)))
+        total = 0.0
         for host_batch in self.batches:
             batch = sharding.make_global_batch(host_batch, self.mesh)
-            total += np.asarray(jax.device_get(self.step(state["params"], state["frozen"], batch)))
-        row = eval_metrics(total)
+            weights = (state["params"], state["frozen"])
+            if self.pairs:
+                weights = (*weights, state.get("reference", {}))
+            total = total + np.asarray(jax.device_get(self.step(*weights, batch)), np.float64)
+        row = eval_pair_metrics(total) if self.pairs else eval_metrics(total)
         if self.questions is not None:
             results = self.questions.ask(state["params"], state["frozen"])
             row.update(self.questions.metrics(results))

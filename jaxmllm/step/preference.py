@@ -229,3 +229,39 @@ def make_preference_loss_and_grads(cfg: Config, parts, router=None) -> Callable:
         return out[0], out[1], metrics
 
     return loss_and_grads
+
+
+def make_preference_eval_step(cfg: Config, parts) -> Callable:
+    """(params, frozen, reference, step batch [M, D, ...]) -> the sums over the batch's pairs
+    of the loss and each of `PAIR_METRICS`, and the pairs' count, [len(PAIR_METRICS) + 2]
+    (forward only: evaluation's means over a whole set are these sums' ratios)."""
+    pref, with_ref = cfg.preference, uses_reference(cfg)
+
+    def eval_step(params, frozen, reference, batch):
+        ref_params = reference_weights(params, frozen, reference) if with_ref else None
+
+        def microbatch(total, mb):
+            logps, _ = parts.merge(params, frozen).token_logps_and_router(mb)
+            policy = pair_sums(logps, mb["llm_sequence"], mb["llm_loss_mask"])
+            ref = None
+            if ref_params is not None:
+                ref_logps, _ = parts.merge(*ref_params).token_logps_and_router(mb)
+                ref = pair_sums(ref_logps, mb["llm_sequence"], mb["llm_loss_mask"])
+            totals = pair_totals(pref, policy, ref)
+            row = [totals["loss"], *(totals[k] for k in PAIR_METRICS), policy.valid.sum()]
+            return total + jnp.stack(row), None
+
+        zero = jnp.zeros(len(PAIR_METRICS) + 2, jnp.float32)
+        return jax.lax.scan(microbatch, zero, batch)[0]
+
+    return eval_step
+
+
+def eval_pair_metrics(sums) -> dict[str, float]:
+    """The metrics row of `make_preference_eval_step`'s sums: means over the set's pairs."""
+    count = max(float(sums[-1]), 1.0)
+    row = {"eval/loss": float(sums[0]) / count, "eval/pairs": float(sums[-1])}
+    row.update(
+        {f"eval/{k}": float(v) / count for k, v in zip(PAIR_METRICS, sums[1:-1], strict=True)}
+    )
+    return row
