@@ -24,7 +24,7 @@ from jaxmllm.plan.contract import ItemPlan, StepPlan
 from jaxmllm.resolve.run import resolve_run
 from jaxmllm.resolve.sizing import capacities, planner_from_config
 from jaxmllm.step.preference import PairSums, pair_losses, reference_weights
-from jaxmllm.step.program import build_program
+from jaxmllm.step.program import RouterLoss, build_program
 
 C, D, CHUNK, WIDTH, VOCAB = 3, 2, 8, 16, 40
 
@@ -270,7 +270,7 @@ def _step(setup, cfg=None):
     cfg = cfg or setup.cfg
     from jaxmllm.step.preference import make_preference_loss_and_grads
 
-    fn = make_preference_loss_and_grads(cfg, setup.prog.parts)
+    fn = make_preference_loss_and_grads(cfg, setup.prog.parts, RouterLoss.of(cfg))
     with jax.set_mesh(setup.run.mesh):
         batch = sharding.make_global_batch(setup.host, setup.run.mesh)
         s = setup.state
@@ -362,3 +362,41 @@ def test_the_reference_stays_while_the_policy_trains(setup):
     assert "reference" not in prog.saved(state)
     # the reference holds what trains (no adapters here): every trained leaf, no frozen one
     assert len(jax.tree.leaves(state["reference"])) == len(jax.tree.leaves(state["params"]))
+
+
+@pytest.mark.slow
+def test_a_moe_dpo_step_is_the_same_over_data_fsdp_and_expert_meshes():
+    """tiny_moe.yaml's decoder (experts over `mesh.expert`): the same pairs and weights give
+    the same loss, rewards and router losses on 8 devices laid out three ways."""
+    meshes = [
+        ["mesh.data=8", "mesh.expert=1", "mesh.fsdp=1"],
+        ["mesh.data=4", "mesh.expert=1", "mesh.fsdp=2"],
+        ["mesh.data=2", "mesh.expert=2", "mesh.fsdp=2"],
+    ]
+    base = ["data.synthetic.num_samples=64", "batch.llm_row_len=384", "batch.llm_tiles=160"]
+    host = None
+    results = []
+    for mesh in meshes:
+        cfg = load_config("configs/tiny_moe.yaml", [*base, *mesh])
+        run = resolve_run(cfg)
+        cfg = dataclasses.replace(
+            run.cfg, train=dataclasses.replace(run.cfg.train, objective="dpo")
+        )
+        if host is None:  # (one plan, bucketized once: the same batch on every mesh)
+            pairs = PairSource(run.source, run.index)
+            plan = planner_from_config(cfg, pairs.index, 8).plan()
+            samples = {int(i): pairs[int(i)] for i in np.unique(plan.samples)}
+            host = bucketize(plan, samples, cfg, capacities(cfg, 8), index=pairs.index)
+        with jax.set_mesh(run.mesh):
+            prog = build_program(cfg, run.mesh)
+            state = prog.init()
+            noise = lambda x: x + 0.02 * jax.random.normal(jax.random.key(1), x.shape, x.dtype)  # noqa: E731
+            state = {**state, "params": jax.tree.map(noise, state["params"])}
+            state = prog.with_reference(state, prog.initial_weights())
+        one = types.SimpleNamespace(cfg=cfg, prog=prog, run=run, state=state, host=host)
+        results.append(_step(one))
+    first = results[0]
+    for loss, metrics, _ in results[1:]:
+        assert loss == pytest.approx(first[0], rel=1e-4)
+        for key in ("rewards/chosen", "rewards/margins", "logps/chosen", "moe/aux_loss"):
+            assert metrics[key] == pytest.approx(first[1][key], rel=1e-4, abs=1e-5), key
