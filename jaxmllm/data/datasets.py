@@ -4,7 +4,8 @@ index lives, and whether an index accepted enough of its records to train on.
 An index's default folder is `<path>.index/<key>`: the key names what decides the index's
 counts (the tokenizer and a hash of the preprocessing settings, the format and the media
 folder), so two configs over one data set each keep their own index instead of overwriting
-each other's.
+each other's. A data set holds the samples of one objective (`check_objective`): preference
+pairs for `train.objective: dpo`, other records for `sft`.
 """
 
 from __future__ import annotations
@@ -146,6 +147,41 @@ def index_command(cfg: Config) -> str:
     path, overrides = origin
     sets = "".join(f" --set {shlex.quote(o)}" for o in overrides)
     return f"python -m jaxmllm.data.index --config {shlex.quote(path)}{sets}"
+
+
+def check_objective(cfg: Config, ds: DataSet, pairs: int, records: int) -> None:
+    """Refuses a data set whose records the run's objective does not train on: preference
+    pairs under `train.objective: sft`, other records under `dpo`, or both in one data set
+    (`pairs` of its `records` are pairs).
+
+    Raises:
+      ConfigError: naming the data set, what it holds and what to set.
+    """
+    objective, where = cfg.train.objective, data_key(cfg, ds)
+    if 0 < pairs < records:
+        raise ConfigError(
+            f"{where} holds {pairs} preference pairs (prompt/chosen/rejected) and "
+            f"{records - pairs} other records: a data set holds one kind; split it in two and "
+            f"train each with its train.objective (dpo for the pairs, sft for the rest)"
+        )
+    if pairs and objective != "dpo":
+        raise ConfigError(
+            f"{where} holds preference pairs (prompt/chosen/rejected); set train.objective: "
+            f"dpo (it is {objective!r}), or point the data at records to fine-tune on"
+        )
+    if records and not pairs and objective == "dpo":
+        raise ConfigError(
+            f"{where} holds no preference pairs (records with prompt/chosen/rejected), but "
+            "train.objective is 'dpo'; set train.objective: sft, or point the data at "
+            "preference pairs"
+        )
+
+
+def data_key(cfg: Config, ds: DataSet) -> str:
+    """The config key that names data set `ds`, with its path (for messages)."""
+    if cfg.data.sources:
+        return f"data.sources' {ds.name!r} ({ds.path})"
+    return f"data.path {ds.path}"
 
 
 def acceptance_problem(summary: dict, min_accept: float) -> str | None:

@@ -18,8 +18,9 @@ columns every training host maps without parsing (`jaxmllm.data.stored` lists th
 - the data files (path, size, first record) and what scanning them found (line offsets, .tar
   member offsets), so training does not scan them again;
 - `summary.json`: counts, per-modality percentiles, the format, the preprocessing parameters
-  the counts depend on (training checks them), rejects by reason with an example of each, and
-  every column file's dtype and shape (training checks each file against it);
+  the counts depend on (training checks them), rejects by reason with an example of each,
+  how many rows are preference pairs (`pairs`: training checks them against
+  train.objective), and every column file's dtype and shape (training checks each file);
 - `rejects.jsonl`: every rejected record with its id, place and reason.
 
 The build is a map over shards of the files and a merge (`jaxmllm.data.index_build`): in local
@@ -59,6 +60,7 @@ from jaxmllm.data.datasets import (
     DataSet,
     acceptance_problem,
     check_index_dirs,
+    check_objective,
     data_sets,
     eval_set,
     index_dir,
@@ -76,7 +78,7 @@ from jaxmllm.data.index_build import (
 )
 from jaxmllm.data.preprocess import Params
 from jaxmllm.data.records import media_paths
-from jaxmllm.data.records.formats import FORMATS, data_files, detect
+from jaxmllm.data.records.formats import FORMATS, data_files, detect, holds_pairs
 from jaxmllm.data.rejects import media_hint, wrapped
 from jaxmllm.data.shards import InProcess, LocalProcesses, RayTasks
 from jaxmllm.data.stored import FORMAT, StoredIndex
@@ -144,6 +146,9 @@ def index_data_set(
     params = Params.from_config(cfg)
     files = data_files(ds.path)
     fmt, why = detect(files) if ds.format == "auto" else (ds.format, "")
+    pairs = holds_pairs(files, fmt)  # (by the first record: a mismatch stops before the build)
+    if pairs is not None:
+        check_objective(cfg, ds, int(pairs), 1)
     out = index_dir(ds, params.counted())
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(out)
@@ -197,16 +202,16 @@ def run_build(pool, ctx, name: str, workers: int, progress: bool, stats: dict) -
     bar.close()
     pool.close()
     stats["measure_s"], started = time.perf_counter() - started, time.perf_counter()
-    table, reasons, examples = merge_measured(staged, starts)
+    table, reasons, examples, pairs = merge_measured(staged, starts)
     stats["merge_s"] = time.perf_counter() - started
-    return (records, table, reasons, examples), ignored
+    return (records, table, reasons, examples, pairs), ignored
 
 
 def write_summary(cfg: Config, ds: DataSet, staged: Path, merged, ignored, found, out) -> dict:
     """Writes the staging folder's summary.json (its last file), clearing the build's own
     files; returns it. `found`: (the data files, their format, why `auto` chose it, the folder
     relative media paths start from)."""
-    records, table, reasons, examples = merged
+    records, table, reasons, examples, pairs = merged
     files, fmt, why, base = found
     scan = json.loads((staged / "scan.json").read_text())
     table = dict(sorted({**table, **scan["columns"]}.items()))
@@ -222,6 +227,7 @@ def write_summary(cfg: Config, ds: DataSet, staged: Path, merged, ignored, found
         index=str(out),
         scan_keys=scan["keys"],
         columns=table,
+        pairs=pairs,  # (accepted rows that are preference pairs: `datasets.check_objective`)
     )
     if acceptance_problem(summary, cfg.data.min_accept):
         summary["format_hint"] = format_hint(files, fmt)

@@ -107,6 +107,7 @@ def measure(records, pre: Preprocessor, k: int, decode: bool = False) -> dict:
         "id": record.id,
         "row": k,
         "line": line,
+        "documents": 2 if record.is_pair else 1,
         **{media.size_key: [list(s) for s in sizes.media[k]] for k, media in MEDIA.items()},
     }
 
@@ -382,17 +383,20 @@ def crash_reject(records: Records, k: int, how: str) -> dict:
     return err.to_json(line=0, row=k, where=where)
 
 
-def merge_measured(folder: Path, starts: list[int]) -> tuple[dict, Counter, dict]:
+def merge_measured(folder: Path, starts: list[int]) -> tuple[dict, Counter, dict, int]:
     """Merges the measure parts (first records `starts`) into the columns and rejects.jsonl,
-    a part at a time; returns (column table, reject counts by reason, an example of each)."""
+    a part at a time; returns (column table, reject counts by reason, an example of each,
+    the accepted rows that are preference pairs)."""
     paths = [folder / "parts" / f"rows-{a:012d}.npz" for a in starts]
     drop = duplicates(paths)
     table = stream(folder, paths, row_specs(), [~d for d in drop])
     reasons: Counter[str] = Counter()
     examples: dict[str, dict] = {}
+    pairs = 0
     with open(folder / "rejects.jsonl", "w") as out:
         for path, dup in zip(paths, drop, strict=True):
             with np.load(path) as part:
+                pairs += int((part["documents"][~dup] == 2).sum())
                 lines = strings(part, "rejects").tolist()
                 rows = part["rejects.row"].tolist()
                 for j in np.flatnonzero(dup).tolist():
@@ -413,7 +417,7 @@ def merge_measured(folder: Path, starts: list[int]) -> tuple[dict, Counter, dict
             reasons.update(meta["reasons"])
             for reason, ex in meta["examples"].items():
                 examples.setdefault(reason, ex)
-    return table, reasons, examples
+    return table, reasons, examples, pairs
 
 
 def duplicate_reject(part, j: int) -> dict:

@@ -46,6 +46,7 @@ class MixtureSource:
         self.starts = np.asarray(mixture.starts, np.int64)
         self._index: LengthsIndex | None = None
         self.specials = parts[0].specials  # (one tokenizer for all)
+        self.pairs = parts[0].pairs  # (every source's, by the objective: `check_objective`)
         self.media_ids = list(self.specials.media.values())
         self.startup_rejects = [
             {**e, "source": name}

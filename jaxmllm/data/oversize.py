@@ -6,8 +6,9 @@ size is fixed) in one vectorised pass over the index's counts, a window of rows 
 time (memory bounded whatever the index's size), then applies the policy to those alone:
 shrink lowers the image and video pixel budgets until the sample fits, then trims audio, cuts
 videos and the sequence; truncate only trims and cuts; skip drops the sample; fail stops
-naming it. An index with none over is used as mapped; otherwise the planner gets a patched
-copy of the counts (8 bytes a sample and an item).
+naming it. A preference pair is never trimmed nor cut: shrunk until it fits whole, or skipped
+(`pair_too_long`, naming the setting to raise). An index with none over is used as mapped;
+otherwise the planner gets a patched copy of the counts (8 bytes a sample and an item).
 """
 
 from __future__ import annotations
@@ -51,18 +52,24 @@ def apply_oversize(cfg: Config, stored, records, pre: Preprocessor):
         return index, None, {}, []
     repaired: dict[int, tuple[Limits, dict]] = {}
     dropped, rejects = [], []
+    pairs = bool(stored.summary.get("pairs"))  # (a pair is never cut: shrunk, or skipped)
     for i, what in zip(over.tolist(), needs, strict=True):
         rid, line = stored.ids[i], int(stored.line[i])
         err = RecordError("oversize", what, rid)
+        if pairs:  # (skipped or stopping the run, it is said so; shrunk, it is an oversize)
+            why = f"{what}, its two documents together (a preference pair is never cut)"
+            skip = RecordError("pair_too_long", f"{why}: raise {row_key(spec)}", rid)
+        else:
+            skip = err
         if policy == "fail":
-            raise DataError(fail_message(err, "data.on_oversize", f"line {line}"))
+            raise DataError(fail_message(skip, "data.on_oversize", f"line {line}"))
         fixed = None
         if policy != "skip":
             record = read_record(records, int(stored.row[i]))
             fixed = repair(record, stored.media_sizes(i), pre, caps, policy)
         if fixed is None:
             dropped.append(i)
-            rejects.append(err.to_json(line=line, action="skip"))
+            rejects.append(skip.to_json(line=line, action="skip"))
             continue
         repaired[i] = fixed
         rejects.append(err.to_json(line=line, action=policy, limits=fixed[0].to_json()))
@@ -165,8 +172,8 @@ def repair(record, sizes, pre: Preprocessor, caps: Limits, policy: str):
         if budget is None or not layout.cut or budget <= unit:
             break
         budget = max(unit, int(budget * 0.8))  # shrink the images and videos until nothing is cut
-    if layout.loss_tokens() == 0:
-        return None
+    if layout.loss_tokens() == 0 or (layout.cut and layout.split is not None):
+        return None  # (nothing learnable left, or a pair that does not fit whole)
     return lim, layout.counts()
 
 

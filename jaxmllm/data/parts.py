@@ -60,6 +60,7 @@ def row_part(rows: list[dict]) -> dict[str, np.ndarray]:
         "id.offsets": ids.offsets,
         "id.bytes": ids.data,
         "id.hash": id_hashes(r["id"] for r in rows),
+        "documents": _ints(r.get("documents", 1) for r in rows),  # (2: a preference pair)
     }
     for p in ENCODERS:
         out[f"{p.name}.count"] = _ints(len(r[p.items]) for r in rows)

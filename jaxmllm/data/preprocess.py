@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -240,17 +240,32 @@ class Part(NamedTuple):
 @dataclass
 class Layout:
     """The exact sequence of a sample: its text runs and encoder parts in order, and whether a
-    limit cut it."""
+    limit cut it.
+
+    A preference pair's layout holds its two documents' ops one after the other, the second's
+    from `split` on. The same parts (the prompt's items) come in both: the sample's items are
+    the first document's (`items`, `parts`), the second's are their placeholder rows again.
+    The index row (`counts`) lists the items once and counts the second document's `repeated`
+    placeholder rows as text, so that its LLM tokens (text + a token per encoder row) are the
+    pair's tokens exactly."""
 
     ops: list[Text | Part]
     cut: bool = False
+    split: int | None = None  # where a pair's second document (rejected) starts; None: one
+    repeated: int = 0  # a pair's placeholder rows in its second document
+
+    @property
+    def items(self) -> list[Text | Part]:
+        """The ops whose parts are the sample's items: all, or a pair's first document's."""
+        return self.ops if self.split is None else self.ops[: self.split]
 
     def parts(self, phase: str | None = None) -> list[Part]:
-        return [op for op in self.ops if isinstance(op, Part) and phase in (None, op.phase)]
+        return [op for op in self.items if isinstance(op, Part) and phase in (None, op.phase)]
 
     def counts(self) -> dict:
         """The sample in the lengths-file format."""
-        out = {"text": int(sum(len(op.ids) for op in self.ops if isinstance(op, Text)))}
+        text = sum(len(op.ids) for op in self.ops if isinstance(op, Text)) + self.repeated
+        out = {"text": int(text)}
         out.update({BY_NAME[p].items: [op.units for op in self.parts(p)] for p in NAMES})
         return out
 
@@ -306,7 +321,37 @@ class Preprocessor:
         self, record: Record, sizes: Sizes, limits: Limits = Limits(), generation: bool = False
     ) -> Layout:
         """The token sequence and encoder items of `record`, cut where `limits` say;
-        `generation`: the prompt that generation continues (the tokenizer's `pieces`)."""
+        `generation`: the prompt that generation continues (the tokenizer's `pieces`; a
+        pair's prompt alone). A preference pair is never cut short: where its documents do
+        not fit whole, its layout says `cut` and `sample` refuses it (`pair_too_long`)."""
+        if record.is_pair and not generation:
+            return self._pair(record, sizes, limits)
+        return self._document(record, sizes, limits, generation)
+
+    def _pair(self, record: Record, sizes: Sizes, limits: Limits) -> Layout:
+        """A preference pair's layout: its chosen document, then its rejected one, each laid
+        out whole with `limits`' media budgets (the same grids in both); cut where together
+        they pass `limits.max_tokens`, or either passes a phase's units."""
+        whole = replace(limits, max_tokens=None)
+        chosen, rejected = (self._document(record.document(s), sizes, whole) for s in (0, 1))
+        if [p[:5] for p in chosen.parts()] != [p[:5] for p in rejected.parts()]:
+            raise RecordError(
+                "placeholder_mismatch",
+                "its chosen and rejected documents place the prompt's media differently (the "
+                "chat template renders the prompt otherwise before each completion)",
+                record.id,
+            )
+        rows = sum(p.units // self.per_token[p.phase] for p in chosen.parts())
+        ops = [*chosen.ops, *rejected.ops]
+        tokens = sum(len(op.ids) for op in ops if isinstance(op, Text)) + 2 * rows
+        cut = chosen.cut or rejected.cut
+        cut |= limits.max_tokens is not None and tokens > limits.max_tokens
+        return Layout(ops, cut, split=len(chosen.ops), repeated=rows)
+
+    def _document(
+        self, record: Record, sizes: Sizes, limits: Limits, generation: bool = False
+    ) -> Layout:
+        """One document's layout (see `layout`)."""
         pieces = self.tokenizer.pieces(record, generation)
         budget = _Budget(limits)
         ops: list[Text | Part] = []
@@ -357,6 +402,13 @@ class Preprocessor:
         generate from.
         """
         lay = self.layout(record, sizes, limits, generation)
+        if lay.split is not None and lay.cut:
+            raise RecordError(
+                "pair_too_long",
+                f"its two documents do not fit whole in {limits.to_json()} (a pair is never "
+                "cut): raise batch.llm_row_len (or the encoder buckets' capacity)",
+                record.id,
+            )
         count = dict.fromkeys(NAMES, 0)
         wanted: dict[tuple[str, int], list[int]] = {}  # (kind, source) -> its parts to decode
         for op in lay.parts():
@@ -372,24 +424,29 @@ class Preprocessor:
         }
         tokens, loss = [], []
         media: dict[str, list[Item | None]] = {p: [] for p in NAMES}
-        for op in lay.ops:
+        first = len(lay.items)  # (a pair's second document: its items' rows again, no items)
+        for n, op in enumerate(lay.ops):
             if isinstance(op, Text):
                 tokens.append(op.ids)
                 loss.append(op.loss)
                 continue
-            parts = wanted.get((op.kind, op.source), ())
-            got = _part(decoded[op.kind, op.source], op, record.id) if op.part in parts else None
-            media[op.phase].append(got)
+            if n < first:
+                wants = op.part in wanted.get((op.kind, op.source), ())
+                got = _part(decoded[op.kind, op.source], op, record.id) if wants else None
+                media[op.phase].append(got)
             rows = op.units // self.per_token[op.phase]
             tokens.append(np.full(rows, self.tokenizer.specials.media[op.kind], np.int32))
             loss.append(np.zeros(rows, bool))
+        ids = np.concatenate(tokens).astype(np.int32)
+        chosen = sum(len(t) for t in tokens[:first])  # (one run of ids an op)
         return Sample(
             id=index,
-            tokens=np.concatenate(tokens).astype(np.int32),
+            tokens=ids,
             loss=np.concatenate(loss).astype(bool),
             media=media,
             grids=grids(lay),
             frames=dict(self.frame_counts),
+            documents=() if lay.split is None else (chosen, len(ids) - chosen),
         )
 
 
@@ -401,7 +458,7 @@ def grids(lay: Layout) -> list[tuple[int, int, int]]:
     Qwen3-VL's `get_rope_index` splits a video's grid into its frames."""
     out: list[tuple] = []
     last = None  # the item of the op before, when it is a part
-    for op in lay.ops:
+    for op in lay.items:
         if not isinstance(op, Part) or op.grid is None:
             last = None  # (text between a video's temporal patches: Qwen3-VL's times)
             continue

@@ -43,6 +43,11 @@ REASONS = {
     "record_failed": "reading the record raised an unexpected error (named in the detail)",
     "record_crashed": "the index's worker process died reading the record (out of memory, an "
     "abort in native code); the build went on without it",
+    "pair_missing_side": "a preference pair lacks its 'chosen' or its 'rejected' completion",
+    "pair_empty_side": "a preference pair's 'chosen' or 'rejected' completion has no text",
+    "pair_identical": "a preference pair's 'chosen' and 'rejected' completions are the same",
+    "pair_too_long": "a preference pair's two documents do not fit whole in a bucket's row (a "
+    "pair is never cut: see data.on_oversize)",
 }
 
 

@@ -25,6 +25,7 @@ from jaxmllm.data.datasets import (
     DataSet,
     acceptance_problem,
     check_index_dirs,
+    check_objective,
     data_sets,
     eval_set,
     index_command,
@@ -74,6 +75,9 @@ class ManifestSource:
         self.media_ids = list(self.specials.media.values())
         self.startup_rejects: list[dict] = []  # oversize repairs and skips made at start-up
         self.index_rejects: dict[str, int] = {}  # rejects counted by the index, by reason
+        # Whether every sample is a preference pair (`Sample.documents`: chosen, rejected);
+        # the data set's index says (`train.objective: dpo` takes these and no others)
+        self.pairs = False
 
     def __len__(self) -> int:
         return len(self.index)
@@ -105,7 +109,7 @@ class ManifestSource:
         # The plan reserved exactly the index's counts; a record edited since (same byte size,
         # other tokens) would overflow its slot into a neighbour's, so refuse it instead.
         want = self.index.record(int(i))
-        got = {"text": int(np.isin(sample.tokens, self.media_ids, invert=True).sum())}
+        got = {"text": index_text(sample, self.media_ids)}
         for p in ENCODERS:
             got[p.items] = [
                 _indexed(want[p.items], j) if m is None else len(m[0])
@@ -135,7 +139,9 @@ class ManifestSource:
         part = LengthsIndex(index.text[:n], items, shuffle=index.shuffle)
         keep = np.arange(n) if self.keep is None else self.keep[:n]
         limits = {i: lim for i, lim in self.limits.items() if i < n}
-        return ManifestSource(self.records, self.pre, self.stored, part, keep, limits)
+        head = ManifestSource(self.records, self.pre, self.stored, part, keep, limits)
+        head.pairs = self.pairs
+        return head
 
 
 class Rows:
@@ -157,6 +163,14 @@ class Rows:
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
+
+
+def index_text(sample: Sample, media_ids: list[int]) -> int:
+    """A sample's `text` in the lengths index: its tokens but its items' placeholder rows
+    (a preference pair's rows come in both documents: counted as text once, so that text +
+    a token per encoder row is its length)."""
+    placed = int(np.isin(sample.tokens, media_ids).sum())
+    return len(sample.tokens) - placed // max(1, len(sample.documents))
 
 
 def _indexed(counts: list, j: int) -> int:
@@ -282,6 +296,8 @@ def open_data_set(cfg: Config, ds: DataSet, tokenizer) -> ManifestSource:
     """One data set's source: its index mapped and checked, oversize policy applied."""
     stored = load_index(cfg, ds)
     summary, out = stored.summary, stored.folder
+    pairs = int(summary.get("pairs", 0))  # (an index from before pairs holds none)
+    check_objective(cfg, ds, pairs, int(summary.get("accepted", 0)))
     check_videos(cfg, len(stored.sizes["video"][1]), ds.path)
     if cfg.data.on_error == "fail" and summary.get("rejected"):
         with open(out / "rejects.jsonl") as f:
@@ -317,6 +333,7 @@ def open_data_set(cfg: Config, ds: DataSet, tokenizer) -> ManifestSource:
     log.log(level, index_line(ds.path, records.format, summary, out))
     index, keep, limits, startup = apply_oversize(cfg, stored, records, pre)
     source = ManifestSource(records, pre, stored, index, keep, limits)
+    source.pairs = pairs > 0
     source.startup_rejects = startup
     source.index_rejects = dict(summary.get("rejects", {}))
     return source

@@ -9,6 +9,13 @@ Four kinds of sample with a realistic spread of modality mixes and lengths:
 - text-only counting runs ("17 18 19 20 ...").
 A caption can only be predicted by looking at the image or video or listening to the clip, so a
 falling loss on those tokens means the encoders, projectors and routing really work.
+
+Under `train.objective: dpo` every sample is a preference pair (`Sample.documents`): the same
+prompt (BOS, the items' placeholders, the question; a counting run's first number) with the
+right answer as chosen and a wrong one as rejected, drawn from (seed, index)
+(`jaxmllm.data.synthetic_pairs`): another colour and/or shape of one image, the other way for
+a video, another pitch and/or contour for a clip, a counting run with one digit changed.
+Learning to prefer the chosen answer takes the same looking and listening.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from jaxmllm.data.lengths import Items, LengthsIndex
 from jaxmllm.data.media.image import patchify
 from jaxmllm.data.pcg import Streams
 from jaxmllm.data.samples import Sample
+from jaxmllm.data.synthetic_pairs import text_pair, twists, wrong_images, wrong_names
 from jaxmllm.data.text.tokenizer import ByteTokenizer
 
 COLOURS = {
@@ -58,6 +66,7 @@ class SyntheticSource:
         self.subsample = cfg.model.audio.subsample
         self.tokenizer = ByteTokenizer()
         self.specials = self.tokenizer.specials  # what bucketize pads with and finds slots by
+        self.pairs = cfg.train.objective == "dpo"  # every sample a preference pair
         self._table = self._param_table()  # every sample's parameters, as arrays
 
     def __len__(self) -> int:
@@ -66,19 +75,20 @@ class SyntheticSource:
     def __getitem__(self, i: int) -> Sample:
         p = self._table.params(int(i))
         rng = np.random.default_rng([self.cfg.data.seed, int(i), 1])
+        wrong = self._wrong(int(i), p) if self.pairs else None  # (a pair's rejected answer)
         if p["kind"] == "text":
             return self._text_sample(int(i), p)
         if p["kind"] == "image":
             media = [self._render_image(rng, *img) for img in p["images"]]
-            caption = " and ".join(f"a {c} {s}" for _, _, c, s in p["images"])
             return self._media_sample(
                 int(i),
                 VISION,
                 [len(m[0]) // self.merge**2 for m in media],
                 IMAGE_PROMPT,
-                caption,
+                _image_caption(p["images"]),
                 media,
                 grids=[(1, gh, gw) for gh, gw, _, _ in p["images"]],
+                wrong=wrong,
             )
         if p["kind"] == "video":
             items = self._render_video(rng, *p["video"])
@@ -86,13 +96,42 @@ class SyntheticSource:
             rows = [len(v) // self.merge**2 for v, _ in items]
             caption = self._video_caption(p["video"])
             return self._media_sample(
-                int(i), VISION, rows, VIDEO_PROMPT, caption, items, grids=[grid], marker=VIDEO.name
+                int(i),
+                VISION,
+                rows,
+                VIDEO_PROMPT,
+                caption,
+                items,
+                grids=[grid],
+                marker=VIDEO.name,
+                wrong=wrong,
             )
         clip = self._render_audio(rng, *p["audio"])
-        caption = f"a {p['audio'][2]} {p['audio'][1]} tone"
+        caption = _audio_caption(p["audio"])
         item = (clip, np.arange(len(clip), dtype=np.int32))
         rows = [len(clip) // self.subsample]
-        return self._media_sample(int(i), AUDIO, rows, AUDIO_PROMPT, caption, [item])
+        return self._media_sample(int(i), AUDIO, rows, AUDIO_PROMPT, caption, [item], wrong=wrong)
+
+    def _wrong(self, i: int, p: dict) -> str | None:
+        """Sample i's rejected answer where it is a media sample's (a caption not its own:
+        `wrong_names`); None for a counting run (`text_pair` changes a digit)."""
+        t, twist = self._table, twists(self.cfg.data.seed, np.array([i]))
+        if p["kind"] == "image":
+            colours, shapes = wrong_images(t.images[[i]], t.n_images[[i]], twist, COLOURS, SHAPES)
+            names = zip(colours[0].tolist(), shapes[0].tolist(), strict=True)
+            images = [
+                (h, w, tuple(COLOURS)[c], SHAPES[s])
+                for (h, w, _, _), (c, s) in zip(p["images"], names, strict=False)
+            ]
+            return _image_caption(images)
+        if p["kind"] == "audio":
+            pitch, contour = wrong_names(twist, t.audio[[i], 1], t.audio[[i], 2], PITCHES, CONTOURS)
+            return _audio_caption((0, tuple(PITCHES)[pitch[0]], tuple(CONTOURS)[contour[0]]))
+        if p["kind"] == "video":
+            frames, colour, shape, direction = p["video"]
+            other = DIRECTIONS[1 - DIRECTIONS.index(direction)]
+            return self._video_caption((frames, colour, shape, other))
+        return None
 
     def load(self, i: int, keep: dict[str, tuple[int, ...]] | None = None) -> Sample:
         """Sample i with only the items `keep[phase]` lists (by number; None = all) kept.
@@ -104,30 +143,19 @@ class SyntheticSource:
         return sample if keep is None else sample.keep_only(keep)
 
     def lengths(self) -> LengthsIndex:
-        """Counts in model units for every sample, without rendering any media."""
+        """Counts in model units for every sample, without rendering any media. A pair's
+        `text` is both documents' text and its placeholder rows once (the index counts each
+        item once: text + a token per encoder row is the pair's length)."""
         t = self._table
-        image, audio, text = t.kind == IMAGE_KIND, t.kind == AUDIO_KIND, t.kind == TEXT_KIND
-        video = t.kind == VIDEO_KIND
-        tokens = np.zeros(len(t.kind), np.int64)
-        tokens[text] = self._text_lengths(t.text[text, 0], t.text[text, 1])
-        # "a red circle", " and " between two
-        names = [
-            NAME_BYTES["colour"][t.images[:, k, 2]] + NAME_BYTES["shape"][t.images[:, k, 3]]
-            for k in range(2)
-        ]
-        caption = 3 + names[0] + np.where(t.n_images == 2, 5 + 3 + names[1], 0)
-        tokens[image] = (2 + len(IMAGE_PROMPT) + caption)[image]
-        caption = 3 + NAME_BYTES["contour"][t.audio[:, 2]] + NAME_BYTES["pitch"][t.audio[:, 1]]
-        tokens[audio] = (2 + len(AUDIO_PROMPT) + caption + len(" tone"))[audio]
-        # "a red circle moving left"
-        caption = (
-            3
-            + NAME_BYTES["colour"][t.video[:, 1]]
-            + NAME_BYTES["shape"][t.video[:, 2]]
-            + len(" moving ")
-            + NAME_BYTES["direction"][t.video[:, 3]]
+        image, audio, video = t.kind == IMAGE_KIND, t.kind == AUDIO_KIND, t.kind == VIDEO_KIND
+        answers = (
+            t.images[:, :, 2],
+            t.images[:, :, 3],
+            t.audio[:, 1],
+            t.audio[:, 2],
+            t.video[:, 3],
         )
-        tokens[video] = (2 + len(VIDEO_PROMPT) + caption)[video]
+        tokens = self._document_text(*answers)
         # Vision items in sample order: a sample's images, or its video's temporal patches
         patches = (t.images[:, :, 0] * t.images[:, :, 1]).astype(np.int64)
         n_images = np.where(image, t.n_images, 0)
@@ -144,7 +172,46 @@ class SyntheticSource:
             VISION.name: Items(ptr(n_images + n_video), vision[order].astype(np.int64)),
             AUDIO.name: Items(ptr(audio), t.audio[audio, 0].astype(np.int64)),
         }
+        if self.pairs:  # (the rejected document's text, and its rows counted as text)
+            twist = twists(self.cfg.data.seed, np.arange(len(t.kind)))
+            colours, shapes = wrong_images(t.images, t.n_images, twist, COLOURS, SHAPES)
+            pitch, contour = wrong_names(twist, t.audio[:, 1], t.audio[:, 2], PITCHES, CONTOURS)
+            rejected = self._document_text(colours, shapes, pitch, contour, 1 - t.video[:, 3])
+            vision, clips = items[VISION.name], items[AUDIO.name]
+            rows = vision.per_sample(vision.sizes // self.merge**2)
+            rows = rows + clips.per_sample(clips.sizes // self.subsample)
+            tokens = tokens + rejected + rows
         return LengthsIndex(text=tokens, items=items)
+
+    def _document_text(self, colours, shapes, pitch, contour, direction) -> np.ndarray:
+        """Each sample's text tokens (placeholders aside) in a document whose answer names
+        these (numbers of the names, per sample: two images' colours and shapes, a clip's
+        pitch and contour, a video's direction): BOS, the question, the answer, EOS; a
+        counting run's BOS, run, EOS."""
+        t = self._table
+        image, audio, text = t.kind == IMAGE_KIND, t.kind == AUDIO_KIND, t.kind == TEXT_KIND
+        video = t.kind == VIDEO_KIND
+        tokens = np.zeros(len(t.kind), np.int64)
+        tokens[text] = self._text_lengths(t.text[text, 0], t.text[text, 1])
+        # "a red circle", " and " between two
+        names = [
+            NAME_BYTES["colour"][colours[:, k]] + NAME_BYTES["shape"][shapes[:, k]]
+            for k in range(2)
+        ]
+        caption = 3 + names[0] + np.where(t.n_images == 2, 5 + 3 + names[1], 0)
+        tokens[image] = (2 + len(IMAGE_PROMPT) + caption)[image]
+        caption = 3 + NAME_BYTES["contour"][contour] + NAME_BYTES["pitch"][pitch]
+        tokens[audio] = (2 + len(AUDIO_PROMPT) + caption + len(" tone"))[audio]
+        # "a red circle moving left"
+        caption = (
+            3
+            + NAME_BYTES["colour"][t.video[:, 1]]
+            + NAME_BYTES["shape"][t.video[:, 2]]
+            + len(" moving ")
+            + NAME_BYTES["direction"][direction]
+        )
+        tokens[video] = (2 + len(VIDEO_PROMPT) + caption)[video]
+        return tokens
 
     def _text_lengths(self, start: np.ndarray, words: np.ndarray) -> np.ndarray:
         """len(_text_tokens) of text samples: BOS, the counting run's bytes, EOS."""
@@ -273,15 +340,27 @@ class SyntheticSource:
 
     def _text_sample(self, i: int, p: dict) -> Sample:
         tokens = self._text_tokens(p)
+        if self.pairs:
+            return text_pair(i, tokens)
         loss = np.ones(len(tokens), bool)
         loss[0] = False  # BOS is never predicted
         return Sample(id=i, tokens=tokens, loss=loss)
 
     def _media_sample(
-        self, i, phase: Phase, rows, prompt, caption, items, grids=(), marker: str = ""
+        self,
+        i,
+        phase: Phase,
+        rows,
+        prompt,
+        caption,
+        items,
+        grids=(),
+        marker: str = "",
+        wrong: str | None = None,
     ) -> Sample:
         """BOS, the items' placeholder rows (of kind `marker`, else the phase's own), the
-        prompt; then the caption and EOS, learned."""
+        prompt; then the caption and EOS, learned. With a `wrong` caption, a preference pair:
+        that document, then the same prompt with the wrong caption and EOS."""
         head = [np.array([self.specials.bos], np.int32)]
         head += [np.full(r, self.specials.media[marker or phase.name], np.int32) for r in rows]
         head.append(self.tokenizer.encode(prompt))
@@ -290,7 +369,21 @@ class SyntheticSource:
         prefix = np.concatenate(head).astype(np.int32)
         tokens = np.concatenate([prefix, answer])
         loss = np.concatenate([np.zeros(len(prefix), bool), np.ones(len(answer), bool)])
-        return Sample(id=i, tokens=tokens, loss=loss, media={phase.name: items}, grids=list(grids))
+        documents: tuple[int, ...] = ()
+        if wrong is not None:
+            other = np.concatenate([self.tokenizer.encode(wrong), [eos]]).astype(np.int32)
+            documents = (len(tokens), len(prefix) + len(other))
+            tokens = np.concatenate([tokens, prefix, other])
+            learned = [np.zeros(len(prefix), bool), np.ones(len(other), bool)]
+            loss = np.concatenate([loss, *learned])
+        return Sample(
+            id=i,
+            tokens=tokens,
+            loss=loss,
+            media={phase.name: items},
+            grids=list(grids),
+            documents=documents,
+        )
 
     def _render_image(self, rng, gh: int, gw: int, colour: str, shape: str):
         """An image of gh x gw patches, patchified in 2x2-merge order with (row, col) positions."""
@@ -430,6 +523,16 @@ class _Table:
             )
         else:
             self.kind[i], self.text[i] = TEXT_KIND, (p["start"], p["words"])
+
+
+def _image_caption(images) -> str:
+    """ "a red circle", or "a red circle and a blue cross" (of (h, w, colour, shape) each)."""
+    return " and ".join(f"a {c} {s}" for _, _, c, s in images)
+
+
+def _audio_caption(audio) -> str:
+    """ "a rising high tone" (of (frames, pitch, contour))."""
+    return f"a {audio[2]} {audio[1]} tone"
 
 
 def _digits_below(n: np.ndarray) -> np.ndarray:

@@ -16,7 +16,9 @@ from pathlib import Path
 from jaxmllm.config import ConfigError, printable
 from jaxmllm.config.sections import FORMATS as FORMAT_NAMES
 from jaxmllm.data.records.jsonarray import scan_array
-from jaxmllm.data.records.record import parse_record
+from jaxmllm.data.records.parquet import ParquetRecords
+from jaxmllm.data.records.record import PAIR_KEYS, parse_record
+from jaxmllm.data.records.schemas import is_pair
 from jaxmllm.data.records.walk import files_below, glob_files
 from jaxmllm.data.rejects import RecordError
 
@@ -49,7 +51,12 @@ FORMATS = {
             "conversations",
             "ShareGPT records ('conversations' of 'from'/'value' turns)",
         ),
-        Format("messages", "json", "messages", "OpenAI-style 'messages' records"),
+        Format(
+            "messages",
+            "json",
+            "messages",
+            "OpenAI-style 'messages' records (or preference pairs: 'prompt', 'chosen', 'rejected')",
+        ),
         Format("parquet", "parquet", "any", "Parquet files"),
         Format("webdataset", "tar", "any", "WebDataset .tar shards"),
         Format("arrayrecord", "arrayrecord", "jaxmllm", "ArrayRecord files"),
@@ -166,6 +173,8 @@ def detect(files: list[Path]) -> tuple[str, str]:
             f"cannot tell the format of {files[0]}: its first record is not a JSON "
             "object; set data.format"
         )
+    if is_pair(obj):  # (TRL's, RLAIF-V's, LLaMA-Factory's: read as `schemas.from_pair` says)
+        return "messages", f"{many}: {shape} of preference pairs ('chosen' and 'rejected')"
     if "conversations" in obj:
         return "llava", f"{many}: {shape} whose first record has 'conversations' (LLaVA/ShareGPT)"
     if "messages" in obj or "text" in obj:
@@ -177,6 +186,23 @@ def detect(files: list[Path]) -> tuple[str, str]:
         f"cannot tell the format of {files[0]}: its first record has keys {keys}; "
         f"set data.format to one of {', '.join(FORMATS)}"
     )
+
+
+def holds_pairs(files: list[Path], fmt: str) -> bool | None:
+    """Whether the data set of `files` in data.format `fmt` holds preference pairs, by its first
+    record (JSON) or its columns (Parquet); None where that takes more than a look (.tar
+    shards, ArrayRecord: the index counts its pairs, `summary.json`'s `pairs`)."""
+    container = FORMATS[fmt].container
+    if container in ("json", "jsonl"):
+        obj = first_record(files[0], json_container(files[0]))
+        return is_pair(obj) if isinstance(obj, dict) else None
+    if container == "parquet":
+        try:
+            columns = ParquetRecords(files[0]).columns()
+        except ConfigError:
+            return None
+        return any(k in columns for k in PAIR_KEYS)
+    return None
 
 
 def _native(obj: dict, base: Path) -> bool:

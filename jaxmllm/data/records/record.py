@@ -7,6 +7,13 @@ chat), with a list of items per kind of media under its `items` key (`images`, `
 `<video>`; `jaxmllm.config.phases.KINDS`). A path must lead, once `..` and symlinks are
 resolved, inside that folder (`MediaPaths`): a manifest from a stranger cannot make training
 read, or the ArrayRecord converter embed, `/etc/shadow`.
+
+A preference pair (`train.objective: dpo`) is `{"id", "messages": [its prompt], "chosen",
+"rejected"}`, each side one assistant message (or its text): the prompt's turns and media are
+shared, the sides are its two completions (`Record.completions`). Another tool's pair (TRL's
+prompt / chosen / rejected, RLAIF-V's) becomes this one in `schemas.from_pair`. A side missing,
+empty or equal to the other is a reject (`pair_missing_side`, `pair_empty_side`,
+`pair_identical`), as is a placeholder in a side (a pair's media belong to its prompt).
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ KIND_OF_PLACEHOLDER = {k.placeholder: k.name for k in KINDS}  # "<video>" -> its
 PLACEHOLDER = re.compile("(" + "|".join(re.escape(t) for t in KIND_OF_PLACEHOLDER) + ")")
 PART_KIND = {k.item: k.name for k in KINDS}  # a content part's type ("video") -> its kind
 ROLES = ("system", "user", "assistant")
+PAIR_KEYS = ("chosen", "rejected")  # a preference pair's completions, in a Sample's order
+
+Turns = list[tuple[str, str]]
 
 
 @dataclass
@@ -32,8 +42,25 @@ class Record:
     """A parsed manifest record: turns of (role, text) and its media sources."""
 
     id: str
-    turns: list[tuple[str, str]]  # role "text" for plain text records
+    turns: Turns  # role "text" for plain text records; a pair's prompt
     media: dict[str, list[Any]]  # per kind of media (KINDS), its items' sources: Path | bytes
+    # A preference pair's completions (chosen, rejected): the turns that follow `turns` in
+    # each of its two documents; None: not a pair
+    completions: tuple[Turns, Turns] | None = None
+    # Learn only the last assistant turn (a pair's document learns its completion, not the
+    # assistant turns of a multi-turn prompt); False: every assistant turn
+    learn_last: bool = False
+
+    @property
+    def is_pair(self) -> bool:
+        return self.completions is not None
+
+    def document(self, side: int) -> Record:
+        """A pair's document `side` (0: chosen, 1: rejected): its prompt, then that
+        completion, which alone is learned."""
+        assert self.completions is not None, "not a preference pair"
+        turns = [*self.turns, *self.completions[side]]
+        return Record(self.id, turns, self.media, learn_last=True)
 
 
 @dataclass(frozen=True)
@@ -105,15 +132,19 @@ def parse_record(
         raise RecordError(
             "malformed_line", "'id' is not valid Unicode (a lone surrogate)", fallback
         )
-    if ("text" in obj) == ("messages" in obj):
+    completions = None
+    if any(k in obj for k in PAIR_KEYS):
+        turns, completions = _parse_pair(obj, rid)
+    elif ("text" in obj) == ("messages" in obj):
         raise RecordError("malformed_line", "needs exactly one of 'text' or 'messages'", rid)
-    if "text" in obj:
+    elif "text" in obj:
         if not isinstance(obj["text"], str):
             raise RecordError("malformed_line", "'text' must be a string", rid)
         turns = [("text", obj["text"])]
     else:
         turns = _parse_messages(obj["messages"], rid)
-    if not all(valid_unicode(t) for _, t in turns):  # JSON's "\ud800" escapes decode to these
+    every = [*turns, *(t for side in completions or () for t in side)]
+    if not all(valid_unicode(t) for _, t in every):  # JSON's "\ud800" escapes decode to these
         raise RecordError("malformed_line", "text is not valid Unicode (a lone surrogate)", rid)
     media = {}
     for k in KINDS:
@@ -123,9 +154,54 @@ def parse_record(
         media[k.name] = [
             _media_source(e, paths, f"{k.items}[{j}]", rid) for j, e in enumerate(entries)
         ]
-    record = Record(rid, turns, media)
+    record = Record(rid, turns, media, completions)
     _check_placeholders(record)
     return record
+
+
+def _parse_pair(obj: dict, rid: str) -> tuple[Turns, tuple[Turns, Turns]]:
+    """A preference pair's prompt turns and its (chosen, rejected) completions."""
+    if "text" in obj or not isinstance(obj.get("messages"), list):
+        raise RecordError(
+            "malformed_line",
+            "a preference pair needs 'messages' (its prompt), 'chosen' and 'rejected' "
+            "(TRL's prompt/chosen/rejected records: data.format: messages, or auto)",
+            rid,
+        )
+    prompt = _parse_messages(obj["messages"], rid)  # (a non-empty list)
+    sides = tuple(_completion(obj.get(key), key, rid) for key in PAIR_KEYS)
+    if sides[0] == sides[1]:
+        raise RecordError("pair_identical", "'chosen' and 'rejected' are identical", rid)
+    return prompt, sides
+
+
+def _completion(value: Any, key: str, rid: str) -> Turns:
+    """One side of a pair: one assistant message (or its text), with text and no media."""
+    if value is None:
+        raise RecordError("pair_missing_side", f"missing '{key}'", rid)
+    if value == "" or value == []:
+        raise RecordError("pair_empty_side", f"'{key}' is empty", rid)
+    if not isinstance(value, (str, list)):
+        raise RecordError(
+            "malformed_line", f"'{key}' must be a string or a list of one assistant message", rid
+        )
+    turns = [("assistant", value)] if isinstance(value, str) else _parse_messages(value, rid)
+    if len(turns) != 1 or turns[0][0] != "assistant":
+        roles = ", ".join(role for role, _ in turns)
+        raise RecordError(
+            "malformed_line", f"'{key}' must be one assistant message, not {roles}", rid
+        )
+    text = turns[0][1]
+    found = PLACEHOLDER.search(text)
+    if found:
+        raise RecordError(
+            "placeholder_mismatch",
+            f"'{key}' holds a {found.group(0)} placeholder: a pair's media belong to its prompt",
+            rid,
+        )
+    if not text.strip():
+        raise RecordError("pair_empty_side", f"'{key}' is empty (no text)", rid)
+    return turns
 
 
 def _parse_messages(messages: Any, rid: str) -> list[tuple[str, str]]:
@@ -204,6 +280,8 @@ def _check_placeholders(r: Record) -> None:
                 r.id,
             )
     words = PLACEHOLDER.sub("", text).strip()
+    if r.is_pair:  # (its sides' text is checked: each has some)
+        return
     if not words and not any(r.media.values()):
         raise RecordError("empty_sample", "no text and no media", r.id)
     roles = [role for role, _ in r.turns]

@@ -19,6 +19,20 @@ part carries one, the record's list in order. A record with items but no placeho
 gets them first, before the first user turn's text (LLaVA's convention, and what content parts
 do); an `id` missing is the record's place in its file. What cannot be read is a RecordError
 naming the field.
+
+Preference pairs (`train.objective: dpo`), in whichever schema, by their `chosen` / `rejected`
+keys (`from_pair`), as TRL and LLaMA-Factory write them:
+- standard: `{"prompt": "<image>What is it?", "chosen": "a cat", "rejected": "a dog",
+  "images": [...]}`;
+- conversational: `{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text",
+  "text": ...}]}], "chosen": [{"role": "assistant", "content": ...}], "rejected": [...]}`;
+- implicit prompt: `chosen` and `rejected` whole conversations, the prompt what they share;
+- RLAIF-V's `{"image": {"bytes", "path"}, "question", "chosen", "rejected"}`, LLaMA-Factory's
+  `{"conversations": [...], "chosen": {"from": "gpt", "value"}, "rejected": {...}}`.
+A standard pair's strings are a one-turn conversation (the prompt the user's, each completion
+the assistant's), so the chat template renders every form alike (LLaMA-Factory's reading; TRL
+applies the template only to conversational pairs). Items without placeholders go first in the
+prompt, as for other records (TRL and LLaMA-Factory do so for RLAIF-V's images).
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxmllm.config.phases import KINDS
+from jaxmllm.data.records.record import PAIR_KEYS
 from jaxmllm.data.rejects import RecordError
 
 SCHEMAS = ("jaxmllm", "conversations", "messages", "any")
@@ -47,11 +62,19 @@ def to_native(obj: Any, schema: str, fallback_id: str) -> Any:
     messages); a malformed marker or a non-object passes through (the parser names it)."""
     if schema == "jaxmllm" or not isinstance(obj, dict) or "__malformed__" in obj:
         return obj
+    if is_pair(obj):
+        return media_first(from_pair(obj, record_id(obj, fallback_id)))
     if schema == "any":
         schema = "conversations" if obj.get("conversations") is not None else "messages"
     rid = record_id(obj, fallback_id)
     out = from_conversations(obj, rid) if schema == "conversations" else from_messages(obj, rid)
     return media_first(out)
+
+
+def is_pair(obj: Any) -> bool:
+    """Whether a record (as a file holds it) is a preference pair: it has `chosen` or
+    `rejected` (one of them missing is the pair's reject)."""
+    return isinstance(obj, dict) and any(k in obj for k in PAIR_KEYS)
 
 
 def record_id(obj: dict, fallback: str) -> str:
@@ -116,26 +139,7 @@ def from_messages(obj: dict, rid: str) -> dict:
             rid,
         )
     in_parts: dict[str, list] = {p.items: [] for p in KINDS}
-    out = []
-    for m in messages:
-        role = _speaker(m.get("role")) if isinstance(m, dict) else None
-        if role is None:
-            got = m.get("role") if isinstance(m, dict) else m
-            raise RecordError(
-                "malformed_line",
-                f"a message with role {got!r:.40}: each needs a role system, user or assistant",
-                rid,
-            )
-        content = m.get("content")
-        if isinstance(content, list):
-            content = "".join(_part(part, in_parts, rid) for part in content)
-        elif content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise RecordError(
-                "malformed_line", "a message's content must be a string or a list of parts", rid
-            )
-        out.append({"role": role, "content": content})
+    out = [_message(m, in_parts, rid) for m in messages]
     for p in KINDS:
         if in_parts[p.items] and lists[p.items]:
             raise RecordError(
@@ -146,6 +150,99 @@ def from_messages(obj: dict, rid: str) -> dict:
             )
         lists[p.items] = in_parts[p.items] or lists[p.items]
     return {"id": rid, "messages": out, **lists}
+
+
+def _message(m: Any, in_parts: dict[str, list], rid: str) -> dict:
+    """An OpenAI-style message as jaxmllm's: its role, its content's text with a placeholder
+    per media part (their sources noted in `in_parts`)."""
+    role = _speaker(m.get("role")) if isinstance(m, dict) else None
+    if role is None:
+        got = m.get("role") if isinstance(m, dict) else m
+        raise RecordError(
+            "malformed_line",
+            f"a message with role {got!r:.40}: each needs a role system, user or assistant",
+            rid,
+        )
+    content = m.get("content")
+    if isinstance(content, list):
+        content = "".join(_part(part, in_parts, rid) for part in content)
+    elif content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise RecordError(
+            "malformed_line", "a message's content must be a string or a list of parts", rid
+        )
+    return {"role": role, "content": content}
+
+
+def from_pair(obj: dict, rid: str) -> dict:
+    """A preference record (see the module docstring) as jaxmllm's pair: its prompt as
+    `messages`, each side a list of messages (None where it is missing: the parser names it)."""
+    sides = [obj.get(key) for key in PAIR_KEYS]
+    prompt = _prompt(obj, rid)
+    if prompt is None:  # (implicit: the messages both sides start with)
+        prompt, sides = _shared_start(sides, rid)
+    if not prompt:
+        raise RecordError(
+            "malformed_line",
+            "a preference pair's prompt is empty (an empty list, or 'chosen' and 'rejected' "
+            "that start with no message alike)",
+            rid,
+        )
+    out = from_messages({**obj, "messages": prompt}, rid)
+    in_parts: dict[str, list] = {p.items: [] for p in KINDS}  # (a side's media: refused)
+    for key, side in zip(PAIR_KEYS, sides, strict=True):
+        out[key] = _side(side, in_parts, rid)
+    return {**out, "id": rid}
+
+
+def _prompt(obj: dict, rid: str) -> list | None:
+    """A pair's prompt as messages: its `prompt` (text: the user's), RLAIF-V's `question`,
+    LLaMA-Factory's `conversations` or `messages`; None where it has none."""
+    prompt = obj.get("prompt", obj.get("question"))
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list):
+        return prompt
+    if prompt is not None:
+        raise RecordError(
+            "malformed_line",
+            f"a pair's 'prompt' must be text or a list of messages, not {type(prompt).__name__}",
+            rid,
+        )
+    if isinstance(obj.get("conversations"), list):
+        return from_conversations(obj, rid)["messages"]
+    return obj["messages"] if isinstance(obj.get("messages"), list) else None
+
+
+def _shared_start(sides: list, rid: str) -> tuple[list, list]:
+    """An implicit prompt (TRL's): the messages both conversations start with, and what each
+    side goes on with."""
+    if not all(isinstance(s, list) for s in sides):
+        raise RecordError(
+            "malformed_line",
+            "a preference pair needs a 'prompt' (or 'question'), or 'chosen' and 'rejected' "
+            "as whole conversations that start alike",
+            rid,
+        )
+    chosen, rejected = sides
+    n = 0
+    while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
+        n += 1
+    return chosen[:n], [chosen[n:], rejected[n:]]
+
+
+def _side(side: Any, in_parts: dict[str, list], rid: str) -> Any:
+    """A pair's side as a list of messages: text is the assistant's, a message (LLaMA-Factory's
+    {"from", "value"}) a list of one; missing (None) and empty stay as they are."""
+    if side is None or side == "" or side == []:
+        return side
+    if isinstance(side, str):
+        return [{"role": "assistant", "content": side}]
+    if isinstance(side, dict) and "from" in side:
+        side = {"role": side.get("from"), "content": side.get("value")}
+    messages = side if isinstance(side, list) else [side]
+    return [_message(m, in_parts, rid) for m in messages]
 
 
 def _part(part: Any, in_parts: dict[str, list], rid: str) -> str:

@@ -11,7 +11,8 @@ Sequences are what the checkpoint saw in training:
 - chat records (`messages`) are rendered by the chat template
   (`jaxmllm.data.text.chat_template`) and tokenized once without added specials, exactly HF's
   `apply_chat_template` ids; loss on each assistant turn's tokens and its end-of-turn token,
-  nowhere else;
+  nowhere else (on the last one's alone where the record says `learn_last`: a preference
+  pair's document learns its completion, not a multi-turn prompt's assistant turns);
 - text records are HF's `tokenizer(text)` (the tokenizer.json's post-processor: Llama 3's
   `<|begin_of_text|>`, nothing for Qwen) followed by `eos_token`, loss on all of it.
 
@@ -296,6 +297,7 @@ class PretrainedTokenizer:
                 text, spans = self.template.render(messages, add_generation_prompt=True), []
             else:
                 text, spans = self.template.assistant_spans(messages, self._stops)
+                spans = spans[-1:] if record.learn_last else spans  # (a pair's completion)
         except TemplateError as e:
             reason = "template_inconsistent" if isinstance(e, TemplateInconsistent) else None
             raise RecordError(reason or "template_error", str(e), record.id) from None

@@ -9,10 +9,12 @@
   ids, special tokens and chat template (`jaxmllm.data.text.pretrained`).
 
 The first two lay a record out in jaxmllm's own format: BOS, then per turn a USER / ASSISTANT
-marker and its text, EOS after each learned turn. Every tokenizer has `specials` (the ids the
-batch contract needs), `vocab_size`, `encode` / `decode` and `pieces(record)`: the record's token
-runs ("text", ids, loss) and media markers (kind of media, item number) in order, which
-`Preprocessor.layout` turns into the sample's exact sequence.
+marker and its text, EOS after each assistant turn; the assistant turns and their EOS are
+learned (the last one alone where the record says `learn_last`: a preference pair's
+document). Every tokenizer has `specials` (the ids the batch contract needs), `vocab_size`,
+`encode` / `decode` and `pieces(record)`: the record's token runs ("text", ids, loss) and
+media markers (kind of media, item number) in order, which `Preprocessor.layout` turns into
+the sample's exact sequence.
 """
 
 from __future__ import annotations
@@ -105,10 +107,12 @@ class _MarkerFormat:
         `generation`: a prompt ending in the ASSISTANT marker, nothing learned."""
         out: list[tuple] = [_special(BOS, False)]
         count = dict.fromkeys(KIND_OF_PLACEHOLDER.values(), 0)
-        for role, text in record.turns:
+        last = learned_turn(record)
+        for t, (role, text) in enumerate(record.turns):
             if role != "text":
                 out.append(_special(ASSISTANT if role == "assistant" else USER, False))
-            learn = role in ("text", "assistant") and not generation
+            ends = role in ("text", "assistant") and not generation  # (EOS after the turn)
+            learn = ends and last in (None, t)
             for part in PLACEHOLDER.split(text):
                 if part in KIND_OF_PLACEHOLDER:  # (kind, its item number)
                     kind = KIND_OF_PLACEHOLDER[part]
@@ -117,11 +121,21 @@ class _MarkerFormat:
                 elif part:
                     ids = self.encode(part)
                     out.append(("text", ids, np.full(len(ids), learn)))
-            if learn:
-                out.append(_special(EOS, True))
+            if ends:
+                out.append(_special(EOS, learn))
         if generation and record.turns[0][0] != "text":
             out.append(_special(ASSISTANT, False))
         return out
+
+
+def learned_turn(record: Record) -> int | None:
+    """The one turn a record learns where it learns only its last assistant turn (a preference
+    pair's document: its completion, not the assistant turns of a multi-turn prompt); None
+    where it learns every assistant turn."""
+    if not record.learn_last:
+        return None
+    roles = [role for role, _ in record.turns]
+    return len(roles) - 1 - roles[::-1].index("assistant") if "assistant" in roles else -1
 
 
 def _special(token: int, learn: bool) -> tuple:
