@@ -11,9 +11,13 @@ from jaxmllm.config import Config, ConfigError, InitFrom, keep_origin
 from jaxmllm.hf.start import initial_params as _initial
 from jaxmllm.hf.start import run_params
 from jaxmllm.loop.base import base_identity
+from jaxmllm.loop.evaluate import eval_source
+from jaxmllm.loop.reference_pass import reference_table
+from jaxmllm.resolve.run import Run
+from jaxmllm.step.preference import reference_given
 from jaxmllm.step.program import Program, join
 
-__all__ = ["initial_params", "run_params", "start_base", "start_reference"]
+__all__ = ["initial_params", "precomputed_reference", "run_params", "start_base", "start_reference"]
 
 
 def initial_params(cfg: Config, prog: Program) -> dict:
@@ -85,3 +89,17 @@ def _paths(tree: dict, prefix: str = "") -> set[str]:
         name = f"{prefix}/{key}" if prefix else str(key)
         out |= _paths(value, name) if isinstance(value, dict) else {name}
     return out
+
+
+def precomputed_reference(run: Run, prog: Program, out: Path) -> Run:
+    """`run` with its pairs' reference log-probs (`preference.reference: precomputed`): read
+    from `out`, or computed by the starting weights in one pass before training; `run` itself
+    for any other run."""
+    if not reference_given(run.cfg):
+        return run
+    weights = prog.initial_weights(initial_params(run.cfg, prog))
+    tables = {"train": reference_table(run, prog, weights, out)}
+    if run.cfg.data.eval.source != "none":  # (the held-out pairs' too)
+        source, index = eval_source(run.cfg)
+        tables["eval"] = reference_table(run, prog, weights, out, "eval", source, index)
+    return dataclasses.replace(run, reference_logps=tables)

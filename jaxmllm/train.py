@@ -26,7 +26,7 @@ from jaxmllm.config import Config, load_config
 from jaxmllm.config.command import add_config_args, configure_logging, run
 from jaxmllm.feed.info import StepInfo
 from jaxmllm.feed.iterator import make_pipeline
-from jaxmllm.init_from import initial_params, start_base, start_reference
+from jaxmllm.init_from import initial_params, precomputed_reference, start_base, start_reference
 from jaxmllm.loop import checkpoint, guards
 from jaxmllm.loop.checkpoint import (
     check_process_count,
@@ -87,13 +87,15 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
         sharding.data_parallel_size(mesh),
     )
 
-    # Data: the planner fills fixed-shape buckets; planning, loading and the copy to the devices
-    # run ahead in a thread. Each process plans the whole step and loads only its own devices'.
-    data_iter = open_data(run, out)
-    closing.callback(data_iter.close)
-
     # Shapes, shardings (checked for clashes), and the one compiled step.
     prog = build_program(cfg, mesh)
+
+    # Data: the planner fills fixed-shape buckets; planning, loading and the copy to the devices
+    # run ahead in a thread. Each process plans the whole step and loads only its own devices'.
+    # (preference.reference: precomputed: the pairs' reference log-probs first, in one pass)
+    run = precomputed_reference(run, prog, out)
+    data_iter = open_data(run, out)
+    closing.callback(data_iter.close)
     if is_main:
         print(prog.describe())
         if prog.parts.frozen_keys:

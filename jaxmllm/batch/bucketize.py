@@ -42,6 +42,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxmllm.batch.context import Split, group_text, local_groups
+from jaxmllm.batch.pairs import document_segments, documents_of, write_sequences
 from jaxmllm.config import Config, phases
 from jaxmllm.config.phases import ENCODERS, LLM, PHASES, VISION, Phase
 from jaxmllm.config.spec import BatchSpec
@@ -69,6 +70,8 @@ def batch_shapes(
     if spec.pairs:  # preference pairs: each token's sequence in its bucket, the pairs there
         out["llm_sequence"] = (llm, np.int32)
         out["llm_pairs"] = (lead, np.int32)
+    if spec.pair_reference:  # each document's reference log-prob sum, on its first token
+        out["llm_reference"] = (llm, np.float32)
     c = spec.route_pair_capacity
     for p in phases.in_batch(m, cfg.batch):  # (a zero bucket: no arrays, the step skips it)
         enc, units = p.encoder(m), spec.units[p.name]
@@ -111,6 +114,7 @@ def bucketize(
     positions: np.ndarray | None = None,
     index: LengthsIndex | None = None,
     specials: Specials = RESERVED,
+    reference: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Fills the fixed-shape arrays of one step from a plan and its loaded samples.
 
@@ -123,6 +127,8 @@ def bucketize(
       index: The lengths index; sizes the routing of a sample that failed to load.
       specials: The tokenizer's ids (the source's `specials`): padding is `pad`, an encoder
         phase's slots are the tokens equal to its `media` id.
+      reference: Preference pairs' reference log-prob sums [samples, 2] (chosen, rejected),
+        by sample index, where the batch takes them (`llm_reference`).
     """
     spec = BatchSpec.of(cfg)
     # (block-sparse attention: every bucket's tile list, of the step's variant; else {})
@@ -134,7 +140,9 @@ def bucketize(
     # Text goes to its LLM bucket's rows: a device's, or a context group's (then dealt).
     grouped = caps.context > 1
     text = group_text(batch, caps, specials.pad) if grouped else batch
-    slots = _write_texts(text, plan, samples, home, grouped, caps.group_row_len, specials, cfg)
+    slots = _write_texts(
+        text, plan, samples, home, grouped, caps.group_row_len, specials, cfg, reference
+    )
     split = None
     if grouped:
         groups = np.flatnonzero(home >= 0)
@@ -246,7 +254,9 @@ def host_buckets(caps: Capacities, positions) -> tuple[np.ndarray, np.ndarray]:
     return local, (local_groups(local, caps.context) if caps.context > 1 else local)
 
 
-def _write_texts(text, plan: StepPlan, samples, home, grouped: bool, row_len: int, specials, cfg):
+def _write_texts(
+    text, plan: StepPlan, samples, home, grouped: bool, row_len: int, specials, cfg, reference
+):
     """Writes every loaded sample whose bucket is here into its rows at once (the samples'
     tokens concatenated, scattered at their flat positions), and returns per encoder phase its
     placeholder slots: (slots, begin, end) = every sample's slot indexes into its bucket's
@@ -292,7 +302,12 @@ def _write_texts(text, plan: StepPlan, samples, home, grouped: bool, row_len: in
     loss[last] = False
     text["llm_loss_mask"].reshape(-1)[flat] = loss
     if "llm_sequence" in text:
-        _write_sequences(text, loaded, docs, m * b_n + b, flat)
+        write_sequences(text, loaded, docs, m * b_n + b, flat)
+    if "llm_reference" in text:  # (a document's sum on its first token)
+        if reference is None:
+            raise ValueError("the batch takes the pairs' reference log-probs: none were given")
+        values = np.asarray(reference, np.float32)[plan.samples[ks]].reshape(-1)
+        text["llm_reference"].reshape(-1)[flat[doc_starts]] = values
     # placeholder slots per phase (its kinds'): index into the bucket's rows flattened
     first = np.full(len(plan.samples), -1)
     slots = {}
@@ -305,46 +320,6 @@ def _write_texts(text, plan: StepPlan, samples, home, grouped: bool, row_len: in
         begin[ks] = end[ks] - counts
         slots[p.name] = ((r * row_len + o)[owner] + in_sample[at], begin, end)
     return slots
-
-
-def documents_of(loaded: list[Sample]) -> list[np.ndarray]:
-    """Each sample's documents' lengths (one document: its tokens)."""
-    return [np.asarray(x.documents or (len(x.tokens),), np.int64) for x in loaded]
-
-
-def document_segments(key: np.ndarray, count: np.ndarray) -> np.ndarray:
-    """The segment id of each document of samples in plan order (`count` documents each): 1, 2,
-    ... per row (`key`: a sample's row, or its context group's), in plan order."""
-    order = np.argsort(key, kind="stable")
-    ends = np.cumsum(count[order])
-    group_start = np.searchsorted(key[order], key[order])  # first of its row, in `order`
-    before = np.concatenate([[0], ends])[group_start]  # documents of the rows before it
-    first = np.empty(len(key), np.int64)
-    first[order] = ends - count[order] - before + 1  # the sample's first document's id
-    return np.concatenate([f + np.arange(c) for f, c in zip(first, count, strict=True)])
-
-
-def _write_sequences(text, loaded, docs, bucket_key: np.ndarray, flat: np.ndarray) -> None:
-    """Preference pairs: each token's sequence in its (microbatch, bucket), 2k for the chosen
-    document of the bucket's k-th pair and 2k + 1 for its rejected one (-1: no pair's), and
-    each bucket's count of pairs (`llm_pairs`). A pair is one sample, so both its sequences
-    sit in one row of one bucket: the loss sums them there, with no exchange."""
-    is_pair = np.array([x.is_pair for x in loaded], bool)
-    if not is_pair.all():
-        first = loaded[int(np.argmin(is_pair))]
-        raise ValueError(
-            f"sample {first.id} is not a preference pair (chosen and rejected): "
-            "train.objective: dpo trains on pairs only"
-        )
-    order = np.argsort(bucket_key, kind="stable")
-    rank = np.empty(len(bucket_key), np.int64)
-    sorted_key = bucket_key[order]
-    rank[order] = np.arange(len(order)) - np.searchsorted(sorted_key, sorted_key)
-    side = [np.repeat([0, 1], d) for d in docs]
-    seq = np.concatenate([2 * k + s for k, s in zip(rank.tolist(), side, strict=True)])
-    text["llm_sequence"].reshape(-1)[flat] = seq
-    pairs = text["llm_pairs"].reshape(-1)
-    np.add.at(pairs, bucket_key, 1)
 
 
 def _write_items(

@@ -314,8 +314,10 @@ class PreferenceConfig:
     simpo_gamma: float = 0.5  # simpo's target reward margin (TRL's simpo_gamma)
     # The reference policy: `base` (the policy's starting weights, frozen: model.init_from,
     # or the run's initial parameters; with LoRA the adapters switched off, no second copy),
-    # or a checkpoint of the same architecture and vocabulary: an HF directory or a run
-    # directory (its latest checkpoint). simpo needs none.
+    # a checkpoint of the same architecture and vocabulary (an HF directory or a run
+    # directory: its latest checkpoint), or `precomputed`: the starting weights' log-probs of
+    # every pair, computed in one pass before training into <output_dir>/reference_logps/
+    # (resumable), then no reference is held or run. simpo needs none.
     reference: str = "base"
 
     def __post_init__(self):

@@ -120,6 +120,9 @@ class BatchSpec:
     # Preference pairs (train.objective: dpo): a bucket's tokens say which pair and side they
     # are (`llm_sequence`), and a pair's media rows fill both its documents' slots
     pairs: bool = False
+    # ... with their reference log-probs given (preference.reference: precomputed): each
+    # document's on its first token (`llm_reference`)
+    pair_reference: bool = False
 
     @property
     def group_row_len(self) -> int:
@@ -164,7 +167,8 @@ class BatchSpec:
         spec = cls.from_sections(cfg.model, cfg.batch, cfg.data, cfg.mesh.context, resolved)
         train = getattr(cfg, "train", None)
         if train is not None and train.objective == "dpo":
-            spec = dataclasses.replace(spec, pairs=True)
+            given = cfg.preference.reference == "precomputed" and cfg.preference.loss != "simpo"
+            spec = dataclasses.replace(spec, pairs=True, pair_reference=given)
         return spec
 
     @classmethod

@@ -71,8 +71,12 @@ class Feed:
         workers: int | None = None,
         reject_log: str | Path | None = None,
         write_rejects: bool = True,
+        reference: np.ndarray | None = None,
     ):
         self.cfg, self.caps, self.positions = run.cfg, run.caps, run.positions
+        # (preference.reference: precomputed: the pairs' reference log-probs, the run's own
+        # for its own data set)
+        self.reference = (run.reference_logps or {}).get("train") if source is None else reference
         if workers is not None and workers != self.cfg.data.workers:
             data = dataclasses.replace(self.cfg.data, workers=workers)
             self.cfg = dataclasses.replace(self.cfg, data=data)
@@ -106,7 +110,14 @@ class Feed:
     def bucketize(self, plan: StepPlan, samples: dict) -> dict[str, np.ndarray]:
         """This host's fixed-shape arrays of the step."""
         return bucketize(
-            plan, samples, self.cfg, self.caps, self.positions, self.index, self.specials
+            plan,
+            samples,
+            self.cfg,
+            self.caps,
+            self.positions,
+            self.index,
+            self.specials,
+            self.reference,
         )
 
     def close(self) -> None:

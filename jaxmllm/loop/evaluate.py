@@ -114,12 +114,12 @@ def sample_mixes(index: LengthsIndex) -> np.ndarray:
     return mix
 
 
-def plan_set(run: Run, source, index: LengthsIndex, reject_log) -> list[dict]:
+def plan_set(run: Run, source, index: LengthsIndex, reject_log, reference=None) -> list[dict]:
     """The set's step batches (this host's rows, with `eval_mix`: each token's sample's mix,
     -1 for tokens not counted): the training feed over the set (`Feed`: the run's planner at
     its shapes, this host's parts loaded, bucketized), until every sample has been planned."""
     try:  # (loaded in this process: the set is loaded once, at start-up)
-        feed = Feed(run, source, index, workers=0, reject_log=reject_log)
+        feed = Feed(run, source, index, workers=0, reject_log=reject_log, reference=reference)
     except OversizeError as e:
         raise ConfigError(f"data.eval: a sample does not fit the run's buckets: {e}") from None
     caps = run.caps
@@ -252,7 +252,9 @@ class Evaluator:
         source, index = eval_source(cfg)
         rank = jax.process_index()
         rejects = out / ("rejects.eval.jsonl" if rank == 0 else f"rejects.eval.process{rank}.jsonl")
-        self.batches = plan_set(run, source, index, rejects)
+        # (preference.reference: precomputed: the held-out pairs' own, `init_from`)
+        reference = (run.reference_logps or {}).get("eval")
+        self.batches = plan_set(run, source, index, rejects, reference)
         self.pairs = cfg.train.objective == "dpo"
         if self.pairs:  # (the sums come back whole on every process)
             out = sharding.replicated(run.mesh)

@@ -63,6 +63,10 @@ class Run:
     cost: CostModel
     calibrated: CostModel | None
     positions: np.ndarray | None = None
+    # preference.reference: precomputed: every pair's reference log-prob sums [samples, 2] of
+    # the training set ("train") and the eval set ("eval"), set before the feeds open
+    # (`jaxmllm.loop.reference_pass`)
+    reference_logps: dict[str, np.ndarray] | None = None
 
     @property
     def devices(self) -> int:

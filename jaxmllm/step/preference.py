@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jaxmllm.config import Config
 from jaxmllm.config.sections import PreferenceConfig
 from jaxmllm.models import lora, moe
+from jaxmllm.step.router import router_metrics
 
 # What a step logs of its pairs, TRL's names: means over the step's pairs
 PAIR_METRICS = (
@@ -123,9 +124,26 @@ def pair_totals(pref: PreferenceConfig, policy: PairSums, ref: PairSums | None) 
 # ----------------------------------------------------------------------------- the reference
 
 
-def uses_reference(cfg: Config) -> bool:
+def compares_reference(cfg: Config) -> bool:
     """Whether the loss compares with a reference policy (simpo is reference-free)."""
     return cfg.train.objective == "dpo" and cfg.preference.loss != "simpo"
+
+
+def reference_given(cfg: Config) -> bool:
+    """Whether the batch brings the reference log-probs (`preference.reference: precomputed`)."""
+    return compares_reference(cfg) and cfg.preference.reference == "precomputed"
+
+
+def uses_reference(cfg: Config) -> bool:
+    """Whether the step runs a reference policy (not where its log-probs are precomputed)."""
+    return compares_reference(cfg) and cfg.preference.reference != "precomputed"
+
+
+def given_reference(mb: dict) -> PairSums:
+    """The pairs' precomputed reference sums (`llm_reference`: each document's on its first
+    token) as PairSums (their token counts are not the reference's to give: 1 each)."""
+    seq = mb["llm_sequence"]
+    return pair_sums(mb["llm_reference"], seq, (seq >= 0).astype(jnp.float32))
 
 
 def reference_keeps(cfg: Config, parts) -> Callable[[tuple[str, ...]], bool]:
@@ -171,10 +189,8 @@ def make_preference_loss_and_grads(cfg: Config, parts, router=None) -> Callable:
     pairs divided by the step's pair count (`llm_pairs` summed); the reference policy's sums
     computed forward only, before the policy's (no gradient, no residuals kept). An MoE
     decoder's router losses are added as in SFT (`make_loss_and_grads`)."""
-    from jaxmllm.step.program import router_metrics  # (the SFT step's MoE metrics)
-
     pref = cfg.preference
-    with_ref = uses_reference(cfg)
+    with_ref, given = uses_reference(cfg), reference_given(cfg)
 
     def sums(model, mb):
         logps, stats = model.token_logps_and_router(mb)
@@ -201,7 +217,7 @@ def make_preference_loss_and_grads(cfg: Config, parts, router=None) -> Callable:
 
         def microbatch(acc, xs):
             mb, i = xs
-            ref = None
+            ref = given_reference(mb) if given else None
             if ref_params is not None:
                 ref = jax.lax.stop_gradient(sums(parts.merge(*ref_params), mb)[0])
             with lora.salted(i):
@@ -215,7 +231,7 @@ def make_preference_loss_and_grads(cfg: Config, parts, router=None) -> Callable:
         zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), zero_totals)
         if router is not None:
             first = jax.tree.map(lambda x: x[0], batch)
-            ref0 = None
+            ref0 = given_reference(first) if given else None
             if ref_params is not None:
                 ref0 = jax.eval_shape(lambda: sums(parts.merge(*ref_params), first)[0])
                 ref0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), ref0)
@@ -235,7 +251,7 @@ def make_preference_eval_step(cfg: Config, parts) -> Callable:
     """(params, frozen, reference, step batch [M, D, ...]) -> the sums over the batch's pairs
     of the loss and each of `PAIR_METRICS`, and the pairs' count, [len(PAIR_METRICS) + 2]
     (forward only: evaluation's means over a whole set are these sums' ratios)."""
-    pref, with_ref = cfg.preference, uses_reference(cfg)
+    pref, with_ref, given = cfg.preference, uses_reference(cfg), reference_given(cfg)
 
     def eval_step(params, frozen, reference, batch):
         ref_params = reference_weights(params, frozen, reference) if with_ref else None
@@ -243,7 +259,7 @@ def make_preference_eval_step(cfg: Config, parts) -> Callable:
         def microbatch(total, mb):
             logps, _ = parts.merge(params, frozen).token_logps_and_router(mb)
             policy = pair_sums(logps, mb["llm_sequence"], mb["llm_loss_mask"])
-            ref = None
+            ref = given_reference(mb) if given else None
             if ref_params is not None:
                 ref_logps, _ = parts.merge(*ref_params).token_logps_and_router(mb)
                 ref = pair_sums(ref_logps, mb["llm_sequence"], mb["llm_loss_mask"])
