@@ -67,6 +67,7 @@ CASES = {  # module: [argv, ...]
         ["--config", TINY, "--set", "mesh.fsdp=3", "--devices", "8"],  # a ShardingError
     ],
     "jaxmllm.bench.moe": [["--parts", "nope"]],
+    "jaxmllm.bench.pairs": [["--lengths", "/nonexistent-jaxmllm/lengths.jsonl"]],
     "jaxmllm.bench.stages": [["--config", MISSING], ["--set", "nope.x=1"]],
     "jaxmllm.bench.throughput": [["--config", MISSING], ["--config", TINY, "--set", "x.y=1"]],
     "jaxmllm.bench.video": [["--sizes", "nope"]],
@@ -329,6 +330,7 @@ GOOD = [  # (module, argv): each command's main path once, small, in the order t
             "32",
         ],
     ),
+    ("jaxmllm.bench.pairs", ["--mix", "ai2d", "--devices", "8", "--steps", "2"]),
     (
         "jaxmllm.bench.stages",
         ["--config", TINY, "--stages", "2", "--microbatches", "4", "--measure", ""],
