@@ -23,6 +23,19 @@ lowered and compiled, and reported per device:
 `--check` compiles the config as it is (its own policies and rows) once and exits 1 unless it
 fits: what tests/test_recipes.py runs on every GPU recipe.
 
+A preference run (`train.objective: dpo`, a loss with a reference) holds a frozen reference
+policy in its train state (`jaxmllm.step.program.build_program`'s `reference`): with
+`preference.reference: base`, a copy of the trained parameters (the frozen ones are the
+policy's own), with a checkpoint a copy of every parameter, sharded like the policy, with no
+gradient and no optimizer state; with LoRA and `base`, nothing (the adapters are switched off
+for its pass), nor with `precomputed` (its log-probs come with the batch). The compiled step
+takes it as an argument, so every peak counts it; the report shows it on a line of its own
+(`reference_bytes` in all, `reference_device_bytes` a device, beside `state_device_bytes`:
+each part of the train state a device holds). Its forward pass runs before the policy's in
+each microbatch and keeps nothing for a backward: its activations sit in the temporaries only
+while it runs, never beside the policy's, and it recomputes nothing; its FLOPs count in the
+step's (`train_flops`: forward only).
+
 Sizes the data would resolve (`-1`) take their bound without data (`resolve_bounds`: tiles of
 the longest documents the config admits, a whole output per exchange pair), so what fits here
 fits any data. On a CPU the figures are XLA:CPU's, an estimate of a GPU's: its fusions differ,
@@ -51,6 +64,8 @@ from jaxmllm.process.distributed import split_cpu
 from jaxmllm.process.xla_flags import MEMORY_FRACTION
 from jaxmllm.resolve.attention import resolve_attention
 from jaxmllm.resolve.sizing import resolve_bounds
+from jaxmllm.step.preference import compares_reference, uses_reference
+from jaxmllm.step.program import build_program
 
 GIB = 2**30
 DEVICE_GIB = round(MEMORY_FRACTION * 80)  # of an 80 GB GPU (79.6 GiB), what a run takes: 72
@@ -149,14 +164,87 @@ def recompute_flops(cfg: Config) -> float:
 def train_flops(cfg: Config) -> float:
     """A device's training FLOPs in a step without recomputation: its buckets' transformer
     layers (times 3 trained, 2 passing gradients, 1 forward only) and the LLM's output
-    projection (analytic, capacities: padding is computed like the rest)."""
+    projection (analytic, capacities: padding is computed like the rest); a preference run's
+    reference policy adds one forward pass of every tower over the same buckets."""
     b, lm = cfg.batch, cfg.model.llm
+    runs = backward_runs(cfg)
+    if uses_reference(cfg):  # (the reference's forward: x 1 more, nothing recomputed)
+        runs = {t: mult + 1 for t, mult in runs.items()}
     total = sum(
         mult * getattr(cfg.model, t).depth * sum(layer_flops(cfg, t).values())
-        for t, mult in backward_runs(cfg).items()
+        for t, mult in runs.items()
     )
-    total += backward_runs(cfg)[LLM] * 2.0 * b.llm_rows * b.llm_row_len * lm.width * lm.vocab_size
+    total += runs[LLM] * 2.0 * b.llm_rows * b.llm_row_len * lm.width * lm.vocab_size
     return total * b.microbatches
+
+
+# ----------------------------------------------------------------------------- the train state
+
+STATE_PARTS = ("params", "frozen", "opt_state", "reference")
+
+
+def state_columns(cfg: Config, mesh) -> dict:
+    """The train state a device holds, per part (`STATE_PARTS`: bytes of its shards), and a
+    preference run's reference policy: `reference_bytes` over all devices,
+    `reference_device_bytes` a device, `reference_params` its parameter count and
+    `reference` what it is (`preference.reference`; None without one). From abstract shapes
+    (nothing allocated); the compiled step's arguments hold the same."""
+    with jax.set_mesh(mesh):
+        state = build_program(cfg, mesh).abstract_sharded()
+    parts = {k: _device_bytes(state.get(k, {})) for k in STATE_PARTS}
+    ref = state.get("reference", {})
+    return {
+        "state_device_bytes": parts,
+        "reference": cfg.preference.reference if compares_reference(cfg) else None,
+        "reference_params": sum(math.prod(x.shape) for x in jax.tree.leaves(ref)),
+        "reference_bytes": int(
+            sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(ref))
+        ),
+        "reference_device_bytes": parts["reference"],
+    }
+
+
+def _device_bytes(tree) -> int:
+    """Bytes of one device's shards of `tree`'s sharded leaves (the largest shard each)."""
+    return int(
+        sum(
+            math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+            for x in jax.tree.leaves(tree)
+        )
+    )
+
+
+def _size(n: int) -> str:
+    """Bytes in GiB, or MiB below a tenth of one."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.2f} MiB"
+
+
+def reference_line(row: dict) -> str | None:
+    """The report's line on a preference run's reference policy (None without one)."""
+    what = row.get("reference")
+    if what is None:
+        return None
+    forward = (
+        "its forward pass keeps no activations for a backward (temporaries only while it "
+        "runs, before the policy's)"
+    )
+    if what == "precomputed":
+        return (
+            "reference policy (preference.reference: precomputed): its log-probs come with the "
+            "batch, no policy held or run (0 bytes)"
+        )
+    if not row["reference_params"]:
+        return (
+            f"reference policy (preference.reference: {what}): the LoRA adapters switched off, "
+            f"no copy held (0 bytes); {forward}"
+        )
+    copy = "the trained parameters" if what == "base" else "every parameter"
+    return (
+        f"reference policy (preference.reference: {what}): a frozen copy of {copy}, "
+        f"{row['reference_params'] / 1e6:.1f}M parameters, {_size(row['reference_device_bytes'])} "
+        f"a device ({_size(row['reference_bytes'])} in all), sharded like the policy, "
+        f"no gradient or optimizer state; counted in every peak; {forward}"
+    )
 
 
 # ----------------------------------------------------------------------------- the bench
@@ -199,6 +287,7 @@ def fit(cfg: Config, mesh, devices: int, device_bytes: int) -> dict:
     return {
         "policy": label(cfg),
         **{k: base[k] for k in ("params", "param_bytes", "trained_params", "opt_bytes")},
+        **state_columns(with_rows(cfg, rows, devices), mesh),
         "temp_bytes": base["temp_bytes"],
         "peak_bytes": base["peak_bytes"],
         "bytes_per_row": None if slope is None else int(slope),  # (between the rows compiled)
@@ -262,8 +351,10 @@ def check(cfg: Config, device_gib: float) -> dict:
     """The config as it is (its own policies and rows), compiled once: does it fit?"""
     cfg = resolve_attention(cfg)
     mesh = sharding.make_mesh(cfg.mesh)
-    got = measure(with_rows(cfg, cfg.batch.llm_rows, sharding.data_parallel_size(mesh)), mesh)
-    return {"policy": label(cfg), "fits": got["peak_bytes"] <= device_gib * GIB, **got}
+    sized = with_rows(cfg, cfg.batch.llm_rows, sharding.data_parallel_size(mesh))
+    got = measure(sized, mesh)
+    fits = got["peak_bytes"] <= device_gib * GIB
+    return {"policy": label(cfg), "fits": fits, **got, **state_columns(sized, mesh)}
 
 
 def full_twin(cfg: Config) -> Config:
@@ -291,20 +382,23 @@ def compare_lora(cfg: Config, device_gib: float) -> list[dict]:
     devices = sharding.data_parallel_size(mesh)
     lora = {"kind": "LoRA", **fit(cfg, mesh, devices, int(device_gib * GIB))}
     print(f"LoRA: compiled in {lora['compile_s']:.0f} s", flush=True)
-    got = measure(with_rows(full_twin(cfg), cfg.batch.llm_rows, devices), mesh)
+    twin = with_rows(full_twin(cfg), cfg.batch.llm_rows, devices)
+    got = measure(twin, mesh)
     full = {"kind": "full fine-tune", "policy": label(cfg), **got, "max_microbatch": None}
+    full |= state_columns(twin, mesh)
     return [lora, full]
 
 
 def lora_table(rows: list[dict], device_gib: float) -> str:
-    cols = ["kind", "params", "trained", "param GiB", "optimizer GiB", "peak GiB", "fits"]
-    cols.append("max rows")
+    cols = ["kind", "params", "trained", "param GiB", "optimizer GiB", "reference GiB"]
+    cols += ["peak GiB", "fits", "max rows"]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     for r in rows:
         best = r["max_microbatch"]
         fits = "yes" if r["peak_bytes"] <= device_gib * GIB else "no"
         cells = [r["kind"], f"{r['params'] / 1e9:.2f}B", f"{r['trained_params'] / 1e6:.1f}M"]
-        cells += [f"{r[k] / GIB:.2f}" for k in ("param_bytes", "opt_bytes", "peak_bytes")]
+        keys = ("param_bytes", "opt_bytes", "reference_bytes", "peak_bytes")
+        cells += [f"{r.get(k, 0) / GIB:.2f}" for k in keys]
         cells += [fits, "-" if best is None else f"{best}{'' if r.get('pinned') else '+'}"]
         lines.append(" | ".join(cells))
     return "\n".join(lines)
@@ -387,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             f" {'fits' if got['fits'] else 'does NOT fit'} {args.device_gib:g} GiB; compiled "
             f"in {got['total_s']:.0f} s"
         )
+        _print_reference(got)
         return 0 if got["fits"] else 1
     if args.lora:
         rows = compare_lora(cfg, args.device_gib)
@@ -397,6 +492,10 @@ def main(argv: list[str] | None = None) -> int:
             "the devices"
         )
         print(lora_table(rows, args.device_gib))
+        for r in rows:
+            line = reference_line(r)
+            if line:
+                print(f"{r['kind']}: {line}")
         _write(args, mesh, rows)
         return 0
     policies = [s for s in args.policies.split(",") if s]
@@ -406,9 +505,16 @@ def main(argv: list[str] | None = None) -> int:
         f"device(s), mesh {dict(mesh.shape)}, {cfg.batch.microbatches} microbatches of "
         f"{cfg.batch.llm_rows} x {cfg.batch.llm_row_len} tokens; fits {args.device_gib:g} GiB"
     )
+    _print_reference(rows[0])
     print(table(rows, cfg.batch.llm_rows, cfg.batch.llm_row_len))
     _write(args, mesh, rows)
     return 0
+
+
+def _print_reference(row: dict) -> None:
+    line = reference_line(row)
+    if line:
+        print(line)
 
 
 def _write(args, mesh, rows: list[dict]) -> None:
