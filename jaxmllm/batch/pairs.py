@@ -42,15 +42,12 @@ def write_sequences(text, loaded, docs, bucket_key: np.ndarray, flat: np.ndarray
     each bucket's count of pairs (`llm_pairs`). A pair is one sample, so both its sequences
     sit in one row of one bucket: the loss sums them there, with no exchange."""
     is_pair = np.array([x.is_pair for x in loaded], bool)
-    if not is_pair.all():
-        first = loaded[int(np.argmin(is_pair))]
-        raise ValueError(
-            f"sample {first.id} is not a preference pair (chosen and rejected): "
-            "train.objective: dpo trains on pairs only"
-        )
-    rank = pair_slots(bucket_key)
-    side = [np.repeat([0, 1], d) for d in docs]
-    seq = np.concatenate([2 * k + s for k, s in zip(rank.tolist(), side, strict=True)])
-    text["llm_sequence"].reshape(-1)[flat] = seq
+    key = np.where(is_pair, bucket_key, -1)  # (a sample of one document: no pair, -1; the
+    rank = pair_slots(key)  # data layer refuses SFT data under dpo, generation's prompts pass)
+    seq = [
+        2 * k + np.repeat([0, 1], d) if pair else np.full(int(d.sum()), -1)
+        for k, d, pair in zip(rank.tolist(), docs, is_pair.tolist(), strict=True)
+    ]
+    text["llm_sequence"].reshape(-1)[flat] = np.concatenate(seq)
     pairs = text["llm_pairs"].reshape(-1)
-    np.add.at(pairs, bucket_key, 1)
+    np.add.at(pairs, bucket_key[is_pair], 1)

@@ -131,16 +131,28 @@ def plan_set(run: Run, source, index: LengthsIndex, reject_log, reference=None) 
         plan = feed.plan()
         samples = feed.load(plan, feed.local_parts(plan))
         if run.cfg.train.objective == "dpo":  # pairs: each counted once, by its own sums
-            for s in plan.samples.tolist():
-                samples[s] = samples.get(s) if not seen[s] else None  # (a repeat: padding)
-            seen[plan.samples] = True
-            batches.append(feed.bucketize(plan, samples))
+            batch = feed.bucketize(plan, samples)
+            _count_once(plan, samples, caps, run.positions, batch, seen)
+            batches.append(batch)
             continue
         batch = feed.bucketize(plan, samples)
         batch["eval_mix"] = _token_mixes(plan, samples, caps, run.positions, batch, mixes, seen)
         batches.append(batch)
     feed.close()
     return batches
+
+
+def _count_once(plan: StepPlan, samples, caps, positions, batch, seen) -> None:
+    """Pairs: the loss mask of a sample the pass already brought (an earlier step, or earlier
+    in this one) zeroed, so that it sums no token and counts as no pair; marks `seen`."""
+    _, home = host_buckets(caps, positions)
+    for k, s in enumerate(plan.samples.tolist()):
+        again, seen[s] = bool(seen[s]), True
+        bucket, sample = int(home[plan.device[k]]), samples.get(s)
+        if again and bucket >= 0 and sample is not None:
+            at = int(plan.offset[k])
+            span = slice(at, at + len(sample.tokens))
+            batch["llm_loss_mask"][plan.micro[k], bucket, plan.row[k], span] = 0
 
 
 def _token_mixes(plan: StepPlan, samples, caps, positions, batch, mixes, seen) -> np.ndarray:
