@@ -104,7 +104,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         metavar="FILE",
         help="your own records (a data file in any data.format, its media beside it): its "
-        "first records preprocessed as hf import's config would, instead of random samples",
+        "first records preprocessed as hf import's config would, instead of random samples; "
+        "preference pairs: each pair's chosen and rejected completion log-prob sums",
     )
     chk.add_argument("--json", action="store_true", help="print the figures as JSON")
     return p.parse_args(argv)

@@ -280,6 +280,10 @@ def _audio(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int, p
 
 
 def describe(result: dict[str, Any]) -> str:
+    if "chosen_logps" in result:  # (a preference pair's line: `check_pairs`)
+        from jaxmllm.hf.check_pairs import describe_pair
+
+        return describe_pair(result)
     return (
         f"{result['family']} {result['role']}: {result['what']}: largest difference "
         f"{result['max_abs_diff']:.3g} (values up to {result['max_abs_ref']:.3g})"

@@ -17,7 +17,9 @@ attention (`towers.load_model`); transformers' is the checkpoint's own class. Li
 `data`: a data file of the user's own records (any data.format, its media beside it) instead of
 random samples: its first records, preprocessed by the import's config (the checkpoint's
 tokenizer and chat template, its processor's settings), are the samples. A causal LM alone
-takes `data` too (its samples' text).
+takes `data` too (its samples' text). Preference pairs (`chosen` and `rejected` records) are
+compared as DPO uses them: each pair's completion log-prob sums, training's from the pairs
+packed into one row against transformers' on each document alone (`check_pairs`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from jaxmllm.data.records import open_records, read_record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.specials import Specials
-from jaxmllm.hf import oracle
+from jaxmllm.hf import check_pairs, oracle
 from jaxmllm.hf.check import _numpy, _torch, check_dir, figures, hf_module, own_columns
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.registry import family_for, read_hf_config, roles_of
@@ -186,13 +188,59 @@ def check_whole(
         specials = check_specials(whole, hf, spare)
         samples = random_samples(cfg, whole, hf, rng, text)
     else:
-        specials, samples = data_samples(cfg, data)
+        specials, records = data_records(cfg, data)
+        samples = [(desc, sample) for _, desc, sample in records]
     reference = (
         (lambda s: whole.reference_inputs(s, cfg, specials))
         if whole is not None
         else (lambda s: oracle.text_only(s, cfg, specials))
     )
+    if data and samples[0][1].is_pair:  # (a preference file: pairs only, `check_pairs`)
+        ids = [rid for rid, _, _ in records]
+        vocab = hf_vocab(hf)
+        return out + pair_lines(
+            cfg, model, ref, whole, name, samples, ids, specials, reference, packed, vocab
+        )
     return out + sample_lines(cfg, model, ref, whole, name, samples, specials, reference, packed)
+
+
+def pair_lines(cfg, model, ref, whole, name, samples, ids, specials, reference, packed, vocab):
+    """The encoder's lines on the first pair with media (its chosen document against
+    transformers'), and each pair's log-prob line (`check_pairs`): ours from one packed row
+    (or a row each) as training computes them, transformers' from each document alone.
+    `ids`: the pairs' record ids; `vocab`: the checkpoint's own columns."""
+    hook = HOOKS.get(whole.name) if whole is not None else None
+    first = next((k for k, (_, s) in enumerate(samples) if _media(s)), None)
+    theirs, captured = [], None
+    for k, (_, sample) in enumerate(samples):
+        sums = {}
+        for side, doc in zip(check_pairs.SIDES, check_pairs.documents(sample), strict=True):
+            n = int(np.isin(doc.tokens, [*specials.media.values()]).sum())
+            take = hook if k == first and side == "chosen" else None
+            logits, got = _run(ref, reference(doc), take, n)
+            captured = got if take is not None else captured
+            total, count = check_pairs.document_logps(logits, doc)
+            sums.update({side: total, f"{side}_tokens": count})
+        theirs.append(sums)
+    pairs = [s for _, s in samples]
+    groups = [pairs] if packed else [[p] for p in pairs]
+    mine = [m for g in groups for m in check_pairs.our_sums(cfg, model, g, specials, vocab)]
+    out = []
+    if first is not None:
+        desc, sample = samples[first]
+        chosen = check_pairs.documents(sample)[0]
+        out += encoder_lines(cfg, model, name, (desc, chosen), specials, captured)
+    n = len(samples)
+    where = f"packed {n} pairs into 1 row" if packed else "each pair in a row of its own"
+    grown = cfg.model.llm.vocab_size
+    if vocab < grown:  # (`check.own_columns`)
+        where += (
+            f"; ours normalised over the checkpoint's {vocab} vocabulary columns (training's "
+            f"over {grown}: the rows the import added for placeholder tokens too)"
+        )
+    for k, (desc, _) in enumerate(samples):
+        out.append(check_pairs.pair_line(name, desc, ids[k], mine[k], theirs[k], k, n, where))
+    return out
 
 
 def sample_lines(cfg, model, ref, whole, name, samples, specials, reference, packed) -> list:
@@ -358,10 +406,11 @@ def _clip_sample(frames: int, a, token: int, rng, text):
     return f"a {frames}-frame clip", Sample(0, ids, np.zeros(len(ids), bool), {"audio": [item]})
 
 
-def data_samples(cfg: Config, path: str) -> tuple[Specials, list[tuple[str, Sample]]]:
+def data_records(cfg: Config, path: str) -> tuple[Specials, list[tuple[str, str, Sample]]]:
     """The first DATA_SAMPLES readable records of the data file at `path` (its media paths
     relative to its folder), preprocessed by `cfg` (the import's: the checkpoint's tokenizer,
-    chat template and processor settings); the tokenizer's ids.
+    chat template and processor settings), each as (its record id, a description, the
+    sample); the tokenizer's ids.
 
     Raises:
       FamilyError: no readable record there (naming the first record's problem).
@@ -378,7 +427,9 @@ def data_samples(cfg: Config, path: str) -> tuple[Specials, list[tuple[str, Samp
             continue
         items = {p: len(v) for p, v in sample.media.items() if v}
         what = ", ".join(f"{n} {p} item(s)" for p, n in items.items()) or "text alone"
-        samples.append((f"record {record.id!r}: {what}", sample))
+        if sample.is_pair:
+            what += ", a pair of {} and {} tokens".format(*sample.documents)
+        samples.append((record.id, f"record {record.id!r}: {what}", sample))
         if len(samples) == DATA_SAMPLES:
             break
     if not samples:
