@@ -39,13 +39,18 @@ def document(pair: Sample, side: int) -> Sample:
 
 
 class PairSource:
-    """A source's samples as pairs, and its lengths index with each pair's row."""
+    """A source's samples as pairs, and its lengths index with each pair's row (`split`:
+    where it splits, both documents n tokens; `split=False`: the row without it, a pair priced
+    as one document of 2n tokens, as the planner priced pairs before the index said)."""
 
-    def __init__(self, source, index: LengthsIndex):
+    def __init__(self, source, index: LengthsIndex, split: bool = True):
         self.source = source
         records = [index.record(i) for i in range(len(index))]
         for i, r in enumerate(records):  # text: both documents less one copy of the slots
-            r["text"] += len(source[i].tokens)  # (n tokens = text + slots; a pair's 2n)
+            n = len(source[i].tokens)  # (n tokens = text + slots; a pair's 2n)
+            r["text"] += n
+            if split:
+                r["split"] = n
         self.index = LengthsIndex.from_records(records)
 
     def __len__(self) -> int:

@@ -29,6 +29,11 @@ def test_a_pair_is_one_sample_of_both_documents_with_its_media_once():
     assert paired.index.text.tolist() == (2 * prompt - slots + CHOSEN + REJECTED).tolist()
     assert paired.index.llm_tokens(PER_TOKEN).tolist() == paired.docs.sum(1).tolist()
     assert paired.index.items["vision"].sizes.tolist() == [64, 16, 256]  # (once)
+    # where each pair splits: its attention is its two documents'
+    assert paired.index.split.tolist() == (prompt + CHOSEN).tolist()
+    assert paired.index.llm_documents(PER_TOKEN).tolist() == paired.docs.ravel().tolist()
+    one, _ = pair_layouts(LengthsIndex.from_records(PROMPTS), CHOSEN, REJECTED, PER_TOKEN, False)
+    assert one.index.split is None and one.index.text.tolist() == paired.index.text.tolist()
     # unpaired: chosen, rejected of each pair, each its own copy of the images
     assert len(unpaired.index) == 6 and unpaired.pair.tolist() == [0, 0, 1, 1, 2, 2]
     want = np.stack([prompt + CHOSEN, prompt + REJECTED], 1).ravel()
@@ -51,8 +56,13 @@ def test_pairing_saves_one_encoding_of_each_image_and_no_llm_work():
     docs = paired.docs.astype(float)
     llm = (10.0 * docs + 0.5 * docs**2).sum() / 3  # each document alone
     assert f["paired"]["llm"] == pytest.approx(llm) and f["unpaired"]["llm"] == pytest.approx(llm)
-    one = docs.sum(1)  # (the planner's price: one document of both lengths)
-    assert f["paired"]["llm_planned"] == pytest.approx((10.0 * one + 0.5 * one**2).sum() / 3)
+    assert f["paired"]["llm_planned"] == pytest.approx(llm)  # (the planner's: its documents)
+    one_doc, _ = pair_layouts(
+        LengthsIndex.from_records(PROMPTS), CHOSEN, REJECTED, PER_TOKEN, False
+    )
+    one = docs.sum(1)  # (without the split: one document of both lengths)
+    planned = pair_flops(one_doc, unpaired, cost)["paired"]["llm_planned"]
+    assert planned == pytest.approx((10.0 * one + 0.5 * one**2).sum() / 3)
     assert f["saved_per_pair"] == pytest.approx(images)
     assert f["saved_share"] == pytest.approx(images / (llm + 2 * images))
 
@@ -98,9 +108,15 @@ def test_a_small_run_prints_its_table_and_its_figures_are_sane(tmp_path, capsys)
         assert r["pairs_per_step"] > 0 and r["tflop_per_pair"] > 0
         assert r["quad_max_mean"] >= r["quad_bound"] - 1e-9 and r["quad_bound"] >= 1 - 1e-9
         assert 0 <= r["split"] <= 1
-    for r in rows:  # (the planner prices a pair as one document: more tiles than it needs)
+    for r in rows:  # (the planner prices a pair as its two documents: the tiles it needs)
         paired = r["layout"] == "paired"
         assert r["split"] == 0 if paired else True
+        assert r["goodput_priced"] == pytest.approx(r["goodput"])
+    # Without the split (a pair priced as one document of both lengths, as before the index
+    # said where it splits) the planner counts more tiles than the documents need
+    assert main([*argv, "--one-document", "--json", str(out)]) == 0
+    for r in json.loads(out.read_text())["rows"]:
+        paired = r["layout"] == "paired"
         assert r["goodput_priced"] > r["goodput"] if paired else r["goodput_priced"] == r["goodput"]
     f = got["flops"]["prompts.jsonl"]
     assert 0 < f["paired"]["vision"] < f["unpaired"]["vision"]

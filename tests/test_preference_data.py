@@ -89,7 +89,10 @@ def pairs_of(path: Path, *extra) -> tuple[list, object]:
     summary = build_index(cfg, progress=False)
     assert summary["accepted"] == summary["pairs"] == 3 and not summary["rejects"], summary
     source = open_source(cfg)
-    return [source[i] for i in range(len(source))], source
+    samples = [source[i] for i in range(len(source))]
+    # (the index says where each pair splits: its chosen document's tokens)
+    assert source.index.split.tolist() == [x.documents[0] for x in samples]
+    return samples, source
 
 
 def check_pair(sample, chosen: str, rejected: str, tk=BYTES) -> None:
@@ -300,6 +303,7 @@ def test_a_pairs_index_row_is_its_length(png):
     assert int(np.isin(x.tokens, media).sum()) == 2 * rows  # (in both documents)
     llm = LengthsIndex.from_records([counts]).llm_tokens(pre.per_token)
     assert int(llm[0]) == len(x.tokens) and counts["text"] == index_text(x, media)
+    assert counts["split"] == x.documents[0]  # (where it splits: its chosen document's tokens)
     sft_text = int(np.isin(x.tokens, media, invert=True).sum())  # (what a one-document count is)
     wrong = LengthsIndex.from_records([{**counts, "text": sft_text}]).llm_tokens(pre.per_token)
     assert int(wrong[0]) == len(x.tokens) - rows
@@ -351,7 +355,7 @@ def test_a_pair_over_the_row_by_its_image_shrinks_whole(tmp_path):
     rows = len(x.media["vision"][0][0]) // source.pre.per_token["vision"]
     assert int(np.isin(x.tokens, source.media_ids).sum()) == 2 * rows
     llm = source.index.llm_tokens(source.pre.per_token)
-    assert int(llm[0]) == len(x.tokens)
+    assert int(llm[0]) == len(x.tokens) and int(source.index.split[0]) == x.documents[0]
     skipped = open_source(config(path, *sets, "data.on_oversize=truncate", "data.min_accept=0"))
     assert [e["reason"] for e in skipped.startup_rejects] == ["pair_too_long"]
 
@@ -409,8 +413,13 @@ def test_data_of_the_other_objective_is_refused_at_start(png, tmp_path):
     with pytest.raises(ConfigError, match=r"holds no preference pairs.*train.objective: sft"):
         build_index(config(sft), progress=False)
     # ... and when the run opens its index (whatever the format: from the index's count).
-    build_index(config(pairs), progress=False)
-    build_index(config(sft, objective="sft"), progress=False)
+    built = build_index(config(pairs), progress=False)
+    plain = build_index(config(sft, objective="sft"), progress=False)
+    # (where each pair splits, a column of pair data only: an SFT index is what it was)
+    assert "split.npy" in built["columns"] and "split.npy" not in plain["columns"]
+    docs = built["percentiles"]["llm_tokens_per_document"]
+    assert docs["count"] == 6 and docs["total"] == built["percentiles"]["llm_tokens"]["total"]
+    assert "llm_tokens_per_document" not in plain["percentiles"]
     with pytest.raises(ConfigError, match=r"data.path .*pairs.parquet holds preference pairs"):
         open_source(config(pairs, objective="sft"))
     with pytest.raises(ConfigError, match=r"sft.jsonl holds no preference pairs.*'dpo'"):
@@ -423,6 +432,7 @@ def test_data_of_the_other_objective_is_refused_at_start(png, tmp_path):
     build_index(config(two), progress=False)
     both = open_source(config("", f"data.sources=[{{path: {pairs}}}, {{path: {two}}}]"))
     assert both.pairs and len(both) == 6 and all(both[i].is_pair for i in range(6))
+    assert both.index.split.tolist() == [both[i].documents[0] for i in range(6)]
     # One data set holding both kinds (jaxmllm's own records: its first SFT, so the build goes
     # on), each kind's objective refused alike.
     ask = [{"role": "user", "content": "hi"}]
@@ -455,6 +465,7 @@ def test_synthetic_pairs_and_their_index_rows():
         row = {"text": index_text(x, media)}
         row["images"] = [len(m[0]) for m in x.media["vision"]]
         row["audio"] = [len(m[0]) for m in x.media["audio"]]
+        row["split"] = a  # (where it splits: the chosen document's tokens)
         assert row == index.record(i) and int(llm[i]) == len(x.tokens), i
         assert np.array_equal(x.tokens[:a], one.tokens) and x.grids == one.grids
         chosen, rejected = x.tokens[:a], x.tokens[a:]

@@ -4,7 +4,8 @@ pair's media once saves.
     python -m jaxmllm.bench.pairs [--mix ai2d,chartqa | --lengths FILE.jsonl] [--devices 8,64] \\
         [--steps 8] [--policies orchestrated,grain] [--tokens 32768] [--micro 2] [--block 128] \\
         [--config configs/gpu/qwen3_vl_8b_dpo.yaml] [--completion-median 128] \\
-        [--completion-sigma 0.8] [--completion-own 0.4] [--seed 0] [--json OUT.json]
+        [--completion-sigma 0.8] [--completion-own 0.4] [--seed 0] [--one-document] \\
+        [--json OUT.json]
 
 The pair-length mix: each sample of a real length table (`--mix`: the InternVL tables of
 `jaxmllm.bench.mixes`, their images in the config's patches) is a prompt: its text tokens and its
@@ -17,7 +18,10 @@ tokens. Two layouts of the same pairs:
 
 - `paired`: what jaxmllm trains (docs/preference.md): a pair is ONE sample, both documents in
   one row, its media listed (and encoded) once; its index row's text = both documents' tokens
-  less one copy of the placeholder rows, so its LLM length is both documents' tokens.
+  less one copy of the placeholder rows, so its LLM length is both documents' tokens, and its
+  `split` the first document's tokens, so the planner prices its attention as the two
+  documents it is (`--one-document`: without the split, a pair priced as one document of both
+  lengths, as the planner did before the index said where a pair splits).
 - `unpaired`: what a trainer that knows no pairs does: chosen and rejected as two samples, each
   with its own copy of the media (the vision phase encodes every image twice) and planned
   independently (the two halves of a pair may land on different devices or steps).
@@ -36,10 +40,10 @@ capacities as `bench.balance` sizes them):
               pair priced alone, as attention computes it); `bound` with each max replaced by
               max(mean, the largest single item)
   goodput     useful FLOPs (real units, and the tiles each document needs alone) over computed
-              FLOPs (every bucket's capacity in units and tiles). The planner prices a pair's
-              attention as one document of both lengths, so its tile capacity holds more tiles
-              than a pair's two documents need: that shows here. `priced`: the same with the
-              useful tiles as the planner counts them (a pair one document)
+              FLOPs (every bucket's capacity in units and tiles). `priced`: the same with the
+              useful tiles as the planner counts them: the same, but under `--one-document`
+              (a pair priced as one document of both lengths, its tile capacity sized for
+              tiles the two documents never use)
   split       unpaired: share of the pairs (both halves planned in the steps run) whose halves
               landed on different devices or steps
   ms/step     host planning time a step, median after the first (grain: per host)
@@ -51,8 +55,9 @@ batch (`jaxmllm.step.preference` runs the whole model again, encoders included, 
 gradient; the adapters a LoRA reference switches off are not counted in it). Per pair: the
 vision encoder (with its projector) and the LLM, each layout; what pairing saves; and per step,
 the pairs a `paired` step trains at each device count (the first policy). The LLM's FLOPs are
-the same in both layouts (the same documents, each attending to itself); the planner prices a
-pair's LLM as one document of both lengths (printed beside).
+the same in both layouts (the same documents, each attending to itself), and what the planner
+prices a pair's LLM at (printed beside: its two documents; one of both lengths under
+`--one-document`).
 
 Planner simulations on the host: no device runs, no timing claim beyond the host's planning.
 """
@@ -122,16 +127,24 @@ def _take(items: Items, order: np.ndarray) -> Items:
 
 
 def pair_layouts(
-    prompts: LengthsIndex, chosen: np.ndarray, rejected: np.ndarray, per_token: dict[str, int]
+    prompts: LengthsIndex,
+    chosen: np.ndarray,
+    rejected: np.ndarray,
+    per_token: dict[str, int],
+    split: bool = True,
 ) -> tuple[Layout, Layout]:
-    """The `paired` and `unpaired` layouts of the pairs (prompt i, chosen[i], rejected[i])."""
+    """The `paired` and `unpaired` layouts of the pairs (prompt i, chosen[i], rejected[i]);
+    `split`: the paired index says where each pair splits (else a pair is priced as one
+    document of both lengths)."""
     n = len(prompts)
     slots = prompts.llm_tokens(per_token) - prompts.text  # placeholder rows of a prompt's media
     prompt = prompts.text + slots  # LLM tokens of one prompt
     docs = np.stack([prompt + chosen, prompt + rejected], 1).astype(np.int64)
     # one sample: both documents' text, one copy of the placeholder rows (LLM: both documents)
     text = 2 * prompts.text + slots + chosen + rejected
-    paired = LengthsIndex(text=text.astype(np.int64), items=dict(prompts.items))
+    paired = LengthsIndex(
+        text=text.astype(np.int64), items=dict(prompts.items), split=docs[:, 0] if split else None
+    )
     order = np.repeat(np.arange(n), 2)  # chosen, rejected of pair 0, then of pair 1, ...
     halves = np.stack([chosen, rejected], 1).ravel()
     unpaired = LengthsIndex(
@@ -203,8 +216,9 @@ def _loads(plan, layout: Layout, caps: Capacities, cost: CostModel):
 
 
 def _llm_tiles(plan, layout: Layout, caps: Capacities) -> np.ndarray:
-    """LLM tiles each bucket needs [M, D] with each document of a pair alone (the planner
-    prices a pair as one document)."""
+    """LLM tiles each bucket needs [M, D] with each document of a pair alone (what the
+    planner counts too where the index says where a pair splits: not under
+    `--one-document`)."""
     s, rows = plan.samples, caps.llm_rows
     docs = layout.docs[s]
     bins = (plan.micro * caps.llm_buckets + plan.device) * rows + plan.row
@@ -275,7 +289,7 @@ def run_layout(
     )
     units = np.zeros(len(PHASES))
     real_tiles = dict.fromkeys(PHASES, 0.0)
-    priced_tiles = dict.fromkeys(PHASES, 0.0)  # the planner's count (a pair: one document)
+    priced_tiles = dict.fromkeys(PHASES, 0.0)  # the planner's count (the index's documents)
     most = dict.fromkeys(PHASES, 0)  # the planner's own tile count, most a bucket needed
     quad, bound, times, variants = [], [], [], []
     samples, split = 0, _Split(layout.pairs)
@@ -343,14 +357,16 @@ def run_layout(
 
 def pair_flops(paired: Layout, unpaired: Layout, cost: CostModel) -> dict:
     """Useful FLOPs per pair of each layout, per phase (each document priced alone), and the
-    LLM as the planner prices a pair (one document of both lengths)."""
+    LLM as the planner prices a pair (the documents its index says it holds: its two, or
+    without a split one of both lengths)."""
     out = {}
     for lay in (paired, unpaired):
         llm = cost.phase(LLM).item_cost(lay.docs).sum()
         enc = {p: float(cost.phase(p).item_cost(lay.index.items[p].sizes).sum()) for p in NAMES}
         out[lay.name] = {p: v / lay.pairs for p, v in {LLM: float(llm), **enc}.items()}
-    llm_tokens = paired.docs.sum(1)
-    out["paired"]["llm_planned"] = float(cost.phase(LLM).item_cost(llm_tokens).sum()) / paired.pairs
+    priced = paired.docs.sum(1) if paired.index.split is None else paired.docs
+    out["paired"]["llm_planned"] = float(cost.phase(LLM).item_cost(priced).sum()) / paired.pairs
+    out["paired"]["llm_planned_as"] = "one" if paired.index.split is None else "two"
     saved = sum(out["unpaired"][p] - out["paired"][p] for p in PHASES)
     total = sum(out["unpaired"][p] for p in PHASES)
     vision = out["unpaired"]["vision"]
@@ -379,6 +395,8 @@ HEADER = (
 
 def _flops_lines(f: dict, per_step: list[tuple[int, float]]) -> list[str]:
     t = 1e12
+    one = f["paired"]["llm_planned_as"] == "one"
+    priced_as = "one document of both lengths" if one else "its two documents"
     lines = [f"  {'layout':<9}{'vision':>9}{'llm':>9}{'total':>9}  (TFLOP a pair, useful)"]
     for name in ("paired", "unpaired"):
         v, llm = f[name]["vision"], f[name][LLM]
@@ -388,7 +406,7 @@ def _flops_lines(f: dict, per_step: list[tuple[int, float]]) -> list[str]:
         f"  pairing saves {f['saved_per_pair'] / t:.3f} TFLOP a pair: "
         f"{100 * f['saved_vision_share']:.1f}% of the vision encoder's, "
         f"{100 * f['saved_share']:.1f}% of the total; the planner prices a pair's LLM at "
-        f"{f['paired']['llm_planned'] / t:.2f} TFLOP (one document of both lengths)"
+        f"{f['paired']['llm_planned'] / t:.2f} TFLOP ({priced_as})"
     )
     for d, pairs in per_step:
         v1, v2 = pairs * f["paired"]["vision"], pairs * f["unpaired"]["vision"]
@@ -420,6 +438,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--completion-sigma", type=float, default=0.8)
     ap.add_argument("--completion-own", type=float, default=0.4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--one-document",
+        action="store_true",
+        help="price a pair as one document of both lengths (no split in its index row)",
+    )
     ap.add_argument("--json", help="write the rows and the FLOPs here")
     args = ap.parse_args(argv)
     if args.steps < 1:
@@ -448,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         built = []
         for name, prompts in sources:
             chosen, rejected = completions(len(prompts), args.seed, med, sig, own)
-            built.append((name, *pair_layouts(prompts, chosen, rejected, per_token)))
+            layouts = pair_layouts(prompts, chosen, rejected, per_token, not args.one_document)
+            built.append((name, *layouts))
     except (OSError, ValueError) as e:
         return fail(e, 2)
     what = "training + the reference's forward" if with_ref else "training (no reference run)"
@@ -498,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             "config": args.config,
             "reference_counted": with_ref,
             "completions": {"median": med, "sigma": sig, "own": own, "clip": [SHORTEST, LONGEST]},
+            "pair_priced_as": "one document" if args.one_document else "two documents",
             "rows": rows,
             "flops": flops,
         }

@@ -11,7 +11,10 @@ below it (closer to the input), by 1 for a frozen module with nothing trainable 
 have nothing below them; the LLM has the projectors and encoders below it.
 
 Units are the lengths index's: LLM tokens, vision patches, audio log-mel frames (the audio
-transformer runs on frames / subsample rows, folded into the coefficients).
+transformer runs on frames / subsample rows, folded into the coefficients). An LLM item is a
+document, what attention sees: a preference pair is two (its chosen and rejected documents,
+n1 + n2 tokens of linear work, n1**2 + n2**2 of quadratic), as a step's FLOPs count them from
+its segments (`jaxmllm.batch.counts`) and the planner from the index's `split`.
 
 Calibrated on a run's measured step times: `jaxmllm.cost.calibrate` (`CostModel.from_file` reads
 what it writes).

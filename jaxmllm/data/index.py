@@ -259,8 +259,11 @@ def summarize(
     """Counts and percentiles per modality (training sizes its buckets from the index itself:
     `batch.capacity: auto`); rejects by reason, most first, with an example of each."""
     index = stored.lengths()
-    llm = index.llm_tokens({p.name: p.per_token(cfg.model) for p in ENCODERS})
+    per_token = {p.name: p.per_token(cfg.model) for p in ENCODERS}
+    llm = index.llm_tokens(per_token)
     stats = {"text_tokens": index.text, "llm_tokens": llm}
+    if index.split is not None:  # (preference pairs: each of their two documents)
+        stats["llm_tokens_per_document"] = index.llm_documents(per_token)
     for p in ENCODERS:
         stats[f"{p.unit}_per_{p.item}"] = index.items[p.name].sizes
         stats[f"{p.items}_per_sample"] = index.items[p.name].count()

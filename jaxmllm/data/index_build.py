@@ -389,14 +389,17 @@ def merge_measured(folder: Path, starts: list[int]) -> tuple[dict, Counter, dict
     the accepted rows that are preference pairs)."""
     paths = [folder / "parts" / f"rows-{a:012d}.npz" for a in starts]
     drop = duplicates(paths)
-    table = stream(folder, paths, row_specs(), [~d for d in drop])
+    pairs = 0
+    for path, dup in zip(paths, drop, strict=True):
+        with np.load(path) as part:
+            pairs += int((part["documents"][~dup] == 2).sum())
+    # (pairs: where each splits into its documents, a column; none: no column, as before it)
+    table = stream(folder, paths, row_specs(pairs > 0), [~d for d in drop])
     reasons: Counter[str] = Counter()
     examples: dict[str, dict] = {}
-    pairs = 0
     with open(folder / "rejects.jsonl", "w") as out:
         for path, dup in zip(paths, drop, strict=True):
             with np.load(path) as part:
-                pairs += int((part["documents"][~dup] == 2).sum())
                 lines = strings(part, "rejects").tolist()
                 rows = part["rejects.row"].tolist()
                 for j in np.flatnonzero(dup).tolist():

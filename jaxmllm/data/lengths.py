@@ -113,6 +113,14 @@ class LengthsIndex:
     text[i] = text tokens of sample i (placeholders excluded); items[phase] = the units of each
     item of every sample in that encoder phase (patches per image, log-mel frames per clip),
     for every phase of the table (empty where the data has none).
+
+    split[i] = where a sample of two documents (a preference pair: its chosen document, then
+    its rejected one, in one row) splits: its first document's LLM tokens, 0 for a sample of
+    one document; None (every index without the column: SFT data, indexes built before it) is
+    all zeros. A pair's `text` counts both documents' text and one copy of its placeholder
+    rows, so its `llm_tokens` are both documents' tokens: what its row holds (its linear
+    work); its attention is its two documents', split[i] and llm_tokens - split[i] tokens
+    (`llm_documents`), as bucketize writes them (two segments).
     """
 
     text: np.ndarray
@@ -122,23 +130,30 @@ class LengthsIndex:
     # held in memory: synthetic, benchmark mixes), or "index", a bijective index shuffle that
     # stores nothing (a mapped index, `jaxmllm.data.columnar`, of any size)
     shuffle: str = "permutation"
+    split: np.ndarray | None = None  # int64 [samples]: a pair's first document's LLM tokens
 
     def __post_init__(self):
         empty = Items.none(len(self.text))
         self.items = {p.name: self.items.get(p.name, empty) for p in ENCODERS}
+        if self.split is not None and len(self.split) != len(self.text):
+            raise ValueError(f"split has {len(self.split)} rows, text {len(self.text)}")
 
     def __len__(self) -> int:
         return len(self.text)
 
     @classmethod
     def from_records(cls, records: list[dict]) -> LengthsIndex:
-        """Builds the index from dicts like {"text": 312, "images": [1024], "audio": [850]}."""
+        """Builds the index from dicts like {"text": 312, "images": [1024], "audio": [850]};
+        a sample of two documents (a preference pair) says where it splits, `"split": n1`
+        (its first document's LLM tokens) or `"documents": [n1, n2]` (each one's)."""
+        split = np.array([_split_of(r) for r in records], np.int64)
         return cls(
             text=np.array([r.get("text", 0) for r in records], np.int64),
             items={
                 p.name: Items.from_lists([list(r.get(p.items, [])) for r in records])
                 for p in ENCODERS
             },
+            split=split if split.any() else None,
         )
 
     @classmethod
@@ -154,12 +169,32 @@ class LengthsIndex:
             )
         text = np.concatenate([part.text for part in parts]).astype(np.int64)
         mapped = any(part.shuffle == "index" for part in parts)
-        return cls(text, items, mixture, "index" if mapped else "permutation")
+        split = None
+        if any(part.split is not None for part in parts):
+            split = np.concatenate([part.split_of() for part in parts]).astype(np.int64)
+        return cls(text, items, mixture, "index" if mapped else "permutation", split)
+
+    def split_rows(self, ids) -> np.ndarray | None:
+        """The split column of the samples `ids` (an index array or a slice; None where the
+        index has none): what an index made of some of this one's samples carries."""
+        return None if self.split is None else np.asarray(self.split[ids], np.int64)
+
+    def split_of(self, samples: np.ndarray | None = None) -> np.ndarray:
+        """Where each of `samples` (default: all) splits: a pair's first document's LLM
+        tokens, 0 for a sample of one document (int64)."""
+        n = len(self) if samples is None else len(samples)
+        if self.split is None:
+            return np.zeros(n, np.int64)
+        rows = self.split if samples is None else self.split[np.asarray(samples, np.int64)]
+        return np.asarray(rows, np.int64)
 
     def record(self, i: int) -> dict:
-        """Sample i in the lengths-file format."""
+        """Sample i in the lengths-file format (`split` only for a sample of two
+        documents)."""
         out = {"text": int(self.text[i])}
         out.update({p.items: self.items[p.name].of(i).tolist() for p in ENCODERS})
+        if self.split is not None and int(self.split[i]):
+            out["split"] = int(self.split[i])
         return out
 
     def write_jsonl(self, path: str | Path) -> None:
@@ -185,6 +220,39 @@ class LengthsIndex:
             out = out + items.per_sample(items.sizes // per_token[name])
         return out
 
+    def llm_documents(self, per_token: Mapping[str, int]) -> np.ndarray:
+        """The LLM tokens of every document attention sees, sample by sample: a sample's
+        `llm_tokens`, or a pair's two documents (split, then the rest) one after the other
+        (`llm_tokens` itself when the index has no split)."""
+        llm = self.llm_tokens(per_token)
+        if self.split is None:
+            return llm
+        return split_documents(llm, np.asarray(self.split, np.int64))
+
     def phases_of(self) -> tuple[str, ...]:
         """The phases the data has: the LLM's, and each encoder phase with any item."""
         return (LLM, *(name for name, items in self.items.items() if len(items)))
+
+
+def split_documents(llm: np.ndarray, split: np.ndarray) -> np.ndarray:
+    """The documents of samples of `llm` tokens split at `split` (0: one document), in sample
+    order: a pair's first document then its second."""
+    two = split > 0
+    count = 1 + two.astype(np.int64)
+    out = np.repeat(llm, count)
+    first = np.cumsum(count) - count  # (each sample's first document)
+    out[first[two]] = split[two]
+    out[first[two] + 1] = llm[two] - split[two]
+    return out
+
+
+def _split_of(record: Mapping) -> int:
+    """A lengths-file row's split: `split`, or its `documents`' first (a pair's two)."""
+    if "split" in record:
+        return int(record["split"])
+    docs = record.get("documents")
+    if isinstance(docs, list | tuple) and len(docs) > 1:
+        if len(docs) > 2:
+            raise ValueError(f"a sample holds one or two documents, got {len(docs)}: {docs}")
+        return int(docs[0])
+    return 0

@@ -184,9 +184,12 @@ def patch(index: LengthsIndex, counts: dict[int, dict], dropped: list[int]):
     kept = np.ones(n, bool)
     kept[np.asarray(dropped, np.int64)] = False
     text = np.array(index.text, np.int64)
+    split = None if index.split is None else np.array(index.split, np.int64)
     changed = sorted(counts)
     for i in changed:
         text[i] = counts[i]["text"]
+        if split is not None:  # (a pair repaired: where it splits now)
+            split[i] = counts[i].get("split", 0)
     items = {}
     for p in ENCODERS:
         it = index.items[p.name]
@@ -200,5 +203,6 @@ def patch(index: LengthsIndex, counts: dict[int, dict], dropped: list[int]):
         sizes = sizes[np.repeat(kept, per)]
         per = per[kept]
         items[p.name] = Items(np.concatenate([[0], np.cumsum(per)]).astype(np.int64), sizes)
-    patched = LengthsIndex(text[kept], items, shuffle=index.shuffle)
+    split = None if split is None else split[kept]
+    patched = LengthsIndex(text[kept], items, shuffle=index.shuffle, split=split)
     return patched, (np.flatnonzero(kept) if len(dropped) else None)

@@ -61,6 +61,7 @@ def row_part(rows: list[dict]) -> dict[str, np.ndarray]:
         "id.bytes": ids.data,
         "id.hash": id_hashes(r["id"] for r in rows),
         "documents": _ints(r.get("documents", 1) for r in rows),  # (2: a preference pair)
+        "split": _ints(r.get("split", 0) for r in rows),  # (a pair's first document's tokens)
     }
     for p in ENCODERS:
         out[f"{p.name}.count"] = _ints(len(r[p.items]) for r in rows)
@@ -136,9 +137,12 @@ def _id_at(paths: list[Path], starts: np.ndarray, k: int) -> str:
         return strings(part, "id")[k - int(starts[p])]
 
 
-def row_specs() -> list[tuple]:
-    """The specs of an index's row columns in a measure part."""
-    specs = [("plain", name, name) for name in ("text", "row", "line")]
+def row_specs(pairs: bool = False) -> list[tuple]:
+    """The specs of an index's row columns in a measure part (`pairs`: with `split`, where
+    each preference pair splits into its two documents; an index of no pairs has no such
+    column, as every index built before it)."""
+    names = ("text", "row", "line", "split") if pairs else ("text", "row", "line")
+    specs = [("plain", name, name) for name in names]
     specs.append(("strings", "id", "id"))
     specs += [
         ("ragged", name, f"{name}.count", values, values) for name, values, _, _ in ragged_columns()

@@ -247,12 +247,14 @@ class Layout:
     the first document's (`items`, `parts`), the second's are their placeholder rows again.
     The index row (`counts`) lists the items once and counts the second document's `repeated`
     placeholder rows as text, so that its LLM tokens (text + a token per encoder row) are the
-    pair's tokens exactly."""
+    pair's tokens exactly, and says where it splits (`split`: the first document's LLM
+    tokens, `first_tokens`), so that the planner prices its attention as two documents."""
 
     ops: list[Text | Part]
     cut: bool = False
     split: int | None = None  # where a pair's second document (rejected) starts; None: one
     repeated: int = 0  # a pair's placeholder rows in its second document
+    first_tokens: int = 0  # a pair's first document's LLM tokens (text + a token per row)
 
     @property
     def items(self) -> list[Text | Part]:
@@ -267,6 +269,8 @@ class Layout:
         text = sum(len(op.ids) for op in self.ops if isinstance(op, Text)) + self.repeated
         out = {"text": int(text)}
         out.update({BY_NAME[p].items: [op.units for op in self.parts(p)] for p in NAMES})
+        if self.split is not None:  # (a pair: where its second document starts, in LLM tokens)
+            out["split"] = int(self.first_tokens)
         return out
 
     def loss_tokens(self) -> int:
@@ -346,7 +350,8 @@ class Preprocessor:
         tokens = sum(len(op.ids) for op in ops if isinstance(op, Text)) + 2 * rows
         cut = chosen.cut or rejected.cut
         cut |= limits.max_tokens is not None and tokens > limits.max_tokens
-        return Layout(ops, cut, split=len(chosen.ops), repeated=rows)
+        first = sum(len(op.ids) for op in chosen.ops if isinstance(op, Text)) + rows
+        return Layout(ops, cut, split=len(chosen.ops), repeated=rows, first_tokens=first)
 
     def _document(
         self, record: Record, sizes: Sizes, limits: Limits, generation: bool = False

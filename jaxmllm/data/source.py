@@ -115,6 +115,8 @@ class ManifestSource:
                 _indexed(want[p.items], j) if m is None else len(m[0])
                 for j, m in enumerate(sample.media[p.name])
             ]
+        if "split" in want:  # (a pair of an index that says where it splits)
+            got["split"] = int(sample.documents[0]) if len(sample.documents) > 1 else 0
         if got != want:
             raise RecordError("changed_since_index", f"now {got}, the index says {want}", rid)
         return sample
@@ -136,7 +138,8 @@ class ManifestSource:
         items = {
             p: Items(it.ptr[: n + 1], it.sizes[: int(it.ptr[n])]) for p, it in index.items.items()
         }
-        part = LengthsIndex(index.text[:n], items, shuffle=index.shuffle)
+        split = index.split_rows(slice(0, n))
+        part = LengthsIndex(index.text[:n], items, shuffle=index.shuffle, split=split)
         keep = np.arange(n) if self.keep is None else self.keep[:n]
         limits = {i: lim for i, lim in self.limits.items() if i < n}
         head = ManifestSource(self.records, self.pre, self.stored, part, keep, limits)

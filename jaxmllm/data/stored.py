@@ -5,6 +5,8 @@
                                  dtype and shape (loading checks each file against it)
     <index>/rejects.jsonl        every rejected record: id, place, reason
     <index>/text.npy             per accepted record (a training sample): text tokens
+    <index>/split.npy            (data of preference pairs only) per sample, its first
+                                 document's LLM tokens: where the pair splits (0: one document)
     <index>/vision.ptr.npy  .sizes.npy    per encoder phase: sample i's items are
     <index>/audio.ptr.npy   .sizes.npy      sizes[ptr[i]:ptr[i + 1]], in the phase's units
     <index>/row.npy  line.npy    where each sample is: its record number, its line
@@ -67,6 +69,8 @@ class StoredIndex:
             raise ColumnError(f"{self.folder}/summary.json: 'accepted' is not a count")
         self.n = n
         self.text = self._ints("text.npy", (n,))
+        # (an index of pairs: where each splits; none, as every index built before it, else)
+        self.split = self._ints("split.npy", (n,)) if "split.npy" in table else None
         if lengths_only:
             self.items = {p.name: Items(*self._ragged(p.name, f"{p.name}.sizes")) for p in ENCODERS}
             return
@@ -99,6 +103,7 @@ class StoredIndex:
         out.folder, out.summary, out.table, out.n = Path("."), {}, {}, len(rows)
         out.lengths_only = False
         out.text, out.row, out.line = part["text"], part["row"], part["line"]
+        out.split = part["split"] if part["split"].any() else None
         out.ids = Strings(part["id.offsets"], part["id.bytes"])
         ragged = {
             name: (np.concatenate([[0], np.cumsum(part[f"{name}.count"])]), part[values])
@@ -135,7 +140,7 @@ class StoredIndex:
 
     def lengths(self) -> LengthsIndex:
         """The planner's index: views of the mapped counts, drawn by the index shuffle."""
-        return LengthsIndex(self.text, dict(self.items), shuffle="index")
+        return LengthsIndex(self.text, dict(self.items), shuffle="index", split=self.split)
 
     def media_sizes(self, i: int) -> Sizes:
         """Sample i's media sizes, as its record's header gave them."""
@@ -191,6 +196,8 @@ def check_lengths(index: StoredIndex, largest: dict[str, int]) -> None:
     of no units or more than `largest[phase]` (what the preprocessing settings allow), item
     pointers that go back. One pass in windows, none of it kept resident."""
     _within(index.folder, "text.npy", index.text, 0, None)
+    if index.split is not None:
+        _within(index.folder, "split.npy", index.split, 0, None)
     for name, items in index.items.items():
         _ascending(index.folder, f"{name}.ptr.npy", items.ptr)
         _within(index.folder, f"{name}.sizes.npy", items.sizes, 1, largest.get(name))

@@ -145,7 +145,8 @@ class SyntheticSource:
     def lengths(self) -> LengthsIndex:
         """Counts in model units for every sample, without rendering any media. A pair's
         `text` is both documents' text and its placeholder rows once (the index counts each
-        item once: text + a token per encoder row is the pair's length)."""
+        item once: text + a token per encoder row is the pair's length), its `split` the
+        chosen document's LLM tokens."""
         t = self._table
         image, audio, video = t.kind == IMAGE_KIND, t.kind == AUDIO_KIND, t.kind == VIDEO_KIND
         answers = (
@@ -172,6 +173,7 @@ class SyntheticSource:
             VISION.name: Items(ptr(n_images + n_video), vision[order].astype(np.int64)),
             AUDIO.name: Items(ptr(audio), t.audio[audio, 0].astype(np.int64)),
         }
+        split = None
         if self.pairs:  # (the rejected document's text, and its rows counted as text)
             twist = twists(self.cfg.data.seed, np.arange(len(t.kind)))
             colours, shapes = wrong_images(t.images, t.n_images, twist, COLOURS, SHAPES)
@@ -180,8 +182,9 @@ class SyntheticSource:
             vision, clips = items[VISION.name], items[AUDIO.name]
             rows = vision.per_sample(vision.sizes // self.merge**2)
             rows = rows + clips.per_sample(clips.sizes // self.subsample)
+            split = tokens + rows  # (the chosen document's LLM tokens: where the pair splits)
             tokens = tokens + rejected + rows
-        return LengthsIndex(text=tokens, items=items)
+        return LengthsIndex(text=tokens, items=items, split=split)
 
     def _document_text(self, colours, shapes, pitch, contour, direction) -> np.ndarray:
         """Each sample's text tokens (placeholders aside) in a document whose answer names

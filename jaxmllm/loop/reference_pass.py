@@ -135,7 +135,7 @@ def subset(index: LengthsIndex, ids: np.ndarray) -> LengthsIndex:
         items[name] = Items(
             np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), it.sizes[flat]
         )
-    return LengthsIndex(index.text[ids], items)
+    return LengthsIndex(index.text[ids], items, split=index.split_rows(ids))
 
 
 class _Subset:

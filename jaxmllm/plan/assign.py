@@ -145,8 +145,10 @@ class RoutedAssignment:
                 "devices: set batch.route_pair_capacity > 0 (e.g. the largest "
                 "item's encoder rows)"
             )
-        most = summary_of(index, caps.per_token).most  # (the largest document per phase)
-        checks = [(llm_row_key(caps), most[LLM], caps.group_row_len)]
+        summary = summary_of(index, caps.per_token)
+        most = summary.most  # (the largest document per phase)
+        # (a row holds a sample whole: a preference pair's two documents)
+        checks = [(llm_row_key(caps), summary.most_units[LLM], caps.group_row_len)]
         for p in ENCODERS:
             n, cap, per = len(index.items[p.name]), caps.units[p.name], caps.per_token[p.name]
             if n and not cap:

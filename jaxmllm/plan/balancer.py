@@ -176,7 +176,7 @@ class Balancer:
     def _rungs(self, samples: np.ndarray) -> np.ndarray:
         """Per sample, its rung of the ladder (`Ladder.rungs`)."""
         pool = self.phases.of(samples)
-        return self.ladder.rungs(pool.llm, {p: it[:2] for p, it in pool.items.items()})
+        return self.ladder.rungs(pool.longest(), {p: it[:2] for p, it in pool.items.items()})
 
     def _left_short(self, mb: Micro, work: np.ndarray, sel: np.ndarray, urgent) -> bool:
         """Whether the placement of a selection (`sel`) left out an urgent sample, or left
@@ -228,7 +228,7 @@ class Balancer:
         ok, devs = self.assignment.items(ph, mb, rows, items, urgent[entries], ok)
         retry, offsets = np.zeros(0, np.int64), {}
         if mb.tiles is not None:  # block-sparse attention: each device within its tiles
-            placed = {LLM: (np.arange(len(s)), rows, ends[LLM], pw.llm)}
+            placed = {LLM: (np.arange(len(s)), rows, ends[LLM], pw.llm, pw.split)}
             for p in ENC:
                 placed[p] = (items[p][0], devs[p], ends[p], items[p][2])
             fitted = ok.copy()

@@ -17,7 +17,7 @@ import numpy as np
 from jaxmllm.config.checks import UserError
 from jaxmllm.config.phases import ENCODERS, LLM, NAMES, PHASES
 from jaxmllm.config.spec import BatchSpec, variant_tiles
-from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.data.lengths import LengthsIndex, split_documents
 from jaxmllm.plan.ragged import gather_items
 from jaxmllm.plan.summary import summary_of
 from jaxmllm.plan.tiles import bin_tiles, own_tiles
@@ -226,9 +226,10 @@ def llm_row_key(caps: Capacities) -> str:
 
 def documents(index: LengthsIndex, caps: Capacities) -> dict[str, tuple[np.ndarray, bool, int]]:
     """Per phase, what its attention sees: every document's size in the phase's units (LLM
-    tokens of a sample; an encoder item's rows = its units / the phase's units per row), whether
-    it is causal, and the length of one packed row of the phase's bucket."""
-    out = {LLM: (index.llm_tokens(caps.per_token), True, caps.group_row_len)}
+    tokens of a sample, or of each of a preference pair's two documents:
+    `LengthsIndex.llm_documents`; an encoder item's rows = its units / the phase's units per
+    row), whether it is causal, and the length of one packed row of the phase's bucket."""
+    out = {LLM: (index.llm_documents(caps.per_token), True, caps.group_row_len)}
     for p in NAMES:
         per = caps.row_units(p)
         out[p] = (index.items[p].sizes // per, False, caps.units[p] // per)
@@ -402,15 +403,34 @@ def phase_docs(
     plan: StepPlan, index: LengthsIndex, caps: Capacities, phase: str
 ) -> tuple[np.ndarray, ...]:
     """The documents attention sees in one phase of a plan, in its units (LLM tokens, patches,
-    audio encoder rows = frames / audio stride): (microbatch, device, row, offset, size) each."""
+    audio encoder rows = frames / audio stride): (microbatch, device, row, offset, size) each.
+    A preference pair's text is its two documents (`LengthsIndex.split`), the second right
+    after the first."""
     if phase == LLM:
         llm = llm_tokens_of(index, plan.samples, caps.per_token)
-        return plan.micro, plan.device, plan.row, plan.offset, llm
+        if index.split is None:
+            return plan.micro, plan.device, plan.row, plan.offset, llm
+        split = index.split_of(plan.samples)
+        return pair_documents(split, llm, plan.offset, plan.micro, plan.device, plan.row)
     it = plan.items[phase]
     size = index.items[phase].size(plan.samples[it.owner], it.item)
     per = caps.row_units(phase)
     row = np.zeros(len(it.owner), np.int64)
     return plan.micro[it.owner], it.device, row, it.offset // per, size // per
+
+
+def pair_documents(
+    split: np.ndarray, llm: np.ndarray, offset: np.ndarray, *where: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """The documents of samples of `llm` tokens at `offset`, split at `split` (0: one
+    document; a pair: `split` tokens, then the rest right after them): (each of `where`, offset,
+    size) per document, a sample's in order."""
+    two = split > 0
+    count = 1 + two.astype(np.int64)
+    second = np.cumsum(count)[two] - 1  # (each pair's second document)
+    off = np.repeat(offset, count)
+    off[second] += split[two]
+    return (*(np.repeat(w, count) for w in where), off, split_documents(llm, split))
 
 
 def step_tiles(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> dict[str, np.ndarray]:

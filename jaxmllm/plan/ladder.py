@@ -119,8 +119,9 @@ class Ladder:
         self.batch = BATCH * caps.microbatches * caps.llm_buckets
 
     def rungs(self, llm: np.ndarray, items: dict[str, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-        """Per sample, its rung: its LLM tokens `llm`, and per encoder phase its items'
-        (owner sample position, size in units)."""
+        """Per sample, its rung: its LLM tokens `llm` (its longest LLM document: a
+        preference pair's two are two documents), and per encoder phase its items' (owner
+        sample position, size in units)."""
         out = np.zeros(len(llm), np.int64)
         for bound in self.rows:
             above = llm > bound[LLM] if LLM in bound else np.zeros(len(llm), bool)

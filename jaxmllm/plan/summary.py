@@ -9,9 +9,10 @@ and gigabytes a host; the summary is bounded:
 - `body`: a uniform sample of `SAMPLE` samples (the whole index when it holds no more: every
   figure is then exactly the index's, so plans on small indexes are what they were), for the
   proportions;
-- `tail`: the `TAIL` samples with the longest LLM sequences and, per encoder phase, those with
-  the most units and the largest items, for the extremes a capacity must hold (a sample of the
-  body alone would miss them: one document in 10^6 is what sets a tile capacity);
+- `tail`: the `TAIL` samples with the longest LLM sequences (and, where samples hold two
+  documents, a preference pair's, those with the longest LLM document) and, per encoder phase,
+  those with the most units and the largest items, for the extremes a capacity must hold (a
+  sample of the body alone would miss them: one document in 10^6 is what sets a tile capacity);
 - the exact maxima and minima per phase.
 
 The tail and the extremes come from one vectorised pass over the index in chunks of `CHUNK`
@@ -31,7 +32,7 @@ import numpy as np
 
 from jaxmllm.config.phases import LLM, NAMES
 from jaxmllm.data.columnar import window
-from jaxmllm.data.lengths import Items, LengthsIndex
+from jaxmllm.data.lengths import Items, LengthsIndex, split_documents
 
 SAMPLE = 1 << 16  # samples of the body (a uniform sample); the whole index below it
 TAIL = 256  # samples of the tail per measure (longest LLM sequence, most units, largest item)
@@ -43,8 +44,10 @@ SEED = 20240906  # the body's draw (a summary is a function of the index alone)
 class IndexSummary:
     """A bounded view of a lengths index (module docstring). Per phase (the LLM's tokens, each
     encoder phase's item units): `most` the largest document, `least` the smallest non-zero
-    one (0 for a phase without data); `most_units` per encoder phase the most units of one
-    sample."""
+    one (0 for a phase without data; the LLM's documents are a preference pair's two, each
+    sample's one else: `LengthsIndex.llm_documents`); `most_units` per phase the most units
+    of one sample (the LLM's: the longest sample's tokens, a pair's both documents, what one
+    row must hold)."""
 
     samples: int  # samples of the index
     body: LengthsIndex  # a uniform sample (the index itself when small)
@@ -85,8 +88,10 @@ def summarize(index: LengthsIndex, per_token: Mapping[str, int]) -> IndexSummary
     n = len(index)
     most = dict.fromkeys([LLM, *NAMES], 0)
     least = dict.fromkeys([LLM, *NAMES], 0)
-    most_units = dict.fromkeys(NAMES, 0)
-    tops = [_Top() for _ in range(1 + 2 * len(NAMES))]  # (LLM; per phase units, largest item)
+    most_units = dict.fromkeys([LLM, *NAMES], 0)
+    # (LLM; per phase units, largest item; the LLM's longest document where samples split)
+    tops = [_Top() for _ in range(2 + 2 * len(NAMES))]
+    paired = index.split is not None
     phases = [(k, p) for k, p in enumerate(NAMES) if len(index.items[p].sizes)]
     if n <= SAMPLE:  # (the whole index when small, else a sample)
         body_ids = np.arange(n, dtype=np.int64)
@@ -113,10 +118,17 @@ def summarize(index: LengthsIndex, per_token: Mapping[str, int]) -> IndexSummary
             _extremes(most, least, p, sizes)
             most_units[p] = max(most_units[p], int(units.max(initial=0)))
         tops[0].add(lo, llm)
-        _extremes(most, least, LLM, llm)
+        most_units[LLM] = max(most_units[LLM], int(llm.max(initial=0)))
+        split = window(index.split, lo, hi).astype(np.int64) if paired else None
+        if split is None:
+            _extremes(most, least, LLM, llm)
+        else:  # (a pair's documents: its longest one in the tail)
+            _extremes(most, least, LLM, split_documents(llm, split))
+            tops[-1].add(lo, np.where(split > 0, np.maximum(split, llm - split), llm))
         if len(body_ids) < n:  # (the sample's members in this window, gathered from it)
             mine = body_ids[np.searchsorted(body_ids, lo) : np.searchsorted(body_ids, hi)]
-            bodies.append(subset(LengthsIndex(text=text, items=chunk), mine - lo))
+            part = LengthsIndex(text=text, items=chunk, split=split)
+            bodies.append(subset(part, mine - lo))
     tail_ids = np.unique(np.concatenate([t.ids for t in tops]))
     body = index if len(body_ids) == n else LengthsIndex.concat(bodies)
     tail = subset(index, tail_ids)
@@ -195,4 +207,5 @@ def subset(index: LengthsIndex, ids: np.ndarray) -> LengthsIndex:
         flat += np.arange(int(count.sum()), dtype=np.int64)
         new_ptr = np.concatenate([[0], np.cumsum(count)]).astype(np.int64)
         items[p] = Items(new_ptr, index.items[p].sizes[flat].astype(np.int64, copy=False))
-    return LengthsIndex(text=index.text[ids].astype(np.int64, copy=False), items=items)
+    text = index.text[ids].astype(np.int64, copy=False)
+    return LengthsIndex(text=text, items=items, split=index.split_rows(ids))

@@ -45,7 +45,8 @@ class TileBudget:
         Args:
           placed: per phase, the new documents in the order they were placed: (owner sample
             position in `ok`, bin: LLM row bin or encoder device, offset where the bin's
-            documents so far end, size in the phase's units).
+            documents so far end, size in the phase's units[, where each splits into two
+            documents: a preference pair's text, `LengthsIndex.split`; None or missing: one]).
           ok: per sample, whether all its parts were placed (updated in place).
 
         Returns:
@@ -84,6 +85,7 @@ class _Docs:
         bins: np.ndarray,
         start: np.ndarray,
         size: np.ndarray,
+        split: np.ndarray | None = None,
     ):
         self.block, self.per, self.causal = budget.block, budget.per_row[phase], phase == LLM
         self.cap, self.start = budget.caps[phase], start  # (where each bin's documents end)
@@ -93,6 +95,8 @@ class _Docs:
         order, key = stable_sort(bins[placed], len(start))
         self.at = placed[order]  # (positions in the order placed)
         self.owner, self.size = owner[self.at], size[self.at]
+        # (a pair's first document's units: it splits there, the second right after it)
+        self.split = None if split is None else split[self.at]
         self.units = self.size // self.per if self.per > 1 else self.size  # (attention units)
         self.bins = _Runs(key)
         # by device, in the order placed (an LLM device's rows are several bins)
@@ -124,6 +128,12 @@ class _Docs:
         self.offset[idx] = offset
         first = offset // self.per if self.per > 1 else offset
         t = packed_tiles(first, self.units[idx], self.block, self.causal)
+        if self.split is not None:  # (a pair: its two documents' tiles, back to back)
+            two = np.flatnonzero(self.split[idx] > 0)
+            if len(two):
+                a, n, f = self.split[idx][two], self.units[idx][two], first[two]
+                t[two] = packed_tiles(f, a, self.block, self.causal)
+                t[two] += packed_tiles(f + a, n - a, self.block, self.causal)
         t *= keep
         self.tiles[idx] = t
         if not self.cap or not len(t):

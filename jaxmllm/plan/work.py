@@ -109,14 +109,27 @@ class Phases:
             items[p] = (owner, size, self.cost[p](size))
             units.append(np.bincount(owner, size, len(s)).astype(np.int64))
             llm = llm + np.bincount(owner, size // self.per_row[p], len(s)).astype(np.int64)
-        llm_cost = self.cost[LLM](llm)
+        split = None if index.split is None else index.split_of(s)
+        llm_cost = self._llm_cost(llm, split)
         work = np.stack([llm, *units])  # [phase, sample]
         tiles = [
             np.rint(TILE_SCALE * self._expected(llm, llm_cost, items, p)).astype(np.int64)
             for p in self.tile_phases
         ]
         sel = np.concatenate([work, np.stack(tiles)]) if tiles else work
-        return Pool(llm, llm_cost, np.ascontiguousarray(work.T), sel, items)
+        return Pool(llm, llm_cost, np.ascontiguousarray(work.T), sel, items, split)
+
+    def _llm_cost(self, llm: np.ndarray, split: np.ndarray | None) -> np.ndarray:
+        """The LLM cost of samples of `llm` tokens: their documents' (a preference pair, split
+        at `split` > 0, is two documents, each attending to itself: the sum of their costs)."""
+        cost = self.cost[LLM](llm)
+        if split is not None:
+            two = np.flatnonzero(split > 0)
+            if len(two):
+                cost = np.array(cost, np.float64)
+                first = split[two]
+                cost[two] = self.cost[LLM](first) + self.cost[LLM](llm[two] - first)
+        return cost
 
     def _sel_cap(self, variant: int) -> np.ndarray:
         """What selection fits into a device's share of a microbatch of a step of `variant`:
@@ -130,8 +143,8 @@ class Phases:
         return np.concatenate([self.cap_vec, np.array(tiles, np.int64)])
 
     def _documents(self, llm: np.ndarray, sizes: np.ndarray, phase: str):
-        """(each document's attention rows, causal, a row's length) of a phase: the samples'
-        LLM tokens `llm`, or an encoder phase's item `sizes`."""
+        """(each document's attention rows, causal, a row's length) of a phase: the LLM's
+        documents `llm` (`LengthsIndex.llm_documents`), or an encoder phase's item `sizes`."""
         caps = self.caps
         if phase == LLM:
             return llm, True, caps.group_row_len
@@ -144,7 +157,7 @@ class Phases:
         documents packed back to back need (`tiles.packed_density`: sizes of whole blocks stay
         aligned, which the uniform guess misses)."""
         sizes = body.items[phase].sizes if phase != LLM else None
-        llm = body.llm_tokens(self.caps.per_token) if phase == LLM else None
+        llm = body.llm_documents(self.caps.per_token) if phase == LLM else None
         units, causal, row_len = self._documents(llm, sizes, phase)
         t = np.where(units > 0, expected_tiles(units, self.caps.attention_block, causal), 0.0)
         return (
@@ -167,19 +180,27 @@ class Phases:
 @dataclass
 class Pool:
     """The work of some samples (a step's pool): per sample its LLM tokens, their cost (what
-    the packers equalise), its units per phase [sample, phase], its selection work [column,
-    sample] (the units, then the tile phases' expected tiles), and per encoder phase its items'
-    (owner position, size, cost), by owner then item."""
+    the packers equalise: its documents'), its units per phase [sample, phase], its selection
+    work [column, sample] (the units, then the tile phases' expected tiles), per encoder phase
+    its items' (owner position, size, cost), by owner then item, and where each splits into
+    two documents (`LengthsIndex.split`; None: every sample one document)."""
 
     llm: np.ndarray
     llm_cost: np.ndarray
     work: np.ndarray
     sel: np.ndarray
     items: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+    split: np.ndarray | None = None
     _ptr: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # (items_of's)
 
     def __len__(self) -> int:
         return len(self.llm)
+
+    def longest(self) -> np.ndarray:
+        """Each sample's longest LLM document (its tokens, or the longer of a pair's two)."""
+        if self.split is None:
+            return self.llm
+        return np.where(self.split > 0, np.maximum(self.split, self.llm - self.split), self.llm)
 
     def take(self, positions: np.ndarray, sel: bool = True) -> Pool:
         """The work of the samples at `positions` (items left out; and their selection work
@@ -190,6 +211,7 @@ class Pool:
             self.work[positions],
             np.take(self.sel, positions, axis=1) if sel else self.sel[:, :0],
             {},
+            None if self.split is None else self.split[positions],
         )
 
     def items_of(self, phase: str, positions: np.ndarray):

@@ -110,7 +110,7 @@ def suggest_capacities(
     """
     summary = summary_of(index, per_token)
     llm = summary.body.llm_tokens(per_token)
-    longest = summary.most[LLM] if summary.samples else 1
+    longest = summary.most_units[LLM] if summary.samples else 1  # (a row holds a sample whole)
     target = max(llm_tokens_per_device, longest)
     mult = math.lcm(32, block)
     if max_row_len is None or target <= max_row_len:
