@@ -5,9 +5,11 @@ base of a run with LoRA adapters, which its checkpoints do not hold (`start_base
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
-from jaxmllm.config import Config, ConfigError, InitFrom, keep_origin
+from jaxmllm.config import Config, ConfigError, InitFrom, keep_origin, to_dict
+from jaxmllm.config.checks import UserError
 from jaxmllm.hf.start import initial_params as _initial
 from jaxmllm.hf.start import run_params
 from jaxmllm.loop.base import base_identity
@@ -51,7 +53,13 @@ def start_reference(cfg: Config, prog: Program, state: dict) -> dict:
     ref = cfg.preference.reference
     if ref == "base":
         return prog.with_reference(state, prog.initial_weights(initial_params(cfg, prog)))
-    given = initial_params(_reference_config(cfg, ref), prog)
+    ref_cfg = _reference_config(cfg, ref)
+    if ref_cfg.model.init_from.llm:  # (an HF directory: its config.json said first)
+        _check_architecture(cfg, ref)
+    try:
+        given = initial_params(ref_cfg, prog)
+    except UserError as e:  # (its load's words name model.init_from: say which it is)
+        raise ConfigError(f"preference.reference={ref}: {e}") from None
     need = prog.reference_of(join(*(prog.abstract_sharded()[k] for k in ("params", "frozen"))))
     missing = _paths(need) - _paths(given)
     if missing:
@@ -81,6 +89,55 @@ def _reference_config(cfg: Config, ref: str) -> Config:
         )
     model = dataclasses.replace(cfg.model, init_from=init)
     return keep_origin(dataclasses.replace(cfg, model=model), cfg)
+
+
+def _check_architecture(cfg: Config, ref: str) -> None:
+    """Refuses an HF reference directory whose config.json is not the policy's architecture
+    and vocabulary (what `hf import` would write for it against the policy's model.*, in one
+    line naming each key that differs): the reference runs in the policy's model, so one of
+    other sizes would not load, and one of other options (QK-norm, M-RoPE sections, rotary
+    base) would load into the wrong model. A vocabulary the import grew for placeholder
+    tokens (`hf.importer.vocab_size`) is the policy's checkpoint's."""
+    from jaxmllm.hf.importer import model_section
+
+    on = {t: ref if getattr(cfg.model, t).enabled else "" for t in ("vision", "audio")}
+    try:
+        theirs = model_section(ref, on["vision"], on["audio"])
+    except UserError as e:
+        raise ConfigError(f"preference.reference={ref}: {e}") from None
+    ours = to_dict(cfg.model)
+    own_vocab = ours["llm"]["vocab_size"]
+    if cfg.model.init_from.llm:  # (the vocabulary before the import grew it)
+        own_vocab = model_section(cfg.model.init_from.llm)["llm"]["vocab_size"]
+    differ = []
+    for role in ("llm", "vision", "audio"):
+        if role != "llm" and not getattr(cfg.model, role).enabled:
+            continue
+        for key, value in _leaves(json.loads(json.dumps(theirs[role]))).items():
+            mine = _leaves(ours[role]).get(key)
+            if key == "vocab_size" and role == "llm":
+                if value not in (own_vocab, mine):
+                    differ.append(f"model.llm.vocab_size {value} (the policy's {own_vocab})")
+            elif mine != value:
+                differ.append(
+                    f"model.{role}.{key} {json.dumps(value)} (the policy's {json.dumps(mine)})"
+                )
+    if differ:
+        shown = ", ".join(differ[:4]) + (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
+        raise ConfigError(
+            f"preference.reference={ref} is not the policy's architecture: {shown}; a "
+            "reference must be a checkpoint of the policy's architecture (model.*) and "
+            "vocabulary"
+        )
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    """A nested dict's values by dotted key."""
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        out.update(_leaves(value, name) if isinstance(value, dict) else {name: value})
+    return out
 
 
 def _paths(tree: dict, prefix: str = "") -> set[str]:

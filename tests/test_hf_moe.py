@@ -302,27 +302,36 @@ def test_a_lora_run_on_an_moe_exports_an_adapter_peft_loads(tmp_path):
 
 
 def exported_adapter(source: str, out: Path, adapter: Path, bound: float) -> tuple[dict, dict]:
-    """A LoRA run's exported PEFT adapter on `source`: peft loads it with no missing key, and
-    `hf check --adapter` gives its logits within `bound`. Returns the run's parameters and the
-    adapter read back onto `source`, by path, for the caller to compare."""
+    """A LoRA run's exported PEFT adapter on `source` (a causal LM or a whole multimodal
+    checkpoint): peft loads it with no missing key, and `hf check --adapter` gives its logits
+    (a whole's: with media) within `bound`. Returns the run's parameters and the adapter read
+    back onto `source`, by path, for the caller to compare."""
     import warnings
 
     import peft
 
     from jaxmllm.config import Config, from_dict
+    from jaxmllm.hf.registry import read_hf_config
     from jaxmllm.hf.start import run_parameters
     from jaxmllm.hf.towers import load_model
+    from jaxmllm.hf.wholes import whole_for
 
-    base = transformers.AutoModelForCausalLM.from_pretrained(source)
+    whole = whole_for(read_hf_config(source))
+    auto = transformers.AutoModelForImageTextToText if whole else transformers.AutoModelForCausalLM
+    base = auto.from_pretrained(source)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         peft.PeftModel.from_pretrained(base, str(adapter))
     assert not [w for w in caught if "missing adapter keys" in str(w.message)]
-    (result,) = check_all(source, adapter=str(adapter))
-    assert result["max_abs_diff"] < bound, result
+    results = check_all(source, adapter=str(adapter))
+    assert len(results) == 1 or whole is not None, results
+    for result in results:
+        assert result["max_abs_diff"] < bound, result
     run_cfg = from_dict(Config, json.loads((out / "config.json").read_text()))
     _, params, _ = run_parameters(run_cfg, out)
-    _, back = load_model(source, adapter=str(adapter))
+    parts = whole.parts if whole is not None else ()
+    encoders = [source if r in parts else "" for r in ("vision", "audio")]
+    _, back = load_model(source, *encoders, adapter=str(adapter))
     return keyed_leaves(jax.device_get(params)), keyed_leaves(nnx.to_pure_dict(nnx.state(back)))
 
 

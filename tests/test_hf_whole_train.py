@@ -33,8 +33,9 @@ QWEN_VL = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>
 AUDIO = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
 
 
-def whole_dir(name: str, d: Path) -> str:
-    """A whole checkpoint with its tokenizer (and, for LLaVA, its processor's image token)."""
+def whole_dir(name: str, d: Path, seed: int = 0, vocab: int = VOCAB) -> str:
+    """A whole checkpoint with its tokenizer (and, for LLaVA, its processor's image token);
+    `seed`: its random parameters'; `vocab`: its vocabulary's size."""
     family = "llama" if name == "llava" else "qwen"
     template = {
         "llava": "meta-llama/Llama-3.1-8B-Instruct",
@@ -44,9 +45,9 @@ def whole_dir(name: str, d: Path) -> str:
     tk = json.loads((build_dir(d, family, template, extra) / "tokenizer.json").read_text())
     ids = {t["content"]: t["id"] for t in tk["added_tokens"]}
     if name == "llava":
-        hf_models.llava(d, vocab=VOCAB, image=ids["<image>"])
+        hf_models.llava(d, seed=seed, vocab=vocab, image=ids["<image>"])
     elif name == "qwen2_audio":
-        hf_models.qwen2_audio(d, vocab=VOCAB, audio=ids["<|AUDIO|>"])
+        hf_models.qwen2_audio(d, seed=seed, vocab=vocab, audio=ids["<|AUDIO|>"])
     else:
         builders = {
             "qwen2_vl": hf_models.qwen2_vl,
@@ -56,7 +57,7 @@ def whole_dir(name: str, d: Path) -> str:
             "qwen3_5_moe": lambda d, **kw: hf_models.qwen3_5_whole(d, experts=4, **kw),
         }
         build = builders.get(name, hf_models.qwen2_5_vl)
-        build(d, vocab=VOCAB, ids=tuple(ids[t] for t in QWEN_VL))
+        build(d, seed=seed, vocab=vocab, ids=tuple(ids[t] for t in QWEN_VL))
     build_dir(d, family, template, extra)  # (save_pretrained wrote over it)
     if name == "llava":
         (d / "processor_config.json").write_text(json.dumps({"image_token": "<image>"}))
