@@ -14,6 +14,7 @@ tokens (`llm_reference`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -65,7 +66,10 @@ def reference_table(
         folder / f"{name}.npy",
     )
     step = jax.jit(_sums_step(prog), out_shardings=sharding.replicated(run.mesh))
-    feed = Feed(run, _Subset(source, left), subset(index, left), workers=0)
+    # (its batches bring no reference log-probs: those are what it computes)
+    pref = dataclasses.replace(run.cfg.preference, reference="base")
+    computing = dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, preference=pref))
+    feed = Feed(computing, _Subset(source, left), subset(index, left), workers=0)
     steps, start = 0, time.perf_counter()
     most = MAX_PASSES * max(1, -(-len(left) // max(1, run.caps.devices * run.caps.microbatches)))
     try:
