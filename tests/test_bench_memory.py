@@ -105,6 +105,7 @@ def _compiled(overrides: list[str]) -> tuple[dict, int, int]:
     return got, batch, state_columns(cfg, mesh)["reference_device_bytes"]
 
 
+@pytest.mark.slow  # (~16 s: the DPO and SFT steps compiled on 8 devices)
 def test_the_compiled_step_holds_the_reference_and_no_lasting_activations_of_it():
     """The step's arguments: DPO's = SFT's + the reference's shards (+ the pair fields of the
     batch); with LoRA and base, only the batch differs. Its forward pass keeps nothing for a

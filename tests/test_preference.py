@@ -329,6 +329,7 @@ def test_a_packed_steps_gradient_equals_its_pairs_one_by_one(setup, one_by_one):
     assert _grad_gap(grads, want) < 1e-4
 
 
+@pytest.mark.slow  # (the one-by-one test holds two microbatches against their pairs)
 def test_microbatches_accumulate_to_the_steps_mean(setup):
     """The step's two microbatches, each as a step of its own: their losses weighted by
     their pairs give the step's (each pair counted once, in one microbatch)."""
