@@ -152,3 +152,17 @@ def test_qwen3_vl_moe_pairs_from_trl_parquet_packed_and_one_per_row(tmp_path):
         for r in results:
             assert r["max_abs_diff"] < BOUND, r
         assert all(where in p["what"] for p in pairs)
+
+
+@pytest.mark.slow  # (~15 s: a check per family)
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"])
+def test_every_vision_family_s_pairs_are_transformers(tmp_path, family):
+    """The other whole families hf check covers with a native-resolution vision tower
+    (Qwen3.5's hybrids: each pair's two documents restart the linear layers' states, as
+    separate samples do), on RLAIF-V's records packed into one row: every pair within 1e-4 of
+    transformers. (LLaVA's check takes only square images of its tower's size, pairs or not.)"""
+    source = whole_dir(family, tmp_path / "m")
+    results = check_all(source, data=str(rlaif_v(tmp_path / "data")))
+    assert [p["id"] for p in _pairs(results)] == ["p1", "p2", "p3"], results
+    for r in results:
+        assert r["max_abs_diff"] < BOUND, r
