@@ -33,6 +33,7 @@ from jaxmllm.config import Config
 from jaxmllm.config.sections import PreferenceConfig
 from jaxmllm.models import lora, moe
 from jaxmllm.step.router import router_metrics
+from jaxmllm.step.trees import overlay
 
 # What a step logs of its pairs, TRL's names: means over the step's pairs
 PAIR_METRICS = (
@@ -164,20 +165,11 @@ def reference_weights(params: dict, frozen: dict, reference: dict) -> tuple[dict
         return jnp.zeros_like(x) if lora.is_adapter(_keys(path)) else x
 
     params = jax.tree_util.tree_map_with_path(off, params)
-    return _overlay(params, reference), _overlay(frozen, reference)
+    return overlay(params, reference), overlay(frozen, reference)
 
 
 def _keys(path) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
-def _overlay(tree: dict, given: dict) -> dict:
-    """`tree` with the leaves `given` has at the same paths."""
-    out = dict(tree)
-    for key, value in given.items():
-        if key in out:
-            out[key] = _overlay(out[key], value) if isinstance(value, dict) else value
-    return out
 
 
 # ----------------------------------------------------------------------------- the step

@@ -30,6 +30,7 @@ from jaxmllm.step.preference import (
     uses_reference,
 )
 from jaxmllm.step.router import RouterLoss, _add_routed, router_metrics
+from jaxmllm.step.trees import join, overlay, split_tree
 
 # Top-level model attributes, and the config switch that freezes each: per encoder phase its
 # encoder (model.<phase>.freeze) and projector (model.projector_freeze), then the LLM. An encoder
@@ -52,32 +53,6 @@ def adapted_modules(cfg: Config, modules) -> tuple[str, ...]:
     """The top-level modules among `modules` whose adapters train (not frozen outright)."""
     frozen = {k for k, is_frozen in FREEZE_SWITCHES.items() if is_frozen(cfg)}
     return tuple(k for k in modules if k not in frozen and cfg.model.adapted(k))
-
-
-def split_tree(tree: dict, keep: Callable[[tuple[str, ...]], bool], path=()) -> tuple[dict, dict]:
-    """(the leaves of a nested dict whose path `keep` takes, the others), nested alike; a
-    branch left without leaves is left out (orbax refuses empty subtrees)."""
-    kept, rest = {}, {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            a, b = split_tree(value, keep, (*path, key))
-            kept.update({key: a} if a else {})
-            rest.update({key: b} if b else {})
-        elif keep((*path, key)):
-            kept[key] = value
-        else:
-            rest[key] = value
-    return kept, rest
-
-
-def join(*trees: dict) -> dict:
-    """Nested dicts with disjoint leaves merged into one (what `split_tree` split)."""
-    out: dict = {}
-    for tree in trees:
-        for key, value in tree.items():
-            mine = out.get(key)
-            out[key] = join(mine, value) if isinstance(mine, dict) else value
-    return out
 
 
 # ----------------------------------------------------------------------------- model state
@@ -144,15 +119,6 @@ def base_dtypes(cfg: Config, frozen: dict) -> dict:
         dtype = getattr(cfg.model, tower).base_dtype
         if dtype and tower in out:
             out[tower] = jax.tree.map(lambda x, d=dtype: x.astype(d), out[tower])
-    return out
-
-
-def overlay(tree: dict, given: dict) -> dict:
-    """`tree` with the leaves `given` has (same nesting) replaced by them."""
-    out = dict(tree)
-    for key, value in given.items():
-        if key in out:
-            out[key] = overlay(out[key], value) if isinstance(value, dict) else value
     return out
 
 
