@@ -133,6 +133,11 @@ def test_rejects_at_start_up_per_window_and_in_the_summary(tmp_path, caplog):
     assert "rejects: 6 at indexing (" in summary and "2 at load time (missing_media 2)" in summary
     assert str(rejects_file) in summary and "index" in summary.split("listed in")[1], summary
     assert "checkpoint: ck/3" in summary and "python -m jaxmllm.generate --run" in summary
+    assert "reward accuracy" not in summary  # (a preference run's line: its pairs' metrics)
+    pairs = {**row, "rewards/accuracies": 0.9, "rewards/margins": 1.5}
+    pairs.update({"logps/chosen": -2.0, "logps/rejected": -9.0})
+    said = unwrapped("\n".join(report.summary(3, pairs, window, Path("ck/3"))))
+    assert "reward accuracy 0.900, margin 1.500, chosen log-prob -2.00, rejected -9.00" in said
 
 
 def test_a_warm_up_over_most_of_a_short_run_is_said_at_start_up():

@@ -113,6 +113,13 @@ class RunReport:
                 f"steps {done - window.run_steps + 1}-{done} (the first window compiles), "
                 f"{per_device:.3g} TFLOP/s a device"
             )
+        if "rewards/accuracies" in row:  # (a preference run: TRL's metrics of its pairs)
+            lines.append(
+                f"  pairs of the last logged step: reward accuracy "
+                f"{row['rewards/accuracies']:.3f}, margin {row['rewards/margins']:.3f}, chosen "
+                f"log-prob {row['logps/chosen']:.2f}, rejected {row['logps/rejected']:.2f} "
+                "(held-out: eval/rewards/* in metrics.jsonl)"
+            )
         lines += wrapped(f"  rejects: {self.rejects(row)}", " " * 4)
         lines.append(f"  checkpoint: {_shown(checkpoint)}")
         lines.append(f"  generate from it: {self.generate_command()}")
