@@ -401,3 +401,14 @@ def test_a_moe_dpo_step_is_the_same_over_data_fsdp_and_expert_meshes():
         assert loss == pytest.approx(first[0], rel=1e-4)
         for key in ("rewards/chosen", "rewards/margins", "logps/chosen", "moe/aux_loss"):
             assert metrics[key] == pytest.approx(first[1][key], rel=1e-4, abs=1e-5), key
+
+
+def test_the_base_reference_switches_the_adapters_off():
+    """With LoRA the reference is the policy with its adapters zeroed (no copy of the base):
+    every adapter leaf zero, every other leaf the policy's own, a given leaf in its place."""
+    ones = lambda: jnp.ones(3)  # noqa: E731
+    params = {"llm": {"q": {"kernel": ones(), "lora_a": ones(), "lora_b": ones()}}}
+    frozen = {"vision": {"kernel": ones()}}
+    ref_params, ref_frozen = reference_weights(params, frozen, {"vision": {"kernel": jnp.zeros(3)}})
+    assert not ref_params["llm"]["q"]["lora_a"].any() and not ref_params["llm"]["q"]["lora_b"].any()
+    assert ref_params["llm"]["q"]["kernel"].all() and not ref_frozen["vision"]["kernel"].any()

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+import sharding
 from jaxmllm.config import Config
 from jaxmllm.config.sections import PreferenceConfig
 from jaxmllm.models import lora, moe
@@ -162,14 +163,10 @@ def reference_weights(params: dict, frozen: dict, reference: dict) -> tuple[dict
     (the starting weights of what trains, or a reference checkpoint's) in their place."""
 
     def off(path, x):
-        return jnp.zeros_like(x) if lora.is_adapter(_keys(path)) else x
+        return jnp.zeros_like(x) if lora.is_adapter(sharding.rules.key_parts(path)) else x
 
     params = jax.tree_util.tree_map_with_path(off, params)
     return overlay(params, reference), overlay(frozen, reference)
-
-
-def _keys(path) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 # ----------------------------------------------------------------------------- the step
