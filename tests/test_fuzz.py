@@ -37,7 +37,7 @@ from jaxmllm.config import ConfigError, load_config
 from jaxmllm.data.index import build_index
 from jaxmllm.data.loader import Loader
 from jaxmllm.data.media.audio import decode_mono, read_info
-from jaxmllm.data.media.image import decode_rgb, read_size
+from jaxmllm.data.media.image import ImageCaps, decode_rgb, read_size
 from jaxmllm.data.rejects import REASONS, DataError, RecordError, read_rejects
 from jaxmllm.data.source import open_source
 from tools import fuzz
@@ -229,6 +229,9 @@ def test_png_bomb_is_refused_before_decoding(tmp_path):
     )
 
 
+RAISED = ImageCaps(max_pixels=1 << 40)  # an image's own cap out of the way
+
+
 def test_the_cap_meter_catches_a_cap_bypassed(h):
     """check()'s bound on work is not vacuous: layouts and decodes past the caps, asked for
     directly with the header checks' own caps raised, are recorded as over."""
@@ -239,7 +242,7 @@ def test_the_cap_meter_catches_a_cap_bypassed(h):
         assert used["over"].split(":")[0] in ("image", "audio") and "layout" in used["over"]
     with fuzz.cap_meter(max_pixels=1 << 22, max_seconds=30.0) as used:
         with pytest.raises(RecordError, match="undecodable_media.*OverCap"):
-            decode_rgb(fuzz.png_bomb(3000, 3000), max_pixels=1 << 40)  # 9 Mpx > 4 Mpx
+            decode_rgb(fuzz.png_bomb(3000, 3000), caps=RAISED)  # 9 Mpx > 4 Mpx
     assert used["over"].startswith("image:") and used["pixels"] == 9_000_000
     clip = io.BytesIO()
     sf.write(clip, np.zeros(8000 * 31, np.float32), 8000, format="WAV")
@@ -261,10 +264,10 @@ def test_caps_apply_in_the_index_and_the_loader(h, tmp_path):
         header = struct.pack(">IIBBBBB", 20000, 20000, 1, 0, 0, 0, 0)  # 400 Mpx, no data
         lying = fuzz._png(header, zlib.compress(b"\0" * 64))
         with pytest.raises(RecordError, match="image_too_large.*MAX_IMAGE_PIXELS"):
-            read_size(lying, max_pixels=1 << 40)  # over PIL's limit (2 x Image.MAX_IMAGE_PIXELS)
+            read_size(lying, caps=RAISED)  # over PIL's limit (2 x Image.MAX_IMAGE_PIXELS)
         with pytest.raises(RecordError, match="image_too_large.*data.max_image_pixels"):
             decode_rgb(fuzz.png_bomb(9000, 8000))  # 72 Mpx: under PIL's limits, over our 64
-        assert read_size(fuzz.png_bomb(10000, 10000), max_pixels=1 << 40) == (10000, 10000)
+        assert read_size(fuzz.png_bomb(10000, 10000), caps=RAISED) == (10000, 10000)
     flac = bytearray(h.seeds["tone.flac"])  # STREAMINFO: 2**36 - 1 samples
     flac[21] |= 0x0F
     flac[22:26] = b"\xff\xff\xff\xff"

@@ -22,7 +22,13 @@ from test_hostile import index, png, wav, write_manifest
 from test_hostile_input import progressive_jpeg, repeated_scans
 
 from jaxmllm.data import budget
-from jaxmllm.data.media.image import image_memory, jpeg_data, read_size, target_of
+from jaxmllm.data.media.image import (
+    ImageCaps,
+    image_memory,
+    jpeg_data,
+    read_size,
+    target_of,
+)
 
 MIB = 1 << 20
 
@@ -35,11 +41,12 @@ def rgba_bomb(path, side: int = 8192):
 
 PEAK = """
 import resource, sys
-from jaxmllm.data.media.image import load_image
+from jaxmllm.data.media.image import ImageCaps, load_image
 from jaxmllm.data.rejects import RecordError
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
-    patches, _ = load_image(sys.argv[1], 14, 2, 3136, 1003520, "bomb", max_memory=int(sys.argv[2]))
+    caps = ImageCaps(max_memory=int(sys.argv[2]))
+    patches, _ = load_image(sys.argv[1], 14, 2, 3136, 1003520, "bomb", caps)
     got = len(patches)
 except RecordError as e:
     got = e.reason
@@ -83,10 +90,10 @@ def test_within_the_budget_an_image_decodes_whole_to_the_same_pixels(tmp_path):
     rgb = np.random.default_rng(0).integers(0, 256, (400, 700, 3), np.uint8)
     Image.fromarray(rgb).save(tmp_path / "a.png")
     plain = load_image(tmp_path / "a.png", 14, 2, 3136, 50176)
-    roomy = load_image(tmp_path / "a.png", 14, 2, 3136, 50176, max_memory=1 << 30)
+    roomy = load_image(tmp_path / "a.png", 14, 2, 3136, 50176, caps=ImageCaps(max_memory=1 << 30))
     target = target_of(400, 700, (14, 2, 3136, 50176))
     between = sum(image_memory(700, 400, "RGB", "PNG", target, s) for s in (True, False)) // 2
-    tight = load_image(tmp_path / "a.png", 14, 2, 3136, 50176, max_memory=between)
+    tight = load_image(tmp_path / "a.png", 14, 2, 3136, 50176, caps=ImageCaps(max_memory=between))
     assert np.array_equal(plain[0], roomy[0])  # (decoded whole, as ever)
     assert tight[0].shape == plain[0].shape and not np.array_equal(plain[0], tight[0])
     assert np.abs(tight[0].astype(int) - plain[0].astype(int)).mean() < 40  # (reduced first)

@@ -28,6 +28,7 @@ from jaxmllm.config.spec import Inputs
 from jaxmllm.data.index import build_index
 from jaxmllm.data.loader import Loader
 from jaxmllm.data.media.video import (
+    VideoCaps,
     VideoInfo,
     VideoRule,
     decode_frames,
@@ -208,10 +209,12 @@ def test_a_video_over_the_byte_cap_is_never_opened(tmp_path):
     and the decoding alike refuse it (media_too_large) before FFmpeg sees a byte."""
     path = write_video(tmp_path / "v.mp4", grey_frames(8, 32, 32), fps=4)
     size = path.stat().st_size
-    info = read_video_info(path, "r1", max_bytes=size)  # (at the cap: read)
+    info = read_video_info(path, "r1", VideoCaps(max_bytes=size))  # (at the cap: read)
     for read in (
-        lambda: read_video_info(path, "r1", max_bytes=size - 1),
-        lambda: load_video(path, info, rule(patch=4, merge=2), "r1", max_bytes=size - 1),
+        lambda: read_video_info(path, "r1", VideoCaps(max_bytes=size - 1)),
+        lambda: load_video(
+            path, info, rule(patch=4, merge=2), "r1", caps=VideoCaps(max_bytes=size - 1)
+        ),
     ):
         with pytest.raises(RecordError) as e:
             read()

@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from jaxmllm.data.index import measure
 from jaxmllm.data.media.audio import read_info
-from jaxmllm.data.media.image import read_size
+from jaxmllm.data.media.image import ImageCaps, read_size
 from jaxmllm.data.preprocess import Params, Preprocessor
 from jaxmllm.data.records.arrayrecord import decode_record, encode_record
 from jaxmllm.data.records.jsonl import parse_line
@@ -515,7 +515,7 @@ def header_only(h: Harness, data: bytes, kind: str) -> str:
     """Only the header read (what the index does without --decode)."""
     try:
         if kind == "image":
-            read_size(data, "fuzz", h.pre.p.max_image_pixels)
+            read_size(data, "fuzz", ImageCaps(max_pixels=h.pre.p.max_image_pixels))
         else:
             read_info(data, "fuzz", h.pre.p.max_audio_seconds)
     except RecordError as e:

@@ -36,7 +36,13 @@ from jaxmllm.config.command import add_config_args
 from jaxmllm.data.datasets import DataSet, data_sets, eval_set, index_dir
 from jaxmllm.data.frame_store import ShardWriter, merge, shard_name, source_size, verify_shard
 from jaxmllm.data.media.container import set_decode_threads, share_of_cores
-from jaxmllm.data.media.video import VideoInfo, patches_of, sampled_frames_of, video_parts
+from jaxmllm.data.media.video import (
+    VideoCaps,
+    VideoInfo,
+    patches_of,
+    sampled_frames_of,
+    video_parts,
+)
 from jaxmllm.data.preprocess import Limits, Params
 from jaxmllm.data.records import read_record
 from jaxmllm.data.rejects import RecordError, failed, wrapped
@@ -182,7 +188,8 @@ def _add_row(source, i: int, writer: ShardWriter, entries: list, rejects: list) 
     for j, size in enumerate(videos):
         src, info = record.media["video"][j], VideoInfo.of(size)
         try:
-            frames = sampled_frames_of(src, info, rule, rid, None, p.max_media_bytes)
+            caps = VideoCaps(max_bytes=p.max_media_bytes)  # (the file: the index held the rest)
+            frames = sampled_frames_of(src, info, rule, rid, None, caps)
             count, (gh, gw) = video_parts(info, rule)
             want = (count * rule.temporal_patch, gh * rule.patch, gw * rule.patch, 3)
             if frames.shape != want:  # (the decoder's contract: never stored otherwise)

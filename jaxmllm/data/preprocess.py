@@ -28,9 +28,10 @@ from jaxmllm.config import Config, ConfigError, phases
 from jaxmllm.config.phases import BY_NAME, ENCODERS, KIND, KINDS, NAMES
 from jaxmllm.data import budget
 from jaxmllm.data.media.audio import Caps, chunk_lengths, clip_frames
-from jaxmllm.data.media.image import image_grid
+from jaxmllm.data.media.image import ImageCaps, image_grid
+from jaxmllm.data.media.jpeg import ScanCaps
 from jaxmllm.data.media.kinds import MEDIA
-from jaxmllm.data.media.video import VideoRule
+from jaxmllm.data.media.video import VideoCaps, VideoRule
 from jaxmllm.data.records.record import Record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Item, Sample
@@ -137,15 +138,18 @@ class Params:
             worker_memory=budget.resolve(d.worker_memory, max(1, d.workers)),
         )
 
-    def image_caps(self) -> tuple[int, int, int, int, int]:
-        """What an image may cost before it is decoded (`image.open_image`'s caps, in order)."""
-        return (
-            self.max_image_pixels,
-            self.max_media_bytes,
-            self.max_image_scans,
-            self.max_image_scan_pixels,
-            self.worker_memory,
+    def image_caps(self) -> ImageCaps:
+        """What an image may cost before it is decoded (`image.open_image` refuses it past any)."""
+        return ImageCaps(
+            max_pixels=self.max_image_pixels,
+            max_bytes=self.max_media_bytes,
+            scans=self.scan_caps(),
+            max_memory=self.worker_memory,
         )
+
+    def scan_caps(self) -> ScanCaps:
+        """What a JPEG's scans may cost (an image's, an MJPEG video's frames')."""
+        return ScanCaps(self.max_image_scans, self.max_image_scan_pixels)
 
     def image_grid(self, max_pixels: int = 0) -> tuple[int, int, int, int]:
         """What images are resized to (`image.Grid`), within `max_pixels` (default
@@ -160,6 +164,16 @@ class Params:
             self.max_audio_samples,
             self.max_media_bytes,
             self.worker_memory,
+        )
+
+    def video_caps(self) -> VideoCaps:
+        """What a video may cost before a frame of it is decoded (`video.read_video_info`)."""
+        return VideoCaps(
+            max_seconds=self.max_video_seconds,
+            max_pixels=self.max_image_pixels,
+            max_decoded=self.max_video_decoded_pixels,
+            max_bytes=self.max_media_bytes,
+            scans=self.scan_caps(),
         )
 
     def counted(self) -> dict:

@@ -12,21 +12,20 @@ import math
 import mmap
 import struct
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from jaxmllm.data import budget
-from jaxmllm.data.media.jpeg import jpeg_data, jpeg_scans
+from jaxmllm.data.media.jpeg import ScanCaps, jpeg_data, jpeg_scans
 from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError, check_media_file
 
 ORIENTATION = 0x0112  # EXIF tag; values 5..8 swap width and height
 Source = str | Path | bytes
 Grid = tuple[int, int, int, int]  # (patch, merge, min_pixels, max_pixels): `image_grid`'s rule
 MAX_PIXELS = 1 << 26  # the default of data.max_image_pixels
-MAX_SCANS = 100  # the default of data.max_image_scans
-MAX_SCAN_PIXELS = 1 << 30  # the default of data.max_image_scan_pixels
 # Raster formats PIL may open (others are refused as undecodable): the common dataset formats.
 # MPO is how PIL opens many camera JPEGs. Left out: EPS/PS (Ghostscript), ICO/ICNS/CUR (the
 # decoded size is not the header's), and the long tail of rare formats.
@@ -36,6 +35,18 @@ FORMATS = tuple(
     for f in ("PNG", "JPEG", "MPO", "GIF", "WEBP", "BMP", "TIFF", "PPM", "TGA", "AVIF", "QOI")
     if f in Image.OPEN
 )
+
+
+@dataclass(frozen=True)
+class ImageCaps:
+    """What an image may cost before a pixel of it is decoded (`open_image` refuses it past
+    any): the defaults are the data config's."""
+
+    max_pixels: int = MAX_PIXELS  # data.max_image_pixels: the header's width x height
+    max_bytes: int = MAX_MEDIA_BYTES  # data.max_media_bytes: the file's size
+    scans: ScanCaps = field(default_factory=ScanCaps)  # a progressive JPEG's scans
+    # data.worker_memory, resolved: bytes decoding it may take (`decoding_memory`; 0: no budget)
+    max_memory: int = 0
 
 
 def image_grid(
@@ -64,27 +75,20 @@ def image_grid(
 
 
 def open_image(
-    src: Source,
-    record_id: str = "?",
-    max_pixels: int = MAX_PIXELS,
-    max_bytes: int = MAX_MEDIA_BYTES,
-    max_scans: int = MAX_SCANS,
-    max_scan_pixels: int = MAX_SCAN_PIXELS,
-    max_memory: int = 0,
-    grid: Grid | None = None,
+    src: Source, record_id: str = "?", caps: ImageCaps = ImageCaps(), grid: Grid | None = None
 ) -> Image.Image:
     """Opens an image from a path or bytes, reading its header only.
 
-    Refuses, before any pixel is decoded, a file of more than `max_bytes`, an image of more than
-    `max_pixels` (a decompression bomb: a few KB of PNG can hold gigapixels of zeros), a
-    progressive JPEG of more than `max_scans` scans (a decoding-time bomb: `jpeg_scans`), a
-    JPEG whose entropy-coded data is too short for the frame its header claims (`jpeg_data`),
-    one whose decoding would take more than `max_memory` bytes (data.worker_memory, estimated
-    by `image_memory` for the size `grid` resizes it to), an empty one, and formats outside
-    FORMATS (PIL would also try EPS through Ghostscript, icons whose decoded size is not the
-    header's...).
+    Refuses, before any pixel is decoded (`caps`), a file of more than `max_bytes`, an image of
+    more than `max_pixels` (a decompression bomb: a few KB of PNG can hold gigapixels of
+    zeros), a progressive JPEG of more scans than `scans` allow (a decoding-time bomb:
+    `jpeg_scans`), a JPEG whose entropy-coded data is too short for the frame its header
+    claims (`jpeg_data`), one whose decoding would take more than `max_memory` bytes
+    (data.worker_memory, estimated by `image_memory` for the size `grid` resizes it to), an
+    empty one, and formats outside FORMATS (PIL would also try EPS through Ghostscript, icons
+    whose decoded size is not the header's...).
     """
-    check_media_file(src, record_id, max_bytes)
+    check_media_file(src, record_id, caps.max_bytes)
     try:
         with _bomb_check_as_error():
             img = Image.open(io.BytesIO(src) if isinstance(src, bytes) else src, formats=FORMATS)
@@ -94,11 +98,11 @@ def open_image(
     except Exception as e:  # noqa: BLE001  PIL raises anything on hostile bytes; see decode_rgb
         raise RecordError("undecodable_media", _what(src, e), record_id) from None
     w, h = img.size
-    if w * h > max_pixels:
+    if w * h > caps.max_pixels:
         img.close()
         raise RecordError(
             "image_too_large",
-            f"{_name(src)}: {w}x{h} = {w * h} pixels > data.max_image_pixels={max_pixels}",
+            f"{_name(src)}: {w}x{h} = {w * h} pixels > data.max_image_pixels={caps.max_pixels}",
             record_id,
         )
     if w <= 0 or h <= 0:
@@ -106,24 +110,26 @@ def open_image(
         raise RecordError("undecodable_media", f"{_name(src)}: empty image ({w}x{h})", record_id)
     if img.format in ("JPEG", "MPO"):
         _check_jpeg_data(img, src, w, h, record_id)
-    if max_memory:
-        cost = decoding_memory(w, h, img.mode, img.format, grid, max_memory)
-        if cost > max_memory:
+    if caps.max_memory:
+        memory = caps.max_memory
+        cost = decoding_memory(w, h, img.mode, img.format, grid, memory)
+        if cost > memory:
             img.close()
             what = f"{_name(src)}: decoding {w}x{h} {img.mode} {img.format}"
-            raise RecordError("over_memory_budget", budget.over(cost, max_memory, what), record_id)
+            raise RecordError("over_memory_budget", budget.over(cost, memory, what), record_id)
     if img.format in ("JPEG", "MPO") and img.info.get("progressive"):
         # Each scan is a pass over the whole image: the cost is scans x pixels, bounded by
         # both caps (a dozen scans of a 64 Mpx photo pass; 100 scans of 16 Mpx do not).
-        affordable = min(max_scans, max_scan_pixels // (w * h))
+        limit = caps.scans
+        affordable = limit.affordable(w * h)
         scans = jpeg_scans(src, affordable)
         if scans > affordable:
             img.close()
             over = (
-                f"more than {max_scans} scans > data.max_image_scans={max_scans}"
-                if affordable == max_scans
+                f"more than {limit.max_scans} scans > data.max_image_scans={limit.max_scans}"
+                if affordable == limit.max_scans
                 else f"{scans}+ scans x {w}x{h} pixels > "
-                f"data.max_image_scan_pixels={max_scan_pixels}"
+                f"data.max_image_scan_pixels={limit.max_scan_pixels}"
             )
             raise RecordError(
                 "image_too_costly",
@@ -147,22 +153,15 @@ def _check_jpeg_data(img: Image.Image, src: Source, w: int, h: int, record_id: s
 
 
 def read_size(
-    src: Source,
-    record_id: str = "?",
-    max_pixels: int = MAX_PIXELS,
-    max_bytes: int = MAX_MEDIA_BYTES,
-    max_scans: int = MAX_SCANS,
-    max_scan_pixels: int = MAX_SCAN_PIXELS,
-    max_memory: int = 0,
-    grid: Grid | None = None,
+    src: Source, record_id: str = "?", caps: ImageCaps = ImageCaps(), grid: Grid | None = None
 ) -> tuple[int, int]:
-    """(height, width) as displayed (EXIF orientation applied), read from the header only.
+    """(height, width) as displayed (EXIF orientation applied), read from the header only
+    (`open_image` refuses it over `caps`).
 
     Also checks the end-of-image marker of JPEG and PNG files, which catches truncated files
     without decoding them.
     """
-    caps = (max_pixels, max_bytes, max_scans, max_scan_pixels, max_memory)
-    with open_image(src, record_id, *caps, grid=grid) as img:
+    with open_image(src, record_id, caps, grid) as img:
         w, h = img.size
         orientation = _orientation(img)
         fmt = img.format
@@ -171,25 +170,17 @@ def read_size(
     return (w, h) if orientation in (5, 6, 7, 8) else (h, w)
 
 
-def decode_rgb(
-    src: Source,
-    record_id: str = "?",
-    max_pixels: int = MAX_PIXELS,
-    max_bytes: int = MAX_MEDIA_BYTES,
-    max_scans: int = MAX_SCANS,
-    max_scan_pixels: int = MAX_SCAN_PIXELS,
-    max_memory: int = 0,
-) -> np.ndarray:
-    """Decodes the first frame to uint8 RGB [h, w, 3], EXIF orientation applied.
+def decode_rgb(src: Source, record_id: str = "?", caps: ImageCaps = ImageCaps()) -> np.ndarray:
+    """Decodes the first frame to uint8 RGB [h, w, 3], EXIF orientation applied (`open_image`
+    refuses it over `caps`).
 
     Grayscale, palette, CMYK and 16-bit images are converted; transparency is composited on white.
     The image must decode to the size its header announced (what the index counted).
     """
-    caps = (max_pixels, max_bytes, max_scans, max_scan_pixels, max_memory)
     return _decode(src, record_id, caps, None)[0]
 
 
-def _decode(src: Source, record_id: str, caps: tuple, grid: Grid | None):
+def _decode(src: Source, record_id: str, caps: ImageCaps, grid: Grid | None):
     """(uint8 RGB [h, w, 3] as displayed, (height, width) displayed from the header).
 
     An image whose decoding at full size would cost more than the memory budget (`caps`'
@@ -199,12 +190,12 @@ def _decode(src: Source, record_id: str, caps: tuple, grid: Grid | None):
     averaging) before it is converted to RGB, never below its target size; the conversion's
     copies are then the small image's. Within the budget (as almost every image is) it is
     decoded whole, as it always was: the same pixels to the bit."""
-    with open_image(src, record_id, *caps, grid=grid) as img:
+    with open_image(src, record_id, caps, grid) as img:
         w, h = img.size
         orientation = _orientation(img)
         turned = orientation in (5, 6, 7, 8)
         shown = (w, h) if turned else (h, w)
-        memory = caps[-1]
+        memory = caps.max_memory
         small = bool(memory) and grid is not None
         whole = image_memory(w, h, img.mode, img.format, target_of(h, w, grid), False)
         small = small and whole > memory
@@ -297,14 +288,10 @@ def load_image(
     min_pixels: int,
     max_pixels: int,
     record_id: str = "?",
-    max_image_pixels: int = MAX_PIXELS,
-    max_bytes: int = MAX_MEDIA_BYTES,
-    max_scans: int = MAX_SCANS,
-    max_scan_pixels: int = MAX_SCAN_PIXELS,
-    max_memory: int = 0,
+    caps: ImageCaps = ImageCaps(),
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Decode (refusing images over `max_image_pixels` or files over `max_bytes`, or whose
-    decoding would take more than `max_memory` bytes), resize to the budget, patchify.
+    """Decode (refusing an image over `caps`: `open_image`), resize to the pixel budget
+    [`min_pixels`, `max_pixels`], patchify.
 
     The patch grid is the header's size's (what the index counted); an image decoded smaller
     (`_decode`) is resampled to it.
@@ -313,7 +300,6 @@ def load_image(
     the encoder normalises them on the device (`jaxmllm.config.spec.Inputs`: (x / 255 -
     data.image_mean) / data.image_std per channel; `Inputs.normalise` on the host).
     """
-    caps = (max_image_pixels, max_bytes, max_scans, max_scan_pixels, max_memory)
     grid = (patch, merge, min_pixels, max_pixels)
     rgb, (h, w) = _decode(src, record_id, caps, grid)
     gh, gw = image_grid(h, w, patch, merge, min_pixels, max_pixels)

@@ -8,26 +8,43 @@ from __future__ import annotations
 
 import mmap
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from jaxmllm.data.rejects import RecordError
 
 Source = str | Path | bytes
+MAX_SCANS = 100  # the default of data.max_image_scans
+MAX_SCAN_PIXELS = 1 << 30  # the default of data.max_image_scan_pixels
 
 
-def check_frame(data: bytes, w: int, h: int, caps: tuple[int, int], at: str, rid: str) -> None:
+@dataclass(frozen=True)
+class ScanCaps:
+    """What decoding a JPEG's scans may cost: each scan of a progressive JPEG is a pass over
+    the whole image, so both its scans and scans x pixels are capped."""
+
+    max_scans: int = MAX_SCANS  # data.max_image_scans: scans a progressive JPEG may hold
+    # data.max_image_scan_pixels: scans x pixels (a dozen scans of 64 Mpx pass, 100 of 16 do not)
+    max_scan_pixels: int = MAX_SCAN_PIXELS
+
+    def affordable(self, pixels: int) -> int:
+        """The most scans an image of `pixels` may hold under both caps."""
+        return min(self.max_scans, self.max_scan_pixels // max(pixels, 1))
+
+
+def check_frame(data: bytes, w: int, h: int, caps: ScanCaps, at: str, rid: str) -> None:
     """Raises the reject of a JPEG frame `data` of w x h (`at`: where, for the message) over
-    the scan caps (`caps`: data.max_image_scans, data.max_image_scan_pixels; image_too_costly)
-    or whose data cannot hold its frame (undecodable_media); nothing for an empty one."""
+    the scan caps (image_too_costly) or whose data cannot hold its frame (undecodable_media);
+    nothing for an empty one."""
     if not data:
         return
-    max_scans, max_scan_pixels = caps
-    affordable = min(max_scans, max_scan_pixels // max(w * h, 1))
+    affordable = caps.affordable(w * h)
     if jpeg_scans(data, affordable) > affordable:
         raise RecordError(
             "image_too_costly",
             f"{at}: a JPEG of more than {affordable} scans of {w}x{h} pixels "
-            f"(data.max_image_scans={max_scans}, data.max_image_scan_pixels={max_scan_pixels})",
+            f"(data.max_image_scans={caps.max_scans}, "
+            f"data.max_image_scan_pixels={caps.max_scan_pixels})",
             rid,
         )
     problem = jpeg_data(data, w, h)

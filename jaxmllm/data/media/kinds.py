@@ -50,7 +50,7 @@ class Images:
         return max(d.image_max_pixels, d.video_frame_max_pixels * v.video) // unit**2 * v.merge**2
 
     def read_size(self, pre: Preprocessor, src: Any, record_id: str) -> tuple[int, int]:
-        return read_size(src, record_id, *pre.p.image_caps(), grid=pre.p.image_grid())
+        return read_size(src, record_id, pre.p.image_caps(), grid=pre.p.image_grid())
 
     def check(self, pre: Preprocessor, j: int, size: tuple[int, int], record_id: str) -> None:
         pass  # (image_grid upscales the smallest image to the minimum pixels)
@@ -76,7 +76,7 @@ class Images:
         budget = limits.max_pixels or p.image_max_pixels
         low = min(p.image_min_pixels, budget)
         caps = p.image_caps()
-        patches, pos = load_image(src, p.patch_size, p.merge, low, budget, record_id, *caps)
+        patches, pos = load_image(src, p.patch_size, p.merge, low, budget, record_id, caps)
         return [(patches, pos)]
 
 
@@ -159,16 +159,7 @@ class Videos:
         return p.merge**2
 
     def read_size(self, pre: Preprocessor, src: Any, record_id: str) -> tuple:
-        p = pre.p
-        return read_video_info(
-            src,
-            record_id,
-            p.max_video_seconds,
-            p.max_image_pixels,
-            p.max_video_decoded_pixels,
-            p.max_media_bytes,
-            jpeg=(p.max_image_scans, p.max_image_scan_pixels),
-        ).as_size()
+        return read_video_info(src, record_id, pre.p.video_caps()).as_size()
 
     def check(self, pre: Preprocessor, j: int, size: tuple, record_id: str) -> None:
         info = VideoInfo.of(size)
@@ -209,7 +200,6 @@ class Videos:
         """The video's temporal patches (`item`: its number in the record): from the frame
         cache where the preprocessor has one (`pre.frames`) and it holds them, else decoded;
         `pre.frame_counts` counts which (frames/cache_hit, frames/decoded_<why>)."""
-        p, caps = pre.p, (pre.p.max_image_pixels, pre.p.max_video_decoded_pixels)
         info, rule = VideoInfo.of(size), pre.video_rule(limits)
         cached = None
         if pre.frames is not None:
@@ -221,18 +211,8 @@ class Videos:
 
         else:
             pre.frame_counts["decoded"] += 1
-        return load_video(
-            src,
-            info,
-            rule,
-            record_id,
-            parts,
-            *caps,
-            max_seconds=p.max_video_seconds,
-            max_bytes=p.max_media_bytes,
-            cached=cached,
-            jpeg=(p.max_image_scans, p.max_image_scan_pixels),
-        )
+        caps = pre.p.video_caps()
+        return load_video(src, info, rule, record_id, parts, caps, cached=cached)
 
 
 # Per kind of media of the table (jaxmllm.config.phases.KINDS), its media (a test holds the two

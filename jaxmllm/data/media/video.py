@@ -39,7 +39,7 @@ import numpy as np
 
 from jaxmllm.data.media.container import failure, name_of, open_video
 from jaxmllm.data.media.image import MAX_PIXELS, image_grid, patchify
-from jaxmllm.data.media.jpeg import check_frame
+from jaxmllm.data.media.jpeg import ScanCaps, check_frame
 from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError
 
 Source = str | Path | bytes
@@ -49,6 +49,21 @@ MAX_RATE = 1000.0  # frames a second: a header saying more is broken or hostile
 # How many frames past the header's count a stream may hold before decoding stops (a header
 # that undercounts, by a little in honest files, by millions in hostile ones)
 FRAME_SLACK = 1.05
+
+
+@dataclass(frozen=True)
+class VideoCaps:
+    """What a video may cost before a frame of it is decoded (`read_video_info` refuses it
+    past any, `load_video` checks again with the training config's): the defaults are the data
+    config's."""
+
+    max_seconds: float = MAX_SECONDS  # data.max_video_seconds: its length
+    max_pixels: int = MAX_PIXELS  # data.max_image_pixels: a frame's width x height
+    max_decoded: int = MAX_DECODED_PIXELS  # data.max_video_decoded_pixels: frames x pixels
+    max_bytes: int = MAX_MEDIA_BYTES  # data.max_media_bytes: the file's size
+    # An MJPEG video's frames are JPEGs: held to an image's scan caps (`check_jpeg_frame`;
+    # None: not walked before they are decoded)
+    scans: ScanCaps | None = None
 
 
 @dataclass(frozen=True)
@@ -152,31 +167,23 @@ def video_parts(info: VideoInfo, rule: VideoRule) -> tuple[int, tuple[int, int]]
 # ----------------------------------------------------------------------------- headers
 
 
-def read_video_info(
-    src: Source,
-    record_id: str = "?",
-    max_seconds: float = MAX_SECONDS,
-    max_pixels: int = MAX_PIXELS,
-    max_decoded: int = MAX_DECODED_PIXELS,
-    max_bytes: int = MAX_MEDIA_BYTES,
-    jpeg: tuple[int, int] | None = None,
-) -> VideoInfo:
+def read_video_info(src: Source, record_id: str = "?", caps: VideoCaps = VideoCaps()) -> VideoInfo:
     """The video's frames, rate and size from its container's header, without decoding a frame;
-    refuses one over the caps (`video_too_large`) and a truncated one (its last packets missing:
+    refuses one over `caps` (`video_too_large`) and a truncated one (its last packets missing:
     only the tail of the packet index is read); an MJPEG one's frames are held to an image's
-    JPEG bounds (`jpeg`: data.max_image_scans, max_image_scan_pixels; `check_jpeg_frame`)."""
-    with open_video(src, record_id, max_bytes) as (container, stream):
+    JPEG bounds (`caps.scans`: `check_jpeg_frame`)."""
+    with open_video(src, record_id, caps.max_bytes) as (container, stream):
         info = _header(container, stream, src, record_id)
-        check_caps(info, src, record_id, max_seconds, max_pixels, max_decoded)
-        if jpeg is not None and stream.codec_context.name == "mjpeg":
+        check_caps(info, src, record_id, caps)
+        if caps.scans is not None and stream.codec_context.name == "mjpeg":
             for packet in container.demux(stream):
-                check_jpeg_frame(packet, info, jpeg, src, record_id)
+                check_jpeg_frame(packet, info, caps.scans, src, record_id)
             container.seek(0)
         _check_tail(container, stream, info, src, record_id)
     return info
 
 
-def check_jpeg_frame(packet, info: VideoInfo, jpeg, src, record_id) -> None:
+def check_jpeg_frame(packet, info: VideoInfo, scans: ScanCaps, src, record_id) -> None:
     """An MJPEG frame (a packet: one JPEG) held to an image's JPEG bounds (`jpeg.check_frame`)
     before it is decoded: FFmpeg's MJPEG decoder reads progressive frames too."""
     data = bytes(packet)
@@ -186,13 +193,16 @@ def check_jpeg_frame(packet, info: VideoInfo, jpeg, src, record_id) -> None:
         data,
         info.width,
         info.height,
-        jpeg,
+        scans,
         at if src is None else f"{name_of(src)}: {at}",
         record_id,
     )
 
 
 def _header(container, stream, src: Source, record_id: str) -> VideoInfo:
+    """The stream's frames, rate and display size from the container's header (a count, or
+    a duration x rate where the container keeps none); refuses a rate past MAX_RATE and an
+    empty stream as undecodable."""
     cc = stream.codec_context
     rate = stream.average_rate or stream.guessed_rate or stream.base_rate
     if not rate or rate <= 0 or rate > MAX_RATE:
@@ -210,27 +220,31 @@ def _header(container, stream, src: Source, record_id: str) -> VideoInfo:
 
 
 def _duration(container, stream) -> float:
+    """The stream's length in seconds: its own duration, else the container's (FFmpeg keeps
+    that in microseconds)."""
     if stream.duration is not None and stream.time_base:
         return float(stream.duration * stream.time_base)
     return (container.duration or 0) / 1_000_000  # (AV_TIME_BASE)
 
 
-def check_caps(info: VideoInfo, src, record_id, max_seconds, max_pixels, max_decoded) -> None:
+def check_caps(info: VideoInfo, src, record_id: str, caps: VideoCaps) -> None:
+    """Refuses (`video_too_large`) a video whose header says it is longer, its frames larger
+    or all its frames together more pixels than `caps` allow."""
     seconds = info.frames / info.rate
     pixels = info.height * info.width
-    if seconds > max_seconds:
-        detail = f"{name_of(src)}: {seconds:.1f} s > data.max_video_seconds={max_seconds}"
+    if seconds > caps.max_seconds:
+        detail = f"{name_of(src)}: {seconds:.1f} s > data.max_video_seconds={caps.max_seconds}"
         raise RecordError("video_too_large", detail, record_id)
-    if pixels > max_pixels:
+    if pixels > caps.max_pixels:
         detail = (
             f"{name_of(src)}: frames of {info.width}x{info.height} = {pixels} pixels > "
-            f"data.max_image_pixels={max_pixels}"
+            f"data.max_image_pixels={caps.max_pixels}"
         )
         raise RecordError("video_too_large", detail, record_id)
-    if info.frames * pixels > max_decoded:
+    if info.frames * pixels > caps.max_decoded:
         detail = (
             f"{name_of(src)}: {info.frames} frames x {pixels} pixels > "
-            f"data.max_video_decoded_pixels={max_decoded}"
+            f"data.max_video_decoded_pixels={caps.max_decoded}"
         )
         raise RecordError("video_too_large", detail, record_id)
 
@@ -263,29 +277,24 @@ def load_video(
     rule: VideoRule,
     record_id: str = "?",
     parts: Sequence[int] | None = None,
-    max_pixels: int = MAX_PIXELS,
-    max_decoded: int = MAX_DECODED_PIXELS,
-    max_seconds: float = MAX_SECONDS,
-    max_bytes: int = MAX_MEDIA_BYTES,
+    caps: VideoCaps = VideoCaps(),
     cached: Callable | None = None,
-    jpeg: tuple[int, int] | None = None,
 ) -> list[tuple[np.ndarray, np.ndarray] | None]:
     """The video's temporal patches as vision items, from the header `info` the index read
-    (checked again: the caps are the training config's): per temporal patch (patches [gh*gw,
+    (checked again: `caps` are the training config's): per temporal patch (patches [gh*gw,
     temporal_patch * patch*patch*3] uint8 pixels, normalised on the device as an image's,
     positions [gh*gw, 2] as (row, col)). `parts`: only these temporal patches are decoded
     (the others None: another host encodes them); None = all. `cached(want, shape)`: the
     frame cache's pixels of temporal patches `want` (as `patches_of` makes them) for a video
-    sampled to `shape` = (frames, H, W), or None to decode them here. `jpeg`: an MJPEG
-    video's frames' bounds (`check_jpeg_frame`)."""
-    check_caps(info, src, record_id, max_seconds, max_pixels, max_decoded)
+    sampled to `shape` = (frames, H, W), or None to decode them here."""
+    check_caps(info, src, record_id, caps)
     count, (gh, gw) = video_parts(info, rule)
     t = rule.temporal_patch
     want = list(range(count)) if parts is None else sorted(set(parts) & set(range(count)))
     shape = (count * t, gh * rule.patch, gw * rule.patch)
     blocks = cached(want, shape) if cached is not None and want else None
     if blocks is None:
-        frames = sampled_frames_of(src, info, rule, record_id, want, max_bytes, jpeg)
+        frames = sampled_frames_of(src, info, rule, record_id, want, caps)
         blocks = patches_of(frames, rule)
     out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * count
     positions = patchify(
@@ -311,12 +320,11 @@ def sampled_frames_of(
     rule: VideoRule,
     record_id: str,
     want: Sequence[int] | None = None,
-    max_bytes: int = MAX_MEDIA_BYTES,
-    jpeg: tuple[int, int] | None = None,
+    caps: VideoCaps = VideoCaps(),
 ) -> np.ndarray:
     """The frames the rule samples of temporal patches `want` (None: all), decoded and resized:
     uint8 [len(want) x temporal_patch, H, W, 3] (what `load_video` patches, what the frame
-    cache stores)."""
+    cache stores); `caps`: the file's size and an MJPEG video's frames' scans."""
     count, (gh, gw) = video_parts(info, rule)
     t = rule.temporal_patch
     want = range(count) if want is None else want
@@ -328,8 +336,7 @@ def sampled_frames_of(
         [int(index[k * t + f]) for k in want for f in range(t)],
         size,
         record_id,
-        max_bytes=max_bytes,
-        jpeg=jpeg,
+        caps=caps,
     )
     if not frames:
         return np.zeros((0, size[1], size[0], 3), np.uint8)
@@ -353,18 +360,18 @@ def decode_frames(
     size: tuple[int, int],
     record_id: str,
     counts: dict | None = None,
-    max_bytes: int = MAX_MEDIA_BYTES,
-    jpeg: tuple[int, int] | None = None,
+    caps: VideoCaps = VideoCaps(),
 ) -> list[np.ndarray]:
     """Frames `indices` (ascending, of the header's count) as uint8 RGB [height, width, 3] at
     `size` = (width, height): each the first frame shown at or after its index's time (the
     last frame for an index past a stream shorter than its header, by at most a frame).
-    `counts`, when given, gets the frames decoded and the seeks made (`decoded`, `seeks`)."""
+    `counts`, when given, gets the frames decoded and the seeks made (`decoded`, `seeks`);
+    `caps`: the file's size and an MJPEG video's frames' scans."""
     if not indices:
         return []
-    with open_video(src, record_id, max_bytes) as (container, stream):
+    with open_video(src, record_id, caps.max_bytes) as (container, stream):
         try:
-            mjpeg = jpeg if stream.codec_context.name == "mjpeg" else None
+            mjpeg = caps.scans if stream.codec_context.name == "mjpeg" else None
             decoder = _Decoder(container, stream, info, size, mjpeg, (None, record_id))
             frames = decoder.frames(list(indices))
             if counts is not None:
