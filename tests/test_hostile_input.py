@@ -213,7 +213,7 @@ def test_a_jpeg_of_repeated_scans_is_refused_before_decoding(tmp_path, w, h, cop
     cfg = config(tmp_path / "m.jsonl", "data.max_image_scans=5")  # (Pillow writes 10)
     pre = Preprocessor(Params.from_config(cfg))
     with pytest.raises(RecordError, match="image_too_costly"):
-        Images().read_size(pre, str(tmp_path / "ok.jpg"), "ok")
+        Images().read_size(pre.p, str(tmp_path / "ok.jpg"), "ok")
     assert jpeg_scans(good, 1000) == 10 and jpeg_scans(repeated_scans(good, 7), 1000) == 17
 
 
