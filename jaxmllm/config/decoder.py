@@ -1,8 +1,10 @@
 """The decoder's section: a Llama-style LLM (`LLMConfig`), its rotary scaling, its
-mixture-of-experts MLPs (`MoEConfig`) and its linear-attention layers (`LinearConfig`)."""
+mixture-of-experts MLPs (`MoEConfig`) and its linear-attention layers (`LinearConfig`); and
+the kinds its layers come in (`LayerKind`: how a layer mixes tokens, which MLP it has)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from jaxmllm.config.blocks import BlockOptions
@@ -32,6 +34,59 @@ class RopeScaling:
 
 
 ROPE_SCALINGS = ("none", "linear", "llama3")
+
+
+class Mixer(enum.Enum):
+    """How a decoder layer mixes tokens; the value names its layers' stack (`LayerKind.name`)
+    and is the word a config or checkpoint says it with."""
+
+    FULL = "full"  # causal attention over the whole document: quadratic in its tokens
+    LINEAR = "linear"  # Gated DeltaNet linear attention (`LinearConfig`): linear in tokens
+    # (sliding-window attention joins here: Gemma's local layers)
+
+
+class Mlp(enum.Enum):
+    """A decoder layer's MLP: one gated MLP, or the routed experts (`MoEConfig`)."""
+
+    DENSE = "dense"
+    MOE = "moe"
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What a decoder layer is, where its layers differ: its mixer in a hybrid decoder, its
+    MLP in a mixture of experts (None: every layer's is the same, and the name leaves it out).
+    Layers of one kind share a stack of parameters, named by `name`."""
+
+    mixer: Mixer | None = None
+    mlp: Mlp | None = None
+
+    @property
+    def name(self) -> str:
+        """The kind's name, its stack's (`linear_moe`, `full`, `dense`; "" for a decoder whose
+        layers are all alike): the mixer's word, then the MLP's."""
+        return "_".join(part.value for part in (self.mixer, self.mlp) if part is not None)
+
+    @property
+    def linear(self) -> bool:
+        """Whether the layer mixes tokens by linear attention (Gated DeltaNet)."""
+        return self.mixer is Mixer.LINEAR
+
+    @property
+    def moe(self) -> bool:
+        """Whether the layer's MLP is the routed experts."""
+        return self.mlp is Mlp.MOE
+
+    @classmethod
+    def named(cls, name: str) -> LayerKind:
+        """The kind of a stack's `name` (the inverse of `name`; "dense" and "" alike)."""
+        words = [w for w in name.split("_") if w]
+        mixers = {m.value: m for m in Mixer}
+        mixer = mixers[words.pop(0)] if words and words[0] in mixers else None
+        mlp = Mlp(words.pop(0)) if words else None
+        if words:
+            raise ValueError(f"{name!r} is not a layer kind's name")
+        return cls(mixer, mlp)
 
 
 EXCHANGES = ("dense", "ragged")  # how tokens travel to their experts' devices (MoEConfig)
@@ -294,6 +349,16 @@ class LLMConfig(BlockOptions):
             "it too): set lora.dropout: 0, or adapt q, k, v, o only",
             "lora.dropout",
         )
+
+    def layer_kind(self, layer: int) -> LayerKind:
+        """Layer `layer`'s kind (0-based): its mixer where the decoder is a hybrid (linear
+        attention in some layers), its MLP where it has experts."""
+        mixer = mlp = None
+        if self.linear.enabled:
+            mixer = Mixer.LINEAR if self.linear.is_linear(layer) else Mixer.FULL
+        if self.moe.enabled:
+            mlp = Mlp.MOE if self.moe.is_moe(layer) else Mlp.DENSE
+        return LayerKind(mixer, mlp)
 
     @property
     def linear_layers(self) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmllm.config import LLMConfig
+from jaxmllm.config.decoder import LayerKind
 from jaxmllm.models.attention import Packing, packing
 from jaxmllm.models.deltanet import LinearSpec
 from jaxmllm.models.layers import Dense, Embed
@@ -172,46 +173,50 @@ MLP_TARGETS = ("gate", "up", "down")  # a gated MLP's adapter targets (config.lo
 
 
 def layer_pattern(cfg: LLMConfig) -> tuple[str, ...]:
-    """Each decoder layer's kind: its token mixer (`linear` or `full` attention, in a hybrid
-    decoder) and its MLP (`moe` or `dense`, in a mixture of experts), joined: `linear_moe`,
-    `full`, `dense`, ...; "" for every layer of a decoder of one kind."""
-
-    def kind(i: int) -> str:
-        mixer = ("linear" if cfg.linear.is_linear(i) else "full") if cfg.linear.enabled else ""
-        mlp = ("moe" if cfg.moe.is_moe(i) else "dense") if cfg.moe.enabled else ""
-        return "_".join(filter(None, (mixer, mlp)))
-
-    return tuple(kind(i) for i in range(cfg.depth))
+    """Each decoder layer's kind by name (`config.decoder.LayerKind.name`): its token mixer
+    (`linear` or `full` attention, in a hybrid decoder) and its MLP (`moe` or `dense`, in a
+    mixture of experts), joined: `linear_moe`, `full`, `dense`, ...; "" for every layer of a
+    decoder of one kind."""
+    return tuple(cfg.layer_kind(i).name for i in range(cfg.depth))
 
 
 def is_linear(kind: str) -> bool:
-    """Whether layers of `kind` (`layer_pattern`) mix tokens by linear attention."""
-    return kind.startswith("linear")
+    """Whether layers of the kind named `kind` (`layer_pattern`, `stacks`) mix tokens by
+    linear attention."""
+    return LayerKind.named(kind).linear
 
 
 def is_moe(kind: str) -> bool:
-    """Whether layers of `kind` (`layer_pattern`) have the routed experts."""
-    return kind.endswith("moe")
+    """Whether layers of the kind named `kind` (`layer_pattern`, `stacks`) have the routed
+    experts."""
+    return LayerKind.named(kind).moe
+
+
+def kind_stacks(cfg: LLMConfig) -> list[tuple[str, LayerKind, tuple[int, ...]]]:
+    """The decoder's stacks of layers: (attribute under `transformer`, their kind, the layers
+    in it): one `blocks` of every layer, or each kind's apart (a mixture of experts' MoE and
+    dense layers, a hybrid's linear and full-attention ones)."""
+    kinds = [cfg.layer_kind(i) for i in range(cfg.depth)]
+    places = layer_places([k.name for k in kinds])
+    out = []
+    for kind in dict.fromkeys(kinds):
+        ids = tuple(i for i, k in enumerate(kinds) if k == kind)
+        out.append((places[ids[0]][0], kind, ids))
+    return out
 
 
 def stacks(cfg: LLMConfig) -> list[tuple[str, str, tuple[int, ...]]]:
-    """The decoder's stacks of layers: (attribute under `transformer`, kind, the layers in it):
-    one `blocks` of every layer, or each kind's apart (`layer_pattern`: a mixture of experts'
-    MoE and dense layers, a hybrid's linear and full-attention ones)."""
-    pattern = layer_pattern(cfg)
-    places = layer_places(pattern)
-    out = []
-    for kind in dict.fromkeys(pattern):
-        ids = tuple(i for i, k in enumerate(pattern) if k == kind)
-        out.append((places[ids[0]][0], kind or "dense", ids))
-    return out
+    """`kind_stacks` with each kind by name ("dense" for a decoder of one kind): the names the
+    checkpoint mappings (`jaxmllm.hf`) read."""
+    return [(stack, kind.name or "dense", ids) for stack, kind, ids in kind_stacks(cfg)]
 
 
 def layer_kinds(cfg: LLMConfig, spec: BlockSpec) -> tuple[dict | None, tuple[str, ...]]:
     """({kind: BlockSpec}, each layer's kind) of a decoder (`layer_pattern`): a mixture of
     experts' `moe` and `dense` layers, a hybrid's `linear` and `full` attention ones; (None,
     ()) for one kind of layer."""
-    pattern = layer_pattern(cfg)
+    kinds = [cfg.layer_kind(i) for i in range(cfg.depth)]
+    pattern = tuple(k.name for k in kinds)
     if not any(pattern):
         return None, ()
     # (the MLP targets adapt the routed experts, as PEFT does on transformers' MoE models: a
@@ -219,17 +224,19 @@ def layer_kinds(cfg: LLMConfig, spec: BlockSpec) -> tuple[dict | None, tuple[str
     # layer's MLP, as PEFT matches their Linears: `moe.MoE`)
     attention = tuple((t, a) for t, a in spec.lora if t not in MLP_TARGETS)
 
-    def spec_of(kind: str) -> BlockSpec:
+    def spec_of(kind: LayerKind) -> BlockSpec:
+        """The shared BlockSpec with the kind's own parts: its experts or, where dense among
+        them, no MLP adapters; its linear attention."""
         out = spec
-        if is_moe(kind):
+        if kind.moe:
             out = dataclasses.replace(out, moe=MoESpec.of(cfg.moe))
         elif cfg.moe.enabled and not cfg.moe.shared_mlp_dim:
             out = dataclasses.replace(out, lora=attention)
-        if is_linear(kind):
+        if kind.linear:
             out = dataclasses.replace(out, linear=LinearSpec.of(cfg.linear))
         return out
 
-    return {k: spec_of(k) for k in dict.fromkeys(pattern)}, pattern
+    return {k.name: spec_of(k) for k in dict.fromkeys(kinds)}, pattern
 
 
 def chunked_token_losses(

@@ -30,9 +30,7 @@ from jaxmllm.models.llm import (
     Decoder,
     chunked_token_logps,
     chunked_token_losses,
-    is_linear,
-    is_moe,
-    stacks,
+    kind_stacks,
 )
 from jaxmllm.models.lora import BLOCK_PATHS, PROJECTOR_PATHS
 from sharding import DATA_AXES, STAGE_AXIS
@@ -496,14 +494,14 @@ def _kernel_places(model: ModelConfig, module: str, target: str) -> list[tuple[s
             return []  # (the routed experts': expert_adapters)
         # (a shared expert's, and a dense layer's MLP: `moe.MoE`)
         return [
-            ("transformer", stack, "mlp", *(("shared",) if is_moe(kind) else ()), target)
-            for stack, kind, _ in stacks(model.llm)
+            ("transformer", stack, "mlp", *(("shared",) if kind.moe else ()), target)
+            for stack, kind, _ in kind_stacks(model.llm)
         ]
     linear = target in LINEAR_TARGETS  # (a hybrid's linear-attention layers have their own)
     return [
         ("transformer", stack, *BLOCK_PATHS[target])
-        for stack, kind, _ in stacks(model.llm)
-        if target in MLP_TARGETS or linear == is_linear(kind)
+        for stack, kind, _ in kind_stacks(model.llm)
+        if target in MLP_TARGETS or linear == kind.linear
     ]
 
 
@@ -516,6 +514,6 @@ def expert_adapters(model: ModelConfig) -> dict[str, tuple[str, ...]]:
     which = tuple(m for m, t in (("gate_up", "gate"), ("down", "down")) if t in targets)
     return {
         f"llm/transformer/{stack}/mlp/experts": which
-        for stack, kind, _ in stacks(model.llm)
-        if is_moe(kind)
+        for stack, kind, _ in kind_stacks(model.llm)
+        if kind.moe
     }
