@@ -6,7 +6,6 @@ adapters but not the base, and refuse another base by name. PEFT in and out: tes
 from __future__ import annotations
 
 import json
-import types
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ import pytest
 
 import sharding
 from jaxmllm.config import ConfigError, load_config
+from jaxmllm.cost.calibrate import _model_config
 from jaxmllm.cost.model import CostModel
 from jaxmllm.cost.training import modules
 from jaxmllm.feed.iterator import make_pipeline
@@ -212,7 +212,7 @@ def test_dropout_masks_differ_by_salt_and_repeat_under_the_same_key():
     del draw
 
 
-def test_a_tower_under_adapters_is_priced_as_passing_gradients():
+def test_a_tower_under_adapters_is_priced_as_passing_gradients(tmp_path):
     """Its base computes its activations' gradients (2x its forward), no weight gradients;
     its adapters add their own forward, 3x. Frozen everything else: the LLM alone would run
     forward only (1x) without them. The partitioner's stacks say the same per layer."""
@@ -229,8 +229,8 @@ def test_a_tower_under_adapters_is_priced_as_passing_gradients():
     assert adapted.phase("llm").linear == pytest.approx(want)
     assert adapted.phase("llm").quadratic == pytest.approx(full.phase("llm").quadratic * 2 / 3)
     # (a run's config.json, as calibration reads it: a LoRA run's multiplier comes with it)
-    raw = json.loads(json.dumps({"model": json.loads(json.dumps(_asdict(lora.model)))}))
-    as_read = json.loads(json.dumps(raw["model"]), object_hook=lambda d: types.SimpleNamespace(**d))
+    (tmp_path / "config.json").write_text(json.dumps({"model": _asdict(lora.model)}))
+    as_read = _model_config(tmp_path / "config.json")
     assert CostModel.from_model(as_read).to_dict() == adapted.to_dict()
 
     batch = resolve_run(lora, 8).cfg.batch

@@ -29,12 +29,12 @@ import argparse
 import json
 import math
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from jaxmllm.config import ConfigError, ModelConfig, from_dict
 from jaxmllm.config.phases import PHASES
 from jaxmllm.cost.model import CostFileError, CostModel, PhaseCost
 
@@ -213,17 +213,21 @@ def calibrate(run_dir: Path, out: Path, holdout: float, chosen: str, ridge: floa
     return result
 
 
-def _model_config(path: Path) -> Any:
-    """The run's model section as attributes (what `from_model` reads): config.json is the
-    trainer's whole resolved config; reading it as plain data keeps this module config-free."""
+def _model_config(path: Path) -> ModelConfig:
+    """The run's model section (what `from_model` reads), typed as the trainer had it:
+    config.json is its whole resolved config; a key written since is its default, as it was
+    when the run trained (`generate` reads the same file so)."""
     try:
         raw = json.loads(path.read_text())
-        model = json.dumps(raw["model"])
-        return json.loads(model, object_hook=lambda d: types.SimpleNamespace(**d))
+        return from_dict(ModelConfig, raw["model"], source=str(path), prefix="model.")
     except OSError as e:
         raise CostFileError(f"cannot read the run's config {path}: {e.strerror}") from None
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise CostFileError(f"{path}: not a run config with a model section ({e})") from None
+    except ConfigError as e:
+        raise CostFileError(
+            f"{path}: its model section is not one this version reads ({e})"
+        ) from None
 
 
 def _summary(rows: list[dict], train: list[dict], held: list[dict]) -> str:

@@ -13,38 +13,39 @@ decoder's quadratic term (`full_layer_count`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from jaxmllm.cost import training
 
+if TYPE_CHECKING:
+    from jaxmllm.config import LLMConfig
+    from jaxmllm.config.model import AudioConfig, VisionConfig
 
-def _mlp(section) -> str:
-    return getattr(section, "mlp", "gated_silu")
 
-
-def _vision_flops(v, llm_width: int) -> tuple[float, float, float]:
+def _vision_flops(v: VisionConfig, llm_width: int) -> tuple[float, float, float]:
     """Per patch: (encoder linear, encoder quadratic, projector) forward FLOPs of a ViT over
     patches and its merge-area MLP projector; DeepStack (`deepstack`: K tapped blocks) adds K
     more projectors and the K additions of their rows to the LLM's hidden states."""
-    area, levels = v.merge**2, len(getattr(v, "deepstack", ()))
-    hid = getattr(v, "projector_dim", 0) or llm_width
+    area, levels = v.merge**2, len(v.deepstack)
+    hid = v.projector_dim or llm_width
     proj = 2 * (area * v.width * hid + hid * llm_width) / area
     proj = proj * (1 + levels) + levels * llm_width / area
-    lin = v.depth * layer_linear(v.width, v.width, v.mlp_dim, mlp=_mlp(v))
+    lin = v.depth * layer_linear(v.width, v.width, v.mlp_dim, mlp=v.mlp)
     return lin, v.depth * 4.0 * v.width, proj
 
 
-def _audio_flops(a, llm_width: int) -> tuple[float, float, float]:
+def _audio_flops(a: AudioConfig, llm_width: int) -> tuple[float, float, float]:
     """Per log-mel frame: (encoder linear, encoder quadratic, projector) forward FLOPs of the
     audio encoder (its stem's convolutions, then a transformer on rows of `r` frames) and its
     projector (`subsample / r` rows per LLM token)."""
-    stem = getattr(a, "stem", "pairs")
-    s, r = a.subsample, 2 if stem == "whisper" else 4  # frames per LLM token, per encoder row
-    hid = getattr(a, "projector_dim", 0) or llm_width
+    s, r = a.subsample, 2 if a.stem == "whisper" else 4  # frames per LLM token, per encoder row
+    hid = a.projector_dim or llm_width
     proj = 2 * (s // r * a.width * hid + hid * llm_width) / s
-    if stem == "whisper":  # 3-tap convs, stride 1 then 2: per frame
+    if a.stem == "whisper":  # 3-tap convs, stride 1 then 2: per frame
         conv = 2 * 3 * a.width * (a.n_mels + a.width / 2)
     else:  # (two 3-tap stride-2 convs, as first modelled: within a few % of the two pairs)
         conv = 2 * 9 * a.width * (a.n_mels + a.width) / s
-    lin = a.depth * layer_linear(a.width, a.width, a.mlp_dim, mlp=_mlp(a)) / r + conv
+    lin = a.depth * layer_linear(a.width, a.width, a.mlp_dim, mlp=a.mlp) / r + conv
     return lin, a.depth * 4.0 * a.width / (r * r), proj
 
 
@@ -52,21 +53,21 @@ def _audio_flops(a, llm_width: int) -> tuple[float, float, float]:
 ENCODER_FLOPS = {"vision": _vision_flops, "audio": _audio_flops}
 
 
-def _vision_adapters(v, llm_width: int, how: dict) -> float:
+def _vision_adapters(v: VisionConfig, llm_width: int, how: dict) -> float:
     """Per patch: the forward FLOPs of the tower's and its projector's LoRA adapters."""
-    area, hid = v.merge**2, getattr(v, "projector_dim", 0) or llm_width
+    area, hid = v.merge**2, v.projector_dim or llm_width
     tower = v.depth * training.adapter_flops(
         how["vision"], training.block_shapes(v.width, v.width, v.mlp_dim)
     )
     shapes = {"fc1": (area * v.width, hid), "fc2": (hid, llm_width)}
-    levels = 1 + len(getattr(v, "deepstack", ()))  # (DeepStack's projectors' adapters too)
+    levels = 1 + len(v.deepstack)  # (DeepStack's projectors' adapters too)
     return tower + levels * training.adapter_flops(how["vision_projector"], shapes) / area
 
 
-def _audio_adapters(a, llm_width: int, how: dict) -> float:
+def _audio_adapters(a: AudioConfig, llm_width: int, how: dict) -> float:
     """Per log-mel frame: the forward FLOPs of the encoder's and its projector's adapters."""
-    s, r = a.subsample, 2 if getattr(a, "stem", "pairs") == "whisper" else 4
-    hid = getattr(a, "projector_dim", 0) or llm_width
+    s, r = a.subsample, 2 if a.stem == "whisper" else 4
+    hid = a.projector_dim or llm_width
     tower = a.depth * training.adapter_flops(
         how["audio"], training.block_shapes(a.width, a.width, a.mlp_dim)
     )
@@ -77,35 +78,27 @@ def _audio_adapters(a, llm_width: int, how: dict) -> float:
 ENCODER_ADAPTERS = {"vision": _vision_adapters, "audio": _audio_adapters}
 
 
-def moe_decoder(lm) -> bool:
-    """Whether a decoder config has mixture-of-experts layers (any object with its fields: a
-    run's config.json read back is a namespace)."""
-    return getattr(getattr(lm, "moe", None), "experts", 0) > 0
+def moe_decoder(lm: LLMConfig) -> bool:
+    """Whether a decoder has mixture-of-experts layers."""
+    return lm.moe.enabled
 
 
-def moe_layer_count(lm) -> int:
+def moe_layer_count(lm: LLMConfig) -> int:
     """The decoder's MoE layers (`config.decoder.MoEConfig.is_moe`)."""
-    m = lm.moe
-    dense = set(getattr(m, "dense_layers", ()))
-    return sum((i + 1) % m.every == 0 and i not in dense for i in range(lm.depth))
+    return len(lm.moe_layers)
 
 
-def linear_layer_count(lm) -> int:
-    """The decoder's Gated DeltaNet layers (`config.decoder.LinearConfig.is_linear`; a run's
-    config.json from before hybrids has none)."""
-    lin = getattr(lm, "linear", None)
-    every, layers = getattr(lin, "every", 0), set(getattr(lin, "layers", ()) or ())
-    if every:
-        return sum((i + 1) % every != 0 for i in range(lm.depth))
-    return sum(i in layers for i in range(lm.depth))
+def linear_layer_count(lm: LLMConfig) -> int:
+    """The decoder's Gated DeltaNet layers (`config.decoder.LinearConfig.is_linear`)."""
+    return len(lm.linear_layers)
 
 
-def full_layer_count(lm) -> int:
+def full_layer_count(lm: LLMConfig) -> int:
     """The decoder's full-attention layers: the ones whose cost is quadratic in a document."""
     return lm.depth - linear_layer_count(lm)
 
 
-def linear_attention(lm) -> float:
+def linear_attention(lm: LLMConfig) -> float:
     """Forward FLOPs per token of a Gated DeltaNet layer (`jaxmllm.models.deltanet`): its
     projections (q, k, v together, the output gate z, beta's and the decay's logits, the
     output), its convolution, and the chunked delta rule over chunks of C: per key head its
@@ -120,17 +113,17 @@ def linear_attention(lm) -> float:
     return projections + conv + rule
 
 
-def decoder_linear(lm) -> float:
+def decoder_linear(lm: LLMConfig) -> float:
     """Forward FLOPs per token of the decoder's layers' linear terms, every layer: attention's
     projections (a full-attention layer's) or a Gated DeltaNet layer's whole cost, and a dense
     layer's MLP, or an MoE layer's router, the top_k experts a token visits and its shared
     expert (and gate): what a step computes, the active parameters."""
-    head = getattr(lm, "head_dim", 0) or lm.width // lm.heads
+    head = lm.head_dim or lm.width // lm.heads
     q, kv, d = head * lm.heads, head * lm.kv_heads, lm.width
-    attention = layer_linear(d, kv, 0, q) + 2.0 * d * q * bool(getattr(lm, "attn_gate", False))
+    attention = layer_linear(d, kv, 0, q) + 2.0 * d * q * lm.attn_gate
     n_linear = linear_layer_count(lm)
     mixers = (lm.depth - n_linear) * attention + (n_linear and n_linear * linear_attention(lm))
-    dense = layer_linear(d, kv, lm.mlp_dim, q, _mlp(lm)) - layer_linear(d, kv, 0, q)
+    dense = layer_linear(d, kv, lm.mlp_dim, q, lm.mlp) - layer_linear(d, kv, 0, q)
     if not moe_decoder(lm):
         return mixers + lm.depth * dense
     m, n_moe = lm.moe, moe_layer_count(lm)
@@ -139,16 +132,16 @@ def decoder_linear(lm) -> float:
     return mixers + (lm.depth - n_moe) * dense + n_moe * routed
 
 
-def decoder_adapters(lm, module) -> float:
+def decoder_adapters(lm: LLMConfig, module: training.Module) -> float:
     """Forward FLOPs per token of the decoder's LoRA adapters (`module`: the LLM's
     `training.Module`): attention's in full-attention layers, the linear layers' own in Gated
     DeltaNet ones, the MLPs' (an MoE layer's on its shared expert; without one, on its routed
     experts: merged into their weights once a step, not per token, and none on a dense
     layer's MLP among them, as `models.moe.MoE` places them)."""
-    head = getattr(lm, "head_dim", 0) or lm.width // lm.heads
+    head = lm.head_dim or lm.width // lm.heads
     q, kv, d = head * lm.heads, head * lm.kv_heads, lm.width
     mlp_of = lambda f: {"gate": (d, f), "up": (d, f), "down": (f, d)}
-    gate = 2 if getattr(lm, "attn_gate", False) else 1
+    gate = 2 if lm.attn_gate else 1
     attention = {"q": (d, gate * q), "k": (d, kv), "v": (d, kv), "o": (q, d)}
     n_linear = linear_layer_count(lm)
     flops = (lm.depth - n_linear) * training.adapter_flops(module, attention)

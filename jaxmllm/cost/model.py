@@ -142,7 +142,7 @@ class CostModel:
         adapters (`jaxmllm.cost.training`: a tower under adapters costs its forward and its
         activations' gradients, 2x, plus its adapters' own, 3x)."""
         lm, how = model.llm, training.modules(model)
-        head = getattr(lm, "head_dim", 0) or lm.width // lm.heads  # (runs before head_dim)
+        head = lm.head_dim or lm.width // lm.heads
         q = head * lm.heads  # query (and output) width
         llm_lin = decoder_linear(lm) + 2 * lm.width * lm.vocab_size
         # causal: half of 4*d; full-attention layers only (a hybrid's linear ones: llm_lin)

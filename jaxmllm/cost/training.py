@@ -9,17 +9,20 @@ adapters: activation gradients, no weight gradients of the base), by 1 when froz
 trainable below or inside (forward only). A LoRA adapter of rank r beside a d_in x d_out matrix
 adds its own forward, 2 r (d_in + d_out) FLOPs a token, trained: times 3.
 
-Reads a `ModelConfig` or a run's config.json as attributes (`cost._model_config`): a section
-written before adapters existed has none.
+Reads a `ModelConfig` (a run's config.json read back as one: `calibrate._model_config`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 from jaxmllm.config.lora import ALL, LINEAR_TARGETS, PROJECTOR_TARGETS, block_targets
 from jaxmllm.config.phases import ENCODERS, LLM
+
+if TYPE_CHECKING:
+    from jaxmllm.config import ModelConfig
+    from jaxmllm.config.lora import LoraConfig
 
 
 def multiplier(frozen: bool, trainable_below: bool, adapted: bool = False) -> int:
@@ -46,17 +49,17 @@ class Module:
         return not self.frozen or self.rank > 0
 
 
-def _lora(section: Any) -> tuple[int, tuple[str, ...]]:
-    lora = getattr(section, "lora", None)
-    rank = int(getattr(lora, "rank", 0) or 0)
-    return rank, tuple(getattr(lora, "targets", (ALL,))) if rank else ()
+def _lora(lora: LoraConfig) -> tuple[int, tuple[str, ...]]:
+    """(rank, the targets named) of a tower's adapters; (0, ()) without adapters."""
+    return lora.rank, lora.targets if lora.rank else ()
 
 
 def _resolved(targets: tuple[str, ...], valid: tuple[str, ...]) -> tuple[str, ...]:
+    """The matrices of `valid` (a tower's, by target name) that `targets` adapt (`all`: each)."""
     return valid if ALL in targets else tuple(t for t in valid if t in targets)
 
 
-def modules(model: Any) -> dict[str, Module]:
+def modules(model: ModelConfig) -> dict[str, Module]:
     """Per module of the model (`vision`, `vision_projector`, ..., `llm`; enabled encoders
     only), how it trains."""
     out: dict[str, Module] = {}
@@ -65,34 +68,27 @@ def modules(model: Any) -> dict[str, Module]:
         if not p.enabled(model):
             continue
         enc = p.encoder(model)
-        rank, targets = _lora(enc)
-        frozen = bool(enc.freeze) or rank > 0
-        targets = _resolved(targets, block_targets(getattr(enc, "mlp", "gated_silu")))
+        rank, targets = _lora(enc.lora)
+        frozen = enc.freeze or rank > 0
+        targets = _resolved(targets, block_targets(enc.mlp))
         out[p.name] = Module(frozen, rank, targets, multiplier(frozen, False, rank > 0))
         encoder_trains |= out[p.name].trains
-        rank, targets = _projector_lora(model)
-        kind = "mlp" if p.name == "vision" else getattr(enc, "projector", "mlp")
+        rank, targets = _lora(model.projector_lora)
+        kind = "mlp" if p.name == "vision" else enc.projector
         targets = _resolved(targets, PROJECTOR_TARGETS[kind])
-        frozen = bool(model.projector_freeze) or rank > 0
+        frozen = model.projector_freeze or rank > 0
         below = out[p.name].trains
         m = multiplier(frozen, below, rank > 0)
         out[f"{p.name}_projector"] = Module(frozen, rank, targets, m)
     below = any(m.trains for m in out.values())
-    rank, targets = _lora(model.llm)
-    frozen = bool(model.llm.freeze) or rank > 0
-    valid = block_targets(getattr(model.llm, "mlp", "gated_silu"))
-    lin = getattr(model.llm, "linear", None)  # (a hybrid's linear layers: matrices of their own)
-    if getattr(lin, "layers", ()) or getattr(lin, "every", 0):
+    rank, targets = _lora(model.llm.lora)
+    frozen = model.llm.freeze or rank > 0
+    valid = block_targets(model.llm.mlp)
+    if model.llm.linear.enabled:  # (a hybrid's linear layers: matrices of their own)
         valid += LINEAR_TARGETS
     targets = _resolved(targets, valid)
     out[LLM] = Module(frozen, rank, targets, multiplier(frozen, below, rank > 0))
     return out
-
-
-def _projector_lora(model: Any) -> tuple[int, tuple[str, ...]]:
-    lora = getattr(model, "projector_lora", None)
-    rank = int(getattr(lora, "rank", 0) or 0)
-    return rank, tuple(getattr(lora, "targets", (ALL,))) if rank else ()
 
 
 def adapter_flops(module: Module, shapes: dict[str, tuple[int, int]]) -> float:
