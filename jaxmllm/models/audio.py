@@ -123,6 +123,8 @@ class AudioEncoder(nnx.Module):
         return x_bnd, pack, positions_bn
 
     def _whisper_stem(self, frames_bfm: jax.Array, segment_ids_bf: jax.Array) -> jax.Array:
+        """Whisper's stem on packed frames [B, F, mels]: two 3-tap convolutions (the second of
+        stride 2) with GELU, each tap reading only its own clip's frames (`segment_ids_bf`)."""
         gelu = ACTIVATIONS["gelu"]
         x = gelu(self.conv1(_clip_windows(frames_bfm, segment_ids_bf)))
         windows = _clip_windows(x, segment_ids_bf)[:, ::2]  # stride 2: taps 2j-1, 2j, 2j+1

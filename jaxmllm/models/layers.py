@@ -65,6 +65,9 @@ class Dense(nnx.Module):
         lora: lora_.Adapter | None = None,
         rngs: nnx.Rngs,
     ):
+        """A kernel [*in_shape, *out_shape] under logical `axes` (one name per dimension), and its
+        bias where `use_bias`. `lora`: this matrix's adapter (A, B and their scale), None: none.
+        `out_dtype` is what the matmul accumulates and returns (default `dtype`)."""
         in_shape = _as_shape(in_shape)
         out_shape = _as_shape(out_shape)
         # Fan-in scaling keeps activations at unit scale through the stack at init.
@@ -87,6 +90,8 @@ class Dense(nnx.Module):
         self.out_dtype = dtype if out_dtype is None else out_dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """x [..., *in_shape] contracted with the kernel in the compute dtype, accumulated in
+        `out_dtype` (fp32 for bf16 inputs where asked); plus the bias and the adapter's update."""
         kernel = self.kernel[...].astype(self.dtype)
         contract = (tuple(range(x.ndim - self.n_in, x.ndim)), tuple(range(self.n_in)))
         y = jnp.tensordot(
@@ -101,6 +106,7 @@ class Dense(nnx.Module):
 
 
 def _as_shape(shape: int | Sequence[int]) -> tuple[int, ...]:
+    """A shape given as one size or several, as a tuple."""
     return (shape,) if isinstance(shape, int) else tuple(shape)
 
 
@@ -117,6 +123,8 @@ class Embed(nnx.Module):
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
+        """A [vocab_size, width] table of unit-scale rows; `vocab_parallel`: stored split by rows
+        over the model axes, as the lookup and the output projection read it."""
         # Unit-scale rows, like the encoders' projector outputs that replace some of them.
         # Vocab-parallel: stored split by rows as it is used (a reshard would gather it).
         axes = ("vocab_split", None) if vocab_parallel else ("vocab", "embed")
@@ -126,6 +134,8 @@ class Embed(nnx.Module):
         self.vocab_size = vocab_size  # ids from here on look up zeros (unused tokens)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
+        """The rows of `ids` [B, T] as [B, T, width] in the compute dtype: looked up where they are
+        stored (split by vocabulary rows, or gathered from FSDP's shards first)."""
         table = self.embedding[...]
         axes = vocab_axes(table.shape[0], ids.shape[0]) if self.vocab_parallel else ()
         if axes and sharding.STAGE_AXIS in jax.sharding.get_abstract_mesh().manual_axes:
@@ -178,6 +188,7 @@ class RMSNorm(nnx.Module):
         self.offset = offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """x / rms(x) times the scale (1 + scale with `offset`), in fp32, returned in `dtype`."""
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         scale = self.scale[...].astype(jnp.float32)
@@ -188,11 +199,13 @@ class LayerNorm(RMSNorm):
     """Layer norm (centred, scaled, shifted) with a learned scale and bias, computed in fp32."""
 
     def __init__(self, width: int, **kw):
+        """The RMSNorm's scale (no offset) and a bias beside it, under the same axis."""
         super().__init__(width, offset=False, **kw)
         axes = self.scale.get_metadata()["axes"]
         self.bias = nnx.Param(jnp.zeros_like(self.scale[...]), axes=axes)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """(x - mean) / std times the scale plus the bias, in fp32, returned in `dtype`."""
         x32 = x.astype(jnp.float32)
         x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
@@ -355,6 +368,8 @@ class GatedMLP(nnx.Module):
         self.down = Dense(mlp_dim, width, ("mlp", "embed"), lora=on.get("down"), **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """down(silu(gate(x)) * up(x)); the two input projections are named `mlp_in` for the remat
+        policies that save them."""
         gate, up = checkpoint_name(self.gate(x), "mlp_in"), checkpoint_name(self.up(x), "mlp_in")
         return self.down(jax.nn.silu(gate) * up)
 
@@ -383,6 +398,7 @@ class MLP(nnx.Module):
         self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """fc2(activation(fc1(x))); fc1's output is named `mlp_in` for the remat policies."""
         return self.fc2(ACTIVATIONS[self.activation](checkpoint_name(self.fc1(x), "mlp_in")))
 
 

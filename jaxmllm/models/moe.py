@@ -65,6 +65,7 @@ class MoESpec:
 
     @classmethod
     def of(cls, moe) -> MoESpec:
+        """The model's view of the config's `MoEConfig`: its sizes and routing options."""
         return cls(
             moe.experts,
             moe.top_k,
@@ -175,6 +176,9 @@ class ExpertsAdapter(nnx.Module):
     def __init__(
         self, experts, n_in, n_out, adapter: lora_.Adapter, axes, *, dtype, rngs: nnx.Rngs
     ):
+        """LoRA A [experts, n_in, rank] (PEFT's uniform init) and B [experts, rank, n_out] (zeros)
+        per expert of one stacked matrix, drawn from a key folded off the base weights' stream so
+        that adding adapters leaves the base's draws as they were."""
         # (folded from the last weight's key, salted by the matrix: the base's draws stay)
         stream = rngs.params
         key = jax.random.fold_in(stream.key[...], stream.count[...] - 1)
@@ -337,6 +341,10 @@ class Route:
     axes: tuple[str, ...]  # the data-parallel mesh axes (empty: no mesh)
 
     def __call__(self, x_btd, top_e, weights, valid_bt, gate, up, down):
+        """The routed experts' output [B, T, d] for tokens x_btd and their top_e experts with their
+        weights: each token's k assignments run on their experts (here, or exchanged with the
+        devices that hold them) and are summed back by weight; also the exchange's figures
+        (rows dropped, received, sent to other devices)."""
         b, t, d = x_btd.shape
         k = self.spec.top_k
         x_nd = x_btd.reshape(b * t, d)
@@ -414,6 +422,8 @@ class DenseExchange:
     sender to each device (a sender's every assignment, dropless), the unused ones zeros."""
 
     def __init__(self, buffer: int, ep: int, sent, start, me):
+        """The slots of each device's buffer: `sent` rows per device from its `start` in the
+        sorted rows, at most ceil(buffer / ep) of them (the rest dropped)."""
         self.ep, self.slots = ep, -(-buffer // ep)
         self.fits = jnp.minimum(sent, self.slots)  # [ep] rows sent to each device
         s = jnp.arange(self.slots)
@@ -445,6 +455,7 @@ class DenseExchange:
         return jnp.take(back.reshape(-1, d), slot_of, axis=0, mode="fill", fill_value=0)
 
     def dropped(self):
+        """Rows this device could not send, past the slots (0 dropless)."""
         return jnp.sum(self.sent - self.fits).astype(jnp.float32)
 
 
@@ -456,6 +467,8 @@ class RaggedExchange:
     all-gather), the rest dropped."""
 
     def __init__(self, buffer: int, ep: int, sent, start, me):
+        """Where each sender's rows land in each receiver's buffer: all devices' counts gathered,
+        each receiver filled in sender order up to `buffer` rows."""
         self.buffer, self.ep, self.me = buffer, ep, me
         counts = jax.lax.all_gather(sent, EXPERT_AXIS)  # [ep senders, ep receivers]
         before = jnp.cumsum(counts, axis=0) - counts  # rows of earlier senders, per receiver
@@ -465,11 +478,14 @@ class RaggedExchange:
         self.sent = sent
 
     def _a2a(self, operand, output, in_off, sizes, out_off, recv):
+        """One ragged all-to-all over the expert axis (offsets and sizes per device)."""
         return jax.lax.ragged_all_to_all(
             operand, output, in_off, sizes, out_off, recv, axis_name=EXPERT_AXIS
         )
 
     def send(self, rows_sd, local_s, here: int):
+        """Sends each device the rows routed to its experts (`rows_sd`, and each row's expert there,
+        `local_s`); returns the rows received, their experts (`here`: padding) and their count."""
         me, fits, at = self.me, self.fits, self.at
         a, d = rows_sd.shape
         self.rows = a
@@ -483,10 +499,12 @@ class RaggedExchange:
         return got, ids[:, 0], fits[:, me].sum().astype(jnp.float32)
 
     def back(self, y_rd):
+        """The experts' outputs for the received rows, returned to their senders as sent."""
         me, fits, at = self.me, self.fits, self.at
         d = y_rd.shape[-1]
         out = jnp.zeros((self.rows, d), y_rd.dtype)
         return self._a2a(y_rd, out, at[:, me], fits[:, me], self.start_of[:, me], fits[me])
 
     def dropped(self):
+        """Rows of this device's that found no room in their receivers' buffers."""
         return jnp.sum(self.sent - self.fits[self.me]).astype(jnp.float32)

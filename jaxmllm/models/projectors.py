@@ -102,10 +102,12 @@ class LinearProjector(nnx.Module):
     def __init__(
         self, in_width: int, out_width: int, *, dtype, param_dtype, lora=None, rngs: nnx.Rngs
     ):
+        """One Dense from the encoder's rows to the LLM's width (`lora`: its `fc` adapter)."""
         kw = dict(use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.fc = Dense(in_width, out_width, (None, "embed"), lora=(lora or {}).get("fc"), **kw)
 
     def __call__(self, x_bnd: jax.Array) -> jax.Array:
+        """x [B, N, in_width] projected to [B, N, out_width]."""
         return self.fc(x_bnd)
 
 

@@ -79,6 +79,7 @@ class BlockSpec:
         )
 
     def norm_layer(self, *, dtype: jnp.dtype, param_dtype: jnp.dtype) -> nnx.Module:
+        """A new norm of the block's kind (`norm`: rms or layer) over its width."""
         return NORMS[self.norm](self.width, eps=self.norm_eps, dtype=dtype, param_dtype=param_dtype)
 
 
@@ -93,6 +94,8 @@ class Block(nnx.Module):
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
+        """The block's modules from `spec`: its norms, its token mixer (attention, or Gated DeltaNet
+        where `spec.linear`) and its MLP (gated, plain, or the routed experts where `spec.moe`)."""
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         adapters = dict(spec.lora)
         self.attn_norm = spec.norm_layer(**kw)
@@ -135,6 +138,7 @@ class Block(nnx.Module):
             )
 
     def __call__(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> jax.Array:
+        """The block's output for x [B, T, width]; `forward` also returns its router's stats."""
         return self.forward(x_btd, pack, positions)[0]
 
     def forward(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> tuple:
@@ -261,6 +265,10 @@ class Transformer(nnx.Module):
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
+        """`depth` blocks of `spec` stacked for the scan (`kinds`/`pattern`: each kind of layer's
+        own stack, where the layers differ), rematerialised under `remat`; `full_layers`: the
+        layers that attend to the whole row where the others attend within windows (a vision
+        tower's); the final norm where `final_norm`."""
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat {remat!r} is not one of {', '.join(REMAT_POLICIES)}")
         kw = dict(dtype=dtype, param_dtype=param_dtype)
@@ -283,6 +291,8 @@ class Transformer(nnx.Module):
     def __call__(
         self, x_btd: jax.Array, pack: Packing, positions: jax.Array, local: Packing | None = None
     ) -> jax.Array:
+        """The stack's output for x [B, T, width]: every layer, then the final norm. `local`: the
+        windowed layers' packing, where some layers attend within windows."""
         return self.norm(self.layers(x_btd, pack, positions, local=local))
 
     def norm(self, x_btd: jax.Array) -> jax.Array:
