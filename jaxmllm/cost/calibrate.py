@@ -67,6 +67,8 @@ def read_timings(path: str | Path) -> list[dict]:
 
 
 def _timing_row(line: str, where: str) -> dict:
+    """One line of timings.jsonl as a row, checked: a step number, its time in seconds and the
+    slowest device's work (`slowest`); refuses anything else naming `where` (file:line)."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -91,6 +93,7 @@ def _timing_row(line: str, where: str) -> dict:
 
 
 def _number(v: Any) -> bool:
+    """Whether `v` is a finite int or float (a JSON bool is neither)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -122,15 +125,19 @@ def fits(rows: list[dict], flops: CostModel, ridge: float = RIDGE) -> dict[str, 
 
 
 def _units_sq(row: dict, phase: str) -> tuple[float, float]:
+    """A row's slowest device's (units, summed squared item sizes) of `phase`."""
     work = row["slowest"]
     return work.get(f"{phase}_units", 0.0), work.get(f"{phase}_sq", 0.0)
 
 
 def _scaled(cost: PhaseCost, scale: float) -> PhaseCost:
+    """The phase's coefficients times `scale` (FLOPs to seconds at one rate)."""
     return PhaseCost(cost.linear * scale, cost.quadratic * scale)
 
 
 def _seconds_model(overhead: float, phases: dict[str, PhaseCost]) -> CostModel:
+    """A cost model in seconds: `overhead` a step and each phase's coefficients (0 where not
+    fitted)."""
     zero = PhaseCost(0.0, 0.0)
     terms = {p: phases.get(p, zero) for p in PHASES}
     return CostModel(terms, unit="seconds", overhead=overhead)
@@ -231,6 +238,8 @@ def _model_config(path: Path) -> ModelConfig:
 
 
 def _summary(rows: list[dict], train: list[dict], held: list[dict]) -> str:
+    """One line on what the fit used: the steps fitted on and held out, those left out (a
+    compilation, a checkpoint save), the mean step time in ms."""
     span = lambda rs: f"{len(rs)} steps ({rs[0]['step']}..{rs[-1]['step']})" if rs else "none"
     left = len(rows) - len(train) - len(held)
     mean = np.mean([r["time_s"] for r in train + held])
@@ -241,6 +250,8 @@ def _summary(rows: list[dict], train: list[dict], held: list[dict]) -> str:
 
 
 def _error_table(errors: dict, chosen: str) -> str:
+    """Each fit's mean and worst relative error on the fitted and held-out steps, the chosen
+    one starred."""
     lines = ["fit        train mean  train max   held-out mean  held-out max"]
     for name, e in errors.items():
         t, h = e["train"], e["holdout"]
@@ -251,6 +262,7 @@ def _error_table(errors: dict, chosen: str) -> str:
 
 
 def _coefficient_table(models: dict[str, CostModel]) -> str:
+    """Each fit's seconds per step and per unit (and unit squared) of each phase, side by side."""
     names = [n for n in FITS if n != "constant"]
     lines = ["seconds per    " + "".join(f"{n:>12}" for n in names)]
     lines.append("step overhead  " + "".join(f"{models[n].overhead:12.3e}" for n in names))
@@ -263,6 +275,9 @@ def _coefficient_table(models: dict[str, CostModel]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxmllm.cost.calibrate RUN_DIR`: fits the cost model on the run's step times
+    and writes the chosen fit (`calibrate`); 0 on success, 2 with the reason on a bad holdout
+    or a file it cannot use."""
     ap = argparse.ArgumentParser(
         prog="python -m jaxmllm.cost.calibrate",
         description="Calibrate the cost model on a run's measured step times (timings.jsonl).",

@@ -61,6 +61,7 @@ class PhaseCost:
     quadratic: float
 
     def item_cost(self, n: np.ndarray) -> np.ndarray:
+        """Cost of items of `n` units each, elementwise (float64)."""
         n = np.asarray(n, np.float64)
         return self.linear * n + self.quadratic * n * n
 
@@ -78,6 +79,7 @@ class CostModel:
     overhead: float = 0.0  # per step, in `unit`: what a step costs besides its items
 
     def phase(self, name: str) -> PhaseCost:
+        """Phase `name`'s coefficients."""
         return self.terms[name]
 
     def tile_weights(
@@ -103,6 +105,7 @@ class CostModel:
         return float(total)
 
     def to_dict(self) -> dict:
+        """The model as its JSON file holds it (`from_file` reads it back)."""
         terms = {p: self.phase(p) for p in PHASES}
         phases = {p: {"linear": c.linear, "quadratic": c.quadratic} for p, c in terms.items()}
         return {"unit": self.unit, "overhead": self.overhead, "phases": phases}
