@@ -43,6 +43,7 @@ MISSES = {
 
 
 def shard_name(k: int) -> str:
+    """Frame cache shard k's file name, without its extension."""
     return f"frames-{k:05d}"
 
 
@@ -66,6 +67,7 @@ class Entry:
     sums: tuple[int, ...]  # one per temporal patch
 
     def patch_bytes(self) -> int:
+        """Bytes of one temporal patch's pixels in the shard (uint8 RGB)."""
         n, h, w = self.shape
         return n // len(self.sums) * h * w * 3
 
@@ -74,6 +76,7 @@ class ShardWriter:
     """Appends videos' frames to one shard (written as `.tmp`, renamed when closed)."""
 
     def __init__(self, folder: Path, k: int):
+        """Shard k of `folder`, written under a temporary name until `close`."""
         self.path = folder / f"{shard_name(k)}.bin"
         self.tmp = self.path.with_suffix(".bin.tmp")
         self.file = open(self.tmp, "wb")
@@ -91,6 +94,8 @@ class ShardWriter:
         return at, sums
 
     def close(self) -> int:
+        """Flushes the shard to disk and gives it its name (a crash leaves only the temporary);
+        returns its size in bytes."""
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
@@ -124,6 +129,8 @@ class FrameCache:
     temporal patches' frames, or None with the reason it did not (`MISSES`)."""
 
     def __init__(self, folder: str | Path):
+        """The cache in `folder`, from its manifest: its shards' sizes, an entry per video (record,
+        item) and the parameters its frames were sampled with. Shards open when first read."""
         self.folder = Path(folder)
         manifest = json.loads((self.folder / MANIFEST).read_text())
         self.shard_bytes = {s["name"]: int(s["bytes"]) for s in manifest["shards"]}
@@ -135,6 +142,7 @@ class FrameCache:
         return {**self.__dict__, "_files": {}}
 
     def __len__(self) -> int:
+        """The videos the cache holds."""
         return len(self.entries)
 
     def groups(
@@ -176,6 +184,8 @@ class FrameCache:
         return out, "hit"
 
     def _open(self, shard: str) -> int | None:
+        """Shard `shard`'s file descriptor, opened once; None (remembered) where the file is missing
+        or not the size the manifest says."""
         if shard in self._files:
             return self._files[shard]
         path = self.folder / f"{shard}.bin"

@@ -24,6 +24,7 @@ class Items:
 
     @classmethod
     def from_lists(cls, lists: list[list[int]]) -> Items:
+        """Items from one list of sizes per sample (pointers and the sizes flattened)."""
         return cls(
             ptr=np.cumsum([0] + [len(x) for x in lists]).astype(np.int64),
             sizes=np.array([v for x in lists for v in x], np.int64),
@@ -35,6 +36,7 @@ class Items:
         return cls(ptr=np.broadcast_to(np.int64(0), (samples + 1,)), sizes=np.zeros(0, np.int64))
 
     def __len__(self) -> int:
+        """Items of every sample together."""
         return len(self.sizes)
 
     def of(self, i: int) -> np.ndarray:
@@ -103,6 +105,7 @@ class Mixture:
         return dict(zip(self.names, n.tolist(), strict=True))
 
     def to_json(self) -> dict:
+        """The mixture as summaries and checkpoints record it: names, first rows and draws."""
         return {"names": list(self.names), "starts": list(self.starts), "draws": list(self.draws)}
 
 
@@ -133,12 +136,14 @@ class LengthsIndex:
     split: np.ndarray | None = None  # int64 [samples]: a pair's first document's LLM tokens
 
     def __post_init__(self):
+        """Every encoder phase has its items (none where not given); a split per row, if any."""
         empty = Items.none(len(self.text))
         self.items = {p.name: self.items.get(p.name, empty) for p in ENCODERS}
         if self.split is not None and len(self.split) != len(self.text):
             raise ValueError(f"split has {len(self.split)} rows, text {len(self.text)}")
 
     def __len__(self) -> int:
+        """The samples."""
         return len(self.text)
 
     @classmethod

@@ -27,6 +27,8 @@ class MixtureSource:
     """
 
     def __init__(self, parts: Sequence, sets: Sequence):
+        """One source over the data sets' sources (`parts`, one per set of `sets`), their rows one
+        set after another; refuses two sets of one name."""
         names = [ds.name for ds in sets]
         twice = [n for n, c in Counter(names).items() if c > 1]
         if twice:
@@ -59,6 +61,7 @@ class MixtureSource:
         self.index_rejects = dict(counts)
 
     def __len__(self) -> int:
+        """Rows of every data set together."""
         return int(self.starts[-1])
 
     @property
@@ -70,13 +73,16 @@ class MixtureSource:
         return self._index
 
     def __getstate__(self):
+        """Sent to a loader worker without its combined lengths index (built again there on use)."""
         return {**self.__dict__, "_index": None}
 
     def _at(self, i: int) -> tuple[int, int]:
+        """(data set, its row) of mixture row i."""
         s = int(np.searchsorted(self.starts, int(i), "right")) - 1
         return s, int(i) - int(self.starts[s])
 
     def __getitem__(self, i: int) -> Sample:
+        """Mixture row i as a Sample, every item decoded."""
         return self.load(i)
 
     def load(self, i: int, keep: dict[str, tuple[int, ...]] | None = None) -> Sample:
@@ -87,5 +93,6 @@ class MixtureSource:
         return sample
 
     def record_id(self, i: int) -> str:
+        """The record id of mixture row i, as its data set names it."""
         s, j = self._at(i)
         return self.parts[s].record_id(j)

@@ -74,6 +74,8 @@ class Params:
 
     @classmethod
     def from_config(cls, cfg: Config) -> Params:
+        """The parameters of the config's data and encoders; refuses an image budget below one
+        merge block."""
         d, v = cfg.data, cfg.model.vision
         sha = tokenizer_sha256(d.tokenizer, d.template_date)
         unit = v.patch_size * v.merge

@@ -49,6 +49,8 @@ class Streams:
     high half, as PCG64 buffers them)."""
 
     def __init__(self, head: list[int], ids: np.ndarray, tail: list[int]):
+        """Seeds a lane per id as `default_rng([*head, id, *tail])` would: the words SeedSequence
+        reads, mixed, its 8 state words, then PCG64's seeding step (state and increment)."""
         ids = np.asarray(ids, np.uint64)
         if ids.size and int(ids.max()) > 0xFFFFFFFF:
             raise ValueError("ids must fit 32 bits")
@@ -74,6 +76,7 @@ class Streams:
         return out
 
     def next64(self) -> np.ndarray:
+        """Every lane's next 64-bit output: the LCG step, then PCG64's XSL-RR output function."""
         self.state = _mul_add(self.state, self.inc)
         a0, a1, a2, a3 = self.state
         hi, lo = (a3 << np.uint64(32)) | a2, (a1 << np.uint64(32)) | a0
@@ -81,6 +84,8 @@ class Streams:
         return (x >> rot) | (x << ((np.uint64(64) - rot) & np.uint64(63)))
 
     def next32(self) -> np.ndarray:
+        """Every lane's next 32-bit output, as PCG64 buffers them: the low half of a fresh 64-bit
+        output, then its high half."""
         if self._half is not None:
             out, self._half = self._half, None
             return out
@@ -140,6 +145,9 @@ class _Ziggurat:
     leaves the fast path (found by bisection, watching how many words a draw takes)."""
 
     def __init__(self):
+        """The ziggurat's per-strip tables for the standard exponential, learned from numpy's own
+        draws: each strip's fast-path value scale (`we`) and the least 53-bit draw that takes the
+        slow path (`ke`, found by bisection); 0 where every draw is slow."""
         gen = np.random.Generator(np.random.PCG64(0))
         self.we = np.zeros(256)
         self.ke = np.zeros(256, np.uint64)
@@ -157,6 +165,7 @@ class _Ziggurat:
     @classmethod
     @functools.cache
     def get(cls) -> _Ziggurat:
+        """The tables, built once per process (a bisection per strip over numpy's draws)."""
         return cls()
 
 
@@ -187,10 +196,13 @@ def check(streams_of, scalar_of, ids: np.ndarray) -> bool:
 
 
 def _u32(x: np.ndarray) -> np.ndarray:
+    """The low 32 bits of each lane (uint64 arrays hold 32-bit words here)."""
     return x & M32
 
 
 def _hashmix(value: np.ndarray, const: list[int]) -> np.ndarray:
+    """SeedSequence's hashmix of 32-bit words, lane-wise; advances the shared multiplier
+    `const[0]` as SeedSequence does between calls."""
     value = value ^ np.uint64(const[0])
     const[0] = (const[0] * MULT_A) & 0xFFFFFFFF
     value = _u32(value * np.uint64(const[0]))
@@ -198,11 +210,14 @@ def _hashmix(value: np.ndarray, const: list[int]) -> np.ndarray:
 
 
 def _mix(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """SeedSequence's mix of two 32-bit words, lane-wise."""
     result = _u32(np.uint64(MIX_L) * x - np.uint64(MIX_R) * y)
     return result ^ (result >> np.uint64(16))
 
 
 def _mix_entropy(entropy: list[np.ndarray]) -> list[np.ndarray]:
+    """SeedSequence's entropy pool (4 words) from the entropy words, lane-wise: each word
+    hashed in, then every pool word mixed with every other, then the words past the pool's."""
     const = [INIT_A]
     zero = np.zeros_like(entropy[0])
     pool = [_hashmix(entropy[k] if k < len(entropy) else zero, const) for k in range(POOL)]
@@ -217,6 +232,8 @@ def _mix_entropy(entropy: list[np.ndarray]) -> list[np.ndarray]:
 
 
 def _generate_state(pool: list[np.ndarray], words: int = 8) -> list[np.ndarray]:
+    """SeedSequence.generate_state(words) from a mixed pool, lane-wise: the 32-bit words PCG64
+    takes its state and increment from."""
     const, out = INIT_B, []
     for k in range(words):
         value = pool[k % POOL] ^ np.uint64(const)
@@ -233,14 +250,18 @@ _MULT = [(PCG_MULT >> (32 * k)) & 0xFFFFFFFF for k in range(4)]
 
 
 def _zeros(shape) -> list[np.ndarray]:
+    """A 128-bit zero per lane, as its four 32-bit limbs."""
     return [np.zeros(shape, np.uint64) for _ in range(4)]
 
 
 def _limbs_of(high: np.ndarray, low: np.ndarray) -> list[np.ndarray]:
+    """A 128-bit number per lane from its 64-bit (high, low) halves, as four 32-bit limbs."""
     return [low & M32, low >> np.uint64(32), high & M32, high >> np.uint64(32)]
 
 
 def _carry(columns: list[np.ndarray]) -> list[np.ndarray]:
+    """Limb sums (each under 2^64) normalised to 32-bit limbs, carrying upwards; the carry out
+    of the top limb is dropped (arithmetic mod 2^128)."""
     out, carry = [], np.uint64(0)
     for column in columns:
         column = column + carry
@@ -250,6 +271,7 @@ def _carry(columns: list[np.ndarray]) -> list[np.ndarray]:
 
 
 def _add(a: list[np.ndarray], b: list[np.ndarray]) -> list[np.ndarray]:
+    """a + b mod 2^128, lane-wise."""
     return _carry([x + y for x, y in zip(a, b, strict=True)])
 
 

@@ -46,6 +46,7 @@ class Sizes:
     media: dict[str, list[tuple]] = field(default_factory=dict)
 
     def __post_init__(self):
+        """Every kind of media of the table has its list (empty where the record has none)."""
         self.media = {k.name: list(self.media.get(k.name, [])) for k in KINDS}
 
 
@@ -94,6 +95,7 @@ class Layout:
         return self.ops if self.split is None else self.ops[: self.split]
 
     def parts(self, phase: str | None = None) -> list[Part]:
+        """The sample's encoder parts in order (of `phase` only, where given)."""
         return [op for op in self.items if isinstance(op, Part) and phase in (None, op.phase)]
 
     def counts(self) -> dict:
@@ -106,6 +108,7 @@ class Layout:
         return out
 
     def loss_tokens(self) -> int:
+        """The tokens that carry the loss."""
         return int(sum(op.loss.sum() for op in self.ops if isinstance(op, Text)))
 
 
@@ -113,6 +116,7 @@ class Preprocessor:
     """Turns parsed records into layouts (from sizes alone) and Samples (decoding media)."""
 
     def __init__(self, params: Params, tokenizer=None):
+        """A preprocessor of `params` with their tokenizer (or `tokenizer`, already made)."""
         self.p = params
         self.tokenizer = tokenizer or make_tokenizer(
             params.tokenizer, params.template_date, params.max_tokenizer_bytes
@@ -334,11 +338,13 @@ class _Budget:
     """Running totals against Limits while a layout is built."""
 
     def __init__(self, limits: Limits):
+        """Tokens and, per encoder phase, units left under `limits` (unbounded where none)."""
         inf = math.inf
         self.tokens_left = limits.max_tokens if limits.max_tokens is not None else inf
         self.units_left = {p: limits.max_units.get(p, inf) for p in NAMES}
 
     def take_tokens(self, n: int) -> int:
+        """Takes up to n tokens of what is left; returns how many fit."""
         keep = int(min(n, self.tokens_left))
         self.tokens_left -= keep
         return keep

@@ -37,6 +37,9 @@ class Outcome:
 
 
 def _answer(key, fn: Callable, job) -> tuple:
+    """(key, the value of `fn(job)`, None, False), or its error as the build reports it: a
+    ConfigError's message (flagged: a file the build cannot read), any other exception's type,
+    message and traceback. Never raises, so a job's failure is its outcome, not the worker's."""
     try:
         return (key, fn(job), None, False)
     except ConfigError as e:
@@ -49,17 +52,21 @@ class InProcess:
     """Runs each job at once in this process (no protection from a crash: it is the build's)."""
 
     def __init__(self, init: Callable, context):
+        """Runs the build's `init(context)` here, once."""
         init(context)
         self.done: list[Outcome] = []
 
     def submit(self, key, fn: Callable, job) -> None:
+        """Runs the job now; its outcome waits for the next `wait`."""
         self.done.append(Outcome(*_answer(key, fn, job)))
 
     def wait(self) -> list[Outcome]:
+        """The outcomes of the jobs run since the last call."""
         done, self.done = self.done, []
         return done
 
     def close(self) -> None:
+        """Nothing to stop: the jobs ran in this process."""
         pass
 
 
@@ -76,6 +83,7 @@ class LocalProcesses:
     each; one that dies is reported (`died`, with its exit code or signal) and replaced."""
 
     def __init__(self, workers: int, init: Callable, context):
+        """Starts `workers` spawned processes, each running `init(context)` before its first job."""
         self.ctx = multiprocessing.get_context("spawn")
         self.init, self.context = init, context
         self.queue: deque = deque()
@@ -83,6 +91,7 @@ class LocalProcesses:
         self.slots = [self._start() for _ in range(workers)]
 
     def _start(self):
+        """A fresh worker process and this side's end of its pipe."""
         parent, child = self.ctx.Pipe()
         process = self.ctx.Process(target=_serve, args=(child, self.init, self.context))
         process.daemon = True
@@ -91,10 +100,13 @@ class LocalProcesses:
         return process, parent
 
     def submit(self, key, fn: Callable, job) -> None:
+        """Queues the job; it runs as soon as a worker is free."""
         self.queue.append((key, fn, job))
         self._dispatch()
 
     def _dispatch(self) -> None:
+        """Gives each idle worker the next queued job; a worker found dead while idle is replaced
+        and its job sent to the new one."""
         for slot in range(len(self.slots)):
             if slot not in self.running and self.queue:
                 self.running[slot] = self.queue.popleft()
@@ -106,6 +118,8 @@ class LocalProcesses:
                     self.slots[slot][1].send(self.running[slot])
 
     def wait(self) -> list[Outcome]:
+        """Blocks until a running job ends, then returns every finished one's outcome; a worker that
+        died mid-job reports it as `died` (how, from its exit code) and is replaced."""
         if not self.running:
             return []
         busy = {slot: self.slots[slot] for slot in self.running}
@@ -129,6 +143,8 @@ class LocalProcesses:
         return done
 
     def close(self) -> None:
+        """Asks idle workers to stop, then terminates any still running after a few seconds (at
+        once when jobs are still out: the build is stopping)."""
         for process, conn in self.slots:
             if process.is_alive() and not self.running:
                 try:
@@ -163,6 +179,8 @@ _ray_context: dict = {}
 
 
 def _ray_job(init: Callable, context, key, fn: Callable, job) -> tuple:
+    """A Ray task: runs the build's `init(context)` once per build in the worker process (a
+    worker runs tasks of one build after another's), then the job (`_answer`)."""
     token = context.token  # (a worker process runs jobs of one build after another's)
     if _ray_context.get("token") != token:
         init(context)
@@ -175,6 +193,8 @@ class RayTasks:
     this machine or RAY_ADDRESS names, else a local one for this build)."""
 
     def __init__(self, address: str, init: Callable, context):
+        """Joins the cluster at `address` (unless this process already has) and wraps the job as a
+        task Ray retries `RETRIES` times when its worker or node dies; refuses without Ray."""
         try:
             import ray
         except ImportError:
@@ -189,13 +209,17 @@ class RayTasks:
         self.pending: dict = {}  # ObjectRef -> key
 
     def cores(self) -> int:
+        """The cluster's CPUs, as Ray counts them (what sizes the build's shards)."""
         return int(self.ray.cluster_resources().get("CPU", 1))
 
     def submit(self, key, fn: Callable, job) -> None:
+        """Starts the job as a Ray task."""
         ref = self.remote.remote(self.init, self.context, key, fn, job)
         self.pending[ref] = key
 
     def wait(self) -> list[Outcome]:
+        """Blocks until a task ends, then returns the outcomes of those done: a task whose own code
+        raised is its error; one that died past its retries is `died`."""
         if not self.pending:
             return []
         ready, _ = self.ray.wait(list(self.pending), num_returns=1)
@@ -211,6 +235,7 @@ class RayTasks:
         return done
 
     def close(self) -> None:
+        """Cancels the tasks still out (force: their workers are killed)."""
         for ref in self.pending:
             self.ray.cancel(ref, force=True)
 

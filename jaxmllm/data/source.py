@@ -67,6 +67,8 @@ class ManifestSource:
         keep: np.ndarray | None = None,
         limits: dict[int, Limits] | None = None,
     ):
+        """A source over `index`'s rows (`keep`: the rows of `stored` they are, where some were
+        dropped), laid out by `pre`; `limits`: per row, the oversize policy's repairs."""
         self.records, self.pre, self.stored, self.index = records, pre, stored, index
         self.keep, self.limits = keep, dict(limits or {})
         # (the planner's lengths are the mapped columns themselves: a worker maps them again)
@@ -80,9 +82,11 @@ class ManifestSource:
         self.pairs = False
 
     def __len__(self) -> int:
+        """The accepted records: rows of the index."""
         return len(self.index)
 
     def __getitem__(self, i: int) -> Sample:
+        """Index row i as a Sample, every item decoded (`load`)."""
         return self.load(i)
 
     def stored_row(self, i: int) -> int:
@@ -122,12 +126,16 @@ class ManifestSource:
         return sample
 
     def record_id(self, i: int) -> str:
+        """The record id of index row i (what rejects and summaries name)."""
         return self.stored.ids[self.stored_row(i)]
 
     def __getstate__(self):
+        """The source as it travels to a loader worker: a mapped index is left out (the worker maps
+        the files again) rather than copied through the pipe."""
         return {**self.__dict__, "index": None} if self.mapped else self.__dict__
 
     def __setstate__(self, state: dict) -> None:
+        """The source in a loader worker: its index mapped again from the stored files."""
         self.__dict__.update(state)
         if self.index is None:
             self.index = self.stored.lengths()
@@ -151,12 +159,16 @@ class Rows:
     """A source's samples as index rows (dicts): `rows[i]`, `len(rows)`, iteration."""
 
     def __init__(self, source: ManifestSource):
+        """The rows of `source`'s index."""
         self.source = source
 
     def __len__(self) -> int:
+        """The source's rows."""
         return len(self.source)
 
     def __getitem__(self, i: int) -> dict:
+        """Index row i as a dict: its record's id, row and line in the data files, its counts
+        and its media sizes by the kinds' keys (what the lengths file holds)."""
         s, j = self.source, self.source.stored_row(i)
         sizes = s.stored.media_sizes(j)
         row = {"id": s.stored.ids[j], "row": int(s.stored.row[j]), "line": int(s.stored.line[j])}
@@ -165,6 +177,7 @@ class Rows:
         return row
 
     def __iter__(self):
+        """Every row in order."""
         return (self[i] for i in range(len(self)))
 
 
@@ -177,6 +190,7 @@ def index_text(sample: Sample, media_ids: list[int]) -> int:
 
 
 def _indexed(counts: list, j: int) -> int:
+    """The index's count of item `j`, or -1 where the index has no such item (a mismatch)."""
     return counts[j] if j < len(counts) else -1  # -1: not in the index, a mismatch
 
 
@@ -346,12 +360,15 @@ class FileList:
     """The index's data files as Paths, from its mapped column."""
 
     def __init__(self, paths: Strings):
+        """The index's mapped column of data file paths."""
         self.paths = paths
 
     def __len__(self) -> int:
+        """The data files."""
         return len(self.paths)
 
     def __getitem__(self, f: int) -> Path:
+        """Data file f's path."""
         return Path(self.paths[f])
 
 

@@ -114,12 +114,15 @@ class StoredIndex:
         return out
 
     def _ints(self, file: str, shape: tuple) -> np.ndarray:
+        """Column `file`, mapped, checked to be int64 counts of `shape`'s leading dimensions."""
         array = open_column(self.folder, file, self.table)
         if array.dtype != np.int64:
             raise ColumnError(f"{self.folder / file} holds {array.dtype}, not int64 counts")
         return self._shape(file, shape, array)
 
     def _shape(self, file: str, shape: tuple, array=None) -> np.ndarray:
+        """Column `file` (or the `array` already mapped), checked to have `shape`'s leading
+        dimensions: a half-written or mixed-up index has other row counts."""
         array = open_column(self.folder, file, self.table) if array is None else array
         if array.shape[: len(shape)] != shape:
             raise ColumnError(
@@ -129,6 +132,7 @@ class StoredIndex:
         return array
 
     def _ragged(self, name: str, values: str) -> tuple[np.ndarray, np.ndarray]:
+        """A ragged column's row pointers and values, the pointers checked to span the values."""
         ptr = self._ints(f"{name}.ptr.npy", (self.n + 1,))
         data = open_column(self.folder, f"{values}.npy", self.table)
         if len(ptr) and (int(ptr[0]) != 0 or int(ptr[-1]) != len(data)):
@@ -170,6 +174,8 @@ class ScanColumns:
     as its reader takes it."""
 
     def __init__(self, folder: Path, table: dict, keys: list[str], files: int):
+        """Each data file's scan columns (`keys`), mapped from `folder`: a pointer per file into its
+        values (what a record reader needs to seek without scanning the file again)."""
         self.args = (folder, table, keys, files)  # (a worker process maps them again)
         self.columns = {}
         for key in keys:
@@ -185,9 +191,11 @@ class ScanColumns:
             self.columns[key] = (ptr, values)
 
     def of(self, f: int) -> dict:
+        """Data file f's scan values, by key."""
         return {k: v[int(p[f]) : int(p[f + 1])] for k, (p, v) in self.columns.items()}
 
     def __reduce__(self):
+        """Sent to a worker process as its files, mapped again there."""
         return ScanColumns, self.args
 
 
@@ -222,6 +230,8 @@ def check_places(index: StoredIndex) -> None:
 
 
 def _within(folder: Path, file: str, column: np.ndarray, low, high) -> None:
+    """Refuses (ColumnError, naming the file and the first row) a column with a value below
+    `low` or above `high` (None: no upper bound), read a chunk at a time."""
     for start, part in chunks(column):
         outside = part < low
         if high is not None:
@@ -236,6 +246,7 @@ def _within(folder: Path, file: str, column: np.ndarray, low, high) -> None:
 
 
 def _ascending(folder: Path, file: str, column: np.ndarray, strict: bool = False) -> None:
+    """Refuses a column that goes back anywhere (`strict`: or repeats), read a chunk at a time."""
     last = None
     for start, part in chunks(column):
         if not len(part):

@@ -53,10 +53,12 @@ def chunk_lengths(frames: int, max_frames: int) -> list[int]:
 
 
 def resampled_length(num_samples: int, sample_rate: int, target_rate: int) -> int:
+    """Samples a clip of `num_samples` at `sample_rate` has at `target_rate` (rounded down)."""
     return num_samples * target_rate // sample_rate
 
 
 def hop_length(rate: int) -> int:
+    """Samples between log-mel frames at `rate` Hz (HOP_S seconds)."""
     return round(rate * HOP_S)
 
 
@@ -109,6 +111,8 @@ def open_mono(src: Source, record_id: str, caps: Caps):
 
 
 def _blocks(f: soundfile.SoundFile, src: Source, record_id: str) -> Iterator[np.ndarray]:
+    """The open file's samples as mono float32 blocks (channels averaged), read a block at a
+    time so a long clip never sits in memory whole; refuses NaN and inf samples."""
     block = max(1, BLOCK_SAMPLES // f.channels)
     try:
         for x in f.blocks(block, dtype="float32", always_2d=True, frames=f.frames):
@@ -138,6 +142,8 @@ def decode_mono(
 
 
 def _check_header(src, frames, rate, channels, caps: Caps, record_id) -> None:
+    """Refuses a clip from its header before a sample is read: empty, an implausible rate, or
+    past the caps (its seconds, samples x channels, the memory decoding it takes)."""
     if frames <= 0 or rate <= 0 or channels <= 0:
         raise RecordError("undecodable_media", f"{_name(src)}: empty or unknown length", record_id)
     if rate > MAX_RATE:
@@ -180,6 +186,8 @@ class Resampler:
     """
 
     def __init__(self, rate: int, target: int):
+        """A streaming resampler from `rate` to `target` Hz: a windowed-sinc low-pass (Hamming,
+        2 TAPS + 1 taps) where it downsamples, then linear interpolation."""
         self.rate, self.target, self.ratio = rate, target, rate / target
         self.taps = None
         if target < rate:
@@ -195,6 +203,8 @@ class Resampler:
         self.done = 0  # outputs made
 
     def feed(self, x: np.ndarray) -> None:
+        """Takes the next block of samples: filters what its taps now reach and interpolates the
+        outputs whose neighbours are both filtered."""
         if self.rate == self.target:
             self.out.append(x.astype(np.float32))
             return
@@ -232,6 +242,8 @@ class Resampler:
         self.raw, self.raw0 = self.raw[keep:], self.raw0 + keep
 
     def _interp(self, final: bool) -> None:
+        """Linearly interpolates the outputs the filtered samples reach (`final`: every output of
+        the clip's length, the last ones against the end)."""
         last = self.f0 + len(self.filtered) - 1  # the newest filtered sample
         if final:
             n_out = resampled_length(self.n, self.rate, self.target)
@@ -394,6 +406,7 @@ def _soundfile():
 
 
 def _file(src: Source):
+    """What soundfile opens: a path as it is, inline bytes as a seekable file."""
     return _Bytes(src) if isinstance(src, bytes) else src
 
 
@@ -403,6 +416,7 @@ class _Bytes(io.BytesIO):
     print as an ignored exception on stderr."""
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """A seek before the start stays where it is and says so, instead of raising."""
         try:
             return super().seek(offset, whence)
         except ValueError:
@@ -410,10 +424,12 @@ class _Bytes(io.BytesIO):
 
 
 def _what(src: Source, e: Exception) -> str:
+    """A decoder's exception as a reject's detail (the file, the error; at most 500 characters)."""
     return f"{_name(src)}: {type(e).__name__}: {e}"[:500]
 
 
 def _name(src: Source) -> str:
+    """The file's path, or how many inline bytes it is."""
     return f"<{len(src)} inline bytes>" if isinstance(src, bytes) else str(src)
 
 

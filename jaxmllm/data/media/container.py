@@ -22,9 +22,12 @@ class open_video:
     reading with one decoder thread; a file that does not open is `undecodable_media`."""
 
     def __init__(self, src: Source, record_id: str, max_bytes: int = MAX_MEDIA_BYTES):
+        """A video file to open (`src`: a path or inline bytes), refused past `max_bytes`."""
         self.src, self.record_id, self.max_bytes = src, record_id, max_bytes
 
     def __enter__(self):
+        """Opens the container with PyAV: it and its first video stream, decoder threads set;
+        refuses a file over the size cap, one FFmpeg cannot read, one without a video stream."""
         import av  # (PyAV: FFmpeg's libraries as a wheel; imported only where videos are read)
 
         check_media_file(self.src, self.record_id, self.max_bytes)  # (data.max_media_bytes)
@@ -47,6 +50,7 @@ class open_video:
         return self.container, stream
 
     def __exit__(self, *exc):
+        """Closes the container; exceptions go on."""
         self.container.close()
         return False
 
@@ -76,6 +80,8 @@ def set_decode_threads(n: int) -> None:
 
 
 def decode_threads() -> int:
+    """FFmpeg threads a video decoder takes: this process's share (`set_decode_threads`), else
+    every core."""
     return _THREADS[0] or cores()
 
 

@@ -333,6 +333,8 @@ def fit_to_grid(rgb: np.ndarray, height: int, width: int, unit: int) -> np.ndarr
 
 
 def _to_rgb(img: Image.Image) -> np.ndarray:
+    """A decoded image as uint8 RGB [h, w, 3]: 16-bit and float grayscale scaled to 8 bits,
+    transparency composited on white, any other mode converted by PIL."""
     if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):  # 16-bit / float grayscale
         a = np.asarray(img, np.float32)
         scale = 65535.0 if img.mode != "F" else max(float(a.max()), 1.0)
@@ -346,6 +348,7 @@ def _to_rgb(img: Image.Image) -> np.ndarray:
 
 
 def _orientation(img: Image.Image) -> int:
+    """The image's EXIF orientation (1..8; 1, upright, where it has none or a broken block)."""
     try:
         if img.format == "PNG" and "exif" not in img.info and _png_tail_read(img):
             return int(Image.Image.getexif(img).get(ORIENTATION, 1))  # (all but the pixels)
@@ -413,10 +416,13 @@ def _bomb_check_as_error():
 
 
 def _what(src: Source, e: Exception) -> str:
+    """A decoder's exception as a reject's detail (the file, the error; at most 500 characters)."""
     return f"{_name(src)}: {type(e).__name__}: {e}"[:500]
 
 
 def _tail_ok(src: Source, fmt: str | None) -> bool:
+    """Whether a JPEG or PNG file ends with its end marker in its last 64 bytes (a truncated
+    file does not); other formats pass."""
     marker = {"JPEG": b"\xff\xd9", "PNG": b"IEND\xaeB`\x82"}.get(fmt or "")
     if marker is None:
         return True
@@ -431,6 +437,7 @@ def _tail_ok(src: Source, fmt: str | None) -> bool:
 
 
 def _name(src: Source) -> str:
+    """The file's path, or how many inline bytes it is."""
     return f"<{len(src)} inline bytes>" if isinstance(src, bytes) else str(src)
 
 

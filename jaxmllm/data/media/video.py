@@ -81,6 +81,7 @@ class VideoInfo:
 
     @classmethod
     def of(cls, size: Sequence) -> VideoInfo:
+        """The info of an index row's `video_sizes` entry (`as_size`'s inverse)."""
         frames, rate, height, width = size
         return cls(int(frames), float(rate), int(height), int(width))
 
@@ -397,6 +398,8 @@ class _Decoder:
         self.decoded = self.seeks = 0
 
     def _keyframes(self) -> np.ndarray:
+        """The keyframes' times (seconds, ascending) from a pass over the packets (no decoding);
+        refuses more packets than the header's frames allow and checks an MJPEG stream's frames."""
         tb, most = self.stream.time_base, int(self.info.frames * FRAME_SLACK) + 2
         keys, packets = [], 0
         for packet in self.container.demux(self.stream):
@@ -413,6 +416,9 @@ class _Decoder:
         return np.unique(np.asarray(keys or [self.start], np.float64))
 
     def frames(self, indices: list[int]) -> list[np.ndarray]:
+        """The frames shown at `indices` (ascending) as RGB at the decoder's size: decoding on from
+        where it is, or seeking to the keyframe before the next wanted frame when that lies
+        ahead; a stream a frame or so short of its header repeats its last frame."""
         rate = self.info.rate
         shown = [self.start + i / rate for i in indices]  # when each wanted frame is shown
         out: list[np.ndarray] = []
@@ -451,6 +457,7 @@ class _Decoder:
         return float(self.keys[max(at, 0)])
 
     def _rgb(self, frame) -> np.ndarray:
+        """A decoded frame converted and resized to the target size by swscale (bicubic)."""
         width, height = self.size
         rgb = frame.reformat(width=width, height=height, format="rgb24", interpolation="BICUBIC")
         return rgb.to_ndarray()
@@ -460,8 +467,10 @@ class _Decoder:
 
 
 def _start(stream) -> float:
+    """When the stream's first frame is shown, in seconds (0 without a start time)."""
     return float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
 
 
 def _pts(seconds: float, stream) -> int:
+    """`seconds` in the stream's time base (what a seek takes)."""
     return int(Fraction(seconds).limit_denominator(1 << 20) / stream.time_base)
