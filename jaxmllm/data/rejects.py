@@ -234,12 +234,27 @@ class LoadShare:
 WIDTH = 100  # the lines rejects are wrapped to (never cut: a path is the clue)
 
 
+# What starts each continued line of a reject's example: the example holds a record's own id,
+# path and detail, escaped (`printable`) but with their spaces, so a break at one of those
+# spaces could start a line with the record's text, which then reads as the summary's own
+# ("rejected, by reason: none" forged in an id). Where the break falls hangs on the length of
+# the data's path.
+CONTINUED = "| "
+
+
 def wrapped(text: str, indent: str = "", width: int = WIDTH) -> list[str]:
     """`text` whole on lines of about `width`, the second and later indented by `indent`
     (words and paths never split: a line holds a longer path whole)."""
     return textwrap.wrap(
         text, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
     ) or [""]
+
+
+def example_lines(reason: str, count: int, example: str) -> list[str]:
+    """A reason's line of a rejects table, `example` (a record's id, place and detail) after its
+    count; a longer line continued under it after `CONTINUED`, so no line starts with what a
+    record wrote."""
+    return wrapped(f"    {reason:<22} {count:>7}  {example}", " " * 8 + CONTINUED)
 
 
 def by_reason(counts: dict[str, float]) -> str:
