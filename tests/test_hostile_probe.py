@@ -65,18 +65,33 @@ def test_a_run_whose_media_are_missing_here_stops_naming_the_cause(data, tmp_pat
     assert "no such file" in message and len(read_rejects(out / "rejects.jsonl")) == 16
 
 
-def test_a_few_missing_media_are_within_the_bound(data, tmp_path):
+def test_a_few_missing_media_are_within_the_bound(data, tmp_path, caplog):
+    """Within data.max_load_rejects the run goes on, and every reject it let pass is counted:
+    by reason in the step metrics, in the logging window's line, and a line each in the log."""
     manifest, cfg = data
     records = [json.loads(x) for x in manifest.read_text().splitlines()]
     (manifest.parent / records[0]["images"][0]).unlink()
     source, out = open_source(cfg), tmp_path / "run"
     report = RunReport(cfg, out, 0, out / "rejects.jsonl")
     many = [np.arange(16)] * 3  # (48 draws, 3 failing: judged, under 0.1)
-    steps_of(Loader(cfg, source, write=False), report, many)
+    loader = Loader(cfg, source, write=False)
+    steps_of(loader, report, many)
+    assert loader.counts()["rejects/load_total"] == 3.0
+    assert loader.counts()["rejects/load_missing_media"] == 3.0
+    with caplog.at_level("WARNING", logger="jaxmllm"):
+        report.logged(3)
+    assert "load-time rejects in steps 1-3: 3 (missing_media 3)" in caplog.text, caplog.text
+    logged = read_rejects(out / "rejects.jsonl")
+    assert [r["id"] for r in logged] == [records[0]["id"]] * 3
+    assert {r["reason"] for r in logged} == {"missing_media"}
+
     lax = config(manifest, f"train.output_dir={tmp_path / 'lax'}", "data.max_load_rejects=1")
     (manifest.parent / "media").rename(tmp_path / "elsewhere")
     report = RunReport(lax, tmp_path / "lax", 0, tmp_path / "lax" / "rejects.jsonl")
-    steps_of(Loader(lax, open_source(lax), write=False), report, many)  # (1: never stops)
+    loader = Loader(lax, open_source(lax), write=False)
+    steps_of(loader, report, many)  # (1: never stops)
+    assert loader.counts()["rejects/load_missing_media"] == 48.0
+    assert len(read_rejects(tmp_path / "lax" / "rejects.jsonl")) == 48
 
 
 def test_the_rejects_log_lists_what_the_run_counted_and_records_apart_from_draws(data, tmp_path):
