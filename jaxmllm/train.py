@@ -41,7 +41,7 @@ from jaxmllm.loop.evaluate import open_evaluator
 from jaxmllm.loop.guards import NonFiniteError, NonFiniteGuard, Preemption
 from jaxmllm.loop.ledger import Ledger
 from jaxmllm.loop.lock import hold_output_dir
-from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter, device_peak
+from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter, device_peak, logged_step
 from jaxmllm.loop.summary import RunReport, rejects_file, schedule_note
 from jaxmllm.loop.timings import TimingsRecorder
 from jaxmllm.loop.watchdog import startup_signals, step_watchdog
@@ -166,7 +166,7 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
                 ledger.write(done, info.parts)
             window.add(info, waited)
             report.step(info)
-            if done % t.log_every == 0 or done in (1, t.steps):
+            if logged_step(done, t):
                 last = log_step(done, metrics, info, window, guard.total, writer, bar)
                 report.logged(done)
             if evaluator is not None and evaluator.due(done):  # (reads the params, no more)

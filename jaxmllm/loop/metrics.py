@@ -175,6 +175,32 @@ def throughput(tokens: float, flops: float, steps: int, seconds: float, n_dev: i
     }
 
 
+def logged_step(done: int, train) -> bool:
+    """Whether the step `done` (1-based) is logged: every `train.log_every`, the first and the
+    last. Every process logs the same steps: the collectives of a logged step run there."""
+    return done % train.log_every == 0 or done in (1, train.steps)
+
+
+def over_processes(mine: np.ndarray) -> np.ndarray:
+    """Every process's vector `mine` (the same length on each), as rows [processes, n] in
+    process order; with one process `mine` alone, and no collective.
+
+    With several it is a collective (`multihost_utils.process_allgather`): every process calls
+    it at the same step, with a vector of the same length.
+    """
+    mine = np.asarray(mine, np.float64)
+    if jax.process_count() == 1:
+        return mine[None]
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(mine))
+
+
+def summed_over_processes(mine: np.ndarray) -> np.ndarray:
+    """The job's counts: `mine` summed over the processes (`over_processes`, a collective)."""
+    return over_processes(mine).sum(0)
+
+
 def _global_stats(tokens: float, flops: float, fill: dict, rejects: dict):
     """Sums this host's step statistics over all processes (a no-op with one process).
 
@@ -182,12 +208,10 @@ def _global_stats(tokens: float, flops: float, fill: dict, rejects: dict):
     """
     if jax.process_count() == 1:
         return tokens, flops, fill, rejects
-    from jax.experimental import multihost_utils
-
     fills = sorted(fill)
     loads = [f"rejects/load_{r}" for r in sorted(REASONS)]
     mine = [tokens, flops] + [fill[k] for k in fills] + [rejects.get(k, 0.0) for k in loads]
-    every = np.asarray(multihost_utils.process_allgather(np.asarray(mine, np.float64)))
+    every = over_processes(np.asarray(mine, np.float64))
     total = every.sum(0)
     fill = {k: float(every[:, 2 + i].mean()) for i, k in enumerate(fills)}  # equal-size hosts
     rejects = dict(rejects)

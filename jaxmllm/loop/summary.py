@@ -22,6 +22,7 @@ from jaxmllm.data.datasets import data_sets, index_command, index_dir
 from jaxmllm.data.preprocess import Params
 from jaxmllm.data.rejects import LoadShare, append_rejects, by_reason, shown_id, wrapped
 from jaxmllm.feed.info import StepInfo
+from jaxmllm.loop.metrics import logged_step, summed_over_processes
 from jaxmllm.step.program import warmup_steps
 
 log = logging.getLogger("jaxmllm")
@@ -61,7 +62,8 @@ class RunReport:
     It also writes each step's load-time rejects to the rejects file when the loop takes the
     step (the feed loads steps ahead: those never trained are in no log), tells the records
     that failed apart from their draws (a missing image drawn in 32 epochs is one record),
-    and stops the run when too many of the samples drawn failed (data.max_load_rejects)."""
+    and stops the run when too many of the samples drawn failed (data.max_load_rejects, over
+    all the job's processes)."""
 
     def __init__(self, cfg: Config, out: Path, start: int, rejects_file: Path):
         self.cfg, self.out, self.start, self.rejects_file = cfg, out, start, rejects_file
@@ -69,7 +71,8 @@ class RunReport:
         self.first_step = start + 1  # the first step of the current logging window
         self.new: dict[str, int] = {}  # this window's load-time rejects here, by reason
         self.first: dict | None = None  # and the first of them
-        self.loads = LoadShare(cfg.data.max_load_rejects)  # this run's draws and failures here
+        # this run's draws and failures, judged over the job's processes
+        self.loads = LoadShare(cfg.data.max_load_rejects, summed_over_processes)
         self.failed: set[int] = set()  # the samples that failed to load here this run
 
     def step(self, info: StepInfo) -> None:
@@ -82,8 +85,11 @@ class RunReport:
         self.first = self.first or info.first_reject
         self.loads.add(len(info.parts.get("read", ())), info.new_rejects, info.first_reject)
         done = info.step + 1
-        steps = f"steps {self.start + 1}-{done}" if done > self.start + 1 else f"step {done}"
-        self.loads.check(steps, done >= self.cfg.train.steps, index_command(self.cfg))
+        # (several processes: judged at the logged steps, where every process is anyway in
+        # the metrics' collective; a collective each step would stall the steps in flight)
+        if jax.process_count() == 1 or logged_step(done, self.cfg.train):
+            steps = f"steps {self.start + 1}-{done}" if done > self.start + 1 else f"step {done}"
+            self.loads.check(steps, done >= self.cfg.train.steps, index_command(self.cfg))
 
     def logged(self, done: int) -> None:
         """At a logged step: one line about the window's load-time rejects, if there were any;
