@@ -124,6 +124,8 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
     state = start_reference(cfg, prog, state)  # (preference: the reference policy, frozen)
     if is_main:  # (only once the resume checks passed: a refused run leaves the folder as it was)
         write_config(cfg, out)
+    if evaluator is not None:  # (the eval set's rejects likewise: each process its own file)
+        evaluator.write_rejects()
     start = int(state["step"])
     if start:
         print(f"resumed from checkpoint at step {start} in {mngr.directory}")

@@ -39,6 +39,7 @@ from jaxmllm.batch.bucketize import host_buckets, text_segments
 from jaxmllm.config import Config, ConfigError, keep_origin
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.data.rejects import append_rejects
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.feed.iterator import Feed
 from jaxmllm.loop.answers import Questions
@@ -114,12 +115,16 @@ def sample_mixes(index: LengthsIndex) -> np.ndarray:
     return mix
 
 
-def plan_set(run: Run, source, index: LengthsIndex, reject_log, reference=None) -> list[dict]:
+def plan_set(
+    run: Run, source, index: LengthsIndex, reference=None
+) -> tuple[list[dict], list[dict]]:
     """The set's step batches (this host's rows, with `eval_mix`: each token's sample's mix,
     -1 for tokens not counted): the training feed over the set (`Feed`: the run's planner at
-    its shapes, this host's parts loaded, bucketized), until every sample has been planned."""
+    its shapes, this host's parts loaded, bucketized), until every sample has been planned;
+    and the load-time rejects of this host's samples, as entries of a rejects log (written by
+    the caller: `Evaluator.write_rejects`)."""
     try:  # (loaded in this process: the set is loaded once, at start-up)
-        feed = Feed(run, source, index, workers=0, reject_log=reject_log, reference=reference)
+        feed = Feed(run, source, index, workers=0, write_rejects=False, reference=reference)
     except OversizeError as e:
         raise ConfigError(f"data.eval: a sample does not fit the run's buckets: {e}") from None
     caps = run.caps
@@ -139,7 +144,7 @@ def plan_set(run: Run, source, index: LengthsIndex, reject_log, reference=None) 
         batch["eval_mix"] = _token_mixes(plan, samples, caps, run.positions, batch, mixes, seen)
         batches.append(batch)
     feed.close()
-    return batches
+    return batches, ([] if feed.loader is None else feed.loader.log.take_entries())
 
 
 def _count_once(plan: StepPlan, samples, caps, positions, batch, seen) -> None:
@@ -263,10 +268,11 @@ class Evaluator:
         self.every, self.last = cfg.train.eval_every, cfg.train.steps
         source, index = eval_source(cfg)
         rank = jax.process_index()
-        rejects = out / ("rejects.eval.jsonl" if rank == 0 else f"rejects.eval.process{rank}.jsonl")
+        name = "rejects.eval.jsonl" if rank == 0 else f"rejects.eval.process{rank}.jsonl"
+        self.rejects_file = out / name
         # (preference.reference: precomputed: the held-out pairs' own, `init_from`)
         reference = (run.reference_logps or {}).get("eval")
-        self.batches = plan_set(run, source, index, rejects, reference)
+        self.batches, self.rejects = plan_set(run, source, index, reference)
         self.pairs = cfg.train.objective == "dpo"
         if self.pairs:  # (the sums come back whole on every process)
             out = sharding.replicated(run.mesh)
@@ -282,6 +288,14 @@ class Evaluator:
             len(self.batches),
             0 if self.questions is None else len(self.questions.prompts),
         )
+
+    def write_rejects(self) -> None:
+        """Writes the set's load-time rejects (this host's) to `rejects_file`, replacing the
+        last start's: every start plans the same set, so appending listed each reject once a
+        start. The trainer calls it once the resume checks passed and the state is restored,
+        as it writes config.json: a run refused at start-up leaves its folder as it was."""
+        self.rejects_file.unlink(missing_ok=True)
+        append_rejects(self.rejects_file, self.rejects)
 
     def due(self, step: int) -> bool:
         """Whether step `step` (just done) is evaluated: every `eval_every`, and the last."""
