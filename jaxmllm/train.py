@@ -262,6 +262,8 @@ def log_step(done: int, metrics: dict, info: StepInfo, window, nonfinite_total, 
 
 
 def _progress(cfg: Config, start: int, enabled: bool):
+    """The step progress bar (tqdm) from `start` to train.steps: shown on process 0 with
+    train.progress_bar, disabled elsewhere."""
     from tqdm import tqdm
 
     return tqdm(
@@ -275,6 +277,7 @@ def _progress(cfg: Config, start: int, enabled: bool):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line of `python -m jaxmllm.train`: --config and its --set overrides."""
     p = argparse.ArgumentParser(
         prog="python -m jaxmllm.train",
         description=__doc__,
@@ -291,6 +294,8 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 def _command(argv: list[str] | None) -> None:
+    """Trains per the command line's config; a SIGTERM during start-up says what it interrupted.
+    Errors are `cli`'s to report (`jaxmllm.config.command`)."""
     guards.outlive_closed_pipes()  # (a `| tee` that Ctrl-C ended never costs the checkpoint)
     configure_logging(logging.WARNING, ours=logging.INFO)  # (with their time; not orbax chatter)
     args = parse_args(argv)
