@@ -67,6 +67,8 @@ class HeldOut:
     `num_samples + i`, which no training step can draw."""
 
     def __init__(self, cfg: Config):
+        """A synthetic source of num_samples + data.eval.samples samples, and the lengths index
+        of those past num_samples: the held-out share."""
         syn, n = cfg.data.synthetic, cfg.data.synthetic.num_samples
         more = dataclasses.replace(syn, num_samples=n + cfg.data.eval.samples)
         self.source = SyntheticSource(
@@ -77,12 +79,15 @@ class HeldOut:
         self.index = LengthsIndex.from_records([every.record(i) for i in range(n, len(every))])
 
     def __len__(self) -> int:
+        """The held-out samples (data.eval.samples)."""
         return len(self.index)
 
     def __getitem__(self, i: int):
+        """Held-out sample `i`: synthetic sample num_samples + i."""
         return self.source[self.start + int(i)]
 
     def load(self, i: int, keep=None):
+        """Held-out sample `i` as the loader takes it (`keep`: the items this host encodes)."""
         return self.source.load(self.start + int(i), keep)
 
 
@@ -195,6 +200,8 @@ def token_scores(decoder, h_dnw: jax.Array, targets_dn: jax.Array) -> tuple[jax.
     targets_dn = jnp.pad(targets_dn, ((0, 0), (0, pad)))
 
     def one(xs):
+        """One chunk of tokens: their logits in fp32, the cross entropy of each target and
+        whether the argmax is the target."""
         h_dcw, targets_dc = xs
         logits = decoder.logits(h_dcw).astype(jnp.float32)  # [D, chunk, vocab]
         target = jnp.take_along_axis(logits, targets_dc[..., None], axis=-1)[..., 0]
@@ -212,10 +219,14 @@ def make_eval_step(parts: ModelParts, mesh=None):
     summed loss, correct tokens and loss tokens, over all microbatches."""
 
     def eval_step(params, frozen, batch):
+        """The [3, mixes] sums (loss, correct tokens, loss tokens per modality mix) over the
+        batch's microbatches; `eval_mix` says each token's mix (-1: not counted)."""
         batch = dict(batch)
         mix = batch.pop("eval_mix")
 
         def microbatch(total, xs):
+            """Adds one microbatch's per-mix sums of loss, correct tokens and loss tokens (its
+            loss mask the weight) to the running total."""
             mb, mix_drl = xs
             model = parts.merge(params, frozen)
             h_drlw = model.hidden(mb)
@@ -262,6 +273,10 @@ class Evaluator:
     """The eval set on the run's mesh: its batches, the compiled eval step, the questions."""
 
     def __init__(self, run: Run, prog: Program, out: Path):
+        """Plans the eval set into step batches at the run's shapes (its rejects kept for
+        `write_rejects`), compiles nothing yet: the eval step (token scores, or pair metrics for
+        preference runs) compiles on its first call; the questions' prompts when
+        data.eval.questions asks."""
         cfg = run.cfg
         e = cfg.data.eval
         self.cfg, self.mesh = cfg, run.mesh

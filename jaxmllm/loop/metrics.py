@@ -46,6 +46,7 @@ class MetricsWindow:
         self._reset()
 
     def _reset(self) -> None:
+        """Starts a new window now: no tokens, FLOPs, steps or host time counted."""
         self.start, self.tokens, self.flops, self.steps = time.perf_counter(), 0.0, 0.0, 0
         self.predicted = 0.0
         self.host = dict.fromkeys(("wait", *STAGES), 0.0)
@@ -55,6 +56,8 @@ class MetricsWindow:
         self.start += seconds
 
     def add(self, info: StepInfo, wait_s: float = 0.0) -> None:
+        """Counts one step into the window: its real tokens, FLOPs, predicted time, the seconds
+        the loop waited on the feed (`wait_s`) and each feed stage's host seconds."""
         self.tokens += info.tokens
         self.flops += info.flops
         self.predicted += info.predicted_s
@@ -167,6 +170,8 @@ def device_peak(configured: float, device_kind: str) -> float | None:
 
 
 def throughput(tokens: float, flops: float, steps: int, seconds: float, n_dev: int) -> dict:
+    """A window's throughput: seconds a step, real tokens a second and TFLOP/s a device (analytic
+    FLOPs of the real tokens), from `steps` steps over `seconds` on `n_dev` devices."""
     seconds = max(seconds, 1e-9)
     return {
         "step_time_s": seconds / max(steps, 1),
@@ -228,6 +233,9 @@ class MetricsWriter:
     """Writes metric dicts to JSONL and TensorBoard (process 0 only)."""
 
     def __init__(self, output_dir: str | Path, enabled: bool = True):
+        """Opens <output_dir>/metrics.jsonl for appending and, when tensorboardX is installed, a
+        TensorBoard writer in <output_dir>/tb; nothing when not `enabled` (processes other than
+        0)."""
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
@@ -244,6 +252,8 @@ class MetricsWriter:
             self._tb = SummaryWriter(str(out / "tb"))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        """One row of metrics for `step`: a JSON line (flushed, so a crash loses no logged step)
+        and a TensorBoard scalar for each finite number."""
         if not self.enabled:
             return
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
@@ -255,6 +265,7 @@ class MetricsWriter:
                     self._tb.add_scalar(k, v, step)
 
     def close(self) -> None:
+        """Closes the JSONL file and the TensorBoard writer."""
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
@@ -262,6 +273,7 @@ class MetricsWriter:
 
 
 def _plain(v):
+    """A numpy scalar as the Python number JSON writes; anything else as it is."""
     if isinstance(v, (np.floating, np.integer)):
         return v.item()
     return v

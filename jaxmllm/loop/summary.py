@@ -66,6 +66,8 @@ class RunReport:
     all the job's processes)."""
 
     def __init__(self, cfg: Config, out: Path, start: int, rejects_file: Path):
+        """The report of a run starting at step `start` (0 fresh, else resumed) writing into
+        `out`, its load-time rejects logged to `rejects_file`."""
         self.cfg, self.out, self.start, self.rejects_file = cfg, out, start, rejects_file
         self.began = time.perf_counter()
         self.first_step = start + 1  # the first step of the current logging window
@@ -76,6 +78,9 @@ class RunReport:
         self.failed: set[int] = set()  # the samples that failed to load here this run
 
     def step(self, info: StepInfo) -> None:
+        """The step the trainer just took: its load-time rejects written to the log and counted
+        for the window and the run; the share of failed samples judged (DataError when over
+        data.max_load_rejects)."""
         append_rejects(self.rejects_file, info.reject_entries)
         for entry in info.reject_entries:
             if entry.get("stage") == "load" and len(self.failed) < DISTINCT_KEPT:
@@ -106,6 +111,9 @@ class RunReport:
             print("\n".join(self.summary(done, row, window, checkpoint)), flush=True)
 
     def summary(self, done: int, row: dict, window, checkpoint: Path) -> list[str]:
+        """The end-of-run lines: steps and time, final loss, throughput past the first
+        (compiling) window, a preference run's pair metrics, the rejects by stage, the checkpoint
+        and the command that generates from it."""
         steps = f"{done} steps" if self.start == 0 else f"steps {self.start + 1}-{done}"
         took = _duration(time.perf_counter() - self.began)
         loss = row.get("loss", float("nan"))
@@ -162,6 +170,7 @@ class RunReport:
         return f"{records}{more} record{'s' * (records != 1)}, drawn {int(draws)} times"
 
     def _index_folder(self, ds) -> Path:
+        """The index folder of a data set the run reads (where its index's rejects.jsonl is)."""
         return index_dir(ds, Params.from_config(self.cfg).counted())
 
     def generate_command(self) -> str:
