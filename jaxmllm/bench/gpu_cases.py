@@ -307,6 +307,7 @@ def env(case: Case, out: Path) -> Iterator[dict]:
 
 
 def _importable(module: str) -> bool:
+    """Whether this Python can import `module` (found without importing it)."""
     try:
         return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:
