@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from jaxmllm.hf.family import Family, Link, read, refuse_unless, same
+from jaxmllm.hf.table import QWEN2_AUDIO_ENCODER, WHISPER
 from jaxmllm.hf.vision import _prefix, layer_norm, linear
 
 
@@ -31,10 +32,9 @@ def conv1d(hf: str, ours: str, c_in: int, c_out: int) -> Link:
 
 
 class WhisperEncoder(Family):
-    name = "whisper"
-    model_types = ("whisper",)
-    role = "audio"
-    hf_class = "WhisperForConditionalGeneration"
+    """Whisper's encoder (the module docstring)."""
+
+    row = WHISPER
     exports_whole = True  # (its decoder, unchanged)
 
     def section(self, hf: dict) -> dict:
@@ -80,7 +80,7 @@ class WhisperEncoder(Family):
         out = dict(source or {})
         out.update(
             architectures=out.get("architectures") or [self.hf_class],
-            model_type="whisper",
+            model_type=self.model_types[0],
             d_model=a.width,
             encoder_layers=a.depth,
             encoder_attention_heads=a.heads,
@@ -119,13 +119,14 @@ class WhisperEncoder(Family):
 
 
 class Qwen2AudioEncoder(WhisperEncoder):
-    name = "qwen2_audio"
-    model_types = ("qwen2_audio_encoder",)
-    hf_class = "Qwen2AudioEncoder"
+    """Qwen2-Audio's encoder: Whisper's with its rows pooled in pairs."""
+
+    row = QWEN2_AUDIO_ENCODER
     exports_whole = False
     pool = 2
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        """The encoder's own config.json (a whole Qwen2-Audio's `audio_config`)."""
         out = super().to_hf_config(cfg, (source or {}).get("audio_config", source))
-        out.update(architectures=[self.hf_class], model_type="qwen2_audio_encoder")
+        out.update(architectures=[self.hf_class], model_type=self.model_types[0])
         return out

@@ -21,36 +21,15 @@ from flax import nnx
 from jaxmllm.config import Config
 from jaxmllm.data.media.image import patchify
 from jaxmllm.hf.family import Family, FamilyError
-from jaxmllm.hf.registry import family_for, read_hf_config, roles_of
+from jaxmllm.hf.registry import FAMILIES, family_for, read_hf_config, roles_of
+from jaxmllm.hf.table import Reference
 from jaxmllm.hf.towers import Towers, config_for, load_towers
 from jaxmllm.hf.wholes import WHOLES
 
-HF_MODULES = {  # (model_type, role) -> (transformers class, path to the module compared)
-    ("llama", "llm"): ("LlamaForCausalLM", ""),
-    ("qwen2", "llm"): ("Qwen2ForCausalLM", ""),
-    ("qwen3", "llm"): ("Qwen3ForCausalLM", ""),
-    ("qwen2_moe", "llm"): ("Qwen2MoeForCausalLM", ""),
-    ("qwen3_moe", "llm"): ("Qwen3MoeForCausalLM", ""),
-    ("qwen3_5_text", "llm"): ("Qwen3_5ForCausalLM", ""),
-    ("qwen3_5_moe_text", "llm"): ("Qwen3_5MoeForCausalLM", ""),
-    ("siglip_vision_model", "vision"): ("SiglipVisionModel", ""),
-    ("siglip", "vision"): ("SiglipModel", "vision_model"),
-    ("clip_vision_model", "vision"): ("CLIPVisionModel", ""),
-    ("clip", "vision"): ("CLIPModel", "vision_model"),
-    ("qwen2_vl_vision", "vision"): ("Qwen2VisionTransformerPretrainedModel", ""),
-    ("qwen2_5_vl_vision", "vision"): ("Qwen2_5_VisionTransformerPretrainedModel", ""),
-    ("qwen3_vl_vision", "vision"): ("Qwen3VLVisionModel", ""),
-    ("qwen3_vl_moe_vision", "vision"): ("Qwen3VLMoeVisionModel", ""),
-    ("whisper", "audio"): ("WhisperModel", "encoder"),
-    ("qwen2_audio_encoder", "audio"): ("Qwen2AudioEncoder", ""),
-}
-for _whole in WHOLES:  # a whole checkpoint: its class (`check_whole` reads its parts)
-    HF_MODULES[_whole.model_types[0], "llm"] = (_whole.hf_class, "")
-MODULES = {  # where transformers keeps the classes it does not export at the top level
-    "Qwen2VisionTransformerPretrainedModel": "qwen2_vl",
-    "Qwen2_5_VisionTransformerPretrainedModel": "qwen2_5_vl",
-    "Qwen2AudioEncoder": "qwen2_audio",
-}
+# (model_type, role) -> the transformers module compared, from each family's row; a whole
+# checkpoint: its class (`check_whole` reads its parts)
+HF_MODULES = {(t, f.role): f.row.reference(t) for f in FAMILIES for t in f.model_types}
+HF_MODULES.update({(w.name, "llm"): Reference(w.name, w.hf_class) for w in WHOLES})
 
 
 def role_of(hf: dict) -> str:
@@ -126,17 +105,17 @@ def hf_module(directory: str, hf: dict, role: str):
             "hf check needs torch and transformers: pip install -e '.[dev]' "
             "(torch==2.13.0 is the CPU build)"
         ) from None
-    name, attr = HF_MODULES[hf["model_type"], role]
-    cls = getattr(transformers, name, None)
+    ref = HF_MODULES[hf["model_type"], role]
+    cls = getattr(transformers, ref.cls, None)
     if cls is None:  # (a vision tower or audio encoder not exported at the top level)
         import importlib
 
-        module = MODULES[name]
+        module = ref.module
         cls = getattr(
-            importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name
+            importlib.import_module(f"transformers.models.{module}.modeling_{module}"), ref.cls
         )
     model = cls.from_pretrained(directory, dtype=torch.float32).eval()
-    for part in filter(None, attr.split(".")):
+    for part in filter(None, ref.path.split(".")):
         model = getattr(model, part)
     return model
 

@@ -50,24 +50,6 @@ from jaxmllm.hf.towers import load_model
 from jaxmllm.hf.whole import Whole
 from jaxmllm.hf.wholes import Llava, whole_for
 
-
-def _merged(out, n):  # a Qwen VL tower's output: the merger's rows (split by image later)
-    import torch
-
-    rows = out.pooler_output
-    return torch.cat(list(rows)) if isinstance(rows, list | tuple) else rows
-
-
-HOOKS = {  # where transformers' rows come out: a module, and how to read its output
-    "llava": ("model.multi_modal_projector", lambda out, n: out[0]),
-    "qwen2_vl": ("model.visual", _merged),
-    "qwen2_5_vl": ("model.visual", _merged),
-    "qwen3_vl": ("model.visual", _merged),
-    "qwen3_vl_moe": ("model.visual", _merged),
-    "qwen3_5": ("model.visual", _merged),
-    "qwen3_5_moe": ("model.visual", _merged),
-    "qwen2_audio": ("model.multi_modal_projector", lambda out, n: out[0, :n]),
-}
 _logits = nnx.jit(lambda llm, x, pos: llm(x, jnp.ones(x.shape[:2], jnp.int32), pos))
 _embed = nnx.jit(lambda llm, ids: llm.embed(ids))
 _forward = nnx.jit(lambda m, mb: m(mb))
@@ -209,7 +191,7 @@ def pair_lines(cfg, model, ref, whole, name, samples, ids, specials, reference, 
     transformers'), and each pair's log-prob line (`check_pairs`): ours from one packed row
     (or a row each) as training computes them, transformers' from each document alone.
     `ids`: the pairs' record ids; `vocab`: the checkpoint's own columns."""
-    hook = HOOKS.get(whole.name) if whole is not None else None
+    hook = whole.row.hook if whole is not None else None
     first = next((k for k, (_, s) in enumerate(samples) if _media(s)), None)
     theirs, captured = [], None
     for k, (_, sample) in enumerate(samples):
@@ -247,7 +229,7 @@ def sample_lines(cfg, model, ref, whole, name, samples, specials, reference, pac
     """The encoder's lines on the first sample with media, and each sample's logits, ours from
     one packed row (or a row each) against transformers on the sample alone."""
     theirs, captured = [], None
-    hook = HOOKS.get(whole.name) if whole is not None else None
+    hook = whole.row.hook if whole is not None else None
     first = next((k for k, (_, s) in enumerate(samples) if _media(s)), None)
     for k, (_, sample) in enumerate(samples):
         n = int(np.isin(sample.tokens, [*specials.media.values()]).sum())
@@ -456,7 +438,7 @@ def _run(ref, inputs: dict[str, Any], hook=None, n: int = 0) -> tuple[np.ndarray
     handle = None
     if hook is not None:
         module = ref.get_base_model() if hasattr(ref, "get_base_model") else ref  # (peft's)
-        for part in hook[0].split("."):
+        for part in hook.module.split("."):
             module = getattr(module, part)
         handle = module.register_forward_hook(lambda mod, i, o: captured.update(out=o))
     per_sample = ("input_ids", "mm_token_type_ids")  # (the others are stacked items already)
@@ -480,4 +462,4 @@ def _run(ref, inputs: dict[str, Any], hook=None, n: int = 0) -> tuple[np.ndarray
         np.concatenate([_numpy(x) for x in d]) if isinstance(d, list | tuple) else _numpy(d)
     )
     deep = np.stack([joined(d) for d in deep]) if deep else None  # (split by image after)
-    return theirs, (_numpy(hook[1](out, n)), deep)
+    return theirs, (_numpy(hook.rows(out, n)), deep)

@@ -74,6 +74,15 @@ class Family:
     hf_class: str = ""  # the transformers class export writes and check compares against
     # Export writes back the whole imported model with this part replaced (Whisper: its decoder)
     exports_whole: bool = False
+    row: Any = None  # its row of the family table (`jaxmllm.hf.table`)
+
+    def __init__(self, row: Any = None):
+        """`row`: the family's row of the table (default: the class's), whose name, model
+        types, role and transformers class are the family's."""
+        row = self.row if row is None else row
+        if row is not None:
+            self.row, self.name, self.role = row, row.name, row.role
+            self.model_types, self.hf_class = row.model_types, row.hf_class
 
     def section(self, hf: dict) -> dict:
         """Our config keys for this role from a HF config.json (dict)."""

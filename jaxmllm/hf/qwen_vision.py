@@ -44,6 +44,7 @@ from jaxmllm.hf.family import (
     reshaped,
     same,
 )
+from jaxmllm.hf.table import QWEN2_5_VL_VISION, QWEN2_VL_VISION, QWEN3_VL_VISION
 from jaxmllm.hf.vision import _prefix, layer_norm, linear
 
 # Qwen2.5-VL video time steps a second where its config says none (transformers' default)
@@ -62,7 +63,6 @@ def rope_permutation(head_dim: int) -> np.ndarray:
 class QwenTower(Family):
     """What the Qwen2-VL and Qwen2.5-VL towers share (see the module docstring)."""
 
-    role = "vision"
     act = ""  # config.json's hidden_act
 
     def section(self, hf: dict) -> dict:
@@ -139,7 +139,7 @@ class QwenTower(Family):
         out = dict((source or {}).get("vision_config", source or {}))
         out.update(
             architectures=[self.hf_class],
-            model_type=f"{self.name}_vision",
+            model_type=self.model_types[0],
             depth=v.depth,
             hidden_act=self.act,
             num_heads=v.heads,
@@ -200,9 +200,9 @@ class QwenTower(Family):
 
 
 class Qwen2VLVision(QwenTower):
-    name = "qwen2_vl"
-    model_types = ("qwen2_vl_vision",)
-    hf_class = "Qwen2VisionTransformerPretrainedModel"
+    """Qwen2-VL's tower (the module docstring)."""
+
+    row = QWEN2_VL_VISION
     act = "quick_gelu"
 
     def width(self, hf: dict, where: str) -> int:
@@ -244,9 +244,9 @@ class Qwen2VLVision(QwenTower):
 
 
 class Qwen25VLVision(QwenTower):
-    name = "qwen2_5_vl"
-    model_types = ("qwen2_5_vl_vision",)
-    hf_class = "Qwen2_5_VisionTransformerPretrainedModel"
+    """Qwen2.5-VL's tower (the module docstring)."""
+
+    row = QWEN2_5_VL_VISION
     act = "silu"
     out_key = "out_hidden_size"
 
@@ -328,19 +328,21 @@ def _whole_number(x: float) -> int | float:
 
 class Qwen3VLVision(QwenTower):
     """Qwen3-VL's tower (the module docstring); `kind`: the whole checkpoint it is written
-    into (qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe: the vision config's model_type);
-    `deepstack`: whether it has DeepStack (Qwen3.5's has none)."""
+    into (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5: the vision config's model_type is its name and
+    `_vision`; default its own name); `deepstack`: whether it has DeepStack (Qwen3.5's has
+    none)."""
 
-    name = "qwen3_vl"
-    model_types = ("qwen3_vl_vision", "qwen3_vl_moe_vision")
-    hf_class = "Qwen3VLVisionModel"
+    row = QWEN3_VL_VISION
     act = "gelu_pytorch_tanh"
     out_key = "out_hidden_size"
 
-    def __init__(self, kind: str = "qwen3_vl", deepstack: bool = True):
-        self.kind, self.deepstack = kind, deepstack
+    def __init__(self, kind: str = "", deepstack: bool = True):
+        """The tower as the whole `kind` writes it (see the class docstring)."""
+        super().__init__()
+        self.kind, self.deepstack = kind or self.name, deepstack
 
     def width(self, hf: dict, where: str) -> int:
+        """Qwen3-VL's width is its `hidden_size`."""
         return int(read(hf, "hidden_size", where))
 
     def blocks(self, hf: dict, where: str, width: int, merge: int) -> dict:

@@ -31,6 +31,7 @@ from jaxmllm.hf.family import (
     same,
     split_rows,
 )
+from jaxmllm.hf.table import CLIP, SIGLIP
 
 GELUS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
 
@@ -71,11 +72,13 @@ def conv2d(hf: str, ours: str, p: int, c: int, w: int) -> Link:
 class LearnedTower(Family):
     """What SigLIP and CLIP share: config.json's keys, the encoder layers, the final norm."""
 
-    role = "vision"
     acts: dict[str, str] = {}  # HF hidden_act -> our mlp
     options: dict[str, Any] = {}  # our options fixed by the architecture
+    norm_eps = 1e-5  # config.json's layer_norm_eps where it names none
 
     def section(self, hf: dict) -> dict:
+        """Our `model.vision` keys from the tower's config.json (a whole model's
+        `vision_config`)."""
         hf = hf.get("vision_config", hf)  # a whole model: its vision half
         where = f"{self.name} config.json"
         act = read(hf, "hidden_act", where, next(iter(self.acts)))
@@ -91,7 +94,7 @@ class LearnedTower(Family):
             "heads": int(read(hf, "num_attention_heads", where)),
             "mlp_dim": int(read(hf, "intermediate_size", where)),
             "norm": "layer",
-            "norm_eps": float(hf.get("layer_norm_eps", 1e-6 if self.name == "siglip" else 1e-5)),
+            "norm_eps": float(hf.get("layer_norm_eps", self.norm_eps)),
             "mlp": self.acts[act],
             "attn_bias": "qkvo",
             "mlp_bias": True,
@@ -121,7 +124,7 @@ class LearnedTower(Family):
         out = dict((source or {}).get("vision_config", source or {}))
         out.update(
             architectures=[self.hf_class],
-            model_type=f"{self.name}_vision_model",
+            model_type=self.model_types[0],
             hidden_size=v.width,
             intermediate_size=v.mlp_dim,
             num_hidden_layers=out.get("num_hidden_layers", v.depth) if source else v.depth,
@@ -170,13 +173,15 @@ class LearnedTower(Family):
 
 
 class Siglip(LearnedTower):
-    name = "siglip"
-    model_types = ("siglip_vision_model", "siglip")
-    hf_class = "SiglipVisionModel"
+    """SigLIP's tower (the module docstring)."""
+
+    row = SIGLIP
     acts = GELUS
     options = {"patch_bias": True, "class_token": False, "pre_norm": False, "final_norm": True}
+    norm_eps = 1e-6
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
+        """The shared links, the patch embedding's bias and the position table."""
         return [
             *super().links(cfg, hf),
             same("embeddings.patch_embedding.bias", "vision/patch_embed/bias"),
@@ -184,14 +189,14 @@ class Siglip(LearnedTower):
         ]
 
     def skipped(self, name: str) -> bool:
-        # The pooling head (for image-text contrastive use), a SiglipModel's text half.
+        """The pooling head (for image-text contrastive use), a SiglipModel's text half."""
         return matches([r"(.*\.)?head\..*", r"text_model\..*", r"logit_(scale|bias)"], name)
 
 
 class Clip(LearnedTower):
-    name = "clip"
-    model_types = ("clip_vision_model", "clip")
-    hf_class = "CLIPVisionModel"
+    """CLIP's tower (the module docstring)."""
+
+    row = CLIP
     acts = {"quick_gelu": "quick_gelu", "gelu": "gelu"}
     # CLIPVisionModel's last_hidden_state is the blocks' output: its post_layernorm only
     # normalises the pooled class token, left alone here
@@ -207,7 +212,7 @@ class Clip(LearnedTower):
         ]
 
     def skipped(self, name: str) -> bool:
-        # A CLIPModel's text half and projections; an older file's position_ids buffer.
+        """A CLIPModel's text half and projections; an older file's position_ids buffer."""
         patterns = [
             r"text_model\..*",
             r"(visual|text)_projection\..*",

@@ -41,6 +41,15 @@ class Whole:
     runtime_names = False
     # Its processor writes each video frame's time before it (Qwen3-VL): data.video_timestamps
     video_timestamps = False
+    row: Any = None  # its row of the family table (`jaxmllm.hf.table.WholeRow`)
+
+    def __init__(self, row: Any = None):
+        """`row`: the whole's row of the table (default: the class's), whose name, model
+        types, transformers class and processor are the whole's."""
+        row = self.row if row is None else row
+        if row is not None:
+            self.row, self.name, self.model_types = row, row.name, row.model_types
+            self.hf_class, self.processor_class = row.hf_class, row.processor_class
 
     def sub(self, role: str, hf: dict) -> dict:
         """A part's own config (the whole's top-level tie_word_embeddings goes to the LLM's),
