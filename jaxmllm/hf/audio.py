@@ -38,6 +38,8 @@ class WhisperEncoder(Family):
     exports_whole = True  # (its decoder, unchanged)
 
     def section(self, hf: dict) -> dict:
+        """Our `model.audio` keys from the encoder's config.json (a whole model's
+        `audio_config`)."""
         hf = hf.get("audio_config", hf)  # a whole Qwen2-Audio: its encoder
         where = f"{self.name} config.json"
         act = read(hf, "activation_function", where, "gelu")
@@ -76,6 +78,7 @@ class WhisperEncoder(Family):
         }
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        """The model's config.json with our `model.audio` as its encoder."""
         a = cfg.model.audio
         out = dict(source or {})
         out.update(
@@ -92,6 +95,7 @@ class WhisperEncoder(Family):
         return out
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
+        """The convolution stem, the positions, the encoder layers and the final norm."""
         a = cfg.model.audio
         w, h, f, n = a.width, a.heads, a.mlp_dim, a.depth
         e = w // h
@@ -115,6 +119,7 @@ class WhisperEncoder(Family):
         return links
 
     def prefix(self, names: list[str]) -> str:
+        """What the checkpoint puts before the encoder's names (`model.encoder.`)."""
         return _prefix(names, "conv1.weight")
 
 

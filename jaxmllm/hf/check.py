@@ -121,12 +121,14 @@ def hf_module(directory: str, hf: dict, role: str):
 
 
 def _torch(x: np.ndarray):
+    """A numpy array as a torch tensor (contiguous: torch shares its memory)."""
     import torch
 
     return torch.from_numpy(np.ascontiguousarray(x))
 
 
 def _numpy(t) -> np.ndarray:
+    """A torch tensor as an fp32 numpy array."""
     return t.detach().float().numpy()
 
 
@@ -165,6 +167,7 @@ _encode_audio = nnx.jit(lambda t, frames, seg, pos: t.audio(frames, seg, pos))
 
 
 def _images(cfg: Config, rng, grids: list[tuple[int, int]]) -> list[np.ndarray]:
+    """Random images of `grids` patches, height by width."""
     p, c = cfg.model.vision.patch_size, cfg.model.vision.channels
     return [rng.normal(size=(h * p, w * p, c)).astype(np.float32) for h, w in grids]
 
@@ -184,10 +187,14 @@ def _rows(encode, towers, items: list[tuple], packed: bool) -> np.ndarray:
 
 
 def _where(packed: bool) -> str:
+    """How the figures' line says the inputs were laid out."""
     return "packed into 1 row" if packed else "each in a row of its own"
 
 
 def _vision(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int, packed: bool):
+    """A vision tower's figures: SigLIP's and CLIP's hidden states of non-square images off their
+    table's grid, a Qwen VL tower's merger output (and DeepStack's) of several images, some cut by
+    its windows."""
     import torch
 
     v = cfg.model.vision
@@ -230,6 +237,7 @@ def _vision(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int, 
 
 
 def _sizes(grids) -> str:
+    """Grids as "HxW" words."""
     return ", ".join(f"{h}x{w}" for h, w in grids)
 
 
@@ -244,6 +252,7 @@ def _encode_projected(t, x, seg, pos):
 
 
 def _audio(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int, packed: bool):
+    """An audio encoder's figures: its hidden states of two clips of whole windows."""
     import torch
 
     a = cfg.model.audio
@@ -259,6 +268,7 @@ def _audio(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int, p
 
 
 def describe(result: dict[str, Any]) -> str:
+    """One line of figures for a person (a preference pair's: `check_pairs.describe_pair`)."""
     if "chosen_logps" in result:  # (a preference pair's line: `check_pairs`)
         from jaxmllm.hf.check_pairs import describe_pair
 

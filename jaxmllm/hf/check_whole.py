@@ -270,10 +270,12 @@ def encoder_lines(cfg, model, name: str, sample_of, specials, captured) -> list[
 
 
 def _media(sample: Sample) -> bool:
+    """Whether a sample holds any media item."""
     return any(sample.media.values())
 
 
 def _device(mb: dict) -> dict:
+    """A micro-batch's arrays on the default device."""
     return jax.tree.map(jnp.asarray, mb)
 
 
@@ -337,11 +339,14 @@ def random_samples(cfg, whole: Whole | None, hf: dict, rng, text) -> list[tuple[
 
 
 def _text_sample(ids: np.ndarray) -> Sample:
+    """A sample of text alone (the ids given), no token trained."""
     ids = np.asarray(ids, np.int32)
     return Sample(0, ids, np.zeros(len(ids), bool))
 
 
 def _image_sample(cfg, grid, token, wrap, rng, text, before: int, after: int):
+    """A random image of `grid` patches between `before` and `after` text tokens, its placeholders
+    as the tower's merged patches."""
     v = cfg.model.vision
     p, c, m = v.patch_size, v.channels, v.merge
     gh, gw = grid
@@ -382,6 +387,7 @@ def _video_sample(cfg, whole: Whole, grid, token: int, wrap, rng, text):
 
 
 def _clip_sample(frames: int, a, token: int, rng, text):
+    """A random clip of `frames` frames between text, a placeholder per encoder row."""
     clip = rng.normal(size=(frames, a.n_mels)).astype(np.float32)
     ids = np.asarray([*text(5), *[token] * (frames // a.subsample), *text(7)], np.int32)
     item = (clip, np.arange(frames, dtype=np.int32))
@@ -421,10 +427,12 @@ def data_records(cfg: Config, path: str) -> tuple[Specials, list[tuple[str, str,
 
 
 def hf_vocab(hf: dict) -> int:
+    """The checkpoint's own vocabulary size (its text_config's where it nests one)."""
     return int((hf.get("text_config") or hf).get("vocab_size", 1 << 30))
 
 
 def _positions(ids: np.ndarray, mrope: bool) -> jnp.ndarray:
+    """Text positions of `ids`, the three M-RoPE axes alike where `mrope`."""
     positions = np.arange(len(ids))[None]
     return jnp.asarray(np.repeat(positions[..., None], 3, -1) if mrope else positions)
 

@@ -134,6 +134,12 @@ class Decoders(Family):
         return fused
 
     def section(self, hf: dict) -> dict:
+        """Our `model.llm` keys from the decoder's config.json, its row saying which biases,
+        norms and experts it has.
+
+        Raises:
+          FamilyError: naming a key whose value jaxmllm's decoder cannot run.
+        """
         where = f"{self.name} config.json"
         act = read(hf, "hidden_act", where, "silu")
         refuse_unless(act == "silu", where, f"hidden_act {act!r}: the decoder's MLP is SiLU-gated")
@@ -218,6 +224,12 @@ class Decoders(Family):
         return out
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        """The decoder's config.json of our `model.llm` (`source`'s other keys kept).
+
+        Raises:
+          FamilyError: our attention biases or QK-norm differ from the row's (the tensors'
+            names depend on them).
+        """
         llm = cfg.model.llm
         wants = self.wants(cfg)
         layout = {k: wants[k] for k in ("model.llm.attn_bias", "model.llm.qk_norm")}
@@ -281,6 +293,7 @@ class Decoders(Family):
         }
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
+        """The embedding, each stack of layers (`layer_links`), the final norm and the head."""
         llm = cfg.model.llm
         links = [same("model.embed_tokens.weight", "llm/embed/embedding")]
         for stack, kind, ids in stacks(llm):  # (a mixture of experts: MoE and dense apart)
@@ -396,11 +409,13 @@ def stacked_experts_links(
         return ((shape[0], shape[2], shape[1]),)
 
     def gate_up(x):
+        """Ours (gate, up) of `gate_up_proj` in either layout."""
         x = np.asarray(x)
         x = x if x.shape == (e, 2 * f, w) else x.transpose(0, 2, 1)  # (the hub's [E, w, 2f])
         return x[:, :f].transpose(0, 2, 1), x[:, f:].transpose(0, 2, 1)
 
     def down(x):
+        """Ours of `down_proj` in either layout."""
         x = np.asarray(x)
         return (x.transpose(0, 2, 1) if x.shape == (e, w, f) else x,)  # (else the hub's)
 

@@ -188,10 +188,12 @@ def parts_of(hf: str, ours: Sequence[str], links: Sequence[Link], layers: int = 
     qkv), each part laid out by the matching single link."""
 
     def to_ours(w):
+        """Each part of the HF tensor as its link lays it out."""
         parts = np.split(np.asarray(w), len(links))
         return tuple(link.to_ours(p)[0] for link, p in zip(links, parts, strict=True))
 
     def to_hf(*xs):
+        """Ours back into the one HF tensor, part after part."""
         return (np.concatenate([link.to_hf(x)[0] for link, x in zip(links, xs, strict=True)]),)
 
     return Link((hf,), tuple(ours), to_ours, to_hf, layers)
@@ -226,6 +228,7 @@ def read(hf: dict, key: str, where: str, default: Any = ...) -> Any:
 
 
 def refuse_unless(ok: bool, where: str, message: str) -> None:
+    """A FamilyError `where: message` unless `ok`."""
     if not ok:
         raise FamilyError(f"{where}: {message}")
 

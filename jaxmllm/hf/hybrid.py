@@ -57,6 +57,7 @@ def regrouped(hf: str, ours: str, spec: LinearSpec, width: int, n: int) -> Link:
     order, shape = qkv_order(spec), (width, spec.key_heads, spec.group)
 
     def to_hf(k):
+        """Our kernel back into in_proj_qkv's rows, in transformers' order."""
         out = np.empty_like(np.asarray(k).reshape(width, -1).T)
         out[order] = np.asarray(k).reshape(width, -1).T
         return (out,)
@@ -70,6 +71,7 @@ def conv_link(hf: str, ours: str, spec: LinearSpec, n: int) -> Link:
     shape = (spec.conv_width, spec.key_heads, spec.group)
 
     def to_hf(k):
+        """Our conv back into conv1d's channels, in transformers' order."""
         flat = np.asarray(k).reshape(spec.conv_width, -1).T
         out = np.empty_like(flat)
         out[order] = flat
@@ -161,6 +163,7 @@ class Qwen35(Decoders):
         return {**out, "norm_topk_prob": True, "shared_mlp_dim": shared, "every": 1}
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        """The decoder's config.json: `Decoders`' with the linear layers and experts."""
         llm = cfg.model.llm
         bad = mismatches(cfg, {"model.llm.attn_gate": (True,)}, self.name)  # (q_proj's width)
         if bad:

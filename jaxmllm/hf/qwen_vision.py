@@ -66,6 +66,8 @@ class QwenTower(Family):
     act = ""  # config.json's hidden_act
 
     def section(self, hf: dict) -> dict:
+        """Our `model.vision` keys from the tower's config.json (a whole Qwen VL's
+        `vision_config`): what the towers share, and their own `blocks`."""
         hf = hf.get("vision_config", hf)  # a whole Qwen VL: its vision tower
         where = f"{self.name} vision config.json"
         act = read(hf, "hidden_act", where, self.act)
@@ -93,6 +95,7 @@ class QwenTower(Family):
         }
 
     def width(self, hf: dict, where: str) -> int:
+        """The tower's width, from the key its config.json names it by."""
         raise NotImplementedError
 
     def blocks(self, hf: dict, where: str, width: int, merge: int) -> dict:
@@ -100,6 +103,7 @@ class QwenTower(Family):
         raise NotImplementedError
 
     def wants(self, cfg: Any) -> dict[str, Any]:
+        """Our options every Qwen VL tower has a counterpart for (the towers add their own)."""
         v = cfg.model.vision
         return {
             "model.vision.positions": ("rope",),
@@ -135,6 +139,7 @@ class QwenTower(Family):
         return out is None or out == cfg.model.llm.width
 
     def common_config(self, cfg: Any, source: dict | None) -> dict:
+        """The config.json keys every Qwen VL tower writes alike (`source`'s others kept)."""
         v = cfg.model.vision
         out = dict((source or {}).get("vision_config", source or {}))
         out.update(
@@ -152,6 +157,8 @@ class QwenTower(Family):
         return out
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
+        """The patch embedding, the fused qkv (its q and k rows permuted to our 2D rotary), the
+        output projection, the blocks' own links and, where it is ours, the merger."""
         v = cfg.model.vision
         w, h, n, p, c, t = v.width, v.heads, v.depth, v.patch_size, v.channels, v.temporal_patch
         e = w // h
@@ -189,12 +196,15 @@ class QwenTower(Family):
         ]
 
     def block_links(self, cfg: Any, layer: str, ours: str) -> list[Link]:
+        """A block's norms and MLP, and the final norm (the merger's), as the tower names them."""
         raise NotImplementedError
 
     def prefix(self, names: list[str]) -> str:
+        """What a whole checkpoint puts before the tower's names (`visual.`)."""
         return _prefix(names, "patch_embed.proj.weight")
 
     def skipped(self, name: str) -> bool:
+        """The merger's MLP when it was trained for another LLM width (`loads_merger`)."""
         # The merger's MLP when it was trained for another LLM width (`loads_merger`).
         return name.startswith("merger.mlp.")
 
@@ -206,13 +216,16 @@ class Qwen2VLVision(QwenTower):
     act = "quick_gelu"
 
     def width(self, hf: dict, where: str) -> int:
+        """Qwen2-VL's width is its `embed_dim`."""
         return int(read(hf, "embed_dim", where))
 
     def blocks(self, hf: dict, where: str, width: int, merge: int) -> dict:
+        """LayerNorm blocks with a quick-GELU MLP of `mlp_ratio` times the width."""
         mlp = int(width * float(hf.get("mlp_ratio", 4)))
         return {"mlp_dim": mlp, "norm": "layer", "mlp": "quick_gelu"}
 
     def wants(self, cfg: Any) -> dict[str, Any]:
+        """The shared options, LayerNorm and quick-GELU, no windows, a time step per patch."""
         return {
             **super().wants(cfg),
             "model.vision.norm": ("layer",),
@@ -222,6 +235,7 @@ class Qwen2VLVision(QwenTower):
         }
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        """The tower's config.json (`embed_dim`, the LLM's width as its merger's output)."""
         v = cfg.model.vision
         out = self.common_config(cfg, source)
         out.update(
@@ -232,6 +246,7 @@ class Qwen2VLVision(QwenTower):
         return out
 
     def block_links(self, cfg: Any, layer: str, ours: str) -> list[Link]:
+        """LayerNorms `norm1`, `norm2`, the MLP's `fc1`, `fc2`, the merger's `ln_q`."""
         v = cfg.model.vision
         w, f, n = v.width, v.mlp_dim, v.depth
         return [
@@ -251,9 +266,12 @@ class Qwen25VLVision(QwenTower):
     out_key = "out_hidden_size"
 
     def width(self, hf: dict, where: str) -> int:
+        """Qwen2.5-VL's width is its `hidden_size`."""
         return int(read(hf, "hidden_size", where))
 
     def blocks(self, hf: dict, where: str, width: int, merge: int) -> dict:
+        """RMSNorm blocks with a SiLU-gated MLP, windows of `window_size` pixels, the full-
+        attention blocks, videos' time steps a second."""
         patch = int(read(hf, "patch_size", where))
         units = int(read(hf, "window_size", where)) // merge // patch  # merged tokens a side
         refuse_unless(
@@ -275,6 +293,7 @@ class Qwen25VLVision(QwenTower):
         }
 
     def wants(self, cfg: Any) -> dict[str, Any]:
+        """The shared options, RMSNorm and the gated MLP, windows and videos in absolute time."""
         v = cfg.model.vision
         return {
             **super().wants(cfg),
@@ -292,6 +311,7 @@ class Qwen25VLVision(QwenTower):
         }
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        """The tower's config.json with its windows, full blocks and time steps a second."""
         v = cfg.model.vision
         out = self.common_config(cfg, source)
         out.update(
@@ -305,6 +325,7 @@ class Qwen25VLVision(QwenTower):
         return out
 
     def block_links(self, cfg: Any, layer: str, ours: str) -> list[Link]:
+        """RMSNorms `norm1`, `norm2` and `merger.ln_q`, and the gated MLP's Linears."""
         v = cfg.model.vision
         w, f, n = v.width, v.mlp_dim, v.depth
         links = [
@@ -346,6 +367,8 @@ class Qwen3VLVision(QwenTower):
         return int(read(hf, "hidden_size", where))
 
     def blocks(self, hf: dict, where: str, width: int, merge: int) -> dict:
+        """LayerNorm blocks with a tanh-GELU MLP, a patch bias, the learned table of positions (a
+        square grid) and the DeepStack levels."""
         table = int(read(hf, "num_position_embeddings", where))
         grid = math.isqrt(table)
         refuse_unless(
@@ -376,6 +399,7 @@ class Qwen3VLVision(QwenTower):
         }
 
     def wants(self, cfg: Any) -> dict[str, Any]:
+        """The shared options, the learned positions resized bilinearly, DeepStack (or none)."""
         return {
             **super().wants(cfg),
             "model.vision.norm": ("layer",),
@@ -396,6 +420,7 @@ class Qwen3VLVision(QwenTower):
         }
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        """The tower's config.json, its model type the whole's (`kind`)."""
         v = cfg.model.vision
         out = self.common_config(cfg, source)
         out.update(
@@ -410,6 +435,7 @@ class Qwen3VLVision(QwenTower):
         return out
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
+        """The shared links, the patch embedding's bias and the position table."""
         return [
             *super().links(cfg, hf),
             same("patch_embed.proj.bias", "vision/patch_embed/bias"),
@@ -417,6 +443,7 @@ class Qwen3VLVision(QwenTower):
         ]
 
     def block_links(self, cfg: Any, layer: str, ours: str) -> list[Link]:
+        """LayerNorms `norm1`, `norm2` and `merger.norm`, the MLP's `linear_fc1`, `linear_fc2`."""
         v = cfg.model.vision
         w, f, n = v.width, v.mlp_dim, v.depth
         return [
@@ -446,5 +473,6 @@ class Qwen3VLVision(QwenTower):
         return links
 
     def skipped(self, name: str) -> bool:
+        """The mergers when they were trained for another LLM width (`loads_merger`)."""
         # The mergers when they were trained for another LLM width (`loads_merger`).
         return name.startswith(("merger.linear_fc", "deepstack_merger_list."))

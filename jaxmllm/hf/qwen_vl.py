@@ -70,9 +70,12 @@ class QwenVL(Whole):
         return super().sub(role, hf)
 
     def inner(self, role: str, hf: dict) -> Family:
+        """The decoder for the LLM, else the tower."""
         return self.decoder if role == "llm" else self.tower
 
     def to_hf_config(self, cfg: Any, source: dict | None, roles: tuple[str, ...]) -> dict:
+        """The whole's config.json: from scratch, or `source`'s with `roles`' parts ours
+        (its text keys nested or flat, as `source` has them)."""
         llm = cfg.model.llm
         if source is None:
             tk = tokenizer_ids(cfg)
@@ -109,9 +112,11 @@ class QwenVL(Whole):
         return out
 
     def reference_inputs(self, sample: Any, cfg: Any, specials: Any) -> dict:
+        """transformers' inputs of a sample (`oracle.qwen_vl`)."""
         return oracle.qwen_vl(sample, cfg, specials)
 
     def processor_files(self, cfg: Any) -> dict[str, dict]:
+        """The image processor's and the processor's files of the run's settings."""
         v, d = cfg.model.vision, cfg.data
         image = {
             **pixels(cfg, "Qwen2VLImageProcessor"),
@@ -127,6 +132,7 @@ class QwenVL(Whole):
         }
 
     def mismatches(self, cfg: Any) -> list[str]:
+        """Our options the whole has no counterpart for: its decoder's, its tower's, M-RoPE."""
         wants = {
             **self.decoder.wants(cfg),
             **self.tower.wants(cfg),
@@ -172,9 +178,12 @@ class Qwen3VL(QwenVL):
         return out
 
     def place(self, role: str, name: str, at: str) -> str:
+        """A part's tensor under the whole's names (the decoder's `model.` is
+        `model.language_model.`)."""
         if role == "llm":  # the decoder's `model.` is `model.language_model.`; its head stays
             return at + name.removeprefix("model.") if name.startswith("model.") else name
         return at + name
 
     def owns(self, role: str, name: str) -> bool:
+        """The LM head, at the top of the whole's names."""
         return role == "llm" and name.startswith("lm_head.")

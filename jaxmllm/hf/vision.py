@@ -37,6 +37,7 @@ GELUS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gel
 
 
 def _prefix(names: list[str], suffix: str) -> str:
+    """What the first of `names` ending in `suffix` has before it ("" if none does)."""
     for name in names:
         if name.endswith(suffix):
             return name[: -len(suffix)]
@@ -44,6 +45,7 @@ def _prefix(names: list[str], suffix: str) -> str:
 
 
 def layer_norm(hf: str, ours: str, layers: int = 0) -> list[Link]:
+    """A torch LayerNorm's weight and bias <-> our scale and bias."""
     return [
         same(hf + ".weight", ours + "/scale", layers),
         same(hf + ".bias", ours + "/bias", layers),
@@ -119,6 +121,7 @@ class LearnedTower(Family):
         }
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        """The tower's config.json of our `model.vision` (`source`'s other keys kept)."""
         v = cfg.model.vision
         inv = {ours: theirs for theirs, ours in reversed(self.acts.items())}
         out = dict((source or {}).get("vision_config", source or {}))
@@ -138,6 +141,7 @@ class LearnedTower(Family):
         return out
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
+        """The patch embedding, the encoder layers and (with `final_norm`) the final norm."""
         v = cfg.model.vision
         w, h, f, n = v.width, v.heads, v.mlp_dim, v.depth
         e = w // h
@@ -163,6 +167,7 @@ class LearnedTower(Family):
         return links
 
     def prefix(self, names: list[str]) -> str:
+        """What a whole SiglipModel or CLIPModel puts before the tower's names."""
         return _prefix(names, "embeddings.patch_embedding.weight")
 
     def unused(self, name: str, depth: int) -> bool:
@@ -203,6 +208,7 @@ class Clip(LearnedTower):
     options = {"patch_bias": False, "class_token": True, "pre_norm": True, "final_norm": False}
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
+        """The shared links, the class token, its position row and the pre-blocks norm."""
         table = ("vision/class_position", "vision/position_embedding")
         return [
             *super().links(cfg, hf),

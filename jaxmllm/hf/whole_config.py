@@ -87,6 +87,7 @@ def nested(config: dict, model_type: str | None = None) -> dict:
 
 
 def enabled(cfg: Any, name: str, want: bool) -> list[str]:
+    """A mismatch naming `model.<name>.enabled` unless the encoder is there as `want` says."""
     have = getattr(cfg.model, name).enabled
     return (
         []

@@ -103,6 +103,12 @@ class Llava(Whole):
         return used
 
     def section(self, role: str, hf: dict) -> dict:
+        """A part's section; the tower's read at the feature layer, the projector's keys.
+
+        Raises:
+          FamilyError: a feature select strategy, projector bias or activation jaxmllm does
+            not read, naming it.
+        """
         out = super().section(role, hf)
         if role != "vision":
             return out
@@ -135,6 +141,7 @@ class Llava(Whole):
         return out
 
     def own_links(self, role: str, cfg: Any, hf: dict) -> list[Link]:
+        """The projector's two Linears, beside the tower."""
         if role != "vision":
             return []
         v, out = cfg.model.vision, cfg.model.llm.width
@@ -146,9 +153,11 @@ class Llava(Whole):
         ]
 
     def owns(self, role: str, name: str) -> bool:
+        """The projector's tensors, the vision part's."""
         return role == "vision" and name.startswith("multi_modal_projector.")
 
     def unused(self, role: str, name: str, hf: dict) -> bool:
+        """The tower's blocks past the feature layer, and its final norm."""
         return role == "vision" and self.inner(role, hf).unused(name, self.feature_depth(hf))
 
     def to_hf_config(self, cfg: Any, source: dict | None, roles: tuple[str, ...]) -> dict:
@@ -203,9 +212,11 @@ class Llava(Whole):
         )
 
     def reference_inputs(self, sample: Any, cfg: Any, specials: Any) -> dict:
+        """transformers' inputs of a sample (`oracle.llava`)."""
         return oracle.llava(sample, cfg, specials)
 
     def fillers(self, cfg: Any) -> dict[str, Any]:
+        """The tower's final norm, as ones and zeros (LLaVA never applies it)."""
         width = cfg.model.vision.width  # (the tower's final norm: LLaVA never applies it)
         return {
             "vision_tower.post_layernorm.weight": np.ones(width, np.float32),
@@ -213,6 +224,7 @@ class Llava(Whole):
         }
 
     def processor_files(self, cfg: Any) -> dict[str, dict]:
+        """The image processor's (CLIP's or SigLIP's) and the processor's files."""
         v = cfg.model.vision
         side = v.position_grid * v.patch_size
         image = {
@@ -259,24 +271,29 @@ class Qwen2Audio(Whole):
         return self.encoder
 
     def section(self, role: str, hf: dict) -> dict:
+        """A part's section; the audio projector is one Linear."""
         out = super().section(role, hf)
         if role == "audio":
             out["projector"] = "linear"
         return out
 
     def own_links(self, role: str, cfg: Any, hf: dict) -> list[Link]:
+        """The projector's Linear, beside the encoder."""
         if role != "audio":
             return []
         shape = (cfg.model.audio.width, cfg.model.llm.width)
         return linear("multi_modal_projector.linear", "audio_projector/fc", shape)
 
     def owns(self, role: str, name: str) -> bool:
+        """The projector's tensors, the audio part's."""
         return role == "audio" and name.startswith("multi_modal_projector.")
 
     def reference_inputs(self, sample: Any, cfg: Any, specials: Any) -> dict:
+        """transformers' inputs of a sample (`oracle.qwen2_audio`)."""
         return oracle.qwen2_audio(sample, cfg, specials)
 
     def to_hf_config(self, cfg: Any, source: dict | None, roles: tuple[str, ...]) -> dict:
+        """The whole's config.json: from scratch, or `source`'s with `roles`' parts ours."""
         llm = cfg.model.llm
         if source is None:
             return {
@@ -296,6 +313,7 @@ class Qwen2Audio(Whole):
         return out
 
     def processor_files(self, cfg: Any) -> dict[str, dict]:
+        """The feature extractor's (Whisper's) and the processor's files."""
         a, rate = cfg.model.audio, cfg.data.audio_sample_rate
         seconds = a.max_positions * a.stride // 100  # (10 ms frames)
         features = {
