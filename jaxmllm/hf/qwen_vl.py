@@ -56,7 +56,7 @@ class QwenVL(Whole):
     def __init__(self, row: WholeRow):
         """The whole of `row`: its decoder and tower families."""
         super().__init__(row)
-        self.decoder = decoder_family(row.llm[0], row.experts or "linear")
+        self.decoder = decoder_family(row.llm[0], row.experts)
         self.tower = self.own_tower()
 
     def own_tower(self) -> Family:

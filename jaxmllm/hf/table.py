@@ -136,8 +136,9 @@ class WholeRow:
     hook: Hook  # where `hf check` reads transformers' encoder rows
     mrope_sections: tuple[int, ...] = ()  # M-RoPE's sections where config.json names none
     deepstack: bool = False  # its tower's blocks feed the LLM's first layers (Qwen3-VL)
-    # How its checkpoint lays out routed experts (`decoders.EXPERTS`): "" as the decoder reads
-    experts: str = ""
+    # How its checkpoint lays out routed experts (`decoders.EXPERTS`): "linear" reads them one
+    # Linear each or fused, as the files hold them (`Decoders.for_checkpoint`)
+    experts: str = "linear"
 
     @property
     def model_types(self) -> tuple[str, ...]:
@@ -253,8 +254,15 @@ QWEN2_AUDIO_ENCODER = TowerRow(
     "Qwen2AudioEncoder",
     (Reference("qwen2_audio_encoder", "Qwen2AudioEncoder", module="qwen2_audio"),),
 )
-TOWERS = (SIGLIP, CLIP, QWEN2_VL_VISION, QWEN2_5_VL_VISION, QWEN3_VL_VISION)
-TOWERS += (WHISPER, QWEN2_AUDIO_ENCODER)
+TOWERS = (
+    SIGLIP,
+    CLIP,
+    QWEN2_VL_VISION,
+    QWEN2_5_VL_VISION,
+    QWEN3_VL_VISION,
+    WHISPER,
+    QWEN2_AUDIO_ENCODER,
+)
 
 # ----------------------------------------------------------------------------- wholes
 
