@@ -23,10 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxmllm.hf.table import LLAMA, QWEN2
+
 SHAPES = {  # config.json of real checkpoints (their shapes; weights are random here)
     "tiny": {  # (not a real checkpoint: a smoke run of the bench, tests/test_commands.py)
-        "model_type": "qwen2",
-        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": QWEN2.name,
+        "architectures": [QWEN2.hf_class],
         "vocab_size": 512,
         "hidden_size": 64,
         "intermediate_size": 128,
@@ -39,8 +41,8 @@ SHAPES = {  # config.json of real checkpoints (their shapes; weights are random 
         "hidden_act": "silu",
     },
     "qwen2.5-0.5b": {
-        "model_type": "qwen2",
-        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": QWEN2.name,
+        "architectures": [QWEN2.hf_class],
         "vocab_size": 151936,
         "hidden_size": 896,
         "intermediate_size": 4864,
@@ -53,8 +55,8 @@ SHAPES = {  # config.json of real checkpoints (their shapes; weights are random 
         "hidden_act": "silu",
     },
     "llama-3.2-1b": {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": LLAMA.name,
+        "architectures": [LLAMA.hf_class],
         "vocab_size": 128256,
         "hidden_size": 2048,
         "intermediate_size": 8192,
