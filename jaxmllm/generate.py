@@ -189,6 +189,8 @@ def request_prompts(template: Template, args) -> list[Sample]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line of `python -m jaxmllm.generate`: the model (a run or a HF checkpoint),
+    prompts, media and sampling options."""
     p = argparse.ArgumentParser(
         prog="python -m jaxmllm.generate",
         description=__doc__,
@@ -273,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _command(argv: list[str] | None) -> None:
+    """Generates and prints the answers (one JSON object each with --json) to the prompts asked,
+    from a run's checkpoint or a HF checkpoint; errors are `main`'s to report."""
     configure_logging(logging.WARNING)  # (record ids and file names in messages: escaped)
     args = parse_args(argv)
     if args.hf:

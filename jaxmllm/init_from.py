@@ -141,6 +141,8 @@ def _leaves(tree: dict, prefix: str = "") -> dict:
 
 
 def _paths(tree: dict, prefix: str = "") -> set[str]:
+    """The '/'-joined paths of every leaf of a nested dict ('llm/embed/embedding'), to compare
+    two parameter trees' keys."""
     out: set[str] = set()
     for key, value in tree.items():
         name = f"{prefix}/{key}" if prefix else str(key)

@@ -31,6 +31,8 @@ EXIT_PEER_FAILED = 5
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The launcher's own options (processes, nodes, rank, coordinator, --gpus, grace) and the
+    arguments it passes on to `python -m jaxmllm.train` untouched."""
     p = argparse.ArgumentParser(
         prog="python -m jaxmllm.launch",
         description=__doc__,
@@ -62,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 
 def free_port() -> int:
+    """A TCP port free on this machine now, for the coordinator of a one-machine job (another
+    program could take it before the coordinator binds it: rare, and the job then fails at
+    start-up)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -71,6 +76,8 @@ NOISE = b"Expected number of connected peer ranks"  # gloo's start-up chatter, e
 
 
 def _pump(stream, prefix: str, out) -> None:
+    """Copies a child's output to `out` line by line with its `prefix` ('[p1] '), leaving out
+    gloo's start-up chatter (NOISE); returns when the child closes it."""
     for line in iter(stream.readline, b""):
         if NOISE in line:
             continue
@@ -80,6 +87,10 @@ def _pump(stream, prefix: str, out) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Starts this machine's training processes with their rank and the coordinator, forwards
+    SIGTERM and SIGINT to them (a second signal kills), and stops the others when one fails
+    (their next collective would hang). Returns the job's exit code: the failed process's,
+    EXIT_PEER_FAILED for a kill by a signal, 0 when all finished."""
     args, train_args = parse_args(argv)
     coordinator = args.coordinator or f"127.0.0.1:{free_port()}"
     total = args.processes * args.nodes
@@ -115,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     stopping = []
 
     def forward(signum, frame):  # preemption: every process checkpoints and exits
+        """Passes a preemption signal on: the first as SIGTERM (each process checkpoints and
+        exits), any later one as SIGKILL."""
         stopping.append(signum)
         for proc in procs.values():
             if proc.poll() is None:
@@ -152,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _stop_others(procs: dict[int, subprocess.Popen], rank: int, code: int, grace: float) -> None:
+    """Interrupts every process but `rank` (twice: stop at once) after it exited with `code`, and
+    kills those still running after `grace` seconds."""
     print(
         f"launch: process {rank} exited ({_describe(code)}); stopping the other processes, "
         "which cannot go on without it",
@@ -172,6 +187,7 @@ def _stop_others(procs: dict[int, subprocess.Popen], rank: int, code: int, grace
 
 
 def _describe(code: int) -> str:
+    """A process's exit status in words: 'exit code 2', 'killed by SIGKILL'."""
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"

@@ -41,7 +41,7 @@ from jaxmllm.loop.evaluate import open_evaluator
 from jaxmllm.loop.guards import NonFiniteError, NonFiniteGuard, Preemption
 from jaxmllm.loop.ledger import Ledger
 from jaxmllm.loop.lock import hold_output_dir
-from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter, device_peak
+from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter, device_peak, logged_step
 from jaxmllm.loop.summary import RunReport, rejects_file, schedule_note
 from jaxmllm.loop.timings import TimingsRecorder
 from jaxmllm.loop.watchdog import startup_signals, step_watchdog
@@ -124,6 +124,8 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
     state = start_reference(cfg, prog, state)  # (preference: the reference policy, frozen)
     if is_main:  # (only once the resume checks passed: a refused run leaves the folder as it was)
         write_config(cfg, out)
+    if evaluator is not None:  # (the eval set's rejects likewise: each process its own file)
+        evaluator.write_rejects()
     start = int(state["step"])
     if start:
         print(f"resumed from checkpoint at step {start} in {mngr.directory}")
@@ -166,7 +168,7 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
                 ledger.write(done, info.parts)
             window.add(info, waited)
             report.step(info)
-            if done % t.log_every == 0 or done in (1, t.steps):
+            if logged_step(done, t):
                 last = log_step(done, metrics, info, window, guard.total, writer, bar)
                 report.logged(done)
             if evaluator is not None and evaluator.due(done):  # (reads the params, no more)
@@ -260,6 +262,8 @@ def log_step(done: int, metrics: dict, info: StepInfo, window, nonfinite_total, 
 
 
 def _progress(cfg: Config, start: int, enabled: bool):
+    """The step progress bar (tqdm) from `start` to train.steps: shown on process 0 with
+    train.progress_bar, disabled elsewhere."""
     from tqdm import tqdm
 
     return tqdm(
@@ -273,6 +277,7 @@ def _progress(cfg: Config, start: int, enabled: bool):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line of `python -m jaxmllm.train`: --config and its --set overrides."""
     p = argparse.ArgumentParser(
         prog="python -m jaxmllm.train",
         description=__doc__,
@@ -289,6 +294,8 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 def _command(argv: list[str] | None) -> None:
+    """Trains per the command line's config; a SIGTERM during start-up says what it interrupted.
+    Errors are `cli`'s to report (`jaxmllm.config.command`)."""
     guards.outlive_closed_pipes()  # (a `| tee` that Ctrl-C ended never costs the checkpoint)
     configure_logging(logging.WARNING, ours=logging.INFO)  # (with their time; not orbax chatter)
     args = parse_args(argv)

@@ -178,6 +178,7 @@ def varying_as(tree: Any, *inputs: Any) -> Any:
     axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(inputs)))
 
     def one(x):
+        """`x` cast to vary over the manual axes it is missing (a no-op when it varies over all)."""
         missing = tuple(sorted(axes - varying_axes(x)))
         return jax.lax.pcast(x, missing, to="varying") if missing else x
 
@@ -195,8 +196,10 @@ def _read_sizes(mesh_cfg: Any) -> dict[str, int]:
 
 
 def _show(sizes: dict[str, int]) -> str:
+    """Mesh sizes as the config keys that set them: 'mesh.data=2 x mesh.fsdp=4'."""
     return " x ".join(f"mesh.{axis}={size}" for axis, size in sizes.items())
 
 
 def _keys(sizes: dict[str, int]) -> str:
+    """The config keys of these mesh axes, comma-separated, for a message naming what to change."""
     return ", ".join(f"mesh.{axis}" for axis in sizes)

@@ -76,6 +76,9 @@ def opt_state_shardings(
     fallback = replicated(mesh)
 
     def pick(keypath: tuple[Any, ...], leaf: Any) -> NamedSharding:
+        """The sharding of the parameter whose path ends like this state leaf's (Adam's moments
+        mirror their parameters), if it fits the leaf's shape; else replicated (counts, scalars,
+        factored statistics of another shape)."""
         sharding = _longest_suffix(key_parts(keypath), by_path)
         return sharding if sharding is not None and _fits(sharding, leaf.shape) else fallback
 
@@ -175,6 +178,9 @@ def make_global_batch(
 def _global_shape(
     name: str, local_shape: tuple[int, ...], device_axis: int, n_local: int, dp: int
 ) -> tuple[int, ...]:
+    """The global shape of one batch array from this process's local one: its device axis holds
+    `n_local` of the `dp` data-parallel positions, so it grows to `dp` of them. Raises
+    ShardingError when that axis does not split evenly over the local positions."""
     if len(local_shape) <= device_axis or local_shape[device_axis] % n_local:
         raise ShardingError(
             f"batch[{name!r}] of shape {local_shape}: axis {device_axis} must "
@@ -220,6 +226,7 @@ def _fits(sharding: NamedSharding, shape: tuple[int, ...]) -> bool:
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows of cells as text lines, each column padded to its widest cell (two spaces apart)."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return [
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
@@ -228,17 +235,22 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 def _dims(shape: tuple[int, ...]) -> str:
+    """A shape as `describe` prints it: '(2, 128, 64)'."""
     return str(tuple(shape))
 
 
 def _names(axes: Any) -> str:
+    """Logical axes as `describe` prints them: '(layers, embed)', '-' for none (replicated)."""
     return "-" if axes is None else "(" + ", ".join(str(a) for a in axes) + ")"
 
 
 def _spec(spec: PartitionSpec) -> str:
+    """A PartitionSpec as `describe` prints it: 'P(None, fsdp+expert)', axes of one dim joined by
+    '+'."""
     show = lambda e: "None" if e is None else e if isinstance(e, str) else "+".join(e)
     return "P(" + ", ".join(show(e) for e in spec) + ")"
 
 
 def _mib(n_bytes: int) -> str:
+    """Bytes in MiB with two decimals, for `describe`'s totals."""
     return f"{n_bytes / 2**20:.2f} MiB"

@@ -184,6 +184,8 @@ def key_parts(keypath: tuple[Any, ...]) -> tuple[str, ...]:
 
 
 def _key_name(key: Any) -> str:
+    """One key path entry as the plain name a path string shows ('blocks', '0'), whatever jax key
+    type holds it."""
     for attr in ("key", "name", "idx"):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
         if hasattr(key, attr):
             return str(getattr(key, attr))
@@ -191,6 +193,8 @@ def _key_name(key: Any) -> str:
 
 
 def _duplicate_message(path: str, axis: str, first: int, second: int, axes: Axes | None) -> str:
+    """Why one mesh axis cannot shard two dims of the array at `path`, and the rule to change:
+    another logical name when the two dims share one, else the rule of either name."""
     where = f"{path}: " if path else ""
     message = f"{where}mesh axis {axis!r} would shard both dim {first} and dim {second}"
     if axes is None:
@@ -208,6 +212,8 @@ def _duplicate_message(path: str, axis: str, first: int, second: int, axes: Axes
 
 
 def _check_on_mesh(mesh_axes: tuple[str, ...], mesh: Mesh, name: str | None) -> None:
+    """Raises ShardingError when the rule for `name` uses a mesh axis this mesh lacks (a mesh
+    built with other axis names than AXES)."""
     missing = [axis for axis in mesh_axes if axis not in mesh.shape]
     if missing:
         raise ShardingError(
@@ -225,6 +231,8 @@ def _live(mesh_axes: tuple[str, ...], mesh: Mesh) -> tuple[str, ...]:
 
 
 def _is_rule(rule: Any) -> bool:
+    """Whether `rule` is a valid rule: None (replicated), one of AXES, or a tuple of distinct
+    ones."""
     if not isinstance(rule, str | tuple | None):
         return False
     mesh_axes = _as_tuple(rule)
@@ -232,6 +240,7 @@ def _is_rule(rule: Any) -> bool:
 
 
 def _as_tuple(rule: Rule) -> tuple[str, ...]:
+    """A rule as its mesh axes, major to minor: () for None, (axis,) for one."""
     if rule is None:
         return ()
     return (rule,) if isinstance(rule, str) else tuple(rule)

@@ -7,9 +7,17 @@ import tempfile
 import pytest
 
 # Everything the session's tools cache on disk lives in one folder, deleted at its end
-# (pytest_unconfigure): JAX's compile cache, and torch's inductor cache, which importing peft
-# creates as `torchinductor_<user>` in the temporary folder (its children inherit the place).
-SESSION_TMP = tempfile.mkdtemp(prefix="jaxmllm-test-")
+# (pytest_unconfigure) by the process that made it: JAX's compile cache, and torch's inductor
+# cache, which importing peft creates as `torchinductor_<user>` in the temporary folder (its
+# children inherit the place). The folder is named by JAXMLLM_TEST_CACHE, so pytest-xdist's
+# workers (started after this import, with its environment) share their controller's, and
+# `.ci/run` hands one folder to all its sessions: the slow files, each a fresh process, then
+# find the tiny programs the default suite compiled (JAX's keys hold its version and the
+# compile options, so the Python 3.12 leg's jax cannot take another's entry).
+OWN_TMP = "JAXMLLM_TEST_CACHE" not in os.environ
+if OWN_TMP:
+    os.environ["JAXMLLM_TEST_CACHE"] = tempfile.mkdtemp(prefix="jaxmllm-test-")
+SESSION_TMP = os.environ["JAXMLLM_TEST_CACHE"]
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(SESSION_TMP, "torchinductor"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 FLAGS = ["--xla_force_host_platform_device_count=8"]
@@ -58,10 +66,12 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    """Tests leave nothing in the temporary folder: the session's caches go too."""
+    """Tests leave nothing in the temporary folder: the session's caches go too (the process that
+    made the folder removes it; xdist's workers and `.ci/run`'s sessions leave it to theirs)."""
     import shutil
 
-    shutil.rmtree(SESSION_TMP, ignore_errors=True)
+    if OWN_TMP:
+        shutil.rmtree(SESSION_TMP, ignore_errors=True)
 
 
 TORCH = importlib.util.find_spec("torch") is not None

@@ -429,7 +429,7 @@ def test_packed_density_counts_aligned_documents_as_aligned():
 
 ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(
-    not ON_GPU, reason="cuDNN runs on a GPU only (there: JAX_PLATFORMS=cuda pytest ...)"
+    not ON_GPU, reason="cuDNN runs on a GPU only (there: JAX_PLATFORMS=cuda pytest -n 0 ...)"
 )
 
 
@@ -499,7 +499,7 @@ def fused(request, monkeypatch):
     if request.param == "cpu":
         monkeypatch.setattr(cudnn, "_fused_attention", packed_stand_in)
     elif jax.default_backend() != "gpu":
-        pytest.skip("cuDNN runs on a GPU only (there: JAX_PLATFORMS=cuda pytest ...)")
+        pytest.skip("cuDNN runs on a GPU only (there: JAX_PLATFORMS=cuda pytest -n 0 ...)")
     return request.param
 
 

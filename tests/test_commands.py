@@ -365,3 +365,22 @@ def test_every_command_runs_its_main_path_on_good_input(tmp_path):
         if code != 0 or "Traceback" in text
     ]
     assert not failures, "\n\n".join(failures)
+
+
+def test_logging_writes_to_the_stderr_of_the_moment(monkeypatch):
+    """A command run in-process under one stderr that is then closed (pytest's capture of an
+    earlier test) logs the next line to the current stderr, with no "Logging error"."""
+    import io
+    import logging
+
+    from jaxmllm.config.command import configure_logging
+
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    configure_logging()
+    logging.getLogger("jaxmllm").warning("under the first")
+    first.close()
+    monkeypatch.setattr(sys, "stderr", second)
+    logging.getLogger("jaxmllm").warning("under the second")
+    assert second.getvalue().endswith("WARNING under the second\n"), second.getvalue()
+    assert "Logging error" not in second.getvalue()

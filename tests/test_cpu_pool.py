@@ -48,7 +48,7 @@ def test_the_test_sessions_backend_started_with_the_sized_pool():
 
 
 HF_TRAIN = "tests/test_hf_train.py::test_recipes_stage1_then_stage2_then_export"
-PYTEST_ARGS = ["-q", "-m", "slow", "-p", "no:cacheprovider"]
+PYTEST_ARGS = ["-q", "-n", "0", "-m", "slow", "-p", "no:cacheprovider"]  # (in one process)
 # (with XLA's own pool 3 runs in 8 hung: 3 runs miss that with odds of ~24%; the fast test
 # above holds the pool's size itself, every run)
 RUNS = 3

@@ -59,7 +59,7 @@ def test_the_eval_set_is_planned_at_the_step_shapes_and_counts_each_sample_once(
     times the planner brought it."""
     cfg = resolved.cfg
     held = HeldOut(cfg)
-    batches = plan_set(resolved, held, held.index, tmp_path / "rejects.jsonl")
+    batches, _ = plan_set(resolved, held, held.index)
     shapes = batch_shapes(cfg, 8)
     for batch in batches:
         assert {k: (v.shape, v.dtype) for k, v in batch.items() if k != "eval_mix"} == {
@@ -85,12 +85,12 @@ def test_each_host_evaluates_its_own_rows_of_the_set_with_context_groups(tmp_pat
     cfg = tiny("mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "batch.llm_row_len=96")
     run = resolve_run(cfg, 8)
     held = HeldOut(run.cfg)
-    whole = plan_set(run, held, held.index, tmp_path / "rejects.jsonl")
+    whole, _ = plan_set(run, held, held.index)
     counted = 0
     for host in range(2):
         positions = np.arange(4 * host, 4 * host + 4)
         mine = replace(run, positions=positions)
-        batches = plan_set(mine, held, held.index, tmp_path / f"rejects{host}.jsonl")
+        batches, _ = plan_set(mine, held, held.index)
         assert len(batches) == len(whole)
         for got, want in zip(batches, whole, strict=True):
             assert got.keys() == want.keys()
@@ -196,9 +196,10 @@ def test_a_manifest_eval_set_brings_its_questions_and_counts_every_sample(tmp_pa
     build_index(cfg, manifest, progress=False)
     source, index = eval_source(cfg)
     assert len(index) == 9
-    batches = plan_set(replace(resolved, cfg=cfg), source, index, tmp_path / "rejects.jsonl")
+    batches, rejects = plan_set(replace(resolved, cfg=cfg), source, index)
     counted = sum(int(((b["eval_mix"] >= 0) & (b["llm_loss_mask"] > 0)).sum()) for b in batches)
     assert counted == sum(int(source[i].loss[1:].sum()) for i in range(len(index)))
+    assert rejects == [] and not list(tmp_path.glob("rejects*"))  # (none: none written)
     questions = Questions(replace(cfg), source, 4)
     shown = [questions.show(p.tokens) for p in questions.prompts]
     assert "<user>what colour is the box?<assistant>" in shown and "" in shown
@@ -206,3 +207,43 @@ def test_a_manifest_eval_set_brings_its_questions_and_counts_every_sample(tmp_pa
         t.startswith("a ") or t in ("red", "green", "blue", "yellow", "white", "purple")
         for t in questions.truths
     ), questions.truths
+
+
+def test_the_eval_sets_rejects_are_written_once_a_start_passed_its_checks(tmp_path, monkeypatch):
+    """The eval set (a manifest with an image gone since its index was built) was planned, and
+    its rejects appended to rejects.eval.jsonl, before the checkpoint was restored: a start
+    refused there (a checkpoint of another format, another process count) left the file in a
+    folder the trainer promises to leave as it was, and every resume appended the same rejects
+    again. A refused start now writes none; a start that passed its checks writes them, once
+    however many times the run starts."""
+    from jaxmllm import train
+    from jaxmllm.bench.data import write_dataset
+    from jaxmllm.data.index import build_index
+    from jaxmllm.data.rejects import read_rejects
+
+    manifest = write_dataset(tmp_path / "eval", images=6, audio=3)
+    out = tmp_path / "run"
+    small = ["data.image_min_pixels=256", "data.image_max_pixels=1024", "data.audio_max_frames=32"]
+    eval_set = ["data.eval.source=jsonl", f"data.eval.path={manifest}", "data.eval.samples=0"]
+    cfg = tiny(*eval_set, *small, "data.eval.questions=0", f"train.output_dir={out}")
+    build_index(cfg, manifest, progress=False)
+    record = next(r for r in map(json.loads, manifest.read_text().splitlines()) if "images" in r)
+    (manifest.parent / record["images"][0]).unlink()
+
+    class Started(Exception):
+        """Raised where the loop would begin: the start-up is done."""
+
+    def refused(*args):
+        raise ConfigError("checkpoint 2 is of another format (refused, as check_format does)")
+
+    with monkeypatch.context() as m:
+        m.setattr(train, "restore_latest", refused)
+        with pytest.raises(ConfigError, match="another format"):
+            train.main(cfg)
+    assert not (out / "rejects.eval.jsonl").exists() and not (out / "config.json").exists()
+    monkeypatch.setattr(train, "MetricsWriter", lambda *a, **k: (_ for _ in ()).throw(Started()))
+    for _ in range(2):  # (a start, and a resumed one)
+        with pytest.raises(Started):
+            train.main(cfg)
+        logged = read_rejects(out / "rejects.eval.jsonl")
+        assert [(r["id"], r["reason"]) for r in logged] == [(record["id"], "missing_media")]

@@ -72,6 +72,28 @@ def test_printable_escapes_what_acts_on_a_terminal(name):
     assert printable("café 東京 😀 plain-id_1.jpg") == "café 東京 😀 plain-id_1.jpg"
 
 
+@pytest.mark.parametrize("frames", [False, True], ids=["index", "frames"])
+def test_no_path_length_lets_a_reject_s_example_start_a_line(frames):
+    """The rejects table wraps an example at its spaces: whatever the length of the data's path
+    (the CI's workers' tmp paths were 10 characters longer), a forged summary line in a record
+    id or file name never begins a line."""
+    from jaxmllm.data.frames import report as frames_report
+
+    forged = "fake\n  rejected, by reason: none"
+    for pad in range(0, 160, 3):
+        where = "/data/" + "d" * pad + f"/{forged}.png"
+        ex = {"id": forged, "where": "m.jsonl:1", "video": where, "detail": f"{where} not found"}
+        summary = {
+            "data": "m.jsonl", "format": "manifest", "records": 2, "accepted": 1, "rejected": 1,
+            "rejects": {"missing_media": 1}, "examples": {"missing_media": ex}, "index": "i",
+            "folder": "f", "videos": 2, "frames": 8, "bytes": 0, "shards_total": 1, "rebuilt": 1,
+        }
+        lines = frames_report(summary) if frames else report(summary)
+        assert len(lines) > 3 or pad < 40
+        for line in lines:
+            assert not line.lstrip().startswith("rejected, by reason: none"), (pad, line)
+
+
 def test_record_ids_and_names_reach_the_terminal_escaped(tmp_path):
     data = tmp_path / "data"
     data.mkdir()

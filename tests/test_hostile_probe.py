@@ -20,7 +20,7 @@ from jaxmllm.bench.data import write_dataset
 from jaxmllm.config import load_config
 from jaxmllm.data.index import build_index
 from jaxmllm.data.loader import Loader
-from jaxmllm.data.rejects import DataError, read_rejects
+from jaxmllm.data.rejects import REASONS, DataError, read_rejects
 from jaxmllm.data.source import open_source
 from jaxmllm.feed.info import StepInfo
 from jaxmllm.loop.summary import RunReport
@@ -65,18 +65,33 @@ def test_a_run_whose_media_are_missing_here_stops_naming_the_cause(data, tmp_pat
     assert "no such file" in message and len(read_rejects(out / "rejects.jsonl")) == 16
 
 
-def test_a_few_missing_media_are_within_the_bound(data, tmp_path):
+def test_a_few_missing_media_are_within_the_bound(data, tmp_path, caplog):
+    """Within data.max_load_rejects the run goes on, and every reject it let pass is counted:
+    by reason in the step metrics, in the logging window's line, and a line each in the log."""
     manifest, cfg = data
     records = [json.loads(x) for x in manifest.read_text().splitlines()]
     (manifest.parent / records[0]["images"][0]).unlink()
     source, out = open_source(cfg), tmp_path / "run"
     report = RunReport(cfg, out, 0, out / "rejects.jsonl")
     many = [np.arange(16)] * 3  # (48 draws, 3 failing: judged, under 0.1)
-    steps_of(Loader(cfg, source, write=False), report, many)
+    loader = Loader(cfg, source, write=False)
+    steps_of(loader, report, many)
+    assert loader.counts()["rejects/load_total"] == 3.0
+    assert loader.counts()["rejects/load_missing_media"] == 3.0
+    with caplog.at_level("WARNING", logger="jaxmllm"):
+        report.logged(3)
+    assert "load-time rejects in steps 1-3: 3 (missing_media 3)" in caplog.text, caplog.text
+    logged = read_rejects(out / "rejects.jsonl")
+    assert [r["id"] for r in logged] == [records[0]["id"]] * 3
+    assert {r["reason"] for r in logged} == {"missing_media"}
+
     lax = config(manifest, f"train.output_dir={tmp_path / 'lax'}", "data.max_load_rejects=1")
     (manifest.parent / "media").rename(tmp_path / "elsewhere")
     report = RunReport(lax, tmp_path / "lax", 0, tmp_path / "lax" / "rejects.jsonl")
-    steps_of(Loader(lax, open_source(lax), write=False), report, many)  # (1: never stops)
+    loader = Loader(lax, open_source(lax), write=False)
+    steps_of(loader, report, many)  # (1: never stops)
+    assert loader.counts()["rejects/load_missing_media"] == 48.0
+    assert len(read_rejects(tmp_path / "lax" / "rejects.jsonl")) == 48
 
 
 def test_the_rejects_log_lists_what_the_run_counted_and_records_apart_from_draws(data, tmp_path):
@@ -199,3 +214,81 @@ def test_an_unsupported_whole_model_names_what_is_read_and_the_part_flags(tmp_pa
         assert "of one part" not in message
         if part:
             assert f"it is an {part} part: pass it as --{part} beside --llm" in message
+
+
+# ----------------------------------------------------------------------------- over processes
+
+
+def test_max_load_rejects_is_judged_over_the_jobs_processes():
+    """Each process judged its own share: one whose 40 draws had 8 failures stopped while its
+    peer's 40 had none (8 of the job's 80: within 0.1), and the others then waited on it. The
+    share is the job's now, combined over the processes: the same counts pass, and a process
+    with no failure of its own stops with its peers when the job's share is over."""
+    from jaxmllm.data.rejects import LoadShare
+
+    def peer(drawn: int, missing: int):  # (this process's counts plus one peer's)
+        counts = {"missing_media": missing}
+        other = [drawn, missing, *(counts.get(r, 0) for r in REASONS)]
+        return lambda mine: mine + np.asarray(other, np.float64)
+
+    alone = LoadShare(0.1)
+    alone.add(40, {"missing_media": 8}, None)
+    with pytest.raises(DataError, match="8 of the 40 samples drawn failed"):
+        alone.check("steps 1-10", False, "rebuild")  # (the negative control: one process)
+    with_peer = LoadShare(0.1, peer(40, 0))
+    with_peer.add(40, {"missing_media": 8}, None)
+    with_peer.check("steps 1-10", False, "rebuild")  # (8 of 80)
+    clean = LoadShare(0.1, peer(20, 8))
+    clean.add(20, {}, None)
+    assert clean.totals() == (40, 8, {"missing_media": 8})
+    with pytest.raises(DataError, match=r"8 of the 40 samples drawn failed to load \(missing_m"):
+        clean.check("steps 1-5", False, "rebuild")
+
+
+def test_counts_are_summed_over_the_processes_rows(monkeypatch):
+    """`summed_over_processes`: one process's vector alone (no collective); with several,
+    every process's row from `process_allgather`, summed."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    from jaxmllm.loop.metrics import over_processes, summed_over_processes
+
+    def no_collective(x):
+        raise AssertionError("one process gathers nothing")
+
+    monkeypatch.setattr(multihost_utils, "process_allgather", no_collective)
+    np.testing.assert_array_equal(summed_over_processes(np.array([3.0, 1.0])), [3.0, 1.0])
+    monkeypatch.setattr(jax, "process_count", lambda: 3)
+    rows = lambda x: np.stack([x, 2 * x, np.zeros_like(x)])  # (three processes' vectors)
+    monkeypatch.setattr(multihost_utils, "process_allgather", rows)
+    assert over_processes(np.array([3.0, 1.0])).shape == (3, 2)
+    np.testing.assert_array_equal(summed_over_processes(np.array([3.0, 1.0])), [9.0, 3.0])
+
+
+def test_with_several_processes_the_share_is_judged_at_the_logged_steps(
+    data, tmp_path, monkeypatch
+):
+    """A collective every step would stall the steps in flight: with several processes the
+    run judges the job's share where every process is in the metrics' collective anyway, the
+    logged steps (1, every train.log_every, the last). Two processes, each drawing 4 failing
+    samples a step: judged at steps 1, 2 and 4, and stopped at 4 with the job's 32 of 32."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    manifest, _ = data
+    out = tmp_path / "run"
+    cfg = config(manifest, f"train.output_dir={out}", "train.steps=4", "train.log_every=2")
+    (manifest.parent / "media").rename(tmp_path / "elsewhere")
+    gathered = []
+
+    def two_processes(x):  # (the peer drew and failed as this one did)
+        gathered.append(x)
+        return np.stack([x, x])
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", two_processes)
+    loader = Loader(cfg, open_source(cfg), write=False)
+    report = RunReport(cfg, out, 0, out / "rejects.jsonl")
+    with pytest.raises(DataError, match="steps 1-4: 32 of the 32 samples drawn failed"):
+        steps_of(loader, report, [np.arange(k * 4, k * 4 + 4) for k in range(4)])
+    assert [int(x[0]) for x in gathered] == [4, 8, 16]  # (this process's draws at 1, 2, 4)

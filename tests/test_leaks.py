@@ -62,12 +62,15 @@ def _wait(until, seconds: float) -> bool:
 def test_tests_leave_nothing_in_the_temporary_folder(tmp_path):
     """conftest's compile cache is deleted at the session's end, and so is torch's compile
     cache (importing peft makes torch's inductor create `torchinductor_<user>` there):
-    test_lora_hf is collected, so peft is imported."""
+    test_lora_hf is collected, so peft is imported. The session runs on two xdist workers,
+    which share their controller's cache folder: the controller, which made it, deletes it
+    (pytest's own base folder, which xdist makes for its workers, goes to --basetemp)."""
     temp = tmp_path / "tmp"
     temp.mkdir()
     env = {**os.environ, "TMPDIR": str(temp)}
     env.pop("XLA_FLAGS", None)  # (conftest sets its own)
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # (this session's, which this conftest deletes)
+    env.pop("JAXMLLM_TEST_CACHE", None)  # (this session's: the child makes and deletes its own)
     done = subprocess.run(
         [
             sys.executable,
@@ -76,6 +79,9 @@ def test_tests_leave_nothing_in_the_temporary_folder(tmp_path):
             "-q",
             "-p",
             "no:cacheprovider",
+            "-n",
+            "2",
+            f"--basetemp={tmp_path / 'base'}",
             "tests/test_layout.py",
             "tests/test_lora_hf.py",
             "-k",

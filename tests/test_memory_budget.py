@@ -100,9 +100,9 @@ def test_within_the_budget_an_image_decodes_whole_to_the_same_pixels(tmp_path):
 
 
 def test_records_over_the_budget_are_counted_rejects_naming_the_key(tmp_path):
-    """A JSON line costs about 7 times its size parsed (a 200 MB line took 1.48 GB), a
-    Parquet row group about twice its decompressed size, a clip about 8 float32 copies of
-    its samples: each over data.worker_memory is a reject naming the key, not read."""
+    """A JSON line costs up to about 10 times its size parsed, a Parquet row group about 5
+    times its decompressed size, a clip about 8 float32 copies of its samples (measured
+    below): each over data.worker_memory is a reject naming the key, not read."""
     png(tmp_path / "ok.png")
     wav(tmp_path / "long.wav", seconds=4.0)
     records = [
@@ -131,6 +131,65 @@ def test_records_over_the_budget_are_counted_rejects_naming_the_key(tmp_path):
             tar.addfile(info, io.BytesIO(data))
     summary, rejects = index(shard, "data.source=files", "data.format=webdataset", limit)
     assert summary["accepted"] == 1 and rejects["b"]["reason"] == "over_memory_budget"
+
+
+READ_PEAK = """
+import sys
+from pathlib import Path
+from jaxmllm.data.records.jsonl import JsonRecords
+from jaxmllm.data.records.parquet import ParquetRecords
+def resident(field):
+    line = next(x for x in open("/proc/self/status") if x.startswith(field))
+    return int(line.split()[1]) * 1024
+kind = JsonRecords if sys.argv[1] == "json" else ParquetRecords
+records = kind(Path(sys.argv[2]), max_bytes=1 << 34)
+open("/proc/self/clear_refs", "w").write("5")  # (the peak, VmHWM, from here)
+before = resident("VmRSS")
+value, _ = records.raw(0)
+assert not (isinstance(value, dict) and "__malformed__" in value), str(value)[:300]
+print(resident("VmHWM") - before)
+"""
+
+
+def read_peak(kind: str, path) -> int:
+    """The peak resident memory growth (bytes) of reading record 0 of the `kind` ("json" or
+    "parquet") file at `path` through its reader, in a process of its own (Linux)."""
+    out = subprocess.run(
+        [sys.executable, "-c", READ_PEAK, kind, str(path)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(out.stdout.split()[-1])
+
+
+def test_a_long_json_line_reads_within_its_estimate(tmp_path):
+    """budget.JSON_FACTOR bounds what parsing a line took, measured as the image's decoding
+    is: an 18 MB line of short chat turns took 9.2 times its bytes and a 22 MB one of token
+    ids 7.5 times (the first over the 8 the estimate said before); a long text 3."""
+    ids = np.random.default_rng(0).integers(0, 150_000, 3_000_000).tolist()
+    turns = [
+        {"role": "user", "content": "a short turn"},
+        {"role": "assistant", "content": "an answer"},
+    ]
+    for name, body in [("turns", {"messages": turns * 200_000}), ("ids", {"tokens": ids})]:
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text(json.dumps({"id": name, "text": "t", **body}) + "\n")
+        size = path.stat().st_size
+        peak = read_peak("json", path)
+        assert 5 * size < peak <= budget.JSON_FACTOR * size, (name, size, peak)
+
+
+def test_a_parquet_row_group_reads_within_its_estimate(tmp_path):
+    """budget.PARQUET_FACTOR bounds what reading a row group took, against its decompressed
+    size from the metadata: 80 MB of image bytes (incompressible) took 4.5 times it (its
+    pages mapped and decompressed, the arrays), over the twice the estimate said before."""
+    rng = np.random.default_rng(0)
+    images = [rng.bytes(40_000) for _ in range(2000)]  # (each its own: nothing compresses)
+    table = pa.table({"id": [str(i) for i in range(2000)], "image": images})
+    path = tmp_path / "images.parquet"
+    pq.write_table(table, path, row_group_size=len(table))
+    size = pq.ParquetFile(path).metadata.row_group(0).total_byte_size
+    peak = read_peak("parquet", path)
+    assert 3 * size < peak <= budget.PARQUET_FACTOR * size, (size, peak)
 
 
 def test_the_automatic_budget_shares_the_machine_among_its_readers(monkeypatch):

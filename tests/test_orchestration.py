@@ -283,7 +283,7 @@ def test_ragged_exchange_lowers_in_the_step_and_is_refused_on_cpu(tmp_path):
 
 @pytest.mark.skipif(
     jax.default_backend() != "gpu",
-    reason="XLA:CPU has no ragged_all_to_all (on a GPU: JAX_PLATFORMS=cuda pytest ...)",
+    reason="XLA:CPU has no ragged_all_to_all (on a GPU: JAX_PLATFORMS=cuda pytest -n 0 ...)",
 )
 def test_ragged_exchange_on_gpu_moves_the_filled_slots_and_transposes():
     """On every GPU there is: the ragged exchange delivers each (source, phase)'s filled prefix

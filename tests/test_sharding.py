@@ -187,8 +187,37 @@ def test_duplicate_mesh_axis_in_spec_names_path_and_axis():
     sharding.check_no_duplicate_axes("llm/w", PartitionSpec("fsdp", "tensor", None))
 
 
-def test_default_rules_pass_a_realistic_axes_tree():
-    sharding.validate(llm_axes(), RULES)
+MODELS = ("tiny", "tiny_moe", "tiny_hybrid")  # dense, mixture of experts, linear attention
+
+
+@pytest.fixture(scope="module")
+def model_axes() -> dict[str, dict]:
+    """The logical axes of every parameter of the tiny configs' models, towers included."""
+    from jaxmllm.config import load_config
+    from jaxmllm.step.program import model_parts
+
+    sets = ["batch.route_pair_capacity=80"]
+    return {m: model_parts(load_config(f"configs/{m}.yaml", sets))[1] for m in MODELS}
+
+
+def test_default_rules_pass_the_models_axes_trees(model_axes):
+    """The default table against the axes the models name: every name has a rule, no array
+    puts two dims on one mesh axis, and the trees hold the width names the rules shard (a tree
+    of replicated names would pass any table). The same MoE tree fails a table that puts the
+    experts' width where the dense width goes (on the expert axis, beside the experts)."""
+    sharded, used = {"embed", "mlp", "heads", "kv_heads"}, {}
+    for model, axes in model_axes.items():
+        sharding.validate(axes, RULES)
+        leaves = sharding.rules.axes_leaves(axes)
+        used[model] = {name for names in leaves.values() for name in names or () if name}
+        assert used[model] <= set(RULES) and sharded <= used[model], (model, used[model])
+        for path, names in leaves.items():
+            on = [a for n in names or () for a in sharding.rules.mesh_axes_of(n, RULES, path)]
+            assert len(on) == len(set(on)), (model, path, names)
+    assert {"expert", "expert_embed"} <= used["tiny_moe"]
+    bad = {**RULES, "expert_embed": RULES["embed"]}
+    with pytest.raises(ShardingError, match="mesh axis 'expert'"):
+        sharding.validate(model_axes["tiny_moe"], bad)
 
 
 def test_rules_mapping_two_dims_to_one_axis_fail_at_validate():

@@ -64,12 +64,16 @@ def documents(
 
 
 def segments(sizes: np.ndarray, row_len: int) -> np.ndarray:
+    """A row's segment ids: documents of these sizes packed from its start (ids 1, 2, ...),
+    padding (0) after."""
     seg = np.zeros(row_len, np.int32)
     seg[: sizes.sum()] = np.repeat(np.arange(1, len(sizes) + 1), sizes)
     return seg
 
 
 def _inputs(row_len: int, heads: int, kv_heads: int, head_dim: int, dtype, seed: int = 0):
+    """Random q, k, v [1, row_len, heads, head_dim] (k and v at kv_heads) and a random cotangent
+    `w` like q, in `dtype`, from `seed`."""
     keys = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(keys[0], (1, row_len, heads, head_dim), dtype)
     k = jax.random.normal(keys[1], (1, row_len, kv_heads, head_dim), dtype)
@@ -79,18 +83,27 @@ def _inputs(row_len: int, heads: int, kv_heads: int, head_dim: int, dtype, seed:
 
 
 def _grad_fn(attend):
+    """The jitted gradient of `attend` with respect to q, k and v, through the scalar
+    sum(attend(...) * w): a training step's backward of one attention."""
+
     def loss(q, k, v, w, *rest):
+        """The scalar whose gradient is attention's backward: the output weighted by the
+        cotangent `w`."""
         return jnp.sum(attend(q, k, v, *rest) * w)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
 def _rel_err(got, want, real) -> float:
+    """The relative L2 error of `got` against `want` over the real (non-padding) positions, in
+    float64."""
     got, want = (np.asarray(x, np.float64)[:, real] for x in (got, want))
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
 def _peak_bytes(compiled) -> int | None:
+    """A compiled program's memory as XLA reports it (arguments, outputs and temporaries, in
+    bytes), None where the backend reports none."""
     m = compiled.memory_analysis()
     if m is None:
         return None
@@ -184,6 +197,9 @@ def extrapolate(rows: list[dict]) -> None:
 
 
 def table(rows: list[dict]) -> str:
+    """The markdown table of the rows: per row length the documents and tiles, dense and
+    block-sparse seconds (dense as T^2 past its measured rows), the speed-up and memory, and
+    cuDNN's columns when measured."""
     cols = ["row", "docs", "doc mean", "tiles", "doc tiles", "tiles/doc", "dense s", "sparse s"]
     cols += ["speed-up", "dense MiB", "sparse MiB"]
     fused = any("cudnn_s" in r for r in rows)
@@ -213,6 +229,9 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`python -m jaxmllm.bench.attention`: times dense, block-sparse (and on a GPU cuDNN)
+    attention forward and backward on rows packed with documents of a length mix's sizes, checks
+    their errors against dense, and prints the table (--json FILE: the rows written there)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", default="2048,8192,32768", help="row lengths, comma-separated")
     p.add_argument("--mix", default="chartqa", help="length table the documents come from")

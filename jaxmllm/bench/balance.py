@@ -108,6 +108,8 @@ class _Items:
     """Per-sample and per-item sizes of an index, in each phase's attention units."""
 
     def __init__(self, index: LengthsIndex, caps: Capacities):
+        """Each sample's work per phase in attention units at these capacities ([sample, phase];
+        the LLM's column apart)."""
         self.index = index
         self.work = index.work(caps.per_token)  # [sample, phase]
         self.llm = self.work[:, 0]
@@ -160,6 +162,11 @@ def run_policy(
     pair: str = "auto",
     machine: simulate.Machine | None = None,
 ) -> tuple[dict, list]:
+    """Runs planner `policy` for `steps` steps on `index` over `devices` devices (`tokens` an LLM
+    row's, `micro` microbatches, capacities sized as a run sizes them) and measures each plan:
+    fill per phase, steps over the lower bound, attention balance, microbatch variation,
+    deferral, routing and the planner's ms a step. Returns the summary row and each step's
+    figures."""
     caps = make_caps(index, devices, tokens, micro, policy, block=block, devices_per_host=per_host)
     whole = caps.route_pair_capacity
     caps = sized_caps(index, caps, policy, steps, cost, seed, pair)
@@ -299,6 +306,9 @@ def run_policy(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxmllm.bench.balance`: every planner policy on the same workload (a lengths
+    file, built-in mixes or --random families of them), capacities and device counts; prints the
+    table (and --json, --plot). Exit code 0, 2 for bad arguments."""
     ap = argparse.ArgumentParser(
         prog="python -m jaxmllm.bench.balance",
         description=__doc__,

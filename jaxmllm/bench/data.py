@@ -93,6 +93,9 @@ def write_dataset(folder: str | Path, images: int, audio: int, broken: int = 0, 
 
 
 def _broken_records(folder: Path, rng: np.random.Generator, k: int) -> list[str]:
+    """Broken records of each kind a manifest may hold (a truncated JPEG, an empty and a noise
+    PNG, a missing file, a placeholder mismatch, a line that is not JSON), their media written
+    into `folder`: the index's rejects to count."""
     write_image(folder / f"media/trunc{k}.jpg", rng, "red", "JPEG", (64, 64))
     data = (folder / f"media/trunc{k}.jpg").read_bytes()
     (folder / f"media/trunc{k}.jpg").write_bytes(data[: len(data) // 2])
@@ -150,11 +153,15 @@ def bench(cfg, manifest: Path, workers: list[int], step_time_s: float) -> list[d
 
 
 def _media_paths(source, row) -> list[str]:
+    """The media paths a source's record at this index row names (images, then audio)."""
     rec = source.records.raw(row["row"])[0]
     return list(rec.get("images", [])) + list(rec.get("audio", []))
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxmllm.bench.data`: builds a manifest of --images and --audio samples in a
+    temporary folder, indexes it, times loading with each --workers count, and prints whether
+    loading keeps up with a step of --step-time-s (--json: the rows as JSON)."""
     from jaxmllm.config import load_config
     from jaxmllm.data.index import build_index
 

@@ -32,6 +32,8 @@ def _stats(values: list[float], low: bool) -> str:
 
 
 def _fill_ok(row: dict, phase: str) -> bool:
+    """Whether a row's fill of `phase` meets the target: at least FILL_TARGET, or within
+    FILL_SLACK of the packing bound (a mix that cannot fill more)."""
     fill, bound = row["fill"][phase], row["fill_bound"][phase]
     return fill >= FILL_TARGET or fill >= bound - FILL_SLACK
 
@@ -65,6 +67,8 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def table(summaries: list[dict]) -> str:
+    """The markdown table over a family of workloads: per policy and device count, each figure's
+    distribution over the mixes (see the module docstring for the columns)."""
     cols = [
         "policy",
         "D",

@@ -94,10 +94,13 @@ def write_formats(folder: str | Path, records: list[dict]) -> dict[str, Path]:
 
 
 def _lines(path: Path, records: list[dict]) -> None:
+    """Writes `records` to `path` as JSON lines."""
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 def _turns(r: dict) -> list[dict]:
+    """A record's OpenAI-style messages as ShareGPT turns (`from` human / gpt, `value`), for the
+    LLaVA and ShareGPT formats."""
     return [
         {
             "from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
@@ -212,6 +215,7 @@ def write_shards(folder: Path, records: list[dict], root: Path, shards: int = SH
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    """Adds a member of these bytes to an open tar file (a WebDataset shard)."""
     info = tarfile.TarInfo(name)
     info.size = len(data)
     tar.addfile(info, io.BytesIO(data))
@@ -266,6 +270,9 @@ def bench(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxmllm.bench.formats`: writes one data set of --records records in each record
+    format, and times indexing each (per --index-processes) and loading samples (per --workers);
+    prints the table."""
     from jaxmllm.config import load_config
 
     p = argparse.ArgumentParser(

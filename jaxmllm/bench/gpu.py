@@ -139,15 +139,20 @@ def keep_log(log: Path, name: str, output) -> None:
 
 
 def append(path: Path, row: dict) -> None:
+    """Appends one result row to the campaign's JSONL file (`rows.jsonl`), so a case killed later
+    loses nothing written before."""
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
 
 
 def read_rows(path: Path) -> list[dict]:
+    """The rows of a JSONL file so far ([] before the first)."""
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def write_report(out: Path) -> None:
+    """Writes `report.md` in `out` from its `rows.jsonl`: what a lent GPU's run gives back to
+    read."""
     from jaxmllm.bench.gpu_report import report
 
     (out / "report.md").write_text(report(read_rows(out / "rows.jsonl")))
@@ -196,6 +201,10 @@ def child(case: Case, out: Path, cache: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxmllm.bench.gpu`: prints the plan of device calls (--plan), downloads the
+    wheels a GPU image lacks (--wheels), lists the cases (--list), or runs the chosen cases, each
+    in a child process within --timeout and the whole within --budget, then writes and prints the
+    report. Exit code 0, 2 when no case matches; a failed case makes it nonzero."""
     p = argparse.ArgumentParser(
         prog="python -m jaxmllm.bench.gpu",
         description=__doc__,

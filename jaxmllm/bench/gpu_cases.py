@@ -307,6 +307,7 @@ def env(case: Case, out: Path) -> Iterator[dict]:
 
 
 def _importable(module: str) -> bool:
+    """Whether this Python can import `module` (found without importing it)."""
     try:
         return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:
@@ -328,7 +329,10 @@ def tests(case: Case, out: Path) -> Iterator[dict]:
         raise UserError(f"{root / TESTS[0]}: no such file (the campaign runs from a checkout)")
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS]
+        # One process: pyproject's addopts less pytest-xdist's workers (-n auto), which the
+        # GPU image does not carry and which would each start a backend on the one GPU.
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        cmd += ["-o", "addopts=-ra -m 'not slow'", *TESTS]
         env = {**os.environ, "JAX_PLATFORMS": "cuda" if gpu_expected() else "cpu"}
         done = subprocess.run([*cmd, f"--junitxml={xml}"], cwd=root, env=env)
         row = junit_counts(xml) if xml.exists() else {"exit": done.returncode}

@@ -28,6 +28,8 @@ class MixSource:
     each; `shrink` divides both, for tiny shapes); `lengths()` is its index."""
 
     def __init__(self, cfg: Config, mixes: tuple[str, ...] = MIXES, shrink: int = 1):
+        """Reads the length mixes' indexes: each sample's text tokens and its images' patch
+        counts, divided by `shrink` and rounded to whole merge windows."""
         self.seed, self.patch = cfg.data.seed, cfg.model.vision.patch_size
         self.merge = cfg.model.vision.merge
         self.specials = ByteTokenizer().specials
@@ -43,13 +45,18 @@ class MixSource:
         self.images = Items.from_lists([list(x) for x in images])
 
     def __len__(self) -> int:
+        """The samples of all the mixes together."""
         return len(self.text)
 
     def lengths(self) -> LengthsIndex:
+        """The lengths index of the mixes (text, images; no audio): what the planner plans on."""
         items = {VISION.name: self.images, AUDIO.name: Items.none(len(self))}
         return LengthsIndex(text=self.text, items=items)
 
     def __getitem__(self, i: int) -> Sample:
+        """Sample `i` at its mix's lengths: random printable bytes for its text (the second half
+        the answer), its images as random patches, each image's placeholders up front; the same
+        for an `i` on every call."""
         i = int(i)
         rng = np.random.default_rng([self.seed, i, 2])
         sizes = self.images.of(i)
@@ -75,6 +82,7 @@ class MixSource:
         return sample if keep is None else sample.keep_only(keep)
 
     def _image(self, rng: np.random.Generator, gh: int, gw: int):
+        """A random RGB image of gh x gw patches, patchified as the preprocessor does."""
         pixels = rng.integers(0, 256, (gh * self.patch, gw * self.patch, 3), np.uint8)
         return patchify(pixels, self.patch, self.merge)
 

@@ -67,13 +67,20 @@ class Call:
 
     @property
     def budget_s(self) -> int:
+        """The seconds this call's cases are estimated to take (the campaign's --budget for the
+        call)."""
         return sum(c.estimate_s for c in self.cases)
 
     @property
     def timeout_s(self) -> int:
+        """The call's wall-clock limit: its setup, its cases' budget and a margin for the last
+        case's kill and the report."""
         return SETUP_S + self.budget_s + MARGIN_S
 
     def command(self, out: str = "$OUT") -> str:
+        """The shell command a device call runs: install the carried wheels, set PYTHONPATH, run
+        the campaign on exactly these cases with this call's budget, writing into `out` ($OUT,
+        the folder a lent GPU gives back)."""
         names = "|".join(re.escape(c.name) for c in self.cases)
         campaign = ["python3", "-m", "jaxmllm.bench.gpu", "--out", out]
         campaign += ["--budget", str(self.budget_s), "--cases", f"^({names})$"]

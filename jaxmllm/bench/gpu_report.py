@@ -21,6 +21,8 @@ def report(rows: list[dict]) -> str:
 
 
 def cases(rows: list[dict]) -> str:
+    """The report's table of cases: each one's seconds and how it ended (done, its error or why
+    it was skipped)."""
     lines = ["case | seconds | end", "--- | --- | ---"]
     for r in rows:
         end = r.get("error") or r.get("skip") or "done"
@@ -29,6 +31,9 @@ def cases(rows: list[dict]) -> str:
 
 
 def env(rows: list[dict]) -> str:
+    """The report's environment section from the env case's row: Python, jax and jaxlib, the
+    devices and their memory, XLA_FLAGS, the peak TFLOP/s MFU is taken against, and the modules
+    this Python lacks."""
     r = rows[-1]
     lines = [
         f"- Python {r.get('python', '?')}, jax {r['jax']} (jaxlib {r.get('jaxlib', '?')}) on "
@@ -42,6 +47,8 @@ def env(rows: list[dict]) -> str:
 
 
 def tests(rows: list[dict]) -> str:
+    """The report's kernel-test section: per pytest run its passed, failed and skipped counts,
+    and each failure."""
     lines = []
     for r in rows:
         counts = [f"{r.get(k, 0)} {k}" for k in ("passed", "failed", "skipped")]
@@ -51,6 +58,9 @@ def tests(rows: list[dict]) -> str:
 
 
 def attention(rows: list[dict]) -> str:
+    """The report's attention table: per shape and row length, the block-sparse kernel's time,
+    TFLOP/s and memory beside dense (extrapolated as T^2 past the rows it was measured at) and
+    cuDNN, with cuDNN's error against it; a hybrid's linear layers' rows apart."""
     layers = [r for r in rows if "mixer" in r]  # (bench.linear's rows: a hybrid's two layers)
     rows = [r for r in rows if "mixer" not in r]
     cols = ["shape", "row", "docs", "tiles", "doc tiles", "sparse ms", "TFLOP/s", "sparse MiB"]
@@ -82,6 +92,9 @@ def attention(rows: list[dict]) -> str:
 
 
 def recipe(rows: list[dict]) -> str:
+    """The report's step table: per case the step time, real tokens/s, TFLOP/s a device, MFU,
+    bucket fill, peak memory, recompute share, the profile's time by kernel category and the fp32
+    x fp32 dots the step lowers to."""
     steps = [r for r in rows if r.get("kind") == "step"]
     profiles = {r["case"]: r for r in rows if r.get("kind") == "profile"}
     if not steps:
@@ -129,6 +142,8 @@ def moe(rows: list[dict]) -> str:
 
 
 def host(rows: list[dict]) -> str:
+    """The report's host table: per data.workers the feed's seconds a step (plan, load, serial,
+    overlapped) against the device's step, and the workers it would take to keep up."""
     cols = ["workers", "plan s", "load s", "serial s", "overlapped s", "device s", "workers needed"]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     for r in rows:

@@ -23,10 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxmllm.hf.table import LLAMA, QWEN2
+
 SHAPES = {  # config.json of real checkpoints (their shapes; weights are random here)
     "tiny": {  # (not a real checkpoint: a smoke run of the bench, tests/test_commands.py)
-        "model_type": "qwen2",
-        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": QWEN2.name,
+        "architectures": [QWEN2.hf_class],
         "vocab_size": 512,
         "hidden_size": 64,
         "intermediate_size": 128,
@@ -39,8 +41,8 @@ SHAPES = {  # config.json of real checkpoints (their shapes; weights are random 
         "hidden_act": "silu",
     },
     "qwen2.5-0.5b": {
-        "model_type": "qwen2",
-        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": QWEN2.name,
+        "architectures": [QWEN2.hf_class],
         "vocab_size": 151936,
         "hidden_size": 896,
         "intermediate_size": 4864,
@@ -53,8 +55,8 @@ SHAPES = {  # config.json of real checkpoints (their shapes; weights are random 
         "hidden_act": "silu",
     },
     "llama-3.2-1b": {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": LLAMA.name,
+        "architectures": [LLAMA.hf_class],
         "vocab_size": 128256,
         "hidden_size": 2048,
         "intermediate_size": 8192,
@@ -92,6 +94,8 @@ def write_random(directory: Path, shape: str) -> int:
     shapes = _hf_shapes(family_for("llm", hf).links(cfg, hf), cfg)
 
     def tensors():
+        """The checkpoint's tensors one at a time, N(0, 0.02) in bf16, so the writer never holds
+        them all."""
         for name, shape_ in shapes:
             yield name, (0.02 * rng.standard_normal(shape_, np.float32)).astype(ml_dtypes.bfloat16)
 
@@ -121,6 +125,8 @@ def _hf_shapes(links, cfg) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _config(directory: str, model: dict):
+    """A config for an LLM-only import of the checkpoint in `directory` (towers off, the simplest
+    planner, no routing): enough to build the program's shardings the load targets."""
     from jaxmllm.config import Config, from_dict
 
     model = {**model, "vision": {"enabled": False}, "audio": {"enabled": False}}
@@ -159,10 +165,14 @@ def load(directory: str, devices: int, fsdp: int) -> dict:
 
 
 def _rss_mib() -> float:
+    """This process's peak resident memory so far, in MiB (ru_maxrss: KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxmllm.bench.hfload`: writes a random bf16 checkpoint of --shape (or uses
+    --dir), loads it into sharded parameters in a fresh child process, and prints the load's
+    seconds and peak RSS (--json: written there too)."""
     p = argparse.ArgumentParser(
         prog="python -m jaxmllm.bench.hfload",
         description=__doc__,

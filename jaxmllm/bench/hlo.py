@@ -19,10 +19,12 @@ _SCATTER = re.compile(rf'"stablehlo\.scatter".*?\}}\) : \({_TYPE}, {_TYPE}, {_TY
 
 
 def _dtype(tensor_type: str) -> str:
+    """The element type of a StableHLO tensor type's text ('4x8xbf16' -> 'bf16')."""
     return tensor_type.split("x")[-1]
 
 
 def _shape(tensor_type: str) -> tuple[int, ...]:
+    """The dimensions of a StableHLO tensor type's text ('4x8xbf16' -> (4, 8))."""
     return tuple(int(d) for d in tensor_type.split("x")[:-1])
 
 
@@ -48,6 +50,7 @@ def row_scatters(text: str, tokens: int, width: int) -> list[tuple[int, ...]]:
 
 
 def _count(dims: tuple[int, ...]) -> int:
+    """The elements of an array of these dimensions (1 for a scalar)."""
     total = 1
     for d in dims:
         total *= d

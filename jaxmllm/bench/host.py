@@ -117,6 +117,7 @@ def write_photo(path: Path, rng: np.random.Generator) -> None:
 
 
 def _words(rng: np.random.Generator, most: int) -> str:
+    """A few (3 to `most`) random words 'w123', as a synthetic record's text."""
     return " ".join(f"w{int(v)}" for v in rng.integers(0, 1000, int(rng.integers(3, most))))
 
 
@@ -163,6 +164,8 @@ class DeviceTimer:
     (every device computes its whole fixed-shape bucket, and waits for the slowest)."""
 
     def __init__(self, cfg: Config):
+        """The config's train step on one device (its compile deferred to the first call), with a
+        fresh state, and the batch shapes of one bucket."""
         from jaxmllm.batch.bucketize import batch_shapes
         from jaxmllm.step.program import build_program
 
@@ -174,6 +177,9 @@ class DeviceTimer:
         self.compiled = False
 
     def __call__(self, host: dict[str, np.ndarray]) -> float:
+        """The device's step time for a host batch: each of its buckets run alone as a one-device
+        step (the first call compiling, untimed), the slowest bucket's seconds: what a step of
+        all of them in parallel takes."""
         from jaxmllm.bench.throughput import device_batch
 
         times = []
@@ -224,6 +230,7 @@ def measure(setup: Setup, devices: int, workers: int) -> dict:
     device_s, measured = 0.0, []
 
     def to_device(host: dict[str, np.ndarray]) -> dict:
+        """The host batch as global device arrays, waited for: the transfer's whole time."""
         return jax.block_until_ready(sharding.make_global_batch(host, mesh))
 
     feed = make_pipeline(run, to_device=to_device)
@@ -281,6 +288,9 @@ def local_mesh(local: int):
 
 
 def table(rows: list[dict]) -> str:
+    """The host benchmark's table: per data set, devices and workers, the feed's seconds a step
+    by stage (plan, load, bucketize, count, transfer), serial and overlapped, against the
+    device's step, and the share of it the device would wait."""
     cols = (
         "data",
         "dev",
@@ -336,6 +346,9 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxmllm.bench.host`: runs the training feed for each --data, --devices and
+    --workers combination, times each stage a step, and prints whether one host's feed keeps up
+    with its devices' step (measured, or from --device-tflops)."""
     p = argparse.ArgumentParser(
         prog="python -m jaxmllm.bench.host",
         description=__doc__,

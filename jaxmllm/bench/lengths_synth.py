@@ -69,6 +69,8 @@ def write(out: Path, samples: int, seed: int = 0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxmllm.bench.lengths_synth`: writes a synthetic lengths index of --samples
+    samples into --out and prints how long it took."""
     ap = argparse.ArgumentParser(
         prog="python -m jaxmllm.bench.lengths_synth",
         description=__doc__,

@@ -65,6 +65,8 @@ def step_fn(module: nnx.Module):
     graphdef, params = nnx.split(module)
 
     def loss(params, x, w, pack, positions):
+        """The scalar whose gradient is the layer's backward: its output weighted by the
+        cotangent `w`, in fp32."""
         out = nnx.merge(graphdef, params)(x, pack, positions)
         return jnp.sum(out.astype(jnp.float32) * w)
 
@@ -125,6 +127,9 @@ def extrapolate(rows: list[dict]) -> None:
 
 
 def table(rows: list[dict]) -> str:
+    """The markdown table of the hybrid decoder's two layer kinds by row length: step seconds
+    (full attention's extrapolated as T^2 past --full-max), tokens/s, microseconds and KiB a
+    token, memory."""
     cols = ["mixer", "row", "step s", "tokens/s", "us/token", "MiB", "KiB/token"]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     for r in rows:
@@ -153,6 +158,8 @@ def flatness(rows: list[dict]) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The command line of `python -m jaxmllm.bench.linear`: row lengths, layer widths and head
+    counts of both layer kinds, how long full attention runs, repeats, dtype."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", default="4096,16384,65536", help="row lengths, comma-separated")
     p.add_argument("--width", type=int, default=1024)
@@ -171,6 +178,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`python -m jaxmllm.bench.linear`: times a Gated DeltaNet (linear attention) layer and a
+    full-attention layer forward and backward at each row length, and prints the table (--json:
+    the rows written there)."""
     args = parser().parse_args(argv)
     lengths = [int(x) for x in args.rows.split(",")]
     for n in lengths:

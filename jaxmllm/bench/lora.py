@@ -105,6 +105,9 @@ def summarize(runs: list[Run], trained: dict[str, int]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
+    """The markdown table of the LoRA variants: parameters trained, step seconds and tokens/s
+    measured, model GFLOP a step, and the predicted against the measured speed-up over full
+    training."""
     cols = [
         "variant",
         "trained",
@@ -126,6 +129,9 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxmllm.bench.lora`: trains the config fully, with LoRA adapters of --rank on
+    every tower, and with adapters on the LLM over frozen towers; times --steps steps of each
+    after --warmup and prints the table (--json: the rows written there)."""
     p = argparse.ArgumentParser(
         prog="python -m jaxmllm.bench.lora",
         description=__doc__,

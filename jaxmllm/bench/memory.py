@@ -390,6 +390,9 @@ def compare_lora(cfg: Config, device_gib: float) -> list[dict]:
 
 
 def lora_table(rows: list[dict], device_gib: float) -> str:
+    """The markdown table of a LoRA run's memory per kind: parameters, those trained, parameter,
+    optimizer and reference GiB, the peak against `device_gib`, and the most rows a microbatch
+    fits ('+': more may)."""
     cols = ["kind", "params", "trained", "param GiB", "optimizer GiB", "reference GiB"]
     cols += ["peak GiB", "fits", "max rows"]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
@@ -405,6 +408,9 @@ def lora_table(rows: list[dict], device_gib: float) -> str:
 
 
 def table(rows: list[dict], rows_per_mb: int, row_len: int) -> str:
+    """The markdown table of the remat policies: temporary and peak GiB, GiB a row, the FLOPs
+    recomputed and their share, and the most rows of `row_len` a microbatch fits, against the
+    config's `rows_per_mb`."""
     cols = ["policy", "temp GiB", "peak GiB", "GiB/row", "recompute TFLOP", "recompute %"]
     cols += [f"max rows (x{row_len})", "vs now"]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
@@ -429,6 +435,9 @@ def table(rows: list[dict], rows_per_mb: int, row_len: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxmllm.bench.memory`: compiles the config's step under each remat policy
+    (--policies), reads XLA's memory analysis, searches the most rows a microbatch fits in
+    --device-gib, and prints the table (--json: the rows written there)."""
     p = argparse.ArgumentParser(
         prog="python -m jaxmllm.bench.memory",
         description=__doc__,
@@ -512,12 +521,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_reference(row: dict) -> None:
+    """Prints the line comparing a row with its recorded reference figure, when there is one."""
     line = reference_line(row)
     if line:
         print(line)
 
 
 def _write(args, mesh, rows: list[dict]) -> None:
+    """Writes the rows to --json (when given), with the config, its overrides, the device budget,
+    the mesh size, backend and jax version they were taken with."""
     if args.json:
         with open(args.json, "w") as f:
             run = {"config": args.config, "overrides": args.set, "device_gib": args.device_gib}

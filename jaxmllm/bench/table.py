@@ -9,6 +9,10 @@ from jaxmllm.config.phases import PHASES  # (re-exported to the benches)
 
 
 def format_row(r: dict) -> str:
+    """One row of the balance benchmark's table: the policy, devices, each phase's fill (* where
+    binding), steps over the lower bound, attention balance, microbatch variation, deferral age,
+    routing shares and capacities, ms a step and peak memory, then the tile columns when
+    measured."""
     fill = " ".join(f"{r['fill'][p]:.3f}{'*' if p in r['binding'] else ' '}" for p in PHASES)
     ratio = r["random_cv"] / r["micro_cv"] if r["micro_cv"] > 0 else float("inf")
     return (

@@ -47,6 +47,8 @@ def _round(x: np.ndarray, unit: int, least: int) -> np.ndarray:
 
 
 def _lognormal(rng, median, sigma, size, lo=1, hi=None) -> np.ndarray:
+    """`size` integers drawn log-normal around `median` with log-scale spread `sigma`, clipped to
+    [lo, hi]: the long-tailed lengths real data sets have."""
     x = rng.lognormal(np.log(median), sigma, size)
     return np.clip(x, lo, hi if hi is not None else np.inf).astype(np.int64)
 

@@ -52,12 +52,36 @@ def add_config_args(
     )
 
 
+class StderrHandler(logging.StreamHandler):
+    """A handler that writes to whatever `sys.stderr` is when a line is logged, not the one it
+    was made under. A command run in-process (a test, a notebook) by a caller that swaps
+    stderr and closes it afterwards (pytest's capture) otherwise leaves the root logger
+    writing to a closed file: every later line fails with "--- Logging error ---" and a
+    traceback, printed into whoever's output is current then."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # noqa: D102 (the current stderr, read at each line)
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # (StreamHandler sets it; the current one is used)
+        pass
+
+
 def configure_logging(level: int = logging.INFO, ours: int | None = None) -> None:
     """Log lines with their time and level, at `level` and above (jaxmllm's own at `ours`,
-    default `level`), record ids and file names in them escaped (`guard_logs`). Forced:
-    importing grain installed a handler on the root logger already, beside which
-    `basicConfig` alone does nothing (the lines had no time)."""
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s", force=True)
+    default `level`), on the current stderr (`StderrHandler`), record ids and file names in
+    them escaped (`guard_logs`). Forced: importing grain installed a handler on the root
+    logger already, beside which `basicConfig` alone does nothing (the lines had no time)."""
+    logging.basicConfig(
+        level=level,
+        format="%(asctime)s %(levelname)s %(message)s",
+        handlers=[StderrHandler()],
+        force=True,
+    )
     guard_logs()
     logging.getLogger("jaxmllm").setLevel(level if ours is None else ours)
 

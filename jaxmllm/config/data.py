@@ -237,7 +237,8 @@ class DataConfig:
     # out of reach since the index was built: each a counted load-time reject, its slots
     # padding) before the run stops, exit 2, naming the commonest reason: media missing on
     # this host (an index built on another machine) fail them all. Judged over the run so far
-    # once 32 samples are drawn, and at its last step; 1 = never stop
+    # and all its processes once 32 samples are drawn (several processes: at logged steps),
+    # and at its last step; 1 = never stop
     max_load_rejects: float = 0.1
     on_oversize: str = "shrink"  # a sample no bucket can hold: shrink | truncate | skip | fail
     workers: int = 0  # preprocessing worker processes; 0 = in the training process

@@ -11,6 +11,19 @@ The budget is per process that reads records side by side: data.worker_memory wh
 half the machine's memory (its cgroup's limit when lower) shared by those processes
 (data.workers, or an index build's --workers; the trainer's own process when there are none),
 at least MIN_BUDGET.
+
+The factors below are measured as the image decoding's estimate is (tests/test_memory_budget.py
+holds each to bound its measurement): one record read through its reader in a process of its
+own, the growth of the process's peak resident memory (/proc/self/status VmHWM, reset through
+/proc/self/clear_refs just before the read; file pages mapped in count, as they do for an OOM
+killer's RSS). Taken 2026-11-26 on a 2-core x86-64 CPU box, Python 3.11, numpy 2.4, pyarrow 26.
+
+An audio clip's estimate (data/media/audio.py: 8 float32 copies of its samples at the source
+rate) measured the same way on 300 s clips: the peak follows the clip resampled to 16 kHz, about
+59 bytes a resampled sample (its float64 log-mel windows and their complex spectrum), whatever
+the source rate: 120 bytes a source frame at 8 kHz, 59 at 16 kHz, 22 at 44.1 kHz stereo, 20 at
+48 kHz, against the estimate's 32. It is under at 16 kHz and below; it is the media module's to
+change (to about 64 bytes a resampled sample), not changed here.
 """
 
 from __future__ import annotations
@@ -21,7 +34,17 @@ from pathlib import Path
 from jaxmllm.data.rejects import RecordError
 
 MIN_BUDGET = 256 << 20  # the least an automatic budget is
-JSON_FACTOR = 8  # bytes of memory a byte of JSON costs parsed (Python objects: ~7 measured)
+# Bytes of memory a byte of a JSON line (a JSON list's element, a WebDataset json member)
+# costs read and parsed (the bytes, their str, Python's objects). Measured on 30 MB lines: a long
+# text 3.0x, floats 6.5x, small ints 7.0x, chat turns and token ids 9.4x (the commonest long
+# lines; 8 before, under them); a list of empty lists 27x (hostile: bounded by
+# data.max_media_bytes, as any line)
+JSON_FACTOR = 10
+# Bytes of memory a byte of a Parquet row group decompressed (its metadata's total_byte_size)
+# costs read: the memory-mapped compressed pages, the decompressed ones, the arrays. Measured
+# on 60 MB groups, snappy and zstd: token lists 3.3-3.5x, random text 4.0-4.5x, image bytes
+# 4.9x (about 30 MB of it pyarrow's first read, whatever the size); 2 before, under them all
+PARQUET_FACTOR = 5
 
 
 def machine_memory() -> int:

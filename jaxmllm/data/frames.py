@@ -45,7 +45,7 @@ from jaxmllm.data.media.video import (
 )
 from jaxmllm.data.preprocess import Limits, Params
 from jaxmllm.data.records import read_record
-from jaxmllm.data.rejects import RecordError, failed, wrapped
+from jaxmllm.data.rejects import RecordError, example_lines, failed
 from jaxmllm.data.source import open_data_set
 from jaxmllm.data.text.tokenizer import config_tokenizer
 
@@ -223,7 +223,7 @@ def report(summary: dict) -> list[str]:
         for reason, n in summary["rejects"].items():
             ex = summary["examples"].get(reason, {})
             example = f"{ex.get('id')} (video {ex.get('video')}): {ex.get('detail')}"
-            lines += wrapped(f"    {reason:<22} {n:>7}  {example}", " " * 8)
+            lines += example_lines(reason, n, example)  # (whole)
     return lines
 
 

@@ -79,7 +79,7 @@ from jaxmllm.data.index_build import (
 from jaxmllm.data.preprocess import Params
 from jaxmllm.data.records import media_paths
 from jaxmllm.data.records.formats import FORMATS, data_files, detect, holds_pairs
-from jaxmllm.data.rejects import media_hint, wrapped
+from jaxmllm.data.rejects import example_lines, media_hint
 from jaxmllm.data.shards import InProcess, LocalProcesses, RayTasks
 from jaxmllm.data.stored import FORMAT, StoredIndex
 
@@ -316,7 +316,7 @@ def report(summary: dict) -> list[str]:
         for reason, n in summary["rejects"].items():
             ex = summary["examples"].get(reason, {})
             example = printable(f"{ex.get('id')} ({ex.get('where')}): {ex.get('detail')}")
-            lines += wrapped(f"    {reason:<22} {n:>7}  {example}", " " * 8)  # (whole)
+            lines += example_lines(reason, n, example)  # (whole)
     if summary.get("ignored_members"):
         left = ", ".join(f".{printable(k)} ({v})" for k, v in summary["ignored_members"].items())
         lines.append(f"  left out of the shards (not a record, caption or known media): {left}")

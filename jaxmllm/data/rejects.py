@@ -11,7 +11,10 @@ import os
 import stat
 import textwrap
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 from jaxmllm.config import ConfigError, UserError, printable
 
@@ -189,12 +192,19 @@ def read_rejects(path: str | Path) -> list[dict]:
 class LoadShare:
     """The samples a run drew and those of them that failed to load; `check` stops the run
     (DataError) when the failed share passes `bound` (data.max_load_rejects), judged once
-    JUDGED_AFTER samples were drawn, and at the run's last step."""
+    JUDGED_AFTER samples were drawn, and at the run's last step.
+
+    Each process counts its own draws and failures (`add`); `check` judges the job's, summed
+    over the processes by `combine` (a vector of this process's counts -> the job's; the
+    identity with one process). With several it is a collective: every process calls `check`
+    at the same steps, so all of them see the same share and stop together, where a process
+    judging its own share alone stopped while the others waited on it in the next step."""
 
     JUDGED_AFTER = 32
 
-    def __init__(self, bound: float):
+    def __init__(self, bound: float, combine: Callable[[np.ndarray], np.ndarray] | None = None):
         self.bound, self.drawn, self.failed = bound, 0, 0
+        self.combine = combine or (lambda mine: mine)
         self.reasons: Counter[str] = Counter()
         self.first: dict | None = None
 
@@ -205,11 +215,20 @@ class LoadShare:
         self.reasons.update(failed)
         self.first = self.first or first
 
+    def totals(self) -> tuple[int, int, Counter[str]]:
+        """(samples drawn, of them failed, failed by reason) over every process: this
+        process's counts as one vector [drawn, failed, each of REASONS], combined."""
+        mine = [self.drawn, self.failed, *(self.reasons.get(r, 0) for r in REASONS)]
+        job = np.asarray(self.combine(np.asarray(mine, np.float64)))
+        reasons = Counter({r: int(n) for r, n in zip(REASONS, job[2:], strict=True) if n})
+        return int(job[0]), int(job[1]), reasons
+
     def check(self, steps: str, last: bool, rebuild: str) -> None:
-        """Raises DataError when too many failed (`steps`: the steps counted, for the message;
-        `rebuild`: the command that rebuilds the index)."""
-        over = self.failed > self.bound * self.drawn
-        if not over or (self.drawn < self.JUDGED_AFTER and not last):
+        """Raises DataError when too many failed over the job (`steps`: the steps counted, for
+        the message; `rebuild`: the command that rebuilds the index)."""
+        drawn, failed, reasons = self.totals()
+        over = failed > self.bound * drawn
+        if not over or (drawn < self.JUDGED_AFTER and not last):
             return
         example = ""
         first = self.first
@@ -219,8 +238,8 @@ class LoadShare:
                 f"{first.get('detail')}"
             )
         raise DataError(
-            f"{steps}: {self.failed} of the {self.drawn} samples drawn failed to load "
-            f"({by_reason(self.reasons)}{example}), more than data.max_load_rejects="
+            f"{steps}: {failed} of the {drawn} samples drawn failed to load "
+            f"({by_reason(reasons)}{example}), more than data.max_load_rejects="
             f"{self.bound:g} of them: the run stops rather than train on padding. Media "
             "missing on this host (an index built on another machine, a media folder not "
             "mounted here) fail them all: make the media reachable where the index says they "
@@ -234,12 +253,27 @@ class LoadShare:
 WIDTH = 100  # the lines rejects are wrapped to (never cut: a path is the clue)
 
 
+# What starts each continued line of a reject's example: the example holds a record's own id,
+# path and detail, escaped (`printable`) but with their spaces, so a break at one of those
+# spaces could start a line with the record's text, which then reads as the summary's own
+# ("rejected, by reason: none" forged in an id). Where the break falls hangs on the length of
+# the data's path.
+CONTINUED = "| "
+
+
 def wrapped(text: str, indent: str = "", width: int = WIDTH) -> list[str]:
     """`text` whole on lines of about `width`, the second and later indented by `indent`
     (words and paths never split: a line holds a longer path whole)."""
     return textwrap.wrap(
         text, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
     ) or [""]
+
+
+def example_lines(reason: str, count: int, example: str) -> list[str]:
+    """A reason's line of a rejects table, `example` (a record's id, place and detail) after its
+    count; a longer line continued under it after `CONTINUED`, so no line starts with what a
+    record wrote."""
+    return wrapped(f"    {reason:<22} {count:>7}  {example}", " " * 8 + CONTINUED)
 
 
 def by_reason(counts: dict[str, float]) -> str:

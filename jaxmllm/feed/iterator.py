@@ -73,6 +73,10 @@ class Feed:
         write_rejects: bool = True,
         reference: np.ndarray | None = None,
     ):
+        """`run`'s planner over `source` and `index` (default the run's own data set); the
+        loader, and with it any worker processes, starts on the first `load`. `reference`: a
+        precomputed preference run's reference log-probs for this data set (default the run's for
+        its own)."""
         self.cfg, self.caps, self.positions = run.cfg, run.caps, run.positions
         # (preference.reference: precomputed: the pairs' reference log-probs, the run's own
         # for its own data set)
@@ -140,6 +144,9 @@ class StepIterator(grain.DatasetIterator):
         reject_log=None,
         to_device: Callable[[dict[str, np.ndarray]], dict[str, Any]] | None = None,
     ):
+        """The feed over `run`'s training data; its rejects are kept for the trainer to log when
+        it takes their step (the feed runs ahead), and `to_device`, when given, puts each batch
+        on the devices in this thread."""
         super().__init__()
         self.cfg = run.cfg
         # (its rejects go to the log when the trainer takes their step, `RunReport`: the feed
@@ -153,9 +160,13 @@ class StepIterator(grain.DatasetIterator):
 
     @property
     def planner(self):
+        """The feed's planner, whose carried state (cursor, deferred samples) is the iterator's
+        state."""
         return self.feed.planner
 
     def __next__(self) -> dict[str, Any]:
+        """The next step: planned, this host's samples loaded, bucketized into the fixed-shape
+        batch (and the step's pipeline variant), counted; each stage timed into `StepInfo.host`."""
         if self.feed.loader is None:  # (worker processes start here; restored counts carry on)
             self.feed.open_loader().log.counts.update(self._restored_rejects)
         clock = Stopwatch()  # each stage's time, for the metrics (host/*) and bench.host
@@ -217,6 +228,8 @@ class StepIterator(grain.DatasetIterator):
         super().close()
 
     def get_state(self) -> dict:
+        """What a checkpoint keeps of the feed: the planner's state and the load-time reject
+        counts so far, so a resumed run plans the same next step and its counts carry on."""
         loader = self.feed.loader
         counts = loader.log.counts if loader is not None else self._restored_rejects
         rejects = {k: int(v) for k, v in counts.items() if k.startswith("load_")}
@@ -280,10 +293,14 @@ class StepDataset(grain.IterDataset):
     """grain dataset wrapper so the step iterator composes with grain's prefetching."""
 
     def __init__(self, run: Run, **kwargs):
+        """Keeps `run` and the iterator's keyword arguments; every `iter()` makes a fresh
+        `StepIterator`."""
         super().__init__()
         self.run, self.kwargs = run, kwargs
 
     def __iter__(self) -> StepIterator:
+        """A new step iterator at the planner's start (grain restores its state with
+        `set_state`)."""
         return StepIterator(self.run, **self.kwargs)
 
 
@@ -324,9 +341,11 @@ class Transfer:
     last step the trainer took (each prefetch stage keeps its parent's state per element)."""
 
     def __init__(self, to_device: Callable[[dict[str, np.ndarray]], dict[str, Any]]):
+        """`to_device`: host arrays -> device arrays (e.g. `sharding.make_global_batch`)."""
         self.to_device = to_device
 
     def __call__(self, element: dict[str, Any]) -> dict[str, Any]:
+        """The element with its batch on the devices, the copy's seconds added to its host times."""
         clock = Stopwatch()
         batch = self.to_device(element["batch"])
         element["info"].host.transfer_s = clock.lap()

@@ -42,9 +42,13 @@ class HostTimes:
 
     @property
     def total_s(self) -> float:
+        """The step's whole feed time in seconds, serial part and loading, as if nothing
+        overlapped."""
         return self.serial_s + self.load_s
 
     def to_json(self) -> dict:
+        """The times as a JSON row (bench.host, timings.jsonl), with the derived serial and
+        overlapped seconds."""
         return {**asdict(self), "serial_s": self.serial_s, "overlapped_s": self.overlapped_s}
 
 
@@ -52,9 +56,11 @@ class Stopwatch:
     """Lap times on the monotonic clock: `lap()` returns the seconds since the last lap."""
 
     def __init__(self):
+        """Starts the first lap now."""
         self._last = time.perf_counter()
 
     def lap(self) -> float:
+        """Seconds since the last lap (or the start), and a new lap from now."""
         now = time.perf_counter()
         seconds, self._last = now - self._last, now
         return seconds

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from jaxmllm.hf.family import Family, Link, read, refuse_unless, same
+from jaxmllm.hf.table import QWEN2_AUDIO_ENCODER, WHISPER
 from jaxmllm.hf.vision import _prefix, layer_norm, linear
 
 
@@ -31,13 +32,14 @@ def conv1d(hf: str, ours: str, c_in: int, c_out: int) -> Link:
 
 
 class WhisperEncoder(Family):
-    name = "whisper"
-    model_types = ("whisper",)
-    role = "audio"
-    hf_class = "WhisperForConditionalGeneration"
+    """Whisper's encoder (the module docstring)."""
+
+    row = WHISPER
     exports_whole = True  # (its decoder, unchanged)
 
     def section(self, hf: dict) -> dict:
+        """Our `model.audio` keys from the encoder's config.json (a whole model's
+        `audio_config`)."""
         hf = hf.get("audio_config", hf)  # a whole Qwen2-Audio: its encoder
         where = f"{self.name} config.json"
         act = read(hf, "activation_function", where, "gelu")
@@ -76,11 +78,12 @@ class WhisperEncoder(Family):
         }
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        """The model's config.json with our `model.audio` as its encoder."""
         a = cfg.model.audio
         out = dict(source or {})
         out.update(
             architectures=out.get("architectures") or [self.hf_class],
-            model_type="whisper",
+            model_type=self.model_types[0],
             d_model=a.width,
             encoder_layers=a.depth,
             encoder_attention_heads=a.heads,
@@ -92,6 +95,7 @@ class WhisperEncoder(Family):
         return out
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
+        """The convolution stem, the positions, the encoder layers and the final norm."""
         a = cfg.model.audio
         w, h, f, n = a.width, a.heads, a.mlp_dim, a.depth
         e = w // h
@@ -115,17 +119,19 @@ class WhisperEncoder(Family):
         return links
 
     def prefix(self, names: list[str]) -> str:
+        """What the checkpoint puts before the encoder's names (`model.encoder.`)."""
         return _prefix(names, "conv1.weight")
 
 
 class Qwen2AudioEncoder(WhisperEncoder):
-    name = "qwen2_audio"
-    model_types = ("qwen2_audio_encoder",)
-    hf_class = "Qwen2AudioEncoder"
+    """Qwen2-Audio's encoder: Whisper's with its rows pooled in pairs."""
+
+    row = QWEN2_AUDIO_ENCODER
     exports_whole = False
     pool = 2
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        """The encoder's own config.json (a whole Qwen2-Audio's `audio_config`)."""
         out = super().to_hf_config(cfg, (source or {}).get("audio_config", source))
-        out.update(architectures=[self.hf_class], model_type="qwen2_audio_encoder")
+        out.update(architectures=[self.hf_class], model_type=self.model_types[0])
         return out

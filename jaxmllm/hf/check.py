@@ -21,36 +21,15 @@ from flax import nnx
 from jaxmllm.config import Config
 from jaxmllm.data.media.image import patchify
 from jaxmllm.hf.family import Family, FamilyError
-from jaxmllm.hf.registry import family_for, read_hf_config, roles_of
+from jaxmllm.hf.registry import FAMILIES, family_for, read_hf_config, roles_of
+from jaxmllm.hf.table import Reference
 from jaxmllm.hf.towers import Towers, config_for, load_towers
 from jaxmllm.hf.wholes import WHOLES
 
-HF_MODULES = {  # (model_type, role) -> (transformers class, path to the module compared)
-    ("llama", "llm"): ("LlamaForCausalLM", ""),
-    ("qwen2", "llm"): ("Qwen2ForCausalLM", ""),
-    ("qwen3", "llm"): ("Qwen3ForCausalLM", ""),
-    ("qwen2_moe", "llm"): ("Qwen2MoeForCausalLM", ""),
-    ("qwen3_moe", "llm"): ("Qwen3MoeForCausalLM", ""),
-    ("qwen3_5_text", "llm"): ("Qwen3_5ForCausalLM", ""),
-    ("qwen3_5_moe_text", "llm"): ("Qwen3_5MoeForCausalLM", ""),
-    ("siglip_vision_model", "vision"): ("SiglipVisionModel", ""),
-    ("siglip", "vision"): ("SiglipModel", "vision_model"),
-    ("clip_vision_model", "vision"): ("CLIPVisionModel", ""),
-    ("clip", "vision"): ("CLIPModel", "vision_model"),
-    ("qwen2_vl_vision", "vision"): ("Qwen2VisionTransformerPretrainedModel", ""),
-    ("qwen2_5_vl_vision", "vision"): ("Qwen2_5_VisionTransformerPretrainedModel", ""),
-    ("qwen3_vl_vision", "vision"): ("Qwen3VLVisionModel", ""),
-    ("qwen3_vl_moe_vision", "vision"): ("Qwen3VLMoeVisionModel", ""),
-    ("whisper", "audio"): ("WhisperModel", "encoder"),
-    ("qwen2_audio_encoder", "audio"): ("Qwen2AudioEncoder", ""),
-}
-for _whole in WHOLES:  # a whole checkpoint: its class (`check_whole` reads its parts)
-    HF_MODULES[_whole.model_types[0], "llm"] = (_whole.hf_class, "")
-MODULES = {  # where transformers keeps the classes it does not export at the top level
-    "Qwen2VisionTransformerPretrainedModel": "qwen2_vl",
-    "Qwen2_5_VisionTransformerPretrainedModel": "qwen2_5_vl",
-    "Qwen2AudioEncoder": "qwen2_audio",
-}
+# (model_type, role) -> the transformers module compared, from each family's row; a whole
+# checkpoint: its class (`check_whole` reads its parts)
+HF_MODULES = {(t, f.role): f.row.reference(t) for f in FAMILIES for t in f.model_types}
+HF_MODULES.update({(w.name, "llm"): Reference(w.name, w.hf_class) for w in WHOLES})
 
 
 def role_of(hf: dict) -> str:
@@ -126,28 +105,30 @@ def hf_module(directory: str, hf: dict, role: str):
             "hf check needs torch and transformers: pip install -e '.[dev]' "
             "(torch==2.13.0 is the CPU build)"
         ) from None
-    name, attr = HF_MODULES[hf["model_type"], role]
-    cls = getattr(transformers, name, None)
+    ref = HF_MODULES[hf["model_type"], role]
+    cls = getattr(transformers, ref.cls, None)
     if cls is None:  # (a vision tower or audio encoder not exported at the top level)
         import importlib
 
-        module = MODULES[name]
+        module = ref.module
         cls = getattr(
-            importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name
+            importlib.import_module(f"transformers.models.{module}.modeling_{module}"), ref.cls
         )
     model = cls.from_pretrained(directory, dtype=torch.float32).eval()
-    for part in filter(None, attr.split(".")):
+    for part in filter(None, ref.path.split(".")):
         model = getattr(model, part)
     return model
 
 
 def _torch(x: np.ndarray):
+    """A numpy array as a torch tensor (contiguous: torch shares its memory)."""
     import torch
 
     return torch.from_numpy(np.ascontiguousarray(x))
 
 
 def _numpy(t) -> np.ndarray:
+    """A torch tensor as an fp32 numpy array."""
     return t.detach().float().numpy()
 
 
@@ -186,6 +167,7 @@ _encode_audio = nnx.jit(lambda t, frames, seg, pos: t.audio(frames, seg, pos))
 
 
 def _images(cfg: Config, rng, grids: list[tuple[int, int]]) -> list[np.ndarray]:
+    """Random images of `grids` patches, height by width."""
     p, c = cfg.model.vision.patch_size, cfg.model.vision.channels
     return [rng.normal(size=(h * p, w * p, c)).astype(np.float32) for h, w in grids]
 
@@ -205,10 +187,14 @@ def _rows(encode, towers, items: list[tuple], packed: bool) -> np.ndarray:
 
 
 def _where(packed: bool) -> str:
+    """How the figures' line says the inputs were laid out."""
     return "packed into 1 row" if packed else "each in a row of its own"
 
 
 def _vision(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int, packed: bool):
+    """A vision tower's figures: SigLIP's and CLIP's hidden states of non-square images off their
+    table's grid, a Qwen VL tower's merger output (and DeepStack's) of several images, some cut by
+    its windows."""
     import torch
 
     v = cfg.model.vision
@@ -251,6 +237,7 @@ def _vision(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int, 
 
 
 def _sizes(grids) -> str:
+    """Grids as "HxW" words."""
     return ", ".join(f"{h}x{w}" for h, w in grids)
 
 
@@ -265,6 +252,7 @@ def _encode_projected(t, x, seg, pos):
 
 
 def _audio(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int, packed: bool):
+    """An audio encoder's figures: its hidden states of two clips of whole windows."""
     import torch
 
     a = cfg.model.audio
@@ -280,6 +268,7 @@ def _audio(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int, p
 
 
 def describe(result: dict[str, Any]) -> str:
+    """One line of figures for a person (a preference pair's: `check_pairs.describe_pair`)."""
     if "chosen_logps" in result:  # (a preference pair's line: `check_pairs`)
         from jaxmllm.hf.check_pairs import describe_pair
 

@@ -50,24 +50,6 @@ from jaxmllm.hf.towers import load_model
 from jaxmllm.hf.whole import Whole
 from jaxmllm.hf.wholes import Llava, whole_for
 
-
-def _merged(out, n):  # a Qwen VL tower's output: the merger's rows (split by image later)
-    import torch
-
-    rows = out.pooler_output
-    return torch.cat(list(rows)) if isinstance(rows, list | tuple) else rows
-
-
-HOOKS = {  # where transformers' rows come out: a module, and how to read its output
-    "llava": ("model.multi_modal_projector", lambda out, n: out[0]),
-    "qwen2_vl": ("model.visual", _merged),
-    "qwen2_5_vl": ("model.visual", _merged),
-    "qwen3_vl": ("model.visual", _merged),
-    "qwen3_vl_moe": ("model.visual", _merged),
-    "qwen3_5": ("model.visual", _merged),
-    "qwen3_5_moe": ("model.visual", _merged),
-    "qwen2_audio": ("model.multi_modal_projector", lambda out, n: out[0, :n]),
-}
 _logits = nnx.jit(lambda llm, x, pos: llm(x, jnp.ones(x.shape[:2], jnp.int32), pos))
 _embed = nnx.jit(lambda llm, ids: llm.embed(ids))
 _forward = nnx.jit(lambda m, mb: m(mb))
@@ -209,7 +191,7 @@ def pair_lines(cfg, model, ref, whole, name, samples, ids, specials, reference, 
     transformers'), and each pair's log-prob line (`check_pairs`): ours from one packed row
     (or a row each) as training computes them, transformers' from each document alone.
     `ids`: the pairs' record ids; `vocab`: the checkpoint's own columns."""
-    hook = HOOKS.get(whole.name) if whole is not None else None
+    hook = whole.row.hook if whole is not None else None
     first = next((k for k, (_, s) in enumerate(samples) if _media(s)), None)
     theirs, captured = [], None
     for k, (_, sample) in enumerate(samples):
@@ -247,7 +229,7 @@ def sample_lines(cfg, model, ref, whole, name, samples, specials, reference, pac
     """The encoder's lines on the first sample with media, and each sample's logits, ours from
     one packed row (or a row each) against transformers on the sample alone."""
     theirs, captured = [], None
-    hook = HOOKS.get(whole.name) if whole is not None else None
+    hook = whole.row.hook if whole is not None else None
     first = next((k for k, (_, s) in enumerate(samples) if _media(s)), None)
     for k, (_, sample) in enumerate(samples):
         n = int(np.isin(sample.tokens, [*specials.media.values()]).sum())
@@ -288,10 +270,12 @@ def encoder_lines(cfg, model, name: str, sample_of, specials, captured) -> list[
 
 
 def _media(sample: Sample) -> bool:
+    """Whether a sample holds any media item."""
     return any(sample.media.values())
 
 
 def _device(mb: dict) -> dict:
+    """A micro-batch's arrays on the default device."""
     return jax.tree.map(jnp.asarray, mb)
 
 
@@ -355,11 +339,14 @@ def random_samples(cfg, whole: Whole | None, hf: dict, rng, text) -> list[tuple[
 
 
 def _text_sample(ids: np.ndarray) -> Sample:
+    """A sample of text alone (the ids given), no token trained."""
     ids = np.asarray(ids, np.int32)
     return Sample(0, ids, np.zeros(len(ids), bool))
 
 
 def _image_sample(cfg, grid, token, wrap, rng, text, before: int, after: int):
+    """A random image of `grid` patches between `before` and `after` text tokens, its placeholders
+    as the tower's merged patches."""
     v = cfg.model.vision
     p, c, m = v.patch_size, v.channels, v.merge
     gh, gw = grid
@@ -400,6 +387,7 @@ def _video_sample(cfg, whole: Whole, grid, token: int, wrap, rng, text):
 
 
 def _clip_sample(frames: int, a, token: int, rng, text):
+    """A random clip of `frames` frames between text, a placeholder per encoder row."""
     clip = rng.normal(size=(frames, a.n_mels)).astype(np.float32)
     ids = np.asarray([*text(5), *[token] * (frames // a.subsample), *text(7)], np.int32)
     item = (clip, np.arange(frames, dtype=np.int32))
@@ -439,10 +427,12 @@ def data_records(cfg: Config, path: str) -> tuple[Specials, list[tuple[str, str,
 
 
 def hf_vocab(hf: dict) -> int:
+    """The checkpoint's own vocabulary size (its text_config's where it nests one)."""
     return int((hf.get("text_config") or hf).get("vocab_size", 1 << 30))
 
 
 def _positions(ids: np.ndarray, mrope: bool) -> jnp.ndarray:
+    """Text positions of `ids`, the three M-RoPE axes alike where `mrope`."""
     positions = np.arange(len(ids))[None]
     return jnp.asarray(np.repeat(positions[..., None], 3, -1) if mrope else positions)
 
@@ -456,7 +446,7 @@ def _run(ref, inputs: dict[str, Any], hook=None, n: int = 0) -> tuple[np.ndarray
     handle = None
     if hook is not None:
         module = ref.get_base_model() if hasattr(ref, "get_base_model") else ref  # (peft's)
-        for part in hook[0].split("."):
+        for part in hook.module.split("."):
             module = getattr(module, part)
         handle = module.register_forward_hook(lambda mod, i, o: captured.update(out=o))
     per_sample = ("input_ids", "mm_token_type_ids")  # (the others are stacked items already)
@@ -480,4 +470,4 @@ def _run(ref, inputs: dict[str, Any], hook=None, n: int = 0) -> tuple[np.ndarray
         np.concatenate([_numpy(x) for x in d]) if isinstance(d, list | tuple) else _numpy(d)
     )
     deep = np.stack([joined(d) for d in deep]) if deep else None  # (split by image after)
-    return theirs, (_numpy(hook[1](out, n)), deep)
+    return theirs, (_numpy(hook.rows(out, n)), deep)

@@ -1,6 +1,8 @@
 """Decoder families: Llama (3.x, with its rope scaling), Qwen2 / Qwen2.5 (q/k/v biases) and
-Qwen3 (QK-norm, a head_dim of its own); the LLM of a whole checkpoint is one of them on its
-`text_config` (`jaxmllm.hf.wholes`: Qwen2-VL's is Qwen2 with M-RoPE).
+Qwen3 (QK-norm, a head_dim of its own), and their mixtures of experts; the LLM of a whole
+checkpoint is one of them on its `text_config` (`jaxmllm.hf.wholes`: Qwen2-VL's is Qwen2 with
+M-RoPE). What each family is lives in its row of the family table (`jaxmllm.hf.table.DECODERS`):
+`Decoders` reads any row, and has no branch of its own on a family.
 
 All are jaxmllm's own decoder (RMSNorm, rotate-half RoPE, GQA, SiLU-gated MLP) with options:
 `norm_eps`, `head_dim`, `attn_bias` (Qwen2: qkv; Llama and Qwen3: qkvo with attention_bias),
@@ -35,22 +37,10 @@ from jaxmllm.hf.family import (
     reshaped,
     same,
 )
+from jaxmllm.hf.table import DecoderRow, Windows
 from jaxmllm.models.llm import stacks
 
 ROPE_TYPES = {"default": "none", "mrope": "none", "linear": "linear", "llama3": "llama3"}
-CLASSES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
-# The families whose attention projections all have a bias or none (`attention_bias`); Qwen2's
-# are q, k and v always, Qwen2-MoE's q, k and v or none (`qkv_bias`)
-ALL_OR_NONE = ("llama", "qwen3", "qwen3_moe")
-QK_NORM = ("qwen3", "qwen3_moe")  # RMSNorm over each head's queries and keys
-MOE = ("qwen2_moe", "qwen3_moe")  # mixture-of-experts MLPs (`mlp.gate`, `mlp.experts.{j}`)
-SHARED_EXPERT = ("qwen2_moe",)  # a shared expert with its sigmoid gate beside the experts
 MAX_EXPERTS = 1 << 14  # (far past any model's; a damaged config.json's 1e9 would allocate)
 # How a checkpoint may lay out a mixture of experts' routed experts (`moe_links`): one Linear
 # each (experts.{j}.gate_proj, up_proj, down_proj), fused (experts.gate_up_proj [E, 2f, width],
@@ -110,18 +100,14 @@ def rope_to_hf(llm: Any) -> dict:
 
 
 class Decoders(Family):
-    """Llama, Qwen2, Qwen3 causal LMs and the Qwen2-MoE, Qwen3-MoE mixtures of experts (the
-    classes of `CLASSES`)."""
+    """A causal LM of one decoder row (`jaxmllm.hf.table.DecoderRow`): Llama, Qwen2, Qwen3 and
+    the Qwen2-MoE, Qwen3-MoE mixtures of experts."""
 
-    role = "llm"
-
-    def __init__(self, model_type: str, experts: str = "linear"):
-        """`experts`: how the checkpoint lays out the routed experts (`EXPERTS`): one Linear
-        each (transformers' save_pretrained) until `for_checkpoint` reads them fused;
-        Qwen3-VL-MoE's `fused_hub` only."""
-        self.name = self.model_type = model_type
-        self.model_types = (model_type,)
-        self.hf_class = CLASSES[model_type]
+    def __init__(self, row: DecoderRow, experts: str = "linear"):
+        """`row`: the family's row of the table; `experts`: how the checkpoint lays out the
+        routed experts (`EXPERTS`): one Linear each (transformers' save_pretrained) until
+        `for_checkpoint` reads them fused; Qwen3-VL-MoE's `fused_hub` only."""
+        super().__init__(row)
         self.experts = experts
 
     def for_checkpoint(self, names: Sequence[str], where: str = "") -> Decoders:
@@ -148,13 +134,19 @@ class Decoders(Family):
         return fused
 
     def section(self, hf: dict) -> dict:
+        """Our `model.llm` keys from the decoder's config.json, its row saying which biases,
+        norms and experts it has.
+
+        Raises:
+          FamilyError: naming a key whose value jaxmllm's decoder cannot run.
+        """
         where = f"{self.name} config.json"
         act = read(hf, "hidden_act", where, "silu")
         refuse_unless(act == "silu", where, f"hidden_act {act!r}: the decoder's MLP is SiLU-gated")
         refuse_unless(
             int(hf.get("pretraining_tp", 1)) == 1, where, "pretraining_tp != 1 is not supported"
         )
-        if self.model_type != "llama":
+        if self.row.windows is Windows.REFUSED:
             kinds = set(hf.get("layer_types") or ["full_attention"])
             refuse_unless(
                 not hf.get("use_sliding_window") and kinds == {"full_attention"},
@@ -167,12 +159,7 @@ class Decoders(Family):
         )
         head_dim = int(hf.get("head_dim") or width // heads)
         theta, scaling = rope_section(hf, where)
-        if self.model_type in ALL_OR_NONE:
-            bias = "qkvo" if hf.get("attention_bias") else ""
-        elif self.model_type == "qwen2_moe":
-            bias = "qkv" if hf.get("qkv_bias", True) else ""
-        else:
-            bias = "qkv"
+        bias = self.row.biases.read(hf)
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         mrope = [int(x) for x in rope.get("mrope_section", [0, 0, 0])]
         interleaved = bool(rope.get("mrope_interleaved", False)) and any(mrope)
@@ -193,11 +180,11 @@ class Decoders(Family):
             "mlp": "gated_silu",
             "attn_bias": bias,
             "mlp_bias": bool(hf.get("mlp_bias", False)),
-            "qk_norm": self.model_type in QK_NORM,
+            "qk_norm": self.row.qk_norm,
             "mrope_section": mrope,
             "mrope_interleaved": interleaved,
         }
-        if self.model_type in MOE:
+        if self.row.moe:
             out["moe"] = self.moe_section(hf, where, out["depth"])
         return out
 
@@ -226,7 +213,7 @@ class Decoders(Family):
             "every": int(hf.get("decoder_sparse_step") or 1),
             "dense_layers": dense,
             "aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0)),
-            "shared_mlp_dim": shared if self.model_type in SHARED_EXPERT else 0,
+            "shared_mlp_dim": shared if self.row.shared_expert else 0,
             "shared_gate": True,
         }
         refuse_unless(
@@ -237,6 +224,12 @@ class Decoders(Family):
         return out
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        """The decoder's config.json of our `model.llm` (`source`'s other keys kept).
+
+        Raises:
+          FamilyError: our attention biases or QK-norm differ from the row's (the tensors'
+            names depend on them).
+        """
         llm = cfg.model.llm
         wants = self.wants(cfg)
         layout = {k: wants[k] for k in ("model.llm.attn_bias", "model.llm.qk_norm")}
@@ -246,7 +239,7 @@ class Decoders(Family):
         out = {k: v for k, v in (source or {}).items() if k not in ("rope_theta", "rope_scaling")}
         out.update(
             architectures=[self.hf_class],
-            model_type=self.model_type,
+            model_type=self.row.name,
             vocab_size=llm.vocab_size,
             hidden_size=llm.width,
             num_hidden_layers=llm.depth,
@@ -259,14 +252,11 @@ class Decoders(Family):
             rope_parameters=rope_to_hf(llm),
             tie_word_embeddings=llm.tie_embeddings,
         )
-        if self.model_type in ALL_OR_NONE:
-            out.update(attention_bias=llm.attn_bias == "qkvo")
-        if self.model_type == "qwen2_moe":
-            out.update(qkv_bias=llm.attn_bias == "qkv")
-        if self.model_type == "llama":
+        out.update(self.row.biases.to_hf(llm.attn_bias))
+        if self.row.mlp_bias:
             out.update(mlp_bias=llm.mlp_bias)
-        if self.model_type in MOE:
-            out.update(moe_to_hf(llm, self.model_type))
+        if self.row.moe:
+            out.update(moe_to_hf(llm, self.row.shared_expert))
         if any(llm.mrope_section):
             out["rope_parameters"]["mrope_section"] = list(llm.mrope_section)
             if llm.mrope_interleaved:
@@ -275,20 +265,20 @@ class Decoders(Family):
 
     def wants(self, cfg: Any) -> dict[str, Any]:
         """Our options this architecture has a counterpart for (a decoder from scratch)."""
-        llm = cfg.model.llm
+        llm, row = cfg.model.llm, self.row
         return {
             "model.llm.norm": ("rms",),
             "model.llm.mlp": ("gated_silu",),
-            "model.llm.attn_bias": BIASES.get(self.model_type, ("qkv",)),
-            "model.llm.mlp_bias": (False, True) if self.model_type == "llama" else (False,),
-            "model.llm.qk_norm": (self.model_type in QK_NORM,),
+            "model.llm.attn_bias": row.biases.allowed(),
+            "model.llm.mlp_bias": (False, True) if row.mlp_bias else (False,),
+            "model.llm.qk_norm": (row.qk_norm,),
             "model.llm.moe.experts": (
-                (lambda e: bool(e) == (self.model_type in MOE)),
-                "routed experts" if self.model_type in MOE else "no experts (a dense MLP)",
+                (lambda e: bool(e) == row.moe),
+                "routed experts" if row.moe else "no experts (a dense MLP)",
             ),
             "model.llm.moe.shared_mlp_dim": (
-                (lambda s: bool(s) == (self.model_type in SHARED_EXPERT)),
-                "a shared expert" if self.model_type in SHARED_EXPERT else "no shared expert",
+                (lambda s: bool(s) == row.shared_expert),
+                "a shared expert" if row.shared_expert else "no shared expert",
             ),
             "model.llm.moe.shared_gate": (True,),
             "model.llm.tied_logits_scaled": (
@@ -303,6 +293,7 @@ class Decoders(Family):
         }
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
+        """The embedding, each stack of layers (`layer_links`), the final norm and the head."""
         llm = cfg.model.llm
         links = [same("model.embed_tokens.weight", "llm/embed/embedding")]
         for stack, kind, ids in stacks(llm):  # (a mixture of experts: MoE and dense apart)
@@ -350,12 +341,8 @@ class Decoders(Family):
         return links
 
     def skipped(self, name: str) -> bool:
-        # Rotary caches some older exports stored (recomputed from the config).
+        """The rotary caches some older exports stored (recomputed from the config)."""
         return name.endswith("rotary_emb.inv_freq")
-
-
-BIASES = {"llama": ("", "qkvo"), "qwen3": ("", "qkvo"), "qwen3_moe": ("", "qkvo")}
-BIASES["qwen2_moe"] = ("qkv", "")
 
 
 def stacked(link: Link, ids: tuple[int, ...]) -> Link:
@@ -417,15 +404,18 @@ def stacked_experts_links(
     layout."""
     e, f = moe.experts, moe.mlp_dim
 
-    def hubs(shape):  # (the hub's layout of a tensor transformers saves as `shape`)
+    def hubs(shape):
+        """The hub's layout of a tensor transformers saves as `shape`."""
         return ((shape[0], shape[2], shape[1]),)
 
     def gate_up(x):
+        """Ours (gate, up) of `gate_up_proj` in either layout."""
         x = np.asarray(x)
         x = x if x.shape == (e, 2 * f, w) else x.transpose(0, 2, 1)  # (the hub's [E, w, 2f])
         return x[:, :f].transpose(0, 2, 1), x[:, f:].transpose(0, 2, 1)
 
     def down(x):
+        """Ours of `down_proj` in either layout."""
         x = np.asarray(x)
         return (x.transpose(0, 2, 1) if x.shape == (e, w, f) else x,)  # (else the hub's)
 
@@ -449,8 +439,9 @@ def stacked_experts_links(
     ]
 
 
-def moe_to_hf(llm: Any, model_type: str) -> dict:
-    """A mixture of experts' config.json keys of our `model.llm.moe`."""
+def moe_to_hf(llm: Any, shared_expert: bool) -> dict:
+    """A mixture of experts' config.json keys of our `model.llm.moe` (`shared_expert`: the
+    family has one, its width written)."""
     m = llm.moe
     out = {
         "num_experts": m.experts,
@@ -462,6 +453,6 @@ def moe_to_hf(llm: Any, model_type: str) -> dict:
         "router_aux_loss_coef": m.aux_loss_coef,
         "output_router_logits": False,
     }
-    if model_type in SHARED_EXPERT:
+    if shared_expert:
         out["shared_expert_intermediate_size"] = m.shared_mlp_dim
     return out

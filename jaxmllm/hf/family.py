@@ -74,6 +74,15 @@ class Family:
     hf_class: str = ""  # the transformers class export writes and check compares against
     # Export writes back the whole imported model with this part replaced (Whisper: its decoder)
     exports_whole: bool = False
+    row: Any = None  # its row of the family table (`jaxmllm.hf.table`)
+
+    def __init__(self, row: Any = None):
+        """`row`: the family's row of the table (default: the class's), whose name, model
+        types, role and transformers class are the family's."""
+        row = self.row if row is None else row
+        if row is not None:
+            self.row, self.name, self.role = row, row.name, row.role
+            self.model_types, self.hf_class = row.model_types, row.hf_class
 
     def section(self, hf: dict) -> dict:
         """Our config keys for this role from a HF config.json (dict)."""
@@ -179,10 +188,12 @@ def parts_of(hf: str, ours: Sequence[str], links: Sequence[Link], layers: int = 
     qkv), each part laid out by the matching single link."""
 
     def to_ours(w):
+        """Each part of the HF tensor as its link lays it out."""
         parts = np.split(np.asarray(w), len(links))
         return tuple(link.to_ours(p)[0] for link, p in zip(links, parts, strict=True))
 
     def to_hf(*xs):
+        """Ours back into the one HF tensor, part after part."""
         return (np.concatenate([link.to_hf(x)[0] for link, x in zip(links, xs, strict=True)]),)
 
     return Link((hf,), tuple(ours), to_ours, to_hf, layers)
@@ -217,6 +228,7 @@ def read(hf: dict, key: str, where: str, default: Any = ...) -> Any:
 
 
 def refuse_unless(ok: bool, where: str, message: str) -> None:
+    """A FamilyError `where: message` unless `ok`."""
     if not ok:
         raise FamilyError(f"{where}: {message}")
 

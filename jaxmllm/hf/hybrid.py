@@ -1,5 +1,5 @@
-"""Qwen3.5's hybrid decoders: `Qwen3_5ForCausalLM` and `Qwen3_5MoeForCausalLM` (model types
-`qwen3_5_text`, `qwen3_5_moe_text`; the LLM of the Qwen3.5 multimodal checkpoints too).
+"""Qwen3.5's hybrid decoders: `Qwen3_5ForCausalLM` and `Qwen3_5MoeForCausalLM` (the rows of
+`jaxmllm.hf.table` with `hybrid`; the LLM of the Qwen3.5 multimodal checkpoints too).
 
 Their layers are of two kinds by `layer_types`: `linear_attention` (Gated DeltaNet,
 `jaxmllm.models.deltanet`) and `full_attention` (Qwen3's attention with QK-norm, a sigmoid
@@ -37,7 +37,6 @@ from jaxmllm.hf.family import (
 from jaxmllm.models.deltanet import LinearSpec
 from jaxmllm.models.llm import is_linear, is_moe
 
-CLASSES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
@@ -58,6 +57,7 @@ def regrouped(hf: str, ours: str, spec: LinearSpec, width: int, n: int) -> Link:
     order, shape = qkv_order(spec), (width, spec.key_heads, spec.group)
 
     def to_hf(k):
+        """Our kernel back into in_proj_qkv's rows, in transformers' order."""
         out = np.empty_like(np.asarray(k).reshape(width, -1).T)
         out[order] = np.asarray(k).reshape(width, -1).T
         return (out,)
@@ -71,6 +71,7 @@ def conv_link(hf: str, ours: str, spec: LinearSpec, n: int) -> Link:
     shape = (spec.conv_width, spec.key_heads, spec.group)
 
     def to_hf(k):
+        """Our conv back into conv1d's channels, in transformers' order."""
         flat = np.asarray(k).reshape(spec.conv_width, -1).T
         out = np.empty_like(flat)
         out[order] = flat
@@ -80,16 +81,13 @@ def conv_link(hf: str, ours: str, spec: LinearSpec, n: int) -> Link:
 
 
 class Qwen35(Decoders):
-    """Qwen3.5 and Qwen3.5-MoE causal LMs (module docstring)."""
-
-    def __init__(self, model_type: str):
-        self.name = self.model_type = model_type
-        self.model_types = (model_type,)
-        self.hf_class = CLASSES[model_type]
-        self.moe = "moe" in model_type
-        self.experts = "linear"  # (or fused: `Decoders.for_checkpoint`)
+    """Qwen3.5 and Qwen3.5-MoE causal LMs (module docstring): a hybrid row of the table, its
+    `moe` the MoE variant's; the routed experts one Linear each or fused, as
+    `Decoders.for_checkpoint` finds them."""
 
     def section(self, hf: dict) -> dict:
+        """Our `model.llm` keys: Qwen3's attention with its gate and partial rotary, the
+        linear layers (`linear_section`), the experts in the MoE variant."""
         where = f"{self.name} config.json"
         act = read(hf, "hidden_act", where, "silu")
         refuse_unless(act == "silu", where, f"hidden_act {act!r}: the decoder's MLP is SiLU-gated")
@@ -118,11 +116,11 @@ class Qwen35(Decoders):
             "norm": "rms_offset",
             "norm_eps": float(read(hf, "rms_norm_eps", where)),
             "mlp": "gated_silu",
-            "attn_bias": "qkvo" if hf.get("attention_bias") else "",
+            "attn_bias": self.row.biases.read(hf),
             "qk_norm": True,
             "linear": self.linear_section(hf, where, depth),
         }
-        if self.moe:
+        if self.row.moe:
             out["moe"] = self.moe_section(hf, where, depth)
             # (every layer's MLP is MoE: the dense width is not used; set so the config checks)
             out["mlp_dim"] = out["moe"].get("mlp_dim") or 1
@@ -165,6 +163,7 @@ class Qwen35(Decoders):
         return {**out, "norm_topk_prob": True, "shared_mlp_dim": shared, "every": 1}
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        """The decoder's config.json: `Decoders`' with the linear layers and experts."""
         llm = cfg.model.llm
         bad = mismatches(cfg, {"model.llm.attn_gate": (True,)}, self.name)  # (q_proj's width)
         if bad:
@@ -174,7 +173,6 @@ class Qwen35(Decoders):
         lin = llm.linear
         out["rope_parameters"]["partial_rotary_factor"] = llm.rotary_fraction
         out.update(
-            attention_bias=llm.attn_bias == "qkvo",
             layer_types=[LAYER_TYPES[not lin.is_linear(i)] for i in range(llm.depth)],
             linear_num_key_heads=lin.key_heads,
             linear_num_value_heads=lin.value_heads,
@@ -182,7 +180,7 @@ class Qwen35(Decoders):
             linear_value_head_dim=lin.value_dim,
             linear_conv_kernel_dim=lin.conv_width,
         )
-        if self.moe:  # (every layer's MLP is the experts': no dense width)
+        if self.row.moe:  # (every layer's MLP is the experts': no dense width)
             m = llm.moe
             del out["intermediate_size"]
             out.update(
@@ -198,11 +196,11 @@ class Qwen35(Decoders):
     def wants(self, cfg: Any) -> dict[str, Any]:
         """Our options Qwen3.5 has a counterpart for (a decoder from scratch)."""
         llm = cfg.model.llm
-        moe = self.moe
+        moe = self.row.moe
         return {
             "model.llm.norm": ("rms_offset",),
             "model.llm.mlp": ("gated_silu",),
-            "model.llm.attn_bias": ("", "qkvo"),
+            "model.llm.attn_bias": self.row.biases.allowed(),
             "model.llm.mlp_bias": (False,),
             "model.llm.qk_norm": (True,),
             "model.llm.attn_gate": (True,),
@@ -247,7 +245,8 @@ class Qwen35(Decoders):
         return links
 
     def skipped(self, name: str) -> bool:
-        # The multi-token-prediction head some checkpoints carry (transformers leaves it too).
+        """The multi-token-prediction head some checkpoints carry (transformers leaves it
+        too), and `Decoders`' rotary caches."""
         return name.startswith("mtp.") or super().skipped(name)
 
 
@@ -286,6 +285,3 @@ def linear_links(spec: LinearSpec, w: int, hf: str, ours: str, n: int) -> list[L
         same(hf + "norm.weight", ours + "norm", n),
         dense(hf + "out_proj.weight", ours + "out/kernel", (hv, dv, w), 2, n),
     ]
-
-
-HYBRIDS = {kind: Qwen35(kind) for kind in CLASSES}

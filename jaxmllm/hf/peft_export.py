@@ -25,7 +25,7 @@ from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.registry import read_hf_config
 from jaxmllm.hf.safetensors import DTYPES, Checkpoint
 from jaxmllm.hf.whole import Part
-from jaxmllm.hf.wholes import DECODERS
+from jaxmllm.hf.wholes import decoder_of
 from jaxmllm.models.lora import LEAVES, merged
 from jaxmllm.models.mllm import expert_adapters, kernel_paths
 from jaxmllm.step.program import model_parts
@@ -66,7 +66,7 @@ def merge_adapters(cfg: Config, flat: dict) -> dict:
             out[path] = np.stack(layers)
         else:
             out[path] = merged(kernel, a, b, lora.alpha / lora.rank)
-    params = experts_adapter.params_of(cfg, DECODERS["qwen3_moe"])  # (paths: any family's)
+    params = experts_adapter.params_of(cfg, decoder_of(cfg))  # (its paths: any family's)
     if params:  # (the routed experts' adapters: both matrices' scale is alpha / rank)
         scale = cfg.model.llm.lora.alpha / cfg.model.llm.lora.rank
         out.update(experts_adapter.merged(flat, params, dict.fromkeys(("gate_up", "down"), scale)))

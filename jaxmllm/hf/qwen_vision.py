@@ -44,6 +44,7 @@ from jaxmllm.hf.family import (
     reshaped,
     same,
 )
+from jaxmllm.hf.table import QWEN2_5_VL_VISION, QWEN2_VL_VISION, QWEN3_VL_VISION
 from jaxmllm.hf.vision import _prefix, layer_norm, linear
 
 # Qwen2.5-VL video time steps a second where its config says none (transformers' default)
@@ -62,10 +63,11 @@ def rope_permutation(head_dim: int) -> np.ndarray:
 class QwenTower(Family):
     """What the Qwen2-VL and Qwen2.5-VL towers share (see the module docstring)."""
 
-    role = "vision"
     act = ""  # config.json's hidden_act
 
     def section(self, hf: dict) -> dict:
+        """Our `model.vision` keys from the tower's config.json (a whole Qwen VL's
+        `vision_config`): what the towers share, and their own `blocks`."""
         hf = hf.get("vision_config", hf)  # a whole Qwen VL: its vision tower
         where = f"{self.name} vision config.json"
         act = read(hf, "hidden_act", where, self.act)
@@ -93,6 +95,7 @@ class QwenTower(Family):
         }
 
     def width(self, hf: dict, where: str) -> int:
+        """The tower's width, from the key its config.json names it by."""
         raise NotImplementedError
 
     def blocks(self, hf: dict, where: str, width: int, merge: int) -> dict:
@@ -100,6 +103,7 @@ class QwenTower(Family):
         raise NotImplementedError
 
     def wants(self, cfg: Any) -> dict[str, Any]:
+        """Our options every Qwen VL tower has a counterpart for (the towers add their own)."""
         v = cfg.model.vision
         return {
             "model.vision.positions": ("rope",),
@@ -135,11 +139,12 @@ class QwenTower(Family):
         return out is None or out == cfg.model.llm.width
 
     def common_config(self, cfg: Any, source: dict | None) -> dict:
+        """The config.json keys every Qwen VL tower writes alike (`source`'s others kept)."""
         v = cfg.model.vision
         out = dict((source or {}).get("vision_config", source or {}))
         out.update(
             architectures=[self.hf_class],
-            model_type=f"{self.name}_vision",
+            model_type=self.model_types[0],
             depth=v.depth,
             hidden_act=self.act,
             num_heads=v.heads,
@@ -152,6 +157,8 @@ class QwenTower(Family):
         return out
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
+        """The patch embedding, the fused qkv (its q and k rows permuted to our 2D rotary), the
+        output projection, the blocks' own links and, where it is ours, the merger."""
         v = cfg.model.vision
         w, h, n, p, c, t = v.width, v.heads, v.depth, v.patch_size, v.channels, v.temporal_patch
         e = w // h
@@ -189,30 +196,36 @@ class QwenTower(Family):
         ]
 
     def block_links(self, cfg: Any, layer: str, ours: str) -> list[Link]:
+        """A block's norms and MLP, and the final norm (the merger's), as the tower names them."""
         raise NotImplementedError
 
     def prefix(self, names: list[str]) -> str:
+        """What a whole checkpoint puts before the tower's names (`visual.`)."""
         return _prefix(names, "patch_embed.proj.weight")
 
     def skipped(self, name: str) -> bool:
+        """The merger's MLP when it was trained for another LLM width (`loads_merger`)."""
         # The merger's MLP when it was trained for another LLM width (`loads_merger`).
         return name.startswith("merger.mlp.")
 
 
 class Qwen2VLVision(QwenTower):
-    name = "qwen2_vl"
-    model_types = ("qwen2_vl_vision",)
-    hf_class = "Qwen2VisionTransformerPretrainedModel"
+    """Qwen2-VL's tower (the module docstring)."""
+
+    row = QWEN2_VL_VISION
     act = "quick_gelu"
 
     def width(self, hf: dict, where: str) -> int:
+        """Qwen2-VL's width is its `embed_dim`."""
         return int(read(hf, "embed_dim", where))
 
     def blocks(self, hf: dict, where: str, width: int, merge: int) -> dict:
+        """LayerNorm blocks with a quick-GELU MLP of `mlp_ratio` times the width."""
         mlp = int(width * float(hf.get("mlp_ratio", 4)))
         return {"mlp_dim": mlp, "norm": "layer", "mlp": "quick_gelu"}
 
     def wants(self, cfg: Any) -> dict[str, Any]:
+        """The shared options, LayerNorm and quick-GELU, no windows, a time step per patch."""
         return {
             **super().wants(cfg),
             "model.vision.norm": ("layer",),
@@ -222,6 +235,7 @@ class Qwen2VLVision(QwenTower):
         }
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        """The tower's config.json (`embed_dim`, the LLM's width as its merger's output)."""
         v = cfg.model.vision
         out = self.common_config(cfg, source)
         out.update(
@@ -232,6 +246,7 @@ class Qwen2VLVision(QwenTower):
         return out
 
     def block_links(self, cfg: Any, layer: str, ours: str) -> list[Link]:
+        """LayerNorms `norm1`, `norm2`, the MLP's `fc1`, `fc2`, the merger's `ln_q`."""
         v = cfg.model.vision
         w, f, n = v.width, v.mlp_dim, v.depth
         return [
@@ -244,16 +259,19 @@ class Qwen2VLVision(QwenTower):
 
 
 class Qwen25VLVision(QwenTower):
-    name = "qwen2_5_vl"
-    model_types = ("qwen2_5_vl_vision",)
-    hf_class = "Qwen2_5_VisionTransformerPretrainedModel"
+    """Qwen2.5-VL's tower (the module docstring)."""
+
+    row = QWEN2_5_VL_VISION
     act = "silu"
     out_key = "out_hidden_size"
 
     def width(self, hf: dict, where: str) -> int:
+        """Qwen2.5-VL's width is its `hidden_size`."""
         return int(read(hf, "hidden_size", where))
 
     def blocks(self, hf: dict, where: str, width: int, merge: int) -> dict:
+        """RMSNorm blocks with a SiLU-gated MLP, windows of `window_size` pixels, the full-
+        attention blocks, videos' time steps a second."""
         patch = int(read(hf, "patch_size", where))
         units = int(read(hf, "window_size", where)) // merge // patch  # merged tokens a side
         refuse_unless(
@@ -275,6 +293,7 @@ class Qwen25VLVision(QwenTower):
         }
 
     def wants(self, cfg: Any) -> dict[str, Any]:
+        """The shared options, RMSNorm and the gated MLP, windows and videos in absolute time."""
         v = cfg.model.vision
         return {
             **super().wants(cfg),
@@ -292,6 +311,7 @@ class Qwen25VLVision(QwenTower):
         }
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        """The tower's config.json with its windows, full blocks and time steps a second."""
         v = cfg.model.vision
         out = self.common_config(cfg, source)
         out.update(
@@ -305,6 +325,7 @@ class Qwen25VLVision(QwenTower):
         return out
 
     def block_links(self, cfg: Any, layer: str, ours: str) -> list[Link]:
+        """RMSNorms `norm1`, `norm2` and `merger.ln_q`, and the gated MLP's Linears."""
         v = cfg.model.vision
         w, f, n = v.width, v.mlp_dim, v.depth
         links = [
@@ -328,22 +349,26 @@ def _whole_number(x: float) -> int | float:
 
 class Qwen3VLVision(QwenTower):
     """Qwen3-VL's tower (the module docstring); `kind`: the whole checkpoint it is written
-    into (qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe: the vision config's model_type);
-    `deepstack`: whether it has DeepStack (Qwen3.5's has none)."""
+    into (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5: the vision config's model_type is its name and
+    `_vision`; default its own name); `deepstack`: whether it has DeepStack (Qwen3.5's has
+    none)."""
 
-    name = "qwen3_vl"
-    model_types = ("qwen3_vl_vision", "qwen3_vl_moe_vision")
-    hf_class = "Qwen3VLVisionModel"
+    row = QWEN3_VL_VISION
     act = "gelu_pytorch_tanh"
     out_key = "out_hidden_size"
 
-    def __init__(self, kind: str = "qwen3_vl", deepstack: bool = True):
-        self.kind, self.deepstack = kind, deepstack
+    def __init__(self, kind: str = "", deepstack: bool = True):
+        """The tower as the whole `kind` writes it (see the class docstring)."""
+        super().__init__()
+        self.kind, self.deepstack = kind or self.name, deepstack
 
     def width(self, hf: dict, where: str) -> int:
+        """Qwen3-VL's width is its `hidden_size`."""
         return int(read(hf, "hidden_size", where))
 
     def blocks(self, hf: dict, where: str, width: int, merge: int) -> dict:
+        """LayerNorm blocks with a tanh-GELU MLP, a patch bias, the learned table of positions (a
+        square grid) and the DeepStack levels."""
         table = int(read(hf, "num_position_embeddings", where))
         grid = math.isqrt(table)
         refuse_unless(
@@ -374,6 +399,7 @@ class Qwen3VLVision(QwenTower):
         }
 
     def wants(self, cfg: Any) -> dict[str, Any]:
+        """The shared options, the learned positions resized bilinearly, DeepStack (or none)."""
         return {
             **super().wants(cfg),
             "model.vision.norm": ("layer",),
@@ -394,6 +420,7 @@ class Qwen3VLVision(QwenTower):
         }
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        """The tower's config.json, its model type the whole's (`kind`)."""
         v = cfg.model.vision
         out = self.common_config(cfg, source)
         out.update(
@@ -408,6 +435,7 @@ class Qwen3VLVision(QwenTower):
         return out
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
+        """The shared links, the patch embedding's bias and the position table."""
         return [
             *super().links(cfg, hf),
             same("patch_embed.proj.bias", "vision/patch_embed/bias"),
@@ -415,6 +443,7 @@ class Qwen3VLVision(QwenTower):
         ]
 
     def block_links(self, cfg: Any, layer: str, ours: str) -> list[Link]:
+        """LayerNorms `norm1`, `norm2` and `merger.norm`, the MLP's `linear_fc1`, `linear_fc2`."""
         v = cfg.model.vision
         w, f, n = v.width, v.mlp_dim, v.depth
         return [
@@ -444,5 +473,6 @@ class Qwen3VLVision(QwenTower):
         return links
 
     def skipped(self, name: str) -> bool:
+        """The mergers when they were trained for another LLM width (`loads_merger`)."""
         # The mergers when they were trained for another LLM width (`loads_merger`).
         return name.startswith(("merger.linear_fc", "deepstack_merger_list."))

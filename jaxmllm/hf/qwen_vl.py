@@ -30,43 +30,52 @@ from __future__ import annotations
 from typing import Any
 
 from jaxmllm.hf import oracle
-from jaxmllm.hf.decoders import MOE, Decoders
 from jaxmllm.hf.family import Family, mismatches
-from jaxmllm.hf.hybrid import HYBRIDS
 from jaxmllm.hf.qwen_vision import Qwen3VLVision
+from jaxmllm.hf.table import WholeRow
 from jaxmllm.hf.whole import Whole
-from jaxmllm.hf.whole_config import DECODERS, enabled, nested, pixels, tokenizer_ids
-
-# M-RoPE's sections where config.json names none (transformers' defaults)
-QWEN3_VL_SECTIONS = [24, 20, 20]
-QWEN3_5_SECTIONS = [11, 11, 10]
+from jaxmllm.hf.whole_config import (
+    decoder_family,
+    enabled,
+    nested,
+    pixels,
+    tokenizer_ids,
+    tower_of,
+)
 
 
 class QwenVL(Whole):
-    """Qwen2-VL and Qwen2.5-VL: a Qwen2 LLM with M-RoPE (at the top level of older files);
-    `decoder`: the LLM's family (`whole_config.DECODERS`)."""
+    """Qwen2-VL and Qwen2.5-VL: a Qwen2 LLM with M-RoPE (at the top level of older files); its
+    row of the table (`jaxmllm.hf.table.WholeRow`) names its decoder and tower."""
 
     parts = {"llm": ("text_config", ""), "vision": ("vision_config", "visual.")}
     token_keys = {"vision": ("image_token_id",)}
     runtime_prefix = {"vision": "model.visual."}
     interleaved = False  # M-RoPE's frequencies interleaved (Qwen3-VL), else in sections
 
-    def __init__(
-        self, name: str, tower: Family, hf_class: str, processor_class: str, decoder="qwen2"
-    ):
-        self.name, self.model_types, self.tower = name, (name,), tower
-        self.hf_class, self.processor_class = hf_class, processor_class
-        self.decoder = DECODERS[decoder]
+    def __init__(self, row: WholeRow):
+        """The whole of `row`: its decoder and tower families."""
+        super().__init__(row)
+        self.decoder = decoder_family(row.llm[0], row.experts)
+        self.tower = self.own_tower()
+
+    def own_tower(self) -> Family:
+        """The tower family of the row's tower."""
+        return tower_of(self.row.towers[0])
 
     def sub(self, role: str, hf: dict) -> dict:
+        """A part's config; the LLM's is the top level of the hub's older, flat files."""
         if role == "llm" and not hf.get("text_config"):  # the hub's older, flat files
             return {k: v for k, v in hf.items() if k != "vision_config"}
         return super().sub(role, hf)
 
     def inner(self, role: str, hf: dict) -> Family:
+        """The decoder for the LLM, else the tower."""
         return self.decoder if role == "llm" else self.tower
 
     def to_hf_config(self, cfg: Any, source: dict | None, roles: tuple[str, ...]) -> dict:
+        """The whole's config.json: from scratch, or `source`'s with `roles`' parts ours
+        (its text keys nested or flat, as `source` has them)."""
         llm = cfg.model.llm
         if source is None:
             tk = tokenizer_ids(cfg)
@@ -103,9 +112,11 @@ class QwenVL(Whole):
         return out
 
     def reference_inputs(self, sample: Any, cfg: Any, specials: Any) -> dict:
+        """transformers' inputs of a sample (`oracle.qwen_vl`)."""
         return oracle.qwen_vl(sample, cfg, specials)
 
     def processor_files(self, cfg: Any) -> dict[str, dict]:
+        """The image processor's and the processor's files of the run's settings."""
         v, d = cfg.model.vision, cfg.data
         image = {
             **pixels(cfg, "Qwen2VLImageProcessor"),
@@ -121,6 +132,7 @@ class QwenVL(Whole):
         }
 
     def mismatches(self, cfg: Any) -> list[str]:
+        """Our options the whole has no counterpart for: its decoder's, its tower's, M-RoPE."""
         wants = {
             **self.decoder.wants(cfg),
             **self.tower.wants(cfg),
@@ -135,8 +147,8 @@ class QwenVL(Whole):
 
 
 class Qwen3VL(QwenVL):
-    """Qwen3-VL and Qwen3.5: the module docstring. `decoder`: qwen3 (dense), qwen3_moe,
-    qwen3_5_text or qwen3_5_moe_text (Qwen3.5's, whose tower has no DeepStack)."""
+    """Qwen3-VL and Qwen3.5: the module docstring. Its row's decoder is Qwen3's, Qwen3-MoE's
+    or a Qwen3.5 hybrid (whose tower has no DeepStack: the row's `deepstack`)."""
 
     parts = {
         "llm": ("text_config", "model.language_model."),
@@ -146,31 +158,32 @@ class Qwen3VL(QwenVL):
     interleaved = True
     video_timestamps = True
 
-    def __init__(self, name: str, hf_class: str, decoder: str):
-        hybrid = decoder in HYBRIDS
-        tower = Qwen3VLVision(name, deepstack=not hybrid)
-        super().__init__(name, tower, hf_class, "Qwen3VLProcessor", decoder)
-        self.sections = QWEN3_5_SECTIONS if hybrid else QWEN3_VL_SECTIONS
-        if self.decoder.model_type in MOE:  # (its experts stacked, as transformers 5's)
-            self.decoder = Decoders(self.decoder.model_type, experts="fused_hub")
+    def own_tower(self) -> Family:
+        """Qwen3-VL's tower written into this whole, with DeepStack as the row says."""
+        return Qwen3VLVision(self.name, deepstack=self.row.deepstack)
 
     def section(self, role: str, hf: dict) -> dict:
+        """The part's section; the LLM's M-RoPE always interleaved, its sections the row's
+        where config.json names none, its router renormalising top-k."""
         out = super().section(role, hf)
         if role == "llm":  # (transformers' rotary interleaves whatever config.json says)
             rope = self.sub(role, hf).get("rope_parameters") or {}
             sections = out.get("mrope_section") or rope.get("mrope_section") or ()
             out["mrope_interleaved"] = True
             out["mrope_section"] = (
-                [int(x) for x in sections] if any(sections) else list(self.sections)
+                [int(x) for x in sections] if any(sections) else list(self.row.mrope_sections)
             )
             if out.get("moe", {}).get("experts"):  # (its router always renormalises top-k)
                 out["moe"]["norm_topk_prob"] = True
         return out
 
     def place(self, role: str, name: str, at: str) -> str:
+        """A part's tensor under the whole's names (the decoder's `model.` is
+        `model.language_model.`)."""
         if role == "llm":  # the decoder's `model.` is `model.language_model.`; its head stays
             return at + name.removeprefix("model.") if name.startswith("model.") else name
         return at + name
 
     def owns(self, role: str, name: str) -> bool:
+        """The LM head, at the top of the whole's names."""
         return role == "llm" and name.startswith("lm_head.")

@@ -8,23 +8,13 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxmllm.hf.audio import Qwen2AudioEncoder, WhisperEncoder
 from jaxmllm.hf.family import Family, FamilyError
-from jaxmllm.hf.qwen_vision import Qwen2VLVision, Qwen3VLVision, Qwen25VLVision
-from jaxmllm.hf.vision import Clip, Siglip
 from jaxmllm.hf.whole import Part
+from jaxmllm.hf.whole_config import TOWERS
 from jaxmllm.hf.wholes import DECODERS, WHOLES, whole_for
 
-FAMILIES: tuple[Family, ...] = (
-    *DECODERS.values(),
-    Siglip(),
-    Clip(),
-    Qwen2VLVision(),
-    Qwen25VLVision(),
-    Qwen3VLVision(),
-    WhisperEncoder(),
-    Qwen2AudioEncoder(),
-)
+# Every family of one part: a decoder per row of the table's decoders, a tower per tower row
+FAMILIES: tuple[Family, ...] = (*DECODERS.values(), *TOWERS)
 ROLES = ("llm", "vision", "audio")
 
 

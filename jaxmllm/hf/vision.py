@@ -31,11 +31,13 @@ from jaxmllm.hf.family import (
     same,
     split_rows,
 )
+from jaxmllm.hf.table import CLIP, SIGLIP
 
 GELUS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
 
 
 def _prefix(names: list[str], suffix: str) -> str:
+    """What the first of `names` ending in `suffix` has before it ("" if none does)."""
     for name in names:
         if name.endswith(suffix):
             return name[: -len(suffix)]
@@ -43,6 +45,7 @@ def _prefix(names: list[str], suffix: str) -> str:
 
 
 def layer_norm(hf: str, ours: str, layers: int = 0) -> list[Link]:
+    """A torch LayerNorm's weight and bias <-> our scale and bias."""
     return [
         same(hf + ".weight", ours + "/scale", layers),
         same(hf + ".bias", ours + "/bias", layers),
@@ -71,11 +74,13 @@ def conv2d(hf: str, ours: str, p: int, c: int, w: int) -> Link:
 class LearnedTower(Family):
     """What SigLIP and CLIP share: config.json's keys, the encoder layers, the final norm."""
 
-    role = "vision"
     acts: dict[str, str] = {}  # HF hidden_act -> our mlp
     options: dict[str, Any] = {}  # our options fixed by the architecture
+    norm_eps = 1e-5  # config.json's layer_norm_eps where it names none
 
     def section(self, hf: dict) -> dict:
+        """Our `model.vision` keys from the tower's config.json (a whole model's
+        `vision_config`)."""
         hf = hf.get("vision_config", hf)  # a whole model: its vision half
         where = f"{self.name} config.json"
         act = read(hf, "hidden_act", where, next(iter(self.acts)))
@@ -91,7 +96,7 @@ class LearnedTower(Family):
             "heads": int(read(hf, "num_attention_heads", where)),
             "mlp_dim": int(read(hf, "intermediate_size", where)),
             "norm": "layer",
-            "norm_eps": float(hf.get("layer_norm_eps", 1e-6 if self.name == "siglip" else 1e-5)),
+            "norm_eps": float(hf.get("layer_norm_eps", self.norm_eps)),
             "mlp": self.acts[act],
             "attn_bias": "qkvo",
             "mlp_bias": True,
@@ -116,12 +121,13 @@ class LearnedTower(Family):
         }
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        """The tower's config.json of our `model.vision` (`source`'s other keys kept)."""
         v = cfg.model.vision
         inv = {ours: theirs for theirs, ours in reversed(self.acts.items())}
         out = dict((source or {}).get("vision_config", source or {}))
         out.update(
             architectures=[self.hf_class],
-            model_type=f"{self.name}_vision_model",
+            model_type=self.model_types[0],
             hidden_size=v.width,
             intermediate_size=v.mlp_dim,
             num_hidden_layers=out.get("num_hidden_layers", v.depth) if source else v.depth,
@@ -135,6 +141,7 @@ class LearnedTower(Family):
         return out
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
+        """The patch embedding, the encoder layers and (with `final_norm`) the final norm."""
         v = cfg.model.vision
         w, h, f, n = v.width, v.heads, v.mlp_dim, v.depth
         e = w // h
@@ -160,6 +167,7 @@ class LearnedTower(Family):
         return links
 
     def prefix(self, names: list[str]) -> str:
+        """What a whole SiglipModel or CLIPModel puts before the tower's names."""
         return _prefix(names, "embeddings.patch_embedding.weight")
 
     def unused(self, name: str, depth: int) -> bool:
@@ -170,13 +178,15 @@ class LearnedTower(Family):
 
 
 class Siglip(LearnedTower):
-    name = "siglip"
-    model_types = ("siglip_vision_model", "siglip")
-    hf_class = "SiglipVisionModel"
+    """SigLIP's tower (the module docstring)."""
+
+    row = SIGLIP
     acts = GELUS
     options = {"patch_bias": True, "class_token": False, "pre_norm": False, "final_norm": True}
+    norm_eps = 1e-6
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
+        """The shared links, the patch embedding's bias and the position table."""
         return [
             *super().links(cfg, hf),
             same("embeddings.patch_embedding.bias", "vision/patch_embed/bias"),
@@ -184,20 +194,21 @@ class Siglip(LearnedTower):
         ]
 
     def skipped(self, name: str) -> bool:
-        # The pooling head (for image-text contrastive use), a SiglipModel's text half.
+        """The pooling head (for image-text contrastive use), a SiglipModel's text half."""
         return matches([r"(.*\.)?head\..*", r"text_model\..*", r"logit_(scale|bias)"], name)
 
 
 class Clip(LearnedTower):
-    name = "clip"
-    model_types = ("clip_vision_model", "clip")
-    hf_class = "CLIPVisionModel"
+    """CLIP's tower (the module docstring)."""
+
+    row = CLIP
     acts = {"quick_gelu": "quick_gelu", "gelu": "gelu"}
     # CLIPVisionModel's last_hidden_state is the blocks' output: its post_layernorm only
     # normalises the pooled class token, left alone here
     options = {"patch_bias": False, "class_token": True, "pre_norm": True, "final_norm": False}
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
+        """The shared links, the class token, its position row and the pre-blocks norm."""
         table = ("vision/class_position", "vision/position_embedding")
         return [
             *super().links(cfg, hf),
@@ -207,7 +218,7 @@ class Clip(LearnedTower):
         ]
 
     def skipped(self, name: str) -> bool:
-        # A CLIPModel's text half and projections; an older file's position_ids buffer.
+        """A CLIPModel's text half and projections; an older file's position_ids buffer."""
         patterns = [
             r"text_model\..*",
             r"(visual|text)_projection\..*",

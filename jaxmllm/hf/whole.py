@@ -41,6 +41,15 @@ class Whole:
     runtime_names = False
     # Its processor writes each video frame's time before it (Qwen3-VL): data.video_timestamps
     video_timestamps = False
+    row: Any = None  # its row of the family table (`jaxmllm.hf.table.WholeRow`)
+
+    def __init__(self, row: Any = None):
+        """`row`: the whole's row of the table (default: the class's), whose name, model
+        types, transformers class and processor are the whole's."""
+        row = self.row if row is None else row
+        if row is not None:
+            self.row, self.name, self.model_types = row, row.name, row.model_types
+            self.hf_class, self.processor_class = row.hf_class, row.processor_class
 
     def sub(self, role: str, hf: dict) -> dict:
         """A part's own config (the whole's top-level tie_word_embeddings goes to the LLM's),
@@ -154,6 +163,7 @@ class Part(Family):
     """
 
     def __init__(self, whole: Whole, role: str, hf: dict, names=(), where: str = ""):
+        """A whole checkpoint's part for `role` (see the class docstring)."""
         self.whole, self.role, self.hf = whole, role, hf
         self.name, self.model_types, self.hf_class = whole.name, whole.model_types, whole.hf_class
         self.base = whole.parts[role][1]
@@ -162,9 +172,11 @@ class Part(Family):
         self.at = self.base + (self.inner.prefix(under) if under else whole.nesting(role))
 
     def section(self, hf: dict) -> dict:
+        """The whole's section for this part."""
         return self.whole.section(self.role, hf)
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
+        """The inner family's links under the whole's names, and the projectors the whole holds."""
         hf = hf or self.hf
         sub = self.whole.sub(self.role, hf)
         place = lambda n: self.whole.place(self.role, n, self.at)
@@ -172,12 +184,16 @@ class Part(Family):
         return links + self.whole.own_links(self.role, cfg, hf)
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        """The whole's config.json with this part ours."""
         return self.whole.to_hf_config(cfg, source, (self.role,))
 
     def placed(self, name: str) -> str:
+        """A name of the inner family's under the whole's names."""
         return self.whole.place(self.role, name, self.at)
 
     def runtime(self, name: str) -> str:
+        """The name transformers (5) gives a checkpoint tensor's module in the whole model it
+        builds."""
         if self.whole.runtime_names:
             return name
         if not name.startswith(self.at):  # (a projector the whole holds beside the parts)
@@ -203,9 +219,11 @@ class Part(Family):
         return runtime.removeprefix("model.")  # (a projector the whole holds)
 
     def part_of(self, name: str) -> str | None:
+        """The role of the part a tensor of the whole belongs to."""
         return self.whole.part_of(name)
 
     def skipped(self, name: str) -> bool:
+        """Another part's tensors, and those the inner family or the whole leaves alone."""
         if self.whole.part_of(name) != self.role:
             return True  # another part's
         if self.whole.owns(self.role, name) or not name.startswith(self.at):

@@ -1,42 +1,81 @@
 """What every whole checkpoint's family (`jaxmllm.hf.wholes`, `jaxmllm.hf.qwen_vl`) writes and
-reads alike: its LLM's decoder family, a part's config nested in the whole's config.json, the
-run's placeholder tokens and an image processor's normalisation."""
+reads alike: the decoder and tower families of the table's rows, its LLM's decoder family, a
+part's config nested in the whole's config.json, the run's placeholder tokens and an image
+processor's normalisation."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from jaxmllm.data.text.tokenizer import config_tokenizer
+from jaxmllm.hf import table
+from jaxmllm.hf.audio import Qwen2AudioEncoder, WhisperEncoder
 from jaxmllm.hf.decoders import Decoders
-from jaxmllm.hf.family import refuse_unless
-from jaxmllm.hf.hybrid import HYBRIDS
+from jaxmllm.hf.family import Family, refuse_unless
+from jaxmllm.hf.hybrid import Qwen35
+from jaxmllm.hf.qwen_vision import Qwen2VLVision, Qwen3VLVision, Qwen25VLVision
+from jaxmllm.hf.table import DecoderRow, TowerRow
+from jaxmllm.hf.vision import Clip, Siglip
 
-DECODERS = {kind: Decoders(kind) for kind in ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")}
-DECODERS.update(HYBRIDS)  # Qwen3.5's text decoders (jaxmllm.hf.hybrid)
+
+def decoder_family(row: DecoderRow, experts: str = "linear") -> Decoders:
+    """The family that reads a decoder row (a hybrid's: Qwen3.5's layers); `experts`: how
+    its checkpoint lays out the routed experts (`decoders.EXPERTS`)."""
+    return (Qwen35 if row.hybrid else Decoders)(row, experts)
+
+
+DECODERS = {row.name: decoder_family(row) for row in table.DECODERS}
+# Every tower family, one per row of `table.TOWERS`
+TOWERS: tuple[Family, ...] = (
+    Siglip(),
+    Clip(),
+    Qwen2VLVision(),
+    Qwen25VLVision(),
+    Qwen3VLVision(),
+    WhisperEncoder(),
+    Qwen2AudioEncoder(),
+)
 PROJECTOR_ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 
 
-def decoder(hf: dict, where: str, allowed=("llama", "qwen2", "qwen3")) -> Decoders:
-    kind = hf.get("model_type", "llama")
+def tower_of(row: TowerRow) -> Family:
+    """The tower family of a tower row."""
+    return next(t for t in TOWERS if t.row == row)
+
+
+def decoder(hf: dict, where: str, allowed: Sequence[DecoderRow]) -> Decoders:
+    """The decoder family of a whole's `text_config` (`hf`), one of the rows `allowed`
+    (without a model_type: the first).
+
+    Raises:
+      FamilyError: naming its model_type and the ones jaxmllm reads there.
+    """
+    kind = hf.get("model_type", allowed[0].name)
+    names = [row.name for row in allowed]
     refuse_unless(
-        kind in allowed,
+        kind in names,
         where,
-        f"text_config model_type {kind!r} is not supported "
-        f"(jaxmllm reads {', '.join(allowed)} here)",
+        f"text_config model_type {kind!r} is not supported (jaxmllm reads {', '.join(names)} here)",
     )
     return DECODERS[kind]
 
 
 def decoder_of(cfg: Any) -> Decoders:
-    """The decoder family our LLM's options say it is."""
+    """The decoder family our LLM's options say it is: of the table's rows, the one whose
+    layer kinds (linear attention, routed experts) are ours, then whose QK-norm is ours, then
+    whose attention biases are ours (the table's first where several fit alike)."""
     llm = cfg.model.llm
-    if llm.linear.enabled:
-        return DECODERS["qwen3_5_moe_text" if llm.moe.enabled else "qwen3_5_text"]
-    if llm.moe.enabled:
-        return DECODERS["qwen3_moe" if llm.qk_norm else "qwen2_moe"]
-    if llm.qk_norm:
-        return DECODERS["qwen3"]
-    return DECODERS["qwen2" if llm.attn_bias == "qkv" else "llama"]
+
+    def fit(row: DecoderRow) -> tuple[bool, ...]:
+        """How far `row` fits our options, most telling first."""
+        return (
+            row.hybrid == llm.linear.enabled and row.moe == llm.moe.enabled,
+            row.qk_norm == llm.qk_norm,
+            llm.attn_bias in row.biases.allowed(),
+        )
+
+    return DECODERS[max(table.DECODERS, key=fit).name]
 
 
 def nested(config: dict, model_type: str | None = None) -> dict:
@@ -48,6 +87,7 @@ def nested(config: dict, model_type: str | None = None) -> dict:
 
 
 def enabled(cfg: Any, name: str, want: bool) -> list[str]:
+    """A mismatch naming `model.<name>.enabled` unless the encoder is there as `want` says."""
     have = getattr(cfg.model, name).enabled
     return (
         []

@@ -23,12 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from jaxmllm.hf import oracle
-from jaxmllm.hf.audio import Qwen2AudioEncoder
+from jaxmllm.hf import oracle, table
 from jaxmllm.hf.family import Family, Link, mismatches, refuse_unless
-from jaxmllm.hf.qwen_vision import Qwen2VLVision, Qwen25VLVision
 from jaxmllm.hf.qwen_vl import Qwen3VL, QwenVL
-from jaxmllm.hf.vision import Clip, Siglip, linear
+from jaxmllm.hf.vision import linear
 from jaxmllm.hf.whole import Whole
 from jaxmllm.hf.whole_config import (
     DECODERS,
@@ -40,40 +38,55 @@ from jaxmllm.hf.whole_config import (
     pixels,
     placeholder,
     tokenizer_ids,
+    tower_of,
 )
 
 __all__ = ["DECODERS", "WHOLES", "decoder_of", "whole_for"]
 
 
 class Llava(Whole):
-    name = "llava"
-    model_types = ("llava",)
-    hf_class = "LlavaForConditionalGeneration"
-    processor_class = "LlavaProcessor"
+    """LLaVA (the module docstring): its row names the decoders and towers it reads."""
+
+    row = table.LLAVA
     parts = {
         "llm": ("text_config", "language_model."),
         "vision": ("vision_config", "vision_tower."),
     }
     token_keys = {"vision": ("image_token_index", "image_token_id")}
     runtime_prefix = {"vision": "model.vision_tower."}
-    towers = {"clip_vision_model": Clip(), "siglip_vision_model": Siglip()}
+
+    def __init__(self):
+        """LLaVA's towers, by the model type its vision_config names (the first: default)."""
+        super().__init__()
+        towers = [tower_of(row) for row in self.row.towers]
+        self.towers = {t.model_types[0]: t for t in towers}
 
     def inner(self, role: str, hf: dict) -> Family:
+        """The LLM's decoder or the tower, by the model type its sub-config names.
+
+        Raises:
+          FamilyError: a model type LLaVA is not read with, naming the ones it is.
+        """
         sub = self.sub(role, hf)
+        where = f"{self.name} config.json"
         if role == "llm":
-            return decoder(sub, "llava config.json")
-        kind = sub.get("model_type", "clip_vision_model")
+            return decoder(sub, where, self.row.llm)
+        kind = sub.get("model_type", next(iter(self.towers)))
         tower = self.towers.get(kind)
         refuse_unless(
             tower is not None,
-            "llava config.json",
+            where,
             f"vision_config model_type {kind!r}: jaxmllm reads {', '.join(self.towers)}",
         )
         return tower
 
+    def tower_with(self, class_token: bool) -> Family:
+        """The tower whose class token is as ours (CLIP's has one, SigLIP's none)."""
+        return next(t for t in self.towers.values() if t.options["class_token"] == class_token)
+
     def feature_depth(self, hf: dict) -> int:
         """The tower's blocks before the hidden layer the LLM reads (`vision_feature_layer`)."""
-        where, layer = "llava config.json", hf.get("vision_feature_layer", -2)
+        where, layer = f"{self.name} config.json", hf.get("vision_feature_layer", -2)
         refuse_unless(
             isinstance(layer, int),
             where,
@@ -90,12 +103,19 @@ class Llava(Whole):
         return used
 
     def section(self, role: str, hf: dict) -> dict:
+        """A part's section; the tower's read at the feature layer, the projector's keys.
+
+        Raises:
+          FamilyError: a feature select strategy, projector bias or activation jaxmllm does
+            not read, naming it.
+        """
         out = super().section(role, hf)
         if role != "vision":
             return out
-        where, tower = "llava config.json", self.inner(role, hf)
+        where, tower = f"{self.name} config.json", self.inner(role, hf)
         strategy = hf.get("vision_feature_select_strategy", "default")
-        want = "default" if tower.name == "clip" else "full"
+        # (the class token, CLIP's, is dropped after the blocks; a tower without one keeps all)
+        want = "default" if tower.options["class_token"] else "full"
         message = f"vision_feature_select_strategy {strategy!r} with a {tower.name} tower"
         refuse_unless(
             strategy == want, where, f"{message} is not supported (jaxmllm reads {want!r})"
@@ -121,6 +141,7 @@ class Llava(Whole):
         return out
 
     def own_links(self, role: str, cfg: Any, hf: dict) -> list[Link]:
+        """The projector's two Linears, beside the tower."""
         if role != "vision":
             return []
         v, out = cfg.model.vision, cfg.model.llm.width
@@ -132,19 +153,23 @@ class Llava(Whole):
         ]
 
     def owns(self, role: str, name: str) -> bool:
+        """The projector's tensors, the vision part's."""
         return role == "vision" and name.startswith("multi_modal_projector.")
 
     def unused(self, role: str, name: str, hf: dict) -> bool:
+        """The tower's blocks past the feature layer, and its final norm."""
         return role == "vision" and self.inner(role, hf).unused(name, self.feature_depth(hf))
 
     def to_hf_config(self, cfg: Any, source: dict | None, roles: tuple[str, ...]) -> dict:
+        """The whole's config.json: from scratch (the decoder our options say), or `source`'s
+        with `roles`' parts ours."""
         v, llm = cfg.model.vision, cfg.model.llm
-        tower = Clip() if v.class_token else Siglip()
+        tower = self.tower_with(v.class_token)
         act = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[v.projector_act]
         if source is None:
             return {
                 "architectures": [self.hf_class],
-                "model_type": "llava",
+                "model_type": self.name,
                 "text_config": nested(decoder_of(cfg).to_hf_config(cfg, None)),
                 "vision_config": nested(tower.to_hf_config(cfg, None)),
                 "vision_feature_layer": -1,
@@ -168,8 +193,10 @@ class Llava(Whole):
         return out
 
     def mismatches(self, cfg: Any) -> list[str]:
+        """Our options LLaVA has no counterpart for (its decoder's, its tower's, the
+        projector's)."""
         v, width = cfg.model.vision, cfg.model.llm.width
-        tower = Clip() if v.class_token else Siglip()
+        tower = self.tower_with(v.class_token)
         wants = {
             **decoder_of(cfg).wants(cfg),
             **tower.wants(cfg),
@@ -185,9 +212,11 @@ class Llava(Whole):
         )
 
     def reference_inputs(self, sample: Any, cfg: Any, specials: Any) -> dict:
+        """transformers' inputs of a sample (`oracle.llava`)."""
         return oracle.llava(sample, cfg, specials)
 
     def fillers(self, cfg: Any) -> dict[str, Any]:
+        """The tower's final norm, as ones and zeros (LLaVA never applies it)."""
         width = cfg.model.vision.width  # (the tower's final norm: LLaVA never applies it)
         return {
             "vision_tower.post_layernorm.weight": np.ones(width, np.float32),
@@ -195,6 +224,7 @@ class Llava(Whole):
         }
 
     def processor_files(self, cfg: Any) -> dict[str, dict]:
+        """The image processor's (CLIP's or SigLIP's) and the processor's files."""
         v = cfg.model.vision
         side = v.position_grid * v.patch_size
         image = {
@@ -221,45 +251,55 @@ class Llava(Whole):
 
 
 class Qwen2Audio(Whole):
-    name = "qwen2_audio"
-    model_types = ("qwen2_audio",)
-    hf_class = "Qwen2AudioForConditionalGeneration"
-    processor_class = "Qwen2AudioProcessor"
+    """Qwen2-Audio (the module docstring): its row's decoder and encoder."""
+
+    row = table.QWEN2_AUDIO
     parts = {"llm": ("text_config", "language_model."), "audio": ("audio_config", "audio_tower.")}
     token_keys = {"audio": ("audio_token_index", "audio_token_id")}
     runtime_prefix = {"audio": "model.audio_tower."}
-    encoder = Qwen2AudioEncoder()
+
+    def __init__(self):
+        """Its decoder (the row's first) and its encoder."""
+        super().__init__()
+        self.decoder = DECODERS[self.row.llm[0].name]
+        self.encoder = tower_of(self.row.towers[0])
 
     def inner(self, role: str, hf: dict) -> Family:
+        """The LLM's decoder (one the row names) or the encoder."""
         if role == "llm":
-            return decoder(self.sub(role, hf), "qwen2_audio config.json", ("qwen2",))
+            return decoder(self.sub(role, hf), f"{self.name} config.json", self.row.llm)
         return self.encoder
 
     def section(self, role: str, hf: dict) -> dict:
+        """A part's section; the audio projector is one Linear."""
         out = super().section(role, hf)
         if role == "audio":
             out["projector"] = "linear"
         return out
 
     def own_links(self, role: str, cfg: Any, hf: dict) -> list[Link]:
+        """The projector's Linear, beside the encoder."""
         if role != "audio":
             return []
         shape = (cfg.model.audio.width, cfg.model.llm.width)
         return linear("multi_modal_projector.linear", "audio_projector/fc", shape)
 
     def owns(self, role: str, name: str) -> bool:
+        """The projector's tensors, the audio part's."""
         return role == "audio" and name.startswith("multi_modal_projector.")
 
     def reference_inputs(self, sample: Any, cfg: Any, specials: Any) -> dict:
+        """transformers' inputs of a sample (`oracle.qwen2_audio`)."""
         return oracle.qwen2_audio(sample, cfg, specials)
 
     def to_hf_config(self, cfg: Any, source: dict | None, roles: tuple[str, ...]) -> dict:
+        """The whole's config.json: from scratch, or `source`'s with `roles`' parts ours."""
         llm = cfg.model.llm
         if source is None:
             return {
                 "architectures": [self.hf_class],
-                "model_type": "qwen2_audio",
-                "text_config": nested(DECODERS["qwen2"].to_hf_config(cfg, None)),
+                "model_type": self.name,
+                "text_config": nested(self.decoder.to_hf_config(cfg, None)),
                 "audio_config": nested(self.encoder.to_hf_config(cfg, None)),
                 "audio_token_index": tokenizer_ids(cfg).specials.media["audio"],
                 "tie_word_embeddings": llm.tie_embeddings,
@@ -267,12 +307,13 @@ class Qwen2Audio(Whole):
         out = dict(source)
         if "llm" in roles:
             text = self.sub("llm", source)
-            out["text_config"] = nested(DECODERS["qwen2"].to_hf_config(cfg, text), "qwen2")
+            out["text_config"] = nested(self.decoder.to_hf_config(cfg, text), self.decoder.name)
         if "audio" in roles:
             out["audio_config"] = nested(self.encoder.to_hf_config(cfg, source))
         return out
 
     def processor_files(self, cfg: Any) -> dict[str, dict]:
+        """The feature extractor's (Whisper's) and the processor's files."""
         a, rate = cfg.model.audio, cfg.data.audio_sample_rate
         seconds = a.max_positions * a.stride // 100  # (10 ms frames)
         features = {
@@ -295,8 +336,9 @@ class Qwen2Audio(Whole):
         return {"preprocessor_config.json": features, "processor_config.json": processor}
 
     def mismatches(self, cfg: Any) -> list[str]:
+        """Our options Qwen2-Audio has no counterpart for (its decoder's, its encoder's)."""
         wants = {
-            **DECODERS["qwen2"].wants(cfg),
+            **self.decoder.wants(cfg),
             **self.encoder.wants(cfg),
             "model.audio.projector": ("linear",),
         }
@@ -307,16 +349,15 @@ class Qwen2Audio(Whole):
         )
 
 
+# Each whole row of the table with the class that reads its layout
 WHOLES: tuple[Whole, ...] = (
     Llava(),
-    QwenVL("qwen2_vl", Qwen2VLVision(), "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"),
-    QwenVL(
-        "qwen2_5_vl", Qwen25VLVision(), "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor"
-    ),
-    Qwen3VL("qwen3_vl", "Qwen3VLForConditionalGeneration", "qwen3"),
-    Qwen3VL("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "qwen3_moe"),
-    Qwen3VL("qwen3_5", "Qwen3_5ForConditionalGeneration", "qwen3_5_text"),
-    Qwen3VL("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe_text"),
+    QwenVL(table.QWEN2_VL),
+    QwenVL(table.QWEN2_5_VL),
+    Qwen3VL(table.QWEN3_VL),
+    Qwen3VL(table.QWEN3_VL_MOE),
+    Qwen3VL(table.QWEN3_5),
+    Qwen3VL(table.QWEN3_5_MOE),
     Qwen2Audio(),
 )
 

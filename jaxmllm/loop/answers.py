@@ -32,6 +32,9 @@ class Questions:
     """The held-out prompts, their true answers and the generator that answers them."""
 
     def __init__(self, cfg: Config, source, count: int):
+        """The first `count` samples of the eval set that split into a prompt and a true answer
+        (a sample that fails to load is skipped: the eval feed counts it; none: a warning, no
+        questions), and the generator sized to them."""
         self.cfg, self.template = cfg, make_template(cfg)
         self.synthetic = cfg.data.eval.source == "synthetic"
         self.prompts, self.truths = [], []

@@ -84,10 +84,15 @@ def content_hash(tree: Any) -> str:
 
 @jax.jit
 def _lane_sums(leaves: list) -> jax.Array:
+    """Every leaf's two 32-bit lane sums (`_mixed_sums`), stacked [leaves, 2], in one jitted
+    program where the arrays live."""
     return jnp.stack([_mixed_sums(x) for x in leaves]) if leaves else jnp.zeros((0, 2))
 
 
 def _mixed_sums(x: jax.Array) -> jax.Array:
+    """One array's two lanes: each element's bits (8-byte ones as two 32-bit halves) mixed with
+    its flat position by murmur3's finaliser under two seeds, summed with wrap-around;
+    order-free, so any sharding gives the same sums."""
     width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}.get(x.dtype.itemsize)
     if width is None:  # (8-byte values: their two halves)
         bits = jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(*x.shape, 2)

@@ -153,6 +153,8 @@ def _await_cleanup(mngr: ocp.CheckpointManager) -> None:
 
 @contextlib.contextmanager
 def _save_errors(mngr: ocp.CheckpointManager, step: int | None = None):
+    """Turns any error of a save (orbax, tensorstore, the OS) into a SaveError naming the
+    checkpoint, the cause and the latest complete step kept, and marks the manager failed."""
     try:
         yield
     except Exception as e:  # orbax, tensorstore and the OS raise many types for a failed write
@@ -207,6 +209,8 @@ def check_output_dir(out: Path) -> None:
 
 
 def save_args(state, data_iter, stamp: dict) -> ocp.args.Composite:
+    """What one checkpoint saves: the train state, the data iterator's state (the planner's
+    cursor, so a resume plans the same next step) and the format stamp."""
     return ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=grain.checkpoint.CheckpointSave(data_iter),
@@ -424,6 +428,8 @@ def restore_params(out: Path, abstract_params: dict, step: int | None = None) ->
 
 
 def _restore_args(leaf) -> ocp.RestoreArgs:
+    """How orbax restores one leaf: into its sharding and dtype when the template leaf has one,
+    else as a host numpy array."""
     sharding = getattr(leaf, "sharding", None)
     if sharding is None:
         return ocp.RestoreArgs(restore_type=np.ndarray)

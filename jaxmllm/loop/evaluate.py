@@ -39,6 +39,7 @@ from jaxmllm.batch.bucketize import host_buckets, text_segments
 from jaxmllm.config import Config, ConfigError, keep_origin
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.data.rejects import append_rejects
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.feed.iterator import Feed
 from jaxmllm.loop.answers import Questions
@@ -66,6 +67,8 @@ class HeldOut:
     `num_samples + i`, which no training step can draw."""
 
     def __init__(self, cfg: Config):
+        """A synthetic source of num_samples + data.eval.samples samples, and the lengths index
+        of those past num_samples: the held-out share."""
         syn, n = cfg.data.synthetic, cfg.data.synthetic.num_samples
         more = dataclasses.replace(syn, num_samples=n + cfg.data.eval.samples)
         self.source = SyntheticSource(
@@ -76,12 +79,15 @@ class HeldOut:
         self.index = LengthsIndex.from_records([every.record(i) for i in range(n, len(every))])
 
     def __len__(self) -> int:
+        """The held-out samples (data.eval.samples)."""
         return len(self.index)
 
     def __getitem__(self, i: int):
+        """Held-out sample `i`: synthetic sample num_samples + i."""
         return self.source[self.start + int(i)]
 
     def load(self, i: int, keep=None):
+        """Held-out sample `i` as the loader takes it (`keep`: the items this host encodes)."""
         return self.source.load(self.start + int(i), keep)
 
 
@@ -114,12 +120,16 @@ def sample_mixes(index: LengthsIndex) -> np.ndarray:
     return mix
 
 
-def plan_set(run: Run, source, index: LengthsIndex, reject_log, reference=None) -> list[dict]:
+def plan_set(
+    run: Run, source, index: LengthsIndex, reference=None
+) -> tuple[list[dict], list[dict]]:
     """The set's step batches (this host's rows, with `eval_mix`: each token's sample's mix,
     -1 for tokens not counted): the training feed over the set (`Feed`: the run's planner at
-    its shapes, this host's parts loaded, bucketized), until every sample has been planned."""
+    its shapes, this host's parts loaded, bucketized), until every sample has been planned;
+    and the load-time rejects of this host's samples, as entries of a rejects log (written by
+    the caller: `Evaluator.write_rejects`)."""
     try:  # (loaded in this process: the set is loaded once, at start-up)
-        feed = Feed(run, source, index, workers=0, reject_log=reject_log, reference=reference)
+        feed = Feed(run, source, index, workers=0, write_rejects=False, reference=reference)
     except OversizeError as e:
         raise ConfigError(f"data.eval: a sample does not fit the run's buckets: {e}") from None
     caps = run.caps
@@ -139,7 +149,7 @@ def plan_set(run: Run, source, index: LengthsIndex, reject_log, reference=None) 
         batch["eval_mix"] = _token_mixes(plan, samples, caps, run.positions, batch, mixes, seen)
         batches.append(batch)
     feed.close()
-    return batches
+    return batches, ([] if feed.loader is None else feed.loader.log.take_entries())
 
 
 def _count_once(plan: StepPlan, samples, caps, positions, batch, seen) -> None:
@@ -190,6 +200,8 @@ def token_scores(decoder, h_dnw: jax.Array, targets_dn: jax.Array) -> tuple[jax.
     targets_dn = jnp.pad(targets_dn, ((0, 0), (0, pad)))
 
     def one(xs):
+        """One chunk of tokens: their logits in fp32, the cross entropy of each target and
+        whether the argmax is the target."""
         h_dcw, targets_dc = xs
         logits = decoder.logits(h_dcw).astype(jnp.float32)  # [D, chunk, vocab]
         target = jnp.take_along_axis(logits, targets_dc[..., None], axis=-1)[..., 0]
@@ -207,10 +219,14 @@ def make_eval_step(parts: ModelParts, mesh=None):
     summed loss, correct tokens and loss tokens, over all microbatches."""
 
     def eval_step(params, frozen, batch):
+        """The [3, mixes] sums (loss, correct tokens, loss tokens per modality mix) over the
+        batch's microbatches; `eval_mix` says each token's mix (-1: not counted)."""
         batch = dict(batch)
         mix = batch.pop("eval_mix")
 
         def microbatch(total, xs):
+            """Adds one microbatch's per-mix sums of loss, correct tokens and loss tokens (its
+            loss mask the weight) to the running total."""
             mb, mix_drl = xs
             model = parts.merge(params, frozen)
             h_drlw = model.hidden(mb)
@@ -257,16 +273,21 @@ class Evaluator:
     """The eval set on the run's mesh: its batches, the compiled eval step, the questions."""
 
     def __init__(self, run: Run, prog: Program, out: Path):
+        """Plans the eval set into step batches at the run's shapes (its rejects kept for
+        `write_rejects`), compiles nothing yet: the eval step (token scores, or pair metrics for
+        preference runs) compiles on its first call; the questions' prompts when
+        data.eval.questions asks."""
         cfg = run.cfg
         e = cfg.data.eval
         self.cfg, self.mesh = cfg, run.mesh
         self.every, self.last = cfg.train.eval_every, cfg.train.steps
         source, index = eval_source(cfg)
         rank = jax.process_index()
-        rejects = out / ("rejects.eval.jsonl" if rank == 0 else f"rejects.eval.process{rank}.jsonl")
+        name = "rejects.eval.jsonl" if rank == 0 else f"rejects.eval.process{rank}.jsonl"
+        self.rejects_file = out / name
         # (preference.reference: precomputed: the held-out pairs' own, `init_from`)
         reference = (run.reference_logps or {}).get("eval")
-        self.batches = plan_set(run, source, index, rejects, reference)
+        self.batches, self.rejects = plan_set(run, source, index, reference)
         self.pairs = cfg.train.objective == "dpo"
         if self.pairs:  # (the sums come back whole on every process)
             out = sharding.replicated(run.mesh)
@@ -282,6 +303,14 @@ class Evaluator:
             len(self.batches),
             0 if self.questions is None else len(self.questions.prompts),
         )
+
+    def write_rejects(self) -> None:
+        """Writes the set's load-time rejects (this host's) to `rejects_file`, replacing the
+        last start's: every start plans the same set, so appending listed each reject once a
+        start. The trainer calls it once the resume checks passed and the state is restored,
+        as it writes config.json: a run refused at start-up leaves its folder as it was."""
+        self.rejects_file.unlink(missing_ok=True)
+        append_rejects(self.rejects_file, self.rejects)
 
     def due(self, step: int) -> bool:
         """Whether step `step` (just done) is evaluated: every `eval_every`, and the last."""

@@ -36,11 +36,15 @@ class NonFiniteGuard:
     """
 
     def __init__(self, limit: int):
+        """`limit`: train.max_nonfinite_steps (0: never stop); no step seen yet."""
         self.limit, self.run, self.total = limit, 0, 0
         self.stopped_at = 0
         self._pending: tuple[int, jax.Array] | None = None
 
     def check(self, step: int, flag: jax.Array) -> bool:
+        """Hands in step `step`'s non-finite flag and reads the previous step's (done by now: the
+        host never waits on the step just dispatched); logs a skipped update. True when `limit`
+        came in a row: `stopped_at` is then that step."""
         previous, self._pending = self._pending, (step, flag)
         if previous is None:
             return False
@@ -60,6 +64,8 @@ class NonFiniteGuard:
         return False
 
     def message(self, directory) -> str:
+        """The error when the run stops on non-finite steps: how many in a row, where the last
+        good parameters are, and the settings that usually help."""
         return (
             f"{self.run} steps in a row had a non-finite loss, gradient or update (train."
             f"max_nonfinite_steps={self.limit}); stopped at step {self.stopped_at} with the "
@@ -78,18 +84,23 @@ class Preemption:
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
+        """Installs the handlers for SIGTERM and SIGINT (in the main thread only), keeping the
+        previous ones for `restore`."""
         self.requested: str | None = None
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
     def _handle(self, signum, frame) -> None:
+        """The first signal asks the loop to stop after this step (`requested`); a second raises
+        KeyboardInterrupt at once."""
         if self.requested is not None:
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
         print(f"\n{self.requested}: finishing this step, then checkpointing", file=sys.stderr)
 
     def restore(self) -> None:
+        """Puts back the signal handlers that were there before."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
@@ -104,6 +115,8 @@ class _Outliving:
         self._stream = stream
 
     def write(self, text: str) -> int:
+        """Writes to the stream; once it fails (its reader gone), to /dev/null, saying the text
+        was written."""
         try:
             return self._stream.write(text)
         except (OSError, ValueError):
@@ -111,12 +124,15 @@ class _Outliving:
             return len(text)
 
     def flush(self) -> None:
+        """Flushes the stream; once it fails, the stream is /dev/null from then on."""
         try:
             self._stream.flush()
         except (OSError, ValueError):
             self._drop()
 
     def _drop(self) -> None:
+        """Points the stream's file descriptor (C-level writers included) and the stream itself
+        at /dev/null."""
         try:  # C-level writers (XLA's logs) and the interpreter's last flush land there too
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, self._stream.fileno())

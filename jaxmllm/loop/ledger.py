@@ -26,17 +26,22 @@ class Ledger:
     """Appends this process's per-step record; lines are flushed as they are written."""
 
     def __init__(self, output_dir: str | Path, process: int = 0):
+        """Opens this process's ledger file, <output_dir>/ledger/process_N.jsonl, appending (a
+        resumed run goes on in it), line-buffered."""
         self.dir = Path(output_dir) / "ledger"
         self.dir.mkdir(parents=True, exist_ok=True)
         self._f = open(self.dir / f"process_{process}.jsonl", "a", buffering=1)
 
     def write(self, step: int, parts: dict[str, np.ndarray]) -> None:
+        """One line for step `step`: the sample ids of each of this host's parts (text, each
+        encoder phase, read), so a run's data can be audited sample by sample."""
         row = {"step": int(step)}
         for key in ("text", *NAMES, "read"):
             row[key] = np.asarray(parts.get(key, []), np.int64).tolist()
         self._f.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
+        """Closes the ledger file."""
         self._f.close()
 
 

@@ -46,6 +46,7 @@ class MetricsWindow:
         self._reset()
 
     def _reset(self) -> None:
+        """Starts a new window now: no tokens, FLOPs, steps or host time counted."""
         self.start, self.tokens, self.flops, self.steps = time.perf_counter(), 0.0, 0.0, 0
         self.predicted = 0.0
         self.host = dict.fromkeys(("wait", *STAGES), 0.0)
@@ -55,6 +56,8 @@ class MetricsWindow:
         self.start += seconds
 
     def add(self, info: StepInfo, wait_s: float = 0.0) -> None:
+        """Counts one step into the window: its real tokens, FLOPs, predicted time, the seconds
+        the loop waited on the feed (`wait_s`) and each feed stage's host seconds."""
         self.tokens += info.tokens
         self.flops += info.flops
         self.predicted += info.predicted_s
@@ -167,12 +170,40 @@ def device_peak(configured: float, device_kind: str) -> float | None:
 
 
 def throughput(tokens: float, flops: float, steps: int, seconds: float, n_dev: int) -> dict:
+    """A window's throughput: seconds a step, real tokens a second and TFLOP/s a device (analytic
+    FLOPs of the real tokens), from `steps` steps over `seconds` on `n_dev` devices."""
     seconds = max(seconds, 1e-9)
     return {
         "step_time_s": seconds / max(steps, 1),
         "tokens_per_s": tokens / seconds,
         "tflops_per_device": flops / seconds / n_dev / 1e12,
     }
+
+
+def logged_step(done: int, train) -> bool:
+    """Whether the step `done` (1-based) is logged: every `train.log_every`, the first and the
+    last. Every process logs the same steps: the collectives of a logged step run there."""
+    return done % train.log_every == 0 or done in (1, train.steps)
+
+
+def over_processes(mine: np.ndarray) -> np.ndarray:
+    """Every process's vector `mine` (the same length on each), as rows [processes, n] in
+    process order; with one process `mine` alone, and no collective.
+
+    With several it is a collective (`multihost_utils.process_allgather`): every process calls
+    it at the same step, with a vector of the same length.
+    """
+    mine = np.asarray(mine, np.float64)
+    if jax.process_count() == 1:
+        return mine[None]
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(mine))
+
+
+def summed_over_processes(mine: np.ndarray) -> np.ndarray:
+    """The job's counts: `mine` summed over the processes (`over_processes`, a collective)."""
+    return over_processes(mine).sum(0)
 
 
 def _global_stats(tokens: float, flops: float, fill: dict, rejects: dict):
@@ -182,12 +213,10 @@ def _global_stats(tokens: float, flops: float, fill: dict, rejects: dict):
     """
     if jax.process_count() == 1:
         return tokens, flops, fill, rejects
-    from jax.experimental import multihost_utils
-
     fills = sorted(fill)
     loads = [f"rejects/load_{r}" for r in sorted(REASONS)]
     mine = [tokens, flops] + [fill[k] for k in fills] + [rejects.get(k, 0.0) for k in loads]
-    every = np.asarray(multihost_utils.process_allgather(np.asarray(mine, np.float64)))
+    every = over_processes(np.asarray(mine, np.float64))
     total = every.sum(0)
     fill = {k: float(every[:, 2 + i].mean()) for i, k in enumerate(fills)}  # equal-size hosts
     rejects = dict(rejects)
@@ -204,6 +233,9 @@ class MetricsWriter:
     """Writes metric dicts to JSONL and TensorBoard (process 0 only)."""
 
     def __init__(self, output_dir: str | Path, enabled: bool = True):
+        """Opens <output_dir>/metrics.jsonl for appending and, when tensorboardX is installed, a
+        TensorBoard writer in <output_dir>/tb; nothing when not `enabled` (processes other than
+        0)."""
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
@@ -220,6 +252,8 @@ class MetricsWriter:
             self._tb = SummaryWriter(str(out / "tb"))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        """One row of metrics for `step`: a JSON line (flushed, so a crash loses no logged step)
+        and a TensorBoard scalar for each finite number."""
         if not self.enabled:
             return
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
@@ -231,6 +265,7 @@ class MetricsWriter:
                     self._tb.add_scalar(k, v, step)
 
     def close(self) -> None:
+        """Closes the JSONL file and the TensorBoard writer."""
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
@@ -238,6 +273,7 @@ class MetricsWriter:
 
 
 def _plain(v):
+    """A numpy scalar as the Python number JSON writes; anything else as it is."""
     if isinstance(v, (np.floating, np.integer)):
         return v.item()
     return v

@@ -98,10 +98,15 @@ def _sums_step(prog):
     parts = prog.parts
 
     def step(weights, batch):
+        """The reference's (chosen, rejected) sums of every slot of every microbatch, and the
+        batch's pair sample ids beside them (popped from the batch: the model does not take
+        them)."""
         batch = dict(batch)
         ids = batch.pop("pair_sample")
 
         def micro(mb):
+            """One microbatch's (chosen, rejected) completion log-prob sums per pair slot [D, K,
+            2]."""
             logps, _ = parts.merge(weights["params"], weights["frozen"]).token_logps_and_router(mb)
             s = pair_sums(logps, mb["llm_sequence"], mb["llm_loss_mask"])
             return jnp.stack([s.chosen, s.rejected], -1)
@@ -126,6 +131,8 @@ def _slot_samples(run: Run, plan, samples, batch, left: np.ndarray) -> np.ndarra
 
 
 def _fill(table: np.ndarray, done: np.ndarray, sums: np.ndarray, ids: np.ndarray) -> None:
+    """Writes the (chosen, rejected) sums of each slot holding a pair into `table` at its sample
+    id (slots without one, id -1, left out)."""
     ids, sums = np.asarray(ids).reshape(-1), np.asarray(sums).reshape(-1, 2)
     table[ids[ids >= 0]] = sums[ids >= 0]
 
@@ -146,18 +153,23 @@ class _Subset:
     """A source's samples `ids` as a source of their own (what the feed loads)."""
 
     def __init__(self, source, ids: np.ndarray):
+        """The subset of `source` at these sample ids, in this order."""
         self.source, self.ids = source, np.asarray(ids, np.int64)
 
     def __len__(self) -> int:
+        """The samples in the subset."""
         return len(self.ids)
 
     def __getitem__(self, i: int):
+        """The subset's sample `i`: the source's sample `ids[i]`."""
         return self.source[int(self.ids[int(i)])]
 
     def load(self, i: int, keep=None):
+        """The subset's sample `i` as the loader takes it (`keep`: the items this host encodes)."""
         return self.source.load(int(self.ids[int(i)]), keep)
 
     def record_id(self, i: int):
+        """The record id of the subset's sample `i`, for reject messages."""
         return self.source.record_id(int(self.ids[int(i)]))
 
     def __getattr__(self, name: str):  # (specials, rejects: the source's own)
@@ -167,6 +179,8 @@ class _Subset:
 
 
 def _read(folder: Path, name: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The saved table of `name` ([n, 2] sums and which are done) from an earlier, interrupted
+    pass, or a fresh one when there is none or it does not match the data's n pairs."""
     path, flags = folder / f"{name}.npy", folder / f"{name}.done.npy"
     if path.is_file() and flags.is_file():
         table, done = np.load(path), np.load(flags)

@@ -22,6 +22,7 @@ from jaxmllm.data.datasets import data_sets, index_command, index_dir
 from jaxmllm.data.preprocess import Params
 from jaxmllm.data.rejects import LoadShare, append_rejects, by_reason, shown_id, wrapped
 from jaxmllm.feed.info import StepInfo
+from jaxmllm.loop.metrics import logged_step, summed_over_processes
 from jaxmllm.step.program import warmup_steps
 
 log = logging.getLogger("jaxmllm")
@@ -61,18 +62,25 @@ class RunReport:
     It also writes each step's load-time rejects to the rejects file when the loop takes the
     step (the feed loads steps ahead: those never trained are in no log), tells the records
     that failed apart from their draws (a missing image drawn in 32 epochs is one record),
-    and stops the run when too many of the samples drawn failed (data.max_load_rejects)."""
+    and stops the run when too many of the samples drawn failed (data.max_load_rejects, over
+    all the job's processes)."""
 
     def __init__(self, cfg: Config, out: Path, start: int, rejects_file: Path):
+        """The report of a run starting at step `start` (0 fresh, else resumed) writing into
+        `out`, its load-time rejects logged to `rejects_file`."""
         self.cfg, self.out, self.start, self.rejects_file = cfg, out, start, rejects_file
         self.began = time.perf_counter()
         self.first_step = start + 1  # the first step of the current logging window
         self.new: dict[str, int] = {}  # this window's load-time rejects here, by reason
         self.first: dict | None = None  # and the first of them
-        self.loads = LoadShare(cfg.data.max_load_rejects)  # this run's draws and failures here
+        # this run's draws and failures, judged over the job's processes
+        self.loads = LoadShare(cfg.data.max_load_rejects, summed_over_processes)
         self.failed: set[int] = set()  # the samples that failed to load here this run
 
     def step(self, info: StepInfo) -> None:
+        """The step the trainer just took: its load-time rejects written to the log and counted
+        for the window and the run; the share of failed samples judged (DataError when over
+        data.max_load_rejects)."""
         append_rejects(self.rejects_file, info.reject_entries)
         for entry in info.reject_entries:
             if entry.get("stage") == "load" and len(self.failed) < DISTINCT_KEPT:
@@ -82,8 +90,11 @@ class RunReport:
         self.first = self.first or info.first_reject
         self.loads.add(len(info.parts.get("read", ())), info.new_rejects, info.first_reject)
         done = info.step + 1
-        steps = f"steps {self.start + 1}-{done}" if done > self.start + 1 else f"step {done}"
-        self.loads.check(steps, done >= self.cfg.train.steps, index_command(self.cfg))
+        # (several processes: judged at the logged steps, where every process is anyway in
+        # the metrics' collective; a collective each step would stall the steps in flight)
+        if jax.process_count() == 1 or logged_step(done, self.cfg.train):
+            steps = f"steps {self.start + 1}-{done}" if done > self.start + 1 else f"step {done}"
+            self.loads.check(steps, done >= self.cfg.train.steps, index_command(self.cfg))
 
     def logged(self, done: int) -> None:
         """At a logged step: one line about the window's load-time rejects, if there were any;
@@ -100,6 +111,9 @@ class RunReport:
             print("\n".join(self.summary(done, row, window, checkpoint)), flush=True)
 
     def summary(self, done: int, row: dict, window, checkpoint: Path) -> list[str]:
+        """The end-of-run lines: steps and time, final loss, throughput past the first
+        (compiling) window, a preference run's pair metrics, the rejects by stage, the checkpoint
+        and the command that generates from it."""
         steps = f"{done} steps" if self.start == 0 else f"steps {self.start + 1}-{done}"
         took = _duration(time.perf_counter() - self.began)
         loss = row.get("loss", float("nan"))
@@ -156,6 +170,7 @@ class RunReport:
         return f"{records}{more} record{'s' * (records != 1)}, drawn {int(draws)} times"
 
     def _index_folder(self, ds) -> Path:
+        """The index folder of a data set the run reads (where its index's rejects.jsonl is)."""
         return index_dir(ds, Params.from_config(self.cfg).counted())
 
     def generate_command(self) -> str:

@@ -32,6 +32,8 @@ class TimingsRecorder:
     """
 
     def __init__(self, output_dir: str | Path, start: int):
+        """Opens <output_dir>/timings.jsonl for appending after dropping the rows of steps past
+        `start` (a resumed run redoes them)."""
         self.path = Path(output_dir) / "timings.jsonl"
         _drop_after(self.path, start)
         self._file = open(self.path, "a")
@@ -62,6 +64,8 @@ class TimingsRecorder:
             self._pending[0]["eval"] = True
 
     def _finish(self) -> None:
+        """Waits for the pending step's signal and writes its row: the seconds since the previous
+        step was done, with its work."""
         if self._pending is None:
             return
         row, signal, work = self._pending
@@ -73,6 +77,7 @@ class TimingsRecorder:
         self._last, self._pending = now, None
 
     def close(self) -> None:
+        """Writes the last pending step's row and closes the file."""
         self._finish()
         self._file.close()
 
@@ -90,6 +95,8 @@ def _drop_after(path: Path, start: int) -> None:
 
 
 def _step_of(line: str) -> int | None:
+    """The step of one timings.jsonl line, or None for a line torn by a crash (not JSON, no
+    integer step)."""
     try:
         step = json.loads(line).get("step")
     except (json.JSONDecodeError, AttributeError):

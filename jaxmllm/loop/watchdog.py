@@ -50,12 +50,15 @@ class _Wakeup:
     """The signal wakeup pipe: `signals(timeout)` waits for signal numbers written to it."""
 
     def __init__(self):
+        """Opens a non-blocking pipe and makes it the signal wakeup fd (Python writes each caught
+        signal's number to it), keeping the previous one for `close`."""
         self.read, self.write = os.pipe()
         os.set_blocking(self.read, False)
         os.set_blocking(self.write, False)
         self.previous = signal.set_wakeup_fd(self.write, warn_on_full_buffer=False)
 
     def signals(self, timeout: float) -> list[int]:
+        """The signal numbers written to the pipe within `timeout` seconds ([] if none came)."""
         ready, _, _ = select.select([self.read], [], [], max(timeout, 0.0))
         if not ready:
             return []
@@ -65,6 +68,7 @@ class _Wakeup:
             return []
 
     def close(self) -> None:
+        """Gives the previous wakeup fd back and closes the pipe."""
         signal.set_wakeup_fd(self.previous)
         os.close(self.read)
         os.close(self.write)
@@ -84,6 +88,8 @@ def where_main_is() -> str:
         return "outside jaxmllm's code"
 
     def line(f) -> str:
+        """A frame as '`source line` (file:line, in function)', the file relative to the
+        package's parent."""
         text = linecache.getline(f.f_code.co_filename, f.f_lineno).strip()
         rel = os.path.relpath(f.f_code.co_filename, Path(_PACKAGE).parent)
         return f"`{text}` ({rel}:{f.f_lineno}, in {f.f_code.co_name})"
@@ -95,6 +101,8 @@ def where_main_is() -> str:
 
 
 def _exit(message: str, code: int) -> None:
+    """Prints the error and ends the process at once with `code` (os._exit: a hung main thread
+    cannot run cleanup; the job is then restarted from its latest checkpoint)."""
     print(f"\nerror: {message}", file=sys.stderr, flush=True)
     os._exit(code)
 
@@ -117,6 +125,10 @@ class StepWatchdog:
         peer_bound_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
+        """A watch over steps from `start` to `steps`: `bound_s` train.max_step_seconds (0: auto,
+        from the median step), `peer_bound_s` a multi-process job's distributed.step_timeout_s,
+        `handled` whether the loop took a signal, `resume` the sentence saying how to resume;
+        `clock` for tests."""
         self.bound_s, self.peer_bound_s, self.steps = bound_s, peer_bound_s, steps
         self.handled, self.resume, self.clock = handled, resume, clock
         self.step, self.start, self.beats = start, start, 0
@@ -167,12 +179,15 @@ class StepWatchdog:
         )
 
     def _median(self) -> str:
+        """'; the median of the last N steps: 1.23 s' for the hung-step message, '' before any
+        step was timed."""
         if not self.times:
             return ""
         median = statistics.median(self.times)
         return f"; the median of the last {len(self.times)} steps: {median:.2f} s"
 
     def stop(self) -> None:
+        """Asks the watch thread to end (it checks once a second)."""
         self._stop.set()
 
     def close(self) -> None:
@@ -190,6 +205,9 @@ class StepWatchdog:
         return min(self.bound(), max(GRACE_S, 3 * median))
 
     def _run(self) -> None:
+        """The watch thread: once a second, ends the process (EXIT_HUNG) when the step in
+        progress is past its bound, or when a SIGTERM / SIGINT came and the step did not finish
+        within `grace` (exit 128 + the signal)."""
         signalled: tuple[int, float] | None = None
         while not self._stop.is_set():
             got = self._wakeup.signals(1.0) if self._wakeup else []
@@ -253,12 +271,16 @@ def startup_signals() -> Iterator[None]:
         return
 
     def handler(signum, frame):
+        """Raises StartupInterrupted, saying where the main thread was, in place of SIGTERM's
+        default exit."""
         raise StartupInterrupted(_startup_message())
 
     previous = signal.signal(signal.SIGTERM, handler)
     wakeup, stop = _Wakeup(), threading.Event()
 
     def watch() -> None:
+        """Ends the process with the start-up message when SIGTERM came and the main thread did
+        not raise within GRACE_S (held in native code, where handlers do not run)."""
         while not stop.is_set():
             if signal.SIGTERM in wakeup.signals(0.5) and not stop.wait(GRACE_S):
                 if signal.getsignal(signal.SIGTERM) is handler:  # (the loop's has its own)
@@ -276,6 +298,8 @@ def startup_signals() -> Iterator[None]:
 
 
 def _startup_message() -> str:
+    """The error for SIGTERM during start-up: where the main thread was, that nothing was trained
+    or checkpointed, and that rerunning starts or resumes."""
     return (
         f"SIGTERM at start-up, in {where_main_is()}: nothing was trained and this run wrote "
         "no checkpoint. Rerun the same command to start (or resume from the latest checkpoint)"

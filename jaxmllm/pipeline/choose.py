@@ -59,6 +59,9 @@ class Variants:
     """The step variants of a resolved config and the predicted time of each."""
 
     def __init__(self, cfg: Config, plan: Plan):
+        """Prices every combination of pipeline.encoder_fractions: each encoder's bucket cut to
+        that share (in whole merge groups and attention blocks), repriced on `plan`'s partition,
+        its predicted step time kept by combination."""
         self.cfg = cfg
         m, b = cfg.model, cfg.batch
         on = phases.in_batch(m, b)

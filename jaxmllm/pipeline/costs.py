@@ -37,12 +37,16 @@ class Work:
 
     @property
     def total(self) -> float:
+        """Forward plus backward: the whole work."""
         return self.fwd + self.bwd
 
     def __add__(self, other: Work) -> Work:
+        """The two pieces' work together, forward and backward each summed."""
         return Work(self.fwd + other.fwd, self.bwd + other.bwd)
 
     def times(self, k: float) -> Work:
+        """This work done `k` times (a layer's over the segment's layers, a pass's over
+        microbatches)."""
         return Work(self.fwd * k, self.bwd * k)
 
 
@@ -57,6 +61,7 @@ class Segment:
     leave: Work  # after the last: final norm + projector (encoders), final norm + head + loss
 
     def whole(self) -> Work:
+        """The whole stack's work over one microbatch: entering, every layer, leaving."""
         return self.enter + self.layer.times(self.layers) + self.leave
 
 
@@ -69,10 +74,13 @@ class ModelCosts:
     segments: tuple[Segment, ...]
 
     def segment(self, name: str) -> Segment:
+        """The segment of this name (an encoder phase or llm); StopIteration when the model has
+        none."""
         return next(s for s in self.segments if s.name == name)
 
     @property
     def encoders(self) -> tuple[str, ...]:
+        """The names of the encoder segments, in chain order (the LLM left out)."""
         return tuple(s.name for s in self.segments if s.name != LLM)
 
 
@@ -110,6 +118,7 @@ def _adapters(module: training.Module, shapes: dict, units: float) -> Work:
 
 
 def _work(fwd: float, back: float) -> Work:
+    """The work of a module's base: `fwd` FLOPs forward and `back` times that backward (`_back`)."""
     return Work(fwd, fwd * back)
 
 
@@ -124,6 +133,9 @@ def _attention(model: Any, rows: int, length: int, tiles: int, block: int, causa
 
 
 def _llm(model: Any, batch: Any, how: dict) -> Segment:
+    """The LLM as a pipeline segment over one microbatch's bucket: per layer its matmuls and
+    attention pairs (block-sparse: a device's rows as one row), the token embedding free, the
+    head's logits and loss leaving; backward per how each module trains (frozen, LoRA, full)."""
     lm, back = model.llm, _back(how[LLM])
     tokens = batch.llm_rows * batch.llm_row_len
     head = lm.head_dim or lm.width // lm.heads
@@ -138,6 +150,9 @@ def _llm(model: Any, batch: Any, how: dict) -> Segment:
 
 
 def _vision(model: Any, batch: Any, fraction: float, how: dict) -> Segment:
+    """The vision tower as a segment over `fraction` of its patch bucket: the patch embedding
+    entering, per layer its matmuls and attention pairs, the projector (merge groups to LLM
+    width) leaving, each with its LoRA adapters where it has them."""
     v, lm = model.vision, model.llm
     patches = _scaled(batch.vision_patches, fraction)
     tiles = variant_tiles(batch.vision_tiles, patches, batch.attention_block)
@@ -156,6 +171,9 @@ def _vision(model: Any, batch: Any, fraction: float, how: dict) -> Segment:
 
 
 def _audio(model: Any, batch: Any, fraction: float, how: dict) -> Segment:
+    """The audio encoder as a segment over `fraction` of its frame bucket: the stem's
+    convolutions entering (Whisper's or the strided one), per layer its matmuls and attention
+    over the encoder rows, the projector to LLM width leaving."""
     a, lm = model.audio, model.llm
     frames = _scaled(batch.audio_frames, fraction)
     rows = frames // a.stride  # encoder rows (the stem's stride)
@@ -185,6 +203,7 @@ SEGMENTS = {"vision": _vision, "audio": _audio}
 
 
 def _scaled(capacity: int, fraction: float) -> int:
+    """A bucket's capacity cut to `fraction` of it (rounded), as a step variant runs it."""
     return int(round(capacity * fraction))
 
 

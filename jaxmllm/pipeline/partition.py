@@ -64,6 +64,8 @@ class Plan:
 
     @property
     def step_time(self) -> float:
+        """A step's predicted time: the pipeline's schedule plus the data-parallel passes each
+        stage rank runs outside it."""
         return self.pipeline_time + self.passes.total
 
     @property
@@ -185,6 +187,7 @@ def _plan(costs, chain, counts, dp, kind, fixed) -> Plan:
         passes = passes + costs.segment("llm").leave.times(share)
 
     def build(splits) -> Plan:
+        """The plan of these per-segment layer splits (the data-parallel passes fixed above)."""
         stage_list = []
         for seg, split, leave in zip(chain, splits, leaves, strict=True):
             stage_list += segment_stages(seg, split, leave=leave)
@@ -218,10 +221,13 @@ def _moved(splits, i, j, step):
 
 
 def _splits_of(plan: Plan, chain) -> list[tuple[int, ...]]:
+    """Each chained segment's layers per stage, as `plan` splits them."""
     return [plan.layers(seg.name) for seg in chain]
 
 
 def _evaluate(kind, microbatches, stage_list, dp, passes) -> Plan:
+    """The plan of these stages under schedule `kind`: the schedule's length from the stages'
+    forward and backward work, and its bubble (idle share)."""
     table = SCHEDULES[kind](microbatches, len(stage_list))
     fwd = [s.work.fwd for s in stage_list]
     bwd = [s.work.bwd for s in stage_list]
@@ -327,6 +333,8 @@ def uniform(costs: ModelCosts, stages: int, schedule: str) -> Plan:
 
 
 def _no_fit(costs: ModelCosts, stages: int, fixed: dict) -> str:
+    """The error message when no split of the layers gives every stage at least one layer: the
+    layer counts, the stages fixed by pipeline.*_layers, and the keys that help."""
     depth = {s.name: s.layers for s in costs.segments}
     given = ", ".join(f"pipeline.{k}_layers={list(v)}" for k, v in fixed.items())
     return (

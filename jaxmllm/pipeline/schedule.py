@@ -37,6 +37,7 @@ class Schedule:
 
     @property
     def ticks(self) -> int:
+        """The schedule's length in ticks (a tick: one forward and/or backward per stage)."""
         return len(self.forward)
 
     def tick_times(self, fwd: Sequence[float], bwd: Sequence[float]) -> list[float]:
@@ -70,6 +71,7 @@ class Schedule:
 
 
 def _check(m: int, s: int) -> None:
+    """Raises ValueError unless there is at least one microbatch and one stage."""
     if m < 1 or s < 1:
         raise ValueError(f"a schedule needs microbatches >= 1 and stages >= 1, got {m}, {s}")
 
@@ -97,6 +99,7 @@ def one_f_one_b(microbatches: int, stages: int) -> Schedule:
 
 
 def _valid(i: int, m: int) -> int:
+    """`i` if it is a microbatch (0 <= i < m), else IDLE: a stage waiting in the ramp up or down."""
     return i if 0 <= i < m else IDLE
 
 

@@ -40,15 +40,24 @@ class Generator:
         # Sampling's settings come as host scalars (seed, the step's number, temperature,
         # top_p): traced, so they never recompile, and the same on every process of a job.
         def pick(logits, sampling):
+            """The next token of each row (sampled with this step's key, folded from the seed and
+            step number: the same on every process) and the logits it was drawn from, both whole
+            on every device."""
             seed, i, temperature, top_p = sampling
             key = jax.random.fold_in(jax.random.key(seed), i)
             return _whole(decode.pick(logits, key, temperature, top_p)), _whole(logits)
 
         def prefill(params, frozen, mb, sampling):
+            """Runs the prompts through the model once: the first new token of each row, its
+            logits, and the KV cache filled to the prompts' lengths (sized for
+            `shapes.total_len`)."""
             logits, cache = decode.prefill(parts.merge(params, frozen), mb, shapes.total_len)
             return *pick(logits, sampling), cache
 
         def step(params, frozen, cache, tokens, index, positions, sampling):
+            """One decode step: each row's last token at `index` (its positions for M-RoPE)
+            against the cache; the next token, its logits and the cache with this token's keys
+            and values."""
             model = parts.merge(params, frozen)
             logits, cache = decode.step(model, tokens, index, cache, positions)
             return *pick(logits, sampling), cache

@@ -74,6 +74,8 @@ def pair_sums(logps_drl: jax.Array, sequence_drl: jax.Array, mask_drl: jax.Array
     masked = logps_drl.reshape(d, -1) * mask
 
     def per_bucket(x, s):
+        """One bucket's sums by pair slot [K, 2] (chosen, rejected): `x` summed by sequence id,
+        padding (id 2K) dropped."""
         return jax.ops.segment_sum(x, s, num_segments=2 * k + 1)[: 2 * k].reshape(k, 2)
 
     sums = jax.vmap(per_bucket)(masked, seq)
@@ -163,6 +165,8 @@ def reference_weights(params: dict, frozen: dict, reference: dict) -> tuple[dict
     (the starting weights of what trains, or a reference checkpoint's) in their place."""
 
     def off(path, x):
+        """`x` zeroed where `path` is a LoRA adapter's (switching the adapter off), else as it
+        is."""
         return jnp.zeros_like(x) if lora.is_adapter(sharding.rules.key_parts(path)) else x
 
     params = jax.tree_util.tree_map_with_path(off, params)
@@ -182,10 +186,15 @@ def make_preference_loss_and_grads(cfg: Config, parts, router=None) -> Callable:
     with_ref, given = uses_reference(cfg), reference_given(cfg)
 
     def sums(model, mb):
+        """The policy's completion log-prob sums per pair slot on one microbatch, and the router
+        statistics (MoE) of that forward."""
         logps, stats = model.token_logps_and_router(mb)
         return pair_sums(logps, mb["llm_sequence"], mb["llm_loss_mask"]), stats
 
     def loss_fn(params, frozen, mb, ref_sums, denom, m):
+        """One microbatch's preference loss, over the step's pairs (`denom`) so microbatches add
+        up to the step's mean, plus the router losses a 1/m share each; the pair totals (rewards,
+        margins, accuracies) and router statistics beside it."""
         policy, stats = sums(parts.merge(params, frozen), mb)
         totals = pair_totals(pref, policy, ref_sums)
         loss = totals.pop("loss") / denom
@@ -198,6 +207,9 @@ def make_preference_loss_and_grads(cfg: Config, parts, router=None) -> Callable:
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def loss_and_grads(params, frozen, batch, reference=None):
+        """The step's preference loss and gradients over its microbatches (a scan), the
+        reference's sums from the reference weights or the batch's precomputed ones; the pair
+        totals for the metrics, and the router statistics when the decoder has experts."""
         denom = jnp.maximum(batch["llm_pairs"].sum().astype(jnp.float32), 1.0)
         m = batch["llm_tokens"].shape[0]
         ref_params = None
@@ -205,6 +217,8 @@ def make_preference_loss_and_grads(cfg: Config, parts, router=None) -> Callable:
             ref_params = reference_weights(params, frozen, reference or {})
 
         def microbatch(acc, xs):
+            """Adds one microbatch's loss, gradients, pair totals (and router statistics) to the
+            running sums; the adapters' dropout salted by its index."""
             mb, i = xs
             ref = given_reference(mb) if given else None
             if ref_params is not None:
@@ -243,9 +257,12 @@ def make_preference_eval_step(cfg: Config, parts) -> Callable:
     pref, with_ref, given = cfg.preference, uses_reference(cfg), reference_given(cfg)
 
     def eval_step(params, frozen, reference, batch):
+        """Sums over the eval batch's microbatches of the loss, the pair metrics (PAIR_METRICS)
+        and the number of pairs, with no gradient: a vector, whole on every process."""
         ref_params = reference_weights(params, frozen, reference) if with_ref else None
 
         def microbatch(total, mb):
+            """Adds one microbatch's loss, pair metrics and pair count to the running sums."""
             logps, _ = parts.merge(params, frozen).token_logps_and_router(mb)
             policy = pair_sums(logps, mb["llm_sequence"], mb["llm_loss_mask"])
             ref = given_reference(mb) if given else None

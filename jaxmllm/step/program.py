@@ -78,6 +78,9 @@ class ModelParts:
         return split_tree(tree, self.trains)
 
     def merge(self, params: dict, frozen: dict) -> MultimodalLM:
+        """The model with these parameters: a fresh copy of the state template filled with
+        `params` and `frozen` joined, merged with the graph (traceable; nothing is copied on the
+        host)."""
         state = jax.tree.map(lambda x: x, self.template)  # a fresh copy to fill
         nnx.replace_by_pure_dict(state, join(params, frozen))
         return nnx.merge(self.graphdef, state)
@@ -179,6 +182,9 @@ def make_loss_and_grads(parts: ModelParts, router: RouterLoss | None = None) -> 
     """
 
     def loss_fn(params, frozen, mb, denom, m):
+        """One microbatch's token loss over the whole step's loss tokens (`denom`), so the
+        microbatches' losses add up to the step's mean; with experts, the router losses a 1/m
+        share each and their statistics."""
         model = parts.merge(params, frozen)
         if router is None:
             loss_sum, count = model.losses(mb)
@@ -191,10 +197,14 @@ def make_loss_and_grads(parts: ModelParts, router: RouterLoss | None = None) -> 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def loss_and_grads(params, frozen, batch):
+        """The step's loss and gradients summed over its microbatches (a scan over the batch's
+        leading axis), and with experts the router statistics summed likewise."""
         denom = jnp.maximum(batch["llm_loss_mask"].sum(), 1.0)
         m = batch["llm_tokens"].shape[0]
 
         def microbatch(acc, xs):
+            """Adds one microbatch's loss and gradients (and router statistics) to the running
+            sums; the adapters' dropout salted by its index."""
             mb, i = xs
             with lora.salted(i):  # (the adapters' dropout: each microbatch its own masks)
                 (loss, (_, routed)), grads = grad_fn(params, frozen, mb, denom, m)
@@ -230,6 +240,9 @@ def make_train_step(
     loss_and_grads = loss_and_grads or make_loss_and_grads(parts)
 
     def train_step(state, batch):
+        """One optimizer step: loss and gradients over the batch, the update applied only when
+        the loss, the gradient norm and the new parameters are finite (else state kept and
+        `nonfinite` set); returns the new state and the step's metrics."""
         key = None
         if dropout_seed is not None:
             key = jax.random.fold_in(jax.random.PRNGKey(dropout_seed), state["step"])
@@ -239,6 +252,7 @@ def make_train_step(
         grad_norm = optax.tree.norm(grads)
 
         def updated():
+            """The parameters and optimizer state after applying this step's gradients."""
             updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
             return optax.apply_updates(state["params"], updates), opt_state
 
@@ -314,6 +328,8 @@ class Program:
     reference_keeps: Callable | None = None
 
     def abstract_sharded(self) -> dict:
+        """The train state's shapes and dtypes with their shardings (ShapeDtypeStruct leaves), as
+        a restore or a compile takes them."""
         return jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             self.abstract,
@@ -341,6 +357,8 @@ class Program:
         return join(sharded["params"], sharded["frozen"])
 
     def describe(self) -> str:
+        """The start-up table of every parameter's shape, logical axes, spec and local shape,
+        with totals; with experts, the share of the parameters a token uses."""
         params = join(self.abstract["params"], self.abstract["frozen"])
         text = sharding.describe(self.axes, params, self.mesh)
         moe = self.cfg.model.llm.moe

@@ -22,6 +22,7 @@ class RouterLoss:
 
     @classmethod
     def of(cls, cfg: Config) -> RouterLoss | None:
+        """The router losses of `cfg`'s decoder, or None when it has no mixture of experts."""
         llm = cfg.model.llm
         if not llm.moe.enabled:
             return None

@@ -40,7 +40,7 @@ class JsonRecords:
     ):
         self.path = Path(path)
         self.max_line = max_bytes
-        self.max_memory = max_memory  # data.worker_memory: a line parses to ~8x its bytes
+        self.max_memory = max_memory  # data.worker_memory: budget.JSON_FACTOR x a line
         if scan is None:
             scan = scan_array(self.path) if array else scan_lines(self.path, max_bytes)
         self.starts, self.ends, self.lines = scan["starts"], scan["ends"], scan["lines"]

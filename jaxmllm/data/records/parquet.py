@@ -47,7 +47,7 @@ class ParquetRecords:
     ):
         self.path = Path(path)
         self.max_bytes = max_bytes  # data.max_media_bytes: a row group decompressing to more
-        self.max_memory = max_memory  # data.worker_memory: a group read costs ~2x its size
+        self.max_memory = max_memory  # data.worker_memory (budget.PARQUET_FACTOR x a group)
         if scan is None:
             with self._open() as f:
                 meta = f.metadata
@@ -104,9 +104,12 @@ class ParquetRecords:
                     f"row group {g} decompresses to {size} bytes > data.max_media_bytes="
                     f"{self.max_bytes} (not read); raise it for rows of large inline media"
                 )
-            elif self.max_memory and 2 * size > self.max_memory:  # (its pages and its table)
+            elif self.max_memory and budget.PARQUET_FACTOR * size > self.max_memory:
                 what = f"reading row group {g} ({size} bytes decompressed)"
-                table = _reject(budget.over(2 * size, self.max_memory, what), "over_memory_budget")
+                cost = (
+                    budget.PARQUET_FACTOR * size
+                )  # (its pages, mapped and decompressed, and table)
+                table = _reject(budget.over(cost, self.max_memory, what), "over_memory_budget")
             else:
                 table = f.read_row_group(g, use_threads=False)
                 size = sum(dense_bytes(chunk) for c in table.columns for chunk in c.chunks)

@@ -34,6 +34,8 @@ class Layout:
 
     @classmethod
     def of(cls, plan: Plan) -> Layout:
+        """The layout of a pipeline partition: for each segment, each stage's first layer and
+        count ((0, 0) on the stages holding another segment)."""
         spans: dict[str, list[tuple[int, int]]] = {}
         for s, stage in enumerate(plan.stages):
             spans.setdefault(stage.segment, [(0, 0)] * len(plan.stages))[s] = (
@@ -43,6 +45,8 @@ class Layout:
         return cls(len(plan.stages), {k: tuple(v) for k, v in spans.items()})
 
     def slots(self, segment: str) -> int:
+        """The layer slots every stage holds for `segment`: its largest stage's layers (smaller
+        stages padded)."""
         return max(n for _, n in self.spans[segment])
 
     def counts(self, segment: str) -> np.ndarray:
@@ -50,6 +54,7 @@ class Layout:
         return np.array([n for _, n in self.spans[segment]], np.int32)
 
     def depth(self, segment: str) -> int:
+        """The segment's layers over all stages: its stack's depth."""
         return int(self.counts(segment).sum())
 
     def gather_index(self, segment: str) -> tuple[np.ndarray, np.ndarray]:
@@ -75,6 +80,8 @@ class Layout:
         """[depth, ...] -> [stage, slots, ...] for every leaf under a pipelined stack."""
 
         def convert(leaf, idx, used):
+            """A [depth, ...] leaf as [stage, slots, ...]: each slot's layer gathered, the
+            padding slots zero."""
             taken = jnp.take(leaf, jnp.asarray(idx), axis=0)
             mask = jnp.asarray(used).reshape(used.shape + (1,) * (leaf.ndim - 1))
             return jnp.where(mask, taken, jnp.zeros((), leaf.dtype))
@@ -85,6 +92,7 @@ class Layout:
         """[stage, slots, ...] -> [depth, ...]: the inverse of `to_stages` (padding dropped)."""
 
         def convert(leaf, idx, used):
+            """A [stage, slots, ...] leaf as [depth, ...]: the used slots' rows, in depth order."""
             flat = np.flatnonzero(used.reshape(-1))[np.argsort(idx.reshape(-1)[used.reshape(-1)])]
             rows = leaf.reshape((-1,) + leaf.shape[2:])
             return jnp.take(rows, jnp.asarray(flat), axis=0)
@@ -95,6 +103,7 @@ class Layout:
         """`convert(leaf, gather index, used)` on every leaf under a pipelined stack."""
 
         def at(keypath, leaf):
+            """The leaf converted when its path runs through a pipelined stack, else as it is."""
             seg = self.segment_of(key_parts(keypath))
             return leaf if seg is None else convert(leaf, *self.gather_index(seg))
 
@@ -104,6 +113,8 @@ class Layout:
         """Logical axes of the [stage, slots, ...] form: 'stage' before a stack's 'layers'."""
 
         def convert(keypath, axes):
+            """A stacked leaf's logical axes with 'stage' in front; other leaves' as they are.
+            Raises ValueError for a stack whose axes do not start with 'layers'."""
             if self.segment_of(key_parts(keypath)) is None:
                 return axes
             if not axes or axes[0] != "layers":

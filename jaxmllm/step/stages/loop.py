@@ -51,6 +51,8 @@ def pipeline_loss(parts: Any, layout: Layout) -> Callable:
     """
 
     def loss_fn(params, frozen, batch):
+        """The pipelined loss: `_body` in a shard_map manual over the stage axis only (each stage
+        its slab of the stacks, the rest auto-sharded), the adapters' dropout key passed in."""
         key = lora.current_key()  # (the adapters' dropout: passed in, not closed over)
         specs = (layout.in_spec(params), layout.in_spec(frozen), PartitionSpec())
 
@@ -162,6 +164,7 @@ def _encode_shares(model, batch, phases: list[str], s, stages: int) -> dict[str,
 
 
 def _take(batch: dict, i) -> dict:
+    """Microbatch `i` of a batch whose arrays lead with the microbatch axis."""
     return {k: v[i] for k, v in batch.items()}
 
 
@@ -226,6 +229,8 @@ class _Ticks:
         return moved, hidden
 
     def _idle(self, carry, mb, ic):
+        """A stage with nothing this tick (the ramps, a skipped encoder): carry kept, no hidden
+        states."""
         return carry, self.zero_hidden
 
     def _llm(self, carry, mb, ic):
@@ -268,8 +273,11 @@ class _Ticks:
         return jax.lax.cond(self.first[segment], embed, lambda c: c[key], carry)
 
     def _project(self, p: str, x):
+        """An encoder's output rows: its final norm, then its projector to the LLM's width."""
         encoder = getattr(self.model, p)
         return getattr(self.model, f"{p}_projector")(encoder.transformer.final_norm(x))
 
     def _update(self, carry, new: dict) -> dict:
+        """The carry with the entries of `new` replaced (the carry's keys and shapes are fixed
+        across ticks)."""
         return {k: new.get(k, v) for k, v in carry.items()}

@@ -53,6 +53,7 @@ class PipelineProgram(unpipelined.Program):
         return unpipelined.join(saved["params"], saved["frozen"])
 
     def describe(self) -> str:
+        """The parameter table, then the pipeline plan (stages, schedule, predicted bubble)."""
         return super().describe() + "\n" + self.plan.describe()
 
     def _depth_sharded(self) -> dict:
@@ -63,15 +64,22 @@ class PipelineProgram(unpipelined.Program):
         )
 
     def saved_abstract(self) -> dict:
+        """What a checkpoint restores into: the [depth, ...] form's shapes and shardings (the
+        frozen base left out), so checkpoints do not depend on the stage count."""
         return self._less_base(self._depth_sharded())
 
     def saved(self, state: dict) -> dict:
+        """The state in the [depth, ...] form a checkpoint holds (the frozen base left out)."""
         return self._saved_depth(self._less_base(state))
 
     def restored(self, saved: dict, base: dict | None) -> dict:
+        """The train state from a checkpoint's [depth, ...] form, converted to this layout's
+        [stage, slots, ...]."""
         return self._stages(super().restored(saved, base))
 
     def weights(self, state: dict) -> dict:
+        """The model's parameters in the [depth, ...] form readers outside the step take
+        (evaluation, export)."""
         return self._weights_depth(super().weights(state))
 
 

@@ -1,0 +1,334 @@
+"""The family table: one frozen row per architecture jaxmllm reads, holding what families differ
+in, and nothing else. Every model type's name lives here and nowhere else in `jaxmllm/`.
+
+- A decoder (`DecoderRow`: Llama, Qwen2, Qwen3, their mixtures of experts, Qwen3.5's hybrids)
+  is jaxmllm's own decoder with options: which attention projections have biases and which
+  config.json key says so, QK-norm, routed experts and a shared expert, linear-attention layers
+  among the full ones, sliding windows. `jaxmllm.hf.decoders.Decoders` reads any such row (the
+  hybrids: `jaxmllm.hf.hybrid.Qwen35`); a new Llama-like family is one more row in `DECODERS`.
+- A tower (`TowerRow`: SigLIP, CLIP, the Qwen VL towers, Whisper's and Qwen2-Audio's encoders)
+  names the model types it reads and, for each, the transformers module `hf check` compares
+  with; the layout of its tensors is its class's (`jaxmllm.hf.vision`, `qwen_vision`,
+  `audio`), which names its row.
+- A whole multimodal checkpoint (`WholeRow`: LLaVA, the Qwen VL wholes, Qwen2-Audio) names the
+  decoders and towers it may hold and where `hf check` reads transformers' encoder rows (`Hook`).
+
+The consumers read rows: `whole_config.DECODERS` and `decoder_of` (our options -> a decoder
+row), the registry's families and its refusal listing what is supported, `hf check`'s
+transformers classes, the wholes' parts. See docs/adding-a-family.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """The transformers module `hf check` compares a checkpoint of one model type with."""
+
+    model_type: str  # the config.json model_type
+    cls: str  # the transformers class `from_pretrained` builds
+    path: str = ""  # the module compared inside it ("vision_model": a SiglipModel's tower)
+    # transformers.models.<module>.modeling_<module> holds the class (not exported at the top)
+    module: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Biases:
+    """Which attention projections have a bias: `on` ("qkv" or "qkvo") when config.json's
+    `key` says so (its `default` where it leaves the key out); always `on` without a key."""
+
+    on: str
+    key: str = ""
+    default: bool = False
+
+    def read(self, hf: dict) -> str:
+        """Our `attn_bias` from a config.json."""
+        return self.on if not self.key or hf.get(self.key, self.default) else ""
+
+    def allowed(self) -> tuple[str, ...]:
+        """Our `attn_bias` values the family has (the default first, as refusals list them)."""
+        if not self.key:
+            return (self.on,)
+        return (self.on, "") if self.default else ("", self.on)
+
+    def to_hf(self, attn_bias: str) -> dict:
+        """The config.json key of our `attn_bias` (none where the biases are always there)."""
+        return {self.key: attn_bias == self.on} if self.key else {}
+
+
+class Windows(enum.Enum):
+    """Sliding-window attention in a decoder's config.json: the place a family with windows
+    (Gemma) says how its `layer_types` / `sliding_window` are read."""
+
+    ABSENT = "absent"  # its config.json has no such keys (Llama): nothing to check
+    REFUSED = "refused"  # `use_sliding_window` / `layer_types` may name windows: refused
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderRow:
+    """A causal LM's family: jaxmllm's decoder with the options below (see the module
+    docstring); its model type is its `name`."""
+
+    name: str  # config.json's model_type; what the CLI and errors call it
+    hf_class: str  # the transformers class export writes and `hf check` builds
+    biases: Biases  # which attention projections have biases, and the key saying so
+    mlp_bias: bool = False  # config.json's `mlp_bias` may put biases on the MLP (Llama)
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys (Qwen3)
+    moe: bool = False  # mixture-of-experts MLPs (`mlp.gate`, `mlp.experts`)
+    shared_expert: bool = False  # a shared expert and its sigmoid gate beside them (Qwen2-MoE)
+    hybrid: bool = False  # Gated DeltaNet layers among full-attention ones (Qwen3.5)
+    windows: Windows = Windows.REFUSED  # sliding-window attention (`Windows`)
+    role = "llm"
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        """The config.json model_type values it reads: its name."""
+        return (self.name,)
+
+    def reference(self, model_type: str) -> Reference:
+        """`hf check`'s transformers module: the causal LM itself."""
+        return Reference(model_type, self.hf_class)
+
+
+@dataclasses.dataclass(frozen=True)
+class TowerRow:
+    """A vision tower's or audio encoder's family: the model types it reads, each with the
+    transformers module `hf check` compares (a whole SiglipModel's tower, Whisper's encoder)."""
+
+    name: str  # what the CLI and errors call it
+    role: str  # vision | audio
+    hf_class: str  # the transformers class export writes
+    references: tuple[Reference, ...]  # one per config.json model_type it reads
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        """The config.json model_type values it reads (the first: what export writes)."""
+        return tuple(r.model_type for r in self.references)
+
+    def reference(self, model_type: str) -> Reference:
+        """`hf check`'s transformers module for a checkpoint of `model_type`."""
+        return next(r for r in self.references if r.model_type == model_type)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """Where `hf check` reads transformers' encoder rows in a whole model: the module hooked
+    and how its output gives the rows of an item of `n` placeholder tokens."""
+
+    module: str
+    rows: Callable[[Any, int], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class WholeRow:
+    """A whole multimodal checkpoint's family; its model type is its `name`."""
+
+    name: str  # config.json's model_type; what the CLI and errors call it
+    hf_class: str  # the transformers class export writes and `hf check` builds
+    processor_class: str  # the transformers processor of its directory
+    llm: tuple[DecoderRow, ...]  # the decoders its text_config may be (the first: its own)
+    towers: tuple[TowerRow, ...]  # the vision or audio towers it may hold (the first: default)
+    hook: Hook  # where `hf check` reads transformers' encoder rows
+    mrope_sections: tuple[int, ...] = ()  # M-RoPE's sections where config.json names none
+    deepstack: bool = False  # its tower's blocks feed the LLM's first layers (Qwen3-VL)
+    # How its checkpoint lays out routed experts (`decoders.EXPERTS`): "linear" reads them one
+    # Linear each or fused, as the files hold them (`Decoders.for_checkpoint`)
+    experts: str = "linear"
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        """The config.json model_type values it reads: its name."""
+        return (self.name,)
+
+
+# ----------------------------------------------------------------------------- hook readers
+
+
+def merger_rows(out: Any, n: int) -> Any:
+    """A Qwen VL tower's output: its merger's rows, every image's (split by image later)."""
+    import torch
+
+    rows = out.pooler_output
+    return torch.cat(list(rows)) if isinstance(rows, list | tuple) else rows
+
+
+def projector_rows(out: Any, n: int) -> Any:
+    """A projector's output for one item: its first row of rows."""
+    return out[0]
+
+
+def clip_rows(out: Any, n: int) -> Any:
+    """An audio projector's output for one clip: the rows of its `n` placeholders."""
+    return out[0, :n]
+
+
+# ----------------------------------------------------------------------------- decoders
+
+ALL_OR_NONE = Biases("qkvo", key="attention_bias")  # every projection or none
+
+LLAMA = DecoderRow("llama", "LlamaForCausalLM", ALL_OR_NONE, mlp_bias=True, windows=Windows.ABSENT)
+QWEN2 = DecoderRow("qwen2", "Qwen2ForCausalLM", Biases("qkv"))
+QWEN3 = DecoderRow("qwen3", "Qwen3ForCausalLM", ALL_OR_NONE, qk_norm=True)
+QWEN2_MOE = DecoderRow(
+    "qwen2_moe",
+    "Qwen2MoeForCausalLM",
+    Biases("qkv", key="qkv_bias", default=True),
+    moe=True,
+    shared_expert=True,
+)
+QWEN3_MOE = DecoderRow("qwen3_moe", "Qwen3MoeForCausalLM", ALL_OR_NONE, qk_norm=True, moe=True)
+QWEN3_5_TEXT = DecoderRow(
+    "qwen3_5_text", "Qwen3_5ForCausalLM", ALL_OR_NONE, qk_norm=True, hybrid=True
+)
+QWEN3_5_MOE_TEXT = DecoderRow(
+    "qwen3_5_moe_text",
+    "Qwen3_5MoeForCausalLM",
+    ALL_OR_NONE,
+    qk_norm=True,
+    moe=True,
+    shared_expert=True,
+    hybrid=True,
+)
+# (the order `decoder_of` prefers among rows that fit a config alike: Llama before Qwen2)
+DECODERS = (LLAMA, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, QWEN3_5_TEXT, QWEN3_5_MOE_TEXT)
+
+# ----------------------------------------------------------------------------- towers
+
+SIGLIP = TowerRow(
+    "siglip",
+    "vision",
+    "SiglipVisionModel",
+    (
+        Reference("siglip_vision_model", "SiglipVisionModel"),
+        Reference("siglip", "SiglipModel", "vision_model"),
+    ),
+)
+CLIP = TowerRow(
+    "clip",
+    "vision",
+    "CLIPVisionModel",
+    (
+        Reference("clip_vision_model", "CLIPVisionModel"),
+        Reference("clip", "CLIPModel", "vision_model"),
+    ),
+)
+QWEN2_VL_VISION = TowerRow(
+    "qwen2_vl",
+    "vision",
+    "Qwen2VisionTransformerPretrainedModel",
+    (Reference("qwen2_vl_vision", "Qwen2VisionTransformerPretrainedModel", module="qwen2_vl"),),
+)
+QWEN2_5_VL_VISION = TowerRow(
+    "qwen2_5_vl",
+    "vision",
+    "Qwen2_5_VisionTransformerPretrainedModel",
+    (
+        Reference(
+            "qwen2_5_vl_vision", "Qwen2_5_VisionTransformerPretrainedModel", module="qwen2_5_vl"
+        ),
+    ),
+)
+QWEN3_VL_VISION = TowerRow(
+    "qwen3_vl",
+    "vision",
+    "Qwen3VLVisionModel",
+    (
+        Reference("qwen3_vl_vision", "Qwen3VLVisionModel"),
+        Reference("qwen3_vl_moe_vision", "Qwen3VLMoeVisionModel"),
+    ),
+)
+WHISPER = TowerRow(
+    "whisper",
+    "audio",
+    "WhisperForConditionalGeneration",
+    (Reference("whisper", "WhisperModel", "encoder"),),
+)
+QWEN2_AUDIO_ENCODER = TowerRow(
+    "qwen2_audio",
+    "audio",
+    "Qwen2AudioEncoder",
+    (Reference("qwen2_audio_encoder", "Qwen2AudioEncoder", module="qwen2_audio"),),
+)
+TOWERS = (
+    SIGLIP,
+    CLIP,
+    QWEN2_VL_VISION,
+    QWEN2_5_VL_VISION,
+    QWEN3_VL_VISION,
+    WHISPER,
+    QWEN2_AUDIO_ENCODER,
+)
+
+# ----------------------------------------------------------------------------- wholes
+
+VISUAL = Hook("model.visual", merger_rows)
+LLAVA = WholeRow(
+    "llava",
+    "LlavaForConditionalGeneration",
+    "LlavaProcessor",
+    llm=(LLAMA, QWEN2, QWEN3),
+    towers=(CLIP, SIGLIP),
+    hook=Hook("model.multi_modal_projector", projector_rows),
+)
+QWEN2_VL = WholeRow(
+    "qwen2_vl",
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2VLProcessor",
+    llm=(QWEN2,),
+    towers=(QWEN2_VL_VISION,),
+    hook=VISUAL,
+)
+QWEN2_5_VL = WholeRow(
+    "qwen2_5_vl",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen2_5_VLProcessor",
+    llm=(QWEN2,),
+    towers=(QWEN2_5_VL_VISION,),
+    hook=VISUAL,
+)
+QWEN3_VL = WholeRow(
+    "qwen3_vl",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLProcessor",
+    llm=(QWEN3,),
+    towers=(QWEN3_VL_VISION,),
+    hook=VISUAL,
+    mrope_sections=(24, 20, 20),
+    deepstack=True,
+)
+# (the hub's files hold its experts fused, maybe each transposed: `decoders.EXPERTS`)
+QWEN3_VL_MOE = dataclasses.replace(
+    QWEN3_VL,
+    name="qwen3_vl_moe",
+    hf_class="Qwen3VLMoeForConditionalGeneration",
+    llm=(QWEN3_MOE,),
+    experts="fused_hub",
+)
+QWEN3_5 = WholeRow(
+    "qwen3_5",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3VLProcessor",
+    llm=(QWEN3_5_TEXT,),
+    towers=(QWEN3_VL_VISION,),
+    hook=VISUAL,
+    mrope_sections=(11, 11, 10),
+)
+QWEN3_5_MOE = dataclasses.replace(
+    QWEN3_5,
+    name="qwen3_5_moe",
+    hf_class="Qwen3_5MoeForConditionalGeneration",
+    llm=(QWEN3_5_MOE_TEXT,),
+)
+QWEN2_AUDIO = WholeRow(
+    "qwen2_audio",
+    "Qwen2AudioForConditionalGeneration",
+    "Qwen2AudioProcessor",
+    llm=(QWEN2,),
+    towers=(QWEN2_AUDIO_ENCODER,),
+    hook=Hook("model.multi_modal_projector", clip_rows),
+)
