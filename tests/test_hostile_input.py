@@ -84,9 +84,20 @@ def test_no_path_length_lets_a_reject_s_example_start_a_line(frames):
         where = "/data/" + "d" * pad + f"/{forged}.png"
         ex = {"id": forged, "where": "m.jsonl:1", "video": where, "detail": f"{where} not found"}
         summary = {
-            "data": "m.jsonl", "format": "manifest", "records": 2, "accepted": 1, "rejected": 1,
-            "rejects": {"missing_media": 1}, "examples": {"missing_media": ex}, "index": "i",
-            "folder": "f", "videos": 2, "frames": 8, "bytes": 0, "shards_total": 1, "rebuilt": 1,
+            "data": "m.jsonl",
+            "format": "manifest",
+            "records": 2,
+            "accepted": 1,
+            "rejected": 1,
+            "rejects": {"missing_media": 1},
+            "examples": {"missing_media": ex},
+            "index": "i",
+            "folder": "f",
+            "videos": 2,
+            "frames": 8,
+            "bytes": 0,
+            "shards_total": 1,
+            "rebuilt": 1,
         }
         lines = frames_report(summary) if frames else report(summary)
         assert len(lines) > 3 or pad < 40

@@ -150,7 +150,7 @@ def test_a_long_id_is_quoted_cut_with_its_length(tmp_path):
     """A rejected record's 20 MB id was printed whole in the index's example line (and kept
     in summary.json). Messages quote its start and its length; the rejects log keeps it."""
     from jaxmllm.data.index import report
-    from jaxmllm.data.rejects import RecordError
+    from jaxmllm.data.rejects import CONTINUED, RecordError
 
     rid = "x" * 20_000_000
     manifest = tmp_path / "m.jsonl"
@@ -158,7 +158,7 @@ def test_a_long_id_is_quoted_cut_with_its_length(tmp_path):
     manifest.write_text("".join(json.dumps(x) + "\n" for x in lines))
     cfg = config(manifest, "data.min_accept=0")
     summary = build_index(cfg, manifest, progress=False)
-    shown = " ".join(line.strip() for line in report(summary))
+    shown = " ".join(line.strip().removeprefix(CONTINUED) for line in report(summary))
     assert len(shown) < 2000 and "... (20000000 characters) (m.jsonl line 1)" in shown, shown
     assert (Path(summary["index"]) / "summary.json").stat().st_size < 100_000
     assert read_rejects(Path(summary["index"]) / "rejects.jsonl")[0]["id"] == rid
