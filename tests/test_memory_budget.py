@@ -101,7 +101,7 @@ def test_within_the_budget_an_image_decodes_whole_to_the_same_pixels(tmp_path):
 
 def test_records_over_the_budget_are_counted_rejects_naming_the_key(tmp_path):
     """A JSON line costs up to about 10 times its size parsed, a Parquet row group about 5
-    times its decompressed size, a clip about 8 float32 copies of its samples (measured
+    times its decompressed size, a clip 64 bytes a sample resampled to 16 kHz (measured
     below): each over data.worker_memory is a reject naming the key, not read."""
     png(tmp_path / "ok.png")
     wav(tmp_path / "long.wav", seconds=4.0)
@@ -265,3 +265,34 @@ def test_the_estimate_of_a_reduced_jpeg_counts_its_dct_scaling(side):
     whole = image_memory(side, side, "RGB", "JPEG", (512, 512), False)
     small = image_memory(side, side, "RGB", "JPEG", (512, 512), True)
     assert small < whole / 20  # (drafted to 1/8 a side: 512 x 512 decoded)
+
+
+CLIP_PEAK = """
+import sys
+from jaxmllm.data.media.audio import load_audio
+def resident(field):
+    line = next(x for x in open("/proc/self/status") if x.startswith(field))
+    return int(line.split()[1]) * 1024
+load_audio(sys.argv[1], 16000, 80, 2, 3000, max_seconds=1e9)  # (the first call's imports and tables)
+open("/proc/self/clear_refs", "w").write("5")  # (the peak, VmHWM, from here)
+before = resident("VmRSS")
+load_audio(sys.argv[1], 16000, 80, 2, 3000, max_seconds=1e9)
+print(resident("VmHWM") - before)
+"""
+
+
+@pytest.mark.parametrize("rate,channels", [(8000, 1), (48000, 2)])
+def test_a_clip_decodes_within_its_estimate(tmp_path, rate, channels):
+    """audio.decode_bytes bounds what decoding a clip to its log-mel took, measured as the
+    image's decoding is: 120 s at 8 kHz (the estimate of 8 float32 copies of the source's
+    samples said a third of it) and at 48 kHz stereo."""
+    from jaxmllm.data.media.audio import decode_bytes
+
+    path = wav(tmp_path / "clip.wav", seconds=120.0, rate=rate, channels=channels)
+    out = subprocess.run(
+        [sys.executable, "-c", CLIP_PEAK, str(path)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    peak, frames = int(out.stdout.split()[-1]), 120 * rate
+    assert peak <= decode_bytes(frames, rate, 16000), (peak, decode_bytes(frames, rate, 16000))
+    assert peak > decode_bytes(frames, rate, 16000) / 2, peak  # (the estimate is not loose)

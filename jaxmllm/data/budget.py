@@ -18,12 +18,12 @@ own, the growth of the process's peak resident memory (/proc/self/status VmHWM, 
 /proc/self/clear_refs just before the read; file pages mapped in count, as they do for an OOM
 killer's RSS). Taken 2026-11-26 on a 2-core x86-64 CPU box, Python 3.11, numpy 2.4, pyarrow 26.
 
-An audio clip's estimate (data/media/audio.py: 8 float32 copies of its samples at the source
-rate) measured the same way on 300 s clips: the peak follows the clip resampled to 16 kHz, about
-59 bytes a resampled sample (its float64 log-mel windows and their complex spectrum), whatever
-the source rate: 120 bytes a source frame at 8 kHz, 59 at 16 kHz, 22 at 44.1 kHz stereo, 20 at
-48 kHz, against the estimate's 32. It is under at 16 kHz and below; it is the media module's to
-change (to about 64 bytes a resampled sample), not changed here.
+An audio clip's estimate (data/media/audio.py, `decode_bytes`) measured the same way on 300 s
+clips: the peak follows the clip resampled to data.audio_sample_rate (16 kHz), about 59 bytes a
+resampled sample (its float64 log-mel windows and their complex spectrum), whatever the source
+rate: 120 bytes a source frame at 8 kHz, 59 at 16 kHz, 22 at 44.1 kHz stereo, 20 at 48 kHz. The
+estimate is 64 bytes a resampled sample (it was 32 bytes a source frame: under at 16 kHz and
+below, ~1.6x over at 48 kHz).
 """
 
 from __future__ import annotations

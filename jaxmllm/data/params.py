@@ -151,6 +151,7 @@ class Params:
             self.max_audio_samples,
             self.max_media_bytes,
             self.worker_memory,
+            self.audio_sample_rate,
         )
 
     def clip_chunks(self, samples: int, rate: int) -> list[int]:
