@@ -77,17 +77,6 @@ class LayerKind:
         """Whether the layer's MLP is the routed experts."""
         return self.mlp is Mlp.MOE
 
-    @classmethod
-    def named(cls, name: str) -> LayerKind:
-        """The kind of a stack's `name` (the inverse of `name`; "dense" and "" alike)."""
-        words = [w for w in name.split("_") if w]
-        mixers = {m.value: m for m in Mixer}
-        mixer = mixers[words.pop(0)] if words and words[0] in mixers else None
-        mlp = Mlp(words.pop(0)) if words else None
-        if words:
-            raise ValueError(f"{name!r} is not a layer kind's name")
-        return cls(mixer, mlp)
-
 
 EXCHANGES = ("dense", "ragged")  # how tokens travel to their experts' devices (MoEConfig)
 

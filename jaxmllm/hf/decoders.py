@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxmllm.config.decoder import LayerKind
 from jaxmllm.hf.family import (
     Family,
     FamilyError,
@@ -38,7 +39,7 @@ from jaxmllm.hf.family import (
     same,
 )
 from jaxmllm.hf.table import DecoderRow, Windows
-from jaxmllm.models.llm import stacks
+from jaxmllm.models.llm import kind_stacks
 
 ROPE_TYPES = {"default": "none", "mrope": "none", "linear": "linear", "llama3": "llama3"}
 MAX_EXPERTS = 1 << 14  # (far past any model's; a damaged config.json's 1e9 would allocate)
@@ -296,7 +297,7 @@ class Decoders(Family):
         """The embedding, each stack of layers (`layer_links`), the final norm and the head."""
         llm = cfg.model.llm
         links = [same("model.embed_tokens.weight", "llm/embed/embedding")]
-        for stack, kind, ids in stacks(llm):  # (a mixture of experts: MoE and dense apart)
+        for stack, kind, ids in kind_stacks(llm):  # (a mixture of experts: MoE and dense apart)
             links += [stacked(x, ids) for x in self.layer_links(llm, stack, kind, len(ids))]
         links.append(same("model.norm.weight", "llm/transformer/final_norm/scale"))
         if not llm.tie_embeddings:
@@ -304,7 +305,7 @@ class Decoders(Family):
             links.append(dense("lm_head.weight", "llm/lm_head/kernel", (llm.width, -1)))
         return links
 
-    def layer_links(self, llm: Any, stack: str, kind: str, n: int) -> list[Link]:
+    def layer_links(self, llm: Any, stack: str, kind: LayerKind, n: int) -> list[Link]:
         """The links of one stack of our layers (`stack`, of `kind`: dense or moe), `n` layers,
         `{i}` the checkpoint's layer."""
         w, h, k, e, f = llm.width, llm.heads, llm.kv_heads, llm.head_width, llm.mlp_dim
@@ -317,7 +318,7 @@ class Decoders(Family):
             dense(p + "self_attn.o_proj.weight", ours + "attn/out/kernel", (h, e, w), 2, n),
             same(p + "post_attention_layernorm.weight", ours + "mlp_norm/scale", n),
         ]
-        if kind == "moe":
+        if kind.moe:
             links += moe_links(llm.moe, w, p + "mlp.", ours + "mlp/", n, self.experts)
         else:
             links += gated_mlp_links(w, f, p + "mlp.", ours + "mlp/", n)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from jaxmllm.hf.family import Family, FamilyError
-from jaxmllm.models.llm import stacks
+from jaxmllm.models.llm import kind_stacks
 from jaxmllm.models.mllm import expert_adapters
 
 PARAMS = {"gate_up": "gate_up_proj", "down": "down_proj"}  # ours -> transformers' parameter
@@ -42,9 +42,9 @@ def params_of(cfg: Any, family: Family, prefix: str = "") -> list[ExpertsParam]:
     LLM part of a whole checkpoint) builds the model (`prefix`: the checkpoint's before)."""
     adapted = expert_adapters(cfg.model)
     out = []
-    for stack, kind, ids in stacks(cfg.model.llm):
+    for stack, kind, ids in kind_stacks(cfg.model.llm):
         path = f"llm/transformer/{stack}/mlp/experts"
-        if kind != "moe" or path not in adapted:
+        if not kind.moe or path not in adapted:
             continue
         module = experts_module(family, prefix)
         for matrix in adapted[path]:
@@ -147,8 +147,8 @@ def present(adapter: Any, cfg: Any, family: Family, prefix: str = "") -> list[Ex
             f"(it reads adapters on a mixture of experts' {', '.join(sorted(names))})"
         )
     out = []
-    for stack, kind, ids in stacks(cfg.model.llm) if held else []:
-        if kind != "moe":
+    for stack, kind, ids in kind_stacks(cfg.model.llm) if held else []:
+        if not kind.moe:
             continue
         module = experts_module(family, prefix)
         for matrix in ("gate_up", "down"):

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxmllm.config.decoder import LayerKind
 from jaxmllm.hf.decoders import Decoders, gated_mlp_links, moe_links, rope_section
 from jaxmllm.hf.family import (
     FamilyError,
@@ -35,7 +36,6 @@ from jaxmllm.hf.family import (
     same,
 )
 from jaxmllm.models.deltanet import LinearSpec
-from jaxmllm.models.llm import is_linear, is_moe
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -224,7 +224,7 @@ class Qwen35(Decoders):
             "model.llm.mrope_section": ((lambda m: not any(m)), "1D rotary positions"),
         }
 
-    def layer_links(self, llm: Any, stack: str, kind: str, n: int) -> list[Link]:
+    def layer_links(self, llm: Any, stack: str, kind: LayerKind, n: int) -> list[Link]:
         """One stack's links (`kind`: linear or full attention, moe or a dense MLP)."""
         w = llm.width
         p, ours = "model.layers.{i}.", f"llm/transformer/{stack}/"
@@ -232,13 +232,13 @@ class Qwen35(Decoders):
             same(p + "input_layernorm.weight", ours + "attn_norm/scale", n),
             same(p + "post_attention_layernorm.weight", ours + "mlp_norm/scale", n),
         ]
-        if is_linear(kind):
+        if kind.linear:
             links += linear_links(
                 LinearSpec.of(llm.linear), w, p + "linear_attn.", ours + "attn/", n
             )
         else:
             links += attention_links(llm, p + "self_attn.", ours + "attn/", n)
-        if is_moe(kind):
+        if kind.moe:
             links += moe_links(llm.moe, w, p + "mlp.", ours + "mlp/", n, self.experts)
         else:
             links += gated_mlp_links(w, llm.mlp_dim, p + "mlp.", ours + "mlp/", n)

@@ -3,7 +3,7 @@
 The same module holds the HF decoder families it imports (Llama 3.x with its rope scaling,
 Qwen2 / Qwen2.5 with q/k/v biases, Qwen3 with QK-norm, Qwen3-MoE and Qwen2-MoE with their
 experts, Qwen3.5 with its Gated DeltaNet layers): their differences are `LLMConfig` options. A
-decoder whose layers differ in kind stacks each kind apart (`layer_pattern`): a mixture of
+decoder whose layers differ in kind stacks each kind apart (`kind_stacks`): a mixture of
 experts' `moe` and `dense` layers (`model.llm.moe.every`, `dense_layers`), a hybrid's `linear`
 and `full` attention ones (`model.llm.linear`).
 """
@@ -172,26 +172,6 @@ def rope_kind(cfg: LLMConfig) -> str:
 MLP_TARGETS = ("gate", "up", "down")  # a gated MLP's adapter targets (config.lora)
 
 
-def layer_pattern(cfg: LLMConfig) -> tuple[str, ...]:
-    """Each decoder layer's kind by name (`config.decoder.LayerKind.name`): its token mixer
-    (`linear` or `full` attention, in a hybrid decoder) and its MLP (`moe` or `dense`, in a
-    mixture of experts), joined: `linear_moe`, `full`, `dense`, ...; "" for every layer of a
-    decoder of one kind."""
-    return tuple(cfg.layer_kind(i).name for i in range(cfg.depth))
-
-
-def is_linear(kind: str) -> bool:
-    """Whether layers of the kind named `kind` (`layer_pattern`, `stacks`) mix tokens by
-    linear attention."""
-    return LayerKind.named(kind).linear
-
-
-def is_moe(kind: str) -> bool:
-    """Whether layers of the kind named `kind` (`layer_pattern`, `stacks`) have the routed
-    experts."""
-    return LayerKind.named(kind).moe
-
-
 def kind_stacks(cfg: LLMConfig) -> list[tuple[str, LayerKind, tuple[int, ...]]]:
     """The decoder's stacks of layers: (attribute under `transformer`, their kind, the layers
     in it): one `blocks` of every layer, or each kind's apart (a mixture of experts' MoE and
@@ -205,14 +185,8 @@ def kind_stacks(cfg: LLMConfig) -> list[tuple[str, LayerKind, tuple[int, ...]]]:
     return out
 
 
-def stacks(cfg: LLMConfig) -> list[tuple[str, str, tuple[int, ...]]]:
-    """`kind_stacks` with each kind by name ("dense" for a decoder of one kind): the names the
-    checkpoint mappings (`jaxmllm.hf`) read."""
-    return [(stack, kind.name or "dense", ids) for stack, kind, ids in kind_stacks(cfg)]
-
-
 def layer_kinds(cfg: LLMConfig, spec: BlockSpec) -> tuple[dict | None, tuple[str, ...]]:
-    """({kind: BlockSpec}, each layer's kind) of a decoder (`layer_pattern`): a mixture of
+    """({kind: BlockSpec}, each layer's kind) of a decoder (`LLMConfig.layer_kind`): a mixture of
     experts' `moe` and `dense` layers, a hybrid's `linear` and `full` attention ones; (None,
     ()) for one kind of layer."""
     kinds = [cfg.layer_kind(i) for i in range(cfg.depth)]
