@@ -127,6 +127,9 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
     if evaluator is not None:  # (the eval set's rejects likewise: each process its own file)
         evaluator.write_rejects()
     start = int(state["step"])
+    if start >= t.steps:  # a finished run rerun: said, with its summary and how to train on
+        report = RunReport(cfg, out, start, rejects_file(out))
+        return report.finished(start, Path(mngr.directory) / str(start))
     if start:
         print(f"resumed from checkpoint at step {start} in {mngr.directory}")
 

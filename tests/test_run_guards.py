@@ -77,7 +77,10 @@ def test_a_refused_resume_leaves_config_json_as_it_was(tmp_path, capsys):
     """Checkpoints copied to a new output_dir without config.json and resumed with another
     model: the refused run first wrote its config.json, after which the right config was
     refused with a false claim about the checkpoint's width. Nothing is written now before
-    the resume checks pass: the right config then resumes."""
+    the resume checks pass: the right config then resumes.
+
+    Rerun once finished, the run said it resumed at its last step, drew a full bar and ended
+    with no summary: it says it is done now, with the summary and the key that trains on."""
     from jaxmllm.train import main
 
     out = tmp_path / "run"
@@ -87,9 +90,19 @@ def test_a_refused_resume_leaves_config_json_as_it_was(tmp_path, capsys):
     with pytest.raises(ConfigError):
         main(wide)
     assert not (out / "config.json").exists()
-    main(tiny(out, steps=4))
+    last = main(tiny(out, steps=4))
     assert "resumed from checkpoint at step 2" in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["train"]["steps"] == 4
+    again = main(tiny(out, steps=4))  # (finished: nothing trains)
+    printed = capsys.readouterr().out
+    assert "resumed from checkpoint" not in printed and again["loss"] == last["loss"]
+    assert (
+        "\nalready done: the checkpoint is at step 4 of train.steps=4, nothing to train" in printed
+    )
+    assert f"final loss {last['loss']:.4f} (step 4)" in printed
+    assert f"checkpoint: {out / 'checkpoints' / '4'}" in printed
+    assert "generate from it: python -m jaxmllm.generate --run" in printed
+    assert "to train on: raise train.steps past 4 (--set train.steps=8;" in printed
 
 
 # ----------------------------------------------------------------------------- the watchdog
