@@ -105,6 +105,28 @@ def test_a_refused_resume_leaves_config_json_as_it_was(tmp_path, capsys):
     assert "to train on: raise train.steps past 4 (--set train.steps=8;" in printed
 
 
+def test_the_nonfinite_limit_holds_at_the_last_step_and_across_a_resume():
+    """The guard read each step's flag a step late, so the last step's was never read, and its
+    count restarted at a resume: a run stopped by the limit and resumed said `done` with a
+    NaN loss. A step to be saved is settled first, and a resume goes on with the count."""
+    import jax.numpy as jnp
+
+    from jaxmllm.loop.guards import NonFiniteGuard
+
+    bad, good = jnp.float32(1.0), jnp.float32(0.0)
+    guard = NonFiniteGuard(2)
+    assert not guard.check(1, good) and not guard.check(2, bad) and not guard.check(3, bad)
+    assert guard.run == 1 and guard.settle() and guard.stopped_at == 3  # (step 3: the last)
+    assert guard.run == 2 and not guard.settle()  # (nothing left to read)
+    resumed = NonFiniteGuard(2)
+    resumed.resumed(guard.run)
+    assert resumed.limit_reached() and not resumed.check(4, bad)  # (step 4's flag: unread)
+    assert resumed.settle() and resumed.stopped_at == 4 and resumed.run == 3
+    again = NonFiniteGuard(2)
+    again.resumed(2)
+    assert not again.check(4, good) and not again.settle() and again.run == 0  # (recovered)
+
+
 # ----------------------------------------------------------------------------- the watchdog
 
 

@@ -47,6 +47,8 @@ from jaxmllm.resolve.resumed import context_changed
 log = logging.getLogger("jaxmllm")
 
 FORMAT = 2  # 2: the first stamped format (checkpoints before it carry no `meta` item)
+# The stamp's count of non-finite steps in a row before its checkpoint (no part of the format)
+NONFINITE_KEY = "nonfinite_in_a_row"
 
 
 def format_stamp(abstract_params: Any) -> dict:
@@ -224,7 +226,7 @@ def check_format(mngr: ocp.CheckpointManager, step: int, stamp: dict) -> None:
     found = read_stamp(mngr, step)
     if found is None:  # a stamp that does not read back is damage
         return
-    fmt = lambda d: {k: v for k, v in d.items() if k != "base"}
+    fmt = lambda d: {k: v for k, v in d.items() if k not in ("base", NONFINITE_KEY)}
     if fmt(found) != fmt(stamp):
         was = "no format stamp (written before checkpoints had one)" if found == {} else found
         raise ConfigError(
