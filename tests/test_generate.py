@@ -208,6 +208,26 @@ def test_generation_refuses_ids_outside_the_vocabulary_and_prompts_past_memory(
     assert "shorten the prompt" in err and err.count("\n") == 1
 
 
+def test_a_video_too_short_for_a_temporal_patch_is_a_one_line_error(tmp_path):
+    """A one-frame video for a model whose temporal patch is two frames: a division by zero in
+    generation's prompt (Qwen3-VL's timestamps), silently left out without them; the record
+    error training gives it now."""
+    from video_files import grey_frames, write_video
+
+    from jaxmllm.data.rejects import RecordError
+    from jaxmllm.data.text.template import make_template
+
+    vision = dataclasses.replace(CFG.model.vision, temporal_patch=2, video=True)
+    stamps = dataclasses.replace(CFG.data, video_timestamps=True)
+    cfg = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, vision=vision), data=stamps)
+    clip = write_video(tmp_path / "one.mp4", grey_frames(1, 32, 32), fps=4)
+    template = make_template(cfg, "plain")
+    with pytest.raises(RecordError, match=r"video_too_short: video 0: 1 frames .* temporal patch"):
+        template.prompt("which way? ", {"video": [clip]})
+    two = write_video(tmp_path / "two.mp4", grey_frames(2, 32, 32), fps=4)
+    assert len(template.prompt("which way? ", {"video": [two]}).media["vision"]) == 1
+
+
 def test_sampling_is_seeded_and_top_p_narrows_to_the_likeliest():
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(64, 50)) * 3, jnp.float32)
     key, other = jax.random.key(0), jax.random.key(1)
