@@ -45,5 +45,6 @@ def test_attention_table_estimates_dense_from_the_longest_measured_row():
 
 def test_cells_of_missing_figures_are_dashes():
     assert cell(None, ".3f") == "-" and cell(1.5, ".2f", "x") == "1.50x"
+    assert cell(3 * 2**20, ".0f", unit=2**20) == "3" and cell(None, ".2f", unit=2**30) == "-"
     assert ratio(None, 2.0) is None and ratio(1.0, 0) is None and ratio(3.0, 2.0) == 1.5
     assert markdown(["a", "b"], [["1", "-"]]) == "a | b\n--- | ---\n1 | -"

@@ -206,7 +206,7 @@ def table(rows: list[dict]) -> str:
     fused = any("cudnn_s" in r for r in rows)
     if fused:
         cols += ["cudnn s", "cudnn MiB", "cudnn err"]
-    mib = lambda b: cell(None if b is None else b / 2**20, ".0f")
+    mib = lambda b: cell(b, ".0f", unit=2**20)
     lines = []
     for r in rows:
         dense_s = r.get("dense_s")  # (None: not measured, no measured row to extrapolate from)

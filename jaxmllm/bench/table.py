@@ -10,12 +10,13 @@ import numpy as np
 from jaxmllm.config.phases import PHASES  # (re-exported to the benches)
 
 
-def cell(value, spec: str = "", suffix: str = "") -> str:
-    """One figure of a bench's table formatted by `spec` (then `suffix`), or '-' where it is
-    missing (None: not measured, nothing to extrapolate it from), so a table always prints."""
+def cell(value, spec: str = "", suffix: str = "", unit: float = 1) -> str:
+    """One figure of a bench's table in `unit`s (bytes in MiB: 2**20) formatted by `spec`
+    (then `suffix`), or '-' where it is missing (None: not measured, nothing to extrapolate it
+    from), so a table always prints."""
     if value is None:
         return "-"
-    return f"{value:{spec}}{suffix}"
+    return f"{value / unit if unit != 1 else value:{spec}}{suffix}"
 
 
 def ratio(num, den) -> float | None:
