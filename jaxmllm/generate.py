@@ -49,7 +49,7 @@ from jaxmllm.config.phases import KINDS
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.template import TEMPLATES, Template, make_template
 from jaxmllm.hf.start import run_parameters
-from jaxmllm.step.generate import Generator
+from jaxmllm.step.generate import Generator, check_prompt_ids, held_bytes, memory_bytes
 from jaxmllm.step.program import split_frozen
 
 # ----------------------------------------------------------------------------- a run
@@ -115,7 +115,10 @@ def answer_prompts(
     """The CLI's answers: {"ids", "text"} per prompt, all prompts in one batch; with
     `--logprobs N` each new id's log-probability and the N likeliest ids' ("logprobs",
     "top_logprobs"); with `--logits FILE` every new id's logits, saved there."""
-    gen = Generator(cfg, PromptShapes.fit(prompts, cfg, args.max_new_tokens), template.specials)
+    check_prompt_ids(prompts, cfg.model.llm.vocab_size)  # (before anything is compiled)
+    shapes = PromptShapes.fit(prompts, cfg, args.max_new_tokens)
+    check_memory(cfg, shapes, max(len(p.tokens) for p in prompts), args.max_new_tokens)
+    gen = Generator(cfg, shapes, template.specials)
     scores = bool(args.logprobs or args.logits)
     answers = gen.generate(
         params["params"],
@@ -136,6 +139,25 @@ def answer_prompts(
         arrays = {f"answer_{k}": np.stack(a.logits) for k, a in enumerate(answers)}
         np.savez(args.logits, **arrays)
     return out
+
+
+def check_memory(cfg: Config, shapes: PromptShapes, longest: int, new: int) -> None:
+    """Refuses prompts whose prefill scores and KV cache (`held_bytes`) need more than the
+    devices' memory, before allocating any: a long prompt failed in a traceback after trying
+    to allocate them (42 GB)."""
+    need, have = held_bytes(cfg, shapes), memory_bytes()
+    if have is not None and need > have:
+        raise ConfigError(
+            f"{longest} prompt tokens + --max-new-tokens {new}: prefill scores the prompt "
+            f"densely and the cache holds {shapes.total_len} positions, at least "
+            f"{_bytes(need)}, more than the {_bytes(have)} of memory here; shorten the prompt "
+            "(or lower --max-new-tokens)"
+        )
+
+
+def _bytes(n: int) -> str:
+    """'42.1 GB', '64.0 TB'."""
+    return f"{n / 1e12:.1f} TB" if n >= 1e12 else f"{n / 1e9:.1f} GB"
 
 
 def logprobs(ids: list[int], logits: list[np.ndarray], top: int) -> dict:

@@ -29,6 +29,7 @@ from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.init_from import initial_params, precomputed_reference, start_base, start_reference
 from jaxmllm.loop import checkpoint, guards
 from jaxmllm.loop.checkpoint import (
+    NONFINITE_KEY,
     check_process_count,
     check_resumable,
     format_stamp,
@@ -127,6 +128,15 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
     if evaluator is not None:  # (the eval set's rejects likewise: each process its own file)
         evaluator.write_rejects()
     start = int(state["step"])
+    guard = NonFiniteGuard(t.max_nonfinite_steps)  # (its count in a row goes on from a resume)
+    if start:
+        guard.resumed((checkpoint.read_stamp(mngr, start) or {}).get(NONFINITE_KEY, 0))
+        if guard.limit_reached() and start >= t.steps:  # (stopped at its last step: not done)
+            guard.stopped_at = start
+            raise NonFiniteError(guard.message(mngr.directory))
+    if start >= t.steps:  # a finished run rerun: said, with its summary and how to train on
+        report = RunReport(cfg, out, start, rejects_file(out))
+        return report.finished(start, Path(mngr.directory) / str(start))
     if start:
         print(f"resumed from checkpoint at step {start} in {mngr.directory}")
 
@@ -143,7 +153,6 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
     closing.callback(watchdog.close)
     peak = device_peak(t.peak_tflops, jax.devices()[0].device_kind) if is_main else None
     window = MetricsWindow(mesh.size, cfg.data, peak)
-    guard = NonFiniteGuard(t.max_nonfinite_steps)
     timings = open_timings(cfg, out, start, is_main, closing)
     report = RunReport(cfg, out, start, rejects_file(out))  # (what the terminal is told)
     last: dict = {}
@@ -158,8 +167,11 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
             if timings is not None:  # times the step before, now done, as the guard waits on it
                 timings.dispatched(done, metrics["loss"], info.work, info.variant)
             checkpoint.check_saves(mngr)  # a save that failed in the background stops the run
-            if guard.check(done, metrics["nonfinite"]):
-                args = save_args(prog.saved(state), data_iter, stamp)
+            # (a step to be saved is read first: its checkpoint's count in a row is exact, and
+            # the limit holds at the run's last step)
+            saves = done == t.steps or preempt.requested is not None or mngr.should_save(done)
+            if guard.check(done, metrics["nonfinite"]) or (saves and guard.settle()):
+                args = save_args(prog.saved(state), data_iter, stamped(stamp, guard))
                 checkpoint.save(mngr, guard.stopped_at, args, force=True)
                 checkpoint.wait_for_saves(mngr)
                 raise NonFiniteError(guard.message(mngr.directory))
@@ -179,7 +191,9 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
             stopping = preempt.requested is not None
             force = done == t.steps or stopping
             saving = force or mngr.should_save(done)  # (converted only when it is saved)
-            args = save_args(prog.saved(state), data_iter, stamp) if saving else None
+            args = (
+                save_args(prog.saved(state), data_iter, stamped(stamp, guard)) if saving else None
+            )
             saved = saving and checkpoint.save(mngr, done, args, force)
             if saved and timings is not None:
                 timings.saved()
@@ -203,6 +217,12 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
         )
         raise
     return last
+
+
+def stamped(stamp: dict, guard: NonFiniteGuard) -> dict:
+    """A checkpoint's stamp: the format's, and the non-finite steps in a row it was saved after
+    (a resumed run's count goes on from there)."""
+    return {**stamp, NONFINITE_KEY: guard.run}
 
 
 def _stopped(signal_name: str, done: int, mngr, bar) -> None:

@@ -73,7 +73,8 @@ def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mes
       ShardingError: The sizes do not multiply to the device count, or two axes are -1.
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = resolve_axis_sizes(mesh_cfg, len(devices))
+    on_cpu = all(d.platform == "cpu" for d in devices)
+    shape = resolve_axis_sizes(mesh_cfg, len(devices), on_cpu=on_cpu)
     types = (AxisType.Auto,) * len(AXES)
     if len({d.process_index for d in devices}) == 1:
         return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
@@ -114,12 +115,13 @@ def spans_hosts(devices: Sequence[jax.Device], shape: Sequence[int]) -> str:
     )
 
 
-def resolve_axis_sizes(mesh_cfg: Any, n_devices: int) -> tuple[int, ...]:
+def resolve_axis_sizes(mesh_cfg: Any, n_devices: int, on_cpu: bool = False) -> tuple[int, ...]:
     """Returns (data, stage, expert, fsdp, context, tensor) with a -1 replaced by the remaining
     devices.
 
     Raises:
-      ShardingError: Naming the ``mesh.*`` keys and the device count when sizes do not fit.
+      ShardingError: Naming the ``mesh.*`` keys and the device count when sizes do not fit (and,
+        `on_cpu`, ``mesh.cpu_devices``: a CPU host splits into as many devices as it is told).
     """
     sizes = _read_sizes(mesh_cfg)
     free = [axis for axis, size in sizes.items() if size == -1]
@@ -132,13 +134,14 @@ def resolve_axis_sizes(mesh_cfg: Any, n_devices: int) -> tuple[int, ...]:
             raise ShardingError(
                 f"{_show(sizes)}: the fixed axes ({fixed} devices) do not divide "
                 f"the {n_devices} devices available; change {_keys(sizes)}"
+                + _cpu_hint(fixed, on_cpu)
             )
         sizes[free[0]] = n_devices // fixed
     if math.prod(sizes.values()) != n_devices:
         raise ShardingError(
             f"{_show(sizes)} = {math.prod(sizes.values())} devices, but "
             f"{n_devices} devices are available; change {_keys(sizes)} "
-            "(or set one of them to -1)"
+            "(or set one of them to -1)" + _cpu_hint(math.prod(sizes.values()), on_cpu)
         )
     return tuple(sizes[axis] for axis in AXES)
 
@@ -193,6 +196,14 @@ def _read_sizes(mesh_cfg: Any) -> dict[str, int]:
         if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
             raise ShardingError(f"mesh.{axis}={size!r}: must be a positive integer or -1")
     return sizes
+
+
+def _cpu_hint(devices: int, on_cpu: bool) -> str:
+    """On CPU, the key that makes the devices the mesh asks for: a host's CPU is one device
+    unless `mesh.cpu_devices` splits it."""
+    if not on_cpu:
+        return ""
+    return f", or on this CPU set mesh.cpu_devices: {devices} (the devices it is split into)"
 
 
 def _show(sizes: dict[str, int]) -> str:

@@ -77,6 +77,21 @@ def test_context_parallelism_refuses_what_it_cannot_split(setting, key):
     load_config(None, split)  # (alone, the split loads)
 
 
+def test_context_parallelism_names_what_the_model_is_before_what_can_change():
+    """Qwen3.5 (M-RoPE and linear-attention layers) with mesh.context=2: the linear layers are
+    the reason, and no advice changes the model (its M-RoPE positions, its attention)."""
+    hybrid = ["model.llm.depth=4", "model.llm.linear.every=4", "model.llm.linear.key_heads=2"]
+    hybrid += ["model.llm.linear.value_heads=4", "model.llm.mrope_section=[16,24,24]"]
+    for defaults in ([], ["model.attention=dense", "batch.planner=grain"]):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, ["mesh.context=2", *hybrid, *defaults])
+        assert "mesh.context: 2: a decoder with linear-attention" in str(err.value)
+        assert "mrope" not in str(err.value)
+    with pytest.raises(ConfigError) as err:  # (M-RoPE alone: the model's positions stay)
+        load_config(None, ["mesh.context=2", "model.llm.mrope_section=[16,24,24]"])
+    assert "mrope_section" in str(err.value) and "[0, 0, 0]" not in str(err.value)
+
+
 def test_overrides_apply_and_coerce():
     cfg = load_config(
         ROOT / "configs" / "tiny.yaml",

@@ -178,6 +178,56 @@ def test_the_command_line_answers_from_a_runs_checkpoint(params, gen, tmp_path, 
     assert "no checkpoint 5" in capsys.readouterr().err
 
 
+def test_generation_refuses_ids_outside_the_vocabulary_and_prompts_past_memory(
+    params, tmp_path, capsys
+):
+    """Ids past the vocabulary or negative generated garbage with exit 0; a prompt too long
+    for the device allocated its dense prefill scores and the cache (42 GB) and failed in a
+    traceback. Each is one line now, before anything is compiled or allocated."""
+    import orbax.checkpoint as ocp
+
+    from jaxmllm import generate
+    from jaxmllm.loop.checkpoint import make_checkpoint_manager, write_config
+
+    cfg = dataclasses.replace(CFG, train=dataclasses.replace(CFG.train, output_dir=str(tmp_path)))
+    write_config(cfg, tmp_path)
+    state = {"params": params[0], "frozen": params[1], "step": np.int32(1)}
+    with make_checkpoint_manager(cfg) as mngr:
+        mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=True)
+    run = ["--run", str(tmp_path), "--max-new-tokens", "4"]
+    for ids, bad in (("257,49,272", 272), ("257,-3,49", -3)):
+        assert generate.main([*run, f"--prompt-ids={ids}"]) == 2
+        err = capsys.readouterr().err
+        assert f"prompt 1: token id {bad} is outside the model's vocabulary" in err, err
+        assert "model.llm.vocab_size=272" in err and "Traceback" not in err
+        assert err.count("\n") == 1
+    long = ",".join(["49"] * 2_000_000)  # (dense scores of 2M tokens: 64 TB)
+    assert generate.main([*run, "--prompt-ids", long]) == 2
+    err = capsys.readouterr().err
+    assert "2000000 prompt tokens + --max-new-tokens 4" in err and "TB" in err, err[:500]
+    assert "shorten the prompt" in err and err.count("\n") == 1
+
+
+def test_a_video_too_short_for_a_temporal_patch_is_a_one_line_error(tmp_path):
+    """A one-frame video for a model whose temporal patch is two frames: a division by zero in
+    generation's prompt (Qwen3-VL's timestamps), silently left out without them; the record
+    error training gives it now."""
+    from video_files import grey_frames, write_video
+
+    from jaxmllm.data.rejects import RecordError
+    from jaxmllm.data.text.template import make_template
+
+    vision = dataclasses.replace(CFG.model.vision, temporal_patch=2, video=True)
+    stamps = dataclasses.replace(CFG.data, video_timestamps=True)
+    cfg = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, vision=vision), data=stamps)
+    clip = write_video(tmp_path / "one.mp4", grey_frames(1, 32, 32), fps=4)
+    template = make_template(cfg, "plain")
+    with pytest.raises(RecordError, match=r"video_too_short: video 0: 1 frames .* temporal patch"):
+        template.prompt("which way? ", {"video": [clip]})
+    two = write_video(tmp_path / "two.mp4", grey_frames(2, 32, 32), fps=4)
+    assert len(template.prompt("which way? ", {"video": [two]}).media["vision"]) == 1
+
+
 def test_sampling_is_seeded_and_top_p_narrows_to_the_likeliest():
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(64, 50)) * 3, jnp.float32)
     key, other = jax.random.key(0), jax.random.key(1)

@@ -477,7 +477,7 @@ def checkpoint_params(out: Path) -> dict[int, list[np.ndarray]]:
     return got
 
 
-@pytest.mark.slow  # a training run: ~1 min on 2 cores
+@pytest.mark.slow  # a training run and its resume: ~1-2 min on 2 cores
 def test_a_run_whose_updates_turn_nan_never_checkpoints_them(tmp_path, monkeypatch):
     from jaxmllm.loop.guards import NonFiniteError
     from jaxmllm.step import program
@@ -500,6 +500,18 @@ def test_a_run_whose_updates_turn_nan_never_checkpoints_them(tmp_path, monkeypat
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["nonfinite"] for r in rows][:3] == [0.0, 0.0, 0.0]
     assert rows[-1]["nonfinite_total"] >= 1
+    # Resumed with one step left, the run said `done` with a NaN loss (the count restarted,
+    # the last step's flag unread); finished, a rerun said nothing of the stop. Both stop now.
+    stopped = max(saved)
+    last = replace(cfg, train=replace(cfg.train, steps=stopped + 1))
+    with pytest.raises(NonFiniteError, match=f"stopped at step {stopped + 1} with the last good"):
+        main(last)
+    with pytest.raises(NonFiniteError, match=f"stopped at step {stopped + 1} with the last good"):
+        main(last)  # (its checkpoint is at train.steps: not done, stopped)
+    saved = checkpoint_params(tmp_path)
+    assert max(saved) == stopped + 1
+    for step, leaves in saved.items():
+        assert all(np.isfinite(x).all() for x in leaves), step
 
 
 def test_a_failed_saves_cause_names_the_os_error_wherever_tensorstore_puts_it():

@@ -77,7 +77,10 @@ def test_a_refused_resume_leaves_config_json_as_it_was(tmp_path, capsys):
     """Checkpoints copied to a new output_dir without config.json and resumed with another
     model: the refused run first wrote its config.json, after which the right config was
     refused with a false claim about the checkpoint's width. Nothing is written now before
-    the resume checks pass: the right config then resumes."""
+    the resume checks pass: the right config then resumes.
+
+    Rerun once finished, the run said it resumed at its last step, drew a full bar and ended
+    with no summary: it says it is done now, with the summary and the key that trains on."""
     from jaxmllm.train import main
 
     out = tmp_path / "run"
@@ -87,9 +90,41 @@ def test_a_refused_resume_leaves_config_json_as_it_was(tmp_path, capsys):
     with pytest.raises(ConfigError):
         main(wide)
     assert not (out / "config.json").exists()
-    main(tiny(out, steps=4))
+    last = main(tiny(out, steps=4))
     assert "resumed from checkpoint at step 2" in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["train"]["steps"] == 4
+    again = main(tiny(out, steps=4))  # (finished: nothing trains)
+    printed = capsys.readouterr().out
+    assert "resumed from checkpoint" not in printed and again["loss"] == last["loss"]
+    assert (
+        "\nalready done: the checkpoint is at step 4 of train.steps=4, nothing to train" in printed
+    )
+    assert f"final loss {last['loss']:.4f} (step 4)" in printed
+    assert f"checkpoint: {out / 'checkpoints' / '4'}" in printed
+    assert "generate from it: python -m jaxmllm.generate --run" in printed
+    assert "to train on: raise train.steps past 4 (--set train.steps=8;" in printed
+
+
+def test_the_nonfinite_limit_holds_at_the_last_step_and_across_a_resume():
+    """The guard read each step's flag a step late, so the last step's was never read, and its
+    count restarted at a resume: a run stopped by the limit and resumed said `done` with a
+    NaN loss. A step to be saved is settled first, and a resume goes on with the count."""
+    import jax.numpy as jnp
+
+    from jaxmllm.loop.guards import NonFiniteGuard
+
+    bad, good = jnp.float32(1.0), jnp.float32(0.0)
+    guard = NonFiniteGuard(2)
+    assert not guard.check(1, good) and not guard.check(2, bad) and not guard.check(3, bad)
+    assert guard.run == 1 and guard.settle() and guard.stopped_at == 3  # (step 3: the last)
+    assert guard.run == 2 and not guard.settle()  # (nothing left to read)
+    resumed = NonFiniteGuard(2)
+    resumed.resumed(guard.run)
+    assert resumed.limit_reached() and not resumed.check(4, bad)  # (step 4's flag: unread)
+    assert resumed.settle() and resumed.stopped_at == 4 and resumed.run == 3
+    again = NonFiniteGuard(2)
+    again.resumed(2)
+    assert not again.check(4, good) and not again.settle() and again.run == 0  # (recovered)
 
 
 # ----------------------------------------------------------------------------- the watchdog

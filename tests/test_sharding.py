@@ -145,6 +145,21 @@ def test_make_mesh_errors_name_keys_and_device_count(cfg, words):
         assert word in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "cfg, devices",
+    [({"data": -1, "expert": 2}, 1), ({"data": -1, "expert": 2}, 3), ({"data": 2, "fsdp": 2}, 1)],
+)
+def test_a_mesh_larger_than_the_cpu_names_mesh_cpu_devices(cfg, devices):
+    # `--set mesh.expert=2` on a CPU that is one device: the fix is mesh.cpu_devices
+    with pytest.raises(ShardingError) as err:
+        sharding.make_mesh(cfg, devices=jax.devices()[:devices])
+    need = 2 if cfg.get("data") == -1 else 4
+    assert f"mesh.cpu_devices: {need}" in str(err.value)
+    with pytest.raises(ShardingError) as err:  # (elsewhere more devices are not a key away)
+        sharding.mesh.resolve_axis_sizes(cfg, devices)
+    assert "cpu_devices" not in str(err.value)
+
+
 # --- rules ------------------------------------------------------------------------------------
 
 

@@ -273,6 +273,31 @@ def test_a_run_whose_checkpoints_are_all_damaged_stops_with_one_error_and_no_tra
     assert "Event loop is closed" not in err and "Traceback" not in err, err[-2000:]
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_checkpoints_of_another_width_stop_with_one_line_and_no_abandoned_reads(
+    uninterrupted, tmp_path, capfd
+):
+    """Checkpoints copied without their config.json, resumed by a model of another width: the
+    run's error came after an "Exception ignored" traceback with a ~70-line TensorStore spec
+    for each read orbax abandoned. The shapes are checked against the checkpoint's metadata
+    before anything is read now: one error naming a tensor, the checkpoints left as they were."""
+    import gc
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    (out / "config.json").unlink()
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    with pytest.raises(ConfigError) as err:
+        main(tiny(out, "model.llm.width=64"))
+    gc.collect()  # (the abandoned reads' coroutines printed their tracebacks when collected)
+    line = str(err.value)
+    assert f"checkpoint {STEPS} in {out / 'checkpoints'} is of a model of another size" in line
+    assert "its params/" in line and "is (128,), this config's (64,) (60 tensors differ)" in line
+    assert "\n" not in line and "Exception ignored" not in capfd.readouterr().err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+
+
 def test_late_completions_of_abandoned_reads_are_counted_and_others_passed_on(monkeypatch):
     """The mechanism on its own: a tensorstore future awaited on orbax's loop completes after
     the coroutine failed and orbax closed the loop. Any other unraisable exception goes to the

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmllm.bench.mixes import load_mix
+from jaxmllm.bench.table import cell, markdown, ratio
 from jaxmllm.config.checks import UserError
 from jaxmllm.models import blocksparse, cudnn
 from jaxmllm.models.attention import attention_mask, dense_attention
@@ -205,10 +206,11 @@ def table(rows: list[dict]) -> str:
     fused = any("cudnn_s" in r for r in rows)
     if fused:
         cols += ["cudnn s", "cudnn MiB", "cudnn err"]
-    lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
-    mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"
+    mib = lambda b: cell(b, ".0f", unit=2**20)
+    lines = []
     for r in rows:
-        dense = f"{r['dense_s']:.4g}" + ("" if r["dense_measured"] else " (T^2 est.)")
+        dense_s = r.get("dense_s")  # (None: not measured, no measured row to extrapolate from)
+        estimated = "" if r["dense_measured"] or dense_s is None else " (T^2 est.)"
         cells = [
             str(r["row_len"]),
             str(r["docs"]),
@@ -216,16 +218,17 @@ def table(rows: list[dict]) -> str:
             str(r["tiles"]),
             str(r["doc_tiles"]),
             f"{r['tiles'] / max(r['doc_tiles'], 1):.3f}",
-            dense,
-            f"{r['sparse_s']:.4g}",
-            f"{r['dense_s'] / r['sparse_s']:.1f}x",
+            cell(dense_s, ".4g", estimated),
+            cell(r["sparse_s"], ".4g"),
+            cell(ratio(dense_s, r["sparse_s"]), ".1f", "x"),
             mib(r["dense_bytes"]),
             mib(r["sparse_bytes"]),
         ]
         if fused:
-            cells += [f"{r['cudnn_s']:.4f}", mib(r["cudnn_bytes"]), f"{r['cudnn_err']:.1e}"]
-        lines.append(" | ".join(cells))
-    return "\n".join(lines)
+            cells += [cell(r.get("cudnn_s"), ".4f"), mib(r.get("cudnn_bytes"))]
+            cells.append(cell(r.get("cudnn_err"), ".1e"))
+        lines.append(cells)
+    return markdown(cols, lines)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,6 +25,7 @@ import jax
 
 import sharding
 from jaxmllm.batch.bucketize import batch_shapes
+from jaxmllm.bench.table import cell
 from jaxmllm.config import Config, load_config
 from jaxmllm.config.command import add_config_args
 from jaxmllm.process.distributed import split_cpu
@@ -110,7 +111,7 @@ def table(rows: list[dict]) -> str:
     cols = ["depth", "lower s", "compile s", "total s", "CPU s", "StableHLO chars", "params"]
     cols += ["temp MiB", "peak MiB"]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
-    mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"
+    mib = lambda b: cell(b, ".0f", unit=2**20)
     for r in rows:
         temp = mib(r["temp_bytes"])
         cells = [

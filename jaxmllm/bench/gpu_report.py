@@ -7,6 +7,7 @@ import copy
 
 from jaxmllm.bench import profile
 from jaxmllm.bench.attention import extrapolate
+from jaxmllm.bench.table import cell
 
 
 def report(rows: list[dict]) -> str:
@@ -67,7 +68,7 @@ def attention(rows: list[dict]) -> str:
     cols += ["dense ms", "cudnn ms", "cudnn MiB", "cudnn err"]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     ms = lambda s: "-" if s is None else f"{1e3 * s:.2f}"
-    mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"
+    mib = lambda b: cell(b, ".0f", unit=2**20)
     rows = copy.deepcopy(rows)
     for shape in dict.fromkeys(r["shape"] for r in rows):
         extrapolate([r for r in rows if r["shape"] == shape])  # (dense past its measured rows)

@@ -55,6 +55,7 @@ import jax
 
 import sharding
 from jaxmllm.bench.compile import measure
+from jaxmllm.bench.table import cell
 from jaxmllm.config import REMAT_POLICIES, Config, load_config
 from jaxmllm.config.command import add_config_args
 from jaxmllm.config.phases import ENCODERS, LLM, PHASES, enabled, phase
@@ -414,7 +415,7 @@ def table(rows: list[dict], rows_per_mb: int, row_len: int) -> str:
     cols = ["policy", "temp GiB", "peak GiB", "GiB/row", "recompute TFLOP", "recompute %"]
     cols += [f"max rows (x{row_len})", "vs now"]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
-    gib = lambda b: "-" if b is None else f"{b / GIB:.2f}"
+    gib = lambda b: cell(b, ".2f", unit=GIB)
     for r in rows:
         best = r["max_microbatch"]
         lines.append(

@@ -1,11 +1,35 @@
-"""The balance bench's per-policy table: one row per (mix, devices, policy), its headers, and
-the like-for-like fill line when a policy ran fewer steps (the columns: bench/balance.py)."""
+"""Benches' tables: the cell every bench's markdown table prints a figure with (a dash where the
+figure is missing), and the balance bench's per-policy table: one row per (mix, devices,
+policy), its headers, and the like-for-like fill line when a policy ran fewer steps (the
+columns: bench/balance.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from jaxmllm.config.phases import PHASES  # (re-exported to the benches)
+
+
+def cell(value, spec: str = "", suffix: str = "", unit: float = 1) -> str:
+    """One figure of a bench's table in `unit`s (bytes in MiB: 2**20) formatted by `spec`
+    (then `suffix`), or '-' where it is missing (None: not measured, nothing to extrapolate it
+    from), so a table always prints."""
+    if value is None:
+        return "-"
+    return f"{value / unit if unit != 1 else value:{spec}}{suffix}"
+
+
+def ratio(num, den) -> float | None:
+    """num / den, or None where either is missing or den is 0 (a speed-up without its times)."""
+    if num is None or not den:
+        return None
+    return num / den
+
+
+def markdown(cols: list[str], rows: list[list[str]]) -> str:
+    """A markdown table of the column names and the rows' cells."""
+    lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
+    return "\n".join(lines + [" | ".join(cells) for cells in rows])
 
 
 def format_row(r: dict) -> str:

@@ -94,14 +94,16 @@ class Config:
             "model.llm.vocab_size",
         )
         self._check_trains()
+        # What the model is (linear layers, M-RoPE) is refused before a setting that can change
+        # (attention, planner): the first refusal is the reason, its advice keeps the model.
+        if self.model.llm.linear.enabled:
+            self._check_linear()
         if self.mesh.context > 1:
             self._check_context()
         if self.mesh.stage > 1:
             self._check_pipeline()
         if self.model.llm.moe.enabled or self.mesh.expert > 1:
             self._check_experts()
-        if self.model.llm.linear.enabled:
-            self._check_linear()
         if self.train.objective == "dpo":
             self._check_preference()
 
@@ -160,7 +162,25 @@ class Config:
 
     def _check_context(self) -> None:
         """Context parallelism deals a row's query blocks of block-sparse attention to the
-        ranks, and plans its LLM rows per group: the one planner that does is orchestrated."""
+        ranks, and plans its LLM rows per group: the one planner that does is orchestrated.
+        What the model is (M-RoPE, DeepStack) is refused first, advising only mesh.context."""
+        # The split masks a gathered key as causal by its true position (key <= query): M-RoPE's
+        # positions are not in token order (an image's tokens share a time, its text resumes
+        # past the grid), so that mask would be wrong.
+        check(
+            not any(self.model.llm.mrope_section),
+            f"{list(self.model.llm.mrope_section)} (M-RoPE) is not supported with "
+            f"mesh.context={self.mesh.context}: context parallelism masks keys by 1D token "
+            "positions, and the model's are M-RoPE's (an image's tokens share a time); set "
+            "mesh.context: 1",
+            "model.llm.mrope_section",
+        )
+        check(
+            not (self.model.vision.enabled and self.model.vision.deepstack),
+            f"{list(self.model.vision.deepstack)} (DeepStack) is not supported with "
+            f"mesh.context={self.mesh.context}: set mesh.context: 1",
+            "model.vision.deepstack",
+        )
         check(
             self.model.attention in ("block_sparse", "auto"),  # (auto: block_sparse then)
             f"must be block_sparse with mesh.context={self.mesh.context} (the context ranks "
@@ -173,22 +193,6 @@ class Config:
             "context group and routes encoder rows to the rank holding each placeholder), or "
             "set mesh.context: 1",
             "batch.planner",
-        )
-        # The split masks a gathered key as causal by its true position (key <= query): M-RoPE's
-        # positions are not in token order (an image's tokens share a time, its text resumes
-        # past the grid), so that mask would be wrong.
-        check(
-            not any(self.model.llm.mrope_section),
-            f"{list(self.model.llm.mrope_section)} (M-RoPE) is not supported with "
-            f"mesh.context={self.mesh.context}: context parallelism masks keys by 1D token "
-            "positions; set model.llm.mrope_section: [0, 0, 0] or mesh.context: 1",
-            "model.llm.mrope_section",
-        )
-        check(
-            not (self.model.vision.enabled and self.model.vision.deepstack),
-            f"{list(self.model.vision.deepstack)} (DeepStack) is not supported with "
-            f"mesh.context={self.mesh.context}: set mesh.context: 1",
-            "model.vision.deepstack",
         )
 
     def _check_experts(self) -> None:

@@ -47,6 +47,8 @@ from jaxmllm.resolve.resumed import context_changed
 log = logging.getLogger("jaxmllm")
 
 FORMAT = 2  # 2: the first stamped format (checkpoints before it carry no `meta` item)
+# The stamp's count of non-finite steps in a row before its checkpoint (no part of the format)
+NONFINITE_KEY = "nonfinite_in_a_row"
 
 
 def format_stamp(abstract_params: Any) -> dict:
@@ -224,7 +226,7 @@ def check_format(mngr: ocp.CheckpointManager, step: int, stamp: dict) -> None:
     found = read_stamp(mngr, step)
     if found is None:  # a stamp that does not read back is damage
         return
-    fmt = lambda d: {k: v for k, v in d.items() if k != "base"}
+    fmt = lambda d: {k: v for k, v in d.items() if k not in ("base", NONFINITE_KEY)}
     if fmt(found) != fmt(stamp):
         was = "no format stamp (written before checkpoints had one)" if found == {} else found
         raise ConfigError(
@@ -234,6 +236,42 @@ def check_format(mngr: ocp.CheckpointManager, step: int, stamp: dict) -> None:
             "that wrote it to resume."
         )
     check_base(f"checkpoint {step} in {mngr.directory}", found.get("base"), stamp.get("base"))
+
+
+def check_shapes(mngr: ocp.CheckpointManager, step: int, abstract_state) -> None:
+    """Refuses checkpoint `step` when its tensors' shapes (its metadata, nothing read) are not
+    this config's: a model of another size (checkpoints copied without their config.json) is
+    not damage. Restoring it instead failed at the first tensor with orbax's reads of the
+    others in flight, abandoned when it closed their event loop: each printed an "Exception
+    ignored" traceback with a TensorStore spec of ~70 lines after the run's one-line error."""
+    try:
+        stored = ocp.StandardCheckpointHandler().metadata(
+            Path(mngr.directory) / str(step) / "state"
+        )
+    except Exception:  # noqa: BLE001  (metadata that does not read: damage, the restore's to judge)
+        return
+    shapes = {_path(p): tuple(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(stored)}
+    wrong = [
+        (name, shapes[name], tuple(x.shape))
+        for name, x in (
+            (_path(p), x) for p, x in jax.tree_util.tree_leaves_with_path(abstract_state)
+        )
+        if name in shapes and shapes[name] != tuple(x.shape)
+    ]
+    if wrong:  # (a parameter named before its optimizer state)
+        name, was, now = min(wrong, key=lambda w: w[0].startswith("opt_state"))
+        raise ConfigError(
+            f"checkpoint {step} in {mngr.directory} is of a model of another size: its {name} "
+            f"is {was}, this config's {now} ({len(wrong)} tensors differ). Resume with the "
+            "config that wrote it (model.*), or use a new train.output_dir"
+        )
+
+
+def _path(path) -> str:
+    """A tree path as '/'-joined names, alike for a dict's keys, a list's indices and a named
+    tuple's fields (orbax's metadata stores the optimizer's named tuples as dicts)."""
+    names = (getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+    return "/".join(str(n) for n in names)
 
 
 def read_stamp(mngr: ocp.CheckpointManager, step: int) -> dict | None:
@@ -259,6 +297,7 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter, stamp
     failed = []
     for step in steps:
         check_format(mngr, step, stamp)
+        check_shapes(mngr, step, abstract_state)
         args = ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state),
             data=grain.checkpoint.CheckpointRestore(data_iter),

@@ -3,7 +3,8 @@
 (A hung step or a stuck peer, and a signal the loop cannot take: `jaxmllm.loop.watchdog`.)
 - `NonFiniteGuard` counts steps whose update was skipped for a NaN/inf loss, gradient or updated
   parameter and says when `train.max_nonfinite_steps` came in a row (the trainer then
-  checkpoints the last good state and stops).
+  checkpoints the last good state and stops); a step to be saved is read before its save, and
+  the count in a row goes on from a resumed checkpoint's stamp.
 - `Preemption` turns SIGTERM / SIGINT into "finish this step, checkpoint, exit 0".
 - `outlive_closed_pipes` keeps a dead stdout / stderr (a `| tee` or `| head` that exited, as
   Ctrl-C ends `tee` with the trainer) from costing the checkpoint a signal asked for.
@@ -46,10 +47,28 @@ class NonFiniteGuard:
         host never waits on the step just dispatched); logs a skipped update. True when `limit`
         came in a row: `stopped_at` is then that step."""
         previous, self._pending = self._pending, (step, flag)
-        if previous is None:
-            return False
-        done, prev_flag = previous
-        bad = bool(jax.device_get(prev_flag))
+        return previous is not None and self._read(*previous, latest=step)
+
+    def settle(self) -> bool:
+        """Reads the flag handed in last, waiting for its step: before a checkpoint, so that its
+        count is exact and the limit holds at a run's last steps too. True as `check`."""
+        previous, self._pending = self._pending, None
+        return previous is not None and self._read(*previous, latest=previous[0])
+
+    def resumed(self, in_a_row: int) -> None:
+        """Resuming from a checkpoint saved after `in_a_row` non-finite steps in a row (its
+        stamp's `nonfinite_in_a_row`): the count goes on, so a run stopped by the limit stops
+        again at its first non-finite step, however few steps are left."""
+        self.run = in_a_row
+
+    def limit_reached(self) -> bool:
+        """Whether the count in a row is at the limit (a resumed run stopped by it)."""
+        return bool(self.limit) and self.run >= self.limit
+
+    def _read(self, done: int, flag: jax.Array, latest: int) -> bool:
+        """Counts step `done`'s flag; True (`stopped_at`: `latest`, the latest step dispatched,
+        which kept the good state too) when the limit came in a row."""
+        bad = bool(jax.device_get(flag))
         self.run = self.run + 1 if bad else 0
         self.total += bad
         if bad:
@@ -58,8 +77,8 @@ class NonFiniteGuard:
                 done,
                 self.run,
             )
-        if self.limit and self.run >= self.limit:
-            self.stopped_at = step  # the latest dispatched step also kept the good state
+        if self.limit_reached():
+            self.stopped_at = latest
             return True
         return False
 

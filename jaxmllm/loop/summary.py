@@ -4,7 +4,8 @@ Per logging window, a line when records failed to load (a media file deleted or 
 the index): how many by reason, and the first one whole, each process about its own (its own
 rejects file). At the end of a run that finished its steps, process 0's summary: the final
 loss, the job's real tokens a second, the rejects of the whole run by stage, where the
-checkpoint is and the command that generates from it. (The rejects an index made are told
+checkpoint is and the command that generates from it; a rerun of a finished run says so, with
+that summary and how to train on. (The rejects an index made are told
 once at start-up, by `jaxmllm.data.source`.)
 """
 
@@ -22,7 +23,7 @@ from jaxmllm.data.datasets import data_sets, index_command, index_dir
 from jaxmllm.data.preprocess import Params
 from jaxmllm.data.rejects import LoadShare, append_rejects, by_reason, shown_id, wrapped
 from jaxmllm.feed.info import StepInfo
-from jaxmllm.loop.metrics import logged_step, summed_over_processes
+from jaxmllm.loop.metrics import logged_step, read_metrics, summed_over_processes
 from jaxmllm.step.program import warmup_steps
 
 log = logging.getLogger("jaxmllm")
@@ -109,6 +110,35 @@ class RunReport:
         cumulative reject counts); `window`, the metrics window (the run's totals)."""
         if jax.process_index() == 0:
             print("\n".join(self.summary(done, row, window, checkpoint)), flush=True)
+
+    def finished(self, done: int, checkpoint: Path) -> dict:
+        """A rerun of a run whose checkpoint is at or past train.steps (process 0 says so):
+        nothing trains; its summary from the last logged step in metrics.jsonl, and how to
+        train on. Returns that step's metrics ({} when none was logged)."""
+        rows = [r for r in read_metrics(self.out) if "loss" in r and r["step"] <= done]
+        row = rows[-1] if rows else {}
+        if jax.process_index() == 0:
+            print("\n".join(self.finished_lines(done, row, checkpoint)), flush=True)
+        return row
+
+    def finished_lines(self, done: int, row: dict, checkpoint: Path) -> list[str]:
+        """The lines of `finished`: steps and the last logged loss, rejects, the checkpoint, the
+        command that generates from it and the key that trains on."""
+        steps = self.cfg.train.steps
+        loss = f"; final loss {row['loss']:.4f} (step {row['step']})" if row else ""
+        lines = [
+            f"already done: the checkpoint is at step {done} of train.steps={steps}, nothing to "
+            f"train{loss}"
+        ]
+        lines += wrapped(f"  rejects: {self.rejects(row)}", " " * 4)
+        lines.append(f"  checkpoint: {_shown(checkpoint)}")
+        lines.append(f"  generate from it: {self.generate_command()}")
+        lines.append(
+            f"  to train on: raise train.steps past {done} (--set train.steps={2 * done}; the "
+            "learning rate's cosine then runs to the new last step) and rerun this command, or "
+            "start afresh in a new train.output_dir"
+        )
+        return lines
 
     def summary(self, done: int, row: dict, window, checkpoint: Path) -> list[str]:
         """The end-of-run lines: steps and time, final loss, throughput past the first

@@ -7,13 +7,15 @@ at fixed shapes (`jaxmllm.batch.prompts.PromptShapes`), and the host loop that s
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxmllm.batch.prompts import PromptShapes, prompt_batch, prompt_config
-from jaxmllm.config import Config
+from jaxmllm.config import Config, ConfigError
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.specials import RESERVED, Specials
 from jaxmllm.models import decode
@@ -89,6 +91,7 @@ class Generator:
           temperature, top_p, seed: sampling (temperature 0: greedy; see `decode.pick`).
           keep_logits: also return the logits of every step (tests).
         """
+        check_prompt_ids(prompts, self.cfg.model.llm.vocab_size)
         lengths = np.array([len(p.tokens) for p in prompts])
         if (lengths + max_new_tokens > self.shapes.total_len).any():
             raise ValueError(
@@ -126,6 +129,46 @@ class Generator:
                 params, frozen, cache, token, at, at + delta, sampling(i + 1)
             )
         return answers
+
+
+def check_prompt_ids(prompts: Sequence[Sample], vocab_size: int) -> None:
+    """Refuses a prompt holding an id the model has no embedding row for (negative, or past
+    the vocabulary: the lookup would read another row, or garbage, and answer anyway)."""
+    for k, prompt in enumerate(prompts):
+        tokens = np.asarray(prompt.tokens)
+        bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
+        if bad.size:
+            raise ConfigError(
+                f"prompt {k + 1}: token id {int(bad[0])} is outside the model's vocabulary "
+                f"(model.llm.vocab_size={vocab_size}: ids 0 to {vocab_size - 1}); give ids in "
+                "that range"
+            )
+
+
+def held_bytes(cfg: Config, shapes: PromptShapes) -> int:
+    """Bytes generation's programs hold at least, over all devices: prefill's dense attention
+    scores (fp32 [rows, heads, prompt, prompt]) and the KV cache of every full-attention layer
+    ([rows, kv heads, total length, head width] keys and values)."""
+    llm = cfg.model.llm
+    scores = shapes.rows * llm.heads * shapes.prompt_len**2 * 4
+    layers = llm.depth
+    if llm.linear.enabled:  # (linear-attention layers carry a state, not a cache)
+        layers = sum(not llm.linear.is_linear(i) for i in range(llm.depth))
+    width = jnp.dtype(cfg.model.compute_dtype).itemsize * llm.head_width
+    return scores + layers * 2 * shapes.rows * llm.kv_heads * shapes.total_len * width
+
+
+def memory_bytes() -> int | None:
+    """The memory of all devices: each accelerator's limit; on CPU the host's memory (the
+    devices share it). None where neither is known."""
+    devices = jax.devices()
+    stats = devices[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] * len(devices)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
 
 
 def _whole(x: jax.Array) -> jax.Array:

@@ -121,8 +121,11 @@ class RecordTemplate:
         return Sample(-1, tokens, np.zeros(len(tokens), bool), decoded.media, decoded.grids)
 
     def _sample(self, record) -> Sample:
-        """The record as a prompt, media decoded (their sizes from the files' headers)."""
+        """The record as a prompt, media decoded (their sizes from the files' headers); an item
+        its phase cannot use (a video too short for one temporal patch) is a RecordError, as in
+        training, never left out or divided by."""
         sizes = self.pre.sizes(record)
+        self.pre.check(record, sizes)
         sample = self.pre.sample(0, record, sizes, Limits(), generation=True)
         return dataclasses.replace(sample, id=-1)
 
