@@ -14,6 +14,8 @@ import struct
 
 import numpy as np
 
+from tools.mutations import mutate
+
 
 class OracleMismatch(Exception):
     """The safetensors library reads a file otherwise than jaxmllm does (a bug)."""
@@ -47,8 +49,6 @@ def gen_safetensors(rng: random.Random) -> bytes:
         length = rng.choice((0, 1, len(raw) - 1, len(raw) + 1, 1 << 40, 0xFFFFFFFFFFFFFFFF))
     data = struct.pack("<Q", length) + raw + b"".join(blobs)
     if rng.random() < 0.15:
-        from tools.fuzz import mutate  # (the byte mutations every target shares)
-
         data = mutate(data, rng)
     return data
 
