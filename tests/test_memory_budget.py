@@ -273,7 +273,7 @@ from jaxmllm.data.media.audio import load_audio
 def resident(field):
     line = next(x for x in open("/proc/self/status") if x.startswith(field))
     return int(line.split()[1]) * 1024
-load_audio(sys.argv[1], 16000, 80, 2, 3000, max_seconds=1e9)  # (the first call's imports and tables)
+load_audio(sys.argv[1], 16000, 80, 2, 3000, max_seconds=1e9)  # (the imports, the tables)
 open("/proc/self/clear_refs", "w").write("5")  # (the peak, VmHWM, from here)
 before = resident("VmRSS")
 load_audio(sys.argv[1], 16000, 80, 2, 3000, max_seconds=1e9)
