@@ -85,30 +85,3 @@ def pytest_runtest_setup(item):
     leg runs them)."""
     if not TORCH and item.get_closest_marker("torch"):
         pytest.skip("torch is not installed: transformers' models (the oracle) run on it")
-
-
-# The default suite's longest files (their module fixtures included), longest first: xdist
-# (--dist loadfile) hands files to its workers in collection order, so these start first and
-# the last files to finish are short ones, not one worker running test_train alone while the
-# other idles. The order only schedules (a file not named keeps its place after these); from a
-# run on the 2-core box with `--durations`.
-LONGEST_FIRST = (
-    "test_train.py",
-    "test_preference.py",
-    "test_lora.py",
-    "test_attention.py",
-    "test_lora_hf.py",
-    "test_models.py",
-    "test_generate_hf.py",
-    "test_hf_whole.py",
-    "test_hf_qwen35.py",
-    "test_remat.py",
-    "test_hf_qwen3_vl.py",
-    "test_orchestration.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    """The files of LONGEST_FIRST first, in its order; every file's tests stay in order."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (a stable sort)
