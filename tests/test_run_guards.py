@@ -208,7 +208,8 @@ def test_a_step_that_hangs_ends_the_run_naming_step_and_phase(tmp_path):
     assert proc.returncode == 4, err
     assert time.monotonic() - start < 60
     assert "error: step 9 has not finished in " in err and "train.max_step_seconds: 5 s" in err
-    assert '`if guard.check(done, metrics["nonfinite"]):` (jaxmllm/train.py' in err, err
+    assert 'the main thread is in `if guard.check(done, metrics["nonfinite"])' in err, err
+    assert "(jaxmllm/train.py:" in err, err
 
 
 @pytest.mark.slow  # ~60-200 s: as above, then a SIGTERM
