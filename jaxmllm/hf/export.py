@@ -40,6 +40,7 @@ import jax
 import numpy as np
 
 from jaxmllm.config import Config, ConfigError, from_dict
+from jaxmllm.config.outputs import new_folder
 from jaxmllm.hf.family import Family, FamilyError, mismatches
 from jaxmllm.hf.peft_export import check_adapter_pieces, merge_adapters, write_adapter_piece
 from jaxmllm.hf.registry import FAMILIES, ROLES, family_for, read_hf_config
@@ -96,14 +97,7 @@ def export_run(
       ConfigError: no run config or checkpoint there, or `out` a file or a non-empty directory.
       FamilyError: a module trained from scratch that no HF family has a counterpart for.
     """
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file: name a directory to write (new or empty)")
-    if out.is_dir() and any(out.iterdir()):
-        raise ConfigError(
-            f"--out {out} is not empty: name a new directory (export never "
-            "writes into an existing one)"
-        )
+    out = new_folder("--out", out)
     run = Path(run_dir)
     try:
         raw = json.loads((run / "config.json").read_text())

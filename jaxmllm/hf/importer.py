@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from jaxmllm.config import Config, ConfigError, DataConfig, from_dict
+from jaxmllm.config.outputs import new_file, write_text
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.config.yamlfile import read_yaml
 from jaxmllm.data.text.tokenizer import make_tokenizer
@@ -273,7 +274,8 @@ def write_config(
     model.*.lora and what else trains). `command`: the command line that asked for it, for
     the file's header (default: one made of these arguments).
     """
-    out = Path(out)
+    reads = (llm, vision, audio, tokenizer, model, adapter)
+    out = new_file("--out", out, reads, ours=written_by_import)
     command = command or import_command(out, llm, vision, audio, base, tokenizer, model, adapter)
     if model:
         llm, vision, audio = model_dirs(model)
@@ -304,8 +306,23 @@ def write_config(
     if unset:
         text += "# Still to set (the --base recipe's placeholders, paths naming nothing here):\n"
         text += "".join(f"#   {line}\n" for line in unset)
-    out.write_text(text + yaml.safe_dump(raw, sort_keys=False, default_flow_style=False, width=100))
+    write_text(
+        out, text + yaml.safe_dump(raw, sort_keys=False, default_flow_style=False, width=100)
+    )
     return cfg
+
+
+def written_by_import(path: Path) -> bool:
+    """Whether the file at `path` is a config an `hf import` wrote (TEMPLATE's header), which a
+    rerun may write again."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).decode("utf-8", "replace")
+    except OSError:
+        return False
+    return head.startswith("# python -m jaxmllm.train --config ") and (
+        "\n# Written by: python -m jaxmllm.hf import " in head
+    )
 
 
 def keys_to_set(raw: dict, from_base: bool) -> list[str]:
