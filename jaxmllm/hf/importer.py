@@ -272,7 +272,8 @@ def write_config(
     rest. `tokenizer`: the tokenizer directory when it is not the LLM's. `adapter`: a PEFT
     LoRA adapter of these checkpoints the run starts from (`adapter_sections`: it sets
     model.*.lora and what else trains). `command`: the command line that asked for it, for
-    the file's header (default: one made of these arguments).
+    the file's header (default: one made of these arguments). Every tensor the model will
+    read is checked finite (a NaN or Inf in a checkpoint is refused naming the tensor).
     """
     reads = (llm, vision, audio, tokenizer, model, adapter)
     out = new_file("--out", out, reads, ours=written_by_import)
@@ -294,10 +295,12 @@ def write_config(
     if adapter:
         adapter_sections(raw, adapter, str(out))
     cfg = from_dict(Config, raw, source=str(out))  # the checks the trainer will run
-    for role in ROLES:  # every tensor the model will ask for is there (headers only)
+    for role in ROLES:  # every tensor the model will ask for is there (headers), and finite
         directory = getattr(cfg.model.init_from, role)
         if directory:
-            checkpoint_tensors(cfg, role, directory, f"model.init_from.{role}")
+            ck, *_, names = checkpoint_tensors(cfg, role, directory, f"model.init_from.{role}")
+            for name in sorted(names):
+                ck.check_finite(name)
     out.parent.mkdir(parents=True, exist_ok=True)
     named = raw["data"].get("path") or raw["data"].get("sources")
     data = BUILT_IN if cfg.data.source == "synthetic" else DATA if named else NO_DATA

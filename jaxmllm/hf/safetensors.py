@@ -76,6 +76,30 @@ class CheckpointError(UserError):
     """A checkpoint directory or file that cannot be read; the message names it and why."""
 
 
+# A float's exponent bits all set: Inf or NaN (read on the stored bits, in slices, so a
+# bfloat16 table of a billion entries is scanned without a float copy of it).
+EXPONENT = {"F64": 0x7FF0000000000000, "F32": 0x7F800000, "F16": 0x7C00, "BF16": 0x7F80}
+SCAN = 1 << 24  # elements a slice
+
+
+def first_nonfinite(array: np.ndarray, dtype: str) -> tuple[int, int]:
+    """(how many elements of `array`, stored as safetensors `dtype`, are NaN or Inf, the flat
+    index of the first); (0, -1) for a finite or integer tensor."""
+    mask = EXPONENT.get(dtype)
+    if mask is None:
+        return 0, -1
+    bits = np.dtype(f"<u{array.dtype.itemsize}")
+    flat = array.reshape(-1).view(bits)
+    count, first = 0, -1
+    for begin in range(0, flat.size, SCAN):
+        bad = (flat[begin : begin + SCAN] & bits.type(mask)) == bits.type(mask)
+        n = int(np.count_nonzero(bad))
+        if n and first < 0:
+            first = begin + int(np.argmax(bad))
+        count += n
+    return count, first
+
+
 class SafetensorsFile:
     """One .safetensors file: its header (validated), each tensor a read-only view of a map."""
 
@@ -259,6 +283,23 @@ class Checkpoint:
 
     def dtype(self, name: str) -> str:
         return self._where[name].dtype(name)
+
+    def check_finite(self, name: str, array: np.ndarray | None = None) -> None:
+        """Refuses a tensor holding NaN or Inf (`array`: the tensor, when already read).
+
+        Raises:
+          CheckpointError: naming the tensor, its file, how many entries and the first.
+        """
+        array = self.get(name) if array is None else array
+        count, first = first_nonfinite(array, self.dtype(name))
+        if count:
+            where = np.unravel_index(first, array.shape) if array.shape else ()
+            raise CheckpointError(
+                f"{self.file(name)}: tensor {name} holds {count} NaN or Inf "
+                f"value{'s' * (count > 1)} of {array.size} (the first at "
+                f"{list(map(int, where))}): the checkpoint itself is broken, no setting of "
+                "the run will train from it; use an intact copy of it"
+            )
 
 
 def write_checkpoint(
