@@ -600,10 +600,11 @@ def test_import_refuses_more_layers_than_the_tensors_hold(
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_import_refuses_a_config_json_number_that_is_not_finite(checkpoints, tmp_path, value):
     """config.json's rope_theta NaN (JSON as Python reads it takes NaN and Infinity): imported
-    as it was, it made every loss NaN; refused naming the key of the config it would write."""
+    as it was, it made every loss NaN; refused naming config.json's key."""
     llm, vision = fresh(checkpoints, tmp_path)
     claim(llm, "rope_parameters.rope_theta", value)
-    with pytest.raises(ConfigError, match="model.llm.rope_theta must be a finite number"):
+    with pytest.raises(FamilyError, match=r"config.json: rope_parameters.rope_theta = -?(nan|inf) "
+                       "must be a number above 0 to"):
         write_config(tmp_path / "run.yaml", llm, vision)
     assert not (tmp_path / "run.yaml").exists()
 

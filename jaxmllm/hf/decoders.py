@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from jaxmllm.config.decoder import LayerKind
+from jaxmllm.hf.config_json import MAX_EXPERTS
 from jaxmllm.hf.family import (
     Family,
     FamilyError,
@@ -42,7 +43,6 @@ from jaxmllm.hf.table import DecoderRow, Windows
 from jaxmllm.models.llm import kind_stacks
 
 ROPE_TYPES = {"default": "none", "mrope": "none", "linear": "linear", "llama3": "llama3"}
-MAX_EXPERTS = 1 << 14  # (far past any model's; a damaged config.json's 1e9 would allocate)
 # How a checkpoint may lay out a mixture of experts' routed experts (`moe_links`): one Linear
 # each (experts.{j}.gate_proj, up_proj, down_proj), fused (experts.gate_up_proj [E, 2f, width],
 # experts.down_proj [E, width, f]), or fused and maybe each transposed (the hub's Qwen3-VL-MoE)

@@ -100,6 +100,16 @@ class Qwen35(Decoders):
         theta, scaling = rope_section(hf, where, partial=True)
         params = hf.get("rope_parameters") or {}
         fraction = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+        rotary = int(head_dim * fraction)  # (transformers' width: its frequencies span it)
+        refuse_unless(
+            rotary > 0 and rotary % 2 == 0,
+            where,
+            f"partial_rotary_factor {fraction:g} of head_dim {head_dim} gives a rotary width of "
+            f"{rotary} channels: transformers rotates {rotary + rotary % 2} of them at "
+            f"frequencies spaced for {rotary}, which no even split of a head reproduces; "
+            "jaxmllm imports a factor whose width is a whole even number of channels (is "
+            "this config.json's head_dim or partial_rotary_factor not the model's?)",
+        )
         out = {
             "vocab_size": int(read(hf, "vocab_size", where)),
             "width": width,

@@ -8,6 +8,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from jaxmllm.hf.config_json import check_values
 from jaxmllm.hf.family import Family, FamilyError
 from jaxmllm.hf.whole import Part
 from jaxmllm.hf.whole_config import TOWERS
@@ -18,52 +19,12 @@ FAMILIES: tuple[Family, ...] = (*DECODERS.values(), *TOWERS)
 ROLES = ("llm", "vision", "audio")
 
 
-# The sizes a config.json gives (at the top, or in a text_config / vision_config), each a whole
-# number from 1 to its bound: far above any real model, far below what would allocate or loop
-# until the machine gives out (vocab_size 1e12, num_hidden_layers 1e9; heads 0 divides by zero).
-MAX_VOCAB, MAX_WIDTH, MAX_LAYERS, MAX_HEADS = 1 << 24, 1 << 18, 1024, 4096
-MAX_EXPERTS = 1 << 14
-SIZES = {
-    **dict.fromkeys(("vocab_size",), MAX_VOCAB),
-    **dict.fromkeys(
-        (
-            "hidden_size",
-            "intermediate_size",
-            "head_dim",
-            "d_model",
-            "embed_dim",
-            "encoder_ffn_dim",
-            "moe_intermediate_size",
-            "shared_expert_intermediate_size",
-            "linear_key_head_dim",
-            "linear_value_head_dim",
-            "out_hidden_size",
-        ),
-        MAX_WIDTH,
-    ),
-    **dict.fromkeys(("linear_num_key_heads", "linear_num_value_heads"), MAX_HEADS),
-    **dict.fromkeys(("linear_conv_kernel_dim",), 64),
-    **dict.fromkeys(("num_experts_per_tok", "decoder_sparse_step"), MAX_EXPERTS),
-    **dict.fromkeys(("num_hidden_layers", "depth", "encoder_layers"), MAX_LAYERS),
-    **dict.fromkeys(
-        ("num_attention_heads", "num_key_value_heads", "num_heads", "encoder_attention_heads"),
-        MAX_HEADS,
-    ),
-    **dict.fromkeys(("patch_size", "num_mel_bins"), 1 << 12),
-    **dict.fromkeys(("image_size", "max_source_positions", "num_position_embeddings"), 1 << 20),
-    **dict.fromkeys(
-        ("spatial_merge_size", "in_channels", "num_channels", "temporal_patch_size"), 64
-    ),
-}
-SECTIONS = ("text_config", "vision_config", "audio_config")
-
-
 def read_hf_config(directory: str | Path) -> dict:
-    """A checkpoint directory's config.json, its sizes checked (`SIZES`).
+    """A checkpoint directory's config.json, its values checked (`jaxmllm.hf.config_json`).
 
     Raises:
       FamilyError: naming the directory when there is no readable config.json, or the file
-        and the key of a size that is not a whole number within its bounds.
+        and the key of a value of the wrong kind or out of its range.
     """
     path = Path(directory) / "config.json"
     try:
@@ -76,18 +37,7 @@ def read_hf_config(directory: str | Path) -> dict:
         raise FamilyError(f"{path}: not valid JSON ({e})"[:500]) from None
     if not isinstance(hf, dict):
         raise FamilyError(f"{path}: not a JSON object")
-    for prefix, part in [("", hf)] + [(f"{k}.", hf[k]) for k in SECTIONS if k in hf]:
-        if not isinstance(part, dict):
-            raise FamilyError(f"{path}: {prefix[:-1]} must be an object")
-        for key, most in SIZES.items():
-            value = part.get(key)
-            if value is not None and not (
-                isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= most
-            ):
-                raise FamilyError(
-                    f"{path}: {prefix}{key} = {value!r:.40} must be a whole number from 1 to "
-                    f"{most} (this checkpoint's config.json is damaged or not a model's)"
-                )
+    check_values(hf, path)
     return hf
 
 
@@ -96,7 +46,10 @@ def section_of(role: str, hf: dict, where: str) -> dict:
     `section`, with any value it cannot read (a string for a number) a FamilyError."""
     family = family_for(role, hf, where)
     try:
-        return family.section(hf)
+        section = family.section(hf)
+        if role == "llm":
+            _heads_agree(section, where)
+        return section
     except FamilyError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError) as e:
@@ -105,6 +58,28 @@ def section_of(role: str, hf: dict, where: str) -> dict:
                 :500
             ]
         ) from None
+
+
+def _heads_agree(llm: dict, where: str) -> None:
+    """Refuses a decoder's config.json whose head counts or rotary sections disagree, naming
+    its keys (the model config's own check would name ours, and advise what would change the
+    model: a checkpoint's values are the model's, or damaged)."""
+    heads, kv = llm["heads"], llm["kv_heads"]
+    if heads % kv:
+        raise FamilyError(
+            f"{where}: config.json's num_attention_heads {heads} is not a multiple of its "
+            f"num_key_value_heads {kv}: no attention groups its heads so (the config.json is "
+            "damaged or not this checkpoint's)"
+        )
+    head = llm.get("head_dim") or llm["width"] // heads
+    rotary = int(head * llm.get("rotary_fraction", 1.0))
+    sections = llm.get("mrope_section") or ()
+    if any(sections) and sum(sections) * 2 != rotary:
+        raise FamilyError(
+            f"{where}: config.json's mrope_section {list(sections)} sums to {sum(sections)}, "
+            f"and must to half the {rotary} rotary channels of each head ({rotary // 2}): the "
+            "config.json is damaged or not this checkpoint's"
+        )
 
 
 def family_for(role: str, hf: dict, where: str = "", names: Sequence[str] = ()) -> Family:

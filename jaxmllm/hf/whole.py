@@ -19,7 +19,7 @@ import functools
 import json
 from typing import Any
 
-from jaxmllm.hf.family import Family, Link, renamed
+from jaxmllm.hf.family import Family, FamilyError, Link, renamed
 
 
 class Whole:
@@ -58,7 +58,7 @@ class Whole:
         sub = dict(hf.get(key) or {})
         if role == "llm" and "tie_word_embeddings" in hf:
             sub["tie_word_embeddings"] = hf["tie_word_embeddings"]
-        return with_defaults(sub)
+        return with_defaults(sub, f"config.json's {key}")
 
     def inner(self, role: str, hf: dict) -> Family:
         """The family that reads a part's own config and tensors."""
@@ -130,24 +130,36 @@ class Whole:
         return None
 
 
-def with_defaults(config: dict) -> dict:
+def with_defaults(config: dict, where: str = "config.json") -> dict:
     """A part's config with every key its transformers config class fills by default (as
     transformers reads it): LLaVA-1.5's text_config names little beyond its model_type, the
     rest are LlamaConfig's defaults. Without transformers installed, the config as it is (a
-    key it lacks is then refused naming it)."""
-    return copy.deepcopy(_with_defaults(json.dumps(config, sort_keys=True)))
+    key it lacks is then refused naming it).
+
+    Raises:
+      FamilyError: a value transformers' config class refuses (a name where a number
+        belongs), naming `where` and the key.
+    """
+    return copy.deepcopy(_with_defaults(json.dumps(config, sort_keys=True), where))
 
 
 @functools.lru_cache(maxsize=64)
-def _with_defaults(text: str) -> dict:  # (asked once per tensor name a load leaves alone)
+def _with_defaults(text: str, where: str) -> dict:  # (once per tensor a load leaves alone)
     config = json.loads(text)
     try:
+        from huggingface_hub.errors import StrictDataclassError
         from transformers import AutoConfig
     except ImportError:
         return config
     rest = {k: v for k, v in config.items() if k != "model_type"}
     try:
         full = AutoConfig.for_model(config.get("model_type"), **rest).to_dict()
+    except StrictDataclassError as e:  # (transformers 5 checks each value's type)
+        why = " ".join(str(e.__cause__ or e).split())
+        raise FamilyError(
+            f"{where}: {why} (transformers refuses it: the checkpoint's config.json is "
+            "damaged or not a model's)"
+        ) from None
     except (ValueError, KeyError, TypeError):  # (a model_type transformers does not know)
         return config
     return {**full, **config}
