@@ -135,3 +135,14 @@ def test_a_partial_rotary_width_transformers_truncates_to_an_even_one_is_its_mod
     )
     (result,) = check_all(str(tmp_path / "qwen3_5"), "llm", tokens=16)
     assert result["max_abs_diff"] < 1e-3, result
+
+
+@pytest.mark.torch
+def test_a_video_capable_tower_imports_taking_videos(built, tmp_path, capsys):
+    """Qwen2-VL's tower has a temporal patch: the import set model.vision.video false, and
+    the user's videos, accepted by `hf check --data` and the index, were refused by training."""
+    import yaml
+
+    assert imported(built, tmp_path, capsys, "qwen2_vl", "model_type", "qwen2_vl")[0] == 0
+    vision = yaml.safe_load((tmp_path / "run.yaml").read_text())["model"]["vision"]
+    assert vision["temporal_patch"] == 2 and vision["video"] is True

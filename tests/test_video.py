@@ -530,6 +530,22 @@ def test_videos_need_the_vision_encoder_to_take_them(tmp_path):
         )
 
 
+def test_the_index_says_when_training_would_refuse_its_videos(tmp_path, capsys):
+    """The index accepted the user's videos and only training refused them: the index says
+    so when it has counted them, naming the key (exit 2; its sizes were for images only)."""
+    from jaxmllm.data.index import main
+
+    write_video(tmp_path / "a.mp4", moving_frames(20, 32, 48), fps=10)
+    manifest = _manifest(tmp_path, [{"id": "v", "text": "<video>x", "videos": ["a.mp4"]}])
+    sets = ["data.source=jsonl", f"data.path={manifest}", "data.video_fps=4", *VIDEO]
+    sets += ["data.video_frame_min_pixels=64", "data.video_max_pixels=8192"]
+    argv = ["--config", "configs/tiny.yaml", "--workers", "0", "--set", *sets]
+    assert main([*argv, "model.vision.video=false"]) == 2
+    err = capsys.readouterr().err
+    assert "has 1 video(s), but model.vision.video is false" in err, err
+    assert main(argv) == 0
+
+
 def test_oversize_videos_shrink_then_cut_or_skip(tmp_path):
     """A video too long for the LLM row: shrink lowers its pixel budget, then keeps its first
     temporal patches; skip drops it; every one counted at start-up."""

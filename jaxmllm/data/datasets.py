@@ -204,3 +204,14 @@ def acceptance_problem(summary: dict, min_accept: float) -> str | None:
     for hint in (summary.get("format_hint"), summary.get("media_hint")):
         why += f". {hint}" if hint else ""
     return why
+
+
+def check_videos(cfg: Config, videos: int, where: str = "") -> None:
+    """Stops the run when the data (the data set at `where`) has videos and the vision encoder
+    does not take them."""
+    if videos and not (cfg.model.vision.enabled and cfg.model.vision.video):
+        raise ConfigError(
+            f"the data ({where or cfg.data.path or cfg.data.source}) has {videos} video(s), but "
+            "model.vision.video is false: set model.vision.video: true (and "
+            "model.vision.enabled), or use data without videos"
+        )

@@ -61,6 +61,7 @@ from jaxmllm.data.datasets import (
     acceptance_problem,
     check_index_dirs,
     check_objective,
+    check_videos,
     data_sets,
     eval_set,
     index_dir,
@@ -280,6 +281,7 @@ def summarize(
         "rejected": rejected,
         "rejects": dict(order),
         "examples": {reason: examples[reason] for reason, _ in order},
+        "videos": len(videos),
         "percentiles": {k: _percentiles(v) for k, v in stats.items()},
     }
 
@@ -380,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
                 cfg, ds, workers=args.workers, decode=args.decode, ray=args.ray
             )
             print("\n".join(report(summary)))
+            if args.config:  # (what training would refuse, said now: the index's sizes too)
+                check_videos(cfg, summary["videos"], ds.path)
             problem = acceptance_problem(summary, cfg.data.min_accept)
             if problem:
                 failed.append(f"{ds.path}: {problem}")

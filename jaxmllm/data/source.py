@@ -26,6 +26,7 @@ from jaxmllm.data.datasets import (
     acceptance_problem,
     check_index_dirs,
     check_objective,
+    check_videos,
     data_sets,
     eval_set,
     index_command,
@@ -398,17 +399,6 @@ def open_frame_cache(cfg: Config, ds: DataSet, out: Path) -> FrameCache:
     cache = FrameCache(folder)
     log.info("frame cache %s: %d videos (the others are decoded, counted)", folder, len(cache))
     return cache
-
-
-def check_videos(cfg: Config, videos: int, where: str = "") -> None:
-    """Stops the run when the data (the data set at `where`) has videos and the vision encoder
-    does not take them."""
-    if videos and not (cfg.model.vision.enabled and cfg.model.vision.video):
-        raise ConfigError(
-            f"the data ({where or cfg.data.path or cfg.data.source}) has {videos} video(s), but "
-            "model.vision.video is false: set model.vision.video: true (and "
-            "model.vision.enabled), or use data without videos"
-        )
 
 
 def make_source(

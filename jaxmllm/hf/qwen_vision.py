@@ -89,6 +89,8 @@ class QwenTower(Family):
             "positions": "rope",
             "patch_bias": False,
             "temporal_patch": int(hf.get("temporal_patch_size", 2)),
+            # (a video-capable patch embedding: the import takes what the family takes)
+            "video": int(hf.get("temporal_patch_size", 2)) > 1,
             "projector_dim": width * merge * merge,
             "projector_act": "gelu",
             **self.blocks(hf, where, width, merge),
