@@ -151,7 +151,8 @@ def test_step_exchanges_by_all_to_all_and_compiles_once_over_50_steps():
     ["trainable_projector", pytest.param("nothing_trainable", marks=pytest.mark.slow)],
 )
 def test_frozen_encoder_costs_match_the_cost_model(below):
-    """XLA's own FLOP count: a frozen encoder runs forward only (1x instead of 3x)."""
+    """XLA's FLOP count of the lowered programs: a frozen encoder runs forward only (1x instead
+    of 3x)."""
     extra = [
         "model.audio.enabled=false",
         "data.synthetic.audio_fraction=0",
@@ -170,7 +171,14 @@ def test_frozen_encoder_costs_match_the_cost_model(below):
     host = next(make_pipeline(run, prefetch=0))["batch"]
 
     def flops(c, fn):
-        return fn.lower(host).compile().cost_analysis()["flops"]
+        """Of the program JAX hands XLA, uncompiled (a frozen encoder's backward must be absent
+        already there; no compile), or compiled where the platform counts none before it (a
+        PJRT plugin's: a GPU)."""
+        lowered = fn.lower(host)
+        try:
+            return lowered.cost_analysis()["flops"]
+        except NotImplementedError:
+            return lowered.compile().cost_analysis()["flops"]
 
     def step_flops(c):
         prog_parts = model_parts(c)[0]

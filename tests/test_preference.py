@@ -253,8 +253,9 @@ def one_by_one(setup):
     s = setup.state
     ref_params = reference_weights(s["params"], s["frozen"], s["reference"])
     with jax.set_mesh(setup.run.mesh):
-        pol = jax.jit(fn)(s["params"], s["frozen"])
-        ref = jax.jit(fn)(*ref_params)
+        sums = jax.jit(fn)
+        pol = sums(s["params"], s["frozen"])
+        ref = sums(*ref_params)
     return fn, owners, pol, ref
 
 
