@@ -158,8 +158,8 @@ def test_config_json_sizes_are_checked_before_anything_is_built(tmp_path, monkey
             config_for("llm", str(source))
         assert time.monotonic() - start < BACKSTOP_S
     (source / "config.json").write_text(json.dumps({**good, "rms_norm_eps": "tiny"}))
-    with pytest.raises(FamilyError, match="cannot read"):
-        model_section(str(source))
+    with pytest.raises(FamilyError, match="config.json: rms_norm_eps = 'tiny' must be a number"):
+        model_section(str(source))  # (its kind checked with the sizes: jaxmllm.hf.config_json)
     (source / "config.json").write_text(json.dumps([good]))
     with pytest.raises(FamilyError, match="not a JSON object"):
         model_section(str(source))
