@@ -14,16 +14,14 @@ from pathlib import Path
 from jaxmllm.config.checks import ConfigError
 
 
-def _link(flag: str, path: Path, what: str) -> ConfigError:
-    target = os.readlink(path)
-    return ConfigError(
-        f"{flag} {path} is a symbolic link (to {target}): name the {what} itself "
-        "(a command never writes through a link)"
-    )
-
-
-def _blocked(flag: str, path: Path) -> None:
-    """Refuses a path one of whose folders is an existing file."""
+def _placed(flag: str, path: str | Path, what: str) -> Path:
+    """`path` as a Path, refused when it is a symbolic link or one of its folders is a file."""
+    path = Path(path)
+    if path.is_symlink():
+        raise ConfigError(
+            f"{flag} {path} is a symbolic link (to {os.readlink(path)}): name the {what} itself "
+            "(a command never writes through a link)"
+        )
     for folder in path.parents:
         if folder.exists() or folder.is_symlink():
             if not folder.is_dir():
@@ -31,7 +29,8 @@ def _blocked(flag: str, path: Path) -> None:
                     f"{flag} {path}: {folder} is a file, not a directory: name a path under "
                     "a directory"
                 )
-            return
+            break
+    return path
 
 
 def _inside(flag: str, path: Path, reads: Iterable[str | Path]) -> None:
@@ -61,10 +60,7 @@ def new_file(
     Raises:
       ConfigError: naming `flag`, the path and what to give instead.
     """
-    path = Path(path)
-    if path.is_symlink():
-        raise _link(flag, path, "file")
-    _blocked(flag, path)
+    path = _placed(flag, path, "file")
     if path.is_dir():
         raise ConfigError(
             f"{flag} {path} is a directory: name the file to write (e.g. {path / 'config.yaml'})"
@@ -78,17 +74,14 @@ def new_file(
     return path
 
 
-def new_folder(flag: str, path: str | Path, reads: Iterable[str | Path] = ()) -> Path:
-    """`path`, a folder the command may fill: new or empty; not a link, a file, a path under a
-    file or inside one of the directories in `reads`.
+def new_folder(flag: str, path: str | Path) -> Path:
+    """`path`, a folder the command may fill: new or empty; not a link, a file or a path under
+    a file.
 
     Raises:
       ConfigError: naming `flag`, the path and what to give instead.
     """
-    path = Path(path)
-    if path.is_symlink():
-        raise _link(flag, path, "directory")
-    _blocked(flag, path)
+    path = _placed(flag, path, "directory")
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{flag} {path} is a file: name a directory to write (new or empty)")
     if path.is_dir() and any(path.iterdir()):
@@ -96,7 +89,6 @@ def new_folder(flag: str, path: str | Path, reads: Iterable[str | Path] = ()) ->
             f"{flag} {path} is not empty: name a new directory (nothing is written into an "
             "existing one)"
         )
-    _inside(flag, path, reads)
     return path
 
 
