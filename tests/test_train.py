@@ -253,6 +253,7 @@ def test_a_run_whose_checkpoints_are_all_damaged_stops_with_one_error_and_no_tra
     """Each failed restore leaves orbax's other reads of that checkpoint in flight, finishing
     after orbax closed their event loop: counted by jaxmllm.process.late_io, not printed (73
     "Event loop is closed" tracebacks before)."""
+    import gc
     import shutil
     import time
 
@@ -269,6 +270,7 @@ def test_a_run_whose_checkpoints_are_all_damaged_stops_with_one_error_and_no_tra
         time.sleep(0.1)
         if late_io.late_completions() != seen:
             settled, seen = time.monotonic(), late_io.late_completions()
+    gc.collect()  # (abandoned reads that failed on the loop log "never retrieved" when collected)
     err = capfd.readouterr().err
     assert "Event loop is closed" not in err and "Traceback" not in err, err[-2000:]
 
@@ -335,6 +337,41 @@ def test_late_completions_of_abandoned_reads_are_counted_and_others_passed_on(mo
 
     Other()  # (its __del__'s exception is unraisable too)
     assert passed_on == ["other"]
+
+
+def test_reads_that_fail_after_the_restore_raised_are_counted_and_other_records_logged(caplog):
+    """The other ending: an abandoned read fails while orbax's loop still runs, so its task
+    holds an exception no one retrieves, which asyncio logs with a traceback when the task is
+    collected (CI, under load). Counted instead; asyncio's other records are logged."""
+    import asyncio
+    import gc
+    import logging
+
+    import tensorstore as ts
+    from orbax.checkpoint._src import asyncio_utils
+
+    from jaxmllm.process import late_io
+
+    late_io.install()
+    promise, future = ts.Promise.new()
+
+    async def restore():
+        asyncio.ensure_future(future)  # one of the checkpoint's reads, in flight
+        await asyncio.sleep(0)
+        promise.set_exception(ValueError("OUT_OF_RANGE: a damaged array"))
+        await asyncio.sleep(0.05)  # it fails on the loop ...
+        raise ValueError("another read failed")  # ... after the restore gave up
+
+    before = late_io.late_completions()
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        with pytest.raises(ValueError, match="another read failed"):
+            asyncio_utils.run_sync(restore())
+        del promise, future
+        gc.collect()
+        assert late_io.late_completions() == before + 1
+        assert "never retrieved" not in caplog.text
+        logging.getLogger("asyncio").error("Task exception was never retrieved (another task)")
+    assert "(another task)" in caplog.text
 
 
 def test_format_stamp_tells_per_layer_from_scanned_layers():

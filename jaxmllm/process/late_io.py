@@ -10,10 +10,19 @@ loop's `call_soon_threadsafe` from tensorstore's thread, and Python prints the R
 that named three damaged checkpoints of the tiny config (orbax 0.12.8, tensorstore 0.1.86). A
 save that failed on a full disk leaves its other writes the same way.
 
+A read that fails while the loop still runs, after the coroutine has already raised, ends
+the other way: its task holds an exception no one will retrieve, and asyncio logs "Task
+exception was never retrieved" with a traceback and the read's whole TensorStore spec when the
+collector frees it, whenever that is (a loaded machine's CI printed these inside a later
+test's output).
+
 Nothing is lost with them: the operation they belonged to has already failed and been
 reported (`restore_latest`'s warning, `SaveError`). `install` puts a hook in front of Python's
-that counts exactly these (that exception, raised in asyncio's `call_soon_threadsafe`) and
-logs the first; every other unraisable exception goes to the hook that was there before.
+that counts exactly the first kind (that exception, raised in asyncio's
+`call_soon_threadsafe`), and a filter on asyncio's logger that counts exactly the second (a
+task awaiting a TensorStore future whose exception was never retrieved); the first of either
+is logged once. Every other unraisable exception goes to the hook that was there before, and
+every other asyncio record is logged as it was.
 """
 
 from __future__ import annotations
@@ -48,26 +57,55 @@ def is_late_completion(unraisable) -> bool:
     return False
 
 
+def is_unretrieved_read(record: logging.LogRecord) -> bool:
+    """asyncio's "Task exception was never retrieved" for a task that awaited a TensorStore
+    future (one of orbax's reads or writes), told by the future held in the failed frames."""
+    if not str(record.msg).startswith("Task exception was never retrieved"):
+        return False
+    if not record.exc_info or record.exc_info[2] is None:
+        return False
+    import tensorstore as ts
+
+    tb = record.exc_info[2]
+    while tb is not None:
+        if any(isinstance(v, ts.Future) for v in tb.tb_frame.f_locals.values()):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _count() -> None:
+    global _late
+    with _lock:
+        _late += 1
+        first = _late == 1
+    if first:
+        log.info(
+            "checkpoint reads or writes that orbax abandoned when the operation failed "
+            "finished after it raised; counted, not printed (jaxmllm.process.late_io)"
+        )
+
+
+def _unretrieved_filter(record: logging.LogRecord) -> bool:
+    if is_unretrieved_read(record):
+        _count()
+        return False
+    return True
+
+
 def install() -> None:
-    """Puts the counting hook in front of sys.unraisablehook (once per process)."""
+    """Puts the counting hook in front of sys.unraisablehook and the counting filter on
+    asyncio's logger (once per process)."""
     previous = sys.unraisablehook
     if getattr(previous, "_jaxmllm_late_io", False):
         return
 
     def hook(unraisable):
-        global _late
         if not is_late_completion(unraisable):
             previous(unraisable)
             return
-        with _lock:
-            _late += 1
-            first = _late == 1
-        if first:
-            log.info(
-                "checkpoint reads or writes that orbax abandoned when the operation failed "
-                "finished after it closed their event loop; counted, not printed "
-                "(jaxmllm.process.late_io)"
-            )
+        _count()
 
     hook._jaxmllm_late_io = True
     sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_unretrieved_filter)
