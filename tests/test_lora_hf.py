@@ -31,9 +31,14 @@ LINEAR = r"model\.language_model\.layers\.\d+\.linear_attn\.(in_proj_(qkv|z|b|a)
 
 def peft_adapter(source: str, out: Path, seed: int = 0, **options) -> str:
     """An adapter of the checkpoint as peft writes one, its A and B at random (a trained
-    adapter's), the modules it saves whole moved off the checkpoint's."""
+    adapter's), the modules it saves whole moved off the checkpoint's. The same adapter each
+    run: peft draws A from torch's global generator, seeded here (unseeded, each run checked
+    another adapter; one draw in CI put Qwen2-VL's packed video sample 1.14e-4 off, others 3e-5
+    to 8e-5: fp32's rounding, which a large adapter makes larger there, on both sides, since
+    transformers' own fp32 logits of that sample are 3.6e-5 off its fp64 ones, 1.2e-5 elsewhere)."""
     model = transformers.AutoModelForImageTextToText.from_pretrained(source)
     config = peft.LoraConfig(init_lora_weights=False, **options)
+    torch.manual_seed(seed)
     wrapped = peft.get_peft_model(model, config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
