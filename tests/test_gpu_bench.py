@@ -129,13 +129,13 @@ def test_the_plan_fits_its_budget_most_valuable_first(minutes):
         command = call.command()
         assert len(command) <= gpu_plan.COMMAND_CHARS and f"--budget {call.budget_s} " in command
         assert call.timeout_s >= call.budget_s + gpu_plan.SETUP_S
-    if minutes == 26:
-        assert planned[:3] == ["env", "tests/cudnn", "recipe/cudnn/save_dots_except_mlp"]
-        assert [c.name for c in calls[0].cases][:3] == planned[:3]  # (all in the first call)
-        assert len([n for n in planned if n.startswith(("recipe/", "moe/"))]) >= 4
-        assert "attention" in planned
+    recipes = [call for call in calls if call.cases[0].name.startswith("recipe/")]
+    if minutes == 26:  # (a recipe case's compile took a call of its own on an H100)
+        assert planned[:3] == ["env", "tests/cudnn", "attention"]
+        assert [c.name for c in calls[0].cases] == planned[:3]  # (all in the first call)
+        assert [len(call.cases) for call in recipes] == [1]
     if minutes == 60:
-        assert not left_out
+        assert len(recipes) == 4
 
 
 def test_plan_prints_the_calls_to_make(capsys):
