@@ -1,12 +1,12 @@
-"""The GPU campaign: what a lent GPU should measure, case by case, within one GPU's memory.
+"""The GPU campaign: what a GPU should measure, case by case, within one GPU's memory.
 
     python -m jaxmllm.bench.gpu --plan [--budget-minutes 26]        the device calls to make
     python -m jaxmllm.bench.gpu --wheels DIR [--video]              what the GPU image lacks
     python -m jaxmllm.bench.gpu --out DIR [--parts env,tests,...] [--cases REGEX] [--budget S]
         [--timeout 480] [--cache DIR] [--smoke] [--list]
 
-`--plan` prints the device calls that fit a lent GPU's time (`jaxmllm.bench.gpu_plan`: calls of
-at most 10 minutes, a fresh machine's start before each, most valuable cases first) with the
+`--plan` splits the campaign into short jobs (`jaxmllm.bench.gpu_plan`: jobs of at most 10
+minutes, a fresh node's start before each, most valuable cases first) with the
 exact command of each; `--wheels` downloads the wheels that GPU image lacks (grain,
 array-record, portpicker, soundfile, cffi; PyAV with --video) into DIR and prints their sizes.
 
@@ -17,7 +17,7 @@ not started (a row says so), and one still running when the budget ends is stopp
 around it never outlasts its limit. Rows go to DIR/rows.jsonl the moment they are measured (a
 recipe's step time and MFU before its profile: a failure there keeps them); after every case
 DIR/report.md holds the tables so far and how long each case took, and DIR holds only what a
-lent GPU gives back (`LIMITS`: rows.jsonl, report.md, log.txt and hlo.zip, each bounded). The
+remote job copies back (`LIMITS`: rows.jsonl, report.md, log.txt and hlo.zip, each bounded). The
 memory share JAX takes of the GPU is set to 0.9 (`xla_flags.set_memory_fraction`, the variable
 the installed jaxlib reads) unless the environment sets it.
 
@@ -64,8 +64,9 @@ from pathlib import Path
 from jaxmllm.bench import gpu_plan
 from jaxmllm.bench.gpu_cases import PARTS, Case, cases
 
-# What a lent GPU gives back of a command's output folder: at most 8 files of 16 MiB, 64 MiB
-# in all, no deeper than 2 folders, names of letters, digits, '.', '_' and '-'.
+# What a short job on a remote node copies back of its output folder (`--plan`'s jobs): at
+# most 8 files of 16 MiB, 64 MiB in all, no deeper than 2 folders, names of letters, digits,
+# '.', '_' and '-'.
 LIMITS = {"files": 8, "file_bytes": 16 << 20, "bytes": 64 << 20, "depth": 2}
 LOG_TAIL = 256 << 10  # of each case's output, the end kept in log.txt
 LOG_MAX = 8 << 20  # log.txt's size, past which a case's output is left out
@@ -151,15 +152,14 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def write_report(out: Path) -> None:
-    """Writes `report.md` in `out` from its `rows.jsonl`: what a lent GPU's run gives back to
-    read."""
+    """Writes `report.md` in `out` from its `rows.jsonl`: the tables a run leaves to read."""
     from jaxmllm.bench.gpu_report import report
 
     (out / "report.md").write_text(report(read_rows(out / "rows.jsonl")))
 
 
 def over_limits(out: Path) -> list[str]:
-    """What under `out` a lent GPU would not give back (`LIMITS`), each named."""
+    """What under `out` a remote job would not copy back (`LIMITS`), each named."""
     found = [p for p in out.rglob("*") if p.is_file()]
     problems = []
     if len(found) > LIMITS["files"]:
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     write_report(out)
     print((out / "report.md").read_text())
     for problem in over_limits(out):
-        print(f"warning: {out}: {problem}: a lent GPU would not give it back")
+        print(f"warning: {out}: {problem}: a remote job would not copy it back")
     ended = [r for r in rows if r.get("kind") == "case"]
     failed = [r for r in ended if r.get("error")]
     skipped = [r for r in ended if r.get("skip")]

@@ -1,16 +1,16 @@
-"""The GPU campaign fitted to what a lent GPU allows (`python -m jaxmllm.bench.gpu --plan`), and
-the wheels its machine lacks (`--wheels DIR`).
+"""The GPU campaign split into short jobs (`python -m jaxmllm.bench.gpu --plan`), and the
+wheels a node without a package index lacks (`--wheels DIR`).
 
-A lent GPU (one H100 of 80 GB, lent to some of this project's sessions) gives 30 device-minutes
-at most, counted from each machine's start, starts no machine with under 4
-minutes left, takes one command at most 10 minutes, and gives the machine back 30 s after a
-command: every call starts a fresh machine (a minute or two, an empty compile cache), with no
-package registry. So the campaign is a few calls of at most 10 minutes, each naming the cases
-it runs and a `--budget` that stops it starting a case it cannot finish before the call's
-limit; the most valuable cases go first, and the plan's calls, a start each, fit the budget.
+The jobs it plans for: GPU time in short jobs (by default 26 usable minutes in all, counted
+from each node's start), one job at most 10 minutes, each on a fresh node (a minute or two to
+start, an empty compile cache) with no package index. So the campaign is a few jobs (calls)
+of at most 10 minutes, each naming the cases it runs and a `--budget` that stops it starting a
+case it cannot finish before the job's limit; the most valuable cases go first, and the
+plan's jobs, a node's start each, fit the budget.
 
-Its image has Python 3.12 with jax 0.11.2 and most of what jaxmllm imports; what it lacks
-travels with the working tree as wheels (`WHEELS`), installed by each call's first command.
+The GPU image it was written for has Python 3.12 with jax 0.11.2 and most of what jaxmllm
+imports; what it lacks travels with the working tree as wheels (`WHEELS`), installed by each
+job's first command.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from jaxmllm.bench.gpu_cases import Case
 
-BUDGET_S = 26 * 60  # usable device time: 30 minutes, less the 4 no machine starts in
+BUDGET_S = 26 * 60  # usable GPU time by default (--budget-minutes)
 CALL_S = 600  # one command's limit
 START_S = 120  # a machine's start, before each call's command (a fresh one every call)
 SETUP_S = 30  # a call's command before the campaign's clock: the wheels' install, Python
@@ -80,7 +80,7 @@ class Call:
     def command(self, out: str = "$OUT") -> str:
         """The shell command a device call runs: install the carried wheels, set PYTHONPATH, run
         the campaign on exactly these cases with this call's budget, writing into `out` ($OUT,
-        the folder a lent GPU gives back)."""
+        the folder a job copies back)."""
         names = "|".join(re.escape(c.name) for c in self.cases)
         campaign = ["python3", "-m", "jaxmllm.bench.gpu", "--out", out]
         campaign += ["--budget", str(self.budget_s), "--cases", f"^({names})$"]
