@@ -115,8 +115,8 @@ def test_every_case_remat_fits_the_memory_a_run_takes():
 
 @pytest.mark.parametrize("minutes", [26, 15, 60])
 def test_the_plan_fits_its_budget_most_valuable_first(minutes):
-    """The calls' timeouts and a machine's start each fit the budget, no call passes the
-    device's 10 minutes, each case is in one call once, in the campaign's order."""
+    """The jobs' limits and a node's start each fit the budget, no job passes its 10 minutes,
+    each case is in one job once, in the campaign's order."""
     todo = cases(list(PARTS), True, False)
     budget = minutes * 60
     calls, left_out = gpu_plan.plan(todo, budget)
@@ -126,26 +126,46 @@ def test_the_plan_fits_its_budget_most_valuable_first(minutes):
     assert sorted(planned + [c.name for c in left_out]) == sorted(c.name for c in todo)
     assert planned == [c.name for c in todo if c.name in planned]  # (the campaign's order)
     for call in calls:
-        command = call.command()
+        command = call.command("out")
         assert len(command) <= gpu_plan.COMMAND_CHARS and f"--budget {call.budget_s} " in command
         assert call.timeout_s >= call.budget_s + gpu_plan.SETUP_S
     recipes = [call for call in calls if call.cases[0].name.startswith("recipe/")]
-    if minutes == 26:  # (a recipe case's compile took a call of its own on an H100)
+    if minutes == 26:  # (a recipe case's compile took a job of its own on an H100)
         assert planned[:3] == ["env", "tests/cudnn", "attention"]
-        assert [c.name for c in calls[0].cases] == planned[:3]  # (all in the first call)
+        assert [c.name for c in calls[0].cases] == planned[:3]  # (all in the first job)
         assert [len(call.cases) for call in recipes] == [1]
     if minutes == 60:
         assert len(recipes) == 4
 
 
-def test_plan_prints_the_calls_to_make(capsys):
-    assert main(["--plan"]) == 0
+def test_plan_prints_each_job_as_a_shell_command_within_the_limits_asked(capsys):
+    """Every line of the plan is a comment or a command a shell runs as printed (each job's
+    campaign under `timeout`, into its own folder or $OUT), within --plan-seconds and
+    --job-seconds; nothing says where the GPU comes from."""
+    import shlex
+
+    assert main(["--plan", "--plan-seconds", "1500", "--job-seconds", "400"]) == 0
     text = capsys.readouterr().out
-    assert "python -m jaxmllm.bench.gpu --wheels .whl" in text
-    commands = [line for line in text.splitlines() if line.startswith("python3 -m pip install")]
-    calls = [line for line in text.splitlines() if line.startswith("# Call ")]
-    assert len(commands) == len(calls) >= 2 and "carry=['.whl']" in calls[0]
-    assert all("--out $OUT --budget" in c for c in commands)
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert lines[0] == "python -m jaxmllm.bench.gpu --wheels .whl"
+    jobs = [line for line in text.splitlines() if line.startswith("# Job ")]
+    assert len(lines) - 1 == len(jobs) >= 2
+    for i, (line, job) in enumerate(zip(lines[1:], jobs, strict=True), 1):
+        words = shlex.split(line)  # (quotes balanced: a shell reads it as printed)
+        limit = int(re.search(r"at most (\d+) s", job).group(1))
+        assert limit <= 400 and words[:3] == ["python3", "-m", "pip"]
+        timeout = words.index("timeout")
+        assert int(words[timeout + 1]) < limit and words[timeout + 2 : timeout + 5] == [
+            "python3",
+            "-m",
+            "jaxmllm.bench.gpu",
+        ]
+        assert f'--out "${{OUT:-gpu-job{i}}}"' in line
+    total = int(re.search(r"(\d+) s of a 1500 s budget", text).group(1))
+    assert total <= 1500
+    assert not re.search(r"\b(lent|lend|carry|run\(|device calls?)\b", text)
+    with pytest.raises(SystemExit):
+        main(["--plan", "--job-seconds", "0"])
 
 
 def test_the_docs_show_the_plan_as_it_prints(capsys):

@@ -1,14 +1,16 @@
 """The GPU campaign: what a GPU should measure, case by case, within one GPU's memory.
 
-    python -m jaxmllm.bench.gpu --plan [--budget-minutes 26]        the device calls to make
-    python -m jaxmllm.bench.gpu --wheels DIR [--video]              what the GPU image lacks
+    python -m jaxmllm.bench.gpu --plan [--plan-seconds 1560] [--job-seconds 600]
+        [--start-seconds 120]                                       the campaign as short jobs
+    python -m jaxmllm.bench.gpu --wheels DIR [--video]              what a GPU node lacks
     python -m jaxmllm.bench.gpu --out DIR [--parts env,tests,...] [--cases REGEX] [--budget S]
         [--timeout 480] [--cache DIR] [--smoke] [--list]
 
-`--plan` splits the campaign into short jobs (`jaxmllm.bench.gpu_plan`: jobs of at most 10
-minutes, a fresh node's start before each, most valuable cases first) with the
-exact command of each; `--wheels` downloads the wheels that GPU image lacks (grain,
-array-record, portpicker, soundfile, cffi; PyAV with --video) into DIR and prints their sizes.
+`--plan` splits the campaign into short jobs (`jaxmllm.bench.gpu_plan`: each at most
+--job-seconds, a fresh node's start before each, most valuable cases first, all within
+--plan-seconds) and prints each job's shell command; `--wheels` downloads the wheels a GPU
+node without a package index lacks (grain, array-record, portpicker, soundfile, cffi; PyAV with
+--video) into DIR and prints their sizes.
 
 The campaign: each case runs in a process of its own (one train state at a time; XLA's
 persistent compilation cache shared under --cache), bounded by --timeout and by what is left of
@@ -201,7 +203,7 @@ def child(case: Case, out: Path, cache: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m jaxmllm.bench.gpu`: prints the plan of device calls (--plan), downloads the
+    """`python -m jaxmllm.bench.gpu`: prints the campaign split into jobs (--plan), downloads the
     wheels a GPU image lacks (--wheels), lists the cases (--list), or runs the chosen cases, each
     in a child process within --timeout and the whole within --budget, then writes and prints the
     report. Exit code 0, 2 when no case matches; a failed case makes it nonzero."""
@@ -218,12 +220,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "jaxmllm-xla-cache"))
     p.add_argument("--smoke", action="store_true", help="every part at tiny shapes (CPU)")
     p.add_argument("--list", action="store_true", help="print the cases and exit")
-    p.add_argument("--plan", action="store_true", help="print the device calls and exit")
+    p.add_argument("--plan", action="store_true", help="print the campaign's jobs and exit")
     p.add_argument(
-        "--budget-minutes",
-        type=float,
-        default=gpu_plan.BUDGET_S / 60,
-        help="--plan: the device minutes to fit (26: 30, less the 4 no machine starts in)",
+        "--plan-seconds",
+        type=int,
+        default=gpu_plan.BUDGET_S,
+        help="--plan: the GPU seconds all jobs fit in, each node's start included",
+    )
+    p.add_argument(
+        "--job-seconds", type=int, default=gpu_plan.CALL_S, help="--plan: one job's limit"
+    )
+    p.add_argument(
+        "--start-seconds",
+        type=int,
+        default=gpu_plan.START_S,
+        help="--plan: a fresh node's start, counted before each job",
     )
     p.add_argument("--wheels", metavar="DIR", help="download the wheels a GPU image lacks")
     p.add_argument("--video", action="store_true", help="--wheels: PyAV too (video cases)")
@@ -231,9 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     if args.plan:
-        budget = int(args.budget_minutes * 60)
-        calls, left_out = gpu_plan.plan(cases(parts, True, False), budget)
-        print(gpu_plan.describe(calls, left_out, budget, gpu_plan.START_S))
+        for key in ("plan_seconds", "job_seconds", "start_seconds"):
+            if getattr(args, key) < 0 or (key == "job_seconds" and args.job_seconds <= 0):
+                p.error(f"--{key.replace('_', '-')} must be a positive number of seconds")
+        todo = cases(parts, True, False)
+        calls, left_out = gpu_plan.plan(
+            todo, args.plan_seconds, args.job_seconds, args.start_seconds
+        )
+        print(gpu_plan.describe(calls, left_out, args.plan_seconds, args.start_seconds))
         return 0
     if args.wheels:
         wheels = gpu_plan.download_wheels(args.wheels, args.video)

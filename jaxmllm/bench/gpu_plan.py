@@ -24,10 +24,10 @@ from pathlib import Path
 
 from jaxmllm.bench.gpu_cases import Case
 
-BUDGET_S = 26 * 60  # usable GPU time by default (--budget-minutes)
-CALL_S = 600  # one command's limit
-START_S = 120  # a machine's start, before each call's command (a fresh one every call)
-SETUP_S = 30  # a call's command before the campaign's clock: the wheels' install, Python
+BUDGET_S = 26 * 60  # the GPU time to fit by default (--plan-seconds)
+CALL_S = 600  # one job's limit by default (--job-seconds)
+START_S = 120  # a node's start, before each job's command (a fresh one every job)
+SETUP_S = 30  # a job's command before the campaign's clock: the wheels' install, Python
 MARGIN_S = 20  # after its budget: the last case's kill and the report
 COMMAND_CHARS = 2000  # the most a call's command may hold
 # What the GPU image lacks of jaxmllm's imports, at the versions tested here (by its package
@@ -61,7 +61,7 @@ INSTALL = (
 
 @dataclasses.dataclass
 class Call:
-    """One device call: its cases, in order, and the seconds the campaign may spend on them."""
+    """One job: its cases, in order, and the seconds the campaign may spend on them."""
 
     cases: list[Case] = dataclasses.field(default_factory=list)
 
@@ -77,12 +77,14 @@ class Call:
         case's kill and the report."""
         return SETUP_S + self.budget_s + MARGIN_S
 
-    def command(self, out: str = "$OUT") -> str:
-        """The shell command a device call runs: install the carried wheels, set PYTHONPATH, run
-        the campaign on exactly these cases with this call's budget, writing into `out` ($OUT,
-        the folder a job copies back)."""
+    def command(self, out: str) -> str:
+        """The shell command a job runs, in a copy of the repository with the wheels beside it:
+        install the wheels, set PYTHONPATH, run the campaign on exactly these cases with this
+        job's budget under `timeout`, writing into `out` (a shell word: `"${OUT:-gpu-job1}"`
+        writes into $OUT where the job's runner sets one)."""
         names = "|".join(re.escape(c.name) for c in self.cases)
-        campaign = ["python3", "-m", "jaxmllm.bench.gpu", "--out", out]
+        campaign = ["timeout", str(self.budget_s + MARGIN_S)]
+        campaign += ["python3", "-m", "jaxmllm.bench.gpu", "--out", out]
         campaign += ["--budget", str(self.budget_s), "--cases", f"^({names})$"]
         env = "export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1"
         return f"{INSTALL} && {env} && " + " ".join(
@@ -113,29 +115,30 @@ def plan(
 
 
 def describe(calls: list[Call], left_out: list[Case], budget_s: int, start_s: int) -> str:
-    """The plan as its reader runs it: the wheels, then each call's timeout and command."""
+    """The plan as its reader runs it: the wheels, then each job's cases, limit and command."""
     total = sum(c.timeout_s + start_s for c in calls)
     lines = [
-        f"# GPU campaign: {len(calls)} device calls, {total} s of a {budget_s} s budget "
-        f"(each call's timeout and a {start_s} s machine start)",
+        f"# GPU campaign: {len(calls)} jobs, {total} s of a {budget_s} s budget "
+        f"(each job's limit and a node's {start_s} s start)",
         "",
-        "# Once, here (the wheels the GPU image lacks, into a git-ignored folder):",
+        f"# Once, on a machine with a package index: the wheels the GPU node lacks, into "
+        f"{WHEEL_DIR}/ (git-ignored; copy it with the repository):",
         f"python -m jaxmllm.bench.gpu --wheels {WHEEL_DIR}",
     ]
     for i, call in enumerate(calls, 1):
         lines += [
             "",
-            f"# Call {i}: run(timeout_s={call.timeout_s}, carry=[{WHEEL_DIR!r}]), "
-            f"the campaign's --budget {call.budget_s} s:",
+            f"# Job {i}, at most {call.timeout_s} s, in the repository's root on the GPU node "
+            f"(its cases' budget {call.budget_s} s):",
             *(f"#   {c.name} (~{c.estimate_s} s)" for c in call.cases),
-            call.command(),
+            call.command(f'"${{OUT:-gpu-job{i}}}"'),
         ]
     if left_out:
         lines += ["", "# Left out (no room in this budget):"]
         lines += [f"#   {c.name} (~{c.estimate_s} s)" for c in left_out]
     lines += [
         "",
-        "# What comes back of each call: $OUT/report.md (the tables so far), rows.jsonl, "
+        "# What each job leaves in its folder: report.md (the tables so far), rows.jsonl, "
         "log.txt, hlo.zip",
     ]
     return "\n".join(lines)
