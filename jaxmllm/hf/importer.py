@@ -26,7 +26,8 @@ from jaxmllm.config.phases import ENCODERS
 from jaxmllm.config.yamlfile import read_yaml
 from jaxmllm.data.text.tokenizer import make_tokenizer
 from jaxmllm.hf.family import FamilyError
-from jaxmllm.hf.load import checkpoint_tensors
+from jaxmllm.hf.adapter_load import shapes_of
+from jaxmllm.hf.load import checkpoint_tensors, fits
 from jaxmllm.hf.registry import FAMILIES, ROLES, family_for, read_hf_config, roles_of, section_of
 from jaxmllm.hf.wholes import WHOLES, Llava, whole_for
 
@@ -273,7 +274,8 @@ def write_config(
     LoRA adapter of these checkpoints the run starts from (`adapter_sections`: it sets
     model.*.lora and what else trains). `command`: the command line that asked for it, for
     the file's header (default: one made of these arguments). Every tensor the model will
-    read is checked finite (a NaN or Inf in a checkpoint is refused naming the tensor).
+    read is checked of its parameter's size (config.json's sizes against the tensors') and
+    finite (a NaN or Inf in a checkpoint is refused naming the tensor).
     """
     reads = (llm, vision, audio, tokenizer, model, adapter)
     out = new_file("--out", out, reads, ours=written_by_import)
@@ -295,10 +297,13 @@ def write_config(
     if adapter:
         adapter_sections(raw, adapter, str(out))
     cfg = from_dict(Config, raw, source=str(out))  # the checks the trainer will run
-    for role in ROLES:  # every tensor the model will ask for is there (headers), and finite
+    shapes = shapes_of(cfg)  # (abstract: nothing allocated)
+    for role in ROLES:  # every tensor the model will ask for is there, of its size, and finite
         directory = getattr(cfg.model.init_from, role)
         if directory:
-            ck, *_, names = checkpoint_tensors(cfg, role, directory, f"model.init_from.{role}")
+            key = f"model.init_from.{role}"
+            ck, _, prefix, links, names = checkpoint_tensors(cfg, role, directory, key)
+            fits(role, links, ck, prefix, shapes, key)
             for name in sorted(names):
                 ck.check_finite(name)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -72,14 +72,7 @@ def load_role(cfg: Any, role: str, directory: str, flat: dict) -> dict[str, jax.
     start = time.perf_counter()
     ck, family, prefix, links, consumed = checkpoint_tensors(cfg, role, directory, key)
     out = {}
-    for link in links:  # every tensor of the parameters' size, before any allocation
-        missing = [p for p in link.ours if p not in flat]
-        if missing:
-            raise FamilyError(
-                f"{key}: the model has no parameter {missing[0]} for {link.hf[0]} "
-                f"(is model.{role} set as the import wrote it?)"
-            )
-        check_sizes(link, ck, prefix, [flat[p] for p in link.ours], key)
+    fits(role, links, ck, prefix, flat, key)  # (before any allocation)
     for link in links:
         arrays = fill(link, ck, prefix, [flat[p] for p in link.ours], key)
         out.update(zip(link.ours, arrays, strict=True))
@@ -96,6 +89,26 @@ def load_role(cfg: Any, role: str, directory: str, flat: dict) -> dict[str, jax.
         elapsed,
     )
     return out
+
+
+def fits(role: str, links: list, ck: Checkpoint, prefix: str, flat: dict, key: str) -> None:
+    """Every tensor the links read is of its parameters' size (`flat`: path -> shape), from
+    the files' headers alone: what the loader checks before it allocates, and `hf import`
+    before it writes a config (a config.json whose sizes are not its tensors' imported with
+    exit 0, and training refused it).
+
+    Raises:
+      FamilyError: the model has no parameter a link fills.
+      CheckpointError: a tensor of another size than its parameters (`check_sizes`).
+    """
+    for link in links:
+        missing = [p for p in link.ours if p not in flat]
+        if missing:
+            raise FamilyError(
+                f"{key}: the model has no parameter {missing[0]} for {link.hf[0]} "
+                f"(is model.{role} set as the import wrote it?)"
+            )
+        check_sizes(link, ck, prefix, [flat[p] for p in link.ours], key)
 
 
 LAYER_KEYS = ("num_hidden_layers", "depth", "encoder_layers", "num_layers", "n_layer")
