@@ -493,15 +493,23 @@ def _full_vocabulary(d: Path, name: str) -> str:
 @pytest.mark.parametrize(
     "name", [pytest.param("llava", marks=pytest.mark.slow), "qwen2_5_vl"]
 )  # (LLaVA ~40 s: its SigLIP tower at its own size)
-def test_a_checkpoint_whose_vocabulary_is_full_checks_and_exports(name, tmp_path, capsys):
+def test_a_checkpoint_whose_vocabulary_is_full_checks_and_exports(
+    name, tmp_path, capsys, caplog
+):
     """`hf check` compares the checkpoint's own vocabulary columns (the rows the import adds
     for placeholders have none in transformers' model) and says what an export does with the
-    added rows; the export holds them, and checks against transformers again."""
+    added rows; the export holds them, and checks against transformers again. The load says
+    once how many rows it added (it said so for the embedding and again for the LM head)."""
+    import logging
+
     source = _full_vocabulary(tmp_path / "source", name)
     have = read_hf_config(source)["text_config"]["vocab_size"]
-    whole, roles, cfg, flat = _load(source)
+    with caplog.at_level(logging.INFO, logger="jaxmllm"):
+        whole, roles, cfg, flat = _load(source)
     grown = cfg.model.llm.vocab_size  # (the tokenizer's size and the placeholders, by 128s)
     assert grown > have and grown % 128 == 0, (have, grown)
+    said = [r.getMessage() for r in caplog.records if "new vocabulary rows" in r.getMessage()]
+    assert len(said) == 1 and f": {grown - have} new vocabulary rows" in said[0], said
     assert main(["check", source, "--json"]) == 0
     results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     for result in results:

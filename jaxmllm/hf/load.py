@@ -73,9 +73,18 @@ def load_role(cfg: Any, role: str, directory: str, flat: dict) -> dict[str, jax.
     ck, family, prefix, links, consumed = checkpoint_tensors(cfg, role, directory, key)
     out = {}
     fits(role, links, ck, prefix, flat, key)  # (before any allocation)
+    grown: dict[str, int] = {}
     for link in links:
-        arrays = fill(link, ck, prefix, [flat[p] for p in link.ours], key)
+        arrays = fill(link, ck, prefix, [flat[p] for p in link.ours], key, grown)
         out.update(zip(link.ours, arrays, strict=True))
+    if grown:  # (once for the embedding and the LM head alike)
+        log.info(
+            "%s: %d new vocabulary rows (tokens the tokenizer added) start at the mean of the "
+            "checkpoint's rows (%s)",
+            key,
+            max(grown.values()),
+            ", ".join(grown),
+        )
     _check_complete(key, family, ck, prefix, consumed, out, flat)
     _left_alone(cfg, role, family, ck, prefix, consumed)
     elapsed = time.perf_counter() - start
@@ -241,8 +250,11 @@ def check_shapes(link: Link, names, stored, mapped, ck: Checkpoint, prefix: str,
             )
 
 
-def fill(link: Link, ck: Checkpoint, prefix: str, targets: list, key: str) -> list[jax.Array]:
-    """The link's parameters as sharded arrays (see the module docstring)."""
+def fill(
+    link: Link, ck: Checkpoint, prefix: str, targets: list, key: str, grown: dict | None = None
+) -> list[jax.Array]:
+    """The link's parameters as sharded arrays (see the module docstring); `grown` collects
+    the vocabulary rows added to each parameter (path -> rows)."""
     shards = [_shards(t) for t in targets]
     buffers = [
         {k: np.empty(_shape(k), t.dtype) for k in s.values()}
@@ -252,7 +264,7 @@ def fill(link: Link, ck: Checkpoint, prefix: str, targets: list, key: str) -> li
     def place(layer: int | None, outs: tuple[np.ndarray, ...]) -> None:
         for t, path, out, buf in zip(targets, link.ours, outs, buffers, strict=True):
             want = t.shape[1:] if layer is not None else t.shape
-            out = _fit(np.asarray(out), want, path, link, key)
+            out = _fit(np.asarray(out), want, path, link, key, grown)
             for k, b in buf.items():
                 if layer is None:
                     b[...] = out[_slices(k)]
@@ -292,7 +304,9 @@ def fill(link: Link, ck: Checkpoint, prefix: str, targets: list, key: str) -> li
     return arrays
 
 
-def _fit(out: np.ndarray, want: tuple, path: str, link: Link, key: str) -> np.ndarray:
+def _fit(
+    out: np.ndarray, want: tuple, path: str, link: Link, key: str, grown: dict | None = None
+) -> np.ndarray:
     if out.shape == tuple(want):
         return out
     axis = VOCAB_AXIS.get(path)
@@ -302,12 +316,8 @@ def _fit(out: np.ndarray, want: tuple, path: str, link: Link, key: str) -> np.nd
     if same_else and out.shape[axis] < want[axis]:
         extra = want[axis] - out.shape[axis]
         mean = out.astype(np.float32).mean(axis=axis, keepdims=True)
-        log.info(
-            "%s: %d new vocabulary rows (tokens the tokenizer added) start at the mean of the "
-            "checkpoint's rows",
-            key,
-            extra,
-        )
+        if grown is not None:
+            grown[path] = extra
         return np.concatenate([out, np.repeat(mean.astype(out.dtype), extra, axis=axis)], axis)
     raise FamilyError(
         f"{key}: tensor {link.hf[0]} gives {path} the shape {list(out.shape)}, the model has "
