@@ -493,9 +493,7 @@ def _full_vocabulary(d: Path, name: str) -> str:
 @pytest.mark.parametrize(
     "name", [pytest.param("llava", marks=pytest.mark.slow), "qwen2_5_vl"]
 )  # (LLaVA ~40 s: its SigLIP tower at its own size)
-def test_a_checkpoint_whose_vocabulary_is_full_checks_and_exports(
-    name, tmp_path, capsys, caplog
-):
+def test_a_checkpoint_whose_vocabulary_is_full_checks_and_exports(name, tmp_path, capsys, caplog):
     """`hf check` compares the checkpoint's own vocabulary columns (the rows the import adds
     for placeholders have none in transformers' model) and says what an export does with the
     added rows; the export holds them, and checks against transformers again. The load says

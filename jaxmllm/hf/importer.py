@@ -25,8 +25,8 @@ from jaxmllm.config.outputs import new_file, write_text
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.config.yamlfile import read_yaml
 from jaxmllm.data.text.tokenizer import make_tokenizer
-from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.adapter_load import shapes_of
+from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.load import checkpoint_tensors, fits
 from jaxmllm.hf.registry import FAMILIES, ROLES, family_for, read_hf_config, roles_of, section_of
 from jaxmllm.hf.wholes import WHOLES, Llava, whole_for
