@@ -297,15 +297,19 @@ def write_config(
     if adapter:
         adapter_sections(raw, adapter, str(out))
     cfg = from_dict(Config, raw, source=str(out))  # the checks the trainer will run
-    shapes = shapes_of(cfg)  # (abstract: nothing allocated)
-    for role in ROLES:  # every tensor the model will ask for is there, of its size, and finite
+    found = []  # every tensor the model will ask for is there (headers alone) ...
+    for role in ROLES:
         directory = getattr(cfg.model.init_from, role)
         if directory:
             key = f"model.init_from.{role}"
-            ck, _, prefix, links, names = checkpoint_tensors(cfg, role, directory, key)
-            fits(role, links, ck, prefix, shapes, key)
-            for name in sorted(names):
-                ck.check_finite(name)
+            found.append((role, key, *checkpoint_tensors(cfg, role, directory, key)))
+    # ... then of its size (the model's abstract shapes: built only once the layer counts are
+    # known to be the tensors', nothing allocated), and finite
+    shapes = shapes_of(cfg) if found else {}
+    for role, key, ck, _, prefix, links, names in found:
+        fits(role, links, ck, prefix, shapes, key)
+        for name in sorted(names):
+            ck.check_finite(name)
     out.parent.mkdir(parents=True, exist_ok=True)
     named = raw["data"].get("path") or raw["data"].get("sources")
     data = BUILT_IN if cfg.data.source == "synthetic" else DATA if named else NO_DATA
