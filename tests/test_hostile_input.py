@@ -603,8 +603,11 @@ def test_import_refuses_a_config_json_number_that_is_not_finite(checkpoints, tmp
     as it was, it made every loss NaN; refused naming config.json's key."""
     llm, vision = fresh(checkpoints, tmp_path)
     claim(llm, "rope_parameters.rope_theta", value)
-    with pytest.raises(FamilyError, match=r"config.json: rope_parameters.rope_theta = -?(nan|inf) "
-                       "must be a number above 0 to"):
+    with pytest.raises(
+        FamilyError,
+        match=r"config.json: rope_parameters.rope_theta = -?(nan|inf) "
+        "must be a number above 0 to",
+    ):
         write_config(tmp_path / "run.yaml", llm, vision)
     assert not (tmp_path / "run.yaml").exists()
 

@@ -344,7 +344,6 @@ def test_reads_that_fail_after_the_restore_raised_are_counted_and_other_records_
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         with pytest.raises(ValueError, match="another read failed"):
             asyncio_utils.run_sync(restore())
-        del promise, future
         gc.collect()
         assert late_io.late_completions() == before + 1
         assert "never retrieved" not in caplog.text
