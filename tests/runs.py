@@ -13,6 +13,20 @@ HOOKS = ROOT / "tests" / "child_hooks"  # sitecustomize + killpoints, for kill=.
 # other things leave it out
 NO_EVAL = ("data.eval.source=none",)
 
+# The cheapest run of the trainer: text only, one layer (a child compiles it in ~1/3 of tiny's
+# time), for the tests of what happens around the step (signals, hangs, faults, resumes)
+TINY_TEXT = (
+    "data.synthetic.num_samples=64",
+    "model.vision.enabled=false",
+    "model.audio.enabled=false",
+    "model.llm.depth=1",
+    "batch.microbatches=1",
+    "data.synthetic.image_fraction=0",
+    "data.synthetic.audio_fraction=0",
+    "data.synthetic.multi_image_fraction=0",
+    "data.synthetic.video_fraction=0",
+)
+
 
 def child_env(
     kill: dict | None = None, index_kill: dict | None = None, hang: dict | None = None

@@ -268,7 +268,10 @@ GOOD = [  # (module, argv): each command's main path once, small, in the order t
     ("jaxmllm.train", RUN),
     ("jaxmllm.generate", ["--run", "{tmp}/run", "--prompt", "12 13 14", "--max-new-tokens", "4"]),
     ("jaxmllm.cost.calibrate", ["{tmp}/run"]),
-    ("jaxmllm.launch", ["--processes", "1", *RUN[:-1], "train.output_dir={tmp}/launched"]),
+    (  # (its own output and two steps: the launch is the path, the trainer's ran above)
+        "jaxmllm.launch",
+        ["--processes", "1", *RUN[:-1], "train.steps=2", "train.output_dir={tmp}/launched"],
+    ),
     ("jaxmllm.hf", ["import", "--llm", "{tmp}/llama", "--out", "{tmp}/imported.yaml"]),
     ("jaxmllm.hf", ["check", "{tmp}/llama", "--tokens", "16"]),
     ("jaxmllm.hf", ["export", "{tmp}/run", "--out", "{tmp}/exported"]),
@@ -308,10 +311,11 @@ GOOD = [  # (module, argv): each command's main path once, small, in the order t
     ("jaxmllm.bench.lora", ["--config", TINY, "--steps", "1", "--warmup", "1"]),
     # (the table: its __main__ once crashed)
     (  # (--device-gib: the largest microbatch that fits is searched by compiling, ~17 min to
-        # reach the default 72 GiB from tiny's rows; 0.05 GiB is reached in a compile or two)
+        # reach the default 72 GiB from tiny's rows; 0.05 GiB is reached in a compile or two.
+        # One policy, the config's own, so one search: a row with recomputed FLOPs)
         "jaxmllm.bench.memory",
-        ["--config", TINY, "--policies", "none,full", "--set", "batch.capacity=fixed"]
-        + ["--device-gib", "0.05"],
+        ["--config", TINY, "--policies", "full", "--device-gib", "0.05"]
+        + ["--set", "batch.capacity=fixed", "model.remat=full"],
     ),
     (
         "jaxmllm.bench.moe",

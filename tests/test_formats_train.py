@@ -99,16 +99,18 @@ def test_tiny_trains_on_every_format_with_the_same_losses(data, tmp_path):
     assert all(v == losses["jsonl"] for v in losses.values()), losses
 
 
-@pytest.mark.slow  # ~1-2 minutes: two short runs
-def test_image_only_and_text_only_data_train_on_the_three_encoder_model(data, tmp_path):
+@pytest.mark.slow  # ~30 s of CPU, est.: one short run
+def test_text_only_data_trains_on_the_three_encoder_model(data, tmp_path):
+    """Neither images nor clips in the data: the step without the vision and audio buckets
+    compiles and trains, finite losses. (Image-only data, audio alone left out, is the same
+    path for its one absent phase: the fast test above traces its step.)"""
     from jaxmllm.train import main
 
-    for kind in ("images", "text"):
-        out = tmp_path / kind
-        main(indexed(config(out, f"data.path={data[kind]}")))
-        rows = read_metrics(out)
-        assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
-        assert "padding/audio" not in rows[-1]
+    out = tmp_path / "text"
+    main(indexed(config(out, f"data.path={data['text']}")))
+    rows = read_metrics(out)
+    assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
+    assert "padding/audio" not in rows[-1] and "padding/vision" not in rows[-1]
 
 
 @pytest.mark.slow  # ~2-3 minutes: a run, and one interrupted and resumed

@@ -2,7 +2,8 @@
 cache are bit-identical to decoding's and resume the same; a truncated or changed shard, a
 changed video and a video the cache lacks are decoded instead, counted, and a rebuild repairs
 the shards; a video broken after indexing is a counted reject at cache time; a config asking
-for a cache that was not built is told how to build it.
+for a cache that was not built is told how to build it; a run from the cache trains as one that
+decodes, and one that decodes resumes exactly.
 """
 
 from __future__ import annotations
@@ -241,12 +242,14 @@ def test_threaded_decoding_gives_the_same_frames_with_a_seek_a_group_of_pictures
     assert all(np.array_equal(a, b) for a, b in zip(got[1], got[4], strict=True))
 
 
-@pytest.mark.slow  # (~70 s of CPU: three short training runs; the fast pipeline test above
-# holds the batches and their resumption, this one the trainer's checkpoint and metrics)
-def test_a_training_run_from_the_cache_resumes_exactly(tmp_path):
-    """Training from the cache, interrupted after step 3 and run again, resumes from the step-2
-    checkpoint: steps 1..4 have the losses and gradient norms of the uninterrupted run from
-    the cache, which are those of the run that decodes (its batches are the same)."""
+@pytest.mark.slow  # (~55 s of CPU, est.: two short training runs, one cut and rerun; the fast
+# pipeline test above holds the cache's batches and their resumption, this one the trainer's)
+def test_a_run_from_the_cache_trains_as_one_that_decodes_and_that_resumes_exactly(tmp_path):
+    """Training from the cache, and training on the same JSONL records decoding their videos
+    with PyAV (every step has some), interrupted after step 3 and run again: the rerun resumes
+    from the step-2 checkpoint, and steps 1..4 of the decoding run have the losses and gradient
+    norms of the uninterrupted run from the cache. (The default suite's test_train resumes
+    tiny.yaml, whose synthetic data has rendered videos; this is the path from files.)"""
     from jaxmllm.loop.metrics import read_metrics
     from jaxmllm.train import main as train
 
@@ -263,17 +266,16 @@ def test_a_training_run_from_the_cache_resumes_exactly(tmp_path):
         if step == 3:
             raise KeyboardInterrupt
 
-    run(tmp_path / "decoded")
-    run(tmp_path / "full", "data.frame_cache=true")
+    run(tmp_path / "cached", "data.frame_cache=true")
     with pytest.raises(KeyboardInterrupt):
-        run(tmp_path / "cut", "data.frame_cache=true", on_step=interrupt_at_3)
-    run(tmp_path / "cut", "data.frame_cache=true")  # resumes from the step-2 checkpoint
-    decoded, full, cut = (
-        {r["step"]: r for r in read_metrics(tmp_path / name)} for name in ("decoded", "full", "cut")
-    )
-    assert sorted(cut) == sorted(full) == sorted(decoded) == [1, 2, 3, 4]
-    for step in full:
-        assert full[step]["padding/vision"] < 1.0  # (videos in every step)
-        assert full[step].get("frames/cache_hit", 0) > 0, full[step]
+        run(tmp_path / "cut", on_step=interrupt_at_3)
+    assert read_metrics(tmp_path / "cut")[-1]["step"] == 3
+    run(tmp_path / "cut")  # the same command again: resumes from the step-2 checkpoint
+    cached, cut = ({r["step"]: r for r in read_metrics(tmp_path / n)} for n in ("cached", "cut"))
+    assert sorted(cut) == sorted(cached) == [1, 2, 3, 4]
+    for step in cached:
+        assert cached[step]["padding/vision"] < 1.0  # (videos in every step)
+        assert cached[step].get("frames/cache_hit", 0) > 0, cached[step]
+        assert cut[step].get("frames/cache_hit", 0) == 0, cut[step]  # (it decodes)
         for key in ("loss", "grad_norm", "loss_tokens", "samples"):
-            assert cut[step][key] == full[step][key] == decoded[step][key], (step, key)
+            assert cut[step][key] == cached[step][key], (step, key)

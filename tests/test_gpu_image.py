@@ -49,6 +49,10 @@ def image_python(tmp_path_factory) -> tuple[str, dict[str, str]]:
     subprocess.run(install, check=True)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
     env |= {"PYTHONPATH": f"{where / 'site'}{os.pathsep}{ROOT}", "JAX_PLATFORMS": "cpu"}
+    # Without conftest's forced devices (a GPU call sets none), but with its quicker XLA:CPU
+    # compiles (tests/runs.py's child_env too): LLVM's optimisations of the CPU code, ~half a
+    # compile, change neither what is compiled nor which packages it takes.
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
     return python, env
 
 

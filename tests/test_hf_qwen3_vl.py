@@ -34,10 +34,11 @@ def _checked(source: str, **kw) -> list[dict]:
 
 
 @pytest.mark.slow
+# (DeepStack from one block, into the first layer: the MoE's first shape below; the dense
+# decoder under DeepStack: test_hf_whole's qwen3-vl)
 @pytest.mark.parametrize(
     "shape",
     [
-        dict(deepstack=(1,), layers=2),  # DeepStack from one block, into the first layer
         dict(deepstack=(0, 1, 2), layers=4, sections=(2, 5, 5)),  # every block; other sections
         dict(deepstack=(), tied=True),  # none at all; tied embeddings
     ],
@@ -293,13 +294,11 @@ def test_qwen3_vl_moe_reads_the_hubs_transposed_experts_and_writes_transformers(
         assert np.array_equal(back.get(n), ck.get(n)), n  # (transformers' own layout)
 
 
+# (Attention alone, q, k, v and o: the dense Qwen3-VL's adapters on every LLM matrix,
+# test_lora_hf's check; attention beside the experts here.)
 @pytest.mark.parametrize(
     "targets",
     [
-        pytest.param(  # attention alone (~25 s; the dense model's adapters hold it too)
-            dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-            marks=pytest.mark.slow,
-        ),
         dict(  # + the routed experts, named (PEFT 0.21 moves no MLP target onto them here),
             # gate and up fused at twice the rank and alpha as PEFT's own conversion puts them
             target_modules=["q_proj", "v_proj"],

@@ -487,6 +487,13 @@ def test_a_script_without_a_main_guard_gets_an_error_not_a_hang(tmp_path):
     assert 'if __name__ == "__main__":' in done.stderr and "data.workers=1" in done.stderr
 
 
+# (the LLM alone: a quicker compile of the same one-device timer; the GPU smoke's host case
+# measures the recipe's step with its vision tower: tests/test_gpu_image.py)
+LLM_ONLY = ["model.vision.enabled=false", "model.audio.enabled=false"]
+LLM_ONLY += [f"data.synthetic.{kind}_fraction=0" for kind in ("image", "multi_image", "audio")]
+LLM_ONLY += ["data.synthetic.video_fraction=0"]
+
+
 @pytest.mark.slow  # ~1 min: compiles the tiny model's step for one device
 def test_bench_host_times_the_step_on_a_device_when_asked(tmp_path):
     out = tmp_path / "rows.json"
@@ -503,7 +510,7 @@ def test_bench_host_times_the_step_on_a_device_when_asked(tmp_path):
         "--json",
         str(out),
     ]
-    sets = [*TINY, f"train.output_dir={tmp_path}"]
+    sets = [*TINY, *LLM_ONLY, f"train.output_dir={tmp_path}"]
     assert bench_host.main(args + [f"--set={s}" for s in sets]) == 0
     [row] = json.loads(out.read_text())
     assert row["device_from"] == "measured" and 0 < row["device_s"] < 60

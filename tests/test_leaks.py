@@ -14,7 +14,7 @@ from jaxmllm import train
 from jaxmllm.config import load_config
 from jaxmllm.data import shared
 
-from runs import ROOT, child_env, logged_step, train_cmd
+from runs import ROOT, TINY_TEXT, child_env, logged_step, train_cmd
 
 
 def _children(pid: int) -> list[int]:
@@ -154,17 +154,18 @@ def test_ctrl_c_stops_the_workers_quietly(tmp_path):
     assert _wait(lambda: not any(_alive(w) for w in others), 30), "the resource tracker lives on"
 
 
-@pytest.mark.slow  # ~1 min: a tiny training's compile
+@pytest.mark.slow  # ~15 s: a text-only training's compile
 def test_a_training_that_raises_stops_its_workers(tmp_path):
-    """Every exit of the trainer closes the feed, an exception's too."""
+    """Every exit of the trainer closes the feed, an exception's too: its workers stop and its
+    shared-memory files go (the loader's lock file among them, whatever its samples hold)."""
     import multiprocessing
 
     cfg = load_config(
         "configs/tiny.yaml",
         [
+            *TINY_TEXT,
             "data.workers=2",
             "data.eval.source=none",
-            "data.synthetic.num_samples=64",
             "train.steps=5",
             "train.progress_bar=false",
             f"train.output_dir={tmp_path}",
@@ -174,6 +175,7 @@ def test_a_training_that_raises_stops_its_workers(tmp_path):
 
     def fail(step, metrics):
         assert len(multiprocessing.active_children()) == 2  # the feed's workers, running
+        assert set(shared.SHM.glob("jaxmllm-*.lock")) - before  # and the loader's lock file
         raise RuntimeError("stop here")
 
     with pytest.raises(RuntimeError, match="stop here"):

@@ -340,15 +340,20 @@ def test_checkpoints_hold_the_adapters_not_the_base_and_refuse_another_base(tmp_
         train.main(load_config("configs/tiny.yaml", [*sets, "train.seed=1", "train.steps=3"]))
 
 
-@pytest.mark.slow  # (two compiles: pipelined and not)
+@pytest.mark.slow  # (~60 s on a quiet 2-core box: three compiles, pipelined, not, a variant)
 def test_adapters_in_pipeline_stages_give_the_unpipelined_math():
     """2 stages x 4 data-parallel buckets, the LLM's adapters split over the stages with its
     layers (their optimizer state too), the vision tower frozen and data-parallel across the
-    stages: the loss and the adapters' gradients are the unpipelined step's; the partitioner
-    priced the LLM's stages with their activations' gradients and adapters."""
-    from test_pipeline import assert_same_math, pipelined_and_reference
+    stages: the loss and the adapters' gradients are the unpipelined step's, and again with
+    the vision bucket cut (a step variant: test_pipeline's frozen data-parallel encoder case);
+    the partitioner priced the LLM's stages with their activations' gradients and adapters."""
+    from test_pipeline import (
+        assert_a_cut_vision_bucket_changes_nothing,
+        assert_same_math,
+        pipelined_and_reference,
+    )
 
-    prog, state, got, want, _ = pipelined_and_reference(
+    prog, state, got, want, (cfg, host, run) = pipelined_and_reference(
         "mesh.stage=2",
         "mesh.data=4",
         "mesh.fsdp=1",
@@ -359,6 +364,7 @@ def test_adapters_in_pipeline_stages_give_the_unpipelined_math():
         "model.audio.lora.rank=2",
     )
     assert_same_math(got, want)
+    assert_a_cut_vision_bucket_changes_nothing(prog, cfg, host, run, want)
     assert set(prog.parts.adapted) == {"llm", "audio"}
     staged = keyed_leaves(state["params"]["llm"])
     assert all(p.split("/")[-1] in LEAVES for p in staged)

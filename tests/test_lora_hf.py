@@ -180,15 +180,18 @@ def test_an_adapter_of_modules_the_model_lacks_is_refused_naming_them(tmp_path):
 # ----------------------------------------------------------------------------- a LoRA run
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen2_vl", "llava", "qwen3_vl", "qwen3_5"])
+@pytest.mark.slow  # (a LoRA run a family: its step compiled, two checks)
+# (Qwen3.5's whole: its tower's adapters and the whole's names are Qwen3-VL's here; its hybrid
+# decoder's (the linear layers' matrices, in_proj_qkv regrouped) the text Qwen3.5-MoE's LoRA
+# run, tests/test_hf_qwen35.py; its whole's export after training, test_hf_whole_train's.)
+@pytest.mark.parametrize("name", ["qwen2_vl", "llava", "qwen3_vl"])
 def test_a_lora_run_exports_an_adapter_peft_loads_with_the_runs_logits(name, tmp_path):
-    """Import a whole checkpoint, train 2 steps of LoRA on its LLM (Qwen3.5's: its linear
-    layers' matrices too) and vision tower (the projector trained whole), export: a PEFT
-    adapter of the checkpoint, which read back is the run's adapters bit for bit and gives
-    peft's logits with an image in the prompt within 1e-4 (Qwen3.5: 1e-3); `--merged`: the
-    model with the adapters merged, its logits peft's; a checkpoint whose files changed since
-    is refused by a resume and by export, naming it."""
+    """Import a whole checkpoint, train 2 steps of LoRA on its LLM and vision tower (the
+    projector trained whole), export: a PEFT adapter of the checkpoint, which read back is the
+    run's adapters bit for bit and gives peft's logits with an image in the prompt within
+    1e-4; `--merged`: the model with the adapters merged, its logits peft's; (Qwen2-VL's run,
+    the check of the base's identity, whatever the family) a checkpoint whose files changed
+    since is refused by a resume and by export, naming it."""
     import jax
     from test_hf_train import CPU
     from test_hf_whole_train import whole_dir
@@ -230,8 +233,6 @@ def test_a_lora_run_exports_an_adapter_peft_loads_with_the_runs_logits(name, tmp
     }
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["modules_to_save"]  # (the projector, trained whole)
-    if name == "qwen3_5":  # (the linear layers' matrices are targets by default)
-        assert "in_proj_qkv" in config["target_modules"], config["target_modules"]
     wrapped = transformers.AutoModelForImageTextToText.from_pretrained(source)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -239,7 +240,7 @@ def test_a_lora_run_exports_an_adapter_peft_loads_with_the_runs_logits(name, tmp
     assert not [w for w in caught if "missing adapter keys" in str(w.message)]  # (every one)
     named = {n for n, _ in wrapped.named_modules() if n.endswith(".lora_A")}
     assert named and all(re.search(config["target_modules"], n) for n in named)
-    bound = 1e-3 if name == "qwen3_5" else 1e-4
+    bound = 1e-4
     for result in check_all(source, adapter=str(adapter)):
         assert result["max_abs_diff"] < bound, result
 
@@ -268,6 +269,8 @@ def test_a_lora_run_exports_an_adapter_peft_loads_with_the_runs_logits(name, tmp
     for result in check_all(str(merged)):
         assert result["max_abs_diff"] < bound, result
 
+    if name != "qwen2_vl":
+        return
     _perturb(Path(source))  # (its files changed since the run read them)
     refused = rf"trained on the base \(model\.init_from\.llm={source}.*content hash"
     with pytest.raises(ConfigError, match=refused):

@@ -316,13 +316,15 @@ def test_the_cost_model_and_the_parameter_report_count_the_active_experts():
     assert 0 < active < total
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # ~55 s on a quiet 2-core box: two runs
 def test_the_same_run_logs_the_same_losses_at_any_expert_parallel_degree(tmp_path):
-    """configs/tiny_moe.yaml (its LLM alone, text data) trained 3 steps with mesh.expert = 1, 2
+    """configs/tiny_moe.yaml (its LLM alone, text data) trained 3 steps with mesh.expert = 1
     and 4 on 8 CPU devices: the same losses and load-balancing losses step for step (1e-4
     relative); the plans do not change with it, only where experts live and the all-to-alls;
-    nothing dropped, and the share of assignments sent to another device's experts grows as
-    (expert - 1) / expert."""
+    nothing dropped, and the share of assignments sent to another device's experts is about
+    (expert - 1) / expert. (Expert 2, 4 and 8 against one device, the layer alone:
+    test_expert_parallelism_computes_what_one_device_does; runs at expert 2: test_hf_moe's
+    and test_hf_whole_train's MoE runs.)"""
     import json
 
     from jaxmllm import train
@@ -331,7 +333,7 @@ def test_the_same_run_logs_the_same_losses_at_any_expert_parallel_degree(tmp_pat
     text = ["model.vision.enabled=false", "model.audio.enabled=false"]
     text += [f"data.synthetic.{k}_fraction=0" for k in ("image", "audio", "video", "multi_image")]
     rows = {}
-    for expert in (1, 2, 4):
+    for expert in (1, 4):
         out = tmp_path / f"ep{expert}"
         sets = [*text, f"mesh.expert={expert}", f"mesh.data={4 // expert}", "train.steps=3"]
         sets += ["train.log_every=1", "train.eval_every=0", "data.eval.source=none"]
@@ -339,7 +341,7 @@ def test_the_same_run_logs_the_same_losses_at_any_expert_parallel_degree(tmp_pat
         train.main(load_config("configs/tiny_moe.yaml", sets))
         lines = (out / "metrics.jsonl").read_text().splitlines()
         rows[expert] = [r for r in map(json.loads, lines) if "loss" in r]
-    for expert in (2, 4):
+    for expert in (4,):
         for mine, ref in zip(rows[expert], rows[1], strict=True):
             assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4)
             assert mine["moe/aux_loss"] == pytest.approx(ref["moe/aux_loss"], rel=1e-4)

@@ -333,32 +333,29 @@ def test_a_training_step_equals_its_pairs_one_by_one_and_keeps_the_reference(set
     assert len(jax.tree.leaves(state["reference"])) == len(jax.tree.leaves(state["params"]))
 
 
-@pytest.mark.slow  # (SimPO's length-normalised sums: a program of its own)
-def test_a_simpo_step_equals_its_pairs_one_by_one(setup, one_by_one):
-    """SimPO's sums are the packed step's own, normalised by each document's token count.
-    (IPO is left out: its formula is TRL's, test_pair_losses_equal_trl, on the same per-pair
-    sums as DPO's.)"""
+@pytest.mark.slow  # (SimPO's length-normalised step, a program of its own, and the
+# one-by-one documents' backward)
+def test_a_simpo_steps_loss_and_gradient_equal_its_pairs_one_by_one(setup, one_by_one):
+    """SimPO's sums are the packed step's own, normalised by each document's token count; its
+    gradient through the fused log-probs, the routed media rows filling both documents and the
+    per-bucket pair sums is the one-by-one documents'. (The gradient of DPO's formula is the
+    same backward: the step's `grad_fn` takes the reference's sums as a constant and only
+    `pair_totals`' formula differs, which `test_pair_losses_equal_trl` holds; DPO's packed loss
+    is the fast test's. IPO is left out: its formula is TRL's, on the same per-pair sums as
+    DPO's.)"""
     pref = PreferenceConfig(loss="simpo", beta=2.0, label_smoothing=0.1)
-    loss, metrics, _ = _step(setup, dataclasses.replace(setup.cfg, preference=pref))
+    loss, metrics, grads = _step(setup, dataclasses.replace(setup.cfg, preference=pref))
     _holds_to_the_oracle(loss, metrics, one_by_one, pref, len(setup.plan.samples))
-
-
-@pytest.mark.slow
-def test_a_packed_steps_gradient_equals_its_pairs_one_by_one(setup, one_by_one):
-    """DPO's gradient through the fused log-probs, the routed media rows filling both
-    documents and the per-bucket pair sums: the one-by-one documents' gradient."""
-    pref = setup.cfg.preference
-    _, _, grads = _step(setup, dataclasses.replace(setup.cfg, preference=pref))
     fn, owners, _, (rc, _, _) = one_by_one
     s = setup.state
 
-    def loss(params):
+    def oracle_loss(params):
         c, _, n = fn(params, s["frozen"])
         pol, ref = _pairs_of((c, n), owners, (rc,))
         return pair_losses(pref, pol, ref)["loss"].mean()
 
     with jax.set_mesh(setup.run.mesh):
-        want = jax.jit(jax.grad(loss))(s["params"])
+        want = jax.jit(jax.grad(oracle_loss))(s["params"])
     assert _grad_gap(grads, want) < 1e-4
 
 

@@ -15,11 +15,12 @@ import pytest
 from jaxmllm.config import ConfigError, load_config
 from jaxmllm.loop.lock import LOCK, hold_output_dir
 
-from runs import NO_EVAL, child_env
+from runs import NO_EVAL, TINY_TEXT, child_env
 
 
 def tiny(out, *sets, steps: int = 2):
-    cfg = load_config("configs/tiny.yaml", ["data.synthetic.num_samples=256", *NO_EVAL, *sets])
+    """The text-only tiny run (runs.TINY_TEXT: a resume's checks do not depend on the model)."""
+    cfg = load_config("configs/tiny.yaml", [*TINY_TEXT, *NO_EVAL, *sets])
     return replace(
         cfg,
         train=replace(
@@ -72,7 +73,7 @@ def test_a_second_trainer_on_a_held_output_dir_stops_naming_the_first(tmp_path, 
         holder.wait()
 
 
-@pytest.mark.slow  # ~60-150 s: three short trainings
+@pytest.mark.slow  # ~20 s: three short text-only trainings
 def test_a_refused_resume_leaves_config_json_as_it_was(tmp_path, capsys):
     """Checkpoints copied to a new output_dir without config.json and resumed with another
     model: the refused run first wrote its config.json, after which the right config was
@@ -159,12 +160,13 @@ def test_the_auto_bound_follows_the_measured_steps():
 
 
 def hung_run(tmp_path, hang_step: int, *sets: str) -> subprocess.Popen:
-    """A trainer whose step `hang_step` blocks on the device (tests/child_hooks/hangpoints)."""
+    """A trainer whose step `hang_step` blocks on the device (tests/child_hooks/hangpoints);
+    the text-only tiny run (what the watchdog does does not depend on the model)."""
     from runs import train_cmd
 
     cmd = train_cmd(
         tmp_path / "run",
-        "data.synthetic.num_samples=256",
+        *TINY_TEXT,
         "train.steps=40",
         "train.progress_bar=false",
         "train.checkpoint_every=100",  # (no save near the hang: it waits in the step's check)
@@ -193,7 +195,7 @@ def wait_for(proc: subprocess.Popen, marker: str, seconds: float = 600) -> str:
     raise AssertionError(f"no {marker!r} in {seconds} s: {''.join(seen)[-2000:]}")
 
 
-@pytest.mark.slow  # ~60-200 s: a trainer compiles, trains 8 steps, hangs
+@pytest.mark.slow  # ~15-60 s: a text-only trainer compiles, trains 8 steps, hangs
 def test_a_step_that_hangs_ends_the_run_naming_step_and_phase(tmp_path):
     """A step whose device work never completes (a host callback that blocks, as a collective
     that never returns): the trainer waited forever. It ends, exit 4, naming the step and
@@ -212,7 +214,7 @@ def test_a_step_that_hangs_ends_the_run_naming_step_and_phase(tmp_path):
     assert "(jaxmllm/train.py:" in err, err
 
 
-@pytest.mark.slow  # ~60-200 s: as above, then a SIGTERM
+@pytest.mark.slow  # ~15-60 s: as above, then a SIGTERM
 def test_sigterm_during_a_hung_step_ends_the_run_saying_so(tmp_path):
     """The loop's SIGTERM handler runs between Python bytecodes: a main thread blocked on a
     hung step never ran it, and a scheduler's preemption signal changed nothing. The

@@ -114,28 +114,6 @@ def test_timings_hold_every_step_with_its_slowest_devices_work(uninterrupted):
     data.close()
 
 
-@pytest.mark.slow  # (~16 s; resuming exactly after a kill: test_crash and test_preemption)
-def test_interrupt_and_rerun_resumes_with_identical_losses(uninterrupted, tmp_path):
-    def interrupt_at_3(step, _):
-        if step == 3:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        main(tiny(tmp_path), on_step=interrupt_at_3)
-    assert read_metrics(tmp_path)[-1]["step"] == 3
-    assert _timing_steps(tmp_path) == [1, 2, 3]
-    main(tiny(tmp_path))  # the same command again: resumes from the step-2 checkpoint
-    assert _timing_steps(tmp_path) == list(range(1, STEPS + 1))  # step 3's first row dropped
-    timings = [json.loads(line) for line in (tmp_path / "timings.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in timings if r["compile"]] == [1, 3]  # each process's first step
-    want = {r["step"]: r for r in read_metrics(uninterrupted)}
-    got = {r["step"]: r for r in read_metrics(tmp_path)}
-    assert sorted(got) == list(range(1, STEPS + 1))
-    for step in range(1, STEPS + 1):
-        for key in ("loss", "grad_norm", "loss_tokens", "samples"):
-            np.testing.assert_allclose(got[step][key], want[step][key], rtol=1e-5, err_msg=key)
-
-
 def test_frozen_modules_get_no_gradient_and_no_optimizer_state():
     import jax
 
@@ -436,13 +414,17 @@ def evaluated(out):
     return tiny(out, *EVAL)
 
 
-@pytest.mark.slow
-def test_evaluation_at_its_interval_changes_no_loss_and_survives_resume(
+@pytest.mark.slow  # (three runs: one evaluating, one interrupted, its rerun resuming)
+def test_evaluation_at_its_interval_changes_no_loss_and_an_interrupt_resumes_exactly(
     uninterrupted, tmp_path, capsys
 ):
     """Eval metrics at every eval_every steps (and the last), per modality mix; the training
-    losses those runs log are the same as without evaluation; a run interrupted and resumed
-    evaluates at the same steps to the same values (the eval set is fixed)."""
+    losses those runs log are the same as without evaluation. A run interrupted at step 3 and
+    rerun with the same command resumes from its step-2 checkpoint (step 3's first timing row
+    dropped, each process's first step marked as compiled): every step's loss, gradient norm,
+    token and sample counts are those of the run never interrupted, and it evaluates at the
+    same steps to the same values (the eval set is fixed). (Resuming exactly after a kill:
+    test_crash and test_preemption.)"""
     full, cut = tmp_path / "full", tmp_path / "cut"
     main(evaluated(full))
     assert "Held-out questions after step 6" in capsys.readouterr().out
@@ -453,8 +435,19 @@ def test_evaluation_at_its_interval_changes_no_loss_and_survives_resume(
 
     with pytest.raises(KeyboardInterrupt):
         main(evaluated(cut), on_step=interrupt_at_3)
-    main(evaluated(cut))  # resumes from step 2's checkpoint, evaluates 4 and 6 again
+    assert read_metrics(cut)[-1]["step"] == 3
+    assert _timing_steps(cut) == [1, 2, 3]
+    main(evaluated(cut))  # the same command again: resumes from step 2's checkpoint
+    assert _timing_steps(cut) == list(range(1, STEPS + 1))  # step 3's first row dropped
+    timings = [json.loads(line) for line in (cut / "timings.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in timings if r["compile"]] == [1, 3]  # each process's first step
     plain, rows, resumed = (read_metrics(p) for p in (uninterrupted, full, cut))
+    want = {r["step"]: r for r in plain}
+    got = {r["step"]: r for r in resumed}
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        for key in ("loss", "grad_norm", "loss_tokens", "samples"):
+            np.testing.assert_allclose(got[step][key], want[step][key], rtol=1e-5, err_msg=key)
     assert [r["step"] for r in rows if "eval/loss" in r] == [2, 4, 6]
     assert [r["step"] for r in resumed if "eval/loss" in r] == [2, 4, 6]
     np.testing.assert_array_equal([r["loss"] for r in rows], [r["loss"] for r in plain])

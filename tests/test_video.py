@@ -1,8 +1,8 @@
 """Videos on small generated files (PyAV encodes them in tmp_path): the sampling and resize rule
 and the temporal patches against transformers' Qwen2-VL video processor, M-RoPE against its
 `get_rope_index`, logits with a video against Qwen2VLForConditionalGeneration, the JSONL path,
-bad videos rejected and counted, a routed step equal to its samples alone, a run with videos
-resuming exactly.
+bad videos rejected and counted, a routed step equal to its samples alone. (A run with videos
+from files resuming exactly: test_frames' slow training test.)
 
 transformers' video processor imports torchvision at the top (for its resize), which the CPU
 torch build here cannot load; `processor` loads the module with a stand-in for torchvision's
@@ -737,57 +737,3 @@ def test_routed_step_with_videos_equals_samples_one_by_one(tmp_path):
     reference = jax.jit(make_loss_and_grads(model_parts(ref_cfg)[0]))
     alone = (one_sample_batch(cfg, s, source, source.index)[1] for s in plan.samples.tolist())
     assert_equals_alone(got, reference, (params, frozen), alone, host)
-
-
-@pytest.mark.slow  # (three short runs, each compiling: ~80 s of CPU, 3 min on a shared box)
-def test_a_run_with_videos_resumes_exactly(tmp_path):
-    """Training on JSONL records whose videos PyAV decodes (every step has some), interrupted
-    after step 3 and run again: it resumes from the step-2 checkpoint and steps 1..4 have the
-    losses and gradient norms of the run that was never interrupted. (The default suite's
-    test_train resumes tiny.yaml, whose synthetic data has rendered videos; this is the path
-    from files.)"""
-    from jaxmllm.loop.metrics import read_metrics
-    from jaxmllm.train import main
-
-    ways = ("left", "right")
-    for k, (n, h, w) in enumerate([(20, 32, 48), (12, 40, 40), (16, 32, 32), (24, 48, 32)]):
-        write_video(tmp_path / f"v{k}.mp4", moving_frames(n, h, w, ways[k % 2]), fps=10)
-    records = [
-        {
-            "id": f"v{j}",
-            "videos": [f"v{j % 4}.mp4"],
-            "text": f"<video>which way does it move? {ways[j % 2]}",
-        }
-        for j in range(16)
-    ]
-    records += [{"id": f"t{j}", "text": " ".join(map(str, range(j, j + 8)))} for j in range(8)]
-    manifest = _manifest(tmp_path, records)
-    build_index(_config(manifest), manifest, progress=False)
-
-    def run(out, on_step=None):
-        cfg = _config(
-            manifest,
-            f"train.output_dir={out}",
-            "train.steps=4",
-            "train.log_every=1",
-            "train.checkpoint_every=2",
-            "train.progress_bar=false",
-        )
-        main(cfg, on_step=on_step)
-
-    def interrupt_at_3(step, _):
-        if step == 3:
-            raise KeyboardInterrupt
-
-    run(tmp_path / "full")
-    with pytest.raises(KeyboardInterrupt):
-        run(tmp_path / "cut", interrupt_at_3)
-    assert read_metrics(tmp_path / "cut")[-1]["step"] == 3
-    run(tmp_path / "cut")  # the same command again: resumes from the step-2 checkpoint
-    want = {r["step"]: r for r in read_metrics(tmp_path / "full")}
-    got = {r["step"]: r for r in read_metrics(tmp_path / "cut")}
-    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
-    for step in want:
-        assert want[step]["padding/vision"] < 1.0  # (videos in every step)
-        for key in ("loss", "grad_norm", "loss_tokens", "samples"):
-            np.testing.assert_allclose(got[step][key], want[step][key], rtol=1e-5, err_msg=key)
