@@ -39,6 +39,9 @@ BUILD = {
     "qwen3-moe-sparse-step": lambda d: hf_models.qwen3_moe(
         d, sparse_step=2, layers=4, experts=16, top_k=4, tied=True
     ),
+    # decoder_sparse_step past the layers: no layer has experts, transformers' model is dense
+    # (refused naming jaxmllm's model.llm.moe.experts before)
+    "qwen3-moe-no-expert-layer": lambda d: hf_models.qwen3_moe(d, sparse_step=4, layers=3),
     "qwen2-moe-shared-expert": lambda d: hf_models.qwen2_moe(d),
     "qwen2-moe-no-biases": lambda d: hf_models.qwen2_moe(d, qkv_bias=False),
     # the experts fused, as transformers 5 holds them (and reads them from a checkpoint)

@@ -205,13 +205,16 @@ class Decoders(Family):
             where,
             f"mlp_only_layers {dense} names a layer past num_hidden_layers={depth}",
         )
+        every = int(hf.get("decoder_sparse_step") or 1)
+        if not any((i + 1) % every == 0 and i not in dense for i in range(depth)):
+            return {"experts": 0}  # (transformers builds every layer's MLP dense then)
         shared = int(hf.get("shared_expert_intermediate_size") or 0)
         out = {
             "experts": experts,
             "top_k": int(read(hf, "num_experts_per_tok", where)),
             "mlp_dim": int(read(hf, "moe_intermediate_size", where)),
             "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
-            "every": int(hf.get("decoder_sparse_step") or 1),
+            "every": every,
             "dense_layers": dense,
             "aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0)),
             "shared_mlp_dim": shared if self.row.shared_expert else 0,
