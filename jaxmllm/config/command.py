@@ -97,6 +97,11 @@ def run(main: Callable[[list[str] | None], int | None], argv: list[str] | None =
         if not isinstance(code, int):
             raise  # a bug: its traceback is what a report needs
         return fail(e, code)
+    except BaseException as e:  # (a signal's, raised where library code must not catch it)
+        code = getattr(e, "exit_code", None)
+        if not isinstance(code, int):
+            raise
+        return fail(e, code)
     return 0 if code is None else int(code)
 
 

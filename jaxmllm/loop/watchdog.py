@@ -254,8 +254,13 @@ def step_watchdog(cfg, start: int, preempt, checkpoints) -> StepWatchdog:
     )
 
 
-class StartupInterrupted(Exception):
-    """SIGTERM before training started; `exit_code` 143 (`jaxmllm.config.command.run`)."""
+class StartupInterrupted(BaseException):
+    """SIGTERM before training started; `exit_code` 143 (`jaxmllm.config.command.run`).
+
+    A BaseException, as KeyboardInterrupt is: raised by the signal handler wherever the main
+    thread is, it must not be taken for that code's own failure. As an Exception, JAX's read
+    of a persistent compilation cache entry caught it, warned "Error reading persistent
+    compilation cache entry" and compiled on: the run trained and exited 0."""
 
     exit_code = 128 + signal.SIGTERM
 
@@ -270,10 +275,13 @@ def startup_signals() -> Iterator[None]:
         yield
         return
 
+    came: list[str] = []
+
     def handler(signum, frame):
         """Raises StartupInterrupted, saying where the main thread was, in place of SIGTERM's
         default exit."""
-        raise StartupInterrupted(_startup_message())
+        came.append(_startup_message())
+        raise StartupInterrupted(came[0])
 
     previous = signal.signal(signal.SIGTERM, handler)
     wakeup, stop = _Wakeup(), threading.Event()
@@ -290,6 +298,8 @@ def startup_signals() -> Iterator[None]:
     thread.start()
     try:
         yield
+        if came:  # (code that catches even a BaseException swallowed it: the signal stands)
+            raise StartupInterrupted(came[0])
     finally:
         stop.set()
         thread.join(timeout=2)
