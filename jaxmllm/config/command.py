@@ -92,15 +92,11 @@ def run(main: Callable[[list[str] | None], int | None], argv: list[str] | None =
         code = main(argv)
     except KeyboardInterrupt:  # (the shell shows ^C; a training run said where it stopped)
         return EXIT_INTERRUPTED
-    except Exception as e:
-        code = EXIT_USER if user_error(e) else getattr(e, "exit_code", None)
+    except BaseException as e:  # (a BaseException with a code: a signal's, e.g. at start-up)
+        user = isinstance(e, Exception) and user_error(e)
+        code = EXIT_USER if user else getattr(e, "exit_code", None)
         if not isinstance(code, int):
             raise  # a bug: its traceback is what a report needs
-        return fail(e, code)
-    except BaseException as e:  # (a signal's, raised where library code must not catch it)
-        code = getattr(e, "exit_code", None)
-        if not isinstance(code, int):
-            raise
         return fail(e, code)
     return 0 if code is None else int(code)
 
