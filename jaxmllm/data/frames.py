@@ -59,7 +59,7 @@ def build_frames(
 ) -> dict:
     """Builds (or completes) data set `ds`'s frame cache; returns its manifest without the
     entries."""
-    tokenizer = config_tokenizer(cfg.data)
+    tokenizer = config_tokenizer(cfg)
     decoding = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, frame_cache=False))
     source = open_data_set(decoding, ds, tokenizer)  # (index checked; oversize repairs made)
     out = index_dir(ds, Params.from_config(cfg).counted()) / "frames"

@@ -118,8 +118,9 @@ class Preprocessor:
     def __init__(self, params: Params, tokenizer=None):
         """A preprocessor of `params` with their tokenizer (or `tokenizer`, already made)."""
         self.p = params
+        have = [name for name in params.encoders.split(",") if name]
         self.tokenizer = tokenizer or make_tokenizer(
-            params.tokenizer, params.template_date, params.max_tokenizer_bytes
+            params.tokenizer, params.template_date, params.max_tokenizer_bytes, have
         )
         # (per encoder phase, from its own kind's media: every kind of a phase has the same)
         self.per_token = {p.name: MEDIA[p.name].per_token(params) for p in ENCODERS}

@@ -292,7 +292,7 @@ def open_source(cfg: Config) -> ManifestSource | MixtureSource:
     indexes loaded and checked, oversize policy applied."""
     sets = data_sets(cfg)  # (a config that names no data stops here, saying so)
     check_index_dirs(cfg, [*sets, *[e for e in [eval_set(cfg)] if e is not None]])
-    tokenizer = config_tokenizer(cfg.data)
+    tokenizer = config_tokenizer(cfg)
     if cfg.model.llm.vocab_size < tokenizer.vocab_size:
         what = (
             f"incl. {len(tokenizer.added_tokens)} added placeholder token(s)"

@@ -197,11 +197,11 @@ def check_placeholders(directory: str, tokenizer: str) -> None:
     whole = whole_for(hf)
     if whole is None or not (Path(tokenizer) / "tokenizer.json").is_file():
         return
-    specials = make_tokenizer(tokenizer).specials
+    specials = make_tokenizer(tokenizer, phases=whole.parts).specials
     for p in ENCODERS:
-        want = whole.token_id(p.name, hf)
-        have = specials.media[p.name]
-        if p.name in whole.parts and want is not None and want != have:
+        want = whole.token_id(p.name, hf) if p.name in whole.parts else None
+        have = specials.media.get(p.name)
+        if want is not None and want != have:
             raise FamilyError(
                 f"{directory}: config.json's {whole.token_keys[p.name][0]} is {want} but the "
                 f"tokenizer in {tokenizer} makes each {p.item} token id {have}; the tokenizer "
@@ -237,10 +237,16 @@ DEFAULTS = {  # the sections of a config without --base: a fine-tuning starting 
 }
 
 
-def vocab_size(checkpoint: int, tokenizer: str) -> int:
+def encoder_phases(model: dict) -> tuple[str, ...]:
+    """The encoder phases a `model` section (a dict, before it is a config) has."""
+    return tuple(p.name for p in ENCODERS if model.get(p.name, {}).get("enabled", True))
+
+
+def vocab_size(checkpoint: int, tokenizer: str, phases: tuple[str, ...]) -> int:
     """The checkpoint's vocabulary, grown when the tokenizer adds tokens past it (placeholders
-    for images or audio that the checkpoint had no token for: their rows start at the mean row)
-    to a multiple of 128, which the vocabulary's shards divide."""
+    for images or audio that the checkpoint had no token for, of the encoder `phases` the model
+    has: their rows start at the mean row) to a multiple of 128, which the vocabulary's shards
+    divide."""
     root = Path(tokenizer)
     if not ((root / "tokenizer.json").is_file() and (root / "tokenizer_config.json").is_file()):
         print(
@@ -249,7 +255,7 @@ def vocab_size(checkpoint: int, tokenizer: str) -> int:
             file=sys.stderr,
         )
         return checkpoint
-    need = make_tokenizer(tokenizer).vocab_size
+    need = make_tokenizer(tokenizer, phases=phases).vocab_size
     return checkpoint if need <= checkpoint else -(-need // 128) * 128
 
 
@@ -291,7 +297,9 @@ def write_config(
     raw["data"] = {**raw.get("data", {}), **data_section(llm, vision, audio, tokenizer)}
     check_placeholders(llm, raw["data"]["tokenizer"])
     llm_keys = section["llm"]
-    llm_keys["vocab_size"] = vocab_size(llm_keys["vocab_size"], raw["data"]["tokenizer"])
+    llm_keys["vocab_size"] = vocab_size(
+        llm_keys["vocab_size"], raw["data"]["tokenizer"], encoder_phases(section)
+    )
     if section["audio"].get("positions") == "sinusoidal":  # Whisper: clips up to its table
         raw["data"]["audio_max_frames"] = section["audio"]["max_positions"] * 2
     if adapter:

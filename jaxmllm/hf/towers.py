@@ -19,6 +19,7 @@ from jaxmllm.hf.importer import (
     adapter_sections,
     check_placeholders,
     data_section,
+    encoder_phases,
     model_section,
     vocab_size,
 )
@@ -105,7 +106,8 @@ def load_model(
     model = model_section(llm, vision, audio)
     data = data_section(llm, vision, audio, tokenizer)
     check_placeholders(llm, data["tokenizer"])
-    model["llm"]["vocab_size"] = vocab_size(model["llm"]["vocab_size"], data["tokenizer"])
+    phases = encoder_phases(model)
+    model["llm"]["vocab_size"] = vocab_size(model["llm"]["vocab_size"], data["tokenizer"], phases)
     model["attention"] = "dense"
     batch = {"planner": "first_fit", "route_pair_capacity": 0, "attention_block": 1}
     if model["audio"].get("positions") == "sinusoidal":

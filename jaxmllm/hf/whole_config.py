@@ -98,7 +98,7 @@ def enabled(cfg: Any, name: str, want: bool) -> list[str]:
 
 def tokenizer_ids(cfg: Any) -> Any:
     """The run's tokenizer (what a new config.json's placeholder ids are)."""
-    return config_tokenizer(cfg.data)
+    return config_tokenizer(cfg)
 
 
 def placeholder(cfg: Any, phase: str) -> str:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 
@@ -118,7 +119,11 @@ class PretrainedTokenizer:
         directory: str | Path,
         template_date: str = DEFAULT_DATE,
         max_bytes: int = MAX_TOKENIZER_BYTES,
+        phases: Iterable[str] | None = None,
     ):
+        """`phases`: the encoder phases the model has (None: every phase). A kind of media of
+        another phase keeps the checkpoint's own placeholder where it has one, and gets none
+        appended where it has not: the model has no tower for it, so no embedding row."""
         from tokenizers import Tokenizer
 
         self.path, self.template_date = str(directory), template_date
@@ -151,8 +156,11 @@ class PretrainedTokenizer:
         media = {**_processor_tokens(root), **named}
         self._media: dict[str, tuple[str, str, str]] = {}
         self._wraps: dict[str, tuple[str, str]] = {}  # per kind: its placeholder's wrap
+        self.phases = tuple(dict.fromkeys(k.phase for k in KINDS) if phases is None else phases)
         for kind in KINDS:  # (a phase's own kind first: a video may fall back to the image's)
-            self._media[kind.name] = self._media_placeholder(kind, media)
+            found = self._media_placeholder(kind, media, append=kind.phase in self.phases)
+            if found is not None:
+                self._media[kind.name] = found
         self.vocab_size = max([self.base_size - 1, *self.added_tokens.values()]) + 1
         self.specials = self._specials(named, root)
         self.template = _load_template(root, config, named, template_date)
@@ -172,16 +180,23 @@ class PretrainedTokenizer:
         """The id of a token of the vocabulary (`<|im_start|>`), or None."""
         return self._tk.token_to_id(token)
 
-    def _media_placeholder(self, kind: Kind, named: dict[str, str]) -> tuple[str, str, str]:
+    def _media_placeholder(
+        self, kind: Kind, named: dict[str, str], append: bool
+    ) -> tuple[str, str, str] | None:
         """(the placeholder token, the text a media item becomes: it in its wrap, the content
-        part type a template renders it from)."""
+        part type a template renders it from); None where the tokenizer has none and `append`
+        is false (a kind of a phase the model has no tower for)."""
         from tokenizers import AddedToken
 
         known = KNOWN_TOKENS.get(kind.name, ())
         token, before, after = self._own_placeholder(named.get(f"{kind.item}_token"), known)
         if token is None and kind.name != kind.phase:  # (a video: its phase's own kind's)
+            if kind.phase not in self._media:
+                return None
             self._wraps[kind.name] = self._wraps[kind.phase]
             return self._media[kind.phase]
+        if token is None and not append:
+            return None
         self._wraps[kind.name] = (before, after)
         if token is None:  # a new token after the vocabulary: the model needs its row
             token = f"<|jaxmllm_{kind.item}|>"
@@ -260,7 +275,17 @@ class PretrainedTokenizer:
     def pieces(self, record: Record, generation: bool = False) -> list[tuple]:
         """Token runs ("text", ids, loss) and media markers (kind of media, item number) of
         `record`, in order; `generation`: a prompt ending in the assistant's generation
-        prompt, nothing learned. Raises RecordError for a template that fails on the record."""
+        prompt, nothing learned. Raises RecordError for a template that fails on the record,
+        or for items of a kind this tokenizer has no placeholder for (the model has no tower)."""
+        for kind in KINDS:
+            if record.media[kind.name] and kind.name not in self._media:
+                raise RecordError(
+                    "no_encoder",
+                    f"{len(record.media[kind.name])} {kind.item} item(s), but the model has no "
+                    f"{kind.phase} encoder (model.{kind.phase}.enabled: false) and {self.path} "
+                    f"no {kind.item} placeholder: enable it, or leave such records out",
+                    record.id,
+                )
         if record.turns[0][0] == "text":
             enc = self._tk.encode(self._substitute(record.turns[0][1]), add_special_tokens=True)
             ids = list(enc.ids)

@@ -28,9 +28,11 @@ class Specials:
     `pad` fills the unused slots of a bucket (never a target, never attended to); `bos` starts a
     sequence (None: the tokenizer has none); `eos` ends one; `stop` are the ids that end a turn
     or a sequence (eos first), where generation stops; `media[kind]` fills the slots of an
-    item's encoder rows (every kind of the table), so it never occurs in text. Kinds of one
-    phase may share an id (a checkpoint with no video token of its own places videos with its
-    image token); kinds of different phases may not.
+    item's encoder rows, so it never occurs in text: every kind of the table but those of a
+    phase the model has no tower for where the tokenizer has no token of its own (no row is
+    added for a placeholder nothing fills). Kinds of one phase may share an id (a checkpoint
+    with no video token of its own places videos with its image token); kinds of different
+    phases may not.
     """
 
     pad: int
@@ -40,14 +42,14 @@ class Specials:
     media: Mapping[str, int]
 
     def __post_init__(self):
-        missing = [k.name for k in KINDS if k.name not in self.media]
-        if missing:
-            raise ValueError(f"no placeholder id for the kind(s) of media {missing}")
+        unknown = sorted(set(self.media) - set(KIND))
+        if unknown:
+            raise ValueError(f"no kind of media is named {unknown}")
         # bucketize finds a phase's slots by these values: no other role may share them.
         others = {self.pad, self.eos, *self.stop} | ({self.bos} if self.bos is not None else set())
         by_phase: dict[int, set[str]] = {}
-        for k in KINDS:
-            by_phase.setdefault(self.media[k.name], set()).add(k.phase)
+        for name, i in self.media.items():
+            by_phase.setdefault(i, set()).add(KIND[name].phase)
         if any(len(p) > 1 for p in by_phase.values()) or set(by_phase) & others:
             raise ValueError(
                 "the media placeholder ids must differ from the rest, and between kinds of "

@@ -20,12 +20,13 @@ the sample's exact sequence.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
 from jaxmllm.config import ConfigError
-from jaxmllm.config.phases import KINDS
+from jaxmllm.config.phases import KINDS, enabled
 from jaxmllm.data.records.record import KIND_OF_PLACEHOLDER, PLACEHOLDER, Record
 from jaxmllm.data.text.pretrained import (
     DEFAULT_DATE,
@@ -47,22 +48,29 @@ from jaxmllm.data.text.specials import (  # noqa: F401  (re-exported: the reserv
 )
 
 
-def config_tokenizer(data):
-    """The tokenizer a config's data section names (`data.tokenizer`, its template date and
-    data.max_tokenizer_bytes)."""
-    return make_tokenizer(data.tokenizer, data.template_date, data.max_tokenizer_bytes)
+def config_tokenizer(cfg):
+    """The tokenizer a config names (`data.tokenizer`, its template date and
+    data.max_tokenizer_bytes), for the encoder phases its model has."""
+    d = cfg.data
+    have = [p.name for p in enabled(cfg.model)]
+    return make_tokenizer(d.tokenizer, d.template_date, d.max_tokenizer_bytes, have)
 
 
 def make_tokenizer(
-    spec: str, template_date: str = DEFAULT_DATE, max_bytes: int = MAX_TOKENIZER_BYTES
+    spec: str,
+    template_date: str = DEFAULT_DATE,
+    max_bytes: int = MAX_TOKENIZER_BYTES,
+    phases: Iterable[str] | None = None,
 ):
     """`byte`, the path of a tokenizer.json, or the path of a HuggingFace tokenizer directory
     (`template_date`: the date its chat template's strftime_now renders; `max_bytes`:
-    data.max_tokenizer_bytes, the largest tokenizer.json a directory may hold)."""
+    data.max_tokenizer_bytes, the largest tokenizer.json a directory may hold; `phases`: the
+    encoder phases the model has, None for every one: a directory appends a placeholder token
+    only for those)."""
     if spec == "byte":
         return ByteTokenizer()
     if is_tokenizer_dir(spec):
-        return PretrainedTokenizer(spec, template_date, max_bytes)
+        return PretrainedTokenizer(spec, template_date, max_bytes, phases)
     path = Path(spec)
     if not path.is_file():
         raise ConfigError(
