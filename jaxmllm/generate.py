@@ -49,7 +49,13 @@ from jaxmllm.config.phases import KINDS
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.template import TEMPLATES, Template, make_template
 from jaxmllm.hf.start import run_parameters
-from jaxmllm.step.generate import Generator, check_prompt_ids, held_bytes, memory_bytes
+from jaxmllm.step.generate import (
+    Generator,
+    check_prompt_ids,
+    held_bytes,
+    memory_bytes,
+    prefill_kind,
+)
 from jaxmllm.step.program import split_frozen
 
 # ----------------------------------------------------------------------------- a run
@@ -147,9 +153,10 @@ def check_memory(cfg: Config, shapes: PromptShapes, longest: int, new: int) -> N
     to allocate them (42 GB)."""
     need, have = held_bytes(cfg, shapes), memory_bytes()
     if have is not None and need > have:
+        dense = "prefill scores the prompt densely and " if prefill_kind(cfg) == "dense" else ""
         raise ConfigError(
-            f"{longest} prompt tokens + --max-new-tokens {new}: prefill scores the prompt "
-            f"densely and the cache holds {shapes.total_len} positions, at least "
+            f"{longest} prompt tokens + --max-new-tokens {new}: {dense}the cache holds "
+            f"{shapes.total_len} positions, at least "
             f"{_bytes(need)}, more than the {_bytes(have)} of memory here; shorten the prompt "
             "(or lower --max-new-tokens)"
         )

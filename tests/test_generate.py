@@ -124,6 +124,35 @@ def test_batching_changes_no_answer(params, prompts, gen):
         np.testing.assert_allclose(np.stack(a.logits), np.stack(b.logits), rtol=1e-5, atol=1e-5)
 
 
+def test_prefill_scores_the_prompt_as_training_does_not_the_cache(params, prompts, gen):
+    """Prefill scored every prompt token against the whole cache (prompt and new tokens, dense
+    [B, heads, P, S] scores): a long --max-new-tokens cost prefill as much as a long prompt.
+    It scores the prompt among itself now, with the run's attention: its FLOPs do not grow
+    with the room left for new tokens, and block-sparse prefill (host-made tiles of each
+    prompt's causal blocks) answers as the dense one does."""
+    sampling = (np.int32(0), np.int32(0), np.float32(0), np.float32(1))
+    flops = {}
+    for new in (16, 2048):
+        g = Generator(CFG, PromptShapes.fit(prompts, CFG, new, rows=4))
+        mb = prompt_batch(prompts, g.shapes, CFG)
+        cost = g.prefill.lower(*params, mb, None, sampling).compile().cost_analysis()
+        flops[new] = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    assert flops[2048] < 1.05 * flops[16], flops
+
+    bs = dataclasses.replace(
+        CFG,
+        model=dataclasses.replace(CFG.model, attention="block_sparse"),
+        batch=dataclasses.replace(CFG.batch, attention_block=32),
+    )
+    shapes = PromptShapes.fit(prompts, bs, 6, rows=4)
+    assert shapes.prompt_len % 32 == 0
+    sparse = Generator(bs, shapes).generate(*params, prompts, max_new_tokens=6, keep_logits=True)
+    dense = gen.generate(*params, prompts, max_new_tokens=6, keep_logits=True)
+    for a, b in zip(sparse, dense, strict=True):
+        assert a.ids == b.ids
+        np.testing.assert_allclose(np.stack(a.logits), np.stack(b.logits), rtol=1e-5, atol=1e-5)
+
+
 def test_stop_ids_end_a_row_and_are_kept(params, prompts, gen):
     free = gen.generate(*params, prompts, max_new_tokens=8)
     stop = free[0].ids[2]

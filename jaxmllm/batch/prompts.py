@@ -14,6 +14,7 @@ compile once.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -52,13 +53,22 @@ class PromptShapes:
         for phase in ENCODERS:
             most = max(_units(p, phase.name) for p in prompts)
             units[phase.name] = _round(max(most, 1), ROUND * phase.per_token(cfg.model))
-        prompt_len = _round(longest, ROUND)
+        prompt_len = _round(longest, prompt_round(cfg))
         return cls(
             rows=rows,
             prompt_len=prompt_len,
             total_len=_round(prompt_len + max_new_tokens, ROUND),
             units=units,
         )
+
+
+def prompt_round(cfg: Config) -> int:
+    """What a prompt length is a multiple of: ROUND, and where prefill may score the prompt
+    with block-sparse attention (as training does; cuDNN's runs fall back to it where no
+    Hopper GPU is) the blocks' tokens too."""
+    if cfg.model.attention != "dense":
+        return math.lcm(ROUND, cfg.batch.attention_block)
+    return ROUND
 
 
 def _round(n: int, step: int) -> int:

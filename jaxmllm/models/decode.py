@@ -16,8 +16,11 @@ queries of a short prompt write garbage keys past the prompt; the row's generate
 overwrite them before any query can reach them.
 
 The block's own sub-modules do the work (`attn_norm`, `attn.project`, `attn.output`,
-`mlp_norm`, `mlp`), so a cached key is exactly the key training computes; attention over the
-cache is the training path's dense attention under a [B, 1, T, S] mask. A linear-attention
+`mlp_norm`, `mlp`), so a cached key is exactly the key training computes. Prefill's attention
+is training's own over the prompt rows (`attention.packing`: the run's block-sparse tiles or
+cuDNN's segments, or a dense causal mask), never over the cache's empty S - P positions; a
+step's is the dense attention of one query over the cache under a [B, 1, 1, S] mask. A
+linear-attention
 layer (Gated DeltaNet) caches its convolution's last inputs and its state instead
 (`GatedDeltaNet.extend`): a prompt runs the chunked rule from the empty state, a step the rule
 for one token.
@@ -31,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmllm.models.attention import dense_attention
+from jaxmllm.models.attention import Packing, dense_attention, packing
 from jaxmllm.models.deltanet import GatedDeltaNet
 from jaxmllm.models.mllm import MultimodalLM
 
@@ -70,14 +73,20 @@ def empty_cache(model: MultimodalLM, rows: int, length: int) -> Cache:
     return Cache(k, v, window, state, length)
 
 
-def prefill(model: MultimodalLM, mb: dict[str, jax.Array], length: int) -> tuple[jax.Array, Cache]:
+def prefill(
+    model: MultimodalLM, mb: dict[str, jax.Array], length: int, pack: Packing | None = None
+) -> tuple[jax.Array, Cache]:
     """Runs the prompts; returns each row's next-token logits and the filled cache.
 
     Args:
-      model: the model (any attention kind: prefill computes dense attention itself; the
-        encoders use the model's own, so build it with dense attention for prompt batches).
+      model: the model (the encoders use its attention kind: build it with dense attention for
+        prompt batches, which carry no encoder tile lists).
       mb: one prompt batch [B, 1, P, ...] (`jaxmllm.batch.prompts.prompt_batch`).
       length: S, the cache's length (prompt and generated tokens of a row), >= P.
+      pack: how the decoder's attention layers score the prompt among itself, as training
+        does (`attention.packing` of the prompt rows' segment ids: block-sparse tiles, cuDNN's
+        segments, or a dense causal mask, the default); the cache is not read, so nothing
+        scores the S - P positions no prompt token may see.
 
     Returns:
       (logits [B, vocab] float32 at each row's last prompt token, cache).
@@ -91,7 +100,8 @@ def prefill(model: MultimodalLM, mb: dict[str, jax.Array], length: int) -> tuple
     lengths_b = valid_bp.sum(-1)
     start_b = jnp.zeros((rows,), jnp.int32)
     cache = empty_cache(model, rows, length)
-    h_bpw, cache = _decode(model, x_bpw, positions_bp, start_b, cache, valid_bp, added)
+    pack = pack or packing(mb["llm_segment_ids"][:, 0], causal=True)
+    h_bpw, cache = _decode(model, x_bpw, positions_bp, start_b, cache, valid_bp, added, pack)
     last_bw = jnp.take_along_axis(h_bpw, jnp.maximum(lengths_b - 1, 0)[:, None, None], axis=1)
     return model.llm.logits(last_bw)[:, 0], cache
 
@@ -134,16 +144,19 @@ def _decode(
     cache: Cache,
     valid_bt: jax.Array | None,
     added_kbtw: jax.Array | None = None,
+    pack: Packing | None = None,
 ) -> tuple[jax.Array, Cache]:
     """The decoder's scanned block over T new tokens per row written at cache indices
     start_b, start_b + 1, ... (rotary positions [B, T], or [B, T, 3] with M-RoPE; `valid_bt`:
     a prompt's tokens, None: every one; DeepStack's additions after the first K layers,
-    `added_kbtw`); returns the final hidden states [B, T, width] and the cache."""
+    `added_kbtw`); returns the final hidden states [B, T, width] and the cache. With `pack`
+    (prefill: the rows start empty), the T tokens attend among themselves as `pack` says;
+    without, each attends over the cache up to its own index, densely."""
     transformer = model.llm.transformer
     graphdefs = {k: nnx.graphdef(transformer.stack(k)) for k in transformer.kinds}
     t, s = x_btw.shape[1], cache.length
     index_bt = start_b[:, None] + jnp.arange(t)
-    mask_b1ts = (jnp.arange(s)[None, None, :] <= index_bt[:, :, None])[:, None]
+    mask_b1ts = None if pack else (jnp.arange(s)[None, None, :] <= index_bt[:, :, None])[:, None]
     valid_bt = jnp.ones(x_btw.shape[:2], bool) if valid_bt is None else valid_bt
 
     def layer(kind, block_state, x_btw, cached, _):
@@ -156,7 +169,10 @@ def _decode(
             q_bthe, k_bthe, v_bthe, gate = block.attn.project(h_btw, positions_bt)
             k_bske = _write(k_bske, k_bthe, start_b)
             v_bske = _write(v_bske, v_bthe, start_b)
-            out_bthe = dense_attention(q_bthe, k_bske, v_bske, mask_b1ts, block.attn.dtype)
+            if pack is not None:
+                out_bthe = block.attn.attend(q_bthe, k_bthe, v_bthe, pack, positions_bt)
+            else:
+                out_bthe = dense_attention(q_bthe, k_bske, v_bske, mask_b1ts, block.attn.dtype)
             out_btw, cached = block.attn.output(out_bthe, gate), (k_bske, v_bske)
         x_btw = x_btw + out_btw
         return x_btw + block.mlp(block.mlp_norm(x_btw)), tuple(cached)

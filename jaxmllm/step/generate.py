@@ -19,6 +19,9 @@ from jaxmllm.config import Config, ConfigError
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.specials import RESERVED, Specials
 from jaxmllm.models import decode
+from jaxmllm.models.attention import packing
+from jaxmllm.plan.tiles import from_segments
+from jaxmllm.resolve.attention import auto_attention
 from jaxmllm.step.program import model_parts
 
 
@@ -38,6 +41,19 @@ class Generator:
         """`specials`: the tokenizer's ids (padding, the image and audio placeholders)."""
         self.cfg, self.shapes, self.specials = cfg, shapes, specials
         parts, _ = model_parts(prompt_config(cfg, shapes))  # (dense attention, local rows)
+        # Prefill scores the prompts among themselves as training scores a row (the run's
+        # attention kind): block-sparse over the tiles of each prompt's causal blocks (host
+        # made, at most a whole row's), cuDNN over its one document, else a dense mask.
+        kind, block = prefill_kind(cfg), cfg.batch.attention_block
+        self.tiles = 0
+        if kind == "block_sparse":
+            if shapes.prompt_len % block:
+                raise ValueError(
+                    f"block-sparse prefill needs a prompt length ({shapes.prompt_len}) that "
+                    f"batch.attention_block={block} divides (PromptShapes.fit rounds to it)"
+                )
+            n = shapes.prompt_len // block
+            self.tiles = n * (n + 1) // 2
 
         # Sampling's settings come as host scalars (seed, the step's number, temperature,
         # top_p): traced, so they never recompile, and the same on every process of a job.
@@ -49,11 +65,14 @@ class Generator:
             key = jax.random.fold_in(jax.random.key(seed), i)
             return _whole(decode.pick(logits, key, temperature, top_p)), _whole(logits)
 
-        def prefill(params, frozen, mb, sampling):
+        def prefill(params, frozen, mb, tiles, sampling):
             """Runs the prompts through the model once: the first new token of each row, its
             logits, and the KV cache filled to the prompts' lengths (sized for
             `shapes.total_len`)."""
-            logits, cache = decode.prefill(parts.merge(params, frozen), mb, shapes.total_len)
+            seg = mb["llm_segment_ids"][:, 0]
+            pack = packing(seg, causal=True, kind=kind, tiles_bk2=tiles, block=block, documents=1)
+            model = parts.merge(params, frozen)
+            logits, cache = decode.prefill(model, mb, shapes.total_len, pack)
             return *pick(logits, sampling), cache
 
         def step(params, frozen, cache, tokens, index, positions, sampling):
@@ -111,7 +130,11 @@ class Generator:
             np.float32(temperature),
             np.float32(top_p),
         )
-        token, logits, cache = self.prefill(params, frozen, mb, sampling(0))
+        tiles = None
+        if self.tiles:  # (each prompt row one causal document: its blocks' tiles)
+            block = self.cfg.batch.attention_block
+            tiles = from_segments(mb["llm_segment_ids"], block, True, self.tiles)
+        token, logits, cache = self.prefill(params, frozen, mb, tiles, sampling(0))
         answers = [Answer([], False, [] if keep_logits else None) for _ in prompts]
         for i in range(max_new_tokens):
             picked, scores = np.asarray(token), (np.asarray(logits) if keep_logits else None)
@@ -131,6 +154,17 @@ class Generator:
         return answers
 
 
+def prefill_kind(cfg: Config) -> str:
+    """The attention prefill scores prompts with: the run's kernel, resolved for these devices
+    where it says `auto`; cuDNN's only where it runs (a Hopper GPU or newer), else block-sparse,
+    the same attention (a run trained on GPUs generating on a CPU)."""
+    kind = cfg.model.attention
+    if kind in ("auto", "cudnn"):
+        here, _ = auto_attention(cfg, jax.devices())
+        kind = "block_sparse" if kind == "cudnn" and here != "cudnn" else here
+    return kind
+
+
 def check_prompt_ids(prompts: Sequence[Sample], vocab_size: int) -> None:
     """Refuses a prompt holding an id the model has no embedding row for (negative, or past
     the vocabulary: the lookup would read another row, or garbage, and answer anyway)."""
@@ -146,11 +180,13 @@ def check_prompt_ids(prompts: Sequence[Sample], vocab_size: int) -> None:
 
 
 def held_bytes(cfg: Config, shapes: PromptShapes) -> int:
-    """Bytes generation's programs hold at least, over all devices: prefill's dense attention
-    scores (fp32 [rows, heads, prompt, prompt]) and the KV cache of every full-attention layer
-    ([rows, kv heads, total length, head width] keys and values)."""
+    """Bytes generation's programs hold at least, over all devices: prefill's attention
+    scores where they are dense (fp32 [rows, heads, prompt, prompt]; block-sparse and cuDNN
+    hold a tile's at a time) and the KV cache of every full-attention layer ([rows, kv heads,
+    total length, head width] keys and values)."""
     llm = cfg.model.llm
     scores = shapes.rows * llm.heads * shapes.prompt_len**2 * 4
+    scores = scores if prefill_kind(cfg) == "dense" else 0
     layers = llm.depth
     if llm.linear.enabled:  # (linear-attention layers carry a state, not a cache)
         layers = sum(not llm.linear.is_linear(i) for i in range(llm.depth))
