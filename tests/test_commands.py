@@ -67,6 +67,7 @@ CASES = {  # module: [argv, ...]
         ["--config", TINY, "--set", "mesh.fsdp=3", "--devices", "8"],  # a ShardingError
     ],
     "jaxmllm.bench.moe": [["--parts", "nope"]],
+    "jaxmllm.bench.node": [["--config", MISSING], ["--config", TINY, "--steps", "0"]],
     "jaxmllm.bench.pairs": [["--lengths", "/nonexistent-jaxmllm/lengths.jsonl"]],
     "jaxmllm.bench.stages": [["--config", MISSING], ["--set", "nope.x=1"]],
     "jaxmllm.bench.throughput": [["--config", MISSING], ["--config", TINY, "--set", "x.y=1"]],
@@ -333,6 +334,10 @@ GOOD = [  # (module, argv): each command's main path once, small, in the order t
             "--expert-width",
             "32",
         ],
+    ),
+    (
+        "jaxmllm.bench.node",
+        ["--config", TINY, "--steps", "1", "--warmup", "1", "--json", "{tmp}/node.json"],
     ),
     ("jaxmllm.bench.pairs", ["--mix", "ai2d", "--devices", "8", "--steps", "2"]),
     (
