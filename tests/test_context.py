@@ -306,7 +306,8 @@ def long_sample(rng, n: int, image_side: int, frames: int, sid: int) -> Sample:
         ]
     ).astype(np.int32)
     loss = (tokens < 256) & (np.arange(len(tokens)) > 0)
-    return Sample(sid, tokens, loss, {"vision": [image], "audio": [(clip, np.arange(frames))]})
+    media = {"vision": [image], "audio": [(clip, np.arange(frames))]}
+    return Sample(sid, tokens, loss, media, grids=[(image_side, image_side)])
 
 
 def long_step(cfg, data: int, context: int):
@@ -323,7 +324,7 @@ def long_step(cfg, data: int, context: int):
     items = {"vision": vision, "audio": audio}
     plan = StepPlan(0, np.arange(data), z, np.arange(data), z, z, items)
     host = bucketize(plan, samples, cfg, capacities(cfg, data * context))
-    positions = host["llm_positions"][0].reshape(data, -1)
+    positions = host.get("llm_order", host["llm_positions"])[0].reshape(data, -1)
     real = host["llm_segment_ids"][0].reshape(data, -1) > 0
     assert (np.sort(positions[0][real[0]]) == np.arange(n)).all()  # every position, once
     assert (host["llm_tiles"][0, :, :, 0] >= 0).sum(-1).min() > 0  # every rank attends
@@ -332,13 +333,20 @@ def long_step(cfg, data: int, context: int):
 
 @pytest.mark.slow  # each mesh compiles its split step and the reference (~1.5-4.5 min here)
 @pytest.mark.parametrize(
-    "mesh", ["data=2 context=4", "data=1 context=8", "data=1 fsdp=2 context=2 tensor=2"]
+    "mesh",
+    ["data=2 context=4", "data=1 context=8", "data=1 fsdp=2 context=2 tensor=2"]
+    + ["data=2 context=4 mrope=4,6,6"],
 )
 def test_rows_split_over_context_groups_equal_the_unsplit_reference(mesh):
     """Rows the planner packed, then one long sample a group: loss and every gradient (also
-    with fsdp-sharded parameters and heads split over tensor inside the groups)."""
-    sizes = {"fsdp": 1, "tensor": 1} | {k: int(v) for k, v in (x.split("=") for x in mesh.split())}
+    with fsdp-sharded parameters and heads split over tensor inside the groups, and with
+    M-RoPE: its positions are not in token order, an image's tokens sharing a time, so the
+    split's causal mask reads each token's index in its document, `llm_order`)."""
+    words = dict(x.split("=") for x in mesh.split())
+    mrope = words.pop("mrope", "")
+    sizes = {"fsdp": 1, "tensor": 1} | {k: int(v) for k, v in words.items()}
     extra = [f"mesh.{k}={v}" for k, v in sizes.items()]
+    extra += [f"model.llm.mrope_section=[{mrope}]"] if mrope else []
     cfg, source, index = context_config(sizes["data"], sizes["context"], *extra)
     groups, context = sizes["data"] * sizes["fsdp"], sizes["context"]
     assert_same_math(cfg, *packed_step(cfg, source, index, groups, context))

@@ -67,6 +67,8 @@ def batch_shapes(
     out["llm_loss_mask"] = (llm, np.float32)
     if any(m.llm.mrope_section):  # M-RoPE: (time, row, column) per token
         out["llm_positions"] = (llm + (3,), np.int32)
+        if spec.context > 1:  # (a gathered key is masked by its index in its document)
+            out["llm_order"] = (llm, np.int32)
     if spec.pairs:  # preference pairs: each token's sequence in its bucket, the pairs there
         out["llm_sequence"] = (llm, np.int32)
         out["llm_pairs"] = (lead, np.int32)
@@ -291,6 +293,8 @@ def _write_texts(
             for part in np.split(x.tokens, np.cumsum(d)[:-1])
         ]
         text["llm_positions"].reshape(-1, 3)[flat] = np.concatenate(mrope)
+        if "llm_order" in text:
+            text["llm_order"].reshape(-1)[flat] = within
     else:
         text["llm_positions"].reshape(-1)[flat] = within
     # Token t predicts token t+1 of the same document; a document's last token predicts nothing.

@@ -21,15 +21,18 @@ from jaxmllm.plan.context import block_weights, deal, rank_tiles
 from jaxmllm.plan.contract import Capacities
 from jaxmllm.plan.tiles import segment_tiles
 
+# (llm_order: with M-RoPE, each token's index in its document, which the split's causal mask
+# reads; the positions [..., 3] then are the rotary ones alone)
 TEXT = ("llm_tokens", "llm_segment_ids", "llm_positions", "llm_targets", "llm_loss_mask")
+TEXT += ("llm_order",)
 
 
 def group_text(batch: dict[str, np.ndarray], caps: Capacities, pad: int) -> dict[str, np.ndarray]:
-    """Empty group rows [M, groups, R, C x L] for the text arrays of a host batch whose device
-    axis holds whole groups (padding: `pad` tokens, the tokenizer's; zeros)."""
+    """Empty group rows [M, groups, R, C x L, ...] for the text arrays of a host batch whose
+    device axis holds whole groups (padding: `pad` tokens, the tokenizer's; zeros)."""
     m_n, d_n, r_n, _ = batch["llm_tokens"].shape
     shape = (m_n, d_n // caps.context, r_n, caps.group_row_len)
-    out = {k: np.zeros(shape, batch[k].dtype) for k in TEXT}
+    out = {k: np.zeros(shape + batch[k].shape[4:], batch[k].dtype) for k in TEXT if k in batch}
     out["llm_tokens"][:] = pad
     return out
 
@@ -94,9 +97,11 @@ class Split:
                 ) from None
         split = cls(owner.reshape(m_n, g_n, blocks), caps)
         order = split.order.reshape(m_n * g_n, blocks)
-        for key in TEXT:
-            x = text[key].reshape(m_n * g_n, blocks, block)
-            moved = np.take_along_axis(x, order[:, :, None], axis=1)
+        for key in text:
+            rest = text[key].shape[4:]  # (M-RoPE's positions: time, row, column)
+            x = text[key].reshape(m_n * g_n, blocks, block, *rest)
+            at = order.reshape(order.shape + (1,) * (1 + len(rest)))
+            moved = np.take_along_axis(x, at, axis=1)
             batch[key][:] = moved.reshape(batch[key].shape)
         return split
 

@@ -163,18 +163,9 @@ class Config:
     def _check_context(self) -> None:
         """Context parallelism deals a row's query blocks of block-sparse attention to the
         ranks, and plans its LLM rows per group: the one planner that does is orchestrated.
-        What the model is (M-RoPE, DeepStack) is refused first, advising only mesh.context."""
-        # The split masks a gathered key as causal by its true position (key <= query): M-RoPE's
-        # positions are not in token order (an image's tokens share a time, its text resumes
-        # past the grid), so that mask would be wrong.
-        check(
-            not any(self.model.llm.mrope_section),
-            f"{list(self.model.llm.mrope_section)} (M-RoPE) is not supported with "
-            f"mesh.context={self.mesh.context}: context parallelism masks keys by 1D token "
-            "positions, and the model's are M-RoPE's (an image's tokens share a time); set "
-            "mesh.context: 1",
-            "model.llm.mrope_section",
-        )
+        What the model is (DeepStack) is refused first, advising only mesh.context. (M-RoPE
+        trains split: the batch carries each token's index in its document, `llm_order`,
+        which the split's causal mask reads instead of the rotary positions.)"""
         check(
             not (self.model.vision.enabled and self.model.vision.deepstack),
             f"{list(self.model.vision.deepstack)} (DeepStack) is not supported with "

@@ -48,6 +48,10 @@ class Packing:
     # tokens a row when a device's rows lie end to end in one (block-sparse); 0: T, each row
     # one (linear attention restarts its state at a row's first token as at a document's)
     row: int = dataclasses.field(default=0, metadata=dict(static=True))
+    # context groups: each token's index in its document [B, T], which a gathered key is
+    # masked by (causal: key <= query); None: the rotary positions are it (1D RoPE). M-RoPE's
+    # are not in token order (an image's tokens share a time), so they come apart.
+    order: jax.Array | None = None
 
 
 def packing(
@@ -60,11 +64,13 @@ def packing(
     documents: int = 0,
     context: bool = False,
     row: int = 0,
+    order_bt: jax.Array | None = None,
 ) -> Packing:
     """The `Packing` of rows with these segment ids for attention `kind` (`model.attention`);
     `documents`: cudnn's bound on documents per row (`batch.*_documents`, 0: the row length);
     `context`: block-sparse rows split over the mesh's context groups, when it has them;
-    `row`: tokens a row when several lie end to end in one (`Packing.row`)."""
+    `row`: tokens a row when several lie end to end in one (`Packing.row`); `order_bt`: each
+    token's index in its document where the rotary positions are not it (`Packing.order`)."""
     if kind == "block_sparse":
         if tiles_bk2 is None:
             raise ValueError("block-sparse attention needs the tile list (batch *_tiles)")
@@ -77,6 +83,7 @@ def packing(
             kind=kind,
             context=context,
             row=row,
+            order=order_bt if context else None,
         )
     if kind == "cudnn":
         offsets, lengths = cudnn.segments(segment_ids_bt, documents or segment_ids_bt.shape[1])
@@ -207,7 +214,7 @@ class Attention(nnx.Module):
                 k_bske,
                 v_bske,
                 pack.segment_ids,
-                positions,
+                positions if pack.order is None else pack.order,
                 pack.tiles,
                 block=pack.block,
                 causal=pack.causal,

@@ -144,6 +144,7 @@ class MultimodalLM(nnx.Module):
             mb.get("llm_tiles"),
             row=mb["llm_segment_ids"].shape[-1],  # (block-sparse lays a device's rows end to end)
             added_kbtd=None if added_kdrlw is None else as_rows(added_kdrlw),
+            order_bt=self.decoder_order(mb),
         )
         return h.reshape(*mb["llm_tokens"].shape, -1), stats
 
@@ -155,6 +156,13 @@ class MultimodalLM(nnx.Module):
         segment_ids_bs, positions_bs = self.decoder_rows(mb)
         x_drlw = self.inputs(mb, rows)
         return x_drlw.reshape(*segment_ids_bs.shape, -1), segment_ids_bs, positions_bs
+
+    def decoder_order(self, mb: dict[str, jax.Array]) -> jax.Array | None:
+        """Each token's index in its document, as the decoder's rows lay them (`decoder_rows`),
+        where the batch has it apart from the positions (context groups with M-RoPE); None."""
+        if "llm_order" not in mb:
+            return None
+        return mb["llm_order"].reshape(self.decoder_rows(mb)[0].shape)
 
     def decoder_rows(self, mb: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         """The decoder's rows' segment ids and positions: block-sparse attention takes a device's

@@ -236,7 +236,7 @@ class _Ticks:
     def _llm(self, carry, mb, ic):
         model = self.model
         segment_ids, positions = model.decoder_rows(mb)
-        pack = model.llm.packing(segment_ids, mb.get("llm_tiles"))
+        pack = model.llm.packing(segment_ids, mb.get("llm_tiles"), order_bt=model.decoder_order(mb))
 
         def enter(carry):
             rows = {
