@@ -66,7 +66,6 @@ def test_a_vocabulary_smaller_than_the_byte_tokenizer_is_refused_only_with_byte_
     [
         ("model.attention=dense", r"model\.attention: must be block_sparse with mesh\.context=2"),
         ("batch.planner=grain", r"batch\.planner: must be orchestrated with mesh\.context=2"),
-        ("model.vision.deepstack=[0]", r"model\.vision\.deepstack: .*mesh\.context=2"),
     ],
 )
 def test_context_parallelism_refuses_what_it_cannot_split(setting, key):

@@ -335,18 +335,21 @@ def long_step(cfg, data: int, context: int):
 @pytest.mark.parametrize(
     "mesh",
     ["data=2 context=4", "data=1 context=8", "data=1 fsdp=2 context=2 tensor=2"]
-    + ["data=2 context=4 mrope=4,6,6"],
+    + ["data=2 context=4 mrope=4,6,6 deepstack=0"],
 )
 def test_rows_split_over_context_groups_equal_the_unsplit_reference(mesh):
     """Rows the planner packed, then one long sample a group: loss and every gradient (also
-    with fsdp-sharded parameters and heads split over tensor inside the groups, and with
-    M-RoPE: its positions are not in token order, an image's tokens sharing a time, so the
-    split's causal mask reads each token's index in its document, `llm_order`)."""
+    with fsdp-sharded parameters and heads split over tensor inside the groups, and as
+    Qwen3-VL is: M-RoPE, whose positions are not in token order (an image's tokens share a
+    time: the split's causal mask reads each token's index in its document, `llm_order`;
+    masking by M-RoPE's time is 2.9e-3 off), and DeepStack, whose additions must reach the
+    image's tokens on the ranks they were dealt to (rolled by a row, 6.9e-4 off))."""
     words = dict(x.split("=") for x in mesh.split())
-    mrope = words.pop("mrope", "")
+    mrope, deep = words.pop("mrope", ""), words.pop("deepstack", "")
     sizes = {"fsdp": 1, "tensor": 1} | {k: int(v) for k, v in words.items()}
     extra = [f"mesh.{k}={v}" for k, v in sizes.items()]
     extra += [f"model.llm.mrope_section=[{mrope}]"] if mrope else []
+    extra += [f"model.vision.deepstack=[{deep}]"] if deep else []
     cfg, source, index = context_config(sizes["data"], sizes["context"], *extra)
     groups, context = sizes["data"] * sizes["fsdp"], sizes["context"]
     assert_same_math(cfg, *packed_step(cfg, source, index, groups, context))

@@ -163,15 +163,10 @@ class Config:
     def _check_context(self) -> None:
         """Context parallelism deals a row's query blocks of block-sparse attention to the
         ranks, and plans its LLM rows per group: the one planner that does is orchestrated.
-        What the model is (DeepStack) is refused first, advising only mesh.context. (M-RoPE
-        trains split: the batch carries each token's index in its document, `llm_order`,
-        which the split's causal mask reads instead of the rotary positions.)"""
-        check(
-            not (self.model.vision.enabled and self.model.vision.deepstack),
-            f"{list(self.model.vision.deepstack)} (DeepStack) is not supported with "
-            f"mesh.context={self.mesh.context}: set mesh.context: 1",
-            "model.vision.deepstack",
-        )
+        (M-RoPE trains split: the batch carries each token's index in its document,
+        `llm_order`, which the split's causal mask reads instead of the rotary positions;
+        DeepStack's additions travel with their phase's rows, gathered over the group as
+        they are.)"""
         check(
             self.model.attention in ("block_sparse", "auto"),  # (auto: block_sparse then)
             f"must be block_sparse with mesh.context={self.mesh.context} (the context ranks "
