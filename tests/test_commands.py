@@ -356,6 +356,7 @@ GOOD = [  # (module, argv): each command's main path once, small, in the order t
 
 
 @pytest.mark.slow  # ~10-30 min: every command's main path, each small
+@pytest.mark.torch  # (`hf check` and `hf import` read a checkpoint transformers writes)
 def test_every_command_runs_its_main_path_on_good_input(tmp_path):
     """Each `python -m jaxmllm.*` command once on a small good input, as `python -m` runs it:
     exit 0, no traceback. (The entry-point test above tries only bad configs, so a command

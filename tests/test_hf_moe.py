@@ -251,6 +251,7 @@ TEXT_ONLY += ["data.synthetic.multi_image_fraction=0"]
 
 
 @pytest.mark.slow
+@pytest.mark.torch
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
 def test_import_train_export_holds_to_transformers(name, tmp_path):
     """`hf import --model` -> check -> train 2 steps (the MoE's experts split over
@@ -288,6 +289,7 @@ def test_import_train_export_holds_to_transformers(name, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.torch
 def test_a_lora_run_on_an_moe_exports_an_adapter_peft_loads(tmp_path):
     """LoRA on a Qwen3-MoE's attention and routed experts (rank 4: gate_up at 8, as PEFT),
     the experts over mesh.expert=2, 2 steps: the exported PEFT adapter (target_parameters for

@@ -25,6 +25,7 @@ from jaxmllm.step.program import build_program
 from sharding.rules import keyed_leaves
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.torch  # (the checkpoints are written by transformers' models)
 ROOT = Path(__file__).resolve().parents[1]
 CPU = [  # the recipes sized for 8 CPU devices and built-in data
     "mesh.cpu_devices=8",

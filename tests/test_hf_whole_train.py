@@ -26,6 +26,7 @@ from jaxmllm.step.program import model_parts
 from sharding.rules import keyed_leaves
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.torch  # (every test builds or loads transformers' models)
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512  # the tokenizer's ~420 ids fit: no rows are added
 QWEN_VL = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
