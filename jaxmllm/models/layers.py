@@ -138,15 +138,18 @@ class Embed(nnx.Module):
         stored (split by vocabulary rows, or gathered from FSDP's shards first)."""
         table = self.embedding[...]
         axes = vocab_axes(table.shape[0], ids.shape[0]) if self.vocab_parallel else ()
-        if axes and sharding.STAGE_AXIS in jax.sharding.get_abstract_mesh().manual_axes:
-            # Inside the pipeline's shard_map over the stages the lookup takes the gathered
-            # table, as without vocab_parallel: the split lookup's backward, in the first
-            # stage's branch of the tick loop, is refused by XLA's partitioner (Shardy: an
-            # unknown value in the nested manual computation). The loss stays split.
-            axes = ()
+        mesh = jax.sharding.get_abstract_mesh()
+        if self.vocab_parallel and sharding.STAGE_AXIS in mesh.manual_axes:
+            # Inside the pipeline's shard_map over the stages the lookup takes the table
+            # gathered whole: the split lookup's backward, in the first stage's branch of the
+            # tick loop, is refused by XLA's partitioner (Shardy: an unknown value in the
+            # nested manual computation), and a gather from the table still split by rows
+            # there aborts jax 0.11.2's (spmd_partitioner_util.cc: a check on the device
+            # groups of the all-reduce it adds). The loss stays split.
+            table = jax.lax.with_sharding_constraint(table, jax.P(None, None))
+            return jnp.take(table, ids, axis=0, mode="fill", fill_value=0).astype(self.dtype)
         if axes:  # rows split by vocabulary: no device ever holds the whole table
             return lookup(table, ids, axes, self.dtype)
-        mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and "fsdp" in mesh.axis_names:
             # FSDP: gather the table's `embed` shards for the lookup (its gradient then
             # reduce-scatters back); a gather from an embed-sharded table makes XLA replicate
