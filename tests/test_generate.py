@@ -153,6 +153,31 @@ def test_prefill_scores_the_prompt_as_training_does_not_the_cache(params, prompt
         np.testing.assert_allclose(np.stack(a.logits), np.stack(b.logits), rtol=1e-5, atol=1e-5)
 
 
+def test_a_run_with_context_groups_answers_as_one_without(params, prompts, gen):
+    """A run with mesh.context asks its held-out questions under its own mesh: a prompt row is
+    whole on its device, so nothing is gathered over the group (the gather of the encoder
+    rows, sized for the training batch, failed on the prompt batch: every such run with
+    data.eval.questions stopped at its first evaluation)."""
+    import sharding
+
+    cfg = dataclasses.replace(
+        CFG,
+        model=dataclasses.replace(CFG.model, attention="block_sparse"),
+        batch=dataclasses.replace(
+            CFG.batch, attention_block=32, planner="orchestrated", route_pair_capacity=-1
+        ),
+        mesh=dataclasses.replace(CFG.mesh, data=4, context=2),
+    )
+    with jax.set_mesh(sharding.make_mesh(cfg.mesh)):
+        got = Generator(cfg, PromptShapes.fit(prompts, cfg, 4, rows=4)).generate(
+            *params, prompts, max_new_tokens=4, keep_logits=True
+        )
+    want = gen.generate(*params, prompts, max_new_tokens=4, keep_logits=True)
+    for a, b in zip(got, want, strict=True):
+        assert a.ids == b.ids
+        np.testing.assert_allclose(np.stack(a.logits), np.stack(b.logits), rtol=1e-5, atol=1e-5)
+
+
 def test_stop_ids_end_a_row_and_are_kept(params, prompts, gen):
     free = gen.generate(*params, prompts, max_new_tokens=8)
     stop = free[0].ids[2]

@@ -70,6 +70,9 @@ class MultimodalLM(nnx.Module):
         self.route_capacity = spec.route_pair_capacity
         self.exchange = spec.exchange
         self.twins = spec.pairs  # (a pair's media rows fill both its documents' slots)
+        # mesh.context groups its rows were planned for (a prompt batch's: none, whatever
+        # mesh it runs under: each prompt row is whole on its device)
+        self.context = spec.context
 
     def __call__(self, mb: dict[str, jax.Array]) -> jax.Array:
         """Logits for one microbatch.
@@ -206,7 +209,8 @@ class MultimodalLM(nnx.Module):
             [mb.get(f"{p}_send") for p, _ in sent],
             [mb.get(f"{p}_send_count") for p, _ in sent],
         )
-        buffers = [gather_rows(b) for b in buffers]  # (a context group's slots read its rows)
+        if self.context > 1:  # (a context group's slots read its rows, wherever they arrived)
+            buffers = [gather_rows(b) for b in buffers]
         for buffer, name in zip(buffers[: len(names)], names, strict=True):
             x_drlw = fill_slots(x_drlw, buffer, mb[phase(name).src], self.twins)
         if not deep:
