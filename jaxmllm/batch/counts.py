@@ -123,6 +123,9 @@ class StepCounter:
         # (once: the FLOPs and the timings' work both read it)
         work = bucket_work(batch, self.cfg.mesh.context)
         out = {"tokens": tokens, "flops": _flops(work, self.cost)}
+        # (the LLM's own share: MFU counted without the towers, `bench.node`)
+        llm = self.cost.phase(LLM).work_cost(work[f"{LLM}_units"].sum(), work[f"{LLM}_sq"].sum())
+        out["llm_flops"] = float(llm)
         if self.work:
             out["work"] = step_work(batch, self.calibrated or self.cost, work)
         if self.calibrated is not None:

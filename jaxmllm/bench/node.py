@@ -44,11 +44,8 @@ import jax
 import numpy as np
 
 import sharding
-from jaxmllm.batch.counts import bucket_work
 from jaxmllm.config import Config, ConfigError, InitFrom, load_config
 from jaxmllm.config.command import add_config_args
-from jaxmllm.config.phases import PHASES
-from jaxmllm.cost.model import CostModel
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.feed.times import HostTimes
 from jaxmllm.init_from import start_reference
@@ -99,8 +96,6 @@ def measure(cfg: Config, warmup: int, steps: int) -> dict:
         state = start_reference(cfg, prog, prog.init())
         to_device = lambda host: sharding.make_global_batch(host, mesh)
         data = make_pipeline(run, to_device=to_device)
-        cost = CostModel.from_model(cfg.model)
-        llm = cost.phase(PHASES[0])
         ready = time.perf_counter() - started
         first, measured = 0.0, []
         try:
@@ -114,7 +109,7 @@ def measure(cfg: Config, warmup: int, steps: int) -> dict:
                 if i == 0:
                     first = t2 - t0
                 if i >= warmup:
-                    measured.append(_step(item, t2 - t1, t1 - t0, cfg, llm))
+                    measured.append(_step(item["info"], t2 - t1, t1 - t0))
                 print(f"\rstep {i + 1}/{warmup + steps}", end="", file=sys.stderr)
             print(file=sys.stderr)
         finally:
@@ -122,19 +117,16 @@ def measure(cfg: Config, warmup: int, steps: int) -> dict:
     return summary(cfg, measured, first, ready, mesh)
 
 
-def _step(item: dict, seconds: float, wait_s: float, cfg: Config, llm) -> Step:
-    info, batch = item["info"], item["batch"]
+def _step(info, seconds: float, wait_s: float) -> Step:
+    """A measured step from the feed's StepInfo (its counts made on the host, ahead of it)."""
     host = info.host or HostTimes()
-    # (the LLM's own share, from the host arrays' counts: the batch is on the devices)
-    segments = np.asarray(jax.device_get(batch["llm_segment_ids"]))
-    work = bucket_work({"llm_segment_ids": segments}, cfg.mesh.context)
     return Step(
         seconds=seconds,
         wait_s=wait_s,
         tokens=info.tokens,
         samples=len(info.samples),
         flops=info.flops,
-        llm_flops=float(llm.work_cost(work["llm_units"].sum(), work["llm_sq"].sum())),
+        llm_flops=info.llm_flops,
         fill=dict(info.fill),
         host={k: getattr(host, k) for k in STAGES},
     )

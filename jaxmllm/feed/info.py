@@ -28,6 +28,7 @@ class StepInfo:
     rejects: dict[str, float]  # cumulative bad-input counts, by reason (metrics keys)
     tokens: float  # this host's real LLM tokens
     flops: float  # their analytic model FLOPs
+    llm_flops: float = 0.0  # ... of the LLM phase alone (the towers' left out)
     # the step's variant: the pipelined program's (pipeline.encoder_fractions), "+long<v>" for
     # a long step (block-sparse attention's long tile lists, `jaxmllm.plan.ladder`)
     variant: str = "whole"
