@@ -113,6 +113,21 @@ def test_every_case_remat_fits_the_memory_a_run_takes():
         assert case.sets[-len(POLICIES[policy]) :] == tuple(POLICIES[policy]), case.name
 
 
+def test_every_cases_data_fits_its_buckets():
+    """Each case that runs a step plans its data at its full (not --smoke) shapes: no sample is
+    longer than the row the case gives it (a case that cannot plan would only be found on a
+    GPU, after the wait for one). Planned for one device, as the cases run."""
+    from jaxmllm.config import load_config
+    from jaxmllm.resolve.run import resolve_run
+
+    for case in cases(["recipe", "moe", "qwen3_vl", "host"], True, False):
+        if case.mixes:  # (real length tables from ../shared: test_gpu_mix plans them)
+            continue
+        cfg = load_config(case.config, list(case.sets))
+        run = resolve_run(cfg, 1)  # (raises OversizeError naming the key to raise)
+        assert len(run.index) > 0, case.name
+
+
 @pytest.mark.parametrize("minutes", [26, 15, 60])
 def test_the_plan_fits_its_budget_most_valuable_first(minutes):
     """The jobs' limits and a node's start each fit the budget, no job passes its 10 minutes,

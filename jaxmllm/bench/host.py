@@ -212,6 +212,21 @@ class Setup:
     per_host: int
     tflops: float
     measure: bool
+    # One compiled one-device step per bucket shape, shared by the rows that plan to it (rows of
+    # other worker counts plan the same buckets: a recipe's step compiles for minutes on a GPU)
+    timers: dict = dataclasses.field(default_factory=dict)
+
+    def timer(self, cfg: Config) -> DeviceTimer | None:
+        """The device timer of `cfg`'s bucket shapes (built on first use), or None when the
+        device time is analytic."""
+        if not self.measure:
+            return None
+        from jaxmllm.batch.bucketize import batch_shapes
+
+        key = repr(sorted(batch_shapes(cfg, 1).items()))
+        if key not in self.timers:
+            self.timers[key] = DeviceTimer(cfg)
+        return self.timers[key]
 
 
 def measure(setup: Setup, devices: int, workers: int) -> dict:
@@ -223,7 +238,7 @@ def measure(setup: Setup, devices: int, workers: int) -> dict:
     if local < devices:  # (this host as one of several: it loads only its own positions')
         run = dataclasses.replace(run, positions=np.arange(local))
     mesh = local_mesh(local)
-    timer = DeviceTimer(cfg) if setup.measure else None
+    timer = setup.timer(cfg)
     # Measured, the device runs the warm-up steps' batches (every device's bucket in turn, so
     # longer than a step); the measured steps then take their median, as the analytic ones do.
     timed = max(setup.warmup, 1) if timer is not None else 0
