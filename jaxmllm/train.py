@@ -43,6 +43,7 @@ from jaxmllm.loop.guards import NonFiniteError, NonFiniteGuard, Preemption
 from jaxmllm.loop.ledger import Ledger
 from jaxmllm.loop.lock import hold_output_dir
 from jaxmllm.loop.metrics import MetricsWindow, MetricsWriter, device_peak, logged_step
+from jaxmllm.loop.rollouts import RolloutIterator
 from jaxmllm.loop.summary import RunReport, rejects_file, schedule_note
 from jaxmllm.loop.timings import TimingsRecorder
 from jaxmllm.loop.watchdog import startup_signals, step_watchdog
@@ -95,7 +96,7 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
     # run ahead in a thread. Each process plans the whole step and loads only its own devices'.
     # (preference.reference: precomputed: the pairs' reference log-probs first, in one pass)
     run = precomputed_reference(run, prog, out)
-    data_iter = open_data(run, out)
+    data_iter = open_data(run, out, prog, lambda: prog.weights(state))  # (RL: the policy now)
     closing.callback(data_iter.close)
     if is_main:
         print(prog.describe())
@@ -156,10 +157,12 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
     timings = open_timings(cfg, out, start, is_main, closing)
     report = RunReport(cfg, out, start, rejects_file(out))  # (what the terminal is told)
     last: dict = {}
+    due = False  # a periodic save waiting for a rollout's end (RL: `loop.rollouts`)
     try:
         for step in range(start, t.steps):
             waited, element = time.perf_counter(), next(data_iter)  # batch on the devices
             waited = time.perf_counter() - waited  # (the devices idle while the feed is behind)
+            waited -= getattr(data_iter, "sampling_s", 0.0)  # (RL: the devices were generating)
             batch, info = element["batch"], element["info"]
             with jax.transfer_guard("disallow"):  # no hidden host<->device copies in the step
                 state, metrics = prog.step(state, batch)
@@ -188,13 +191,18 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
                 window.exclude(evaluator.seconds)  # (throughput is the training's)
                 if timings is not None:
                     timings.evaluated()
-            stopping = preempt.requested is not None
+            # (RL: a checkpoint and a preemption's stop wait for the rollout's end, where the
+            # state names the next rollout: resumed, it samples what this run would have)
+            boundary = getattr(data_iter, "at_boundary", True)
+            stopping = preempt.requested is not None and boundary
             force = done == t.steps or stopping
-            saving = force or mngr.should_save(done)  # (converted only when it is saved)
+            due = due or mngr.should_save(done)
+            saving = force or (due and boundary)  # (converted only when it is saved)
+            due = due and not saving
             args = (
                 save_args(prog.saved(state), data_iter, stamped(stamp, guard)) if saving else None
             )
-            saved = saving and checkpoint.save(mngr, done, args, force)
+            saved = saving and checkpoint.save(mngr, done, args, force=saving)
             if saved and timings is not None:
                 timings.saved()
             bar.update(1)
@@ -246,9 +254,12 @@ def open_timings(cfg: Config, out: Path, start: int, is_main: bool, closing):
     return timings
 
 
-def open_data(run: Run, out: Path) -> grain.DatasetIterator:
+def open_data(run: Run, out: Path, prog, policy: Callable[[], dict]) -> grain.DatasetIterator:
     """This process's step iterator: it yields each step's global device arrays, assembled from
-    this process's rows in the pipeline's thread while the devices run the step before."""
+    this process's rows in the pipeline's thread while the devices run the step before; under
+    `train.objective: grpo`, the rollouts of the policy's current weights (`policy()`)."""
+    if run.cfg.train.objective == "grpo":
+        return RolloutIterator(run, prog, policy)
     if run.positions is not None:
         log.info(
             "process %d of %d: data-parallel positions %d..%d of %d",
@@ -273,6 +284,7 @@ def log_step(done: int, metrics: dict, info: StepInfo, window, nonfinite_total, 
     row.update(stats)
     row["nonfinite_total"] = nonfinite_total
     row.update(rejects)  # cumulative bad-input counts
+    row.update(info.extra)  # (RL: the step's rollout's rewards, lengths and times)
     row["samples"] = len(info.samples)
     row.update({f"samples/{name}": n for name, n in info.sources.items()})  # (a mixture's)
     writer.write(done, row)

@@ -43,6 +43,7 @@ import numpy as np
 
 from jaxmllm.batch.context import Split, group_text, local_groups
 from jaxmllm.batch.pairs import document_segments, documents_of, write_sequences
+from jaxmllm.batch.rollouts import rollout_shapes, write_advantages
 from jaxmllm.config import Config, phases
 from jaxmllm.config.phases import ENCODERS, LLM, PHASES, VISION, Phase
 from jaxmllm.config.spec import BatchSpec
@@ -74,6 +75,7 @@ def batch_shapes(
         out["llm_pairs"] = (lead, np.int32)
     if spec.pair_reference:  # each document's reference log-prob sum, on its first token
         out["llm_reference"] = (llm, np.float32)
+    out.update(rollout_shapes(cfg, lead, llm))  # (GRPO's completions: their advantages, weights)
     c = spec.route_pair_capacity
     for p in phases.in_batch(m, cfg.batch):  # (a zero bucket: no arrays, the step skips it)
         enc, units = p.encoder(m), spec.units[p.name]
@@ -307,6 +309,8 @@ def _write_texts(
     text["llm_loss_mask"].reshape(-1)[flat] = loss
     if "llm_sequence" in text:
         write_sequences(text, loaded, docs, m * b_n + b, flat)
+    if "llm_advantage" in text:  # (a rollout's completion: `jaxmllm.step.grpo`)
+        write_advantages(text, loaded, n, flat, cfg.rl.loss_aggregation)
     if "llm_reference" in text:  # (a document's sum on its first token)
         if reference is None:
             raise ValueError("the batch takes the pairs' reference log-probs: none were given")

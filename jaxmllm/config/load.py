@@ -24,6 +24,7 @@ from jaxmllm.config.checks import ConfigError, check
 from jaxmllm.config.data import BYTE_VOCAB
 from jaxmllm.config.model import ModelConfig
 from jaxmllm.config.phases import ENCODERS, NAMES
+from jaxmllm.config.rl import RLConfig
 from jaxmllm.config.sections import (
     BatchConfig,
     DataConfig,
@@ -50,6 +51,7 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def __post_init__(self):
         for p in ENCODERS:  # (whole LLM tokens: the projector merges this many units into one)
@@ -104,21 +106,23 @@ class Config:
             self._check_pipeline()
         if self.model.llm.moe.enabled or self.mesh.expert > 1:
             self._check_experts()
-        if self.train.objective == "dpo":
-            self._check_preference()
+        if self.train.objective != "sft":
+            self._check_objective()
 
-    def _check_preference(self) -> None:
-        """Preference pairs are summed per bucket: a pair's two documents in one device's row
-        (no context group splits them), and the loss is the one step's (not the pipeline's)."""
+    def _check_objective(self) -> None:
+        """Preference pairs and completions are summed per bucket: a pair's two documents and a
+        completion in one device's row (no context group splits them), and the loss is the one
+        step's (not the pipeline's)."""
+        objective = self.train.objective
         check(
             self.mesh.context == 1,
-            "must be 1 with train.objective: dpo (a pair's documents are summed in one "
-            "device's row; context groups split rows)",
+            f"must be 1 with train.objective: {objective} (a pair's documents and a "
+            "completion are summed in one device's row; context groups split rows)",
             "mesh.context",
         )
         check(
             self.mesh.stage == 1,
-            "must be 1 with train.objective: dpo (pipelined stages train SFT only)",
+            f"must be 1 with train.objective: {objective} (pipelined stages train SFT only)",
             "mesh.stage",
         )
 

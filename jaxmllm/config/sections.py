@@ -275,8 +275,9 @@ class TrainConfig:
     # nothing without data.eval.source
     eval_every: int = 0
     # What the step learns from its samples: `sft` (next-token cross entropy over the learned
-    # tokens) or `dpo` (preference pairs: the `preference` section's loss over each pair's
-    # chosen and rejected completions, on the same feed and step)
+    # tokens), `dpo` (preference pairs: the `preference` section's loss over each pair's
+    # chosen and rejected completions, on the same feed and step) or `grpo` (online RL: the
+    # `rl` section's completions sampled from the policy each step, scored, and trained on)
     objective: str = "sft"
 
     def __post_init__(self):
@@ -288,7 +289,7 @@ class TrainConfig:
         check(self.peak_tflops >= 0, "must be >= 0 (0: from the device's kind)", "peak_tflops")
 
 
-OBJECTIVES = ("sft", "dpo")
+OBJECTIVES = ("sft", "dpo", "grpo")
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
 
 

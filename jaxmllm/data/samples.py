@@ -45,6 +45,9 @@ class Sample:
     # order: the rows of each item fill both documents' slots. Each document attends only to
     # itself, its positions start at 0, and its last token predicts nothing.
     documents: tuple[int, ...] = ()
+    # A rollout's completion (`train.objective: grpo`): its group's advantage, written on each
+    # of its tokens (`llm_advantage`); None for every other sample
+    advantage: float | None = None
 
     def __post_init__(self):
         self.media = {p: list(self.media.get(p, [])) for p in NAMES}

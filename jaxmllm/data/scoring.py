@@ -49,3 +49,13 @@ def _named(caption: str) -> list[tuple[str, str, str]]:
     part has fewer)."""
     parts = [p.strip().removeprefix("a ").split() for p in caption.strip().split(" and ")]
     return [tuple((p + ["", "", ""])[:3]) for p in parts if p]
+
+
+def caption_reward(record: dict, completion: str) -> float:
+    """An RL reward for the built-in data's questions (`rl.rewards: [{name:
+    jaxmllm.data.scoring:caption_reward}]`, configs/tiny_grpo.yaml): the mean of what
+    `score_answer` finds right of the completion against the record's answer (the count, each
+    colour and shape, a tone's pitch and contour, the whole answer), so a completion that names
+    the right colour of the wrong shape earns part of the reward exactness would deny it."""
+    scores = score_answer(completion, record["answer"])
+    return sum(scores.values()) / len(scores)

@@ -157,6 +157,9 @@ class StepIterator(grain.DatasetIterator):
         self.count = StepCounter(run.cfg, run.cost, run.calibrated)  # tokens, FLOPs, work
         self.variants = Variants.of(run.cfg)  # pipeline.encoder_fractions: each step's buckets
         self.to_device = to_device
+        # (plan, samples, batch) -> None, on the bucketized batch before it is counted: a pass
+        # over a finite set masks what it brought before (`loop.rollouts`)
+        self.marks: Callable[[StepPlan, dict, dict], None] | None = None
 
     @property
     def planner(self):
@@ -176,6 +179,8 @@ class StepIterator(grain.DatasetIterator):
         samples = self.feed.load(plan, parts)
         times.load_s, times.samples = clock.lap(), len(samples)
         batch = self.feed.bucketize(plan, samples)
+        if self.marks is not None:
+            self.marks(plan, samples, batch)
         batch, variant = self.variant(plan, batch)
         fill = fill_stats(batch)  # this host's buckets
         times.bucketize_s = clock.lap()

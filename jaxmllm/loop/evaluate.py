@@ -142,7 +142,7 @@ def plan_set(
         samples = feed.load(plan, feed.local_parts(plan))
         if run.cfg.train.objective == "dpo":  # pairs: each counted once, by its own sums
             batch = feed.bucketize(plan, samples)
-            _count_once(plan, samples, caps, run.positions, batch, seen)
+            count_once(plan, samples, caps, run.positions, batch, seen)
             batches.append(batch)
             continue
         batch = feed.bucketize(plan, samples)
@@ -152,7 +152,7 @@ def plan_set(
     return batches, ([] if feed.loader is None else feed.loader.log.take_entries())
 
 
-def _count_once(plan: StepPlan, samples, caps, positions, batch, seen) -> None:
+def count_once(plan: StepPlan, samples, caps, positions, batch, seen) -> None:
     """Pairs: the loss mask of a sample the pass already brought (an earlier step, or earlier
     in this one) zeroed, so that it sums no token and counts as no pair; marks `seen`."""
     _, home = host_buckets(caps, positions)

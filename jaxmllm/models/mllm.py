@@ -122,10 +122,14 @@ class MultimodalLM(nnx.Module):
         )
         return loss_sum, count, stats
 
-    def token_logps_and_router(self, mb: dict[str, jax.Array]) -> tuple:
+    def token_logps_and_router(self, mb: dict[str, jax.Array], temperature: float = 1.0) -> tuple:
         """Each token's target log-probability [D, R, L] (fp32; the fused projection's, no
-        [tokens, vocab] logits), and the decoder's MoE router statistics (None if dense)."""
+        [tokens, vocab] logits), and the decoder's MoE router statistics (None if dense).
+        `temperature`: of the distribution sampled at it, logits / t (the final hidden state
+        divided by t: the projection is linear; GRPO's policy is the one it sampled from)."""
         h_drlw, stats = self.hidden_and_router(mb)
+        if temperature != 1.0:
+            h_drlw = h_drlw / jnp.asarray(temperature, h_drlw.dtype)
         d, width = h_drlw.shape[0], h_drlw.shape[-1]
         targets = mb["llm_targets"]
         logps = chunked_token_logps(self.llm, h_drlw.reshape(d, -1, width), targets.reshape(d, -1))

@@ -129,7 +129,10 @@ def pair_totals(pref: PreferenceConfig, policy: PairSums, ref: PairSums | None) 
 
 
 def compares_reference(cfg: Config) -> bool:
-    """Whether the loss compares with a reference policy (simpo is reference-free)."""
+    """Whether the loss compares with a reference policy (simpo is reference-free; GRPO's only
+    with a KL term, `rl.kl_beta` > 0)."""
+    if cfg.train.objective == "grpo":
+        return cfg.rl.kl_beta > 0
     return cfg.train.objective == "dpo" and cfg.preference.loss != "simpo"
 
 

@@ -24,6 +24,7 @@ from jaxmllm.config import Config
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.config.spec import BatchSpec
 from jaxmllm.models import MultimodalLM, lora, moe, param_axes
+from jaxmllm.step.grpo import make_grpo_loss_and_grads
 from jaxmllm.step.preference import (
     make_preference_loss_and_grads,
     reference_keeps,
@@ -472,6 +473,8 @@ def build_program(cfg: Config, mesh) -> Program:
     # One compiled program; the state is donated so params are updated in place.
     if cfg.train.objective == "dpo":
         loss_and_grads = make_preference_loss_and_grads(cfg, parts, RouterLoss.of(cfg))
+    elif cfg.train.objective == "grpo":
+        loss_and_grads = make_grpo_loss_and_grads(cfg, parts, RouterLoss.of(cfg))
     else:
         loss_and_grads = make_loss_and_grads(parts, RouterLoss.of(cfg))
     step = jax.jit(

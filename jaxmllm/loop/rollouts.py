@@ -1,0 +1,317 @@
+"""Online RL's feed (`train.objective: grpo`): rollouts sampled from the policy being trained,
+scored, and packed into the step's fixed-shape buckets by the planner like any sample.
+
+    prompts (the data set, split at their answers) -> generate G each (the policy now)
+        -> rewards -> group advantages -> samples -> planner -> bucketize -> the GRPO step
+
+`RolloutIterator` stands where the training feed stands in the loop (`next()` -> {"batch",
+"info"}), so the loop's checkpoints, guards, metrics and preemption serve RL unchanged. At a
+rollout's start it takes `rl.prompts_per_step` prompts (a sample's tokens before its first
+learned one, its media with them; the learned ones are its answer, what `exact_answer` and the
+other rewards compare with), generates `rl.group_size` completions of each with the state's
+current weights (`jaxmllm.step.generate.Generator`: prefill and a KV-cache decode step at
+shapes rounded up, so a few programs serve every rollout), scores them
+(`jaxmllm.data.rewards`), and turns each into a sample: the prompt and the completion as one
+document, the completion learned, its group's advantage on its tokens. The feed's own stages
+then plan them (the run's planner, over an index of the rollout alone), load them from memory,
+bucketize and count them: every completion is packed into a row, balanced over devices and
+microbatches, and brought exactly once (a set smaller than a step may be planned twice: the
+second copy's loss mask is zeroed, as evaluation does). A rollout the step's buckets cannot hold
+at once trains over as many steps as the planner needs, and `rl.updates_per_rollout` times
+over; where that makes more than one step, the sampling policy's log-probs of every batch are
+computed before the first (`llm_old_logps`), so each step's ratio is against the policy that
+sampled.
+
+Resuming is exact: prompts come in an order drawn per epoch from `data.seed`, and sampling's
+key from the seed and the rollout's number, so a rollout is a function of the weights that
+sampled it; checkpoints are taken at rollout boundaries only (`at_boundary`: the loop defers a
+periodic save, and a preemption, to the rollout's end), where the state is the rollout number
+and the prompt cursor. Every process generates the whole rollout (one SPMD program over the
+mesh, the same keys: the same completions on every process), scores it and plans it, then
+bucketizes only its own positions' rows, as the training feed does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import grain
+import jax
+import numpy as np
+
+import sharding
+from jaxmllm.batch.prompts import PromptShapes, split_answer
+from jaxmllm.config import ConfigError
+from jaxmllm.config.phases import ENCODERS
+from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.data.rejects import RecordError
+from jaxmllm.data.rewards import Rewards, group_advantages
+from jaxmllm.data.samples import Sample
+from jaxmllm.data.text.template import make_template
+from jaxmllm.feed.iterator import StepIterator
+from jaxmllm.loop.evaluate import count_once
+from jaxmllm.plan.state import PlanStateError
+from jaxmllm.resolve.run import Run
+from jaxmllm.step.generate import Generator
+from jaxmllm.step.grpo import make_logps_program
+
+log = logging.getLogger("jaxmllm")
+
+MAX_PROMPT_SCAN = 8  # epochs of the data scanned for prompts before a rollout gives up
+
+
+class RolloutSource:
+    """A rollout's samples as a random-access source (`source[i]`), held in memory."""
+
+    def __init__(self, samples: list[Sample], specials):
+        """`specials`: the tokenizer's ids (bucketize pads with them, finds slots by them)."""
+        self.samples, self.specials = samples, specials
+
+    def __len__(self) -> int:
+        """The rollout's completions."""
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> Sample:
+        """Completion i's sample (a copy: a loader may drop items of it in place)."""
+        s = self.samples[int(i)]
+        return dataclasses.replace(s, media={p: list(v) for p, v in s.media.items()})
+
+
+def rollout_index(samples: list[Sample], specials) -> LengthsIndex:
+    """The planner's lengths of a rollout's samples: text tokens (placeholders left out) and
+    each encoder item's units."""
+    media = {p.name: np.asarray(specials.phase_ids(p.name)) for p in ENCODERS}
+    records = []
+    for s in samples:
+        held = sum(int(np.isin(s.tokens, ids).sum()) for ids in media.values())
+        record = {"text": len(s.tokens) - held}
+        record.update({p.items: [len(m[0]) for m in s.media[p.name]] for p in ENCODERS})
+        records.append(record)
+    return LengthsIndex.from_records(records)
+
+
+@dataclasses.dataclass
+class Prompt:
+    """One prompt of the data set: its sample cut before the answer, and what rewards read."""
+
+    index: int  # the data set's sample
+    sample: Sample
+    record: dict  # {"id", "prompt", "answer"}: a reward function's view of the record
+
+
+class RolloutIterator(grain.DatasetIterator):
+    """The loop's feed under `train.objective: grpo` (the module's docstring); a grain
+    iterator, so its state is checkpointed as the training feed's is."""
+
+    def __init__(self, run: Run, prog, policy: Callable[[], dict]):
+        """`policy()`: the train state's current weights ({"params", "frozen"}), read at each
+        rollout's start."""
+        super().__init__()
+        self.run, self.cfg, self.policy = run, run.cfg, policy
+        self.rl = run.cfg.rl
+        self.template = make_template(run.cfg)
+        self.specials = self.template.specials
+        self.rewards = Rewards(self.rl.rewards)
+        self.generators: dict[tuple, Generator] = {}
+        self.logps = jax.jit(make_logps_program(run.cfg, prog.parts))
+        self.rollout, self.cursor = 0, 0  # the next rollout's number, the prompts' cursor
+        self.pending: list[dict] = []  # the rollout's steps not trained yet
+        self.skipped_prompts = 0
+        self.started = self.position()  # the state at the current rollout's start
+        # What the last `next` spent sampling, scoring and planning a rollout (0 inside one):
+        # the devices generated meanwhile, so the loop does not count it as waiting on data
+        self.sampling_s = 0.0
+        self.check_fits()
+
+    # ------------------------------------------------------------------ the loop's interface
+
+    @property
+    def at_boundary(self) -> bool:
+        """Whether the last rollout's steps are all trained (a checkpoint may be taken)."""
+        return not self.pending
+
+    def __iter__(self):
+        """Itself (an iterator)."""
+        return self
+
+    def __next__(self) -> dict:
+        """The next step of the current rollout ({"batch": device arrays, "info"}), a new
+        rollout sampled first when the last one's steps are all taken."""
+        self.sampling_s = 0.0
+        if not self.pending:
+            start = time.perf_counter()
+            self.pending = self.roll()
+            self.sampling_s = time.perf_counter() - start
+        return self.pending.pop(0)
+
+    def position(self) -> dict:
+        """The next rollout's number, the prompts' cursor and the prompts skipped so far."""
+        return {"rollout": self.rollout, "cursor": self.cursor, "skipped": self.skipped_prompts}
+
+    def get_state(self) -> dict:
+        """What a checkpoint keeps: at a boundary, the next rollout's position; inside a
+        rollout (the run's last step, or a non-finite stop: the loop saves periodically only at
+        boundaries), the current one's start, which a resumed run samples again."""
+        return self.started if self.pending else self.position()
+
+    def set_state(self, state: dict) -> None:
+        """Restores a checkpoint's state (the next rollout is the one it names)."""
+        try:
+            self.rollout, self.cursor = int(state["rollout"]), int(state["cursor"])
+        except (KeyError, TypeError, ValueError):
+            raise PlanStateError(
+                f"the checkpoint's data state is not a rollout's (train.objective: grpo): "
+                f"{state!r:.80}"
+            ) from None
+        self.skipped_prompts = int(state.get("skipped", 0))
+        self.pending, self.started = [], self.position()
+
+    # ------------------------------------------------------------------ a rollout
+
+    def check_fits(self) -> None:
+        """A completion is its prompt and up to `rl.max_new_tokens` more in one row: the
+        data's longest sample (a prompt is shorter) and that many must fit a row."""
+        row = self.run.spec.group_row_len
+        longest = int(self.run.index.llm_tokens(self.run.caps.per_token).max(initial=0))
+        if longest + self.rl.max_new_tokens > row:
+            raise ConfigError(
+                f"rl.max_new_tokens={self.rl.max_new_tokens}: a prompt of the data (up to "
+                f"{longest} tokens) and its completion must fit one row of "
+                f"batch.llm_row_len={row} tokens; raise batch.llm_row_len to at least "
+                f"{longest + self.rl.max_new_tokens}, or lower rl.max_new_tokens"
+            )
+
+    def prompts(self) -> list[Prompt]:
+        """The next `rl.prompts_per_step` prompts from the cursor, in the epoch's order (a
+        sample without a prompt or an answer, or one that fails to load, is skipped, counted)."""
+        source, n = self.run.source, len(self.run.source)
+        out: list[Prompt] = []
+        scanned = 0
+        while len(out) < self.rl.prompts_per_step:
+            if scanned > MAX_PROMPT_SCAN * n:
+                raise ConfigError(
+                    "train.objective: grpo: no sample of the data splits into a prompt and an "
+                    "answer (a prompt: tokens before the first learned one); give records with "
+                    "a user turn and an answer"
+                )
+            epoch, k = divmod(self.cursor, n)
+            order = np.random.default_rng([self.cfg.data.seed, epoch, 7]).permutation(n)
+            i = int(order[k])
+            self.cursor, scanned = self.cursor + 1, scanned + 1
+            try:
+                split = split_answer(source[i], self.specials)
+            except RecordError as e:
+                log.warning("rollout prompt %d skipped: %s", i, e)
+                split = None
+            if split is None:
+                self.skipped_prompts += 1
+                continue
+            prompt, answer = split
+            text = self.template.decode(answer[answer != self.specials.pad])
+            record = {"id": i, "prompt": self.template.decode(prompt.tokens), "answer": text}
+            out.append(Prompt(i, prompt, record))
+        return out
+
+    def generator(self, prompts: list[Sample]) -> Generator:
+        """The generator of these prompts' shapes (rounded up: a few serve every rollout)."""
+        shapes = PromptShapes.fit(prompts, self.cfg, self.rl.max_new_tokens)
+        key = (shapes.rows, shapes.prompt_len, shapes.total_len, tuple(shapes.units.items()))
+        if key not in self.generators:
+            self.generators[key] = Generator(self.cfg, shapes, self.specials)
+        return self.generators[key]
+
+    def roll(self) -> list[dict]:
+        """Samples, scores and plans the next rollout; its steps, each repeated
+        `rl.updates_per_rollout` times, with the rollout's metrics on each step's info."""
+        rl, start = self.rl, time.perf_counter()
+        self.started = self.position()
+        prompts = self.prompts()
+        group = [p for p in prompts for _ in range(rl.group_size)]
+        weights = self.policy()
+        answers = self.generator([p.sample for p in group]).generate(
+            weights["params"],
+            weights["frozen"],
+            [p.sample for p in group],
+            max_new_tokens=rl.max_new_tokens,
+            stop_ids=frozenset(self.specials.stop),
+            temperature=rl.temperature,
+            top_p=rl.top_p,
+            seed=(self.cfg.data.seed * 1_000_003 + self.rollout) % 2**31,
+        )
+        sampled = time.perf_counter()
+        texts = [self.template.decode(a.ids) for a in answers]
+        scores = self.rewards([p.record for p in group], texts)
+        advantages, equal = group_advantages(scores.total, rl.group_size, rl.advantage)
+        scored = time.perf_counter()
+        keep = np.ones(len(prompts), bool)
+        if rl.skip_equal_groups and not equal.all():  # (all equal: trained on, all zero)
+            keep = ~equal
+        samples = []
+        for k, (p, answer) in enumerate(zip(group, answers, strict=True)):
+            if not keep[k // rl.group_size]:
+                continue
+            ids = np.asarray(answer.ids, np.int32)
+            tokens = np.concatenate([p.sample.tokens, ids]).astype(np.int32)
+            loss = np.concatenate([np.zeros(len(p.sample.tokens), bool), np.ones(len(ids), bool)])
+            samples.append(
+                dataclasses.replace(
+                    p.sample, id=k, tokens=tokens, loss=loss, advantage=float(advantages[k])
+                )
+            )
+        steps = self.plan(samples, weights)
+        lengths = np.array([len(a.ids) for a in answers])
+        metrics = {
+            "rl/reward": float(scores.total.mean()),
+            "rl/reward_std": float(scores.total.std()),
+            **{f"rl/reward/{k}": float(v.mean()) for k, v in scores.by_name.items()},
+            "rl/completion_len_mean": float(lengths.mean()),
+            "rl/completion_len_max": float(lengths.max()),
+            "rl/truncated": float(np.mean([not a.stopped for a in answers])),
+            "rl/equal_groups": float(equal.mean()),
+            "rl/skipped_groups": float((~keep).sum()),
+            "rl/skipped_prompts": float(self.skipped_prompts),
+            "rl/steps_per_rollout": float(len(steps)),
+            "rl/rollout": float(self.rollout),
+            "time/rollout_s": sampled - start,
+            "time/score_s": scored - sampled,
+            "rl/rollout_tokens_per_s": float(lengths.sum()) / max(sampled - start, 1e-9),
+        }
+        self.rollout += 1
+        for element in steps:
+            element["info"].extra.update(metrics)
+        return [dict(e) for _ in range(rl.updates_per_rollout) for e in steps]
+
+    def plan(self, samples: list[Sample], weights: dict) -> list[dict]:
+        """The rollout's steps: the feed's stages over its samples until each is planned
+        once, each batch on the devices; with more than one step, or more than one update, the
+        sampling policy's log-probs of each batch beside it."""
+        cfg = dataclasses.replace(self.cfg, data=dataclasses.replace(self.cfg.data, workers=0))
+        source = RolloutSource(samples, self.specials)
+        run = dataclasses.replace(
+            self.run, cfg=cfg, source=source, index=rollout_index(samples, self.specials)
+        )
+        feed = StepIterator(run)
+        seen = np.zeros(len(samples), bool)
+        feed.marks = lambda plan, loaded, batch: count_once(
+            plan, loaded, run.caps, run.positions, batch, seen
+        )
+        steps = []
+        try:
+            while not seen.all():
+                if len(steps) > 4 * len(samples) + 8:
+                    raise ConfigError(f"{int((~seen).sum())} completions were never planned")
+                steps.append(next(feed))
+        finally:
+            feed.close()
+        kept = len(steps) > 1 or self.rl.updates_per_rollout > 1
+        for element in steps:
+            batch = element["batch"]
+            batch["llm_old_given"][:] = int(kept)
+            element["batch"] = sharding.make_global_batch(batch, self.run.mesh)
+            if kept:  # (the sampling policy's, before any update)
+                old = self.logps(weights["params"], weights["frozen"], element["batch"])
+                element["batch"]["llm_old_logps"] = old
+        return steps

@@ -1,0 +1,252 @@
+"""Online RL (train.objective: grpo): the GRPO step over a rollout packed by the planner, held
+to TRL's GRPOTrainer loss over the same completions one per row, and the rollout feed's
+bookkeeping (each completion once, the sampling policy's log-probs kept, resumable state)."""
+
+from __future__ import annotations
+
+import collections
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmllm.config import ConfigError, load_config
+from jaxmllm.data.samples import Sample
+from jaxmllm.init_from import start_reference
+from jaxmllm.loop.rollouts import RolloutIterator, rollout_index
+from jaxmllm.resolve.run import resolve_run
+from jaxmllm.step.program import build_program
+
+TEXT_ONLY = [
+    "model.vision.enabled=false",
+    "model.audio.enabled=false",
+    *(f"data.synthetic.{k}_fraction=0" for k in ("image", "multi_image", "audio", "video")),
+    "data.eval.source=none",
+]
+
+
+def grpo_config(*sets: str):
+    """The tiny model, text only, under GRPO."""
+    return load_config("configs/tiny.yaml", [*TEXT_ONLY, "train.objective=grpo", *sets])
+
+
+def completions(n: int, seed: int = 0) -> list[Sample]:
+    """`n` prompt-and-completion samples of random bytes (prompts of 4-24 tokens, completions
+    of 2-40), each with its own advantage (distinct: the test finds a sample's tokens by it)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    advantages = rng.permutation(np.linspace(-1.5, 1.5, n))
+    for k in range(n):
+        prompt = rng.integers(3, 250, rng.integers(4, 25))
+        answer = rng.integers(3, 250, rng.integers(2, 41))
+        tokens = np.concatenate([prompt, answer]).astype(np.int32)
+        loss = np.concatenate([np.zeros(len(prompt), bool), np.ones(len(answer), bool)])
+        out.append(Sample(k, tokens, loss, advantage=float(advantages[k])))
+    return out
+
+
+def per_completion(batch: dict, values: np.ndarray, samples: list[Sample]) -> list[np.ndarray]:
+    """Each sample's values at its learned positions, in order, read off the packed batch by
+    its advantage (the loss mask marks the positions that predict a completion token)."""
+    adv = np.asarray(batch["llm_advantage"]).reshape(-1)
+    mask = np.asarray(batch["llm_loss_mask"]).reshape(-1) > 0
+    flat = np.asarray(values).reshape(-1)
+    return [flat[mask & np.isclose(adv, s.advantage)] for s in samples]
+
+
+class _Accelerator:
+    """What TRL's loss asks of accelerate on one process."""
+
+    num_processes = 1
+    sync_gradients = True
+
+    def reduce(self, x, reduction="sum"):
+        return x
+
+    def gather(self, x):
+        return x
+
+    gather_for_metrics = gather
+
+
+def trl_loss(cfg, logps, old, ref, advantages) -> tuple[float, dict]:
+    """TRL's GRPOTrainer._compute_loss (loss_type bnpo for `token`, grpo for `sequence`) on
+    completions given as lists of per-token arrays (right-padded here, as TRL's batches are),
+    with its per-token log-probs forward replaced by these values."""
+    torch = pytest.importorskip("torch")
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    width = max(len(x) for x in logps)
+
+    def pad(rows):
+        out = torch.zeros(len(rows), width, dtype=torch.float64)
+        for i, r in enumerate(rows):
+            out[i, : len(r)] = torch.as_tensor(np.asarray(r, np.float64))
+        return out
+
+    mask = pad([np.ones(len(x)) for x in logps])
+    rl = cfg.rl
+    fake = types.SimpleNamespace(
+        loss_type={"token": "bnpo", "sequence": "grpo"}[rl.loss_aggregation],
+        beta=rl.kl_beta,
+        epsilon_low=rl.clip_low,
+        epsilon_high=rl.clip_high,
+        importance_sampling_level="token",
+        off_policy_mask_threshold=None,
+        top_entropy_quantile=1.0,
+        use_vllm=False,
+        aux_loss_enabled=False,
+        _entropy_bonus_enabled=False,
+        current_gradient_accumulation_steps=1,
+        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False),
+        model=types.SimpleNamespace(training=True),
+        accelerator=_Accelerator(),
+        _metrics=collections.defaultdict(lambda: collections.defaultdict(list)),
+    )
+    fake._get_per_token_logps_and_entropies = lambda *a, **k: (pad(logps), mask * 0, None)
+    inputs = {
+        "prompt_ids": torch.zeros(len(logps), 1, dtype=torch.long),
+        "prompt_mask": torch.ones(len(logps), 1, dtype=torch.long),
+        "completion_ids": torch.zeros(len(logps), width, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": torch.as_tensor(np.asarray(advantages, np.float64)),
+        "old_per_token_logps": pad(old),
+        "ref_per_token_logps": pad(ref),
+    }
+    loss = GRPOTrainer._compute_loss(fake, None, inputs)
+    metrics = {k: v[-1] for k, v in fake._metrics["train"].items()}
+    return float(loss), metrics
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_a_packed_rollouts_second_update_is_trls_loss_over_its_completions(aggregation):
+    """A rollout of 12 completions packed by the planner over 4 devices x 2 microbatches, two
+    updates on it: the second step's loss (its ratio against the first's sampling policy, its
+    clipping at 0.2 / 0.28, its k3 KL against the starting weights) and clip shares equal TRL's
+    over the same completions; the first's ratio is 1 and its KL 0."""
+    cfg = grpo_config(
+        f"rl.loss_aggregation={aggregation}",
+        "rl.updates_per_rollout=2",
+        "rl.kl_beta=0.1",
+        "rl.clip_high=0.28",
+        "optim.lr=0.03",
+        "optim.warmup_steps=0",
+        "optim.weight_decay=0",
+        "batch.llm_row_len=128",
+    )
+    run = resolve_run(cfg)
+    with jax.set_mesh(run.mesh):
+        prog = build_program(run.cfg, run.mesh)
+        state = start_reference(run.cfg, prog, prog.init())
+        start = jax.tree.map(jnp.copy, prog.weights(state))
+        feed = RolloutIterator(run, prog, lambda: prog.weights(state))
+        samples = completions(12)
+        [step] = feed.plan(samples, prog.weights(state))
+        batch = step["batch"]
+        state, first = prog.step(state, batch)
+        assert float(first["rl/ratio"]) == pytest.approx(1.0, abs=1e-6)
+        assert float(first["rl/kl"]) == pytest.approx(0.0, abs=1e-6)
+        now = jax.tree.map(jnp.copy, prog.weights(state))
+        state, second = prog.step(state, batch)
+        logps = feed.logps(now["params"], now["frozen"], batch)
+        ref = feed.logps(start["params"], start["frozen"], batch)
+    host = jax.device_get(batch)
+    cur = per_completion(host, jax.device_get(logps), samples)
+    old = per_completion(host, host["llm_old_logps"], samples)
+    refs = per_completion(host, jax.device_get(ref), samples)
+    assert [len(x) for x in cur] == [int(s.loss.sum()) for s in samples]  # each once, whole
+    loss, metrics = trl_loss(run.cfg, cur, old, refs, [s.advantage for s in samples])
+    assert float(second["loss"]) == pytest.approx(loss, rel=1e-4, abs=1e-6)
+    for ours, theirs in [
+        ("rl/clip_low", "clip_ratio/low_mean"),
+        ("rl/clip_high", "clip_ratio/high_mean"),
+        ("rl/clip_region", "clip_ratio/region_mean"),
+        ("rl/kl", "kl"),
+    ]:
+        assert float(second[ours]) == pytest.approx(metrics[theirs], rel=1e-4, abs=1e-6), ours
+    assert float(second["rl/clip_region"]) > 0  # (the lr moves the ratio past its clips)
+
+
+def test_a_rollout_index_counts_text_and_items_as_the_planner_does():
+    samples = completions(3)
+    index = rollout_index(samples, types.SimpleNamespace(phase_ids=lambda name: []))
+    assert index.text.tolist() == [len(s.tokens) for s in samples]
+
+
+def test_a_completion_that_cannot_fit_a_row_is_refused_naming_the_keys():
+    cfg = grpo_config("rl.max_new_tokens=400")
+    run = resolve_run(cfg)
+    with jax.set_mesh(run.mesh), pytest.raises(ConfigError, match="batch.llm_row_len"):
+        RolloutIterator(run, build_program(run.cfg, run.mesh), dict)
+
+
+# ----------------------------------------------------------------------------- runs
+
+# A GRPO run of the tiny model from random weights, on the built-in images' questions (the
+# mechanics, not learning: configs/tiny_grpo.yaml learns from the SFT model)
+RUN = [
+    "model.audio.enabled=false",
+    *(f"data.synthetic.{k}_fraction=0" for k in ("audio", "video")),
+    "data.synthetic.image_fraction=1.0",
+    "data.synthetic.max_image_side=8",
+    "data.eval.source=none",
+    "train.objective=grpo",
+    "rl.prompts_per_step=2",
+    "rl.group_size=2",
+    "rl.max_new_tokens=8",
+    "train.steps=4",
+    "train.checkpoint_every=2",
+    "train.log_every=1",
+    "train.progress_bar=false",
+]
+
+
+def test_a_reward_that_raises_stops_the_run_naming_the_function_and_the_record(
+    tmp_path, monkeypatch
+):
+    from jaxmllm import train
+    from jaxmllm.data.rewards import RewardError
+
+    (tmp_path / "my_rewards.py").write_text(
+        "def broken(record, completion):\n    return {'score': 1}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sets = [*RUN, f"train.output_dir={tmp_path / 'run'}", "rl.rewards=[{name: my_rewards:broken}]"]
+    with pytest.raises(RewardError, match=r"my_rewards:broken.*record") as e:
+        train.main(load_config("configs/tiny.yaml", sets))
+    assert "{'score': 1}" in str(e.value)
+
+
+@pytest.mark.slow  # ~1 min: three short GRPO runs of the tiny model
+def test_a_killed_run_resumes_to_the_same_rollouts_and_weights(tmp_path):
+    """A rollout is a function of the weights that sampled it and its number: a run stopped
+    after step 2 (its checkpoint) and rerun samples the same completions, earns the same
+    rewards and trains the same steps as one run through; a checkpoint waits for its
+    rollout's end (three updates a rollout: none is saved inside one)."""
+    from jaxmllm import train
+    from jaxmllm.loop.metrics import read_metrics
+
+    def run(out, stop_at=None, *more):
+        def on_step(done, _):
+            if done == stop_at:
+                raise KeyboardInterrupt
+
+        cfg = load_config("configs/tiny.yaml", [*RUN, f"train.output_dir={out}", *more])
+        return train.main(cfg, on_step=on_step)
+
+    run(tmp_path / "whole")
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "stopped", 2)
+    run(tmp_path / "stopped")
+    keys = ("rl/reward", "rl/completion_len_mean", "loss", "grad_norm", "rl/rollout")
+    whole, resumed = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "stopped")
+    assert [[r[k] for k in keys] for r in whole] == [[r[k] for k in keys] for r in resumed]
+    thrice = ["rl.updates_per_rollout=3", "train.steps=6", "train.checkpoint_every=2"]
+    run(tmp_path / "thrice", None, *thrice)
+    rows = read_metrics(tmp_path / "thrice")
+    pairs = zip(rows, rows[1:], strict=False)
+    ends = {r["step"] for r, after in pairs if after["rl/rollout"] != r["rl/rollout"]}
+    saved = {int(p.name) for p in (tmp_path / "thrice" / "checkpoints").iterdir()}
+    assert len(saved) >= 2 and saved <= ends | {6}, (saved, ends)
