@@ -167,6 +167,10 @@ def test_a_packed_rollouts_second_update_is_trls_loss_over_its_completions(aggre
     ]:
         assert float(second[ours]) == pytest.approx(metrics[theirs], rel=1e-4, abs=1e-6), ours
     assert float(second["rl/clip_region"]) > 0  # (the lr moves the ratio past its clips)
+    # the first update made the completions with an advantage likelier, the others less likely
+    moved = [float(np.mean(c - r)) for c, r in zip(cur, refs, strict=True)]
+    adv = np.array([s.advantage for s in samples])
+    assert np.mean(np.array(moved)[adv > 0]) > 0 > np.mean(np.array(moved)[adv < 0]), moved
 
 
 def test_a_rollout_index_counts_text_and_items_as_the_planner_does():
@@ -250,3 +254,89 @@ def test_a_killed_run_resumes_to_the_same_rollouts_and_weights(tmp_path):
     ends = {r["step"] for r, after in pairs if after["rl/rollout"] != r["rl/rollout"]}
     saved = {int(p.name) for p in (tmp_path / "thrice" / "checkpoints").iterdir()}
     assert len(saved) >= 2 and saved <= ends | {6}, (saved, ends)
+
+
+def test_prompts_with_answers_from_jsonl_reach_the_rewards(tmp_path, monkeypatch):
+    """TRL's GRPO records ({"prompt", "solution"} and {"question", "answer"}) in a JSONL file,
+    indexed, trained on: each reward call sees the record's question in its prompt and its
+    answer as the record's, and the completion the model sampled."""
+    import json
+
+    from jaxmllm import train
+    from jaxmllm.data.index import build_index
+    from jaxmllm.loop.metrics import read_metrics
+
+    data = tmp_path / "math.jsonl"
+    lines = [
+        {"prompt": f"{a} + {b} =", "solution": str(a + b)}
+        if a % 2
+        else {"question": f"{a} + {b} =", "answer": a + b}
+        for a in range(1, 9)
+        for b in (2, 3)
+    ]
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    seen = tmp_path / "seen.jsonl"
+    (tmp_path / "spy.py").write_text(
+        "import json\n"
+        f"def reward(record, completion):\n"
+        f"    with open({str(seen)!r}, 'a') as f:\n"
+        "        f.write(json.dumps([record['prompt'], record['answer'], completion]) + '\\n')\n"
+        "    return float(completion.strip() == record['answer'])\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = grpo_config(
+        "data.source=files",
+        f"data.path={data}",
+        "data.tokenizer=byte",
+        "data.workers=0",
+        "rl.prompts_per_step=2",
+        "rl.group_size=2",
+        "rl.max_new_tokens=6",
+        "rl.rewards=[{name: spy:reward}, {name: exact_answer, weight: 0.5}]",
+        "train.steps=2",
+        "train.log_every=1",
+        "train.progress_bar=false",
+        f"train.output_dir={tmp_path / 'run'}",
+    )
+    build_index(cfg, progress=False)
+    train.main(cfg)
+    calls = [json.loads(x) for x in seen.read_text().splitlines()]
+    assert len(calls) == 2 * 2 * 2  # (steps x prompts x group)
+    truth = {f"{a} + {b} =": str(a + b) for a in range(1, 9) for b in (2, 3)}
+    for prompt, answer, completion in calls:
+        [question] = [q for q in truth if q in prompt]
+        assert answer == truth[question] and isinstance(completion, str)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["rl/skipped_prompts"] for r in rows] == [0, 0]
+    assert {"rl/reward/spy:reward", "rl/reward/exact_answer"} <= set(rows[0])
+
+
+@pytest.mark.parametrize(
+    "sets, key",
+    [
+        (["rl.group_size=1"], "rl.group_size"),
+        (["rl.temperature=0"], "rl.temperature"),
+        (["rl.advantage=ratio"], "rl.advantage"),
+        (["rl.loss_aggregation=batch"], "rl.loss_aggregation"),
+        (["rl.rewards=[{name: regex}]"], "pattern"),
+        (["rl.rewards=[{name: nomodule}]"], "name"),
+        (["rl.kl_beta=0.1", "preference.reference=precomputed"], "preference.reference"),
+        (["mesh.context=2", "mesh.data=2"], "mesh.context"),
+    ],
+)
+def test_a_bad_rl_setting_is_refused_naming_its_key(sets, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        grpo_config(*sets)
+
+
+def test_a_rollout_whose_cache_cannot_fit_is_refused_naming_the_keys(monkeypatch):
+    from jaxmllm.loop import rollouts
+
+    cfg = grpo_config()
+    run = resolve_run(cfg)
+    with jax.set_mesh(run.mesh):
+        prog = build_program(run.cfg, run.mesh)
+        feed = RolloutIterator(run, prog, lambda: {})
+        monkeypatch.setattr(rollouts, "memory_bytes", lambda: 1000)
+        with pytest.raises(ConfigError, match=r"rl\.prompts_per_step, rl\.group_size"):
+            feed.generator(completions(4))

@@ -24,7 +24,7 @@ from jaxmllm.config.checks import ConfigError, check
 from jaxmllm.config.data import BYTE_VOCAB
 from jaxmllm.config.model import ModelConfig
 from jaxmllm.config.phases import ENCODERS, NAMES
-from jaxmllm.config.rl import RLConfig
+from jaxmllm.config.rl import RLConfig, check_objective
 from jaxmllm.config.sections import (
     BatchConfig,
     DataConfig,
@@ -107,24 +107,7 @@ class Config:
         if self.model.llm.moe.enabled or self.mesh.expert > 1:
             self._check_experts()
         if self.train.objective != "sft":
-            self._check_objective()
-
-    def _check_objective(self) -> None:
-        """Preference pairs and completions are summed per bucket: a pair's two documents and a
-        completion in one device's row (no context group splits them), and the loss is the one
-        step's (not the pipeline's)."""
-        objective = self.train.objective
-        check(
-            self.mesh.context == 1,
-            f"must be 1 with train.objective: {objective} (a pair's documents and a "
-            "completion are summed in one device's row; context groups split rows)",
-            "mesh.context",
-        )
-        check(
-            self.mesh.stage == 1,
-            f"must be 1 with train.objective: {objective} (pipelined stages train SFT only)",
-            "mesh.stage",
-        )
+            check_objective(self)
 
     def _check_synthetic_video(self) -> None:
         """The built-in videos are encoded by the vision encoder, in whole temporal patches of

@@ -19,8 +19,12 @@ the reference's log-prob (TRL's GRPO `loss_type` grpo / bnpo: `loss_aggregation`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from jaxmllm.config.checks import check, positive
+
+if TYPE_CHECKING:
+    from jaxmllm.config.load import Config
 
 BUILT_IN_REWARDS = ("exact_answer", "regex", "choice", "format", "math")
 ADVANTAGES = ("group", "mean_only")
@@ -61,8 +65,8 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class RLConfig:
-    """Online RL's rollouts, rewards and objective (`train.objective: grpo`; the module's
-    docstring has the formulas)."""
+    """Online RL's rollouts, rewards and objective (`train.objective: grpo`; the Online RL page
+    of the docs has the formulas and what a step costs)."""
 
     prompts_per_step: int = 8  # prompts sampled for each rollout
     group_size: int = 4  # completions sampled of each prompt (G >= 2: the group's statistics)
@@ -105,3 +109,28 @@ class RLConfig:
     def sequences(self) -> int:
         """Completions a rollout samples."""
         return self.prompts_per_step * self.group_size
+
+
+def check_objective(cfg: Config) -> None:
+    """What a preference or RL objective needs of the rest of the config: a pair's two
+    documents and a completion are summed in one device's row (no context group splits them),
+    the loss is the one step's (not the pipeline's), and GRPO's KL reference is a policy it
+    runs (rollouts are new each step: no log-probs can be computed before training)."""
+    objective = cfg.train.objective
+    check(
+        cfg.mesh.context == 1,
+        f"must be 1 with train.objective: {objective} (a pair's documents and a completion "
+        "are summed in one device's row; context groups split rows)",
+        "mesh.context",
+    )
+    check(
+        cfg.mesh.stage == 1,
+        f"must be 1 with train.objective: {objective} (pipelined stages train SFT only)",
+        "mesh.stage",
+    )
+    check(
+        objective != "grpo" or not cfg.rl.kl_beta or cfg.preference.reference != "precomputed",
+        "precomputed log-probs are the data's, and GRPO's completions are sampled anew each "
+        "step: with rl.kl_beta > 0 use base (the starting weights) or a checkpoint",
+        "preference.reference",
+    )

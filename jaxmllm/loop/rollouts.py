@@ -55,7 +55,7 @@ from jaxmllm.feed.iterator import StepIterator
 from jaxmllm.loop.evaluate import count_once
 from jaxmllm.plan.state import PlanStateError
 from jaxmllm.resolve.run import Run
-from jaxmllm.step.generate import Generator
+from jaxmllm.step.generate import Generator, held_bytes, memory_bytes
 from jaxmllm.step.grpo import make_logps_program
 
 log = logging.getLogger("jaxmllm")
@@ -220,6 +220,14 @@ class RolloutIterator(grain.DatasetIterator):
         shapes = PromptShapes.fit(prompts, self.cfg, self.rl.max_new_tokens)
         key = (shapes.rows, shapes.prompt_len, shapes.total_len, tuple(shapes.units.items()))
         if key not in self.generators:
+            need, have = held_bytes(self.cfg, shapes), memory_bytes()
+            if have is not None and need > have:  # (refused before allocating any of it)
+                raise ConfigError(
+                    f"a rollout's KV cache ({shapes.rows} rows of {shapes.total_len} "
+                    f"positions: prompts and rl.max_new_tokens={self.rl.max_new_tokens}) needs "
+                    f"{need / 1e9:.1f} GB, more than the devices' {have / 1e9:.1f} GB; lower "
+                    "rl.prompts_per_step, rl.group_size or rl.max_new_tokens"
+                )
             self.generators[key] = Generator(self.cfg, shapes, self.specials)
         return self.generators[key]
 

@@ -175,6 +175,8 @@ def detect(files: list[Path]) -> tuple[str, str]:
         )
     if is_pair(obj):  # (TRL's, RLAIF-V's, LLaMA-Factory's: read as `schemas.from_pair` says)
         return "messages", f"{many}: {shape} of preference pairs ('chosen' and 'rejected')"
+    if "prompt" in obj or "question" in obj:  # (online RL's: `schemas.prompt_answer`)
+        return "messages", f"{many}: {shape} of prompts ('prompt' or 'question') with answers"
     if "conversations" in obj:
         return "llava", f"{many}: {shape} whose first record has 'conversations' (LLaVA/ShareGPT)"
     if "messages" in obj or "text" in obj:

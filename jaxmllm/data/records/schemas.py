@@ -8,7 +8,10 @@ Schemas, by the fields a record has:
 - `messages` (OpenAI-style, Qwen's and LLaMA-Factory's data, HF datasets' chat columns):
   `{"messages": [{"role", "content": "text" or [{"type": "text", "text"}, {"type": "image",
   "image": "x.jpg"}, {"type": "image_url", "image_url": {"url": ...}}]}], "images": [...]}`, or
-  `{"text", "image"}` (captions).
+  `{"text", "image"}` (captions);
+- prompts with answers (online RL, TRL's GRPO sets): `{"prompt" | "question": text or messages,
+  "answer" | "solution": text, "images": [...]}`, read as a user turn and the assistant's
+  answer.
 
 For every kind of media (`jaxmllm.config.phases.KINDS`), a record's items are under its `items`
 key, its `item` key or `item` + "s" (`images`, `image`; `audio`, `audios`; `videos`, `video`),
@@ -64,11 +67,29 @@ def to_native(obj: Any, schema: str, fallback_id: str) -> Any:
         return obj
     if is_pair(obj):
         return media_first(from_pair(obj, record_id(obj, fallback_id)))
+    rid = record_id(obj, fallback_id)
+    if obj.get("messages") is None and ("prompt" in obj or "question" in obj):
+        obj, schema = prompt_answer(obj, rid), "messages"
     if schema == "any":
         schema = "conversations" if obj.get("conversations") is not None else "messages"
-    rid = record_id(obj, fallback_id)
     out = from_conversations(obj, rid) if schema == "conversations" else from_messages(obj, rid)
     return media_first(out)
+
+
+def prompt_answer(obj: dict, rid: str) -> dict:
+    """A prompt with its answer (online RL's data, TRL's GRPO sets): `{"prompt" | "question":
+    text or messages, "answer" | "solution": text}` as a conversation, the answer the
+    assistant's (what `split_answer` cuts off and the rewards compare with; none: an empty
+    turn, for rewards that need no answer)."""
+    answer = obj.get("answer", obj.get("solution", ""))
+    if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
+        raise RecordError(
+            "malformed_line",
+            f"'answer' / 'solution' must be text or a number, not {type(answer).__name__}",
+            rid,
+        )
+    prompt = _prompt(obj, rid)
+    return {**obj, "messages": [*prompt, {"role": "assistant", "content": str(answer)}]}
 
 
 def is_pair(obj: Any) -> bool:
@@ -207,7 +228,7 @@ def _prompt(obj: dict, rid: str) -> list | None:
     if prompt is not None:
         raise RecordError(
             "malformed_line",
-            f"a pair's 'prompt' must be text or a list of messages, not {type(prompt).__name__}",
+            f"'prompt' must be text or a list of messages, not {type(prompt).__name__}",
             rid,
         )
     if isinstance(obj.get("conversations"), list):
