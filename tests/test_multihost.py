@@ -367,3 +367,29 @@ def test_context_groups_on_two_processes_evaluate_like_one(tmp_path):
     assert [r["step"] for r in rows[2]] == [2]
     for key in [k for k in rows[1][0] if k.startswith("eval/")]:
         assert rows[2][0][key] == pytest.approx(rows[1][0][key], rel=1e-5, abs=1e-6), key
+
+
+GRPO = [
+    "train.objective=grpo",
+    "data.synthetic.image_fraction=1.0",
+    *(f"data.synthetic.{k}_fraction=0" for k in ("audio", "video", "multi_image")),
+    "rl.prompts_per_step=4",
+    "rl.group_size=2",
+    "rl.max_new_tokens=6",
+    "train.steps=2",
+    "train.checkpoint_every=2",
+]
+
+
+@pytest.mark.slow  # a launched job and one in-process, of 2 GRPO steps, each compiling its programs
+def test_grpo_on_two_processes_samples_scores_and_trains_like_one(tmp_path):
+    """train.objective: grpo on 2 processes x 4 devices: every process generates the whole
+    rollout as one SPMD program, scores and plans it, and trains its own rows; the rollouts'
+    rewards and lengths and the losses are one process's with 8 devices."""
+    _in_process(tmp_path / "1", *GRPO)
+    code, text = _launch(2, tmp_path / "2", *GRPO)
+    assert code == 0, text[-3000:]
+    keys = ("rl/reward", "rl/completion_len_mean", "rl/steps_per_rollout", "samples")
+    one, two = read_metrics(tmp_path / "1"), read_metrics(tmp_path / "2")
+    assert [[r[k] for k in keys] for r in two] == [[r[k] for k in keys] for r in one]
+    np.testing.assert_allclose(_losses(tmp_path / "2"), _losses(tmp_path / "1"), rtol=1e-5)

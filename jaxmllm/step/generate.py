@@ -197,8 +197,8 @@ def held_bytes(cfg: Config, shapes: PromptShapes) -> int:
 def memory_bytes() -> int | None:
     """The memory of all devices: each accelerator's limit; on CPU the host's memory (the
     devices share it). None where neither is known."""
-    devices = jax.devices()
-    stats = devices[0].memory_stats() or {}
+    devices = jax.devices()  # (another process's hold no stats here: a local one's)
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return stats["bytes_limit"] * len(devices)
     try:
