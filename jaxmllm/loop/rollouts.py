@@ -120,6 +120,7 @@ class RolloutIterator(grain.DatasetIterator):
         self.rollout, self.cursor = 0, 0  # the next rollout's number, the prompts' cursor
         self.pending: list[dict] = []  # the rollout's steps not trained yet
         self.skipped_prompts = 0
+        self.order: tuple[int, np.ndarray | None] = (-1, None)  # (epoch, its prompt order)
         self.started = self.position()  # the state at the current rollout's start
         # What the last `next` spent sampling, scoring and planning a rollout (0 inside one):
         # the devices generated meanwhile, so the loop does not count it as waiting on data
@@ -198,8 +199,12 @@ class RolloutIterator(grain.DatasetIterator):
                     "a user turn and an answer"
                 )
             epoch, k = divmod(self.cursor, n)
-            order = np.random.default_rng([self.cfg.data.seed, epoch, 7]).permutation(n)
-            i = int(order[k])
+            if self.order[0] != epoch:  # (drawn once an epoch)
+                self.order = (
+                    epoch,
+                    np.random.default_rng([self.cfg.data.seed, epoch, 7]).permutation(n),
+                )
+            i = int(self.order[1][k])
             self.cursor, scanned = self.cursor + 1, scanned + 1
             try:
                 split = split_answer(source[i], self.specials)
@@ -210,10 +215,17 @@ class RolloutIterator(grain.DatasetIterator):
                 self.skipped_prompts += 1
                 continue
             prompt, answer = split
-            text = self.template.decode(answer[answer != self.specials.pad])
-            record = {"id": i, "prompt": self.template.decode(prompt.tokens), "answer": text}
+            rid = source.record_id(i) if hasattr(source, "record_id") else i
+            record = {"id": rid, "prompt": self.text(prompt.tokens), "answer": self.text(answer)}
             out.append(Prompt(i, prompt, record))
         return out
+
+    def text(self, ids: np.ndarray) -> str:
+        """What a reward reads of a prompt's or an answer's ids: their text without BOS,
+        padding and the media placeholders (a prompt's image is hundreds of them)."""
+        sp = self.specials
+        hidden = [i for i in (sp.bos, sp.pad, *sp.media.values()) if i is not None]
+        return self.template.decode(np.asarray(ids)[~np.isin(ids, hidden)])
 
     def generator(self, prompts: list[Sample]) -> Generator:
         """The generator of these prompts' shapes (rounded up: a few serve every rollout)."""
