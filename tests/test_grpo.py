@@ -5,6 +5,7 @@ bookkeeping (each completion once, the sampling policy's log-probs kept, resumab
 from __future__ import annotations
 
 import collections
+import dataclasses
 import types
 
 import jax
@@ -120,6 +121,7 @@ def trl_loss(cfg, logps, old, ref, advantages) -> tuple[float, dict]:
     return float(loss), metrics
 
 
+@pytest.mark.torch  # (TRL, the oracle, runs on torch)
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
 def test_a_packed_rollouts_second_update_is_trls_loss_over_its_completions(aggregation):
     """A rollout of 12 completions packed by the planner over 4 devices x 2 microbatches, two
@@ -340,3 +342,32 @@ def test_a_rollout_whose_cache_cannot_fit_is_refused_naming_the_keys(monkeypatch
         monkeypatch.setattr(rollouts, "memory_bytes", lambda: 1000)
         with pytest.raises(ConfigError, match=r"rl\.prompts_per_step, rl\.group_size"):
             feed.generator(completions(4))
+
+
+def test_a_group_is_prefilled_once_and_decoded_as_its_copies_would_be(monkeypatch):
+    """Generator(repeat=G): each prompt's prefill runs once (its media encoded once: the prefill
+    batch holds each prompt once) and its cache serves G rows; greedy, each of the G answers is
+    the one the prompt gets alone; sampled, a group's answers differ."""
+    from jaxmllm.batch.prompts import PromptShapes
+    from jaxmllm.step import generate as gen
+
+    cfg = grpo_config()
+    run = resolve_run(cfg)
+    prompts = [dataclasses.replace(s, tokens=s.tokens[:9], loss=s.loss[:9]) for s in completions(3)]
+    batches = []
+    laid_out = gen.prompt_batch
+    monkeypatch.setattr(
+        gen, "prompt_batch", lambda p, *a: batches.append(len(p)) or laid_out(p, *a)
+    )
+    with jax.set_mesh(run.mesh):
+        weights = build_program(run.cfg, run.mesh).init()
+        shapes = PromptShapes.fit(prompts, run.cfg, 6)
+        grouped = gen.Generator(run.cfg, shapes, repeat=4)
+        alone = gen.Generator(run.cfg, PromptShapes.fit(prompts * 4, run.cfg, 6))
+        args = (weights["params"], weights["frozen"])
+        greedy = grouped.generate(*args, prompts, max_new_tokens=6)
+        each = alone.generate(*args, [p for p in prompts for _ in range(4)], max_new_tokens=6)
+        sampled = grouped.generate(*args, prompts, max_new_tokens=6, temperature=5.0, seed=1)
+    assert batches == [3, 12, 3]  # (the grouped generator's prefill: the 3 prompts once)
+    assert [a.ids for a in greedy] == [a.ids for a in each]
+    assert len({tuple(a.ids) for a in sampled[:4]}) > 1

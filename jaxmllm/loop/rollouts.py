@@ -228,19 +228,22 @@ class RolloutIterator(grain.DatasetIterator):
         return self.template.decode(np.asarray(ids)[~np.isin(ids, hidden)])
 
     def generator(self, prompts: list[Sample]) -> Generator:
-        """The generator of these prompts' shapes (rounded up: a few serve every rollout)."""
+        """The generator of these prompts' shapes (rounded up: a few serve every rollout),
+        answering each `rl.group_size` times from one prefill (a prompt's media encoded once)."""
         shapes = PromptShapes.fit(prompts, self.cfg, self.rl.max_new_tokens)
         key = (shapes.rows, shapes.prompt_len, shapes.total_len, tuple(shapes.units.items()))
         if key not in self.generators:
-            need, have = held_bytes(self.cfg, shapes), memory_bytes()
+            decoded = dataclasses.replace(shapes, rows=shapes.rows * self.rl.group_size)
+            need, have = held_bytes(self.cfg, decoded), memory_bytes()
             if have is not None and need > have:  # (refused before allocating any of it)
                 raise ConfigError(
-                    f"a rollout's KV cache ({shapes.rows} rows of {shapes.total_len} "
+                    f"a rollout's KV cache ({decoded.rows} rows of {shapes.total_len} "
                     f"positions: prompts and rl.max_new_tokens={self.rl.max_new_tokens}) needs "
                     f"{need / 1e9:.1f} GB, more than the devices' {have / 1e9:.1f} GB; lower "
                     "rl.prompts_per_step, rl.group_size or rl.max_new_tokens"
                 )
-            self.generators[key] = Generator(self.cfg, shapes, self.specials)
+            g = self.rl.group_size
+            self.generators[key] = Generator(self.cfg, shapes, self.specials, repeat=g)
         return self.generators[key]
 
     def roll(self) -> list[dict]:
@@ -251,10 +254,10 @@ class RolloutIterator(grain.DatasetIterator):
         prompts = self.prompts()
         group = [p for p in prompts for _ in range(rl.group_size)]
         weights = self.policy()
-        answers = self.generator([p.sample for p in group]).generate(
+        answers = self.generator([p.sample for p in prompts]).generate(
             weights["params"],
             weights["frozen"],
-            [p.sample for p in group],
+            [p.sample for p in prompts],  # (G answers each: `group`'s order)
             max_new_tokens=rl.max_new_tokens,
             stop_ids=frozenset(self.specials.stop),
             temperature=rl.temperature,

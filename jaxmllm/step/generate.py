@@ -35,11 +35,19 @@ class Answer:
 
 
 class Generator:
-    """The compiled prefill and decode-step programs of a model config at fixed shapes."""
+    """The compiled prefill and decode-step programs of a model config at fixed shapes.
 
-    def __init__(self, cfg: Config, shapes: PromptShapes, specials: Specials = RESERVED):
-        """`specials`: the tokenizer's ids (padding, the image and audio placeholders)."""
-        self.cfg, self.shapes, self.specials = cfg, shapes, specials
+    With `repeat` G > 1 each prompt is answered G times (online RL's group): prefill runs the
+    prompts once (their images and clips encoded once, `shapes.rows` rows), then the cache and
+    the next-token logits are repeated G times, row by row, inside the same program, and the
+    decode step runs `shapes.rows` x G rows, each sampled with its own key."""
+
+    def __init__(
+        self, cfg: Config, shapes: PromptShapes, specials: Specials = RESERVED, repeat: int = 1
+    ):
+        """`specials`: the tokenizer's ids (padding, the image and audio placeholders);
+        `repeat`: the answers each prompt gets."""
+        self.cfg, self.shapes, self.specials, self.repeat = cfg, shapes, specials, repeat
         parts, _ = model_parts(prompt_config(cfg, shapes))  # (dense attention, local rows)
         # Prefill scores the prompts among themselves as training scores a row (the run's
         # attention kind): block-sparse over the tiles of each prompt's causal blocks (host
@@ -73,6 +81,9 @@ class Generator:
             pack = packing(seg, causal=True, kind=kind, tiles_bk2=tiles, block=block, documents=1)
             model = parts.merge(params, frozen)
             logits, cache = decode.prefill(model, mb, shapes.total_len, pack)
+            if repeat > 1:  # (every leaf [layers, rows, ...]; the logits [rows, vocab])
+                cache = jax.tree.map(lambda x: jnp.repeat(x, repeat, axis=1), cache)
+                logits = jnp.repeat(logits, repeat, axis=0)
             return *pick(logits, sampling), cache
 
         def step(params, frozen, cache, tokens, index, positions, sampling):
@@ -99,7 +110,8 @@ class Generator:
         seed: int = 0,
         keep_logits: bool = False,
     ) -> list[Answer]:
-        """Answers to `prompts` (at most `shapes.rows`, each within `shapes.prompt_len`).
+        """Answers to `prompts` (at most `shapes.rows`, each within `shapes.prompt_len`):
+        `repeat` of each, prompt p's at p x repeat .. (p + 1) x repeat - 1.
 
         Args:
           params, frozen: the model's parameters as pure dicts (a train state's, or
@@ -111,6 +123,7 @@ class Generator:
           keep_logits: also return the logits of every step (tests).
         """
         check_prompt_ids(prompts, self.cfg.model.llm.vocab_size)
+        g = self.repeat
         lengths = np.array([len(p.tokens) for p in prompts])
         if (lengths + max_new_tokens > self.shapes.total_len).any():
             raise ValueError(
@@ -124,6 +137,7 @@ class Generator:
         # largest of its three), then counting on with the index.
         last = mb["llm_positions"][:, 0].reshape(self.shapes.rows, self.shapes.prompt_len, -1)
         delta = np.array([last[b, :n].max() + 1 - n for b, n in enumerate(index)], np.int32)
+        index, delta = np.repeat(index, g), np.repeat(delta, g)  # (each prompt's G rows)
         sampling = lambda i: (
             np.int32(seed),
             np.int32(i),
@@ -135,7 +149,7 @@ class Generator:
             block = self.cfg.batch.attention_block
             tiles = from_segments(mb["llm_segment_ids"], block, True, self.tiles)
         token, logits, cache = self.prefill(params, frozen, mb, tiles, sampling(0))
-        answers = [Answer([], False, [] if keep_logits else None) for _ in prompts]
+        answers = [Answer([], False, [] if keep_logits else None) for _ in range(len(prompts) * g)]
         for i in range(max_new_tokens):
             picked, scores = np.asarray(token), (np.asarray(logits) if keep_logits else None)
             for b, answer in enumerate(answers):
