@@ -216,7 +216,10 @@ class RolloutIterator(grain.DatasetIterator):
                 continue
             prompt, answer = split
             rid = source.record_id(i) if hasattr(source, "record_id") else i
-            record = {"id": rid, "prompt": self.text(prompt.tokens), "answer": self.text(answer)}
+            # (the answer's text as the record gives it: not the template's newline after its
+            # end-of-turn token, which the answer's learned tokens hold)
+            answer_text = self.text(answer).strip()
+            record = {"id": rid, "prompt": self.text(prompt.tokens), "answer": answer_text}
             out.append(Prompt(i, prompt, record))
         return out
 
