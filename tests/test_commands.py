@@ -69,6 +69,7 @@ CASES = {  # module: [argv, ...]
     "jaxmllm.bench.moe": [["--parts", "nope"]],
     "jaxmllm.bench.node": [["--config", MISSING], ["--config", TINY, "--steps", "0"]],
     "jaxmllm.bench.pairs": [["--lengths", "/nonexistent-jaxmllm/lengths.jsonl"]],
+    "jaxmllm.bench.rollouts": [["--lengths", "/nonexistent-jaxmllm/lengths.jsonl"]],
     "jaxmllm.bench.stages": [["--config", MISSING], ["--set", "nope.x=1"]],
     "jaxmllm.bench.throughput": [["--config", MISSING], ["--config", TINY, "--set", "x.y=1"]],
     "jaxmllm.bench.video": [["--sizes", "nope"]],
@@ -340,6 +341,7 @@ GOOD = [  # (module, argv): each command's main path once, small, in the order t
         ["--config", TINY, "--steps", "1", "--warmup", "1", "--json", "{tmp}/node.json"],
     ),
     ("jaxmllm.bench.pairs", ["--mix", "ai2d", "--devices", "8", "--steps", "2"]),
+    ("jaxmllm.bench.rollouts", ["--mix", "ai2d", "--devices", "8", "--prompts", "16"]),
     (
         "jaxmllm.bench.stages",
         ["--config", TINY, "--stages", "2", "--microbatches", "4", "--measure", ""],
