@@ -399,6 +399,9 @@ def test_auto_attention_picks_cudnn_on_hopper_and_block_sparse_elsewhere(caplog)
     assert kind(cfg, [a100]) == kind(cfg, [Device(platform="cpu")]) == "block_sparse"
     split = load_config("configs/long_context.yaml", ["model.attention=auto"])
     assert kind(split, [h100]) == "block_sparse"  # context parallelism deals block-sparse tiles
+    for tower in ("model.vision.window=4",):  # (Qwen2.5-VL)
+        windowed = load_config("configs/tiny.yaml", ["model.attention=auto", tower])
+        assert kind(windowed, [h100]) == "block_sparse", tower  # (cudnn would refuse the tower)
     with caplog.at_level(logging.INFO, logger="jaxmllm"):
         resolved = resolve_attention(cfg)  # this machine's devices
     assert "model.attention: auto -> " in caplog.text
