@@ -62,6 +62,7 @@ from jaxmllm.config.command import fail, run
 from jaxmllm.config.phases import LLM, NAMES, PHASES
 from jaxmllm.cost.model import CostModel
 from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.loop.rollouts import drain
 from jaxmllm.plan.contract import Capacities, check_plan, phase_docs, step_tiles
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
 from jaxmllm.plan.tiles import bin_tiles
@@ -136,6 +137,7 @@ def plan_rollout(
     make_planner(policy, index, caps, seed + 1).plan()  # (warm: imports, first-call paths)
     start = time.process_time()
     planner = make_planner(policy, index, caps, seed)
+    drain(planner)  # (as the rollout feed plans a rollout)
     build = time.process_time() - start
     n, work = len(index), index.work(caps.per_token)
     seen = np.zeros(n, bool)
