@@ -371,3 +371,27 @@ def test_a_group_is_prefilled_once_and_decoded_as_its_copies_would_be(monkeypatc
     assert batches == [3, 12, 3]  # (the grouped generator's prefill: the 3 prompts once)
     assert [a.ids for a in greedy] == [a.ids for a in each]
     assert len({tuple(a.ids) for a in sampled[:4]}) > 1
+
+
+def test_a_rollout_is_planned_once_without_repeats_in_the_fewest_steps():
+    """A rollout is a finite set: the balancer reads no sample past its end (no repeat takes a
+    straggler's room) and defers for at most two steps, so a rollout that fits a step's rows
+    is one step holding each completion once; with the endless stream's settings the same set
+    came back to fill the step (computed, masked, paid for)."""
+    from jaxmllm.loop.rollouts import drain
+
+    cfg = grpo_config()
+    run = resolve_run(cfg)
+    samples = completions(40)
+    with jax.set_mesh(run.mesh):
+        feed = RolloutIterator(run, build_program(run.cfg, run.mesh), lambda: None)
+        steps = feed.plan(samples, {"params": None, "frozen": None})  # (one step: no old log-probs)
+    tokens = sum(len(s.tokens) for s in samples)
+    [step] = steps
+    batch = jax.device_get(step["batch"])
+    assert int((batch["llm_segment_ids"] > 0).sum()) == tokens  # (every token once, no repeat)
+    endless = run.planner(rollout_index(samples, feed.specials))
+    planned = endless.plan().samples
+    assert len(planned) > len(samples)  # (the endless stream repeats to fill the step)
+    drain(endless)
+    assert endless.max_age == 2 and endless.finite

@@ -96,6 +96,9 @@ class Balancer:
         wait = ladder.LONG_WAIT if long_wait is None else long_wait
         self.ladder = Ladder(caps, wait) if caps.variants > 1 else None
         self.cursor, self.step = 0, 0
+        # A finite set (a GRPO rollout, `jaxmllm.loop.rollouts.drain`): the stream ends after
+        # its first epoch, so no sample comes again to take a straggler's room
+        self.finite = False
         self.deferred = np.zeros((0, 2), np.int64)  # (sample, stream step it was pulled at)
         self.ages = np.zeros(0, np.int64)
 
@@ -125,6 +128,9 @@ class Balancer:
             held = waiting > variant
         self.selector = self.selectors[variant]
         pool, fresh = self.selector.window(self.stream, self.cursor, self.deferred, step, held)
+        if self.finite:  # (the fresh samples past the set's end are not read)
+            over = max(0, self.cursor + fresh - len(self.index))
+            pool, fresh = pool[: len(pool) - over], fresh - over
         # The pool's work: by sample where every sample's is kept, else by pool position
         every = self.phases.every
         if every is not None:
