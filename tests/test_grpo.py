@@ -395,3 +395,26 @@ def test_a_rollout_is_planned_once_without_repeats_in_the_fewest_steps():
     assert len(planned) > len(samples)  # (the endless stream repeats to fill the step)
     drain(endless)
     assert endless.max_age == 2 and endless.finite
+
+
+def test_groups_whose_answers_all_score_alike_are_left_out_and_counted(tmp_path, monkeypatch):
+    """rl.skip_equal_groups: a group whose rewards are all equal (here every prompt of an even
+    index: a constant reward) is left out of the step and counted; a rollout whose groups are
+    all equal is trained on (every advantage 0) rather than dropped."""
+    from jaxmllm import train
+    from jaxmllm.loop.metrics import read_metrics
+
+    (tmp_path / "even.py").write_text(
+        "def reward(record, completion):\n"
+        "    return 1.0 if record['id'] % 2 == 0 else float(len(completion))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sets = [*RUN, f"train.output_dir={tmp_path / 'run'}", "rl.rewards=[{name: even:reward}]"]
+    sets += ["rl.skip_equal_groups=true", "rl.prompts_per_step=4", "rl.group_size=3"]
+    sets += ["train.steps=2", "train.checkpoint_every=2"]
+    train.main(load_config("configs/tiny.yaml", sets))
+    rows = read_metrics(tmp_path / "run")
+    assert any(0 < r["rl/equal_groups"] < 1 for r in rows), rows
+    for r in rows:
+        equal = round(r["rl/equal_groups"] * 4)
+        assert r["rl/skipped_groups"] == (equal if equal < 4 else 0), r
