@@ -258,6 +258,7 @@ def test_a_killed_run_resumes_to_the_same_rollouts_and_weights(tmp_path):
     assert len(saved) >= 2 and saved <= ends | {6}, (saved, ends)
 
 
+@pytest.mark.slow  # ~15 s: indexes a file, two GRPO steps
 def test_prompts_with_answers_from_jsonl_reach_the_rewards(tmp_path, monkeypatch):
     """TRL's GRPO records ({"prompt", "solution"} and {"question", "answer"}) in a JSONL file,
     indexed, trained on: each reward call sees the record's question in its prompt and its
@@ -397,6 +398,7 @@ def test_a_rollout_is_planned_once_without_repeats_in_the_fewest_steps():
     assert endless.max_age == 2 and endless.finite
 
 
+@pytest.mark.slow  # ~25 s: two GRPO steps of the tiny model with images
 def test_groups_whose_answers_all_score_alike_are_left_out_and_counted(tmp_path, monkeypatch):
     """rl.skip_equal_groups: a group whose rewards are all equal (here every prompt of an even
     index: a constant reward) is left out of the step and counted; a rollout whose groups are
