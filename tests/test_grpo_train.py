@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_preference_train import LORA, _images, imported
+from test_preference_train import LORA, ON_FILES, _images, imported
 
 from jaxmllm import train
 from jaxmllm.config import load_config
@@ -60,19 +60,8 @@ def test_lora_grpo_on_image_questions_logs_rewards_and_exports_an_adapter_peft_l
     cfg = load_config(
         config,
         [
-            "mesh.cpu_devices=8",
-            "mesh.data=4",
-            "mesh.fsdp=2",
-            "model.compute_dtype=float32",
-            "model.remat=none",
-            "batch.llm_row_len=256",
-            "batch.attention_block=32",
-            "data.source=files",
+            *ON_FILES,
             f"data.path={data}",
-            "data.eval.source=none",
-            "data.workers=0",
-            "data.image_min_pixels=256",
-            "data.image_max_pixels=1024",
             "train.objective=grpo",
             "rl.prompts_per_step=2",
             "rl.group_size=4",

@@ -99,24 +99,31 @@ def imported(name: str, tmp_path: Path) -> tuple[str, Path]:
     return source, config
 
 
+# An imported tiny checkpoint on a user's file, on 8 CPU devices in fp32 (post-training runs:
+# DPO here, GRPO in test_grpo_train)
+ON_FILES = [
+    "mesh.cpu_devices=8",
+    "mesh.data=4",
+    "mesh.fsdp=2",
+    "model.compute_dtype=float32",
+    "model.remat=none",
+    "batch.llm_row_len=256",  # (a pair: ~130 tokens, its image's rows twice)
+    "batch.attention_block=32",
+    "data.source=files",
+    "data.eval.source=none",
+    "data.workers=0",
+    "data.image_min_pixels=256",
+    "data.image_max_pixels=1024",
+]
+
+
 def dpo_config(config: Path, data: Path, out: Path, *sets: str):
     """The imported config on the pairs, two steps of DPO on 8 CPU devices; indexed."""
     cfg = load_config(
         config,
         [
-            "mesh.cpu_devices=8",
-            "mesh.data=4",
-            "mesh.fsdp=2",
-            "model.compute_dtype=float32",
-            "model.remat=none",
-            "batch.llm_row_len=256",  # (a pair: ~130 tokens, its image's rows twice)
-            "batch.attention_block=32",
-            "data.source=files",
+            *ON_FILES,
             f"data.path={data}",
-            "data.eval.source=none",
-            "data.workers=0",
-            "data.image_min_pixels=256",
-            "data.image_max_pixels=1024",
             "train.objective=dpo",
             "train.steps=2",
             "train.checkpoint_every=2",

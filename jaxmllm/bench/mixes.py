@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmllm.bench import tails
-from jaxmllm.config import UserError
+from jaxmllm.config import Config, UserError, load_config
 from jaxmllm.data.lengths import Items, LengthsIndex
 from jaxmllm.data.media.video import VideoInfo, VideoRule, video_parts
 
@@ -413,3 +413,30 @@ def load_mix(name: str, seed: int = 0, samples: int = 0) -> LengthsIndex:
     if name not in MIXES:
         raise UserError(f"--mix: unknown mix {name!r}; built-in mixes: {', '.join(MIXES)}")
     return MIXES[name](seed, samples)
+
+
+# ----------------------------------------------------------------------------- benches' start-up
+
+
+def bench_config(config: str, default: str) -> Config:
+    """A bench's `--config`: `default` (a path in the checkout) found from wherever the bench
+    runs, any other as given."""
+    here = Path(__file__).resolve().parents[2] / default
+    return load_config(here if config == default and not Path(default).exists() else config)
+
+
+def units_per_token(cfg: Config) -> dict[str, int]:
+    """Encoder units an LLM token takes, per phase: the vision merge's area, the audio
+    subsampling."""
+    v = cfg.model.vision
+    return {"vision": v.merge * v.merge, "audio": cfg.model.audio.subsample}
+
+
+def length_tables(cfg: Config, mix: str, lengths: str | None) -> list[tuple[str, LengthsIndex]]:
+    """The length tables a bench plans, in `cfg`'s patches: `--lengths FILE`'s, else each
+    comma-separated `--mix` name's, as (name, index). OSError / ValueError: a table that
+    cannot be read."""
+    v = cfg.model.vision
+    if lengths:
+        return [(Path(lengths).name, load_lengths(lengths, v.merge * v.merge))]
+    return [(m, repatched(load_mix(m), v.patch_size, v.merge)) for m in mix.split(",")]

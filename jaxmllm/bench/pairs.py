@@ -73,13 +73,12 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmllm.bench.mixes import MIXES, load_mix, repatched
+from jaxmllm.bench.mixes import MIXES, bench_config, length_tables, units_per_token
 from jaxmllm.bench.sizes import make_caps, sized_caps
-from jaxmllm.config import load_config
 from jaxmllm.config.command import fail, run
 from jaxmllm.config.phases import LLM, NAMES, PHASES
 from jaxmllm.cost.model import CostModel, PhaseCost
-from jaxmllm.data.lengths import Items, LengthsIndex
+from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.contract import Capacities, check_plan, phase_docs, step_tiles
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
 from jaxmllm.plan.tiles import bin_tiles
@@ -116,16 +115,6 @@ def completions(
     return side().astype(np.int64), side().astype(np.int64)
 
 
-def _take(items: Items, order: np.ndarray) -> Items:
-    """The items of the samples `order` (repeats allowed), in that order."""
-    counts = items.count()[order]
-    ptr = np.zeros(len(order) + 1, np.int64)
-    np.cumsum(counts, out=ptr[1:])
-    starts = np.asarray(items.ptr[:-1])[order]
-    at = np.repeat(starts - ptr[:-1], counts) + np.arange(ptr[-1])
-    return Items(ptr, items.sizes[at] if len(at) else np.zeros(0, np.int64))
-
-
 def pair_layouts(
     prompts: LengthsIndex,
     chosen: np.ndarray,
@@ -149,7 +138,7 @@ def pair_layouts(
     halves = np.stack([chosen, rejected], 1).ravel()
     unpaired = LengthsIndex(
         text=(prompts.text[order] + halves).astype(np.int64),
-        items={p: _take(items, order) for p, items in prompts.items.items()},
+        items={p: items.take(order) for p, items in prompts.items.items()},
     )
     one = np.stack([docs.ravel(), np.zeros(2 * n, np.int64)], 1)
     return (
@@ -453,19 +442,10 @@ def main(argv: list[str] | None = None) -> int:
         devices = [int(x) for x in args.devices.split(",")]
     except ValueError:
         ap.error(f"--devices: comma-separated counts, got {args.devices!r}")
-    here = Path(__file__).resolve().parents[2] / CONFIG  # (the default, run from elsewhere)
-    cfg = load_config(here if args.config == CONFIG and not Path(CONFIG).exists() else args.config)
-    v = cfg.model.vision
-    merge_area = v.merge * v.merge
-    per_token = {"vision": merge_area, "audio": cfg.model.audio.subsample}
+    cfg = bench_config(args.config, CONFIG)
+    per_token = units_per_token(cfg)
     try:
-        if args.lengths:
-            from jaxmllm.bench.mixes import load_lengths
-
-            sources = [(Path(args.lengths).name, load_lengths(args.lengths, merge_area))]
-        else:
-            names = args.mix.split(",")
-            sources = [(m, repatched(load_mix(m), v.patch_size, v.merge)) for m in names]
+        sources = length_tables(cfg, args.mix, args.lengths)
         cost, with_ref = dpo_cost(cfg)
         med, sig, own = args.completion_median, args.completion_sigma, args.completion_own
         built = []
@@ -501,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
                             cost,
                             block=args.block,
                             per_host=args.devices_per_host,
-                            merge_area=merge_area,
+                            merge_area=per_token["vision"],
                             subsample=per_token["audio"],
                             seed=args.seed,
                         )

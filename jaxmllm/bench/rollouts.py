@@ -54,10 +54,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmllm.bench.mixes import MIXES, load_mix, repatched
-from jaxmllm.bench.pairs import _take
+from jaxmllm.bench.mixes import MIXES, bench_config, length_tables, units_per_token
 from jaxmllm.bench.sizes import make_caps, sized_caps
-from jaxmllm.config import load_config
 from jaxmllm.config.command import fail, run
 from jaxmllm.config.phases import LLM, NAMES, PHASES
 from jaxmllm.cost.model import CostModel
@@ -92,7 +90,7 @@ def rollout_layout(
     order = np.repeat(chosen, group)
     return LengthsIndex(
         text=(table.text[order] + completions).astype(np.int64),
-        items={p: _take(items, order) for p, items in table.items.items()},
+        items={p: items.take(order) for p, items in table.items.items()},
     )
 
 
@@ -254,20 +252,10 @@ def main(argv: list[str] | None = None) -> int:
         devices = [int(x) for x in args.devices.split(",")]
     except ValueError:
         ap.error(f"--devices: comma-separated counts, got {args.devices!r}")
-    here = Path(__file__).resolve().parents[2] / CONFIG  # (the default, run from elsewhere)
-    cfg = load_config(here if args.config == CONFIG and not Path(CONFIG).exists() else args.config)
-    v = cfg.model.vision
-    merge_area = v.merge * v.merge
-    per_token = {"vision": merge_area, "audio": cfg.model.audio.subsample}
+    cfg = bench_config(args.config, CONFIG)
+    per_token = units_per_token(cfg)
     try:
-        if args.lengths:
-            from jaxmllm.bench.mixes import load_lengths
-
-            sources = [(Path(args.lengths).name, load_lengths(args.lengths, merge_area))]
-        else:
-            sources = [
-                (m, repatched(load_mix(m), v.patch_size, v.merge)) for m in args.mix.split(",")
-            ]
+        sources = length_tables(cfg, args.mix, args.lengths)
     except (OSError, ValueError) as e:
         return fail(e, 2)
     cost = CostModel.from_model(cfg.model)

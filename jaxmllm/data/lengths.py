@@ -47,6 +47,15 @@ class Items:
         """Items per sample."""
         return np.diff(self.ptr)
 
+    def take(self, order: np.ndarray) -> Items:
+        """The items of the samples `order` (repeats allowed), in that order."""
+        counts = self.count()[order]
+        ptr = np.zeros(len(order) + 1, np.int64)
+        np.cumsum(counts, out=ptr[1:])
+        starts = np.asarray(self.ptr[:-1])[order]
+        at = np.repeat(starts - ptr[:-1], counts) + np.arange(ptr[-1])
+        return Items(ptr, self.sizes[at] if len(at) else np.zeros(0, np.int64))
+
     def size(self, samples: np.ndarray, item: np.ndarray) -> np.ndarray:
         """The size of item `item` of each sample in `samples`."""
         return self.sizes[self.ptr[samples] + item]

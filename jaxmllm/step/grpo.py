@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jaxmllm.config import Config
 from jaxmllm.models import lora, moe
 from jaxmllm.step.preference import reference_weights, uses_reference
-from jaxmllm.step.router import router_metrics
+from jaxmllm.step.router import add_microbatch, router_metrics
 
 # What a step logs of its completions' tokens: means over the step's learned tokens (TRL's
 # clip_ratio/low_mean, high_mean, region_mean; the ratio r; the k3 KL where there is a reference)
@@ -119,10 +119,7 @@ def make_grpo_loss_and_grads(cfg: Config, parts, router=None) -> Callable:
             ref = ref_of(mb)
             with lora.salted(i):
                 (loss, (sums, routed)), grads = grad_fn(params, frozen, mb, ref, denom, tokens, m)
-            total = jax.tree.map(jnp.add, acc[:3], (loss, grads, sums))
-            if routed is None:
-                return total, None
-            return (*total, jax.tree.map(jnp.add, acc[3], routed)), None
+            return add_microbatch(acc, (loss, grads, sums), routed), None
 
         names = TOKEN_METRICS + (("rl/kl",) if with_ref else ())
         zero_sums = {k: jnp.zeros((), jnp.float32) for k in names}

@@ -33,7 +33,7 @@ import sharding
 from jaxmllm.config import Config
 from jaxmllm.config.sections import PreferenceConfig
 from jaxmllm.models import lora, moe
-from jaxmllm.step.router import router_metrics
+from jaxmllm.step.router import add_microbatch, router_metrics
 from jaxmllm.step.trees import overlay
 
 # What a step logs of its pairs, TRL's names: means over the step's pairs
@@ -228,10 +228,7 @@ def make_preference_loss_and_grads(cfg: Config, parts, router=None) -> Callable:
                 ref = jax.lax.stop_gradient(sums(parts.merge(*ref_params), mb)[0])
             with lora.salted(i):
                 (loss, (totals, routed)), grads = grad_fn(params, frozen, mb, ref, denom, m)
-            total = jax.tree.map(jnp.add, acc[:3], (loss, grads, totals))
-            if routed is None:
-                return total, None
-            return (*total, jax.tree.map(jnp.add, acc[3], routed)), None
+            return add_microbatch(acc, (loss, grads, totals), routed), None
 
         zero_totals = {k: jnp.zeros((), jnp.float32) for k in PAIR_METRICS}
         zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), zero_totals)

@@ -30,7 +30,7 @@ from jaxmllm.step.preference import (
     reference_keeps,
     uses_reference,
 )
-from jaxmllm.step.router import RouterLoss, _add_routed, router_metrics
+from jaxmllm.step.router import RouterLoss, add_microbatch, router_metrics
 from jaxmllm.step.trees import join, overlay, split_tree
 
 # Top-level model attributes, and the config switch that freezes each: per encoder phase its
@@ -209,10 +209,7 @@ def make_loss_and_grads(parts: ModelParts, router: RouterLoss | None = None) -> 
             mb, i = xs
             with lora.salted(i):  # (the adapters' dropout: each microbatch its own masks)
                 (loss, (_, routed)), grads = grad_fn(params, frozen, mb, denom, m)
-            total = jax.tree.map(jnp.add, acc[:2], (loss, grads))
-            if routed is None:
-                return total, None
-            return (*total, _add_routed(acc[2], routed)), None
+            return add_microbatch(acc, (loss, grads), routed), None
 
         zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
         if router is not None:  # (the statistics' shapes: one microbatch's, traced only)

@@ -29,10 +29,13 @@ class RouterLoss:
         return cls(llm.moe.aux_loss_coef, llm.moe.z_loss_coef, llm.moe_layers)
 
 
-def _add_routed(acc, new):
-    """Microbatches' router statistics and losses summed (the busiest device's rows too: the
-    metrics' ratio is then over the step)."""
-    return jax.tree.map(jnp.add, acc, new)
+def add_microbatch(acc: tuple, sums: tuple, routed) -> tuple:
+    """The running sums of a step's scan over microbatches after one more: `sums` (the loss,
+    the gradients, an objective's totals) added to the first of `acc`, and the microbatch's
+    router statistics and losses (an MoE decoder's; None for a dense one) to its last (the
+    busiest device's rows summed too: the metrics' ratio is then over the step)."""
+    total = jax.tree.map(jnp.add, acc[: len(sums)], sums)
+    return total if routed is None else (*total, jax.tree.map(jnp.add, acc[-1], routed))
 
 
 def router_metrics(router: RouterLoss, stats, aux, z) -> dict:
