@@ -72,10 +72,10 @@ class _Accelerator:
     gather_for_metrics = gather
 
 
-def trl_loss(cfg, logps, old, ref, advantages) -> tuple[float, dict]:
+def trl_loss(cfg, logps, old, ref, advantages, entropies=None) -> tuple[float, dict]:
     """TRL's GRPOTrainer._compute_loss (loss_type bnpo for `token`, grpo for `sequence`) on
     completions given as lists of per-token arrays (right-padded here, as TRL's batches are),
-    with its per-token log-probs forward replaced by these values."""
+    with its per-token log-probs (and entropies) forward replaced by these values."""
     torch = pytest.importorskip("torch")
     from trl.trainer.grpo_trainer import GRPOTrainer
 
@@ -106,7 +106,8 @@ def trl_loss(cfg, logps, old, ref, advantages) -> tuple[float, dict]:
         accelerator=_Accelerator(),
         _metrics=collections.defaultdict(lambda: collections.defaultdict(list)),
     )
-    fake._get_per_token_logps_and_entropies = lambda *a, **k: (pad(logps), mask * 0, None)
+    entropy = mask * 0 if entropies is None else pad(entropies)
+    fake._get_per_token_logps_and_entropies = lambda *a, **k: (pad(logps), entropy, None)
     inputs = {
         "prompt_ids": torch.zeros(len(logps), 1, dtype=torch.long),
         "prompt_mask": torch.ones(len(logps), 1, dtype=torch.long),
@@ -126,13 +127,15 @@ def trl_loss(cfg, logps, old, ref, advantages) -> tuple[float, dict]:
 def test_a_packed_rollouts_second_update_is_trls_loss_over_its_completions(aggregation):
     """A rollout of 12 completions packed by the planner over 4 devices x 2 microbatches, two
     updates on it: the second step's loss (its ratio against the first's sampling policy, its
-    clipping at 0.2 / 0.28, its k3 KL against the starting weights) and clip shares equal TRL's
-    over the same completions; the first's ratio is 1 and its KL 0."""
+    clipping at 0.2 / 0.28, its k3 KL against the starting weights, all at temperature 0.7),
+    clip shares and entropy (the fused projection's, against the whole logits') equal TRL's over
+    the same completions; the first's ratio is 1 and its KL 0."""
     cfg = grpo_config(
         f"rl.loss_aggregation={aggregation}",
         "rl.updates_per_rollout=2",
         "rl.kl_beta=0.1",
         "rl.clip_high=0.28",
+        "rl.temperature=0.7",
         "optim.lr=0.03",
         "optim.warmup_steps=0",
         "optim.weight_decay=0",
@@ -154,18 +157,21 @@ def test_a_packed_rollouts_second_update_is_trls_loss_over_its_completions(aggre
         state, second = prog.step(state, batch)
         logps = feed.logps(now["params"], now["frozen"], batch)
         ref = feed.logps(start["params"], start["frozen"], batch)
+        entropy = entropies(prog.parts.merge(now["params"], now["frozen"]), batch, 0.7)
     host = jax.device_get(batch)
     cur = per_completion(host, jax.device_get(logps), samples)
     old = per_completion(host, host["llm_old_logps"], samples)
     refs = per_completion(host, jax.device_get(ref), samples)
+    ent = per_completion(host, entropy, samples)
     assert [len(x) for x in cur] == [int(s.loss.sum()) for s in samples]  # each once, whole
-    loss, metrics = trl_loss(run.cfg, cur, old, refs, [s.advantage for s in samples])
+    loss, metrics = trl_loss(run.cfg, cur, old, refs, [s.advantage for s in samples], ent)
     assert float(second["loss"]) == pytest.approx(loss, rel=1e-4, abs=1e-6)
     for ours, theirs in [
         ("rl/clip_low", "clip_ratio/low_mean"),
         ("rl/clip_high", "clip_ratio/high_mean"),
         ("rl/clip_region", "clip_ratio/region_mean"),
         ("rl/kl", "kl"),
+        ("rl/entropy", "entropy"),
     ]:
         assert float(second[ours]) == pytest.approx(metrics[theirs], rel=1e-4, abs=1e-6), ours
     assert float(second["rl/clip_region"]) > 0  # (the lr moves the ratio past its clips)
@@ -173,6 +179,14 @@ def test_a_packed_rollouts_second_update_is_trls_loss_over_its_completions(aggre
     moved = [float(np.mean(c - r)) for c, r in zip(cur, refs, strict=True)]
     adv = np.array([s.advantage for s in samples])
     assert np.mean(np.array(moved)[adv > 0]) > 0 > np.mean(np.array(moved)[adv < 0]), moved
+
+
+def entropies(model, batch: dict, temperature: float) -> np.ndarray:
+    """Each token's entropy of its next-token distribution at `temperature` [M, D, R, L], from
+    the model's whole logits (what the fused projection must equal without forming them)."""
+    logits = jax.jit(lambda mb: jax.lax.map(model, mb))(batch) / temperature
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return np.asarray(-jnp.sum(jnp.exp(logp) * logp, -1))
 
 
 def test_a_rollout_index_counts_text_and_items_as_the_planner_does():

@@ -19,7 +19,7 @@ from jaxmllm.batch.bucketize import bucketize
 from jaxmllm.config import load_config
 from jaxmllm.config.phases import ENCODERS
 from jaxmllm.config.sections import PreferenceConfig
-from jaxmllm.models.loss import Head, token_logps
+from jaxmllm.models.loss import Head, token_logps, token_logps_and_entropy
 from jaxmllm.plan.contract import ItemPlan, StepPlan
 from jaxmllm.resolve.run import resolve_run
 from jaxmllm.resolve.sizing import capacities, planner_from_config
@@ -55,6 +55,15 @@ def test_token_logps_and_their_gradients_equal_a_plain_log_softmax(rows_first):
     # only the gradient asked for is computed: a frozen head gets none
     only_h = jax.grad(lambda h: jnp.sum(g * token_logps(w, h, targets, head)))(h)
     np.testing.assert_allclose(only_h, want[1], rtol=1e-4, atol=1e-5)
+    # with each token's entropy (a metric beside the same log-probs and their gradients)
+    logps, entropy = token_logps_and_entropy(w, h, targets, head)
+    logits = jnp.einsum("...w,wv->...v", h, w.T if rows_first else w, precision="highest") / 2
+    p = jax.nn.softmax(logits, axis=-1)
+    np.testing.assert_allclose(entropy, -jnp.sum(p * jnp.log(p), -1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logps, plain(w, h), rtol=1e-5, atol=1e-5)
+    both = lambda w, h: jnp.sum(g * token_logps_and_entropy(w, h, targets, head)[0])
+    for a, b in zip(jax.grad(both, (0, 1))(w, h), want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- the formulas

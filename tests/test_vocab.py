@@ -15,27 +15,32 @@ from flax import nnx
 import sharding
 from jaxmllm.config import LLMConfig
 from jaxmllm.models import param_axes
-from jaxmllm.models.llm import Decoder, chunked_token_losses
+from jaxmllm.models.llm import Decoder, chunked_token_logps_and_entropy, chunked_token_losses
 from jaxmllm.models.vocab import vocab_axes
 
 VOCAB, T = 272, 48
 
 
-def decoder_loss(cfg: LLMConfig):
-    """(pure params, jitted value_and_grad(params, ids, targets, mask)) of a decoder."""
+def decoder_loss(cfg: LLMConfig, scores: bool = False):
+    """(pure params, jitted value_and_grad(params, ids, targets, mask)) of a decoder; `scores`:
+    the jitted (params, ids, targets) -> each token's (log-prob, entropy) instead."""
     kw = dict(dtype=jnp.float32, param_dtype=jnp.float32, remat="none", attention="dense")
     graphdef, state = nnx.split(Decoder(cfg, **kw, rngs=nnx.Rngs(0)))
 
-    def loss(pure, ids, targets, mask):
+    def hidden(pure, ids):
         filled = jax.tree.map(lambda x: x, state)
         nnx.replace_by_pure_dict(filled, pure)
         dec = nnx.merge(graphdef, filled)
         seg = jnp.ones_like(ids)
         pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-        h = dec.hidden(dec.embed(ids), seg, pos)
-        total, count = chunked_token_losses(dec, h, targets, mask)
+        return dec, dec.hidden(dec.embed(ids), seg, pos)
+
+    def loss(pure, ids, targets, mask):
+        total, count = chunked_token_losses(*hidden(pure, ids), targets, mask)
         return total / count
 
+    if scores:
+        return state, jax.jit(lambda p, ids, t: chunked_token_logps_and_entropy(*hidden(p, ids), t))
     return state, jax.jit(jax.value_and_grad(loss))
 
 
@@ -78,12 +83,17 @@ def test_vocab_parallel_equals_the_unsplit_loss_and_gradients(tied, shape):
     mask = jnp.asarray(rng.random((d, T)) < 0.7, jnp.float32)
     params, value_and_grad = decoder_loss(cfg)
     want, want_grads = value_and_grad(params, ids, targets, mask)  # no mesh: the reference
+    _, scores = decoder_loss(cfg, scores=True)  # (each token's log-prob and entropy: RL's)
+    want_scores = scores(params, ids, targets)
     mesh = sharding.make_mesh({"data": data, "expert": expert, "fsdp": fsdp, "tensor": tensor})
     with jax.set_mesh(mesh):
         split = (("expert", expert), ("fsdp", fsdp), ("tensor", tensor))
         assert vocab_axes(VOCAB, d) == tuple(a for a, n in split if n > 1)
         got, got_grads = value_and_grad(params, ids, targets, mask)
+        got_scores = scores(params, ids, targets)
     np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(got_scores, want_scores, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
     flat_want, flat_got = nnx.to_flat_state(want_grads), nnx.to_flat_state(got_grads)
     for (path, w), (_, g) in zip(flat_want, flat_got, strict=True):
         np.testing.assert_allclose(

@@ -22,7 +22,7 @@ from jaxmllm.config.decoder import LayerKind
 from jaxmllm.models.attention import Packing, packing
 from jaxmllm.models.deltanet import LinearSpec
 from jaxmllm.models.layers import Dense, Embed
-from jaxmllm.models.loss import Head, loss_sum, token_logps
+from jaxmllm.models.loss import Head, loss_sum, token_logps, token_logps_and_entropy
 from jaxmllm.models.moe import MoESpec, RouterStats
 from jaxmllm.models.transformer import BlockSpec, Transformer, layer_places
 from jaxmllm.models.vocab import vocab_axes
@@ -250,6 +250,16 @@ def chunked_token_logps(decoder: Decoder, h_dnw: jax.Array, targets_dn: jax.Arra
     the forward pass or the backward)."""
     weight, head, (h, targets), unslice = _sliced(decoder, h_dnw, targets_dn)
     return unslice(token_logps(weight, h, targets, head))
+
+
+def chunked_token_logps_and_entropy(
+    decoder: Decoder, h_dnw: jax.Array, targets_dn: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """`chunked_token_logps`, and each token's next-token distribution's entropy [D, N]
+    (`jaxmllm.models.loss.token_logps_and_entropy`: a metric, no gradient)."""
+    weight, head, (h, targets), unslice = _sliced(decoder, h_dnw, targets_dn)
+    logps, entropy = token_logps_and_entropy(weight, h, targets, head)
+    return unslice(logps), unslice(entropy)
 
 
 def _sliced(decoder: Decoder, h_dnw: jax.Array, *per_token: jax.Array) -> tuple:

@@ -121,25 +121,47 @@ def token_logps(weight: jax.Array, h_cdnw: jax.Array, targets_cdn: jax.Array, he
     sigmoid of a pair's margin) is known only after the forward pass, so the projection is
     computed twice, where the SFT loss computes it once.
     """
-    return _token_logps(weight, h_cdnw, targets_cdn, head)
+    return _token_logps(weight, h_cdnw, targets_cdn, head, False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _token_logps(weight, h_cdnw, targets_cdn, head):
+def token_logps_and_entropy(
+    weight: jax.Array, h_cdnw: jax.Array, targets_cdn: jax.Array, head: Head
+) -> tuple[jax.Array, jax.Array]:
+    """`token_logps`, and each token's entropy of its whole next-token distribution [C, D,
+    chunk] (fp32, nats): log-sum-exp minus the expected logit, summed over the vocabulary in
+    the same pass, slice by slice, as the log-sum-exp (what RL logs of its policy: TRL's
+    `entropy`). The entropy is a metric: no gradient flows through it."""
+    logps, entropy = _token_logps(weight, h_cdnw, targets_cdn, head, True)
+    return logps, jax.lax.stop_gradient(entropy)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _token_logps(weight, h_cdnw, targets_cdn, head, entropy):
     ones = jnp.ones(targets_cdn.shape, jnp.float32)
-    _, _, nll = _run(head, weight, h_cdnw, targets_cdn, ones, False, False, per_token=True)
-    return -nll
+    _, _, out = _run(head, weight, h_cdnw, targets_cdn, ones, False, False, _per_token(entropy))
+    return _logps_out(out, entropy)
 
 
-def _logps_fwd(weight, h_cdnw, targets_cdn, head):
+def _per_token(entropy: bool) -> int:
+    """How many per-token values `_run` returns: the cross entropy, and the entropy."""
+    return 2 if entropy else 1
+
+
+def _logps_out(out: jax.Array, entropy: bool):
+    """The log-probs (and entropies) of `_run`'s per-token values."""
+    return (-out[..., 0], out[..., 1]) if entropy else -out[..., 0]
+
+
+def _logps_fwd(weight, h_cdnw, targets_cdn, head, entropy):
     w, h, t = weight.value, h_cdnw.value, targets_cdn.value
     ones = jnp.ones(t.shape, jnp.float32)
-    _, _, nll = _run(head, w, h, t, ones, False, False, per_token=True)
-    return -nll, (w, h, t, weight.perturbed, h_cdnw.perturbed)
+    _, _, out = _run(head, w, h, t, ones, False, False, _per_token(entropy))
+    return _logps_out(out, entropy), (w, h, t, weight.perturbed, h_cdnw.perturbed)
 
 
-def _logps_bwd(head, residuals, g):
+def _logps_bwd(head, entropy, residuals, g):
     w, h, t, want_w, want_h = residuals
+    g = g[0] if entropy else g  # (the entropy's cotangent is dropped: a metric)
     if isinstance(g, SymbolicZero) or not (want_w or want_h):
         return None, None, None
     # d(sum g logp) = d(sum (-g) nll): the masked sum's gradients with -g for the mask
@@ -151,10 +173,11 @@ _token_logps.defvjp(_logps_fwd, _logps_bwd, symbolic_zeros=True)
 
 
 def _run(
-    head: Head, weight, h_cdnw, targets_cdn, mask_cdn, want_w: bool, want_h: bool, per_token=False
+    head: Head, weight, h_cdnw, targets_cdn, mask_cdn, want_w: bool, want_h: bool, per_token=0
 ):
     """(loss sum, the projection's gradient or None, the hidden states' or None), unscaled;
-    `per_token` (no gradient wanted): each token's cross entropy [C, D, chunk] for the last."""
+    `per_token` (no gradient wanted) 1 or 2: for the last, each token's cross entropy (and
+    its distribution's entropy) [C, D, chunk, per_token]."""
     if not head.axes:
         return _scan(
             head, weight, h_cdnw, targets_cdn, mask_cdn, want_w, want_h, _Local(), per_token
@@ -247,7 +270,8 @@ class _Split:
 
 def _scan(head: Head, weight, h_cdnw, targets_cdn, mask_cdn, want_w, want_h, vocab, per_token):
     """The slices one after another: the loss sum and the wanted gradients, unscaled (or,
-    `per_token`, each token's cross entropy in the gradient's place)."""
+    `per_token`, each token's cross entropy, and with 2 its distribution's entropy, [..., k] in
+    the gradient's place)."""
     w = weight.astype(head.dtype)
     cols = w.shape[0] if head.rows_first else w.shape[1]
     want = want_w or want_h
@@ -268,7 +292,13 @@ def _scan(head: Head, weight, h_cdnw, targets_cdn, mask_cdn, want_w, want_h, voc
         nll = vocab.own(lse - target)
         total = total + jnp.sum(nll * mask)
         if not want:
-            return (total, dw), (nll if per_token else None)
+            if not per_token:
+                return (total, dw), None
+            if per_token == 1:
+                return (total, dw), nll[..., None]
+            # entropy = lse - E[logit]: the expected logit summed over the vocabulary shards
+            expected = vocab.sum(jnp.sum(jnp.exp(logits - lse[..., None]) * logits, -1))
+            return (total, dw), jnp.stack([nll, vocab.own(lse - expected)], -1)
         # d loss / d logits, this device's columns of every group token: softmax - onehot
         onehot = jnp.arange(cols) == local[..., None]
         scale = (vocab.group(mask) / head.divisor)[..., None]

@@ -29,6 +29,7 @@ from jaxmllm.models.llm import (
     MLP_TARGETS,
     Decoder,
     chunked_token_logps,
+    chunked_token_logps_and_entropy,
     chunked_token_losses,
     kind_stacks,
 )
@@ -127,13 +128,29 @@ class MultimodalLM(nnx.Module):
         [tokens, vocab] logits), and the decoder's MoE router statistics (None if dense).
         `temperature`: of the distribution sampled at it, logits / t (the final hidden state
         divided by t: the projection is linear; GRPO's policy is the one it sampled from)."""
+        logps, _, stats = self._token_scores(mb, temperature, entropy=False)
+        return logps, stats
+
+    def token_logps_entropy_and_router(
+        self, mb: dict[str, jax.Array], temperature: float = 1.0
+    ) -> tuple:
+        """`token_logps_and_router` with each token's entropy of its next-token distribution
+        at `temperature` [D, R, L] between them (a metric, no gradient: an RL policy's)."""
+        return self._token_scores(mb, temperature, entropy=True)
+
+    def _token_scores(self, mb: dict[str, jax.Array], temperature: float, entropy: bool):
+        """(log-probs, entropies or None, router statistics) of one microbatch's targets."""
         h_drlw, stats = self.hidden_and_router(mb)
         if temperature != 1.0:
             h_drlw = h_drlw / jnp.asarray(temperature, h_drlw.dtype)
         d, width = h_drlw.shape[0], h_drlw.shape[-1]
         targets = mb["llm_targets"]
-        logps = chunked_token_logps(self.llm, h_drlw.reshape(d, -1, width), targets.reshape(d, -1))
-        return logps.reshape(targets.shape), stats
+        h_dnw, targets_dn = h_drlw.reshape(d, -1, width), targets.reshape(d, -1)
+        if not entropy:
+            logps = chunked_token_logps(self.llm, h_dnw, targets_dn)
+            return logps.reshape(targets.shape), None, stats
+        logps, ent = chunked_token_logps_and_entropy(self.llm, h_dnw, targets_dn)
+        return logps.reshape(targets.shape), ent.reshape(targets.shape), stats
 
     def hidden(self, mb: dict[str, jax.Array]) -> jax.Array:
         """The decoder's final hidden states [D, R, L, width] for one microbatch."""

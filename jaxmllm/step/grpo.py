@@ -34,8 +34,9 @@ from jaxmllm.step.preference import reference_weights, uses_reference
 from jaxmllm.step.router import add_microbatch, router_metrics
 
 # What a step logs of its completions' tokens: means over the step's learned tokens (TRL's
-# clip_ratio/low_mean, high_mean, region_mean; the ratio r; the k3 KL where there is a reference)
-TOKEN_METRICS = ("rl/clip_low", "rl/clip_high", "rl/clip_region", "rl/ratio")
+# clip_ratio/low_mean, high_mean, region_mean; the ratio r; the policy's entropy at the
+# sampling temperature, TRL's entropy; the k3 KL where there is a reference)
+TOKEN_METRICS = ("rl/clip_low", "rl/clip_high", "rl/clip_region", "rl/ratio", "rl/entropy")
 
 
 def token_terms(
@@ -76,17 +77,16 @@ def make_grpo_loss_and_grads(cfg: Config, parts, router=None) -> Callable:
     losses are added as in SFT."""
     with_ref = uses_reference(cfg)
 
-    def logps_of(model, mb):
-        """The target log-probs of one microbatch at the sampling temperature (the policy that
-        sampled: TRL's logits / temperature), and the router statistics (MoE)."""
-        return model.token_logps_and_router(mb, cfg.rl.temperature)
-
     def loss_fn(params, frozen, mb, ref_logps, denom, tokens, m):
         """One microbatch's share of the step's loss, the router losses a 1/m share each; the
-        token metrics' sums (over the step's learned tokens: divided by `tokens`) beside it."""
-        logps, stats = logps_of(parts.merge(params, frozen), mb)
+        token metrics' sums (over the step's learned tokens: divided by `tokens`) beside it.
+        The log-probs at the sampling temperature (the policy that sampled: TRL's logits /
+        temperature), with their distributions' entropies (a metric)."""
+        model = parts.merge(params, frozen)
+        logps, entropy, stats = model.token_logps_entropy_and_router(mb, cfg.rl.temperature)
         mask = mb["llm_loss_mask"].astype(jnp.float32)
         per_token, terms = token_terms(cfg, logps, mb, ref_logps)
+        terms["rl/entropy"] = entropy
         loss = jnp.sum(per_token * mask * mb["llm_weight"]) / denom
         sums = {k: jnp.sum(v * mask) / tokens for k, v in terms.items()}
         if router is None:
@@ -110,7 +110,8 @@ def make_grpo_loss_and_grads(cfg: Config, parts, router=None) -> Callable:
             """The reference policy's target log-probs of `mb` (None without a KL term)."""
             if ref_params is None:
                 return None
-            return jax.lax.stop_gradient(logps_of(parts.merge(*ref_params), mb)[0])
+            model = parts.merge(*ref_params)
+            return jax.lax.stop_gradient(model.token_logps_and_router(mb, cfg.rl.temperature)[0])
 
         def microbatch(acc, xs):
             """Adds one microbatch's loss, gradients and metric sums (and router statistics)
