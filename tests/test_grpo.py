@@ -76,16 +76,23 @@ def trl_loss(cfg, logps, old, ref, advantages, entropies=None) -> tuple[float, d
     """TRL's GRPOTrainer._compute_loss (loss_type bnpo for `token`, grpo for `sequence`) on
     completions given as lists of per-token arrays (right-padded here, as TRL's batches are),
     with its per-token log-probs (and entropies) forward replaced by these values."""
+    loss, metrics = trl_compute_loss(cfg, logps, old, ref, advantages, entropies)
+    return float(loss), metrics
+
+
+def trl_compute_loss(cfg, logps, old, ref, advantages, entropies=None, dtype="float64"):
+    """`trl_loss`'s (loss tensor, TRL's metrics); a completion given as a torch tensor keeps
+    its autograd graph (torch's gradient of TRL's loss: tests/test_grpo_grad.py), the others
+    become `dtype` tensors."""
     torch = pytest.importorskip("torch")
     from trl.trainer.grpo_trainer import GRPOTrainer
 
+    dtype = getattr(torch, dtype)
     width = max(len(x) for x in logps)
 
     def pad(rows):
-        out = torch.zeros(len(rows), width, dtype=torch.float64)
-        for i, r in enumerate(rows):
-            out[i, : len(r)] = torch.as_tensor(np.asarray(r, np.float64))
-        return out
+        tensor = lambda r: r if torch.is_tensor(r) else torch.as_tensor(np.asarray(r), dtype=dtype)
+        return torch.stack([torch.nn.functional.pad(tensor(r), (0, width - len(r))) for r in rows])
 
     mask = pad([np.ones(len(x)) for x in logps])
     rl = cfg.rl
@@ -113,13 +120,12 @@ def trl_loss(cfg, logps, old, ref, advantages, entropies=None) -> tuple[float, d
         "prompt_mask": torch.ones(len(logps), 1, dtype=torch.long),
         "completion_ids": torch.zeros(len(logps), width, dtype=torch.long),
         "completion_mask": mask,
-        "advantages": torch.as_tensor(np.asarray(advantages, np.float64)),
+        "advantages": torch.as_tensor(np.asarray(advantages), dtype=dtype),
         "old_per_token_logps": pad(old),
         "ref_per_token_logps": pad(ref),
     }
     loss = GRPOTrainer._compute_loss(fake, None, inputs)
-    metrics = {k: v[-1] for k, v in fake._metrics["train"].items()}
-    return float(loss), metrics
+    return loss, {k: v[-1] for k, v in fake._metrics["train"].items()}
 
 
 @pytest.mark.torch  # (TRL, the oracle, runs on torch)
