@@ -208,6 +208,33 @@ def test_a_completion_that_cannot_fit_a_row_is_refused_naming_the_keys():
         RolloutIterator(run, build_program(run.cfg, run.mesh), dict)
 
 
+def test_a_rollout_over_several_steps_says_once_the_rows_that_hold_it_in_one(caplog):
+    """48 completions (~1,700 tokens) where a step holds 1,024: planned over several steps
+    (each once), and the log says so once a run, naming batch.llm_rows and a number of rows
+    with which the same rollout is planned in one step."""
+    import re
+
+    sets = ["batch.llm_row_len=64", "rl.max_new_tokens=8"]
+    samples = completions(48)
+    steps = {}
+    for rows in (1, None):
+        if rows is None:  # (the rows the warning named)
+            [said] = [r.message for r in caplog.records if "training steps" in r.message]
+            rows = int(re.search(r"raise batch.llm_rows to (\d+) or more", said).group(1))
+        run = resolve_run(grpo_config(*sets, f"batch.llm_rows={rows}"))
+        with jax.set_mesh(run.mesh):
+            prog = build_program(run.cfg, run.mesh)
+            weights = prog.weights(prog.init())
+            feed = RolloutIterator(run, prog, dict)  # (plan is given the weights)
+            with caplog.at_level("WARNING", logger="jaxmllm"):
+                steps[rows] = [len(feed.plan(samples, weights)) for _ in range(2)]
+    [first, named] = steps
+    assert steps[first][0] > 1 and steps[named] == [1, 1], steps
+    said = [r.message for r in caplog.records if "training steps" in r.message]
+    assert len(said) == 1, said  # (once a run: the second rollout over several says nothing)
+    assert "a step holds 1024 (batch.llm_rows=1 x batch.llm_row_len=64 x 16 buckets" in said[0]
+
+
 # ----------------------------------------------------------------------------- runs
 
 # A GRPO run of the tiny model from random weights, on the built-in images' questions (the

@@ -108,6 +108,36 @@ def rollout_index(samples: list[Sample], specials) -> LengthsIndex:
     return LengthsIndex.from_records(records)
 
 
+def spill(index: LengthsIndex, caps, steps: int, rollout: int) -> str:
+    """Why rollout `rollout` took `steps` steps (`index`: its samples' lengths), and the rows
+    that would hold one like it in one step: said once a run (a rollout's later steps train
+    off-policy, the ratio correcting them, and each costs a whole step)."""
+    buckets = caps.devices * caps.microbatches
+    tokens = int(index.llm_tokens(caps.per_token).sum())
+    holds = caps.llm_rows * caps.llm_row_len * buckets
+    what = [
+        f"{tokens} LLM tokens in all, where a step holds {holds} (batch.llm_rows="
+        f"{caps.llm_rows} x batch.llm_row_len={caps.llm_row_len} x {buckets} buckets of the "
+        f"devices and microbatches)"
+    ]
+    for name, units in index.units().items():  # (an encoder's bucket may be what overflowed)
+        need, room = int(units.sum()), caps.units.get(name, 0) * buckets
+        if need and need > room // 2:
+            what.append(f"{need} {name} units, where a step's {name} buckets hold {room}")
+    # (packing leaves a row's tail empty: a quarter more rows than the tokens fill; and the
+    # step's other bounds, its attention tiles and encoder buckets, may defer before the rows
+    # are full: at least one row more than now)
+    rows = max(-(-tokens * 5 // (4 * caps.llm_row_len * buckets)), caps.llm_rows + 1)
+    return (
+        f"rollout {rollout} took {steps} training steps: its prompts and completions are "
+        f"{'; '.join(what)}; what a step could not take (its rows, attention tiles or encoder "
+        f"buckets full) went on to the next. A rollout's later steps train off-policy (the "
+        f"ratio corrects them) and each costs a whole step: to train each rollout in one step "
+        f"raise batch.llm_rows to {rows} or more, or lower rl.prompts_per_step or "
+        f"rl.group_size (said once)"
+    )
+
+
 @dataclasses.dataclass
 class Prompt:
     """One prompt of the data set: its sample cut before the answer, and what rewards read."""
@@ -135,6 +165,7 @@ class RolloutIterator(grain.DatasetIterator):
         self.rollout, self.cursor = 0, 0  # the next rollout's number, the prompts' cursor
         self.pending: list[dict] = []  # the rollout's steps not trained yet
         self.skipped_prompts = 0
+        self.spill_said = False  # (a rollout over several steps: said once a run, `spill`)
         self.order: tuple[int, np.ndarray | None] = (-1, None)  # (epoch, its prompt order)
         self.started = self.position()  # the state at the current rollout's start
         # What the last `next` spent sampling, scoring and planning a rollout (0 inside one):
@@ -348,6 +379,9 @@ class RolloutIterator(grain.DatasetIterator):
                 steps.append(next(feed))
         finally:
             feed.close()
+        if len(steps) > 1 and not self.spill_said:
+            self.spill_said = True
+            log.warning(spill(run.index, run.caps, len(steps), self.rollout))
         kept = len(steps) > 1 or self.rl.updates_per_rollout > 1
         for element in steps:
             batch = element["batch"]
