@@ -99,6 +99,8 @@ def test_tests_leave_nothing_in_the_temporary_folder(tmp_path):
 
 
 CTRL_C = """
+import faulthandler, signal, sys
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # (the test's dump of a hang)
 from jaxmllm.config import load_config
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.resolve.run import resolve_run
@@ -141,7 +143,14 @@ def test_ctrl_c_stops_the_workers_quietly(tmp_path):
         workers = _workers(proc.pid)
         others = set(_children(proc.pid)) - set(workers)  # multiprocessing's resource tracker
         os.killpg(proc.pid, signal.SIGINT)  # (the workers are still importing jaxmllm)
-        out, err = proc.communicate(timeout=120)
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # a hang: every thread's stack, to read what it waits on
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(2)  # (faulthandler writes from its C handler once the signal lands)
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"the owner did not exit 120 s after SIGINT; its threads:\n{err[-6000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
