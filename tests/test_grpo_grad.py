@@ -35,11 +35,16 @@ from test_grpo import trl_compute_loss
 from test_hf_whole_train import whole_dir
 
 from jaxmllm.batch.prompts import packed_row
-from jaxmllm.config.phases import KINDS
 from jaxmllm.data.rewards import group_advantages
 from jaxmllm.data.samples import Sample
 from jaxmllm.hf.check import _torch, hf_module
-from jaxmllm.hf.check_whole import _image_sample, _text_sample, check_specials, hf_vocab
+from jaxmllm.hf.check_whole import (
+    _image_sample,
+    _text_sample,
+    check_specials,
+    hf_vocab,
+    text_pool,
+)
 from jaxmllm.hf.export import hf_tensors
 from jaxmllm.hf.registry import read_hf_config
 from jaxmllm.hf.safetensors import Checkpoint
@@ -136,9 +141,7 @@ def rollout(ck: Checkpoints) -> tuple[list[list[Sample]], object]:
     the row's special ids."""
     hf, whole = ck.hf, ck.whole
     rng = np.random.default_rng(0)
-    reserved = {hf.get(k) for k in hf if k.endswith(("token_id", "token_index"))} - {None}
-    pool = np.setdiff1d(np.arange(hf_vocab(hf)), list(reserved))
-    spare, pool = pool[-len(KINDS) - 2 :], pool[: -len(KINDS) - 2]
+    pool, spare = text_pool(hf, hf_vocab(hf))
     specials = check_specials(whole, hf, spare)
     text = lambda n: rng.choice(pool, n)
     wrap = [[hf["vision_start_token_id"]], [hf["vision_end_token_id"]]]

@@ -150,10 +150,7 @@ def check_whole(
         ref = PeftModel.from_pretrained(ref, adapter).eval()
     name = whole.name if whole is not None else family_for("llm", hf, directory).name
     rng = np.random.default_rng(seed)
-    vocab = min(cfg.model.llm.vocab_size, hf_vocab(hf))
-    reserved = {hf.get(k) for k in hf if k.endswith(("token_id", "token_index"))} - {None}
-    pool = np.setdiff1d(np.arange(vocab), list(reserved))
-    spare, pool = pool[-len(KINDS) - 2 :], pool[: -len(KINDS) - 2]
+    pool, spare = text_pool(hf, min(cfg.model.llm.vocab_size, hf_vocab(hf)))
     text = lambda n: rng.choice(pool, n)
     out = []
     if not data:
@@ -424,6 +421,15 @@ def data_records(cfg: Config, path: str) -> tuple[Specials, list[tuple[str, str,
         why = problems[0] if problems else "it holds no record"
         raise FamilyError(f"--data {path}: no record to check ({why})")
     return pre.tokenizer.specials, samples
+
+
+def text_pool(hf: dict, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the ids random text is drawn from, the spare ids `check_specials` makes a row's
+    specials of): the first `vocab` ids less every id the checkpoint's config reserves (its
+    `*token_id` / `*token_index`), the last few of them kept apart as the spares."""
+    reserved = {hf.get(k) for k in hf if k.endswith(("token_id", "token_index"))} - {None}
+    pool = np.setdiff1d(np.arange(vocab), list(reserved))
+    return pool[: -len(KINDS) - 2], pool[-len(KINDS) - 2 :]
 
 
 def hf_vocab(hf: dict) -> int:
