@@ -76,9 +76,10 @@ CASES = {  # module: [argv, ...]
 }
 
 HARNESS = """
-import contextlib, io, json, logging, runpy, sys, traceback
+import contextlib, io, json, logging, runpy, sys, time, traceback
 out = []
 for module, argv in json.loads(sys.argv[1]):
+    began = time.perf_counter()
     text = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)  # (.buffer too)
     logging.root.handlers.clear()  # (each command's basicConfig writes to this capture)
     sys.argv = [module, *argv]
@@ -91,14 +92,15 @@ for module, argv in json.loads(sys.argv[1]):
         except BaseException:
             traceback.print_exc()  # what the command would have shown
             code = "escaped"
-    out.append([module, argv, code, text.buffer.getvalue().decode()])
+    seconds = round(time.perf_counter() - began, 1)
+    out.append([module, argv, code, text.buffer.getvalue().decode(), seconds])
 print(json.dumps(out))
 """
 
 
 def harness(cases: list, timeout: int) -> list:
-    """[module, argv, exit code, output] of each (module, argv) run as `python -m` runs it,
-    all in one child process (JAX imported once)."""
+    """[module, argv, exit code, output, seconds] of each (module, argv) run as `python -m`
+    runs it, all in one child process (JAX imported once)."""
     proc = subprocess.run(
         [sys.executable, "-c", HARNESS, json.dumps(cases)],
         capture_output=True,
@@ -137,7 +139,7 @@ def test_bad_config_exits_2_with_one_message(tmp_path):
         for argv in argvs
     ]
     failures = []
-    for module, argv, code, text in harness(cases, timeout=600):
+    for module, argv, code, text, _ in harness(cases, timeout=600):
         if code != 2 or "Traceback" in text or "error" not in text:
             failures.append(f"python -m {module} {' '.join(argv)} -> {code}:\n{text[-2000:]}")
     assert not failures, "\n\n".join(failures)
@@ -217,7 +219,7 @@ def test_an_overrides_error_names_the_set_not_the_file(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for (module, _, code, text), (_, _, want) in zip(
+    for (module, _, code, text, _), (_, _, want) in zip(
         json.loads(proc.stdout.splitlines()[-1]), cases, strict=True
     ):
         assert code == 2 and want in text and TINY not in text, (module, text)
@@ -243,6 +245,16 @@ def test_a_runs_log_lines_carry_their_time():
 
 # ----------------------------------------------------------------------------- good input
 
+# tiny's LLM alone, on text: what `hf export` writes from scratch, and the benchmarks that train
+# it (their main paths are their tables: with the towers, bench.lora took 41 s, not 12)
+TEXT_ONLY = [
+    "model.vision.enabled=false",
+    "model.audio.enabled=false",
+    "data.synthetic.image_fraction=0",
+    "data.synthetic.multi_image_fraction=0",
+    "data.synthetic.audio_fraction=0",
+    "data.synthetic.video_fraction=0",
+]
 RUN = [
     "--config",
     TINY,
@@ -252,12 +264,7 @@ RUN = [
     "train.steps=12",  # (plan.cost fits on the steps without a compile or a save: 5 at least)
     "train.checkpoint_every=6",
     "train.progress_bar=false",
-    "model.vision.enabled=false",  # (an LLM alone: what `hf export` writes from scratch)
-    "model.audio.enabled=false",
-    "data.synthetic.image_fraction=0",
-    "data.synthetic.multi_image_fraction=0",
-    "data.synthetic.audio_fraction=0",
-    "data.synthetic.video_fraction=0",
+    *TEXT_ONLY,
     "train.output_dir={tmp}/run",
 ]
 MANIFEST = [
@@ -310,7 +317,10 @@ GOOD = [  # (module, argv): each command's main path once, small, in the order t
         "jaxmllm.bench.startup",
         ["--lengths", "{tmp}/synth", "--plan", "orchestrated", "--devices", "8"],
     ),
-    ("jaxmllm.bench.lora", ["--config", TINY, "--steps", "1", "--warmup", "1"]),
+    (
+        "jaxmllm.bench.lora",
+        ["--config", TINY, "--steps", "1", "--warmup", "1", "--set", *TEXT_ONLY],
+    ),
     # (the table: its __main__ once crashed)
     (  # (--device-gib: the largest microbatch that fits is searched by compiling, ~17 min to
         # reach the default 72 GiB from tiny's rows; 0.05 GiB is reached in a compile or two.
@@ -338,7 +348,8 @@ GOOD = [  # (module, argv): each command's main path once, small, in the order t
     ),
     (
         "jaxmllm.bench.node",
-        ["--config", TINY, "--steps", "1", "--warmup", "1", "--json", "{tmp}/node.json"],
+        ["--config", TINY, "--steps", "1", "--warmup", "1", "--json", "{tmp}/node.json"]
+        + ["--set", *TEXT_ONLY],
     ),
     ("jaxmllm.bench.pairs", ["--mix", "ai2d", "--devices", "8", "--steps", "2"]),
     ("jaxmllm.bench.rollouts", ["--mix", "ai2d", "--devices", "8", "--prompts", "16"]),
@@ -348,7 +359,8 @@ GOOD = [  # (module, argv): each command's main path once, small, in the order t
     ),
     (
         "jaxmllm.bench.throughput",
-        ["--config", TINY, "--steps", "1", "--warmup", "1", "--policies", "orchestrated"],
+        ["--config", TINY, "--steps", "1", "--warmup", "1", "--policies", "orchestrated"]
+        + ["--set", *TEXT_ONLY],
     ),
     (
         "jaxmllm.bench.video",
@@ -371,9 +383,12 @@ def test_every_command_runs_its_main_path_on_good_input(tmp_path):
     write_dataset(tmp_path / "ds", images=8, audio=4)
     hf_models.llama(tmp_path / "llama", tied=False)
     cases = [(m, [a.format(tmp=tmp_path) for a in argv]) for m, argv in GOOD]
+    done = harness(cases, timeout=3600)
+    for module, _, _, _, seconds in sorted(done, key=lambda d: -d[4]):
+        print(f"{seconds:6.1f} s  python -m {module}")  # (-s, or --durations' neighbour)
     failures = [
         f"python -m {module} {' '.join(argv)} -> {code}:\n{text[-3000:]}"
-        for module, argv, code, text in harness(cases, timeout=3600)
+        for module, argv, code, text, _ in done
         if code != 0 or "Traceback" in text
     ]
     assert not failures, "\n\n".join(failures)
