@@ -107,7 +107,7 @@ class Config:
         if self.model.llm.moe.enabled or self.mesh.expert > 1:
             self._check_experts()
         if self.train.objective != "sft":
-            check_objective(self)
+            check_objective(self.train, self.mesh, self.rl, self.preference)
 
     def _check_synthetic_video(self) -> None:
         """The built-in videos are encoded by the vision encoder, in whole temporal patches of

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from jaxmllm.config.checks import check, positive
 
 if TYPE_CHECKING:
-    from jaxmllm.config.load import Config
+    from jaxmllm.config.sections import MeshConfig, PreferenceConfig, TrainConfig
 
 BUILT_IN_REWARDS = ("exact_answer", "regex", "choice", "format", "math")
 ADVANTAGES = ("group", "mean_only")
@@ -111,25 +111,28 @@ class RLConfig:
         return self.prompts_per_step * self.group_size
 
 
-def check_objective(cfg: Config) -> None:
+def check_objective(
+    train: TrainConfig, mesh: MeshConfig, rl: RLConfig, preference: PreferenceConfig
+) -> None:
     """What a preference or RL objective needs of the rest of the config: a pair's two
     documents and a completion are summed in one device's row (no context group splits them),
     the loss is the one step's (not the pipeline's), and GRPO's KL reference is a policy it
-    runs (rollouts are new each step: no log-probs can be computed before training)."""
-    objective = cfg.train.objective
+    runs (rollouts are new each step: no log-probs can be computed before training). Takes
+    the sections, not the whole config, which is assembled above this module."""
+    objective = train.objective
     check(
-        cfg.mesh.context == 1,
+        mesh.context == 1,
         f"must be 1 with train.objective: {objective} (a pair's documents and a completion "
         "are summed in one device's row; context groups split rows)",
         "mesh.context",
     )
     check(
-        cfg.mesh.stage == 1,
+        mesh.stage == 1,
         f"must be 1 with train.objective: {objective} (pipelined stages train SFT only)",
         "mesh.stage",
     )
     check(
-        objective != "grpo" or not cfg.rl.kl_beta or cfg.preference.reference != "precomputed",
+        objective != "grpo" or not rl.kl_beta or preference.reference != "precomputed",
         "precomputed log-probs are the data's, and GRPO's completions are sampled anew each "
         "step: with rl.kl_beta > 0 use base (the starting weights) or a checkpoint",
         "preference.reference",
