@@ -372,6 +372,44 @@ def test_format_stamp_tells_per_layer_from_scanned_layers():
     assert format_stamp(scanned) == {"format": FORMAT, "layers": "scanned"}
 
 
+def test_replicated_arrays_are_split_over_replicas_only_when_big(tmp_path, caplog):
+    """Orbax's replica-parallel save compiles a slice program per array shape: a replicated
+    array smaller than REPLICA_SLICE_MIN_BYTES a replica is written whole by one replica, a
+    bigger one split over all 8 (a program for each replica's device); both come back as saved,
+    and the handler's registration is not a warning in the run's log."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from jaxmllm.loop.checkpoint import REPLICA_SLICE_MIN_BYTES, make_checkpoint_manager
+
+    replicated = jax.sharding.NamedSharding(jax.make_mesh((8,), ("data",)), jax.P())
+    n_big = 8 * REPLICA_SLICE_MIN_BYTES // 4
+    state = {  # (shapes no other test saves: their slice programs are compiled here or never)
+        "small": jax.device_put(np.arange(8 * 37, dtype=np.float32).reshape(8, 37), replicated),
+        "big": jax.device_put(np.arange(n_big, dtype=np.float32).reshape(8, -1), replicated),
+    }
+    slices = []
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration" and kw["fun_name"] == "jit(slice)":
+            slices.append(kw)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        cfg = load_config("configs/tiny.yaml", [f"train.output_dir={tmp_path}"])
+        mngr = make_checkpoint_manager(cfg)
+        mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=True)
+        mngr.wait_until_finished()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert "overriding" not in caplog.text
+    assert len(slices) == 8  # the big array's, one a replica; none for the small one
+    back = mngr.restore(1, args=ocp.args.Composite(state=ocp.args.StandardRestore(state)))
+    mngr.close()
+    for key, value in state.items():
+        np.testing.assert_array_equal(np.asarray(back["state"][key]), np.asarray(value))
+
+
 def test_checkpoints_of_another_format_are_refused_and_left_alone(
     uninterrupted, tmp_path, monkeypatch, capsys
 ):
