@@ -26,7 +26,7 @@ from jaxmllm.data.media.image import patchify
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.models import blocksparse
-from jaxmllm.models.attention import attention_mask, dense_attention
+from jaxmllm.models.attention import attention_mask, dense_attention, windowed
 from jaxmllm.plan import context as split
 from jaxmllm.plan import tiles
 from jaxmllm.plan.contract import ItemPlan, StepPlan
@@ -113,11 +113,15 @@ def test_rank_tiles_hold_every_tile_once_on_the_rank_of_its_query_block():
 # ----------------------------------------------------------------------------- the kernel
 
 
-@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_dealt_row_attends_as_the_whole_row(causal, monkeypatch):
+@pytest.mark.parametrize(
+    "causal, window", [(True, 0), (True, 5), pytest.param(False, 0, marks=pytest.mark.slow)]
+)
+def test_dealt_row_attends_as_the_whole_row(causal, window, monkeypatch):
     """A group row of random documents dealt to 4 ranks, each rank's queries over the gathered
     keys (in chunks of 3 tiles: several chunks, the online softmax and its backward), equal
-    dense attention over the whole row: outputs and the gradients of q, k and v."""
+    dense attention over the whole row: outputs and the gradients of q, k and v; with a
+    sliding window of 5 (Gemma's local layers), by the tokens' positions in their documents,
+    as the dense reference's window by their indices in the row."""
     monkeypatch.setattr(blocksparse, "CHUNK_SCORES", 3 * 2 * 4 * 4)
     rng = np.random.default_rng(2 + causal)
     block, row_blocks, ranks, heads, kv, e = 4, 16, 4, 2, 1, 8
@@ -137,7 +141,8 @@ def test_dealt_row_attends_as_the_whole_row(causal, monkeypatch):
     real = jnp.asarray(seg > 0)[:, None, None]
 
     every = tok_of.ravel()  # the gathered group: rank by rank
-    rank_attend = jax.vmap(blocksparse.kernel, (0, None, None, 0, None, 0, None, 0, None, None))
+    axes = (0, None, None, 0, None, 0, None, 0, None, None, None)
+    rank_attend = jax.vmap(blocksparse.kernel, axes)
 
     def split_loss(q, k, v):
         out = rank_attend(
@@ -151,12 +156,14 @@ def test_dealt_row_attends_as_the_whole_row(causal, monkeypatch):
             rank_tiles,
             block,
             causal,
+            window,
         )
         out = jnp.zeros((s_len, heads, e)).at[every].set(out.reshape(s_len, heads, e))
         return jnp.sum(jnp.where(real, out * w, 0.0)), out
 
     def dense_loss(q, k, v):
         mask = attention_mask(jnp.asarray(seg)[None], causal=causal)
+        mask = windowed(mask, window) if window else mask
         out = dense_attention(q[None], k[None], v[None], mask, jnp.float32)[0]
         return jnp.sum(jnp.where(real, out * w, 0.0)), out
 

@@ -25,6 +25,7 @@ from jaxmllm.config import (
     ModelConfig,
     VisionConfig,
 )
+from jaxmllm.config.decoder import WindowConfig
 from jaxmllm.data.media.image import patchify
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text import tokenizer as tok
@@ -89,7 +90,43 @@ def gen(prompts):
 def test_kv_cache_decoding_equals_recomputing_the_sequence(params, prompts, gen):
     """Every new token's logits against the whole sequence so far run through the training
     forward pass (media in the prompt included): same ids, logits within 1e-5."""
-    new = 6
+    _held_to_recomputing(CFG, params, prompts, gen, new=6)
+
+
+# Gemma 3's decoder: sliding windows of 3 tokens in two layers of three, its four norms a layer
+GEMMA = dataclasses.replace(
+    CFG,
+    model=dataclasses.replace(
+        CFG.model,
+        llm=dataclasses.replace(
+            CFG.model.llm,
+            depth=3,
+            norm="rms_offset",
+            mlp="gated_gelu_tanh",
+            qk_norm=True,
+            post_norms=True,
+            embed_scale=True,
+            attn_scalar=12.0,
+            window=WindowConfig(size=3, every=3, rope_theta=100.0),
+            tie_embeddings=True,
+            tied_logits_scaled=False,
+        ),
+    ),
+)
+
+
+def test_kv_cache_decoding_with_sliding_windows_equals_recomputing_the_sequence(prompts):
+    """A decoder with sliding-window layers (Gemma 3's) decodes from its cache as the training
+    forward pass computes the whole sequence: a step's query over the cache sees its window
+    only; prompts and answers longer than the window."""
+    params = build_model(GEMMA, seed=5)
+    gen = Generator(GEMMA, PromptShapes.fit(prompts, GEMMA, 8, rows=4))
+    _held_to_recomputing(GEMMA, params, prompts, gen, new=5)
+
+
+def _held_to_recomputing(cfg, params, prompts, gen, new: int) -> None:
+    """Every new token's logits of `gen` against the whole sequence so far run through the
+    training forward pass of `cfg`: same ids, logits within 1e-5."""
     answers = gen.generate(*params, prompts, max_new_tokens=new, keep_logits=True)
     grown = lambda p, ids: dataclasses.replace(
         p,
@@ -98,13 +135,13 @@ def test_kv_cache_decoding_equals_recomputing_the_sequence(params, prompts, gen)
     )
     # The reference at one set of shapes (the longest sequences), so it compiles once.
     shapes = PromptShapes.fit(
-        [grown(p, a.ids) for p, a in zip(prompts, answers, strict=True)], CFG, 0
+        [grown(p, a.ids) for p, a in zip(prompts, answers, strict=True)], cfg, 0
     )
-    parts = model_parts(prompt_config(CFG, shapes))[0]
+    parts = model_parts(prompt_config(cfg, shapes))[0]
     forward = jax.jit(lambda params, frozen, mb: parts.merge(params, frozen)(mb))
     for t in range(new):
         sequences = [grown(p, a.ids[:t]) for p, a in zip(prompts, answers, strict=True)]
-        logits = np.asarray(forward(*params, prompt_batch(sequences, shapes, CFG)))
+        logits = np.asarray(forward(*params, prompt_batch(sequences, shapes, cfg)))
         for b, (seq, answer) in enumerate(zip(sequences, answers, strict=True)):
             want = logits[b, 0, len(seq.tokens) - 1]  # the last token's
             np.testing.assert_allclose(answer.logits[t], want, rtol=1e-5, atol=1e-5)

@@ -57,6 +57,7 @@ import sharding
 from jaxmllm.bench.compile import measure
 from jaxmllm.bench.table import cell
 from jaxmllm.config import REMAT_POLICIES, Config, load_config
+from jaxmllm.config.blocks import GATED_MLPS
 from jaxmllm.config.command import add_config_args
 from jaxmllm.config.phases import ENCODERS, LLM, PHASES, enabled, phase
 from jaxmllm.config.remat import ATTENTION, QKV
@@ -118,7 +119,7 @@ def layer_flops(cfg: Config, tower: str) -> dict[str, float]:
         pairs = getattr(b, f"{tower}_tiles") * b.attention_block**2
     else:  # (cuDNN skips what its documents do not span: at most this)
         pairs = dense_pairs // (2 if tower == LLM and m.attention == "cudnn" else 1)
-    gated = 2 if t.mlp == "gated_silu" else 1
+    gated = 2 if t.mlp in GATED_MLPS else 1
     return {
         "qkv": 2.0 * n * t.width * (q + 2 * kv),
         "attention": 4.0 * pairs * q,

@@ -1,6 +1,7 @@
 """The decoder's section: a Llama-style LLM (`LLMConfig`), its rotary scaling, its
-mixture-of-experts MLPs (`MoEConfig`) and its linear-attention layers (`LinearConfig`); and
-the kinds its layers come in (`LayerKind`: how a layer mixes tokens, which MLP it has)."""
+mixture-of-experts MLPs (`MoEConfig`), its linear-attention layers (`LinearConfig`) and its
+sliding-window layers (`WindowConfig`); and the kinds its layers come in (`LayerKind`: how a
+layer mixes tokens, which MLP it has)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,9 @@ class Mixer(enum.Enum):
 
     FULL = "full"  # causal attention over the whole document: quadratic in its tokens
     LINEAR = "linear"  # Gated DeltaNet linear attention (`LinearConfig`): linear in tokens
-    # (sliding-window attention joins here: Gemma's local layers)
+    # causal attention over the last `WindowConfig.size` tokens of the document (Gemma's local
+    # layers): linear in tokens for documents longer than the window
+    SLIDING = "sliding"
 
 
 class Mlp(enum.Enum):
@@ -76,6 +79,11 @@ class LayerKind:
     def moe(self) -> bool:
         """Whether the layer's MLP is the routed experts."""
         return self.mlp is Mlp.MOE
+
+    @property
+    def sliding(self) -> bool:
+        """Whether the layer attends within a sliding window (`WindowConfig`)."""
+        return self.mixer is Mixer.SLIDING
 
 
 EXCHANGES = ("dense", "ragged")  # how tokens travel to their experts' devices (MoEConfig)
@@ -217,6 +225,57 @@ class LinearConfig:
 
 
 @dataclass(frozen=True)
+class WindowConfig:
+    """Sliding-window attention in some decoder layers (Gemma 3's `sliding_attention`
+    layer_types): a query attends to itself and the `size` - 1 tokens before it in its own
+    document (transformers' `sliding_window`: key index > query index - size), so in a packed
+    row a window never reaches into the document before. The other layers attend to the whole
+    document. The windowed layers turn their rotary positions at a base of their own
+    (`rope_theta`: Gemma's local base, transformers' rope_parameters.sliding_attention)."""
+
+    size: int = 0  # tokens a query sees, itself included (sliding_window); 0: no windows
+    # The windowed layers (0-based); or every: layer i attends to the whole document when
+    # (i + 1) % every == 0 and within the window otherwise (Gemma's sliding_window_pattern)
+    layers: tuple[int, ...] = ()
+    every: int = 0
+    rope_theta: float = 10000.0  # the windowed layers' rotary base (unscaled)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether some layer attends within a window (a size, and layers named)."""
+        return self.size > 0 and (bool(self.layers) or self.every > 0)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) attends within the window."""
+        if not self.enabled:
+            return False
+        if self.every:
+            return (layer + 1) % self.every != 0
+        return layer in self.layers
+
+    def __post_init__(self):
+        object.__setattr__(self, "layers", tuple(self.layers))
+        check(self.size >= 0, "must be >= 0 (0: no sliding windows)", "size")
+        check(self.every >= 0, "must be >= 0 (0: the layers list says)", "every")
+        check(
+            all(isinstance(i, int) and i >= 0 for i in self.layers),
+            f"{list(self.layers)}: must be layer indices >= 0",
+            "layers",
+        )
+        check(
+            not (self.layers and self.every),
+            f"layers {list(self.layers)} and every {self.every}: give one of them",
+            "every",
+        )
+        check(
+            self.size > 0 or not (self.layers or self.every),
+            "windowed layers are named (layers or every): give the window's size in tokens",
+            "size",
+        )
+        check(self.rope_theta > 0, "must be > 0", "rope_theta")
+
+
+@dataclass(frozen=True)
 class LLMConfig(BlockOptions):
     """Llama-style decoder: RMSNorm, RoPE, grouped-query attention, gated MLP."""
 
@@ -250,6 +309,18 @@ class LLMConfig(BlockOptions):
     moe: MoEConfig = field(default_factory=MoEConfig)
     # Gated DeltaNet linear attention in some layers (layers or every): a hybrid decoder
     linear: LinearConfig = field(default_factory=LinearConfig)
+    # Sliding-window attention in some layers (size, and layers or every): Gemma 3's local ones
+    window: WindowConfig = field(default_factory=WindowConfig)
+    # A norm after attention and after the MLP too, each output normed before its residual add
+    # (Gemma's four norms a layer: x + norm(attn(norm(x))), then the same for the MLP)
+    post_norms: bool = False
+    # Token embeddings times sqrt(width), the factor rounded to the compute dtype first as
+    # transformers rounds it to the embedding's (Gemma); encoder rows replacing placeholders
+    # are not scaled
+    embed_scale: bool = False
+    # Attention scores scale by 1 / sqrt(attn_scalar) (Gemma's query_pre_attn_scalar);
+    # 0: 1 / sqrt(head width)
+    attn_scalar: float = 0.0
     # Tokens per slice of the output projection and cross entropy: a step never holds more than
     # [rows, logits_chunk, vocab] fp32 logits (a 152k vocabulary at 1024: 0.6 GB a row)
     logits_chunk: int = 1024
@@ -317,6 +388,19 @@ class LLMConfig(BlockOptions):
             f"{list(lin.layers)}: a layer past depth={self.depth}",
             "linear.layers",
         )
+        win = self.window
+        check(
+            all(i < self.depth for i in win.layers),
+            f"{list(win.layers)}: a layer past depth={self.depth}",
+            "window.layers",
+        )
+        check(
+            not (win.enabled and lin.enabled),
+            "sliding windows and linear-attention layers in one decoder are not built: set "
+            "window.size: 0 or linear.layers: []",
+            "window.size",
+        )
+        check(self.attn_scalar >= 0, "must be >= 0 (0: the head width)", "attn_scalar")
 
         if m.enabled and not m.shared_mlp_dim and self.lora.enabled:
             self._check_expert_adapters()  # (with a shared expert they adapt its Linears)
@@ -341,10 +425,12 @@ class LLMConfig(BlockOptions):
 
     def layer_kind(self, layer: int) -> LayerKind:
         """Layer `layer`'s kind (0-based): its mixer where the decoder is a hybrid (linear
-        attention in some layers), its MLP where it has experts."""
+        attention in some layers) or has windowed layers, its MLP where it has experts."""
         mixer = mlp = None
         if self.linear.enabled:
             mixer = Mixer.LINEAR if self.linear.is_linear(layer) else Mixer.FULL
+        elif self.window.enabled:
+            mixer = Mixer.SLIDING if self.window.is_sliding(layer) else Mixer.FULL
         if self.moe.enabled:
             mlp = Mlp.MOE if self.moe.is_moe(layer) else Mlp.DENSE
         return LayerKind(mixer, mlp)

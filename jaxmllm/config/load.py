@@ -100,6 +100,13 @@ class Config:
         # (attention, planner): the first refusal is the reason, its advice keeps the model.
         if self.model.llm.linear.enabled:
             self._check_linear()
+        check(
+            self.mesh.stage == 1 or not self.model.llm.window.enabled,
+            f"{self.mesh.stage}: a decoder with sliding-window layers (model.llm.window) stacks "
+            "its windowed and full layers apart, and pipeline stages run one kind of layer; "
+            "set mesh.stage: 1",
+            "mesh.stage",
+        )
         if self.mesh.context > 1:
             self._check_context()
         if self.mesh.stage > 1:

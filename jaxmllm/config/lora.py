@@ -22,8 +22,9 @@ ATTENTION = ("q", "k", "v", "o")
 # A hybrid decoder's linear-attention layers (Gated DeltaNet): transformers' in_proj_qkv,
 # in_proj_z, in_proj_b, in_proj_a and out_proj
 LINEAR_TARGETS = ("in_qkv", "in_z", "in_b", "in_a", "out_proj")
-# A block's matrices by its MLP kind (config.blocks.MLPS): gated_silu, else fc1 / fc2
-BLOCK_TARGETS = {"gated_silu": (*ATTENTION, "gate", "up", "down")}
+# A block's matrices by its MLP kind (config.blocks.MLPS): the gated ones', else fc1 / fc2
+GATED = (*ATTENTION, "gate", "up", "down")
+BLOCK_TARGETS = {"gated_silu": GATED, "gated_gelu_tanh": GATED}
 OTHER_MLP = (*ATTENTION, "fc1", "fc2")
 # A projector's matrices by its kind (config.model.PROJECTORS)
 PROJECTOR_TARGETS = {"mlp": ("fc1", "fc2"), "linear": ("fc",)}

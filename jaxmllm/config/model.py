@@ -328,6 +328,13 @@ class ModelConfig:
             "attention",
         )
         check(
+            self.attention != "cudnn" or not self.llm.window.enabled,
+            f"the decoder's sliding windows (model.llm.window.size={self.llm.window.size}) are "
+            "not built into cuDNN's packed attention here: set model.attention: block_sparse "
+            "or dense (auto picks block_sparse for them)",
+            "attention",
+        )
+        check(
             not (v.enabled and len(v.deepstack) > self.llm.depth),
             f"{list(v.deepstack)}: DeepStack adds each of these blocks' features after one of "
             f"the LLM's first layers, and it has {self.llm.depth}",

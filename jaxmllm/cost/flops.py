@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from jaxmllm.config.blocks import GATED_MLPS
 from jaxmllm.cost import training
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ def layer_linear(d: int, d_kv: int, f: int, d_q: int = 0, mlp: str = "gated_silu
     """Forward FLOPs per token of a layer's projections: q and o (d x d_q), k and v (d x d_kv),
     the MLP (3 matrices gated, 2 otherwise)."""
     d_q = d_q or d
-    return 2.0 * (2 * d * d_q + 2 * d * d_kv + (3 if mlp == "gated_silu" else 2) * d * f)
+    return 2.0 * (2 * d * d_q + 2 * d * d_kv + (3 if mlp in GATED_MLPS else 2) * d * f)
 
 
 # ----------------------------------------------------------------------------- timings

@@ -10,6 +10,11 @@ says so in one of two forms, and `Attention` computes with whichever it gets:
   (`jaxmllm.models.blocksparse`): cost and memory follow the documents, not T^2;
 - cudnn: cuDNN's fused attention (GPU), from the documents' offsets and lengths (read off the
   segment ids once, here, not in every layer of the scan).
+
+A layer with a sliding window (`Attention.window`: Gemma's local layers) narrows whichever form
+it gets: a query sees itself and the `window` - 1 tokens before it, of its own document still
+(`windowed`; transformers' convention, key index > query index - window). The packing is the
+row's, shared by every layer; the window is the layer's.
 """
 
 from __future__ import annotations
@@ -110,6 +115,16 @@ def attention_mask(segment_ids_bt: jax.Array, *, causal: bool) -> jax.Array:
     return mask[:, None]
 
 
+def windowed(mask_b1ts: jax.Array, window: int) -> jax.Array:
+    """A dense mask narrowed to a sliding window: key index > query index - `window` (the
+    query itself and the window - 1 tokens before it). A document's tokens lie in order in its
+    row, so the distance of two indices is their distance in the document, and the segment
+    mask already keeps the window inside it."""
+    t, s = mask_b1ts.shape[-2:]
+    distance = jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
+    return mask_b1ts & (distance < window)
+
+
 def dense_attention(
     q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, mask_b1ts: jax.Array, dtype
 ) -> jax.Array:
@@ -146,6 +161,8 @@ class Attention(nnx.Module):
         rotary_dim: int = 0,
         gate: bool = False,
         norm_offset: bool = False,
+        window: int = 0,
+        scalar: float = 0.0,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         lora: dict[str, Adapter] | None = None,
@@ -158,7 +175,10 @@ class Attention(nnx.Module):
         (positions enter elsewhere), on the first `rotary_dim` of each head (0: all of it);
         `rope_scaling` as `rope_frequencies`; `gate`: the output gated by sigmoid(x W_gate),
         W_gate beside each head's queries in the query kernel [width, heads, 2 head_dim]
-        (Qwen3.5's q_proj); `lora`: adapters of the projections it names (q, k, v, o)."""
+        (Qwen3.5's q_proj); `window`: each query sees itself and the window - 1 tokens before
+        it in its document (0: the whole document; `windowed`); `scalar`: scores scale by
+        1 / sqrt(scalar) (Gemma's query_pre_attn_scalar; 0: the head width); `lora`: adapters
+        of the projections it names (q, k, v, o)."""
         assert heads % kv_heads == 0, (heads, kv_heads)
         head_dim = head_dim or width // heads
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -187,6 +207,9 @@ class Attention(nnx.Module):
         self.rope_sections = tuple(rope_sections)
         self.rotary_dim = rotary_dim if 0 < rotary_dim < head_dim else 0
         self.gate = gate
+        self.window = window
+        # Every attention path divides the scores by sqrt(head_dim): the queries carry the rest
+        self.query_factor = math.sqrt(head_dim / scalar) if scalar else 1.0
         self.dtype = dtype
 
     def __call__(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> jax.Array:
@@ -218,6 +241,7 @@ class Attention(nnx.Module):
                 pack.tiles,
                 block=pack.block,
                 causal=pack.causal,
+                window=self.window,
             )
         elif pack.kind == "block_sparse":
             out_bthe = blocksparse.attend(
@@ -228,8 +252,11 @@ class Attention(nnx.Module):
                 pack.tiles,
                 block=pack.block,
                 causal=pack.causal,
+                window=self.window,
             )
         elif pack.kind == "cudnn":
+            if self.window:  # (config load refuses it first, naming model.attention)
+                raise ValueError("cudnn attention has no sliding windows: use block_sparse")
             out_bthe = cudnn.attend(
                 q_bthe,
                 k_bske,
@@ -240,7 +267,8 @@ class Attention(nnx.Module):
                 causal=pack.causal,
             )
         else:
-            out_bthe = dense_attention(q_bthe, k_bske, v_bske, pack.mask, self.dtype)
+            mask = windowed(pack.mask, self.window) if self.window else pack.mask
+            out_bthe = dense_attention(q_bthe, k_bske, v_bske, mask, self.dtype)
         return out_bthe
 
     def output(self, out_bthe: jax.Array, gate_bthe: jax.Array | None) -> jax.Array:
@@ -274,4 +302,7 @@ class Attention(nnx.Module):
             q_bthe, gate = jnp.split(q_bthe, 2, axis=-1)
         if self.q_norm is not None:  # (QK-norm: each head's queries and keys, before rotary)
             q_bthe, k_bthe = self.q_norm(q_bthe), self.k_norm(k_bthe)
-        return rotate(q_bthe), rotate(k_bthe), self.value(x_btd), gate
+        q_bthe = rotate(q_bthe)
+        if self.query_factor != 1.0:  # (an attention scale other than 1 / sqrt(head_dim))
+            q_bthe = (q_bthe * jnp.asarray(self.query_factor, q_bthe.dtype)).astype(q_bthe.dtype)
+        return q_bthe, rotate(k_bthe), self.value(x_btd), gate

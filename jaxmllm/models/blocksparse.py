@@ -3,9 +3,9 @@
 A device's rows are one sequence of blocks of `block` tokens; the planner's tile list
 (`jaxmllm.plan.tiles`) names the tiles its documents need, padded with (-1, -1) to a fixed
 capacity. Within a tile the usual mask applies (same non-padding segment, and key position <=
-query position when causal). One kernel (`kernel`) serves the packed rows (`attend`: keys are
-the queries' own tokens) and context parallelism (`jaxmllm.models.context`: keys gathered over
-a context group).
+query position when causal; with a sliding window, key position > query position - window).
+One kernel (`kernel`) serves the packed rows (`attend`: keys are the queries' own tokens) and
+context parallelism (`jaxmllm.models.context`: keys gathered over a context group).
 
 The kernel scores the tile list a chunk of tiles at a time with an online softmax (a running
 maximum and sum per query), so memory follows a chunk (at most CHUNK_SCORES scores), never
@@ -46,6 +46,7 @@ def attend(
     *,
     block: int,
     causal: bool,
+    window: int = 0,
 ) -> jax.Array:
     """Attention restricted to a tile list, per row of the batch.
 
@@ -57,6 +58,8 @@ def attend(
       tiles_bk2: (query block, key block) tiles [B, K, 2], -1 for padding tiles.
       block: tokens per block.
       causal: keys after the query are masked too.
+      window: a query sees only itself and the window - 1 tokens before it (0: no window);
+        the tiles wholly outside it are scored and masked, not skipped.
 
     Returns:
       [B, T, heads, head_dim] in the queries' dtype.
@@ -64,17 +67,19 @@ def attend(
     positions = jnp.arange(q_bthe.shape[1])  # a document's tokens lie in order in its row
 
     def row(q, k, v, seg, tiles):
-        return kernel(q, k, v, seg, seg, positions, positions, tiles, block, causal)
+        return kernel(q, k, v, seg, seg, positions, positions, tiles, block, causal, window)
 
     return jax.vmap(row)(q_bthe, k_bske, v_bske, segment_ids_bt, tiles_bk2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
-def kernel(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2, block, causal):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def kernel(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2, block, causal, window):
     """One device's attention: queries [T, heads, e] over keys and values [S, kv, e], masked by
-    segments and positions [T] / [S], over a tile list [K, 2] of (query block, key block), -1
-    for padding. A query no tile covers gets 0."""
-    return _forward(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2, block, causal)[0]
+    segments and positions [T] / [S] (`window` > 0: key position > query position - window),
+    over a tile list [K, 2] of (query block, key block), -1 for padding. A query no tile
+    covers gets 0."""
+    args = (q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2)
+    return _forward(*args, block, causal, window)[0]
 
 
 def _chunks(tiles_k2: jax.Array, heads: int, block: int) -> jax.Array:
@@ -88,7 +93,7 @@ def _chunks(tiles_k2: jax.Array, heads: int, block: int) -> jax.Array:
     return padded.reshape(n, chunk, 2)
 
 
-def _tile_scores(q_b, k_b, seg_q, seg_k, pos_q, pos_k, tiles_c2, causal):
+def _tile_scores(q_b, k_b, seg_q, seg_k, pos_q, pos_k, tiles_c2, causal, window):
     """A chunk's scores [c, kv, g, q, s] (f32, masked to NEG), its mask, owner and key blocks."""
     nbq = seg_q.shape[0]
     valid = tiles_c2[:, 0] >= 0
@@ -99,6 +104,8 @@ def _tile_scores(q_b, k_b, seg_q, seg_k, pos_q, pos_k, tiles_c2, causal):
     mask = (seg_q[qb][:, :, None] == sk) & (sk > 0) & valid[:, None, None]
     if causal:
         mask &= pos_k[kb][:, None, :] <= pos_q[qb][:, :, None]
+    if window:  # (positions count within a document: the window stays inside it)
+        mask &= pos_k[kb][:, None, :] > pos_q[qb][:, :, None] - window
     mask = mask[:, None, None]  # [c, 1, 1, q, s]
     e = q_b.shape[-1]
     scores = jnp.einsum("cqhge,cshe->chgqs", q_b[qb], k_b[kb], preferred_element_type=jnp.float32)
@@ -117,7 +124,7 @@ def _blocked(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, block):
     return q_b, k_b, v_b, blocks(seg_q), blocks(seg_k), blocks(pos_q), blocks(pos_k)
 
 
-def _forward(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2, block, causal):
+def _forward(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2, block, causal, window):
     """(output [T, heads, e] in q's dtype, log-sum-exp [nbq, q, kv, g] in f32)."""
     t, heads, e = q_the.shape
     q_b, k_b, v_b, sq, sk, pq, pk = _blocked(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, block)
@@ -125,7 +132,7 @@ def _forward(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2, block, c
 
     def chunk(carry, tiles_c2):
         top, total, acc = carry  # per query: running max, sum of weights, weighted values
-        scores, mask, owner, kb = _tile_scores(q_b, k_b, sq, sk, pq, pk, tiles_c2, causal)
+        scores, mask, owner, kb = _tile_scores(q_b, k_b, sq, sk, pq, pk, tiles_c2, causal, window)
         new_top = jnp.maximum(top, jax.ops.segment_max(scores.max(-1), owner, nbq + 1))
         weights = jnp.where(mask, jnp.exp(scores - new_top[owner][..., None]), 0.0)
         scale = jnp.exp(top - new_top)  # [nbq + 1, kv, g, q]
@@ -152,13 +159,16 @@ def _forward(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2, block, c
     return out.reshape(t, heads, e).astype(q_the.dtype), lse
 
 
-def _fwd(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2, block, causal):
-    out, lse = _forward(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2, block, causal)
+def _fwd(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2, block, causal, window):
+    """The forward pass, and what the backward recomputes from (q, k, v, the masks' inputs, the
+    output and its log-sum-exp)."""
+    args = (q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2)
+    out, lse = _forward(*args, block, causal, window)
     out, lse = checkpoint_name(out, ATTENTION), checkpoint_name(lse, ATTENTION)
     return out, (q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2, out, lse)
 
 
-def _bwd(block, causal, res, d_out):
+def _bwd(block, causal, window, res, d_out):
     """FlashAttention's backward over the same chunks: each chunk's weights again from the
     saved log-sum-exp, then the gradients of q, k and v summed into their blocks. The matmuls
     take q's dtype (bf16 under bf16 compute) with fp32 accumulation."""
@@ -177,7 +187,7 @@ def _bwd(block, causal, res, d_out):
 
     def chunk(carry, tiles_c2):
         dq, dk, dv = carry
-        scores, mask, owner, kb = _tile_scores(q_b, k_b, sq, sk, pq, pk, tiles_c2, causal)
+        scores, mask, owner, kb = _tile_scores(q_b, k_b, sq, sk, pq, pk, tiles_c2, causal, window)
         lse_c = jnp.moveaxis(lse_p[owner], 1, -1)[..., None]  # [c, kv, g, q, 1]
         p = jnp.where(mask, jnp.exp(scores - lse_c), 0.0)  # [c, kv, g, q, s] f32
         do_c = do_p[owner]  # [c, q, kv, g, e]

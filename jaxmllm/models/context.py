@@ -59,6 +59,7 @@ def attend(
     *,
     block: int,
     causal: bool,
+    window: int = 0,
 ) -> jax.Array:
     """Attention of each device's query blocks over its context group's keys and values.
 
@@ -67,7 +68,9 @@ def attend(
       k_bske, v_bske: keys and values [B, T, kv_heads, head_dim] of the same tokens.
       segment_ids_bt, positions_bt: document and true position of each token [B, T].
       tiles_bk2: (local query block, gathered key block) tiles [B, K, 2], -1 for padding.
-      block: tokens per block; causal: mask keys after the query.
+      block: tokens per block; causal: mask keys after the query; window: a query sees only
+        itself and the window - 1 tokens before it (0: no window; positions count within a
+        document, so the window stays inside it).
 
     Returns:
       [B, T, heads, head_dim] in the queries' dtype.
@@ -85,7 +88,7 @@ def attend(
 
     def body(q, k, v, seg, pos, tiles):
         def row(q, k, v, seg_q, seg_k, pos_q, pos_k, tiles):
-            return kernel(q, k, v, seg_q, seg_k, pos_q, pos_k, tiles, block, causal)
+            return kernel(q, k, v, seg_q, seg_k, pos_q, pos_k, tiles, block, causal, window)
 
         return jax.vmap(row)(q, gather(k), gather(v), seg, gather(seg), pos, gather(pos), tiles)
 

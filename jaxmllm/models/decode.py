@@ -19,7 +19,8 @@ The block's own sub-modules do the work (`attn_norm`, `attn.project`, `attn.outp
 `mlp_norm`, `mlp`), so a cached key is exactly the key training computes. Prefill's attention
 is training's own over the prompt rows (`attention.packing`: the run's block-sparse tiles or
 cuDNN's segments, or a dense causal mask), never over the cache's empty S - P positions; a
-step's is the dense attention of one query over the cache under a [B, 1, 1, S] mask. A
+step's is the dense attention of one query over the cache under a [B, 1, 1, S] mask (a
+windowed layer's narrowed to its window; its cache is still S long). A
 linear-attention
 layer (Gated DeltaNet) caches its convolution's last inputs and its state instead
 (`GatedDeltaNet.extend`): a prompt runs the chunked rule from the empty state, a step the rule
@@ -172,10 +173,11 @@ def _decode(
             if pack is not None:
                 out_bthe = block.attn.attend(q_bthe, k_bthe, v_bthe, pack, positions_bt)
             else:
-                out_bthe = dense_attention(q_bthe, k_bske, v_bske, mask_b1ts, block.attn.dtype)
+                mask = _window(mask_b1ts, index_bt, block.attn.window)
+                out_bthe = dense_attention(q_bthe, k_bske, v_bske, mask, block.attn.dtype)
             out_btw, cached = block.attn.output(out_bthe, gate), (k_bske, v_bske)
-        x_btw = x_btw + out_btw
-        return x_btw + block.mlp(block.mlp_norm(x_btw)), tuple(cached)
+        x_btw = x_btw + block.attn_out(out_btw)
+        return x_btw + block.mlp_out(block.mlp(block.mlp_norm(x_btw))), tuple(cached)
 
     held = {**{k: (cache.k[k], cache.v[k]) for k in cache.k}}
     held.update({k: (cache.window[k], cache.state[k]) for k in cache.window})
@@ -185,6 +187,16 @@ def _decode(
     window = {kind: ys[kind][0] for kind in cache.window}
     state = {kind: ys[kind][1] for kind in cache.window}
     return transformer.final_norm(x_btw), Cache(k, v, window, state, s)
+
+
+def _window(mask_b1ts: jax.Array, index_bt: jax.Array, window: int) -> jax.Array:
+    """A step's mask over the cache narrowed to a sliding window (0: as it is): cache index >
+    the query's index - window, as training's `attention.windowed` (a row's tokens sit at
+    their indices in the cache)."""
+    if not window:
+        return mask_b1ts
+    s = mask_b1ts.shape[-1]
+    return mask_b1ts & (jnp.arange(s)[None, None, :] > index_bt[:, :, None] - window)[:, None]
 
 
 def _write(cache_bske: jax.Array, new_bthe: jax.Array, start_b: jax.Array) -> jax.Array:

@@ -119,12 +119,14 @@ class Embed(nnx.Module):
         width: int,
         *,
         vocab_parallel: bool = False,
+        scale: float = 1.0,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
         """A [vocab_size, width] table of unit-scale rows; `vocab_parallel`: stored split by rows
-        over the model axes, as the lookup and the output projection read it."""
+        over the model axes, as the lookup and the output projection read it; `scale`: what the
+        looked-up rows are multiplied by (Gemma's sqrt(width)), not the tied projection."""
         # Unit-scale rows, like the encoders' projector outputs that replace some of them.
         # Vocab-parallel: stored split by rows as it is used (a reshard would gather it).
         axes = ("vocab_split", None) if vocab_parallel else ("vocab", "embed")
@@ -132,8 +134,19 @@ class Embed(nnx.Module):
         self.dtype = dtype
         self.vocab_parallel = vocab_parallel
         self.vocab_size = vocab_size  # ids from here on look up zeros (unused tokens)
+        self.scale = scale
 
     def __call__(self, ids: jax.Array) -> jax.Array:
+        """The rows of `ids` [B, T] as [B, T, width] in the compute dtype, times `scale` rounded
+        to that dtype first (transformers' Gemma rounds its factor to the embedding's dtype:
+        sqrt(1152) = 33.94 is 34.0 in bf16), so a bf16 run scales as a bf16 transformers model
+        does."""
+        rows = self.look_up(ids)
+        if self.scale == 1.0:
+            return rows
+        return rows * jnp.asarray(self.scale, self.dtype)
+
+    def look_up(self, ids: jax.Array) -> jax.Array:
         """The rows of `ids` [B, T] as [B, T, width] in the compute dtype: looked up where they are
         stored (split by vocabulary rows, or gathered from FSDP's shards first)."""
         table = self.embedding[...]
@@ -350,7 +363,8 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 
 
 class GatedMLP(nnx.Module):
-    """`down(silu(x W_gate) * (x W_up))` (Llama, Qwen2)."""
+    """`down(act(x W_gate) * (x W_up))`: SiLU (Llama, Qwen2), or the tanh GELU (Gemma's
+    GeGLU)."""
 
     def __init__(
         self,
@@ -358,23 +372,26 @@ class GatedMLP(nnx.Module):
         mlp_dim: int,
         *,
         use_bias: bool = False,
+        activation: str = "silu",
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         lora: dict[str, lora_.Adapter] | None = None,
         rngs: nnx.Rngs,
     ):
-        """`lora`: adapters of the matrices it names (gate, up, down)."""
+        """`activation`: the gate's (`ACTIVATIONS`); `lora`: adapters of the matrices it names
+        (gate, up, down)."""
         kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         on = lora or {}
         self.gate = Dense(width, mlp_dim, ("embed", "mlp"), lora=on.get("gate"), **kw)
         self.up = Dense(width, mlp_dim, ("embed", "mlp"), lora=on.get("up"), **kw)
         self.down = Dense(mlp_dim, width, ("mlp", "embed"), lora=on.get("down"), **kw)
+        self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """down(silu(gate(x)) * up(x)); the two input projections are named `mlp_in` for the remat
+        """down(act(gate(x)) * up(x)); the two input projections are named `mlp_in` for the remat
         policies that save them."""
         gate, up = checkpoint_name(self.gate(x), "mlp_in"), checkpoint_name(self.up(x), "mlp_in")
-        return self.down(jax.nn.silu(gate) * up)
+        return self.down(ACTIVATIONS[self.activation](gate) * up)
 
 
 class MLP(nnx.Module):
@@ -405,9 +422,13 @@ class MLP(nnx.Module):
         return self.fc2(ACTIVATIONS[self.activation](checkpoint_name(self.fc1(x), "mlp_in")))
 
 
+# The gated MLP kinds (config.blocks.GATED_MLPS) and their gates' activations
+GATED = {"gated_silu": "silu", "gated_gelu_tanh": "gelu_tanh"}
+
+
 def make_mlp(kind: str, width: int, mlp_dim: int, *, use_bias: bool, **kw) -> nnx.Module:
     """The block MLP `kind` names (`config.blocks.MLPS`); `lora` in `kw`: the adapters of the
     matrices it names (the others are the attention's)."""
-    if kind == "gated_silu":
-        return GatedMLP(width, mlp_dim, use_bias=use_bias, **kw)
+    if kind in GATED:
+        return GatedMLP(width, mlp_dim, use_bias=use_bias, activation=GATED[kind], **kw)
     return MLP(width, mlp_dim, activation=kind, use_bias=use_bias, **kw)

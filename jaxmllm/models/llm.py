@@ -5,7 +5,8 @@ Qwen2 / Qwen2.5 with q/k/v biases, Qwen3 with QK-norm, Qwen3-MoE and Qwen2-MoE w
 experts, Qwen3.5 with its Gated DeltaNet layers): their differences are `LLMConfig` options. A
 decoder whose layers differ in kind stacks each kind apart (`kind_stacks`): a mixture of
 experts' `moe` and `dense` layers (`model.llm.moe.every`, `dense_layers`), a hybrid's `linear`
-and `full` attention ones (`model.llm.linear`).
+and `full` attention ones (`model.llm.linear`), Gemma's `sliding` window and `full` ones
+(`model.llm.window`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmllm.config import LLMConfig
-from jaxmllm.config.decoder import LayerKind
+from jaxmllm.config.decoder import LayerKind, RopeScaling
 from jaxmllm.models.attention import Packing, packing
 from jaxmllm.models.deltanet import LinearSpec
 from jaxmllm.models.layers import Dense, Embed
@@ -52,7 +53,13 @@ class Decoder(nnx.Module):
         self.dtype = dtype  # the compute dtype (the loss's matmuls take it too)
         self.documents = documents  # batch.*_documents (cudnn attention)
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.embed = Embed(cfg.vocab_size, cfg.width, vocab_parallel=cfg.vocab_parallel, **kw)
+        self.embed = Embed(
+            cfg.vocab_size,
+            cfg.width,
+            vocab_parallel=cfg.vocab_parallel,
+            scale=math.sqrt(cfg.width) if cfg.embed_scale else 1.0,
+            **kw,
+        )
         spec = BlockSpec.of(
             cfg,
             kv_heads=cfg.kv_heads,  # grouped-query attention
@@ -62,6 +69,8 @@ class Decoder(nnx.Module):
             rope_sections=tuple(cfg.mrope_section),
             rotary_dim=cfg.rotary_dim if cfg.rotary_dim < cfg.head_width else 0,
             attn_gate=cfg.attn_gate,
+            attn_scalar=cfg.attn_scalar,
+            post_norms=cfg.post_norms,
         )
         kinds, pattern = layer_kinds(cfg, spec)
         self.transformer = Transformer(
@@ -207,7 +216,8 @@ def layer_kinds(cfg: LLMConfig, spec: BlockSpec) -> tuple[dict | None, tuple[str
 
     def spec_of(kind: LayerKind) -> BlockSpec:
         """The shared BlockSpec with the kind's own parts: its experts or, where dense among
-        them, no MLP adapters; its linear attention."""
+        them, no MLP adapters; its linear attention; its sliding window, with the windowed
+        layers' own rotary base (unscaled)."""
         out = spec
         if kind.moe:
             out = dataclasses.replace(out, moe=MoESpec.of(cfg.moe))
@@ -215,6 +225,11 @@ def layer_kinds(cfg: LLMConfig, spec: BlockSpec) -> tuple[dict | None, tuple[str
             out = dataclasses.replace(out, lora=attention)
         if kind.linear:
             out = dataclasses.replace(out, linear=LinearSpec.of(cfg.linear))
+        if kind.sliding:
+            w = cfg.window
+            out = dataclasses.replace(
+                out, window=w.size, rope_theta=w.rope_theta, rope_scaling=RopeScaling()
+            )
         return out
 
     return {k.name: spec_of(k) for k in dict.fromkeys(kinds)}, pattern

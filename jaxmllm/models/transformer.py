@@ -52,6 +52,9 @@ class BlockSpec:
     rope_sections: tuple[int, ...] = ()  # mrope: frequencies turned by time, row, column
     rotary_dim: int = 0  # the rotating part of each head (0: all of it)
     attn_gate: bool = False  # attention's output gated by sigmoid(x W_gate) (Qwen3.5)
+    window: int = 0  # a query sees itself and window - 1 tokens before it (0: the document)
+    attn_scalar: float = 0.0  # scores scale by 1 / sqrt(attn_scalar) (0: the head width)
+    post_norms: bool = False  # each branch's output normed before its residual add (Gemma)
     # The token mixer is Gated DeltaNet linear attention of these sizes, not attention
     linear: LinearSpec | None = None
     # LoRA adapters: (target, lora.Adapter) of the matrices that have one (q, k, v, o, ...)
@@ -84,7 +87,8 @@ class BlockSpec:
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+    """Pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`; with
+    `post_norms` each branch's output is normed too (`x + norm(attn(norm(x)))`: Gemma's)."""
 
     def __init__(
         self,
@@ -119,11 +123,16 @@ class Block(nnx.Module):
                 rotary_dim=spec.rotary_dim,
                 gate=spec.attn_gate,
                 norm_offset=spec.norm == "rms_offset",
+                window=spec.window,
+                scalar=spec.attn_scalar,
                 lora=adapters,
                 rngs=rngs,
                 **kw,
             )
         self.mlp_norm = spec.norm_layer(**kw)
+        post = spec.post_norms
+        self.attn_post_norm = spec.norm_layer(**kw) if post else None
+        self.mlp_post_norm = spec.norm_layer(**kw) if post else None
         if spec.moe is not None:
             self.mlp = MoE(spec.width, spec.moe, lora=adapters, rngs=rngs, **kw)
         else:
@@ -143,11 +152,19 @@ class Block(nnx.Module):
 
     def forward(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> tuple:
         """(the block's output, its router's statistics: `moe.RouterStats`, None when dense)."""
-        x_btd = x_btd + self.attn(self.attn_norm(x_btd), pack, positions)
+        x_btd = x_btd + self.attn_out(self.attn(self.attn_norm(x_btd), pack, positions))
         if isinstance(self.mlp, MoE):
             y, stats = self.mlp.routed(self.mlp_norm(x_btd), pack.segment_ids > 0)
-            return x_btd + y, stats
-        return x_btd + self.mlp(self.mlp_norm(x_btd)), None
+            return x_btd + self.mlp_out(y), stats
+        return x_btd + self.mlp_out(self.mlp(self.mlp_norm(x_btd))), None
+
+    def attn_out(self, y_btd: jax.Array) -> jax.Array:
+        """The attention branch's output as the residual adds it: normed with `post_norms`."""
+        return y_btd if self.attn_post_norm is None else self.attn_post_norm(y_btd)
+
+    def mlp_out(self, y_btd: jax.Array) -> jax.Array:
+        """The MLP branch's output as the residual adds it: normed with `post_norms`."""
+        return y_btd if self.mlp_post_norm is None else self.mlp_post_norm(y_btd)
 
 
 def remat_policy(name: str) -> Callable | None:
