@@ -107,6 +107,51 @@ def qwen3(
     return save(randomize(T.Qwen3ForCausalLM(cfg), seed), directory)
 
 
+def gemma3_text(
+    directory: Path,
+    *,
+    layers: tuple[str, ...] = ("sliding", "sliding", "full", "sliding", "sliding"),
+    window: int = 5,
+    tied: bool = True,
+    heads: tuple[int, int] = (4, 2),
+    scalar: int = 40,
+    scaling: float = 0.0,
+    bias: bool = False,
+    seed: int = 0,
+    vocab: int = 300,
+) -> str:
+    """A Gemma 3 text decoder: `layers` sliding or full, a `window` shorter than the check's
+    texts, a head_dim (24) other than width / heads (64 / 4), query_pre_attn_scalar `scalar`
+    (not head_dim), the two rotary bases, linear rope scaling of the full layers by `scaling`
+    (0: none)."""
+    import transformers as T
+
+    full = {"rope_type": "default", "rope_theta": 1e6}
+    if scaling:
+        full = {"rope_type": "linear", "factor": scaling, "rope_theta": 1e6}
+    cfg = T.Gemma3TextConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=len(layers),
+        num_attention_heads=heads[0],
+        num_key_value_heads=heads[1],
+        head_dim=24,
+        query_pre_attn_scalar=scalar,
+        attention_bias=bias,
+        rms_norm_eps=1e-6,
+        sliding_window=window,
+        layer_types=[f"{kind}_attention" for kind in layers],
+        rope_parameters={
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        tie_word_embeddings=tied,
+        max_position_embeddings=256,
+    )
+    return save(randomize(T.Gemma3ForCausalLM(cfg), seed), directory)
+
+
 def siglip(directory: Path, seed: int = 0, head: bool = False) -> str:
     import transformers as T
 

@@ -55,7 +55,8 @@ SIZES = {
     **dict.fromkeys(("window_size",), 1 << 16),
     **dict.fromkeys(("pretraining_tp",), MAX_HEADS),
     **dict.fromkeys(("image_seq_length",), 1 << 20),
-    **dict.fromkeys(("full_attention_interval",), MAX_LAYERS),
+    **dict.fromkeys(("full_attention_interval", "sliding_window_pattern"), MAX_LAYERS),
+    **dict.fromkeys(("sliding_window",), MAX_POSITIONS),
 }
 # Token ids a whole names for its placeholders: whole numbers from 0 within any vocabulary
 TOKEN_IDS = (
@@ -72,6 +73,8 @@ TOKEN_IDS = (
 # Real numbers: (lowest, highest, whether the lowest itself is allowed)
 REALS = {
     "rope_theta": (0.0, 1e12, False),
+    "rope_local_base_freq": (0.0, 1e12, False),
+    "query_pre_attn_scalar": (0.0, 1e9, False),
     "rms_norm_eps": (0.0, 1.0, False),
     "layer_norm_eps": (0.0, 1.0, False),
     "partial_rotary_factor": (0.0, 1.0, False),
@@ -90,10 +93,12 @@ FLAGS = (
     "mrope_interleaved",
     "norm_topk_prob",
     "multimodal_projector_bias",
+    "use_bidirectional_attention",
 )
 NAMES = (
     "model_type",
     "hidden_act",
+    "hidden_activation",
     "projector_hidden_act",
     "activation_function",
     "vision_feature_select_strategy",

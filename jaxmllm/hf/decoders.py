@@ -42,6 +42,13 @@ from jaxmllm.hf.family import (
 from jaxmllm.hf.table import DecoderRow, Windows
 from jaxmllm.models.llm import kind_stacks
 
+# Gemma's options (`jaxmllm.hf.gemma`), which a decoder of another row must not have
+NOT_GEMMA = {
+    "model.llm.post_norms": (False,),
+    "model.llm.embed_scale": (False,),
+    "model.llm.attn_scalar": (0.0,),
+    "model.llm.window.enabled": ((lambda e: not e), "no sliding windows"),
+}
 ROPE_TYPES = {"default": "none", "mrope": "none", "linear": "linear", "llama3": "llama3"}
 # How a checkpoint may lay out a mixture of experts' routed experts (`moe_links`): one Linear
 # each (experts.{j}.gate_proj, up_proj, down_proj), fused (experts.gate_up_proj [E, 2f, width],
@@ -294,6 +301,7 @@ class Decoders(Family):
             "model.llm.linear.enabled": ((lambda e: not e), "no linear-attention layers"),
             "model.llm.attn_gate": (False,),
             "model.llm.rotary_fraction": (1.0,),
+            **NOT_GEMMA,
         }
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:

@@ -24,7 +24,13 @@ from typing import Any
 import numpy as np
 
 from jaxmllm.config.decoder import LayerKind
-from jaxmllm.hf.decoders import Decoders, gated_mlp_links, moe_links, rope_section
+from jaxmllm.hf.decoders import (
+    NOT_GEMMA,
+    Decoders,
+    gated_mlp_links,
+    moe_links,
+    rope_section,
+)
 from jaxmllm.hf.family import (
     FamilyError,
     Link,
@@ -232,6 +238,7 @@ class Qwen35(Decoders):
                 "tied logits x . E^T, unscaled",
             ),
             "model.llm.mrope_section": ((lambda m: not any(m)), "1D rotary positions"),
+            **NOT_GEMMA,
         }
 
     def layer_links(self, llm: Any, stack: str, kind: LayerKind, n: int) -> list[Link]:

@@ -1,11 +1,13 @@
 """The family table: one frozen row per architecture jaxmllm reads, holding what families differ
 in, and nothing else. Every model type's name lives here and nowhere else in `jaxmllm/`.
 
-- A decoder (`DecoderRow`: Llama, Qwen2, Qwen3, their mixtures of experts, Qwen3.5's hybrids)
+- A decoder (`DecoderRow`: Llama, Qwen2, Qwen3, their mixtures of experts, Qwen3.5's hybrids,
+  Gemma 3's text decoder)
   is jaxmllm's own decoder with options: which attention projections have biases and which
   config.json key says so, QK-norm, routed experts and a shared expert, linear-attention layers
-  among the full ones, sliding windows. `jaxmllm.hf.decoders.Decoders` reads any such row (the
-  hybrids: `jaxmllm.hf.hybrid.Qwen35`); a new Llama-like family is one more row in `DECODERS`.
+  among the full ones, sliding windows, Gemma's block. `jaxmllm.hf.decoders.Decoders` reads any
+  such row (the hybrids: `jaxmllm.hf.hybrid.Qwen35`; Gemma's block: `jaxmllm.hf.gemma.Gemma3`);
+  a new Llama-like family is one more row in `DECODERS`.
 - A tower (`TowerRow`: SigLIP, CLIP, the Qwen VL towers, Whisper's and Qwen2-Audio's encoders)
   names the model types it reads and, for each, the transformers module `hf check` compares
   with; the layout of its tensors is its class's (`jaxmllm.hf.vision`, `qwen_vision`,
@@ -67,6 +69,9 @@ class Windows(enum.Enum):
 
     ABSENT = "absent"  # its config.json has no such keys (Llama): nothing to check
     REFUSED = "refused"  # `use_sliding_window` / `layer_types` may name windows: refused
+    # `layer_types` names each layer sliding_attention or full_attention, `sliding_window` the
+    # window: read into `model.llm.window` (Gemma 3; `jaxmllm.hf.gemma`)
+    LAYER_TYPES = "layer_types"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +88,9 @@ class DecoderRow:
     shared_expert: bool = False  # a shared expert and its sigmoid gate beside them (Qwen2-MoE)
     hybrid: bool = False  # Gated DeltaNet layers among full-attention ones (Qwen3.5)
     windows: Windows = Windows.REFUSED  # sliding-window attention (`Windows`)
+    # Gemma's block (`jaxmllm.hf.gemma`): four (1 + w) RMSNorms a layer (after attention and
+    # the MLP too), a GeGLU MLP, embeddings scaled by sqrt(width), query_pre_attn_scalar
+    post_norms: bool = False
     role = "llm"
 
     @property
@@ -194,8 +202,25 @@ QWEN3_5_MOE_TEXT = DecoderRow(
     shared_expert=True,
     hybrid=True,
 )
+GEMMA3_TEXT = DecoderRow(
+    "gemma3_text",
+    "Gemma3ForCausalLM",
+    ALL_OR_NONE,
+    qk_norm=True,
+    windows=Windows.LAYER_TYPES,
+    post_norms=True,
+)
 # (the order `decoder_of` prefers among rows that fit a config alike: Llama before Qwen2)
-DECODERS = (LLAMA, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, QWEN3_5_TEXT, QWEN3_5_MOE_TEXT)
+DECODERS = (
+    LLAMA,
+    QWEN2,
+    QWEN3,
+    QWEN2_MOE,
+    QWEN3_MOE,
+    QWEN3_5_TEXT,
+    QWEN3_5_MOE_TEXT,
+    GEMMA3_TEXT,
+)
 
 # ----------------------------------------------------------------------------- towers
 

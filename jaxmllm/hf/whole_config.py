@@ -13,6 +13,7 @@ from jaxmllm.hf import table
 from jaxmllm.hf.audio import Qwen2AudioEncoder, WhisperEncoder
 from jaxmllm.hf.decoders import Decoders
 from jaxmllm.hf.family import Family, refuse_unless
+from jaxmllm.hf.gemma import Gemma3
 from jaxmllm.hf.hybrid import Qwen35
 from jaxmllm.hf.qwen_vision import Qwen2VLVision, Qwen3VLVision, Qwen25VLVision
 from jaxmllm.hf.table import DecoderRow, TowerRow
@@ -20,9 +21,11 @@ from jaxmllm.hf.vision import Clip, Siglip
 
 
 def decoder_family(row: DecoderRow, experts: str = "linear") -> Decoders:
-    """The family that reads a decoder row (a hybrid's: Qwen3.5's layers); `experts`: how
-    its checkpoint lays out the routed experts (`decoders.EXPERTS`)."""
-    return (Qwen35 if row.hybrid else Decoders)(row, experts)
+    """The family that reads a decoder row (a hybrid's: Qwen3.5's layers; Gemma's block:
+    `post_norms`); `experts`: how its checkpoint lays out the routed experts
+    (`decoders.EXPERTS`)."""
+    family = Gemma3 if row.post_norms else Qwen35 if row.hybrid else Decoders
+    return family(row, experts)
 
 
 DECODERS = {row.name: decoder_family(row) for row in table.DECODERS}
@@ -63,14 +66,17 @@ def decoder(hf: dict, where: str, allowed: Sequence[DecoderRow]) -> Decoders:
 
 def decoder_of(cfg: Any) -> Decoders:
     """The decoder family our LLM's options say it is: of the table's rows, the one whose
-    layer kinds (linear attention, routed experts) are ours, then whose QK-norm is ours, then
-    whose attention biases are ours (the table's first where several fit alike)."""
+    layer kinds (linear attention, routed experts) and block (Gemma's norms after attention
+    and the MLP) are ours, then whose QK-norm is ours, then whose attention biases are ours
+    (the table's first where several fit alike)."""
     llm = cfg.model.llm
 
     def fit(row: DecoderRow) -> tuple[bool, ...]:
         """How far `row` fits our options, most telling first."""
         return (
-            row.hybrid == llm.linear.enabled and row.moe == llm.moe.enabled,
+            row.hybrid == llm.linear.enabled
+            and row.moe == llm.moe.enabled
+            and row.post_norms == llm.post_norms,
             row.qk_norm == llm.qk_norm,
             llm.attn_bias in row.biases.allowed(),
         )
