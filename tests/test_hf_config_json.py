@@ -45,6 +45,8 @@ def claim(directory: Path, key: str, value) -> None:
         ("hidden_act", ["silu"], "a name (a string)"),
         ("image_token_id", "151655", "a token id"),
         ("layer_types", "full_attention", "a list of layer kinds"),
+        # (0 is Qwen2-MoE's "no window", read by test_hf_moe's checkpoints)
+        ("sliding_window", -1, "a whole number from 0 to"),
     ],
 )
 def test_a_value_of_the_wrong_kind_is_refused_naming_its_key(key, value, must):

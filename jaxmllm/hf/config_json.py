@@ -56,8 +56,11 @@ SIZES = {
     **dict.fromkeys(("pretraining_tp",), MAX_HEADS),
     **dict.fromkeys(("image_seq_length",), 1 << 20),
     **dict.fromkeys(("full_attention_interval", "sliding_window_pattern"), MAX_LAYERS),
-    **dict.fromkeys(("sliding_window",), MAX_POSITIONS),
 }
+# Whole numbers from 0, 0 being "none" as some families' files write it (Qwen2-MoE's
+# `"sliding_window": 0` beside `"use_sliding_window": false`); a family whose layers read the
+# value refuses 0 there (hf/gemma.py).
+COUNTS = {"sliding_window": MAX_POSITIONS}
 # Token ids a whole names for its placeholders: whole numbers from 0 within any vocabulary
 TOKEN_IDS = (
     "image_token_index",
@@ -164,6 +167,9 @@ def _rule(key: str, value: object) -> str:
     if key in SIZES:
         most = SIZES[key]
         return "" if _whole(value) and 1 <= value <= most else f"a whole number from 1 to {most}"
+    if key in COUNTS:
+        most = COUNTS[key]
+        return "" if _whole(value) and 0 <= value <= most else f"a whole number from 0 to {most}"
     if key in TOKEN_IDS:
         ok = _whole(value) and 0 <= value < MAX_VOCAB
         return "" if ok else f"a token id, a whole number from 0 to {MAX_VOCAB - 1}"
