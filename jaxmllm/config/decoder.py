@@ -164,6 +164,31 @@ class MoEConfig:
         )
 
 
+def in_layer_choice(layer: int, layers: tuple[int, ...], every: int) -> bool:
+    """Whether decoder layer `layer` (0-based) is of the kind a (layers, every) choice names
+    (`LinearConfig`, `WindowConfig`): listed in `layers`, or, given `every`, not a layer i
+    with (i + 1) % every == 0 (those attend to the whole document)."""
+    if every:
+        return (layer + 1) % every != 0
+    return layer in layers
+
+
+def check_layer_choice(layers: tuple[int, ...], every: int) -> None:
+    """Refuses a (layers, every) choice of layers that is not one: negative layer indices, a
+    negative `every`, or both given."""
+    check(every >= 0, "must be >= 0 (0: the layers list says)", "every")
+    check(
+        all(isinstance(i, int) and i >= 0 for i in layers),
+        f"{list(layers)}: must be layer indices >= 0",
+        "layers",
+    )
+    check(
+        not (layers and every),
+        f"layers {list(layers)} and every {every}: give one of them",
+        "every",
+    )
+
+
 @dataclass(frozen=True)
 class LinearConfig:
     """Gated DeltaNet linear attention in some decoder layers (Qwen3.5's `linear_attention`
@@ -192,23 +217,11 @@ class LinearConfig:
 
     def is_linear(self, layer: int) -> bool:
         """Whether decoder layer `layer` (0-based) is linear attention."""
-        if self.every:
-            return (layer + 1) % self.every != 0
-        return layer in self.layers
+        return in_layer_choice(layer, self.layers, self.every)
 
     def __post_init__(self):
         object.__setattr__(self, "layers", tuple(self.layers))
-        check(
-            all(isinstance(i, int) and i >= 0 for i in self.layers),
-            f"{list(self.layers)}: must be layer indices >= 0",
-            "layers",
-        )
-        check(
-            not (self.layers and self.every),
-            f"layers {list(self.layers)} and every {self.every}: give one of them",
-            "every",
-        )
-        check(self.every >= 0, "must be >= 0 (0: the layers list says)", "every")
+        check_layer_choice(self.layers, self.every)
         positive(self, "key_heads", "value_heads", "key_dim", "value_dim", "conv_width", "chunk")
         check(
             self.chunk & (self.chunk - 1) == 0,
@@ -247,26 +260,12 @@ class WindowConfig:
 
     def is_sliding(self, layer: int) -> bool:
         """Whether decoder layer `layer` (0-based) attends within the window."""
-        if not self.enabled:
-            return False
-        if self.every:
-            return (layer + 1) % self.every != 0
-        return layer in self.layers
+        return self.enabled and in_layer_choice(layer, self.layers, self.every)
 
     def __post_init__(self):
         object.__setattr__(self, "layers", tuple(self.layers))
         check(self.size >= 0, "must be >= 0 (0: no sliding windows)", "size")
-        check(self.every >= 0, "must be >= 0 (0: the layers list says)", "every")
-        check(
-            all(isinstance(i, int) and i >= 0 for i in self.layers),
-            f"{list(self.layers)}: must be layer indices >= 0",
-            "layers",
-        )
-        check(
-            not (self.layers and self.every),
-            f"layers {list(self.layers)} and every {self.every}: give one of them",
-            "every",
-        )
+        check_layer_choice(self.layers, self.every)
         check(
             self.size > 0 or not (self.layers or self.every),
             "windowed layers are named (layers or every): give the window's size in tokens",
@@ -370,29 +369,22 @@ class LLMConfig(BlockOptions):
             "mrope_section",
         )
         check(self.heads % self.kv_heads == 0, "kv_heads must divide heads", "kv_heads")
-        m = self.moe
-        check(
-            all(i < self.depth for i in m.dense_layers),
-            f"{list(m.dense_layers)}: a layer past depth={self.depth}",
-            "moe.dense_layers",
-        )
+        m, lin, win = self.moe, self.linear, self.window
+        for key, layers in (
+            ("moe.dense_layers", m.dense_layers),
+            ("linear.layers", lin.layers),
+            ("window.layers", win.layers),
+        ):
+            check(
+                all(i < self.depth for i in layers),
+                f"{list(layers)}: a layer past depth={self.depth}",
+                key,
+            )
         check(
             not m.enabled or any(m.is_moe(i) for i in range(self.depth)),
             f"no layer of the {self.depth} is MoE (moe.every={m.every}, moe.dense_layers="
             f"{list(m.dense_layers)}): set moe.experts: 0 for a dense decoder",
             "moe.experts",
-        )
-        lin = self.linear
-        check(
-            all(i < self.depth for i in lin.layers),
-            f"{list(lin.layers)}: a layer past depth={self.depth}",
-            "linear.layers",
-        )
-        win = self.window
-        check(
-            all(i < self.depth for i in win.layers),
-            f"{list(win.layers)}: a layer past depth={self.depth}",
-            "window.layers",
         )
         check(
             not (win.enabled and lin.enabled),

@@ -61,6 +61,46 @@ LAYOUT_OF = {
 }
 
 
+def shape_section(hf: dict, where: str, tied: bool = False) -> dict:
+    """The `model.llm` keys every decoder family reads alike from its config.json: vocabulary,
+    width, depth, heads and key-value heads, the head width (0: width / heads), the norms'
+    epsilon, and a tied head (`tied`: where config.json does not say)."""
+    width = int(read(hf, "hidden_size", where))
+    heads = int(read(hf, "num_attention_heads", where))
+    head_dim = int(hf.get("head_dim") or width // heads)
+    return {
+        "vocab_size": int(read(hf, "vocab_size", where)),
+        "width": width,
+        "depth": int(read(hf, "num_hidden_layers", where)),
+        "heads": heads,
+        "kv_heads": int(hf.get("num_key_value_heads") or heads),
+        "head_dim": 0 if head_dim * heads == width else head_dim,
+        "norm_eps": float(read(hf, "rms_norm_eps", where)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", tied)),
+        "tied_logits_scaled": False,
+    }
+
+
+def layer_types(hf: dict, where: str, depth: int, kinds: tuple[str, str], every: int) -> list:
+    """config.json's `layer_types` (`kinds`: the family's other kind, then "full_attention"),
+    or where it has none, a full-attention layer every `every`th (the older files' pattern).
+
+    Raises:
+      FamilyError: for a list of another length than num_hidden_layers, or another kind.
+    """
+    types = hf.get("layer_types")
+    if types is None:
+        types = [kinds[(i + 1) % every == 0] for i in range(depth)]
+    refuse_unless(
+        isinstance(types, list) and len(types) == depth,
+        where,
+        f"layer_types must list num_hidden_layers={depth} layer kinds",
+    )
+    unknown = sorted({t for t in types if t not in kinds}, key=str)
+    refuse_unless(not unknown, where, f"layer_types {unknown} (jaxmllm reads {', '.join(kinds)})")
+    return types
+
+
 def rope_section(hf: dict, where: str, partial: bool = False) -> tuple[float, dict]:
     """(rope_theta, our rope_scaling) from either config style: transformers 5's
     `rope_parameters`, or the hub's older `rope_theta` + `rope_scaling`; `partial`: the family
@@ -161,30 +201,17 @@ class Decoders(Family):
                 where,
                 "sliding-window attention (use_sliding_window / layer_types) is not supported",
             )
-        width, heads = (
-            int(read(hf, "hidden_size", where)),
-            int(read(hf, "num_attention_heads", where)),
-        )
-        head_dim = int(hf.get("head_dim") or width // heads)
         theta, scaling = rope_section(hf, where)
         bias = self.row.biases.read(hf)
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         mrope = [int(x) for x in rope.get("mrope_section", [0, 0, 0])]
         interleaved = bool(rope.get("mrope_interleaved", False)) and any(mrope)
         out = {
-            "vocab_size": int(read(hf, "vocab_size", where)),
-            "width": width,
-            "depth": int(read(hf, "num_hidden_layers", where)),
-            "heads": heads,
-            "kv_heads": int(hf.get("num_key_value_heads") or heads),
+            **shape_section(hf, where),
             "mlp_dim": int(read(hf, "intermediate_size", where)),
-            "head_dim": 0 if head_dim * heads == width else head_dim,
             "rope_theta": theta,
             "rope_scaling": scaling,
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "tied_logits_scaled": False,
             "norm": "rms",
-            "norm_eps": float(read(hf, "rms_norm_eps", where)),
             "mlp": "gated_silu",
             "attn_bias": bias,
             "mlp_bias": bool(hf.get("mlp_bias", False)),

@@ -23,7 +23,15 @@ from __future__ import annotations
 from typing import Any
 
 from jaxmllm.config.decoder import LayerKind
-from jaxmllm.hf.decoders import ROPE_TYPES, Decoders, gated_mlp_links, rope_section, rope_to_hf
+from jaxmllm.hf.decoders import (
+    ROPE_TYPES,
+    Decoders,
+    gated_mlp_links,
+    layer_types,
+    rope_section,
+    rope_to_hf,
+    shape_section,
+)
 from jaxmllm.hf.family import Link, read, refuse_unless, same
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -62,33 +70,22 @@ class Gemma3(Decoders):
             f"hidden_activation {act!r}: Gemma's MLP here is GeGLU with the tanh GELU "
             f"({' or '.join(ACTIVATIONS)})",
         )
-        width = int(read(hf, "hidden_size", where))
-        heads = int(read(hf, "num_attention_heads", where))
-        depth = int(read(hf, "num_hidden_layers", where))
-        head_dim = int(hf.get("head_dim") or width // heads)
+        shape = shape_section(hf, where, tied=True)
         full, local = rope_parameters(hf, where)
         theta, scaling = rope_section({"rope_parameters": full}, where)
         return {
-            "vocab_size": int(read(hf, "vocab_size", where)),
-            "width": width,
-            "depth": depth,
-            "heads": heads,
-            "kv_heads": int(hf.get("num_key_value_heads") or heads),
+            **shape,
             "mlp_dim": int(read(hf, "intermediate_size", where)),
-            "head_dim": 0 if head_dim * heads == width else head_dim,
             "rope_theta": theta,
             "rope_scaling": scaling,
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
-            "tied_logits_scaled": False,
             "norm": "rms_offset",
-            "norm_eps": float(read(hf, "rms_norm_eps", where)),
             "mlp": "gated_gelu_tanh",
             "attn_bias": self.row.biases.read(hf),
             "qk_norm": True,
             "post_norms": True,
             "embed_scale": True,
             "attn_scalar": float(hf.get("query_pre_attn_scalar") or 256),
-            "window": window_section(hf, where, depth, local),
+            "window": window_section(hf, where, shape["depth"], local),
             "mrope_section": [0, 0, 0],
         }
 
@@ -186,19 +183,9 @@ def rope_parameters(hf: dict, where: str) -> tuple[dict, dict]:
 def window_section(hf: dict, where: str, depth: int, local: dict) -> dict:
     """Our `model.llm.window` keys: the sliding layers of `layer_types` (or of
     `sliding_window_pattern`), `sliding_window`, the local rotary base."""
-    types = hf.get("layer_types")
-    if types is None:  # (older files: a full layer every `sliding_window_pattern`th)
-        every = int(hf.get("sliding_window_pattern") or 6)
-        types = [LAYER_TYPES[(i + 1) % every == 0] for i in range(depth)]
-    refuse_unless(
-        isinstance(types, list) and len(types) == depth,
-        where,
-        f"layer_types must list num_hidden_layers={depth} layer kinds",
-    )
-    unknown = sorted({t for t in types if t not in LAYER_TYPES}, key=str)
-    refuse_unless(
-        not unknown, where, f"layer_types {unknown} (jaxmllm reads {', '.join(LAYER_TYPES)})"
-    )
+    # (older files: a full layer every `sliding_window_pattern`th)
+    every = int(hf.get("sliding_window_pattern") or 6)
+    types = layer_types(hf, where, depth, LAYER_TYPES, every)
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
     size = hf.get("sliding_window")
     refuse_unless(

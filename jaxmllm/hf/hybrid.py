@@ -28,8 +28,10 @@ from jaxmllm.hf.decoders import (
     NOT_GEMMA,
     Decoders,
     gated_mlp_links,
+    layer_types,
     moe_links,
     rope_section,
+    shape_section,
 )
 from jaxmllm.hf.family import (
     FamilyError,
@@ -97,12 +99,9 @@ class Qwen35(Decoders):
         where = f"{self.name} config.json"
         act = read(hf, "hidden_act", where, "silu")
         refuse_unless(act == "silu", where, f"hidden_act {act!r}: the decoder's MLP is SiLU-gated")
-        width, heads = (
-            int(read(hf, "hidden_size", where)),
-            int(read(hf, "num_attention_heads", where)),
-        )
-        depth = int(read(hf, "num_hidden_layers", where))
-        head_dim = int(hf.get("head_dim") or width // heads)
+        shape = shape_section(hf, where)
+        depth = shape["depth"]
+        head_dim = shape["head_dim"] or shape["width"] // shape["heads"]
         theta, scaling = rope_section(hf, where, partial=True)
         params = hf.get("rope_parameters") or {}
         fraction = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
@@ -117,20 +116,12 @@ class Qwen35(Decoders):
             "this config.json's head_dim or partial_rotary_factor not the model's?)",
         )
         out = {
-            "vocab_size": int(read(hf, "vocab_size", where)),
-            "width": width,
-            "depth": depth,
-            "heads": heads,
-            "kv_heads": int(hf.get("num_key_value_heads") or heads),
-            "head_dim": 0 if head_dim * heads == width else head_dim,
+            **shape,
             "rope_theta": theta,
             "rope_scaling": scaling,
             "rotary_fraction": fraction,
             "attn_gate": True,
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "tied_logits_scaled": False,
             "norm": "rms_offset",
-            "norm_eps": float(read(hf, "rms_norm_eps", where)),
             "mlp": "gated_silu",
             "attn_bias": self.row.biases.read(hf),
             "qk_norm": True,
@@ -146,21 +137,9 @@ class Qwen35(Decoders):
 
     def linear_section(self, hf: dict, where: str, depth: int) -> dict:
         """Our `model.llm.linear` keys: the linear layers of `layer_types` and their sizes."""
-        types = hf.get("layer_types")
-        if types is None:  # (transformers' default: full attention every 4th layer)
-            every = int(hf.get("full_attention_interval", 4))
-            types = [LAYER_TYPES[(i + 1) % every == 0] for i in range(depth)]
-        refuse_unless(
-            isinstance(types, list) and len(types) == depth,
-            where,
-            f"layer_types must list num_hidden_layers={depth} layer kinds",
-        )
-        unknown = sorted({t for t in types if t not in LAYER_TYPES}, key=str)
-        refuse_unless(
-            not unknown,
-            where,
-            f"layer_types {unknown} (jaxmllm reads {', '.join(LAYER_TYPES)})",
-        )
+        # (transformers' default: full attention every 4th layer)
+        every = int(hf.get("full_attention_interval") or 4)
+        types = layer_types(hf, where, depth, LAYER_TYPES, every)
         return {
             "layers": [i for i, t in enumerate(types) if t == "linear_attention"],
             "key_heads": int(read(hf, "linear_num_key_heads", where)),
