@@ -118,8 +118,11 @@ GEMMA = dataclasses.replace(
 def test_kv_cache_decoding_with_sliding_windows_equals_recomputing_the_sequence(prompts):
     """A decoder with sliding-window layers (Gemma 3's) decodes from its cache as the training
     forward pass computes the whole sequence: a step's query over the cache sees its window
-    only; prompts and answers longer than the window."""
+    only; prompts and answers longer than the window. The windowed layers' cache is a ring of
+    their window's length, the full layers' the whole row's."""
     params = build_model(GEMMA, seed=5)
+    cache = decode.empty_cache(model_parts(GEMMA)[0].merge(*params), rows=2, length=16)
+    assert {kind: k.shape[2] for kind, k in cache.k.items()} == {"sliding": 3, "full": 16}
     gen = Generator(GEMMA, PromptShapes.fit(prompts, GEMMA, 8, rows=4))
     _held_to_recomputing(GEMMA, params, prompts, gen, new=5)
 

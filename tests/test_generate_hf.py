@@ -88,23 +88,26 @@ def test_greedy_qwen2_chat_from_the_command_line_matches_transformers(tmp_path, 
     assert answer["text"] == tk.decode(theirs, skip_special_tokens=False).replace("<|im_end|>", "")
 
 
-QWEN3 = {  # (Qwen3.5-MoE's decoding: the image test's qwen3_5_moe, the same decoder)
+DECODERS = {  # (Qwen3.5-MoE's decoding: the image test's qwen3_5_moe, the same decoder)
     "qwen3": hf_models.qwen3,
     "qwen3_moe": lambda d, vocab: hf_models.qwen3_moe(d, vocab=vocab, dense_layers=(1,)),
     "qwen3_5": hf_models.qwen3_5,
+    # (windows of 5 tokens; the prompt ~20, 24 new ids: seed 0's stop after 9, ids equal too)
+    "gemma3_text": lambda d, vocab: hf_models.gemma3_text(d, vocab=vocab, seed=1),
 }
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("name", sorted(QWEN3))
-def test_greedy_qwen3_and_its_mixture_of_experts_match_transformers(name, tmp_path, capsys):
+@pytest.mark.parametrize("name", sorted(DECODERS))
+def test_greedy_decoders_with_their_own_caches_match_transformers(name, tmp_path, capsys):
     """Qwen3 (QK-norm), Qwen3-MoE (a dense layer among its MoE ones, the KV cache of each
-    stack) and Qwen3.5 (its linear layers' cached convolution window and state:
-    the prompt by the chunked rule, each new token by the rule for one): the chat-rendered
-    prompt's greedy ids (24, or up to a stop id past 16) are transformers'."""
+    stack), Qwen3.5 (its linear layers' cached convolution window and state: the prompt by
+    the chunked rule, each new token by the rule for one) and Gemma 3's text decoder (its
+    sliding layers' cache a ring of the window's length, filled from the prompt's last tokens):
+    the chat-rendered prompt's greedy ids (24, or up to a stop id past 16) are transformers'."""
     import transformers
 
-    src = QWEN3[name](tmp_path / name, vocab=VOCAB)
+    src = DECODERS[name](tmp_path / name, vocab=VOCAB)
     build_dir(Path(src), "qwen", "Qwen/Qwen2.5-7B-Instruct")
     question = "Which colour is the sky?"
     want = hf_ids(Path(src), [{"role": "user", "content": question}], add_generation_prompt=True)
@@ -114,7 +117,8 @@ def test_greedy_qwen3_and_its_mixture_of_experts_match_transformers(name, tmp_pa
     stop = {tk.convert_tokens_to_ids("<|im_end|>"), tk.convert_tokens_to_ids("<|endoftext|>")}
     model = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
     theirs = hf_greedy(model, want, 24, stop)
-    assert len(theirs) >= 16 and answer["ids"] == theirs  # (or fewer, ending at a stop id)
+    assert answer["ids"] == theirs, (answer["ids"], theirs)
+    assert len(theirs) >= 16  # (or fewer, ending at a stop id)
 
 
 @pytest.mark.torch

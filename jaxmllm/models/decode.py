@@ -19,10 +19,11 @@ The block's own sub-modules do the work (`attn_norm`, `attn.project`, `attn.outp
 `mlp_norm`, `mlp`), so a cached key is exactly the key training computes. Prefill's attention
 is training's own over the prompt rows (`attention.packing`: the run's block-sparse tiles or
 cuDNN's segments, or a dense causal mask), never over the cache's empty S - P positions; a
-step's is the dense attention of one query over the cache under a [B, 1, 1, S] mask (a
-windowed layer's narrowed to its window; its cache is still S long). A
-linear-attention
-layer (Gated DeltaNet) caches its convolution's last inputs and its state instead
+step's is the dense attention of one query over the cache under a [B, 1, 1, S] mask. A layer
+with a sliding window W shorter than S (Gemma's local layers) keeps a ring of W slots instead:
+the token at index i sits in slot i % W, overwriting the one W before it, which no later query
+sees; prefill fills each slot with the row's last prompt token that maps to it. A
+linear-attention layer (Gated DeltaNet) caches its convolution's last inputs and its state instead
 (`GatedDeltaNet.extend`): a prompt runs the chunked rule from the empty state, a step the rule
 for one token.
 """
@@ -47,7 +48,9 @@ class Cache:
     layer (one, `""`, unless a mixture of experts or a hybrid stacks its kinds apart); a
     linear-attention layer's (Gated DeltaNet) are its convolution's window and its state."""
 
-    k: dict[str, jax.Array]  # kind -> [its layers, B, S, kv_heads, head_dim], compute dtype
+    # kind -> [its layers, B, S (a windowed kind: min(window, S)), kv_heads, head_dim], in the
+    # compute dtype
+    k: dict[str, jax.Array]
     v: dict[str, jax.Array]
     # linear kinds: [its layers, B, conv_width - 1, key heads, group], compute dtype
     window: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
@@ -70,7 +73,8 @@ def empty_cache(model: MultimodalLM, rows: int, length: int) -> Cache:
             state[kind] = jnp.zeros(shape, jnp.float32)
             continue
         depth, _, kv_heads, head_dim = attn.key.kernel.shape  # [layers, width, kv, head_dim]
-        k[kind] = v[kind] = jnp.zeros((depth, rows, length, kv_heads, head_dim), attn.dtype)
+        slots = min(attn.window, length) if attn.window else length
+        k[kind] = v[kind] = jnp.zeros((depth, rows, slots, kv_heads, head_dim), attn.dtype)
     return Cache(k, v, window, state, length)
 
 
@@ -157,7 +161,6 @@ def _decode(
     graphdefs = {k: nnx.graphdef(transformer.stack(k)) for k in transformer.kinds}
     t, s = x_btw.shape[1], cache.length
     index_bt = start_b[:, None] + jnp.arange(t)
-    mask_b1ts = None if pack else (jnp.arange(s)[None, None, :] <= index_bt[:, :, None])[:, None]
     valid_bt = jnp.ones(x_btw.shape[:2], bool) if valid_bt is None else valid_bt
 
     def layer(kind, block_state, x_btw, cached, _):
@@ -168,12 +171,16 @@ def _decode(
         else:
             k_bske, v_bske = cached
             q_bthe, k_bthe, v_bthe, gate = block.attn.project(h_btw, positions_bt)
-            k_bske = _write(k_bske, k_bthe, start_b)
-            v_bske = _write(v_bske, v_bthe, start_b)
+            slots = k_bske.shape[1]  # (S, or a windowed layer's ring: `empty_cache`)
+            if pack is not None and slots < s:  # (a prompt into a ring: its last tokens)
+                k_bske, v_bske = _fill(k_bske, k_bthe, valid_bt), _fill(v_bske, v_bthe, valid_bt)
+            else:
+                k_bske = _write(k_bske, k_bthe, start_b % slots)
+                v_bske = _write(v_bske, v_bthe, start_b % slots)
             if pack is not None:
                 out_bthe = block.attn.attend(q_bthe, k_bthe, v_bthe, pack, positions_bt)
             else:
-                mask = _window(mask_b1ts, index_bt, block.attn.window)
+                mask = _seen(index_bt, slots)
                 out_bthe = dense_attention(q_bthe, k_bske, v_bske, mask, block.attn.dtype)
             out_btw, cached = block.attn.output(out_bthe, gate), (k_bske, v_bske)
         x_btw = x_btw + block.attn_out(out_btw)
@@ -189,14 +196,25 @@ def _decode(
     return transformer.final_norm(x_btw), Cache(k, v, window, state, s)
 
 
-def _window(mask_b1ts: jax.Array, index_bt: jax.Array, window: int) -> jax.Array:
-    """A step's mask over the cache narrowed to a sliding window (0: as it is): cache index >
-    the query's index - window, as training's `attention.windowed` (a row's tokens sit at
-    their indices in the cache)."""
-    if not window:
-        return mask_b1ts
-    s = mask_b1ts.shape[-1]
-    return mask_b1ts & (jnp.arange(s)[None, None, :] > index_bt[:, :, None] - window)[:, None]
+def _seen(index_bt: jax.Array, slots: int) -> jax.Array:
+    """Which cache slots a query at index i sees, [B, 1, T, slots]: slot j holds the token at
+    i - ((i - j) mod slots), the latest written there (tokens sit at index mod slots), and is
+    seen when that index is 0 or more. With slots = S that is every index up to i; with a
+    windowed layer's ring (slots = W) the W indices i - W + 1 .. i, its window, as training's
+    `attention.windowed`: key index > query index - W."""
+    held_bts = index_bt[:, :, None] - (index_bt[:, :, None] - jnp.arange(slots)) % slots
+    return (held_bts >= 0)[:, None]
+
+
+def _fill(ring_bwe: jax.Array, new_bthe: jax.Array, valid_bt: jax.Array) -> jax.Array:
+    """A ring of W slots filled from a prompt of T tokens starting at index 0: slot j takes
+    the row's last prompt token whose index is j mod W (the row's length from `valid_bt`; a
+    slot no prompt token reaches stays zero, unseen until a step writes it)."""
+    w = ring_bwe.shape[1]
+    last_b1 = valid_bt.sum(-1, keepdims=True) - 1
+    held_bw = last_b1 - (last_b1 - jnp.arange(w)) % w  # (the index slot j holds)
+    rows_bwhe = jnp.take_along_axis(new_bthe, jnp.maximum(held_bw, 0)[:, :, None, None], axis=1)
+    return jnp.where((held_bw >= 0)[:, :, None, None], rows_bwhe, 0).astype(ring_bwe.dtype)
 
 
 def _write(cache_bske: jax.Array, new_bthe: jax.Array, start_b: jax.Array) -> jax.Array:
