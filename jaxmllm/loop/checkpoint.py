@@ -103,7 +103,9 @@ _array_handler: list = []  # the handler `_install_array_handler` registered, on
 def _install_array_handler() -> None:
     """Orbax's handler of `jax.Array` leaves, as its default but for `REPLICA_SLICE_MIN_BYTES`
     (orbax reads the handler from its global registry: `StandardSave` takes none). Registered
-    once a process; the registry's warning that it replaces the default says nothing to a user."""
+    once a process; the registry's warning that it replaces the default says nothing to a user.
+    The metadata store is orbax's default handler's, imported from orbax's private path (it has
+    no public one): test_train's replicated-array test fails if a release moves it."""
     if _array_handler and ocp.type_handlers.get_type_handler(jax.Array) is _array_handler[0]:
         return
     handler = ocp.type_handlers.ArrayHandler(
