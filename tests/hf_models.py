@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 
 def randomize(model, seed: int = 0):
     import torch
@@ -688,3 +690,13 @@ def fused_experts(source: str, directory: Path) -> str:
             tensors[layer + "down_proj"] = np.stack([parts[j, "down"] for j in range(n)])
         save_file(tensors, directory / path.name, metadata={"format": "pt"})
     return str(directory)
+
+
+def assert_bit_identical(source: str | Path, out: str | Path) -> None:
+    """`out`'s safetensors hold `source`'s tensors, the same names, bit for bit."""
+    from jaxmllm.hf.safetensors import Checkpoint
+
+    before, after = Checkpoint(source), Checkpoint(out)
+    assert set(after.names()) == set(before.names())
+    for n in after.names():
+        assert np.array_equal(before.get(n).view(np.uint8), after.get(n).view(np.uint8)), n

@@ -20,7 +20,6 @@ from jaxmllm.hf.check import check_dir
 from jaxmllm.hf.export import export_role
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.importer import write_config
-from jaxmllm.hf.safetensors import Checkpoint
 from jaxmllm.hf.towers import config_for, load_towers
 from jaxmllm.models import attention
 from sharding.rules import keyed_leaves
@@ -109,10 +108,7 @@ def test_import_then_export_is_bit_identical(tmp_path):
     flat = keyed_leaves(nnx.to_pure_dict(nnx.state(towers)))
     assert flat["llm/transformer/sliding_blocks/attn_post_norm/scale"].shape == (2, 64)
     export_role(cfg, "llm", flat, tmp_path / "out", 16 << 10)
-    before, after = Checkpoint(source), Checkpoint(tmp_path / "out")
-    assert set(after.names()) == set(before.names())
-    for n in after.names():
-        assert np.array_equal(before.get(n).view(np.uint8), after.get(n).view(np.uint8)), n
+    hf_models.assert_bit_identical(source, tmp_path / "out")
     theirs = json.loads((Path(source) / "config.json").read_text())
     ours = json.loads((tmp_path / "out" / "config.json").read_text())
     for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters"):

@@ -75,10 +75,7 @@ def test_import_then_export_is_bit_identical(name, tmp_path):
         assert flat["llm/transformer/blocks/mlp/experts/gate"].shape == (2, 8, 64, 32)
         assert flat["llm/transformer/dense_blocks/mlp/gate/kernel"].shape == (1, 64, 96)
     export_role(cfg, "llm", flat, tmp_path / "out", 16 << 10)
-    before, after = Checkpoint(source), Checkpoint(tmp_path / "out")
-    assert set(after.names()) == set(before.names())
-    for n in after.names():
-        assert np.array_equal(before.get(n).view(np.uint8), after.get(n).view(np.uint8)), n
+    hf_models.assert_bit_identical(source, tmp_path / "out")
     theirs = json.loads((Path(source) / "config.json").read_text())
     ours = json.loads((tmp_path / "out" / "config.json").read_text())
     for key in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"):
