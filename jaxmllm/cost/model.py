@@ -53,6 +53,17 @@ class CostFileError(UserError):
     """A timings or calibrated-cost file that cannot be used; the message names file and line."""
 
 
+def window_sq(n, window: int) -> np.ndarray:
+    """What a causal document of `n` tokens costs in a layer with a sliding window of `window`
+    tokens, in the units of the quadratic term (n**2, twice the key-query pairs a causal
+    document has): n**2 up to the window, 2 n w - w**2 beyond it, linear in n (each query
+    sees w keys). 0: no window, n**2 (float64, elementwise)."""
+    n = np.asarray(n, np.float64)
+    if not window:
+        return n * n
+    return np.where(n <= window, n * n, 2.0 * n * window - float(window) ** 2)
+
+
 @dataclass(frozen=True)
 class PhaseCost:
     """Cost of one item of n units: linear * n + quadratic * n**2."""
