@@ -26,6 +26,7 @@ from test_models import (
     model_fns,
 )
 
+from jaxmllm.batch.bucketize import window_tile_cap
 from jaxmllm.config import BatchConfig
 from jaxmllm.models import blocksparse
 from jaxmllm.models.attention import attention_mask, dense_attention, windowed
@@ -207,6 +208,63 @@ def test_model_loss_and_every_gradient_equal_the_dense_reference(seed):
     assert_trees_close(grads_s, grads_d, rtol=2e-4, atol=2e-5)
 
 
+def test_windowed_layers_skip_the_tiles_outside_their_window_with_the_same_math():
+    """A decoder with a sliding window in one layer of two: its windowed layer computes only
+    the windowed tile list (`llm_window_tiles`, shorter than the causal one here) and the loss
+    and every gradient still equal the dense reference's under the window; the list is what
+    that layer reads (emptied, the loss changes)."""
+    from jaxmllm.config.decoder import WindowConfig
+
+    llm = dataclasses.replace(CFG.llm, window=WindowConfig(size=6, layers=(0,)))
+    dense_cfg = dataclasses.replace(DENSE, llm=llm)
+    sparse_cfg = dataclasses.replace(SPARSE, llm=llm)
+    rng = np.random.default_rng(0)
+    mb = build_batch(rng, _random_pack(rng), SPARSE_BATCH)
+    sparse = with_tiles(mb)
+    seg, reach = mb["llm_segment_ids"], tiles.window_reach(6, BLOCK)
+    docs = [tiles.tile_list(*_docs(s), s.shape[-1] // BLOCK, BLOCK, True, reach) for s in seg]
+    sparse["llm_window_tiles"] = tiles.from_segments(seg, BLOCK, True, max(map(len, docs)), reach)
+    assert max(map(len, docs)) < (sparse["llm_tiles"][..., 0] >= 0).sum(-1).max()
+    _, params, _, dense_grad = model_fns(dense_cfg, SPARSE_BATCH)
+    _, _, _, sparse_grad = model_fns(sparse_cfg, SPARSE_BATCH)
+    (loss_d, _), grads_d = dense_grad(params, mb)
+    (loss_s, _), grads_s = sparse_grad(params, sparse)
+    np.testing.assert_allclose(loss_s, loss_d, rtol=1e-5)
+    assert_trees_close(grads_s, grads_d, rtol=2e-4, atol=2e-5)
+    emptied = dict(sparse, llm_window_tiles=np.full_like(sparse["llm_window_tiles"], tiles.PAD))
+    (loss_e, _), _ = sparse_grad(params, emptied)
+    assert abs(float(loss_e) - float(loss_d)) > 1e-3
+
+
+def test_xla_flops_of_a_windowed_layer_at_32k_tokens_follow_the_window(monkeypatch):
+    """One document of 32k tokens, Gemma 3's window of 1024, blocks of 128: the FLOPs XLA
+    counts for the windowed layer's attention over its own tile list are within 1.3x of the
+    analytic count (4 heads * head_dim FLOPs a key-query pair the window holds: the cost
+    model's `window_sq`), where the causal list, masked to the window, costs 17x it. (The
+    kernel's chunks are one here: XLA's cost analysis counts a loop's body once.)"""
+    from jaxmllm.cost.model import window_sq
+
+    monkeypatch.setattr(blocksparse, "CHUNK_SCORES", 1 << 40)
+    n, block, window, heads, kv, e = 32768, 128, 1024, 8, 2, 64
+    one = np.array([0]), np.array([n]), np.array([0])
+    q = jax.ShapeDtypeStruct((1, n, heads, e), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, n, kv, e), jnp.float32)
+    seg = jnp.ones((1, n), jnp.int32)
+    attend = jax.jit(
+        lambda q, k, v, s, t: blocksparse.attend(
+            q, k, v, s, t, block=block, causal=True, window=window
+        )
+    )
+    analytic = 2.0 * heads * e * float(window_sq(n, window))
+    ratio = {}
+    for name, reach in (("windowed", tiles.window_reach(window, block)), ("causal", None)):
+        tl = jnp.asarray(tiles.tile_list(*one, n // block, block, True, reach)[None], jnp.int32)
+        flops = attend.lower(q, k, k, seg, tl).compile().cost_analysis()["flops"]
+        ratio[name] = flops / analytic
+    assert 1.0 <= ratio["windowed"] <= 1.3, ratio
+    assert ratio["causal"] > 10, ratio
+
+
 # ----------------------------------------------------------------------------- tile lists
 
 
@@ -215,36 +273,65 @@ def test_model_loss_and_every_gradient_equal_the_dense_reference(seed):
     block=st.sampled_from([1, 2, 3, 8]),
     sizes=st.lists(st.lists(st.integers(1, 30), max_size=8), min_size=1, max_size=3),
     causal=st.booleans(),
+    window=st.sampled_from([0, 1, 2, 5, 9, 40]),
 )
-def test_tile_list_is_exactly_the_documents_tiles(block, sizes, causal):
-    """Per-document enumeration (each document's triangle or square over the blocks it spans),
-    united: the list and the counts agree with it, sorted and without repeats."""
+def test_tile_list_is_exactly_the_documents_tiles(block, sizes, causal, window):
+    """Token by token: a tile is in the list when some query of a document in its query block
+    may see some key of that document in its key block (a key not after the query when causal;
+    with a sliding window, fewer than `window` tokens before it). The list, and the counts, of
+    the planner (`bin_tiles`), of a row's documents laid out (`packed_tiles`) and of the
+    windowed capacity's bound (`window_capacity`), agree with it; sorted, without repeats."""
+    window = window if causal else 0  # (a window is a decoder's)
+    reach = tiles.window_reach(window, block)
     row_len = block * max(1, -(-max((sum(r) for r in sizes), default=1) // block))
-    offsets, flat, rows, want = [], [], [], set()
+    offsets, flat, rows, want, causal_count = [], [], [], set(), set()
     for r, row in enumerate(sizes):
         start = 0
         for n in row:
             offsets.append(start), flat.append(n), rows.append(r)
-            a, z = start // block, (start + n - 1) // block
             base = r * (row_len // block)
-            for q in range(a, z + 1):
-                for k in range(a, (q if causal else z) + 1):
-                    want.add((base + q, base + k))
+            for i in range(start, start + n):  # (query, key) pairs of the document
+                for j in range(start, (i + 1) if causal else start + n):
+                    tile = (base + i // block, base + j // block)
+                    causal_count.add(tile)
+                    if not window or i - j < window:
+                        want.add(tile)
             start += n
     offsets, flat, rows = (np.array(x, np.int64) for x in (offsets, flat, rows))
-    got = tiles.tile_list(offsets, flat, rows, row_len // block, block, causal)
+    got = tiles.tile_list(offsets, flat, rows, row_len // block, block, causal, reach)
     assert [tuple(x) for x in got.tolist()] == sorted(want)
-    counts = tiles.bin_tiles(rows, offsets, flat, len(sizes), block, causal)
+    counts = tiles.bin_tiles(rows, offsets, flat, len(sizes), block, causal, reach)
     assert counts.sum() == len(want)
+    laid = tiles.packed_tiles(offsets, flat, block, causal, reach)
+    assert laid.sum() == len(want)
+    if reach is not None:
+        bound = tiles.window_capacity(len(causal_count), len(sizes), row_len // block, reach)
+        assert len(want) <= bound
+
+
+def test_a_windowed_row_needs_a_band_of_tiles_not_its_triangle():
+    """A document much longer than the window: its windowed tiles grow linearly (reach + 1 a
+    query block), its causal ones quadratically; shorter than the window, the two agree."""
+    block, window = 16, 64
+    reach = tiles.window_reach(window, block)
+    assert reach == 4
+    one = lambda n, r: int(tiles.own_tiles(np.int64(-(-n // block)), True, r))
+    assert one(48, reach) == one(48, None) == 6  # (3 blocks: under the window)
+    long = 64 * block
+    assert one(long, None) == 64 * 65 // 2
+    band = 64 + 4 * 5 // 2 + (64 - 1 - 4) * 4  # (310: 5 a query block, fewer in the first 4)
+    assert one(long, reach) == band
+    assert tiles.window_capacity(10**6, 2, 64, reach) == 2 * band
+    assert tiles.window_capacity(100, 2, 64, reach) == 100  # (never more than the causal)
 
 
 def test_expected_tiles_is_the_mean_over_where_a_document_starts():
     block = 16
     for n in (1, 7, 16, 17, 100, 257):
-        for causal in (True, False):
+        for causal, reach in ((True, None), (False, None), (True, 2), (True, 0)):
             at = np.arange(block, 2 * block)
-            exact = tiles.item_tiles(at, np.full(block, n), block, causal, at)
-            assert tiles.expected_tiles(np.array([n]), block, causal)[0] == pytest.approx(
+            exact = tiles.item_tiles(at, np.full(block, n), block, causal, at, reach)
+            assert tiles.expected_tiles(np.array([n]), block, causal, reach)[0] == pytest.approx(
                 exact.mean()
             )
 
@@ -312,44 +399,64 @@ def test_orchestrated_plans_hold_the_tile_capacity_and_train_every_sample_once(d
         assert any(most[p] > 0.9 * caps.tile_caps()[p] for p in most)
 
 
-@pytest.mark.parametrize("planner", ["orchestrated", "grain"])
-def test_every_planned_tile_list_is_exactly_its_documents_tiles(planner):
+@pytest.mark.parametrize(("planner", "window"), [("orchestrated", 33), ("grain", 0)])
+def test_every_planned_tile_list_is_exactly_its_documents_tiles(planner, window):
     """Through the real pipeline (plan, load, bucketize) on the tiny config: each bucket's tile
     list, every phase, is the tile set of the documents its segment ids hold, within the
-    capacity the config resolved (a dry run for grain, the data's mean need for orchestrated)."""
+    capacity the config resolved (a dry run for grain, the data's mean need for orchestrated);
+    with a sliding window in the decoder's first layer, the windowed layers' list too, within
+    its capacity (`window_tile_cap`), and shorter than the causal one where a document is
+    longer than the window."""
     from jaxmllm.config import load_config
     from jaxmllm.feed.iterator import make_pipeline
     from jaxmllm.resolve.run import resolve_run
 
     cfg = load_config(
         "configs/tiny.yaml",
-        ["data.synthetic.num_samples=256", f"batch.planner={planner}", "train.steps=4"],
+        [
+            "data.synthetic.num_samples=256",
+            f"batch.planner={planner}",
+            "train.steps=4",
+            f"model.llm.window.size={window}",
+            f"model.llm.window.layers=[{0 if window else ''}]",
+        ],
     )
     run = resolve_run(cfg, 8)
     cfg = run.cfg
     caps = run.spec.tile_caps()
     block = cfg.batch.attention_block
+    reach = tiles.window_reach(window, block)
     sub = cfg.model.audio.subsample
     data = make_pipeline(run, prefetch=0)
+    narrower = 0  # (buckets whose windowed list is shorter than their causal one)
     try:
         for _ in range(4):
             b = next(data)["batch"]
-            for phase, causal, seg in (
-                ("llm", True, b["llm_segment_ids"]),
-                ("vision", False, b["vision_segment_ids"][:, :, None]),
-                ("audio", False, b["audio_segment_ids"][:, :, None, ::sub]),
-            ):
+            assert ("llm_window_tiles" in b) == bool(window)
+            lists = [
+                ("llm", True, b["llm_segment_ids"], caps["llm"], None),
+                ("vision", False, b["vision_segment_ids"][:, :, None], caps["vision"], None),
+                ("audio", False, b["audio_segment_ids"][:, :, None, ::sub], caps["audio"], None),
+            ]
+            if window:
+                cap = window_tile_cap(run.spec)
+                lists.append(("llm_window", True, b["llm_segment_ids"], cap, reach))
+            for phase, causal, seg, cap, r in lists:
                 got = b[f"{phase}_tiles"]
-                assert got.shape[2] == caps[phase]
+                assert got.shape[2] == cap
                 for m in range(got.shape[0]):
                     for d in range(got.shape[1]):
                         rows = seg[m, d]
-                        want = tiles.tile_list(*_docs(rows), rows.shape[-1] // block, block, causal)
+                        n_blocks = rows.shape[-1] // block
+                        want = tiles.tile_list(*_docs(rows), n_blocks, block, causal, r)
                         real = got[m, d][got[m, d, :, 0] >= 0]
                         assert (got[m, d][len(real) :] == tiles.PAD).all()
                         np.testing.assert_array_equal(real, want, err_msg=f"{phase} {m} {d}")
+                        if r is not None:
+                            narrower += len(real) < (b["llm_tiles"][m, d, :, 0] >= 0).sum()
     finally:
         data.close()
+    assert narrower > 0 or not window
 
 
 def test_cudnn_document_bounds_are_sized_from_the_data_and_held():

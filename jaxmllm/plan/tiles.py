@@ -11,6 +11,15 @@ device computes, so it is a capacity of the bucket like tokens and patches.
 
 Tile lists are laid out per device over its rows flattened (block `r * blocks_per_row + b` of
 row r), sorted by query block then key block, padded with (-1, -1) to the capacity.
+
+A layer with a sliding window of w tokens (Gemma's local layers) needs fewer: a query block
+reaches back `reach = ceil((w - 1) / block)` key blocks beyond its own (`window_reach`), so a
+document's windowed tiles are a band of its causal triangle. The band does not depend on where
+in its first block the document starts: every query block after the first starts at a block
+boundary, and the first one holds the document's first tokens, which see only their own block.
+The windowed tiles of a row are therefore within `reach + 1` of the diagonal, and a subset of
+its causal tiles: a bucket needs at most the fewer of its causal tile capacity and that band
+(`window_capacity`), so the windowed list needs no capacity of its own to plan.
 """
 
 from __future__ import annotations
@@ -33,23 +42,50 @@ def blocks_spanned(offsets: np.ndarray, sizes: np.ndarray, block: int) -> np.nda
     return (offsets + sizes - 1) // block - offsets // block + 1
 
 
-def own_tiles(m: np.ndarray, causal: bool) -> np.ndarray:
-    """Tiles of a document spanning `m` blocks: its causal triangle or its square."""
-    return m * (m + 1) // 2 if causal else m * m
+def window_reach(window: int, block: int) -> int | None:
+    """Key blocks a query block reaches back beyond its own under a sliding window of `window`
+    tokens (a query sees itself and the window - 1 tokens before it); None: no window."""
+    return -(-(window - 1) // block) if window > 0 else None
+
+
+def own_tiles(m: np.ndarray, causal: bool, reach: int | None = None) -> np.ndarray:
+    """Tiles of a document spanning `m` blocks: its causal triangle or its square; with a
+    sliding window (`reach`, `window_reach`: causal only), its first query block's diagonal
+    tile and, for each later one, its own and up to `reach` key blocks before it."""
+    if reach is None or not causal:
+        return m * (m + 1) // 2 if causal else m * m
+    near = np.minimum(m - 1, reach)  # (query blocks 1 .. near see every block before them)
+    return m + near * (near + 1) // 2 + (m - 1 - near) * reach
+
+
+def window_capacity(causal_capacity: int, rows: int, row_blocks: int, reach: int) -> int:
+    """The most windowed tiles a bucket of `rows` rows of `row_blocks` blocks can need: no more
+    than its causal tiles (each document's windowed tiles are some of its causal ones) and no
+    more than the band of `reach` + 1 tiles a query block (`own_tiles` of a whole row)."""
+    band = rows * int(own_tiles(np.int64(row_blocks), True, reach))
+    return min(int(causal_capacity), band)
 
 
 def item_tiles(
-    offsets: np.ndarray, sizes: np.ndarray, block: int, causal: bool, prev_end: np.ndarray
+    offsets: np.ndarray,
+    sizes: np.ndarray,
+    block: int,
+    causal: bool,
+    prev_end: np.ndarray,
+    reach: int | None = None,
 ) -> np.ndarray:
     """Tiles each document adds to its row at `offsets`: its own, minus the diagonal tile it
     shares with the document before it when it starts in the block that one ends in
-    (`prev_end`: where the document before it ends, 0 for a row's first)."""
+    (`prev_end`: where the document before it ends, 0 for a row's first); `reach`: a sliding
+    window's (`window_reach`)."""
     m = blocks_spanned(offsets, sizes, block)
     shared = (prev_end > 0) & (offsets // block == (prev_end - 1) // block)
-    return own_tiles(m, causal) - shared
+    return own_tiles(m, causal, reach) - shared
 
 
-def packed_tiles(offsets: np.ndarray, sizes: np.ndarray, block: int, causal: bool) -> np.ndarray:
+def packed_tiles(
+    offsets: np.ndarray, sizes: np.ndarray, block: int, causal: bool, reach: int | None = None
+) -> np.ndarray:
     """`item_tiles` of documents each right after the one before it in its row (the one that
     ends at its offset; offset 0: a row's first), in fewer passes: a document shares a tile
     with the one before it when it starts inside a block."""
@@ -57,39 +93,54 @@ def packed_tiles(offsets: np.ndarray, sizes: np.ndarray, block: int, causal: boo
     m = (offsets + sizes - 1) // block
     m -= first
     m += 1
-    t = own_tiles(m, causal)
+    t = own_tiles(m, causal, reach)
     first *= block
     t -= first != offsets
     return t
 
 
 def bin_tiles(
-    bins: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, nbins: int, block: int, causal: bool
+    bins: np.ndarray,
+    offsets: np.ndarray,
+    sizes: np.ndarray,
+    nbins: int,
+    block: int,
+    causal: bool,
+    reach: int | None = None,
 ) -> np.ndarray:
     """Tiles per bin (a row, or a device's encoder row) of documents placed at (bin, offset):
-    any order, empty documents ignored."""
+    any order, empty documents ignored; `reach`: a sliding window's (`window_reach`)."""
     keep = sizes > 0
     bins, offsets, sizes = bins[keep], offsets[keep], sizes[keep]
     order = np.lexsort((offsets, bins))
     b, o, s = bins[order], offsets[order], sizes[order]
     prev_end = np.zeros(len(b), np.int64)
     prev_end[1:] = np.where(b[1:] == b[:-1], (o + s)[:-1], 0)
-    return np.bincount(b, item_tiles(o, s, block, causal, prev_end), nbins).astype(np.int64)
+    tiles = item_tiles(o, s, block, causal, prev_end, reach)
+    return np.bincount(b, tiles, nbins).astype(np.int64)
 
 
-def expected_tiles(sizes: np.ndarray, block: int, causal: bool) -> np.ndarray:
+def expected_tiles(
+    sizes: np.ndarray, block: int, causal: bool, reach: int | None = None
+) -> np.ndarray:
     """Tiles an item of `sizes` units adds on average over where in a block it starts (uniform),
     right after another one: what a planner equalises before it knows the offsets (float64)."""
     n = np.maximum(np.asarray(sizes, np.int64), 1)
     q, r = np.divmod(n - 1, block)  # it spans q + 1 blocks from a boundary, q + 2 from later
-    near = own_tiles(q + 1, causal).astype(np.float64)
-    far = own_tiles(q + 2, causal).astype(np.float64)
+    near = own_tiles(q + 1, causal, reach).astype(np.float64)
+    far = own_tiles(q + 2, causal, reach).astype(np.float64)
     shared = (block - 1) / block
     return ((block - r) * near + r * far) / block - shared
 
 
 def packed_density(
-    sizes: np.ndarray, row_len: int, block: int, causal: bool, most: int = 20000, seed: int = 0
+    sizes: np.ndarray,
+    row_len: int,
+    block: int,
+    causal: bool,
+    most: int = 20000,
+    seed: int = 0,
+    reach: int | None = None,
 ) -> float:
     """Tiles per unit of documents of `sizes` laid one after another into rows of `row_len`
     units, as a packer lays them (up to `most` of them, in random order; a document that does
@@ -106,7 +157,8 @@ def packed_density(
             row, used = row + 1, 0
         rows[i], offsets[i] = row, used
         used += size
-    return float(bin_tiles(rows, offsets, n, row + 1, block, causal).sum() / n.sum())
+    tiles = bin_tiles(rows, offsets, n, row + 1, block, causal, reach)
+    return float(tiles.sum() / n.sum())
 
 
 def tile_list(
@@ -116,11 +168,13 @@ def tile_list(
     row_blocks: int,
     block: int,
     causal: bool,
+    reach: int | None = None,
 ) -> np.ndarray:
     """The (query block, key block) tiles [K, 2] of one device's documents (row `rows`, at
     `offsets` within it, of `sizes`), blocks numbered over the device's rows flattened, sorted
     by query block then key block (documents come in order and each one's tiles in that order
-    already), each tile once."""
+    already), each tile once; with a sliding window (`reach`, causal), a query block's key
+    blocks from `reach` before it on (`own_tiles`)."""
     keep = sizes > 0
     order = np.lexsort((offsets[keep], rows[keep]))
     o = offsets[keep][order]
@@ -131,8 +185,11 @@ def tile_list(
     doc = np.repeat(np.arange(len(a)), m)
     q = a[doc] + _ranks(m)
     n_k = (q - a[doc] + 1) if causal else m[doc]
+    if causal and reach is not None:
+        n_k = np.minimum(n_k, reach + 1)
+    first = q - n_k + 1 if causal else a[doc]  # (each query block's first key block)
     t = np.repeat(np.arange(len(q)), n_k)
-    k = a[doc[t]] + _ranks(n_k)
+    k = first[t] + _ranks(n_k)
     q = q[t]
     # Neighbours share one diagonal tile, and it comes twice in a row: keep the first.
     dup = np.zeros(len(q), bool)
@@ -163,11 +220,11 @@ def document_starts(seg: np.ndarray) -> np.ndarray:
     return new
 
 
-def segment_tiles(segment_ids: np.ndarray, block: int, causal: bool):
+def segment_tiles(segment_ids: np.ndarray, block: int, causal: bool, reach: int | None = None):
     """The tiles of buckets of packed rows [buckets, rows, T] (a document is a run of one
     non-zero segment id; a bucket's rows are numbered one after another, block
     `r * T / block + b`): (tiles [K, 2] numbered within their bucket, their bucket [K]), by
-    bucket, then query block, then key block."""
+    bucket, then query block, then key block; `reach`: a sliding window's (`window_reach`)."""
     n, rows, t = segment_ids.shape
     seg = segment_ids.reshape(n * rows, t)
     line, start = np.nonzero(
@@ -177,16 +234,19 @@ def segment_tiles(segment_ids: np.ndarray, block: int, causal: bool):
     end[:, :-1] = seg[:, 1:] != seg[:, :-1]
     end &= seg > 0
     last = np.nonzero(end)[1]
-    tiles = tile_list(start, last - start + 1, line, t // block, block, causal)
+    tiles = tile_list(start, last - start + 1, line, t // block, block, causal, reach)
     bucket = tiles[:, 0] // (rows * (t // block))
     return tiles - (bucket * rows * (t // block))[:, None], bucket
 
 
-def from_segments(segment_ids: np.ndarray, block: int, causal: bool, capacity: int) -> np.ndarray:
+def from_segments(
+    segment_ids: np.ndarray, block: int, causal: bool, capacity: int, reach: int | None = None
+) -> np.ndarray:
     """Padded tile lists [buckets, capacity, 2] of buckets of packed rows [buckets, rows, T]
-    (`segment_tiles`). Raises TileOverflow when a bucket needs more than `capacity` tiles."""
+    (`segment_tiles`; `reach`: a sliding window's). Raises TileOverflow when a bucket needs
+    more than `capacity` tiles."""
     n = segment_ids.shape[0]
-    tiles, bucket = segment_tiles(segment_ids, block, causal)
+    tiles, bucket = segment_tiles(segment_ids, block, causal, reach)
     count = np.bincount(bucket, minlength=n)
     if (count > capacity).any():
         worst = int(np.argmax(count))
