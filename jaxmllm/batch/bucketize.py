@@ -19,7 +19,9 @@ and per encoder phase of the table (`jaxmllm.config.phases`) the model has, for 
 an encoder's `input_width` and `position_dims` shape its arrays; an item narrower than its
 bucket's inputs repeats to fill them: an image's one frame in a vision bucket of
 `temporal_patch`-frame patches, which videos' temporal patches fill as they are). With
-block-sparse attention each phase has `<phase>_tiles` [M, D, tiles, 2] too.
+block-sparse attention each phase has `<phase>_tiles` [M, D, tiles, 2] too, and a decoder with
+sliding-window layers `llm_window_tiles` [M, D, window tiles, 2]: the tiles some window reaches,
+which those layers compute (`window_tile_cap`; not under context groups).
 
 Segment ids are 1, 2, ... per sample (per item in the encoder rows) and 0 for padding.
 `llm_*_src[t] = -1` unless token t is a placeholder slot (of any kind of its phase: an image's
@@ -51,7 +53,27 @@ from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.specials import RESERVED, Specials
 from jaxmllm.plan.contract import Capacities, StepPlan
-from jaxmllm.plan.tiles import TileOverflow, document_starts, from_segments
+from jaxmllm.plan.tiles import (
+    TileOverflow,
+    document_starts,
+    from_segments,
+    window_capacity,
+    window_reach,
+)
+
+
+def window_tile_cap(spec: BatchSpec, variant: int = 0) -> int:
+    """The windowed layers' tile capacity of a bucket (`llm_window_tiles`) in a step of
+    `variant`; 0 where they have no list of their own (no sliding window, not block-sparse,
+    or context groups, whose rows are dealt to ranks: they take the row's tiles there). Never
+    planned: the windowed tiles of any bucket fit the fewer of its causal capacity and the band
+    of tiles a window reaches (`plan.tiles.window_capacity`)."""
+    if not (spec.window and spec.tiled) or spec.context > 1:
+        return 0
+    block = spec.attention_block
+    reach = window_reach(spec.window, block)
+    causal = spec.tile_caps(variant)[LLM]
+    return window_capacity(causal, spec.llm_rows, spec.llm_row_len // block, reach)
 
 
 def batch_shapes(
@@ -89,6 +111,8 @@ def batch_shapes(
             out[f"{p.name}_send_count"] = (lead + (devices,), np.int32)
     for phase, cap in spec.tile_caps(variant).items():  # (block-sparse attention)
         out[f"{phase}_tiles"] = (lead + (cap, 2), np.int32)
+    if window_tile_cap(spec, variant):  # (the sliding-window layers' own)
+        out["llm_window_tiles"] = (lead + (window_tile_cap(spec, variant), 2), np.int32)
     return out
 
 
@@ -162,6 +186,16 @@ def bucketize(
             _write_items(batch, p, plan, samples, slots, caps, (local, home, split), units)
     if tile_caps:  # block-sparse attention
         _write_tiles(batch, cfg, tile_caps, spec.attention_block, plan, pos, grouped)
+        if "llm_window_tiles" in batch:
+            rows = batch["llm_segment_ids"]
+            m_n, d_n = rows.shape[:2]
+            cap = batch["llm_window_tiles"].shape[2]
+            reach = window_reach(spec.window, spec.attention_block)
+            # (never over: `window_tile_cap`, and `_write_tiles` held the causal capacity)
+            tiles = from_segments(
+                rows.reshape(m_n * d_n, *rows.shape[2:]), spec.attention_block, True, cap, reach
+            )
+            batch["llm_window_tiles"] = tiles.reshape(m_n, d_n, cap, 2)
     if spec.documents:  # cuDNN attention, a tower's class tokens
         _check_documents(batch, cfg, spec, plan.step, pos)
     return batch

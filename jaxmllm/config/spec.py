@@ -123,6 +123,10 @@ class BatchSpec:
     # ... with their reference log-probs given (preference.reference: precomputed): each
     # document's on its first token (`llm_reference`)
     pair_reference: bool = False
+    # The decoder's sliding window in tokens (`model.llm.window.size` where some layer has it;
+    # 0: none): block-sparse buckets carry the windowed layers' own tile list
+    # (`jaxmllm.batch.bucketize.window_tile_cap`)
+    window: int = 0
 
     @property
     def group_row_len(self) -> int:
@@ -233,6 +237,7 @@ class BatchSpec:
             per_token={p.name: p.per_token(m) for p in ENCODERS},
             per_row={p.name: p.per_row(m) for p in ENCODERS},
             sample_units={p.name: p.bucket(b) for p in enabled(m)} if b.capacity == "fixed" else {},
+            window=m.llm.window.size if m.llm.window.enabled else 0,
         )
 
 

@@ -14,7 +14,10 @@ says so in one of two forms, and `Attention` computes with whichever it gets:
 A layer with a sliding window (`Attention.window`: Gemma's local layers) narrows whichever form
 it gets: a query sees itself and the `window` - 1 tokens before it, of its own document still
 (`windowed`; transformers' convention, key index > query index - window). The packing is the
-row's, shared by every layer; the window is the layer's.
+row's, shared by every layer; the window is the layer's. Block-sparse packing may carry a second
+tile list for the windowed layers (`Packing.window_tiles`, `jaxmllm.plan.tiles.window_reach`):
+only the tiles some window reaches, so the tiles wholly outside every window are skipped, not
+scored and masked; without it (context groups, a prefill) those layers take the row's list.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ class Packing:
     segment_ids: jax.Array  # [B, T] document of each token, 0 for padding
     mask: jax.Array | None = None  # [B, 1, T, T] dense
     tiles: jax.Array | None = None  # [B, K, 2] block-sparse, -1 for padding tiles
+    # [B, K', 2] block-sparse: the tiles the sliding-window layers compute (those some window
+    # reaches, K' <= K); None: they take `tiles` and mask what is outside their window
+    window_tiles: jax.Array | None = None
     block: int = dataclasses.field(default=0, metadata=dict(static=True))
     causal: bool = dataclasses.field(default=False, metadata=dict(static=True))
     kind: str = dataclasses.field(default="dense", metadata=dict(static=True))
@@ -70,12 +76,15 @@ def packing(
     context: bool = False,
     row: int = 0,
     order_bt: jax.Array | None = None,
+    window_tiles_bk2: jax.Array | None = None,
 ) -> Packing:
     """The `Packing` of rows with these segment ids for attention `kind` (`model.attention`);
     `documents`: cudnn's bound on documents per row (`batch.*_documents`, 0: the row length);
     `context`: block-sparse rows split over the mesh's context groups, when it has them;
     `row`: tokens a row when several lie end to end in one (`Packing.row`); `order_bt`: each
-    token's index in its document where the rotary positions are not it (`Packing.order`)."""
+    token's index in its document where the rotary positions are not it (`Packing.order`);
+    `window_tiles_bk2`: the windowed layers' tiles (`Packing.window_tiles`; not with context
+    groups, whose lists are dealt to ranks: the windowed layers take the row's there)."""
     if kind == "block_sparse":
         if tiles_bk2 is None:
             raise ValueError("block-sparse attention needs the tile list (batch *_tiles)")
@@ -83,6 +92,7 @@ def packing(
         return Packing(
             segment_ids_bt,
             tiles=tiles_bk2,
+            window_tiles=None if context else window_tiles_bk2,
             block=block,
             causal=causal,
             kind=kind,
@@ -244,12 +254,13 @@ class Attention(nnx.Module):
                 window=self.window,
             )
         elif pack.kind == "block_sparse":
+            narrow = self.window and pack.window_tiles is not None
             out_bthe = blocksparse.attend(
                 q_bthe,
                 k_bske,
                 v_bske,
                 pack.segment_ids,
-                pack.tiles,
+                pack.window_tiles if narrow else pack.tiles,
                 block=pack.block,
                 causal=pack.causal,
                 window=self.window,

@@ -59,7 +59,8 @@ def attend(
       block: tokens per block.
       causal: keys after the query are masked too.
       window: a query sees only itself and the window - 1 tokens before it (0: no window);
-        the tiles wholly outside it are scored and masked, not skipped.
+        the tiles wholly outside it are scored and masked, unless the list leaves them out
+        (`jaxmllm.plan.tiles.window_reach`: the windowed layers' own list).
 
     Returns:
       [B, T, heads, head_dim] in the queries' dtype.

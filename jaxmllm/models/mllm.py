@@ -169,6 +169,7 @@ class MultimodalLM(nnx.Module):
             row=mb["llm_segment_ids"].shape[-1],  # (block-sparse lays a device's rows end to end)
             added_kbtd=None if added_kdrlw is None else as_rows(added_kdrlw),
             order_bt=self.decoder_order(mb),
+            window_tiles_bk2=mb.get("llm_window_tiles"),
         )
         return h.reshape(*mb["llm_tokens"].shape, -1), stats
 

@@ -236,7 +236,12 @@ class _Ticks:
     def _llm(self, carry, mb, ic):
         model = self.model
         segment_ids, positions = model.decoder_rows(mb)
-        pack = model.llm.packing(segment_ids, mb.get("llm_tiles"), order_bt=model.decoder_order(mb))
+        pack = model.llm.packing(
+            segment_ids,
+            mb.get("llm_tiles"),
+            order_bt=model.decoder_order(mb),
+            window_tiles_bk2=mb.get("llm_window_tiles"),
+        )
 
         def enter(carry):
             rows = {
