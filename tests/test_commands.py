@@ -45,7 +45,11 @@ CASES = {  # module: [argv, ...]
     ],
     "jaxmllm.config.reference": [["--nope"]],  # (takes no config)
     "jaxmllm.cost.calibrate": [["/nonexistent-jaxmllm/run"]],
-    "jaxmllm.bench.attention": [["--mix", "nope"], ["--rows", "256"]],  # (no document fits)
+    "jaxmllm.bench.attention": [
+        ["--mix", "nope"],
+        ["--rows", "256"],  # (no document fits)
+        ["--kind", "vision", "--window", "64"],  # (a window is a decoder's)
+    ],
     "jaxmllm.bench.balance": [["--lengths", "/nonexistent-jaxmllm/lengths.jsonl"]],
     "jaxmllm.bench.compile": [["--config", MISSING], ["--config", TINY, "--set", "mesh.fsdp=3"]],
     "jaxmllm.bench.context": [["--mix", "nope"]],
@@ -291,7 +295,7 @@ GOOD = [  # (module, argv): each command's main path once, small, in the order t
         ["--manifest", "{tmp}/ds/manifest.jsonl", "--out", "{tmp}/x.array_record"],
     ),
     ("jaxmllm.config.reference", ["--out", "{tmp}/reference.md"]),
-    ("jaxmllm.bench.attention", ["--rows", "2048", "--repeat", "1"]),
+    ("jaxmllm.bench.attention", ["--rows", "2048", "--repeat", "1", "--window", "512"]),
     ("jaxmllm.bench.balance", ["--mix", "omni", "--devices", "8", "--max-steps", "3"]),
     ("jaxmllm.bench.compile", ["--config", TINY, "--depth", "2", "--set", "batch.capacity=fixed"]),
     (

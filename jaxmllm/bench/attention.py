@@ -1,7 +1,7 @@
 """Dense vs block-sparse attention on one packed row: time, memory and tiles.
 
     python -m jaxmllm.bench.attention [--rows 2048,8192,32768] [--mix chartqa] [--block 128]
-        [--json OUT]
+        [--window W] [--json OUT]
 
 A row of `row_len` tokens is packed with documents drawn from a length table (the LLM tokens of
 each sample: text plus merged image tokens, a sample longer than the row skipped), in the
@@ -20,7 +20,12 @@ attention over the row's tile list (`jaxmllm.plan.tiles`). Reported per row leng
   (L2 over the real positions) against block-sparse at `--dtype`;
 - `tiles`: tiles computed (the row's tile list); `doc_tiles`: the documents' own tiles, each
   document alone from a block boundary (its causal triangle over ceil(n / block) blocks), the
-  least any schedule of these documents computes; `tiles / doc_tiles` is the packing overhead.
+  least any schedule of these documents computes; `tiles / doc_tiles` is the packing overhead;
+- with `--window W` (a sliding-window layer, Gemma's local ones; llm only): `window_tiles`, the
+  tiles some window of W tokens reaches (the windowed layers' own list), `window_s` block-sparse
+  over that list and `masked_s` over the row's causal list masked to the window (what a
+  windowed layer computes without skipping), `window_err` the first's relative error against
+  the second (L2 over the real positions).
 """
 
 from __future__ import annotations
@@ -174,6 +179,8 @@ def measure(row_len: int, args) -> dict:
     row["dense_s"] = (
         median_time(dense_c, dense_args, args.repeat) if row["dense_measured"] else None
     )
+    if getattr(args, "window", 0):
+        row.update(_windowed(args, offsets, sizes, row_len, (q, k, v, w, seg), seg_np > 0))
     if jax.default_backend() == "gpu":
         packed = cudnn.segments(seg, len(sizes))
         fused_fwd = lambda q, k, v, s: cudnn.attend(q, k, v, s, *packed, causal=causal)
@@ -184,6 +191,30 @@ def measure(row_len: int, args) -> dict:
         got = jax.jit(fused_fwd)(q, k, v, seg)
         row["cudnn_err"] = _rel_err(got, want, seg_np > 0)
     return row
+
+
+def _windowed(args, offsets, sizes, row_len: int, inputs, real) -> dict:
+    """A sliding-window layer over the row: its own tile list (`plan.tiles.window_reach`) and the
+    causal one masked to the window, timed forward + backward, and the error between them."""
+    reach = T.window_reach(args.window, args.block)
+    rows = np.zeros(len(sizes), np.int64)
+    lists = {
+        name: jnp.asarray(
+            T.tile_list(offsets, sizes, rows, row_len // args.block, args.block, True, r), jnp.int32
+        )[None]
+        for name, r in (("window", reach), ("masked", None))
+    }
+    fwd = lambda q, k, v, s, t: blocksparse.attend(
+        q, k, v, s, t, block=args.block, causal=True, window=args.window
+    )
+    out = {"window": args.window, "window_tiles": int(lists["window"].shape[1])}
+    for name, tl in lists.items():
+        call = (*inputs, tl)
+        out[f"{name}_s"] = median_time(_grad_fn(fwd).lower(*call).compile(), call, args.repeat)
+    q, k, v, _, seg = inputs
+    got, want = (jax.jit(fwd)(q, k, v, seg, lists[n]) for n in ("window", "masked"))
+    out["window_err"] = _rel_err(got, want, real)
+    return out
 
 
 def extrapolate(rows: list[dict]) -> None:
@@ -206,6 +237,9 @@ def table(rows: list[dict]) -> str:
     fused = any("cudnn_s" in r for r in rows)
     if fused:
         cols += ["cudnn s", "cudnn MiB", "cudnn err"]
+    windowed = any("window_s" in r for r in rows)
+    if windowed:
+        cols += ["window tiles", "masked s", "window s", "skip speed-up", "window err"]
     mib = lambda b: cell(b, ".0f", unit=2**20)
     lines = []
     for r in rows:
@@ -227,6 +261,14 @@ def table(rows: list[dict]) -> str:
         if fused:
             cells += [cell(r.get("cudnn_s"), ".4f"), mib(r.get("cudnn_bytes"))]
             cells.append(cell(r.get("cudnn_err"), ".1e"))
+        if windowed:
+            cells += [
+                str(r["window_tiles"]),
+                cell(r["masked_s"], ".4g"),
+                cell(r["window_s"], ".4g"),
+            ]
+            cells += [cell(ratio(r["masked_s"], r["window_s"]), ".1f", "x")]
+            cells.append(cell(r["window_err"], ".1e"))
         lines.append(cells)
     return markdown(cols, lines)
 
@@ -248,6 +290,13 @@ def main(argv: list[str] | None = None) -> None:
         choices=["llm", "vision"],
         help="llm: causal, over the samples' LLM tokens; vision: over their images' patches",
     )
+    p.add_argument(
+        "--window",
+        type=int,
+        default=0,
+        help="also a sliding-window layer of this many tokens (llm): its own tile list against "
+        "the causal one masked to the window (0: none)",
+    )
     p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (median)")
     p.add_argument(
         "--dense-max",
@@ -263,6 +312,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
+    if args.window < 0 or (args.window and args.kind != "llm"):
+        p.error(f"--window {args.window}: a window is a decoder's (--kind llm), of >= 1 tokens")
     rows = []
     for part in args.rows.split(","):
         row_len = int(part)
@@ -275,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}, mix {args.mix} ({args.kind}), "
         f"block {args.block}, {args.heads} heads / {args.kv_heads} kv heads of {args.head_dim}, "
         f"{args.dtype}, forward + backward of one row"
+        + (f", window {args.window}" if args.window else "")
     )
     print(table(rows))
     if args.json:
