@@ -1,5 +1,6 @@
 """The cost model's calibration: per-device work of a batch, fitting measured step times, and
-the files it reads and writes (timings.jsonl, cost_calibrated.json)."""
+the files it reads and writes (timings.jsonl, cost_calibrated.json); a decoder's sliding-window
+layers priced by their window."""
 
 import json
 from dataclasses import replace
@@ -9,9 +10,14 @@ import pytest
 
 from jaxmllm.batch.counts import step_work
 from jaxmllm.config import load_config, to_dict
+from jaxmllm.cost import training
 from jaxmllm.cost.calibrate import main, read_timings
 from jaxmllm.cost.model import PHASES, CostFileError, CostModel, PhaseCost
 from jaxmllm.loop.timings import TimingsRecorder
+
+WINDOW = 16
+# Gemma 3's shape on the tiny config: 5 sliding-window layers, then a full one
+GEMMA = ["model.llm.depth=6", f"model.llm.window.size={WINDOW}", "model.llm.window.every=6"]
 
 
 def _run_dir(tmp_path, rows):
@@ -167,3 +173,89 @@ def test_calibrated_model_predicts_in_the_metrics_and_a_bad_one_stops_the_run(tm
     (tmp_path / "cost.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"train.cost_file: .*cost.json: not a cost model"):
         calibrated_cost(cfg)
+
+
+# ----------------------------------------------------------------------------- sliding windows
+
+
+def _llm_costs():
+    """The LLM's cost of the Gemma-shaped tiny config and of its twin with full attention in
+    every layer."""
+    windowed = CostModel.from_model(load_config("configs/tiny.yaml", GEMMA).model)
+    full = CostModel.from_model(load_config("configs/tiny.yaml", GEMMA[:1]).model)
+    return windowed, full
+
+
+def test_a_sliding_window_layer_costs_a_full_one_up_to_its_window_and_linearly_beyond():
+    """Five windowed layers of six: a document no longer than the window costs what it costs
+    with full attention everywhere; past it, the windowed layers' part grows by the same
+    amount per token (2 w a layer), so at 64 windows its attention costs a fifth of the full
+    twin's. Every layer computes the row's whole tile list, so a tile weighs the same."""
+    windowed, full = _llm_costs()
+    gemma, twin = windowed.phase("llm"), full.phase("llm")
+    assert (gemma.window, twin.window) == (WINDOW, 0)
+    assert gemma.linear == twin.linear  # (same projections in every kind of layer)
+    assert (gemma.quadratic, gemma.windowed) == pytest.approx(
+        (twin.quadratic / 6, twin.quadratic * 5 / 6)
+    )
+    short = np.arange(1, WINDOW + 1)
+    np.testing.assert_allclose(gemma.item_cost(short), twin.item_cost(short), rtol=1e-12)
+    long = np.arange(WINDOW, 64 * WINDOW)
+    local = gemma.item_cost(long) - gemma.quadratic * long.astype(float) ** 2
+    np.testing.assert_allclose(np.diff(local), gemma.linear + 2 * WINDOW * gemma.windowed)
+    n = 64 * WINDOW  # (attention: the full layer's sixth and 5 / 6 of 2 w / n of the rest)
+    assert gemma.attention_cost(n) < 0.2 * twin.attention_cost(n)
+    assert windowed.tile_weights(32, {})["llm"] == pytest.approx(full.tile_weights(32, {})["llm"])
+
+
+def _pairs(n: int, window: int = 0) -> int:
+    """Key-query pairs a causal document of `n` tokens has, counted on its mask: key <= query,
+    and with a window key > query - window (`models.attention.windowed`)."""
+    query, key = np.arange(n)[:, None], np.arange(n)[None, :]
+    mask = key <= query
+    if window:
+        mask &= key > query - window
+    return int(mask.sum())
+
+
+def test_the_full_and_windowed_terms_count_the_key_query_pairs():
+    """The LLM's attention part against the pairs its six layers' masks hold, counted: 4 q
+    FLOPs a pair forward (scores and values), times the training multiplier, where n**2 / 2
+    counts a full layer's diagonal half (n (n + 1) / 2 - n / 2) and window_sq / 2 a windowed
+    one's min(n, w) keys half. Priced as six full layers, a document past the window is off."""
+    cfg = load_config("configs/tiny.yaml", GEMMA)
+    lm, (windowed, full) = cfg.model.llm, _llm_costs()
+    per_pair = 4 * lm.heads * lm.head_width * training.modules(cfg.model)["llm"].multiplier
+    windows = [WINDOW if lm.window.is_sliding(i) else 0 for i in range(lm.depth)]
+    assert windows == [WINDOW] * 5 + [0]
+    gemma = windowed.phase("llm")
+    for n in range(1, 3 * WINDOW):
+        counted = sum(_pairs(n, w) - min(n, w or n) / 2 for w in windows)
+        assert gemma.item_cost(n) - gemma.linear * n == pytest.approx(per_pair * counted), n
+    twin = full.phase("llm")
+    assert twin.item_cost(n) - twin.linear * n > 1.5 * per_pair * counted  # (n = 47)
+
+
+def test_cost_files_carry_the_window_and_older_ones_read_without(tmp_path):
+    """to_dict / from_file keep the windowed term and its window; a file written before them
+    (no windowed, no window) reads as no window; a window that is no token count is refused,
+    naming the file."""
+    windowed, full = _llm_costs()
+    path = tmp_path / "cost.json"
+    for model in (windowed, full):
+        path.write_text(json.dumps(model.to_dict()))
+        assert CostModel.from_file(path) == model
+    assert json.loads(path.read_text())["phases"]["llm"]["window"] == 0
+    path.write_text(json.dumps(windowed.to_dict()))
+    assert CostModel.from_file(path).phase("llm").window == WINDOW
+    old = windowed.to_dict()
+    for t in old["phases"].values():
+        del t["windowed"], t["window"]
+    path.write_text(json.dumps(old))
+    got, want = CostModel.from_file(path).phase("llm"), windowed.phase("llm")
+    assert got == PhaseCost(want.linear, want.quadratic, 0.0, 0)
+    bad = windowed.to_dict()
+    bad["phases"]["llm"]["window"] = 2.5
+    path.write_text(json.dumps(bad))
+    with pytest.raises(CostFileError, match=r"cost.json: not a cost model .*window must be"):
+        CostModel.from_file(path)

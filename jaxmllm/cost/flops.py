@@ -5,10 +5,12 @@ times the training multipliers).
 Per transformer layer and token (hidden d, key/value width d_kv, gated-MLP width f):
 2 * (2 d d_q + 2 d d_kv + 3 d f). A mixture-of-experts layer's MLP is its router, the top_k
 experts a token visits and its shared expert: the active parameters (`decoder_linear`). A
-hybrid decoder's layers are of two kinds: full attention (its q projection twice as wide with
-an output gate), quadratic in a document's tokens, and Gated DeltaNet linear attention
-(`linear_attention`), linear in tokens: only the full-attention layers count in the
-decoder's quadratic term (`full_layer_count`).
+decoder's attention layers are of three kinds, each with the same projections: full attention
+(a hybrid's q projection twice as wide with an output gate), quadratic in a document's tokens
+(`full_layer_count`); sliding-window attention (Gemma 3's local layers), quadratic up to the
+window and linear beyond it (`sliding_layer_count`, priced by `cost.model.window_sq`); and
+Gated DeltaNet linear attention (`linear_attention`), linear in tokens, its whole cost in the
+linear term.
 """
 
 from __future__ import annotations
@@ -94,9 +96,20 @@ def linear_layer_count(lm: LLMConfig) -> int:
     return len(lm.linear_layers)
 
 
+def sliding_layer_count(lm: LLMConfig) -> int:
+    """The decoder's sliding-window layers (`config.decoder.WindowConfig.is_sliding`)."""
+    return sum(lm.layer_kind(i).sliding for i in range(lm.depth))
+
+
+def sliding_window(lm: LLMConfig) -> int:
+    """The tokens a sliding-window layer's query sees, 0 when no layer slides."""
+    return lm.window.size if sliding_layer_count(lm) else 0
+
+
 def full_layer_count(lm: LLMConfig) -> int:
-    """The decoder's full-attention layers: the ones whose cost is quadratic in a document."""
-    return lm.depth - linear_layer_count(lm)
+    """The decoder's full-attention layers (neither linear nor sliding): the ones whose cost
+    is quadratic in a whole document."""
+    return lm.depth - linear_layer_count(lm) - sliding_layer_count(lm)
 
 
 def linear_attention(lm: LLMConfig) -> float:

@@ -5,7 +5,9 @@ Per transformer layer and item of n tokens (hidden d, key/value width d_kv, gate
 
     fwd(n) = 2*n*(2*d*d + 2*d*d_kv + 3*d*f) + 4*n*n*d      (x 1/2 on the n*n term when causal)
 
-so an item costs `linear * n + quadratic * n * n`. Training multiplies the forward by 3 for a
+so an item costs `linear * n + quadratic * n * n`; a decoder's sliding-window layers (window
+w) see at most w keys a query, and add `windowed * window_sq(n, w)` instead (n * n up to the
+window, 2 n w - w * w beyond it: linear in n). Training multiplies the forward by 3 for a
 trainable module, by 2 for a frozen module that still passes gradients to something trainable
 below it (closer to the input), by 1 for a frozen module with nothing trainable below. Encoders
 have nothing below them; the LLM has the projectors and encoders below it.
@@ -13,18 +15,21 @@ have nothing below them; the LLM has the projectors and encoders below it.
 Units are the lengths index's: LLM tokens, vision patches, audio log-mel frames (the audio
 transformer runs on frames / subsample rows, folded into the coefficients). An LLM item is a
 document, what attention sees: a preference pair is two (its chosen and rejected documents,
-n1 + n2 tokens of linear work, n1**2 + n2**2 of quadratic), as a step's FLOPs count them from
-its segments (`jaxmllm.batch.counts`) and the planner from the index's `split`.
+n1 + n2 tokens of linear work, n1**2 + n2**2 of quadratic, its windowed term per document
+too), as a step's FLOPs count them from its segments (`jaxmllm.batch.counts`) and the planner
+from the index's `split`.
 
 Calibrated on a run's measured step times: `jaxmllm.cost.calibrate` (`CostModel.from_file` reads
 what it writes).
 
-The planners do not read it yet: they equalise the sum of squared item sizes per phase across
-devices.
+The planners do not read it yet: they equalise each phase's attention cost across devices,
+squared item sizes or, with block-sparse attention, the tiles every attention layer computes
+(`jaxmllm.plan.bins`), blind to windows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,6 +47,8 @@ from jaxmllm.cost.flops import (
     decoder_adapters,
     decoder_linear,
     full_layer_count,
+    sliding_layer_count,
+    sliding_window,
 )
 from jaxmllm.cost.training import multiplier
 
@@ -66,19 +73,27 @@ def window_sq(n, window: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PhaseCost:
-    """Cost of one item of n units: linear * n + quadratic * n**2."""
+    """Cost of one item of n units: linear * n + quadratic * n**2 + windowed * window_sq(n,
+    window) (the last the LLM's sliding-window layers'; 0 elsewhere)."""
 
     linear: float
     quadratic: float
+    windowed: float = 0.0  # the coefficient on window_sq(n, window)
+    window: int = 0  # tokens a sliding-window layer's query sees (0: no such layers)
+
+    def attention_cost(self, n: np.ndarray) -> np.ndarray:
+        """The quadratic and windowed part of items of `n` units each (float64)."""
+        n = np.asarray(n, np.float64)
+        return self.quadratic * n * n + self.windowed * window_sq(n, self.window)
 
     def item_cost(self, n: np.ndarray) -> np.ndarray:
         """Cost of items of `n` units each, elementwise (float64)."""
-        n = np.asarray(n, np.float64)
-        return self.linear * n + self.quadratic * n * n
+        return self.linear * np.asarray(n, np.float64) + self.attention_cost(n)
 
-    def work_cost(self, units, sq):
-        """Cost of items with `units` in all and `sq` their summed squared sizes."""
-        return self.linear * units + self.quadratic * sq
+    def work_cost(self, units, sq, wsq=0.0):
+        """Cost of items with `units` in all, `sq` their summed squared sizes and `wsq` their
+        summed `window_sq(size, window)`."""
+        return self.linear * units + self.quadratic * sq + self.windowed * wsq
 
 
 @dataclass(frozen=True)
@@ -100,25 +115,35 @@ class CostModel:
         what a bucket's capacity costs whether it holds real work or padding. A tile is
         computed whole, so a causal phase's (the LLM's, whose quadratic term counts half the
         pairs) costs twice its coefficient per pair; an encoder row is `per_row[phase]` units
-        (1 where missing)."""
+        (1 where missing). A row's tile list is every attention layer's, the window only
+        masking within a tile, so a sliding-window layer computes the same tiles as a full
+        one: a tile costs the full and the windowed layers' coefficients together."""
         out = {}
         for p in PHASES:
+            c = self.phase(p)
             side = block * (1 if p == LLM else per_row.get(p, 1))
             half = 2.0 if p == LLM else 1.0
-            out[p] = (self.phase(p).linear, half * self.phase(p).quadratic * side**2)
+            out[p] = (c.linear, half * (c.quadratic + c.windowed) * side**2)
         return out
 
-    def step_cost(self, work: dict[str, float]) -> float:
-        """Overhead plus each phase's cost of `work` (`{phase}_units`, `{phase}_sq` keys)."""
-        total = self.overhead
+    def phases_cost(self, work: Mapping) -> np.ndarray | float:
+        """Each phase's cost of `work` summed, no overhead (`{phase}_units`, `{phase}_sq` and
+        `{phase}_wsq` keys, 0 where missing; floats, or arrays over buckets elementwise)."""
+        return sum(self._each_phase(work))
+
+    def step_cost(self, work: Mapping) -> float:
+        """Overhead plus each phase's cost of a step's `work` (`phases_cost`)."""
+        return float(sum(self._each_phase(work), self.overhead))
+
+    def _each_phase(self, work: Mapping):
+        """Each phase's cost of `work`, in the table's order."""
         for p in PHASES:
-            total += self.phase(p).work_cost(work.get(f"{p}_units", 0.0), work.get(f"{p}_sq", 0.0))
-        return float(total)
+            units, sq, wsq = (work.get(f"{p}_{k}", 0.0) for k in ("units", "sq", "wsq"))
+            yield self.phase(p).work_cost(units, sq, wsq)
 
     def to_dict(self) -> dict:
         """The model as its JSON file holds it (`from_file` reads it back)."""
-        terms = {p: self.phase(p) for p in PHASES}
-        phases = {p: {"linear": c.linear, "quadratic": c.quadratic} for p, c in terms.items()}
+        phases = {p: dataclasses.asdict(self.phase(p)) for p in PHASES}
         return {"unit": self.unit, "overhead": self.overhead, "phases": phases}
 
     @classmethod
@@ -135,16 +160,14 @@ class CostModel:
         except json.JSONDecodeError as e:
             raise CostFileError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
         try:
-            terms = {p: raw["phases"][p] for p in PHASES}
-            phases = {
-                p: PhaseCost(float(t["linear"]), float(t["quadratic"])) for p, t in terms.items()
-            }
+            phases = {p: _phase_cost(raw["phases"][p]) for p in PHASES}
             model = cls(phases, unit=str(raw["unit"]), overhead=float(raw["overhead"]))
         except (KeyError, TypeError, ValueError) as e:
             raise CostFileError(
                 f"{path}: not a cost model ({type(e).__name__}: {e}); expected "
                 '{"unit": ..., "overhead": ..., "phases": {"llm": {"linear": ..., '
-                f'"quadratic": ...}}, one such per phase of {", ".join(PHASES)}}}'
+                '"quadratic": ..., "windowed": ..., "window": ...}}, one such per phase of '
+                f"{', '.join(PHASES)}}} (windowed and window optional, 0 without)"
             ) from None
         if model.unit not in ("flops", "seconds"):
             raise CostFileError(f"{path}: unit must be flops or seconds, got {model.unit!r}")
@@ -159,11 +182,19 @@ class CostModel:
         head = lm.head_dim or lm.width // lm.heads
         q = head * lm.heads  # query (and output) width
         llm_lin = decoder_linear(lm) + 2 * lm.width * lm.vocab_size
-        # causal: half of 4*d; full-attention layers only (a hybrid's linear ones: llm_lin)
-        llm_quad = full_layer_count(lm) * 2.0 * q
+        # causal: half of 4*d a layer; full-attention layers on n**2, sliding-window ones on
+        # window_sq (a hybrid's linear ones: all in llm_lin)
+        layer_quad = 2.0 * q
         m_llm = how[LLM].multiplier
         adapters = 3 * decoder_adapters(lm, how[LLM])
-        terms = {LLM: PhaseCost(m_llm * llm_lin + adapters, m_llm * llm_quad)}
+        terms = {
+            LLM: PhaseCost(
+                m_llm * llm_lin + adapters,
+                m_llm * full_layer_count(lm) * layer_quad,
+                m_llm * sliding_layer_count(lm) * layer_quad,
+                sliding_window(lm),
+            )
+        }
         encoders = any(how[p.name].trains for p in ENCODERS if p.name in how)
         for p in ENCODERS:
             enc = p.encoder(model)
@@ -177,6 +208,20 @@ class CostModel:
             adapters = 3 * ENCODER_ADAPTERS[p.name](enc, lm.width, how)
             terms[p.name] = PhaseCost(m_enc * lin + m_proj * proj + adapters, m_enc * quad)
         return cls(terms)
+
+
+def _phase_cost(raw: Mapping) -> PhaseCost:
+    """A phase's coefficients as a cost file holds them (a file written before windows, with
+    no windowed term: 0 and 0).
+
+    Raises:
+      ValueError: a window that is not a whole number of tokens >= 0.
+    """
+    window = raw.get("window", 0)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be a whole number of tokens >= 0, got {window!r}")
+    windowed = float(raw.get("windowed", 0.0))
+    return PhaseCost(float(raw["linear"]), float(raw["quadratic"]), windowed, window)
 
 
 def calibrated_cost(cfg: Config) -> CostModel | None:
