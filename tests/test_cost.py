@@ -8,11 +8,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from jaxmllm.batch.counts import step_work
+from jaxmllm.batch.counts import StepCounter, bucket_work, step_work
 from jaxmllm.config import load_config, to_dict
 from jaxmllm.cost import training
 from jaxmllm.cost.calibrate import main, read_timings
-from jaxmllm.cost.model import PHASES, CostFileError, CostModel, PhaseCost
+from jaxmllm.cost.model import PHASES, CostFileError, CostModel, PhaseCost, window_sq
 from jaxmllm.loop.timings import TimingsRecorder
 
 WINDOW = 16
@@ -158,7 +158,6 @@ def test_resumed_recorder_drops_the_steps_it_will_redo(tmp_path):
 def test_calibrated_model_predicts_in_the_metrics_and_a_bad_one_stops_the_run(tmp_path):
     """train.cost_file: StepCounter adds the calibrated model's step time; a file that is not a
     cost model is a ConfigError naming the key (the trainer checks it at start-up)."""
-    from jaxmllm.batch.counts import StepCounter
     from jaxmllm.config import ConfigError
     from jaxmllm.cost.model import calibrated_cost
 
@@ -259,3 +258,38 @@ def test_cost_files_carry_the_window_and_older_ones_read_without(tmp_path):
     path.write_text(json.dumps(bad))
     with pytest.raises(CostFileError, match=r"cost.json: not a cost model .*window must be"):
         CostModel.from_file(path)
+
+
+def test_bucket_work_sums_each_documents_window_sq():
+    """Two devices of two rows, window 4: llm_wsq per bucket is the sum of window_sq over its
+    documents (a run of one id within a row); within the window a document's is its square.
+    Without a window there is none; with context groups of 2 a document spanning the group
+    counts once, each device half of it. StepCounter reads the window off the config: its
+    FLOPs are the documents' item costs, windowed term and all (not with the window left out)."""
+    seg = np.zeros((1, 2, 2, 12), np.int32)  # [M, D, R, L]
+    seg[0, 0, 0, :9] = [1] * 6 + [2] * 3  # window_sq: 2*6*4 - 16 = 32, and 9
+    seg[0, 0, 1, :] = [1] * 10 + [0, 0]  # 2*10*4 - 16 = 64
+    seg[0, 1, 0, :4] = 1  # 16 (within the window)
+    seg[0, 1, 1, :] = 3  # 2*12*4 - 16 = 80
+    work = bucket_work({"llm_segment_ids": seg}, window=4)
+    np.testing.assert_array_equal(work["llm_wsq"], [[32 + 9 + 64, 16 + 80]])
+    np.testing.assert_array_equal(work["llm_sq"], [[36 + 9 + 100, 16 + 144]])
+    assert "llm_wsq" not in bucket_work({"llm_segment_ids": seg})
+    group = np.zeros((1, 2, 1, 8), np.int32)
+    group[0, :, 0, :] = 1  # one document of 16 tokens across the context group
+    work = bucket_work({"llm_segment_ids": group}, context=2, window=4)
+    np.testing.assert_array_equal(work["llm_wsq"], [[(2 * 16 * 4 - 16) / 2] * 2])
+    np.testing.assert_array_equal(work["llm_sq"], [[16**2 / 2] * 2])
+
+    cfg = load_config("configs/tiny.yaml", GEMMA)
+    seg = np.zeros((1, 2, 1, 512), np.int32)
+    seg[0, 0, 0, :500] = [1] * 300 + [2] * 200
+    seg[0, 1, 0, :] = [1] * 12 + [2] * 500  # (one within the window)
+    info = StepCounter(cfg, calibrated=None)({"llm_segment_ids": seg})
+    llm = CostModel.from_model(cfg.model).phase("llm")
+    want = llm.item_cost(np.array([300, 200, 12, 500])).sum()
+    assert info["flops"] == info["llm_flops"] == pytest.approx(want, rel=1e-12)
+    no_window = llm.item_cost(np.array([300, 200, 12, 500])) - llm.windowed * window_sq(
+        np.array([300, 200, 12, 500]), WINDOW
+    )
+    assert no_window.sum() < 0.99 * want

@@ -1,5 +1,6 @@
 """What a batch holds, counted on the host for the metrics: real tokens, analytic FLOPs, and each
-bucket's work per phase (real units, squared segment lengths, attention tiles).
+bucket's work per phase (real units, squared segment lengths, attention tiles; with a decoder's
+sliding-window layers, the LLM's documents' `window_sq` too).
 
 The feed counts each step's batch on its own thread (`StepCounter`); the loop adds the counts
 into its metrics window and its timings (`jaxmllm.loop.metrics`, `jaxmllm.loop.timings`). A
@@ -14,11 +15,13 @@ import numpy as np
 
 from jaxmllm.config import Config
 from jaxmllm.config.phases import LLM, PHASES
-from jaxmllm.cost.model import CostModel, calibrated_cost
+from jaxmllm.cost.flops import sliding_window
+from jaxmllm.cost.model import CostModel, calibrated_cost, window_sq
 
 
-def segment_work(seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(real units, sum of squared segment lengths) per bucket of segment ids [M, D, ..., n].
+def _segment_lengths(seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(real units [M, D], segment lengths [M, D, K], 0 where no segment) per bucket of segment
+    ids [M, D, ..., n].
 
     A segment is a run of one id > 0 within a row (the last axis); padding (0) is no segment.
     """
@@ -28,27 +31,43 @@ def segment_work(seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     row_ids = np.arange(rows.shape[0] * rows.shape[1]).reshape(rows.shape[:2] + (1,))
     real = rows > 0
     counts = np.bincount((row_ids * ids + rows)[real], minlength=row_ids.size * ids)
-    sq = (counts.astype(np.float64) ** 2).reshape(rows.shape[0], -1).sum(1)
-    return real.sum((1, 2)).reshape(lead).astype(np.float64), sq.reshape(lead)
+    lengths = counts.astype(np.float64).reshape(lead + (-1,))
+    return real.sum((1, 2)).reshape(lead).astype(np.float64), lengths
 
 
-def bucket_work(batch: dict[str, np.ndarray], context: int = 1) -> dict[str, np.ndarray]:
-    """`{phase}_units`, `{phase}_sq` and, where the batch has tile lists, `{phase}_tiles`: each
-    an [M, D] array over the batch's buckets (microbatch, device).
+def segment_work(seg: np.ndarray, window: int = 0) -> dict[str, np.ndarray]:
+    """`units` (real units), `sq` (sum of squared segment lengths) and, with a `window`, `wsq`
+    (sum of their `window_sq`) per bucket of segment ids [M, D, ..., n] (`_segment_lengths`)."""
+    units, lengths = _segment_lengths(seg)
+    work = {"units": units, "sq": (lengths**2).sum(-1)}
+    if window:
+        work["wsq"] = window_sq(lengths, window).sum(-1)
+    return work
+
+
+def bucket_work(
+    batch: dict[str, np.ndarray], context: int = 1, window: int = 0
+) -> dict[str, np.ndarray]:
+    """`{phase}_units`, `{phase}_sq`, with a `window` (the decoder's sliding-window layers',
+    `cost.flops.sliding_window`) `llm_wsq`, and where the batch has tile lists `{phase}_tiles`:
+    each an [M, D] array over the batch's buckets (microbatch, device).
 
     With context groups (`context` > 1: consecutive devices split rows whose documents they
-    share, segment ids counting over a group) a document's squared length is its group's: each
-    device of a group gets an equal share of the group's (its tiles are its own)."""
+    share, segment ids counting over a group) a document's squared length (and window_sq) is
+    its group's: each device of a group gets an equal share of the group's (its tiles are its
+    own)."""
     work = {}
     for phase in PHASES:
         seg = batch.get(f"{phase}_segment_ids")
         if seg is None:
             continue
-        work[f"{phase}_units"], work[f"{phase}_sq"] = segment_work(seg)
+        own = segment_work(seg, window if phase == LLM else 0)
         if phase == LLM and context > 1:
             m_n, d_n = seg.shape[:2]
-            _, group_sq = segment_work(seg.reshape(m_n, d_n // context, 1, -1))
-            work["llm_sq"] = np.repeat(group_sq / context, context, axis=1)
+            group = segment_work(seg.reshape(m_n, d_n // context, 1, -1), window)
+            for k in group.keys() - {"units"}:
+                own[k] = np.repeat(group[k] / context, context, axis=1)
+        work.update({f"{phase}_{k}": v for k, v in own.items()})
         tiles = batch.get(f"{phase}_tiles")
         if tiles is not None:  # (query block, key block) pairs, (-1, -1) for padding
             work[f"{phase}_tiles"] = (tiles[..., 0] >= 0).sum(-1).astype(np.float64)
@@ -64,12 +83,8 @@ def step_work(
     this host's batch holds (on several processes, process 0 sees only its own). `work`: the
     batch's `bucket_work`, when the caller has it.
     """
-    work = bucket_work(batch) if work is None else work
-    per_bucket = sum(
-        cost.phase(p).work_cost(work[f"{p}_units"], work[f"{p}_sq"])
-        for p in PHASES
-        if f"{p}_units" in work
-    )
+    work = bucket_work(batch, window=cost.phase(LLM).window) if work is None else work
+    per_bucket = cost.phases_cost(work)
     slowest = np.argmax(per_bucket, axis=1)  # [M]
     micro = np.arange(len(slowest))
     return {
@@ -83,22 +98,18 @@ def step_work(
 def step_flops(cfg: Config, batch: dict[str, np.ndarray], cost: CostModel | None = None) -> float:
     """Model FLOPs of one step's real (non-padding) items, from the planner's cost model.
 
-    Per phase: linear * (real units) + quadratic * (sum of squared segment lengths), with the
-    training multipliers for trained and frozen modules (see jaxmllm/cost/model.py).
+    Per phase: linear * (real units) + quadratic * (sum of squared segment lengths) + windowed
+    * (sum of the LLM's documents' window_sq), with the training multipliers for trained and
+    frozen modules (see jaxmllm/cost/model.py).
     """
-    work = bucket_work(batch, cfg.mesh.context)
+    work = bucket_work(batch, cfg.mesh.context, sliding_window(cfg.model.llm))
     return _flops(work, cost or CostModel.from_model(cfg.model))
 
 
-def _flops(work: dict[str, np.ndarray], cost: CostModel) -> float:
-    """Model FLOPs of a batch's per-bucket work (`timings.bucket_work`), all buckets."""
-    return float(
-        sum(
-            cost.phase(p).work_cost(work[f"{p}_units"].sum(), work[f"{p}_sq"].sum())
-            for p in PHASES
-            if f"{p}_units" in work
-        )
-    )
+def _flops(work: dict[str, np.ndarray], cost: CostModel, phases=PHASES) -> float:
+    """Model FLOPs of a batch's per-bucket work (`bucket_work`), all buckets, of `phases`."""
+    totals = {k: v.sum() for k, v in work.items() if k.partition("_")[0] in phases}
+    return float(cost.phases_cost(totals))
 
 
 class StepCounter:
@@ -117,15 +128,15 @@ class StepCounter:
         self.cost = CostModel.from_model(cfg.model) if cost is None else cost
         self.calibrated = calibrated_cost(cfg) if calibrated is None else calibrated
         self.work = cfg.train.record_timings or self.calibrated is not None
+        self.window = sliding_window(cfg.model.llm)  # (the LLM's documents' window_sq: wsq)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict:
         tokens = float((batch["llm_segment_ids"] > 0).sum())
         # (once: the FLOPs and the timings' work both read it)
-        work = bucket_work(batch, self.cfg.mesh.context)
+        work = bucket_work(batch, self.cfg.mesh.context, self.window)
         out = {"tokens": tokens, "flops": _flops(work, self.cost)}
         # (the LLM's own share: MFU counted without the towers, `bench.node`)
-        llm = self.cost.phase(LLM).work_cost(work[f"{LLM}_units"].sum(), work[f"{LLM}_sq"].sum())
-        out["llm_flops"] = float(llm)
+        out["llm_flops"] = _flops(work, self.cost, (LLM,))
         if self.work:
             out["work"] = step_work(batch, self.calibrated or self.cost, work)
         if self.calibrated is not None:
