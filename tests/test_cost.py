@@ -20,9 +20,9 @@ WINDOW = 16
 GEMMA = ["model.llm.depth=6", f"model.llm.window.size={WINDOW}", "model.llm.window.every=6"]
 
 
-def _run_dir(tmp_path, rows):
-    """A run directory with the tiny config and these timing rows."""
-    cfg = load_config("configs/tiny.yaml")
+def _run_dir(tmp_path, rows, overrides=()):
+    """A run directory with the tiny config (and `overrides`) and these timing rows."""
+    cfg = load_config("configs/tiny.yaml", list(overrides))
     (tmp_path / "config.json").write_text(json.dumps(to_dict(cfg)))
     (tmp_path / "timings.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return tmp_path, CostModel.from_model(cfg.model)
@@ -39,7 +39,11 @@ def _synthetic_rows(flops, overhead, scales, steps=60, noise=0.01, seed=0):
             units = float(rng.integers(size // 2, size))
             sq = units * float(rng.integers(20, 120))  # segments of 20..120 units
             work.update({f"{p}_units": units, f"{p}_sq": sq, f"{p}_tiles": 1.0})
-            time_s += scales[p] * flops.phase(p).work_cost(units, sq)
+            if window := flops.phase(p).window:  # (1..5 documents of up to 64 windows)
+                docs = rng.integers(4, 64 * window, size=rng.integers(1, 6)).astype(float)
+                units, sq, wsq = docs.sum(), (docs**2).sum(), window_sq(docs, window).sum()
+                work.update({f"{p}_units": units, f"{p}_sq": sq, f"{p}_wsq": wsq})
+            time_s += scales[p] * flops.phase(p).work_cost(units, sq, work.get(f"{p}_wsq", 0))
         time_s *= 1 + noise * rng.standard_normal()
         rows.append({"step": step, "time_s": time_s, "compile": step == 1, "slowest": work})
     rows[0]["time_s"] = 90.0  # compilation: left out of the fit
@@ -293,3 +297,40 @@ def test_bucket_work_sums_each_documents_window_sq():
         np.array([300, 200, 12, 500]), WINDOW
     )
     assert no_window.sum() < 0.99 * want
+
+
+def test_calibrate_a_windowed_model(tmp_path):
+    """Step times of the Gemma-shaped tiny model (its LLM's documents up to 64 windows long): the
+    scaled fit gets each phase's rate back and keeps the LLM's windowed / linear ratio and its
+    window; its file reads back windowed, and the free fit's has a windowed coefficient of its
+    own. Where the windowed layers cost as full ones (a kernel that computes every tile), the
+    free fit predicts held-out steps better than the scaled one."""
+    flops = _run_dir(tmp_path, [], GEMMA)[1]
+    assert flops.phase("llm").window == WINDOW
+    scales = {"llm": 2e-11, "vision": 5e-11, "audio": 1e-10}
+    _run_dir(tmp_path, _synthetic_rows(flops, 0.05, scales, noise=0.002), GEMMA)
+    assert main([str(tmp_path)]) == 0
+    model = CostModel.from_file(tmp_path / "cost_calibrated.json")
+    got, want = model.phase("llm"), flops.phase("llm")
+    assert got.window == WINDOW
+    assert got.windowed / got.linear == pytest.approx(want.windowed / want.linear, rel=1e-12)
+    for p in PHASES:
+        assert model.phase(p).linear / flops.phase(p).linear == pytest.approx(scales[p], rel=0.05)
+    saved = json.loads((tmp_path / "cost_calibrated.json").read_text())
+    assert saved["errors"]["holdout"]["mean"] < 0.005
+    assert main([str(tmp_path), "--fit", "free", "--out", str(tmp_path / "free.json")]) == 0
+    free = CostModel.from_file(tmp_path / "free.json").phase("llm")
+    assert free.window == WINDOW and free.windowed > 0  # (its own coefficient, fitted)
+
+    g = flops.phase("llm")
+    tiled = replace(g, quadratic=g.quadratic + g.windowed, windowed=0.0)  # (window kept)
+    truth = replace(flops, terms={**flops.terms, "llm": tiled})
+    rows = _synthetic_rows(truth, 0.05, scales)
+    assert rows[1]["slowest"]["llm_wsq"] < rows[1]["slowest"]["llm_sq"]
+    _run_dir(tmp_path, rows, GEMMA)
+    errors = {}
+    for name in ("scaled", "free"):
+        out = tmp_path / f"{name}.json"
+        assert main([str(tmp_path), "--fit", name, "--out", str(out)]) == 0
+        errors[name] = json.loads(out.read_text())["errors"]["holdout"]["mean"]
+    assert errors["free"] < errors["scaled"]

@@ -4,23 +4,29 @@ Calibration (Entrain's macroscopic profiling): the trainer writes `<output_dir>/
 (`train.record_timings`, see jaxmllm/loop/timings.py), one line per step with its measured time and
 the work of its slowest device (per microbatch, the device the cost model finds slowest: the
 microbatches' collectives make every device wait for it), per phase: real units, the sum of
-squared segment lengths, attention tiles. `python -m jaxmllm.cost.calibrate RUN_DIR`
-fits
+squared segment lengths, attention tiles (and with a decoder's sliding-window layers the LLM's
+summed `window_sq`, `llm_wsq`). `python -m jaxmllm.cost.calibrate RUN_DIR` fits
 
-    step_time = overhead + sum over phases of (a_p * units_p + b_p * sq_p)
+    step_time = overhead + sum over phases of (a_p * units_p + b_p * sq_p + c_p * wsq_p)
 
 by non-negative least squares on the steps without compilation or a checkpoint save, and
 writes the coefficients (seconds per unit) that `CostModel.from_file` reads (`batch.cost_file`
 for the trainer's metrics, `--cost-file` for the balance bench). A phase's units and squared
 lengths move together from step to step (and the phases with each other when samples carry
-several), so a free fit of 2 coefficients per phase is ill-posed on a few dozen steps. The
-default fit (`scaled`) keeps each phase's quadratic / linear ratio from the FLOP model and fits
-one scale per phase plus the overhead: 1 + phases unknowns, each well determined whenever the
-phases' totals vary at all. `free` fits every coefficient, with a ridge pull toward the scaled
-fit (so it only departs from it where the data insist); `flops` is the FLOP model as assumed,
-one rate for all phases. The tiles are recorded but not fitted: with block-sparse attention
-they follow the squared lengths (about sq / (2 * block**2) per causal document), and keeping
-the fitted model in the FLOP model's form lets every reader of `PhaseCost` use it unchanged.
+several), so a free fit of 2 coefficients per phase (3 with windows) is ill-posed on a few
+dozen steps. The default fit (`scaled`) keeps each phase's quadratic / linear and windowed /
+linear ratios from the FLOP model and fits one scale per phase plus the overhead: 1 + phases
+unknowns, each well determined whenever the phases' totals vary at all. `free` fits every
+coefficient, with a ridge pull toward the scaled fit (so it only departs from it where the
+data insist); `flops` is the FLOP model as assumed, one rate for all phases. The free fit
+gives the windowed term a coefficient of its own where the FLOP model has a window (no column
+elsewhere: a model without windows fits as it did before): a windowed layer's measured cost
+need not follow its pairs, since the block-sparse kernel computes every tile of the row's list
+in every layer and only masks by the window inside a tile, so its time may follow `sq`
+instead, which a windowed term folded into `sq` at the FLOP model's ratio could not show. The
+tiles are recorded but not fitted: with block-sparse attention they follow the squared
+lengths (about sq / (2 * block**2) per causal document), and keeping the fitted model in the
+FLOP model's form lets every reader of `PhaseCost` use it unchanged.
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ from jaxmllm.config import ConfigError, ModelConfig, from_dict
 from jaxmllm.config.phases import PHASES
 from jaxmllm.cost.model import CostFileError, CostModel, PhaseCost
 
-FEATURES = ("units", "sq", "tiles")  # real units, sum of squared segment lengths, attention tiles
+# real units, sum of squared segment lengths, attention tiles, sum of sliding-window layers'
+# window_sq (`cost.model.window_sq`)
+FEATURES = ("units", "sq", "tiles", "wsq")
 FITS = ("scaled", "free", "flops", "constant")
 RIDGE = 0.01  # pull of a fit toward the simpler one, per step, in units of the mean step time
 IRLS_ROUNDS = 20  # reweighted least-squares rounds toward the least absolute relative error
@@ -112,7 +120,7 @@ def fits(rows: list[dict], flops: CostModel, ridge: float = RIDGE) -> dict[str, 
     rate), scaled (a rate per phase, pulled toward that one), free (pulled toward scaled)."""
     y = np.array([r["time_s"] for r in rows])
     per_phase = np.array(
-        [[flops.phase(p).work_cost(*_units_sq(r, p)) for p in PHASES] for r in rows]
+        [[flops.phase(p).work_cost(*_work_of(r, p)) for p in PHASES] for r in rows]
     )
     out = {"constant": _seconds_model(float(_nnls(np.zeros((len(y), 0)), y)[0]), {})}
     c, rate = _nnls(per_phase.sum(1, keepdims=True), y)
@@ -124,15 +132,18 @@ def fits(rows: list[dict], flops: CostModel, ridge: float = RIDGE) -> dict[str, 
     return out
 
 
-def _units_sq(row: dict, phase: str) -> tuple[float, float]:
-    """A row's slowest device's (units, summed squared item sizes) of `phase`."""
+def _work_of(row: dict, phase: str) -> tuple[float, float, float]:
+    """A row's slowest device's (units, summed squared item sizes, summed window_sq) of
+    `phase`."""
     work = row["slowest"]
-    return work.get(f"{phase}_units", 0.0), work.get(f"{phase}_sq", 0.0)
+    return tuple(work.get(f"{phase}_{k}", 0.0) for k in ("units", "sq", "wsq"))
 
 
 def _scaled(cost: PhaseCost, scale: float) -> PhaseCost:
-    """The phase's coefficients times `scale` (FLOPs to seconds at one rate)."""
-    return PhaseCost(cost.linear * scale, cost.quadratic * scale)
+    """The phase's coefficients times `scale` (FLOPs to seconds at one rate), its window
+    kept."""
+    s = scale
+    return PhaseCost(cost.linear * s, cost.quadratic * s, cost.windowed * s, cost.window)
 
 
 def _seconds_model(overhead: float, phases: dict[str, PhaseCost]) -> CostModel:
@@ -168,11 +179,22 @@ def _nnls(x: np.ndarray, y: np.ndarray, prior: np.ndarray | None = None, ridge: 
 
 
 def _free_fit(rows, y, scaled: dict[str, PhaseCost], ridge: float) -> CostModel:
-    """Every phase's linear and quadratic coefficient, pulled toward the scaled fit's."""
-    x = np.array([[v for p in PHASES for v in _units_sq(r, p)] for r in rows])
-    prior = np.array([v for p in PHASES for v in (scaled[p].linear, scaled[p].quadratic)])
+    """Every phase's linear, quadratic and (where it has one) windowed coefficient, pulled
+    toward the scaled fit's."""
+    n_terms = {p: 3 if scaled[p].window else 2 for p in PHASES}  # (a window: its term too)
+    x = np.array([[v for p in PHASES for v in _work_of(r, p)[: n_terms[p]]] for r in rows])
+    prior = np.array([v for p in PHASES for v in _coefficients(scaled[p])[: n_terms[p]]])
     c, *w = _nnls(x, y, prior, ridge)
-    return _seconds_model(c, {p: PhaseCost(w[2 * i], w[2 * i + 1]) for i, p in enumerate(PHASES)})
+    phases, at = {}, 0
+    for p in PHASES:
+        phases[p] = PhaseCost(*w[at : at + n_terms[p]], window=scaled[p].window)
+        at += n_terms[p]
+    return _seconds_model(c, phases)
+
+
+def _coefficients(cost: PhaseCost) -> tuple[float, float, float]:
+    """(linear, quadratic, windowed): the coefficients on `_work_of`'s work."""
+    return cost.linear, cost.quadratic, cost.windowed
 
 
 def relative_errors(model: CostModel, rows: list[dict]) -> dict[str, float]:
@@ -267,7 +289,8 @@ def _coefficient_table(models: dict[str, CostModel]) -> str:
     lines = ["seconds per    " + "".join(f"{n:>12}" for n in names)]
     lines.append("step overhead  " + "".join(f"{models[n].overhead:12.3e}" for n in names))
     for p in PHASES:
-        for term, unit in (("linear", "unit"), ("quadratic", "unit^2")):
+        terms = ("linear", "unit"), ("quadratic", "unit^2"), ("windowed", "wsq")
+        for term, unit in terms[: 3 if models["flops"].phase(p).window else 2]:
             values = "".join(f"{getattr(models[n].phase(p), term):12.3e}" for n in names)
             lines.append(f"{p + ' ' + unit:<15}{values}")
     lines.append("(flops: the FLOP model's coefficients at its one fitted rate)")
