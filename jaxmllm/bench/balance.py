@@ -25,7 +25,8 @@ Per policy, one table row (all figures over the steps run, steady state included
              or frames) reaches over an epoch (`fill_bound`): coarse items hold it below 1
   steps/LB   steps taken / lower bound, the bound = max over phases of the planned work /
              (devices x microbatches x capacity)
-  quad       max/mean over devices of the attention (quadratic) cost of a microbatch: phases are
+  quad       max/mean over devices of the attention (quadratic) cost of a microbatch (a decoder's
+             sliding-window layers priced by their window, `cost.model.window_sq`): phases are
              summed as sum_p max_d / sum_p mean_d (encoders and LLM are separated by the
              all-to-all, so each phase waits for its slowest device); `bound` = the same with
              each max_d replaced by max(mean, the largest single item): no plan of these samples
@@ -92,7 +93,7 @@ from jaxmllm.bench.table import (
 from jaxmllm.config import ModelConfig, load_config
 from jaxmllm.config.command import fail, run
 from jaxmllm.config.phases import BY_NAME, NAMES
-from jaxmllm.cost.model import CostModel
+from jaxmllm.cost.model import CostModel, window_sq
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.contract import Capacities, StepPlan, check_plan, item_rows, pair_rows, step_tiles
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
@@ -117,7 +118,9 @@ class _Items:
 
 
 def phase_loads(plan: StepPlan, items: _Items, cost: CostModel, rng=None):
-    """Per phase [M, D] arrays: quadratic units, real cost, largest item quadratic per micro.
+    """Per phase [M, D] arrays: attention cost, real cost, largest item's attention cost per
+    micro (the attention cost: the quadratic term, and the windowed one of a decoder's
+    sliding-window layers).
 
     With `rng`, the plan's samples are dealt at random instead (equal counts per bucket)."""
     caps, idx = items.caps, items.index
@@ -141,10 +144,11 @@ def phase_loads(plan: StepPlan, items: _Items, cost: CostModel, rng=None):
         big = np.zeros(m_n)
         if len(size):
             qq = (size / per) ** 2 * per * per  # attention over encoder rows, in units^2
-            np.add.at(q, (m, d), qq)
+            attention = qq * c.quadratic + c.windowed * window_sq(size, c.window)
+            np.add.at(q, (m, d), attention)
             np.add.at(real, (m, d), c.item_cost(size))
-            np.maximum.at(big, m, qq)
-        out[p] = (q * c.quadratic, real, big * c.quadratic)
+            np.maximum.at(big, m, attention)
+        out[p] = (q, real, big)
     return out
 
 
