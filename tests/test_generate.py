@@ -125,6 +125,16 @@ def test_kv_cache_decoding_with_sliding_windows_equals_recomputing_the_sequence(
     assert {kind: k.shape[2] for kind, k in cache.k.items()} == {"sliding": 3, "full": 16}
     gen = Generator(GEMMA, PromptShapes.fit(prompts, GEMMA, 8, rows=4))
     _held_to_recomputing(GEMMA, params, prompts, gen, new=5)
+    # Block-sparse prefill: the windowed layers score only the tiles their window reaches
+    # (blocks of 2, a window of 3: a query block and the one before it), and answer the same.
+    bs = dataclasses.replace(
+        GEMMA,
+        model=dataclasses.replace(GEMMA.model, attention="block_sparse"),
+        batch=dataclasses.replace(GEMMA.batch, attention_block=2),
+    )
+    sparse = Generator(bs, PromptShapes.fit(prompts, bs, 8, rows=4))
+    assert 0 < sparse.window_tiles < sparse.tiles
+    _held_to_recomputing(GEMMA, params, prompts, sparse, new=5)
 
 
 def _held_to_recomputing(cfg, params, prompts, gen, new: int) -> None:

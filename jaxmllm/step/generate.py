@@ -20,7 +20,7 @@ from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.specials import RESERVED, Specials
 from jaxmllm.models import decode
 from jaxmllm.models.attention import packing
-from jaxmllm.plan.tiles import from_segments
+from jaxmllm.plan.tiles import from_segments, window_capacity, window_reach
 from jaxmllm.resolve.attention import auto_attention
 from jaxmllm.step.program import model_parts
 
@@ -51,9 +51,10 @@ class Generator:
         parts, _ = model_parts(prompt_config(cfg, shapes))  # (dense attention, local rows)
         # Prefill scores the prompts among themselves as training scores a row (the run's
         # attention kind): block-sparse over the tiles of each prompt's causal blocks (host
-        # made, at most a whole row's), cuDNN over its one document, else a dense mask.
+        # made, at most a whole row's; the sliding-window layers' over those their window
+        # reaches), cuDNN over its one document, else a dense mask.
         kind, block = prefill_kind(cfg), cfg.batch.attention_block
-        self.tiles = 0
+        self.tiles, self.window_tiles = 0, 0
         if kind == "block_sparse":
             if shapes.prompt_len % block:
                 raise ValueError(
@@ -62,6 +63,10 @@ class Generator:
                 )
             n = shapes.prompt_len // block
             self.tiles = n * (n + 1) // 2
+            window = cfg.model.llm.window
+            if window.enabled:
+                reach = window_reach(window.size, block)
+                self.window_tiles = window_capacity(self.tiles, 1, n, reach)
 
         # Sampling's settings come as host scalars (seed, the step's number, temperature,
         # top_p): traced, so they never recompile, and the same on every process of a job.
@@ -73,12 +78,21 @@ class Generator:
             key = jax.random.fold_in(jax.random.key(seed), i)
             return _whole(decode.pick(logits, key, temperature, top_p)), _whole(logits)
 
-        def prefill(params, frozen, mb, tiles, sampling):
+        def prefill(params, frozen, mb, tiles, sampling):  # (tiles: the lists, or None)
             """Runs the prompts through the model once: the first new token of each row, its
             logits, and the KV cache filled to the prompts' lengths (sized for
             `shapes.total_len`)."""
             seg = mb["llm_segment_ids"][:, 0]
-            pack = packing(seg, causal=True, kind=kind, tiles_bk2=tiles, block=block, documents=1)
+            causal, windowed = tiles or (None, None)
+            pack = packing(
+                seg,
+                causal=True,
+                kind=kind,
+                tiles_bk2=causal,
+                block=block,
+                documents=1,
+                window_tiles_bk2=windowed,
+            )
             model = parts.merge(params, frozen)
             logits, cache = decode.prefill(model, mb, shapes.total_len, pack)
             if repeat > 1:  # (every leaf [layers, rows, ...]; the logits [rows, vocab])
@@ -147,7 +161,11 @@ class Generator:
         tiles = None
         if self.tiles:  # (each prompt row one causal document: its blocks' tiles)
             block = self.cfg.batch.attention_block
-            tiles = from_segments(mb["llm_segment_ids"], block, True, self.tiles)
+            tiles = (from_segments(mb["llm_segment_ids"], block, True, self.tiles), None)
+            if self.window_tiles:  # (and the sliding-window layers' own)
+                reach = window_reach(self.cfg.model.llm.window.size, block)
+                seg = mb["llm_segment_ids"]
+                tiles = (tiles[0], from_segments(seg, block, True, self.window_tiles, reach))
         token, logits, cache = self.prefill(params, frozen, mb, tiles, sampling(0))
         answers = [Answer([], False, [] if keep_logits else None) for _ in range(len(prompts) * g)]
         for i in range(max_new_tokens):
