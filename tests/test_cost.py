@@ -193,7 +193,7 @@ def test_a_sliding_window_layer_costs_a_full_one_up_to_its_window_and_linearly_b
     """Five windowed layers of six: a document no longer than the window costs what it costs
     with full attention everywhere; past it, the windowed layers' part grows by the same
     amount per token (2 w a layer), so at 64 windows its attention costs a fifth of the full
-    twin's. Every layer computes the row's whole tile list, so a tile weighs the same."""
+    twin's. A tile weighs the same (priced as if every layer computed the row's whole list)."""
     windowed, full = _llm_costs()
     gemma, twin = windowed.phase("llm"), full.phase("llm")
     assert (gemma.window, twin.window) == (WINDOW, 0)
@@ -303,7 +303,7 @@ def test_calibrate_a_windowed_model(tmp_path):
     """Step times of the Gemma-shaped tiny model (its LLM's documents up to 64 windows long): the
     scaled fit gets each phase's rate back and keeps the LLM's windowed / linear ratio and its
     window; its file reads back windowed, and the free fit's has a windowed coefficient of its
-    own. Where the windowed layers cost as full ones (a kernel that computes every tile), the
+    own. Where the windowed layers cost as full ones (context groups: the row's tiles), the
     free fit predicts held-out steps better than the scaled one."""
     flops = _run_dir(tmp_path, [], GEMMA)[1]
     assert flops.phase("llm").window == WINDOW

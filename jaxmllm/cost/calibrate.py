@@ -21,12 +21,13 @@ coefficient, with a ridge pull toward the scaled fit (so it only departs from it
 data insist); `flops` is the FLOP model as assumed, one rate for all phases. The free fit
 gives the windowed term a coefficient of its own where the FLOP model has a window (no column
 elsewhere: a model without windows fits as it did before): a windowed layer's measured cost
-need not follow its pairs, since the block-sparse kernel computes every tile of the row's list
-in every layer and only masks by the window inside a tile, so its time may follow `sq`
-instead, which a windowed term folded into `sq` at the FLOP model's ratio could not show. The
-tiles are recorded but not fitted: with block-sparse attention they follow the squared
-lengths (about sq / (2 * block**2) per causal document), and keeping the fitted model in the
-FLOP model's form lets every reader of `PhaseCost` use it unchanged.
+need not follow its pairs at the FLOP model's ratio, since under context groups it scores
+every tile of the row's causal list and masks by the window inside a tile (its time follows
+`sq`), elsewhere the band of tiles its window reaches; a term folded into `sq` at the FLOP
+model's ratio could not show which. The tiles are recorded but not fitted: with block-sparse
+attention they follow the squared lengths (about sq / (2 * block**2) per causal document), and
+keeping the fitted model in the FLOP model's form lets every reader of `PhaseCost` use it
+unchanged.
 """
 
 from __future__ import annotations

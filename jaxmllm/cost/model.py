@@ -115,9 +115,12 @@ class CostModel:
         what a bucket's capacity costs whether it holds real work or padding. A tile is
         computed whole, so a causal phase's (the LLM's, whose quadratic term counts half the
         pairs) costs twice its coefficient per pair; an encoder row is `per_row[phase]` units
-        (1 where missing). A row's tile list is every attention layer's, the window only
-        masking within a tile, so a sliding-window layer computes the same tiles as a full
-        one: a tile costs the full and the windowed layers' coefficients together."""
+        (1 where missing). A tile costs the full and the windowed layers' coefficients
+        together, as if the sliding-window layers computed every tile of the row's list:
+        exact under context groups, where they do (masking by the window inside a tile), and
+        while their own list (`batch.bucketize.window_tile_cap`: the fewer of the row's
+        capacity and the band of tiles a window reaches) is as long as the row's; an upper
+        bound once that band is the shorter."""
         out = {}
         for p in PHASES:
             c = self.phase(p)
