@@ -2,8 +2,8 @@
 peft wrote put on tiny Qwen2-VL, Qwen3-VL, Qwen3.5 and LLaVA checkpoints built in tmp_path give our
 logits with an image in the prompt within 1e-4 of `PeftModel.from_pretrained`'s; a LoRA run
 trained from such a checkpoint exports an adapter peft loads (and `--merged`, the model with
-it merged) that gives the run's own logits; adapters with modules the model lacks are refused
-naming them."""
+it merged) that gives the run's own logits; adapters with modules the model lacks, or on some
+layers of a module only, are refused naming them."""
 
 from __future__ import annotations
 
@@ -175,6 +175,34 @@ def test_an_adapter_of_modules_the_model_lacks_is_refused_naming_them(tmp_path):
     (adapter / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(FamilyError, match="DoRA adapters are not supported"):
         write_config(tmp_path / "run.yaml", model=source, adapter=str(adapter))
+
+
+# ----------------------------------------------------------------------------- Gemma 3's text
+
+
+@pytest.mark.torch
+def test_an_adapter_on_gemma3_s_sliding_or_full_layers_alone_is_refused(tmp_path):
+    """Gemma 3's sliding and full layers are two stacks of ours: an adapter on the full layer's
+    q_proj alone (a regex naming it), or on the sliding layers' alone (layers_to_transform), is
+    one on some layers of q_proj, refused naming a layer without one, as an adapter on one
+    sliding layer is (jaxmllm trains every layer's). Counted per stack, a stack with none went
+    unnoticed: the adapter loaded, that stack's adapters fresh (B zero), and a run trained them."""
+    from test_hf_moe import peft_adapter as causal_adapter
+
+    source = hf_models.gemma3_text(tmp_path / "m")  # (layers 0, 1, 3, 4 sliding; 2 full)
+    cases = [
+        (dict(target_modules=r"model\.layers\.2\.self_attn\.q_proj"), 0),
+        (dict(target_modules=["q_proj"], layers_to_transform=[0, 1, 3, 4]), 2),
+        (dict(target_modules=["q_proj"], layers_to_transform=[0, 1, 2, 4]), 3),
+    ]
+    for k, (options, missing) in enumerate(cases):
+        adapter = causal_adapter(source, tmp_path / f"a{k}", r=2, lora_alpha=4, **options)
+        with pytest.raises(
+            FamilyError,
+            match=rf"model\.layers\.{missing}\.self_attn\.q_proj has no adapter while the "
+            r"other layers' q_proj have one.*layers_to_transform is not supported",
+        ):
+            write_config(tmp_path / "run.yaml", model=source, adapter=adapter)
 
 
 # ----------------------------------------------------------------------------- a LoRA run
