@@ -1,6 +1,7 @@
 """PEFT LoRA adapters in and out, with transformers and peft themselves as the oracle: adapters
 peft wrote put on tiny Qwen2-VL, Qwen3-VL, Qwen3.5 and LLaVA checkpoints built in tmp_path give our
-logits with an image in the prompt within 1e-4 of `PeftModel.from_pretrained`'s; a LoRA run
+logits with an image in the prompt within 1e-4 of `PeftModel.from_pretrained`'s, and on a tiny
+Gemma 3 text decoder (its sliding and full layers two stacks of ours) its text's; a LoRA run
 trained from such a checkpoint exports an adapter peft loads (and `--merged`, the model with
 it merged) that gives the run's own logits; adapters with modules the model lacks, or on some
 layers of a module only, are refused naming them."""
@@ -178,6 +179,55 @@ def test_an_adapter_of_modules_the_model_lacks_is_refused_naming_them(tmp_path):
 
 
 # ----------------------------------------------------------------------------- Gemma 3's text
+
+# the text-only causal LM's module paths (model.layers.N, not model.language_model.layers.N)
+TEXT_LLM = r"model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GEMMA3 = {
+    # each matrix by name, on the tied decoder (4 sliding layers of a 5-token window, a full one)
+    "names": ({}, SEVEN),
+    # peft's every Linear but the head, on the untied decoder with biases on q, k, v and o, its
+    # full layers first and last (7.5e-5 from peft's: fp32's on both sides, transformers' own
+    # 4e-5 from its fp64 logits, ours 6.8e-5; with B 4x ours stay 6.6e-5 from them)
+    "all-linear": (
+        dict(layers=("full", "sliding", "sliding", "full"), tied=False, bias=True, heads=(4, 1)),
+        "all-linear",
+    ),
+    "regex": ({}, TEXT_LLM),
+}
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", sorted(GEMMA3))
+def test_a_peft_adapter_on_gemma3_gives_peft_s_logits(name, tmp_path):
+    """`hf check --adapter` on a Gemma3ForCausalLM (its sliding and full layers in two stacks
+    of ours, the adapter's layers shared out between them): within 1e-4 of peft's logits, the
+    adapter moving them far more; `hf import --adapter` configures the seven targets, and the
+    cost model prices the adapters it builds: 2 FLOPs a token per adapter parameter."""
+    from test_hf_moe import adapter_effect
+    from test_hf_moe import peft_adapter as causal_adapter
+
+    from jaxmllm.cost.flops import decoder_adapters
+    from jaxmllm.cost.training import modules
+    from jaxmllm.hf.adapter_load import shapes_of
+
+    build, targets = GEMMA3[name]
+    source = hf_models.gemma3_text(tmp_path / "m", **build)
+    adapter = causal_adapter(
+        source, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=targets
+    )
+    (result,) = check_all(source, adapter=adapter)
+    assert result["max_abs_diff"] < 1e-4, result
+    assert adapter_effect(source, adapter) > 100 * result["max_abs_diff"] + 1e-3, result
+    cfg = write_config(tmp_path / "run.yaml", model=source, adapter=adapter)
+    lora = cfg.model.llm.lora
+    assert (lora.rank, lora.alpha) == (4, 8)
+    assert set(lora.targets) == {t.removesuffix("_proj") for t in SEVEN}
+    shapes = shapes_of(cfg)
+    stacks = {p.split("/")[2] for p in shapes if p.endswith("/lora_a")}
+    assert len(stacks) == 2, stacks  # (the sliding layers' and the full ones')
+    held = sum(np.prod(v.shape) for p, v in shapes.items() if "/lora_" in p)
+    assert decoder_adapters(cfg.model.llm, modules(cfg.model)["llm"]) == 2 * held
 
 
 @pytest.mark.torch
