@@ -357,6 +357,74 @@ def test_a_lora_run_exports_an_adapter_peft_loads_with_the_runs_logits(name, tmp
         train.main(load_config(tmp_path / "run.yaml", [*sets, "train.steps=3"]))
 
 
+@pytest.mark.slow  # (a LoRA run: its step compiled, the trainer's start, two checks)
+@pytest.mark.torch
+def test_a_lora_run_on_gemma3_exports_an_adapter_peft_loads_with_the_runs_logits(tmp_path):
+    """Import a Gemma3ForCausalLM, train 2 steps of LoRA on every matrix of its sliding and
+    full layers (two stacks of ours), export: a PEFT adapter on each of the checkpoint's
+    model.layers.N modules, which peft loads with no key missing and which gives the run's
+    logits within 1e-4 of peft's; read back (and as the trainer starts from it) it is the run's
+    adapters bit for bit; `--merged`: the model with them merged, its logits peft's."""
+    import jax
+    from test_chat import build_dir
+    from test_hf_moe import TEXT_ONLY, exported_adapter
+    from test_hf_train import CPU
+
+    import sharding
+    from jaxmllm import train
+    from jaxmllm.config import load_config
+    from jaxmllm.hf.export import export_run
+    from jaxmllm.init_from import initial_params
+    from jaxmllm.resolve.run import resolve_run
+    from jaxmllm.step.stages.program import build_program
+    from sharding.rules import keyed_leaves
+
+    d = tmp_path / "m"
+    build_dir(d, "qwen", "Qwen/Qwen2.5-7B-Instruct")
+    source = hf_models.gemma3_text(d, vocab=512)  # (the tokenizer's ~420 ids fit)
+    build_dir(d, "qwen", "Qwen/Qwen2.5-7B-Instruct")  # (save_pretrained wrote over it)
+    write_config(tmp_path / "run.yaml", model=source)
+    out = tmp_path / "run"
+    lora = ["model.llm.lora.rank=4", "model.llm.lora.alpha=8"]
+    sets = [*CPU, *TEXT_ONLY, *lora, f"train.output_dir={out}", "optim.lr=1e-2"]
+    train.main(load_config(tmp_path / "run.yaml", [*sets, "train.steps=2"]))
+    adapter = tmp_path / "adapter"
+    assert set(export_run(str(out), str(adapter))) == {"model"}
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    wrapped = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(source), str(adapter)
+    )
+    named = {n for n, _ in wrapped.named_modules() if n.endswith(".lora_A")}
+    matrices = [f"self_attn.{x}_proj" for x in "qkvo"] + [f"mlp.{x}" for x in SEVEN[4:]]
+    want = {f"base_model.model.model.layers.{i}.{m}.lora_A" for i in range(5) for m in matrices}
+    assert named == want and all(re.search(config["target_modules"], n) for n in named)
+    trained, mine = exported_adapter(source, out, adapter, 1e-4)
+    adapters = {p: v for p, v in trained.items() if "/lora_" in p}
+    assert len({p.split("/")[2] for p in adapters}) == 2  # (the sliding and the full stack)
+    assert not np.all(adapters[next(p for p in adapters if p.endswith("lora_b"))] == 0)
+    for path, value in trained.items():
+        np.testing.assert_array_equal(mine[path], value, err_msg=path)
+
+    again = write_config(tmp_path / "again.yaml", model=source, adapter=str(adapter))
+    assert again.model.llm.lora.rank == 4 and again.model.init_from.adapter
+    again = resolve_run(load_config(tmp_path / "again.yaml", [*CPU, *TEXT_ONLY]), 8).cfg
+    mesh = sharding.make_mesh(again.mesh)
+    with jax.set_mesh(mesh):
+        given = initial_params(again, build_program(again, mesh))
+    given = keyed_leaves(jax.device_get(given))
+    for path, value in adapters.items():  # (the trainer's start: model.init_from.adapter)
+        np.testing.assert_array_equal(given[path], value, err_msg=path)
+
+    merged = export_run(str(out), str(tmp_path / "merged"), merged=True)["model"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(merged)).eval()
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        theirs = wrapped.eval()(input_ids=ids).logits[0].numpy()
+        np.testing.assert_allclose(base(input_ids=ids).logits[0].numpy(), theirs, atol=1e-4)
+    (plain,) = check_all(str(merged))
+    assert plain["max_abs_diff"] < 1e-4, plain
+
+
 def _flat(model) -> dict:
     from flax import nnx
 
