@@ -1,9 +1,10 @@
 """PEFT LoRA adapters in and out, with transformers and peft themselves as the oracle: adapters
 peft wrote put on tiny Qwen2-VL, Qwen3-VL, Qwen3.5 and LLaVA checkpoints built in tmp_path give our
-logits with an image in the prompt within 1e-4 of `PeftModel.from_pretrained`'s; a LoRA run
+logits with an image in the prompt within 1e-4 of `PeftModel.from_pretrained`'s, and on a tiny
+Gemma 3 text decoder (its sliding and full layers two stacks of ours) its text's; a LoRA run
 trained from such a checkpoint exports an adapter peft loads (and `--merged`, the model with
-it merged) that gives the run's own logits; adapters with modules the model lacks are refused
-naming them."""
+it merged) that gives the run's own logits; adapters with modules the model lacks, or on some
+layers of a module only, are refused naming them."""
 
 from __future__ import annotations
 
@@ -177,6 +178,83 @@ def test_an_adapter_of_modules_the_model_lacks_is_refused_naming_them(tmp_path):
         write_config(tmp_path / "run.yaml", model=source, adapter=str(adapter))
 
 
+# ----------------------------------------------------------------------------- Gemma 3's text
+
+# the text-only causal LM's module paths (model.layers.N, not model.language_model.layers.N)
+TEXT_LLM = r"model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GEMMA3 = {
+    # each matrix by name, on the tied decoder (4 sliding layers of a 5-token window, a full one)
+    "names": ({}, SEVEN),
+    # peft's every Linear but the head, on the untied decoder with biases on q, k, v and o, its
+    # full layers first and last (7.5e-5 from peft's: fp32's on both sides, transformers' own
+    # 4e-5 from its fp64 logits, ours 6.8e-5; with B 4x ours stay 6.6e-5 from them)
+    "all-linear": (
+        dict(layers=("full", "sliding", "sliding", "full"), tied=False, bias=True, heads=(4, 1)),
+        "all-linear",
+    ),
+    "regex": ({}, TEXT_LLM),
+}
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", sorted(GEMMA3))
+def test_a_peft_adapter_on_gemma3_gives_peft_s_logits(name, tmp_path):
+    """`hf check --adapter` on a Gemma3ForCausalLM (its sliding and full layers in two stacks
+    of ours, the adapter's layers shared out between them): within 1e-4 of peft's logits, the
+    adapter moving them far more; `hf import --adapter` configures the seven targets, and the
+    cost model prices the adapters it builds: 2 FLOPs a token per adapter parameter."""
+    from test_hf_moe import adapter_effect
+    from test_hf_moe import peft_adapter as causal_adapter
+
+    from jaxmllm.cost.flops import decoder_adapters
+    from jaxmllm.cost.training import modules
+    from jaxmllm.hf.adapter_load import shapes_of
+
+    build, targets = GEMMA3[name]
+    source = hf_models.gemma3_text(tmp_path / "m", **build)
+    adapter = causal_adapter(
+        source, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=targets
+    )
+    (result,) = check_all(source, adapter=adapter)
+    assert result["max_abs_diff"] < 1e-4, result
+    assert adapter_effect(source, adapter) > 100 * result["max_abs_diff"] + 1e-3, result
+    cfg = write_config(tmp_path / "run.yaml", model=source, adapter=adapter)
+    lora = cfg.model.llm.lora
+    assert (lora.rank, lora.alpha) == (4, 8)
+    assert set(lora.targets) == {t.removesuffix("_proj") for t in SEVEN}
+    shapes = shapes_of(cfg)
+    stacks = {p.split("/")[2] for p in shapes if p.endswith("/lora_a")}
+    assert len(stacks) == 2, stacks  # (the sliding layers' and the full ones')
+    held = sum(np.prod(v.shape) for p, v in shapes.items() if "/lora_" in p)
+    assert decoder_adapters(cfg.model.llm, modules(cfg.model)["llm"]) == 2 * held
+
+
+@pytest.mark.torch
+def test_an_adapter_on_gemma3_s_sliding_or_full_layers_alone_is_refused(tmp_path):
+    """Gemma 3's sliding and full layers are two stacks of ours: an adapter on the full layer's
+    q_proj alone (a regex naming it), or on the sliding layers' alone (layers_to_transform), is
+    one on some layers of q_proj, refused naming a layer without one, as an adapter on one
+    sliding layer is (jaxmllm trains every layer's). Counted per stack, a stack with none went
+    unnoticed: the adapter loaded, that stack's adapters fresh (B zero), and a run trained them."""
+    from test_hf_moe import peft_adapter as causal_adapter
+
+    source = hf_models.gemma3_text(tmp_path / "m")  # (layers 0, 1, 3, 4 sliding; 2 full)
+    cases = [
+        (dict(target_modules=r"model\.layers\.2\.self_attn\.q_proj"), 0),
+        (dict(target_modules=["q_proj"], layers_to_transform=[0, 1, 3, 4]), 2),
+        (dict(target_modules=["q_proj"], layers_to_transform=[0, 1, 2, 4]), 3),
+    ]
+    for k, (options, missing) in enumerate(cases):
+        adapter = causal_adapter(source, tmp_path / f"a{k}", r=2, lora_alpha=4, **options)
+        with pytest.raises(
+            FamilyError,
+            match=rf"model\.layers\.{missing}\.self_attn\.q_proj has no adapter while the "
+            r"other layers' q_proj have one.*layers_to_transform is not supported",
+        ):
+            write_config(tmp_path / "run.yaml", model=source, adapter=adapter)
+
+
 # ----------------------------------------------------------------------------- a LoRA run
 
 
@@ -277,6 +355,74 @@ def test_a_lora_run_exports_an_adapter_peft_loads_with_the_runs_logits(name, tmp
         run_parameters(run_cfg, out)
     with pytest.raises(ConfigError, match=refused):
         train.main(load_config(tmp_path / "run.yaml", [*sets, "train.steps=3"]))
+
+
+@pytest.mark.slow  # (a LoRA run: its step compiled, the trainer's start, two checks)
+@pytest.mark.torch
+def test_a_lora_run_on_gemma3_exports_an_adapter_peft_loads_with_the_runs_logits(tmp_path):
+    """Import a Gemma3ForCausalLM, train 2 steps of LoRA on every matrix of its sliding and
+    full layers (two stacks of ours), export: a PEFT adapter on each of the checkpoint's
+    model.layers.N modules, which peft loads with no key missing and which gives the run's
+    logits within 1e-4 of peft's; read back (and as the trainer starts from it) it is the run's
+    adapters bit for bit; `--merged`: the model with them merged, its logits peft's."""
+    import jax
+    from test_chat import build_dir
+    from test_hf_moe import TEXT_ONLY, exported_adapter
+    from test_hf_train import CPU
+
+    import sharding
+    from jaxmllm import train
+    from jaxmllm.config import load_config
+    from jaxmllm.hf.export import export_run
+    from jaxmllm.init_from import initial_params
+    from jaxmllm.resolve.run import resolve_run
+    from jaxmllm.step.stages.program import build_program
+    from sharding.rules import keyed_leaves
+
+    d = tmp_path / "m"
+    build_dir(d, "qwen", "Qwen/Qwen2.5-7B-Instruct")
+    source = hf_models.gemma3_text(d, vocab=512)  # (the tokenizer's ~420 ids fit)
+    build_dir(d, "qwen", "Qwen/Qwen2.5-7B-Instruct")  # (save_pretrained wrote over it)
+    write_config(tmp_path / "run.yaml", model=source)
+    out = tmp_path / "run"
+    lora = ["model.llm.lora.rank=4", "model.llm.lora.alpha=8"]
+    sets = [*CPU, *TEXT_ONLY, *lora, f"train.output_dir={out}", "optim.lr=1e-2"]
+    train.main(load_config(tmp_path / "run.yaml", [*sets, "train.steps=2"]))
+    adapter = tmp_path / "adapter"
+    assert set(export_run(str(out), str(adapter))) == {"model"}
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    wrapped = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(source), str(adapter)
+    )
+    named = {n for n, _ in wrapped.named_modules() if n.endswith(".lora_A")}
+    matrices = [f"self_attn.{x}_proj" for x in "qkvo"] + [f"mlp.{x}" for x in SEVEN[4:]]
+    want = {f"base_model.model.model.layers.{i}.{m}.lora_A" for i in range(5) for m in matrices}
+    assert named == want and all(re.search(config["target_modules"], n) for n in named)
+    trained, mine = exported_adapter(source, out, adapter, 1e-4)
+    adapters = {p: v for p, v in trained.items() if "/lora_" in p}
+    assert len({p.split("/")[2] for p in adapters}) == 2  # (the sliding and the full stack)
+    assert not np.all(adapters[next(p for p in adapters if p.endswith("lora_b"))] == 0)
+    for path, value in trained.items():
+        np.testing.assert_array_equal(mine[path], value, err_msg=path)
+
+    again = write_config(tmp_path / "again.yaml", model=source, adapter=str(adapter))
+    assert again.model.llm.lora.rank == 4 and again.model.init_from.adapter
+    again = resolve_run(load_config(tmp_path / "again.yaml", [*CPU, *TEXT_ONLY]), 8).cfg
+    mesh = sharding.make_mesh(again.mesh)
+    with jax.set_mesh(mesh):
+        given = initial_params(again, build_program(again, mesh))
+    given = keyed_leaves(jax.device_get(given))
+    for path, value in adapters.items():  # (the trainer's start: model.init_from.adapter)
+        np.testing.assert_array_equal(given[path], value, err_msg=path)
+
+    merged = export_run(str(out), str(tmp_path / "merged"), merged=True)["model"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(merged)).eval()
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        theirs = wrapped.eval()(input_ids=ids).logits[0].numpy()
+        np.testing.assert_allclose(base(input_ids=ids).logits[0].numpy(), theirs, atol=1e-4)
+    (plain,) = check_all(str(merged))
+    assert plain["max_abs_diff"] < 1e-4, plain
 
 
 def _flat(model) -> dict:

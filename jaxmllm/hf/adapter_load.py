@@ -79,17 +79,14 @@ def find(adapter: Adapter, cfg: Any, kernels: set[str], trains_whole) -> Found:
             params = experts_adapter.present(adapter, cfg, src.family, src.prefix)
             found.experts, held = experts_adapter.read(adapter, params, cfg.model.llm.moe.experts)
             used |= held
-        for mod in modules([(src.family, src.prefix)], cfg, src.hf, kernels):
-            layers = _layers(adapter, mod, keys)
-            missing = [i for i, got in enumerate(layers) if got is None]
-            if len(missing) == len(layers):
+        held = [
+            (mod, _layers(adapter, mod, keys))
+            for mod in modules([(src.family, src.prefix)], cfg, src.hf, kernels)
+        ]
+        _every_layer(adapter, held)
+        for mod, layers in held:
+            if layers[0] is None:
                 continue  # (no adapter on it: the config's targets say whether that is wrong)
-            if missing:
-                raise FamilyError(
-                    f"{adapter.directory}: {mod.names(missing[0])[0]} has no adapter while "
-                    f"the other layers' {mod.runtime.rsplit('.', 1)[-1]} have one; jaxmllm "
-                    "trains every layer's (layers_to_transform is not supported)"
-                )
             used |= {k for got in layers for k in got[3]}
             found.adapters.append((mod, [got[:3] for got in layers]))
         for link in src.family.links(cfg, src.hf):
@@ -114,6 +111,27 @@ def find(adapter: Adapter, cfg: Any, kernels: set[str], trains_whole) -> Found:
             "import --adapter` writes them)"
         )
     return found
+
+
+def _every_layer(adapter: Adapter, held: list[tuple[Module, list]]) -> None:
+    """Refuses an adapter on some layers of a module and not others (`held`: each module's
+    `_layers`). The layers of one HF module (one runtime name) may sit in several of our
+    stacks (Gemma 3's sliding and full layers, a hybrid's linear and full ones), so they are
+    counted together: a stack with none of them is a layer missing, as a row is."""
+    rows: dict[str, list] = {}
+    for mod, layers in held:
+        for row, got in enumerate(layers):
+            layer = row if mod.link.layers else None
+            at = -1 if layer is None else mod.link.hf_layer(layer)
+            rows.setdefault(mod.runtime, []).append((at, mod.names(layer)[0], got is None))
+    for runtime, of_module in rows.items():
+        missing = [name for _, name, absent in sorted(of_module) if absent]
+        if missing and len(missing) < len(of_module):
+            raise FamilyError(
+                f"{adapter.directory}: {missing[0]} has no adapter while the other layers' "
+                f"{runtime.rsplit('.', 1)[-1]} have one; jaxmllm trains every layer's "
+                "(layers_to_transform is not supported)"
+            )
 
 
 def _layers(adapter: Adapter, mod: Module, keys: set) -> list:
