@@ -193,7 +193,7 @@ def test_a_sliding_window_layer_costs_a_full_one_up_to_its_window_and_linearly_b
     """Five windowed layers of six: a document no longer than the window costs what it costs
     with full attention everywhere; past it, the windowed layers' part grows by the same
     amount per token (2 w a layer), so at 64 windows its attention costs a fifth of the full
-    twin's. A tile weighs the same (priced as if every layer computed the row's whole list)."""
+    twin's. A causal tile and a windowed one together weigh the full twin's tile."""
     windowed, full = _llm_costs()
     gemma, twin = windowed.phase("llm"), full.phase("llm")
     assert (gemma.window, twin.window) == (WINDOW, 0)
@@ -208,7 +208,28 @@ def test_a_sliding_window_layer_costs_a_full_one_up_to_its_window_and_linearly_b
     np.testing.assert_allclose(np.diff(local), gemma.linear + 2 * WINDOW * gemma.windowed)
     n = 64 * WINDOW  # (attention: the full layer's sixth and 5 / 6 of 2 w / n of the rest)
     assert gemma.attention_cost(n) < 0.2 * twin.attention_cost(n)
-    assert windowed.tile_weights(32, {})["llm"] == pytest.approx(full.tile_weights(32, {})["llm"])
+    w, f = windowed.tile_weights(32, {})["llm"], full.tile_weights(32, {})["llm"]
+    assert w.tile + w.window_tile == pytest.approx(f.tile)
+
+
+def test_a_windowed_layers_tile_is_priced_on_their_own_list_but_in_context_groups():
+    """Five windowed layers of six: a tile of the row's causal list costs the full layer's
+    sixth, a tile of the windowed layers' own list the other five sixths, and the LLM's weights
+    carry the window (what the list's capacity follows). Under context groups the windowed
+    layers compute the causal list: a causal tile costs every layer, as the full twin's, and
+    there is no windowed list; without a window the weights are what they were before."""
+    windowed, full = _llm_costs()
+    w, f = windowed.tile_weights(32, {})["llm"], full.tile_weights(32, {})["llm"]
+    twin = full.phase("llm")
+    assert tuple(f) == (twin.linear, 2 * twin.quadratic * 32**2, 0.0, 0)  # (as before windows)
+    assert full.tile_weights(32, {}, context=2) == full.tile_weights(32, {})
+    assert (w.unit, w.window) == (f.unit, WINDOW)
+    assert (w.tile, w.window_tile) == pytest.approx((f.tile / 6, f.tile * 5 / 6))
+    grouped = windowed.tile_weights(32, {}, context=2)["llm"]
+    assert grouped.tile == pytest.approx(f.tile) and grouped[2:] == (0.0, 0)
+    # a bucket's capacity: causal tiles at the full weight, windowed ones at theirs
+    assert w.cost(100, 40, 11) == pytest.approx(w.unit * 100 + w.tile * 40 + w.window_tile * 11)
+    assert windowed.tile_weights(32, {})["vision"] == full.tile_weights(32, {})["vision"]
 
 
 def _pairs(n: int, window: int = 0) -> int:

@@ -10,13 +10,22 @@ import numpy as np
 import pytest
 
 from jaxmllm.bench.tails import index_of, longtail, ragged
+from jaxmllm.cost.model import TileWeights
 from jaxmllm.plan import ladder
 from jaxmllm.plan.contract import Capacities, check_plan, step_tiles
 from jaxmllm.plan.ladder import Ladder, longest_fitting, rung_rows
 from jaxmllm.plan.registry import make_planner
 from jaxmllm.plan.stream import stream_of
 from jaxmllm.plan.tiles import own_tiles
-from jaxmllm.resolve.tilesize import largest_doc_tiles, size_tiles
+from jaxmllm.resolve.tilesize import (
+    flop_share,
+    goodput,
+    ladder_weights,
+    largest_doc_tiles,
+    size_tiles,
+    step_window_tiles,
+    window_cap,
+)
 
 PER_TOKEN = {"vision": 4, "audio": 4}
 PER_ROW = {"vision": 1, "audio": 4}
@@ -301,3 +310,55 @@ def test_the_summary_holds_the_index_extremes_and_its_longest_samples(monkeypatc
     np.testing.assert_array_equal(got.body.text, index.text[got.body_ids])
     small = summary.summarize(chats_mix(1, 200), PER_TOKEN)
     assert small.whole and len(small.body) == 200
+
+
+# ----------------------------------------------------------------------------- windowed lists
+
+
+def test_the_windowed_lists_capacity_is_the_batchs():
+    """`window_cap` from a planner's capacities and the LLM's weights is the capacity the
+    batch gives the sliding-window layers' list (`bucketize.window_tile_cap`): the band
+    binds at 40 causal tiles, the causal capacity at 8; none without a window."""
+    from jaxmllm.batch.bucketize import window_tile_cap
+    from jaxmllm.config import load_config
+    from jaxmllm.config.spec import BatchSpec
+
+    window = ["model.llm.depth=6", "model.llm.window.size=16", "model.llm.window.every=6"]
+    for llm_tiles in (40, 8):
+        tiles = [f"batch.llm_tiles={llm_tiles}", "batch.vision_tiles=10", "batch.audio_tiles=10"]
+        more = ["model.attention=block_sparse", "batch.route_pair_capacity=8", *tiles]
+        spec = BatchSpec.of(load_config("configs/tiny.yaml", window + more))
+        caps = Capacities.of(spec, 8)
+        weight = TileWeights(1.0, 1.0, 1.0, spec.window)
+        assert window_cap(caps, llm_tiles, weight) == window_tile_cap(spec) == min(llm_tiles, 11)
+        assert window_cap(caps, llm_tiles, TileWeights(1.0, 1.0)) == 0
+
+
+def test_the_goodput_counts_the_windowed_tiles_over_their_lists_capacity():
+    """Weights where only the windowed layers' tiles cost: a plan's goodput is the windowed
+    tiles its documents need (fewer than their causal ones: ~3,000-token documents, a window
+    of 64) over the band a bucket of 1,300 causal tiles holds (127 here); the ladder weighs a
+    causal tile at the full layers' alone where the band binds (its cost spread over the
+    row), at both where the windowed list is as long as the causal one."""
+    index = rare_long(600, every=50)
+    caps = caps_of(index, tiles={"llm": 1300, "vision": 1100})
+    window = TileWeights(0.0, 0.0, 1.0, 64)
+    assert window_cap(caps, 1300, window) == 127  # (64 blocks a row, each and the one before)
+    assert window_cap(caps, 100, window) == 100
+    assert flop_share(np.zeros(3), {}, caps, {"llm": 1300}, 2, {"llm": window}, 127.0) == 0.5
+    make = lambda c: make_planner("orchestrated", index, c, 0)  # noqa: E731
+    need, causal, planner = 0.0, 0.0, make(caps)
+    for _ in range(3):
+        plan = planner.plan()
+        need += float(step_window_tiles(plan, index, caps, 64).sum())
+        causal += float(step_tiles(plan, index, caps)["llm"].sum())
+    assert 0 < need < causal
+    buckets = 3 * caps.microbatches * caps.devices
+    weights = {"llm": window, "vision": (0.0, 0.0), "audio": (0.0, 0.0)}
+    assert goodput(make(caps), index, caps, 3, weights) == pytest.approx(need / (buckets * 127))
+    both = {"llm": TileWeights(1.0, 2.0, 3.0, 64)}
+    rows = {"llm": 4096}
+    assert ladder_weights(both, caps, {"llm": 150}, rows)["llm"] == pytest.approx(
+        (1.0 + 3.0 * 127 / 4096, 2.0)
+    )
+    assert ladder_weights(both, caps, {"llm": 100}, rows)["llm"] == pytest.approx((1.0, 5.0))

@@ -92,7 +92,7 @@ from jaxmllm.bench.table import (
 )
 from jaxmllm.config import ModelConfig, load_config
 from jaxmllm.config.command import fail, run
-from jaxmllm.config.phases import BY_NAME, NAMES
+from jaxmllm.config.phases import BY_NAME, LLM, NAMES
 from jaxmllm.cost.model import CostModel, window_sq
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.contract import Capacities, StepPlan, check_plan, item_rows, pair_rows, step_tiles
@@ -100,7 +100,7 @@ from jaxmllm.plan.registry import HOLDS_TILES, make_planner
 from jaxmllm.resolve.capacity import (
     fill_bound,
 )
-from jaxmllm.resolve.tilesize import flop_share
+from jaxmllm.resolve.tilesize import flop_share, step_window_tiles, window_cap
 
 POLICIES = ("orchestrated", "balanced", "grain", "naive")  # the default --policies
 
@@ -189,6 +189,9 @@ def run_policy(
     step_fill = []  # per step, real units / capacity per phase
     tile_need, tile_spread, tile_most = [], [], dict.fromkeys(PHASES, 0)
     tile_total = dict.fromkeys(PHASES, 0.0)
+    weights = cost.tile_weights(block, caps.per_row, caps.context) if block else {}
+    window = weights[LLM].window if block else 0  # (windowed layers' own list: its tiles)
+    window_total = 0.0
     variants = []  # each step's (`plan.ladder`: 1 for a long step)
     for _ in range(steps):
         t = time.process_time()
@@ -223,6 +226,8 @@ def run_policy(
             tile_need += total.ravel().tolist()
             mean = total.mean(1)
             tile_spread += list(total.max(1)[mean > 0] / mean[mean > 0])
+            if window:
+                window_total += float(step_window_tiles(plan, index, caps, window).sum())
         deferred.append(plan.deferred)
         for p in NAMES:
             it = plan.items[p]
@@ -297,9 +302,11 @@ def run_policy(
         row["tile_capacity_long"] = int(sum(long_by_phase.values()))
         row["long_steps"] = int(np.count_nonzero(variants))
         row["tile_ladder"] = [int(sum(c.values())) for c in ladder]  # (each long variant's)
-        weights = cost.tile_weights(block, caps.per_row)
+        cap_window = np.mean([window_cap(caps, c[LLM], weights[LLM]) for c in by_step])
         buckets = steps * devices * micro
-        row["goodput"] = flop_share(work, tile_total, caps, computed, buckets, weights)
+        row["goodput"] = flop_share(
+            work, tile_total, caps, computed, buckets, weights, window_total, float(cap_window)
+        )
         row["tile_capacity_by_phase"] = dict(caps_by_phase)
         row["tile_capacity_long_by_phase"] = dict(long_by_phase)
         row["tile_mean"] = float(np.mean(tile_need))

@@ -81,8 +81,8 @@ from jaxmllm.cost.model import CostModel, PhaseCost
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.contract import Capacities, check_plan, phase_docs, step_tiles
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
-from jaxmllm.plan.tiles import bin_tiles
-from jaxmllm.resolve.tilesize import flop_share
+from jaxmllm.plan.tiles import bin_tiles, window_reach
+from jaxmllm.resolve.tilesize import flop_share, step_window_tiles, window_cap
 from jaxmllm.step.preference import uses_reference
 
 CONFIG = "configs/gpu/qwen3_vl_8b_dpo.yaml"  # the default model: Qwen3-VL-8B's shapes, DPO + LoRA
@@ -204,10 +204,10 @@ def _loads(plan, layout: Layout, caps: Capacities, cost: CostModel):
     return out
 
 
-def _llm_tiles(plan, layout: Layout, caps: Capacities) -> np.ndarray:
+def _llm_tiles(plan, layout: Layout, caps: Capacities, window: int = 0) -> np.ndarray:
     """LLM tiles each bucket needs [M, D] with each document of a pair alone (what the
     planner counts too where the index says where a pair splits: not under
-    `--one-document`)."""
+    `--one-document`); with a `window`, the tiles it reaches (the windowed layers' list)."""
     s, rows = plan.samples, caps.llm_rows
     docs = layout.docs[s]
     bins = (plan.micro * caps.llm_buckets + plan.device) * rows + plan.row
@@ -219,6 +219,7 @@ def _llm_tiles(plan, layout: Layout, caps: Capacities) -> np.ndarray:
         nbins,
         caps.attention_block,
         True,
+        window_reach(window, caps.attention_block),
     )
     return tiles.reshape(caps.microbatches, caps.llm_buckets, rows).sum(2)
 
@@ -280,6 +281,9 @@ def run_layout(
     real_tiles = dict.fromkeys(PHASES, 0.0)
     priced_tiles = dict.fromkeys(PHASES, 0.0)  # the planner's count (the index's documents)
     most = dict.fromkeys(PHASES, 0)  # the planner's own tile count, most a bucket needed
+    weights = cost.tile_weights(block, caps.per_row, caps.context)
+    window = weights[LLM].window  # (windowed layers with a list of their own: its tiles)
+    real_window = priced_window = 0.0
     quad, bound, times, variants = [], [], [], []
     samples, split = 0, _Split(layout.pairs)
     for k in range(steps):
@@ -296,6 +300,9 @@ def run_layout(
             if p != LLM:
                 real_tiles[p] += float(need.sum())
         real_tiles[LLM] += float(_llm_tiles(plan, layout, caps).sum())
+        if window:
+            real_window += float(_llm_tiles(plan, layout, caps, window).sum())
+            priced_window += float(step_window_tiles(plan, index, caps, window).sum())
         loads = _loads(plan, layout, caps, cost)
         num = sum(q.max(1) for q, _ in loads.values())
         den = sum(q.mean(1) for q, _ in loads.values())
@@ -309,10 +316,12 @@ def run_layout(
     holds = policy in HOLDS_TILES
     by_step = [caps.tile_caps(v) if holds else most for v in variants]
     computed = {p: float(np.mean([c[p] for c in by_step])) for p in PHASES}
-    weights = cost.tile_weights(block, caps.per_row)
+    # (the windowed layers' list: each step's capacity from its causal one)
+    cap_window = float(np.mean([window_cap(caps, c[LLM], weights[LLM]) for c in by_step]))
     buckets = steps * devices * micro
     per_bucket = sum(
-        weights[p][0] * cap_units[i] + weights[p][1] * computed[p] for i, p in enumerate(PHASES)
+        weights[p].cost(cap_units[i], computed[p], cap_window if p == LLM else 0.0)
+        for i, p in enumerate(PHASES)
     )
     pairs = samples / (2 if layout.name == "unpaired" else 1)
     steady = np.array(times[1:] if len(times) > 1 else times)
@@ -330,8 +339,12 @@ def run_layout(
         "tflop_per_pair": buckets * per_bucket / max(pairs, 1) / 1e12,
         "quad_max_mean": float(np.mean(quad)) if quad else 0.0,
         "quad_bound": float(np.mean(bound)) if bound else 0.0,
-        "goodput": flop_share(units, real_tiles, caps, computed, buckets, weights),
-        "goodput_priced": flop_share(units, priced_tiles, caps, computed, buckets, weights),
+        "goodput": flop_share(
+            units, real_tiles, caps, computed, buckets, weights, real_window, cap_window
+        ),
+        "goodput_priced": flop_share(
+            units, priced_tiles, caps, computed, buckets, weights, priced_window, cap_window
+        ),
         "split": split.share if layout.name == "unpaired" else 0.0,
         "ms_per_step": 1000 * float(np.median(steady)),
         "tile_capacity": {p: round(v, 1) for p, v in computed.items()},

@@ -63,8 +63,8 @@ from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.loop.rollouts import drain
 from jaxmllm.plan.contract import Capacities, check_plan, phase_docs, step_tiles
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
-from jaxmllm.plan.tiles import bin_tiles
-from jaxmllm.resolve.tilesize import flop_share
+from jaxmllm.plan.tiles import bin_tiles, window_reach
+from jaxmllm.resolve.tilesize import flop_share, step_window_tiles, window_cap
 
 CONFIG = "configs/gpu/qwen3_vl_8b.yaml"  # the default model: Qwen3-VL-8B's shapes, trained whole
 SHORTEST = 4  # completion tokens (the lognormal's lower clip; the upper is --max-new)
@@ -110,6 +110,20 @@ def useful_tiles(plan, index: LengthsIndex, caps: Capacities, first: np.ndarray)
     return out
 
 
+def useful_window_tiles(
+    plan, index: LengthsIndex, caps: Capacities, first: np.ndarray, window: int
+) -> float:
+    """The tiles a sliding window of `window` tokens reaches (the windowed layers' own list)
+    in the LLM documents of the plan's samples marked `first`, where they were placed."""
+    micro, dev, row, off, size = phase_docs(plan, index, caps, LLM)
+    bins = ((micro * caps.llm_buckets + dev) * caps.llm_rows + row)[first]
+    nbins = caps.microbatches * caps.llm_buckets * caps.llm_rows
+    reach = window_reach(window, caps.attention_block)
+    return float(
+        bin_tiles(bins, off[first], size[first], nbins, caps.attention_block, True, reach).sum()
+    )
+
+
 def plan_rollout(
     index: LengthsIndex,
     policy: str,
@@ -142,6 +156,9 @@ def plan_rollout(
     useful, planned = np.zeros(len(PHASES)), np.zeros(len(PHASES))
     tiles_useful = dict.fromkeys(PHASES, 0.0)
     tiles_planned = dict.fromkeys(PHASES, 0.0)
+    weights = cost.tile_weights(block, caps.per_row, caps.context)
+    window = weights[LLM].window  # (windowed layers with a list of their own: its tiles)
+    window_useful = window_planned = 0.0
     most = dict.fromkeys(PHASES, 0)  # the most tiles a bucket needed (a policy not holding)
     times, variants, new, repeats = [], [], [], 0
     while not seen.all():
@@ -166,10 +183,13 @@ def plan_rollout(
             tiles_planned[p] += float(need.sum())
         for p, v in useful_tiles(plan, index, caps, first).items():
             tiles_useful[p] += v
+        if window:
+            window_useful += useful_window_tiles(plan, index, caps, first, window)
+            window_planned += float(step_window_tiles(plan, index, caps, window).sum())
     steps = len(times)
     by_step = [caps.tile_caps(v) if policy in HOLDS_TILES else most for v in variants]
     computed = {p: float(np.mean([c[p] for c in by_step])) for p in PHASES}
-    weights = cost.tile_weights(block, caps.per_row)
+    cap_window = float(np.mean([window_cap(caps, c[LLM], weights[LLM]) for c in by_step]))
     buckets = steps * devices * micro
     cap_units = np.array(
         [caps.llm_rows * caps.llm_row_len, *(caps.units[p] for p in NAMES)], np.float64
@@ -187,8 +207,12 @@ def plan_rollout(
         "fill": dict(zip(PHASES, fill.round(4).tolist(), strict=True)),
         "repeats": repeats,
         "new_per_step": new,
-        "goodput": flop_share(useful, tiles_useful, caps, computed, buckets, weights),
-        "goodput_packed": flop_share(planned, tiles_planned, caps, computed, buckets, weights),
+        "goodput": flop_share(
+            useful, tiles_useful, caps, computed, buckets, weights, window_useful, cap_window
+        ),
+        "goodput_packed": flop_share(
+            planned, tiles_planned, caps, computed, buckets, weights, window_planned, cap_window
+        ),
         "useful_units": dict(zip(PHASES, useful.tolist(), strict=True)),
         "ms_per_step": 1000 * float(np.median(times)),
         "ms_per_rollout": 1000 * float(build / hosts + times.sum()),

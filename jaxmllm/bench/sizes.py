@@ -84,7 +84,9 @@ def held_caps(
         caps,
         steps,
         make=lambda c: make_planner(policy, index, c, seed),
-        weights=cost.tile_weights(caps.attention_block, caps.per_row) if cost else None,
+        weights=cost.tile_weights(caps.attention_block, caps.per_row, caps.context)
+        if cost
+        else None,
         ladder=ladder,
     )
     return dataclasses.replace(caps, tiles=sizes.tiles, long_tiles=sizes.long)

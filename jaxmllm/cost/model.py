@@ -34,7 +34,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -96,6 +96,23 @@ class PhaseCost:
         return self.linear * units + self.quadratic * sq + self.windowed * wsq
 
 
+class TileWeights(NamedTuple):
+    """What a phase's bucket capacity costs (`CostModel.tile_weights`): per unit, per tile of
+    its tile list and, for a decoder whose sliding-window layers compute a list of their own,
+    per tile of that list (`window`: their window in tokens; 0 and 0 without). A bucket of
+    `units` units, `tiles` tiles and `window_tiles` windowed tiles costs `cost(...)`."""
+
+    unit: float
+    tile: float
+    window_tile: float = 0.0
+    window: int = 0
+
+    def cost(self, units, tiles, window_tiles=0.0):
+        """What `units` units, `tiles` tiles of the phase's list and `window_tiles` of the
+        windowed layers' own cost (floats, or arrays elementwise)."""
+        return self.unit * units + self.tile * tiles + self.window_tile * window_tiles
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Coefficients per phase, in FLOPs from the model config or seconds from a calibration."""
@@ -109,24 +126,28 @@ class CostModel:
         return self.terms[name]
 
     def tile_weights(
-        self, block: int, per_row: Mapping[str, int]
-    ) -> dict[str, tuple[float, float]]:
-        """Per phase (FLOPs per unit, FLOPs per computed attention tile of `block` rows):
-        what a bucket's capacity costs whether it holds real work or padding. A tile is
+        self, block: int, per_row: Mapping[str, int], context: int = 1
+    ) -> dict[str, TileWeights]:
+        """Per phase, what a bucket's capacity costs whether it holds real work or padding, per
+        unit and per computed attention tile of `block` rows (`TileWeights`). A tile is
         computed whole, so a causal phase's (the LLM's, whose quadratic term counts half the
         pairs) costs twice its coefficient per pair; an encoder row is `per_row[phase]` units
-        (1 where missing). A tile costs the full and the windowed layers' coefficients
-        together, as if the sliding-window layers computed every tile of the row's list:
-        exact under context groups, where they do (masking by the window inside a tile), and
-        while their own list (`batch.bucketize.window_tile_cap`: the fewer of the row's
-        capacity and the band of tiles a window reaches) is as long as the row's; an upper
-        bound once that band is the shorter."""
+        (1 where missing).
+
+        A decoder's full-attention layers compute the row's causal list (`tile`); its
+        sliding-window layers their own, the tiles their window reaches (`window_tile`, per
+        tile of `llm_window_tiles`, whose capacity is `batch.bucketize.window_tile_cap`),
+        except under context groups (`context` > 1), where they compute the causal list too:
+        there, and where the model has no window, the windowed coefficient is in `tile`."""
         out = {}
         for p in PHASES:
             c = self.phase(p)
             side = block * (1 if p == LLM else per_row.get(p, 1))
-            half = 2.0 if p == LLM else 1.0
-            out[p] = (c.linear, half * (c.quadratic + c.windowed) * side**2)
+            pair = (2.0 if p == LLM else 1.0) * side**2  # (the pairs a tile computes)
+            if c.window and context == 1:
+                out[p] = TileWeights(c.linear, pair * c.quadratic, pair * c.windowed, c.window)
+            else:
+                out[p] = TileWeights(c.linear, pair * (c.quadratic + c.windowed))
         return out
 
     def phases_cost(self, work: Mapping) -> np.ndarray | float:

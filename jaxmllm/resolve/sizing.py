@@ -177,8 +177,10 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
     planner = make_planner(b.planner, index, caps, cfg.data.seed)
     long = ()
     if b.planner in HOLDS_TILES:
-        # (the headroom that does the most useful work per computed FLOP of the cost model)
-        weights = CostModel.from_model(cfg.model).tile_weights(caps.attention_block, caps.per_row)
+        # (the headroom that does the most useful work per computed FLOP of the cost model;
+        # a decoder's windowed layers on their own list, `window_tile_cap`, but in groups)
+        cost = CostModel.from_model(cfg.model)
+        weights = cost.tile_weights(caps.attention_block, caps.per_row, caps.context)
         ladder = (
             len(longs) == len(long_tile_keys())
             and cfg.mesh.context == 1

@@ -12,25 +12,34 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from jaxmllm.config.phases import LLM, NAMES, PHASES
+from jaxmllm.cost.model import TileWeights
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.contract import (
     Capacities,
     Planner,
+    StepPlan,
     device_tile_caps,
     documents,
+    phase_docs,
     step_tiles,
     work_of,
 )
 from jaxmllm.plan.ladder import size_ladder
 from jaxmllm.plan.select import BINDING
 from jaxmllm.plan.summary import IndexSummary, summary_of
-from jaxmllm.plan.tiles import own_tiles, packed_density
+from jaxmllm.plan.tiles import (
+    bin_tiles,
+    own_tiles,
+    packed_density,
+    window_capacity,
+    window_reach,
+)
 
 HELD_DRY_RUN_STEPS = 50  # a holding planner's tile capacity: at most what this many of its
 # plans needed without a bound (uniform data: its tiles are even without holding them)
@@ -135,7 +144,7 @@ def held_tiles(
     steps: int,
     *,
     make: Callable[[Capacities], Planner] | None = None,
-    weights: dict[str, tuple[float, float]] | None = None,
+    weights: Mapping[str, tuple] | None = None,
 ) -> dict:
     """`size_tiles`' capacities without a long variant: every bucket at least the largest
     document's own tiles."""
@@ -149,7 +158,7 @@ def size_tiles(
     steps: int,
     *,
     make: Callable[[Capacities], Planner] | None = None,
-    weights: dict[str, tuple[float, float]] | None = None,
+    weights: Mapping[str, tuple] | None = None,
     ladder: bool = True,
 ) -> TileSizes:
     """The tile capacities of a planner that holds them (`registry.HOLDS_TILES`), per phase the
@@ -164,10 +173,11 @@ def size_tiles(
     base bucket cannot hold), without it the base capacity is raised to it.
 
     The headroom is TILE_HEADROOM, or with `make` (a planner on given capacities) and
-    `weights` (per phase: FLOPs per unit, per computed tile, from the cost model) the one of
-    HELD_HEADROOMS whose plans do the most useful work per FLOP the buckets compute
-    (`goodput`) over HELD_TRIAL_STEPS plans each. (`planner`, built on `caps` without tile
-    bounds, is used up.)
+    `weights` (per phase: FLOPs per unit, per computed tile and per windowed tile,
+    `CostModel.tile_weights`) the one of HELD_HEADROOMS whose plans do the most useful work per
+    FLOP the buckets compute (`goodput`: a decoder's windowed layers' list counted at its own
+    capacity, `window_cap`) over HELD_TRIAL_STEPS plans each. (`planner`, built on `caps`
+    without tile bounds, is used up.)
 
     Returns the capacities of a device (where an LLM bucket is a context group:
     `contract.device_tile_caps`)."""
@@ -182,13 +192,6 @@ def size_tiles(
         **{p: caps.units[p] // caps.row_units(p) for p in NAMES},
     }
 
-    # (per phase: FLOPs per attention row, per tile)
-    row_weights = (
-        None
-        if weights is None
-        else {p: (u * (1 if p == LLM else caps.row_units(p)), t) for p, (u, t) in weights.items()}
-    )
-
     def at(headroom: float) -> TileSizes:
         held = {
             p: min(n, most[p], math.ceil(mean[p] * (1 + headroom))) if n else -1
@@ -198,6 +201,7 @@ def size_tiles(
         if not ladder:
             base, long = {p: max(n, least[p]) if n else 0 for p, n in held.items()}, []
         else:
+            row_weights = None if weights is None else ladder_weights(weights, caps, held, rows)
             base, long = size_ladder(
                 held, least, docs, tail, rows, density, caps.attention_block, row_weights
             )
@@ -219,13 +223,66 @@ def size_tiles(
     return best
 
 
+def ladder_weights(
+    weights: Mapping[str, tuple], caps: Capacities, held: Mapping[str, int], rows: Mapping
+) -> dict[str, tuple[float, float]]:
+    """Per phase (FLOPs per attention row, per tile): the cost of a bucket of `rows` rows
+    near `held` tiles, as `plan.ladder.size_ladder` weighs its capacities. A decoder's
+    windowed list (`window_cap`) costs its windowed weight per tile: where the band binds it
+    does not grow with the causal capacity (a fixed cost, spread over the rows), elsewhere it
+    is as long (each causal tile costs both weights)."""
+    out = {}
+    for p, w in weights.items():
+        w = TileWeights(*w)
+        unit, tile = w.unit * (1 if p == LLM else caps.row_units(p)), w.tile
+        if p == LLM and w.window:
+            band = window_cap(caps, held.get(LLM, 0), w)
+            if held.get(LLM, 0) and band < held[LLM]:
+                unit += w.window_tile * band / max(rows[LLM], 1)
+            else:
+                tile += w.window_tile
+        out[p] = (unit, tile)
+    return out
+
+
+def window_cap(caps: Capacities, llm_tiles: float, weight: tuple) -> int:
+    """The windowed layers' tile capacity of an LLM bucket of `llm_tiles` causal tiles
+    (`batch.bucketize.window_tile_cap`, from `caps` and the LLM's `TileWeights`): the fewer of
+    those and the band a window reaches; 0 where they have no list of their own (no window,
+    context groups: `CostModel.tile_weights` leaves `window` 0 there)."""
+    w = TileWeights(*weight)
+    if not (w.window and caps.attention_block):
+        return 0
+    block = caps.attention_block
+    reach = window_reach(w.window, block)
+    return window_capacity(int(llm_tiles), caps.llm_rows, caps.llm_row_len // block, reach)
+
+
+def step_window_tiles(
+    plan: StepPlan, index: LengthsIndex, caps: Capacities, window: int
+) -> np.ndarray:
+    """The windowed tiles (a sliding window of `window` tokens) each LLM bucket of the plan
+    needs [microbatch, bucket], as `contract.step_tiles` counts the causal ones (context 1)."""
+    micro, dev, row, off, size = phase_docs(plan, index, caps, LLM)
+    m_n, d_n, rows = caps.microbatches, caps.llm_buckets, caps.llm_rows
+    bins = (micro * d_n + dev) * rows + row
+    reach = window_reach(window, caps.attention_block)
+    tiles = bin_tiles(bins, off, size, m_n * d_n * rows, caps.attention_block, True, reach)
+    return tiles.reshape(m_n, d_n, rows).sum(2)
+
+
 def goodput(
-    planner: Planner, index: LengthsIndex, caps: Capacities, steps: int, weights: dict
+    planner: Planner, index: LengthsIndex, caps: Capacities, steps: int, weights: Mapping
 ) -> float:
     """Useful FLOPs over computed FLOPs of `planner`'s first `steps` plans (`flop_share` of
-    their units and needed tiles over `caps`' buckets). (`planner` is used up.)"""
+    their units and needed tiles over `caps`' buckets; a decoder's windowed layers: the
+    windowed tiles they need over their list's capacity, `window_cap`). (`planner` is used
+    up.)"""
     units, tiles = np.zeros(len(PHASES)), dict.fromkeys(weights, 0.0)
     computed = dict.fromkeys(PHASES, 0.0)  # (each step's capacities: its variant's)
+    llm = weights.get(LLM, (0.0, 0.0))
+    window = TileWeights(*llm).window if caps.attention_block else 0
+    window_tiles = cap_window = 0.0
     for _ in range(steps):
         plan = planner.plan()
         units += work_of(index, plan.samples, caps.per_token).sum(0)
@@ -233,8 +290,11 @@ def goodput(
             tiles[phase] = tiles.get(phase, 0.0) + float(need.sum())
         for phase, n in caps.tile_caps(plan.variant).items():
             computed[phase] += n / steps
+        if window:
+            window_tiles += float(step_window_tiles(plan, index, caps, window).sum())
+            cap_window += window_cap(caps, caps.tile_caps(plan.variant)[LLM], llm) / steps
     buckets = steps * caps.microbatches * caps.devices
-    return flop_share(units, tiles, caps, computed, buckets, weights)
+    return flop_share(units, tiles, caps, computed, buckets, weights, window_tiles, cap_window)
 
 
 def flop_share(
@@ -243,18 +303,29 @@ def flop_share(
     caps: Capacities,
     cap_tiles: dict[str, float],
     buckets: int,
-    weights: dict[str, tuple[float, float]],
+    weights: Mapping[str, tuple],
+    window_tiles: float = 0.0,
+    cap_window: float | None = None,
 ) -> float:
     """Useful over computed FLOPs: the real `units` (per phase: LLM tokens, patches, frames)
     and the `tiles` their documents need, over `buckets` buckets of `caps`' units and
     `cap_tiles` tiles each (with a long variant: the mean over the steps), weighted by
-    `weights[phase]` = (per unit, per tile)."""
+    `weights[phase]` = (per unit, per tile[, per windowed tile, window]: `TileWeights`).
+
+    A decoder whose windowed layers have a list of their own (the LLM's weights' `window`)
+    adds the `window_tiles` its documents need (`step_window_tiles`) over `cap_window` tiles a
+    bucket (the mean over the steps; None: `window_cap` of the LLM's `cap_tiles`, exact
+    without long variants)."""
     cap_units = (caps.llm_rows * caps.llm_row_len, *(caps.units[p] for p in NAMES))
     useful = computed = 0.0
     for i, phase in enumerate(PHASES):
-        unit_w, tile_w = weights.get(phase, (0.0, 0.0))
-        useful += unit_w * float(units[i]) + tile_w * tiles.get(phase, 0.0)
-        computed += buckets * (unit_w * cap_units[i] + tile_w * cap_tiles.get(phase, 0))
+        w = TileWeights(*weights.get(phase, (0.0, 0.0)))
+        cap = cap_tiles.get(phase, 0)
+        cap_w = 0.0
+        if phase == LLM and w.window:
+            cap_w = window_cap(caps, cap, w) if cap_window is None else cap_window
+        useful += w.cost(float(units[i]), tiles.get(phase, 0.0), window_tiles if w.window else 0)
+        computed += buckets * w.cost(cap_units[i], cap, cap_w)
     return useful / computed if computed > 0 else 0.0
 
 
