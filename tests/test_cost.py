@@ -232,6 +232,27 @@ def test_a_windowed_layers_tile_is_priced_on_their_own_list_but_in_context_group
     assert windowed.tile_weights(32, {})["vision"] == full.tile_weights(32, {})["vision"]
 
 
+def test_a_bucket_counts_the_windowed_lists_real_tiles_and_its_timings_row_reads_back(tmp_path):
+    """`llm_window_tiles` (the sliding-window layers' own list) is counted as `llm_tiles`:
+    its real tiles per bucket, padding left out; a timings row that records them reads back
+    (recorded, not fitted)."""
+    seg = np.zeros((1, 2, 1, 8), np.int32)
+    seg[0, 0, 0, :6] = 1
+    causal = np.full((1, 2, 4, 2), -1, np.int32)
+    causal[0, 0, :3] = [[0, 0], [1, 0], [1, 1]]
+    band = np.full((1, 2, 3, 2), -1, np.int32)
+    band[0, 0, :2] = [[0, 0], [1, 1]]
+    batch = {"llm_segment_ids": seg, "llm_tiles": causal, "llm_window_tiles": band}
+    work = bucket_work(batch, window=4)
+    assert work["llm_tiles"].tolist() == [[3.0, 0.0]]
+    assert work["llm_window_tiles"].tolist() == [[2.0, 0.0]]
+    assert "llm_window_tiles" not in bucket_work({"llm_segment_ids": seg, "llm_tiles": causal})
+    slowest = {k: float(v[0, 0]) for k, v in work.items()}
+    row = {"step": 1, "time_s": 1.0, "compile": False, "slowest": slowest}
+    (tmp_path / "timings.jsonl").write_text(json.dumps(row) + "\n")
+    assert read_timings(tmp_path / "timings.jsonl")[0]["slowest"]["llm_window_tiles"] == 2.0
+
+
 def _pairs(n: int, window: int = 0) -> int:
     """Key-query pairs a causal document of `n` tokens has, counted on its mask: key <= query,
     and with a window key > query - window (`models.attention.windowed`)."""

@@ -1,6 +1,6 @@
 """What a batch holds, counted on the host for the metrics: real tokens, analytic FLOPs, and each
 bucket's work per phase (real units, squared segment lengths, attention tiles; with a decoder's
-sliding-window layers, the LLM's documents' `window_sq` too).
+sliding-window layers, the LLM's documents' `window_sq` too, and the tiles of their own list).
 
 The feed counts each step's batch on its own thread (`StepCounter`); the loop adds the counts
 into its metrics window and its timings (`jaxmllm.loop.metrics`, `jaxmllm.loop.timings`). A
@@ -49,8 +49,14 @@ def bucket_work(
     batch: dict[str, np.ndarray], context: int = 1, window: int = 0
 ) -> dict[str, np.ndarray]:
     """`{phase}_units`, `{phase}_sq`, with a `window` (the decoder's sliding-window layers',
-    `cost.flops.sliding_window`) `llm_wsq`, and where the batch has tile lists `{phase}_tiles`:
-    each an [M, D] array over the batch's buckets (microbatch, device).
+    `cost.flops.sliding_window`) `llm_wsq`, and where the batch has tile lists `{phase}_tiles`
+    (and the windowed layers' own, `llm_window_tiles`): each an [M, D] array over the batch's
+    buckets (microbatch, device). Tiles count real ones, not the list's padding.
+
+    The windowed layers' real tiles are counted as the full layers' are, for the timings: with
+    block-sparse attention those layers' time follows the tiles their window reaches, not the
+    causal list (`cost.model.CostModel.tile_weights`), so a step's record says what both kinds
+    computed; the calibration reads them as it reads `tiles`, recorded, not fitted.
 
     With context groups (`context` > 1: consecutive devices split rows whose documents they
     share, segment ids counting over a group) a document's squared length (and window_sq) is
@@ -68,9 +74,10 @@ def bucket_work(
             for k in group.keys() - {"units"}:
                 own[k] = np.repeat(group[k] / context, context, axis=1)
         work.update({f"{phase}_{k}": v for k, v in own.items()})
-        tiles = batch.get(f"{phase}_tiles")
-        if tiles is not None:  # (query block, key block) pairs, (-1, -1) for padding
-            work[f"{phase}_tiles"] = (tiles[..., 0] >= 0).sum(-1).astype(np.float64)
+        for key in (f"{phase}_tiles", f"{phase}_window_tiles"):
+            tiles = batch.get(key)
+            if tiles is not None:  # (query block, key block) pairs, (-1, -1) for padding
+                work[key] = (tiles[..., 0] >= 0).sum(-1).astype(np.float64)
     return work
 
 

@@ -5,7 +5,8 @@ Calibration (Entrain's macroscopic profiling): the trainer writes `<output_dir>/
 the work of its slowest device (per microbatch, the device the cost model finds slowest: the
 microbatches' collectives make every device wait for it), per phase: real units, the sum of
 squared segment lengths, attention tiles (and with a decoder's sliding-window layers the LLM's
-summed `window_sq`, `llm_wsq`). `python -m jaxmllm.cost.calibrate RUN_DIR` fits
+summed `window_sq`, `llm_wsq`, and with block-sparse attention the tiles of their own list,
+`llm_window_tiles`). `python -m jaxmllm.cost.calibrate RUN_DIR` fits
 
     step_time = overhead + sum over phases of (a_p * units_p + b_p * sq_p + c_p * wsq_p)
 
@@ -46,8 +47,8 @@ from jaxmllm.config.phases import PHASES
 from jaxmllm.cost.model import CostFileError, CostModel, PhaseCost
 
 # real units, sum of squared segment lengths, attention tiles, sum of sliding-window layers'
-# window_sq (`cost.model.window_sq`)
-FEATURES = ("units", "sq", "tiles", "wsq")
+# window_sq (`cost.model.window_sq`), the tiles of those layers' own list (recorded, not fitted)
+FEATURES = ("units", "sq", "tiles", "wsq", "window_tiles")
 FITS = ("scaled", "free", "flops", "constant")
 RIDGE = 0.01  # pull of a fit toward the simpler one, per step, in units of the mean step time
 IRLS_ROUNDS = 20  # reweighted least-squares rounds toward the least absolute relative error

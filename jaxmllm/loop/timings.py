@@ -2,10 +2,12 @@
 
 The feed's thread counts a host batch's work per bucket (`jaxmllm.batch.counts.step_work`,
 called by `StepCounter`): per phase, real units (LLM tokens, vision patches, audio frames), the sum
-of squared segment lengths and, with block-sparse attention, the tiles of the bucket's tile
-list. A step's microbatches each end in collectives (the encoder-row all-to-all, fsdp's
-gathers), so every device waits for the slowest one of each microbatch: the step's work is,
-per microbatch, that of the device the cost model finds slowest, summed over microbatches.
+of squared segment lengths and, with block-sparse attention, the real tiles of the bucket's tile
+list; with a decoder's sliding-window layers, the LLM's summed `window_sq` (`llm_wsq`) and,
+where those layers have a tile list of their own, its real tiles (`llm_window_tiles`). A
+step's microbatches each end in collectives (the encoder-row all-to-all, fsdp's gathers), so
+every device waits for the slowest one of each microbatch: the step's work is, per
+microbatch, that of the device the cost model finds slowest, summed over microbatches.
 
 The trainer times each step between successive completions (`TimingsRecorder`): once step k+1
 is dispatched it waits for step k's loss, so the devices always have a step queued and the
