@@ -105,6 +105,22 @@ def test_analytic_device_time_is_the_costliest_bucket_per_microbatch():
     assert np.isclose(bench_host.flops_seconds(run.cfg, one, 100.0) * 100e12, want)
 
 
+def test_analytic_device_time_prices_sliding_window_layers_by_their_window():
+    """A Gemma-shaped decoder (5 windowed layers of 6): a bucket's device time is its FLOPs
+    as the metrics count them, the windowed layers on `window_sq` (a document 8 windows
+    long costs them far less than full attention would)."""
+    window = ["model.llm.depth=6", "model.llm.window.size=16", "model.llm.window.every=6"]
+    cfg = load_config("configs/tiny.yaml", window)
+    seg = np.zeros((1, 1, 1, 192), np.int32)
+    seg[0, 0, 0, :128] = 1
+    batch = {"llm_segment_ids": seg}
+    want = StepCounter(cfg)(batch)["flops"]
+    assert np.isclose(bench_host.flops_seconds(cfg, batch, 100.0) * 100e12, want)
+    full = load_config("configs/tiny.yaml", window[:1])
+    seconds = bench_host.flops_seconds(cfg, batch, 100.0)
+    assert seconds < bench_host.flops_seconds(full, batch, 100.0)
+
+
 def test_the_media_manifest_holds_large_images_several_per_record_and_long_clips(tmp_path):
     manifest = bench_host.write_media(tmp_path, records=16, seed=1)
     records = [json.loads(line) for line in manifest.read_text().splitlines()]

@@ -53,7 +53,8 @@ from jaxmllm.batch.counts import bucket_work
 from jaxmllm.bench.data import write_audio
 from jaxmllm.config import Config, MeshConfig, load_config
 from jaxmllm.config.command import add_config_args
-from jaxmllm.cost.model import PHASES, CostModel
+from jaxmllm.cost.flops import sliding_window
+from jaxmllm.cost.model import CostModel
 from jaxmllm.data.source import make_source
 from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.process.distributed import split_cpu
@@ -150,12 +151,8 @@ def flops_seconds(cfg: Config, batch: dict[str, np.ndarray], tflops: float) -> f
     """The step's analytic device time: per microbatch the FLOPs of its costliest bucket (the
     devices wait for it at the microbatch's collectives), summed, at `tflops` TFLOP/s."""
     cost = CostModel.from_model(cfg.model)
-    work = bucket_work(batch, cfg.mesh.context)
-    per_bucket = sum(
-        cost.phase(p).work_cost(work[f"{p}_units"], work[f"{p}_sq"])
-        for p in PHASES
-        if f"{p}_units" in work
-    )
+    work = bucket_work(batch, cfg.mesh.context, sliding_window(cfg.model.llm))
+    per_bucket = cost.phases_cost(work)  # (a decoder's sliding-window layers: by llm_wsq)
     return float(np.max(per_bucket, axis=1).sum()) / (tflops * 1e12)
 
 
