@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxmllm.bench.pairs import _Split, completions, main, pair_flops, pair_layouts
-from jaxmllm.cost.model import CostModel, PhaseCost
+from jaxmllm.cost.model import CostModel, PhaseCost, window_sq
 from jaxmllm.data.lengths import LengthsIndex
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +65,30 @@ def test_pairing_saves_one_encoding_of_each_image_and_no_llm_work():
     assert planned == pytest.approx((10.0 * one + 0.5 * one**2).sum() / 3)
     assert f["saved_per_pair"] == pytest.approx(images)
     assert f["saved_share"] == pytest.approx(images / (llm + 2 * images))
+
+
+def test_dpo_cost_and_the_loads_keep_the_sliding_window():
+    """A Gemma-shaped decoder's DPO cost (training plus the reference's forward) keeps the
+    windowed term and its window, and a plan's attention loads price each document by
+    `attention_cost`: with only a windowed term, its window_sq, not 0."""
+    from jaxmllm.bench.pairs import _loads, dpo_cost
+    from jaxmllm.bench.sizes import make_caps
+    from jaxmllm.config import load_config
+    from jaxmllm.plan.registry import make_planner
+
+    window = ["model.llm.depth=6", "model.llm.window.size=16", "model.llm.window.every=6"]
+    train = CostModel.from_model(load_config("configs/tiny.yaml", window).model).phase("llm")
+    cost, with_ref = dpo_cost(load_config("configs/tiny.yaml", window))
+    llm = cost.phase("llm")
+    assert with_ref and llm.window == 16 and llm.windowed > train.windowed > 0
+    assert llm.windowed / train.windowed == pytest.approx(llm.quadratic / train.quadratic)
+    paired, _ = pair_layouts(LengthsIndex.from_records(PROMPTS), CHOSEN, REJECTED, PER_TOKEN)
+    caps = make_caps(paired.index, 2, 64, 1, "grain", block=8)
+    plan = make_planner("grain", paired.index, caps, 0).plan()
+    only = CostModel({p: PhaseCost(0.0, 0.0, 1.0, 4) for p in ("llm", "vision", "audio")})
+    q, _ = _loads(plan, paired, caps, only)["llm"]
+    docs = paired.docs[plan.samples]
+    assert q.sum() == pytest.approx(window_sq(docs, 4).sum()) and q.sum() > 0
 
 
 def test_completions_are_seeded_long_tailed_and_alike_within_a_pair():

@@ -175,6 +175,8 @@ def dpo_cost(cfg) -> tuple[CostModel, bool]:
         p: PhaseCost(
             train.phase(p).linear + ref.phase(p).linear,
             train.phase(p).quadratic + ref.phase(p).quadratic,
+            train.phase(p).windowed + ref.phase(p).windowed,
+            train.phase(p).window,  # (one model: the reference's window is the policy's)
         )
         for p in PHASES
     }
@@ -197,7 +199,7 @@ def _loads(plan, layout: Layout, caps: Capacities, cost: CostModel):
         q = np.zeros((m_n, d_n))
         big = np.zeros(m_n)
         if len(size):
-            qq = cost.phase(p).quadratic * size.astype(np.float64) ** 2
+            qq = cost.phase(p).attention_cost(size)
             np.add.at(q, (micro, dev), qq)
             np.maximum.at(big, micro, qq)
         out[p] = (q, big)
