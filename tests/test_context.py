@@ -141,7 +141,7 @@ def test_dealt_row_attends_as_the_whole_row(causal, window, monkeypatch):
     real = jnp.asarray(seg > 0)[:, None, None]
 
     every = tok_of.ravel()  # the gathered group: rank by rank
-    axes = (0, None, None, 0, None, 0, None, 0, None, None, None)
+    axes = (0, None, None, 0, None, 0, None, None, None, 0, None, None, None)
     rank_attend = jax.vmap(blocksparse.kernel, axes)
 
     def split_loss(q, k, v):
@@ -153,6 +153,8 @@ def test_dealt_row_attends_as_the_whole_row(causal, window, monkeypatch):
             seg[every],
             pos[tok_of],
             pos[every],
+            None,  # (no bidirectional spans)
+            None,
             rank_tiles,
             block,
             causal,

@@ -17,7 +17,13 @@ it gets: a query sees itself and the `window` - 1 tokens before it, of its own d
 row's, shared by every layer; the window is the layer's. Block-sparse packing may carry a second
 tile list for the windowed layers (`Packing.window_tiles`, `jaxmllm.plan.tiles.window_reach`):
 only the tiles some window reaches, so the tiles wholly outside every window are skipped, not
-scored and masked; without it (context groups, a prefill) those layers take the row's list.
+scored and masked; without it (context groups) those layers take the row's list.
+
+Bidirectional spans (`Packing.spans`: an image's tokens in Gemma 3, transformers'
+`token_type_ids`) widen a causal packing: the tokens of one span see each other both ways,
+inside their document, and nothing else changes; a window still narrows them (transformers'
+AND of the window and OR(causal, span)). The spans are the row's, like its segments: the batch
+carries them (`llm_spans`), so they hold wherever the images were encoded.
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ class Packing:
     # [B, K', 2] block-sparse: the tiles the sliding-window layers compute (those some window
     # reaches, K' <= K); None: they take `tiles` and mask what is outside their window
     window_tiles: jax.Array | None = None
+    # [B, T] bidirectional spans (causal only): tokens of one id > 0 see each other both ways;
+    # None: none (the dense mask has them already)
+    spans: jax.Array | None = None
     block: int = dataclasses.field(default=0, metadata=dict(static=True))
     causal: bool = dataclasses.field(default=False, metadata=dict(static=True))
     kind: str = dataclasses.field(default="dense", metadata=dict(static=True))
@@ -77,6 +86,7 @@ def packing(
     row: int = 0,
     order_bt: jax.Array | None = None,
     window_tiles_bk2: jax.Array | None = None,
+    spans_bt: jax.Array | None = None,
 ) -> Packing:
     """The `Packing` of rows with these segment ids for attention `kind` (`model.attention`);
     `documents`: cudnn's bound on documents per row (`batch.*_documents`, 0: the row length);
@@ -84,7 +94,8 @@ def packing(
     `row`: tokens a row when several lie end to end in one (`Packing.row`); `order_bt`: each
     token's index in its document where the rotary positions are not it (`Packing.order`);
     `window_tiles_bk2`: the windowed layers' tiles (`Packing.window_tiles`; not with context
-    groups, whose lists are dealt to ranks: the windowed layers take the row's there)."""
+    groups, whose lists are dealt to ranks: the windowed layers take the row's there);
+    `spans_bt`: bidirectional spans (`Packing.spans`; causal block-sparse or dense)."""
     if kind == "block_sparse":
         if tiles_bk2 is None:
             raise ValueError("block-sparse attention needs the tile list (batch *_tiles)")
@@ -93,6 +104,7 @@ def packing(
             segment_ids_bt,
             tiles=tiles_bk2,
             window_tiles=None if context else window_tiles_bk2,
+            spans=spans_bt,
             block=block,
             causal=causal,
             kind=kind,
@@ -101,11 +113,15 @@ def packing(
             order=order_bt if context else None,
         )
     if kind == "cudnn":
+        if spans_bt is not None:  # (config load refuses it first, naming the keys)
+            raise ValueError("cudnn attention has no bidirectional spans: use block_sparse")
         offsets, lengths = cudnn.segments(segment_ids_bt, documents or segment_ids_bt.shape[1])
         return Packing(
             segment_ids_bt, causal=causal, kind=kind, offsets=offsets, lengths=lengths, row=row
         )
     mask = attention_mask(segment_ids_bt, causal=causal)
+    if spans_bt is not None:
+        mask = bidirectional(mask, segment_ids_bt, spans_bt)
     return Packing(segment_ids_bt, mask=mask, causal=causal, kind="dense", row=row)
 
 
@@ -123,6 +139,17 @@ def attention_mask(segment_ids_bt: jax.Array, *, causal: bool) -> jax.Array:
         mask &= jnp.tril(jnp.ones((length, length), bool))
     mask |= jnp.eye(length, dtype=bool)
     return mask[:, None]
+
+
+def bidirectional(
+    mask_b1ts: jax.Array, segment_ids_bt: jax.Array, spans_bt: jax.Array
+) -> jax.Array:
+    """A dense mask widened by bidirectional spans: the tokens of one span (one id > 0 in
+    `spans_bt` [B, T]) of one document see each other both ways."""
+    span = spans_bt[:, :, None]
+    same = (span == spans_bt[:, None, :]) & (span > 0)
+    same &= segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+    return mask_b1ts | same[:, None]
 
 
 def windowed(mask_b1ts: jax.Array, window: int) -> jax.Array:
@@ -264,6 +291,7 @@ class Attention(nnx.Module):
                 block=pack.block,
                 causal=pack.causal,
                 window=self.window,
+                spans_bt=pack.spans,
             )
         elif pack.kind == "cudnn":
             if self.window:  # (config load refuses it first, naming model.attention)

@@ -3,7 +3,8 @@
 A device's rows are one sequence of blocks of `block` tokens; the planner's tile list
 (`jaxmllm.plan.tiles`) names the tiles its documents need, padded with (-1, -1) to a fixed
 capacity. Within a tile the usual mask applies (same non-padding segment, and key position <=
-query position when causal; with a sliding window, key position > query position - window).
+query position when causal, or both in one bidirectional span, an image's tokens in Gemma 3;
+with a sliding window, key position > query position - window).
 One kernel (`kernel`) serves the packed rows (`attend`: keys are the queries' own tokens) and
 context parallelism (`jaxmllm.models.context`: keys gathered over a context group).
 
@@ -47,6 +48,7 @@ def attend(
     block: int,
     causal: bool,
     window: int = 0,
+    spans_bt: jax.Array | None = None,
 ) -> jax.Array:
     """Attention restricted to a tile list, per row of the batch.
 
@@ -61,25 +63,33 @@ def attend(
       window: a query sees only itself and the window - 1 tokens before it (0: no window);
         the tiles wholly outside it are scored and masked, unless the list leaves them out
         (`jaxmllm.plan.tiles.window_reach`: the windowed layers' own list).
+      spans_bt: bidirectional spans [B, T] (causal only): the tokens of one span (one id > 0)
+        see each other both ways within their document (the list has the tiles above the
+        diagonal they need, `jaxmllm.plan.tiles.span_tiles`); None: none.
 
     Returns:
       [B, T, heads, head_dim] in the queries' dtype.
     """
     positions = jnp.arange(q_bthe.shape[1])  # a document's tokens lie in order in its row
 
-    def row(q, k, v, seg, tiles):
-        return kernel(q, k, v, seg, seg, positions, positions, tiles, block, causal, window)
+    def row(q, k, v, seg, span, tiles):
+        return kernel(
+            q, k, v, seg, seg, positions, positions, span, span, tiles, block, causal, window
+        )
 
-    return jax.vmap(row)(q_bthe, k_bske, v_bske, segment_ids_bt, tiles_bk2)
+    return jax.vmap(row)(q_bthe, k_bske, v_bske, segment_ids_bt, spans_bt, tiles_bk2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def kernel(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2, block, causal, window):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12))
+def kernel(
+    q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, span_q, span_k, tiles_k2, block, causal, window
+):
     """One device's attention: queries [T, heads, e] over keys and values [S, kv, e], masked by
-    segments and positions [T] / [S] (`window` > 0: key position > query position - window),
-    over a tile list [K, 2] of (query block, key block), -1 for padding. A query no tile
-    covers gets 0."""
-    args = (q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2)
+    segments and positions [T] / [S] (`window` > 0: key position > query position - window;
+    a key after the query where both are of one bidirectional span, `span_q` / `span_k` > 0
+    equal, or None: none), over a tile list [K, 2] of (query block, key block), -1 for
+    padding. A query no tile covers gets 0."""
+    args = (q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, span_q, span_k, tiles_k2)
     return _forward(*args, block, causal, window)[0]
 
 
@@ -94,7 +104,7 @@ def _chunks(tiles_k2: jax.Array, heads: int, block: int) -> jax.Array:
     return padded.reshape(n, chunk, 2)
 
 
-def _tile_scores(q_b, k_b, seg_q, seg_k, pos_q, pos_k, tiles_c2, causal, window):
+def _tile_scores(q_b, k_b, seg_q, seg_k, pos_q, pos_k, span_q, span_k, tiles_c2, causal, window):
     """A chunk's scores [c, kv, g, q, s] (f32, masked to NEG), its mask, owner and key blocks."""
     nbq = seg_q.shape[0]
     valid = tiles_c2[:, 0] >= 0
@@ -104,7 +114,11 @@ def _tile_scores(q_b, k_b, seg_q, seg_k, pos_q, pos_k, tiles_c2, causal, window)
     sk = seg_k[kb][:, None, :]
     mask = (seg_q[qb][:, :, None] == sk) & (sk > 0) & valid[:, None, None]
     if causal:
-        mask &= pos_k[kb][:, None, :] <= pos_q[qb][:, :, None]
+        before = pos_k[kb][:, None, :] <= pos_q[qb][:, :, None]
+        if span_q is not None:  # (or both of one bidirectional span: either way)
+            span = span_q[qb][:, :, None]
+            before |= (span == span_k[kb][:, None, :]) & (span > 0)
+        mask &= before
     if window:  # (positions count within a document: the window stays inside it)
         mask &= pos_k[kb][:, None, :] > pos_q[qb][:, :, None] - window
     mask = mask[:, None, None]  # [c, 1, 1, q, s]
@@ -113,27 +127,32 @@ def _tile_scores(q_b, k_b, seg_q, seg_k, pos_q, pos_k, tiles_c2, causal, window)
     return jnp.where(mask, scores / math.sqrt(e), NEG), mask, owner, kb
 
 
-def _blocked(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, block):
-    """q [nbq, block, kv, g, e], k and v [nbk, block, kv, e], and the segments and positions
-    of both [blocks, block]."""
+def _blocked(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, span_q, span_k, block):
+    """q [nbq, block, kv, g, e], k and v [nbk, block, kv, e], and the segments, positions and
+    spans (None: none) of both [blocks, block]."""
     t, heads, e = q_the.shape
     kv = k_ske.shape[1]
     q_b = q_the.reshape(t // block, block, kv, heads // kv, e)
     k_b = k_ske.reshape(-1, block, kv, e)
     v_b = v_ske.reshape(-1, block, kv, e)
-    blocks = lambda x: jnp.asarray(x).reshape(-1, block)
-    return q_b, k_b, v_b, blocks(seg_q), blocks(seg_k), blocks(pos_q), blocks(pos_k)
+    blocks = lambda x: None if x is None else jnp.asarray(x).reshape(-1, block)
+    return q_b, k_b, v_b, *map(blocks, (seg_q, seg_k, pos_q, pos_k, span_q, span_k))
 
 
-def _forward(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2, block, causal, window):
+def _forward(
+    q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, span_q, span_k, tiles_k2, block, causal, window
+):
     """(output [T, heads, e] in q's dtype, log-sum-exp [nbq, q, kv, g] in f32)."""
     t, heads, e = q_the.shape
-    q_b, k_b, v_b, sq, sk, pq, pk = _blocked(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, block)
+    blocked = _blocked(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, span_q, span_k, block)
+    q_b, k_b, v_b, sq, sk, pq, pk, nq, nk = blocked
     nbq, kv, g = t // block, q_b.shape[2], q_b.shape[3]
 
     def chunk(carry, tiles_c2):
         top, total, acc = carry  # per query: running max, sum of weights, weighted values
-        scores, mask, owner, kb = _tile_scores(q_b, k_b, sq, sk, pq, pk, tiles_c2, causal, window)
+        scores, mask, owner, kb = _tile_scores(
+            q_b, k_b, sq, sk, pq, pk, nq, nk, tiles_c2, causal, window
+        )
         new_top = jnp.maximum(top, jax.ops.segment_max(scores.max(-1), owner, nbq + 1))
         weights = jnp.where(mask, jnp.exp(scores - new_top[owner][..., None]), 0.0)
         scale = jnp.exp(top - new_top)  # [nbq + 1, kv, g, q]
@@ -160,23 +179,26 @@ def _forward(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2, block, c
     return out.reshape(t, heads, e).astype(q_the.dtype), lse
 
 
-def _fwd(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2, block, causal, window):
+def _fwd(
+    q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, span_q, span_k, tiles_k2, block, causal, window
+):
     """The forward pass, and what the backward recomputes from (q, k, v, the masks' inputs, the
     output and its log-sum-exp)."""
-    args = (q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2)
+    args = (q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, span_q, span_k, tiles_k2)
     out, lse = _forward(*args, block, causal, window)
     out, lse = checkpoint_name(out, ATTENTION), checkpoint_name(lse, ATTENTION)
-    return out, (q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2, out, lse)
+    return out, (*args, out, lse)
 
 
 def _bwd(block, causal, window, res, d_out):
     """FlashAttention's backward over the same chunks: each chunk's weights again from the
     saved log-sum-exp, then the gradients of q, k and v summed into their blocks. The matmuls
     take q's dtype (bf16 under bf16 compute) with fp32 accumulation."""
-    q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, tiles_k2, out, lse = res
+    q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, span_q, span_k, tiles_k2, out, lse = res
     t, heads, e = q_the.shape
     dtype = q_the.dtype
-    q_b, k_b, v_b, sq, sk, pq, pk = _blocked(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, block)
+    blocked = _blocked(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, span_q, span_k, block)
+    q_b, k_b, v_b, sq, sk, pq, pk, nq, nk = blocked
     nbq, nbk = t // block, k_b.shape[0]
     shape = (nbq, block, *q_b.shape[2:])  # [nbq, q, kv, g, e]
     do = d_out.astype(dtype).reshape(shape)
@@ -188,7 +210,9 @@ def _bwd(block, causal, window, res, d_out):
 
     def chunk(carry, tiles_c2):
         dq, dk, dv = carry
-        scores, mask, owner, kb = _tile_scores(q_b, k_b, sq, sk, pq, pk, tiles_c2, causal, window)
+        scores, mask, owner, kb = _tile_scores(
+            q_b, k_b, sq, sk, pq, pk, nq, nk, tiles_c2, causal, window
+        )
         lse_c = jnp.moveaxis(lse_p[owner], 1, -1)[..., None]  # [c, kv, g, q, 1]
         p = jnp.where(mask, jnp.exp(scores - lse_c), 0.0)  # [c, kv, g, q, s] f32
         do_c = do_p[owner]  # [c, q, kv, g, e]
@@ -212,7 +236,7 @@ def _bwd(block, causal, window, res, d_out):
         dk[:nbk].reshape(k_ske.shape).astype(k_ske.dtype),
         dv[:nbk].reshape(v_ske.shape).astype(v_ske.dtype),
     )
-    return (*grads, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None)
 
 
 kernel.defvjp(_fwd, _bwd)

@@ -88,7 +88,8 @@ def attend(
 
     def body(q, k, v, seg, pos, tiles):
         def row(q, k, v, seg_q, seg_k, pos_q, pos_k, tiles):
-            return kernel(q, k, v, seg_q, seg_k, pos_q, pos_k, tiles, block, causal, window)
+            args = (q, k, v, seg_q, seg_k, pos_q, pos_k, None, None, tiles)
+            return kernel(*args, block, causal, window)
 
         return jax.vmap(row)(q, gather(k), gather(v), seg, gather(seg), pos, gather(pos), tiles)
 

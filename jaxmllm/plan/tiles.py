@@ -20,6 +20,12 @@ boundary, and the first one holds the document's first tokens, which see only th
 The windowed tiles of a row are therefore within `reach + 1` of the diagonal, and a subset of
 its causal tiles: a bucket needs at most the fewer of its causal tile capacity and that band
 (`window_capacity`), so the windowed list needs no capacity of its own to plan.
+
+A bidirectional span (an image's tokens in Gemma 3: they see each other both ways) adds, to
+a causal document's tiles, the tiles above the diagonal among the blocks it touches
+(`span_tiles`); a span of t tokens touches at most `span_blocks(t)` blocks, wherever it starts,
+so it adds at most `span_extra(t)` tiles, which is what the planner counts for it. A window
+never narrows them: a key after its query is never outside the window.
 """
 
 from __future__ import annotations
@@ -58,12 +64,45 @@ def own_tiles(m: np.ndarray, causal: bool, reach: int | None = None) -> np.ndarr
     return m + near * (near + 1) // 2 + (m - 1 - near) * reach
 
 
-def window_capacity(causal_capacity: int, rows: int, row_blocks: int, reach: int) -> int:
+def span_blocks(tokens: np.ndarray, block: int) -> np.ndarray:
+    """The most blocks a run of `tokens` tokens can touch, wherever it starts."""
+    t = np.asarray(tokens, np.int64)
+    return np.where(t <= 1, 1, (t - 2) // block + 2)
+
+
+def span_extra(tokens: np.ndarray, block: int) -> np.ndarray:
+    """The most tiles above the diagonal a bidirectional span of `tokens` adds to its
+    document's causal ones: each pair of the blocks it touches, the later one's keys seen from
+    the earlier one's queries."""
+    s = span_blocks(tokens, block)
+    return s * (s - 1) // 2
+
+
+def window_tile_capacity(
+    causal_capacity: int, rows: int, row_len: int, block: int, window: int, longest_span: int = 0
+) -> int:
+    """The windowed layers' tile capacity of a bucket of `rows` rows of `row_len` tokens whose
+    causal list holds `causal_capacity` (`window_capacity`), under a sliding window of `window`
+    tokens (0: none, 0) where bidirectional spans are at most `longest_span` tokens (0: none;
+    the largest item an encoder bucket holds bounds it)."""
+    if not window:
+        return 0
+    upper = int(span_blocks(np.int64(longest_span), block)) - 1 if longest_span else 0
+    reach = window_reach(window, block)
+    return window_capacity(causal_capacity, rows, row_len // block, reach, upper)
+
+
+def window_capacity(
+    causal_capacity: int, rows: int, row_blocks: int, reach: int, upper: int = 0
+) -> int:
     """The most windowed tiles a bucket of `rows` rows of `row_blocks` blocks can need: no more
-    than its causal tiles (each document's windowed tiles are some of its causal ones) and no
-    more than the band of `reach` + 1 tiles a query block (`own_tiles` of a whole row)."""
-    band = rows * int(own_tiles(np.int64(row_blocks), True, reach))
-    return min(int(causal_capacity), band)
+    than its causal tiles (each document's windowed tiles are some of its causal ones, or of
+    its spans', which the causal capacity counts too) and no more than the band of `reach` + 1
+    tiles a query block (`own_tiles` of a whole row), widened by `upper` key blocks after it
+    where bidirectional spans touch up to `upper` + 1 blocks (`span_blocks`)."""
+    band = int(own_tiles(np.int64(row_blocks), True, reach))
+    band += sum(row_blocks - d for d in range(1, min(upper, row_blocks - 1) + 1))
+    return min(int(causal_capacity), rows * band)
 
 
 def item_tiles(
@@ -220,11 +259,40 @@ def document_starts(seg: np.ndarray) -> np.ndarray:
     return new
 
 
-def segment_tiles(segment_ids: np.ndarray, block: int, causal: bool, reach: int | None = None):
+def span_tiles(segment_ids: np.ndarray, spans: np.ndarray, block: int) -> np.ndarray:
+    """The tiles above the diagonal that bidirectional spans need in rows [R, T] (a span is a
+    run of one id > 0 in `spans` within one document of one row; blocks numbered over the rows
+    flattened): [K, 2], each span's (q, k) pairs of the blocks it touches with q < k."""
+    t = segment_ids.shape[-1]
+    seg, sp = segment_ids.reshape(-1), spans.reshape(-1)
+    on = (sp > 0) & (seg > 0)
+    start = on.copy()
+    start[1:] &= ~on[:-1] | (sp[1:] != sp[:-1]) | (seg[1:] != seg[:-1])
+    start[::t] = on[::t]  # (a row's first token starts its own)
+    end = on.copy()
+    end[:-1] &= start[1:] | ~on[1:]
+    a, z = np.flatnonzero(start) // block, np.flatnonzero(end) // block
+    m = z - a + 1  # (blocks a span touches; a row is whole blocks, so they are its row's)
+    per_q = np.repeat(m, np.maximum(m - 1, 0))  # (each span's query blocks but its last)
+    q = np.repeat(a, np.maximum(m - 1, 0)) + _ranks(np.maximum(m - 1, 0))
+    n_k = per_q - (q - np.repeat(a, np.maximum(m - 1, 0))) - 1  # (key blocks after it)
+    k = np.repeat(q, n_k) + 1 + _ranks(n_k)
+    return np.stack([np.repeat(q, n_k), k], 1)
+
+
+def segment_tiles(
+    segment_ids: np.ndarray,
+    block: int,
+    causal: bool,
+    reach: int | None = None,
+    spans: np.ndarray | None = None,
+):
     """The tiles of buckets of packed rows [buckets, rows, T] (a document is a run of one
     non-zero segment id; a bucket's rows are numbered one after another, block
     `r * T / block + b`): (tiles [K, 2] numbered within their bucket, their bucket [K]), by
-    bucket, then query block, then key block; `reach`: a sliding window's (`window_reach`)."""
+    bucket, then query block, then key block; `reach`: a sliding window's (`window_reach`);
+    `spans`: bidirectional spans of the same shape, whose tiles above the diagonal join
+    (`span_tiles`)."""
     n, rows, t = segment_ids.shape
     seg = segment_ids.reshape(n * rows, t)
     line, start = np.nonzero(
@@ -235,18 +303,26 @@ def segment_tiles(segment_ids: np.ndarray, block: int, causal: bool, reach: int 
     end &= seg > 0
     last = np.nonzero(end)[1]
     tiles = tile_list(start, last - start + 1, line, t // block, block, causal, reach)
+    if spans is not None and (spans > 0).any():
+        tiles = np.concatenate([tiles, span_tiles(seg, spans.reshape(n * rows, t), block)])
+        tiles = tiles[np.lexsort((tiles[:, 1], tiles[:, 0]))]
     bucket = tiles[:, 0] // (rows * (t // block))
     return tiles - (bucket * rows * (t // block))[:, None], bucket
 
 
 def from_segments(
-    segment_ids: np.ndarray, block: int, causal: bool, capacity: int, reach: int | None = None
+    segment_ids: np.ndarray,
+    block: int,
+    causal: bool,
+    capacity: int,
+    reach: int | None = None,
+    spans: np.ndarray | None = None,
 ) -> np.ndarray:
     """Padded tile lists [buckets, capacity, 2] of buckets of packed rows [buckets, rows, T]
-    (`segment_tiles`; `reach`: a sliding window's). Raises TileOverflow when a bucket needs
-    more than `capacity` tiles."""
+    (`segment_tiles`; `reach`: a sliding window's; `spans`: bidirectional spans). Raises
+    TileOverflow when a bucket needs more than `capacity` tiles."""
     n = segment_ids.shape[0]
-    tiles, bucket = segment_tiles(segment_ids, block, causal, reach)
+    tiles, bucket = segment_tiles(segment_ids, block, causal, reach, spans)
     count = np.bincount(bucket, minlength=n)
     if (count > capacity).any():
         worst = int(np.argmax(count))
