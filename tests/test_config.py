@@ -89,6 +89,24 @@ def test_context_parallelism_names_what_the_model_is_before_what_can_change():
     load_config(None, ["mesh.context=2", "model.llm.mrope_section=[16,24,24]"])
 
 
+@pytest.mark.parametrize(
+    "setting, key",
+    [
+        ("model.llm.bidirectional=[video]", r"model\.llm\.bidirectional: 'video': each must be"),
+        ("model.audio.enabled=false", r"model\.llm\.bidirectional: 'audio': each must be"),
+        ("model.attention=cudnn", r"model\.attention: the decoder's bidirectional spans"),
+        ("mesh.context=2", r"mesh\.context: 2: the decoder's bidirectional spans"),
+    ],
+)
+def test_bidirectional_spans_refuse_what_does_not_run_them(setting, key):
+    """Images or clips attending both ways (Gemma 3's images): an encoder the model lacks, the
+    cuDNN kernel and the context split are refused, naming the key."""
+    spans = "model.llm.bidirectional=[vision,audio]"
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, [spans, setting])
+    assert load_config(None, [spans]).model.llm.bidirectional == ("vision", "audio")
+
+
 def test_overrides_apply_and_coerce():
     cfg = load_config(
         ROOT / "configs" / "tiny.yaml",

@@ -93,7 +93,8 @@ def test_kv_cache_decoding_equals_recomputing_the_sequence(params, prompts, gen)
     _held_to_recomputing(CFG, params, prompts, gen, new=6)
 
 
-# Gemma 3's decoder: sliding windows of 3 tokens in two layers of three, its four norms a layer
+# Gemma 3's decoder: sliding windows of 3 tokens in two layers of three, its four norms a layer,
+# an image's tokens seeing each other both ways
 GEMMA = dataclasses.replace(
     CFG,
     model=dataclasses.replace(
@@ -108,6 +109,7 @@ GEMMA = dataclasses.replace(
             embed_scale=True,
             attn_scalar=12.0,
             window=WindowConfig(size=3, every=3, rope_theta=100.0),
+            bidirectional=("vision",),
             tie_embeddings=True,
             tied_logits_scaled=False,
         ),
@@ -116,10 +118,12 @@ GEMMA = dataclasses.replace(
 
 
 def test_kv_cache_decoding_with_sliding_windows_equals_recomputing_the_sequence(prompts):
-    """A decoder with sliding-window layers (Gemma 3's) decodes from its cache as the training
-    forward pass computes the whole sequence: a step's query over the cache sees its window
-    only; prompts and answers longer than the window. The windowed layers' cache is a ring of
-    their window's length, the full layers' the whole row's."""
+    """A decoder with sliding-window layers and images attending both ways (Gemma 3's) decodes
+    from its cache as the training forward pass computes the whole sequence: a step's query
+    over the cache sees its window only; prompts and answers longer than the window; the
+    prompt's images both ways in prefill (dense, then block-sparse with the spans' tiles). The
+    windowed layers' cache is a ring of their window's length, the full layers' the whole
+    row's."""
     params = build_model(GEMMA, seed=5)
     cache = decode.empty_cache(model_parts(GEMMA)[0].merge(*params), rows=2, length=16)
     assert {kind: k.shape[2] for kind, k in cache.k.items()} == {"sliding": 3, "full": 16}

@@ -21,7 +21,10 @@ bucket's inputs repeats to fill them: an image's one frame in a vision bucket of
 `temporal_patch`-frame patches, which videos' temporal patches fill as they are). With
 block-sparse attention each phase has `<phase>_tiles` [M, D, tiles, 2] too, and a decoder with
 sliding-window layers `llm_window_tiles` [M, D, window tiles, 2]: the tiles some window reaches,
-which those layers compute (`window_tile_cap`; not under context groups).
+which those layers compute (`window_tile_cap`; not under context groups). A decoder whose
+images (`model.llm.bidirectional`) attend both ways has `llm_spans` [M, D, R, L] int32: an item's
+slots carry one id > 0 (its first slot's index in the bucket's rows + 1), other tokens 0; the
+tile lists then hold the tiles above the diagonal the spans need (`plan.tiles.span_tiles`).
 
 Segment ids are 1, 2, ... per sample (per item in the encoder rows) and 0 for padding.
 `llm_*_src[t] = -1` unless token t is a placeholder slot (of any kind of its phase: an image's
@@ -57,8 +60,8 @@ from jaxmllm.plan.tiles import (
     TileOverflow,
     document_starts,
     from_segments,
-    window_capacity,
     window_reach,
+    window_tile_capacity,
 )
 
 
@@ -67,13 +70,16 @@ def window_tile_cap(spec: BatchSpec, variant: int = 0) -> int:
     `variant`; 0 where they have no list of their own (no sliding window, not block-sparse,
     or context groups, whose rows are dealt to ranks: they take the row's tiles there). Never
     planned: the windowed tiles of any bucket fit the fewer of its causal capacity and the band
-    of tiles a window reaches (`plan.tiles.window_capacity`)."""
+    of tiles a window reaches (`plan.tiles.window_capacity`), widened where bidirectional spans
+    reach ahead: as far as the largest item an encoder bucket holds."""
     if not (spec.window and spec.tiled) or spec.context > 1:
         return 0
-    block = spec.attention_block
-    reach = window_reach(spec.window, block)
+    longest = [spec.units[p] // spec.per_token[p] for p in spec.bidirectional if p in spec.units]
     causal = spec.tile_caps(variant)[LLM]
-    return window_capacity(causal, spec.llm_rows, spec.llm_row_len // block, reach)
+    rows, block = spec.llm_rows, spec.attention_block
+    return window_tile_capacity(
+        causal, rows, spec.llm_row_len, block, spec.window, max(longest, default=0)
+    )
 
 
 def batch_shapes(
@@ -97,6 +103,8 @@ def batch_shapes(
         out["llm_pairs"] = (lead, np.int32)
     if spec.pair_reference:  # each document's reference log-prob sum, on its first token
         out["llm_reference"] = (llm, np.float32)
+    if m.llm.bidirectional:  # (an item's tokens see each other both ways)
+        out["llm_spans"] = (llm, np.int32)
     out.update(rollout_shapes(cfg, lead, llm))  # (GRPO's completions: their advantages, weights)
     c = spec.route_pair_capacity
     for p in phases.in_batch(m, cfg.batch):  # (a zero bucket: no arrays, the step skips it)
@@ -183,7 +191,9 @@ def bucketize(
                 if index is None
                 else index.items[p.name].size(plan.samples[items.owner], items.item)
             )
-            _write_items(batch, p, plan, samples, slots, caps, (local, home, split), units)
+            spans = p.name in cfg.model.llm.bidirectional
+            hosts = (local, home, split)
+            _write_items(batch, p, plan, samples, slots, caps, hosts, units, spans)
     if tile_caps:  # block-sparse attention
         _write_tiles(batch, cfg, tile_caps, spec.attention_block, plan, pos, grouped)
         if "llm_window_tiles" in batch:
@@ -191,10 +201,10 @@ def bucketize(
             m_n, d_n = rows.shape[:2]
             cap = batch["llm_window_tiles"].shape[2]
             reach = window_reach(spec.window, spec.attention_block)
+            spans = batch.get("llm_spans")
+            flat = lambda x: None if x is None else x.reshape(m_n * d_n, *x.shape[2:])
             # (never over: `window_tile_cap`, and `_write_tiles` held the causal capacity)
-            tiles = from_segments(
-                rows.reshape(m_n * d_n, *rows.shape[2:]), spec.attention_block, True, cap, reach
-            )
+            tiles = from_segments(flat(rows), spec.attention_block, True, cap, reach, flat(spans))
             batch["llm_window_tiles"] = tiles.reshape(m_n, d_n, cap, 2)
     if spec.documents:  # cuDNN attention, a tower's class tokens
         _check_documents(batch, cfg, spec, plan.step, pos)
@@ -240,8 +250,10 @@ def _write_tiles(batch, cfg: Config, tile_caps, block: int, plan, positions, gro
         seg = _attention_rows(batch, cfg, phase)  # (an encoder attends over its rows)
         m_n, d_n = seg.shape[:2]
         rows = seg.reshape(m_n * d_n, -1, seg.shape[-1])
+        spans = batch.get("llm_spans") if phase == LLM else None
+        spans = None if spans is None else spans.reshape(rows.shape)
         try:
-            tiles = from_segments(rows, block, phase == LLM, cap)
+            tiles = from_segments(rows, block, phase == LLM, cap, spans=spans)
         except TileOverflow as e:
             m, d = divmod(e.bucket, d_n)
             key = f"{phase}_long_tiles" if plan.variant else f"{phase}_tiles"
@@ -373,8 +385,10 @@ def _write_items(
     caps: Capacities,
     hosts: tuple,
     units: np.ndarray | None,
+    spans: bool = False,
 ) -> None:
-    """Writes encoder inputs and the routing of their output rows to LLM placeholder slots.
+    """Writes encoder inputs and the routing of their output rows to LLM placeholder slots
+    (`spans`: and each item's slots' bidirectional span, `llm_spans`).
 
     `hosts` = (local, home, split): `local[g]` is global device g's row in this host's arrays,
     `home[b]` LLM bucket b's (a device or a context group), -1 when another host holds it;
@@ -436,6 +450,9 @@ def _write_items(
             if twin:  # (the rejected document's slots of the item: as many, half later)
                 dest = np.concatenate([dest, at[first + half : first + half + len(dest)]])
             used[owner] += len(rows)
+            if spans and len(dest):  # (its slots: one span, named by its first slot)
+                where = (home, split, m, d, r)
+                _fill(batch["llm_spans"][m], where, dest, np.full(len(dest), dest[0] + 1))
         recv = d * ctx + enc_dev % ctx  # (= d without groups)
         base = (enc_dev % ctx) * gathered  # (0 without groups)
         if pair_cap == 0 or enc_dev // ctx == d:  # the local path: no exchange

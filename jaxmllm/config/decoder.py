@@ -310,6 +310,10 @@ class LLMConfig(BlockOptions):
     linear: LinearConfig = field(default_factory=LinearConfig)
     # Sliding-window attention in some layers (size, and layers or every): Gemma 3's local ones
     window: WindowConfig = field(default_factory=WindowConfig)
+    # Encoder phases (vision, audio) whose items' tokens attend to each other both ways in the
+    # decoder, each item's within itself, the rest causal (Gemma 3's images: transformers'
+    # token_type_ids); the batch marks them (`llm_spans`)
+    bidirectional: tuple[str, ...] = ()
     # A norm after attention and after the MLP too, each output normed before its residual add
     # (Gemma's four norms a layer: x + norm(attn(norm(x))), then the same for the MLP)
     post_norms: bool = False
@@ -346,6 +350,7 @@ class LLMConfig(BlockOptions):
 
     def __post_init__(self):
         super().__post_init__()
+        object.__setattr__(self, "bidirectional", tuple(self.bidirectional))
         positive(self, "vocab_size", "width", "depth", "heads", "kv_heads", "mlp_dim")
         positive(self, "logits_chunk")
         check(self.head_dim >= 0, "must be >= 0 (0: width / heads)", "head_dim")

@@ -107,6 +107,13 @@ class Config:
             "set mesh.stage: 1",
             "mesh.stage",
         )
+        check(
+            self.mesh.context == 1 or not self.model.llm.bidirectional,
+            f"{self.mesh.context}: the decoder's bidirectional spans (model.llm.bidirectional) "
+            "are not built into the context split, which deals a row's query blocks to the "
+            "ranks with causal tiles only; set mesh.context: 1",
+            "mesh.context",
+        )
         if self.mesh.context > 1:
             self._check_context()
         if self.mesh.stage > 1:

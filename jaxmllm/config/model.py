@@ -334,6 +334,20 @@ class ModelConfig:
             "or dense (auto picks block_sparse for them)",
             "attention",
         )
+        for name in self.llm.bidirectional:
+            check(
+                name in ("vision", "audio") and getattr(self, name).enabled,
+                f"{name!r}: each must be an encoder phase the model has (vision, audio), whose "
+                "items' tokens then attend to each other both ways",
+                "llm.bidirectional",
+            )
+        check(
+            self.attention != "cudnn" or not self.llm.bidirectional,
+            f"the decoder's bidirectional spans (model.llm.bidirectional="
+            f"{list(self.llm.bidirectional)}) are not built into cuDNN's packed attention here: "
+            "set model.attention: block_sparse or dense (auto picks block_sparse for them)",
+            "attention",
+        )
         check(
             not (v.enabled and len(v.deepstack) > self.llm.depth),
             f"{list(v.deepstack)}: DeepStack adds each of these blocks' features after one of "

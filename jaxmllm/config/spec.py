@@ -127,6 +127,9 @@ class BatchSpec:
     # 0: none): block-sparse buckets carry the windowed layers' own tile list
     # (`jaxmllm.batch.bucketize.window_tile_cap`)
     window: int = 0
+    # The encoder phases whose items' tokens attend to each other both ways in the decoder
+    # (`model.llm.bidirectional`): their spans' tiles above the diagonal count in the LLM's
+    bidirectional: tuple[str, ...] = ()
 
     @property
     def group_row_len(self) -> int:
@@ -238,6 +241,7 @@ class BatchSpec:
             per_row={p.name: p.per_row(m) for p in ENCODERS},
             sample_units={p.name: p.bucket(b) for p in enabled(m)} if b.capacity == "fixed" else {},
             window=m.llm.window.size if m.llm.window.enabled else 0,
+            bidirectional=tuple(m.llm.bidirectional),
         )
 
 

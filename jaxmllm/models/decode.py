@@ -105,7 +105,8 @@ def prefill(
     lengths_b = valid_bp.sum(-1)
     start_b = jnp.zeros((rows,), jnp.int32)
     cache = empty_cache(model, rows, length)
-    pack = pack or packing(mb["llm_segment_ids"][:, 0], causal=True)
+    spans = mb["llm_spans"][:, 0] if "llm_spans" in mb else None  # (images both ways)
+    pack = pack or packing(mb["llm_segment_ids"][:, 0], causal=True, spans_bt=spans)
     h_bpw, cache = _decode(model, x_bpw, positions_bp, start_b, cache, valid_bp, added, pack)
     last_bw = jnp.take_along_axis(h_bpw, jnp.maximum(lengths_b - 1, 0)[:, None, None], axis=1)
     return model.llm.logits(last_bw)[:, 0], cache

@@ -136,13 +136,15 @@ class Decoder(nnx.Module):
         added_kbtd: jax.Array | None = None,
         order_bt: jax.Array | None = None,
         window_tiles_bk2: jax.Array | None = None,
+        spans_bt: jax.Array | None = None,
     ) -> tuple[jax.Array, RouterStats | None]:
         """`hidden`, and the MoE layers' router statistics ([MoE layers, ...]; None for a
         dense decoder); `added_kbtd` [K, B, T, width]: DeepStack's features, added to the
         hidden states after each of the first K layers (zero where a token is not an image's);
         `order_bt`: each token's index in its document, under context groups with M-RoPE;
-        `window_tiles_bk2`: the sliding-window layers' tiles (`attention.Packing`)."""
-        pack = self.packing(segment_ids_bt, tiles_bk2, row, order_bt, window_tiles_bk2)
+        `window_tiles_bk2`: the sliding-window layers' tiles, `spans_bt` the bidirectional
+        spans (`attention.Packing`)."""
+        pack = self.packing(segment_ids_bt, tiles_bk2, row, order_bt, window_tiles_bk2, spans_bt)
         h, stats = self.transformer.run(x_btd, pack, positions_bt, added=added_kbtd)
         return self.transformer.norm(h), stats
 
@@ -153,6 +155,7 @@ class Decoder(nnx.Module):
         row: int = 0,
         order_bt: jax.Array | None = None,
         window_tiles_bk2: jax.Array | None = None,
+        spans_bt: jax.Array | None = None,
     ) -> Packing:
         """Causal attention within each packed document (arguments as in `hidden_and_router`)."""
         return packing(
@@ -166,6 +169,7 @@ class Decoder(nnx.Module):
             row=row,
             order_bt=order_bt,
             window_tiles_bk2=window_tiles_bk2,
+            spans_bt=spans_bt,
         )
 
     def head(self) -> tuple[jax.Array, bool, float]:

@@ -170,6 +170,7 @@ class MultimodalLM(nnx.Module):
             added_kbtd=None if added_kdrlw is None else as_rows(added_kdrlw),
             order_bt=self.decoder_order(mb),
             window_tiles_bk2=mb.get("llm_window_tiles"),
+            spans_bt=self.decoder_spans(mb),
         )
         return h.reshape(*mb["llm_tokens"].shape, -1), stats
 
@@ -188,6 +189,13 @@ class MultimodalLM(nnx.Module):
         if "llm_order" not in mb:
             return None
         return mb["llm_order"].reshape(self.decoder_rows(mb)[0].shape)
+
+    def decoder_spans(self, mb: dict[str, jax.Array]) -> jax.Array | None:
+        """The bidirectional spans as the decoder's rows lay them (`decoder_rows`), where the
+        batch has them (`llm_spans`: `model.llm.bidirectional`); None."""
+        if "llm_spans" not in mb:
+            return None
+        return mb["llm_spans"].reshape(self.decoder_rows(mb)[0].shape)
 
     def decoder_rows(self, mb: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         """The decoder's rows' segment ids and positions: block-sparse attention takes a device's

@@ -31,7 +31,8 @@ def auto_attention(cfg: Config, devices: list) -> tuple[str, str]:
     wherever context parallelism splits rows (it deals block-sparse tiles to the ranks), and
     for a vision tower with windows or class tokens (Qwen2.5-VL's, CLIP's), whose documents
     are not one run of a row each, as cuDNN's packed layout holds them, and for a decoder
-    with sliding windows (Gemma's), which `cudnn.attend` does not pass on."""
+    with sliding windows or bidirectional spans (Gemma's), which `cudnn.attend` does not pass
+    on."""
     if cfg.mesh.context > 1:
         return "block_sparse", f"mesh.context={cfg.mesh.context} splits block-sparse tiles"
     v = cfg.model.vision
@@ -40,6 +41,8 @@ def auto_attention(cfg: Config, devices: list) -> tuple[str, str]:
         return "block_sparse", f"the vision tower's {what}: cuDNN's packed layout cannot hold them"
     if cfg.model.llm.window.enabled:
         return "block_sparse", "the decoder's sliding windows: cuDNN's attention here has none"
+    if cfg.model.llm.bidirectional:
+        return "block_sparse", "the decoder's bidirectional spans: cuDNN's attention here has none"
     first = devices[0]
     if first.platform != "gpu":
         return "block_sparse", f"{first.platform} devices"

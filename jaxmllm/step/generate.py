@@ -62,11 +62,12 @@ class Generator:
                     f"batch.attention_block={block} divides (PromptShapes.fit rounds to it)"
                 )
             n = shapes.prompt_len // block
-            self.tiles = n * (n + 1) // 2
+            # (bidirectional spans: up to every tile of the square, above the diagonal too)
+            self.tiles = n * n if cfg.model.llm.bidirectional else n * (n + 1) // 2
             window = cfg.model.llm.window
             if window.enabled:
                 reach = window_reach(window.size, block)
-                self.window_tiles = window_capacity(self.tiles, 1, n, reach)
+                self.window_tiles = window_capacity(self.tiles, 1, n, reach, n - 1)
 
         # Sampling's settings come as host scalars (seed, the step's number, temperature,
         # top_p): traced, so they never recompile, and the same on every process of a job.
@@ -83,6 +84,7 @@ class Generator:
             logits, and the KV cache filled to the prompts' lengths (sized for
             `shapes.total_len`)."""
             seg = mb["llm_segment_ids"][:, 0]
+            spans = mb["llm_spans"][:, 0] if "llm_spans" in mb else None
             causal, windowed = tiles or (None, None)
             pack = packing(
                 seg,
@@ -92,6 +94,7 @@ class Generator:
                 block=block,
                 documents=1,
                 window_tiles_bk2=windowed,
+                spans_bt=spans,
             )
             model = parts.merge(params, frozen)
             logits, cache = decode.prefill(model, mb, shapes.total_len, pack)
@@ -160,12 +163,13 @@ class Generator:
         )
         tiles = None
         if self.tiles:  # (each prompt row one causal document: its blocks' tiles)
-            block = self.cfg.batch.attention_block
-            tiles = (from_segments(mb["llm_segment_ids"], block, True, self.tiles), None)
+            block, seg = self.cfg.batch.attention_block, mb["llm_segment_ids"]
+            spans = mb.get("llm_spans")
+            tiles = (from_segments(seg, block, True, self.tiles, spans=spans), None)
             if self.window_tiles:  # (and the sliding-window layers' own)
                 reach = window_reach(self.cfg.model.llm.window.size, block)
-                seg = mb["llm_segment_ids"]
-                tiles = (tiles[0], from_segments(seg, block, True, self.window_tiles, reach))
+                windowed = from_segments(seg, block, True, self.window_tiles, reach, spans)
+                tiles = (tiles[0], windowed)
         token, logits, cache = self.prefill(params, frozen, mb, tiles, sampling(0))
         answers = [Answer([], False, [] if keep_logits else None) for _ in range(len(prompts) * g)]
         for i in range(max_new_tokens):

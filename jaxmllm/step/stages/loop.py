@@ -241,6 +241,7 @@ class _Ticks:
             mb.get("llm_tiles"),
             order_bt=model.decoder_order(mb),
             window_tiles_bk2=mb.get("llm_window_tiles"),
+            spans_bt=model.decoder_spans(mb),
         )
 
         def enter(carry):
