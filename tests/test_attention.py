@@ -208,34 +208,6 @@ def test_model_loss_and_every_gradient_equal_the_dense_reference(seed):
     assert_trees_close(grads_s, grads_d, rtol=2e-4, atol=2e-5)
 
 
-def test_windowed_layers_skip_the_tiles_outside_their_window_with_the_same_math():
-    """A decoder with a sliding window in one layer of two: its windowed layer computes only
-    the windowed tile list (`llm_window_tiles`, shorter than the causal one here) and the loss
-    and every gradient still equal the dense reference's under the window; the list is what
-    that layer reads (emptied, the loss changes)."""
-    from jaxmllm.config.decoder import WindowConfig
-
-    llm = dataclasses.replace(CFG.llm, window=WindowConfig(size=6, layers=(0,)))
-    dense_cfg = dataclasses.replace(DENSE, llm=llm)
-    sparse_cfg = dataclasses.replace(SPARSE, llm=llm)
-    rng = np.random.default_rng(0)
-    mb = build_batch(rng, _random_pack(rng), SPARSE_BATCH)
-    sparse = with_tiles(mb)
-    seg, reach = mb["llm_segment_ids"], tiles.window_reach(6, BLOCK)
-    docs = [tiles.tile_list(*_docs(s), s.shape[-1] // BLOCK, BLOCK, True, reach) for s in seg]
-    sparse["llm_window_tiles"] = tiles.from_segments(seg, BLOCK, True, max(map(len, docs)), reach)
-    assert max(map(len, docs)) < (sparse["llm_tiles"][..., 0] >= 0).sum(-1).max()
-    _, params, _, dense_grad = model_fns(dense_cfg, SPARSE_BATCH)
-    _, _, _, sparse_grad = model_fns(sparse_cfg, SPARSE_BATCH)
-    (loss_d, _), grads_d = dense_grad(params, mb)
-    (loss_s, _), grads_s = sparse_grad(params, sparse)
-    np.testing.assert_allclose(loss_s, loss_d, rtol=1e-5)
-    assert_trees_close(grads_s, grads_d, rtol=2e-4, atol=2e-5)
-    emptied = dict(sparse, llm_window_tiles=np.full_like(sparse["llm_window_tiles"], tiles.PAD))
-    (loss_e, _), _ = sparse_grad(params, emptied)
-    assert abs(float(loss_e) - float(loss_d)) > 1e-3
-
-
 def test_xla_flops_of_a_windowed_layer_at_32k_tokens_follow_the_window(monkeypatch):
     """One document of 32k tokens, Gemma 3's window of 1024, blocks of 128: the FLOPs XLA
     counts for the windowed layer's attention over its own tile list are within 1.3x of the
@@ -263,6 +235,53 @@ def test_xla_flops_of_a_windowed_layer_at_32k_tokens_follow_the_window(monkeypat
         ratio[name] = flops / analytic
     assert 1.0 <= ratio["windowed"] <= 1.3, ratio
     assert ratio["causal"] > 10, ratio
+
+
+def test_image_tokens_attend_both_ways_with_the_same_math_dense_and_block_sparse():
+    """`model.llm.bidirectional: [vision]` (Gemma 3's images), with a sliding window in one
+    layer of two: each image's tokens see each other both ways. Block-sparse, its windowed
+    layer over its own list (`llm_window_tiles`, shorter than the causal one) and the spans'
+    tiles above the diagonal in both lists, gives the dense reference's loss and every
+    gradient. Both matter: without the spans (image tokens causal) the loss differs, and with
+    the windowed list emptied too (it is what that layer reads)."""
+    from jaxmllm.config.decoder import WindowConfig
+
+    llm = dataclasses.replace(
+        CFG.llm, window=WindowConfig(size=6, layers=(0,)), bidirectional=("vision",)
+    )
+    dense_cfg = dataclasses.replace(DENSE, llm=llm)
+    sparse_cfg = dataclasses.replace(SPARSE, llm=llm)
+    rng = np.random.default_rng(3)
+    mb = build_batch(rng, _random_pack(rng), SPARSE_BATCH)
+    # (one image a sample here: its slots' span named by its sample)
+    mb["llm_spans"] = np.where(mb["llm_vision_src"] >= 0, mb["llm_segment_ids"], 0)
+    spans = mb["llm_spans"]
+    block_of = np.broadcast_to(np.arange(spans.shape[-1]) // BLOCK, spans.shape)
+    crossing = [
+        len(np.unique(block_of[d, r][spans[d, r] == i])) > 1
+        for d, r in np.ndindex(spans.shape[:2])
+        for i in np.unique(spans[d, r])[1:]
+    ]
+    assert any(crossing)  # (a span whose tokens lie in two blocks)
+    sparse = with_tiles(mb)
+    seg, reach = mb["llm_segment_ids"], tiles.window_reach(6, BLOCK)
+    sparse["llm_tiles"] = tiles.from_segments(seg, BLOCK, True, 200, None, spans)
+    sparse["llm_window_tiles"] = tiles.from_segments(seg, BLOCK, True, 200, reach, spans)
+    count = lambda key: (sparse[key][..., 0] >= 0).sum(-1)
+    assert (count("llm_window_tiles") <= count("llm_tiles")).all()
+    assert count("llm_window_tiles").sum() < count("llm_tiles").sum()
+    _, params, _, dense_grad = model_fns(dense_cfg, SPARSE_BATCH)
+    _, _, _, sparse_grad = model_fns(sparse_cfg, SPARSE_BATCH)
+    (loss_d, _), grads_d = dense_grad(params, mb)
+    (loss_s, _), grads_s = sparse_grad(params, sparse)
+    np.testing.assert_allclose(loss_s, loss_d, rtol=1e-5)
+    assert_trees_close(grads_s, grads_d, rtol=2e-4, atol=2e-5)
+    causal = {k: v for k, v in mb.items() if k != "llm_spans"}
+    (loss_c, _), _ = dense_grad(params, causal)
+    assert abs(float(loss_c) - float(loss_d)) > 1e-4
+    emptied = dict(sparse, llm_window_tiles=np.full_like(sparse["llm_window_tiles"], tiles.PAD))
+    (loss_e, _), _ = sparse_grad(params, emptied)
+    assert abs(float(loss_e) - float(loss_d)) > 1e-3
 
 
 # ----------------------------------------------------------------------------- tile lists
@@ -307,6 +326,107 @@ def test_tile_list_is_exactly_the_documents_tiles(block, sizes, causal, window):
     if reach is not None:
         bound = tiles.window_capacity(len(causal_count), len(sizes), row_len // block, reach)
         assert len(want) <= bound
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    block=st.sampled_from([1, 2, 3, 4]),
+    docs=st.lists(
+        st.tuples(st.integers(1, 24), st.lists(st.tuples(st.integers(0, 20), st.integers(1, 9)))),
+        min_size=1,
+        max_size=4,
+    ),
+    window=st.sampled_from([0, 2, 5]),
+)
+def test_span_tiles_are_exactly_what_bidirectional_spans_add(block, docs, window):
+    """Token by token, with bidirectional spans (an image's tokens) inside causal documents: a
+    tile is in the list when some query of a document may see some key of it there (a key not
+    after the query, or both of one span; within the window when there is one, which never
+    narrows a key after its query). The list from the segments and spans agrees with that, and
+    each document's tiles stay within its causal tiles plus `span_extra` of its spans."""
+    row_len = block * -(-sum(n for n, _ in docs) // block)
+    seg, spans = np.zeros((1, 1, row_len), np.int32), np.zeros((1, 1, row_len), np.int32)
+    at, span_id, extra = 0, 1, 0
+    for d, (n, wanted) in enumerate(docs):
+        seg[0, 0, at : at + n] = d + 1
+        free = at  # (spans of one document: runs one after another, none overlapping)
+        for gap, length in wanted:
+            lo = free + gap
+            hi = min(lo + length, at + n)
+            if lo >= hi:
+                break
+            spans[0, 0, lo:hi] = span_id
+            extra += int(tiles.span_extra(np.array([hi - lo]), block)[0])
+            span_id, free = span_id + 1, hi
+        at += n
+    reach = tiles.window_reach(window, block)
+    want = set()
+    s, p = seg[0, 0], spans[0, 0]
+    for i in range(row_len):
+        for j in range(row_len):
+            if not s[i] or s[i] != s[j]:
+                continue
+            if (j <= i or (p[i] and p[i] == p[j])) and (not window or i - j < window):
+                want.add((i // block, j // block))
+    got = tiles.from_segments(seg, block, True, 4 * row_len * row_len, reach, spans)[0]
+    got = got[got[:, 0] >= 0]
+    assert [tuple(x) for x in got.tolist()] == sorted(want)
+    causal = tiles.from_segments(seg, block, True, 4 * row_len * row_len, None)[0]
+    need = (causal[:, 0] >= 0).sum() + extra  # (what the planner counts for them)
+    assert len(got) <= need
+    if reach is not None:  # (the windowed list's capacity, from the longest span possible)
+        longest = max([int((spans == i).sum()) for i in range(1, span_id)], default=1)
+        upper = int(tiles.span_blocks(np.int64(longest), block)) - 1
+        assert len(got) <= tiles.window_capacity(need, 1, row_len // block, reach, upper)
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_a_kernel_with_bidirectional_spans_equals_the_dense_reference(window):
+    """Spans in the block-sparse kernel (their tiles above the diagonal in the list): the output
+    and every gradient equal the dense reference under the same mask (`attention.bidirectional`,
+    then the window), over spans crossing blocks; and the spans matter (causal differs)."""
+    from jaxmllm.models.attention import bidirectional
+
+    rng = np.random.default_rng(7 + window)
+    b, t, heads, kv, e, block = 2, 32, 4, 2, 8, 4
+    seg = _random_rows(rng, b, t, 13)
+    seg[1, :] = 3
+    spans = np.zeros_like(seg)
+    spans[0, 3:9] = 4  # (crossing a block boundary; inside the first document or not)
+    spans[1, 5:15] = 6
+    spans[1, 20:23] = 21
+    reach = tiles.window_reach(window, block)
+    tl = jnp.asarray(tiles.from_segments(seg[:, None], block, True, 200, reach, spans[:, None]))
+    q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, e)), jnp.float32) for h in (heads, kv, kv))
+    real = jnp.asarray(seg > 0)[..., None, None]
+    weights = jnp.asarray(rng.normal(size=(b, t, heads, e)), jnp.float32)
+    mask = bidirectional(attention_mask(jnp.asarray(seg), causal=True), seg, jnp.asarray(spans))
+    mask = windowed(mask, window) if window else mask
+
+    def loss(fn, q, k, v):
+        return jnp.sum(jnp.where(real, fn(q, k, v) * weights, 0.0))
+
+    sparse = lambda q, k, v: blocksparse.attend(
+        q,
+        k,
+        v,
+        jnp.asarray(seg),
+        tl,
+        block=block,
+        causal=True,
+        window=window,
+        spans_bt=jnp.asarray(spans),
+    )
+    dense = lambda q, k, v: dense_attention(q, k, v, mask, jnp.float32)
+    got = jax.value_and_grad(lambda *a: loss(sparse, *a), argnums=(0, 1, 2))(q, k, v)
+    want = jax.value_and_grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for g, w in zip(got[1], want[1], strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    causal = attention_mask(jnp.asarray(seg), causal=True)
+    causal = windowed(causal, window) if window else causal
+    plain = lambda q, k, v: dense_attention(q, k, v, causal, jnp.float32)
+    assert abs(float(loss(plain, q, k, v)) - float(got[0])) > 1e-2
 
 
 def test_a_windowed_row_needs_a_band_of_tiles_not_its_triangle():
@@ -406,7 +526,9 @@ def test_every_planned_tile_list_is_exactly_its_documents_tiles(planner, window)
     capacity the config resolved (a dry run for grain, the data's mean need for orchestrated);
     with a sliding window in the decoder's first layer, the windowed layers' list too, within
     its capacity (`window_tile_cap`), and shorter than the causal one where a document is
-    longer than the window."""
+    longer than the window. Images attend both ways (`model.llm.bidirectional`): each image's
+    slots are one span (`llm_spans`), and the LLM's lists hold the spans' tiles above the
+    diagonal too, within the capacities the planners kept (their spans' tiles counted)."""
     from jaxmllm.config import load_config
     from jaxmllm.feed.iterator import make_pipeline
     from jaxmllm.resolve.run import resolve_run
@@ -419,6 +541,7 @@ def test_every_planned_tile_list_is_exactly_its_documents_tiles(planner, window)
             "train.steps=4",
             f"model.llm.window.size={window}",
             f"model.llm.window.layers=[{0 if window else ''}]",
+            "model.llm.bidirectional=[vision]",
         ],
     )
     run = resolve_run(cfg, 8)
@@ -433,6 +556,8 @@ def test_every_planned_tile_list_is_exactly_its_documents_tiles(planner, window)
         for _ in range(4):
             b = next(data)["batch"]
             assert ("llm_window_tiles" in b) == bool(window)
+            spans = b["llm_spans"]
+            np.testing.assert_array_equal(spans > 0, b["llm_vision_src"] >= 0)
             lists = [
                 ("llm", True, b["llm_segment_ids"], caps["llm"], None),
                 ("vision", False, b["vision_segment_ids"][:, :, None], caps["vision"], None),
@@ -449,6 +574,10 @@ def test_every_planned_tile_list_is_exactly_its_documents_tiles(planner, window)
                         rows = seg[m, d]
                         n_blocks = rows.shape[-1] // block
                         want = tiles.tile_list(*_docs(rows), n_blocks, block, causal, r)
+                        if causal:  # (and the spans' tiles above the diagonal)
+                            up = tiles.span_tiles(rows, spans[m, d], block)
+                            want = np.concatenate([want, up])
+                            want = want[np.lexsort((want[:, 1], want[:, 0]))]
                         real = got[m, d][got[m, d, :, 0] >= 0]
                         assert (got[m, d][len(real) :] == tiles.PAD).all()
                         np.testing.assert_array_equal(real, want, err_msg=f"{phase} {m} {d}")

@@ -234,7 +234,7 @@ class Balancer:
         ok, devs = self.assignment.items(ph, mb, rows, items, urgent[entries], ok)
         retry, offsets = np.zeros(0, np.int64), {}
         if mb.tiles is not None:  # block-sparse attention: each device within its tiles
-            placed = {LLM: (np.arange(len(s)), rows, ends[LLM], pw.llm, pw.split)}
+            placed = {LLM: (np.arange(len(s)), rows, ends[LLM], pw.llm, pw.split, pw.extra)}
             for p in ENC:
                 placed[p] = (items[p][0], devs[p], ends[p], items[p][2])
             fitted = ok.copy()

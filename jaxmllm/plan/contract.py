@@ -20,7 +20,7 @@ from jaxmllm.config.spec import BatchSpec, variant_tiles
 from jaxmllm.data.lengths import LengthsIndex, split_documents
 from jaxmllm.plan.ragged import gather_items
 from jaxmllm.plan.summary import summary_of
-from jaxmllm.plan.tiles import bin_tiles, own_tiles
+from jaxmllm.plan.tiles import bin_tiles, own_tiles, span_extra
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,9 @@ class Capacities:
     # long for the variant below (empty: every step is planned with `tiles`; a phase missing
     # or 0: the variant below's)
     long_tiles: tuple[Mapping[str, int], ...] = ()
+    # Encoder phases whose items are bidirectional spans in the LLM's rows (their tiles above
+    # the diagonal count in the LLM's tiles: `span_extras`)
+    bidirectional: tuple[str, ...] = ()
 
     def __post_init__(self):
         for key in ("units", "per_token", "per_row"):
@@ -96,6 +99,7 @@ class Capacities:
             attention_block=spec.attention_block if tiled else 0,
             tiles={p: spec.tiles.get(p, 0) if tiled else 0 for p in PHASES},
             long_tiles=tuple({p: long.get(p, 0) for p in PHASES} for long in spec.long_tiles),
+            bidirectional=tuple(spec.bidirectional) if tiled else (),
         )
 
     def row_units(self, phase: str) -> int:
@@ -236,10 +240,30 @@ def documents(index: LengthsIndex, caps: Capacities) -> dict[str, tuple[np.ndarr
     return out
 
 
+def span_extras(index: LengthsIndex, samples: np.ndarray, caps: Capacities) -> np.ndarray | None:
+    """Per sample of `samples`, the most LLM tiles above the diagonal its bidirectional spans
+    add (`caps.bidirectional`: each item of those phases one span of its LLM tokens, wherever
+    it lands, `tiles.span_extra`; a preference pair's items fill both its documents, so
+    twice); None where none are (no such phase, or no tiles)."""
+    if not (caps.bidirectional and caps.attention_block):
+        return None
+    s = np.asarray(samples, np.int64)
+    out = np.zeros(len(s), np.int64)
+    for p in caps.bidirectional:
+        owner, _, flat = gather_items(index.items[p].ptr, s)
+        tokens = np.asarray(index.items[p].sizes[flat], np.int64) // caps.per_token[p]
+        out += np.bincount(owner, span_extra(tokens, caps.attention_block), len(s)).astype(np.int64)
+    if index.split is not None:
+        out *= 1 + (index.split_of(s) > 0)
+    return out
+
+
 def check_tiles_fit(index: LengthsIndex, caps: Capacities) -> None:
     """Fails at start-up, naming the config key, if a document alone (at the start of an empty
     bucket) needs more attention tiles than its phase's tile capacity (of the top variant: a
-    document too long for the base waits for a long step)."""
+    document too long for the base waits for a long step). With bidirectional spans a
+    sample's LLM tiles are its documents' and its spans' (`span_extras`): counted for every
+    sample, not only the longest."""
     if not caps.attention_block:
         return
     b = caps.attention_block
@@ -251,6 +275,15 @@ def check_tiles_fit(index: LengthsIndex, caps: Capacities) -> None:
         if not caps.tile_caps(variant)[phase] or not size:
             continue
         need = int(own_tiles(np.array([-(-size // b)]), phase == LLM)[0])
+        if phase == LLM and caps.bidirectional:
+            everyone = np.arange(len(index.text))
+            llm = llm_tokens_of(index, everyone, caps.per_token)
+            split = index.split_of(everyone) if index.split is not None else np.zeros_like(llm)
+            docs = split_documents(llm, split)  # (a sample's one or two, in order)
+            first = np.cumsum(1 + (split > 0)) - 1 - (split > 0)
+            own = np.add.reduceat(own_tiles(-(-docs // b), True), first)
+            alone = own + span_extras(index, everyone, caps)
+            need, size = int(alone.max()), int(llm[np.argmax(alone)])
         if need > cap:
             key = f"{phase}_long_tiles" if variant else f"{phase}_tiles"  # (its last value)
             least = need
@@ -444,6 +477,10 @@ def step_tiles(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> dict[st
         d_n = caps.llm_buckets if phase == LLM else caps.devices
         bins = (micro * d_n + dev) * rows + row
         tiles = bin_tiles(bins, off, size, m_n * d_n * rows, caps.attention_block, phase == LLM)
+        extras = span_extras(index, plan.samples, caps) if phase == LLM else None
+        if extras is not None:  # (bidirectional spans: the most their tiles above the diagonal)
+            at = (plan.micro * d_n + plan.device) * rows + plan.row
+            tiles += np.bincount(at, extras, m_n * d_n * rows).astype(np.int64)
         out[phase] = tiles.reshape(m_n, d_n, rows).sum(2)
     return out
 

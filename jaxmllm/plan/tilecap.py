@@ -46,7 +46,9 @@ class TileBudget:
           placed: per phase, the new documents in the order they were placed: (owner sample
             position in `ok`, bin: LLM row bin or encoder device, offset where the bin's
             documents so far end, size in the phase's units[, where each splits into two
-            documents: a preference pair's text, `LengthsIndex.split`; None or missing: one]).
+            documents: a preference pair's text, `LengthsIndex.split`; None or missing: one[,
+            the most tiles its bidirectional spans add, `contract.span_extras`; None or
+            missing: none]]).
           ok: per sample, whether all its parts were placed (updated in place).
 
         Returns:
@@ -86,6 +88,7 @@ class _Docs:
         start: np.ndarray,
         size: np.ndarray,
         split: np.ndarray | None = None,
+        extra: np.ndarray | None = None,
     ):
         self.block, self.per, self.causal = budget.block, budget.per_row[phase], phase == LLM
         self.cap, self.start = budget.caps[phase], start  # (where each bin's documents end)
@@ -97,6 +100,7 @@ class _Docs:
         self.owner, self.size = owner[self.at], size[self.at]
         # (a pair's first document's units: it splits there, the second right after it)
         self.split = None if split is None else split[self.at]
+        self.extra = None if extra is None else extra[self.at]  # (spans' tiles, at most)
         self.units = self.size // self.per if self.per > 1 else self.size  # (attention units)
         self.bins = _Runs(key)
         # by device, in the order placed (an LLM device's rows are several bins)
@@ -134,6 +138,8 @@ class _Docs:
                 a, n, f = self.split[idx][two], self.units[idx][two], first[two]
                 t[two] = packed_tiles(f, a, self.block, self.causal)
                 t[two] += packed_tiles(f + a, n - a, self.block, self.causal)
+        if self.extra is not None:
+            t += self.extra[idx]
         t *= keep
         self.tiles[idx] = t
         if not self.cap or not len(t):

@@ -15,7 +15,7 @@ import numpy as np
 from jaxmllm.config.phases import LLM, NAMES, PHASES
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.bins import Cost, Loads, quad_cost, tile_cost
-from jaxmllm.plan.contract import Capacities, bucket_tile_caps
+from jaxmllm.plan.contract import Capacities, bucket_tile_caps, span_extras
 from jaxmllm.plan.ragged import gather_items
 from jaxmllm.plan.route import Routes
 from jaxmllm.plan.summary import summary_of
@@ -77,6 +77,7 @@ class Phases:
                 caps.attention_block,
                 caps.group_row_len,
                 tuple(self.tile_phases),
+                caps.bidirectional,
             )
             self.every = _EVERY.get(key)
             if self.every is None:  # (sizing builds several planners on one index)
@@ -111,13 +112,16 @@ class Phases:
             llm = llm + np.bincount(owner, size // self.per_row[p], len(s)).astype(np.int64)
         split = None if index.split is None else index.split_of(s)
         llm_cost = self._llm_cost(llm, split)
+        extra = span_extras(index, s, self.caps)  # (bidirectional spans' tiles, at most)
+        if extra is not None:
+            llm_cost = llm_cost + extra
         work = np.stack([llm, *units])  # [phase, sample]
         tiles = [
             np.rint(TILE_SCALE * self._expected(llm, llm_cost, items, p)).astype(np.int64)
             for p in self.tile_phases
         ]
         sel = np.concatenate([work, np.stack(tiles)]) if tiles else work
-        return Pool(llm, llm_cost, np.ascontiguousarray(work.T), sel, items, split)
+        return Pool(llm, llm_cost, np.ascontiguousarray(work.T), sel, items, split, extra)
 
     def _llm_cost(self, llm: np.ndarray, split: np.ndarray | None) -> np.ndarray:
         """The LLM cost of samples of `llm` tokens: their documents' (a preference pair, split
@@ -182,8 +186,9 @@ class Pool:
     """The work of some samples (a step's pool): per sample its LLM tokens, their cost (what
     the packers equalise: its documents'), its units per phase [sample, phase], its selection
     work [column, sample] (the units, then the tile phases' expected tiles), per encoder phase
-    its items' (owner position, size, cost), by owner then item, and where each splits into
-    two documents (`LengthsIndex.split`; None: every sample one document)."""
+    its items' (owner position, size, cost), by owner then item, where each splits into
+    two documents (`LengthsIndex.split`; None: every sample one document), and the most LLM
+    tiles its bidirectional spans add (`contract.span_extras`; None: none)."""
 
     llm: np.ndarray
     llm_cost: np.ndarray
@@ -191,6 +196,7 @@ class Pool:
     sel: np.ndarray
     items: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
     split: np.ndarray | None = None
+    extra: np.ndarray | None = None
     _ptr: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # (items_of's)
 
     def __len__(self) -> int:
@@ -212,6 +218,7 @@ class Pool:
             np.take(self.sel, positions, axis=1) if sel else self.sel[:, :0],
             {},
             None if self.split is None else self.split[positions],
+            None if self.extra is None else self.extra[positions],
         )
 
     def items_of(self, phase: str, positions: np.ndarray):

@@ -27,6 +27,7 @@ from jaxmllm.plan.contract import (
     device_tile_caps,
     documents,
     phase_docs,
+    span_extras,
     step_tiles,
     work_of,
 )
@@ -37,8 +38,8 @@ from jaxmllm.plan.tiles import (
     bin_tiles,
     own_tiles,
     packed_density,
-    window_capacity,
     window_reach,
+    window_tile_capacity,
 )
 
 HELD_DRY_RUN_STEPS = 50  # a holding planner's tile capacity: at most what this many of its
@@ -253,21 +254,32 @@ def window_cap(caps: Capacities, llm_tiles: float, weight: tuple) -> int:
     w = TileWeights(*weight)
     if not (w.window and caps.attention_block):
         return 0
-    block = caps.attention_block
-    reach = window_reach(w.window, block)
-    return window_capacity(int(llm_tiles), caps.llm_rows, caps.llm_row_len // block, reach)
+    longest = [caps.units[p] // caps.per_token[p] for p in caps.bidirectional]
+    return window_tile_capacity(
+        int(llm_tiles),
+        caps.llm_rows,
+        caps.llm_row_len,
+        caps.attention_block,
+        w.window,
+        max(longest, default=0),
+    )
 
 
 def step_window_tiles(
     plan: StepPlan, index: LengthsIndex, caps: Capacities, window: int
 ) -> np.ndarray:
     """The windowed tiles (a sliding window of `window` tokens) each LLM bucket of the plan
-    needs [microbatch, bucket], as `contract.step_tiles` counts the causal ones (context 1)."""
+    needs [microbatch, bucket], as `contract.step_tiles` counts the causal ones (context 1),
+    bidirectional spans' tiles above the diagonal included (`contract.span_extras`)."""
     micro, dev, row, off, size = phase_docs(plan, index, caps, LLM)
     m_n, d_n, rows = caps.microbatches, caps.llm_buckets, caps.llm_rows
     bins = (micro * d_n + dev) * rows + row
     reach = window_reach(window, caps.attention_block)
     tiles = bin_tiles(bins, off, size, m_n * d_n * rows, caps.attention_block, True, reach)
+    extras = span_extras(index, plan.samples, caps)
+    if extras is not None:
+        at = (plan.micro * d_n + plan.device) * rows + plan.row
+        tiles += np.bincount(at, extras, m_n * d_n * rows).astype(np.int64)
     return tiles.reshape(m_n, d_n, rows).sum(2)
 
 
