@@ -459,8 +459,9 @@ def test_expected_tiles_is_the_mean_over_where_a_document_starts():
 # ----------------------------------------------------------------------------- planned steps
 
 
-def _omni_caps(devices: int, block: int, scale: float):
-    """Capacities for the omni mix, tile capacities the suggested ones times `scale`."""
+def _omni_caps(devices: int, block: int, scale: float, spans: bool = False):
+    """Capacities for the omni mix, tile capacities the suggested ones times `scale` (`spans`:
+    images attending both ways)."""
     from jaxmllm.bench.mixes import synthetic_omni
     from jaxmllm.plan.contract import Capacities
     from jaxmllm.resolve.capacity import suggest_capacities
@@ -479,6 +480,7 @@ def _omni_caps(devices: int, block: int, scale: float):
         per_row=per_row,
         route_pair_capacity=sug.units["vision"] // 4,
         attention_block=block,
+        bidirectional=("vision",) if spans else (),
     )
     suggested = suggest_tiles(index, caps)
     alone = {  # a tile capacity is never below the largest document's own tiles
@@ -490,18 +492,59 @@ def _omni_caps(devices: int, block: int, scale: float):
         p: max(int(n * scale), int(tiles.own_tiles(-(-alone[p] // block), p == "llm").max()))
         for p, n in suggested.items()
     }
+    if spans:  # (... nor below a sample's own with its spans')
+        from jaxmllm.plan.contract import spans_alone
+
+        tight["llm"] = max(tight["llm"], spans_alone(index, caps)[0])
     return index, dataclasses.replace(caps, tiles=tight)
 
 
-@pytest.mark.parametrize(("devices", "scale"), [(8, 1.0), (8, 0.7), (32, 1.0)])
-def test_orchestrated_plans_hold_the_tile_capacity_and_train_every_sample_once(devices, scale):
+def test_a_samples_spans_count_in_the_tiles_it_needs_alone():
+    """Images attending both ways: a sample of 10 text tokens and an image of 64 LLM tokens
+    (256 patches, 4 a token) fills 5 blocks of 16 (15 causal tiles) and its span may touch 5
+    blocks, 10 tiles above the diagonal: 25 alone, more than a longer text-only sample. The
+    start-up check counts them (a capacity of 20 is refused naming its key, 25 is not), and
+    so does the least capacity sized from the data."""
+    from jaxmllm.bench.mixes import from_arrays
+    from jaxmllm.plan.contract import Capacities, OversizeError, check_tiles_fit, spans_alone
+    from jaxmllm.resolve.tilesize import largest_doc_tiles
+
+    index = from_arrays(np.array([10, 60]), [np.array([256]), np.array([], int)], [[], []])
+    caps = Capacities(
+        microbatches=1,
+        devices=1,
+        llm_rows=1,
+        llm_row_len=128,
+        units={"vision": 512, "audio": 64},
+        per_token={"vision": 4, "audio": 4},
+        per_row={"vision": 1, "audio": 4},
+        route_pair_capacity=0,
+        attention_block=16,
+        tiles={"llm": 20, "vision": 0, "audio": 0},
+    )
+    spans = dataclasses.replace(caps, bidirectional=("vision",))
+    assert spans_alone(index, spans) == (25, 74)
+    check_tiles_fit(index, caps)  # (causal: 15 and 10 tiles)
+    with pytest.raises(OversizeError, match=r"needs 25 attention tiles.*batch\.llm_tiles"):
+        check_tiles_fit(index, spans)
+    check_tiles_fit(index, dataclasses.replace(spans, tiles={"llm": 25, "vision": 0, "audio": 0}))
+    assert largest_doc_tiles(index, spans)["llm"] >= spans_alone(index, spans, anywhere=True)[0]
+    assert spans_alone(index, spans, anywhere=True)[0] > 25  # (a block more, from anywhere)
+
+
+@pytest.mark.parametrize(
+    ("devices", "scale", "spans"), [(8, 1.0, False), (8, 0.7, True), (32, 1.0, False)]
+)
+def test_orchestrated_plans_hold_the_tile_capacity_and_train_every_sample_once(
+    devices, scale, spans
+):
     """The tile-balancing planner never plans a bucket past its tile capacity, also when the
-    capacity binds hard (0.7x the suggested one: samples wait instead), and still plans every
-    sample exactly once."""
+    capacity binds hard (0.7x the suggested one: samples wait instead) and images attend both
+    ways (their spans' tiles counted), and still plans every sample exactly once."""
     from jaxmllm.plan.contract import check_plan, step_tiles
     from jaxmllm.plan.registry import make_planner
 
-    index, caps = _omni_caps(devices, 128, scale)
+    index, caps = _omni_caps(devices, 128, scale, spans)
     planner = make_planner("orchestrated", index, caps, seed=0)
     planned, most = Counter(), dict.fromkeys(("llm", "vision", "audio"), 0)
     for _ in range(30):

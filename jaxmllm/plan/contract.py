@@ -258,6 +258,23 @@ def span_extras(index: LengthsIndex, samples: np.ndarray, caps: Capacities) -> n
     return out
 
 
+def spans_alone(index: LengthsIndex, caps: Capacities, anywhere: bool = False) -> tuple[int, int]:
+    """With bidirectional spans (`caps.bidirectional`), the most LLM tiles one sample needs
+    alone in a bucket, its documents' and its spans' (`span_extras`), and that sample's LLM
+    tokens: each document from a block boundary, or (`anywhere`) from wherever in a block
+    (one block more than its size in blocks). Every sample is counted: which one needs the
+    most depends on its items, not only its length."""
+    b, everyone = caps.attention_block, np.arange(len(index.text))
+    llm = llm_tokens_of(index, everyone, caps.per_token)
+    split = index.split_of(everyone) if index.split is not None else np.zeros_like(llm)
+    docs = split_documents(llm, split)  # (a sample's one or two, in order)
+    blocks = np.where(docs > 0, (docs - 1) // b + 2, 0) if anywhere else -(-docs // b)
+    first = np.cumsum(1 + (split > 0)) - 1 - (split > 0)
+    alone = np.add.reduceat(own_tiles(blocks, True), first) + span_extras(index, everyone, caps)
+    top = int(np.argmax(alone)) if len(alone) else 0
+    return (int(alone[top]), int(llm[top])) if len(alone) else (0, 0)
+
+
 def check_tiles_fit(index: LengthsIndex, caps: Capacities) -> None:
     """Fails at start-up, naming the config key, if a document alone (at the start of an empty
     bucket) needs more attention tiles than its phase's tile capacity (of the top variant: a
@@ -276,14 +293,7 @@ def check_tiles_fit(index: LengthsIndex, caps: Capacities) -> None:
             continue
         need = int(own_tiles(np.array([-(-size // b)]), phase == LLM)[0])
         if phase == LLM and caps.bidirectional:
-            everyone = np.arange(len(index.text))
-            llm = llm_tokens_of(index, everyone, caps.per_token)
-            split = index.split_of(everyone) if index.split is not None else np.zeros_like(llm)
-            docs = split_documents(llm, split)  # (a sample's one or two, in order)
-            first = np.cumsum(1 + (split > 0)) - 1 - (split > 0)
-            own = np.add.reduceat(own_tiles(-(-docs // b), True), first)
-            alone = own + span_extras(index, everyone, caps)
-            need, size = int(alone.max()), int(llm[np.argmax(alone)])
+            need, size = spans_alone(index, caps)
         if need > cap:
             key = f"{phase}_long_tiles" if variant else f"{phase}_tiles"  # (its last value)
             least = need

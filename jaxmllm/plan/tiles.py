@@ -100,9 +100,14 @@ def window_capacity(
     its spans', which the causal capacity counts too) and no more than the band of `reach` + 1
     tiles a query block (`own_tiles` of a whole row), widened by `upper` key blocks after it
     where bidirectional spans touch up to `upper` + 1 blocks (`span_blocks`)."""
-    band = int(own_tiles(np.int64(row_blocks), True, reach))
-    band += sum(row_blocks - d for d in range(1, min(upper, row_blocks - 1) + 1))
+    band = int(own_tiles(np.int64(row_blocks), True, reach)) + band_above(row_blocks, upper)
     return min(int(causal_capacity), rows * band)
+
+
+def band_above(row_blocks: int, upper: int) -> int:
+    """The tiles of a row of `row_blocks` blocks up to `upper` key blocks after their query
+    block: the most that bidirectional spans touching up to `upper` + 1 blocks add to it."""
+    return sum(row_blocks - d for d in range(1, min(upper, row_blocks - 1) + 1))
 
 
 def item_tiles(

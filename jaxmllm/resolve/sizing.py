@@ -25,7 +25,7 @@ from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.preprocess import MEDIA
 from jaxmllm.plan.contract import Capacities, Planner, device_tile_caps
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
-from jaxmllm.plan.tiles import bin_tiles, own_tiles
+from jaxmllm.plan.tiles import band_above, bin_tiles, own_tiles
 from jaxmllm.resolve.attention import resolve_attention
 from jaxmllm.resolve.capacity import (
     ROUTE_DRY_RUN_STEPS,
@@ -40,6 +40,7 @@ from jaxmllm.resolve.tilesize import (
     dry_run_tiles,
     largest_doc_tiles,
     size_tiles,
+    span_upper,
 )
 
 log = logging.getLogger("jaxmllm")
@@ -302,6 +303,9 @@ def resolve_bounds(cfg: Config, devices: int) -> Config:
         # anywhere in a block: one block more than its size in blocks)
         least = own_tiles(np.array([(size - 1) // b.attention_block + 2]), causal)[0]
         tiles[phase] = max(rows * int(bucket[0]), int(least))
+        if causal and caps.bidirectional:  # (spans: tiles above the diagonal, as far ahead
+            # as the largest item a bucket holds reaches)
+            tiles[phase] += rows * band_above(row // b.attention_block, span_upper(caps))
         docs[phase] = max(row, 1)  # (cuDNN: a document a unit)
     tiles = device_tile_caps(caps, tiles)
     bounds = {

@@ -28,6 +28,7 @@ from jaxmllm.plan.contract import (
     documents,
     phase_docs,
     span_extras,
+    spans_alone,
     step_tiles,
     work_of,
 )
@@ -35,9 +36,11 @@ from jaxmllm.plan.ladder import size_ladder
 from jaxmllm.plan.select import BINDING
 from jaxmllm.plan.summary import IndexSummary, summary_of
 from jaxmllm.plan.tiles import (
+    band_above,
     bin_tiles,
     own_tiles,
     packed_density,
+    span_blocks,
     window_reach,
     window_tile_capacity,
 )
@@ -103,6 +106,9 @@ def suggest_tiles(
         blocks = units[phase] // rows[phase] // caps.attention_block
         every = rows[phase] * int(own_tiles(np.array([blocks]), causal)[0])
         alone = int(own_tiles(np.array([-(-longest[phase] // caps.attention_block)]), causal)[0])
+        if causal and caps.bidirectional:  # (spans: tiles above the diagonal too)
+            every += rows[phase] * band_above(blocks, span_upper(caps))
+            alone = max(alone, spans_alone(index, caps)[0])
         want = math.ceil(rho * units[phase] * share[phase] * (1 + headroom))
         out[phase] = int(min(max(want, alone), every))
     return out
@@ -125,6 +131,8 @@ def largest_doc_tiles(index: LengthsIndex, caps: Capacities) -> dict[str, int]:
             if n
             else 0
         )
+    if caps.bidirectional:  # (a sample's spans add tiles above the diagonal)
+        out[LLM] = max(out[LLM], spans_alone(index, caps, anywhere=True)[0])
     return out
 
 
@@ -254,15 +262,26 @@ def window_cap(caps: Capacities, llm_tiles: float, weight: tuple) -> int:
     w = TileWeights(*weight)
     if not (w.window and caps.attention_block):
         return 0
-    longest = [caps.units[p] // caps.per_token[p] for p in caps.bidirectional]
     return window_tile_capacity(
         int(llm_tiles),
         caps.llm_rows,
         caps.llm_row_len,
         caps.attention_block,
         w.window,
-        max(longest, default=0),
+        longest_span(caps),
     )
+
+
+def longest_span(caps: Capacities) -> int:
+    """The most LLM tokens a bidirectional span may have: the largest item its phase's bucket
+    holds (0: no spans)."""
+    return max((caps.units[p] // caps.per_token[p] for p in caps.bidirectional), default=0)
+
+
+def span_upper(caps: Capacities) -> int:
+    """How many key blocks after its own a query block's span may reach (`band_above`)."""
+    n = longest_span(caps)
+    return int(span_blocks(np.int64(n), caps.attention_block)) - 1 if n else 0
 
 
 def step_window_tiles(
