@@ -1,11 +1,12 @@
 """Dense vs block-sparse attention on one packed row: time, memory and tiles.
 
-    python -m jaxmllm.bench.attention [--rows 2048,8192,32768] [--mix chartqa] [--block 128]
-        [--window W] [--json OUT]
+    python -m jaxmllm.bench.attention [--rows 2048,8192,32768] [--mix chartqa | --lengths FILE]
+        [--block 128] [--window W] [--json OUT]
 
-A row of `row_len` tokens is packed with documents drawn from a length table (the LLM tokens of
-each sample: text plus merged image tokens, a sample longer than the row skipped), in the
-table's order, until the next one does not fit; the rest is padding. Attention over it (one
+A row of `row_len` tokens is packed with documents drawn from a length table (a built-in mix, or
+a lengths file or index folder of your own data: `--lengths`; the LLM tokens of each sample:
+text plus merged image tokens, a sample longer than the row skipped), in the table's order,
+until the next one does not fit; the rest is padding. Attention over it (one
 row, grouped-query heads, fp32) runs forward and backward (the gradient of a weighted sum of
 the outputs with respect to q, k and v) with the dense masked reference and with block-sparse
 attention over the row's tile list (`jaxmllm.plan.tiles`). Reported per row length:
@@ -40,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmllm.bench.mixes import load_mix
+from jaxmllm.bench.mixes import lengths_of, load_mix
 from jaxmllm.bench.table import cell, markdown, ratio
 from jaxmllm.config.checks import UserError
 from jaxmllm.models import blocksparse, cudnn
@@ -49,11 +50,17 @@ from jaxmllm.plan import tiles as T
 
 
 def documents(
-    mix: str, row_len: int, kind: str = "llm", merge_area: int = 4, subsample: int = 4
+    mix: str,
+    row_len: int,
+    kind: str = "llm",
+    merge_area: int = 4,
+    subsample: int = 4,
+    lengths: str | None = None,
 ) -> np.ndarray:
     """Lengths of the documents packed into one row of `row_len` tokens (see the module doc):
-    the samples' LLM tokens, or (`kind` vision) their images' patches."""
-    index = load_mix(mix)
+    the samples' LLM tokens, or (`kind` vision) their images' patches; of the mix, or of the
+    lengths file or index folder `lengths` where given."""
+    index = lengths_of(lengths) if lengths else load_mix(mix)
     if kind == "vision":
         lengths = index.items["vision"].sizes
     else:
@@ -132,11 +139,13 @@ def measure(row_len: int, args) -> dict:
     causal over samples' tokens, or vision, over images' patches)."""
     kind = getattr(args, "kind", "llm")
     causal = kind == "llm"
-    sizes = documents(args.mix, row_len, kind)
+    lengths = getattr(args, "lengths", None)
+    sizes = documents(args.mix, row_len, kind, lengths=lengths)
     if not len(sizes):  # (a row of nothing measures nothing: a speed-up of padding)
+        source = f"--lengths {lengths}" if lengths else f"mix {args.mix}"
         raise UserError(
-            f"--rows {row_len}: no {kind} document of mix {args.mix} fits a row of {row_len} "
-            "tokens; use longer rows or another --mix"
+            f"--rows {row_len}: no {kind} document of {source} fits a row of {row_len} "
+            "tokens; use longer rows or other lengths"
         )
     seg_np = segments(sizes, row_len)
     offsets = np.cumsum(sizes) - sizes
@@ -280,6 +289,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", default="2048,8192,32768", help="row lengths, comma-separated")
     p.add_argument("--mix", default="chartqa", help="length table the documents come from")
+    p.add_argument(
+        "--lengths",
+        help="your lengths instead of --mix: a JSONL file, an InternVL table or an index folder",
+    )
     p.add_argument("--block", type=int, default=128, help="tokens per attention block")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
@@ -323,7 +336,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"row {row_len}: done", flush=True)
     extrapolate(rows)
     print(
-        f"jax {jax.__version__} on {jax.devices()[0].device_kind}, mix {args.mix} ({args.kind}), "
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}, "
+        f"{args.lengths or 'mix ' + args.mix} ({args.kind}), "
         f"block {args.block}, {args.heads} heads / {args.kv_heads} kv heads of {args.head_dim}, "
         f"{args.dtype}, forward + backward of one row"
         + (f", window {args.window}" if args.window else "")
