@@ -50,6 +50,16 @@ def _synthetic_rows(flops, overhead, scales, steps=60, noise=0.01, seed=0):
     return rows
 
 
+def _holdout_errors(run) -> dict[str, float]:
+    """Each fit's (`scaled`, `free`) mean held-out error on the timings of `run`."""
+    errors = {}
+    for name in ("scaled", "free"):
+        out = run / f"{name}.json"
+        assert main([str(run), "--fit", name, "--out", str(out)]) == 0
+        errors[name] = json.loads(out.read_text())["errors"]["holdout"]["mean"]
+    return errors
+
+
 def test_calibrate_recovers_known_coefficients(tmp_path, capsys):
     """Step times made from chosen per-phase rates (0.2% noise: audio, 4% of a step, is told
     from the rest within 5%; at 1% within ~20%): the default (scaled) fit gets each phase's
@@ -82,11 +92,7 @@ def test_free_fit_departs_from_the_flop_ratios_where_the_data_insist(tmp_path):
     flops4 = replace(flops, terms={**flops.terms, "audio": replace(a, quadratic=4 * a.quadratic)})
     rows = _synthetic_rows(flops4, 0.05, {"llm": 2e-11, "vision": 5e-11, "audio": 1e-9})
     _run_dir(tmp_path, rows)
-    errors = {}
-    for name in ("scaled", "free"):
-        out = tmp_path / f"{name}.json"
-        assert main([str(tmp_path), "--fit", name, "--out", str(out)]) == 0
-        errors[name] = json.loads(out.read_text())["errors"]["holdout"]["mean"]
+    errors = _holdout_errors(tmp_path)
     assert errors["free"] < errors["scaled"]
 
 
@@ -370,9 +376,5 @@ def test_calibrate_a_windowed_model(tmp_path):
     rows = _synthetic_rows(truth, 0.05, scales)
     assert rows[1]["slowest"]["llm_wsq"] < rows[1]["slowest"]["llm_sq"]
     _run_dir(tmp_path, rows, GEMMA)
-    errors = {}
-    for name in ("scaled", "free"):
-        out = tmp_path / f"{name}.json"
-        assert main([str(tmp_path), "--fit", name, "--out", str(out)]) == 0
-        errors[name] = json.loads(out.read_text())["errors"]["holdout"]["mean"]
+    errors = _holdout_errors(tmp_path)
     assert errors["free"] < errors["scaled"]

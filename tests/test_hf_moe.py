@@ -292,21 +292,10 @@ def test_a_lora_run_on_an_moe_exports_an_adapter_peft_loads(tmp_path):
     the experts over mesh.expert=2, 2 steps: the exported PEFT adapter (target_parameters for
     the experts) loads in peft without a missing key and gives the run's logits within 1e-4;
     read back, it is the run's adapters bit for bit; `--merged` gives the same logits."""
-    from test_hf_train import CPU
-
-    from jaxmllm import train
-    from jaxmllm.config import load_config
     from jaxmllm.hf.export import export_run
 
     source = _with_tokenizer("qwen3_moe", tmp_path / "m")
-    write_config(tmp_path / "run.yaml", model=source)
-    out = tmp_path / "run"
-    lora = ["model.llm.lora.rank=4", "model.llm.lora.alpha=8", "mesh.data=2", "mesh.expert=2"]
-    sets = [*CPU, *TEXT_ONLY, *lora, f"train.output_dir={out}", "optim.lr=1e-2"]
-    train.main(load_config(tmp_path / "run.yaml", [*sets, "train.steps=2"]))
-    adapter = tmp_path / "adapter"
-    assert set(export_run(str(out), str(adapter))) == {"model"}
-    config = json.loads((adapter / "adapter_config.json").read_text())
+    out, adapter, config = lora_run(source, tmp_path, "mesh.data=2", "mesh.expert=2")
     assert sorted(config["target_parameters"]) == ["down_proj", "gate_up_proj"]
     assert config["rank_pattern"] == {r".*\.gate_up_proj": 8}
     trained, mine = exported_adapter(source, out, adapter, 1e-4)
@@ -317,6 +306,25 @@ def test_a_lora_run_on_an_moe_exports_an_adapter_peft_loads(tmp_path):
     merged = export_run(str(out), str(tmp_path / "merged"), merged=True)["model"]
     (plain,) = check_all(str(merged))
     assert plain["max_abs_diff"] < 1e-4, plain
+
+
+def lora_run(source: str, tmp_path: Path, *sets: str) -> tuple[Path, Path, dict]:
+    """Two steps of a rank-4 LoRA run on the text of checkpoint `source` (and `sets`), its
+    adapter exported: (the run's folder, the adapter's, its adapter_config.json)."""
+    from test_hf_train import CPU
+
+    from jaxmllm import train
+    from jaxmllm.config import load_config
+    from jaxmllm.hf.export import export_run
+
+    write_config(tmp_path / "run.yaml", model=source)
+    out = tmp_path / "run"
+    lora = ["model.llm.lora.rank=4", "model.llm.lora.alpha=8", *sets]
+    sets = [*CPU, *TEXT_ONLY, *lora, f"train.output_dir={out}", "optim.lr=1e-2"]
+    train.main(load_config(tmp_path / "run.yaml", [*sets, "train.steps=2"]))
+    adapter = tmp_path / "adapter"
+    assert set(export_run(str(out), str(adapter))) == {"model"}
+    return out, adapter, json.loads((adapter / "adapter_config.json").read_text())
 
 
 def exported_adapter(source: str, out: Path, adapter: Path, bound: float) -> tuple[dict, dict]:

@@ -201,22 +201,10 @@ def test_a_lora_run_exports_an_adapter_peft_loads(experts, tmp_path):
     in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj, the MLPs or the shared expert),
     2 steps: the exported PEFT adapter loads in peft with no missing key and gives the run's
     logits within 5e-4; read back it is the run's adapters."""
-    from test_hf_moe import exported_adapter
-    from test_hf_train import CPU
-
-    from jaxmllm import train
-    from jaxmllm.config import load_config
-    from jaxmllm.hf.export import export_run
+    from test_hf_moe import exported_adapter, lora_run
 
     source = _with_tokenizer(tmp_path / "m", experts)
-    write_config(tmp_path / "run.yaml", model=source)
-    out = tmp_path / "run"
-    lora = ["model.llm.lora.rank=4", "model.llm.lora.alpha=8"]
-    sets = [*CPU, *TEXT_ONLY, *lora, f"train.output_dir={out}", "optim.lr=1e-2"]
-    train.main(load_config(tmp_path / "run.yaml", [*sets, "train.steps=2"]))
-    adapter = tmp_path / "adapter"
-    assert set(export_run(str(out), str(adapter))) == {"model"}
-    config = json.loads((adapter / "adapter_config.json").read_text())
+    out, adapter, config = lora_run(source, tmp_path)
     assert "in_proj_qkv" in config["target_modules"] and "q_proj" in config["target_modules"]
     trained, mine = exported_adapter(source, out, adapter, 5e-4)
     moved = [p for p in trained if p.endswith("attn/qkv/lora_b")]

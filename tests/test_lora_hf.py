@@ -367,11 +367,10 @@ def test_a_lora_run_on_gemma3_exports_an_adapter_peft_loads_with_the_runs_logits
     adapters bit for bit; `--merged`: the model with them merged, its logits peft's."""
     import jax
     from test_chat import build_dir
-    from test_hf_moe import TEXT_ONLY, exported_adapter
+    from test_hf_moe import TEXT_ONLY, exported_adapter, lora_run
     from test_hf_train import CPU
 
     import sharding
-    from jaxmllm import train
     from jaxmllm.config import load_config
     from jaxmllm.hf.export import export_run
     from jaxmllm.init_from import initial_params
@@ -383,14 +382,7 @@ def test_a_lora_run_on_gemma3_exports_an_adapter_peft_loads_with_the_runs_logits
     build_dir(d, "qwen", "Qwen/Qwen2.5-7B-Instruct")
     source = hf_models.gemma3_text(d, vocab=512)  # (the tokenizer's ~420 ids fit)
     build_dir(d, "qwen", "Qwen/Qwen2.5-7B-Instruct")  # (save_pretrained wrote over it)
-    write_config(tmp_path / "run.yaml", model=source)
-    out = tmp_path / "run"
-    lora = ["model.llm.lora.rank=4", "model.llm.lora.alpha=8"]
-    sets = [*CPU, *TEXT_ONLY, *lora, f"train.output_dir={out}", "optim.lr=1e-2"]
-    train.main(load_config(tmp_path / "run.yaml", [*sets, "train.steps=2"]))
-    adapter = tmp_path / "adapter"
-    assert set(export_run(str(out), str(adapter))) == {"model"}
-    config = json.loads((adapter / "adapter_config.json").read_text())
+    out, adapter, config = lora_run(source, tmp_path)
     wrapped = peft.PeftModel.from_pretrained(
         transformers.AutoModelForCausalLM.from_pretrained(source), str(adapter)
     )
