@@ -20,7 +20,9 @@ from test_generate_hf import VOCAB, _ours, hf_greedy
 
 from jaxmllm.config.spec import Inputs
 from jaxmllm.data.media.image import patchify
+from jaxmllm.data.records.record import parse_record
 from jaxmllm.data.samples import Sample
+from jaxmllm.data.text.tokenizer import make_tokenizer
 from jaxmllm.hf import table
 from jaxmllm.hf.__main__ import main
 from jaxmllm.hf.export import Piece, write_piece
@@ -155,3 +157,21 @@ def test_gemma3_with_an_image_generates_transformers_tokens(tmp_path):
     pixels = torch.from_numpy(image.transpose(2, 0, 1)[None].copy())
     theirs = hf_greedy(model, tokens, 16, stop, pixel_values=pixels, token_type_ids=types)
     assert len(ours) == 16 and ours == theirs
+
+
+def test_an_image_is_wrapped_as_gemma3s_processor_wraps_it(tmp_path):
+    """A tokenizer with Gemma 3's image tokens: an image becomes a blank line,
+    `<start_of_image>`, its placeholder (one a row, laid out later), `<end_of_image>` and a
+    blank line, as Gemma3Processor's `full_image_sequence` writes it."""
+    names = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+    d = build_dir(tmp_path / "tk", "llama", None, names, image_token="<image_soft_token>")
+    tk = make_tokenizer(str(d))
+    assert "<image_soft_token>" not in tk.added_tokens  # (the checkpoint's own)
+    record = parse_record({"id": "a", "text": "hi<image>ok", "images": ["y"]}, Path("."), 1)
+    pieces = tk.pieces(record)
+    assert [p[0] for p in pieces] == ["text", "vision", "text"]
+    before, after = pieces[0][1], pieces[2][1]
+    boi, eoi = (tk.token_id(t) for t in names[:2])
+    assert before[-1] == boi and tk.decode(before[:-1]).endswith("hi\n\n"), tk.decode(before)
+    assert after[0] == eoi and tk.decode(after[1:]).startswith("\n\nok"), tk.decode(after)
+    assert tk.specials.media["vision"] == tk.token_id("<image_soft_token>")
