@@ -120,7 +120,6 @@ def test_import_refuses_what_gemma3_sets_and_jaxmllm_does_not_build(tmp_path):
         write_config(tmp_path / "run.yaml", model=str(d))
 
 
-@pytest.mark.slow
 def test_gemma3_with_an_image_generates_transformers_tokens(tmp_path):
     """A whole Gemma 3 from one directory, an image in the prompt between its begin and end
     tokens (read both ways in prefill, as transformers' token_type_ids read them): the 16
