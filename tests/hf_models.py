@@ -154,6 +154,63 @@ def gemma3_text(
     return save(randomize(T.Gemma3ForCausalLM(cfg), seed), directory)
 
 
+def gemma3(
+    directory: Path,
+    *,
+    seed: int = 0,
+    vocab: int = 300,
+    ids: tuple[int, int, int] = (297, 298, 299),
+    tokens: int = 9,
+    window: int = 5,
+) -> str:
+    """A whole Gemma 3: its text decoder (a sliding, a full and a sliding layer, a `window`
+    shorter than an image's run of tokens), a SigLIP tower of 6x6 patches read to its final
+    norm, its projector pooling them to `tokens` (a square: 9, windows of 2x2 patches).
+    `ids`: the begin-of-image, end-of-image and image token ids."""
+    import transformers as T
+
+    text = dict(
+        model_type="gemma3_text",
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        query_pre_attn_scalar=40,
+        rms_norm_eps=1e-6,
+        sliding_window=window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        max_position_embeddings=256,
+    )
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=24,
+        patch_size=4,
+        layer_norm_eps=1e-6,
+        vision_use_head=False,
+    )
+    boi, eoi, image = ids
+    cfg = T.Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=tokens,
+        boi_token_index=boi,
+        eoi_token_index=eoi,
+        image_token_index=image,
+    )
+    return save(randomize(T.Gemma3ForConditionalGeneration(cfg), seed), directory)
+
+
 def siglip(directory: Path, seed: int = 0, head: bool = False) -> str:
     import transformers as T
 

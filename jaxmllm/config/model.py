@@ -51,6 +51,10 @@ class VisionConfig(BlockOptions):
     # vision_config.tokens_per_second: a temporal patch of frames sampled at f fps advances
     # floor(k x tokens_per_second x temporal_patch / f))
     tokens_per_second: float = 0.0
+    # The projector: mlp (fc2(act(fc1 x)) over the merge x merge patches of one LLM token, side by
+    # side) | pool (their mean, an RMSNorm scaling by 1 + w, one Linear without a bias: Gemma
+    # 3's average-pooled soft tokens; projector_dim and projector_act are not read)
+    projector: str = "mlp"
     projector_dim: int = 0  # the projector's hidden width; 0 = the LLM's width
     projector_act: str = "gelu_tanh"  # the projector's activation: gelu_tanh | gelu (exact)
     freeze: bool = False  # no gradient and no optimizer state for the encoder
@@ -136,6 +140,16 @@ class VisionConfig(BlockOptions):
         )
         check(self.projector_act in ACTIVATIONS, f"must be one of {ACTIVATIONS}", "projector_act")
         check(
+            self.projector in VISION_PROJECTORS,
+            f"must be one of {', '.join(VISION_PROJECTORS)}",
+            "projector",
+        )
+        check(
+            not (deep and self.projector != "mlp"),
+            "DeepStack's levels are MLP projectors: needs projector: mlp",
+            "projector",
+        )
+        check(
             not self.class_token or self.positions == "learned",
             "a class token takes its place from the learned table (positions: learned)",
             "class_token",
@@ -172,6 +186,7 @@ class VisionConfig(BlockOptions):
 
 
 PROJECTORS = ("mlp", "linear")  # jaxmllm.models.projectors implements each
+VISION_PROJECTORS = ("mlp", "pool")  # (the vision tower's)
 
 
 @dataclass(frozen=True)
@@ -389,7 +404,7 @@ class ModelConfig:
 
     def projector_kind(self, tower: str) -> str:
         """The kind of a tower's projector (config.model.PROJECTORS)."""
-        return "mlp" if tower == "vision" else self.audio.projector
+        return getattr(self, tower).projector
 
     def adapted(self, module: str) -> tuple[str, ...]:
         """The matrices of a top-level module (vision, vision_projector, audio,

@@ -32,6 +32,8 @@ def _vision_flops(v: VisionConfig, llm_width: int) -> tuple[float, float, float]
     area, levels = v.merge**2, len(v.deepstack)
     hid = v.projector_dim or llm_width
     proj = 2 * (area * v.width * hid + hid * llm_width) / area
+    if v.projector == "pool":  # (one Linear from the pooled row)
+        proj = 2 * v.width * llm_width / area
     proj = proj * (1 + levels) + levels * llm_width / area
     lin = v.depth * layer_linear(v.width, v.width, v.mlp_dim, mlp=v.mlp)
     return lin, v.depth * 4.0 * v.width, proj
@@ -62,7 +64,7 @@ def _vision_adapters(v: VisionConfig, llm_width: int, how: dict) -> float:
     tower = v.depth * training.adapter_flops(
         how["vision"], training.block_shapes(v.width, v.width, v.mlp_dim)
     )
-    shapes = {"fc1": (area * v.width, hid), "fc2": (hid, llm_width)}
+    shapes = {"fc1": (area * v.width, hid), "fc2": (hid, llm_width), "fc": (v.width, llm_width)}
     levels = 1 + len(v.deepstack)  # (DeepStack's projectors' adapters too)
     return tower + levels * training.adapter_flops(how["vision_projector"], shapes) / area
 

@@ -74,7 +74,7 @@ def modules(model: ModelConfig) -> dict[str, Module]:
         out[p.name] = Module(frozen, rank, targets, multiplier(frozen, False, rank > 0))
         encoder_trains |= out[p.name].trains
         rank, targets = _lora(model.projector_lora)
-        kind = "mlp" if p.name == "vision" else enc.projector
+        kind = enc.projector
         targets = _resolved(targets, PROJECTOR_TARGETS[kind])
         frozen = model.projector_freeze or rank > 0
         below = out[p.name].trains

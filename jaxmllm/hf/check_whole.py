@@ -48,7 +48,7 @@ from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.registry import family_for, read_hf_config, roles_of
 from jaxmllm.hf.towers import load_model
 from jaxmllm.hf.whole import Whole
-from jaxmllm.hf.wholes import Llava, whole_for
+from jaxmllm.hf.wholes import whole_for
 
 _logits = nnx.jit(lambda llm, x, pos: llm(x, jnp.ones(x.shape[:2], jnp.int32), pos))
 _embed = nnx.jit(lambda llm, ids: llm.embed(ids))
@@ -320,9 +320,9 @@ def random_samples(cfg, whole: Whole | None, hf: dict, rng, text) -> list[tuple[
     v = cfg.model.vision
     m = v.merge
     token = whole.token_id("vision", hf)
-    wrap = [hf.get(k) for k in ("vision_start_token_id", "vision_end_token_id")]
+    wrap = [hf.get(k) for k in whole.row.wrap]
     wrap = [[i] if i is not None and i < hf_vocab(hf) else [] for i in wrap]
-    if isinstance(whole, Llava):  # transformers reads LLaVA's images at the tower's size
+    if whole.fixed_size:  # transformers reads LLaVA's, Gemma 3's images at the tower's size
         grids = [(v.position_grid, v.position_grid)] * 2
     else:
         w = max(v.window, m)
@@ -330,7 +330,7 @@ def random_samples(cfg, whole: Whole | None, hf: dict, rng, text) -> list[tuple[
     image = lambda g, before, after: _image_sample(cfg, g, token, wrap, rng, text, before, after)
     out = [image(grids[0], 5, 7), ("text alone", _text_sample(text(24)))]
     video = hf.get("video_token_id")
-    if not isinstance(whole, Llava) and v.temporal_patch > 1 and video is not None:
+    if not whole.fixed_size and v.temporal_patch > 1 and video is not None:
         out.append(_video_sample(cfg, whole, grids[0], int(video), wrap, rng, text))
     return [*out, image(grids[1], 3, 4)]
 
@@ -455,7 +455,11 @@ def _run(ref, inputs: dict[str, Any], hook=None, n: int = 0) -> tuple[np.ndarray
         for part in hook.module.split("."):
             module = getattr(module, part)
         handle = module.register_forward_hook(lambda mod, i, o: captured.update(out=o))
-    per_sample = ("input_ids", "mm_token_type_ids")  # (the others are stacked items already)
+    per_sample = (
+        "input_ids",
+        "mm_token_type_ids",
+        "token_type_ids",
+    )  # (the others are stacked items already)
     tensors = {
         k: _torch(v[None] if k in per_sample else v)
         for k, v in inputs.items()

@@ -26,10 +26,10 @@ from jaxmllm.config.phases import ENCODERS
 from jaxmllm.config.yamlfile import read_yaml
 from jaxmllm.data.text.tokenizer import make_tokenizer
 from jaxmllm.hf.adapter_load import shapes_of
-from jaxmllm.hf.family import FamilyError
+from jaxmllm.hf.family import FamilyError, refuse_unless
 from jaxmllm.hf.load import checkpoint_tensors, fits
 from jaxmllm.hf.registry import FAMILIES, ROLES, family_for, read_hf_config, roles_of, section_of
-from jaxmllm.hf.wholes import WHOLES, Llava, whole_for
+from jaxmllm.hf.wholes import WHOLES, whole_for
 
 TEMPLATE = """\
 # python -m jaxmllm.train --config {config}
@@ -125,8 +125,15 @@ def data_section(llm: str, vision: str = "", audio: str = "", tokenizer: str = "
     whole = whole_for(read_hf_config(vision)) if vision else None
     if whole is not None and whole.video_timestamps:  # (Qwen3-VL: times between frames)
         data["video_timestamps"] = True
-    if isinstance(whole, Llava):
-        # LLaVA saw square crops of one size: as many pixels, at each image's aspect ratio
+    if whole is not None and whole.fixed_size:
+        refuse_unless(
+            not proc.get("do_pan_and_scan"),
+            where,
+            "do_pan_and_scan: true: Gemma 3's pan and scan (crops of a large image beside it) "
+            "is not built in jaxmllm's data pipeline (set it to false)",
+        )
+        # LLaVA saw square crops of one size, Gemma 3 images resized to one: as many pixels,
+        # at each image's aspect ratio
         crop = proc.get("crop_size") if isinstance(proc.get("crop_size"), dict) else size
         if crop.get("height") and crop.get("width"):
             side = 1 << 13  # (a side of the largest stored image, data.max_image_pixels)

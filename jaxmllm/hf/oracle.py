@@ -13,6 +13,7 @@ them tensors):
   (`mm_token_type_ids`: 1 image, 2 video), Qwen2.5-VL's `second_per_grid_ts`;
 - LLaVA: `pixel_values` [images, channels, H, W], each image whole again from its patches (at
   its tower's own size: transformers' CLIP and SigLIP take no other);
+- Gemma 3: LLaVA's, and `token_type_ids` (1 at its images' tokens, read both ways);
 - Qwen2-Audio: `input_features` [clips, mel bins, the window] padded with zeros and its
   `feature_attention_mask`.
 
@@ -96,6 +97,15 @@ def llava(sample: Sample, cfg: Any, specials: Specials) -> dict[str, np.ndarray]
     inputs = {"input_ids": np.asarray(sample.tokens, np.int64)}
     if images:
         inputs["pixel_values"] = np.stack(images)
+    return inputs
+
+
+def gemma3(sample: Sample, cfg: Any, specials: Specials) -> dict[str, np.ndarray]:
+    """Gemma 3's inputs: LLaVA's, and `token_type_ids` (1 at an image's tokens: they attend
+    to each other both ways)."""
+    inputs = llava(sample, cfg, specials)
+    image = np.asarray(sample.tokens) == specials.media["vision"]
+    inputs["token_type_ids"] = image.astype(np.int64)
     return inputs
 
 

@@ -12,8 +12,9 @@ in, and nothing else. Every model type's name lives here and nowhere else in `ja
   names the model types it reads and, for each, the transformers module `hf check` compares
   with; the layout of its tensors is its class's (`jaxmllm.hf.vision`, `qwen_vision`,
   `audio`), which names its row.
-- A whole multimodal checkpoint (`WholeRow`: LLaVA, the Qwen VL wholes, Qwen2-Audio) names the
-  decoders and towers it may hold and where `hf check` reads transformers' encoder rows (`Hook`).
+- A whole multimodal checkpoint (`WholeRow`: LLaVA, the Qwen VL wholes, Qwen2-Audio, Gemma 3)
+  names the decoders and towers it may hold, where `hf check` reads transformers' encoder rows
+  (`Hook`), the tokens around an image and which items its decoder reads both ways.
 
 The consumers read rows: `whole_config.DECODERS` and `decoder_of` (our options -> a decoder
 row), the registry's families and its refusal listing what is supported, `hf check`'s
@@ -147,6 +148,12 @@ class WholeRow:
     # How its checkpoint lays out routed experts (`decoders.EXPERTS`): "linear" reads them one
     # Linear each or fused, as the files hold them (`Decoders.for_checkpoint`)
     experts: str = "linear"
+    # The config.json keys of the ids its processor writes before and after an image's
+    # placeholders (Qwen's `<|vision_start|>`, Gemma's `<start_of_image>`); absent: none
+    wrap: tuple[str, str] = ("vision_start_token_id", "vision_end_token_id")
+    # The phases whose items attend to each other both ways in its decoder (`model.llm.
+    # bidirectional`; transformers' `token_type_ids`: Gemma 3's images)
+    bidirectional: tuple[str, ...] = ()
 
     @property
     def model_types(self) -> tuple[str, ...]:
@@ -356,4 +363,14 @@ QWEN2_AUDIO = WholeRow(
     llm=(QWEN2,),
     towers=(QWEN2_AUDIO_ENCODER,),
     hook=Hook("model.multi_modal_projector", clip_rows),
+)
+GEMMA3 = WholeRow(
+    "gemma3",
+    "Gemma3ForConditionalGeneration",
+    "Gemma3Processor",
+    llm=(GEMMA3_TEXT,),
+    towers=(SIGLIP,),
+    hook=Hook("model.multi_modal_projector", projector_rows),
+    wrap=("boi_token_index", "eoi_token_index"),
+    bidirectional=("vision",),
 )

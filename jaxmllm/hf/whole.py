@@ -41,6 +41,10 @@ class Whole:
     runtime_names = False
     # Its processor writes each video frame's time before it (Qwen3-VL): data.video_timestamps
     video_timestamps = False
+    # Its processor resizes every image to its tower's size (LLaVA's crop, Gemma 3's resize):
+    # `hf import` sets as many pixels (`data.image_min_pixels` = `image_max_pixels`), `hf check`
+    # draws images of that size
+    fixed_size = False
     row: Any = None  # its row of the family table (`jaxmllm.hf.table.WholeRow`)
 
     def __init__(self, row: Any = None):

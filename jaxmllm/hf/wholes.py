@@ -9,6 +9,7 @@
   after the blocks (jaxmllm's class tokens are never read by the LLM); a SigLIP tower has none
   (`full`). An image is `image_token_index` once per patch.
 - Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (`jaxmllm.hf.qwen_vl`).
+- Gemma 3 (`jaxmllm.hf.gemma_whole`).
 - Qwen2-Audio (`Qwen2AudioForConditionalGeneration`): the Qwen2-Audio encoder (Whisper's, its
   rows pooled in pairs), one Linear as projector (`multi_modal_projector.linear`,
   `model.audio.projector: linear`) and a Qwen2 LLM. A clip of L frames is L / 4 audio tokens.
@@ -25,6 +26,7 @@ import numpy as np
 
 from jaxmllm.hf import oracle, table
 from jaxmllm.hf.family import Family, Link, mismatches, refuse_unless
+from jaxmllm.hf.gemma_whole import Gemma3Whole
 from jaxmllm.hf.qwen_vl import Qwen3VL, QwenVL
 from jaxmllm.hf.vision import linear
 from jaxmllm.hf.whole import Whole
@@ -54,6 +56,7 @@ class Llava(Whole):
     }
     token_keys = {"vision": ("image_token_index", "image_token_id")}
     runtime_prefix = {"vision": "model.vision_tower."}
+    fixed_size = True
 
     def __init__(self):
         """LLaVA's towers, by the model type its vision_config names (the first: default)."""
@@ -359,6 +362,7 @@ WHOLES: tuple[Whole, ...] = (
     Qwen3VL(table.QWEN3_5),
     Qwen3VL(table.QWEN3_5_MOE),
     Qwen2Audio(),
+    Gemma3Whole(),
 )
 
 

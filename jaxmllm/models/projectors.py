@@ -4,7 +4,10 @@ Both are `fc2(act(fc1 x))` over `merge` neighbouring encoder rows concatenated: 
 projector merges merge x merge patches (Qwen2-VL's patch merger is exactly this, with a hidden
 width of 4x the encoder's and exact GELU), the audio projector merges the rows of one LLM token
 (1 for the pairs stem, 2 for Whisper's stride-2 stem). Qwen2-Audio's is one Linear from
-each of its pooled rows (`LinearProjector`).
+each of its pooled rows (`LinearProjector`). Gemma 3's pools instead of concatenating
+(`model.vision.projector: pool`, `PoolProjector`): the mean of a token's merge x merge patches
+(its average pooling over a k x k window of the patch grid, the rows already in merge order),
+an RMSNorm scaling by 1 + w, one Linear without a bias.
 
 A vision tower with DeepStack (`model.vision.deepstack`: Qwen3-VL) has one more projector per
 tapped block, beside the main one (`vision_projector/deepstack`, stacked on a leading `layers`
@@ -111,10 +114,43 @@ class LinearProjector(nnx.Module):
         return self.fc(x_bnd)
 
 
-def vision_projector(cfg: ModelConfig, **kw) -> Projector:
+class PoolProjector(nnx.Module):
+    """The mean of each run of `group` rows, an RMSNorm scaling by 1 + w, one Linear without a
+    bias (the module docstring: Gemma 3's `mm_soft_emb_norm`, `mm_input_projection_weight`)."""
+
+    def __init__(
+        self,
+        in_width: int,
+        out_width: int,
+        group: int,
+        *,
+        norm_eps: float,
+        dtype,
+        param_dtype,
+        lora=None,
+        rngs: nnx.Rngs,
+    ):
+        """`group` rows a token, pooled; `norm_eps`: the norm's epsilon; `lora`: fc's adapter."""
+        self.group = group
+        self.norm = NORMS["rms_offset"](
+            in_width, eps=norm_eps, dtype=dtype, param_dtype=param_dtype
+        )
+        kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.fc = Dense(in_width, out_width, (None, "embed"), lora=(lora or {}).get("fc"), **kw)
+
+    def __call__(self, x_bnd: jax.Array) -> jax.Array:
+        """[B, N, in_width] -> [B, N / group, out_width]: the mean in fp32, as the norm."""
+        b, n, d = x_bnd.shape
+        x_bngd = x_bnd.reshape(b, n // self.group, self.group, d).astype(jnp.float32)
+        return self.fc(self.norm(jnp.mean(x_bngd, axis=2)))
+
+
+def vision_projector(cfg: ModelConfig, **kw) -> Projector | PoolProjector:
     """The projector from `cfg.vision`'s patch features to `cfg.llm`'s embeddings."""
     v = cfg.vision
     kw["lora"] = _adapters(cfg, "vision_projector")
+    if v.projector == "pool":
+        return PoolProjector(v.width, cfg.llm.width, v.merge**2, norm_eps=v.norm_eps, **kw)
     return Projector(
         v.width,
         cfg.llm.width,

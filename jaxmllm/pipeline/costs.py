@@ -162,10 +162,12 @@ def _vision(model: Any, batch: Any, fraction: float, how: dict) -> Segment:
     embed = 2.0 * v.patch_size**2 * v.channels * v.width * patches
     area, hidden = v.merge**2, v.projector_dim or lm.width
     project = 2.0 * (area * v.width * hidden + hidden * lm.width) * patches / area
+    if v.projector == "pool":  # (one Linear from the pooled row)
+        project = 2.0 * v.width * lm.width * patches / area
     own, proj = how["vision"], how["vision_projector"]
     layer = _work(layer, _back(own))
     layer += _adapters(own, training.block_shapes(v.width, v.width, v.mlp_dim), patches)
-    shapes = {"fc1": (area * v.width, hidden), "fc2": (hidden, lm.width)}
+    shapes = {"fc1": (area * v.width, hidden), "fc2": (hidden, lm.width), "fc": (v.width, lm.width)}
     leave = _work(project, _back(proj)) + _adapters(proj, shapes, patches / area)
     return Segment("vision", v.depth, layer, _work(embed, _back(own)), leave)
 

@@ -19,7 +19,9 @@ Sequences are what the checkpoint saw in training:
 Images, videos and clips take the checkpoint's own placeholder token where it has one
 (`image_token` / `video_token` / `audio_token` in tokenizer_config.json, else in its processor's
 processor_config.json, or Qwen2-VL's `<|image_pad|>` and `<|video_pad|>`, Qwen2-Audio's
-`<|AUDIO|>`, ...), wrapped as its template wraps it (`<|vision_start|><|image_pad|><|vision_end|>`);
+`<|AUDIO|>`, Gemma 3's `<image_soft_token>`, ...), wrapped as its template or processor wraps it
+(`<|vision_start|><|image_pad|><|vision_end|>`; Gemma 3's between blank lines, `<start_of_image>`
+and `<end_of_image>`);
 where it has none, a new special token is appended after the vocabulary (`added_tokens`: the model
 needs those embedding rows), but for videos, which then take the image placeholder (as LLaVA-style
 checkpoints place video frames): the vision phase's rows fill either. Each placeholder is then laid
@@ -54,12 +56,15 @@ FILES = (
 )
 NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Checkpoints' own media placeholders per kind of media: (token, opening, closing); the wrap is
-# used when the vocabulary has both of its tokens. Searched after tokenizer_config's
-# `<item>_token` (image_token, video_token, audio_token).
+# used when the vocabulary has both of its tokens (the text around them, Gemma 3's blank
+# lines, comes with them). Searched after tokenizer_config's `<item>_token` (image_token,
+# video_token, audio_token).
 KNOWN_TOKENS = {
     "vision": (
         ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"),  # Qwen2-VL, Qwen2.5(-VL), Qwen3
         ("<|IMAGE|>", "<|vision_bos|>", "<|vision_eos|>"),  # Qwen2.5-Omni
+        # Gemma 3 (its processor's `full_image_sequence`)
+        ("<image_soft_token>", "\n\n<start_of_image>", "<end_of_image>\n\n"),
         ("<|image|>", "", ""),  # Llama 3.2 Vision
         ("<image>", "", ""),  # LLaVA
     ),
@@ -208,7 +213,7 @@ class PretrainedTokenizer:
         have = lambda t: bool(t) and self._tk.token_to_id(t) is not None
         for token, before, after in known:
             if (configured is None or token == configured) and have(token):
-                wrap = have(before) and have(after)
+                wrap = have(before.strip()) and have(after.strip())
                 return token, before if wrap else "", after if wrap else ""
         return (configured, "", "") if have(configured) else (None, "", "")
 
