@@ -108,6 +108,18 @@ CASES = {
             rank_pattern={"linear_1": 3},
         ),
     ),
+    # Gemma 3: its LLM (sliding and full layers) and the SigLIP tower's q and v, the images
+    # read both ways in the packed check. (Its projector's matrix is a bare parameter,
+    # `mm_input_projection_weight`, which no PEFT target_modules names.)
+    "gemma3": (
+        hf_models.gemma3,
+        dict(
+            r=4,
+            lora_alpha=8,
+            target_modules=rf"(?:{LLM}|model\.vision_tower\.encoder\.layers\.\d+\.self_attn\."
+            r"(q|v)_proj)",
+        ),
+    ),
 }
 
 
@@ -139,6 +151,8 @@ def test_a_peft_adapter_gives_peft_s_logits_with_an_image_in_the_prompt(name, tm
     elif name in ("qwen3_vl", "qwen3_5"):
         assert set(m.vision.lora.targets) == {"q", "k", "v", "o"}
         assert m.projector_lora.rank == 4 and m.projector_lora.targets == ("fc1",)
+    elif name == "gemma3":
+        assert set(m.vision.lora.targets) == {"q", "v"} and m.projector_lora.rank == 0
     else:
         assert set(m.vision.lora.targets) == {"q", "v"}
         assert m.projector_lora.rank == 3 and m.projector_lora.targets == ("fc1",)

@@ -66,10 +66,21 @@ class Module:
         return re.escape(self.runtime).replace(r"\{i\}", layers)
 
 
-def modules(families: Iterable[tuple[Family, str]], cfg: Any, hf: dict | None, adapted: set):
+def modules(
+    families: Iterable[tuple[Family, str]],
+    cfg: Any,
+    hf: dict | None,
+    adapted: set,
+    linear_only: bool = False,
+):
     """The HF modules that hold adapted kernels (`adapted`: our kernels' paths with adapters),
     of each (family, prefix): the prefix is what the written checkpoint puts before the
-    family's names."""
+    family's names. A kernel whose tensor is not one Linear's weight (Gemma 3's projector:
+    a bare parameter) has no PEFT module: skipped where `linear_only` (reading an adapter, which
+    cannot hold one), else refused.
+
+    Raises:
+      FamilyError: an adapted kernel no PEFT module holds (not `linear_only`), naming it."""
     out = []
     for family, prefix in families:
         for link in family.links(cfg, hf):
@@ -77,7 +88,13 @@ def modules(families: Iterable[tuple[Family, str]], cfg: Any, hf: dict | None, a
             if not hit:
                 continue
             if len(link.hf) != 1 or not link.hf[0].endswith(".weight"):
-                raise FamilyError(f"{link.hf[0]}: no PEFT adapter maps onto this tensor")
+                if linear_only:
+                    continue
+                raise FamilyError(
+                    f"{link.hf[0]}: not one Linear's weight, so no PEFT adapter maps onto it; "
+                    "export with --merged (the adapters merged into the weights), or train "
+                    "without an adapter there (model.*.lora.targets)"
+                )
             name = prefix + link.hf[0].removesuffix(".weight")
             out.append(Module(name, family.runtime(name), link, hit))
     return out

@@ -81,7 +81,7 @@ def find(adapter: Adapter, cfg: Any, kernels: set[str], trains_whole) -> Found:
             used |= held
         held = [
             (mod, _layers(adapter, mod, keys))
-            for mod in modules([(src.family, src.prefix)], cfg, src.hf, kernels)
+            for mod in modules([(src.family, src.prefix)], cfg, src.hf, kernels, True)
         ]
         _every_layer(adapter, held)
         for mod, layers in held:
@@ -303,7 +303,7 @@ def lora_sections(cfg_all: Any, directory: str) -> tuple[dict, set[str]]:
     mods = [
         m
         for src in sources(cfg_all)
-        for m in modules([(src.family, src.prefix)], cfg_all, src.hf, set(kernels))
+        for m in modules([(src.family, src.prefix)], cfg_all, src.hf, set(kernels), True)
     ]
     names = [n for m in mods for layer in _each(m.link.layers) for n in m.names(layer)]
     short = sorted({m.runtime.rsplit(".", 1)[-1] for m in mods})
