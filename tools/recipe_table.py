@@ -21,6 +21,7 @@ ORDER = (
     "qwen2vl_2b",
     "qwen2vl_2b_multinode",
     "qwen2vl_2b_4gpu_nodes",
+    "gemma3_4b",
     "qwen2vl_7b",
     "qwen2vl_7b_multinode",
     "qwen3_vl_8b",
