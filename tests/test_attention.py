@@ -505,10 +505,10 @@ def test_a_samples_spans_count_in_the_tiles_it_needs_alone():
     (256 patches, 4 a token) fills 5 blocks of 16 (15 causal tiles) and its span may touch 5
     blocks, 10 tiles above the diagonal: 25 alone, more than a longer text-only sample. The
     start-up check counts them (a capacity of 20 is refused naming its key, 25 is not), and
-    so does the least capacity sized from the data."""
+    so do the least capacity sized from the data and the tiles a token needs on average."""
     from jaxmllm.bench.mixes import from_arrays
     from jaxmllm.plan.contract import Capacities, OversizeError, check_tiles_fit, spans_alone
-    from jaxmllm.resolve.tilesize import largest_doc_tiles
+    from jaxmllm.resolve.tilesize import largest_doc_tiles, tile_density
 
     index = from_arrays(np.array([10, 60]), [np.array([256]), np.array([], int)], [[], []])
     caps = Capacities(
@@ -530,6 +530,8 @@ def test_a_samples_spans_count_in_the_tiles_it_needs_alone():
         check_tiles_fit(index, spans)
     check_tiles_fit(index, dataclasses.replace(spans, tiles={"llm": 25, "vision": 0, "audio": 0}))
     assert largest_doc_tiles(index, spans)["llm"] >= spans_alone(index, spans, anywhere=True)[0]
+    density = tile_density(index, spans)["llm"] - tile_density(index, caps)["llm"]
+    assert density == pytest.approx(10 / 134)  # (the span's 10 tiles over the data's tokens)
     assert spans_alone(index, spans, anywhere=True)[0] > 25  # (a block more, from anywhere)
 
 

@@ -63,13 +63,19 @@ def tile_density(
     assumed: (up to `most` of) the phase's documents in random order are laid one after another
     into rows of the bucket's length, as a packer lays them, and their tiles counted, so sizes
     that are multiples of the block (images of whole tiles) and documents a row boundary moves
-    count as they will. (Of the index's summary: a uniform sample, the whole index when
-    small.)"""
+    count as they will; bidirectional spans add, per LLM token, what the planner counts for
+    them (`contract.span_extras`). (Of the index's summary: a uniform sample, the whole index
+    when small.)"""
     body = summary_of(index, caps.per_token).body
-    return {
+    out = {
         phase: packed_density(n, row_len, caps.attention_block, causal, most, seed)
         for phase, (n, causal, row_len) in documents(body, caps).items()
     }
+    extras = span_extras(body, np.arange(len(body)), caps)
+    if extras is not None and LLM in out:
+        tokens = work_of(body, np.arange(len(body)), caps.per_token)[:, 0].sum()
+        out[LLM] += float(extras.sum()) / max(float(tokens), 1.0)
+    return out
 
 
 def suggest_tiles(
