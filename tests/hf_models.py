@@ -154,6 +154,63 @@ def gemma3_text(
     return save(randomize(T.Gemma3ForCausalLM(cfg), seed), directory)
 
 
+def gemma4_text(
+    directory: Path,
+    *,
+    layers: tuple[str, ...] = ("sliding", "sliding", "full", "sliding", "full"),
+    window: int = 5,
+    tied: bool = True,
+    k_eq_v: bool = False,
+    softcap: float | None = 30.0,
+    bias: bool = False,
+    seed: int = 0,
+    vocab: int = 300,
+) -> str:
+    """A Gemma 4 text decoder: `layers` sliding or full, a `window` shorter than the check's
+    texts, the sliding layers' head_dim (24) other than width / heads (64 / 4) and the full
+    layers' own (global_head_dim 32), proportional rotary on a quarter of the full layers'
+    frequencies, logits soft-capped at `softcap`; with `k_eq_v`, the full layers' values are
+    their keys' (and one kv head of their own). No per-layer inputs, no shared keys."""
+    import transformers as T
+
+    cfg = T.Gemma4TextConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=len(layers),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=k_eq_v,
+        attention_bias=bias,
+        rms_norm_eps=1e-6,
+        sliding_window=window,
+        layer_types=[f"{kind}_attention" for kind in layers],
+        rope_parameters={
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1e6,
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        hidden_size_per_layer_input=0,
+        final_logit_softcapping=softcap,
+        tie_word_embeddings=tied,
+        max_position_embeddings=256,
+    )
+    model = randomize(T.Gemma4ForCausalLM(cfg), seed)
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # (a buffer: randomize draws parameters only)
+        for layer in model.model.layers:
+            layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=gen))
+    return save(model, directory)
+
+
 def gemma3(
     directory: Path,
     *,

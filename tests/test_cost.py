@@ -378,3 +378,24 @@ def test_calibrate_a_windowed_model(tmp_path):
     _run_dir(tmp_path, rows, GEMMA)
     errors = _holdout_errors(tmp_path)
     assert errors["free"] < errors["scaled"]
+
+
+def test_gemma4s_full_layers_are_priced_at_their_own_head_shapes():
+    """Beside windowed layers, a full layer of its own head width (full_head_dim) and kv heads
+    whose values are its keys' (full_k_eq_v: no v projection) costs its own projections and
+    its own quadratic term; the sliding layers keep theirs."""
+    from jaxmllm.config import LLMConfig
+    from jaxmllm.cost.flops import decoder_linear
+
+    window = {"size": 8, "layers": [0, 1]}
+    base = LLMConfig(width=64, depth=3, heads=4, kv_heads=2, head_dim=24, mlp_dim=96)
+    base = replace(base, window=replace(base.window, **window))
+    own = replace(base, full_head_dim=32, full_kv_heads=1, full_k_eq_v=True)
+    d = 64
+    before = 2.0 * (2 * d * 4 * 24 + 2 * d * 2 * 24)  # (q, o; k, v at the sliding shapes)
+    after = 2.0 * (2 * d * 4 * 32 + d * 1 * 32)  # (q, o at 32; k only, one kv head)
+    assert decoder_linear(own) - decoder_linear(base) == pytest.approx(after - before)
+    cfg = load_config(None)
+    costs = [CostModel.from_model(replace(cfg.model, llm=llm)).terms["llm"] for llm in (base, own)]
+    assert costs[1].quadratic / costs[0].quadratic == pytest.approx(32 / 24)  # (its full layer)
+    assert costs[1].windowed == costs[0].windowed

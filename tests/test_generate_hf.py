@@ -94,6 +94,8 @@ DECODERS = {  # (Qwen3.5-MoE's decoding: the image test's qwen3_5_moe, the same 
     "qwen3_5": hf_models.qwen3_5,
     # (windows of 5 tokens; the prompt ~20, 24 new ids: seed 0's stop after 9, ids equal too)
     "gemma3_text": lambda d, vocab: hf_models.gemma3_text(d, vocab=vocab, seed=1),
+    # (the full layers' own head width and kv heads, their values their keys', soft cap)
+    "gemma4_text": lambda d, vocab: hf_models.gemma4_text(d, vocab=vocab, k_eq_v=True),
 }
 
 

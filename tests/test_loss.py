@@ -52,6 +52,32 @@ def test_loss_and_gradients_equal_the_plain_cross_entropy(rows_first):
     assert np.all(np.asarray(gh)[np.asarray(mask) == 0] == 0)
 
 
+def test_soft_capped_loss_and_gradients_equal_autodiff_of_the_capped_logits(monkeypatch):
+    """Gemma's final_logit_softcapping (`Head.softcap`): the fused loss and its hand-written
+    gradients are autodiff's of cap x tanh(logits / cap); without the cap's factor in the
+    gradient, they are not."""
+    h, targets, mask = inputs()
+    weight = jnp.asarray(np.random.default_rng(1).normal(size=(WIDTH, VOCAB)), jnp.float32)
+    cap = 2.0  # (small: most logits bend under it)
+
+    def plain(w, h):
+        logits = jnp.einsum("...w,wv->...v", h, w, precision="highest") / 3.0
+        capped = cap * jnp.tanh(logits / cap)
+        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(capped, targets) * mask)
+
+    with jax.default_matmul_precision("highest"):
+        fused = lambda w, h, head: loss_sum(w, h, targets, mask, head)
+        grad = jax.value_and_grad(fused, argnums=(0, 1))
+        got, (gw, gh) = grad(weight, h, Head(False, 3.0, softcap=cap))
+        want, (ww, wh) = jax.value_and_grad(plain, argnums=(0, 1))(weight, h)
+        monkeypatch.setattr(Head, "capped_grad", lambda self, g, logits: g)
+        _, (bad_w, _) = grad(weight, h, Head(False, 3.0, softcap=cap + 1e-3))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(gw, ww, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gh, wh, rtol=1e-5, atol=1e-6)
+    assert np.abs(np.asarray(bad_w) - np.asarray(ww)).max() > 1e-2
+
+
 def test_bf16_compute_matches_fp32_to_bf16_precision():
     h, targets, mask = inputs(2)
     weight = jnp.asarray(np.random.default_rng(3).normal(size=(WIDTH, VOCAB)) * 0.3, jnp.float32)

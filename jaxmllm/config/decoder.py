@@ -17,11 +17,16 @@ from jaxmllm.config.lora import LINEAR_TARGETS
 class RopeScaling:
     """Rotary frequency scaling for contexts longer than pretraining (HF's rope_scaling)."""
 
-    type: str = "none"  # none | linear (frequencies / factor) | llama3 (Llama 3.1+'s bands)
-    factor: float = 1.0  # linear, llama3: how much longer the context is
+    # none | linear (frequencies / factor) | llama3 (Llama 3.1+'s bands) | proportional
+    # (Gemma 4's full layers: the first `fraction` of the head's frequencies, the others zero)
+    type: str = "none"
+    factor: float = 1.0  # linear, llama3, proportional: how much longer the context is
     low_freq_factor: float = 1.0  # llama3: wavelengths over original / this are divided by factor
     high_freq_factor: float = 4.0  # llama3: wavelengths under original / this are kept
     original_max_positions: int = 8192  # llama3: the pretraining context
+    # proportional: the share of the head's rotary frequencies that turn, each at the base's
+    # power over the whole head (HF's partial_rotary_factor there); the rest stay still
+    fraction: float = 1.0
 
     def __post_init__(self):
         check(self.type in ROPE_SCALINGS, f"must be one of {', '.join(ROPE_SCALINGS)}", "type")
@@ -32,9 +37,10 @@ class RopeScaling:
             "high_freq_factor",
         )
         positive(self, "original_max_positions")
+        check(0 < self.fraction <= 1, "must be in (0, 1]", "fraction")
 
 
-ROPE_SCALINGS = ("none", "linear", "llama3")
+ROPE_SCALINGS = ("none", "linear", "llama3", "proportional")
 
 
 class Mixer(enum.Enum):
@@ -324,6 +330,19 @@ class LLMConfig(BlockOptions):
     # Attention scores scale by 1 / sqrt(attn_scalar) (Gemma's query_pre_attn_scalar);
     # 0: 1 / sqrt(head width)
     attn_scalar: float = 0.0
+    # An RMSNorm without a scale over each head's values (Gemma 4's v_norm)
+    v_norm: bool = False
+    # Each layer's output times a learned scalar of its own (Gemma 4's layer_scalar)
+    layer_scalar: bool = False
+    # Logits soft-capped to cap x tanh(logits / cap) (final_logit_softcapping); 0: none
+    logit_softcap: float = 0.0
+    # With windows, the full-attention layers' own head width and key-value heads (Gemma 4's
+    # global_head_dim, num_global_key_value_heads); 0: the windowed layers' (head_dim, kv_heads)
+    full_head_dim: int = 0
+    full_kv_heads: int = 0
+    # With windows, the full-attention layers' values are their keys' projection, before its
+    # norm and rotary (no value projection: Gemma 4's attention_k_eq_v)
+    full_k_eq_v: bool = False
     # Tokens per slice of the output projection and cross entropy: a step never holds more than
     # [rows, logits_chunk, vocab] fp32 logits (a 152k vocabulary at 1024: 0.6 GB a row)
     logits_chunk: int = 1024
@@ -398,9 +417,30 @@ class LLMConfig(BlockOptions):
             "window.size",
         )
         check(self.attn_scalar >= 0, "must be >= 0 (0: the head width)", "attn_scalar")
+        check(self.logit_softcap >= 0, "must be >= 0 (0: no soft-capping)", "logit_softcap")
+        self._check_full_layers()
 
         if m.enabled and not m.shared_mlp_dim and self.lora.enabled:
             self._check_expert_adapters()  # (with a shared expert they adapt its Linears)
+
+    def _check_full_layers(self) -> None:
+        """The full-attention layers' own head width, key-value heads and values from keys
+        need windowed layers beside them (else every layer is a full one: set head_dim)."""
+        check(self.full_head_dim >= 0, "must be >= 0 (0: head_dim)", "full_head_dim")
+        check(self.full_head_dim % 2 == 0, "must be even (RoPE)", "full_head_dim")
+        check(self.full_kv_heads >= 0, "must be >= 0 (0: kv_heads)", "full_kv_heads")
+        check(
+            self.heads % (self.full_kv_heads or self.kv_heads) == 0,
+            "must divide heads",
+            "full_kv_heads",
+        )
+        for key in ("full_head_dim", "full_kv_heads", "full_k_eq_v"):
+            check(
+                not getattr(self, key) or self.window.enabled,
+                "the full-attention layers differ from the windowed ones only with windows "
+                "(window.size and layers): set it 0 / false, or head_dim / kv_heads",
+                key,
+            )
 
     def _check_expert_adapters(self) -> None:
         """A mixture of experts' MLP targets adapt its routed experts, as PEFT adapts

@@ -131,21 +131,42 @@ def linear_attention(lm: LLMConfig) -> float:
 
 def decoder_linear(lm: LLMConfig) -> float:
     """Forward FLOPs per token of the decoder's layers' linear terms, every layer: attention's
-    projections (a full-attention layer's) or a Gated DeltaNet layer's whole cost, and a dense
-    layer's MLP, or an MoE layer's router, the top_k experts a token visits and its shared
-    expert (and gate): what a step computes, the active parameters."""
-    head = lm.head_dim or lm.width // lm.heads
-    q, kv, d = head * lm.heads, head * lm.kv_heads, lm.width
-    attention = layer_linear(d, kv, 0, q) + 2.0 * d * q * lm.attn_gate
-    n_linear = linear_layer_count(lm)
-    mixers = (lm.depth - n_linear) * attention + (n_linear and n_linear * linear_attention(lm))
-    dense = layer_linear(d, kv, lm.mlp_dim, q, lm.mlp) - layer_linear(d, kv, 0, q)
+    projections (a sliding layer's, a full-attention layer's at its own head shapes and
+    without a value projection where its values are its keys': Gemma 4's) or a Gated DeltaNet
+    layer's whole cost, and a dense layer's MLP, or an MoE layer's router, the top_k experts a
+    token visits and its shared expert (and gate): what a step computes, the active
+    parameters."""
+    n_linear, n_sliding = linear_layer_count(lm), sliding_layer_count(lm)
+    mixers = full_layer_count(lm) * attention_linear(lm, True)
+    mixers += n_sliding * attention_linear(lm, False)
+    mixers += n_linear and n_linear * linear_attention(lm)
+    d = lm.width
+    dense = (3 if lm.mlp in GATED_MLPS else 2) * 2.0 * d * lm.mlp_dim
     if not moe_decoder(lm):
         return mixers + lm.depth * dense
     m, n_moe = lm.moe, moe_layer_count(lm)
     routed = 2.0 * (d * m.experts + m.top_k * 3 * d * m.mlp_dim + 3 * d * m.shared_mlp_dim)
     routed += 2.0 * d * bool(m.shared_mlp_dim and m.shared_gate)
     return mixers + (lm.depth - n_moe) * dense + n_moe * routed
+
+
+def query_width(lm: LLMConfig, full: bool) -> int:
+    """The query (and output) width of a full-attention layer (`full`: at its own head width
+    beside windowed layers, `model.llm.full_head_dim`) or a sliding one."""
+    own = full and lm.window.enabled and lm.full_head_dim
+    return (own or lm.head_width) * lm.heads
+
+
+def attention_linear(lm: LLMConfig, full: bool) -> float:
+    """Forward FLOPs per token of an attention layer's projections: q and o, k and v (a full
+    layer's at its own head width and kv heads, no v where its values are its keys'), the
+    output gate's half of a q twice as wide (Qwen3.5)."""
+    beside = full and lm.window.enabled  # (Gemma 4's full layers, their own shapes)
+    head = (beside and lm.full_head_dim) or lm.head_width
+    kv = head * ((beside and lm.full_kv_heads) or lm.kv_heads)
+    q, d = query_width(lm, full), lm.width
+    values = 0 if beside and lm.full_k_eq_v else kv
+    return 2.0 * (2 * d * q + d * (kv + values)) + 2.0 * d * q * lm.attn_gate
 
 
 def decoder_adapters(lm: LLMConfig, module: training.Module) -> float:

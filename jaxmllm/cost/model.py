@@ -47,6 +47,7 @@ from jaxmllm.cost.flops import (
     decoder_adapters,
     decoder_linear,
     full_layer_count,
+    query_width,
     sliding_layer_count,
     sliding_window,
 )
@@ -203,19 +204,18 @@ class CostModel:
         adapters (`jaxmllm.cost.training`: a tower under adapters costs its forward and its
         activations' gradients, 2x, plus its adapters' own, 3x)."""
         lm, how = model.llm, training.modules(model)
-        head = lm.head_dim or lm.width // lm.heads
-        q = head * lm.heads  # query (and output) width
         llm_lin = decoder_linear(lm) + 2 * lm.width * lm.vocab_size
-        # causal: half of 4*d a layer; full-attention layers on n**2, sliding-window ones on
-        # window_sq (a hybrid's linear ones: all in llm_lin)
-        layer_quad = 2.0 * q
+        # causal: half of 4*d_q a layer; full-attention layers on n**2 (at their own head
+        # width beside windowed ones: Gemma 4's), sliding-window ones on window_sq (a hybrid's
+        # linear ones: all in llm_lin)
+        full_quad, sliding_quad = 2.0 * query_width(lm, True), 2.0 * query_width(lm, False)
         m_llm = how[LLM].multiplier
         adapters = 3 * decoder_adapters(lm, how[LLM])
         terms = {
             LLM: PhaseCost(
                 m_llm * llm_lin + adapters,
-                m_llm * full_layer_count(lm) * layer_quad,
-                m_llm * sliding_layer_count(lm) * layer_quad,
+                m_llm * full_layer_count(lm) * full_quad,
+                m_llm * sliding_layer_count(lm) * sliding_quad,
                 sliding_window(lm),
             )
         }

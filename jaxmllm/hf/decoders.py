@@ -48,6 +48,13 @@ NOT_GEMMA = {
     "model.llm.embed_scale": (False,),
     "model.llm.attn_scalar": (0.0,),
     "model.llm.window.enabled": ((lambda e: not e), "no sliding windows"),
+    # (Gemma 4's, `jaxmllm.hf.gemma4`)
+    "model.llm.v_norm": (False,),
+    "model.llm.layer_scalar": (False,),
+    "model.llm.logit_softcap": (0.0,),
+    "model.llm.full_head_dim": (0,),
+    "model.llm.full_kv_heads": (0,),
+    "model.llm.full_k_eq_v": (False,),
 }
 ROPE_TYPES = {"default": "none", "mrope": "none", "linear": "linear", "llama3": "llama3"}
 # How a checkpoint may lay out a mixture of experts' routed experts (`moe_links`): one Linear

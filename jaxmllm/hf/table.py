@@ -2,11 +2,12 @@
 in, and nothing else. Every model type's name lives here and nowhere else in `jaxmllm/`.
 
 - A decoder (`DecoderRow`: Llama, Qwen2, Qwen3, their mixtures of experts, Qwen3.5's hybrids,
-  Gemma 3's text decoder)
+  Gemma 3's and Gemma 4's text decoders)
   is jaxmllm's own decoder with options: which attention projections have biases and which
   config.json key says so, QK-norm, routed experts and a shared expert, linear-attention layers
   among the full ones, sliding windows, Gemma's block. `jaxmllm.hf.decoders.Decoders` reads any
-  such row (the hybrids: `jaxmllm.hf.hybrid.Qwen35`; Gemma's block: `jaxmllm.hf.gemma.Gemma3`);
+  such row (the hybrids: `jaxmllm.hf.hybrid.Qwen35`; Gemma's block: `jaxmllm.hf.gemma.Gemma3`, and
+  `jaxmllm.hf.gemma4.Gemma4` over it);
   a new Llama-like family is one more row in `DECODERS`.
 - A tower (`TowerRow`: SigLIP, CLIP, the Qwen VL towers, Whisper's and Qwen2-Audio's encoders)
   names the model types it reads and, for each, the transformers module `hf check` compares
@@ -92,6 +93,9 @@ class DecoderRow:
     # Gemma's block (`jaxmllm.hf.gemma`): four (1 + w) RMSNorms a layer (after attention and
     # the MLP too), a GeGLU MLP, embeddings scaled by sqrt(width), query_pre_attn_scalar
     post_norms: bool = False
+    # Gemma 4's block over Gemma's (`jaxmllm.hf.gemma4`): each layer's output scaled by its
+    # layer_scalar, plain RMSNorms, normed values, the full layers' own head shapes
+    layer_scalar: bool = False
     role = "llm"
 
     @property
@@ -217,6 +221,15 @@ GEMMA3_TEXT = DecoderRow(
     windows=Windows.LAYER_TYPES,
     post_norms=True,
 )
+GEMMA4_TEXT = DecoderRow(
+    "gemma4_text",
+    "Gemma4ForCausalLM",
+    ALL_OR_NONE,
+    qk_norm=True,
+    windows=Windows.LAYER_TYPES,
+    post_norms=True,
+    layer_scalar=True,
+)
 # (the order `decoder_of` prefers among rows that fit a config alike: Llama before Qwen2)
 DECODERS = (
     LLAMA,
@@ -227,6 +240,7 @@ DECODERS = (
     QWEN3_5_TEXT,
     QWEN3_5_MOE_TEXT,
     GEMMA3_TEXT,
+    GEMMA4_TEXT,
 )
 
 # ----------------------------------------------------------------------------- towers

@@ -14,6 +14,7 @@ from jaxmllm.hf.audio import Qwen2AudioEncoder, WhisperEncoder
 from jaxmllm.hf.decoders import Decoders
 from jaxmllm.hf.family import Family, refuse_unless
 from jaxmllm.hf.gemma import Gemma3
+from jaxmllm.hf.gemma4 import Gemma4
 from jaxmllm.hf.hybrid import Qwen35
 from jaxmllm.hf.qwen_vision import Qwen2VLVision, Qwen3VLVision, Qwen25VLVision
 from jaxmllm.hf.table import DecoderRow, TowerRow
@@ -22,9 +23,10 @@ from jaxmllm.hf.vision import Clip, Siglip
 
 def decoder_family(row: DecoderRow, experts: str = "linear") -> Decoders:
     """The family that reads a decoder row (a hybrid's: Qwen3.5's layers; Gemma's block:
-    `post_norms`); `experts`: how its checkpoint lays out the routed experts
-    (`decoders.EXPERTS`)."""
-    family = Gemma3 if row.post_norms else Qwen35 if row.hybrid else Decoders
+    `post_norms`, Gemma 4's over it: `layer_scalar`); `experts`: how its checkpoint lays out
+    the routed experts (`decoders.EXPERTS`)."""
+    gemma = Gemma4 if row.layer_scalar else Gemma3
+    family = gemma if row.post_norms else Qwen35 if row.hybrid else Decoders
     return family(row, experts)
 
 
@@ -76,7 +78,8 @@ def decoder_of(cfg: Any) -> Decoders:
         return (
             row.hybrid == llm.linear.enabled
             and row.moe == llm.moe.enabled
-            and row.post_norms == llm.post_norms,
+            and row.post_norms == llm.post_norms
+            and row.layer_scalar == llm.layer_scalar,
             row.qk_norm == llm.qk_norm,
             llm.attn_bias in row.biases.allowed(),
         )

@@ -200,6 +200,8 @@ class Attention(nnx.Module):
         norm_offset: bool = False,
         window: int = 0,
         scalar: float = 0.0,
+        v_norm: bool = False,
+        k_eq_v: bool = False,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         lora: dict[str, Adapter] | None = None,
@@ -214,8 +216,11 @@ class Attention(nnx.Module):
         W_gate beside each head's queries in the query kernel [width, heads, 2 head_dim]
         (Qwen3.5's q_proj); `window`: each query sees itself and the window - 1 tokens before
         it in its document (0: the whole document; `windowed`); `scalar`: scores scale by
-        1 / sqrt(scalar) (Gemma's query_pre_attn_scalar; 0: the head width); `lora`: adapters
-        of the projections it names (q, k, v, o)."""
+        1 / sqrt(scalar) (Gemma's query_pre_attn_scalar; 0: the head width); `v_norm`: an
+        RMSNorm without a scale over each head's values (Gemma 4); `k_eq_v`: no value
+        projection, the values are the key projection's output before its norm and rotary
+        (Gemma 4's attention_k_eq_v); `lora`: adapters of the projections it names (q, k, v,
+        o)."""
         assert heads % kv_heads == 0, (heads, kv_heads)
         head_dim = head_dim or width // heads
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -224,7 +229,7 @@ class Attention(nnx.Module):
         q_width = 2 * head_dim if gate else head_dim
         self.query = Dense(width, (heads, q_width), ("embed", "heads", "head_dim"), **own("q"))
         self.key = Dense(width, (kv_heads, head_dim), qkv, **own("k"))
-        self.value = Dense(width, (kv_heads, head_dim), qkv, **own("v"))
+        self.value = None if k_eq_v else Dense(width, (kv_heads, head_dim), qkv, **own("v"))
         self.out = Dense((heads, head_dim), width, ("heads", "head_dim", "embed"), **own("o"))
         if qk_norm:
             norm = dict(
@@ -237,6 +242,8 @@ class Attention(nnx.Module):
             self.q_norm, self.k_norm = RMSNorm(head_dim, **norm), RMSNorm(head_dim, **norm)
         else:
             self.q_norm = self.k_norm = None
+        self.v_norm = v_norm
+        self.norm_eps = norm_eps
         self.kv_heads = kv_heads
         self.rope = rope
         self.rope_theta = rope_theta
@@ -336,6 +343,11 @@ class Attention(nnx.Module):
             turn if not cut else lambda x: jnp.concatenate([turn(x[..., :cut]), x[..., cut:]], -1)
         )
         q_bthe, k_bthe = self.query(x_btd), self.key(x_btd)
+        v_bthe = k_bthe if self.value is None else self.value(x_btd)
+        if self.v_norm:  # (an RMSNorm of each head's values, without a scale)
+            v32 = v_bthe.astype(jnp.float32)
+            v32 = v32 * jax.lax.rsqrt(jnp.mean(v32 * v32, axis=-1, keepdims=True) + self.norm_eps)
+            v_bthe = v32.astype(v_bthe.dtype)
         gate = None
         if self.gate:  # (each head's queries, then its gate)
             q_bthe, gate = jnp.split(q_bthe, 2, axis=-1)
@@ -344,4 +356,4 @@ class Attention(nnx.Module):
         q_bthe = rotate(q_bthe)
         if self.query_factor != 1.0:  # (an attention scale other than 1 / sqrt(head_dim))
             q_bthe = (q_bthe * jnp.asarray(self.query_factor, q_bthe.dtype)).astype(q_bthe.dtype)
-        return q_bthe, rotate(k_bthe), self.value(x_btd), gate
+        return q_bthe, rotate(k_bthe), v_bthe, gate

@@ -185,7 +185,8 @@ def _decode(
                 out_bthe = dense_attention(q_bthe, k_bske, v_bske, mask, block.attn.dtype)
             out_btw, cached = block.attn.output(out_bthe, gate), (k_bske, v_bske)
         x_btw = x_btw + block.attn_out(out_btw)
-        return x_btw + block.mlp_out(block.mlp(block.mlp_norm(x_btw))), tuple(cached)
+        x_btw = x_btw + block.mlp_out(block.mlp(block.mlp_norm(x_btw)))
+        return block.scaled(x_btw), tuple(cached)
 
     held = {**{k: (cache.k[k], cache.v[k]) for k in cache.k}}
     held.update({k: (cache.window[k], cache.state[k]) for k in cache.window})

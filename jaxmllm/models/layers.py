@@ -242,11 +242,16 @@ def rope_frequencies(dim: int, theta: float, scaling: Any = None) -> np.ndarray:
     `theta ** (-2i / dim)`, optionally scaled as HF's `rope_scaling` does (`scaling`: a
     `jaxmllm.config.decoder.RopeScaling`): linear divides every frequency by the factor; llama3
     divides the low frequencies (wavelengths past original / low_freq_factor) by it, keeps the
-    high ones (wavelengths under original / high_freq_factor) and blends in between. Computed
+    high ones (wavelengths under original / high_freq_factor) and blends in between;
+    proportional keeps the first `fraction` of them (divided by the factor) and zeroes the
+    rest, whose features then do not turn (transformers' proportional rope). Computed
     in float64 on the host: the frequencies are constants of the program.
     """
     freqs = theta ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
     kind = getattr(scaling, "type", "none")
+    if kind == "proportional":  # (Gemma 4: the first fraction turn, as over the whole head)
+        turning = int(scaling.fraction * dim // 2)
+        return np.where(np.arange(dim // 2) < turning, freqs, 0.0) / scaling.factor
     if kind == "linear":
         return freqs / scaling.factor
     if kind == "llama3":

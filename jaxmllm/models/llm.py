@@ -71,6 +71,8 @@ class Decoder(nnx.Module):
             attn_gate=cfg.attn_gate,
             attn_scalar=cfg.attn_scalar,
             post_norms=cfg.post_norms,
+            v_norm=cfg.v_norm,
+            layer_scalar=cfg.layer_scalar,
         )
         kinds, pattern = layer_kinds(cfg, spec)
         self.transformer = Transformer(
@@ -89,6 +91,7 @@ class Decoder(nnx.Module):
         )
         # Unit-scale rows give unit-scale logits over sqrt(width) (jaxmllm's init).
         self.tied_divisor = math.sqrt(cfg.width) if cfg.tied_logits_scaled else 1.0
+        self.softcap = cfg.logit_softcap  # (0: none)
         self.logits_chunk = cfg.logits_chunk
         self.vocab_parallel = cfg.vocab_parallel
 
@@ -180,10 +183,18 @@ class Decoder(nnx.Module):
         return self.lm_head.kernel[...], False, 1.0
 
     def logits(self, h_btd: jax.Array) -> jax.Array:
-        """Float32 logits of final hidden states: the output projection, or the tied table."""
+        """Float32 logits of final hidden states: the output projection, or the tied table;
+        soft-capped where the decoder caps them (`model.llm.logit_softcap`)."""
         if self.lm_head is None:
-            return self.embed.attend(h_btd) / self.tied_divisor
-        return self.lm_head(h_btd)
+            logits = self.embed.attend(h_btd) / self.tied_divisor
+        else:
+            logits = self.lm_head(h_btd)
+        return soft_capped(logits, self.softcap)
+
+
+def soft_capped(logits: jax.Array, cap: float) -> jax.Array:
+    """cap x tanh(logits / cap) (Gemma's final_logit_softcapping); cap 0: the logits."""
+    return cap * jnp.tanh(logits / cap) if cap else logits
 
 
 def rope_kind(cfg: LLMConfig) -> str:
@@ -225,7 +236,8 @@ def layer_kinds(cfg: LLMConfig, spec: BlockSpec) -> tuple[dict | None, tuple[str
     def spec_of(kind: LayerKind) -> BlockSpec:
         """The shared BlockSpec with the kind's own parts: its experts or, where dense among
         them, no MLP adapters; its linear attention; its sliding window, with the windowed
-        layers' own rotary base (unscaled)."""
+        layers' own rotary base (unscaled); beside windows, the full layers' own head width,
+        key-value heads and values from keys (`model.llm.full_*`)."""
         out = spec
         if kind.moe:
             out = dataclasses.replace(out, moe=MoESpec.of(cfg.moe))
@@ -237,6 +249,13 @@ def layer_kinds(cfg: LLMConfig, spec: BlockSpec) -> tuple[dict | None, tuple[str
             w = cfg.window
             out = dataclasses.replace(
                 out, window=w.size, rope_theta=w.rope_theta, rope_scaling=RopeScaling()
+            )
+        elif cfg.window.enabled and not kind.linear:  # (Gemma 4's full layers: their own)
+            out = dataclasses.replace(
+                out,
+                head_dim=cfg.full_head_dim or out.head_dim,
+                kv_heads=cfg.full_kv_heads or out.kv_heads,
+                k_eq_v=cfg.full_k_eq_v,
             )
         return out
 
@@ -300,5 +319,5 @@ def _sliced(decoder: Decoder, h_dnw: jax.Array, *per_token: jax.Array) -> tuple:
     size = weight.shape[0] if rows_first else weight.shape[1]
     # The projection split by vocabulary rows over the model axes (jaxmllm.models.vocab).
     axes = vocab_axes(size, d) if decoder.vocab_parallel else ()
-    head = Head(rows_first, divisor, axes, decoder.dtype)
+    head = Head(rows_first, divisor, axes, decoder.dtype, decoder.softcap)
     return weight, head, [slices(x) for x in padded], unslice

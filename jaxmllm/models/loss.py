@@ -41,17 +41,27 @@ from sharding import DATA_AXES, varying_as
 
 @dataclasses.dataclass(frozen=True)
 class Head:
-    """How the logits come from hidden states h: `h . weight / divisor`."""
+    """How the logits come from hidden states h: `h . weight / divisor`, soft-capped to
+    softcap x tanh(. / softcap) where `softcap` is set."""
 
     rows_first: bool  # weight is the tied table [vocab, width], else the head [width, vocab]
     divisor: float
     axes: tuple[str, ...] = ()  # the model axes the vocabulary is split over (vocab_axes)
     dtype: Any = jnp.float32  # the compute dtype: the matmuls' operands
+    softcap: float = 0.0  # (Gemma's final_logit_softcapping; 0: none)
 
     def project(self, h_xw: jax.Array, w: jax.Array) -> jax.Array:
         """fp32 logits [..., vocab shard] of hidden states [..., width]."""
         eq = "...w,vw->...v" if self.rows_first else "...w,wv->...v"
-        return jnp.einsum(eq, h_xw, w, preferred_element_type=jnp.float32) / self.divisor
+        raw = jnp.einsum(eq, h_xw, w, preferred_element_type=jnp.float32) / self.divisor
+        return self.softcap * jnp.tanh(raw / self.softcap) if self.softcap else raw
+
+    def capped_grad(self, g_xv: jax.Array, logits_xv: jax.Array) -> jax.Array:
+        """A gradient by the soft-capped logits as one by the uncapped ones: times
+        1 - tanh^2, tanh = logits / softcap (the gradient itself without a cap)."""
+        if not self.softcap:
+            return g_xv
+        return g_xv * (1.0 - jnp.square(logits_xv / self.softcap))
 
     def back(self, g_xv: jax.Array, w: jax.Array) -> jax.Array:
         """The hidden states' gradient [..., width] (fp32) of a logits gradient [..., vocab]."""
@@ -302,7 +312,8 @@ def _scan(head: Head, weight, h_cdnw, targets_cdn, mask_cdn, want_w, want_h, voc
         # d loss / d logits, this device's columns of every group token: softmax - onehot
         onehot = jnp.arange(cols) == local[..., None]
         scale = (vocab.group(mask) / head.divisor)[..., None]
-        g = ((jnp.exp(logits - lse[..., None]) - onehot) * scale).astype(head.dtype)
+        g = head.capped_grad((jnp.exp(logits - lse[..., None]) - onehot) * scale, logits)
+        g = g.astype(head.dtype)
         dh = vocab.own_sum(head.back(g, w)).astype(h_dcw.dtype) if want_h else None
         if want_w:
             dw = dw + head.weight_grad(h_g, g)

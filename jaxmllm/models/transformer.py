@@ -55,6 +55,9 @@ class BlockSpec:
     window: int = 0  # a query sees itself and window - 1 tokens before it (0: the document)
     attn_scalar: float = 0.0  # scores scale by 1 / sqrt(attn_scalar) (0: the head width)
     post_norms: bool = False  # each branch's output normed before its residual add (Gemma)
+    v_norm: bool = False  # an unscaled RMSNorm over each head's values (Gemma 4)
+    k_eq_v: bool = False  # the values are the key projection's output (Gemma 4's full layers)
+    layer_scalar: bool = False  # the block's output times a learned scalar (Gemma 4)
     # The token mixer is Gated DeltaNet linear attention of these sizes, not attention
     linear: LinearSpec | None = None
     # LoRA adapters: (target, lora.Adapter) of the matrices that have one (q, k, v, o, ...)
@@ -88,7 +91,8 @@ class BlockSpec:
 
 class Block(nnx.Module):
     """Pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`; with
-    `post_norms` each branch's output is normed too (`x + norm(attn(norm(x)))`: Gemma's)."""
+    `post_norms` each branch's output is normed too (`x + norm(attn(norm(x)))`: Gemma's), with
+    `layer_scalar` the block's output scaled by a learned scalar (Gemma 4's)."""
 
     def __init__(
         self,
@@ -125,6 +129,8 @@ class Block(nnx.Module):
                 norm_offset=spec.norm == "rms_offset",
                 window=spec.window,
                 scalar=spec.attn_scalar,
+                v_norm=spec.v_norm,
+                k_eq_v=spec.k_eq_v,
                 lora=adapters,
                 rngs=rngs,
                 **kw,
@@ -145,6 +151,9 @@ class Block(nnx.Module):
                 rngs=rngs,
                 **kw,
             )
+        # (transformers' layer_scalar: a buffer of ones until a checkpoint sets it)
+        ones = jnp.ones((1,), param_dtype)
+        self.layer_scalar = nnx.Param(ones, axes=(None,)) if spec.layer_scalar else None
 
     def __call__(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> jax.Array:
         """The block's output for x [B, T, width]; `forward` also returns its router's stats."""
@@ -155,8 +164,14 @@ class Block(nnx.Module):
         x_btd = x_btd + self.attn_out(self.attn(self.attn_norm(x_btd), pack, positions))
         if isinstance(self.mlp, MoE):
             y, stats = self.mlp.routed(self.mlp_norm(x_btd), pack.segment_ids > 0)
-            return x_btd + self.mlp_out(y), stats
-        return x_btd + self.mlp_out(self.mlp(self.mlp_norm(x_btd))), None
+            return self.scaled(x_btd + self.mlp_out(y)), stats
+        return self.scaled(x_btd + self.mlp_out(self.mlp(self.mlp_norm(x_btd)))), None
+
+    def scaled(self, x_btd: jax.Array) -> jax.Array:
+        """The block's output times its `layer_scalar` where it has one (Gemma 4's)."""
+        if self.layer_scalar is None:
+            return x_btd
+        return (x_btd * self.layer_scalar[...].astype(x_btd.dtype)).astype(x_btd.dtype)
 
     def attn_out(self, y_btd: jax.Array) -> jax.Array:
         """The attention branch's output as the residual adds it: normed with `post_norms`."""

@@ -1,0 +1,225 @@
+"""Gemma 4's text decoder: `Gemma4ForCausalLM` (`gemma4_text`, the row of `jaxmllm.hf.table`
+with `layer_scalar`).
+
+Gemma 3's block (`jaxmllm.hf.gemma`: four norms a layer, GeGLU, embeddings scaled by
+sqrt(width), QK-norm, sliding and full layers by `layer_types`) with what Gemma 4 changed, each
+an option of `model.llm`: its RMSNorms scale by their weight, not 1 + it (`norm: rms`); the
+values are normed too, without a scale (`v_norm`); the scores are not scaled (`attn_scalar:
+1`); each layer's output is multiplied by its `layer_scalar`; the logits are soft-capped
+(`final_logit_softcapping`: `logit_softcap`). The full-attention layers have their own head
+width and key-value heads (`per_layer_config`, or the hub's `global_head_dim` and
+`num_global_key_value_heads`: `full_head_dim`, `full_kv_heads`), may take their values from the
+key projection (`attention_k_eq_v`: `full_k_eq_v`), and turn a share of their rotary
+frequencies (`rope_parameters.full_attention` of type `proportional`: `rope_scaling`).
+
+Refused, naming the key: the per-layer input embeddings (`hidden_size_per_layer_input`), keys
+and values shared by the last layers (`num_kv_shared_layers`, and with them
+`use_double_wide_mlp`, which widens only those layers' MLPs), the mixture-of-experts block
+(`enable_moe_block`), bidirectional attention over all tokens (`use_bidirectional_attention:
+all`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxmllm.config.decoder import LayerKind
+from jaxmllm.hf.decoders import layer_types, rope_section, rope_to_hf, shape_section
+from jaxmllm.hf.family import Link, refuse_unless, same
+from jaxmllm.hf.gemma import ACTIVATIONS, LAYER_TYPES, Gemma3, rope_parameters, window_section
+
+# What a Gemma 4 text config.json may turn on that is not built: refused unless unset (0 /
+# null / false), each with what it is
+NOT_BUILT = {
+    "hidden_size_per_layer_input": "per-layer input embeddings (embed_tokens_per_layer)",
+    "num_kv_shared_layers": "keys and values shared by the last layers",
+    "enable_moe_block": "the mixture-of-experts block beside the MLP",
+}
+# transformers' default head width of the full layers where config.json names none
+GLOBAL_HEAD_DIM = 512
+
+
+class Gemma4(Gemma3):
+    """Gemma 4's causal LM (module docstring): Gemma 3's family with Gemma 4's options."""
+
+    def section(self, hf: dict) -> dict:
+        """Our `model.llm` keys from Gemma 4's text config.json.
+
+        Raises:
+          FamilyError: naming a key whose value jaxmllm's decoder does not run.
+        """
+        where = f"{self.name} config.json"
+        for key, what in NOT_BUILT.items():
+            refuse_unless(
+                not hf.get(key),
+                where,
+                f"{key} {hf.get(key)!r}: {what} is not built in jaxmllm's decoder (set 0 / "
+                "false for a checkpoint without it)",
+            )
+        both = hf.get("use_bidirectional_attention")
+        refuse_unless(
+            both in (None, "vision"),
+            where,
+            f"use_bidirectional_attention {both!r}: only causal text is built (null, or "
+            "vision, which a text-only decoder never reaches)",
+        )
+        act = hf.get("hidden_activation") or ACTIVATIONS[0]
+        refuse_unless(
+            act in ACTIVATIONS,
+            where,
+            f"hidden_activation {act!r}: Gemma's MLP here is GeGLU with the tanh GELU "
+            f"({' or '.join(ACTIVATIONS)})",
+        )
+        shape = shape_section(hf, where, tied=True)
+        full, local = rope_parameters(hf, where)
+        theta, scaling = full_rope(full, where)
+        window = window_section(hf, where, shape["depth"], local)
+        head_dim, kv_heads = full_shape(hf, where, shape)
+        out = {
+            **shape,
+            "mlp_dim": int(hf["intermediate_size"]),
+            "rope_theta": theta,
+            "rope_scaling": scaling,
+            "norm": "rms",
+            "mlp": "gated_gelu_tanh",
+            "attn_bias": self.row.biases.read(hf),
+            "qk_norm": True,
+            "v_norm": True,
+            "post_norms": True,
+            "embed_scale": True,
+            "attn_scalar": 1.0,
+            "layer_scalar": True,
+            "logit_softcap": float(hf.get("final_logit_softcapping") or 0.0),
+            "window": window,
+            "mrope_section": [0, 0, 0],
+        }
+        k_eq_v = bool(hf.get("attention_k_eq_v"))
+        if window["layers"]:  # (the full layers' own shapes beside the windowed ones)
+            width = out["head_dim"] or out["width"] // out["heads"]
+            out["full_head_dim"] = head_dim if head_dim != width else 0
+            out["full_kv_heads"] = kv_heads if kv_heads != out["kv_heads"] else 0
+            out["full_k_eq_v"] = k_eq_v
+        else:  # (every layer a full one: its shapes are the decoder's)
+            refuse_unless(not k_eq_v, where, "attention_k_eq_v with no sliding layers is not built")
+            out["kv_heads"] = kv_heads or out["kv_heads"]
+            out["head_dim"] = 0 if head_dim * out["heads"] == out["width"] else head_dim
+        return out
+
+    def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
+        """Gemma 4's text config.json of our `model.llm`: Gemma 3's, less the keys Gemma 4
+        has not, with the full layers' shapes (`per_layer_config`), their rotary, the scores
+        unscaled and the logits' soft cap."""
+        llm = cfg.model.llm
+        old = ("global_head_dim", "num_global_key_value_heads", "per_layer_config")
+        out = super().to_hf_config(cfg, {k: v for k, v in (source or {}).items() if k not in old})
+        for key in ("query_pre_attn_scalar", "attn_logit_softcapping"):
+            del out[key]
+        full = [i for i in range(llm.depth) if not llm.window.is_sliding(i)]
+        own = {"head_dim": llm.full_head_dim or llm.head_width}
+        if llm.full_k_eq_v:  # (transformers reads the kv heads' override with k_eq_v only)
+            own["num_key_value_heads"] = llm.full_kv_heads or llm.kv_heads
+        out.update(
+            final_logit_softcapping=llm.logit_softcap or None,
+            attention_k_eq_v=llm.full_k_eq_v,
+            per_layer_config={str(i): dict(own) for i in full} if llm.window.enabled else {},
+            hidden_size_per_layer_input=0,
+            num_kv_shared_layers=0,
+            enable_moe_block=False,
+        )
+        out["rope_parameters"]["full_attention"] = full_rope_to_hf(llm)
+        return out
+
+    def wants(self, cfg: Any) -> dict[str, Any]:
+        """Our options Gemma 4 has a counterpart for (a decoder from scratch)."""
+        out = super().wants(cfg)
+        anything = lambda what: ((lambda _: True), what)  # noqa: E731
+        out.update(
+            {
+                "model.llm.norm": ("rms",),
+                "model.llm.attn_scalar": (1.0,),
+                "model.llm.v_norm": (True,),
+                "model.llm.layer_scalar": (True,),
+                "model.llm.logit_softcap": anything("any final_logit_softcapping"),
+                "model.llm.full_head_dim": anything("any global head width"),
+                "model.llm.full_kv_heads": anything("any global key-value heads"),
+                "model.llm.full_k_eq_v": anything("attention_k_eq_v or not"),
+            }
+        )
+        return out
+
+    def layer_links(self, llm: Any, stack: str, kind: LayerKind, n: int) -> list[Link]:
+        """Gemma 3's links of one stack at its own head shapes (a full stack's may differ),
+        without a value projection where the values are the keys', and the layer scalars."""
+        if not kind.sliding and llm.window.enabled:
+            llm = dataclasses.replace(
+                llm,
+                head_dim=llm.full_head_dim or llm.head_width,
+                kv_heads=llm.full_kv_heads or llm.kv_heads,
+            )
+        links = super().layer_links(llm, stack, kind, n)
+        if llm.full_k_eq_v and not kind.sliding:
+            links = [x for x in links if ".v_proj." not in x.hf[0]]
+        layer = same("model.layers.{i}.layer_scalar", f"llm/transformer/{stack}/layer_scalar", n)
+        return [*links, layer]
+
+
+def full_rope(params: dict, where: str) -> tuple[float, dict]:
+    """(rope_theta, our rope_scaling) of the full layers' `rope_parameters`: `proportional`
+    (a share of the frequencies turning, `partial_rotary_factor`), or what `rope_section`
+    reads."""
+    if params.get("rope_type") != "proportional":
+        return rope_section({"rope_parameters": params}, where)
+    fraction = float(params.get("partial_rotary_factor", 1.0))
+    refuse_unless(
+        0 < fraction <= 1,
+        where,
+        f"rope_parameters.full_attention.partial_rotary_factor {fraction}: must be in (0, 1]",
+    )
+    factor = float(params.get("factor", 1.0))
+    scaling = {"type": "proportional", "fraction": fraction, "factor": factor}
+    return float(params.get("rope_theta", 1e6)), scaling
+
+
+def full_rope_to_hf(llm: Any) -> dict:
+    """The full layers' `rope_parameters` of our rotary (`full_rope`'s inverse)."""
+    s = llm.rope_scaling
+    if s.type != "proportional":
+        return rope_to_hf(llm)
+    out = {"rope_type": "proportional", "rope_theta": llm.rope_theta}
+    out["partial_rotary_factor"] = s.fraction
+    if s.factor != 1.0:
+        out["factor"] = s.factor
+    return out
+
+
+def full_shape(hf: dict, where: str, shape: dict) -> tuple[int, int]:
+    """(head width, key-value heads; 0: the decoder's) of the full-attention layers, from
+    `per_layer_config` (every full layer's alike, no sliding layer's) or the hub's
+    `global_head_dim` (512 where neither is given, as transformers) and, with
+    `attention_k_eq_v`, `num_global_key_value_heads`."""
+    depth = shape["depth"]
+    types = layer_types(hf, where, depth, LAYER_TYPES, 6)
+    per_layer = hf.get("per_layer_config")
+    if per_layer is None:
+        head_dim = int(hf.get("global_head_dim") or GLOBAL_HEAD_DIM)
+        kv = hf.get("num_global_key_value_heads") if hf.get("attention_k_eq_v") else None
+        return head_dim, int(kv or 0)
+    own = {int(i): dict(v) for i, v in per_layer.items()}
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    alike = [own.get(i) for i in full]
+    refuse_unless(
+        set(own) <= set(full) and all(x == alike[0] for x in alike),
+        where,
+        f"per_layer_config {per_layer!r:.200}: jaxmllm reads one override of every "
+        "full_attention layer alike, and none of a sliding one",
+    )
+    first = alike[0] if alike else {}
+    extra = set(first) - {"head_dim", "num_key_value_heads"}
+    refuse_unless(
+        not extra,
+        where,
+        f"per_layer_config sets {sorted(extra)}: only head_dim and num_key_value_heads are read",
+    )
+    head_dim = int(first.get("head_dim") or shape["head_dim"] or shape["width"] // shape["heads"])
+    return head_dim, int(first.get("num_key_value_heads") or 0)
