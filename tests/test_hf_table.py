@@ -62,11 +62,13 @@ def test_every_row_has_its_family_and_its_reference():
 
 
 def _llm(row: table.DecoderRow, attn_bias: str):
-    """A config whose LLM has `row`'s layer kinds, block and QK-norm, and `attn_bias`."""
+    """A config whose LLM has `row`'s layer kinds, block (its norms, its layer scalar) and
+    QK-norm, and `attn_bias`."""
     llm = SimpleNamespace(
         linear=SimpleNamespace(enabled=row.hybrid),
         moe=SimpleNamespace(enabled=row.moe),
         post_norms=row.post_norms,
+        layer_scalar=row.layer_scalar,
         qk_norm=row.qk_norm,
         attn_bias=attn_bias,
     )

@@ -45,6 +45,21 @@ NOT_BUILT = {
 }
 
 
+def refuse_set(hf: dict, where: str, not_built: dict[str, str], unset: str) -> None:
+    """Refuses the first key of `not_built` (key -> what it builds) that `hf` sets, naming it,
+    what jaxmllm does not build, and `unset`: what a checkpoint without it sets there.
+
+    Raises:
+      FamilyError: naming the key and its value.
+    """
+    for key, what in not_built.items():
+        refuse_unless(
+            not hf.get(key),
+            where,
+            f"{key} {hf.get(key)!r}: {what} is not built in jaxmllm's decoder ({unset})",
+        )
+
+
 class Gemma3(Decoders):
     """Gemma 3's causal LM (module docstring): Gemma's block over `Decoders`' links, its
     windowed and full layers stacked apart (`model.llm.window`)."""
@@ -56,13 +71,7 @@ class Gemma3(Decoders):
           FamilyError: naming a key whose value jaxmllm's decoder does not run.
         """
         where = f"{self.name} config.json"
-        for key, what in NOT_BUILT.items():
-            refuse_unless(
-                not hf.get(key),
-                where,
-                f"{key} {hf.get(key)!r}: {what} is not built in jaxmllm's decoder (a "
-                "checkpoint trained without it sets null)",
-            )
+        refuse_set(hf, where, NOT_BUILT, "a checkpoint trained without it sets null")
         act = hf.get("hidden_activation") or hf.get("hidden_act") or ACTIVATIONS[0]
         refuse_unless(
             act in ACTIVATIONS,

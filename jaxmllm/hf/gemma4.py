@@ -27,7 +27,14 @@ from typing import Any
 from jaxmllm.config.decoder import LayerKind
 from jaxmllm.hf.decoders import layer_types, rope_section, rope_to_hf, shape_section
 from jaxmllm.hf.family import Link, refuse_unless, same
-from jaxmllm.hf.gemma import ACTIVATIONS, LAYER_TYPES, Gemma3, rope_parameters, window_section
+from jaxmllm.hf.gemma import (
+    ACTIVATIONS,
+    LAYER_TYPES,
+    Gemma3,
+    refuse_set,
+    rope_parameters,
+    window_section,
+)
 
 # What a Gemma 4 text config.json may turn on that is not built: refused unless unset (0 /
 # null / false), each with what it is
@@ -50,13 +57,7 @@ class Gemma4(Gemma3):
           FamilyError: naming a key whose value jaxmllm's decoder does not run.
         """
         where = f"{self.name} config.json"
-        for key, what in NOT_BUILT.items():
-            refuse_unless(
-                not hf.get(key),
-                where,
-                f"{key} {hf.get(key)!r}: {what} is not built in jaxmllm's decoder (set 0 / "
-                "false for a checkpoint without it)",
-            )
+        refuse_set(hf, where, NOT_BUILT, "set 0 / false for a checkpoint without it")
         both = hf.get("use_bidirectional_attention")
         refuse_unless(
             both in (None, "vision"),
