@@ -123,6 +123,21 @@ if __name__ == "__main__":
 """
 
 
+def _signal_masks(pid: int) -> str:
+    """Each thread of process `pid`: its name and its signal masks from /proc (pending to it,
+    pending to the process, blocked, ignored, caught), to tell where a signal went."""
+    keys = ("Name", "Pid", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            status = (task / "status").read_text().splitlines()
+        except OSError:  # (a thread that ended meanwhile)
+            continue
+        fields = dict(line.split(":", 1) for line in status if ":" in line)
+        lines.append("  ".join(f"{k}={fields.get(k, '').strip()}" for k in keys))
+    return "\n".join(lines)
+
+
 def _blocked(native_id: int) -> set[int]:
     """The signals thread `native_id` of this process blocks (/proc's SigBlk mask)."""
     status = Path(f"/proc/self/task/{native_id}/status").read_text()
@@ -177,11 +192,15 @@ def test_ctrl_c_stops_the_workers_quietly(tmp_path):
         try:
             out, err = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:  # a hang: every thread's stack, to read what it waits on
+            masks = _signal_masks(proc.pid)  # (which thread blocks, holds or caught the SIGINT)
             proc.send_signal(signal.SIGUSR1)
             time.sleep(2)  # (faulthandler writes from its C handler once the signal lands)
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
-            pytest.fail(f"the owner did not exit 120 s after SIGINT; its threads:\n{err[-6000:]}")
+            pytest.fail(
+                f"the owner did not exit 120 s after SIGINT; its threads' signal masks:\n{masks}"
+                f"\nits threads:\n{err[-6000:]}"
+            )
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
