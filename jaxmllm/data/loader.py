@@ -45,7 +45,7 @@ def _init_worker(source, owner: str, threads: int = 0) -> None:
     # Ctrl-C reaches the terminal's whole process group. The trainer stops the workers itself,
     # after the checkpoint the signal asks for; a worker interrupted in its queue would only
     # print a traceback (`Process SpawnProcess-1: ... KeyboardInterrupt`), so it ignores it.
-    # (It started with SIGINT blocked, `signals_blocked`: a Ctrl-C meanwhile is dropped here.)
+    # (It started with SIGINT blocked, `_sigint_blocked`: a Ctrl-C meanwhile is dropped here.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _worker["source"], _worker["owner"] = source, owner
@@ -135,7 +135,7 @@ class Loader:
         jobs = [(i, None if media is None else media.get(i, {})) for i in idx]
         if self.pool is not None:
             chunk = max(1, len(idx) // (4 * self.cfg.data.workers))
-            with signals_blocked():  # (workers start here: see _init_worker)
+            with _sigint_blocked():  # (workers start here: see _init_worker)
                 results = self.pool.map(_load_one, jobs, chunksize=chunk)
             workers = list((getattr(self.pool, "_processes", None) or {}).values())
             try:
@@ -203,10 +203,9 @@ class Loader:
 
 
 @contextlib.contextmanager
-def signals_blocked(*signals: signal.Signals):
-    """`signals` (default SIGINT) blocked in this thread: a process or thread started meanwhile
-    starts with them blocked."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, set(signals or (signal.SIGINT,)))
+def _sigint_blocked():
+    """SIGINT blocked in this thread: a process spawned meanwhile starts with it blocked."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:

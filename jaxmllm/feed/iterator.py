@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from jaxmllm.batch.bucketize import bucketize, fill_stats
 from jaxmllm.batch.counts import StepCounter
 from jaxmllm.config.phases import NAMES
 from jaxmllm.data.lengths import LengthsIndex
-from jaxmllm.data.loader import Loader, signals_blocked
+from jaxmllm.data.loader import Loader
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.specials import RESERVED
 from jaxmllm.feed.info import StepInfo
@@ -336,27 +335,7 @@ def make_pipeline(
         if to_device is not None:  # the copy on a thread of its own: overlaps the next step's
             ds = ds.map(Transfer(to_device))  # planning, loading and bucketize
             ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=1)
-    it = iter(ds)
-    if prefetch > 0:
-        _start_blocked(it)
-    return it
-
-
-def _start_blocked(it) -> None:
-    """Ctrl-C and SIGTERM are the caller's thread's to take: Python runs a signal's handler on
-    the main thread only, when it runs bytecode, so one the kernel hands a prefetch thread
-    leaves a main thread parked in the prefetch queue's wait unwoken. Grain starts its prefetch
-    thread at the first `next` (and again after `set_state`, a restore); it starts here with
-    both signals blocked, and the threads it starts (the copy's inner prefetch, the loader's
-    pool) inherit that. (Not earlier: a thread started before a restore would plan, load and
-    log a step the restore then discards.)"""
-    start = it.start_prefetch
-
-    def start_prefetch() -> None:
-        with signals_blocked(signal.SIGINT, signal.SIGTERM):
-            start()
-
-    it.start_prefetch = start_prefetch
+    return iter(ds)
 
 
 class Transfer:
