@@ -181,7 +181,8 @@ def _layer_grad(width: int, heads: int, kv: int, mlp: int, block: int):
         t = x.shape[0]
         q = (x @ wq).reshape(t, heads, e)
         own = (x @ wk).sum() + (x @ wv).sum()  # (the rank's own keys and values: its share)
-        a = kernel(q, k_all, v_all, seg, seg_all, pos, pos_all, tiles, block, True, 0)
+        # (no bidirectional spans: None for the queries' and the keys')
+        a = kernel(q, k_all, v_all, seg, seg_all, pos, pos_all, None, None, tiles, block, True, 0)
         h = x + a.reshape(t, width) @ wo
         out = h + jax.nn.silu(h @ w1) @ w2
         return jnp.sum(out * weights) + 1e-6 * own
