@@ -176,6 +176,27 @@ def test_hf_generation_refuses_what_it_cannot_read(tmp_path, capsys):
         parse_args(["--run", "x", "--tokenizer", "y", "--prompt", "hi"])
 
 
+def image_prompt(tk, g: int, p: int, k: int, image_id: int, around=()):
+    """A prompt with one random image of g x g patches of p px (k x k of them a token) after
+    its first three words, between the ids `around` (begin, end; none: ()): (our Sample, its
+    ids, the image normalised as transformers takes it, [H, W, C])."""
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (g * p, g * p, 3), dtype=np.uint8)
+    patches, positions = patchify(pixels, p, k)  # (uint8: our encoder normalises them)
+    image = Inputs.pixels().normalise(pixels)  # (what transformers takes: the config's default)
+    words = tk("Describe the picture, please.", add_special_tokens=False)["input_ids"]
+    begin, end = ([around[0]], [around[1]]) if around else ([], [])
+    tokens = [*words[:3], *begin, *[image_id] * (g // k) ** 2, *end, *words[3:]]
+    prompt = Sample(
+        -1,
+        np.asarray(tokens, np.int32),
+        np.zeros(len(tokens), bool),
+        {"vision": [(patches, positions)]},
+        grids=[(g, g)],
+    )
+    return prompt, tokens, image
+
+
 def _ours(d: Path, prompt: Sample, new: int) -> tuple[list[int], frozenset]:
     """Our greedy ids for `prompt` from the whole checkpoint `d` (`--hf d`), and its stops."""
     cfg, params = load_hf(parse_args(["--hf", str(d), "--prompt", "."]))
@@ -209,20 +230,8 @@ def test_llava_with_an_image_generates_transformers_tokens(tmp_path, tower):
     # LlavaProcessor's file names the placeholder (a Qwen tokenizer has its <|image_pad|> too)
     (d / "processor_config.json").write_text(json.dumps({"image_token": "<image>"}))
 
-    rng = np.random.default_rng(0)
     g, p = 6, 4  # the tower's own size (transformers reads LLaVA's images at it)
-    pixels = rng.integers(0, 256, (g * p, g * p, 3), dtype=np.uint8)
-    patches, positions = patchify(pixels, p, 1)  # (uint8: our encoder normalises them)
-    image = Inputs.pixels().normalise(pixels)  # (what transformers takes: the config's default)
-    words = tk("Describe the picture, please.", add_special_tokens=False)["input_ids"]
-    tokens = [*words[:3], *[image_id] * g * g, *words[3:]]
-    prompt = Sample(
-        -1,
-        np.asarray(tokens, np.int32),
-        np.zeros(len(tokens), bool),
-        {"vision": [(patches, positions)]},
-        grids=[(g, g)],
-    )
+    prompt, tokens, image = image_prompt(tk, g, p, 1, image_id)
     ours, stop = _ours(d, prompt, 16)
 
     import torch

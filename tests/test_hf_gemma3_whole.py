@@ -16,12 +16,9 @@ import numpy as np
 import pytest
 from flax import nnx
 from test_chat import build_dir, hf
-from test_generate_hf import VOCAB, _ours, hf_greedy
+from test_generate_hf import VOCAB, _ours, hf_greedy, image_prompt
 
-from jaxmllm.config.spec import Inputs
-from jaxmllm.data.media.image import patchify
 from jaxmllm.data.records.record import parse_record
-from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.tokenizer import make_tokenizer
 from jaxmllm.hf import table
 from jaxmllm.hf.__main__ import main
@@ -135,20 +132,8 @@ def test_gemma3_with_an_image_generates_transformers_tokens(tmp_path):
     build_dir(d, "llama", template, extra=extra)  # (save_pretrained wrote over it)
     (d / "processor_config.json").write_text(json.dumps({"image_token": "<image_soft>"}))
 
-    rng = np.random.default_rng(0)
     g, p, k = 6, 4, 2  # the tower's own size; 2x2 patches pooled to a token
-    pixels = rng.integers(0, 256, (g * p, g * p, 3), dtype=np.uint8)
-    patches, positions = patchify(pixels, p, k)
-    image = Inputs.pixels().normalise(pixels)
-    words = tk("Describe the picture, please.", add_special_tokens=False)["input_ids"]
-    tokens = [*words[:3], boi, *[image_id] * (g // k) ** 2, eoi, *words[3:]]
-    prompt = Sample(
-        -1,
-        np.asarray(tokens, np.int32),
-        np.zeros(len(tokens), bool),
-        {"vision": [(patches, positions)]},
-        grids=[(g, g)],
-    )
+    prompt, tokens, image = image_prompt(tk, g, p, k, image_id, (boi, eoi))
     ours, stop = _ours(d, prompt, 16)
 
     model = Gemma3ForConditionalGeneration.from_pretrained(str(d)).eval()
