@@ -159,3 +159,44 @@ def test_an_image_is_wrapped_as_gemma3s_processor_wraps_it(tmp_path):
     assert before[-1] == boi and tk.decode(before[:-1]).endswith("hi\n\n"), tk.decode(before)
     assert after[0] == eoi and tk.decode(after[1:]).startswith("\n\nok"), tk.decode(after)
     assert tk.specials.media["vision"] == tk.token_id("<image_soft_token>")
+
+
+def test_a_from_scratch_export_loads_in_autoprocessor_and_lays_an_image_out_as_ours(tmp_path):
+    """A Gemma 3 exported from scratch (no imported directory: the processor's files made from
+    the data section) with a Gemma tokenizer (its begin, end and soft image tokens):
+    AutoProcessor builds Gemma3Processor from the directory, and a prompt with an image comes
+    out as our tokenizer lays it out (blank line, begin, one soft token per pooled window,
+    end, blank line), its token types marking the image, its pixels at the tower's size."""
+    from PIL import Image
+    from transformers import AutoProcessor, AutoTokenizer
+
+    names = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+    special = dict(zip(("boi_token", "eoi_token", "image_token"), names, strict=True))
+    d = build_dir(tmp_path / "tk", "llama", None, names, **special)
+    ids = tuple(AutoTokenizer.from_pretrained(str(d)).convert_tokens_to_ids(names))
+    source = hf_models.gemma3(tmp_path / "source", vocab=512, ids=ids)
+    cfg, flat = _flat(source)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(d)))
+    out = tmp_path / "out"
+    whole = whole_for(read_hf_config(source))
+    write_piece(cfg, Piece("", ("llm", "vision"), "", whole=whole), flat, out, 16 << 10)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["boi_token_index"], config["eoi_token_index"]) == ids[:2]
+    assert config["image_token_index"] == ids[2]
+
+    processor = AutoProcessor.from_pretrained(str(out))
+    assert type(processor).__name__ == "Gemma3Processor"
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (30, 50, 3), dtype=np.uint8))
+    theirs = processor(text="hi<start_of_image>ok", images=[image], return_tensors="np")
+    tk = make_tokenizer(str(d))
+    record = parse_record({"id": "a", "text": "hi<image>ok", "images": ["y"]}, Path("."), 1)
+    (_, before, _), (_, _), (_, after, _) = tk.pieces(record)
+    v = cfg.model.vision
+    tokens = (v.position_grid // v.merge) ** 2
+    ours = [*before, *[ids[2]] * tokens, *after[:-1]]  # (ours ends the record: its end token)
+    assert after[-1] in tk.specials.stop
+    assert theirs["input_ids"][0].tolist() == ours
+    assert theirs["token_type_ids"][0].tolist() == [int(t == ids[2]) for t in ours]
+    side = v.position_grid * v.patch_size
+    assert theirs["pixel_values"].shape == (1, 3, side, side)
