@@ -20,8 +20,9 @@ import pytest
 from test_orchestration import assert_equals_alone
 
 import sharding
-from jaxmllm.batch.bucketize import bucketize
+from jaxmllm.batch.bucketize import bucketize, window_tile_cap
 from jaxmllm.config import load_config
+from jaxmllm.config.spec import BatchSpec
 from jaxmllm.data.media.image import patchify
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text import tokenizer as tok
@@ -121,7 +122,8 @@ def test_dealt_row_attends_as_the_whole_row(causal, window, monkeypatch):
     keys (in chunks of 3 tiles: several chunks, the online softmax and its backward), equal
     dense attention over the whole row: outputs and the gradients of q, k and v; with a
     sliding window of 5 (Gemma's local layers), by the tokens' positions in their documents,
-    as the dense reference's window by their indices in the row."""
+    as the dense reference's window by their indices in the row, each rank computing only the
+    tiles of its query blocks the window reaches (the windowed list, in its band's capacity)."""
     monkeypatch.setattr(blocksparse, "CHUNK_SCORES", 3 * 2 * 4 * 4)
     rng = np.random.default_rng(2 + causal)
     block, row_blocks, ranks, heads, kv, e = 4, 16, 4, 2, 1, 8
@@ -134,7 +136,14 @@ def test_dealt_row_attends_as_the_whole_row(causal, window, monkeypatch):
     group = tiles.tile_list(off, size, row, row_blocks, block, causal)
     owner = split.deal(split.block_weights(group, row_blocks), ranks)
     lay = split.layout(owner, ranks)
-    cap = int(np.bincount(owner[group[:, 0]], minlength=ranks).max())
+    if window:  # (the windowed layers' own list, dealt with the causal list's blocks)
+        reach = tiles.window_reach(window, block)
+        group = tiles.tile_list(off, size, row, row_blocks, block, causal, reach)
+        causal_cap = int(np.bincount(owner[group[:, 0]], minlength=ranks).max()) + 9
+        cap = tiles.rank_window_capacity(causal_cap, row_blocks // ranks, reach)
+        assert cap == (row_blocks // ranks) * (reach + 1) < causal_cap  # (the band binds)
+    else:
+        cap = int(np.bincount(owner[group[:, 0]], minlength=ranks).max())
     rank_tiles = split.rank_tiles(group, owner, ranks, cap)
     tok_of = (lay[..., None] * block + np.arange(block)).reshape(ranks, -1)  # rank -> tokens
     q, k, v, w = (rng.normal(size=(s_len, h, e)).astype(np.float32) for h in (heads, kv, kv, heads))
@@ -345,7 +354,7 @@ def long_step(cfg, data: int, context: int):
     # (data=2 context=4 without M-RoPE is no case of its own: the M-RoPE case runs that mesh,
     # and context=8 the 1D positions)
     "mesh",
-    ["data=1 context=8", "data=1 fsdp=2 context=2 tensor=2"]
+    ["data=1 context=8 window=20", "data=1 fsdp=2 context=2 tensor=2"]
     + ["data=2 context=4 mrope=4,6,6 deepstack=0"],
 )
 def test_rows_split_over_context_groups_equal_the_unsplit_reference(mesh):
@@ -354,13 +363,16 @@ def test_rows_split_over_context_groups_equal_the_unsplit_reference(mesh):
     Qwen3-VL is: M-RoPE, whose positions are not in token order (an image's tokens share a
     time: the split's causal mask reads each token's index in its document, `llm_order`;
     masking by M-RoPE's time is 2.9e-3 off), and DeepStack, whose additions must reach the
-    image's tokens on the ranks they were dealt to (rolled by a row, 6.9e-4 off))."""
+    image's tokens on the ranks they were dealt to (rolled by a row, 6.9e-4 off)); and with
+    Gemma-like sliding windows in every other layer, each rank computing its windowed list."""
     words = dict(x.split("=") for x in mesh.split())
     mrope, deep = words.pop("mrope", ""), words.pop("deepstack", "")
+    window = words.pop("window", "")
     sizes = {"fsdp": 1, "tensor": 1} | {k: int(v) for k, v in words.items()}
     extra = [f"mesh.{k}={v}" for k, v in sizes.items()]
     extra += [f"model.llm.mrope_section=[{mrope}]"] if mrope else []
     extra += [f"model.vision.deepstack=[{deep}]"] if deep else []
+    extra += [f"model.llm.window.size={window}", "model.llm.window.every=2"] if window else []
     cfg, source, index = context_config(sizes["data"], sizes["context"], *extra)
     groups, context = sizes["data"] * sizes["fsdp"], sizes["context"]
     assert_same_math(cfg, *packed_step(cfg, source, index, groups, context))
@@ -435,6 +447,47 @@ def test_every_slot_reads_its_items_rows_through_the_exchange_and_the_gather():
                     crossed += items.device[j] // context != g
                 np.testing.assert_array_equal(got, want, err_msg=f"{phase} sample {s}")
     assert crossed > 0  # some items did come from another group
+
+
+def test_each_rank_computes_exactly_the_tiles_its_windows_reach():
+    """Gemma-like windows (every other layer, 20 tokens) under context groups (data=2 x
+    context=4, two planned steps): each rank's windowed list is the set of its causal tiles
+    in which some query sees some key of its document within the window, judged token by
+    token from the dealt rows and the gathered group, and fits the list's derived capacity."""
+    data, context, window = 2, 4, 20
+    cfg, source, index = context_config(
+        data, context, f"model.llm.window.size={window}", "model.llm.window.every=2"
+    )
+    assert window_tile_cap(BatchSpec.of(cfg)) > 0
+    planner = planner_from_config(cfg, index, data * context)
+    block, narrowed = cfg.batch.attention_block, 0
+    for _ in range(2):
+        plan = planner.plan()
+        samples = {int(s): source[int(s)] for s in plan.samples}
+        host = bucketize(plan, samples, cfg, capacities(cfg, data * context))
+        seg = host["llm_segment_ids"]
+        pos = host.get("llm_order", host["llm_positions"])
+        pos = pos[..., 0] if pos.ndim == seg.ndim + 1 else pos
+        m_n, d_n = seg.shape[:2]
+        seg, pos = seg.reshape(m_n, d_n, -1, block), pos.reshape(m_n, d_n, -1, block)
+        for m in range(m_n):
+            for d in range(d_n):
+                g = d // context
+                keys_seg = seg[m, g * context : (g + 1) * context].reshape(-1, block)
+                keys_pos = pos[m, g * context : (g + 1) * context].reshape(-1, block)
+                reached = set()
+                for q, k in host["llm_tiles"][m, d].tolist():
+                    if q < 0:
+                        continue
+                    sq, sk = seg[m, d, q][:, None], keys_seg[k][None]
+                    back = pos[m, d, q][:, None] - keys_pos[k][None]
+                    if ((sq == sk) & (sq > 0) & (back >= 0) & (back < window)).any():
+                        reached.add((q, k))
+                got = host["llm_window_tiles"][m, d]
+                assert set(map(tuple, got[got[:, 0] >= 0].tolist())) == reached
+                assert (got[len(reached) :] == -1).all()
+                narrowed += (host["llm_tiles"][m, d, :, 0] >= 0).sum() - len(reached)
+    assert narrowed > 0  # (the windows skipped tiles the causal lists hold)
 
 
 # ----------------------------------------------------------------------------- the planner

@@ -21,10 +21,11 @@ bucket's inputs repeats to fill them: an image's one frame in a vision bucket of
 `temporal_patch`-frame patches, which videos' temporal patches fill as they are). With
 block-sparse attention each phase has `<phase>_tiles` [M, D, tiles, 2] too, and a decoder with
 sliding-window layers `llm_window_tiles` [M, D, window tiles, 2]: the tiles some window reaches,
-which those layers compute (`window_tile_cap`; not under context groups). A decoder whose
-images (`model.llm.bidirectional`) attend both ways has `llm_spans` [M, D, R, L] int32: an item's
-slots carry one id > 0 (its first slot's index in the bucket's rows + 1), other tokens 0; the
-tile lists then hold the tiles above the diagonal the spans need (`plan.tiles.span_tiles`).
+which those layers compute (`window_tile_cap`; under context groups a rank's, dealt with its
+query blocks). A decoder whose images (`model.llm.bidirectional`) attend both ways has
+`llm_spans` [M, D, R, L] int32: an item's slots carry one id > 0 (its first slot's index in the
+bucket's rows + 1), other tokens 0; the tile lists then hold the tiles above the diagonal the
+spans need (`plan.tiles.span_tiles`).
 
 Segment ids are 1, 2, ... per sample (per item in the encoder rows) and 0 for padding.
 `llm_*_src[t] = -1` unless token t is a placeholder slot (of any kind of its phase: an image's
@@ -67,18 +68,18 @@ from jaxmllm.plan.tiles import (
 
 def window_tile_cap(spec: BatchSpec, variant: int = 0) -> int:
     """The windowed layers' tile capacity of a bucket (`llm_window_tiles`) in a step of
-    `variant`; 0 where they have no list of their own (no sliding window, not block-sparse,
-    or context groups, whose rows are dealt to ranks: they take the row's tiles there). Never
-    planned: the windowed tiles of any bucket fit the fewer of its causal capacity and the band
-    of tiles a window reaches (`plan.tiles.window_capacity`), widened where bidirectional spans
-    reach ahead: as far as the largest item an encoder bucket holds."""
-    if not (spec.window and spec.tiled) or spec.context > 1:
+    `variant`; 0 where they have no list of their own (no sliding window, or not
+    block-sparse). Never planned: the windowed tiles of any bucket fit the fewer of its causal
+    capacity and the band of tiles a window reaches (`plan.tiles.window_capacity`; a context
+    group's rank: `rank_window_capacity`), widened where bidirectional spans reach ahead: as far
+    as the largest item an encoder bucket holds."""
+    if not (spec.window and spec.tiled):
         return 0
     longest = [spec.units[p] // spec.per_token[p] for p in spec.bidirectional if p in spec.units]
     causal = spec.tile_caps(variant)[LLM]
     rows, block = spec.llm_rows, spec.attention_block
     return window_tile_capacity(
-        causal, rows, spec.llm_row_len, block, spec.window, max(longest, default=0)
+        causal, rows, spec.llm_row_len, block, spec.window, max(longest, default=0), spec.context
     )
 
 
@@ -175,6 +176,7 @@ def bucketize(
     batch = empty_batch(cfg, caps.devices, local_n, specials.pad, plan.variant)
     # Text goes to its LLM bucket's rows: a device's, or a context group's (then dealt).
     grouped = caps.context > 1
+    reach = window_reach(spec.window, spec.attention_block) if spec.tiled else None
     text = group_text(batch, caps, specials.pad) if grouped else batch
     slots = _write_texts(
         text, plan, samples, home, grouped, caps.group_row_len, specials, cfg, reference
@@ -182,7 +184,7 @@ def bucketize(
     split = None
     if grouped:
         groups = np.flatnonzero(home >= 0)
-        split = Split.deal(text, batch, caps, tile_caps[LLM], plan.step, groups)
+        split = Split.deal(text, batch, caps, tile_caps[LLM], plan.step, groups, reach)
     for p in ENCODERS:
         if p.capacity in batch:
             items = plan.items[p.name]
@@ -196,11 +198,10 @@ def bucketize(
             _write_items(batch, p, plan, samples, slots, caps, hosts, units, spans)
     if tile_caps:  # block-sparse attention
         _write_tiles(batch, cfg, tile_caps, spec.attention_block, plan, pos, grouped)
-        if "llm_window_tiles" in batch:
+        if "llm_window_tiles" in batch and not grouped:  # (a group's: `Split.deal`'s)
             rows = batch["llm_segment_ids"]
             m_n, d_n = rows.shape[:2]
             cap = batch["llm_window_tiles"].shape[2]
-            reach = window_reach(spec.window, spec.attention_block)
             spans = batch.get("llm_spans")
             flat = lambda x: None if x is None else x.reshape(m_n * d_n, *x.shape[2:])
             # (never over: `window_tile_cap`, and `_write_tiles` held the causal capacity)

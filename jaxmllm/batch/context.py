@@ -6,8 +6,9 @@ bucketize writes a group's samples into group rows [M, groups, R, C x L] (`group
 equal blocks, tiles balanced, from the tiles its documents need), moves the tokens with their
 positions, segment ids, targets and loss mask into each device's [R, L] rows (its blocks in
 ascending order), writes each device's tile list (its query blocks against the gathered
-group's key blocks), and says where a token of a group row now lies (`Split.where`), which the
-routing tables need. The loss is a sum over tokens, so nothing is put back in order.
+group's key blocks; and the sliding-window layers' own, the tiles of those a window reaches),
+and says where a token of a group row now lies (`Split.where`), which the routing tables need.
+The loss is a sum over tokens, so nothing is put back in order.
 
 Segment ids count 1, 2, ... over a group's rows (not per row): a device holds blocks of several
 of them, and the segments name documents across them.
@@ -71,18 +72,35 @@ class Split:
 
     @classmethod
     def deal(
-        cls, text: dict, batch: dict, caps: Capacities, tile_cap: int, step: int, groups: np.ndarray
+        cls,
+        text: dict,
+        batch: dict,
+        caps: Capacities,
+        tile_cap: int,
+        step: int,
+        groups: np.ndarray,
+        reach: int | None = None,
     ) -> Split:
         """Deals every group of `text` (`group_text`, filled) to its devices: their rows and
-        tile lists into `batch`. `groups`: global index of each of the host's groups."""
+        tile lists into `batch`. `groups`: global index of each of the host's groups; `reach`:
+        the sliding-window layers' (`plan.tiles.window_reach`), whose own lists
+        (`llm_window_tiles`, where the batch has them) go with the same blocks: a rank's
+        windowed tiles are some of its causal ones, so they fit (`rank_window_capacity`)."""
         seg = text["llm_segment_ids"]
         m_n, g_n, r_n, bin_len = seg.shape
         c_n, block = caps.context, caps.attention_block
         blocks = r_n * bin_len // block
-        tiles, bucket = segment_tiles(seg.reshape(m_n * g_n, r_n, bin_len), block, True)
+        rows = seg.reshape(m_n * g_n, r_n, bin_len)
+        tiles, bucket = segment_tiles(rows, block, True)
         starts = np.searchsorted(bucket, np.arange(m_n * g_n + 1))
         owner = np.empty((m_n * g_n, blocks), np.int64)
         lists = batch["llm_tiles"].reshape(m_n * g_n, c_n, tile_cap, 2)
+        narrow = "llm_window_tiles" in batch and reach is not None
+        if narrow:  # (the blocks are dealt by their causal tiles: what the capacity holds)
+            w_tiles, w_bucket = segment_tiles(rows, block, True, reach)
+            w_starts = np.searchsorted(w_bucket, np.arange(m_n * g_n + 1))
+            w_cap = batch["llm_window_tiles"].shape[2]
+            w_lists = batch["llm_window_tiles"].reshape(m_n * g_n, c_n, w_cap, 2)
         for i in range(m_n * g_n):
             t = tiles[starts[i] : starts[i + 1]]
             owner[i] = deal(block_weights(t, blocks), c_n)
@@ -95,6 +113,9 @@ class Split:
                     f"{int(groups[g]) * c_n + e.rank} needs {e.need} llm attention tiles, more "
                     f"than batch.llm_tiles={tile_cap}; raise it (or -1: sized from the data)"
                 ) from None
+            if narrow:  # (never over: `window_tile_cap`, and the causal list just fit)
+                window = w_tiles[w_starts[i] : w_starts[i + 1]]
+                w_lists[i] = rank_tiles(window, owner[i], c_n, w_cap)
         split = cls(owner.reshape(m_n, g_n, blocks), caps)
         order = split.order.reshape(m_n * g_n, blocks)
         for key in text:

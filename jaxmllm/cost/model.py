@@ -138,8 +138,10 @@ class CostModel:
         A decoder's full-attention layers compute the row's causal list (`tile`); its
         sliding-window layers their own, the tiles their window reaches (`window_tile`, per
         tile of `llm_window_tiles`, whose capacity is `batch.bucketize.window_tile_cap`),
-        except under context groups (`context` > 1), where they compute the causal list too:
-        there, and where the model has no window, the windowed coefficient is in `tile`."""
+        except under context groups (`context` > 1), where those lists go with the blocks the
+        group deals by their causal tiles (`batch.context.Split.deal`): a rank's windowed
+        tiles follow its causal ones, so the sizing prices them as those (an upper bound).
+        There, and where the model has no window, the windowed coefficient is in `tile`."""
         out = {}
         for p in PHASES:
             c = self.phase(p)

@@ -17,7 +17,8 @@ it gets: a query sees itself and the `window` - 1 tokens before it, of its own d
 row's, shared by every layer; the window is the layer's. Block-sparse packing may carry a second
 tile list for the windowed layers (`Packing.window_tiles`, `jaxmllm.plan.tiles.window_reach`):
 only the tiles some window reaches, so the tiles wholly outside every window are skipped, not
-scored and masked; without it (context groups) those layers take the row's list.
+scored and masked (with context groups, each rank's: its query blocks' tiles a window reaches);
+without it those layers take the row's list.
 
 Bidirectional spans (`Packing.spans`: an image's tokens in Gemma 3, transformers'
 `token_type_ids`) widen a causal packing: the tokens of one span see each other both ways,
@@ -93,8 +94,8 @@ def packing(
     `context`: block-sparse rows split over the mesh's context groups, when it has them;
     `row`: tokens a row when several lie end to end in one (`Packing.row`); `order_bt`: each
     token's index in its document where the rotary positions are not it (`Packing.order`);
-    `window_tiles_bk2`: the windowed layers' tiles (`Packing.window_tiles`; not with context
-    groups, whose lists are dealt to ranks: the windowed layers take the row's there);
+    `window_tiles_bk2`: the windowed layers' tiles (`Packing.window_tiles`; with context
+    groups a rank's, as `tiles_bk2` is);
     `spans_bt`: bidirectional spans (`Packing.spans`; causal block-sparse or dense)."""
     if kind == "block_sparse":
         if tiles_bk2 is None:
@@ -103,7 +104,7 @@ def packing(
         return Packing(
             segment_ids_bt,
             tiles=tiles_bk2,
-            window_tiles=None if context else window_tiles_bk2,
+            window_tiles=window_tiles_bk2,
             spans=spans_bt,
             block=block,
             causal=causal,
@@ -275,6 +276,7 @@ class Attention(nnx.Module):
 
     def attend(self, q_bthe, k_bske, v_bske, pack: Packing, positions: jax.Array) -> jax.Array:
         """The attention of projected queries, keys and values by `pack`'s kind."""
+        narrow = self.window and pack.window_tiles is not None
         if pack.context:  # (block-sparse, the row split over a context group)
             out_bthe = ctx.attend(
                 q_bthe,
@@ -282,13 +284,12 @@ class Attention(nnx.Module):
                 v_bske,
                 pack.segment_ids,
                 positions if pack.order is None else pack.order,
-                pack.tiles,
+                pack.window_tiles if narrow else pack.tiles,
                 block=pack.block,
                 causal=pack.causal,
                 window=self.window,
             )
         elif pack.kind == "block_sparse":
-            narrow = self.window and pack.window_tiles is not None
             out_bthe = blocksparse.attend(
                 q_bthe,
                 k_bske,

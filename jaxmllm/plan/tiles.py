@@ -79,17 +79,37 @@ def span_extra(tokens: np.ndarray, block: int) -> np.ndarray:
 
 
 def window_tile_capacity(
-    causal_capacity: int, rows: int, row_len: int, block: int, window: int, longest_span: int = 0
+    causal_capacity: int,
+    rows: int,
+    row_len: int,
+    block: int,
+    window: int,
+    longest_span: int = 0,
+    context: int = 1,
 ) -> int:
     """The windowed layers' tile capacity of a bucket of `rows` rows of `row_len` tokens whose
     causal list holds `causal_capacity` (`window_capacity`), under a sliding window of `window`
     tokens (0: none, 0) where bidirectional spans are at most `longest_span` tokens (0: none;
-    the largest item an encoder bucket holds bounds it)."""
+    the largest item an encoder bucket holds bounds it). With context groups (`context` > 1)
+    the bucket is a rank's share of its group's rows: its query blocks lie anywhere in them,
+    so the band bounds each at `reach` + 1 tiles (`rank_window_capacity`)."""
     if not window:
         return 0
     upper = int(span_blocks(np.int64(longest_span), block)) - 1 if longest_span else 0
     reach = window_reach(window, block)
+    if context > 1:
+        return rank_window_capacity(causal_capacity, rows * row_len // block, reach, upper)
     return window_capacity(causal_capacity, rows, row_len // block, reach, upper)
+
+
+def rank_window_capacity(causal_capacity: int, blocks: int, reach: int, upper: int = 0) -> int:
+    """The most windowed tiles a context group's rank of `blocks` query blocks can need: no
+    more than its causal tiles (a rank's windowed tiles are some of its causal ones: the same
+    blocks, dealt once) and no more than `reach` + 1 key blocks a query block, `upper` more
+    where bidirectional spans touch up to `upper` + 1 blocks. (A rank's blocks are dealt from
+    anywhere in its group's rows, so the first blocks of a row, which reach fewer, cannot be
+    counted on: `window_capacity` is a whole row's.)"""
+    return min(int(causal_capacity), blocks * (reach + 1 + upper))
 
 
 def window_capacity(

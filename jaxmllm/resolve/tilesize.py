@@ -263,8 +263,9 @@ def ladder_weights(
 def window_cap(caps: Capacities, llm_tiles: float, weight: tuple) -> int:
     """The windowed layers' tile capacity of an LLM bucket of `llm_tiles` causal tiles
     (`batch.bucketize.window_tile_cap`, from `caps` and the LLM's `TileWeights`): the fewer of
-    those and the band a window reaches; 0 where they have no list of their own (no window,
-    context groups: `CostModel.tile_weights` leaves `window` 0 there)."""
+    those and the band a window reaches; 0 where the weights price no list of their own (no
+    window; context groups, whose ranks' windowed lists `CostModel.tile_weights` prices as
+    their causal ones, leaving `window` 0)."""
     w = TileWeights(*weight)
     if not (w.window and caps.attention_block):
         return 0
