@@ -4,14 +4,17 @@ shapes, nothing allocated) fits a GPU of 80 GB (`python -m jaxmllm.bench.memory 
 process with as many forced CPU devices): within 72 GiB, the 90% of its 79.6 GiB that JAX
 takes with the recipes' XLA_CLIENT_MEM_FRACTION=0.9.
 
-A compile takes ~1-3 min on a CPU, so the slow test compiles one recipe per model path, six:
-the 7B on one node (Qwen2-VL, the most memory per GPU), the 7B's LoRA on one GPU
+A compile takes ~1-3 min on a CPU, so the slow test compiles one recipe per model path,
+seven: the 7B on one node (Qwen2-VL, the most memory per GPU), the 7B's LoRA on one GPU
 (CUDA_VISIBLE_DEVICES=0 in its command), the 30B mixture of experts (expert parallelism, its
 dropless buffers; 71.1 of the 72 GiB), Qwen3-VL-8B (DeepStack), Qwen3-VL-30B-A3B (EP 8,
-LoRA on the routed experts) and Qwen2.5-VL-3B's GRPO (a windowed tower, GRPO's step). The
-others share a path with one of them and are held to it by the fast tests: the 2B (Qwen2-VL's
-path at the 7B's per-GPU rows and patches, a narrower LLM) and every multinode recipe (its
-node's per-GPU shapes; the data x fsdp mesh resolves on its devices above)."""
+LoRA on the routed experts), Qwen2.5-VL-3B's GRPO (a windowed tower, GRPO's step) and
+Gemma-3-4B (windowed layers, images read both ways, the pooling projector). The others share
+a path with one of them and are held to it by the fast tests: the 2B (Qwen2-VL's path at the
+7B's per-GPU rows and patches, a narrower LLM), Gemma-3-12B (the 4B's path and per-GPU
+shapes, a wider and deeper decoder: its peak, in its header, is bench.memory's) and every
+multinode recipe (its node's per-GPU shapes; the data x fsdp mesh resolves on its devices
+above)."""
 
 from __future__ import annotations
 

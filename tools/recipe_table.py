@@ -25,6 +25,7 @@ ORDER = (
     "qwen2vl_7b",
     "qwen2vl_7b_multinode",
     "qwen3_vl_8b",
+    "gemma3_12b",
     "qwen3_vl_30b_a3b",
     "qwen3_vl_30b_a3b_multinode",
     "qwen3_30b_a3b",
