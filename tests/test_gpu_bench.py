@@ -25,8 +25,8 @@ from jaxmllm.bench.gpu_cases import (
     PARTS,
     PEAK_GIB,
     POLICIES,
-    QWEN3_VL,
-    QWEN3_VL_PEAK_GIB,
+    VLM,
+    VLM_PEAK_GIB,
     Case,
     cases,
 )
@@ -81,7 +81,7 @@ def test_every_case_is_well_formed_once_and_the_campaign_covers_its_recipes():
             assert c.part in PARTS and c.name.split("/")[0] == c.part and c.estimate_s > 0
             assert (ROOT / c.config).is_file(), (c.name, c.config)
             assert all(re.fullmatch(r"[\w.]+=.*", s) for s in c.sets), (c.name, c.sets)
-            if c.part in ("recipe", "moe", "qwen3_vl"):
+            if c.part in ("recipe", "moe", "vlm"):
                 assert f"model.attention={c.name.split('/')[1]}" in c.sets, c.name
             assert c.mixes == c.name.endswith("/mixes"), c.name
         assert gpu or not [n for n in names if "cudnn/" in n], names
@@ -91,8 +91,8 @@ def test_every_case_is_well_formed_once_and_the_campaign_covers_its_recipes():
     recipe = [c.name.split("/") for c in on_gpu if c.part == "recipe"]
     assert {r[1] for r in recipe} == {"cudnn", "block_sparse"}
     assert {r[2] for r in recipe} == set(POLICIES) and ["mixes"] in [r[3:] for r in recipe]
-    vl = [c for c in on_gpu if c.part == "qwen3_vl"]
-    assert {c.config for c in vl} == {recipe for recipe, _, _ in QWEN3_VL.values()}
+    vl = [c for c in on_gpu if c.part == "vlm"]
+    assert {c.config for c in vl} == {recipe for recipe, _, _ in VLM.values()}
 
 
 def test_every_case_remat_fits_the_memory_a_run_takes():
@@ -100,12 +100,12 @@ def test_every_case_remat_fits_the_memory_a_run_takes():
     0.9 of an 80 GB GPU the campaign gives JAX (the host case runs the recipe's main policy),
     and the MoE and Qwen3-VL cases' too."""
     budget = xla_flags.MEMORY_FRACTION * 79.6
-    for case in cases(["recipe", "host", "moe", "qwen3_vl"], True, False):
+    for case in cases(["recipe", "host", "moe", "vlm"], True, False):
         if case.part == "moe":
             assert MOE_PEAK_GIB <= budget and "model.remat=full" in case.sets
             continue
-        if case.part == "qwen3_vl":  # (each recipe's own remat)
-            assert QWEN3_VL_PEAK_GIB[case.name.split("/")[-1]] <= budget, case.name
+        if case.part == "vlm":  # (each recipe's own remat)
+            assert VLM_PEAK_GIB[case.name.split("/")[-1]] <= budget, case.name
             assert not [s for s in case.sets if s.startswith("model.remat=")], case.name
             continue
         policy = next(p for p, sets in POLICIES.items() if sets[-1] in case.sets)
@@ -120,7 +120,7 @@ def test_every_cases_data_fits_its_buckets():
     from jaxmllm.config import load_config
     from jaxmllm.resolve.run import resolve_run
 
-    for case in cases(["recipe", "moe", "qwen3_vl", "host"], True, False):
+    for case in cases(["recipe", "moe", "vlm", "host"], True, False):
         if case.mixes:  # (real length tables from ../shared: test_gpu_mix plans them)
             continue
         cfg = load_config(case.config, list(case.sets))

@@ -39,10 +39,12 @@ Parts (`--cases` picks cases by a regular expression over their names, `part/...
   DeltaNet's training step against full attention's (`jaxmllm.bench.linear`).
 - moe: configs/gpu/qwen3_30b_a3b.yaml's per-GPU expert work on this one GPU (16 experts of 768,
   top-8, 12 of its 48 layers; text), full remat: the recipe part's measurements.
-- qwen3_vl: configs/gpu/qwen3_vl_8b.yaml's and qwen3_vl_30b_a3b.yaml's per-GPU steps on this
-  one GPU with images (the tower whole, DeepStack into the LLM's first 3 layers; the 8B's LLM
-  3 of its 36 layers, the MoE's 12 of 48 with 16 experts: what fits one GPU), each recipe's
-  own remat (`gpu_cases.QWEN3_VL_PEAK_GIB`): the recipe part's measurements.
+- vlm: the vision-language recipes' per-GPU steps on this one GPU with images, the towers
+  whole: configs/gpu/qwen3_vl_8b.yaml's and qwen3_vl_30b_a3b.yaml's (DeepStack into the LLM's
+  first 3 layers; the 8B's LLM 3 of its 36 layers, the MoE's 12 of 48 with 16 experts) and
+  gemma3_4b.yaml's (6 of its 34 layers: five windowed, one full; images read both ways;
+  block-sparse only): what fits one GPU, each recipe's own remat (`gpu_cases.VLM_PEAK_GIB`):
+  the recipe part's measurements.
 - host: an 8-GPU host's feed for the recipe's step (`jaxmllm.bench.host --measure-device`).
 
 `--smoke` runs every part at tiny shapes on the CPU (a few minutes; tests/test_gpu_bench.py):

@@ -125,15 +125,18 @@ MOE_SMOKE = [
     "data.synthetic.num_samples=64",
     "data.synthetic.max_text_words=100",
 ]
-# The Qwen3-VL recipes (configs/gpu/qwen3_vl_8b.yaml, FSDP 8; qwen3_vl_30b_a3b.yaml, EP 8) at
-# their per-GPU shapes on one GPU, with images (and DeepStack, interleaved M-RoPE, the learned
-# table resized bilinearly), each under its recipe's remat: the 8B's LLM cut to 3 of its 36
-# layers (DeepStack's) and the MoE's to 12 of 48 with 16 experts (a GPU's share of the node's,
-# as `moe` does) so parameters and Adam fit one GPU; the tower whole (27 layers). Their peaks
-# (bench.memory --check as PEAK_GIB's, block-sparse, 2026-11-25): QWEN3_VL_PEAK_GIB.
-QWEN3_VL = {  # which: (recipe, its per-GPU overrides, --smoke's more)
-    "8b": ("configs/gpu/qwen3_vl_8b.yaml", ["mesh.fsdp=1", "model.llm.depth=3"], []),
-    "30b_a3b": (
+# The vision-language recipes at their per-GPU shapes on one GPU, with images, each under its
+# recipe's remat: Qwen3-VL (configs/gpu/qwen3_vl_8b.yaml, FSDP 8; qwen3_vl_30b_a3b.yaml, EP 8:
+# DeepStack, interleaved M-RoPE, the learned table resized bilinearly), the 8B's LLM cut to 3
+# of its 36 layers (DeepStack's) and the MoE's to 12 of 48 with 16 experts (a GPU's share of
+# the node's, as `moe` does); Gemma 3 (configs/gpu/gemma3_4b.yaml, FSDP 8: windowed layers,
+# images read both ways, the pooling projector) cut to 6 of its 34 layers (five windowed, one
+# full), block-sparse only (cuDNN's attention has no windows here). So parameters and Adam fit
+# one GPU; the towers whole. Their peaks (bench.memory --check as PEAK_GIB's, block-sparse,
+# 2026-11-25; Gemma's 2026-11-27, jax 0.11.2: at 12 layers it took 68.3): VLM_PEAK_GIB.
+VLM = {  # which: (recipe, its per-GPU overrides, --smoke's)
+    "qwen3_vl_8b": ("configs/gpu/qwen3_vl_8b.yaml", ["mesh.fsdp=1", "model.llm.depth=3"], []),
+    "qwen3_vl_30b_a3b": (
         "configs/gpu/qwen3_vl_30b_a3b.yaml",
         [
             "mesh.expert=1",
@@ -143,15 +146,18 @@ QWEN3_VL = {  # which: (recipe, its per-GPU overrides, --smoke's more)
         ],
         ["model.llm.moe.mlp_dim=32"],
     ),
+    "gemma3_4b": ("configs/gpu/gemma3_4b.yaml", ["mesh.fsdp=1", "model.llm.depth=6"], []),
 }
-QWEN3_VL_PEAK_GIB = {"8b": 67.2, "30b_a3b": 28.6}  # (at depth 6 the 8B's took 79.2)
-QWEN3_VL_PER_GPU = [
+VLM_PEAK_GIB = {"qwen3_vl_8b": 67.2, "qwen3_vl_30b_a3b": 28.6, "gemma3_4b": 47.4}
+# (at depth 6 the 8B's took 79.2)
+VLM_PER_GPU = [
     "mesh.data=1",
     "batch.microbatches=2",
     "batch.devices_per_host=-1",
     *BUILT_IN_DATA,
 ]
-QWEN3_VL_SMOKE = [
+# --smoke: each recipe's own kind of model, tiny (`VLM_SMOKE[kind]`)
+QWEN3_VL_SMOKE = [  # (Qwen3-VL's: M-RoPE, DeepStack)
     "model.llm.depth=3",
     "model.llm.width=64",
     "model.llm.heads=4",
@@ -170,9 +176,30 @@ QWEN3_VL_SMOKE = [
     "model.vision.deepstack=[0,2]",
     *SMOKE_ROWS,
 ]
+GEMMA3_SMOKE = [  # (Gemma 3's: windows, the pooling projector; its own norms and MLPs)
+    "model.llm.depth=2",
+    "model.llm.width=64",
+    "model.llm.heads=4",
+    "model.llm.kv_heads=2",
+    "model.llm.head_dim=24",
+    "model.llm.mlp_dim=128",
+    "model.llm.vocab_size=512",
+    "model.llm.attn_scalar=24",
+    "model.llm.window.size=16",
+    "model.llm.window.every=2",
+    "model.vision.depth=2",
+    "model.vision.width=32",
+    "model.vision.heads=2",
+    "model.vision.mlp_dim=64",
+    "model.vision.patch_size=4",
+    "model.vision.position_grid=8",
+    *SMOKE_ROWS,
+]
+VLM_SMOKE = {"qwen3_vl_8b": QWEN3_VL_SMOKE, "qwen3_vl_30b_a3b": QWEN3_VL_SMOKE}
+VLM_SMOKE["gemma3_4b"] = GEMMA3_SMOKE
 # (kind, heads, kv heads, head dim): the recipes' LLM and vision attention
 HEADS = {"llm": ("llm", 12, 2, 128), "vision": ("vision", 16, 16, 80)}
-PARTS = ("env", "tests", "recipe", "attention", "moe", "qwen3_vl", "host")
+PARTS = ("env", "tests", "recipe", "attention", "moe", "vlm", "host")
 # The campaign on a GPU, most valuable first (`--plan` packs it into device calls in this
 # order), and the seconds each case takes on one H100 from an empty compile cache, its
 # process's start-up included. Measured on one H100 80GB (jax 0.11.2, 2026-11-26): env 3 s,
@@ -191,8 +218,9 @@ CAMPAIGN = {
     "recipe/cudnn/save_dots_except_mlp/mixes": 500,  # on ChartQA's and AI2D's lengths
     "moe/cudnn/full": 180,  # the 30B-A3B mixture of experts' per-GPU expert work
     "recipe/cudnn/llm_save_dots": 500,  # the vision tower recomputed, the LLM's dots kept
-    "qwen3_vl/cudnn/8b": 200,  # Qwen3-VL-8B's per-GPU step: DeepStack, its table, images
-    "qwen3_vl/cudnn/30b_a3b": 200,  # Qwen3-VL-30B-A3B's: the tower beside the MoE's experts
+    "vlm/cudnn/qwen3_vl_8b": 200,  # Qwen3-VL-8B's per-GPU step: DeepStack, its table, images
+    "vlm/cudnn/qwen3_vl_30b_a3b": 200,  # Qwen3-VL-30B-A3B's: the tower beside the MoE's experts
+    "vlm/block_sparse/gemma3_4b": 200,  # Gemma-3-4B's: windowed layers, images both ways
     "host": 500,  # an 8-GPU host's feed against this step (its compile as a recipe case's)
 }
 # --smoke's seconds a case at tiny shapes on the 2-core CPU, shared (load average 10; 2026-11-25)
@@ -202,7 +230,7 @@ SMOKE_S = {
     "recipe": 100,
     "attention": 30,
     "moe": 60,
-    "qwen3_vl": 100,
+    "vlm": 100,
     "host": 100,
 }
 
@@ -237,18 +265,19 @@ def cases(parts: list[str], gpu: bool, smoke: bool) -> list[Case]:
 def case(name: str, smoke: bool) -> Case:
     """The case a campaign name stands for: part/kernel/policy[/mixes], env, tests/..., ..."""
     part, *rest = name.split("/")
-    estimate = SMOKE_S[part] if smoke else CAMPAIGN[name.replace("/block_sparse/", "/cudnn/")]
+    on_gpu = name if name in CAMPAIGN else name.replace("/block_sparse/", "/cudnn/")
+    estimate = SMOKE_S[part] if smoke else CAMPAIGN[on_gpu]
     if part in ("env", "tests", "attention"):
         return Case(part, name, smoke=smoke, estimate_s=estimate)
     shrink = tuple(SMOKE) if smoke else ()
     if part == "host":  # (the remat of the recipe's main case: the recipe's own takes 68.5 GiB)
         sets = (*PER_GPU, *shrink, *POLICIES["save_dots_except_mlp"])
         return Case(part, name, sets, smoke, estimate_s=estimate)
-    if part == "qwen3_vl":  # (the recipe's own remat: QWEN3_VL_PEAK_GIB measured it)
+    if part == "vlm":  # (the recipe's own remat: VLM_PEAK_GIB measured it)
         kernel, which = rest
-        config, own, more = QWEN3_VL[which]
-        tiny = (*QWEN3_VL_SMOKE, *more) if smoke else ()
-        sets = (*QWEN3_VL_PER_GPU, *own, *tiny, f"model.attention={kernel}")
+        config, own, more = VLM[which]
+        tiny = (*VLM_SMOKE[which], *more) if smoke else ()
+        sets = (*VLM_PER_GPU, *own, *tiny, f"model.attention={kernel}")
         return Case(part, name, sets, smoke, config, estimate_s=estimate)
     kernel, policy, *mixes = rest
     if part == "moe":
@@ -484,8 +513,8 @@ def moe(case: Case, out: Path) -> Iterator[dict]:
     yield from recipe(case, out)
 
 
-def qwen3_vl(case: Case, out: Path) -> Iterator[dict]:
-    """A Qwen3-VL recipe's step on this device (`recipe`'s measurements, QWEN3_VL)."""
+def vlm(case: Case, out: Path) -> Iterator[dict]:
+    """A vision-language recipe's step on this device (`recipe`'s measurements, VLM)."""
     yield from recipe(case, out)
 
 

@@ -164,13 +164,14 @@ def host(rows: list[dict]) -> str:
     return "## Host against the step (8-GPU host)\n\n" + "\n".join(lines)
 
 
-def qwen3_vl(rows: list[dict]) -> str:
-    """The Qwen3-VL recipes' per-GPU steps: the recipe table's columns."""
-    text = recipe(rows).replace("## Recipe step", "## Qwen3-VL steps", 1)
+def vlm(rows: list[dict]) -> str:
+    """The vision-language recipes' per-GPU steps: the recipe table's columns."""
+    text = recipe(rows).replace("## Recipe step", "## Vision-language recipes' steps", 1)
     return text.replace(
         "The recipe's per-GPU shapes",
-        "configs/gpu/qwen3_vl_8b.yaml's (3 of its LLM's 36 layers) and qwen3_vl_30b_a3b.yaml's "
-        "(12 of 48 layers, 16 experts, top-8) per-GPU shapes with images, DeepStack",
+        "configs/gpu/qwen3_vl_8b.yaml's (3 of its LLM's 36 layers), qwen3_vl_30b_a3b.yaml's "
+        "(12 of 48 layers, 16 experts, top-8) and gemma3_4b.yaml's (6 of 34 layers, windows of "
+        "1024) per-GPU shapes with images",
         1,
     )
 
@@ -181,7 +182,7 @@ SECTIONS = {
     "recipe": recipe,
     "attention": attention,
     "moe": moe,
-    "qwen3_vl": qwen3_vl,
+    "vlm": vlm,
     "host": host,
 }
 PARTS = tuple(SECTIONS)
