@@ -320,6 +320,10 @@ class LLMConfig(BlockOptions):
     # decoder, each item's within itself, the rest causal (Gemma 3's images: transformers'
     # token_type_ids); the batch marks them (`llm_spans`)
     bidirectional: tuple[str, ...] = ()
+    # With bidirectional spans, the full-attention layers read them both ways too (Gemma 3);
+    # false: only the sliding-window layers do and the full ones stay causal over them (Gemma
+    # 4's use_bidirectional_attention: vision)
+    bidirectional_full: bool = True
     # A norm after attention and after the MLP too, each output normed before its residual add
     # (Gemma's four norms a layer: x + norm(attn(norm(x))), then the same for the MLP)
     post_norms: bool = False

@@ -24,7 +24,10 @@ Bidirectional spans (`Packing.spans`: an image's tokens in Gemma 3, transformers
 `token_type_ids`) widen a causal packing: the tokens of one span see each other both ways,
 inside their document, and nothing else changes; a window still narrows them (transformers'
 AND of the window and OR(causal, span)). The spans are the row's, like its segments: the batch
-carries them (`llm_spans`), so they hold wherever the images were encoded.
+carries them (`llm_spans`), so they hold wherever the images were encoded. A layer may leave
+them out (`Attention.spans` false: Gemma 4's full-attention layers stay causal over images,
+its sliding ones read them both ways), so a dense packing keeps them beside its causal mask
+and each layer widens the mask itself.
 """
 
 from __future__ import annotations
@@ -56,8 +59,8 @@ class Packing:
     # [B, K', 2] block-sparse: the tiles the sliding-window layers compute (those some window
     # reaches, K' <= K); None: they take `tiles` and mask what is outside their window
     window_tiles: jax.Array | None = None
-    # [B, T] bidirectional spans (causal only): tokens of one id > 0 see each other both ways;
-    # None: none (the dense mask has them already)
+    # [B, T] bidirectional spans (causal only): tokens of one id > 0 see each other both ways
+    # in the layers that read them (`Attention.spans`); None: none
     spans: jax.Array | None = None
     block: int = dataclasses.field(default=0, metadata=dict(static=True))
     causal: bool = dataclasses.field(default=False, metadata=dict(static=True))
@@ -121,9 +124,7 @@ def packing(
             segment_ids_bt, causal=causal, kind=kind, offsets=offsets, lengths=lengths, row=row
         )
     mask = attention_mask(segment_ids_bt, causal=causal)
-    if spans_bt is not None:
-        mask = bidirectional(mask, segment_ids_bt, spans_bt)
-    return Packing(segment_ids_bt, mask=mask, causal=causal, kind="dense", row=row)
+    return Packing(segment_ids_bt, mask=mask, spans=spans_bt, causal=causal, kind="dense", row=row)
 
 
 def attention_mask(segment_ids_bt: jax.Array, *, causal: bool) -> jax.Array:
@@ -203,6 +204,7 @@ class Attention(nnx.Module):
         scalar: float = 0.0,
         v_norm: bool = False,
         k_eq_v: bool = False,
+        spans: bool = True,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         lora: dict[str, Adapter] | None = None,
@@ -220,8 +222,9 @@ class Attention(nnx.Module):
         1 / sqrt(scalar) (Gemma's query_pre_attn_scalar; 0: the head width); `v_norm`: an
         RMSNorm without a scale over each head's values (Gemma 4); `k_eq_v`: no value
         projection, the values are the key projection's output before its norm and rotary
-        (Gemma 4's attention_k_eq_v); `lora`: adapters of the projections it names (q, k, v,
-        o)."""
+        (Gemma 4's attention_k_eq_v); `spans`: whether it reads a packing's bidirectional
+        spans both ways (false: causal over them, Gemma 4's full layers); `lora`: adapters of
+        the projections it names (q, k, v, o)."""
         assert heads % kv_heads == 0, (heads, kv_heads)
         head_dim = head_dim or width // heads
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -253,6 +256,7 @@ class Attention(nnx.Module):
         self.rotary_dim = rotary_dim if 0 < rotary_dim < head_dim else 0
         self.gate = gate
         self.window = window
+        self.spans = spans
         # Every attention path divides the scores by sqrt(head_dim): the queries carry the rest
         self.query_factor = math.sqrt(head_dim / scalar) if scalar else 1.0
         self.dtype = dtype
@@ -299,7 +303,7 @@ class Attention(nnx.Module):
                 block=pack.block,
                 causal=pack.causal,
                 window=self.window,
-                spans_bt=pack.spans,
+                spans_bt=pack.spans if self.spans else None,
             )
         elif pack.kind == "cudnn":
             if self.window:  # (config load refuses it first, naming model.attention)
@@ -314,7 +318,10 @@ class Attention(nnx.Module):
                 causal=pack.causal,
             )
         else:
-            mask = windowed(pack.mask, self.window) if self.window else pack.mask
+            mask = pack.mask
+            if pack.spans is not None and self.spans:
+                mask = bidirectional(mask, pack.segment_ids, pack.spans)
+            mask = windowed(mask, self.window) if self.window else mask
             out_bthe = dense_attention(q_bthe, k_bske, v_bske, mask, self.dtype)
         return out_bthe
 

@@ -73,6 +73,7 @@ class Decoder(nnx.Module):
             post_norms=cfg.post_norms,
             v_norm=cfg.v_norm,
             layer_scalar=cfg.layer_scalar,
+            spans=cfg.bidirectional_full,
         )
         kinds, pattern = layer_kinds(cfg, spec)
         self.transformer = Transformer(
@@ -236,8 +237,9 @@ def layer_kinds(cfg: LLMConfig, spec: BlockSpec) -> tuple[dict | None, tuple[str
     def spec_of(kind: LayerKind) -> BlockSpec:
         """The shared BlockSpec with the kind's own parts: its experts or, where dense among
         them, no MLP adapters; its linear attention; its sliding window, with the windowed
-        layers' own rotary base (unscaled); beside windows, the full layers' own head width,
-        key-value heads and values from keys (`model.llm.full_*`)."""
+        layers' own rotary base (unscaled), reading the spans both ways; beside windows, the
+        full layers' own head width, key-value heads and values from keys
+        (`model.llm.full_*`)."""
         out = spec
         if kind.moe:
             out = dataclasses.replace(out, moe=MoESpec.of(cfg.moe))
@@ -248,7 +250,11 @@ def layer_kinds(cfg: LLMConfig, spec: BlockSpec) -> tuple[dict | None, tuple[str
         if kind.sliding:
             w = cfg.window
             out = dataclasses.replace(
-                out, window=w.size, rope_theta=w.rope_theta, rope_scaling=RopeScaling()
+                out,
+                window=w.size,
+                rope_theta=w.rope_theta,
+                rope_scaling=RopeScaling(),
+                spans=True,
             )
         elif cfg.window.enabled and not kind.linear:  # (Gemma 4's full layers: their own)
             out = dataclasses.replace(

@@ -58,6 +58,7 @@ class BlockSpec:
     v_norm: bool = False  # an unscaled RMSNorm over each head's values (Gemma 4)
     k_eq_v: bool = False  # the values are the key projection's output (Gemma 4's full layers)
     layer_scalar: bool = False  # the block's output times a learned scalar (Gemma 4)
+    spans: bool = True  # reads the packing's bidirectional spans (false: causal over them)
     # The token mixer is Gated DeltaNet linear attention of these sizes, not attention
     linear: LinearSpec | None = None
     # LoRA adapters: (target, lora.Adapter) of the matrices that have one (q, k, v, o, ...)
@@ -131,6 +132,7 @@ class Block(nnx.Module):
                 scalar=spec.attn_scalar,
                 v_norm=spec.v_norm,
                 k_eq_v=spec.k_eq_v,
+                spans=spec.spans,
                 lora=adapters,
                 rngs=rngs,
                 **kw,
