@@ -37,6 +37,13 @@ class VisionConfig(BlockOptions):
     # How the table is resized to each image's grid: bicubic (torch's, align_corners false:
     # SigLIP, CLIP) | bilinear (align_corners true: Qwen3-VL)
     position_resize: str = "bicubic"
+    # Rows of each of two learned tables of positions added to the patch embeddings, a patch
+    # reading its column's row of the first and its row's row of the second, no resize (Gemma
+    # 4's position_embedding_table, its position_embedding_size); 0: none
+    position_axes: int = 0
+    # The axis each half of a head turns by under positions: rope (2D rotary): rows_first (the
+    # first half by row, the second by column: Qwen2-VL) | cols_first (Gemma 4's axial rotary)
+    rope_axes: str = "rows_first"
     patch_bias: bool = True  # a bias on the patch embedding (Qwen2-VL's has none)
     # Frames per patch of a video-capable patch embedding (Qwen2-VL: 2): a video's temporal
     # patch is this many frames of a patch side by side; an image repeats its one frame
@@ -55,6 +62,12 @@ class VisionConfig(BlockOptions):
     # side) | pool (their mean, an RMSNorm scaling by 1 + w, one Linear without a bias: Gemma
     # 3's average-pooled soft tokens; projector_dim and projector_act are not read)
     projector: str = "mlp"
+    # pool, Gemma 4's form: the mean times sqrt(width), standardised where `standardize` says,
+    # an RMSNorm without a scale, the Linear (its pooler and embed_vision)
+    pool_embed: bool = False
+    # pool_embed: the pooled rows minus a learned bias, times a learned scale, per channel
+    # (Gemma 4's standardize: its std_bias and std_scale)
+    standardize: bool = False
     projector_dim: int = 0  # the projector's hidden width; 0 = the LLM's width
     projector_act: str = "gelu_tanh"  # the projector's activation: gelu_tanh | gelu (exact)
     freeze: bool = False  # no gradient and no optimizer state for the encoder
@@ -78,6 +91,12 @@ class VisionConfig(BlockOptions):
     # width, then fc1, GELU, fc2), are added to the LLM's hidden states at the image's and
     # video's tokens after its first len(deepstack) layers, the k-th after layer k
     deepstack: tuple[int, ...] = ()
+    # Gemma 4's block (as the decoder's keys): each branch's output normed before its residual
+    # add, an RMSNorm without a scale over each head's values, scores scaled by
+    # 1 / sqrt(attn_scalar) (0: the head width)
+    post_norms: bool = False
+    v_norm: bool = False
+    attn_scalar: float = 0.0
 
     @property
     def stages_ok(self) -> bool:
@@ -119,6 +138,19 @@ class VisionConfig(BlockOptions):
             "position_grid",
         )
         check(self.position_grid >= 0, "must be >= 0 (0: no learned table)", "position_grid")
+        check(self.position_axes >= 0, "must be >= 0 (0: no axial tables)", "position_axes")
+        check(self.rope_axes in ROPE_AXES, f"must be one of {', '.join(ROPE_AXES)}", "rope_axes")
+        check(self.attn_scalar >= 0, "must be >= 0 (0: the head width)", "attn_scalar")
+        check(
+            not self.pool_embed or self.projector == "pool",
+            "is the pooling projector's form: needs projector: pool",
+            "pool_embed",
+        )
+        check(
+            not self.standardize or self.pool_embed,
+            "standardises pool_embed's pooled rows: needs pool_embed: true",
+            "standardize",
+        )
         check(
             self.position_resize in RESIZES,
             f"must be one of {', '.join(RESIZES)}",
@@ -187,6 +219,7 @@ class VisionConfig(BlockOptions):
 
 PROJECTORS = ("mlp", "linear")  # jaxmllm.models.projectors implements each
 VISION_PROJECTORS = ("mlp", "pool")  # (the vision tower's)
+ROPE_AXES = {"rows_first": "2d", "cols_first": "2d_cols_first"}  # -> models.layers.ROPE
 
 
 @dataclass(frozen=True)

@@ -310,6 +310,15 @@ def rope_2d(
     return jnp.concatenate([rows, cols], axis=-1)
 
 
+def rope_2d_cols_first(
+    x_bthe: jax.Array, positions_bt2: jax.Array, theta: float, scaling: Any = None
+) -> jax.Array:
+    """`rope_2d` with the halves' axes swapped: the first half of each head rotates by column,
+    the second by row (Gemma 4's axial rotary: transformers' `apply_multidimensional_rope` of
+    the (x, y) patch positions, each half its own rotate-half rotary)."""
+    return rope_2d(x_bthe, positions_bt2[..., ::-1], theta, scaling)
+
+
 def rope_multi(
     x_bthe: jax.Array,
     positions_bt3: jax.Array,
@@ -351,6 +360,7 @@ def no_rope(x_bthe: jax.Array, positions: jax.Array, theta: float, scaling: Any 
 ROPE = {
     "1d": rope_1d,
     "2d": rope_2d,
+    "2d_cols_first": rope_2d_cols_first,  # Gemma 4's vision tower
     "none": no_rope,
     "mrope": rope_multi,  # M-RoPE in sections (Qwen2-VL), interleaved (Qwen3-VL)
     "mrope_interleaved": functools.partial(rope_multi, interleaved=True),

@@ -7,7 +7,10 @@ width of 4x the encoder's and exact GELU), the audio projector merges the rows o
 each of its pooled rows (`LinearProjector`). Gemma 3's pools instead of concatenating
 (`model.vision.projector: pool`, `PoolProjector`): the mean of a token's merge x merge patches
 (its average pooling over a k x k window of the patch grid, the rows already in merge order),
-an RMSNorm scaling by 1 + w, one Linear without a bias.
+an RMSNorm scaling by 1 + w, one Linear without a bias. Gemma 4's (`pool_embed`)
+scales the mean by sqrt(the tower's width), standardises it per channel where `standardize`
+says (its tower's std_bias and std_scale: (x - bias) x scale), then an RMSNorm without a scale
+and the Linear (its pooler, then `embed_vision`).
 
 A vision tower with DeepStack (`model.vision.deepstack`: Qwen3-VL) has one more projector per
 tapped block, beside the main one (`vision_projector/deepstack`, stacked on a leading `layers`
@@ -16,6 +19,8 @@ then the same MLP (Qwen3-VL's `deepstack_merger_list`, its `use_postshuffle_norm
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -116,7 +121,9 @@ class LinearProjector(nnx.Module):
 
 class PoolProjector(nnx.Module):
     """The mean of each run of `group` rows, an RMSNorm scaling by 1 + w, one Linear without a
-    bias (the module docstring: Gemma 3's `mm_soft_emb_norm`, `mm_input_projection_weight`)."""
+    bias (the module docstring: Gemma 3's `mm_soft_emb_norm`, `mm_input_projection_weight`);
+    with `embed`, Gemma 4's: the mean times sqrt(in_width), standardised (`standardize`), an
+    RMSNorm without a scale, the Linear."""
 
     def __init__(
         self,
@@ -125,16 +132,26 @@ class PoolProjector(nnx.Module):
         group: int,
         *,
         norm_eps: float,
+        embed: bool = False,
+        standardize: bool = False,
         dtype,
         param_dtype,
         lora=None,
         rngs: nnx.Rngs,
     ):
-        """`group` rows a token, pooled; `norm_eps`: the norm's epsilon; `lora`: fc's adapter."""
+        """`group` rows a token, pooled; `norm_eps`: the norm's epsilon; `embed`, `standardize`:
+        Gemma 4's (the class docstring); `lora`: fc's adapter."""
         self.group = group
-        self.norm = NORMS["rms_offset"](
-            in_width, eps=norm_eps, dtype=dtype, param_dtype=param_dtype
+        self.norm = (
+            None
+            if embed
+            else NORMS["rms_offset"](in_width, eps=norm_eps, dtype=dtype, param_dtype=param_dtype)
         )
+        self.eps, self.dtype = norm_eps, dtype
+        self.scale = math.sqrt(in_width) if embed else 1.0
+        channel = lambda init: nnx.Param(init((in_width,), param_dtype), axes=("embed",))
+        self.std_bias = channel(jnp.zeros) if standardize else None
+        self.std_scale = channel(jnp.ones) if standardize else None
         kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.fc = Dense(in_width, out_width, (None, "embed"), lora=(lora or {}).get("fc"), **kw)
 
@@ -142,7 +159,16 @@ class PoolProjector(nnx.Module):
         """[B, N, in_width] -> [B, N / group, out_width]: the mean in fp32, as the norm."""
         b, n, d = x_bnd.shape
         x_bngd = x_bnd.reshape(b, n // self.group, self.group, d).astype(jnp.float32)
-        return self.fc(self.norm(jnp.mean(x_bngd, axis=2)))
+        pooled = jnp.mean(x_bngd, axis=2)
+        if self.norm is not None:
+            return self.fc(self.norm(pooled))
+        pooled = pooled * self.scale  # (Gemma 4: in fp32, as its pooler scales)
+        if self.std_bias is not None:
+            bias, scale = (p[...].astype(jnp.float32) for p in (self.std_bias, self.std_scale))
+            pooled = (pooled - bias) * scale
+        # (an RMSNorm without a scale, in fp32, as Gemma4RMSNorm(with_scale=False))
+        pooled = pooled * jax.lax.rsqrt(jnp.mean(pooled * pooled, -1, keepdims=True) + self.eps)
+        return self.fc(pooled.astype(self.dtype))
 
 
 def vision_projector(cfg: ModelConfig, **kw) -> Projector | PoolProjector:
@@ -150,7 +176,8 @@ def vision_projector(cfg: ModelConfig, **kw) -> Projector | PoolProjector:
     v = cfg.vision
     kw["lora"] = _adapters(cfg, "vision_projector")
     if v.projector == "pool":
-        return PoolProjector(v.width, cfg.llm.width, v.merge**2, norm_eps=v.norm_eps, **kw)
+        embed = dict(embed=v.pool_embed, standardize=v.standardize)
+        return PoolProjector(v.width, cfg.llm.width, v.merge**2, norm_eps=v.norm_eps, **embed, **kw)
     return Projector(
         v.width,
         cfg.llm.width,

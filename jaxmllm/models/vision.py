@@ -4,7 +4,9 @@ Each device holds one packed row of patches from several images of any size. Ima
 to each other (segment mask). Positions are 2D rotary (row, column within the image; also the
 Qwen2-VL vision tower's scheme), so no image size is baked into the parameters, or a learned
 SigLIP table resized to each image's grid (`jaxmllm.models.positions`), or both (Qwen3-VL's
-tower: its table resized bilinearly, and 2D rotary in every block).
+tower: its table resized bilinearly, and 2D rotary in every block), or two learned tables read
+at each patch's column and row, beside 2D rotary whose head halves turn by column then row
+(Gemma 4's tower: `position_axes`, `rope_axes: cols_first`).
 
 DeepStack (`model.vision.deepstack`, Qwen3-VL): the outputs of a few blocks are kept
 (`tapped`) for their own projectors, whose rows the LLM adds to its first layers' hidden states
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmllm.config import VisionConfig
+from jaxmllm.config.model import ROPE_AXES
 from jaxmllm.config.spec import Inputs
 from jaxmllm.models import vision_rows as vr
 from jaxmllm.models.attention import packing
@@ -65,6 +68,17 @@ class VisionEncoder(nnx.Module):
             else None
         )
         self.position_resize = cfg.position_resize
+        self.position_axes = (
+            normal_param(
+                rngs,
+                (2, cfg.position_axes, cfg.width),
+                0.02,
+                (None, "positions", "embed"),
+                param_dtype,
+            )
+            if cfg.position_axes
+            else None
+        )
         self.deepstack = tuple(cfg.deepstack)  # the blocks whose outputs DeepStack reads
         # CLIP: a learned class token and its own row of the position table; a norm first.
         token = lambda: normal_param(rngs, (cfg.width,), 0.02, ("embed",), param_dtype)
@@ -77,10 +91,17 @@ class VisionEncoder(nnx.Module):
             else None
         )
         self.merge, self.window = cfg.merge, cfg.window
-        rope = "2d" if cfg.positions == "rope" else "none"
+        rope = ROPE_AXES[cfg.rope_axes] if cfg.positions == "rope" else "none"
+        spec = BlockSpec.of(  # plain multi-head attention
+            cfg,
+            rope=rope,
+            post_norms=cfg.post_norms,
+            v_norm=cfg.v_norm,
+            attn_scalar=cfg.attn_scalar,
+        )
         self.transformer = Transformer(
             cfg.depth,
-            BlockSpec.of(cfg, rope=rope),  # plain multi-head attention
+            spec,
             remat=remat,
             final_norm=cfg.final_norm,
             full_layers=cfg.full_blocks,
@@ -143,6 +164,10 @@ class VisionEncoder(nnx.Module):
                 table, segment_ids_bp, positions_bp2, self.position_resize, x_bpd.dtype
             )
             x_bpd = (x_bpd.astype(jnp.float32) + pos_bpd).astype(x_bpd.dtype)
+        if self.position_axes is not None:  # (a column's row of one table, a row's of the other)
+            tables = self.position_axes[...].astype(x_bpd.dtype)
+            pos_bpd = tables[0][positions_bp2[..., 1]] + tables[1][positions_bp2[..., 0]]
+            x_bpd = x_bpd + pos_bpd
         seg, pos, tiles = segment_ids_bp, positions_bp2, tiles_bk2
         b, n = seg.shape
         sparse = self.attention == "block_sparse"
