@@ -171,6 +171,11 @@ class DataConfig:
     max_tokenizer_bytes: int = 48 << 20
     image_min_pixels: int = 3136  # smaller images are upscaled to about this many pixels
     image_max_pixels: int = 1003520  # larger images are downscaled to at most this many pixels
+    # How an image's sides become whole merge blocks: round (each side rounded, then scaled
+    # into [image_min_pixels, image_max_pixels]: Qwen2-VL's) | floor (scaled to
+    # image_max_pixels at its aspect ratio, up or down, each side floored: Gemma 4's processor;
+    # image_min_pixels is not read)
+    image_resize: str = "round"
     # Pixels become (x / 255 - mean) / std per channel (RGB): 0.5 / 0.5 maps them to [-1, 1]
     # (SigLIP's); a pretrained encoder wants its processor's (`hf import` copies them)
     image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
@@ -309,6 +314,7 @@ class DataConfig:
         check(self.image_min_pixels >= 1, "must be >= 1", "image_min_pixels")
         check(min(self.image_std) > 0, "every channel's std must be > 0", "image_std")
         check(self.mel in ("jaxmllm", "whisper"), "must be jaxmllm or whisper", "mel")
+        check(self.image_resize in ("round", "floor"), "must be round or floor", "image_resize")
         check(
             self.image_max_pixels >= self.image_min_pixels,
             "must be >= image_min_pixels",

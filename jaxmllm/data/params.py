@@ -39,6 +39,7 @@ class Params:
     n_mels: int = field(compare=False)  # does not change counts
     # The encoder phases the model has, comma-separated: a record with items of another phase
     encoders: str = ",".join(NAMES)  # is refused at index time (`no_encoder`)
+    image_resize: str = "round"  # data.image_resize: `image.image_grid`'s rule
     # Videos' sampling and resize rule (jaxmllm.data.media.video)
     temporal_patch: int = 1
     video_fps: float = 2.0
@@ -91,6 +92,7 @@ class Params:
             merge=v.merge,
             image_min_pixels=d.image_min_pixels,
             image_max_pixels=d.image_max_pixels,
+            image_resize=d.image_resize,
             audio_sample_rate=d.audio_sample_rate,
             audio_max_frames=d.audio_max_frames,
             subsample=cfg.model.audio.subsample,
@@ -136,13 +138,13 @@ class Params:
         """What images are resized to (`image.Grid`), within `max_pixels` (default
         data.image_max_pixels)."""
         high = max_pixels or self.image_max_pixels
-        return (self.patch_size, self.merge, min(self.image_min_pixels, high), high)
+        low = min(self.image_min_pixels, high)
+        return (self.patch_size, self.merge, low, high, self.image_resize)
 
     def patch_grid(self, h: int, w: int, max_pixels: int = 0) -> tuple[int, int]:
         """The patch grid (rows, cols) an h x w image is resized to (`image.image_grid`), within
         `max_pixels` (default data.image_max_pixels; the oversize policy's shrink lowers it)."""
-        patch, merge, low, high = self.image_grid(max_pixels)
-        return image_grid(h, w, patch, merge, low, high)
+        return image_grid(h, w, *self.image_grid(max_pixels))
 
     def audio_caps(self) -> Caps:
         """What a clip may cost before it is decoded."""
@@ -188,7 +190,7 @@ class Params:
 
 
 # Count-deciding fields added since indexes were first built, and their defaults
-SINCE = {"video_timestamps": False}
+SINCE = {"video_timestamps": False, "image_resize": "round"}
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Images: header sizes, decoding to RGB, the pixel-budget resize rule, native-resolution patches.
 
 `image_grid` is the one resize rule: the index applies it to the header size and preprocessing to
-the decoded size, so the index's patch counts are exactly what training sees.
+the decoded size, so the index's patch counts are exactly what training sees. It rounds each side
+into the budget (`round`, Qwen2-VL's) or floors both to the budget's size (`floor`, Gemma 4's
+`get_aspect_ratio_preserving_size`: `data.image_resize`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from jaxmllm.data.rejects import MAX_MEDIA_BYTES, RecordError, check_media_file
 
 ORIENTATION = 0x0112  # EXIF tag; values 5..8 swap width and height
 Source = str | Path | bytes
-Grid = tuple[int, int, int, int]  # (patch, merge, min_pixels, max_pixels): `image_grid`'s rule
+# (patch, merge, min_pixels, max_pixels, rule): `image_grid`'s arguments
+Grid = tuple[int, int, int, int, str]
+RESIZE_RULES = ("round", "floor")  # data.image_resize
 MAX_PIXELS = 1 << 26  # the default of data.max_image_pixels
 # Raster formats PIL may open (others are refused as undecodable): the common dataset formats.
 # MPO is how PIL opens many camera JPEGs. Left out: EPS/PS (Ghostscript), ICO/ICNS/CUR (the
@@ -50,13 +54,22 @@ class ImageCaps:
 
 
 def image_grid(
-    h: int, w: int, patch: int, merge: int, min_pixels: int, max_pixels: int
+    h: int,
+    w: int,
+    patch: int,
+    merge: int,
+    min_pixels: int,
+    max_pixels: int,
+    rule: str = "round",
 ) -> tuple[int, int]:
     """Patch grid (rows, cols) of an h x w image resized into [min_pixels, max_pixels].
 
     Keeps the aspect ratio and rounds each side to a multiple of patch*merge pixels (so merge
-    blocks tile the grid), never below one block and never above max_pixels.
+    blocks tile the grid), never below one block and never above max_pixels. `rule` floor:
+    `floor_grid` (min_pixels is not read).
     """
+    if rule == "floor":
+        return floor_grid(h, w, patch, merge, max_pixels)
     unit = patch * merge
     hb, wb = max(unit, round(h / unit) * unit), max(unit, round(w / unit) * unit)
     if hb * wb > max_pixels:
@@ -72,6 +85,25 @@ def image_grid(
         else:
             wb -= unit
     return hb // patch, wb // patch
+
+
+def floor_grid(h: int, w: int, patch: int, merge: int, max_pixels: int) -> tuple[int, int]:
+    """Gemma 4's resize (its processor's `get_aspect_ratio_preserving_size`, the same float
+    arithmetic): the image scaled to `max_pixels` at its aspect ratio, each side floored to a
+    multiple of patch*merge pixels; a side that floors to nothing is one block, the other
+    floor(long / short) blocks, at most the budget's blocks in a line."""
+    unit = patch * merge
+    factor = math.sqrt(max_pixels / (h * w))
+    th = int(math.floor(factor * h / unit)) * unit
+    tw = int(math.floor(factor * w / unit)) * unit
+    longest = (max_pixels // patch**2 // merge**2) * unit
+    if th == 0 and tw == 0:  # (a budget under one block: `Params` refuses it)
+        th = tw = unit
+    elif th == 0:
+        th, tw = unit, min(int(math.floor(w / h)) * unit, longest)
+    elif tw == 0:
+        th, tw = min(int(math.floor(h / w)) * unit, longest), unit
+    return th // patch, tw // patch
 
 
 def open_image(
@@ -225,9 +257,8 @@ def target_of(h: int, w: int, grid: Grid | None) -> tuple[int, int]:
     without one)."""
     if grid is None:
         return h, w
-    patch, merge, low, high = grid
-    gh, gw = image_grid(h, w, patch, merge, low, high)
-    return gh * patch, gw * patch
+    gh, gw = image_grid(h, w, *grid)
+    return gh * grid[0], gw * grid[0]
 
 
 def _reduced(img: Image.Image, th: int, tw: int) -> Image.Image:
@@ -289,9 +320,10 @@ def load_image(
     max_pixels: int,
     record_id: str = "?",
     caps: ImageCaps = ImageCaps(),
+    rule: str = "round",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Decode (refusing an image over `caps`: `open_image`), resize to the pixel budget
-    [`min_pixels`, `max_pixels`], patchify.
+    [`min_pixels`, `max_pixels`] by `rule` (`image_grid`), patchify.
 
     The patch grid is the header's size's (what the index counted); an image decoded smaller
     (`_decode`) is resampled to it.
@@ -300,9 +332,9 @@ def load_image(
     the encoder normalises them on the device (`jaxmllm.config.spec.Inputs`: (x / 255 -
     data.image_mean) / data.image_std per channel; `Inputs.normalise` on the host).
     """
-    grid = (patch, merge, min_pixels, max_pixels)
+    grid = (patch, merge, min_pixels, max_pixels, rule)
     rgb, (h, w) = _decode(src, record_id, caps, grid)
-    gh, gw = image_grid(h, w, patch, merge, min_pixels, max_pixels)
+    gh, gw = image_grid(h, w, *grid)
     if rgb.shape[:2] == (h, w):
         rgb = fit_to_grid(rgb, gh * patch, gw * patch, patch * merge)
     else:  # (decoded smaller, by a whole factor: resampled to the grid)

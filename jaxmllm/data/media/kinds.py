@@ -82,8 +82,8 @@ class Images:
     ) -> list[Item | None]:
         """The image decoded, resized to its grid within the record's pixel budget, as
         (patches, positions): its one part."""
-        patch, merge, low, high = p.image_grid(limits.max_pixels or 0)
-        patches, pos = load_image(src, patch, merge, low, high, record_id, p.image_caps())
+        patch, merge, low, high, rule = p.image_grid(limits.max_pixels or 0)
+        patches, pos = load_image(src, patch, merge, low, high, record_id, p.image_caps(), rule)
         return [(patches, pos)]
 
 
