@@ -21,7 +21,7 @@ Images, videos and clips take the checkpoint's own placeholder token where it ha
 processor_config.json, or Qwen2-VL's `<|image_pad|>` and `<|video_pad|>`, Qwen2-Audio's
 `<|AUDIO|>`, Gemma 3's `<image_soft_token>`, ...), wrapped as its template or processor wraps it
 (`<|vision_start|><|image_pad|><|vision_end|>`; Gemma 3's between blank lines, `<start_of_image>`
-and `<end_of_image>`);
+and `<end_of_image>`; else the `boi_token` and `eoi_token` tokenizer_config.json names: Gemma 4);
 where it has none, a new special token is appended after the vocabulary (`added_tokens`: the model
 needs those embedding rows), but for videos, which then take the image placeholder (as LLaVA-style
 checkpoints place video frames): the vision phase's rows fill either. Each placeholder is then laid
@@ -54,6 +54,9 @@ FILES = (
     "generation_config.json",
     "processor_config.json",
 )
+# The tokenizer_config.json keys naming the tokens before and after a kind's item where no known
+# wrap applies (Gemma4Processor's `boi_token`, `eoi_token`)
+NAMED_WRAPS = {"vision": ("boi_token", "eoi_token")}
 NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Checkpoints' own media placeholders per kind of media: (token, opening, closing); the wrap is
 # used when the vocabulary has both of its tokens (the text around them, Gemma 3's blank
@@ -195,6 +198,8 @@ class PretrainedTokenizer:
 
         known = KNOWN_TOKENS.get(kind.name, ())
         token, before, after = self._own_placeholder(named.get(f"{kind.item}_token"), known)
+        if token is not None and not (before or after):
+            before, after = self._named_wrap(kind, named)
         if token is None and kind.name != kind.phase:  # (a video: its phase's own kind's)
             if kind.phase not in self._media:
                 return None
@@ -208,6 +213,16 @@ class PretrainedTokenizer:
             self._tk.add_special_tokens([AddedToken(token, special=True, normalized=False)])
             self.added_tokens[token] = self._tk.token_to_id(token)
         return token, before + token + after, kind.item
+
+    def _named_wrap(self, kind: Kind, named: dict[str, str]) -> tuple[str, str]:
+        """The wrap the tokenizer names for a kind (`NAMED_WRAPS`: Gemma 4's tokenizer_config
+        boi_token and eoi_token, its processor writing an image as them around its soft
+        tokens, nothing between), where both are in the vocabulary; else none."""
+        keys = NAMED_WRAPS.get(kind.name, ())
+        tokens = [named.get(k) for k in keys]
+        if keys and all(t and self._tk.token_to_id(t) is not None for t in tokens):
+            return tokens[0], tokens[1]
+        return "", ""
 
     def _own_placeholder(self, configured: str | None, known) -> tuple[str | None, str, str]:
         have = lambda t: bool(t) and self._tk.token_to_id(t) is not None
