@@ -96,7 +96,6 @@ FLAGS = (
     "mrope_interleaved",
     "norm_topk_prob",
     "multimodal_projector_bias",
-    "use_bidirectional_attention",
 )
 NAMES = (
     "model_type",
@@ -178,6 +177,9 @@ def _rule(key: str, value: object) -> str:
         real = (_whole(value) or isinstance(value, float)) and math.isfinite(value)
         inside = real and (low <= value if closed else low < value) and value <= high
         return "" if inside else f"a number {'from' if closed else 'above'} {low:g} to {high:g}"
+    if key == "use_bidirectional_attention":  # (Gemma 3's a flag, Gemma 4's all or vision)
+        ok = isinstance(value, bool | str)
+        return "" if ok else "true or false (Gemma 3), or all or vision (Gemma 4)"
     if key in FLAGS:
         return "" if isinstance(value, bool) else "true or false"
     if key in NAMES:

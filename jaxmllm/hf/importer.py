@@ -140,6 +140,8 @@ def data_section(llm: str, vision: str = "", audio: str = "", tokenizer: str = "
             h = _number(crop["height"], where, "crop_size.height", side)
             w = _number(crop["width"], where, "crop_size.width", side)
             data["image_min_pixels"] = data["image_max_pixels"] = h * w
+    if whole is not None:
+        data.update(whole.data_keys(proc, where))
     if vision:
         _check_sizes(vision, proc)
     if audio:

@@ -109,6 +109,27 @@ def gemma3(sample: Sample, cfg: Any, specials: Specials) -> dict[str, np.ndarray
     return inputs
 
 
+def gemma4(sample: Sample, cfg: Any, specials: Specials) -> dict[str, np.ndarray]:
+    """Gemma 4's inputs: `pixel_values` [images, patches, pixels] (each image's patches padded
+    to the most any has) in [0, 1] such that its `2 (x - 0.5)` gives our normalised values,
+    `image_position_ids` (column, row) of each patch (-1 for padding), `mm_token_type_ids` (1 at
+    an image's tokens: read both ways in the sliding layers)."""
+    tokens = np.asarray(sample.tokens)
+    image = tokens == specials.media["vision"]
+    inputs = {"input_ids": tokens.astype(np.int64), "mm_token_type_ids": image.astype(np.int64)}
+    items = sample.media["vision"]
+    if items:
+        most = max(len(values) for values, _ in items)
+        width = np.asarray(items[0][0]).shape[-1]
+        pixels = np.zeros((len(items), most, width), np.float32)
+        where = np.full((len(items), most, 2), -1, np.int64)
+        for k, (values, positions) in enumerate(items):
+            pixels[k, : len(values)] = normalised(cfg, values) / 2 + 0.5
+            where[k, : len(values)] = np.asarray(positions)[:, ::-1]
+        inputs.update(pixel_values=pixels, image_position_ids=where)
+    return inputs
+
+
 def qwen2_audio(sample: Sample, cfg: Any, specials: Specials) -> dict[str, np.ndarray]:
     """Qwen2-Audio's inputs: each clip (a chunk of one) in a window of its own, padded."""
     a = cfg.model.audio

@@ -9,11 +9,13 @@ in, and nothing else. Every model type's name lives here and nowhere else in `ja
   such row (the hybrids: `jaxmllm.hf.hybrid.Qwen35`; Gemma's block: `jaxmllm.hf.gemma.Gemma3`, and
   `jaxmllm.hf.gemma4.Gemma4` over it);
   a new Llama-like family is one more row in `DECODERS`.
-- A tower (`TowerRow`: SigLIP, CLIP, the Qwen VL towers, Whisper's and Qwen2-Audio's encoders)
+- A tower (`TowerRow`: SigLIP, CLIP, the Qwen VL towers, Whisper's and Qwen2-Audio's encoders,
+  Gemma 4's vision tower)
   names the model types it reads and, for each, the transformers module `hf check` compares
   with; the layout of its tensors is its class's (`jaxmllm.hf.vision`, `qwen_vision`,
   `audio`), which names its row.
-- A whole multimodal checkpoint (`WholeRow`: LLaVA, the Qwen VL wholes, Qwen2-Audio, Gemma 3)
+- A whole multimodal checkpoint (`WholeRow`: LLaVA, the Qwen VL wholes, Qwen2-Audio, Gemma 3,
+  Gemma 4)
   names the decoders and towers it may hold, where `hf check` reads transformers' encoder rows
   (`Hook`), the tokens around an image and which items its decoder reads both ways.
 
@@ -156,7 +158,8 @@ class WholeRow:
     # placeholders (Qwen's `<|vision_start|>`, Gemma's `<start_of_image>`); absent: none
     wrap: tuple[str, str] = ("vision_start_token_id", "vision_end_token_id")
     # The phases whose items attend to each other both ways in its decoder (`model.llm.
-    # bidirectional`; transformers' `token_type_ids`: Gemma 3's images)
+    # bidirectional`; transformers' `token_type_ids`: Gemma 3's images; Gemma 4's where its
+    # text_config's use_bidirectional_attention says vision, in its sliding layers only)
     bidirectional: tuple[str, ...] = ()
 
     @property
@@ -179,6 +182,12 @@ def merger_rows(out: Any, n: int) -> Any:
 def projector_rows(out: Any, n: int) -> Any:
     """A projector's output for one item: its first row of rows."""
     return out[0]
+
+
+def embedded_rows(out: Any, n: int) -> Any:
+    """Gemma 4's `embed_vision` output for one item: the first `n` of its rows (every image's
+    soft tokens, one after another, no batch axis)."""
+    return out[:n]
 
 
 def clip_rows(out: Any, n: int) -> Any:
@@ -300,6 +309,12 @@ QWEN2_AUDIO_ENCODER = TowerRow(
     "Qwen2AudioEncoder",
     (Reference("qwen2_audio_encoder", "Qwen2AudioEncoder", module="qwen2_audio"),),
 )
+GEMMA4_VISION = TowerRow(
+    "gemma4_vision",
+    "vision",
+    "Gemma4VisionModel",
+    (Reference("gemma4_vision", "Gemma4VisionModel"),),
+)
 TOWERS = (
     SIGLIP,
     CLIP,
@@ -308,6 +323,7 @@ TOWERS = (
     QWEN3_VL_VISION,
     WHISPER,
     QWEN2_AUDIO_ENCODER,
+    GEMMA4_VISION,
 )
 
 # ----------------------------------------------------------------------------- wholes
@@ -386,5 +402,15 @@ GEMMA3 = WholeRow(
     towers=(SIGLIP,),
     hook=Hook("model.multi_modal_projector", projector_rows),
     wrap=("boi_token_index", "eoi_token_index"),
+    bidirectional=("vision",),
+)
+GEMMA4 = WholeRow(
+    "gemma4",
+    "Gemma4ForConditionalGeneration",
+    "Gemma4Processor",
+    llm=(GEMMA4_TEXT,),
+    towers=(GEMMA4_VISION,),
+    hook=Hook("model.embed_vision", embedded_rows),
+    wrap=("boi_token_id", "eoi_token_id"),
     bidirectional=("vision",),
 )

@@ -116,6 +116,12 @@ class Whole:
         scratch (a norm it never applies): name -> array."""
         return {}
 
+    def data_keys(self, proc: dict, where: str) -> dict:
+        """Our `data` keys its image processor's file (`proc`, at `where`) sets beyond the
+        pixel normalisation and budgets `hf import` reads alike for every family (Gemma 4's
+        resize rule)."""
+        return {}
+
     def processor_files(self, cfg: Any) -> dict[str, dict]:
         """The processor's files (name -> JSON) for a checkpoint from scratch, from the data
         section: what `AutoProcessor` reads beside the tokenizer."""

@@ -15,6 +15,7 @@ from jaxmllm.hf.decoders import Decoders
 from jaxmllm.hf.family import Family, refuse_unless
 from jaxmllm.hf.gemma import Gemma3
 from jaxmllm.hf.gemma4 import Gemma4
+from jaxmllm.hf.gemma4_vision import Gemma4Vision
 from jaxmllm.hf.hybrid import Qwen35
 from jaxmllm.hf.qwen_vision import Qwen2VLVision, Qwen3VLVision, Qwen25VLVision
 from jaxmllm.hf.table import DecoderRow, TowerRow
@@ -40,6 +41,7 @@ TOWERS: tuple[Family, ...] = (
     Qwen3VLVision(),
     WhisperEncoder(),
     Qwen2AudioEncoder(),
+    Gemma4Vision(),
 )
 PROJECTOR_ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 

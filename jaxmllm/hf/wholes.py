@@ -9,7 +9,7 @@
   after the blocks (jaxmllm's class tokens are never read by the LLM); a SigLIP tower has none
   (`full`). An image is `image_token_index` once per patch.
 - Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (`jaxmllm.hf.qwen_vl`).
-- Gemma 3 (`jaxmllm.hf.gemma_whole`).
+- Gemma 3 (`jaxmllm.hf.gemma_whole`), Gemma 4 (`jaxmllm.hf.gemma4_whole`).
 - Qwen2-Audio (`Qwen2AudioForConditionalGeneration`): the Qwen2-Audio encoder (Whisper's, its
   rows pooled in pairs), one Linear as projector (`multi_modal_projector.linear`,
   `model.audio.projector: linear`) and a Qwen2 LLM. A clip of L frames is L / 4 audio tokens.
@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxmllm.hf import oracle, table
 from jaxmllm.hf.family import Family, Link, mismatches, refuse_unless
+from jaxmllm.hf.gemma4_whole import Gemma4Whole
 from jaxmllm.hf.gemma_whole import Gemma3Whole
 from jaxmllm.hf.qwen_vl import Qwen3VL, QwenVL
 from jaxmllm.hf.vision import linear
@@ -363,6 +364,7 @@ WHOLES: tuple[Whole, ...] = (
     Qwen3VL(table.QWEN3_5_MOE),
     Qwen2Audio(),
     Gemma3Whole(),
+    Gemma4Whole(),
 )
 
 
