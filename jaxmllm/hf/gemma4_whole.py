@@ -116,13 +116,14 @@ class Gemma4Whole(Whole):
             return name.startswith(PROJECTOR)
         return role == "llm" and name.startswith("lm_head.")
 
-    def data_keys(self, proc: dict, where: str) -> dict:
+    def data_keys(self, proc: dict, where: str, hf: dict) -> dict:
         """Our `data` keys of its image processor (the module docstring): the floor rule
-        within max_soft_tokens x k x k patches, pixels to [-1, 1] as its patch embedder
-        maps them.
+        within max_soft_tokens x k x k patches (280 where the file names none), pixels to
+        [-1, 1] as its patch embedder maps them.
 
         Raises:
-          FamilyError: a processor that normalises before the model does.
+          FamilyError: a processor that normalises before the model does, or whose patch or
+            pooling size is not the tower's.
         """
         refuse_unless(
             not proc.get("do_normalize"),
@@ -130,8 +131,15 @@ class Gemma4Whole(Whole):
             "do_normalize: true: Gemma 4's patch embedder maps [0, 1] pixels to [-1, 1] "
             "itself; a processor that normalises first is not read (set it to false)",
         )
-        p = int(proc.get("patch_size", 16))
-        k = int(proc.get("pooling_kernel_size", 3))
+        tower = self.sub("vision", hf)
+        p, k = int(tower.get("patch_size", 16)), int(tower.get("pooling_kernel_size", 3))
+        theirs = (proc.get("patch_size", p), proc.get("pooling_kernel_size", k))
+        refuse_unless(
+            theirs == (p, k),
+            where,
+            f"patch_size {theirs[0]} and pooling_kernel_size {theirs[1]}: config.json's "
+            f"vision_config has {p} and {k}; they must agree",
+        )
         budget = int(proc.get("max_soft_tokens", 280)) * (k * p) ** 2
         return {
             "image_resize": "floor",

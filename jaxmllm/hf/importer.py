@@ -23,6 +23,7 @@ import yaml
 from jaxmllm.config import Config, ConfigError, DataConfig, from_dict
 from jaxmllm.config.outputs import new_file, write_text
 from jaxmllm.config.phases import ENCODERS
+from jaxmllm.config.sections import BatchConfig
 from jaxmllm.config.yamlfile import read_yaml
 from jaxmllm.data.text.tokenizer import make_tokenizer
 from jaxmllm.hf.adapter_load import shapes_of
@@ -141,7 +142,7 @@ def data_section(llm: str, vision: str = "", audio: str = "", tokenizer: str = "
             w = _number(crop["width"], where, "crop_size.width", side)
             data["image_min_pixels"] = data["image_max_pixels"] = h * w
     if whole is not None:
-        data.update(whole.data_keys(proc, where))
+        data.update(whole.data_keys(proc, where, read_hf_config(vision)))
     if vision:
         _check_sizes(vision, proc)
     if audio:
@@ -246,6 +247,18 @@ DEFAULTS = {  # the sections of a config without --base: a fine-tuning starting 
 }
 
 
+def whole_tokens(batch: dict, model: dict) -> dict:
+    """`batch` with its vision patch capacity (the default's, or the base's) cut to whole LLM
+    tokens of the tower's merge x merge patches (and a multiple of 4, as every bucket), where
+    they do not divide it (Gemma 4's 3 x 3 pooling under the default 4096: 4068)."""
+    vision = model.get("vision", {})
+    unit = math.lcm(4, vision.get("merge", 2) ** 2)
+    have = batch.get("vision_patches", BatchConfig.vision_patches)
+    if vision.get("enabled", True) and have % unit:
+        return {**batch, "vision_patches": have // unit * unit}
+    return batch
+
+
 def encoder_phases(model: dict) -> tuple[str, ...]:
     """The encoder phases a `model` section (a dict, before it is a config) has."""
     return tuple(p.name for p in ENCODERS if model.get(p.name, {}).get("enabled", True))
@@ -313,6 +326,7 @@ def write_config(
         raw["data"]["audio_max_frames"] = section["audio"]["max_positions"] * 2
     if adapter:
         adapter_sections(raw, adapter, str(out))
+    raw["batch"] = whole_tokens(raw.get("batch", {}), section)
     cfg = from_dict(Config, raw, source=str(out))  # the checks the trainer will run
     found = []  # every tensor the model will ask for is there (headers alone) ...
     for role in ROLES:

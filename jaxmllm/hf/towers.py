@@ -22,6 +22,7 @@ from jaxmllm.hf.importer import (
     encoder_phases,
     model_section,
     vocab_size,
+    whole_tokens,
 )
 from jaxmllm.hf.load import pretrained
 from jaxmllm.hf.registry import ROLES, read_hf_config, section_of
@@ -110,6 +111,7 @@ def load_model(
     model["llm"]["vocab_size"] = vocab_size(model["llm"]["vocab_size"], data["tokenizer"], phases)
     model["attention"] = "dense"
     batch = {"planner": "first_fit", "route_pair_capacity": 0, "attention_block": 1}
+    batch = whole_tokens(batch, model)
     if model["audio"].get("positions") == "sinusoidal":
         data["audio_max_frames"] = model["audio"]["max_positions"] * 2
     raw = {"model": model, "batch": batch, "data": data}

@@ -116,10 +116,10 @@ class Whole:
         scratch (a norm it never applies): name -> array."""
         return {}
 
-    def data_keys(self, proc: dict, where: str) -> dict:
-        """Our `data` keys its image processor's file (`proc`, at `where`) sets beyond the
-        pixel normalisation and budgets `hf import` reads alike for every family (Gemma 4's
-        resize rule)."""
+    def data_keys(self, proc: dict, where: str, hf: dict) -> dict:
+        """Our `data` keys its image processor's file (`proc`, at `where`; `hf`: the whole's
+        config.json) sets beyond the pixel normalisation and budgets `hf import` reads alike
+        for every family (Gemma 4's resize rule)."""
         return {}
 
     def processor_files(self, cfg: Any) -> dict[str, dict]:
