@@ -268,6 +268,91 @@ def gemma3(
     return save(randomize(T.Gemma3ForConditionalGeneration(cfg), seed), directory)
 
 
+def gemma4(
+    directory: Path,
+    *,
+    seed: int = 0,
+    vocab: int = 300,
+    ids: tuple[int, int, int] = (297, 298, 299),
+    window: int = 4,
+    standardize: bool = True,
+    patch: int = 4,
+    pool: int = 2,
+) -> str:
+    """A whole Gemma 4: its text decoder (sliding, full, sliding, full layers, a `window`
+    shorter than an image's run of tokens, images read both ways in the sliding layers), its
+    vision tower (patches of `patch` pixels, `pool` x `pool` of them a soft token, axial
+    tables of 16 rows,
+    head_dim 8, standardised soft tokens) and embed_vision. No per-layer inputs, no shared
+    keys, no audio. `ids`: the begin-of-image, end-of-image and image token ids."""
+    import torch
+    import transformers as T
+
+    text = dict(
+        model_type="gemma4_text",
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        global_head_dim=32,
+        rms_norm_eps=1e-6,
+        sliding_window=window,
+        layer_types=[f"{k}_attention" for k in ("sliding", "full", "sliding", "full")],
+        rope_parameters={
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1e6,
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=256,
+        use_bidirectional_attention="vision",
+    )
+    vision = dict(
+        model_type="gemma4_vision",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=8,
+        patch_size=patch,
+        pooling_kernel_size=pool,
+        position_embedding_size=16,
+        rope_parameters={"rope_type": "axial", "rope_theta": 100.0},
+        standardize=standardize,
+        rms_norm_eps=1e-6,
+    )
+    boi, eoi, image = ids
+    cfg = T.Gemma4Config(
+        text_config=text,
+        vision_config=vision,
+        audio_config=None,
+        boi_token_id=boi,
+        eoi_token_id=eoi,
+        image_token_id=image,
+        video_token_id=image,
+        audio_token_id=image,
+    )
+    model = randomize(T.Gemma4ForConditionalGeneration(cfg), seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # (buffers: randomize draws parameters only)
+        for layer in model.model.language_model.layers:
+            layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=gen))
+        tower = model.model.vision_tower
+        if standardize:
+            tower.std_bias.copy_(0.3 * torch.randn(32, generator=gen))
+            tower.std_scale.copy_(0.5 + torch.rand(32, generator=gen))
+    return save(model, directory)
+
+
 def siglip(directory: Path, seed: int = 0, head: bool = False) -> str:
     import transformers as T
 

@@ -1,0 +1,246 @@
+"""Gemma 4's whole model (`gemma4`: its text decoder, its vision tower, embed_vision, images read
+both ways in the sliding layers) in and out, held to transformers on a tiny random checkpoint
+built in tmp_path (tests/hf_models.py): `hf check`'s logits with images packed beside text,
+negative controls with the images read causally or both ways in every layer, the tower alone
+against Gemma4VisionModel, the bit-exact round trip, greedy ids with an image, the processor's
+soft-token counts, the processor's image wrap and what import refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import hf_models
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_chat import build_dir, hf
+from test_generate_hf import VOCAB, _ours, hf_greedy, image_prompt
+from test_hf_gemma3_whole import _check, _flat
+
+from jaxmllm.data.media.image import patchify
+from jaxmllm.data.params import Params
+from jaxmllm.data.records.record import parse_record
+from jaxmllm.data.text.tokenizer import make_tokenizer
+from jaxmllm.hf import table
+from jaxmllm.hf.export import Piece, write_piece
+from jaxmllm.hf.family import FamilyError
+from jaxmllm.hf.importer import write_config
+from jaxmllm.hf.registry import read_hf_config
+from jaxmllm.hf.safetensors import Checkpoint
+from jaxmllm.hf.towers import load_model
+from jaxmllm.hf.wholes import whole_for
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.torch
+# Gemma4Processor's image tokens: begin, end, the soft token
+NAMES = ["<|image>", "<image|>", "<|image|>"]
+
+
+def test_gemma4_with_images_packed_beside_text_matches_transformers(tmp_path, capsys):
+    """The LLM on text, the tower and its pooling projector on an image, then two samples with
+    an image (text, `<|image>`, six and two soft tokens, `<image|>`, text: the first longer
+    than the window of 4) and one of text alone packed into ONE row: every token's logits
+    within 1e-4 of transformers on each sample alone in fp32, given its mm_token_type_ids."""
+    results = _check(hf_models.gemma4(tmp_path / "gemma4"), capsys)
+    assert [r["role"] for r in results] == ["llm", "vision", "model", "model", "model"]
+    samples = [r["what"] for r in results[2:]]
+    assert "6x4-patch image" in samples[0] and "2x4-patch image" in samples[2]
+    assert all("packed 3 samples into 1 row" in w for w in samples)
+    for result in results:
+        assert result["max_abs_ref"] > 0.5, result  # a real signal, not zeros
+        assert result["max_abs_diff"] < 1e-4, result
+
+
+@pytest.mark.parametrize("read", ["causally", "both ways in every layer"])
+def test_images_read_otherwise_fail_the_check(tmp_path, capsys, monkeypatch, read):
+    """The negative controls: imported with the images read causally (no spans), or both ways
+    in the full layers too (Gemma 3's rule), the samples with an image are off transformers'
+    (its images both ways in the sliding layers only) and text alone is not."""
+    d = hf_models.gemma4(tmp_path / "gemma4")
+    whole = whole_for(read_hf_config(d))
+    if read == "causally":
+        monkeypatch.setattr(whole, "row", dataclasses.replace(table.GEMMA4, bidirectional=()))
+    else:
+        section = whole.section
+
+        def every(role, hf):  # (the full layers read the spans both ways too)
+            out = section(role, hf)
+            return {**out, "bidirectional_full": True} if role == "llm" else out
+
+        monkeypatch.setattr(whole, "section", every)
+    results = _check(d, capsys, rc=1)
+    image = [r for r in results[2:] if "image" in r["what"]]
+    text = [r for r in results if "image" not in r["what"]]
+    assert len(image) == 2 and max(r["max_abs_diff"] for r in image) > 1e-2, image
+    assert all(r["max_abs_diff"] < 1e-4 for r in text), text
+
+
+def test_gemma4_tower_alone_matches_gemma4_vision_model(tmp_path):
+    """Gemma 4's tower on a 6x4-patch image, its patches in our merge order with their
+    (column, row) positions: every patch's features are Gemma4VisionEncoder's, and our pooled,
+    scaled and standardised rows Gemma4VisionModel's output, within 1e-5 (of their size too)
+    in fp32."""
+    import torch
+    from transformers import Gemma4ForConditionalGeneration
+
+    d = hf_models.gemma4(tmp_path / "gemma4")
+    cfg, model = load_model(d, d)
+    v = cfg.model.vision
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (6 * v.patch_size, 4 * v.patch_size, 3), dtype=np.uint8)
+    patches, positions = patchify(pixels, v.patch_size, v.merge)
+    seg = jnp.ones((1, len(patches)), jnp.int32)
+    ours = model.vision(jnp.asarray(patches)[None], seg, jnp.asarray(positions)[None])[0]
+
+    tower = Gemma4ForConditionalGeneration.from_pretrained(d).eval().model.vision_tower
+    captured = {}
+    tower.encoder.register_forward_hook(lambda m, i, o: captured.update(out=o))
+    with torch.no_grad():
+        out = tower(
+            pixel_values=torch.from_numpy(patches[None] / 255.0).float(),
+            pixel_position_ids=torch.from_numpy(positions[None, :, ::-1].copy()).long(),
+        )
+    theirs = captured["out"].last_hidden_state[0].numpy()
+    assert np.abs(theirs).max() > 0.5
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-5, rtol=0)
+
+    p = model.vision_projector
+    pooled = np.asarray(ours).reshape(-1, v.merge**2, v.width).mean(1) * np.sqrt(v.width)
+    pooled = (pooled - np.asarray(p.std_bias[...])) * np.asarray(p.std_scale[...])
+    # (the pooled rows are sqrt(width) times larger: 1e-5 of their size too)
+    np.testing.assert_allclose(pooled, out.last_hidden_state.numpy(), atol=1e-5, rtol=1e-5)
+
+
+def test_gemma4_import_then_export_is_bit_identical(tmp_path):
+    """Every tensor of the whole checkpoint is consumed, and writing the loaded parameters back
+    gives each bit for bit, with a config.json transformers loads without a missing or an
+    unexpected key; the import sets the tower's options and the spans of the sliding layers."""
+    import transformers
+
+    source = hf_models.gemma4(tmp_path / "source")
+    cfg, flat = _flat(source)
+    v, llm = cfg.model.vision, cfg.model.llm
+    assert (v.projector, v.pool_embed, v.standardize, v.merge) == ("pool", True, True, 2)
+    assert (v.rope_axes, v.position_axes, v.final_norm) == ("cols_first", 16, False)
+    assert (llm.bidirectional, llm.bidirectional_full) == (("vision",), False)
+    assert (cfg.data.image_resize, cfg.data.image_max_pixels) == ("floor", 280 * 8 * 8)
+    out = tmp_path / "out"
+    whole = whole_for(read_hf_config(source))
+    write_piece(cfg, Piece("", ("llm", "vision"), source, whole=whole), flat, out, 16 << 10)
+    before, after = Checkpoint(source), Checkpoint(out)
+    assert set(after.names()) == set(before.names())
+    for n in after.names():
+        a, b = before.get(n), after.get(n)
+        assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)), n
+    config = json.loads((out / "config.json").read_text())
+    assert config["text_config"]["use_bidirectional_attention"] == "vision"
+    cls = transformers.Gemma4ForConditionalGeneration
+    _, info = cls.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    again = _flat(str(out))[1]
+    assert all(np.array_equal(flat[k], again[k]) for k in flat)
+
+
+def test_import_refuses_what_gemma4_sets_and_jaxmllm_does_not_build(tmp_path):
+    """An audio tower, clipped linears and a processor that normalises, each refused naming
+    its key."""
+    d = Path(hf_models.gemma4(tmp_path / "gemma4"))
+    config = json.loads((d / "config.json").read_text())
+    for change, key in (
+        ({"audio_config": {"model_type": "gemma4_audio"}}, "audio_config"),
+        (
+            {"vision_config": {**config["vision_config"], "use_clipped_linears": True}},
+            "use_clipped_linears",
+        ),  # noqa: E501
+    ):
+        (d / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(FamilyError, match=key):
+            write_config(tmp_path / "run.yaml", model=str(d))
+    (d / "config.json").write_text(json.dumps(config))
+    processor = {"image_processor_type": "Gemma4ImageProcessor", "do_normalize": True}
+    (d / "preprocessor_config.json").write_text(json.dumps(processor))
+    with pytest.raises(FamilyError, match="do_normalize"):
+        write_config(tmp_path / "run.yaml", model=str(d))
+
+
+@pytest.mark.parametrize("sizes", [(4, 2, 70), (16, 3, 280)])
+def test_an_images_soft_tokens_are_the_processors(tmp_path, sizes):
+    """Images of many sizes and shapes (tiny, long, large, upscaled): the soft tokens our data
+    pipeline counts for each (what the balancer prices), at the data keys `hf import` reads off
+    the processor's file, are Gemma4ImageProcessor's, at a tiny processor's sizes and at Gemma
+    4's defaults (16-pixel patches, 3x3 pooling, 280 soft tokens)."""
+    from PIL import Image
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    p, k, tokens = sizes
+    d = Path(hf_models.gemma4(tmp_path / "gemma4", patch=p, pool=k))
+    proc = {"patch_size": p, "pooling_kernel_size": k, "max_soft_tokens": tokens}
+    file = {"image_processor_type": "Gemma4ImageProcessor", **proc}
+    (d / "preprocessor_config.json").write_text(json.dumps(file))
+    cfg, _ = _flat(str(d))
+    keys = ("image_resize", "image_min_pixels", "image_max_pixels")
+    params = dataclasses.replace(
+        Params.from_config(cfg), patch_size=p, merge=k, **{x: getattr(cfg.data, x) for x in keys}
+    )
+    assert cfg.data.image_max_pixels == tokens * (p * k) ** 2
+    shapes = [(3, 5), (37, 90), (90, 37), (224, 224), (1, 700), (480, 640), (2000, 33), (17, 17)]
+    images = [Image.fromarray(np.zeros((h, w, 3), np.uint8)) for h, w in shapes]
+    out = Gemma4ImageProcessorPil(**proc)(images, return_tensors="np")
+    theirs = [int(n) for n in out["num_soft_tokens_per_image"]]
+    grids = [params.patch_grid(h, w) for h, w in shapes]
+    assert [gh * gw // k**2 for gh, gw in grids] == theirs
+
+
+def test_gemma4_with_an_image_generates_transformers_tokens(tmp_path):
+    """A whole Gemma 4 from one directory, an image in the prompt between `<|image>` and
+    `<image|>` (read both ways in the sliding layers in prefill, as transformers'
+    mm_token_type_ids read it): the 16 greedy ids are transformers'."""
+    import torch
+    from transformers import Gemma4ForConditionalGeneration
+
+    d = tmp_path / "gemma4"
+    template = "meta-llama/Llama-3.1-8B-Instruct"
+    options = dict(image_token=NAMES[2], boi_token=NAMES[0], eoi_token=NAMES[1])
+    tk = hf(build_dir(d, "llama", template, extra=NAMES, **options))
+    boi, eoi, image_id = (tk.convert_tokens_to_ids(t) for t in NAMES)
+    hf_models.gemma4(d, vocab=VOCAB, ids=(boi, eoi, image_id), seed=1)
+    build_dir(d, "llama", template, extra=NAMES, **options)  # (save_pretrained wrote over it)
+
+    g, p, k = 6, 4, 2  # 6x6 patches of 4 px, 2x2 of them a soft token
+    prompt, tokens, _ = image_prompt(tk, g, p, k, image_id, (boi, eoi))
+    ours, stop = _ours(d, prompt, 16)
+
+    model = Gemma4ForConditionalGeneration.from_pretrained(str(d)).eval()
+    patches, positions = prompt.media["vision"][0]
+    pixels = torch.from_numpy(patches[None] / 255.0).float()
+    where = torch.from_numpy(positions[None, :, ::-1].copy()).long()
+    types = torch.tensor([[int(t == image_id) for t in tokens]])
+    theirs = hf_greedy(
+        model,
+        tokens,
+        16,
+        stop,
+        pixel_values=pixels,
+        image_position_ids=where,
+        mm_token_type_ids=types,
+    )
+    assert len(ours) == 16 and ours == theirs
+
+
+def test_an_image_is_wrapped_as_gemma4s_processor_wraps_it(tmp_path):
+    """A tokenizer naming Gemma 4's image tokens (image_token, boi_token, eoi_token): an image
+    becomes `<|image>`, its placeholder (one a row, laid out later) and `<image|>`, nothing
+    around them, as Gemma4Processor's replace_image_token writes it."""
+    options = dict(image_token=NAMES[2], boi_token=NAMES[0], eoi_token=NAMES[1])
+    d = build_dir(tmp_path / "tk", "llama", None, NAMES, **options)
+    tk = make_tokenizer(str(d))
+    record = parse_record({"id": "a", "text": "hi<image>ok", "images": ["y"]}, Path("."), 1)
+    pieces = tk.pieces(record)
+    assert [p[0] for p in pieces] == ["text", "vision", "text"]
+    before, after = pieces[0][1], pieces[2][1]
+    boi, eoi = (tk.token_id(t) for t in NAMES[:2])
+    assert before[-1] == boi and tk.decode(before[:-1]).endswith("hi"), tk.decode(before)
+    assert after[0] == eoi and tk.decode(after[1:]).startswith("ok"), tk.decode(after)
+    assert tk.specials.media["vision"] == tk.token_id(NAMES[2])
