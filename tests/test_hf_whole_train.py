@@ -32,25 +32,35 @@ VOCAB = 512  # the tokenizer's ~420 ids fit: no rows are added
 QWEN_VL = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 AUDIO = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
 GEMMA3 = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+GEMMA4 = ["<|image>", "<image|>", "<|image|>"]
 
 
 def whole_dir(name: str, d: Path, seed: int = 0, vocab: int = VOCAB) -> str:
     """A whole checkpoint with its tokenizer (and, for LLaVA, its processor's image token);
     `seed`: its random parameters'; `vocab`: its vocabulary's size."""
-    family = "llama" if name in ("llava", "gemma3") else "qwen"
+    family = "llama" if name in ("llava", "gemma3", "gemma4") else "qwen"
     template = {
         "llava": "meta-llama/Llama-3.1-8B-Instruct",
         "gemma3": "meta-llama/Llama-3.1-8B-Instruct",  # (its chat template: not Gemma's own)
+        "gemma4": "meta-llama/Llama-3.1-8B-Instruct",
         "qwen2_audio": "Qwen/Qwen2.5-7B-Instruct",
     }.get(name, "Qwen/Qwen2.5-VL-7B-Instruct")
-    extra = {"llava": ["<image>"], "qwen2_audio": AUDIO, "gemma3": GEMMA3}.get(name, [])
-    options = {"image_token": GEMMA3[2]} if name == "gemma3" else {}
+    extra = {"llava": ["<image>"], "qwen2_audio": AUDIO, "gemma3": GEMMA3, "gemma4": GEMMA4}
+    extra = extra.get(name, [])
+    options = {
+        "gemma3": {"image_token": GEMMA3[2]},
+        "gemma4": dict(image_token=GEMMA4[2], boi_token=GEMMA4[0], eoi_token=GEMMA4[1]),
+    }.get(name, {})
     tk = json.loads(
         (build_dir(d, family, template, extra, **options) / "tokenizer.json").read_text()
     )
     ids = {t["content"]: t["id"] for t in tk["added_tokens"]}
     if name == "gemma3":
         hf_models.gemma3(d, seed=seed, vocab=vocab, ids=tuple(ids[t] for t in GEMMA3))
+    elif name == "gemma4":  # (its processor: the fewest soft tokens an image may have, 70)
+        hf_models.gemma4(d, seed=seed, vocab=vocab, ids=tuple(ids[t] for t in GEMMA4))
+        processor = {"image_processor_type": "Gemma4ImageProcessor", "max_soft_tokens": 70}
+        (d / "preprocessor_config.json").write_text(json.dumps(processor))
     elif name == "llava":
         hf_models.llava(d, seed=seed, vocab=vocab, image=ids["<image>"])
     elif name == "qwen2_audio":
@@ -112,15 +122,16 @@ def exported_params(directory: Path, cfg) -> dict:
 # transformers: test_lora_hf's LoRA run, `--merged`; frozen modules written back bit for bit:
 # test_hf_whole's import and export, test_hf_train's stage 1.)
 @pytest.mark.parametrize(
-    "name", ["qwen2_5_vl", "qwen2_audio", "qwen3_vl_moe", "qwen3_5_moe", "gemma3"]
+    "name", ["qwen2_5_vl", "qwen2_audio", "qwen3_vl_moe", "qwen3_5_moe", "gemma3", "gemma4"]
 )
 def test_import_train_export_matches_transformers(name, tmp_path):
     """Import a whole checkpoint and check it, train 2 steps on the built-in data with images
     (Qwen3-VL: DeepStack and M-RoPE in packed rows over 4 x 2 devices; Qwen3.5: its linear
     layers beside M-RoPE on part of each head; Gemma 3: sliding windows shorter than an image
-    and its images read both ways, block-sparse), export: the export is the run's parameters
-    (moved from the import's), and transformers' logits with an image or a clip in the prompt
-    are ours within 1e-4 (Qwen3.5's hybrids: 1e-3)."""
+    and its images read both ways, block-sparse; Gemma 4: its images both ways in the sliding
+    layers only, each resized as its processor resizes it), export: the export is the run's
+    parameters (moved from the import's), and transformers' logits with an image or a clip in
+    the prompt are ours within 1e-4 (Qwen3.5's hybrids: 1e-3)."""
     bound = 1e-3 if name.startswith("qwen3_5") else 1e-4
     source = whole_dir(name, tmp_path / name)
     assert all(r["max_abs_diff"] < bound for r in check_all(source))  # (the import's)
