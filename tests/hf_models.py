@@ -506,6 +506,40 @@ def qwen2_audio_encoder(directory: Path, seed: int = 0) -> str:
     return save(randomize(Qwen2AudioEncoder(Qwen2AudioEncoderConfig(**AUDIO)), seed), directory)
 
 
+def gemma4_audio(directory: Path, seed: int = 0, right: int = 2, clipped: bool = True) -> str:
+    """Gemma 4's audio encoder: 16 mel bins (channels 16 and 8), chunks of 4 rows, each query
+    seeing 4 rows before it and `right` - 1 after it, a logit cap of 5 (it bites), an RMS
+    epsilon of 0.05 (the norms that read it differ from the fixed 1e-6 ones), and each clipped
+    linear's bounds drawn finite (they bite too)."""
+    import torch
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4AudioConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4AudioModel
+
+    cfg = Gemma4AudioConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        subsampling_conv_channels=[16, 8],
+        conv_kernel_size=5,
+        attention_chunk_size=4,
+        attention_context_left=6,
+        attention_context_right=right,
+        attention_logit_cap=5.0,
+        rms_norm_eps=0.05,
+        use_clipped_linears=clipped,
+        output_proj_dims=24,
+    )
+    model = randomize(Gemma4AudioModel(cfg), seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.rsplit(".", 1)[-1] in ("input_min", "output_min"):
+                buf.copy_(-1.0 - 2.0 * torch.rand((), generator=gen))
+            elif name.rsplit(".", 1)[-1] in ("input_max", "output_max"):
+                buf.copy_(1.0 + 2.0 * torch.rand((), generator=gen))
+    return save(model, directory)
+
+
 def _text(kind: str, vocab: int, mrope: bool = False) -> dict:
     rope = {"rope_type": "default", "rope_theta": 1e6 if kind == "qwen2" else 5000.0}
     if mrope:

@@ -11,7 +11,7 @@ from jaxmllm.config.remat import REMAT_POLICIES
 
 NORMS = ("rms", "rms_offset", "layer")  # jaxmllm.models.layers.NORMS implements each
 # jaxmllm.models.layers.make_mlp
-MLPS = ("gated_silu", "gated_gelu_tanh", "gelu_tanh", "gelu", "quick_gelu")
+MLPS = ("gated_silu", "gated_gelu_tanh", "gelu_tanh", "gelu", "quick_gelu", "silu")
 GATED_MLPS = ("gated_silu", "gated_gelu_tanh")  # three matrices (gate, up, down), not two
 ACTIVATIONS = ("gelu_tanh", "gelu")  # projector activations (jaxmllm.models.layers.ACTIVATIONS)
 
@@ -33,7 +33,7 @@ class BlockOptions:
     norm_eps: float = 1e-6  # the norms' epsilon (Llama 1e-5, Qwen2 1e-6, Whisper 1e-5)
     # MLP: gated_silu = down(silu(gate x) * up x) | gated_gelu_tanh = the same with the tanh
     # GELU (Gemma's GeGLU) | gelu_tanh, gelu (exact), quick_gelu (x * sigmoid(1.702 x)) =
-    # fc2(act(fc1 x))
+    # fc2(act(fc1 x)); silu the same with SiLU (the conformer's feed-forwards)
     mlp: str = "gated_silu"
     attn_bias: str = ""  # attention projections with a bias: any of q, k, v, o, e.g. "qkv"
     mlp_bias: bool = False  # biases on the MLP's projections

@@ -218,8 +218,58 @@ class VisionConfig(BlockOptions):
 
 
 PROJECTORS = ("mlp", "linear")  # jaxmllm.models.projectors implements each
+STEMS = ("pairs", "whisper", "conformer")  # model.audio.stem (jaxmllm.models.audio, conformer)
 VISION_PROJECTORS = ("mlp", "pool")  # (the vision tower's)
 ROPE_AXES = {"rows_first": "2d", "cols_first": "2d_cols_first"}  # -> models.layers.ROPE
+
+
+@dataclass(frozen=True)
+class ConformerConfig:
+    """Gemma 4's audio conformer (`model.audio.stem: conformer`; transformers'
+    Gemma4AudioConfig): its subsampling convolutions, its chunked local attention, its light
+    convolution and output projection. The blocks' width, depth and heads are model.audio's."""
+
+    # The two 3x3 stride-2 convolutions' output channels over (frames, mel bins)
+    # (subsampling_conv_channels)
+    channels: tuple[int, int] = (128, 32)
+    chunk: int = 12  # rows a block of queries (attention_chunk_size): a unit of computing
+    # Each query attends to itself and the context_left - 2 rows before it, and the
+    # context_right - 1 rows after it (attention_context_left, attention_context_right); the
+    # relative positions span chunk + context_left - 1 + context_right rows
+    context_left: int = 13
+    context_right: int = 0
+    logit_cap: float = 50.0  # scores soft-capped: cap * tanh(s / cap) (attention_logit_cap)
+    conv_kernel: int = 5  # the light convolution's causal depthwise kernel (conv_kernel_size)
+    residual_weight: float = 0.5  # what each feed-forward's output is scaled by (macaron)
+    # Activations clamped to [-clamp, clamp] around the norms (gradient_clipping)
+    clamp: float = 1e10
+    # Bounds on the inputs and outputs of the blocks' linears, read from the checkpoint
+    # (use_clipped_linears; never trained); false: none
+    clipped_linears: bool = True
+    out_dim: int = 1536  # the output projection's width (output_proj_dims)
+
+    @property
+    def context(self) -> int:
+        """Rows a block of queries reads: chunk + context_left - 1 + context_right."""
+        return self.chunk + self.context_left - 1 + self.context_right
+
+    @property
+    def relative_positions(self) -> int:
+        """Rows of the relative position table: context // 2 + 1."""
+        return self.context // 2 + 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "channels", tuple(self.channels))
+        check(
+            len(self.channels) == 2 and all(isinstance(c, int) and c >= 1 for c in self.channels),
+            f"{list(self.channels)}: must be two channel counts >= 1 (two convolutions)",
+            "channels",
+        )
+        positive(self, "chunk", "conv_kernel", "out_dim")
+        check(self.context_left >= 2, "must be >= 2 (a query sees itself)", "context_left")
+        check(self.context_right >= 0, "must be >= 0", "context_right")
+        check(self.logit_cap > 0, "must be > 0", "logit_cap")
+        check(self.clamp > 0, "must be > 0", "clamp")
 
 
 @dataclass(frozen=True)
@@ -231,7 +281,10 @@ class AudioConfig(BlockOptions):
     subsample: int = 4  # frames per LLM token (the encoder's stride x the projector's merge)
     # The convolutions before the transformer: pairs (two kernel-2 stride-2 convolutions: one
     # encoder row per 4 frames) | whisper (kernel 3, strides 1 and 2, within each clip: one row
-    # per 2 frames; the projector then merges 2 rows into an LLM token)
+    # per 2 frames; the projector then merges 2 rows into an LLM token) | conformer (Gemma 4's
+    # encoder, `model.audio.conformer`: two 3x3 stride-2 convolutions over frames and mel bins,
+    # one row per 4 frames, then conformer blocks instead of transformer ones; needs
+    # positions: relative, norm: rms, mlp: silu)
     stem: str = "pairs"
     width: int = 768  # hidden size
     depth: int = 12  # transformer layers
@@ -239,7 +292,8 @@ class AudioConfig(BlockOptions):
     mlp_dim: int = 3072  # gated-MLP inner width
     rope_theta: float = 10000.0  # rotary base
     # rope (1D rotary in every attention) | sinusoidal (Whisper: a fixed table of max_positions
-    # rows added after the convolutions; it is never trained)
+    # rows added after the convolutions; it is never trained) | relative (the conformer's:
+    # scores biased by each key's distance to its query)
     positions: str = "rope"
     max_positions: int = 1500  # rows of the sinusoidal table: the longest clip in encoder rows
     projector_dim: int = 0  # the projector's hidden width; 0 = the LLM's width
@@ -251,6 +305,8 @@ class AudioConfig(BlockOptions):
     # (Qwen2-Audio's pooling: 2); stride x pool divides subsample
     pool: int = 1
     freeze: bool = False  # no gradient and no optimizer state for the encoder
+    # Gemma 4's conformer (stem: conformer): its own options (`ConformerConfig`)
+    conformer: ConformerConfig = field(default_factory=ConformerConfig)
 
     @property
     def stride(self) -> int:
@@ -258,9 +314,21 @@ class AudioConfig(BlockOptions):
         return 2 if self.stem == "whisper" else 4
 
     @property
+    def is_conformer(self) -> bool:
+        """Whether the encoder is Gemma 4's conformer (`stem: conformer`)."""
+        return self.stem == "conformer"
+
+    @property
+    def out_width(self) -> int:
+        """The width of the encoder's output rows: the conformer's output projection's, else
+        the blocks'."""
+        return self.conformer.out_dim if self.is_conformer else self.width
+
+    @property
     def stages_ok(self) -> bool:
-        """Whether its blocks run as pipeline stages: not with pooling after them."""
-        return self.pool == 1
+        """Whether its blocks run as pipeline stages: not with pooling after them, nor the
+        conformer's blocks."""
+        return self.pool == 1 and not self.is_conformer
 
     @property
     def rows_per_token(self) -> int:
@@ -289,8 +357,19 @@ class AudioConfig(BlockOptions):
         super().__post_init__()
         positive(self, "n_mels", "width", "depth", "heads", "mlp_dim", "max_positions")
         check(self.width % self.heads == 0, "width must be divisible by heads", "width")
-        check(self.stem in ("pairs", "whisper"), "must be pairs or whisper", "stem")
-        check(self.positions in ("rope", "sinusoidal"), "must be rope or sinusoidal", "positions")
+        check(self.stem in STEMS, f"must be one of {', '.join(STEMS)}", "stem")
+        check(
+            self.positions in ("rope", "sinusoidal", "relative"),
+            "must be rope, sinusoidal or relative",
+            "positions",
+        )
+        check(
+            (self.positions == "relative") == self.is_conformer,
+            "relative positions are the conformer's own (stem: conformer), and it has no other",
+            "positions",
+        )
+        if self.is_conformer:
+            self._check_conformer()
         check(
             self.positions != "rope" or (self.width // self.heads) % 2 == 0,
             "head dim must be even (RoPE)",
@@ -316,6 +395,17 @@ class AudioConfig(BlockOptions):
             "linear projects one pooled row per LLM token: needs stride x pool = subsample",
             "projector",
         )
+
+    def _check_conformer(self) -> None:
+        """The options the conformer's blocks are built with; the others are refused."""
+        why = "the conformer's blocks (stem: conformer)"
+        check(self.norm == "rms", f"{why} have RMSNorms: set rms", "norm")
+        check(self.mlp == "silu", f"{why} have feed-forwards fc2(silu(fc1 x)): set silu", "mlp")
+        check(not self.attn_bias, f"{why} have no attention biases: set ''", "attn_bias")
+        check(not self.mlp_bias, f"{why} have no feed-forward biases: set false", "mlp_bias")
+        check(not self.qk_norm, f"{why} have no QK-norm: set false", "qk_norm")
+        check(not self.lora.enabled, f"{why} take no LoRA adapters: set rank 0", "lora.rank")
+        check(self.pool == 1, f"{why} pool nothing: set 1", "pool")
 
 
 @dataclass(frozen=True)

@@ -256,6 +256,8 @@ def _audio(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int, p
     import torch
 
     a = cfg.model.audio
+    if a.is_conformer:
+        return _conformer(towers, ref, cfg, rng, packed)
     frames = a.max_positions * a.stride  # Whisper takes whole windows only
     clips = rng.normal(size=(2, frames, a.n_mels)).astype(np.float32)
     items = [(clip, np.arange(frames)) for clip in clips]
@@ -265,6 +267,38 @@ def _audio(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int, p
     theirs = theirs.reshape(-1, theirs.shape[-1])
     what = f"hidden states of 2 clips {_where(packed)}"
     return what, ours.reshape(len(theirs), -1), theirs
+
+
+# Valid frames of the conformer's clips: none a multiple of 4 frames (their last LLM token's
+# frames padded), 2 past one (where the second convolution reads a masked first one), and
+# rows not a whole number of chunks for any chunk above 1
+CONFORMER_CLIPS = (38, 53, 7, 90)
+
+
+def _conformer(towers: Towers, ref, cfg: Config, rng, packed: bool):
+    """Gemma 4's conformer's figures: its output rows of clips of several lengths (each padded
+    to a whole LLM token, its padding frames at position -1 holding noise that must not
+    count), against transformers on the clips batched with padding and their mask."""
+    import torch
+
+    a = cfg.model.audio
+    items, theirs_in = [], np.zeros((len(CONFORMER_CLIPS), max(CONFORMER_CLIPS), a.n_mels))
+    for k, v in enumerate(CONFORMER_CLIPS):
+        padded = -(-v // a.subsample) * a.subsample
+        clip = rng.normal(size=(padded, a.n_mels)).astype(np.float32)
+        items.append((clip, np.where(np.arange(padded) < v, np.arange(padded), -1)))
+        theirs_in[k, :v] = clip[:v]
+    ours = _rows(_encode_audio, towers, items, packed)[0]
+    mask = np.arange(theirs_in.shape[1])[None] < np.asarray(CONFORMER_CLIPS)[:, None]
+    with torch.no_grad():
+        out = ref(_torch(theirs_in.astype(np.float32)), attention_mask=_torch(mask))
+    rows = [-(-v // a.subsample) for v in CONFORMER_CLIPS]
+    theirs = np.concatenate([_numpy(out.last_hidden_state)[k, :n] for k, n in enumerate(rows)])
+    counted = _numpy(out.attention_mask).sum(1).astype(int).tolist()
+    if counted != rows:  # (the soft tokens a clip gets: ceil(frames / 4) both sides)
+        raise FamilyError(f"transformers' rows per clip {counted}, ours {rows}")
+    what = f"output rows of {len(rows)} clips ({', '.join(map(str, CONFORMER_CLIPS))} frames) "
+    return what + _where(packed), ours, theirs
 
 
 def describe(result: dict[str, Any]) -> str:

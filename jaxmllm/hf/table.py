@@ -10,7 +10,7 @@ in, and nothing else. Every model type's name lives here and nowhere else in `ja
   `jaxmllm.hf.gemma4.Gemma4` over it);
   a new Llama-like family is one more row in `DECODERS`.
 - A tower (`TowerRow`: SigLIP, CLIP, the Qwen VL towers, Whisper's and Qwen2-Audio's encoders,
-  Gemma 4's vision tower)
+  Gemma 4's vision tower and audio encoder)
   names the model types it reads and, for each, the transformers module `hf check` compares
   with; the layout of its tensors is its class's (`jaxmllm.hf.vision`, `qwen_vision`,
   `audio`), which names its row.
@@ -315,6 +315,12 @@ GEMMA4_VISION = TowerRow(
     "Gemma4VisionModel",
     (Reference("gemma4_vision", "Gemma4VisionModel"),),
 )
+GEMMA4_AUDIO = TowerRow(
+    "gemma4_audio",
+    "audio",
+    "Gemma4AudioModel",
+    (Reference("gemma4_audio", "Gemma4AudioModel", module="gemma4"),),
+)
 TOWERS = (
     SIGLIP,
     CLIP,
@@ -324,6 +330,7 @@ TOWERS = (
     WHISPER,
     QWEN2_AUDIO_ENCODER,
     GEMMA4_VISION,
+    GEMMA4_AUDIO,
 )
 
 # ----------------------------------------------------------------------------- wholes

@@ -29,7 +29,7 @@ from jaxmllm.hf.registry import ROLES, read_hf_config, section_of
 from jaxmllm.hf.start import initial_params
 from jaxmllm.hf.wholes import whole_for
 from jaxmllm.models import MultimodalLM
-from jaxmllm.models.audio import AudioEncoder
+from jaxmllm.models.encoders import audio_encoder
 from jaxmllm.models.llm import Decoder
 from jaxmllm.models.projectors import vision_projector
 from jaxmllm.models.vision import VisionEncoder
@@ -51,7 +51,7 @@ class Towers(nnx.Module):
             self.vision = VisionEncoder(m.vision, **enc)
             self.vision_projector = vision_projector(m, **kw)
         else:
-            self.audio = AudioEncoder(m.audio, **enc)
+            self.audio = audio_encoder(m.audio, **enc)
 
 
 def config_for(role: str, directory: str, llm_width: int = 0) -> Config:

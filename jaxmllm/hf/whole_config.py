@@ -10,7 +10,7 @@ from typing import Any
 
 from jaxmllm.data.text.tokenizer import config_tokenizer
 from jaxmllm.hf import table
-from jaxmllm.hf.audio import Qwen2AudioEncoder, WhisperEncoder
+from jaxmllm.hf.audio import Gemma4AudioEncoder, Qwen2AudioEncoder, WhisperEncoder
 from jaxmllm.hf.decoders import Decoders
 from jaxmllm.hf.family import Family, refuse_unless
 from jaxmllm.hf.gemma import Gemma3
@@ -42,6 +42,7 @@ TOWERS: tuple[Family, ...] = (
     WhisperEncoder(),
     Qwen2AudioEncoder(),
     Gemma4Vision(),
+    Gemma4AudioEncoder(),
 )
 PROJECTOR_ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 

@@ -126,8 +126,8 @@ class AudioEncoder(nnx.Module):
         """Whisper's stem on packed frames [B, F, mels]: two 3-tap convolutions (the second of
         stride 2) with GELU, each tap reading only its own clip's frames (`segment_ids_bf`)."""
         gelu = ACTIVATIONS["gelu"]
-        x = gelu(self.conv1(_clip_windows(frames_bfm, segment_ids_bf)))
-        windows = _clip_windows(x, segment_ids_bf)[:, ::2]  # stride 2: taps 2j-1, 2j, 2j+1
+        x = gelu(self.conv1(clip_windows(frames_bfm, segment_ids_bf)))
+        windows = clip_windows(x, segment_ids_bf)[:, ::2]  # stride 2: taps 2j-1, 2j, 2j+1
         return gelu(self.conv2(windows))
 
 
@@ -137,7 +137,7 @@ def _pair_rows(x_btc: jax.Array) -> jax.Array:
     return x_btc.reshape(b, t // 2, 2 * c)
 
 
-def _clip_windows(x_btc: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
+def clip_windows(x_btc: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
     """[B, T, C] -> [B, T, 3C]: each step's (previous, own, next) inputs, zero across a clip's
     edge: a kernel-3, padding-1 convolution's windows, clip by clip."""
     zero_row = jnp.zeros_like(x_btc[:, :1])

@@ -214,19 +214,22 @@ class RMSNorm(nnx.Module):
 class LayerNorm(RMSNorm):
     """Layer norm (centred, scaled, shifted) with a learned scale and bias, computed in fp32."""
 
-    def __init__(self, width: int, **kw):
-        """The RMSNorm's scale (no offset) and a bias beside it, under the same axis."""
+    def __init__(self, width: int, *, use_bias: bool = True, **kw):
+        """The RMSNorm's scale (no offset) and a bias beside it, under the same axis
+        (`use_bias` false: none, as torch's LayerNorm(bias=False))."""
         super().__init__(width, offset=False, **kw)
         axes = self.scale.get_metadata()["axes"]
-        self.bias = nnx.Param(jnp.zeros_like(self.scale[...]), axes=axes)
+        self.bias = nnx.Param(jnp.zeros_like(self.scale[...]), axes=axes) if use_bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """(x - mean) / std times the scale plus the bias, in fp32, returned in `dtype`."""
         x32 = x.astype(jnp.float32)
         x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        scale, bias = self.scale[...].astype(jnp.float32), self.bias[...].astype(jnp.float32)
-        return (x32 * scale + bias).astype(self.dtype)
+        x32 = x32 * self.scale[...].astype(jnp.float32)
+        if self.bias is not None:
+            x32 = x32 + self.bias[...].astype(jnp.float32)
+        return x32.astype(self.dtype)
 
 
 # config.blocks.NORMS names these

@@ -196,10 +196,10 @@ def audio_projector(cfg: ModelConfig, **kw) -> Projector | LinearProjector:
     a = cfg.audio
     kw["lora"] = _adapters(cfg, "audio_projector")
     if a.projector == "linear":
-        return LinearProjector(a.width, cfg.llm.width, **kw)
+        return LinearProjector(a.out_width, cfg.llm.width, **kw)
     group = a.rows_per_token  # encoder rows per LLM token
     return Projector(
-        a.width, cfg.llm.width, group, hidden=a.projector_dim, activation=a.projector_act, **kw
+        a.out_width, cfg.llm.width, group, hidden=a.projector_dim, activation=a.projector_act, **kw
     )
 
 
