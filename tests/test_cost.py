@@ -399,3 +399,41 @@ def test_gemma4s_full_layers_are_priced_at_their_own_head_shapes():
     costs = [CostModel.from_model(replace(cfg.model, llm=llm)).terms["llm"] for llm in (base, own)]
     assert costs[1].quadratic / costs[0].quadratic == pytest.approx(32 / 24)  # (its full layer)
     assert costs[1].windowed == costs[0].windowed
+
+
+def test_a_conformer_audio_phase_is_priced_linear_in_frames_at_what_xla_counts():
+    """Gemma 4's conformer (model.audio.stem: conformer) attends within a bounded window: the
+    audio phase has no quadratic term, and its per-frame FLOPs are what XLA counts the
+    encoder's program to do per frame added (within its elementwise work, a few %; one
+    block: XLA counts a scanned body once), for clips of 240 to 960 frames alike."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxmllm.config import Config, from_dict
+    from jaxmllm.cost.flops import conformer_flops
+    from jaxmllm.models.conformer import ConformerEncoder
+
+    conformer = {"channels": [16, 8], "chunk": 6, "context_left": 7, "out_dim": 48}
+    audio = {"stem": "conformer", "positions": "relative", "mlp": "silu", "n_mels": 32}
+    audio.update(width=128, heads=4, mlp_dim=512, depth=1, conformer=conformer)
+    cfg = from_dict(Config, {"model": {"audio": audio}})
+    a = cfg.model.audio
+    term = CostModel.from_model(cfg.model).phase("audio")
+    assert term.quadratic == 0 and term.windowed == 0
+    graphdef, state = nnx.split(
+        ConformerEncoder(a, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    )
+    encode = jax.jit(lambda s, x, seg, pos: nnx.merge(graphdef, s)(x, seg, pos))
+
+    def counted(frames):
+        x, pos = jnp.zeros((1, frames, a.n_mels)), jnp.arange(frames)[None]
+        return encode.lower(state, x, jnp.ones_like(pos), pos).compile().cost_analysis()["flops"]
+
+    f240, f480, f960 = counted(240), counted(480), counted(960)
+    per_frame = [(f480 - f240) / 240, (f960 - f480) / 480]
+    assert per_frame[1] == pytest.approx(per_frame[0], rel=0.02)  # linear in frames
+    ours = conformer_flops(a)
+    assert 0.9 < ours / per_frame[1] < 1.0, (ours, per_frame)  # (XLA adds the elementwise)
+    proj = 2 * (a.out_width * cfg.model.llm.width + cfg.model.llm.width**2) / 4
+    assert term.linear == pytest.approx(3 * (ours + proj))  # (trained: forward x 3)

@@ -39,13 +39,35 @@ def _vision_flops(v: VisionConfig, llm_width: int) -> tuple[float, float, float]
     return lin, v.depth * 4.0 * v.width, proj
 
 
+def conformer_flops(a: AudioConfig) -> float:
+    """Per log-mel frame: the forward FLOPs of Gemma 4's conformer (`jaxmllm.models.conformer`),
+    all linear in frames. Its stem: the first 3x3 convolution (one input channel) on every
+    second frame and mel bin, the second on every fourth frame and second bin of the first's,
+    the Linear from the bins left to the width. A block on rows of 4 frames: two feed-forwards
+    (d -> f -> d), q, k, v and the output (4 d x d), the light convolution's Linears (d -> 2d,
+    d -> d) and its kernel, and the attention as it is computed: each query's scores and
+    weighted values over its chunk's context of C rows (4 C d) and its relative term over the
+    P distances of the table (2 P d). Then the output projection."""
+    c, d, f = a.conformer, a.width, a.mlp_dim
+    c0, c1 = c.channels
+    m0 = (a.n_mels + 1) // 2  # mel bins after the first convolution, then the second
+    m1 = (m0 + 1) // 2
+    stem = 2 * 9 * (m0 * c0 / 2 + m1 * c0 * c1 / 4) + 2 * m1 * c1 * d / 4
+    attention = 4 * c.context * d + 2 * c.relative_positions * d
+    block = 2 * (2 * d * f) * 2 + 2 * 4 * d * d + 2 * 3 * d * d + 2 * c.conv_kernel * d
+    return stem + (a.depth * (block + attention) + 2 * d * c.out_dim) / a.stride
+
+
 def _audio_flops(a: AudioConfig, llm_width: int) -> tuple[float, float, float]:
     """Per log-mel frame: (encoder linear, encoder quadratic, projector) forward FLOPs of the
-    audio encoder (its stem's convolutions, then a transformer on rows of `r` frames) and its
-    projector (`subsample / r` rows per LLM token)."""
-    s, r = a.subsample, 2 if a.stem == "whisper" else 4  # frames per LLM token, per encoder row
+    audio encoder (its stem's convolutions, then a transformer on rows of `r` frames, or the
+    conformer's blocks: `conformer_flops`, no quadratic term) and its projector (`subsample /
+    r` rows per LLM token)."""
+    s, r = a.subsample, a.stride  # frames per LLM token, per encoder row
     hid = a.projector_dim or llm_width
-    proj = 2 * (s // r * a.width * hid + hid * llm_width) / s
+    proj = 2 * (s // r * a.out_width * hid + hid * llm_width) / s
+    if a.is_conformer:  # (local attention: each query's keys are bounded, not the clip's)
+        return conformer_flops(a), 0.0, proj
     if a.stem == "whisper":  # 3-tap convs, stride 1 then 2: per frame
         conv = 2 * 3 * a.width * (a.n_mels + a.width / 2)
     else:  # (two 3-tap stride-2 convs, as first modelled: within a few % of the two pairs)
@@ -71,12 +93,12 @@ def _vision_adapters(v: VisionConfig, llm_width: int, how: dict) -> float:
 
 def _audio_adapters(a: AudioConfig, llm_width: int, how: dict) -> float:
     """Per log-mel frame: the forward FLOPs of the encoder's and its projector's adapters."""
-    s, r = a.subsample, 2 if a.stem == "whisper" else 4
+    s, r, out = a.subsample, a.stride, a.out_width
     hid = a.projector_dim or llm_width
     tower = a.depth * training.adapter_flops(
         how["audio"], training.block_shapes(a.width, a.width, a.mlp_dim)
     )
-    shapes = {"fc1": (s // r * a.width, hid), "fc2": (hid, llm_width), "fc": (a.width, llm_width)}
+    shapes = {"fc1": (s // r * out, hid), "fc2": (hid, llm_width), "fc": (out, llm_width)}
     return tower / r + training.adapter_flops(how["audio_projector"], shapes) / s
 
 
