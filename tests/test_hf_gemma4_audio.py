@@ -12,6 +12,7 @@ import pytest
 from jaxmllm.config import Config, ConfigError, from_dict
 from jaxmllm.hf.check import check_dir
 from jaxmllm.hf.family import FamilyError
+from jaxmllm.hf.importer import data_section
 from jaxmllm.hf.registry import read_hf_config, section_of
 
 pytest.importorskip("transformers")
@@ -33,6 +34,10 @@ def test_what_the_conformer_does_not_have_is_refused_naming_the_key(tmp_path):
     hf_models.gemma4_audio(source)
     section = section_of("audio", read_hf_config(source), str(source))
     assert (section["stem"], section["mlp_dim"], section["n_mels"]) == ("conformer", 128, 16)
+    assert data_section(str(source), audio=str(source))["mel"] == "gemma4"
+    (source / "preprocessor_config.json").write_text(json.dumps({"per_bin_mean": [0.5] * 16}))
+    with pytest.raises(FamilyError, match="per_bin_mean"):  # (features we do not compute)
+        data_section(str(source), audio=str(source))
     hf = json.loads((source / "config.json").read_text())
     for key, value in (("hidden_act", "gelu"), ("attention_invalid_logits_value", -10.0)):
         (source / "config.json").write_text(json.dumps({**hf, key: value}))

@@ -9,6 +9,7 @@ from datetime import datetime
 
 from jaxmllm.config.checks import check
 
+MELS = ("jaxmllm", "whisper", "gemma4")  # data.mel (jaxmllm.data.media.audio.LOG_MELS)
 BYTE_VOCAB = 264  # the byte tokenizer's ids: 256 bytes, then jaxmllm's 8 reserved specials
 
 
@@ -181,7 +182,9 @@ class DataConfig:
     image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     # Log-mel features: jaxmllm (HTK mel, its own framing) | whisper (exactly Whisper's
-    # feature extractor: Slaney mel, centred 400-sample frames; what a Whisper encoder saw)
+    # feature extractor: Slaney mel, centred 400-sample frames; what a Whisper encoder saw) |
+    # gemma4 (Gemma4AudioFeatureExtractor's: 20 ms frames, magnitude, log(mel + 1e-3); a
+    # clip's last LLM token takes its last frames, ceil(frames / 4) tokens, as its processor)
     mel: str = "jaxmllm"
     audio_sample_rate: int = 16000  # clips are resampled to this rate (Hz); 10 ms mel hop
     audio_max_frames: int = 3000  # longest clip in log-mel frames; longer clips become chunks
@@ -313,7 +316,7 @@ class DataConfig:
         )
         check(self.image_min_pixels >= 1, "must be >= 1", "image_min_pixels")
         check(min(self.image_std) > 0, "every channel's std must be > 0", "image_std")
-        check(self.mel in ("jaxmllm", "whisper"), "must be jaxmllm or whisper", "mel")
+        check(self.mel in MELS, f"must be one of {', '.join(MELS)}", "mel")
         check(self.image_resize in ("round", "floor"), "must be round or floor", "image_resize")
         check(
             self.image_max_pixels >= self.image_min_pixels,

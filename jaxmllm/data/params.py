@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from jaxmllm.config import Config, ConfigError, phases
 from jaxmllm.config.phases import BY_NAME, NAMES
 from jaxmllm.data import budget
-from jaxmllm.data.media.audio import Caps, chunk_lengths, clip_frames
+from jaxmllm.data.media.audio import Caps, chunk_lengths, clip_frames, framing
 from jaxmllm.data.media.image import Grid, ImageCaps, image_grid
 from jaxmllm.data.media.jpeg import ScanCaps
 from jaxmllm.data.media.video import VideoCaps, VideoRule
@@ -49,6 +49,8 @@ class Params:
     video_frame_max_pixels: int = 602112
     video_max_pixels: int = 3211264
     video_timestamps: bool = False  # (Qwen3-VL's: the time before each temporal patch)
+    # How a clip's frames are counted (data.mel's: `jaxmllm.data.media.audio.clip_frames`)
+    audio_framing: str = "hop"
     # M-RoPE's time per second of video (model.vision.tokens_per_second; 0: one step per
     # temporal patch): it places tokens, it does not count them
     video_tokens_per_second: float = field(default=0.0, compare=False)
@@ -106,6 +108,7 @@ class Params:
             video_frame_max_pixels=d.video_frame_max_pixels,
             video_max_pixels=d.video_max_pixels,
             video_timestamps=d.video_timestamps,
+            audio_framing=framing(d.mel),
             video_tokens_per_second=v.tokens_per_second,
             mel=d.mel,
             max_image_pixels=d.max_image_pixels,
@@ -159,7 +162,9 @@ class Params:
     def clip_chunks(self, samples: int, rate: int) -> list[int]:
         """The log-mel frames of each chunk a clip of `samples` at `rate` Hz is cut into (at
         most data.audio_max_frames each; none for a clip too short for one LLM token)."""
-        frames = clip_frames(samples, rate, self.audio_sample_rate, self.subsample)
+        frames = clip_frames(
+            samples, rate, self.audio_sample_rate, self.subsample, self.audio_framing
+        )
         return chunk_lengths(frames, self.audio_max_frames)
 
     def video_caps(self) -> VideoCaps:
@@ -190,7 +195,7 @@ class Params:
 
 
 # Count-deciding fields added since indexes were first built, and their defaults
-SINCE = {"video_timestamps": False, "image_resize": "round"}
+SINCE = {"video_timestamps": False, "image_resize": "round", "audio_framing": "hop"}
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxmllm.data.media.audio import GEMMA4
 from jaxmllm.hf.family import Family, Link, dense, read, refuse_unless, same
 from jaxmllm.hf.table import GEMMA4_AUDIO, QWEN2_AUDIO_ENCODER, WHISPER
 from jaxmllm.hf.vision import _prefix, layer_norm, linear
@@ -37,6 +38,10 @@ class WhisperEncoder(Family):
 
     row = WHISPER
     exports_whole = True  # (its decoder, unchanged)
+    mel = "whisper"  # data.mel: its feature extractor's log-mel
+
+    def check_features(self, proc: dict, where: str) -> None:
+        """Nothing to refuse: `data.mel: whisper` is its feature extractor's."""
 
     def section(self, hf: dict) -> dict:
         """Our `model.audio` keys from the encoder's config.json (a whole model's
@@ -138,8 +143,21 @@ class Qwen2AudioEncoder(WhisperEncoder):
         return out
 
 
-# The feature extractor Gemma 4's encoder takes (Gemma4AudioFeatureExtractor: `data.mel`)
-GEMMA4_MEL = "gemma4"
+# What Gemma4AudioFeatureExtractor's preprocessor_config.json may set that `data.mel: gemma4`
+# computes only at its default (jaxmllm.data.media.audio.gemma4_log_mel)
+MEL_DEFAULTS = {
+    "frame_length_ms": 20.0,
+    "hop_length_ms": 10.0,
+    "min_frequency": 0.0,
+    "max_frequency": 8000.0,
+    "preemphasis": 0.0,
+    "fft_overdrive": False,
+    "dither": 0.0,
+    "input_scale_factor": 1.0,
+    "mel_floor": 1e-3,
+    "per_bin_mean": None,
+    "per_bin_stddev": None,
+}
 # transformers' attention_invalid_logits_value: the score of a masked key
 INVALID_LOGITS = -1e9
 
@@ -186,7 +204,18 @@ class Gemma4AudioEncoder(Family):
     bins, what its output Linear's input implies (the feature extractor's feature_size)."""
 
     row = GEMMA4_AUDIO
-    mel = GEMMA4_MEL
+    mel = GEMMA4
+
+    def check_features(self, proc: dict, where: str) -> None:
+        """Refuses a feature extractor (preprocessor_config.json `proc`) whose features
+        `data.mel: gemma4` does not compute, naming the key."""
+        for key, default in MEL_DEFAULTS.items():
+            value = proc.get(key, default)
+            refuse_unless(
+                value == default,
+                where,
+                f"{key} {value!r}: jaxmllm's gemma4 log-mel computes {default!r} only",
+            )
 
     def section(self, hf: dict) -> dict:
         """Our `model.audio` keys from the encoder's config.json (a whole's `audio_config`)."""

@@ -145,14 +145,22 @@ def data_section(llm: str, vision: str = "", audio: str = "", tokenizer: str = "
         data.update(whole.data_keys(proc, where, read_hf_config(vision)))
     if vision:
         _check_sizes(vision, proc)
-    if audio:
-        data["mel"] = "whisper"
+    if audio:  # (the feature extractor's log-mel: Whisper's, Gemma 4's)
+        family = tower_of_audio(audio)
+        family.check_features(_processor(audio), _processor_file(audio))
+        data["mel"] = family.mel
         rate = _processor(audio).get("sampling_rate")
         if rate:
             data["audio_sample_rate"] = _number(
                 rate, _processor_file(audio), "sampling_rate", 10**6
             )
     return data
+
+
+def tower_of_audio(directory: str):
+    """The audio encoder family of a checkpoint directory (a whole's: its part's)."""
+    family = family_for("audio", read_hf_config(directory), directory)
+    return getattr(family, "inner", family)
 
 
 MAX_PIXELS = DataConfig().max_image_pixels  # a pixel budget past it: no stored image is read

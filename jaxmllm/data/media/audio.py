@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 
 Source = str | Path | bytes
 HOP_S, WIN_S = 0.010, 0.025
+GEMMA4 = "gemma4"  # data.mel's value for Gemma 4's features (Gemma4AudioFeatureExtractor)
+FRAME_S = 0.020  # Gemma 4's frames (Gemma4AudioFeatureExtractor's frame_length_ms)
+GEMMA4_MEL_FLOOR = 1e-3  # its mel_floor
+GEMMA4_MAX_HZ = 8000.0  # its max_frequency
 MAX_SECONDS = 600.0  # the default of data.max_audio_seconds
 MAX_SAMPLES = 1 << 26  # the default of data.max_audio_samples (frames x channels)
 MAX_RATE = 768_000  # Hz; above any real recording: a header saying more is broken or hostile
@@ -40,16 +44,49 @@ BLOCK_SAMPLES = 1 << 18  # samples (frames x channels) decoded at a time
 TAPS = 31  # the low-pass filter's half width (63 taps)
 
 
-def clip_frames(num_samples: int, sample_rate: int, target_rate: int, subsample: int) -> int:
-    """Log-mel frames of a clip after resampling, rounded down to a multiple of `subsample`."""
+def clip_frames(
+    num_samples: int, sample_rate: int, target_rate: int, subsample: int, framing: str = "hop"
+) -> int:
+    """Log-mel frames of a clip after resampling: `framing` hop (one a hop, rounded down to a
+    multiple of `subsample`) | gemma4 (Gemma 4's `valid_frames`, rounded up to a multiple of
+    `subsample`: its last LLM token takes the clip's last frames, the rest padding, as
+    Gemma4Processor counts ceil(frames / 4) soft tokens)."""
+    if framing == GEMMA4:
+        valid = valid_frames(num_samples, sample_rate, target_rate)
+        return -(-valid // subsample) * subsample
     frames = resampled_length(num_samples, sample_rate, target_rate) // hop_length(target_rate)
     return frames - frames % subsample
+
+
+def valid_frames(num_samples: int, sample_rate: int, target_rate: int) -> int:
+    """Gemma 4's log-mel frames of a clip after resampling (Gemma4AudioFeatureExtractor's
+    valid ones): frames of FRAME_S every hop, the first centred at the clip's start, each
+    wholly inside the clip."""
+    n = resampled_length(num_samples, sample_rate, target_rate)
+    frame = round(target_rate * FRAME_S)
+    return max(0, (n + frame // 2 - (frame + 1)) // hop_length(target_rate) + 1)
+
+
+def framing(mel: str) -> str:
+    """How a clip's frames are counted under data.mel `mel` (`clip_frames`' framing)."""
+    return GEMMA4 if mel == GEMMA4 else "hop"
 
 
 def chunk_lengths(frames: int, max_frames: int) -> list[int]:
     """Cuts `frames` into chunks of at most `max_frames` (the last one shorter)."""
     full, rest = divmod(frames, max_frames)
     return [max_frames] * full + ([rest] if rest else [])
+
+
+def chunk_positions(lengths: list[int], valid: int) -> list[np.ndarray]:
+    """Each chunk's frames' positions (its frame index, int32), -1 past the clip's first
+    `valid` frames: the frames that pad its last LLM token, which the encoder masks."""
+    out, start = [], 0
+    for n in lengths:
+        index = np.arange(n, dtype=np.int32)
+        out.append(np.where(start + index < valid, index, -1).astype(np.int32))
+        start += n
+    return out
 
 
 def resampled_length(num_samples: int, sample_rate: int, target_rate: int) -> int:
@@ -330,6 +367,23 @@ def whisper_log_mel(x: np.ndarray, rate: int, n_mels: int) -> np.ndarray:
     return _scaled_log(power @ slaney_filters(rate, n_fft, n_mels))
 
 
+def gemma4_log_mel(x: np.ndarray, rate: int, n_mels: int) -> np.ndarray:
+    """Gemma 4's log-mel frames [valid_frames, n_mels], as Gemma4AudioFeatureExtractor
+    computes them with its defaults (no preemphasis, dither or per-bin normalisation): FRAME_S
+    periodic-Hann frames every hop, the first centred at the clip's start (half a frame of
+    zeros before it), the FFT's magnitude, HTK mel filters up to 8 kHz without a norm,
+    log(mel + 1e-3)."""
+    hop, frame = hop_length(rate), round(rate * FRAME_S)
+    n_fft = 1 << (frame - 1).bit_length()
+    frames = valid_frames(len(x), rate, rate)
+    padded = np.pad(np.asarray(x, np.float32), (frame // 2, 0))
+    window = _window(frame, True).astype(np.float32)
+    windows = _frames(padded, frame, hop, frames) * window
+    magnitude = np.abs(np.fft.rfft(windows, n=n_fft))
+    filters = mel_filters(rate, n_fft, n_mels, top=GEMMA4_MAX_HZ)
+    return np.log(magnitude @ filters.astype(np.float64) + GEMMA4_MEL_FLOOR).astype(np.float32)
+
+
 @functools.lru_cache(maxsize=8)
 def slaney_filters(rate: int, n_fft: int, n_mels: int) -> np.ndarray:
     """Slaney-scale, Slaney-normalised triangular mel filterbank [n_fft // 2 + 1, n_mels] up
@@ -351,12 +405,12 @@ def slaney_filters(rate: int, n_fft: int, n_mels: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=8)
-def mel_filters(rate: int, n_fft: int, n_mels: int) -> np.ndarray:
-    """Triangular HTK-mel filterbank [n_fft // 2 + 1, n_mels]."""
+def mel_filters(rate: int, n_fft: int, n_mels: int, top: float = 0.0) -> np.ndarray:
+    """Triangular HTK-mel filterbank [n_fft // 2 + 1, n_mels] up to `top` Hz (0: rate / 2)."""
     to_mel = lambda f: 2595.0 * np.log10(1.0 + f / 700.0)
     to_hz = lambda m: 700.0 * (10.0 ** (m / 2595.0) - 1.0)
-    edges = to_hz(np.linspace(0.0, to_mel(rate / 2), n_mels + 2))
-    freqs = np.linspace(0.0, rate / 2, n_fft // 2 + 1)
+    edges = to_hz(np.linspace(0.0, to_mel(top or rate / 2), n_mels + 2))
+    freqs = np.linspace(0.0, rate // 2 if top else rate / 2, n_fft // 2 + 1)
     lo, mid, hi = edges[:-2], edges[1:-1], edges[2:]
     up = (freqs[:, None] - lo) / np.maximum(mid - lo, 1e-9)
     down = (hi - freqs[:, None]) / np.maximum(hi - mid, 1e-9)
@@ -399,10 +453,12 @@ def load_audio(
             f"{_name(src)}: {got} samples, the index measured {expect_samples}",
             record_id,
         )
-    n_frames = clip_frames(want, rate, target_rate, subsample)
+    n_frames = clip_frames(want, rate, target_rate, subsample, framing(mel))
     if n_frames == 0:
         raise RecordError("audio_too_short", f"{_name(src)}: {want / rate:.3f} s", record_id)
     feats = LOG_MELS[mel](resampler.finish(want), target_rate, n_mels)[:n_frames]
+    # (Gemma 4's: its last token's frames past the clip are zeros, as its extractor masks them)
+    feats = np.pad(feats, [(0, n_frames - len(feats)), (0, 0)])
     frames = n_frames
     starts = np.cumsum([0] + chunk_lengths(frames, max_frames))
     return [feats[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
@@ -449,4 +505,4 @@ def _name(src: Source) -> str:
     return f"<{len(src)} inline bytes>" if isinstance(src, bytes) else str(src)
 
 
-LOG_MELS = {"jaxmllm": log_mel, "whisper": whisper_log_mel}  # data.mel
+LOG_MELS = {"jaxmllm": log_mel, "whisper": whisper_log_mel, GEMMA4: gemma4_log_mel}  # data.mel

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from jaxmllm.data.media.audio import load_audio, read_info
+from jaxmllm.data.media.audio import (
+    GEMMA4,
+    chunk_positions,
+    load_audio,
+    read_info,
+    valid_frames,
+)
 from jaxmllm.data.media.image import load_image, read_size
 from jaxmllm.data.media.kind import Decoding, MediaKind, PartOf
 from jaxmllm.data.media.video import (
@@ -135,7 +139,8 @@ class Clips:
         decoding: Decoding | None = None,
     ) -> list[Item | None]:
         """The clip decoded to log-mel frames at data.audio_sample_rate, cut in its chunks,
-        each with its frames' positions."""
+        each with its frames' positions (-1 on the frames that pad its last LLM token, Gemma
+        4's: `chunk_positions`)."""
         chunks = load_audio(
             src,
             p.audio_sample_rate,
@@ -147,7 +152,10 @@ class Clips:
             mel=p.mel,
             caps=p.audio_caps(),
         )
-        return [(c, np.arange(len(c), dtype=np.int32)) for c in chunks]
+        valid = sum(map(len, chunks))  # (Gemma 4's framing: its last token's padding less)
+        if p.audio_framing == GEMMA4:
+            valid = valid_frames(size[0], size[1], p.audio_sample_rate)
+        return list(zip(chunks, chunk_positions([len(c) for c in chunks], valid), strict=True))
 
 
 def frame_times(info: VideoInfo, rule: VideoRule) -> list[float]:
