@@ -48,3 +48,23 @@ def test_what_the_conformer_does_not_have_is_refused_naming_the_key(tmp_path):
         from_dict(Config, {"model": {"audio": audio}})
     with pytest.raises(ConfigError, match="mlp: the conformer's blocks"):
         from_dict(Config, {"model": {"audio": {**section, "mlp": "gated_silu"}}})
+
+
+def test_a_fresh_conformers_state_is_finite():
+    """No bound is the largest float32, not inf: a train step skips any update whose state is
+    not finite (the checkpoint's ±inf round-trip through it: tests/test_hf.py's bit-identical
+    export of `gemma4-audio`, whose light convolution's output is unbounded)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jaxmllm.models.conformer import UNBOUNDED, ConformerEncoder
+
+    audio = {"stem": "conformer", "positions": "relative", "mlp": "silu", "n_mels": 16}
+    audio.update(width=32, heads=4, mlp_dim=128, depth=2, conformer={"channels": [16, 8]})
+    a = from_dict(Config, {"model": {"audio": audio}}).model.audio
+    enc = ConformerEncoder(a, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    leaves = jax.tree.leaves(nnx.state(enc))
+    assert all(np.isfinite(np.asarray(x)).all() for x in leaves)
+    assert np.asarray(enc.blocks.ff1.fc1.bounds[...]).tolist() == [[-UNBOUNDED, UNBOUNDED] * 2] * 2

@@ -53,6 +53,9 @@ class Link:
     layers: int = 0
     layer_ids: tuple[int, ...] = ()
     stored_as: Callable[[tuple[int, ...]], tuple[tuple[int, ...], ...]] | None = None
+    # ±inf is a value of its HF tensors (a clipped linear's "no bound"), not damage: only NaN
+    # is refused on load
+    infinite: bool = False
 
     def hf_layer(self, row: int) -> int:
         """The checkpoint's layer number of row `row` of our stacked parameters."""

@@ -41,17 +41,19 @@ from jaxmllm.models.transformer import remat_policy, stack_modules
 
 INVALID = -1e9  # a masked score (transformers' attention_invalid_logits_value)
 FIXED_EPS = 1e-6  # the blocks' norms whose epsilon transformers does not take from the config
+UNBOUNDED = float(np.finfo(np.float32).max)  # a clipped linear's bound where it has none
 
 
 class ClippedDense(Dense):
     """A Dense without a bias whose input and output are clamped to bounds (transformers'
     Gemma4ClippableLinear): `bounds` [input min, input max, output min, output max], read from
-    a checkpoint, never trained (±inf: no clamp); `clipped` false: no bounds."""
+    a checkpoint, never trained; `clipped` false: no bounds. No bound is the largest float32
+    (`UNBOUNDED`), not ±inf: a train state is finite, or its update is skipped."""
 
     def __init__(self, in_shape, out_shape, axes, *, clipped: bool, **kw):
         super().__init__(in_shape, out_shape, axes, **kw)
-        inf = np.inf
-        bounds = jnp.asarray([-inf, inf, -inf, inf], jnp.float32)
+        top = UNBOUNDED
+        bounds = jnp.asarray([-top, top, -top, top], jnp.float32)
         self.bounds = nnx.Param(bounds, axes=(None,)) if clipped else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
