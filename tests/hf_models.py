@@ -163,6 +163,8 @@ def gemma4_text(
     k_eq_v: bool = False,
     softcap: float | None = 30.0,
     bias: bool = False,
+    experts: int = 0,
+    top_k: int = 2,
     seed: int = 0,
     vocab: int = 300,
 ) -> str:
@@ -170,8 +172,18 @@ def gemma4_text(
     texts, the sliding layers' head_dim (24) other than width / heads (64 / 4) and the full
     layers' own (global_head_dim 32), proportional rotary on a quarter of the full layers'
     frequencies, logits soft-capped at `softcap`; with `k_eq_v`, the full layers' values are
-    their keys' (and one kv head of their own). No per-layer inputs, no shared keys."""
+    their keys' (and one kv head of their own); with `experts`, the MoE block in every layer
+    (`top_k` of them a token, 32 wide; `moe_experts`). No per-layer inputs, no shared keys."""
     import transformers as T
+
+    moe = {}
+    if experts:
+        moe = dict(
+            enable_moe_block=True,
+            num_experts=experts,
+            top_k_experts=top_k,
+            moe_intermediate_size=32,
+        )
 
     cfg = T.Gemma4TextConfig(
         vocab_size=vocab,
@@ -200,6 +212,7 @@ def gemma4_text(
         final_logit_softcapping=softcap,
         tie_word_embeddings=tied,
         max_position_embeddings=256,
+        **moe,
     )
     model = randomize(T.Gemma4ForCausalLM(cfg), seed)
     import torch
@@ -208,7 +221,25 @@ def gemma4_text(
     with torch.no_grad():  # (a buffer: randomize draws parameters only)
         for layer in model.model.layers:
             layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=gen))
+            if experts:
+                moe_experts(layer, gen)
     return save(model, directory)
+
+
+def moe_experts(layer, gen) -> None:
+    """Gemma 4's router and experts drawn as a trained layer's might be: the experts at their
+    own fan-in (`randomize` takes a stacked tensor's [2f, width] as one), the router's scales
+    around 1 and its logits spread over a few units, so each token's top-k is clear-cut (no
+    near-tie that float rounding could flip) and the experts' weights differ."""
+    import torch
+
+    draw = lambda p: torch.randn(p.shape, generator=gen, dtype=torch.float32)  # noqa: E731
+    ex, router = layer.experts, layer.router
+    ex.gate_up_proj.copy_(draw(ex.gate_up_proj) * 1.5 / ex.gate_up_proj.shape[-1] ** 0.5)
+    ex.down_proj.copy_(draw(ex.down_proj) * 1.5 / ex.down_proj.shape[-1] ** 0.5)
+    router.proj.weight.copy_(draw(router.proj.weight) * 2.0)
+    router.scale.copy_(1.0 + 0.2 * draw(router.scale))
+    router.per_expert_scale.copy_(1.0 + 0.3 * draw(router.per_expert_scale))
 
 
 def gemma3(

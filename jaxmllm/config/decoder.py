@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from jaxmllm.config.blocks import BlockOptions
+from jaxmllm.config.blocks import GATED_MLPS, BlockOptions
 from jaxmllm.config.checks import check, positive
 from jaxmllm.config.lora import LINEAR_TARGETS
 
@@ -132,6 +132,18 @@ class MoEConfig:
     # Rows per tile of the grouped matmul (a tile holds one expert's rows); 0: from the token
     # count and experts (padding at most ~1/8 of the rows)
     tile: int = 0
+    # Gemma 4's router: it reads the layer's residual stream (not the MLP's normed input)
+    # through an RMSNorm without a weight, times a learned scale per channel and width^-0.5
+    # (router.norm, router.scale)
+    router_norm: bool = False
+    # Each expert's routing weight times a learned scale of its own, after the top-k
+    # renormalisation (Gemma 4's router.per_expert_scale)
+    expert_scale: bool = False
+    # The shared expert and the routed experts normed apart before and after (Gemma 4's dense
+    # MLP on pre_feedforward_layernorm, its experts on pre_feedforward_layernorm_2, their
+    # outputs by post_feedforward_layernorm_1 and _2), their sum by the MLP's post-norm; needs
+    # model.llm.post_norms and a shared expert
+    branch_norms: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -424,8 +436,29 @@ class LLMConfig(BlockOptions):
         check(self.logit_softcap >= 0, "must be >= 0 (0: no soft-capping)", "logit_softcap")
         self._check_full_layers()
 
+        self._check_moe_block()
         if m.enabled and not m.shared_mlp_dim and self.lora.enabled:
             self._check_expert_adapters()  # (with a shared expert they adapt its Linears)
+
+    def _check_moe_block(self) -> None:
+        """The experts are gated MLPs of the decoder's activation; Gemma 4's branch norms need
+        Gemma's post-norms and the shared expert they norm apart from the routed ones."""
+        m = self.moe
+        if not m.enabled:
+            return
+        check(
+            self.mlp in GATED_MLPS,
+            f"{self.mlp!r}: the routed experts are gated MLPs of the decoder's activation (one "
+            f"of {', '.join(GATED_MLPS)})",
+            "mlp",
+        )
+        check(
+            not m.branch_norms or (self.post_norms and m.shared_mlp_dim > 0),
+            "branch norms norm a shared expert apart from the routed experts, after the "
+            "MLP's post-norm: set post_norms: true and moe.shared_mlp_dim > 0, or "
+            "moe.branch_norms: false",
+            "moe.branch_norms",
+        )
 
     def _check_full_layers(self) -> None:
         """The full-attention layers' own head width, key-value heads and values from keys

@@ -55,6 +55,9 @@ NOT_GEMMA = {
     "model.llm.full_head_dim": (0,),
     "model.llm.full_kv_heads": (0,),
     "model.llm.full_k_eq_v": (False,),
+    "model.llm.moe.router_norm": (False,),
+    "model.llm.moe.expert_scale": (False,),
+    "model.llm.moe.branch_norms": (False,),
 }
 ROPE_TYPES = {"default": "none", "mrope": "none", "linear": "linear", "llama3": "llama3"}
 # How a checkpoint may lay out a mixture of experts' routed experts (`moe_links`): one Linear

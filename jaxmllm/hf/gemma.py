@@ -154,9 +154,14 @@ class Gemma3(Decoders):
             *attention,
             same(p + "post_attention_layernorm.weight", ours + "attn_post_norm/scale", n),
             same(p + "pre_feedforward_layernorm.weight", ours + "mlp_norm/scale", n),
-            *gated_mlp_links(llm.width, llm.mlp_dim, p + "mlp.", ours + "mlp/", n),
+            *self.mlp_links(llm, kind, p, ours, n),
             same(p + "post_feedforward_layernorm.weight", ours + "mlp_post_norm/scale", n),
         ]
+
+    def mlp_links(self, llm: Any, kind: LayerKind, p: str, ours: str, n: int) -> list[Link]:
+        """A layer's MLP between its norms: GeGLU (`p`: the checkpoint's layer, `ours`: our
+        stack's)."""
+        return gated_mlp_links(llm.width, llm.mlp_dim, p + "mlp.", ours + "mlp/", n)
 
 
 def whole_if_whole(x: float) -> int | float:

@@ -12,11 +12,20 @@ width and key-value heads (`per_layer_config`, or the hub's `global_head_dim` an
 key projection (`attention_k_eq_v`: `full_k_eq_v`), and turn a share of their rotary
 frequencies (`rope_parameters.full_attention` of type `proportional`: `rope_scaling`).
 
+The mixture-of-experts block (`enable_moe_block`, Gemma-4-26B-A4B) is jaxmllm's MoE
+(`jaxmllm.models.moe`, `model.llm.moe`) in every layer: the layer's dense MLP is its shared
+expert, ungated (`shared_mlp_dim`: intermediate_size, `shared_gate: false`), beside
+`num_experts` routed GeGLU experts of `moe_intermediate_size`, `top_k_experts` a token; the
+router reads the residual stream through its own weightless RMSNorm and scale (`router_norm`),
+its top-k renormalised and times `per_expert_scale` (`expert_scale`); the two branches are
+normed apart before and after (`branch_norms`: pre_feedforward_layernorm_2,
+post_feedforward_layernorm_1 and _2). The experts are stored fused as transformers holds them
+(`experts.gate_up_proj` [E, 2f, width], `experts.down_proj` [E, width, f]).
+
 Refused, naming the key: the per-layer input embeddings (`hidden_size_per_layer_input`), keys
 and values shared by the last layers (`num_kv_shared_layers`, and with them
-`use_double_wide_mlp`, which widens only those layers' MLPs), the mixture-of-experts block
-(`enable_moe_block`), bidirectional attention over all tokens (`use_bidirectional_attention:
-all`).
+`use_double_wide_mlp`, which widens only those layers' MLPs), bidirectional attention over all
+tokens (`use_bidirectional_attention: all`).
 """
 
 from __future__ import annotations
@@ -25,8 +34,15 @@ import dataclasses
 from typing import Any
 
 from jaxmllm.config.decoder import LayerKind
-from jaxmllm.hf.decoders import layer_types, rope_section, rope_to_hf, shape_section
-from jaxmllm.hf.family import Link, refuse_unless, same
+from jaxmllm.hf.decoders import (
+    gated_mlp_links,
+    layer_types,
+    rope_section,
+    rope_to_hf,
+    shape_section,
+    stacked_experts_links,
+)
+from jaxmllm.hf.family import Link, dense, read, refuse_unless, same
 from jaxmllm.hf.gemma import (
     ACTIVATIONS,
     LAYER_TYPES,
@@ -41,7 +57,6 @@ from jaxmllm.hf.gemma import (
 NOT_BUILT = {
     "hidden_size_per_layer_input": "per-layer input embeddings (embed_tokens_per_layer)",
     "num_kv_shared_layers": "keys and values shared by the last layers",
-    "enable_moe_block": "the mixture-of-experts block beside the MLP",
 }
 # transformers' default head width of the full layers where config.json names none
 GLOBAL_HEAD_DIM = 512
@@ -105,6 +120,8 @@ class Gemma4(Gemma3):
             refuse_unless(not k_eq_v, where, "attention_k_eq_v with no sliding layers is not built")
             out["kv_heads"] = kv_heads or out["kv_heads"]
             out["head_dim"] = 0 if head_dim * out["heads"] == out["width"] else head_dim
+        if hf.get("enable_moe_block"):
+            out["moe"] = moe_section(hf, where, out["mlp_dim"])
         return out
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:
@@ -126,7 +143,7 @@ class Gemma4(Gemma3):
             per_layer_config={str(i): dict(own) for i in full} if llm.window.enabled else {},
             hidden_size_per_layer_input=0,
             num_kv_shared_layers=0,
-            enable_moe_block=False,
+            **moe_to_hf(llm),
         )
         out["rope_parameters"]["full_attention"] = full_rope_to_hf(llm)
         return out
@@ -145,9 +162,28 @@ class Gemma4(Gemma3):
                 "model.llm.full_head_dim": anything("any global head width"),
                 "model.llm.full_kv_heads": anything("any global key-value heads"),
                 "model.llm.full_k_eq_v": anything("attention_k_eq_v or not"),
+                "model.llm.moe.experts": anything("its MoE block or none (enable_moe_block)"),
+                **moe_wants(cfg.model.llm),
             }
         )
         return out
+
+    def mlp_links(self, llm: Any, kind: LayerKind, p: str, ours: str, n: int) -> list[Link]:
+        """Gemma's GeGLU MLP; in an MoE layer, our MoE's shared expert, and beside it the
+        router, the experts (fused as transformers holds them) and the branches' norms."""
+        if not kind.moe:
+            return super().mlp_links(llm, kind, p, ours, n)
+        w, moe, mlp = llm.width, llm.moe, ours + "mlp/"
+        return [
+            *gated_mlp_links(w, moe.shared_mlp_dim, p + "mlp.", mlp + "shared/", n),
+            same(p + "post_feedforward_layernorm_1.weight", ours + "shared_post_norm/scale", n),
+            dense(p + "router.proj.weight", mlp + "router/kernel", (w, moe.experts), 1, n),
+            same(p + "router.scale", mlp + "router_scale", n),
+            same(p + "router.per_expert_scale", mlp + "expert_scale", n),
+            same(p + "pre_feedforward_layernorm_2.weight", ours + "experts_norm/scale", n),
+            *stacked_experts_links(p + "experts.", mlp + "experts/", moe, w, n),
+            same(p + "post_feedforward_layernorm_2.weight", ours + "experts_post_norm/scale", n),
+        ]
 
     def layer_links(self, llm: Any, stack: str, kind: LayerKind, n: int) -> list[Link]:
         """Gemma 3's links of one stack at its own head shapes (a full stack's may differ),
@@ -224,3 +260,56 @@ def full_shape(hf: dict, where: str, shape: dict) -> tuple[int, int]:
     )
     head_dim = int(first.get("head_dim") or shape["head_dim"] or shape["width"] // shape["heads"])
     return head_dim, int(first.get("num_key_value_heads") or 0)
+
+
+def moe_section(hf: dict, where: str, mlp_dim: int) -> dict:
+    """Our `model.llm.moe` of Gemma 4's MoE block (module docstring): in every layer, the
+    dense MLP as an ungated shared expert beside the routed ones, Gemma's router and norms."""
+    experts = int(read(hf, "num_experts", where))
+    top_k = int(read(hf, "top_k_experts", where))
+    refuse_unless(
+        0 < top_k <= experts,
+        where,
+        f"top_k_experts={top_k} must be from 1 to num_experts={experts}",
+    )
+    return {
+        "experts": experts,
+        "top_k": top_k,
+        "mlp_dim": int(read(hf, "moe_intermediate_size", where)),
+        "norm_topk_prob": True,
+        "shared_mlp_dim": mlp_dim,
+        "shared_gate": False,
+        "router_norm": True,
+        "expert_scale": True,
+        "branch_norms": True,
+    }
+
+
+def moe_to_hf(llm: Any) -> dict:
+    """Gemma 4's config.json keys of our `model.llm.moe` (`moe_section`'s inverse)."""
+    m = llm.moe
+    if not m.enabled:
+        return {"enable_moe_block": False}
+    return {
+        "enable_moe_block": True,
+        "num_experts": m.experts,
+        "top_k_experts": m.top_k,
+        "moe_intermediate_size": m.mlp_dim,
+    }
+
+
+def moe_wants(llm: Any) -> dict[str, Any]:
+    """Our MoE options Gemma 4 has a counterpart for: none, or its block in every layer
+    (`moe_section`'s)."""
+    if not llm.moe.enabled:
+        return {}
+    return {
+        "model.llm.moe.every": (1,),
+        "model.llm.moe.dense_layers": ((),),
+        "model.llm.moe.norm_topk_prob": (True,),
+        "model.llm.moe.shared_mlp_dim": (llm.mlp_dim,),
+        "model.llm.moe.shared_gate": (False,),
+        "model.llm.moe.router_norm": (True,),
+        "model.llm.moe.expert_scale": (True,),
+        "model.llm.moe.branch_norms": (True,),
+    }

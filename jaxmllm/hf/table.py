@@ -98,7 +98,15 @@ class DecoderRow:
     # Gemma 4's block over Gemma's (`jaxmllm.hf.gemma4`): each layer's output scaled by its
     # layer_scalar, plain RMSNorms, normed values, the full layers' own head shapes
     layer_scalar: bool = False
+    # Gemma 4's mixture-of-experts block (`jaxmllm.hf.gemma4`): routed experts beside every
+    # layer's MLP where config.json's enable_moe_block says, its tensors named apart from
+    # `moe`'s (`router`, `experts` beside `mlp`)
+    moe_block: bool = False
     role = "llm"
+
+    def has_experts(self, enabled: bool) -> bool:
+        """Whether the family's decoder may be with routed experts (`enabled`) or without."""
+        return enabled == self.moe or (enabled and self.moe_block)
 
     @property
     def model_types(self) -> tuple[str, ...]:
@@ -238,6 +246,7 @@ GEMMA4_TEXT = DecoderRow(
     windows=Windows.LAYER_TYPES,
     post_norms=True,
     layer_scalar=True,
+    moe_block=True,
 )
 # (the order `decoder_of` prefers among rows that fit a config alike: Llama before Qwen2)
 DECODERS = (

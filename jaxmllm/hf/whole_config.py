@@ -80,7 +80,7 @@ def decoder_of(cfg: Any) -> Decoders:
         """How far `row` fits our options, most telling first."""
         return (
             row.hybrid == llm.linear.enabled
-            and row.moe == llm.moe.enabled
+            and row.has_experts(llm.moe.enabled)
             and row.post_norms == llm.post_norms
             and row.layer_scalar == llm.layer_scalar,
             row.qk_norm == llm.qk_norm,

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxmllm.models.layers import ACTIVATIONS
+
 CHUNK_ROWS = 1024  # rows a scan step of the grouped matmul computes (tiles x tile)
 _UNROLLED = contextvars.ContextVar("grouped_unrolled", default=False)
 
@@ -151,23 +153,35 @@ class Layout:
         return cls(slot, row, expert, tile_end[-1], tile)
 
 
-def local_experts(rows_rd, expert_r, gate, up, down, tile: int):
+def local_experts(rows_rd, expert_r, gate, up, down, tile: int, activation: str = "silu"):
     """Each row through its expert of this device's (`expert_r` in [0, E_here); E_here: none,
     output 0): into the layout, the grouped matmul, back in the rows' order."""
     chunk = max(1, CHUNK_ROWS // tile)
     layout = Layout.of(expert_r, gate.shape[0], tile, chunk)
     x_sd = gather_rows(rows_rd, layout.row, layout.slot)
-    y_sd = grouped_mlp(x_sd, layout, gate, up, down, chunk)
+    y_sd = grouped_mlp(x_sd, layout, gate, up, down, chunk, activation)
     return gather_rows(y_sd, layout.slot, layout.row)
 
 
-def grouped_mlp(x_sd, layout: Layout, gate_edf, up_edf, down_efd, chunk: int):
-    """`down_e(silu(x gate_e) * (x up_e))` for each tile of the layout's rows with its expert
-    e's weights (tiles past `layout.used` give 0); matmuls in x's dtype with float32
-    accumulation."""
+def grouped_mlp(
+    x_sd, layout: Layout, gate_edf, up_edf, down_efd, chunk: int, activation: str = "silu"
+):
+    """`down_e(act(x gate_e) * (x up_e))` for each tile of the layout's rows with its expert
+    e's weights (tiles past `layout.used` give 0; `activation`: the gate's, a name of
+    `layers.ACTIVATIONS`: silu, Gemma 4's gelu_tanh); matmuls in x's dtype with float32 accumulation."""
     tables = (layout.expert.reshape(-1, chunk), jnp.arange(layout.expert.shape[0]) < layout.used)
     tables = (tables[0], tables[1].reshape(-1, chunk))
-    return _grouped(x_sd, gate_edf, up_edf, down_efd, tables, layout.tile)
+    return _grouped(x_sd, gate_edf, up_edf, down_efd, tables, layout.tile, activation)
+
+
+def _gate_and_slope(activation: str, g32):
+    """(act(g), act'(g)) of the gate's float32 pre-activations, for the written-out backward:
+    SiLU's slope written out, another's by a forward-mode derivative (elementwise: one jvp
+    with ones gives every element's)."""
+    if activation == "silu":
+        sig = jax.nn.sigmoid(g32)
+        return g32 * sig, sig * (1.0 + g32 * (1.0 - sig))
+    return jax.jvp(ACTIVATIONS[activation], (g32,), (jnp.ones_like(g32),))
 
 
 def _mm(spec: str, a, b, dtype):
@@ -179,12 +193,12 @@ def _chunks(x_sd, tile: int, chunk: int):
     return x_sd.reshape(-1, chunk, tile, x_sd.shape[-1])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _grouped(x_sd, gate, up, down, tables, tile: int):
-    return _grouped_fwd(x_sd, gate, up, down, tables, tile)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _grouped(x_sd, gate, up, down, tables, tile: int, activation: str):
+    return _grouped_fwd(x_sd, gate, up, down, tables, tile, activation)[0]
 
 
-def _grouped_fwd(x_sd, gate, up, down, tables, tile: int):
+def _grouped_fwd(x_sd, gate, up, down, tables, tile: int, activation: str):
     s, d = x_sd.shape
     dtype = x_sd.dtype
     f = gate.shape[-1]
@@ -195,7 +209,8 @@ def _grouped_fwd(x_sd, gate, up, down, tables, tile: int):
 
         def run():
             g, u = _mm("cmd,cdf->cmf", xt, gate[e], dtype), _mm("cmd,cdf->cmf", xt, up[e], dtype)
-            h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dtype)
+            act = ACTIVATIONS[activation](g.astype(jnp.float32))
+            h = (act * u.astype(jnp.float32)).astype(dtype)
             return _mm("cmf,cfd->cmd", h, down[e], dtype), g, u
 
         empty = lambda: (
@@ -212,7 +227,7 @@ def _grouped_fwd(x_sd, gate, up, down, tables, tile: int):
     return y.reshape(s, d), (x_sd, gate, up, down, tables, g, u)
 
 
-def _grouped_bwd(tile: int, res, dy_sd):
+def _grouped_bwd(tile: int, activation: str, res, dy_sd):
     x_sd, gate, up, down, tables, g_all, u_all = res
     s, d = x_sd.shape
     dtype = x_sd.dtype
@@ -224,14 +239,13 @@ def _grouped_bwd(tile: int, res, dy_sd):
         def run(acc):
             d_gate, d_up, d_down = acc
             g32, u32 = g.astype(jnp.float32), u.astype(jnp.float32)
-            sig = jax.nn.sigmoid(g32)
-            silu = g32 * sig
-            h = (silu * u32).astype(dtype)
+            act, slope = _gate_and_slope(activation, g32)
+            h = (act * u32).astype(dtype)
             f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
             d_down = d_down.at[e].add(f32("cmf,cmd->cfd", h, dy))
             dh = f32("cmd,cfd->cmf", dy, down[e])
-            dg = (dh * u32 * sig * (1.0 + g32 * (1.0 - sig))).astype(dtype)
-            du = (dh * silu).astype(dtype)
+            dg = (dh * u32 * slope).astype(dtype)
+            du = (dh * act).astype(dtype)
             d_gate = d_gate.at[e].add(f32("cmd,cmf->cdf", xt, dg))
             d_up = d_up.at[e].add(f32("cmd,cmf->cdf", xt, du))
             dx = f32("cmf,cdf->cmd", dg, gate[e]) + f32("cmf,cdf->cmd", du, up[e])

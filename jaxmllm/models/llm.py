@@ -242,7 +242,7 @@ def layer_kinds(cfg: LLMConfig, spec: BlockSpec) -> tuple[dict | None, tuple[str
         (`model.llm.full_*`)."""
         out = spec
         if kind.moe:
-            out = dataclasses.replace(out, moe=MoESpec.of(cfg.moe))
+            out = dataclasses.replace(out, moe=MoESpec.of(cfg.moe, cfg.mlp))
         elif cfg.moe.enabled and not cfg.moe.shared_mlp_dim:
             out = dataclasses.replace(out, lora=attention)
         if kind.linear:

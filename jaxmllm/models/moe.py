@@ -4,7 +4,13 @@ mesh's `expert` axis (`config.decoder.MoEConfig` configures it).
 An MoE layer's MLP sends each token to `top_k` of E gated MLPs ("experts", their weights
 stacked [E, ...]) and sums their outputs weighted by the router's probabilities (softmax over
 the experts, top-k, renormalised with `norm_topk_prob`), as Qwen3-MoE and Qwen2-MoE do; an
-optional shared expert sees every token, scaled by a sigmoid gate (Qwen2-MoE, Qwen3.5-MoE).
+optional shared expert sees every token, scaled by a sigmoid gate (Qwen2-MoE, Qwen3.5-MoE) or
+not (Gemma 4's MLP beside its experts). The experts' gate activation is the decoder MLP's
+(SiLU; Gemma 4's tanh GELU). Gemma 4's router, as options: it reads the layer's residual
+stream through an RMSNorm without a weight, times a learned scale per channel and
+width^-0.5 (`router_norm`), and each expert's weight is multiplied by a learned scale of its
+own after the renormalisation (`expert_scale`). Its branches' own norms are the block's
+(`transformer.Block`): `branches` returns the routed and the shared outputs apart.
 
 **Dropless, computing only the active experts.** A device's N tokens make N x k assignments
 (padding tokens none). They are sorted by expert, so each expert's rows are one contiguous
@@ -42,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmllm.models import lora as lora_
 from jaxmllm.models.grouped import local_experts, take_rows, untake_rows
-from jaxmllm.models.layers import Dense, GatedMLP, normal_param
+from jaxmllm.models.layers import GATED, NORM_EPS, Dense, GatedMLP, normal_param
 from sharding import DATA_AXES, EXPERT_AXIS, STAGE_AXIS
 
 MAX_TILE = 128  # rows per tile at most (a tile is one expert's matmul of tile x width)
@@ -62,10 +68,15 @@ class MoESpec:
     capacity_factor: float = 0.0
     exchange: str = "dense"
     tile: int = 0
+    activation: str = "silu"  # the experts' and shared expert's gate (layers.ACTIVATIONS)
+    router_norm: bool = False  # the router reads the residual, normed and scaled (Gemma 4)
+    expert_scale: bool = False  # each expert's weight times a learned scale (Gemma 4)
+    branch_norms: bool = False  # the shared and routed outputs normed apart (transformer.Block)
 
     @classmethod
-    def of(cls, moe) -> MoESpec:
-        """The model's view of the config's `MoEConfig`: its sizes and routing options."""
+    def of(cls, moe, mlp: str = "gated_silu") -> MoESpec:
+        """The model's view of the config's `MoEConfig`: its sizes and routing options, the
+        experts gated by the activation of the decoder's `mlp` (`layers.GATED`)."""
         return cls(
             moe.experts,
             moe.top_k,
@@ -76,6 +87,10 @@ class MoESpec:
             moe.capacity_factor,
             moe.exchange,
             moe.tile,
+            GATED[mlp],
+            moe.router_norm,
+            moe.expert_scale,
+            moe.branch_norms,
         )
 
 
@@ -209,9 +224,12 @@ class MoE(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         lora: dict[str, lora_.Adapter] | None = None,
+        norm_eps: float = NORM_EPS,
         rngs: nnx.Rngs,
     ):
-        """`lora`: adapters of gate, up and down where PEFT puts them on transformers' MoE
+        """`norm_eps`: the router's norm's (`router_norm`).
+
+        `lora`: adapters of gate, up and down where PEFT puts them on transformers' MoE
         models: on the shared expert's Linears when there is one (Qwen2-MoE, Qwen3.5-MoE:
         gate_proj, up_proj and down_proj match them, the stacked experts are no Linear), else
         on the routed experts' stacked weights (`Experts`; Qwen3-MoE, where PEFT moves those
@@ -220,6 +238,11 @@ class MoE(nnx.Module):
         # (logits in the compute dtype, as transformers computes them, then float32: a float32
         # output would make the backward's matmul float32 x float32)
         self.router = Dense(width, spec.experts, ("embed", None), **kw)
+        # (Gemma 4's router.scale and per_expert_scale: ones until a checkpoint sets them)
+        ones = lambda n, axis: nnx.Param(jnp.ones((n,), param_dtype), axes=(axis,))
+        self.router_scale = ones(width, "embed") if spec.router_norm else None
+        self.expert_scale = ones(spec.experts, None) if spec.expert_scale else None
+        self.norm_eps = norm_eps
         self.experts = Experts(
             spec.experts,
             width,
@@ -231,7 +254,14 @@ class MoE(nnx.Module):
         )
         shared = spec.shared_mlp_dim > 0
         self.shared = (
-            GatedMLP(width, spec.shared_mlp_dim, use_bias=False, lora=lora, **kw)
+            GatedMLP(
+                width,
+                spec.shared_mlp_dim,
+                use_bias=False,
+                activation=spec.activation,
+                lora=lora,
+                **kw,
+            )
             if shared
             else None
         )
@@ -245,34 +275,56 @@ class MoE(nnx.Module):
         return self.routed(x_btd, valid_bt)[0]
 
     def routed(
-        self, x_btd: jax.Array, valid_bt: jax.Array | None = None
+        self,
+        x_btd: jax.Array,
+        valid_bt: jax.Array | None = None,
+        residual: jax.Array | None = None,
     ) -> tuple[jax.Array, RouterStats]:
-        """Every token through its top-k experts (and the shared expert).
+        """Every token through its top-k experts (and the shared expert), summed.
 
         Args:
           x_btd: inputs [B, T, width] in the compute dtype.
           valid_bt: the tokens that count (padding: False): they reach no expert and no
             statistic; None: all.
+          residual: the layer's residual stream before the MLP's norm, which the router reads
+            with `router_norm` (None: x); without it the router reads x.
 
         Returns:
           (output [B, T, width] in the compute dtype, this layer's `RouterStats`).
         """
+        y, shared, stats = self.branches(x_btd, valid_bt, residual)
+        return (y if shared is None else y + shared), stats
+
+    def branches(
+        self,
+        x_btd: jax.Array,
+        valid_bt: jax.Array | None = None,
+        residual: jax.Array | None = None,
+        shared_x: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array | None, RouterStats]:
+        """`routed`'s two branches apart: (the routed experts' output, the shared expert's, gated
+        where it has a gate; None without one, the statistics), each in the compute dtype.
+        `shared_x`: the shared expert's own input (Gemma 4's MLP, normed apart; None: x)."""
         spec = self.spec
         if valid_bt is None:
             valid_bt = jnp.ones(x_btd.shape[:2], bool)
-        logits = self.router(x_btd).astype(jnp.float32)  # [B, T, E]
+        logits = self.router(self.router_input(x_btd, residual)).astype(jnp.float32)  # [B, T, E]
         probs = jax.nn.softmax(logits, axis=-1)
         top_p, top_e = jax.lax.top_k(probs, spec.top_k)
         if spec.norm_topk_prob:
             top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+        if self.expert_scale is not None:
+            top_p = top_p * self.expert_scale[...].astype(jnp.float32)[top_e]
         weights = top_p.astype(x_btd.dtype)
         gate, up, down = self.experts.weights()  # (with their adapters' updates)
         y, moved = dispatch(x_btd, top_e, weights, valid_bt, gate, up, down, spec)
+        shared = None
         if self.shared is not None:
-            shared = self.shared(x_btd)
+            inputs = x_btd if shared_x is None else shared_x
+            shared = self.shared(inputs)
             if self.shared_gate is not None:
-                shared = jax.nn.sigmoid(self.shared_gate(x_btd)) * shared
-            y = y + shared
+                shared = jax.nn.sigmoid(self.shared_gate(inputs)) * shared
+            shared = shared.astype(self.dtype)
         valid = valid_bt.astype(jnp.float32)
         counts = (
             jnp.zeros((spec.experts,), jnp.float32)
@@ -287,7 +339,19 @@ class MoE(nnx.Module):
             z=jnp.sum(lse * lse * valid),
             **moved,
         )
-        return y.astype(self.dtype), stats
+        return y.astype(self.dtype), shared, stats
+
+    def router_input(self, x_btd: jax.Array, residual: jax.Array | None) -> jax.Array:
+        """What the router's projection reads: the experts' input x, or with `router_norm`
+        (Gemma 4's) the residual (x where None) over its root mean square (no weight), times
+        the learned scale and width^-0.5 (float32, then the compute dtype)."""
+        if self.router_scale is None:
+            return x_btd
+        x_btd = x_btd if residual is None else residual
+        x32 = x_btd.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.norm_eps)
+        scale = self.router_scale[...].astype(jnp.float32) * x_btd.shape[-1] ** -0.5
+        return (x32 * scale).astype(self.dtype)
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -352,7 +416,8 @@ class Route:
         expert_a = expert_a.reshape(-1)  # [N x k] assignments, token-major; E: none (padding)
         rows_ad = jnp.repeat(x_nd, k, axis=0)
         if self.ep == 1:
-            y_ad = local_experts(rows_ad, expert_a, gate, up, down, self.tile(len(expert_a)))
+            act, tile = self.spec.activation, self.tile(len(expert_a))
+            y_ad = local_experts(rows_ad, expert_a, gate, up, down, tile, act)
             zero = jnp.zeros((), jnp.float32)
             moved = expert_a < self.spec.experts
             received = moved.sum().astype(jnp.float32)
@@ -395,7 +460,7 @@ class Route:
         exchange = RaggedExchange if self.spec.exchange == "ragged" else DenseExchange
         ex = exchange(self.buffer(a), ep, sent, start, me)
         received, local_e, received_rows = ex.send(rows_sd, expert_s - dest_s * here, here)
-        y_rd = local_experts(received, local_e, gate, up, down, self.tile(a))
+        y_rd = local_experts(received, local_e, gate, up, down, self.tile(a), self.spec.activation)
         y_sd = ex.back(y_rd)
         y_ad = untake_rows(y_sd, order)
         figures = dict(

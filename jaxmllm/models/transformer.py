@@ -142,7 +142,9 @@ class Block(nnx.Module):
         self.attn_post_norm = spec.norm_layer(**kw) if post else None
         self.mlp_post_norm = spec.norm_layer(**kw) if post else None
         if spec.moe is not None:
-            self.mlp = MoE(spec.width, spec.moe, lora=adapters, rngs=rngs, **kw)
+            eps = spec.norm_eps
+            self.mlp = MoE(spec.width, spec.moe, lora=adapters, norm_eps=eps, rngs=rngs, **kw)
+            self.branch_norms(spec, **kw)
         else:
             self.mlp = make_mlp(
                 spec.mlp,
@@ -157,6 +159,16 @@ class Block(nnx.Module):
         ones = jnp.ones((1,), param_dtype)
         self.layer_scalar = nnx.Param(ones, axes=(None,)) if spec.layer_scalar else None
 
+    def branch_norms(self, spec: BlockSpec, **kw) -> None:
+        """With the MoE's `branch_norms` (Gemma 4), the norms of its branches: before the routed
+        experts (`experts_norm`: pre_feedforward_layernorm_2; the shared expert, Gemma's dense
+        MLP, reads `mlp_norm`'s), after them and after the shared expert (post_feedforward_
+        layernorm_2, _1); `mlp_post_norm` then norms their sum."""
+        on = spec.moe.branch_norms
+        self.experts_norm = spec.norm_layer(**kw) if on else None
+        self.experts_post_norm = spec.norm_layer(**kw) if on else None
+        self.shared_post_norm = spec.norm_layer(**kw) if on else None
+
     def __call__(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> jax.Array:
         """The block's output for x [B, T, width]; `forward` also returns its router's stats."""
         return self.forward(x_btd, pack, positions)[0]
@@ -165,9 +177,20 @@ class Block(nnx.Module):
         """(the block's output, its router's statistics: `moe.RouterStats`, None when dense)."""
         x_btd = x_btd + self.attn_out(self.attn(self.attn_norm(x_btd), pack, positions))
         if isinstance(self.mlp, MoE):
-            y, stats = self.mlp.routed(self.mlp_norm(x_btd), pack.segment_ids > 0)
+            y, stats = self.moe_mlp(x_btd, pack.segment_ids > 0)
             return self.scaled(x_btd + self.mlp_out(y)), stats
         return self.scaled(x_btd + self.mlp_out(self.mlp(self.mlp_norm(x_btd)))), None
+
+    def moe_mlp(self, x_btd: jax.Array, valid_bt: jax.Array) -> tuple:
+        """(the MoE MLP's output before `mlp_post_norm`, its statistics) for the residual x:
+        the experts on `mlp_norm(x)`, the router on it or on x (`router_norm`); with branch norms
+        (Gemma 4) the routed experts on their own norm's input and each branch's output normed
+        on its own before they are summed."""
+        if self.experts_norm is None:
+            return self.mlp.routed(self.mlp_norm(x_btd), valid_bt, x_btd)
+        normed = self.mlp_norm(x_btd)
+        routed, shared, stats = self.mlp.branches(self.experts_norm(x_btd), valid_bt, x_btd, normed)
+        return self.shared_post_norm(shared) + self.experts_post_norm(routed), stats
 
     def scaled(self, x_btd: jax.Array) -> jax.Array:
         """The block's output times its `layer_scalar` where it has one (Gemma 4's)."""
