@@ -2,8 +2,10 @@
 built in tmp_path (tests/hf_models.py), the full layers of their own head width and kv heads,
 their rotary proportional, values normed, layer scalars drawn, logits soft-capped, windows
 shorter than the check's texts, logits in fp32 on packed rows; a negative control that shows
-the check holds the proportional rotary; export bit for bit; what a Gemma 4 config.json may set
-and jaxmllm does not run, refused naming the key."""
+the check holds the proportional rotary; export bit for bit; the MoE block (Gemma-4-26B-A4B's)
+held the same, its router's input by a negative control, its experts over the mesh giving one
+device's logits; what a Gemma 4 config.json may set and jaxmllm does not run, refused naming
+the key."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from jaxmllm.hf.check import check_dir
 from jaxmllm.hf.export import export_role
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.towers import config_for, load_towers
-from jaxmllm.models import layers
+from jaxmllm.models import layers, moe
 from sharding.rules import keyed_leaves
 
 transformers = pytest.importorskip("transformers")
@@ -38,6 +40,8 @@ BUILD = {
         k_eq_v=True,
         bias=True,
     ),
+    # the MoE block in every layer: 8 experts, top-2, beside each layer's MLP
+    "moe": lambda d: hf_models.gemma4_text(d, experts=8),
 }
 
 
@@ -71,12 +75,67 @@ def test_the_check_fails_when_the_full_layers_turn_every_frequency(tmp_path, mon
     assert result["max_abs_diff"] > 1e-2, result
 
 
-def test_import_then_export_is_bit_identical(tmp_path):
+def test_the_check_fails_when_the_router_reads_the_experts_normed_input(tmp_path, monkeypatch):
+    """transformers' Gemma 4 router reads the residual stream (its own norm and scale), not
+    the experts' input, normed by pre_feedforward_layernorm_2: the same layers routing that
+    input are far from transformers'."""
+    source = BUILD["moe"](tmp_path / "m")
+    own = moe.MoE.router_input
+    monkeypatch.setattr(moe.MoE, "router_input", lambda self, x, residual: own(self, x, None))
+    jax.clear_caches()
+    try:
+        result = check_dir(source, tokens=64)
+    finally:
+        jax.clear_caches()
+    assert result["max_abs_diff"] > 1e-2, result
+
+
+def test_experts_over_the_mesh_give_one_device_s_logits(tmp_path):
+    """The MoE Gemma 4's experts split over mesh.expert=4 (8 devices: data 2 x expert 4, each
+    device's tokens sent by all-to-all to their experts' devices and back): logits of packed
+    rows (two documents each) equal one device's, and the program does exchange them."""
+    import sharding
+
+    source = BUILD["moe"](tmp_path / "m")
+    graphdef, state = nnx.split(load_towers(config_for("llm", source), "llm"))
+
+    def logits(state, ids, seg, pos):
+        llm = nnx.merge(graphdef, state).llm
+        return llm(llm.embed(ids), seg, pos)
+
+    rng = np.random.default_rng(0)
+    lengths = (20, 12)
+    ids = rng.integers(0, 300, (8, sum(lengths)))
+    seg = np.tile(np.repeat([1, 2], lengths), (8, 1))
+    pos = np.tile(np.concatenate([np.arange(n) for n in lengths]), (8, 1))
+    one = np.asarray(jax.jit(logits)(state, ids, seg, pos))
+    mesh = sharding.make_mesh({"data": -1, "expert": 4})
+    state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(logits).lower(state, ids, seg, pos)
+        spread = np.asarray(lowered.compile()(state, ids, seg, pos))
+    assert "all_to_all" in lowered.as_text()
+    assert np.abs(one).max() > 1
+    np.testing.assert_allclose(spread, one, atol=1e-5)
+
+
+@pytest.mark.parametrize("experts", [0, 6], ids=["dense", "moe"])
+def test_import_then_export_is_bit_identical(experts, tmp_path):
     """Every tensor consumed (no value projection in the full layers with attention_k_eq_v,
-    each layer's layer_scalar), the sliding and full layers stacked apart at their own head
-    shapes, and written back bit for bit with config.json's per_layer_config, rotary and soft
-    cap; transformers loads the export and the check holds."""
-    source = BUILD["untied-k-eq-v-bias"](tmp_path / "source")
+    each layer's layer_scalar; the MoE block's router, fused experts and norms), the sliding
+    and full layers stacked apart at their own head shapes, and written back bit for bit with
+    config.json's per_layer_config, rotary, soft cap and MoE keys; transformers loads the
+    export and the check holds."""
+    source = hf_models.gemma4_text(
+        tmp_path / "source",
+        layers=("full", "sliding", "sliding", "full"),
+        window=9,
+        tied=False,
+        k_eq_v=True,
+        bias=True,
+        experts=experts,
+        top_k=3,
+    )
     cfg = config_for("llm", source)
     llm = cfg.model.llm
     assert llm.window.layers == (1, 2) and llm.window.size == 9
@@ -87,16 +146,26 @@ def test_import_then_export_is_bit_identical(tmp_path):
     towers = load_towers(cfg, "llm")
     flat = keyed_leaves(nnx.to_pure_dict(nnx.state(towers)))
     # (two layers of each kind: the first's, a full one, is the main stack, `blocks`)
-    assert flat["llm/transformer/blocks/attn/key/kernel"].shape == (2, 64, 1, 32)
-    assert "llm/transformer/blocks/attn/value/kernel" not in flat
-    assert flat["llm/transformer/sliding_blocks/attn/value/kernel"].shape == (2, 64, 2, 24)
-    assert flat["llm/transformer/blocks/layer_scalar"].shape == (2, 1)
+    full, sliding = "blocks", "sliding_moe_blocks" if experts else "sliding_blocks"
+    stack = lambda s, path: flat[f"llm/transformer/{s}/{path}"]  # noqa: E731
+    assert stack(full, "attn/key/kernel").shape == (2, 64, 1, 32)
+    assert f"llm/transformer/{full}/attn/value/kernel" not in flat
+    assert stack(sliding, "attn/value/kernel").shape == (2, 64, 2, 24)
+    assert stack(full, "layer_scalar").shape == (2, 1)
+    if experts:  # (the dense MLP the shared expert, the experts stacked from gate_up_proj)
+        assert (llm.moe.experts, llm.moe.top_k, llm.moe.shared_mlp_dim) == (6, 3, 96)
+        assert stack(full, "mlp/shared/gate/kernel").shape == (2, 64, 96)
+        assert stack(full, "mlp/experts/gate").shape == (2, 6, 64, 32)
+        assert stack(sliding, "mlp/experts/down").shape == (2, 6, 32, 64)
+        assert stack(full, "mlp/expert_scale").shape == (2, 6)
+        assert stack(full, "experts_post_norm/scale").shape == (2, 64)
     export_role(cfg, "llm", flat, tmp_path / "out", 16 << 10)
     hf_models.assert_bit_identical(source, tmp_path / "out")
     theirs = json.loads((Path(source) / "config.json").read_text())
     ours = json.loads((tmp_path / "out" / "config.json").read_text())
     keys = ("layer_types", "sliding_window", "rope_parameters", "per_layer_config")
-    for key in (*keys, "attention_k_eq_v", "final_logit_softcapping"):
+    moe_keys = ("enable_moe_block", "num_experts", "top_k_experts", "moe_intermediate_size")
+    for key in (*keys, "attention_k_eq_v", "final_logit_softcapping", *moe_keys):
         assert ours[key] == theirs[key], key
     assert ours["architectures"] == ["Gemma4ForCausalLM"]
     again = load_towers(config_for("llm", str(tmp_path / "out")), "llm")
@@ -110,14 +179,14 @@ def test_import_then_export_is_bit_identical(tmp_path):
     [
         ("hidden_size_per_layer_input", 8),
         ("num_kv_shared_layers", 2),
-        ("enable_moe_block", True),
+        ("top_k_experts", 9),
         ("use_bidirectional_attention", "all"),
     ],
 )
 def test_what_gemma4_sets_and_jaxmllm_does_not_run_is_refused(key, value, tmp_path):
-    """Per-layer inputs, shared keys and values, the MoE block and bidirectional text are
-    refused, the error naming config.json's key."""
-    source = Path(hf_models.gemma4_text(tmp_path / "m"))
+    """Per-layer inputs, shared keys and values, more experts a token than the MoE block has
+    and bidirectional text are refused, the error naming config.json's key."""
+    source = Path(hf_models.gemma4_text(tmp_path / "m", experts=4 if "expert" in key else 0))
     hf = json.loads((source / "config.json").read_text())
     hf[key] = value
     (source / "config.json").write_text(json.dumps(hf))

@@ -14,39 +14,42 @@ from flax import nnx
 
 import sharding
 from jaxmllm.config import Config, ConfigError, from_dict
-from jaxmllm.models import grouped, moe
+from jaxmllm.models import grouped, layers, moe
 from jaxmllm.models.transformer import Segment, layer_places, segments
 
 
-def _reference(x, experts, gate, up, down):
+def _reference(x, experts, gate, up, down, activation="silu"):
     """Each row through its expert by gathering that expert's weights per row (every row, the
     padding ones' -1 giving 0)."""
     e = jnp.maximum(experts, 0)
-    h = jax.nn.silu(jnp.einsum("rd,rdf->rf", x, gate[e])) * jnp.einsum("rd,rdf->rf", x, up[e])
+    act = layers.ACTIVATIONS[activation]
+    h = act(jnp.einsum("rd,rdf->rf", x, gate[e])) * jnp.einsum("rd,rdf->rf", x, up[e])
     return jnp.where((experts >= 0)[:, None], jnp.einsum("rf,rfd->rd", h, down[e]), 0.0)
 
 
 @pytest.mark.parametrize(
-    "sizes, rows, tile",
+    "sizes, rows, tile, activation",
     [
-        ((3, 0, 17, 8, 1), 48, 8),  # an empty group, groups across tiles, rows of no expert
-        ((16, 16), 32, 16),  # groups of whole tiles, every row an expert's
-        ((0, 0, 5), 8, 8),  # one group, in one tile
-        ((1,) * 40, 40, 8),  # more groups than tiles: a tile an expert, mostly padding
+        ((3, 0, 17, 8, 1), 48, 8, "silu"),  # an empty group, groups across tiles, no expert
+        ((16, 16), 32, 16, "silu"),  # groups of whole tiles, every row an expert's
+        ((0, 0, 5), 8, 8, "silu"),  # one group, in one tile
+        ((1,) * 40, 40, 8, "silu"),  # more groups than tiles: a tile an expert, mostly padding
+        ((3, 0, 17, 8, 1), 48, 8, "gelu_tanh"),  # Gemma 4's GeGLU experts
     ],
 )
-def test_grouped_mlp_computes_each_group_against_its_expert(sizes, rows, tile):
+def test_grouped_mlp_computes_each_group_against_its_expert(sizes, rows, tile, activation):
     """Forward and the written-out backward equal a per-row reference (inputs, and every
     expert's gate, up and down), rows in any order, groups empty or cut by tiles, rows of no
-    expert (they give 0 and no gradient)."""
+    expert (they give 0 and no gradient); the gate SiLU or the tanh GELU."""
     rng = np.random.default_rng(0)
     e, d, f = len(sizes), 16, 24
     x = jnp.asarray(rng.normal(size=(rows, d)), jnp.float32)
     w = [jnp.asarray(rng.normal(size=s) / 4, jnp.float32) for s in ((e, d, f),) * 2 + ((e, f, d),)]
     ids = np.repeat(np.arange(e), sizes)
     experts = rng.permutation(np.concatenate([ids, np.full(rows - len(ids), e)]))
-    ours = lambda x, *w: grouped.local_experts(x, jnp.asarray(experts), *w, tile)
-    theirs = lambda x, *w: _reference(x, jnp.asarray(np.where(experts < e, experts, -1)), *w)
+    ours = lambda x, *w: grouped.local_experts(x, jnp.asarray(experts), *w, tile, activation)
+    ids = jnp.asarray(np.where(experts < e, experts, -1))
+    theirs = lambda x, *w: _reference(x, ids, *w, activation)
     np.testing.assert_allclose(ours(x, *w), theirs(x, *w), atol=1e-5)
     cot = jnp.asarray(rng.normal(size=(rows, d)), jnp.float32)
     grad = lambda fn: jax.grad(lambda *a: (fn(*a) * cot).sum(), argnums=(0, 1, 2, 3))(x, *w)
@@ -77,11 +80,26 @@ def test_the_layout_gives_each_expert_whole_tiles_of_its_own():
         assert len(expert) % 4 == 0  # (whole chunks)
 
 
-def _layer(experts=8, top_k=2, shared=0, capacity=0.0, width=32):
+# Gemma 4's MoE: GeGLU experts, its router's norm and scales, an ungated shared expert
+GEMMA = dict(
+    activation="gelu_tanh",
+    router_norm=True,
+    expert_scale=True,
+    shared_mlp_dim=24,
+    shared_gate=False,
+)
+
+
+def _layer(experts=8, top_k=2, shared=0, capacity=0.0, width=32, **options):
     spec = moe.MoESpec(
         experts, top_k, 16, norm_topk_prob=True, shared_mlp_dim=shared, capacity_factor=capacity
     )
-    return moe.MoE(width, spec, rngs=nnx.Rngs(3))
+    layer = moe.MoE(width, dataclasses.replace(spec, **options), rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(4)  # (the scales drawn: ones would hide a misplaced one)
+    for scale in (layer.router_scale, layer.expert_scale):
+        if scale is not None:
+            scale[...] = jnp.asarray(1 + 0.3 * rng.normal(size=scale.shape), jnp.float32)
+    return layer
 
 
 def _inputs(rows=8, tokens=12, width=32):
@@ -105,24 +123,25 @@ def _routed(layer, x, valid, mesh=None):
 
 
 @pytest.mark.parametrize(
-    "axes, shared",
+    "axes, options",
     [
-        ({"expert": 2}, 0),
-        ({"expert": 4}, 24),  # (a shared expert beside the routed ones)
-        ({"expert": 8}, 0),
-        ({"expert": 2, "fsdp": 2, "tensor": 2}, 0),  # experts' width over fsdp and tensor
-        ({"expert": 2, "context": 2, "tensor": 2}, 24),  # a row's tokens over context
+        ({"expert": 2}, {}),
+        ({"expert": 4}, {"shared": 24}),  # (a shared expert beside the routed ones)
+        ({"expert": 8}, {}),
+        ({"expert": 2, "fsdp": 2, "tensor": 2}, {}),  # experts' width over fsdp and tensor
+        ({"expert": 2, "context": 2, "tensor": 2}, {"shared": 24}),  # a row over context
+        ({"expert": 4, "tensor": 2}, GEMMA),  # Gemma 4's
     ],
     ids=str,
 )
-def test_expert_parallelism_computes_what_one_device_does(axes, shared):
+def test_expert_parallelism_computes_what_one_device_does(axes, options):
     """With the experts split over mesh.expert (tokens by all-to-all to their experts'
     devices and back, over the data-parallel buckets; with fsdp, tensor splitting each
     expert's inner width, context), the layer's output, its router statistics and every
     gradient equal one device's; nothing is dropped, and about (expert - 1) / expert of the
-    assignments go to another device."""
+    assignments go to another device. Gemma 4's router options and GeGLU experts alike."""
     expert = axes["expert"]
-    layer, (x, valid) = _layer(shared=shared), _inputs()
+    layer, (x, valid) = _layer(**options), _inputs()
     (_, (y1, s1)), g1 = _routed(layer, x, valid)
     mesh = sharding.make_mesh({"data": -1, **axes})
     (_, (y2, s2)), g2 = _routed(layer, x, valid, mesh)

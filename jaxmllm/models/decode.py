@@ -16,7 +16,7 @@ queries of a short prompt write garbage keys past the prompt; the row's generate
 overwrite them before any query can reach them.
 
 The block's own sub-modules do the work (`attn_norm`, `attn.project`, `attn.output`,
-`mlp_norm`, `mlp`), so a cached key is exactly the key training computes. Prefill's attention
+`mlp_branch`), so a cached key is exactly the key training computes. Prefill's attention
 is training's own over the prompt rows (`attention.packing`: the run's block-sparse tiles or
 cuDNN's segments, or a dense causal mask), never over the cache's empty S - P positions; a
 step's is the dense attention of one query over the cache under a [B, 1, 1, S] mask. A layer
@@ -185,7 +185,7 @@ def _decode(
                 out_bthe = dense_attention(q_bthe, k_bske, v_bske, mask, block.attn.dtype)
             out_btw, cached = block.attn.output(out_bthe, gate), (k_bske, v_bske)
         x_btw = x_btw + block.attn_out(out_btw)
-        x_btw = x_btw + block.mlp_out(block.mlp(block.mlp_norm(x_btw)))
+        x_btw = x_btw + block.mlp_out(block.mlp_branch(x_btw)[0])
         return block.scaled(x_btw), tuple(cached)
 
     held = {**{k: (cache.k[k], cache.v[k]) for k in cache.k}}

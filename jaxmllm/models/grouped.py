@@ -168,7 +168,8 @@ def grouped_mlp(
 ):
     """`down_e(act(x gate_e) * (x up_e))` for each tile of the layout's rows with its expert
     e's weights (tiles past `layout.used` give 0; `activation`: the gate's, a name of
-    `layers.ACTIVATIONS`: silu, Gemma 4's gelu_tanh); matmuls in x's dtype with float32 accumulation."""
+    `layers.ACTIVATIONS`: silu, Gemma 4's gelu_tanh); matmuls in x's dtype with float32
+    accumulation."""
     tables = (layout.expert.reshape(-1, chunk), jnp.arange(layout.expert.shape[0]) < layout.used)
     tables = (tables[0], tables[1].reshape(-1, chunk))
     return _grouped(x_sd, gate_edf, up_edf, down_efd, tables, layout.tile, activation)

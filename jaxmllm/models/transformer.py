@@ -176,16 +176,17 @@ class Block(nnx.Module):
     def forward(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> tuple:
         """(the block's output, its router's statistics: `moe.RouterStats`, None when dense)."""
         x_btd = x_btd + self.attn_out(self.attn(self.attn_norm(x_btd), pack, positions))
-        if isinstance(self.mlp, MoE):
-            y, stats = self.moe_mlp(x_btd, pack.segment_ids > 0)
-            return self.scaled(x_btd + self.mlp_out(y)), stats
-        return self.scaled(x_btd + self.mlp_out(self.mlp(self.mlp_norm(x_btd)))), None
+        y, stats = self.mlp_branch(x_btd, pack.segment_ids > 0)
+        return self.scaled(x_btd + self.mlp_out(y)), stats
 
-    def moe_mlp(self, x_btd: jax.Array, valid_bt: jax.Array) -> tuple:
-        """(the MoE MLP's output before `mlp_post_norm`, its statistics) for the residual x:
-        the experts on `mlp_norm(x)`, the router on it or on x (`router_norm`); with branch norms
-        (Gemma 4) the routed experts on their own norm's input and each branch's output normed
-        on its own before they are summed."""
+    def mlp_branch(self, x_btd: jax.Array, valid_bt: jax.Array | None = None) -> tuple:
+        """(the MLP's output before `mlp_post_norm`, its router's statistics: None when dense)
+        for the residual x (`valid_bt`: the tokens an MoE routes; None: all): the MLP on
+        `mlp_norm(x)`; an MoE's router on it or on x (`router_norm`), and with branch norms
+        (Gemma 4) its routed experts on their own norm's input, each branch's output normed on
+        its own before they are summed."""
+        if not isinstance(self.mlp, MoE):
+            return self.mlp(self.mlp_norm(x_btd)), None
         if self.experts_norm is None:
             return self.mlp.routed(self.mlp_norm(x_btd), valid_bt, x_btd)
         normed = self.mlp_norm(x_btd)
