@@ -96,6 +96,8 @@ DECODERS = {  # (Qwen3.5-MoE's decoding: the image test's qwen3_5_moe, the same 
     "gemma3_text": lambda d, vocab: hf_models.gemma3_text(d, vocab=vocab, seed=1),
     # (the full layers' own head width and kv heads, their values their keys', soft cap)
     "gemma4_text": lambda d, vocab: hf_models.gemma4_text(d, vocab=vocab, k_eq_v=True),
+    # (its MoE block in every layer: the router on the residual, the branches normed apart)
+    "gemma4_text_moe": lambda d, vocab: hf_models.gemma4_text(d, vocab=vocab, experts=8),
 }
 
 

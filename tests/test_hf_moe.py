@@ -197,13 +197,30 @@ def test_a_peft_adapter_on_fused_experts_gives_peft_s_logits(tmp_path):
     assert adapter_effect(source, adapter) > 100 * result["max_abs_diff"] + 1e-3, result
 
 
+SHARED = {  # (a checkpoint with a shared expert, and our stacks its adapters land in)
+    # a dense layer every second: the MoE layers 1, 3 are `moe_blocks`, the dense 0, 2 `blocks`
+    "qwen2-moe": (
+        lambda d: hf_models.qwen2_moe(d),
+        ["moe_blocks/mlp/shared/gate", "blocks/mlp/gate"],
+    ),
+    # Gemma 4's MoE block: its dense MLP (mlp.gate_proj, ...) our ungated shared expert
+    "gemma4-moe": (
+        lambda d: hf_models.gemma4_text(d, experts=8),
+        ["blocks/mlp/shared/gate", "full_moe_blocks/mlp/shared/down"],
+    ),
+}
+
+
 @pytest.mark.torch
-def test_a_peft_adapter_on_a_shared_expert_gives_peft_s_logits(tmp_path):
-    """With a shared expert (Qwen2-MoE, a dense layer every second) PEFT's gate_proj, up_proj
-    and down_proj targets match the shared expert's Linears and the dense layers' MLPs, not
-    the routed experts (no Linear there): ours put them there too, within 1e-4 of peft."""
+@pytest.mark.parametrize("name", sorted(SHARED))
+def test_a_peft_adapter_on_a_shared_expert_gives_peft_s_logits(name, tmp_path):
+    """With a shared expert (Qwen2-MoE, a dense layer every second; Gemma 4's dense MLP
+    beside its experts) PEFT's gate_proj, up_proj and down_proj targets match the shared
+    expert's Linears and the dense layers' MLPs, not the routed experts (no Linear there):
+    ours put them there too, within 1e-4 of peft."""
     pytest.importorskip("peft")
-    source = hf_models.qwen2_moe(tmp_path / "m")
+    build, paths = SHARED[name]
+    source = build(tmp_path / "m")
     targets = ["q_proj", "gate_proj", "up_proj", "down_proj"]
     adapter = peft_adapter(source, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=targets)
     (result,) = check_all(source, adapter=adapter)
@@ -213,8 +230,8 @@ def test_a_peft_adapter_on_a_shared_expert_gives_peft_s_logits(tmp_path):
 
     _, model = load_model(source, adapter=adapter)
     flat = keyed_leaves(nnx.to_pure_dict(nnx.state(model)))
-    assert "llm/transformer/moe_blocks/mlp/shared/gate/lora_b" in flat  # (layers 1, 3)
-    assert "llm/transformer/blocks/mlp/gate/lora_b" in flat  # (the dense layers 0, 2)
+    for path in paths:
+        assert f"llm/transformer/{path}/lora_b" in flat, path
     assert not [p for p in flat if "experts" in p and "adapter" in p]
 
 
