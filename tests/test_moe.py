@@ -281,6 +281,10 @@ def test_segments_cover_the_layers_with_few_blocks():
         ({"model": {"llm": {"depth": 2, "moe": {"experts": 4, "dense_layers": [2]}}}}, "dense"),
         ({"model": {"llm": {"depth": 2, "moe": {"experts": 4, "every": 3}}}}, "moe.experts"),
         ({"model": {"llm": {"moe": {"experts": 4, "capacity_factor": 0.5}}}}, "capacity"),
+        # (the experts are gated MLPs; Gemma 4's branch norms need its post-norms and the
+        # shared expert they norm apart)
+        ({"model": {"llm": {"mlp": "gelu", "moe": {"experts": 4}}}}, "llm.mlp"),
+        ({"model": {"llm": {"moe": {"experts": 4, "branch_norms": True}}}}, "branch_norms"),
     ],
 )
 def test_what_a_mixture_of_experts_cannot_run_is_refused_naming_the_key(raw, key):

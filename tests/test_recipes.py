@@ -35,7 +35,7 @@ RECIPES = sorted((ROOT / "configs" / "gpu").glob("*.yaml"))
 COMPILED = [
     ROOT / "configs" / "gpu" / f"{name}.yaml"
     for name in ["qwen2vl_7b", "qwen2vl_7b_lora", "qwen3_30b_a3b", "qwen3_vl_8b"]
-    + ["qwen3_vl_30b_a3b", "qwen2_5vl_3b_grpo", "gemma3_4b"]
+    + ["qwen3_vl_30b_a3b", "qwen2_5vl_3b_grpo", "gemma3_4b", "gemma4_26b_a4b"]
 ]
 GIB = 72  # what JAX may take of an 80 GB GPU (79.6 GiB) with XLA_CLIENT_MEM_FRACTION=0.9
 

@@ -29,6 +29,7 @@ ORDER = (
     "qwen3_vl_30b_a3b",
     "qwen3_vl_30b_a3b_multinode",
     "qwen3_30b_a3b",
+    "gemma4_26b_a4b",
     "qwen2vl_7b_lora",
     "qwen3_vl_8b_dpo",
 )

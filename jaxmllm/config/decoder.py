@@ -97,7 +97,8 @@ EXCHANGES = ("dense", "ragged")  # how tokens travel to their experts' devices (
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Mixture-of-experts MLPs in the decoder (Qwen3-MoE, Qwen2-MoE): in an MoE layer a router
+    """Mixture-of-experts MLPs in the decoder (Qwen3-MoE, Qwen2-MoE, Gemma 4's block beside its
+    MLP): in an MoE layer a router
     sends each token to `top_k` of `experts` gated MLPs, stacked, and sums their outputs
     weighted by its probabilities; an optional shared expert sees every token. Dropless: every
     token reaches its experts (tokens grouped by expert, a grouped matmul computing only the
