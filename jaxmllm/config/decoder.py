@@ -69,12 +69,17 @@ class LayerKind:
 
     mixer: Mixer | None = None
     mlp: Mlp | None = None
+    # The layer computes no keys and values: it attends over those of an earlier layer of its
+    # mixer (`LLMConfig.kv_shared_layers`: Gemma 4's last layers)
+    kv_shared: bool = False
 
     @property
     def name(self) -> str:
-        """The kind's name, its stack's (`linear_moe`, `full`, `dense`; "" for a decoder whose
-        layers are all alike): the mixer's word, then the MLP's."""
-        return "_".join(part.value for part in (self.mixer, self.mlp) if part is not None)
+        """The kind's name, its stack's (`linear_moe`, `full`, `dense`, `sliding_shared`; ""
+        for a decoder whose layers are all alike): the mixer's word, then the MLP's, then
+        `shared` for a layer that reuses keys and values."""
+        parts = [part.value for part in (self.mixer, self.mlp) if part is not None]
+        return "_".join(parts + ["shared"] * self.kv_shared)
 
     @property
     def linear(self) -> bool:
@@ -360,6 +365,21 @@ class LLMConfig(BlockOptions):
     # With windows, the full-attention layers' values are their keys' projection, before its
     # norm and rotary (no value projection: Gemma 4's attention_k_eq_v)
     full_k_eq_v: bool = False
+    # Per-layer inputs (Gemma 4's per-layer embeddings, hidden_size_per_layer_input): each
+    # layer adds, after its MLP, norm(W_out (act(W_gate x) * p)) for an input p of its own this
+    # wide: a table row of the token's id (times sqrt(per_layer_dim)) and a projection of the
+    # decoder's input embeddings (over sqrt(width), normed), summed over sqrt(2); 0: none
+    per_layer_dim: int = 0
+    # The per-layer table's vocabulary (vocab_size_per_layer_input); 0: vocab_size
+    per_layer_vocab: int = 0
+    # The id whose per-layer row an encoder row's slot (an image's or a clip's token) reads, as
+    # transformers' Gemma4Model reads them (its pad_token_id)
+    per_layer_pad_id: int = 0
+    # The last kv_shared_layers layers compute no keys and values: each attends over those of
+    # the last layer before them of its own kind, sliding or full (num_kv_shared_layers)
+    kv_shared_layers: int = 0
+    # Those layers' MLPs 2 x mlp_dim wide (Gemma 4's use_double_wide_mlp)
+    kv_shared_wide_mlp: bool = False
     # Tokens per slice of the output projection and cross entropy: a step never holds more than
     # [rows, logits_chunk, vocab] fp32 logits (a 152k vocabulary at 1024: 0.6 GB a row)
     logits_chunk: int = 1024
@@ -436,6 +456,8 @@ class LLMConfig(BlockOptions):
         check(self.attn_scalar >= 0, "must be >= 0 (0: the head width)", "attn_scalar")
         check(self.logit_softcap >= 0, "must be >= 0 (0: no soft-capping)", "logit_softcap")
         self._check_full_layers()
+        self._check_per_layer_inputs()
+        self._check_kv_sharing()
 
         self._check_moe_block()
         if m.enabled and not m.shared_mlp_dim and self.lora.enabled:
@@ -480,6 +502,76 @@ class LLMConfig(BlockOptions):
                 key,
             )
 
+    def _check_per_layer_inputs(self) -> None:
+        """The per-layer inputs' widths, and a pad id inside their table."""
+        check(self.per_layer_dim >= 0, "must be >= 0 (0: no per-layer inputs)", "per_layer_dim")
+        check(self.per_layer_vocab >= 0, "must be >= 0 (0: vocab_size)", "per_layer_vocab")
+        if not self.per_layer_dim:
+            return
+        check(
+            0 <= self.per_layer_pad_id < self.per_layer_vocab_size,
+            f"must be an id of the per-layer table (0 .. {self.per_layer_vocab_size - 1})",
+            "per_layer_pad_id",
+        )
+
+    def _check_kv_sharing(self) -> None:
+        """The layers reusing keys and values: fewer than the decoder's, each with an earlier
+        layer of its own kind to read, beside attention layers only, their adapters without
+        dropout (the keys they read are computed once more, outside the layer that owns them:
+        a second dropout draw would make them others than that layer's)."""
+        n = self.kv_shared_layers
+        check(
+            0 <= n < self.depth,
+            f"must be in [0, depth={self.depth}): the layers before them compute the keys and "
+            "values they reuse",
+            "kv_shared_layers",
+        )
+        check(
+            n or not self.kv_shared_wide_mlp,
+            "widens the MLPs of the layers that reuse keys and values: set kv_shared_layers",
+            "kv_shared_wide_mlp",
+        )
+        if not n:
+            return
+        check(
+            not self.linear.enabled,
+            "layers reusing keys and values beside linear-attention ones are not built: set "
+            "kv_shared_layers: 0 or linear.layers: []",
+            "kv_shared_layers",
+        )
+        first = self.depth - n
+        for layer in range(first, self.depth):
+            check(
+                self.kv_source(layer) is not None,
+                f"layer {layer} (a {self.layer_kind(layer).name.split('_')[0]} one) reuses keys "
+                f"and values, and none of layers 0 .. {first - 1} is of its kind to give them",
+                "kv_shared_layers",
+            )
+        check(
+            self.lora.dropout == 0 or not {"k", "v"} & set(self.adapter_targets),
+            f"{self.lora.dropout}: the layers reusing keys and values read them computed again "
+            "from the input of the layer that owns them, where a second dropout draw would "
+            "differ from that layer's: set lora.dropout: 0, or adapt q, o and the MLPs only",
+            "lora.dropout",
+        )
+
+    @property
+    def per_layer_vocab_size(self) -> int:
+        """The per-layer table's rows (`per_layer_vocab`, or the vocabulary's)."""
+        return self.per_layer_vocab or self.vocab_size
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose keys and values layer `layer` (0-based) attends over: itself, or for
+        one of the last `kv_shared_layers` the last layer before them of its own mixer
+        (sliding or full; transformers' kv_sharing_modes, store and reuse); None where no such
+        layer exists."""
+        first = self.depth - self.kv_shared_layers
+        if layer < first:
+            return layer
+        mixer = self.layer_kind(layer).mixer
+        own = [i for i in range(first) if self.layer_kind(i).mixer == mixer]
+        return own[-1] if own else None
+
     def _check_expert_adapters(self) -> None:
         """A mixture of experts' MLP targets adapt its routed experts, as PEFT adapts
         transformers' stacked ones: gate and up are one fused matrix there, and no dropout."""
@@ -508,7 +600,7 @@ class LLMConfig(BlockOptions):
             mixer = Mixer.SLIDING if self.window.is_sliding(layer) else Mixer.FULL
         if self.moe.enabled:
             mlp = Mlp.MOE if self.moe.is_moe(layer) else Mlp.DENSE
-        return LayerKind(mixer, mlp)
+        return LayerKind(mixer, mlp, layer >= self.depth - self.kv_shared_layers)
 
     @property
     def linear_layers(self) -> tuple[int, ...]:

@@ -100,6 +100,14 @@ class Config:
         # (attention, planner): the first refusal is the reason, its advice keeps the model.
         if self.model.llm.linear.enabled:
             self._check_linear()
+        llm = self.model.llm
+        check(
+            self.mesh.stage == 1 or not (llm.per_layer_dim or llm.kv_shared_layers),
+            f"{self.mesh.stage}: a decoder with per-layer inputs or layers reusing keys and "
+            "values (model.llm.per_layer_dim, kv_shared_layers) hands its stages more than the "
+            "hidden states; pipeline stages are not built for it: set mesh.stage: 1",
+            "mesh.stage",
+        )
         check(
             self.mesh.stage == 1 or not self.model.llm.window.enabled,
             f"{self.mesh.stage}: a decoder with sliding-window layers (model.llm.window) stacks "

@@ -205,6 +205,7 @@ class Attention(nnx.Module):
         v_norm: bool = False,
         k_eq_v: bool = False,
         spans: bool = True,
+        kv_shared: bool = False,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         lora: dict[str, Adapter] | None = None,
@@ -223,8 +224,10 @@ class Attention(nnx.Module):
         RMSNorm without a scale over each head's values (Gemma 4); `k_eq_v`: no value
         projection, the values are the key projection's output before its norm and rotary
         (Gemma 4's attention_k_eq_v); `spans`: whether it reads a packing's bidirectional
-        spans both ways (false: causal over them, Gemma 4's full layers); `lora`: adapters of
-        the projections it names (q, k, v, o)."""
+        spans both ways (false: causal over them, Gemma 4's full layers); `kv_shared`: no key
+        and value projections, the keys and values are another layer's (`__call__`'s `kv`:
+        Gemma 4's num_kv_shared_layers); `lora`: adapters of the projections it names (q, k,
+        v, o)."""
         assert heads % kv_heads == 0, (heads, kv_heads)
         head_dim = head_dim or width // heads
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -232,8 +235,9 @@ class Attention(nnx.Module):
         qkv = ("embed", "kv_heads", "head_dim")
         q_width = 2 * head_dim if gate else head_dim
         self.query = Dense(width, (heads, q_width), ("embed", "heads", "head_dim"), **own("q"))
-        self.key = Dense(width, (kv_heads, head_dim), qkv, **own("k"))
-        self.value = None if k_eq_v else Dense(width, (kv_heads, head_dim), qkv, **own("v"))
+        self.key = None if kv_shared else Dense(width, (kv_heads, head_dim), qkv, **own("k"))
+        own_v = not (k_eq_v or kv_shared)
+        self.value = Dense(width, (kv_heads, head_dim), qkv, **own("v")) if own_v else None
         self.out = Dense((heads, head_dim), width, ("heads", "head_dim", "embed"), **own("o"))
         if qk_norm:
             norm = dict(
@@ -243,7 +247,8 @@ class Attention(nnx.Module):
                 axis="head_dim",
                 offset=norm_offset,
             )
-            self.q_norm, self.k_norm = RMSNorm(head_dim, **norm), RMSNorm(head_dim, **norm)
+            self.q_norm = RMSNorm(head_dim, **norm)
+            self.k_norm = None if kv_shared else RMSNorm(head_dim, **norm)
         else:
             self.q_norm = self.k_norm = None
         self.v_norm = v_norm
@@ -261,19 +266,26 @@ class Attention(nnx.Module):
         self.query_factor = math.sqrt(head_dim / scalar) if scalar else 1.0
         self.dtype = dtype
 
-    def __call__(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> jax.Array:
+    def __call__(
+        self, x_btd: jax.Array, pack: Packing, positions: jax.Array, kv: tuple | None = None
+    ) -> jax.Array:
         """Attends within each document of the packed rows.
 
         Args:
           x_btd: inputs [B, T, width].
           pack: where each query may look (`packing`).
           positions: [B, T] for 1D rotary, [B, T, 2] for 2D.
+          kv: the keys and values attended over, another layer's (`keys_values`), where this
+            one has no projections of its own (`kv_shared`); None: its own.
 
         Returns:
           [B, T, width] in the compute dtype.
         """
         # Named for the remat policies (config/remat.py): what a block may keep for backward.
-        q_bthe, k_bske, v_bske, gate = self.project(x_btd, positions)
+        if kv is None:
+            q_bthe, k_bske, v_bske, gate = self.project(x_btd, positions)
+        else:
+            (q_bthe, gate), (k_bske, v_bske) = self.project_query(x_btd, positions), kv
         q_bthe, k_bske, v_bske = map(checkpoint_name, (q_bthe, k_bske, v_bske), QKV)
         out_bthe = self.attend(q_bthe, k_bske, v_bske, pack, positions)
         return checkpoint_name(self.output(out_bthe, gate), "attention_out")
@@ -344,24 +356,42 @@ class Attention(nnx.Module):
           q [B, T, heads, head_dim], k and v [B, T, kv_heads, head_dim], and the output gate's
           logits [B, T, heads, head_dim] (None without a gate).
         """
-        extra = {"sections": self.rope_sections} if self.rope.startswith("mrope") else {}
-        turn = lambda x: ROPE[self.rope](x, positions, self.rope_theta, self.rope_scaling, **extra)
-        cut = self.rotary_dim
-        rotate = (
-            turn if not cut else lambda x: jnp.concatenate([turn(x[..., :cut]), x[..., cut:]], -1)
-        )
-        q_bthe, k_bthe = self.query(x_btd), self.key(x_btd)
+        q_bthe, gate = self.project_query(x_btd, positions)
+        return q_bthe, *self.keys_values(x_btd, positions), gate
+
+    def project_query(self, x_btd: jax.Array, positions: jax.Array) -> tuple:
+        """The queries of `x` at `positions`, normed, rotated and scaled [B, T, heads,
+        head_dim], and the output gate's logits (None without a gate)."""
+        q_bthe = self.query(x_btd)
+        gate = None
+        if self.gate:  # (each head's queries, then its gate)
+            q_bthe, gate = jnp.split(q_bthe, 2, axis=-1)
+        if self.q_norm is not None:  # (QK-norm: each head's queries, before rotary)
+            q_bthe = self.q_norm(q_bthe)
+        q_bthe = self.rotate(q_bthe, positions)
+        if self.query_factor != 1.0:  # (an attention scale other than 1 / sqrt(head_dim))
+            q_bthe = (q_bthe * jnp.asarray(self.query_factor, q_bthe.dtype)).astype(q_bthe.dtype)
+        return q_bthe, gate
+
+    def keys_values(self, x_btd: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The keys of `x` at `positions`, normed and rotated, and its values (normed with
+        `v_norm`), each [B, T, kv_heads, head_dim]: what a layer reusing them reads too."""
+        k_bthe = self.key(x_btd)
         v_bthe = k_bthe if self.value is None else self.value(x_btd)
         if self.v_norm:  # (an RMSNorm of each head's values, without a scale)
             v32 = v_bthe.astype(jnp.float32)
             v32 = v32 * jax.lax.rsqrt(jnp.mean(v32 * v32, axis=-1, keepdims=True) + self.norm_eps)
             v_bthe = v32.astype(v_bthe.dtype)
-        gate = None
-        if self.gate:  # (each head's queries, then its gate)
-            q_bthe, gate = jnp.split(q_bthe, 2, axis=-1)
-        if self.q_norm is not None:  # (QK-norm: each head's queries and keys, before rotary)
-            q_bthe, k_bthe = self.q_norm(q_bthe), self.k_norm(k_bthe)
-        q_bthe = rotate(q_bthe)
-        if self.query_factor != 1.0:  # (an attention scale other than 1 / sqrt(head_dim))
-            q_bthe = (q_bthe * jnp.asarray(self.query_factor, q_bthe.dtype)).astype(q_bthe.dtype)
-        return q_bthe, rotate(k_bthe), v_bthe, gate
+        if self.k_norm is not None:  # (QK-norm: each head's keys, before rotary)
+            k_bthe = self.k_norm(k_bthe)
+        return self.rotate(k_bthe, positions), v_bthe
+
+    def rotate(self, x_bthe: jax.Array, positions: jax.Array) -> jax.Array:
+        """Queries or keys turned by their rotary positions (the first `rotary_dim` of each
+        head where that is a part)."""
+        extra = {"sections": self.rope_sections} if self.rope.startswith("mrope") else {}
+        turn = lambda x: ROPE[self.rope](x, positions, self.rope_theta, self.rope_scaling, **extra)
+        cut = self.rotary_dim
+        if not cut:
+            return turn(x_bthe)
+        return jnp.concatenate([turn(x_bthe[..., :cut]), x_bthe[..., cut:]], -1)

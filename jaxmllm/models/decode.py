@@ -22,7 +22,11 @@ cuDNN's segments, or a dense causal mask), never over the cache's empty S - P po
 step's is the dense attention of one query over the cache under a [B, 1, 1, S] mask. A layer
 with a sliding window W shorter than S (Gemma's local layers) keeps a ring of W slots instead:
 the token at index i sits in slot i % W, overwriting the one W before it, which no later query
-sees; prefill fills each slot with the row's last prompt token that maps to it. A
+sees; prefill fills each slot with the row's last prompt token that maps to it. A layer that
+reuses an earlier layer's keys and values (Gemma 4's last layers, `Transformer.kv_sources`)
+keeps no cache: prefill attends over that layer's keys of the prompt, computed again from its
+input as training does, and a step over that layer's cache with the new token's keys written in,
+which is the cache that layer returns. A
 linear-attention layer (Gated DeltaNet) caches its convolution's last inputs and its state instead
 (`GatedDeltaNet.extend`): a prompt runs the chunked rule from the empty state, a step the rule
 for one token.
@@ -39,6 +43,7 @@ from flax import nnx
 from jaxmllm.models.attention import Packing, dense_attention, packing
 from jaxmllm.models.deltanet import GatedDeltaNet
 from jaxmllm.models.mllm import MultimodalLM
+from jaxmllm.models.transformer import layer_places
 
 
 @jax.tree_util.register_dataclass
@@ -71,6 +76,8 @@ def empty_cache(model: MultimodalLM, rows: int, length: int) -> Cache:
             r = s.value_heads // s.key_heads
             shape = (depth, rows, s.key_heads, r, s.key_dim, s.value_dim)
             state[kind] = jnp.zeros(shape, jnp.float32)
+            continue
+        if attn.key is None:  # (its layers read another's keys and values: no cache)
             continue
         depth, _, kv_heads, head_dim = attn.key.kernel.shape  # [layers, width, kv, head_dim]
         slots = min(attn.window, length) if attn.window else length
@@ -107,7 +114,10 @@ def prefill(
     cache = empty_cache(model, rows, length)
     spans = mb["llm_spans"][:, 0] if "llm_spans" in mb else None  # (images both ways)
     pack = pack or packing(mb["llm_segment_ids"][:, 0], causal=True, spans_bt=spans)
-    h_bpw, cache = _decode(model, x_bpw, positions_bp, start_b, cache, valid_bp, added, pack)
+    per_layer = model.llm.per_layer_inputs(x_bpw, model.per_layer_ids(mb, valid_bp.shape))
+    h_bpw, cache = _decode(
+        model, x_bpw, positions_bp, start_b, cache, valid_bp, added, pack, per_layer
+    )
     last_bw = jnp.take_along_axis(h_bpw, jnp.maximum(lengths_b - 1, 0)[:, None, None], axis=1)
     return model.llm.logits(last_bw)[:, 0], cache
 
@@ -138,7 +148,8 @@ def step(
     rope = lambda k: getattr(transformer.stack(k).attn, "rope", "")  # (a linear layer has none)
     if any(rope(k).startswith("mrope") for k in transformer.kinds):
         positions_b1 = jnp.repeat(positions_b1[..., None], 3, axis=-1)  # [B, 1, 3]
-    h_b1w, cache = _decode(model, x_b1w, positions_b1, index_b, cache, None)
+    per_layer = model.llm.per_layer_inputs(x_b1w, tokens_b[:, None])
+    h_b1w, cache = _decode(model, x_b1w, positions_b1, index_b, cache, None, per_layer=per_layer)
     return model.llm.logits(h_b1w)[:, 0], cache
 
 
@@ -151,46 +162,72 @@ def _decode(
     valid_bt: jax.Array | None,
     added_kbtw: jax.Array | None = None,
     pack: Packing | None = None,
+    per_layer: jax.Array | None = None,
 ) -> tuple[jax.Array, Cache]:
     """The decoder's scanned block over T new tokens per row written at cache indices
     start_b, start_b + 1, ... (rotary positions [B, T], or [B, T, 3] with M-RoPE; `valid_bt`:
     a prompt's tokens, None: every one; DeepStack's additions after the first K layers,
-    `added_kbtw`); returns the final hidden states [B, T, width] and the cache. With `pack`
-    (prefill: the rows start empty), the T tokens attend among themselves as `pack` says;
-    without, each attends over the cache up to its own index, densely."""
+    `added_kbtw`; each layer's per-layer input [L, B, T, P], `per_layer`); returns the final
+    hidden states [B, T, width] and the cache. With `pack` (prefill: the rows start empty), the
+    T tokens attend among themselves as `pack` says; without, each attends over the cache up to
+    its own index, densely."""
     transformer = model.llm.transformer
     graphdefs = {k: nnx.graphdef(transformer.stack(k)) for k in transformer.kinds}
     t, s = x_btw.shape[1], cache.length
     index_bt = start_b[:, None] + jnp.arange(t)
     valid_bt = jnp.ones(x_btw.shape[:2], bool) if valid_bt is None else valid_bt
 
-    def layer(kind, block_state, x_btw, cached, _):
+    def attend(attn, q_bthe, k_bthe, v_bthe, k_bske, v_bske) -> jax.Array:
+        """The new queries over the new keys (prefill, by `pack`) or the cache (a step)."""
+        if pack is not None:
+            return attn.attend(q_bthe, k_bthe, v_bthe, pack, positions_bt)
+        mask = _seen(index_bt, k_bske.shape[1])
+        return dense_attention(q_bthe, k_bske, v_bske, mask, attn.dtype)
+
+    def written(k_bske, v_bske, k_bthe, v_bthe) -> tuple[jax.Array, jax.Array]:
+        """A layer's cache with the new keys and values in (a ring: the prompt's last)."""
+        slots = k_bske.shape[1]  # (S, or a windowed layer's ring: `empty_cache`)
+        if pack is not None and slots < s:  # (a prompt into a ring: its last tokens)
+            return _fill(k_bske, k_bthe, valid_bt), _fill(v_bske, v_bthe, valid_bt)
+        return _write(k_bske, k_bthe, start_b % slots), _write(v_bske, v_bthe, start_b % slots)
+
+    def finish(block, x_btw, out_btw, j) -> jax.Array:
+        """The layer's output of its attention's: the MLP, the per-layer input, the scalar."""
+        x_btw = x_btw + block.attn_out(out_btw)
+        x_btw = x_btw + block.mlp_out(block.mlp_branch(x_btw)[0])
+        own = None if per_layer is None else jax.lax.dynamic_index_in_dim(per_layer, j, 0, False)
+        return block.finished(x_btw, own)
+
+    def layer(kind, block_state, x_btw, cached, j):
         block = nnx.merge(graphdefs[kind], block_state)
         h_btw = block.attn_norm(x_btw)
         if isinstance(block.attn, GatedDeltaNet):  # (its convolution's window and its state)
             out_btw, *cached = block.attn.extend(h_btw, *cached, valid_bt)
         else:
-            k_bske, v_bske = cached
             q_bthe, k_bthe, v_bthe, gate = block.attn.project(h_btw, positions_bt)
-            slots = k_bske.shape[1]  # (S, or a windowed layer's ring: `empty_cache`)
-            if pack is not None and slots < s:  # (a prompt into a ring: its last tokens)
-                k_bske, v_bske = _fill(k_bske, k_bthe, valid_bt), _fill(v_bske, v_bthe, valid_bt)
-            else:
-                k_bske = _write(k_bske, k_bthe, start_b % slots)
-                v_bske = _write(v_bske, v_bthe, start_b % slots)
-            if pack is not None:
-                out_bthe = block.attn.attend(q_bthe, k_bthe, v_bthe, pack, positions_bt)
-            else:
-                mask = _seen(index_bt, slots)
-                out_bthe = dense_attention(q_bthe, k_bske, v_bske, mask, block.attn.dtype)
-            out_btw, cached = block.attn.output(out_bthe, gate), (k_bske, v_bske)
-        x_btw = x_btw + block.attn_out(out_btw)
-        x_btw = x_btw + block.mlp_out(block.mlp_branch(x_btw)[0])
-        return block.scaled(x_btw), tuple(cached)
+            cached = written(*cached, k_bthe, v_bthe)
+            out_bthe = attend(block.attn, q_bthe, k_bthe, v_bthe, *cached)
+            out_btw = block.attn.output(out_bthe, gate)
+        return finish(block, x_btw, out_btw, j), tuple(cached)
+
+    def reuse(inputs):  # (the layers reading an earlier layer's keys and values)
+        new = transformer.shared_kv(inputs, positions_bt)
+        kv = {}
+        for kind, source in transformer.kv_sources.items():
+            own, at = transformer.pattern[source], layer_places(transformer.pattern)[source][1]
+            kv[kind] = (*new[kind], *written(cache.k[own][at], cache.v[own][at], *new[kind]))
+
+        def reusing(kind, block_state, x_btw, _, j):
+            block = nnx.merge(graphdefs[kind], block_state)
+            q_bthe, gate = block.attn.project_query(block.attn_norm(x_btw), positions_bt)
+            out_btw = block.attn.output(attend(block.attn, q_bthe, *kv[kind]), gate)
+            return finish(block, x_btw, out_btw, j), ()
+
+        return reusing
 
     held = {**{k: (cache.k[k], cache.v[k]) for k in cache.k}}
     held.update({k: (cache.window[k], cache.state[k]) for k in cache.window})
-    x_btw, ys = transformer.scan(layer, x_btw, held, added=added_kbtw)
+    x_btw, ys = transformer.scan(layer, x_btw, held, added=added_kbtw, reuse=reuse)
     k = {kind: ys[kind][0] for kind in cache.k}
     v = {kind: ys[kind][1] for kind in cache.k}
     window = {kind: ys[kind][0] for kind in cache.window}

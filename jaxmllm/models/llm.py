@@ -25,6 +25,7 @@ from jaxmllm.models.deltanet import LinearSpec
 from jaxmllm.models.layers import Dense, Embed
 from jaxmllm.models.loss import Head, loss_sum, token_logps, token_logps_and_entropy
 from jaxmllm.models.moe import MoESpec, RouterStats
+from jaxmllm.models.per_layer import PerLayerInputs
 from jaxmllm.models.transformer import BlockSpec, Transformer, layer_places
 from jaxmllm.models.vocab import vocab_axes
 
@@ -74,11 +75,32 @@ class Decoder(nnx.Module):
             v_norm=cfg.v_norm,
             layer_scalar=cfg.layer_scalar,
             spans=cfg.bidirectional_full,
+            per_layer_dim=cfg.per_layer_dim,
         )
         kinds, pattern = layer_kinds(cfg, spec)
         self.transformer = Transformer(
-            cfg.depth, spec, remat=remat, kinds=kinds, pattern=pattern, **kw
+            cfg.depth,
+            spec,
+            remat=remat,
+            kinds=kinds,
+            pattern=pattern,
+            kv_sources=kv_sources(cfg),
+            **kw,
         )
+        self.per_layer = (
+            PerLayerInputs(
+                cfg.per_layer_vocab_size,
+                cfg.width,
+                cfg.depth,
+                cfg.per_layer_dim,
+                eps=cfg.norm_eps,
+                vocab_parallel=cfg.vocab_parallel,
+                **kw,
+            )
+            if cfg.per_layer_dim
+            else None
+        )
+        self.per_layer_pad_id = cfg.per_layer_pad_id
         self.lm_head = (
             None
             if cfg.tie_embeddings
@@ -102,9 +124,11 @@ class Decoder(nnx.Module):
         segment_ids_bt: jax.Array,
         positions_bt: jax.Array,
         tiles_bk2: jax.Array | None = None,
+        ids_bt: jax.Array | None = None,
     ) -> jax.Array:
         """Logits [B, T, vocab] in float32 of embedded rows (see `hidden`)."""
-        return self.logits(self.hidden(x_btd, segment_ids_bt, positions_bt, tiles_bk2))
+        h = self.hidden(x_btd, segment_ids_bt, positions_bt, tiles_bk2, ids_bt=ids_bt)
+        return self.logits(h)
 
     def hidden(
         self,
@@ -113,6 +137,7 @@ class Decoder(nnx.Module):
         positions_bt: jax.Array,
         tiles_bk2: jax.Array | None = None,
         row: int = 0,
+        ids_bt: jax.Array | None = None,
     ) -> jax.Array:
         """Decodes embedded rows up to the final norm.
 
@@ -124,11 +149,15 @@ class Decoder(nnx.Module):
           tiles_bk2: block-sparse attention's tiles [B, K, 2] (a device's rows are then one
             row B of all their tokens: tiles never pair blocks of two rows).
           row: tokens a row when rows lie end to end in one (block-sparse); 0: T.
+          ids_bt: the ids the per-layer table is read at [B, T] (`per_layer.per_layer_ids`),
+            where the decoder has per-layer inputs (`model.llm.per_layer_dim`).
 
         Returns:
           Final hidden states [B, T, width] in the compute dtype.
         """
-        return self.hidden_and_router(x_btd, segment_ids_bt, positions_bt, tiles_bk2, row)[0]
+        return self.hidden_and_router(
+            x_btd, segment_ids_bt, positions_bt, tiles_bk2, row, ids_bt=ids_bt
+        )[0]
 
     def hidden_and_router(
         self,
@@ -141,16 +170,36 @@ class Decoder(nnx.Module):
         order_bt: jax.Array | None = None,
         window_tiles_bk2: jax.Array | None = None,
         spans_bt: jax.Array | None = None,
+        ids_bt: jax.Array | None = None,
     ) -> tuple[jax.Array, RouterStats | None]:
         """`hidden`, and the MoE layers' router statistics ([MoE layers, ...]; None for a
         dense decoder); `added_kbtd` [K, B, T, width]: DeepStack's features, added to the
         hidden states after each of the first K layers (zero where a token is not an image's);
         `order_bt`: each token's index in its document, under context groups with M-RoPE;
         `window_tiles_bk2`: the sliding-window layers' tiles, `spans_bt` the bidirectional
-        spans (`attention.Packing`)."""
+        spans (`attention.Packing`); `ids_bt`: as `hidden`'s."""
         pack = self.packing(segment_ids_bt, tiles_bk2, row, order_bt, window_tiles_bk2, spans_bt)
-        h, stats = self.transformer.run(x_btd, pack, positions_bt, added=added_kbtd)
+        per_layer = self.per_layer_inputs(x_btd, ids_bt)
+        h, stats = self.transformer.run(
+            x_btd, pack, positions_bt, added=added_kbtd, per_layer=per_layer
+        )
         return self.transformer.norm(h), stats
+
+    def per_layer_inputs(self, x_btd: jax.Array, ids_bt: jax.Array | None) -> jax.Array | None:
+        """Each layer's per-layer input [L, B, T, P] of the input embeddings and the ids
+        (`models.per_layer`); None where the decoder has none.
+
+        Raises:
+          ValueError: the decoder has per-layer inputs and no ids were given.
+        """
+        if self.per_layer is None:
+            return None
+        if ids_bt is None:
+            raise ValueError(
+                "the decoder's per-layer inputs (model.llm.per_layer_dim) read a table by token "
+                "id: pass ids_bt beside the embeddings"
+            )
+        return self.per_layer(x_btd, ids_bt)
 
     def packing(
         self,
@@ -221,6 +270,15 @@ def kind_stacks(cfg: LLMConfig) -> list[tuple[str, LayerKind, tuple[int, ...]]]:
     return out
 
 
+def kv_sources(cfg: LLMConfig) -> dict[str, int]:
+    """{kind: the layer whose keys and values its layers attend over} of the kinds of layers
+    without their own (`LLMConfig.kv_source`: Gemma 4's last layers); {} where none."""
+    out = {}
+    for i in range(cfg.depth - cfg.kv_shared_layers, cfg.depth):
+        out.setdefault(cfg.layer_kind(i).name, cfg.kv_source(i))
+    return out
+
+
 def layer_kinds(cfg: LLMConfig, spec: BlockSpec) -> tuple[dict | None, tuple[str, ...]]:
     """({kind: BlockSpec}, each layer's kind) of a decoder (`LLMConfig.layer_kind`): a mixture of
     experts' `moe` and `dense` layers, a hybrid's `linear` and `full` attention ones; (None,
@@ -239,7 +297,8 @@ def layer_kinds(cfg: LLMConfig, spec: BlockSpec) -> tuple[dict | None, tuple[str
         them, no MLP adapters; its linear attention; its sliding window, with the windowed
         layers' own rotary base (unscaled), reading the spans both ways; beside windows, the
         full layers' own head width, key-value heads and values from keys
-        (`model.llm.full_*`)."""
+        (`model.llm.full_*`); without keys and values of its own where it reuses another
+        layer's, its MLP twice as wide with `kv_shared_wide_mlp`."""
         out = spec
         if kind.moe:
             out = dataclasses.replace(out, moe=MoESpec.of(cfg.moe, cfg.mlp))
@@ -263,6 +322,9 @@ def layer_kinds(cfg: LLMConfig, spec: BlockSpec) -> tuple[dict | None, tuple[str
                 kv_heads=cfg.full_kv_heads or out.kv_heads,
                 k_eq_v=cfg.full_k_eq_v,
             )
+        if kind.kv_shared:
+            wide = 2 if cfg.kv_shared_wide_mlp else 1
+            out = dataclasses.replace(out, kv_shared=True, mlp_dim=wide * out.mlp_dim)
         return out
 
     return {k.name: spec_of(k) for k in dict.fromkeys(kinds)}, pattern

@@ -34,6 +34,7 @@ from jaxmllm.models.llm import (
     kind_stacks,
 )
 from jaxmllm.models.lora import BLOCK_PATHS, PROJECTOR_PATHS
+from jaxmllm.models.per_layer import per_layer_ids
 from sharding import DATA_AXES, STAGE_AXIS
 
 
@@ -171,8 +172,24 @@ class MultimodalLM(nnx.Module):
             order_bt=self.decoder_order(mb),
             window_tiles_bk2=mb.get("llm_window_tiles"),
             spans_bt=self.decoder_spans(mb),
+            ids_bt=self.per_layer_ids(mb, segment_ids_bs.shape),
         )
         return h.reshape(*mb["llm_tokens"].shape, -1), stats
+
+    def per_layer_ids(self, mb: dict[str, jax.Array], shape: tuple) -> jax.Array | None:
+        """The ids the decoder's per-layer table is read at, as its rows lay them (`shape`):
+        the tokens', the pad id in an encoder row's slot (`per_layer.per_layer_ids`), past
+        the table in padding (zeros, no gradient); None without per-layer inputs."""
+        if self.llm.per_layer is None:
+            return None
+        slots = jnp.zeros(mb["llm_tokens"].shape, bool)
+        for name in self.phases:
+            if phase(name).src in mb:
+                slots = slots | (mb[phase(name).src] >= 0)
+        ids = per_layer_ids(mb["llm_tokens"], slots, self.llm.per_layer_pad_id)
+        if "llm_segment_ids" in mb:
+            ids = jnp.where(mb["llm_segment_ids"] == 0, self.llm.per_layer.embed.vocab_size, ids)
+        return ids.reshape(shape)
 
     def decoder_inputs(
         self, mb: dict[str, jax.Array], rows: dict[str, jax.Array] | None = None

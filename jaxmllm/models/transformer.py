@@ -27,7 +27,7 @@ from jaxmllm.config.remat import REMAT_POLICIES
 from jaxmllm.models import lora
 from jaxmllm.models.attention import Attention, Packing
 from jaxmllm.models.deltanet import GatedDeltaNet, LinearSpec
-from jaxmllm.models.layers import NORMS, make_mlp
+from jaxmllm.models.layers import ACTIVATIONS, GATED, NORMS, Dense, make_mlp
 from jaxmllm.models.moe import MoE, MoESpec
 
 
@@ -59,6 +59,9 @@ class BlockSpec:
     k_eq_v: bool = False  # the values are the key projection's output (Gemma 4's full layers)
     layer_scalar: bool = False  # the block's output times a learned scalar (Gemma 4)
     spans: bool = True  # reads the packing's bidirectional spans (false: causal over them)
+    # No key and value projections: attention reads another layer's (Gemma 4's shared layers)
+    kv_shared: bool = False
+    per_layer_dim: int = 0  # a per-layer input this wide added after the MLP (models.per_layer)
     # The token mixer is Gated DeltaNet linear attention of these sizes, not attention
     linear: LinearSpec | None = None
     # LoRA adapters: (target, lora.Adapter) of the matrices that have one (q, k, v, o, ...)
@@ -93,6 +96,7 @@ class BlockSpec:
 class Block(nnx.Module):
     """Pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`; with
     `post_norms` each branch's output is normed too (`x + norm(attn(norm(x)))`: Gemma's), with
+    `per_layer_dim` the layer's per-layer input added through a gate (`per_layer_added`), with
     `layer_scalar` the block's output scaled by a learned scalar (Gemma 4's)."""
 
     def __init__(
@@ -133,6 +137,7 @@ class Block(nnx.Module):
                 v_norm=spec.v_norm,
                 k_eq_v=spec.k_eq_v,
                 spans=spec.spans,
+                kv_shared=spec.kv_shared,
                 lora=adapters,
                 rngs=rngs,
                 **kw,
@@ -155,6 +160,12 @@ class Block(nnx.Module):
                 rngs=rngs,
                 **kw,
             )
+        # (Gemma 4's per_layer_input_gate, per_layer_projection, post_per_layer_input_norm)
+        p, w = spec.per_layer_dim, spec.width
+        self.per_layer_gate = Dense(w, p, ("embed", "mlp"), rngs=rngs, **kw) if p else None
+        self.per_layer_out = Dense(p, w, ("mlp", "embed"), rngs=rngs, **kw) if p else None
+        self.per_layer_norm = spec.norm_layer(**kw) if p else None
+        self.per_layer_act = GATED.get(spec.mlp, spec.mlp)  # (the MLP's gate's activation)
         # (transformers' layer_scalar: a buffer of ones until a checkpoint sets it)
         ones = jnp.ones((1,), param_dtype)
         self.layer_scalar = nnx.Param(ones, axes=(None,)) if spec.layer_scalar else None
@@ -173,11 +184,26 @@ class Block(nnx.Module):
         """The block's output for x [B, T, width]; `forward` also returns its router's stats."""
         return self.forward(x_btd, pack, positions)[0]
 
-    def forward(self, x_btd: jax.Array, pack: Packing, positions: jax.Array) -> tuple:
-        """(the block's output, its router's statistics: `moe.RouterStats`, None when dense)."""
-        x_btd = x_btd + self.attn_out(self.attn(self.attn_norm(x_btd), pack, positions))
+    def forward(
+        self,
+        x_btd: jax.Array,
+        pack: Packing,
+        positions: jax.Array,
+        per_layer: jax.Array | None = None,
+        kv: tuple | None = None,
+    ) -> tuple:
+        """(the block's output, its router's statistics: `moe.RouterStats`, None when dense);
+        `per_layer` [B, T, P]: its per-layer input, `kv`: the keys and values a layer without
+        its own attends over (`attention.Attention.keys_values` of the layer that owns them)."""
+        h_btd = self.attn_norm(x_btd)
+        y_btd = (
+            self.attn(h_btd, pack, positions)
+            if kv is None
+            else self.attn(h_btd, pack, positions, kv)
+        )
+        x_btd = x_btd + self.attn_out(y_btd)
         y, stats = self.mlp_branch(x_btd, pack.segment_ids > 0)
-        return self.scaled(x_btd + self.mlp_out(y)), stats
+        return self.finished(x_btd + self.mlp_out(y), per_layer), stats
 
     def mlp_branch(self, x_btd: jax.Array, valid_bt: jax.Array | None = None) -> tuple:
         """(the MLP's output before `mlp_post_norm`, its router's statistics: None when dense)
@@ -192,6 +218,20 @@ class Block(nnx.Module):
         normed = self.mlp_norm(x_btd)
         routed, shared, stats = self.mlp.branches(self.experts_norm(x_btd), valid_bt, x_btd, normed)
         return self.shared_post_norm(shared) + self.experts_post_norm(routed), stats
+
+    def finished(self, x_btd: jax.Array, per_layer: jax.Array | None) -> jax.Array:
+        """The block's output of x after its MLP: its per-layer input added, then scaled."""
+        return self.scaled(self.per_layer_added(x_btd, per_layer))
+
+    def per_layer_added(self, x_btd: jax.Array, per_layer_btp: jax.Array | None) -> jax.Array:
+        """x + norm(W_out (act(W_gate x) * p)) for the layer's per-layer input p [B, T, P]
+        (`models.per_layer`; transformers' per_layer_input_gate, per_layer_projection and
+        post_per_layer_input_norm); x where the block has none."""
+        if self.per_layer_gate is None:
+            return x_btd
+        gated = ACTIVATIONS[self.per_layer_act](self.per_layer_gate(x_btd))
+        y_btd = self.per_layer_out(gated * per_layer_btp.astype(gated.dtype))
+        return x_btd + self.per_layer_norm(y_btd)
 
     def scaled(self, x_btd: jax.Array) -> jax.Array:
         """The block's output times its `layer_scalar` where it has one (Gemma 4's)."""
@@ -307,6 +347,9 @@ class Transformer(nnx.Module):
     (the others by `local`: windows within the documents); one block is compiled per packing.
     `kinds`: layers of several kinds, {kind: its BlockSpec}, and `pattern` each layer's kind:
     each kind's layers stacked apart (`stack_name`), run as `segments` (module docstring).
+    `kv_sources`: {kind: layer} for the kinds of layers without keys and values of their own
+    (the last ones, Gemma 4's shared layers), each attending over the keys and values of that
+    earlier layer: computed once more from its input, which the scan keeps (`_scan`).
     """
 
     def __init__(
@@ -319,6 +362,7 @@ class Transformer(nnx.Module):
         full_layers: tuple[int, ...] = (),
         kinds: dict[str, BlockSpec] | None = None,
         pattern: tuple[str, ...] = (),
+        kv_sources: dict[str, int] | None = None,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
@@ -326,7 +370,8 @@ class Transformer(nnx.Module):
         """`depth` blocks of `spec` stacked for the scan (`kinds`/`pattern`: each kind of layer's
         own stack, where the layers differ), rematerialised under `remat`; `full_layers`: the
         layers that attend to the whole row where the others attend within windows (a vision
-        tower's); the final norm where `final_norm`."""
+        tower's); the final norm where `final_norm`; `kv_sources`: the layers whose keys and
+        values the kinds without their own read (class docstring)."""
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat {remat!r} is not one of {', '.join(REMAT_POLICIES)}")
         kw = dict(dtype=dtype, param_dtype=param_dtype)
@@ -345,6 +390,11 @@ class Transformer(nnx.Module):
         self.final_norm = spec.norm_layer(**kw) if final_norm else None
         self.remat = remat
         self.full_layers = tuple(full_layers)
+        self.kv_sources = dict(kv_sources or {})
+        reusing = [i for i, kind in enumerate(pattern) if kind in self.kv_sources]
+        assert reusing == list(range(depth - len(reusing), depth)), "they are the last layers"
+        assert all(s < depth - len(reusing) for s in self.kv_sources.values()), self.kv_sources
+        self.first_reusing = depth - len(reusing)  # (depth: none)
 
     def __call__(
         self, x_btd: jax.Array, pack: Packing, positions: jax.Array, local: Packing | None = None
@@ -361,14 +411,35 @@ class Transformer(nnx.Module):
         """A kind's stacked layers."""
         return getattr(self, stack_name(kind, self.main))
 
+    def layer(self, i: int) -> Block:
+        """Layer `i`'s block (its slice of its kind's stack)."""
+        stack, at = layer_places(self.pattern)[i]
+        graphdef, stacked = nnx.split(getattr(self, stack))
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[at], stacked))
+
+    def shared_kv(self, inputs: dict[int, jax.Array], positions: jax.Array) -> dict:
+        """{kind: (keys, values)} the layers of each kind in `kv_sources` attend over: those of
+        its source layer, computed from that layer's input x (`inputs`: {layer: x}, as `_scan`
+        keeps them) as the layer computes them."""
+        out = {}
+        for kind, source in self.kv_sources.items():
+            block = self.layer(source)
+            with lora.salted(source):
+                out[kind] = block.attn.keys_values(block.attn_norm(inputs[source]), positions)
+        return out
+
     def _block_fn(self, kind: str, positions: jax.Array) -> tuple[Callable, Any, Any]:
-        """(block(x, state, layer index, pack) -> (x, stats), graphdef, stacked state) of a
-        kind's stack, rematerialised under the policy."""
+        """(block(x, state, layer index, pack, per-layer inputs [L, ...] or None, keys and
+        values or None) -> (x, stats), graphdef, stacked state) of a kind's stack,
+        rematerialised under the policy."""
         graphdef, stacked = nnx.split(self.stack(kind))
 
-        def block(x_btd, block_state, j, pack):
+        def block(x_btd, block_state, j, pack, per_layer=None, kv=None):
+            own = (
+                None if per_layer is None else jax.lax.dynamic_index_in_dim(per_layer, j, 0, False)
+            )
             with lora.salted(j):
-                return nnx.merge(graphdef, block_state).forward(x_btd, pack, positions)
+                return nnx.merge(graphdef, block_state).forward(x_btd, pack, positions, own, kv)
 
         policy = remat_policy(self.remat)
         if policy is not None:
@@ -391,6 +462,7 @@ class Transformer(nnx.Module):
         if count is None:
             return self.run(x_btd, pack, positions, local=local)[0]
         assert len(self.kinds) == 1 and local is None, "pipelined stacks are of one kind"
+        assert not self.kv_sources, "pipelined stacks compute their own keys and values"
         block, _, stacked = self._block_fn(self.kinds[0], positions)
         depth = jax.tree.leaves(stacked)[0].shape[0]
 
@@ -410,15 +482,23 @@ class Transformer(nnx.Module):
         positions: jax.Array,
         local: Packing | None = None,
         added: jax.Array | None = None,
+        per_layer: jax.Array | None = None,
     ) -> tuple[jax.Array, Any]:
         """The blocks without the final norm, and the MoE layers' router statistics stacked in
         layer order (`moe.RouterStats` [MoE layers, ...]; None without MoE layers).
-        `added` [K, B, T, width]: added to x after each of the first K layers (DeepStack)."""
+        `added` [K, B, T, width]: added to x after each of the first K layers (DeepStack);
+        `per_layer` [L, B, T, P]: each layer's per-layer input (`models.per_layer`)."""
         if local is not None:
+            assert per_layer is None and not self.kv_sources, "a vision tower's windows"
             return self._windowed(x_btd, pack, positions, local)
         fns = {k: self._block_fn(k, positions)[0] for k in self.kinds}
-        step = lambda kind, state, x, _, j: fns[kind](x, state, j, pack)
-        x_btd, ys = self.scan(step, x_btd, added=added)
+        step = lambda kind, state, x, _, j: fns[kind](x, state, j, pack, per_layer)
+
+        def reuse(inputs):  # (the layers reading another's keys and values)
+            kv = self.shared_kv(inputs, positions)
+            return lambda kind, state, x, _, j: fns[kind](x, state, j, pack, per_layer, kv[kind])
+
+        x_btd, ys = self.scan(step, x_btd, added=added, reuse=reuse)
         found = [(k, y) for k, y in ys.items() if y is not None]
         if not found:
             return x_btd, None
@@ -436,6 +516,7 @@ class Transformer(nnx.Module):
         """The blocks without the final norm, and x after each of the layers `taps` (0-based,
         DeepStack's) stacked [len(taps), B, T, width] in their order. The layers are scanned in
         pieces that end at the taps: no other layer's activations are kept."""
+        assert not self.kv_sources, "a vision tower's layers compute their keys and values"
         fns = {k: self._block_fn(k, positions)[0] for k in self.kinds}
         step = lambda kind, state, x, _, j: fns[kind](x, state, j, pack)
         x_btd, _, kept = self._scan(step, x_btd, {}, None, tuple(taps))
@@ -447,24 +528,30 @@ class Transformer(nnx.Module):
         x_btd: jax.Array,
         extra: dict | None = None,
         added: jax.Array | None = None,
+        reuse: Callable | None = None,
     ) -> tuple:
         """Every layer in order: `step(kind, block_state, x, extra_j, j) -> (x, y)` for layer j
         (`block_state`: its parameters; `extra_j`: its slice of `extra[kind]`, arrays stacked
         like the kind's layers, e.g. a KV cache), then `added[j]` added to x for the first K
         layers (`added` [K, ...]: DeepStack). Returns (x, {kind: ys stacked like its layers});
-        one scan per segment (`segments`)."""
-        x_btd, ys, _ = self._scan(step, x_btd, extra or {}, added, ())
+        one scan per segment (`segments`). With `kv_sources`, `reuse(inputs)` is the step of
+        the layers reading another's keys and values, given {source layer: its input x}."""
+        x_btd, ys, _ = self._scan(step, x_btd, extra or {}, added, (), reuse)
         return x_btd, ys
 
-    def _scan(self, step, x_btd, extra: dict, added, cuts: tuple[int, ...]) -> tuple:
+    def _scan(self, step, x_btd, extra: dict, added, cuts: tuple[int, ...], reuse=None) -> tuple:
         """`scan`, and x after each layer of `cuts` ({layer: x}: the layers are scanned in
         pieces that end there). `added` rides along as a constant of the one scan: a piece of
         its own for the first K layers would be a second while loop whose temporaries XLA does
         not share with the first's (an MoE layer's exchange buffers twice: +23 GiB a GPU of
         configs/gpu/qwen3_vl_30b_a3b.yaml, bench.memory), where the constant costs an add a
-        layer and, backward, its gradient's [K, ...] accumulator."""
-        if added is not None:
-            step = _adding(step, added)
+        layer and, backward, its gradient's [K, ...] accumulator. With `kv_sources` a piece
+        starts at each source layer, whose input is kept, and at the first layer reusing keys
+        and values, whose step from there on is `reuse(inputs)`."""
+        assert reuse is not None or not self.kv_sources, "layers reuse keys: give `reuse`"
+        adding = (lambda s: _adding(s, added)) if added is not None else (lambda s: s)
+        step = adding(step)
+        sources = set(self.kv_sources.values())
         states = {k: nnx.split(self.stack(k))[1] for k in self.kinds}
         if len(self.kinds) == 1 and not cuts:
             (kind,) = self.kinds
@@ -476,8 +563,13 @@ class Transformer(nnx.Module):
             return x_btd, {kind: ys}, {}
         found: dict[str, list] = {k: [] for k in self.kinds}
         offsets = dict.fromkeys(self.kinds, 0)
-        kept = {}
-        for seg in pieces(self.pattern, tuple(c + 1 for c in cuts)):
+        kept, inputs = {}, {}
+        bounds = {c + 1 for c in cuts} | sources | {self.first_reusing}
+        for seg in pieces(self.pattern, tuple(bounds)):
+            if seg.start in sources:  # (a source layer's input: the keys it gives are of it)
+                inputs[seg.start] = x_btd
+            if seg.start == self.first_reusing:
+                step = adding(reuse(inputs))
             xs = {}
             for kind in dict.fromkeys(seg.unit):
                 n, at, reps = seg.unit.count(kind), offsets[kind], seg.repeats
@@ -487,7 +579,7 @@ class Transformer(nnx.Module):
                 xs[kind] = jax.tree.map(cut, (states[kind], extra.get(kind)))
                 offsets[kind] = at + n * reps
 
-            def unit(x_btd, xs_r, seg=seg):
+            def unit(x_btd, xs_r, seg=seg, step=step):
                 xs, r = xs_r
                 seen: dict[str, int] = {}
                 ys: dict[str, list] = {k: [] for k in xs}

@@ -218,12 +218,12 @@ def check_prompt_ids(prompts: Sequence[Sample], vocab_size: int) -> None:
 def held_bytes(cfg: Config, shapes: PromptShapes) -> int:
     """Bytes generation's programs hold at least, over all devices: prefill's attention
     scores where they are dense (fp32 [rows, heads, prompt, prompt]; block-sparse and cuDNN
-    hold a tile's at a time) and the KV cache of every full-attention layer ([rows, kv heads,
-    total length, head width] keys and values)."""
+    hold a tile's at a time) and the KV cache of every full-attention layer with keys of its
+    own ([rows, kv heads, total length, head width] keys and values)."""
     llm = cfg.model.llm
     scores = shapes.rows * llm.heads * shapes.prompt_len**2 * 4
     scores = scores if prefill_kind(cfg) == "dense" else 0
-    layers = llm.depth
+    layers = llm.depth - llm.kv_shared_layers  # (those reuse another layer's cache)
     if llm.linear.enabled:  # (linear-attention layers carry a state, not a cache)
         layers = sum(not llm.linear.is_linear(i) for i in range(llm.depth))
     width = jnp.dtype(cfg.model.compute_dtype).itemsize * llm.head_width
