@@ -165,6 +165,9 @@ def gemma4_text(
     bias: bool = False,
     experts: int = 0,
     top_k: int = 2,
+    per_layer: int = 0,
+    shared: int = 0,
+    wide: bool = False,
     seed: int = 0,
     vocab: int = 300,
 ) -> str:
@@ -173,7 +176,9 @@ def gemma4_text(
     layers' own (global_head_dim 32), proportional rotary on a quarter of the full layers'
     frequencies, logits soft-capped at `softcap`; with `k_eq_v`, the full layers' values are
     their keys' (and one kv head of their own); with `experts`, the MoE block in every layer
-    (`top_k` of them a token, 32 wide; `moe_experts`). No per-layer inputs, no shared keys."""
+    (`top_k` of them a token, 32 wide; `moe_experts`); `per_layer`: per-layer inputs this wide (a
+    table of vocab + 20 rows, its pad id 3; 0: none); `shared`: the last layers reusing keys
+    and values, their MLPs twice as wide with `wide`."""
     import transformers as T
 
     moe = {}
@@ -208,7 +213,11 @@ def gemma4_text(
             },
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
-        hidden_size_per_layer_input=0,
+        hidden_size_per_layer_input=per_layer,
+        vocab_size_per_layer_input=vocab + 20,
+        pad_token_id=3 if per_layer else 0,
+        num_kv_shared_layers=shared,
+        use_double_wide_mlp=wide,
         final_logit_softcapping=softcap,
         tie_word_embeddings=tied,
         max_position_embeddings=256,

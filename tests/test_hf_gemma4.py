@@ -1,11 +1,10 @@
 """Gemma 4's text decoder in and out, held to transformers: tiny random `Gemma4ForCausalLM`s
 built in tmp_path (tests/hf_models.py), the full layers of their own head width and kv heads,
 their rotary proportional, values normed, layer scalars drawn, logits soft-capped, windows
-shorter than the check's texts, logits in fp32 on packed rows; a negative control that shows
-the check holds the proportional rotary; export bit for bit; the MoE block (Gemma-4-26B-A4B's)
-held the same, its router's input by a negative control, its experts over the mesh giving one
-device's logits; what a Gemma 4 config.json may set and jaxmllm does not run, refused naming
-the key."""
+shorter than the check's texts, per-layer inputs, the last layers reusing earlier layers' keys
+and values (their MLPs maybe twice as wide), logits in fp32 on packed rows; negative controls
+that show the check holds the proportional rotary and the shared keys; export bit for bit; the MoE block (Gemma-4-26B-A4B's) held the same, its router's input by a
+negative control, its experts over the mesh giving one device's logits; what a Gemma 4 config.json may set and jaxmllm does not run, refused naming the key."""
 
 from __future__ import annotations
 
@@ -23,6 +22,8 @@ from jaxmllm.hf.export import export_role
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.towers import config_for, load_towers
 from jaxmllm.models import layers, moe
+from jaxmllm.models.attention import Attention
+from jaxmllm.models.transformer import Block, Transformer
 from sharding.rules import keyed_leaves
 
 transformers = pytest.importorskip("transformers")
@@ -42,6 +43,25 @@ BUILD = {
     ),
     # the MoE block in every layer: 8 experts, top-2, beside each layer's MLP
     "moe": lambda d: hf_models.gemma4_text(d, experts=8),
+    # per-layer inputs (8 wide, a table of its own vocabulary); the last sliding and full
+    # layers (3, 4) reuse the keys of layers 1 and 2, their MLPs twice as wide
+    "ple-shared-wide": lambda d: hf_models.gemma4_text(d, per_layer=8, shared=2, wide=True),
+    # a mixed pattern, the last three layers shared (full 4 and 6 read 1's keys, sliding 5
+    # reads 3's), the full layers' values their keys', untied, per-layer inputs (transformers
+    # 5.24 runs shared layers only with them: without, its forward slices None)
+    "shared-mixed-k-eq-v": lambda d: hf_models.gemma4_text(
+        d,
+        layers=("sliding", "full", "sliding", "sliding", "full", "sliding", "full"),
+        window=7,
+        shared=3,
+        per_layer=8,
+        k_eq_v=True,
+        tied=False,
+    ),
+    # no windows: every layer full, the last two reuse layer 1's keys; per-layer inputs
+    "full-shared-ple": lambda d: hf_models.gemma4_text(
+        d, layers=("full",) * 4, per_layer=16, shared=2
+    ),
 }
 
 
@@ -82,6 +102,31 @@ def test_the_check_fails_when_the_router_reads_the_experts_normed_input(tmp_path
     source = BUILD["moe"](tmp_path / "m")
     own = moe.MoE.router_input
     monkeypatch.setattr(moe.MoE, "router_input", lambda self, x, residual: own(self, x, None))
+    jax.clear_caches()
+    try:
+        result = check_dir(source, tokens=64)
+    finally:
+        jax.clear_caches()
+    assert result["max_abs_diff"] > 1e-2, result
+
+
+def test_the_check_fails_when_a_shared_layer_computes_its_own_keys(tmp_path, monkeypatch):
+    """The layers sharing keys attend over their source layer's keys and values, computed from
+    that layer's input: the same layers each computing keys and values of its own input (with
+    its source layer's projections) are far from transformers'."""
+    source = BUILD["ple-shared-wide"](tmp_path / "m")
+    call = Attention.__call__
+
+    def sources(self, inputs, positions):  # (the source layers themselves, not their keys)
+        return {kind: self.layer(i) for kind, i in self.kv_sources.items()}
+
+    def own_keys(self, x_btd, pack, positions, kv=None):
+        if isinstance(kv, Block):  # (this layer's input through the source's projections)
+            kv = kv.attn.keys_values(x_btd, positions)
+        return call(self, x_btd, pack, positions, kv)
+
+    monkeypatch.setattr(Transformer, "shared_kv", sources)
+    monkeypatch.setattr(Attention, "__call__", own_keys)
     jax.clear_caches()
     try:
         result = check_dir(source, tokens=64)
@@ -174,18 +219,53 @@ def test_import_then_export_is_bit_identical(experts, tmp_path):
     assert result["max_abs_diff"] < 1e-3, result
 
 
+def test_per_layer_inputs_and_shared_keys_import_then_export_bit_identical(tmp_path):
+    """Per-layer inputs (their table, projection and norm; each layer's gate, projection and
+    norm) and the last two layers reusing keys (a stack each, sliding and full, without key
+    and value projections, their MLPs twice as wide) consumed whole and written back bit for
+    bit with config.json's keys of them; transformers loads the export and the check holds.
+    A config.json without hidden_size_per_layer_input reads transformers' 256."""
+    source = BUILD["ple-shared-wide"](tmp_path / "source")
+    cfg = config_for("llm", source)
+    llm = cfg.model.llm
+    assert (llm.per_layer_dim, llm.per_layer_vocab, llm.per_layer_pad_id) == (8, 320, 3)
+    assert (llm.kv_shared_layers, llm.kv_shared_wide_mlp) == (2, True)
+    assert llm.kv_source(3) == 1 and llm.kv_source(4) == 2
+    towers = load_towers(cfg, "llm")
+    flat = keyed_leaves(nnx.to_pure_dict(nnx.state(towers)))
+    assert flat["llm/per_layer/embed/embedding"].shape == (320, 5 * 8)
+    assert flat["llm/per_layer/projection/kernel"].shape == (64, 5, 8)
+    assert flat["llm/transformer/blocks/per_layer_gate/kernel"].shape == (2, 64, 8)
+    for stack in ("sliding_shared_blocks", "full_shared_blocks"):
+        assert f"llm/transformer/{stack}/attn/key/kernel" not in flat
+        assert flat[f"llm/transformer/{stack}/mlp/up/kernel"].shape == (1, 64, 2 * 96)
+    export_role(cfg, "llm", flat, tmp_path / "out", 16 << 10)
+    hf_models.assert_bit_identical(source, tmp_path / "out")
+    theirs = json.loads((Path(source) / "config.json").read_text())
+    ours = json.loads((tmp_path / "out" / "config.json").read_text())
+    keys = ("hidden_size_per_layer_input", "vocab_size_per_layer_input", "pad_token_id")
+    for key in (*keys, "num_kv_shared_layers", "use_double_wide_mlp", "layer_types"):
+        assert ours[key] == theirs[key], key
+    result = check_dir(str(tmp_path / "out"), tokens=32)  # (transformers loads the export)
+    assert result["max_abs_diff"] < 1e-3, result
+    del theirs["hidden_size_per_layer_input"]
+    (Path(source) / "config.json").write_text(json.dumps(theirs))
+    assert config_for("llm", source).model.llm.per_layer_dim == 256
+
+
 @pytest.mark.parametrize(
     "key, value",
     [
-        ("hidden_size_per_layer_input", 8),
-        ("num_kv_shared_layers", 2),
         ("top_k_experts", 9),
         ("use_bidirectional_attention", "all"),
+        ("num_kv_shared_layers", 5),  # (every layer: none would compute keys)
+        ("num_kv_shared_layers", 3),  # (the full layers 2 and 4 shared: none before them)
     ],
 )
 def test_what_gemma4_sets_and_jaxmllm_does_not_run_is_refused(key, value, tmp_path):
-    """Per-layer inputs, shared keys and values, more experts a token than the MoE block has
-    and bidirectional text are refused, the error naming config.json's key."""
+    """More experts a token than the MoE block has, bidirectional text, and keys shared by
+    every layer or by a layer with no earlier one of its type are refused, the error naming
+    config.json's key."""
     source = Path(hf_models.gemma4_text(tmp_path / "m", experts=4 if "expert" in key else 0))
     hf = json.loads((source / "config.json").read_text())
     hf[key] = value

@@ -161,7 +161,7 @@ def _llm(towers: Towers, ref, cfg: Config, family: Family, rng, tokens: int, pac
 
 
 # One compiled program each (op by op, a tower compiles dozens of small ones).
-_decode = nnx.jit(lambda t, ids, seg, pos: t.llm(t.llm.embed(ids), seg, pos))
+_decode = nnx.jit(lambda t, ids, seg, pos: t.llm(t.llm.embed(ids), seg, pos, ids_bt=ids))
 _encode_images = nnx.jit(lambda t, patches, seg, pos: t.vision(patches, seg, pos))
 _encode_audio = nnx.jit(lambda t, frames, seg, pos: t.audio(frames, seg, pos))
 

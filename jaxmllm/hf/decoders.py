@@ -58,6 +58,9 @@ NOT_GEMMA = {
     "model.llm.moe.router_norm": (False,),
     "model.llm.moe.expert_scale": (False,),
     "model.llm.moe.branch_norms": (False,),
+    "model.llm.per_layer_dim": (0,),
+    "model.llm.kv_shared_layers": (0,),
+    "model.llm.kv_shared_wide_mlp": (False,),
 }
 ROPE_TYPES = {"default": "none", "mrope": "none", "linear": "linear", "llama3": "llama3"}
 # How a checkpoint may lay out a mixture of experts' routed experts (`moe_links`): one Linear

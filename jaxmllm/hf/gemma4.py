@@ -22,15 +22,25 @@ normed apart before and after (`branch_norms`: pre_feedforward_layernorm_2,
 post_feedforward_layernorm_1 and _2). The experts are stored fused as transformers holds them
 (`experts.gate_up_proj` [E, 2f, width], `experts.down_proj` [E, width, f]).
 
-Refused, naming the key: the per-layer input embeddings (`hidden_size_per_layer_input`), keys
-and values shared by the last layers (`num_kv_shared_layers`, and with them
-`use_double_wide_mlp`, which widens only those layers' MLPs), bidirectional attention over all
-tokens (`use_bidirectional_attention: all`).
+The small checkpoints (E2B, E4B) add two more. Per-layer inputs (`hidden_size_per_layer_input`,
+256 where config.json leaves it out, as transformers reads it: `per_layer_dim`; the table's
+vocabulary `vocab_size_per_layer_input`, `per_layer_vocab`; an encoder slot's id its
+`pad_token_id`, `per_layer_pad_id`; `jaxmllm.models.per_layer`). Keys and values shared by the
+last `num_kv_shared_layers` layers (`kv_shared_layers`): each reads those of the last earlier
+layer of its type, sliding or full, and has no k/v projections or norms of its own (a
+checkpoint that stores them anyway has them left alone, as transformers leaves them); with
+`use_double_wide_mlp` their MLPs are twice as wide (`kv_shared_wide_mlp`).
+
+Refused, naming the key: the MoE block beside per-layer inputs or shared keys (no checkpoint
+has both; they are not checked together), bidirectional attention over all tokens
+(`use_bidirectional_attention: all`), every layer sharing its keys (`num_kv_shared_layers`
+equal to the depth: none would compute them).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from jaxmllm.config.decoder import LayerKind
@@ -55,11 +65,16 @@ from jaxmllm.hf.gemma import (
 # What a Gemma 4 text config.json may turn on that is not built: refused unless unset (0 /
 # null / false), each with what it is
 NOT_BUILT = {
-    "hidden_size_per_layer_input": "per-layer input embeddings (embed_tokens_per_layer)",
-    "num_kv_shared_layers": "keys and values shared by the last layers",
+    # (none today: the per-layer inputs, shared keys and the MoE block are all read)
 }
 # transformers' default head width of the full layers where config.json names none
 GLOBAL_HEAD_DIM = 512
+# transformers' defaults of the per-layer inputs where config.json leaves them out (E2B's)
+PER_LAYER_DIM = 256
+PER_LAYER_VOCAB = 262_144
+# The attention tensors a layer reusing another's keys and values has no place for (a
+# checkpoint may hold them: transformers leaves them alone too)
+SHARED_LEFT = re.compile(r"model\.layers\.\d+\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
 
 
 class Gemma4(Gemma3):
@@ -109,6 +124,8 @@ class Gemma4(Gemma3):
             "logit_softcap": float(hf.get("final_logit_softcapping") or 0.0),
             "window": window,
             "mrope_section": [0, 0, 0],
+            **per_layer_section(hf, where),
+            **kv_sharing_section(hf, where, shape["depth"], window["layers"]),
         }
         k_eq_v = bool(hf.get("attention_k_eq_v"))
         if window["layers"]:  # (the full layers' own shapes beside the windowed ones)
@@ -121,6 +138,13 @@ class Gemma4(Gemma3):
             out["kv_heads"] = kv_heads or out["kv_heads"]
             out["head_dim"] = 0 if head_dim * out["heads"] == out["width"] else head_dim
         if hf.get("enable_moe_block"):
+            refuse_unless(
+                not (out["per_layer_dim"] or out["kv_shared_layers"]),
+                where,
+                "enable_moe_block with hidden_size_per_layer_input or num_kv_shared_layers: the "
+                "MoE block beside per-layer inputs or shared keys is not built (no checkpoint "
+                "has both); set hidden_size_per_layer_input and num_kv_shared_layers to 0",
+            )
             out["moe"] = moe_section(hf, where, out["mlp_dim"])
         return out
 
@@ -141,10 +165,14 @@ class Gemma4(Gemma3):
             final_logit_softcapping=llm.logit_softcap or None,
             attention_k_eq_v=llm.full_k_eq_v,
             per_layer_config={str(i): dict(own) for i in full} if llm.window.enabled else {},
-            hidden_size_per_layer_input=0,
-            num_kv_shared_layers=0,
+            hidden_size_per_layer_input=llm.per_layer_dim,
+            vocab_size_per_layer_input=llm.per_layer_vocab_size,
+            num_kv_shared_layers=llm.kv_shared_layers,
+            use_double_wide_mlp=llm.kv_shared_wide_mlp,
             **moe_to_hf(llm),
         )
+        if llm.per_layer_dim:
+            out["pad_token_id"] = llm.per_layer_pad_id
         out["rope_parameters"]["full_attention"] = full_rope_to_hf(llm)
         return out
 
@@ -164,6 +192,11 @@ class Gemma4(Gemma3):
                 "model.llm.full_k_eq_v": anything("attention_k_eq_v or not"),
                 "model.llm.moe.experts": anything("its MoE block or none (enable_moe_block)"),
                 **moe_wants(cfg.model.llm),
+                "model.llm.per_layer_dim": anything("any hidden_size_per_layer_input"),
+                "model.llm.per_layer_vocab": anything("any vocab_size_per_layer_input"),
+                "model.llm.per_layer_pad_id": anything("any pad_token_id"),
+                "model.llm.kv_shared_layers": anything("any num_kv_shared_layers"),
+                "model.llm.kv_shared_wide_mlp": anything("use_double_wide_mlp or not"),
             }
         )
         return out
@@ -185,20 +218,103 @@ class Gemma4(Gemma3):
             same(p + "post_feedforward_layernorm_2.weight", ours + "experts_post_norm/scale", n),
         ]
 
+    def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
+        """Gemma 3's links, and the per-layer inputs' table, projection and norm."""
+        llm = cfg.model.llm
+        links = super().links(cfg, hf)
+        if not llm.per_layer_dim:
+            return links
+        shape = (llm.width, llm.depth, llm.per_layer_dim)
+        return [
+            *links,
+            same("model.embed_tokens_per_layer.weight", "llm/per_layer/embed/embedding"),
+            dense(
+                "model.per_layer_model_projection.weight", "llm/per_layer/projection/kernel", shape
+            ),
+            same("model.per_layer_projection_norm.weight", "llm/per_layer/norm/scale"),
+        ]
+
+    def skipped(self, name: str) -> bool:
+        """Gemma 3's, and the keys and values of a layer reusing another's (`SHARED_LEFT`:
+        every other layer's are consumed, so only theirs reach here)."""
+        return bool(SHARED_LEFT.match(name)) or super().skipped(name)
+
     def layer_links(self, llm: Any, stack: str, kind: LayerKind, n: int) -> list[Link]:
         """Gemma 3's links of one stack at its own head shapes (a full stack's may differ),
-        without a value projection where the values are the keys', and the layer scalars."""
+        without a value projection where the values are the keys', without keys and values
+        where the layers reuse another's (their MLPs maybe twice as wide), the per-layer
+        inputs' gate, projection and norm, and the layer scalars."""
         if not kind.sliding and llm.window.enabled:
             llm = dataclasses.replace(
                 llm,
                 head_dim=llm.full_head_dim or llm.head_width,
                 kv_heads=llm.full_kv_heads or llm.kv_heads,
             )
+        if kind.kv_shared and llm.kv_shared_wide_mlp:
+            llm = dataclasses.replace(llm, mlp_dim=2 * llm.mlp_dim)
         links = super().layer_links(llm, stack, kind, n)
         if llm.full_k_eq_v and not kind.sliding:
             links = [x for x in links if ".v_proj." not in x.hf[0]]
-        layer = same("model.layers.{i}.layer_scalar", f"llm/transformer/{stack}/layer_scalar", n)
-        return [*links, layer]
+        if kind.kv_shared:
+            links = [x for x in links if not SHARED_LEFT.match(x.hf[0].replace("{i}", "0"))]
+        p, ours = "model.layers.{i}.", f"llm/transformer/{stack}/"
+        if llm.per_layer_dim:
+            w, d = llm.width, llm.per_layer_dim
+            links += [
+                dense(
+                    p + "per_layer_input_gate.weight", ours + "per_layer_gate/kernel", (w, d), 1, n
+                ),
+                dense(
+                    p + "per_layer_projection.weight", ours + "per_layer_out/kernel", (d, w), 1, n
+                ),
+                same(p + "post_per_layer_input_norm.weight", ours + "per_layer_norm/scale", n),
+            ]
+        return [*links, same(p + "layer_scalar", ours + "layer_scalar", n)]
+
+
+def per_layer_section(hf: dict, where: str) -> dict:
+    """Our per-layer inputs' keys (`per_layer_dim`, `per_layer_vocab`, `per_layer_pad_id`) of
+    `hidden_size_per_layer_input` and `vocab_size_per_layer_input`, transformers' defaults where
+    config.json leaves them out, and `pad_token_id` (an encoder slot's row)."""
+    dim = int(hf.get("hidden_size_per_layer_input", PER_LAYER_DIM) or 0)
+    if not dim:
+        return {"per_layer_dim": 0}
+    vocab = int(hf.get("vocab_size_per_layer_input", PER_LAYER_VOCAB) or 0)
+    pad = hf.get("pad_token_id")
+    refuse_unless(
+        vocab > 0 and (pad is None or 0 <= int(pad) < vocab),
+        where,
+        f"vocab_size_per_layer_input {vocab} and pad_token_id {pad!r}: the per-layer table "
+        "needs rows, the pad token's among them (an image's or a clip's tokens read its row)",
+    )
+    # (the table's rows given even where they are the vocabulary's: an import may grow that)
+    return {"per_layer_dim": dim, "per_layer_vocab": vocab, "per_layer_pad_id": int(pad or 0)}
+
+
+def kv_sharing_section(hf: dict, where: str, depth: int, sliding: list[int]) -> dict:
+    """Our `kv_shared_layers` and `kv_shared_wide_mlp` of `num_kv_shared_layers` and
+    `use_double_wide_mlp` (which transformers reads only with shared layers).
+
+    Raises:
+      FamilyError: every layer shares (none computes keys), or a shared layer's type (sliding
+        or full) has no earlier layer that computes them (transformers refuses that too).
+    """
+    n = int(hf.get("num_kv_shared_layers") or 0)
+    refuse_unless(
+        0 <= n < depth,
+        where,
+        f"num_kv_shared_layers {n}: the layers before the last {n} of {depth} compute the keys "
+        "and values those reuse, so it must be less than num_hidden_layers",
+    )
+    first = depth - n
+    types = {i in sliding for i in range(first, depth)}
+    refuse_unless(
+        types <= {i in sliding for i in range(first)},
+        where,
+        f"num_kv_shared_layers {n}: a shared layer's type (sliding or full) has no earlier "
+        "layer of its type to reuse keys and values from",
+    )
+    return {"kv_shared_layers": n, "kv_shared_wide_mlp": bool(n and hf.get("use_double_wide_mlp"))}
 
 
 def full_rope(params: dict, where: str) -> tuple[float, dict]:
