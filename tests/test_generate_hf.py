@@ -98,6 +98,10 @@ DECODERS = {  # (Qwen3.5-MoE's decoding: the image test's qwen3_5_moe, the same 
     "gemma4_text": lambda d, vocab: hf_models.gemma4_text(d, vocab=vocab, k_eq_v=True),
     # (its MoE block in every layer: the router on the residual, the branches normed apart)
     "gemma4_text_moe": lambda d, vocab: hf_models.gemma4_text(d, vocab=vocab, experts=8),
+    # (per-layer inputs; layers 3 and 4 read the caches of 1, a ring of the window, and 2)
+    "gemma4_text-ple-shared": lambda d, vocab: hf_models.gemma4_text(
+        d, vocab=vocab, per_layer=8, shared=2, wide=True
+    ),
 }
 
 
@@ -106,9 +110,11 @@ DECODERS = {  # (Qwen3.5-MoE's decoding: the image test's qwen3_5_moe, the same 
 def test_greedy_decoders_with_their_own_caches_match_transformers(name, tmp_path, capsys):
     """Qwen3 (QK-norm), Qwen3-MoE (a dense layer among its MoE ones, the KV cache of each
     stack), Qwen3.5 (its linear layers' cached convolution window and state: the prompt by
-    the chunked rule, each new token by the rule for one) and Gemma 3's text decoder (its
-    sliding layers' cache a ring of the window's length, filled from the prompt's last tokens):
-    the chat-rendered prompt's greedy ids (24, or up to a stop id past 16) are transformers'."""
+    the chunked rule, each new token by the rule for one), Gemma 3's text decoder (its
+    sliding layers' cache a ring of the window's length, filled from the prompt's last tokens)
+    and Gemma 4's (its shared layers reading their source layers' caches, per-layer inputs of
+    each new token): the chat-rendered prompt's greedy ids (24, or up to a stop id past 16) are
+    transformers'."""
     import transformers
 
     src = DECODERS[name](tmp_path / name, vocab=VOCAB)
