@@ -50,7 +50,10 @@ from jaxmllm.hf.towers import load_model
 from jaxmllm.hf.whole import Whole
 from jaxmllm.hf.wholes import whole_for
 
-_logits = nnx.jit(lambda llm, x, pos: llm(x, jnp.ones(x.shape[:2], jnp.int32), pos))
+# (the ids beside the embeddings: a decoder's per-layer inputs read them)
+_logits = nnx.jit(
+    lambda llm, x, pos, ids: llm(x, jnp.ones(x.shape[:2], jnp.int32), pos, ids_bt=ids)
+)
 _embed = nnx.jit(lambda llm, ids: llm.embed(ids))
 _forward = nnx.jit(lambda m, mb: m(mb))
 _encode = nnx.jit(lambda m, mb, name: m.encode_deep(mb, name), static_argnums=2)
@@ -120,7 +123,8 @@ def check_llm_adapter(directory: str, tokens: int, seed: int, adapter: str) -> d
         0, min(cfg.model.llm.vocab_size, hf_vocab(hf)), tokens
     )
     theirs = _run(ref, {"input_ids": ids})[0]
-    ours = _logits(model.llm, _embed(model.llm, jnp.asarray(ids)[None]), _positions(ids, False))
+    ids_1t = jnp.asarray(ids)[None]
+    ours = _logits(model.llm, _embed(model.llm, ids_1t), _positions(ids, False), ids_1t)
     ours, what = own_columns(ours[0], theirs, f"logits of {tokens} tokens with the adapter")
     family = family_for("llm", hf, directory)
     return figures("llm", family.name, what, ours, theirs)
@@ -159,7 +163,7 @@ def check_whole(
         mrope = any(cfg.model.llm.mrope_section)
         x = _embed(model.llm, jnp.asarray(ids)[None])
         ours, what = own_columns(
-            _logits(model.llm, x, _positions(ids, mrope))[0],
+            _logits(model.llm, x, _positions(ids, mrope), jnp.asarray(ids)[None])[0],
             theirs,
             f"logits of {tokens} text tokens",
         )

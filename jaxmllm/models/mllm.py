@@ -560,8 +560,18 @@ def _kernel_places(model: ModelConfig, module: str, target: str) -> list[tuple[s
     return [
         ("transformer", stack, *BLOCK_PATHS[target])
         for stack, kind, _ in kind_stacks(model.llm)
-        if target in MLP_TARGETS or linear == kind.linear
+        if target in MLP_TARGETS
+        or (linear == kind.linear and has_projection(model.llm, kind, target))
     ]
+
+
+def has_projection(llm, kind, target: str) -> bool:
+    """Whether attention layers of `kind` have the projection `target` names: no k or v where
+    they reuse another layer's keys (`kv_shared`), no v in full layers beside windows whose
+    values are their keys (`full_k_eq_v`)."""
+    if kind.kv_shared and target in ("k", "v"):
+        return False
+    return not (target == "v" and llm.full_k_eq_v and llm.window.enabled and not kind.sliding)
 
 
 def expert_adapters(model: ModelConfig) -> dict[str, tuple[str, ...]]:
