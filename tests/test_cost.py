@@ -437,3 +437,22 @@ def test_a_conformer_audio_phase_is_priced_linear_in_frames_at_what_xla_counts()
     assert 0.9 < ours / per_frame[1] < 1.0, (ours, per_frame)  # (XLA adds the elementwise)
     proj = 2 * (a.out_width * cfg.model.llm.width + cfg.model.llm.width**2) / 4
     assert term.linear == pytest.approx(3 * (ours + proj))  # (trained: forward x 3)
+
+
+def test_gemma4s_shared_layers_and_per_layer_inputs_are_priced():
+    """A layer reusing another's keys computes no k and v projections, and with
+    kv_shared_wide_mlp its MLP is twice as wide; per-layer inputs add their projection of the
+    input embeddings and each layer's gate and projection."""
+    from jaxmllm.config import LLMConfig
+    from jaxmllm.cost.flops import decoder_linear
+
+    window = {"size": 8, "layers": [0, 2]}
+    base = LLMConfig(width=64, depth=4, heads=4, kv_heads=2, head_dim=24, mlp_dim=96)
+    base = replace(base, window=replace(base.window, **window))
+    shared = replace(base, kv_shared_layers=2, kv_shared_wide_mlp=True)
+    d = 64
+    kv = 2.0 * 2 * d * 2 * 24  # (a layer's k and v)
+    mlp = 3 * 2.0 * d * 96  # (a gated MLP's three matrices)
+    assert decoder_linear(shared) - decoder_linear(base) == pytest.approx(2 * (mlp - kv))
+    ple = replace(base, per_layer_dim=8)
+    assert decoder_linear(ple) - decoder_linear(base) == pytest.approx(6.0 * d * 8 * 4)

@@ -154,22 +154,27 @@ def linear_attention(lm: LLMConfig) -> float:
 def decoder_linear(lm: LLMConfig) -> float:
     """Forward FLOPs per token of the decoder's layers' linear terms, every layer: attention's
     projections (a sliding layer's, a full-attention layer's at its own head shapes and
-    without a value projection where its values are its keys': Gemma 4's) or a Gated DeltaNet
-    layer's whole cost, and a dense layer's MLP, or an MoE layer's router, the top_k experts a
-    token visits and its shared expert (and gate): what a step computes, the active
+    without a value projection where its values are its keys', without keys and values where
+    it reuses another layer's: Gemma 4's) or a Gated DeltaNet layer's whole cost, and a dense
+    layer's MLP (twice as wide in a shared layer with `kv_shared_wide_mlp`), or an MoE layer's
+    router, the top_k experts a token visits and its shared expert (and gate); the per-layer
+    inputs' projection and each layer's gate and projection: what a step computes, the active
     parameters."""
-    n_linear, n_sliding = linear_layer_count(lm), sliding_layer_count(lm)
-    mixers = full_layer_count(lm) * attention_linear(lm, True)
-    mixers += n_sliding * attention_linear(lm, False)
-    mixers += n_linear and n_linear * linear_attention(lm)
-    d = lm.width
-    dense = (3 if lm.mlp in GATED_MLPS else 2) * 2.0 * d * lm.mlp_dim
+    kinds = [lm.layer_kind(i) for i in range(lm.depth)]
+    mixers = sum(
+        linear_attention(lm) if k.linear else attention_linear(lm, not k.sliding, k.kv_shared)
+        for k in kinds
+    )
+    d, p = lm.width, lm.per_layer_dim
+    mixers += 2.0 * d * p * lm.depth * 3  # (the inputs' projection, each layer's gate and out)
+    wide = lambda k: 2 if k.kv_shared and lm.kv_shared_wide_mlp else 1
+    dense = lambda k: wide(k) * (3 if lm.mlp in GATED_MLPS else 2) * 2.0 * d * lm.mlp_dim
     if not moe_decoder(lm):
-        return mixers + lm.depth * dense
+        return mixers + sum(dense(k) for k in kinds)
     m, n_moe = lm.moe, moe_layer_count(lm)
     routed = 2.0 * (d * m.experts + m.top_k * 3 * d * m.mlp_dim + 3 * d * m.shared_mlp_dim)
     routed += 2.0 * d * bool(m.shared_mlp_dim and m.shared_gate)
-    return mixers + (lm.depth - n_moe) * dense + n_moe * routed
+    return mixers + sum(dense(k) for k in kinds if not k.moe) + n_moe * routed
 
 
 def query_width(lm: LLMConfig, full: bool) -> int:
@@ -179,13 +184,14 @@ def query_width(lm: LLMConfig, full: bool) -> int:
     return (own or lm.head_width) * lm.heads
 
 
-def attention_linear(lm: LLMConfig, full: bool) -> float:
+def attention_linear(lm: LLMConfig, full: bool, shared: bool = False) -> float:
     """Forward FLOPs per token of an attention layer's projections: q and o, k and v (a full
-    layer's at its own head width and kv heads, no v where its values are its keys'), the
-    output gate's half of a q twice as wide (Qwen3.5)."""
+    layer's at its own head width and kv heads, no v where its values are its keys', neither
+    where it reuses another layer's: `shared`), the output gate's half of a q twice as wide
+    (Qwen3.5)."""
     beside = full and lm.window.enabled  # (Gemma 4's full layers, their own shapes)
     head = (beside and lm.full_head_dim) or lm.head_width
-    kv = head * ((beside and lm.full_kv_heads) or lm.kv_heads)
+    kv = 0 if shared else head * ((beside and lm.full_kv_heads) or lm.kv_heads)
     q, d = query_width(lm, full), lm.width
     values = 0 if beside and lm.full_k_eq_v else kv
     return 2.0 * (2 * d * q + d * (kv + values)) + 2.0 * d * q * lm.attn_gate
@@ -193,19 +199,25 @@ def attention_linear(lm: LLMConfig, full: bool) -> float:
 
 def decoder_adapters(lm: LLMConfig, module: training.Module) -> float:
     """Forward FLOPs per token of the decoder's LoRA adapters (`module`: the LLM's
-    `training.Module`): attention's in full-attention layers, the linear layers' own in Gated
-    DeltaNet ones, the MLPs' (an MoE layer's on its shared expert; without one, on its routed
-    experts: merged into their weights once a step, not per token, and none on a dense
-    layer's MLP among them, as `models.moe.MoE` places them)."""
-    head = lm.head_dim or lm.width // lm.heads
-    q, kv, d = head * lm.heads, head * lm.kv_heads, lm.width
+    `training.Module`): attention's in full-attention layers (each layer's own shapes, without
+    k and v where it reuses another's keys, without v where its values are its keys), the
+    linear layers' own in Gated DeltaNet ones, the MLPs' (an MoE layer's on its shared expert;
+    without one, on its routed experts: merged into their weights once a step, not per token,
+    and none on a dense layer's MLP among them, as `models.moe.MoE` places them)."""
+    d = lm.width
     mlp_of = lambda f: {"gate": (d, f), "up": (d, f), "down": (f, d)}
-    gate = 2 if lm.attn_gate else 1
-    attention = {"q": (d, gate * q), "k": (d, kv), "v": (d, kv), "o": (q, d)}
-    n_linear = linear_layer_count(lm)
-    flops = (lm.depth - n_linear) * training.adapter_flops(module, attention)
+    linear = set(lm.linear_layers)
+    flops = sum(
+        training.adapter_flops(module, attention_matrices(lm, i))
+        for i in range(lm.depth)
+        if i not in linear
+    )
+    n_linear = len(linear)
     if not moe_decoder(lm):
-        flops += lm.depth * training.adapter_flops(module, mlp_of(lm.mlp_dim))
+        wide = lambda i: 2 if lm.kv_shared_wide_mlp and lm.layer_kind(i).kv_shared else 1
+        flops += sum(
+            training.adapter_flops(module, mlp_of(wide(i) * lm.mlp_dim)) for i in range(lm.depth)
+        )
     elif lm.moe.shared_mlp_dim:
         n_moe = moe_layer_count(lm)
         flops += n_moe * training.adapter_flops(module, mlp_of(lm.moe.shared_mlp_dim))
@@ -221,6 +233,24 @@ def decoder_adapters(lm: LLMConfig, module: training.Module) -> float:
         }
         flops += n_linear * training.adapter_flops(module, own)
     return flops
+
+
+def attention_matrices(lm: LLMConfig, layer: int) -> dict[str, tuple[int, int]]:
+    """An attention layer's projections {target: (in, out)}: at the full layers' own head
+    width and key-value heads beside windows (Gemma 4's), none for keys and values where the
+    layer reuses another's, none for values where the full layers' are their keys'."""
+    kind = lm.layer_kind(layer)
+    own = lm.window.enabled and not kind.sliding
+    head = (lm.full_head_dim or lm.head_width) if own else lm.head_width
+    kv_heads = (lm.full_kv_heads or lm.kv_heads) if own else lm.kv_heads
+    q, kv, d = head * lm.heads, head * kv_heads, lm.width
+    gate = 2 if lm.attn_gate else 1
+    out = {"q": (d, gate * q), "k": (d, kv), "v": (d, kv), "o": (q, d)}
+    if kind.kv_shared:
+        del out["k"], out["v"]
+    elif own and lm.full_k_eq_v:
+        del out["v"]
+    return out
 
 
 def layer_linear(d: int, d_kv: int, f: int, d_q: int = 0, mlp: str = "gated_silu") -> float:
