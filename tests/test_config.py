@@ -1,5 +1,6 @@
 """Config loading: types, unknown keys with the closest name, overrides, the shipped configs."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,41 @@ def test_wrong_type_names_key(tmp_path):
 def test_check_failure_names_full_key():
     with pytest.raises(ConfigError, match=r"model\.llm\.kv_heads"):
         load_config(None, ["model.llm.heads=4", "model.llm.kv_heads=3"])
+
+
+@pytest.mark.parametrize(
+    "sets, key",
+    [
+        (["model.llm.depth=4", "model.llm.kv_shared_layers=4"], "kv_shared_layers"),
+        (["model.llm.kv_shared_wide_mlp=true"], "kv_shared_wide_mlp"),
+        (["model.llm.per_layer_dim=8", "model.llm.per_layer_pad_id=300"], "per_layer_pad_id"),
+        (  # (the full layer 3 shared, no full layer before it)
+            [
+                "model.llm.depth=4",
+                "model.llm.window.size=8",
+                "model.llm.window.layers=[0,1,2]",
+                "model.llm.kv_shared_layers=2",
+            ],
+            "kv_shared_layers",
+        ),
+        (
+            [
+                "model.llm.kv_shared_layers=1",
+                "model.llm.lora.rank=4",
+                "model.llm.lora.dropout=0.1",
+            ],
+            "lora.dropout",
+        ),
+        (["model.llm.kv_shared_layers=1", "mesh.stage=2"], "mesh.stage"),
+    ],
+)
+def test_per_layer_inputs_and_shared_keys_refuse_what_they_cannot_run(sets, key):
+    """Every layer sharing keys, a wide MLP without shared layers, a pad id past the per-layer
+    table, a shared layer with no earlier layer of its kind, adapter dropout on keys that are
+    computed twice, pipeline stages: refused naming the key."""
+    base = ["model.llm.vocab_size=300", "data.tokenizer=byte"]
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_config(None, [*base, *sets])
 
 
 def test_a_vocabulary_smaller_than_the_byte_tokenizer_is_refused_only_with_byte_data():
