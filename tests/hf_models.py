@@ -318,13 +318,17 @@ def gemma4(
     standardize: bool = True,
     patch: int = 4,
     pool: int = 2,
+    per_layer: int = 0,
+    shared: int = 0,
 ) -> str:
     """A whole Gemma 4: its text decoder (sliding, full, sliding, full layers, a `window`
     shorter than an image's run of tokens, images read both ways in the sliding layers), its
     vision tower (patches of `patch` pixels, `pool` x `pool` of them a soft token, axial
     tables of 16 rows,
-    head_dim 8, standardised soft tokens) and embed_vision. No per-layer inputs, no shared
-    keys, no audio. `ids`: the begin-of-image, end-of-image and image token ids."""
+    head_dim 8, standardised soft tokens) and embed_vision. No audio. `per_layer`: per-layer
+    inputs this wide (a table of vocab + 20 rows, the pad id 3, whose row an image's soft
+    tokens read; 0: none); `shared`: the last layers reusing keys. `ids`: the
+    begin-of-image, end-of-image and image token ids."""
     import torch
     import transformers as T
 
@@ -349,8 +353,10 @@ def gemma4(
             },
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
-        hidden_size_per_layer_input=0,
-        num_kv_shared_layers=0,
+        hidden_size_per_layer_input=per_layer,
+        vocab_size_per_layer_input=vocab + 20,
+        pad_token_id=3 if per_layer else 0,
+        num_kv_shared_layers=shared,
         final_logit_softcapping=30.0,
         max_position_embeddings=256,
         use_bidirectional_attention="vision",

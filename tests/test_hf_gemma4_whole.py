@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import hf_models
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -38,12 +39,17 @@ pytestmark = pytest.mark.torch
 NAMES = ["<|image>", "<image|>", "<|image|>"]
 
 
-def test_gemma4_with_images_packed_beside_text_matches_transformers(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "options", [{}, {"per_layer": 8, "shared": 2}], ids=["plain", "ple-shared"]
+)
+def test_gemma4_with_images_packed_beside_text_matches_transformers(options, tmp_path, capsys):
     """The LLM on text, the tower and its pooling projector on an image, then two samples with
     an image (text, `<|image>`, six and two soft tokens, `<image|>`, text: the first longer
     than the window of 4) and one of text alone packed into ONE row: every token's logits
-    within 1e-4 of transformers on each sample alone in fp32, given its mm_token_type_ids."""
-    results = _check(hf_models.gemma4(tmp_path / "gemma4"), capsys)
+    within 1e-4 of transformers on each sample alone in fp32, given its mm_token_type_ids;
+    with per-layer inputs (an image's soft tokens reading the pad token's row, their context
+    part the image's rows) and the last two layers reusing keys too."""
+    results = _check(hf_models.gemma4(tmp_path / "gemma4", **options), capsys)
     assert [r["role"] for r in results] == ["llm", "vision", "model", "model", "model"]
     samples = [r["what"] for r in results[2:]]
     assert "6x4-patch image" in samples[0] and "2x4-patch image" in samples[2]
@@ -71,6 +77,26 @@ def test_images_read_otherwise_fail_the_check(tmp_path, capsys, monkeypatch, rea
 
         monkeypatch.setattr(whole, "section", every)
     results = _check(d, capsys, rc=1)
+    image = [r for r in results[2:] if "image" in r["what"]]
+    text = [r for r in results if "image" not in r["what"]]
+    assert len(image) == 2 and max(r["max_abs_diff"] for r in image) > 1e-2, image
+    assert all(r["max_abs_diff"] < 1e-4 for r in text), text
+
+
+def test_soft_tokens_reading_their_own_per_layer_rows_fail_the_check(tmp_path, capsys, monkeypatch):
+    """The negative control of the per-layer inputs' ids: an image's soft tokens reading the
+    per-layer row of their own id (the image token's), not the pad token's as transformers'
+    Gemma4Model reads them, put the samples with an image off transformers' and text alone
+    not."""
+    from jaxmllm.models import mllm
+
+    d = hf_models.gemma4(tmp_path / "gemma4", per_layer=8, shared=2)
+    monkeypatch.setattr(mllm, "per_layer_ids", lambda tokens, slots, pad: tokens)
+    jax.clear_caches()
+    try:
+        results = _check(d, capsys, rc=1)
+    finally:
+        jax.clear_caches()
     image = [r for r in results[2:] if "image" in r["what"]]
     text = [r for r in results if "image" not in r["what"]]
     assert len(image) == 2 and max(r["max_abs_diff"] for r in image) > 1e-2, image
