@@ -1,10 +1,12 @@
-"""Gemma 4's text decoder in and out, held to transformers: tiny random `Gemma4ForCausalLM`s
-built in tmp_path (tests/hf_models.py), the full layers of their own head width and kv heads,
-their rotary proportional, values normed, layer scalars drawn, logits soft-capped, windows
-shorter than the check's texts, per-layer inputs, the last layers reusing earlier layers' keys
-and values (their MLPs maybe twice as wide), logits in fp32 on packed rows; negative controls
-that show the check holds the proportional rotary and the shared keys; export bit for bit; the MoE block (Gemma-4-26B-A4B's) held the same, its router's input by a
-negative control, its experts over the mesh giving one device's logits; what a Gemma 4 config.json may set and jaxmllm does not run, refused naming the key."""
+"""Gemma 4's text decoder in and out, held to transformers: tiny random `Gemma4ForCausalLM`s built
+in tmp_path (tests/hf_models.py), the full layers of their own head width and kv heads, their
+rotary proportional, values normed, layer scalars drawn, logits soft-capped, windows shorter
+than the check's texts, per-layer inputs, the last layers reusing earlier layers' keys and
+values (their MLPs maybe twice as wide), logits in fp32 on packed rows; negative controls that
+show the check holds the proportional rotary and the shared keys; export bit for bit; the MoE
+block (Gemma-4-26B-A4B's) held the same, its router's input by a negative control, its experts
+over the mesh giving one device's logits; what a Gemma 4 config.json may set and jaxmllm does
+not run, refused naming the key."""
 
 from __future__ import annotations
 
