@@ -189,6 +189,38 @@ class Config:
             "set mesh.context: 1",
             "batch.planner",
         )
+        if self.mesh.context_strategy == "ulysses":
+            self._check_ulysses()
+
+    def _check_ulysses(self) -> None:
+        """Ulysses splits each attention's heads (those of a tensor rank, where mesh.tensor
+        splits them) evenly over the context group, and each Gated DeltaNet layer's key heads
+        (with their value heads): a count that does not divide is refused, naming both keys.
+        Fewer key/value heads than the group are repeated (`models.context.ulysses_attend`)."""
+        llm, c, t = self.model.llm, self.mesh.context, self.mesh.tensor
+        split = t > 1 and llm.heads % t == 0 and llm.kv_heads % t == 0  # (as attention's)
+        heads = llm.heads // t if split else llm.heads
+        per = f" per tensor rank (mesh.tensor={t})" if split else ""
+        check(
+            heads % c == 0,
+            f"{llm.heads}: mesh.context_strategy: ulysses splits the {heads} attention heads"
+            f"{per} over the context group's mesh.context={c} devices, which must divide "
+            "them; set mesh.context to a divisor, or mesh.context_strategy: gather",
+            "model.llm.heads",
+        )
+        lin = llm.linear
+        if not lin.enabled:
+            return
+        split = t > 1 and lin.key_heads % t == 0  # (the conv's channels lie by key head)
+        keys = lin.key_heads // t if split else lin.key_heads
+        check(
+            keys % c == 0,
+            f"{lin.key_heads}: mesh.context_strategy: ulysses splits the Gated DeltaNet "
+            f"layers' {keys} key heads{per if split else ''} (each with its value heads and "
+            f"its convolution's channels) over mesh.context={c} devices, which must divide "
+            "them; set mesh.context to a divisor",
+            "model.llm.linear.key_heads",
+        )
 
     def _check_experts(self) -> None:
         """Expert parallelism splits a mixture of experts' experts evenly; what the MoE decoder
@@ -220,12 +252,15 @@ class Config:
         # Context parallelism deals a row's query blocks to the ranks for equal tiles (not in
         # order), so no rank holds a document's tokens before another's: the state cannot be
         # handed from rank to rank.
+        # Under ulysses each rank holds the group's every token of its heads, which the layer
+        # puts back in the row's order (`jaxmllm.models.context.ulysses_linear`).
         check(
-            self.mesh.context == 1,
+            self.mesh.context == 1 or self.mesh.context_strategy == "ulysses",
             f"{self.mesh.context}: a decoder with linear-attention layers (model.llm.linear) "
-            "carries each document's state through its tokens in order, and context "
-            "parallelism deals a row's blocks to the ranks out of order; set mesh.context: 1 "
-            "(long rows: a larger batch.llm_row_len, its memory is linear in tokens)",
+            "carries each document's state through its tokens in order, and "
+            "mesh.context_strategy: gather deals a row's blocks to the ranks out of order "
+            "and keeps them there; set mesh.context_strategy: ulysses (each rank runs the "
+            "layer over the whole group's tokens, in order, for its heads) or mesh.context: 1",
             "mesh.context",
         )
         check(

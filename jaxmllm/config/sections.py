@@ -40,6 +40,9 @@ LONG_VARIANTS = 2  # most long variants of a step (`jaxmllm.plan.ladder.MAX_VARI
 # (`jaxmllm.process.distributed.split_cpu` checks it against the machine), 256 at least.
 MAX_CPU_DEVICES_PER_CORE = 32
 
+# mesh.context_strategy's values (`jaxmllm.models.context`)
+CONTEXT_STRATEGIES = ("gather", "ulysses")
+
 
 @dataclass(frozen=True)
 class MeshConfig:
@@ -57,6 +60,12 @@ class MeshConfig:
     # a host), batch.llm_row_len tokens each, keys and values gathered over the group; the
     # encoders see its devices as more data-parallel ones. 1 = off.
     context: int = 1
+    # How a context group's ranks attend (`jaxmllm.models.context`; docs/parallelism.md):
+    # gather (each rank all-gathers the group's keys and values every attention layer and
+    # computes its dealt query blocks' tiles) | ulysses (all-to-alls turn each rank's tokens of
+    # every head into the group's tokens of heads / context heads, each rank computes every
+    # tile of the group for its heads, and turn back; Gated DeltaNet layers too)
+    context_strategy: str = "gather"
     tensor: int = 1  # tensor parallelism (heads, MLP width, vocab); fastest axis
     # Split CPU-only hosts into this many devices, all processes; 0 = as is. At most
     # MAX_CPU_DEVICES_PER_CORE per CPU core of a process (more only add threads and memory)
@@ -67,6 +76,11 @@ class MeshConfig:
             isinstance(self.context, int) and self.context >= 1,
             "must be >= 1 (the devices one LLM row is split over; 1 = no context parallelism)",
             "context",
+        )
+        check(
+            self.context_strategy in CONTEXT_STRATEGIES,
+            f"must be one of {', '.join(CONTEXT_STRATEGIES)}",
+            "context_strategy",
         )
         check(self.stage >= 1, "must be >= 1 (1: no pipeline); -1 is not allowed here", "stage")
         check(

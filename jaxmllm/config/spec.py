@@ -107,6 +107,9 @@ class BatchSpec:
     # mesh.context: an LLM bucket is a group of this many devices, whose rows are this many
     # devices' rows long (the encoders keep a bucket per device)
     context: int = 1
+    # mesh.context_strategy: how the group's ranks attend (gather | ulysses), which the model
+    # is built for (`jaxmllm.models.context`)
+    context_strategy: str = "gather"
     attention: str = "block_sparse"  # model.attention, resolved: the kernel
     devices_per_host: int = 0  # data-parallel positions per host (0: all on one)
     # Per encoder phase of the table (the model's or not): its units per LLM token (patches
@@ -176,7 +179,7 @@ class BatchSpec:
         if train is not None and train.objective == "dpo":
             given = cfg.preference.reference == "precomputed" and cfg.preference.loss != "simpo"
             spec = dataclasses.replace(spec, pairs=True, pair_reference=given)
-        return spec
+        return dataclasses.replace(spec, context_strategy=cfg.mesh.context_strategy)
 
     @classmethod
     def from_sections(
