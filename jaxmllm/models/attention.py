@@ -76,6 +76,13 @@ class Packing:
     # masked by (causal: key <= query); None: the rotary positions are it (1D RoPE). M-RoPE's
     # are not in token order (an image's tokens share a time), so they come apart.
     order: jax.Array | None = None
+    # context groups by the ulysses strategy (`mesh.context_strategy`): attention moves heads,
+    # not keys (`jaxmllm.models.context.ulysses_attend`)
+    ulysses: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # ... and, for the layers that read a document's tokens in order (Gated DeltaNet), the
+    # permutation of the gathered group's tokens into documents in order and its inverse
+    # (`jaxmllm.models.context.group_order`); None otherwise
+    group_order: tuple[jax.Array, jax.Array] | None = None
 
 
 def packing(
@@ -91,6 +98,7 @@ def packing(
     order_bt: jax.Array | None = None,
     window_tiles_bk2: jax.Array | None = None,
     spans_bt: jax.Array | None = None,
+    ulysses: bool = False,
 ) -> Packing:
     """The `Packing` of rows with these segment ids for attention `kind` (`model.attention`);
     `documents`: cudnn's bound on documents per row (`batch.*_documents`, 0: the row length);
@@ -99,7 +107,8 @@ def packing(
     token's index in its document where the rotary positions are not it (`Packing.order`);
     `window_tiles_bk2`: the windowed layers' tiles (`Packing.window_tiles`; with context
     groups a rank's, as `tiles_bk2` is);
-    `spans_bt`: bidirectional spans (`Packing.spans`; causal block-sparse or dense)."""
+    `spans_bt`: bidirectional spans (`Packing.spans`; causal block-sparse or dense);
+    `ulysses`: split rows attend by the ulysses strategy (`Packing.ulysses`)."""
     if kind == "block_sparse":
         if tiles_bk2 is None:
             raise ValueError("block-sparse attention needs the tile list (batch *_tiles)")
@@ -115,6 +124,7 @@ def packing(
             context=context,
             row=row,
             order=order_bt if context else None,
+            ulysses=context and ulysses,
         )
     if kind == "cudnn":
         if spans_bt is not None:  # (config load refuses it first, naming the keys)
@@ -294,7 +304,8 @@ class Attention(nnx.Module):
         """The attention of projected queries, keys and values by `pack`'s kind."""
         narrow = self.window and pack.window_tiles is not None
         if pack.context:  # (block-sparse, the row split over a context group)
-            out_bthe = ctx.attend(
+            split = ctx.ulysses_attend if pack.ulysses else ctx.attend
+            out_bthe = split(
                 q_bthe,
                 k_bske,
                 v_bske,

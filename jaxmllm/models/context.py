@@ -10,6 +10,33 @@ reduce-scatter, so the gradients are the unsplit ones. Encoder rows routed to a 
 gathered the same way (`gather_rows`), so each placeholder reads its row wherever in the group
 it arrived.
 
+**Strategies** (`mesh.context_strategy`). `gather` (`attend`) is the above: each rank computes
+the tiles of the query blocks dealt to it, for every head, against the group's keys and values,
+all-gathered every layer (each rank receives (C - 1) / C of the group's K and V; the backward
+pass reduce-scatters their gradients). `ulysses` (`ulysses_attend`, DeepSpeed-Ulysses) moves
+heads instead of keys: an all-to-all over the context axis turns each rank's queries, keys and
+values (its dealt tokens, every head) into the group's every token for heads / C of the heads,
+each rank computes the group's whole tile list for its heads, and an all-to-all turns the
+output back (four all-to-alls a layer, each moving (C - 1) / C of a rank's tensor; the backward
+pass four more). The group's tile list is the union of the ranks' lists, all-gathered (a few
+ints) with each rank's local query blocks renumbered into the gathered order (`group_tiles`):
+every rank computes every tile for its heads, so the ranks' loads are equal by construction and
+the deal's tile balance matters for the gather strategy alone (it still decides which tokens a
+rank holds for everything outside attention). The sliding-window layers take the union of the
+windowed lists the same way. Fewer key/value heads than the split needs (GQA, kv % C != 0) are
+repeated first, each its lcm(kv, C) / kv times, so that every rank receives exactly the KV
+heads its query heads read; heads that do not divide C are refused at config load. Heads split
+over `tensor` first (where tensor divides them), then over `context`.
+
+A Gated DeltaNet layer carries a state and a short convolution through each document's tokens
+in order. Under ulysses (`ulysses_linear`) its inputs go through the same all-to-all (the
+fused projection by key head: a key head's convolution channels, its query, key and values,
+move whole; beta's and the decay's logits by value head, those of the rank's key heads), the
+group's tokens are then permuted from the gathered (rank) order into documents in order
+(`group_order`: sorted by segment id, then index in the document; padding first), the layer
+runs unchanged on its key heads with its parameters' share, and the outputs are permuted back
+and all-to-all'd home. The gather strategy cannot run these layers (config load refuses it).
+
 The kernel is block-sparse attention's (`jaxmllm.models.blocksparse.kernel`: a chunk of tiles
 at a time with an online softmax, a flash-style backward), here with the keys of the whole
 group: memory follows a chunk, not the device's tiles (one long document's tiles are about
@@ -20,7 +47,11 @@ mesh (or a `context` axis of 1) nothing is gathered: `attend` is for the split r
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxmllm.models.blocksparse import kernel
@@ -101,3 +132,167 @@ def attend(
         out_specs=hspec,
         check_vma=False,
     )(q_bthe, k_bske, v_bske, segment_ids_bt, positions_bt, tiles_bk2)
+
+
+# ----------------------------------------------------------------------------- ulysses
+
+
+def _to_heads(x: jax.Array) -> jax.Array:
+    """A rank's tokens of every local head [b, T, h, ...] -> the group's tokens (rank order)
+    of its h / C heads [b, C T, h / C, ...] (an all-to-all over the context axis)."""
+    return jax.lax.all_to_all(x, CONTEXT_AXIS, 2, 1, tiled=True)
+
+
+def _to_tokens(x: jax.Array) -> jax.Array:
+    """`_to_heads`' inverse: [b, C T, h / C, ...] -> [b, T, h, ...]."""
+    return jax.lax.all_to_all(x, CONTEXT_AXIS, 1, 2, tiled=True)
+
+
+def group_tiles(tiles_bk2: jax.Array, blocks: int) -> jax.Array:
+    """Inside a shard_map over the context axis: each rank's tile list [b, K, 2] (its local
+    query block, a key block of the gathered group) -> the group's [b, C K, 2], every rank's
+    tiles with its query blocks renumbered into the gathered order (rank * `blocks` + local
+    block; `blocks`: blocks a rank); padding (-1) stays padding."""
+    every = jax.lax.all_gather(tiles_bk2, CONTEXT_AXIS, axis=1)  # [b, C, K, 2]
+    rank = jnp.arange(every.shape[1], dtype=every.dtype)[None, :, None]
+    q = every[..., 0]
+    q = jnp.where(q >= 0, q + rank * blocks, q)
+    return jnp.stack([q, every[..., 1]], -1).reshape(every.shape[0], -1, 2)
+
+
+def _head_specs(mesh, heads: int, kv: int):
+    """(the batch axes, the spec of [B, T, heads, e] with heads split over tensor where it
+    divides heads and kv_heads, as `attend` splits them; and whether it does)."""
+    axes = _batch_axes(mesh)
+    tensor = mesh.shape.get("tensor", 1)
+    split = tensor > 1 and heads % tensor == 0 and kv % tensor == 0
+    return axes, PartitionSpec(axes, None, "tensor" if split else None, None), split
+
+
+def ulysses_attend(
+    q_bthe: jax.Array,
+    k_bske: jax.Array,
+    v_bske: jax.Array,
+    segment_ids_bt: jax.Array,
+    positions_bt: jax.Array,
+    tiles_bk2: jax.Array,
+    *,
+    block: int,
+    causal: bool,
+    window: int = 0,
+) -> jax.Array:
+    """`attend`'s attention by the ulysses strategy (module docstring): the same arguments
+    (each rank's tokens, tile list and positions), the same result [B, T, heads, head_dim];
+    the heads a rank holds (those of its tensor rank) must divide over the context group."""
+    mesh = jax.sharding.get_abstract_mesh()
+    c = context_size()
+    if c == 1:
+        raise ValueError("context-parallel attention needs a mesh with a context axis > 1")
+    axes, hspec, _ = _head_specs(mesh, q_bthe.shape[2], k_bske.shape[2])
+    spec = PartitionSpec(axes)
+    gather = lambda x: jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True)
+
+    def body(q, k, v, seg, pos, tiles):
+        if q.shape[2] % c:  # (config load refuses it first, naming model.llm.heads)
+            raise ValueError(f"{q.shape[2]} heads a rank do not split over {c} context ranks")
+        kv = k.shape[2]
+        if kv % c:  # (each KV head repeated to reach the ranks its query heads land on)
+            times = math.lcm(kv, c) // kv
+            k, v = jnp.repeat(k, times, axis=2), jnp.repeat(v, times, axis=2)
+        q, k, v = _to_heads(q), _to_heads(k), _to_heads(v)
+        seg, pos = gather(seg), gather(pos)
+        every = group_tiles(tiles, seg.shape[1] // c // block)
+
+        def row(q, k, v, seg, pos, tiles):
+            return kernel(q, k, v, seg, seg, pos, pos, None, None, tiles, block, causal, window)
+
+        return _to_tokens(jax.vmap(row)(q, k, v, seg, pos, every))
+
+    # (check_vma off: the kernel's scans start from constants, the same on every device)
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(hspec, hspec, hspec, spec, spec, spec),
+        out_specs=hspec,
+        check_vma=False,
+    )(q_bthe, k_bske, v_bske, segment_ids_bt, positions_bt, tiles_bk2)
+
+
+def group_order(segment_ids_bt: jax.Array, order_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The permutation of a context group's gathered tokens (rank by rank, as `_to_heads`
+    leaves them) into documents in order, and its inverse, each [B, C T] (a device's: its
+    group's): sorted by segment id (ids count documents over the group's rows, padding 0
+    first), then by each token's index in its document (`order_bt`: the rotary positions with
+    1D RoPE, `llm_order` with M-RoPE). What a layer that reads tokens in order needs
+    (`ulysses_linear`); computed once a step."""
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = PartitionSpec(_batch_axes(mesh))
+    gather = lambda x: jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True)
+
+    def body(seg, pos):
+        order = jnp.lexsort((gather(pos), gather(seg)), axis=-1).astype(jnp.int32)
+        return order, jnp.argsort(order, axis=-1).astype(jnp.int32)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec))(
+        segment_ids_bt, order_bt
+    )
+
+
+def ulysses_linear(
+    mix: Callable[..., jax.Array],
+    projected_btkc: jax.Array,
+    b_logits_bth: jax.Array,
+    a_logits_bth: jax.Array,
+    params: tuple[jax.Array, jax.Array, jax.Array],
+    segment_ids_bt: jax.Array,
+    order: tuple[jax.Array, jax.Array],
+) -> jax.Array:
+    """A Gated DeltaNet layer's token mixing by the ulysses strategy (module docstring).
+
+    Args:
+      mix: (projected, segment ids, b logits, a logits, conv, dt_bias, a_log, key heads) ->
+        the delta rule's outputs [b, T', k, r, v] over a row of whole documents in order (T'
+        tokens, k of the key heads; `deltanet.GatedDeltaNet.mix`).
+      projected_btkc: the fused projection's outputs [B, T, key heads, group], each rank's
+        dealt tokens.
+      b_logits_bth, a_logits_bth: beta's and the decay's logits [B, T, value heads].
+      params: the convolution [K, key heads, group], dt_bias and a_log [value heads].
+      segment_ids_bt: each token's document [B, T].
+      order: `group_order`'s (permutation, inverse) [B, C T].
+
+    Returns:
+      The delta rule's outputs [B, T, key heads, r, value_dim] of each rank's tokens.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    keys = projected_btkc.shape[2]
+    axes, _, split = _head_specs(mesh, keys, keys)  # (a key head's channels stay whole)
+    head = "tensor" if split else None
+    mine = ("tensor", CONTEXT_AXIS) if split else CONTEXT_AXIS  # (a rank's heads' parameters)
+    tokens = PartitionSpec(axes, None, head)
+    gather = lambda x: jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True)
+    in_order = lambda x, at: jnp.take_along_axis(x, at.reshape(at.shape + (1,) * (x.ndim - 2)), 1)
+
+    def body(projected, b, a, conv, dt_bias, a_log, seg, forward, back):
+        projected, b, a = _to_heads(projected), _to_heads(b), _to_heads(a)
+        projected, b, a, seg = (in_order(x, forward) for x in (projected, b, a, gather(seg)))
+        out = mix(projected, seg, b, a, conv, dt_bias, a_log, projected.shape[2])
+        return _to_tokens(in_order(out, back))
+
+    spec = PartitionSpec(axes)
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(
+            PartitionSpec(axes, None, head, None),
+            tokens,
+            tokens,
+            PartitionSpec(None, mine, None),
+            PartitionSpec(mine),
+            PartitionSpec(mine),
+            spec,
+            spec,
+            spec,
+        ),
+        out_specs=PartitionSpec(axes, None, head, None, None),
+        check_vma=False,  # (the delta rule's scans start from zeros, the same everywhere)
+    )(projected_btkc, b_logits_bth, a_logits_bth, *params, segment_ids_bt, *order)

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmllm.models import context as ctx
 from jaxmllm.models.layers import Dense
 from jaxmllm.models.lora import Adapter
 
@@ -386,15 +387,48 @@ class GatedDeltaNet(nnx.Module):
 
     def __call__(self, x_btd: jax.Array, pack, positions: jax.Array | None = None) -> jax.Array:
         """Mixes each document of the packed rows (`pack`: an `attention.Packing`; positions
-        are unused: order is the recurrence's). Returns [B, T, width] in the compute dtype.
+        are unused: order is the recurrence's; a context group's rows go through
+        `models.context.ulysses_linear`, `Packing.group_order`). Returns [B, T, width] in the
+        compute dtype.
 
         The elementwise work between the matmuls (the convolution and the gates, the gated
         norm) is rematerialised in the backward pass: the layer keeps its projections'
         outputs, not their float32 intermediates."""
-        starts = document_starts(pack.segment_ids, pack.row)
-        q, k, v, g, beta = self.inputs(self.qkv(x_btd), starts, x_btd)
-        out = chunked_delta_rule(q, k, v, g, beta, starts, chunk=self.spec.chunk, dtype=self.dtype)
+        projected, b_logits, a_logits = self.qkv(x_btd), self.b(x_btd), self.a(x_btd)
+        params = (self.conv[...], self.dt_bias[...], self.a_log[...])
+        if pack.group_order is not None:  # (a context group's rows, by the ulysses strategy)
+            args = (projected, b_logits, a_logits, params, pack.segment_ids, pack.group_order)
+            out = ctx.ulysses_linear(self.mix, *args)
+        else:
+            args = (projected, pack.segment_ids, b_logits, a_logits, *params)
+            out = self.mix(*args, self.spec.key_heads, row=pack.row)
         return self.output(out, x_btd)
+
+    def mix(
+        self,
+        projected: jax.Array,
+        segment_ids_bt: jax.Array,
+        b_logits: jax.Array,
+        a_logits: jax.Array,
+        conv: jax.Array,
+        dt_bias: jax.Array,
+        a_log: jax.Array,
+        key_heads: int,
+        row: int = 0,
+    ) -> jax.Array:
+        """The layer's token mixing: the convolution, the gates and the delta rule over packed
+        rows (`row` as `document_starts`'s), of `key_heads` of the key heads (all of them, or
+        a context rank's share under ulysses, `models.context.ulysses_linear`) with their
+        value heads and their parameters' share. Returns [B, T, key_heads, r, value_dim]."""
+        s = self.spec
+        spec = dataclasses.replace(
+            s, key_heads=key_heads, value_heads=s.value_heads // s.key_heads * key_heads
+        )
+        starts = document_starts(segment_ids_bt, row)
+        run = functools.partial(_inputs, spec=spec, skip=0, dtype=self.dtype)
+        run = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)
+        q, k, v, g, beta = run(projected, starts, b_logits, a_logits, conv, dt_bias, a_log)
+        return chunked_delta_rule(q, k, v, g, beta, starts, chunk=s.chunk, dtype=self.dtype)
 
     def extend(
         self, x_btd: jax.Array, window: jax.Array, state: jax.Array, valid_bt: jax.Array

@@ -20,6 +20,7 @@ from flax import nnx
 
 from jaxmllm.config import LLMConfig
 from jaxmllm.config.decoder import LayerKind, RopeScaling
+from jaxmllm.models import context as ctx
 from jaxmllm.models.attention import Packing, packing
 from jaxmllm.models.deltanet import LinearSpec
 from jaxmllm.models.layers import Dense, Embed
@@ -48,9 +49,14 @@ class Decoder(nnx.Module):
         attention: str = "dense",
         block: int = 0,
         documents: int = 0,
+        context_strategy: str = "gather",
         rngs: nnx.Rngs,
     ):
         self.attention, self.block = attention, block  # model.attention, batch.attention_block
+        # mesh.context_strategy: how rows split over context groups attend; the linear layers'
+        # need of their tokens in order under ulysses (`models.context.group_order`)
+        self.ulysses = context_strategy == "ulysses"
+        self.in_order = self.ulysses and cfg.linear.enabled
         self.dtype = dtype  # the compute dtype (the loss's matmuls take it too)
         self.documents = documents  # batch.*_documents (cudnn attention)
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -179,6 +185,9 @@ class Decoder(nnx.Module):
         `window_tiles_bk2`: the sliding-window layers' tiles, `spans_bt` the bidirectional
         spans (`attention.Packing`); `ids_bt`: as `hidden`'s."""
         pack = self.packing(segment_ids_bt, tiles_bk2, row, order_bt, window_tiles_bk2, spans_bt)
+        if pack.context and self.in_order:  # (once a step, for every linear layer)
+            within = positions_bt if order_bt is None else order_bt
+            pack = dataclasses.replace(pack, group_order=ctx.group_order(segment_ids_bt, within))
         per_layer = self.per_layer_inputs(x_btd, ids_bt)
         h, stats = self.transformer.run(
             x_btd, pack, positions_bt, added=added_kbtd, per_layer=per_layer
@@ -223,6 +232,7 @@ class Decoder(nnx.Module):
             order_bt=order_bt,
             window_tiles_bk2=window_tiles_bk2,
             spans_bt=spans_bt,
+            ulysses=self.ulysses,
         )
 
     def head(self) -> tuple[jax.Array, bool, float]:

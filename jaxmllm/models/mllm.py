@@ -68,7 +68,8 @@ class MultimodalLM(nnx.Module):
                 else None,
             )
             setattr(self, f"{p.name}_projector", projector(cfg, **kw) if on else None)
-        self.llm = Decoder(cfg.llm, **shared, **own(LLM), **kw)
+        strategy = spec.context_strategy
+        self.llm = Decoder(cfg.llm, **shared, **own(LLM), context_strategy=strategy, **kw)
         self.route_capacity = spec.route_pair_capacity
         self.exchange = spec.exchange
         self.twins = spec.pairs  # (a pair's media rows fill both its documents' slots)
