@@ -22,7 +22,10 @@ bucket's inputs repeats to fill them: an image's one frame in a vision bucket of
 block-sparse attention each phase has `<phase>_tiles` [M, D, tiles, 2] too, and a decoder with
 sliding-window layers `llm_window_tiles` [M, D, window tiles, 2]: the tiles some window reaches,
 which those layers compute (`window_tile_cap`; under context groups a rank's, dealt with its
-query blocks). A decoder whose images (`model.llm.bidirectional`) attend both ways has
+query blocks). Under context groups by `mesh.context_strategy: ulysses`, `llm_blocks` [M, D,
+blocks a device] int32: each of a device's blocks, its index in its group's rows (blocks
+numbered row by row), from which the model puts the group's tokens back in order. A decoder
+whose images (`model.llm.bidirectional`) attend both ways has
 `llm_spans` [M, D, R, L] int32: an item's slots carry one id > 0 (its first slot's index in the
 bucket's rows + 1), other tokens 0; the tile lists then hold the tiles above the diagonal the
 spans need (`plan.tiles.span_tiles`).
@@ -99,6 +102,12 @@ def batch_shapes(
         out["llm_positions"] = (llm + (3,), np.int32)
         if spec.context > 1:  # (a gathered key is masked by its index in its document)
             out["llm_order"] = (llm, np.int32)
+    if spec.context > 1 and spec.context_strategy == "ulysses" and spec.tiled:
+        # (each of a device's blocks: its index in its group's rows, `Split.deal`)
+        out["llm_blocks"] = (
+            lead + (spec.llm_rows * spec.llm_row_len // spec.attention_block,),
+            np.int32,
+        )
     if spec.pairs:  # preference pairs: each token's sequence in its bucket, the pairs there
         out["llm_sequence"] = (llm, np.int32)
         out["llm_pairs"] = (lead, np.int32)

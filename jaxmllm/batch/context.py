@@ -7,7 +7,9 @@ equal blocks, tiles balanced, from the tiles its documents need), moves the toke
 positions, segment ids, targets and loss mask into each device's [R, L] rows (its blocks in
 ascending order), writes each device's tile list (its query blocks against the gathered
 group's key blocks; and the sliding-window layers' own, the tiles of those a window reaches),
-and says where a token of a group row now lies (`Split.where`), which the routing tables need.
+and says where a token of a group row now lies (`Split.where`), which the routing tables need;
+under ulysses, each device's blocks' indices in the group's rows (`llm_blocks`), which put the
+group's tokens back in order for the layers that read them in order.
 The loss is a sum over tokens, so nothing is put back in order.
 
 Segment ids count 1, 2, ... over a group's rows (not per row): a device holds blocks of several
@@ -118,6 +120,8 @@ class Split:
                 w_lists[i] = rank_tiles(window, owner[i], c_n, w_cap)
         split = cls(owner.reshape(m_n, g_n, blocks), caps)
         order = split.order.reshape(m_n * g_n, blocks)
+        if "llm_blocks" in batch:  # (ulysses: where in the group's rows each block lies)
+            batch["llm_blocks"][:] = split.order.reshape(batch["llm_blocks"].shape)
         for key in text:
             rest = text[key].shape[4:]  # (M-RoPE's positions: time, row, column)
             x = text[key].reshape(m_n * g_n, blocks, block, *rest)

@@ -32,10 +32,11 @@ A Gated DeltaNet layer carries a state and a short convolution through each docu
 in order. Under ulysses (`ulysses_linear`) its inputs go through the same all-to-all (the
 fused projection by key head: a key head's convolution channels, its query, key and values,
 move whole; beta's and the decay's logits by value head, those of the rank's key heads), the
-group's tokens are then permuted from the gathered (rank) order into documents in order
-(`group_order`: sorted by segment id, then index in the document; padding first), the layer
-runs unchanged on its key heads with its parameters' share, and the outputs are permuted back
-and all-to-all'd home. The gather strategy cannot run these layers (config load refuses it).
+group's tokens are then permuted from the gathered (rank) order into the group's rows' order
+(`group_order`, from the batch's `llm_blocks`: each device's blocks' places in its group's
+rows), the layer runs unchanged on its key heads with its parameters' share over those rows,
+and the outputs are permuted back and all-to-all'd home. The gather strategy cannot run these
+layers (config load refuses it).
 
 The kernel is block-sparse attention's (`jaxmllm.models.blocksparse.kernel`: a chunk of tiles
 at a time with an online softmax, a flash-style backward), here with the keys of the whole
@@ -218,24 +219,24 @@ def ulysses_attend(
     )(q_bthe, k_bske, v_bske, segment_ids_bt, positions_bt, tiles_bk2)
 
 
-def group_order(segment_ids_bt: jax.Array, order_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+def group_order(blocks_bn: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     """The permutation of a context group's gathered tokens (rank by rank, as `_to_heads`
-    leaves them) into documents in order, and its inverse, each [B, C T] (a device's: its
-    group's): sorted by segment id (ids count documents over the group's rows, padding 0
-    first), then by each token's index in its document (`order_bt`: the rotary positions with
-    1D RoPE, `llm_order` with M-RoPE). What a layer that reads tokens in order needs
+    leaves them) into its rows' order, and its inverse, each [B, C T] (a device's: its
+    group's), from each device's blocks' indices in its group's rows [B, blocks a device]
+    (`llm_blocks`, `batch.context.Split.deal`): what a layer that reads tokens in order needs
     (`ulysses_linear`); computed once a step."""
     mesh = jax.sharding.get_abstract_mesh()
     spec = PartitionSpec(_batch_axes(mesh))
-    gather = lambda x: jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True)
-
-    def body(seg, pos):
-        order = jnp.lexsort((gather(pos), gather(seg)), axis=-1).astype(jnp.int32)
-        return order, jnp.argsort(order, axis=-1).astype(jnp.int32)
-
-    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec))(
-        segment_ids_bt, order_bt
+    tokens = lambda at: (at[..., None] * block + jnp.arange(block, dtype=at.dtype)).reshape(
+        at.shape[0], -1
     )
+
+    def body(blocks):
+        where = jax.lax.all_gather(blocks, CONTEXT_AXIS, axis=1, tiled=True)  # gathered -> row
+        back = jnp.argsort(where, axis=-1).astype(where.dtype)  # row -> gathered
+        return tokens(back), tokens(where)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=(spec, spec))(blocks_bn)
 
 
 def ulysses_linear(
@@ -246,12 +247,13 @@ def ulysses_linear(
     params: tuple[jax.Array, jax.Array, jax.Array],
     segment_ids_bt: jax.Array,
     order: tuple[jax.Array, jax.Array],
+    row: int,
 ) -> jax.Array:
     """A Gated DeltaNet layer's token mixing by the ulysses strategy (module docstring).
 
     Args:
-      mix: (projected, segment ids, b logits, a logits, conv, dt_bias, a_log, key heads) ->
-        the delta rule's outputs [b, T', k, r, v] over a row of whole documents in order (T'
+      mix: (projected, segment ids, b logits, a logits, conv, dt_bias, a_log, key heads, row)
+        -> the delta rule's outputs [b, T', k, r, v] over rows of `row` tokens end to end (T'
         tokens, k of the key heads; `deltanet.GatedDeltaNet.mix`).
       projected_btkc: the fused projection's outputs [B, T, key heads, group], each rank's
         dealt tokens.
@@ -259,6 +261,7 @@ def ulysses_linear(
       params: the convolution [K, key heads, group], dt_bias and a_log [value heads].
       segment_ids_bt: each token's document [B, T].
       order: `group_order`'s (permutation, inverse) [B, C T].
+      row: tokens of a group's row (its rows lie end to end: each restarts the layer's state).
 
     Returns:
       The delta rule's outputs [B, T, key heads, r, value_dim] of each rank's tokens.
@@ -275,7 +278,7 @@ def ulysses_linear(
     def body(projected, b, a, conv, dt_bias, a_log, seg, forward, back):
         projected, b, a = _to_heads(projected), _to_heads(b), _to_heads(a)
         projected, b, a, seg = (in_order(x, forward) for x in (projected, b, a, gather(seg)))
-        out = mix(projected, seg, b, a, conv, dt_bias, a_log, projected.shape[2])
+        out = mix(projected, seg, b, a, conv, dt_bias, a_log, projected.shape[2], row=row)
         return _to_tokens(in_order(out, back))
 
     spec = PartitionSpec(axes)

@@ -398,7 +398,7 @@ class GatedDeltaNet(nnx.Module):
         params = (self.conv[...], self.dt_bias[...], self.a_log[...])
         if pack.group_order is not None:  # (a context group's rows, by the ulysses strategy)
             args = (projected, b_logits, a_logits, params, pack.segment_ids, pack.group_order)
-            out = ctx.ulysses_linear(self.mix, *args)
+            out = ctx.ulysses_linear(self.mix, *args, row=pack.row * ctx.context_size())
         else:
             args = (projected, pack.segment_ids, b_logits, a_logits, *params)
             out = self.mix(*args, self.spec.key_heads, row=pack.row)

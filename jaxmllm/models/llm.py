@@ -177,17 +177,21 @@ class Decoder(nnx.Module):
         window_tiles_bk2: jax.Array | None = None,
         spans_bt: jax.Array | None = None,
         ids_bt: jax.Array | None = None,
+        blocks_bn: jax.Array | None = None,
     ) -> tuple[jax.Array, RouterStats | None]:
         """`hidden`, and the MoE layers' router statistics ([MoE layers, ...]; None for a
         dense decoder); `added_kbtd` [K, B, T, width]: DeepStack's features, added to the
         hidden states after each of the first K layers (zero where a token is not an image's);
         `order_bt`: each token's index in its document, under context groups with M-RoPE;
         `window_tiles_bk2`: the sliding-window layers' tiles, `spans_bt` the bidirectional
-        spans (`attention.Packing`); `ids_bt`: as `hidden`'s."""
+        spans (`attention.Packing`); `ids_bt`: as `hidden`'s; `blocks_bn`: under context
+        groups by ulysses, each of a device's blocks' index in its group's rows (`llm_blocks`),
+        which the linear layers need."""
         pack = self.packing(segment_ids_bt, tiles_bk2, row, order_bt, window_tiles_bk2, spans_bt)
         if pack.context and self.in_order:  # (once a step, for every linear layer)
-            within = positions_bt if order_bt is None else order_bt
-            pack = dataclasses.replace(pack, group_order=ctx.group_order(segment_ids_bt, within))
+            if blocks_bn is None:
+                raise ValueError("ulysses' linear layers need the batch's llm_blocks")
+            pack = dataclasses.replace(pack, group_order=ctx.group_order(blocks_bn, self.block))
         per_layer = self.per_layer_inputs(x_btd, ids_bt)
         h, stats = self.transformer.run(
             x_btd, pack, positions_bt, added=added_kbtd, per_layer=per_layer

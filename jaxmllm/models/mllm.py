@@ -174,6 +174,7 @@ class MultimodalLM(nnx.Module):
             window_tiles_bk2=mb.get("llm_window_tiles"),
             spans_bt=self.decoder_spans(mb),
             ids_bt=self.per_layer_ids(mb, segment_ids_bs.shape),
+            blocks_bn=mb.get("llm_blocks"),
         )
         return h.reshape(*mb["llm_tokens"].shape, -1), stats
 
