@@ -120,9 +120,38 @@ def test_context_parallelism_names_what_the_model_is_before_what_can_change():
         with pytest.raises(ConfigError) as err:
             load_config(None, ["mesh.context=2", *hybrid, *defaults])
         assert "mesh.context: 2: a decoder with linear-attention" in str(err.value)
+        assert "context_strategy: ulysses" in str(err.value)  # (the way that splits it)
         assert "mrope" not in str(err.value)
     # (M-RoPE alone splits: the batch carries each token's index in its document)
     load_config(None, ["mesh.context=2", "model.llm.mrope_section=[16,24,24]"])
+
+
+@pytest.mark.parametrize(
+    "setting, key",
+    [
+        ("mesh.context=3", r"model\.llm\.heads: 16: .*16 attention heads over .*mesh\.context=3"),
+        (
+            "mesh.tensor=2 mesh.context=16",
+            r"model\.llm\.heads: 16: .*8 attention heads per tensor rank .*mesh\.context=16",
+        ),
+        ("mesh.context=4", r"model\.llm\.linear\.key_heads: 2: .*2 key heads .*mesh\.context=4"),
+        (
+            "mesh.context_strategy=scatter",
+            r"mesh\.context_strategy: must be one of gather, ulysses",
+        ),
+    ],
+)
+def test_ulysses_refuses_heads_the_group_does_not_divide(setting, key):
+    """mesh.context_strategy: ulysses splits attention's heads (a tensor rank's) and a Gated
+    DeltaNet's key heads over the group: counts it does not divide are refused, naming the
+    keys; a hybrid whose key heads it divides loads (gather refuses it: the test above)."""
+    ulysses = ["mesh.context_strategy=ulysses", "mesh.context=2"]
+    hybrid = ["model.llm.depth=4", "model.llm.linear.every=4", "model.llm.linear.key_heads=2"]
+    hybrid += ["model.llm.linear.value_heads=4"]
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, [*ulysses, *hybrid, *setting.split()])
+    cfg = load_config(None, [*ulysses, *hybrid])
+    assert cfg.mesh.context_strategy == "ulysses" and cfg.model.llm.linear.enabled
 
 
 @pytest.mark.parametrize(

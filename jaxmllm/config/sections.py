@@ -57,7 +57,7 @@ class MeshConfig:
     expert: int = 1
     fsdp: int = 1  # data parallelism with params/optimizer state sharded over this axis
     # Context parallelism: an LLM row is split over this many devices (a context group, inside
-    # a host), batch.llm_row_len tokens each, keys and values gathered over the group; the
+    # a host), batch.llm_row_len tokens each, attending as mesh.context_strategy says; the
     # encoders see its devices as more data-parallel ones. 1 = off.
     context: int = 1
     # How a context group's ranks attend (`jaxmllm.models.context`; docs/parallelism.md):
