@@ -20,6 +20,15 @@ rank over W / C (1.0 = a perfect split of the work), and its tiles over the mean
 computes its tile capacity (the split's most), padding included, as under XLA's fixed shapes.
 Times are this process's CPU seconds (the median of `--repeat` runs), steadier than wall time
 on a shared machine.
+
+`python -m jaxmllm.bench.context --bytes` (`strategy_rows`): per context size and
+`mesh.context_strategy`, the bytes a rank sends (or receives: the same for these collectives)
+over the context axis per attention layer and microbatch, forward and backward, from the shapes
+(`strategy_bytes`), and where the process has C devices (`XLA_FLAGS=
+--xla_force_host_platform_device_count=8` on a CPU) from the collectives of XLA's compiled
+program of one attention's forward and backward (`compiled_bytes`); and the extra memory a rank
+holds for it (the gathered keys and values; ulysses' repeated KV heads). A Gated DeltaNet
+layer's row (ulysses only: gather cannot run it) counts its all-to-alls the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -169,6 +179,152 @@ def from_balance(args) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- strategy bytes
+
+BYTES = {"bfloat16": 2, "float32": 4}
+COLLECTIVES = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce", "collective-permute")
+
+
+def strategy_bytes(
+    tokens: int, ranks: int, heads: int, kv: int, head_dim: int, itemsize: int, tiles: int = 0
+) -> dict[str, dict[str, int]]:
+    """Per strategy, a rank's bytes over the context axis for one attention layer (forward and
+    backward) of `tokens` tokens a rank, and the extra memory it holds, from the shapes.
+
+    gather: the group's K and V all-gathered ((C - 1) of a rank's own, each), with the segment
+    ids and positions (int32); backward, their gradients reduce-scattered (as much again).
+    ulysses: q, k, v and the output all-to-all'd ((C - 1) / C of a rank's each; kv heads
+    repeated to lcm(kv, C) where C does not divide them), forward, and their transposes
+    backward; the ids and positions gathered as gather's, and the tile lists (`tiles` a rank,
+    two int32 each)."""
+    c, t, e, b = ranks, tokens, head_dim, itemsize
+    ints = 2 * (c - 1) * t * 4  # (segment ids and positions, gathered once a layer)
+    kv_bytes = 2 * (c - 1) * t * kv * e * b
+    gather = {"forward": kv_bytes + ints, "backward": kv_bytes, "held": kv_bytes}
+    kv_u = math.lcm(kv, c) if kv % c else kv
+    moved = (c - 1) * t * e * b * (2 * heads + 2 * kv_u) // c
+    listed = (c - 1) * tiles * 2 * 4
+    ulysses = {
+        "forward": moved + ints + listed,
+        "backward": moved,
+        "held": 2 * t * (kv_u - kv) * e * b,
+    }
+    return {"gather": gather, "ulysses": ulysses}
+
+
+def linear_bytes(tokens: int, ranks: int, spec, itemsize: int) -> int:
+    """A Gated DeltaNet layer's bytes a rank sends under ulysses, forward and backward: the
+    fused projection [T, key heads, group], beta's and the decay's logits [T, value heads],
+    the outputs [T, value heads, value dim] all-to-all'd each way, and the segment ids and
+    positions gathered (int32) for the order."""
+    per_token = (
+        spec.key_heads * spec.group + 2 * spec.value_heads + spec.value_heads * (spec.value_dim)
+    )
+    moved = (ranks - 1) * tokens * per_token * itemsize // ranks
+    return 2 * moved + 2 * (ranks - 1) * tokens * 4
+
+
+def hlo_collective_bytes(hlo: str, ranks: int) -> int:
+    """Bytes a rank sends over its collectives in compiled HLO text (each op's result shape,
+    as the op moves it over its replica group of c devices: an all-gather's or all-to-all's
+    (c - 1) / c, a reduce-scatter's c - 1 times its result, an all-reduce's 2 (c - 1) / c; a
+    group of one moves nothing). XLA:CPU runs a bf16 collective in f32: its bytes double."""
+    import re
+
+    total = 0
+    op = re.compile(r"= (.+?) (" + "|".join(COLLECTIVES) + r")(-start)?\(")
+    shape = re.compile(r"(bf16|f16|f32|s32|u32|s8|u8|pred)\[([\d,]*)\]")
+    size = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
+    groups = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+    for line in hlo.splitlines():
+        m = op.search(line)
+        if not m:
+            continue
+        g = groups.search(line)
+        c = len(g.group(1).split(",")) if g else ranks  # (a group of 1 moves nothing)
+        share = {"all-gather": (c - 1) / c, "all-to-all": (c - 1) / c}
+        share |= {"reduce-scatter": c - 1, "all-reduce": 2 * (c - 1) / c}
+        share |= {"collective-permute": 1}
+        shapes = shape.findall(m.group(1))
+        if m.group(3):  # (an async start's tuple holds its operand and result: the result)
+            shapes = shapes[len(shapes) // 2 :]
+        n = sum(size[d] * math.prod(int(x) for x in dims.split(",") if x) for d, dims in shapes)
+        total += int(n * share[m.group(2)])
+    return total
+
+
+def compiled_bytes(strategy: str, tokens: int, ranks: int, args, tiles) -> int | None:
+    """Bytes a rank sends in XLA's compiled forward and backward of one attention layer by
+    `strategy` (`hlo_collective_bytes`) on a mesh of `ranks` devices (None: fewer devices);
+    compiled only, never run."""
+    import sharding
+    from jaxmllm.models import context as ctx
+
+    if len(jax.devices()) < ranks:
+        return None
+    mesh = sharding.make_mesh(
+        {"data": 1, "context": ranks, "fsdp": 1, "tensor": 1}, jax.devices()[:ranks]
+    )
+    attend = ctx.ulysses_attend if strategy == "ulysses" else ctx.attend
+    e, dtype = args.width // args.heads, jnp.dtype(args.dtype)
+    qs = jax.ShapeDtypeStruct((ranks, tokens, args.heads, e), dtype)
+    kvs = jax.ShapeDtypeStruct((ranks, tokens, args.kv_heads, e), dtype)
+    ints = jax.ShapeDtypeStruct((ranks, tokens), jnp.int32)
+    lists = jax.ShapeDtypeStruct((ranks, tiles, 2), jnp.int32)
+
+    def loss(q, k, v, seg, pos, t):
+        out = attend(q, k, v, seg, pos, t, block=args.block, causal=True)
+        return jnp.sum(jnp.square(out.astype(jnp.float32)))
+
+    # (value and gradients: the forward's output all-to-all is kept, as a step's loss keeps it)
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    with jax.set_mesh(mesh):
+        hlo = step.lower(qs, kvs, kvs, ints, ints, lists).compile().as_text()
+    return hlo_collective_bytes(hlo, ranks)
+
+
+def strategy_rows(args) -> list[dict]:
+    """The rows of `--bytes`: per context size, per strategy its bytes a rank per attention
+    layer (analytic and XLA's) and the extra memory held; and the Gated DeltaNet row."""
+    from jaxmllm.config.decoder import LinearConfig
+    from jaxmllm.models.deltanet import LinearSpec
+
+    itemsize, e = BYTES[args.dtype], args.width // args.heads
+    linear = LinearSpec.of(LinearConfig())  # (Qwen3.5's: 16 key heads, 32 value heads, 128)
+    rows = []
+    for ranks in (int(c) for c in args.context.split(",")):
+        tiles = ranks * (args.tokens // args.block) ** 2 // 2  # (a long document's, a rank's)
+        sizes = strategy_bytes(args.tokens, ranks, args.heads, args.kv_heads, e, itemsize, tiles)
+        for name, got in sizes.items():
+            xla = compiled_bytes(name, args.tokens, ranks, args, tiles)
+            rows.append(
+                {"context": ranks, "strategy": name, "layer": "attention", **got, "xla": xla}
+            )
+        rows.append(
+            {
+                "context": ranks,
+                "strategy": "ulysses",
+                "layer": "gated deltanet",
+                "forward": linear_bytes(args.tokens, ranks, linear, itemsize) // 2,
+                "backward": linear_bytes(args.tokens, ranks, linear, itemsize) // 2,
+                "held": 0,
+                "xla": None,
+            }
+        )
+    return rows
+
+
+def bytes_table(rows: list[dict]) -> str:
+    mib = lambda n: "-" if n is None else f"{n / 2**20:.1f}"
+    cols = ["C", "layer", "strategy", "fwd MiB", "bwd MiB", "total MiB", "XLA MiB", "held MiB"]
+    lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
+    for r in rows:
+        cells = [str(r["context"]), r["layer"], r["strategy"], mib(r["forward"])]
+        cells += [mib(r["backward"]), mib(r["forward"] + r["backward"]), mib(r["xla"])]
+        lines.append(" | ".join(cells + [mib(r["held"])]))
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- rank times
 
 
@@ -286,7 +442,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mlp", type=int, default=512)
     p.add_argument("--repeat", type=int, default=3, help="timed runs a measurement (median)")
     p.add_argument("--json", help="write the results here")
+    p.add_argument(
+        "--bytes",
+        action="store_true",
+        help="bytes per layer of each mesh.context_strategy instead of the rank times",
+    )
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(BYTES), help="(--bytes)")
     args = p.parse_args(argv)
+    if args.bytes:
+        rows = strategy_rows(args)
+        print(
+            f"jax {jax.__version__}: bytes a rank sends per layer and microbatch over the "
+            f"context axis, {args.dtype}, {args.heads} heads / {args.kv_heads} kv heads of "
+            f"{args.width // args.heads}, {args.tokens} tokens a rank (XLA: its compiled "
+            "attention, forward + backward)"
+        )
+        print(bytes_table(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"config": vars(args), "rows": rows}) + "\n")
+        return 0
     results = []
     for ranks in (int(c) for c in args.context.split(",")):
         row_len = ranks * args.tokens
