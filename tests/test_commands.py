@@ -302,6 +302,10 @@ GOOD = [  # (module, argv): each command's main path once, small, in the order t
         "jaxmllm.bench.context",
         ["--tokens", "512", "--context", "2", "--width", "64", "--repeat", "1"],
     ),
+    (  # (the strategies' bytes: XLA's where the process has the devices)
+        "jaxmllm.bench.context",
+        ["--bytes", "--tokens", "256", "--context", "2", "--width", "64", "--kv-heads", "1"],
+    ),
     ("jaxmllm.bench.data", ["--images", "6", "--audio", "2", "--workers", "0"]),
     (
         "jaxmllm.bench.formats",
