@@ -121,6 +121,17 @@ CASES = {
             r"(q|v)_proj)",
         ),
     ),
+    # Gemma 4: its LLM and its own tower's q and v (each a Linear inside a clippable wrapper,
+    # `.linear`), the images read both ways in the sliding layers.
+    "gemma4": (
+        hf_models.gemma4,
+        dict(
+            r=4,
+            lora_alpha=8,
+            target_modules=rf"(?:{LLM}|model\.vision_tower\.encoder\.layers\.\d+\.self_attn\."
+            r"(q|v)_proj\.linear)",
+        ),
+    ),
 }
 
 
@@ -152,7 +163,7 @@ def test_a_peft_adapter_gives_peft_s_logits_with_an_image_in_the_prompt(name, tm
     elif name in ("qwen3_vl", "qwen3_5"):
         assert set(m.vision.lora.targets) == {"q", "k", "v", "o"}
         assert m.projector_lora.rank == 4 and m.projector_lora.targets == ("fc1",)
-    elif name == "gemma3":
+    elif name in ("gemma3", "gemma4"):
         assert set(m.vision.lora.targets) == {"q", "v"} and m.projector_lora.rank == 0
     else:
         assert set(m.vision.lora.targets) == {"q", "v"}
