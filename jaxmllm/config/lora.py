@@ -27,7 +27,7 @@ GATED = (*ATTENTION, "gate", "up", "down")
 BLOCK_TARGETS = {"gated_silu": GATED, "gated_gelu_tanh": GATED}
 OTHER_MLP = (*ATTENTION, "fc1", "fc2")
 # A projector's matrices by its kind (config.model.PROJECTORS)
-PROJECTOR_TARGETS = {"mlp": ("fc1", "fc2"), "linear": ("fc",), "pool": ("fc",)}
+PROJECTOR_TARGETS = {"mlp": ("fc1", "fc2"), "linear": ("fc",), "pool": ("fc",), "embed": ("fc",)}
 ALL = "all"
 
 

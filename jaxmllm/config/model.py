@@ -217,7 +217,7 @@ class VisionConfig(BlockOptions):
         )
 
 
-PROJECTORS = ("mlp", "linear")  # jaxmllm.models.projectors implements each
+PROJECTORS = ("mlp", "linear", "embed")  # jaxmllm.models.projectors implements each
 STEMS = ("pairs", "whisper", "conformer")  # model.audio.stem (jaxmllm.models.audio, conformer)
 VISION_PROJECTORS = ("mlp", "pool")  # (the vision tower's)
 ROPE_AXES = {"rows_first": "2d", "cols_first": "2d_cols_first"}  # -> models.layers.ROPE
@@ -299,7 +299,8 @@ class AudioConfig(BlockOptions):
     projector_dim: int = 0  # the projector's hidden width; 0 = the LLM's width
     projector_act: str = "gelu_tanh"  # the projector's activation: gelu_tanh | gelu (exact)
     # The projector: mlp (fc2(act(fc1 x)) over the rows of one LLM token) | linear (one Linear
-    # from one pooled row: Qwen2-Audio's)
+    # from one pooled row: Qwen2-Audio's) | embed (an RMSNorm without a scale, of epsilon
+    # norm_eps, then one Linear without a bias, from one row: Gemma 4's embed_audio)
     projector: str = "mlp"
     # Encoder rows averaged in runs of this many after the blocks, before the final norm
     # (Qwen2-Audio's pooling: 2); stride x pool divides subsample
@@ -391,8 +392,9 @@ class AudioConfig(BlockOptions):
             "pool",
         )
         check(
-            self.projector != "linear" or self.rows_per_token == 1,
-            "linear projects one pooled row per LLM token: needs stride x pool = subsample",
+            self.projector == "mlp" or self.rows_per_token == 1,
+            f"{self.projector} projects one pooled row per LLM token: needs stride x pool = "
+            "subsample",
             "projector",
         )
 

@@ -66,6 +66,8 @@ def _audio_flops(a: AudioConfig, llm_width: int) -> tuple[float, float, float]:
     s, r = a.subsample, a.stride  # frames per LLM token, per encoder row
     hid = a.projector_dim or llm_width
     proj = 2 * (s // r * a.out_width * hid + hid * llm_width) / s
+    if a.projector == "embed":  # (one Linear from each row)
+        proj = 2 * a.out_width * llm_width / s
     if a.is_conformer:  # (local attention: each query's keys are bounded, not the clip's)
         return conformer_flops(a), 0.0, proj
     if a.stem == "whisper":  # 3-tap convs, stride 1 then 2: per frame

@@ -10,7 +10,9 @@ each of its pooled rows (`LinearProjector`). Gemma 3's pools instead of concaten
 an RMSNorm scaling by 1 + w, one Linear without a bias. Gemma 4's (`pool_embed`)
 scales the mean by sqrt(the tower's width), standardises it per channel where `standardize`
 says (its tower's std_bias and std_scale: (x - bias) x scale), then an RMSNorm without a scale
-and the Linear (its pooler, then `embed_vision`).
+and the Linear (its pooler, then `embed_vision`). Gemma 4's audio projector
+(`model.audio.projector: embed`, its `embed_audio`) is that embedder alone: the same
+`PoolProjector` over runs of one row, unscaled, the RMSNorm without a scale and the Linear.
 
 A vision tower with DeepStack (`model.vision.deepstack`: Qwen3-VL) has one more projector per
 tapped block, beside the main one (`vision_projector/deepstack`, stacked on a leading `layers`
@@ -122,8 +124,9 @@ class LinearProjector(nnx.Module):
 class PoolProjector(nnx.Module):
     """The mean of each run of `group` rows, an RMSNorm scaling by 1 + w, one Linear without a
     bias (the module docstring: Gemma 3's `mm_soft_emb_norm`, `mm_input_projection_weight`);
-    with `embed`, Gemma 4's: the mean times sqrt(in_width), standardised (`standardize`), an
-    RMSNorm without a scale, the Linear."""
+    with `embed`, Gemma 4's embedder (`Gemma4MultimodalEmbedder`): the mean times `scale`
+    (its vision pooler's sqrt(in_width); 1 for audio), standardised (`standardize`), an RMSNorm
+    without a scale, the Linear."""
 
     def __init__(
         self,
@@ -133,14 +136,15 @@ class PoolProjector(nnx.Module):
         *,
         norm_eps: float,
         embed: bool = False,
+        scale: float = 1.0,
         standardize: bool = False,
         dtype,
         param_dtype,
         lora=None,
         rngs: nnx.Rngs,
     ):
-        """`group` rows a token, pooled; `norm_eps`: the norm's epsilon; `embed`, `standardize`:
-        Gemma 4's (the class docstring); `lora`: fc's adapter."""
+        """`group` rows a token, pooled; `norm_eps`: the norm's epsilon; `embed`, `scale`,
+        `standardize`: Gemma 4's (the class docstring); `lora`: fc's adapter."""
         self.group = group
         self.norm = (
             None
@@ -148,7 +152,7 @@ class PoolProjector(nnx.Module):
             else NORMS["rms_offset"](in_width, eps=norm_eps, dtype=dtype, param_dtype=param_dtype)
         )
         self.eps, self.dtype = norm_eps, dtype
-        self.scale = math.sqrt(in_width) if embed else 1.0
+        self.scale = scale
         channel = lambda init: nnx.Param(init((in_width,), param_dtype), axes=("embed",))
         self.std_bias = channel(jnp.zeros) if standardize else None
         self.std_scale = channel(jnp.ones) if standardize else None
@@ -176,7 +180,8 @@ def vision_projector(cfg: ModelConfig, **kw) -> Projector | PoolProjector:
     v = cfg.vision
     kw["lora"] = _adapters(cfg, "vision_projector")
     if v.projector == "pool":
-        embed = dict(embed=v.pool_embed, standardize=v.standardize)
+        scale = math.sqrt(v.width) if v.pool_embed else 1.0  # (Gemma 4's pooler's)
+        embed = dict(embed=v.pool_embed, scale=scale, standardize=v.standardize)
         return PoolProjector(v.width, cfg.llm.width, v.merge**2, norm_eps=v.norm_eps, **embed, **kw)
     return Projector(
         v.width,
@@ -191,12 +196,14 @@ def vision_projector(cfg: ModelConfig, **kw) -> Projector | PoolProjector:
     )
 
 
-def audio_projector(cfg: ModelConfig, **kw) -> Projector | LinearProjector:
+def audio_projector(cfg: ModelConfig, **kw) -> Projector | LinearProjector | PoolProjector:
     """The projector from `cfg.audio`'s encoder rows (subsample / (stride x pool) per token)."""
     a = cfg.audio
     kw["lora"] = _adapters(cfg, "audio_projector")
     if a.projector == "linear":
         return LinearProjector(a.out_width, cfg.llm.width, **kw)
+    if a.projector == "embed":  # (Gemma 4's embed_audio: one row a token)
+        return PoolProjector(a.out_width, cfg.llm.width, 1, norm_eps=a.norm_eps, embed=True, **kw)
     group = a.rows_per_token  # encoder rows per LLM token
     return Projector(
         a.out_width, cfg.llm.width, group, hidden=a.projector_dim, activation=a.projector_act, **kw
