@@ -21,7 +21,8 @@ Images, videos and clips take the checkpoint's own placeholder token where it ha
 processor_config.json, or Qwen2-VL's `<|image_pad|>` and `<|video_pad|>`, Qwen2-Audio's
 `<|AUDIO|>`, Gemma 3's `<image_soft_token>`, ...), wrapped as its template or processor wraps it
 (`<|vision_start|><|image_pad|><|vision_end|>`; Gemma 3's between blank lines, `<start_of_image>`
-and `<end_of_image>`; else the `boi_token` and `eoi_token` tokenizer_config.json names: Gemma 4);
+and `<end_of_image>`; else the `boi_token` and `eoi_token`, for a clip `boa_token` and
+`eoa_token`, tokenizer_config.json names: Gemma 4);
 where it has none, a new special token is appended after the vocabulary (`added_tokens`: the model
 needs those embedding rows), but for videos, which then take the image placeholder (as LLaVA-style
 checkpoints place video frames): the vision phase's rows fill either. Each placeholder is then laid
@@ -55,8 +56,8 @@ FILES = (
     "processor_config.json",
 )
 # The tokenizer_config.json keys naming the tokens before and after a kind's item where no known
-# wrap applies (Gemma4Processor's `boi_token`, `eoi_token`)
-NAMED_WRAPS = {"vision": ("boi_token", "eoi_token")}
+# wrap applies (Gemma4Processor's `boi_token`, `eoi_token`; `boa_token`, `eoa_token`)
+NAMED_WRAPS = {"vision": ("boi_token", "eoi_token"), "audio": ("boa_token", "eoa_token")}
 NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Checkpoints' own media placeholders per kind of media: (token, opening, closing); the wrap is
 # used when the vocabulary has both of its tokens (the text around them, Gemma 3's blank
@@ -216,8 +217,9 @@ class PretrainedTokenizer:
 
     def _named_wrap(self, kind: Kind, named: dict[str, str]) -> tuple[str, str]:
         """The wrap the tokenizer names for a kind (`NAMED_WRAPS`: Gemma 4's tokenizer_config
-        boi_token and eoi_token, its processor writing an image as them around its soft
-        tokens, nothing between), where both are in the vocabulary; else none."""
+        boi_token and eoi_token, boa_token and eoa_token, its processor writing an image or a
+        clip as them around its soft tokens, nothing between), where both are in the
+        vocabulary; else none."""
         keys = NAMED_WRAPS.get(kind.name, ())
         tokens = [named.get(k) for k in keys]
         if keys and all(t and self._tk.token_to_id(t) is not None for t in tokens):
