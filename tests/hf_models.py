@@ -320,15 +320,18 @@ def gemma4(
     pool: int = 2,
     per_layer: int = 0,
     shared: int = 0,
+    audio: tuple[int, int, int] | None = None,
 ) -> str:
     """A whole Gemma 4: its text decoder (sliding, full, sliding, full layers, a `window`
     shorter than an image's run of tokens, images read both ways in the sliding layers), its
     vision tower (patches of `patch` pixels, `pool` x `pool` of them a soft token, axial
     tables of 16 rows,
-    head_dim 8, standardised soft tokens) and embed_vision. No audio. `per_layer`: per-layer
+    head_dim 8, standardised soft tokens) and embed_vision. `per_layer`: per-layer
     inputs this wide (a table of vocab + 20 rows, the pad id 3, whose row an image's soft
     tokens read; 0: none); `shared`: the last layers reusing keys. `ids`: the
-    begin-of-image, end-of-image and image token ids."""
+    begin-of-image, end-of-image and image token ids. `audio`: the begin-of-audio,
+    end-of-audio and audio token ids of an audio conformer (`gemma4_audio`'s, its bounds
+    finite) and embed_audio (none: audio_config null)."""
     import torch
     import transformers as T
 
@@ -377,15 +380,18 @@ def gemma4(
         rms_norm_eps=1e-6,
     )
     boi, eoi, image = ids
+    boa, eoa, clip = audio or (None, None, image)
     cfg = T.Gemma4Config(
         text_config=text,
         vision_config=vision,
-        audio_config=None,
+        audio_config=_gemma4_audio_config() if audio else None,
         boi_token_id=boi,
         eoi_token_id=eoi,
         image_token_id=image,
         video_token_id=image,
-        audio_token_id=image,
+        audio_token_id=clip,
+        boa_token_id=boa,
+        eoa_token_index=eoa,
     )
     model = randomize(T.Gemma4ForConditionalGeneration(cfg), seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -396,6 +402,8 @@ def gemma4(
         if standardize:
             tower.std_bias.copy_(0.3 * torch.randn(32, generator=gen))
             tower.std_scale.copy_(0.5 + torch.rand(32, generator=gen))
+    if audio:
+        _bound(model.model.audio_tower, gen)
     return save(model, directory)
 
 
@@ -558,10 +566,18 @@ def gemma4_audio(directory: Path, seed: int = 0, right: int = 2, clipped: bool =
     epsilon of 0.05 (the norms that read it differ from the fixed 1e-6 ones), and each clipped
     linear's bounds drawn finite (they bite too), but the light convolution's last (±inf)."""
     import torch
-    from transformers.models.gemma4.configuration_gemma4 import Gemma4AudioConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4AudioModel
 
-    cfg = Gemma4AudioConfig(
+    model = randomize(Gemma4AudioModel(_gemma4_audio_config(right, clipped)), seed)
+    _bound(model, torch.Generator().manual_seed(seed + 1))
+    return save(model, directory)
+
+
+def _gemma4_audio_config(right: int = 2, clipped: bool = True):
+    """`gemma4_audio`'s config."""
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4AudioConfig
+
+    return Gemma4AudioConfig(
         hidden_size=32,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -575,8 +591,13 @@ def gemma4_audio(directory: Path, seed: int = 0, right: int = 2, clipped: bool =
         use_clipped_linears=clipped,
         output_proj_dims=24,
     )
-    model = randomize(Gemma4AudioModel(cfg), seed)
-    gen = torch.Generator().manual_seed(seed + 1)
+
+
+def _bound(model, gen) -> None:
+    """Each clipped linear's bounds of a Gemma 4 conformer drawn finite, but the light
+    convolution's last (left ±inf)."""
+    import torch
+
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if "linear_end" in name:  # (left unbounded, ±inf: no clamp)
@@ -585,7 +606,6 @@ def gemma4_audio(directory: Path, seed: int = 0, right: int = 2, clipped: bool =
                 buf.copy_(-1.0 - 2.0 * torch.rand((), generator=gen))
             elif name.rsplit(".", 1)[-1] in ("input_max", "output_max"):
                 buf.copy_(1.0 + 2.0 * torch.rand((), generator=gen))
-    return save(model, directory)
 
 
 def _text(kind: str, vocab: int, mrope: bool = False) -> dict:

@@ -1,9 +1,11 @@
 """Gemma 4's whole model (`gemma4`: its text decoder, its vision tower, embed_vision, images read
-both ways in the sliding layers) in and out, held to transformers on a tiny random checkpoint
-built in tmp_path (tests/hf_models.py): `hf check`'s logits with images packed beside text,
-negative controls with the images read causally or both ways in every layer, the tower alone
-against Gemma4VisionModel, the bit-exact round trip, greedy ids with an image, the processor's
-soft-token counts, the processor's image wrap and what import refuses."""
+both ways in the sliding layers; its audio conformer and embed_audio) in and out, held to
+transformers on a tiny random checkpoint built in tmp_path (tests/hf_models.py): `hf check`'s
+logits with images and clips packed beside text, negative controls with the images read
+causally or both ways in every layer and with embed_audio's norm at another epsilon, the tower
+alone against Gemma4VisionModel, the bit-exact round trip, greedy ids with an image and a clip,
+the processor's soft-token counts, the processor's image and clip wraps and what import
+refuses."""
 
 from __future__ import annotations
 
@@ -32,31 +34,58 @@ from jaxmllm.hf.registry import read_hf_config
 from jaxmllm.hf.safetensors import Checkpoint
 from jaxmllm.hf.towers import load_model
 from jaxmllm.hf.wholes import whole_for
+from jaxmllm.models import encoders, projectors
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.torch
-# Gemma4Processor's image tokens: begin, end, the soft token
+# Gemma4Processor's image tokens: begin, end, the soft token; its audio tokens alike
 NAMES = ["<|image>", "<image|>", "<|image|>"]
+AUDIO_NAMES = ["<|audio>", "<audio|>", "<|audio|>"]
+AUDIO_IDS = (294, 295, 296)  # (begin, end, soft token of a clip in hf_models.gemma4's 300)
 
 
 @pytest.mark.parametrize(
     "options", [{}, {"per_layer": 8, "shared": 2}], ids=["plain", "ple-shared"]
 )
-def test_gemma4_with_images_packed_beside_text_matches_transformers(options, tmp_path, capsys):
-    """The LLM on text, the tower and its pooling projector on an image, then two samples with
-    an image (text, `<|image>`, six and two soft tokens, `<image|>`, text: the first longer
-    than the window of 4) and one of text alone packed into ONE row: every token's logits
-    within 1e-4 of transformers on each sample alone in fp32, given its mm_token_type_ids;
-    with per-layer inputs (an image's soft tokens reading the pad token's row, their context
-    part the image's rows) and the last two layers reusing keys too."""
-    results = _check(hf_models.gemma4(tmp_path / "gemma4", **options), capsys)
-    assert [r["role"] for r in results] == ["llm", "vision", "model", "model", "model"]
-    samples = [r["what"] for r in results[2:]]
-    assert "6x4-patch image" in samples[0] and "2x4-patch image" in samples[2]
-    assert all("packed 3 samples into 1 row" in w for w in samples)
+def test_gemma4_with_images_and_clips_packed_beside_text_matches_transformers(
+    options, tmp_path, capsys
+):
+    """The LLM on text, the tower and its pooling projector on an image, the conformer and
+    embed_audio on a clip, then two samples with an image (text, `<|image>`, six and two soft
+    tokens, `<image|>`, text: the first longer than the window of 4), two with a clip (text,
+    `<|audio>`, 10 and 14 soft tokens of 38 and 53 frames, `<audio|>`, text) and one of text
+    alone packed into ONE row: every token's logits within 1e-4 of transformers on each
+    sample alone in fp32, given its mm_token_type_ids, input_features and their mask; with
+    per-layer inputs (an image's and a clip's soft tokens reading the pad token's row, their
+    context part the media's rows) and the last two layers reusing keys too."""
+    results = _check(hf_models.gemma4(tmp_path / "gemma4", audio=AUDIO_IDS, **options), capsys)
+    assert [r["role"] for r in results] == ["llm", "vision", "audio"] + ["model"] * 5
+    samples = [r["what"] for r in results[3:]]
+    assert "6x4-patch image" in samples[0] and "2x4-patch image" in samples[3]
+    assert "38-frame clip" in samples[1] and "53-frame clip" in samples[4]
+    assert all("packed 5 samples into 1 row" in w for w in samples)
     for result in results:
         assert result["max_abs_ref"] > 0.5, result  # a real signal, not zeros
         assert result["max_abs_diff"] < 1e-4, result
+
+
+def test_embed_audio_at_another_epsilon_fails_the_check(tmp_path, capsys, monkeypatch):
+    """The negative control: embed_audio's RMSNorm at the vision embedder's epsilon (1e-6)
+    instead of the audio config's rms_norm_eps (0.05): the clips' rows and the samples with a
+    clip are off transformers', the images and text alone are not."""
+
+    def other_eps(cfg, **kw):
+        a = cfg.audio
+        return projectors.PoolProjector(
+            a.out_width, cfg.llm.width, 1, norm_eps=1e-6, embed=True, **kw
+        )
+
+    monkeypatch.setitem(encoders.ENCODER_MODULES, "audio", (encoders.audio_encoder, other_eps))
+    results = _check(hf_models.gemma4(tmp_path / "gemma4", audio=AUDIO_IDS), capsys, rc=1)
+    clip = [r for r in results if "clip" in r["what"]]
+    rest = [r for r in results if "clip" not in r["what"]]
+    assert len(clip) == 3 and min(r["max_abs_diff"] for r in clip) > 1e-2, clip
+    assert len(rest) == 5 and all(r["max_abs_diff"] < 1e-4 for r in rest), rest
 
 
 @pytest.mark.parametrize("read", ["causally", "both ways in every layer"])
@@ -140,13 +169,20 @@ def test_gemma4_tower_alone_matches_gemma4_vision_model(tmp_path):
 
 
 def test_gemma4_import_then_export_is_bit_identical(tmp_path):
-    """Every tensor of the whole checkpoint is consumed, and writing the loaded parameters back
-    gives each bit for bit, with a config.json transformers loads without a missing or an
-    unexpected key; the import sets the tower's options and the spans of the sliding layers."""
+    """Every tensor of the whole checkpoint (its conformer and embed_audio too) is consumed,
+    and writing the loaded parameters back gives each bit for bit (the clipped linears' ±inf
+    bounds too), with a config.json transformers loads without a missing or an unexpected key;
+    the import sets the towers' options and the spans of the sliding layers."""
     import transformers
+    from flax import nnx
 
-    source = hf_models.gemma4(tmp_path / "source")
-    cfg, flat = _flat(source)
+    from sharding.rules import keyed_leaves
+
+    source = hf_models.gemma4(tmp_path / "source", audio=AUDIO_IDS)
+    cfg, model = load_model(source, source, source)
+    flat = keyed_leaves(nnx.to_pure_dict(nnx.state(model)))
+    a = cfg.model.audio
+    assert (a.stem, a.projector, a.norm_eps, cfg.data.mel) == ("conformer", "embed", 0.05, "gemma4")
     v, llm = cfg.model.vision, cfg.model.llm
     assert (v.projector, v.pool_embed, v.standardize, v.merge) == ("pool", True, True, 2)
     assert (v.rope_axes, v.position_axes, v.final_norm) == ("cols_first", 16, False)
@@ -154,28 +190,33 @@ def test_gemma4_import_then_export_is_bit_identical(tmp_path):
     assert (cfg.data.image_resize, cfg.data.image_max_pixels) == ("floor", 280 * 8 * 8)
     out = tmp_path / "out"
     whole = whole_for(read_hf_config(source))
-    write_piece(cfg, Piece("", ("llm", "vision"), source, whole=whole), flat, out, 16 << 10)
+    roles = ("llm", "vision", "audio")
+    write_piece(cfg, Piece("", roles, source, whole=whole), flat, out, 16 << 10)
     before, after = Checkpoint(source), Checkpoint(out)
     assert set(after.names()) == set(before.names())
+    assert any(n.startswith("model.embed_audio.") for n in after.names())
     for n in after.names():
-        a, b = before.get(n), after.get(n)
-        assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)), n
+        x, y = before.get(n), after.get(n)
+        bits = lambda t: t.reshape(-1).view(np.uint8)  # (a clipped linear's bound: 0-d)
+        assert x.dtype == y.dtype and np.array_equal(bits(x), bits(y)), n
     config = json.loads((out / "config.json").read_text())
     assert config["text_config"]["use_bidirectional_attention"] == "vision"
+    source_config = json.loads((Path(source) / "config.json").read_text())
+    assert config["audio_config"] == source_config["audio_config"]
     cls = transformers.Gemma4ForConditionalGeneration
     _, info = cls.from_pretrained(str(out), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    again = _flat(str(out))[1]
+    again = keyed_leaves(nnx.to_pure_dict(nnx.state(load_model(str(out), str(out), str(out))[1])))
     assert all(np.array_equal(flat[k], again[k]) for k in flat)
 
 
 def test_import_refuses_what_gemma4_sets_and_jaxmllm_does_not_build(tmp_path):
-    """An audio tower, clipped linears and a processor that normalises, each refused naming
-    its key."""
+    """An audio tower not Gemma 4's conformer, clipped linears in the vision tower and a
+    processor that normalises, each refused naming its key."""
     d = Path(hf_models.gemma4(tmp_path / "gemma4"))
     config = json.loads((d / "config.json").read_text())
     for change, key in (
-        ({"audio_config": {"model_type": "gemma4_audio"}}, "audio_config"),
+        ({"audio_config": {"model_type": "whisper"}}, "audio_config"),
         (
             {"vision_config": {**config["vision_config"], "use_clipped_linears": True}},
             "use_clipped_linears",
@@ -219,23 +260,35 @@ def test_an_images_soft_tokens_are_the_processors(tmp_path, sizes):
     assert [gh * gw // k**2 for gh, gw in grids] == theirs
 
 
-def test_gemma4_with_an_image_generates_transformers_tokens(tmp_path):
+def test_gemma4_with_an_image_and_a_clip_generates_transformers_tokens(tmp_path):
     """A whole Gemma 4 from one directory, an image in the prompt between `<|image>` and
     `<image|>` (read both ways in the sliding layers in prefill, as transformers'
-    mm_token_type_ids read it): the 16 greedy ids are transformers'."""
+    mm_token_type_ids read it), then a clip of 38 frames (10 soft tokens, its last 2 frames
+    padding at position -1) between `<|audio>` and `<audio|>`: the 16 greedy ids are
+    transformers'."""
     import torch
     from transformers import Gemma4ForConditionalGeneration
 
     d = tmp_path / "gemma4"
     template = "meta-llama/Llama-3.1-8B-Instruct"
+    extra = NAMES + AUDIO_NAMES
     options = dict(image_token=NAMES[2], boi_token=NAMES[0], eoi_token=NAMES[1])
-    tk = hf(build_dir(d, "llama", template, extra=NAMES, **options))
-    boi, eoi, image_id = (tk.convert_tokens_to_ids(t) for t in NAMES)
-    hf_models.gemma4(d, vocab=VOCAB, ids=(boi, eoi, image_id), seed=1)
-    build_dir(d, "llama", template, extra=NAMES, **options)  # (save_pretrained wrote over it)
+    options.update(audio_token=AUDIO_NAMES[2], boa_token=AUDIO_NAMES[0], eoa_token=AUDIO_NAMES[1])
+    tk = hf(build_dir(d, "llama", template, extra=extra, **options))
+    boi, eoi, image_id, boa, eoa, audio_id = (tk.convert_tokens_to_ids(t) for t in extra)
+    hf_models.gemma4(d, vocab=VOCAB, ids=(boi, eoi, image_id), seed=1, audio=(boa, eoa, audio_id))
+    build_dir(d, "llama", template, extra=extra, **options)  # (save_pretrained wrote over it)
 
     g, p, k = 6, 4, 2  # 6x6 patches of 4 px, 2x2 of them a soft token
-    prompt, tokens, _ = image_prompt(tk, g, p, k, image_id, (boi, eoi))
+    image, tokens, _ = image_prompt(tk, g, p, k, image_id, (boi, eoi))
+    frames, mels = 38, 16
+    clip = np.random.default_rng(1).normal(size=(40, mels)).astype(np.float32)
+    at = np.where(np.arange(40) < frames, np.arange(40), -1).astype(np.int32)
+    tokens = [*tokens, boa, *[audio_id] * 10, eoa]
+    media = {**image.media, "audio": [(clip, at)]}
+    prompt = dataclasses.replace(
+        image, tokens=np.asarray(tokens, np.int32), loss=np.zeros(len(tokens), bool), media=media
+    )
     ours, stop = _ours(d, prompt, 16)
 
     model = Gemma4ForConditionalGeneration.from_pretrained(str(d)).eval()
@@ -251,22 +304,30 @@ def test_gemma4_with_an_image_generates_transformers_tokens(tmp_path):
         pixel_values=pixels,
         image_position_ids=where,
         mm_token_type_ids=types,
+        input_features=torch.from_numpy(clip[None, :frames]),
+        input_features_mask=torch.ones(1, frames, dtype=torch.bool),
     )
     assert len(ours) == 16 and ours == theirs
 
 
-def test_an_image_is_wrapped_as_gemma4s_processor_wraps_it(tmp_path):
-    """A tokenizer naming Gemma 4's image tokens (image_token, boi_token, eoi_token): an image
-    becomes `<|image>`, its placeholder (one a row, laid out later) and `<image|>`, nothing
-    around them, as Gemma4Processor's replace_image_token writes it."""
+def test_an_image_and_a_clip_are_wrapped_as_gemma4s_processor_wraps_them(tmp_path):
+    """A tokenizer naming Gemma 4's image and audio tokens (image_token, boi_token, eoi_token;
+    audio_token, boa_token, eoa_token): an image becomes `<|image>`, its placeholder (one a
+    row, laid out later) and `<image|>`, a clip `<|audio>`, its placeholder and `<audio|>`,
+    nothing around them, as Gemma4Processor's replace_image_token and replace_audio_token
+    write them."""
     options = dict(image_token=NAMES[2], boi_token=NAMES[0], eoi_token=NAMES[1])
-    d = build_dir(tmp_path / "tk", "llama", None, NAMES, **options)
+    options.update(audio_token=AUDIO_NAMES[2], boa_token=AUDIO_NAMES[0], eoa_token=AUDIO_NAMES[1])
+    d = build_dir(tmp_path / "tk", "llama", None, NAMES + AUDIO_NAMES, **options)
     tk = make_tokenizer(str(d))
-    record = parse_record({"id": "a", "text": "hi<image>ok", "images": ["y"]}, Path("."), 1)
-    pieces = tk.pieces(record)
-    assert [p[0] for p in pieces] == ["text", "vision", "text"]
-    before, after = pieces[0][1], pieces[2][1]
-    boi, eoi = (tk.token_id(t) for t in NAMES[:2])
+    raw = {"id": "a", "text": "hi<image>ok<audio>end", "images": ["y"], "audio": ["z"]}
+    pieces = tk.pieces(parse_record(raw, Path("."), 1))
+    assert [p[0] for p in pieces] == ["text", "vision", "text", "audio", "text"]
+    before, between, after = pieces[0][1], pieces[2][1], pieces[4][1]
+    boi, eoi, boa, eoa = (tk.token_id(t) for t in [*NAMES[:2], *AUDIO_NAMES[:2]])
     assert before[-1] == boi and tk.decode(before[:-1]).endswith("hi"), tk.decode(before)
-    assert after[0] == eoi and tk.decode(after[1:]).startswith("ok"), tk.decode(after)
+    assert between[0] == eoi and between[-1] == boa, tk.decode(between)
+    assert tk.decode(between[1:-1]).strip() == "ok", tk.decode(between)
+    assert after[0] == eoa and tk.decode(after[1:]).startswith("end"), tk.decode(after)
     assert tk.specials.media["vision"] == tk.token_id(NAMES[2])
+    assert tk.specials.media["audio"] == tk.token_id(AUDIO_NAMES[2])

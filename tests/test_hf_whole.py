@@ -388,12 +388,13 @@ def _fake_run(tmp_path: Path, overrides: list[str]) -> Path:
 def test_export_from_scratch_refuses_naming_the_option_and_leaves_nothing(tmp_path, capsys):
     """The tiny model (jaxmllm's own blocks: RMSNorm and gated-MLP vision, 2D-RoPE towers and
     an audio encoder) is no HF architecture: export refuses, naming per family the first
-    option without a counterpart, before anything is read or written. An LLM alone with
-    jaxmllm's scaled tied logits is refused as Llama and as Qwen2 naming that key. --out a
-    file: exit 2 with a clear message."""
+    option without a counterpart (as Gemma 4, the one whole holding all three parts), before
+    anything is read or written. An LLM alone with jaxmllm's scaled tied logits is refused as
+    Llama and as Qwen2 naming that key. --out a file: exit 2 with a clear message."""
     run = _fake_run(tmp_path, [])
     out = tmp_path / "export"
-    with pytest.raises(FamilyError, match="holds llm and vision and audio together"):
+    # (an LLM, a tower and an audio encoder together: Gemma 4 alone holds all three)
+    with pytest.raises(FamilyError, match=r"as gemma4: model\.llm\.mlp='gated_silu'"):
         export_run(str(run), str(out))
     cfg = load_config(TINY, ["model.audio.enabled=false", "data.synthetic.audio_fraction=0"])
     with pytest.raises(FamilyError, match=r"as qwen2_vl: model\.llm\.attn_bias=''") as e:

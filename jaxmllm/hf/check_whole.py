@@ -43,7 +43,15 @@ from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.specials import Specials
 from jaxmllm.hf import check_pairs, oracle
-from jaxmllm.hf.check import _numpy, _torch, check_dir, figures, hf_module, own_columns
+from jaxmllm.hf.check import (
+    CONFORMER_CLIPS,
+    _numpy,
+    _torch,
+    check_dir,
+    figures,
+    hf_module,
+    own_columns,
+)
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.registry import family_for, read_hf_config, roles_of
 from jaxmllm.hf.towers import load_model
@@ -101,7 +109,7 @@ def check_all(
         if data:
             return check_whole(directory, tokens, seed, packed=packed, data=data)
         return [check_dir(directory, role, tokens, seed, packed)]
-    roles = [*whole.parts, "model"]
+    roles = [*whole.held(hf), "model"]
     if role and role not in roles:
         raise FamilyError(
             f"{directory} is a whole {whole.name} checkpoint with no {role} part: "
@@ -143,7 +151,7 @@ def check_whole(
     only) gets its samples' lines."""
     hf = read_hf_config(directory)
     whole = whole_for(hf)
-    parts = whole.parts if whole is not None else ("llm",)
+    parts = whole.held(hf) if whole is not None else ("llm",)
     dirs = {r: directory if r in parts else "" for r in ("vision", "audio")}
     cfg, model = load_model(directory, dirs["vision"], dirs["audio"], adapter=adapter)
     cfg = _with_videos(cfg)
@@ -192,16 +200,14 @@ def pair_lines(cfg, model, ref, whole, name, samples, ids, specials, reference, 
     transformers'), and each pair's log-prob line (`check_pairs`): ours from one packed row
     (or a row each) as training computes them, transformers' from each document alone.
     `ids`: the pairs' record ids; `vocab`: the checkpoint's own columns."""
-    hook = whole.row.hook if whole is not None else None
     first = next((k for k, (_, s) in enumerate(samples) if _media(s)), None)
-    theirs, captured = [], None
+    theirs, captured = [], {}
     for k, (_, sample) in enumerate(samples):
         sums = {}
         for side, doc in zip(check_pairs.SIDES, check_pairs.documents(sample), strict=True):
-            n = int(np.isin(doc.tokens, [*specials.media.values()]).sum())
-            take = hook if k == first and side == "chosen" else None
-            logits, got = _run(ref, reference(doc), take, n)
-            captured = got if take is not None else captured
+            taps = _taps(whole, doc, specials) if k == first and side == "chosen" else {}
+            logits, got = _run(ref, reference(doc), taps)
+            captured.update(got)
             total, count = check_pairs.document_logps(logits, doc)
             sums.update({side: total, f"{side}_tokens": count})
         theirs.append(sums)
@@ -212,7 +218,8 @@ def pair_lines(cfg, model, ref, whole, name, samples, ids, specials, reference, 
     if first is not None:
         desc, sample = samples[first]
         chosen = check_pairs.documents(sample)[0]
-        out += encoder_lines(cfg, model, name, (desc, chosen), specials, captured)
+        for phase in captured:
+            out += encoder_lines(cfg, model, name, (desc, chosen), specials, captured, phase)
     n = len(samples)
     where = f"packed {n} pairs into 1 row" if packed else "each pair in a row of its own"
     grown = cfg.model.llm.vocab_size
@@ -227,22 +234,21 @@ def pair_lines(cfg, model, ref, whole, name, samples, ids, specials, reference, 
 
 
 def sample_lines(cfg, model, ref, whole, name, samples, specials, reference, packed) -> list:
-    """The encoder's lines on the first sample with media, and each sample's logits, ours from
-    one packed row (or a row each) against transformers on the sample alone."""
-    theirs, captured = [], None
-    hook = whole.row.hook if whole is not None else None
-    first = next((k for k, (_, s) in enumerate(samples) if _media(s)), None)
+    """Each encoder's lines on the first sample with its media, and each sample's logits, ours
+    from one packed row (or a row each) against transformers on the sample alone."""
+    theirs, captured, firsts = [], {}, {}
     for k, (_, sample) in enumerate(samples):
-        n = int(np.isin(sample.tokens, [*specials.media.values()]).sum())
-        logits, got = _run(ref, reference(sample), hook if k == first else None, n)
+        taps = {p: h for p, h in _taps(whole, sample, specials).items() if p not in firsts}
+        logits, got = _run(ref, reference(sample), taps)
         theirs.append(logits)
-        captured = got if k == first else captured
+        captured.update(got)
+        firsts.update(dict.fromkeys(got, k))
     rows = [packed_row([s for _, s in samples], cfg, specials)] if packed else None
     rows = rows or [packed_row([s], cfg, specials) for _, s in samples]
     logits = [np.asarray(_forward(model, _device(mb)))[0, 0] for mb, _ in rows]
     out = []
-    if first is not None:
-        out += encoder_lines(cfg, model, name, samples[first], specials, captured)
+    for phase, k in firsts.items():
+        out += encoder_lines(cfg, model, name, samples[k], specials, captured, phase)
     n = len(samples)
     where = f"packed {n} samples into 1 row" if packed else "each sample in a row of its own"
     for k, ((desc, sample), mine) in enumerate(zip(samples, theirs, strict=True)):
@@ -254,20 +260,31 @@ def sample_lines(cfg, model, ref, whole, name, samples, specials, reference, pac
     return out
 
 
-def encoder_lines(cfg, model, name: str, sample_of, specials, captured) -> list[dict]:
-    """The first sample's encoder rows (and DeepStack's levels) against transformers'."""
+def encoder_lines(cfg, model, name: str, sample_of, specials, captured, phase) -> list[dict]:
+    """A sample's `phase` encoder rows (and DeepStack's levels) against transformers'
+    (`captured[phase]`)."""
     desc, sample = sample_of
-    phase = "vision" if sample.media["vision"] else "audio"
     mb, _ = packed_row([sample], cfg, specials)
     rows, deep = _encode(model, _device(mb), phase)
     n = int(np.isin(sample.tokens, specials.phase_ids(phase)).sum())
-    theirs_rows, theirs_deep = captured
+    theirs_rows, theirs_deep = captured[phase]
     out = [figures(phase, name, f"projected rows of {desc}", np.asarray(rows)[0, :n], theirs_rows)]
     if deep is not None:
         ours = np.asarray(deep)[:, 0, :n]
         what = f"DeepStack's rows of {desc} ({len(ours)} levels)"
         out.append(figures(phase, name, what, ours, theirs_deep))
     return out
+
+
+def _taps(whole: Whole | None, sample: Sample, specials: Specials) -> dict:
+    """The hooks (`table.WholeRow.hooks`) that read transformers' rows of a sample's media, per
+    phase it holds, each with the count of its placeholders."""
+    hooks = whole.row.hooks if whole is not None else {}
+    return {
+        p: (hook, int(np.isin(sample.tokens, specials.phase_ids(p)).sum()))
+        for p, hook in hooks.items()
+        if sample.media.get(p)
+    }
 
 
 def _media(sample: Sample) -> bool:
@@ -295,10 +312,11 @@ def check_specials(whole: Whole | None, hf: dict, spare: np.ndarray) -> Specials
     the others from ids the random text never draws (`spare`)."""
     spare = [int(i) for i in spare]
     media = {}
-    if whole is not None and "vision" in whole.parts:
+    held = whole.held(hf) if whole is not None else ()
+    if "vision" in held:
         media["vision"] = whole.token_id("vision", hf)
         media["video"] = hf.get("video_token_id", media["vision"])
-    if whole is not None and "audio" in whole.parts:
+    if "audio" in held:
         media["audio"] = whole.token_id("audio", hf)
     for kind in KINDS:
         media.setdefault(kind.name, spare.pop())
@@ -314,18 +332,40 @@ def random_samples(cfg, whole: Whole | None, hf: dict, rng, text) -> list[tuple[
     times, between them), clips."""
     if whole is None:
         return [(f"{n} text tokens", _text_sample(text(n))) for n in (24, 40, 16)]
-    if "audio" in whole.parts:
-        a = cfg.model.audio
-        window = a.max_positions * a.stride
-        lengths = [max(8, window * 3 // 4 // a.subsample * a.subsample), window // 2]
-        token = whole.token_id("audio", hf)
-        clips = [_clip_sample(n, a, token, rng, text) for n in lengths]
+    held = whole.held(hf)
+    clips = _clips(cfg, whole, hf, rng, text) if "audio" in held else []
+    if "vision" not in held:
         return [clips[0], ("text alone", _text_sample(text(24))), clips[1]]
+    images = _images(cfg, whole, hf, rng, text)
+    return images[:1] + clips[:1] + images[1:] + clips[1:]  # (the wholes with both: Gemma 4)
+
+
+def _wrap(whole: Whole, hf: dict, phase: str) -> list[list[int]]:
+    """The ids before and after a phase's item ([] where the row or config.json names none)."""
+    keys = whole.row.wraps.get(phase, ("", ""))
+    ids = [hf.get(k) for k in keys]
+    return [[i] if i is not None and i < hf_vocab(hf) else [] for i in ids]
+
+
+def _clips(cfg, whole: Whole, hf: dict, rng, text) -> list[tuple[str, Sample]]:
+    """Two random clips between text: a quarter of the encoder's window short of it and half
+    of it (Whisper's fixed windows), or the conformer's clips of 38 and 53 frames (neither a
+    whole number of tokens)."""
+    a = cfg.model.audio
+    window = a.max_positions * a.stride
+    lengths = [max(8, window * 3 // 4 // a.subsample * a.subsample), window // 2]
+    if a.is_conformer:
+        lengths = list(CONFORMER_CLIPS[:2])
+    token, wrap = whole.token_id("audio", hf), _wrap(whole, hf, "audio")
+    return [_clip_sample(n, a, token, wrap, rng, text) for n in lengths]
+
+
+def _images(cfg, whole: Whole, hf: dict, rng, text) -> list[tuple[str, Sample]]:
+    """Images of two sizes (and a video where the family reads videos) and text alone."""
     v = cfg.model.vision
     m = v.merge
     token = whole.token_id("vision", hf)
-    wrap = [hf.get(k) for k in whole.row.wrap]
-    wrap = [[i] if i is not None and i < hf_vocab(hf) else [] for i in wrap]
+    wrap = _wrap(whole, hf, "vision")
     if whole.fixed_size:  # transformers reads LLaVA's, Gemma 3's images at the tower's size
         grids = [(v.position_grid, v.position_grid)] * 2
     else:
@@ -387,11 +427,16 @@ def _video_sample(cfg, whole: Whole, grid, token: int, wrap, rng, text):
     return f"a {t}-temporal-patch video ({gh}x{gw} patches)", sample
 
 
-def _clip_sample(frames: int, a, token: int, rng, text):
-    """A random clip of `frames` frames between text, a placeholder per encoder row."""
-    clip = rng.normal(size=(frames, a.n_mels)).astype(np.float32)
-    ids = np.asarray([*text(5), *[token] * (frames // a.subsample), *text(7)], np.int32)
-    item = (clip, np.arange(frames, dtype=np.int32))
+def _clip_sample(frames: int, a, token: int, wrap, rng, text):
+    """A random clip of `frames` frames between text, in its `wrap`, a placeholder per LLM
+    token: its frames padded to whole tokens, the padding frames (noise) at position -1, as
+    `data.mel: gemma4` pads them."""
+    tokens = -(-frames // a.subsample)
+    padded = tokens * a.subsample
+    clip = rng.normal(size=(padded, a.n_mels)).astype(np.float32)
+    positions = np.where(np.arange(padded) < frames, np.arange(padded), -1).astype(np.int32)
+    ids = np.asarray([*text(5), *wrap[0], *[token] * tokens, *wrap[1], *text(7)], np.int32)
+    item = (clip, positions)
     return f"a {frames}-frame clip", Sample(0, ids, np.zeros(len(ids), bool), {"audio": [item]})
 
 
@@ -447,18 +492,19 @@ def _positions(ids: np.ndarray, mrope: bool) -> jnp.ndarray:
     return jnp.asarray(np.repeat(positions[..., None], 3, -1) if mrope else positions)
 
 
-def _run(ref, inputs: dict[str, Any], hook=None, n: int = 0) -> tuple[np.ndarray, Any]:
-    """transformers' logits [T, vocab] of one sample's inputs (numpy; batched here), and what
-    `hook` reads off its module: (its `n` rows, DeepStack's [K, rows, width] or None)."""
+def _run(ref, inputs: dict[str, Any], taps: dict | None = None) -> tuple[np.ndarray, dict]:
+    """transformers' logits [T, vocab] of one sample's inputs (numpy; batched here), and per
+    phase of `taps` (phase -> (its hook, its placeholders n)) what the hook reads off its
+    module: (its `n` rows, DeepStack's [K, rows, width] or None)."""
     import torch
 
-    captured = {}
-    handle = None
-    if hook is not None:
+    captured, handles = {}, []
+    for phase, (hook, _) in (taps or {}).items():
         module = ref.get_base_model() if hasattr(ref, "get_base_model") else ref  # (peft's)
         for part in hook.module.split("."):
             module = getattr(module, part)
-        handle = module.register_forward_hook(lambda mod, i, o: captured.update(out=o))
+        keep = lambda mod, i, o, phase=phase: captured.update({phase: o})
+        handles.append(module.register_forward_hook(keep))
     per_sample = (
         "input_ids",
         "mm_token_type_ids",
@@ -473,15 +519,15 @@ def _run(ref, inputs: dict[str, Any], hook=None, n: int = 0) -> tuple[np.ndarray
         with torch.no_grad():
             logits = ref(**tensors).logits
     finally:
-        if handle is not None:
+        for handle in handles:
             handle.remove()
-    theirs = _numpy(logits[0])
-    if hook is None:
-        return theirs, None
-    out = captured["out"]
-    deep = getattr(out, "deepstack_features", None)
     joined = lambda d: (
         np.concatenate([_numpy(x) for x in d]) if isinstance(d, list | tuple) else _numpy(d)
     )
-    deep = np.stack([joined(d) for d in deep]) if deep else None  # (split by image after)
-    return theirs, (_numpy(hook.rows(out, n)), deep)
+    got = {}
+    for phase, (hook, n) in (taps or {}).items():
+        out = captured[phase]
+        deep = getattr(out, "deepstack_features", None)
+        deep = np.stack([joined(d) for d in deep]) if deep else None  # (split by image after)
+        got[phase] = (_numpy(hook.rows(out, n)), deep)
+    return _numpy(logits[0]), got

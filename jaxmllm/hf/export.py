@@ -177,7 +177,8 @@ def scratch(cfg: Config, roles: tuple[str, ...]) -> Piece:
     """The whole family a run from scratch matches (an LLM alone: its decoder family)."""
     if roles == ("llm",):
         return Piece("", roles, "", family=standalone(cfg, "llm"))
-    candidates = [w for w in WHOLES if set(w.parts) == set(roles)]
+    fits = lambda w: set(w.parts) - set(w.optional) <= set(roles) <= set(w.parts)
+    candidates = [w for w in WHOLES if fits(w)]
     if not candidates:
         raise FamilyError(
             f"no HuggingFace architecture jaxmllm writes holds {' and '.join(roles)} together "

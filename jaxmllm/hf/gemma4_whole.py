@@ -1,5 +1,6 @@
 """Gemma 4's whole model: `Gemma4ForConditionalGeneration` (`gemma4`, the table's `GEMMA4` row),
-its text decoder and its vision tower (no audio tower yet).
+its text decoder, its vision tower and, where its config.json has an `audio_config`, its audio
+conformer.
 
 - Its LLM is Gemma 4's text decoder (`jaxmllm.hf.gemma4`: `model.language_model.`, the
   causal LM's `model.` renamed, as transformers 5 names the modules), its tower Gemma 4's
@@ -16,9 +17,14 @@ its text decoder and its vision tower (no audio tower yet).
   patches (k: `pooling_kernel_size`), each side floored to whole k x k windows, small images
   scaled up: `data.image_resize: floor` within `data.image_max_pixels` (`hf import` sets them),
   so an image has exactly the processor's soft tokens, patch x patch x k x k pixels each.
+- Its audio encoder is the conformer (`model.audio_tower.`, `jaxmllm.hf.audio.
+  Gemma4AudioEncoder`), its projector `model.embed_audio.` (`model.audio.projector: embed`:
+  an RMSNorm without a scale, of the audio config's rms_norm_eps, then `embedding_projection`
+  [text width, output_proj_dims]). A clip is `audio_token_id` once per soft token (one per 4
+  frames, rounded up) after `boa_token_id` and before `eoa_token_index`, read causally.
+  A checkpoint whose `audio_config` is null holds no audio part (`Whole.optional`).
 
-Refused, naming the key: an audio tower (`audio_config`), and what the decoder and the tower
-refuse.
+Refused, naming the key: what the decoder and the towers refuse.
 """
 
 from __future__ import annotations
@@ -39,10 +45,11 @@ from jaxmllm.hf.whole_config import (
 )
 
 PROJECTOR = "model.embed_vision."
+AUDIO_PROJECTOR = "model.embed_audio."
 # The soft tokens an image may have in Gemma4ImageProcessor (its max_soft_tokens)
 SOFT_TOKENS = (70, 140, 280, 560, 1120)
-# Gemma4Processor's tokens around an image, and their config.json keys
-WRAP_TOKENS = ("<|image>", "<image|>")
+# Gemma4Processor's tokens around an image and a clip (the row's `wraps` name their keys)
+WRAP_TOKENS = {"vision": ("<|image>", "<image|>"), "audio": ("<|audio>", "<audio|>")}
 
 
 class Gemma4Whole(Whole):
@@ -52,44 +59,44 @@ class Gemma4Whole(Whole):
     parts = {
         "llm": ("text_config", "model.language_model."),
         "vision": ("vision_config", "model.vision_tower."),
+        "audio": ("audio_config", "model.audio_tower."),
     }
-    token_keys = {"vision": ("image_token_id",)}
+    optional = ("audio",)
+    token_keys = {"vision": ("image_token_id",), "audio": ("audio_token_id",)}
     runtime_names = True
 
     def __init__(self):
-        """Its decoder (the row's) and its tower (Gemma 4's)."""
+        """Its decoder (the row's) and its towers (Gemma 4's vision tower and conformer)."""
         super().__init__()
         self.decoder = DECODERS[self.row.llm[0].name]
-        self.tower = tower_of(self.row.towers[0])
+        self.tower, self.audio = (tower_of(row) for row in self.row.towers)
 
     def inner(self, role: str, hf: dict) -> Family:
-        """The LLM's decoder, or the tower.
+        """The LLM's decoder, the vision tower or the audio encoder.
 
         Raises:
-          FamilyError: another text or vision model type, or an audio tower, naming it.
+          FamilyError: another text, vision or audio model type, naming it.
         """
         where = f"{self.name} config.json"
-        refuse_unless(
-            not hf.get("audio_config"),
-            where,
-            "audio_config is set: Gemma 4's audio tower is not built in jaxmllm yet (a "
-            "checkpoint without it has audio_config null)",
-        )
         sub = self.sub(role, hf)
         if role == "llm":
             return decoder(sub, where, self.row.llm)
-        kind = sub.get("model_type", self.tower.model_types[0])
+        tower = self.tower if role == "vision" else self.audio
+        kind = sub.get("model_type", tower.model_types[0])
         refuse_unless(
-            kind in self.tower.model_types,
+            kind in tower.model_types,
             where,
-            f"vision_config model_type {kind!r}: jaxmllm reads {self.tower.model_types[0]} here",
+            f"{self.parts[role][0]} model_type {kind!r}: jaxmllm reads {tower.model_types[0]} here",
         )
-        return self.tower
+        return tower
 
     def section(self, role: str, hf: dict) -> dict:
         """A part's section; the LLM's with its images read both ways in its sliding layers
-        where text_config's use_bidirectional_attention is vision."""
+        where text_config's use_bidirectional_attention is vision; the audio projector
+        embed_audio's."""
         out = super().section(role, hf)
+        if role == "audio":
+            out["projector"] = "embed"
         if role == "llm" and self.sub(role, hf).get("use_bidirectional_attention") == "vision":
             out["bidirectional"] = list(self.row.bidirectional)
             out["bidirectional_full"] = False
@@ -103,17 +110,23 @@ class Gemma4Whole(Whole):
         return at + name
 
     def own_links(self, role: str, cfg: Any, hf: dict) -> list[Link]:
-        """The projector's matrix (embed_vision's; its norm has no weight)."""
-        if role != "vision":
+        """A projector's matrix (embed_vision's, embed_audio's; their norms have no weight)."""
+        width = cfg.model.llm.width
+        if role == "vision":
+            shape, at = (cfg.model.vision.width, width), PROJECTOR
+        elif role == "audio":
+            shape, at = (cfg.model.audio.out_width, width), AUDIO_PROJECTOR
+        else:
             return []
-        shape = (cfg.model.vision.width, cfg.model.llm.width)
-        kernel = "vision_projector/fc/kernel"
-        return [dense(PROJECTOR + "embedding_projection.weight", kernel, shape)]
+        kernel = f"{role}_projector/fc/kernel"
+        return [dense(at + "embedding_projection.weight", kernel, shape)]
 
     def owns(self, role: str, name: str) -> bool:
-        """The projector's tensors, the vision part's; the LM head, the LLM's."""
+        """A projector's tensors, its part's; the LM head, the LLM's."""
         if role == "vision":
             return name.startswith(PROJECTOR)
+        if role == "audio":
+            return name.startswith(AUDIO_PROJECTOR)
         return role == "llm" and name.startswith("lm_head.")
 
     def data_keys(self, proc: dict, where: str, hf: dict) -> dict:
@@ -154,21 +167,16 @@ class Gemma4Whole(Whole):
         llm = cfg.model.llm
         both = "vision" if llm.bidirectional else None
         if source is None:
-            tk = tokenizer_ids(cfg)
-            ids = {"image_token_id": tk.specials.media["vision"]}
-            for key, token in zip(self.row.wrap, WRAP_TOKENS, strict=True):
-                found = getattr(tk, "token_id", lambda _: None)(token)
-                if found is not None:
-                    ids[key] = found
             text = nested(self.decoder.to_hf_config(cfg, None), self.decoder.name)
+            audio = "audio" in roles
             return {
                 "architectures": [self.hf_class],
                 "model_type": self.name,
                 "text_config": {**text, "use_bidirectional_attention": both},
                 "vision_config": nested(self.tower.to_hf_config(cfg, None)),
-                "audio_config": None,
+                "audio_config": nested(self.audio.to_hf_config(cfg, None)) if audio else None,
                 "tie_word_embeddings": llm.tie_embeddings,
-                **ids,
+                **self.token_ids(cfg, ("vision", "audio") if audio else ("vision",)),
             }
         out = dict(source)
         if "llm" in roles:
@@ -179,15 +187,35 @@ class Gemma4Whole(Whole):
             out["tie_word_embeddings"] = llm.tie_embeddings
         if "vision" in roles:
             out["vision_config"] = nested(self.tower.to_hf_config(cfg, source))
+        if "audio" in roles:
+            out["audio_config"] = nested(self.audio.to_hf_config(cfg, source))
         return out
 
+    def token_ids(self, cfg: Any, phases: tuple[str, ...]) -> dict[str, int]:
+        """A new config.json's ids of the run's tokenizer: each phase's placeholder and the
+        tokens of its wrap (`WRAP_TOKENS`) where the vocabulary has them."""
+        tk = tokenizer_ids(cfg)
+        ids = {}
+        for phase in phases:
+            ids[self.token_keys[phase][0]] = tk.specials.media[phase]
+            for key, token in zip(self.row.wraps[phase], WRAP_TOKENS[phase], strict=True):
+                found = getattr(tk, "token_id", lambda _: None)(token)
+                if found is not None:
+                    ids[key] = found
+        return ids
+
     def mismatches(self, cfg: Any) -> list[str]:
-        """Our options Gemma 4 has no counterpart for (its decoder's, its tower's, images read
-        both ways in every layer, its processor's resize and pixels)."""
+        """Our options Gemma 4 has no counterpart for (its decoder's, its towers', images read
+        both ways in every layer, its processor's resize and pixels, an audio projector other
+        than embed_audio's)."""
         spans = cfg.model.llm.bidirectional
+        audio = {}
+        if cfg.model.audio.enabled:
+            audio = {**self.audio.wants(cfg), "model.audio.projector": ("embed",)}
         wants = {
             **self.decoder.wants(cfg),
             **self.tower.wants(cfg),
+            **audio,
             "model.llm.bidirectional": (
                 (lambda b: tuple(b) in ((), ("vision",))),
                 "[vision] or []",
@@ -202,11 +230,7 @@ class Gemma4Whole(Whole):
                 f"{', '.join(map(str, SOFT_TOKENS))}",
             ),
         }
-        return (
-            enabled(cfg, "vision", True)
-            + enabled(cfg, "audio", False)
-            + mismatches(cfg, wants, "Gemma 4")
-        )
+        return enabled(cfg, "vision", True) + mismatches(cfg, wants, "Gemma 4")
 
     def budgets(self, cfg: Any) -> tuple[int, ...]:
         """The pixel budgets Gemma4ImageProcessor has at our patch and merge sizes."""

@@ -124,7 +124,7 @@ class Gemma3Whole(Whole):
             tk = tokenizer_ids(cfg)
             ids = {"image_token_index": tk.specials.media["vision"]}
             for key, token in zip(
-                self.row.wrap, ("<start_of_image>", "<end_of_image>"), strict=True
+                self.row.wraps["vision"], ("<start_of_image>", "<end_of_image>"), strict=True
             ):
                 found = getattr(tk, "token_id", lambda _: None)(token)
                 if found is not None:

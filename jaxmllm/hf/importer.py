@@ -101,7 +101,8 @@ def model_dirs(model: str) -> tuple[str, str, str]:
             f"Whole multimodal models: {', '.join(wholes)}; causal LMs (a text-only model): "
             f"{', '.join(decoders)}; encoders are parts (--vision, --audio)"
         )
-    return tuple(model if role in whole.parts else "" for role in ROLES)  # type: ignore
+    held = whole.held(hf)
+    return tuple(model if role in held else "" for role in ROLES)  # type: ignore
 
 
 def data_section(llm: str, vision: str = "", audio: str = "", tokenizer: str = "") -> dict:
@@ -215,9 +216,10 @@ def check_placeholders(directory: str, tokenizer: str) -> None:
     whole = whole_for(hf)
     if whole is None or not (Path(tokenizer) / "tokenizer.json").is_file():
         return
-    specials = make_tokenizer(tokenizer, phases=whole.parts).specials
+    held = whole.held(hf)
+    specials = make_tokenizer(tokenizer, phases=held).specials
     for p in ENCODERS:
-        want = whole.token_id(p.name, hf) if p.name in whole.parts else None
+        want = whole.token_id(p.name, hf) if p.name in held else None
         have = specials.media.get(p.name)
         if want is not None and want != have:
             raise FamilyError(

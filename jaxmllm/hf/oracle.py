@@ -14,6 +14,8 @@ them tensors):
 - LLaVA: `pixel_values` [images, channels, H, W], each image whole again from its patches (at
   its tower's own size: transformers' CLIP and SigLIP take no other);
 - Gemma 3: LLaVA's, and `token_type_ids` (1 at its images' tokens, read both ways);
+- Gemma 4: its images' patches with their positions, `mm_token_type_ids`, and its clips'
+  `input_features` [clips, frames, mel bins] with `input_features_mask`;
 - Qwen2-Audio: `input_features` [clips, mel bins, the window] padded with zeros and its
   `feature_attention_mask`.
 
@@ -113,7 +115,7 @@ def gemma4(sample: Sample, cfg: Any, specials: Specials) -> dict[str, np.ndarray
     """Gemma 4's inputs: `pixel_values` [images, patches, pixels] (each image's patches padded
     to the most any has) in [0, 1] such that its `2 (x - 0.5)` gives our normalised values,
     `image_position_ids` (column, row) of each patch (-1 for padding), `mm_token_type_ids` (1 at
-    an image's tokens: read both ways in the sliding layers)."""
+    an image's tokens: read both ways in the sliding layers); its clips' (`gemma4_audio`)."""
     tokens = np.asarray(sample.tokens)
     image = tokens == specials.media["vision"]
     inputs = {"input_ids": tokens.astype(np.int64), "mm_token_type_ids": image.astype(np.int64)}
@@ -127,7 +129,24 @@ def gemma4(sample: Sample, cfg: Any, specials: Specials) -> dict[str, np.ndarray
             pixels[k, : len(values)] = normalised(cfg, values) / 2 + 0.5
             where[k, : len(values)] = np.asarray(positions)[:, ::-1]
         inputs.update(pixel_values=pixels, image_position_ids=where)
-    return inputs
+    return {**inputs, **gemma4_audio(sample)}
+
+
+def gemma4_audio(sample: Sample) -> dict[str, np.ndarray]:
+    """Gemma 4's clips: `input_features` [clips, frames, mel bins], each clip's frames (those
+    at a position >= 0: ours pad a clip to whole tokens at -1) padded with zeros to the most
+    any has, and `input_features_mask` (true at a clip's own frames)."""
+    items = sample.media.get("audio") or []
+    if not items:
+        return {}
+    clips = [np.asarray(values, np.float32)[np.asarray(at) >= 0] for values, at in items]
+    most = max(len(c) for c in clips)
+    features = np.zeros((len(clips), most, clips[0].shape[-1]), np.float32)
+    mask = np.zeros((len(clips), most), bool)
+    for k, clip in enumerate(clips):
+        features[k, : len(clip)] = clip
+        mask[k, : len(clip)] = True
+    return {"input_features": features, "input_features_mask": mask}
 
 
 def qwen2_audio(sample: Sample, cfg: Any, specials: Specials) -> dict[str, np.ndarray]:

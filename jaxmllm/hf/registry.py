@@ -94,11 +94,11 @@ def family_for(role: str, hf: dict, where: str = "", names: Sequence[str] = ()) 
     model_type = hf.get("model_type", "")
     whole = whole_for(hf)
     if whole is not None:
-        if role in whole.parts:
+        if role in whole.held(hf):
             return Part(whole, role, hf, names, where)
         raise FamilyError(
             f"{where or 'checkpoint'}: a {whole.name} checkpoint has no {role} part (it holds "
-            f"{', '.join(whole.parts)})"
+            f"{', '.join(whole.held(hf))})"
         )
     for family in FAMILIES:
         if family.role == role and model_type in family.model_types:
@@ -117,5 +117,5 @@ def roles_of(hf: dict) -> tuple[str, ...]:
     """The roles a checkpoint fills: a whole checkpoint's parts, or its family's role."""
     whole = whole_for(hf)
     if whole is not None:
-        return tuple(r for r in ROLES if r in whole.parts)
+        return tuple(r for r in ROLES if r in whole.held(hf))
     return tuple(f.role for f in FAMILIES if hf.get("model_type") in f.model_types)[:1]

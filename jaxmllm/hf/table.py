@@ -156,15 +156,20 @@ class WholeRow:
     processor_class: str  # the transformers processor of its directory
     llm: tuple[DecoderRow, ...]  # the decoders its text_config may be (the first: its own)
     towers: tuple[TowerRow, ...]  # the vision or audio towers it may hold (the first: default)
-    hook: Hook  # where `hf check` reads transformers' encoder rows
+    # Per encoder phase, where `hf check` reads transformers' rows of its items
+    hooks: dict[str, Hook] = dataclasses.field(default_factory=dict, hash=False)
     mrope_sections: tuple[int, ...] = ()  # M-RoPE's sections where config.json names none
     deepstack: bool = False  # its tower's blocks feed the LLM's first layers (Qwen3-VL)
     # How its checkpoint lays out routed experts (`decoders.EXPERTS`): "linear" reads them one
     # Linear each or fused, as the files hold them (`Decoders.for_checkpoint`)
     experts: str = "linear"
-    # The config.json keys of the ids its processor writes before and after an image's
-    # placeholders (Qwen's `<|vision_start|>`, Gemma's `<start_of_image>`); absent: none
-    wrap: tuple[str, str] = ("vision_start_token_id", "vision_end_token_id")
+    # Per encoder phase, the config.json keys of the ids its processor writes before and after
+    # an item's placeholders (Qwen's `<|vision_start|>`, Gemma's `<start_of_image>`, Gemma 4's
+    # `<|audio>`); a phase absent, or a key the config.json leaves out: none
+    wraps: dict[str, tuple[str, str]] = dataclasses.field(
+        default_factory=lambda: {"vision": ("vision_start_token_id", "vision_end_token_id")},
+        hash=False,
+    )
     # The phases whose items attend to each other both ways in its decoder (`model.llm.
     # bidirectional`; transformers' `token_type_ids`: Gemma 3's images; Gemma 4's where its
     # text_config's use_bidirectional_attention says vision, in its sliding layers only)
@@ -199,7 +204,8 @@ def embedded_rows(out: Any, n: int) -> Any:
 
 
 def clip_rows(out: Any, n: int) -> Any:
-    """An audio projector's output for one clip: the rows of its `n` placeholders."""
+    """An audio projector's output for one clip: the rows of its `n` placeholders (Qwen2-Audio's
+    projector, Gemma 4's `embed_audio`: [clips, rows, width], a clip's padding rows last)."""
     return out[0, :n]
 
 
@@ -351,7 +357,7 @@ LLAVA = WholeRow(
     "LlavaProcessor",
     llm=(LLAMA, QWEN2, QWEN3),
     towers=(CLIP, SIGLIP),
-    hook=Hook("model.multi_modal_projector", projector_rows),
+    hooks={"vision": Hook("model.multi_modal_projector", projector_rows)},
 )
 QWEN2_VL = WholeRow(
     "qwen2_vl",
@@ -359,7 +365,7 @@ QWEN2_VL = WholeRow(
     "Qwen2VLProcessor",
     llm=(QWEN2,),
     towers=(QWEN2_VL_VISION,),
-    hook=VISUAL,
+    hooks={"vision": VISUAL},
 )
 QWEN2_5_VL = WholeRow(
     "qwen2_5_vl",
@@ -367,7 +373,7 @@ QWEN2_5_VL = WholeRow(
     "Qwen2_5_VLProcessor",
     llm=(QWEN2,),
     towers=(QWEN2_5_VL_VISION,),
-    hook=VISUAL,
+    hooks={"vision": VISUAL},
 )
 QWEN3_VL = WholeRow(
     "qwen3_vl",
@@ -375,7 +381,7 @@ QWEN3_VL = WholeRow(
     "Qwen3VLProcessor",
     llm=(QWEN3,),
     towers=(QWEN3_VL_VISION,),
-    hook=VISUAL,
+    hooks={"vision": VISUAL},
     mrope_sections=(24, 20, 20),
     deepstack=True,
 )
@@ -393,7 +399,7 @@ QWEN3_5 = WholeRow(
     "Qwen3VLProcessor",
     llm=(QWEN3_5_TEXT,),
     towers=(QWEN3_VL_VISION,),
-    hook=VISUAL,
+    hooks={"vision": VISUAL},
     mrope_sections=(11, 11, 10),
 )
 QWEN3_5_MOE = dataclasses.replace(
@@ -408,7 +414,7 @@ QWEN2_AUDIO = WholeRow(
     "Qwen2AudioProcessor",
     llm=(QWEN2,),
     towers=(QWEN2_AUDIO_ENCODER,),
-    hook=Hook("model.multi_modal_projector", clip_rows),
+    hooks={"audio": Hook("model.multi_modal_projector", clip_rows)},
 )
 GEMMA3 = WholeRow(
     "gemma3",
@@ -416,8 +422,8 @@ GEMMA3 = WholeRow(
     "Gemma3Processor",
     llm=(GEMMA3_TEXT,),
     towers=(SIGLIP,),
-    hook=Hook("model.multi_modal_projector", projector_rows),
-    wrap=("boi_token_index", "eoi_token_index"),
+    hooks={"vision": Hook("model.multi_modal_projector", projector_rows)},
+    wraps={"vision": ("boi_token_index", "eoi_token_index")},
     bidirectional=("vision",),
 )
 GEMMA4 = WholeRow(
@@ -425,8 +431,15 @@ GEMMA4 = WholeRow(
     "Gemma4ForConditionalGeneration",
     "Gemma4Processor",
     llm=(GEMMA4_TEXT,),
-    towers=(GEMMA4_VISION,),
-    hook=Hook("model.embed_vision", embedded_rows),
-    wrap=("boi_token_id", "eoi_token_id"),
+    towers=(GEMMA4_VISION, GEMMA4_AUDIO),
+    hooks={
+        "vision": Hook("model.embed_vision", embedded_rows),
+        "audio": Hook("model.embed_audio", clip_rows),
+    },
+    # (its config.json's keys as Gemma4Config names them: eoa's is an `_index`)
+    wraps={
+        "vision": ("boi_token_id", "eoi_token_id"),
+        "audio": ("boa_token_id", "eoa_token_index"),
+    },
     bidirectional=("vision",),
 )

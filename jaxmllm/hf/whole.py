@@ -31,6 +31,8 @@ class Whole:
     processor_class: str = ""  # the transformers processor of its directory
     # role -> (the key of its config inside config.json, the prefix of its tensors)
     parts: dict[str, tuple[str, str]] = {}
+    # The parts a checkpoint of it may leave out, its config null (Gemma 4 without audio)
+    optional: tuple[str, ...] = ()
     # role -> config.json keys naming its placeholder token id (the first present is read)
     token_keys: dict[str, tuple[str, ...]] = {}
     # encoder role -> where transformers (5) puts that part in the model it builds (the LLM's
@@ -54,6 +56,11 @@ class Whole:
         if row is not None:
             self.row, self.name, self.model_types = row, row.name, row.model_types
             self.hf_class, self.processor_class = row.hf_class, row.processor_class
+
+    def held(self, hf: dict) -> tuple[str, ...]:
+        """The parts a checkpoint (its config.json `hf`) holds: every part but an optional one
+        whose config it leaves null."""
+        return tuple(r for r in self.parts if r not in self.optional or hf.get(self.parts[r][0]))
 
     def sub(self, role: str, hf: dict) -> dict:
         """A part's own config (the whole's top-level tie_word_embeddings goes to the LLM's),
