@@ -165,13 +165,17 @@ def run_policy(
     per_host: int = 0,
     pair: str = "auto",
     machine: simulate.Machine | None = None,
+    merge_area: int = 4,
 ) -> tuple[dict, list]:
     """Runs planner `policy` for `steps` steps on `index` over `devices` devices (`tokens` an LLM
-    row's, `micro` microbatches, capacities sized as a run sizes them) and measures each plan:
+    row's, `micro` microbatches, `merge_area` patches an LLM token, capacities sized as a run
+    sizes them) and measures each plan:
     fill per phase, steps over the lower bound, attention balance, microbatch variation,
     deferral, routing and the planner's ms a step. Returns the summary row and each step's
     figures."""
-    caps = make_caps(index, devices, tokens, micro, policy, block=block, devices_per_host=per_host)
+    caps = make_caps(
+        index, devices, tokens, micro, policy, merge_area, block=block, devices_per_host=per_host
+    )
     whole = caps.route_pair_capacity
     caps = sized_caps(index, caps, policy, steps, cost, seed, pair)
     items = _Items(index, caps)
@@ -445,9 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:  # a missing table, an unknown mix, a bad cost file
         return fail(e, 2)
     cost = cost or CostModel.from_model(model)
+    area = v.merge**2  # (patches an LLM token: the model's merge, 2 x 2 by default)
     rows, plots = [], {}
     for name, index in sources:
-        c = make_caps(index, 1, args.tokens, args.micro, "orchestrated", block=args.block)
+        c = make_caps(index, 1, args.tokens, args.micro, "orchestrated", area, block=args.block)
         print(
             f"\n== {name}: {len(index)} samples, --tokens {args.tokens}: buckets of "
             f"{c.llm_rows}x{c.llm_row_len} LLM tokens, "
@@ -474,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
                     per_host=args.devices_per_host,
                     pair=args.pair_capacity,
                     machine=machine,
+                    merge_area=area,
                 )
                 row.update(mix=name, peak_rss_mb=peak_rss_mb(), linear_every=args.linear_every)
                 rows.append(row)
