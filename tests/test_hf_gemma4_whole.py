@@ -179,6 +179,7 @@ def test_gemma4_import_then_export_is_bit_identical(tmp_path):
     from sharding.rules import keyed_leaves
 
     source = hf_models.gemma4(tmp_path / "source", audio=AUDIO_IDS)
+    write_config(tmp_path / "run.yaml", model=source)  # (its ±inf bounds: not refused)
     cfg, model = load_model(source, source, source)
     flat = keyed_leaves(nnx.to_pure_dict(nnx.state(model)))
     a = cfg.model.audio

@@ -141,15 +141,19 @@ def checkpoint_tensors(cfg: Any, role: str, directory: str, key: str) -> tuple:
     links = family.links(cfg, hf)
     consumed = set()
     for link in links:
-        for name in link.hf:
-            rows = range(link.layers) if link.layers else [None]
-            names = [name.format(i=link.hf_layer(i)) if link.layers else name for i in rows]
-            for i, n in enumerate(names):
-                if prefix + n not in ck:
-                    layer = link.hf_layer(i) if link.layers else 0
-                    raise FamilyError(_missing(key, directory, hf, link, prefix + n, layer))
-                consumed.add(prefix + n)
+        for i, n in enumerate(link_names(link)):
+            if prefix + n not in ck:
+                layer = link.hf_layer(i % max(link.layers, 1)) if link.layers else 0
+                raise FamilyError(_missing(key, directory, hf, link, prefix + n, layer))
+            consumed.add(prefix + n)
     return ck, family, prefix, links, consumed
+
+
+def link_names(link: Link) -> list[str]:
+    """A link's checkpoint tensor names, each of its layers' (without the checkpoint's
+    prefix)."""
+    rows = range(link.layers) if link.layers else [None]
+    return [n.format(i=link.hf_layer(i)) if link.layers else n for n in link.hf for i in rows]
 
 
 def _missing(key: str, directory: str, hf: dict, link: Link, name: str, layer: int) -> str:
