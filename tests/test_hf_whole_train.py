@@ -32,7 +32,7 @@ VOCAB = 512  # the tokenizer's ~420 ids fit: no rows are added
 QWEN_VL = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 AUDIO = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
 GEMMA3 = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
-GEMMA4 = ["<|image>", "<image|>", "<|image|>"]
+GEMMA4 = ["<|image>", "<image|>", "<|image|>", "<|audio>", "<audio|>", "<|audio|>"]
 
 
 def whole_dir(name: str, d: Path, seed: int = 0, vocab: int = VOCAB) -> str:
@@ -49,7 +49,14 @@ def whole_dir(name: str, d: Path, seed: int = 0, vocab: int = VOCAB) -> str:
     extra = extra.get(name, [])
     options = {
         "gemma3": {"image_token": GEMMA3[2]},
-        "gemma4": dict(image_token=GEMMA4[2], boi_token=GEMMA4[0], eoi_token=GEMMA4[1]),
+        "gemma4": dict(
+            image_token=GEMMA4[2],
+            boi_token=GEMMA4[0],
+            eoi_token=GEMMA4[1],
+            audio_token=GEMMA4[5],
+            boa_token=GEMMA4[3],
+            eoa_token=GEMMA4[4],
+        ),
     }.get(name, {})
     tk = json.loads(
         (build_dir(d, family, template, extra, **options) / "tokenizer.json").read_text()
@@ -58,7 +65,8 @@ def whole_dir(name: str, d: Path, seed: int = 0, vocab: int = VOCAB) -> str:
     if name == "gemma3":
         hf_models.gemma3(d, seed=seed, vocab=vocab, ids=tuple(ids[t] for t in GEMMA3))
     elif name == "gemma4":  # (its processor: the fewest soft tokens an image may have, 70)
-        hf_models.gemma4(d, seed=seed, vocab=vocab, ids=tuple(ids[t] for t in GEMMA4))
+        image, audio = (tuple(ids[t] for t in names) for names in (GEMMA4[:3], GEMMA4[3:]))
+        hf_models.gemma4(d, seed=seed, vocab=vocab, ids=image, audio=audio)
         processor = {"image_processor_type": "Gemma4ImageProcessor", "max_soft_tokens": 70}
         (d / "preprocessor_config.json").write_text(json.dumps(processor))
     elif name == "llava":
@@ -129,15 +137,19 @@ def test_import_train_export_matches_transformers(name, tmp_path):
     (Qwen3-VL: DeepStack and M-RoPE in packed rows over 4 x 2 devices; Qwen3.5: its linear
     layers beside M-RoPE on part of each head; Gemma 3: sliding windows shorter than an image
     and its images read both ways, block-sparse; Gemma 4: its images both ways in the sliding
-    layers only, each resized as its processor resizes it), export: the export is the run's
-    parameters (moved from the import's), and transformers' logits with an image or a clip in
-    the prompt are ours within 1e-4 (Qwen3.5's hybrids: 1e-3)."""
+    layers only, each resized as its processor resizes it, beside clips through its conformer
+    and embed_audio), export: the export is the run's parameters (moved from the import's),
+    and transformers' logits with an image or a clip in the prompt are ours within 1e-4
+    (Qwen3.5's hybrids: 1e-3)."""
     bound = 1e-3 if name.startswith("qwen3_5") else 1e-4
     source = whole_dir(name, tmp_path / name)
     assert all(r["max_abs_diff"] < bound for r in check_all(source))  # (the import's)
     write_config(tmp_path / "run.yaml", model=source)
     out = tmp_path / "run"
-    media = {"qwen2_audio": ["model.vision.enabled=false", "data.synthetic.image_fraction=0"]}
+    media = {
+        "qwen2_audio": ["model.vision.enabled=false", "data.synthetic.image_fraction=0"],
+        "gemma4": [],  # (images and clips: the built-in data's chats with either)
+    }
     # (the MoE's experts over 2 devices beside 2 x 2 data-parallel ones)
     experts = ["mesh.data=2", "mesh.expert=2"] if name.endswith("_moe") else []
     no_audio = ["model.audio.enabled=false", "data.synthetic.audio_fraction=0"]
@@ -166,7 +178,8 @@ def test_import_train_export_matches_transformers(name, tmp_path):
     for key, value in trained.items():
         np.testing.assert_array_equal(back[key], value, err_msg=key)
     moved = {k.split("/")[0] for k in trained if not np.array_equal(trained[k], imported[k])}
-    assert {"llm", "vision" if name != "qwen2_audio" else "audio"} <= moved, moved
+    towers = {"qwen2_audio": {"audio"}, "gemma4": {"vision", "audio", "audio_projector"}}
+    assert {"llm", *towers.get(name, {"vision"})} <= moved, moved
 
 
 @pytest.mark.slow
