@@ -16,8 +16,9 @@ in, and nothing else. Every model type's name lives here and nowhere else in `ja
   `audio`), which names its row.
 - A whole multimodal checkpoint (`WholeRow`: LLaVA, the Qwen VL wholes, Qwen2-Audio, Gemma 3,
   Gemma 4)
-  names the decoders and towers it may hold, where `hf check` reads transformers' encoder rows
-  (`Hook`), the tokens around an image and which items its decoder reads both ways.
+  names the decoders and towers it may hold and, per encoder phase, where `hf check` reads
+  transformers' rows (`Hook`) and the tokens around an item (an image, Gemma 4's clip); which
+  items its decoder reads both ways.
 
 The consumers read rows: `whole_config.DECODERS` and `decoder_of` (our options -> a decoder
 row), the registry's families and its refusal listing what is supported, `hf check`'s
