@@ -191,6 +191,36 @@ def gemma4_text(
         )
 
     cfg = T.Gemma4TextConfig(
+        **gemma4_text_config(vocab, layers, window, per_layer, shared),
+        num_global_key_value_heads=1,
+        attention_k_eq_v=k_eq_v,
+        attention_bias=bias,
+        use_double_wide_mlp=wide,
+        final_logit_softcapping=softcap,
+        tie_word_embeddings=tied,
+        **moe,
+    )
+    model = randomize(T.Gemma4ForCausalLM(cfg), seed)
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # (a buffer: randomize draws parameters only)
+        for layer in model.model.layers:
+            layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=gen))
+            if experts:
+                moe_experts(layer, gen)
+    return save(model, directory)
+
+
+def gemma4_text_config(
+    vocab: int, layers: tuple[str, ...], window: int, per_layer: int, shared: int
+) -> dict:
+    """The tiny Gemma 4 text decoder's config.json keys `gemma4_text` and `gemma4` share:
+    width 64, 4 heads of 24 (the full layers' 32), `layers` sliding or full under a `window`,
+    proportional rotary on a quarter of the full layers' frequencies; `per_layer`: per-layer
+    inputs this wide (a table of vocab + 20 rows, its pad id 3; 0: none); `shared`: the last
+    layers reusing keys and values."""
+    return dict(
         vocab_size=vocab,
         hidden_size=64,
         intermediate_size=96,
@@ -199,9 +229,6 @@ def gemma4_text(
         num_key_value_heads=2,
         head_dim=24,
         global_head_dim=32,
-        num_global_key_value_heads=1,
-        attention_k_eq_v=k_eq_v,
-        attention_bias=bias,
         rms_norm_eps=1e-6,
         sliding_window=window,
         layer_types=[f"{kind}_attention" for kind in layers],
@@ -217,22 +244,8 @@ def gemma4_text(
         vocab_size_per_layer_input=vocab + 20,
         pad_token_id=3 if per_layer else 0,
         num_kv_shared_layers=shared,
-        use_double_wide_mlp=wide,
-        final_logit_softcapping=softcap,
-        tie_word_embeddings=tied,
         max_position_embeddings=256,
-        **moe,
     )
-    model = randomize(T.Gemma4ForCausalLM(cfg), seed)
-    import torch
-
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # (a buffer: randomize draws parameters only)
-        for layer in model.model.layers:
-            layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=gen))
-            if experts:
-                moe_experts(layer, gen)
-    return save(model, directory)
 
 
 def moe_experts(layer, gen) -> None:
@@ -335,33 +348,11 @@ def gemma4(
     import torch
     import transformers as T
 
+    layers = ("sliding", "full", "sliding", "full")
     text = dict(
         model_type="gemma4_text",
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,
-        global_head_dim=32,
-        rms_norm_eps=1e-6,
-        sliding_window=window,
-        layer_types=[f"{k}_attention" for k in ("sliding", "full", "sliding", "full")],
-        rope_parameters={
-            "full_attention": {
-                "rope_type": "proportional",
-                "partial_rotary_factor": 0.25,
-                "rope_theta": 1e6,
-            },
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-        },
-        hidden_size_per_layer_input=per_layer,
-        vocab_size_per_layer_input=vocab + 20,
-        pad_token_id=3 if per_layer else 0,
-        num_kv_shared_layers=shared,
+        **gemma4_text_config(vocab, layers, window, per_layer, shared),
         final_logit_softcapping=30.0,
-        max_position_embeddings=256,
         use_bidirectional_attention="vision",
     )
     vision = dict(
