@@ -137,6 +137,7 @@ def test_the_check_fails_when_a_shared_layer_computes_its_own_keys(tmp_path, mon
     assert result["max_abs_diff"] > 1e-2, result
 
 
+@pytest.mark.slow  # (the layer over the mesh, gradients too, is test_moe's fast Gemma case)
 def test_experts_over_the_mesh_give_one_device_s_logits(tmp_path):
     """The MoE Gemma 4's experts split over mesh.expert=4 (8 devices: data 2 x expert 4, each
     device's tokens sent by all-to-all to their experts' devices and back): logits of packed

@@ -112,6 +112,7 @@ def test_images_read_otherwise_fail_the_check(tmp_path, capsys, monkeypatch, rea
     assert all(r["max_abs_diff"] < 1e-4 for r in text), text
 
 
+@pytest.mark.slow  # (a check compiled for the control alone; the positive case is fast)
 def test_soft_tokens_reading_their_own_per_layer_rows_fail_the_check(tmp_path, capsys, monkeypatch):
     """The negative control of the per-layer inputs' ids: an image's soft tokens reading the
     per-layer row of their own id (the image token's), not the pad token's as transformers'

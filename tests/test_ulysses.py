@@ -172,7 +172,11 @@ def _linear_loss(graphdef, x_gsd, w_gsd, seg_gs, tok, block: int, order: str):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
 
-@pytest.mark.parametrize("mesh", ["data=2 context=4", "data=2 context=2 tensor=2"])
+# (data=2 context=4 also runs in the slow model-level hybrid case, tests/test_context.py;
+# tensor=2 context=2 only here, its model-level case being left out: see that test)
+@pytest.mark.parametrize(
+    "mesh", [pytest.param("data=2 context=4", marks=pytest.mark.slow), "data=2 context=2 tensor=2"]
+)
 def test_gated_deltanet_over_dealt_rows_is_the_layer_over_whole_rows(mesh):
     """Two groups of random documents dealt to their ranks (blocks out of order): the layer by
     ulysses (its 4 key heads over 4 ranks; over tensor=2 then context=2) equals the layer over
