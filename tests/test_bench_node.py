@@ -10,6 +10,7 @@ import pytest
 from jaxmllm.bench import node
 
 
+@pytest.mark.slow  # (a bench run: the trainer's step compiled on 8 devices, warm-up, steps)
 def test_the_node_report_holds_the_step_its_mfu_two_ways_the_fill_and_the_host(tmp_path, capsys):
     out = tmp_path / "node.json"
     args = ["--config", "configs/tiny.yaml", "--steps", "2", "--warmup", "1", "--json", str(out)]

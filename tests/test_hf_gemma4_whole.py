@@ -88,7 +88,9 @@ def test_embed_audio_at_another_epsilon_fails_the_check(tmp_path, capsys, monkey
     assert len(rest) == 5 and all(r["max_abs_diff"] < 1e-4 for r in rest), rest
 
 
-@pytest.mark.parametrize("read", ["causally", "both ways in every layer"])
+@pytest.mark.parametrize(
+    "read", ["causally", pytest.param("both ways in every layer", marks=pytest.mark.slow)]
+)
 def test_images_read_otherwise_fail_the_check(tmp_path, capsys, monkeypatch, read):
     """The negative controls: imported with the images read causally (no spans), or both ways
     in the full layers too (Gemma 3's rule), the samples with an image are off transformers'

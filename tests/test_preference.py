@@ -312,6 +312,8 @@ def _holds_to_the_oracle(loss, metrics, one_by_one, pref, n_pairs):
     assert pref.loss != "sigmoid" or abs(loss - np.log(2)) > 1e-3  # (policy == ref: log 2)
 
 
+@pytest.mark.slow  # (the DPO program's step compiled: ~30 s; its loss, the same formulas, is
+# held fast by test_pair_losses_equal_trl and the packed sequences by the bucket test)
 def test_a_training_step_equals_its_pairs_one_by_one_and_keeps_the_reference(setup, one_by_one):
     """The program's own step (conservative DPO, two microbatches): its first loss and metrics
     are its pairs' one by one; over three steps every trained leaf moves and the reference

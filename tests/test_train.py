@@ -150,6 +150,7 @@ def test_weight_decay_applies_to_matrices_only():
     assert True in mask and False in mask
 
 
+@pytest.mark.slow  # (a step compiled on its own, then a diverging run of the trainer)
 def test_nonfinite_step_keeps_the_state_and_divergence_stops_with_a_checkpoint(tmp_path):
     import jax
 
@@ -410,6 +411,7 @@ def test_replicated_arrays_are_split_over_replicas_only_when_big(tmp_path, caplo
         np.testing.assert_array_equal(np.asarray(back["state"][key]), np.asarray(value))
 
 
+@pytest.mark.slow  # (a run of the trainer over checkpoints of another format)
 def test_checkpoints_of_another_format_are_refused_and_left_alone(
     uninterrupted, tmp_path, monkeypatch, capsys
 ):
