@@ -280,7 +280,10 @@ def check_smoke(out, done) -> None:
     assert not [r for r in rows if r.get("error") or r.get("skip")]
     steps = [r for r in rows if r.get("kind") == "step"]
     profiles = [r for r in rows if r.get("kind") == "profile"]
-    assert len(steps) == len(profiles) == 5  # (the recipe's, on the mixes, the MoE's, Qwen3-VL's)
+    # (a step and its profile per case that runs one: the recipe's, on the mixes, the MoE's,
+    # each vision-language recipe's)
+    stepped = [c for c in cases(list(PARTS), False, True) if c.part in ("recipe", "moe", "vlm")]
+    assert len(steps) == len(profiles) == len(stepped) == 6
     for step, prof in zip(steps, profiles, strict=True):
         assert rows.index(step) < rows.index(prof) and step["case"] == prof["case"]
         assert step["tokens_per_s"] > 0 and 0 < step["fill"]["llm"] <= 1
@@ -293,11 +296,12 @@ def check_smoke(out, done) -> None:
     assert tests_row["failed"] == 0 and tests_row["passed"] + tests_row["skipped"] > 0
     report = (out / "report.md").read_text()
     sections = ("Environment", "Kernel tests", "Attention kernels", "Recipe step")
-    sections += ("Mixture-of-experts step", "Qwen3-VL steps", "Host against the step", "Cases")
+    sections += ("Mixture-of-experts step", "Vision-language recipes' steps")
+    sections += ("Host against the step", "Cases")
     for section in sections:
         assert f"## {section}" in report
     with zipfile.ZipFile(out / "hlo.zip") as z:
-        assert len(z.namelist()) == 5
+        assert len(z.namelist()) == len(stepped)
     assert sorted(p.name for p in out.iterdir()) == [
         "hlo.zip",
         "log.txt",
