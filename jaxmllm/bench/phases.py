@@ -147,7 +147,18 @@ def llm_program(parts, phases: list[str]) -> Callable:
     def loss(llm, params, frozen, mb, rows):
         model = parts.merge({**params, **llm}, frozen)
         x, seg, pos = model.decoder_inputs(mb, rows)
-        h = model.llm.hidden(x, seg, pos, mb.get("llm_tiles"))
+        h, _ = model.llm.hidden_and_router(  # (as the step's decoder runs: `hidden_and_router`)
+            x,
+            seg,
+            pos,
+            mb.get("llm_tiles"),
+            row=mb["llm_segment_ids"].shape[-1],
+            order_bt=model.decoder_order(mb),
+            window_tiles_bk2=mb.get("llm_window_tiles"),
+            spans_bt=model.decoder_spans(mb),
+            ids_bt=model.per_layer_ids(mb, seg.shape),
+            blocks_bn=mb.get("llm_blocks"),
+        )
         d, width = mb["llm_tokens"].shape[0], h.shape[-1]
         total, _ = chunked_token_losses(
             model.llm,
