@@ -459,24 +459,78 @@ def test_hybrid_rows_split_by_ulysses_equal_the_unsplit_rows(mesh):
 
 def _read_slots(host: dict, phase: str, cfg, context: int) -> np.ndarray:
     """What every slot of a step's LLM rows reads, the model's routing done in numpy: each
-    device's own encoder rows labelled device * N + row, the exchange by the send tables, each
-    device's buffer [own | received], the buffers gathered over its context group. -1: no
-    slot. [M, D, R * L]."""
+    device's own encoder rows labelled device * N + row, the exchange by the send tables (a
+    device receives, from the device at its place in each group, what that one sends its
+    group), each device's buffer [own | received], the buffers gathered over its context
+    group. -1: no slot. [M, D, R * L]."""
     per = cfg.model.vision.merge**2 if phase == "vision" else cfg.model.audio.subsample
     m_n, d_n = host["llm_tokens"].shape[:2]
+    groups = d_n // context
     n = host[f"{phase}_segment_ids"].shape[-1] // per
-    send = host[f"{phase}_send"]  # [M, src, dst, C]
+    send = host[f"{phase}_send"]  # [M, src, group, C]
+    assert send.shape[2] == groups  # (a pair per group, not per device)
     own = np.arange(d_n)[:, None] * n + np.arange(n)  # [D, N] labels
     out = np.full((m_n, d_n, host["llm_tokens"][0, 0].size), -1)
     for m in range(m_n):
-        received = np.stack([own[s][send[m, s]] for s in range(d_n)], 1)  # [dst, src, C]
-        buffers = np.concatenate([own, received.reshape(d_n, -1)], 1)
+        received = np.zeros((d_n, groups * send.shape[-1]), np.int64)
+        for dst in range(d_n):
+            g, place = divmod(dst, context)
+            peers = np.arange(groups) * context + place  # (from group h: its device here)
+            received[dst] = np.concatenate([own[s][send[m, s, g]] for s in peers])
+        buffers = np.concatenate([own, received], 1)
         gathered = buffers.reshape(d_n // context, -1)  # a group's buffers, rank by rank
         src = host[f"llm_{phase}_src"][m].reshape(d_n, -1)
         for d in range(d_n):
             slot = src[d] >= 0
             out[m, d, slot] = gathered[d // context][src[d][slot]]
     return out
+
+
+def test_the_exchange_meets_each_groups_device_at_the_senders_place():
+    """`exchange_rows` with send tables per (device, context group) (data=2 x context=4, a
+    capacity of 3): device g * 4 + r receives, from the device at place r of each group h, the
+    rows that one sends group g, at h * 3 + c: [groups x 3] rows a device, not [devices x 3],
+    which the context group then gathers. The mesh's all-to-all (over `data` alone) and the
+    transpose written without a mesh agree, forward and backward (each cotangent back on the
+    row it came from)."""
+    from jaxmllm.models.mllm import exchange_rows
+
+    rng = np.random.default_rng(0)
+    data, context, cap, n, width = 2, 4, 3, 5, 2
+    devices = data * context
+    rows = rng.normal(size=(devices, n, width)).astype(np.float32)
+    send = rng.integers(0, n, (devices, data, cap)).astype(np.int32)
+    want = np.zeros((devices, data * cap, width), np.float32)
+    for dst in range(devices):
+        g, place = divmod(dst, context)
+        for h in range(data):
+            want[dst, h * cap : (h + 1) * cap] = rows[h * context + place][
+                send[h * context + place, g]
+            ]
+    cotangent = rng.normal(size=want.shape).astype(np.float32)
+
+    def exchanged(x, s):
+        out, back = jax.vjp(lambda r: exchange_rows([r], [s], context=context)[0], x)
+        return out, back(jnp.asarray(cotangent))[0]
+
+    plain, plain_grad = jax.jit(exchanged)(rows, send)
+    np.testing.assert_array_equal(plain, want)
+    mesh = jax.make_mesh((data, context), ("data", "context"))
+    on_mesh = lambda x: jax.device_put(x, jax.NamedSharding(mesh, jax.P(("data", "context"))))
+    with jax.set_mesh(mesh):
+        got, grad = jax.jit(exchanged)(on_mesh(rows), on_mesh(send))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(grad, plain_grad, rtol=1e-6)
+    back = np.zeros_like(rows)  # (each received row's cotangent, added onto the row it was)
+    for dst in range(devices):
+        g, place = divmod(dst, context)
+        for h in range(data):
+            np.add.at(
+                back[h * context + place],
+                send[h * context + place, g],
+                cotangent[dst, h * cap : (h + 1) * cap],
+            )
+    np.testing.assert_allclose(plain_grad, back, rtol=1e-6)
 
 
 def test_every_slot_reads_its_items_rows_through_the_exchange_and_the_gather():

@@ -12,8 +12,8 @@ and per encoder phase of the table (`jaxmllm.config.phases`) the model has, for 
   vision_patches [M, D, P, patch*patch*C] uint8 pixels (its inputs, named batch.<capacity>;
                  the encoder normalises them: `config.spec.Inputs`),
   vision_segment_ids [M, D, P], vision_positions [M, D, P, 2] (row, col)
-  vision_send                                                int32  [M, D, D, C]  (routed only)
-  vision_send_count                                          int32  [M, D, D]     (routed only)
+  vision_send                                                int32  [M, D, B, C]  (routed only)
+  vision_send_count                                          int32  [M, D, B]     (routed only)
 
 (audio: audio_frames [M, D, F, n_mels] f32 (bf16 under bf16 compute), positions [M, D, F]:
 an encoder's `input_width` and `position_dims` shape its arrays; an item narrower than its
@@ -33,13 +33,17 @@ spans need (`plan.tiles.span_tiles`).
 Segment ids are 1, 2, ... per sample (per item in the encoder rows) and 0 for padding.
 `llm_*_src[t] = -1` unless token t is a placeholder slot (of any kind of its phase: an image's
 or a video's for the vision phase); then it indexes the device's row
-buffer [own projector output rows (N) | received rows (D*C)]: an item encoded on the text's own
-device is read locally (index < N); with route_pair_capacity C > 0 an item encoded on device s is
-read at N + s*C + c, which the all-to-all fills from `*_send[s, d, c]` = the source's projector
-output row. C bounds only cross-device traffic; self pairs are never used.
+buffer [own projector output rows (N) | received rows (B*C)], B the LLM buckets (= D): an item
+encoded on the text's own device is read locally (index < N); with route_pair_capacity C > 0 an
+item encoded on device s is read at N + s*C + c, which the all-to-all fills from
+`*_send[s, d, c]` = the source's projector output row. C bounds only cross-device traffic; self
+pairs are never used. Under context groups of G devices a bucket is a group (B = D / G): an
+item encoded in the text's group is read from the group's gathered buffers at its encoder's
+place s % G (buffer (s % G) x (N + B*C) + its row), one encoded in group h from the buffer of
+the text's device at place s % G, at N + h*C + c (`*_send[s, g, c]`: the text's group g).
 
 On several hosts each process fills only its own positions (`positions`, ascending indices into
-D): the arrays' D axis holds those rows only (the `*_send` tables keep every destination), and
+D): the arrays' D axis holds those rows only (the `*_send` tables keep every bucket), and
 `samples` needs only the samples with text or an encoder item on those positions. Routing
 offsets are counted the same way on every host, from the lengths index when a sample failed to
 load, so both ends of an exchange agree.
@@ -124,9 +128,9 @@ def batch_shapes(
         out[f"{p.name}_segment_ids"] = (lead + (units,), np.int32)
         at = (enc.position_dims,) if enc.position_dims else ()
         out[f"{p.name}_positions"] = (lead + (units, *at), np.int32)
-        if c:
-            out[f"{p.name}_send"] = (lead + (devices, c), np.int32)
-            out[f"{p.name}_send_count"] = (lead + (devices,), np.int32)
+        if c:  # (per LLM bucket: a device, or a context group)
+            out[f"{p.name}_send"] = (lead + (devices // spec.context, c), np.int32)
+            out[f"{p.name}_send_count"] = (lead + (devices // spec.context,), np.int32)
     for phase, cap in spec.tile_caps(variant).items():  # (block-sparse attention)
         out[f"{phase}_tiles"] = (lead + (cap, 2), np.int32)
     if window_tile_cap(spec, variant):  # (the sliding-window layers' own)
@@ -407,15 +411,15 @@ def _write_items(
     A row reaches its slot from the device that holds it after the exchange: the encoding
     device when it is in the text's bucket (local), else the bucket's device at the encoding
     device's position in its own group (`recv`: the text's device without groups), at
-    N + src * C + c of its received rows. With groups the slots read the group's rows
-    gathered, each device's N + D * C after the other ("base").
+    N + (src's group) * C + c of its received rows (`*_send[src, bucket, c]`). With groups the
+    slots read the group's rows gathered, each device's N + B * C after the other ("base").
     """
     local, home, split = hosts
     phase, items, per_row = p.name, plan.items[p.name], caps.per_token[p.name]
     data_key, src_key = p.capacity, p.src
     pair_cap, ctx = caps.route_pair_capacity, caps.context
     own_rows = batch[data_key].shape[2] // per_row  # received rows follow the own ones
-    gathered = own_rows + caps.devices * pair_cap if ctx > 1 else 0  # a device's buffer
+    gathered = own_rows + caps.llm_buckets * pair_cap if ctx > 1 else 0  # a device's buffer
     seg_counter: dict[tuple[int, int], int] = {}
     pair_fill: dict[tuple[int, int, int], int] = {}
     used = [0] * len(plan.samples)  # placeholder slots consumed per owner sample
@@ -474,19 +478,19 @@ def _write_items(
             if dest is not None:
                 _fill(batch[src_key][m], (home, split, m, d, r), dest, _twice(base + rows, dest))
             continue
-        c0 = pair_fill.get((m, enc_dev, recv), 0)
+        c0 = pair_fill.get((m, enc_dev, d), 0)
         if c0 + len(rows) > pair_cap:
             raise ValueError(
                 f"plan step {plan.step}: device {enc_dev} -> {recv} needs more than "
                 f"batch.route_pair_capacity={pair_cap} {phase} rows"
             )
-        pair_fill[(m, enc_dev, recv)] = c0 + len(rows)
+        pair_fill[(m, enc_dev, d)] = c0 + len(rows)
         if enc_here and sample is not None:
             e = int(local[enc_dev])
-            batch[f"{phase}_send_count"][m, e, recv] = c0 + len(rows)  # rows a ragged send moves
-            batch[f"{phase}_send"][m, e, recv, c0 : c0 + len(rows)] = rows
+            batch[f"{phase}_send_count"][m, e, d] = c0 + len(rows)  # rows a ragged send moves
+            batch[f"{phase}_send"][m, e, d, c0 : c0 + len(rows)] = rows
         if dest is not None:
-            got = base + own_rows + enc_dev * pair_cap + c0 + np.arange(len(rows))
+            got = base + own_rows + enc_dev // ctx * pair_cap + c0 + np.arange(len(rows))
             _fill(batch[src_key][m], (home, split, m, d, r), dest, _twice(got, dest))
 
 

@@ -44,7 +44,7 @@ Per policy, one table row (all figures over the steps run, steady state included
              (`--devices-per-host`, default 8; the planner routes within a host first)
   pair       per-pair route capacity in rows, as the trainer sizes -1 (`route_caps`;
              `--pair-capacity whole`: a device's whole encoder output, `whole`, as before
-             issue 18); the dense exchange's buffer is devices x pair rows a device and phase
+             issue 18); the dense exchange's buffer is buckets x pair rows a device and phase
              (JSON: exchange_rows[_whole]; most_pair_rows: the most a pair carried)
   (first N)  when grain ran fewer steps (--grain-max-steps), a line with every policy's fill
              over the same first N steps (JSON: fill_first_steps; fill_per_step per row)
@@ -276,9 +276,10 @@ def run_policy(
         "routed_inter": float(inter_rows / routed) if routed else 0.0,
         "devices_per_host": host,
         "most_pair_rows": most_pair,
-        # the dense exchange's buffer per device and phase: devices x route_pair_capacity rows
-        "exchange_rows": devices * caps.route_pair_capacity,
-        "exchange_rows_whole": devices * whole if caps.route_pair_capacity else 0,
+        # the dense exchange's buffer per device and phase: LLM buckets (devices, or context
+        # groups) x route_pair_capacity rows
+        "exchange_rows": caps.llm_buckets * caps.route_pair_capacity,
+        "exchange_rows_whole": caps.llm_buckets * whole if caps.route_pair_capacity else 0,
         "ms_per_step": 1000 * float(np.median(steady)),
         "ms_per_step_min": 1000 * float(np.min(steady)),
         "caps": {

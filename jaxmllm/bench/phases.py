@@ -98,7 +98,7 @@ class PhaseTimer:
                 batch = sharding.make_global_batch(tables, self.mesh)
                 send = [batch[k][0] for k in sends]
                 rows = [self._global_rows(host, p) for p in self.encoders if f"{p}_send" in host]
-                total += timed(EXCHANGE, rows, send)
+                total += timed(EXCHANGE, rows, send, self.cfg.mesh.context)
         return total
 
     def _global_rows(self, host: dict, name: str) -> jax.Array:
@@ -112,13 +112,14 @@ class PhaseTimer:
         )
 
 
-def _exchange_fwd_bwd(rows: list, sends: list) -> list:
-    """The exchange and its transpose (the backward pass's reverse all-to-all)."""
-    out, back = jax.vjp(lambda r: exchange_rows(r, sends), rows)
+def _exchange_fwd_bwd(rows: list, sends: list, context: int) -> list:
+    """The exchange and its transpose (the backward pass's reverse all-to-all); `context`: the
+    context groups' devices the send tables were written for."""
+    out, back = jax.vjp(lambda r: exchange_rows(r, sends, context=context), rows)
     return back(out)
 
 
-EXCHANGE = jax.jit(_exchange_fwd_bwd)
+EXCHANGE = jax.jit(_exchange_fwd_bwd, static_argnums=2)
 
 
 def encoder_program(parts, phase: str) -> Callable:

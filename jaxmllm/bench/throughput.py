@@ -98,8 +98,9 @@ def device_batch(host: dict[str, np.ndarray], d: int, shapes: dict) -> dict[str,
 def exchange_bytes(cfg: Config, devices: int) -> int:
     """Bytes the dense all-to-all moves per step (forward + backward, all phases, all microbatches).
 
-    Every device sends C rows to each of the D-1 others whatever their fill: the price of fixed
-    shapes that `ragged_all_to_all` avoids on backends that have it.
+    Every device sends C rows to each of the B-1 other LLM buckets whatever their fill (B = D,
+    or D / mesh.context groups: a group's rows go to one of its devices, `exchange_rows`): the
+    price of fixed shapes that `ragged_all_to_all` avoids on backends that have it.
     """
     c = cfg.batch.route_pair_capacity
     if not c:
@@ -107,7 +108,7 @@ def exchange_bytes(cfg: Config, devices: int) -> int:
     width = cfg.model.llm.width
     itemsize = np.dtype(cfg.model.compute_dtype).itemsize
     phases = sum(p.enabled for p in (cfg.model.vision, cfg.model.audio))
-    per_exchange = devices * (devices - 1) * c * width * itemsize
+    per_exchange = devices * (devices // cfg.mesh.context - 1) * c * width * itemsize
     return 2 * phases * cfg.batch.microbatches * per_exchange
 
 

@@ -2,11 +2,15 @@
 
 Encoder output rows reach the LLM through per-token source indices (`llm_*_src`): -1 keeps the
 token's own embedding, i >= 0 replaces it with row i of the device's row buffer. In local mode the
-buffer is the device's own projector output [N rows]. In routed mode it is [own N rows | D*C
+buffer is the device's own projector output [N rows]. In routed mode it is [own N rows | B*C
 received rows]: rows encoded on the text's device take the local path, the others arrive by one
-all-to-all at a fixed per-pair capacity C, so encoder load can be balanced independently of where
-the text lands. With context groups (`mesh.context` > 1) each device's buffer is gathered over its
-group (`models.context.gather_rows`): a slot indexes the group's buffers, device after device.
+all-to-all at a fixed capacity C per (device, LLM bucket) pair, so encoder load can be balanced
+independently of where the text lands; B = the LLM buckets (the devices). With context groups
+(`mesh.context` = G > 1) a bucket is a group of G devices (B = D / G): a row for another group
+travels to the device at its encoder's place in that group (the all-to-all runs between the
+devices of one place in every group, over the data axes but `context`), and each device's buffer
+is gathered over its group (`models.context.gather_rows`): a slot indexes the group's buffers,
+device after device, G (N + B C) rows = the group's own rows and all it received, each row once.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from jaxmllm.models.llm import (
 )
 from jaxmllm.models.lora import BLOCK_PATHS, PROJECTOR_PATHS
 from jaxmllm.models.per_layer import per_layer_ids
-from sharding import DATA_AXES, STAGE_AXIS
+from sharding import CONTEXT_AXIS, DATA_AXES, STAGE_AXIS
 
 
 class MultimodalLM(nnx.Module):
@@ -294,7 +298,8 @@ class MultimodalLM(nnx.Module):
                 )
         # Local rows take the local path (index < N); only the others cross devices, all
         # phases in one all-to-all (a collective's latency is paid once).
-        received = exchange_rows(rows, sends, counts, ragged=self.exchange == "ragged")
+        ragged = self.exchange == "ragged"
+        received = exchange_rows(rows, sends, counts, ragged=ragged, context=self.context)
         return [jnp.concatenate([r, x], axis=1) for r, x in zip(rows, received, strict=True)]
 
 
@@ -310,23 +315,30 @@ def exchange_rows(
     sends: list[jax.Array],
     counts: list[jax.Array | None] | None = None,
     ragged: bool = False,
+    context: int = 1,
 ) -> list[jax.Array]:
-    """Sends encoder rows between devices with one all-to-all at a fixed per-pair capacity.
+    """Sends encoder rows to their LLM buckets with one all-to-all at a fixed per-pair capacity.
 
     Args:
       rows: per phase, each device's projector output [D, N_p, width].
-      sends: per phase, `send[src, dst, c]` = which of src's rows goes to dst in slot c
-        [D, D, C_p].
+      sends: per phase, `send[src, b, c]` = which of src's rows goes to LLM bucket b in slot c
+        [D, B, C_p]: B = D / `context` buckets (devices, or context groups of `context`
+        devices); a group's rows from src arrive on its device at src's place in its own group
+        (`b * context + src % context`).
+      context: the devices of a context group the sends were written for (1: none).
 
     Returns:
-      Per phase, each device's received buffer [D, D * C_p, width]; row `src * C_p + c` came
-      from `src`. Under a mesh (`jax.set_mesh`) with one bucket per data-parallel shard, this is
-      a `shard_map` whose body gathers every phase's send buffer into one and calls
-      `lax.all_to_all` over the data axes once; its transpose (the backward pass) is the
-      reverse all-to-all. Without a mesh, the same exchange is written as a transpose (single
-      device, reference tests).
+      Per phase, each device's received buffer [D, B * C_p, width]; row `g * C_p + c` came from
+      the device at this one's place in group g (`g * context + this % context`; device g
+      without groups). Under a mesh (`jax.set_mesh`) with one bucket per data-parallel shard,
+      this is a `shard_map` whose body gathers every phase's send buffer into one and calls
+      `lax.all_to_all` once over the data axes, `context` left out: a device exchanges with
+      its peers at its place in the other groups, the only devices that send it anything, so
+      a buffer holds B, not D, pairs' slots. Its transpose (the backward pass) is the reverse
+      all-to-all. Without a mesh, the same exchange is written as a transpose (single device,
+      reference tests).
 
-    `counts` (per phase, rows src sends dst [D, D]): the slots past a pair's count gather
+    `counts` (per phase, rows src sends bucket b [D, B]): the slots past a pair's count gather
     nothing (zeros), so the backward pass does not add their zero cotangents onto the row their
     unused index names. With `ragged` (and a mesh) the exchange is one
     `lax.ragged_all_to_all` that moves only the filled slots (same buffers, same layout), for
@@ -334,67 +346,84 @@ def exchange_rows(
     """
     caps = [s.shape[-1] for s in sends]
     mesh = jax.sharding.get_abstract_mesh()
-    axes = () if mesh.empty else tuple(a for a in DATA_AXES if a in mesh.axis_names)
+    batch_axes = () if mesh.empty else tuple(a for a in DATA_AXES if a in mesh.axis_names)
     shards = 1
-    for a in axes:
+    for a in batch_axes:
         shards *= mesh.shape[a]
+    # (the groups' places exchange apart: the context axis, which is minor in the batch's
+    # device order, is left out, so the others' index is the group's)
+    axes = tuple(a for a in batch_axes if context == 1 or a != CONTEXT_AXIS)
+    if context > 1 and batch_axes and mesh.shape.get(CONTEXT_AXIS, 1) != context:
+        raise ValueError(
+            f"sends written for context groups of {context} devices, under a mesh whose "
+            f"context axis is {mesh.shape.get(CONTEXT_AXIS, 1)}"
+        )
 
     counts = None if counts is None or any(c is None for c in counts) else counts
     if ragged and counts is None:
         raise ValueError("the ragged exchange needs the *_send_count arrays")
 
-    def gather(rows_nw, send_dc, count_d=None):  # one device: [D, sum C_p, W], side by side
-        if count_d is None:
-            count_d = [None] * len(rows_nw)
+    def gather(rows_nw, send_bc, count_b=None):  # one device: [B, sum C_p, W], side by side
+        if count_b is None:
+            count_b = [None] * len(rows_nw)
         return jnp.concatenate(
-            [_sent(r, s, c) for r, s, c in zip(rows_nw, send_dc, count_d, strict=True)], axis=1
+            [_sent(r, s, c) for r, s, c in zip(rows_nw, send_bc, count_b, strict=True)], axis=1
         )
 
-    def split(received_dcw):  # [D, sum C_p, W] -> per phase [D * C_p, W]
-        parts = jnp.split(received_dcw, np.cumsum(caps)[:-1].tolist(), axis=1)
+    def split(received_bcw):  # [B, sum C_p, W] -> per phase [B * C_p, W]
+        parts = jnp.split(received_bcw, np.cumsum(caps)[:-1].tolist(), axis=1)
         return [p.reshape(-1, p.shape[-1]) for p in parts]
 
-    if not axes or shards == 1 or STAGE_AXIS in mesh.manual_axes:
+    if not batch_axes or shards == 1 or STAGE_AXIS in mesh.manual_axes:
         # Inside a pipeline's shard_map over the stages a nested one over the data axes does not
         # lower (stage-varying operands): the transpose, resharded by XLA (an all-to-all).
-        sent_sdcw = jax.vmap(gather)(rows, sends, counts)
-        return jax.vmap(split)(shard_like_batch(jnp.swapaxes(sent_sdcw, 0, 1)))
+        sent_dbcw = jax.vmap(gather)(rows, sends, counts)
+        d, b = sent_dbcw.shape[:2]
+        # (device g * context + r receives, from each group h, what h's device at r sent g)
+        sent = sent_dbcw.reshape(b, context, b, *sent_dbcw.shape[2:])  # [h, r, g, ...]
+        received = jnp.transpose(sent, (2, 1, 0, 3, 4)).reshape(sent_dbcw.shape)
+        return jax.vmap(split)(shard_like_batch(received))
     if rows[0].shape[0] != shards:
         raise ValueError(
             f"the exchange needs one bucket per data-parallel shard: got {rows[0].shape[0]} "
-            f"buckets for {shards} shards of mesh axes {axes}"
+            f"buckets for {shards} shards of mesh axes {batch_axes}"
         )
-    spec = PartitionSpec(axes)
+    spec = PartitionSpec(batch_axes)
+    peers = shards // (mesh.shape[CONTEXT_AXIS] if axes != batch_axes else 1)
 
-    def per_shard(rows_1nw, sends_1dc, counts_1d):
-        own = None if counts_1d is None else [c[0] for c in counts_1d]
-        sent_dcw = gather([r[0] for r in rows_1nw], [s[0] for s in sends_1dc], own)
-        if not ragged:
-            # Chunk dst of the send buffer goes to shard dst; chunk src of the result came
-            # from src.
-            received_dcw = jax.lax.all_to_all(sent_dcw, axes, 0, 0, tiled=True)
+    def per_shard(rows_1nw, sends_1bc, counts_1b):
+        own = None if counts_1b is None else [c[0] for c in counts_1b]
+        sent_bcw = gather([r[0] for r in rows_1nw], [s[0] for s in sends_1bc], own)
+        if peers == 1:  # (one group: nothing crosses it)
+            received_bcw = sent_bcw
+        elif not ragged:
+            # Chunk b of the send buffer goes to bucket b's peer; chunk g of the result came
+            # from group g's.
+            received_bcw = jax.lax.all_to_all(sent_bcw, axes, 0, 0, tiled=True)
         else:
-            received_dcw = _ragged_exchange(sent_dcw, [c[0] for c in counts_1d], caps, axes)
-        return [p[None] for p in split(received_dcw)]
+            received_bcw = _ragged_exchange(sent_bcw, [c[0] for c in counts_1b], caps, axes)
+        return [p[None] for p in split(received_bcw)]
 
     return jax.shard_map(per_shard, mesh=mesh, in_specs=spec, out_specs=spec)(rows, sends, counts)
 
 
-def _sent(rows_nw: jax.Array, send_dc: jax.Array, count_d: jax.Array | None) -> jax.Array:
-    """One device's send buffer of one phase [D, C, W]: `rows[send]`, slots past each
-    destination's count zeros (an index past the rows, dropped in the backward pass)."""
-    if count_d is not None:
-        used = jnp.arange(send_dc.shape[-1]) < count_d[:, None]
-        send_dc = jnp.where(used, send_dc, rows_nw.shape[0])
-    return jnp.take(rows_nw, send_dc, axis=0, mode="fill", fill_value=0)
+def _sent(rows_nw: jax.Array, send_bc: jax.Array, count_b: jax.Array | None) -> jax.Array:
+    """One device's send buffer of one phase [B, C, W]: `rows[send]`, slots past each
+    bucket's count zeros (an index past the rows, dropped in the backward pass)."""
+    if count_b is not None:
+        used = jnp.arange(send_bc.shape[-1]) < count_b[:, None]
+        send_bc = jnp.where(used, send_bc, rows_nw.shape[0])
+    return jnp.take(rows_nw, send_bc, axis=0, mode="fill", fill_value=0)
 
 
 def ragged_args(me, counts_pd, caps: list[int]):
     """(input_offsets, send_sizes, output_offsets) of one device's ragged send.
 
     One slice per (destination, phase), i = dst * P + p: the filled prefix of that phase's slots
-    in the destination's chunk of the dense send buffer [D, sum C_p], written where the dense
-    exchange would put it on the receiver (source-major: me * sum C_p + the phase's offset).
+    in the destination's chunk of the dense send buffer [B, sum C_p] (a destination: an LLM
+    bucket's device that receives from this one, `exchange_rows`; `me`: this device's index
+    among those it exchanges with), written where the dense exchange would put it on the
+    receiver (source-major: me * sum C_p + the phase's offset).
     """
     num_dev = counts_pd[0].shape[0]
     total = sum(caps)
