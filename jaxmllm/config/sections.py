@@ -159,7 +159,9 @@ class BatchConfig:
     llm_row_len: int = 4096  # tokens per LLM row; a sample never crosses a row
     vision_patches: int = 4096  # ViT patch capacity per device per microbatch (one packed row)
     audio_frames: int = 3072  # log-mel frame capacity per device per microbatch (one packed row)
-    route_pair_capacity: int = -1  # rows a device may send another (0: local; -1: dry run's most)
+    # rows a device may send another LLM bucket a microbatch (a device; under mesh.context a
+    # group: its device at the sender's place in its own group)
+    route_pair_capacity: int = -1  # 0: local; -1: the dry run's most
     devices_per_host: int = -1  # routing stays within a host first; -1 = a process's devices
     exchange: str = "dense"  # dense all_to_all (every backend) | ragged (ragged_all_to_all: GPU)
     planner: str = "orchestrated"  # one of PLANNER_NAMES (jaxmllm.plan.registry): orchestrated |

@@ -8,7 +8,8 @@ block). Every layer the keys, values, segment ids and positions are all-gathered
 `context` mesh axis (`attend`); the gather's transpose in the backward pass is a
 reduce-scatter, so the gradients are the unsplit ones. Encoder rows routed to a group are
 gathered the same way (`gather_rows`), so each placeholder reads its row wherever in the group
-it arrived.
+it arrived (each row on one of the group's devices: `mllm.exchange_rows`, so the group gathers
+its own rows and what it received, each once).
 
 **Strategies** (`mesh.context_strategy`). `gather` (`attend`) is the above: each rank computes
 the tiles of the query blocks dealt to it, for every head, against the group's keys and values,

@@ -294,7 +294,7 @@ class MultimodalLM(nnx.Module):
             if send is None or send.shape[-1] != self.route_capacity:
                 raise ValueError(
                     f"routed mode (route_pair_capacity={self.route_capacity}) needs "
-                    f"*_send arrays [D, D, {self.route_capacity}]"
+                    f"*_send arrays [D, buckets, {self.route_capacity}]"
                 )
         # Local rows take the local path (index < N); only the others cross devices, all
         # phases in one all-to-all (a collective's latency is paid once).

@@ -25,7 +25,8 @@ class Routes:
     With context groups (`context` > 1) an item encoded in its text's group needs no exchange
     (the group gathers its devices' rows), and one encoded elsewhere goes to the device of its
     text's group at the position of its own in its group (`src % context`): the pair is
-    (src, the text's group, `home // context`).
+    (src, the text's group, `home // context`), as the batch's send tables and the exchange
+    count them (`*_send[src, group]`, `models.mllm.exchange_rows`).
 
     The rows per pair sit in a table indexed by pair (up to DENSE_PAIRS pairs: a scatter-add
     instead of a sort of every routed item), or beyond it as the sorted keys of the pairs that
