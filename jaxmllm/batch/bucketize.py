@@ -41,6 +41,7 @@ pairs are never used. Under context groups of G devices a bucket is a group (B =
 item encoded in the text's group is read from the group's gathered buffers at its encoder's
 place s % G (buffer (s % G) x (N + B*C) + its row), one encoded in group h from the buffer of
 the text's device at place s % G, at N + h*C + c (`*_send[s, g, c]`: the text's group g).
+With one bucket (B = 1) nothing is received: a device's buffer is its N rows.
 
 On several hosts each process fills only its own positions (`positions`, ascending indices into
 D): the arrays' D axis holds those rows only (the `*_send` tables keep every bucket), and
@@ -419,7 +420,9 @@ def _write_items(
     data_key, src_key = p.capacity, p.src
     pair_cap, ctx = caps.route_pair_capacity, caps.context
     own_rows = batch[data_key].shape[2] // per_row  # received rows follow the own ones
-    gathered = own_rows + caps.llm_buckets * pair_cap if ctx > 1 else 0  # a device's buffer
+    # (a device's buffer: its own rows, then what other buckets sent it: one bucket, none)
+    received = caps.llm_buckets * pair_cap if caps.llm_buckets > 1 else 0
+    gathered = own_rows + received if ctx > 1 else 0
     seg_counter: dict[tuple[int, int], int] = {}
     pair_fill: dict[tuple[int, int, int], int] = {}
     used = [0] * len(plan.samples)  # placeholder slots consumed per owner sample

@@ -11,6 +11,7 @@ travels to the device at its encoder's place in that group (the all-to-all runs 
 devices of one place in every group, over the data axes but `context`), and each device's buffer
 is gathered over its group (`models.context.gather_rows`): a slot indexes the group's buffers,
 device after device, G (N + B C) rows = the group's own rows and all it received, each row once.
+With one bucket (one device, or one group) nothing is received: the buffer is the own rows.
 """
 
 from __future__ import annotations
@@ -287,7 +288,8 @@ class MultimodalLM(nnx.Module):
     def _route(
         self, rows: list[jax.Array], sends: list[jax.Array | None], counts: list
     ) -> list[jax.Array]:
-        """The rows each phase's slots read: the device's own, then (routed) received ones."""
+        """The rows each phase's slots read: the device's own, then (routed) received ones
+        (none with one LLM bucket: one device, or one context group, receives from no other)."""
         if self.route_capacity == 0 or not rows:
             return rows
         for send in sends:
@@ -296,6 +298,8 @@ class MultimodalLM(nnx.Module):
                     f"routed mode (route_pair_capacity={self.route_capacity}) needs "
                     f"*_send arrays [D, buckets, {self.route_capacity}]"
                 )
+        if sends[0].shape[-2] == 1:  # (its own slots: what the exchange would leave unused)
+            return rows
         # Local rows take the local path (index < N); only the others cross devices, all
         # phases in one all-to-all (a collective's latency is paid once).
         ragged = self.exchange == "ragged"
