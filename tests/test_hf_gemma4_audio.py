@@ -59,7 +59,8 @@ def test_a_fresh_conformers_state_is_finite():
     import numpy as np
     from flax import nnx
 
-    from jaxmllm.models.conformer import UNBOUNDED, ConformerEncoder
+    from jaxmllm.models.conformer import ConformerEncoder
+    from jaxmllm.models.layers import UNBOUNDED
 
     audio = {"stem": "conformer", "positions": "relative", "mlp": "silu", "n_mels": 16}
     audio.update(width=32, heads=4, mlp_dim=128, depth=2, conformer={"channels": [16, 8]})

@@ -17,10 +17,9 @@ from typing import Any
 import numpy as np
 
 from jaxmllm.data.media.audio import GEMMA4
-from jaxmllm.hf.family import Family, Link, dense, read, refuse_unless, same
+from jaxmllm.hf.family import Family, Link, bounds, dense, read, refuse_unless, same
 from jaxmllm.hf.table import GEMMA4_AUDIO, QWEN2_AUDIO_ENCODER, WHISPER
 from jaxmllm.hf.vision import _prefix, layer_norm, linear
-from jaxmllm.models.conformer import UNBOUNDED
 
 
 def conv1d(hf: str, ours: str, c_in: int, c_out: int) -> Link:
@@ -161,24 +160,6 @@ MEL_DEFAULTS = {
 }
 # transformers' attention_invalid_logits_value: the score of a masked key
 INVALID_LOGITS = -1e9
-
-
-def bounds(hf: str, ours: str, layers: int) -> Link:
-    """A Gemma4ClippableLinear's four scalar bounds <-> our `bounds` [4] (input min and max,
-    output min and max); its ±inf (no bound) is our ±`UNBOUNDED`, back to ±inf on export."""
-    keys = ("input_min", "input_max", "output_min", "output_max")
-
-    def to_ours(*b):
-        x = np.asarray([np.asarray(v).reshape(()) for v in b], np.float32)
-        return (np.where(np.isinf(x), np.sign(x) * UNBOUNDED, x).astype(np.float32),)
-
-    def to_hf(x):
-        x = np.asarray(x, np.float32)
-        x = np.where(np.abs(x) == UNBOUNDED, np.sign(x) * np.inf, x).astype(np.float32)
-        return tuple(x[j].reshape(()) for j in range(4))
-
-    names = tuple(f"{hf}.{k}" for k in keys)
-    return Link(names, (ours + "/bounds",), to_ours, to_hf, layers, infinite=True)
 
 
 def conv2d_3x3(hf: str, ours: str) -> Link:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from jaxmllm.config.checks import UserError
+from jaxmllm.models.layers import UNBOUNDED
 
 Transform = Callable[..., tuple[np.ndarray, ...]]
 
@@ -162,6 +163,25 @@ def dense(hf: str, ours: str, shape: Sequence[int], n_in: int = 1, layers: int =
         lambda k: (np.asarray(k).reshape(n, -1).T,),
         layers,
     )
+
+
+def bounds(hf: str, ours: str, layers: int) -> Link:
+    """A Gemma4ClippableLinear's four scalar bounds <-> a clipped `layers.Dense`'s `bounds` [4]
+    (input min and max, output min and max); its ±inf (no bound) is our ±`UNBOUNDED`, back to
+    ±inf on export."""
+    keys = ("input_min", "input_max", "output_min", "output_max")
+
+    def to_ours(*b):
+        x = np.asarray([np.asarray(v).reshape(()) for v in b], np.float32)
+        return (np.where(np.isinf(x), np.sign(x) * UNBOUNDED, x).astype(np.float32),)
+
+    def to_hf(x):
+        x = np.asarray(x, np.float32)
+        x = np.where(np.abs(x) == UNBOUNDED, np.sign(x) * np.inf, x).astype(np.float32)
+        return tuple(x[j].reshape(()) for j in range(4))
+
+    names = tuple(f"{hf}.{k}" for k in keys)
+    return Link(names, (ours + "/bounds",), to_ours, to_hf, layers, infinite=True)
 
 
 def reshaped(hf: str, ours: str, shape: Sequence[int], layers: int = 0) -> Link:

@@ -8,7 +8,7 @@
 - Blocks: a feed-forward scaled by `residual_weight` (macaron), chunked local attention, a
   light convolution, a second feed-forward, a final RMSNorm; activations clamped to
   [-clamp, clamp] around the norms; the linears' inputs and outputs clamped by bounds the
-  checkpoint holds (`clipped_linears`, never trained).
+  checkpoint holds (`clipped_linears`: `layers.Dense`'s `clipped`, never trained).
 - Attention: a query sees itself and the context_left - 2 rows before it, the
   context_right - 1 after it, within its clip; its scores get a relative position term (the
   query against a projection of a sinusoid table of distances), are soft-capped, and are
@@ -41,28 +41,6 @@ from jaxmllm.models.transformer import remat_policy, stack_modules
 
 INVALID = -1e9  # a masked score (transformers' attention_invalid_logits_value)
 FIXED_EPS = 1e-6  # the blocks' norms whose epsilon transformers does not take from the config
-UNBOUNDED = float(np.finfo(np.float32).max)  # a clipped linear's bound where it has none
-
-
-class ClippedDense(Dense):
-    """A Dense without a bias whose input and output are clamped to bounds (transformers'
-    Gemma4ClippableLinear): `bounds` [input min, input max, output min, output max], read from
-    a checkpoint, never trained; `clipped` false: no bounds. No bound is the largest float32
-    (`UNBOUNDED`), not ±inf: a train state is finite, or its update is skipped."""
-
-    def __init__(self, in_shape, out_shape, axes, *, clipped: bool, **kw):
-        super().__init__(in_shape, out_shape, axes, **kw)
-        top = UNBOUNDED
-        bounds = jnp.asarray([-top, top, -top, top], jnp.float32)
-        self.bounds = nnx.Param(bounds, axes=(None,)) if clipped else None
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """The clamped input through the kernel, the output clamped."""
-        if self.bounds is None:
-            return super().__call__(x)
-        b = jax.lax.stop_gradient(self.bounds[...])
-        y = super().__call__(jnp.clip(x, b[0].astype(x.dtype), b[1].astype(x.dtype)))
-        return jnp.clip(y, b[2].astype(y.dtype), b[3].astype(y.dtype))
 
 
 def clamp(x: jax.Array, bound: float) -> jax.Array:
@@ -104,8 +82,8 @@ class FeedForward(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         lin = dict(clipped=c.clipped_linears, rngs=rngs, **kw)
         self.pre_norm = RMSNorm(a.width, eps=FIXED_EPS, **kw)
-        self.fc1 = ClippedDense(a.width, a.mlp_dim, ("embed", "mlp"), **lin)
-        self.fc2 = ClippedDense(a.mlp_dim, a.width, ("mlp", "embed"), **lin)
+        self.fc1 = Dense(a.width, a.mlp_dim, ("embed", "mlp"), **lin)
+        self.fc2 = Dense(a.mlp_dim, a.width, ("mlp", "embed"), **lin)
         self.post_norm = RMSNorm(a.width, eps=FIXED_EPS, **kw)
         self.bound, self.weight = c.clamp, c.residual_weight
 
@@ -124,11 +102,11 @@ class LightConv(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         lin = dict(clipped=c.clipped_linears, rngs=rngs, **kw)
         self.pre_norm = RMSNorm(w, eps=a.norm_eps, **kw)
-        self.start = ClippedDense(w, 2 * w, ("embed", "mlp"), **lin)
+        self.start = Dense(w, 2 * w, ("embed", "mlp"), **lin)
         kernel = jax.random.normal(rngs.params(), (c.conv_kernel, w)) / math.sqrt(c.conv_kernel)
         self.kernel = nnx.Param(kernel.astype(param_dtype), axes=(None, "embed"))
         self.conv_norm = RMSNorm(w, eps=a.norm_eps, **kw)
-        self.end = ClippedDense(w, w, ("mlp", "embed"), **lin)
+        self.end = Dense(w, w, ("mlp", "embed"), **lin)
         self.bound, self.dtype = c.clamp, dtype
 
     def __call__(self, x_btd: jax.Array, starts_bt: jax.Array) -> jax.Array:
@@ -150,10 +128,10 @@ class LocalAttention(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         lin = dict(clipped=c.clipped_linears, **kw)
         qkv = ("embed", "heads", "head_dim")
-        self.query = ClippedDense(w, (h, e), qkv, **lin)
-        self.key = ClippedDense(w, (h, e), qkv, **lin)
-        self.value = ClippedDense(w, (h, e), qkv, **lin)
-        self.out = ClippedDense((h, e), w, ("heads", "head_dim", "embed"), **lin)
+        self.query = Dense(w, (h, e), qkv, **lin)
+        self.key = Dense(w, (h, e), qkv, **lin)
+        self.value = Dense(w, (h, e), qkv, **lin)
+        self.out = Dense((h, e), w, ("heads", "head_dim", "embed"), **lin)
         self.relative = Dense(w, (h, e), qkv, **kw)
         self.per_dim_scale = nnx.Param(jnp.zeros((e,), param_dtype), axes=("head_dim",))
         self.c, self.width, self.dtype = c, w, dtype

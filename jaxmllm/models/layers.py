@@ -33,6 +33,7 @@ from jaxmllm.models.vocab import lookup, vocab_axes
 Axes = tuple[str | None, ...]
 
 NORM_EPS = 1e-6
+UNBOUNDED = float(np.finfo(np.float32).max)  # a clipped Dense's bound where it has none
 
 
 def normal_param(
@@ -50,6 +51,10 @@ class Dense(nnx.Module):
     Multi-dimensional in/out shapes let attention keep heads as their own (shardable) axis.
     `out_dtype` (default: `dtype`) set to float32 keeps the matmul's fp32 accumulator, for logits.
     `lora`: a LoRA adapter beside the kernel (`jaxmllm.models.lora`: `lora_a`, `lora_b`).
+    `clipped`: its input and output clamped to bounds (transformers' Gemma4ClippableLinear, a
+    LoRA update inside them as PEFT adapts its `.linear`): `bounds` [input min, input max, output
+    min, output max], read from a checkpoint, never trained. No bound is the largest float32
+    (`UNBOUNDED`), not ±inf: a train state is finite, or its update is skipped.
     """
 
     def __init__(
@@ -63,11 +68,14 @@ class Dense(nnx.Module):
         param_dtype: jnp.dtype = jnp.float32,
         out_dtype: jnp.dtype | None = None,
         lora: lora_.Adapter | None = None,
+        clipped: bool = False,
         rngs: nnx.Rngs,
     ):
         """A kernel [*in_shape, *out_shape] under logical `axes` (one name per dimension), and its
         bias where `use_bias`. `lora`: this matrix's adapter (A, B and their scale), None: none.
-        `out_dtype` is what the matmul accumulates and returns (default `dtype`)."""
+        `out_dtype` is what the matmul accumulates and returns (default `dtype`). `clipped`:
+        bounds on its input and output (the class docstring), none until a checkpoint sets
+        them."""
         in_shape = _as_shape(in_shape)
         out_shape = _as_shape(out_shape)
         # Fan-in scaling keeps activations at unit scale through the stack at init.
@@ -85,13 +93,25 @@ class Dense(nnx.Module):
         self.bias = (
             nnx.Param(jnp.zeros(out_shape, param_dtype), axes=bias_axes) if use_bias else None
         )
+        top = UNBOUNDED
+        bounds = jnp.asarray([-top, top, -top, top], jnp.float32)
+        self.bounds = nnx.Param(bounds, axes=(None,)) if clipped else None
         self.n_in = len(in_shape)
         self.dtype = dtype
         self.out_dtype = dtype if out_dtype is None else out_dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., *in_shape] contracted with the kernel in the compute dtype, accumulated in
-        `out_dtype` (fp32 for bf16 inputs where asked); plus the bias and the adapter's update."""
+        `out_dtype` (fp32 for bf16 inputs where asked); plus the bias and the adapter's update;
+        where clipped, of the clamped input, the output clamped."""
+        if self.bounds is None:
+            return self.unclipped(x)
+        b = jax.lax.stop_gradient(self.bounds[...])
+        y = self.unclipped(jnp.clip(x, b[0].astype(x.dtype), b[1].astype(x.dtype)))
+        return jnp.clip(y, b[2].astype(y.dtype), b[3].astype(y.dtype))
+
+    def unclipped(self, x: jax.Array) -> jax.Array:
+        """`__call__` without the bounds."""
         kernel = self.kernel[...].astype(self.dtype)
         contract = (tuple(range(x.ndim - self.n_in, x.ndim)), tuple(range(self.n_in)))
         y = jnp.tensordot(
@@ -394,11 +414,13 @@ class GatedMLP(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         lora: dict[str, lora_.Adapter] | None = None,
+        clipped: bool = False,
         rngs: nnx.Rngs,
     ):
         """`activation`: the gate's (`ACTIVATIONS`); `lora`: adapters of the matrices it names
-        (gate, up, down)."""
-        kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        (gate, up, down); `clipped`: their inputs and outputs clamped to bounds (`Dense`'s)."""
+        kw = dict(use_bias=use_bias, clipped=clipped, dtype=dtype, param_dtype=param_dtype)
+        kw["rngs"] = rngs
         on = lora or {}
         self.gate = Dense(width, mlp_dim, ("embed", "mlp"), lora=on.get("gate"), **kw)
         self.up = Dense(width, mlp_dim, ("embed", "mlp"), lora=on.get("up"), **kw)
@@ -426,10 +448,13 @@ class MLP(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         lora: dict[str, lora_.Adapter] | None = None,
+        clipped: bool = False,
         rngs: nnx.Rngs,
     ):
-        """`lora`: adapters of the matrices it names (fc1, fc2)."""
-        kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        """`lora`: adapters of the matrices it names (fc1, fc2); `clipped`: their inputs and
+        outputs clamped to bounds (`Dense`'s)."""
+        kw = dict(use_bias=use_bias, clipped=clipped, dtype=dtype, param_dtype=param_dtype)
+        kw["rngs"] = rngs
         on = lora or {}
         self.fc1 = Dense(width, mlp_dim, ("embed", "mlp"), lora=on.get("fc1"), **kw)
         self.fc2 = Dense(mlp_dim, out_width or width, ("mlp", "embed"), lora=on.get("fc2"), **kw)
