@@ -334,6 +334,7 @@ def gemma4(
     per_layer: int = 0,
     shared: int = 0,
     audio: tuple[int, int, int] | None = None,
+    clipped: bool = False,
 ) -> str:
     """A whole Gemma 4: its text decoder (sliding, full, sliding, full layers, a `window`
     shorter than an image's run of tokens, images read both ways in the sliding layers), its
@@ -344,7 +345,8 @@ def gemma4(
     tokens read; 0: none); `shared`: the last layers reusing keys. `ids`: the
     begin-of-image, end-of-image and image token ids. `audio`: the begin-of-audio,
     end-of-audio and audio token ids of an audio conformer (`gemma4_audio`'s, its bounds
-    finite) and embed_audio (none: audio_config null)."""
+    finite) and embed_audio (none: audio_config null). `clipped`: the tower's linears clipped,
+    each's bounds drawn finite (they bite) but the MLP's down projection's (±inf)."""
     import torch
     import transformers as T
 
@@ -369,6 +371,7 @@ def gemma4(
         rope_parameters={"rope_type": "axial", "rope_theta": 100.0},
         standardize=standardize,
         rms_norm_eps=1e-6,
+        use_clipped_linears=clipped,
     )
     boi, eoi, image = ids
     boa, eoa, clip = audio or (None, None, image)
@@ -395,6 +398,8 @@ def gemma4(
             tower.std_scale.copy_(0.5 + torch.rand(32, generator=gen))
     if audio:
         _bound(model.model.audio_tower, gen)
+    if clipped:
+        _bound(model.model.vision_tower, gen, unbounded="down_proj")
     return save(model, directory)
 
 
@@ -584,14 +589,14 @@ def _gemma4_audio_config(right: int = 2, clipped: bool = True):
     )
 
 
-def _bound(model, gen) -> None:
-    """Each clipped linear's bounds of a Gemma 4 conformer drawn finite, but the light
-    convolution's last (left ±inf)."""
+def _bound(model, gen, unbounded: str = "linear_end") -> None:
+    """Each clipped linear's bounds of a Gemma 4 tower drawn finite, but those of the linears
+    named `unbounded` (left ±inf; the conformer's: the light convolution's last)."""
     import torch
 
     with torch.no_grad():
         for name, buf in model.named_buffers():
-            if "linear_end" in name:  # (left unbounded, ±inf: no clamp)
+            if unbounded in name:  # (left unbounded, ±inf: no clamp)
                 continue
             if name.rsplit(".", 1)[-1] in ("input_min", "output_min"):
                 buf.copy_(-1.0 - 2.0 * torch.rand((), generator=gen))

@@ -26,15 +26,16 @@ from jaxmllm.data.media.image import patchify
 from jaxmllm.data.params import Params
 from jaxmllm.data.records.record import parse_record
 from jaxmllm.data.text.tokenizer import make_tokenizer
-from jaxmllm.hf import table
+from jaxmllm.hf import gemma4_vision, table
 from jaxmllm.hf.export import Piece, write_piece
-from jaxmllm.hf.family import FamilyError
+from jaxmllm.hf.family import FamilyError, bounds
 from jaxmllm.hf.importer import write_config
 from jaxmllm.hf.registry import read_hf_config
 from jaxmllm.hf.safetensors import Checkpoint
 from jaxmllm.hf.towers import load_model
 from jaxmllm.hf.wholes import whole_for
 from jaxmllm.models import encoders, projectors
+from jaxmllm.models.layers import UNBOUNDED
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.torch
@@ -45,7 +46,9 @@ AUDIO_IDS = (294, 295, 296)  # (begin, end, soft token of a clip in hf_models.ge
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"per_layer": 8, "shared": 2}], ids=["plain", "ple-shared"]
+    "options",
+    [{"clipped": True}, {"per_layer": 8, "shared": 2}],
+    ids=["clipped-tower", "ple-shared"],
 )
 def test_gemma4_with_images_and_clips_packed_beside_text_matches_transformers(
     options, tmp_path, capsys
@@ -56,6 +59,7 @@ def test_gemma4_with_images_and_clips_packed_beside_text_matches_transformers(
     `<|audio>`, 10 and 14 soft tokens of 38 and 53 frames, `<audio|>`, text) and one of text
     alone packed into ONE row: every token's logits within 1e-4 of transformers on each
     sample alone in fp32, given its mm_token_type_ids, input_features and their mask; with
+    the tower's linears clipped (their bounds biting, the down projections' ±inf); with
     per-layer inputs (an image's and a clip's soft tokens reading the pad token's row, their
     context part the media's rows) and the last two layers reusing keys too."""
     results = _check(hf_models.gemma4(tmp_path / "gemma4", audio=AUDIO_IDS, **options), capsys)
@@ -89,16 +93,29 @@ def test_embed_audio_at_another_epsilon_fails_the_check(tmp_path, capsys, monkey
 
 
 @pytest.mark.parametrize(
-    "read", ["causally", pytest.param("both ways in every layer", marks=pytest.mark.slow)]
+    "read",
+    [
+        "causally",
+        pytest.param("both ways in every layer", marks=pytest.mark.slow),
+        pytest.param("with the clipped linears' bounds ignored", marks=pytest.mark.slow),
+    ],
 )
 def test_images_read_otherwise_fail_the_check(tmp_path, capsys, monkeypatch, read):
     """The negative controls: imported with the images read causally (no spans), or both ways
     in the full layers too (Gemma 3's rule), the samples with an image are off transformers'
-    (its images both ways in the sliding layers only) and text alone is not."""
-    d = hf_models.gemma4(tmp_path / "gemma4")
+    (its images both ways in the sliding layers only) and text alone is not; so too with the
+    tower's clipped linears read as unbounded."""
+    d = hf_models.gemma4(tmp_path / "gemma4", clipped="bounds" in read)
     whole = whole_for(read_hf_config(d))
     if read == "causally":
         monkeypatch.setattr(whole, "row", dataclasses.replace(table.GEMMA4, bidirectional=()))
+    elif "bounds" in read:
+        none = np.asarray([-UNBOUNDED, UNBOUNDED] * 2, np.float32)
+
+        def ignored(hf, ours, layers):  # (every layer's bounds read as none)
+            return dataclasses.replace(bounds(hf, ours, layers), to_ours=lambda *b: (none,))
+
+        monkeypatch.setattr(gemma4_vision, "bounds", ignored)
     else:
         section = whole.section
 
@@ -136,21 +153,24 @@ def test_soft_tokens_reading_their_own_per_layer_rows_fail_the_check(tmp_path, c
 
 
 def test_gemma4_tower_alone_matches_gemma4_vision_model(tmp_path):
-    """Gemma 4's tower on a 6x4-patch image, its patches in our merge order with their
-    (column, row) positions: every patch's features are Gemma4VisionEncoder's, and our pooled,
-    scaled and standardised rows Gemma4VisionModel's output, within 1e-5 (of their size too)
-    in fp32."""
+    """Gemma 4's tower (its linears clipped, the bounds biting) on a 6x4-patch image, its
+    patches in our merge order with their (column, row) positions: every patch's features are
+    Gemma4VisionEncoder's, and our pooled, scaled and standardised rows Gemma4VisionModel's
+    output, within 1e-5 (of their size too) in fp32; the bounds get no gradient (never
+    trained), the kernels do; with the bounds made none, the features are far off."""
     import torch
+    from flax import nnx
     from transformers import Gemma4ForConditionalGeneration
 
-    d = hf_models.gemma4(tmp_path / "gemma4")
+    d = hf_models.gemma4(tmp_path / "gemma4", clipped=True)
     cfg, model = load_model(d, d)
     v = cfg.model.vision
     rng = np.random.default_rng(0)
     pixels = rng.integers(0, 256, (6 * v.patch_size, 4 * v.patch_size, 3), dtype=np.uint8)
     patches, positions = patchify(pixels, v.patch_size, v.merge)
     seg = jnp.ones((1, len(patches)), jnp.int32)
-    ours = model.vision(jnp.asarray(patches)[None], seg, jnp.asarray(positions)[None])[0]
+    args = (jnp.asarray(patches)[None], seg, jnp.asarray(positions)[None])
+    ours = model.vision(*args)[0]
 
     tower = Gemma4ForConditionalGeneration.from_pretrained(d).eval().model.vision_tower
     captured = {}
@@ -162,26 +182,41 @@ def test_gemma4_tower_alone_matches_gemma4_vision_model(tmp_path):
         )
     theirs = captured["out"].last_hidden_state[0].numpy()
     assert np.abs(theirs).max() > 0.5
-    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-5, rtol=0)
+    # (1e-5 of their size too: features up to 6, where fp32 rounds ours and theirs 1e-5 apart,
+    # each within 1e-5 of transformers in float64, clipped or not)
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-5, rtol=1e-5)
 
     p = model.vision_projector
     pooled = np.asarray(ours).reshape(-1, v.merge**2, v.width).mean(1) * np.sqrt(v.width)
     pooled = (pooled - np.asarray(p.std_bias[...])) * np.asarray(p.std_scale[...])
-    # (the pooled rows are sqrt(width) times larger: 1e-5 of their size too)
-    np.testing.assert_allclose(pooled, out.last_hidden_state.numpy(), atol=1e-5, rtol=1e-5)
+    # (the pooled rows are sqrt(width) times the features' mean, then standardised: the
+    # features' 1e-5 carried through that scale; 1e-5 of their size too)
+    tol = 1e-5 * np.sqrt(v.width)
+    np.testing.assert_allclose(pooled, out.last_hidden_state.numpy(), atol=tol, rtol=1e-5)
+
+    grads = nnx.grad(lambda t: t(*args).sum())(model.vision).transformer.blocks.attn.query
+    assert not np.asarray(grads.bounds[...]).any() and np.asarray(grads.kernel[...]).all()
+    clipped = [m for _, m in nnx.iter_graph(model.vision) if getattr(m, "bounds", None)]
+    assert len(clipped) == 7  # (q, k, v, o, gate, up, down)
+    for matrix in clipped:
+        matrix.bounds[...] = jnp.broadcast_to(
+            jnp.asarray([-UNBOUNDED, UNBOUNDED] * 2), matrix.bounds.shape
+        )
+    assert np.abs(np.asarray(model.vision(*args)[0]) - theirs).max() > 1e-2
 
 
 def test_gemma4_import_then_export_is_bit_identical(tmp_path):
     """Every tensor of the whole checkpoint (its conformer and embed_audio too) is consumed,
-    and writing the loaded parameters back gives each bit for bit (the clipped linears' ±inf
-    bounds too), with a config.json transformers loads without a missing or an unexpected key;
-    the import sets the towers' options and the spans of the sliding layers."""
+    and writing the loaded parameters back gives each bit for bit (the clipped linears' bounds,
+    the vision tower's and the conformer's, ±inf too), with a config.json transformers loads
+    without a missing or an unexpected key; the import sets the towers' options and the spans
+    of the sliding layers."""
     import transformers
     from flax import nnx
 
     from sharding.rules import keyed_leaves
 
-    source = hf_models.gemma4(tmp_path / "source", audio=AUDIO_IDS)
+    source = hf_models.gemma4(tmp_path / "source", audio=AUDIO_IDS, clipped=True)
     write_config(tmp_path / "run.yaml", model=source)  # (its ±inf bounds: not refused)
     cfg, model = load_model(source, source, source)
     flat = keyed_leaves(nnx.to_pure_dict(nnx.state(model)))
@@ -189,7 +224,12 @@ def test_gemma4_import_then_export_is_bit_identical(tmp_path):
     assert (a.stem, a.projector, a.norm_eps, cfg.data.mel) == ("conformer", "embed", 0.05, "gemma4")
     v, llm = cfg.model.vision, cfg.model.llm
     assert (v.projector, v.pool_embed, v.standardize, v.merge) == ("pool", True, True, 2)
-    assert (v.rope_axes, v.position_axes, v.final_norm) == ("cols_first", 16, False)
+    assert (v.rope_axes, v.position_axes, v.final_norm, v.clipped_linears) == (
+        "cols_first",
+        16,
+        False,
+        True,
+    )
     assert (llm.bidirectional, llm.bidirectional_full) == (("vision",), False)
     assert (cfg.data.image_resize, cfg.data.image_max_pixels) == ("floor", 280 * 8 * 8)
     out = tmp_path / "out"
@@ -207,6 +247,7 @@ def test_gemma4_import_then_export_is_bit_identical(tmp_path):
     assert config["text_config"]["use_bidirectional_attention"] == "vision"
     source_config = json.loads((Path(source) / "config.json").read_text())
     assert config["audio_config"] == source_config["audio_config"]
+    assert config["vision_config"]["use_clipped_linears"] is True
     cls = transformers.Gemma4ForConditionalGeneration
     _, info = cls.from_pretrained(str(out), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
@@ -215,20 +256,13 @@ def test_gemma4_import_then_export_is_bit_identical(tmp_path):
 
 
 def test_import_refuses_what_gemma4_sets_and_jaxmllm_does_not_build(tmp_path):
-    """An audio tower not Gemma 4's conformer, clipped linears in the vision tower and a
-    processor that normalises, each refused naming its key."""
+    """An audio tower not Gemma 4's conformer and a processor that normalises, each refused
+    naming its key."""
     d = Path(hf_models.gemma4(tmp_path / "gemma4"))
     config = json.loads((d / "config.json").read_text())
-    for change, key in (
-        ({"audio_config": {"model_type": "whisper"}}, "audio_config"),
-        (
-            {"vision_config": {**config["vision_config"], "use_clipped_linears": True}},
-            "use_clipped_linears",
-        ),  # noqa: E501
-    ):
-        (d / "config.json").write_text(json.dumps({**config, **change}))
-        with pytest.raises(FamilyError, match=key):
-            write_config(tmp_path / "run.yaml", model=str(d))
+    (d / "config.json").write_text(json.dumps({**config, "audio_config": {"model_type": "x"}}))
+    with pytest.raises(FamilyError, match="audio_config"):
+        write_config(tmp_path / "run.yaml", model=str(d))
     (d / "config.json").write_text(json.dumps(config))
     processor = {"image_processor_type": "Gemma4ImageProcessor", "do_normalize": True}
     (d / "preprocessor_config.json").write_text(json.dumps(processor))

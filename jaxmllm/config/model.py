@@ -97,6 +97,9 @@ class VisionConfig(BlockOptions):
     post_norms: bool = False
     v_norm: bool = False
     attn_scalar: float = 0.0
+    # Bounds on the inputs and outputs of the blocks' attention and MLP matrices, read from the
+    # checkpoint (Gemma 4's use_clipped_linears; never trained); false: none
+    clipped_linears: bool = False
 
     @property
     def stages_ok(self) -> bool:

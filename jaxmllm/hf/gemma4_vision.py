@@ -18,9 +18,13 @@ read inside Gemma 4's whole model (`jaxmllm.hf.gemma4_whole`).
   projects it into the text width: jaxmllm's `projector: pool`, `pool_embed` (its std_bias and
   std_scale are parameters here, trained with the projector; buffers in transformers).
 
-Refused, naming the key: clipped linears (`use_clipped_linears`), key-value heads other than
-the heads, a head width other than width / heads, attention biases, another activation or
-rotary type.
+- Its clipped linears (`use_clipped_linears`: every attention and MLP Linear a
+  Gemma4ClippableLinear, its input and output clamped to the `input_min` ... `output_max` it
+  holds) are `model.vision.clipped_linears`: each matrix's bounds read from the checkpoint,
+  never trained, ±inf (no bound) held as ±float32 max and written back as ±inf.
+
+Refused, naming the key: key-value heads other than the heads, a head width other than
+width / heads, attention biases, another activation or rotary type.
 """
 
 from __future__ import annotations
@@ -28,7 +32,16 @@ from __future__ import annotations
 from typing import Any
 
 from jaxmllm.hf.decoders import gated_mlp_links
-from jaxmllm.hf.family import Family, Link, dense, read, refuse_unless, renamed, same
+from jaxmllm.hf.family import (
+    Family,
+    Link,
+    bounds,
+    dense,
+    read,
+    refuse_unless,
+    renamed,
+    same,
+)
 from jaxmllm.hf.table import GEMMA4_VISION
 
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new")  # (the tanh GELU: our gated_gelu_tanh)
@@ -54,6 +67,16 @@ FIXED = {
     "projector": "pool",
     "pool_embed": True,
 }
+# Each block's Gemma4ClippableLinears (their module names) -> our matrices
+CLIPPABLE = {
+    "self_attn.q_proj": "attn/query",
+    "self_attn.k_proj": "attn/key",
+    "self_attn.v_proj": "attn/value",
+    "self_attn.o_proj": "attn/out",
+    "mlp.gate_proj": "mlp/gate",
+    "mlp.up_proj": "mlp/up",
+    "mlp.down_proj": "mlp/down",
+}
 
 
 class Gemma4Vision(Family):
@@ -68,12 +91,6 @@ class Gemma4Vision(Family):
           FamilyError: naming a key whose value jaxmllm's tower does not run.
         """
         where = f"{self.name} config.json"
-        refuse_unless(
-            not hf.get("use_clipped_linears"),
-            where,
-            "use_clipped_linears: true (each Linear's inputs and outputs clamped to stored "
-            "bounds) is not built in jaxmllm's tower (a checkpoint without it: false)",
-        )
         width, heads = (
             int(read(hf, "hidden_size", where)),
             int(read(hf, "num_attention_heads", where)),
@@ -112,6 +129,7 @@ class Gemma4Vision(Family):
             "position_axes": int(read(hf, "position_embedding_size", where)),
             "merge": int(read(hf, "pooling_kernel_size", where)),
             "standardize": bool(hf.get("standardize")),
+            "clipped_linears": bool(hf.get("use_clipped_linears")),
             "projector_dim": 0,
         }
 
@@ -141,13 +159,14 @@ class Gemma4Vision(Family):
             pooling_kernel_size=v.merge,
             patch_size=v.patch_size,
             position_embedding_size=v.position_axes,
-            use_clipped_linears=False,
+            use_clipped_linears=v.clipped_linears,
             standardize=v.standardize,
         )
         return out
 
     def links(self, cfg: Any, hf: dict | None = None) -> list[Link]:
-        """The patch embedding and its tables, the blocks, the standardisation."""
+        """The patch embedding and its tables, the blocks (their clipped linears' bounds where
+        it has them), the standardisation."""
         v = cfg.model.vision
         w, h, f, n = v.width, v.heads, v.mlp_dim, v.depth
         e, pixels = w // h, v.patch_size**2 * v.channels
@@ -175,6 +194,8 @@ class Gemma4Vision(Family):
             )
         mlp = gated_mlp_links(w, f, p + "mlp.", ours + "mlp/", n)
         links += [_clippable(link) for link in mlp]
+        if v.clipped_linears:
+            links += [bounds(p + theirs, ours + o, n) for theirs, o in CLIPPABLE.items()]
         if v.standardize:
             links += [
                 same("std_bias", "vision_projector/std_bias"),

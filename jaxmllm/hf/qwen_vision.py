@@ -117,6 +117,7 @@ class QwenTower(Family):
             "model.vision.patch_bias": (False,),
             "model.vision.class_token": (False,),
             "model.vision.pre_norm": (False,),
+            "model.vision.clipped_linears": (False,),
             "model.vision.final_norm": (True,),
             "model.vision.projector_act": ("gelu",),
             "model.vision.projector_dim": (

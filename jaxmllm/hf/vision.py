@@ -118,6 +118,7 @@ class LearnedTower(Family):
             "model.vision.mlp_bias": (True,),
             "model.vision.temporal_patch": (1,),
             "model.vision.window": (0,),
+            "model.vision.clipped_linears": (False,),
         }
 
     def to_hf_config(self, cfg: Any, source: dict | None) -> dict:

@@ -219,6 +219,7 @@ class Attention(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         lora: dict[str, Adapter] | None = None,
+        clipped: bool = False,
         rngs: nnx.Rngs,
     ):
         """`head_dim` 0 = width / heads; `bias`: which of the q, k, v, o projections have one;
@@ -237,11 +238,14 @@ class Attention(nnx.Module):
         spans both ways (false: causal over them, Gemma 4's full layers); `kv_shared`: no key
         and value projections, the keys and values are another layer's (`__call__`'s `kv`:
         Gemma 4's num_kv_shared_layers); `lora`: adapters of the projections it names (q, k,
-        v, o)."""
+        v, o); `clipped`: the projections' inputs and outputs clamped to bounds (`Dense`'s;
+        Gemma 4's vision tower)."""
         assert heads % kv_heads == 0, (heads, kv_heads)
         head_dim = head_dim or width // heads
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        own = lambda name: dict(use_bias=name in bias, lora=(lora or {}).get(name), **kw)
+        own = lambda name: dict(
+            use_bias=name in bias, lora=(lora or {}).get(name), clipped=clipped, **kw
+        )
         qkv = ("embed", "kv_heads", "head_dim")
         q_width = 2 * head_dim if gate else head_dim
         self.query = Dense(width, (heads, q_width), ("embed", "heads", "head_dim"), **own("q"))

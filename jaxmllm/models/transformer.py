@@ -67,6 +67,9 @@ class BlockSpec:
     # LoRA adapters: (target, lora.Adapter) of the matrices that have one (q, k, v, o, ...)
     lora: tuple[tuple[str, lora.Adapter], ...] = ()
     moe: MoESpec | None = None  # the MLP is a mixture of experts (models.moe)
+    # The attention's and a dense MLP's matrices clamp their inputs and outputs to bounds a
+    # checkpoint holds (`layers.Dense`'s `clipped`: Gemma 4's vision tower)
+    clipped: bool = False
 
     @classmethod
     def of(cls, cfg: Any, *, kv_heads: int | None = None, rope: str, **extra) -> BlockSpec:
@@ -139,6 +142,7 @@ class Block(nnx.Module):
                 spans=spec.spans,
                 kv_shared=spec.kv_shared,
                 lora=adapters,
+                clipped=spec.clipped,
                 rngs=rngs,
                 **kw,
             )
@@ -157,6 +161,7 @@ class Block(nnx.Module):
                 spec.mlp_dim,
                 use_bias=spec.mlp_bias,
                 lora=adapters,
+                clipped=spec.clipped,
                 rngs=rngs,
                 **kw,
             )

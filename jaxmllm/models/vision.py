@@ -98,6 +98,7 @@ class VisionEncoder(nnx.Module):
             post_norms=cfg.post_norms,
             v_norm=cfg.v_norm,
             attn_scalar=cfg.attn_scalar,
+            clipped=cfg.clipped_linears,
         )
         self.transformer = Transformer(
             cfg.depth,
