@@ -122,9 +122,10 @@ CASES = {
         ),
     ),
     # Gemma 4: its LLM and its own tower's q and v (each a Linear inside a clippable wrapper,
-    # `.linear`), the images read both ways in the sliding layers.
+    # `.linear`, its bounds biting: the adapter works inside them), the images read both ways
+    # in the sliding layers.
     "gemma4": (
-        hf_models.gemma4,
+        lambda d: hf_models.gemma4(d, clipped=True),
         dict(
             r=4,
             lora_alpha=8,
