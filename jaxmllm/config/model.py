@@ -409,7 +409,6 @@ class AudioConfig(BlockOptions):
         check(not self.attn_bias, f"{why} have no attention biases: set ''", "attn_bias")
         check(not self.mlp_bias, f"{why} have no feed-forward biases: set false", "mlp_bias")
         check(not self.qk_norm, f"{why} have no QK-norm: set false", "qk_norm")
-        check(not self.lora.enabled, f"{why} take no LoRA adapters: set rank 0", "lora.rank")
         check(self.pool == 1, f"{why} pool nothing: set 1", "pool")
 
 

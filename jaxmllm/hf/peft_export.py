@@ -31,7 +31,8 @@ from jaxmllm.models.mllm import expert_adapters, kernel_paths
 from jaxmllm.step.program import model_parts
 
 log = logging.getLogger("jaxmllm")
-STACKED = re.compile(r"/transformer/(\w+_)?blocks/")  # a scanned stack's parameters
+# A scanned stack's parameters (a transformer's stacks; the conformer's blocks, `audio/blocks/`)
+STACKED = re.compile(r"/(transformer/(\w+_)?)?blocks/")
 
 
 def check_adapter_pieces(cfg: Config, pieces: list) -> None:

@@ -14,6 +14,9 @@
   query against a projection of a sinusoid table of distances), are soft-capped, and are
   computed a chunk of queries at a time against that chunk's context: linear in frames.
 - The output projection (with a bias) to `out_dim`.
+- LoRA (`model.audio.lora`): adapters on the attention's q, k, v, o and the feed-forwards'
+  fc1, fc2 (a target adapts that matrix of both feed-forwards), inside the bounds as PEFT's
+  on a clipped linear's `.linear`; the light convolution's linears take none.
 
 A frame is valid where its segment id is > 0 and its position >= 0: a clip padded to a whole
 LLM token (4 frames) carries position -1 on its padding frames (`jaxmllm.data.media.audio`), as
@@ -32,6 +35,7 @@ from flax import nnx
 
 from jaxmllm.config import AudioConfig
 from jaxmllm.config.spec import Inputs
+from jaxmllm.models import lora
 from jaxmllm.models.audio import clip_windows
 from jaxmllm.models.deltanet import causal_conv, document_starts
 from jaxmllm.models.inputs import decode
@@ -41,6 +45,11 @@ from jaxmllm.models.transformer import remat_policy, stack_modules
 
 INVALID = -1e9  # a masked score (transformers' attention_invalid_logits_value)
 FIXED_EPS = 1e-6  # the blocks' norms whose epsilon transformers does not take from the config
+
+
+def adapters(a: AudioConfig) -> dict[str, lora.Adapter]:
+    """The LoRA adapters of the blocks' matrices, by target (q, k, v, o, fc1, fc2)."""
+    return dict(lora.adapters(a.lora, a.adapter_targets))
 
 
 def clamp(x: jax.Array, bound: float) -> jax.Array:
@@ -78,12 +87,12 @@ class FeedForward(nnx.Module):
     by `residual_weight`, added to its input."""
 
     def __init__(self, a: AudioConfig, *, dtype, param_dtype, rngs):
-        c = a.conformer
+        c, on = a.conformer, adapters(a)
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         lin = dict(clipped=c.clipped_linears, rngs=rngs, **kw)
         self.pre_norm = RMSNorm(a.width, eps=FIXED_EPS, **kw)
-        self.fc1 = Dense(a.width, a.mlp_dim, ("embed", "mlp"), **lin)
-        self.fc2 = Dense(a.mlp_dim, a.width, ("mlp", "embed"), **lin)
+        self.fc1 = Dense(a.width, a.mlp_dim, ("embed", "mlp"), lora=on.get("fc1"), **lin)
+        self.fc2 = Dense(a.mlp_dim, a.width, ("mlp", "embed"), lora=on.get("fc2"), **lin)
         self.post_norm = RMSNorm(a.width, eps=FIXED_EPS, **kw)
         self.bound, self.weight = c.clamp, c.residual_weight
 
@@ -123,15 +132,15 @@ class LocalAttention(nnx.Module):
     ln(1 + e) / ln 2, as transformers' Gemma4AudioAttention."""
 
     def __init__(self, a: AudioConfig, *, dtype, param_dtype, rngs):
-        c, w, h = a.conformer, a.width, a.heads
+        c, w, h, on = a.conformer, a.width, a.heads, adapters(a)
         e = w // h
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         lin = dict(clipped=c.clipped_linears, **kw)
         qkv = ("embed", "heads", "head_dim")
-        self.query = Dense(w, (h, e), qkv, **lin)
-        self.key = Dense(w, (h, e), qkv, **lin)
-        self.value = Dense(w, (h, e), qkv, **lin)
-        self.out = Dense((h, e), w, ("heads", "head_dim", "embed"), **lin)
+        self.query = Dense(w, (h, e), qkv, lora=on.get("q"), **lin)
+        self.key = Dense(w, (h, e), qkv, lora=on.get("k"), **lin)
+        self.value = Dense(w, (h, e), qkv, lora=on.get("v"), **lin)
+        self.out = Dense((h, e), w, ("heads", "head_dim", "embed"), lora=on.get("o"), **lin)
         self.relative = Dense(w, (h, e), qkv, **kw)
         self.per_dim_scale = nnx.Param(jnp.zeros((e,), param_dtype), axes=("head_dim",))
         self.c, self.width, self.dtype = c, w, dtype
@@ -267,11 +276,14 @@ class ConformerEncoder(nnx.Module):
         starts = document_starts(seg_bn)
         graphdef, stacked = nnx.split(self.blocks)
 
-        def block(x_bnd, state):
-            return nnx.merge(graphdef, state)(x_bnd, seg_bn, starts)
+        def block(x_bnd, state, j):
+            with lora.salted(j):  # (each layer's adapters draw their own dropout masks)
+                return nnx.merge(graphdef, state)(x_bnd, seg_bn, starts)
 
         policy = remat_policy(self.remat)
         if policy is not None:
             block = jax.checkpoint(block, policy=policy, prevent_cse=False)
-        x_bnd, _ = jax.lax.scan(lambda x, s: (block(x, s), None), x_bnd, stacked)
+        depth = jax.tree.leaves(stacked)[0].shape[0]
+        xs = (stacked, jnp.arange(depth))
+        x_bnd, _ = jax.lax.scan(lambda x, s_j: (block(x, *s_j), None), x_bnd, xs)
         return self.output_proj(x_bnd)

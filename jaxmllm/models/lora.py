@@ -47,6 +47,16 @@ BLOCK_PATHS = {
     "out_proj": ("attn", "out"),
 }
 PROJECTOR_PATHS = {"fc1": ("fc1",), "fc2": ("fc2",), "fc": ("fc",)}
+# Where each target sits in Gemma 4's audio conformer (conformer.ConformerBlock): its places
+# (an MLP target: that matrix of both feed-forwards)
+CONFORMER_PATHS = {
+    "q": [("blocks", "attn", "query")],
+    "k": [("blocks", "attn", "key")],
+    "v": [("blocks", "attn", "value")],
+    "o": [("blocks", "attn", "out")],
+    "fc1": [("blocks", "ff1", "fc1"), ("blocks", "ff2", "fc1")],
+    "fc2": [("blocks", "ff1", "fc2"), ("blocks", "ff2", "fc2")],
+}
 SALT = 0x4C6F5241  # folded into a kernel's init key for its adapter's A
 
 

@@ -38,7 +38,7 @@ from jaxmllm.models.llm import (
     chunked_token_losses,
     kind_stacks,
 )
-from jaxmllm.models.lora import BLOCK_PATHS, PROJECTOR_PATHS
+from jaxmllm.models.lora import BLOCK_PATHS, CONFORMER_PATHS, PROJECTOR_PATHS
 from jaxmllm.models.per_layer import per_layer_ids
 from sharding import CONTEXT_AXIS, DATA_AXES, STAGE_AXIS
 
@@ -580,6 +580,8 @@ def _kernel_places(model: ModelConfig, module: str, target: str) -> list[tuple[s
         return [PROJECTOR_PATHS[target]] + (
             [("deepstack", *PROJECTOR_PATHS[target])] if deep else []
         )
+    if module == "audio" and model.audio.stem == "conformer":
+        return CONFORMER_PATHS[target]
     if module != "llm":
         return [("transformer", "blocks", *BLOCK_PATHS[target])]
     moe = model.llm.moe
