@@ -28,11 +28,12 @@ from jaxmllm.data.records.record import parse_record
 from jaxmllm.data.text.tokenizer import make_tokenizer
 from jaxmllm.hf import gemma4_vision, table
 from jaxmllm.hf.export import Piece, write_piece
-from jaxmllm.hf.family import FamilyError, bounds
+from jaxmllm.hf.family import FamilyError, bounds, mismatches
 from jaxmllm.hf.importer import write_config
 from jaxmllm.hf.registry import read_hf_config
 from jaxmllm.hf.safetensors import Checkpoint
 from jaxmllm.hf.towers import load_model
+from jaxmllm.hf.whole_config import TOWERS
 from jaxmllm.hf.wholes import whole_for
 from jaxmllm.models import encoders, projectors
 from jaxmllm.models.layers import UNBOUNDED
@@ -230,6 +231,10 @@ def test_gemma4_import_then_export_is_bit_identical(tmp_path):
         False,
         True,
     )
+    for tower in TOWERS:  # (the other vision towers have no bounds to write: they refuse it)
+        off = mismatches(cfg, tower.wants(cfg), tower.name)
+        clipped = any(m.startswith("model.vision.clipped_linears=True") for m in off)
+        assert clipped == (tower.role == "vision" and tower.name != "gemma4_vision"), tower.name
     assert (llm.bidirectional, llm.bidirectional_full) == (("vision",), False)
     assert (cfg.data.image_resize, cfg.data.image_max_pixels) == ("floor", 280 * 8 * 8)
     out = tmp_path / "out"
