@@ -392,6 +392,39 @@ def test_rows_split_over_context_groups_equal_the_unsplit_reference(mesh):
     assert_same_math(cfg, *long_step(cfg, groups, context))
 
 
+@pytest.mark.slow  # compiles the grouped step, the ungrouped one and the reference (~1-2 min)
+def test_a_step_planned_without_groups_runs_data_parallel_on_the_groups_mesh():
+    """A context degree per step (issue 57): on the mesh of context groups (data=4 x context=2)
+    and the very parameter arrays the grouped step takes, a step planned without groups (a
+    device's own rows, the planner's plan for data=8) runs with the context ranks as
+    data-parallel devices: both compiled programs take the parameters as placed (no copy),
+    and its loss and every gradient equal its samples alone on one device. (Splitting its
+    rows as a group's, as the decoder did on any mesh with a context axis, is far off.)"""
+    cfg, source, index = context_config(4, 2)
+    flat = dataclasses.replace(
+        cfg,
+        mesh=dataclasses.replace(cfg.mesh, data=8, context=1),
+        batch=dataclasses.replace(cfg.batch, llm_row_len=2 * ROW),  # (the data's longest)
+    )
+    mesh, state, step, ref, reference = programs(cfg)
+    plan = planner_from_config(flat, index, 8).plan()
+    samples = {int(s): source[int(s)] for s in plan.samples}
+    host = bucketize(plan, samples, flat, capacities(flat, 8))
+    grouped, _ = packed_step(cfg, source, index, 4, 2)
+    base = jax.jit(make_loss_and_grads(model_parts(flat)[0]))
+    params = state["params"], state["frozen"]
+    with jax.set_mesh(mesh):
+        for program, batch in ((step, grouped), (base, host)):
+            args = (*params, sharding.make_global_batch(batch, mesh))
+            taken = program.lower(*args).compile().input_shardings[0][:2]
+            assert jax.tree.leaves(taken) == jax.tree.leaves(
+                jax.tree.map(lambda x: x.sharding, params)
+            )
+        got = base(*params, sharding.make_global_batch(host, mesh))
+    batches = (alone(ref, sample) for sample in samples.values())
+    assert_equals_alone(got, reference, jax.device_get(params), batches, host)
+
+
 TEXT = ["model.vision.enabled=false", "model.audio.enabled=false", "data.eval.source=none"]
 TEXT += ["data.synthetic.image_fraction=0", "data.synthetic.audio_fraction=0"]
 TEXT += ["data.synthetic.multi_image_fraction=0", "data.synthetic.video_fraction=0"]

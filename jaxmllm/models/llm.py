@@ -50,12 +50,17 @@ class Decoder(nnx.Module):
         block: int = 0,
         documents: int = 0,
         context_strategy: str = "gather",
+        grouped: bool = False,
         rngs: nnx.Rngs,
     ):
         self.attention, self.block = attention, block  # model.attention, batch.attention_block
         # mesh.context_strategy: how rows split over context groups attend; the linear layers'
         # need of their tokens in order under ulysses (`models.context.group_order`)
         self.ulysses = context_strategy == "ulysses"
+        # Rows planned for the mesh's context groups (`mesh.context`), split over its context
+        # axis; else each row whole on its device, the context axis one more data-parallel one
+        # (a step variant planned without groups runs so on the same mesh and parameters)
+        self.grouped = grouped
         self.in_order = self.ulysses and cfg.linear.enabled
         self.dtype = dtype  # the compute dtype (the loss's matmuls take it too)
         self.documents = documents  # batch.*_documents (cudnn attention)
@@ -231,7 +236,7 @@ class Decoder(nnx.Module):
             tiles_bk2=tiles_bk2,
             block=self.block,
             documents=self.documents,
-            context=True,  # split over the mesh's context groups, if it has them
+            context=self.grouped,  # split over the mesh's context groups
             row=row,
             order_bt=order_bt,
             window_tiles_bk2=window_tiles_bk2,

@@ -74,7 +74,10 @@ class MultimodalLM(nnx.Module):
             )
             setattr(self, f"{p.name}_projector", projector(cfg, **kw) if on else None)
         strategy = spec.context_strategy
-        self.llm = Decoder(cfg.llm, **shared, **own(LLM), context_strategy=strategy, **kw)
+        grouped = spec.context > 1
+        self.llm = Decoder(
+            cfg.llm, **shared, **own(LLM), context_strategy=strategy, grouped=grouped, **kw
+        )
         self.route_capacity = spec.route_pair_capacity
         self.exchange = spec.exchange
         self.twins = spec.pairs  # (a pair's media rows fill both its documents' slots)
