@@ -12,7 +12,7 @@ import pytest
 from jaxmllm.bench.tails import index_of, longtail, ragged
 from jaxmllm.cost.model import TileWeights
 from jaxmllm.plan import ladder
-from jaxmllm.plan.contract import Capacities, check_plan, step_tiles
+from jaxmllm.plan.contract import Capacities, bucket_tile_caps, check_plan, step_tiles
 from jaxmllm.plan.ladder import Ladder, longest_fitting, rung_rows
 from jaxmllm.plan.registry import make_planner
 from jaxmllm.plan.stream import stream_of
@@ -110,6 +110,42 @@ def test_rare_long_documents_wait_for_their_variant_and_nothing_is_lost(shuffle)
         np.testing.assert_array_equal(a.offset, b.offset)
 
 
+def test_with_a_degree_per_step_long_documents_go_to_the_long_steps_groups():
+    """A context degree per step (issue 57): the base steps plan each device's own rows of
+    2,048 tokens, the long ones groups of 2 devices (rows of 4,096), where the documents of
+    ~3,000 tokens go though the base's tiles would hold them (its rows do not); every
+    plan holds its variant's buckets, a long sample waits a bounded number of steps, and
+    what was pulled is planned once or still waits. (Without the row bound in `rung_rows`
+    the long samples wait for base steps that never take them: 23 steps, past LONG_WAIT.)"""
+    index = rare_long()
+    caps = dataclasses.replace(
+        caps_of(index, long_tiles=({"llm": 2000, "vision": 0},)),
+        llm_rows=2,
+        llm_row_len=2048,
+        tiles={"llm": 2400, "vision": 1100},
+        long_context=2,
+    )
+    long_view = caps.at(1)
+    assert (caps.at(0).llm_buckets, long_view.llm_buckets, long_view.group_row_len) == (4, 2, 4096)
+    rungs = Ladder(caps).rungs(index.llm_tokens(PER_TOKEN), {})
+    assert set(np.flatnonzero(rungs)) == set(range(0, len(index), 500))  # by their rows alone
+    planner = make_planner("orchestrated", index, caps, 0)
+    planned, variants = Counter(), []
+    for _ in range(60):
+        plan = planner.plan()
+        check_plan(plan, index, caps)  # (the variant's buckets: devices, or groups)
+        variants.append(plan.variant)
+        long = rungs[plan.samples] > 0
+        assert plan.variant or not long.any()
+        if plan.variant:
+            assert plan.device.max() < 2 and long.any()  # (a group's bucket)
+        assert planner.ages.max(initial=0) <= max(ladder.LONG_WAIT, planner.max_age)
+        planned.update(plan.samples.tolist())
+    assert 0 < variants.count(1) < len(variants) // 4
+    pulled = Counter(stream_of(index, 0).take(0, planner.cursor).tolist())
+    assert planned + Counter(planner.deferred[:, 0].tolist()) == pulled
+
+
 def test_a_step_is_long_when_enough_long_samples_wait_or_one_is_old():
     index = rare_long()
     caps = caps_of(index, long_tiles=({"llm": 9000, "vision": 0},))
@@ -142,6 +178,14 @@ def test_sizing_gives_the_longest_documents_a_variant_instead_of_every_step():
     llm = index.llm_tokens(caps.per_token)
     rungs = Ladder(top).rungs(llm[[np.argmax(llm), np.argsort(llm)[len(llm) // 2]]], {})
     assert rungs.tolist() == [top.variants - 1, 0]
+    # A context degree per step (groups of 4 in the long steps): a rank's long capacity is
+    # its share of a group that holds the longest document and 3 devices' base buckets
+    grouped = dataclasses.replace(caps, long_context=4)
+    per_step = size_tiles(make(grouped), index, grouped, 10)
+    held = dataclasses.replace(grouped, tiles=per_step.tiles, long_tiles=per_step.long)
+    group = bucket_tile_caps(held.top, held.variants - 1)["llm"]
+    assert group >= least["llm"] + 3 * per_step.tiles["llm"]
+    assert per_step.long[-1]["llm"] < top.tile_caps(top.variants - 1)["llm"]
 
 
 @pytest.mark.parametrize("context", [1, 2])

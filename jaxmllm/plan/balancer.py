@@ -71,7 +71,7 @@ class Balancer:
         lookahead: float = LOOKAHEAD,
         long_wait: int | None = None,
     ):
-        assignment.check(index, caps)
+        assignment.check(index, caps.top)  # (the longest samples: the top variant's buckets)
         self.index, self.caps, self.seed = index, caps, seed
         self.assignment = assignment
         self.max_age = max_age
@@ -89,9 +89,18 @@ class Balancer:
         # big items it left out; `balanced`'s whole samples gained nothing, omni: see README)
         self.retry = assignment.routed
         self.stream = stream_of(index, seed)
-        self.phases = Phases(index, caps)
-        # per step variant (`jaxmllm.plan.ladder`: the long one plans the long samples)
-        self.selectors = [Selector(self.phases, self.lookahead, v) for v in range(caps.variants)]
+        # per step variant (`jaxmllm.plan.ladder`: the long one plans the long samples), its
+        # work and selection (with a context degree per step a long variant's buckets are its
+        # groups: `Capacities.at`)
+        by_degree = {}
+        for view in (caps.at(v) for v in range(caps.variants)):
+            if view.context not in by_degree:
+                by_degree[view.context] = Phases(index, view)
+        self.phases_of = [by_degree[caps.at(v).context] for v in range(caps.variants)]
+        self.phases = self.phases_of[0]  # (the step's, as it plans)
+        self.selectors = [
+            Selector(self.phases_of[v], self.lookahead, v) for v in range(caps.variants)
+        ]
         self.selector = self.selectors[0]  # (the step's, as it plans)
         wait = ladder.LONG_WAIT if long_wait is None else long_wait
         self.ladder = Ladder(caps, wait) if caps.variants > 1 else None
@@ -126,7 +135,8 @@ class Balancer:
             waiting = self._rungs(self.deferred[:, 0])
             variant = self.ladder.variant(step, self.deferred[:, 1], waiting)
             held = waiting > variant
-        self.selector = self.selectors[variant]
+        self.selector, self.phases = self.selectors[variant], self.phases_of[variant]
+        caps = self.phases.caps  # (the variant's buckets)
         pool, fresh = self.selector.window(self.stream, self.cursor, self.deferred, step, held)
         if self.finite:  # (the fresh samples past the set's end are not read)
             over = max(0, self.cursor + fresh - len(self.index))
@@ -254,7 +264,7 @@ class Balancer:
             off = _offsets(dev, size, ends[p], keep, offsets.get(p))
             mb.items[p].append((entries[owner[keep]], j[keep], dev[keep], off))
             # (the route capacity counts what is kept: not what a tile capacity turned away)
-            mb.routes[p].add(size[keep], dev[keep], text_home(rows, self.caps)[owner[keep]])
+            mb.routes[p].add(size[keep], dev[keep], text_home(rows, ph.caps)[owner[keep]])
         mb.entries.append(entries[ok])
         mb.row_bin.append(rows[ok])
         mb.row_offset.append(_offsets(rows, pw.llm, ends[LLM], ok, offsets.get(LLM)))

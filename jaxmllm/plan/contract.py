@@ -9,7 +9,7 @@ This module is the bottom of `jaxmllm.plan`: it imports no planner.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -55,6 +55,10 @@ class Capacities:
     # placed on a group; its query blocks are dealt to the group's devices, llm_row_len tokens
     # each); the encoders keep one bucket per device. 1 = every device its own LLM bucket.
     context: int = 1
+    # A context degree per step: the long variants' LLM buckets are groups of this many
+    # devices (`plan.context`), the base variant's those of `context` (1: each device its own);
+    # 0 = every variant's those of `context`. A view of one variant is `at(variant)`.
+    long_context: int = 0
     # The long variants of a step (`jaxmllm.plan.ladder`), in increasing order: per variant
     # 1, 2, ... and phase, the tiles a device may compute in a step planned for documents too
     # long for the variant below (empty: every step is planned with `tiles`; a phase missing
@@ -101,6 +105,19 @@ class Capacities:
             long_tiles=tuple({p: long.get(p, 0) for p in PHASES} for long in spec.long_tiles),
             bidirectional=tuple(spec.bidirectional) if tiled else (),
         )
+
+    def at(self, variant: int) -> Capacities:
+        """The capacities of a step of `variant` as one context degree: with a degree per step
+        (`long_context`), a long variant's LLM buckets are its groups; else these."""
+        if not self.long_context:
+            return self
+        degree = self.long_context if variant else self.context
+        return replace(self, context=degree, long_context=0)
+
+    @property
+    def top(self) -> Capacities:
+        """The capacities of the top variant (what the data's longest samples must fit)."""
+        return self.at(self.variants - 1)
 
     def row_units(self, phase: str) -> int:
         """Units per encoder row of an encoder phase."""
@@ -343,7 +360,9 @@ def bucket_tile_caps(caps: Capacities, variant: int = 0) -> dict[str, int]:
 def check_plan(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> None:
     """Raises ValueError unless the plan honours the contract (capacities, no overlap, every
     item of every planned sample placed once, items local or within the route capacity,
-    attention tiles within their capacity)."""
+    attention tiles within their capacity; a long variant's buckets, where it has a context
+    degree of its own, its groups: `Capacities.at`)."""
+    caps = caps.at(plan.variant) if plan.variant < caps.variants else caps
     d_n, r_n, row_len = caps.devices, caps.llm_rows, caps.group_row_len
     g_n = caps.llm_buckets
     llm = llm_tokens_of(index, plan.samples, caps.per_token)
@@ -479,7 +498,8 @@ def pair_documents(
 def step_tiles(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> dict[str, np.ndarray]:
     """Per phase, the attention tiles each bucket of the plan needs [microbatch, bucket]
     (`jaxmllm.plan.tiles`; needs caps.attention_block > 0); an LLM bucket is a context group when
-    caps.context > 1."""
+    caps.context > 1, or for the plan's variant (`Capacities.at`)."""
+    caps = caps.at(plan.variant)
     m_n, out = caps.microbatches, {}
     for phase in PHASES:
         micro, dev, row, off, size = phase_docs(plan, index, caps, phase)

@@ -24,6 +24,13 @@ above could give each of the step's buckets one, or one of them has waited `LONG
 steps. A long sample waits at most LONG_WAIT steps (more only while more of them wait than one
 long step holds: then the next step is long too).
 
+With a context degree per step (`Capacities.long_context`) the long variants' LLM buckets are
+context groups (rows of several devices, `plan.context`) while the base one's are each device's
+own: a document longer than a device's rows is of a long rung whatever its tiles, and a group
+holds its long documents with the rest of its devices' rows at the base's density
+(`group_rung`), each rank a share of it, so the long documents' tiles no longer set one
+device's capacity.
+
 What it costs: a long step's devices compute its capacity, padding included; when long
 documents are many, long steps come as soon as they fill every bucket, when they are rare, once
 in LONG_WAIT steps (measured in docs/long-tails.md).
@@ -89,8 +96,9 @@ def rung_rows(caps: Capacities) -> list[dict[str, int]]:
     tiles over its rows); where no variant above holds more of a phase, its documents fit
     alone."""
     top = caps.variants - 1
-    buckets = [bucket_tile_caps(caps, v) for v in range(caps.variants)]
-    rows = bucket_rows(caps)
+    views = [caps.at(v) for v in range(caps.variants)]  # (a degree per step: its groups)
+    buckets = [bucket_tile_caps(view, v) for v, view in enumerate(views)]
+    rows = [bucket_rows(view) for view in views]
     out = []
     for v, cap in enumerate(buckets[:-1]):
         bound = {}
@@ -103,8 +111,14 @@ def rung_rows(caps: Capacities) -> list[dict[str, int]]:
             elif v == 0:
                 bound[p] = longest_fitting(SHARE * cap[p], caps.attention_block, causal)
             else:
-                density = buckets[0][p] / max(rows[p], 1)
-                bound[p] = longest_filling(cap[p], density, rows[p], caps.attention_block, causal)
+                density = buckets[0][p] / max(rows[0][p], 1)
+                bound[p] = longest_filling(
+                    cap[p], density, rows[v][p], caps.attention_block, causal
+                )
+        # (a document longer than the variant's rows waits for the groups above, whose
+        # rows are longer: a context degree per step)
+        if views[top].group_row_len > views[v].group_row_len:
+            bound[LLM] = min(bound.get(LLM, views[v].group_row_len), views[v].group_row_len)
         out.append(bound)
     return out
 
@@ -116,7 +130,10 @@ class Ladder:
         self.wait, self.variants = wait, caps.variants
         self.rows = rung_rows(caps)
         self.per_row = {p: 1 if p == LLM else caps.row_units(p) for p in PHASES}
-        self.batch = BATCH * caps.microbatches * caps.llm_buckets
+        # (a variant's buckets: with a degree per step, a long one's are its groups)
+        self.batch = [
+            BATCH * caps.microbatches * caps.at(v).llm_buckets for v in range(caps.variants)
+        ]
 
     def rungs(self, llm: np.ndarray, items: dict[str, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
         """Per sample, its rung: its LLM tokens `llm` (its longest LLM document: a
@@ -137,7 +154,9 @@ class Ladder:
         one of them has waited LONG_WAIT - 1 steps; 0 when none."""
         for v in range(self.variants - 1, 0, -1):
             up = rungs >= v
-            if up.sum() >= self.batch or (up.any() and (step - since[up]).max() >= self.wait - 1):
+            if up.sum() >= self.batch[v] or (
+                up.any() and (step - since[up]).max() >= self.wait - 1
+            ):
                 return v
         return 0
 
@@ -205,3 +224,15 @@ def size_ladder(
     if len(rungs) == 2:  # (a phase without a middle rung: its top in both)
         rungs[0] = {p: mid.get(p, n) for p, n in top.items()}
     return base, [{p: r.get(p, 0) for p in base} for r in rungs]
+
+
+def group_rung(base: dict[str, int], rung: dict[str, int], degree: int) -> dict[str, int]:
+    """A long rung's bucket tiles (`size_ladder`'s, a device's bucket) held by a context group
+    of `degree` devices (a context degree per step): the LLM's, its documents with the rest
+    of one device's bucket at the base's density, and the other devices' buckets at the
+    base's (at least what the group's rows need, where a document overruns a device's rows);
+    the encoders' buckets stay a device's."""
+    out = dict(rung)
+    if out.get(LLM):
+        out[LLM] += (degree - 1) * base[LLM]
+    return out

@@ -32,7 +32,7 @@ from jaxmllm.plan.contract import (
     step_tiles,
     work_of,
 )
-from jaxmllm.plan.ladder import size_ladder
+from jaxmllm.plan.ladder import group_rung, size_ladder
 from jaxmllm.plan.select import BINDING
 from jaxmllm.plan.summary import IndexSummary, summary_of
 from jaxmllm.plan.tiles import (
@@ -220,8 +220,11 @@ def size_tiles(
             base, long = size_ladder(
                 held, least, docs, tail, rows, density, caps.attention_block, row_weights
             )
+        if caps.long_context:  # (a degree per step: a long rung's bucket is a group)
+            long = [group_rung(base, r, caps.long_context) for r in long]
         return TileSizes(
-            device_tile_caps(caps, base), tuple(device_tile_caps(caps, r) for r in long)
+            device_tile_caps(caps.at(0), base),
+            tuple(device_tile_caps(caps.at(v + 1), r) for v, r in enumerate(long)),
         )
 
     if make is None or weights is None:
