@@ -363,6 +363,29 @@ def test_balance_benchmark_runs():
     assert row["random_cv"] > 2 * row["micro_cv"] > 0
 
 
+@pytest.mark.slow  # ~8 s: three sized runs of the bench
+def test_balance_bench_rows_with_context_groups():
+    """`bench.balance --policies groups,long_groups` (issue 57) on a long-tailed index: with a
+    context degree per step a rank's long capacity is its share of a group's, below the long
+    variant's without groups, and the goodput above it; a grouped step's LLM loads are its
+    ranks' shares (spread over the group, the attention balance stays near 1: piled on one
+    device per group it read 2.3 on docqa)."""
+    from jaxmllm.bench.balance import run_policy
+    from jaxmllm.bench.tails import longtail
+
+    index = longtail(4000)
+    cost = CostModel.from_model(ModelConfig())
+    run = lambda groups: run_policy(
+        "orchestrated", index, 8, 8192, 2, 6, cost, 0, 128, groups=groups
+    )
+    alone, per_step, every = run((1, 0))[0], run((1, 4))[0], run((4, 0))[0]
+    assert per_step["long_steps"] > 0 and every["long_steps"] == 0
+    assert per_step["tile_capacity"] == alone["tile_capacity"]  # (the base: a device's rows)
+    assert per_step["tile_capacity_long"] < alone["tile_capacity_long"]
+    assert per_step["goodput"] > alone["goodput"]
+    assert max(per_step["quad_max_mean"], every["quad_max_mean"]) < 1.05
+
+
 def test_a_config_s_patches_repatch_the_built_in_mixes():
     """`bench.balance --config`: the built-in mixes' images (14 px patches) in the config's
     patches, the same pixels: Qwen3-VL's 16 px patches take (14 / 16)^2 of them, in whole

@@ -7,6 +7,9 @@
     python -m jaxmllm.bench.balance --mix omni --devices 8,64,512,2560 --simulate \
         [--devices-per-host 8] [--pair-capacity auto|whole] [--flops 4e14] \
         [--intra-bw 4.5e11] [--inter-bw 5e10] [--latency 1e-5]
+    python -m jaxmllm.bench.balance --random 1 --seed 100 --family docqa --devices 64 \
+        --policies orchestrated,grain,groups,long_groups [--group-size 4]  # context groups:
+        # every step's (groups), or a context degree per step (long_groups: the long steps')
     python -m jaxmllm.bench.balance --context 2,4,8 [--mix ai2d,chartqa] [--tokens 8192] \
         [--groups 8] [--max-steps 8]   # context groups: per-rank tiles (jaxmllm.bench.context)
 
@@ -103,6 +106,10 @@ from jaxmllm.resolve.capacity import (
 from jaxmllm.resolve.tilesize import flop_share, step_window_tiles, window_cap
 
 POLICIES = ("orchestrated", "balanced", "grain", "naive")  # the default --policies
+# orchestrated with context groups of --group-size devices (--policies may name them):
+# (context, long_context) of its capacities: every step's groups, or the long variants' alone
+# (a context degree per step; the base steps plan each device's own rows)
+GROUPED = {"groups": lambda c: (c, 0), "long_groups": lambda c: (1, c)}
 
 
 class _Items:
@@ -132,6 +139,7 @@ def phase_loads(plan: StepPlan, items: _Items, cost: CostModel, rng=None):
     out = {}
     s = plan.samples
     units = {"llm": (items.llm[s], micro, dev, 1)}
+    group = 1 if rng is not None else caps.at(plan.variant).context
     for p in NAMES:
         it, per = plan.items[p], caps.row_units(p)
         size = idx.items[p].size(s[it.owner], it.item)
@@ -145,9 +153,11 @@ def phase_loads(plan: StepPlan, items: _Items, cost: CostModel, rng=None):
         if len(size):
             qq = (size / per) ** 2 * per * per  # attention over encoder rows, in units^2
             attention = qq * c.quadratic + c.windowed * window_sq(size, c.window)
-            np.add.at(q, (m, d), attention)
-            np.add.at(real, (m, d), c.item_cost(size))
-            np.maximum.at(big, m, attention)
+            ranks = group if p == "llm" else 1  # (a context group's LLM: a rank's share each)
+            for k in range(ranks):
+                np.add.at(q, (m, d * ranks + k), attention / ranks)
+                np.add.at(real, (m, d * ranks + k), c.item_cost(size) / ranks)
+            np.maximum.at(big, m, attention / ranks)
         out[p] = (q, real, big)
     return out
 
@@ -166,15 +176,26 @@ def run_policy(
     pair: str = "auto",
     machine: simulate.Machine | None = None,
     merge_area: int = 4,
+    groups: tuple[int, int] = (1, 0),
 ) -> tuple[dict, list]:
     """Runs planner `policy` for `steps` steps on `index` over `devices` devices (`tokens` an LLM
     row's, `micro` microbatches, `merge_area` patches an LLM token, capacities sized as a run
     sizes them) and measures each plan:
     fill per phase, steps over the lower bound, attention balance, microbatch variation,
     deferral, routing and the planner's ms a step. Returns the summary row and each step's
-    figures."""
+    figures. `groups`: (context, long_context) of the capacities (`Capacities`: context
+    groups of every step, or of the long variants alone)."""
     caps = make_caps(
-        index, devices, tokens, micro, policy, merge_area, block=block, devices_per_host=per_host
+        index,
+        devices,
+        tokens,
+        micro,
+        policy,
+        merge_area,
+        block=block,
+        devices_per_host=per_host,
+        context=groups[0],
+        long_context=groups[1],
     )
     whole = caps.route_pair_capacity
     caps = sized_caps(index, caps, policy, steps, cost, seed, pair)
@@ -223,6 +244,9 @@ def run_policy(
         variants.append(plan.variant)
         if block:
             need = step_tiles(plan, index, caps)  # per phase [M, D]
+            view = caps.at(plan.variant)
+            if view.context > 1:  # (a context group's LLM tiles: a rank's share each)
+                need[LLM] = np.repeat(need[LLM] / view.context, view.context, axis=1)
             for p, n in need.items():
                 tile_most[p] = max(tile_most[p], int(n.max(initial=0)))
                 tile_total[p] += float(n.sum())
@@ -233,17 +257,18 @@ def run_policy(
             if window:
                 window_total += float(step_window_tiles(plan, index, caps, window).sum())
         deferred.append(plan.deferred)
+        view = caps.at(plan.variant)  # (its LLM buckets: devices, or context groups)
         for p in NAMES:
             it = plan.items[p]
-            rows = item_rows(plan, index, caps, p)
-            home = plan.device[it.owner]
+            rows = item_rows(plan, index, view, p)
+            home = plan.device[it.owner] * view.context  # (its group's first device)
             routed += rows.sum()
-            remote_rows += rows[it.device != home].sum()
+            remote_rows += rows[it.device // view.context * view.context != home].sum()
             inter_rows += rows[it.device // host != home // host].sum()
-            most_pair = max(most_pair, int(pair_rows(plan, index, caps, p).max(initial=0)))
+            most_pair = max(most_pair, int(pair_rows(plan, index, view, p).max(initial=0)))
         if machine:
             cost_md = {p: loads[p][1] for p in ("vision", "audio", "llm")}
-            sim.append(simulate.plan_times(plan, index, caps, cost_md, machine))
+            sim.append(simulate.plan_times(plan, index, caps.at(plan.variant), cost_md, machine))
     capacity = steps * devices * micro * cap_vec
     fill = np.divide(work, capacity, out=np.zeros(3), where=capacity > 0)
     lower = max(work / np.where(cap_vec > 0, devices * micro * cap_vec, np.inf))
@@ -358,7 +383,15 @@ def main(argv: list[str] | None = None) -> int:
         "default: 20k, 200k for the long-tailed ones)",
     )
     ap.add_argument("--devices", default="8,64", help="device counts, comma-separated")
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"of {', '.join(POLICIES)}, and {', '.join(GROUPED)} (orchestrated with "
+        "context groups: every step's, or the long steps' alone)",
+    )
+    ap.add_argument(
+        "--group-size", type=int, default=4, help="devices a context group (--policies groups)"
+    )
     ap.add_argument("--tokens", type=int, default=32768, help="LLM tokens per device and micro")
     ap.add_argument("--micro", type=int, default=2, help="microbatches per step")
     ap.add_argument(
@@ -468,8 +501,9 @@ def main(argv: list[str] | None = None) -> int:
                 n = steps
                 if pol == "grain" and args.grain_max_steps:
                     n = min(steps, args.grain_max_steps)
+                grouped = GROUPED.get(pol)
                 row, first = run_policy(
-                    pol,
+                    "orchestrated" if grouped else pol,
                     index,
                     d,
                     args.tokens,
@@ -481,8 +515,11 @@ def main(argv: list[str] | None = None) -> int:
                     pair=args.pair_capacity,
                     machine=machine,
                     merge_area=area,
+                    groups=grouped(args.group_size) if grouped else (1, 0),
                 )
-                row.update(mix=name, peak_rss_mb=peak_rss_mb(), linear_every=args.linear_every)
+                row.update(
+                    policy=pol, mix=name, peak_rss_mb=peak_rss_mb(), linear_every=args.linear_every
+                )
                 rows.append(row)
                 plots[(name, d, pol)] = first
                 print(format_row(row), flush=True)

@@ -28,10 +28,14 @@ def make_caps(
     subsample: int = 4,
     block: int = 0,
     devices_per_host: int = 0,
+    context: int = 1,
+    long_context: int = 0,
 ) -> Capacities:
     """Capacities matched to the data; route capacity = a device's whole encoder output (it
     never binds: `route_caps` sizes it as the trainer does); `devices_per_host` (0: one host)
-    for host-aware routing; with `block`, rows in whole blocks (tile capacities: `held_caps`)."""
+    for host-aware routing; with `block`, rows in whole blocks (tile capacities: `held_caps`);
+    `context`, `long_context`: context groups (`Capacities`: every step's, or with a degree
+    per step the long variants')."""
     per_token = {"vision": merge_area, "audio": subsample}
     per_row = {"vision": 1, "audio": subsample}  # (the pairs stem: a row per LLM token)
     sug = suggest_capacities(
@@ -49,6 +53,8 @@ def make_caps(
         route_pair_capacity=route if policy == "orchestrated" else 0,
         attention_block=block,
         devices_per_host=devices_per_host,
+        context=context,
+        long_context=long_context,
     )
     return caps
 
@@ -107,7 +113,10 @@ def sized_caps(
     if pair == "auto":
         caps = route_caps(index, caps, policy, steps, seed)
     if caps.attention_block and policy in HOLDS_TILES:
-        caps = held_caps(index, caps, policy, min(steps, HELD_DRY_RUN_STEPS), seed, cost)
+        # (no long variants beside every step's context groups: the trainer sizes none)
+        ladder = caps.context == 1
+        steps = min(steps, HELD_DRY_RUN_STEPS)
+        caps = held_caps(index, caps, policy, steps, seed, cost, ladder=ladder)
     return caps
 
 
