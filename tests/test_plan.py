@@ -366,10 +366,12 @@ def test_balance_benchmark_runs():
 @pytest.mark.slow  # ~8 s: three sized runs of the bench
 def test_balance_bench_rows_with_context_groups():
     """`bench.balance --policies groups,long_groups` (issue 57) on a long-tailed index: with a
-    context degree per step a rank's long capacity is its share of a group's, below the long
-    variant's without groups, and the goodput above it; a grouped step's LLM loads are its
-    ranks' shares (spread over the group, the attention balance stays near 1: piled on one
-    device per group it read 2.3 on docqa)."""
+    context degree per step the base steps keep a device's capacity and a rank's long
+    capacity is its share of a group's, below the long variant's without groups (without
+    the groups' view a rank held the group's whole: 7987 against 6139); a grouped step's
+    LLM loads are its ranks' shares (spread over the group the attention balance stays near
+    1; piled on one device per group it read 1.44, and 2.3 on docqa). (Goodput at this size
+    is no measure: 6 steps; the bench's rows at 200k samples are in docs/long-tails.md.)"""
     from jaxmllm.bench.balance import run_policy
     from jaxmllm.bench.tails import longtail
 
@@ -382,7 +384,6 @@ def test_balance_bench_rows_with_context_groups():
     assert per_step["long_steps"] > 0 and every["long_steps"] == 0
     assert per_step["tile_capacity"] == alone["tile_capacity"]  # (the base: a device's rows)
     assert per_step["tile_capacity_long"] < alone["tile_capacity_long"]
-    assert per_step["goodput"] > alone["goodput"]
     assert max(per_step["quad_max_mean"], every["quad_max_mean"]) < 1.05
 
 
