@@ -114,8 +114,9 @@ def test_with_a_degree_per_step_long_documents_go_to_the_long_steps_groups():
     """A context degree per step (issue 57): the base steps plan each device's own rows of
     2,048 tokens, the long ones groups of 2 devices (rows of 4,096), where the documents of
     ~3,000 tokens go though the base's tiles would hold them (its rows do not); every
-    plan holds its variant's buckets, a long sample waits a bounded number of steps, and
-    what was pulled is planned once or still waits. (Without the row bound in `rung_rows`
+    plan holds its variant's buckets, a long sample waits a bounded number of steps, what
+    was pulled is planned once or still waits, and a planner resumed from a saved state
+    plans the same steps. (Without the row bound in `rung_rows`
     the long samples wait for base steps that never take them: 23 steps, past LONG_WAIT.)"""
     index = rare_long()
     caps = dataclasses.replace(
@@ -130,8 +131,9 @@ def test_with_a_degree_per_step_long_documents_go_to_the_long_steps_groups():
     rungs = Ladder(caps).rungs(index.llm_tokens(PER_TOKEN), {})
     assert set(np.flatnonzero(rungs)) == set(range(0, len(index), 500))  # by their rows alone
     planner = make_planner("orchestrated", index, caps, 0)
-    planned, variants = Counter(), []
+    planned, variants, states = Counter(), [], []
     for _ in range(60):
+        states.append(json.loads(json.dumps(planner.get_state())))
         plan = planner.plan()
         check_plan(plan, index, caps)  # (the variant's buckets: devices, or groups)
         variants.append(plan.variant)
@@ -144,6 +146,18 @@ def test_with_a_degree_per_step_long_documents_go_to_the_long_steps_groups():
     assert 0 < variants.count(1) < len(variants) // 4
     pulled = Counter(stream_of(index, 0).take(0, planner.cursor).tolist())
     assert planned + Counter(planner.deferred[:, 0].tolist()) == pulled
+    # Resumed from a saved state, the planner plans the same steps: from the first long step
+    k = variants.index(1)
+    again = make_planner("orchestrated", index, caps, 0)
+    again.set_state(states[k])
+    replay = make_planner("orchestrated", index, caps, 0)
+    for _ in range(k):
+        replay.plan()
+    for _ in range(3):
+        a, b = replay.plan(), again.plan()
+        assert a.variant == b.variant
+        for key in ("samples", "device", "row", "offset"):
+            np.testing.assert_array_equal(getattr(a, key), getattr(b, key))
 
 
 def test_a_step_is_long_when_enough_long_samples_wait_or_one_is_old():
