@@ -172,11 +172,11 @@ def test_frozen_encoder_costs_match_the_cost_model(below):
     frozen_cfg = resolved(*extra, *frozen_over).cfg
     host = next(make_pipeline(run, prefetch=0))["batch"]
 
-    def flops(c, fn):
+    def flops(fn, *args):
         """Of the program JAX hands XLA, uncompiled (a frozen encoder's backward must be absent
         already there; no compile), or compiled where the platform counts none before it (a
-        PJRT plugin's: a GPU)."""
-        lowered = fn.lower(host)
+        PJRT plugin's: a GPU). (The parameters are arguments, their shapes only: none is made.)"""
+        lowered = fn.lower(*args, host)
         try:
             return lowered.cost_analysis()["flops"]
         except NotImplementedError:
@@ -184,15 +184,13 @@ def test_frozen_encoder_costs_match_the_cost_model(below):
 
     def step_flops(c):
         prog_parts = model_parts(c)[0]
-        params, frozen = jax.jit(lambda: _split_params(c))()
-        f = jax.jit(lambda b: make_loss_and_grads(prog_parts)(params, frozen, b))
-        return flops(c, f)
+        params, frozen = jax.eval_shape(lambda: _split_params(c))
+        return flops(jax.jit(make_loss_and_grads(prog_parts)), params, frozen)
 
     def vision_forward_flops(c):
         prog_parts = model_parts(c)[0]
-        params, frozen = jax.jit(lambda: _split_params(c))()
 
-        def fwd(b):
+        def fwd(params, frozen, b):
             model = prog_parts.merge(params, frozen)
             return model.vision(
                 b["vision_patches"][0],
@@ -201,7 +199,7 @@ def test_frozen_encoder_costs_match_the_cost_model(below):
                 b["vision_tiles"][0] if "vision_tiles" in b else None,
             ).sum()
 
-        return flops(c, jax.jit(fwd))
+        return flops(jax.jit(fwd), *jax.eval_shape(lambda: _split_params(c)))
 
     saved = step_flops(cfg) - step_flops(frozen_cfg)
     encoder_fwd = vision_forward_flops(cfg)
