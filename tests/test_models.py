@@ -196,10 +196,12 @@ def drop_audio(mb: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 @functools.cache
-def model_fns(cfg: ModelConfig, bcfg: BatchConfig):
-    """(graphdef, params, jitted forward, jitted value_and_grad) for a config, seed 0."""
+def model_fns(cfg: ModelConfig, bcfg: BatchConfig, abstract: bool = False):
+    """(graphdef, params, jitted forward, jitted value_and_grad) for a config, seed 0;
+    `abstract`: the params' shapes only (for lowering)."""
     spec = BatchSpec.from_sections(cfg, bcfg)
-    graphdef, params = nnx.split(MultimodalLM(cfg, spec, rngs=nnx.Rngs(0)))
+    build = nnx.eval_shape if abstract else (lambda make: make())
+    graphdef, params = nnx.split(build(lambda: MultimodalLM(cfg, spec, rngs=nnx.Rngs(0))))
 
     def loss(params, mb):
         logits = nnx.merge(graphdef, params)(mb)
@@ -453,7 +455,7 @@ def test_program_size_does_not_grow_with_depth(three_samples):
         parts = {p: dataclasses.replace(getattr(CFG, p), depth=depth) for p in ("vision", "audio")}
         llm = dataclasses.replace(CFG.llm, depth=depth)
         cfg = dataclasses.replace(CFG, **parts, llm=llm, remat="full")
-        _, params, _, value_and_grad = model_fns(cfg, LOCAL)
+        _, params, _, value_and_grad = model_fns(cfg, LOCAL, abstract=True)
         sizes.append(len(value_and_grad.lower(params, mb).as_text()))
     assert sizes[0] == sizes[1]
 
