@@ -432,7 +432,9 @@ TEXT += ["data.synthetic.multi_image_fraction=0", "data.synthetic.video_fraction
 
 def assert_same_rows_math(cfg, host: dict, plan, samples: dict, groups: int) -> None:
     """Loss and every gradient of the split step on the mesh against the reference step over
-    the same group rows unsplit, each group's on one device (text only: nothing routed)."""
+    the same group rows unsplit, each group's on one device (text only: nothing routed): each
+    gradient within 1e-4 x its tensor's largest |entry| (float32's rounding of sums in another
+    order: `test_hybrid_rows_split_by_ulysses_equal_the_unsplit_rows`)."""
     mesh, state, step, ref, reference = programs(cfg)
     with jax.set_mesh(mesh):
         got = step(state["params"], state["frozen"], sharding.make_global_batch(host, mesh))
@@ -442,23 +444,27 @@ def assert_same_rows_math(cfg, host: dict, plan, samples: dict, groups: int) -> 
     np.testing.assert_allclose(got[0], want[0], rtol=2e-5)
     flat_got = jax.tree_util.tree_leaves_with_path(jax.device_get(got[1]))
     for (path, grad), w in zip(flat_got, jax.tree.leaves(want[1]), strict=True):
-        np.testing.assert_allclose(
-            grad, w, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path)
-        )
+        bound = 1e-4 * np.abs(w).max()
+        np.testing.assert_allclose(grad, w, rtol=0, atol=bound, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.slow  # compiles its split step and the reference (~30 s-2 min here)
-@pytest.mark.parametrize("mesh", ["data=2 context=4 mrope=4,6,6"])
+@pytest.mark.slow  # compiles its split step and the reference (~30 s-2 min a mesh here)
+@pytest.mark.parametrize(
+    "mesh", ["data=2 context=4 mrope=4,6,6", "data=1 fsdp=2 context=2 tensor=2 mrope=4,6,6"]
+)
 def test_hybrid_rows_split_by_ulysses_equal_the_unsplit_rows(mesh):
     """A Qwen3.5-like hybrid (Gated DeltaNet layers 0-2, attention in 3; 4 key heads over 4
-    ranks; M-RoPE, whose positions are not the token order) on text rows the planner packed,
-    then one long document a group, split by ulysses (the linear layers' tokens put back in
-    their rows' order by `llm_blocks`): loss and every gradient equal the same group rows
-    computed unsplit, a group's on one device. (Against each sample alone a few entries of
-    the linear layers' gradients miss atol by ~3e-6: the delta rule's chunks fall elsewhere in
-    a packed row. With heads over tensor=2, then context=2, 3 of the 196608 entries of the
-    linear layers' qkv kernel gradient miss atol=2e-6 by up to 1e-6 (against these same rows);
-    `test_ulysses.py` holds that layout at the layer level.)"""
+    ranks, or over tensor=2 then context=2; M-RoPE, whose positions are not the token order)
+    on text rows the planner packed, then one long document a group, split by ulysses (the
+    linear layers' tokens put back in their rows' order by `llm_blocks`): loss and every
+    gradient equal the same group rows computed unsplit, a group's on one device, each
+    gradient to 1e-4 of its tensor's largest entry. (Held entry by entry, atol=2e-6 rtol=2e-4,
+    on the tensor=2 mesh 3 of the 196608 entries of the qkv kernel's gradient, 1.2e-4, 8.4e-4
+    and 1.1e-3 where its largest is 0.35, miss by up to 9e-7: float32's rounding, the same
+    step computed in float64 agreeing with its reference there to 10 digits, and everywhere
+    to 1e-13 of each tensor's largest, where float32's reference is 3e-5 to 1.2e-4 of it from
+    float64's. Against each sample alone a few entries of the linear layers' gradients miss
+    atol by ~3e-6: the delta rule's chunks fall elsewhere in a packed row.)"""
     words = dict(x.split("=") for x in mesh.split())
     mrope = words.pop("mrope", "")
     sizes = {"fsdp": 1, "tensor": 1} | {k: int(v) for k, v in words.items()}
