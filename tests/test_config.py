@@ -134,7 +134,11 @@ def test_context_parallelism_names_what_the_model_is_before_what_can_change():
             "mesh.tensor=2 mesh.context=16",
             r"model\.llm\.heads: 16: .*8 attention heads per tensor rank .*mesh\.context=16",
         ),
-        ("mesh.context=4", r"model\.llm\.linear\.key_heads: 2: .*2 key heads .*mesh\.context=4"),
+        ("mesh.context=8", r"model\.llm\.linear\.value_heads: 4: .*4 value heads .*context=8"),
+        (
+            "mesh.tensor=2 mesh.context=4",
+            r"model\.llm\.linear\.value_heads: 4: .*2 value heads per tensor rank .*context=4",
+        ),
         (
             "mesh.context_strategy=scatter",
             r"mesh\.context_strategy: must be one of gather, ulysses",
@@ -143,8 +147,9 @@ def test_context_parallelism_names_what_the_model_is_before_what_can_change():
 )
 def test_ulysses_refuses_heads_the_group_does_not_divide(setting, key):
     """mesh.context_strategy: ulysses splits attention's heads (a tensor rank's) and a Gated
-    DeltaNet's key heads over the group: counts it does not divide are refused, naming the
-    keys; a hybrid whose key heads it divides loads (gather refuses it: the test above)."""
+    DeltaNet's value heads over the group: counts it does not divide are refused, naming the
+    keys; a hybrid whose value heads it divides loads, also with fewer key heads than the
+    group (repeated; gather refuses it: the test above)."""
     ulysses = ["mesh.context_strategy=ulysses", "mesh.context=2"]
     hybrid = ["model.llm.depth=4", "model.llm.linear.every=4", "model.llm.linear.key_heads=2"]
     hybrid += ["model.llm.linear.value_heads=4"]
@@ -152,6 +157,7 @@ def test_ulysses_refuses_heads_the_group_does_not_divide(setting, key):
         load_config(None, [*ulysses, *hybrid, *setting.split()])
     cfg = load_config(None, [*ulysses, *hybrid])
     assert cfg.mesh.context_strategy == "ulysses" and cfg.model.llm.linear.enabled
+    assert load_config(None, [*ulysses, *hybrid, "mesh.context=4"]).mesh.context == 4
 
 
 @pytest.mark.parametrize(

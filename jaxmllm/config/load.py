@@ -194,9 +194,11 @@ class Config:
 
     def _check_ulysses(self) -> None:
         """Ulysses splits each attention's heads (those of a tensor rank, where mesh.tensor
-        splits them) evenly over the context group, and each Gated DeltaNet layer's key heads
-        (with their value heads): a count that does not divide is refused, naming both keys.
-        Fewer key/value heads than the group are repeated (`models.context.ulysses_attend`)."""
+        splits them) evenly over the context group, and each Gated DeltaNet layer's value
+        heads: a count that does not divide is refused, naming both keys. Fewer key/value
+        heads than the group are repeated (`models.context.ulysses_attend`), and so are the
+        Gated DeltaNet's key heads, each copy with its share of its value heads
+        (`models.context.ulysses_linear`)."""
         llm, c, t = self.model.llm, self.mesh.context, self.mesh.tensor
         split = t > 1 and llm.heads % t == 0 and llm.kv_heads % t == 0  # (as attention's)
         heads = llm.heads // t if split else llm.heads
@@ -212,14 +214,15 @@ class Config:
         if not lin.enabled:
             return
         split = t > 1 and lin.key_heads % t == 0  # (the conv's channels lie by key head)
-        keys = lin.key_heads // t if split else lin.key_heads
+        values = lin.value_heads // t if split else lin.value_heads
+        per = f" per tensor rank (mesh.tensor={t})" if split else ""
         check(
-            keys % c == 0,
-            f"{lin.key_heads}: mesh.context_strategy: ulysses splits the Gated DeltaNet "
-            f"layers' {keys} key heads{per if split else ''} (each with its value heads and "
-            f"its convolution's channels) over mesh.context={c} devices, which must divide "
+            values % c == 0,
+            f"{lin.value_heads}: mesh.context_strategy: ulysses splits the Gated DeltaNet "
+            f"layers' {values} value heads{per} (with the key heads they read, repeated where "
+            f"fewer than the group) over mesh.context={c} devices, which must divide "
             "them; set mesh.context to a divisor",
-            "model.llm.linear.key_heads",
+            "model.llm.linear.value_heads",
         )
 
     def _check_experts(self) -> None:

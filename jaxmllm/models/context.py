@@ -36,8 +36,12 @@ move whole; beta's and the decay's logits by value head, those of the rank's key
 group's tokens are then permuted from the gathered (rank) order into the group's rows' order
 (`group_order`, from the batch's `llm_blocks`: each device's blocks' places in its group's
 rows), the layer runs unchanged on its key heads with its parameters' share over those rows,
-and the outputs are permuted back and all-to-all'd home. The gather strategy cannot run these
-layers (config load refuses it).
+and the outputs are permuted back and all-to-all'd home. Fewer key heads than the split needs
+(k % C != 0, where C divides the value heads) are repeated first, each lcm(k, C) / k times,
+every copy with its query and key channels and its r values dealt over the copies in order
+(`_repeat_keys`): a rank's value heads with the key head they read; value heads that do not
+divide C are refused at config load. The gather strategy cannot run these layers (config
+load refuses it).
 
 The kernel is block-sparse attention's (`jaxmllm.models.blocksparse.kernel`: a chunk of tiles
 at a time with an online softmax, a flash-style backward), here with the keys of the whole
@@ -240,6 +244,19 @@ def group_order(blocks_bn: jax.Array, block: int) -> tuple[jax.Array, jax.Array]
     return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=(spec, spec))(blocks_bn)
 
 
+def _repeat_keys(x: jax.Array, times: int, key_dim: int) -> jax.Array:
+    """A Gated DeltaNet's fused channels by key head [..., k, 2 key_dim + r value_dim] ->
+    [..., k times, 2 key_dim + r / times value_dim]: each key head `times` times, every copy
+    with its query and key, its r values dealt over the copies in order (value heads keep
+    their order: the gates' logits and parameters by value head need no change)."""
+    if times == 1:
+        return x
+    qk, v = x[..., : 2 * key_dim], x[..., 2 * key_dim :]
+    qk = jnp.repeat(qk[..., None, :], times, axis=-2)  # [..., k, times, 2 key_dim]
+    v = v.reshape(*v.shape[:-1], times, -1)  # [..., k, times, r / times value_dim]
+    return jnp.concatenate([qk, v], -1).reshape(*x.shape[:-2], -1, qk.shape[-1] + v.shape[-1])
+
+
 def ulysses_linear(
     mix: Callable[..., jax.Array],
     projected_btkc: jax.Array,
@@ -249,6 +266,7 @@ def ulysses_linear(
     segment_ids_bt: jax.Array,
     order: tuple[jax.Array, jax.Array],
     row: int,
+    key_dim: int,
 ) -> jax.Array:
     """A Gated DeltaNet layer's token mixing by the ulysses strategy (module docstring).
 
@@ -263,13 +281,18 @@ def ulysses_linear(
       segment_ids_bt: each token's document [B, T].
       order: `group_order`'s (permutation, inverse) [B, C T].
       row: tokens of a group's row (its rows lie end to end: each restarts the layer's state).
+      key_dim: a key head's query (and key) channels, the first two of its group.
 
     Returns:
       The delta rule's outputs [B, T, key heads, r, value_dim] of each rank's tokens.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    keys = projected_btkc.shape[2]
+    keys, c = projected_btkc.shape[2], context_size()
     axes, _, split = _head_specs(mesh, keys, keys)  # (a key head's channels stay whole)
+    local = keys // mesh.shape["tensor"] if split else keys  # (a tensor rank's key heads)
+    if b_logits_bth.shape[2] // keys * local % c:  # (config load refuses it first)
+        raise ValueError(f"a tensor rank's value heads do not split over {c} context ranks")
+    times = math.lcm(local, c) // local  # (divides r where c divides the value heads)
     head = "tensor" if split else None
     mine = ("tensor", CONTEXT_AXIS) if split else CONTEXT_AXIS  # (a rank's heads' parameters)
     tokens = PartitionSpec(axes, None, head)
@@ -277,10 +300,15 @@ def ulysses_linear(
     in_order = lambda x, at: jnp.take_along_axis(x, at.reshape(at.shape + (1,) * (x.ndim - 2)), 1)
 
     def body(projected, b, a, conv, dt_bias, a_log, seg, forward, back):
+        projected = _repeat_keys(projected, times, key_dim)
         projected, b, a = _to_heads(projected), _to_heads(b), _to_heads(a)
         projected, b, a, seg = (in_order(x, forward) for x in (projected, b, a, gather(seg)))
         out = mix(projected, seg, b, a, conv, dt_bias, a_log, projected.shape[2], row=row)
-        return _to_tokens(in_order(out, back))
+        out = _to_tokens(in_order(out, back))  # [b, T, local key heads * times, r / times, v]
+        return out.reshape(*out.shape[:2], local, -1, out.shape[-1])
+
+    conv, dt_bias, a_log = params
+    params = (_repeat_keys(conv, times, key_dim), dt_bias, a_log)
 
     spec = PartitionSpec(axes)
     return jax.shard_map(

@@ -398,7 +398,8 @@ class GatedDeltaNet(nnx.Module):
         params = (self.conv[...], self.dt_bias[...], self.a_log[...])
         if pack.group_order is not None:  # (a context group's rows, by the ulysses strategy)
             args = (projected, b_logits, a_logits, params, pack.segment_ids, pack.group_order)
-            out = ctx.ulysses_linear(self.mix, *args, row=pack.row * ctx.context_size())
+            row, key_dim = pack.row * ctx.context_size(), self.spec.key_dim
+            out = ctx.ulysses_linear(self.mix, *args, row=row, key_dim=key_dim)
         else:
             args = (projected, pack.segment_ids, b_logits, a_logits, *params)
             out = self.mix(*args, self.spec.key_heads, row=pack.row)
@@ -418,12 +419,12 @@ class GatedDeltaNet(nnx.Module):
     ) -> jax.Array:
         """The layer's token mixing: the convolution, the gates and the delta rule over packed
         rows (`row` as `document_starts`'s), of `key_heads` of the key heads (all of them, or
-        a context rank's share under ulysses, `models.context.ulysses_linear`) with their
-        value heads and their parameters' share. Returns [B, T, key_heads, r, value_dim]."""
+        a context rank's share under ulysses, `models.context.ulysses_linear`, where copies of
+        a key head may each carry some of its value heads) with their value heads (those of
+        `b_logits`) and their parameters' share. Returns [B, T, key_heads, value heads a key
+        head, value_dim]."""
         s = self.spec
-        spec = dataclasses.replace(
-            s, key_heads=key_heads, value_heads=s.value_heads // s.key_heads * key_heads
-        )
+        spec = dataclasses.replace(s, key_heads=key_heads, value_heads=b_logits.shape[-1])
         starts = document_starts(segment_ids_bt, row)
         run = functools.partial(_inputs, spec=spec, skip=0, dtype=self.dtype)
         run = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)
