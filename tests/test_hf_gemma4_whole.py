@@ -206,18 +206,25 @@ def test_gemma4_tower_alone_matches_gemma4_vision_model(tmp_path):
     assert np.abs(np.asarray(model.vision(*args)[0]) - theirs).max() > 1e-2
 
 
-def test_gemma4_import_then_export_is_bit_identical(tmp_path):
+def test_gemma4_import_then_export_is_bit_identical(tmp_path, monkeypatch):
     """Every tensor of the whole checkpoint (its conformer and embed_audio too) is consumed,
     and writing the loaded parameters back gives each bit for bit (the clipped linears' bounds,
     the vision tower's and the conformer's, ±inf too), with a config.json transformers loads
     without a missing or an unexpected key; the import sets the towers' options and the spans
-    of the sliding layers."""
+    of the sliding layers. Exported from scratch, its processor is Gemma4Processor
+    (`_from_scratch_processor`)."""
     import transformers
     from flax import nnx
 
     from sharding.rules import keyed_leaves
 
-    source = hf_models.gemma4(tmp_path / "source", audio=AUDIO_IDS, clipped=True)
+    tk = _gemma4_tokenizer(tmp_path / "tk")
+    ids = transformers.AutoTokenizer.from_pretrained(str(tk)).convert_tokens_to_ids(
+        NAMES + AUDIO_NAMES
+    )
+    source = hf_models.gemma4(
+        tmp_path / "source", vocab=512, ids=ids[:3], audio=ids[3:], clipped=True
+    )
     write_config(tmp_path / "run.yaml", model=source)  # (its ±inf bounds: not refused)
     cfg, model = load_model(source, source, source)
     flat = keyed_leaves(nnx.to_pure_dict(nnx.state(model)))
@@ -258,6 +265,7 @@ def test_gemma4_import_then_export_is_bit_identical(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     again = keyed_leaves(nnx.to_pure_dict(nnx.state(load_model(str(out), str(out), str(out))[1])))
     assert all(np.array_equal(flat[k], again[k]) for k in flat)
+    _from_scratch_processor(cfg, flat, source, tk, tmp_path / "scratch", monkeypatch)
 
 
 def test_import_refuses_what_gemma4_sets_and_jaxmllm_does_not_build(tmp_path):
@@ -374,3 +382,111 @@ def test_an_image_and_a_clip_are_wrapped_as_gemma4s_processor_wraps_them(tmp_pat
     assert after[0] == eoa and tk.decode(after[1:]).startswith("end"), tk.decode(after)
     assert tk.specials.media["vision"] == tk.token_id(NAMES[2])
     assert tk.specials.media["audio"] == tk.token_id(AUDIO_NAMES[2])
+
+
+def _gemma4_tokenizer(directory: Path) -> Path:
+    """A tokenizer directory naming Gemma 4's image and audio tokens, a Llama 3.1 chat template
+    in its tokenizer_config.json."""
+    options = dict(image_token=NAMES[2], boi_token=NAMES[0], eoi_token=NAMES[1])
+    options.update(audio_token=AUDIO_NAMES[2], boa_token=AUDIO_NAMES[0], eoa_token=AUDIO_NAMES[1])
+    template = "meta-llama/Llama-3.1-8B-Instruct"
+    return build_dir(directory, "llama", template, NAMES + AUDIO_NAMES, **options)
+
+
+def _from_scratch_processor(cfg, flat, source: str, d: Path, out: Path, monkeypatch) -> None:
+    """The run `cfg` (its parameters `flat`, their architecture `source`'s) exported from
+    scratch with the tokenizer `d` (no imported directory: the processor's file made from the
+    data section, beside the run's tokenizer and chat template): AutoProcessor builds
+    Gemma4Processor from it, with the image processor and the feature extractor at our
+    settings; a chat with an image and a clip, the template rendered by the processor, comes
+    out as our tokenizer lays it out (`<|image>`, one soft token per pooled window of the image
+    resized as we resize it, `<image|>`, `<|audio>`, one per 4 frames of the clip, `<audio|>`),
+    its clip's features ours (`data.mel: gemma4`) within 2e-4; and `hf import` reads the
+    export's processor back into the run's data keys."""
+    from PIL import Image
+
+    from jaxmllm.data.media.audio import gemma4_log_mel
+    from jaxmllm.hf.importer import data_section
+
+    budget = 70 * 8 * 8  # (the fewest soft tokens an image may have: 70 pooled windows)
+    data = dict(tokenizer=str(d), image_min_pixels=budget, image_max_pixels=budget)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **data))
+    whole = whole_for(read_hf_config(source))
+    write_piece(cfg, Piece("", ("llm", "vision", "audio"), "", whole=whole), flat, out, 1 << 30)
+    saved = json.loads((out / "processor_config.json").read_text())
+    assert saved["video_processor"]["video_processor_type"] == "Gemma4VideoProcessor"
+
+    processor = _gemma4_processor(out, monkeypatch)
+    assert type(processor).__name__ == "Gemma4Processor"
+    assert type(processor.feature_extractor).__name__ == "Gemma4AudioFeatureExtractor"
+    assert processor.image_processor.max_soft_tokens == 70
+    rng = np.random.default_rng(0)
+    shape, samples, rate = (30, 50), 16123, cfg.data.audio_sample_rate
+    image = Image.fromarray(rng.integers(0, 256, (*shape, 3), dtype=np.uint8))
+    clip = (0.3 * rng.standard_normal(samples)).astype(np.float32)
+    content, reply = "hi{}ok{}end", {"role": "assistant", "content": "a cat"}
+    chat = [{"role": "user", "content": content.format(NAMES[2], AUDIO_NAMES[2])}, reply]
+    text = processor.apply_chat_template(chat, tokenize=False)
+    theirs = processor(  # (one chat: no padding, which this tokenizer has no token for)
+        text=text,
+        images=[image],
+        audio=[clip],
+        add_special_tokens=False,
+        padding=False,
+        return_tensors="np",
+    )
+
+    tk = make_tokenizer(str(d))
+    user = {"role": "user", "content": content.format("<image>", "<audio>")}
+    raw = {"id": "a", "messages": [user, reply], "images": ["y"], "audio": ["z"]}
+    record = parse_record(raw, Path("."), 1)
+    params = Params.from_config(cfg)
+    grid = params.patch_grid(*shape)
+    counts = {"vision": grid[0] * grid[1] // cfg.model.vision.merge**2}
+    counts["audio"] = params.clip_chunks(samples, rate)[0] // cfg.model.audio.subsample
+    ours = []
+    for kind, piece, *_ in tk.pieces(record):
+        ours += piece.tolist() if kind == "text" else [tk.specials.media[kind]] * counts[kind]
+    assert counts["vision"] > 1 and counts["audio"] > 1
+    assert theirs["input_ids"][0].tolist() == ours
+
+    features = gemma4_log_mel(clip, rate, cfg.model.audio.n_mels)
+    mask = theirs["input_features_mask"][0]
+    assert mask.sum() == len(features) and mask[: len(features)].all()
+    np.testing.assert_allclose(theirs["input_features"][0][: len(features)], features, atol=2e-4)
+
+    back = data_section(str(out), str(out), str(out))
+    for key in ("image_resize", "image_min_pixels", "image_max_pixels", "mel"):
+        assert back[key] == getattr(cfg.data, key), key
+    assert back["audio_sample_rate"] == rate
+    assert tuple(back["image_mean"]) == tuple(cfg.data.image_mean)
+
+
+class _NoVideos(dict):
+    """The video processor Gemma4Processor is given where torchvision, which its own needs, is
+    not installed: its settings from the processor's file, nothing to run (the chat has no
+    video)."""
+
+
+def _gemma4_processor(directory, monkeypatch):
+    """AutoProcessor's Gemma4Processor of `directory`. Without torchvision (CPU CI) a stand-in
+    for its video processor alone; the rest (the processor's file, its image processor,
+    feature extractor, tokenizer and chat template) is read as AutoProcessor reads it."""
+    import importlib.util
+
+    from transformers import AutoProcessor, ProcessorMixin
+
+    if importlib.util.find_spec("torchvision") is None:
+        from transformers.models.auto import video_processing_auto
+
+        auto = video_processing_auto.AutoVideoProcessor
+        saved = json.loads((Path(directory) / "processor_config.json").read_text())
+        videos = _NoVideos(saved["video_processor"])
+        monkeypatch.setattr(auto, "from_pretrained", classmethod(lambda *a, **k: videos))
+        check = ProcessorMixin.check_argument_for_proper_class
+
+        def proper(self, name, argument):
+            return None if name == "video_processor" else check(self, name, argument)
+
+        monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", proper)
+    return AutoProcessor.from_pretrained(str(directory))

@@ -269,6 +269,19 @@ def _processor_files(cfg: Config, piece: Piece, directory: Path) -> None:
     if piece.whole is not None and not piece.source and tokenizer.is_dir():
         for name, content in piece.whole.processor_files(cfg).items():
             (directory / name).write_text(json.dumps(content, indent=2) + "\n")
+        _processor_template(directory)
+
+
+def _processor_template(directory: Path) -> None:
+    """The tokenizer's chat template as chat_template.jinja, where only its
+    tokenizer_config.json holds it: a processor (transformers 5) reads its template from that
+    file alone, so `apply_chat_template` of the processor AutoProcessor builds would have none."""
+    if any((directory / n).is_file() for n in ("chat_template.jinja", "chat_template.json")):
+        return
+    config = directory / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    if isinstance(template, str):
+        (directory / "chat_template.jinja").write_text(template)
 
 
 def hf_tensors(family: Family, cfg: Config, source: dict | None, flat: dict) -> dict:

@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxmllm.hf import oracle, table
+from jaxmllm.hf.audio import MEL_DEFAULTS
 from jaxmllm.hf.family import Family, Link, dense, mismatches, refuse_unless
 from jaxmllm.hf.whole import Whole
 from jaxmllm.hf.whole_config import (
@@ -211,7 +212,11 @@ class Gemma4Whole(Whole):
         spans = cfg.model.llm.bidirectional
         audio = {}
         if cfg.model.audio.enabled:
-            audio = {**self.audio.wants(cfg), "model.audio.projector": ("embed",)}
+            audio = {
+                **self.audio.wants(cfg),
+                "model.audio.projector": ("embed",),
+                "data.mel": ("gemma4",),  # (its feature extractor's frames)
+            }
         wants = {
             **self.decoder.wants(cfg),
             **self.tower.wants(cfg),
@@ -242,12 +247,14 @@ class Gemma4Whole(Whole):
         return oracle.gemma4(sample, cfg, specials)
 
     def processor_files(self, cfg: Any) -> dict[str, dict]:
-        """Gemma4ImageProcessor's file (its resize at our budget, [0, 1] pixels) and the
-        processor's."""
+        """Gemma4Processor's one file, as its save_pretrained writes it (transformers 5: each
+        sub-processor's settings nested): Gemma4ImageProcessor's (its resize at our budget,
+        [0, 1] pixels) and its video processor's alike; with audio, Gemma4AudioFeatureExtractor's
+        (`data.mel: gemma4`'s frames at our rate and mel bins) and a clip's most soft tokens,
+        `data.audio_max_frames` over the conformer's subsampling."""
         v, d = cfg.model.vision, cfg.data
         tokens = d.image_max_pixels // (v.patch_size * v.merge) ** 2
-        image = {
-            "image_processor_type": "Gemma4ImageProcessor",
+        pixels = {
             "do_convert_rgb": True,
             "do_resize": True,
             "resample": 3,
@@ -258,11 +265,31 @@ class Gemma4Whole(Whole):
             "image_std": [1.0] * 3,
             "patch_size": v.patch_size,
             "pooling_kernel_size": v.merge,
-            "max_soft_tokens": tokens,
         }
         processor = {
             "processor_class": self.processor_class,
             "image_seq_length": tokens,
             "image_token": placeholder(cfg, "vision"),
+            "image_processor": {
+                "image_processor_type": "Gemma4ImageProcessor",
+                **pixels,
+                "max_soft_tokens": tokens,
+            },
+            "video_processor": {"video_processor_type": "Gemma4VideoProcessor", **pixels},
         }
-        return {"preprocessor_config.json": image, "processor_config.json": processor}
+        if cfg.model.audio.enabled:
+            a = cfg.model.audio
+            processor.update(
+                audio_seq_length=d.audio_max_frames // a.subsample,
+                audio_ms_per_token=10 * a.subsample,  # (10 ms frames)
+                audio_token=placeholder(cfg, "audio"),
+                feature_extractor={
+                    "feature_extractor_type": "Gemma4AudioFeatureExtractor",
+                    "feature_size": a.n_mels,
+                    "sampling_rate": d.audio_sample_rate,
+                    "padding_value": 0.0,
+                    "return_attention_mask": True,
+                    **MEL_DEFAULTS,
+                },
+            )
+        return {"processor_config.json": processor}

@@ -149,9 +149,10 @@ def data_section(llm: str, vision: str = "", audio: str = "", tokenizer: str = "
         _check_sizes(vision, proc)
     if audio:  # (the feature extractor's log-mel: Whisper's, Gemma 4's)
         family = tower_of_audio(audio)
-        family.check_features(_processor(audio), _processor_file(audio))
+        features = _processor(audio, "feature_extractor")
+        family.check_features(features, _processor_file(audio))
         data["mel"] = family.mel
-        rate = _processor(audio).get("sampling_rate")
+        rate = features.get("sampling_rate")
         if rate:
             data["audio_sample_rate"] = _number(
                 rate, _processor_file(audio), "sampling_rate", 10**6
@@ -231,10 +232,10 @@ def check_placeholders(directory: str, tokenizer: str) -> None:
             )
 
 
-def _processor(directory: str) -> dict:
-    """A checkpoint's image processor or feature extractor settings: preprocessor_config.json,
-    or (transformers 5 writes one file) processor_config.json's `image_processor` /
-    `feature_extractor`."""
+def _processor(directory: str, kind: str = "image_processor") -> dict:
+    """A checkpoint's image processor or feature extractor (`kind`) settings:
+    preprocessor_config.json, or (transformers 5 writes one file) processor_config.json's
+    `kind` (Gemma4Processor's holds both, and its video processor's)."""
     if not directory:
         return {}
     for name in ("preprocessor_config.json", "processor_config.json"):
@@ -247,7 +248,7 @@ def _processor(directory: str) -> dict:
             raise FamilyError(f"{path}: not valid JSON ({e})") from None
         if name == "preprocessor_config.json":
             return found
-        return found.get("image_processor") or found.get("feature_extractor") or {}
+        return found.get(kind) or {}
     return {}
 
 
