@@ -20,6 +20,8 @@ from jaxmllm.config import Config, from_dict, load_config
 from jaxmllm.hf.check_whole import check_all
 from jaxmllm.hf.export import export_run
 from jaxmllm.hf.importer import write_config
+from jaxmllm.hf.peft_export import merge_adapters
+from jaxmllm.hf.start import run_parameters
 from jaxmllm.hf.towers import load_model
 from jaxmllm.loop.checkpoint import restore_params
 from jaxmllm.step.program import model_parts
@@ -89,9 +91,14 @@ def whole_dir(name: str, d: Path, seed: int = 0, vocab: int = VOCAB) -> str:
     return str(d)
 
 
-def run_params(out: Path) -> dict:
-    """The parameters of the run's latest checkpoint ("/"-joined path -> array)."""
+def run_params(out: Path, merged: bool = False) -> dict:
+    """The parameters of the run's latest checkpoint ("/"-joined path -> array); `merged`: a
+    LoRA run's, its base read again and its adapters merged into it, as export merges them."""
     cfg = from_dict(Config, json.loads((out / "config.json").read_text()))  # (resolved)
+    if merged:
+        _, params, frozen = run_parameters(cfg, out)
+        flat = {**keyed_leaves(jax.device_get(params)), **keyed_leaves(jax.device_get(frozen))}
+        return merge_adapters(cfg, flat)
     parts, _ = model_parts(cfg)
     shapes = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx_pure(parts.template)
@@ -118,6 +125,58 @@ def exported_params(directory: Path, cfg) -> dict:
     vision, audio = (str(directory) if r in roles else "" for r in ("vision", "audio"))
     _, model = load_model(str(directory), vision, audio)
     return keyed_leaves(nnx.to_pure_dict(nnx.state(model)))
+
+
+# Runs trained with LoRA adapters, exported as a PEFT adapter and merged. Gemma 4: its LLM's,
+# its tower's q and v and its projectors' matrices (embed_vision's standardisation is the
+# tower module's own: trained whole, PEFT could only save the tower whole, over its adapters);
+# its conformer trained whole (PEFT's modules_to_save)
+LORA = {
+    "gemma4": [
+        "model.llm.lora.rank=4",
+        "model.llm.lora.alpha=8",
+        "model.vision.lora.rank=2",
+        "model.vision.lora.targets=[q,v]",
+        "model.projector_lora.rank=2",
+    ]
+}
+
+
+def _peft_holds_the_adapter(source: str, exported: dict, out: Path) -> None:
+    """The run's (`out`) PEFT adapter loads onto transformers' model of `source` with no key
+    missing, adapters on the LLM and the tower; read back as `hf import --adapter` reads it,
+    it is the run's trained parameters bit for bit, and `hf check --adapter` (peft's logits
+    with an image and with a clip in the prompt) is within 1e-4."""
+    import warnings
+
+    import peft
+    import transformers
+    from flax import nnx
+
+    adapter = str(exported["model"])
+    run_cfg = from_dict(Config, json.loads((out / "config.json").read_text()))  # (resolved)
+    trained = keyed_leaves(jax.device_get(run_parameters(run_cfg, out)[1]))
+    cfg, model = load_model(source, source, source, adapter=adapter)
+    back = keyed_leaves(nnx.to_pure_dict(nnx.state(model)))
+    for module in ("llm", "vision", "vision_projector", "audio_projector"):
+        ours, theirs = run_cfg.model.lora_of(module), cfg.model.lora_of(module)
+        assert (ours.rank, ours.alpha) == (theirs.rank, theirs.alpha), module
+    assert any(p.endswith("/lora_b") for p in trained) and set(trained) <= set(back)
+    for path, value in trained.items():
+        np.testing.assert_array_equal(back[path], value, err_msg=path)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(source)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = peft.PeftModel.from_pretrained(model, adapter)
+    assert not [w for w in caught if "missing adapter keys" in str(w.message)]
+    named = {n for n, _ in model.named_modules() if n.endswith(".lora_A")}
+    assert any(".language_model." in n for n in named), named
+    assert any(".vision_tower." in n for n in named), named
+    results = check_all(source, adapter=adapter)
+    media = [r["what"] for r in results if r["role"] == "model"]
+    assert any("image" in w for w in media) and any("clip" in w for w in media), media
+    for result in results:
+        assert result["max_abs_diff"] < 1e-4, result
 
 
 @pytest.mark.slow  # (a run a family: its step compiled, two checks)
@@ -163,17 +222,20 @@ def test_import_train_export_matches_transformers(name, tmp_path):
             "train.checkpoint_every=2",
             *media.get(name, no_audio),
             *experts,
+            *LORA.get(name, []),
         ],
     )
     train.main(cfg)
-    exported = export_run(str(out), str(tmp_path / "export"))
+    if name in LORA:  # (its adapters as peft puts them on the checkpoint, then merged)
+        _peft_holds_the_adapter(source, export_run(str(out), str(tmp_path / "adapter")), out)
+    exported = export_run(str(out), str(tmp_path / "export"), merged=name in LORA)
     assert set(exported) == {"model"}
     results = check_all(str(exported["model"]))
     assert results[-1]["role"] == "model" and "packed" in results[-1]["what"]
     for result in results:
         assert result["max_abs_diff"] < bound, result
 
-    trained, back = run_params(out), exported_params(exported["model"], cfg)
+    trained, back = run_params(out, merged=name in LORA), exported_params(exported["model"], cfg)
     imported = exported_params(Path(source), cfg)
     for key, value in trained.items():
         np.testing.assert_array_equal(back[key], value, err_msg=key)

@@ -210,6 +210,30 @@ def test_an_adapter_of_modules_the_model_lacks_is_refused_naming_them(tmp_path):
         write_config(tmp_path / "run.yaml", model=source, adapter=str(adapter))
 
 
+def test_modules_saved_whole_are_the_outermost_and_hold_no_adapters():
+    """What a LoRA export saves whole (PEFT's modules_to_save) as PEFT can load it: a Gemma 4
+    clipped linear's wrapper, not also its `.linear` inside it (wrapped twice, PEFT finds its
+    tensors under neither name: tests/test_hf_whole_train.py's Gemma 4 LoRA run); and a tensor
+    whose module holds adapters (embed_vision's standardisation is the vision tower's own
+    std_bias) refused, naming it, where PEFT could only save the tower whole, over them."""
+    from types import SimpleNamespace
+
+    from jaxmllm.hf.adapter import outermost
+    from jaxmllm.hf.peft_export import _check_saved_whole
+
+    clipped = "model.audio_tower.layers.0.feed_forward1.ffw_layer_1"
+    names = {clipped, clipped + ".linear", "model.embed_audio", "model.audio_tower.layers.1"}
+    assert outermost(names) == sorted(names - {clipped + ".linear"})
+    q = SimpleNamespace(runtime="model.vision_tower.encoder.layers.{i}.self_attn.q_proj.linear")
+    _check_saved_whole({"model.embed_vision.embedding_projection.weight": 0}, [q], "d")
+    with pytest.raises(
+        FamilyError,
+        match=r"model\.vision_tower\.std_bias \(trained whole\) belongs to "
+        r"model\.vision_tower, which holds adapted modules.*--merged",
+    ):
+        _check_saved_whole({"model.vision_tower.std_bias": 0}, [q], "d")
+
+
 # ----------------------------------------------------------------------------- Gemma 3's text
 
 # the text-only causal LM's module paths (model.layers.N, not model.language_model.layers.N)

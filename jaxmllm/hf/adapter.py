@@ -215,7 +215,7 @@ def write_adapter(
             **{k: float(v[1]) for k, v in ranks.items() if v != (r, alpha)},
             **params.get("alpha_pattern", {}),
         },
-        "modules_to_save": sorted({n.rsplit(".", 1)[0] for n in saved}) or None,
+        "modules_to_save": outermost({n.rsplit(".", 1)[0] for n in saved}) or None,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -230,10 +230,18 @@ def write_adapter(
     (directory / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
 
+def outermost(names: set[str]) -> list[str]:
+    """The modules among `names` inside none of the others: PEFT saves a module whole with
+    every module under it, and a module listed inside another (Gemma 4's clipped linears:
+    the wrapper's bounds and its `.linear`) would be wrapped twice, its tensors found under
+    neither name."""
+    return sorted(n for n in names if not any(n.startswith(o + ".") for o in names))
+
+
 # ----------------------------------------------------------------------------- in
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Adapter:
     """A PEFT adapter directory as read: its config and its tensors by module name."""
 

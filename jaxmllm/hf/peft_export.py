@@ -101,6 +101,7 @@ def write_adapter_piece(cfg: Config, piece: Any, flat: dict, directory) -> set[s
                     key = f"{family.runtime(module)}.{leaf}"
                     saved[key] = np.asarray(value).astype(stored or np.float32)
     mods = modules(families, cfg, hf, kernels)
+    _check_saved_whole(saved, mods, piece.source)
     scales = {m: cfg.model.lora_of(m).alpha / cfg.model.lora_of(m).rank for m in parts.adapted}
     dropout = max((cfg.model.lora_of(m).dropout for m in parts.adapted), default=0.0)
     experts = _experts(cfg, families, flat)
@@ -114,6 +115,29 @@ def write_adapter_piece(cfg: Config, piece: Any, flat: dict, directory) -> set[s
         piece.source,
     )
     return {p.split("/")[0] for f, _ in families for link in f.links(cfg, hf) for p in link.ours}
+
+
+def _check_saved_whole(saved: dict, mods: list, source: str) -> None:
+    """Refuses a tensor trained whole whose module holds adapted ones: PEFT saves a module
+    whole (`modules_to_save`) with every tensor under it, and the adapters inside it would be
+    lost (Gemma 4's standardisation, `vision_tower.std_bias`, is the vision projector's, on
+    the tower's own module).
+
+    Raises:
+      FamilyError: naming the tensor, a module with an adapter inside its module and the
+        settings that avoid it.
+    """
+    for name in sorted(saved):
+        owner = name.rsplit(".", 1)[0] + "."
+        inside = [m.runtime for m in mods if m.runtime.startswith(owner)]
+        if inside:
+            raise FamilyError(
+                f"{name} (trained whole) belongs to {owner[:-1]}, which holds adapted modules "
+                f"({inside[0]}, ...) of {source}: a PEFT adapter can save it only as that whole "
+                "module, over its adapters. Export with --merged, or train its module's "
+                "parameters as adapters too (model.projector_lora) or frozen "
+                "(model.projector_freeze)"
+            )
 
 
 def _experts(cfg: Config, families: list, flat: dict) -> dict | None:
