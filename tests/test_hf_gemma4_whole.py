@@ -461,6 +461,13 @@ def _from_scratch_processor(cfg, flat, source: str, d: Path, out: Path, monkeypa
     assert back["audio_sample_rate"] == rate
     assert tuple(back["image_mean"]) == tuple(cfg.data.image_mean)
 
+    # (without audio too: Gemma4Processor has a feature extractor either way)
+    audio = dataclasses.replace(cfg.model.audio, enabled=False)
+    silent = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, audio=audio))
+    plain = out.with_name("no_audio")
+    write_piece(silent, Piece("", ("llm", "vision"), "", whole=whole), flat, plain, 1 << 30)
+    assert type(_gemma4_processor(plain, monkeypatch)).__name__ == "Gemma4Processor"
+
 
 class _NoVideos(dict):
     """The video processor Gemma4Processor is given where torchvision, which its own needs, is

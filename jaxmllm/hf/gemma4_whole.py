@@ -249,9 +249,10 @@ class Gemma4Whole(Whole):
     def processor_files(self, cfg: Any) -> dict[str, dict]:
         """Gemma4Processor's one file, as its save_pretrained writes it (transformers 5: each
         sub-processor's settings nested): Gemma4ImageProcessor's (its resize at our budget,
-        [0, 1] pixels) and its video processor's alike; with audio, Gemma4AudioFeatureExtractor's
-        (`data.mel: gemma4`'s frames at our rate and mel bins) and a clip's most soft tokens,
-        `data.audio_max_frames` over the conformer's subsampling."""
+        [0, 1] pixels) and its video processor's alike; Gemma4AudioFeatureExtractor's, with
+        audio at `data.mel: gemma4`'s frames, our rate and mel bins, and a clip's most soft
+        tokens, `data.audio_max_frames` over the conformer's subsampling (without, its
+        defaults: the processor has one either way)."""
         v, d = cfg.model.vision, cfg.data
         tokens = d.image_max_pixels // (v.patch_size * v.merge) ** 2
         pixels = {
@@ -277,19 +278,20 @@ class Gemma4Whole(Whole):
             },
             "video_processor": {"video_processor_type": "Gemma4VideoProcessor", **pixels},
         }
+        # (Gemma4Processor has a feature extractor whether or not the model has audio)
+        processor["feature_extractor"] = {"feature_extractor_type": "Gemma4AudioFeatureExtractor"}
         if cfg.model.audio.enabled:
             a = cfg.model.audio
             processor.update(
                 audio_seq_length=d.audio_max_frames // a.subsample,
                 audio_ms_per_token=10 * a.subsample,  # (10 ms frames)
                 audio_token=placeholder(cfg, "audio"),
-                feature_extractor={
-                    "feature_extractor_type": "Gemma4AudioFeatureExtractor",
-                    "feature_size": a.n_mels,
-                    "sampling_rate": d.audio_sample_rate,
-                    "padding_value": 0.0,
-                    "return_attention_mask": True,
-                    **MEL_DEFAULTS,
-                },
+            )
+            processor["feature_extractor"].update(
+                feature_size=a.n_mels,
+                sampling_rate=d.audio_sample_rate,
+                padding_value=0.0,
+                return_attention_mask=True,
+                **MEL_DEFAULTS,
             )
         return {"processor_config.json": processor}
