@@ -128,9 +128,10 @@ def exported_params(directory: Path, cfg) -> dict:
 
 
 # Runs trained with LoRA adapters, exported as a PEFT adapter and merged. Gemma 4: its LLM's,
-# its tower's q and v and its projectors' matrices (embed_vision's standardisation is the
-# tower module's own: trained whole, PEFT could only save the tower whole, over its adapters);
-# its conformer trained whole (PEFT's modules_to_save)
+# its tower's q and v, its projectors' matrices (embed_vision's standardisation is the tower
+# module's own: trained whole, PEFT could only save the tower whole, over its adapters) and
+# its conformer's attention and first feed-forward matrices (each a Linear inside a clippable
+# wrapper: the adapters work inside its bounds)
 LORA = {
     "gemma4": [
         "model.llm.lora.rank=4",
@@ -138,13 +139,15 @@ LORA = {
         "model.vision.lora.rank=2",
         "model.vision.lora.targets=[q,v]",
         "model.projector_lora.rank=2",
+        "model.audio.lora.rank=2",
+        "model.audio.lora.targets=[q,v,o,fc1]",
     ]
 }
 
 
 def _peft_holds_the_adapter(source: str, exported: dict, out: Path) -> None:
     """The run's (`out`) PEFT adapter loads onto transformers' model of `source` with no key
-    missing, adapters on the LLM and the tower; read back as `hf import --adapter` reads it,
+    missing, adapters on the LLM and the towers; read back as `hf import --adapter` reads it,
     it is the run's trained parameters bit for bit, and `hf check --adapter` (peft's logits
     with an image and with a clip in the prompt) is within 1e-4."""
     import warnings
@@ -158,7 +161,7 @@ def _peft_holds_the_adapter(source: str, exported: dict, out: Path) -> None:
     trained = keyed_leaves(jax.device_get(run_parameters(run_cfg, out)[1]))
     cfg, model = load_model(source, source, source, adapter=adapter)
     back = keyed_leaves(nnx.to_pure_dict(nnx.state(model)))
-    for module in ("llm", "vision", "vision_projector", "audio_projector"):
+    for module in ("llm", "vision", "audio", "vision_projector", "audio_projector"):
         ours, theirs = run_cfg.model.lora_of(module), cfg.model.lora_of(module)
         assert (ours.rank, ours.alpha) == (theirs.rank, theirs.alpha), module
     assert any(p.endswith("/lora_b") for p in trained) and set(trained) <= set(back)
@@ -172,6 +175,7 @@ def _peft_holds_the_adapter(source: str, exported: dict, out: Path) -> None:
     named = {n for n, _ in model.named_modules() if n.endswith(".lora_A")}
     assert any(".language_model." in n for n in named), named
     assert any(".vision_tower." in n for n in named), named
+    assert any(".audio_tower." in n for n in named), named
     results = check_all(source, adapter=adapter)
     media = [r["what"] for r in results if r["role"] == "model"]
     assert any("image" in w for w in media) and any("clip" in w for w in media), media
