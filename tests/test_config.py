@@ -111,6 +111,37 @@ def test_context_parallelism_refuses_what_it_cannot_split(setting, key):
     load_config(None, split)  # (alone, the split loads)
 
 
+@pytest.mark.parametrize(
+    "setting, key",
+    [
+        ("mesh.context_steps=some", r"mesh\.context_steps: must be one of all, long"),
+        ("mesh.context=1", r"mesh\.context_steps: long splits .*set mesh\.context > 1"),
+        (
+            "mesh.context_strategy=ulysses",
+            r"mesh\.context_strategy: ulysses: .*built for the gather strategy",
+        ),
+    ],
+)
+def test_a_context_degree_per_step_refuses_what_it_cannot_split(setting, key):
+    """mesh.context_steps: long (issue 57) needs groups to plan and the gather strategy; its
+    spec plans each device's own rows in the base steps and groups in the long ones (a long
+    variant at the base's tiles where none is set)."""
+    from jaxmllm.config.spec import BatchSpec
+
+    per_step = ["mesh.context=2", "mesh.context_steps=long", "batch.llm_long_tiles=[]"]
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, [*per_step, setting])
+    spec = BatchSpec.of(
+        load_config(
+            None, [*per_step, "batch.llm_tiles=40", "batch.vision_tiles=9", "batch.audio_tiles=9"]
+        ),
+        resolved=False,
+    )
+    assert (spec.context, spec.long_context, spec.variants) == (1, 2, 2)
+    assert (spec.at(1).context, spec.at(1).long_context, spec.top.group_row_len) == (2, 0, 8192)
+    assert spec.at(0).context == 1 and spec.tile_caps(1)["llm"] == 40
+
+
 def test_context_parallelism_names_what_the_model_is_before_what_can_change():
     """Qwen3.5 (M-RoPE and linear-attention layers) with mesh.context=2: the linear layers are
     the reason, and no advice changes the model (its M-RoPE positions, its attention)."""

@@ -42,6 +42,8 @@ MAX_CPU_DEVICES_PER_CORE = 32
 
 # mesh.context_strategy's values (`jaxmllm.models.context`)
 CONTEXT_STRATEGIES = ("gather", "ulysses")
+# mesh.context_steps' values: which steps split their LLM rows over the context groups
+CONTEXT_STEPS = ("all", "long")
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,12 @@ class MeshConfig:
     # every head into the group's tokens of heads / context heads, each rank computes every
     # tile of the group for its heads, and turn back; Gated DeltaNet layers too)
     context_strategy: str = "gather"
+    # Which steps split their LLM rows over the context groups (a context degree per step,
+    # docs/parallelism.md): all | long (only the long variants of the step, batch.llm_long_tiles,
+    # `jaxmllm.plan.ladder`: the base steps plan each device's own rows of batch.llm_row_len
+    # tokens, the context axis one more data-parallel one, so the longest documents no longer
+    # set every step's shapes)
+    context_steps: str = "all"
     tensor: int = 1  # tensor parallelism (heads, MLP width, vocab); fastest axis
     # Split CPU-only hosts into this many devices, all processes; 0 = as is. At most
     # MAX_CPU_DEVICES_PER_CORE per CPU core of a process (more only add threads and memory)
@@ -81,6 +89,11 @@ class MeshConfig:
             self.context_strategy in CONTEXT_STRATEGIES,
             f"must be one of {', '.join(CONTEXT_STRATEGIES)}",
             "context_strategy",
+        )
+        check(
+            self.context_steps in CONTEXT_STEPS,
+            f"must be one of {', '.join(CONTEXT_STEPS)}",
+            "context_steps",
         )
         check(self.stage >= 1, "must be >= 1 (1: no pipeline); -1 is not allowed here", "stage")
         check(

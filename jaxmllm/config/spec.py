@@ -107,6 +107,10 @@ class BatchSpec:
     # mesh.context: an LLM bucket is a group of this many devices, whose rows are this many
     # devices' rows long (the encoders keep a bucket per device)
     context: int = 1
+    # A context degree per step (mesh.context_steps: long): the long variants' LLM buckets are
+    # groups of this many devices, the base variant's those of `context` (1); 0 = every
+    # variant's those of `context`. A view of one variant is `at(variant)`
+    long_context: int = 0
     # mesh.context_strategy: how the group's ranks attend (gather | ulysses), which the model
     # is built for (`jaxmllm.models.context`)
     context_strategy: str = "gather"
@@ -139,6 +143,21 @@ class BatchSpec:
         """Tokens of one LLM row of a bucket: a context group's row, `context` devices' rows
         long; the most LLM tokens one sample may have."""
         return self.context * self.llm_row_len
+
+    def at(self, variant: int) -> BatchSpec:
+        """The spec of a step of `variant` as one context degree: with a degree per step
+        (`long_context`), a long variant's LLM buckets are its groups; else this spec."""
+        if not self.long_context:
+            return self
+        degree = self.long_context if variant else self.context
+        return dataclasses.replace(self, context=degree, long_context=0)
+
+    @property
+    def top(self) -> BatchSpec:
+        """The spec of the longest rows a step plans (what the data's longest samples must
+        fit): with a degree per step the long variants' groups, even before the ladder's tiles
+        are sized; else this spec."""
+        return self.at(1)
 
     @property
     def tiled(self) -> bool:
@@ -174,7 +193,13 @@ class BatchSpec:
         Raises:
           ConfigError: (resolved) a size still -1 (auto), naming its key.
         """
-        spec = cls.from_sections(cfg.model, cfg.batch, cfg.data, cfg.mesh.context, resolved)
+        mesh = cfg.mesh
+        per_step = mesh.context_steps == "long" and mesh.context > 1  # (the base: no groups)
+        context = 1 if per_step else mesh.context
+        spec = cls.from_sections(cfg.model, cfg.batch, cfg.data, context, resolved)
+        if per_step:  # (groups in a long variant: one with the base's tiles where none is set)
+            long = spec.long_tiles or ({p: 0 for p in (LLM, *spec.units)},)
+            spec = dataclasses.replace(spec, long_context=mesh.context, long_tiles=long)
         train = getattr(cfg, "train", None)
         if train is not None and train.objective == "dpo":
             given = cfg.preference.reference == "precomputed" and cfg.preference.loss != "simpo"

@@ -32,8 +32,8 @@ def sample_limits(spec: BatchSpec) -> Limits:
     group's row under context parallelism, `BatchSpec.group_row_len`: the planner places a
     sample's text on a group and deals its blocks to the group's devices), and each encoder
     bucket whose size is fixed (`batch.capacity: auto` sizes them from the data, so they always
-    fit)."""
-    return Limits(max_tokens=spec.group_row_len, max_units=dict(spec.sample_units))
+    fit); with a context degree per step, the long variants' groups (`BatchSpec.top`)."""
+    return Limits(max_tokens=spec.top.group_row_len, max_units=dict(spec.sample_units))
 
 
 def apply_oversize(cfg: Config, stored, records, pre: Preprocessor):
@@ -93,9 +93,10 @@ def within_bounds(summary: dict, caps: Limits) -> bool:
 
 def row_key(spec: BatchSpec) -> str:
     """The config key(s) that set the tokens of a sample's row, for messages."""
-    if spec.context == 1:
+    top = spec.top  # (a context degree per step: the long variants' groups)
+    if top.context == 1:
         return "batch.llm_row_len"
-    return f"batch.llm_row_len x mesh.context (a context group's row, context {spec.context})"
+    return f"batch.llm_row_len x mesh.context (a context group's row, context {top.context})"
 
 
 def over_bounds(

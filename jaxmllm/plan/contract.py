@@ -100,6 +100,7 @@ class Capacities:
             route_pair_capacity=spec.route_pair_capacity,
             devices_per_host=spec.devices_per_host,
             context=spec.context,
+            long_context=spec.long_context,
             attention_block=spec.attention_block if tiled else 0,
             tiles={p: spec.tiles.get(p, 0) if tiled else 0 for p in PHASES},
             long_tiles=tuple({p: long.get(p, 0) for p in PHASES} for long in spec.long_tiles),
