@@ -165,7 +165,7 @@ def _train(run: Run, on_step, closing: contextlib.ExitStack) -> dict:
             waited -= getattr(data_iter, "sampling_s", 0.0)  # (RL: the devices were generating)
             batch, info = element["batch"], element["info"]
             with jax.transfer_guard("disallow"):  # no hidden host<->device copies in the step
-                state, metrics = prog.step(state, batch)
+                state, metrics = prog.step_of(info.long)(state, batch)
             done = step + 1
             if timings is not None:  # times the step before, now done, as the guard waits on it
                 timings.dispatched(done, metrics["loss"], info.work, info.variant)
@@ -286,6 +286,7 @@ def log_step(done: int, metrics: dict, info: StepInfo, window, nonfinite_total, 
     row.update(rejects)  # cumulative bad-input counts
     row.update(info.extra)  # (RL: the step's rollout's rewards, lengths and times)
     row["samples"] = len(info.samples)
+    row["long_variant"] = info.long  # (the ladder's: 0 base, v the long variant v)
     row.update({f"samples/{name}": n for name, n in info.sources.items()})  # (a mixture's)
     writer.write(done, row)
     mfu = {"mfu": f"{row['mfu']:.1%}"} if "mfu" in row else {}

@@ -59,7 +59,7 @@ def test_the_eval_set_is_planned_at_the_step_shapes_and_counts_each_sample_once(
     times the planner brought it."""
     cfg = resolved.cfg
     held = HeldOut(cfg)
-    batches, _ = plan_set(resolved, held, held.index)
+    batches, *_ = plan_set(resolved, held, held.index)
     shapes = batch_shapes(cfg, 8)
     for batch in batches:
         assert {k: (v.shape, v.dtype) for k, v in batch.items() if k != "eval_mix"} == {
@@ -85,12 +85,12 @@ def test_each_host_evaluates_its_own_rows_of_the_set_with_context_groups(tmp_pat
     cfg = tiny("mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "batch.llm_row_len=96")
     run = resolve_run(cfg, 8)
     held = HeldOut(run.cfg)
-    whole, _ = plan_set(run, held, held.index)
+    whole, *_ = plan_set(run, held, held.index)
     counted = 0
     for host in range(2):
         positions = np.arange(4 * host, 4 * host + 4)
         mine = replace(run, positions=positions)
-        batches, _ = plan_set(mine, held, held.index)
+        batches, *_ = plan_set(mine, held, held.index)
         assert len(batches) == len(whole)
         for got, want in zip(batches, whole, strict=True):
             assert got.keys() == want.keys()
@@ -196,7 +196,7 @@ def test_a_manifest_eval_set_brings_its_questions_and_counts_every_sample(tmp_pa
     build_index(cfg, manifest, progress=False)
     source, index = eval_source(cfg)
     assert len(index) == 9
-    batches, rejects = plan_set(replace(resolved, cfg=cfg), source, index)
+    batches, rejects, _ = plan_set(replace(resolved, cfg=cfg), source, index)
     counted = sum(int(((b["eval_mix"] >= 0) & (b["llm_loss_mask"] > 0)).sum()) for b in batches)
     assert counted == sum(int(source[i].loss[1:].sum()) for i in range(len(index)))
     assert rejects == [] and not list(tmp_path.glob("rejects*"))  # (none: none written)

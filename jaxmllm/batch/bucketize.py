@@ -95,9 +95,9 @@ def batch_shapes(
     cfg: Config, devices: int, variant: int = 0
 ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Global shape and dtype of every array in a step batch (the contract, for eval_shape) of
-    a step of `variant` (its tile lists: `jaxmllm.plan.ladder`); `cfg` resolved (`BatchSpec.of`
-    says what is not)."""
-    spec, m = BatchSpec.of(cfg), cfg.model
+    a step of `variant` (its tile lists: `jaxmllm.plan.ladder`; with a context degree per step,
+    its groups: `BatchSpec.at`); `cfg` resolved (`BatchSpec.of` says what is not)."""
+    spec, m = BatchSpec.of(cfg).at(variant), cfg.model
     lead = (spec.microbatches, devices)
     llm = lead + (spec.llm_rows, spec.llm_row_len)
     keys = ("llm_tokens", "llm_segment_ids", "llm_positions", "llm_targets")
@@ -173,7 +173,8 @@ def bucketize(
       plan: The step's plan (global: every device).
       samples: index -> Sample, or None for one that failed to load (its slots stay padding).
         With `positions`, only samples with text or an item on those positions are needed.
-      cfg, caps: The resolved config and its capacities.
+      cfg, caps: The resolved config and its capacities (with a context degree per step, the
+        plan's variant's view of them is taken: `Capacities.at`).
       positions: This host's data-parallel positions; default all D.
       index: The lengths index; sizes the routing of a sample that failed to load.
       specials: The tokenizer's ids (the source's `specials`): padding is `pad`, an encoder
@@ -181,7 +182,7 @@ def bucketize(
       reference: Preference pairs' reference log-prob sums [samples, 2] (chosen, rejected),
         by sample index, where the batch takes them (`llm_reference`).
     """
-    spec = BatchSpec.of(cfg)
+    spec, caps = BatchSpec.of(cfg).at(plan.variant), caps.at(plan.variant)
     # (block-sparse attention: every bucket's tile list, of the step's variant; else {})
     tile_caps = spec.tile_caps(plan.variant)
     pos = np.arange(caps.devices) if positions is None else np.asarray(positions, np.int64)

@@ -137,10 +137,14 @@ class StepCounter:
         self.work = cfg.train.record_timings or self.calibrated is not None
         self.window = sliding_window(cfg.model.llm)  # (the LLM's documents' window_sq: wsq)
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict:
+    def __call__(self, batch: dict[str, np.ndarray], context: int | None = None) -> dict:
+        """The counts of a host batch whose LLM rows split over groups of `context` devices
+        (default mesh.context; a step planned without groups under a context degree per
+        step: 1, `Capacities.at`)."""
         tokens = float((batch["llm_segment_ids"] > 0).sum())
+        context = self.cfg.mesh.context if context is None else context
         # (once: the FLOPs and the timings' work both read it)
-        work = bucket_work(batch, self.cfg.mesh.context, self.window)
+        work = bucket_work(batch, context, self.window)
         out = {"tokens": tokens, "flops": _flops(work, self.cost)}
         # (the LLM's own share: MFU counted without the towers, `bench.node`)
         out["llm_flops"] = _flops(work, self.cost, (LLM,))

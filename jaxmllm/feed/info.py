@@ -32,6 +32,9 @@ class StepInfo:
     # the step's variant: the pipelined program's (pipeline.encoder_fractions), "+long<v>" for
     # a long step (block-sparse attention's long tile lists, `jaxmllm.plan.ladder`)
     variant: str = "whole"
+    # ... its ladder variant (0: the base; v: the long variant v), whose model the step runs
+    # (`Program.step_of`: with a context degree per step the long ones split rows over groups)
+    long: int = 0
     # the slowest and the mean device's work per phase (`counts.step_work`: timings and the
     # calibrated cost model), when recorded; the calibrated model's predicted step time
     work: dict | None = None

@@ -97,7 +97,8 @@ class Feed:
 
     def local_parts(self, plan: StepPlan) -> dict[str, np.ndarray]:
         """What this host needs of `plan` (`local_parts`)."""
-        return local_parts(plan, self.positions, self.caps.devices, self.caps.context)
+        caps = self.caps.at(plan.variant)  # (a context degree per step: the variant's groups)
+        return local_parts(plan, self.positions, caps.devices, caps.context)
 
     def load(self, plan: StepPlan, parts: dict[str, np.ndarray]) -> dict[int, Sample | None]:
         """The samples this host reads, and of them only the items it encodes (on several
@@ -184,7 +185,8 @@ class StepIterator(grain.DatasetIterator):
         batch, variant = self.variant(plan, batch)
         fill = fill_stats(batch)  # this host's buckets
         times.bucketize_s = clock.lap()
-        counts = self.count(batch)  # this host's real tokens and FLOPs, for the metrics
+        # this host's real tokens and FLOPs, for the metrics (a row's groups: its variant's)
+        counts = self.count(batch, self.feed.caps.at(plan.variant).context)
         times.count_s = clock.lap()
         times.bytes_to_device = sum(a.nbytes for a in batch.values())
         info = self.info(plan, parts, fill, variant, times, counts)
@@ -218,6 +220,7 @@ class StepIterator(grain.DatasetIterator):
             first_reject=first_reject,
             reject_entries=loader.log.take_entries(),
             variant=variant,
+            long=plan.variant,
             sources={} if mix is None else mix.counts(plan.samples),
             host=times,  # this step's time in each stage of the feed
             **counts,

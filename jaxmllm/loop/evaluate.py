@@ -122,34 +122,37 @@ def sample_mixes(index: LengthsIndex) -> np.ndarray:
 
 def plan_set(
     run: Run, source, index: LengthsIndex, reference=None
-) -> tuple[list[dict], list[dict]]:
+) -> tuple[list[dict], list[dict], list[int]]:
     """The set's step batches (this host's rows, with `eval_mix`: each token's sample's mix,
     -1 for tokens not counted): the training feed over the set (`Feed`: the run's planner at
     its shapes, this host's parts loaded, bucketized), until every sample has been planned;
     and the load-time rejects of this host's samples, as entries of a rejects log (written by
-    the caller: `Evaluator.write_rejects`)."""
+    the caller: `Evaluator.write_rejects`); and each batch's ladder variant (its model:
+    `Program.parts_of`)."""
     try:  # (loaded in this process: the set is loaded once, at start-up)
         feed = Feed(run, source, index, workers=0, write_rejects=False, reference=reference)
     except OversizeError as e:
         raise ConfigError(f"data.eval: a sample does not fit the run's buckets: {e}") from None
     caps = run.caps
-    mixes, seen, batches = sample_mixes(index), np.zeros(len(index), bool), []
+    mixes, seen, batches, variants = sample_mixes(index), np.zeros(len(index), bool), [], []
     steps_per_pass = max(1, -(-len(index) // max(1, caps.devices * caps.microbatches)))
     while not seen.all():
         if len(batches) > MAX_PASSES * steps_per_pass + 8:
             raise ConfigError(f"data.eval: {int((~seen).sum())} samples were never planned")
         plan = feed.plan()
         samples = feed.load(plan, feed.local_parts(plan))
+        variants.append(plan.variant)
         if run.cfg.train.objective == "dpo":  # pairs: each counted once, by its own sums
             batch = feed.bucketize(plan, samples)
-            count_once(plan, samples, caps, run.positions, batch, seen)
+            count_once(plan, samples, caps.at(plan.variant), run.positions, batch, seen)
             batches.append(batch)
             continue
         batch = feed.bucketize(plan, samples)
-        batch["eval_mix"] = _token_mixes(plan, samples, caps, run.positions, batch, mixes, seen)
+        view = caps.at(plan.variant)  # (a context degree per step: the variant's groups)
+        batch["eval_mix"] = _token_mixes(plan, samples, view, run.positions, batch, mixes, seen)
         batches.append(batch)
     feed.close()
-    return batches, ([] if feed.loader is None else feed.loader.log.take_entries())
+    return batches, ([] if feed.loader is None else feed.loader.log.take_entries()), variants
 
 
 def count_once(plan: StepPlan, samples, caps, positions, batch, seen) -> None:
@@ -287,13 +290,18 @@ class Evaluator:
         self.rejects_file = out / name
         # (preference.reference: precomputed: the held-out pairs' own, `init_from`)
         reference = (run.reference_logps or {}).get("eval")
-        self.batches, self.rejects = plan_set(run, source, index, reference)
+        self.batches, self.rejects, self.variants = plan_set(run, source, index, reference)
         self.pairs = cfg.train.objective == "dpo"
+        # (per model: a context degree per step gives the long variants' their own)
+        models = {v: prog.parts_of(v) for v in set(self.variants)}
         if self.pairs:  # (the sums come back whole on every process)
             out = sharding.replicated(run.mesh)
-            self.step = jax.jit(make_preference_eval_step(cfg, prog.parts), out_shardings=out)
+            self.steps = {
+                v: jax.jit(make_preference_eval_step(cfg, parts), out_shardings=out)
+                for v, parts in models.items()
+            }
         else:
-            self.step = make_eval_step(prog.parts, run.mesh)
+            self.steps = {v: make_eval_step(parts, run.mesh) for v, parts in models.items()}
         self.questions = Questions(cfg, source, e.questions) if e.questions else None
         self.seconds = 0.0  # the last evaluation's time
         log.info(
@@ -323,12 +331,13 @@ class Evaluator:
         jax.block_until_ready(state["params"])
         start = time.perf_counter()
         total = 0.0
-        for host_batch in self.batches:
+        for host_batch, variant in zip(self.batches, self.variants, strict=True):
             batch = sharding.make_global_batch(host_batch, self.mesh)
             weights = (state["params"], state["frozen"])
             if self.pairs:
                 weights = (*weights, state.get("reference", {}))
-            total = total + np.asarray(jax.device_get(self.step(*weights, batch)), np.float64)
+            scores = self.steps[variant](*weights, batch)
+            total = total + np.asarray(jax.device_get(scores), np.float64)
         row = eval_pair_metrics(total) if self.pairs else eval_metrics(total)
         if self.questions is not None:
             results = self.questions.ask(state["params"], state["frozen"])

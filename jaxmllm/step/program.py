@@ -105,9 +105,12 @@ def _parts_of(cfg: Config, modules) -> ModelParts:
     return ModelParts(None, None, frozen, adapted_modules(cfg, modules))
 
 
-def model_parts(cfg: Config) -> tuple[ModelParts, dict]:
-    """Shape-only model build: graph, state template, and logical axes of every parameter."""
-    spec = BatchSpec.of(cfg)
+def model_parts(cfg: Config, variant: int = 0) -> tuple[ModelParts, dict]:
+    """Shape-only model build: graph, state template, and logical axes of every parameter; the
+    model of a step of ladder `variant` (with a context degree per step a long variant's
+    splits its rows over the context groups, the base's not: `BatchSpec.at`; the parameters
+    are the same)."""
+    spec = BatchSpec.of(cfg).at(variant)
     abstract = nnx.eval_shape(lambda: MultimodalLM(cfg.model, spec, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract, nnx.Param)
     which = _parts_of(cfg, state)
@@ -324,6 +327,20 @@ class Program:
     step: Callable  # jitted (state, batch) -> (state, metrics); the state is donated
     # Which parameters a preference run's reference policy holds (None: no reference)
     reference_keeps: Callable | None = None
+    # With a context degree per step (mesh.context_steps: long): the long variants' model,
+    # which splits their rows over the context groups, and its train step (as `step`); None
+    # where every step's model is `parts`'
+    long_parts: ModelParts | None = None
+    long_step: Callable | None = None
+
+    def parts_of(self, variant: int) -> ModelParts:
+        """The model of a step of ladder `variant` (`jaxmllm.plan.ladder`; 0: the base)."""
+        return self.long_parts if variant and self.long_parts is not None else self.parts
+
+    def step_of(self, variant: int) -> Callable:
+        """The train step of a step of ladder `variant` (`StepInfo.long`): the long variants'
+        own with a context degree per step, else `step`."""
+        return self.long_step if variant and self.long_step is not None else self.step
 
     def abstract_sharded(self) -> dict:
         """The train state's shapes and dtypes with their shardings (ShapeDtypeStruct leaves), as
@@ -467,21 +484,34 @@ def build_program(cfg: Config, mesh) -> Program:
         shardings["reference"] = split_tree(every, keeps)[0]
         every = join(abstract["params"], abstract["frozen"])
         abstract = {**abstract, "reference": split_tree(every, keeps)[0]}
-    # One compiled program; the state is donated so params are updated in place.
+    # One compiled program (one per step shape); the state is donated so params are updated
+    # in place. A context degree per step: the long variants' model splits rows over groups.
+    step = jit_train_step(cfg, parts, optimizer, schedule, shardings, mesh)
+    long_parts = long_step = None
+    if BatchSpec.of(cfg).long_context:
+        long_parts = model_parts(cfg, 1)[0]
+        long_step = jit_train_step(cfg, long_parts, optimizer, schedule, shardings, mesh)
+    return Program(
+        cfg, mesh, parts, axes, optimizer, abstract, shardings, step, keeps, long_parts, long_step
+    )
+
+
+def jit_train_step(cfg: Config, parts: ModelParts, optimizer, schedule, shardings, mesh):
+    """The jitted train step of model `parts` (the state donated, kept in `shardings`), with
+    the loss of train.objective."""
     if cfg.train.objective == "dpo":
         loss_and_grads = make_preference_loss_and_grads(cfg, parts, RouterLoss.of(cfg))
     elif cfg.train.objective == "grpo":
         loss_and_grads = make_grpo_loss_and_grads(cfg, parts, RouterLoss.of(cfg))
     else:
         loss_and_grads = make_loss_and_grads(parts, RouterLoss.of(cfg))
-    step = jax.jit(
+    return jax.jit(
         make_train_step(
             parts, optimizer, schedule, loss_and_grads, dropout_seed=dropout_seed(cfg, parts)
         ),
         donate_argnums=0,
         out_shardings=(shardings, sharding.replicated(mesh)),
     )
-    return Program(cfg, mesh, parts, axes, optimizer, abstract, shardings, step, keeps)
 
 
 def dropout_seed(cfg: Config, parts: ModelParts) -> int | None:
