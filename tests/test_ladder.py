@@ -202,6 +202,32 @@ def test_sizing_gives_the_longest_documents_a_variant_instead_of_every_step():
     assert per_step.long[-1]["llm"] < top.tile_caps(top.variants - 1)["llm"]
 
 
+def test_sizing_a_degree_per_step_gives_the_groups_the_documents_a_device_row_cannot_hold():
+    """A context degree per step (groups of 2 in the long steps) on chats that each fill most
+    of a device's row (2 rows of 2,048 tokens) and a few of 2,050-2,200 tokens: their tiles
+    are within the base's, so no long rung is sized for tiles' sake, but those documents fit
+    no device's row: the sizing (as the resolver runs it, with the spec's long variant at the
+    base's tiles while unsized) gives a long variant all the same, whose group holds them,
+    so a planner takes the sizes. (Without it none is sized: a planner then refuses them.)"""
+    rng = np.random.default_rng(0)
+    text = rng.integers(1800, 2040, 600)
+    text[::100] = rng.integers(2050, 2200, 6)
+    index = index_of(text, ragged(np.zeros(600, np.int64), np.zeros(0, np.int64)))
+    caps = dataclasses.replace(
+        caps_of(index, long_tiles=({"llm": 0, "vision": 0},)),
+        llm_rows=2,
+        llm_row_len=2048,
+        tiles={"llm": 0, "vision": 0},
+        long_context=2,
+    )
+    make = lambda c: make_planner("orchestrated", index, c, 0)
+    sizes = size_tiles(make(caps), index, caps, 10, ladder=True)
+    held = dataclasses.replace(caps, tiles=sizes.tiles, long_tiles=sizes.long)
+    top = bucket_tile_caps(held.top, held.variants - 1)["llm"]
+    assert sizes.long and top >= largest_doc_tiles(index, caps)["llm"]
+    make(held)  # (every document fits its variant: `check_tiles_fit`)
+
+
 @pytest.mark.parametrize("context", [1, 2])
 def test_capacities_of_a_config_carry_its_long_variants(context):
     from jaxmllm.config import load_config

@@ -157,7 +157,8 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
     (uniform data, where its tiles are even without holding them); where the longest documents
     need more than that, long variants of the step for them (`jaxmllm.plan.ladder`: with its
     tiles auto, in a run of LADDER_MIN_STEPS or more, without context groups, whose split
-    shares a long document among the group).
+    shares a long document among the group; with a context degree per step, whose long
+    variants are its groups, in any run).
     Any other planner gets the most its own buckets need in a dry run of its plans
     (`DRY_RUN_STEPS` at most, then `DRY_RUN_HEADROOM` more when the run is longer), so that its
     buckets always fit and the comparison shows what its packing costs, and no long variant.
@@ -169,6 +170,8 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
     if cfg.model.attention != "block_sparse" or not (keys or longs):
         return {}
     out = {key: () for key in longs.values()}  # (no long variant unless sized below)
+    # (long tiles set by hand: not the one a degree per step has while none is, `BatchSpec.of`)
+    configured = any(getattr(b, k) not in ((), (-1,)) for k in long_tile_keys().values())
     if not keys:
         return out
     caps = capacities(cfg, devices or 1)  # (the -1s: no bound)
@@ -182,10 +185,15 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
         # a decoder's windowed layers on their own list, `window_tile_cap`, but in groups)
         cost = CostModel.from_model(cfg.model)
         weights = cost.tile_weights(caps.attention_block, caps.per_row, caps.context)
-        ladder = (
-            len(longs) == len(long_tile_keys())
-            and cfg.mesh.context == 1
-            and cfg.train.steps >= LADDER_MIN_STEPS
+        # (a degree per step: its long variants are its groups, whatever the run's length, and
+        # sized for the phases whose long tiles are auto)
+        ladder = bool(longs) and (
+            bool(caps.long_context)
+            or (
+                len(longs) == len(long_tile_keys())
+                and cfg.mesh.context == 1
+                and cfg.train.steps >= LADDER_MIN_STEPS
+            )
         )
         sizes = size_tiles(
             planner,
@@ -194,7 +202,7 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
             min(cfg.train.steps, HELD_DRY_RUN_STEPS),
             make=lambda c: make_planner(b.planner, index, c, cfg.data.seed),
             weights=weights,
-            ladder=ladder or bool(caps.long_tiles),
+            ladder=ladder or configured,
         )
         need, long = sizes.tiles, sizes.long if ladder else ()
     else:
@@ -202,7 +210,7 @@ def resolve_tiles(cfg: Config, index: LengthsIndex, devices: int | None) -> dict
         need = dry_run_tiles(planner, index, caps, steps)
         if steps < cfg.train.steps:
             need = {p: math.ceil(n * (1 + DRY_RUN_HEADROOM)) for p, n in need.items()}
-    if not long and not caps.long_tiles:
+    if not long and not configured:
         # Documents the dry run did not meet fit too, wherever in a block they start.
         least = device_tile_caps(caps, largest_doc_tiles(index, caps))
         need = {p: max(n, least[p]) for p, n in need.items()}

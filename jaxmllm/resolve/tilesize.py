@@ -198,6 +198,12 @@ def size_tiles(
     `contract.device_tile_caps`)."""
     most, mean = dry_run_tile_stats(planner, index, caps, steps)
     least = largest_doc_tiles(index, caps)
+    # (a degree per step: a base bucket holds at most a device's row of a document, the
+    # longer ones a long variant's groups)
+    held_least = dict(least)
+    if caps.long_context and least[LLM]:
+        row = own_tiles(np.array([(caps.llm_row_len - 1) // caps.attention_block + 2]), True)
+        held_least[LLM] = min(least[LLM], int(row[0]))
     density = tile_density(index, caps)  # (once for every headroom tried)
     summary = summary_of(index, caps.per_token)
     docs = documents(summary.body, caps)  # (the body's for densities, and the tail's too for
@@ -214,14 +220,16 @@ def size_tiles(
         }  # (-1: a phase without data)
         held = {p: max(n, 0) for p, n in held.items()}
         if not ladder:
-            base, long = {p: max(n, least[p]) if n else 0 for p, n in held.items()}, []
+            base, long = {p: max(n, held_least[p]) if n else 0 for p, n in held.items()}, []
         else:
             row_weights = None if weights is None else ladder_weights(weights, caps, held, rows)
             base, long = size_ladder(
-                held, least, docs, tail, rows, density, caps.attention_block, row_weights
+                held, held_least, docs, tail, rows, density, caps.attention_block, row_weights
             )
         if caps.long_context:  # (a degree per step: a long rung's bucket is a group)
-            long = [group_rung(base, r, caps.long_context) for r in long]
+            # (one at least: a document longer than a device's row fits no base bucket, even
+            # where its tiles gave no long rung)
+            long = [group_rung(base, r, caps.long_context) for r in long or [dict(base)]]
         return TileSizes(
             device_tile_caps(caps.at(0), base),
             tuple(device_tile_caps(caps.at(v + 1), r) for v, r in enumerate(long)),
