@@ -127,6 +127,7 @@ def test_a_context_degree_per_step_refuses_what_it_cannot_split(setting, key):
     spec plans each device's own rows in the base steps and groups in the long ones (a long
     variant at the base's tiles where none is set)."""
     from jaxmllm.config.spec import BatchSpec
+    from jaxmllm.resolve.resumed import context_changed
 
     per_step = ["mesh.context=2", "mesh.context_steps=long", "batch.llm_long_tiles=[]"]
     with pytest.raises(ConfigError, match=key):
@@ -140,6 +141,10 @@ def test_a_context_degree_per_step_refuses_what_it_cannot_split(setting, key):
     assert (spec.context, spec.long_context, spec.variants) == (1, 2, 2)
     assert (spec.at(1).context, spec.at(1).long_context, spec.top.group_row_len) == (2, 0, 8192)
     assert spec.at(0).context == 1 and spec.tile_caps(1)["llm"] == 40
+    # (a checkpoint of static groups resumed with them per step: its sizes resolved anew)
+    cfg = load_config(None, per_step)
+    assert context_changed(cfg, {"mesh.context": 2})
+    assert not context_changed(cfg, {"mesh.context": 2, "mesh.context_steps": "long"})
 
 
 def test_context_parallelism_names_what_the_model_is_before_what_can_change():

@@ -24,10 +24,13 @@ def keep_resolved(cfg: Config, out: Path) -> Config:
     run = json.loads(saved_path.read_text())
     if context_changed(cfg, distributed.flatten(run)):
         log.info(
-            "resuming with mesh.context=%d (the checkpoints were trained with %s): the batch "
-            "sizes resolved from the data are resolved anew for the new context groups",
+            "resuming with mesh.context=%d in %s steps (the checkpoints were trained with %s "
+            "in %s): the batch sizes resolved from the data are resolved anew for the new "
+            "context groups",
             cfg.mesh.context,
+            cfg.mesh.context_steps,
             run.get("mesh", {}).get("context", 1),
+            run.get("mesh", {}).get("context_steps", "all"),
         )
         return cfg
     saved = run.get("batch", {})
@@ -55,5 +58,7 @@ def _counts(value: object) -> bool:
 
 def context_changed(cfg: Config, saved_flat: dict) -> bool:
     """Whether the run that wrote `saved_flat` (a flattened config.json) had another
-    mesh.context (1 before the key existed)."""
-    return saved_flat.get("mesh.context", 1) != cfg.mesh.context
+    mesh.context (1 before the key existed) or planned its groups in other steps
+    (mesh.context_steps; all before the key existed)."""
+    steps = saved_flat.get("mesh.context_steps", "all") != cfg.mesh.context_steps
+    return steps or saved_flat.get("mesh.context", 1) != cfg.mesh.context
