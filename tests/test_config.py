@@ -126,6 +126,7 @@ def test_a_context_degree_per_step_refuses_what_it_cannot_split(setting, key):
     """mesh.context_steps: long (issue 57) needs groups to plan and the gather strategy; its
     spec plans each device's own rows in the base steps and groups in the long ones (a long
     variant at the base's tiles where none is set)."""
+    from jaxmllm.batch.prompts import PromptShapes, prompt_config
     from jaxmllm.config.spec import BatchSpec
     from jaxmllm.resolve.resumed import context_changed
 
@@ -143,6 +144,8 @@ def test_a_context_degree_per_step_refuses_what_it_cannot_split(setting, key):
     assert spec.at(0).context == 1 and spec.tile_caps(1)["llm"] == 40
     # (a checkpoint of static groups resumed with them per step: its sizes resolved anew)
     cfg = load_config(None, per_step)
+    shapes = PromptShapes(rows=8, prompt_len=64, total_len=96, units={"vision": 64, "audio": 64})
+    assert prompt_config(cfg, shapes).mesh.context == 1  # (questions' rows: whole, no groups)
     assert context_changed(cfg, {"mesh.context": 2})
     assert not context_changed(cfg, {"mesh.context": 2, "mesh.context_steps": "long"})
 

@@ -99,7 +99,7 @@ def prompt_config(cfg: Config, shapes: PromptShapes) -> Config:
     model = dataclasses.replace(cfg.model, attention="dense")
     # A prompt row is whole on its device and the model is whole in each program (evaluation
     # reads the parameters in their [depth, ...] form): no context groups, no stages.
-    mesh = dataclasses.replace(cfg.mesh, context=1, stage=1)
+    mesh = dataclasses.replace(cfg.mesh, context=1, context_steps="all", stage=1)
     return dataclasses.replace(cfg, batch=batch, model=model, mesh=mesh)
 
 
