@@ -160,3 +160,73 @@ def test_a_long_document_of_real_records_trains_whole_in_its_context_group(tmp_p
         assert info.tokens == lengths[info.samples].sum()  # every planned token is in the rows
         long += int((lengths[info.samples] == 601).sum())
     assert long > 0
+
+
+def per_step_run(out, data_path, steps: int):
+    """Text chats with one long document in 16 (`test_ladder._records`) on data=4 x context=2,
+    context groups in the long steps only (mesh.context_steps: long): a device's row of 128
+    tokens in the base steps, a group's of 256 in the long ones; tiles sized from the data;
+    a checkpoint every 3 steps."""
+    sets = ["data.eval.source=none", "data.workers=0", "data.source=files"]
+    sets += [f"data.path={data_path}", "batch.llm_row_len=128", "batch.attention_block=16"]
+    sets += ["batch.microbatches=1", "mesh.data=4", "mesh.fsdp=1", "mesh.context=2"]
+    cfg = load_config("configs/manifest_example.yaml", [*sets, "mesh.context_steps=long"])
+    train = dict(steps=steps, output_dir=str(out), log_every=1, checkpoint_every=3)
+    return replace(cfg, train=replace(cfg.train, progress_bar=False, ledger=True, **train))
+
+
+@pytest.mark.slow  # ~30 s: a short run killed and rerun, two compiled programs each
+def test_a_context_degree_per_step_trains_every_sample_once_and_resumes_exactly(
+    tmp_path, monkeypatch
+):
+    """Issue 57's acceptance: with groups in the long steps only, a run trains base and long
+    steps (the metrics say which), every sample once in an epoch (the ledger holds exactly
+    what the planner planned, which with what still waits is what it pulled from the epoch's
+    stream), and killed at step 5 and rerun from its step-3 checkpoint it redoes a long and a
+    base step with the very losses it had, bit for bit."""
+    from test_ladder import _records
+
+    from jaxmllm.loop.metrics import read_metrics
+    from jaxmllm.plan import ladder
+    from jaxmllm.plan.stream import stream_of
+    from jaxmllm.resolve.sizing import planner_from_config
+
+    monkeypatch.setattr(ladder, "LONG_WAIT", 3)  # (long steps within the short run)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _records(64, 16)))
+    steps = 7
+    build_index(per_step_run(tmp_path, data, steps), progress=False)
+
+    def kill_at_5(step, _):
+        if step == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        main(per_step_run(tmp_path, data, steps), on_step=kill_at_5)
+    main(per_step_run(tmp_path, data, steps))
+    rows = [r for r in read_metrics(tmp_path) if "loss" in r]
+    losses = _losses(tmp_path)
+    assert sorted(losses) == list(range(1, steps + 1)) and np.isfinite(rows[-1]["loss"])
+    assert losses[4][0] == losses[4][1] and losses[5][0] == losses[5][1]  # (redone)
+    used = {r["step"]: int(r["long_variant"]) for r in rows}
+    assert used[4] > 0 and used[5] == 0  # (both programs redone from the checkpoint)
+    # The plans replayed from the resolved config: the variants logged, the ledger exactly them
+    cfg = per_step_run(tmp_path, data, steps)
+    resolved = json.loads((tmp_path / "config.json").read_text())["batch"]
+    tiles = {k: tuple(v) if isinstance(v, list) else v for k, v in resolved.items()}
+    cfg = replace(cfg, batch=replace(cfg.batch, **tiles))
+    _, index = make_source(cfg)
+    planner = planner_from_config(cfg, index, 8)
+    plans = [planner.plan() for _ in range(steps)]
+    assert [p.variant for p in plans] == [used[k] for k in range(1, steps + 1)]
+    assert ledger.check_replays(tmp_path) == []  # steps 4 and 5, redone, trained the same
+    audit = ledger.audit(tmp_path, range(1, steps + 1))
+    planned = Counter(s for p in plans for s in p.samples.tolist())
+    assert audit["missing_steps"] == [] and audit["text"] == planned
+    pulled = stream_of(index, cfg.data.seed).take(0, planner.cursor).tolist()
+    assert planned + Counter(planner.deferred[:, 0].tolist()) == Counter(pulled)
+    n, full = len(index), len(pulled) // len(index)  # (the stream: each epoch every sample once)
+    assert full >= 2 and all(
+        sorted(pulled[e * n : (e + 1) * n]) == list(range(n)) for e in range(full)
+    )
+    assert set(planned) == set(range(n)) and max(planned.values()) <= -(-len(pulled) // n)
