@@ -77,15 +77,20 @@ def test_the_eval_set_is_planned_at_the_step_shapes_and_counts_each_sample_once(
     assert set(np.flatnonzero(want)) == {0, 1, 2}  # text, image and audio samples all there
 
 
-def test_each_host_evaluates_its_own_rows_of_the_set_with_context_groups(tmp_path):
+@pytest.mark.parametrize("steps", ["all", "long"])
+def test_each_host_evaluates_its_own_rows_of_the_set_with_context_groups(tmp_path, steps):
     """mesh.context=2 on 2 hosts of 4 devices (context groups 0, 1 on the first, 2, 3 on the
     second): each host's eval batches are its slice of the one-host batches, text, routing and
     each token's mix alike, and every sample is counted once over the hosts (the eval feed
-    takes a host's context groups as the training feed does)."""
+    takes a host's context groups as the training feed does); with the groups in the long
+    steps only (mesh.context_steps: long), each batch's own: a device's rows in the base
+    steps, a group's in the long ones, each run by its variant's model."""
     cfg = tiny("mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "batch.llm_row_len=96")
+    cfg = replace(cfg, mesh=replace(cfg.mesh, context_steps=steps))
     run = resolve_run(cfg, 8)
     held = HeldOut(run.cfg)
-    whole, *_ = plan_set(run, held, held.index)
+    whole, _, variants = plan_set(run, held, held.index)
+    assert (max(variants) > 0 and min(variants) == 0) == (steps == "long")
     counted = 0
     for host in range(2):
         positions = np.arange(4 * host, 4 * host + 4)
