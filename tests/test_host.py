@@ -105,6 +105,32 @@ def test_analytic_device_time_is_the_costliest_bucket_per_microbatch():
     assert np.isclose(bench_host.flops_seconds(run.cfg, one, 100.0) * 100e12, want)
 
 
+def test_a_step_is_counted_with_its_variants_groups():
+    """Groups in the long steps only (mesh.context_steps: long, data=4 x context=2): the feed
+    counts a base step's FLOPs with a device's own rows and a long step's with its groups'
+    (a document's squared length is its group's), as the step computes them."""
+    per_step = ["mesh.data=4", "mesh.fsdp=1", "mesh.context=2", "mesh.context_steps=long"]
+    per_step += ["batch.llm_row_len=96", "batch.vision_tiles=400", "batch.audio_tiles=100"]
+    ladder = ["batch.llm_long_tiles=[]", "batch.vision_long_tiles=[]", "batch.audio_long_tiles=[]"]
+    run = _resolved(*per_step, *ladder)  # (the rows alone make a step long)
+    feed = make_pipeline(run, prefetch=0)
+    seen = {}
+    try:
+        for _ in range(40):  # (the first base step with samples, and a long one)
+            element = next(feed)
+            if element["info"].tokens:
+                seen.setdefault(min(element["info"].long, 1), element)
+            if len(seen) == 2:
+                break
+    finally:
+        feed.close()
+    assert len(seen) == 2
+    for long, element in seen.items():
+        count = StepCounter(run.cfg)
+        flops = [count(element["batch"], context)["flops"] for context in (1, 2)]
+        assert element["info"].flops == flops[long] != flops[1 - long]
+
+
 def test_analytic_device_time_prices_sliding_window_layers_by_their_window():
     """A Gemma-shaped decoder (5 windowed layers of 6): a bucket's device time is its FLOPs
     as the metrics count them, the windowed layers on `window_sq` (a document 8 windows
