@@ -215,7 +215,7 @@ class Gemma4Whole(Whole):
             audio = {
                 **self.audio.wants(cfg),
                 "model.audio.projector": ("embed",),
-                "data.mel": ("gemma4",),  # (its feature extractor's frames)
+                "data.mel": (self.audio.mel,),  # (its feature extractor's frames)
             }
         wants = {
             **self.decoder.wants(cfg),
