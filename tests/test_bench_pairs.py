@@ -30,7 +30,7 @@ def test_a_pair_is_one_sample_of_both_documents_with_its_media_once():
     assert paired.index.llm_tokens(PER_TOKEN).tolist() == paired.docs.sum(1).tolist()
     assert paired.index.items["vision"].sizes.tolist() == [64, 16, 256]  # (once)
     # where each pair splits: its attention is its two documents'
-    assert paired.index.split.tolist() == (prompt + CHOSEN).tolist()
+    assert paired.index.split[:, 0].tolist() == (prompt + CHOSEN).tolist()
     assert paired.index.llm_documents(PER_TOKEN).tolist() == paired.docs.ravel().tolist()
     one, _ = pair_layouts(LengthsIndex.from_records(PROMPTS), CHOSEN, REJECTED, PER_TOKEN, False)
     assert one.index.split is None and one.index.text.tolist() == paired.index.text.tolist()

@@ -116,7 +116,7 @@ def test_a_plans_tiles_count_a_pairs_two_documents_back_to_back():
     offset = np.array([0, int(llm[0]), 0])
     plan = StepPlan(0, s, np.zeros(3, np.int64), np.array([0, 0, 1]), np.zeros(3, np.int64), offset)
     got = step_tiles(plan, index, caps)["llm"]
-    split = index.split[s]
+    split = index.split[s, 0]
     docs = [(0, offset[0], split[0]), (0, offset[0] + split[0], llm[0] - split[0])]
     docs += [(0, offset[1], split[1]), (0, offset[1] + split[1], llm[2] - split[1])]
     docs += [(1, 0, llm[1])]
@@ -167,9 +167,9 @@ def test_lengths_files_keep_where_pairs_split(tmp_path):
     assert again.split.tolist() == index.split.tolist()
     # "documents": [n1, n2] says the same; a sample of one document has no split
     docs = LengthsIndex.from_records([{"text": 30, "documents": [12, 18]}, {"text": 9}])
-    assert docs.split.tolist() == [12, 0] and "split" not in docs.record(1)
+    assert docs.split[:, 0].tolist() == [12, 0] and "split" not in docs.record(1)
     both = LengthsIndex.concat([LengthsIndex.from_records([{"text": 5}]), index])
-    assert both.split.tolist() == [0, *index.split.tolist()]
+    assert both.split[:, 0].tolist() == [0, *index.split[:, 0].tolist()]
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +208,7 @@ def test_a_pair_mixes_tile_capacity_is_its_documents_and_no_step_exceeds_it(tiny
         assert (real == step_tiles(plan, pairs.index, caps)["llm"]).all()  # (the planner's)
         full = max(full, int(real.max()))
         # the step's FLOPs count each document's attention alone (n1^2 + n2^2 a pair)
-        n = pairs.index.split[plan.samples].astype(np.float64)
+        n = pairs.index.split[plan.samples, 0].astype(np.float64)
         sq = np.zeros((caps.microbatches, caps.devices))
         np.add.at(sq, (plan.micro, plan.device), 2 * n**2)  # (two documents of n tokens)
         assert (bucket_work(host)["llm_sq"] == sq).all()

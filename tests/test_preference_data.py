@@ -91,7 +91,7 @@ def pairs_of(path: Path, *extra) -> tuple[list, object]:
     source = open_source(cfg)
     samples = [source[i] for i in range(len(source))]
     # (the index says where each pair splits: its chosen document's tokens)
-    assert source.index.split.tolist() == [x.documents[0] for x in samples]
+    assert source.index.split[:, 0].tolist() == [x.documents[0] for x in samples]
     return samples, source
 
 
@@ -355,7 +355,7 @@ def test_a_pair_over_the_row_by_its_image_shrinks_whole(tmp_path):
     rows = len(x.media["vision"][0][0]) // source.pre.per_token["vision"]
     assert int(np.isin(x.tokens, source.media_ids).sum()) == 2 * rows
     llm = source.index.llm_tokens(source.pre.per_token)
-    assert int(llm[0]) == len(x.tokens) and int(source.index.split[0]) == x.documents[0]
+    assert int(llm[0]) == len(x.tokens) and int(source.index.split[0, 0]) == x.documents[0]
     skipped = open_source(config(path, *sets, "data.on_oversize=truncate", "data.min_accept=0"))
     assert [e["reason"] for e in skipped.startup_rejects] == ["pair_too_long"]
 
@@ -432,7 +432,7 @@ def test_data_of_the_other_objective_is_refused_at_start(png, tmp_path):
     build_index(config(two), progress=False)
     both = open_source(config("", f"data.sources=[{{path: {pairs}}}, {{path: {two}}}]"))
     assert both.pairs and len(both) == 6 and all(both[i].is_pair for i in range(6))
-    assert both.index.split.tolist() == [both[i].documents[0] for i in range(6)]
+    assert both.index.split[:, 0].tolist() == [both[i].documents[0] for i in range(6)]
     # One data set holding both kinds (jaxmllm's own records: its first SFT, so the build goes
     # on), each kind's objective refused alike.
     ask = [{"role": "user", "content": "hi"}]

@@ -126,13 +126,16 @@ class LengthsIndex:
     item of every sample in that encoder phase (patches per image, log-mel frames per clip),
     for every phase of the table (empty where the data has none).
 
-    split[i] = where a sample of two documents (a preference pair: its chosen document, then
-    its rejected one, in one row) splits: its first document's LLM tokens, 0 for a sample of
-    one document; None (every index without the column: SFT data, indexes built before it) is
-    all zeros. A pair's `text` counts both documents' text and one copy of its placeholder
-    rows, so its `llm_tokens` are both documents' tokens: what its row holds (its linear
-    work); its attention is its two documents', split[i] and llm_tokens - split[i] tokens
-    (`llm_documents`), as bucketize writes them (two segments).
+    split[i] = where a sample of several documents sharing its media (a preference pair: its
+    chosen document, then its rejected one; a GRPO group: its prompt's completions, each after
+    the prompt) splits, in one row: the LLM tokens of each of its documents but the last, in
+    order, 0 past them (a sample of one document: all 0) [samples, most documents - 1]; None
+    (every index without the column: SFT data, indexes built before it) is all zeros. The
+    column on disk is a pair's one cut (`data.parts`): [samples] there, read as [samples, 1].
+    Such a sample's `text` counts every document's text and one copy of its placeholder rows
+    (its media are encoded once), so its `llm_tokens` are all its documents' tokens: what its
+    row holds (its linear work); its attention is its documents', the cuts then llm_tokens -
+    their sum (`llm_documents`), as bucketize writes them (a segment each).
     """
 
     text: np.ndarray
@@ -142,12 +145,15 @@ class LengthsIndex:
     # held in memory: synthetic, benchmark mixes), or "index", a bijective index shuffle that
     # stores nothing (a mapped index, `jaxmllm.data.columnar`, of any size)
     shuffle: str = "permutation"
-    split: np.ndarray | None = None  # int64 [samples]: a pair's first document's LLM tokens
+    # int64 [samples, most documents - 1]: each document's LLM tokens but the last's
+    split: np.ndarray | None = None
 
     def __post_init__(self):
         """Every encoder phase has its items (none where not given); a split per row, if any."""
         empty = Items.none(len(self.text))
         self.items = {p.name: self.items.get(p.name, empty) for p in ENCODERS}
+        if self.split is not None and self.split.ndim == 1:  # (a pair's cut, as on disk: a view)
+            self.split = self.split.reshape(-1, 1)
         if self.split is not None and len(self.split) != len(self.text):
             raise ValueError(f"split has {len(self.split)} rows, text {len(self.text)}")
 
@@ -158,9 +164,10 @@ class LengthsIndex:
     @classmethod
     def from_records(cls, records: list[dict]) -> LengthsIndex:
         """Builds the index from dicts like {"text": 312, "images": [1024], "audio": [850]};
-        a sample of two documents (a preference pair) says where it splits, `"split": n1`
-        (its first document's LLM tokens) or `"documents": [n1, n2]` (each one's)."""
-        split = np.array([_split_of(r) for r in records], np.int64)
+        a sample of several documents (a preference pair, a GRPO group) says where it splits,
+        `"split": n1` (its first document's LLM tokens; [n1, n2, ...]: each one's but the
+        last) or `"documents": [n1, n2, ...]` (each one's)."""
+        split = cuts_matrix([_split_of(r) for r in records])
         return cls(
             text=np.array([r.get("text", 0) for r in records], np.int64),
             items={
@@ -185,7 +192,9 @@ class LengthsIndex:
         mapped = any(part.shuffle == "index" for part in parts)
         split = None
         if any(part.split is not None for part in parts):
-            split = np.concatenate([part.split_of() for part in parts]).astype(np.int64)
+            cols = [part.split_of() for part in parts]
+            k = max(c.shape[1] for c in cols)
+            split = np.concatenate([np.pad(c, ((0, 0), (0, k - c.shape[1]))) for c in cols])
         return cls(text, items, mixture, "index" if mapped else "permutation", split)
 
     def split_rows(self, ids) -> np.ndarray | None:
@@ -194,21 +203,22 @@ class LengthsIndex:
         return None if self.split is None else np.asarray(self.split[ids], np.int64)
 
     def split_of(self, samples: np.ndarray | None = None) -> np.ndarray:
-        """Where each of `samples` (default: all) splits: a pair's first document's LLM
-        tokens, 0 for a sample of one document (int64)."""
+        """Where each of `samples` (default: all) splits: each of its documents' LLM tokens but
+        the last's, 0 past them, all 0 for a sample of one document (int64 [samples, K])."""
         n = len(self) if samples is None else len(samples)
         if self.split is None:
-            return np.zeros(n, np.int64)
+            return np.zeros((n, 1), np.int64)
         rows = self.split if samples is None else self.split[np.asarray(samples, np.int64)]
         return np.asarray(rows, np.int64)
 
     def record(self, i: int) -> dict:
-        """Sample i in the lengths-file format (`split` only for a sample of two
-        documents)."""
+        """Sample i in the lengths-file format (`split` only for a sample of several
+        documents: a pair's one cut, a number; more, a list)."""
         out = {"text": int(self.text[i])}
         out.update({p.items: self.items[p.name].of(i).tolist() for p in ENCODERS})
-        if self.split is not None and int(self.split[i]):
-            out["split"] = int(self.split[i])
+        cuts = [] if self.split is None else [int(c) for c in self.split[i] if c]
+        if cuts:
+            out["split"] = cuts[0] if len(cuts) == 1 else cuts
         return out
 
     def write_jsonl(self, path: str | Path) -> None:
@@ -236,7 +246,7 @@ class LengthsIndex:
 
     def llm_documents(self, per_token: Mapping[str, int]) -> np.ndarray:
         """The LLM tokens of every document attention sees, sample by sample: a sample's
-        `llm_tokens`, or a pair's two documents (split, then the rest) one after the other
+        `llm_tokens`, or its documents' (the cuts, then the rest) one after the other
         (`llm_tokens` itself when the index has no split)."""
         llm = self.llm_tokens(per_token)
         if self.split is None:
@@ -248,25 +258,53 @@ class LengthsIndex:
         return (LLM, *(name for name, items in self.items.items() if len(items)))
 
 
-def split_documents(llm: np.ndarray, split: np.ndarray) -> np.ndarray:
-    """The documents of samples of `llm` tokens split at `split` (0: one document), in sample
-    order: a pair's first document then its second."""
-    two = split > 0
-    count = 1 + two.astype(np.int64)
-    out = np.repeat(llm, count)
-    first = np.cumsum(count) - count  # (each sample's first document)
-    out[first[two]] = split[two]
-    out[first[two] + 1] = llm[two] - split[two]
+def cuts_matrix(rows: list) -> np.ndarray:
+    """The split column [samples, K] of each sample's cuts (an int, 0: none; or a list), 0
+    past a sample's own (K: the most cuts, at least 1)."""
+    rows = [np.atleast_1d(np.asarray(r, np.int64)) for r in rows]
+    k = max((len(r) for r in rows), default=1)
+    out = np.zeros((len(rows), max(k, 1)), np.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
     return out
 
 
-def _split_of(record: Mapping) -> int:
-    """A lengths-file row's split: `split`, or its `documents`' first (a pair's two)."""
+def document_table(llm: np.ndarray, split: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sizes, real) [samples, K + 1]: each sample's documents' LLM tokens (its cuts, then
+    the rest of its `llm` tokens), and which are documents (a sample's cuts > 0 and its last;
+    the rest 0), for samples split at `split` [samples, K] (`LengthsIndex.split`)."""
+    split = _as_cuts(split)
+    rest = np.asarray(llm, np.int64) - split.sum(1)
+    sizes = np.concatenate([split, rest[:, None]], 1)
+    real = np.concatenate([split > 0, np.ones((len(llm), 1), bool)], 1)
+    return sizes, real
+
+
+def document_counts(split: np.ndarray) -> np.ndarray:
+    """Each sample's documents (its cuts + 1) for samples split at `split` [samples, K]."""
+    return 1 + (_as_cuts(split) > 0).sum(1).astype(np.int64)
+
+
+def _as_cuts(split: np.ndarray) -> np.ndarray:
+    """A split column as [samples, K] (a pair's column, [samples]: K = 1)."""
+    split = np.asarray(split, np.int64)
+    return split[:, None] if split.ndim == 1 else split
+
+
+def split_documents(llm: np.ndarray, split: np.ndarray) -> np.ndarray:
+    """The documents of samples of `llm` tokens split at `split` [samples, K] (all 0: one
+    document), in sample order: each sample's in order."""
+    sizes, real = document_table(llm, split)
+    return sizes[real]
+
+
+def _split_of(record: Mapping) -> int | list[int]:
+    """A lengths-file row's split: `split` (its cuts: a number, or a list), or its
+    `documents`' lengths but the last."""
     if "split" in record:
-        return int(record["split"])
+        cut = record["split"]
+        return [int(c) for c in cut] if isinstance(cut, list | tuple) else int(cut)
     docs = record.get("documents")
     if isinstance(docs, list | tuple) and len(docs) > 1:
-        if len(docs) > 2:
-            raise ValueError(f"a sample holds one or two documents, got {len(docs)}: {docs}")
-        return int(docs[0])
+        return [int(d) for d in docs[:-1]]
     return 0

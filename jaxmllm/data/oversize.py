@@ -185,12 +185,14 @@ def patch(index: LengthsIndex, counts: dict[int, dict], dropped: list[int]):
     kept = np.ones(n, bool)
     kept[np.asarray(dropped, np.int64)] = False
     text = np.array(index.text, np.int64)
-    split = None if index.split is None else np.array(index.split, np.int64)
+    split = None if index.split is None else np.array(index.split_of(), np.int64)
     changed = sorted(counts)
     for i in changed:
         text[i] = counts[i]["text"]
         if split is not None:  # (a pair repaired: where it splits now)
-            split[i] = counts[i].get("split", 0)
+            cuts = np.atleast_1d(np.asarray(counts[i].get("split", 0), np.int64))
+            split[i] = 0
+            split[i, : len(cuts)] = cuts
     items = {}
     for p in ENCODERS:
         it = index.items[p.name]

@@ -121,7 +121,8 @@ class ManifestSource:
                 for j, m in enumerate(sample.media[p.name])
             ]
         if "split" in want:  # (a pair of an index that says where it splits)
-            got["split"] = int(sample.documents[0]) if len(sample.documents) > 1 else 0
+            cuts = [int(d) for d in sample.documents[:-1]]
+            got["split"] = (cuts[0] if len(cuts) == 1 else cuts) if cuts else 0
         if got != want:
             raise RecordError("changed_since_index", f"now {got}, the index says {want}", rid)
         return sample

@@ -17,7 +17,12 @@ import numpy as np
 from jaxmllm.config.checks import UserError
 from jaxmllm.config.phases import ENCODERS, LLM, NAMES, PHASES
 from jaxmllm.config.spec import BatchSpec, variant_tiles
-from jaxmllm.data.lengths import LengthsIndex, split_documents
+from jaxmllm.data.lengths import (
+    LengthsIndex,
+    document_counts,
+    document_table,
+    split_documents,
+)
 from jaxmllm.plan.ragged import gather_items
 from jaxmllm.plan.summary import summary_of
 from jaxmllm.plan.tiles import bin_tiles, own_tiles, span_extra
@@ -261,8 +266,9 @@ def documents(index: LengthsIndex, caps: Capacities) -> dict[str, tuple[np.ndarr
 def span_extras(index: LengthsIndex, samples: np.ndarray, caps: Capacities) -> np.ndarray | None:
     """Per sample of `samples`, the most LLM tiles above the diagonal its bidirectional spans
     add (`caps.bidirectional`: each item of those phases one span of its LLM tokens, wherever
-    it lands, `tiles.span_extra`; a preference pair's items fill both its documents, so
-    twice); None where none are (no such phase, or no tiles)."""
+    it lands, `tiles.span_extra`; a sample of several documents fills each one's slots with
+    its items: a pair's twice, a group's once a document); None where none are (no such
+    phase, or no tiles)."""
     if not (caps.bidirectional and caps.attention_block):
         return None
     s = np.asarray(samples, np.int64)
@@ -272,7 +278,7 @@ def span_extras(index: LengthsIndex, samples: np.ndarray, caps: Capacities) -> n
         tokens = np.asarray(index.items[p].sizes[flat], np.int64) // caps.per_token[p]
         out += np.bincount(owner, span_extra(tokens, caps.attention_block), len(s)).astype(np.int64)
     if index.split is not None:
-        out *= 1 + (index.split_of(s) > 0)
+        out *= document_counts(index.split_of(s))
     return out
 
 
@@ -284,10 +290,11 @@ def spans_alone(index: LengthsIndex, caps: Capacities, anywhere: bool = False) -
     most depends on its items, not only its length."""
     b, everyone = caps.attention_block, np.arange(len(index.text))
     llm = llm_tokens_of(index, everyone, caps.per_token)
-    split = index.split_of(everyone) if index.split is not None else np.zeros_like(llm)
-    docs = split_documents(llm, split)  # (a sample's one or two, in order)
+    split = index.split_of(everyone)
+    docs = split_documents(llm, split)  # (a sample's one or more, in order)
     blocks = np.where(docs > 0, (docs - 1) // b + 2, 0) if anywhere else -(-docs // b)
-    first = np.cumsum(1 + (split > 0)) - 1 - (split > 0)
+    count = document_counts(split)
+    first = np.cumsum(count) - count
     alone = np.add.reduceat(own_tiles(blocks, True), first) + span_extras(index, everyone, caps)
     top = int(np.argmax(alone)) if len(alone) else 0
     return (int(alone[top]), int(llm[top])) if len(alone) else (0, 0)
@@ -467,8 +474,8 @@ def phase_docs(
 ) -> tuple[np.ndarray, ...]:
     """The documents attention sees in one phase of a plan, in its units (LLM tokens, patches,
     audio encoder rows = frames / audio stride): (microbatch, device, row, offset, size) each.
-    A preference pair's text is its two documents (`LengthsIndex.split`), the second right
-    after the first."""
+    A sample of several documents (a preference pair, a GRPO group: `LengthsIndex.split`) is
+    its documents, each right after the one before."""
     if phase == LLM:
         llm = llm_tokens_of(index, plan.samples, caps.per_token)
         if index.split is None:
@@ -485,15 +492,14 @@ def phase_docs(
 def pair_documents(
     split: np.ndarray, llm: np.ndarray, offset: np.ndarray, *where: np.ndarray
 ) -> tuple[np.ndarray, ...]:
-    """The documents of samples of `llm` tokens at `offset`, split at `split` (0: one
-    document; a pair: `split` tokens, then the rest right after them): (each of `where`, offset,
-    size) per document, a sample's in order."""
-    two = split > 0
-    count = 1 + two.astype(np.int64)
-    second = np.cumsum(count)[two] - 1  # (each pair's second document)
-    off = np.repeat(offset, count)
-    off[second] += split[two]
-    return (*(np.repeat(w, count) for w in where), off, split_documents(llm, split))
+    """The documents of samples of `llm` tokens at `offset`, split at `split` [samples, K]
+    (all 0: one document; else each document's tokens but the last's, the next right after
+    it): (each of `where`, offset, size) per document, a sample's in order."""
+    sizes, real = document_table(llm, split)
+    within = np.cumsum(sizes, 1) - sizes  # (a document's start in its sample)
+    count = real.sum(1)
+    off = (np.asarray(offset, np.int64)[:, None] + within)[real]
+    return (*(np.repeat(w, count) for w in where), off, sizes[real])
 
 
 def step_tiles(plan: StepPlan, index: LengthsIndex, caps: Capacities) -> dict[str, np.ndarray]:

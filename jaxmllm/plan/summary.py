@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxmllm.config.phases import LLM, NAMES
 from jaxmllm.data.columnar import window
-from jaxmllm.data.lengths import Items, LengthsIndex, split_documents
+from jaxmllm.data.lengths import Items, LengthsIndex, document_table, split_documents
 
 SAMPLE = 1 << 16  # samples of the body (a uniform sample); the whole index below it
 TAIL = 256  # samples of the tail per measure (longest LLM sequence, most units, largest item)
@@ -122,9 +122,9 @@ def summarize(index: LengthsIndex, per_token: Mapping[str, int]) -> IndexSummary
         split = window(index.split, lo, hi).astype(np.int64) if paired else None
         if split is None:
             _extremes(most, least, LLM, llm)
-        else:  # (a pair's documents: its longest one in the tail)
+        else:  # (a pair's or a group's documents: its longest one in the tail)
             _extremes(most, least, LLM, split_documents(llm, split))
-            tops[-1].add(lo, np.where(split > 0, np.maximum(split, llm - split), llm))
+            tops[-1].add(lo, document_table(llm, split)[0].max(1))
         if len(body_ids) < n:  # (the sample's members in this window, gathered from it)
             mine = body_ids[np.searchsorted(body_ids, lo) : np.searchsorted(body_ids, hi)]
             part = LengthsIndex(text=text, items=chunk, split=split)

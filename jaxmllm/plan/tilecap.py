@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmllm.config.phases import LLM, PHASES
+from jaxmllm.data.lengths import document_table
 from jaxmllm.plan.contract import Capacities, bucket_tile_caps
 from jaxmllm.plan.ragged import run_cumsum, run_lengths, run_positions, stable_sort
 from jaxmllm.plan.tiles import packed_tiles
@@ -45,8 +46,8 @@ class TileBudget:
         Args:
           placed: per phase, the new documents in the order they were placed: (owner sample
             position in `ok`, bin: LLM row bin or encoder device, offset where the bin's
-            documents so far end, size in the phase's units[, where each splits into two
-            documents: a preference pair's text, `LengthsIndex.split`; None or missing: one[,
+            documents so far end, size in the phase's units[, where each splits into its
+            documents: a pair's or a group's text, `LengthsIndex.split`; None or missing: one[,
             the most tiles its bidirectional spans add, `contract.span_extras`; None or
             missing: none]]).
           ok: per sample, whether all its parts were placed (updated in place).
@@ -98,7 +99,8 @@ class _Docs:
         order, key = stable_sort(bins[placed], len(start))
         self.at = placed[order]  # (positions in the order placed)
         self.owner, self.size = owner[self.at], size[self.at]
-        # (a pair's first document's units: it splits there, the second right after it)
+        # (each document's units but the last: the sample splits there, each right after the
+        # one before)
         self.split = None if split is None else split[self.at]
         self.extra = None if extra is None else extra[self.at]  # (spans' tiles, at most)
         self.units = self.size // self.per if self.per > 1 else self.size  # (attention units)
@@ -132,12 +134,13 @@ class _Docs:
         self.offset[idx] = offset
         first = offset // self.per if self.per > 1 else offset
         t = packed_tiles(first, self.units[idx], self.block, self.causal)
-        if self.split is not None:  # (a pair: its two documents' tiles, back to back)
-            two = np.flatnonzero(self.split[idx] > 0)
-            if len(two):
-                a, n, f = self.split[idx][two], self.units[idx][two], first[two]
-                t[two] = packed_tiles(f, a, self.block, self.causal)
-                t[two] += packed_tiles(f + a, n - a, self.block, self.causal)
+        if self.split is not None:  # (several documents: their tiles, back to back)
+            many = np.flatnonzero((self.split[idx] > 0).any(1))
+            if len(many):
+                sizes, real = document_table(self.units[idx][many], self.split[idx][many])
+                starts = first[many][:, None] + np.cumsum(sizes, 1) - sizes
+                each = packed_tiles(starts[real], sizes[real], self.block, self.causal)
+                t[many] = np.bincount(np.nonzero(real)[0], each, len(many)).astype(t.dtype)
         if self.extra is not None:
             t += self.extra[idx]
         t *= keep

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxmllm.config.phases import LLM, NAMES, PHASES
-from jaxmllm.data.lengths import LengthsIndex
+from jaxmllm.data.lengths import LengthsIndex, document_table
 from jaxmllm.plan.bins import Cost, Loads, quad_cost, tile_cost
 from jaxmllm.plan.contract import Capacities, bucket_tile_caps, span_extras
 from jaxmllm.plan.ragged import gather_items
@@ -124,15 +124,17 @@ class Phases:
         return Pool(llm, llm_cost, np.ascontiguousarray(work.T), sel, items, split, extra)
 
     def _llm_cost(self, llm: np.ndarray, split: np.ndarray | None) -> np.ndarray:
-        """The LLM cost of samples of `llm` tokens: their documents' (a preference pair, split
-        at `split` > 0, is two documents, each attending to itself: the sum of their costs)."""
+        """The LLM cost of samples of `llm` tokens: their documents' (a sample split at
+        `split` [samples, K] > 0, a preference pair or a GRPO group, is several documents, each
+        attending to itself: the sum of their costs)."""
         cost = self.cost[LLM](llm)
         if split is not None:
-            two = np.flatnonzero(split > 0)
-            if len(two):
+            many = np.flatnonzero((split > 0).any(1))
+            if len(many):
                 cost = np.array(cost, np.float64)
-                first = split[two]
-                cost[two] = self.cost[LLM](first) + self.cost[LLM](llm[two] - first)
+                sizes, real = document_table(llm[many], split[many])
+                each = np.asarray(self.cost[LLM](sizes[real]), np.float64)
+                cost[many] = np.bincount(np.nonzero(real)[0], each, len(many))
         return cost
 
     def _sel_cap(self, variant: int) -> np.ndarray:
@@ -187,7 +189,7 @@ class Pool:
     the packers equalise: its documents'), its units per phase [sample, phase], its selection
     work [column, sample] (the units, then the tile phases' expected tiles), per encoder phase
     its items' (owner position, size, cost), by owner then item, where each splits into
-    two documents (`LengthsIndex.split`; None: every sample one document), and the most LLM
+    its documents (`LengthsIndex.split`; None: every sample one document), and the most LLM
     tiles its bidirectional spans add (`contract.span_extras`; None: none)."""
 
     llm: np.ndarray
@@ -203,10 +205,11 @@ class Pool:
         return len(self.llm)
 
     def longest(self) -> np.ndarray:
-        """Each sample's longest LLM document (its tokens, or the longer of a pair's two)."""
+        """Each sample's longest LLM document (its tokens, or the longest of its documents)."""
         if self.split is None:
             return self.llm
-        return np.where(self.split > 0, np.maximum(self.split, self.llm - self.split), self.llm)
+        sizes, _ = document_table(self.llm, self.split)
+        return sizes.max(1)
 
     def take(self, positions: np.ndarray, sel: bool = True) -> Pool:
         """The work of the samples at `positions` (items left out; and their selection work
