@@ -458,15 +458,16 @@ def _write_items(
             batch[data_key][m, e, off : off + n] = values
             batch[f"{phase}_positions"][m, e, off : off + n] = pos
             batch[f"{phase}_segment_ids"][m, e, off : off + n] = seg
-        dest = None
+        dest, copies = None, 1
         at, begin, end = slots[phase]
         if text_here and begin[owner] >= 0:
             first = begin[owner] + used[owner]
-            twin = sample is not None and sample.is_pair  # (its rows fill both documents')
-            half = (end[owner] - begin[owner]) // 2 if twin else end[owner] - begin[owner]
-            dest = at[first : min(first + len(rows), begin[owner] + half)]
-            if twin:  # (the rejected document's slots of the item: as many, half later)
-                dest = np.concatenate([dest, at[first + half : first + half + len(dest)]])
+            # (a sample of several documents shares its media: its rows fill each one's slots)
+            copies = max(len(sample.documents), 1) if sample is not None else 1
+            part = (end[owner] - begin[owner]) // copies  # (a document's slots)
+            dest = at[first : min(first + len(rows), begin[owner] + part)]
+            if copies > 1:  # (the later documents' slots of the item: as many, a part later)
+                dest = np.concatenate([at[first + k * part :][: len(dest)] for k in range(copies)])
             used[owner] += len(rows)
             if spans and len(dest):  # (its slots: one span, named by its first slot)
                 where = (home, split, m, d, r)
@@ -480,7 +481,8 @@ def _write_items(
                     f"{j} is on another device but batch.route_pair_capacity is 0"
                 )
             if dest is not None:
-                _fill(batch[src_key][m], (home, split, m, d, r), dest, _twice(base + rows, dest))
+                values = _copies(base + rows, dest, copies)
+                _fill(batch[src_key][m], (home, split, m, d, r), dest, values)
             continue
         c0 = pair_fill.get((m, enc_dev, d), 0)
         if c0 + len(rows) > pair_cap:
@@ -495,12 +497,14 @@ def _write_items(
             batch[f"{phase}_send"][m, e, d, c0 : c0 + len(rows)] = rows
         if dest is not None:
             got = base + own_rows + enc_dev // ctx * pair_cap + c0 + np.arange(len(rows))
-            _fill(batch[src_key][m], (home, split, m, d, r), dest, _twice(got, dest))
+            _fill(batch[src_key][m], (home, split, m, d, r), dest, _copies(got, dest, copies))
 
 
-def _twice(rows: np.ndarray, dest: np.ndarray) -> np.ndarray:
-    """The rows for `dest`: once, or twice where a pair's two documents both take them."""
-    return rows if len(dest) <= len(rows) else np.concatenate([rows, rows])[: len(dest)]
+def _copies(rows: np.ndarray, dest: np.ndarray, copies: int) -> np.ndarray:
+    """The rows for `dest`, the item's slots in each of `copies` documents (a pair's two, a
+    group's G; one: a sample of one document) one document's after the other: the rows taken
+    once a document."""
+    return np.tile(rows[: len(dest) // copies], copies)
 
 
 def _fill(src_drl: np.ndarray, where: tuple, dest: np.ndarray, values: np.ndarray) -> None:

@@ -130,6 +130,10 @@ class BatchSpec:
     # ... with their reference log-probs given (preference.reference: precomputed): each
     # document's on its first token (`llm_reference`)
     pair_reference: bool = False
+    # The most documents of one sample that share its media (encoded once, each item's rows
+    # filling its slots in every document, `models.mllm.fill_slots`): 2 for preference pairs,
+    # rl.group_size for GRPO's groups (a prompt's completions), 1 else
+    media_copies: int = 1
     # The decoder's sliding window in tokens (`model.llm.window.size` where some layer has it;
     # 0: none): block-sparse buckets carry the windowed layers' own tile list
     # (`jaxmllm.batch.bucketize.window_tile_cap`)
@@ -203,7 +207,9 @@ class BatchSpec:
         train = getattr(cfg, "train", None)
         if train is not None and train.objective == "dpo":
             given = cfg.preference.reference == "precomputed" and cfg.preference.loss != "simpo"
-            spec = dataclasses.replace(spec, pairs=True, pair_reference=given)
+            spec = dataclasses.replace(spec, pairs=True, pair_reference=given, media_copies=2)
+        if train is not None and train.objective == "grpo":
+            spec = dataclasses.replace(spec, media_copies=cfg.rl.group_size)
         return dataclasses.replace(spec, context_strategy=cfg.mesh.context_strategy)
 
     @classmethod

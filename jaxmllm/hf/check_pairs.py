@@ -92,9 +92,10 @@ def our_sums(cfg: Config, model, pairs: list[Sample], specials, vocab: int) -> l
     dpo = dpo_config(cfg)
     mb, _ = packed_row(pairs, dpo, specials)
     mb = {k: jnp.asarray(v) for k, v in mb.items()}
-    # The model as a DPO run builds it: its spec's `pairs`, so a pair's media rows fill both
-    # its documents' slots (an SFT-built model fills one slot a row: the chosen's stay empty)
-    was, model.twins = model.twins, BatchSpec.of(dpo, resolved=False).pairs
+    # The model as a DPO run builds it: its spec's `media_copies`, so a pair's media rows fill
+    # both its documents' slots (an SFT-built model fills one slot a row: one document's
+    # stay empty)
+    was, model.copies = model.copies, BatchSpec.of(dpo, resolved=False).media_copies
     try:
         if vocab < cfg.model.llm.vocab_size:
             logits = np.asarray(_logits(model, mb), np.float64)[..., :vocab]
@@ -106,7 +107,7 @@ def our_sums(cfg: Config, model, pairs: list[Sample], specials, vocab: int) -> l
         else:
             logps = _training_logps(model, mb)
     finally:
-        model.twins = was
+        model.copies = was
     sums = pair_sums(logps, mb["llm_sequence"], mb["llm_loss_mask"])
     sums = {k: np.asarray(v)[0] for k, v in sums._asdict().items()}  # (one bucket: [K])
     return [

@@ -80,7 +80,8 @@ class MultimodalLM(nnx.Module):
         )
         self.route_capacity = spec.route_pair_capacity
         self.exchange = spec.exchange
-        self.twins = spec.pairs  # (a pair's media rows fill both its documents' slots)
+        # (a sample's media rows fill each of its documents' slots: a pair's two, a group's G)
+        self.copies = spec.media_copies
         # mesh.context groups its rows were planned for (a prompt batch's: none, whatever
         # mesh it runs under: each prompt row is whole on its device)
         self.context = spec.context
@@ -269,11 +270,11 @@ class MultimodalLM(nnx.Module):
         if self.context > 1:  # (a context group's slots read its rows, wherever they arrived)
             buffers = [gather_rows(b) for b in buffers]
         for buffer, name in zip(buffers[: len(names)], names, strict=True):
-            x_drlw = fill_slots(x_drlw, buffer, mb[phase(name).src], self.twins)
+            x_drlw = fill_slots(x_drlw, buffer, mb[phase(name).src], self.copies)
         if not deep:
             return x_drlw, None
         added = [
-            fill_slots(jnp.zeros_like(x_drlw), buffer, mb[phase(name).src], self.twins)
+            fill_slots(jnp.zeros_like(x_drlw), buffer, mb[phase(name).src], self.copies)
             for (name, _), buffer in zip(sent[len(names) :], buffers[len(names) :], strict=True)
         ]
         return x_drlw, jnp.stack(added)
@@ -476,21 +477,24 @@ def shard_like_batch(x: jax.Array) -> jax.Array:
 
 
 def fill_slots(
-    x_drlw: jax.Array, rows_dnw: jax.Array, src_drl: jax.Array, twins: bool = False
+    x_drlw: jax.Array, rows_dnw: jax.Array, src_drl: jax.Array, copies: int = 1
 ) -> jax.Array:
     """Replaces token embeddings where `src >= 0` with row `src` of the same device's `rows`.
 
-    `twins`: a row may fill two slots (a preference pair's image, encoded once, read by its
-    chosen and its rejected document): the first and the last token naming it, found by a
-    scatter-min and a scatter-max of token indices, each take it by a scatter of the N rows;
-    the backward pass gathers each row's two cotangents.
+    `copies` > 1: a row may fill up to that many slots (the media of a sample of several
+    documents, encoded once and read by each: a preference pair's chosen and rejected, 2; a
+    GRPO group's completions of one prompt, G): the tokens naming it, in order, found one a
+    pass (the k-th: a scatter-min of the indices of the tokens past the (k-1)-th), each pass
+    taking the N rows by a scatter; the backward pass gathers each row's cotangents, one per
+    slot it filled.
 
-    A row fills at most one slot (an item's rows fill its placeholders one each), so the rows
-    are scattered into their slots: the forward pass adds N rows into zeros and the backward
-    pass gathers N rows' cotangents, where gathering a row for every token would make the
-    backward pass scatter-add every token's cotangent, nearly all of them onto the row that
-    non-slot tokens read (on a GPU, tokens x width atomic adds into one row). The slot of each
-    row is found by a scatter of token indices (an int per token: no width, no gradient).
+    A row fills at most `copies` slots (an item's rows fill its placeholders one each, in each
+    document), so the rows are scattered into their slots: the forward pass adds N rows into
+    zeros and the backward pass gathers N rows' cotangents, where gathering a row for every
+    token would make the backward pass scatter-add every token's cotangent, nearly all of them
+    onto the row that non-slot tokens read (on a GPU, tokens x width atomic adds into one row).
+    The slot of each row is found by a scatter of token indices (an int per token: no width, no
+    gradient).
     """
     d, rows, length, width = x_drlw.shape
     n, tokens = rows_dnw.shape[1], rows * length
@@ -499,17 +503,18 @@ def fill_slots(
         # Row i's slot: the token whose src is i (`tokens`, past the end: a row no slot reads).
         named = jnp.where(src_t >= 0, src_t, n)  # (non-slot tokens name no row: dropped)
         index = jnp.arange(tokens, dtype=jnp.int32)
-        slot = jnp.full((n,), tokens, jnp.int32)
-        if twins:  # (the first token naming a row)
-            slot = slot.at[named].min(index, mode="drop")
-        else:
-            slot = slot.at[named].set(index, mode="drop")
         values = rows_nw.astype(x_tw.dtype)
-        placed = jnp.zeros_like(x_tw).at[slot].add(values, mode="drop")
-        if twins:  # the last token naming a row, where it is not the first
-            last = jnp.full((n,), -1, jnp.int32).at[named].max(index, mode="drop")
-            second = jnp.where((last >= 0) & (last != slot), last, tokens)
-            placed = placed.at[second].add(values, mode="drop")
+        placed = jnp.zeros_like(x_tw)
+        if copies == 1:
+            slot = jnp.full((n,), tokens, jnp.int32).at[named].set(index, mode="drop")
+            placed = placed.at[slot].add(values, mode="drop")
+        else:  # (row i's k-th slot: the first token naming it past its (k-1)-th)
+            slot = jnp.full((n + 1,), -1, jnp.int32).at[n].set(tokens)  # (n: no row's)
+            for _ in range(copies):
+                later = jnp.where(index > slot[named], index, tokens)
+                found = jnp.full((n,), tokens, jnp.int32).at[named].min(later, mode="drop")
+                placed = placed.at[found].add(values, mode="drop")
+                slot = slot.at[:n].set(found)
         return jnp.where((src_t >= 0)[:, None], placed, x_tw)
 
     filled = jax.vmap(one)(x_drlw.reshape(d, tokens, width), rows_dnw, src_drl.reshape(d, -1))
