@@ -13,11 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxmllm.batch.prompts import split_answer
 from jaxmllm.config import ConfigError, load_config
 from jaxmllm.data.samples import Sample
 from jaxmllm.init_from import start_reference
-from jaxmllm.loop.rollouts import RolloutIterator, rollout_index
+from jaxmllm.loop.rollouts import RolloutIterator, group_samples, rollout_index
 from jaxmllm.resolve.run import resolve_run
+from jaxmllm.step.grpo import make_grpo_loss_and_grads
 from jaxmllm.step.program import build_program
 
 TEXT_ONLY = [
@@ -443,6 +445,98 @@ def test_a_rollout_is_planned_once_without_repeats_in_the_fewest_steps():
     assert len(planned) > len(samples)  # (the endless stream repeats to fill the step)
     drain(endless)
     assert endless.max_age == 2 and endless.finite
+
+
+# The tiny model with images under GRPO, a group of 3 completions a prompt
+IMAGE_GROUPS = [
+    "model.audio.enabled=false",
+    *(f"data.synthetic.{k}_fraction=0" for k in ("audio", "video")),
+    "data.synthetic.image_fraction=1.0",
+    "data.synthetic.max_image_side=8",
+    "data.eval.source=none",
+    "train.objective=grpo",
+    "rl.group_size=3",
+]
+
+
+def image_group(run, specials, seed: int = 0):
+    """A prompt of the data with an image (its sample before its answer), 3 completions of
+    random ids and their advantages."""
+    prompt = next(
+        split[0]
+        for split in (split_answer(run.source[i], specials) for i in range(len(run.source)))
+        if split is not None and split[0].media["vision"]
+    )
+    rng = np.random.default_rng(seed)
+    ids = [rng.integers(3, 250, rng.integers(3, 12)).astype(np.int32) for _ in range(3)]
+    return prompt, ids, np.array([-1.1, 0.4, 0.7])
+
+
+def group_batches(run, feed, seed: int = 0, sampling=None) -> tuple[list, dict, dict]:
+    """(the prompt's vision items, the step batch of a group of 3 completions as one sample of
+    3 documents sharing the prompt's image, the step batch of the same completions a sample
+    each, each with its own copy of the image); `sampling`: the sampling policy's weights, whose
+    log-probs the batches keep (rl.updates_per_rollout > 1)."""
+    prompt, ids, adv = image_group(run, feed.specials, seed)
+    row = run.spec.group_row_len
+    grouped = group_samples(prompt, ids, adv, row)
+    assert len(grouped) == 1 and len(grouped[0].documents) == 3  # (one sample, 3 documents)
+    alone = [s for k in range(3) for s in group_samples(prompt, ids[k : k + 1], adv[k:], row, k)]
+    none = {"params": None, "frozen": None}  # (one step, one update: no old log-probs)
+    [one], [each] = (feed.plan(samples, sampling or none) for samples in (grouped, alone))
+    return prompt.media["vision"], one["batch"], each["batch"]
+
+
+def test_a_groups_image_is_encoded_once_in_the_step_and_read_by_each_completion():
+    """A prompt's G completions are one sample of G documents sharing its media: the step's
+    vision phase encodes the image once (its patches once in the vision buckets, where a
+    sample a completion encodes them G times), and each completion's slots read those rows."""
+    run = resolve_run(load_config("configs/tiny.yaml", IMAGE_GROUPS))
+    with jax.set_mesh(run.mesh):
+        feed = RolloutIterator(run, build_program(run.cfg, run.mesh), lambda: None)
+        items, one, each = group_batches(run, feed)
+    patches = sum(len(values) for values, _ in items)
+    rows = patches // run.caps.per_token["vision"]
+    encoded = [int((np.asarray(b["vision_segment_ids"]) > 0).sum()) for b in (one, each)]
+    assert encoded == [patches, 3 * patches]
+    for b, sources in ((one, rows), (each, 3 * rows)):  # (slots: 3 x the image's rows either way)
+        src = np.asarray(b["llm_vision_src"])
+        m, d = np.nonzero(src >= 0)[:2]  # (each slot's microbatch and device, and its row)
+        read = np.unique(np.stack([m, d, src[src >= 0]]), axis=1)
+        assert int((src >= 0).sum()) == 3 * rows and read.shape[1] == sources
+
+
+@pytest.mark.slow  # ~15 s: compiles the GRPO step of the tiny model with images
+def test_a_groups_step_is_the_step_of_its_completions_each_with_its_image():
+    """Same math: the GRPO loss and the gradient of every parameter over a group of 3
+    completions sharing one encoding of the prompt's image equal those over the same
+    completions a sample each, each encoding its own copy (within 1e-5 relative), each
+    completion its own mean (`sequence`: its weight its document's, not its sample's). The
+    sampling policy is another (the weights x 0.9, its log-probs kept as a second update's):
+    the ratio is not 1, so the loss depends on every completion's log-probs, image included."""
+    sets = ["rl.updates_per_rollout=2", "rl.loss_aggregation=sequence"]  # (a weight a document)
+    cfg = load_config("configs/tiny.yaml", [*IMAGE_GROUPS, *sets])
+    run = resolve_run(cfg)
+    with jax.set_mesh(run.mesh):
+        prog = build_program(run.cfg, run.mesh)
+        weights = prog.weights(prog.init())
+        sampling = {**weights, "params": jax.tree.map(lambda x: 0.9 * x, weights["params"])}
+        feed = RolloutIterator(run, prog, lambda: weights)
+        _, one, each = group_batches(run, feed, seed=1, sampling=sampling)
+        step = jax.jit(make_grpo_loss_and_grads(run.cfg, prog.parts))
+        (loss, grads, metrics), (loss_each, grads_each, _) = (
+            jax.device_get(step(weights["params"], weights["frozen"], b)) for b in (one, each)
+        )
+    assert float(loss) == pytest.approx(float(loss_each), rel=1e-5)
+    assert abs(float(metrics["rl/ratio"]) - 1) > 1e-3  # (the ratio is not 1)
+    flat = dict(jax.tree_util.tree_leaves_with_path(grads))
+    theirs = dict(jax.tree_util.tree_leaves_with_path(grads_each))
+    assert flat.keys() == theirs.keys()
+    vision = [k for k in flat if "vision" in jax.tree_util.keystr(k)]
+    assert vision and all(np.abs(flat[k]).max() > 0 for k in vision)  # (the tower learns)
+    for k, g in flat.items():
+        bound = 1e-5 * max(float(np.abs(theirs[k]).max()), 1e-12)
+        assert float(np.abs(g - theirs[k]).max()) <= bound, jax.tree_util.keystr(k)
 
 
 @pytest.mark.slow  # ~25 s: two GRPO steps of the tiny model with images

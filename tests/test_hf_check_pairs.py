@@ -124,11 +124,12 @@ def test_the_pair_check_fails_on_the_prompt_a_swap_or_an_image_in_one_document(
         for p in check():
             assert p["chosen_logps"]["abs_diff"] > 1.0 and p["max_abs_diff"] > 1.0, p
 
-    def once(rows, dest):  # a pair's rows into its chosen document's slots alone
-        return np.concatenate([rows, np.full(len(dest) - len(rows), -1)])[: len(dest)]
+    def once(rows, dest, copies):  # a pair's rows into its chosen document's slots alone
+        rows = rows[: len(dest) // copies]
+        return np.concatenate([rows, np.full(len(dest) - len(rows), -1)])
 
     with monkeypatch.context() as m:
-        m.setattr(bucketize, "_twice", once)
+        m.setattr(bucketize, "_copies", once)
         image1, image2, text = check()
     for p in (image1, image2):
         assert p["chosen_logps"]["abs_diff"] < BOUND, p

@@ -372,7 +372,7 @@ def _write_texts(
     if "llm_sequence" in text:
         write_sequences(text, loaded, docs, m * b_n + b, flat)
     if "llm_advantage" in text:  # (a rollout's completion: `jaxmllm.step.grpo`)
-        write_advantages(text, loaded, n, flat, cfg.rl.loss_aggregation)
+        write_advantages(text, loaded, docs, flat, cfg.rl.loss_aggregation)
     if "llm_reference" in text:  # (a document's sum on its first token)
         if reference is None:
             raise ValueError("the batch takes the pairs' reference log-probs: none were given")

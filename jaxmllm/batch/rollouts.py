@@ -21,14 +21,26 @@ def rollout_shapes(cfg: Config, lead: tuple[int, ...], llm: tuple[int, ...]) -> 
     return out
 
 
-def write_advantages(text, loaded: list[Sample], n: np.ndarray, flat, aggregation: str) -> None:
+def write_advantages(text, loaded: list[Sample], docs, flat, aggregation: str) -> None:
     """Each completion's advantage on every one of its tokens, and its tokens' weight in the
     step's loss: 1 (`token`: the mean over the step's learned tokens), or 1 / its learned tokens
-    (`sequence`: each completion's mean, averaged over the completions)."""
-    advantage = np.array([x.advantage or 0.0 for x in loaded], np.float32)
-    text["llm_advantage"].reshape(-1)[flat] = np.repeat(advantage, n)
-    weight = np.ones(len(loaded), np.float32)
+    (`sequence`: each completion's mean, averaged over the completions). A completion is a
+    document (`docs`: each sample's documents' lengths, `pairs.documents_of`): a group's
+    completions of one prompt are one sample's documents, each with its own advantage."""
+    doc_n = np.concatenate(docs)
+    advantage = np.concatenate(
+        [
+            np.broadcast_to(np.asarray(0.0 if x.advantage is None else x.advantage), len(d))
+            for x, d in zip(loaded, docs, strict=True)
+        ]
+    ).astype(np.float32)
+    text["llm_advantage"].reshape(-1)[flat] = np.repeat(advantage, doc_n)
+    weight = np.ones(len(doc_n), np.float32)
     if aggregation == "sequence":  # (the learned tokens: loss shifted onto their predictors)
-        learned = np.array([max(int(x.loss[1:].sum()), 1) for x in loaded], np.float32)
-        weight = 1.0 / learned
-    text["llm_weight"].reshape(-1)[flat] = np.repeat(weight, n)
+        loss = np.concatenate([x.loss for x in loaded]).astype(np.int64)
+        starts = np.cumsum(doc_n) - doc_n
+        loss[starts[doc_n > 0]] = 0  # (a document's first token is no document's target)
+        learned = np.add.reduceat(loss, starts) if len(loss) else np.zeros(0, np.int64)
+        learned = np.where(doc_n > 0, learned, 0)
+        weight = 1.0 / np.maximum(learned, 1).astype(np.float32)
+    text["llm_weight"].reshape(-1)[flat] = np.repeat(weight, doc_n)

@@ -40,14 +40,16 @@ class Sample:
     frames: dict[str, int] = field(default_factory=dict)
     # The documents `tokens` holds, as their lengths in order (they sum to len(tokens)); empty:
     # one document. A preference pair is two: the prompt and its chosen completion, then the
-    # prompt and its rejected one (`loss` marks the completions' tokens only). Its media are
-    # listed once (encoded once) and their placeholder rows come in both documents, in the same
-    # order: the rows of each item fill both documents' slots. Each document attends only to
-    # itself, its positions start at 0, and its last token predicts nothing.
+    # prompt and its rejected one (`loss` marks the completions' tokens only); a GRPO group is
+    # G: the prompt and each of its completions. Its media are listed once (encoded once) and
+    # their placeholder rows come in every document, in the same order: the rows of each item
+    # fill every document's slots. Each document attends only to itself, its positions start at
+    # 0, and its last token predicts nothing.
     documents: tuple[int, ...] = ()
-    # A rollout's completion (`train.objective: grpo`): its group's advantage, written on each
-    # of its tokens (`llm_advantage`); None for every other sample
-    advantage: float | None = None
+    # A rollout's completions (`train.objective: grpo`): each document's advantage (its
+    # completion's, in its group), written on each of its tokens (`llm_advantage`); a number:
+    # the one document's; None for every other sample
+    advantage: float | tuple[float, ...] | None = None
 
     def __post_init__(self):
         self.media = {p: list(self.media.get(p, [])) for p in NAMES}

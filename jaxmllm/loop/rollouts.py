@@ -95,15 +95,61 @@ class RolloutSource:
         return dataclasses.replace(s, media={p: list(v) for p, v in s.media.items()})
 
 
+def group_samples(
+    prompt: Sample, completions: list[np.ndarray], advantages, row_len: int, first_id: int = 0
+) -> list[Sample]:
+    """A prompt's group of completions as samples: one sample of a document per completion
+    (the prompt, then the completion, learned), its media listed once and its advantages one
+    a document, so the step encodes the prompt's images once for the whole group and their
+    rows fill each document's slots (`models.mllm.fill_slots`). A sample is one row: where the
+    group's documents overrun a row of `row_len` tokens, the completions in order make as few
+    samples as hold them (each encoding the media once); ids count from `first_id`, one a
+    completion."""
+    out, chunk, used = [], [], 0
+    n = len(prompt.tokens)
+    for k, ids in enumerate(completions):
+        if chunk and used + n + len(ids) > row_len:
+            out.append(_group_sample(prompt, chunk, advantages, first_id))
+            chunk, used = [], 0
+        chunk.append((k, ids))
+        used += n + len(ids)
+    if chunk:
+        out.append(_group_sample(prompt, chunk, advantages, first_id))
+    return out
+
+
+def _group_sample(prompt: Sample, chunk: list, advantages, first_id: int) -> Sample:
+    """One sample of the completions `chunk` [(k, ids)] of `prompt`, a document each."""
+    n = len(prompt.tokens)
+    tokens = np.concatenate([t for _, ids in chunk for t in (prompt.tokens, ids)])
+    loss = np.concatenate(
+        [t for _, ids in chunk for t in (np.zeros(n, bool), np.ones(len(ids), bool))]
+    )
+    documents = tuple(n + len(ids) for _, ids in chunk) if len(chunk) > 1 else ()
+    advantage = tuple(float(advantages[k]) for k, _ in chunk)
+    return dataclasses.replace(
+        prompt,
+        id=first_id + chunk[0][0],
+        tokens=tokens.astype(np.int32),
+        loss=loss,
+        documents=documents,
+        advantage=advantage if len(chunk) > 1 else advantage[0],
+    )
+
+
 def rollout_index(samples: list[Sample], specials) -> LengthsIndex:
-    """The planner's lengths of a rollout's samples: text tokens (placeholders left out) and
-    each encoder item's units."""
+    """The planner's lengths of a rollout's samples: text tokens (placeholders left out, one
+    copy of them: a group's media are encoded once, `LengthsIndex.split`), each encoder item's
+    units, and a group's documents."""
     media = {p.name: np.asarray(specials.phase_ids(p.name)) for p in ENCODERS}
     records = []
     for s in samples:
         held = sum(int(np.isin(s.tokens, ids).sum()) for ids in media.values())
-        record = {"text": len(s.tokens) - held}
+        copies = max(len(s.documents), 1)
+        record = {"text": len(s.tokens) - held // copies}
         record.update({p.items: [len(m[0]) for m in s.media[p.name]] for p in ENCODERS})
+        if s.documents:
+            record["documents"] = list(s.documents)
         records.append(record)
     return LengthsIndex.from_records(records)
 
@@ -322,17 +368,13 @@ class RolloutIterator(grain.DatasetIterator):
         if rl.skip_equal_groups and not equal.all():  # (all equal: trained on, all zero)
             keep = ~equal
         samples = []
-        for k, (p, answer) in enumerate(zip(group, answers, strict=True)):
-            if not keep[k // rl.group_size]:
+        row = self.run.spec.group_row_len
+        for g, p in enumerate(prompts):
+            if not keep[g]:
                 continue
-            ids = np.asarray(answer.ids, np.int32)
-            tokens = np.concatenate([p.sample.tokens, ids]).astype(np.int32)
-            loss = np.concatenate([np.zeros(len(p.sample.tokens), bool), np.ones(len(ids), bool)])
-            samples.append(
-                dataclasses.replace(
-                    p.sample, id=k, tokens=tokens, loss=loss, advantage=float(advantages[k])
-                )
-            )
+            at = np.arange(g * rl.group_size, (g + 1) * rl.group_size)
+            ids = [np.asarray(answers[k].ids, np.int32) for k in at]
+            samples += group_samples(p.sample, ids, advantages[at], row, first_id=int(at[0]))
         steps = self.plan(samples, weights)
         lengths = np.array([len(a.ids) for a in answers])
         metrics = {
