@@ -11,11 +11,13 @@ learned one, its media with them; the learned ones are its answer, what `exact_a
 other rewards compare with), generates `rl.group_size` completions of each with the state's
 current weights (`jaxmllm.step.generate.Generator`: prefill and a KV-cache decode step at
 shapes rounded up, so a few programs serve every rollout), scores them
-(`jaxmllm.data.rewards`), and turns each into a sample: the prompt and the completion as one
-document, the completion learned, its group's advantage on its tokens. The feed's own stages
-then plan them (the run's planner, over an index of the rollout alone), load them from memory,
-bucketize and count them: every completion is packed into a row, balanced over devices and
-microbatches, and brought exactly once (a set smaller than a step may be planned twice: the
+(`jaxmllm.data.rewards`), and turns each prompt's group into one sample of G documents
+(`group_samples`): the prompt and each completion a document, the completions learned, each
+one's advantage on its tokens, the prompt's media listed once (the step encodes them once and
+their rows fill every document's slots). The feed's own stages then plan them (the run's
+planner, over an index of the rollout alone), load them from memory, bucketize and count them:
+every group is packed into a row, balanced over devices and microbatches, and brought exactly
+once (a set smaller than a step may be planned twice: the
 second copy's loss mask is zeroed, as evaluation does). A rollout the step's buckets cannot hold
 at once trains over as many steps as the planner needs, and `rl.updates_per_rollout` times
 over; where that makes more than one step, the sampling policy's log-probs of every batch are

@@ -1,8 +1,9 @@
 """Online RL as an objective of the one step: GRPO's clipped surrogate over packed completions.
 
-A rollout's completions are samples like any other (`jaxmllm.loop.rollouts`): the planner packs
-each prompt-and-completion into a row of a fixed-shape bucket, and bucketize writes, on every
-token of a completion, its advantage (`llm_advantage`: the group's, the same on all of its
+A rollout's completions are samples like any other (`jaxmllm.loop.rollouts`): a prompt's group
+is one sample of a document per prompt-and-completion, its media encoded once, which the
+planner packs into a row of a fixed-shape bucket, and bucketize writes, on every token of a
+completion, its advantage (`llm_advantage`: its own in its group, the same on all of its
 tokens) and its weight in the step's loss (`llm_weight`: 1 under `rl.loss_aggregation: token`,
 1 / the completion's learned tokens under `sequence`). With the target log-probs p of the
 fused output projection (no [tokens, vocab] logits), the sampling policy's p_old
