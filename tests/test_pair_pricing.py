@@ -172,6 +172,52 @@ def test_lengths_files_keep_where_pairs_split(tmp_path):
     assert both.split[:, 0].tolist() == [0, *index.split[:, 0].tolist()]
 
 
+def test_a_groups_documents_are_priced_tiled_and_kept_as_its_documents(tmp_path):
+    """A GRPO group is one sample of G documents (`documents`: the split's cuts, any number):
+    its cost is its documents' sum, its longest is theirs, a plan's tiles lay them out back to
+    back (check_plan's count, and the balancer's own within a capacity of two groups' tiles),
+    and the lengths file keeps every cut. A pair beside them is the case of two."""
+    docs = [[30, 40, 46], [20, 25, 25, 30], None, [12, 21]]  # (LLM tokens of each document)
+    rows = [(100, [64]), (100, []), (90, []), (33, [])]
+    records = [{"text": t, "images": im} for t, im in rows]
+    for r, d in zip(records, docs, strict=True):
+        if d:
+            r["documents"] = d
+    index = LengthsIndex.from_records(records)
+    llm = index.llm_tokens(PER_TOKEN)
+    assert llm.tolist() == [116, 100, 90, 33]
+    assert index.llm_documents(PER_TOKEN).tolist() == [n for d in docs for n in d or [90]]
+    cost = tile_cost(BLOCK, True)
+    pool = Phases(index, caps_of(BLOCK)).of(np.arange(4), index)
+    np.testing.assert_allclose(pool.llm_cost, [cost(np.array(d or [90])).sum() for d in docs])
+    assert pool.longest().tolist() == [46, 30, 90, 21]
+    # a plan's tiles: group 0 at offset 0 then group 1 right after it, in one row
+    plan = StepPlan(
+        0,
+        np.array([0, 1]),
+        np.zeros(2, np.int64),
+        np.zeros(2, np.int64),
+        np.zeros(2, np.int64),
+        np.array([0, 116]),
+    )
+    sizes = np.array([*docs[0], *docs[1]])
+    offsets = np.cumsum(sizes) - sizes
+    want = bin_tiles(np.zeros(len(sizes), np.int64), offsets, sizes, 2, BLOCK, True)
+    assert step_tiles(plan, index, caps_of(BLOCK))["llm"][0].tolist() == want.tolist()
+    tight = caps_of(BLOCK, llm_tiles=int(want[0]))  # (the balancer's count never above it)
+    planner = make_planner("orchestrated", index, tight, 0)
+    planned = set()
+    for _ in range(4):
+        plan = planner.plan()
+        check_plan(plan, index, tight)
+        planned.update(plan.samples.tolist())
+    assert planned == {0, 1, 2, 3}
+    path = tmp_path / "lengths.jsonl"
+    index.write_jsonl(path)
+    again = LengthsIndex.from_records([json.loads(x) for x in path.read_text().splitlines()])
+    assert again.split.tolist() == index.split.tolist()
+
+
 @pytest.fixture(scope="module")
 def tiny():
     """tiny.yaml's model on 8 devices, its built-in data (128 samples) as pairs of two equal
