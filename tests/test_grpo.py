@@ -18,6 +18,7 @@ from jaxmllm.config import ConfigError, load_config
 from jaxmllm.data.samples import Sample
 from jaxmllm.init_from import start_reference
 from jaxmllm.loop.rollouts import RolloutIterator, group_samples, rollout_index
+from jaxmllm.plan.tiles import packed_tiles
 from jaxmllm.resolve.run import resolve_run
 from jaxmllm.step.grpo import make_grpo_loss_and_grads
 from jaxmllm.step.program import build_program
@@ -478,10 +479,10 @@ def group_batches(run, feed, seed: int = 0, sampling=None) -> tuple[list, dict, 
     each, each with its own copy of the image); `sampling`: the sampling policy's weights, whose
     log-probs the batches keep (rl.updates_per_rollout > 1)."""
     prompt, ids, adv = image_group(run, feed.specials, seed)
-    row = run.spec.group_row_len
-    grouped = group_samples(prompt, ids, adv, row)
+    room = feed.room(prompt)
+    grouped = group_samples(prompt, ids, adv, room)
     assert len(grouped) == 1 and len(grouped[0].documents) == 3  # (one sample, 3 documents)
-    alone = [s for k in range(3) for s in group_samples(prompt, ids[k : k + 1], adv[k:], row, k)]
+    alone = [s for k in range(3) for s in group_samples(prompt, ids[k : k + 1], adv[k:], room, k)]
     none = {"params": None, "frozen": None}  # (one step, one update: no old log-probs)
     [one], [each] = (feed.plan(samples, sampling or none) for samples in (grouped, alone))
     return prompt.media["vision"], one["batch"], each["batch"]
@@ -499,6 +500,16 @@ def test_a_groups_image_is_encoded_once_in_the_step_and_read_by_each_completion(
     rows = patches // run.caps.per_token["vision"]
     encoded = [int((np.asarray(b["vision_segment_ids"]) > 0).sum()) for b in (one, each)]
     assert encoded == [patches, 3 * patches]
+    # A group that overruns a bucket's LLM tiles (here: room for two of its documents) makes
+    # as few samples as hold it, each with the image once and its documents' advantages
+    prompt, ids, adv = image_group(run, feed.specials)
+    n = np.array([len(prompt.tokens) + len(x) for x in ids])
+    two = int(packed_tiles(np.array([0, n[0]]), n[:2], run.caps.attention_block, True).sum())
+    feed.run = dataclasses.replace(run, caps=dataclasses.replace(run.caps, tiles={"llm": two}))
+    parts = group_samples(prompt, ids, adv, feed.room(prompt))
+    assert [len(x.documents) for x in parts] == [2, 0]  # (2 documents, then 1: no split)
+    assert parts[0].advantage == tuple(adv[:2]) and parts[1].advantage == adv[2]
+    assert all(len(x.media["vision"]) == len(prompt.media["vision"]) for x in parts)
     for b, sources in ((one, rows), (each, 3 * rows)):  # (slots: 3 x the image's rows either way)
         src = np.asarray(b["llm_vision_src"])
         m, d = np.nonzero(src >= 0)[:2]  # (each slot's microbatch and device, and its row)

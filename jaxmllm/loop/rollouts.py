@@ -47,7 +47,7 @@ import numpy as np
 import sharding
 from jaxmllm.batch.prompts import PromptShapes, split_answer
 from jaxmllm.config import ConfigError
-from jaxmllm.config.phases import ENCODERS
+from jaxmllm.config.phases import ENCODERS, LLM
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.rewards import Rewards, group_advantages
@@ -55,7 +55,9 @@ from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.template import make_template
 from jaxmllm.feed.iterator import StepIterator
 from jaxmllm.loop.evaluate import count_once
+from jaxmllm.plan.contract import bucket_tile_caps, span_extras
 from jaxmllm.plan.state import PlanStateError
+from jaxmllm.plan.tiles import packed_tiles
 from jaxmllm.resolve.run import Run
 from jaxmllm.step.generate import Generator, held_bytes, memory_bytes
 from jaxmllm.step.grpo import make_logps_program
@@ -98,23 +100,26 @@ class RolloutSource:
 
 
 def group_samples(
-    prompt: Sample, completions: list[np.ndarray], advantages, row_len: int, first_id: int = 0
+    prompt: Sample,
+    completions: list[np.ndarray],
+    advantages,
+    fits: Callable[[list[int]], bool],
+    first_id: int = 0,
 ) -> list[Sample]:
     """A prompt's group of completions as samples: one sample of a document per completion
     (the prompt, then the completion, learned), its media listed once and its advantages one
     a document, so the step encodes the prompt's images once for the whole group and their
-    rows fill each document's slots (`models.mllm.fill_slots`). A sample is one row: where the
-    group's documents overrun a row of `row_len` tokens, the completions in order make as few
-    samples as hold them (each encoding the media once); ids count from `first_id`, one a
-    completion."""
-    out, chunk, used = [], [], 0
+    rows fill each document's slots (`models.mllm.fill_slots`). A sample is one row of one
+    bucket: where the group's documents (their tokens: `fits`, `RolloutIterator.room`) overrun
+    it, the completions in order make as few samples as it holds (each encoding the media
+    once); ids count from `first_id`, one a completion."""
+    out, chunk = [], []
     n = len(prompt.tokens)
     for k, ids in enumerate(completions):
-        if chunk and used + n + len(ids) > row_len:
+        if chunk and not fits([n + len(x) for _, x in chunk] + [n + len(ids)]):
             out.append(_group_sample(prompt, chunk, advantages, first_id))
-            chunk, used = [], 0
+            chunk = []
         chunk.append((k, ids))
-        used += n + len(ids)
     if chunk:
         out.append(_group_sample(prompt, chunk, advantages, first_id))
     return out
@@ -343,6 +348,27 @@ class RolloutIterator(grain.DatasetIterator):
             self.generators[key] = Generator(self.cfg, shapes, self.specials, repeat=g)
         return self.generators[key]
 
+    def room(self, prompt: Sample) -> Callable[[list[int]], bool]:
+        """Whether documents of these LLM tokens, each `prompt` and a completion, fit one
+        sample: one row of `batch.llm_row_len` tokens, and, with attention tiles, within a
+        bucket's LLM tile capacity laid out from the row's start (their tiles back to back,
+        and each document's bidirectional spans'), so the planner can always place it."""
+        caps = self.run.caps
+        row, cap = caps.group_row_len, bucket_tile_caps(caps, 0)[LLM]
+        extra = span_extras(rollout_index([prompt], self.specials), np.zeros(1, np.int64), caps)
+        spans = 0 if extra is None else int(extra[0])
+
+        def fits(sizes: list[int]) -> bool:
+            n = np.asarray(sizes, np.int64)
+            if n.sum() > row:
+                return False
+            if not (cap and caps.attention_block):
+                return True
+            tiles = packed_tiles(np.cumsum(n) - n, n, caps.attention_block, True).sum()
+            return int(tiles) + spans * len(n) <= cap
+
+        return fits
+
     def roll(self) -> list[dict]:
         """Samples, scores and plans the next rollout; its steps, each repeated
         `rl.updates_per_rollout` times, with the rollout's metrics on each step's info."""
@@ -370,13 +396,13 @@ class RolloutIterator(grain.DatasetIterator):
         if rl.skip_equal_groups and not equal.all():  # (all equal: trained on, all zero)
             keep = ~equal
         samples = []
-        row = self.run.spec.group_row_len
         for g, p in enumerate(prompts):
             if not keep[g]:
                 continue
             at = np.arange(g * rl.group_size, (g + 1) * rl.group_size)
             ids = [np.asarray(answers[k].ids, np.int32) for k in at]
-            samples += group_samples(p.sample, ids, advantages[at], row, first_id=int(at[0]))
+            fits = self.room(p.sample)
+            samples += group_samples(p.sample, ids, advantages[at], fits, first_id=int(at[0]))
         steps = self.plan(samples, weights)
         lengths = np.array([len(a.ids) for a in answers])
         metrics = {
