@@ -5,20 +5,24 @@ packer, how many steps it takes, the goodput of those steps and the host's plann
         [--devices 8,64] [--policies orchestrated,grain] [--prompts 128] [--group 8] \\
         [--completion-median 256] [--completion-sigma 1.0] [--max-new 4096] [--tokens 32768] \\
         [--micro 2] [--block 128] [--config configs/gpu/qwen3_vl_8b.yaml] [--seed 0] \\
-        [--json OUT.json]
+        [--per-completion] [--json OUT.json]
 
 The rollout mix: `--prompts` samples of a real length table (`--mix`: the InternVL tables of
 `jaxmllm.bench.mixes`, their images in the config's patches; drawn without replacement, seeded
 by `--seed`) are the prompts: each one's text tokens (the table's short answer counted as
 prompt) and its images. Each prompt gets `--group` (G) completions drawn lognormal, iid (median
 `--completion-median`, spread `--completion-sigma`; clipped to 4..`--max-new` tokens): one
-prompt's completions range from a few tokens to thousands. Each completion is a sample of its
-own, the prompt and the completion as one document, with its own copy of the prompt's media
-(as `jaxmllm.loop.rollouts` trains them today: a prompt's images are encoded G times).
+prompt's completions range from a few tokens to thousands. A prompt's group is one sample of G
+documents (the prompt and each completion), its media once, as `jaxmllm.loop.rollouts` trains
+them (`group_samples`: a group that overruns a bucket's row or LLM tiles makes as few samples
+as hold it, `fits_bucket`); `--per-completion`: each completion a sample of its own with its
+own copy of the prompt's media (a prompt's images encoded G times, as the trainer did before).
+Both layouts plan at the capacities sized for the completions a sample each (what the trainer
+has: sized from the data's samples, not from groups).
 
 One rollout is planned per mix, policy and device count, as `RolloutIterator.plan` plans it:
-a planner over the rollout's index alone, steps until every completion has been planned; a
-completion planned again (a rollout smaller than what the steps hold: the planner reads the
+a planner over the rollout's index alone, steps until every sample has been planned; a
+sample planned again (a rollout smaller than what the steps hold: the planner reads the
 rollout's samples epoch after epoch) counts once, as `jaxmllm.loop.evaluate.count_once` counts
 it (the repeat's loss mask zeroed: computed, not useful). Capacities: `bench.sizes.make_caps`
 for `--tokens` LLM tokens a device and microbatch, matched to the rollout's modality ratio,
@@ -28,8 +32,8 @@ policies at the same capacities. Per row:
   steps       steps the rollout needed
   fill        planned units / capacity per phase over those steps (LLM tokens, vision
               patches; repeats included: what the packer filled)
-  repeats     completions planned again after their first time (padding in effect)
-  new a step  completions planned for the first time, each step (a long tail of steps with
+  repeats     samples planned again after their first time (padding in effect)
+  new a step  samples planned for the first time, each step (a long tail of steps with
               few: samples the planner deferred, the steps meanwhile filled with repeats)
   goodput     useful FLOPs over computed (as `bench.pairs`: units and attention tiles of
               `--block`, weighted by the config's cost model; computed = every bucket's
@@ -59,9 +63,9 @@ from jaxmllm.bench.sizes import make_caps, sized_caps
 from jaxmllm.config.command import fail, run
 from jaxmllm.config.phases import LLM, NAMES, PHASES
 from jaxmllm.cost.model import CostModel
-from jaxmllm.data.lengths import LengthsIndex
-from jaxmllm.loop.rollouts import drain
-from jaxmllm.plan.contract import Capacities, check_plan, phase_docs, step_tiles
+from jaxmllm.data.lengths import LengthsIndex, cuts_matrix, document_counts
+from jaxmllm.loop.rollouts import drain, fits_bucket
+from jaxmllm.plan.contract import Capacities, check_plan, phase_docs, span_extras, step_tiles
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
 from jaxmllm.plan.tiles import bin_tiles, window_reach
 from jaxmllm.resolve.tilesize import flop_share, step_window_tiles, window_cap
@@ -94,13 +98,42 @@ def rollout_layout(
     )
 
 
+def grouped_layout(index: LengthsIndex, group: int, caps: Capacities) -> LengthsIndex:
+    """The rollout `index` (a completion a sample, a prompt's G in a row: `rollout_layout`)
+    as the trainer lays it out: a prompt's completions one sample of a document each, its
+    media once, as few samples as `caps` hold (`loop.rollouts.fits_bucket`)."""
+    docs = index.llm_tokens(caps.per_token)
+    rows = docs - index.text  # (a document's placeholders: one copy in its sample's text)
+    spans = span_extras(index, np.arange(len(index)), caps)
+    owner, cuts, text = [], [], []
+    for k in range(len(index)):  # (a new sample: a new prompt, or the bucket full)
+        extra = 0 if spans is None else int(spans[k])
+        if k % group == 0 or not fits_bucket([*cuts[-1], int(docs[k])], caps, extra):
+            owner.append(k)
+            cuts.append([])
+            text.append(-int(rows[k]))
+        cuts[-1].append(int(docs[k]))
+        text[-1] += int(docs[k])
+    return LengthsIndex(
+        text=np.asarray(text, np.int64),
+        items={p: items.take(np.asarray(owner)) for p, items in index.items.items()},
+        split=cuts_matrix([c[:-1] for c in cuts]),
+    )
+
+
+def _by_document(first: np.ndarray, plan, index: LengthsIndex) -> np.ndarray:
+    """`first` (a plan's samples) for each of their LLM documents (`phase_docs`' order: a
+    group's documents one after the other)."""
+    return np.repeat(first, document_counts(index.split_of(plan.samples)))
+
+
 def useful_tiles(plan, index: LengthsIndex, caps: Capacities, first: np.ndarray) -> dict:
     """Per phase, the attention tiles of the documents of the plan's samples marked `first`
     (their first time planned) where they were placed."""
     out = {}
     for p in PHASES:
         micro, dev, row, off, size = phase_docs(plan, index, caps, p)
-        keep = first if p == LLM else first[plan.items[p].owner]
+        keep = _by_document(first, plan, index) if p == LLM else first[plan.items[p].owner]
         rows = caps.llm_rows if p == LLM else 1
         d_n = caps.llm_buckets if p == LLM else caps.devices
         bins = ((micro * d_n + dev) * rows + row)[keep]
@@ -116,6 +149,7 @@ def useful_window_tiles(
     """The tiles a sliding window of `window` tokens reaches (the windowed layers' own list)
     in the LLM documents of the plan's samples marked `first`, where they were placed."""
     micro, dev, row, off, size = phase_docs(plan, index, caps, LLM)
+    first = _by_document(first, plan, index)
     bins = ((micro * caps.llm_buckets + dev) * caps.llm_rows + row)[first]
     nbins = caps.microbatches * caps.llm_buckets * caps.llm_rows
     reach = window_reach(window, caps.attention_block)
@@ -135,10 +169,12 @@ def plan_rollout(
     per_host: int = 8,
     per_token: dict[str, int] | None = None,
     seed: int = 0,
+    group: int = 0,
 ) -> dict:
     """One row: `policy` planning the rollout `index` on `devices` devices until every
-    completion has been planned (repeats counted once); `per_token`: units an LLM token of
-    each encoder phase (vision: the merge area, audio: the subsampling)."""
+    sample has been planned (repeats counted once); `per_token`: units an LLM token of
+    each encoder phase (vision: the merge area, audio: the subsampling); `group` > 0: a
+    prompt's completions as one sample (`grouped_layout`), at `index`'s capacities."""
     if block <= 0:
         raise ValueError("--block must be > 0 (the goodput counts attention tiles)")
     pt = per_token or {"vision": 4, "audio": 4}
@@ -146,6 +182,8 @@ def plan_rollout(
         index, devices, tokens, micro, policy, pt["vision"], pt["audio"], block, per_host
     )
     caps = sized_caps(index, caps, policy, SIZING_STEPS, cost, seed)
+    if group:
+        index = grouped_layout(index, group, caps)
     make_planner(policy, index, caps, seed + 1).plan()  # (warm: imports, first-call paths)
     start = time.process_time()
     planner = make_planner(policy, index, caps, seed)
@@ -201,7 +239,7 @@ def plan_rollout(
     return {
         "policy": policy,
         "devices": devices,
-        "completions": n,
+        "samples": n,
         "planned_once": int(seen.sum()),
         "steps": steps,
         "fill": dict(zip(PHASES, fill.round(4).tolist(), strict=True)),
@@ -214,6 +252,7 @@ def plan_rollout(
             planned, tiles_planned, caps, computed, buckets, weights, window_planned, cap_window
         ),
         "useful_units": dict(zip(PHASES, useful.tolist(), strict=True)),
+        "rollout_units": dict(zip(PHASES, work.sum(0).tolist(), strict=True)),  # (each once)
         "ms_per_step": 1000 * float(np.median(times)),
         "ms_per_rollout": 1000 * float(build / hosts + times.sum()),
         "tile_capacity": {p: round(v, 1) for p, v in computed.items()},
@@ -265,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices-per-host", type=int, default=8)
     ap.add_argument("--config", default=CONFIG, help="the model the FLOPs are weighted by")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--per-completion",
+        action="store_true",
+        help="each completion a sample with its own copy of the prompt's media (not a group)",
+    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     for name in ("prompts", "group", "block", "tokens", "micro"):
@@ -285,13 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     cost = CostModel.from_model(cfg.model)
     n = args.prompts * args.group
     med, sig = args.completion_median, args.completion_sigma
+    grouped = 0 if args.per_completion else args.group
     opts = (args.tokens, args.micro, cost, args.block, args.devices_per_host, per_token, args.seed)
+    opts += (grouped,)
     rows = []
     for name, table in sources:
         comp = completion_lengths(n, args.seed, med, sig, args.max_new)
         index = rollout_layout(table, args.prompts, args.group, comp, args.seed)
         llm = index.llm_tokens(per_token)
-        total = index.work(per_token).sum(0).tolist()  # (each completion once)
         clipped = int((comp >= args.max_new).sum())
         print(
             f"\n== {name}: {args.prompts} prompts x {args.group} = {n} completions, lognormal "
@@ -308,7 +353,6 @@ def main(argv: list[str] | None = None) -> int:
                 except ValueError as e:  # an unknown policy, a completion too long for a row
                     return fail(e, 2)
                 row["mix"] = name
-                row["rollout_units"] = dict(zip(PHASES, total, strict=True))
                 rows.append(row)
                 print(_fmt_row(row), flush=True)
     if args.json:
@@ -316,8 +360,9 @@ def main(argv: list[str] | None = None) -> int:
             "config": args.config,
             "prompts": args.prompts,
             "group": args.group,
+            "layout": "per_completion" if args.per_completion else "grouped",
             "completions": {"median": med, "sigma": sig, "clip": [SHORTEST, args.max_new]},
-            "counted": "each completion once (count_once); repeats computed, not useful",
+            "counted": "each sample once (count_once); repeats computed, not useful",
             "rows": rows,
         }
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

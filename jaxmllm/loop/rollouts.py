@@ -125,6 +125,20 @@ def group_samples(
     return out
 
 
+def fits_bucket(sizes: list[int], caps, spans: int = 0) -> bool:
+    """Whether documents of `sizes` LLM tokens fit one sample of `caps`: one row, and, with
+    attention tiles, laid out from the row's start (their tiles back to back, `spans` more
+    each: a document's bidirectional spans'), the base step's LLM tiles of a bucket."""
+    n = np.asarray(sizes, np.int64)
+    cap = bucket_tile_caps(caps, 0)[LLM]
+    if n.sum() > caps.group_row_len:
+        return False
+    if not (cap and caps.attention_block):
+        return True
+    tiles = packed_tiles(np.cumsum(n) - n, n, caps.attention_block, True).sum()
+    return int(tiles) + spans * len(n) <= cap
+
+
 def _group_sample(prompt: Sample, chunk: list, advantages, first_id: int) -> Sample:
     """One sample of the completions `chunk` [(k, ids)] of `prompt`, a document each."""
     n = len(prompt.tokens)
@@ -354,20 +368,9 @@ class RolloutIterator(grain.DatasetIterator):
         bucket's LLM tile capacity laid out from the row's start (their tiles back to back,
         and each document's bidirectional spans'), so the planner can always place it."""
         caps = self.run.caps
-        row, cap = caps.group_row_len, bucket_tile_caps(caps, 0)[LLM]
         extra = span_extras(rollout_index([prompt], self.specials), np.zeros(1, np.int64), caps)
         spans = 0 if extra is None else int(extra[0])
-
-        def fits(sizes: list[int]) -> bool:
-            n = np.asarray(sizes, np.int64)
-            if n.sum() > row:
-                return False
-            if not (cap and caps.attention_block):
-                return True
-            tiles = packed_tiles(np.cumsum(n) - n, n, caps.attention_block, True).sum()
-            return int(tiles) + spans * len(n) <= cap
-
-        return fits
+        return lambda sizes: fits_bucket(sizes, caps, spans)
 
     def roll(self) -> list[dict]:
         """Samples, scores and plans the next rollout; its steps, each repeated
