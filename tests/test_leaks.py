@@ -59,6 +59,7 @@ def _wait(until, seconds: float) -> bool:
     return until()
 
 
+@pytest.mark.slow  # (a pytest session of its own, ~12 s: CI's slow phase runs it)
 def test_tests_leave_nothing_in_the_temporary_folder(tmp_path):
     """conftest's compile cache is deleted at the session's end, and so is torch's compile
     cache (importing peft makes torch's inductor create `torchinductor_<user>` there):
