@@ -21,6 +21,8 @@ from jaxmllm.bench import gpu_plan, profile
 from jaxmllm.bench.gpu import main, over_limits, run_cases
 from jaxmllm.bench.gpu_cases import (
     CAMPAIGN,
+    MOE,
+    MOE_NAMES,
     MOE_PEAK_GIB,
     PARTS,
     PEAK_GIB,
@@ -91,21 +93,22 @@ def test_every_case_is_well_formed_once_and_the_campaign_covers_its_recipes():
     recipe = [c.name.split("/") for c in on_gpu if c.part == "recipe"]
     assert {r[1] for r in recipe} == {"cudnn", "block_sparse"}
     assert {r[2] for r in recipe} == set(POLICIES) and ["mixes"] in [r[3:] for r in recipe]
-    vl = [c for c in on_gpu if c.part == "vlm"]
-    assert {c.config for c in vl} == {recipe for recipe, _, _ in VLM.values()}
+    for part, recipes in (("vlm", VLM), ("moe", MOE)):
+        configs = {c.config for c in on_gpu if c.part == part}
+        assert configs == {recipe for recipe, _, _ in recipes.values()}, part
 
 
 def test_every_case_remat_fits_the_memory_a_run_takes():
     """Each recipe case's remat policy has its bench.memory peak at these shapes, within the
     0.9 of an 80 GB GPU the campaign gives JAX (the host case runs the recipe's main policy),
-    and the MoE and Qwen3-VL cases' too."""
+    and the MoE and vision-language cases' too (each its recipe's own remat)."""
     budget = xla_flags.MEMORY_FRACTION * 79.6
     for case in cases(["recipe", "host", "moe", "vlm"], True, False):
-        if case.part == "moe":
-            assert MOE_PEAK_GIB <= budget and "model.remat=full" in case.sets
-            continue
-        if case.part == "vlm":  # (each recipe's own remat)
-            assert VLM_PEAK_GIB[case.name.split("/")[-1]] <= budget, case.name
+        if case.part in ("moe", "vlm"):
+            last = case.name.split("/")[-1]
+            moe = case.part == "moe"
+            peak = MOE_PEAK_GIB[MOE_NAMES.get(last, last)] if moe else VLM_PEAK_GIB[last]
+            assert peak <= budget, case.name
             assert not [s for s in case.sets if s.startswith("model.remat=")], case.name
             continue
         policy = next(p for p, sets in POLICIES.items() if sets[-1] in case.sets)
@@ -280,10 +283,10 @@ def check_smoke(out, done) -> None:
     assert not [r for r in rows if r.get("error") or r.get("skip")]
     steps = [r for r in rows if r.get("kind") == "step"]
     profiles = [r for r in rows if r.get("kind") == "profile"]
-    # (a step and its profile per case that runs one: the recipe's, on the mixes, the MoE's,
-    # each vision-language recipe's)
+    # (a step and its profile per case that runs one: the recipe's, on the mixes, each MoE
+    # recipe's, each vision-language recipe's)
     stepped = [c for c in cases(list(PARTS), False, True) if c.part in ("recipe", "moe", "vlm")]
-    assert len(steps) == len(profiles) == len(stepped) == 6
+    assert len(steps) == len(profiles) == len(stepped) == 7
     for step, prof in zip(steps, profiles, strict=True):
         assert rows.index(step) < rows.index(prof) and step["case"] == prof["case"]
         assert step["tokens_per_s"] > 0 and 0 < step["fill"]["llm"] <= 1
@@ -296,7 +299,7 @@ def check_smoke(out, done) -> None:
     assert tests_row["failed"] == 0 and tests_row["passed"] + tests_row["skipped"] > 0
     report = (out / "report.md").read_text()
     sections = ("Environment", "Kernel tests", "Attention kernels", "Recipe step")
-    sections += ("Mixture-of-experts step", "Vision-language recipes' steps")
+    sections += ("Mixture-of-experts steps", "Vision-language recipes' steps")
     sections += ("Host against the step", "Cases")
     for section in sections:
         assert f"## {section}" in report

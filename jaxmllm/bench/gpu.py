@@ -37,8 +37,11 @@ Parts (`--cases` picks cases by a regular expression over their names, `part/...
   8,192 tokens, at the recipes' head shapes (`jaxmllm.bench.attention`); then a hybrid's two
   token mixers at Qwen3.5-9B's widths, one document a row of 4k, 16k and 64k tokens: Gated
   DeltaNet's training step against full attention's (`jaxmllm.bench.linear`).
-- moe: configs/gpu/qwen3_30b_a3b.yaml's per-GPU expert work on this one GPU (16 experts of 768,
-  top-8, 12 of its 48 layers; text), full remat: the recipe part's measurements.
+- moe: the mixtures of experts' per-GPU expert work on this one GPU, text, full remat (each
+  recipe's own; `gpu_cases.MOE_PEAK_GIB`): configs/gpu/qwen3_30b_a3b.yaml's (16 experts of
+  768, top-8, 12 of its 48 layers) and gemma4_26b_a4b.yaml's (16 experts of 704, top-8, all
+  30 layers, five windowed to one full; LoRA on the bf16 base; block-sparse only): the recipe
+  part's measurements.
 - vlm: the vision-language recipes' per-GPU steps on this one GPU with images, the towers
   whole: configs/gpu/qwen3_vl_8b.yaml's and qwen3_vl_30b_a3b.yaml's (DeepStack into the LLM's
   first 3 layers; the 8B's LLM 3 of its 36 layers, the MoE's 12 of 48 with 16 experts) and

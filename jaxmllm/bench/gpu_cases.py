@@ -83,17 +83,38 @@ POLICIES = {
     "full": ["model.remat=full"],
 }
 PEAK_GIB = {"save_dots_except_mlp": 65.2, "llm_save_dots": 68.4, "full": 51.5}
-# The mixture of experts' recipe (configs/gpu/qwen3_30b_a3b.yaml, EP 8 over a node) at its
-# per-GPU shapes on one GPU: a GPU of the node holds 16 of a layer's 128 experts and computes
-# its tokens' 8 assignments each on average, so one GPU with 16 experts and top-8 does that
-# node's per-GPU expert work (the same widths, experts and rows a GPU; the router 16 wide, not
-# 128); 12 of its 48 layers, so parameters and Adam fit one 80 GB GPU (peak 40.9 GiB with full
-# remat, bench.memory --check as PEAK_GIB's: MOE_PEAK_GIB); text only.
-MOE_RECIPE = "configs/gpu/qwen3_30b_a3b.yaml"
+# The mixtures of experts' recipes (EP 8 over a node) at their per-GPU shapes on one GPU, text
+# only, each under its recipe's remat (full): a GPU of the node holds 16 of a layer's 128
+# experts and computes its tokens' 8 assignments each on average, so one GPU with 16 experts
+# and top-8 does that node's per-GPU expert work (the same widths, experts and rows a GPU; the
+# router 16 wide, not 128). Qwen3-30B-A3B (configs/gpu/qwen3_30b_a3b.yaml: fp32 weights and
+# Adam) at 12 of its 48 layers, so parameters and Adam fit one 80 GB GPU; Gemma-4-26B-A4B
+# (configs/gpu/gemma4_26b_a4b.yaml: LoRA on a bf16 base, the exchange at twice the mean) at
+# all 30 of its layers (five windowed to one full: a GPU's bf16 base with 16 experts, 5.2B,
+# and LoRA's state take 10.6 GiB), block-sparse only (cuDNN's attention has no windows here).
+# Their peaks (bench.memory --check as PEAK_GIB's; Qwen's 2026-11-25, Gemma's 2026-11-27, jax
+# 0.11.2, temporaries 21.1 GiB): MOE_PEAK_GIB.
+MOE = {  # which: (recipe, its per-GPU overrides, --smoke's)
+    "qwen3_30b_a3b": ("configs/gpu/qwen3_30b_a3b.yaml", ["model.llm.depth=12"], []),
+    "gemma4_26b_a4b": (
+        "configs/gpu/gemma4_26b_a4b.yaml",
+        [],
+        [  # (Gemma 4's: windows, the full layers' own heads, the dense MLP beside the experts)
+            "model.llm.full_head_dim=32",
+            "model.llm.full_kv_heads=1",
+            "model.llm.moe.shared_mlp_dim=128",
+            "model.llm.window.size=16",
+            "model.llm.window.every=2",
+            "model.llm.lora.rank=8",
+        ],
+    ),
+}
+# The case names' last part: the 30B-A3B's is its first name, its remat policy (docs name it)
+MOE_NAMES = {"full": "qwen3_30b_a3b"}
+MOE_PEAK_GIB = {"qwen3_30b_a3b": 40.9, "gemma4_26b_a4b": 31.7}
 MOE_PER_GPU = [
     "mesh.data=1",
     "mesh.expert=1",
-    "model.llm.depth=12",
     "model.llm.moe.experts=16",
     "model.llm.moe.exchange=dense",  # (one device: nothing exchanged)
     "batch.microbatches=2",
@@ -109,7 +130,6 @@ MOE_PER_GPU = [
     "data.synthetic.max_text_words=800",  # (counting runs of up to 3,300 tokens: a 4096 row)
     "train.steps=20",
 ]
-MOE_PEAK_GIB = 40.9
 MOE_SMOKE = [
     "model.llm.depth=2",
     "model.llm.width=64",
@@ -216,11 +236,12 @@ CAMPAIGN = {
     "recipe/block_sparse/save_dots_except_mlp": 500,  # the flash-style kernel instead
     "recipe/cudnn/full": 500,  # full remat: what recomputing every block costs
     "recipe/cudnn/save_dots_except_mlp/mixes": 500,  # on ChartQA's and AI2D's lengths
-    "moe/cudnn/full": 180,  # the 30B-A3B mixture of experts' per-GPU expert work
+    "moe/cudnn/full": 180,  # the 30B-A3B mixture of experts' per-GPU expert work (Qwen3's)
     "recipe/cudnn/llm_save_dots": 500,  # the vision tower recomputed, the LLM's dots kept
     "vlm/cudnn/qwen3_vl_8b": 200,  # Qwen3-VL-8B's per-GPU step: DeepStack, its table, images
     "vlm/cudnn/qwen3_vl_30b_a3b": 200,  # Qwen3-VL-30B-A3B's: the tower beside the MoE's experts
     "vlm/block_sparse/gemma3_4b": 200,  # Gemma-3-4B's: windowed layers, images both ways
+    "moe/block_sparse/gemma4_26b_a4b": 180,  # Gemma-4-26B-A4B's: windows, LoRA, capacity 2x
     "host": 500,  # an 8-GPU host's feed against this step (its compile as a recipe case's)
 }
 # --smoke's seconds a case at tiny shapes on the 2-core CPU, shared (load average 10; 2026-11-25)
@@ -279,11 +300,13 @@ def case(name: str, smoke: bool) -> Case:
         tiny = (*VLM_SMOKE[which], *more) if smoke else ()
         sets = (*VLM_PER_GPU, *own, *tiny, f"model.attention={kernel}")
         return Case(part, name, sets, smoke, config, estimate_s=estimate)
+    if part == "moe":  # (the recipe's own remat: MOE_PEAK_GIB measured it)
+        kernel, last = rest
+        config, own, more = MOE[MOE_NAMES.get(last, last)]
+        tiny = (*MOE_SMOKE, *more) if smoke else ()
+        sets = (*MOE_PER_GPU, *own, *tiny, f"model.attention={kernel}")
+        return Case(part, name, sets, smoke, config, estimate_s=estimate)
     kernel, policy, *mixes = rest
-    if part == "moe":
-        sets = (*MOE_PER_GPU, *(MOE_SMOKE if smoke else ()), *POLICIES[policy])
-        sets += (f"model.attention={kernel}",)
-        return Case(part, name, sets, smoke, MOE_RECIPE, estimate_s=estimate)
     sets = (*PER_GPU, *shrink, f"model.attention={kernel}", *POLICIES[policy])
     return Case(part, name, sets, smoke, mixes=bool(mixes), estimate_s=estimate)
 
@@ -509,7 +532,7 @@ def add_hlo(out: Path, name: str, text: str) -> dict:
 
 
 def moe(case: Case, out: Path) -> Iterator[dict]:
-    """The mixture of experts' step on this device (`recipe`'s measurements, MOE_PER_GPU)."""
+    """A mixture of experts' step on this device (`recipe`'s measurements, MOE)."""
     yield from recipe(case, out)
 
 

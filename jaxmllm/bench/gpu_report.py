@@ -133,11 +133,13 @@ def recipe(rows: list[dict]) -> str:
 
 
 def moe(rows: list[dict]) -> str:
-    """The mixture of experts' per-GPU step: the recipe table's columns."""
-    text = recipe(rows).replace("## Recipe step", "## Mixture-of-experts step", 1)
+    """The mixtures of experts' per-GPU steps: the recipe table's columns."""
+    text = recipe(rows).replace("## Recipe step", "## Mixture-of-experts steps", 1)
     return text.replace(
         "The recipe's per-GPU shapes",
-        "configs/gpu/qwen3_30b_a3b.yaml's per-GPU expert work (16 experts, top-8, 12 layers)",
+        "configs/gpu/qwen3_30b_a3b.yaml's (`moe/.../full`: 12 of 48 layers) and "
+        "gemma4_26b_a4b.yaml's (30 layers, windows of 1024, LoRA) per-GPU expert work (16 "
+        "experts, top-8)",
         1,
     )
 
