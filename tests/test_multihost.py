@@ -225,6 +225,12 @@ EVAL = [
     "train.eval_every=3",
 ]
 
+# Context groups of 2 (data 2 x fsdp 2 x context 2: each process holds two whole groups). The
+# held-out set goes through the training feed, which takes a host's context groups: a copy of
+# it that did not (its local parts without the context) left the host of groups 2 and 3 no text
+# to load. Rows of 96 tokens a device, 192 a group.
+CONTEXT = ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "batch.llm_row_len=96"]
+
 
 def _launch(processes, out, *extra, kill=None):
     cmd = train_cmd(
@@ -262,7 +268,7 @@ def _in_process(out, *extra):
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
-    _in_process(out, *EVAL)
+    _in_process(out, *EVAL, *CONTEXT)
     return out
 
 
@@ -279,7 +285,8 @@ def test_two_processes_train_like_one_and_a_killed_one_stops_the_job_for_a_relau
     one_process, tmp_path
 ):
     """2 processes x 4 devices train like one process with 8 (the data state in a file per
-    process), their held-out evaluation too, and the metrics are the whole job's. Process 1
+    process), their held-out evaluation too, and the metrics are the whole job's, with context
+    groups (`CONTEXT`). Process 1
     SIGKILLs itself after step 3, once checkpoint 2 is committed (whatever the machine's speed):
     the launcher must stop process 0, which waits on it (_launch fails on a hang). The
     relaunch resumes at step 2 and ends as the one process does.
@@ -288,11 +295,11 @@ def test_two_processes_train_like_one_and_a_killed_one_stops_the_job_for_a_relau
     for 2 and 4; the per-host slices of a plan are held for 2, 4 and 8 hosts in
     test_each_host_fills_exactly_its_slice_of_the_batch.)"""
     kill = {"at": "step", "step": 3, "committed": 2, "process": 1}
-    code, text = _launch(2, tmp_path, *EVAL, kill=kill)
+    code, text = _launch(2, tmp_path, *EVAL, *CONTEXT, kill=kill)
     assert "killpoints: SIGKILL after step 3" in text, text[-3000:]
     assert code != 0
     assert "process 1 failed (killed by SIGKILL)" in text, text[-3000:]
-    code, again = _launch(2, tmp_path, *EVAL)
+    code, again = _launch(2, tmp_path, *EVAL, *CONTEXT)
     assert code == 0, again[-3000:]
     assert "resumed from checkpoint at step 2 in" in again, again[-3000:]
     np.testing.assert_allclose(_losses(tmp_path), _losses(one_process), rtol=1e-5)
@@ -338,35 +345,6 @@ def test_processes_with_different_configs_all_stop_with_the_difference(tmp_path)
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 2, out[-3000:]
         assert "process 1: optim.lr: 0.003 -> 0.002" in out, out[-3000:]
-
-
-CONTEXT_EVAL = [
-    "mesh.data=2",
-    "mesh.fsdp=2",
-    "mesh.context=2",
-    "batch.llm_row_len=96",
-    "train.steps=2",
-    "train.checkpoint_every=2",
-    "data.eval.source=synthetic",
-    "data.eval.samples=24",
-    "data.eval.questions=0",
-    "train.eval_every=2",
-]
-
-
-@pytest.mark.slow  # a launched job and one in-process, of 2 steps, each compiling its step and eval
-def test_context_groups_on_two_processes_evaluate_like_one(tmp_path):
-    """mesh.context=2 and data.eval on 2 processes x 4 devices (each holds two whole context
-    groups): the held-out metrics are one process's with 8 devices. The eval set goes through
-    the training feed, which takes a host's context groups; a copy of it that did not (its
-    local parts without the context) left the host of groups 2 and 3 no text to load."""
-    _in_process(tmp_path / "1", *CONTEXT_EVAL)
-    code, text = _launch(2, tmp_path / "2", *CONTEXT_EVAL)
-    assert code == 0, text[-3000:]
-    rows = {p: [r for r in read_metrics(tmp_path / str(p)) if "eval/loss" in r] for p in (1, 2)}
-    assert [r["step"] for r in rows[2]] == [2]
-    for key in [k for k in rows[1][0] if k.startswith("eval/")]:
-        assert rows[2][0][key] == pytest.approx(rows[1][0][key], rel=1e-5, abs=1e-6), key
 
 
 GRPO = [
