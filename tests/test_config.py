@@ -116,16 +116,12 @@ def test_context_parallelism_refuses_what_it_cannot_split(setting, key):
     [
         ("mesh.context_steps=some", r"mesh\.context_steps: must be one of all, long"),
         ("mesh.context=1", r"mesh\.context_steps: long splits .*set mesh\.context > 1"),
-        (
-            "mesh.context_strategy=ulysses",
-            r"mesh\.context_strategy: ulysses: .*built for the gather strategy",
-        ),
     ],
 )
 def test_a_context_degree_per_step_refuses_what_it_cannot_split(setting, key):
-    """mesh.context_steps: long (issue 57) needs groups to plan and the gather strategy; its
-    spec plans each device's own rows in the base steps and groups in the long ones (a long
-    variant at the base's tiles where none is set)."""
+    """mesh.context_steps: long (issue 57) needs groups to plan; its spec plans each device's
+    own rows in the base steps and groups in the long ones (a long variant at the base's
+    tiles where none is set), by either strategy."""
     from jaxmllm.batch.prompts import PromptShapes, prompt_config
     from jaxmllm.config.spec import BatchSpec
     from jaxmllm.resolve.resumed import context_changed
@@ -133,15 +129,15 @@ def test_a_context_degree_per_step_refuses_what_it_cannot_split(setting, key):
     per_step = ["mesh.context=2", "mesh.context_steps=long", "batch.llm_long_tiles=[]"]
     with pytest.raises(ConfigError, match=key):
         load_config(None, [*per_step, setting])
-    spec = BatchSpec.of(
-        load_config(
-            None, [*per_step, "batch.llm_tiles=40", "batch.vision_tiles=9", "batch.audio_tiles=9"]
-        ),
-        resolved=False,
-    )
+    tiles = ["batch.llm_tiles=40", "batch.vision_tiles=9", "batch.audio_tiles=9"]
+    spec = BatchSpec.of(load_config(None, [*per_step, *tiles]), resolved=False)
     assert (spec.context, spec.long_context, spec.variants) == (1, 2, 2)
     assert (spec.at(1).context, spec.at(1).long_context, spec.top.group_row_len) == (2, 0, 8192)
     assert spec.at(0).context == 1 and spec.tile_caps(1)["llm"] == 40
+    # (ulysses too: its long variants' groups exchange heads, the base's rows are a device's)
+    ulysses = load_config(None, [*per_step, *tiles, "mesh.context_strategy=ulysses"])
+    spec = BatchSpec.of(ulysses, resolved=False).at(1)
+    assert (spec.context, spec.context_strategy) == (2, "ulysses")
     # (a checkpoint of static groups resumed with them per step: its sizes resolved anew)
     cfg = load_config(None, per_step)
     shapes = PromptShapes(rows=8, prompt_len=64, total_len=96, units={"vision": 64, "audio": 64})

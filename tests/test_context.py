@@ -29,6 +29,7 @@ from jaxmllm.data.media.image import patchify
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.models import blocksparse
+from jaxmllm.models import context as ctx
 from jaxmllm.models.attention import attention_mask, dense_attention, windowed
 from jaxmllm.plan import context as split
 from jaxmllm.plan import tiles
@@ -392,19 +393,29 @@ def test_rows_split_over_context_groups_equal_the_unsplit_reference(mesh):
     assert_same_math(cfg, *long_step(cfg, groups, context))
 
 
-@pytest.mark.slow  # compiles the base step, the long one and the reference (~1-2 min)
-def test_a_context_degree_per_step_runs_each_variant_with_its_model_on_one_mesh():
+@pytest.mark.slow  # compiles the base step, the long one and the reference (~1-3 min a case)
+@pytest.mark.parametrize("strategy", ["gather", "ulysses"])
+def test_a_context_degree_per_step_runs_each_variant_with_its_model_on_one_mesh(
+    strategy, monkeypatch
+):
     """A context degree per step (issue 57, mesh.context_steps: long) on data=4 x context=2,
     rows of 96 tokens a device, 192 a group (the samples longer than a device's row make a
     step long): the program's base model runs a base step (a device's own rows, the ranks as
-    data-parallel devices), its long model a long step (rows split over the groups); both
-    compiled programs take the very parameter arrays as placed (no copy), and each step's loss
-    and every gradient equal its samples alone on one device. (Run with the long model, as the
-    decoder did on any mesh with a context axis, the base step's loss is 8.3e-3 off; the long
-    step does not even compile with the base one: its routes are per group.)"""
+    data-parallel devices: no exchange over the context axis), its long model a long step
+    (rows split over the groups, attended by the strategy's exchange); both compiled programs
+    take the very parameter arrays as placed (no copy), and each step's loss and every
+    gradient equal its samples alone on one device. (Run with the long model, as the decoder
+    did on any mesh with a context axis, the base step's loss is 8.3e-3 off; the long step
+    does not even compile with the base one: its routes are per group.) By ulysses with a
+    Qwen3.5-like hybrid decoder (Gated DeltaNet layers 0-2, attention in 3): its long model
+    all-to-alls both kinds of layers, each gradient to 1e-4 of its tensor's largest entry
+    (`test_hybrid_rows_split_by_ulysses_equal_the_unsplit_rows`: the delta rule's chunks fall
+    elsewhere in a packed row than in a sample alone)."""
     per_step = ["mesh.context_steps=long", "batch.llm_row_len=96", "batch.llm_long_tiles=[]"]
     per_step += ["batch.vision_tiles=400", "batch.audio_tiles=100"]  # (rows alone make steps
     per_step += ["batch.vision_long_tiles=[]", "batch.audio_long_tiles=[]"]  # long)
+    per_step += [f"mesh.context_strategy={strategy}"]
+    per_step += LINEAR if strategy == "ulysses" else []
     cfg, source, index = context_config(4, 2, *per_step)
     mesh, state, _, ref, reference = programs(cfg)
     with jax.set_mesh(mesh):
@@ -414,11 +425,19 @@ def test_a_context_degree_per_step_runs_each_variant_with_its_model_on_one_mesh(
     while len(plans) < 2:  # (the first base step and the first long one)
         plan = planner.plan()
         plans.setdefault(plan.variant, plan)
+    # Which exchanges over the context axis a model traces (none: a device's own rows)
+    exchanges = set()
+    for name in ("attend", "ulysses_attend", "ulysses_linear"):
+        run = getattr(ctx, name)
+        traced = lambda *a, name=name, run=run, **k: exchanges.add(name) or run(*a, **k)
+        monkeypatch.setattr(ctx, name, traced)
+    long = {"gather": {"attend"}, "ulysses": {"ulysses_attend", "ulysses_linear"}}[strategy]
     params = state["params"], state["frozen"]
     for variant, plan in plans.items():
         samples = {int(s): source[int(s)] for s in plan.samples}
         host = bucketize(plan, samples, cfg, capacities(cfg, 8))
         step = jax.jit(make_loss_and_grads(prog.parts_of(variant)))
+        exchanges.clear()
         with jax.set_mesh(mesh):
             args = (*params, sharding.make_global_batch(host, mesh))
             taken = step.lower(*args).compile().input_shardings[0][:2]
@@ -426,8 +445,10 @@ def test_a_context_degree_per_step_runs_each_variant_with_its_model_on_one_mesh(
                 jax.tree.map(lambda x: x.sharding, params)
             )
             got = step(*args)
+        assert exchanges == (long if variant else set()), variant
         batches = (alone(ref, sample) for sample in samples.values())
-        assert_equals_alone(got, reference, jax.device_get(params), batches, host)
+        scale = 1e-4 if strategy == "ulysses" else None
+        assert_equals_alone(got, reference, jax.device_get(params), batches, host, scale)
 
 
 TEXT = ["model.vision.enabled=false", "model.audio.enabled=false", "data.eval.source=none"]

@@ -197,20 +197,6 @@ class Config:
         )
         if self.mesh.context_strategy == "ulysses":
             self._check_ulysses()
-        if self.mesh.context_steps == "long":
-            self._check_context_steps()
-
-    def _check_context_steps(self) -> None:
-        """A context degree per step plans groups only in the ladder's long variants (the base
-        steps' rows are a device's own; with no long tiles set, one long variant at the
-        base's tiles a device, `BatchSpec.of`), gathering the group's keys (the strategy its
-        tests hold to the unsplit reference)."""
-        check(
-            self.mesh.context_strategy == "gather",
-            f"{self.mesh.context_strategy}: mesh.context_steps: long is built for the gather "
-            "strategy; set mesh.context_strategy: gather, or mesh.context_steps: all",
-            "mesh.context_strategy",
-        )
 
     def _check_ulysses(self) -> None:
         """Ulysses splits each attention's heads (those of a tensor rank, where mesh.tensor
