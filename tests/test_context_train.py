@@ -162,12 +162,17 @@ def test_a_long_document_of_real_records_trains_whole_in_its_context_group(tmp_p
     assert long > 0
 
 
-def per_step_run(out, data_path, steps: int):
+def per_step_run(out, data_path, steps: int, strategy: str = "gather"):
     """Text chats with one long document in 16 (`test_ladder._records`) on data=4 x context=2,
     context groups in the long steps only (mesh.context_steps: long): a device's row of 128
     tokens in the base steps, a group's of 256 in the long ones; tiles sized from the data;
-    a checkpoint every 3 steps."""
-    sets = ["data.eval.source=none", "data.workers=0", "data.source=files"]
+    a checkpoint every 3 steps; the long steps' groups attend by `strategy`."""
+    sets = [
+        f"mesh.context_strategy={strategy}",
+        "data.eval.source=none",
+        "data.workers=0",
+        "data.source=files",
+    ]
     sets += [f"data.path={data_path}", "batch.llm_row_len=128", "batch.attention_block=16"]
     sets += ["batch.microbatches=1", "mesh.data=4", "mesh.fsdp=1", "mesh.context=2"]
     cfg = load_config("configs/manifest_example.yaml", [*sets, "mesh.context_steps=long"])
@@ -175,15 +180,17 @@ def per_step_run(out, data_path, steps: int):
     return replace(cfg, train=replace(cfg.train, progress_bar=False, ledger=True, **train))
 
 
-@pytest.mark.slow  # ~30 s: a short run killed and rerun, two compiled programs each
+@pytest.mark.slow  # ~30 s a strategy: a short run killed and rerun, two compiled programs each
+@pytest.mark.parametrize("strategy", ["gather", "ulysses"])
 def test_a_context_degree_per_step_trains_every_sample_once_and_resumes_exactly(
-    tmp_path, monkeypatch
+    strategy, tmp_path, monkeypatch
 ):
     """Issue 57's acceptance: with groups in the long steps only, a run trains base and long
     steps (the metrics say which), every sample once in an epoch (the ledger holds exactly
     what the planner planned, which with what still waits is what it pulled from the epoch's
     stream), and killed at step 5 and rerun from its step-3 checkpoint it redoes a long and a
-    base step with the very losses it had, bit for bit."""
+    base step with the very losses it had, bit for bit; by either strategy (the long steps'
+    groups gather keys, or exchange heads)."""
     from test_ladder import _records
 
     from jaxmllm.loop.metrics import read_metrics
@@ -195,15 +202,15 @@ def test_a_context_degree_per_step_trains_every_sample_once_and_resumes_exactly(
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _records(64, 16)))
     steps = 7
-    build_index(per_step_run(tmp_path, data, steps), progress=False)
+    build_index(per_step_run(tmp_path, data, steps, strategy), progress=False)
 
     def kill_at_5(step, _):
         if step == 5:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        main(per_step_run(tmp_path, data, steps), on_step=kill_at_5)
-    main(per_step_run(tmp_path, data, steps))
+        main(per_step_run(tmp_path, data, steps, strategy), on_step=kill_at_5)
+    main(per_step_run(tmp_path, data, steps, strategy))
     rows = [r for r in read_metrics(tmp_path) if "loss" in r]
     losses = _losses(tmp_path)
     assert sorted(losses) == list(range(1, steps + 1)) and np.isfinite(rows[-1]["loss"])
@@ -211,7 +218,7 @@ def test_a_context_degree_per_step_trains_every_sample_once_and_resumes_exactly(
     used = {r["step"]: int(r["long_variant"]) for r in rows}
     assert used[4] > 0 and used[5] == 0  # (both programs redone from the checkpoint)
     # The plans replayed from the resolved config: the variants logged, the ledger exactly them
-    cfg = per_step_run(tmp_path, data, steps)
+    cfg = per_step_run(tmp_path, data, steps, strategy)
     resolved = json.loads((tmp_path / "config.json").read_text())["batch"]
     tiles = {k: tuple(v) if isinstance(v, list) else v for k, v in resolved.items()}
     cfg = replace(cfg, batch=replace(cfg.batch, **tiles))
