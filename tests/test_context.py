@@ -393,7 +393,7 @@ def test_rows_split_over_context_groups_equal_the_unsplit_reference(mesh):
     assert_same_math(cfg, *long_step(cfg, groups, context))
 
 
-@pytest.mark.slow  # compiles the base step, the long one and the reference (~1-3 min a case)
+@pytest.mark.slow  # compiles the base step, the long one and the reference (~25-50 s a case)
 @pytest.mark.parametrize("strategy", ["gather", "ulysses"])
 def test_a_context_degree_per_step_runs_each_variant_with_its_model_on_one_mesh(
     strategy, monkeypatch
