@@ -85,3 +85,35 @@ def pytest_runtest_setup(item):
     leg runs them)."""
     if not TORCH and item.get_closest_marker("torch"):
         pytest.skip("torch is not installed: transformers' models (the oracle) run on it")
+
+
+# The default suite's longest files (summed call and setup times, 2-core box, 2026-11-27),
+# longest first. pytest-xdist's `--dist loadfile` hands files to its workers in collection
+# order; in name order a long file dealt last (test_train, test_vocab) kept one worker busy
+# while the other had finished. Longest first, the last files dealt are short. (`.ci/run`
+# orders the slow files the same way; a file not named here keeps its place after them.)
+LONGEST = (
+    "test_lora_hf",
+    "test_hf_gemma4_whole",
+    "test_generate",
+    "test_train",
+    "test_grpo_grad",
+    "test_generate_hf",
+    "test_preference",
+    "test_commands",
+    "test_memory_budget",
+    "test_vocab",
+    "test_hf_gemma4",
+    "test_hf_gemma3_whole",
+    "test_deltanet",
+    "test_step_hlo",
+    "test_ulysses",
+    "test_attention",
+    "test_grpo",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files in `LONGEST`'s order first (a stable sort: each file's tests keep theirs)."""
+    rank = {name: k for k, name in enumerate(LONGEST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(LONGEST)))
