@@ -139,6 +139,18 @@ def _blocked(q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, span_q, span_k, bl
     return q_b, k_b, v_b, *map(blocks, (seg_q, seg_k, pos_q, pos_k, span_q, span_k))
 
 
+# A checkpoint that saves nothing, never differentiated (the kernel's own backward is `_bwd`):
+# it keeps the forward pass whole under partial evaluation. A scan over layers, differentiated,
+# hoists whatever depends only on its loop-invariant inputs ahead of the layers; the masks,
+# owners and key blocks depend on the segments, positions and tiles alone, the same in every
+# layer, so without it they were computed ahead, every chunk's stacked: the mask broadcast
+# over the heads for every tile at once (8 GiB a device at 64k tokens a context group).
+@functools.partial(
+    jax.checkpoint,
+    policy=jax.checkpoint_policies.nothing_saveable,
+    prevent_cse=False,
+    static_argnums=(10, 11, 12),
+)
 def _forward(
     q_the, k_ske, v_ske, seg_q, seg_k, pos_q, pos_k, span_q, span_k, tiles_k2, block, causal, window
 ):
