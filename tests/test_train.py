@@ -135,6 +135,49 @@ def test_frozen_modules_get_no_gradient_and_no_optimizer_state():
     assert opt_leaves < 2 * trainable + 16
 
 
+@pytest.mark.parametrize(
+    ("key", "module"),
+    [
+        ("model.vision.lr_scale", "vision"),
+        ("model.projector_lr_scale", "audio_projector"),
+        ("model.llm.lr_scale", "llm"),
+    ],
+)
+def test_lr_scale_scales_its_modules_updates_alone(key, module):
+    """A module's lr_scale of 0.25 makes its AdamW updates (decay included) a quarter of those
+    at 1.0 and leaves every other module's as they were."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxmllm.step.program import make_optimizer
+
+    names = ("vision", "audio_projector", "llm")
+    params = {m: {"kernel": jnp.ones((2, 2)), "scale": jnp.ones(2)} for m in names}
+    grads = jax.tree.map(lambda x: 0.5 * x, params)
+
+    def updates(*overrides):
+        cfg = load_config("configs/tiny.yaml", ["optim.warmup_steps=0", *overrides])
+        optimizer, _ = make_optimizer(cfg)
+        out, _ = optimizer.update(grads, optimizer.init(params), params)
+        return out
+
+    base, scaled = updates(), updates(f"{key}=0.25")
+    assert float(jnp.abs(base[module]["kernel"]).min()) > 0
+    quarter = jax.tree.map(lambda b, s: jnp.allclose(s, 0.25 * b), base[module], scaled[module])
+    assert jax.tree.all(quarter)
+    for other in set(names) - {module}:
+        assert jax.tree.all(jax.tree.map(jnp.array_equal, scaled[other], base[other]))
+
+
+@pytest.mark.parametrize(
+    "key", ["model.audio.lr_scale", "model.projector_lr_scale", "model.llm.lr_scale"]
+)
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_lr_scale_must_be_positive_and_finite(key, value):
+    with pytest.raises(ConfigError, match="lr_scale"):
+        load_config("configs/tiny.yaml", [f"{key}={value}"])
+
+
 def test_weight_decay_applies_to_matrices_only():
     """Stacked layers included: decay iff a param has 2+ dims besides `layers`."""
     import jax

@@ -9,7 +9,7 @@ import enum
 from dataclasses import dataclass, field
 
 from jaxmllm.config.blocks import GATED_MLPS, BlockOptions
-from jaxmllm.config.checks import check, positive
+from jaxmllm.config.checks import check, lr_scale_valid, positive
 from jaxmllm.config.lora import LINEAR_TARGETS
 
 
@@ -387,6 +387,7 @@ class LLMConfig(BlockOptions):
     # (models/vocab.py): no device holds the whole table; false: XLA gathers it per device
     vocab_parallel: bool = True
     freeze: bool = False  # no gradient and no optimizer state for the decoder
+    lr_scale: float = 1.0  # the decoder's learning rate as a multiple of optim.lr
 
     @property
     def head_width(self) -> int:
@@ -407,6 +408,7 @@ class LLMConfig(BlockOptions):
     def __post_init__(self):
         super().__post_init__()
         object.__setattr__(self, "bidirectional", tuple(self.bidirectional))
+        lr_scale_valid(self)
         positive(self, "vocab_size", "width", "depth", "heads", "kv_heads", "mlp_dim")
         positive(self, "logits_chunk")
         check(self.head_dim >= 0, "must be >= 0 (0: width / heads)", "head_dim")

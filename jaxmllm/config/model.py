@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from jaxmllm.config.blocks import ACTIVATIONS, BlockOptions
-from jaxmllm.config.checks import check, positive
+from jaxmllm.config.checks import check, lr_scale_valid, positive
 from jaxmllm.config.decoder import LLMConfig
 from jaxmllm.config.lora import PROJECTOR_TARGETS, LoraConfig
 from jaxmllm.config.remat import REMAT_POLICIES, upgrade_legacy
@@ -71,6 +71,9 @@ class VisionConfig(BlockOptions):
     projector_dim: int = 0  # the projector's hidden width; 0 = the LLM's width
     projector_act: str = "gelu_tanh"  # the projector's activation: gelu_tanh | gelu (exact)
     freeze: bool = False  # no gradient and no optimizer state for the encoder
+    # The encoder's learning rate as a multiple of optim.lr, all along its schedule (ms-swift's
+    # vit_lr / lr; model.projector_lr_scale and model.llm.lr_scale scale the others')
+    lr_scale: float = 1.0
     # How the tower starts and ends. LLaVA reads a hidden layer of its tower, before any final
     # norm (`hf import` keeps the blocks up to it as `depth`; the others are copied back at
     # export); CLIP normalises the embedded patches first (its pre_layrnorm)
@@ -126,6 +129,7 @@ class VisionConfig(BlockOptions):
 
     def __post_init__(self):
         super().__post_init__()
+        lr_scale_valid(self)
         positive(self, "patch_size", "channels", "width", "depth", "heads", "mlp_dim", "merge")
         positive(self, "temporal_patch")
         check(self.width % self.heads == 0, "width must be divisible by heads", "width")
@@ -309,6 +313,9 @@ class AudioConfig(BlockOptions):
     # (Qwen2-Audio's pooling: 2); stride x pool divides subsample
     pool: int = 1
     freeze: bool = False  # no gradient and no optimizer state for the encoder
+    # The encoder's learning rate as a multiple of optim.lr, all along its schedule (ms-swift's
+    # vit_lr / lr; model.projector_lr_scale and model.llm.lr_scale scale the others')
+    lr_scale: float = 1.0
     # Gemma 4's conformer (stem: conformer): its own options (`ConformerConfig`)
     conformer: ConformerConfig = field(default_factory=ConformerConfig)
 
@@ -359,6 +366,7 @@ class AudioConfig(BlockOptions):
 
     def __post_init__(self):
         super().__post_init__()
+        lr_scale_valid(self)
         positive(self, "n_mels", "width", "depth", "heads", "mlp_dim", "max_positions")
         check(self.width % self.heads == 0, "width must be divisible by heads", "width")
         check(self.stem in STEMS, f"must be one of {', '.join(STEMS)}", "stem")
@@ -439,6 +447,7 @@ class ModelConfig:
     llm: LLMConfig = field(default_factory=LLMConfig)
     init_from: InitFrom = field(default_factory=InitFrom)  # else every module starts random
     projector_freeze: bool = False  # freeze both projectors
+    projector_lr_scale: float = 1.0  # the projectors' learning rate as a multiple of optim.lr
     # LoRA adapters on the projectors' matrices (fc1, fc2; fc: a linear projector): rank > 0
     # freezes their base weights and trains the adapters (jaxmllm/config/lora.py)
     projector_lora: LoraConfig = field(default_factory=LoraConfig)
@@ -460,6 +469,7 @@ class ModelConfig:
     attention: str = "block_sparse"
 
     def __post_init__(self):
+        lr_scale_valid(self, "projector_lr_scale")
         check(self.attention in ATTENTIONS, f"must be one of {', '.join(ATTENTIONS)}", "attention")
         v = self.vision
         check(

@@ -149,7 +149,29 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
             schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask
         )
     )
+    scales = {"llm": cfg.model.llm.lr_scale}
+    for p in ENCODERS:
+        scales[p.name] = p.encoder(cfg.model).lr_scale
+        scales[f"{p.name}_projector"] = cfg.model.projector_lr_scale
+    scales = {name: s for name, s in scales.items() if s != 1.0}
+    if scales:
+        chain.append(scale_modules(scales))
     return optax.chain(*chain), schedule
+
+
+def scale_modules(scales: dict[str, float]) -> optax.GradientTransformation:
+    """AdamW's updates (its decoupled weight decay included) of the top-level modules in
+    `scales` times their scale: the same as training each of them at that multiple of the
+    learning rate (`model.<tower>.lr_scale`, `model.projector_lr_scale`)."""
+
+    def scale(path, update):
+        return update * scales.get(sharding.rules.key_parts(path)[0], 1.0)
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree_util.tree_map_with_path(scale, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def warmup_steps(cfg: Config) -> int:
