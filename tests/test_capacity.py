@@ -85,3 +85,48 @@ def test_cost_multipliers_follow_what_is_frozen():
     )
     c = trainable.phase("llm")
     assert c.item_cost(np.array([10]))[0] == pytest.approx(10 * c.linear + 100 * c.quadratic)
+
+
+def test_a_routed_planners_encoder_bucket_holds_the_largest_item_not_the_largest_sample():
+    """Orchestrated places items, not samples (`RoutedAssignment`): its encoder bucket is the
+    data's ratio, at least the largest item, where a 64-frame clip (a sample of 25,600
+    patches) would size a planner of whole samples' far past it (chats seed 100's vision
+    phase filled to 0.78 so); the clip's frames then spread over devices and every plan holds
+    its capacities."""
+    from jaxmllm.plan.contract import Capacities, check_plan
+    from jaxmllm.plan.registry import make_planner
+    from jaxmllm.resolve.capacity import encoder_capacities
+
+    n = 600
+    images = [np.array([256])] * n
+    images[7] = np.full(64, 400)  # (a clip: 64 frames of 20 x 20 patches)
+    index = from_arrays(np.full(n, 200), images, [np.zeros(0, np.int64)] * n)
+    clip = 64 * 400
+    whole = suggest_capacities(index, 4096, PER_TOKEN, per_row=PER_ROW)
+    assert whole.units["vision"] >= clip  # (a sample's items share its text's device)
+    sug = suggest_capacities(index, 4096, PER_TOKEN, per_row=PER_ROW, routed=True)
+    assert (sug.llm_rows, sug.llm_row_len) == (whole.llm_rows, whole.llm_row_len)
+    assert 400 <= sug.units["vision"] < clip
+    assert sug.units["vision"] in set(ladder_values().tolist())
+    llm = index.llm_tokens(PER_TOKEN)
+    ideal = sug.llm_rows * sug.llm_row_len * index.items["vision"].sizes.sum() / llm.sum()
+    assert abs(sug.units["vision"] / ideal - 1) < 0.07  # (the data's ratio, as without clips)
+    enc = encoder_capacities(index, 4096, PER_TOKEN, per_row=PER_ROW, routed=True)
+    assert enc.units["vision"] < clip
+    caps = Capacities(
+        microbatches=2,
+        devices=8,
+        llm_rows=sug.llm_rows,
+        llm_row_len=sug.llm_row_len,
+        units=sug.units,
+        per_token=PER_TOKEN,
+        per_row=PER_ROW,
+        route_pair_capacity=sug.units["vision"] // MERGE_AREA,
+    )
+    planner = make_planner("orchestrated", index, caps, 0)
+    placed = []
+    for _ in range(12):
+        plan = planner.plan()
+        check_plan(plan, index, caps)
+        placed += plan.samples.tolist()
+    assert 7 in placed

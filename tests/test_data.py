@@ -197,8 +197,12 @@ def test_resolve_batch_sizes_encoder_buckets_and_route_capacity_from_the_data():
     cfg = tiny("batch.capacity=auto", "batch.route_pair_capacity=-1")
     _, index = make_source(cfg)
     got = resolve_batch(cfg, index).batch
+    # orchestrated places items, not samples: its bucket holds the largest item, a planner of
+    # whole samples' the largest sample's (here more than the data's ratio asks for)
     vision = index.items["vision"].per_sample().max()
-    assert got.vision_patches >= vision and got.vision_patches % 4 == 0
+    assert got.vision_patches >= index.items["vision"].sizes.max() and got.vision_patches % 4 == 0
+    whole = resolve_batch(tiny("batch.planner=balanced", "batch.capacity=auto"), index).batch
+    assert whole.vision_patches >= vision > got.vision_patches
     assert got.audio_frames >= index.items["audio"].per_sample().max()
     # the route capacity: the most a pair carried in a dry run of the planner's own plans, at
     # least the largest item's rows, at most a device's whole encoder output (issue 18)
@@ -232,6 +236,7 @@ def test_route_capacity_from_the_dry_run_is_held_by_the_pipeline():
         "batch.capacity=auto",
         "batch.route_pair_capacity=-1",
         "batch.microbatches=2",
+        "batch.llm_row_len=384",  # (buckets of several items: a pair carries less than one)
         "data.synthetic.num_samples=512",
         "train.steps=100",
     )

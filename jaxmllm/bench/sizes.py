@@ -39,7 +39,13 @@ def make_caps(
     per_token = {"vision": merge_area, "audio": subsample}
     per_row = {"vision": 1, "audio": subsample}  # (the pairs stem: a row per LLM token)
     sug = suggest_capacities(
-        index, tokens, per_token, per_row=per_row, match_llm=True, block=block or 1
+        index,
+        tokens,
+        per_token,
+        per_row=per_row,
+        match_llm=True,
+        block=block or 1,
+        routed=policy == "orchestrated",  # (items, not samples, to a device: `RoutedAssignment`)
     )
     route = max(sug.units[p] // per_token[p] for p in per_token)
     caps = Capacities(

@@ -2,8 +2,9 @@
 
 Given a lengths index and a target number of LLM tokens per device and microbatch, suggest the
 LLM row shape and each encoder phase's capacity so that every phase fills at the same rate
-(capacity_p / capacity_llm = total_p / total_llm over the data), each at least the largest
-sample's need, all on a small ladder of shapes (8 values per octave: {8..15} x 2^k, so a rounded
+(capacity_p / capacity_llm = total_p / total_llm over the data), each at least what one device
+must hold whole (the largest item where the planner routes items, else the largest sample's
+units), all on a small ladder of shapes (8 values per octave: {8..15} x 2^k, so a rounded
 capacity is within 6% of the ideal and a handful of configs share compiled shapes). Since every
 capacity is rounded, `match_llm=True` lets the LLM bucket move one ladder step from the target
 when that brings the phases' demands closer together (the phase whose demand runs ahead binds
@@ -88,6 +89,7 @@ def suggest_capacities(
     per_octave: int = 8,
     match_llm: bool = False,
     block: int = 1,
+    routed: bool = False,
 ) -> CapacitySuggestion:
     """Suggests capacities for `llm_tokens_per_device` LLM tokens per device and microbatch.
 
@@ -104,6 +106,9 @@ def suggest_capacities(
         ladder shape to the target (`batch.capacity: auto` keeps the user's LLM bucket).
       block: block-sparse attention's block: every row (LLM, patches, audio encoder rows) a
         whole number of blocks.
+      routed: the planner places items, not whole samples (`batch.planner: orchestrated`,
+        `plan.assign.RoutedAssignment`): an encoder bucket need hold only the largest item,
+        not the most units of one sample (`_encoder_caps`).
 
     Proportions come from the index's summary (`summary.summary_of`: a uniform sample, the
     whole index when small), extremes from its tail (the longest samples).
@@ -128,7 +133,9 @@ def suggest_capacities(
             shapes += [(r, row_len) for r in (rows - 1, rows + 1) if r >= 1]
     best = None
     for rows, row_len in shapes:
-        sug = _encoder_caps(summary, llm, rows, row_len, per_token, per_row, per_octave, block)
+        sug = _encoder_caps(
+            summary, llm, rows, row_len, per_token, per_row, per_octave, block, routed
+        )
         mismatch = math.log(max(sug.demand.values()) / min(sug.demand.values()))
         score = (round(mismatch, 3), abs(math.log(rows * row_len / target)))
         if best is None or score < best[0]:
@@ -144,14 +151,16 @@ def encoder_capacities(
     per_row: Mapping[str, int] | None = None,
     per_octave: int = 8,
     block: int = 1,
+    routed: bool = False,
 ) -> CapacitySuggestion:
     """Encoder buckets matched to exactly `llm_tokens_per_device` LLM tokens a device (as one
     row): where the LLM rows are not a device's (a context group's rows are longer than any
-    device's tokens, and its longest document no measure of a device's share)."""
+    device's tokens, and its longest document no measure of a device's share). `routed`: as
+    `suggest_capacities`'."""
     summary = summary_of(index, per_token)
     llm = summary.body.llm_tokens(per_token)
     return _encoder_caps(
-        summary, llm, 1, llm_tokens_per_device, per_token, per_row, per_octave, block
+        summary, llm, 1, llm_tokens_per_device, per_token, per_row, per_octave, block, routed
     )
 
 
@@ -164,7 +173,14 @@ def _encoder_caps(
     per_row: Mapping[str, int] | None,
     per_octave: int,
     block: int = 1,
+    routed: bool = False,
 ) -> CapacitySuggestion:
+    """Each encoder phase's bucket for LLM buckets of `rows` x `row_len`: the ladder shape
+    nearest the data's ratio to the LLM's, at least what one device must hold whole: the
+    largest item where the planner routes items (`routed`), else the most units of one sample
+    (a sample's items then share its text's device). A floor of a sample's units where items
+    route would size the bucket by the rarest long sample (chats seed 100: a 64-frame clip of
+    25,600 patches against a demand of ~20,700 a device, vision filled to 0.78)."""
     llm_cap = rows * row_len
     total_llm = max(int(llm.sum()), 1)
     caps, demand = {}, {LLM: 1.0}
@@ -176,9 +192,9 @@ def _encoder_caps(
         rows_of = (per_row or {}).get(name, 1)
         mult = math.lcm(4 * per_token[name], block * rows_of, 32)
         ideal = llm_cap * per_sample.sum() / total_llm
+        whole = summary.most[name] if routed else summary.most_units[name]
         caps[name] = max(
-            ladder_nearest(ideal, per_octave, mult),
-            ladder_up(summary.most_units[name], per_octave, mult),
+            ladder_nearest(ideal, per_octave, mult), ladder_up(whole, per_octave, mult)
         )
         demand[name] = float(ideal / caps[name])
     return CapacitySuggestion(llm_rows=rows, llm_row_len=row_len, units=caps, demand=demand)

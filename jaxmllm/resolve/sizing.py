@@ -52,7 +52,8 @@ def resolve_batch(cfg: Config, index: LengthsIndex, devices: int | None = None) 
 
     auto keeps the LLM bucket (the token budget per device is the user's choice) and sizes the
     encoder buckets to the data's modality ratios, on the capacity ladder, each at least the
-    largest item (and whole blocks of block-sparse attention). Tile capacities: see
+    largest item (a planner of whole samples': the most units of one sample; and whole blocks
+    of block-sparse attention). Tile capacities: see
     `resolve_tiles`. The resolved values are what the model, the planner and checkpoints see.
     `devices`: the data-parallel buckets (default: from the config's mesh).
     """
@@ -69,12 +70,12 @@ def resolve_batch(cfg: Config, index: LengthsIndex, devices: int | None = None) 
         block = b.attention_block if m.attention == "block_sparse" else 1
         per_row = {p.name: p.per_row(m) for p in ENCODERS}
         tokens = b.llm_rows * b.llm_row_len
+        # (orchestrated places items, not samples: a bucket holds the largest item whole)
+        kw = dict(per_row=per_row, block=block, routed=b.planner == "orchestrated")
         if cfg.mesh.context > 1:  # (a device's tokens: its share of its group's longer rows)
-            got = encoder_capacities(index, tokens, per_token, per_row=per_row, block=block)
+            got = encoder_capacities(index, tokens, per_token, **kw)
         else:
-            got = suggest_capacities(
-                index, tokens, per_token, per_row=per_row, max_row_len=b.llm_row_len, block=block
-            )
+            got = suggest_capacities(index, tokens, per_token, max_row_len=b.llm_row_len, **kw)
         for p in ENCODERS:
             if got.units[p.name]:  # 0: the data has none of it (below)
                 changes[p.capacity] = got.units[p.name]
