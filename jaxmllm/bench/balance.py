@@ -15,10 +15,11 @@
 
 Capacities come from `suggest_capacities(..., match_llm=True)` for `--tokens` LLM tokens per
 device and microbatch (the LLM length may move one ladder step to match the modality ratios; the
-table header prints the shapes). The default, 32768, is in the range MaxText trains with
-(8k-32k a device) and large enough that no single item dominates a device: with 16384 the omni
-mix has chats of 6000 tokens whose attention alone is 1.7x a device's mean attention cost, so
-no plan can get `quad` near 1.
+table header prints orchestrated's shapes: its encoder buckets hold the largest item, those of a
+policy that keeps a sample's items on one device, as grain's, the largest sample's, `routed`).
+The default, 32768, is in the range MaxText trains with (8k-32k a device) and large enough
+that no single item dominates a device: with 16384 the omni mix has chats of 6000 tokens whose
+attention alone is 1.7x a device's mean attention cost, so no plan can get `quad` near 1.
 
 Per policy, one table row (all figures over the steps run, steady state included):
   fill       real units / capacity, per phase (llm / vision / audio); `*` marks the phases
