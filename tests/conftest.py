@@ -88,10 +88,12 @@ def pytest_runtest_setup(item):
 
 
 # The default suite's longest files (summed call and setup times, 2-core box, 2026-11-27),
-# longest first. pytest-xdist's `--dist loadfile` hands files to its workers in collection
-# order; in name order a long file dealt last (test_train, test_vocab) kept one worker busy
-# while the other had finished. Longest first, the last files dealt are short. (`.ci/run`
-# orders the slow files the same way; a file not named here keeps its place after them.)
+# longest first. pytest-xdist's `--dist loadfile` with `--no-loadscope-reorder` (pyproject's
+# addopts) hands files to its workers in collection order; by default it deals them by their
+# number of tests, so long files of few tests (test_grpo_grad, test_vocab: 2 each) came among
+# the last and kept one worker busy after the other had finished. Longest first, the last
+# files dealt are short. (`.ci/run` orders the slow files the same way; a file not named here
+# keeps its place after them.)
 LONGEST = (
     "test_lora_hf",
     "test_hf_gemma4_whole",
