@@ -162,16 +162,17 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
 def scale_modules(scales: dict[str, float]) -> optax.GradientTransformation:
     """AdamW's updates (its decoupled weight decay included) of the top-level modules in
     `scales` times their scale: the same as training each of them at that multiple of the
-    learning rate (`model.<tower>.lr_scale`, `model.projector_lr_scale`)."""
+    learning rate (`model.<tower>.lr_scale`, `model.projector_lr_scale`). optax's `scale` on
+    each module's leaves (`masked`); the others pass through."""
 
-    def scale(path, update):
-        return update * scales.get(sharding.rules.key_parts(path)[0], 1.0)
+    def of(name: str):
+        def mask(tree):
+            top = lambda path, _: sharding.rules.key_parts(path)[0] == name  # noqa: E731
+            return jax.tree_util.tree_map_with_path(top, tree)
 
-    def update(updates, state, params=None):
-        del params
-        return jax.tree_util.tree_map_with_path(scale, updates), state
+        return mask
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+    return optax.chain(*(optax.masked(optax.scale(s), of(n)) for n, s in scales.items()))
 
 
 def warmup_steps(cfg: Config) -> int:
