@@ -222,12 +222,13 @@ HEADS = {"llm": ("llm", 12, 2, 128), "vision": ("vision", 16, 16, 80)}
 PARTS = ("env", "tests", "recipe", "attention", "moe", "vlm", "host")
 # The campaign on a GPU, most valuable first (`--plan` packs it into device calls in this
 # order), and the seconds each case takes on one H100 from an empty compile cache, its
-# process's start-up included. Measured on one H100 80GB (jax 0.11.2, 2026-11-26): env 3 s,
-# tests/cudnn 58 s, attention 226 s, and the first recipe case was stopped after 463 s still
-# compiling its step (XLA's "Very slow compile" alarm), so a recipe case is priced at a whole
-# call's budget until a run says what its compile costs; the others are estimates (the MoE's
-# and Qwen3-VL's steps may compile as slowly). Every run's report lists what each case took,
-# to put here.
+# process's start-up included. Measured on one H100 80GB (jax 0.11.2): env 3-4 s, tests/cudnn
+# 58 s, attention 226 s (2026-11-26); moe/cudnn/full 101 s, vlm/cudnn/qwen3_vl_8b 256 s, and
+# vlm/block_sparse/gemma3_4b stopped at 262 s in its profile, its step measured (2026-11-27).
+# The first recipe case was stopped after 463 s still compiling its step (XLA's "Very slow
+# compile" alarm), so a recipe case is priced at a whole call's budget until a run says what
+# its compile costs; the others not named here are estimates. Every run's report lists what
+# each case took, to put here.
 CAMPAIGN = {
     "env": 15,  # versions, devices, flags, memory, what this Python lacks
     "tests/cudnn": 60,  # the cuDNN kernel's correctness tests (tests/test_attention.py)
@@ -236,11 +237,11 @@ CAMPAIGN = {
     "recipe/block_sparse/save_dots_except_mlp": 500,  # the flash-style kernel instead
     "recipe/cudnn/full": 500,  # full remat: what recomputing every block costs
     "recipe/cudnn/save_dots_except_mlp/mixes": 500,  # on ChartQA's and AI2D's lengths
-    "moe/cudnn/full": 180,  # the 30B-A3B mixture of experts' per-GPU expert work (Qwen3's)
+    "moe/cudnn/full": 110,  # the 30B-A3B mixture of experts' per-GPU expert work (Qwen3's)
     "recipe/cudnn/llm_save_dots": 500,  # the vision tower recomputed, the LLM's dots kept
-    "vlm/cudnn/qwen3_vl_8b": 200,  # Qwen3-VL-8B's per-GPU step: DeepStack, its table, images
+    "vlm/cudnn/qwen3_vl_8b": 270,  # Qwen3-VL-8B's per-GPU step: DeepStack, its table, images
     "vlm/cudnn/qwen3_vl_30b_a3b": 200,  # Qwen3-VL-30B-A3B's: the tower beside the MoE's experts
-    "vlm/block_sparse/gemma3_4b": 200,  # Gemma-3-4B's: windowed layers, images both ways
+    "vlm/block_sparse/gemma3_4b": 300,  # Gemma-3-4B's: windowed layers, images both ways
     "moe/block_sparse/gemma4_26b_a4b": 180,  # Gemma-4-26B-A4B's: windows, LoRA, capacity 2x
     "host": 500,  # an 8-GPU host's feed against this step (its compile as a recipe case's)
 }
