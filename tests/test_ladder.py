@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxmllm.bench.tails import index_of, longtail, ragged
+from jaxmllm.config.phases import PHASES
 from jaxmllm.cost.model import TileWeights
 from jaxmllm.plan import ladder
 from jaxmllm.plan.contract import Capacities, bucket_tile_caps, check_plan, step_tiles
@@ -166,10 +167,69 @@ def test_a_step_is_long_when_enough_long_samples_wait_or_one_is_old():
     lad = Ladder(caps, wait=8)
     enough = int(np.ceil(ladder.BATCH * 2 * 4))  # (of 2 microbatches x 4 devices' buckets)
     since = np.full(enough, 10)
-    assert lad.variant(12, since[1:], np.ones(enough - 1, np.int64)) == 0
-    assert lad.variant(12, since, np.ones(enough, np.int64)) == 1
-    assert lad.variant(17, since[:3], np.array([0, 1, 0])) == 1  # waited 7 = wait - 1 steps
-    assert lad.variant(16, since[:3], np.array([0, 1, 0])) == 0
+    assert lad.variant(12, since[1:], llm_levels(np.ones(enough - 1))) == 0
+    assert lad.variant(12, since, llm_levels(np.ones(enough))) == 1
+    assert lad.variant(17, since[:3], llm_levels([0, 1, 0])) == 1  # waited 7 = wait - 1 steps
+    assert lad.variant(16, since[:3], llm_levels([0, 1, 0])) == 0
+
+
+def llm_levels(levels) -> np.ndarray:
+    """Per sample, its levels (`Ladder.sample_levels`) of LLM levels `levels`, the encoders'
+    0."""
+    out = np.zeros((len(levels), len(PHASES)), np.int64)
+    out[:, PHASES.index("llm")] = levels
+    return out
+
+
+def long_in_each(n=3000, every=500, seed=0):
+    """`rare_long`'s chats with one image each, of 2,048 patches in every `every` from
+    `every` // 2 and in the first sample (also one of its long documents)."""
+    rng = np.random.default_rng(seed)
+    text = rng.integers(20, 100, n)
+    text[::every] = rng.integers(2800, 3100, len(text[::every]))
+    sizes = 64 * rng.integers(1, 5, n)
+    sizes[every // 2 :: every] = sizes[0] = 2048
+    return index_of(text, ragged(np.ones(n, np.int64), sizes))
+
+
+def test_a_step_long_for_one_phase_computes_the_other_phases_base_tiles():
+    """Per phase long variants (`ladder.phase_variants`, issue 57): a step long for its LLM
+    documents computes the vision encoder's base tiles, one long for its large images the
+    LLM's, and only a sample long in both (the first) waits for the variant that raises both;
+    each phase's long steps come when its own long samples are BATCH a bucket, and the plans
+    hold their variant's tiles with nothing lost. (One variant raising both phases, the rule
+    before: every long step computed both phases' long tiles.)"""
+    index = long_in_each()
+    base = {"llm": 150, "vision": 1100, "audio": 0}
+    top = {"llm": 1600, "vision": 2300}
+    long = ladder.phase_variants(base, {}, top)
+    assert long == [{**base, "llm": 1600}, {**base, "vision": 2300}, {**base, **top}]
+    caps = caps_of(index, tiles=base, long_tiles=tuple(long))
+    caps = dataclasses.replace(caps, route_pair_capacity=512)  # (an image of 512 rows)
+    lad = Ladder(caps)
+    n = len(index)
+    owner = np.repeat(np.arange(n), np.diff(index.items["vision"].ptr))
+    rungs = lad.rungs(index.llm_tokens(PER_TOKEN), {"vision": (owner, index.items["vision"].sizes)})
+    expect = np.zeros(n, np.int64)
+    expect[::500], expect[250::500], expect[0] = 1, 2, 3
+    np.testing.assert_array_equal(rungs, expect)
+    # a phase's long steps: its own long samples BATCH a bucket, or one of them old
+    levels = lad.levels[[1] * 6 + [2] * 5]
+    assert lad.variant(3, np.full(11, 2), levels) == 1
+    assert lad.variant(3, np.full(11, 2), lad.levels[[2] * 6 + [1] * 5]) == 2
+    assert lad.variant(3, np.full(11, 2), lad.levels[[1] * 6 + [2] * 6]) == 3
+    assert lad.variant(20, np.full(1, 2), lad.levels[[3]]) == 3  # (waited LONG_WAIT - 1)
+    planner = make_planner("orchestrated", index, caps, 0)
+    planned, variants = Counter(), []
+    for _ in range(30):
+        plan = planner.plan()
+        check_plan(plan, index, caps)  # (within the step's variant's tiles)
+        variants.append(plan.variant)
+        assert (lad.levels[rungs[plan.samples]] <= lad.levels[plan.variant]).all()
+        planned.update(plan.samples.tolist())
+    assert {1, 2} <= set(variants)
+    pulled = Counter(stream_of(index, 0).take(0, planner.cursor).tolist())
+    assert planned + Counter(planner.deferred[:, 0].tolist()) == pulled
 
 
 def test_sizing_gives_the_longest_documents_a_variant_instead_of_every_step():

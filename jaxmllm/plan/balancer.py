@@ -132,9 +132,9 @@ class Balancer:
         caps, step = self.caps, self.step
         held, variant = None, 0
         if self.ladder is not None:  # (a long step plans the long samples; the rest wait)
-            waiting = self._rungs(self.deferred[:, 0])
+            waiting = self._levels(self.deferred[:, 0])
             variant = self.ladder.variant(step, self.deferred[:, 1], waiting)
-            held = waiting > variant
+            held = self.ladder.held(waiting, variant)
         self.selector, self.phases = self.selectors[variant], self.phases_of[variant]
         caps = self.phases.caps  # (the variant's buckets)
         pool, fresh = self.selector.window(self.stream, self.cursor, self.deferred, step, held)
@@ -153,9 +153,10 @@ class Balancer:
         taken = np.zeros(len(pool), bool)
         held = None
         if self.ladder is not None:
-            rungs = self._rungs(samples)
-            held = rungs > variant  # (they wait for a step of their variant)
-            urgent = (urgent & (rungs == 0)) | ((rungs > 0) & ~held)  # (long ones first)
+            levels = self._levels(samples)
+            held = self.ladder.held(levels, variant)  # (they wait for a step that holds them)
+            long = levels.any(1)
+            urgent = (urgent & ~long) | (long & ~held)  # (long ones first)
             taken |= held
         work = np.take(self.work_of.sel, self.at, axis=1)  # [phase, pool position]
         left = work.sum(1)  # work of the pool not yet taken
@@ -189,10 +190,12 @@ class Balancer:
         self.step += 1
         return self._emit(step, micros, samples, since, variant)
 
-    def _rungs(self, samples: np.ndarray) -> np.ndarray:
-        """Per sample, its rung of the ladder (`Ladder.rungs`)."""
+    def _levels(self, samples: np.ndarray) -> np.ndarray:
+        """Per sample and phase, its level of the ladder (`Ladder.sample_levels`)."""
         pool = self.phases.of(samples)
-        return self.ladder.rungs(pool.longest(), {p: it[:2] for p, it in pool.items.items()})
+        return self.ladder.sample_levels(
+            pool.longest(), {p: it[:2] for p, it in pool.items.items()}
+        )
 
     def _left_short(self, mb: Micro, work: np.ndarray, sel: np.ndarray, urgent) -> bool:
         """Whether the placement of a selection (`sel`) left out an urgent sample, or left

@@ -11,18 +11,24 @@ every device of every step pays for it, and the longest document grows with the 
 
 So a step comes in a few compiled variants (at most `MAX_VARIANTS`) that differ only in their
 tile capacities (`Capacities.tile_caps(variant)`): the base one, held near the mean need, and
-long ones up to what the longest document needs. A document's *rung* is the lowest variant
-whose bucket holds it comfortably: at most `SHARE` of the bucket's tiles alone (wherever in a
-block it starts), or alone at all in the top variant or where no variant above holds more of
-its phase; a sample's rung is its documents' highest (its text in the LLM, its images and clips
-in their encoders). A step of variant v plans the samples of rungs 1..v first (urgent: into the
-emptiest buckets) and leaves those of higher rungs waiting; it fills the rest as any step.
+long ones up to what the longest document needs, *per phase*: a variant long for the LLM keeps
+the encoders' base tiles and one long for the vision encoder the LLM's, a last one raises
+every long phase (`phase_variants`: where each step's variant raised every phase at once,
+chats seed 100 computed 2.3% of its FLOPs as the LLM's padding tiles and 2.3% as the vision
+encoder's). A phase's *levels* are its tile capacities over the variants, in order
+(`phase_levels`); a document's level in its phase is the lowest whose bucket holds it
+comfortably: at most `SHARE` of the bucket's tiles alone (wherever in a block it starts), or
+alone at all at the phase's top level; a sample's levels are its documents' highest per phase
+(its text in the LLM, its images and clips in their encoders). A step of a variant plans the
+long samples its levels hold first (urgent: into the emptiest buckets) and leaves the others
+waiting; it fills the rest as any step.
 
 Which variant a step is comes from the deferred queue alone, so the plan stays a function of
-(seed, step, index, carried state): the highest v such that the samples waiting at rung v or
-above could give each of the step's buckets one, or one of them has waited `LONG_WAIT - 1`
-steps. A long sample waits at most LONG_WAIT steps (more only while more of them wait than one
-long step holds: then the next step is long too).
+(seed, step, index, carried state): per phase the highest level such that the samples waiting
+at it or above could give each of the phase's buckets one (`BATCH` of them), or one of them
+has waited `LONG_WAIT - 1` steps; the step is the first variant at those levels or above. A
+long sample waits at most LONG_WAIT steps (more only while more of them wait than one long
+step holds: then the next step is long too).
 
 With a context degree per step (`Capacities.long_context`) the long variants' LLM buckets are
 context groups (rows of several devices, `plan.context`) while the base one's are each device's
@@ -47,7 +53,7 @@ from jaxmllm.plan.contract import Capacities, bucket_tile_caps
 from jaxmllm.plan.tiles import own_tiles, packed_density
 
 # Tuned constants of the long variants (what each was measured to do: docs/long-tails.md).
-MAX_VARIANTS = 3  # step variants at most: each is a compiled program
+MAX_VARIANTS = 6  # step variants at most: each is a compiled program
 LONG_WAIT = 16  # most steps a long sample waits for a long step
 SHARE = 0.5  # a document belongs to the base if it fills at most this share of its bucket
 BATCH = 0.75  # a long step comes as soon as its samples waiting are this many a bucket
@@ -89,79 +95,123 @@ def bucket_rows(caps: Capacities) -> dict[str, int]:
     return out
 
 
+def phase_levels(caps: Capacities) -> np.ndarray:
+    """Per variant and phase (`PHASES`' order), its level: the rank of its bucket's tiles (a
+    context group's with a degree per step) among the phase's over every variant, 0 the
+    base's (a phase's long variants need not raise every phase: one long for the LLM may keep
+    the encoders' base tiles, `phase_variants`)."""
+    caps_vp = np.array(
+        [[bucket_tile_caps(caps.at(v), v)[p] for p in PHASES] for v in range(caps.variants)]
+    )
+    out = np.zeros(caps_vp.shape, np.int64)
+    for j in range(len(PHASES)):
+        out[:, j] = np.searchsorted(np.unique(caps_vp[:, j]), caps_vp[:, j])
+    return out
+
+
 def rung_rows(caps: Capacities) -> list[dict[str, int]]:
-    """Per variant but the top one and per phase with a tile capacity, the most attention rows
-    of a document of that variant's rung (module docstring): the base's fill at most SHARE of
-    a bucket alone; a long one's fit with the rest of their bucket at the base's density (its
-    tiles over its rows); where no variant above holds more of a phase, its documents fit
-    alone."""
+    """Per phase with a tile capacity and each of its levels but the top one (`phase_levels`),
+    the most attention rows of a document of that level (module docstring): the base's fill
+    at most SHARE of a bucket alone; a long one's fit with the rest of their bucket at the
+    base's density (its tiles over its rows); where no level above holds more of a phase, its
+    documents fit alone. Entry k: the bounds of level k (a phase missing: none at level k)."""
+    levels = phase_levels(caps)
     top = caps.variants - 1
     views = [caps.at(v) for v in range(caps.variants)]  # (a degree per step: its groups)
     buckets = [bucket_tile_caps(view, v) for v, view in enumerate(views)]
     rows = [bucket_rows(view) for view in views]
-    out = []
-    for v, cap in enumerate(buckets[:-1]):
-        bound = {}
-        for p in PHASES:
-            causal = p == LLM
-            if not cap[p]:
+    out = [{} for _ in range(max(int(levels.max()), 1))]
+    for j, p in enumerate(PHASES):
+        causal = p == LLM
+        for level in range(int(levels[:, j].max()) + 1):
+            v = int(np.flatnonzero(levels[:, j] == level)[0])  # (any variant of the level)
+            cap = buckets[v][p]
+            if not cap or 0 < level == levels[:, j].max():  # (the top level: no bound)
                 continue
-            if buckets[top][p] <= cap[p]:  # (nothing above holds more)
-                bound[p] = longest_fitting(cap[p], caps.attention_block, causal)
-            elif v == 0:
-                bound[p] = longest_fitting(SHARE * cap[p], caps.attention_block, causal)
+            if level == levels[:, j].max():  # (nothing above holds more)
+                bound = longest_fitting(cap, caps.attention_block, causal)
+            elif level == 0:
+                bound = longest_fitting(SHARE * cap, caps.attention_block, causal)
             else:
                 density = buckets[0][p] / max(rows[0][p], 1)
-                bound[p] = longest_filling(
-                    cap[p], density, rows[v][p], caps.attention_block, causal
-                )
-        # (a document longer than the variant's rows waits for the groups above, whose
-        # rows are longer: a context degree per step)
+                bound = longest_filling(cap, density, rows[v][p], caps.attention_block, causal)
+            out[level][p] = bound
+    # (a document longer than a level's rows waits for the groups above, whose rows are
+    # longer: a context degree per step)
+    j = PHASES.index(LLM)
+    for level, bound in enumerate(out):
+        v = int(np.flatnonzero(levels[:, j] == level)[0]) if (levels[:, j] == level).any() else top
         if views[top].group_row_len > views[v].group_row_len:
             bound[LLM] = min(bound.get(LLM, views[v].group_row_len), views[v].group_row_len)
-        out.append(bound)
     return out
 
 
 class Ladder:
-    """Which rung each sample is, and which variant each step is (module docstring)."""
+    """Which level each sample is in each phase, and which variant each step is (module
+    docstring)."""
 
     def __init__(self, caps: Capacities, wait: int = LONG_WAIT):
         self.wait, self.variants = wait, caps.variants
+        self.levels = phase_levels(caps)  # [variant, phase]
         self.rows = rung_rows(caps)
         self.per_row = {p: 1 if p == LLM else caps.row_units(p) for p in PHASES}
-        # (a variant's buckets: with a degree per step, a long one's are its groups, each
-        # sized for one long sample, `group_rung`; counted by the devices instead, groups
-        # were sent more than they hold: goodput 0.935 on speech, 0.941 on docqa, against
-        # 0.982 and 0.964)
-        self.batch = [
-            BATCH * caps.microbatches * caps.at(v).llm_buckets for v in range(caps.variants)
-        ]
+        # Per phase and level, the samples waiting that make a step long: BATCH a bucket of
+        # the phase's (the LLM's with a degree per step: a long step's groups, each sized for
+        # one long sample, `group_rung`; counted by the devices instead, groups were sent
+        # more than they hold: goodput 0.935 on speech, 0.941 on docqa, against 0.982 and
+        # 0.964); an encoder's buckets are a device's in every variant
+        self.batch = np.zeros(self.levels.shape[1:] + (int(self.levels.max()) + 1,))
+        for j, p in enumerate(PHASES):
+            for level in range(int(self.levels[:, j].max()) + 1):
+                v = int(np.flatnonzero(self.levels[:, j] == level)[0])
+                buckets = caps.at(v).llm_buckets if p == LLM else caps.devices
+                self.batch[j, level] = BATCH * caps.microbatches * buckets
 
-    def rungs(self, llm: np.ndarray, items: dict[str, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-        """Per sample, its rung: its LLM tokens `llm` (its longest LLM document: a
+    def sample_levels(
+        self, llm: np.ndarray, items: dict[str, tuple[np.ndarray, np.ndarray]]
+    ) -> np.ndarray:
+        """Per sample and phase, its level: its LLM tokens `llm` (its longest LLM document: a
         preference pair's two are two documents), and per encoder phase its items' (owner
         sample position, size in units)."""
-        out = np.zeros(len(llm), np.int64)
+        out = np.zeros((len(llm), len(PHASES)), np.int64)
+        j_llm = PHASES.index(LLM)
         for bound in self.rows:
-            above = llm > bound[LLM] if LLM in bound else np.zeros(len(llm), bool)
+            if LLM in bound:
+                out[:, j_llm] += llm > bound[LLM]
             for p, (owner, size) in items.items():
                 if p in bound:
+                    above = np.zeros(len(llm), bool)
                     above[owner[size // self.per_row[p] > bound[p]]] = True
-            out += above
+                    out[:, PHASES.index(p)] += above
         return out
 
-    def variant(self, step: int, since: np.ndarray, rungs: np.ndarray) -> int:
-        """The variant of step `step` from the waiting samples (pulled at `since`, of `rungs`):
-        the highest v such that those of rung v or above are BATCH a bucket of the step, or
-        one of them has waited LONG_WAIT - 1 steps; 0 when none."""
-        for v in range(self.variants - 1, 0, -1):
-            up = rungs >= v
-            if up.sum() >= self.batch[v] or (
-                up.any() and (step - since[up]).max() >= self.wait - 1
-            ):
-                return v
-        return 0
+    def rungs(self, llm: np.ndarray, items: dict[str, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """Per sample, the first variant that holds it (`sample_levels`; 0: the base)."""
+        return self.home(self.sample_levels(llm, items))
+
+    def home(self, levels: np.ndarray) -> np.ndarray:
+        """Per sample of `levels` (`sample_levels`), the first variant that holds it."""
+        holds = (levels[:, None, :] <= self.levels[None]).all(2)  # [sample, variant]
+        return holds.argmax(1)
+
+    def held(self, levels: np.ndarray, variant: int) -> np.ndarray:
+        """Per sample of `levels`, whether a step of `variant` cannot hold it."""
+        return (levels > self.levels[variant]).any(1)
+
+    def variant(self, step: int, since: np.ndarray, levels: np.ndarray) -> int:
+        """The variant of step `step` from the waiting samples (pulled at `since`, of
+        `levels`): per phase, the highest level such that those of it or above are BATCH a
+        bucket of the phase, or one of them has waited LONG_WAIT - 1 steps; the step is the
+        first variant whose levels are as high in every phase (0 when none is long)."""
+        need = np.zeros(levels.shape[1], np.int64)
+        old = step - since >= self.wait - 1
+        for j in range(levels.shape[1]):
+            for level in range(int(self.levels[:, j].max()), 0, -1):
+                up = levels[:, j] >= level
+                if up.sum() >= self.batch[j, level] or (up & old).any():
+                    need[j] = level
+                    break
+        return int((need[None] <= self.levels).all(1).argmax())
 
 
 def size_ladder(
@@ -173,6 +223,7 @@ def size_ladder(
     density: dict[str, float],
     block: int,
     weights: dict[str, tuple[float, float]] | None = None,
+    always: tuple[str, ...] = (),
 ) -> tuple[dict[str, int], list[dict[str, int]]]:
     """(the base bucket tile capacities, the long variants' in increasing order) of a bucket
     held at `held` tiles without long variants (0: a phase without a bound).
@@ -222,11 +273,28 @@ def size_ladder(
     if not top:
         return {p: max(n, least[p]) if n else 0 for p, n in held.items()}, []
     base = {p: base[p] if p in top else max(n, least[p]) if n else 0 for p, n in held.items()}
+    for p in always:  # (a long level at the base's tiles: a degree per step's groups)
+        top.setdefault(p, base[p])
     mid = {p: int(np.sqrt(base[p] * n)) for p, n in top.items() if n >= MIDDLE * base[p]}
-    rungs = [mid, top] if mid and MAX_VARIANTS > 2 else [top]
-    if len(rungs) == 2:  # (a phase without a middle rung: its top in both)
-        rungs[0] = {p: mid.get(p, n) for p, n in top.items()}
-    return base, [{p: r.get(p, 0) for p in base} for r in rungs]
+    return base, phase_variants(base, mid, top)
+
+
+def phase_variants(
+    base: dict[str, int], mid: dict[str, int], top: dict[str, int]
+) -> list[dict[str, int]]:
+    """The long variants of a ladder whose phases `top` are long (`mid`: those with a middle
+    rung), every phase's tiles set, cheapest first: each phase's rungs alone, the others at
+    the base's, and where several phases are long one variant with every top, for a sample
+    long in several (a step long for its LLM need not compute the long vision tiles, nor the
+    other way round: chats seed 100 computed 2.3% of its FLOPs as each's padding tiles when
+    one variant raised both). At most MAX_VARIANTS with the base: past it, the old chain (one
+    variant raising every phase's middle rung, one every top)."""
+    alone = [{**base, p: n} for p, n in mid.items()] + [{**base, p: n} for p, n in top.items()]
+    every = {**base, **top}
+    out = alone + ([every] if len(top) > 1 else [])
+    if 1 + len(out) <= MAX_VARIANTS:
+        return out
+    return [{**every, **mid}, every] if mid else [every]
 
 
 def group_rung(base: dict[str, int], rung: dict[str, int], degree: int) -> dict[str, int]:

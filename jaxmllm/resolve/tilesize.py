@@ -223,13 +223,27 @@ def size_tiles(
             base, long = {p: max(n, held_least[p]) if n else 0 for p, n in held.items()}, []
         else:
             row_weights = None if weights is None else ladder_weights(weights, caps, held, rows)
+            # (a degree per step: the LLM has a long level, its groups, even at the base's
+            # tiles, `size_ladder`'s `always`)
+            always = (LLM,) if caps.long_context else ()
             base, long = size_ladder(
-                held, held_least, docs, tail, rows, density, caps.attention_block, row_weights
+                held,
+                held_least,
+                docs,
+                tail,
+                rows,
+                density,
+                caps.attention_block,
+                row_weights,
+                always,
             )
         if caps.long_context:  # (a degree per step: a long rung's bucket is a group)
             # (one at least: a document longer than a device's row fits no base bucket, even
-            # where its tiles gave no long rung)
+            # where its tiles gave no long rung; a variant long for an encoder alone has its
+            # groups at the base's LLM tiles, as one long for the LLM alone at the base's
+            # tiles: one variant)
             long = [group_rung(base, r, caps.long_context) for r in long or [dict(base)]]
+            long = [r for k, r in enumerate(long) if r not in long[:k]]
         return TileSizes(
             device_tile_caps(caps.at(0), base),
             tuple(device_tile_caps(caps.at(v + 1), r) for v, r in enumerate(long)),
