@@ -189,9 +189,9 @@ class BatchConfig:
     vision_tiles: int = -1
     audio_tiles: int = -1
     # Block-sparse attention's long variants of a step (`jaxmllm.plan.ladder`): per phase the
-    # tiles a device computes in each, in increasing order (a step planned for the documents
-    # too long for the tiles of the variant below; 0: the one below's). Each variant a run uses
-    # is one more compiled program (at most 5 long ones). [-1] = auto: sized from the data with
+    # tiles a device computes in each (a step planned for the documents too long for the base's
+    # tiles in the phases it raises; 0: the variant below's). Each variant a run uses is one
+    # more compiled program (at most 5 long ones). [-1] = auto: sized from the data with
     # the tiles above when those are auto (none where the longest documents cost the base step
     # little, none with mesh.context > 1), else none; [] = none (the tiles above hold every
     # document)
