@@ -204,6 +204,12 @@ def test_a_step_long_for_one_phase_computes_the_other_phases_base_tiles():
     top = {"llm": 1600, "vision": 2300}
     long = ladder.phase_variants(base, {}, top)
     assert long == [{**base, "llm": 1600}, {**base, "vision": 2300}, {**base, **top}]
+    mid = {"llm": 500, "vision": 1600}  # (with middle rungs: theirs alone, then both)
+    assert ladder.phase_variants(base, mid, top) == [
+        *({**base, p: n} for p, n in [*mid.items(), *top.items()]),
+        {**base, **mid},
+        {**base, **top},
+    ]
     caps = caps_of(index, tiles=base, long_tiles=tuple(long))
     caps = dataclasses.replace(caps, route_pair_capacity=512)  # (an image of 512 rows)
     lad = Ladder(caps)

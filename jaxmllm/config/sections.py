@@ -32,7 +32,7 @@ AUTO_SIZES = (
 )
 # ... and the lists [-1] leaves to the data (the long variants' tiles, `BatchConfig`)
 AUTO_LADDERS = ("llm_long_tiles", *(p.long_tiles for p in ENCODERS))
-LONG_VARIANTS = 5  # most long variants of a step (`jaxmllm.plan.ladder.MAX_VARIANTS` - 1)
+LONG_VARIANTS = 6  # most long variants of a step (`jaxmllm.plan.ladder.MAX_VARIANTS` - 1)
 
 
 # XLA:CPU makes any number of virtual devices, each with its own threads and buffers: 100,000
@@ -191,7 +191,7 @@ class BatchConfig:
     # Block-sparse attention's long variants of a step (`jaxmllm.plan.ladder`): per phase the
     # tiles a device computes in each (a step planned for the documents too long for the base's
     # tiles in the phases it raises; 0: the variant below's). Each variant a run uses is one
-    # more compiled program (at most 5 long ones). [-1] = auto: sized from the data with
+    # more compiled program (at most 6 long ones). [-1] = auto: sized from the data with
     # the tiles above when those are auto (none where the longest documents cost the base step
     # little, none with mesh.context > 1), else none; [] = none (the tiles above hold every
     # document)

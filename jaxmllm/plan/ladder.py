@@ -53,7 +53,7 @@ from jaxmllm.plan.contract import Capacities, bucket_tile_caps
 from jaxmllm.plan.tiles import own_tiles, packed_density
 
 # Tuned constants of the long variants (what each was measured to do: docs/long-tails.md).
-MAX_VARIANTS = 6  # step variants at most: each is a compiled program
+MAX_VARIANTS = 7  # step variants at most: each is a compiled program
 LONG_WAIT = 16  # most steps a long sample waits for a long step
 SHARE = 0.5  # a document belongs to the base if it fills at most this share of its bucket
 BATCH = 0.75  # a long step comes as soon as its samples waiting are this many a bucket
@@ -284,14 +284,16 @@ def phase_variants(
 ) -> list[dict[str, int]]:
     """The long variants of a ladder whose phases `top` are long (`mid`: those with a middle
     rung), every phase's tiles set, cheapest first: each phase's rungs alone, the others at
-    the base's, and where several phases are long one variant with every top, for a sample
-    long in several (a step long for its LLM need not compute the long vision tiles, nor the
-    other way round: chats seed 100 computed 2.3% of its FLOPs as each's padding tiles when
-    one variant raised both). At most MAX_VARIANTS with the base: past it, the old chain (one
-    variant raising every phase's middle rung, one every top)."""
+    the base's, and where several phases are long one variant with every middle rung (a top
+    where a phase has none) and one with every top, for a step whose phases each need a long
+    level (a step long for its LLM need not compute the long vision tiles, nor the other way
+    round: chats seed 100 computed 2.3% of its FLOPs as each's padding tiles when one variant
+    raised both). At most MAX_VARIANTS with the base: past it, the old chain (one variant
+    raising every phase's middle rung, one every top)."""
     alone = [{**base, p: n} for p, n in mid.items()] + [{**base, p: n} for p, n in top.items()]
     every = {**base, **top}
-    out = alone + ([every] if len(top) > 1 else [])
+    out = alone + ([{**every, **mid}] if len(top) > 1 and mid else [])
+    out += [every] if len(top) > 1 else []
     if 1 + len(out) <= MAX_VARIANTS:
         return out
     return [{**every, **mid}, every] if mid else [every]
