@@ -64,10 +64,10 @@ class Capacities:
     # devices (`plan.context`), the base variant's those of `context` (1: each device its own);
     # 0 = every variant's those of `context`. A view of one variant is `at(variant)`.
     long_context: int = 0
-    # The long variants of a step (`jaxmllm.plan.ladder`), in increasing order: per variant
-    # 1, 2, ... and phase, the tiles a device may compute in a step planned for documents too
-    # long for the variant below (empty: every step is planned with `tiles`; a phase missing
-    # or 0: the variant below's)
+    # The long variants of a step (`jaxmllm.plan.ladder`), cheapest first: per variant 1,
+    # 2, ... and phase, the tiles a device may compute in a step planned for documents too
+    # long for the base's tiles in the phases it raises (empty: every step is planned with
+    # `tiles`; a phase missing or 0: the variant below's)
     long_tiles: tuple[Mapping[str, int], ...] = ()
     # Encoder phases whose items are bidirectional spans in the LLM's rows (their tiles above
     # the diagonal count in the LLM's tiles: `span_extras`)

@@ -225,8 +225,8 @@ def size_ladder(
     weights: dict[str, tuple[float, float]] | None = None,
     always: tuple[str, ...] = (),
 ) -> tuple[dict[str, int], list[dict[str, int]]]:
-    """(the base bucket tile capacities, the long variants' in increasing order) of a bucket
-    held at `held` tiles without long variants (0: a phase without a bound).
+    """(the base bucket tile capacities, the long variants', cheapest first: `phase_variants`)
+    of a bucket held at `held` tiles without long variants (0: a phase without a bound).
 
     Documents of a bucket's rung fill at most SHARE of it alone (`rung_rows`), so the base
     holds only the documents under that bound: its capacity is `held` scaled by their packed
@@ -245,7 +245,9 @@ def size_ladder(
     `docs`: per phase (document sizes in attention rows, causal, row length), as
     `contract.documents`, of a uniform sample of the data (its densities); `tail`: the same
     of its longest documents (what the long variants must hold); `rows`: per phase a bucket's
-    attention rows."""
+    attention rows; `always`: phases with a long level even at the base's tiles (the LLM with
+    a context degree per step: its long steps' groups hold the documents a device's rows do
+    not)."""
     base = dict(held)
     dens0 = dict(density)
     for _ in range(3):
