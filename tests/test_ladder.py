@@ -202,29 +202,32 @@ def test_a_step_long_for_one_phase_computes_the_other_phases_base_tiles():
     index = long_in_each()
     base = {"llm": 150, "vision": 1100, "audio": 0}
     top = {"llm": 1600, "vision": 2300}
-    long = ladder.phase_variants(base, {}, top)
-    assert long == [{**base, "llm": 1600}, {**base, "vision": 2300}, {**base, **top}]
-    mid = {"llm": 500, "vision": 1600}  # (with middle rungs: theirs alone, then both)
+    long = ladder.phase_variants(base, {}, top)  # (cheapest first: tiles over the base's)
+    assert long == [{**base, "vision": 2300}, {**base, "llm": 1600}, {**base, **top}]
+    mid = {"llm": 500, "vision": 1600}  # (with middle rungs: both middles before the tops)
     assert ladder.phase_variants(base, mid, top) == [
-        *({**base, p: n} for p, n in [*mid.items(), *top.items()]),
+        {**base, "vision": 1600},
+        {**base, "vision": 2300},
+        {**base, "llm": 500},
         {**base, **mid},
+        {**base, "llm": 1600},
         {**base, **top},
     ]
     caps = caps_of(index, tiles=base, long_tiles=tuple(long))
     caps = dataclasses.replace(caps, route_pair_capacity=512)  # (an image of 512 rows)
-    lad = Ladder(caps)
+    lad, vision, llm, both = Ladder(caps), 1, 2, 3
     n = len(index)
     owner = np.repeat(np.arange(n), np.diff(index.items["vision"].ptr))
     rungs = lad.rungs(index.llm_tokens(PER_TOKEN), {"vision": (owner, index.items["vision"].sizes)})
     expect = np.zeros(n, np.int64)
-    expect[::500], expect[250::500], expect[0] = 1, 2, 3
+    expect[::500], expect[250::500], expect[0] = llm, vision, both
     np.testing.assert_array_equal(rungs, expect)
     # a phase's long steps: its own long samples BATCH a bucket, or one of them old
-    levels = lad.levels[[1] * 6 + [2] * 5]
-    assert lad.variant(3, np.full(11, 2), levels) == 1
-    assert lad.variant(3, np.full(11, 2), lad.levels[[2] * 6 + [1] * 5]) == 2
-    assert lad.variant(3, np.full(11, 2), lad.levels[[1] * 6 + [2] * 6]) == 3
-    assert lad.variant(20, np.full(1, 2), lad.levels[[3]]) == 3  # (waited LONG_WAIT - 1)
+    since = np.full(12, 2)
+    assert lad.variant(3, since[:11], lad.levels[[llm] * 6 + [vision] * 5]) == llm
+    assert lad.variant(3, since[:11], lad.levels[[vision] * 6 + [llm] * 5]) == vision
+    assert lad.variant(3, since, lad.levels[[llm] * 6 + [vision] * 6]) == both
+    assert lad.variant(20, since[:1], lad.levels[[both]]) == both  # (waited LONG_WAIT - 1)
     planner = make_planner("orchestrated", index, caps, 0)
     planned, variants = Counter(), []
     for _ in range(30):
@@ -292,6 +295,28 @@ def test_sizing_a_degree_per_step_gives_the_groups_the_documents_a_device_row_ca
     top = bucket_tile_caps(held.top, held.variants - 1)["llm"]
     assert sizes.long and top >= largest_doc_tiles(index, caps)["llm"]
     make(held)  # (every document fits its variant: `check_tiles_fit`)
+
+
+def test_with_a_degree_per_step_long_images_keep_a_variant_of_groups_alone():
+    """A context degree per step (groups of 2) on short chats with a large image in every
+    500: the vision encoder gets its long variants (a middle one and a top) and the LLM,
+    without a long rung for tiles' sake, one of groups at the base's tiles, first (the
+    cheapest: a document longer than a device's row takes it, not a long vision step); the
+    variant that would raise both is the vision top's twin, one compiled program, not two."""
+    rng = np.random.default_rng(0)
+    sizes = 64 * rng.integers(1, 5, 3000)
+    sizes[250::500] = 2048
+    index = index_of(rng.integers(20, 100, 3000), ragged(np.ones(3000, np.int64), sizes))
+    caps = dataclasses.replace(
+        caps_of(index, long_tiles=({"llm": 0, "vision": 0},)),
+        route_pair_capacity=512,
+        tiles={"llm": 0, "vision": 0},
+        long_context=2,
+    )
+    got = size_tiles(make_planner("orchestrated", index, caps, 0), index, caps, 10, ladder=True)
+    assert len(got.long) == 3 and len({tuple(r.items()) for r in got.long}) == 3
+    assert got.long[0]["vision"] == got.tiles["vision"]  # (the LLM's groups alone)
+    assert got.long[0]["vision"] < got.long[1]["vision"] < got.long[2]["vision"]
 
 
 @pytest.mark.parametrize("context", [1, 2])

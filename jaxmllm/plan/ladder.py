@@ -285,7 +285,8 @@ def phase_variants(
     base: dict[str, int], mid: dict[str, int], top: dict[str, int]
 ) -> list[dict[str, int]]:
     """The long variants of a ladder whose phases `top` are long (`mid`: those with a middle
-    rung), every phase's tiles set, cheapest first: each phase's rungs alone, the others at
+    rung), every phase's tiles set, cheapest first (a step's variant is the first that holds
+    what its phases need, `Ladder.variant`): each phase's rungs alone, the others at
     the base's, and where several phases are long one variant with every middle rung (a top
     where a phase has none) and one with every top, for a step whose phases each need a long
     level (a step long for its LLM need not compute the long vision tiles, nor the other way
@@ -296,8 +297,8 @@ def phase_variants(
     every = {**base, **top}
     out = alone + ([{**every, **mid}] if len(top) > 1 and mid else [])
     out += [every] if len(top) > 1 else []
-    if 1 + len(out) <= MAX_VARIANTS:
-        return out
+    if 1 + len(out) <= MAX_VARIANTS:  # (cheapest first: the tiles over the base's, summed)
+        return sorted(out, key=lambda r: sum(n / max(base[p], 1) for p, n in r.items()))
     return [{**every, **mid}, every] if mid else [every]
 
 
