@@ -109,6 +109,13 @@ def phase_levels(caps: Capacities) -> np.ndarray:
     return out
 
 
+def variant_at(levels: np.ndarray, phase: int, level: int) -> int | None:
+    """The first variant whose level in `phase` (a column of `phase_levels`) is `level`; None
+    where no variant has it."""
+    found = np.flatnonzero(levels[:, phase] == level)
+    return int(found[0]) if found.size else None
+
+
 def rung_rows(caps: Capacities) -> list[dict[str, int]]:
     """Per phase with a tile capacity and each of its levels but the top one (`phase_levels`),
     the most attention rows of a document of that level (module docstring): the base's fill
@@ -124,7 +131,7 @@ def rung_rows(caps: Capacities) -> list[dict[str, int]]:
     for j, p in enumerate(PHASES):
         causal = p == LLM
         for level in range(int(levels[:, j].max()) + 1):
-            v = int(np.flatnonzero(levels[:, j] == level)[0])  # (any variant of the level)
+            v = variant_at(levels, j, level)  # (any variant of the level)
             cap = buckets[v][p]
             if not cap or 0 < level == levels[:, j].max():  # (the top level: no bound)
                 continue
@@ -140,7 +147,8 @@ def rung_rows(caps: Capacities) -> list[dict[str, int]]:
     # longer: a context degree per step)
     j = PHASES.index(LLM)
     for level, bound in enumerate(out):
-        v = int(np.flatnonzero(levels[:, j] == level)[0]) if (levels[:, j] == level).any() else top
+        v = variant_at(levels, j, level)
+        v = top if v is None else v
         if views[top].group_row_len > views[v].group_row_len:
             bound[LLM] = min(bound.get(LLM, views[v].group_row_len), views[v].group_row_len)
     return out
@@ -163,7 +171,7 @@ class Ladder:
         self.batch = np.zeros(self.levels.shape[1:] + (int(self.levels.max()) + 1,))
         for j, p in enumerate(PHASES):
             for level in range(int(self.levels[:, j].max()) + 1):
-                v = int(np.flatnonzero(self.levels[:, j] == level)[0])
+                v = variant_at(self.levels, j, level)
                 buckets = caps.at(v).llm_buckets if p == LLM else caps.devices
                 self.batch[j, level] = BATCH * caps.microbatches * buckets
 
@@ -187,11 +195,11 @@ class Ladder:
 
     def rungs(self, llm: np.ndarray, items: dict[str, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
         """Per sample, the first variant that holds it (`sample_levels`; 0: the base)."""
-        return self.home(self.sample_levels(llm, items))
+        return self._first_holding(self.sample_levels(llm, items))
 
-    def home(self, levels: np.ndarray) -> np.ndarray:
-        """Per sample of `levels` (`sample_levels`), the first variant that holds it."""
-        holds = (levels[:, None, :] <= self.levels[None]).all(2)  # [sample, variant]
+    def _first_holding(self, levels: np.ndarray) -> np.ndarray:
+        """Per row of `levels` ([n, phase]), the first variant as high in every phase."""
+        holds = (levels[:, None, :] <= self.levels[None]).all(2)  # [n, variant]
         return holds.argmax(1)
 
     def held(self, levels: np.ndarray, variant: int) -> np.ndarray:
@@ -211,7 +219,7 @@ class Ladder:
                 if up.sum() >= self.batch[j, level] or (up & old).any():
                     need[j] = level
                     break
-        return int((need[None] <= self.levels).all(1).argmax())
+        return int(self._first_holding(need[None])[0])
 
 
 def size_ladder(
