@@ -63,6 +63,11 @@ BATCH = 0.75  # a long step comes as soon as its samples waiting are this many a
 GAIN_FLOPS = 0.005
 GAIN_TILES = 0.05
 MIDDLE = 2.0  # a middle variant where the longest document needs this times the base or more
+# The base holds at least this share of the documents within its bound (`base_floor`): scaled
+# by the density of the documents under its bound alone, a base whose bound misses the common
+# document shrinks further each round (a device row of 8 blocks, chats of 3: a base of 14
+# tiles bounded at 32 rows where the chats' median is 40, every step after the first long)
+BODY = 0.9
 
 
 def longest_fitting(cap: float, block: int, causal: bool) -> int:
@@ -114,6 +119,17 @@ def variant_at(levels: np.ndarray, phase: int, level: int) -> int | None:
     where no variant has it."""
     found = np.flatnonzero(levels[:, phase] == level)
     return int(found[0]) if found.size else None
+
+
+def base_floor(sizes: np.ndarray, block: int, causal: bool) -> int:
+    """The fewest tiles a base bucket may have so that BODY of the documents `sizes` (in
+    attention rows) are under its bound: each fills at most SHARE of it alone, wherever in a
+    block it starts (`longest_fitting`); 0 without documents."""
+    if not sizes.size:
+        return 0
+    rows = int(np.ceil(np.quantile(sizes, BODY)))
+    alone = own_tiles(np.array([(rows - 1) // block + 2]), causal)[0]
+    return int(math.ceil(alone / SHARE))
 
 
 def rung_rows(caps: Capacities) -> list[dict[str, int]]:
@@ -236,19 +252,20 @@ def size_ladder(
     """(the base bucket tile capacities, the long variants', cheapest first: `phase_variants`)
     of a bucket held at `held` tiles without long variants (0: a phase without a bound).
 
-    Documents of a bucket's rung fill at most SHARE of it alone (`rung_rows`), so the base
-    holds only the documents under that bound: its capacity is `held` scaled by their packed
-    density over the whole data's (`density`), settled in a few rounds (the bound moves with
-    it). A long variant holds its documents with the rest of its bucket filled at the base's
-    density: per phase the most any of them needs alone (wherever in a block it starts,
-    `least` for the longest) plus that density times the rest of the bucket's `rows`. A phase
-    whose longest document the base holds within GAIN_TILES of its tiles gets no long capacity
-    (its base is raised to it), or with `weights` (per phase: FLOPs per unit of `rows`, per
-    tile) within GAIN_FLOPS of what a whole bucket computes, all phases (the tiles of a phase
-    whose attention costs little, an audio encoder's, are not worth a second program). Where
+    Documents of a bucket's rung fill at most SHARE of it alone (`rung_rows`), so the base holds
+    only the documents under that bound: its capacity is `held` scaled by their packed density over
+    the whole data's (`density`), settled in a few rounds (the bound moves with it), never so low
+    that the bound misses more than 1 - BODY of the documents (`base_floor`: a base that holds no
+    common document is a compiled program no step uses). A long variant holds its documents with the
+    rest of its bucket filled at the base's density: per phase the most any of them needs alone
+    (wherever in a block it starts, `least` for the longest) plus that density times the rest of the
+    bucket's `rows`. A phase whose longest document the base holds within GAIN_TILES of its tiles
+    gets no long capacity (its base is raised to it), or with `weights` (per phase: FLOPs per unit
+    of `rows`, per tile) within GAIN_FLOPS of what a whole bucket computes, all phases (the tiles of
+    a phase whose attention costs little, an audio encoder's, are not worth a second program). Where
     the top is MIDDLE times the base or more, a middle variant at their geometric mean (the
-    documents between two rungs of such a ratio are too many kinds for one: those near the
-    bottom would leave most of the top's tiles to padding).
+    documents between two rungs of such a ratio are too many kinds for one: those near the bottom
+    would leave most of the top's tiles to padding).
 
     `docs`: per phase (document sizes in attention rows, causal, row length), as
     `contract.documents`, of a uniform sample of the data (its densities); `tail`: the same
@@ -265,7 +282,7 @@ def size_ladder(
                 continue
             bound = longest_fitting(SHARE * base[p], block, causal)
             dens0[p] = packed_density(sizes[sizes <= bound], row_len, block, causal)
-            base[p] = max(1, math.ceil(n * dens0[p] / density[p]))
+            base[p] = max(1, math.ceil(n * dens0[p] / density[p]), base_floor(sizes, block, causal))
     if weights is None:
         worth = {p: GAIN_TILES * n for p, n in held.items()}
     else:
