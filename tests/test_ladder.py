@@ -297,6 +297,35 @@ def test_sizing_a_degree_per_step_gives_the_groups_the_documents_a_device_row_ca
     make(held)  # (every document fits its variant: `check_tiles_fit`)
 
 
+def test_a_base_of_few_blocks_still_holds_the_common_document():
+    """Rows of 8 blocks (128 tokens of 16) and chats of 30-50 tokens, one in 16 of ~230, in
+    groups of 2 in the long steps: a base sized by the density of the documents under its
+    bound alone shrank until its bound (32 rows) missed the median chat, and every step was
+    long (stop 71). The base's bound holds BODY of the documents, the median sample's rung is
+    the base, and most steps of a run are base steps."""
+    rng = np.random.default_rng(0)
+    text = rng.integers(30, 50, 640)
+    text[8::16] = rng.integers(220, 240, 40)
+    index = index_of(text, ragged(np.zeros(640, np.int64), np.zeros(0, np.int64)))
+    caps = dataclasses.replace(
+        caps_of(index, devices=8, long_tiles=({"llm": 0, "vision": 0},)),
+        microbatches=1,
+        llm_row_len=128,
+        attention_block=16,
+        tiles={"llm": 0, "vision": 0},
+        long_context=2,
+    )
+    make = lambda c: make_planner("orchestrated", index, c, 0)
+    sizes = size_tiles(make(caps), index, caps, 10)
+    held = dataclasses.replace(caps, tiles=sizes.tiles, long_tiles=sizes.long)
+    bound = rung_rows(held)[0]["llm"]
+    assert bound >= np.quantile(text, ladder.BODY)
+    assert Ladder(held).rungs(np.array([int(np.median(text))]), {}).tolist() == [0]
+    planner = make(held)
+    variants = [planner.plan().variant for _ in range(12)]
+    assert variants.count(0) > len(variants) // 2 and max(variants) > 0
+
+
 def test_with_a_degree_per_step_long_images_keep_a_variant_of_groups_alone():
     """A context degree per step (groups of 2) on short chats with a large image in every
     500: the vision encoder gets its long variants (a middle one and a top) and the LLM,
