@@ -370,44 +370,6 @@ def test_a_simpo_steps_loss_and_gradient_equal_its_pairs_one_by_one(setup, one_b
     assert _grad_gap(grads, want) < 1e-4
 
 
-@pytest.mark.slow
-def test_a_moe_dpo_step_is_the_same_over_data_fsdp_and_expert_meshes():
-    """tiny_moe.yaml's decoder (experts over `mesh.expert`): the same pairs and weights give
-    the same loss, rewards and router losses on 8 devices laid out two ways: one bucket a
-    device, and data x expert x fsdp."""
-    meshes = [  # (data x fsdp is held by the dense test's 4 x 2 against one device a bucket)
-        ["mesh.data=8", "mesh.expert=1", "mesh.fsdp=1"],
-        ["mesh.data=2", "mesh.expert=2", "mesh.fsdp=2"],
-    ]
-    base = ["data.synthetic.num_samples=64", "batch.llm_row_len=384", "batch.llm_tiles=160"]
-    host = None
-    results = []
-    for mesh in meshes:
-        cfg = load_config("configs/tiny_moe.yaml", [*base, *mesh])
-        run = resolve_run(cfg)
-        cfg = dataclasses.replace(
-            run.cfg, train=dataclasses.replace(run.cfg.train, objective="dpo")
-        )
-        if host is None:  # (one plan, bucketized once: the same batch on every mesh)
-            pairs = PairSource(run.source, run.index)
-            plan = planner_from_config(cfg, pairs.index, 8).plan()
-            samples = {int(i): pairs[int(i)] for i in np.unique(plan.samples)}
-            host = bucketize(plan, samples, cfg, capacities(cfg, 8), index=pairs.index)
-        with jax.set_mesh(run.mesh):
-            prog = build_program(cfg, run.mesh)
-            state = prog.init()
-            noise = lambda x: x + 0.02 * jax.random.normal(jax.random.key(1), x.shape, x.dtype)  # noqa: E731
-            state = {**state, "params": jax.tree.map(noise, state["params"])}
-            state = prog.with_reference(state, prog.initial_weights())
-        one = types.SimpleNamespace(cfg=cfg, prog=prog, run=run, state=state, host=host)
-        results.append(_step(one))
-    first = results[0]
-    for loss, metrics, _ in results[1:]:
-        assert loss == pytest.approx(first[0], rel=1e-4)
-        for key in ("rewards/chosen", "rewards/margins", "logps/chosen", "moe/aux_loss"):
-            assert metrics[key] == pytest.approx(first[1][key], rel=1e-4, abs=1e-5), key
-
-
 def test_the_base_reference_switches_the_adapters_off():
     """With LoRA the reference is the policy with its adapters zeroed (no copy of the base):
     every adapter leaf zero, every other leaf the policy's own, a given leaf in its place."""
