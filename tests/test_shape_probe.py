@@ -1,26 +1,12 @@
 """tools/shape_probe.py: the built-in shapes are drawn so that their pixels tell them apart."""
 
 import numpy as np
-import pytest
 
 from jaxmllm.config.load import load_config
-
-torch = pytest.importorskip("torch")
-probe = pytest.importorskip("tools.shape_probe")
+from tools import shape_probe as probe
 
 
-@pytest.fixture
-def one_thread():
-    """torch on one thread, as the tool runs it: its small full-batch probe takes 0.1 s so, and
-    20 s on two threads of a busy two-core machine (its workers spin against the other jobs)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.mark.torch
-def test_a_linear_probe_on_a_shapes_own_pixels_names_it(one_thread):
+def test_a_linear_probe_on_a_shapes_own_pixels_names_it():
     """Cropped to the shape and resized, a linear probe names every shape of the built-in
     images (a renderer drawing two shapes alike, or one off its image, fails it); what the tiny
     model cannot do in 200 steps is learn this, not see it (docs/training.md)."""
