@@ -295,6 +295,8 @@ def size_ladder(
             continue
         sizes = np.concatenate([sizes, tail[p][0]])
         long = sizes[sizes > longest_fitting(SHARE * n, block, causal)]
+        if not long.size:  # (a base at its floor can hold even the longest: no long rung)
+            continue
         alone = own_tiles((long - 1) // block + 2, causal)
         top[p] = int(np.ceil((alone + n / rows[p] * np.maximum(rows[p] - long, 0)).max()))
     if not top:
