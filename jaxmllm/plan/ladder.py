@@ -50,7 +50,7 @@ import numpy as np
 
 from jaxmllm.config.phases import LLM, PHASES
 from jaxmllm.plan.contract import Capacities, bucket_tile_caps
-from jaxmllm.plan.tiles import own_tiles, packed_density
+from jaxmllm.plan.tiles import own_tiles, packed_density, tiles_alone
 
 # Tuned constants of the long variants (what each was measured to do: docs/long-tails.md).
 MAX_VARIANTS = 7  # step variants at most: each is a compiled program
@@ -128,8 +128,7 @@ def base_floor(sizes: np.ndarray, block: int, causal: bool) -> int:
     if not sizes.size:
         return 0
     rows = int(np.ceil(np.quantile(sizes, BODY)))
-    alone = own_tiles(np.array([(rows - 1) // block + 2]), causal)[0]
-    return int(math.ceil(alone / SHARE))
+    return int(math.ceil(tiles_alone(rows, block, causal) / SHARE))
 
 
 def rung_rows(caps: Capacities) -> list[dict[str, int]]:
@@ -275,6 +274,7 @@ def size_ladder(
     not)."""
     base = dict(held)
     dens0 = dict(density)
+    floor = {p: base_floor(docs[p][0], block, docs[p][1]) for p, n in held.items() if n}
     for _ in range(3):
         for p, n in held.items():
             sizes, causal, row_len = docs[p]
@@ -282,7 +282,7 @@ def size_ladder(
                 continue
             bound = longest_fitting(SHARE * base[p], block, causal)
             dens0[p] = packed_density(sizes[sizes <= bound], row_len, block, causal)
-            base[p] = max(1, math.ceil(n * dens0[p] / density[p]), base_floor(sizes, block, causal))
+            base[p] = max(1, math.ceil(n * dens0[p] / density[p]), floor[p])
     if weights is None:
         worth = {p: GAIN_TILES * n for p, n in held.items()}
     else:
@@ -297,7 +297,7 @@ def size_ladder(
         long = sizes[sizes > longest_fitting(SHARE * n, block, causal)]
         if not long.size:  # (a base at its floor can hold even the longest: no long rung)
             continue
-        alone = own_tiles((long - 1) // block + 2, causal)
+        alone = tiles_alone(long, block, causal)
         top[p] = int(np.ceil((alone + n / rows[p] * np.maximum(rows[p] - long, 0)).max()))
     if not top:
         return {p: max(n, least[p]) if n else 0 for p, n in held.items()}, []

@@ -64,6 +64,12 @@ def own_tiles(m: np.ndarray, causal: bool, reach: int | None = None) -> np.ndarr
     return m + near * (near + 1) // 2 + (m - 1 - near) * reach
 
 
+def tiles_alone(rows, block: int, causal: bool):
+    """The tiles a document of `rows` attention rows (an int or an array) needs alone,
+    wherever in a block it starts: it may span one block more than its size in blocks."""
+    return own_tiles((rows - 1) // block + 2, causal)
+
+
 def span_blocks(tokens: np.ndarray, block: int) -> np.ndarray:
     """The most blocks a run of `tokens` tokens can touch, wherever it starts."""
     t = np.asarray(tokens, np.int64)

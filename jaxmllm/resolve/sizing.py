@@ -25,7 +25,7 @@ from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.preprocess import MEDIA
 from jaxmllm.plan.contract import Capacities, Planner, device_tile_caps
 from jaxmllm.plan.registry import HOLDS_TILES, make_planner
-from jaxmllm.plan.tiles import band_above, bin_tiles, own_tiles
+from jaxmllm.plan.tiles import band_above, bin_tiles, tiles_alone
 from jaxmllm.resolve.attention import resolve_attention
 from jaxmllm.resolve.capacity import (
     ROUTE_DRY_RUN_STEPS,
@@ -310,7 +310,7 @@ def resolve_bounds(cfg: Config, devices: int) -> Config:
         bucket = bin_tiles(np.zeros_like(offsets), offsets, sizes, 1, b.attention_block, causal)
         # ... and never below what resolve_tiles holds for the longest document (starting
         # anywhere in a block: one block more than its size in blocks)
-        least = own_tiles(np.array([(size - 1) // b.attention_block + 2]), causal)[0]
+        least = tiles_alone(size, b.attention_block, causal)
         tiles[phase] = max(rows * int(bucket[0]), int(least))
         if causal and caps.bidirectional:  # (spans: tiles above the diagonal, as far ahead
             # as the largest item a bucket holds reaches)

@@ -41,6 +41,7 @@ from jaxmllm.plan.tiles import (
     own_tiles,
     packed_density,
     span_blocks,
+    tiles_alone,
     window_reach,
     window_tile_capacity,
 )
@@ -132,11 +133,7 @@ def largest_doc_tiles(index: LengthsIndex, caps: Capacities) -> dict[str, int]:
     can be."""
     out = {}
     for phase, n in longest_rows(summary_of(index, caps.per_token), caps).items():
-        out[phase] = (
-            int(own_tiles(np.array([(n - 1) // caps.attention_block + 2]), phase == LLM)[0])
-            if n
-            else 0
-        )
+        out[phase] = int(tiles_alone(n, caps.attention_block, phase == LLM)) if n else 0
     if caps.bidirectional:  # (a sample's spans add tiles above the diagonal)
         out[LLM] = max(out[LLM], spans_alone(index, caps, anywhere=True)[0])
     return out
@@ -202,8 +199,8 @@ def size_tiles(
     # longer ones a long variant's groups)
     held_least = dict(least)
     if caps.long_context and least[LLM]:
-        row = own_tiles(np.array([(caps.llm_row_len - 1) // caps.attention_block + 2]), True)
-        held_least[LLM] = min(least[LLM], int(row[0]))
+        row = tiles_alone(caps.llm_row_len, caps.attention_block, True)
+        held_least[LLM] = min(least[LLM], int(row))
     density = tile_density(index, caps)  # (once for every headroom tried)
     summary = summary_of(index, caps.per_token)
     docs = documents(summary.body, caps)  # (the body's for densities, and the tail's too for
