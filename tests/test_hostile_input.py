@@ -42,6 +42,7 @@ from jaxmllm.data.records.jsonl import JsonRecords
 from jaxmllm.data.records.parquet import ParquetRecords
 from jaxmllm.data.records.webdataset import MAX_HEADER_BYTES, TarRecords, scan_tar
 from jaxmllm.data.rejects import RecordError, read_rejects
+from jaxmllm.data.stored import StoredIndex
 from jaxmllm.data.text.pretrained import MAX_TOKENIZER_BYTES, PretrainedTokenizer
 from jaxmllm.hf.family import FamilyError
 from jaxmllm.hf.importer import write_config
@@ -335,13 +336,15 @@ def test_long_member_names_under_the_cap_cost_their_bytes_once(tmp_path):
     assert (
         records.raw(2000)[0]["text"] == "caption 2000" and records.fallback_id(2000) == names[2000]
     )
-    again = TarRecords(path, dict(np.load(save(tmp_path, scan))))  # (the index's scan.npz)
-    assert again.keys[2000] == names[2000] and again.exts[0] == "json"
-
-
-def save(tmp_path: Path, scan: dict) -> Path:
-    np.savez(tmp_path / "scan.npz", **scan)
-    return tmp_path / "scan.npz"
+    # ... and as the index stores them: offsets and bytes, mapped (a fixed-width array of the
+    # names, as np.savez makes of `Strings`, would be 3000 x the widest: 720 MB on disk)
+    summary, _ = index(path, "data.source=files", "data.format=webdataset")
+    assert summary["accepted"] == 3000
+    (folder,) = {p.parent for p in Path(f"{path}.index").rglob("summary.json")}
+    stored = StoredIndex(folder, json.loads((folder / "summary.json").read_text()))
+    again = TarRecords(path, stored.scans.of(0))
+    assert again.keys[2000] == names[2000] and again.keys[7] == names[7] and again.exts[0] == "json"
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 1 << 20
 
 
 @pytest.mark.parametrize("claimed", [500 << 20, 1 << 33, 1 << 60])
