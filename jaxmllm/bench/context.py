@@ -24,7 +24,7 @@ on a shared machine.
 `python -m jaxmllm.bench.context --bytes` (`strategy_rows`): per context size and
 `mesh.context_strategy`, the bytes a rank sends (or receives: the same for these collectives)
 over the context axis per attention layer and microbatch, forward and backward, from the shapes
-(`strategy_bytes`), and where the process has C devices (`XLA_FLAGS=
+(`jaxmllm.cost.exchange`), and where the process has C devices (`XLA_FLAGS=
 --xla_force_host_platform_device_count=8` on a CPU) from the collectives of XLA's compiled
 program of one attention's forward and backward (`compiled_bytes`); and the extra memory a rank
 holds for it (the gathered keys and values; ulysses' repeated KV heads). A Gated DeltaNet
@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmllm.bench.attention import documents, median_time
+from jaxmllm.cost.exchange import attention_bytes, linear_bytes
 from jaxmllm.models.blocksparse import kernel
 from jaxmllm.plan import context as split
 from jaxmllm.plan.contract import Capacities
@@ -185,45 +186,6 @@ BYTES = {"bfloat16": 2, "float32": 4}
 COLLECTIVES = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce", "collective-permute")
 
 
-def strategy_bytes(
-    tokens: int, ranks: int, heads: int, kv: int, head_dim: int, itemsize: int, tiles: int = 0
-) -> dict[str, dict[str, int]]:
-    """Per strategy, a rank's bytes over the context axis for one attention layer (forward and
-    backward) of `tokens` tokens a rank, and the extra memory it holds, from the shapes.
-
-    gather: the group's K and V all-gathered ((C - 1) of a rank's own, each), with the segment
-    ids and positions (int32); backward, their gradients reduce-scattered (as much again).
-    ulysses: q, k, v and the output all-to-all'd ((C - 1) / C of a rank's each; kv heads
-    repeated to lcm(kv, C) where C does not divide them), forward, and their transposes
-    backward; the ids and positions gathered as gather's, and the tile lists (`tiles` a rank,
-    two int32 each)."""
-    c, t, e, b = ranks, tokens, head_dim, itemsize
-    ints = 2 * (c - 1) * t * 4  # (segment ids and positions, gathered once a layer)
-    kv_bytes = 2 * (c - 1) * t * kv * e * b
-    gather = {"forward": kv_bytes + ints, "backward": kv_bytes, "held": kv_bytes}
-    kv_u = math.lcm(kv, c) if kv % c else kv
-    moved = (c - 1) * t * e * b * (2 * heads + 2 * kv_u) // c
-    listed = (c - 1) * tiles * 2 * 4
-    ulysses = {
-        "forward": moved + ints + listed,
-        "backward": moved,
-        "held": 2 * t * (kv_u - kv) * e * b,
-    }
-    return {"gather": gather, "ulysses": ulysses}
-
-
-def linear_bytes(tokens: int, ranks: int, spec, itemsize: int) -> int:
-    """A Gated DeltaNet layer's bytes a rank sends under ulysses, forward and backward: the
-    fused projection [T, key heads, group], beta's and the decay's logits [T, value heads],
-    the outputs [T, value heads, value dim] all-to-all'd each way, and the segment ids and
-    positions gathered (int32) for the order."""
-    per_token = (
-        spec.key_heads * spec.group + 2 * spec.value_heads + spec.value_heads * (spec.value_dim)
-    )
-    moved = (ranks - 1) * tokens * per_token * itemsize // ranks
-    return 2 * moved + 2 * (ranks - 1) * tokens * 4
-
-
 def hlo_collective_bytes(hlo: str, ranks: int) -> int:
     """Bytes a rank sends over its collectives in compiled HLO text (each op's result shape,
     as the op moves it over its replica group of c devices: an all-gather's or all-to-all's
@@ -287,14 +249,13 @@ def strategy_rows(args) -> list[dict]:
     """The rows of `--bytes`: per context size, per strategy its bytes a rank per attention
     layer (analytic and XLA's) and the extra memory held; and the Gated DeltaNet row."""
     from jaxmllm.config.decoder import LinearConfig
-    from jaxmllm.models.deltanet import LinearSpec
 
     itemsize, e = BYTES[args.dtype], args.width // args.heads
-    linear = LinearSpec.of(LinearConfig())  # (Qwen3.5's: 16 key heads, 32 value heads, 128)
+    linear = LinearConfig()  # (Qwen3.5's: 16 key heads, 32 value heads, 128)
     rows = []
     for ranks in (int(c) for c in args.context.split(",")):
         tiles = ranks * (args.tokens // args.block) ** 2 // 2  # (a long document's, a rank's)
-        sizes = strategy_bytes(args.tokens, ranks, args.heads, args.kv_heads, e, itemsize, tiles)
+        sizes = attention_bytes(args.tokens, ranks, args.heads, args.kv_heads, e, itemsize, tiles)
         for name, got in sizes.items():
             xla = compiled_bytes(name, args.tokens, ranks, args, tiles)
             rows.append(
