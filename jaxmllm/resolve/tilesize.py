@@ -334,17 +334,28 @@ def step_window_tiles(
 def goodput(
     planner: Planner, index: LengthsIndex, caps: Capacities, steps: int, weights: Mapping
 ) -> float:
-    """Useful FLOPs over computed FLOPs of `planner`'s first `steps` plans (`flop_share` of
-    their units and needed tiles over `caps`' buckets; a decoder's windowed layers: the
-    windowed tiles they need over their list's capacity, `window_cap`). (`planner` is used
-    up.)"""
+    """Useful FLOPs over computed FLOPs of `planner`'s first `steps` plans (`trial_flops`).
+    (`planner` is used up.)"""
+    useful, computed, _ = trial_flops(planner, index, caps, steps, weights)
+    return useful / computed if computed > 0 else 0.0
+
+
+def trial_flops(
+    planner: Planner, index: LengthsIndex, caps: Capacities, steps: int, weights: Mapping
+) -> tuple[float, float, int]:
+    """(useful FLOPs, computed FLOPs, steps of a long variant) of `planner`'s first `steps`
+    plans (`flop_parts` of their units and needed tiles over `caps`' buckets; a decoder's
+    windowed layers: the windowed tiles they need over their list's capacity, `window_cap`).
+    (`planner` is used up.)"""
     units, tiles = np.zeros(len(PHASES)), dict.fromkeys(weights, 0.0)
     computed = dict.fromkeys(PHASES, 0.0)  # (each step's capacities: its variant's)
     llm = weights.get(LLM, (0.0, 0.0))
     window = TileWeights(*llm).window if caps.attention_block else 0
     window_tiles = cap_window = 0.0
+    long_steps = 0
     for _ in range(steps):
         plan = planner.plan()
+        long_steps += plan.variant > 0
         units += work_of(index, plan.samples, caps.per_token).sum(0)
         for phase, need in step_tiles(plan, index, caps).items():
             tiles[phase] = tiles.get(phase, 0.0) + float(need.sum())
@@ -354,7 +365,8 @@ def goodput(
             window_tiles += float(step_window_tiles(plan, index, caps, window).sum())
             cap_window += window_cap(caps, caps.tile_caps(plan.variant)[LLM], llm) / steps
     buckets = steps * caps.microbatches * caps.devices
-    return flop_share(units, tiles, caps, computed, buckets, weights, window_tiles, cap_window)
+    parts = flop_parts(units, tiles, caps, computed, buckets, weights, window_tiles, cap_window)
+    return (*parts, long_steps)
 
 
 def flop_share(
@@ -367,7 +379,24 @@ def flop_share(
     window_tiles: float = 0.0,
     cap_window: float | None = None,
 ) -> float:
-    """Useful over computed FLOPs: the real `units` (per phase: LLM tokens, patches, frames)
+    """Useful over computed FLOPs (`flop_parts`)."""
+    useful, computed = flop_parts(
+        units, tiles, caps, cap_tiles, buckets, weights, window_tiles, cap_window
+    )
+    return useful / computed if computed > 0 else 0.0
+
+
+def flop_parts(
+    units: np.ndarray,
+    tiles: dict[str, float],
+    caps: Capacities,
+    cap_tiles: dict[str, float],
+    buckets: int,
+    weights: Mapping[str, tuple],
+    window_tiles: float = 0.0,
+    cap_window: float | None = None,
+) -> tuple[float, float]:
+    """(useful FLOPs, computed FLOPs): the real `units` (per phase: LLM tokens, patches, frames)
     and the `tiles` their documents need, over `buckets` buckets of `caps`' units and
     `cap_tiles` tiles each (with a long variant: the mean over the steps), weighted by
     `weights[phase]` = (per unit, per tile[, per windowed tile, window]: `TileWeights`).
@@ -386,7 +415,7 @@ def flop_share(
             cap_w = window_cap(caps, cap, w) if cap_window is None else cap_window
         useful += w.cost(float(units[i]), tiles.get(phase, 0.0), window_tiles if w.window else 0)
         computed += buckets * w.cost(cap_units[i], cap, cap_w)
-    return useful / computed if computed > 0 else 0.0
+    return useful, computed
 
 
 def dry_run_tiles(planner: Planner, index: LengthsIndex, caps: Capacities, steps: int) -> dict:
