@@ -124,8 +124,9 @@ class Config:
         )
         check(
             self.mesh.context_steps == "all" or self.mesh.context > 1,
-            "long splits the long steps' rows over context groups of mesh.context devices: "
-            "set mesh.context > 1 (the groups' size), or mesh.context_steps: all",
+            f"{self.mesh.context_steps} splits the long steps' rows over context groups of "
+            "mesh.context devices: set mesh.context > 1 (the groups' size), or "
+            "mesh.context_steps: all",
             "mesh.context_steps",
         )
         if self.mesh.context > 1:

@@ -198,6 +198,11 @@ class BatchSpec:
           ConfigError: (resolved) a size still -1 (auto), naming its key.
         """
         mesh = cfg.mesh
+        if mesh.context_steps == "auto" and resolved:
+            raise ConfigError(
+                "mesh.context_steps=auto is not resolved: it is chosen from the data at start-up "
+                "(jaxmllm.resolve.degree; the trainer does), or set long or all"
+            )
         per_step = mesh.context_steps == "long" and mesh.context > 1  # (the base: no groups)
         context = 1 if per_step else mesh.context
         spec = cls.from_sections(cfg.model, cfg.batch, cfg.data, context, resolved)

@@ -12,7 +12,8 @@ model (`calibrated_cost`: a bad train.cost_file stops here, not in the data thre
 and its lengths index (`make_source`: the index checked against the config and the files, the
 oversize policy applied with the bucket spec's limits on a sample), a resumed run's sizes
 (`keep_resolved`), the batch's sizes from the data (`resolve_batch`: dry runs of the planner,
-which refuses a sample no bucket holds), this process's data-parallel positions
+which refuses a sample no bucket holds; `mesh.context_steps: auto` chosen before them,
+`jaxmllm.resolve.degree`), this process's data-parallel positions
 (`host_positions`). Then the bucket spec and the planner's capacities derived from it.
 """
 
@@ -35,8 +36,8 @@ from jaxmllm.data.source import make_source
 from jaxmllm.plan.contract import Capacities, Planner
 from jaxmllm.plan.registry import make_planner
 from jaxmllm.resolve.attention import check_attention, resolve_attention
+from jaxmllm.resolve.degree import resolve_sizes
 from jaxmllm.resolve.resumed import keep_resolved
-from jaxmllm.resolve.sizing import resolve_batch
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def resolve_run(
     source, index = make_source(cfg) if data is None else data  # (the data decides `auto`)
     if resume is not None:
         cfg = keep_resolved(cfg, Path(resume))  # (a resumed run: as it was planned)
-    cfg = resolve_batch(cfg, index, buckets)
+    cfg = resolve_sizes(cfg, index, buckets)  # (mesh.context_steps: auto chosen first)
     spec = BatchSpec.of(cfg)
     multi = mesh is not None and jax.process_count() > 1
     return Run(

@@ -279,13 +279,17 @@ def resolve_bounds(cfg: Config, devices: int) -> Config:
     (`preprocess.MEDIA[phase].largest`: an image at `data.image_max_pixels`, a chunk of
     `data.audio_max_frames`) in the encoders'; cuDNN's
     documents per row at one a unit (its workspace then is the worst there is: set
-    `batch.*_documents` to measure a bound of your own). `batch.capacity: auto` is refused: it
-    sizes the encoder buckets from the data."""
+    `batch.*_documents` to measure a bound of your own). `mesh.context_steps: auto` is measured
+    as all (a group step, the largest program, is either choice's). `batch.capacity: auto` is
+    refused: it sizes the encoder buckets from the data."""
     if cfg.batch.capacity == "auto":
         raise ConfigError(
             "batch.capacity=auto sizes the encoder buckets from the data, which a compile-only "
             "measurement does not read: set batch.capacity: fixed (--set batch.capacity=fixed)"
         )
+    if cfg.mesh.context_steps == "auto":  # (chosen from the data; the group steps' programs,
+        # the largest, are either choice's: measured as all)
+        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, context_steps="all"))
     b, m = cfg.batch, cfg.model
     on = phases.enabled(m)
     changes = {}

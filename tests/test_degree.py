@@ -1,0 +1,96 @@
+"""`mesh.context_steps: auto` (issue 57): the steps that split their rows over the context groups,
+chosen at start-up from the data by useful FLOPs over computed FLOPs plus the priced exchange
+(`jaxmllm.resolve.degree`), kept by a resumed run; and the exchange's bytes a step
+(`jaxmllm.cost.exchange`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+
+import pytest
+from test_ladder import _records
+
+from jaxmllm.config import ConfigError, load_config
+from jaxmllm.config.spec import BatchSpec
+from jaxmllm.cost import exchange
+from jaxmllm.data.index import build_index
+from jaxmllm.loop.checkpoint import write_config
+from jaxmllm.resolve import degree
+from jaxmllm.resolve.resumed import keep_resolved
+from jaxmllm.resolve.run import resolve_run
+
+
+def auto_config(tmp_path, *extra):
+    """Text chats with one long document in 16 on data=4 x context=2 (`test_context_train`'s
+    per-step run), mesh.context_steps: auto."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _records(64, 16)))
+    sets = ["mesh.context_strategy=ulysses", "data.eval.source=none", "data.workers=0"]
+    sets += ["data.source=files", f"data.path={data}", "batch.llm_row_len=128"]
+    sets += ["batch.attention_block=16", "batch.microbatches=1", "mesh.data=4", "mesh.fsdp=1"]
+    sets += ["mesh.context=2", "mesh.context_steps=auto", f"train.output_dir={tmp_path / 'out'}"]
+    cfg = load_config("configs/manifest_example.yaml", [*sets, "train.steps=40", *extra])
+    build_index(cfg, progress=False)
+    return cfg
+
+
+def test_auto_keeps_the_choice_whose_useful_flops_cost_least_and_a_resumed_run_keeps_it(
+    tmp_path, monkeypatch, caplog
+):
+    cfg = auto_config(tmp_path)
+    with pytest.raises(ConfigError, match="mesh.context_steps=auto is not resolved"):
+        BatchSpec.of(cfg)
+    with caplog.at_level(logging.INFO, logger="jaxmllm"):
+        run = resolve_run(cfg)
+    _, trials = degree.choose(cfg, run.index, run.devices)
+    long, every = trials["long"], trials["all"]
+    # Every step of `all` splits its rows, the long steps alone of `long` (some, not all)
+    assert every.split_steps == every.steps == 40 and 0 < long.split_steps < long.steps
+    # ... each such step moves a rank's bytes of every layer (`step_bytes`), priced per byte
+    lm, tokens = cfg.model.llm, run.caps.llm_rows * run.caps.llm_row_len
+    moved = exchange.step_bytes(lm, "ulysses", tokens, 2, 4)  # (float32)
+    assert moved == lm.depth * sum(exchange.attention_bytes(tokens, 2, lm.heads, lm.kv_heads,
+        lm.head_width, 4)["ulysses"][k] for k in ("forward", "backward"))  # fmt: skip
+    assert every.exchange == 40 * 8 * moved * exchange.FLOPS_PER_BYTE
+    best = max(trials, key=lambda s: trials[s].score)
+    assert run.cfg.mesh.context_steps == best and f"mesh.context_steps=auto: {best}" in caplog.text
+    assert (run.spec.long_context == 2) == (best == "long")
+    # The price decides: exchange free, the better packing; dear, the fewer exchanges
+    for price, want in ((0.0, max(trials, key=lambda s: trials[s].goodput)), (1e9, "long")):
+        monkeypatch.setattr(degree, "FLOPS_PER_BYTE", price)
+        assert degree.choose(cfg, run.index, run.devices)[0].mesh.context_steps == want
+    # A run resumed with auto keeps the choice its checkpoints were planned with (and its sizes)
+    out = tmp_path / "out"
+    chosen = "all" if best == "long" else "long"  # (whichever the data would not choose now)
+    saved = degree.choose(cfg, run.index, run.devices)[0]
+    saved = replace(saved, mesh=replace(saved.mesh, context_steps=chosen))
+    write_config(saved, out)
+    (out / "checkpoints" / "3").mkdir(parents=True)
+    kept = keep_resolved(cfg, out)
+    assert kept.mesh.context_steps == chosen and kept.batch.llm_tiles == saved.batch.llm_tiles
+
+
+def test_the_exchange_of_a_step_sums_each_layer_at_its_own_heads():
+    """A hybrid decoder's Gated DeltaNet layers move their projections under ulysses; Gemma 4's
+    full-attention layers gather their own head width and KV heads; a group of one moves
+    nothing."""
+    from jaxmllm.config.decoder import LinearConfig, LLMConfig, WindowConfig
+
+    hybrid = LLMConfig(depth=4, heads=8, kv_heads=2, linear=LinearConfig(every=4))
+    t, lin = 1024, LinearConfig(every=4)
+    att = exchange.attention_bytes(t, 4, 8, 2, hybrid.head_width, 2)["ulysses"]
+    want = 3 * exchange.linear_bytes(t, 4, lin, 2) + att["forward"] + att["backward"]
+    assert exchange.step_bytes(hybrid, "ulysses", t, 4, 2) == want
+    assert exchange.step_bytes(hybrid, "ulysses", t, 1, 2) == 0
+    window = WindowConfig(size=128, every=2)
+    gemma = LLMConfig(depth=2, heads=8, kv_heads=4, window=window, full_head_dim=512)
+    gemma = replace(gemma, full_kv_heads=1)
+    per = {
+        w: sum(exchange.attention_bytes(t, 4, 8, kv, w, 2)["gather"][k] for k in ("forward",
+            "backward")) for w, kv in ((gemma.head_width, 4), (512, 1))
+    }  # fmt: skip
+    assert exchange.step_bytes(gemma, "gather", t, 4, 2) == sum(per.values())
+    # (gather: 2 (C - 1) T kv e bytes each way, the ids and positions forward)
+    assert per[512] == 2 * (2 * 3 * t * 1 * 512 * 2) + 2 * 3 * t * 4
