@@ -369,20 +369,9 @@ def trial_flops(
     return (*parts, long_steps)
 
 
-def flop_share(
-    units: np.ndarray,
-    tiles: dict[str, float],
-    caps: Capacities,
-    cap_tiles: dict[str, float],
-    buckets: int,
-    weights: Mapping[str, tuple],
-    window_tiles: float = 0.0,
-    cap_window: float | None = None,
-) -> float:
-    """Useful over computed FLOPs (`flop_parts`)."""
-    useful, computed = flop_parts(
-        units, tiles, caps, cap_tiles, buckets, weights, window_tiles, cap_window
-    )
+def flop_share(*args, **kwargs) -> float:
+    """Useful over computed FLOPs: the ratio of `flop_parts` (its arguments)."""
+    useful, computed = flop_parts(*args, **kwargs)
     return useful / computed if computed > 0 else 0.0
 
 
