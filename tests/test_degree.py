@@ -94,3 +94,29 @@ def test_the_exchange_of_a_step_sums_each_layer_at_its_own_heads():
     assert exchange.step_bytes(gemma, "gather", t, 4, 2) == sum(per.values())
     # (gather: 2 (C - 1) T kv e bytes each way, the ids and positions forward)
     assert per[512] == 2 * (2 * 3 * t * 1 * 512 * 2) + 2 * 3 * t * 4
+
+
+def test_the_balance_bench_prices_the_exchange_and_keeps_what_auto_keeps(tmp_path):
+    """`bench.balance --policies auto_groups`: groups in the long steps and in every step, each
+    row's exchange priced for the --config's decoder (every step's under groups, the long
+    steps' under long_groups) and the higher score kept, as `mesh.context_steps: auto`."""
+    from jaxmllm.bench.balance import main
+
+    out = tmp_path / "rows.json"
+    args = ["--random", "1", "--seed", "100", "--family", "docqa", "--samples", "3000"]
+    args += ["--devices", "8", "--block", "128", "--group-size", "4", "--max-steps", "6"]
+    args += ["--config", "configs/gpu/qwen3_vl_8b.yaml", "--json", str(out)]
+    assert main([*args, "--policies", "long_groups,groups,auto_groups"]) == 0
+    long, every, auto = json.loads(out.read_text())
+    assert long["long_steps"] > 0
+    lm = load_config("configs/gpu/qwen3_vl_8b.yaml").model.llm
+    tokens = every["caps"]["llm_rows"] * every["caps"]["llm_row_len"]
+    moved = exchange.step_bytes(lm, "gather", tokens, 4, 2) * exchange.FLOPS_PER_BYTE
+    for row, split in ((every, 6), (long, long["long_steps"])):
+        priced = split * 2 * 8 * moved  # (steps split x microbatches x devices)
+        computed = priced / row["exchange_share"]
+        assert row["score"] == pytest.approx(row["goodput"] * computed / (computed + priced))
+    assert long["exchange_share"] < every["exchange_share"]
+    scores = auto["score_by_choice"]
+    assert scores == {"long": long["score"], "all": every["score"]}
+    assert auto["chose"] == max(scores, key=scores.get)

@@ -8,8 +8,10 @@
         [--devices-per-host 8] [--pair-capacity auto|whole] [--flops 4e14] \
         [--intra-bw 4.5e11] [--inter-bw 5e10] [--latency 1e-5]
     python -m jaxmllm.bench.balance --random 1 --seed 100 --family docqa --devices 64 \
-        --policies orchestrated,grain,groups,long_groups [--group-size 4]  # context groups:
-        # every step's (groups), or a context degree per step (long_groups: the long steps')
+        --policies orchestrated,grain,groups,long_groups,auto_groups [--group-size 4] \
+        [--config configs/gpu/qwen3_vl_8b.yaml] [--context-strategy gather]  # context groups:
+        # every step's (groups), or a context degree per step (long_groups: the long steps'),
+        # or the one of the two that mesh.context_steps: auto keeps (auto_groups)
     python -m jaxmllm.bench.balance --context 2,4,8 [--mix ai2d,chartqa] [--tokens 8192] \
         [--groups 8] [--max-steps 8]   # context groups: per-rank tiles (jaxmllm.bench.context)
 
@@ -63,7 +65,13 @@ Per policy, one table row (all figures over the steps run, steady state included
              --block 0 leaves them out
   goodput    (with tiles) useful FLOPs over the FLOPs the buckets compute (the cost model's
              per unit and per computed tile, `CostModel.tile_weights`): real units and the
-             tiles their documents need, over every bucket's capacity in units and tiles
+             tiles their documents need, over every bucket's capacity in units and tiles.
+             With context groups the JSON also has `exchange_share` (the groups' exchange
+             priced in FLOPs, `jaxmllm.cost.exchange`, over the computed FLOPs: the --config
+             model's decoder, --context-strategy) and `score` (useful FLOPs over computed plus
+             exchange: what `mesh.context_steps: auto` compares, `jaxmllm.resolve.degree`);
+             auto_groups runs groups and long_groups and keeps the higher score (`chose`;
+             each one's figures in `<figure>_by_choice`)
   sim        (--simulate) predicted ms a step (`jaxmllm.bench.simulate`): `fl` compute alone,
              `ragged` / `dense` with that exchange, `x LB` = ragged x steps/LB (the time per
              lower-bound step of work: a policy that fills less takes more steps)
@@ -96,7 +104,9 @@ from jaxmllm.bench.table import (
 )
 from jaxmllm.config import ModelConfig, load_config
 from jaxmllm.config.command import fail, run
+from jaxmllm.config.decoder import LLMConfig
 from jaxmllm.config.phases import BY_NAME, LLM, NAMES
+from jaxmllm.cost.exchange import FLOPS_PER_BYTE, step_bytes
 from jaxmllm.cost.model import CostModel, window_sq
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.plan.contract import Capacities, StepPlan, check_plan, item_rows, pair_rows, step_tiles
@@ -104,13 +114,14 @@ from jaxmllm.plan.registry import HOLDS_TILES, make_planner
 from jaxmllm.resolve.capacity import (
     fill_bound,
 )
-from jaxmllm.resolve.tilesize import flop_share, step_window_tiles, window_cap
+from jaxmllm.resolve.tilesize import flop_parts, step_window_tiles, window_cap
 
 POLICIES = ("orchestrated", "balanced", "grain", "naive")  # the default --policies
 # orchestrated with context groups of --group-size devices (--policies may name them):
 # (context, long_context) of its capacities: every step's groups, or the long variants' alone
 # (a context degree per step; the base steps plan each device's own rows)
 GROUPED = {"groups": lambda c: (c, 0), "long_groups": lambda c: (1, c)}
+AUTO = "auto_groups"  # (both of GROUPED, the higher `score` kept: mesh.context_steps: auto)
 
 
 class _Items:
@@ -178,6 +189,7 @@ def run_policy(
     machine: simulate.Machine | None = None,
     merge_area: int = 4,
     groups: tuple[int, int] = (1, 0),
+    exchange: tuple[LLMConfig, str, int] | None = None,
 ) -> tuple[dict, list]:
     """Runs planner `policy` for `steps` steps on `index` over `devices` devices (`tokens` an LLM
     row's, `micro` microbatches, `merge_area` patches an LLM token, capacities sized as a run
@@ -185,7 +197,8 @@ def run_policy(
     fill per phase, steps over the lower bound, attention balance, microbatch variation,
     deferral, routing and the planner's ms a step. Returns the summary row and each step's
     figures. `groups`: (context, long_context) of the capacities (`Capacities`: context
-    groups of every step, or of the long variants alone)."""
+    groups of every step, or of the long variants alone); `exchange`: (the decoder, its
+    context strategy, bytes an element) that prices the groups' exchange (`score`)."""
     caps = make_caps(
         index,
         devices,
@@ -335,9 +348,18 @@ def run_policy(
         row["tile_ladder"] = [int(sum(c.values())) for c in ladder]  # (each long variant's)
         cap_window = np.mean([window_cap(caps, c[LLM], weights[LLM]) for c in by_step])
         buckets = steps * devices * micro
-        row["goodput"] = flop_share(
+        useful, total = flop_parts(
             work, tile_total, caps, computed, buckets, weights, window_total, float(cap_window)
         )
+        row["goodput"] = useful / total if total > 0 else 0.0
+        size = max(caps.context, caps.long_context)
+        if exchange is not None and size > 1:  # (every step split, or the long steps)
+            llm, strategy, itemsize = exchange
+            split = steps if caps.context > 1 else row["long_steps"]
+            moved = step_bytes(llm, strategy, caps.llm_rows * caps.llm_row_len, size, itemsize)
+            priced = split * micro * devices * moved * FLOPS_PER_BYTE
+            row["exchange_share"] = priced / total if total > 0 else 0.0
+            row["score"] = useful / (total + priced) if total + priced > 0 else 0.0
         row["tile_capacity_by_phase"] = dict(caps_by_phase)
         row["tile_capacity_long_by_phase"] = dict(long_by_phase)
         row["tile_mean"] = float(np.mean(tile_need))
@@ -387,11 +409,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--policies",
         default=",".join(POLICIES),
-        help=f"of {', '.join(POLICIES)}, and {', '.join(GROUPED)} (orchestrated with "
-        "context groups: every step's, or the long steps' alone)",
+        help=f"of {', '.join(POLICIES)}, and {', '.join(GROUPED)}, {AUTO} (orchestrated with "
+        "context groups: every step's, the long steps' alone, or the one of those two that "
+        "mesh.context_steps: auto keeps)",
     )
     ap.add_argument(
         "--group-size", type=int, default=4, help="devices a context group (--policies groups)"
+    )
+    ap.add_argument(
+        "--context-strategy",
+        default="gather",
+        choices=("gather", "ulysses"),
+        help="the groups' exchange priced in `score` (mesh.context_strategy)",
     )
     ap.add_argument("--tokens", type=int, default=32768, help="LLM tokens per device and micro")
     ap.add_argument("--micro", type=int, default=2, help="microbatches per step")
@@ -484,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:  # a missing table, an unknown mix, a bad cost file
         return fail(e, 2)
     cost = cost or CostModel.from_model(model)
+    itemsize = np.dtype(model.compute_dtype).itemsize  # (the exchange's elements)
     area = v.merge**2  # (patches an LLM token: the model's merge, 2 x 2 by default)
     rows, plots = [], {}
     for name, index in sources:
@@ -502,22 +532,34 @@ def main(argv: list[str] | None = None) -> int:
                 n = steps
                 if pol == "grain" and args.grain_max_steps:
                     n = min(steps, args.grain_max_steps)
-                grouped = GROUPED.get(pol)
-                row, first = run_policy(
-                    "orchestrated" if grouped else pol,
-                    index,
-                    d,
-                    args.tokens,
-                    args.micro,
-                    n,
-                    cost,
-                    block=args.block,
-                    per_host=args.devices_per_host,
-                    pair=args.pair_capacity,
-                    machine=machine,
-                    merge_area=area,
-                    groups=grouped(args.group_size) if grouped else (1, 0),
-                )
+                tried = []
+                # (auto: long first, which a tie keeps, as `resolve.degree` does)
+                names = ("long_groups", "groups") if pol == AUTO else (pol,)
+                for grouped in (GROUPED.get(g) for g in names):
+                    tried.append(
+                        run_policy(
+                            "orchestrated" if grouped else pol,
+                            index,
+                            d,
+                            args.tokens,
+                            args.micro,
+                            n,
+                            cost,
+                            block=args.block,
+                            per_host=args.devices_per_host,
+                            pair=args.pair_capacity,
+                            machine=machine,
+                            merge_area=area,
+                            groups=grouped(args.group_size) if grouped else (1, 0),
+                            exchange=(model.llm, args.context_strategy, itemsize),
+                        )
+                    )
+                row, first = max(tried, key=lambda t: t[0].get("score", 0.0))
+                if pol == AUTO:
+                    row["chose"] = "long" if row is tried[0][0] else "all"
+                    for key in ("score", "goodput", "exchange_share", "long_steps"):
+                        got = [t[0].get(key) for t in tried]
+                        row[f"{key}_by_choice"] = dict(zip(("long", "all"), got, strict=True))
                 row.update(
                     policy=pol, mix=name, peak_rss_mb=peak_rss_mb(), linear_every=args.linear_every
                 )

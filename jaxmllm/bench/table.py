@@ -61,6 +61,12 @@ def format_row(r: dict) -> str:
             if "simulated" in r
             else ""
         )
+        + (  # (context groups: their exchange priced, and what auto compares)
+            f"  exchange {r['exchange_share']:.1%} score {r['score']:.3f}"
+            + (f" ({r['chose']})" if "chose" in r else "")
+            if "score" in r
+            else ""
+        )
     )
 
 
