@@ -162,11 +162,12 @@ def test_a_long_document_of_real_records_trains_whole_in_its_context_group(tmp_p
     assert long > 0
 
 
-def per_step_run(out, data_path, steps: int, strategy: str = "gather"):
+def per_step_run(out, data_path, steps: int, strategy: str = "gather", which: str = "long"):
     """Text chats with one long document in 16 (`test_ladder._records`) on data=4 x context=2,
-    context groups in the long steps only (mesh.context_steps: long): a device's row of 128
-    tokens in the base steps, a group's of 256 in the long ones; tiles sized from the data;
-    a checkpoint every 3 steps; the long steps' groups attend by `strategy`."""
+    context groups in the long steps only (mesh.context_steps: `which`, long or auto, which
+    chooses long here: a tiny decoder's exchange is dear): a device's row of 128 tokens in the
+    base steps, a group's of 256 in the long ones; tiles sized from the data; a checkpoint every
+    3 steps; the long steps' groups attend by `strategy`."""
     sets = [
         f"mesh.context_strategy={strategy}",
         "data.eval.source=none",
@@ -175,7 +176,7 @@ def per_step_run(out, data_path, steps: int, strategy: str = "gather"):
     ]
     sets += [f"data.path={data_path}", "batch.llm_row_len=128", "batch.attention_block=16"]
     sets += ["batch.microbatches=1", "mesh.data=4", "mesh.fsdp=1", "mesh.context=2"]
-    cfg = load_config("configs/manifest_example.yaml", [*sets, "mesh.context_steps=long"])
+    cfg = load_config("configs/manifest_example.yaml", [*sets, f"mesh.context_steps={which}"])
     train = dict(steps=steps, output_dir=str(out), log_every=1, checkpoint_every=3)
     return replace(cfg, train=replace(cfg.train, progress_bar=False, ledger=True, **train))
 
@@ -191,7 +192,8 @@ def test_a_context_degree_per_step_trains_every_sample_once_and_resumes_exactly(
     base step with the very losses it had, bit for bit. Its long steps exchange heads
     (ulysses); what a strategy changes is the long program alone, whose math either way is
     `test_context.test_a_context_degree_per_step_runs_each_variant_with_its_model_on_one_mesh`'s
-    (plans, the ledger and resuming do not depend on it)."""
+    (plans, the ledger and resuming do not depend on it). The run says mesh.context_steps: auto,
+    which chooses long at start-up and records it."""
     strategy = "ulysses"
     from test_ladder import _records
 
@@ -204,15 +206,16 @@ def test_a_context_degree_per_step_trains_every_sample_once_and_resumes_exactly(
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _records(64, 16)))
     steps = 7
-    build_index(per_step_run(tmp_path, data, steps, strategy), progress=False)
+    build_index(per_step_run(tmp_path, data, steps, strategy, "auto"), progress=False)
 
     def kill_at_5(step, _):
         if step == 5:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        main(per_step_run(tmp_path, data, steps, strategy), on_step=kill_at_5)
-    main(per_step_run(tmp_path, data, steps, strategy))
+        main(per_step_run(tmp_path, data, steps, strategy, "auto"), on_step=kill_at_5)
+    main(per_step_run(tmp_path, data, steps, strategy, "auto"))
+    assert json.loads((tmp_path / "config.json").read_text())["mesh"]["context_steps"] == "long"
     rows = [r for r in read_metrics(tmp_path) if "loss" in r]
     losses = _losses(tmp_path)
     assert sorted(losses) == list(range(1, steps + 1)) and np.isfinite(rows[-1]["loss"])
