@@ -97,17 +97,18 @@ def test_the_exchange_of_a_step_sums_each_layer_at_its_own_heads():
 
 
 def test_the_balance_bench_prices_the_exchange_and_keeps_what_auto_keeps(tmp_path):
-    """`bench.balance --policies auto_groups`: groups in the long steps and in every step, each
-    row's exchange priced for the --config's decoder (every step's under groups, the long
-    steps' under long_groups) and the higher score kept, as `mesh.context_steps: auto`."""
+    """`bench.balance --policies auto_groups`: no groups, groups in the long steps and in every
+    step, each grouped row's exchange priced for the --config's decoder (every step's under
+    groups, the long steps' under long_groups) and the highest score kept, as
+    `mesh.context_steps: auto`."""
     from jaxmllm.bench.balance import main
 
     out = tmp_path / "rows.json"
     args = ["--random", "1", "--seed", "100", "--family", "docqa", "--samples", "3000"]
     args += ["--devices", "8", "--block", "128", "--group-size", "4", "--max-steps", "6"]
     args += ["--config", "configs/gpu/qwen3_vl_8b.yaml", "--json", str(out)]
-    assert main([*args, "--policies", "long_groups,groups,auto_groups"]) == 0
-    long, every, auto = json.loads(out.read_text())
+    assert main([*args, "--policies", "orchestrated,long_groups,groups,auto_groups"]) == 0
+    alone, long, every, auto = json.loads(out.read_text())
     assert long["long_steps"] > 0
     lm = load_config("configs/gpu/qwen3_vl_8b.yaml").model.llm
     tokens = every["caps"]["llm_rows"] * every["caps"]["llm_row_len"]
@@ -117,6 +118,64 @@ def test_the_balance_bench_prices_the_exchange_and_keeps_what_auto_keeps(tmp_pat
         computed = priced / row["exchange_share"]
         assert row["score"] == pytest.approx(row["goodput"] * computed / (computed + priced))
     assert long["exchange_share"] < every["exchange_share"]
-    scores = auto["score_by_choice"]
-    assert scores == {"long": long["score"], "all": every["score"]}
-    assert auto["chose"] == max(scores, key=scores.get)
+    scores = auto["score_by_choice"]  # (none: every sample fits a device's row here)
+    assert scores == {"none": alone["goodput"], "long": long["score"], "all": every["score"]}
+    assert auto["chose"] == max(scores, key=scores.get) and "score" not in alone
+
+
+def test_where_every_document_fits_a_device_s_row_auto_may_split_none(tmp_path, monkeypatch):
+    """Rows of 256 tokens hold the longest chat (253): `none` is a choice, the run then planned
+    and built with mesh.context 1 and the context axis' devices in mesh.data (4 x 2), no
+    exchange; a run resumed from it keeps it."""
+    cfg = auto_config(tmp_path, "batch.llm_row_len=256")
+    run = resolve_run(cfg)
+    _, trials = degree.choose(cfg, run.index, run.devices)
+    assert set(trials) == {"none", "long", "all"} and trials["none"].exchange == 0
+    best = max(trials, key=lambda s: trials[s].score)
+    assert best == "none"  # (a tiny decoder: any exchange is dear)
+    assert (run.cfg.mesh.context, run.cfg.mesh.data, run.mesh.shape["context"]) == (1, 8, 1)
+    assert run.spec.long_context == 0 and run.devices == 8
+    monkeypatch.setattr(degree, "FLOPS_PER_BYTE", 0.0)  # (free: the best packing)
+    free = degree.choose(cfg, run.index, run.devices)[1]
+    want = max(free, key=lambda s: free[s].goodput * (1 - 1e-9 * degree.CHOICES.index(s)))
+    got = degree.choose(cfg, run.index, run.devices)[0]
+    assert (got.mesh.context, got.mesh.context_steps) == (
+        (1, "all") if want == "none" else (2, want)
+    )
+    out = tmp_path / "out"
+    write_config(run.cfg, out)
+    (out / "checkpoints" / "3").mkdir(parents=True)
+    kept = keep_resolved(cfg, out)
+    assert (kept.mesh.context, kept.mesh.data, kept.mesh.context_steps) == (1, 8, "all")
+    assert kept.batch.llm_tiles == run.cfg.batch.llm_tiles
+
+
+@pytest.mark.slow  # ~25 s: a short run on the rebuilt mesh, killed and resumed
+def test_a_run_whose_auto_chose_none_trains_on_the_mesh_without_groups_and_resumes_exactly(
+    tmp_path,
+):
+    """The trainer under auto's `none`: the mesh rebuilt with mesh.context 1 (4 x 2 data-parallel
+    devices), the choice in config.json; killed at step 5 and rerun, step 3's checkpoint is
+    resumed on the same mesh and steps 4 and 5 are redone with the very losses they had."""
+    from jaxmllm.train import main
+
+    def run():
+        cfg = auto_config(tmp_path, "batch.llm_row_len=256")
+        train = dict(steps=6, log_every=1, checkpoint_every=3, progress_bar=False)
+        return replace(cfg, train=replace(cfg.train, **train))
+
+    def kill_at_5(step, _):
+        if step == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        main(run(), on_step=kill_at_5)
+    main(run())
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())["mesh"]
+    assert (saved["context"], saved["data"], saved["context_steps"]) == (1, 8, "all")
+    losses = {}  # (every row metrics.jsonl holds: a redone step's twice)
+    for row in map(json.loads, (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()):
+        if "loss" in row:
+            losses.setdefault(row["step"], []).append(row["loss"])
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and len(losses[4]) == len(losses[5]) == 2
+    assert all(len(set(v)) == 1 for v in losses.values())

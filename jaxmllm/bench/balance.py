@@ -518,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, plots = [], {}
     for name, index in sources:
         c = make_caps(index, 1, args.tokens, args.micro, "orchestrated", area, block=args.block)
+        fits = int(index.llm_tokens(c.per_token).max(initial=0)) <= c.llm_row_len  # (no groups)
         print(
             f"\n== {name}: {len(index)} samples, --tokens {args.tokens}: buckets of "
             f"{c.llm_rows}x{c.llm_row_len} LLM tokens, "
@@ -533,12 +534,17 @@ def main(argv: list[str] | None = None) -> int:
                 if pol == "grain" and args.grain_max_steps:
                     n = min(steps, args.grain_max_steps)
                 tried = []
-                # (auto: long first, which a tie keeps, as `resolve.degree` does)
-                names = ("long_groups", "groups") if pol == AUTO else (pol,)
-                for grouped in (GROUPED.get(g) for g in names):
+                # (auto: in `resolve.degree`'s order, which a tie keeps: none, where every
+                # sample fits a device's row, then long, then all)
+                choices = {"long": "long_groups", "all": "groups"}
+                if fits:
+                    choices = {"none": "orchestrated", **choices}
+                names = tuple(choices.values()) if pol == AUTO else (pol,)
+                for each in names:
+                    grouped = GROUPED.get(each)
                     tried.append(
                         run_policy(
-                            "orchestrated" if grouped else pol,
+                            "orchestrated" if grouped else each,
                             index,
                             d,
                             args.tokens,
@@ -554,12 +560,17 @@ def main(argv: list[str] | None = None) -> int:
                             exchange=(model.llm, args.context_strategy, itemsize),
                         )
                     )
-                row, first = max(tried, key=lambda t: t[0].get("score", 0.0))
                 if pol == AUTO:
-                    row["chose"] = "long" if row is tried[0][0] else "all"
+                    for got, _ in tried:  # (no groups: nothing moved, its goodput its score)
+                        got.setdefault("score", got.get("goodput", 0.0))
+                        got.setdefault("exchange_share", 0.0)
+                k = max(range(len(tried)), key=lambda i: tried[i][0].get("score", 0.0))
+                row, first = tried[k]
+                if pol == AUTO:
+                    row["chose"] = list(choices)[k]
                     for key in ("score", "goodput", "exchange_share", "long_steps"):
                         got = [t[0].get(key) for t in tried]
-                        row[f"{key}_by_choice"] = dict(zip(("long", "all"), got, strict=True))
+                        row[f"{key}_by_choice"] = dict(zip(choices, got, strict=True))
                 row.update(
                     policy=pol, mix=name, peak_rss_mb=peak_rss_mb(), linear_every=args.linear_every
                 )

@@ -72,9 +72,10 @@ class MeshConfig:
     # docs/parallelism.md): all | long (only the long variants of the step, batch.llm_long_tiles,
     # `jaxmllm.plan.ladder`: the base steps plan each device's own rows of batch.llm_row_len
     # tokens, the context axis one more data-parallel one, so the longest documents no longer
-    # set every step's shapes) | auto (the one of the two that does the most useful work per
-    # FLOP, the exchange priced in FLOPs, in trial plans of the data at start-up:
-    # `jaxmllm.resolve.degree`; the run's config.json records the choice)
+    # set every step's shapes) | auto (the one of the two, or where every document fits a
+    # device's row neither (mesh.context 1, its devices data-parallel), that does the most
+    # useful work per FLOP, the exchange priced in FLOPs, in trial plans of the data at
+    # start-up: `jaxmllm.resolve.degree`; the run's config.json records the choice)
     context_steps: str = "all"
     tensor: int = 1  # tensor parallelism (heads, MLP width, vocab); fastest axis
     # Split CPU-only hosts into this many devices, all processes; 0 = as is. At most

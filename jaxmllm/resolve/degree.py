@@ -1,16 +1,20 @@
 """`mesh.context_steps: auto`: which steps split their LLM rows over the context groups, chosen
 at start-up from the data.
 
-Both choices run on the same mesh and parameters; they differ in what a step computes and
-moves. `all` splits every step's rows over the groups (every step pays the group's exchange,
-and its buckets are groups of `mesh.context` devices, whose packing of a group's longer rows
-fills them better on some data); `long` splits only the long variants' (the base steps run no
-exchange over the `context` axis, a document longer than a device's row waits for a long
-step). Each is sized from the data as the trainer sizes it (`sizing.resolve_batch`), then
+The choices run on the same devices and parameters (replicated over the `context` axis, or
+fsdp-sharded, either way); they differ in what a step computes and moves. `all` splits every
+step's rows over the groups (every step pays the group's exchange, and its buckets are groups
+of `mesh.context` devices, whose packing of a group's longer rows fills them better on some
+data); `long` splits only the long variants' (the base steps run no exchange over the
+`context` axis, a document longer than a device's row waits for a long step); `none`, where
+every document fits a device's row, splits no step's: the run is planned and built with
+`mesh.context: 1`, the context axis' devices more data-parallel ones (`mesh.data` times the
+context). Each is sized from the data as the trainer sizes it (`sizing.resolve_batch`), then
 scored over TRIAL_STEPS of its own plans: the useful FLOPs of the cost model over the FLOPs its
 buckets compute plus its exchange priced in FLOPs (`cost.exchange.step_bytes` a rank, every
 step whose rows are split, at `cost.exchange.FLOPS_PER_BYTE`). The higher score is kept, and
-the run's config.json records it, so a resumed run keeps the choice (`resumed.keep_resolved`).
+the run's config.json records it (`none`: as mesh.context 1), so a resumed run keeps the choice
+(`resumed.keep_resolved`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from jaxmllm.config.spec import BatchSpec
 from jaxmllm.cost.exchange import FLOPS_PER_BYTE, step_bytes
 from jaxmllm.cost.model import CostModel
 from jaxmllm.data.lengths import LengthsIndex
-from jaxmllm.plan.contract import Capacities
+from jaxmllm.plan.contract import Capacities, OversizeError
 from jaxmllm.plan.registry import make_planner
 from jaxmllm.resolve.sizing import resolve_batch
 from jaxmllm.resolve.tilesize import trial_flops
@@ -36,7 +40,7 @@ log = logging.getLogger("jaxmllm")
 # Plans each choice is scored over: long steps come at most plan.ladder.LONG_WAIT steps apart,
 # so a few dozen plans see several of them
 TRIAL_STEPS = 64
-CHOICES = ("long", "all")  # (in this order: a tie keeps the one that moves less)
+CHOICES = ("none", "long", "all")  # (in this order: a tie keeps the one that moves less)
 
 
 class Trial(NamedTuple):
@@ -68,17 +72,25 @@ def resolve_sizes(cfg: Config, index: LengthsIndex, devices: int) -> Config:
 
 
 def choose(cfg: Config, index: LengthsIndex, devices: int) -> tuple[Config, dict[str, Trial]]:
-    """The config of the better of CHOICES (resolved, `mesh.context_steps` set), and each one's
-    trial."""
+    """The config of the best of CHOICES (resolved, `mesh.context_steps` set; `none`: with
+    `mesh.context` 1), and each one's trial."""
     resolved, trials = {}, {}
-    for steps in CHOICES:
-        c = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, context_steps=steps))
-        resolved[steps] = resolve_batch(c, index, devices)
-        trials[steps] = trial(resolved[steps], index, devices)
-    best = max(CHOICES, key=lambda s: trials[s].score * (1 - 1e-9 * CHOICES.index(s)))
+    for name, c in candidates(cfg, index).items():
+        try:
+            resolved[name] = resolve_batch(c, index, devices)
+        except OversizeError as e:  # (none: a sample's items or tiles no device's bucket holds)
+            if name != "none":
+                raise
+            log.info("mesh.context_steps=auto: not none (%s)", e)
+            continue
+        trials[name] = trial(resolved[name], index, devices)
+    best = max(trials, key=lambda s: trials[s].score * (1 - 1e-9 * CHOICES.index(s)))
     log.info(
-        "mesh.context_steps=auto: %s (%s)",
+        "mesh.context_steps=auto: %s%s (%s)",
         best,
+        " (every document fits a device's row: mesh.context=1, its devices data-parallel)"
+        if best == "none"
+        else "",
         "; ".join(
             f"{s}: goodput {t.goodput:.3f}, exchange {t.exchange / max(t.computed, 1):.1%} of "
             f"the computed FLOPs in {t.split_steps} of {t.steps} steps, score {t.score:.3f}"
@@ -86,6 +98,28 @@ def choose(cfg: Config, index: LengthsIndex, devices: int) -> tuple[Config, dict
         ),
     )
     return resolved[best], trials
+
+
+def candidates(cfg: Config, index: LengthsIndex) -> dict[str, Config]:
+    """Each of CHOICES as a config (`none` only where every document fits a device's row of
+    `batch.llm_row_len` tokens: one longer needs a group)."""
+    m, out = cfg.mesh, {}
+    longest = int(index.llm_tokens(BatchSpec.of(cfg, resolved=False).per_token).max(initial=0))
+    if longest <= cfg.batch.llm_row_len:
+        data = m.data * m.context if m.data > 0 else m.data  # (-1: the rest, as before)
+        none = dataclasses.replace(m, context=1, context_steps="all", data=data)
+        out["none"] = dataclasses.replace(cfg, mesh=none)
+    else:
+        log.info(
+            "mesh.context_steps=auto: a document of %d tokens is longer than a device's row "
+            "(batch.llm_row_len=%d): long or all (groups of mesh.context=%d)",
+            longest,
+            cfg.batch.llm_row_len,
+            m.context,
+        )
+    for steps in ("long", "all"):
+        out[steps] = dataclasses.replace(cfg, mesh=dataclasses.replace(m, context_steps=steps))
+    return out
 
 
 def trial(cfg: Config, index: LengthsIndex, devices: int) -> Trial:

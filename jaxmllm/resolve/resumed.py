@@ -22,11 +22,16 @@ def keep_resolved(cfg: Config, out: Path) -> Config:
     if not saved_path.exists() or not ckpts.exists() or not any(ckpts.iterdir()):
         return cfg
     run = json.loads(saved_path.read_text())
-    chosen = run.get("mesh", {}).get("context_steps", "all")
+    mesh = run.get("mesh", {})
+    chosen = mesh.get("context_steps", "all")
     if cfg.mesh.context_steps == "auto" and chosen in ("all", "long"):
-        # (auto was chosen from the data when the run started: resumed, it keeps that choice)
-        log.info("resuming: mesh.context_steps=auto keeps the run's choice, %s", chosen)
-        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, context_steps=chosen))
+        # (auto was chosen from the data when the run started: resumed, it keeps that choice;
+        # none is recorded as mesh.context 1, the context axis' devices in mesh.data)
+        keep = {"context_steps": chosen}
+        if mesh.get("context", 1) == 1 and cfg.mesh.context > 1:
+            keep |= {"context": 1, "data": mesh.get("data", -1)}
+        log.info("resuming: mesh.context_steps=auto keeps the run's choice, mesh %s", keep)
+        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, **keep))
     if context_changed(cfg, distributed.flatten(run)):
         log.info(
             "resuming with mesh.context=%d in %s steps (the checkpoints were trained with %s "

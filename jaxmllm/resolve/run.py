@@ -116,9 +116,14 @@ def resolve_run(
         check_attention(cfg, present)  # a kernel these devices cannot run stops the run here
     calibrated = calibrated_cost(cfg)
     source, index = make_source(cfg) if data is None else data  # (the data decides `auto`)
+    asked = cfg.mesh
     if resume is not None:
         cfg = keep_resolved(cfg, Path(resume))  # (a resumed run: as it was planned)
     cfg = resolve_sizes(cfg, index, buckets)  # (mesh.context_steps: auto chosen first)
+    if mesh is not None and cfg.mesh != asked:  # (auto chose no groups, or resumed so: the
+        # same devices without a context axis, the same data-parallel positions)
+        mesh = sharding.make_mesh(cfg.mesh, present)
+        assert sharding.data_parallel_size(mesh) == buckets
     spec = BatchSpec.of(cfg)
     multi = mesh is not None and jax.process_count() > 1
     return Run(
