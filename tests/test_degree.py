@@ -51,8 +51,8 @@ def test_auto_keeps_the_choice_whose_useful_flops_cost_least_and_a_resumed_run_k
     # ... each such step moves a rank's bytes of every layer (`step_bytes`), priced per byte
     lm, tokens = cfg.model.llm, run.caps.llm_rows * run.caps.llm_row_len
     moved = exchange.step_bytes(lm, "ulysses", tokens, 2, 4)  # (float32)
-    assert moved == lm.depth * sum(exchange.attention_bytes(tokens, 2, lm.heads, lm.kv_heads,
-        lm.head_width, 4)["ulysses"][k] for k in ("forward", "backward"))  # fmt: skip
+    layer = exchange.attention_bytes(tokens, 2, lm.heads, lm.kv_heads, lm.head_width, 4)
+    assert moved == lm.depth * (layer["ulysses"]["forward"] + layer["ulysses"]["backward"])
     assert every.exchange == 40 * 8 * moved * exchange.FLOPS_PER_BYTE
     best = max(trials, key=lambda s: trials[s].score)
     assert run.cfg.mesh.context_steps == best and f"mesh.context_steps=auto: {best}" in caplog.text
@@ -87,10 +87,10 @@ def test_the_exchange_of_a_step_sums_each_layer_at_its_own_heads():
     window = WindowConfig(size=128, every=2)
     gemma = LLMConfig(depth=2, heads=8, kv_heads=4, window=window, full_head_dim=512)
     gemma = replace(gemma, full_kv_heads=1)
-    per = {
-        w: sum(exchange.attention_bytes(t, 4, 8, kv, w, 2)["gather"][k] for k in ("forward",
-            "backward")) for w, kv in ((gemma.head_width, 4), (512, 1))
-    }  # fmt: skip
+    per = {}
+    for w, kv in ((gemma.head_width, 4), (512, 1)):  # (sliding layers', the full layer's own)
+        moved = exchange.attention_bytes(t, 4, 8, kv, w, 2)["gather"]
+        per[w] = moved["forward"] + moved["backward"]
     assert exchange.step_bytes(gemma, "gather", t, 4, 2) == sum(per.values())
     # (gather: 2 (C - 1) T kv e bytes each way, the ids and positions forward)
     assert per[512] == 2 * (2 * 3 * t * 1 * 512 * 2) + 2 * 3 * t * 4
