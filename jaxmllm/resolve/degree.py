@@ -131,7 +131,7 @@ def trial(cfg: Config, index: LengthsIndex, devices: int) -> Trial:
     planner = make_planner(cfg.batch.planner, index, caps, cfg.data.seed)
     steps = max(min(cfg.train.steps, TRIAL_STEPS), 1)
     useful, computed, long_steps = trial_flops(planner, index, caps, steps, weights)
-    split = steps if cfg.mesh.context_steps == "all" else long_steps
+    split = 0 if cfg.mesh.context == 1 else steps if cfg.mesh.context_steps == "all" else long_steps
     itemsize = np.dtype(cfg.model.compute_dtype).itemsize
     moved = step_bytes(
         cfg.model.llm,
