@@ -90,7 +90,11 @@ def test_lora_grpo_on_image_questions_logs_rewards_and_exports_an_adapter_peft_l
 
     adapter = tmp_path / "adapter"
     assert set(export_run(str(out), str(adapter))) == {"model"}
-    trained, mine = exported_adapter(source, out, adapter, 1e-4)
+    # (the hybrid's logits within its family's bound, test_hf_qwen35's LoRA export's: its
+    # chunked delta rule rounds apart from transformers' in float32; measured 1.08e-4 on
+    # logits up to 13 after this run on a 2026-11-28 Xeon with AVX-512, 8e-6 of them)
+    bound = 5e-4 if name == "qwen3_5" else 1e-4
+    trained, mine = exported_adapter(source, out, adapter, bound)
     moved = [p for p in trained if p.endswith("lora_b")]
     assert moved and any(np.abs(trained[p]).max() > 0 for p in moved)  # (B moved off zero)
     for path, value in trained.items():
