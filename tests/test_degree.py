@@ -96,6 +96,7 @@ def test_the_exchange_of_a_step_sums_each_layer_at_its_own_heads():
     assert per[512] == 2 * (2 * 3 * t * 1 * 512 * 2) + 2 * 3 * t * 4
 
 
+@pytest.mark.slow  # ~4 s: four sized bench runs (the bench's figures, not the trainer's)
 def test_the_balance_bench_prices_the_exchange_and_keeps_what_auto_keeps(tmp_path):
     """`bench.balance --policies auto_groups`: no groups, groups in the long steps and in every
     step, each grouped row's exchange priced for the --config's decoder (every step's under
