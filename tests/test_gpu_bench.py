@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -194,20 +195,27 @@ def test_the_docs_show_the_plan_as_it_prints(capsys):
     assert printed in (ROOT / "docs" / "gpu-step.md").read_text()
 
 
-def test_budget_starts_no_case_it_cannot_finish_and_stops_one_at_its_end(tmp_path):
+def test_budget_starts_no_case_it_cannot_finish_and_stops_one_at_its_end(tmp_path, monkeypatch):
     """A case that outruns what is left is stopped at the budget (its rows so far kept), and
-    one whose estimate no longer fits is not started: both said in the report."""
+    one whose estimate no longer fits is not started: both said in the report. The stopped
+    case leaves nothing in the temporary folder (killed, its own cleanup never runs)."""
+    out, temporary = tmp_path / "out", tmp_path / "temporary"
+    out.mkdir()
+    temporary.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temporary))  # (the children's)
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))  # (this process's)
     slow = Case("tests", "tests/cudnn", smoke=True, estimate_s=1)  # (runs ~50 s on a CPU)
     env = Case("env", "env", smoke=True, estimate_s=10)
     started = time.perf_counter()
-    rows = run_cases([slow, env], tmp_path, 600, tmp_path / "cache", budget=4)
+    rows = run_cases([slow, env], out, 600, tmp_path / "cache", budget=4)
     assert time.perf_counter() - started < 30
     ended = {r["case"]: r for r in rows if r.get("kind") == "case"}
     assert "stopped after" in ended["tests/cudnn"]["error"]
     assert "not started: ~10 s needed" in ended["env"]["skip"]
-    report = (tmp_path / "report.md").read_text()
+    report = (out / "report.md").read_text()
     assert "tests/cudnn" in report and "not started" in report
-    assert over_limits(tmp_path) == []
+    assert over_limits(out) == []
+    assert list(temporary.iterdir()) == []
 
 
 def test_a_step_row_stands_without_its_profile():

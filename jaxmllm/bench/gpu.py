@@ -107,12 +107,17 @@ def run_child(case: Case, out: Path, cache: Path, timeout: int) -> tuple[float, 
     cmd = [sys.executable, "-m", "jaxmllm.bench.gpu", "--child", json.dumps(vars(case))]
     cmd += ["--out", str(out), "--cache", str(cache)]
     error, started = None, time.perf_counter()
-    with tempfile.TemporaryFile() as output:
+    # (the case's temporary files, its children's too, in a folder this process removes: a
+    # case stopped at its budget is killed, and what it had open in the temporary folder, a
+    # profile's trace, the tests' junit file, would stay on the node)
+    scratch = tempfile.TemporaryDirectory(prefix="jaxmllm-case-")
+    with scratch, tempfile.TemporaryFile() as output:
         # (a session of its own, ended whole: a case stopped, failed or done takes its
         # processes with it, the tests' pytest, data workers, which would hold the GPU's
         # memory from the next case)
+        env = {**os.environ, "TMPDIR": scratch.name}
         child = subprocess.Popen(
-            cmd, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, stdout=output, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
         try:
             code = child.wait(timeout=timeout)
