@@ -307,6 +307,31 @@ def test_an_update_that_makes_a_parameter_non_finite_is_skipped(tmp_path, update
     assert int(new["step"]) == 1  # (the step counts; the optimizer's own count does not move)
 
 
+@pytest.mark.parametrize("loss, grad", [(np.nan, 1.0), (1.0, np.inf), (np.nan, np.nan)])
+def test_a_non_finite_loss_or_gradient_is_skipped(tmp_path, loss, grad):
+    """A NaN loss or a non-finite gradient (what a NaN in a batch or a diverging learning rate
+    gives the real step) through the run's own optimizer: the step is skipped (parameters and
+    optimizer state kept), flagged, and counted."""
+    import jax.numpy as jnp
+
+    from jaxmllm.step.program import make_optimizer, make_train_step
+
+    optimizer, schedule = make_optimizer(tiny_text(tmp_path))
+    given = lambda params, frozen, batch: (
+        jnp.float32(loss),
+        {"w": jnp.full_like(params["w"], grad)},
+    )
+    step = jax.jit(make_train_step(None, optimizer, schedule, given))
+    params = {"w": np.ones(4, np.float32)}
+    state = {"params": params, "frozen": {}, "opt_state": optimizer.init(params), "step": 0}
+    new, metrics = step(state, {"llm_loss_mask": np.ones((1, 1, 4), bool)})
+    assert float(metrics["nonfinite"]) == 1.0
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(new), strict=True):
+        if np.ndim(a) or a is not state["step"]:
+            np.testing.assert_array_equal(a, b)
+    assert int(new["step"]) == 1
+
+
 def test_a_dead_stderr_never_costs_the_checkpoint_a_signal_asked_for():
     """Ctrl-C on `train | tee log` ends tee too: the handler's message then hit a closed pipe,
     and the BrokenPipeError it raised unwound the loop before the checkpoint. Reproduced with a
@@ -478,7 +503,7 @@ def test_a_run_whose_updates_turn_nan_never_checkpoints_them(tmp_path, monkeypat
 
     monkeypatch.setattr(program, "make_optimizer", poisoned)
     cfg = tiny_text(tmp_path, steps=12, max_nonfinite_steps=3)
-    with pytest.raises(NonFiniteError, match="last good parameters checkpointed"):
+    with pytest.raises(NonFiniteError, match=r"last good parameters checkpointed.*Lower optim\.lr"):
         main(cfg)
     saved = checkpoint_params(tmp_path)
     assert saved and max(saved) >= 3
