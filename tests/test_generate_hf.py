@@ -96,8 +96,6 @@ DECODERS = {  # (Qwen3.5-MoE's decoding: the image test's qwen3_5_moe, the same 
     "gemma3_text": lambda d, vocab: hf_models.gemma3_text(d, vocab=vocab, seed=1),
     # (the full layers' own head width and kv heads, their values their keys', soft cap)
     "gemma4_text": lambda d, vocab: hf_models.gemma4_text(d, vocab=vocab, k_eq_v=True),
-    # (its MoE block in every layer: the router on the residual, the branches normed apart)
-    "gemma4_text_moe": lambda d, vocab: hf_models.gemma4_text(d, vocab=vocab, experts=8),
     # (per-layer inputs; layers 3 and 4 read the caches of 1, a ring of the window, and 2)
     "gemma4_text-ple-shared": lambda d, vocab: hf_models.gemma4_text(
         d, vocab=vocab, per_layer=8, shared=2, wide=True
@@ -105,16 +103,10 @@ DECODERS = {  # (Qwen3.5-MoE's decoding: the image test's qwen3_5_moe, the same 
 }
 
 
-# (Gemma 4's MoE decodes through the block's MLP branch training runs, held fast by
-# test_hf_gemma4's packed check: its greedy case runs with the slow tests)
-SLOW_DECODERS = {"gemma4_text_moe"}
-
-
+# (Gemma 4's MoE block decodes through the MLP branch training runs, held by test_hf_gemma4's
+# packed check; decoding through experts with a KV cache, by qwen3_moe's case)
 @pytest.mark.torch
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_DECODERS else n for n in DECODERS],
-)
+@pytest.mark.parametrize("name", list(DECODERS))
 def test_greedy_decoders_with_their_own_caches_match_transformers(name, tmp_path, capsys):
     """Qwen3 (QK-norm), Qwen3-MoE (a dense layer among its MoE ones, the KV cache of each
     stack), Qwen3.5 (its linear layers' cached convolution window and state: the prompt by
