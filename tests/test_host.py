@@ -471,13 +471,17 @@ def _busy(started: str) -> None:
     time.sleep(60)
 
 
-def test_a_worker_that_outlives_sigterm_is_killed_and_said(caplog, tmp_path):
-    """Closing stops every worker: one that ignores SIGTERM is killed after its 5 s, and the
-    warning gives its signal state (how a worker once outlived SIGTERM beside a burner)."""
+def test_a_worker_that_outlives_sigterm_is_killed_and_said(caplog, tmp_path, monkeypatch):
+    """Closing stops every worker: one that ignores SIGTERM is killed after its grace
+    (`STOP_GRACE_S`, 5 s; 0.5 s here, the same path), and the warning gives its signal state
+    (how a worker once outlived SIGTERM beside a burner)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    from jaxmllm.data import loader
     from jaxmllm.data.loader import _stop
+
+    monkeypatch.setattr(loader, "STOP_GRACE_S", 0.5)
 
     pool = ProcessPoolExecutor(1, multiprocessing.get_context("spawn"), _ignore_sigterm)
     started = tmp_path / "started"
@@ -489,7 +493,8 @@ def test_a_worker_that_outlives_sigterm_is_killed_and_said(caplog, tmp_path):
     with caplog.at_level("WARNING", logger="jaxmllm"):
         _stop(pool, shared.Owner())
     assert not worker.is_alive() and worker.exitcode == -signal.SIGKILL
-    assert f"pid {worker.pid}) outlived SIGTERM" in caplog.text and "SigIgn" in caplog.text
+    assert f"pid {worker.pid}) outlived SIGTERM by 0.5 s" in caplog.text
+    assert "SigIgn" in caplog.text
 
 
 def _step_iterator(it):

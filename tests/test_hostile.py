@@ -462,11 +462,16 @@ HOSTILE_TEMPLATES = {
 }
 
 
-def test_hostile_chat_templates_end_as_template_errors(tmp_path):
+def test_hostile_chat_templates_end_as_template_errors(tmp_path, monkeypatch):
     from test_chat import CHAT, build_dir
 
     from jaxmllm.data.records.record import parse_record
+    from jaxmllm.data.text import chat_template
     from jaxmllm.data.text.tokenizer import make_tokenizer
+
+    # (the limit a render is stopped at: the nested loops reach it three times, 2 s each at
+    # the default; the watchdog's path is the same at any limit)
+    monkeypatch.setattr(chat_template, "SECONDS", 0.5)
 
     records = [{"id": f"c{k}", "messages": CHAT} for k in range(2)]
     manifest = write_manifest(tmp_path / "m.jsonl", records)

@@ -129,9 +129,9 @@ def test_sft_weight_adds_the_chosen_mean_nll():
 
 
 @pytest.fixture(scope="module")
-def setup():
+def planned():
     """tiny.yaml's model on 8 devices (4 data x 2 fsdp), its built-in data as pairs, one
-    planned step; a policy and a different reference."""
+    planned step and its host arrays (no program: the fast test reads the plan alone)."""
     cfg = load_config(
         "configs/tiny.yaml",
         ["data.synthetic.num_samples=128", "batch.llm_row_len=384", "train.objective=dpo"],
@@ -150,19 +150,23 @@ def setup():
     plan = planner_from_config(cfg, pairs.index, 8).plan()
     samples = {int(i): pairs[int(i)] for i in np.unique(plan.samples)}
     host = bucketize(plan, samples, cfg, caps, index=pairs.index)
-    with jax.set_mesh(run.mesh):
-        prog = build_program(cfg, run.mesh)
+    return types.SimpleNamespace(cfg=cfg, run=run, caps=caps, plan=plan, samples=samples, host=host)
+
+
+@pytest.fixture(scope="module")
+def setup(planned):
+    """`planned`, with its program and a policy and a different reference."""
+    with jax.set_mesh(planned.run.mesh):
+        prog = build_program(planned.cfg, planned.run.mesh)
         state = prog.init()
         noise = lambda x: x + 0.02 * jax.random.normal(jax.random.key(1), x.shape, x.dtype)  # noqa: E731
         state = {**state, "params": jax.tree.map(noise, state["params"])}  # (policy != ref)
         state = prog.with_reference(state, prog.initial_weights())
-    return types.SimpleNamespace(
-        cfg=cfg, run=run, caps=caps, plan=plan, samples=samples, host=host, prog=prog, state=state
-    )
+    return types.SimpleNamespace(**vars(planned), prog=prog, state=state)
 
 
-def test_a_pairs_sequences_sit_in_one_bucket_and_its_media_fill_both(setup):
-    b = setup.host
+def test_a_pairs_sequences_sit_in_one_bucket_and_its_media_fill_both(planned):
+    b = planned.host
     for m in range(b["llm_sequence"].shape[0]):
         for d in range(b["llm_sequence"].shape[1]):
             seq = b["llm_sequence"][m, d]
@@ -173,7 +177,7 @@ def test_a_pairs_sequences_sit_in_one_bucket_and_its_media_fill_both(setup):
         src = b.get(p.src)
         if src is None:
             continue
-        slots = np.isin(b["llm_tokens"], list(setup.run.source.specials.phase_ids(p.name)))
+        slots = np.isin(b["llm_tokens"], list(planned.run.source.specials.phase_ids(p.name)))
         assert (src[slots] >= 0).all()
         for bucket in src.reshape(-1, src[0, 0].size):  # each row read by two slots
             counts = np.unique(bucket[bucket >= 0], return_counts=True)[1]

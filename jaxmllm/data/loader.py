@@ -38,6 +38,11 @@ from jaxmllm.data.rejects import DataError, RecordError, RejectLog, fail_message
 from jaxmllm.data.samples import Sample
 
 log = logging.getLogger("jaxmllm")
+
+# Seconds a stopped worker has to exit after SIGTERM before it is killed (and said); and the
+# most a killed one's reaping is waited for (it ends as soon as it is done)
+STOP_GRACE_S = 5.0
+REAP_S = 5.0
 _worker: dict = {}
 
 
@@ -220,15 +225,18 @@ def _stop(pool: ProcessPoolExecutor, owner: shared.Owner) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         process.terminate()
-    if not _reaped(pool, timeout=5, manager=manager):
+    if not _reaped(pool, timeout=STOP_GRACE_S, manager=manager):
         for process in processes:
             if _state(process.pid) not in (None, "Z"):  # (a zombie is dead, not yet collected)
                 state = _signal_state(process.pid)
                 log.warning(
-                    "a data worker (pid %d) outlived SIGTERM by 5 s: %s", process.pid, state
+                    "a data worker (pid %d) outlived SIGTERM by %g s: %s",
+                    process.pid,
+                    STOP_GRACE_S,
+                    state,
                 )
                 process.kill()
-        _reaped(pool, timeout=5, manager=manager)
+        _reaped(pool, timeout=REAP_S, manager=manager)
     owner.close()
 
 
