@@ -110,12 +110,14 @@ def run_child(case: Case, out: Path, cache: Path, timeout: int) -> tuple[float, 
     # (the case's temporary files, its children's too, in a folder this process removes: a
     # case stopped at its budget is killed, and what it had open in the temporary folder, a
     # profile's trace, the tests' junit file, would stay on the node)
-    scratch = tempfile.TemporaryDirectory(prefix="jaxmllm-case-")
-    with scratch, tempfile.TemporaryFile() as output:
+    with (
+        tempfile.TemporaryDirectory(prefix="jaxmllm-case-") as scratch,
+        tempfile.TemporaryFile() as output,
+    ):
         # (a session of its own, ended whole: a case stopped, failed or done takes its
         # processes with it, the tests' pytest, data workers, which would hold the GPU's
         # memory from the next case)
-        env = {**os.environ, "TMPDIR": scratch.name}
+        env = {**os.environ, "TMPDIR": scratch}
         child = subprocess.Popen(
             cmd, stdout=output, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )

@@ -43,6 +43,7 @@ log = logging.getLogger("jaxmllm")
 # most a killed one's reaping is waited for (it ends as soon as it is done)
 STOP_GRACE_S = 5.0
 REAP_S = 5.0
+
 _worker: dict = {}
 
 
