@@ -3,8 +3,11 @@
 import importlib.util
 import os
 import tempfile
+from importlib.metadata import version
 
 import pytest
+
+from runs import QUICK_COMPILE, QUICK_COMPILE_JAXLIB_0_10
 
 # Everything the session's tools cache on disk lives in one folder, deleted at its end
 # (pytest_unconfigure) by the process that made it: JAX's compile cache, and torch's inductor
@@ -21,13 +24,14 @@ SESSION_TMP = os.environ["JAXMLLM_TEST_CACHE"]
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(SESSION_TMP, "torchinductor"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 FLAGS = ["--xla_force_host_platform_device_count=8"]
-if os.environ["JAX_PLATFORMS"] == "cpu" and "optimization_level" not in os.environ.get(
-    "XLA_FLAGS", ""
-):
-    # The tests compile many small programs and run each a few times: compiling dominates them,
-    # and XLA:CPU's backend optimisations cost ~half of it (the same-math tests hold either way;
-    # measured: the routed-step test 302 s -> 129 s on the loaded 2-core box).
-    FLAGS.append("--xla_backend_optimization_level=0")
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    # Quicker XLA:CPU compiles (tests/runs.py says which and why), each unless XLA_FLAGS names
+    # its flag already (`XLA_FLAGS=--xla_cpu_use_fusion_emitters=true pytest` runs without it)
+    quick = QUICK_COMPILE
+    if version("jaxlib").split(".")[:2] == ["0", "10"]:
+        quick += QUICK_COMPILE_JAXLIB_0_10
+    given = os.environ.get("XLA_FLAGS", "")
+    FLAGS += [f for f in quick if f.split("=")[0] not in given]
 if os.environ["JAX_PLATFORMS"] == "cpu":
     # XLA:CPU aborts the process when a collective's participants have not all arrived within
     # 40 s. On the 2-core box the 8 forced devices share two cores with compiles and other
