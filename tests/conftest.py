@@ -3,11 +3,10 @@
 import importlib.util
 import os
 import tempfile
-from importlib.metadata import version
 
 import pytest
 
-from runs import QUICK_COMPILE, QUICK_COMPILE_JAXLIB_0_10
+from runs import quick_compile
 
 # Everything the session's tools cache on disk lives in one folder, deleted at its end
 # (pytest_unconfigure) by the process that made it: JAX's compile cache, and torch's inductor
@@ -25,14 +24,11 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(SESSION_TMP, "torc
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 FLAGS = ["--xla_force_host_platform_device_count=8"]
 if os.environ["JAX_PLATFORMS"] == "cpu":
-    # Quicker XLA:CPU compiles (tests/runs.py says which and why), each unless XLA_FLAGS names
-    # its flag already (`XLA_FLAGS=--xla_cpu_use_fusion_emitters=true pytest` runs without it)
-    quick = QUICK_COMPILE
-    if version("jaxlib").split(".")[:2] == ["0", "10"]:
-        quick += QUICK_COMPILE_JAXLIB_0_10
+    # Quicker XLA:CPU compiles (runs.quick_compile says which and why), each unless XLA_FLAGS
+    # names its flag already (`XLA_FLAGS=--xla_cpu_use_fusion_emitters=true pytest` runs
+    # without it)
     given = os.environ.get("XLA_FLAGS", "")
-    FLAGS += [f for f in quick if f.split("=")[0] not in given]
-if os.environ["JAX_PLATFORMS"] == "cpu":
+    FLAGS += [f for f in quick_compile() if f.split("=")[0] not in given]
     # XLA:CPU aborts the process when a collective's participants have not all arrived within
     # 40 s. On the 2-core box the 8 forced devices share two cores with compiles and other
     # jobs, and a training step under load once went past it (test_hf_train's stage-1 run, in

@@ -3,23 +3,27 @@
 import json
 import os
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HOOKS = ROOT / "tests" / "child_hooks"  # sitecustomize + killpoints, for kill=...
 
-# XLA:CPU flags that make compiling quicker (conftest sets those the installed jaxlib has, on a
-# CPU backend; a child run gets the ones its parent has): the tests compile many small programs
-# and run each a few times, so compiling dominates them. Neither changes what is computed, only
-# how the CPU code is generated (the same-math tests hold either way):
-# - LLVM's backend optimisations, ~half a compile (the routed-step test 302 s -> 129 s on the
-#   loaded 2-core box);
-# - jaxlib 0.10's MLIR fusion emitters, for the elemental one that jaxlib 0.11 no longer has (a
-#   tiny run from an empty cache 17.8-18.1 s -> 14.1-15.7 s; 0.11 does not know the flag, and
-#   an unknown flag aborts the process)
-QUICK_COMPILE = ("--xla_backend_optimization_level=0",)
-QUICK_COMPILE_JAXLIB_0_10 = ("--xla_cpu_use_fusion_emitters=false",)
-QUICK_COMPILE_ALL = QUICK_COMPILE + QUICK_COMPILE_JAXLIB_0_10
+
+def quick_compile() -> tuple[str, ...]:
+    """XLA:CPU flags that make compiling quicker, those the installed jaxlib has (conftest sets
+    them on a CPU backend; a child run gets the ones its parent has): the tests compile many
+    small programs and run each a few times, so compiling dominates them. Neither changes what
+    is computed, only how the CPU code is generated (the same-math tests hold either way):
+    - LLVM's backend optimisations, ~half a compile (the routed-step test 302 s -> 129 s on the
+      loaded 2-core box);
+    - jaxlib 0.10's MLIR fusion emitters, for the elemental one that jaxlib 0.11 no longer has
+      (a tiny run from an empty cache 17.8-18.1 s -> 14.1-15.7 s; 0.11 does not know the flag,
+      and an unknown flag aborts the process)."""
+    flags = ("--xla_backend_optimization_level=0",)
+    if version("jaxlib").split(".")[:2] == ["0", "10"]:
+        flags += ("--xla_cpu_use_fusion_emitters=false",)
+    return flags
 
 
 # tiny.yaml evaluates a held-out set during and at the end of its run (data.eval): runs that test
@@ -53,7 +57,7 @@ def child_env(
     """
     hooks = ("XLA_FLAGS", "JAXMLLM_TEST_KILL", "JAXMLLM_TEST_INDEX_KILL", "JAXMLLM_TEST_HANG")
     env = {k: v for k, v in os.environ.items() if k not in hooks}
-    quick = [f for f in os.environ.get("XLA_FLAGS", "").split() if f in QUICK_COMPILE_ALL]
+    quick = [f for f in os.environ.get("XLA_FLAGS", "").split() if f in quick_compile()]
     if quick:
         env["XLA_FLAGS"] = " ".join(quick)  # (as conftest: compiling is most of a test)
     env["PYTHONUNBUFFERED"] = "1"
