@@ -8,7 +8,9 @@ the items are small, the rest are laid out in a few passes as contiguous runs (l
 over the bins in order of the size they want, each bin's run proportional to its room. Small
 encoder items (video frames, small images, short clips) first go to their home bin, each bin
 taking up to its share of them (`_home_small`). The attention balance is about the sequential
-greedy's, in about n/bins rounds (plan/README.md).
+greedy's, in about n/bins rounds (plan/README.md). In the LLM's rows, what still fits nowhere
+gets room made for it by trades between bins (`_make_room`), and trades then even out the
+attention cost they moved (`_even`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ BIG = 0.003  # items whose size**2 is over this share of a bin's attention budge
 PASSES = 8  # most passes that lay out the small items
 SIZE_TOL = 0.01  # items this close in size share an exchange group (may trade bins)
 LATE_ROUNDS = 16  # fewest rounds that place what the rounds and passes missed, by room
+ROOM_BINS = 2  # bins (most room first) tried for an item that fits none
+ROOM_SWAPS = 3  # most swaps that make room in one of them
+PARTNER_BINS = 32  # other bins a trade search looks at (the roomiest, or the cheapest)
+ROOM_MINE = 64  # most items of the bin itself a trade search looks at (its largest)
+EVEN_SWAPS = 2  # per item placed or moved by making room, most trades that lower the costliest bin
+EVEN_TOL = 1.01  # ... until it costs at most this times the mean
 
 
 def size_class(sizes: np.ndarray) -> np.ndarray:
@@ -144,6 +152,8 @@ def pack_phase(
     if failed:
         late = np.concatenate(failed)
         _fit_rest(pk, late, max(LATE_ROUNDS, -(-len(late) // nb) + 4))
+        if home is None:  # (the LLM's rows; see _make_room)
+            _make_room(pk, late[out[late] < 0], first)
         group[late] = -1
     return out, group
 
@@ -196,6 +206,143 @@ def _cut(pk: Packing, chunk: np.ndarray, s: np.ndarray, room: int | np.ndarray) 
     else:
         pk.place(chunk[ok], b[ok], distinct=False, sizes=s[ok])
     return ok
+
+
+def _make_room(pk: Packing, idx: np.ndarray, first: np.ndarray | None) -> None:
+    """Places what still fits nowhere (`idx`; urgent first, then largest first) by making room
+    for it: in the first of the ROOM_BINS bins with the most room where up to ROOM_SWAPS
+    trades (one of its items for a smaller one of another bin with room for the difference;
+    each the smallest that makes enough room, else the largest there is) free enough. Then
+    trades lower the costliest bins' attention cost again (`_even`).
+
+    Rows of coarse documents (a few to a row: videos of 4k-7k tokens in 36,864) leave every
+    bin a little room and none enough for the last ones: on video seed 101 the rounds left
+    2.4% of what a step offered, the trades 0.06% (plan/README.md). The LLM's rows only: an
+    encoder item traded away from its text's device needs an exchange, and the route capacity
+    sized from the plans grew to a device's whole output on omni-like tiny buckets."""
+    if not len(idx):
+        return
+    sizes, out, units, quad = pk.sizes, pk.out, pk.loads.units, pk.loads.quad
+    idx = idx[desc_order(sizes[idx], None if first is None else first[idx])]
+    top = int(sizes[out >= 0].max(initial=0))
+    moved = 0
+    for f in idx:
+        s = int(sizes[f])
+        room = pk.cap - units
+        # (each trade frees at most its partner bin's room in the bin, and at most the size of
+        # the item it moves out)
+        most = np.sort(room)[-(ROOM_SWAPS + 1) :]
+        if s > int(most.sum()) or s > int(most[-1]) + ROOM_SWAPS * top:
+            continue
+        for a in np.argsort(-room, kind="stable")[:ROOM_BINS]:
+            swaps = _swaps(pk, int(a), s - int(room[a]))
+            if swaps is not None:
+                break
+        else:
+            continue
+        for x, y in swaps:
+            bx, by = out[x], out[y]
+            out[x], out[y] = by, bx
+            units[bx] += sizes[y] - sizes[x]
+            units[by] += sizes[x] - sizes[y]
+            quad[bx] += pk.sq[y] - pk.sq[x]
+            quad[by] += pk.sq[x] - pk.sq[y]
+        out[f] = a
+        units[a] += s
+        quad[a] += pk.sq[f]
+        moved += 1 + len(swaps)
+    if moved:
+        _even(pk, EVEN_SWAPS * moved)
+
+
+def _even(pk: Packing, rounds: int) -> None:
+    """Lowers the costliest bin's attention cost, up to `rounds` times, by trading one of its
+    items for one of another bin (both within their rooms) that leaves the costlier of the two
+    bins the least cost; stops when no trade lowers it."""
+    sizes, out, units, quad, sq = pk.sizes, pk.out, pk.loads.units, pk.loads.quad, pk.sq
+    placed = np.flatnonzero(out >= 0)
+    goal = EVEN_TOL * float(quad.mean())  # (trades keep the sum)
+    for _ in range(rounds):
+        m = int(np.argmax(quad))
+        if quad[m] <= goal:
+            return
+        mine = _largest(placed[out[placed] == m], sq)
+        other = _items_in(out, _first(quad, m), len(quad))
+        if not len(mine) or not len(other):
+            return  # (its cost is items placed before this packing, which stay)
+        b = out[other]
+        ds = sizes[mine][:, None] - sizes[other][None, :]  # units m gives b
+        dq = sq[mine][:, None] - sq[other][None, :]  # cost m gives b
+        ok = (dq > 0) & (ds <= (pk.cap - units[b])[None, :]) & (-ds <= pk.cap - units[m])
+        worse = np.maximum(quad[m] - dq, quad[b][None, :] + dq)
+        worse = np.where(ok, worse, np.inf)
+        i, j = np.unravel_index(np.argmin(worse), worse.shape)
+        if not worse[i, j] < quad[m]:
+            return
+        x, y, bb = mine[i], other[j], int(b[j])
+        out[x], out[y] = bb, m
+        units[m] -= ds[i, j]
+        units[bb] += ds[i, j]
+        quad[m] -= dq[i, j]
+        quad[bb] += dq[i, j]
+
+
+def _swaps(pk: Packing, a: int, need: int) -> list[tuple[int, int]] | None:
+    """Up to ROOM_SWAPS trades (an item of bin `a`, a smaller one of another bin with room for
+    the difference) that free `need` units in `a`, or None if they cannot."""
+    if need <= 0:
+        return []
+    sizes, out = pk.sizes, pk.out
+    room = pk.cap - pk.loads.units
+    # the partners: the placed items of the bins with the most room (a swap moves at most a
+    # bin's room into it)
+    placed = _items_in(out, _first(-room, a), len(room))
+    sp, rp, qp = sizes[placed], room[out[placed]], pk.loads.quad[out[placed]]
+    mine = _largest(np.flatnonzero(out == a), sizes)
+    free = np.ones(len(placed), bool)
+    swaps = []
+    for _ in range(ROOM_SWAPS):
+        d = sizes[mine][:, None] - sp[None, :]  # what each trade frees in a
+        ok = (d > 0) & (d <= rp[None, :]) & free[None, :]
+        if not ok.any():
+            return None
+        enough = ok & (d >= need)
+        if enough.any():
+            # (of those that make enough room, the one that leaves its partner's bin the least
+            # attention cost)
+            after = qp[None, :] + pk.sq[mine][:, None] - pk.sq[placed][None, :]
+            i, j = np.unravel_index(np.argmin(np.where(enough, after, np.inf)), d.shape)
+        else:
+            i, j = np.unravel_index(np.argmax(np.where(ok, d, -1)), d.shape)
+        gain = int(d[i, j])
+        swaps.append((int(mine[i]), int(placed[j])))
+        need -= gain
+        rp[out[placed] == out[placed[j]]] -= gain  # (that bin's room for later trades)
+        free[j] = False
+        mine = np.delete(mine, i)
+        if need <= 0:
+            return swaps
+    return None
+
+
+def _first(key: np.ndarray, but: int) -> np.ndarray:
+    """The PARTNER_BINS bins of the lowest `key` (stable), bin `but` left out."""
+    bins = np.argsort(key, kind="stable")[: PARTNER_BINS + 1]
+    return bins[bins != but][:PARTNER_BINS]
+
+
+def _items_in(out: np.ndarray, bins: np.ndarray, nb: int) -> np.ndarray:
+    """The items placed (`out`: bin or -1) in `bins` of `nb` (ascending)."""
+    mask = np.zeros(nb + 1, bool)  # (the last: not placed)
+    mask[bins] = True
+    return np.flatnonzero(mask[out])
+
+
+def _largest(idx: np.ndarray, by: np.ndarray) -> np.ndarray:
+    """Of items `idx`, at most ROOM_MINE: those of the largest `by`."""
+    if len(idx) <= ROOM_MINE:
+        return idx
+    return np.sort(idx[np.argsort(-by[idx], kind="stable")[:ROOM_MINE]])
 
 
 def _fit_rest(pk: Packing, idx: np.ndarray, rounds: int) -> None:
