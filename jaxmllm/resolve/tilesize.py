@@ -52,7 +52,7 @@ TILE_HEADROOM = 0.03  # a tile-aware planner's capacity: the data's mean need pe
 # With a cost model, the headroom among these that does the most useful work per computed FLOP
 # in a short dry run of each (`held_tiles`): a tight capacity turns samples away (fill falls,
 # by 3-5% at 8 devices on random mixes at +3%), a loose one computes padding tiles.
-HELD_HEADROOMS = (0.03, 0.06, 0.10, 0.15)
+HELD_HEADROOMS = (0.03, 0.06, 0.10, 0.15, 0.30)
 HELD_TRIAL_STEPS = 12  # plans each headroom is tried for
 
 
@@ -210,10 +210,14 @@ def size_tiles(
         **{p: caps.units[p] // caps.row_units(p) for p in NAMES},
     }
 
-    def at(headroom: float) -> TileSizes:
+    suggested = {}  # headroom -> suggest_tiles' capacities (each computed once)
+
+    def at(headroom: Mapping[str, float]) -> TileSizes:
+        for h in set(headroom.values()) - set(suggested):
+            suggested[h] = suggest_tiles(index, caps, h, density)
         held = {
-            p: min(n, most[p], math.ceil(mean[p] * (1 + headroom))) if n else -1
-            for p, n in suggest_tiles(index, caps, headroom, density).items()
+            p: min(n, most[p], math.ceil(mean[p] * (1 + headroom[p]))) if n else -1
+            for p, n in ((p, suggested[headroom[p]][p]) for p in suggested[headroom[LLM]])
         }  # (-1: a phase without data)
         held = {p: max(n, 0) for p, n in held.items()}
         if not ladder:
@@ -247,16 +251,35 @@ def size_tiles(
         )
 
     if make is None or weights is None:
-        return at(TILE_HEADROOM)
-    best, best_score = at(HELD_HEADROOMS[0]), -1.0
-    for headroom in HELD_HEADROOMS:
-        sizes = at(headroom)
-        if headroom > HELD_HEADROOMS[0] and sizes == best:
-            continue
+        return at(dict.fromkeys(PHASES, TILE_HEADROOM))
+    tried: list[TileSizes] = []
+
+    def score(sizes: TileSizes) -> float:
+        tried.append(sizes)
         held = dataclasses.replace(caps, tiles=sizes.tiles, long_tiles=sizes.long)
-        score = goodput(make(held), index, held, HELD_TRIAL_STEPS, weights)
-        if score > best_score * (1 + 1e-9):
-            best, best_score = sizes, score
+        return goodput(make(held), index, held, HELD_TRIAL_STEPS, weights)
+
+    # One headroom for every phase, then each phase's own, the encoders' first (a phase whose
+    # exact tiles spread more, or whose tiles cost little, gains from more; the one that
+    # then held the others back may need less)
+    best_room, best, best_score = None, None, -1.0
+    for h in HELD_HEADROOMS:
+        room = dict.fromkeys(PHASES, h)
+        sizes = at(room)
+        if sizes in tried:
+            continue
+        got = score(sizes)
+        if got > best_score * (1 + 1e-9):
+            best_room, best, best_score = room, sizes, got
+    for p in (*NAMES, LLM):
+        for h in (h for h in HELD_HEADROOMS if h != best_room[p]):
+            room = {**best_room, p: h}
+            sizes = at(room)
+            if sizes in tried:
+                continue
+            got = score(sizes)
+            if got > best_score * (1 + 1e-9):
+                best_room, best, best_score = room, sizes, got
     return best
 
 
