@@ -252,34 +252,27 @@ def size_tiles(
 
     if make is None or weights is None:
         return at(dict.fromkeys(PHASES, TILE_HEADROOM))
-    tried: list[TileSizes] = []
-
-    def score(sizes: TileSizes) -> float:
-        tried.append(sizes)
-        held = dataclasses.replace(caps, tiles=sizes.tiles, long_tiles=sizes.long)
-        return goodput(make(held), index, held, HELD_TRIAL_STEPS, weights)
-
     # One headroom for every phase, then each phase's own, the encoders' first (a phase whose
     # exact tiles spread more, or whose tiles cost little, gains from more; the one that
     # then held the others back may need less)
     best_room, best, best_score = None, None, -1.0
-    for h in HELD_HEADROOMS:
-        room = dict.fromkeys(PHASES, h)
+
+    def rooms():  # (lazily: each phase's trials start from the best so far)
+        for h in HELD_HEADROOMS:
+            yield dict.fromkeys(PHASES, h)
+        for p in (*NAMES, LLM):
+            yield from ({**best_room, p: h} for h in HELD_HEADROOMS if h != best_room[p])
+
+    tried: list[TileSizes] = []
+    for room in rooms():
         sizes = at(room)
         if sizes in tried:
             continue
-        got = score(sizes)
+        tried.append(sizes)
+        held = dataclasses.replace(caps, tiles=sizes.tiles, long_tiles=sizes.long)
+        got = goodput(make(held), index, held, HELD_TRIAL_STEPS, weights)
         if got > best_score * (1 + 1e-9):
             best_room, best, best_score = room, sizes, got
-    for p in (*NAMES, LLM):
-        for h in (h for h in HELD_HEADROOMS if h != best_room[p]):
-            room = {**best_room, p: h}
-            sizes = at(room)
-            if sizes in tried:
-                continue
-            got = score(sizes)
-            if got > best_score * (1 + 1e-9):
-                best_room, best, best_score = room, sizes, got
     return best
 
 
