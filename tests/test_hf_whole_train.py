@@ -191,10 +191,9 @@ def _peft_holds_the_adapter(source: str, exported: dict, out: Path) -> None:
 # test_hf_whole's, their dense decoders' training test_hf_moe's qwen3 and test_lora_hf's.
 # LLaVA's import, training (its projector trained whole) and export after training, held to
 # transformers: test_lora_hf's LoRA run, `--merged`; frozen modules written back bit for bit:
-# test_hf_whole's import and export, test_hf_train's stage 1.)
-@pytest.mark.parametrize(
-    "name", ["qwen2_5_vl", "qwen2_audio", "qwen3_vl_moe", "qwen3_5_moe", "gemma3", "gemma4"]
-)
+# test_hf_whole's import and export, test_hf_train's stage 1.
+# Qwen2.5-VL's import, training (images and videos) and export: the long-video runs below.)
+@pytest.mark.parametrize("name", ["qwen2_audio", "qwen3_vl_moe", "qwen3_5_moe", "gemma3", "gemma4"])
 def test_import_train_export_matches_transformers(name, tmp_path):
     """Import a whole checkpoint and check it, train 2 steps on the built-in data with images
     (Qwen3-VL: DeepStack and M-RoPE in packed rows over 4 x 2 devices; Qwen3.5: its linear
@@ -246,6 +245,58 @@ def test_import_train_export_matches_transformers(name, tmp_path):
     moved = {k.split("/")[0] for k in trained if not np.array_equal(trained[k], imported[k])}
     towers = {"qwen2_audio": {"audio"}, "gemma4": {"vision", "audio", "audio_projector"}}
     assert {"llm", *towers.get(name, {"vision"})} <= moved, moved
+
+
+@pytest.mark.slow  # (a run a case: its split step compiled, the export checked)
+# (Qwen3.5 under gather: refused, naming mesh.context, test_config; the math of each strategy
+# on packed rows, M-RoPE and DeepStack, Gated DeltaNet: test_context's same-math cases)
+@pytest.mark.parametrize(
+    "name, strategy", [("qwen2_5_vl", "gather"), ("qwen2_5_vl", "ulysses"), ("qwen3_5", "ulysses")]
+)
+def test_a_long_video_trains_split_over_context_groups_and_exports(name, strategy, tmp_path):
+    """A whole Qwen2.5-VL (M-RoPE) and Qwen3.5 (M-RoPE beside Gated DeltaNet layers, which
+    take ulysses) imported, trained 2 steps on built-in videos of 512 LLM tokens each, twice a
+    device's 256-token row, in context groups of 4 devices (data 2 x context 4: each group's
+    rows dealt over its 4 devices, the videos' frames encoded on any of them), and exported:
+    transformers' logits with an image in the prompt are ours, the export is the run's
+    parameters, and the LLM and the tower both trained."""
+    bound = 1e-3 if name.startswith("qwen3_5") else 1e-4
+    source = whole_dir(name, tmp_path / name)
+    write_config(tmp_path / "run.yaml", model=source)
+    out = tmp_path / "run"
+    cfg = load_config(
+        tmp_path / "run.yaml",
+        [
+            *CPU,
+            "mesh.data=2",
+            "mesh.fsdp=1",
+            "mesh.context=4",
+            f"mesh.context_strategy={strategy}",
+            f"train.output_dir={out}",
+            "optim.lr=1e-2",
+            "train.steps=2",
+            "train.checkpoint_every=2",
+            "model.vision.video=true",
+            "data.synthetic.video_fraction=0.5",
+            "data.synthetic.video_side=16",  # (16 x 16 patches, 64 tokens a temporal patch)
+            "data.synthetic.min_video_frames=16",
+            "data.synthetic.max_video_frames=16",
+            "model.audio.enabled=false",
+            "data.synthetic.audio_fraction=0",
+            "data.eval.source=none",
+        ],
+    )
+    assert cfg.batch.llm_row_len == 256 and cfg.mesh.context == 4
+    train.main(cfg)
+    exported = export_run(str(out), str(tmp_path / "export"))["model"]
+    for result in check_all(str(exported)):
+        assert result["max_abs_diff"] < bound, result
+    trained, back = run_params(out), exported_params(exported, cfg)
+    imported = exported_params(Path(source), cfg)
+    for key, value in trained.items():
+        np.testing.assert_array_equal(back[key], value, err_msg=key)
+    moved = {k.split("/")[0] for k in trained if not np.array_equal(trained[k], imported[k])}
+    assert {"llm", "vision"} <= moved, moved
 
 
 @pytest.mark.slow
