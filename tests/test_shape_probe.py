@@ -8,8 +8,7 @@ from tools import shape_probe as probe
 
 def test_a_linear_probe_on_a_shapes_own_pixels_names_it():
     """Cropped to the shape and resized, a linear probe names every shape of the built-in
-    images (a renderer drawing two shapes alike, or one off its image, fails it); what the tiny
-    model cannot do in 200 steps is learn this, not see it (docs/training.md)."""
+    images (a renderer drawing two shapes alike, or one off its image, fails it)."""
     cfg = load_config("configs/tiny.yaml", ["data.synthetic.num_samples=1600"])
     images = probe.single_images(cfg, 1600)
     p = cfg.model.vision.patch_size

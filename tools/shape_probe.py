@@ -1,6 +1,6 @@
-"""Why the tiny model names the built-in shapes at chance: is the shape in the pixels, how big
-is it, and how many images does a tower of the config's size need to learn it when taught the
-shape directly (no LLM in the way)?
+"""How learnable the built-in shapes are, and why the tiny model names them last of what it
+sees: is the shape in the pixels, how big is it, and how many images does a tower of the
+config's size need to learn it when taught the shape directly (no LLM in the way)?
 
     python -m tools.shape_probe [--config configs/tiny.yaml] [--samples 8000] [--steps 600]
 

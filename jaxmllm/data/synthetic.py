@@ -1,7 +1,8 @@
 """Built-in learnable data, generated deterministically from (seed, index); no download needed.
 
 Four kinds of sample with a realistic spread of modality mixes and lengths:
-- image(s) of a coloured shape at a random native resolution, captioned "a red circle";
+- image(s) of a coloured shape at a random native resolution, captioned "a red circle" (drawn
+  on the patch grid: `_render_image` says why);
 - a synthetic log-mel spectrogram of a tone (steady, rising or falling; low, mid or high pitch),
   captioned "a rising high tone";
 - with `video_fraction`, a short video of a coloured shape crossing its frames, asked "which way
@@ -389,12 +390,18 @@ class SyntheticSource:
         )
 
     def _render_image(self, rng, gh: int, gw: int, colour: str, shape: str):
-        """An image of gh x gw patches, patchified in 2x2-merge order with (row, col) positions."""
+        """An image of gh x gw patches, patchified in 2x2-merge order with (row, col) positions.
+
+        The shape's radius is whole patches and its centre on a line between patches, so a
+        shape cuts the same patterns into its patches wherever it is drawn. Drawn anywhere to
+        the pixel, a tiny tower taught the shape alone named 34% of held-out images after 3,200
+        (chance 25%) and needed some 10,000 to pass half; on the patch grid, 86% after 3,200 and
+        98% after 6,400 (`python -m tools.shape_probe`, 2026-11-28)."""
         p = self.patch
         height, width = gh * p, gw * p
-        r = rng.uniform(0.25, 0.4) * min(height, width)
-        cy = rng.uniform(r, height - r)
-        cx = rng.uniform(r, width - r)
+        r = _whole_patches(rng.uniform(0.25, 0.4) * min(height, width), p, min(height, width))
+        cy = _on_grid(rng.uniform(r, height - r), p)
+        cx = _on_grid(rng.uniform(r, width - r), p)
         mask = _shape_mask(height, width, cy, cx, r, shape)
         img = _pixels(rng.normal(-0.5, 0.15, (height, width, 3)))
         np.copyto(img, _pixels(COLOURS[colour]), where=mask[..., None])
@@ -410,15 +417,15 @@ class SyntheticSource:
         as vision items: per temporal patch (its frames' patches side by side, frame-major;
         (row, col) positions)."""
         p, side = self.patch, self.syn.video_side * self.patch
-        r = rng.uniform(0.2, 0.3) * side
-        cy = rng.uniform(r, side - r)
+        r = _whole_patches(rng.uniform(0.2, 0.3) * side, p, side)
+        cy = _on_grid(rng.uniform(r, side - r), p)
         start, end = r, side - r
         if direction == "left":
             start, end = end, start
         noise = _pixels(rng.normal(-0.5, 0.15, (side, side, 3)))
         per_frame = []
         for k in range(frames):
-            cx = start + (end - start) * k / max(frames - 1, 1)
+            cx = _on_grid(start + (end - start) * k / max(frames - 1, 1), p)
             img = noise.copy()
             img[_shape_mask(side, side, cy, cx, r, shape)] = _pixels(COLOURS[colour])
             per_frame.append(patchify(img, p, self.merge))
@@ -552,6 +559,18 @@ def _pixels(values) -> np.ndarray:
     normalisation, x / 127.5 - 1, gives them back."""
     x = np.clip(np.asarray(values, np.float32), -1.0, 1.0)
     return np.rint((x + 1.0) * 127.5).astype(np.uint8)
+
+
+def _whole_patches(r: float, p: int, side: int) -> int:
+    """A shape's radius r in pixels rounded to whole patches of p pixels: at least one, at
+    most half the image's shorter side."""
+    return min(max(p, p * round(r / p)), side // 2)
+
+
+def _on_grid(v: float, p: int) -> float:
+    """A shape's centre v in pixels moved to the nearest line between patches of p pixels
+    (pixel centres are whole numbers: the line between pixels p k - 1 and p k is p k - 0.5)."""
+    return p * round(v / p) - 0.5
 
 
 def _shape_mask(height: int, width: int, cy: float, cx: float, r: float, shape: str) -> np.ndarray:
