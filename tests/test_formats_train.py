@@ -101,11 +101,11 @@ def test_text_only_data_trains_on_the_three_encoder_model(data, tmp_path):
     assert "padding/audio" not in rows[-1] and "padding/vision" not in rows[-1]
 
 
-@pytest.mark.slow  # ~2-3 minutes: a run, and one interrupted and resumed
-def test_a_weighted_mixture_trains_and_resumes_exactly(data, tmp_path):
-    """Three formats by weight 2:1:1: samples per source in the metrics, and after an
-    interrupt the rerun resumes with the same losses (the mixture's position is the planner's
-    cursor, checkpointed)."""
+@pytest.mark.slow  # ~1 minute: a run
+def test_a_weighted_mixture_trains_by_its_weights(data, tmp_path):
+    """Three formats by weight 2:1:1: samples per source in the metrics. (A mixture's position
+    is the planner's cursor: test_formats' restored pipeline holds it, and the trainer's
+    resume of that state is test_train's and test_crash's.)"""
     from jaxmllm.train import main
 
     sources = (
@@ -122,16 +122,3 @@ def test_a_weighted_mixture_trains_and_resumes_exactly(data, tmp_path):
     drawn = {k: sum(r[f"samples/{k}"] for r in want) for k in ("lines", "parquet", "shards")}
     assert sum(drawn.values()) == sum(r["samples"] for r in want)
     assert drawn["lines"] > max(drawn["parquet"], drawn["shards"]), drawn
-
-    def interrupt_at_3(step, _):
-        if step == 3:
-            raise KeyboardInterrupt
-
-    part = tmp_path / "part"
-    with pytest.raises(KeyboardInterrupt):
-        main(config(part, sources, steps=4), on_step=interrupt_at_3)
-    main(config(part, sources, steps=4))  # resumes from the step-2 checkpoint
-    got = {r["step"]: r for r in read_metrics(part)}
-    for r in want:
-        for key in ("loss", "samples", "samples/lines", "samples/parquet"):
-            np.testing.assert_allclose(got[r["step"]][key], r[key], rtol=1e-5, err_msg=key)
