@@ -167,3 +167,20 @@ def test_the_tiny_configs_samples_are_bit_for_bit_what_they_were(setting):
     for a in _index_arrays(source.lengths()):
         digest.update(a.tobytes())
     assert digest.hexdigest() == TINY_DIGESTS[setting]
+
+
+@pytest.mark.parametrize("patch", [4, 14, 16])
+def test_a_shape_on_the_patch_grid_stays_on_its_image(patch):
+    """Every radius and centre the drawing gives, for images 1 to 12 patches wide (merge 1
+    allows one patch) and videos' frames: the shape reaches no further than half a pixel past
+    its image's edge pixels (one patch wide, the centre stays where it was drawn: no line
+    between patches lies inside)."""
+    from jaxmllm.data.synthetic import _on_grid, _whole_patches
+
+    for side in range(patch, 12 * patch + 1, patch):
+        for share in np.linspace(0.2, 0.4, 9):
+            r = _whole_patches(share * side, patch, side)
+            assert patch <= r or side < 2 * patch
+            for v in np.linspace(r, side - r, 7):
+                c = _on_grid(v, patch, r, side - r)
+                assert c - r >= -1 and c + r <= side, (side, share, r, v, c)

@@ -400,8 +400,8 @@ class SyntheticSource:
         p = self.patch
         height, width = gh * p, gw * p
         r = _whole_patches(rng.uniform(0.25, 0.4) * min(height, width), p, min(height, width))
-        cy = _on_grid(rng.uniform(r, height - r), p)
-        cx = _on_grid(rng.uniform(r, width - r), p)
+        cy = _on_grid(rng.uniform(r, height - r), p, r, height - r)
+        cx = _on_grid(rng.uniform(r, width - r), p, r, width - r)
         mask = _shape_mask(height, width, cy, cx, r, shape)
         img = _pixels(rng.normal(-0.5, 0.15, (height, width, 3)))
         np.copyto(img, _pixels(COLOURS[colour]), where=mask[..., None])
@@ -418,14 +418,14 @@ class SyntheticSource:
         (row, col) positions)."""
         p, side = self.patch, self.syn.video_side * self.patch
         r = _whole_patches(rng.uniform(0.2, 0.3) * side, p, side)
-        cy = _on_grid(rng.uniform(r, side - r), p)
+        cy = _on_grid(rng.uniform(r, side - r), p, r, side - r)
         start, end = r, side - r
         if direction == "left":
             start, end = end, start
         noise = _pixels(rng.normal(-0.5, 0.15, (side, side, 3)))
         per_frame = []
         for k in range(frames):
-            cx = _on_grid(start + (end - start) * k / max(frames - 1, 1), p)
+            cx = _on_grid(start + (end - start) * k / max(frames - 1, 1), p, r, side - r)
             img = noise.copy()
             img[_shape_mask(side, side, cy, cx, r, shape)] = _pixels(COLOURS[colour])
             per_frame.append(patchify(img, p, self.merge))
@@ -567,10 +567,13 @@ def _whole_patches(r: float, p: int, side: int) -> int:
     return min(max(p, p * round(r / p)), side // 2)
 
 
-def _on_grid(v: float, p: int) -> float:
+def _on_grid(v: float, p: int, lo: float, hi: float) -> float:
     """A shape's centre v in pixels moved to the nearest line between patches of p pixels
-    (pixel centres are whole numbers: the line between pixels p k - 1 and p k is p k - 0.5)."""
-    return p * round(v / p) - 0.5
+    (pixel centres are whole numbers: the line between pixels p k - 1 and p k is p k - 0.5),
+    where that line lies in [lo, hi], the centres that keep the shape on its image; else v
+    (an image one patch wide, merge 1, has no line inside)."""
+    line = p * round(v / p)
+    return line - 0.5 if lo <= line <= hi else v
 
 
 def _shape_mask(height: int, width: int, cy: float, cx: float, r: float, shape: str) -> np.ndarray:
