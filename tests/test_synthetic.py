@@ -184,3 +184,23 @@ def test_a_shape_on_the_patch_grid_stays_on_its_image(patch):
             for v in np.linspace(r, side - r, 7):
                 c = _on_grid(v, patch, r, side - r)
                 assert c - r >= -1 and c + r <= side, (side, share, r, v, c)
+
+
+@pytest.mark.parametrize("video_side", [2, 4, 8])
+def test_a_videos_shape_moves_the_way_its_answer_says(video_side):
+    """Frames 2 to 8 patches wide: the shape's pixels move right from the first frame to the
+    last, as the answer says (a shape of whole-patch radius on the grid of a frame 2 patches
+    wide could not move at all)."""
+    sets = [f"data.synthetic.video_side={video_side}", "data.synthetic.video_fraction=1"]
+    sets += ["data.synthetic.image_fraction=0", "data.synthetic.audio_fraction=0"]
+    source = SyntheticSource(load_config("configs/tiny.yaml", sets))
+    p = source.patch
+    for i in range(12):
+        frames = source._render_video(np.random.default_rng(i), 4, "red", "square", "right")
+        where = []
+        for patches, positions in (frames[0], frames[-1]):  # (their first frames)
+            pixels = patches[:, : p * p * 3].reshape(-1, p, p, 3).astype(int)
+            red = pixels[..., 0] - pixels[..., 1] > 100  # (red: 255, 25; the noise: ~64, ~64)
+            k, _, x = np.nonzero(red)
+            where.append(np.mean(positions[k, 1] * p + x))
+        assert where[1] > where[0], (video_side, i, where)

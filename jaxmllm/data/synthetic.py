@@ -417,15 +417,21 @@ class SyntheticSource:
         as vision items: per temporal patch (its frames' patches side by side, frame-major;
         (row, col) positions)."""
         p, side = self.patch, self.syn.video_side * self.patch
-        r = _whole_patches(rng.uniform(0.2, 0.3) * side, p, side)
-        cy = _on_grid(rng.uniform(r, side - r), p, r, side - r)
+        # (on the patch grid as an image's shape, where a shape of whole-patch radius still
+        # crosses a patch or more: frames 3 patches wide at least; narrower, as drawn)
+        grid = self.syn.video_side >= 3
+        r = rng.uniform(0.2, 0.3) * side
+        r = _whole_patches(r, p, side) if grid else r
+        cy = rng.uniform(r, side - r)
+        cy = _on_grid(cy, p, r, side - r) if grid else cy
         start, end = r, side - r
         if direction == "left":
             start, end = end, start
         noise = _pixels(rng.normal(-0.5, 0.15, (side, side, 3)))
         per_frame = []
         for k in range(frames):
-            cx = _on_grid(start + (end - start) * k / max(frames - 1, 1), p, r, side - r)
+            cx = start + (end - start) * k / max(frames - 1, 1)
+            cx = _on_grid(cx, p, r, side - r) if grid else cx
             img = noise.copy()
             img[_shape_mask(side, side, cy, cx, r, shape)] = _pixels(COLOURS[colour])
             per_frame.append(patchify(img, p, self.merge))
@@ -563,7 +569,7 @@ def _pixels(values) -> np.ndarray:
 
 def _whole_patches(r: float, p: int, side: int) -> int:
     """A shape's radius r in pixels rounded to whole patches of p pixels: at least one, at
-    most half the image's shorter side."""
+    most half the image's shorter side (an image one patch wide: half a patch)."""
     return min(max(p, p * round(r / p)), side // 2)
 
 
