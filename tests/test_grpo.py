@@ -424,6 +424,29 @@ def test_a_group_is_prefilled_once_and_decoded_as_its_copies_would_be(monkeypatc
     assert len({tuple(a.ids) for a in sampled[:4]}) > 1
 
 
+def test_a_rollouts_sampling_time_leaves_out_the_wait_for_its_weights():
+    """time/rollout_s is sampling's (the prompts, prefill and decoding), not the wait for the
+    policy's weights: the last step's update, dispatched asynchronously, ends there, and counted
+    as sampling it made sampling look most of a step. Here the policy takes 2 s to give them."""
+    import time
+
+    cfg = grpo_config("rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=4")
+    run = resolve_run(cfg)
+    with jax.set_mesh(run.mesh):
+        prog = build_program(run.cfg, run.mesh)
+        weights = prog.weights(prog.init())
+        feed = RolloutIterator(run, prog, lambda: time.sleep(2.0) or weights)
+        feed.prompts = lambda: [
+            types.SimpleNamespace(sample=s, record={"id": s.id, "prompt": "", "answer": ""})
+            for s in completions(2)
+        ]
+        start = time.perf_counter()
+        [step] = feed.roll()
+        took = time.perf_counter() - start
+    metrics = step["info"].extra
+    assert 0 < metrics["time/rollout_s"] <= took - 2.0, (metrics["time/rollout_s"], took)
+
+
 def test_a_rollout_is_planned_once_without_repeats_in_the_fewest_steps():
     """A rollout is a finite set: the balancer reads no sample past its end (no repeat takes a
     straggler's room) and defers for at most two steps, so a rollout that fits a step's rows
