@@ -136,6 +136,47 @@ def test_answers_are_scored_by_what_they_name():
     assert score_answer("1 2 3", "a steady mid tone")["pitch"] == 0.0
 
 
+def test_sampled_answers_are_each_questions_own_and_scored_beside_the_greedy_one(
+    resolved, monkeypatch
+):
+    """data.eval.sampled_answers: n answers a question from one batch (question q's are rows
+    q x n ..): near temperature 0 each is its question's greedy answer, so mean@n and best@n
+    are the greedy score; at temperature 1 they are drawn again the same at the same step,
+    best@n is at least mean@n, and the log and the end-of-run table give both."""
+    from jaxmllm.loop import answers
+    from jaxmllm.loop.answers import Questions
+    from jaxmllm.step.program import build_model
+
+    sets = ["data.eval.sampled_answers=3", "data.eval.max_new_tokens=6"]
+    cfg = replace(tiny(*sets, "data.eval.temperature=1e-6"), batch=resolved.cfg.batch)
+    weights = build_model(cfg, seed=3)  # (random: every answer a guess, each its own)
+    cold = Questions(cfg, HeldOut(cfg), 5)
+    results = cold.ask(*weights, step=7)
+    assert len({r["answer"] for r in results}) > 1  # (the questions' answers differ)
+    for r in results:
+        assert r["samples"] == [r["answer"]] * 3, (r["answer"], r["samples"])
+    row = Questions.metrics(results)
+    for key in {k for r in results for k in r["scores"]}:
+        greedy = row[f"eval/answers/{key}"]
+        assert row[f"eval/answers/{key}/mean@3"] == row[f"eval/answers/{key}/best@3"] == greedy
+    # (the temperature is traced: the same questions' programs sample at 1)
+    cold.cfg = replace(cfg, data=replace(cfg.data, eval=replace(cfg.data.eval, temperature=1.0)))
+    first, again, later = (cold.ask(*weights, step=s) for s in (7, 7, 8))
+    assert [r["samples"] for r in first] == [r["samples"] for r in again]
+    assert [r["samples"] for r in first] != [r["samples"] for r in later]
+    assert [r["answer"] for r in first] == [r["answer"] for r in results]  # (greedy: unmoved)
+    row = Questions.metrics(first)
+    assert row["eval/answers/exact/best@3"] >= row["eval/answers/exact/mean@3"]
+    table = cold.report(first, 7)
+    assert "sampled answers (3 a question at temperature 1), right: greedy / of the" in table
+    rates = [row[f"eval/answers/exact{k}"] for k in ("", "/mean@3", "/best@3")]
+    assert "  exact {:.0%} / {:.0%} / {:.0%}".format(*rates) in table
+    # (a cache the devices cannot hold is refused before the run's first step, naming the keys)
+    monkeypatch.setattr(answers, "memory_bytes", lambda: 1000)
+    with pytest.raises(ConfigError, match=r"data\.eval\.sampled_answers=3: .* 15 rows \(5 q"):
+        Questions(cfg, HeldOut(cfg), 5)
+
+
 def test_eval_config_is_checked_with_the_key_named():
     with pytest.raises(ConfigError, match=r"data\.eval\.source"):
         load_config("configs/tiny.yaml", ["data.source=jsonl", "data.path=x.jsonl"])
@@ -145,6 +186,10 @@ def test_eval_config_is_checked_with_the_key_named():
         load_config(None, ["train.eval_every=-1"])
     with pytest.raises(ConfigError, match=r"did you mean 'data\.eval\.questions'"):
         load_config(None, ["data.eval.question=3"])
+    with pytest.raises(ConfigError, match=r"data\.eval\.sampled_answers: .*questions"):
+        load_config(None, ["data.eval.sampled_answers=4", "data.eval.questions=0"])
+    with pytest.raises(ConfigError, match=r"data\.eval\.temperature: must be > 0"):
+        load_config(None, ["data.eval.temperature=0"])
 
 
 @pytest.fixture

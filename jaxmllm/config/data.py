@@ -94,6 +94,11 @@ class EvalConfig:
     samples: int = 256  # the eval set: the source's first this many samples (0: all)
     questions: int = 8  # eval samples with a prompt answered greedily and logged; 0 = none
     max_new_tokens: int = 48  # the longest answer generated
+    # Each question also answered this many times by sampling at `temperature`: how often a
+    # sample is right (eval/answers/<score>/mean@n) and whether one of them is (best@n,
+    # pass@n) beside the greedy answer's score; what online RL can learn from (docs/rl.md)
+    sampled_answers: int = 0
+    temperature: float = 1.0  # the sampled answers' (not the greedy one's)
 
     def __post_init__(self):
         check(
@@ -110,6 +115,19 @@ class EvalConfig:
         check(self.samples >= 0, "must be >= 0 (0: the whole source)", "samples")
         check(self.questions >= 0, "must be >= 0", "questions")
         check(self.max_new_tokens >= 1, "must be >= 1", "max_new_tokens")
+        check(
+            self.sampled_answers >= 0,
+            "must be >= 0 (0: the greedy answer alone)",
+            "sampled_answers",
+        )
+        check(
+            not self.sampled_answers or self.questions > 0,
+            "samples answers to data.eval.questions, which is 0: set it too",
+            "sampled_answers",
+        )
+        check(
+            self.temperature > 0, "must be > 0 (the greedy answer is always given)", "temperature"
+        )
         check(
             self.source != "synthetic" or self.samples > 0,
             "a synthetic eval set needs its size (> 0)",

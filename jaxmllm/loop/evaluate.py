@@ -340,7 +340,7 @@ class Evaluator:
             total = total + np.asarray(jax.device_get(scores), np.float64)
         row = eval_pair_metrics(total) if self.pairs else eval_metrics(total)
         if self.questions is not None:
-            results = self.questions.ask(state["params"], state["frozen"])
+            results = self.questions.ask(state["params"], state["frozen"], step)
             row.update(self.questions.metrics(results))
             if jax.process_index() == 0:
                 self.questions.log(results, step)
