@@ -49,13 +49,7 @@ from jaxmllm.config.phases import KINDS
 from jaxmllm.data.samples import Sample
 from jaxmllm.data.text.template import TEMPLATES, Template, make_template
 from jaxmllm.hf.start import run_parameters
-from jaxmllm.step.generate import (
-    Generator,
-    check_prompt_ids,
-    held_bytes,
-    memory_bytes,
-    prefill_kind,
-)
+from jaxmllm.step.generate import Generator, beyond_memory, check_prompt_ids, prefill_kind
 from jaxmllm.step.program import split_frozen
 
 # ----------------------------------------------------------------------------- a run
@@ -151,8 +145,8 @@ def check_memory(cfg: Config, shapes: PromptShapes, longest: int, new: int) -> N
     """Refuses prompts whose prefill scores and KV cache (`held_bytes`) need more than the
     devices' memory, before allocating any: a long prompt failed in a traceback after trying
     to allocate them (42 GB)."""
-    need, have = held_bytes(cfg, shapes), memory_bytes()
-    if have is not None and need > have:
+    if short := beyond_memory(cfg, shapes):
+        need, have = short
         dense = "prefill scores the prompt densely and " if prefill_kind(cfg) == "dense" else ""
         raise ConfigError(
             f"{longest} prompt tokens + --max-new-tokens {new}: {dense}the cache holds "

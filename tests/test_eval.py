@@ -143,8 +143,8 @@ def test_sampled_answers_are_each_questions_own_and_scored_beside_the_greedy_one
     q x n ..): near temperature 0 each is its question's greedy answer, so mean@n and best@n
     are the greedy score; at temperature 1 they are drawn again the same at the same step,
     best@n is at least mean@n, and the log and the end-of-run table give both."""
-    from jaxmllm.loop import answers
     from jaxmllm.loop.answers import Questions
+    from jaxmllm.step import generate
     from jaxmllm.step.program import build_model
 
     sets = ["data.eval.sampled_answers=3", "data.eval.max_new_tokens=6"]
@@ -172,7 +172,7 @@ def test_sampled_answers_are_each_questions_own_and_scored_beside_the_greedy_one
     rates = [row[f"eval/answers/exact{k}"] for k in ("", "/mean@3", "/best@3")]
     assert "  exact {:.0%} / {:.0%} / {:.0%}".format(*rates) in table
     # (a cache the devices cannot hold is refused before the run's first step, naming the keys)
-    monkeypatch.setattr(answers, "memory_bytes", lambda: 1000)
+    monkeypatch.setattr(generate, "memory_bytes", lambda: 1000)
     with pytest.raises(ConfigError, match=r"data\.eval\.sampled_answers=3: .* 15 rows \(5 q"):
         Questions(cfg, HeldOut(cfg), 5)
 

@@ -383,14 +383,14 @@ def test_a_bad_rl_setting_is_refused_naming_its_key(sets, key):
 
 
 def test_a_rollout_whose_cache_cannot_fit_is_refused_naming_the_keys(monkeypatch):
-    from jaxmllm.loop import rollouts
+    from jaxmllm.step import generate
 
     cfg = grpo_config()
     run = resolve_run(cfg)
     with jax.set_mesh(run.mesh):
         prog = build_program(run.cfg, run.mesh)
         feed = RolloutIterator(run, prog, lambda: {})
-        monkeypatch.setattr(rollouts, "memory_bytes", lambda: 1000)
+        monkeypatch.setattr(generate, "memory_bytes", lambda: 1000)
         with pytest.raises(ConfigError, match=r"rl\.prompts_per_step, rl\.group_size"):
             feed.generator(completions(4))
 

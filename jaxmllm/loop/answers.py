@@ -30,7 +30,7 @@ from jaxmllm.config.phases import ENCODERS, VISION
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.scoring import SCORED, score_answer
 from jaxmllm.data.text.template import make_template
-from jaxmllm.step.generate import Generator, held_bytes, memory_bytes
+from jaxmllm.step.generate import Generator, beyond_memory
 
 log = logging.getLogger("jaxmllm")
 
@@ -66,8 +66,8 @@ class Questions:
         self.sampler = None  # (n answers each from one prefill: GRPO's rollouts' generator)
         if self.prompts and n:
             decoded = dataclasses.replace(shapes, rows=shapes.rows * n)
-            need, have = held_bytes(cfg, decoded), memory_bytes()
-            if have is not None and need > have:  # (refused before a step is taken)
+            if short := beyond_memory(cfg, decoded):  # (refused before a step is taken)
+                need, have = short
                 raise ConfigError(
                     f"data.eval.sampled_answers={n}: the KV cache of {decoded.rows} rows "
                     f"({len(self.prompts)} questions x {n}) of {shapes.total_len} positions "

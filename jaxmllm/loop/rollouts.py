@@ -59,7 +59,7 @@ from jaxmllm.plan.contract import bucket_tile_caps, span_extras
 from jaxmllm.plan.state import PlanStateError
 from jaxmllm.plan.tiles import packed_tiles
 from jaxmllm.resolve.run import Run
-from jaxmllm.step.generate import Generator, held_bytes, memory_bytes
+from jaxmllm.step.generate import Generator, beyond_memory
 from jaxmllm.step.grpo import make_logps_program
 
 log = logging.getLogger("jaxmllm")
@@ -350,8 +350,8 @@ class RolloutIterator(grain.DatasetIterator):
         key = (shapes.rows, shapes.prompt_len, shapes.total_len, tuple(shapes.units.items()))
         if key not in self.generators:
             decoded = dataclasses.replace(shapes, rows=shapes.rows * self.rl.group_size)
-            need, have = held_bytes(self.cfg, decoded), memory_bytes()
-            if have is not None and need > have:  # (refused before allocating any of it)
+            if short := beyond_memory(self.cfg, decoded):  # (refused before allocating any)
+                need, have = short
                 raise ConfigError(
                     f"a rollout's KV cache ({decoded.rows} rows of {shapes.total_len} "
                     f"positions: prompts and rl.max_new_tokens={self.rl.max_new_tokens}) needs "

@@ -230,6 +230,15 @@ def held_bytes(cfg: Config, shapes: PromptShapes) -> int:
     return scores + layers * 2 * shapes.rows * llm.kv_heads * shapes.total_len * width
 
 
+def beyond_memory(cfg: Config, shapes: PromptShapes) -> tuple[int, int] | None:
+    """(bytes needed, bytes there are) where generation at `shapes` holds more than the
+    devices' memory (`held_bytes` against `memory_bytes`), else None: the generate command,
+    the evaluation's sampled answers and the rollouts each refuse it naming their own
+    settings, before allocating any of it."""
+    need, have = held_bytes(cfg, shapes), memory_bytes()
+    return (need, have) if have is not None and need > have else None
+
+
 def memory_bytes() -> int | None:
     """The memory of all devices: each accelerator's limit; on CPU the host's memory (the
     devices share it). None where neither is known."""
