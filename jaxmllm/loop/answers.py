@@ -138,14 +138,12 @@ class Questions:
         keys = sorted({k for r in results for k in r["scores"]})
         mean = lambda k: float(np.mean([r["scores"][k] for r in results if k in r["scores"]]))
         row = {f"eval/answers/{k}": mean(k) for k in keys}
-        for k in keys:
-            scored = [
-                [s[k] for s in r["sampled"]] for r in results if "sampled" in r and k in r["scores"]
-            ]
-            if scored:
-                n = len(scored[0])
-                row[f"eval/answers/{k}/mean@{n}"] = float(np.mean(scored))
-                row[f"eval/answers/{k}/best@{n}"] = float(np.mean(np.max(scored, axis=1)))
+        if results and "sampled" in results[0]:
+            n = len(results[0]["sampled"])
+            for k in keys:
+                _, samples, best = _rates(results, k)
+                row[f"eval/answers/{k}/mean@{n}"] = samples
+                row[f"eval/answers/{k}/best@{n}"] = best
         return row
 
     @staticmethod
@@ -196,15 +194,23 @@ class Questions:
         return "\n".join(lines)
 
 
+def _rates(results: list[dict], key: str) -> tuple[float, float, float]:
+    """A score's rate over the questions that have it: answered greedily, over their sampled
+    answers, and of each question's best sample."""
+    have = [r for r in results if key in r["scores"]]
+    greedy = np.mean([r["scores"][key] for r in have])
+    samples = np.mean([[s[key] for s in r["sampled"]] for r in have])
+    best = np.mean([max(s[key] for s in r["sampled"]) for r in have])
+    return float(greedy), float(samples), float(best)
+
+
 def _sampled_rates(results: list[dict], key: str, short: bool = False) -> str:
-    """A score's rate answered greedily, over the samples, and of each question's best sample:
-    "40% greedy, 31% of samples, 82% best of 8" (`short`: "40% / 31% / 82%")."""
-    n = len(results[0]["sampled"])
-    greedy = np.mean([r["scores"][key] for r in results])
-    samples = np.mean([[s[key] for s in r["sampled"]] for r in results])
-    best = np.mean([max(s[key] for s in r["sampled"]) for r in results])
+    """`_rates` said: "40% greedy, 31% of samples, 82% best of 8" (`short`: "40% / 31% /
+    82%")."""
+    greedy, samples, best = _rates(results, key)
     if short:
         return f"{greedy:.0%} / {samples:.0%} / {best:.0%}"
+    n = len(results[0]["sampled"])
     return f"{greedy:.0%} greedy, {samples:.0%} of samples, {best:.0%} best of {n}"
 
 
