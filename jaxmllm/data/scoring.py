@@ -53,9 +53,10 @@ def _named(caption: str) -> list[tuple[str, str, str]]:
 
 def caption_reward(record: dict, completion: str) -> float:
     """An RL reward for the built-in data's questions (`rl.rewards: [{name:
-    jaxmllm.data.scoring:caption_reward}]`, configs/tiny_grpo.yaml): the mean of what
-    `score_answer` finds right of the completion against the record's answer (the count, each
-    colour and shape, a tone's pitch and contour, the whole answer), so a completion that names
-    the right colour of the wrong shape earns part of the reward exactness would deny it."""
+    jaxmllm.data.scoring:caption_reward}]`): the mean of what `score_answer` finds right of the
+    completion against the record's answer (the count, each colour and shape, a tone's pitch
+    and contour, the whole answer), so a completion that names the right colour of the wrong
+    shape earns part of the reward exactness would deny it. configs/tiny_grpo.yaml says what it
+    teaches the tiny model against `exact_answer`."""
     scores = score_answer(completion, record["answer"])
     return sum(scores.values()) / len(scores)
