@@ -205,8 +205,8 @@ def _rates(results: list[dict], key: str) -> tuple[float, float, float]:
 
 
 def _sampled_rates(results: list[dict], key: str, short: bool = False) -> str:
-    """`_rates` said: "40% greedy, 31% of samples, 82% best of 8" (`short`: "40% / 31% /
-    82%")."""
+    """A score's `_rates` as words: "40% greedy, 31% of samples, 82% best of 8" (`short`:
+    "40% / 31% / 82%")."""
     greedy, samples, best = _rates(results, key)
     if short:
         return f"{greedy:.0%} / {samples:.0%} / {best:.0%}"
