@@ -8,13 +8,13 @@ Ray tasks, side by side on one manifest; then a training host's start-up on the 
 images, 3-20 s WAV / FLAC clips, text; with `--keep DIR` once, then reused) and builds its
 index with each `--workers` count (0: in this process) and, with `--ray CPUS`, on a local Ray
 cluster of that many CPUs (started here; its start is not timed). `--text-image N` writes N
-records, half of them one image drawn from 200 files of 300-1500 px, the rest text: the
-build at scale. Each build writes the same index (compared byte for byte: `same`). `open` is
-then a fresh process's `open_source` of it (the index mapped and checked, data.on_oversize
-applied) with its peak resident memory. A build's time includes starting its workers (and
-is split into scan, measure and merge); `jobs CPU s` is the CPU time its scan and measure jobs
-took, wherever they ran, and `rec a CPU second` the records over it: a rate a core that the
-other jobs of a shared machine do not skew.
+records, half of them one image drawn from 200 files of 300-1500 px (one an image record below
+400 records), the rest text: the build at scale. Each build writes the same index (compared
+byte for byte: `same`). `open` is then a fresh process's `open_source` of it (the index mapped
+and checked, data.on_oversize applied) with its peak resident memory. A build's time includes
+starting its workers (and is split into scan, measure and merge); `jobs CPU s` is the CPU time
+its scan and measure jobs took, wherever they ran, and `rec a CPU second` the records over it:
+a rate a core that the other jobs of a shared machine do not skew.
 """
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ SETTINGS = ["data.source=jsonl", "data.eval.source=none", "data.image_max_pixels
 
 
 def write_text_image(folder: Path, records: int, seed: int = 0) -> Path:
-    """`records` records, every other one with one of 200 images, the rest text."""
+    """`records` records, every other one with one of 200 images (fewer for fewer than 400
+    records: one an image record; a photo takes ~0.1 s to write), the rest text."""
     rng = np.random.default_rng(seed)
     (folder / "media").mkdir(parents=True, exist_ok=True)
-    for k in range(200):
+    photos = max(1, min(200, records // 2))
+    for k in range(photos):
         write_photo(folder / "media" / f"img{k}.jpg", rng)
     words = [f"w{i}" for i in range(1000)]
     path = folder / "manifest.jsonl"
@@ -48,7 +50,7 @@ def write_text_image(folder: Path, records: int, seed: int = 0) -> Path:
         for k in range(records):
             text = " ".join(rng.choice(words, int(rng.integers(3, 60))))
             if k % 2:
-                image = f"media/img{int(rng.integers(200))}.jpg"
+                image = f"media/img{int(rng.integers(photos))}.jpg"
                 rec = {"id": f"r{k}", "text": "<image>" + text, "images": [image]}
             else:
                 rec = {"id": f"r{k}", "text": text}
