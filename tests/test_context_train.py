@@ -195,9 +195,11 @@ def test_a_context_degree_per_step_trains_every_sample_once_and_resumes_exactly(
     stream), and killed once it has run a long and a base step since its last checkpoint and
     rerun from that checkpoint it redoes both with the very losses it had, bit for bit. Its
     long steps exchange heads (ulysses); what a strategy changes is the long program alone,
-    whose math either way is
+    whose math is
     `test_context.test_a_context_degree_per_step_runs_each_variant_with_its_model_on_one_mesh`'s
-    (plans, the ledger and resuming do not depend on it). The run says mesh.context_steps: auto,
+    under ulysses and, under gather,
+    `test_context.test_rows_split_over_context_groups_equal_the_unsplit_reference`'s (plans,
+    the ledger and resuming do not depend on it). The run says mesh.context_steps: auto,
     which chooses long at start-up and records it."""
     strategy = "ulysses"
     from test_ladder import _records

@@ -249,10 +249,9 @@ def test_import_train_export_matches_transformers(name, tmp_path):
 
 @pytest.mark.slow  # (a run a case: its split step compiled, the export checked)
 # (Qwen3.5 under gather: refused, naming mesh.context, test_config; the math of each strategy
-# on packed rows, M-RoPE and DeepStack, Gated DeltaNet: test_context's same-math cases)
-@pytest.mark.parametrize(
-    "name, strategy", [("qwen2_5_vl", "gather"), ("qwen2_5_vl", "ulysses"), ("qwen3_5", "ulysses")]
-)
+# on packed rows, M-RoPE and DeepStack, Gated DeltaNet: test_context's same-math cases. Each
+# strategy once and each family once: Qwen2.5-VL under ulysses, 17 s, was cut for CI's time)
+@pytest.mark.parametrize("name, strategy", [("qwen2_5_vl", "gather"), ("qwen3_5", "ulysses")])
 def test_a_long_video_trains_split_over_context_groups_and_exports(name, strategy, tmp_path):
     """A whole Qwen2.5-VL (M-RoPE) and Qwen3.5 (M-RoPE beside Gated DeltaNet layers, which
     take ulysses) imported, trained 2 steps on built-in videos of 512 LLM tokens each, twice a
