@@ -1,7 +1,8 @@
 """The GPU image's Python with only its own packages (Python 3.12, jax 0.11.2, no torch, no
 grain) plus the wheels `python -m jaxmllm.bench.gpu --wheels` downloads, installed as a lent
-GPU's call installs them (`--no-deps --target`): the campaign's smoke and a tiny training run
-work there, so the first GPU call finds nothing missing.
+GPU's call installs them (`--no-deps --target`): the campaign's smoke runs there, so the first
+GPU call finds nothing missing. (A tiny training there was cut for CI's time, 35 s: the campaign
+never runs the trainer, which the Python 3.12 leg runs on the image's jax.)
 
 The virtualenv is made from the registry's wheels (`gpu_plan.IMAGE`: the image's packages that
 jaxmllm and its tests import); it needs a Python 3.12 here (`tools/python.sh`) and the package
@@ -88,14 +89,3 @@ def test_the_smoke_campaign_runs_in_the_gpu_images_packages(image_python, tmp_pa
     check_smoke(out, done, PICKED)
     assert "jax 0.11.2" in (out / "report.md").read_text()
     assert "missing here (carry as wheels): av, tensorboardX" in (out / "report.md").read_text()
-
-
-@pytest.mark.slow
-def test_a_tiny_training_runs_in_the_gpu_images_packages(image_python, tmp_path):
-    python, env = image_python
-    cmd = [python, "-m", "jaxmllm.train", "--config", "configs/tiny.yaml"]
-    cmd += ["--set", "train.steps=4", "--set", f"train.output_dir={tmp_path / 'run'}"]
-    cmd += ["--set", "data.eval.source=none"]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert (tmp_path / "run" / "metrics.jsonl").read_text().count('"step"') >= 1
