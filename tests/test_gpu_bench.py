@@ -298,7 +298,7 @@ def check_smoke(out, done, picked: str = "") -> None:
     # (a step and its profile per case that runs one: the recipe's, on the mixes, each MoE
     # recipe's, each vision-language recipe's)
     stepped = [c for c in ran if c.part in ("recipe", "moe", "vlm")]
-    assert len(steps) == len(profiles) == len(stepped) >= (1 if picked else 7)
+    assert len(steps) == len(profiles) == len(stepped) == (1 if picked else 7)
     for step, prof in zip(steps, profiles, strict=True):
         assert rows.index(step) < rows.index(prof) and step["case"] == prof["case"]
         assert step["tokens_per_s"] > 0 and 0 < step["fill"]["llm"] <= 1
