@@ -39,7 +39,7 @@ from jaxmllm.models import lora
 from jaxmllm.models.audio import clip_windows
 from jaxmllm.models.deltanet import causal_conv, document_starts
 from jaxmllm.models.inputs import decode
-from jaxmllm.models.layers import Dense, LayerNorm, RMSNorm
+from jaxmllm.models.layers import Dense, LayerNorm, RMSNorm, param_key
 from jaxmllm.models.positions import sinusoids
 from jaxmllm.models.transformer import remat_policy, stack_modules
 
@@ -112,7 +112,7 @@ class LightConv(nnx.Module):
         lin = dict(clipped=c.clipped_linears, rngs=rngs, **kw)
         self.pre_norm = RMSNorm(w, eps=a.norm_eps, **kw)
         self.start = Dense(w, 2 * w, ("embed", "mlp"), **lin)
-        kernel = jax.random.normal(rngs.params(), (c.conv_kernel, w)) / math.sqrt(c.conv_kernel)
+        kernel = jax.random.normal(param_key(rngs), (c.conv_kernel, w)) / math.sqrt(c.conv_kernel)
         self.kernel = nnx.Param(kernel.astype(param_dtype), axes=(None, "embed"))
         self.conv_norm = RMSNorm(w, eps=a.norm_eps, **kw)
         self.end = Dense(w, w, ("mlp", "embed"), **lin)

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmllm.models import context as ctx
-from jaxmllm.models.layers import Dense
+from jaxmllm.models.layers import Dense, param_key
 from jaxmllm.models.lora import Adapter
 
 L2_EPS = 1e-6  # transformers' and flash-linear-attention's l2norm epsilon
@@ -375,12 +375,12 @@ class GatedDeltaNet(nnx.Module):
             lora=on("out_proj"),
             **kw,
         )
-        conv = jax.random.normal(rngs.params(), (s.conv_width, s.key_heads, s.group))
+        conv = jax.random.normal(param_key(rngs), (s.conv_width, s.key_heads, s.group))
         self.conv = nnx.Param(
             (conv / s.conv_width**0.5).astype(param_dtype), axes=(None, "kv_heads", None)
         )
         self.dt_bias = nnx.Param(jnp.ones((s.value_heads,), param_dtype), axes=("heads",))
-        a = jax.random.uniform(rngs.params(), (s.value_heads,), jnp.float32, 1.0, 16.0)
+        a = jax.random.uniform(param_key(rngs), (s.value_heads,), jnp.float32, 1.0, 16.0)
         self.a_log = nnx.Param(jnp.log(a).astype(param_dtype), axes=("heads",))
         self.norm = nnx.Param(jnp.ones((s.value_dim,), param_dtype), axes=("head_dim",))
         self.spec, self.norm_eps, self.dtype = spec, norm_eps, dtype

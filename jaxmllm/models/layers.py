@@ -36,12 +36,25 @@ NORM_EPS = 1e-6
 UNBOUNDED = float(np.finfo(np.float32).max)  # a clipped Dense's bound where it has none
 
 
+def param_key(rngs: nnx.Rngs) -> jax.Array:
+    """The `params` stream's next key: `rngs.params()`'s (its key folded with its count, the
+    count then one more), the count set whole. flax's `count[...] += 1` compares both arrays'
+    `sharding`, which a tracer refuses, and jax 0.10.2's refusal walks the whole trace so far to
+    say where the tracer came from: a model built under `eval_shape` or `jit` took time
+    quadratic in its parameters (a 24-layer tiny LLM: 1.2 s to trace its shapes)."""
+    stream = rngs.params
+    count = stream.count.get_value()
+    key = jax.random.fold_in(stream.key.get_value(), count)
+    stream.count.set_value(count + 1)
+    return key
+
+
 def normal_param(
     rngs: nnx.Rngs, shape: Sequence[int], std: float, axes: Axes, param_dtype: jnp.dtype
 ) -> nnx.Param:
     """A normally initialised parameter tagged with its logical axes."""
     assert len(axes) == len(shape), (shape, axes)
-    value = std * jax.random.normal(rngs.params(), tuple(shape), jnp.float32)
+    value = std * jax.random.normal(param_key(rngs), tuple(shape), jnp.float32)
     return nnx.Param(value.astype(param_dtype), axes=tuple(axes))
 
 
