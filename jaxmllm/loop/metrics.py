@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -244,12 +245,9 @@ class MetricsWriter:
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(out / "metrics.jsonl", "a")
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError:  # TensorBoard is optional at run time; JSONL always works
-            SummaryWriter = None
-        if SummaryWriter is not None:
-            self._tb = SummaryWriter(str(out / "tb"))
+        writer = _tensorboard_writer()
+        if writer is not None:
+            self._tb = writer(str(out / "tb"))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         """One row of metrics for `step`: a JSON line (flushed, so a crash loses no logged step)
@@ -270,6 +268,26 @@ class MetricsWriter:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _tensorboard_writer():
+    """tensorboardX's SummaryWriter, or None where it is not installed (TensorBoard is optional
+    at run time; the JSONL always works). Imported with torch held out where torch is installed
+    but not imported: tensorboardX's writer module imports torch at import, only to take torch
+    tensors for numpy arrays, and that import was 1.3 of a tiny run's first 20 s (2-core box,
+    2026-11-29). The scalars written here are Python numbers. (A None in `sys.modules` makes
+    `import torch` raise ImportError, which tensorboardX catches.)"""
+    held = "torch" not in sys.modules
+    if held:
+        sys.modules["torch"] = None
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        return None
+    finally:
+        if held and sys.modules.get("torch", False) is None:
+            del sys.modules["torch"]
+    return SummaryWriter
 
 
 def _plain(v):
