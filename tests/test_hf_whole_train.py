@@ -192,13 +192,19 @@ def _peft_holds_the_adapter(source: str, exported: dict, out: Path) -> None:
 # LLaVA's import, training (its projector trained whole) and export after training, held to
 # transformers: test_lora_hf's LoRA run, `--merged`; frozen modules written back bit for bit:
 # test_hf_whole's import and export, test_hf_train's stage 1.
-# Qwen2.5-VL's import, training (images and videos) and export: the long-video runs below.)
-@pytest.mark.parametrize("name", ["qwen2_audio", "qwen3_vl_moe", "qwen3_5_moe", "gemma3", "gemma4"])
+# Qwen2.5-VL's import, training (images and videos) and export: the long-video runs below.
+# Qwen2-Audio's and Gemma 3's runs were cut for CI's time (16 s and 17 s alone, 2026-11-29):
+# what a run changes is the parameters' values, and their import and export, each a mapping
+# held bit for bit on a checkpoint's arbitrary values and against transformers' logits with
+# media in the prompt, are test_hf_whole's and test_hf_gemma3_whole's. Gemma 4's run trains an
+# audio tower and projector and Gemma's layer links, Gemma 3's and more (`hf.gemma4.Gemma4`);
+# Gemma 3's sliding windows with images read both ways, block-sparse, and their gradients are
+# test_attention's.)
+@pytest.mark.parametrize("name", ["qwen3_vl_moe", "qwen3_5_moe", "gemma4"])
 def test_import_train_export_matches_transformers(name, tmp_path):
     """Import a whole checkpoint and check it, train 2 steps on the built-in data with images
     (Qwen3-VL: DeepStack and M-RoPE in packed rows over 4 x 2 devices; Qwen3.5: its linear
-    layers beside M-RoPE on part of each head; Gemma 3: sliding windows shorter than an image
-    and its images read both ways, block-sparse; Gemma 4: its images both ways in the sliding
+    layers beside M-RoPE on part of each head; Gemma 4: its images both ways in the sliding
     layers only, each resized as its processor resizes it, beside clips through its conformer
     and embed_audio), export: the export is the run's parameters (moved from the import's),
     and transformers' logits with an image or a clip in the prompt are ours within 1e-4
@@ -208,10 +214,7 @@ def test_import_train_export_matches_transformers(name, tmp_path):
     assert all(r["max_abs_diff"] < bound for r in check_all(source))  # (the import's)
     write_config(tmp_path / "run.yaml", model=source)
     out = tmp_path / "run"
-    media = {
-        "qwen2_audio": ["model.vision.enabled=false", "data.synthetic.image_fraction=0"],
-        "gemma4": [],  # (images and clips: the built-in data's chats with either)
-    }
+    media = {"gemma4": []}  # (images and clips: the built-in data's chats with either)
     # (the MoE's experts over 2 devices beside 2 x 2 data-parallel ones)
     experts = ["mesh.data=2", "mesh.expert=2"] if name.endswith("_moe") else []
     no_audio = ["model.audio.enabled=false", "data.synthetic.audio_fraction=0"]
@@ -243,7 +246,7 @@ def test_import_train_export_matches_transformers(name, tmp_path):
     for key, value in trained.items():
         np.testing.assert_array_equal(back[key], value, err_msg=key)
     moved = {k.split("/")[0] for k in trained if not np.array_equal(trained[k], imported[k])}
-    towers = {"qwen2_audio": {"audio"}, "gemma4": {"vision", "audio", "audio_projector"}}
+    towers = {"gemma4": {"vision", "audio", "audio_projector"}}
     assert {"llm", *towers.get(name, {"vision"})} <= moved, moved
 
 
