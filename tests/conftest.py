@@ -63,6 +63,7 @@ def pytest_configure(config):
     # matrix products default to TF32-like precision, ~1e-4 off.
     if os.environ["JAX_PLATFORMS"] != "cpu":
         jax.config.update("jax_default_matmul_precision", "highest")
+    jax.monitoring.register_event_duration_secs_listener(_count_jax)  # (the `host` mark's check)
 
 
 def pytest_unconfigure(config):
@@ -85,6 +86,36 @@ def pytest_runtest_setup(item):
     leg runs them)."""
     if not TORCH and item.get_closest_marker("torch"):
         pytest.skip("torch is not installed: transformers' models (the oracle) run on it")
+
+
+# `host` (pyproject's markers): a file whose default tests run no JAX program, which CI's Python
+# 3.12 leg leaves out (`-m "not slow and not host"`: the leg is there for the GPU image's jax,
+# and what runs no JAX cannot see its version; the leg's trainer and model tests run the host
+# code under them on that Python). The mark is checked as its tests run, in every leg: one that
+# traces or compiles a JAX program in this process fails, naming it. (A program another test of
+# the worker already traced runs without tracing and is not seen: the first file to trace it
+# is. What a child process runs is not seen: a host file starts no JAX program in a child.)
+JAX_EVENTS = [0]  # the traces and compiles this process has seen
+
+
+def _count_jax(event: str, duration: float, **_) -> None:
+    if event.startswith("/jax/core/compile/"):  # (a jaxpr traced, lowered, compiled)
+        JAX_EVENTS[0] += 1
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    host = item.get_closest_marker("host") and not item.get_closest_marker("slow")
+    before = JAX_EVENTS[0]
+    result = yield
+    if host and JAX_EVENTS[0] > before:
+        pytest.fail(
+            f"{item.nodeid} is marked host (its file's pytestmark: no JAX program) but traced "
+            "or compiled one: take the mark off its file, or move the test to a file of JAX "
+            "tests (CI's Python 3.12 leg runs no host test)",
+            pytrace=False,
+        )
+    return result
 
 
 # The default suite's longest files (summed call and setup times, 2-core box, 2026-11-27),

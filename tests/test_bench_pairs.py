@@ -14,6 +14,8 @@ from jaxmllm.bench.pairs import _Split, completions, main, pair_flops, pair_layo
 from jaxmllm.cost.model import CostModel, PhaseCost, window_sq
 from jaxmllm.data.lengths import LengthsIndex
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 ROOT = Path(__file__).resolve().parents[1]
 PER_TOKEN = {"vision": 4, "audio": 4}
 PROMPTS = [{"text": 10, "images": [64, 16]}, {"text": 5}, {"text": 7, "images": [256]}]

@@ -9,6 +9,8 @@ import pytest
 
 from jaxmllm.bench.rollouts import main
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 POLICIES = ("orchestrated", "grain")
 
 

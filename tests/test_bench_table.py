@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from jaxmllm.bench import attention
 from jaxmllm.bench.table import cell, markdown, ratio
+
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
 
 
 def _row(row_len: int) -> dict:

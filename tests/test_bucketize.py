@@ -11,6 +11,8 @@ from jaxmllm.data.text.specials import RESERVED
 from jaxmllm.resolve.run import resolve_run
 from jaxmllm.resolve.sizing import capacities, planner_from_config
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 TEXT = ("llm_tokens", "llm_segment_ids", "llm_positions", "llm_targets", "llm_loss_mask")
 
 

@@ -12,6 +12,8 @@ from jaxmllm.config import ModelConfig
 from jaxmllm.cost.model import CostModel
 from jaxmllm.resolve.capacity import ladder_values, suggest_capacities
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 MERGE_AREA, SUBSAMPLE = 4, 4
 PER_TOKEN = {"vision": MERGE_AREA, "audio": SUBSAMPLE}  # (units per LLM token)
 PER_ROW = {"vision": 1, "audio": SUBSAMPLE}  # (units per encoder row: the pairs stem)

@@ -22,6 +22,8 @@ from jaxmllm.data.records.record import parse_record
 from jaxmllm.data.rejects import RecordError
 from jaxmllm.data.text.tokenizer import HFTokenizer, PretrainedTokenizer, make_tokenizer
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 TEMPLATES = json.loads((Path(__file__).parent / "chat_templates.json").read_text())
 QWEN_RE = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""

@@ -11,6 +11,8 @@ import pytest
 from jaxmllm.config import ConfigError, load_config
 from jaxmllm.config.yamlfile import MAX_NODES, expanded_size, read_yaml, shown
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 BACKSTOP_S = 10.0  # a hang guard: each of these reads in milliseconds
 
 

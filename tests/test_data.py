@@ -11,6 +11,8 @@ from jaxmllm.feed.iterator import make_pipeline
 from jaxmllm.plan.contract import OversizeError
 from jaxmllm.resolve.sizing import capacities, planner_from_config
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 IMAGE, AUDIO = tok.RESERVED.media["vision"], tok.RESERVED.media["audio"]  # the placeholders
 VISION = [IMAGE, tok.RESERVED.media["video"]]  # (the vision phase's: images', videos')
 

@@ -25,6 +25,8 @@ from jaxmllm.data.source import open_source
 from jaxmllm.data.text import tokenizer as tok
 from jaxmllm.resolve.run import resolve_run
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 IMAGE, AUDIO = tok.RESERVED.media["vision"], tok.RESERVED.media["audio"]  # the placeholders
 
 SETTINGS = [

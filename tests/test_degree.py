@@ -21,6 +21,8 @@ from jaxmllm.resolve import degree
 from jaxmllm.resolve.resumed import keep_resolved
 from jaxmllm.resolve.run import resolve_run
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 
 def auto_config(tmp_path, *extra):
     """Text chats with one long document in 16 on data=4 x context=2 (`test_context_train`'s

@@ -6,7 +6,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import yaml
+
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,6 +22,8 @@ from jaxmllm.plan.contract import check_plan, step_tiles
 from jaxmllm.plan.registry import make_planner
 from jaxmllm.resolve.tilesize import HELD_TRIAL_STEPS, goodput, held_tiles
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 MERGE_AREA, SUBSAMPLE = 4, 4
 PER_TOKEN = {"vision": MERGE_AREA, "audio": SUBSAMPLE}  # (units per LLM token)
 PER_ROW = {"vision": 1, "audio": SUBSAMPLE}  # (units per encoder row: the pairs stem)

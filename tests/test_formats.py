@@ -20,6 +20,8 @@ from jaxmllm.data.records.webdataset import split_key
 from jaxmllm.data.rejects import RecordError, read_rejects
 from jaxmllm.data.source import open_source
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 SMALL = ["data.image_min_pixels=256", "data.image_max_pixels=1024", "data.audio_max_frames=32"]
 SETTINGS = ["data.source=files", "data.eval.source=none", *SMALL]  # (tiny.yaml: synthetic)
 

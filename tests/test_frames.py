@@ -22,6 +22,8 @@ from jaxmllm.data.index import build_index, data_set
 from jaxmllm.data.preprocess import Params
 from jaxmllm.data.source import open_source
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 pytest.importorskip("av")
 
 VIDEO = ["model.vision.video=true", "model.vision.temporal_patch=2", "data.eval.source=none"]

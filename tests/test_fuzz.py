@@ -42,7 +42,10 @@ from jaxmllm.data.rejects import REASONS, DataError, RecordError, read_rejects
 from jaxmllm.data.source import open_source
 from tools import fuzz
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # PIL on the broken files fed
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),  # PIL on the broken files fed
+    pytest.mark.host,  # (conftest.py: the mark, and its check)
+]
 
 FUZZ = settings(
     max_examples=int(os.environ.get("JAXMLLM_FUZZ_EXAMPLES", "300")),

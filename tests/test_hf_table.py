@@ -17,6 +17,8 @@ from jaxmllm.hf.registry import FAMILIES, family_for
 from jaxmllm.hf.whole_config import decoder_of
 from jaxmllm.hf.wholes import WHOLES
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = (*table.DECODERS, *table.TOWERS)
 MODEL_TYPES = {t for row in (*ROWS, *(w.row for w in WHOLES)) for t in row.model_types}

@@ -31,6 +31,8 @@ from jaxmllm.feed.times import HostTimes
 from jaxmllm.loop.metrics import MetricsWindow
 from jaxmllm.resolve.run import resolve_run
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 TINY = ["data.synthetic.num_samples=256", "data.eval.source=none"]
 
 

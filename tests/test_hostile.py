@@ -36,6 +36,8 @@ from jaxmllm.data.records import open_records
 from jaxmllm.data.rejects import DataError, RecordError, read_rejects
 from jaxmllm.data.source import open_source
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 ROOT = Path(__file__).resolve().parents[1]
 BACKSTOP_S = 60.0  # a hang guard: no input here takes more than a few seconds
 SETTINGS = [

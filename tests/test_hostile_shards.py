@@ -11,9 +11,12 @@ import json
 import tarfile
 from pathlib import Path
 
+import pytest
 from test_hostile import index, png
 
 from jaxmllm.data.records.webdataset import scan_tar
+
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
 
 WDS = ("data.source=files", "data.format=webdataset")
 

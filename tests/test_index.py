@@ -27,6 +27,8 @@ from jaxmllm.plan.stream import MixtureStream, SampleStream
 
 from runs import child_env
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 SETTINGS = [
     "data.source=jsonl",
     "data.eval.source=none",

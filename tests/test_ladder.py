@@ -28,6 +28,8 @@ from jaxmllm.resolve.tilesize import (
     window_cap,
 )
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 PER_TOKEN = {"vision": 4, "audio": 4}
 PER_ROW = {"vision": 1, "audio": 4}
 

@@ -11,6 +11,10 @@ import ast
 import warnings
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("jaxmllm", "sharding")
 MAX_LINES = 500

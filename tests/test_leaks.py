@@ -1,5 +1,6 @@
 """Nothing leaks: no worker process, shared-memory file or temporary folder outlives the run,
-the test session or a SIGKILL; workers stop quietly on Ctrl-C."""
+the test session or a SIGKILL; workers stop quietly on Ctrl-C; no JAX program runs unseen in a
+file marked `host`."""
 
 import os
 import signal
@@ -257,3 +258,15 @@ def test_a_sigkilled_trainer_leaves_no_worker_or_shared_memory_after_the_next_st
         assert (shared.SHM / f"jaxmllm-{live.token}.lock").exists()
     finally:
         live.close()
+
+
+def test_the_host_marks_check_sees_a_program_traced():
+    """conftest.py's check of the `host` mark counts JAX's compile events: a program traced
+    here is seen (an event a jax release renamed would let a host file run JAX unseen, and CI's
+    Python 3.12 leg would leave out what its jax changes)."""
+    import conftest
+    import jax
+
+    before = conftest.JAX_EVENTS[0]
+    jax.jit(lambda x: x * 3 + 1)(jax.numpy.arange(7.0)).block_until_ready()  # (a new program)
+    assert conftest.JAX_EVENTS[0] > before

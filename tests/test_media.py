@@ -13,6 +13,8 @@ from jaxmllm.config.spec import Inputs
 from jaxmllm.data.media import audio as au
 from jaxmllm.data.media import image as im
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 
 def _png_with_exif_after_pixels(rgb: np.ndarray, orientation: int, text: bool = False) -> bytes:
     """A PNG whose eXIf chunk (and a tEXt one, with `text`) follows its pixel data (IDAT),

@@ -12,6 +12,8 @@ from jaxmllm.plan.bins import Loads, tile_cost
 from jaxmllm.plan.pack import pack_phase, size_class
 from jaxmllm.plan.route import keep_capacity, localize
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 
 def test_pack_phase_equalises_fill_and_attention():
     """Long-tailed items (a few dominate): every bin near full, attention within 5%."""

@@ -33,6 +33,8 @@ from jaxmllm.plan.work import Phases
 from jaxmllm.resolve.run import resolve_run
 from jaxmllm.resolve.sizing import capacities, planner_from_config, resolve_tiles
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 PER_TOKEN = {"vision": 4, "audio": 4}
 BLOCK = 16
 # (text, images, split: a pair's first document's LLM tokens, 0 for one document)

@@ -17,6 +17,8 @@ from jaxmllm.pipeline.partition import (
 from jaxmllm.pipeline.schedule import IDLE, SCHEDULES, gpipe, one_f_one_b
 from jaxmllm.resolve.attention import resolve_attention
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 # --- schedule tables ------------------------------------------------------------------------
 
 

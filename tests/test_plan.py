@@ -22,6 +22,8 @@ from jaxmllm.plan.select import BINDING, HEADROOM, Selector
 from jaxmllm.plan.stream import SampleStream
 from jaxmllm.resolve.capacity import suggest_capacities
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 MERGE_AREA, SUBSAMPLE = 4, 4
 PER_TOKEN = {"vision": MERGE_AREA, "audio": SUBSAMPLE}  # (units per LLM token)
 PER_ROW = {"vision": 1, "audio": SUBSAMPLE}  # (units per encoder row: the pairs stem)

@@ -22,6 +22,8 @@ from jaxmllm.data.source import index_text, open_source
 from jaxmllm.data.synthetic import SyntheticSource
 from jaxmllm.data.text.tokenizer import ASSISTANT, ByteTokenizer, make_tokenizer
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 SMALL = ["data.image_min_pixels=256", "data.image_max_pixels=1024", "data.audio_max_frames=32"]
 SETTINGS = ["data.source=files", "data.eval.source=none", *SMALL]
 BYTES = ByteTokenizer()

@@ -12,6 +12,8 @@ import pytest
 from jaxmllm.config import Config
 from jaxmllm.config.reference import field_help, render, section_type, sections
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "reference.md"
 
 

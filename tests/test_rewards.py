@@ -15,6 +15,8 @@ from jaxmllm.config.checks import ConfigError, UserError
 from jaxmllm.config.rl import RewardConfig
 from jaxmllm.data.rewards import RewardError, Rewards, Scores, choice_letter, group_advantages
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 
 def score(name: str, answer: str, completions: list[str], pattern: str = "") -> list[float]:
     """The built-in reward `name`'s values of `completions` against one record's `answer`."""

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from jaxmllm.bench.data import write_dataset
@@ -22,6 +23,8 @@ from jaxmllm.data.rejects import CONTINUED
 from jaxmllm.data.source import open_source
 from jaxmllm.feed.info import StepInfo
 from jaxmllm.loop.summary import RunReport, schedule_note
+
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
 
 SETTINGS = [
     "data.source=files",

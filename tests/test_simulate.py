@@ -8,6 +8,8 @@ import pytest
 from jaxmllm.bench import simulate
 from jaxmllm.plan.contract import Capacities, ItemPlan, StepPlan
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 MACHINE = simulate.Machine(flops=100.0, intra_bw=10.0, inter_bw=1.0, latency=0.5, row_bytes=2)
 
 

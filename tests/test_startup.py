@@ -17,6 +17,8 @@ from jaxmllm.data.columnar import Column, open_column
 from jaxmllm.data.stored import StoredIndex
 from jaxmllm.plan import summary as summaries
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 
 def file_pages_mb() -> float:
     """This process's resident pages of mapped files (RssFile), in MB."""

@@ -13,6 +13,8 @@ from jaxmllm.data import pcg
 from jaxmllm.data.lengths import LengthsIndex
 from jaxmllm.data.synthetic import AUDIO_PROMPT, IMAGE_PROMPT, VIDEO_PROMPT, SyntheticSource
 
+pytestmark = pytest.mark.host  # (conftest.py: the mark, and its check)
+
 KEYS = [([0], [0]), ([7], [1]), ([2**40 + 5], [0]), ([], [3, 9])]  # (a seed of two words)
 
 
