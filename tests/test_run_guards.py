@@ -159,9 +159,10 @@ def test_the_auto_bound_follows_the_measured_steps():
         dog.close()
 
 
-def hung_run(tmp_path, hang_step: int, *sets: str) -> subprocess.Popen:
-    """A trainer whose step `hang_step` blocks on the device (tests/child_hooks/hangpoints);
-    the text-only tiny run (what the watchdog does does not depend on the model)."""
+def hung_run(tmp_path, hang: int | str, *sets: str) -> subprocess.Popen:
+    """A trainer whose step `hang` (a number) blocks on the device, or whose start-up blocks
+    (`hang="start-up"`: tests/child_hooks/hangpoints); the text-only tiny run (what the
+    watchdog does does not depend on the model)."""
     from runs import train_cmd
 
     cmd = train_cmd(
@@ -172,25 +173,41 @@ def hung_run(tmp_path, hang_step: int, *sets: str) -> subprocess.Popen:
         "train.checkpoint_every=100",  # (no save near the hang: it waits in the step's check)
         *sets,
     )
-    env = child_env(hang={"step": hang_step})
+    env = child_env(hang={"at": hang} if isinstance(hang, str) else {"step": hang})
     return subprocess.Popen(
         cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
     )
 
 
 def wait_for(proc: subprocess.Popen, marker: str, seconds: float = 600) -> str:
-    """proc's stderr up to and including the line holding `marker`."""
-    import select
+    """proc's stderr up to and including the line holding `marker`; what follows it is left to
+    be read. (Read line by line in a thread: a select on the pipe, then readline, missed the
+    lines a read had already buffered, and a child that printed the marker with the line before
+    it and then blocked was waited on for ever.)"""
+    import queue
+    import threading
 
-    seen, deadline = [], time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if select.select([proc.stderr], [], [], 1.0)[0]:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            seen.append(line)
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        while line := proc.stderr.readline():
+            lines.put(line)
             if marker in line:
-                return "".join(seen)
+                return
+        lines.put("")  # (the end of its output)
+
+    threading.Thread(target=read, daemon=True).start()
+    seen, deadline = [], time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if not line:
+            break
+        seen.append(line)
+        if marker in line:
+            return "".join(seen)
     proc.kill()
     raise AssertionError(f"no {marker!r} in {seconds} s: {''.join(seen)[-2000:]}")
 
@@ -263,14 +280,15 @@ def test_sigterm_at_start_up_is_not_swallowed_by_code_that_catches_errors(catche
 
 @pytest.mark.slow  # ~20-60 s: a trainer's start-up
 def test_sigterm_at_start_up_says_what_it_interrupted(tmp_path):
-    """SIGTERM while the trainer compiles (start-up: minutes on a large model) exited 143
-    with nothing printed; it now says where it was and that nothing was written."""
+    """SIGTERM while the trainer builds its step (start-up: minutes of compiling on a large
+    model) exited 143 with nothing printed; it now says where it was and that nothing was
+    written. (The signal is sent once start-up blocks, not a second after a log line: a
+    quicker start had reached step 1 by then, and the run checkpointed and exited 0.)"""
     import signal
 
-    proc = hung_run(tmp_path, 1000)
+    proc = hung_run(tmp_path, "start-up")
     try:
-        wait_for(proc, "data-parallel buckets")  # (the mesh: the data and the step follow)
-        time.sleep(1.0)
+        wait_for(proc, "hangpoints: start-up blocks")
         proc.send_signal(signal.SIGTERM)
         err = proc.communicate(timeout=120)[1]
     finally:

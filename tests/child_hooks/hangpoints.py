@@ -5,6 +5,10 @@ blocks forever on its non-finite flag, so the device's work of that step never c
 the loop, which waits on that flag a step later, hangs there as on a collective that never
 completes. The callback prints `hangpoints: step N blocks` first, so a test knows the hang has
 begun.
+
+{"at": "start-up"}: building the step program blocks instead, forever, after printing
+`hangpoints: start-up blocks`: a signal sent then finds the trainer in its start-up (where a
+large model compiles for minutes), whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -21,6 +25,15 @@ def install_from_env() -> None:
     from jax.experimental import io_callback
 
     from jaxmllm.step.stages import program
+
+    if spec.get("at") == "start-up":
+
+        def build_blocked(cfg, mesh):
+            print("hangpoints: start-up blocks", file=sys.stderr, flush=True)
+            threading.Event().wait()  # (a signal's handler runs, and may raise, in the wait)
+
+        program.build_program = build_blocked
+        return
 
     def block(x):
         print(f"hangpoints: step {spec['step']} blocks", file=sys.stderr, flush=True)
