@@ -211,7 +211,8 @@ def test_import_train_export_matches_transformers(name, tmp_path):
     (Qwen3.5's hybrids: 1e-3)."""
     bound = 1e-3 if name.startswith("qwen3_5") else 1e-4
     source = whole_dir(name, tmp_path / name)
-    assert all(r["max_abs_diff"] < bound for r in check_all(source))  # (the import's)
+    checked = check_all(source)  # (the import's)
+    assert all(r["max_abs_diff"] < bound for r in checked), checked
     write_config(tmp_path / "run.yaml", model=source)
     out = tmp_path / "run"
     media = {"gemma4": []}  # (images and clips: the built-in data's chats with either)
